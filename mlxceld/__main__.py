@@ -1,0 +1,3 @@
+from mlxceld.cli import main
+
+main()

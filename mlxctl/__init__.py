@@ -1,0 +1,1 @@
+"""mlxctl: the control CLI of mlxceld. It talks only to the local daemon."""

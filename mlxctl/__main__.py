@@ -1,0 +1,3 @@
+from mlxctl.app import main
+
+main()
