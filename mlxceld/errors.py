@@ -1,0 +1,82 @@
+"""The one exception tree of mlxceld.
+
+    MlxceldError                    root: everything we raise on purpose
+    ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
+    ├── StateError                  the SQLite state could not be read or written
+    ├── DaemonError                 the daemon cannot start or run as asked
+    │   ├── AlreadyRunning          another daemon holds the state dir lock
+    │   └── SocketError             the control socket cannot be created
+    ├── WorkerError                 a worker cannot be spawned, reached or stopped
+    │   └── ChannelError            a worker's control channel failed or timed out
+    └── ControlError                the control API answered with an error (client side)
+        ├── DaemonNotRunning        nothing listens on the control socket
+        └── PermissionDenied        the socket or the daemon refused us
+
+Every error carries a message that says what failed, on which object, and a
+hint that says what to do next. Foreign exceptions (sqlite3.Error, OSError,
+json errors) are translated once, at the seam, with ``raise X(...) from exc``.
+"""
+
+from __future__ import annotations
+
+
+class MlxceldError(Exception):
+    """Root of the tree. ``hint`` tells the user what to do next."""
+
+    code = "error"
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(MlxceldError):
+    code = "config"
+
+
+class StateError(MlxceldError):
+    code = "state"
+
+
+class DaemonError(MlxceldError):
+    code = "daemon"
+
+
+class AlreadyRunning(DaemonError):
+    code = "already_running"
+
+
+class SocketError(DaemonError):
+    code = "socket"
+
+
+class WorkerError(MlxceldError):
+    code = "worker"
+
+
+class ChannelError(WorkerError):
+    code = "channel"
+
+
+class ControlError(MlxceldError):
+    """An error answered by the daemon's control API, or reaching it failed."""
+
+    code = "control"
+
+    def __init__(self, message: str, *, hint: str = "", code: str = "", status: int = 0) -> None:
+        super().__init__(message, hint=hint)
+        if code:
+            self.code = code
+        self.status = status
+
+
+class DaemonNotRunning(ControlError):
+    code = "not_running"
+
+
+class PermissionDenied(ControlError):
+    code = "permission_denied"
