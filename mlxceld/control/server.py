@@ -1,0 +1,324 @@
+"""The control socket: bind it safely, serve a starlette app on it, and guard who may talk.
+
+Three fences, each enough on its own for the common case:
+
+1. the socket's directory is 0700 and the socket 0600 (the file system's word);
+2. every connection carries the kernel's peer credentials, and ``peer_guard`` refuses
+   any uid but root and our own (survives a too-wide directory or socket mode);
+3. ``peer_guard`` refuses requests with ``Origin`` or ``Referer``: a browser tricked
+   into talking to the socket through some local proxy always sends one of them.
+
+uvicorn serves our pre-bound socket; it never installs signal handlers (the daemon owns
+signals) and never gets ``uds=`` (it would chmod the socket 0666).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import sys
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
+from mlxceld.errors import SocketError
+
+logger = logging.getLogger(__name__)
+
+PEER_EXTENSION = "mlxceld.peer"
+"""Key in ``scope["extensions"]`` holding the connection's ``PeerCredentials`` (or None)."""
+
+# sun_path is 108 bytes on Linux and 104 on macOS and the BSDs, one kept for the NUL.
+SOCKET_PATH_LIMIT = 107 if sys.platform.startswith("linux") else 103
+_BACKLOG = 128
+_PROBE_TIMEOUT_S = 1.0
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse a path too long for ``sun_path`` before the kernel says something cryptic."""
+    length = len(os.fsencode(path))
+    if length > SOCKET_PATH_LIMIT:
+        raise SocketError(
+            f"control socket path {path} is {length} bytes long; "
+            f"the limit on this platform is {SOCKET_PATH_LIMIT} bytes",
+            hint="use --socket with a shorter path",
+        )
+
+
+def bind_control_socket(path: Path) -> socket.socket:
+    """Bind, chmod 0600 and listen on the Unix socket at ``path``; return it non-blocking.
+
+    The parent directory is created 0700 (or tightened to 0700 when it is ours). A stale
+    socket file is replaced; a live one, or anything that is not a socket, is refused.
+    """
+    check_socket_path(path)
+    _prepare_directory(path.parent)
+    _clear_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(os.fspath(path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        sock.listen(_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise SocketError(
+            f"cannot bind control socket {path}: {_strerror(exc)}",
+            hint="check the directory's owner and mode, or pick another --socket",
+        ) from exc
+    logger.info("control socket bound at %s", path)
+    return sock
+
+
+def remove_socket_file(path: Path) -> None:
+    """Unlink ``path`` if it is a socket; leave anything else (or nothing) alone."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SocketError(f"cannot remove control socket {path}: {_strerror(exc)}") from exc
+
+
+def _prepare_directory(directory: Path) -> None:
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(directory)
+    except OSError as exc:
+        raise SocketError(
+            f"cannot create control socket directory {directory}: {_strerror(exc)}"
+        ) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise SocketError(f"control socket directory {directory} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise SocketError(
+            f"control socket directory {directory} is owned by uid {st.st_uid}, not by us "
+            f"(uid {os.geteuid()})",
+            hint="use --socket with a path in a directory of your own",
+        )
+    if st.st_mode & stat.S_ISVTX:
+        # A sticky directory is shared by design (/tmp); making it 0700 would break others.
+        raise SocketError(
+            f"control socket directory {directory} is a shared (sticky) directory",
+            hint="use --socket with a path in a directory of your own",
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(directory, 0o700)
+        except OSError as exc:
+            raise SocketError(
+                f"cannot chmod control socket directory {directory} to 0700: {_strerror(exc)}"
+            ) from exc
+        logger.info("control socket directory %s tightened to 0700", directory)
+
+
+def _clear_stale_socket(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SocketError(f"cannot inspect control socket {path}: {_strerror(exc)}") from exc
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketError(
+            f"{path} exists and is not a socket; refusing to replace it",
+            hint="remove it yourself if it is not needed, or pick another --socket",
+        )
+    if _is_listening(path):
+        raise SocketError(
+            f"socket {path} is in use by another mlxceld; stop it first or pick another --socket"
+        )
+    logger.info("removing stale control socket %s", path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise SocketError(f"cannot remove stale socket {path}: {_strerror(exc)}") from exc
+
+
+def _is_listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(_PROBE_TIMEOUT_S)
+        try:
+            probe.connect(os.fspath(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except TimeoutError:
+            return True  # a listener with a full backlog is still a listener
+        except OSError as exc:
+            raise SocketError(f"cannot probe socket {path}: {_strerror(exc)}") from exc
+    return True
+
+
+def _strerror(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+# --- serving ------------------------------------------------------------------------------
+
+
+def _with_peer(app: ASGIApp, creds: PeerCredentials | None) -> ASGIApp:
+    async def with_peer(scope: Scope, receive: Receive, send: Send) -> None:
+        extensions = dict(scope.get("extensions") or {})
+        extensions[PEER_EXTENSION] = creds
+        await app({**scope, "extensions": extensions}, receive, send)
+
+    return with_peer
+
+
+class _PeerH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, with the kernel's peer credentials put into every scope."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        creds: PeerCredentials | None
+        try:
+            creds = peer_credentials(transport.get_extra_info("socket"))
+        except SocketError as exc:
+            logger.warning("control connection without credentials: %s", exc)
+            creds = None
+        # H11Protocol hands self.app to each request cycle: one wrapper per connection.
+        self.app = _with_peer(self.config.loaded_app, creds)
+
+
+class _QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signals alone and reports when it is accepting."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.started_future: asyncio.Future[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        fut = self.started_future
+        if self.started and fut is not None and not fut.done():
+            fut.set_result(None)
+
+
+class ControlServer:
+    """Serve ``app`` on the pre-bound control socket ``sock`` until asked to stop.
+
+    The socket is closed when ``serve`` returns; the socket file is left in place (see
+    ``remove_socket_file``).
+    """
+
+    def __init__(
+        self, app: ASGIApp, sock: socket.socket, *, graceful_timeout_s: float = 5.0
+    ) -> None:
+        self._sock = sock
+        config = uvicorn.Config(
+            app,
+            http=_PeerH11Protocol,
+            ws="none",  # uvicorn's websocket protocols take config.loaded_app, not ours
+            lifespan="off",
+            interface="asgi3",
+            log_config=None,  # the daemon configures logging, not uvicorn
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            backlog=_BACKLOG,  # asyncio calls listen() again with this
+            # asyncio.wait_for takes a float; uvicorn only annotates int.
+            timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
+        )
+        self._server = _QuietServer(config)
+
+    async def serve(self, started: asyncio.Future[None] | None = None) -> None:
+        """Serve until ``request_shutdown``; set ``started`` once accepting connections."""
+        self._server.started_future = started
+        try:
+            await self._server.serve(sockets=[self._sock])
+        finally:
+            self._close_listeners()
+            if started is not None and not started.done():
+                started.cancel()
+
+    def request_shutdown(self) -> None:
+        """Stop accepting, let requests finish (up to the graceful timeout), return."""
+        self._server.should_exit = True
+
+    def _close_listeners(self) -> None:
+        # uvicorn closes them on a clean exit; not when serve() is cancelled or fails.
+        servers: list[Any] = getattr(self._server, "servers", [])
+        for server in servers:
+            server.close()
+        self._sock.close()
+
+
+def peer_guard(app: ASGIApp) -> ASGIApp:
+    """Refuse requests from uids other than root and ours, and any browser-originated one."""
+    own_uid = os.getuid()
+
+    async def guard(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await app(scope, receive, send)
+            return
+        creds = (scope.get("extensions") or {}).get(PEER_EXTENSION)
+        if not isinstance(creds, PeerCredentials) or not is_authorized(creds, own_uid):
+            await _refuse_peer(scope, receive, send, creds, own_uid)
+            return
+        if any(name in (b"origin", b"referer") for name, _ in scope["headers"]):
+            logger.warning(
+                "refused browser-originated control request from uid %d pid %s",
+                creds.uid,
+                creds.pid,
+            )
+            body = _error(
+                "cross_origin_refused",
+                "browser-originated requests are refused on the control socket",
+                "talk to the control socket with mlxctl, not from a web page",
+            )
+            await _respond(scope, receive, send, body)
+            return
+        await app(scope, receive, send)
+
+    return guard
+
+
+async def _refuse_peer(
+    scope: Scope, receive: Receive, send: Send, creds: object, own_uid: int
+) -> None:
+    if isinstance(creds, PeerCredentials):
+        logger.warning("refused control request from uid %d pid %s", creds.uid, creds.pid)
+        who = f"uid {creds.uid}"
+    else:
+        logger.warning("refused control request from a peer with unknown credentials")
+        who = "a peer whose credentials could not be read"
+    body = _error(
+        "permission_denied",
+        f"{who} is not allowed to use this daemon's control socket "
+        f"(only root and uid {own_uid} are)",
+        "run mlxctl as the user that runs mlxceld, or as root",
+    )
+    await _respond(scope, receive, send, body)
+
+
+def _error(code: str, message: str, hint: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "hint": hint}}
+
+
+async def _respond(scope: Scope, receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    if scope["type"] == "websocket":
+        # Closing before accept makes the server answer the handshake with 403.
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await JSONResponse(body, status_code=403)(scope, receive, send)
