@@ -1,0 +1,82 @@
+"""``mlxceld``: flags and the config file become one typed Config; then the daemon runs.
+
+It stays in the foreground and logs to stderr (or --log-file); launchd,
+systemd or ``brew services`` supervise it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mlxceld import __version__
+from mlxceld.config import LOG_LEVELS, Overrides, load_config
+from mlxceld.errors import ConfigError, MlxceldError
+
+app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mlxceld {__version__}")
+        raise typer.Exit()
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Config file (TOML). Default: mlxceld.toml in the platform's "
+        "config dir, if it exists.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        "--state-dir", help="Where the daemon keeps everything (database, logs, sockets).")
+    ] = None,
+    socket: Annotated[Path | None, typer.Option(
+        "--socket", help="Control socket path. Default: $XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, "
+        "else <state-dir>/mlxceld.sock.")] = None,
+    log_level: Annotated[str | None, typer.Option(
+        "--log-level", help=f"One of {', '.join(LOG_LEVELS)}. Default: info.")] = None,
+    log_file: Annotated[Path | None, typer.Option(
+        "--log-file", help="Log here instead of stderr; reopened on SIGHUP.")] = None,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Run the mlxceld daemon in the foreground."""
+    flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
+                      log_level=log_level, log_file=log_file)
+    try:
+        cfg = load_config(flags)
+        setup_logging(cfg.log_level, cfg.log_file)
+        from mlxceld.daemon import serve  # after logging: importing it pulls uvicorn in
+
+        code = asyncio.run(serve(cfg, flags))
+    except ConfigError as exc:
+        fail(exc, 2)
+    except MlxceldError as exc:
+        fail(exc, 1)
+    raise typer.Exit(code)
+
+
+def fail(exc: MlxceldError, code: int) -> None:
+    typer.echo(f"mlxceld: error: {exc.message}", err=True)
+    if exc.hint:
+        typer.echo(f"  hint: {exc.hint}", err=True)
+    raise typer.Exit(code)
+
+
+def setup_logging(level: str, log_file: Path | None) -> None:
+    handler: logging.Handler = (logging.FileHandler(log_file) if log_file
+                                else logging.StreamHandler(sys.stderr))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def main() -> None:
+    app()

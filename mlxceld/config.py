@@ -1,0 +1,234 @@
+"""The daemon's configuration: one typed ``Config``, built at the edge from the
+config file and the flags that override it, then passed down.
+
+File format (TOML, every table and key optional)::
+
+    [daemon]
+    state_dir = "/var/lib/mlxceld"     # relative paths resolve against the file's dir
+    socket = "/run/mlxceld/mlxceld.sock"
+    log_level = "info"                 # debug | info | warning | error
+    log_file = "/var/log/mlxceld.log"  # default: stderr
+
+    [supervisor]                       # defaults for every worker
+    backoff_initial_s = 1.0            # any RestartPolicy field
+    health_interval_s = 5.0
+    log_max_bytes = 10485760
+    log_backups = 3
+
+    [workers.NAME]                     # one table per supervised worker
+    role = "echo"
+    options = { interval_s = 1.0 }     # role-specific
+    stop_timeout_s = 20.0              # any RestartPolicy field overrides [supervisor]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxceld.errors import ConfigError
+from mlxceld.paths import default_config_file, default_socket, default_state_dir
+from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.workers.roles import ROLES
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+POLICY_FIELDS = {f.name: f.type for f in dataclasses.fields(RestartPolicy)}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    role: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: Path
+    socket: Path
+    config_file: Path | None = None
+    log_level: str = "info"
+    log_file: Path | None = None
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    health_interval_s: float = 5.0
+    log_max_bytes: int = 10 * 1024 * 1024
+    log_backups: int = 3
+    workers: tuple[WorkerConfig, ...] = ()
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the command line says; ``None`` means 'not given, use the file'."""
+
+    config_file: Path | None = None
+    state_dir: Path | None = None
+    socket: Path | None = None
+    log_level: str | None = None
+    log_file: Path | None = None
+
+
+def load_config(flags: Overrides) -> Config:
+    """Read the config file (the given one must exist; the default one may not) and apply flags."""
+    path = flags.config_file
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_toml(path, required=True)
+    else:
+        default = default_config_file()
+        if default.exists():
+            path = default
+            data = _read_toml(default, required=False)
+    return build_config(data, path, flags)
+
+
+def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -> Config:
+    where = str(path) if path else "config"
+    _check_keys(data, {"daemon", "supervisor", "workers"}, where, "")
+    base = path.parent if path else Path.cwd()
+    daemon = _table(data, "daemon", where)
+    _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file"}, where, "daemon.")
+    sup = _table(data, "supervisor", where)
+    _check_keys(
+        sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
+        "supervisor.",
+    )
+
+    state_dir = flags.state_dir or _path(daemon, "state_dir", base, where) or default_state_dir()
+    state_dir = state_dir.expanduser().absolute()
+    socket = flags.socket or _path(daemon, "socket", base, where) or default_socket(state_dir)
+    log_level = flags.log_level or _str(daemon, "log_level", where, "daemon.") or "info"
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(
+            f"{where}: log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}",
+            hint="set --log-level or [daemon] log_level to one of those",
+        )
+    policy = _policy(sup, RestartPolicy(), where, "supervisor.")
+    workers = _workers(_table(data, "workers", where), policy, where)
+    return Config(
+        state_dir=state_dir,
+        socket=socket.expanduser().absolute(),
+        config_file=path,
+        log_level=log_level,
+        log_file=flags.log_file or _path(daemon, "log_file", base, where),
+        policy=policy,
+        health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
+        log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),
+        log_backups=int(_number(sup, "log_backups", where, "supervisor.", 3)),
+        workers=workers,
+    )
+
+
+def _read_toml(path: Path, *, required: bool) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"config file {path} does not exist",
+            hint="create it, or drop --config to use the defaults",
+        ) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}",
+                          hint="fix the line it names") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}",
+                          hint="check its permissions") from exc
+
+
+def _check_keys(table: Mapping[str, Any], known: set[str], where: str, prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            raise ConfigError(
+                f"{where}: unknown key '{prefix}{key}'",
+                hint=f"known keys here: {', '.join(sorted(prefix + k for k in known))}",
+            )
+
+
+def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: '{key}' must be a table, not {type(value).__name__}",
+                          hint=f"write it as [{key}]")
+    return value
+
+
+def _str(table: Mapping[str, Any], key: str, where: str, prefix: str) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: '{prefix}{key}' must be a non-empty string",
+                          hint=f'write it as {key} = "..."')
+    return value
+
+
+def _path(table: Mapping[str, Any], key: str, base: Path, where: str) -> Path | None:
+    value = _str(table, key, where, "daemon.")
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def _number(table: Mapping[str, Any], key: str, where: str, prefix: str, default: float) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{where}: '{prefix}{key}' must be a positive number, not {value!r}",
+                          hint=f"for example {key} = {default}")
+    return float(value)
+
+
+def _policy(table: Mapping[str, Any], base: RestartPolicy, where: str, prefix: str) -> RestartPolicy:
+    changes: dict[str, Any] = {}
+    for key in POLICY_FIELDS:
+        if key in table:
+            value = _number(table, key, where, prefix, getattr(base, key))
+            is_int = isinstance(getattr(base, key), int)
+            if is_int and value != int(value):
+                raise ConfigError(f"{where}: '{prefix}{key}' must be a whole number",
+                                  hint=f"for example {key} = {getattr(base, key)}")
+            changes[key] = int(value) if is_int else value
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: [{prefix.rstrip('.')}] {exc}",
+                          hint="see mlxceld(8) for the allowed ranges") from exc
+
+
+def _workers(
+    table: Mapping[str, Any], policy: RestartPolicy, where: str
+) -> tuple[WorkerConfig, ...]:
+    workers = []
+    for name, spec in table.items():
+        prefix = f"workers.{name}."
+        if not WORKER_NAME.match(name):
+            raise ConfigError(
+                f"{where}: worker name {name!r} is not allowed",
+                hint="use 1-63 characters of a-z, 0-9, '.', '_' and '-', starting with a letter "
+                "or digit",
+            )
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}: 'workers.{name}' must be a table",
+                              hint=f"write it as [workers.{name}]")
+        _check_keys(spec, {"role", "options", *POLICY_FIELDS}, where, prefix)
+        role = _str(spec, "role", where, prefix)
+        if role is None or role not in ROLES:
+            raise ConfigError(
+                f"{where}: '{prefix}role' must be one of {', '.join(sorted(ROLES))}, not {role!r}",
+                hint=f'set role = "..." under [workers.{name}]',
+            )
+        options = spec.get("options", {})
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{where}: '{prefix}options' must be a table",
+                              hint="write it as options = { key = value }")
+        workers.append(
+            WorkerConfig(name, role, dict(options), _policy(spec, policy, where, prefix))
+        )
+    return tuple(workers)

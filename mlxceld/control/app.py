@@ -1,0 +1,202 @@
+"""The control API: HTTP/JSON under ``/v1/...``, served on the daemon's Unix socket.
+
+Every response carries the daemon's version (header ``Mlxceld-Version``);
+errors are ``{"error": {"code", "message", "hint"}}``. Streams (``follow=1``)
+are newline-delimited JSON with an empty line as a heartbeat every
+``HEARTBEAT_S`` seconds, so a client can put a deadline on every read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxceld import __version__
+from mlxceld.state import EventLog
+from mlxceld.supervisor import logfiles
+from mlxceld.types import JSON
+
+HEARTBEAT_S = 15.0
+LOG_POLL_S = 0.25
+MAX_LINES = 10_000
+MAX_EVENTS = 1_000
+NDJSON = "application/x-ndjson"
+API_VERSION = 1
+
+
+class DaemonView(Protocol):
+    """What the control API needs from the daemon; the daemon implements it."""
+
+    events: EventLog
+
+    @property
+    def stopping(self) -> bool: ...
+    def status(self) -> JSON: ...
+    def workers(self) -> list[JSON]: ...
+    def log_path(self, name: str) -> str | None: ...
+    def restart_worker(self, name: str) -> None: ...
+    def request_stop(self) -> None: ...
+
+
+def error(status: int, code: str, message: str, hint: str = "") -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "hint": hint}},
+                        status_code=status)
+
+
+def build_app(daemon: DaemonView) -> ASGIApp:
+    def body(schema: str, **fields: Any) -> JSONResponse:
+        return JSONResponse({"schema": f"mlxceld.{schema}/1", "version": __version__, **fields})
+
+    async def version(request: Request) -> Response:
+        return body("version", api=API_VERSION)
+
+    async def status(request: Request) -> Response:
+        return body("status", **daemon.status())
+
+    async def workers(request: Request) -> Response:
+        return body("workers", workers=daemon.workers())
+
+    async def restart(request: Request) -> Response:
+        name = request.path_params["name"]
+        if daemon.stopping:
+            return _stopping()
+        if daemon.log_path(name) is None:
+            return _unknown_worker(name)
+        daemon.restart_worker(name)
+        return body("restart", worker=name, restarting=True)
+
+    async def logs(request: Request) -> Response:
+        name = request.path_params["name"]
+        path = daemon.log_path(name)
+        if path is None:
+            return _unknown_worker(name)
+        lines = _int_param(request, "lines", 50, 0, MAX_LINES)
+        follow = request.query_params.get("follow") in ("1", "true")
+        return StreamingResponse(_log_stream(daemon, Path(path), lines, follow),
+                                 media_type=NDJSON)
+
+    async def events(request: Request) -> Response:
+        after = _int_param(request, "after", -20, -MAX_EVENTS, 2**62)
+        limit = _int_param(request, "limit", 100, 1, MAX_EVENTS)
+        subject = request.query_params.get("subject") or None
+        follow = request.query_params.get("follow") in ("1", "true")
+        if not follow:
+            items = [e.to_json() for e in daemon.events.since(after, limit, subject)]
+            return body("events", events=items)
+        return StreamingResponse(_event_stream(daemon, after, limit, subject), media_type=NDJSON)
+
+    async def stop(request: Request) -> Response:
+        daemon.request_stop()
+        return body("stop", stopping=True, pid=daemon.status()["daemon"]["pid"])
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return error(404, "not_found", f"no such endpoint: {request.method} "
+                         f"{request.url.path}", "see `mlxctl --help` for what the API offers")
+        if exc.status_code == 405:
+            return error(405, "method_not_allowed",
+                         f"{request.method} is not allowed on {request.url.path}")
+        return error(exc.status_code, "http_error", str(exc.detail))
+
+    async def bad_param(request: Request, exc: Exception) -> Response:
+        return error(400, "bad_request", str(exc), "check the query parameters")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/version", version),
+            Route("/v1/status", status),
+            Route("/v1/workers", workers),
+            Route("/v1/workers/{name}/restart", restart, methods=["POST"]),
+            Route("/v1/workers/{name}/logs", logs),
+            Route("/v1/events", events),
+            Route("/v1/stop", stop, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: http_error, ValueError: bad_param},
+    )
+    return version_header(app)
+
+
+def version_header(app: ASGIApp) -> ASGIApp:
+    """Stamp ``Mlxceld-Version`` on every response, errors included."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_version(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      (b"mlxceld-version", __version__.encode())]
+            await send(message)
+
+        await app(scope, receive, send_with_version if scope["type"] == "http" else send)
+
+    return wrapped
+
+
+def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"query parameter {name!r} must be an integer, not {raw!r}") from None
+    if not low <= value <= high:
+        raise ValueError(f"query parameter {name!r} must be between {low} and {high}")
+    return value
+
+
+def _unknown_worker(name: str) -> JSONResponse:
+    return error(404, "unknown_worker", f"no worker named {name!r}",
+                 "see `mlxctl workers` for the names")
+
+
+def _stopping() -> JSONResponse:
+    return error(503, "stopping", "the daemon is shutting down and admits no new work",
+                 "wait for it to stop, then start it again")
+
+
+def _line(obj: JSON) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+async def _log_stream(daemon: DaemonView, path: Path, lines: int,
+                      follow: bool) -> AsyncIterator[bytes]:
+    text, offset = logfiles.tail(path, lines)
+    if text:
+        yield _line({"data": text})
+    idle = 0.0
+    while follow and not daemon.stopping:
+        await asyncio.sleep(LOG_POLL_S)
+        data, offset = logfiles.read_from(path, offset)
+        if data:
+            idle = 0.0
+            yield _line({"data": data.decode("utf-8", "replace")})
+        else:
+            idle += LOG_POLL_S
+            if idle >= HEARTBEAT_S:
+                idle = 0.0
+                yield b"\n"
+
+
+async def _event_stream(daemon: DaemonView, after: int, limit: int,
+                        subject: str | None) -> AsyncIterator[bytes]:
+    while not daemon.stopping:
+        batch = daemon.events.since(after, limit, subject)
+        for event in batch:
+            after = event.id
+            yield _line(event.to_json())
+        if not batch:
+            await daemon.events.wait(HEARTBEAT_S)
+            if not daemon.events.since(after, 1, subject):
+                yield b"\n"
+

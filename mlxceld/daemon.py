@@ -1,0 +1,233 @@
+"""The composition root: wires state, supervisor and control API; owns signals and shutdown.
+
+Start-up order: private umask, state dir (0700), lock, database, control
+socket, supervisor (re-adopting what survived a previous daemon), control API.
+
+Shutdown order, written once (``_shutdown``): stop admitting work, ask every
+worker to stop (each has its stop timeout, then SIGKILL from its lifecycle),
+a backstop deadline of the longest stop timeout plus ``SHUTDOWN_SLACK_S``
+after which every group is SIGKILLed, then close the control API, remove the
+socket, close the database, release the lock. A second SIGTERM/SIGINT while
+shutting down forces: SIGKILL to every worker group and exit 1.
+
+Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from mlxceld import __version__
+from mlxceld.config import Config, Overrides, load_config
+from mlxceld.control.app import build_app
+from mlxceld.control.server import (
+    ControlServer,
+    bind_control_socket,
+    check_socket_path,
+    peer_guard,
+    remove_socket_file,
+)
+from mlxceld.errors import ConfigError, DaemonError, MlxceldError
+from mlxceld.state import SCHEMA_VERSION, EventLog, WorkersTable, claim_node, open_db
+from mlxceld.state.lock import StateLock, acquire
+from mlxceld.supervisor import health
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.service import Supervisor
+from mlxceld.types import JSON
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_SLACK_S = 5.0
+
+
+def prepare_state_dir(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.geteuid():
+            raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us "
+                              f"(uid {os.geteuid()})",
+                              hint="run mlxceld as its owner, or pick another --state-dir")
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise DaemonError(f"state dir {path} cannot be used: {exc.strerror}",
+                          hint="check the path and its permissions, or pick another --state-dir"
+                          ) from exc
+
+
+class Daemon:
+    def __init__(self, config: Config, flags: Overrides) -> None:
+        self.config = config
+        self._flags = flags
+        self._commands: asyncio.Queue[str] = asyncio.Queue()
+        self._stopping = False
+        self._started_at = time.time()
+        os.umask(0o077)
+        check_socket_path(config.socket)
+        prepare_state_dir(config.state_dir)
+        self._lock: StateLock = acquire(config.state_dir)
+        try:
+            self._db = open_db(config.state_dir / "state.db")
+            self.node = claim_node(self._db)
+            self.events = EventLog(self._db)
+            self.supervisor = Supervisor(
+                WorkersTable(self._db), self.events,
+                health_interval_s=config.health_interval_s,
+                log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
+            self._sock = bind_control_socket(config.socket)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._server = ControlServer(peer_guard(build_app(self)), self._sock)
+
+    # -- DaemonView (the control API's window on us) --------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def status(self) -> JSON:
+        workers = self.supervisor.snapshot()
+        return {
+            "daemon": {
+                "pid": os.getpid(), "version": __version__, "node_id": self.node.node_id,
+                "hostname": self.node.hostname, "started_at": self._started_at,
+                "uptime_s": round(time.time() - self._started_at, 3),
+                "state": "stopping" if self._stopping else "running",
+                "state_dir": str(self.config.state_dir), "socket": str(self.config.socket),
+                "config_file": str(self.config.config_file) if self.config.config_file else None,
+                "schema_version": SCHEMA_VERSION,
+            },
+            "workers": workers,
+            "problems": health.problems(workers),
+        }
+
+    def workers(self) -> list[JSON]:
+        return self.supervisor.snapshot()
+
+    def log_path(self, name: str) -> str | None:
+        return self.supervisor.log_path(name)
+
+    def restart_worker(self, name: str) -> None:
+        self.supervisor.restart(name)
+
+    def request_stop(self) -> None:
+        self._commands.put_nowait("stop")
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def specs(self, config: Config) -> list[WorkerSpec]:
+        return [WorkerSpec(w.name, w.role, config.state_dir, dict(w.options), w.policy)
+                for w in config.workers]
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig, command in ((signal.SIGTERM, "stop"), (signal.SIGINT, "stop"),
+                             (signal.SIGHUP, "reload")):
+            loop.add_signal_handler(sig, self._commands.put_nowait, command)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                sup_started: asyncio.Future[None] = loop.create_future()
+                tg.create_task(self.supervisor.run(sup_started))
+                await sup_started
+                srv_started: asyncio.Future[None] = loop.create_future()
+                tg.create_task(self._server.serve(srv_started))
+                await srv_started
+                await self.supervisor.reconcile(self.specs(self.config))
+                self.events.append("daemon.started", "daemon",
+                                   f"mlxceld {__version__} started (pid {os.getpid()})",
+                                   pid=os.getpid())
+                log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
+                         __version__, self.node.node_id, self.config.socket,
+                         len(self.config.workers))
+                code = await self._serve_commands()
+                self._server.request_shutdown()
+                self.supervisor.close()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            self._close()
+        log.info("mlxceld stopped")
+        return code
+
+    async def _serve_commands(self) -> int:
+        while True:
+            command = await self._commands.get()
+            if command == "reload":
+                self._reload()
+                continue
+            return await self._shutdown()
+
+    async def _shutdown(self) -> int:
+        self._stopping = True
+        self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
+        log.info("shutting down: stopping %d worker(s)", len(self.supervisor.names()))
+        longest = max((w.policy.stop_timeout_s for w in self.config.workers), default=0.0)
+        stopping = asyncio.ensure_future(self.supervisor.stop_all())
+        forced = asyncio.ensure_future(self._second_stop())
+        try:
+            done, _ = await asyncio.wait({stopping, forced},
+                                         timeout=longest + SHUTDOWN_SLACK_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            forced.cancel()
+        if stopping in done:
+            self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
+            return 0
+        stopping.cancel()
+        why = "a second signal" if forced in done else "the shutdown deadline"
+        log.warning("forcing shutdown after %s: SIGKILL to every worker", why)
+        self.supervisor.kill_all()
+        self.events.append("daemon.forced_stop", "daemon", f"forced stop after {why}")
+        return 1
+
+    async def _second_stop(self) -> None:
+        while await self._commands.get() != "stop":
+            pass
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config file and reopen log files; never restart workers."""
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.close()  # reopened on the next record
+        try:
+            new = load_config(self._flags)
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running config: %s", exc)
+            self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")
+            return
+        for field in ("state_dir", "socket"):
+            if getattr(new, field) != getattr(self.config, field):
+                log.warning("reload: %s changed; it takes effect at the next start", field)
+        logging.getLogger().setLevel(new.log_level.upper())
+        self.config = new
+        self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
+        log.info("configuration reloaded")
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.supervisor.reconcile(self.specs(new)))
+        self._reconciling = task  # keep a reference until it finishes
+
+    def _close(self) -> None:
+        remove_socket_file(self.config.socket)
+        with contextlib.suppress(Exception):
+            self._sock.close()
+        with contextlib.suppress(Exception):
+            self._db.close()
+        self._lock.release()
+
+
+async def serve(config: Config, flags: Overrides) -> int:
+    try:
+        daemon = Daemon(config, flags)
+    except MlxceldError:
+        raise
+    except socket.error as exc:  # pragma: no cover - translated in server.py
+        raise DaemonError(f"cannot start: {exc}") from exc
+    return await daemon.run()

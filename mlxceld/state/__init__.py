@@ -1,0 +1,9 @@
+"""The daemon's memory: one SQLite file (WAL) in the state dir."""
+
+from mlxceld.state.db import SCHEMA_VERSION, open_db
+from mlxceld.state.events import Event, EventLog
+from mlxceld.state.node import Node, claim_node
+from mlxceld.state.workers import WorkerRow, WorkersTable
+
+__all__ = ["SCHEMA_VERSION", "Event", "EventLog", "Node", "WorkerRow", "WorkersTable",
+           "claim_node", "open_db"]

@@ -1,0 +1,78 @@
+"""Open the daemon's SQLite file (WAL) and bring its schema up to date.
+
+The schema version lives in ``PRAGMA user_version``; each migration is a
+function applied once, in order, inside one transaction. A database written by
+a newer mlxceld is refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import sqlite_utils
+
+from mlxceld.errors import StateError
+
+Migration = Callable[[sqlite_utils.Database], None]
+
+
+def _v1(db: sqlite_utils.Database) -> None:
+    db["node"].create(
+        {"id": int, "node_id": str, "created_at": float, "version": str, "hostname": str,
+         "daemon_pid": int, "started_at": float},
+        pk="id",
+    )
+    db["workers"].create(
+        {"name": str, "role": str, "spec": str, "desired": str, "state": str, "reason": str,
+         "pid": int, "create_time": float, "restarts": int, "last_exit": str,
+         "last_exit_at": float, "started_at": float, "updated_at": float},
+        pk="name", not_null={"role", "spec", "desired", "state"},
+    )
+    db["events"].create(
+        {"id": int, "ts": float, "kind": str, "subject": str, "message": str, "data": str},
+        pk="id", not_null={"ts", "kind", "message"},
+    )
+    db["events"].create_index(["subject"])
+
+
+MIGRATIONS: list[Migration] = [_v1]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def open_db(path: Path) -> sqlite_utils.Database:
+    """Open (creating if needed, mode 0600) and migrate. Raises StateError naming the file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+        conn = sqlite3.connect(path, isolation_level=None, timeout=5.0)
+        db = sqlite_utils.Database(conn)
+        db.enable_wal()
+        conn.execute("PRAGMA synchronous=NORMAL")
+        migrate(db, path)
+        return db
+    except sqlite3.Error as exc:
+        raise StateError(
+            f"state database {path} cannot be opened: {exc}",
+            hint="check the file; a corrupt database can be moved aside and the daemon restarted",
+        ) from exc
+    except OSError as exc:
+        raise StateError(f"state database {path} cannot be created: {exc.strerror}",
+                         hint="check the state dir's owner and permissions") from exc
+
+
+def migrate(db: sqlite_utils.Database, path: Path) -> None:
+    current = db.execute("PRAGMA user_version").fetchone()[0]
+    if current > SCHEMA_VERSION:
+        raise StateError(
+            f"state database {path} has schema version {current}, newer than this mlxceld "
+            f"understands ({SCHEMA_VERSION})",
+            hint="run the newer mlxceld, or point --state-dir elsewhere",
+        )
+    for version in range(current, SCHEMA_VERSION):
+        with db.conn:
+            db.conn.execute("BEGIN")
+            MIGRATIONS[version](db)
+            db.conn.execute(f"PRAGMA user_version = {version + 1}")

@@ -1,0 +1,74 @@
+"""Per-worker log files: opened by the daemon, written by the worker, rotated by size.
+
+The worker's stdout and stderr are the log file itself (opened O_APPEND), not a
+pipe through the daemon, so a worker keeps logging while the daemon restarts.
+Rotation is copy-then-truncate: the worker's descriptor stays valid and its
+next write lands at the new end. Lines written between the copy and the
+truncate can be lost; that window is a few milliseconds per rotation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+READ_CHUNK = 64 * 1024
+
+
+def open_for_worker(path: Path, banner: str) -> int:
+    """An O_APPEND descriptor for a worker's stdout/stderr, after writing a banner line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    os.write(fd, f"=== {stamp} mlxceld: {banner} ===\n".encode())
+    return fd
+
+
+def rotate_if_needed(path: Path, max_bytes: int, backups: int) -> bool:
+    """Copy ``path`` to ``path.1`` (shifting older copies) and truncate it, when over the size."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    for i in range(backups - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if older.exists():
+            older.replace(path.with_name(f"{path.name}.{i + 1}"))
+    if backups > 0:
+        shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+        os.chmod(path.with_name(f"{path.name}.1"), 0o600)
+    with path.open("r+b") as f:
+        f.truncate(0)
+    return True
+
+
+def tail(path: Path, lines: int) -> tuple[str, int]:
+    """The last ``lines`` lines of the file and the offset where the file ends."""
+    try:
+        with path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            start, data = end, b""
+            while start > 0 and data.count(b"\n") <= lines:
+                start = max(0, start - READ_CHUNK)
+                f.seek(start)
+                data = f.read(end - start)
+    except FileNotFoundError:
+        return "", 0
+    text = data.decode("utf-8", "replace")
+    kept = text.splitlines(keepends=True)[-lines:] if lines > 0 else []
+    return "".join(kept), end
+
+
+def read_from(path: Path, offset: int) -> tuple[bytes, int]:
+    """What was appended since ``offset``; starts over at 0 when the file was truncated."""
+    with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end < offset:
+            offset = 0
+        f.seek(offset)
+        data = f.read(min(end - offset, 1 << 20))
+        return data, offset + len(data)
+    return b"", 0

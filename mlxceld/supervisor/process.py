@@ -1,0 +1,130 @@
+"""Starting a worker process from its typed spec, and recognising one after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mlxceld.errors import WorkerError
+from mlxceld.supervisor import channel, logfiles
+from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.types import WorkerBootstrap
+
+# Never hand these to a child: secrets travel on the bootstrap pipe only.
+SECRET_ENV = re.compile(r"SECRET|API_KEY|PASSWORD|TOKEN", re.IGNORECASE)
+CREATE_TIME_TOLERANCE_S = 0.05
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one worker; built by the daemon from its Config."""
+
+    name: str
+    role: str
+    state_dir: Path
+    options: dict[str, Any] = field(default_factory=dict)
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    secret: bytes | None = field(default=None, repr=False)
+
+    @property
+    def control_socket(self) -> Path:
+        return self.state_dir / "workers" / f"{self.name}.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.state_dir / "logs" / f"{self.name}.log"
+
+    @property
+    def exit_record(self) -> Path:
+        return self.state_dir / "workers" / f"{self.name}.exit"
+
+    def describe(self) -> dict[str, Any]:
+        """The spec as stored in SQLite: no secret, only whether there is one."""
+        return {"name": self.name, "role": self.role, "options": self.options,
+                "has_secret": self.secret is not None}
+
+    def bootstrap(self) -> WorkerBootstrap:
+        boot: WorkerBootstrap = {
+            "name": self.name, "role": self.role, "options": dict(self.options),
+            "control_socket": str(self.control_socket), "exit_record": str(self.exit_record),
+            "state_dir": str(self.state_dir),
+        }
+        if self.secret is not None:
+            boot["secret_hex"] = self.secret.hex()
+        return boot
+
+
+def child_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not SECRET_ENV.search(k)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def spawn(spec: WorkerSpec) -> asyncio.subprocess.Process:
+    """Start the worker in its own session, stdout+stderr on its log, the spec on stdin."""
+    for d in (spec.control_socket.parent, spec.log_path.parent):
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_fd = logfiles.open_for_worker(spec.log_path, f"starting worker {spec.name} "
+                                                      f"(role {spec.role})")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "mlxceld.workers", "--role", spec.role, "--name", spec.name,
+            stdin=asyncio.subprocess.PIPE, stdout=log_fd, stderr=log_fd,
+            start_new_session=True, env=child_environment(), cwd=spec.state_dir,
+        )
+    except OSError as exc:
+        raise WorkerError(f"worker {spec.name!r} could not be started: {exc}",
+                          hint=f"check {sys.executable} and the state dir") from exc
+    finally:
+        os.close(log_fd)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(spec.bootstrap()).encode())
+    with contextlib.suppress(ConnectionError):
+        await proc.stdin.drain()
+    proc.stdin.close()
+    return proc
+
+
+def create_time(pid: int) -> float | None:
+    """The process's start time, or None if it is gone or a zombie."""
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(p.create_time())
+    except psutil.Error:
+        return None
+
+
+def is_same_process(pid: int, recorded_create_time: float | None) -> bool:
+    """True when ``pid`` is alive and started when we recorded (not a reused pid)."""
+    now = create_time(pid)
+    return (now is not None and recorded_create_time is not None
+            and abs(now - recorded_create_time) < CREATE_TIME_TOLERANCE_S)
+
+
+async def confirm_adoptable(spec: WorkerSpec, pid: int, recorded_create_time: float | None) -> bool:
+    """A running worker from a previous daemon is ours if pid, start time and channel agree."""
+    if not is_same_process(pid, recorded_create_time):
+        return False
+    try:
+        reply = await channel.call(spec.control_socket, "health")
+    except WorkerError:
+        return False
+    return reply.get("pid") == pid and reply.get("name") == spec.name
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal the worker's whole process group (it leads its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

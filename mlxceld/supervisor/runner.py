@@ -1,0 +1,178 @@
+"""The thin asyncio shell around ``Lifecycle``: one ``WorkerRunner`` per worker.
+
+A runner owns an inbox of lifecycle events. Its ``drive`` task takes the next
+event (or the machine's next timer), feeds the machine, and carries out the
+actions it returns: spawn a process, signal its group, record a transition.
+Helper tasks only post events: the exit watcher, the readiness probe, the
+liveness probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from typing import Protocol
+
+from mlxceld.errors import WorkerError
+from mlxceld.supervisor import channel, exits, logfiles, process
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.states import (
+    AdoptedRunning,
+    BecameReady,
+    ExitCause,
+    HealthProbed,
+    Lifecycle,
+    ProcessExited,
+    SendSignal,
+    SpawnFailed,
+    Spawned,
+    SpawnProcess,
+    StartRequested,
+    StopRequested,
+    Transitioned,
+    WorkerState,
+)
+
+log = logging.getLogger(__name__)
+
+READY_POLL_S = 0.1
+LIVENESS_TIMEOUT_S = 2.0
+ADOPTED_POLL_S = 0.5
+LOG_TAIL_LINES = 40
+Event = (StartRequested | StopRequested | AdoptedRunning | Spawned | SpawnFailed | BecameReady
+         | HealthProbed | ProcessExited)
+
+
+class Observer(Protocol):
+    """What the supervisor does with what a runner sees (persist, record, log)."""
+
+    def transitioned(self, runner: WorkerRunner, change: Transitioned) -> None: ...
+    def spawned(self, runner: WorkerRunner) -> None: ...
+
+
+class WorkerRunner:
+    def __init__(self, spec: WorkerSpec, machine: Lifecycle, observer: Observer,
+                 spawn_task: Callable[..., asyncio.Task[None]], health_interval_s: float) -> None:
+        self.spec = spec
+        self.machine = machine
+        self.pid: int | None = None
+        self.create_time: float | None = None
+        self._observer = observer
+        self._task = spawn_task
+        self._health_interval_s = health_interval_s
+        self._inbox: asyncio.Queue[Event] = asyncio.Queue()
+        self._alive = asyncio.Event()  # set while a process of ours is running
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def post(self, event: Event) -> None:
+        self._inbox.put_nowait(event)
+
+    def adopt(self, pid: int, create_time: float) -> None:
+        """Take over a worker left running by a previous daemon."""
+        self.pid, self.create_time = pid, create_time
+        self._alive.set()
+        self._task(self._watch_adopted(pid, create_time))
+        self.post(AdoptedRunning(pid))
+
+    async def drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task(self._probe_liveness())
+        while True:
+            deadline = self.machine.next_deadline()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await self._inbox.get()
+            except TimeoutError:
+                actions = self.machine.handle_timer(loop.time())
+            else:
+                actions = self.machine.handle(event, loop.time())
+            for action in actions:
+                await self._carry_out(action)
+
+    async def _carry_out(self, action: object) -> None:
+        if isinstance(action, Transitioned):
+            self._observer.transitioned(self, action)
+        elif isinstance(action, SpawnProcess):
+            await self._spawn()
+        elif isinstance(action, SendSignal):
+            sig = signal.SIGKILL if action.signal == "KILL" else signal.SIGTERM
+            if self.pid is not None:
+                log.info("worker %s: sending %s to process group %d", self.name, sig.name,
+                         self.pid)
+                process.signal_group(self.pid, sig)
+
+    async def _spawn(self) -> None:
+        oom_before = exits.oom_kill_count()
+        try:
+            proc = await process.spawn(self.spec)
+        except WorkerError as exc:
+            self.post(SpawnFailed(exc.message))
+            return
+        self.pid, self.create_time = proc.pid, process.create_time(proc.pid)
+        self._alive.set()
+        self._observer.spawned(self)
+        self.post(Spawned(proc.pid))
+        self._task(self._watch_child(proc, oom_before))
+        self._task(self._probe_readiness(proc.pid))
+
+    async def _watch_child(self, proc: asyncio.subprocess.Process, oom_before: int | None) -> None:
+        returncode = await proc.wait()
+        oom_after = exits.oom_kill_count()
+        grew = None if oom_before is None or oom_after is None else oom_after > oom_before
+        cause = exits.read_exit_record(self.spec.exit_record, proc.pid)
+        if cause is None or returncode != cause.returncode:
+            text, _ = logfiles.tail(self.spec.log_path, LOG_TAIL_LINES)
+            cause = exits.classify(returncode, text, oom_kills_grew=grew)
+        self._exited(cause)
+
+    async def _watch_adopted(self, pid: int, create_time: float) -> None:
+        while process.is_same_process(pid, create_time):
+            await asyncio.sleep(ADOPTED_POLL_S)
+        cause = exits.read_exit_record(self.spec.exit_record, pid) or ExitCause(
+            "unknown", "exited while adopted (its exit status went to init, not to us)")
+        self._exited(cause)
+
+    def _exited(self, cause: ExitCause) -> None:
+        self.pid = self.create_time = None
+        self._alive.clear()
+        self.post(ProcessExited(cause))
+
+    async def _probe_readiness(self, pid: int) -> None:
+        """Ask the new worker for health until it says ready, it exits, or the machine moves on."""
+        while self.pid == pid and self.machine.state is WorkerState.STARTING:
+            with contextlib.suppress(WorkerError):
+                reply = await channel.call(self.spec.control_socket, "health", timeout_s=1.0)
+                if reply.get("pid") == pid and reply.get("state") == "ready":
+                    self.post(BecameReady())
+                    return
+            await asyncio.sleep(READY_POLL_S)
+
+    async def _probe_liveness(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            if self.machine.state is not WorkerState.RUNNING or self.pid is None:
+                continue
+            try:
+                await channel.call(self.spec.control_socket, "health",
+                                   timeout_s=LIVENESS_TIMEOUT_S)
+            except WorkerError as exc:
+                self.post(HealthProbed(False, exc.message))
+            else:
+                if not self.machine.healthy:
+                    self.post(HealthProbed(True))
+
+    async def wait_stopped(self) -> None:
+        """Return once the machine rests in EXITED or FAILED with no process left."""
+        while not (self.machine.state in (WorkerState.EXITED, WorkerState.FAILED)
+                   and self.pid is None):
+            await asyncio.sleep(0.05)
+
+    def kill_now(self) -> None:
+        if self.pid is not None:
+            process.signal_group(self.pid, signal.SIGKILL)

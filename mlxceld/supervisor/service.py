@@ -1,0 +1,237 @@
+"""The supervisor: all of a daemon's worker runners, their persistence and their logs.
+
+It owns one TaskGroup for every runner's tasks. Transitions are written to the
+``workers`` table and the ``events`` log as they happen, so a daemon that is
+killed comes back to the same desired state and can re-adopt what still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import psutil
+
+from mlxceld.state import EventLog, WorkerRow, WorkersTable
+from mlxceld.supervisor import logfiles, process
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.runner import WorkerRunner
+from mlxceld.supervisor.states import (
+    Lifecycle,
+    StartRequested,
+    StopRequested,
+    Transitioned,
+    WorkerState,
+)
+from mlxceld.types import JSON
+
+log = logging.getLogger(__name__)
+
+ROTATE_EVERY_S = 5.0
+REMOVED_STOP_TIMEOUT_S = 10.0
+
+
+class Supervisor:
+    def __init__(self, workers: WorkersTable, events: EventLog, *, health_interval_s: float,
+                 log_max_bytes: int, log_backups: int,
+                 rand: Callable[[], float] = random.random) -> None:
+        self._table = workers
+        self._events = events
+        self._health_interval_s = health_interval_s
+        self._log_max_bytes = log_max_bytes
+        self._log_backups = log_backups
+        self._rand = rand
+        self._runners: dict[str, WorkerRunner] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    async def run(self, started: asyncio.Future[None]) -> None:
+        """Own every runner task until ``close``; ``started`` resolves once tasks can be made."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            tg.create_task(self._rotate_logs())
+            started.set_result(None)
+            await self._closing.wait()
+            for task in list(self._tasks):
+                task.cancel()
+        self._tg = None
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        assert self._tg is not None, "supervisor is not running"
+        task = self._tg.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def close(self) -> None:
+        self._closing.set()
+
+    # -- workers --------------------------------------------------------------------------
+
+    async def reconcile(self, specs: list[WorkerSpec]) -> None:
+        """Make the running set match ``specs``: adopt survivors, start the rest, stop leftovers."""
+        wanted = {s.name: s for s in specs}
+        for row in self._table.all():
+            if row.name not in wanted and row.name not in self._runners:
+                await self._retire_leftover(row)
+        for name in list(self._runners):
+            if name not in wanted:
+                await self.remove(name)
+        for spec in specs:
+            if spec.name in self._runners:
+                if spec.describe() != self._runners[spec.name].spec.describe():
+                    self._events.append("worker.config_changed", spec.name,
+                                        f"worker {spec.name}: new spec takes effect at its "
+                                        "next start")
+                continue
+            await self._add(spec)
+
+    async def _add(self, spec: WorkerSpec) -> None:
+        row = self._table.get(spec.name)
+        machine = Lifecycle(spec.name, spec.policy, self._rand,
+                            restarts=row.restarts if row else 0)
+        runner = WorkerRunner(spec, machine, self, self._spawn_task, self._health_interval_s)
+        self._runners[spec.name] = runner
+        desired = row.desired if row else "running"
+        self._table.upsert(spec.name, role=spec.role, spec=spec.describe(), desired=desired,
+                           state=machine.state.value, restarts=machine.restarts)
+        self._spawn_task(runner.drive())
+        if row and row.pid and row.create_time:
+            if await process.confirm_adoptable(spec, row.pid, row.create_time):
+                log.info("worker %s: re-adopted pid %d", spec.name, row.pid)
+                self._events.append("worker.adopted", spec.name,
+                                    f"worker {spec.name} re-adopted (pid {row.pid})",
+                                    pid=row.pid)
+                runner.adopt(row.pid, row.create_time)
+                return
+            if process.is_same_process(row.pid, row.create_time):
+                self._events.append("worker.unresponsive", spec.name,
+                                    f"worker {spec.name} (pid {row.pid}) survived the daemon but "
+                                    "does not answer its channel; killing it", pid=row.pid)
+                process.signal_group(row.pid, signal.SIGKILL)
+        if desired == "running":
+            runner.post(StartRequested())
+
+    async def _retire_leftover(self, row: WorkerRow) -> None:
+        """A worker in the database but no longer configured: stop it if it still runs."""
+        if row.pid and process.is_same_process(row.pid, row.create_time):
+            process.signal_group(row.pid, signal.SIGTERM)
+            deadline = time.monotonic() + REMOVED_STOP_TIMEOUT_S
+            while process.is_same_process(row.pid, row.create_time):
+                if time.monotonic() > deadline:
+                    process.signal_group(row.pid, signal.SIGKILL)
+                    break
+                await asyncio.sleep(0.05)
+        self._table.delete(row.name)
+        self._events.append("worker.removed", row.name,
+                            f"worker {row.name} is no longer configured; removed")
+
+    async def remove(self, name: str) -> None:
+        runner = self._runners[name]
+        runner.post(StopRequested())
+        await runner.wait_stopped()
+        del self._runners[name]
+        self._table.delete(name)
+        self._events.append("worker.removed", name, f"worker {name} removed from the config")
+
+    def restart(self, name: str) -> None:
+        """Stop (if running) and start again; also the way out of FAILED."""
+        runner = self._runners[name]
+        self._table.upsert(name, desired="running")
+        if runner.machine.state in (WorkerState.RUNNING, WorkerState.STARTING):
+            runner.post(StopRequested())
+        runner.post(StartRequested())
+        self._events.append("worker.restart_requested", name, f"restart of {name} requested")
+
+    def names(self) -> list[str]:
+        return sorted(self._runners)
+
+    async def stop_all(self) -> None:
+        """Ask every worker to stop; each gets its own stop timeout before SIGKILL."""
+        for runner in self._runners.values():
+            runner.post(StopRequested())
+        await asyncio.gather(*(r.wait_stopped() for r in self._runners.values()))
+
+    def kill_all(self) -> None:
+        for runner in self._runners.values():
+            runner.kill_now()
+
+    # -- Observer -------------------------------------------------------------------------
+
+    def transitioned(self, runner: WorkerRunner, change: Transitioned) -> None:
+        m = runner.machine
+        fields: dict[str, Any] = {"state": change.new.value, "reason": change.reason,
+                                  "restarts": m.restarts, "pid": runner.pid,
+                                  "create_time": runner.create_time}
+        if change.new in (WorkerState.BACKOFF, WorkerState.EXITED, WorkerState.FAILED) \
+                and m.last_cause is not None:
+            fields["last_exit"] = m.last_cause.summary
+            fields["last_exit_at"] = time.time()
+        if change.new is WorkerState.RUNNING:
+            fields["started_at"] = time.time()
+        self._table.upsert(runner.name, **fields)
+        level = logging.WARNING if change.new is WorkerState.FAILED else logging.INFO
+        log.log(level, "worker %s: %s -> %s (%s)", runner.name, change.old.value,
+                change.new.value, change.reason)
+        self._events.append(f"worker.{change.new.value}", runner.name,
+                            f"worker {runner.name}: {change.old.value} -> {change.new.value}"
+                            + (f": {change.reason}" if change.reason else ""),
+                            old=change.old.value, new=change.new.value, reason=change.reason,
+                            pid=runner.pid,
+                            cause=m.last_cause.kind if m.last_cause else None)
+
+    def spawned(self, runner: WorkerRunner) -> None:
+        self._table.upsert(runner.name, pid=runner.pid, create_time=runner.create_time)
+        self._events.append("worker.spawned", runner.name,
+                            f"worker {runner.name} started as pid {runner.pid}", pid=runner.pid)
+
+    # -- views ----------------------------------------------------------------------------
+
+    def snapshot(self) -> list[JSON]:
+        out = []
+        for name in sorted(self._runners):
+            r = self._runners[name]
+            row = self._table.get(name)
+            m = r.machine
+            out.append({
+                "name": name, "role": r.spec.role, "state": m.state.value, "pid": r.pid,
+                "healthy": m.healthy if m.state is WorkerState.RUNNING else None,
+                "reason": m.reason, "restarts": m.restarts,
+                "last_exit": m.last_cause.summary if m.last_cause else (row.last_exit if row
+                                                                        else ""),
+                "started_at": row.started_at if row else None,
+                "rss_bytes": _rss(r.pid), "log": str(r.spec.log_path),
+            })
+        return out
+
+    def log_path(self, name: str) -> str | None:
+        r = self._runners.get(name)
+        return str(r.spec.log_path) if r else None
+
+    async def _rotate_logs(self) -> None:
+        while True:
+            await asyncio.sleep(ROTATE_EVERY_S)
+            for r in list(self._runners.values()):
+                try:
+                    if logfiles.rotate_if_needed(r.spec.log_path, self._log_max_bytes,
+                                                 self._log_backups):
+                        log.info("worker %s: log rotated", r.name)
+                except OSError as exc:
+                    log.warning("worker %s: log rotation failed: %s", r.name, exc)
+
+
+def _rss(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None

@@ -1,0 +1,57 @@
+"""The ``echo`` role: a small real worker for tests and the demo.
+
+It serves the control channel, counts ticks, and can be told through its
+options to misbehave the ways real workers do, so the supervisor's handling of
+each can be tested against a real process:
+
+    ready_after_s   wait this long before reporting ready (a slow model load)
+    crash_after_s   raise RuntimeError after this long (a Python exception)
+    exit_after_s    exit with ``exit_code`` after this long
+    exit_code       status for exit_after_s (default 0: a clean exit)
+    ignore_term     ignore SIGTERM (a stuck worker: the supervisor must SIGKILL)
+    interval_s      tick period (default 1.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+from mlxceld.workers.runtime import WorkerContext
+
+
+async def run(ctx: WorkerContext) -> int:
+    opts = ctx.options
+    if opts.get("ignore_term"):
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    start = time.monotonic()
+    await _sleep_unless_stopped(ctx, float(opts.get("ready_after_s", 0.0)))
+    ctx.ready()
+    interval = float(opts.get("interval_s", 1.0))
+    ctx.stats["ticks"] = 0
+    while not ctx.stopping.is_set():
+        elapsed = time.monotonic() - start
+        if "crash_after_s" in opts and elapsed >= float(opts["crash_after_s"]):
+            raise RuntimeError(f"echo worker {ctx.name} crashed on purpose")
+        if "exit_after_s" in opts and elapsed >= float(opts["exit_after_s"]):
+            return int(opts.get("exit_code", 0))
+        await _sleep_unless_stopped(ctx, min(interval, 0.05) if _timed(opts) else interval)
+        ctx.stats["ticks"] += 1
+    print(f"echo worker {ctx.name} stopping after {ctx.stats['ticks']} ticks", flush=True)
+    return 0
+
+
+def _timed(opts: dict[str, object]) -> bool:
+    return "crash_after_s" in opts or "exit_after_s" in opts
+
+
+async def _sleep_unless_stopped(ctx: WorkerContext, seconds: float) -> None:
+    if seconds <= 0:
+        return
+    try:
+        async with asyncio.timeout(seconds):
+            await ctx.stopping.wait()
+    except TimeoutError:
+        pass

@@ -1,0 +1,12 @@
+"""Which worker roles exist and where their entry points live.
+
+Kept free of heavy imports: the daemon validates configs against this table
+without loading any model runtime.
+"""
+
+from __future__ import annotations
+
+# role -> module with ``async def run(ctx: WorkerContext) -> int``
+ROLES: dict[str, str] = {
+    "echo": "mlxceld.workers.echo",
+}

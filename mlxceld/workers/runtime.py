@@ -1,0 +1,169 @@
+"""What every worker subprocess runs around its role.
+
+The daemon starts ``python -m mlxceld.workers --role R --name N`` in a new
+session, with stdout and stderr on the worker's log file and a bootstrap JSON
+document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
+worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
+``stats``, ``stop``), runs the role, and leaves an exit record for a daemon
+that may have adopted it after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxceld.types import JSON, ExitRecord, WorkerBootstrap
+from mlxceld.workers.roles import ROLES
+
+log = logging.getLogger(__name__)
+
+MAX_BOOTSTRAP = 1 << 20
+MAX_REQUEST = 64 * 1024
+CHANNEL_IDLE_S = 30.0  # a control connection that sends nothing for this long is closed
+
+
+@dataclass
+class WorkerContext:
+    """Handed to a role's ``run``: its identity, options and the knobs it reports through."""
+
+    name: str
+    role: str
+    options: dict[str, Any]
+    state_dir: Path
+    secret: bytes | None = None
+    started_at: float = field(default_factory=time.time)
+    state: str = "starting"
+    stats: dict[str, Any] = field(default_factory=dict)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ready(self) -> None:
+        """Tell the supervisor (through health probes) that the role can do its work."""
+        if self.state == "starting":
+            self.state = "ready"
+            log.info("worker %s is ready", self.name)
+
+    def stop(self) -> None:
+        self.state = "stopping"
+        self.stopping.set()
+
+
+RoleMain = Callable[[WorkerContext], Awaitable[int]]
+
+
+def read_bootstrap() -> WorkerBootstrap:
+    raw = sys.stdin.buffer.read(MAX_BOOTSTRAP + 1)
+    if len(raw) > MAX_BOOTSTRAP:
+        raise SystemExit("bootstrap document on stdin is larger than 1 MiB")
+    with open(os.devnull, "rb") as null:
+        os.dup2(null.fileno(), 0)
+    try:
+        boot: WorkerBootstrap = json.loads(raw)
+    except ValueError as exc:
+        raise SystemExit(f"bootstrap document on stdin is not JSON: {exc}") from exc
+    return boot
+
+
+async def serve_channel(ctx: WorkerContext, path: Path) -> asyncio.Server:
+    """Listen on the worker's control socket (0600; the state dir around it is 0700)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    old = os.umask(0o177)
+    try:
+        server = await asyncio.start_unix_server(
+            lambda r, w: _serve_client(ctx, r, w), path=str(path), limit=MAX_REQUEST
+        )
+    finally:
+        os.umask(old)
+    return server
+
+
+async def _serve_client(
+    ctx: WorkerContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    try:
+        while True:
+            async with asyncio.timeout(CHANNEL_IDLE_S):
+                line = await reader.readline()
+            if not line:
+                break
+            writer.write(json.dumps(_answer(ctx, line)).encode() + b"\n")
+            await writer.drain()
+    except (TimeoutError, ValueError, ConnectionError):
+        pass  # idle, oversized or vanished client: just close
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def _answer(ctx: WorkerContext, line: bytes) -> JSON:
+    try:
+        request = json.loads(line)
+        op = request["op"]
+    except (ValueError, KeyError, TypeError):
+        return {"ok": False, "error": "request must be a JSON object with an 'op'"}
+    if op == "health":
+        return {"ok": True, "name": ctx.name, "role": ctx.role, "pid": os.getpid(),
+                "state": ctx.state, "started_at": ctx.started_at}
+    if op == "stats":
+        return {"ok": True, "stats": dict(ctx.stats)}
+    if op == "stop":
+        ctx.stop()
+        return {"ok": True}
+    return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> None:
+    record: ExitRecord = {"pid": os.getpid(), "returncode": returncode, "kind": kind,
+                          "summary": summary}
+    with contextlib.suppress(OSError):
+        path.write_text(json.dumps(record))
+
+
+async def run_worker(boot: WorkerBootstrap) -> int:
+    secret = bytes.fromhex(boot["secret_hex"]) if "secret_hex" in boot else None
+    ctx = WorkerContext(boot["name"], boot["role"], dict(boot["options"]),
+                        Path(boot["state_dir"]), secret)
+    module = importlib.import_module(ROLES[boot["role"]])
+    role_main: RoleMain = module.run
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, ctx.stop)
+    server = await serve_channel(ctx, Path(boot["control_socket"]))
+    try:
+        return await role_main(ctx)
+    finally:
+        server.close()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    boot = read_bootstrap()
+    exit_record = Path(boot["exit_record"])
+    with contextlib.suppress(FileNotFoundError):
+        exit_record.unlink()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    try:
+        code = asyncio.run(run_worker(boot))
+    except Exception as exc:
+        traceback.print_exc()
+        last = traceback.format_exception_only(exc)[-1].strip()
+        write_exit_record(exit_record, 1, "exception", f"Python exception: {last}")
+        return 1
+    kind = "clean" if code == 0 else "status"
+    write_exit_record(exit_record, code, kind, "exited cleanly" if code == 0
+                      else f"exited with status {code}")
+    return code

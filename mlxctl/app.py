@@ -1,0 +1,205 @@
+"""``mlxctl``: the control CLI. It talks only to the local daemon, through its client.
+
+Exit codes: 0 ok, 1 failure, 2 usage, 3 daemon not running, 4 permission denied.
+Every command takes ``--json``; its output carries a versioned ``schema`` field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from mlxceld import __version__
+from mlxceld.control.client import ControlClient
+from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
+from mlxceld.paths import client_socket
+from mlxctl import render
+
+EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_DENIED = 1, 3, 4
+STOP_WAIT_S = 120.0
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Control the local mlxceld daemon.")
+
+SocketOpt = Annotated[Path | None, typer.Option(
+    "--socket", envvar="MLXCELD_SOCKET", show_envvar=True,
+    help="The daemon's control socket. Default: $XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, "
+    "else <state-dir>/mlxceld.sock.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+T = TypeVar("T")
+
+
+def _socket(ctx: typer.Context, socket: Path | None) -> Path:
+    return socket or ctx.obj or client_socket()
+
+
+@app.callback()
+def main_options(ctx: typer.Context, socket: SocketOpt = None) -> None:
+    ctx.obj = socket
+
+
+def emit(as_json: bool, schema: str, body: dict[str, Any], text: Callable[[], str]) -> None:
+    if as_json:
+        typer.echo(json.dumps({**body, "schema": f"mlxctl.{schema}/1"}, indent=2))
+    else:
+        typer.echo(text())
+
+
+def call(path: Path, as_json: bool, job: Callable[[ControlClient], Awaitable[T]]) -> T:
+    """Run one client job at the CLI's edge; map our errors to exit codes and messages."""
+
+    async def go() -> T:
+        async with ControlClient(path) as client:
+            return await job(client)
+
+    try:
+        return asyncio.run(go())
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except ControlError as exc:
+        code = (EXIT_NOT_RUNNING if isinstance(exc, DaemonNotRunning)
+                else EXIT_DENIED if isinstance(exc, PermissionDenied) else EXIT_FAILURE)
+        if as_json:
+            typer.echo(json.dumps({"schema": "mlxctl.error/1", "error": {
+                "code": exc.code, "message": exc.message, "hint": exc.hint}}, indent=2))
+        else:
+            typer.echo(f"mlxctl: {exc.message}", err=True)
+            if exc.hint:
+                typer.echo(f"  hint: {exc.hint}", err=True)
+        raise typer.Exit(code) from None
+
+
+@app.command()
+def status(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """Show the daemon, its workers, and what is unhealthy (with the next command to run)."""
+    body = call(_socket(ctx, socket), as_json, lambda c: c.status())
+    emit(as_json, "status", body, lambda: render.status(body))
+
+
+@app.command()
+def workers(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """List the supervised workers."""
+    body = call(_socket(ctx, socket), as_json, lambda c: c.workers())
+    emit(as_json, "workers", body, lambda: render.workers_table(body["workers"]))
+
+
+@app.command()
+def logs(
+    ctx: typer.Context,
+    worker: Annotated[str, typer.Argument(help="Worker name (see `mlxctl workers`).")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
+                      ] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=0, max=10_000,
+                                       help="How many lines of history.")] = 50,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Print a worker's log (its stdout and stderr)."""
+
+    async def job(c: ControlClient) -> None:
+        async for chunk in c.logs(worker, lines, follow):
+            if as_json:
+                typer.echo(json.dumps({"schema": "mlxctl.log/1", "worker": worker, **chunk}))
+            else:
+                sys.stdout.write(chunk["data"])
+                sys.stdout.flush()
+
+    call(_socket(ctx, socket), as_json, job)
+
+
+@app.command()
+def events(
+    ctx: typer.Context,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events.")
+                      ] = False,
+    last: Annotated[int, typer.Option("--last", "-n", min=1, max=1000,
+                                      help="How many past events to show.")] = 20,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Print the daemon's event log (worker starts, exits, restarts, ...)."""
+
+    async def job(c: ControlClient) -> None:
+        if not follow:
+            body = await c.events(after=-last, limit=last)
+            emit(as_json, "events", body,
+                 lambda: "\n".join(render.event_line(e) for e in body["events"]) or "no events")
+            return
+        async for event in c.follow_events(after=-last):
+            typer.echo(json.dumps({"schema": "mlxctl.event/1", **event}) if as_json
+                       else render.event_line(event))
+
+    call(_socket(ctx, socket), as_json, job)
+
+
+@app.command()
+def restart(
+    ctx: typer.Context,
+    worker: Annotated[str, typer.Argument(help="Worker name (see `mlxctl workers`).")],
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Restart a worker (also the way to bring back a worker that failed)."""
+    body = call(_socket(ctx, socket), as_json, lambda c: c.restart(worker))
+    emit(as_json, "restart", body, lambda: f"restarting worker {worker}")
+
+
+@app.command()
+def stop(
+    ctx: typer.Context,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait",
+                                       help="Wait until the daemon has exited.")] = True,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Stop the daemon: its workers get their stop timeout, then it exits."""
+    path = _socket(ctx, socket)
+    body = call(path, as_json, lambda c: c.stop())
+    pid = int(body["pid"])
+    gone = _wait_gone(pid, path) if wait else False
+    body["stopped"] = gone
+    emit(as_json, "stop", body, lambda: f"mlxceld (pid {pid}) "
+         + ("stopped" if gone else "is stopping" if not wait else
+            f"still running after {STOP_WAIT_S:.0f} s"))
+    if wait and not gone:
+        raise typer.Exit(EXIT_FAILURE)
+
+
+def _wait_gone(pid: int, path: Path) -> bool:
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        if not path.exists() and not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@app.command()
+def version(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """Print mlxctl's version and the daemon's."""
+    path = _socket(ctx, socket)
+    if not as_json:
+        typer.echo(f"mlxctl  {__version__}")
+    body = call(path, as_json, lambda c: c.version())
+    emit(as_json, "version", {"client": __version__, "daemon": body["version"],
+                              "api": body["api"]},
+         lambda: f"mlxceld {body['version']} (control API {body['api']})")
+
+
+def main() -> None:
+    app()

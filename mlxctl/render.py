@@ -1,0 +1,109 @@
+"""Turning the daemon's answers into text for a person: tables, durations, colour.
+
+Colour only on a terminal, and never with NO_COLOR set (https://no-color.org).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import typer
+
+STATE_COLORS = {"running": "green", "starting": "cyan", "backoff": "yellow",
+                "stopping": "yellow", "exited": "white", "failed": "red"}
+
+
+def color_enabled() -> bool:
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def paint(text: str, color: str | None, *, bold: bool = False) -> str:
+    if not color_enabled() or (color is None and not bold):
+        return text
+    return typer.style(text, fg=color, bold=bold)
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit in ("B", "KiB") else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
+          colors: Sequence[Sequence[str | None]] | None = None) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    lines = ["  ".join(paint(h.ljust(w), None, bold=True) for h, w in zip(headers, widths,
+                                                                         strict=True)).rstrip()]
+    for i, row in enumerate(rows):
+        cells = []
+        for j, (cell, w) in enumerate(zip(row, widths, strict=True)):
+            c = colors[i][j] if colors else None
+            cells.append(paint(cell.ljust(w), c))
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def workers_table(workers: list[dict[str, Any]]) -> str:
+    if not workers:
+        return "no workers configured (the daemon is idle: control plane only)"
+    now = time.time()
+    headers = ["NAME", "ROLE", "STATE", "PID", "RESTARTS", "UPTIME", "RSS", "LAST EXIT"]
+    rows, colors = [], []
+    for w in workers:
+        state = w["state"]
+        if state == "running" and w.get("healthy") is False:
+            state = "running (unhealthy)"
+        up = now - w["started_at"] if w["state"] == "running" and w.get("started_at") else None
+        rows.append([w["name"], w["role"], state, str(w["pid"] or "-"), str(w["restarts"]),
+                     duration(up), size(w.get("rss_bytes")), w.get("last_exit") or "-"])
+        colors.append([None, None, STATE_COLORS.get(w["state"]), None, None, None, None, None])
+    return table(headers, rows, colors)
+
+
+def status(body: dict[str, Any]) -> str:
+    d = body["daemon"]
+    workers = body["workers"]
+    running = sum(1 for w in workers if w["state"] == "running")
+    state = paint(d["state"], "green" if d["state"] == "running" else "yellow")
+    summary = (f"mlxceld {d['version']} {state} · node {d['node_id']} · pid {d['pid']} · "
+               f"up {duration(d['uptime_s'])} · {len(workers)} worker(s), {running} running")
+    return "\n".join([summary, "", workers_table(workers), "", health(body["problems"])])
+
+
+def health(problems: list[dict[str, Any]]) -> str:
+    if not problems:
+        return "health: " + paint("ok", "green")
+    lines = ["health: " + paint(f"{len(problems)} problem(s)", "red")]
+    for p in problems:
+        lines.append(f"  {paint('x', 'red')} {p['message']}")
+        lines.append(f"    next: {p['next']}")
+    return "\n".join(lines)
+
+
+def event_line(e: dict[str, Any]) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"]))
+    return f"{stamp}  #{e['id']:<5} {e['kind']:<24} {e['message']}"

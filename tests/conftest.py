@@ -1,0 +1,193 @@
+"""Real daemons as subprocesses, each in its own short temp dir, ended by pid afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+STARTUP_TIMEOUT_S = 20.0
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    """Poll until ``predicate`` returns something truthy; fail the test naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass
+class DaemonProc:
+    root: Path
+    config: Path
+    proc: subprocess.Popen[bytes] | None = None
+    stderr_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stderr_path = self.root / "daemon.stderr"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "run" / "ctl.sock"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, *extra: str, wait: bool = True) -> DaemonProc:
+        with self.stderr_path.open("ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxceld", "--config", str(self.config),
+                 "--state-dir", str(self.state_dir), "--socket", str(self.socket), *extra],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+            )
+        if wait:
+            wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.stderr()}")
+        return self.ctl("version", "--json").returncode == 0
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+
+    def ctl(self, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "mlxctl", "--socket", str(self.socket), *args],
+            capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "NO_COLOR": "1", **(env or {})},
+        )
+
+    def status(self) -> dict[str, Any]:
+        out = self.ctl("status", "--json")
+        assert out.returncode == 0, out.stderr
+        body: dict[str, Any] = json.loads(out.stdout)
+        return body
+
+    def worker(self, name: str) -> dict[str, Any]:
+        for w in self.status()["workers"]:
+            if w["name"] == name:
+                return dict(w)
+        raise AssertionError(f"no worker {name} in status")
+
+    def events(self, last: int = 200) -> list[dict[str, Any]]:
+        out = self.ctl("events", "--json", "-n", str(last))
+        assert out.returncode == 0, out.stderr
+        events: list[dict[str, Any]] = json.loads(out.stdout)["events"]
+        return events
+
+    def wait_worker(self, name: str, timeout: float = 20.0,
+                    **expected: Any) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            w = self.worker(name)
+            return w if all(w.get(k) == v for k, v in expected.items()) else None
+
+        result: dict[str, Any] = wait_for(check, timeout, f"worker {name} with {expected}",
+                                          every=0.1)
+        return result
+
+    def recorded_pids(self) -> set[int]:
+        """Every worker pid the state database knows (read-only, for cleanup)."""
+        db = self.state_dir / "state.db"
+        if not db.exists():
+            return set()
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            with contextlib.suppress(sqlite3.Error):
+                return {r[0] for r in conn.execute("select pid from workers where pid is not null")}
+        return set()
+
+
+class Daemons:
+    """Starts daemons for a test and ends every process they made, by pid."""
+
+    def __init__(self) -> None:
+        self.started: list[DaemonProc] = []
+        self.pids: set[int] = set()
+
+    def make(self, config: str = "", name: str = "d") -> DaemonProc:
+        root = Path(tempfile.mkdtemp(prefix=f"mx{name}", dir="/tmp"))
+        (root / "run").mkdir(mode=0o700)
+        cfg = root / "mlxceld.toml"
+        cfg.write_text(textwrap.dedent(config))
+        d = DaemonProc(root, cfg)
+        self.started.append(d)
+        return d
+
+    def note(self, d: DaemonProc) -> None:
+        self.pids |= d.recorded_pids()
+        for w in d.status()["workers"]:
+            if w["pid"]:
+                self.pids.add(w["pid"])
+
+    def cleanup(self) -> None:
+        for d in self.started:
+            self.pids |= d.recorded_pids()
+            if d.proc is not None and d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+                try:
+                    d.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    d.proc.kill()
+                    d.proc.wait()
+        for pid in self.pids:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        for d in self.started:
+            shutil.rmtree(d.root, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons() -> Iterator[Daemons]:
+    d = Daemons()
+    try:
+        yield d
+    finally:
+        d.cleanup()
+
+
+FAST_POLICY = """
+[supervisor]
+backoff_initial_s = 0.2
+backoff_max_s = 1.0
+stable_after_s = 30.0
+stop_timeout_s = 3.0
+health_interval_s = 0.5
+"""
