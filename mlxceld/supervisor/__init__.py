@@ -1,0 +1,41 @@
+"""Worker supervision: the sans-IO lifecycle state machine (and, later, the process runner)."""
+
+from mlxceld.supervisor.states import (
+    Action,
+    AdoptedRunning,
+    BecameReady,
+    Event,
+    ExitCause,
+    HealthProbed,
+    Lifecycle,
+    ProcessExited,
+    RestartPolicy,
+    SendSignal,
+    Spawned,
+    SpawnFailed,
+    SpawnProcess,
+    StartRequested,
+    StopRequested,
+    Transitioned,
+    WorkerState,
+)
+
+__all__ = [
+    "Action",
+    "AdoptedRunning",
+    "BecameReady",
+    "Event",
+    "ExitCause",
+    "HealthProbed",
+    "Lifecycle",
+    "ProcessExited",
+    "RestartPolicy",
+    "SendSignal",
+    "SpawnFailed",
+    "SpawnProcess",
+    "Spawned",
+    "StartRequested",
+    "StopRequested",
+    "Transitioned",
+    "WorkerState",
+]
