@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from mlxceld.control.server import (
     peer_guard,
     remove_socket_file,
 )
-from mlxceld.errors import ConfigError, DaemonError, MlxceldError
+from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.state import SCHEMA_VERSION, EventLog, WorkersTable, claim_node, open_db
 from mlxceld.state.lock import StateLock, acquire
 from mlxceld.supervisor import health
@@ -161,38 +160,38 @@ class Daemon:
         while True:
             command = await self._commands.get()
             if command == "reload":
-                self._reload()
+                await self._reload()
                 continue
             return await self._shutdown()
 
     async def _shutdown(self) -> int:
         self._stopping = True
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._force)
         self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
         log.info("shutting down: stopping %d worker(s)", len(self.supervisor.names()))
         longest = max((w.policy.stop_timeout_s for w in self.config.workers), default=0.0)
-        stopping = asyncio.ensure_future(self.supervisor.stop_all())
-        forced = asyncio.ensure_future(self._second_stop())
         try:
-            done, _ = await asyncio.wait({stopping, forced},
-                                         timeout=longest + SHUTDOWN_SLACK_S,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            forced.cancel()
-        if stopping in done:
-            self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
-            return 0
-        stopping.cancel()
-        why = "a second signal" if forced in done else "the shutdown deadline"
-        log.warning("forcing shutdown after %s: SIGKILL to every worker", why)
+            async with asyncio.timeout(longest + SHUTDOWN_SLACK_S):
+                await self.supervisor.stop_all()
+        except TimeoutError:
+            log.warning("workers still running after %.0f s: SIGKILL to every worker group",
+                        longest + SHUTDOWN_SLACK_S)
+            self.supervisor.kill_all()
+            self.events.append("daemon.forced_stop", "daemon", "forced stop at the deadline")
+            return 1
+        self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
+        return 0
+
+    def _force(self) -> None:
+        """A second SIGTERM/SIGINT while shutting down: kill every worker group, exit now."""
+        log.warning("second signal: forcing shutdown, SIGKILL to every worker group")
         self.supervisor.kill_all()
-        self.events.append("daemon.forced_stop", "daemon", f"forced stop after {why}")
-        return 1
+        self._close()
+        os._exit(1)
 
-    async def _second_stop(self) -> None:
-        while await self._commands.get() != "stop":
-            pass
-
-    def _reload(self) -> None:
+    async def _reload(self) -> None:
         """SIGHUP: re-read the config file and reopen log files; never restart workers."""
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
@@ -210,9 +209,7 @@ class Daemon:
         self.config = new
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
         log.info("configuration reloaded")
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(self.supervisor.reconcile(self.specs(new)))
-        self._reconciling = task  # keep a reference until it finishes
+        await self.supervisor.reconcile(self.specs(new))
 
     def _close(self) -> None:
         remove_socket_file(self.config.socket)
@@ -224,10 +221,4 @@ class Daemon:
 
 
 async def serve(config: Config, flags: Overrides) -> int:
-    try:
-        daemon = Daemon(config, flags)
-    except MlxceldError:
-        raise
-    except socket.error as exc:  # pragma: no cover - translated in server.py
-        raise DaemonError(f"cannot start: {exc}") from exc
-    return await daemon.run()
+    return await Daemon(config, flags).run()

@@ -26,7 +26,7 @@ from mlxctl import render
 EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_DENIED = 1, 3, 4
 STOP_WAIT_S = 120.0
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Control the local mlxceld daemon.")
 

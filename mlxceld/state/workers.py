@@ -48,11 +48,18 @@ class WorkersTable:
     def all(self) -> list[WorkerRow]:
         return [_row(r) for r in self._db["workers"].rows_where(order_by="name")]
 
-    def upsert(self, name: str, **fields: Any) -> None:
-        if "spec" in fields:
-            fields["spec"] = json.dumps(fields["spec"], sort_keys=True)
-        fields["updated_at"] = time.time()
-        self._db["workers"].upsert({"name": name, **fields}, pk="name")
+    def put(self, name: str, *, role: str, spec: JSON, desired: str, **fields: Any) -> None:
+        """Insert or replace the worker's identity columns (keeps the others)."""
+        row = {"name": name, "role": role, "spec": json.dumps(spec, sort_keys=True),
+               "desired": desired, "updated_at": time.time(), **fields}
+        if self.get(name) is None:
+            self._db["workers"].insert({"state": "exited", **row})
+        else:
+            self._db["workers"].update(name, row)
+
+    def update(self, name: str, **fields: Any) -> None:
+        """Change some columns of an existing worker's row."""
+        self._db["workers"].update(name, {**fields, "updated_at": time.time()})
 
     def delete(self, name: str) -> None:
         self._db["workers"].delete_where("name = ?", [name])

@@ -57,7 +57,7 @@ class Supervisor:
         """Own every runner task until ``close``; ``started`` resolves once tasks can be made."""
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
-            tg.create_task(self._rotate_logs())
+            self._spawn_task(self._rotate_logs())
             started.set_result(None)
             await self._closing.wait()
             for task in list(self._tasks):
@@ -101,8 +101,8 @@ class Supervisor:
         runner = WorkerRunner(spec, machine, self, self._spawn_task, self._health_interval_s)
         self._runners[spec.name] = runner
         desired = row.desired if row else "running"
-        self._table.upsert(spec.name, role=spec.role, spec=spec.describe(), desired=desired,
-                           state=machine.state.value, restarts=machine.restarts)
+        self._table.put(spec.name, role=spec.role, spec=spec.describe(), desired=desired,
+                        state=machine.state.value, restarts=machine.restarts)
         self._spawn_task(runner.drive())
         if row and row.pid and row.create_time:
             if await process.confirm_adoptable(spec, row.pid, row.create_time):
@@ -145,7 +145,7 @@ class Supervisor:
     def restart(self, name: str) -> None:
         """Stop (if running) and start again; also the way out of FAILED."""
         runner = self._runners[name]
-        self._table.upsert(name, desired="running")
+        self._table.update(name, desired="running")
         if runner.machine.state in (WorkerState.RUNNING, WorkerState.STARTING):
             runner.post(StopRequested())
         runner.post(StartRequested())
@@ -177,7 +177,7 @@ class Supervisor:
             fields["last_exit_at"] = time.time()
         if change.new is WorkerState.RUNNING:
             fields["started_at"] = time.time()
-        self._table.upsert(runner.name, **fields)
+        self._table.update(runner.name, **fields)
         level = logging.WARNING if change.new is WorkerState.FAILED else logging.INFO
         log.log(level, "worker %s: %s -> %s (%s)", runner.name, change.old.value,
                 change.new.value, change.reason)
@@ -189,7 +189,7 @@ class Supervisor:
                             cause=m.last_cause.kind if m.last_cause else None)
 
     def spawned(self, runner: WorkerRunner) -> None:
-        self._table.upsert(runner.name, pid=runner.pid, create_time=runner.create_time)
+        self._table.update(runner.name, pid=runner.pid, create_time=runner.create_time)
         self._events.append("worker.spawned", runner.name,
                             f"worker {runner.name} started as pid {runner.pid}", pid=runner.pid)
 
