@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import psutil
 import typer
 
 from mlxceld import __version__
@@ -180,13 +180,13 @@ def _wait_gone(pid: int, path: Path) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Running and not a zombie (a daemon whose parent has not reaped it yet has exited)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.Error:
         return True
-    return True
 
 
 @app.command()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -13,13 +13,18 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pytest
+
+from mlxceld.control.client import ControlClient
+from mlxceld.errors import DaemonNotRunning
+
+T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 20.0
 
@@ -82,7 +87,11 @@ class DaemonProc:
         assert self.proc is not None
         if self.proc.poll() is not None:
             pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.stderr()}")
-        return self.ctl("version", "--json").returncode == 0
+        try:
+            self.api(lambda c: c.version())
+        except DaemonNotRunning:
+            return False
+        return True
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
@@ -95,11 +104,17 @@ class DaemonProc:
             env={**os.environ, "NO_COLOR": "1", **(env or {})},
         )
 
+    def api(self, job: Callable[[ControlClient], Awaitable[T]]) -> T:
+        """Call the control API in-process (the typed client mlxctl uses)."""
+
+        async def go() -> T:
+            async with ControlClient(self.socket) as client:
+                return await job(client)
+
+        return asyncio.run(go())
+
     def status(self) -> dict[str, Any]:
-        out = self.ctl("status", "--json")
-        assert out.returncode == 0, out.stderr
-        body: dict[str, Any] = json.loads(out.stdout)
-        return body
+        return self.api(lambda c: c.status())
 
     def worker(self, name: str) -> dict[str, Any]:
         for w in self.status()["workers"]:
@@ -108,9 +123,7 @@ class DaemonProc:
         raise AssertionError(f"no worker {name} in status")
 
     def events(self, last: int = 200) -> list[dict[str, Any]]:
-        out = self.ctl("events", "--json", "-n", str(last))
-        assert out.returncode == 0, out.stderr
-        events: list[dict[str, Any]] = json.loads(out.stdout)["events"]
+        events: list[dict[str, Any]] = self.api(lambda c: c.events(-last, last))["events"]
         return events
 
     def wait_worker(self, name: str, timeout: float = 20.0,

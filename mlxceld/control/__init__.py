@@ -1,25 +1,25 @@
-"""The control room: the daemon's Unix-socket API, its guard, and the peer check."""
+"""The control room: the daemon's Unix-socket API, its guard, and the peer check.
 
-from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
-from mlxceld.control.server import (
-    PEER_EXTENSION,
-    SOCKET_PATH_LIMIT,
-    ControlServer,
-    bind_control_socket,
-    check_socket_path,
-    peer_guard,
-    remove_socket_file,
-)
+Names are loaded on first use, so that ``mlxctl`` (which needs only the client)
+does not pay for importing uvicorn and starlette on every command.
+"""
 
-__all__ = [
-    "PEER_EXTENSION",
-    "SOCKET_PATH_LIMIT",
-    "ControlServer",
-    "PeerCredentials",
-    "bind_control_socket",
-    "check_socket_path",
-    "is_authorized",
-    "peer_credentials",
-    "peer_guard",
-    "remove_socket_file",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "PeerCredentials": "peercred", "is_authorized": "peercred", "peer_credentials": "peercred",
+    "PEER_EXTENSION": "server", "SOCKET_PATH_LIMIT": "server", "ControlServer": "server",
+    "bind_control_socket": "server", "check_socket_path": "server", "peer_guard": "server",
+    "remove_socket_file": "server", "build_app": "app", "ControlClient": "client",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,0 +1,172 @@
+"""A real daemon supervising real worker processes: restarts, flapping, re-adoption, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from conftest import FAST_POLICY, Daemons, alive, wait_for
+
+TWO_ECHOS = FAST_POLICY + """
+[workers.alpha]
+role = "echo"
+options = { interval_s = 0.2 }
+
+[workers.beta]
+role = "echo"
+options = { interval_s = 0.2 }
+"""
+
+
+def test_status_shows_daemon_and_workers(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    d.wait_worker("alpha", state="running")
+    d.wait_worker("beta", state="running")
+    body = json.loads(d.ctl("status", "--json").stdout)
+    assert body["schema"] == "mlxctl.status/1"
+    assert body["daemon"]["pid"] == d.pid
+    assert body["problems"] == []
+    out = d.ctl("status")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("mlxceld ") and f"pid {d.pid}" in lines[0]
+    assert any(line.startswith("alpha") and "running" in line for line in lines)
+    assert lines[-1] == "health: ok"
+    assert "\x1b[" not in out.stdout  # no colour off a TTY
+
+
+def test_kill9_worker_is_restarted_with_backoff_and_recorded(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    first = d.wait_worker("alpha", state="running")["pid"]
+    daemons.pids.add(first)
+    os.kill(first, signal.SIGKILL)
+    again = wait_for(lambda: (w := d.worker("alpha"))["state"] == "running"
+                     and w["pid"] != first and w, 20, "alpha restarted")
+    daemons.pids.add(again["pid"])
+    assert again["restarts"] == 1
+    assert "SIGKILL" in again["last_exit"]
+    backoff = [e for e in d.events() if e["kind"] == "worker.backoff" and e["subject"] == "alpha"]
+    assert backoff and "SIGKILL" in backoff[-1]["message"]
+    assert d.worker("beta")["restarts"] == 0
+
+
+def test_flapping_worker_goes_to_failed_with_the_reason(daemons: Daemons) -> None:
+    d = daemons.make(FAST_POLICY + """
+[workers.flappy]
+role = "echo"
+options = { crash_after_s = 0.1 }
+flap_max_exits = 3
+flap_window_s = 60.0
+""").start()
+    w = d.wait_worker("flappy", timeout=30, state="failed")
+    assert "exited 3 times" in w["reason"]
+    assert "RuntimeError: echo worker flappy crashed on purpose" in w["reason"]
+    assert w["pid"] is None
+    problems = d.status()["problems"]
+    assert problems[0]["subject"] == "flappy"
+    assert problems[0]["next"].startswith("mlxctl logs flappy")
+    text = d.ctl("status").stdout
+    assert "health: 1 problem(s)" in text and "next: mlxctl logs flappy" in text
+    time.sleep(1.0)  # failed means no more restarts
+    assert d.worker("flappy")["state"] == "failed"
+    assert d.ctl("restart", "flappy").returncode == 0
+    wait_for(lambda: d.worker("flappy")["state"] in ("starting", "running", "backoff"), 10,
+             "flappy restarted by hand")
+
+
+def test_exit_causes_are_classified(daemons: Daemons) -> None:
+    d = daemons.make(FAST_POLICY + """
+[workers.status3]
+role = "echo"
+options = { exit_after_s = 0.2, exit_code = 3 }
+flap_max_exits = 1
+
+[workers.done]
+role = "echo"
+options = { exit_after_s = 0.2 }
+""").start()
+    assert d.wait_worker("status3", state="failed")["last_exit"] == "exited with status 3"
+    done = d.wait_worker("done", state="exited")
+    assert done["last_exit"] == "exited cleanly" and done["restarts"] == 0
+
+
+def test_daemon_kill9_then_restart_readopts_the_same_worker(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    pid = d.wait_worker("alpha", state="running")["pid"]
+    daemons.note(d)
+    os.kill(d.pid, signal.SIGKILL)
+    assert d.proc is not None
+    d.proc.wait()
+    assert alive(pid), "a worker must survive its daemon"
+    d.start()
+    w = d.wait_worker("alpha", state="running")
+    assert w["pid"] == pid and w["restarts"] == 0
+    adopted = [e for e in d.events() if e["kind"] == "worker.adopted"]
+    assert {e["subject"] for e in adopted} == {"alpha", "beta"}
+    # The adopted worker is still supervised: killing it now gets it restarted.
+    os.kill(pid, signal.SIGKILL)
+    w = wait_for(lambda: (x := d.worker("alpha"))["state"] == "running" and x["pid"] != pid
+                 and x, 20, "adopted worker restarted")
+    daemons.pids.add(w["pid"])
+
+
+def test_sighup_reloads_without_restarting_workers(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    before = {w["name"]: w["pid"] for w in (d.wait_worker(n, state="running")
+                                          for n in ("alpha", "beta"))}
+    os.kill(d.pid, signal.SIGHUP)
+    wait_for(lambda: any(e["kind"] == "daemon.reloaded" for e in d.events()), 10, "reload")
+    after = {w["name"]: w["pid"] for w in d.status()["workers"]}
+    assert after == before
+    assert all(w["restarts"] == 0 for w in d.status()["workers"])
+
+
+def test_sighup_with_a_broken_config_keeps_running(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    d.wait_worker("alpha", state="running")
+    d.config.write_text("[daemon\n")
+    os.kill(d.pid, signal.SIGHUP)
+    failed = wait_for(lambda: [e for e in d.events() if e["kind"] == "daemon.reload_failed"],
+                      10, "reload failure event")
+    assert "not valid TOML" in failed[0]["message"]
+    assert d.worker("alpha")["state"] == "running"
+
+
+def test_sigterm_ends_every_process(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    pids = [d.wait_worker(n, state="running")["pid"] for n in ("alpha", "beta")]
+    daemons.note(d)
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+    for pid in [d.pid, *pids]:
+        assert not alive(pid), f"pid {pid} outlived the daemon"
+    assert not d.socket.exists()
+
+
+def test_stuck_worker_is_killed_after_its_stop_timeout(daemons: Daemons) -> None:
+    d = daemons.make(FAST_POLICY + """
+[workers.stuck]
+role = "echo"
+options = { ignore_term = true }
+stop_timeout_s = 0.5
+""").start()
+    pid = d.wait_worker("stuck", state="running")["pid"]
+    daemons.pids.add(pid)
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+    assert not alive(pid)
+
+
+def test_mlxctl_stop_stops_the_daemon(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    pid = d.wait_worker("alpha", state="running")["pid"]
+    daemons.note(d)
+    out = d.ctl("stop")
+    assert out.returncode == 0, out.stderr
+    assert f"mlxceld (pid {d.pid}) stopped" in out.stdout
+    assert d.proc is not None and d.proc.wait(timeout=10) == 0
+    assert not alive(pid)
