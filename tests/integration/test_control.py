@@ -113,7 +113,7 @@ def test_a_process_of_another_uid_is_refused(daemons: Daemons) -> None:
                          timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("HTTP/1.1 403")
-    body = json.loads(out.stdout.split("\r\n\r\n", 1)[1])
+    body = json.loads(out.stdout.split("\n\n", 1)[1])  # text mode turned CRLF into LF
     assert body["error"]["code"] == "permission_denied"
     assert "uid 65534" in body["error"]["message"]
 
