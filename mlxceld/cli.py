@@ -18,7 +18,8 @@ from mlxceld import __version__
 from mlxceld.config import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, MlxceldError
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]})
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
 
 def _version(value: bool) -> None:

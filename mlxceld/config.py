@@ -185,7 +185,9 @@ def _number(table: Mapping[str, Any], key: str, where: str, prefix: str, default
     return float(value)
 
 
-def _policy(table: Mapping[str, Any], base: RestartPolicy, where: str, prefix: str) -> RestartPolicy:
+def _policy(
+    table: Mapping[str, Any], base: RestartPolicy, where: str, prefix: str
+) -> RestartPolicy:
     changes: dict[str, Any] = {}
     for key in POLICY_FIELDS:
         if key in table:

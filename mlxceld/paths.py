@@ -24,7 +24,7 @@ def default_state_dir() -> Path:
 
 
 def default_config_file() -> Path:
-    """``mlxceld.toml`` in the platform's config dir (XDG on Linux, Application Support on macOS)."""
+    """``mlxceld.toml`` in the platform's config dir (XDG on Linux, Application Support, macOS)."""
     systemd = os.environ.get("CONFIGURATION_DIRECTORY")
     if systemd:
         return Path(systemd.split(":")[0]) / f"{APP}.toml"

@@ -141,9 +141,11 @@ class DaemonProc:
         db = self.state_dir / "state.db"
         if not db.exists():
             return set()
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-            with contextlib.suppress(sqlite3.Error):
-                return {r[0] for r in conn.execute("select pid from workers where pid is not null")}
+        query = "select pid from workers where pid is not null"
+        with contextlib.suppress(sqlite3.Error), contextlib.closing(
+            sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        ) as conn:
+            return {r[0] for r in conn.execute(query)}
         return set()
 
 

@@ -20,22 +20,22 @@ Migration = Callable[[sqlite_utils.Database], None]
 
 
 def _v1(db: sqlite_utils.Database) -> None:
-    db["node"].create(
+    db.table("node").create(
         {"id": int, "node_id": str, "created_at": float, "version": str, "hostname": str,
          "daemon_pid": int, "started_at": float},
         pk="id",
     )
-    db["workers"].create(
+    db.table("workers").create(
         {"name": str, "role": str, "spec": str, "desired": str, "state": str, "reason": str,
          "pid": int, "create_time": float, "restarts": int, "last_exit": str,
          "last_exit_at": float, "started_at": float, "updated_at": float},
         pk="name", not_null={"role", "spec", "desired", "state"},
     )
-    db["events"].create(
+    db.table("events").create(
         {"id": int, "ts": float, "kind": str, "subject": str, "message": str, "data": str},
         pk="id", not_null={"ts", "kind", "message"},
     )
-    db["events"].create_index(["subject"])
+    db.table("events").create_index(["subject"])
 
 
 MIGRATIONS: list[Migration] = [_v1]

@@ -36,10 +36,10 @@ class EventLog:
 
     def append(self, kind: str, subject: str, message: str, **data: Any) -> Event:
         ts = time.time()
-        table = self._db["events"]
+        table = self._db.table("events")
         table.insert({"ts": ts, "kind": kind, "subject": subject, "message": message,
                       "data": json.dumps(data, sort_keys=True)})
-        event = Event(int(table.last_pk), ts, kind, subject, message, data)
+        event = Event(int(table.last_rowid or 0), ts, kind, subject, message, data)
         self._changed.set()
         self._changed = asyncio.Event()
         return event
@@ -50,11 +50,11 @@ class EventLog:
         if subject:
             where, args = "subject = ?", [subject]
         if after < 0:
-            rows = list(self._db["events"].rows_where(
+            rows = list(self._db.table("events").rows_where(
                 where, args, order_by="id desc", limit=min(-after, limit)))
             rows.reverse()
         else:
-            rows = list(self._db["events"].rows_where(
+            rows = list(self._db.table("events").rows_where(
                 f"{where} and id > ?", [*args, after], order_by="id", limit=limit))
         return [Event(r["id"], r["ts"], r["kind"], r["subject"] or "", r["message"],
                       json.loads(r["data"] or "{}")) for r in rows]

@@ -22,7 +22,7 @@ class Node:
 
 def claim_node(db: sqlite_utils.Database) -> Node:
     """Load this node's identity (creating it on first start) and record this daemon's run."""
-    table = db["node"]
+    table = db.table("node")
     now = time.time()
     rows = list(table.rows_where("id = 1"))
     if rows:

@@ -40,29 +40,29 @@ class WorkersTable:
 
     def get(self, name: str) -> WorkerRow | None:
         try:
-            row = self._db["workers"].get(name)
+            row = self._db.table("workers").get(name)
         except NotFoundError:
             return None
         return _row(row)
 
     def all(self) -> list[WorkerRow]:
-        return [_row(r) for r in self._db["workers"].rows_where(order_by="name")]
+        return [_row(r) for r in self._db.table("workers").rows_where(order_by="name")]
 
     def put(self, name: str, *, role: str, spec: JSON, desired: str, **fields: Any) -> None:
         """Insert or replace the worker's identity columns (keeps the others)."""
         row = {"name": name, "role": role, "spec": json.dumps(spec, sort_keys=True),
                "desired": desired, "updated_at": time.time(), **fields}
         if self.get(name) is None:
-            self._db["workers"].insert({"state": "exited", **row})
+            self._db.table("workers").insert({"state": "exited", **row})
         else:
-            self._db["workers"].update(name, row)
+            self._db.table("workers").update(name, row)
 
     def update(self, name: str, **fields: Any) -> None:
         """Change some columns of an existing worker's row."""
-        self._db["workers"].update(name, {**fields, "updated_at": time.time()})
+        self._db.table("workers").update(name, {**fields, "updated_at": time.time()})
 
     def delete(self, name: str) -> None:
-        self._db["workers"].delete_where("name = ?", [name])
+        self._db.table("workers").delete_where("name = ?", [name])
 
 
 def _row(r: dict[str, Any]) -> WorkerRow:
