@@ -201,3 +201,30 @@ def test_idle_daemon_without_workers(daemons: Daemons) -> None:
     assert out.returncode == 0
     assert "no workers configured" in out.stdout and "health: ok" in out.stdout
     wait_for(lambda: d.ctl("version").returncode == 0, 10, "version")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_mlxctl_as_another_uid_exits_4(daemons: Daemons) -> None:
+    d = daemons.make().start()
+    # The interpreter lives under /root, which nobody cannot read: run mlxctl once as root
+    # (so every module it needs is loaded), then drop to nobody and run it again.
+    code = textwrap.dedent(f"""
+        import contextlib, io, os
+        from mlxctl.app import app
+        args = ["--socket", {str(d.socket)!r}, "status"]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            app(args)
+        os.setgid(65534); os.setuid(65534)
+        app(args)
+    """)
+    run = lambda: subprocess.run([sys.executable, "-c", code], capture_output=True,  # noqa: E731
+                                 text=True, timeout=30)
+    blocked = run()  # the 0700 directory stops it before the daemon sees it
+    assert blocked.returncode == 4, blocked.stderr
+    assert "permission denied" in blocked.stderr
+    os.chmod(d.root, 0o711)
+    os.chmod(d.socket.parent, 0o711)
+    os.chmod(d.socket, 0o666)
+    refused = run()  # the daemon's credential check refuses it
+    assert refused.returncode == 4, refused.stderr
+    assert "uid 65534 is not allowed" in refused.stderr
