@@ -177,10 +177,13 @@ def _path(table: Mapping[str, Any], key: str, base: Path, where: str) -> Path | 
     return p if p.is_absolute() else base / p
 
 
-def _number(table: Mapping[str, Any], key: str, where: str, prefix: str, default: float) -> float:
+def _number(table: Mapping[str, Any], key: str, where: str, prefix: str, default: float,
+            *, allow_zero: bool = False) -> float:
     value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{where}: '{prefix}{key}' must be a positive number, not {value!r}",
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            or (value == 0 and not allow_zero)):
+        kind = "non-negative" if allow_zero else "positive"
+        raise ConfigError(f"{where}: '{prefix}{key}' must be a {kind} number, not {value!r}",
                           hint=f"for example {key} = {default}")
     return float(value)
 
@@ -191,7 +194,8 @@ def _policy(
     changes: dict[str, Any] = {}
     for key in POLICY_FIELDS:
         if key in table:
-            value = _number(table, key, where, prefix, getattr(base, key))
+            value = _number(table, key, where, prefix, getattr(base, key),
+                            allow_zero=key == "backoff_jitter")  # 0: no jitter
             is_int = isinstance(getattr(base, key), int)
             if is_int and value != int(value):
                 raise ConfigError(f"{where}: '{prefix}{key}' must be a whole number",

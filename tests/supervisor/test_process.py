@@ -1,0 +1,58 @@
+"""What a worker is handed: its spec, its bootstrap and its environment, never the secret twice."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mlxceld.supervisor.process import WorkerSpec, child_environment
+
+SECRET = b"x" * 32
+
+
+def test_describe_and_repr_do_not_carry_the_secret(tmp_path: Path) -> None:
+    spec = WorkerSpec("w1", "echo", tmp_path, options={"a": 1}, secret=SECRET)
+    described = json.dumps(spec.describe())
+    for text in (described, repr(spec)):
+        assert SECRET.decode() not in text
+        assert SECRET.hex() not in text
+        assert repr(SECRET) not in text
+    assert spec.describe() == {"name": "w1", "role": "echo", "options": {"a": 1},
+                               "has_secret": True}
+
+
+def test_bootstrap_is_the_only_place_for_the_secret(tmp_path: Path) -> None:
+    spec = WorkerSpec("w1", "echo", tmp_path, options={"a": 1}, secret=SECRET)
+    boot = spec.bootstrap()
+    assert bytes.fromhex(boot["secret_hex"]) == SECRET
+    assert boot["control_socket"] == str(tmp_path / "workers" / "w1.sock")
+    assert boot["exit_record"] == str(tmp_path / "workers" / "w1.exit")
+    assert boot["state_dir"] == str(tmp_path)
+    assert spec.log_path == tmp_path / "logs" / "w1.log"
+
+
+def test_no_secret_no_secret_hex(tmp_path: Path) -> None:
+    spec = WorkerSpec("w1", "echo", tmp_path)
+    assert "secret_hex" not in spec.bootstrap()
+    assert spec.describe()["has_secret"] is False
+
+
+def test_child_environment_drops_secrets_and_keeps_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_CLUSTER_SECRET", "s3")
+    monkeypatch.setenv("FOO_API_KEY", "k")
+    monkeypatch.setenv("GITHUB_TOKEN", "t")
+    monkeypatch.setenv("my_token_file", "t")
+    monkeypatch.setenv("DB_PASSWORD", "p")
+    monkeypatch.setenv("MLXCELD_HARMLESS", "yes")
+    env = child_environment()
+    for name in ("MLXCEL_CLUSTER_SECRET", "FOO_API_KEY", "GITHUB_TOKEN", "my_token_file",
+                 "DB_PASSWORD"):
+        assert name not in env
+    assert env["PATH"] == os.environ["PATH"]
+    assert env["MLXCELD_HARMLESS"] == "yes"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert "MLXCEL_CLUSTER_SECRET" in os.environ  # the daemon's own environment is untouched
