@@ -120,7 +120,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         policy=policy,
         health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),
-        log_backups=int(_number(sup, "log_backups", where, "supervisor.", 3)),
+        log_backups=int(_number(sup, "log_backups", where, "supervisor.", 3, allow_zero=True)),
         workers=workers,
     )
 

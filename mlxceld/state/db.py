@@ -48,19 +48,26 @@ def open_db(path: Path) -> sqlite_utils.Database:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
         conn = sqlite3.connect(path, isolation_level=None, timeout=5.0)
+    except OSError as exc:
+        raise StateError(f"state database {path} cannot be created: {exc.strerror}",
+                         hint="check the state dir's owner and permissions") from exc
+    except sqlite3.Error as exc:
+        raise StateError(f"state database {path} cannot be opened: {exc}",
+                         hint="check the file and its permissions") from exc
+    try:
         db = sqlite_utils.Database(conn)
         db.enable_wal()
         conn.execute("PRAGMA synchronous=NORMAL")
         migrate(db, path)
         return db
-    except sqlite3.Error as exc:
+    except BaseException as exc:
+        conn.close()
+        if not isinstance(exc, sqlite3.Error):
+            raise
         raise StateError(
             f"state database {path} cannot be opened: {exc}",
             hint="check the file; a corrupt database can be moved aside and the daemon restarted",
         ) from exc
-    except OSError as exc:
-        raise StateError(f"state database {path} cannot be created: {exc.strerror}",
-                         hint="check the state dir's owner and permissions") from exc
 
 
 def migrate(db: sqlite_utils.Database, path: Path) -> None:

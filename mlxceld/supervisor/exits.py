@@ -48,7 +48,7 @@ def last_exception(log_tail: str) -> str:
     at = log_tail.rfind(TRACEBACK)
     if at < 0:
         return ""
-    for line in reversed(log_tail[at:].splitlines()):
+    for line in reversed(log_tail[at + len(TRACEBACK):].splitlines()):
         if line.strip() and not line.startswith((" ", "\t")):
             return line.strip()[:300]
     return ""
