@@ -129,8 +129,8 @@ class DaemonProc:
     def wait_worker(self, name: str, timeout: float = 20.0,
                     **expected: Any) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
-            w = self.worker(name)
-            return w if all(w.get(k) == v for k, v in expected.items()) else None
+            w = next((w for w in self.status()["workers"] if w["name"] == name), None)
+            return w if w and all(w.get(k) == v for k, v in expected.items()) else None
 
         result: dict[str, Any] = wait_for(check, timeout, f"worker {name} with {expected}",
                                           every=0.1)

@@ -86,13 +86,16 @@ class Supervisor:
             if name not in wanted:
                 await self.remove(name)
         for spec in specs:
-            if spec.name in self._runners:
-                if spec.describe() != self._runners[spec.name].spec.describe():
-                    self._events.append("worker.config_changed", spec.name,
-                                        f"worker {spec.name}: new spec takes effect at its "
-                                        "next start")
-                continue
-            await self._add(spec)
+            runner = self._runners.get(spec.name)
+            if runner is None:
+                await self._add(spec)
+            elif spec != runner.spec:
+                # Never a restart on reload: the new spec and policy apply from the next start.
+                runner.spec = spec
+                runner.machine.policy = spec.policy
+                self._table.update(spec.name, role=spec.role, spec=spec.describe())
+                self._events.append("worker.config_changed", spec.name,
+                                    f"worker {spec.name}: new spec takes effect at its next start")
 
     async def _add(self, spec: WorkerSpec) -> None:
         row = self._table.get(spec.name)

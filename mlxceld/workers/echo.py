@@ -9,6 +9,8 @@ each can be tested against a real process:
     exit_after_s    exit with ``exit_code`` after this long
     exit_code       status for exit_after_s (default 0: a clean exit)
     ignore_term     ignore SIGTERM (a stuck worker: the supervisor must SIGKILL)
+    freeze_after_s  block the whole process after this long (a hung worker: health probes
+                    time out, the supervisor restarts it)
     interval_s      tick period (default 1.0)
 """
 
@@ -37,6 +39,8 @@ async def run(ctx: WorkerContext) -> int:
             raise RuntimeError(f"echo worker {ctx.name} crashed on purpose")
         if "exit_after_s" in opts and elapsed >= float(opts["exit_after_s"]):
             return int(opts.get("exit_code", 0))
+        if "freeze_after_s" in opts and elapsed >= float(opts["freeze_after_s"]):
+            time.sleep(3600)  # blocks the event loop: the control channel stops answering
         await _sleep_unless_stopped(ctx, min(interval, 0.05) if _timed(opts) else interval)
         ctx.stats["ticks"] += 1
     print(f"echo worker {ctx.name} stopping after {ctx.stats['ticks']} ticks", flush=True)
@@ -44,7 +48,7 @@ async def run(ctx: WorkerContext) -> int:
 
 
 def _timed(opts: dict[str, object]) -> bool:
-    return "crash_after_s" in opts or "exit_after_s" in opts
+    return any(k in opts for k in ("crash_after_s", "exit_after_s", "freeze_after_s"))
 
 
 async def _sleep_unless_stopped(ctx: WorkerContext, seconds: float) -> None:

@@ -170,3 +170,47 @@ def test_mlxctl_stop_stops_the_daemon(daemons: Daemons) -> None:
     assert f"mlxceld (pid {d.pid}) stopped" in out.stdout
     assert d.proc is not None and d.proc.wait(timeout=10) == 0
     assert not alive(pid)
+
+
+def test_hung_worker_is_restarted_after_failed_health_probes(daemons: Daemons) -> None:
+    d = daemons.make(FAST_POLICY + """
+[workers.frozen]
+role = "echo"
+options = { freeze_after_s = 0.5 }
+liveness_failures = 2
+stop_timeout_s = 0.5
+""").start()
+    first = d.wait_worker("frozen", state="running")["pid"]
+    daemons.pids.add(first)
+    w = wait_for(lambda: (x := d.worker("frozen"))["restarts"] >= 1 and x, 30,
+                 "the hung worker restarted")
+    if w["pid"]:
+        daemons.pids.add(w["pid"])
+    assert not alive(first)
+    kinds = [e["kind"] for e in d.events() if e["subject"] == "frozen"]
+    assert "worker.stopping" in kinds and "worker.backoff" in kinds
+    stopping = next(e for e in d.events() if e["kind"] == "worker.stopping")
+    assert "health probes" in stopping["message"]
+
+
+def test_sighup_applies_added_and_removed_workers(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    alpha = d.wait_worker("alpha", state="running")["pid"]
+    beta = d.wait_worker("beta", state="running")["pid"]
+    daemons.note(d)
+    d.config.write_text(FAST_POLICY + """
+[workers.alpha]
+role = "echo"
+options = { interval_s = 0.5 }
+
+[workers.gamma]
+role = "echo"
+""")
+    os.kill(d.pid, signal.SIGHUP)
+    gamma = d.wait_worker("gamma", state="running")
+    daemons.pids.add(gamma["pid"])
+    wait_for(lambda: not alive(beta), 10, "removed worker beta stopped")
+    names = [w["name"] for w in d.status()["workers"]]
+    assert names == ["alpha", "gamma"]
+    assert d.worker("alpha")["pid"] == alpha  # changed spec: no restart
+    assert any(e["kind"] == "worker.config_changed" for e in d.events())
