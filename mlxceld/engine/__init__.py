@@ -1,0 +1,13 @@
+"""Engines: local (in-process model) now; pipeline and disaggregated later."""
+
+from mlxceld.engine.base import (
+    Engine,
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenOutput,
+)
+
+__all__ = ["Engine", "EngineError", "FinishReason", "GenerationRequest", "SamplingParams",
+           "TokenOutput"]

@@ -1,0 +1,66 @@
+"""The engine seam: what the shared router layer (mlxceld/api) asks of any engine.
+
+Local (the model in-process), pipeline (stages over MXCL) and disaggregated
+engines all implement ``Engine``. Above it, shared by all: OpenAI parsing,
+chat templates, tokenization, detokenization, stop strings, streaming,
+admission and metrics. Below it: prefill, batched decode, sampling, caches.
+
+Token ids cross this seam, never text: the pipeline's last stage returns ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy (argmax)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: Sequence[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token. ``finish_reason`` is set on the sequence's last output:
+    "stop" when the token is an end-of-sequence token (it is not text to show),
+    "length" when max_tokens was reached (the token is part of the output)."""
+
+    token: int
+    finish_reason: FinishReason | None = None
+
+
+class EngineError(Exception):
+    """The engine could not serve a request (it is the server's fault, not the client's)."""
+
+
+class Engine(Protocol):
+    """A running engine. ``generate`` streams one sequence's tokens; the caller's
+    closing the iterator early (``aclose``, client gone) cancels the sequence and
+    frees its cache. At most ``max_batch`` sequences are handed to it at once: the
+    admission queue above it holds the rest."""
+
+    model_id: str
+    context_length: int
+    max_batch: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenOutput]: ...
+
+    def active_sequences(self) -> int: ...
+
+    async def aclose(self) -> None: ...
