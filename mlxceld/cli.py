@@ -43,13 +43,26 @@ def run(
         "--log-level", help=f"One of {', '.join(LOG_LEVELS)}. Default: info.")] = None,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", help="Log here instead of stderr; reopened on SIGHUP.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Serve this model: a local mlx-lm directory or a Hugging Face repo id "
+        "(overrides [serve] model).")] = None,
+    model_name: Annotated[str | None, typer.Option(
+        "--model-name", help="The model id clients see (default: the directory name).")] = None,
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address of the OpenAI-compatible port. Default: 127.0.0.1.")] = None,
+    port: Annotated[int | None, typer.Option(
+        "--port", help="The OpenAI-compatible port. Default: 8080.")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", envvar="MLXCEL_API_KEY_FILE", show_envvar=True,
+        help="Require this API key (Authorization: Bearer) on the OpenAI port.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     """Run the mlxceld daemon in the foreground."""
     flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
-                      log_level=log_level, log_file=log_file)
+                      log_level=log_level, log_file=log_file, model=model,
+                      model_name=model_name, host=host, port=port, api_key_file=api_key_file)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)

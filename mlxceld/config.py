@@ -19,6 +19,9 @@ File format (TOML, every table and key optional)::
     role = "echo"
     options = { interval_s = 1.0 }     # role-specific
     stop_timeout_s = 20.0              # any RestartPolicy field overrides [supervisor]
+
+    [serve]                            # the model server (the router worker):
+    model = "~/models/tiny"            # see mlxceld/serving.py for every key
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 
 from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
+from mlxceld.serving import ROUTER, ServeConfig, parse_serve
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.workers.roles import ROLES
 
@@ -61,6 +65,7 @@ class Config:
     log_max_bytes: int = 10 * 1024 * 1024
     log_backups: int = 3
     workers: tuple[WorkerConfig, ...] = ()
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,11 @@ class Overrides:
     socket: Path | None = None
     log_level: str | None = None
     log_file: Path | None = None
+    model: str | None = None
+    model_name: str | None = None
+    host: str | None = None
+    port: int | None = None
+    api_key_file: Path | None = None
 
 
 def load_config(flags: Overrides) -> Config:
@@ -90,7 +100,7 @@ def load_config(flags: Overrides) -> Config:
 
 def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -> Config:
     where = str(path) if path else "config"
-    _check_keys(data, {"daemon", "supervisor", "workers"}, where, "")
+    _check_keys(data, {"daemon", "supervisor", "workers", "serve"}, where, "")
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
     _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file"}, where, "daemon.")
@@ -111,6 +121,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         )
     policy = _policy(sup, RestartPolicy(), where, "supervisor.")
     workers = _workers(_table(data, "workers", where), policy, where)
+    serve = parse_serve(_table(data, "serve", where), flags, base, where)
     return Config(
         state_dir=state_dir,
         socket=socket.expanduser().absolute(),
@@ -122,6 +133,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),
         log_backups=int(_number(sup, "log_backups", where, "supervisor.", 3, allow_zero=True)),
         workers=workers,
+        serve=serve,
     )
 
 
@@ -169,8 +181,9 @@ def _str(table: Mapping[str, Any], key: str, where: str, prefix: str) -> str | N
     return value
 
 
-def _path(table: Mapping[str, Any], key: str, base: Path, where: str) -> Path | None:
-    value = _str(table, key, where, "daemon.")
+def _path(table: Mapping[str, Any], key: str, base: Path, where: str,
+          prefix: str = "daemon.") -> Path | None:
+    value = _str(table, key, where, prefix)
     if value is None:
         return None
     p = Path(value).expanduser()
@@ -220,14 +233,18 @@ def _workers(
                 hint="use 1-63 characters of a-z, 0-9, '.', '_' and '-', starting with a letter "
                 "or digit",
             )
+        if name == ROUTER:
+            raise ConfigError(f"{where}: worker name {name!r} is reserved for the model server",
+                              hint="configure it under [serve] instead")
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: 'workers.{name}' must be a table",
                               hint=f"write it as [workers.{name}]")
         _check_keys(spec, {"role", "options", *POLICY_FIELDS}, where, prefix)
         role = _str(spec, "role", where, prefix)
-        if role is None or role not in ROLES:
+        roles = sorted(set(ROLES) - {ROUTER})  # the router comes from [serve] only
+        if role is None or role not in roles:
             raise ConfigError(
-                f"{where}: '{prefix}role' must be one of {', '.join(sorted(ROLES))}, not {role!r}",
+                f"{where}: '{prefix}role' must be one of {', '.join(roles)}, not {role!r}",
                 hint=f'set role = "..." under [workers.{name}]',
             )
         options = spec.get("options", {})

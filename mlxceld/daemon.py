@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from mlxceld import __version__
@@ -34,7 +35,8 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.errors import ConfigError, DaemonError
-from mlxceld.state import SCHEMA_VERSION, EventLog, WorkersTable, claim_node, open_db
+from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
+from mlxceld.state import SCHEMA_VERSION, EventLog, Settings, WorkersTable, claim_node, open_db
 from mlxceld.state.lock import StateLock, acquire
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
@@ -44,6 +46,7 @@ from mlxceld.types import JSON
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
+ROUTER_START_TIMEOUT_S = 600.0
 
 
 def prepare_state_dir(path: Path) -> None:
@@ -76,6 +79,10 @@ class Daemon:
             self._db = open_db(config.state_dir / "state.db")
             self.node = claim_node(self._db)
             self.events = EventLog(self._db)
+            self.settings = Settings(self._db)
+            self._api_key = (read_api_key(config.serve.api_key_file)
+                             if config.serve.api_key_file else None)
+            self._serve = self._effective_serve(config.serve)
             self.supervisor = Supervisor(
                 WorkersTable(self._db), self.events,
                 health_interval_s=config.health_interval_s,
@@ -104,6 +111,7 @@ class Daemon:
                 "config_file": str(self.config.config_file) if self.config.config_file else None,
                 "schema_version": SCHEMA_VERSION,
             },
+            "serving": self._serving(),
             "workers": workers,
             "problems": health.problems(workers),
         }
@@ -123,8 +131,42 @@ class Daemon:
     # -- lifetime -------------------------------------------------------------------------
 
     def specs(self, config: Config) -> list[WorkerSpec]:
-        return [WorkerSpec(w.name, w.role, config.state_dir, dict(w.options), w.policy)
-                for w in config.workers]
+        specs = [WorkerSpec(w.name, w.role, config.state_dir, dict(w.options), w.policy)
+                 for w in config.workers]
+        if self._serve.model is not None:
+            # Loading a model takes a while; stopping waits for open streams to finish.
+            policy = replace(config.policy, start_timeout_s=max(config.policy.start_timeout_s,
+                                                                ROUTER_START_TIMEOUT_S))
+            specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir,
+                                    router_options(self._serve), policy, api_key=self._api_key))
+        return specs
+
+    def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
+        """Flags and the config file win; else what `mlxctl serve` chose last time."""
+        saved = self.settings.get("serve")
+        if configured.model is None and saved is not None:
+            return configured.with_model(saved["model"], saved.get("model_name"))
+        return configured
+
+    async def serve_model(self, model: str, name: str | None) -> JSON | None:
+        """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
+        resolved = resolve_model(model, Path("/"), "mlxctl serve")
+        self._serve = self._serve.with_model(resolved, name)
+        self.settings.put("serve", {"model": resolved, "model_name": name})
+        existed = ROUTER in self.supervisor.names()
+        await self.supervisor.reconcile(self.specs(self.config))
+        if existed:
+            self.supervisor.restart(ROUTER)
+        self.events.append("serve.changed", ROUTER,
+                           f"now serving {self._serve.served_name} from {resolved}")
+        return self._serving()
+
+    def _serving(self) -> JSON | None:
+        s = self._serve
+        if s.model is None:
+            return None
+        return {"model": s.model, "model_name": s.served_name,
+                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -207,6 +249,7 @@ class Daemon:
                 log.warning("reload: %s changed; it takes effect at the next start", field)
         logging.getLogger().setLevel(new.log_level.upper())
         self.config = new
+        self._serve = self._effective_serve(new.serve)
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
         log.info("configuration reloaded")
         await self.supervisor.reconcile(self.specs(new))

@@ -20,6 +20,7 @@ class WorkerBootstrap(TypedDict):
     exit_record: str
     state_dir: str
     secret_hex: NotRequired[str]
+    api_key: NotRequired[str]
 
 
 class ChannelRequest(TypedDict):

@@ -151,6 +151,47 @@ def restart(
 
 
 @app.command()
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(
+        help="A local mlx-lm model directory, or a Hugging Face repo id.")],
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The model id clients see (default: the directory name).")] = None,
+    wait: Annotated[bool, typer.Option(
+        "--wait/--no-wait", help="Wait until the model is loaded and served.")] = True,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=1, help="Seconds to wait for the model to load.")] = 600.0,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Serve MODEL on the running daemon (starts or restarts its router worker)."""
+    local = Path(model).expanduser()
+    target = str(local.resolve()) if local.exists() else model  # the daemon has another cwd
+    path = _socket(ctx, socket)
+    body = call(path, as_json, lambda c: c.serve(target, name))
+    serving = body["serving"]
+    if wait:
+        state = call(path, as_json, lambda c: _wait_router(c, timeout))
+        body["router"] = state
+    emit(as_json, "serve", body, lambda: f"serving {serving['model_name']} at {serving['url']}"
+         + ("" if not wait else f" (router {body['router']['state']})"))
+    if wait and body["router"]["state"] != "running":
+        raise typer.Exit(EXIT_FAILURE)
+
+
+async def _wait_router(client: ControlClient, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    router: dict[str, Any] = {}
+    await asyncio.sleep(0.2)  # let a restart begin before the first look
+    while time.monotonic() < deadline:
+        workers = (await client.workers())["workers"]
+        router = next((w for w in workers if w["name"] == "router"), {"state": "missing"})
+        if router["state"] in ("running", "failed"):
+            break
+        await asyncio.sleep(0.2)
+    return router
+
+
+@app.command()
 def stop(
     ctx: typer.Context,
     wait: Annotated[bool, typer.Option("--wait/--no-wait",

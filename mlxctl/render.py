@@ -91,7 +91,12 @@ def status(body: dict[str, Any]) -> str:
     state = paint(d["state"], "green" if d["state"] == "running" else "yellow")
     summary = (f"mlxceld {d['version']} {state} · node {d['node_id']} · pid {d['pid']} · "
                f"up {duration(d['uptime_s'])} · {len(workers)} worker(s), {running} running")
-    return "\n".join([summary, "", workers_table(workers), "", health(body["problems"])])
+    serving = body.get("serving")
+    lines = [summary]
+    if serving:
+        lines.append(f"serving {serving['model_name']} at {serving['url']}"
+                     + (" (API key required)" if serving.get("api_key") else ""))
+    return "\n".join([*lines, "", workers_table(workers), "", health(body["problems"])])
 
 
 def health(problems: list[dict[str, Any]]) -> str:

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
+from mlxceld.errors import MlxceldError
 from mlxceld.state import EventLog
 from mlxceld.supervisor import logfiles
 from mlxceld.types import JSON
@@ -45,6 +46,7 @@ class DaemonView(Protocol):
     def workers(self) -> list[JSON]: ...
     def log_path(self, name: str) -> str | None: ...
     def restart_worker(self, name: str) -> None: ...
+    async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
     def request_stop(self) -> None: ...
 
 
@@ -95,6 +97,23 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             return body("events", events=items)
         return StreamingResponse(_event_stream(daemon, after, limit, subject), media_type=NDJSON)
 
+    async def serve(request: Request) -> Response:
+        if daemon.stopping:
+            return _stopping()
+        try:
+            payload = await request.json()
+            model, name = payload["model"], payload.get("model_name")
+            if not isinstance(model, str) or not model or not isinstance(name, str | None):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return error(400, "bad_request", "body must be JSON: {\"model\": PATH-OR-REPO, "
+                         "\"model_name\": optional string}", "see `mlxctl serve --help`")
+        try:
+            serving = await daemon.serve_model(model, name)
+        except MlxceldError as exc:
+            return error(400, "bad_model", exc.message, exc.hint)
+        return body("serve", serving=serving)
+
     async def stop(request: Request) -> Response:
         daemon.request_stop()
         return body("stop", stopping=True, pid=daemon.status()["daemon"]["pid"])
@@ -120,6 +139,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/workers/{name}/restart", restart, methods=["POST"]),
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),
+            Route("/v1/serve", serve, methods=["POST"]),
             Route("/v1/stop", stop, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, ValueError: bad_param},

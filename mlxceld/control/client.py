@@ -59,6 +59,10 @@ class ControlClient:
     async def restart(self, worker: str) -> JSON:
         return await self._request("POST", f"/v1/workers/{worker}/restart")
 
+    async def serve(self, model: str, model_name: str | None = None) -> JSON:
+        return await self._request("POST", "/v1/serve",
+                                   json={"model": model, "model_name": model_name})
+
     async def stop(self) -> JSON:
         return await self._request("POST", "/v1/stop")
 

@@ -3,7 +3,8 @@
 from mlxceld.state.db import SCHEMA_VERSION, open_db
 from mlxceld.state.events import Event, EventLog
 from mlxceld.state.node import Node, claim_node
+from mlxceld.state.settings import Settings
 from mlxceld.state.workers import WorkerRow, WorkersTable
 
-__all__ = ["SCHEMA_VERSION", "Event", "EventLog", "Node", "WorkerRow", "WorkersTable",
+__all__ = ["SCHEMA_VERSION", "Event", "EventLog", "Node", "Settings", "WorkerRow", "WorkersTable",
            "claim_node", "open_db"]

@@ -38,7 +38,12 @@ def _v1(db: sqlite_utils.Database) -> None:
     db.table("events").create_index(["subject"])
 
 
-MIGRATIONS: list[Migration] = [_v1]
+def _v2(db: sqlite_utils.Database) -> None:
+    """Settings changed at run time (``mlxctl serve``): key -> JSON value."""
+    db.table("settings").create({"key": str, "value": str, "updated_at": float}, pk="key")
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

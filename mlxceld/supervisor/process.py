@@ -35,6 +35,7 @@ class WorkerSpec:
     options: dict[str, Any] = field(default_factory=dict)
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     secret: bytes | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def control_socket(self) -> Path:
@@ -51,7 +52,7 @@ class WorkerSpec:
     def describe(self) -> dict[str, Any]:
         """The spec as stored in SQLite: no secret, only whether there is one."""
         return {"name": self.name, "role": self.role, "options": self.options,
-                "has_secret": self.secret is not None}
+                "has_secret": self.secret is not None, "has_api_key": self.api_key is not None}
 
     def bootstrap(self) -> WorkerBootstrap:
         boot: WorkerBootstrap = {
@@ -61,6 +62,8 @@ class WorkerSpec:
         }
         if self.secret is not None:
             boot["secret_hex"] = self.secret.hex()
+        if self.api_key is not None:
+            boot["api_key"] = self.api_key
         return boot
 
 

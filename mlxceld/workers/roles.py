@@ -9,4 +9,5 @@ from __future__ import annotations
 # role -> module with ``async def run(ctx: WorkerContext) -> int``
 ROLES: dict[str, str] = {
     "echo": "mlxceld.workers.echo",
+    "router": "mlxceld.workers.router",
 }

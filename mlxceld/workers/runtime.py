@@ -43,7 +43,8 @@ class WorkerContext:
     role: str
     options: dict[str, Any]
     state_dir: Path
-    secret: bytes | None = None
+    secret: bytes | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
     started_at: float = field(default_factory=time.time)
     state: str = "starting"
     stats: dict[str, Any] = field(default_factory=dict)
@@ -136,7 +137,7 @@ def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> N
 async def run_worker(boot: WorkerBootstrap) -> int:
     secret = bytes.fromhex(boot["secret_hex"]) if "secret_hex" in boot else None
     ctx = WorkerContext(boot["name"], boot["role"], dict(boot["options"]),
-                        Path(boot["state_dir"]), secret)
+                        Path(boot["state_dir"]), secret, boot.get("api_key"))
     module = importlib.import_module(ROLES[boot["role"]])
     role_main: RoleMain = module.run
     loop = asyncio.get_running_loop()

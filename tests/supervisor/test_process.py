@@ -21,7 +21,15 @@ def test_describe_and_repr_do_not_carry_the_secret(tmp_path: Path) -> None:
         assert SECRET.hex() not in text
         assert repr(SECRET) not in text
     assert spec.describe() == {"name": "w1", "role": "echo", "options": {"a": 1},
-                               "has_secret": True}
+                               "has_secret": True, "has_api_key": False}
+
+
+def test_the_api_key_travels_on_the_bootstrap_only(tmp_path: Path) -> None:
+    key = "sk-test-0123456789"
+    spec = WorkerSpec("router", "router", tmp_path, api_key=key)
+    assert key not in json.dumps(spec.describe()) and key not in repr(spec)
+    assert spec.describe()["has_api_key"] is True
+    assert spec.bootstrap()["api_key"] == key
 
 
 def test_bootstrap_is_the_only_place_for_the_secret(tmp_path: Path) -> None:

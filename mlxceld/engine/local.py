@@ -1,0 +1,177 @@
+"""The local engine: the whole model in this process, continuous batching with mlx-lm.
+
+One thread owns the model and mlx-lm's ``BatchGenerator``: it takes new and
+cancelled sequences from a thread-safe inbox between steps, runs one step
+(a prefill chunk and/or one batched decode step for every active sequence),
+and hands each token to its request's asyncio queue. Concurrent requests
+therefore share each decode step. The asyncio side never touches mlx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from mlxceld.engine.base import EngineError, GenerationRequest, TokenOutput
+from mlxceld.engine.sampling import make_sampler
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps before re-checking for shutdown
+DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[TokenOutput | BaseException]
+    uid: int | None = None
+
+
+class LocalEngine:
+    """Implements ``Engine`` over an mlx-lm model loaded in this process."""
+
+    def __init__(self, model: Any, *, model_id: str, context_length: int,
+                 eos_token_ids: set[int], vocab_size: int, max_batch: int = 8,
+                 prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
+        self.model_id = model_id
+        self.context_length = context_length
+        self.max_batch = max_batch
+        self._vocab_size = vocab_size
+        self._gen: Any = BatchGenerator(  # mlx-lm is untyped here
+            model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
+            completion_batch_size=max_batch, prefill_batch_size=max_batch,
+            prefill_step_size=prefill_step,
+        )
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._keys = itertools.count()
+        self._by_uid: dict[int, _Sequence] = {}
+        self._active = 0
+        self._closed = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlxceld-engine", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ---------------------------------------------------------------------
+
+    def active_sequences(self) -> int:
+        return self._active
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenOutput]:
+        if self._failure is not None or self._closed.is_set():
+            raise EngineError(f"the engine is not running: {self._failure or 'closed'}")
+        seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())
+        self._active += 1
+        self._inbox.put(("insert", seq))
+        finished = False
+        try:
+            while True:
+                item = await seq.out.get()
+                if isinstance(item, BaseException):
+                    raise EngineError(f"generation failed: {item}") from item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._active -= 1
+            if not finished:
+                self._inbox.put(("cancel", seq))
+
+    async def aclose(self) -> None:
+        self._closed.set()
+        self._inbox.put(("wake", None))
+        await asyncio.to_thread(self._thread.join, 30.0)
+
+    # -- the step thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                self._drain_inbox(block=not self._by_uid)
+                if self._by_uid:
+                    self._step()
+        except BaseException as exc:  # the engine is broken: fail every waiting request
+            log.exception("engine step thread failed")
+            self._failure = exc
+            for seq in self._by_uid.values():
+                self._deliver(seq, exc)
+            self._by_uid.clear()
+        finally:
+            self._gen.close()
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            command, seq = self._inbox.get(timeout=IDLE_WAIT_S) if block \
+                else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command == "insert":
+                self._insert(seq)
+            elif command == "cancel" and seq.uid is not None \
+                    and self._by_uid.pop(seq.uid, None) is not None:
+                self._gen.remove([seq.uid])
+            try:
+                command, seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _insert(self, seq: _Sequence) -> None:
+        req = seq.request
+        try:
+            [uid] = self._gen.insert(
+                [list(req.prompt_tokens)], max_tokens=[req.params.max_tokens],
+                samplers=[make_sampler(req.params, self._vocab_size)],
+            )
+        except ValueError as exc:  # empty prompt, bad max_tokens: caught above us normally
+            self._deliver(seq, exc)
+            return
+        seq.uid = uid
+        self._by_uid[uid] = seq
+
+    def _step(self) -> None:
+        _, generated = self._gen.next()
+        for r in generated:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:
+                continue  # cancelled while this step ran
+            reason = r.finish_reason if r.finish_reason in ("stop", "length") else None
+            if r.finish_reason is not None and reason is None:
+                reason = "length"  # anything else that ends a sequence ends it for length
+            self._deliver(seq, TokenOutput(int(r.token), reason))
+            if reason is not None:
+                del self._by_uid[r.uid]
+
+    @staticmethod
+    def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
+            seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
+
+
+def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8
+                      ) -> tuple[LocalEngine, Any]:
+    """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper."""
+    from mlx_lm import load
+
+    loaded: Any = load(path, return_config=True)
+    model, tokenizer, config = loaded
+    context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    vocab = int(config.get("vocab_size") or model.args.vocab_size)
+    mx.eval(model.parameters())
+    engine = LocalEngine(model, model_id=model_id or Path(path).name, context_length=context,
+                         eos_token_ids=set(tokenizer.eos_token_ids), vocab_size=vocab,
+                         max_batch=max_batch)
+    return engine, tokenizer

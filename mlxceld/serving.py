@@ -1,0 +1,158 @@
+"""What the daemon serves: the router worker, from ``[serve]``, flags, or ``mlxctl serve``.
+
+``[serve]`` in the config file (every key optional; flags win)::
+
+    [serve]
+    model = "~/models/qwen3-0.6b"   # a local mlx-lm directory, or a Hugging Face repo id
+    model_name = "qwen3"            # the id clients see in /v1/models (default: dir name)
+    host = "127.0.0.1"              # the OpenAI port's address (0.0.0.0 only when asked)
+    port = 8080
+    api_key_file = "/etc/mlxceld/api-key"   # or MLXCEL_API_KEY_FILE; 0600, one line
+    max_batch = 8                   # sequences decoded together
+    max_queued = 64                 # requests waiting beyond that; more get 503
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlxceld.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mlxceld.config import Overrides
+
+log = logging.getLogger(__name__)
+
+ROUTER = "router"
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None  # absolute local path or a Hugging Face repo id; None: idle
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key_file: Path | None = None
+    max_batch: int = 8
+    max_queued: int = 64
+
+    @property
+    def served_name(self) -> str:
+        assert self.model is not None
+        return self.model_name or Path(self.model.rstrip("/")).name
+
+    def with_model(self, model: str, name: str | None = None) -> ServeConfig:
+        return replace(self, model=model, model_name=name)
+
+
+def resolve_model(value: str, base: Path, what: str) -> str:
+    """A local directory becomes an absolute path; ``org/name`` that is not a local path is
+    taken as a Hugging Face repo id (mlx-lm's loader); anything else is an error naming it."""
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base / path
+    if path.is_dir():
+        return str(path.resolve())
+    if path.exists():
+        raise ConfigError(f"{what}: model {value!r} is a file, not a model directory",
+                          hint="point it at the directory holding config.json")
+    if REPO_ID.match(value) and not value.startswith((".", "~")):
+        return value
+    raise ConfigError(f"{what}: model directory {path} does not exist",
+                      hint="give a local mlx-lm model directory (python -m "
+                      "mlxceld.models.fixtures DIR writes a test model)")
+
+
+def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
+                where: str) -> ServeConfig:
+    for key in table:
+        if key not in SERVE_KEYS:
+            raise ConfigError(f"{where}: unknown key 'serve.{key}'",
+                              hint=f"known keys here: {', '.join(sorted(SERVE_KEYS))}")
+    cfg = ServeConfig(
+        host=_typed(table, "host", str, where) or "127.0.0.1",
+        port=_port(_typed(table, "port", int, where) or 8080, f"{where}: 'serve.port'"),
+        model_name=_typed(table, "model_name", str, where),
+        max_batch=_positive(table, "max_batch", 8, where),
+        max_queued=_positive(table, "max_queued", 64, where),
+    )
+    model = flags.model or _typed(table, "model", str, where)
+    if model:
+        origin = "--model" if flags.model else f"{where}: 'serve.model'"
+        cfg = replace(cfg, model=resolve_model(model, Path.cwd() if flags.model else base,
+                                               origin))
+    key_file = flags.api_key_file or _typed(table, "api_key_file", str, where)
+    if key_file:
+        p = Path(key_file).expanduser()
+        cfg = replace(cfg, api_key_file=p if p.is_absolute() or flags.api_key_file
+                      else base / p)
+    if flags.model_name:
+        cfg = replace(cfg, model_name=flags.model_name)
+    if flags.host:
+        cfg = replace(cfg, host=flags.host)
+    if flags.port is not None:
+        cfg = replace(cfg, port=_port(flags.port, "--port"))
+    return cfg
+
+
+def read_api_key(path: Path) -> str:
+    """The key is the file's content less one trailing newline; never logged or echoed."""
+    try:
+        st = path.stat()
+        raw = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"API key file {path} cannot be read: {exc.strerror}",
+                          hint="check --api-key-file / MLXCEL_API_KEY_FILE") from exc
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        log.warning("API key file %s is readable by group or others; chmod 600 it", path)
+    key = raw[:-2] if raw.endswith("\r\n") else raw[:-1] if raw.endswith("\n") else raw
+    if len(key) < 8 or any(c.isspace() for c in key):
+        raise ConfigError(f"API key file {path} must hold one key of at least 8 characters "
+                          "without spaces", hint="write the key on one line, then chmod 600")
+    return key
+
+
+def _typed(table: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool) or value == "":
+        raise ConfigError(f"{where}: 'serve.{key}' must be a {kind.__name__}, not {value!r}",
+                          hint=f"see the [serve] example in {__name__.replace('.', '/')}.py")
+    return value
+
+
+def _positive(table: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    value = _typed(table, key, int, where)
+    if value is None:
+        return default
+    if value < 1:
+        raise ConfigError(f"{where}: 'serve.{key}' must be at least 1, not {value}",
+                          hint=f"for example {key} = {default}")
+    return int(value)
+
+
+def _port(port: int, what: str) -> int:
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{what}: port {port} is out of range", hint="use 1-65535")
+    return port
+
+
+def router_options(cfg: ServeConfig) -> dict[str, Any]:
+    assert cfg.model is not None
+    return {"model": cfg.model, "model_name": cfg.served_name, "host": cfg.host,
+            "port": cfg.port, "max_batch": cfg.max_batch, "max_queued": cfg.max_queued}
+
+
+def api_key_env_file() -> Path | None:
+    value = os.environ.get("MLXCEL_API_KEY_FILE")
+    return Path(value) if value else None
