@@ -215,20 +215,22 @@ class _QuietServer(uvicorn.Server):
             fut.set_result(None)
 
 
-class ControlServer:
-    """Serve ``app`` on the pre-bound control socket ``sock`` until asked to stop.
+class SocketServer:
+    """Serve ``app`` with uvicorn on the pre-bound socket ``sock`` until asked to stop.
 
-    The socket is closed when ``serve`` returns; the socket file is left in place (see
+    uvicorn never installs signal handlers here: the process that owns us does. The
+    socket is closed when ``serve`` returns; a Unix socket file is left in place (see
     ``remove_socket_file``).
     """
 
     def __init__(
-        self, app: ASGIApp, sock: socket.socket, *, graceful_timeout_s: float = 5.0
+        self, app: ASGIApp, sock: socket.socket, *, graceful_timeout_s: float = 5.0,
+        http: type[asyncio.Protocol] | str = "h11",
     ) -> None:
         self._sock = sock
         config = uvicorn.Config(
             app,
-            http=_PeerH11Protocol,
+            http=http,
             ws="none",  # uvicorn's websocket protocols take config.loaded_app, not ours
             lifespan="off",
             interface="asgi3",
@@ -262,6 +264,15 @@ class ControlServer:
         for server in servers:
             server.close()
         self._sock.close()
+
+
+class ControlServer(SocketServer):
+    """The control API's server: every connection's peer credentials reach the app."""
+
+    def __init__(self, app: ASGIApp, sock: socket.socket, *,
+                 graceful_timeout_s: float = 5.0) -> None:
+        super().__init__(app, sock, graceful_timeout_s=graceful_timeout_s,
+                         http=_PeerH11Protocol)
 
 
 def peer_guard(app: ASGIApp) -> ASGIApp:
