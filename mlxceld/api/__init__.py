@@ -1,0 +1,16 @@
+"""The OpenAI-compatible HTTP layer of the router, shared by every engine."""
+
+from mlxceld.api.app import build_router_app
+from mlxceld.api.codec import (
+    ChatMessage,
+    ChatTemplateError,
+    MlxTextCodec,
+    Role,
+    StreamDecoder,
+    TextCodec,
+)
+from mlxceld.api.errors import ApiError
+from mlxceld.api.requests import ChatRequest, CompletionRequest, Options
+
+__all__ = ["ApiError", "ChatMessage", "ChatRequest", "ChatTemplateError", "CompletionRequest",
+           "MlxTextCodec", "Options", "Role", "StreamDecoder", "TextCodec", "build_router_app"]

@@ -1,0 +1,165 @@
+"""The router's OpenAI-compatible HTTP app, over any engine.
+
+    GET  /v1/models, /v1/models/{id}   the one model served
+    POST /v1/chat/completions          chat, whole or streamed (SSE)
+    POST /v1/completions               text completion, whole or streamed
+    GET  /health                       liveness: always 200, never needs the key
+    GET  /ready                        200 once ``ready()`` says so, else 503
+    GET  /metrics                      Prometheus text
+
+Completions are refused with 503 (code "not_ready") until ``ready()`` is true.
+Every error, unknown paths and methods included, is OpenAI's error JSON. The
+app does not own the engine: whoever built it closes it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from mlxceld.api.admission import Admission
+from mlxceld.api.auth import require_api_key
+from mlxceld.api.codec import ChatTemplateError, TextCodec
+from mlxceld.api.errors import ApiError, error_response, invalid
+from mlxceld.api.formats import ChatFormat, Format, TextFormat
+from mlxceld.api.generation import Sequencer
+from mlxceld.api.metrics import CONTENT_TYPE, Metrics, count_requests
+from mlxceld.api.requests import Options, parse_chat, parse_completion, read_body, sampling_params
+from mlxceld.api.serving import CompletionResponse
+from mlxceld.api.shapes import ModelCard, ModelList
+from mlxceld.engine import Engine, GenerationRequest
+
+OPEN_PATHS = frozenset({"/health"})
+ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
+                       "/ready", "/metrics"})
+
+
+def build_router_app(
+    engine: Engine,
+    codec: TextCodec,
+    *,
+    model_id: str,
+    api_key: str | None = None,
+    max_queued: int = 64,
+    max_body_bytes: int = 4 << 20,
+    default_max_tokens: int = 512,
+    ready: Callable[[], bool] | None = None,
+) -> ASGIApp:
+    """``ready``: whether the engine serves yet (None: it always does)."""
+    if default_max_tokens < 1 or max_body_bytes < 1:
+        raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, not "
+                         f"{default_max_tokens} and {max_body_bytes}")
+    is_ready = ready or (lambda: True)
+    admission = Admission(engine.max_batch, max_queued)
+    metrics = Metrics(queue_depth=lambda: admission.queued,
+                      active_sequences=lambda: admission.active)
+    sequencer = Sequencer(engine, codec, admission, metrics)
+    card: ModelCard = {"id": model_id, "object": "model", "created": int(time.time()),
+                       "owned_by": "mlxceld"}
+
+    async def models(request: Request) -> Response:
+        body: ModelList = {"object": "list", "data": [card]}
+        return JSONResponse(body)
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{model_id!r}", param="model", code="model_not_found")
+        return JSONResponse(card)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readiness(request: Request) -> Response:
+        if not is_ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def metrics_text(request: Request) -> Response:
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    def check_ready() -> float:
+        arrived = time.monotonic()
+        if not is_ready():
+            raise ApiError(503, "the model is still loading; retry shortly", "server_error",
+                           code="not_ready", headers={"Retry-After": "1"})
+        return arrived
+
+    def respond(prompt: list[int], options: Options, fmt: Format, prompt_param: str,
+                arrived: float) -> Response:
+        params = sampling_params(options, prompt_tokens=len(prompt),
+                                 context_length=engine.context_length,
+                                 default_max_tokens=default_max_tokens,
+                                 prompt_param=prompt_param)
+        return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
+                                  options.stop, fmt, stream=options.stream, arrived=arrived)
+
+    async def chat(request: Request) -> Response:
+        arrived = check_ready()
+        parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
+        try:
+            prompt = codec.encode_chat(list(parsed.messages))
+        except ChatTemplateError as exc:
+            raise invalid(str(exc), "messages") from None
+        options = parsed.options
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
+                         options.include_usage)
+        return respond(prompt, options, fmt, "messages", arrived)
+
+    async def completions(request: Request) -> Response:
+        arrived = check_ready()
+        parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
+        options = parsed.options
+        fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
+                         options.include_usage)
+        return respond(codec.encode_prompt(parsed.prompt), options, fmt, "prompt", arrived)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/v1/models/{name:path}", model),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health),
+            Route("/ready", readiness),
+            Route("/metrics", metrics_text),
+        ],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                            Exception: _internal_error},
+    )
+    guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
+                                                                    open_paths=OPEN_PATHS)
+    return count_requests(guarded, metrics, ENDPOINTS)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        error = ApiError(404, f"invalid URL ({where}): no such endpoint", code="unknown_url")
+    elif exc.status_code == 405:
+        error = ApiError(405, f"method not allowed ({where})", code="method_not_allowed",
+                         headers=exc.headers)
+    else:
+        error = ApiError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers)
+    return error_response(error)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # starlette re-raises the exception after this answer, for the server to log.
+    return error_response(ApiError(500, "internal server error; see the server's log",
+                                   "server_error", code="internal_error"))

@@ -1,0 +1,105 @@
+"""The text seam: turning requests into token ids, and generated ids back into text.
+
+The router asks a ``TextCodec`` for prompt ids (chat template applied) and for
+one ``StreamDecoder`` per sequence. ``MlxTextCodec`` is the real one, over
+mlx-lm's ``TokenizerWrapper``: its chat template and its streaming detokenizer
+(BPE, SentencePiece or naive, as mlx-lm chose when it loaded the tokenizer).
+Tests give the router a simpler codec of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import jinja2
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat, its content parts already joined into one string."""
+
+    role: Role
+    content: str
+
+
+class ChatTemplateError(Exception):
+    """The chat template refused the messages (a role it does not know, an order it
+    forbids). The client's to fix: the router answers 400."""
+
+
+class StreamDecoder(Protocol):
+    """Token ids in, text out, one sequence at a time."""
+
+    def add(self, token: int) -> str:
+        """Take one token; return the text that became final with it, possibly ""
+        (a multi-byte UTF-8 character is never split across two returns)."""
+        ...
+
+    def finish(self) -> str:
+        """The sequence ended: return whatever text was still held back."""
+        ...
+
+
+class TextCodec(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids, with the tokenizer's usual special tokens (BOS)."""
+        ...
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        """The chat template applied with ``add_generation_prompt=True``, as ids.
+        Raises ``ChatTemplateError`` when the template refuses the messages."""
+        ...
+
+    def decoder(self) -> StreamDecoder: ...
+
+
+class MlxTextCodec:
+    """A ``TextCodec`` over an ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
+
+    A tokenizer without a chat template gets a plain one: a ``role: content``
+    line per message, then ``assistant:``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in tokenizer.eos_token_ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        if not self._tokenizer.has_chat_template:
+            lines = "".join(f"{m.role}: {m.content}\n" for m in messages)
+            return self.encode_prompt(lines + "assistant:")
+        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            ids = self._tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
+                                                      tokenize=True)
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise ChatTemplateError(f"the model's chat template refused the messages: {exc}") \
+                from exc
+        return [int(t) for t in ids]
+
+    def decoder(self) -> StreamDecoder:
+        return _MlxDecoder(self._tokenizer.detokenizer)
+
+
+class _MlxDecoder:
+    """mlx-lm's streaming detokenizers hold back incomplete UTF-8 and hand out
+    ``last_segment``: the text that became final since the last look."""
+
+    def __init__(self, detokenizer: Any) -> None:
+        self._detokenizer = detokenizer
+
+    def add(self, token: int) -> str:
+        self._detokenizer.add_token(token)
+        return str(self._detokenizer.last_segment)
+
+    def finish(self) -> str:
+        self._detokenizer.finalize()
+        return str(self._detokenizer.last_segment)

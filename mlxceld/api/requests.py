@@ -1,0 +1,239 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies, read and checked.
+
+Bytes in, a frozen request out, or an ``ApiError`` (400, 404, 413) that names
+the field. What the router does with fields OpenAI defines but it does not
+serve:
+
+- ``n`` other than 1: refused (400, param "n"); one choice per request.
+- ``presence_penalty``, ``frequency_penalty``: checked to lie in [-2, 2], then
+  ignored, zero or not (the engine's sampler has no penalties; clients such as
+  LangChain send them by default, and refusing would break them).
+- ``user``, ``logprobs``, ``logit_bias``, ``tools`` and every unknown field:
+  ignored.
+- ``model`` may be left out: a router serves one model.
+- both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
+  newer name). Left out: what is left of the context, capped by the server's
+  default; asking for more than is left is refused, as OpenAI does.
+- message content parts (``[{"type": "text", "text": ...}]``) are joined with
+  newlines; other part types (images, audio) are refused. Role "developer" is
+  read as "system". An assistant message may have null content.
+- ``prompt`` is a string or a list of one string; token ids are refused (the
+  router could not check them against the vocabulary).
+- ``stream_options`` is read only when ``stream`` is true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from mlxceld.api.codec import ChatMessage, Role
+from mlxceld.api.errors import ApiError, invalid
+from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
+from mlxceld.engine import SamplingParams
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+SEED_RANGE = (-(2**63), 2**63 - 1)
+ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user",
+                          "assistant": "assistant", "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What both endpoints share: the model, sampling, stops and streaming."""
+
+    model: str
+    max_tokens: int | None  # None: what is left of the context, capped by the server
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[ChatMessage, ...]
+    options: Options
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    options: Options
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it grows past ``limit`` bytes."""
+    too_large = ApiError(413, f"the request body is larger than {limit} bytes",
+                         param=None, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise invalid("the client went away before sending the whole body") from None
+    return b"".join(chunks)
+
+
+def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
+    fields = Fields(parse_object(body))
+    return ChatRequest(messages=_messages(fields), options=_options(fields, model_id))
+
+
+def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
+    fields = Fields(parse_object(body))
+    return CompletionRequest(prompt=_prompt(fields), options=_options(fields, model_id))
+
+
+def sampling_params(options: Options, *, prompt_tokens: int, context_length: int,
+                    default_max_tokens: int, prompt_param: str) -> SamplingParams:
+    """The engine's parameters, once the prompt's length is known."""
+    left = context_length - prompt_tokens
+    if left < 1:
+        raise invalid(f"this model's maximum context length is {context_length} tokens, and "
+                      f"the prompt has {prompt_tokens} tokens, which leaves {max(left, 0)} for "
+                      "the completion; shorten the prompt", prompt_param, "context_length_exceeded")
+    max_tokens = options.max_tokens
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, left)
+    elif max_tokens > left:
+        raise invalid(f"this model's maximum context length is {context_length} tokens, and "
+                      f"the prompt has {prompt_tokens} tokens, which leaves {left} for the "
+                      f"completion, but {max_tokens} were asked for; lower max_tokens",
+                      "max_tokens", "context_length_exceeded")
+    return SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
+                          top_p=options.top_p, top_k=options.top_k, seed=options.seed)
+
+
+def _options(fields: Fields, model_id: str) -> Options:
+    model = fields.string("model")
+    if model is not None and model != model_id:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{model_id!r} (see GET /v1/models)", param="model",
+                       code="model_not_found")
+    n = fields.integer("n", 1)
+    if n is not None and n != 1:
+        raise invalid(f"'n' must be 1: one choice per request is served, not {n}", "n")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        fields.number(penalty, 0.0, -2.0, 2.0)  # checked, then ignored
+    max_tokens = fields.integer("max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = fields.integer("max_tokens", 1)
+    stream = fields.boolean("stream", False)
+    return Options(
+        model=model_id,
+        max_tokens=max_tokens,
+        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
+        top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=fields.integer("top_k", 0) or 0,
+        seed=fields.integer("seed", *SEED_RANGE),
+        stop=_stops(fields),
+        stream=stream,
+        include_usage=stream and _include_usage(fields),
+    )
+
+
+def _include_usage(fields: Fields) -> bool:
+    value = fields.get("stream_options")
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise fields.wrong("stream_options", "an object")
+    return Fields(value, "stream_options").boolean("include_usage", False)
+
+
+def _stops(fields: Fields) -> tuple[str, ...]:
+    value = fields.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise fields.wrong("stop", "a string or an array of strings")
+    if len(items) > MAX_STOPS:
+        raise invalid(f"'stop' holds {len(items)} strings; at most {MAX_STOPS} are allowed",
+                      "stop")
+    for text in items:
+        if not text or len(text) > MAX_STOP_CHARS:
+            raise invalid(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, not "
+                          f"{len(text)}", "stop")
+        check_text(text, "stop")
+    return tuple(items)
+
+
+def _prompt(fields: Fields) -> str:
+    value = fields.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise invalid("'prompt' is empty; send the text to complete", "prompt")
+        return check_text(value, "prompt")
+    if value is None:
+        raise invalid("'prompt' is required", "prompt")
+    if isinstance(value, list) and not value:
+        raise invalid("'prompt' is empty; send the text to complete", "prompt")
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        raise invalid("a prompt of token ids is not supported; send the text", "prompt")
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        raise invalid(f"'prompt' holds {len(value)} prompts; send one per request", "prompt")
+    raise fields.wrong("prompt", "a string")
+
+
+def _messages(fields: Fields) -> tuple[ChatMessage, ...]:
+    value = fields.get("messages")
+    if value is None:
+        raise invalid("'messages' is required", "messages")
+    if not isinstance(value, list):
+        raise fields.wrong("messages", "an array of messages")
+    if not value:
+        raise invalid("'messages' is empty; send at least one message", "messages")
+    return tuple(_message(item, f"messages[{i}]") for i, item in enumerate(value))
+
+
+def _message(item: Any, path: str) -> ChatMessage:
+    if not isinstance(item, dict):
+        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
+    fields = Fields(item, path)
+    name = fields.string("role")
+    if name is None:
+        raise invalid(f"'{path}.role' is required", f"{path}.role")
+    role = ROLES.get(name)
+    if role is None:
+        raise invalid(f"'{path}.role' must be one of {', '.join(ROLES)}, not {show(name)}",
+                      f"{path}.role")
+    content = fields.get("content")
+    if content is None and role == "assistant":
+        return ChatMessage(role, "")
+    if isinstance(content, str):
+        return ChatMessage(role, check_text(content, f"{path}.content"))
+    if isinstance(content, list):
+        return ChatMessage(role, "\n".join(_text_part(part, f"{path}.content[{j}]")
+                                           for j, part in enumerate(content)))
+    raise fields.wrong("content", "a string or an array of content parts")
+
+
+def _text_part(part: Any, path: str) -> str:
+    if not isinstance(part, dict):
+        raise invalid(f"{path!r} must be an object, not {kind(part)}", path)
+    fields = Fields(part, path)
+    part_type = fields.string("type")
+    if part_type != "text":
+        raise invalid(f"'{path}.type' must be \"text\" (only text is served), not "
+                      f"{show(part_type)}", f"{path}.type")
+    text = fields.string("text")
+    if text is None:
+        raise invalid(f"'{path}.text' is required", f"{path}.text")
+    return text

@@ -1,0 +1,62 @@
+"""Server-sent events, and serving a response only as long as the client is there.
+
+Each event is one ``data: <json>`` line and a blank line; a stream ends with
+``data: [DONE]``. ``until_disconnect`` runs the work of a response beside a
+watch on the ASGI ``receive`` channel, and cancels the work when the client
+goes away, whether the response is streamed or not, sending or waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine, Mapping
+from typing import Any
+
+from starlette.types import Receive, Send
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # tell proxies (nginx) not to buffer the stream
+]
+
+
+def event(data: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def start_events(send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+
+
+async def send_event(send: Send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def end_events(send: Send) -> None:
+    await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:
+    """Run ``work`` (the request's body already read) until it ends or the client
+    disconnects; return True if the client went away and ``work`` was cancelled.
+    An exception of ``work`` propagates."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watch_task, work_task):
+            task.cancel()  # a no-op on a finished task
+        await asyncio.wait((work_task, watch_task))
+    if work_task.cancelled():
+        return True
+    work_task.result()
+    return False
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

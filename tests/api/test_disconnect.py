@@ -1,0 +1,78 @@
+"""A client that goes away: real uvicorn on loopback, so that closing the connection
+reaches the app as ``http.disconnect``. The engine's sequence is cancelled and the
+admission slot freed, whether the client was streaming, waiting whole, or queued."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from api_fakes import FakeEngine
+from api_harness import MODEL, make_app, metric, serving, until, until_metric
+
+pytestmark = pytest.mark.timeout(30)
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_leaving_mid_stream_cancels_the_sequence_and_frees_the_slot() -> None:
+    async def main() -> None:
+        engine = FakeEngine(max_batch=1, reply=b"abcdef", stall_after=2)
+        async with serving(make_app(engine)) as url, httpx.AsyncClient(base_url=url) as client:
+            seen: list[str] = []
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={**CHAT, "stream": True}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        seen.append(json.loads(line[6:])["choices"][0]["delta"]["content"])
+                    if len(seen) == 3:  # the role chunk, "a", "b"; then the engine stalls
+                        break
+            assert seen == ["", "a", "b"]
+            await until(lambda: engine.cancelled, "the sequence to be cancelled")
+            assert engine.cancelled == [engine.requests[0].request_id]
+            await until_metric(client, "mlxceld_active_sequences", 0)
+            engine.stall_after = None  # the one slot is free: the next request runs
+            again = await client.post("/v1/chat/completions", json=CHAT)
+            assert again.json()["choices"][0]["message"]["content"] == "abcdef"
+
+    asyncio.run(main())
+
+
+def test_leaving_a_whole_answer_cancels_the_sequence() -> None:
+    async def main() -> None:
+        engine = FakeEngine(max_batch=1, stall_after=1)
+        async with serving(make_app(engine)) as url, httpx.AsyncClient(base_url=url) as client:
+            waiting = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x"}))
+            await until(lambda: engine.active, "the sequence to start")
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await until(lambda: engine.cancelled, "the sequence to be cancelled")
+            text = await until_metric(client, "mlxceld_active_sequences", 0)
+        status = 'mlxceld_http_requests_total{endpoint="/v1/completions",status="499"}'
+        assert metric(text, status) == 1
+
+    asyncio.run(main())
+
+
+def test_leaving_the_queue_frees_the_place_and_never_reaches_the_engine() -> None:
+    async def main() -> None:
+        engine = FakeEngine(max_batch=1, stall_after=0)
+        app = make_app(engine, max_queued=1)
+        async with serving(app) as url, httpx.AsyncClient(base_url=url) as client:
+            running = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
+            await until(lambda: engine.active, "the first sequence to start")
+            queued = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "b"}))
+            await until_metric(client, "mlxceld_queue_depth", 1)
+            queued.cancel()
+            await until_metric(client, "mlxceld_queue_depth", 0)
+            engine.release.set()
+            assert (await running).status_code == 200
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+        assert len(engine.requests) == 1 and engine.cancelled == []
+
+    asyncio.run(main())

@@ -1,0 +1,199 @@
+"""Request bodies: what is accepted, what is refused and how; fuzzed with hypothesis."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxceld.api import ApiError, ChatMessage
+from mlxceld.api.requests import Options, parse_chat, parse_completion, sampling_params
+
+MODEL = "m"
+CHAT: dict[str, Any] = {
+    "model": MODEL, "messages": [{"role": "system", "content": "be brief"},
+                                 {"role": "user", "content": "hi"}],
+    "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": ["x"],
+    "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "u",
+    "frequency_penalty": 0, "presence_penalty": 0.5, "logit_bias": {}, "whatever": [1, 2],
+}
+COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "once upon", "max_tokens": 3}
+
+
+def chat(**changes: Any) -> bytes:
+    return json.dumps({**CHAT, **changes}).encode()
+
+
+def refusal(body: bytes, parse: Any = parse_chat) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse(body, model_id=MODEL)
+    return caught.value
+
+
+def test_a_full_chat_body() -> None:
+    request = parse_chat(chat(), model_id=MODEL)
+    assert request.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "hi"))
+    assert request.options == Options(model=MODEL, max_tokens=5, temperature=0.5, top_p=0.9,
+                                      top_k=40, seed=7, stop=("x",), stream=True,
+                                      include_usage=True)
+
+
+def test_defaults_and_nulls_as_absent() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "model": None, "max_tokens": None,
+            "temperature": None, "stop": None, "stream": None, "n": None, "seed": None}
+    options = parse_chat(json.dumps(body).encode(), model_id=MODEL).options
+    assert options == Options(model=MODEL, max_tokens=None)
+
+
+def test_content_parts_roles_and_null_assistant_content() -> None:
+    messages = [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "42"},
+    ]
+    request = parse_chat(chat(messages=messages), model_id=MODEL)
+    assert request.messages == (ChatMessage("system", "rules"), ChatMessage("user", "a\nb"),
+                                ChatMessage("assistant", ""), ChatMessage("tool", "42"))
+
+
+def test_max_completion_tokens_wins_and_stop_may_be_one_string() -> None:
+    options = parse_chat(chat(max_completion_tokens=9, stop="END"), model_id=MODEL).options
+    assert (options.max_tokens, options.stop) == (9, ("END",))
+
+
+def test_stream_options_are_read_only_when_streaming() -> None:
+    assert not parse_chat(chat(stream=False), model_id=MODEL).options.include_usage
+
+
+def test_completion_prompts() -> None:
+    assert parse_completion(json.dumps(COMPLETION).encode(), model_id=MODEL).prompt == "once upon"
+    body = json.dumps({**COMPLETION, "prompt": ["only one"]}).encode()
+    assert parse_completion(body, model_id=MODEL).prompt == "only one"
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), [
+    (b"{", 400, None, "not valid JSON"),
+    (b"\xff\xfe\x00", 400, None, "not valid JSON"),
+    (b'{"messages": NaN}', 400, None, "not valid JSON"),
+    (b"[" * 100_000, 400, None, "nested too deeply"),
+    (b"[1]", 400, None, "must be a JSON object, not an array"),
+    (chat(messages=None), 400, "messages", "required"),
+    (chat(messages=[]), 400, "messages", "empty"),
+    (chat(messages="hi"), 400, "messages", "array of messages, not a string"),
+    (chat(messages=[3]), 400, "messages[0]", "must be an object"),
+    (chat(messages=[{"content": "x"}]), 400, "messages[0].role", "required"),
+    (chat(messages=[{"role": "bot", "content": "x"}]), 400, "messages[0].role", "one of"),
+    (chat(messages=[{"role": "user"}]), 400, "messages[0].content", "not null"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
+     "messages[0].content[0].type", "only text"),
+    (chat(messages=[{"role": "user", "content": "\ud800"}]), 400, "messages[0].content",
+     "surrogate"),
+    (chat(model="gpt-4"), 404, "model", "does not exist"),
+    (chat(model=4), 400, "model", "must be a string, not an integer"),
+    (chat(max_tokens=0), 400, "max_tokens", ">= 1"),
+    (chat(max_tokens=-3), 400, "max_tokens", ">= 1"),
+    (chat(max_tokens=2.5), 400, "max_tokens", "an integer, not a number"),
+    (chat(max_tokens=True), 400, "max_tokens", "not a boolean"),
+    (chat(max_completion_tokens=0), 400, "max_completion_tokens", ">= 1"),
+    (chat(temperature=2.5), 400, "temperature", "[0, 2]"),
+    (chat(temperature=-0.1), 400, "temperature", "[0, 2]"),
+    (chat(temperature="hot"), 400, "temperature", "a number, not a string"),
+    (chat(top_p=0), 400, "top_p", "(0, 1]"),
+    (chat(top_k=-1), 400, "top_k", ">= 0"),
+    (chat(seed=2**64), 400, "seed", "between"),
+    (chat(n=2), 400, "n", "must be 1"),
+    (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4"),
+    (chat(stop=[""]), 400, "stop", "1 to"),
+    (chat(stop=[1]), 400, "stop", "a string or an array of strings"),
+    (chat(stream="yes"), 400, "stream", "a boolean"),
+    (chat(stream_options=[]), 400, "stream_options", "an object"),
+    (chat(stream_options={"include_usage": 1}), 400, "stream_options.include_usage", "boolean"),
+    (chat(frequency_penalty=3), 400, "frequency_penalty", "[-2, 2]"),
+])
+def test_chat_refusals(body: bytes, status: int, param: str | None, words: str) -> None:
+    error = refusal(body)
+    assert (error.status, error.param) == (status, param)
+    assert words in error.message
+    assert error.body()["error"]["type"] == "invalid_request_error"
+    if status == 404:
+        assert error.code == "model_not_found"
+
+
+@pytest.mark.parametrize(("prompt", "words"), [
+    ("", "empty"), ([], "empty"), (None, "required"), (["a", "b"], "holds 2 prompts"),
+    ([1, 2, 3], "token ids"), ({"text": "x"}, "must be a string"), ([["a"]], "must be a string"),
+])
+def test_completion_refusals(prompt: Any, words: str) -> None:
+    error = refusal(json.dumps({**COMPLETION, "prompt": prompt}).encode(), parse_completion)
+    assert (error.status, error.param) == (400, "prompt")
+    assert words in error.message
+
+
+def test_context_length_checks() -> None:
+    options = Options(model=MODEL, max_tokens=None)
+    assert sampling_params(options, prompt_tokens=10, context_length=100, default_max_tokens=512,
+                           prompt_param="messages").max_tokens == 90
+    assert sampling_params(options, prompt_tokens=10, context_length=1000, default_max_tokens=512,
+                           prompt_param="messages").max_tokens == 512
+    with pytest.raises(ApiError) as caught:
+        sampling_params(options, prompt_tokens=120, context_length=100, default_max_tokens=512,
+                        prompt_param="prompt")
+    error = caught.value
+    assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
+    assert "120" in error.message and "100" in error.message and "leaves 0" in error.message
+    with pytest.raises(ApiError) as caught:
+        sampling_params(Options(model=MODEL, max_tokens=50), prompt_tokens=60, context_length=100,
+                        default_max_tokens=512, prompt_param="prompt")
+    assert caught.value.param == "max_tokens" and "leaves 40" in caught.value.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+keys = st.sampled_from(sorted({*CHAT, *COMPLETION, "max_completion_tokens"}))
+
+
+def check_only_api_errors(body: bytes) -> None:
+    for parse in (parse_chat, parse_completion):
+        try:
+            request = parse(body, model_id=MODEL)
+        except ApiError as error:
+            assert error.status in {400, 404, 413}
+            assert error.body()["error"]["message"]
+            continue
+        for length in (1, 50, 5000):
+            try:
+                sampling_params(request.options, prompt_tokens=length, context_length=100,
+                                default_max_tokens=16, prompt_param="prompt")
+            except ApiError as error:
+                assert error.status == 400
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_fuzz_any_body(body: bytes) -> None:
+    check_only_api_errors(body)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([CHAT, COMPLETION]),
+       st.lists(st.tuples(keys, st.none() | json_values, st.booleans()), max_size=4),
+       st.integers(0, 40))
+def test_fuzz_mutated_bodies(base: dict[str, Any], edits: list[tuple[str, Any, bool]],
+                             cut: int) -> None:
+    body = dict(base)
+    for key, value, delete in edits:
+        if delete:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    raw = json.dumps(body).encode()
+    check_only_api_errors(raw)
+    check_only_api_errors(raw[:-cut] if cut else raw)  # truncated JSON too
