@@ -15,14 +15,14 @@ codec calls end-of-sequence is taken as such even if the engine did not mark it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from mlxceld.api.admission import Admission
 from mlxceld.api.codec import TextCodec
 from mlxceld.api.metrics import Metrics
 from mlxceld.api.stops import StopMatcher
-from mlxceld.engine import Engine, FinishReason, GenerationRequest, TokenOutput
+from mlxceld.engine import Engine, FinishReason, GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Sequencer:
                         reason = "length"
                         break
             finally:
-                await _close(outputs)
+                await outputs.aclose()
         if not matcher.stopped:
             tail = matcher.feed(decoder.finish())
             tail += matcher.flush()
@@ -95,11 +95,3 @@ class Sequencer:
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
         yield Finished(reason, prompt_tokens, count)
-
-
-async def _close(outputs: AsyncIterator[TokenOutput]) -> None:
-    """Close the engine's iterator: an async generator, or anything with ``aclose``
-    (the seam promises one, though ``AsyncIterator`` does not spell it)."""
-    aclose = getattr(outputs, "aclose", None)
-    if aclose is not None:
-        await aclose()

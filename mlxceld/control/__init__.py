@@ -11,7 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "PeerCredentials": "peercred", "is_authorized": "peercred", "peer_credentials": "peercred",
-    "PEER_EXTENSION": "server", "SOCKET_PATH_LIMIT": "server", "ControlServer": "server", "SocketServer": "server",
+    "PEER_EXTENSION": "server", "SOCKET_PATH_LIMIT": "server", "ControlServer": "server",
+    "SocketServer": "server",
     "bind_control_socket": "server", "check_socket_path": "server", "peer_guard": "server",
     "remove_socket_file": "server", "build_app": "app", "ControlClient": "client",
 }

@@ -10,7 +10,7 @@ Token ids cross this seam, never text: the pipeline's last stage returns ids.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -59,7 +59,7 @@ class Engine(Protocol):
     context_length: int
     max_batch: int
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenOutput]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]: ...
 
     def active_sequences(self) -> int: ...
 

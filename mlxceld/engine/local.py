@@ -15,7 +15,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,7 @@ class LocalEngine:
     def active_sequences(self) -> int:
         return self._active
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         if self._failure is not None or self._closed.is_set():
             raise EngineError(f"the engine is not running: {self._failure or 'closed'}")
         seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from mlxceld.api import ChatMessage, ChatTemplateError, StreamDecoder
@@ -81,7 +81,7 @@ class FakeEngine:
             outputs.append(TokenOutput(EOS, None if self.unmarked_eos else "stop"))
         return outputs
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         assert self.active < self.max_batch, "more sequences than max_batch were admitted"
         self.requests.append(request)
         self.active += 1

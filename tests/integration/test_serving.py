@@ -78,7 +78,7 @@ def test_chat_and_completions_streamed_and_not(daemons: Daemons, tiny_llama: Pat
 
 
 def test_max_tokens_and_stop_strings(daemons: Daemons, tiny_llama: Path) -> None:
-    d, url = start_serving(daemons, tiny_llama)
+    _, url = start_serving(daemons, tiny_llama)
     with client(url) as c:
         full = c.completions.create(model="llama", prompt="def main():", max_tokens=16,
                                     temperature=0)
@@ -109,7 +109,7 @@ def test_api_key_accepted_and_refused(daemons: Daemons, tiny_llama: Path) -> Non
 
 
 def test_concurrent_streams_and_a_disconnect(daemons: Daemons, tiny_llama: Path) -> None:
-    d, url = start_serving(daemons, tiny_llama)
+    _, url = start_serving(daemons, tiny_llama)
     prompts = [f"Story number {i}:" for i in range(8)]
     with client(url) as c:
         expected = [c.completions.create(model="llama", prompt=p, max_tokens=12,
@@ -123,7 +123,7 @@ def test_concurrent_streams_and_a_disconnect(daemons: Daemons, tiny_llama: Path)
                 out = c.completions.create(model="llama", prompt=prompts[i], max_tokens=12,
                                            temperature=0, stream=True)
                 results[i] = "".join(ch.choices[0].text for ch in out if ch.choices)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     def disconnect() -> None:
