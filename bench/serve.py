@@ -1,0 +1,159 @@
+"""Serving speed: mlx_lm.server (the baseline) and our router, side by side, one run.
+
+Both serve the same checkpoint (by default the `small` fixture: 8 layers, hidden
+512) on loopback. For each: time to first token and single-stream decode tok/s
+(median of --runs), then aggregate tok/s with --streams concurrent streams. All
+requests are greedy with the same prompts, so both produce the same tokens.
+
+    .venv/bin/python bench/serve.py [--model DIR] [--max-tokens 64] [--streams 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+PROMPT = "Once upon a time in a small village by the sea, there lived"
+
+
+@dataclass
+class Stream:
+    ttft: float
+    tokens: int
+    decode_s: float
+    total_s: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            r = httpx.get(f"{url}/models", timeout=2)
+            if r.status_code == 200 and r.json()["data"]:
+                model_id: str = r.json()["data"][0]["id"]
+                return model_id
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{what} not ready after {timeout} s")
+
+
+def stream_once(url: str, model: str, max_tokens: int, prompt: str = PROMPT) -> Stream:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = 0.0
+    chunks, usage = 0, None
+    with httpx.stream("POST", f"{url}/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]
+            if any(c.get("text") for c in data.get("choices", [])):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    tokens = int(usage["completion_tokens"]) if usage else chunks
+    return Stream(first - start, tokens, max(last - first, 1e-9), time.perf_counter() - start)
+
+
+def concurrent(url: str, model: str, max_tokens: int, n: int) -> float:
+    results: list[Stream] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(
+        stream_once(url, model, max_tokens, f"{PROMPT} (story {i})"))) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(r.tokens for r in results) / (time.perf_counter() - start)
+
+
+def measure(url: str, model: str, max_tokens: int, runs: int, streams: int) -> dict[str, float]:
+    stream_once(url, model, 8)  # warm up: compile, caches
+    singles = [stream_once(url, model, max_tokens) for _ in range(runs)]
+    return {
+        "ttft_ms": statistics.median(s.ttft for s in singles) * 1000,
+        "decode_tps": statistics.median((s.tokens - 1) / s.decode_s for s in singles),
+        "aggregate_tps": concurrent(url, model, max_tokens, streams),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model dir (default: the small fixture)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=8)
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from mlxceld.models import fixture_cache, preset
+
+        model = fixture_cache(preset("small"))
+    root = Path(tempfile.mkdtemp(prefix="mxbench", dir="/tmp"))
+    base_port, our_port = free_port(), free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model),
+                          "--port", str(base_port), "--log-level", "WARNING",
+                          "--decode-concurrency", str(args.streams)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([sys.executable, "-m", "mlxceld", "--state-dir", str(root / "state"),
+                          "--socket", str(root / "ctl.sock"), "--model", str(model),
+                          "--port", str(our_port), "--log-level", "warning"],
+                         stdout=subprocess.DEVNULL),
+    ]
+    try:
+        urls = {"mlx_lm.server": f"http://127.0.0.1:{base_port}/v1",
+                "mlxceld": f"http://127.0.0.1:{our_port}/v1"}
+        ids = {name: wait_ready(url, p, name) for (name, url), p in zip(urls.items(), procs,
+                                                                         strict=True)}
+        print(f"model: {model}  max_tokens: {args.max_tokens}  streams: {args.streams}")
+        res = {name: measure(urls[name], ids[name], args.max_tokens, args.runs, args.streams)
+               for name in urls}
+        base, ours = res["mlx_lm.server"], res["mlxceld"]
+        print(f"{'':24}{'mlx_lm.server':>14}{'mlxceld':>10}{'ratio':>8}")
+        for key, label, better_low in (("decode_tps", "single-stream tok/s", False),
+                                       ("ttft_ms", "time to first token ms", True),
+                                       ("aggregate_tps", f"{args.streams} streams tok/s", False)):
+            ratio = base[key] / ours[key] if better_low else ours[key] / base[key]
+            print(f"{label:24}{base[key]:14.1f}{ours[key]:10.1f}{ratio:8.2f}")
+        print("(ratio > 1 means mlxceld is better)")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
