@@ -206,3 +206,14 @@ stable_after_s = 30.0
 stop_timeout_s = 3.0
 health_interval_s = 0.5
 """
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random-weight checkpoints written by our generator: ``llama/`` and ``qwen3/``."""
+    from mlxceld.models import preset, write_fixture
+
+    root = tmp_path_factory.mktemp("fixtures")
+    for family in ("llama", "qwen3"):
+        write_fixture(root / family, preset("tiny", family=family))
+    return root

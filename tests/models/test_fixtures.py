@@ -105,7 +105,7 @@ def test_eos_ids_per_family(tiny: Path) -> None:
         assert tokenizer.eos_token_ids == {ids["<|im_end|>"], ids["<|endoftext|>"]}
     else:
         assert tokenizer.eos_token == "<|endoftext|>"
-        assert tokenizer.eos_token_ids == {ids["<|endoftext|>"]}
+        assert tokenizer.eos_token_ids == {ids["<|endoftext|>"], ids["<|im_end|>"]}
     assert tokenizer.pad_token == "<|endoftext|>"
 
 
