@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEMO   := .demo
 PYTEST_ARGS ?=
+MODEL ?=
+PORT  ?= 8080
+RUN_MODEL = $(if $(MODEL),$(MODEL),$(DEMO)/model)
+RUN_NAME  = $(if $(MODEL),$(notdir $(patsubst %/,%,$(MODEL))),tiny-qwen3)
 
 .PHONY: run test install lint typecheck clean
 
@@ -19,15 +23,27 @@ install: $(VENV)/.installed
 
 run: install
 	@mkdir -p $(DEMO)
-	@echo "Starting mlxceld in the foreground with the demo config (contrib/demo/mlxceld.toml)."
-	@echo "In another terminal:"
+	@if [ -z "$(MODEL)" ] && [ ! -f $(DEMO)/model/config.json ]; then \
+		echo "No MODEL given: generating a tiny random-weight model in $(DEMO)/model"; \
+		$(BIN)/mlxctl model fixture $(DEMO)/model --preset tiny --family qwen3 >/dev/null; \
+	fi
+	@echo ""
+	@echo "Starting mlxceld in the foreground, serving $(RUN_MODEL) on 127.0.0.1:$(PORT)."
+	@echo "When the router is running (a few seconds), in another terminal:"
+	@echo ""
 	@echo "  export MLXCELD_SOCKET=$(CURDIR)/$(DEMO)/mlxceld.sock"
-	@echo "  $(BIN)/mlxctl status        # the daemon and its workers"
-	@echo "  $(BIN)/mlxctl logs demo-1   # a worker's log (-f to follow)"
-	@echo "  $(BIN)/mlxctl events -f     # what the supervisor does"
+	@echo "  $(BIN)/mlxctl status          # the daemon, its workers, what is unhealthy"
+	@echo "  $(BIN)/mlxctl logs router -f  # the router worker's log"
+	@echo ""
+	@echo "  curl -s http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(RUN_NAME)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'"
+	@echo ""
+	@echo "  $(BIN)/python -c 'import openai; c = openai.OpenAI(base_url=\"http://127.0.0.1:$(PORT)/v1\", api_key=\"none\"); \\"
+	@echo "    print(c.chat.completions.create(model=\"$(RUN_NAME)\", messages=[{\"role\": \"user\", \"content\": \"Hello!\"}], max_tokens=32).choices[0].message.content)'"
+	@echo ""
 	@echo "Stop it with Ctrl-C here, or: $(BIN)/mlxctl stop"
-	exec $(BIN)/mlxceld --config contrib/demo/mlxceld.toml \
-		--state-dir $(DEMO)/state --socket $(CURDIR)/$(DEMO)/mlxceld.sock
+	exec $(BIN)/mlxceld --config contrib/demo/mlxceld.toml --state-dir $(DEMO)/state \
+		--socket $(CURDIR)/$(DEMO)/mlxceld.sock --model $(RUN_MODEL) --model-name $(RUN_NAME) --port $(PORT)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

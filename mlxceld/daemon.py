@@ -181,13 +181,13 @@ class Daemon:
                 srv_started: asyncio.Future[None] = loop.create_future()
                 tg.create_task(self._server.serve(srv_started))
                 await srv_started
-                await self.supervisor.reconcile(self.specs(self.config))
+                specs = self.specs(self.config)
+                await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
                                    f"mlxceld {__version__} started (pid {os.getpid()})",
                                    pid=os.getpid())
                 log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
-                         __version__, self.node.node_id, self.config.socket,
-                         len(self.config.workers))
+                         __version__, self.node.node_id, self.config.socket, len(specs))
                 code = await self._serve_commands()
                 self._server.request_shutdown()
                 self.supervisor.close()

@@ -230,6 +230,23 @@ def _alive(pid: int) -> bool:
         return True
 
 
+model_app = typer.Typer(help="Model files on this machine (no daemon needed).",
+                        no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def fixture(ctx: typer.Context) -> None:
+    """Write a random-weight mlx-lm model (for tests and demos): DIR [--preset tiny|small|
+    qwen3-0.6b] [--family llama|qwen3] [--quantize BITS] ... (--help for all options)."""
+    from mlxceld.models import run_cli  # imports mlx: only for this command
+
+    raise typer.Exit(run_cli(list(ctx.args), prog="mlxctl model fixture"))
+
+
 @app.command()
 def version(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Print mlxctl's version and the daemon's."""

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import mlx_lm
 import openai
 import pytest
 from conftest import FAST_POLICY, DaemonProc, Daemons, wait_for
@@ -69,9 +70,13 @@ def test_chat_and_completions_streamed_and_not(daemons: Daemons, tiny_llama: Pat
         assert "".join(pieces) == choice.message.content  # greedy: same text both ways
         assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
         comp = c.completions.create(model="llama", prompt="The quick brown fox",
-                                    max_tokens=5, temperature=0)
+                                    max_tokens=24, temperature=0)
         assert comp.choices[0].finish_reason in ("stop", "length")
-        assert comp.usage is not None and comp.usage.completion_tokens <= 5
+        assert comp.usage is not None and comp.usage.completion_tokens <= 24
+    # Greedy decoding through the daemon gives what mlx_lm.generate gives.
+    model, tokenizer = mlx_lm.load(str(tiny_llama))
+    assert comp.choices[0].text == mlx_lm.generate(model, tokenizer, "The quick brown fox",
+                                                   max_tokens=24)
     status = d.status()
     assert status["serving"]["model_name"] == "llama"
     assert status["serving"]["url"] == url
