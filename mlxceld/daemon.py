@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
 ROUTER_START_TIMEOUT_S = 600.0
+ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
 
 def prepare_state_dir(path: Path) -> None:
@@ -135,8 +136,11 @@ class Daemon:
                  for w in config.workers]
         if self._serve.model is not None:
             # Loading a model takes a while; stopping waits for open streams to finish.
-            policy = replace(config.policy, start_timeout_s=max(config.policy.start_timeout_s,
-                                                                ROUTER_START_TIMEOUT_S))
+            policy = replace(config.policy,
+                             start_timeout_s=max(config.policy.start_timeout_s,
+                                                 ROUTER_START_TIMEOUT_S),
+                             stop_timeout_s=max(config.policy.stop_timeout_s,
+                                                ROUTER_STOP_TIMEOUT_S))
             specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir,
                                     router_options(self._serve), policy, api_key=self._api_key))
         return specs
@@ -213,7 +217,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._force)
         self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
         log.info("shutting down: stopping %d worker(s)", len(self.supervisor.names()))
-        longest = max((w.policy.stop_timeout_s for w in self.config.workers), default=0.0)
+        longest = self.supervisor.longest_stop_timeout()
         try:
             async with asyncio.timeout(longest + SHUTDOWN_SLACK_S):
                 await self.supervisor.stop_all()

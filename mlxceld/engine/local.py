@@ -15,7 +15,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,8 @@ class LocalEngine:
 
     def __init__(self, model: Any, *, model_id: str, context_length: int,
                  eos_token_ids: set[int], vocab_size: int, max_batch: int = 8,
-                 prefill_step: int = DEFAULT_PREFILL_STEP) -> None:
+                 prefill_step: int = DEFAULT_PREFILL_STEP,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -61,6 +62,7 @@ class LocalEngine:
         self._active = 0
         self._closed = threading.Event()
         self._failure: BaseException | None = None
+        self._on_failure = on_failure  # called on the step thread when the engine breaks
         self._thread = threading.Thread(target=self._run, name="mlxceld-engine", daemon=True)
         self._thread.start()
 
@@ -109,6 +111,8 @@ class LocalEngine:
             for seq in self._by_uid.values():
                 self._deliver(seq, exc)
             self._by_uid.clear()
+            if self._on_failure is not None:
+                self._on_failure(exc)
         finally:
             self._gen.close()
 
@@ -161,7 +165,8 @@ class LocalEngine:
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
 
 
-def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8
+def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8,
+                      on_failure: Callable[[BaseException], None] | None = None
                       ) -> tuple[LocalEngine, Any]:
     """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper."""
     from mlx_lm import load
@@ -173,5 +178,5 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
     mx.eval(model.parameters())
     engine = LocalEngine(model, model_id=model_id or Path(path).name, context_length=context,
                          eos_token_ids=set(tokenizer.eos_token_ids), vocab_size=vocab,
-                         max_batch=max_batch)
+                         max_batch=max_batch, on_failure=on_failure)
     return engine, tokenizer

@@ -154,6 +154,9 @@ class Supervisor:
         runner.post(StartRequested())
         self._events.append("worker.restart_requested", name, f"restart of {name} requested")
 
+    def longest_stop_timeout(self) -> float:
+        return max((r.spec.policy.stop_timeout_s for r in self._runners.values()), default=0.0)
+
     def names(self) -> list[str]:
         return sorted(self._runners)
 

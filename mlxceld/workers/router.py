@@ -36,17 +36,24 @@ def listen(host: str, port: int) -> socket.socket:
 async def run(ctx: WorkerContext) -> int:
     o: dict[str, Any] = ctx.options
     sock = listen(str(o["host"]), int(o["port"]))
+    loop = asyncio.get_running_loop()
+    broken: list[BaseException] = []
+
+    def engine_broke(exc: BaseException) -> None:  # on the engine's thread
+        broken.append(exc)
+        loop.call_soon_threadsafe(ctx.stop)
+
     try:
         engine, tokenizer = await asyncio.to_thread(
             load_local_engine, str(o["model"]), model_id=str(o["model_name"]),
-            max_batch=int(o["max_batch"]))
+            max_batch=int(o["max_batch"]), on_failure=engine_broke)
     except Exception as exc:
         sock.close()
         raise RuntimeError(f"cannot load model {o['model']!r}: {exc}") from exc
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=str(o["model_name"]),
                            api_key=ctx.api_key, max_queued=int(o["max_queued"]))
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S)
-    started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    started: asyncio.Future[None] = loop.create_future()
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(server.serve(started))
@@ -57,4 +64,6 @@ async def run(ctx: WorkerContext) -> int:
             server.request_shutdown()
     finally:
         await engine.aclose()
+    if broken:  # exit non-zero: the supervisor restarts us with a fresh engine
+        raise RuntimeError(f"the engine failed: {broken[0]!r}") from broken[0]
     return 0
