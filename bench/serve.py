@@ -44,18 +44,18 @@ def free_port() -> int:
         return port
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> str:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> None:
+    """Both servers answer /health only once the model is loaded."""
+    health = url.removesuffix("/v1") + "/health"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{what} exited with {proc.returncode}")
         try:
-            r = httpx.get(f"{url}/models", timeout=2)
-            if r.status_code == 200 and r.json()["data"]:
-                model_id: str = r.json()["data"][0]["id"]
-                return model_id
+            if httpx.get(health, timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
-            pass
+            pass  # not up yet
         time.sleep(0.5)
     raise SystemExit(f"{what} not ready after {timeout} s")
 
@@ -131,8 +131,10 @@ def main() -> None:
     try:
         urls = {"mlx_lm.server": f"http://127.0.0.1:{base_port}/v1",
                 "mlxceld": f"http://127.0.0.1:{our_port}/v1"}
-        ids = {name: wait_ready(url, p, name) for (name, url), p in zip(urls.items(), procs,
-                                                                         strict=True)}
+        for (name, url), p in zip(urls.items(), procs, strict=True):
+            wait_ready(url, p, name)
+        # mlx_lm.server calls its --model "default_model"; ours serves the directory's name.
+        ids = {"mlx_lm.server": "default_model", "mlxceld": Path(model).name}
         print(f"model: {model}  max_tokens: {args.max_tokens}  streams: {args.streams}")
         res = {name: measure(urls[name], ids[name], args.max_tokens, args.runs, args.streams)
                for name in urls}

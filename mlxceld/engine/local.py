@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import EngineError, GenerationRequest, TokenOutput
 from mlxceld.engine.sampling import make_sampler
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps before re-checking for shutdown
 DEFAULT_PREFILL_STEP = 512
+PROMPT_CACHE_ENTRIES = 16
+PROMPT_CACHE_BYTES = 2 << 30
+MODEL_KEY = "model"  # one model per engine: the prompt cache needs a key, any will do
 
 
 @dataclass
@@ -59,6 +63,9 @@ class LocalEngine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._keys = itertools.count()
         self._by_uid: dict[int, _Sequence] = {}
+        # KV caches of finished sequences, by their tokens: a new prompt that shares a
+        # prefix (a chat's earlier turns, a repeated system prompt) skips that prefill.
+        self._prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, PROMPT_CACHE_BYTES)
         self._active = 0
         self._closed = threading.Event()
         self._failure: BaseException | None = None
@@ -135,9 +142,12 @@ class LocalEngine:
 
     def _insert(self, seq: _Sequence) -> None:
         req = seq.request
+        tokens = list(req.prompt_tokens)
+        cache, rest = self._cached_prefix(tokens)
         try:
             [uid] = self._gen.insert(
-                [list(req.prompt_tokens)], max_tokens=[req.params.max_tokens],
+                [rest], max_tokens=[req.params.max_tokens], caches=[cache],
+                all_tokens=[tokens[: len(tokens) - len(rest)]],
                 samplers=[make_sampler(req.params, self._vocab_size)],
             )
         except ValueError as exc:  # empty prompt, bad max_tokens: caught above us normally
@@ -146,8 +156,21 @@ class LocalEngine:
         seq.uid = uid
         self._by_uid[uid] = seq
 
+    def _cached_prefix(self, tokens: list[int]) -> tuple[Any, list[int]]:
+        """The KV cache of the longest known prefix, and the tokens still to prefill."""
+        if not tokens:
+            return None, tokens
+        cache, rest = self._prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
+        if cache is not None and not rest:  # an exact hit: recompute the last token
+            if not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return cache, list(rest)
+
     def _step(self) -> None:
         _, generated = self._gen.next()
+        batch: list[tuple[_Sequence, TokenOutput]] = []
         for r in generated:
             seq = self._by_uid.get(r.uid)
             if seq is None:
@@ -155,14 +178,30 @@ class LocalEngine:
             reason = r.finish_reason if r.finish_reason in ("stop", "length") else None
             if r.finish_reason is not None and reason is None:
                 reason = "length"  # anything else that ends a sequence ends it for length
-            self._deliver(seq, TokenOutput(int(r.token), reason))
+            batch.append((seq, TokenOutput(int(r.token), reason)))
             if reason is not None:
                 del self._by_uid[r.uid]
+                if r.prompt_cache is not None and r.all_tokens:
+                    self._prompt_cache.insert_cache(MODEL_KEY, list(r.all_tokens),
+                                                    r.prompt_cache)
+        # One wake-up of the event loop per step, not one per sequence: each wake-up
+        # costs the step thread a GIL hand-over.
+        loops = {seq.loop for seq, _ in batch}
+        for loop in loops:
+            items = [(seq.out, item) for seq, item in batch if seq.loop is loop]
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
 
     @staticmethod
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], TokenOutput]]
+             ) -> None:
+    for out, item in items:
+        out.put_nowait(item)
 
 
 def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8,

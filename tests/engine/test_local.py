@@ -91,3 +91,22 @@ def test_seeded_sampling_is_reproducible_and_cancellation_frees(fixture_dir: Pat
             await engine.aclose()
 
     asyncio.run(run())
+
+
+def test_prompt_cache_reuses_a_prefix_without_changing_tokens(fixture_dir: Path) -> None:
+    async def run() -> None:
+        engine, tokenizer = load_local_engine(str(fixture_dir / "qwen3"), max_batch=2)
+        try:
+            base = tokenizer.encode("A long shared system prompt, then a question")
+            cold = await engine_tokens(engine, base + tokenizer.encode(" one"), 16,
+                                       temperature=0)
+            assert len(engine._prompt_cache) == 1  # the finished sequence's KV cache is kept
+            cache, rest = engine._cached_prefix(base + tokenizer.encode(" one"))
+            assert cache is not None and len(rest) == 1  # everything but the last token
+            warm = await engine_tokens(engine, base + tokenizer.encode(" one"), 16,
+                                       temperature=0)
+            assert warm == cold
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
