@@ -1,0 +1,189 @@
+"""Frames of PROTOCOL.md section 3: ``kind u8 · len u32 · ciphertext || tag(16)``.
+
+One ``FrameSender`` and one ``FrameReceiver`` per direction, each holding its
+traffic secret, AEAD, IV and sequence number. The nonce is the IV XOR
+``00 00 00 00 || seq u64`` and the associated data the 5 header bytes.
+
+Readings where the page is loose (the stricter one):
+
+- The byte limits count frame bodies (``len``: ciphertext and tag) under one
+  traffic secret, key-update frames included, on both sides.
+- A sender rekeys early enough that neither limit is passed *including* the
+  key-update frame itself; the receiver counts every frame it opens (key updates
+  too) and closes when a count goes past its limit.
+- A key-update frame must be empty and a close reason valid UTF-8 of at most
+  1 KiB; otherwise the frame is malformed and the connection closes.
+- A sender refuses (``LocalProtocolError``) a payload whose frame would exceed its
+  own maximum frame length, since a peer with the same default would refuse it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+from mlxceld.wire.crypto import TAG_LEN, Buffer, Suite, make_aead
+from mlxceld.wire.errors import LocalProtocolError, RemoteProtocolError
+from mlxceld.wire.schedule import next_traffic_secret, traffic_key_iv
+
+HEADER: Final = struct.Struct(">BI")
+HEADER_LEN: Final = HEADER.size  # 5
+MAX_CLOSE_REASON: Final = 1024
+
+
+class Kind(IntEnum):
+    MESSAGE = 0x01
+    CLOSE = 0x02
+    KEY_UPDATE = 0x0F
+
+
+_KINDS: Final = frozenset(int(k) for k in Kind)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """Frame and rekey bounds; the defaults are the protocol's, tests lower them."""
+
+    max_frame_len: int = 256 * 2**20  # largest ``len`` a receiver accepts
+    send_frames: int = 2**24  # a sender rekeys before passing these under one secret
+    send_bytes: int = 2**36
+    recv_frames: int = 2**26  # a receiver closes a peer that passes these
+    recv_bytes: int = 2**38
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: Kind
+    payload: bytes
+
+
+class _Direction:
+    """One direction's traffic secret, AEAD, IV, sequence number and byte count."""
+
+    __slots__ = ("_iv", "_secret", "_suite", "aead", "bytes", "seq")
+
+    def __init__(self, suite: Suite, secret: bytes) -> None:
+        self._suite = suite
+        self._install(secret)
+
+    def _install(self, secret: bytes) -> None:
+        key, iv = traffic_key_iv(secret)
+        self._secret = secret
+        self.aead = make_aead(self._suite, key)
+        self._iv = int.from_bytes(iv, "big")
+        self.seq = 0
+        self.bytes = 0
+
+    def update(self) -> None:
+        self._install(next_traffic_secret(self._secret))
+
+    def nonce(self) -> bytes:
+        return (self._iv ^ self.seq).to_bytes(12, "big")
+
+
+class FrameSender:
+    def __init__(self, suite: Suite, secret: bytes, limits: FrameLimits = FrameLimits()) -> None:
+        self._dir = _Direction(suite, secret)
+        self._limits = limits
+
+    @property
+    def seq(self) -> int:
+        return self._dir.seq
+
+    def seal(self, kind: Kind, payload: Buffer) -> bytes:
+        """The frame for ``payload``, preceded by a key update when the limits call for one."""
+        body_len = len(payload) + TAG_LEN
+        if body_len > self._limits.max_frame_len:
+            raise LocalProtocolError(
+                f"a {len(payload)}-byte payload exceeds the maximum frame length "
+                f"{self._limits.max_frame_len}")
+        out = b""
+        d, lim = self._dir, self._limits
+        if kind is not Kind.KEY_UPDATE and d.seq > 0 and (
+                d.seq + 2 > lim.send_frames or d.bytes + body_len + TAG_LEN > lim.send_bytes):
+            out = self.key_update()
+        return out + self._seal(kind, payload, body_len)
+
+    def key_update(self) -> bytes:
+        """A key-update frame; the traffic secret moves on right after it."""
+        frame = self._seal(Kind.KEY_UPDATE, b"", TAG_LEN)
+        self._dir.update()
+        return frame
+
+    def _seal(self, kind: Kind, payload: Buffer, body_len: int) -> bytes:
+        header = HEADER.pack(kind, body_len)
+        sealed = self._dir.aead.seal(self._dir.nonce(), payload, header)
+        self._dir.seq += 1
+        self._dir.bytes += body_len
+        return header + sealed
+
+
+class FrameReceiver:
+    """Buffers bytes, checks each header before its body arrives, opens frames in order."""
+
+    def __init__(self, suite: Suite, secret: bytes, limits: FrameLimits = FrameLimits()) -> None:
+        self._dir = _Direction(suite, secret)
+        self._limits = limits
+        self._buf = bytearray()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: Buffer) -> None:
+        self._buf += data
+        self._body_len()  # refuse a bad header before anything else is read
+
+    def _body_len(self) -> int | None:
+        if len(self._buf) < HEADER_LEN:
+            return None
+        _kind, body_len = HEADER.unpack_from(self._buf)
+        if body_len > self._limits.max_frame_len:
+            raise RemoteProtocolError(
+                f"frame length {body_len} exceeds the maximum {self._limits.max_frame_len}",
+                kind="oversized_frame")
+        if body_len < TAG_LEN:
+            raise RemoteProtocolError(f"frame length {body_len} is shorter than its tag",
+                                      kind="malformed_frame")
+        return int(body_len)
+
+    def next_frame(self) -> Frame | None:
+        """The next whole frame, opened and checked, or ``None`` until more bytes arrive."""
+        body_len = self._body_len()
+        if body_len is None or len(self._buf) < HEADER_LEN + body_len:
+            return None
+        d = self._dir
+        header = bytes(self._buf[:HEADER_LEN])
+        with memoryview(self._buf) as view, view[HEADER_LEN:HEADER_LEN + body_len] as body:
+            plain = d.aead.open(d.nonce(), body, header)
+        if plain is None:
+            raise RemoteProtocolError("frame does not authenticate (altered, replayed, "
+                                      "reordered, dropped or foreign)", kind="frame_auth_failed")
+        del self._buf[:HEADER_LEN + body_len]
+        d.seq += 1
+        d.bytes += body_len
+        if d.seq > self._limits.recv_frames or d.bytes > self._limits.recv_bytes:
+            raise RemoteProtocolError("peer passed the frame or byte limit without a key update",
+                                      kind="key_limit_exceeded")
+        kind = header[0]
+        if kind not in _KINDS:
+            raise RemoteProtocolError(f"unknown frame kind 0x{kind:02x}",
+                                      kind="unknown_frame_kind")
+        if kind == Kind.KEY_UPDATE:
+            if plain:
+                raise RemoteProtocolError("key-update frame is not empty", kind="malformed_frame")
+            d.update()
+        elif kind == Kind.CLOSE:
+            _check_close_reason(plain)
+        return Frame(Kind(kind), plain)
+
+
+def _check_close_reason(reason: bytes) -> None:
+    if len(reason) > MAX_CLOSE_REASON:
+        raise RemoteProtocolError("close reason longer than 1 KiB", kind="malformed_frame")
+    try:
+        reason.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("close reason is not UTF-8", kind="malformed_frame") from None
