@@ -29,7 +29,14 @@ from mlxceld.wire.events import (
     MessageReceived,
     PeerClosed,
 )
-from mlxceld.wire.frames import MAX_CLOSE_REASON, FrameLimits, FrameReceiver, FrameSender, Kind
+from mlxceld.wire.frames import (
+    DEFAULT_LIMITS,
+    MAX_CLOSE_REASON,
+    FrameLimits,
+    FrameReceiver,
+    FrameSender,
+    Kind,
+)
 from mlxceld.wire.handshake import Handshake, Random, Role, SecretStore
 from mlxceld.wire.hello import VERDICT_ACCEPTED
 from mlxceld.wire.schedule import Channel
@@ -42,7 +49,7 @@ class Connection:
                  channel: Channel | None = None, identity: str | None = None,
                  suite: Suite = Suite.AES_256_GCM, peer_ip: str | None = None,
                  capacity_ok: Callable[[], bool] = lambda: True,
-                 limits: FrameLimits = FrameLimits(),
+                 limits: FrameLimits = DEFAULT_LIMITS,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
         """A client needs ``channel`` and ``identity`` (its advertised listener ``host:port``);
         a server needs ``peer_ip`` (the TCP source) and accepts any channel, reported in

@@ -53,6 +53,9 @@ class FrameLimits:
     recv_bytes: int = 2**38
 
 
+DEFAULT_LIMITS: Final = FrameLimits()
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     kind: Kind
@@ -84,7 +87,7 @@ class _Direction:
 
 
 class FrameSender:
-    def __init__(self, suite: Suite, secret: bytes, limits: FrameLimits = FrameLimits()) -> None:
+    def __init__(self, suite: Suite, secret: bytes, limits: FrameLimits = DEFAULT_LIMITS) -> None:
         self._dir = _Direction(suite, secret)
         self._limits = limits
 
@@ -123,7 +126,7 @@ class FrameSender:
 class FrameReceiver:
     """Buffers bytes, checks each header before its body arrives, opens frames in order."""
 
-    def __init__(self, suite: Suite, secret: bytes, limits: FrameLimits = FrameLimits()) -> None:
+    def __init__(self, suite: Suite, secret: bytes, limits: FrameLimits = DEFAULT_LIMITS) -> None:
         self._dir = _Direction(suite, secret)
         self._limits = limits
         self._buf = bytearray()
