@@ -157,9 +157,9 @@ class Handshake:
         self._buf += data
         self._received += len(data)
         try:
-            if self.role is Role.SERVER and self._received > PRE_AUTH_MAX:
-                raise msg.noise("more bytes than a hello and its ClientAuth")
             while self.state in TABLE:
+                if self.role is Role.SERVER and self._received > self._pre_auth_limit():
+                    raise msg.noise("more bytes than a hello and its ClientAuth")
                 wanted, step, after = TABLE[self.state]
                 if wanted is None:
                     assert self._head is not None
@@ -170,8 +170,6 @@ class Handshake:
                 del self._buf[:wanted]
                 getattr(self, step)(chunk)
                 self.state = after
-            if self.role is Role.SERVER and self._buf:
-                raise msg.noise("bytes before the verdict")
         except RemoteProtocolError:
             self.state = S.FAILED
             self._drop_secrets()
@@ -179,6 +177,12 @@ class Handshake:
         rest = bytes(self._buf)
         self._buf.clear()
         return rest
+
+    def _pre_auth_limit(self) -> int:
+        """A server reads at most the hello and the ClientAuth before it authenticates."""
+        if self._head is None:
+            return PRE_AUTH_MAX
+        return msg.HELLO_FIXED_LEN + self._head.identity_len + msg.AUTH_LEN
 
     def take_output(self) -> bytes:
         out = bytes(self._out)
