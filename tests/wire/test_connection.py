@@ -414,3 +414,27 @@ def test_local_misuse() -> None:
     client.close()
     with pytest.raises(LocalProtocolError):
         client.close()
+
+
+def test_frames_in_the_same_chunk_as_the_verdict() -> None:
+    client, server = make_pair()
+    pump(client, server)
+    pump(server, client)
+    pump(client, server)
+    server.send_message(b"right away")
+    client.receive_data(server.data_to_send(), 0)
+    assert drain(client)[1:] == [MessageReceived(b"right away")]
+
+
+def test_unprotected_suite_for_benchmarks_only() -> None:
+    from mlxceld.wire import FrameReceiver, FrameSender, Kind
+
+    sender, receiver = FrameSender(Suite.UNPROTECTED, bytes(32)), FrameReceiver(
+        Suite.UNPROTECTED, bytes(32))
+    frame = sender.seal(Kind.MESSAGE, b"plain")
+    assert frame == b"\x01\x00\x00\x00\x15plain" + bytes(16)
+    receiver.feed(frame)
+    opened = receiver.next_frame()
+    assert opened is not None and opened.payload == b"plain"
+    with pytest.raises(LocalProtocolError):
+        make_pair(suite=Suite.UNPROTECTED)
