@@ -3,6 +3,9 @@
     MlxceldError                    root: everything we raise on purpose
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
     ├── StateError                  the SQLite state could not be read or written
+    ├── KeyringError                a cluster secret cannot be installed, used or removed
+    │   ├── UnknownKey              no installed secret has that key id
+    │   └── PrimaryKeyRemoval       the primary secret cannot be removed
     ├── DaemonError                 the daemon cannot start or run as asked
     │   ├── AlreadyRunning          another daemon holds the state dir lock
     │   └── SocketError             the control socket cannot be created
@@ -40,6 +43,20 @@ class ConfigError(MlxceldError):
 
 class StateError(MlxceldError):
     code = "state"
+
+
+class KeyringError(MlxceldError):
+    """A cluster secret problem; the message names the key id, never the secret."""
+
+    code = "keyring"
+
+
+class UnknownKey(KeyringError):
+    code = "unknown_key"
+
+
+class PrimaryKeyRemoval(KeyringError):
+    code = "key_is_primary"
 
 
 class DaemonError(MlxceldError):
