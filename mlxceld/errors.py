@@ -2,6 +2,7 @@
 
     MlxceldError                    root: everything we raise on purpose
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
+    │   └── SecretSourceError       no usable cluster secret where the sources point
     ├── StateError                  the SQLite state could not be read or written
     ├── KeyringError                a cluster secret cannot be installed, used or removed
     │   ├── UnknownKey              no installed secret has that key id
@@ -39,6 +40,12 @@ class MlxceldError(Exception):
 
 class ConfigError(MlxceldError):
     code = "config"
+
+
+class SecretSourceError(ConfigError):
+    """The cluster secret's sources conflict or point at nothing usable; names every source."""
+
+    code = "secret_source"
 
 
 class StateError(MlxceldError):
