@@ -55,6 +55,10 @@ def run(
     api_key_file: Annotated[Path | None, typer.Option(
         "--api-key-file", envvar="MLXCEL_API_KEY_FILE", show_envvar=True,
         help="Require this API key (Authorization: Bearer) on the OpenAI port.")] = None,
+    cluster_secret_file: Annotated[Path | None, typer.Option(
+        "--cluster-secret-file", help="The cluster secret (at least 16 bytes; one trailing "
+        "newline is trimmed). Wins over MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET and "
+        "the keyring; installed into the keyring as its primary.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -62,7 +66,8 @@ def run(
     """Run the mlxceld daemon in the foreground."""
     flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
                       log_level=log_level, log_file=log_file, model=model,
-                      model_name=model_name, host=host, port=port, api_key_file=api_key_file)
+                      model_name=model_name, host=host, port=port, api_key_file=api_key_file,
+                      cluster_secret_file=cluster_secret_file)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)

@@ -82,6 +82,7 @@ class Overrides:
     host: str | None = None
     port: int | None = None
     api_key_file: Path | None = None
+    cluster_secret_file: Path | None = None  # read at start only (mlxceld.cluster)
 
 
 def load_config(flags: Overrides) -> Config:

@@ -1,7 +1,15 @@
 """The composition root: wires state, supervisor and control API; owns signals and shutdown.
 
-Start-up order: private umask, state dir (0700), lock, database, control
-socket, supervisor (re-adopting what survived a previous daemon), control API.
+Start-up order: private umask, state dir (0700), lock, database, keyring and
+the cluster secret, control socket, supervisor (re-adopting what survived a
+previous daemon), control API.
+
+The cluster secret (PROTOCOL.md section 1): a secret from --cluster-secret-file,
+MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or the cluster TOML is
+installed into the keyring as its primary and so persisted (a 0600 file under
+``<state-dir>/keys``): a restart without the flag or variable keeps it, and
+`mlxctl secret list` shows it. MLXCEL_CLUSTER_SECRET is dropped from our own
+environment once read; workers never get any *SECRET* variable anyway.
 
 Shutdown order, written once (``_shutdown``): stop admitting work, ask every
 worker to stop (each has its stop timeout, then SIGKILL from its lifecycle),
@@ -25,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mlxceld import __version__
+from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -36,7 +45,16 @@ from mlxceld.control.server import (
 )
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
-from mlxceld.state import SCHEMA_VERSION, EventLog, Settings, WorkersTable, claim_node, open_db
+from mlxceld.state import (
+    SCHEMA_VERSION,
+    EventLog,
+    KeyStore,
+    Settings,
+    WorkersTable,
+    claim_node,
+    open_db,
+    parse_key_id,
+)
 from mlxceld.state.lock import StateLock, acquire
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
@@ -81,6 +99,8 @@ class Daemon:
             self.node = claim_node(self._db)
             self.events = EventLog(self._db)
             self.settings = Settings(self._db)
+            self.keys = KeyStore(self._db, config.state_dir / "keys")
+            self._adopt_secret(flags)
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
@@ -129,6 +149,28 @@ class Daemon:
     def request_stop(self) -> None:
         self._commands.put_nowait("stop")
 
+    def secrets(self) -> list[JSON]:
+        return [k.to_json() for k in self.keys.list()]
+
+    def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
+        info = self.keys.install(secret, source=source, primary=primary)
+        self.events.append("secret.installed", "keyring",
+                           f"cluster secret {info.key_id} installed ({info.state})",
+                           key_id=info.key_id)
+        return info.to_json()
+
+    def use_secret(self, kid: str) -> JSON:
+        info = self.keys.set_primary(parse_key_id(kid))
+        self.events.append("secret.primary", "keyring",
+                           f"cluster secret {info.key_id} is now the primary", key_id=info.key_id)
+        return info.to_json()
+
+    def remove_secret(self, kid: str) -> JSON:
+        info = self.keys.remove(parse_key_id(kid))
+        self.events.append("secret.removed", "keyring", f"cluster secret {info.key_id} removed",
+                           key_id=info.key_id)
+        return info.to_json()
+
     # -- lifetime -------------------------------------------------------------------------
 
     def specs(self, config: Config) -> list[WorkerSpec]:
@@ -144,6 +186,24 @@ class Daemon:
             specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir,
                                     router_options(self._serve), policy, api_key=self._api_key))
         return specs
+
+    def _adopt_secret(self, flags: Overrides) -> None:
+        """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
+        resolved = resolve_secret(flag_file=flags.cluster_secret_file,
+                                  keyring=self.keys.keyring, keyring_where=str(self.keys.dir))
+        os.environ.pop(ENV_VALUE, None)
+        if resolved is None:
+            log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
+            return
+        if resolved.from_keyring:
+            log.info("cluster secret: %s", resolved.source)
+            return
+        info = self.keys.install(resolved.secret, source=resolved.source, primary=True)
+        self.events.append("secret.adopted", "keyring",
+                           f"cluster secret {info.key_id} from {resolved.source} is the primary",
+                           key_id=info.key_id)
+        log.info("cluster secret %s from %s is the primary (kept in %s)", info.key_id,
+                 resolved.source, self.keys.dir)
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time."""

@@ -2,7 +2,11 @@
 
     MlxceldError                    root: everything we raise on purpose
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
+    │   └── SecretSourceError       no usable cluster secret where the sources point
     ├── StateError                  the SQLite state could not be read or written
+    ├── KeyringError                a cluster secret cannot be installed, used or removed
+    │   ├── UnknownKey              no installed secret has that key id
+    │   └── PrimaryKeyRemoval       the primary secret cannot be removed
     ├── DaemonError                 the daemon cannot start or run as asked
     │   ├── AlreadyRunning          another daemon holds the state dir lock
     │   └── SocketError             the control socket cannot be created
@@ -38,8 +42,28 @@ class ConfigError(MlxceldError):
     code = "config"
 
 
+class SecretSourceError(ConfigError):
+    """The cluster secret's sources conflict or point at nothing usable; names every source."""
+
+    code = "secret_source"
+
+
 class StateError(MlxceldError):
     code = "state"
+
+
+class KeyringError(MlxceldError):
+    """A cluster secret problem; the message names the key id, never the secret."""
+
+    code = "keyring"
+
+
+class UnknownKey(KeyringError):
+    code = "unknown_key"
+
+
+class PrimaryKeyRemoval(KeyringError):
+    code = "key_is_primary"
 
 
 class DaemonError(MlxceldError):

@@ -10,36 +10,24 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import psutil
 import typer
 
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
-from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
-from mlxceld.paths import client_socket
 from mlxctl import render
+from mlxctl.edge import EXIT_FAILURE, JsonOpt, SocketOpt, call, emit, socket_path
+from mlxctl.secret import secret_app
 
-EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_DENIED = 1, 3, 4
 STOP_WAIT_S = 120.0
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Control the local mlxceld daemon.")
-
-SocketOpt = Annotated[Path | None, typer.Option(
-    "--socket", envvar="MLXCELD_SOCKET", show_envvar=True,
-    help="The daemon's control socket. Default: $XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, "
-    "else <state-dir>/mlxceld.sock.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-T = TypeVar("T")
-
-
-def _socket(ctx: typer.Context, socket: Path | None) -> Path:
-    return socket or ctx.obj or client_socket()
+app.add_typer(secret_app, name="secret")
 
 
 @app.callback()
@@ -47,48 +35,17 @@ def main_options(ctx: typer.Context, socket: SocketOpt = None) -> None:
     ctx.obj = socket
 
 
-def emit(as_json: bool, schema: str, body: dict[str, Any], text: Callable[[], str]) -> None:
-    if as_json:
-        typer.echo(json.dumps({**body, "schema": f"mlxctl.{schema}/1"}, indent=2))
-    else:
-        typer.echo(text())
-
-
-def call(path: Path, as_json: bool, job: Callable[[ControlClient], Awaitable[T]]) -> T:
-    """Run one client job at the CLI's edge; map our errors to exit codes and messages."""
-
-    async def go() -> T:
-        async with ControlClient(path) as client:
-            return await job(client)
-
-    try:
-        return asyncio.run(go())
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    except ControlError as exc:
-        code = (EXIT_NOT_RUNNING if isinstance(exc, DaemonNotRunning)
-                else EXIT_DENIED if isinstance(exc, PermissionDenied) else EXIT_FAILURE)
-        if as_json:
-            typer.echo(json.dumps({"schema": "mlxctl.error/1", "error": {
-                "code": exc.code, "message": exc.message, "hint": exc.hint}}, indent=2))
-        else:
-            typer.echo(f"mlxctl: {exc.message}", err=True)
-            if exc.hint:
-                typer.echo(f"  hint: {exc.hint}", err=True)
-        raise typer.Exit(code) from None
-
-
 @app.command()
 def status(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Show the daemon, its workers, and what is unhealthy (with the next command to run)."""
-    body = call(_socket(ctx, socket), as_json, lambda c: c.status())
+    body = call(socket_path(ctx, socket), as_json, lambda c: c.status())
     emit(as_json, "status", body, lambda: render.status(body))
 
 
 @app.command()
 def workers(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """List the supervised workers."""
-    body = call(_socket(ctx, socket), as_json, lambda c: c.workers())
+    body = call(socket_path(ctx, socket), as_json, lambda c: c.workers())
     emit(as_json, "workers", body, lambda: render.workers_table(body["workers"]))
 
 
@@ -112,7 +69,7 @@ def logs(
                 sys.stdout.write(chunk["data"])
                 sys.stdout.flush()
 
-    call(_socket(ctx, socket), as_json, job)
+    call(socket_path(ctx, socket), as_json, job)
 
 
 @app.command()
@@ -136,7 +93,7 @@ def events(
             typer.echo(json.dumps({"schema": "mlxctl.event/1", **event}) if as_json
                        else render.event_line(event))
 
-    call(_socket(ctx, socket), as_json, job)
+    call(socket_path(ctx, socket), as_json, job)
 
 
 @app.command()
@@ -146,7 +103,7 @@ def restart(
     socket: SocketOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Restart a worker (also the way to bring back a worker that failed)."""
-    body = call(_socket(ctx, socket), as_json, lambda c: c.restart(worker))
+    body = call(socket_path(ctx, socket), as_json, lambda c: c.restart(worker))
     emit(as_json, "restart", body, lambda: f"restarting worker {worker}")
 
 
@@ -166,7 +123,7 @@ def serve(
     """Serve MODEL on the running daemon (starts or restarts its router worker)."""
     local = Path(model).expanduser()
     target = str(local.resolve()) if local.exists() else model  # the daemon has another cwd
-    path = _socket(ctx, socket)
+    path = socket_path(ctx, socket)
     body = call(path, as_json, lambda c: c.serve(target, name))
     serving = body["serving"]
     if wait:
@@ -199,7 +156,7 @@ def stop(
     socket: SocketOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Stop the daemon: its workers get their stop timeout, then it exits."""
-    path = _socket(ctx, socket)
+    path = socket_path(ctx, socket)
     body = call(path, as_json, lambda c: c.stop())
     pid = int(body["pid"])
     gone = _wait_gone(pid, path) if wait else False
@@ -250,7 +207,7 @@ def fixture(ctx: typer.Context) -> None:
 @app.command()
 def version(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Print mlxctl's version and the daemon's."""
-    path = _socket(ctx, socket)
+    path = socket_path(ctx, socket)
     if not as_json:
         typer.echo(f"mlxctl  {__version__}")
     body = call(path, as_json, lambda c: c.version())

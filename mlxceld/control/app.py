@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
-from mlxceld.errors import MlxceldError
+from mlxceld.errors import KeyringError, MlxceldError, PrimaryKeyRemoval, UnknownKey
 from mlxceld.state import EventLog
 from mlxceld.supervisor import logfiles
 from mlxceld.types import JSON
@@ -48,6 +48,10 @@ class DaemonView(Protocol):
     def restart_worker(self, name: str) -> None: ...
     async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
     def request_stop(self) -> None: ...
+    def secrets(self) -> list[JSON]: ...
+    def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
+    def use_secret(self, kid: str) -> JSON: ...
+    def remove_secret(self, kid: str) -> JSON: ...
 
 
 def error(status: int, code: str, message: str, hint: str = "") -> JSONResponse:
@@ -114,6 +118,34 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             return error(400, "bad_model", exc.message, exc.hint)
         return body("serve", serving=serving)
 
+    async def secrets(request: Request) -> Response:
+        return body("secrets", keys=daemon.secrets())
+
+    async def install_secret(request: Request) -> Response:
+        try:
+            payload = await request.json()
+            secret = bytes.fromhex(payload["secret_hex"])
+            primary = payload.get("primary", False)
+            source = payload.get("source") or "the control API"
+            if not isinstance(primary, bool) or not isinstance(source, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            # Never echo the body: it carries a secret.
+            return error(400, "bad_request", "body must be JSON: {\"secret_hex\": HEX, "
+                         "\"primary\": optional bool, \"source\": optional string}",
+                         "see `mlxctl secret install --help`")
+        return _keyring_call(lambda: body("secret", key=daemon.install_secret(
+            secret, primary, source[:200])))
+
+    async def use_secret(request: Request) -> Response:
+        kid = request.path_params["kid"]
+        return _keyring_call(lambda: body("secret", key=daemon.use_secret(kid)))
+
+    async def remove_secret(request: Request) -> Response:
+        kid = request.path_params["kid"]
+        return _keyring_call(lambda: body("secret", key=daemon.remove_secret(kid),
+                                          removed=True))
+
     async def stop(request: Request) -> Response:
         daemon.request_stop()
         return body("stop", stopping=True, pid=daemon.status()["daemon"]["pid"])
@@ -140,6 +172,10 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),
             Route("/v1/serve", serve, methods=["POST"]),
+            Route("/v1/secrets", secrets),
+            Route("/v1/secrets", install_secret, methods=["POST"]),
+            Route("/v1/secrets/{kid}/primary", use_secret, methods=["POST"]),
+            Route("/v1/secrets/{kid}", remove_secret, methods=["DELETE"]),
             Route("/v1/stop", stop, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, ValueError: bad_param},
@@ -173,6 +209,20 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     if not low <= value <= high:
         raise ValueError(f"query parameter {name!r} must be between {low} and {high}")
     return value
+
+
+def _keyring_call(job: Callable[[], JSONResponse]) -> JSONResponse:
+    """Run a keyring change; its errors (which name the key id) become error answers."""
+    try:
+        return job()
+    except UnknownKey as exc:
+        return error(404, exc.code, exc.message, exc.hint)
+    except PrimaryKeyRemoval as exc:
+        return error(409, exc.code, exc.message, exc.hint)
+    except KeyringError as exc:
+        return error(400, exc.code, exc.message, exc.hint)
+    except MlxceldError as exc:
+        return error(500, exc.code, exc.message, exc.hint)
 
 
 def _unknown_worker(name: str) -> JSONResponse:

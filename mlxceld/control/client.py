@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -62,6 +63,21 @@ class ControlClient:
     async def serve(self, model: str, model_name: str | None = None) -> JSON:
         return await self._request("POST", "/v1/serve",
                                    json={"model": model, "model_name": model_name})
+
+    async def secrets(self) -> JSON:
+        return await self._get("/v1/secrets")
+
+    async def install_secret(self, secret: bytes, *, primary: bool = False,
+                             source: str | None = None) -> JSON:
+        """Send a secret (hex in the body, over the 0600 peer-checked socket) to the keyring."""
+        return await self._request("POST", "/v1/secrets", json={
+            "secret_hex": secret.hex(), "primary": primary, "source": source})
+
+    async def use_secret(self, kid: str) -> JSON:
+        return await self._request("POST", f"/v1/secrets/{_segment(kid)}/primary")
+
+    async def remove_secret(self, kid: str) -> JSON:
+        return await self._request("DELETE", f"/v1/secrets/{_segment(kid)}")
 
     async def stop(self) -> JSON:
         return await self._request("POST", "/v1/stop")
@@ -122,6 +138,10 @@ class ControlClient:
             return ControlError(f"the daemon at {where} closed the connection",
                                 hint="it may be stopping; check `mlxctl status` again")
         return ControlError(f"cannot talk to the daemon at {where}: {exc}")
+
+
+def _segment(text: str) -> str:
+    return quote(text, safe="")
 
 
 def _answer_error(status: int, content: bytes) -> ControlError:

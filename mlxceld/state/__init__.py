@@ -2,9 +2,10 @@
 
 from mlxceld.state.db import SCHEMA_VERSION, open_db
 from mlxceld.state.events import Event, EventLog
+from mlxceld.state.keys import KeyInfo, KeyStore, parse_key_id
 from mlxceld.state.node import Node, claim_node
 from mlxceld.state.settings import Settings
 from mlxceld.state.workers import WorkerRow, WorkersTable
 
-__all__ = ["SCHEMA_VERSION", "Event", "EventLog", "Node", "Settings", "WorkerRow", "WorkersTable",
-           "claim_node", "open_db"]
+__all__ = ["SCHEMA_VERSION", "Event", "EventLog", "KeyInfo", "KeyStore", "Node", "Settings",
+           "WorkerRow", "WorkersTable", "claim_node", "open_db", "parse_key_id"]

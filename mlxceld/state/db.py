@@ -43,7 +43,22 @@ def _v2(db: sqlite_utils.Database) -> None:
     db.table("settings").create({"key": str, "value": str, "updated_at": float}, pk="key")
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2]
+def _v3(db: sqlite_utils.Database) -> None:
+    """Cluster secrets by key id (hex). The secrets live in 0600 files, never here.
+
+    'retired' is reserved for rotation; at most one row is the primary.
+    """
+    db.execute(
+        "CREATE TABLE keys ("
+        " key_id TEXT PRIMARY KEY CHECK (length(key_id) = 16),"
+        " state TEXT NOT NULL CHECK (state IN ('primary', 'installed', 'retired')),"
+        " created_at REAL NOT NULL,"
+        " source TEXT NOT NULL)"
+    )
+    db.execute("CREATE UNIQUE INDEX keys_one_primary ON keys (state) WHERE state = 'primary'")
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
