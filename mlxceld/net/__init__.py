@@ -1,0 +1,16 @@
+"""The asyncio shell around the MXCL v1 sans-IO core in ``mlxceld.wire``.
+
+``Listener`` accepts and authenticates, ``connect`` dials with backoff,
+``ConnectionPool`` reuses streams per (peer, channel); ``MxclStream`` is one
+established connection.
+"""
+
+from mlxceld.net.dialer import connect
+from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
+from mlxceld.net.listener import Listener, normalize_ip, source_bucket
+from mlxceld.net.stream import MxclStream
+
+__all__ = [
+    "ConnectionClosed", "HandshakeFailed", "Listener", "MxclStream", "NetError", "connect",
+    "normalize_ip", "source_bucket",
+]
