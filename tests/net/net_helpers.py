@@ -67,8 +67,8 @@ class Refusals:
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.seen]
 
-    async def wait_for(self, kind: str) -> None:
-        while kind not in self.kinds():
+    async def wait_for(self, kind: str, count: int = 1) -> None:
+        while self.kinds().count(kind) < count:
             self._changed.clear()
             await self._changed.wait()
 
