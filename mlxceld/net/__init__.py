@@ -8,9 +8,10 @@ established connection.
 from mlxceld.net.dialer import connect
 from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
 from mlxceld.net.listener import Listener, normalize_ip, source_bucket
+from mlxceld.net.pool import ConnectionPool, PoolClosed
 from mlxceld.net.stream import MxclStream
 
 __all__ = [
-    "ConnectionClosed", "HandshakeFailed", "Listener", "MxclStream", "NetError", "connect",
-    "normalize_ip", "source_bucket",
+    "ConnectionClosed", "ConnectionPool", "HandshakeFailed", "Listener", "MxclStream",
+    "NetError", "PoolClosed", "connect", "normalize_ip", "source_bucket",
 ]
