@@ -30,8 +30,8 @@ from mlxceld.wire import (
 )
 from mlxceld.wire.frames import DEFAULT_LIMITS
 
-# Refusals go to this logger (and to ``on_refused``); the daemon's security log
-# subscribes to it by name.
+# Every refusal, a socket closed at accept counted as ``noise``, goes to this logger
+# and to ``on_refused(kind, peer)``, where a security log can count it.
 log = logging.getLogger(__name__)
 
 Handler = Callable[[MxclStream], Awaitable[None]]

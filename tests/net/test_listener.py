@@ -243,3 +243,18 @@ def test_channel_not_served_is_closed() -> None:
             await stream.close()
 
     run(main())
+
+
+def test_unreachable_peer_is_retried_until_the_budget_ends() -> None:
+    async def main() -> None:
+        async with serving() as lst:
+            port = lst.port
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(HandshakeFailed) as err:
+            await dial(port, budget_s=0.5, initial_backoff_s=0.02, max_backoff_s=0.1)
+        assert err.value.kind == "unreachable"
+        assert 0.3 <= loop.time() - start < 1.5
+        assert "attempts" in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
+
+    run(main())
