@@ -1,5 +1,19 @@
-"""The asyncio shell over wire/: for now, the security log's rate limiter."""
+"""The asyncio shell around the MXCL v1 sans-IO core in ``mlxceld.wire``.
 
+``Listener`` accepts and authenticates, ``connect`` dials with backoff,
+``ConnectionPool`` reuses streams per (peer, channel); ``MxclStream`` is one
+established connection; ``SecurityLog`` rate-limits the warnings they raise.
+"""
+
+from mlxceld.net.dialer import connect
+from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
+from mlxceld.net.listener import Listener, normalize_ip, source_bucket
+from mlxceld.net.pool import ConnectionPool, PoolClosed
 from mlxceld.net.securitylog import SecurityClass, SecurityLog, Verdict
+from mlxceld.net.stream import MxclStream
 
-__all__ = ["SecurityClass", "SecurityLog", "Verdict"]
+__all__ = [
+    "ConnectionClosed", "ConnectionPool", "HandshakeFailed", "Listener", "MxclStream",
+    "NetError", "PoolClosed", "SecurityClass", "SecurityLog", "Verdict", "connect",
+    "normalize_ip", "source_bucket",
+]

@@ -1,0 +1,48 @@
+"""The network shell's exceptions, under the one root ``MlxceldError``.
+
+    MlxceldError
+    └── NetError                  something on an MXCL v1 connection failed
+        ├── ConnectionClosed      the stream ended: a close frame, an abort or a protocol error
+        └── HandshakeFailed       the handshake was refused or failed; ``kind`` says why
+
+``kind`` is the wire core's tag (``mlxceld.wire.errors.KINDS``), or ``"closed"`` for a
+clean close frame from the peer and ``"local"`` for a stream we closed ourselves.
+"""
+
+from __future__ import annotations
+
+from mlxceld.errors import MlxceldError
+
+
+class NetError(MlxceldError):
+    code = "net"
+
+
+class ConnectionClosed(NetError):
+    """The stream is over; ``reason`` is the peer's close reason or the error's."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(f"connection closed ({kind}): {reason}" if reason
+                         else f"connection closed ({kind})")
+        self.reason = reason
+        self.kind = kind
+
+
+class HandshakeFailed(NetError):
+    """The handshake with ``peer`` did not produce a connection."""
+
+    def __init__(self, kind: str, message: str, *, peer: str = "") -> None:
+        super().__init__(message, hint=_HINTS.get(kind, ""))
+        self.kind = kind
+        self.peer = peer
+
+
+_HINTS = {
+    "wrong_secret_client": "the peer holds a different cluster secret; check both secret files",
+    "wrong_secret_server": "the client most likely holds a different cluster secret",
+    "unknown_key_id": "the peer does not hold our primary secret; install it on the peer",
+    "identity_not_owned": "advertise an identity whose IP is the address we connect from",
+    "version_mismatch": "upgrade both nodes to the same protocol version",
+    "suite_mismatch": "use the same cipher suite on both nodes",
+    "at_capacity": "the peer holds its maximum of connections; try again later",
+}

@@ -1,0 +1,207 @@
+"""One MXCL v1 connection over an asyncio ``StreamReader``/``StreamWriter``.
+
+The sans-IO ``Connection`` does the protocol; this module reads chunks, feeds them
+in, writes what it wants sent, and arms the 5 s handshake deadline at the call site
+with ``asyncio.timeout_at``. ``recv()`` drives the reading: pings are answered with
+pongs on the way and never reach the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Final
+
+from mlxceld.net.errors import ConnectionClosed
+from mlxceld.wire import (
+    Channel,
+    Connection,
+    EnvelopeError,
+    HandshakeComplete,
+    HandshakeRefused,
+    LocalProtocolError,
+    MessageReceived,
+    MessageSpec,
+    PeerClosed,
+    RemoteProtocolError,
+    encode_envelope,
+    parse_envelope,
+)
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK: Final = 64 * 1024
+FLUSH_TIMEOUT_S: Final = 1.0  # bound on writing a last answer (reject, close) to a peer
+_PING_SPECS: Final = {"ping": MessageSpec()}
+_PING_MAX: Final = 256  # a ping envelope is tiny; larger payloads skip the JSON check
+
+
+async def handshake(conn: Connection, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> HandshakeComplete | HandshakeRefused:
+    """Run the handshake to its end within the core's deadline.
+
+    Raises ``RemoteProtocolError`` on any refusal or failure (``handshake_timeout``
+    included) after sending the protocol's answer; the caller closes the writer.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = conn.next_deadline()
+    try:
+        await _write(conn, writer)
+        async with asyncio.timeout_at(deadline):
+            while True:
+                event = conn.next_event()
+                if isinstance(event, HandshakeComplete | HandshakeRefused):
+                    await _write(conn, writer)
+                    return event
+                data = await _read(reader)
+                conn.receive_data(data, loop.time())
+                await _write(conn, writer)
+    except TimeoutError:
+        # The loop may wake a hair before the deadline; the core decides from its own.
+        conn.handle_timer(max(loop.time(), deadline or 0.0))
+        raise RemoteProtocolError("the handshake did not finish in time",
+                                  kind="handshake_timeout") from None
+    except RemoteProtocolError:
+        await flush_quietly(conn, writer)
+        raise
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await reader.read(READ_CHUNK)
+    except OSError:  # a reset is an end of stream without a close frame
+        return b""
+
+
+async def _write(conn: Connection, writer: asyncio.StreamWriter) -> None:
+    data = conn.data_to_send()
+    if data:
+        writer.write(data)
+        await writer.drain()
+
+
+async def flush_quietly(conn: Connection, writer: asyncio.StreamWriter) -> None:
+    """Send the protocol's last answer if the peer still takes it; never raise OSError."""
+    data = conn.data_to_send()
+    if not data or writer.is_closing():
+        return
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(FLUSH_TIMEOUT_S):
+            writer.write(data)
+            await writer.drain()
+
+
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+def ping_id(payload: bytes) -> int | None:
+    """The ``id`` of a ping envelope, or ``None`` if ``payload`` is anything else."""
+    if len(payload) > _PING_MAX:
+        return None
+    try:
+        env = parse_envelope(payload, _PING_SPECS)
+    except EnvelopeError:
+        return None
+    ident = env.header.get("id")
+    return ident if type(ident) is int else None
+
+
+class MxclStream:
+    """An established, authenticated connection: ``send``, ``recv``, ``close``."""
+
+    def __init__(self, conn: Connection, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, done: HandshakeComplete, *, peer: str) -> None:
+        self._conn = conn
+        self._reader = reader
+        self._writer = writer
+        self.peer_identity = done.peer_identity
+        self.key_id = done.key_id
+        self.channel = Channel(done.channel)
+        self.peer = peer  # "host:port" of the TCP peer, for messages and logs
+        self._recv_lock = asyncio.Lock()
+        self._ended: ConnectionClosed | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._ended is not None
+
+    async def send(self, payload: bytes) -> None:
+        if self._ended is not None:
+            raise self._ended
+        try:
+            self._conn.send_message(payload)
+        except LocalProtocolError as exc:
+            raise ConnectionClosed(str(exc), "local") from exc
+        try:
+            await _write(self._conn, self._writer)
+        except OSError as exc:
+            await self._end(ConnectionClosed(f"write to {self.peer} failed: {exc}", "abort"))
+            raise ConnectionClosed(f"write to {self.peer} failed", "abort") from exc
+
+    async def recv(self) -> bytes:
+        """The next message's payload; raises ``ConnectionClosed`` once the stream is over."""
+        async with self._recv_lock:
+            while True:
+                if self._ended is not None:
+                    raise self._ended
+                event = self._conn.next_event()
+                if isinstance(event, MessageReceived):
+                    ident = ping_id(event.payload)
+                    if ident is None:
+                        return event.payload
+                    await self._pong(ident)
+                elif isinstance(event, PeerClosed):
+                    await self._answer_close(event.reason)
+                elif event is None:
+                    await self._read_more()
+
+    async def _pong(self, ident: int) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self.send(encode_envelope({"t": "pong", "id": ident}))
+
+    async def _answer_close(self, reason: str) -> None:
+        if not self._conn.our_closed:
+            with contextlib.suppress(LocalProtocolError):
+                self._conn.close("")
+        await self._end(ConnectionClosed(reason, "closed"))
+
+    async def _read_more(self) -> None:
+        data = await _read(self._reader)
+        try:
+            self._conn.receive_data(data, asyncio.get_running_loop().time())
+        except RemoteProtocolError as exc:
+            log.info("connection with %s failed: %s (%s)", self.peer, exc.reason, exc.kind)
+            await self._end(ConnectionClosed(exc.reason, exc.kind))
+
+    async def close(self, reason: str = "") -> None:
+        """Send a close frame (if the stream is still open) and close the socket."""
+        if self._ended is None and not self._conn.closed and not self._conn.our_closed:
+            with contextlib.suppress(LocalProtocolError):
+                self._conn.close(reason)
+        await self._end(ConnectionClosed(reason, "local"))
+
+    async def abort(self) -> None:
+        """Drop the socket without a close frame; the peer sees an abort."""
+        if self._ended is None:
+            self._ended = ConnectionClosed("aborted by us", "local")
+            self._writer.transport.abort()
+            await close_writer(self._writer)
+
+    async def _end(self, ended: ConnectionClosed) -> None:
+        if self._ended is not None:
+            return
+        self._ended = ended
+        try:
+            await flush_quietly(self._conn, self._writer)
+        finally:
+            await close_writer(self._writer)
+
+    async def __aenter__(self) -> MxclStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,260 @@
+"""Listener and dialer over real loopback TCP: handshake, echo, ping, refusals, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from net_helpers import (
+    CLIENT_ID,
+    OTHER_SECRET,
+    SECRET,
+    LyingKeyring,
+    Refusals,
+    raw_client,
+    read_to_eof,
+    ring,
+    run,
+    serving,
+)
+
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect, source_bucket
+from mlxceld.wire import Channel, PeerClosed, encode_envelope, key_id, parse_envelope
+from mlxceld.wire.envelope import MessageSpec
+
+PONG = {"pong": MessageSpec()}
+
+
+async def dial(port: int, **kwargs: object) -> MxclStream:
+    kwargs.setdefault("keyring", ring())
+    kwargs.setdefault("identity", CLIENT_ID)
+    kwargs.setdefault("channel", 1)
+    return await connect("127.0.0.1", port, **kwargs)  # type: ignore[arg-type]
+
+
+def test_source_bucket() -> None:
+    assert source_bucket("10.1.2.3") == "10.1.2.3"
+    assert source_bucket("::ffff:10.1.2.3") == "10.1.2.3"
+    a = source_bucket("2001:db8:1:2:aaaa::1")
+    assert a == "2001:db8:1:2::/64" == source_bucket("2001:db8:1:2:bbbb:cccc:dddd:eeee")
+    assert source_bucket("2001:db8:1:3::1") != a
+
+
+def test_echo_both_ways() -> None:
+    seen: asyncio.Queue[MxclStream] = asyncio.Queue()
+
+    async def greet_then_echo(stream: MxclStream) -> None:
+        await seen.put(stream)
+        await stream.send(b"hello from the server")
+        while True:
+            await stream.send(await stream.recv())
+
+    async def main() -> None:
+        async with serving(greet_then_echo) as lst:
+            stream = await dial(lst.port, channel=3)
+            assert stream.channel is Channel.AGENT and stream.key_id == key_id(SECRET)
+            assert await stream.recv() == b"hello from the server"
+            for payload in (b"one", b"x" * 200_000, b""):
+                await stream.send(payload)
+                assert await stream.recv() == payload
+            server_side = await seen.get()
+            assert server_side.peer_identity == CLIENT_ID
+            assert server_side.channel is Channel.AGENT
+            await stream.close("done")
+            with pytest.raises(ConnectionClosed):
+                await stream.recv()
+
+    run(main())
+
+
+def test_ping_answered_on_both_sides() -> None:
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def handler(stream: MxclStream) -> None:
+        await got.put(await stream.recv())  # the client's ping never shows up here
+        await stream.send(encode_envelope({"t": "ping", "id": 7}))
+        await got.put(await stream.recv())  # the client's automatic pong
+        await stream.send(b"bye")
+
+    async def main() -> None:
+        async with serving(handler) as lst:
+            stream = await dial(lst.port)
+            await stream.send(encode_envelope({"t": "ping", "id": 41}))
+            pong = parse_envelope(await stream.recv(), PONG)
+            assert pong.header == {"t": "pong", "id": 41}
+            await stream.send(b"not a ping")
+            assert await got.get() == b"not a ping"
+            assert await stream.recv() == b"bye"  # the server's ping was answered on the way
+            assert parse_envelope(await got.get(), PONG).header == {"t": "pong", "id": 7}
+            await stream.close()
+
+    run(main())
+
+
+def test_wrong_secret_seen_by_the_client() -> None:
+    async def main() -> None:
+        refusals = Refusals()
+        async with serving(on_refused=refusals) as lst:
+            lying = LyingKeyring(claimed=SECRET, actual=OTHER_SECRET)
+            with pytest.raises(HandshakeFailed) as err:
+                await dial(lst.port, keyring=lying)
+            assert err.value.kind == "wrong_secret_client"
+            assert f"127.0.0.1:{lst.port}" in str(err.value)
+            await refusals.wait_for("abort")  # the client hung up before its ClientAuth
+            assert refusals.kinds() == ["abort"]  # and did not retry
+
+    run(main())
+
+
+def test_wrong_secret_seen_by_the_server() -> None:
+    def flip(out: bytes) -> bytes:
+        return out[:-1] + bytes([out[-1] ^ 1])
+
+    async def main() -> None:
+        refusals = Refusals()
+        async with (serving(on_refused=refusals) as lst,
+                    raw_client(lst.port, tamper=flip) as (conn, reader, _)):
+            await refusals.wait_for("wrong_secret_server")
+            assert not conn.established
+            assert await read_to_eof(reader) == b""  # closed without a verdict
+
+    run(main())
+
+
+def test_unknown_key_id() -> None:
+    async def main() -> None:
+        refusals = Refusals()
+        async with serving(on_refused=refusals) as lst:
+            with pytest.raises(HandshakeFailed) as err:
+                await dial(lst.port, keyring=ring(OTHER_SECRET))
+            assert err.value.kind == "unknown_key_id"
+            assert refusals.kinds() == ["unknown_key_id"]
+
+    run(main())
+
+
+def test_identity_not_owned_is_not_retried() -> None:
+    async def main() -> None:
+        refusals = Refusals()
+        async with serving(on_refused=refusals) as lst:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(HandshakeFailed) as err:
+                await dial(lst.port, identity="127.0.0.3:1234", local_addr=("127.0.0.2", 0))
+            assert err.value.kind == "identity_not_owned"
+            assert loop.time() - start < 1.0
+            assert refusals.kinds() == ["identity_not_owned"]
+            assert refusals.seen[0][1].startswith("127.0.0.2:")
+
+    run(main())
+
+
+def test_at_capacity_is_retried_until_a_slot_frees() -> None:
+    async def main() -> None:
+        refusals = Refusals()
+        async with serving(on_refused=refusals, max_established=1) as lst:
+            first = await dial(lst.port)
+            async with asyncio.TaskGroup() as tg:
+                second = tg.create_task(dial(lst.port, budget_s=10.0))
+                await refusals.wait_for("at_capacity")
+                assert lst.established == 1
+                await first.close()
+            stream = second.result()
+            await stream.send(b"in at last")
+            assert await stream.recv() == b"in at last"
+            await stream.close()
+
+    run(main())
+
+
+def test_end_of_stream_without_close_is_an_abort() -> None:
+    ended: asyncio.Queue[ConnectionClosed] = asyncio.Queue()
+
+    async def handler(stream: MxclStream) -> None:
+        try:
+            msg = await stream.recv()
+        except ConnectionClosed as exc:
+            await ended.put(exc)
+            return
+        if msg == b"abort me":
+            await stream.abort()
+
+    async def main() -> None:
+        async with serving(handler) as lst:
+            stream = await dial(lst.port)
+            await stream.abort()
+            assert (await ended.get()).kind == "abort"
+            stream = await dial(lst.port)
+            await stream.send(b"abort me")
+            with pytest.raises(ConnectionClosed) as err:
+                await stream.recv()
+            assert err.value.kind == "abort"
+            await stream.close()
+
+    run(main())
+
+
+def test_oversized_frame_closes_before_the_body() -> None:
+    ended: asyncio.Queue[ConnectionClosed] = asyncio.Queue()
+
+    async def handler(stream: MxclStream) -> None:
+        try:
+            await stream.recv()
+        except ConnectionClosed as exc:
+            await ended.put(exc)
+
+    async def main() -> None:
+        async with serving(handler) as lst, raw_client(lst.port) as (conn, reader, writer):
+            assert conn.established
+            writer.write(bytes([1]) + (0xFFFF_FFF0).to_bytes(4, "big"))  # no body follows
+            assert (await ended.get()).kind == "oversized_frame"
+            conn.receive_data(await read_to_eof(reader), asyncio.get_running_loop().time())
+            events = [conn.next_event(), conn.next_event()]
+            closed = events[-1]
+            assert isinstance(closed, PeerClosed) and "exceeds" in closed.reason
+
+    run(main())
+
+
+def test_handshake_deadline() -> None:
+    async def main() -> None:
+        refusals = Refusals()
+        async with serving(on_refused=refusals, handshake_timeout=0.3) as lst:
+            reader, writer = await asyncio.open_connection("127.0.0.1", lst.port)
+            try:
+                assert await read_to_eof(reader) == b""
+                assert refusals.kinds() == ["handshake_timeout"]
+                assert lst.pending == 0
+            finally:
+                writer.close()
+                await writer.wait_closed()
+
+    run(main())
+
+
+def test_channel_not_served_is_closed() -> None:
+    async def main() -> None:
+        refusals = Refusals()
+        async with serving(on_refused=refusals, channels={1}) as lst:
+            stream = await dial(lst.port, channel=2)
+            with pytest.raises(ConnectionClosed) as err:
+                await stream.recv()
+            assert err.value.kind == "closed" and "not served" in err.value.reason
+            await stream.close()
+
+    run(main())
+
+
+def test_unreachable_peer_is_retried_until_the_budget_ends() -> None:
+    async def main() -> None:
+        async with serving() as lst:
+            port = lst.port
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(HandshakeFailed) as err:
+            await dial(port, budget_s=0.5, initial_backoff_s=0.02, max_backoff_s=0.1)
+        assert err.value.kind == "unreachable"
+        assert 0.3 <= loop.time() - start < 1.5
+        assert "attempts" in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
+
+    run(main())
