@@ -59,6 +59,9 @@ def run(
         "--cluster-secret-file", help="The cluster secret (at least 16 bytes; one trailing "
         "newline is trimmed). Wins over MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET and "
         "the keyring; installed into the keyring as its primary.")] = None,
+    agent_addr: Annotated[str | None, typer.Option(
+        "--agent-addr", help="MXCL agent listener (channels assignment and agent), started "
+        "whenever the daemon has a cluster secret. Default: 0.0.0.0:19000.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -67,6 +70,7 @@ def run(
     flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
                       log_level=log_level, log_file=log_file, model=model,
                       model_name=model_name, host=host, port=port, api_key_file=api_key_file,
+                      agent_addr=agent_addr,
                       cluster_secret_file=cluster_secret_file)
     try:
         cfg = load_config(flags)

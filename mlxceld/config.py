@@ -40,6 +40,7 @@ from mlxceld.serving import ROUTER, ServeConfig, parse_serve
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.workers.roles import ROLES
 
+DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 POLICY_FIELDS = {f.name: f.type for f in dataclasses.fields(RestartPolicy)}
@@ -66,6 +67,7 @@ class Config:
     log_backups: int = 3
     workers: tuple[WorkerConfig, ...] = ()
     serve: ServeConfig = field(default_factory=ServeConfig)
+    agent_addr: str = DEFAULT_AGENT_ADDR  # MXCL agent listener, when there is a secret
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Overrides:
     port: int | None = None
     api_key_file: Path | None = None
     cluster_secret_file: Path | None = None  # read at start only (mlxceld.cluster)
+    agent_addr: str | None = None
 
 
 def load_config(flags: Overrides) -> Config:
@@ -104,7 +107,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     _check_keys(data, {"daemon", "supervisor", "workers", "serve"}, where, "")
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
-    _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file"}, where, "daemon.")
+    _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr"}, where,
+                "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
         sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
@@ -129,6 +133,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         config_file=path,
         log_level=log_level,
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
+        agent_addr=flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
+        or DEFAULT_AGENT_ADDR,
         policy=policy,
         health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

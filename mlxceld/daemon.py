@@ -34,6 +34,7 @@ from pathlib import Path
 
 from mlxceld import __version__
 from mlxceld.cluster import ENV_VALUE, resolve_secret
+from mlxceld.cluster.agent import AgentService, parse_addr
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -113,6 +114,10 @@ class Daemon:
             self._lock.release()
             raise
         self._server = ControlServer(peer_guard(build_app(self)), self._sock)
+        self._agent_addr = parse_addr(config.agent_addr, "--agent-addr")
+        self._agent: AgentService | None = None
+        self._agent_error: str | None = None
+        self._tg: asyncio.TaskGroup | None = None
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -133,6 +138,9 @@ class Daemon:
                 "schema_version": SCHEMA_VERSION,
             },
             "serving": self._serving(),
+            "agent": {"address": self._agent.address if self._agent else None,
+                      "error": self._agent_error if not self._agent else None,
+                      "keys": len(self.keys.keyring)},
             "workers": workers,
             "problems": health.problems(workers),
         }
@@ -157,6 +165,8 @@ class Daemon:
         self.events.append("secret.installed", "keyring",
                            f"cluster secret {info.key_id} installed ({info.state})",
                            key_id=info.key_id)
+        if self._agent is None:
+            self._commands.put_nowait("agent")  # the first secret: start the agent listener
         return info.to_json()
 
     def use_secret(self, kid: str) -> JSON:
@@ -252,7 +262,12 @@ class Daemon:
                                    pid=os.getpid())
                 log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
                          __version__, self.node.node_id, self.config.socket, len(specs))
+                self._tg = tg
+                if len(self.keys.keyring):
+                    await self._start_agent()
                 code = await self._serve_commands()
+                if self._agent is not None:
+                    await self._agent.aclose()
                 self._server.request_shutdown()
                 self.supervisor.close()
         finally:
@@ -268,7 +283,38 @@ class Daemon:
             if command == "reload":
                 await self._reload()
                 continue
+            if command == "agent":
+                await self._start_agent()
+                continue
             return await self._shutdown()
+
+    async def _start_agent(self) -> None:
+        """The MXCL agent listener, whenever there is a cluster secret; a bind failure is
+        reported (log, event, status) and leaves the daemon running single-host."""
+        if self._agent is not None or self._tg is None or self._stopping:
+            return
+        agent = AgentService(self._agent_addr, self.keys.keyring)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def run() -> None:
+            try:
+                await agent.run(started)
+            except OSError as exc:
+                self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
+                                     f"{self._agent_addr[1]}: {exc.strerror}")
+                log.error("agent listener: %s", self._agent_error)
+                self.events.append("agent.failed", "agent", self._agent_error)
+                self._agent = None
+                if not started.done():
+                    started.set_result(None)
+
+        self._agent = agent
+        self._tg.create_task(run())
+        await started
+        if self._agent is not None:
+            self._agent_error = None
+            self.events.append("agent.listening", "agent",
+                               f"agent listener on {agent.address}", address=agent.address)
 
     async def _shutdown(self) -> int:
         self._stopping = True

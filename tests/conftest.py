@@ -76,7 +76,9 @@ class DaemonProc:
         with self.stderr_path.open("ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlxceld", "--config", str(self.config),
-                 "--state-dir", str(self.state_dir), "--socket", str(self.socket), *extra],
+                 "--state-dir", str(self.state_dir), "--socket", str(self.socket),
+                 *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
+                 *extra],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
             )
         if wait:

@@ -1,0 +1,87 @@
+"""The daemon's agent listener: MXCL channels 2 (assignment) and 3 (agent).
+
+It runs whenever the daemon holds a cluster secret. Every stream answers
+``ping`` with ``pong`` (the net shell does that); the message types of
+inventory, assignment, heartbeats, rotation and drain arrive with the
+[Bring-up] and [Operations] issues. Until then any other message type gets
+``{"t": "error", "reason": ...}`` and the stream stays open.
+
+Refusals go to the security log, rate-limited per class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from mlxceld.config import DEFAULT_AGENT_ADDR
+from mlxceld.errors import ConfigError
+from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
+from mlxceld.net.securitylog import SecurityClass
+from mlxceld.wire import Keyring
+from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire.errors import EnvelopeError
+
+log = logging.getLogger(__name__)
+
+AGENT_CHANNELS = {2, 3}
+KNOWN: dict[str, MessageSpec] = {}  # filled in as agent message types are defined
+_CLASS_OF: dict[str, SecurityClass] = {"noise": "noise", "abort": "noise",
+                                       "at_capacity": "capacity"}
+
+
+def parse_addr(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port``; port 0 lets the system choose (tests)."""
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what}: {value!r} is not host:port",
+                          hint=f"for example {DEFAULT_AGENT_ADDR}, or [::]:19000 for IPv6")
+    return host, int(port)
+
+
+class AgentService:
+    def __init__(self, addr: tuple[str, int], keyring: Keyring,
+                 seclog: SecurityLog | None = None) -> None:
+        self._seclog = seclog or SecurityLog()
+        self._listener = Listener(addr[0], addr[1], keyring=keyring,
+                                  identity_of_server=f"{addr[0]}:{addr[1]}",
+                                  channels=AGENT_CHANNELS, handler=self._serve_stream,
+                                  on_refused=self._refused)
+
+    @property
+    def address(self) -> str:
+        return f"{self._listener.host}:{self._listener.port}"
+
+    async def run(self, started: asyncio.Future[None]) -> None:
+        await self._listener.start()
+        serving = asyncio.ensure_future(self._listener.serve())
+        try:
+            await self._listener.wait_accepting()
+            started.set_result(None)
+            log.info("agent listener on %s (MXCL channels assignment, agent)", self.address)
+            await serving
+        finally:
+            if not serving.done():
+                await self._listener.aclose()
+                await serving
+
+    async def aclose(self) -> None:
+        await self._listener.aclose()
+
+    def _refused(self, kind: str, peer: str) -> None:
+        cls = _CLASS_OF.get(kind, "diagnostic")
+        self._seclog.warn(cls, "agent listener: %s refused (%s)", peer, kind)
+
+    async def _serve_stream(self, stream: MxclStream) -> None:
+        try:
+            while True:
+                payload = await stream.recv()
+                try:
+                    kind = parse_envelope(payload, KNOWN).type
+                    reason = f"message type {kind!r} is not served by this daemon yet"
+                except EnvelopeError as exc:
+                    reason = f"bad envelope: {exc.reason}"
+                await stream.send(encode_envelope({"t": "error", "reason": reason}))
+        except ConnectionClosed:
+            return

@@ -1,0 +1,98 @@
+"""The daemon's MXCL agent listener, against the real dialer over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+
+import pytest
+from conftest import Daemons, wait_for
+
+from mlxceld.net import ConnectionClosed, HandshakeFailed, connect
+from mlxceld.wire import Keyring
+from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire.errors import EnvelopeError
+
+
+def ring(secret: bytes) -> Keyring:
+    k = Keyring()
+    k.add(secret)
+    return k
+
+
+def secret_file(root: Path, secret: bytes) -> Path:
+    path = root / "cluster.secret"
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return path
+
+
+def address(status: dict[str, object]) -> tuple[str, int]:
+    agent = status["agent"]
+    assert isinstance(agent, dict) and agent["address"], agent
+    host, port = str(agent["address"]).rsplit(":", 1)
+    return host, int(port)
+
+
+def reply_type(payload: bytes) -> str:
+    try:
+        return parse_envelope(payload, {"pong": MessageSpec(), "error": MessageSpec()}).type
+    except EnvelopeError as exc:  # pragma: no cover - shown in the assertion
+        return f"unparseable: {exc}"
+
+
+def test_no_secret_no_agent_listener(daemons: Daemons) -> None:
+    d = daemons.make().start()
+    assert d.status()["agent"] == {"address": None, "error": None, "keys": 0}
+
+
+def test_agent_answers_ping_and_refuses_strangers(daemons: Daemons) -> None:
+    secret = secrets.token_hex(16).encode()
+    d = daemons.make()
+    d.start("--cluster-secret-file", str(secret_file(d.root, secret)))
+    host, port = address(d.status())
+
+    async def talk() -> None:
+        stream = await connect(host, port, keyring=ring(secret), identity="127.0.0.1:19100",
+                               channel=3, budget_s=5)
+        try:
+            await stream.send(encode_envelope({"t": "ping", "id": 7}))
+            pong = await stream.recv()
+            assert parse_envelope(pong, {"pong": MessageSpec()}).header == {"t": "pong", "id": 7}
+            await stream.send(encode_envelope({"t": "inventory?"}))
+            assert reply_type(await stream.recv()) == "error"  # and the stream stays open
+            await stream.send(encode_envelope({"t": "ping", "id": 8}))
+            assert reply_type(await stream.recv()) == "pong"
+        finally:
+            await stream.close()
+        with pytest.raises(HandshakeFailed) as wrong:
+            await connect(host, port, keyring=ring(b"another-secret-0123456789"),
+                          identity="127.0.0.1:19100", channel=3, budget_s=2)
+        assert wrong.value.kind == "unknown_key_id"  # another secret has another key id
+        with pytest.raises((HandshakeFailed, ConnectionClosed)):
+            s1 = await connect(host, port, keyring=ring(secret), identity="127.0.0.1:19100",
+                               channel=1, budget_s=1)  # transport is not the agent's
+            await s1.recv()
+
+    asyncio.run(talk())
+    wait_for(lambda: "unknown_key_id" in d.stderr(), 10, "the refusal in the security log")
+    assert secret.decode() not in d.stderr()
+
+
+def test_installing_a_first_secret_starts_the_agent(daemons: Daemons) -> None:
+    d = daemons.make().start()
+    assert d.status()["agent"]["address"] is None
+    secret = secrets.token_bytes(32)
+    d.api(lambda c: c.install_secret(secret, primary=True))
+    wait_for(lambda: d.status()["agent"]["address"], 10, "the agent listener")
+    host, port = address(d.status())
+
+    async def talk() -> None:
+        stream = await connect(host, port, keyring=ring(secret), identity="127.0.0.1:19100",
+                               channel=2, budget_s=5)
+        await stream.send(encode_envelope({"t": "ping", "id": 1}))
+        assert reply_type(await stream.recv()) == "pong"
+        await stream.close()
+
+    asyncio.run(talk())
