@@ -168,20 +168,31 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def run(port: int, quick: bool) -> None:
+    """Suites are interleaved round by round, so machine noise falls on all of them alike."""
+    pairs = {suite: await open_pair(port, suite, token) for token, suite in enumerate(SUITES)}
     results: dict[tuple[Suite, int], dict[str, float]] = {}
-    for token, suite in enumerate(SUITES):
-        fwd, back = await open_pair(port, suite, token)
-        for size in SIZES:
-            n = {8 << 10: 400, 64 << 10: 200, 1 << 20: 40, 16 << 20: 6}[size] // (4 if quick
-                                                                                 else 1)
-            await latency(fwd, back, size, 3)  # warm up
-            lat = await latency(fwd, back, size, max(n, 3))
-            total = (64 << 20) // (4 if quick else 1)
-            bw = await bandwidth(fwd, size, max(total, 2 * size))
-            results[(suite, size)] = {"p50": pct(lat, 0.5), "p95": pct(lat, 0.95),
-                                      "p99": pct(lat, 0.99), "bw": bw}
-        for f in (fwd, back):
-            f.writer.close()
+    rounds = 3 if quick else 6
+    for size in SIZES:
+        n = {8 << 10: 400, 64 << 10: 200, 1 << 20: 40, 16 << 20: 6}[size] // (4 if quick
+                                                                             else 1)
+        per_round = max(n // rounds, 2)
+        total = max((64 << 20) // (4 if quick else 1) // rounds, 2 * size)
+        lat: dict[Suite, list[float]] = {s: [] for s in SUITES}
+        bws: dict[Suite, list[float]] = {s: [] for s in SUITES}
+        for suite in SUITES:
+            await latency(*pairs[suite], size, 2)  # warm up
+        for _ in range(rounds):
+            for suite in SUITES:
+                fwd, back = pairs[suite]
+                lat[suite] += await latency(fwd, back, size, per_round)
+                bws[suite].append(await bandwidth(fwd, size, total))
+        for suite in SUITES:
+            results[(suite, size)] = {"p50": pct(lat[suite], 0.5), "p95": pct(lat[suite], 0.95),
+                                      "p99": pct(lat[suite], 0.99),
+                                      "bw": statistics.median(bws[suite])}
+    for fwd, back in pairs.values():
+        fwd.writer.close()
+        back.writer.close()
     print(f"{'suite':18}{'size':>7}{'p50 us':>10}{'p95 us':>10}{'p99 us':>10}"
           f"{'MiB/s':>9}{'p50 x':>8}{'bw x':>7}")
     for suite in SUITES:
