@@ -8,7 +8,6 @@ digits) are not secret.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import secrets
@@ -18,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
+from mlxceld.privatefile import write_private
 from mlxceld.wire.secret import MIN_SECRET_BYTES, key_id, trim_secret_file
 from mlxctl import render
 from mlxctl.edge import EXIT_FAILURE, EXIT_USAGE, JsonOpt, SocketOpt, call, emit, fail, socket_path
@@ -112,27 +112,14 @@ def remove(ctx: typer.Context, kid: KeyIdArg, socket: SocketOpt = None,
 
 def _write_new(path: Path, content: bytes, force: bool) -> None:
     """0600 from the first byte; with ``force`` a temp file renamed over the old one."""
-    if not force:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, content)
-        finally:
-            os.close(fd)
+    if force:
+        write_private(path, content)
         return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never over a file
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, content)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+        os.write(fd, content)
+    finally:
+        os.close(fd)
 
 
 def _read_secret(file: Path, as_json: bool) -> bytes:

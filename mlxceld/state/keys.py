@@ -12,7 +12,6 @@ The first key installed becomes the primary; the primary cannot be removed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -23,6 +22,7 @@ from typing import Literal
 import sqlite_utils
 
 from mlxceld.errors import KeyringError, PrimaryKeyRemoval, StateError, UnknownKey
+from mlxceld.privatefile import write_private
 from mlxceld.types import JSON
 from mlxceld.wire.secret import KEY_ID_BYTES, Keyring, SecretError, check_secret, key_id
 
@@ -151,26 +151,10 @@ class KeyStore:
                              hint="check the state dir's owner and permissions") from exc
 
     def _write(self, kid: bytes, secret: bytes) -> None:
-        """Atomically: a 0600 temp file in the same directory, fsync, rename, fsync the dir."""
         final = self.path(kid)
-        tmp = self.dir / f".{kid.hex()}.{os.getpid()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                os.fchmod(fd, 0o600)
-                os.write(fd, secret)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-            dir_fd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            write_private(final, secret)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise StateError(f"secret file {final} cannot be written: {exc.strerror}",
                              hint=f"check the permissions and free space of {self.dir}") from exc
 
