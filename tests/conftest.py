@@ -183,7 +183,7 @@ class Daemons:
                 except subprocess.TimeoutExpired:
                     d.proc.kill()
                     d.proc.wait()
-        for pid in self.pids:
+        for pid in self.pids - {None}:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)

@@ -64,7 +64,6 @@ class WorkerRunner:
         self._task = spawn_task
         self._health_interval_s = health_interval_s
         self._inbox: asyncio.Queue[Event] = asyncio.Queue()
-        self._alive = asyncio.Event()  # set while a process of ours is running
 
     @property
     def name(self) -> str:
@@ -76,7 +75,6 @@ class WorkerRunner:
     def adopt(self, pid: int, create_time: float) -> None:
         """Take over a worker left running by a previous daemon."""
         self.pid, self.create_time = pid, create_time
-        self._alive.set()
         self._task(self._watch_adopted(pid, create_time))
         self.post(AdoptedRunning(pid))
 
@@ -91,6 +89,10 @@ class WorkerRunner:
             except TimeoutError:
                 actions = self.machine.handle_timer(loop.time())
             else:
+                if isinstance(event, ProcessExited):
+                    # Here, not in the watcher: pid and machine state change together, so
+                    # no one ever sees "running" without a pid.
+                    self.pid = self.create_time = None
                 actions = self.machine.handle(event, loop.time())
             for action in actions:
                 await self._carry_out(action)
@@ -115,7 +117,6 @@ class WorkerRunner:
             self.post(SpawnFailed(exc.message))
             return
         self.pid, self.create_time = proc.pid, process.create_time(proc.pid)
-        self._alive.set()
         self._observer.spawned(self)
         self.post(Spawned(proc.pid))
         self._task(self._watch_child(proc, oom_before))
@@ -139,9 +140,7 @@ class WorkerRunner:
         self._exited(cause)
 
     def _exited(self, cause: ExitCause) -> None:
-        self.pid = self.create_time = None
-        self._alive.clear()
-        self.post(ProcessExited(cause))
+        self.post(ProcessExited(cause))  # the drive loop forgets the pid as it handles this
 
     async def _probe_readiness(self, pid: int) -> None:
         """Ask the new worker for health until it says ready, it exits, or the machine moves on."""
