@@ -146,8 +146,10 @@ class MxclStream:
         """The next message's payload; raises ``ConnectionClosed`` once the stream is over."""
         async with self._recv_lock:
             while True:
-                if self._ended is not None:
-                    raise self._ended
+                if self._ended is not None and self._ended.kind == "local":
+                    raise self._ended  # we closed it: nothing more for us
+                # Messages that authenticated before a broken frame are still delivered;
+                # the error comes after them.
                 event = self._conn.next_event()
                 if isinstance(event, MessageReceived):
                     ident = ping_id(event.payload)
@@ -157,6 +159,8 @@ class MxclStream:
                 elif isinstance(event, PeerClosed):
                     await self._answer_close(event.reason)
                 elif event is None:
+                    if self._ended is not None:
+                        raise self._ended
                     await self._read_more()
 
     async def _pong(self, ident: int) -> None:
