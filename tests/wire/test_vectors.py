@@ -225,3 +225,12 @@ def test_beacon() -> None:
                           cluster=fields["cluster"], node=fields["node"], addr=fields["addr"],
                           ts=int(fields["ts"]), nonce=bytes.fromhex(fields["nonce"]))
     assert record == {**fields, "mac": b["mac"]}
+
+
+def test_the_local_copy_of_the_vectors_matches_shared() -> None:
+    import pytest
+    from wire_link import LOCAL_VECTORS, SHARED_VECTORS
+
+    if not SHARED_VECTORS.exists():
+        pytest.skip(f"{SHARED_VECTORS} is not beside this checkout")
+    assert LOCAL_VECTORS.read_bytes() == SHARED_VECTORS.read_bytes()

@@ -23,7 +23,12 @@ from mlxceld.wire import (
 )
 from mlxceld.wire.frames import DEFAULT_LIMITS
 
-VECTORS: dict[str, Any] = json.loads((Path(__file__).parent / "mxcl-v1.json").read_text())
+# The contract's vectors live in ../shared beside the repository (CI has it too); the copy
+# here serves a checkout without it, and test_vectors checks the two are the same.
+SHARED_VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "mxcl-v1.json"
+LOCAL_VECTORS = Path(__file__).parent / "mxcl-v1.json"
+VECTORS: dict[str, Any] = json.loads(
+    (SHARED_VECTORS if SHARED_VECTORS.exists() else LOCAL_VECTORS).read_text())
 SECRET = VECTORS["secret_utf8"].encode()
 OTHER_SECRET = b"a different cluster secret, 40 bytes...."
 IDENTITY = "127.0.0.2:19100"
