@@ -99,6 +99,7 @@ class Daemon:
             self._db = open_db(config.state_dir / "state.db")
             self.node = claim_node(self._db)
             self.events = EventLog(self._db)
+            self.events.trim()
             self.settings = Settings(self._db)
             self.keys = KeyStore(self._db, config.state_dir / "keys")
             self._adopt_secret(flags)

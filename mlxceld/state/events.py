@@ -29,10 +29,19 @@ class Event:
         return asdict(self)
 
 
+KEEP_EVENTS = 100_000  # retention: the newest this many, trimmed when the daemon starts
+
+
 class EventLog:
     def __init__(self, db: sqlite_utils.Database) -> None:
         self._db = db
         self._changed = asyncio.Event()
+
+    def trim(self, keep: int = KEEP_EVENTS) -> int:
+        """Drop all but the newest ``keep`` events (append-only otherwise); return how many."""
+        cursor = self._db.execute(
+            "delete from events where id <= (select max(id) from events) - ?", [keep])
+        return int(cursor.rowcount or 0)
 
     def append(self, kind: str, subject: str, message: str, **data: Any) -> Event:
         ts = time.time()

@@ -342,3 +342,15 @@ def test_stale_pid_in_the_lock_file_is_replaced(tmp_path: Path) -> None:
 def test_lock_in_a_missing_dir_is_a_daemon_error(tmp_path: Path) -> None:
     with pytest.raises(DaemonError, match="cannot open lock file"):
         lock.acquire(tmp_path / "absent")
+
+
+def test_trim_keeps_the_newest_events(tmp_path: Path) -> None:
+    db = open_db(tmp_path / "state.db")
+    log = EventLog(db)
+    for i in range(30):
+        log.append("test.event", "t", f"event {i}")
+    assert log.trim(keep=10) == 20
+    kept = log.since(0, limit=100)
+    assert [e.message for e in kept] == [f"event {i}" for i in range(20, 30)]
+    assert log.trim(keep=10) == 0
+    db.close()
