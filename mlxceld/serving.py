@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import stat
 from collections.abc import Mapping
@@ -151,8 +150,3 @@ def router_options(cfg: ServeConfig) -> dict[str, Any]:
     assert cfg.model is not None
     return {"model": cfg.model, "model_name": cfg.served_name, "host": cfg.host,
             "port": cfg.port, "max_batch": cfg.max_batch, "max_queued": cfg.max_queued}
-
-
-def api_key_env_file() -> Path | None:
-    value = os.environ.get("MLXCEL_API_KEY_FILE")
-    return Path(value) if value else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 JSON = dict[str, Any]
 
@@ -21,19 +21,6 @@ class WorkerBootstrap(TypedDict):
     state_dir: str
     secret_hex: NotRequired[str]
     api_key: NotRequired[str]
-
-
-class ChannelRequest(TypedDict):
-    op: Literal["health", "stats", "stop"]
-
-
-class HealthReply(TypedDict):
-    ok: bool
-    name: str
-    role: str
-    pid: int
-    state: Literal["starting", "ready", "stopping"]
-    started_at: float
 
 
 class ExitRecord(TypedDict):
