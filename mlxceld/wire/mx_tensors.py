@@ -15,13 +15,18 @@ _FROM_WIRE = {wire: name for name, wire in _TO_WIRE.items()}
 _BITS = {"bf16": "uint16", "f16": "uint16"}  # memoryview has no 16-bit float format
 
 
+def wire_dtype(dtype: Any) -> str | None:
+    """The wire name of an mx.Dtype (``mx.bfloat16`` is "bf16"); None if it does not travel."""
+    return _TO_WIRE.get(str(dtype).removeprefix("mlx.core."))
+
+
 def to_blob(name: str, array: Any) -> tuple[str, str, tuple[int, ...], memoryview]:
     """``(name, dtype, shape, buffer)`` for ``encode_envelope`` from an mx.array."""
     import mlx.core as mx
 
-    dtype_name = str(array.dtype).removeprefix("mlx.core.")
-    wire = _TO_WIRE.get(dtype_name)
+    wire = wire_dtype(array.dtype)
     if wire is None:
+        dtype_name = str(array.dtype).removeprefix("mlx.core.")
         raise ValueError(f"tensor {name!r}: dtype {dtype_name} does not travel on the wire")
     raw: Any = array.view(getattr(mx, _BITS[wire])) if wire in _BITS else array
     raw = mx.contiguous(raw)
