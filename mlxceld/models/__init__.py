@@ -1,4 +1,8 @@
-"""Models: fixtures now; model identity, layer slicing and cost profiles later."""
+"""Models: fixtures, and a pipeline stage's slice of a model; identity and cost profiles later.
+
+``mlxceld.models.slicing`` (``load_stage``, ``StageModel``) imports mlx and
+mlx-lm, so it is not imported here: import it where a stage runs.
+"""
 
 from mlxceld.models.fixtures import (
     CACHE_ENV,
