@@ -43,8 +43,9 @@ class StageModel:
     """Layers [start, end) of an mlx-lm model, plus embeddings on the first stage
     and final norm + lm_head on the last.
 
-    ``model`` is the pruned mlx-lm ``Model``: its parameter tree holds only what
-    this stage runs (its layers renumbered from 0). Call ``forward``, never ``model``.
+    Prunes ``model`` (an mlx-lm ``Model``, loaded lazily) in place and keeps it as
+    ``model``: its parameter tree then holds only what this stage runs (its layers
+    renumbered from 0). Call ``forward``, never ``model`` itself.
     """
 
     def __init__(self, model: Any, start: int, end: int) -> None:

@@ -27,7 +27,8 @@ SPLITS = [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 3), (3, 4)]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Four-layer checkpoints: llama (untied head), qwen3 (tied), llama in bfloat16,
-    and llama with sliding-window layers (its config edited: the same weights)."""
+    and, their configs edited over llama's weights, llama with sliding-window
+    layers and mistral (which mlx-lm loads with its llama classes)."""
     root = tmp_path_factory.mktemp("stages")
     paths = {family: write_fixture(root / family, preset("tiny", family=family, layers=LAYERS))
              for family in ("llama", "qwen3")}
@@ -36,6 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths["sliding"] = edited(paths["llama"], root / "sliding", sliding_window=4,
                               layer_types=["sliding_attention", "sliding_attention",
                                            "full_attention", "sliding_attention"])
+    paths["mistral"] = edited(paths["llama"], root / "mistral", model_type="mistral")
     return paths
 
 
@@ -75,7 +77,7 @@ def run_pipeline(stages: list[StageModel], prompt: list[int]) -> tuple[list[int]
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: "+".join(f"{a}-{b}" for a, b in s))
-@pytest.mark.parametrize("name", ["llama", "qwen3", "sliding", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "sliding", "bf16", "mistral"])
 def test_chained_stages_equal_mlx_lm(models: dict[str, Path], name: str,
                                      split: list[tuple[int, int]]) -> None:
     prompt, want_tokens, want_logprobs = reference(models[name])
