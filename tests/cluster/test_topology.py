@@ -485,3 +485,13 @@ def test_file_errors(tmp_path: Path) -> None:
     path.write_bytes(b"[cluster]\nname = \"\xff\"\n")
     with pytest.raises(ConfigError, match=r"is not UTF-8"):
         load_cluster(path)
+
+
+def test_the_man_page_documents_every_key() -> None:
+    from mlxceld.cluster.cluster_toml import CLUSTER_KEYS, NODE_KEYS, RESOURCE_KEYS
+
+    page = (Path(__file__).parents[2] / "man" / "mlxcel-cluster.toml.5").read_text()
+    for key in (*CLUSTER_KEYS, *NODE_KEYS, *RESOURCE_KEYS):
+        if key != "resources":
+            assert re.search(rf"^\.BR? {key}\b", page, re.MULTILINE), key
+    assert "[nodes.resources]" in page and "mlxceld model identity v1" in page
