@@ -37,7 +37,7 @@ from pathlib import Path
 from mlxceld.cluster.addresses import parse_address
 from mlxceld.cluster.cluster_toml import parse_cluster
 from mlxceld.cluster.nodes import ClusterConfig, NodeConfig, select_node
-from mlxceld.cluster.topology_rules import check_cluster, check_layer_count
+from mlxceld.cluster.topology_rules import check_cluster, validate_layers
 from mlxceld.errors import ConfigError
 
 __all__ = ["ClusterConfig", "NodeConfig", "dump_cluster", "load_cluster", "needs_secret",
@@ -74,11 +74,6 @@ def parse_cluster_text(text: str, path: Path) -> ClusterConfig:
     cfg = parse_cluster(data, path)
     check_cluster(cfg)
     return cfg
-
-
-def validate_layers(cfg: ClusterConfig, num_layers: int) -> None:
-    """The stages cover the model's ``num_layers`` exactly: no layer missing, none extra."""
-    check_layer_count(cfg, num_layers)
 
 
 def needs_secret(cfg: ClusterConfig) -> bool:

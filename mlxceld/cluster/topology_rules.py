@@ -37,8 +37,8 @@ def check_cluster(cfg: ClusterConfig) -> None:
     _contiguous(cfg.stages, where)
 
 
-def check_layer_count(cfg: ClusterConfig, num_layers: int) -> None:
-    """The stages' layers end exactly at the model's ``num_layers``."""
+def validate_layers(cfg: ClusterConfig, num_layers: int) -> None:
+    """The stages cover the model's ``num_layers`` exactly: no layer missing, none extra."""
     where = str(cfg.path)
     stages = cfg.stages
     past = next((s for s in stages if _range(s)[1] > num_layers), None)

@@ -42,7 +42,7 @@ def model_identity(path: Path) -> str:
     layers = layer_count(config, source=str(Path(path) / CONFIG))
     h = hashlib.sha256(DOMAIN)
     h.update(_u64(len(raw)) + raw)
-    for name, size in weight_files(Path(path)):
+    for name, size in _weight_files(Path(path)):
         h.update(_u64(len(name)) + name + _u64(size))
     h.update(_u64(layers))
     return h.hexdigest()
@@ -74,7 +74,7 @@ def layer_count(config: Mapping[str, Any], *, source: str = CONFIG) -> int:
         "there are; is this a decoder-only LLM checkpoint?")
 
 
-def weight_files(path: Path) -> list[tuple[bytes, int]]:
+def _weight_files(path: Path) -> list[tuple[bytes, int]]:
     """``(UTF-8 name, size)`` of every ``*.safetensors`` file in ``path``, sorted by name."""
     found = []
     try:

@@ -238,8 +238,9 @@ def test_model_layers_against_a_fixture(fixture_dir: Path, tmp_path: Path) -> No
 def test_importing_the_cluster_package_does_not_import_mlx() -> None:
     code = ("import sys, mlxceld.cluster; "
             "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')))")
+    root = str(Path(__file__).parents[2])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+                         check=True, env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.strip() == "[]"
 
 
