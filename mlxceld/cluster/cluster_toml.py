@@ -1,0 +1,208 @@
+"""The cluster TOML's tables and keys, read into typed values one field at a time.
+
+Every error names the file, the node (by id, or as ``nodes[2]`` while its id is
+the thing that is wrong) and the field. Rules across nodes (unique ids and
+addresses, ranks, contiguous layers) are ``topology_rules``'s.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from mlxceld.cluster.addresses import parse_address
+from mlxceld.cluster.nodes import (
+    COORDINATOR,
+    DEFAULT_NAME,
+    PIPELINE_STAGE,
+    ROLES,
+    ClusterConfig,
+    NodeConfig,
+    Role,
+)
+from mlxceld.errors import ConfigError
+
+TOP_KEYS: Final = ("cluster", "nodes")
+CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "secret_file", "model")
+NODE_KEYS: Final = ("id", "address", "role", "rank", "layers", "resources")
+RESOURCE_KEYS: Final = ("memory_bytes",)
+MAX_NAME: Final = 128
+# Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
+# TOML does not describe yet: refused as "not supported yet", not as typos.
+LATER_ROLES: Final = frozenset({"hybrid", "prefill", "decode", "tensor_parallel_rank", "tp",
+                                "pipeline_tensor_parallel", "pp_tp", "2d"})
+ID_HINT = 'give every node a unique id of 1-128 printable characters, e.g. id = "stage-0"'
+ADDRESS_HINT = "write host:port, e.g. 192.168.1.10:19100, or [fd00::10]:19100 for IPv6"
+LAYERS_HINT = "for example layers = [0, 14]: layers 0 to 13 (the end is excluded)"
+
+
+def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
+    """The parsed TOML ``data`` of the file ``path`` as a ``ClusterConfig``, field by field."""
+    where = str(path)
+    _check_keys(data, TOP_KEYS, where, "")
+    cluster = data.get("cluster")
+    if not isinstance(cluster, Mapping):
+        raise ConfigError(f"{where}: there is no [cluster] table",
+                          hint="start the file with [cluster] and pipeline_parallel_size = N")
+    _check_keys(cluster, CLUSTER_KEYS, where, "cluster.")
+    name = cluster.get("name", DEFAULT_NAME)
+    problem = name_problem(name)
+    if problem:
+        raise ConfigError(f"{where}: 'cluster.name' {problem}",
+                          hint=f'use 1-{MAX_NAME} printable characters, e.g. name = '
+                          f'"{DEFAULT_NAME}"')
+    size = _int(cluster, "pipeline_parallel_size", where, "cluster.", minimum=1)
+    if size is None:
+        raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is missing",
+                          hint="set it to the number of pipeline_stage nodes")
+    nodes = data.get("nodes")
+    if not nodes:
+        raise ConfigError(f"{where}: there are no [[nodes]]",
+                          hint="add one [[nodes]] table per node: a coordinator and the "
+                          "pipeline stages")
+    if not isinstance(nodes, list) or not all(isinstance(n, Mapping) for n in nodes):
+        raise ConfigError(f"{where}: 'nodes' must be an array of tables",
+                          hint="write each node as a [[nodes]] table")
+    return ClusterConfig(
+        name=name,
+        pipeline_parallel_size=size,
+        secret_file=_path_str(cluster, "secret_file", where),
+        model=_path_str(cluster, "model", where),
+        nodes=tuple(_node(raw, i, where) for i, raw in enumerate(nodes)),
+        path=path,
+    )
+
+
+def name_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a node id or cluster name, or None."""
+    if not isinstance(value, str):
+        return f"must be a string, not {shown(value)}"
+    if not value:
+        return "must not be empty"
+    if len(value) > MAX_NAME:
+        return f"is {len(value)} characters long; at most {MAX_NAME} are allowed"
+    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        return f"contains the control character U+{ord(bad):04X}"
+    return None
+
+
+def shown(value: object) -> str:
+    """A value as TOML would write it, near enough for a message."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def _node(raw: Mapping[str, Any], i: int, where: str) -> NodeConfig:
+    node_id = raw.get("id")
+    problem = "is missing" if node_id is None else name_problem(node_id)
+    at = f"{where}: nodes[{i}]" if problem else f"{where}: node {node_id!r}"
+    _check_keys(raw, NODE_KEYS, at, "")
+    if problem:
+        raise ConfigError(f"{at}: 'id' {problem}", hint=ID_HINT)
+    node_id = str(node_id)
+    address = raw.get("address")
+    if not isinstance(address, str):
+        what = "is missing" if address is None else f"must be a string, not {shown(address)}"
+        raise ConfigError(f"{at}: 'address' {what}", hint=ADDRESS_HINT)
+    try:
+        addr = parse_address(address)
+    except ValueError as exc:
+        raise ConfigError(f"{at}: 'address' {address!r} {exc}", hint=ADDRESS_HINT) from None
+    role = _role(raw, at)
+    rank = _int(raw, "rank", at, "", minimum=0)
+    layers = _layers(raw, at)
+    if role == COORDINATOR:
+        for key in ("rank", "layers"):
+            if key in raw:
+                raise ConfigError(f"{at}: a coordinator has no '{key}'",
+                                  hint="remove it: the coordinator runs the router (the "
+                                  "OpenAI port) and holds no layers")
+    else:
+        for key, value in (("rank", rank), ("layers", layers)):
+            if value is None:
+                raise ConfigError(f"{at}: '{key}' is missing (every {PIPELINE_STAGE} has one)",
+                                  hint="stages have rank = 0, 1, ... in pipeline order, and "
+                                  "layers = [start, end]")
+        if addr.ip is not None and addr.ip.is_unspecified:
+            raise ConfigError(f"{at}: 'address' {address!r} is a wildcard, which cannot be dialed",
+                              hint="give the address the stage before it (or the coordinator) "
+                              "dials: the host's own IP or hostname")
+    return NodeConfig(id=node_id, address=address, host=addr.host, port=addr.port, role=role,
+                      rank=rank, layers=layers, memory_bytes=_resources(raw, at))
+
+
+def _role(raw: Mapping[str, Any], at: str) -> Role:
+    role = raw.get("role")
+    hint = f'set role = "{COORDINATOR}" or role = "{PIPELINE_STAGE}"'
+    if role == COORDINATOR:
+        return COORDINATOR
+    if role == PIPELINE_STAGE:
+        return PIPELINE_STAGE
+    if role is None:
+        raise ConfigError(f"{at}: 'role' is missing", hint=hint)
+    if role in LATER_ROLES:
+        raise ConfigError(f"{at}: role {role!r} is not supported in a cluster TOML yet",
+                          hint=f"roles here: {', '.join(ROLES)}")
+    raise ConfigError(f"{at}: 'role' {shown(role)} is not one of {', '.join(ROLES)}", hint=hint)
+
+
+def _layers(raw: Mapping[str, Any], at: str) -> tuple[int, int] | None:
+    value = raw.get("layers")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise ConfigError(f"{at}: 'layers' must be [start, end] with two integers, "
+                          f"not {shown(value)}", hint=LAYERS_HINT)
+    start, end = value
+    if start < 0:
+        raise ConfigError(f"{at}: 'layers' [{start}, {end}] starts below 0", hint=LAYERS_HINT)
+    if start >= end:
+        raise ConfigError(f"{at}: 'layers' [{start}, {end}] holds no layer: the end is "
+                          "excluded, so it must be above the start", hint=LAYERS_HINT)
+    return start, end
+
+
+def _resources(raw: Mapping[str, Any], at: str) -> int | None:
+    table = raw.get("resources", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{at}: 'resources' must be a table",
+                          hint="write it as [nodes.resources] under the node's [[nodes]]")
+    _check_keys(table, RESOURCE_KEYS, at, "resources.")
+    return _int(table, "memory_bytes", at, "resources.", minimum=1)
+
+
+def _int(table: Mapping[str, Any], key: str, at: str, prefix: str,
+         *, minimum: int) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{at}: '{prefix}{key}' must be an integer, not {shown(value)}",
+                          hint=f"write it without quotes, e.g. {key} = {max(minimum, 1)}")
+    if value < minimum:
+        raise ConfigError(f"{at}: '{prefix}{key}' must be at least {minimum}, not {value}",
+                          hint=f"for example {key} = {max(minimum, 1)}")
+    return value
+
+
+def _path_str(table: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(f"{where}: 'cluster.{key}' must be a non-empty path, "
+                          f"not {shown(value)}",
+                          hint=f'write it as {key} = "PATH", relative to this file\'s directory')
+    return value
+
+
+def _check_keys(table: Mapping[str, Any], known: tuple[str, ...], at: str, prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"{at}: unknown key '{prefix}{key}'",
+                              hint=f"known keys here: {', '.join(prefix + k for k in known)}")

@@ -1,0 +1,116 @@
+"""The cluster TOML as typed values: one ``ClusterConfig`` holding its ``NodeConfig`` s.
+
+Built and validated by ``mlxceld.cluster.topology.load_cluster``; a value made
+by hand is checked when ``write_cluster`` writes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+from mlxceld.cluster.secret_sources import TomlSecretFile
+from mlxceld.errors import ConfigError
+
+COORDINATOR: Final = "coordinator"
+PIPELINE_STAGE: Final = "pipeline_stage"
+ROLES: Final = (COORDINATOR, PIPELINE_STAGE)
+DEFAULT_NAME: Final = "mlxcel-cluster"
+Role = Literal["coordinator", "pipeline_stage"]
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One ``[[nodes]]`` table. ``address`` is as written; ``host`` (no brackets) and
+    ``port`` are parsed from it. Stages have ``rank`` and ``layers`` ([start, end)),
+    the coordinator neither."""
+
+    id: str
+    address: str
+    host: str
+    port: int
+    role: Role
+    rank: int | None = None
+    layers: tuple[int, int] | None = None
+    memory_bytes: int | None = None
+
+    @property
+    def is_stage(self) -> bool:
+        return self.role == PIPELINE_STAGE
+
+    def describe(self) -> str:
+        """``node 'stage-1' (rank 1, layers [14, 28])`` for messages."""
+        if self.layers is None:
+            return f"node {self.id!r}"
+        return f"node {self.id!r} (rank {self.rank}, layers [{self.layers[0]}, {self.layers[1]}])"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The whole file. ``secret_file`` and ``model`` are as written (relative to the
+    file's directory unless absolute); ``path`` is the file it was read from."""
+
+    name: str
+    pipeline_parallel_size: int
+    secret_file: str | None
+    model: str | None
+    nodes: tuple[NodeConfig, ...]
+    path: Path
+
+    @property
+    def stages(self) -> tuple[NodeConfig, ...]:
+        """The pipeline stages in rank order."""
+        return tuple(sorted((n for n in self.nodes if n.is_stage), key=lambda n: n.rank or 0))
+
+    @property
+    def coordinator(self) -> NodeConfig:
+        for n in self.nodes:
+            if n.role == COORDINATOR:
+                return n
+        raise ConfigError(f"{self.path}: no node has role {COORDINATOR!r}",
+                          hint="add a [[nodes]] table with role = \"coordinator\"")
+
+    def node(self, node_id: str) -> NodeConfig | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def model_path(self) -> Path | None:
+        """``model`` resolved against the file's directory (``~`` expanded)."""
+        return None if self.model is None else _resolve(self.model, self.path)
+
+    def secret_source(self) -> TomlSecretFile | None:
+        """``secret_file`` as ``resolve_secret``'s ``[cluster] secret_file`` source."""
+        return None if self.secret_file is None else TomlSecretFile(self.secret_file, self.path)
+
+    def upstream_of(self, node_id: str) -> NodeConfig | None:
+        """Who sends activations to ``node_id``: the stage of the rank before, the
+        coordinator for rank 0, nobody for the coordinator."""
+        order = self._flow()
+        i = order.index(select_node(self, node_id))
+        return order[i - 1] if i > 0 else None
+
+    def downstream_of(self, node_id: str) -> NodeConfig | None:
+        """Whom ``node_id`` sends activations to: rank 0 for the coordinator, the next
+        rank for a stage, nobody for the last stage (it answers the coordinator with
+        token ids, not activations)."""
+        order = self._flow()
+        i = order.index(select_node(self, node_id))
+        return order[i + 1] if i + 1 < len(order) else None
+
+    def _flow(self) -> list[NodeConfig]:
+        return [self.coordinator, *self.stages]
+
+
+def select_node(cfg: ClusterConfig, node_id: str) -> NodeConfig:
+    """The node ``--node-id`` names, or an error listing the ids there are."""
+    node = cfg.node(node_id)
+    if node is None:
+        known = ", ".join(repr(n.id) for n in cfg.nodes) or "none"
+        raise ConfigError(f"{cfg.path}: no node has id {node_id!r}; the ids are: {known}",
+                          hint="pass --node-id with one of those ids")
+    return node
+
+
+def _resolve(value: str, toml_path: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else toml_path.parent / p

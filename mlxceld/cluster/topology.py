@@ -1,0 +1,147 @@
+"""The cluster TOML (``--distributed-config FILE --node-id ID``): load, check, write.
+
+::
+
+    [cluster]
+    name = "mlxcel-cluster"          # default "mlxcel-cluster"
+    pipeline_parallel_size = 2       # the number of pipeline_stage nodes
+    secret_file = "secret"           # optional; relative to this file's directory
+    model = "models/qwen3"           # optional; relative to this file's directory
+
+    [[nodes]]
+    id = "coordinator"
+    address = "127.0.0.1:19000"      # the identity (host:port) it dials from
+    role = "coordinator"             # runs the router; no rank, no layers
+
+    [[nodes]]
+    id = "stage-0"
+    address = "127.0.0.2:19100"      # its MXCL channel-1 listener
+    role = "pipeline_stage"
+    rank = 0
+    layers = [0, 14]                 # [start, end)
+    [nodes.resources]
+    memory_bytes = 68719476736       # optional
+
+``load_cluster`` checks everything that needs no model; ``validate_layers``
+checks the stages against the model's layer count once it is known. The
+format and its rules are documented in man/mlxcel-cluster.toml.5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tomllib
+from pathlib import Path
+
+from mlxceld.cluster.addresses import parse_address
+from mlxceld.cluster.cluster_toml import parse_cluster
+from mlxceld.cluster.nodes import ClusterConfig, NodeConfig, select_node
+from mlxceld.cluster.topology_rules import check_cluster, validate_layers
+from mlxceld.errors import ConfigError
+
+__all__ = ["ClusterConfig", "NodeConfig", "dump_cluster", "load_cluster", "needs_secret",
+           "parse_cluster_text", "select_node", "validate_layers", "write_cluster"]
+
+
+def load_cluster(path: Path) -> ClusterConfig:
+    """Read and check the cluster TOML ``path`` (everything but the model's layer count)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"cluster file {path} does not exist",
+                          hint="check --distributed-config; see mlxcel-cluster.toml(5) for "
+                          "the format") from exc
+    except OSError as exc:
+        raise ConfigError(f"cluster file {path} cannot be read: {exc.strerror or exc}",
+                          hint="check its permissions") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cluster file {path} is not UTF-8: {exc}",
+                          hint="TOML files are UTF-8") from exc
+    return parse_cluster_text(text, path)
+
+
+def parse_cluster_text(text: str, path: Path) -> ClusterConfig:
+    """``load_cluster`` for TOML text that ``path`` holds (or will hold)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"cluster file {path} is not valid TOML: {exc}",
+                          hint="fix the line it names") from exc
+    cfg = parse_cluster(data, path)
+    check_cluster(cfg)
+    return cfg
+
+
+def needs_secret(cfg: ClusterConfig) -> bool:
+    """Whether the cluster needs a cluster secret: with two stages or more, or nodes on
+    more than one host. Fails closed: only one stage on the coordinator's host does not."""
+    hosts = {parse_address(n.address).key()[0] for n in cfg.nodes}
+    return len(cfg.stages) > 1 or len(hosts) > 1
+
+
+def dump_cluster(cfg: ClusterConfig) -> str:
+    """TOML text that ``load_cluster`` reads back to ``cfg`` (at the same path)."""
+    lines = ["# A cluster of mlxceld nodes; see mlxcel-cluster.toml(5).", "[cluster]",
+             f"name = {_string(cfg.name)}",
+             f"pipeline_parallel_size = {cfg.pipeline_parallel_size}"]
+    if cfg.secret_file is not None:
+        lines.append(f"secret_file = {_string(cfg.secret_file)}")
+    if cfg.model is not None:
+        lines.append(f"model = {_string(cfg.model)}")
+    for n in cfg.nodes:
+        lines += ["", "[[nodes]]", f"id = {_string(n.id)}", f"address = {_string(n.address)}",
+                  f"role = {_string(n.role)}"]
+        if n.rank is not None:
+            lines.append(f"rank = {n.rank}")
+        if n.layers is not None:
+            lines.append(f"layers = [{n.layers[0]}, {n.layers[1]}]")
+        if n.memory_bytes is not None:
+            lines += ["[nodes.resources]", f"memory_bytes = {n.memory_bytes}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster(cfg: ClusterConfig, path: Path) -> None:
+    """Check ``cfg`` as the file ``path`` and write it there atomically (mode 0666 less
+    the umask: the file names a secret file but holds no secret)."""
+    path = Path(path)
+    text = dump_cluster(cfg)
+    parse_cluster_text(text, path)
+    try:
+        content = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"cluster file {path}: a value cannot be written as UTF-8: {exc}",
+                          hint="use names and paths that are valid Unicode text") from exc
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConfigError(f"cluster file {path} cannot be written: {exc.strerror or exc}",
+                          hint="check that its directory exists and is writable") from exc
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+            "\r": "\\r"}
+
+
+def _string(value: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    out = []
+    for c in value:
+        if c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\u{ord(c):04X}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'

@@ -1,0 +1,146 @@
+"""Rules across the nodes of a cluster TOML, and against its model's layer count.
+
+The fields of each node are already checked (``cluster_toml``); these rules
+look at the nodes together: unique ids and addresses, one coordinator, ranks
+0..N-1, and layer ranges that follow each other in rank order without a gap or
+an overlap, so that no layer is ever silently dropped or run twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlxceld.cluster.addresses import parse_address
+from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.errors import ConfigError
+
+RANK_HINT = "stages have ranks 0, 1, ..., N-1, one each, in pipeline order"
+
+
+def check_cluster(cfg: ClusterConfig) -> None:
+    where = str(cfg.path)
+    _unique_ids(cfg.nodes, where)
+    _unique_addresses(cfg.nodes, where)
+    _one_coordinator(cfg.nodes, where)
+    stages = [n for n in cfg.nodes if n.is_stage]
+    if not stages:
+        raise ConfigError(f"{where}: no node has role {PIPELINE_STAGE!r}",
+                          hint=f'add [[nodes]] tables with role = "{PIPELINE_STAGE}", a rank '
+                          "and their layers")
+    if cfg.pipeline_parallel_size != len(stages):
+        ids = ", ".join(repr(n.id) for n in stages)
+        raise ConfigError(
+            f"{where}: 'cluster.pipeline_parallel_size' is {cfg.pipeline_parallel_size}, but "
+            f"{len(stages)} node(s) have role {PIPELINE_STAGE!r} ({ids})",
+            hint=f"set pipeline_parallel_size = {len(stages)}, or add or remove stages")
+    _ranks(stages, where)
+    _contiguous(cfg.stages, where)
+
+
+def validate_layers(cfg: ClusterConfig, num_layers: int) -> None:
+    """The stages cover the model's ``num_layers`` exactly: no layer missing, none extra."""
+    where = str(cfg.path)
+    stages = cfg.stages
+    past = next((s for s in stages if _range(s)[1] > num_layers), None)
+    if past is not None:
+        raise ConfigError(
+            f"{where}: {past.describe()} reaches layer {_range(past)[1] - 1}, but the model "
+            f"has only {num_layers} layers (0..{num_layers - 1})",
+            hint=f"split layers 0..{num_layers - 1} across the stages: the last one ends at "
+            f"{num_layers}")
+    last = stages[-1]
+    start, end = _range(last)
+    if end < num_layers:
+        raise ConfigError(
+            f"{where}: {_span(end, num_layers)} on no stage: the model has {num_layers} "
+            f"layers and the last stage, {last.describe()}, ends at {end}",
+            hint=f"set layers = [{start}, {num_layers}] on node {last.id!r}, or add a stage")
+
+
+def _unique_ids(nodes: Sequence[NodeConfig], where: str) -> None:
+    seen: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        if n.id in seen:
+            raise ConfigError(f"{where}: nodes[{seen[n.id]}] and nodes[{i}] both have id "
+                              f"{n.id!r}", hint="node ids must be unique in a cluster")
+        seen[n.id] = i
+
+
+def _unique_addresses(nodes: Sequence[NodeConfig], where: str) -> None:
+    seen: dict[tuple[str, int], NodeConfig] = {}
+    for n in nodes:
+        key = parse_address(n.address).key()
+        other = seen.get(key)
+        if other is not None:
+            spelled = (n.address if n.address == other.address
+                       else f"{other.address} and {n.address} are the same")
+            raise ConfigError(f"{where}: node {other.id!r} and node {n.id!r} have the same "
+                              f"address ({spelled})",
+                              hint="give every node its own host:port; nodes on one host "
+                              "need different ports")
+        seen[key] = n
+
+
+def _one_coordinator(nodes: Sequence[NodeConfig], where: str) -> None:
+    coordinators = [n for n in nodes if n.role == COORDINATOR]
+    if not coordinators:
+        raise ConfigError(f"{where}: no node has role {COORDINATOR!r}",
+                          hint=f'add a [[nodes]] table with role = "{COORDINATOR}": it runs '
+                          "the router (the OpenAI port)")
+    if len(coordinators) > 1:
+        ids = ", ".join(repr(n.id) for n in coordinators)
+        raise ConfigError(f"{where}: {len(coordinators)} nodes have role {COORDINATOR!r} "
+                          f"({ids}); a cluster has exactly one",
+                          hint="keep one coordinator; make the others pipeline stages or "
+                          "remove them")
+
+
+def _ranks(stages: Sequence[NodeConfig], where: str) -> None:
+    by_rank: dict[int, NodeConfig] = {}
+    for n in stages:
+        assert n.rank is not None
+        other = by_rank.get(n.rank)
+        if other is not None:
+            raise ConfigError(f"{where}: node {other.id!r} and node {n.id!r} both have rank "
+                              f"{n.rank}", hint=RANK_HINT)
+        by_rank[n.rank] = n
+    missing = sorted(set(range(len(stages))) - set(by_rank))
+    if missing:
+        ranks = ", ".join(str(r) for r in sorted(by_rank))
+        raise ConfigError(f"{where}: no stage has rank {missing[0]}: the ranks of "
+                          f"{len(stages)} stages are 0 to {len(stages) - 1}, not {ranks}",
+                          hint=RANK_HINT)
+
+
+def _contiguous(stages: Sequence[NodeConfig], where: str) -> None:
+    """In rank order, rank 0 starts at layer 0 and each stage where the one before ended."""
+    end = 0
+    for i, s in enumerate(stages):
+        start, stop = _range(s)
+        if start > end and i == 0:
+            raise ConfigError(f"{where}: {_span(0, start)} on no stage: {s.describe()} is "
+                              f"the first stage and starts at {start}",
+                              hint=f"rank 0 starts at layer 0: layers = [0, {stop}]")
+        if start > end:
+            raise ConfigError(f"{where}: {_span(end, start)} on no stage: "
+                              f"{stages[i - 1].describe()} ends at {end} and "
+                              f"{s.describe()} starts at {start}",
+                              hint="each stage starts where the stage of the rank before it "
+                              f"ends (layer {end} here)")
+        if start < end:
+            other = next(o for o in stages[:i] if _range(o)[0] <= start < _range(o)[1])
+            raise ConfigError(f"{where}: {_span(start, min(stop, _range(other)[1]))} on both "
+                              f"{other.describe()} and {s.describe()}",
+                              hint="each stage starts where the stage of the rank before it "
+                              f"ends (layer {end} here)")
+        end = stop
+
+
+def _range(node: NodeConfig) -> tuple[int, int]:
+    assert node.layers is not None, f"stage {node.id!r} without layers"
+    return node.layers
+
+
+def _span(start: int, end: int) -> str:
+    """Layers [start, end) for a message, with its verb."""
+    return f"layer {start} is" if end - start == 1 else f"layers {start}..{end - 1} are"
