@@ -219,3 +219,14 @@ def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for family in ("llama", "qwen3"):
         write_fixture(root / family, preset("tiny", family=family))
     return root
+
+
+@pytest.fixture(scope="session")
+def split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4-layer tiny checkpoints (``llama/``, ``qwen3/``) to split into pipeline stages."""
+    from mlxceld.models import preset, write_fixture
+
+    root = tmp_path_factory.mktemp("split-fixtures")
+    for family in ("llama", "qwen3"):
+        write_fixture(root / family, preset("tiny", family=family, layers=4))
+    return root

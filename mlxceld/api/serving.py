@@ -20,7 +20,7 @@ from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
 from mlxceld.api.streaming import end_events, event, send_event, start_events, until_disconnect
-from mlxceld.engine import EngineError, GenerationRequest
+from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ def failure(exc: Exception) -> ApiError:
     beyond the engine's own message."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, str(exc), "server_error", code="engine_unavailable")
     if isinstance(exc, EngineError):
         return ApiError(500, f"the engine failed: {exc}", "server_error", code="engine_error")
     return ApiError(500, "internal error while generating; see the server's log",

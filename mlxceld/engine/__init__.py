@@ -3,11 +3,13 @@
 from mlxceld.engine.base import (
     Engine,
     EngineError,
+    EngineUnavailable,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     TokenOutput,
 )
 
-__all__ = ["Engine", "EngineError", "FinishReason", "GenerationRequest", "SamplingParams",
+__all__ = ["Engine", "EngineError", "EngineUnavailable",
+           "FinishReason", "GenerationRequest", "SamplingParams",
            "TokenOutput"]

@@ -49,6 +49,10 @@ class EngineError(Exception):
     """The engine could not serve a request (it is the server's fault, not the client's)."""
 
 
+class EngineUnavailable(EngineError):
+    """A part of the engine (a pipeline stage) cannot be reached: HTTP 503, the part named."""
+
+
 class Engine(Protocol):
     """A running engine. ``generate`` streams one sequence's tokens; the caller's
     closing the iterator early (``aclose``, client gone) cancels the sequence and

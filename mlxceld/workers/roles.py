@@ -10,4 +10,5 @@ from __future__ import annotations
 ROLES: dict[str, str] = {
     "echo": "mlxceld.workers.echo",
     "router": "mlxceld.workers.router",
+    "stage": "mlxceld.workers.stage",
 }

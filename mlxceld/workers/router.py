@@ -2,6 +2,9 @@
 
 Options (from ``[serve]`` / ``--model`` / ``mlxctl serve``): model, model_name, host,
 port, max_batch, max_queued. The API key, if any, arrives on the bootstrap pipe.
+With ``pipeline`` (from a cluster config: stages, coordinator, model_identity,
+cluster) the engine drives remote stages and only the tokenizer is loaded here;
+the cluster secret then arrives on the bootstrap pipe too.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready.
@@ -11,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 from typing import Any
 
 from mlxceld.api import MlxTextCodec, build_router_app
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
+from mlxceld.wire import Keyring
 from mlxceld.workers.runtime import WorkerContext
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
@@ -33,6 +38,40 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def pipeline_engine(ctx: WorkerContext) -> tuple[Any, Any]:
+    """The pipeline engine over the stages of ``options.pipeline``, and the tokenizer."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxceld.models.identity import layer_count, read_model_config
+    from mlxceld.pipeline import PipelineEngine, StageAddress
+    from mlxceld.pipeline.peers import canonical_ip, split_address
+
+    o, pipe = ctx.options, ctx.options["pipeline"]
+    if ctx.secret is None:
+        raise RuntimeError("the pipeline engine needs the cluster secret and has none")
+    keyring = Keyring()
+    keyring.add(ctx.secret, primary=True)
+    path = Path(str(o["model"]))
+    config = read_model_config(path)
+    layer_count(config)
+    tokenizer = load_tokenizer(path)  # type: ignore[no-untyped-call]
+    stages = []
+    for s in pipe["stages"]:
+        host, port = split_address(str(s["address"]))
+        stages.append(StageAddress(str(s["node_id"]), host, port, int(s["rank"]),
+                                   (int(s["layers"][0]), int(s["layers"][1]))))
+    coordinator = str(pipe["coordinator"])
+    dial_host = split_address(coordinator)[0]
+    context = int(config.get("max_position_embeddings") or 4096)
+    engine = PipelineEngine(
+        stages, keyring=keyring, identity=coordinator,
+        dial_ip=None if dial_host in ("0.0.0.0", "::") else canonical_ip(dial_host),
+        model_identity=str(pipe["model_identity"]), cluster=str(pipe["cluster"]),
+        model_id=str(o["model_name"]), context_length=context,
+        eos_token_ids=set(tokenizer.eos_token_ids), max_batch=int(o["max_batch"]))
+    return engine, tokenizer
+
+
 async def run(ctx: WorkerContext) -> int:
     o: dict[str, Any] = ctx.options
     sock = listen(str(o["host"]), int(o["port"]))
@@ -43,10 +82,14 @@ async def run(ctx: WorkerContext) -> int:
         broken.append(exc)
         loop.call_soon_threadsafe(ctx.stop)
 
+    engine: Any
     try:
-        engine, tokenizer = await asyncio.to_thread(
-            load_local_engine, str(o["model"]), model_id=str(o["model_name"]),
-            max_batch=int(o["max_batch"]), on_failure=engine_broke)
+        if o.get("pipeline"):
+            engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx)
+        else:
+            engine, tokenizer = await asyncio.to_thread(
+                load_local_engine, str(o["model"]), model_id=str(o["model_name"]),
+                max_batch=int(o["max_batch"]), on_failure=engine_broke)
     except Exception as exc:
         sock.close()
         raise RuntimeError(f"cannot load model {o['model']!r}: {exc}") from exc

@@ -1,0 +1,190 @@
+"""The pipeline engine: the router's ``Engine`` over stages on other hosts.
+
+For each request: prepare a sequence on every stage (each answers ``prepared``),
+send the prompt to the first stage in chunks of ``PREFILL_CHUNK`` tokens, and
+then one token per step; the first stage forwards activations down the
+pipeline and the last stage samples with the request's parameters and sends
+the token id straight back here. Sequences of concurrent requests are in flight
+at once, so while one stage works on one sequence the others work on others.
+
+Bounds (every wait has a deadline):
+
+- connecting and attaching a stage: ``DIAL_BUDGET_S`` + ``ATTACH_TIMEOUT_S``
+  (links.py), then HTTP 503 naming the stage;
+- ``prepared`` from every stage: ``PREPARE_TIMEOUT_S``;
+- each token: ``STEP_TIMEOUT_S`` plus ``PER_TOKEN_S`` for every prompt token in
+  the step; a stage that dies is noticed at once (its connection ends), one that
+  stalls within this bound. Either way the request fails with
+  ``EngineUnavailable`` (503 before the first token, an SSE error event after).
+
+A client that goes away closes the generator: the sequence is released on every
+stage. A later request reconnects to stages that came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Final
+
+from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationRequest, TokenOutput
+from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.links import Inbox, StageAddress, StageLink
+from mlxceld.wire import Envelope, Keyring
+
+log = logging.getLogger(__name__)
+
+PREPARE_TIMEOUT_S: Final = 5.0
+STEP_TIMEOUT_S: Final = 10.0
+PER_TOKEN_S: Final = 0.05
+
+
+class PipelineEngine:
+    """Implements ``Engine`` by driving stage workers over MXCL channel 1."""
+
+    def __init__(self, stages: Sequence[StageAddress], *, keyring: Keyring, identity: str,
+                 dial_ip: str | None, model_identity: str, cluster: str, model_id: str,
+                 context_length: int, eos_token_ids: set[int], max_batch: int = 8,
+                 step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+        if not stages:
+            raise ValueError("a pipeline needs at least one stage")
+        self.model_id = model_id
+        self.context_length = context_length
+        self.max_batch = max_batch
+        self._eos = frozenset(eos_token_ids)
+        self._model_identity = model_identity
+        self._cluster = cluster
+        self._step_timeout = step_timeout_s
+        self._inboxes: dict[str, Inbox] = {}
+        self._links = [StageLink(s, keyring=keyring, identity=identity, dial_ip=dial_ip,
+                                 inboxes=self._inboxes.get)
+                       for s in sorted(stages, key=lambda s: s.rank)]
+        self._last_rank = self._links[-1].stage.rank
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.wire_steps = 0
+
+    def active_sequences(self) -> int:
+        return len(self._inboxes)
+
+    def stages(self) -> list[dict[str, Any]]:
+        return [{"stage": link.stage.node_id, "address": link.stage.address,
+                 "layers": list(link.stage.layers), "connected": link.up,
+                 "error": None if link.up else link.broken} for link in self._links]
+
+    async def connect(self) -> None:
+        """Connect and attach every stage that is not (raises ``EngineUnavailable``)."""
+        await asyncio.gather(*(link.ensure(self._model_identity, self._cluster)
+                               for link in self._links))
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        await self.connect()
+        seq = uuid.uuid4().hex[:24]
+        inbox: Inbox = asyncio.Queue()
+        self._inboxes[seq] = inbox
+        for link in self._links:
+            link.track(seq)
+        try:
+            await self._prepare(seq, request, inbox)
+            prompt = list(request.prompt_tokens)
+            step = 0
+            for start in range(0, len(prompt), p.PREFILL_CHUNK):
+                chunk = prompt[start:start + p.PREFILL_CHUNK]
+                last_chunk = start + p.PREFILL_CHUNK >= len(prompt)
+                await self._run(seq, step, chunk, sample=last_chunk)
+                step += 1
+            produced = 0
+            pending = len(prompt[-p.PREFILL_CHUNK:])
+            while True:
+                token = await self._token(seq, step - 1, inbox, pending)
+                produced += 1
+                if token in self._eos:
+                    yield TokenOutput(token, "stop")
+                    return
+                if produced >= request.params.max_tokens:
+                    yield TokenOutput(token, "length")
+                    return
+                yield TokenOutput(token)
+                await self._run(seq, step, [token], sample=True)
+                step += 1
+                pending = 1
+        finally:
+            del self._inboxes[seq]
+            for link in self._links:
+                link.untrack(seq)
+            self._spawn(self._release(seq))
+
+    async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> None:
+        header = {"t": "prepare", "seq": seq, "params": p.params_to_wire(request.params)}
+        await asyncio.gather(*(link.send(header) for link in self._links))
+        waiting = {link.stage.rank: link.stage.node_id for link in self._links}
+        try:
+            async with asyncio.timeout(PREPARE_TIMEOUT_S):
+                while waiting:
+                    rank, env = self._checked(await inbox.get())
+                    if env.type == "prepared":
+                        waiting.pop(rank, None)
+        except TimeoutError:
+            raise EngineUnavailable(f"stages {sorted(waiting.values())} did not prepare the "
+                                    f"sequence within {PREPARE_TIMEOUT_S:g} s") from None
+
+    async def _run(self, seq: str, step: int, tokens: list[int], *, sample: bool) -> None:
+        blob = ("tokens", "i32", (1, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens))
+        await self._links[0].send({"t": "run", "seq": seq, "step": step, "sample": sample},
+                                  [blob])
+        self.wire_steps += 1
+
+    async def _token(self, seq: str, step: int, inbox: Inbox, prompt_tokens: int) -> int:
+        bound = self._step_timeout + PER_TOKEN_S * prompt_tokens
+        try:
+            async with asyncio.timeout(bound):
+                while True:
+                    rank, env = self._checked(await inbox.get())
+                    if env.type == "token" and rank == self._last_rank \
+                            and env.header.get("step") == step:
+                        return int.from_bytes(env.tensors["tokens"].data, "little",
+                                              signed=True)
+                    log.debug("sequence %s: ignored %s for step %s", seq, env.type,
+                              env.header.get("step"))
+        except TimeoutError:
+            raise EngineUnavailable(
+                f"no token for step {step} within {bound:g} s: a stage is stalled "
+                f"({', '.join(link.stage.node_id for link in self._links)})") from None
+
+    @staticmethod
+    def _checked(item: tuple[int, Envelope] | BaseException) -> tuple[int, Envelope]:
+        if isinstance(item, BaseException):
+            raise item
+        _rank, env = item
+        if env.type == "error":
+            message = str(env.header.get("message", "unknown error"))
+            code = env.header.get("code")
+            if code in (p.ERR_STAGE_FAILED, p.ERR_DOWNSTREAM):
+                raise EngineUnavailable(message)
+            raise EngineError(f"a stage refused the request: {message} ({code})")
+        return item
+
+    async def _release(self, seq: str) -> None:
+        for link in self._links:
+            if link.up:
+                with contextlib.suppress(EngineError):
+                    await link.send({"t": "release", "seq": seq})
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 1.0)
+        for link in self._links:
+            await link.aclose()

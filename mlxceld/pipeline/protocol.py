@@ -1,0 +1,160 @@
+"""The stage protocol: MXCL messages on channel 1 (transport) of a pipeline.
+
+Connections, each an authenticated MXCL stream whose handshake bound the
+dialer's identity (``host:port``, its IP checked against the TCP source):
+
+- the coordinator (the router's pipeline engine) dials every stage and sends
+  commands; the stage answers on that same connection;
+- stage *i* dials stage *i + 1* and sends activations; nothing but pongs comes
+  back on it.
+
+Messages (the envelope of PROTOCOL.md section 4; ``seq`` is 1 to 64 characters
+of ``[A-Za-z0-9_.-]``, ``step`` an integer in ``[0, 2**31)``):
+
+========== ================ ===================================================
+type       direction        fields, tensors, answer
+========== ================ ===================================================
+attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
+                            ``attached`` {``stage``, ``rank``, ``layers``,
+                            ``model``} or ``error`` code ``model_mismatch``
+                            (then the stage closes the connection)
+prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
+                            top_p, top_k, seed}; a fresh KV cache, owned by the
+                            sender's identity; answered by ``prepared`` {seq}
+run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
+                            ``tokens`` i32 ``[1, n]``, 1 ≤ n ≤ ``MAX_STEP_TOKENS``
+act        stage → next     ``seq``, ``step``, ``sample``; tensor ``hidden``
+                            ``[1, n, hidden_size]`` in the model's dtype
+token      last → owner     ``seq``, ``step``; tensor ``tokens`` i32 ``[1]``;
+                            sent only for steps with ``sample`` true
+release    coord → stage    ``seq``; frees its cache; no answer
+error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
+                            the error concerns one
+========== ================ ===================================================
+
+Authorization on a stage (the identity is the handshake's, never a field):
+commands only from the coordinator of the stage's cluster config; ``run`` only
+on the first stage; ``act`` only from the upstream stage; a sequence belongs to
+the identity that prepared it, and a command on it from another identity is
+refused and changes nothing. Replies go over the connection they answer, or,
+for ``token`` and errors from the activation path, over the owner's own
+connection; an activation for a sequence nobody prepared is dropped (nothing
+can correlate it). Every tensor's dtype and shape is checked against these
+specs before any blob is copied.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from mlxceld.engine.base import SamplingParams
+from mlxceld.wire import MessageSpec, TensorSpec
+
+MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in chunks of 512
+PREFILL_CHUNK: Final = 512
+MAX_SEQUENCES: Final = 256  # prepared sequences one stage keeps at once
+MAX_TEMPERATURE: Final = 100.0
+SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+ERR_NOT_COORDINATOR: Final = "not_coordinator"
+ERR_NOT_UPSTREAM: Final = "not_upstream"
+ERR_NOT_FIRST: Final = "not_first_stage"
+ERR_NOT_OWNER: Final = "not_owner"
+ERR_UNKNOWN_SEQ: Final = "unknown_sequence"
+ERR_MODEL_MISMATCH: Final = "model_mismatch"
+ERR_BAD_MESSAGE: Final = "bad_message"
+ERR_TOO_MANY: Final = "too_many_sequences"
+ERR_STAGE_FAILED: Final = "stage_failed"
+ERR_DOWNSTREAM: Final = "downstream_unreachable"
+
+
+class ProtocolViolation(Exception):
+    """A message that is well-formed MXCL but breaks the stage protocol; ``code`` is sent."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def stage_specs(hidden_size: int, wire_dtype: str, *, first: bool) -> dict[str, MessageSpec]:
+    """What a stage accepts: tokens on the first stage, hidden states elsewhere."""
+    specs = {"attach": MessageSpec(), "prepare": MessageSpec(), "release": MessageSpec()}
+    if first:
+        specs["run"] = MessageSpec({"tokens": TensorSpec(
+            frozenset({"i32"}), ((1, 1), (1, MAX_STEP_TOKENS)))})
+    else:
+        specs["act"] = MessageSpec({"hidden": TensorSpec(
+            frozenset({wire_dtype}), ((1, 1), (1, MAX_STEP_TOKENS),
+                                      (hidden_size, hidden_size)))})
+    return specs
+
+
+# What the coordinator accepts from a stage.
+ENGINE_SPECS: Final = {
+    "attached": MessageSpec(),
+    "prepared": MessageSpec(),
+    "error": MessageSpec(),
+    "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
+}
+
+
+def seq_of(header: Mapping[str, Any]) -> str:
+    seq = header.get("seq")
+    if not isinstance(seq, str) or not SEQ_ID.match(seq):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'seq' must be 1-64 characters of "
+                                "[A-Za-z0-9_.-]")
+    return seq
+
+
+def step_of(header: Mapping[str, Any]) -> int:
+    step = header.get("step")
+    if type(step) is not int or not 0 <= step < 2**31:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'step' must be an integer in [0, 2**31)")
+    return step
+
+
+def sample_of(header: Mapping[str, Any]) -> bool:
+    sample = header.get("sample", True)
+    if type(sample) is not bool:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'sample' must be true or false")
+    return sample
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed}
+
+
+def params_from_wire(value: object) -> SamplingParams:
+    """The request's sampling parameters, each checked (the last stage samples with them)."""
+    if not isinstance(value, dict) or set(value) != {"max_tokens", "temperature", "top_p",
+                                                     "top_k", "seed"}:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params' must hold exactly max_tokens, "
+                                "temperature, top_p, top_k and seed")
+    max_tokens, temp, top_p = value["max_tokens"], value["temperature"], value["top_p"]
+    top_k, seed = value["top_k"], value["seed"]
+    if type(max_tokens) is not int or not 1 <= max_tokens < 2**31:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.max_tokens' out of range")
+    if type(temp) not in (int, float) or not 0 <= temp <= MAX_TEMPERATURE:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.temperature' out of range")
+    if type(top_p) not in (int, float) or not 0 < top_p <= 1:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.top_p' out of range")
+    if type(top_k) is not int or top_k < 0:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.top_k' out of range")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.seed' out of range")
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temp), top_p=float(top_p),
+                          top_k=top_k, seed=seed)
+
+
+def error_header(code: str, message: str, seq: str | None = None,
+                 step: int | None = None) -> dict[str, Any]:
+    header: dict[str, Any] = {"t": "error", "code": code, "message": message[:1000]}
+    if seq is not None:
+        header["seq"] = seq
+    if step is not None:
+        header["step"] = step
+    return header

@@ -1,0 +1,94 @@
+"""The ``stage`` role: one pipeline stage behind an MXCL listener on channel 1.
+
+Options (built by the daemon from the cluster config): model, layers [start,
+end), node_id, rank, address (our listener, also the identity we dial the next
+stage with), coordinator, upstream, downstream (addresses or null),
+model_identity, cluster. The cluster secret arrives on the bootstrap pipe; a
+stage without one refuses to start.
+
+Start-up binds the listener first (a port in use fails at once, named), loads
+only this stage's layers, then accepts connections and reports ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from mlxceld.net import Listener
+from mlxceld.pipeline.peers import canonical_ip, split_address
+from mlxceld.pipeline.stage import StagePlace, StageService
+from mlxceld.wire import Keyring
+from mlxceld.workers.runtime import WorkerContext
+
+log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 1.0
+
+
+def place_of(o: dict[str, Any]) -> StagePlace:
+    down = o.get("downstream")
+    return StagePlace(
+        node_id=str(o["node_id"]), rank=int(o["rank"]),
+        layers=(int(o["layers"][0]), int(o["layers"][1])), address=str(o["address"]),
+        coordinator=str(o["coordinator"]), upstream=o.get("upstream"),
+        downstream=split_address(down) if down else None,
+        model_identity=str(o["model_identity"]), cluster=str(o["cluster"]))
+
+
+async def run(ctx: WorkerContext) -> int:
+    o: dict[str, Any] = ctx.options
+    if ctx.secret is None:
+        raise RuntimeError("a pipeline stage needs the cluster secret and has none; "
+                           "see mlxctl secret --help")
+    place = place_of(o)
+    keyring = Keyring()
+    keyring.add(ctx.secret, primary=True)
+    host, port = split_address(place.address)
+    service: StageService | None = None
+
+    async def handler(stream: Any) -> None:
+        assert service is not None
+        await service.handle(stream)
+
+    listener = Listener(host, port, keyring=keyring, identity_of_server=place.address,
+                        channels={1}, handler=handler)
+    try:
+        await listener.start()
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {place.address} for stage {place.node_id}: "
+                           f"{exc.strerror}; is another stage using the port?") from None
+    try:
+        from mlxceld.models.slicing import load_stage
+        from mlxceld.wire.mx_tensors import wire_dtype
+
+        model = await asyncio.to_thread(load_stage, str(o["model"]), *place.layers)
+        wire = wire_dtype(model.dtype)
+        if wire is None:
+            raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
+                               "cannot travel on the wire")
+        service = StageService(model, place, keyring, wire,
+                               dial_ip=canonical_ip(host))
+        async with asyncio.TaskGroup() as tg:
+            compute = tg.create_task(service.run())
+            serving = tg.create_task(listener.serve())
+            await listener.wait_accepting()
+            ctx.stats.update(stage=place.node_id, layers=list(place.layers),
+                             address=place.address)
+            ctx.ready()
+            log.info("stage %s serves layers [%d, %d) on %s", place.node_id, *place.layers,
+                     place.address)
+            while not ctx.stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
+                ctx.stats.update(sequences=service.sequences, steps=service.stats.steps,
+                                 refused=service.stats.refused)
+            await listener.aclose()
+            await service.aclose()
+            compute.cancel()
+            await serving
+    finally:
+        await listener.aclose()
+    return 0

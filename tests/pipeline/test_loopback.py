@@ -1,0 +1,251 @@
+"""Stage services and the pipeline engine in one process, over real MXCL on 127.0.0.x.
+
+The stages load real fixture slices; the engine's greedy tokens must equal
+mlx-lm's on the whole model. Authorization is checked with a second secret
+holder dialing from another loopback address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.models.identity import model_identity
+from mlxceld.models.slicing import load_stage
+from mlxceld.net import Listener, connect
+from mlxceld.pipeline import PipelineEngine, StageAddress, StagePlace, StageService
+from mlxceld.pipeline import protocol as p
+from mlxceld.wire import Keyring, encode_envelope, parse_envelope
+from mlxceld.wire.mx_tensors import to_blob
+
+SECRET = b"pipeline-test-secret-0123456789"
+COORD = "127.0.0.1:19999"
+
+
+def keyring() -> Keyring:
+    k = Keyring()
+    k.add(SECRET, primary=True)
+    return k
+
+
+def reference(path: Path, prompt: list[int], n: int) -> list[int]:
+    model, _ = load(str(path))
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+        out.append(int(token))
+    return out
+
+
+class Cluster:
+    """Stage services on 127.0.0.(2+rank), each behind its own listener."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Listener] = []
+        self.services: list[StageService] = []
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.stages: list[StageAddress] = []
+
+    async def start(self, path: Path, splits: Sequence[tuple[int, int]],
+                    identity: str | None = None) -> None:
+        ident = identity or model_identity(path)
+        listeners = []
+        for rank in range(len(splits)):
+            host = f"127.0.0.{2 + rank}"
+            lst = Listener(host, 0, keyring=keyring(), identity_of_server=f"{host}:0",
+                           channels={1}, handler=self._handler(rank))
+            await lst.start()
+            listeners.append(lst)
+        addrs = [f"{lst.host}:{lst.port}" for lst in listeners]
+        for rank, (start, end) in enumerate(splits):
+            model = load_stage(path, start, end)
+            place = StagePlace(
+                node_id=f"stage-{rank}", rank=rank, layers=(start, end), address=addrs[rank],
+                coordinator=COORD, upstream=addrs[rank - 1] if rank else None,
+                downstream=(listeners[rank + 1].host, listeners[rank + 1].port)
+                if rank + 1 < len(splits) else None,
+                model_identity=ident, cluster="test")
+            svc = StageService(model, place, keyring(), model.wire_dtype,
+                               dial_ip=listeners[rank].host)
+            self.services.append(svc)
+            self.tasks.append(asyncio.ensure_future(svc.run()))
+            self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
+            self.stages.append(StageAddress(f"stage-{rank}", listeners[rank].host,
+                                            listeners[rank].port, rank, (start, end)))
+        for lst in listeners:
+            await lst.wait_accepting()
+        self.listeners = listeners
+
+    def _handler(self, rank: int) -> Any:
+        async def handle(stream: Any) -> None:
+            await self.services[rank].handle(stream)
+        return handle
+
+    def engine(self, path: Path, eos: set[int] | None = None) -> PipelineEngine:
+        return PipelineEngine(self.stages, keyring=keyring(), identity=COORD,
+                              dial_ip="127.0.0.1", model_identity=model_identity(path),
+                              cluster="test", model_id="m", context_length=4096,
+                              eos_token_ids=eos or set())
+
+    async def aclose(self) -> None:
+        for svc in self.services:
+            await svc.aclose()
+        for lst in self.listeners:
+            await lst.aclose()
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+@contextlib.asynccontextmanager
+async def cluster(path: Path, splits: Sequence[tuple[int, int]],
+                  identity: str | None = None) -> AsyncIterator[Cluster]:
+    c = Cluster()
+    try:
+        await c.start(path, splits, identity)
+        yield c
+    finally:
+        await c.aclose()
+
+
+async def tokens_of(engine: PipelineEngine, prompt: list[int], n: int) -> list[int]:
+    req = GenerationRequest("r", prompt, SamplingParams(max_tokens=n, temperature=0.0))
+    return [t.token async for t in engine.generate(req)]
+
+
+PROMPT = [1, 5, 9, 200, 31, 7, 64, 3]
+
+
+@pytest.mark.parametrize("family,splits", [
+    ("llama", [(0, 2), (2, 4)]),
+    ("qwen3", [(0, 1), (1, 3), (3, 4)]),
+    ("llama", [(0, 3), (3, 4)]),
+])
+def test_greedy_matches_mlx_lm(split_fixture_dir: Path, family: str,
+                               splits: list[tuple[int, int]]) -> None:
+    path = split_fixture_dir / family
+    want = reference(path, PROMPT, 12)
+
+    async def go() -> list[int]:
+        async with cluster(path, splits) as c:
+            engine = c.engine(path)
+            try:
+                return await tokens_of(engine, PROMPT, 12)
+            finally:
+                await engine.aclose()
+
+    assert asyncio.run(go()) == want
+
+
+def test_concurrent_sequences_and_long_prompt(split_fixture_dir: Path) -> None:
+    path = split_fixture_dir / "qwen3"
+    long_prompt = [(i * 7) % 500 + 1 for i in range(p.PREFILL_CHUNK + 100)]  # two chunks
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[:3], long_prompt]
+    wants = [reference(path, pr, 8) for pr in prompts]
+
+    async def go() -> list[list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                return list(await asyncio.gather(*(tokens_of(engine, pr, 8)
+                                                   for pr in prompts)))
+            finally:
+                await engine.aclose()
+
+    assert asyncio.run(go()) == wants
+
+
+def test_wrong_model_is_refused_with_both_identities(split_fixture_dir: Path) -> None:
+    path = split_fixture_dir / "llama"
+
+    async def go() -> str:
+        async with cluster(path, [(0, 2), (2, 4)], identity="f" * 64) as c:
+            engine = c.engine(path)
+            try:
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 2)
+                return str(info.value)
+            finally:
+                await engine.aclose()
+
+    message = asyncio.run(go())
+    assert "f" * 64 in message and model_identity(path) in message
+
+
+async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], list[Any]]],
+                    ip: str = "127.0.0.5") -> list[dict[str, Any]]:
+    """Dial stage ``rank`` as another secret holder; send ``messages``; collect answers."""
+    st = c.stages[rank]
+    stream = await connect(st.host, st.port, keyring=keyring(), identity=f"{ip}:4000",
+                           channel=1, local_addr=(ip, 0))
+    answers = []
+    async with stream:
+        for header, tensors in messages:
+            await stream.send(encode_envelope(header, tensors))
+            if header["t"] in ("attach", "prepare", "run", "act"):
+                env = parse_envelope(await asyncio.wait_for(stream.recv(), 5),
+                                     p.ENGINE_SPECS)
+                answers.append(env.header)
+    return answers
+
+
+def test_commands_only_from_the_coordinator_and_acts_only_from_upstream(
+        split_fixture_dir: Path) -> None:
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            ident = model_identity(path)
+            commands = await _intruder(c, 0, [
+                ({"t": "attach", "model": ident, "cluster": "test"}, []),
+                ({"t": "prepare", "seq": "x1", "params": {
+                    "max_tokens": 3, "temperature": 0, "top_p": 1, "top_k": 0,
+                    "seed": None}}, [])])
+            acts = await _intruder(c, 1, [
+                ({"t": "act", "seq": "x1", "step": 0, "sample": True},
+                 [to_blob("hidden", mx.zeros((1, 1, c.services[1]._model.hidden_size),
+                                             dtype=c.services[1]._model.dtype))])])
+            seqs = sum(s.sequences for s in c.services)
+            engine = c.engine(path)
+            try:  # the real coordinator is still served
+                after = await tokens_of(engine, PROMPT, 3)
+            finally:
+                await engine.aclose()
+            return commands, acts, seqs, after
+
+    commands, acts, seqs, after = asyncio.run(go())
+    assert [a["code"] for a in commands] == [p.ERR_NOT_COORDINATOR] * 2
+    assert "127.0.0.5:4000" in commands[0]["message"]
+    assert [a["code"] for a in acts] == [p.ERR_NOT_UPSTREAM]
+    assert seqs == 0
+    assert after == reference(path, PROMPT, 3)
+
+
+def test_a_stage_that_goes_away_fails_the_request_naming_it(split_fixture_dir: Path) -> None:
+    path = split_fixture_dir / "llama"
+
+    async def go() -> str:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                await tokens_of(engine, PROMPT, 2)
+                await c.listeners[1].aclose()  # drops every connection of stage 1
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 4)
+                return str(info.value)
+            finally:
+                await engine.aclose()
+
+    message = asyncio.run(asyncio.wait_for(go(), 60))
+    assert "stage-1" in message
