@@ -62,6 +62,12 @@ def run(
     agent_addr: Annotated[str | None, typer.Option(
         "--agent-addr", help="MXCL agent listener (channels assignment and agent), started "
         "whenever the daemon has a cluster secret. Default: 0.0.0.0:19000.")] = None,
+    distributed_config: Annotated[Path | None, typer.Option(
+        "--distributed-config", help="A cluster TOML (see mlxcel-cluster.toml(5)): this daemon "
+        "runs its node's role, the router of a pipeline or one stage. Needs --node-id.")
+    ] = None,
+    node_id: Annotated[str | None, typer.Option(
+        "--node-id", help="Which node of the --distributed-config this daemon is.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -70,8 +76,8 @@ def run(
     flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
                       log_level=log_level, log_file=log_file, model=model,
                       model_name=model_name, host=host, port=port, api_key_file=api_key_file,
-                      agent_addr=agent_addr,
-                      cluster_secret_file=cluster_secret_file)
+                      agent_addr=agent_addr, cluster_secret_file=cluster_secret_file,
+                      distributed_config=distributed_config, node_id=node_id)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)

@@ -68,6 +68,8 @@ class Config:
     workers: tuple[WorkerConfig, ...] = ()
     serve: ServeConfig = field(default_factory=ServeConfig)
     agent_addr: str = DEFAULT_AGENT_ADDR  # MXCL agent listener, when there is a secret
+    distributed_config: Path | None = None  # a cluster TOML (mlxcel-cluster.toml(5))
+    node_id: str | None = None  # which of its nodes this daemon is
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,23 @@ class Overrides:
     api_key_file: Path | None = None
     cluster_secret_file: Path | None = None  # read at start only (mlxceld.cluster)
     agent_addr: str | None = None
+    distributed_config: Path | None = None
+    node_id: str | None = None
+
+
+def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
+                    where: str) -> dict[str, Any]:
+    """``--distributed-config`` and ``--node-id`` (or their [daemon] keys): both or neither."""
+    path = flags.distributed_config or _path(daemon, "distributed_config", base, where)
+    node = flags.node_id or _str(daemon, "node_id", where, "daemon.")
+    if (path is None) != (node is None):
+        given, missing = (("--distributed-config", "--node-id") if node is None
+                          else ("--node-id", "--distributed-config"))
+        raise ConfigError(f"{given} needs {missing} too",
+                          hint="name the cluster TOML and which of its nodes this daemon is "
+                          "(or set [daemon] distributed_config and node_id)")
+    return {"distributed_config": path.expanduser().absolute() if path else None,
+            "node_id": node}
 
 
 def load_config(flags: Overrides) -> Config:
@@ -107,8 +126,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     _check_keys(data, {"daemon", "supervisor", "workers", "serve"}, where, "")
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
-    _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr"}, where,
-                "daemon.")
+    _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr",
+                         "distributed_config", "node_id"}, where, "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
         sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
@@ -135,6 +154,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
         agent_addr=flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
         or DEFAULT_AGENT_ADDR,
+        **_cluster_choice(daemon, flags, base, where),
         policy=policy,
         health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

@@ -35,6 +35,7 @@ from pathlib import Path
 from mlxceld import __version__
 from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
+from mlxceld.cluster.placement import STAGE_WORKER, pipeline_options, place, stage_options
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -102,7 +103,10 @@ class Daemon:
             self.events.trim()
             self.settings = Settings(self._db)
             self.keys = KeyStore(self._db, config.state_dir / "keys")
+            self.placement = (place(config.distributed_config, config.node_id or "",
+                                    flags.model) if config.distributed_config else None)
             self._adopt_secret(flags)
+            self._check_cluster_secret()
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
@@ -139,6 +143,7 @@ class Daemon:
                 "schema_version": SCHEMA_VERSION,
             },
             "serving": self._serving(),
+            "cluster": self.placement.describe() if self.placement else None,
             "agent": {"address": self._agent.address if self._agent else None,
                       "error": self._agent_error if not self._agent else None,
                       "keys": len(self.keys.keyring)},
@@ -187,20 +192,30 @@ class Daemon:
     def specs(self, config: Config) -> list[WorkerSpec]:
         specs = [WorkerSpec(w.name, w.role, config.state_dir, dict(w.options), w.policy)
                  for w in config.workers]
-        if self._serve.model is not None:
-            # Loading a model takes a while; stopping waits for open streams to finish.
-            policy = replace(config.policy,
-                             start_timeout_s=max(config.policy.start_timeout_s,
-                                                 ROUTER_START_TIMEOUT_S),
-                             stop_timeout_s=max(config.policy.stop_timeout_s,
-                                                ROUTER_STOP_TIMEOUT_S))
-            specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir,
-                                    router_options(self._serve), policy, api_key=self._api_key))
+        # Loading a model takes a while; stopping waits for open streams to finish.
+        policy = replace(config.policy,
+                         start_timeout_s=max(config.policy.start_timeout_s,
+                                             ROUTER_START_TIMEOUT_S),
+                         stop_timeout_s=max(config.policy.stop_timeout_s,
+                                            ROUTER_STOP_TIMEOUT_S))
+        p = self.placement
+        secret = self.keys.keyring.primary if len(self.keys.keyring) else None
+        if p is not None and not p.is_coordinator:
+            specs.append(WorkerSpec(STAGE_WORKER, STAGE_WORKER, config.state_dir,
+                                    stage_options(p), policy, secret=secret))
+        elif self._serve.model is not None:
+            options = router_options(self._serve)
+            if p is not None:
+                options["pipeline"] = pipeline_options(p)
+            specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir, options, policy,
+                                    api_key=self._api_key,
+                                    secret=secret if p is not None else None))
         return specs
 
     def _adopt_secret(self, flags: Overrides) -> None:
         """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
-        resolved = resolve_secret(flag_file=flags.cluster_secret_file,
+        toml = self.placement.cluster.secret_source() if self.placement else None
+        resolved = resolve_secret(flag_file=flags.cluster_secret_file, toml=toml,
                                   keyring=self.keys.keyring, keyring_where=str(self.keys.dir))
         os.environ.pop(ENV_VALUE, None)
         if resolved is None:
@@ -216,8 +231,24 @@ class Daemon:
         log.info("cluster secret %s from %s is the primary (kept in %s)", info.key_id,
                  resolved.source, self.keys.dir)
 
+    def _check_cluster_secret(self) -> None:
+        """Fail closed: a pipeline of two or more stages never runs without the secret."""
+        p = self.placement
+        if p is None or not p.needs_secret or len(self.keys.keyring):
+            return
+        raise ConfigError(
+            f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
+            "cluster secret; none was found in --cluster-secret-file, "
+            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [cluster] secret_file or the "
+            f"keyring in {self.keys.dir}",
+            hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
+            "(chmod 600) to each host, then pass --cluster-secret-file FILE")
+
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
-        """Flags and the config file win; else what `mlxctl serve` chose last time."""
+        """Flags and the config file win; else what `mlxctl serve` chose last time.
+        A cluster coordinator serves its cluster's model."""
+        if self.placement is not None:
+            return configured.with_model(str(self.placement.model), configured.model_name)
         saved = self.settings.get("serve")
         if configured.model is None and saved is not None:
             return configured.with_model(saved["model"], saved.get("model_name"))
@@ -225,6 +256,11 @@ class Daemon:
 
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
+        if self.placement is not None:
+            raise ConfigError(
+                f"this daemon is node {self.placement.node.id!r} of cluster config "
+                f"{self.placement.cluster.path}; it serves that cluster's model",
+                hint="change [cluster] model in that file on every node, then restart them")
         resolved = resolve_model(model, Path("/"), "mlxctl serve")
         self._serve = self._serve.with_model(resolved, name)
         self.settings.put("serve", {"model": resolved, "model_name": name})

@@ -54,7 +54,8 @@ def pipeline_engine(ctx: WorkerContext) -> tuple[Any, Any]:
     path = Path(str(o["model"]))
     config = read_model_config(path)
     layer_count(config)
-    tokenizer = load_tokenizer(path)  # type: ignore[no-untyped-call]
+    tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
+        path, eos_token_ids=config.get("eos_token_id"))
     stages = []
     for s in pipe["stages"]:
         host, port = split_address(str(s["address"]))

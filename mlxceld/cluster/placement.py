@@ -1,0 +1,87 @@
+"""This daemon's place in a cluster TOML, and the worker it runs there.
+
+``place(path, node_id)`` reads and checks the cluster config, finds the node,
+checks the stages' layer ranges against the model's layer count and computes
+the model identity, all before anything starts. A coordinator runs the router
+with the pipeline engine; a pipeline stage runs the ``stage`` worker. The
+worker options built here are all the worker knows of the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from mlxceld.cluster.topology import (
+    ClusterConfig,
+    NodeConfig,
+    load_cluster,
+    needs_secret,
+    select_node,
+    validate_layers,
+)
+from mlxceld.errors import ConfigError
+from mlxceld.models.identity import layer_count, model_identity, read_model_config
+
+STAGE_WORKER: Final = "stage"
+
+
+@dataclass(frozen=True)
+class Placement:
+    cluster: ClusterConfig
+    node: NodeConfig
+    model: Path
+    model_identity: str
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.node.role == "coordinator"
+
+    @property
+    def needs_secret(self) -> bool:
+        return needs_secret(self.cluster)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.cluster.name, "file": str(self.cluster.path),
+                "node": self.node.id, "role": self.node.role, "address": self.node.address,
+                "layers": list(self.node.layers) if self.node.layers else None,
+                "stages": len(self.cluster.stages), "model": str(self.model),
+                "model_identity": self.model_identity}
+
+
+def place(path: Path, node_id: str, model_override: str | None = None) -> Placement:
+    """Everything a daemon needs to run ``node_id`` of the cluster TOML at ``path``."""
+    cfg = load_cluster(path)
+    node = select_node(cfg, node_id)
+    model = Path(model_override).expanduser().absolute() if model_override \
+        else cfg.model_path()
+    if model is None:
+        raise ConfigError(f"{path}: [cluster] has no 'model' and --model was not given",
+                          hint="set model = \"DIR\" under [cluster] (relative to the file) "
+                          "or pass --model DIR")
+    validate_layers(cfg, layer_count(read_model_config(model), source=str(model / "config.json")))
+    return Placement(cfg, node, model, model_identity(model))
+
+
+def stage_options(p: Placement) -> dict[str, Any]:
+    """The ``stage`` worker's options for this node."""
+    cfg, node = p.cluster, p.node
+    assert node.layers is not None and node.rank is not None
+    stages = cfg.stages
+    up = stages[node.rank - 1] if node.rank > 0 else None
+    down = stages[node.rank + 1] if node.rank + 1 < len(stages) else None
+    return {"model": str(p.model), "layers": list(node.layers), "node_id": node.id,
+            "rank": node.rank, "address": node.address,
+            "coordinator": cfg.coordinator.address,
+            "upstream": up.address if up else None,
+            "downstream": down.address if down else None,
+            "model_identity": p.model_identity, "cluster": cfg.name}
+
+
+def pipeline_options(p: Placement) -> dict[str, Any]:
+    """The router's ``pipeline`` option: the stages to drive and who we are."""
+    return {"stages": [{"node_id": s.id, "address": s.address, "rank": s.rank,
+                        "layers": list(s.layers or ())} for s in p.cluster.stages],
+            "coordinator": p.node.address, "model_identity": p.model_identity,
+            "cluster": p.cluster.name}

@@ -1,0 +1,83 @@
+"""A daemon's place in a cluster TOML: checked against the model before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mlxceld.cluster.placement import pipeline_options, place, stage_options
+from mlxceld.errors import ConfigError
+from mlxceld.models import model_identity
+
+
+def write(tmp_path: Path, model: Path | None, splits: list[tuple[int, int]]) -> Path:
+    text = "[cluster]\nname = \"c\"\n" + f"pipeline_parallel_size = {len(splits)}\n"
+    if model is not None:
+        text += f'model = "{model}"\n'
+    text += textwrap.dedent("""
+        [[nodes]]
+        id = "coord"
+        address = "127.0.0.1:19000"
+        role = "coordinator"
+        """)
+    for rank, (start, end) in enumerate(splits):
+        text += textwrap.dedent(f"""
+            [[nodes]]
+            id = "s{rank}"
+            address = "127.0.0.{2 + rank}:1910{rank}"
+            role = "pipeline_stage"
+            rank = {rank}
+            layers = [{start}, {end}]
+            """)
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+def test_stage_and_router_options(tmp_path: Path, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    path = write(tmp_path, model, [(0, 1), (1, 3), (3, 4)])
+    middle = place(path, "s1")
+    assert not middle.is_coordinator and middle.needs_secret
+    opts = stage_options(middle)
+    assert opts["layers"] == [1, 3] and opts["rank"] == 1
+    assert opts["upstream"] == "127.0.0.2:19100" and opts["downstream"] == "127.0.0.4:19102"
+    assert opts["coordinator"] == "127.0.0.1:19000"
+    assert opts["model_identity"] == model_identity(model)
+    first, last = stage_options(place(path, "s0")), stage_options(place(path, "s2"))
+    assert first["upstream"] is None and last["downstream"] is None
+    pipe = pipeline_options(place(path, "coord"))
+    assert [s["layers"] for s in pipe["stages"]] == [[0, 1], [1, 3], [3, 4]]
+    assert pipe["coordinator"] == "127.0.0.1:19000"
+
+
+def test_layers_checked_against_the_model(tmp_path: Path, split_fixture_dir: Path) -> None:
+    path = write(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 3)])
+    with pytest.raises(ConfigError, match=r"layer 3 is on no stage|layers 3"):
+        place(path, "s0")
+
+
+def test_a_model_is_required(tmp_path: Path, split_fixture_dir: Path) -> None:
+    path = write(tmp_path, None, [(0, 2), (2, 4)])
+    with pytest.raises(ConfigError, match="--model"):
+        place(path, "s0")
+    assert place(path, "s0", str(split_fixture_dir / "llama")).node.id == "s0"
+
+
+def test_an_unknown_node_id_lists_the_known_ones(tmp_path: Path,
+                                                 split_fixture_dir: Path) -> None:
+    path = write(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 4)])
+    with pytest.raises(ConfigError, match="'coord', 's0', 's1'"):
+        place(path, "nobody")
+
+
+def test_the_daemon_does_not_import_mlx() -> None:
+    code = ("import sys, mlxceld.daemon, mlxceld.cluster.placement, mlxceld.pipeline; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,216 @@
+"""A pipeline of real daemons on 127.0.0.1 (coordinator), .2, .3 (stages), each with its
+own state dir, driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx_lm
+import openai
+import pytest
+from conftest import FAST_POLICY, DaemonProc, Daemons, alive, wait_for
+
+READY_S = 120.0
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Pipeline:
+    coordinator: DaemonProc
+    stages: list[DaemonProc]
+    url: str
+    toml: Path
+
+
+def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
+                  secret: bool = True) -> Path:
+    nodes = [textwrap.dedent(f"""
+        [[nodes]]
+        id = "coordinator"
+        address = "127.0.0.1:{free_port('127.0.0.1')}"
+        role = "coordinator"
+        """)]
+    for rank, (start, end) in enumerate(splits):
+        host = f"127.0.0.{2 + rank}"
+        nodes.append(textwrap.dedent(f"""
+            [[nodes]]
+            id = "stage-{rank}"
+            address = "{host}:{free_port(host)}"
+            role = "pipeline_stage"
+            rank = {rank}
+            layers = [{start}, {end}]
+            """))
+    if secret:
+        (root / "secret").write_text(SECRET + "\n")
+        os.chmod(root / "secret", 0o600)
+    head = textwrap.dedent(f"""
+        [cluster]
+        name = "test-cluster"
+        pipeline_parallel_size = {len(splits)}
+        model = "{model}"
+        """) + ('secret_file = "secret"\n' if secret else "")
+    toml = root / "cluster.toml"
+    toml.write_text(head + "".join(nodes))
+    return toml
+
+
+def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]]) -> Pipeline:
+    coord = daemons.make(FAST_POLICY, name="co")
+    toml = write_cluster(coord.root, model, splits)
+    stages = []
+    for rank in range(len(splits)):
+        d = daemons.make(FAST_POLICY, name=f"s{rank}")
+        d.start("--distributed-config", str(toml), "--node-id", f"stage-{rank}",
+                "--agent-addr", f"127.0.0.{2 + rank}:0")
+        stages.append(d)
+    port = free_port("127.0.0.1")
+    coord.start("--distributed-config", str(toml), "--node-id", "coordinator",
+                "--port", str(port))
+    for d in stages:
+        daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    return Pipeline(coord, stages, f"http://127.0.0.1:{port}/v1", toml)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+
+
+def expected(model: Path, prompt: str, n: int) -> str:
+    m, tok = mlx_lm.load(str(model))
+    text: str = mlx_lm.generate(m, tok, prompt, max_tokens=n)
+    return text
+
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.mark.parametrize("family,splits", [
+    ("qwen3", [(0, 1), (1, 4)]),
+    ("llama", [(0, 1), (1, 2), (2, 4)]),
+])
+def test_greedy_output_equals_mlx_lm(daemons: Daemons, split_fixture_dir: Path, family: str,
+                                     splits: list[tuple[int, int]]) -> None:
+    model = split_fixture_dir / family
+    pipe = start_pipeline(daemons, model, splits)
+    with client(pipe.url) as c:
+        comp = c.completions.create(model=family, prompt=PROMPT, max_tokens=16,
+                                    temperature=0)
+        chat = c.chat.completions.create(model=family, max_tokens=8, temperature=0,
+                                         messages=[{"role": "user", "content": "Hi"}])
+    assert comp.choices[0].text == expected(model, PROMPT, 16)
+    assert chat.choices[0].message.content is not None
+    status = pipe.coordinator.status()
+    assert status["cluster"]["role"] == "coordinator"
+    assert status["cluster"]["stages"] == len(splits)
+    stage_status = pipe.stages[0].status()
+    assert stage_status["cluster"]["layers"] == list(splits[0])
+
+
+def test_four_concurrent_streams_are_all_correct(daemons: Daemons,
+                                                 split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "qwen3"
+    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    prompts = ["The quick brown fox", "Once upon a time", "Hello", "1 2 3 4"]
+    results: dict[str, str] = {}
+
+    def one(prompt: str) -> None:
+        with client(pipe.url) as c:
+            stream = c.completions.create(model="qwen3", prompt=prompt, max_tokens=12,
+                                          temperature=0, stream=True)
+            results[prompt] = "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+    threads = [threading.Thread(target=one, args=(pr,)) for pr in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {pr: expected(model, pr, 12) for pr in prompts}
+
+
+def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
+                                                         split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    victim = pipe.stages[1].worker("stage")
+    with client(pipe.url) as c:
+        stream = c.completions.create(model="llama", prompt=PROMPT, max_tokens=2000,
+                                      temperature=0, stream=True)
+        started = None
+        error = None
+        try:
+            for i, _chunk in enumerate(stream):
+                if i == 3:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                    started = time.monotonic()
+        except openai.APIError as exc:
+            error = exc
+        assert started is not None, "the stream ended before the stage was killed"
+        elapsed = time.monotonic() - started
+        # An SSE error event ends the stream (or the stream is cut): within the bound.
+        assert error is not None or elapsed < 15
+        assert elapsed < 15
+        assert not alive(victim["pid"])
+        w = pipe.stages[1].wait_worker("stage", timeout=READY_S, state="running")
+        assert w["pid"] != victim["pid"]
+        daemons.pids.add(w["pid"])
+
+        def answered() -> str | None:
+            try:
+                return c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
+                                            temperature=0).choices[0].text
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503, exc
+                return None
+
+        text = wait_for(answered, 60, "a completion after the stage came back", every=0.5)
+    assert text == expected(model, PROMPT, 8)
+
+
+def test_request_while_a_stage_is_down_is_503_naming_it(daemons: Daemons,
+                                                        split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    stage = pipe.stages[1]
+    assert stage.proc is not None
+    stage.proc.send_signal(signal.SIGTERM)
+    stage.proc.wait(30)
+    with client(pipe.url) as c, pytest.raises(openai.APIStatusError) as info:
+        c.completions.create(model="llama", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert info.value.status_code == 503
+    assert "stage-1" in str(info.value)
+
+
+def test_a_pipeline_without_the_secret_refuses_to_start(daemons: Daemons,
+                                                        split_fixture_dir: Path) -> None:
+    d = daemons.make(FAST_POLICY, name="ns")
+    toml = write_cluster(d.root, split_fixture_dir / "llama", [(0, 2), (2, 4)],
+                         secret=False)
+    d.start("--distributed-config", str(toml), "--node-id", "stage-0", wait=False)
+    assert d.proc is not None
+    assert d.proc.wait(30) == 2
+    err = d.stderr()
+    assert "needs the cluster secret" in err and "--cluster-secret-file" in err
+
+
+def test_a_layer_gap_is_refused_at_startup(daemons: Daemons, split_fixture_dir: Path) -> None:
+    d = daemons.make(FAST_POLICY, name="gap")
+    toml = write_cluster(d.root, split_fixture_dir / "llama", [(0, 2), (3, 4)])
+    d.start("--distributed-config", str(toml), "--node-id", "stage-0", wait=False)
+    assert d.proc is not None
+    assert d.proc.wait(30) == 2
+    assert "stage-1" in d.stderr() and "layers" in d.stderr()
