@@ -3,6 +3,7 @@ own state dir, driven by the real `openai` client."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import mlx_lm
 import openai
 import pytest
@@ -97,6 +99,7 @@ def expected(model: Path, prompt: str, n: int) -> str:
 
 
 PROMPT = "The quick brown fox"
+LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
 
 
 @pytest.mark.parametrize("family,splits", [
@@ -148,7 +151,7 @@ def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
     pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
     victim = pipe.stages[1].worker("stage")
     with client(pipe.url) as c:
-        stream = c.completions.create(model="llama", prompt=PROMPT, max_tokens=2000,
+        stream = c.completions.create(model="llama", prompt=LONG_PROMPT, max_tokens=1500,
                                       temperature=0, stream=True)
         started = None
         error = None
@@ -161,8 +164,8 @@ def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
             error = exc
         assert started is not None, "the stream ended before the stage was killed"
         elapsed = time.monotonic() - started
-        # An SSE error event ends the stream (or the stream is cut): within the bound.
-        assert error is not None or elapsed < 15
+        # The router sends an SSE error event naming the stage, then ends the stream.
+        assert error is not None and "stage-1" in str(error), error
         assert elapsed < 15
         assert not alive(victim["pid"])
         w = pipe.stages[1].wait_worker("stage", timeout=READY_S, state="running")
@@ -214,3 +217,57 @@ def test_a_layer_gap_is_refused_at_startup(daemons: Daemons, split_fixture_dir: 
     assert d.proc is not None
     assert d.proc.wait(30) == 2
     assert "stage-1" in d.stderr() and "layers" in d.stderr()
+
+
+def stage_stats(d: DaemonProc) -> dict[str, object]:
+    from mlxceld.supervisor.channel import call
+
+    reply = asyncio.run(call(d.state_dir / "workers" / "stage.sock", "stats"))
+    stats: dict[str, object] = reply["stats"]
+    return stats
+
+
+def test_a_client_that_leaves_frees_its_sequence_on_every_stage(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{pipe.url}/completions",
+            json={"model": "llama", "prompt": LONG_PROMPT, "max_tokens": 1500,
+                  "temperature": 0, "stream": True}) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        held = wait_for(lambda: all(stage_stats(d).get("sequences") == 1
+                                    for d in pipe.stages), 10, "the sequence on both stages")
+        assert held
+    # The response is closed: the router cancels the sequence and releases it everywhere.
+    wait_for(lambda: all(stage_stats(d).get("sequences") == 0 for d in pipe.stages), 15,
+             "the sequence released on every stage")
+
+
+def test_a_coordinator_with_another_model_is_refused_naming_both(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    from mlxceld.models import model_identity
+
+    stages_model, other = split_fixture_dir / "llama", split_fixture_dir / "qwen3"
+    coord = daemons.make(FAST_POLICY, name="co")
+    toml = write_cluster(coord.root, stages_model, [(0, 2), (2, 4)])
+    stages = []
+    for rank in range(2):
+        d = daemons.make(FAST_POLICY, name=f"s{rank}")
+        d.start("--distributed-config", str(toml), "--node-id", f"stage-{rank}",
+                "--agent-addr", f"127.0.0.{2 + rank}:0")
+        stages.append(d)
+    port = free_port("127.0.0.1")
+    coord.start("--distributed-config", str(toml), "--node-id", "coordinator",
+                "--port", str(port), "--model", str(other))
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    for d in stages:
+        daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    with client(f"http://127.0.0.1:{port}/v1") as c, \
+            pytest.raises(openai.APIStatusError) as info:
+        c.completions.create(model="qwen3", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert info.value.status_code == 503
+    message = str(info.value)
+    assert model_identity(stages_model) in message and model_identity(other) in message
