@@ -7,9 +7,10 @@ and the head only on the last. Only what is left is evaluated, so the weights
 of the other stages are never read from disk. ``forward`` is the family's own
 forward over the slice: the same masks, the same layer calls, the same head.
 
-Activations between stages are [1, n, hidden_size] in the stage's ``dtype``;
-the first stage takes int32 token ids [1, n]; the last returns the float32
-log-probabilities of the last position [1, vocab_size]. ``input_spec`` bounds
+Activations between stages are [b, n, hidden_size] in the stage's ``dtype``
+(b sequences in one batch, their caches merged); the first stage takes int32
+token ids [b, n]; the last returns the float32 log-probabilities of the last
+position [b, vocab_size]. ``input_spec`` bounds
 what a stage accepts, for the network layer to check before it copies.
 """
 
@@ -91,9 +92,9 @@ class StageModel:
     def forward(self, x: Any, cache: list[Any]) -> Any:
         """Run this stage's layers over ``x`` with ``cache`` (from ``make_cache``).
 
-        First stage: ``x`` is int32 token ids [1, n]; else hidden [1, n, hidden_size].
-        Returns hidden [1, n, hidden_size], or on the last stage the float32
-        log-probabilities of the last position [1, vocab_size]; evaluated.
+        First stage: ``x`` is int32 token ids [b, n]; else hidden [b, n, hidden_size].
+        Returns hidden [b, n, hidden_size], or on the last stage the float32
+        log-probabilities of the last position [b, vocab_size]; evaluated.
         """
         self._check_input(x, cache)
         inner = self.model.model
@@ -120,11 +121,11 @@ class StageModel:
         if len(cache) != len(self.layers):
             raise ValueError(f"stage [{self.start}, {self.end}): {len(cache)} caches for "
                              f"{len(self.layers)} layers; use make_cache()")
-        want = "[1, n] int32" if self.first else f"[1, n, {self.hidden_size}] {self.dtype}"
+        want = "[b, n] int32" if self.first else f"[b, n, {self.hidden_size}] {self.dtype}"
         shape_ok = (x.ndim == 2 if self.first else
                     x.ndim == 3 and x.shape[2] == self.hidden_size)
         dtype_ok = x.dtype == (mx.int32 if self.first else self.dtype)
-        if not (shape_ok and dtype_ok and x.shape[0] == 1 and x.shape[1] >= 1):
+        if not (shape_ok and dtype_ok and x.shape[0] >= 1 and x.shape[1] >= 1):
             raise ValueError(f"stage [{self.start}, {self.end}): input {list(x.shape)} "
                              f"{x.dtype}, expected {want}")
 

@@ -18,41 +18,26 @@ import concurrent.futures
 import contextlib
 import logging
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from mlxceld.engine.base import SamplingParams
 from mlxceld.net import ConnectionClosed, MxclStream, connect
 from mlxceld.net.errors import NetError
 from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.compute import SeqState, StageModelLike, Step, plan, run_group
 from mlxceld.pipeline.peers import bound_identity, identity_matches
 from mlxceld.wire import (
     Envelope,
     EnvelopeError,
     Keyring,
-    Tensor,
     encode_envelope,
     parse_envelope,
 )
-from mlxceld.wire.mx_tensors import from_blob, to_blob
 
 log = logging.getLogger(__name__)
 
 DOWNSTREAM_DIAL_S: Final = 5.0
-
-
-class StageCompute(Protocol):
-    """What the service needs of the stage's model slice (``models.slicing.StageModel``)."""
-
-    first: bool
-    last: bool
-    hidden_size: int
-    vocab_size: int
-
-    def make_cache(self) -> list[Any]: ...
-
-    def forward(self, x: Any, cache: list[Any]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -74,30 +59,26 @@ class StagePlace:
 class _Sequence:
     owner: str  # the bound identity that prepared it
     stream: MxclStream  # the owner's connection: replies go there
-    cache: list[Any]
+    state: SeqState  # its caches and sampler, used on the compute thread
     params: SamplingParams
-    sampler: Callable[[Any], Any] | None
     next_step: int = 0
 
 
 @dataclass
-class _Work:
-    seq_id: str
+class _Work(Step):
     seq: _Sequence
-    step: int
-    sample: bool
-    x: Tensor  # token ids or hidden states, checked, still a view of the message
 
 
 @dataclass
 class StageStats:
-    steps: int = 0
+    steps: int = 0  # forward passes (a batch is one)
     tokens: int = 0
+    batched: int = 0  # sequence steps that ran in a batch of two or more
     refused: int = 0
 
 
 class StageService:
-    def __init__(self, model: StageCompute, place: StagePlace, keyring: Keyring,
+    def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
                  wire_dtype: str, *, dial_ip: str | None = None) -> None:
         self._model = model
         self._place = place
@@ -215,8 +196,8 @@ class StageService:
 
             sampler = (make_sampler(params, self._model.vocab_size) if self._model.last
                        else None)
-            self._seqs[seq_id] = _Sequence(who, stream, self._model.make_cache(), params,
-                                           sampler)
+            self._seqs[seq_id] = _Sequence(who, stream,
+                                           SeqState(self._model.make_cache(), sampler), params)
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
             self._seqs.pop(seq_id, None)
@@ -240,51 +221,43 @@ class StageService:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
                                       f"arrived, step {seq.next_step} was expected")
         seq.next_step += 1
-        self._queue.put_nowait(_Work(seq_id, seq, step, p.sample_of(env.header), tensor))
+        self._queue.put_nowait(_Work(seq_id, seq.state, step, p.sample_of(env.header), tensor,
+                                     seq))
 
     # -- compute ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Take steps in arrival order; forward each result. Runs until cancelled."""
+        """Take what is queued, run it in groups (``compute.plan``), forward each result.
+        Runs until cancelled."""
         loop = asyncio.get_running_loop()
         try:
             while True:
-                work = await self._queue.get()
-                if self._seqs.get(work.seq_id) is not work.seq:
-                    continue  # released (or re-prepared) while queued
-                try:
-                    out = await loop.run_in_executor(self._pool, self._compute, work)
-                except Exception as exc:
-                    log.exception("step %d of sequence %s failed", work.step, work.seq_id)
-                    self._seqs.pop(work.seq_id, None)
-                    await self._tell_owner(work, p.ERR_STAGE_FAILED,
-                                           f"stage {self._place.node_id} failed: {exc}")
-                    continue
-                self.stats.steps += 1
-                self.stats.tokens += work.x.shape[1]
-                await self._forward(work, out)
+                queued = [await self._queue.get()]
+                while not self._queue.empty():
+                    queued.append(self._queue.get_nowait())
+                for group in plan(queued):
+                    live = [w for w in group if isinstance(w, _Work)
+                            and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
+                    if live:
+                        await self._run_group(loop, live)
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compute(self, work: _Work) -> Any:
-        """On the compute thread: mlx arrays are made and evaluated here only (mlx streams
-        belong to the thread that made them)."""
-        x = from_blob(work.x)
-        if self._model.first:
-            import mlx.core as mx
-
-            low, high = mx.min(x).tolist(), mx.max(x).tolist()
-            if not 0 <= low <= high < self._model.vocab_size:  # type: ignore[operator]
-                raise ValueError(f"token ids must be in [0, {self._model.vocab_size}); "
-                                 f"got {low}..{high}")
-        out = self._model.forward(x, work.seq.cache)
-        if not self._model.last:
-            return to_blob("hidden", out)
-        if not work.sample:
-            return None
-        assert work.seq.sampler is not None
-        token = work.seq.sampler(out)
-        return int(token.item())
+    async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[_Work]) -> None:
+        try:
+            outs = await loop.run_in_executor(self._pool, run_group, self._model, group)
+        except Exception as exc:
+            log.exception("a step of sequences %s failed", [w.seq_id for w in group])
+            for work in group:
+                self._seqs.pop(work.seq_id, None)
+                await self._tell_owner(work, p.ERR_STAGE_FAILED,
+                                       f"stage {self._place.node_id} failed: {exc}")
+            return
+        self.stats.steps += 1
+        self.stats.batched += len(group) if len(group) > 1 else 0
+        for work, out in zip(group, outs, strict=True):
+            self.stats.tokens += work.tokens
+            await self._forward(work, out)
 
     async def _forward(self, work: _Work, out: Any) -> None:
         if self._model.last:

@@ -149,9 +149,9 @@ def test_dtype_and_input_spec(models: dict[str, Path]) -> None:
 
 def test_forward_refuses_wrong_inputs(models: dict[str, Path]) -> None:
     first, last = load_stage(models["llama"], 0, 2), load_stage(models["llama"], 2, 4)
-    with pytest.raises(ValueError, match=r"expected \[1, n\] int32"):
+    with pytest.raises(ValueError, match=r"expected \[b, n\] int32"):
         first.forward(mx.zeros((1, 3, 64)), first.make_cache())
-    with pytest.raises(ValueError, match=r"expected \[1, n, 64\]"):
+    with pytest.raises(ValueError, match=r"expected \[b, n, 64\]"):
         last.forward(mx.zeros((1, 3), dtype=mx.int32), last.make_cache())
     with pytest.raises(ValueError, match="1 caches for 2 layers"):
         last.forward(mx.zeros((1, 3, 64)), last.make_cache()[:1])

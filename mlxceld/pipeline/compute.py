@@ -1,0 +1,108 @@
+"""A stage's compute: which queued steps run together, and running them.
+
+Steps that wait in a stage's queue at the same moment are grouped: the first
+one-token step (a decode step) of each of up to ``MAX_BATCH`` sequences runs as
+one batch through the stage's layers, their KV caches merged for the step
+(mlx-lm's batch caches, left-padded) and split again after it. Everything else
+(prefill chunks, a second step of a sequence already in the batch) runs alone
+afterwards, in arrival order, so each sequence's steps keep their order.
+
+Batching is what lets a stage serve several sequences for little more than the
+price of one on a machine whose step time is dominated by reading the weights.
+
+Runs on the stage's compute thread only: mlx arrays belong to the thread (its
+stream) that made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from mlxceld.wire import Tensor
+from mlxceld.wire.mx_tensors import from_blob, to_blob
+
+MAX_BATCH: Final = 16
+
+
+class StageModelLike(Protocol):
+    """What the compute needs of the stage's model slice (``models.slicing.StageModel``)."""
+
+    first: bool
+    last: bool
+    hidden_size: int
+    vocab_size: int
+
+    def make_cache(self) -> list[Any]: ...
+
+    def forward(self, x: Any, cache: list[Any]) -> Any: ...
+
+
+@dataclass
+class SeqState:
+    cache: list[Any]  # one mlx-lm cache per own layer
+    sampler: Callable[[Any], Any] | None  # the last stage's, with the request's parameters
+
+
+@dataclass
+class Step:
+    seq_id: str
+    state: SeqState
+    step: int
+    sample: bool
+    x: Tensor  # token ids [1, n] or hidden states [1, n, H], checked, a view of the message
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[1]
+
+
+def plan(steps: Sequence[Step]) -> list[list[Step]]:
+    """Groups to run in order: one batch of first-in-line decode steps, then the rest
+    one by one in arrival order."""
+    batch: list[Step] = []
+    rest: list[Step] = []
+    seen: set[str] = set()
+    for s in steps:
+        if s.tokens == 1 and s.seq_id not in seen and len(batch) < MAX_BATCH:
+            batch.append(s)
+        else:
+            rest.append(s)
+        seen.add(s.seq_id)
+    groups = [batch] if batch else []
+    return groups + [[s] for s in rest]
+
+
+def run_group(model: StageModelLike, group: Sequence[Step]) -> list[Any]:
+    """Run ``group`` (one step per sequence); per step: a hidden-state blob for the next
+    stage, or on the last stage the sampled token id (``None`` where not sampled)."""
+    import mlx.core as mx
+
+    xs = [from_blob(s.x) for s in group]
+    x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
+    if model.first:
+        low, high = mx.min(x).tolist(), mx.max(x).tolist()
+        if not 0 <= low <= high < model.vocab_size:  # type: ignore[operator]
+            raise ValueError(f"token ids must be in [0, {model.vocab_size}); "
+                             f"got {low}..{high}")
+    if len(group) == 1:
+        out = model.forward(x, group[0].state.cache)
+    else:
+        layers = len(group[0].state.cache)
+        merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
+                  for i in range(layers)]
+        out = model.forward(x, merged)
+        for j, s in enumerate(group):
+            s.state.cache = [c.extract(j) for c in merged]
+        mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])
+    if not model.last:
+        return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
+    tokens: list[Any] = []
+    for j, s in enumerate(group):
+        if not s.sample:
+            tokens.append(None)
+            continue
+        assert s.state.sampler is not None
+        tokens.append(int(s.state.sampler(out[j:j + 1]).item()))
+    return tokens

@@ -1,0 +1,76 @@
+"""A stage's grouping of queued steps, and batched steps equal to one-by-one steps."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from mlxceld.engine.sampling import greedy
+from mlxceld.models.slicing import StageModel, load_stage
+from mlxceld.pipeline.compute import MAX_BATCH, SeqState, Step, plan, run_group
+from mlxceld.wire import Tensor
+
+
+def tokens(ids: list[int]) -> Tensor:
+    return Tensor("tokens", "i32", (1, len(ids)), memoryview(struct.pack(f"<{len(ids)}i", *ids)))
+
+
+def step(seq: str, n: int, i: int = 0) -> Step:
+    return Step(seq, SeqState([], None), i, True, tokens(list(range(1, n + 1))))
+
+
+def ids(groups: list[list[Step]]) -> list[list[tuple[str, int]]]:
+    return [[(s.seq_id, s.step) for s in g] for g in groups]
+
+
+def test_plan_batches_first_decode_steps_and_keeps_each_sequences_order() -> None:
+    queued = [step("a", 1, 0), step("b", 5, 0), step("c", 1, 0), step("a", 1, 1),
+              step("b", 1, 1), step("d", 1, 0)]
+    assert ids(plan(queued)) == [
+        [("a", 0), ("c", 0), ("d", 0)],  # first-in-line one-token steps
+        [("b", 0)], [("a", 1)], [("b", 1)],  # the rest, in arrival order
+    ]
+    assert ids(plan([step("x", 3)])) == [[("x", 0)]]
+    many = plan([step(f"s{i}", 1) for i in range(MAX_BATCH + 2)])
+    assert [len(g) for g in many] == [MAX_BATCH, 1, 1]
+
+
+def run_through(stages: list[StageModel], inputs: list[list[int]],
+                states: list[list[SeqState]], groups: list[list[int]]) -> list[int]:
+    """Run sequences ``groups`` at a time through every stage; the sampled token of each."""
+    result: dict[int, int] = {}
+    for members in groups:
+        blobs = [tokens(inputs[i]) for i in members]
+        for k, st in enumerate(stages):
+            outs = run_group(st, [Step(str(i), states[i][k], 0, True, blobs[j])
+                                  for j, i in enumerate(members)])
+            if not st.last:
+                blobs = [Tensor(name, dtype, shape, data) for name, dtype, shape, data in outs]
+        for j, i in enumerate(members):
+            result[i] = outs[j]
+    return [result[i] for i in range(len(inputs))]
+
+
+@pytest.mark.parametrize("splits", [[(0, 2), (2, 4)], [(0, 4)]])
+def test_batched_decode_equals_one_by_one(split_fixture_dir: Path,
+                                          splits: list[tuple[int, int]]) -> None:
+    path = split_fixture_dir / "qwen3"
+    stages = [load_stage(path, a, b) for a, b in splits]
+    prompts = [[1, 5, 9, 200, 31], [7, 7], [300, 2, 4, 8, 16, 32, 64]]
+    singly = [[i] for i in range(len(prompts))]
+
+    def new_states() -> list[list[SeqState]]:
+        return [[SeqState(st.make_cache(), greedy if st.last else None) for st in stages]
+                for _ in prompts]
+
+    alone, together = new_states(), new_states()
+    # Prompts of different lengths prefill one by one; then decode one by one for
+    # `alone`, as one batch (caches merged and split each step) for `together`.
+    a = run_through(stages, prompts, alone, singly)
+    b = run_through(stages, prompts, together, singly)
+    for _ in range(6):
+        a = run_through(stages, [[t] for t in a], alone, singly)
+        b = run_through(stages, [[t] for t in b], together, [list(range(len(prompts)))])
+        assert a == b
