@@ -8,6 +8,9 @@ File format (TOML, every table and key optional)::
     socket = "/run/mlxceld/mlxceld.sock"
     log_level = "info"                 # debug | info | warning | error
     log_file = "/var/log/mlxceld.log"  # default: stderr
+    agent_addr = "0.0.0.0:19000"       # MXCL agent listener (with a cluster secret)
+    distributed_config = "cluster.toml"  # a cluster TOML, mlxcel-cluster.toml(5) ...
+    node_id = "stage-0"                # ... and which node of it this daemon is
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
