@@ -41,7 +41,7 @@ from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.serving import ROUTER, ServeConfig, parse_serve
 from mlxceld.supervisor.states import RestartPolicy
-from mlxceld.workers.roles import ROLES
+from mlxceld.workers.roles import ROLES, STAGE
 
 DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -266,12 +266,16 @@ def _workers(
         if name == ROUTER:
             raise ConfigError(f"{where}: worker name {name!r} is reserved for the model server",
                               hint="configure it under [serve] instead")
+        if name == STAGE:
+            raise ConfigError(f"{where}: worker name {name!r} is reserved for a pipeline stage",
+                              hint="stages come from a cluster TOML (--distributed-config)")
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: 'workers.{name}' must be a table",
                               hint=f"write it as [workers.{name}]")
         _check_keys(spec, {"role", "options", *POLICY_FIELDS}, where, prefix)
         role = _str(spec, "role", where, prefix)
-        roles = sorted(set(ROLES) - {ROUTER})  # the router comes from [serve] only
+        # The router comes from [serve] only, a stage from a cluster TOML only.
+        roles = sorted(set(ROLES) - {ROUTER, STAGE})
         if role is None or role not in roles:
             raise ConfigError(
                 f"{where}: '{prefix}role' must be one of {', '.join(roles)}, not {role!r}",

@@ -23,8 +23,9 @@ from mlxceld.cluster.topology import (
 )
 from mlxceld.errors import ConfigError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
+from mlxceld.workers.roles import STAGE
 
-STAGE_WORKER: Final = "stage"
+STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ without loading any model runtime.
 
 from __future__ import annotations
 
+STAGE = "stage"  # a pipeline stage: only from a cluster TOML, never from [workers]
+
 # role -> module with ``async def run(ctx: WorkerContext) -> int``
 ROLES: dict[str, str] = {
     "echo": "mlxceld.workers.echo",
