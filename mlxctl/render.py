@@ -96,6 +96,12 @@ def status(body: dict[str, Any]) -> str:
     if serving:
         lines.append(f"serving {serving['model_name']} at {serving['url']}"
                      + (" (API key required)" if serving.get("api_key") else ""))
+    cluster = body.get("cluster")
+    if cluster:
+        where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"
+                 if cluster.get("layers") else f"{cluster['stages']} stage(s)")
+        lines.append(f"cluster {cluster['name']}: node {cluster['node']} ({cluster['role']}, "
+                     f"{where}) at {cluster['address']}")
     return "\n".join([*lines, "", workers_table(workers), "", health(body["problems"])])
 
 

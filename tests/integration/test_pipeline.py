@@ -122,6 +122,9 @@ def test_greedy_output_equals_mlx_lm(daemons: Daemons, split_fixture_dir: Path, 
     assert status["cluster"]["stages"] == len(splits)
     stage_status = pipe.stages[0].status()
     assert stage_status["cluster"]["layers"] == list(splits[0])
+    shown = pipe.stages[0].ctl("status").stdout
+    assert (f"cluster test-cluster: node stage-0 (pipeline_stage, layers "
+            f"[{splits[0][0]}, {splits[0][1]}))") in shown
 
 
 def test_four_concurrent_streams_are_all_correct(daemons: Daemons,
