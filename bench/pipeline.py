@@ -12,10 +12,10 @@ Measured, rounds interleaved (baseline, then each cluster) so noise falls on all
 
 - decode tok/s of one greedy stream, from the timestamps of the streamed chunks
   (pipeline) or of the yielded tokens (mlx-lm), first token excluded; median of
-  --runs;
-- time to first token for a prompt of 512 tokens; median of --runs;
+  --runs rounds (3 x --runs on tiny, which is cheap and noisier);
+- time to first token for a prompt of 512 tokens, median likewise;
 - aggregate tok/s of 4 concurrent streams against 1 stream (tokens / wall time,
-  prefill included), pipeline only;
+  prefill included; the same prompt, so the same tokens), pipeline only;
 - wire bytes per decoded token: computed from the messages (run, act per hop
   between stages, token: envelope + 21 bytes of frame) and, on Linux, measured
   with `ss` (the TCP payload bytes of the cluster's connections: a run of N+1
@@ -27,6 +27,10 @@ stages. "added per hop" is (pipeline - mlx-lm per-token time) / 3: an upper
 bound, since it also holds the router's HTTP/SSE and detokenizing and each
 stage's fixed per-step costs. "2-stage - 1-stage" is the marginal cost of one
 more hop plus one more stage's fixed cost, with everything else equal.
+
+The client's own cost (HTTP, SSE parsing) runs on the same CPUs as the daemons;
+the baseline has none. `--quick`: 32 tokens, 1 run (about 2 minutes, most of it
+the small fixture's 512-token prefills).
 
     .venv/bin/python bench/pipeline.py [--quick] [--max-tokens 128] [--runs 3]
 """
@@ -446,6 +450,8 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
 
         tps = {c: res.decode_tps(c) for c in res.decode}
         row("decode tok/s", tps, tps["2-stage"] / tps["mlx-lm"])
+        row("  slowest run", {c: min(v) for c, v in res.decode.items()})
+        row("  fastest run", {c: max(v) for c, v in res.decode.items()})
         row("ms per token", {c: 1000 / v for c, v in tps.items()})
         ttft = {c: res.ttft_ms(c) for c in res.ttft}
         row(f"TTFT ms, {res.prompt_tokens}-token prompt", ttft,
