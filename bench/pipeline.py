@@ -29,7 +29,7 @@ stage's fixed per-step costs. "2-stage - 1-stage" is the marginal cost of one
 more hop plus one more stage's fixed cost, with everything else equal.
 
 The client's own cost (HTTP, SSE parsing) runs on the same CPUs as the daemons;
-the baseline has none. `--quick`: 32 tokens, 1 run (about 2 minutes, most of it
+the baseline has none. `--quick`: 32 tokens, 1 run (about 1.5 minutes on 2 CPUs, most of it
 the small fixture's 512-token prefills).
 
     .venv/bin/python bench/pipeline.py [--quick] [--max-tokens 128] [--runs 3]
