@@ -9,7 +9,7 @@ PORT  ?= 8080
 RUN_MODEL = $(if $(MODEL),$(MODEL),$(DEMO)/model)
 RUN_NAME  = $(if $(MODEL),$(notdir $(patsubst %/,%,$(MODEL))),tiny-qwen3)
 
-.PHONY: run test install lint typecheck clean
+.PHONY: run run-pipeline test install lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,11 +45,22 @@ run: install
 	exec $(BIN)/mlxceld --config contrib/demo/mlxceld.toml --state-dir $(DEMO)/state \
 		--socket $(CURDIR)/$(DEMO)/mlxceld.sock --model $(RUN_MODEL) --model-name $(RUN_NAME) --port $(PORT)
 
+# The same model as `make run`, split over two pipeline stages: three daemons on
+# 127.0.0.1 (coordinator), 127.0.0.2 and 127.0.0.3 (stages); see contrib/demo/pipeline.py.
+run-pipeline: install
+	@mkdir -p $(DEMO)
+	@if [ -z "$(MODEL)" ] && [ ! -f $(DEMO)/model/config.json ]; then \
+		echo "No MODEL given: generating a tiny random-weight model in $(DEMO)/model"; \
+		$(BIN)/mlxctl model fixture $(DEMO)/model --preset tiny --family qwen3 >/dev/null; \
+	fi
+	exec $(BIN)/python contrib/demo/pipeline.py --model $(RUN_MODEL) --model-name $(RUN_NAME) \
+		--port $(PORT) --dir $(DEMO)/pipeline
+
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check mlxceld mlxctl tests bench
+	$(BIN)/ruff check mlxceld mlxctl tests bench contrib
 
 typecheck: install
 	$(BIN)/mypy

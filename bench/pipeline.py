@@ -1,0 +1,550 @@
+"""Pipeline parallelism: single-process mlx-lm against our 2-stage pipeline, one run.
+
+For the `small` fixture (8 layers, hidden 512, bf16; split [0,4)+[4,8)) and the
+`tiny` one (2 layers, hidden 64, f32; split [0,1)+[1,2)) it starts a real
+cluster on loopback: a coordinator daemon on 127.0.0.1 (the router, serving the
+OpenAI API) and one daemon per stage on 127.0.0.2 and .3, with a cluster secret
+(AES-256-GCM, the default suite). On tiny it also starts a 1-stage cluster
+(stage on 127.0.0.4) so the cost of one more hop shows on its own. The baseline
+is mlx-lm's own `generate_step` in this process, greedy, the same token ids.
+
+Measured, rounds interleaved (baseline, then each cluster) so noise falls on all:
+
+- decode tok/s of one greedy stream, from the timestamps of the streamed chunks
+  (pipeline) or of the yielded tokens (mlx-lm), first token excluded; median of
+  --runs rounds (3 x --runs on tiny, which is cheap and noisier);
+- time to first token for a prompt of 512 tokens, median likewise;
+- aggregate tok/s of 4 concurrent streams against 1 stream (tokens / wall time,
+  prefill included; the same prompt, so the same tokens), pipeline only;
+- wire bytes per decoded token: computed from the messages (run, act per hop
+  between stages, token: envelope + 21 bytes of frame) and, on Linux, measured
+  with `ss` (the TCP payload bytes of the cluster's connections: a run of N+1
+  tokens less a run of 1, over N).
+
+Hops: a decode step of an S-stage pipeline crosses S + 1 connections
+(coordinator -> stage 0, stage i -> i+1, last stage -> coordinator), so 3 for 2
+stages. "added per hop" is (pipeline - mlx-lm per-token time) / 3: an upper
+bound, since it also holds the router's HTTP/SSE and detokenizing and each
+stage's fixed per-step costs. "2-stage - 1-stage" is the marginal cost of one
+more hop plus one more stage's fixed cost, with everything else equal.
+
+The client's own cost (HTTP, SSE parsing) runs on the same CPUs as the daemons;
+the baseline has none. `--quick`: 32 tokens, 1 run (about 1.5 minutes on 2 CPUs, most of it
+the small fixture's 512-token prefills).
+
+    .venv/bin/python bench/pipeline.py [--quick] [--max-tokens 128] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+PROMPT = "The quick brown fox"  # no EOS within 128 greedy tokens on either fixture
+LONG_PROMPT_TOKENS = 512
+STREAMS = 4
+READY_S = 180.0
+FRAME_OVERHEAD = 5 + 16  # kind u8, len u32, AEAD tag
+GOALS = {"decode_ratio": 0.95, "hop_us": 250.0, "concurrency": 2.0}
+
+
+@dataclass
+class Stream:
+    """One request's timings: seconds to the first token, and the decode span after it."""
+
+    ttft: float
+    tokens: int
+    decode_s: float
+    total_s: float
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.tokens - 1) / self.decode_s
+
+
+# -- the baseline: mlx-lm in this process ------------------------------------------------
+
+
+class Baseline:
+    def __init__(self, model: Path) -> None:
+        import mlx_lm
+
+        loaded: tuple[Any, ...] = mlx_lm.load(str(model))  # (model, tokenizer[, config])
+        self.model, self.tokenizer = loaded[0], loaded[1]
+
+    def stream(self, prompt: str, max_tokens: int) -> Stream:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        ids = mx.array(self.tokenizer.encode(prompt))
+        start = time.perf_counter()
+        stamps = []
+        for _token, _ in generate_step(ids, self.model, max_tokens=max_tokens):
+            stamps.append(time.perf_counter())  # the token is evaluated when it is yielded
+        return Stream(stamps[0] - start, len(stamps), max(stamps[-1] - stamps[0], 1e-9),
+                      stamps[-1] - start)
+
+    def close(self) -> None:
+        import mlx.core as mx
+
+        del self.model
+        mx.clear_cache()
+
+
+def prompt_of(tokenizer: Any, n: int) -> str:
+    """A text that this tokenizer encodes to exactly ``n`` tokens (or as close as it gets)."""
+    words = ("the river ran past an old mill where a miller kept seven cats and a dog "
+             "that barked at every boat going down to the harbour before dawn; ")
+    text = words
+    while len(tokenizer.encode(text)) < n:
+        text += text
+    lo, hi = 1, len(text)
+    while lo < hi:  # the shortest prefix with at least n tokens
+        mid = (lo + hi) // 2
+        if len(tokenizer.encode(text[:mid])) >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    return text[:lo]
+
+
+# -- a cluster of daemons on loopback ------------------------------------------------------
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Cluster:
+    """One coordinator and its stages, each a daemon with its own state dir and socket."""
+
+    root: Path
+    stages: list[tuple[str, int]]  # the stages' listeners, in rank order
+    url: str = ""
+    model_id: str = ""
+    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    workers: list[psutil.Process] = field(default_factory=list)
+    # Made once: httpx builds an SSL context per client (tens of ms), which a timed
+    # request must not pay.
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=600))
+
+    def stop(self) -> None:
+        """SIGTERM each daemon (it stops its workers), then SIGKILL whatever is left, by pid."""
+        self.http.close()
+        for p in self.daemons:
+            with contextlib.suppress(psutil.Error):
+                self.workers += psutil.Process(p.pid).children(recursive=True)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.daemons:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for w in self.workers:
+            with contextlib.suppress(psutil.Error):
+                if w.is_running():
+                    w.kill()
+
+
+def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
+                  stage_hosts: list[str]) -> tuple[Path, list[tuple[str, int]]]:
+    from mlxceld.privatefile import write_private
+
+    write_private(root / "secret", (secrets.token_bytes(32).hex() + "\n").encode())
+    ports = [free_port(h) for h in stage_hosts]
+    text = textwrap.dedent(f"""\
+        [cluster]
+        name = "bench"
+        pipeline_parallel_size = {len(splits)}
+        model = "{model}"
+        secret_file = "secret"
+
+        [[nodes]]
+        id = "coordinator"
+        address = "127.0.0.1:{free_port('127.0.0.1')}"
+        role = "coordinator"
+        """)
+    for rank, ((start, end), host, port) in enumerate(zip(splits, stage_hosts, ports,
+                                                          strict=True)):
+        text += textwrap.dedent(f"""
+            [[nodes]]
+            id = "stage-{rank}"
+            address = "{host}:{port}"
+            role = "pipeline_stage"
+            rank = {rank}
+            layers = [{start}, {end}]
+            """)
+    toml = root / "cluster.toml"
+    toml.write_text(text)
+    return toml, list(zip(stage_hosts, ports, strict=True))
+
+
+def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
+                  stage_hosts: list[str], clusters: list[Cluster]) -> Cluster:
+    """Start the daemons (registered in ``clusters`` at once, for cleanup) and wait for
+    the stage workers and the router to run and answer one completion."""
+    root.mkdir(mode=0o700)
+    (root / "empty.toml").write_text("")
+    toml, stages = write_cluster(root, model, splits, stage_hosts)
+    cluster = Cluster(root, stages)
+    clusters.append(cluster)
+    router_port = free_port("127.0.0.1")
+    nodes: list[tuple[str, str, tuple[str, ...]]] = [
+        (f"stage-{r}", h, ()) for r, h in enumerate(stage_hosts)]
+    nodes.append(("coordinator", "127.0.0.1", ("--port", str(router_port))))
+    for node, host, extra in nodes:
+        with (root / f"{node}.log").open("ab") as log:
+            cluster.daemons.append(subprocess.Popen(
+                [sys.executable, "-m", "mlxceld", "--config", str(root / "empty.toml"),
+                 "--state-dir", str(root / node), "--socket", str(root / f"{node}.sock"),
+                 "--agent-addr", f"{host}:0", "--log-level", "warning",
+                 "--distributed-config", str(toml), "--node-id", node, *extra],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+    for (node, _, _), proc in zip(nodes, cluster.daemons, strict=True):
+        role = "router" if node == "coordinator" else "stage"
+        cluster.workers.append(wait_worker(root, node, role, proc))
+    cluster.url = f"http://127.0.0.1:{router_port}/v1"
+    cluster.model_id = cluster.http.get(f"{cluster.url}/models").json()["data"][0]["id"]
+    wait_answering(cluster)
+    return cluster
+
+
+def wait_worker(root: Path, node: str, role: str, proc: subprocess.Popen[bytes]
+                ) -> psutil.Process:
+    transport = httpx.HTTPTransport(uds=str(root / f"{node}.sock"))
+    deadline = time.monotonic() + READY_S
+    with httpx.Client(transport=transport, base_url="http://mlxceld", timeout=5) as ctl:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (root / f"{node}.log").read_text(errors="replace")[-3000:]
+                raise SystemExit(f"the daemon of {node} exited with {proc.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                for w in ctl.get("/v1/status").json()["workers"]:
+                    if w["name"] == role and w["state"] == "running" and w["pid"]:
+                        return psutil.Process(w["pid"])
+            time.sleep(0.2)
+    raise SystemExit(f"worker {role} of {node} not running after {READY_S:g} s; "
+                     f"see {root / (node + '.log')}")
+
+
+def wait_answering(cluster: Cluster) -> None:
+    """The router connects to its stages on the first request; retry while it is 503."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            stream_once(cluster, PROMPT, 4)
+            return
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def stream_once(cluster: Cluster, prompt: str, max_tokens: int,
+                http: httpx.Client | None = None) -> Stream:
+    body = {"model": cluster.model_id, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = 0.0
+    chunks, usage = 0, None
+    with (http or cluster.http).stream("POST", f"{cluster.url}/completions", json=body) as r:
+        if r.status_code >= 400:
+            r.read()
+            r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]
+            if any(c.get("text") for c in data.get("choices", [])):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    tokens = int(usage["completion_tokens"]) if usage else chunks
+    return Stream(first - start, tokens, max(last - first, 1e-9), time.perf_counter() - start)
+
+
+def aggregate_tps(cluster: Cluster, max_tokens: int, n: int) -> float:
+    """Tokens of ``n`` concurrent streams over the wall time from the first request on."""
+    results: list[Stream] = []
+    clients = [httpx.Client(timeout=600) for _ in range(n)]
+    threads = [threading.Thread(target=lambda c=c: results.append(
+        stream_once(cluster, PROMPT, max_tokens, c))) for c in clients]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        c.close()
+    if len(results) != n:
+        raise SystemExit(f"{n - len(results)} of {n} concurrent streams failed")
+    return sum(r.tokens for r in results) / (time.perf_counter() - start)
+
+
+# -- wire bytes ----------------------------------------------------------------------------
+
+
+def computed_wire_bytes(hidden: int, dtype_bytes: int, stages: int) -> int:
+    """Payload bytes on the wire per decoded token: run, act per inner hop, token."""
+    import struct
+
+    from mlxceld.wire import encode_envelope
+
+    seq, step = "0" * 24, 100  # a uuid4 hex[:24] and a 3-digit step, as the engine sends
+    run = encode_envelope({"t": "run", "seq": seq, "step": step, "sample": True},
+                          [("tokens", "i32", (1, 1), struct.pack("<i", 1))])
+    act = encode_envelope({"t": "act", "seq": seq, "step": step, "sample": True},
+                          [("hidden", "bf16" if dtype_bytes == 2 else "f32", (1, 1, hidden),
+                            bytes(hidden * dtype_bytes))])
+    token = encode_envelope({"t": "token", "seq": seq, "step": step},
+                            [("tokens", "i32", (1,), struct.pack("<i", 1))])
+    return len(run) + (stages - 1) * len(act) + len(token) + (stages + 1) * FRAME_OVERHEAD
+
+
+def socket_bytes(listeners: list[tuple[str, int]]) -> int | None:
+    """TCP payload bytes both ways on the connections dialed to these listeners (Linux
+    `ss`: the dialing side's socket counts what it sent and what it received)."""
+    if not shutil.which("ss") or sys.platform != "linux":
+        return None
+    query = " or ".join(f"dst {host}:{port}" for host, port in listeners)
+    out = subprocess.run(["ss", "-tinH", "state", "established", f"( {query} )"],
+                         capture_output=True, text=True, check=False).stdout
+    sent = sum(int(m) for m in re.findall(r"bytes_sent:(\d+)", out))
+    received = sum(int(m) for m in re.findall(r"bytes_received:(\d+)", out))
+    return sent + received
+
+
+def measured_wire_bytes(cluster: Cluster, tokens: int) -> float | None:
+    def delta(max_tokens: int) -> tuple[int, int] | None:
+        before = socket_bytes(cluster.stages)
+        s = stream_once(cluster, PROMPT, max_tokens)
+        after = socket_bytes(cluster.stages)
+        return None if before is None or after is None else (after - before, s.tokens)
+
+    short, long = delta(1), delta(tokens + 1)
+    if short is None or long is None or long[1] <= short[1]:
+        return None
+    return (long[0] - short[0]) / (long[1] - short[1])
+
+
+# -- one fixture ---------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    decode: dict[str, list[float]] = field(default_factory=dict)  # target -> tok/s per run
+    ttft: dict[str, list[float]] = field(default_factory=dict)  # target -> seconds per run
+    one_stream: float = 0.0
+    streams: float = 0.0
+    bytes_computed: int = 0
+    bytes_measured: float | None = None
+    prompt_tokens: int = 0
+
+    def decode_tps(self, target: str) -> float:
+        return statistics.median(self.decode[target])
+
+    def ms_per_token(self, target: str) -> float:
+        return 1000 / self.decode_tps(target)
+
+    def ttft_ms(self, target: str) -> float:
+        return statistics.median(self.ttft[target]) * 1000
+
+
+def bench_fixture(name: str, args: argparse.Namespace, root: Path,
+                  clusters: list[Cluster]) -> Result:
+    from mlxceld.models import fixture_cache, preset, read_model_config
+
+    model = fixture_cache(preset(name))
+    config = read_model_config(model)
+    layers = int(config["num_hidden_layers"])
+    half = layers // 2
+    print(f"[{name}] {model} ({layers} layers, hidden {config['hidden_size']}, "
+          f"{config['torch_dtype']})", flush=True)
+    base = Baseline(model)
+    res = Result()
+    try:
+        long_prompt = prompt_of(base.tokenizer, LONG_PROMPT_TOKENS)
+        res.prompt_tokens = len(base.tokenizer.encode(long_prompt))
+        two = start_cluster(root / f"{name}-2", model, [(0, half), (half, layers)],
+                            ["127.0.0.2", "127.0.0.3"], clusters)
+        targets: dict[str, Callable[[str, int], Stream]] = {
+            "mlx-lm": base.stream,
+            "2-stage": lambda p, n: stream_once(two, p, n)}
+        if args.one_stage and name == "tiny":
+            one = start_cluster(root / f"{name}-1", model, [(0, layers)], ["127.0.0.4"],
+                                clusters)
+            targets["1-stage"] = lambda p, n: stream_once(one, p, n)
+        for target in targets.values():
+            target(PROMPT, 8)  # warm up: compile, caches, connections
+            target(long_prompt, 2)
+        rounds = args.runs * (3 if name == "tiny" else 1)  # tiny is cheap and noisier
+        for r in range(rounds):
+            print(f"[{name}] round {r + 1}/{rounds}", flush=True)
+            for label, target in targets.items():
+                s = target(PROMPT, args.max_tokens)
+                if s.tokens < args.max_tokens:
+                    print(f"  note: {label} stopped after {s.tokens} tokens (EOS)")
+                res.decode.setdefault(label, []).append(s.decode_tps)
+                res.ttft.setdefault(label, []).append(target(long_prompt, 1).ttft)
+        print(f"[{name}] {STREAMS} concurrent streams", flush=True)
+        res.one_stream = statistics.median(
+            aggregate_tps(two, args.max_tokens, 1) for _ in range(args.runs))
+        res.streams = statistics.median(
+            aggregate_tps(two, args.max_tokens, STREAMS) for _ in range(args.runs))
+        dtype_bytes = 2 if config["torch_dtype"] in ("bfloat16", "float16") else 4
+        res.bytes_computed = computed_wire_bytes(int(config["hidden_size"]), dtype_bytes, 2)
+        res.bytes_measured = measured_wire_bytes(two, args.max_tokens)
+    finally:
+        base.close()
+    return res
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def report(results: dict[str, Result], args: argparse.Namespace) -> None:
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nmax_tokens {args.max_tokens}, runs {args.runs} (tiny: {3 * args.runs}), medians; "
+          f"greedy, prompt {PROMPT!r}; suite AES-256-GCM; load average now {load}")
+    cols = ("mlx-lm", "1-stage", "2-stage")
+    print(f"{'':30}{'mlx-lm':>10}{'1-stage':>10}{'2-stage':>10}{'ratio':>8}")
+    for name, res in results.items():
+        print(f"{name}")
+
+        def row(label: str, values: dict[str, float], ratio: float | None = None) -> None:
+            cells = "".join(f"{values[c]:10.2f}" if c in values else f"{'-':>10}" for c in cols)
+            print(f"  {label:28}{cells}{'' if ratio is None else f'{ratio:8.3f}'}")
+
+        tps = {c: res.decode_tps(c) for c in res.decode}
+        row("decode tok/s", tps, tps["2-stage"] / tps["mlx-lm"])
+        row("  slowest run", {c: min(v) for c, v in res.decode.items()})
+        row("  fastest run", {c: max(v) for c, v in res.decode.items()})
+        row("ms per token", {c: 1000 / v for c, v in tps.items()})
+        ttft = {c: res.ttft_ms(c) for c in res.ttft}
+        row(f"TTFT ms, {res.prompt_tokens}-token prompt", ttft,
+            ttft["mlx-lm"] / ttft["2-stage"])
+        row("tok/s, 1 stream (wall)", {"2-stage": res.one_stream})
+        row(f"tok/s, {STREAMS} streams (wall)", {"2-stage": res.streams},
+            res.streams / res.one_stream)
+        measured = "-" if res.bytes_measured is None else f"{res.bytes_measured:.0f}"
+        print(f"  {'wire bytes/token':28}{'':20}{res.bytes_computed:>10}  computed; "
+              f"measured (ss): {measured}")
+    print("(ratios: 2-stage over mlx-lm for tok/s, mlx-lm over 2-stage for TTFT, "
+          f"{STREAMS} over 1 stream)")
+    print("\ngoals")
+    small = results.get("small")
+    if small is not None:
+        r = small.decode_tps("2-stage") / small.decode_tps("mlx-lm")
+        print(f"  small decode 2-stage/mlx-lm {r:.3f} >= {GOALS['decode_ratio']}: "
+              f"{met(r >= GOALS['decode_ratio'])}")
+    tiny = results.get("tiny")
+    if tiny is not None:
+        per_hop = (tiny.ms_per_token("2-stage") - tiny.ms_per_token("mlx-lm")) / 3 * 1000
+        print(f"  tiny added per hop, (2-stage - mlx-lm) / 3 = {per_hop:.0f} us <= "
+              f"{GOALS['hop_us']:.0f}: {met(per_hop <= GOALS['hop_us'])}")
+        if "1-stage" in tiny.decode:
+            marginal = (tiny.ms_per_token("2-stage") - tiny.ms_per_token("1-stage")) * 1000
+            print(f"  tiny one more hop + stage, 2-stage - 1-stage = {marginal:.0f} us <= "
+                  f"{GOALS['hop_us']:.0f}: {met(marginal <= GOALS['hop_us'])}")
+    for name, res in results.items():
+        r = res.streams / res.one_stream
+        print(f"  {name} {STREAMS} streams / 1 stream {r:.2f} >= {GOALS['concurrency']}: "
+              f"{met(r >= GOALS['concurrency'])}")
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """The first SIGINT or SIGTERM unwinds as KeyboardInterrupt, so every ``finally`` runs
+    (even where SIGINT was ignored at start, as for a background job of a non-interactive
+    shell); later ones are ignored, so that the clean-up is not cut short."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def raise_interrupt(signum: int, frame: object) -> None:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, raise_interrupt) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_all(clusters: list[Cluster]) -> None:
+    for c in clusters:
+        c.stop()
+    clusters.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="32 tokens, 1 run")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--fixtures", default="small,tiny", help="comma-separated presets")
+    parser.add_argument("--no-one-stage", dest="one_stage", action="store_false",
+                        help="skip the 1-stage cluster on tiny")
+    args = parser.parse_args()
+    if args.quick:
+        args.max_tokens, args.runs = 32, 1
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{os.cpu_count()} CPUs, load average at the start {load}", flush=True)
+    clusters: list[Cluster] = []
+    results: dict[str, Result] = {}
+    interrupted = False
+    with interruptible():
+        root = Path(tempfile.mkdtemp(prefix="mxpipe", dir="/tmp"))
+        try:
+            for name in args.fixtures.split(","):
+                try:
+                    results[name] = bench_fixture(name, args, root, clusters)
+                finally:
+                    stop_all(clusters)
+            report(results, args)
+        except KeyboardInterrupt:
+            print("interrupted; stopping the clusters", file=sys.stderr)
+            interrupted = True
+        finally:
+            stop_all(clusters)
+            shutil.rmtree(root, ignore_errors=True)
+    if interrupted:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
