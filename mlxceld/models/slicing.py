@@ -98,14 +98,14 @@ class StageModel:
         """
         self._check_input(x, cache)
         inner = self.model.model
-        h = inner.embed_tokens(x) if self.first else x
-        masks: dict[bool, Any] = {}  # by use_sliding: made from that kind's first cache
-        for layer, c in zip(self.layers, cache, strict=True):
-            sliding = bool(getattr(layer, "use_sliding", False))
-            if sliding not in masks:
-                window = self._window if sliding else None
-                masks[sliding] = create_attention_mask(h, c, window_size=window)
-            h = layer(h, masks[sliding], c)
+        if self.last and x.shape[1] > 1:
+            # Only the caches are needed of all positions but the last: evaluating just
+            # them (as mlx-lm's prefill does) skips the last layer's attention output and
+            # MLP there. The last position then runs on its own.
+            self._layers(x[:, :-1], cache)
+            mx.eval([c.state for c in cache])
+            x = x[:, -1:]
+        h = self._layers(x, cache)
         if not self.last:
             mx.eval(h)
             return h
@@ -116,6 +116,18 @@ class StageModel:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         return logprobs
+
+    def _layers(self, x: Any, cache: list[Any]) -> Any:
+        inner = self.model.model
+        h = inner.embed_tokens(x) if self.first else x
+        masks: dict[bool, Any] = {}  # by use_sliding: made from that kind's first cache
+        for layer, c in zip(self.layers, cache, strict=True):
+            sliding = bool(getattr(layer, "use_sliding", False))
+            if sliding not in masks:
+                window = self._window if sliding else None
+                masks[sliding] = create_attention_mask(h, c, window_size=window)
+            h = layer(h, masks[sliding], c)
+        return h
 
     def _check_input(self, x: Any, cache: list[Any]) -> None:
         if len(cache) != len(self.layers):

@@ -100,8 +100,8 @@ async def close_writer(writer: asyncio.StreamWriter) -> None:
 
 def ping_id(payload: bytes) -> int | None:
     """The ``id`` of a ping envelope, or ``None`` if ``payload`` is anything else."""
-    if len(payload) > _PING_MAX:
-        return None
+    if len(payload) > _PING_MAX or b'"ping"' not in payload:
+        return None  # the common case, decided without parsing: not a ping
     try:
         env = parse_envelope(payload, _PING_SPECS)
     except EnvelopeError:
