@@ -1,0 +1,173 @@
+"""Stage offers of the two-phase assignment (channel 2) and how a peer judges one.
+
+An offer tells a peer which stage of which plan it is to run. The peer checks,
+in this order, and refuses at the first problem:
+
+1. the assignment protocol version (``ASSIGNMENT_VERSION``)     final
+2. the package version (both ends run the same release)         final
+3. the cluster name                                             back to waiting
+4. the model identity (its own checkpoint's)                    final
+5. the cluster TOML in the offer (parsed and checked)           back to waiting
+6. the layer range: the TOML must cover exactly the layers of
+   the peer's own checkpoint, and its stage there must have
+   the offered range                                            final
+7. the node id: ``stage-<index>``, the node of that rank        back to waiting
+8. the listener: the TOML places this peer (its agent host) at
+   the offered port, one it proposed                            back to waiting
+9. the coordinator: the TOML's coordinator and the offer's
+   coordinator are the identity the handshake bound             back to waiting
+
+and before all of them, the epoch: an offer from a plan older than the newest
+the peer has seen is refused (stale). A *final* refusal ends the peer's wait
+("stage assignment refused": a retry against the same coordinator cannot
+succeed); any other sends it back to waiting for a better offer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from mlxceld.cluster.topology import ClusterConfig, parse_cluster_text, validate_layers
+from mlxceld.errors import ConfigError
+from mlxceld.pipeline.peers import (
+    canonical_address,
+    canonical_ip,
+    identity_matches,
+    split_address,
+)
+
+ASSIGNMENT_VERSION: Final = 2
+MAX_TOML: Final = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Offer:
+    epoch: int
+    assignment_version: int
+    package_version: str
+    cluster: str
+    model_identity: str
+    stage: int
+    layers: tuple[int, int]
+    node_id: str
+    port: int
+    coordinator: str
+    toml: str
+
+    def header(self) -> dict[str, Any]:
+        return {"t": "offer", "epoch": self.epoch, "av": self.assignment_version,
+                "version": self.package_version, "cluster": self.cluster,
+                "model": self.model_identity, "stage": self.stage,
+                "layers": list(self.layers), "node": self.node_id, "port": self.port,
+                "coordinator": self.coordinator, "toml": self.toml}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str
+    reason: str
+    final: bool  # True: the peer stops waiting ("stage assignment refused")
+
+
+@dataclass(frozen=True)
+class PeerFacts:
+    """What a peer knows of itself to judge an offer."""
+
+    package_version: str
+    cluster: str
+    model_identity: str | None  # None: no model here
+    num_layers: int | None
+    agent_host: str
+    ports: frozenset[int]  # the stage listener ports it proposed
+
+
+def parse_offer(header: Mapping[str, Any]) -> Offer:
+    """The offer in ``header``; ``ValueError`` naming the bad field."""
+    def get(key: str, kind: type) -> Any:
+        value = header.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"offer field {key!r} is missing or not a {kind.__name__}")
+        return value
+
+    layers = header.get("layers")
+    if (not isinstance(layers, list) or len(layers) != 2
+            or not all(type(n) is int for n in layers)):
+        raise ValueError("offer field 'layers' must be [start, end]")
+    toml = get("toml", str)
+    if len(toml) > MAX_TOML:
+        raise ValueError(f"offer field 'toml' is longer than {MAX_TOML} characters")
+    return Offer(epoch=get("epoch", int), assignment_version=get("av", int),
+                 package_version=get("version", str), cluster=get("cluster", str),
+                 model_identity=get("model", str), stage=get("stage", int),
+                 layers=(layers[0], layers[1]), node_id=get("node", str),
+                 port=get("port", int), coordinator=get("coordinator", str), toml=toml)
+
+
+def judge(offer: Offer, me: PeerFacts, *, bound_identity: str, newest_epoch: int,
+          toml_path: Path) -> ClusterConfig | Refusal:
+    """The cluster config to run if the offer is good, else the first refusal."""
+    if offer.epoch <= newest_epoch:
+        return Refusal("stale_epoch", f"plan epoch {offer.epoch} is older than epoch "
+                       f"{newest_epoch}, the newest this node has seen", False)
+    if offer.assignment_version != ASSIGNMENT_VERSION:
+        return Refusal("assignment_version", "assignment protocol mismatch: the coordinator "
+                       f"speaks version {offer.assignment_version}, this node "
+                       f"{ASSIGNMENT_VERSION}", True)
+    if offer.package_version != me.package_version:
+        return Refusal("package_version", f"the coordinator runs mlxceld "
+                       f"{offer.package_version}, this node {me.package_version}", True)
+    if offer.cluster != me.cluster:
+        return Refusal("cluster_name", f"the offer is for cluster {offer.cluster!r}, this "
+                       f"node is in cluster {me.cluster!r}", False)
+    if me.model_identity is None or offer.model_identity != me.model_identity:
+        return Refusal("model", f"the offer is for model {offer.model_identity}, this node "
+                       f"has {me.model_identity or 'no model'}", True)
+    try:
+        cfg = parse_cluster_text(offer.toml, toml_path)
+    except ConfigError as exc:
+        return Refusal("cluster_toml", f"the offered cluster TOML is not valid: {exc.message}",
+                       False)
+    return _judge_placement(offer, me, cfg, bound_identity)
+
+
+def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
+                     bound_identity: str) -> ClusterConfig | Refusal:
+    stages = cfg.stages
+    if not 0 <= offer.stage < len(stages):
+        return Refusal("layer_range", f"the offered cluster has no stage {offer.stage}", True)
+    node = stages[offer.stage]
+    try:
+        assert me.num_layers is not None
+        validate_layers(cfg, me.num_layers)
+    except ConfigError as exc:
+        return Refusal("layer_range", f"the offered split does not fit this node's checkpoint "
+                       f"({me.num_layers} layers): {exc.message}", True)
+    if node.layers != offer.layers:
+        return Refusal("layer_range", f"the offer says layers {list(offer.layers)}, its "
+                       f"cluster TOML gives stage {offer.stage} layers "
+                       f"{list(node.layers or ())}", True)
+    if offer.node_id != f"stage-{offer.stage}" or node.id != offer.node_id:
+        return Refusal("node_id", f"the offer names node {offer.node_id!r} for stage "
+                       f"{offer.stage}; expected 'stage-{offer.stage}' in the TOML too", False)
+    host, port = split_address(node.address)
+    if canonical_ip(host) != canonical_ip(me.agent_host) or port != offer.port \
+            or port not in me.ports:
+        return Refusal("listener", f"the offer places stage {offer.stage} at {node.address}; "
+                       f"this node listens on {me.agent_host} and proposed ports "
+                       f"{sorted(me.ports)}", False)
+    if not (_is(cfg.coordinator.address, bound_identity)
+            and _is(offer.coordinator, bound_identity)):
+        return Refusal("coordinator", f"the offer names coordinator {offer.coordinator} "
+                       f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
+                       False)
+    return cfg
+
+
+def _is(configured: str, bound: str) -> bool:
+    try:
+        return identity_matches(canonical_address(configured), bound)
+    except (OSError, ValueError):  # unparseable, or a host name that does not resolve
+        return False

@@ -1,0 +1,338 @@
+"""The two-phase stage assignment, sans-IO: the coordinator's round and a peer's.
+
+No sockets, no clock, no SQLite: inputs are messages, connection losses and
+``now``; outputs are ``Action``s the shell carries out *in order* (a ``Persist``
+must be durable before the ``Send`` after it goes out).
+
+The coordinator (one ``CoordinatorRound`` per plan epoch)::
+
+    OFFERING  --every peer accepted-->  Persist(commit), Send(commit)  COMMITTING
+    COMMITTING --every peer committed--> Persist(activate), Send(activate) ACTIVATING
+    ACTIVATING --every peer active-->    Persist(active)                 DONE
+    OFFERING or COMMITTING --a refusal, a lost peer, a deadline-->
+                                         Persist(abort), Send(abort)     ABORTED
+
+Deadlines: offers until ``start + push_s - commit_window_s`` (a peer's
+``preparing`` heartbeat, sent while it loads its weights, moves its own
+deadline to ``heartbeat + frame_s``); the commit phase ``commit_window_s``; once
+``activate`` is persisted the decision is final: activation is re-sent until
+every peer is active (``resend_s``), even by a coordinator that restarted.
+
+A peer (``PeerRound``) persists its vote before it sends it and follows the
+coordinator's decisions; every message carries the epoch, and anything about
+another epoch is ignored (a newer offer starts a new round; an older one is
+refused as stale by ``offers.judge``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final, Literal
+
+PUSH_S: Final = 60.0  # the coordinator's whole push
+COMMIT_WINDOW_S: Final = 10.0  # always left for the commit phase
+FRAME_S: Final = 10.0  # one answer
+PEER_PHASE_S: Final = 60.0  # a peer's wait between phases
+PEER_IDLE_S: Final = 600.0  # a peer's wait for any assignment
+RESEND_S: Final = 2.0  # activation re-sent this often until every peer is active
+
+Decision = Literal["commit", "activate", "active", "abort"]
+
+
+@dataclass(frozen=True)
+class Send:
+    peer: str
+    kind: str  # offer | commit | activate | abort
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Persist:
+    decision: Decision
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Finished:
+    ok: bool
+    summary: str  # for the operator: each peer that failed, and why
+
+
+Action = Send | Persist | Finished
+
+
+class Phase(Enum):
+    OFFERING = "offering"
+    COMMITTING = "committing"
+    ACTIVATING = "activating"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+@dataclass
+class CoordinatorRound:
+    epoch: int
+    peers: tuple[str, ...]
+    started: float
+    push_s: float = PUSH_S
+    commit_window_s: float = COMMIT_WINDOW_S
+    frame_s: float = FRAME_S
+    phase: Phase = Phase.OFFERING
+    accepted: set[str] = field(default_factory=set)
+    committed: set[str] = field(default_factory=set)
+    active: set[str] = field(default_factory=set)
+    failures: dict[str, str] = field(default_factory=dict)
+    _heard: dict[str, float] = field(default_factory=dict)
+    _phase_deadline: float = 0.0
+    _resend_at: float = 0.0
+
+    def start(self) -> list[Action]:
+        self._phase_deadline = self.started + self.push_s - self.commit_window_s
+        return [Send(p, "offer") for p in self.peers]
+
+    @classmethod
+    def resume(cls, epoch: int, peers: tuple[str, ...], decision: Decision | None,
+               now: float) -> tuple[CoordinatorRound, list[Action]]:
+        """After a restart: an undecided plan is presumed aborted; a commit decision re-runs
+        the commit phase (commit is idempotent); an activate decision re-sends activate."""
+        r = cls(epoch, peers, now)
+        if decision is None:
+            return r, r._abort("the coordinator restarted before deciding")
+        if decision == "commit":
+            r.phase, r.accepted = Phase.COMMITTING, set(peers)
+            r._phase_deadline = now + r.commit_window_s
+            return r, [Send(p, "commit") for p in peers]
+        if decision == "activate":
+            r.phase, r.accepted, r.committed = Phase.ACTIVATING, set(peers), set(peers)
+            r._resend_at = now + RESEND_S
+            return r, [Send(p, "activate") for p in peers]
+        r.phase = Phase.DONE if decision == "active" else Phase.ABORTED
+        return r, []
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def on_preparing(self, peer: str, now: float) -> list[Action]:
+        """A heartbeat while the peer loads its weights: its offer deadline moves on."""
+        self._heard[peer] = now
+        return []
+
+    def on_accepted(self, peer: str, now: float) -> list[Action]:
+        if self.phase is not Phase.OFFERING or peer not in self.peers:
+            return []
+        self.accepted.add(peer)
+        if self.accepted == set(self.peers):
+            self.phase = Phase.COMMITTING
+            self._phase_deadline = now + self.commit_window_s
+            return [Persist("commit"), *(Send(p, "commit") for p in self.peers)]
+        return []
+
+    def on_committed(self, peer: str, now: float) -> list[Action]:
+        if self.phase is not Phase.COMMITTING or peer not in self.peers:
+            return []
+        self.committed.add(peer)
+        if self.committed == set(self.peers):
+            self.phase = Phase.ACTIVATING
+            self._resend_at = now + RESEND_S
+            return [Persist("activate"), *(Send(p, "activate") for p in self.peers)]
+        return []
+
+    def on_active(self, peer: str, now: float) -> list[Action]:
+        if self.phase is not Phase.ACTIVATING or peer not in self.peers:
+            return []
+        self.active.add(peer)
+        if self.active == set(self.peers):
+            self.phase = Phase.DONE
+            return [Persist("active"), Finished(True, f"plan {self.epoch}: every stage of "
+                                                      f"{len(self.peers)} is active")]
+        return []
+
+    def on_refused(self, peer: str, reason: str) -> list[Action]:
+        return self.on_failed(peer, f"refused: {reason}")
+
+    def on_failed(self, peer: str, reason: str) -> list[Action]:
+        """A refusal, a lost connection, a peer that could not be reached."""
+        if peer not in self.peers:
+            return []
+        self.failures.setdefault(peer, reason)
+        if self.phase in (Phase.OFFERING, Phase.COMMITTING):
+            return self._abort(self._summary())
+        return []  # activating: the decision stands; activation is re-sent
+
+    def handle_timer(self, now: float) -> list[Action]:
+        if self.phase is Phase.OFFERING:
+            late = [p for p in self.peers
+                    if p not in self.accepted and now >= self._offer_deadline(p)]
+            if late:
+                for p in late:
+                    self.failures.setdefault(p, "did not accept in time")
+                return self._abort(self._summary())
+        elif self.phase is Phase.COMMITTING and now >= self._phase_deadline:
+            for p in self.peers:
+                if p not in self.committed:
+                    self.failures.setdefault(p, f"did not commit within "
+                                                f"{self.commit_window_s:g} s")
+            return self._abort(self._summary())
+        elif self.phase is Phase.ACTIVATING and now >= self._resend_at:
+            self._resend_at = now + RESEND_S
+            return [Send(p, "activate") for p in self.peers if p not in self.active]
+        return []
+
+    def next_deadline(self) -> float | None:
+        if self.phase is Phase.OFFERING:
+            waiting = [self._offer_deadline(p) for p in self.peers if p not in self.accepted]
+            return min(waiting) if waiting else None
+        if self.phase is Phase.COMMITTING:
+            return self._phase_deadline
+        if self.phase is Phase.ACTIVATING:
+            return self._resend_at
+        return None
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _offer_deadline(self, peer: str) -> float:
+        return max(self._phase_deadline, self._heard.get(peer, 0.0) + self.frame_s)
+
+    def _abort(self, summary: str) -> list[Action]:
+        self.phase = Phase.ABORTED
+        return [Persist("abort", summary), *(Send(p, "abort", summary) for p in self.peers),
+                Finished(False, summary)]
+
+    def _summary(self) -> str:
+        did_not = [p for p in self.peers if p not in self.committed]
+        parts = [f"{p}: {self.failures.get(p, 'aborted because another peer failed')}"
+                 for p in did_not]
+        return f"plan {self.epoch} aborted; peers that did not commit: " + "; ".join(parts)
+
+
+# -- the peer ---------------------------------------------------------------------------
+
+PeerState = Literal["waiting", "preparing", "accepted", "committed", "active", "aborted",
+                    "refused"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    kind: str  # preparing | accepted | refused | committed | active | aborted
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Record:
+    """Persist the peer's state for this epoch (before the ``Reply`` after it)."""
+
+    state: PeerState
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StageAction:
+    """Start the stage worker in standby (weights loaded, not serving), switch it to
+    active, or stop it."""
+
+    what: Literal["prepare", "activate", "stop"]
+
+
+@dataclass(frozen=True)
+class Query:
+    """Ask the coordinator what it decided (the peer waited past its deadline)."""
+
+
+PeerAction = Reply | Record | StageAction | Query
+
+
+@dataclass
+class PeerRound:
+    epoch: int
+    state: PeerState = "waiting"
+    phase_s: float = PEER_PHASE_S
+    frame_s: float = FRAME_S
+    deadline: float | None = None
+    queried: bool = False
+    reason: str = ""
+
+    @classmethod
+    def resume(cls, epoch: int, state: PeerState, now: float
+               ) -> tuple[PeerRound, list[PeerAction]]:
+        """After a restart: a vote or a commit waits again (with the standby stage back);
+        an active stage comes back active."""
+        r = cls(epoch, state)
+        if state in ("accepted", "committed"):
+            r.deadline = now + r.phase_s
+            return r, [StageAction("prepare")]
+        if state == "preparing":  # no vote was sent: nothing to wait for
+            r.state = "aborted"
+            return r, [Record("aborted", "restarted before voting")]
+        if state == "active":
+            return r, [StageAction("prepare"), StageAction("activate")]
+        return r, []
+
+    def on_offer_refused(self, code: str, reason: str, final: bool) -> list[PeerAction]:
+        self.state, self.reason = ("refused" if final else "waiting"), reason
+        return [Record("refused", f"{code}: {reason}"), Reply("refused", reason)]
+
+    def on_offer_accepted(self, now: float) -> list[PeerAction]:
+        """The offer checks out: load the stage in standby; vote once it is loaded."""
+        self.state, self.deadline = "preparing", now + self.phase_s
+        return [Record("preparing"), StageAction("prepare")]
+
+    def on_prepared(self, now: float) -> list[PeerAction]:
+        if self.state != "preparing":
+            return []
+        self.state, self.deadline = "accepted", now + self.phase_s
+        return [Record("accepted"), Reply("accepted")]
+
+    def on_prepare_failed(self, reason: str) -> list[PeerAction]:
+        self.state, self.reason, self.deadline = "waiting", reason, None
+        return [StageAction("stop"), Record("refused", f"prepare: {reason}"),
+                Reply("refused", f"the stage could not be prepared: {reason}")]
+
+    def on_commit(self, now: float) -> list[PeerAction]:
+        if self.state == "committed":
+            return [Reply("committed")]  # a resent commit: answer again
+        if self.state != "accepted":
+            return []
+        self.state, self.deadline, self.queried = "committed", now + self.phase_s, False
+        return [Record("committed"), Reply("committed")]
+
+    def on_activate(self) -> list[PeerAction]:
+        if self.state == "active":
+            return [Reply("active")]
+        if self.state != "committed":
+            return []
+        self.state, self.deadline = "active", None
+        return [Record("active"), StageAction("activate"), Reply("active")]
+
+    def on_abort(self, summary: str) -> list[PeerAction]:
+        if self.state in ("active", "aborted", "refused", "waiting"):
+            return [Reply("aborted")] if self.state == "aborted" else []
+        self.state, self.reason, self.deadline = "aborted", summary, None
+        return [StageAction("stop"), Record("aborted", summary), Reply("aborted")]
+
+    def on_decision(self, decision: str, now: float) -> list[PeerAction]:
+        """The coordinator's answer to ``Query``: commit, activate, abort or unknown."""
+        if decision == "commit" and self.state == "accepted":
+            return self.on_commit(now)
+        if decision in ("activate", "active") and self.state in ("accepted", "committed"):
+            self.state = "committed"
+            return self.on_activate()
+        if decision in ("commit", "activate", "active"):
+            self.deadline = now + self.phase_s  # decided, but not for us yet: keep waiting
+            return []
+        return self._give_up(f"the coordinator's decision is {decision}")
+
+    def handle_timer(self, now: float) -> list[PeerAction]:
+        if self.deadline is None or now < self.deadline:
+            return []
+        if self.state == "preparing":
+            return self.on_prepare_failed(f"loading took longer than {self.phase_s:g} s")
+        if self.state in ("accepted", "committed"):
+            if not self.queried:
+                self.queried, self.deadline = True, now + self.frame_s
+                return [Query()]
+            return self._give_up(f"no word from the coordinator for {self.phase_s:g} s")
+        return []
+
+    def _give_up(self, reason: str) -> list[PeerAction]:
+        self.state, self.reason, self.deadline = "aborted", reason, None
+        return [StageAction("stop"), Record("aborted", reason)]

@@ -1,0 +1,169 @@
+"""The two-phase assignment's state machines, driven step by step (no sockets, no clock)."""
+
+from __future__ import annotations
+
+from mlxceld.cluster.twophase import (
+    COMMIT_WINDOW_S,
+    PEER_PHASE_S,
+    PUSH_S,
+    RESEND_S,
+    CoordinatorRound,
+    Finished,
+    PeerRound,
+    Persist,
+    Phase,
+    Query,
+    Record,
+    Reply,
+    Send,
+    StageAction,
+)
+
+PEERS = ("stage-0", "stage-1", "stage-2")
+
+
+def sends(actions: list[object], kind: str) -> list[str]:
+    return [a.peer for a in actions if isinstance(a, Send) and a.kind == kind]
+
+
+def test_a_round_that_succeeds_persists_each_decision_before_sending_it() -> None:
+    r = CoordinatorRound(7, PEERS, started=0.0)
+    assert sends(r.start(), "offer") == list(PEERS)
+    assert r.on_accepted("stage-0", 1) == [] and r.on_accepted("stage-1", 1) == []
+    out = r.on_accepted("stage-2", 2)
+    assert out[0] == Persist("commit") and sends(out, "commit") == list(PEERS)
+    assert r.on_committed("stage-0", 3) == r.on_committed("stage-1", 3) == []
+    out = r.on_committed("stage-2", 3)
+    assert out[0] == Persist("activate") and sends(out, "activate") == list(PEERS)
+    for p in PEERS[:2]:
+        assert r.on_active(p, 4) == []
+    out = r.on_active("stage-2", 4)
+    assert out[0] == Persist("active") and isinstance(out[1], Finished) and out[1].ok
+    assert r.phase is Phase.DONE
+
+
+def test_a_peer_lost_between_accepted_and_commit_aborts_everyone_naming_it() -> None:
+    r = CoordinatorRound(3, PEERS, started=0.0)
+    r.start()
+    for p in PEERS:
+        r.on_accepted(p, 1)
+    r.on_committed("stage-0", 2)
+    out = r.on_failed("stage-1", "connection lost")
+    assert isinstance(out[0], Persist) and out[0].decision == "abort"
+    assert sends(out, "abort") == list(PEERS)
+    done = out[-1]
+    assert isinstance(done, Finished) and not done.ok
+    assert "stage-1: connection lost" in done.summary and "stage-2" in done.summary
+    assert "stage-0" not in done.summary  # it committed
+    assert r.phase is Phase.ABORTED and r.on_committed("stage-1", 3) == []
+
+
+def test_refusal_during_offers_aborts_with_the_reason() -> None:
+    r = CoordinatorRound(1, PEERS, started=0.0)
+    r.start()
+    r.on_accepted("stage-0", 1)
+    out = r.on_refused("stage-2", "model mismatch")
+    assert isinstance(out[-1], Finished) and "stage-2: refused: model mismatch" in out[-1].summary
+
+
+def test_offer_deadline_and_heartbeats() -> None:
+    r = CoordinatorRound(1, PEERS, started=0.0)
+    r.start()
+    offer_end = PUSH_S - COMMIT_WINDOW_S
+    assert r.next_deadline() == offer_end
+    r.on_accepted("stage-0", 1)
+    r.on_accepted("stage-1", 1)
+    r.on_preparing("stage-2", offer_end - 1)  # still loading: it may take a bit longer
+    assert r.handle_timer(offer_end) == []
+    out = r.handle_timer(offer_end + 20)
+    assert isinstance(out[-1], Finished) and "stage-2: did not accept in time" in out[-1].summary
+
+
+def test_commit_window_then_abort() -> None:
+    r = CoordinatorRound(1, PEERS[:2], started=0.0)
+    r.start()
+    r.on_accepted("stage-0", 5)
+    r.on_accepted("stage-1", 5)
+    r.on_committed("stage-0", 6)
+    assert r.handle_timer(5 + COMMIT_WINDOW_S - 0.1) == []
+    out = r.handle_timer(5 + COMMIT_WINDOW_S)
+    assert isinstance(out[-1], Finished) and "stage-1: did not commit" in out[-1].summary
+
+
+def test_after_activate_the_decision_stands_and_activation_is_resent() -> None:
+    r = CoordinatorRound(1, PEERS[:2], started=0.0)
+    r.start()
+    for p in PEERS[:2]:
+        r.on_accepted(p, 1)
+    for p in PEERS[:2]:
+        r.on_committed(p, 2)
+    r.on_active("stage-0", 3)
+    assert r.on_failed("stage-1", "restarting") == []
+    assert sends(r.handle_timer(2 + RESEND_S), "activate") == ["stage-1"]
+    assert r.phase is Phase.ACTIVATING
+
+
+def test_a_restarted_coordinator_resumes_from_its_decision() -> None:
+    _, out = CoordinatorRound.resume(4, PEERS, None, now=100)
+    assert sends(out, "abort") == list(PEERS) and isinstance(out[0], Persist)
+    r, out = CoordinatorRound.resume(4, PEERS, "commit", now=100)
+    assert sends(out, "commit") == list(PEERS) and r.phase is Phase.COMMITTING
+    r, out = CoordinatorRound.resume(4, PEERS, "activate", now=100)
+    assert sends(out, "activate") == list(PEERS) and r.phase is Phase.ACTIVATING
+    r, out = CoordinatorRound.resume(4, PEERS, "active", now=100)
+    assert out == [] and r.phase is Phase.DONE
+
+
+def test_a_peer_votes_after_loading_and_persists_before_replying() -> None:
+    p = PeerRound(2)
+    assert p.on_offer_accepted(0) == [Record("preparing"), StageAction("prepare")]
+    assert p.on_prepared(5) == [Record("accepted"), Reply("accepted")]
+    assert p.on_commit(6) == [Record("committed"), Reply("committed")]
+    assert p.on_commit(6.5) == [Reply("committed")]  # resent: answered again, no new state
+    assert p.on_activate() == [Record("active"), StageAction("activate"), Reply("active")]
+    assert p.on_activate() == [Reply("active")]
+    assert p.on_abort("too late") == []  # an active stage stays active
+
+
+def test_a_peer_aborts_on_abort_and_after_its_deadline() -> None:
+    p = PeerRound(2)
+    p.on_offer_accepted(0)
+    p.on_prepared(1)
+    assert p.on_abort("stage-1 failed") == [StageAction("stop"), Record("aborted",
+                                                                        "stage-1 failed"),
+                                            Reply("aborted")]
+    q = PeerRound(3)
+    q.on_offer_accepted(0)
+    q.on_prepared(1)
+    assert q.handle_timer(1 + PEER_PHASE_S) == [Query()]
+    out = q.handle_timer(1 + PEER_PHASE_S + 10)
+    assert out[0] == StageAction("stop") and q.state == "aborted"
+    s = PeerRound(4)
+    s.on_offer_accepted(0)
+    s.on_prepared(1)
+    s.handle_timer(1 + PEER_PHASE_S)
+    assert s.on_decision("commit", 70) == [Record("committed"), Reply("committed")]
+    t = PeerRound(5)
+    t.on_offer_accepted(0)
+    t.on_prepared(1)
+    assert t.on_decision("unknown", 70)[1] == Record(
+        "aborted", "the coordinator's decision is unknown")
+
+
+def test_a_peer_that_restarts_comes_back_where_it_was() -> None:
+    assert PeerRound.resume(1, "active", 0)[1] == [StageAction("prepare"),
+                                                   StageAction("activate")]
+    r, out = PeerRound.resume(1, "committed", 0)
+    assert out == [StageAction("prepare")] and r.deadline == PEER_PHASE_S
+    r, out = PeerRound.resume(1, "preparing", 0)
+    assert r.state == "aborted" and isinstance(out[0], Record)
+
+
+def test_refusals_final_or_back_to_waiting() -> None:
+    p = PeerRound(1)
+    assert p.on_offer_refused("model", "other model", final=True)[1] == Reply("refused",
+                                                                             "other model")
+    assert p.state == "refused"
+    q = PeerRound(1)
+    q.on_offer_refused("cluster_name", "other cluster", final=False)
+    assert q.state == "waiting"
