@@ -17,7 +17,8 @@ type       direction        fields, tensors, answer
 attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
                             ``attached`` {``stage``, ``rank``, ``layers``,
                             ``model``} or ``error`` code ``model_mismatch``
-                            (then the stage closes the connection)
+                            (then the stage closes the connection), or
+                            ``standby`` while its assignment is not active
 prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             top_p, top_k, seed}; a fresh KV cache, owned by the
                             sender's identity; answered by ``prepared`` {seq}
@@ -68,6 +69,7 @@ ERR_BAD_MESSAGE: Final = "bad_message"
 ERR_TOO_MANY: Final = "too_many_sequences"
 ERR_STAGE_FAILED: Final = "stage_failed"
 ERR_DOWNSTREAM: Final = "downstream_unreachable"
+ERR_STANDBY: Final = "standby"
 
 
 class ProtocolViolation(Exception):

@@ -79,7 +79,8 @@ class StageStats:
 
 class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
-                 wire_dtype: str, *, dial_ip: str | None = None) -> None:
+                 wire_dtype: str, *, dial_ip: str | None = None,
+                 standby: bool = False) -> None:
         self._model = model
         self._place = place
         self._keyring = keyring
@@ -91,7 +92,14 @@ class StageService:
         self._down_lock = asyncio.Lock()
         self._dial_ip = dial_ip
         self._tasks: set[asyncio.Task[None]] = set()
+        self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self.stats = StageStats()
+
+    def activate(self) -> None:
+        """Leave standby: the weights are loaded already, so this is only a switch."""
+        if self.standby:
+            self.standby = False
+            log.info("stage %s is active", self._place.node_id)
 
     @property
     def sequences(self) -> int:
@@ -166,6 +174,9 @@ class StageService:
 
     async def _attach(self, stream: MxclStream, env: Envelope) -> bool:
         place = self._place
+        if self.standby:
+            raise p.ProtocolViolation(p.ERR_STANDBY, f"stage {place.node_id} is prepared but "
+                                      "not active yet (its assignment has not been activated)")
         theirs = env.header.get("model")
         if theirs != place.model_identity:
             message = (f"stage {place.node_id} serves model {place.model_identity}, the "

@@ -49,6 +49,8 @@ class WorkerContext:
     state: str = "starting"
     stats: dict[str, Any] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # Role-specific control-channel operations (e.g. a standby stage's "activate").
+    ops: dict[str, Callable[[], JSON]] = field(default_factory=dict)
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
@@ -124,6 +126,8 @@ def _answer(ctx: WorkerContext, line: bytes) -> JSON:
     if op == "stop":
         ctx.stop()
         return {"ok": True}
+    if op in ctx.ops:
+        return ctx.ops[op]()
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 

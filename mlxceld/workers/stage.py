@@ -3,7 +3,9 @@
 Options (built by the daemon from the cluster config): model, layers [start,
 end), node_id, rank, address (our listener, also the identity we dial the next
 stage with), coordinator, upstream, downstream (addresses or null),
-model_identity, cluster. The cluster secret arrives on the bootstrap pipe; a
+model_identity, cluster, and standby (a stage prepared by a two-phase
+assignment: loaded and listening, refusing coordinators until the control
+channel's ``activate`` op switches it on). The cluster secret arrives on the bootstrap pipe; a
 stage without one refuses to start.
 
 Start-up binds the listener first (a port in use fails at once, named), loads
@@ -20,6 +22,7 @@ from typing import Any
 from mlxceld.net import Listener
 from mlxceld.pipeline.peers import canonical_ip, split_address
 from mlxceld.pipeline.stage import StagePlace, StageService
+from mlxceld.types import JSON
 from mlxceld.wire import Keyring
 from mlxceld.workers.runtime import WorkerContext
 
@@ -69,14 +72,22 @@ async def run(ctx: WorkerContext) -> int:
         if wire is None:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
                                "cannot travel on the wire")
-        service = StageService(model, place, keyring, wire,
-                               dial_ip=canonical_ip(host))
+        service = StageService(model, place, keyring, wire, dial_ip=canonical_ip(host),
+                               standby=bool(o.get("standby")))
+        active = service
+
+        def activate() -> JSON:
+            active.activate()
+            ctx.stats.update(standby=False)
+            return {"ok": True}
+
+        ctx.ops["activate"] = activate
         async with asyncio.TaskGroup() as tg:
             compute = tg.create_task(service.run())
             serving = tg.create_task(listener.serve())
             await listener.wait_accepting()
             ctx.stats.update(stage=place.node_id, layers=list(place.layers),
-                             address=place.address)
+                             address=place.address, standby=service.standby)
             ctx.ready()
             log.info("stage %s serves layers [%d, %d) on %s", place.node_id, *place.layers,
                      place.address)

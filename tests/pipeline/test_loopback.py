@@ -56,7 +56,7 @@ class Cluster:
         self.stages: list[StageAddress] = []
 
     async def start(self, path: Path, splits: Sequence[tuple[int, int]],
-                    identity: str | None = None) -> None:
+                    identity: str | None = None, standby: bool = False) -> None:
         ident = identity or model_identity(path)
         listeners = []
         for rank in range(len(splits)):
@@ -75,7 +75,7 @@ class Cluster:
                 if rank + 1 < len(splits) else None,
                 model_identity=ident, cluster="test")
             svc = StageService(model, place, keyring(), model.wire_dtype,
-                               dial_ip=listeners[rank].host)
+                               dial_ip=listeners[rank].host, standby=standby)
             self.services.append(svc)
             self.tasks.append(asyncio.ensure_future(svc.run()))
             self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
@@ -110,10 +110,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(path: Path, splits: Sequence[tuple[int, int]],
-                  identity: str | None = None) -> AsyncIterator[Cluster]:
+                  identity: str | None = None, standby: bool = False) -> AsyncIterator[Cluster]:
     c = Cluster()
     try:
-        await c.start(path, splits, identity)
+        await c.start(path, splits, identity, standby)
         yield c
     finally:
         await c.aclose()
@@ -249,3 +249,23 @@ def test_a_stage_that_goes_away_fails_the_request_naming_it(split_fixture_dir: P
 
     message = asyncio.run(asyncio.wait_for(go(), 60))
     assert "stage-1" in message
+
+
+def test_a_standby_stage_refuses_until_activated(split_fixture_dir: Path) -> None:
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[str, list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)], standby=True) as c:
+            engine = c.engine(path)
+            try:
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 3)
+                for svc in c.services:
+                    svc.activate()
+                return str(info.value), await tokens_of(engine, PROMPT, 3)
+            finally:
+                await engine.aclose()
+
+    message, after = asyncio.run(go())
+    assert "not active yet" in message
+    assert after == reference(path, PROMPT, 3)
