@@ -171,7 +171,10 @@ def _fill(cur: list[int], parent: list[int], prev: list[int], pre: list[int], fi
     top = pre[mid] + fixed
     least, arg = -1, slo
     for s in range(slo, min(shi, mid - 1) + 1):
-        c = prev[s] + _cost(top - pre[s], weight, memory, big)
+        load = top - pre[s]  # _cost, inlined: this loop is the planner's time
+        c = prev[s] + load * load * weight
+        if load > memory:
+            c += big * (load - memory) ** 2
         if least < 0 or c < least:
             least, arg = c, s
     cur[mid], parent[mid] = least, arg
