@@ -14,9 +14,11 @@ The reserve is what a stage needs beyond its weights (``Reserve``): the KV
 cache of ``context_tokens`` tokens in each of its layers (``context_tokens`` *
 the profile's KV bytes per token and layer * its layers) and a fixed
 ``activation_bytes`` for the activations of one forward step, the logits and
-the runtime's buffers. Its defaults, 8192 tokens and 512 MiB, cover one
-sequence at a long context or several at a short one, and a prefill chunk of
-``MAX_STEP_TOKENS`` at hidden sizes up to 8192.
+the runtime's buffers. The defaults are 8192 tokens (one sequence at a long
+context, or several at a short one) and 512 MiB: twice the MLP activations of
+a 2048-token prefill chunk at an intermediate size of 32768 in bfloat16
+(tokens * intermediate * 2 for gate and up * 2 bytes = 256 MiB); larger chunks
+of larger models need more.
 """
 
 from __future__ import annotations
