@@ -2,7 +2,8 @@
 
     MlxceldError                    root: everything we raise on purpose
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
-    │   └── SecretSourceError       no usable cluster secret where the sources point
+    │   ├── SecretSourceError       no usable cluster secret where the sources point
+    │   └── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
     ├── StateError                  the SQLite state could not be read or written
     ├── KeyringError                a cluster secret cannot be installed, used or removed
     │   ├── UnknownKey              no installed secret has that key id
@@ -46,6 +47,22 @@ class SecretSourceError(ConfigError):
     """The cluster secret's sources conflict or point at nothing usable; names every source."""
 
     code = "secret_source"
+
+
+class PlanRefused(ConfigError):
+    """No split of the model over the candidate nodes fits, or there are too few of them.
+
+    ``shortfalls`` holds, JSON-ready, one entry per stage that does not fit in the
+    closest plan: ``stage``, ``node_id``, ``address``, ``needed_bytes``,
+    ``usable_bytes``, ``short_bytes``; it is empty when nodes or layers are too few.
+    """
+
+    code = "plan_refused"
+
+    def __init__(self, message: str, *, hint: str = "",
+                 shortfalls: tuple[dict[str, str | int], ...] = ()) -> None:
+        super().__init__(message, hint=hint)
+        self.shortfalls = shortfalls
 
 
 class StateError(MlxceldError):

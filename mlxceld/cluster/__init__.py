@@ -1,9 +1,12 @@
-"""Cluster membership: where the node's cluster secret comes from, and the cluster TOML.
+"""Cluster membership: the cluster secret's sources, the cluster TOML, the pipeline planner.
 
 Importing this package never imports mlx.
 """
 
 from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.cluster.plan import Plan, PlannedStage, PlanNode, Reserve, usable_memory
+from mlxceld.cluster.plan_report import plan_json, render_plan_table
+from mlxceld.cluster.planner import plan_stages
 from mlxceld.cluster.secret_sources import (
     ENV_FILE,
     ENV_VALUE,
@@ -23,6 +26,8 @@ from mlxceld.cluster.topology import (
 )
 
 __all__ = ["COORDINATOR", "ENV_FILE", "ENV_VALUE", "PIPELINE_STAGE", "ClusterConfig",
-           "NodeConfig", "ResolvedSecret", "TomlSecretFile", "dump_cluster", "load_cluster",
-           "needs_secret", "parse_cluster_text", "read_secret_file", "resolve_secret",
-           "select_node", "validate_layers", "write_cluster"]
+           "NodeConfig", "Plan", "PlanNode", "PlannedStage", "Reserve", "ResolvedSecret",
+           "TomlSecretFile", "dump_cluster", "load_cluster", "needs_secret",
+           "parse_cluster_text", "plan_json", "plan_stages", "read_secret_file",
+           "render_plan_table", "resolve_secret", "select_node", "usable_memory",
+           "validate_layers", "write_cluster"]

@@ -1,4 +1,4 @@
-"""Models: fixtures, model identity, and a pipeline stage's slice of a model.
+"""Models: fixtures, model identity, per-layer cost profile, and a pipeline stage's slice.
 
 Importing this package does not import mlx: the fixture generator (which does)
 is loaded on first use of one of its names, and ``mlxceld.models.slicing``
@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
+from mlxceld.models.profile import LayerProfile, layer_profile
 
 if TYPE_CHECKING:
     from mlxceld.models.fixtures import (
@@ -39,6 +40,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CACHE_ENV", "PRESETS", "FixtureReport", "FixtureSpec", "cache_root",
-           "fixture_cache", "layer_count", "model_config", "model_identity", "preset",
-           "read_model_config", "run_cli", "write_fixture", "write_fixture_report"]
+__all__ = ["CACHE_ENV", "PRESETS", "FixtureReport", "FixtureSpec", "LayerProfile",
+           "cache_root", "fixture_cache", "layer_count", "layer_profile", "model_config",
+           "model_identity", "preset", "read_model_config", "run_cli", "write_fixture",
+           "write_fixture_report"]

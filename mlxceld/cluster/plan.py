@@ -1,0 +1,164 @@
+"""A pipeline plan as values: the candidate nodes, the memory reserve, the stages.
+
+``planner.plan_stages`` makes a ``Plan``; ``Plan.to_cluster`` turns it into the
+cluster TOML that ``--distributed-config`` reads unchanged.
+
+Usable memory is what a node offers for a stage: the memory its inventory
+reports available (psutil's ``available``) less a safety fraction, 10 % by
+default (``usable_memory``), for the worker process itself, the allocator's
+slack and the rest of the machine moving while the plan is carried out. A
+platform cap (e.g. Metal's GPU working-set limit on a Mac) is the inventory's
+to apply before: pass ``min(available, cap)``.
+
+The reserve is what a stage needs beyond its weights (``Reserve``): the KV
+cache of ``context_tokens`` tokens in each of its layers (``context_tokens`` *
+the profile's KV bytes per token and layer * its layers) and a fixed
+``activation_bytes`` for the activations of one forward step, the logits and
+the runtime's buffers. The defaults are 8192 tokens (one sequence at a long
+context, or several at a short one) and 512 MiB: twice the MLP activations of
+a 2048-token prefill chunk at an intermediate size of 32768 in bfloat16
+(tokens * intermediate * 2 for gate and up * 2 bytes = 256 MiB); larger chunks
+of larger models need more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from mlxceld.cluster.addresses import parse_address
+from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.cluster.topology import dump_cluster, parse_cluster_text
+from mlxceld.models.profile import LayerProfile
+
+MIB: Final = 1 << 20
+SAFETY_FRACTION: Final = 0.10
+DEFAULT_CONTEXT_TOKENS: Final = 8192
+DEFAULT_ACTIVATION_BYTES: Final = 512 * MIB
+COORDINATOR_ID: Final = "coordinator"
+
+
+def usable_memory(available_bytes: int, safety_fraction: float = SAFETY_FRACTION) -> int:
+    """What a node with ``available_bytes`` available offers a stage (never below 0)."""
+    if not 0 <= safety_fraction < 1:
+        raise ValueError(f"safety fraction {safety_fraction} is not within [0, 1)")
+    return max(0, available_bytes - math.ceil(available_bytes * safety_fraction))
+
+
+def canonical_address(address: str) -> str:
+    """``host:port`` in the normalized form equal addresses share (IPv6 in brackets);
+    what nodes are ranked by. ``ValueError`` says what is wrong with ``address``."""
+    host, port = parse_address(address).key()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """A candidate peer: its node id, its agent address (``host:port``, the identity
+    the handshake binds; nodes are ranked by it), the memory it offers
+    (``usable_memory``) and the port its stage listener would take."""
+
+    node_id: str
+    address: str
+    memory_usable_bytes: int
+    stage_port: int
+
+    @property
+    def key(self) -> str:
+        return canonical_address(self.address)
+
+    @property
+    def stage_address(self) -> str:
+        """The stage listener's address: this node's host at ``stage_port``."""
+        host = self.key.rpartition(":")[0]
+        return f"{host}:{self.stage_port}"
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Memory a stage needs beyond its weights (see the module docstring)."""
+
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    activation_bytes: int = DEFAULT_ACTIVATION_BYTES
+
+    def __post_init__(self) -> None:
+        if self.context_tokens < 0 or self.activation_bytes < 0:
+            raise ValueError(f"reserve {self} is negative")
+
+    def layer_bytes(self, profile: LayerProfile) -> int:
+        """The KV cache one layer holds."""
+        return self.context_tokens * profile.kv_bytes_per_token
+
+    def stage_bytes(self, profile: LayerProfile, layers: int) -> int:
+        return layers * self.layer_bytes(profile) + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """Stage ``rank`` (``stage-<rank>``): layers [start, end) on ``node``."""
+
+    rank: int
+    node: PlanNode
+    layers: tuple[int, int]
+    weight_bytes: int
+    reserve_bytes: int
+
+    @property
+    def stage_id(self) -> str:
+        return f"stage-{self.rank}"
+
+    @property
+    def address(self) -> str:
+        return self.node.stage_address
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weight_bytes + self.reserve_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.node.memory_usable_bytes - self.needed_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in rank order (their nodes in lexicographic order of canonical address),
+    the layers covered once each; ``spare``: the candidates left out."""
+
+    stages: tuple[PlannedStage, ...]
+    num_layers: int
+    reserve: Reserve
+    spare: tuple[PlanNode, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return all(s.headroom_bytes >= 0 for s in self.stages)
+
+    def to_cluster(self, name: str, model: str | Path | None, coordinator_address: str,
+                   secret_file: str | Path | None = None, *,
+                   path: Path = Path("cluster.toml")) -> ClusterConfig:
+        """The cluster TOML of this plan, as ``load_cluster`` would read it from ``path``
+        (``model`` and ``secret_file`` are written as given: relative to ``path``'s
+        directory unless absolute). Each stage's ``memory_bytes`` is its node's usable
+        memory. Raises ``ConfigError`` for what the file would not allow (e.g. two
+        nodes at one address)."""
+        nodes = [_node(COORDINATOR_ID, coordinator_address, None, None, None)]
+        nodes += [_node(s.stage_id, s.address, s.rank, s.layers, s.node.memory_usable_bytes)
+                  for s in self.stages]
+        draft = ClusterConfig(
+            name=name, pipeline_parallel_size=len(self.stages),
+            secret_file=None if secret_file is None else str(secret_file),
+            model=None if model is None else str(model), nodes=tuple(nodes), path=path)
+        return parse_cluster_text(dump_cluster(draft), path)
+
+
+def _node(node_id: str, address: str, rank: int | None, layers: tuple[int, int] | None,
+          memory: int | None) -> NodeConfig:
+    """A node for ``dump_cluster``; ``parse_cluster_text`` checks it afterwards."""
+    host, _, port = address.rpartition(":")
+    return NodeConfig(id=node_id, address=address, host=host.strip("[]"),
+                      port=int(port) if port.isdigit() else 0,
+                      role=COORDINATOR if rank is None else PIPELINE_STAGE,
+                      rank=rank, layers=layers, memory_bytes=memory)

@@ -1,0 +1,100 @@
+"""A plan for a person (``render_plan_table``) and for a program (``plan_json``).
+
+What ``mlxctl cluster plan --model M --stages N [--json]`` and
+``mlxceld --pp-auto N --dry-run`` print. The table is plain text (mlxctl may
+colour it); the JSON is ``mlxctl.cluster.plan/1``, all sizes in bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, TypedDict
+
+from mlxceld.cluster.plan import Plan, PlanNode
+
+SCHEMA: Final = "mlxctl.cluster.plan/1"
+HEADERS: Final = ("STAGE", "NODE", "ADDRESS", "LAYERS", "BYTES", "RESERVE", "USABLE",
+                  "HEADROOM")
+
+
+class PlanStageJSON(TypedDict):
+    stage: str  # "stage-0": the node id in the cluster TOML
+    rank: int
+    node_id: str  # the peer's own node id
+    node_address: str  # the peer's agent address (canonical host:port)
+    address: str  # the stage listener, as in the cluster TOML
+    layers: list[int]  # [start, end)
+    weight_bytes: int
+    reserve_bytes: int
+    usable_bytes: int
+    headroom_bytes: int
+
+
+class SpareNodeJSON(TypedDict):
+    node_id: str
+    node_address: str
+    usable_bytes: int
+
+
+class ReserveJSON(TypedDict):
+    context_tokens: int
+    activation_bytes: int
+
+
+class PlanJSON(TypedDict):
+    schema: Literal["mlxctl.cluster.plan/1"]
+    num_layers: int
+    reserve: ReserveJSON
+    stages: list[PlanStageJSON]
+    spare: list[SpareNodeJSON]
+
+
+def human_bytes(n: int) -> str:
+    """``512 B``, ``12 KiB``, ``1.5 GiB``, ``-4.1 GiB`` (as mlxctl writes sizes, and TiB)."""
+    value = float(abs(n))
+    sign = "-" if n < 0 else ""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            text = f"{value:.0f}" if unit in ("B", "KiB") else f"{value:.1f}"
+            return f"{sign}{text} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render_plan_table(plan: Plan) -> str:
+    """One row per stage, then a line on the reserve and one on any spare nodes."""
+    rows = [(s.stage_id, s.node.node_id, s.address, f"[{s.layers[0]}, {s.layers[1]})",
+             human_bytes(s.weight_bytes), human_bytes(s.reserve_bytes),
+             human_bytes(s.node.memory_usable_bytes), human_bytes(s.headroom_bytes))
+            for s in plan.stages]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in (HEADERS, *rows)]
+    r = plan.reserve
+    lines.append(f"{len(plan.stages)} stage(s), {plan.num_layers} layers; reserve per stage: "
+                 f"KV cache for {r.context_tokens} tokens + "
+                 f"{human_bytes(r.activation_bytes)} activations")
+    if plan.spare:
+        lines.append("not used: " + ", ".join(_spare(n) for n in plan.spare))
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> PlanJSON:
+    """The plan as ``mlxctl.cluster.plan/1``."""
+    return {
+        "schema": "mlxctl.cluster.plan/1",
+        "num_layers": plan.num_layers,
+        "reserve": {"context_tokens": plan.reserve.context_tokens,
+                    "activation_bytes": plan.reserve.activation_bytes},
+        "stages": [{"stage": s.stage_id, "rank": s.rank, "node_id": s.node.node_id,
+                    "node_address": s.node.key, "address": s.address,
+                    "layers": list(s.layers), "weight_bytes": s.weight_bytes,
+                    "reserve_bytes": s.reserve_bytes,
+                    "usable_bytes": s.node.memory_usable_bytes,
+                    "headroom_bytes": s.headroom_bytes} for s in plan.stages],
+        "spare": [{"node_id": n.node_id, "node_address": n.key,
+                   "usable_bytes": n.memory_usable_bytes} for n in plan.spare],
+    }
+
+
+def _spare(node: PlanNode) -> str:
+    return f"{node.node_id} ({node.key}, {human_bytes(node.memory_usable_bytes)} usable)"

@@ -1,0 +1,217 @@
+"""What each part of a checkpoint costs in memory, from its safetensors headers alone.
+
+``layer_profile(path)`` reads the headers of the weight files mlx-lm loads
+(``model*.safetensors``; the index, when there is one, is checked against
+them) and config.json, never the tensor data, and sorts every tensor's bytes
+(quantized weights, scales and biases alike) the way ``slicing`` divides a
+model between pipeline stages:
+
+- ``model.layers.{i}.*``: layer ``i``;
+- ``model.embed_tokens.*``: the embeddings, on the first stage, and on the
+  last stage too when the head is tied to them;
+- ``model.norm.*`` and ``lm_head.*``: the final norm and the head, on the
+  last stage (``head_bytes`` is 0 when tied: mlx-lm then drops any
+  ``lm_head`` tensor while loading, as it drops ``rotary_emb.inv_freq``);
+- anything else: ``other_bytes``, counted on every stage, because
+  ``StageModel`` prunes only layers, embeddings, norm and head, so every
+  stage keeps whatever else the model holds.
+
+``weight_bytes(start, end)`` is then the parameter bytes of a stage, which is
+what ``StageModel.nbytes`` reports once it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from mlxceld.errors import ConfigError
+from mlxceld.models.identity import CONFIG, layer_count, read_model_config
+from mlxceld.models.tensor_headers import DAMAGED, DTYPE_BYTES, TensorEntry, read_tensor_headers
+
+WEIGHT_GLOB: Final = "model*.safetensors"  # what mlx-lm's load_model reads
+INDEX: Final = "model.safetensors.index.json"
+DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """The memory cost of a checkpoint's parts, in bytes.
+
+    ``kv_bytes_per_token`` is one token's keys and values in one layer:
+    2 * num_key_value_heads * head_dim * ``dtype_bytes``, where ``dtype_bytes``
+    is the size of the activations' dtype (that of the embeddings, or of their
+    quantization scales), which mlx-lm's KV caches take.
+    """
+
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int
+    head_bytes: int
+    norm_bytes: int
+    other_bytes: int
+    tied: bool
+    dtype_bytes: int
+    hidden_size: int
+    kv_bytes_per_token: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole model's parameter bytes (embeddings counted once)."""
+        return self.weight_bytes(0, self.num_layers)
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        """The parameter bytes of the stage that runs layers [start, end)."""
+        if not 0 <= start < end <= self.num_layers:
+            raise ValueError(f"layers [{start}, {end}) are not a non-empty range within "
+                             f"{self.num_layers} layers")
+        first, last = start == 0, end == self.num_layers
+        n = sum(self.layer_bytes[start:end]) + self.other_bytes
+        if first or (last and self.tied):
+            n += self.embed_bytes
+        if last:
+            n += self.norm_bytes + self.head_bytes
+        return n
+
+
+def layer_profile(path: Path) -> LayerProfile:
+    """The ``LayerProfile`` of the mlx-lm checkpoint in ``path`` (see the module docstring)."""
+    path = Path(path)
+    config = read_model_config(path)
+    source = str(path / CONFIG)
+    num_layers = layer_count(config, source=source)
+    tensors = _tensors(path)
+    tied = _tied(config, tensors)
+    layers = [0] * num_layers
+    parts = {"embed": 0, "norm": 0, "head": 0, "other": 0}
+    for name, entry in tensors.items():
+        if name.endswith(DROPPED_SUFFIXES) or (tied and name.startswith("lm_head.")):
+            continue
+        m = _LAYER.match(name)
+        if m is not None:
+            i = int(m.group(1))
+            if i >= num_layers:
+                raise ConfigError(f"model {path}: tensor {name!r} belongs to layer {i}, but "
+                                  f"{source} says {num_layers} layers", hint=DAMAGED)
+            layers[i] += entry.nbytes
+        else:
+            parts[_part(name)] += entry.nbytes
+    _check_complete(path, layers, parts, tied)
+    hidden = _config_int(config, "hidden_size", source)
+    heads = _config_int(config, "num_attention_heads", source)
+    kv_heads = _config_int(config, "num_key_value_heads", source, default=heads)
+    head_dim = _config_int(config, "head_dim", source, default=hidden // heads)
+    dtype_bytes = _activation_dtype_bytes(path, tensors)
+    return LayerProfile(
+        layer_bytes=tuple(layers), embed_bytes=parts["embed"], head_bytes=parts["head"],
+        norm_bytes=parts["norm"], other_bytes=parts["other"], tied=tied,
+        dtype_bytes=dtype_bytes, hidden_size=hidden,
+        kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes)
+
+
+def _part(name: str) -> str:
+    if name.startswith("model.embed_tokens."):
+        return "embed"
+    if name.startswith("model.norm."):
+        return "norm"
+    if name.startswith("lm_head."):
+        return "head"
+    return "other"
+
+
+def _tensors(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the weight files in ``path``, checked against the index if any."""
+    files = sorted(path.glob(WEIGHT_GLOB))
+    if not files:
+        raise ConfigError(f"model directory {path} holds no {WEIGHT_GLOB} files",
+                          hint="an mlx-lm checkpoint has config.json and safetensors weights "
+                          "side by side")
+    tensors: dict[str, TensorEntry] = {}
+    where: dict[str, Path] = {}
+    for file in files:
+        for name, entry in read_tensor_headers(file).items():
+            if name in tensors:
+                raise ConfigError(f"model {path}: tensor {name!r} is in both {where[name].name} "
+                                  f"and {file.name}", hint=DAMAGED)
+            tensors[name], where[name] = entry, file
+    if (path / INDEX).exists():
+        _check_index(path / INDEX, where)
+    return tensors
+
+
+def _check_index(index: Path, where: dict[str, Path]) -> None:
+    try:
+        data = json.loads(index.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"{index} cannot be read: {exc.strerror or exc}",
+                          hint="check its permissions") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{index} is not valid JSON: {exc}", hint=DAMAGED) from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index} has no 'weight_map' object", hint=DAMAGED)
+    for name, file in sorted(weight_map.items()):
+        if not isinstance(file, str):
+            raise ConfigError(f"{index}: tensor {name!r} maps to {file!r}, not a file name",
+                              hint=DAMAGED)
+        if not (index.parent / file).is_file():
+            raise ConfigError(f"{index} places tensor {name!r} in {file}, which is missing",
+                              hint=DAMAGED)
+        if name not in where or where[name].name != file:
+            raise ConfigError(f"{index} places tensor {name!r} in {file}, which does not "
+                              "hold it", hint=DAMAGED)
+
+
+def _tied(config: dict[str, Any], tensors: dict[str, TensorEntry]) -> bool:
+    """Tied as config.json says (mlx-lm builds the model from it); without the key, tied
+    when the files hold no head."""
+    for table in (config, config.get("text_config")):
+        if isinstance(table, dict) and "tie_word_embeddings" in table:
+            return bool(table["tie_word_embeddings"])
+    return "lm_head.weight" not in tensors
+
+
+def _check_complete(path: Path, layers: list[int], parts: dict[str, int], tied: bool) -> None:
+    missing = [i for i, n in enumerate(layers) if n == 0]
+    if missing:
+        raise ConfigError(f"model {path}: layer {missing[0]} has no tensors in its "
+                          f"{WEIGHT_GLOB} files", hint=DAMAGED)
+    if parts["embed"] == 0:
+        raise ConfigError(f"model {path} has no model.embed_tokens tensors", hint=DAMAGED)
+    if not tied and parts["head"] == 0:
+        raise ConfigError(f"model {path}: config.json says the head is not tied to the "
+                          "embeddings, but there is no lm_head tensor", hint=DAMAGED)
+
+
+def _activation_dtype_bytes(path: Path, tensors: dict[str, TensorEntry]) -> int:
+    """The size of the embeddings' floating dtype (their scales when quantized)."""
+    for name in sorted(tensors):
+        entry = tensors[name]
+        if name.startswith("model.embed_tokens.") and entry.is_float:
+            return DTYPE_BYTES[entry.dtype]
+    raise ConfigError(f"model {path}: model.embed_tokens has no floating-point tensor",
+                      hint="this checkpoint is not a supported mlx-lm model")
+
+
+def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None
+                ) -> int:
+    """``key`` at the top of config.json or under ``text_config``: a positive integer."""
+    for where, table in (("", config), ("text_config.", config.get("text_config"))):
+        if isinstance(table, dict) and table.get(key) is not None:
+            value = table[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source}: '{where}{key}' must be a positive integer, "
+                                  f"not {value!r}", hint=DAMAGED)
+            return value
+    if default is None:
+        raise ConfigError(f"{source} has no '{key}'",
+                          hint="mlxceld needs it to size the KV cache; is this a decoder-only "
+                          "LLM checkpoint?")
+    return default
