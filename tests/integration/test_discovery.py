@@ -127,3 +127,24 @@ def test_no_secret_lists_nothing_and_says_why(daemons: Daemons) -> None:
     assert "no cluster secret" in body["discovery"]["error"]
     out = d.ctl("cluster", "nodes")
     assert out.returncode == 0 and "(not running)" in out.stdout
+
+
+def test_mdns_between_daemons_on_loopback(daemons: Daemons) -> None:
+    """Signed mDNS records on lo (see tests/discovery/test_mdns.py for why lo carries them)."""
+    secret = secrets.token_hex(16).encode()
+    flags = ("--cluster-discovery", "mdns", "--cluster-name", f"mdns-{secrets.token_hex(4)}")
+    b = start(daemons, "127.0.0.2", secret, *flags, name="b")
+    c = start(daemons, "127.0.0.3", secret, *flags, name="c")
+    x = start(daemons, "127.0.0.4", secrets.token_hex(16).encode(), *flags, name="x")
+    for me, other in ((b, c), (c, b)):
+        rows = wait_for(lambda me=me, other=other: settled(me, {agent(other): "reachable"}),
+                        POLL_WAIT_S, f"{agent(other)} reachable from {agent(me)}", every=0.2)
+        row = rows[agent(other)]
+        assert row["source"] == "mdns" and row["record_ts"] and row["memory_total"] > 0
+        assert row["node_id"] == other.status()["daemon"]["node_id"]
+        assert set(rows) == {agent(other)}  # neither itself nor x (another secret)
+    assert by_address(x) == {}
+    body = nodes_json(b)
+    assert body["discovery"]["mode"] == "mdns" and body["discovery"]["error"] is None
+    assert body["discovery"]["advertised"] == agent(b)
+    assert "key id this node does not hold" in b.stderr()  # x's record, ignored and logged
