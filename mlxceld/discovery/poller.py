@@ -84,7 +84,7 @@ class InventoryPoller:
             if due:
                 async with asyncio.TaskGroup() as tg:
                     for address in due:
-                        tg.create_task(self.poll(address))
+                        tg.create_task(self._poll_guarded(address))
                 for address in due:
                     self._next[address] = loop.time() + self._interval
             pending = [self._next.get(a, 0.0) for a in self._table.addresses()]
@@ -92,6 +92,14 @@ class InventoryPoller:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(max(wait, 0.0), self._interval)):
                     await self._wake.wait()
+
+    async def _poll_guarded(self, address: str) -> None:
+        try:
+            await self.poll(address)
+        except Exception as exc:  # a bug must not end the polls of the others
+            log.exception("inventory poll of %s failed", address)
+            self._table.failed(address, "unreachable", f"internal: {type(exc).__name__}",
+                               self._clock())
 
     async def poll(self, address: str) -> None:
         """Ask ``address`` for its inventory and record the outcome in the table."""

@@ -5,7 +5,8 @@ agent's bound address): ``run`` puts the configured static peers into the
 candidate table, starts the inventory poller and, with ``--cluster-discovery
 mdns``, the mDNS announcer and browser; ``close`` ends them (zeroconf says
 goodbye for our record on the way out). An mDNS failure is reported in
-``describe()`` and the log and leaves static discovery and polling running.
+``describe()`` and the log and leaves static discovery and polling running; so
+does an unexpected exception in either part (logged with its traceback).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.poller import InventoryPoller
@@ -53,15 +56,23 @@ class DiscoveryService:
                  len(self._peers))
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._poller.run())]
+                tasks = [tg.create_task(self._guarded("inventory polling", self._poller.run()))]
                 if self._mode == "mdns":
-                    tasks.append(tg.create_task(self._run_mdns()))
+                    tasks.append(tg.create_task(self._guarded("mDNS", self._run_mdns())))
                 await self._stop.wait()
                 for task in tasks:
                     task.cancel()
         finally:
             self._running = False
             self._table.on_added = None
+
+    async def _guarded(self, what: str, job: Coroutine[Any, Any, None]) -> None:
+        """Run ``job``; a bug in it is logged and reported, and never stops the daemon."""
+        try:
+            await job
+        except Exception as exc:
+            self._error = f"{what} stopped: {type(exc).__name__}: {exc}"
+            log.exception("discovery: %s stopped", what)
 
     async def _run_mdns(self) -> None:
         from mlxceld.discovery.mdns import MdnsDiscovery  # imports zeroconf: only when asked
