@@ -63,6 +63,10 @@ class CandidateTable:
     def addresses(self) -> list[str]:
         return sorted(self._rows)
 
+    def reachable(self) -> list[Candidate]:
+        """The candidates whose last poll authenticated and answered, by address."""
+        return [self._rows[a] for a in sorted(self._rows) if self._rows[a].state == "reachable"]
+
     def snapshot(self) -> list[JSON]:
         return [self._rows[a].to_json() for a in sorted(self._rows)]
 

@@ -82,16 +82,24 @@ class InventoryPoller:
             now = loop.time()
             due = [a for a in self._table.addresses() if self._next.get(a, 0.0) <= now]
             if due:
-                async with asyncio.TaskGroup() as tg:
-                    for address in due:
-                        tg.create_task(self._poll_guarded(address))
-                for address in due:
-                    self._next[address] = loop.time() + self._interval
+                await self.poll_all(due)
             pending = [self._next.get(a, 0.0) for a in self._table.addresses()]
             wait = min(pending, default=loop.time() + self._interval) - loop.time()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(max(wait, 0.0), self._interval)):
                     await self._wake.wait()
+
+    async def poll_all(self, addresses: list[str] | None = None) -> None:
+        """Poll ``addresses`` (default: every candidate) now, concurrently; at most
+        ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S`` (10 s). The next regular poll of each
+        comes ``POLL_INTERVAL_S`` later."""
+        due = self._table.addresses() if addresses is None else addresses
+        async with asyncio.TaskGroup() as tg:
+            for address in due:
+                tg.create_task(self._poll_guarded(address))
+        later = asyncio.get_running_loop().time() + self._interval
+        for address in due:
+            self._next[address] = later
 
     async def _poll_guarded(self, address: str) -> None:
         try:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.candidates import Candidate, CandidateTable
 from mlxceld.discovery.poller import InventoryPoller
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
@@ -44,6 +44,11 @@ class DiscoveryService:
     def describe(self) -> JSON:
         return {"mode": self._mode, "running": self._running, "address": self._address,
                 "advertised": self._advertised, "error": self._error}
+
+    async def refresh(self) -> list[Candidate]:
+        """Poll every candidate now (at most 10 s); the reachable ones, for a plan."""
+        await self._poller.poll_all()
+        return self._table.reachable()
 
     def close(self) -> None:
         self._stop.set()

@@ -48,6 +48,7 @@ def test_static_peers_then_poll_results(db: sqlite_utils.Database) -> None:
     assert (b["state"], b["node_id"], b["memory_total"], b["key_id"], b["last_seen"]) == (
         "reachable", "host-b", 64 << 30, "ab" * 8, T0 + 1)
     assert (c["state"], c["error"], c["last_seen"]) == ("refused", "unknown_key_id: no", None)
+    assert [r.address for r in table.reachable()] == ["10.0.0.2:1"]
     table.failed("10.0.0.2:1", "unreachable", "unreachable: gone", T0 + 30)
     b = table.snapshot()[0]
     assert (b["state"], b["memory_total"], b["last_seen"]) == ("unreachable", 64 << 30, T0 + 1)
