@@ -44,41 +44,43 @@ def test_daemons_on_loopback_find_each_other_and_ignore_strangers(
     monkeypatch.setattr(mdns, "ANNOUNCE_EVERY_S", 1.0)  # see a refresh without waiting 15 s
     cluster = f"mdns-test-{secrets.token_hex(4)}"  # other runs on this host stay apart
     secret = secrets.token_bytes(32)
+    run = secrets.token_hex(3)  # node ids (instance names) of this run only
+    ids = {x: f"node-{x}-{run}" for x in "bcxy"}
 
     async def main() -> None:
-        tables = {n: CandidateTable(node_id=n) for n in ("node-b", "node-c", "node-x", "node-y")}
+        tables = {x: CandidateTable(node_id=n) for x, n in ids.items()}
         nodes = [
-            MdnsDiscovery(tables["node-b"], ring(secret), node_id="node-b", cluster=cluster,
+            MdnsDiscovery(tables["b"], ring(secret), node_id=ids["b"], cluster=cluster,
                           agent_address="127.0.0.2:19002"),
-            MdnsDiscovery(tables["node-c"], ring(secret), node_id="node-c", cluster=cluster,
+            MdnsDiscovery(tables["c"], ring(secret), node_id=ids["c"], cluster=cluster,
                           agent_address="127.0.0.3:19003"),
             # Another secret, and another cluster name: both announce, neither is a candidate.
-            MdnsDiscovery(tables["node-x"], ring(secrets.token_bytes(32)), node_id="node-x",
+            MdnsDiscovery(tables["x"], ring(secrets.token_bytes(32)), node_id=ids["x"],
                           cluster=cluster, agent_address="127.0.0.4:19004"),
-            MdnsDiscovery(tables["node-y"], ring(secret), node_id="node-y",
+            MdnsDiscovery(tables["y"], ring(secret), node_id=ids["y"],
                           cluster=cluster + "-other", agent_address="127.0.0.5:19005"),
         ]
         tasks = [asyncio.create_task(n.run()) for n in nodes]
         try:
             deadline = time.monotonic() + SEEN_WITHIN_S
             while time.monotonic() < deadline:
-                if (tables["node-b"].addresses() == ["127.0.0.3:19003"]
-                        and tables["node-c"].addresses() == ["127.0.0.2:19002"]
-                        and tables["node-y"].addresses() == []):
+                if (tables["b"].addresses() == ["127.0.0.3:19003"]
+                        and tables["c"].addresses() == ["127.0.0.2:19002"]
+                        and tables["y"].addresses() == []):
                     break
                 await asyncio.sleep(0.2)
-            assert tables["node-b"].addresses() == ["127.0.0.3:19003"], [
+            assert tables["b"].addresses() == ["127.0.0.3:19003"], [
                 n.error for n in nodes]
-            assert tables["node-c"].addresses() == ["127.0.0.2:19002"]
-            row = tables["node-b"].get("127.0.0.3:19003")
+            assert tables["c"].addresses() == ["127.0.0.2:19002"]
+            row = tables["b"].get("127.0.0.3:19003")
             assert row is not None
-            assert (row.source, row.state, row.node_id) == ("mdns", "discovered", "node-c")
+            assert (row.source, row.state, row.node_id) == ("mdns", "discovered", ids["c"])
             assert row.record_ts is not None and abs(row.record_ts - time.time()) < 30
-            assert tables["node-x"].addresses() == [] and tables["node-y"].addresses() == []
+            assert tables["x"].addresses() == [] and tables["y"].addresses() == []
             assert all(n.error is None for n in nodes)
             first = row.record_ts
             while time.monotonic() < deadline + 5:
-                row = tables["node-b"].get("127.0.0.3:19003")
+                row = tables["b"].get("127.0.0.3:19003")
                 if row is not None and row.record_ts is not None and row.record_ts > first:
                     break
                 await asyncio.sleep(0.2)
