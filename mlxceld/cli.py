@@ -68,6 +68,15 @@ def run(
     ] = None,
     node_id: Annotated[str | None, typer.Option(
         "--node-id", help="Which node of the --distributed-config this daemon is.")] = None,
+    cluster_name: Annotated[str | None, typer.Option(
+        "--cluster-name", help="The cluster this daemon belongs to (1-128 characters). "
+        "Default: mlxcel-cluster.")] = None,
+    cluster_peers: Annotated[str | None, typer.Option(
+        "--cluster-peers", help="Peer agent addresses, host:port,... ([v6]:port for IPv6), "
+        "polled for their inventory; see `mlxctl cluster nodes`.")] = None,
+    cluster_discovery: Annotated[str | None, typer.Option(
+        "--cluster-discovery", help="static (only --cluster-peers) or mdns (also signed "
+        "mDNS records on the local network). Default: static.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -77,7 +86,9 @@ def run(
                       log_level=log_level, log_file=log_file, model=model,
                       model_name=model_name, host=host, port=port, api_key_file=api_key_file,
                       agent_addr=agent_addr, cluster_secret_file=cluster_secret_file,
-                      distributed_config=distributed_config, node_id=node_id)
+                      distributed_config=distributed_config, node_id=node_id,
+                      cluster_name=cluster_name, cluster_peers=cluster_peers,
+                      cluster_discovery=cluster_discovery)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)

@@ -11,6 +11,9 @@ File format (TOML, every table and key optional)::
     agent_addr = "0.0.0.0:19000"       # MXCL agent listener (with a cluster secret)
     distributed_config = "cluster.toml"  # a cluster TOML, mlxcel-cluster.toml(5) ...
     node_id = "stage-0"                # ... and which node of it this daemon is
+    cluster_name = "mlxcel-cluster"    # 1-128 characters, no control characters
+    cluster_peers = ["192.168.1.11:19000", "[fd00::12]:19000"]  # peer agent addresses
+    cluster_discovery = "static"       # static | mdns (see mlxceld/discovery/settings.py)
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxceld.discovery.settings import DEFAULT_CLUSTER_NAME, KEYS, cluster_settings
 from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.serving import ROUTER, ServeConfig, parse_serve
@@ -73,6 +77,9 @@ class Config:
     agent_addr: str = DEFAULT_AGENT_ADDR  # MXCL agent listener, when there is a secret
     distributed_config: Path | None = None  # a cluster TOML (mlxcel-cluster.toml(5))
     node_id: str | None = None  # which of its nodes this daemon is
+    cluster_name: str = DEFAULT_CLUSTER_NAME
+    cluster_peers: tuple[str, ...] = ()  # normalized peer agent addresses
+    cluster_discovery: str = "static"  # static | mdns
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,9 @@ class Overrides:
     agent_addr: str | None = None
     distributed_config: Path | None = None
     node_id: str | None = None
+    cluster_name: str | None = None
+    cluster_peers: str | None = None  # comma-separated, as given
+    cluster_discovery: str | None = None
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -130,7 +140,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
     _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr",
-                         "distributed_config", "node_id"}, where, "daemon.")
+                         "distributed_config", "node_id", *KEYS}, where, "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
         sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
@@ -158,6 +168,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         agent_addr=flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
         or DEFAULT_AGENT_ADDR,
         **_cluster_choice(daemon, flags, base, where),
+        **cluster_settings(daemon, where, name=flags.cluster_name, peers=flags.cluster_peers,
+                           discovery=flags.cluster_discovery),
         policy=policy,
         health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

@@ -35,6 +35,7 @@ from pathlib import Path
 from mlxceld import __version__
 from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
+from mlxceld.cluster.inventory import serve_inventory
 from mlxceld.cluster.placement import STAGE_WORKER, pipeline_options, place, stage_options
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
@@ -45,12 +46,15 @@ from mlxceld.control.server import (
     peer_guard,
     remove_socket_file,
 )
+from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
     SCHEMA_VERSION,
     EventLog,
     KeyStore,
+    PeersTable,
     Settings,
     WorkersTable,
     claim_node,
@@ -103,6 +107,7 @@ class Daemon:
             self.events.trim()
             self.settings = Settings(self._db)
             self.keys = KeyStore(self._db, config.state_dir / "keys")
+            self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
             self.placement = (place(config.distributed_config, config.node_id or "",
                                     flags.model) if config.distributed_config else None)
             self._adopt_secret(flags)
@@ -122,6 +127,7 @@ class Daemon:
         self._agent_addr = parse_addr(config.agent_addr, "--agent-addr")
         self._agent: AgentService | None = None
         self._agent_error: str | None = None
+        self._discovery: DiscoveryService | None = None
         self._tg: asyncio.TaskGroup | None = None
 
     # -- DaemonView (the control API's window on us) --------------------------------------
@@ -153,6 +159,15 @@ class Daemon:
 
     def workers(self) -> list[JSON]:
         return self.supervisor.snapshot()
+
+    def cluster_nodes(self) -> JSON:
+        c = self.config
+        discovery = (self._discovery.describe() if self._discovery else
+                     {"mode": c.cluster_discovery, "running": False, "address": None,
+                      "advertised": None, "error": None if len(self.keys.keyring) else
+                      "no cluster secret: discovery runs with the agent listener"})
+        return {"cluster": c.cluster_name, "node_id": self.node.node_id,
+                "discovery": discovery, "nodes": self.candidates.snapshot()}
 
     def log_path(self, name: str) -> str | None:
         return self.supervisor.log_path(name)
@@ -303,6 +318,8 @@ class Daemon:
                 if len(self.keys.keyring):
                     await self._start_agent()
                 code = await self._serve_commands()
+                if self._discovery is not None:
+                    self._discovery.close()
                 if self._agent is not None:
                     await self._agent.aclose()
                 self._server.request_shutdown()
@@ -331,6 +348,7 @@ class Daemon:
         if self._agent is not None or self._tg is None or self._stopping:
             return
         agent = AgentService(self._agent_addr, self.keys.keyring)
+        serve_inventory(agent, self.node.node_id, lambda: self._serve.model)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def run() -> None:
@@ -352,6 +370,12 @@ class Daemon:
             self._agent_error = None
             self.events.append("agent.listening", "agent",
                                f"agent listener on {agent.address}", address=agent.address)
+            c = self.config
+            self._discovery = DiscoveryService(
+                self.candidates, self.keys.keyring, node_id=self.node.node_id,
+                cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
+                agent_address=agent.address)
+            self._tg.create_task(self._discovery.run())
 
     async def _shutdown(self) -> int:
         self._stopping = True

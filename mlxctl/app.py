@@ -19,6 +19,7 @@ import typer
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
 from mlxctl import render
+from mlxctl.cluster import cluster_app
 from mlxctl.edge import EXIT_FAILURE, JsonOpt, SocketOpt, call, emit, socket_path
 from mlxctl.secret import secret_app
 
@@ -28,6 +29,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Control the local mlxceld daemon.")
 app.add_typer(secret_app, name="secret")
+app.add_typer(cluster_app, name="cluster")
 
 
 @app.callback()

@@ -13,6 +13,8 @@ from typing import Any
 
 import typer
 
+PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
+               "refused": "red"}
 STATE_COLORS = {"running": "green", "starting": "cyan", "backoff": "yellow",
                 "stopping": "yellow", "exited": "white", "failed": "red"}
 
@@ -82,6 +84,32 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
                      duration(up), size(w.get("rss_bytes")), w.get("last_exit") or "-"])
         colors.append([None, None, STATE_COLORS.get(w["state"]), None, None, None, None, None])
     return table(headers, rows, colors)
+
+
+def cluster_nodes(body: dict[str, Any]) -> str:
+    """The candidate peers of ``GET /v1/cluster/nodes`` as a table, with discovery's line."""
+    d = body["discovery"]
+    head = (f"cluster {body['cluster']} · node {body['node_id']} · discovery {d['mode']} "
+            + (f"on {d['address']}" if d["running"] else "(not running)"))
+    lines = [head] + ([f"  {paint('x', 'red')} {d['error']}"] if d.get("error") else [])
+    nodes = body["nodes"]
+    if not nodes:
+        return "\n".join([*lines, "", "no candidate peers yet (see --cluster-peers and "
+                           "--cluster-discovery mdns)"])
+    now = time.time()
+    headers = ["NODE", "ADDRESS", "VERSION", "KEY", "MEMORY (AVAIL/TOTAL)", "STATE",
+               "LAST SEEN", "SOURCE"]
+    rows, colors, errors = [], [], []
+    for n in nodes:
+        memory = (f"{size(n['memory_available'])} / {size(n['memory_total'])}"
+                  if n.get("memory_total") is not None else "-")
+        seen = duration(now - n["last_seen"]) + " ago" if n.get("last_seen") else "never"
+        rows.append([n.get("node_id") or "-", n["address"], n.get("version") or "-",
+                     n.get("key_id") or "-", memory, n["state"], seen, n["source"]])
+        colors.append([None, None, None, None, None, PEER_COLORS.get(n["state"]), None, None])
+        if n.get("error") and n["state"] in ("unreachable", "refused"):
+            errors.append(f"  {n['address']}: {n['error']}")
+    return "\n".join([*lines, "", table(headers, rows, colors), *errors])
 
 
 def status(body: dict[str, Any]) -> str:

@@ -1,10 +1,13 @@
 """The daemon's agent listener: MXCL channels 2 (assignment) and 3 (agent).
 
 It runs whenever the daemon holds a cluster secret. Every stream answers
-``ping`` with ``pong`` (the net shell does that); the message types of
-inventory, assignment, heartbeats, rotation and drain arrive with the
-[Bring-up] and [Operations] issues. Until then any other message type gets
-``{"t": "error", "reason": ...}`` and the stream stays open.
+``ping`` with ``pong`` (the net shell does that). Other message types are served
+by handlers registered per channel and type with ``add_handler`` before the
+listener runs (the daemon registers ``inventory`` on channel 3; assignment adds
+its types on channel 2). A handler gets the stream and the parsed envelope and
+sends its own answers. A type with no handler on the stream's channel, or a
+malformed envelope, gets ``{"t": "error", "reason": ...}`` and the stream stays
+open.
 
 Refusals go to the security log, rate-limited per class.
 """
@@ -13,19 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from mlxceld.config import DEFAULT_AGENT_ADDR
 from mlxceld.errors import ConfigError
 from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
 from mlxceld.net.securitylog import SecurityClass
 from mlxceld.wire import Keyring
-from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
 log = logging.getLogger(__name__)
 
 AGENT_CHANNELS = {2, 3}
-KNOWN: dict[str, MessageSpec] = {}  # filled in as agent message types are defined
+AgentHandler = Callable[[MxclStream, Envelope], Awaitable[None]]
 _CLASS_OF: dict[str, SecurityClass] = {"noise": "noise", "abort": "noise",
                                        "at_capacity": "capacity"}
 
@@ -44,6 +48,8 @@ class AgentService:
     def __init__(self, addr: tuple[str, int], keyring: Keyring,
                  seclog: SecurityLog | None = None) -> None:
         self._seclog = seclog or SecurityLog()
+        self._specs: dict[int, dict[str, MessageSpec]] = {c: {} for c in AGENT_CHANNELS}
+        self._handlers: dict[tuple[int, str], AgentHandler] = {}
         self._listener = Listener(addr[0], addr[1], keyring=keyring,
                                   identity_of_server=f"{addr[0]}:{addr[1]}",
                                   channels=AGENT_CHANNELS, handler=self._serve_stream,
@@ -51,7 +57,21 @@ class AgentService:
 
     @property
     def address(self) -> str:
-        return f"{self._listener.host}:{self._listener.port}"
+        """``host:port`` as it listens (IPv6 in brackets), the port resolved if it was 0."""
+        host = self._listener.host
+        return f"[{host}]:{self._listener.port}" if ":" in host else f"{host}:{self._listener.port}"
+
+    @property
+    def host(self) -> str:
+        return self._listener.host
+
+    def add_handler(self, channel: int, kind: str, handler: AgentHandler,
+                    spec: MessageSpec | None = None) -> None:
+        """Serve message type ``kind`` on ``channel`` (2 or 3); ``spec``: its tensors."""
+        if channel not in AGENT_CHANNELS or (channel, kind) in self._handlers:
+            raise ValueError(f"cannot add a handler for {kind!r} on channel {channel}")
+        self._specs[channel][kind] = spec or MessageSpec()
+        self._handlers[(channel, kind)] = handler
 
     async def run(self, started: asyncio.Future[None]) -> None:
         await self._listener.start()
@@ -78,10 +98,11 @@ class AgentService:
             while True:
                 payload = await stream.recv()
                 try:
-                    kind = parse_envelope(payload, KNOWN).type
-                    reason = f"message type {kind!r} is not served by this daemon yet"
+                    message = parse_envelope(payload, self._specs[stream.channel])
                 except EnvelopeError as exc:
-                    reason = f"bad envelope: {exc.reason}"
-                await stream.send(encode_envelope({"t": "error", "reason": reason}))
+                    await stream.send(encode_envelope({"t": "error",
+                                                       "reason": f"bad envelope: {exc.reason}"}))
+                    continue
+                await self._handlers[(stream.channel, message.type)](stream, message)
         except ConnectionClosed:
             return

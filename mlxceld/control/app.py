@@ -44,6 +44,7 @@ class DaemonView(Protocol):
     def stopping(self) -> bool: ...
     def status(self) -> JSON: ...
     def workers(self) -> list[JSON]: ...
+    def cluster_nodes(self) -> JSON: ...
     def log_path(self, name: str) -> str | None: ...
     def restart_worker(self, name: str) -> None: ...
     async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
@@ -71,6 +72,9 @@ def build_app(daemon: DaemonView) -> ASGIApp:
 
     async def workers(request: Request) -> Response:
         return body("workers", workers=daemon.workers())
+
+    async def cluster_nodes(request: Request) -> Response:
+        return body("cluster_nodes", **daemon.cluster_nodes())
 
     async def restart(request: Request) -> Response:
         name = request.path_params["name"]
@@ -168,6 +172,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/version", version),
             Route("/v1/status", status),
             Route("/v1/workers", workers),
+            Route("/v1/cluster/nodes", cluster_nodes),
             Route("/v1/workers/{name}/restart", restart, methods=["POST"]),
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),

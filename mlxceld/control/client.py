@@ -54,6 +54,9 @@ class ControlClient:
     async def workers(self) -> JSON:
         return await self._get("/v1/workers")
 
+    async def cluster_nodes(self) -> JSON:
+        return await self._get("/v1/cluster/nodes")
+
     async def events(self, after: int = -20, limit: int = 100) -> JSON:
         return await self._get("/v1/events", after=after, limit=limit)
 

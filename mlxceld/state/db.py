@@ -58,7 +58,26 @@ def _v3(db: sqlite_utils.Database) -> None:
     db.execute("CREATE UNIQUE INDEX keys_one_primary ON keys (state) WHERE state = 'primary'")
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3]
+def _v4(db: sqlite_utils.Database) -> None:
+    """Discovery's candidate peers by agent address (``mlxceld.discovery.candidates``).
+
+    ``inventory`` is the JSON of the peer's last inventory reply; ``record_ts`` the
+    ``ts`` of its newest valid mDNS record (freshness); ``error`` the last failure.
+    """
+    db.execute(
+        "CREATE TABLE peers ("
+        " address TEXT PRIMARY KEY,"
+        " source TEXT NOT NULL CHECK (source IN ('static', 'mdns')),"
+        " state TEXT NOT NULL"
+        "  CHECK (state IN ('discovered', 'reachable', 'unreachable', 'refused')),"
+        " node_id TEXT, version TEXT, key_id TEXT,"
+        " memory_total INTEGER, memory_available INTEGER,"
+        " error TEXT, last_seen REAL, record_ts INTEGER, inventory TEXT,"
+        " updated_at REAL NOT NULL)"
+    )
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -1,0 +1,177 @@
+"""The inventory exchange on MXCL channel 3 (agent): what a peer offers a plan.
+
+Messages (the envelope of PROTOCOL.md section 4, header only, no tensors):
+
+========= ================ ====================================================
+type      direction        fields
+========= ================ ====================================================
+inventory asker → agent    none besides ``t``: ``{"t": "inventory"}``
+inventory agent → asker    ``node``, ``version``, ``platform``,
+                           ``memory_total``, ``memory_available``, ``model``,
+                           ``ports``, ``agent`` (below); exactly these keys
+error     agent → asker    ``reason`` (a message type this agent does not serve
+                           on this channel, or a malformed envelope)
+========= ================ ====================================================
+
+The answer's fields and bounds (``parse_inventory`` checks every one; the
+asker treats a violation as a bad answer, never as a partial inventory):
+
+- ``node``: the agent's node id, 1-128 characters without control characters.
+- ``version``: its package version, 1-64 characters.
+- ``platform``: ``{"system": sys.platform, "machine": platform.machine()}``,
+  each a string of at most 64 characters.
+- ``memory_total``, ``memory_available``: bytes (psutil), integers in
+  ``[0, 2**63)``, available not above total.
+- ``model``: ``null`` when no model is configured ([serve] model / --model),
+  else ``{"path", "identity", "error"}``: the configured path (1-4096
+  characters), the model identity of ``mlxceld.models.identity`` (64 lowercase
+  hex digits) or ``null`` with ``error`` (at most 1024 characters) saying why
+  it could not be computed.
+- ``ports``: 0 to ``MAX_PORTS`` distinct TCP ports in 1-65535 that were free on
+  the agent's host when it answered, proposed for stage listeners (found by
+  binding port 0 and closing; another process may take one before it is used).
+- ``agent``: the agent's listener address ``host:port`` as it listens (an
+  unspecified host such as ``0.0.0.0`` when it listens on every interface).
+
+The asker's budget (``mlxceld.discovery.poller``): 5 s to connect and
+authenticate, then 5 s for the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import re
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import psutil
+
+from mlxceld import __version__
+from mlxceld.cluster.agent import AgentService
+from mlxceld.cluster.cluster_toml import name_problem
+from mlxceld.errors import MlxceldError
+from mlxceld.models.identity import model_identity
+from mlxceld.net import MxclStream
+from mlxceld.wire import Envelope, MessageSpec, encode_envelope
+
+AGENT_CHANNEL: Final = 3
+INVENTORY: Final = "inventory"
+REQUEST_SPECS: Final = {INVENTORY: MessageSpec()}  # what an agent accepts on channel 3
+ANSWER_SPECS: Final = {INVENTORY: MessageSpec(), "error": MessageSpec()}  # what the asker does
+MAX_PORTS: Final = 8
+FREE_PORTS: Final = 3  # proposed per answer
+MAX_MEMORY: Final = 2**63
+KEYS: Final = frozenset({"t", "node", "version", "platform", "memory_total",
+                         "memory_available", "model", "ports", "agent"})
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class InventoryError(MlxceldError):
+    """An inventory answer that breaks the bounds above; ``message`` names the field."""
+
+    code = "bad_inventory"
+
+
+def request() -> dict[str, Any]:
+    return {"t": INVENTORY}
+
+
+def local_inventory(node_id: str, agent: str, agent_host: str,
+                    model: str | None) -> dict[str, Any]:
+    """This daemon's answer (psutil, the platform, free ports on ``agent_host``)."""
+    memory = psutil.virtual_memory()
+    return {"t": INVENTORY, "node": node_id, "version": __version__,
+            "platform": {"system": sys.platform, "machine": platform.machine()[:64]},
+            "memory_total": int(memory.total), "memory_available": int(memory.available),
+            "model": model_entry(model), "ports": free_ports(agent_host, FREE_PORTS),
+            "agent": agent}
+
+
+def model_entry(model: str | None) -> dict[str, Any] | None:
+    if model is None:
+        return None
+    try:
+        return {"path": model, "identity": model_identity(Path(model)), "error": None}
+    except MlxceldError as exc:
+        return {"path": model, "identity": None, "error": exc.message[:1024]}
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` now (all bound at once, then closed)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+        return sorted(int(s.getsockname()[1]) for s in sockets)
+    except OSError:
+        return []  # nothing to propose; the planner picks ports some other way
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def parse_inventory(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked answer; ``InventoryError`` names the first field out of bounds."""
+    if set(header) != KEYS:
+        raise InventoryError(f"inventory has keys {sorted(header)}, expected {sorted(KEYS)}")
+    problem = name_problem(header["node"])
+    if problem:
+        raise InventoryError(f"inventory 'node' {problem}")
+    _string(header, "version", 1, 64)
+    plat = header["platform"]
+    if not isinstance(plat, dict) or set(plat) != {"system", "machine"}:
+        raise InventoryError("inventory 'platform' must be {system, machine}")
+    for key in ("system", "machine"):
+        _string(plat, key, 0, 64)
+    for key in ("memory_total", "memory_available"):
+        value = header[key]
+        if type(value) is not int or not 0 <= value < MAX_MEMORY:
+            raise InventoryError(f"inventory {key!r} must be an integer in [0, 2**63)")
+    if header["memory_available"] > header["memory_total"]:
+        raise InventoryError("inventory 'memory_available' is above 'memory_total'")
+    _model(header["model"])
+    ports = header["ports"]
+    if (not isinstance(ports, list) or len(ports) > MAX_PORTS or len(set(ports)) != len(ports)
+            or not all(type(p) is int and 1 <= p <= 65535 for p in ports)):
+        raise InventoryError(f"inventory 'ports' must be at most {MAX_PORTS} distinct ports")
+    _string(header, "agent", 3, 255)
+    return dict(header)
+
+
+def _model(model: Any) -> None:
+    if model is None:
+        return
+    if not isinstance(model, dict) or set(model) != {"path", "identity", "error"}:
+        raise InventoryError("inventory 'model' must be null or {path, identity, error}")
+    _string(model, "path", 1, 4096)
+    identity, error = model["identity"], model["error"]
+    if identity is not None and not (isinstance(identity, str) and _HEX64.fullmatch(identity)):
+        raise InventoryError("inventory 'model.identity' must be 64 lowercase hex digits")
+    if error is not None:
+        _string(model, "error", 0, 1024)
+    if (identity is None) == (error is None):
+        raise InventoryError("inventory 'model' needs exactly one of identity and error")
+
+
+def _string(table: Mapping[str, Any], key: str, low: int, high: int) -> None:
+    value = table[key]
+    if not isinstance(value, str) or not low <= len(value) <= high:
+        raise InventoryError(f"inventory {key!r} must be a string of {low}-{high} characters")
+
+
+def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str | None]) -> None:
+    """Answer ``inventory`` on the agent channel; ``model`` gives the configured model now."""
+
+    async def answer(stream: MxclStream, message: Envelope) -> None:
+        inventory = await asyncio.to_thread(local_inventory, node_id, agent.address, agent.host,
+                                            model())
+        await stream.send(encode_envelope(inventory))
+
+    agent.add_handler(AGENT_CHANNEL, INVENTORY, answer)
