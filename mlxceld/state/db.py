@@ -77,7 +77,14 @@ def _v4(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4]
+def _v5(db: sqlite_utils.Database) -> None:
+    """The two-phase assignment: the coordinator's plans, a peer's assignments."""
+    from mlxceld.state.plans import create_tables
+
+    create_tables(db)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

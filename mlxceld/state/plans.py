@@ -1,0 +1,131 @@
+"""The ``plans`` and ``assignments`` tables: the two-phase assignment's durable memory.
+
+``plans`` is the coordinator's side: one row per plan epoch with the cluster
+TOML it pushes, its peers, and its decision (NULL while undecided, which a
+restarted coordinator reads as aborted). ``assignments`` is a peer's side: one
+row per epoch it was offered, with its state (preparing, accepted, refused,
+committed, active, aborted), the coordinator identity that offered it, and
+the cluster TOML it runs once active. Each write is one committed transaction
+(``twophase`` requires a decision or a vote to be durable before it is sent).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import sqlite_utils
+from sqlite_utils.db import NotFoundError
+
+PLAN_DECISIONS = ("commit", "activate", "active", "abort")
+PEER_STATES = ("preparing", "accepted", "refused", "committed", "active", "aborted")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    epoch: int
+    cluster: str
+    model_identity: str
+    peers: tuple[str, ...]
+    toml: str
+    decision: str | None
+    summary: str
+
+
+@dataclass(frozen=True)
+class AssignmentRow:
+    epoch: int
+    coordinator: str
+    stage: int
+    state: str
+    reason: str
+    toml: str
+
+
+def create_tables(db: sqlite_utils.Database) -> None:
+    """Migration v5 (see db.py)."""
+    db.execute(
+        "CREATE TABLE plans ("
+        " epoch INTEGER PRIMARY KEY,"
+        " cluster TEXT NOT NULL, model_identity TEXT NOT NULL, peers TEXT NOT NULL,"
+        " toml TEXT NOT NULL,"
+        " decision TEXT CHECK (decision IS NULL OR decision IN"
+        "   ('commit', 'activate', 'active', 'abort')),"
+        " summary TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL, updated_at REAL NOT NULL)")
+    db.execute(
+        "CREATE TABLE assignments ("
+        " epoch INTEGER PRIMARY KEY,"
+        " coordinator TEXT NOT NULL, stage INTEGER NOT NULL,"
+        " state TEXT NOT NULL CHECK (state IN"
+        "   ('preparing', 'accepted', 'refused', 'committed', 'active', 'aborted')),"
+        " reason TEXT NOT NULL DEFAULT '', toml TEXT NOT NULL, updated_at REAL NOT NULL)")
+
+
+class Plans:
+    """The coordinator's plans by epoch."""
+
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self._db = db
+        self._table = db.table("plans")
+
+    def next_epoch(self, now: float | None = None) -> int:
+        """Above every earlier epoch, and at least the time in milliseconds: a coordinator
+        whose state dir was wiped still outnumbers the plans its peers remember."""
+        row = self._db.execute("SELECT max(epoch) FROM plans").fetchone()
+        clock = int((time.time() if now is None else now) * 1000)
+        return max(int(row[0] or 0) + 1, clock)
+
+    def create(self, epoch: int, cluster: str, model_identity: str, peers: tuple[str, ...],
+               toml: str) -> None:
+        now = time.time()
+        self._table.insert({"epoch": epoch, "cluster": cluster,
+                            "model_identity": model_identity, "peers": json.dumps(peers),
+                            "toml": toml, "decision": None, "summary": "",
+                            "created_at": now, "updated_at": now})
+
+    def decide(self, epoch: int, decision: str, summary: str = "") -> None:
+        if decision not in PLAN_DECISIONS:
+            raise ValueError(f"unknown plan decision {decision!r}")
+        self._table.update(epoch, {"decision": decision, "summary": summary,
+                                   "updated_at": time.time()})
+
+    def get(self, epoch: int) -> PlanRow | None:
+        try:
+            r = self._table.get(epoch)
+        except NotFoundError:
+            return None
+        return PlanRow(r["epoch"], r["cluster"], r["model_identity"],
+                       tuple(json.loads(r["peers"])), r["toml"], r["decision"], r["summary"])
+
+    def latest(self) -> PlanRow | None:
+        row = self._db.execute("SELECT max(epoch) FROM plans").fetchone()
+        return None if row[0] is None else self.get(int(row[0]))
+
+
+class Assignments:
+    """A peer's votes and states by epoch."""
+
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self._db = db
+        self._table = db.table("assignments")
+
+    def record(self, epoch: int, coordinator: str, stage: int, state: str, toml: str,
+               reason: str = "") -> None:
+        if state not in PEER_STATES:
+            raise ValueError(f"unknown assignment state {state!r}")
+        self._table.upsert({"epoch": epoch, "coordinator": coordinator, "stage": stage,
+                            "state": state, "reason": reason, "toml": toml,
+                            "updated_at": time.time()}, pk="epoch")
+
+    def newest_epoch(self) -> int:
+        row = self._db.execute("SELECT max(epoch) FROM assignments").fetchone()
+        return int(row[0] or 0)
+
+    def latest(self) -> AssignmentRow | None:
+        epoch = self.newest_epoch()
+        if not epoch:
+            return None
+        r = self._table.get(epoch)
+        return AssignmentRow(r["epoch"], r["coordinator"], r["stage"], r["state"],
+                             r["reason"], r["toml"])
