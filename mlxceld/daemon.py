@@ -37,6 +37,7 @@ from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
 from mlxceld.cluster.inventory import serve_inventory
 from mlxceld.cluster.placement import STAGE_WORKER, pipeline_options, place, stage_options
+from mlxceld.cluster.planning import make_plan
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -168,6 +169,21 @@ class Daemon:
                       "no cluster secret: discovery runs with the agent listener"})
         return {"cluster": c.cluster_name, "node_id": self.node.node_id,
                 "discovery": discovery, "nodes": self.candidates.snapshot()}
+
+    async def plan_cluster(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
+        ``model`` (a local directory) over the reachable ones. Assigns nothing."""
+        if self._discovery is None or self._agent is None:
+            raise ConfigError("planning needs discovery, which runs with the agent listener "
+                              "once the daemon has a cluster secret",
+                              hint="install one: mlxctl secret install FILE --primary")
+        path = Path(resolve_model(model, Path("/"), "mlxctl cluster plan"))
+        if not path.is_dir():
+            raise ConfigError(f"model {model!r} is not a local directory",
+                              hint="planning reads the checkpoint's safetensors headers")
+        candidates = await self._discovery.refresh()
+        return make_plan(candidates, path, stages, cluster=self.config.cluster_name,
+                         coordinator=self._agent.address)
 
     def log_path(self, name: str) -> str | None:
         return self.supervisor.log_path(name)

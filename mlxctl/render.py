@@ -146,3 +146,10 @@ def health(problems: list[dict[str, Any]]) -> str:
 def event_line(e: dict[str, Any]) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"]))
     return f"{stamp}  #{e['id']:<5} {e['kind']:<24} {e['message']}"
+
+
+def cluster_plan(body: dict[str, Any]) -> str:
+    lines = [str(body["table"])]
+    for note in body.get("notes") or []:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

@@ -22,7 +22,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
-from mlxceld.errors import KeyringError, MlxceldError, PrimaryKeyRemoval, UnknownKey
+from mlxceld.errors import (
+    KeyringError,
+    MlxceldError,
+    PlanRefused,
+    PrimaryKeyRemoval,
+    UnknownKey,
+)
 from mlxceld.state import EventLog
 from mlxceld.supervisor import logfiles
 from mlxceld.types import JSON
@@ -31,6 +37,7 @@ HEARTBEAT_S = 15.0
 LOG_POLL_S = 0.25
 MAX_LINES = 10_000
 MAX_EVENTS = 1_000
+MAX_STAGES = 64
 NDJSON = "application/x-ndjson"
 API_VERSION = 1
 
@@ -45,6 +52,7 @@ class DaemonView(Protocol):
     def status(self) -> JSON: ...
     def workers(self) -> list[JSON]: ...
     def cluster_nodes(self) -> JSON: ...
+    async def plan_cluster(self, model: str, stages: int) -> JSON: ...
     def log_path(self, name: str) -> str | None: ...
     def restart_worker(self, name: str) -> None: ...
     async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
@@ -55,8 +63,8 @@ class DaemonView(Protocol):
     def remove_secret(self, kid: str) -> JSON: ...
 
 
-def error(status: int, code: str, message: str, hint: str = "") -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, "hint": hint}},
+def error(status: int, code: str, message: str, hint: str = "", **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "hint": hint, **extra}},
                         status_code=status)
 
 
@@ -104,6 +112,25 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             items = [e.to_json() for e in daemon.events.since(after, limit, subject)]
             return body("events", events=items)
         return StreamingResponse(_event_stream(daemon, after, limit, subject), media_type=NDJSON)
+
+    async def plan(request: Request) -> Response:
+        try:
+            payload = await request.json()
+            model, stages = payload["model"], payload["stages"]
+            if not isinstance(model, str) or not model or type(stages) is not int \
+                    or not 1 <= stages <= MAX_STAGES:
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return error(400, "bad_request", "body must be JSON: {\"model\": DIR, "
+                         f"\"stages\": 1..{MAX_STAGES}}}", "see `mlxctl cluster plan --help`")
+        try:
+            planned = await daemon.plan_cluster(model, stages)
+        except PlanRefused as exc:
+            return error(409, exc.code, exc.message, exc.hint,
+                         shortfalls=list(exc.shortfalls))
+        except MlxceldError as exc:
+            return error(400, exc.code, exc.message, exc.hint)
+        return body("cluster_plan", **planned)
 
     async def serve(request: Request) -> Response:
         if daemon.stopping:
@@ -173,6 +200,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/status", status),
             Route("/v1/workers", workers),
             Route("/v1/cluster/nodes", cluster_nodes),
+            Route("/v1/cluster/plan", plan, methods=["POST"]),
             Route("/v1/workers/{name}/restart", restart, methods=["POST"]),
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),

@@ -21,6 +21,7 @@ from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
 from mlxceld.types import JSON
 
 REQUEST_TIMEOUT_S = 10.0
+PLAN_TIMEOUT_S = 30.0  # the daemon's candidate poll (10 s at most) and the planning
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a heartbeat line every 15 s
 START_HINT = ("start it with `mlxceld` (or `brew services start mlxceld`, "
               "`systemctl start mlxceld`), or point --socket / MLXCELD_SOCKET at a running one")
@@ -56,6 +57,11 @@ class ControlClient:
 
     async def cluster_nodes(self) -> JSON:
         return await self._get("/v1/cluster/nodes")
+
+    async def plan_cluster(self, model: str, stages: int) -> JSON:
+        """Plan (never assign): the daemon polls every candidate first, up to 10 s."""
+        return await self._request("POST", "/v1/cluster/plan", timeout=PLAN_TIMEOUT_S,
+                                   json={"model": model, "stages": stages})
 
     async def events(self, after: int = -20, limit: int = 100) -> JSON:
         return await self._get("/v1/events", after=after, limit=limit)
