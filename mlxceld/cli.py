@@ -77,6 +77,15 @@ def run(
     cluster_discovery: Annotated[str | None, typer.Option(
         "--cluster-discovery", help="static (only --cluster-peers) or mdns (also signed "
         "mDNS records on the local network). Default: static.")] = None,
+    pp_auto: Annotated[int | None, typer.Option(
+        "--pp-auto", help="Plan an N-stage pipeline of --model over the peers discovery finds "
+        "(with --dry-run: print the plan and exit).")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="With --pp-auto: plan, print the table, write --cluster-config-out, "
+        "exit without assigning.")] = False,
+    cluster_config_out: Annotated[Path | None, typer.Option(
+        "--cluster-config-out", help="Write the plan as a cluster TOML here "
+        "(--distributed-config accepts it unchanged).")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -88,7 +97,8 @@ def run(
                       agent_addr=agent_addr, cluster_secret_file=cluster_secret_file,
                       distributed_config=distributed_config, node_id=node_id,
                       cluster_name=cluster_name, cluster_peers=cluster_peers,
-                      cluster_discovery=cluster_discovery)
+                      cluster_discovery=cluster_discovery, pp_auto=pp_auto, dry_run=dry_run,
+                      cluster_config_out=cluster_config_out)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)

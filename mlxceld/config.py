@@ -77,6 +77,9 @@ class Config:
     agent_addr: str = DEFAULT_AGENT_ADDR  # MXCL agent listener, when there is a secret
     distributed_config: Path | None = None  # a cluster TOML (mlxcel-cluster.toml(5))
     node_id: str | None = None  # which of its nodes this daemon is
+    pp_auto: int | None = None  # plan (and with --dry-run only plan) N pipeline stages
+    dry_run: bool = False
+    cluster_config_out: Path | None = None  # where a plan is written as a cluster TOML
     cluster_name: str = DEFAULT_CLUSTER_NAME
     cluster_peers: tuple[str, ...] = ()  # normalized peer agent addresses
     cluster_discovery: str = "static"  # static | mdns
@@ -100,6 +103,9 @@ class Overrides:
     agent_addr: str | None = None
     distributed_config: Path | None = None
     node_id: str | None = None
+    pp_auto: int | None = None
+    dry_run: bool = False
+    cluster_config_out: Path | None = None
     cluster_name: str | None = None
     cluster_peers: str | None = None  # comma-separated, as given
     cluster_discovery: str | None = None
@@ -118,6 +124,31 @@ def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
                           "(or set [daemon] distributed_config and node_id)")
     return {"distributed_config": path.expanduser().absolute() if path else None,
             "node_id": node}
+
+
+def _pp_auto_choice(flags: Overrides, cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """``--pp-auto N [--dry-run] [--cluster-config-out FILE]``, checked against the rest."""
+    n = flags.pp_auto
+    if flags.dry_run and n is None:
+        raise ConfigError("--dry-run is for --pp-auto N only",
+                          hint="mlxceld --pp-auto 2 --dry-run --model DIR prints a plan")
+    if n is not None:
+        if not 1 <= n <= 64:
+            raise ConfigError(f"--pp-auto {n}: the number of stages must be 1-64",
+                              hint="for example --pp-auto 2")
+        if cluster.get("distributed_config") is not None:
+            raise ConfigError("--pp-auto and --distributed-config exclude each other",
+                              hint="--pp-auto plans the cluster itself; --distributed-config "
+                              "runs a written one")
+        if not flags.dry_run:
+            raise ConfigError("--pp-auto without --dry-run (the two-phase stage assignment) "
+                              "is not available in this version",
+                              hint="plan with --dry-run --cluster-config-out FILE (or mlxctl "
+                              "cluster plan), then start every node with --distributed-config "
+                              "FILE --node-id ID")
+    out = flags.cluster_config_out
+    return {"pp_auto": n, "dry_run": flags.dry_run,
+            "cluster_config_out": out.expanduser().absolute() if out else None}
 
 
 def load_config(flags: Overrides) -> Config:
@@ -167,7 +198,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
         agent_addr=flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
         or DEFAULT_AGENT_ADDR,
-        **_cluster_choice(daemon, flags, base, where),
+        **(choice := _cluster_choice(daemon, flags, base, where)),
+        **_pp_auto_choice(flags, choice),
         **cluster_settings(daemon, where, name=flags.cluster_name, peers=flags.cluster_peers,
                            discovery=flags.cluster_discovery),
         policy=policy,

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,7 +50,7 @@ from mlxceld.control.server import (
 )
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -71,6 +72,7 @@ from mlxceld.types import JSON
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
+DRY_RUN_WAIT_S = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
 ROUTER_START_TIMEOUT_S = 600.0
 ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
@@ -112,10 +114,10 @@ class Daemon:
             self.placement = (place(config.distributed_config, config.node_id or "",
                                     flags.model) if config.distributed_config else None)
             self._adopt_secret(flags)
-            self._check_cluster_secret()
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
+            self._check_cluster_secret()
             self.supervisor = Supervisor(
                 WorkersTable(self._db), self.events,
                 health_interval_s=config.health_interval_s,
@@ -169,6 +171,34 @@ class Daemon:
                       "no cluster secret: discovery runs with the agent listener"})
         return {"cluster": c.cluster_name, "node_id": self.node.node_id,
                 "discovery": discovery, "nodes": self.candidates.snapshot()}
+
+    async def _dry_run(self) -> int:
+        """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
+        reachable, plan, print the table on stdout, write ``--cluster-config-out``, exit."""
+        n, model = self.config.pp_auto or 0, self._serve.model
+        if self._discovery is None or model is None:
+            print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
+                  file=sys.stderr)
+            return 2
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + DRY_RUN_WAIT_S
+        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
+            await asyncio.sleep(1.0)
+        try:
+            planned = await self.plan_cluster(model, n)
+        except MlxceldError as exc:
+            print(f"mlxceld: error: {exc.message}", file=sys.stderr)
+            if exc.hint:
+                print(f"  hint: {exc.hint}", file=sys.stderr)
+            return 1
+        print(planned["table"])
+        for note in planned["notes"]:
+            print(f"note: {note}")
+        out = self.config.cluster_config_out
+        if out is not None:
+            out.write_text(planned["toml"])
+            print(f"cluster TOML written to {out}")
+        return 0
 
     async def plan_cluster(self, model: str, stages: int) -> JSON:
         """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
@@ -234,7 +264,7 @@ class Daemon:
         if p is not None and not p.is_coordinator:
             specs.append(WorkerSpec(STAGE_WORKER, STAGE_WORKER, config.state_dir,
                                     stage_options(p), policy, secret=secret))
-        elif self._serve.model is not None:
+        elif self._serve.model is not None and config.pp_auto is None:
             options = router_options(self._serve)
             if p is not None:
                 options["pipeline"] = pipeline_options(p)
@@ -264,6 +294,15 @@ class Daemon:
 
     def _check_cluster_secret(self) -> None:
         """Fail closed: a pipeline of two or more stages never runs without the secret."""
+        if self.config.pp_auto is not None and not len(self.keys.keyring):
+            raise ConfigError(
+                "--pp-auto needs the cluster secret to reach its peers; none was found in "
+                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or "
+                f"the keyring in {self.keys.dir}",
+                hint="give every node the same secret file with --cluster-secret-file")
+        if self.config.pp_auto is not None and self._serve.model is None:
+            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                              hint="the same checkpoint must be on every host")
         p = self.placement
         if p is None or not p.needs_secret or len(self.keys.keyring):
             return
@@ -333,7 +372,8 @@ class Daemon:
                 self._tg = tg
                 if len(self.keys.keyring):
                     await self._start_agent()
-                code = await self._serve_commands()
+                code = await (self._dry_run() if self.config.dry_run
+                              else self._serve_commands())
                 if self._discovery is not None:
                     self._discovery.close()
                 if self._agent is not None:

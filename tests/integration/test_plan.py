@@ -66,3 +66,29 @@ def test_plan_then_run_the_planned_pipeline(daemons: Daemons, split_fixture_dir:
         text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
                                     temperature=0).choices[0].text
     assert text == expected(model, "The quick brown fox", 8)
+
+
+def test_pp_auto_dry_run_prints_the_plan_and_writes_the_toml(
+        daemons: Daemons, split_fixture_dir: Path, tmp_path: Path) -> None:
+    model = split_fixture_dir / "qwen3"
+    secret = secrets.token_hex(16).encode()
+    peers = [start(daemons, f"127.0.0.{i}", secret, name=f"p{i}") for i in (2, 3)]
+    coord = daemons.make(name="dry")
+    out_toml = tmp_path / "planned.toml"
+    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
+                "--cluster-peers", ",".join(agent(p) for p in peers), "--model", str(model),
+                "--pp-auto", "2", "--dry-run", "--cluster-config-out", str(out_toml),
+                "--agent-addr", "127.0.0.1:0", wait=False)
+    assert coord.proc is not None
+    assert coord.proc.wait(60) == 0, coord.stderr()
+    assert "HEADROOM" in coord.stderr() and "stage-1" in coord.stderr()  # the table
+    cfg = load_cluster(out_toml)
+    validate_layers(cfg, layer_count(read_model_config(model)))
+    assert [s.id for s in cfg.stages] == ["stage-0", "stage-1"]
+    assert not any(w for w in coord.recorded_pids())  # no worker was started
+
+    refused = daemons.make(name="nodry")
+    refused.start("--cluster-secret-file", str(secret_file(refused.root, secret)),
+                  "--model", str(model), "--pp-auto", "2", wait=False)
+    assert refused.proc is not None and refused.proc.wait(30) == 2
+    assert "--dry-run" in refused.stderr()
