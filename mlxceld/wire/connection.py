@@ -59,7 +59,7 @@ class Connection:
         self._limits = limits
         self._deadline: float | None = now + handshake_timeout
         self._events: deque[Event] = deque()
-        self._out: list[bytes] = []
+        self._out: list[bytes | bytearray] = []
         self._sender: FrameSender | None = None
         self._receiver: FrameReceiver | None = None
         self._broken = False

@@ -31,6 +31,7 @@ from mlxceld.wire.schedule import next_traffic_secret, traffic_key_iv
 HEADER: Final = struct.Struct(">BI")
 HEADER_LEN: Final = HEADER.size  # 5
 MAX_CLOSE_REASON: Final = 1024
+_KEY_UPDATE_LEN: Final = HEADER_LEN + TAG_LEN  # an empty payload
 
 
 class Kind(IntEnum):
@@ -95,32 +96,48 @@ class FrameSender:
     def seq(self) -> int:
         return self._dir.seq
 
-    def seal(self, kind: Kind, payload: Buffer) -> bytes:
-        """The frame for ``payload``, preceded by a key update when the limits call for one."""
-        body_len = len(payload) + TAG_LEN
+    def seal(self, kind: Kind, payload: Buffer) -> bytearray:
+        """The frame for ``payload``, preceded by a key update when the limits call for one.
+
+        Both lie in one new buffer, sealed in place: the cipher's output is the only
+        copy of the payload.
+        """
+        data = _byte_view(payload)
+        body_len = data.nbytes + TAG_LEN
         if body_len > self._limits.max_frame_len:
             raise LocalProtocolError(
-                f"a {len(payload)}-byte payload exceeds the maximum frame length "
+                f"a {data.nbytes}-byte payload exceeds the maximum frame length "
                 f"{self._limits.max_frame_len}")
-        out = b""
         d, lim = self._dir, self._limits
+        lead = 0
         if kind is not Kind.KEY_UPDATE and d.seq > 0 and (
                 d.seq + 2 > lim.send_frames or d.bytes + body_len + TAG_LEN > lim.send_bytes):
-            out = self.key_update()
-        return out + self._seal(kind, payload, body_len)
+            lead = _KEY_UPDATE_LEN
+        out = bytearray(lead + HEADER_LEN + body_len)
+        view = memoryview(out)
+        if lead:
+            self._seal_key_update_into(view[:lead])
+        self._seal_into(view[lead:], kind, data)
+        return out
 
-    def key_update(self) -> bytes:
+    def key_update(self) -> bytearray:
         """A key-update frame; the traffic secret moves on right after it."""
-        frame = self._seal(Kind.KEY_UPDATE, b"", TAG_LEN)
-        self._dir.update()
-        return frame
+        out = bytearray(_KEY_UPDATE_LEN)
+        self._seal_key_update_into(memoryview(out))
+        return out
 
-    def _seal(self, kind: Kind, payload: Buffer, body_len: int) -> bytes:
-        header = HEADER.pack(kind, body_len)
-        sealed = self._dir.aead.seal(self._dir.nonce(), payload, header)
-        self._dir.seq += 1
-        self._dir.bytes += body_len
-        return header + sealed
+    def _seal_key_update_into(self, out: memoryview) -> None:
+        self._seal_into(out, Kind.KEY_UPDATE, memoryview(b""))
+        self._dir.update()
+
+    def _seal_into(self, out: memoryview, kind: Kind, data: memoryview) -> None:
+        """Header, then ciphertext and tag, into ``out`` (exactly the frame's length)."""
+        d = self._dir
+        body_len = len(out) - HEADER_LEN
+        HEADER.pack_into(out, 0, kind, body_len)
+        d.aead.seal_into(d.nonce(), data, out[:HEADER_LEN], out[HEADER_LEN:])
+        d.seq += 1
+        d.bytes += body_len
 
 
 class FrameReceiver:
@@ -181,6 +198,11 @@ class FrameReceiver:
         elif kind == Kind.CLOSE:
             _check_close_reason(plain)
         return Frame(Kind(kind), plain)
+
+
+def _byte_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _check_close_reason(reason: bytes) -> None:
