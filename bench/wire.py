@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from mlxceld.net.stream import read_chunk, write_buffers
 from mlxceld.wire import Keyring
 from mlxceld.wire.connection import Connection
 from mlxceld.wire.crypto import Suite
@@ -38,7 +39,8 @@ C2S, S2C = b"\x01" * 32, b"\x02" * 32  # fixed traffic secrets: the data path on
 
 
 class Framed:
-    """One direction pair over a TCP stream, using the core's frame codec."""
+    """One direction pair over a TCP stream: the core's frame codec, read and written
+    as ``MxclStream`` does (``read_chunk``, ``write_buffers``)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  suite: Suite, send_secret: bytes, recv_secret: bytes) -> None:
@@ -47,15 +49,15 @@ class Framed:
         self.rx = FrameReceiver(suite, recv_secret, LIMITS)
 
     async def send(self, payload: bytes | memoryview) -> None:
-        self.writer.write(self.tx.seal(Kind.MESSAGE, payload))
+        write_buffers(self.writer, [self.tx.seal(Kind.MESSAGE, payload)])
         await self.writer.drain()
 
     async def recv(self) -> bytes:
         while True:
             frame = self.rx.next_frame()
             if frame is not None:
-                return bytes(frame.payload)
-            data = await self.reader.read(1 << 20)
+                return frame.payload
+            data = await read_chunk(self.reader)
             if not data:
                 raise ConnectionError("peer closed")
             self.rx.feed(data)
