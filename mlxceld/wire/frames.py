@@ -102,11 +102,13 @@ class FrameSender:
         Both lie in one new buffer, sealed in place: the cipher's output is the only
         copy of the payload.
         """
-        data = _byte_view(payload)
-        body_len = data.nbytes + TAG_LEN
+        if isinstance(payload, memoryview) and (payload.format != "B" or payload.ndim != 1):
+            payload = payload.cast("B")  # the ciphers take bytes, not items
+        size = len(payload)
+        body_len = size + TAG_LEN
         if body_len > self._limits.max_frame_len:
             raise LocalProtocolError(
-                f"a {data.nbytes}-byte payload exceeds the maximum frame length "
+                f"a {size}-byte payload exceeds the maximum frame length "
                 f"{self._limits.max_frame_len}")
         d, lim = self._dir, self._limits
         lead = 0
@@ -114,28 +116,26 @@ class FrameSender:
                 d.seq + 2 > lim.send_frames or d.bytes + body_len + TAG_LEN > lim.send_bytes):
             lead = _KEY_UPDATE_LEN
         out = bytearray(lead + HEADER_LEN + body_len)
-        view = memoryview(out)
         if lead:
-            self._seal_key_update_into(view[:lead])
-        self._seal_into(view[lead:], kind, data)
+            self._seal_into(out, 0, Kind.KEY_UPDATE, b"", TAG_LEN)
+            d.update()
+        self._seal_into(out, lead, kind, payload, body_len)
         return out
 
     def key_update(self) -> bytearray:
         """A key-update frame; the traffic secret moves on right after it."""
         out = bytearray(_KEY_UPDATE_LEN)
-        self._seal_key_update_into(memoryview(out))
+        self._seal_into(out, 0, Kind.KEY_UPDATE, b"", TAG_LEN)
+        self._dir.update()
         return out
 
-    def _seal_key_update_into(self, out: memoryview) -> None:
-        self._seal_into(out, Kind.KEY_UPDATE, memoryview(b""))
-        self._dir.update()
-
-    def _seal_into(self, out: memoryview, kind: Kind, data: memoryview) -> None:
-        """Header, then ciphertext and tag, into ``out`` (exactly the frame's length)."""
+    def _seal_into(self, out: bytearray, at: int, kind: Kind, payload: Buffer,
+                   body_len: int) -> None:
+        """Header, then ciphertext and tag, into ``out`` from offset ``at``."""
         d = self._dir
-        body_len = len(out) - HEADER_LEN
-        HEADER.pack_into(out, 0, kind, body_len)
-        d.aead.seal_into(d.nonce(), data, out[:HEADER_LEN], out[HEADER_LEN:])
+        HEADER.pack_into(out, at, kind, body_len)
+        view, body_at = memoryview(out), at + HEADER_LEN
+        d.aead.seal_into(d.nonce(), payload, view[at:body_at], view[body_at:body_at + body_len])
         d.seq += 1
         d.bytes += body_len
 
@@ -231,11 +231,6 @@ class FrameReceiver:
         elif kind == Kind.CLOSE:
             _check_close_reason(plain)
         return Frame(Kind(kind), plain)
-
-
-def _byte_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _check_close_reason(reason: bytes) -> None:

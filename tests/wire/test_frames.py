@@ -149,5 +149,8 @@ def test_seal_takes_any_contiguous_buffer() -> None:
 
 
 def test_the_null_aead_wants_an_exact_buffer_as_the_ciphers_do() -> None:
+    out = bytearray(b"\xff" * (2 + 5 + TAG_LEN))
+    UnprotectedAead().seal_into(bytes(12), b"hello", b"", memoryview(out)[2:])
+    assert out == b"\xff\xffhello" + bytes(TAG_LEN)
     with pytest.raises(ValueError, match="21 bytes"):
-        UnprotectedAead().seal_into(bytes(12), b"hello", b"", memoryview(bytearray(22)))
+        UnprotectedAead().seal_into(bytes(12), b"hello", b"", memoryview(out)[1:])
