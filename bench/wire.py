@@ -8,6 +8,12 @@ codec with a null AEAD; benchmark only, never negotiable). Also the handshake
 (TCP connect to verdict) p50 with the real handshake.
 
     .venv/bin/python bench/wire.py [--quick]
+
+Every frame is a fresh buffer each way, so on a VM where page faults are dear the
+unprotected figures follow glibc's malloc heuristics more than our code, and some
+buffer alignments hit a slow ``rep movsb`` memcpy. To see the code alone, run with
+GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=\
+1073741824:glibc.cpu.x86_rep_movsb_threshold=16777216 (and compare runs made alike).
 """
 
 from __future__ import annotations
