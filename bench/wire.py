@@ -8,6 +8,12 @@ codec with a null AEAD; benchmark only, never negotiable). Also the handshake
 (TCP connect to verdict) p50 with the real handshake.
 
     .venv/bin/python bench/wire.py [--quick]
+
+Every frame is a fresh buffer each way, so on a VM where page faults are dear the
+unprotected figures follow glibc's malloc heuristics more than our code, and some
+buffer alignments hit a slow ``rep movsb`` memcpy. To see the code alone, run with
+GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=\
+1073741824:glibc.cpu.x86_rep_movsb_threshold=16777216 (and compare runs made alike).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from mlxceld.net.stream import read_chunk, write_buffers
 from mlxceld.wire import Keyring
 from mlxceld.wire.connection import Connection
 from mlxceld.wire.crypto import Suite
@@ -38,7 +45,8 @@ C2S, S2C = b"\x01" * 32, b"\x02" * 32  # fixed traffic secrets: the data path on
 
 
 class Framed:
-    """One direction pair over a TCP stream, using the core's frame codec."""
+    """One direction pair over a TCP stream: the core's frame codec, read and written
+    as ``MxclStream`` does (``read_chunk``, ``write_buffers``)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  suite: Suite, send_secret: bytes, recv_secret: bytes) -> None:
@@ -47,15 +55,15 @@ class Framed:
         self.rx = FrameReceiver(suite, recv_secret, LIMITS)
 
     async def send(self, payload: bytes | memoryview) -> None:
-        self.writer.write(self.tx.seal(Kind.MESSAGE, payload))
+        write_buffers(self.writer, [self.tx.seal(Kind.MESSAGE, payload)])
         await self.writer.drain()
 
     async def recv(self) -> bytes:
         while True:
             frame = self.rx.next_frame()
             if frame is not None:
-                return bytes(frame.payload)
-            data = await self.reader.read(1 << 20)
+                return frame.payload
+            data = await read_chunk(self.reader)
             if not data:
                 raise ConnectionError("peer closed")
             self.rx.feed(data)

@@ -3,7 +3,9 @@
 The sans-IO ``Connection`` does the protocol; this module reads chunks, feeds them
 in, writes what it wants sent, and arms the 5 s handshake deadline at the call site
 with ``asyncio.timeout_at``. ``recv()`` drives the reading: pings are answered with
-pongs on the way and never reach the caller.
+pongs on the way and never reach the caller. Chunks go to the core as read (it opens
+a frame where it lies when one chunk holds it), and sealed frames are written as they
+are, never joined.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from mlxceld.wire import (
     encode_envelope,
     parse_envelope,
 )
+from mlxceld.wire.crypto import Buffer
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK: Final = 64 * 1024
+READ_CHUNK: Final = 1024 * 1024  # a read takes what is buffered, up to this
 FLUSH_TIMEOUT_S: Final = 1.0  # bound on writing a last answer (reject, close) to a peer
 _PING_SPECS: Final = {"ping": MessageSpec()}
 _PING_MAX: Final = 256  # a ping envelope is tiny; larger payloads skip the JSON check
@@ -54,7 +57,7 @@ async def handshake(conn: Connection, reader: asyncio.StreamReader,
                 if isinstance(event, HandshakeComplete | HandshakeRefused):
                     await _write(conn, writer)
                     return event
-                data = await _read(reader)
+                data = await read_chunk(reader)
                 conn.receive_data(data, loop.time())
                 await _write(conn, writer)
     except TimeoutError:
@@ -67,28 +70,44 @@ async def handshake(conn: Connection, reader: asyncio.StreamReader,
         raise
 
 
-async def _read(reader: asyncio.StreamReader) -> bytes:
+async def read_chunk(reader: asyncio.StreamReader) -> bytes:
+    """What ``reader`` holds, up to ``READ_CHUNK`` (``b""``: end of stream).
+
+    Not ``readexactly(body_len)`` for a large frame: ``StreamReader`` would grow its
+    buffer to the whole body (copying as it grows) and copy it out again, which
+    measured slower than feeding chunks for the core to join once.
+    """
     try:
         return await reader.read(READ_CHUNK)
     except OSError:  # a reset is an end of stream without a close frame
         return b""
 
 
+def write_buffers(writer: asyncio.StreamWriter, buffers: list[bytes | bytearray]) -> None:
+    """Hand sealed frames to the transport without joining them. A single frame goes
+    as a memoryview, so that what the socket does not take at once is copied only into
+    the transport's buffer (Python 3.11 slices a copy of ``bytes``/``bytearray``)."""
+    if len(buffers) == 1:
+        writer.write(memoryview(buffers[0]))
+    elif buffers:
+        writer.writelines(buffers)  # small and rare: a handshake flight, a pong and a close
+
+
 async def _write(conn: Connection, writer: asyncio.StreamWriter) -> None:
-    data = conn.data_to_send()
-    if data:
-        writer.write(data)
+    buffers = conn.buffers_to_send()
+    if buffers:
+        write_buffers(writer, buffers)
         await writer.drain()
 
 
 async def flush_quietly(conn: Connection, writer: asyncio.StreamWriter) -> None:
     """Send the protocol's last answer if the peer still takes it; never raise OSError."""
-    data = conn.data_to_send()
-    if not data or writer.is_closing():
+    buffers = conn.buffers_to_send()
+    if not buffers or writer.is_closing():
         return
     with contextlib.suppress(OSError, TimeoutError):
         async with asyncio.timeout(FLUSH_TIMEOUT_S):
-            writer.write(data)
+            write_buffers(writer, buffers)
             await writer.drain()
 
 
@@ -129,7 +148,8 @@ class MxclStream:
     def closed(self) -> bool:
         return self._ended is not None
 
-    async def send(self, payload: bytes) -> None:
+    async def send(self, payload: Buffer) -> None:
+        """Seal and write one message; ``payload`` is read once, by the cipher."""
         if self._ended is not None:
             raise self._ended
         try:
@@ -174,7 +194,7 @@ class MxclStream:
         await self._end(ConnectionClosed(reason, "closed"))
 
     async def _read_more(self) -> None:
-        data = await _read(self._reader)
+        data = await read_chunk(self._reader)
         try:
             self._conn.receive_data(data, asyncio.get_running_loop().time())
         except RemoteProtocolError as exc:

@@ -5,6 +5,7 @@
     conn.receive_data(data, now)    # b"" is end of stream; raises RemoteProtocolError
     conn.next_event()               # HandshakeComplete | MessageReceived | ... | None
     conn.send_message(payload); conn.close(reason); conn.data_to_send()
+    conn.buffers_to_send()          # the same, unjoined: a shell writes each (no copy)
     conn.next_deadline(); conn.handle_timer(now)
 
 The core never reads a clock: ``now`` is whatever monotonic time the shell uses.
@@ -59,7 +60,7 @@ class Connection:
         self._limits = limits
         self._deadline: float | None = now + handshake_timeout
         self._events: deque[Event] = deque()
-        self._out: list[bytes] = []
+        self._out: list[bytes | bytearray] = []
         self._sender: FrameSender | None = None
         self._receiver: FrameReceiver | None = None
         self._broken = False
@@ -153,6 +154,12 @@ class Connection:
     def data_to_send(self) -> bytes:
         out = b"".join(self._out)
         self._out.clear()
+        return out
+
+    def buffers_to_send(self) -> list[bytes | bytearray]:
+        """What ``data_to_send`` would join, one buffer per frame (or handshake flight),
+        each ours no more: write them as they are, with no copy."""
+        out, self._out = self._out, []
         return out
 
     # -- internals -----------------------------------------------------------------------
