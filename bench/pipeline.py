@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -60,6 +59,7 @@ from typing import Any
 
 import httpx
 import psutil
+from streams import Stream, timed
 
 PROMPT = "The quick brown fox"  # no EOS within 128 greedy tokens on either fixture
 LONG_PROMPT_TOKENS = 512
@@ -69,18 +69,6 @@ FRAME_OVERHEAD = 5 + 16  # kind u8, len u32, AEAD tag
 GOALS = {"decode_ratio": 0.95, "hop_us": 250.0, "concurrency": 2.0}
 
 
-@dataclass
-class Stream:
-    """One request's timings: seconds to the first token, and the decode span after it."""
-
-    ttft: float
-    tokens: int
-    decode_s: float
-    total_s: float
-
-    @property
-    def decode_tps(self) -> float:
-        return (self.tokens - 1) / self.decode_s
 
 
 # -- the baseline: mlx-lm in this process ------------------------------------------------
@@ -272,24 +260,8 @@ def stream_once(cluster: Cluster, prompt: str, max_tokens: int,
     body = {"model": cluster.model_id, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first = last = 0.0
-    chunks, usage = 0, None
     with (http or cluster.http).stream("POST", f"{cluster.url}/completions", json=body) as r:
-        if r.status_code >= 400:
-            r.read()
-            r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = data["usage"]
-            if any(c.get("text") for c in data.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    tokens = int(usage["completion_tokens"]) if usage else chunks
-    return Stream(first - start, tokens, max(last - first, 1e-9), time.perf_counter() - start)
+        return timed(r, start)
 
 
 def aggregate_tps(cluster: Cluster, max_tokens: int, n: int) -> float:

@@ -11,7 +11,6 @@ requests are greedy with the same prompts, so both produce the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import signal
 import socket
@@ -21,20 +20,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from streams import Stream, timed
 
 PROMPT = "Once upon a time in a small village by the sea, there lived"
 
 
-@dataclass
-class Stream:
-    ttft: float
-    tokens: int
-    decode_s: float
-    total_s: float
 
 
 def free_port() -> int:
@@ -64,22 +57,8 @@ def stream_once(url: str, model: str, max_tokens: int, prompt: str = PROMPT) -> 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first = last = 0.0
-    chunks, usage = 0, None
     with httpx.stream("POST", f"{url}/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = data["usage"]
-            if any(c.get("text") for c in data.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    tokens = int(usage["completion_tokens"]) if usage else chunks
-    return Stream(first - start, tokens, max(last - first, 1e-9), time.perf_counter() - start)
+        return timed(r, start)
 
 
 def concurrent(url: str, model: str, max_tokens: int, n: int) -> float:

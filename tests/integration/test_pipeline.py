@@ -70,7 +70,8 @@ def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
     return toml
 
 
-def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]]) -> Pipeline:
+def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
+                   *coordinator_extra: str) -> Pipeline:
     coord = daemons.make(FAST_POLICY, name="co")
     toml = write_cluster(coord.root, model, splits)
     stages = []
@@ -81,7 +82,7 @@ def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]])
         stages.append(d)
     port = free_port("127.0.0.1")
     coord.start("--distributed-config", str(toml), "--node-id", "coordinator",
-                "--port", str(port))
+                "--port", str(port), *coordinator_extra)
     for d in stages:
         daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
@@ -254,21 +255,8 @@ def test_a_coordinator_with_another_model_is_refused_naming_both(
     from mlxceld.models import model_identity
 
     stages_model, other = split_fixture_dir / "llama", split_fixture_dir / "qwen3"
-    coord = daemons.make(FAST_POLICY, name="co")
-    toml = write_cluster(coord.root, stages_model, [(0, 2), (2, 4)])
-    stages = []
-    for rank in range(2):
-        d = daemons.make(FAST_POLICY, name=f"s{rank}")
-        d.start("--distributed-config", str(toml), "--node-id", f"stage-{rank}",
-                "--agent-addr", f"127.0.0.{2 + rank}:0")
-        stages.append(d)
-    port = free_port("127.0.0.1")
-    coord.start("--distributed-config", str(toml), "--node-id", "coordinator",
-                "--port", str(port), "--model", str(other))
-    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
-    for d in stages:
-        daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    with client(f"http://127.0.0.1:{port}/v1") as c, \
+    pipe = start_pipeline(daemons, stages_model, [(0, 2), (2, 4)], "--model", str(other))
+    with client(pipe.url) as c, \
             pytest.raises(openai.APIStatusError) as info:
         c.completions.create(model="qwen3", prompt=PROMPT, max_tokens=4, temperature=0)
     assert info.value.status_code == 503
