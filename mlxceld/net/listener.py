@@ -217,8 +217,9 @@ class Listener:
                 self._refused("channel", peer, f"channel {int(done.channel)} not served here")
                 await stream.close(f"channel {int(done.channel)} is not served here")
                 return
-            log.info("accepted %s (identity %s) on channel %s", peer, done.peer_identity,
-                     done.channel.name.lower())
+            # Debug: inventory polls alone would write a line per peer every 20 s.
+            log.debug("accepted %s (identity %s) on channel %s", peer, done.peer_identity,
+                      done.channel.name.lower())
             await self._run_handler(stream)
         finally:
             if reserved:
