@@ -1,0 +1,68 @@
+"""`mlxceld --pp-auto 2` on a coordinator and `--pp-peer` on two peers: the two-phase stage
+assignment on real daemons (127.0.0.1/.2/.3), then a completion through the router."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import openai
+from conftest import Daemons, wait_for
+from test_discovery import agent, start
+from test_pipeline import READY_S, expected, free_port
+
+
+def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_dir: Path,
+                                                tmp_path: Path) -> None:
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
+                   name=f"p{i}") for i in (2, 3)]
+    port = free_port("127.0.0.1")
+    out = tmp_path / "pushed.toml"
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+                  ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model", str(model),
+                  "--port", str(port), "--cluster-config-out", str(out), name="c")
+    wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active", "failed"),
+             90, "the push to end\n" + coord.stderr()[-3000:])
+    assert coord.status()["bringup"]["state"] == "active", (
+        coord.status()["bringup"], coord.stderr()[-3000:], peers[0].stderr()[-3000:])
+    router = coord.wait_worker("router", timeout=READY_S, state="running")
+    daemons.pids.add(router["pid"])
+    for p in peers:
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert out.exists()
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
+                                    temperature=0).choices[0].text
+    assert text == expected(model, "The quick brown fox", 8)
+    shown = peers[0].ctl("status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    body = json.loads(shown.stdout)
+    assignment = body.get("assignment") or body.get("data", {}).get("assignment")
+    assert assignment["state"] == "active" and assignment["stage"] == "stage-0", body
+    assert coord.status()["bringup"]["state"] == "active"
+
+
+def test_a_peer_with_another_model_refuses_and_nothing_runs(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    secret = secrets.token_hex(16).encode()
+    good = start(daemons, "127.0.0.2", secret, "--pp-peer", "--model",
+                 str(split_fixture_dir / "llama"), name="good")
+    other = start(daemons, "127.0.0.3", secret, "--pp-peer", "--model",
+                  str(split_fixture_dir / "qwen3"), name="other")
+    peers = [good, other]
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+                  ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model",
+                  str(split_fixture_dir / "llama"), "--port",
+                  str(free_port("127.0.0.1")), name="c")
+    # The planner leaves a peer with another model out: two stages do not fit on one peer
+    # reachable with this model, or the offer is refused with code `model`.
+    failed = wait_for(lambda: (coord.status().get("bringup") or {}).get("state") == "failed"
+                      and coord.status()["bringup"], 120, "the bring-up to fail")
+    assert agent(other) in failed["summary"] or "other" in failed["summary"] \
+        or "model" in failed["summary"], failed
+    for d in (*peers, coord):
+        assert not [w for w in d.status()["workers"] if w["name"] in ("stage", "router")]
