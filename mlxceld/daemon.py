@@ -41,7 +41,7 @@ from mlxceld.cluster.assignment import PushPlan, StageOffer, push, serve_queries
 from mlxceld.cluster.inventory import serve_inventory
 from mlxceld.cluster.offers import PeerFacts
 from mlxceld.cluster.placement import STAGE_WORKER, pipeline_options, place, stage_options
-from mlxceld.cluster.planning import make_plan
+from mlxceld.cluster.planning import make_plan, plan_nodes
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -227,7 +227,8 @@ class Daemon:
         try:
             planned = await self.plan_cluster(model, n)
         except MlxceldError as exc:
-            self._bring_up_failed(f"no plan: {exc.message}")
+            notes = await self._plan_notes(model)
+            self._bring_up_failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
             return
         stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]), s["stage"],
                                   int(s["address"].rpartition(":")[2]))
@@ -238,7 +239,7 @@ class Daemon:
         epoch, done = await push(plan, plans=self._plans, keyring=self.keys.keyring,
                                  identity=self._agent.address)
         if not done.ok:
-            self._bring_up_failed(done.summary)
+            self._bring_up_failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
             return
         path = self.config.state_dir / f"cluster-{epoch}.toml"
         path.write_text(planned["toml"])
@@ -249,6 +250,15 @@ class Daemon:
         self.events.append("bringup.active", "cluster", done.summary, epoch=epoch)
         log.info("pipeline bring-up: %s", done.summary)
         await self.supervisor.reconcile(self.specs(self.config))
+
+    async def _plan_notes(self, model: str) -> list[str]:
+        """Why candidates were left out of a plan (another model, no inventory yet)."""
+        assert self._discovery is not None
+        try:
+            identity = await asyncio.to_thread(model_identity, Path(model))
+        except MlxceldError:
+            return []
+        return plan_nodes(await self._discovery.refresh(), identity)[1]
 
     def _bring_up_failed(self, summary: str) -> None:
         self._bringup = {"state": "failed", "summary": summary}

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, cast
@@ -107,6 +107,7 @@ class Assignee:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._closed = False
+        self._preparing: asyncio.Task[None] | None = None
 
     def register(self, agent: AgentService) -> None:
         agent.add_handler(ASSIGNMENT_CHANNEL, "offer", self._on_offer)
@@ -231,10 +232,11 @@ class Assignee:
                 if wait_prepare:
                     await self._prepare(cur, heartbeat=False)
                 else:
-                    self._spawn(self._prepare(cur, heartbeat=True))
+                    self._preparing = self._spawn(self._prepare(cur, heartbeat=True))
             elif isinstance(a, StageAction) and a.what == "activate":
                 await self._host.activate_stage()
             elif isinstance(a, StageAction):
+                await self._cancel_prepare()
                 await self._host.stop_stage()
             elif isinstance(a, Query):
                 self._spawn(self._query(cur))
@@ -298,10 +300,18 @@ class Assignee:
                 decision, asyncio.get_running_loop().time()))
             self._wake.set()
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
+    async def _cancel_prepare(self) -> None:
+        """An abort while the stage loads: stop loading before the stage is removed."""
+        task = self._preparing
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.wait({task})
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def _state(state: str) -> PeerState:

@@ -46,23 +46,34 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     assert coord.status()["bringup"]["state"] == "active"
 
 
-def test_a_peer_with_another_model_refuses_and_nothing_runs(
-        daemons: Daemons, split_fixture_dir: Path) -> None:
+def test_refusals_are_named_and_no_stage_runs(daemons: Daemons,
+                                             split_fixture_dir: Path) -> None:
+    """A peer with another model is left out of the plan (and named); a peer with no model
+    refuses its offer with code `model` (final); the push aborts; nothing runs anywhere."""
     secret = secrets.token_hex(16).encode()
-    good = start(daemons, "127.0.0.2", secret, "--pp-peer", "--model",
-                 str(split_fixture_dir / "llama"), name="good")
-    other = start(daemons, "127.0.0.3", secret, "--pp-peer", "--model",
+    llama = str(split_fixture_dir / "llama")
+    good = start(daemons, "127.0.0.2", secret, "--pp-peer", "--model", llama, name="good")
+    bare = start(daemons, "127.0.0.3", secret, "--pp-peer", name="bare")
+    other = start(daemons, "127.0.0.4", secret, "--pp-peer", "--model",
                   str(split_fixture_dir / "qwen3"), name="other")
-    peers = [good, other]
+    peers = [good, bare, other]
     coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
-                  ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model",
-                  str(split_fixture_dir / "llama"), "--port",
-                  str(free_port("127.0.0.1")), name="c")
-    # The planner leaves a peer with another model out: two stages do not fit on one peer
-    # reachable with this model, or the offer is refused with code `model`.
-    failed = wait_for(lambda: (coord.status().get("bringup") or {}).get("state") == "failed"
-                      and coord.status()["bringup"], 120, "the bring-up to fail")
-    assert agent(other) in failed["summary"] or "other" in failed["summary"] \
-        or "model" in failed["summary"], failed
+                  ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model", llama,
+                  "--port", str(free_port("127.0.0.1")), name="c")
+
+    def ended() -> dict[str, str] | None:
+        b = coord.status().get("bringup") or {}
+        return b if b.get("state") == "failed" else None
+
+    failed = wait_for(ended, 120, "the bring-up to fail")
+    summary = failed["summary"]
+    assert f"{agent(bare)}: refused: model:" in summary, summary
+    assert agent(other) in summary and "left out" in summary, summary
+    assert "bring-up failed" in coord.stderr()
+    wait_for(lambda: (bare.status()["assignment"] or {}).get("state") == "refused", 10,
+             "the bare peer's refusal recorded")
+    wait_for(lambda: (good.status()["assignment"] or {}).get("state") == "aborted", 20,
+             "the good peer aborted")
     for d in (*peers, coord):
-        assert not [w for w in d.status()["workers"] if w["name"] in ("stage", "router")]
+        assert not [w for w in d.status()["workers"] if w["name"] in ("stage", "router")
+                    and w["state"] in ("starting", "running")], d.status()["workers"]
