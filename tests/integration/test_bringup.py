@@ -44,6 +44,22 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     assignment = body.get("assignment") or body.get("data", {}).get("assignment")
     assert assignment["state"] == "active" and assignment["stage"] == "stage-0", body
     assert coord.status()["bringup"]["state"] == "active"
+    human = peers[1].ctl("status")
+    assert "stage-1 active" in human.stdout, human.stdout
+
+    # A peer restarted while active brings its stage back active (from the stored TOML).
+    p = peers[1]
+    assert p.ctl("stop").returncode == 0 and p.proc is not None and p.proc.wait(30) == 0
+    p.start("--agent-addr", "127.0.0.3:0", "--pp-peer", "--model", str(model))
+    daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert p.status()["assignment"]["state"] == "active"
+    wait_for(lambda: sum(e["kind"] == "stage.active" for e in p.events()) == 2, 20,
+             "stage-1 activated again")
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        again = c.completions.create(model="llama", prompt="The quick brown fox",
+                                     max_tokens=8, temperature=0).choices[0].text
+    assert again == text
 
 
 def test_refusals_are_named_and_no_stage_runs(daemons: Daemons,
