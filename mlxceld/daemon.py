@@ -37,7 +37,13 @@ from mlxceld import __version__
 from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
 from mlxceld.cluster.assignee import PREPARE_S, Assignee, port_is_free
-from mlxceld.cluster.assignment import PushPlan, StageOffer, push, serve_queries
+from mlxceld.cluster.assignment import (
+    PushPlan,
+    StageOffer,
+    push,
+    resume_push,
+    serve_queries,
+)
 from mlxceld.cluster.inventory import serve_inventory
 from mlxceld.cluster.offers import PeerFacts
 from mlxceld.cluster.placement import STAGE_WORKER, pipeline_options, place, stage_options
@@ -220,6 +226,10 @@ class Daemon:
         logged and recorded; the daemon stays up, idle."""
         n, model = self.config.pp_auto or 0, self._serve.model
         assert self._discovery is not None and self._agent is not None and model is not None
+        last = self._plans.latest()
+        if last is not None and last.decision in ("commit", "activate", "active"):
+            await self._resume_bring_up(last.epoch, last.decision, last.toml, model)
+            return
         loop = asyncio.get_running_loop()
         give_up = loop.time() + PP_AUTO_WAIT_S
         while len(await self._discovery.refresh()) < n and loop.time() < give_up:
@@ -241,14 +251,31 @@ class Daemon:
         if not done.ok:
             self._bring_up_failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
             return
+        await self._serve_pipeline(epoch, planned["toml"], model, done.summary)
+
+    async def _resume_bring_up(self, epoch: int, decision: str, toml: str, model: str) -> None:
+        """A restart after a commit or activate decision re-sends it until every peer is
+        active; after ``active`` the pushed pipeline is served again as it was."""
+        assert self._agent is not None
+        summary = f"plan {epoch}: resumed as decided ({decision})"
+        if decision != "active":
+            done = await resume_push(epoch, plans=self._plans, keyring=self.keys.keyring,
+                                     identity=self._agent.address)
+            if not done.ok:
+                self._bring_up_failed(done.summary)
+                return
+            summary = done.summary
+        await self._serve_pipeline(epoch, toml, model, summary)
+
+    async def _serve_pipeline(self, epoch: int, toml: str, model: str, summary: str) -> None:
         path = self.config.state_dir / f"cluster-{epoch}.toml"
-        path.write_text(planned["toml"])
+        path.write_text(toml)
         if self.config.cluster_config_out is not None:
-            self.config.cluster_config_out.write_text(planned["toml"])
+            self.config.cluster_config_out.write_text(toml)
         self.placement = await asyncio.to_thread(place, path, "coordinator", model)
-        self._bringup = {"state": "active", "epoch": epoch, "summary": done.summary}
-        self.events.append("bringup.active", "cluster", done.summary, epoch=epoch)
-        log.info("pipeline bring-up: %s", done.summary)
+        self._bringup = {"state": "active", "epoch": epoch, "summary": summary}
+        self.events.append("bringup.active", "cluster", summary, epoch=epoch)
+        log.info("pipeline bring-up: %s", summary)
         await self.supervisor.reconcile(self.specs(self.config))
 
     async def _plan_notes(self, model: str) -> list[str]:

@@ -107,28 +107,53 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
     plans.create(epoch, plan.cluster, plan.model_identity, peers, plan.toml)
     loop = asyncio.get_running_loop()
     round_ = CoordinatorRound(epoch, peers, loop.time(), push_s=push_s)
+    log.info("plan %d: offering %d stage(s) to %s", epoch, len(peers), ", ".join(peers))
+    round_.start()  # the offers go out as each connection is up
+    first = {s.agent: encode_envelope(offer_for(plan, s, epoch, identity).header())
+             for s in plan.stages}
+    return epoch, await _drive(round_, first, plans=plans, keyring=keyring, identity=identity)
+
+
+async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: str
+                      ) -> Finished:
+    """A coordinator restarted after deciding commit or activate: re-send the decision
+    (idempotent) to every peer over fresh connections until every peer is active."""
+    row = plans.get(epoch)
+    assert row is not None and row.decision in ("commit", "activate")
+    round_, actions = CoordinatorRound.resume(epoch, row.peers, row.decision,  # type: ignore[arg-type]
+                                              asyncio.get_running_loop().time())
+    log.info("plan %d: resuming after a restart (%s)", epoch, row.decision)
+    first = {a.peer: message(a.kind, epoch) for a in actions if isinstance(a, Send)}
+    return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity)
+
+
+async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans: Plans,
+                 keyring: Keyring, identity: str) -> Finished:
+    """One connection per peer (``first`` goes out on it), a reader each feeding the
+    round, its actions carried out in order, until it finishes."""
+    loop = asyncio.get_running_loop()
+    epoch = round_.epoch
     inbox: asyncio.Queue[tuple[str, str, dict[str, Any]]] = asyncio.Queue()
     streams: dict[str, MxclStream] = {}
-    log.info("plan %d: offering %d stage(s) to %s", epoch, len(peers), ", ".join(peers))
 
-    async def dial(s: StageOffer) -> None:
-        host, port = split_address(s.agent)
+    async def dial(agent: str) -> None:
+        host, port = split_address(agent)
         try:
             stream = await connect(host, port, keyring=keyring, identity=identity,
                                    channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S,
                                    local_addr=(split_address(identity)[0], 0))
         except HandshakeFailed as exc:
-            await inbox.put((s.agent, "lost", {"reason": f"cannot connect: {exc.message}"}))
+            await inbox.put((agent, "lost", {"reason": f"cannot connect: {exc.message}"}))
             return
-        streams[s.agent] = stream
-        await stream.send(encode_envelope(offer_for(plan, s, epoch, identity).header()))
+        streams[agent] = stream
         try:
+            await stream.send(first[agent])
             while True:
                 env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
                 if epoch_of(env.header) == epoch or env.type == "error":
-                    await inbox.put((s.agent, env.type, env.header))
+                    await inbox.put((agent, env.type, env.header))
         except (ConnectionClosed, EnvelopeError) as exc:
-            await inbox.put((s.agent, "lost", {"reason": f"connection lost: {exc}"}))
+            await inbox.put((agent, "lost", {"reason": f"connection lost: {exc}"}))
 
     async def execute(actions: Sequence[object]) -> Finished | None:
         for a in actions:
@@ -145,9 +170,8 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
                 return a
         return None
 
-    readers = [asyncio.create_task(dial(s)) for s in plan.stages]
+    readers = [asyncio.create_task(dial(agent)) for agent in first]
     try:
-        round_.start()  # the offers go out as each connection is up (dial above)
         while True:
             deadline = round_.next_deadline()
             try:
@@ -158,7 +182,7 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
             else:
                 done = await execute(_feed(round_, peer, kind, header, loop.time()))
             if done is not None:
-                return epoch, done
+                return done
     finally:
         for t in readers:
             t.cancel()

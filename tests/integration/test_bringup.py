@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 from conftest import Daemons, wait_for
-from test_discovery import agent, start
+from test_discovery import agent, secret_file, start
 from test_pipeline import READY_S, expected, free_port
 
 
@@ -21,9 +21,13 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
                    name=f"p{i}") for i in (2, 3)]
     port = free_port("127.0.0.1")
     out = tmp_path / "pushed.toml"
-    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+    coord_args = ("--cluster-secret-file", "", "--agent-addr",
+                  f"127.0.0.1:{free_port('127.0.0.1')}", "--cluster-peers",
                   ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model", str(model),
-                  "--port", str(port), "--cluster-config-out", str(out), name="c")
+                  "--port", str(port), "--cluster-config-out", str(out))
+    coord = daemons.make(name="c")
+    coord_args = (coord_args[0], str(secret_file(coord.root, secret)), *coord_args[2:])
+    coord.start(*coord_args)
     wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active", "failed"),
              90, "the push to end\n" + coord.stderr()[-3000:])
     assert coord.status()["bringup"]["state"] == "active", (
@@ -60,6 +64,18 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
         again = c.completions.create(model="llama", prompt="The quick brown fox",
                                      max_tokens=8, temperature=0).choices[0].text
     assert again == text
+
+    # A coordinator restarted after its plan went active serves that plan again, unpushed.
+    assert coord.ctl("stop").returncode == 0 and coord.proc is not None
+    assert coord.proc.wait(30) == 0
+    coord.start(*coord_args)
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    assert "resumed" in coord.status()["bringup"]["summary"]
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        third = c.completions.create(model="llama", prompt="The quick brown fox",
+                                     max_tokens=8, temperature=0).choices[0].text
+    assert third == text
 
 
 def test_refusals_are_named_and_no_stage_runs(daemons: Daemons,
