@@ -336,6 +336,7 @@ class Daemon:
         spec = next(s for s in self.specs(self.config) if s.name == STAGE_WORKER)
         await channel.call(spec.control_socket, "activate")
         self._standby = False
+        await self.supervisor.reconcile(self.specs(self.config))  # a restart comes back active
         self.events.append("stage.active", STAGE_WORKER, "the assigned stage is active")
 
     async def stop_stage(self) -> None:

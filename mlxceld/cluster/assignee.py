@@ -234,7 +234,11 @@ class Assignee:
                 else:
                     self._preparing = self._spawn(self._prepare(cur, heartbeat=True))
             elif isinstance(a, StageAction) and a.what == "activate":
-                await self._host.activate_stage()
+                try:
+                    await self._host.activate_stage()
+                except MlxceldError as exc:  # the stage stays in standby
+                    log.error("stage assignment %d: activating the stage failed: %s "
+                              "(see: mlxctl logs stage)", cur.round.epoch, exc.message)
             elif isinstance(a, StageAction):
                 await self._cancel_prepare()
                 await self._host.stop_stage()
