@@ -79,7 +79,10 @@ def run(
         "mDNS records on the local network). Default: static.")] = None,
     pp_auto: Annotated[int | None, typer.Option(
         "--pp-auto", help="Plan an N-stage pipeline of --model over the peers discovery finds "
-        "(with --dry-run: print the plan and exit).")] = None,
+        "and assign it to them (two-phase; with --dry-run: print the plan and exit).")] = None,
+    pp_peer: Annotated[bool, typer.Option(
+        "--pp-peer", help="Take a pipeline stage of --model from a --pp-auto coordinator "
+        "(otherwise offers are refused).")] = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="With --pp-auto: plan, print the table, write --cluster-config-out, "
         "exit without assigning.")] = False,
@@ -98,7 +101,7 @@ def run(
                       distributed_config=distributed_config, node_id=node_id,
                       cluster_name=cluster_name, cluster_peers=cluster_peers,
                       cluster_discovery=cluster_discovery, pp_auto=pp_auto, dry_run=dry_run,
-                      cluster_config_out=cluster_config_out)
+                      cluster_config_out=cluster_config_out, pp_peer=pp_peer)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)

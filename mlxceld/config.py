@@ -14,6 +14,7 @@ File format (TOML, every table and key optional)::
     cluster_name = "mlxcel-cluster"    # 1-128 characters, no control characters
     cluster_peers = ["192.168.1.11:19000", "[fd00::12]:19000"]  # peer agent addresses
     cluster_discovery = "static"       # static | mdns (see mlxceld/discovery/settings.py)
+    pp_peer = false                    # take a stage from a --pp-auto coordinator
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -80,6 +81,7 @@ class Config:
     pp_auto: int | None = None  # plan (and with --dry-run only plan) N pipeline stages
     dry_run: bool = False
     cluster_config_out: Path | None = None  # where a plan is written as a cluster TOML
+    pp_peer: bool = False  # take stage assignments from a --pp-auto coordinator
     cluster_name: str = DEFAULT_CLUSTER_NAME
     cluster_peers: tuple[str, ...] = ()  # normalized peer agent addresses
     cluster_discovery: str = "static"  # static | mdns
@@ -106,6 +108,7 @@ class Overrides:
     pp_auto: int | None = None
     dry_run: bool = False
     cluster_config_out: Path | None = None
+    pp_peer: bool = False
     cluster_name: str | None = None
     cluster_peers: str | None = None  # comma-separated, as given
     cluster_discovery: str | None = None
@@ -140,15 +143,23 @@ def _pp_auto_choice(flags: Overrides, cluster: Mapping[str, Any]) -> dict[str, A
             raise ConfigError("--pp-auto and --distributed-config exclude each other",
                               hint="--pp-auto plans the cluster itself; --distributed-config "
                               "runs a written one")
-        if not flags.dry_run:
-            raise ConfigError("--pp-auto without --dry-run (the two-phase stage assignment) "
-                              "is not available in this version",
-                              hint="plan with --dry-run --cluster-config-out FILE (or mlxctl "
-                              "cluster plan), then start every node with --distributed-config "
-                              "FILE --node-id ID")
     out = flags.cluster_config_out
     return {"pp_auto": n, "dry_run": flags.dry_run,
             "cluster_config_out": out.expanduser().absolute() if out else None}
+
+
+def _pp_peer(daemon: Mapping[str, Any], flags: Overrides, cluster: Mapping[str, Any],
+             where: str) -> bool:
+    """``--pp-peer`` / ``[daemon] pp_peer``: take stage assignments (two-phase, channel 2)."""
+    value = daemon.get("pp_peer", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: 'daemon.pp_peer' must be true or false",
+                          hint="write it as pp_peer = true")
+    peer = flags.pp_peer or value
+    if peer and (flags.pp_auto is not None or cluster.get("distributed_config") is not None):
+        raise ConfigError("--pp-peer excludes --pp-auto and --distributed-config",
+                          hint="a peer takes its stage from a --pp-auto coordinator")
+    return peer
 
 
 def load_config(flags: Overrides) -> Config:
@@ -171,7 +182,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
     _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr",
-                         "distributed_config", "node_id", *KEYS}, where, "daemon.")
+                         "distributed_config", "node_id", "pp_peer", *KEYS}, where, "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
         sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
@@ -200,6 +211,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         or DEFAULT_AGENT_ADDR,
         **(choice := _cluster_choice(daemon, flags, base, where)),
         **_pp_auto_choice(flags, choice),
+        pp_peer=_pp_peer(daemon, flags, choice, where),
         **cluster_settings(daemon, where, name=flags.cluster_name, peers=flags.cluster_peers,
                            discovery=flags.cluster_discovery),
         policy=policy,

@@ -130,6 +130,15 @@ def status(body: dict[str, Any]) -> str:
                  if cluster.get("layers") else f"{cluster['stages']} stage(s)")
         lines.append(f"cluster {cluster['name']}: node {cluster['node']} ({cluster['role']}, "
                      f"{where}) at {cluster['address']}")
+    assignment = body.get("assignment")
+    if assignment:
+        lines.append(f"assignment: plan {assignment['epoch']}, {assignment['stage']} "
+                     f"{assignment['state']} (coordinator {assignment['coordinator']})"
+                     + (f": {assignment['reason']}" if assignment.get("reason") else ""))
+    bringup = body.get("bringup")
+    if bringup:
+        lines.append(f"bring-up: {bringup['state']}"
+                     + (f": {bringup['summary']}" if bringup.get("summary") else ""))
     return "\n".join([*lines, "", workers_table(workers), "", health(body["problems"])])
 
 

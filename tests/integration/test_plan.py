@@ -86,9 +86,3 @@ def test_pp_auto_dry_run_prints_the_plan_and_writes_the_toml(
     validate_layers(cfg, layer_count(read_model_config(model)))
     assert [s.id for s in cfg.stages] == ["stage-0", "stage-1"]
     assert not any(w for w in coord.recorded_pids())  # no worker was started
-
-    refused = daemons.make(name="nodry")
-    refused.start("--cluster-secret-file", str(secret_file(refused.root, secret)),
-                  "--model", str(model), "--pp-auto", "2", wait=False)
-    assert refused.proc is not None and refused.proc.wait(30) == 2
-    assert "--dry-run" in refused.stderr()

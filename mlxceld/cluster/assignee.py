@@ -1,0 +1,323 @@
+"""A peer's side of the two-phase stage assignment: the asyncio shell around ``PeerRound``.
+
+The coordinator's ``offer`` arrives on channel 2 (``assignment.py``); so do
+``commit``, ``activate`` and ``abort``, on the same connection. A daemon that
+is not a peer (no ``--pp-peer``) refuses every offer with code ``not_a_peer``
+(not final: start it with ``--pp-peer`` and push again).
+
+The offer's listener port: the inventory proposes free ports afresh on every
+answer and keeps no record of them, so a peer accepts any offered port that it
+can bind on its agent host when the offer arrives (``port_is_free``).
+
+Each ``Record`` is written to the ``assignments`` table before the ``Reply``
+after it goes out. Preparing (loading the stage in standby) runs as a task and
+sends ``preparing`` every ``HEARTBEAT_S`` until it ends; the daemon's
+``StageHost`` bounds it (``PREPARE_S``). One timer task calls
+``handle_timer`` at the round's deadline; a ``Query`` dials the coordinator
+(``CONNECT_S`` to connect, ``FRAME_S`` for the answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol, cast
+
+from mlxceld.cluster.agent import AgentService
+from mlxceld.cluster.assignment import (
+    ASSIGNMENT_CHANNEL,
+    CONNECT_S,
+    HEARTBEAT_S,
+    PEER_SPECS,
+    epoch_of,
+    message,
+)
+from mlxceld.cluster.offers import Offer, PeerFacts, Refusal, judge, parse_offer
+from mlxceld.cluster.twophase import (
+    FRAME_S,
+    PEER_PHASE_S,
+    PeerAction,
+    PeerRound,
+    PeerState,
+    Query,
+    Record,
+    Reply,
+    StageAction,
+)
+from mlxceld.errors import MlxceldError
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
+from mlxceld.pipeline.peers import bound_identity, split_address
+from mlxceld.state.plans import Assignments
+from mlxceld.wire import Envelope, Keyring
+from mlxceld.wire.envelope import parse_envelope
+from mlxceld.wire.errors import EnvelopeError
+
+log = logging.getLogger(__name__)
+
+PREPARE_S: Final = PEER_PHASE_S  # loading the stage in standby, at most
+
+
+class StageHost(Protocol):
+    """What the daemon does for a round."""
+
+    def facts(self, port: int) -> PeerFacts: ...
+    async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
+        """Start the stage in standby; returns once it runs, or raises MlxceldError."""
+    async def activate_stage(self) -> None: ...
+    async def stop_stage(self) -> None: ...
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class _Current:
+    """The round in progress and what it is about."""
+
+    round: PeerRound
+    coordinator: str
+    stage: int
+    toml: str
+    stream: MxclStream | None = None
+    refusal: Refusal | None = None
+
+
+class Assignee:
+    def __init__(self, assignments: Assignments, host: StageHost, keyring: Keyring, *,
+                 identity: str, state_dir: Path, enabled: bool) -> None:
+        self._assignments = assignments
+        self._host = host
+        self._keyring = keyring
+        self._identity = identity
+        self._state_dir = state_dir
+        self._enabled = enabled
+        self._current: _Current | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._preparing: asyncio.Task[None] | None = None
+
+    def register(self, agent: AgentService) -> None:
+        agent.add_handler(ASSIGNMENT_CHANNEL, "offer", self._on_offer)
+        for kind in ("commit", "activate", "abort"):
+            agent.add_handler(ASSIGNMENT_CHANNEL, kind, self._on_decision)
+
+    def describe(self) -> dict[str, Any] | None:
+        row = self._assignments.latest()
+        if row is None:
+            return None
+        return {"epoch": row.epoch, "state": row.state, "stage": f"stage-{row.stage}",
+                "coordinator": row.coordinator, "reason": row.reason}
+
+    async def run(self) -> None:
+        """Resume a committed or active assignment, then keep the round's timer."""
+        loop = asyncio.get_running_loop()
+        row = self._assignments.latest()
+        if self._enabled and row is not None and row.state in ("accepted", "committed",
+                                                               "active"):
+            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time())
+            self._current = _Current(r, row.coordinator, row.stage, row.toml)
+            log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
+            await self._execute(actions, wait_prepare=True)
+        try:
+            while not self._closed:
+                cur = self._current
+                deadline = cur.round.deadline if cur else None
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(deadline):
+                        await self._wake.wait()
+                if cur is not None and cur is self._current and not self._closed:
+                    await self._execute(cur.round.handle_timer(loop.time()))
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        """End ``run`` (the daemon is shutting down); a round in progress ends with it."""
+        self._closed = True
+        self._wake.set()
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    async def _on_offer(self, stream: MxclStream, env: Envelope) -> None:
+        epoch = epoch_of(env.header) or 0
+        if not self._enabled:
+            await stream.send(message("refused", epoch, code="not_a_peer", final=False,
+                                      reason="this daemon does not take stage assignments; "
+                                      "start it with --pp-peer"))
+            return
+        try:
+            offer = parse_offer(env.header)
+        except ValueError as exc:
+            await stream.send(message("refused", epoch, code="bad_offer", final=False,
+                                      reason=str(exc)))
+            return
+        cur = self._current
+        if cur is not None and cur.round.state in ("preparing", "accepted", "committed"):
+            await stream.send(message("refused", epoch, code="busy", final=False,
+                                      reason=f"plan {cur.round.epoch} is still in progress "
+                                      "here; retry once it ends"))
+            return
+        newest = self._assignments.newest_epoch()  # SQLite stays on the loop's thread
+        verdict = await asyncio.to_thread(self._judge, offer, stream, newest)
+        if isinstance(verdict, Refusal) and verdict.code == "stale_epoch":
+            await stream.send(message("refused", offer.epoch, code=verdict.code, final=False,
+                                      reason=verdict.reason))
+            return
+        loop = asyncio.get_running_loop()
+        cur = _Current(PeerRound(offer.epoch), offer.coordinator, offer.stage, offer.toml,
+                       stream)
+        self._current = cur
+        self._wake.set()
+        if isinstance(verdict, Refusal):
+            log.warning("offer %d from %s refused: %s: %s", offer.epoch, offer.coordinator,
+                        verdict.code, verdict.reason)
+            cur.refusal = verdict
+            await self._execute(cur.round.on_offer_refused(verdict.code, verdict.reason,
+                                                           verdict.final))
+            return
+        log.info("offer %d from %s accepted: stage %d, layers %s", offer.epoch,
+                 offer.coordinator, offer.stage, list(offer.layers))
+        await self._execute(cur.round.on_offer_accepted(loop.time()))
+
+    def _judge(self, offer: Offer, stream: MxclStream, newest: int) -> Any:
+        return judge(offer, self._host.facts(offer.port),
+                     bound_identity=bound_identity(stream.peer_identity, stream.peer),
+                     newest_epoch=newest,
+                     toml_path=self._state_dir / f"cluster-{offer.epoch}.toml")
+
+    async def _on_decision(self, stream: MxclStream, env: Envelope) -> None:
+        cur = self._current
+        if cur is None or epoch_of(env.header) != cur.round.epoch:
+            return  # another epoch's: ignored
+        cur.stream = stream
+        now = asyncio.get_running_loop().time()
+        if env.type == "commit":
+            actions = cur.round.on_commit(now)
+        elif env.type == "activate":
+            actions = cur.round.on_activate()
+        else:
+            actions = cur.round.on_abort(str(env.header.get("summary", "")))
+        self._wake.set()
+        await self._execute(actions)
+
+    # -- actions ----------------------------------------------------------------------------
+
+    async def _execute(self, actions: Sequence[PeerAction], *, wait_prepare: bool = False
+                       ) -> None:
+        cur = self._current
+        assert cur is not None
+        for a in actions:
+            if isinstance(a, Record):
+                self._assignments.record(cur.round.epoch, cur.coordinator, cur.stage, a.state,
+                                         cur.toml, a.reason)
+                log.info("stage assignment %d: %s %s", cur.round.epoch, a.state, a.reason)
+            elif isinstance(a, Reply):
+                await self._reply(cur, a)
+            elif isinstance(a, StageAction) and a.what == "prepare":
+                if wait_prepare:
+                    await self._prepare(cur, heartbeat=False)
+                else:
+                    self._preparing = self._spawn(self._prepare(cur, heartbeat=True))
+            elif isinstance(a, StageAction) and a.what == "activate":
+                try:
+                    await self._host.activate_stage()
+                except MlxceldError as exc:  # the stage stays in standby
+                    log.error("stage assignment %d: activating the stage failed: %s "
+                              "(see: mlxctl logs stage)", cur.round.epoch, exc.message)
+            elif isinstance(a, StageAction):
+                await self._cancel_prepare()
+                await self._host.stop_stage()
+            elif isinstance(a, Query):
+                self._spawn(self._query(cur))
+
+    async def _reply(self, cur: _Current, a: Reply) -> None:
+        fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
+        if a.kind == "refused":
+            r = cur.refusal
+            fields.update(code=r.code if r else "prepare", final=r.final if r else False,
+                          reason=a.reason)
+        if cur.stream is None:
+            return
+        try:
+            await cur.stream.send(message(a.kind, cur.round.epoch, **fields))
+        except ConnectionClosed:
+            log.info("stage assignment %d: the coordinator's connection is gone (%s not "
+                     "sent)", cur.round.epoch, a.kind)
+
+    async def _prepare(self, cur: _Current, *, heartbeat: bool) -> None:
+        task = asyncio.ensure_future(self._host.prepare_stage(
+            cur.round.epoch, f"stage-{cur.stage}", cur.toml))
+        try:
+            while heartbeat and not task.done():
+                await asyncio.wait({task}, timeout=HEARTBEAT_S)
+                if not task.done():
+                    await self._reply(cur, Reply("preparing"))
+            await task
+        except MlxceldError as exc:
+            if cur is self._current:
+                await self._execute(cur.round.on_prepare_failed(exc.message))
+            return
+        finally:
+            task.cancel()
+        if cur is self._current:
+            await self._execute(cur.round.on_prepared(asyncio.get_running_loop().time()))
+            self._wake.set()
+
+    async def _query(self, cur: _Current) -> None:
+        host, port = split_address(cur.coordinator)
+        try:
+            stream = await connect(host, port, keyring=self._keyring, identity=self._identity,
+                                   channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S,
+                                   local_addr=(split_address(self._identity)[0], 0))
+        except HandshakeFailed as exc:
+            log.warning("stage assignment %d: cannot ask coordinator %s: %s",
+                        cur.round.epoch, cur.coordinator, exc.message)
+            return
+        try:
+            async with asyncio.timeout(FRAME_S):
+                await stream.send(message("query", cur.round.epoch))
+                env = parse_envelope(await stream.recv(), PEER_SPECS)
+            decision = str(env.header.get("decision"))
+        except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
+            log.warning("stage assignment %d: coordinator %s did not answer: %s",
+                        cur.round.epoch, cur.coordinator, exc)
+            return
+        finally:
+            await stream.close("query answered")
+        if cur is self._current:
+            await self._execute(cur.round.on_decision(
+                decision, asyncio.get_running_loop().time()))
+            self._wake.set()
+
+    async def _cancel_prepare(self) -> None:
+        """An abort while the stage loads: stop loading before the stage is removed."""
+        task = self._preparing
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.wait({task})
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _state(state: str) -> PeerState:
+    known = ("preparing", "accepted", "committed", "active", "aborted", "refused")
+    return cast(PeerState, state) if state in known else "aborted"

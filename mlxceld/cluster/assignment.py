@@ -1,0 +1,225 @@
+"""The two-phase stage assignment on MXCL channel 2: its messages and the coordinator's push.
+
+Messages (the envelope of PROTOCOL.md section 4, header only, no tensors; every
+one carries ``epoch``, the plan's; anything about another epoch is ignored):
+
+========= ================ ===================================================
+type      direction        fields
+========= ================ ===================================================
+offer     coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
+                           layers, port, node id and the cluster TOML
+preparing peer → coord     none: a heartbeat every ``HEARTBEAT_S`` while the
+                           peer loads its stage in standby
+accepted  peer → coord     none: the stage is loaded; the vote is durable
+refused   peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
+commit    coord → peer     none: every peer accepted (the decision is durable)
+committed peer → coord     none
+activate  coord → peer     none: every peer committed; re-sent until active
+active    peer → coord     none: the stage serves
+abort     coord → peer     ``summary``: each peer that did not commit, and why
+aborted   peer → coord     none: the standby stage is gone
+query     either way       none: "what did you decide for this epoch?"
+decision  answer to query  ``decision``: commit | activate | active | abort |
+                           unknown (never heard of it)
+========= ================ ===================================================
+
+The offer and everything after it travel on one connection the coordinator
+dials to the peer's agent listener (identity: the coordinator's agent address);
+a peer's ``query`` (``twophase.Query``) dials the coordinator's.
+
+Bounds: ``CONNECT_S`` per dial and handshake, ``twophase.FRAME_S`` per answer,
+``twophase.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
+commit phase, ``twophase.PEER_PHASE_S`` for a peer's waits between phases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from mlxceld import __version__
+from mlxceld.cluster.agent import AgentService
+from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer
+from mlxceld.cluster.twophase import PUSH_S, CoordinatorRound, Finished, Persist, Send
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
+from mlxceld.pipeline.peers import split_address
+from mlxceld.state.plans import Plans
+from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
+from mlxceld.wire.envelope import parse_envelope
+from mlxceld.wire.errors import EnvelopeError
+
+log = logging.getLogger(__name__)
+
+ASSIGNMENT_CHANNEL: Final = 2
+CONNECT_S: Final = 5.0  # one dial and handshake
+HEARTBEAT_S: Final = 2.0  # a preparing peer's heartbeat
+FROM_PEER: Final = ("preparing", "accepted", "refused", "committed", "active", "aborted",
+                    "decision", "error")
+FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query")
+COORDINATOR_SPECS: Final = {t: MessageSpec() for t in FROM_PEER}  # what a coordinator reads
+PEER_SPECS: Final = {t: MessageSpec() for t in (*FROM_COORDINATOR, "decision")}
+
+
+def message(kind: str, epoch: int, **fields: Any) -> bytes:
+    return encode_envelope({"t": kind, "epoch": epoch, **fields})
+
+
+def epoch_of(header: Mapping[str, Any]) -> int | None:
+    epoch = header.get("epoch")
+    return epoch if type(epoch) is int else None
+
+
+@dataclass(frozen=True)
+class StageOffer:
+    """One stage of a plan: the peer agent that runs it and what it is offered."""
+
+    agent: str  # the peer's agent address (host:port)
+    stage: int
+    layers: tuple[int, int]
+    node_id: str
+    port: int
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    cluster: str
+    model_identity: str
+    toml: str
+    stages: tuple[StageOffer, ...]
+
+
+def offer_for(plan: PushPlan, s: StageOffer, epoch: int, coordinator: str) -> Offer:
+    return Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
+                 package_version=__version__, cluster=plan.cluster,
+                 model_identity=plan.model_identity, stage=s.stage, layers=s.layers,
+                 node_id=s.node_id, port=s.port, coordinator=coordinator, toml=plan.toml)
+
+
+async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
+               push_s: float = PUSH_S) -> tuple[int, Finished]:
+    """Offer every stage, then commit and activate, or abort everywhere; the decision is
+    written to ``plans`` before it is sent. Returns the epoch and how it ended."""
+    epoch = plans.next_epoch()
+    peers = tuple(s.agent for s in plan.stages)
+    plans.create(epoch, plan.cluster, plan.model_identity, peers, plan.toml)
+    loop = asyncio.get_running_loop()
+    round_ = CoordinatorRound(epoch, peers, loop.time(), push_s=push_s)
+    log.info("plan %d: offering %d stage(s) to %s", epoch, len(peers), ", ".join(peers))
+    round_.start()  # the offers go out as each connection is up
+    first = {s.agent: encode_envelope(offer_for(plan, s, epoch, identity).header())
+             for s in plan.stages}
+    return epoch, await _drive(round_, first, plans=plans, keyring=keyring, identity=identity)
+
+
+async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: str
+                      ) -> Finished:
+    """A coordinator restarted after deciding commit or activate: re-send the decision
+    (idempotent) to every peer over fresh connections until every peer is active."""
+    row = plans.get(epoch)
+    assert row is not None and row.decision in ("commit", "activate")
+    round_, actions = CoordinatorRound.resume(epoch, row.peers, row.decision,  # type: ignore[arg-type]
+                                              asyncio.get_running_loop().time())
+    log.info("plan %d: resuming after a restart (%s)", epoch, row.decision)
+    first = {a.peer: message(a.kind, epoch) for a in actions if isinstance(a, Send)}
+    return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity)
+
+
+async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans: Plans,
+                 keyring: Keyring, identity: str) -> Finished:
+    """One connection per peer (``first`` goes out on it), a reader each feeding the
+    round, its actions carried out in order, until it finishes."""
+    loop = asyncio.get_running_loop()
+    epoch = round_.epoch
+    inbox: asyncio.Queue[tuple[str, str, dict[str, Any]]] = asyncio.Queue()
+    streams: dict[str, MxclStream] = {}
+
+    async def dial(agent: str) -> None:
+        host, port = split_address(agent)
+        try:
+            stream = await connect(host, port, keyring=keyring, identity=identity,
+                                   channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S,
+                                   local_addr=(split_address(identity)[0], 0))
+        except HandshakeFailed as exc:
+            await inbox.put((agent, "lost", {"reason": f"cannot connect: {exc.message}"}))
+            return
+        streams[agent] = stream
+        try:
+            await stream.send(first[agent])
+            while True:
+                env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
+                if epoch_of(env.header) == epoch or env.type == "error":
+                    await inbox.put((agent, env.type, env.header))
+        except (ConnectionClosed, EnvelopeError) as exc:
+            await inbox.put((agent, "lost", {"reason": f"connection lost: {exc}"}))
+
+    async def execute(actions: Sequence[object]) -> Finished | None:
+        for a in actions:
+            if isinstance(a, Persist):
+                plans.decide(epoch, a.decision, a.summary)
+                log.info("plan %d: decided %s %s", epoch, a.decision, a.summary)
+            elif isinstance(a, Send) and a.peer in streams:
+                fields = {"summary": a.summary} if a.kind == "abort" else {}
+                try:
+                    await streams[a.peer].send(message(a.kind, epoch, **fields))
+                except ConnectionClosed:
+                    await inbox.put((a.peer, "lost", {"reason": "connection lost"}))
+            elif isinstance(a, Finished):
+                return a
+        return None
+
+    readers = [asyncio.create_task(dial(agent)) for agent in first]
+    try:
+        while True:
+            deadline = round_.next_deadline()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    peer, kind, header = await inbox.get()
+            except TimeoutError:
+                done = await execute(round_.handle_timer(loop.time()))
+            else:
+                done = await execute(_feed(round_, peer, kind, header, loop.time()))
+            if done is not None:
+                return done
+    finally:
+        for t in readers:
+            t.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        for stream in streams.values():
+            await stream.close("assignment over")
+
+
+def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
+          now: float) -> list[Any]:
+    if kind == "preparing":
+        return r.on_preparing(peer, now)
+    if kind == "accepted":
+        return r.on_accepted(peer, now)
+    if kind == "committed":
+        return r.on_committed(peer, now)
+    if kind == "active":
+        return r.on_active(peer, now)
+    if kind == "refused":
+        code, reason = header.get("code"), header.get("reason")
+        return r.on_refused(peer, f"{code}: {reason}")
+    if kind == "lost":
+        return r.on_failed(peer, str(header.get("reason")))
+    if kind == "error":
+        return r.on_failed(peer, f"protocol error: {header.get('reason')}")
+    if kind == "aborted":
+        return r.on_failed(peer, "aborted")
+    return []
+
+
+def serve_queries(agent: AgentService, plans: Plans) -> None:
+    """Answer a peer's ``query`` from the plans table (an undecided plan reads as abort)."""
+
+    async def answer(stream: MxclStream, env: Envelope) -> None:
+        epoch = epoch_of(env.header)
+        row = plans.get(epoch) if epoch is not None else None
+        decision = "unknown" if row is None else (row.decision or "abort")
+        await stream.send(message("decision", epoch or 0, decision=decision))
+
+    agent.add_handler(ASSIGNMENT_CHANNEL, "query", answer)

@@ -1,0 +1,111 @@
+"""`mlxceld --pp-auto 2` on a coordinator and `--pp-peer` on two peers: the two-phase stage
+assignment on real daemons (127.0.0.1/.2/.3), then a completion through the router."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import openai
+from conftest import Daemons, wait_for
+from test_discovery import agent, secret_file, start
+from test_pipeline import READY_S, expected, free_port
+
+
+def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_dir: Path,
+                                                tmp_path: Path) -> None:
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
+                   name=f"p{i}") for i in (2, 3)]
+    port = free_port("127.0.0.1")
+    out = tmp_path / "pushed.toml"
+    coord_args = ("--cluster-secret-file", "", "--agent-addr",
+                  f"127.0.0.1:{free_port('127.0.0.1')}", "--cluster-peers",
+                  ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model", str(model),
+                  "--port", str(port), "--cluster-config-out", str(out))
+    coord = daemons.make(name="c")
+    coord_args = (coord_args[0], str(secret_file(coord.root, secret)), *coord_args[2:])
+    coord.start(*coord_args)
+    wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active", "failed"),
+             90, "the push to end\n" + coord.stderr()[-3000:])
+    assert coord.status()["bringup"]["state"] == "active", (
+        coord.status()["bringup"], coord.stderr()[-3000:], peers[0].stderr()[-3000:])
+    router = coord.wait_worker("router", timeout=READY_S, state="running")
+    daemons.pids.add(router["pid"])
+    for p in peers:
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert out.exists()
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
+                                    temperature=0).choices[0].text
+    assert text == expected(model, "The quick brown fox", 8)
+    shown = peers[0].ctl("status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    body = json.loads(shown.stdout)
+    assignment = body.get("assignment") or body.get("data", {}).get("assignment")
+    assert assignment["state"] == "active" and assignment["stage"] == "stage-0", body
+    assert coord.status()["bringup"]["state"] == "active"
+    human = peers[1].ctl("status")
+    assert "stage-1 active" in human.stdout, human.stdout
+
+    # A peer restarted while active brings its stage back active (from the stored TOML).
+    p = peers[1]
+    assert p.ctl("stop").returncode == 0 and p.proc is not None and p.proc.wait(30) == 0
+    p.start("--agent-addr", "127.0.0.3:0", "--pp-peer", "--model", str(model))
+    daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert p.status()["assignment"]["state"] == "active"
+    wait_for(lambda: sum(e["kind"] == "stage.active" for e in p.events()) == 2, 20,
+             "stage-1 activated again")
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        again = c.completions.create(model="llama", prompt="The quick brown fox",
+                                     max_tokens=8, temperature=0).choices[0].text
+    assert again == text
+
+    # A coordinator restarted after its plan went active serves that plan again, unpushed.
+    assert coord.ctl("stop").returncode == 0 and coord.proc is not None
+    assert coord.proc.wait(30) == 0
+    coord.start(*coord_args)
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    assert "resumed" in coord.status()["bringup"]["summary"]
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        third = c.completions.create(model="llama", prompt="The quick brown fox",
+                                     max_tokens=8, temperature=0).choices[0].text
+    assert third == text
+
+
+def test_refusals_are_named_and_no_stage_runs(daemons: Daemons,
+                                             split_fixture_dir: Path) -> None:
+    """A peer with another model is left out of the plan (and named); a peer with no model
+    refuses its offer with code `model` (final); the push aborts; nothing runs anywhere."""
+    secret = secrets.token_hex(16).encode()
+    llama = str(split_fixture_dir / "llama")
+    good = start(daemons, "127.0.0.2", secret, "--pp-peer", "--model", llama, name="good")
+    bare = start(daemons, "127.0.0.3", secret, "--pp-peer", name="bare")
+    other = start(daemons, "127.0.0.4", secret, "--pp-peer", "--model",
+                  str(split_fixture_dir / "qwen3"), name="other")
+    peers = [good, bare, other]
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+                  ",".join(agent(p) for p in peers), "--pp-auto", "2", "--model", llama,
+                  "--port", str(free_port("127.0.0.1")), name="c")
+
+    def ended() -> dict[str, str] | None:
+        b = coord.status().get("bringup") or {}
+        return b if b.get("state") == "failed" else None
+
+    failed = wait_for(ended, 120, "the bring-up to fail")
+    summary = failed["summary"]
+    assert f"{agent(bare)}: refused: model:" in summary, summary
+    assert agent(other) in summary and "left out" in summary, summary
+    assert "bring-up failed" in coord.stderr()
+    wait_for(lambda: (bare.status()["assignment"] or {}).get("state") == "refused", 10,
+             "the bare peer's refusal recorded")
+    wait_for(lambda: (good.status()["assignment"] or {}).get("state") == "aborted", 20,
+             "the good peer aborted")
+    for d in (*peers, coord):
+        assert not [w for w in d.status()["workers"] if w["name"] in ("stage", "router")
+                    and w["state"] in ("starting", "running")], d.status()["workers"]
