@@ -200,10 +200,7 @@ class Daemon:
             print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
                   file=sys.stderr)
             return 2
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + DRY_RUN_WAIT_S
-        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
-            await asyncio.sleep(1.0)
+        await self._await_peers(n, DRY_RUN_WAIT_S)
         try:
             planned = await self.plan_cluster(model, n)
         except MlxceldError as exc:
@@ -220,6 +217,14 @@ class Daemon:
             print(f"cluster TOML written to {out}")
         return 0
 
+    async def _await_peers(self, n: int, within_s: float) -> None:
+        """Poll the candidates until ``n`` are reachable or ``within_s`` has passed."""
+        assert self._discovery is not None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + within_s
+        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
+            await asyncio.sleep(1.0)
+
     async def _bring_up(self) -> None:
         """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,
         push the plan (two-phase), then run the router over the pipeline. A failure is
@@ -230,10 +235,7 @@ class Daemon:
         if last is not None and last.decision in ("commit", "activate", "active"):
             await self._resume_bring_up(last.epoch, last.decision, last.toml, model)
             return
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + PP_AUTO_WAIT_S
-        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
-            await asyncio.sleep(1.0)
+        await self._await_peers(n, PP_AUTO_WAIT_S)
         try:
             planned = await self.plan_cluster(model, n)
         except MlxceldError as exc:
