@@ -72,11 +72,14 @@ def stage_options(p: Placement) -> dict[str, Any]:
     stages = cfg.stages
     up = stages[node.rank - 1] if node.rank > 0 else None
     down = stages[node.rank + 1] if node.rank + 1 < len(stages) else None
+    ring = len(stages) > 1  # the last stage sends each continuing token to the first
     return {"model": str(p.model), "layers": list(node.layers), "node_id": node.id,
             "rank": node.rank, "address": node.address,
             "coordinator": cfg.coordinator.address,
             "upstream": up.address if up else None,
             "downstream": down.address if down else None,
+            "first": stages[0].address if ring and node.rank == len(stages) - 1 else None,
+            "last": stages[-1].address if ring and node.rank == 0 else None,
             "model_identity": p.model_identity, "cluster": cfg.name}
 
 

@@ -1,11 +1,15 @@
 """The pipeline engine: the router's ``Engine`` over stages on other hosts.
 
 For each request: prepare a sequence on every stage (each answers ``prepared``),
-send the prompt to the first stage in chunks of ``PREFILL_CHUNK`` tokens, and
-then one token per step; the first stage forwards activations down the
-pipeline and the last stage samples with the request's parameters and sends
-the token id straight back here. Sequences of concurrent requests are in flight
-at once, so while one stage works on one sequence the others work on others.
+send the prompt to the first stage in chunks of ``PREFILL_CHUNK`` tokens; the
+first stage forwards activations down the pipeline and the last stage samples
+with the request's parameters. From then on the stages decode by themselves:
+the last stage sends each token id here and to the first stage as the next
+step, until an end-of-sequence id or ``max_tokens``; this engine only reads
+the tokens and releases the sequence when its request ends (a stop string, a
+client gone), so the coordinator is never on the decode loop's critical path.
+Sequences of concurrent requests are in flight at once, so while one stage
+works on one sequence the others work on others.
 
 Bounds (every wait has a deadline):
 
@@ -66,7 +70,6 @@ class PipelineEngine:
         self._last_rank = self._links[-1].stage.rank
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-        self.wire_steps = 0
 
     def active_sequences(self) -> int:
         return len(self._inboxes)
@@ -101,8 +104,8 @@ class PipelineEngine:
                 step += 1
             produced = 0
             pending = len(prompt[-p.PREFILL_CHUNK:])
-            while True:
-                token = await self._token(seq, step - 1, inbox, pending)
+            while True:  # the stages run step, step + 1, ... on their own (see above)
+                token = await self._token(seq, step - 1 + produced, inbox, pending)
                 produced += 1
                 if token in self._eos:
                     yield TokenOutput(token, "stop")
@@ -111,8 +114,6 @@ class PipelineEngine:
                     yield TokenOutput(token, "length")
                     return
                 yield TokenOutput(token)
-                await self._run(seq, step, [token], sample=True)
-                step += 1
                 pending = 1
         finally:
             del self._inboxes[seq]
@@ -121,7 +122,8 @@ class PipelineEngine:
             self._spawn(self._release(seq))
 
     async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> None:
-        header = {"t": "prepare", "seq": seq, "params": p.params_to_wire(request.params)}
+        header = {"t": "prepare", "seq": seq, "params": p.params_to_wire(request.params),
+                  "eos": sorted(self._eos)[:p.MAX_EOS]}
         await asyncio.gather(*(link.send(header) for link in self._links))
         waiting = {link.stage.rank: link.stage.node_id for link in self._links}
         try:
@@ -138,7 +140,6 @@ class PipelineEngine:
         blob = ("tokens", "i32", (1, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens))
         await self._links[0].send({"t": "run", "seq": seq, "step": step, "sample": sample},
                                   [blob])
-        self.wire_steps += 1
 
     async def _token(self, seq: str, step: int, inbox: Inbox, prompt_tokens: int) -> int:
         bound = self._step_timeout + PER_TOKEN_S * prompt_tokens

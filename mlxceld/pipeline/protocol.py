@@ -6,7 +6,11 @@ dialer's identity (``host:port``, its IP checked against the TCP source):
 - the coordinator (the router's pipeline engine) dials every stage and sends
   commands; the stage answers on that same connection;
 - stage *i* dials stage *i + 1* and sends activations; nothing but pongs comes
-  back on it.
+  back on it;
+- the last stage dials the first (when they differ) and sends it each sampled
+  token that continues a sequence (``next``): decoding goes round the ring of
+  stages without waiting for the coordinator, which only prefills, watches the
+  tokens go by, and releases.
 
 Messages (the envelope of PROTOCOL.md section 4; ``seq`` is 1 to 64 characters
 of ``[A-Za-z0-9_.-]``, ``step`` an integer in ``[0, 2**31)``):
@@ -20,14 +24,21 @@ attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
                             (then the stage closes the connection), or
                             ``standby`` while its assignment is not active
 prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
-                            top_p, top_k, seed}; a fresh KV cache, owned by the
+                            top_p, top_k, seed}, ``eos`` (at most ``MAX_EOS``
+                            token ids); a fresh KV cache, owned by the
                             sender's identity; answered by ``prepared`` {seq}
 run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
                             ``tokens`` i32 ``[1, n]``, 1 ≤ n ≤ ``MAX_STEP_TOKENS``
+                            (the prompt, in chunks; the last one samples)
 act        stage → next     ``seq``, ``step``, ``sample``; tensor ``hidden``
                             ``[1, n, hidden_size]`` in the model's dtype
 token      last → owner     ``seq``, ``step``; tensor ``tokens`` i32 ``[1]``;
                             sent only for steps with ``sample`` true
+next       last → stage 0   ``seq``, ``step``; tensor ``tokens`` i32 ``[1, 1]``:
+                            the token just sampled, run as the sequence's next
+                            step unless it is an ``eos`` id or the sequence
+                            has produced ``max_tokens`` (one stage: no message,
+                            the stage continues itself)
 release    coord → stage    ``seq``; frees its cache; no answer
 error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
                             the error concerns one
@@ -35,9 +46,10 @@ error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
 
 Authorization on a stage (the identity is the handshake's, never a field):
 commands only from the coordinator of the stage's cluster config; ``run`` only
-on the first stage; ``act`` only from the upstream stage; a sequence belongs to
-the identity that prepared it, and a command on it from another identity is
-refused and changes nothing. Replies go over the connection they answer, or,
+on the first stage; ``act`` only from the upstream stage; ``next`` only from
+the last stage; a sequence belongs to the identity that prepared it, and a
+command on it from another identity is refused and changes nothing. Replies
+go over the connection they answer, or,
 for ``token`` and errors from the activation path, over the owner's own
 connection; an activation for a sequence nobody prepared is dropped (nothing
 can correlate it). Every tensor's dtype and shape is checked against these
@@ -56,11 +68,13 @@ from mlxceld.wire import MessageSpec, TensorSpec
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in chunks of 512
 PREFILL_CHUNK: Final = 512
 MAX_SEQUENCES: Final = 256  # prepared sequences one stage keeps at once
+MAX_EOS: Final = 64  # end-of-sequence token ids in one ``prepare``
 MAX_TEMPERATURE: Final = 100.0
 SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 ERR_NOT_COORDINATOR: Final = "not_coordinator"
 ERR_NOT_UPSTREAM: Final = "not_upstream"
+ERR_NOT_LAST: Final = "not_last_stage"
 ERR_NOT_FIRST: Final = "not_first_stage"
 ERR_NOT_OWNER: Final = "not_owner"
 ERR_UNKNOWN_SEQ: Final = "unknown_sequence"
@@ -87,7 +101,8 @@ def stage_specs(hidden_size: int, wire_dtype: str, *, first: bool) -> dict[str, 
     if first:
         specs["run"] = MessageSpec({"tokens": TensorSpec(
             frozenset({"i32"}), ((1, 1), (1, MAX_STEP_TOKENS)))})
-    else:
+        specs["next"] = MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1), (1, 1)))})
+    if not first:
         specs["act"] = MessageSpec({"hidden": TensorSpec(
             frozenset({wire_dtype}), ((1, 1), (1, MAX_STEP_TOKENS),
                                       (hidden_size, hidden_size)))})
@@ -150,6 +165,16 @@ def params_from_wire(value: object) -> SamplingParams:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.seed' out of range")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temp), top_p=float(top_p),
                           top_k=top_k, seed=seed)
+
+
+def eos_of(header: Mapping[str, Any]) -> frozenset[int]:
+    """The ``prepare``'s end-of-sequence token ids (the last stage stops at one)."""
+    eos = header.get("eos", [])
+    if not isinstance(eos, list) or len(eos) > MAX_EOS or any(
+            type(t) is not int or not 0 <= t < 2**31 for t in eos):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'eos' must be a list of at most {MAX_EOS} "
+                                "token ids")
+    return frozenset(eos)
 
 
 def error_header(code: str, message: str, seq: str | None = None,

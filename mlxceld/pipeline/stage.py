@@ -6,9 +6,14 @@ runs the stage's layers, one step at a time in arrival order; the asyncio side
 parses, authorizes and forwards, and never touches mlx arrays' values.
 
 Each sequence keeps its own KV cache until it is released, its owner's
-connection closes, or the stage stops. Bounds: ``MAX_SEQUENCES`` prepared at
-once; a downstream stage is dialed within ``DOWNSTREAM_DIAL_S`` (then the
-owner is told ``downstream_unreachable``).
+connection closes, or the stage stops. The last stage continues each sequence
+it samples for: it sends the token to the owner and, unless the token ends the
+sequence or ``max_tokens`` are reached, to the first stage as the next step
+(``next``), so decode steps go round the stages without the coordinator.
+
+Bounds: ``MAX_SEQUENCES`` prepared at once; the next stage (and, from the last
+stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
+``downstream_unreachable``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from mlxceld.wire import (
     Envelope,
     EnvelopeError,
     Keyring,
+    Tensor,
     encode_envelope,
     parse_envelope,
 )
@@ -53,6 +59,8 @@ class StagePlace:
     downstream: tuple[str, int] | None  # the next stage's listener (None on the last)
     model_identity: str
     cluster: str
+    first: tuple[str, int] | None  # on the last of 2+ stages: the first stage's listener
+    last: str | None  # on the first of 2+ stages: the last stage's address (sends ``next``)
 
 
 @dataclass
@@ -61,7 +69,9 @@ class _Sequence:
     stream: MxclStream  # the owner's connection: replies go there
     state: SeqState  # its caches and sampler, used on the compute thread
     params: SamplingParams
+    eos: frozenset[int] = frozenset()  # the last stage stops the sequence at one of these
     next_step: int = 0
+    produced: int = 0  # tokens sampled (on the last stage)
 
 
 @dataclass
@@ -83,15 +93,12 @@ class StageService:
                  standby: bool = False) -> None:
         self._model = model
         self._place = place
-        self._keyring = keyring
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, _Sequence] = {}
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
-        self._down: MxclStream | None = None
-        self._down_lock = asyncio.Lock()
-        self._dial_ip = dial_ip
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._down = _Dialer(place.downstream, keyring, place.address, dial_ip, "next stage")
+        self._ring = _Dialer(place.first, keyring, place.address, dial_ip, "first stage")
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self.stats = StageStats()
 
@@ -113,6 +120,8 @@ class StageService:
         from_coordinator = identity_matches(self._place.coordinator, who)
         from_upstream = (self._place.upstream is not None
                          and identity_matches(self._place.upstream, who))
+        from_last = (self._place.last is not None
+                     and identity_matches(self._place.last, who))
         attached = False
         try:
             while True:
@@ -129,7 +138,14 @@ class StageService:
                             raise p.ProtocolViolation(
                                 p.ERR_NOT_UPSTREAM, f"activations are accepted only from the "
                                 f"upstream stage {self._place.upstream}; you are {who}")
-                        self._activation(env)
+                        self._from_stage(env, "hidden")
+                        continue
+                    if env.type == "next":
+                        if not from_last:
+                            raise p.ProtocolViolation(
+                                p.ERR_NOT_LAST, f"'next' is accepted only from the last stage "
+                                f"{self._place.last}; you are {who}")
+                        self._from_stage(env, "tokens")
                         continue
                     if not from_coordinator:
                         raise p.ProtocolViolation(
@@ -208,7 +224,8 @@ class StageService:
             sampler = (make_sampler(params, self._model.vocab_size) if self._model.last
                        else None)
             self._seqs[seq_id] = _Sequence(who, stream,
-                                           SeqState(self._model.make_cache(), sampler), params)
+                                           SeqState(self._model.make_cache(), sampler), params,
+                                           p.eos_of(env.header))
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
             self._seqs.pop(seq_id, None)
@@ -216,24 +233,26 @@ class StageService:
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
                                           f"sequence {seq_id} is not prepared here")
-            self._enqueue(seq_id, current, env, env.tensors["tokens"])
+            self._enqueue(seq_id, current, p.step_of(env.header), p.sample_of(env.header),
+                          env.tensors["tokens"])
 
-    def _activation(self, env: Envelope) -> None:
+    def _from_stage(self, env: Envelope, tensor: str) -> None:
+        """An activation (``act``) or a continuation (``next``) from another stage."""
         seq_id = p.seq_of(env.header)
         seq = self._seqs.get(seq_id)
         if seq is None:  # released meanwhile, or never prepared: nothing to correlate
-            log.debug("dropped an activation for unknown sequence %s", seq_id)
+            log.debug("dropped %s for unknown sequence %s", env.type, seq_id)
             return
-        self._enqueue(seq_id, seq, env, env.tensors["hidden"])
+        self._enqueue(seq_id, seq, p.step_of(env.header), p.sample_of(env.header),
+                      env.tensors[tensor])
 
-    def _enqueue(self, seq_id: str, seq: _Sequence, env: Envelope, tensor: Any) -> None:
-        step = p.step_of(env.header)
+    def _enqueue(self, seq_id: str, seq: _Sequence, step: int, sample: bool,
+                 tensor: Tensor) -> None:
         if step != seq.next_step:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
                                       f"arrived, step {seq.next_step} was expected")
         seq.next_step += 1
-        self._queue.put_nowait(_Work(seq_id, seq.state, step, p.sample_of(env.header), tensor,
-                                     seq))
+        self._queue.put_nowait(_Work(seq_id, seq.state, step, sample, tensor, seq))
 
     # -- compute ------------------------------------------------------------------------
 
@@ -271,62 +290,101 @@ class StageService:
             await self._forward(work, out)
 
     async def _forward(self, work: _Work, out: Any) -> None:
-        if self._model.last:
-            if out is None:
-                return
-            blob = ("tokens", "i32", (1,), struct.pack("<i", out))
-            await _send_quietly(work.seq.stream, encode_envelope(
-                {"t": "token", "seq": work.seq_id, "step": work.step}, [blob]))
+        if not self._model.last:
+            await self._send_on(self._down, work, encode_envelope(
+                {"t": "act", "seq": work.seq_id, "step": work.step, "sample": work.sample},
+                [out]))
             return
-        message = encode_envelope({"t": "act", "seq": work.seq_id, "step": work.step,
-                                   "sample": work.sample}, [out])
+        if out is None:
+            return
+        await self._continue(work, out)
+        await _send_quietly(work.seq.stream, encode_envelope(
+            {"t": "token", "seq": work.seq_id, "step": work.step},
+            [("tokens", "i32", (1,), struct.pack("<i", out))]))
+
+    async def _continue(self, work: _Work, token: int) -> None:
+        """Run ``token`` as the sequence's next step, unless it ends the sequence: on the
+        first stage, by a ``next`` message or (a one-stage pipeline) here."""
+        seq = work.seq
+        seq.produced += 1
+        if (token in seq.eos or seq.produced >= seq.params.max_tokens
+                or self._seqs.get(work.seq_id) is not seq):
+            return
+        blob = struct.pack("<i", token)
+        if self._model.first:
+            self._enqueue(work.seq_id, seq, work.step + 1, True,
+                          Tensor("tokens", "i32", (1, 1), memoryview(blob)))
+            return
+        await self._send_on(self._ring, work, encode_envelope(
+            {"t": "next", "seq": work.seq_id, "step": work.step + 1},
+            [("tokens", "i32", (1, 1), blob)]))
+
+    async def _send_on(self, dialer: _Dialer, work: _Work, message: bytes) -> None:
         try:
-            down = await self._downstream()
-            await down.send(message)
+            stream = await dialer.stream()
+            await stream.send(message)
         except (ConnectionClosed, NetError) as exc:
-            self._down = None
+            dialer.forget()
             self._seqs.pop(work.seq_id, None)
             await self._tell_owner(work, p.ERR_DOWNSTREAM,
-                                   f"stage {self._place.node_id} cannot reach the next stage "
-                                   f"at {_addr(self._place.downstream)}: {exc}")
-
-    async def _downstream(self) -> MxclStream:
-        async with self._down_lock:
-            if self._down is not None and not self._down.closed:
-                return self._down
-            assert self._place.downstream is not None
-            host, port = self._place.downstream
-            self._down = await connect(
-                host, port, keyring=self._keyring, identity=self._place.address, channel=1,
-                budget_s=DOWNSTREAM_DIAL_S,
-                local_addr=(self._dial_ip, 0) if self._dial_ip else None)
-            self._spawn(self._drain(self._down))
-            log.info("connected to the next stage at %s", _addr(self._place.downstream))
-            return self._down
-
-    async def _drain(self, stream: MxclStream) -> None:
-        """Read the downstream connection: answers pongs, logs what it refuses."""
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                payload = await stream.recv()
-                log.warning("the next stage sent %d unexpected bytes (%r...)", len(payload),
-                            bytes(payload[:120]))
+                                   f"stage {self._place.node_id} cannot reach the "
+                                   f"{dialer.what} at {_addr(dialer.target)}: {exc}")
 
     async def _tell_owner(self, work: _Work, code: str, message: str) -> None:
         await _send_quietly(work.seq.stream, encode_envelope(
             p.error_header(code, message, work.seq_id, work.step)))
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    async def aclose(self) -> None:
+        await self._down.aclose()
+        await self._ring.aclose()
+        self._seqs.clear()
+
+
+class _Dialer:
+    """One outgoing stage connection (to the next stage, or the first), dialed when first
+    needed and again after it broke."""
+
+    def __init__(self, target: tuple[str, int] | None, keyring: Keyring, identity: str,
+                 dial_ip: str | None, what: str) -> None:
+        self.target = target
+        self.what = what
+        self._keyring = keyring
+        self._identity = identity
+        self._dial_ip = dial_ip
+        self._stream: MxclStream | None = None
+        self._lock = asyncio.Lock()
+        self._drain: asyncio.Task[None] | None = None
+
+    async def stream(self) -> MxclStream:
+        async with self._lock:
+            if self._stream is not None and not self._stream.closed:
+                return self._stream
+            assert self.target is not None, f"this stage has no {self.what}"
+            host, port = self.target
+            self._stream = await connect(
+                host, port, keyring=self._keyring, identity=self._identity, channel=1,
+                budget_s=DOWNSTREAM_DIAL_S,
+                local_addr=(self._dial_ip, 0) if self._dial_ip else None)
+            self._drain = asyncio.ensure_future(self._read(self._stream))
+            log.info("connected to the %s at %s", self.what, _addr(self.target))
+            return self._stream
+
+    def forget(self) -> None:
+        self._stream = None
+
+    async def _read(self, stream: MxclStream) -> None:
+        """Read the connection: answers pongs, logs what the other stage refuses."""
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                payload = await stream.recv()
+                log.warning("the %s sent %d unexpected bytes (%r...)", self.what,
+                            len(payload), bytes(payload[:120]))
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._down is not None:
-            await self._down.close("stage stopping")
-        self._seqs.clear()
+        if self._drain is not None:
+            self._drain.cancel()
+        if self._stream is not None:
+            await self._stream.close("stage stopping")
 
 
 def _addr(hp: tuple[str, int] | None) -> str:

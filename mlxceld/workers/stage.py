@@ -2,7 +2,9 @@
 
 Options (built by the daemon from the cluster config): model, layers [start,
 end), node_id, rank, address (our listener, also the identity we dial the next
-stage with), coordinator, upstream, downstream (addresses or null),
+stage with), coordinator, upstream, downstream, first (on the last of 2+
+stages: where decoding continues), last (on the first of 2+ stages: who sends
+``next``) (addresses or null),
 model_identity, cluster, and standby (a stage prepared by a two-phase
 assignment: loaded and listening, refusing coordinators until the control
 channel's ``activate`` op switches it on). The cluster secret arrives on the bootstrap pipe; a
@@ -32,13 +34,14 @@ STATS_EVERY_S = 1.0
 
 
 def place_of(o: dict[str, Any]) -> StagePlace:
-    down = o.get("downstream")
+    down, first = o.get("downstream"), o.get("first")
     return StagePlace(
         node_id=str(o["node_id"]), rank=int(o["rank"]),
         layers=(int(o["layers"][0]), int(o["layers"][1])), address=str(o["address"]),
         coordinator=str(o["coordinator"]), upstream=o.get("upstream"),
         downstream=split_address(down) if down else None,
-        model_identity=str(o["model_identity"]), cluster=str(o["cluster"]))
+        model_identity=str(o["model_identity"]), cluster=str(o["cluster"]),
+        first=split_address(first) if first else None, last=o.get("last"))
 
 
 async def run(ctx: WorkerContext) -> int:

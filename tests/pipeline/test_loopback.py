@@ -73,7 +73,10 @@ class Cluster:
                 coordinator=COORD, upstream=addrs[rank - 1] if rank else None,
                 downstream=(listeners[rank + 1].host, listeners[rank + 1].port)
                 if rank + 1 < len(splits) else None,
-                model_identity=ident, cluster="test")
+                model_identity=ident, cluster="test",
+                first=(listeners[0].host, listeners[0].port)
+                if rank == len(splits) - 1 and rank > 0 else None,
+                last=addrs[-1] if rank == 0 and len(splits) > 1 else None)
             svc = StageService(model, place, keyring(), model.wire_dtype,
                                dial_ip=listeners[rank].host, standby=standby)
             self.services.append(svc)
@@ -131,6 +134,7 @@ PROMPT = [1, 5, 9, 200, 31, 7, 64, 3]
     ("llama", [(0, 2), (2, 4)]),
     ("qwen3", [(0, 1), (1, 3), (3, 4)]),
     ("llama", [(0, 3), (3, 4)]),
+    ("llama", [(0, 4)]),  # one stage: it continues each sequence itself
 ])
 def test_greedy_matches_mlx_lm(split_fixture_dir: Path, family: str,
                                splits: list[tuple[int, int]]) -> None:
@@ -166,6 +170,41 @@ def test_concurrent_sequences_and_long_prompt(split_fixture_dir: Path) -> None:
     assert asyncio.run(go()) == wants
 
 
+@pytest.mark.parametrize("splits", [[(0, 2), (2, 4)], [(0, 4)]])
+def test_the_stages_stop_a_sequence_at_max_tokens_and_at_eos(split_fixture_dir: Path,
+                                                             splits: list[tuple[int, int]]
+                                                             ) -> None:
+    """Decoding goes round the stages without the coordinator: they must stop by
+    themselves, after exactly the tokens asked for (the last sampled one is never run)."""
+    path = split_fixture_dir / "llama"
+    want = reference(path, PROMPT, 6)
+
+    async def go() -> tuple[list[int], int, list[int], int]:
+        async with cluster(path, splits) as c:
+            engine = c.engine(path)
+            try:
+                by_length = await tokens_of(engine, PROMPT, 6)
+                await asyncio.sleep(0.3)  # anything still running would show by now
+                after_length = c.services[0].stats.tokens
+                eos_engine = c.engine(path, eos={want[3]})
+                try:
+                    by_eos = await tokens_of(eos_engine, PROMPT, 50)
+                    await asyncio.sleep(0.3)
+                    return (by_length, after_length, by_eos,
+                            c.services[0].stats.tokens - after_length)
+                finally:
+                    await eos_engine.aclose()
+            finally:
+                await engine.aclose()
+
+    by_length, ran_length, by_eos, ran_eos = asyncio.run(asyncio.wait_for(go(), 60))
+    assert by_length == want
+    assert ran_length == len(PROMPT) + 5
+    stop = want.index(want[3])  # the first time the eos id comes up
+    assert by_eos == want[:stop + 1]
+    assert ran_eos == len(PROMPT) + stop
+
+
 def test_wrong_model_is_refused_with_both_identities(split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
 
@@ -193,18 +232,19 @@ async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], 
     async with stream:
         for header, tensors in messages:
             await stream.send(encode_envelope(header, tensors))
-            if header["t"] in ("attach", "prepare", "run", "act"):
+            if header["t"] in ("attach", "prepare", "run", "act", "next"):
                 env = parse_envelope(await asyncio.wait_for(stream.recv(), 5),
                                      p.ENGINE_SPECS)
                 answers.append(env.header)
     return answers
 
 
-def test_commands_only_from_the_coordinator_and_acts_only_from_upstream(
+def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
         split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
 
-    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, list[int]]:
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                            list[dict[str, Any]], int, list[int]]:
         async with cluster(path, [(0, 2), (2, 4)]) as c:
             ident = model_identity(path)
             commands = await _intruder(c, 0, [
@@ -212,6 +252,9 @@ def test_commands_only_from_the_coordinator_and_acts_only_from_upstream(
                 ({"t": "prepare", "seq": "x1", "params": {
                     "max_tokens": 3, "temperature": 0, "top_p": 1, "top_k": 0,
                     "seed": None}}, [])])
+            nexts = await _intruder(c, 0, [
+                ({"t": "next", "seq": "x1", "step": 1},
+                 [("tokens", "i32", (1, 1), (5).to_bytes(4, "little"))])])
             acts = await _intruder(c, 1, [
                 ({"t": "act", "seq": "x1", "step": 0, "sample": True},
                  [to_blob("hidden", mx.zeros((1, 1, c.services[1]._model.hidden_size),
@@ -222,12 +265,14 @@ def test_commands_only_from_the_coordinator_and_acts_only_from_upstream(
                 after = await tokens_of(engine, PROMPT, 3)
             finally:
                 await engine.aclose()
-            return commands, acts, seqs, after
+            return commands, nexts, acts, seqs, after
 
-    commands, acts, seqs, after = asyncio.run(go())
+    commands, nexts, acts, seqs, after = asyncio.run(go())
     assert [a["code"] for a in commands] == [p.ERR_NOT_COORDINATOR] * 2
     assert "127.0.0.5:4000" in commands[0]["message"]
     assert [a["code"] for a in acts] == [p.ERR_NOT_UPSTREAM]
+    assert [a["code"] for a in nexts] == [p.ERR_NOT_LAST]
+    assert "127.0.0.5:4000" in nexts[0]["message"]
     assert seqs == 0
     assert after == reference(path, PROMPT, 3)
 
