@@ -78,7 +78,7 @@ def measure(url: str, model: str, max_tokens: int, runs: int, streams: int) -> d
     singles = [stream_once(url, model, max_tokens) for _ in range(runs)]
     return {
         "ttft_ms": statistics.median(s.ttft for s in singles) * 1000,
-        "decode_tps": statistics.median((s.tokens - 1) / s.decode_s for s in singles),
+        "decode_tps": statistics.median(s.decode_tps for s in singles),
         "aggregate_tps": concurrent(url, model, max_tokens, streams),
     }
 

@@ -18,6 +18,11 @@ class Stream:
     decode_s: float
     total_s: float
 
+    @property
+    def decode_tps(self) -> float:
+        """Tokens per second after the first (the first token's time is prefill's)."""
+        return (self.tokens - 1) / self.decode_s
+
 
 def timed(response: httpx.Response, start: float) -> Stream:
     """Read an OpenAI SSE completion stream; time its first and last text chunks."""
