@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import logging
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -85,6 +86,7 @@ class StageStats:
     tokens: int = 0
     batched: int = 0  # sequence steps that ran in a batch of two or more
     refused: int = 0
+    compute_s: float = 0.0  # time in the stage's layers (on the compute thread)
 
 
 class StageService:
@@ -275,7 +277,7 @@ class StageService:
 
     async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[_Work]) -> None:
         try:
-            outs = await loop.run_in_executor(self._pool, run_group, self._model, group)
+            outs = await loop.run_in_executor(self._pool, self._compute, group)
         except Exception as exc:
             log.exception("a step of sequences %s failed", [w.seq_id for w in group])
             for work in group:
@@ -288,6 +290,14 @@ class StageService:
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)
+
+    def _compute(self, group: list[_Work]) -> list[Any]:
+        """On the compute thread: one group's step, timed."""
+        start = time.perf_counter()
+        try:
+            return run_group(self._model, group)
+        finally:
+            self.stats.compute_s += time.perf_counter() - start
 
     async def _forward(self, work: _Work, out: Any) -> None:
         if not self._model.last:

@@ -98,7 +98,8 @@ async def run(ctx: WorkerContext) -> int:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
                 ctx.stats.update(sequences=service.sequences, steps=service.stats.steps,
-                                 refused=service.stats.refused)
+                                 tokens=service.stats.tokens, refused=service.stats.refused,
+                                 compute_s=round(service.stats.compute_s, 6))
             await listener.aclose()
             await service.aclose()
             compute.cancel()
