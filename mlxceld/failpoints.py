@@ -20,6 +20,8 @@ Fault points (the coordinator's offers lie, so that a peer's check refuses):
 
 ``offer-assignment-version``
     offers name assignment protocol version 0
+``offer-package-version``
+    offers name package version ``<this version>+failpoint``
 ``offer-layer-count``
     the offered cluster TOML splits one layer more than the checkpoint has
 ``offer-coordinator``
@@ -48,8 +50,8 @@ ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 CRASH_POINTS: Final = frozenset({"peer-after-accepted", "coordinator-before-decision",
                                  "coordinator-after-commit-decision"})
-FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-layer-count",
-                                 "offer-coordinator"})
+FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
+                                 "offer-layer-count", "offer-coordinator"})
 KNOWN: Final = CRASH_POINTS | FAULT_POINTS
 
 

@@ -105,6 +105,8 @@ def _faulty(offer: Offer) -> Offer:
     """The offer as the fault points set (``mlxceld.failpoints``, tests only) bend it."""
     if failpoints.on("offer-assignment-version"):
         offer = replace(offer, assignment_version=0)
+    if failpoints.on("offer-package-version"):
+        offer = replace(offer, package_version=f"{offer.package_version}+failpoint")
     if failpoints.on("offer-coordinator"):
         offer = replace(offer, coordinator="127.0.0.254:19000")
     if failpoints.on("offer-layer-count"):

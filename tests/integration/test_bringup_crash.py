@@ -25,7 +25,7 @@ from mlxceld.net import connect
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
-PEER_WAIT_S = 3.0  # MLXCELD_TEST_PEER_WAIT_S where a test waits for a peer to give up
+PEER_WAIT_S = 5.0  # MLXCELD_TEST_PEER_WAIT_S where a test waits for a peer to give up
 PUSH_END_S = 120.0  # a push with two stage loads on a busy CPU
 
 

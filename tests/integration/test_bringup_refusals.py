@@ -20,7 +20,9 @@ from conftest import DaemonProc, Daemons, wait_for
 from test_discovery import agent, start
 from test_pipeline import free_port
 
-PUSH_END_S = 90.0
+from mlxceld import __version__
+
+PUSH_END_S = 90.0  # plan and push; a refused offer loads nothing
 
 
 @dataclass
@@ -47,6 +49,8 @@ CASES = [
     # (fault point or extra flags, refusal code, what the reason says)
     ({"MLXCELD_FAILPOINT": "offer-assignment-version"}, (), "assignment_version",
      "assignment protocol mismatch: the coordinator speaks version 0, this node 2"),
+    ({"MLXCELD_FAILPOINT": "offer-package-version"}, (), "package_version",
+     f"the coordinator runs mlxceld {__version__}+failpoint, this node {__version__}"),
     ({}, ("--cluster-name", "lab-x"), "cluster_name",
      "the offer is for cluster 'lab-x', this node is in cluster 'mlxcel-cluster'"),
     ({"MLXCELD_FAILPOINT": "offer-layer-count"}, (), "layer_range",
