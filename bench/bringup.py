@@ -9,22 +9,42 @@ which other load on the machine does not move. So far:
 - planner, refused: the same when nothing fits (the closest split and the
   per-node shortfall message);
 - profile (with ``--model DIR``): ``layer_profile`` of a real checkpoint, which
-  reads its safetensors headers only.
+  reads its safetensors headers only;
+- two-phase assignment: ``assignment.push`` from a coordinator to ``--peers``
+  (32) simulated peers, from the first offer to every stage active (goal: 2 s).
+  Each peer is the real thing but its stage: an ``AgentService`` listening on
+  its own 127.0.0.x (the coordinator dials from 127.0.0.1), the real
+  ``Assignee`` (``PeerRound``) voting and recording in its own SQLite file,
+  and a ``StageHost`` whose stage "prepares" at once (no model, no worker).
+  Coordinator and peers share this process and its event loop, so its CPU
+  time is theirs together.
 
-    .venv/bin/python bench/bringup.py [--runs 9] [--model DIR]
+    .venv/bin/python bench/bringup.py [--runs 9] [--peers 32] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import secrets
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxceld import __version__
+from mlxceld.cluster.agent import AgentService
+from mlxceld.cluster.assignee import Assignee
+from mlxceld.cluster.assignment import PushPlan, StageOffer, push
+from mlxceld.cluster.offers import PeerFacts
 from mlxceld.cluster.planner import PlanNode, PlanRefused, plan_stages
+from mlxceld.cluster.twophase import Finished
 from mlxceld.models.profile import LayerProfile, layer_profile
+from mlxceld.state.db import open_db
+from mlxceld.state.plans import Assignments, Plans
+from mlxceld.wire import Keyring
 
 GIB = 1 << 30
 NODES, LAYERS = 100, 200
@@ -90,6 +110,111 @@ def measure_profile(runs: int, model: Path) -> Row:
                goal=0.1)
 
 
+CLUSTER, MODEL_IDENTITY = "bench-cluster", "be" * 32
+LAYERS_PER_STAGE = 2
+
+
+@dataclass
+class InstantStage:
+    """A peer's ``StageHost`` with no model: prepare, activate and stop take no time."""
+
+    host: str
+    layers: int
+    state: str = "none"  # none | standby | active
+    calls: list[str] = field(default_factory=list)
+
+    def facts(self, port: int) -> PeerFacts:
+        return PeerFacts(__version__, CLUSTER, MODEL_IDENTITY, self.layers, self.host,
+                         frozenset({port}))
+
+    async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
+        self.calls.append(f"prepare {node_id}")
+        self.state = "standby"
+
+    async def activate_stage(self) -> None:
+        self.calls.append("activate")
+        self.state = "active"
+
+    async def stop_stage(self) -> None:
+        self.calls.append("stop")
+        self.state = "none"
+
+
+@dataclass(frozen=True)
+class PushResult:
+    seconds: float  # from the first offer to every stage active (or the abort)
+    cpu: float
+    finished: Finished
+    peer_states: list[str]  # each peer's recorded state for the epoch
+    stage_states: list[str]  # each InstantStage's state
+
+
+def cluster_toml(coordinator: str, stages: list[tuple[str, int]]) -> str:
+    """The cluster TOML a coordinator would push: ``stages`` as (host, port), in rank order."""
+    lines = ["[cluster]", f'name = "{CLUSTER}"', f"pipeline_parallel_size = {len(stages)}",
+             "", "[[nodes]]", 'id = "coordinator"', f'address = "{coordinator}"',
+             'role = "coordinator"']
+    for rank, (host, port) in enumerate(stages):
+        start = rank * LAYERS_PER_STAGE
+        lines += ["", "[[nodes]]", f'id = "stage-{rank}"', f'address = "{host}:{port}"',
+                  'role = "pipeline_stage"', f"rank = {rank}",
+                  f"layers = [{start}, {start + LAYERS_PER_STAGE}]"]
+    return "\n".join(lines) + "\n"
+
+
+async def simulated_push(peers: int, root: Path) -> PushResult:
+    """One push to ``peers`` in-process peers (127.0.0.2 onwards) over MXCL on loopback."""
+    keyring = Keyring()
+    keyring.add(secrets.token_bytes(32), primary=True)
+    layers = peers * LAYERS_PER_STAGE
+    hosts = [f"127.0.{i // 250}.{i % 250 + 2}" for i in range(peers)]
+    stages = [InstantStage(h, layers) for h in hosts]
+    agents = [AgentService((h, 0), keyring) for h in hosts]
+    assignees = [Assignee(Assignments(open_db(root / f"peer-{i}.db")), stage, keyring,
+                          identity=a.address, state_dir=root, enabled=True)
+                 for i, (stage, a) in enumerate(zip(stages, agents, strict=True))]
+    async with asyncio.TaskGroup() as tg:
+        try:
+            for a, assignee in zip(agents, assignees, strict=True):
+                assignee.register(a)
+                started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                tg.create_task(a.run(started))
+                await started
+                tg.create_task(assignee.run())
+            coordinator = "127.0.0.1:19000"  # it dials only; no peer asks it anything here
+            placed = [(h, 19100) for h in hosts]
+            plan = PushPlan(CLUSTER, MODEL_IDENTITY, cluster_toml(coordinator, placed),
+                            tuple(StageOffer(a.address, rank, (rank * LAYERS_PER_STAGE,
+                                                               (rank + 1) * LAYERS_PER_STAGE),
+                                             f"stage-{rank}", port)
+                                  for rank, (a, (_, port)) in enumerate(zip(agents, placed,
+                                                                            strict=True))))
+            plans = Plans(open_db(root / "coordinator.db"))
+            start, start_cpu = time.perf_counter(), time.process_time()
+            _, done = await push(plan, plans=plans, keyring=keyring, identity=coordinator)
+            seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            rows = [a.describe() or {} for a in assignees]
+            return PushResult(seconds, cpu, done, [str(r.get("state")) for r in rows],
+                              [s.state for s in stages])
+        finally:
+            for assignee in assignees:
+                assignee.close()
+            for a in agents:
+                await a.aclose()
+
+
+def measure_push(runs: int, peers: int) -> Row:
+    wall, cpu = [], []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="mxbench") as tmp:
+            r = asyncio.run(simulated_push(peers, Path(tmp)))
+        if not r.finished.ok or set(r.peer_states) != {"active"}:
+            raise AssertionError(f"the push did not end active: {r.finished.summary}")
+        wall.append(r.seconds)
+        cpu.append(r.cpu)
+    return Row(f"2PC offer to all active, {peers} peers", wall, cpu, goal=2.0)
+
+
 def render(rows: list[Row]) -> str:
     lines = [f"{'measurement':36}{'median ms':>11}{'min ms':>9}{'max ms':>9}{'cpu ms':>9}"
              f"{'goal ms':>9}{'x goal':>8}"]
@@ -105,9 +230,11 @@ def render(rows: list[Row]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=9, help="runs per measurement")
+    parser.add_argument("--peers", type=int, default=32, help="simulated peers of the 2PC")
     parser.add_argument("--model", type=Path, help="also profile this checkpoint")
     args = parser.parse_args()
-    rows = [measure_planner(args.runs), measure_refused_plan(args.runs)]
+    rows = [measure_planner(args.runs), measure_refused_plan(args.runs),
+            measure_push(args.runs, args.peers)]
     if args.model is not None:
         rows.append(measure_profile(args.runs, args.model))
     print(render(rows))

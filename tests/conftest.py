@@ -72,7 +72,10 @@ class DaemonProc:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, *extra: str, wait: bool = True) -> DaemonProc:
+    def start(self, *extra: str, wait: bool = True,
+              env: dict[str, str] | None = None) -> DaemonProc:
+        """Start the daemon with ``extra`` flags; ``env`` is added to this process's
+        environment (fail points, for one start only)."""
         with self.stderr_path.open("ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlxceld", "--config", str(self.config),
@@ -80,6 +83,7 @@ class DaemonProc:
                  *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
                  *extra],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                env={**os.environ, **env} if env else None,
             )
         if wait:
             wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")

@@ -10,11 +10,15 @@ answer and keeps no record of them, so a peer accepts any offered port that it
 can bind on its agent host when the offer arrives (``port_is_free``).
 
 Each ``Record`` is written to the ``assignments`` table before the ``Reply``
-after it goes out. Preparing (loading the stage in standby) runs as a task and
+after it goes out. An offer of another plan while a round is on is settled by
+``PeerRound.on_other_offer`` (stale, busy, or a newer plan superseding an
+undecided round). Preparing (loading the stage in standby) runs as a task and
 sends ``preparing`` every ``HEARTBEAT_S`` until it ends; the daemon's
 ``StageHost`` bounds it (``PREPARE_S``). One timer task calls
-``handle_timer`` at the round's deadline; a ``Query`` dials the coordinator
-(``CONNECT_S`` to connect, ``FRAME_S`` for the answer).
+``handle_timer`` at the round's deadline (``PHASE_S`` between phases: 60 s,
+or ``MLXCELD_TEST_PEER_WAIT_S`` in tests, see ``mlxceld.failpoints``); a
+``Query`` dials the coordinator (``CONNECT_S`` to connect, ``FRAME_S`` for the
+answer), and a coordinator that cannot be asked ends the round (aborted).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, cast
 
+from mlxceld import failpoints
 from mlxceld.cluster.agent import AgentService
 from mlxceld.cluster.assignment import (
     ASSIGNMENT_CHANNEL,
@@ -60,6 +65,8 @@ from mlxceld.wire.errors import EnvelopeError
 log = logging.getLogger(__name__)
 
 PREPARE_S: Final = PEER_PHASE_S  # loading the stage in standby, at most
+# A peer's wait between phases: PEER_PHASE_S; tests shorten it (MLXCELD_TEST_PEER_WAIT_S).
+PHASE_S: Final = failpoints.PEER_WAIT_S or PEER_PHASE_S
 
 
 class StageHost(Protocol):
@@ -127,7 +134,7 @@ class Assignee:
         row = self._assignments.latest()
         if self._enabled and row is not None and row.state in ("accepted", "committed",
                                                                "active"):
-            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time())
+            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time(), PHASE_S)
             self._current = _Current(r, row.coordinator, row.stage, row.toml)
             log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
             await self._execute(actions, wait_prepare=True)
@@ -166,21 +173,19 @@ class Assignee:
             await stream.send(message("refused", epoch, code="bad_offer", final=False,
                                       reason=str(exc)))
             return
-        cur = self._current
-        if cur is not None and cur.round.state in ("preparing", "accepted", "committed"):
-            await stream.send(message("refused", epoch, code="busy", final=False,
-                                      reason=f"plan {cur.round.epoch} is still in progress "
-                                      "here; retry once it ends"))
-            return
         newest = self._assignments.newest_epoch()  # SQLite stays on the loop's thread
         verdict = await asyncio.to_thread(self._judge, offer, stream, newest)
         if isinstance(verdict, Refusal) and verdict.code == "stale_epoch":
+            log.warning("offer %d from %s refused: %s", offer.epoch, offer.coordinator,
+                        verdict.reason)
             await stream.send(message("refused", offer.epoch, code=verdict.code, final=False,
                                       reason=verdict.reason))
             return
+        if not await self._make_way(offer, stream, verdict):
+            return
         loop = asyncio.get_running_loop()
-        cur = _Current(PeerRound(offer.epoch), offer.coordinator, offer.stage, offer.toml,
-                       stream)
+        cur = _Current(PeerRound(offer.epoch, phase_s=PHASE_S), offer.coordinator, offer.stage,
+                       offer.toml, stream)
         self._current = cur
         self._wake.set()
         if isinstance(verdict, Refusal):
@@ -193,6 +198,35 @@ class Assignee:
         log.info("offer %d from %s accepted: stage %d, layers %s", offer.epoch,
                  offer.coordinator, offer.stage, list(offer.layers))
         await self._execute(cur.round.on_offer_accepted(loop.time()))
+
+    async def _make_way(self, offer: Offer, stream: MxclStream, verdict: Any) -> bool:
+        """A round in progress meets another plan's offer (``PeerRound.on_other_offer``):
+        True if the offer is to start its own round (the old one ended first), False if it
+        was refused here."""
+        cur = self._current
+        if cur is None:
+            return True
+        valid = not isinstance(verdict, Refusal)
+        outcome, actions = cur.round.on_other_offer(offer.epoch, valid)
+        if outcome == "take":
+            if actions:
+                log.info("plan %d supersedes plan %d (undecided here)", offer.epoch,
+                         cur.round.epoch)
+                await self._execute(actions)
+            return True
+        if outcome == "keep":
+            code, reason = verdict.code, verdict.reason
+        elif outcome == "busy":
+            code, reason = "busy", (f"plan {cur.round.epoch} is committed here; retry once "
+                                    "it is active or aborted")
+        else:
+            code, reason = "stale_epoch", (f"plan epoch {offer.epoch} is not newer than "
+                                           f"plan {cur.round.epoch}, in progress here")
+        log.warning("offer %d from %s refused: %s: %s", offer.epoch, offer.coordinator, code,
+                    reason)
+        await stream.send(message("refused", offer.epoch, code=code, final=False,
+                                  reason=reason))
+        return False
 
     def _judge(self, offer: Offer, stream: MxclStream, newest: int) -> Any:
         return judge(offer, self._host.facts(offer.port),
@@ -258,6 +292,9 @@ class Assignee:
         except ConnectionClosed:
             log.info("stage assignment %d: the coordinator's connection is gone (%s not "
                      "sent)", cur.round.epoch, a.kind)
+            return
+        if a.kind == "accepted":
+            failpoints.crash("peer-after-accepted")
 
     async def _prepare(self, cur: _Current, *, heartbeat: bool) -> None:
         task = asyncio.ensure_future(self._host.prepare_stage(
@@ -287,6 +324,9 @@ class Assignee:
         except HandshakeFailed as exc:
             log.warning("stage assignment %d: cannot ask coordinator %s: %s",
                         cur.round.epoch, cur.coordinator, exc.message)
+            if cur is self._current:
+                await self._execute(cur.round.on_query_failed(exc.message))
+                self._wake.set()
             return
         try:
             async with asyncio.timeout(FRAME_S):
@@ -296,6 +336,9 @@ class Assignee:
         except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
             log.warning("stage assignment %d: coordinator %s did not answer: %s",
                         cur.round.epoch, cur.coordinator, exc)
+            if cur is self._current:
+                await self._execute(cur.round.on_query_failed(f"no answer: {exc}"))
+                self._wake.set()
             return
         finally:
             await stream.close("query answered")

@@ -17,7 +17,7 @@ committed peer → coord     none
 activate  coord → peer     none: every peer committed; re-sent until active
 active    peer → coord     none: the stage serves
 abort     coord → peer     ``summary``: each peer that did not commit, and why
-aborted   peer → coord     none: the standby stage is gone
+aborted   peer → coord     ``reason`` (optional): the standby stage is gone
 query     either way       none: "what did you decide for this epoch?"
 decision  answer to query  ``decision``: commit | activate | active | abort |
                            unknown (never heard of it)
@@ -37,12 +37,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Final
 
-from mlxceld import __version__
+from mlxceld import __version__, failpoints
 from mlxceld.cluster.agent import AgentService
 from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer
+from mlxceld.cluster.topology import dump_cluster, parse_cluster_text
 from mlxceld.cluster.twophase import PUSH_S, CoordinatorRound, Finished, Persist, Send
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
 from mlxceld.pipeline.peers import split_address
@@ -92,10 +94,31 @@ class PushPlan:
 
 
 def offer_for(plan: PushPlan, s: StageOffer, epoch: int, coordinator: str) -> Offer:
-    return Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
-                 package_version=__version__, cluster=plan.cluster,
-                 model_identity=plan.model_identity, stage=s.stage, layers=s.layers,
-                 node_id=s.node_id, port=s.port, coordinator=coordinator, toml=plan.toml)
+    offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
+                  package_version=__version__, cluster=plan.cluster,
+                  model_identity=plan.model_identity, stage=s.stage, layers=s.layers,
+                  node_id=s.node_id, port=s.port, coordinator=coordinator, toml=plan.toml)
+    return _faulty(offer) if failpoints.ACTIVE & failpoints.FAULT_POINTS else offer
+
+
+def _faulty(offer: Offer) -> Offer:
+    """The offer as the fault points set (``mlxceld.failpoints``, tests only) bend it."""
+    if failpoints.on("offer-assignment-version"):
+        offer = replace(offer, assignment_version=0)
+    if failpoints.on("offer-package-version"):
+        offer = replace(offer, package_version=f"{offer.package_version}+failpoint")
+    if failpoints.on("offer-coordinator"):
+        offer = replace(offer, coordinator="127.0.0.254:19000")
+    if failpoints.on("offer-layer-count"):
+        cfg = parse_cluster_text(offer.toml, Path("offer.toml"))
+        last = cfg.stages[-1]
+        assert last.layers is not None
+        layers = (last.layers[0], last.layers[1] + 1)
+        cfg = replace(cfg, nodes=tuple(replace(n, layers=layers) if n is last else n
+                                       for n in cfg.nodes))
+        offer = replace(offer, toml=dump_cluster(cfg),
+                        layers=layers if offer.stage == last.rank else offer.layers)
+    return offer
 
 
 async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
@@ -158,8 +181,12 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
     async def execute(actions: Sequence[object]) -> Finished | None:
         for a in actions:
             if isinstance(a, Persist):
+                if a.decision == "commit":
+                    failpoints.crash("coordinator-before-decision")
                 plans.decide(epoch, a.decision, a.summary)
                 log.info("plan %d: decided %s %s", epoch, a.decision, a.summary)
+                if a.decision == "commit":
+                    failpoints.crash("coordinator-after-commit-decision")
             elif isinstance(a, Send) and a.peer in streams:
                 fields = {"summary": a.summary} if a.kind == "abort" else {}
                 try:
@@ -209,7 +236,8 @@ def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
     if kind == "error":
         return r.on_failed(peer, f"protocol error: {header.get('reason')}")
     if kind == "aborted":
-        return r.on_failed(peer, "aborted")
+        reason = header.get("reason")
+        return r.on_failed(peer, f"aborted: {reason}" if reason else "aborted")
     return []
 
 

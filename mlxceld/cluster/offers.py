@@ -17,8 +17,8 @@ in this order, and refuses at the first problem:
 9. the coordinator: the TOML's coordinator and the offer's
    coordinator are the identity the handshake bound             back to waiting
 
-and before all of them, the epoch: an offer from a plan older than the newest
-the peer has seen is refused (stale). A *final* refusal ends the peer's wait
+and before all of them, the epoch: an offer from a plan not newer than the
+newest the peer has seen is refused (stale). A *final* refusal ends the peer's wait
 ("stage assignment refused": a retry against the same coordinator cannot
 succeed); any other sends it back to waiting for a better offer.
 """
@@ -110,7 +110,7 @@ def judge(offer: Offer, me: PeerFacts, *, bound_identity: str, newest_epoch: int
           toml_path: Path) -> ClusterConfig | Refusal:
     """The cluster config to run if the offer is good, else the first refusal."""
     if offer.epoch <= newest_epoch:
-        return Refusal("stale_epoch", f"plan epoch {offer.epoch} is older than epoch "
+        return Refusal("stale_epoch", f"plan epoch {offer.epoch} is not newer than epoch "
                        f"{newest_epoch}, the newest this node has seen", False)
     if offer.assignment_version != ASSIGNMENT_VERSION:
         return Refusal("assignment_version", "assignment protocol mismatch: the coordinator "

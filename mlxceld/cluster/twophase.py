@@ -20,8 +20,12 @@ every peer is active (``resend_s``), even by a coordinator that restarted.
 
 A peer (``PeerRound``) persists its vote before it sends it and follows the
 coordinator's decisions; every message carries the epoch, and anything about
-another epoch is ignored (a newer offer starts a new round; an older one is
-refused as stale by ``offers.judge``).
+another epoch is ignored. An offer of another plan while a round is on
+(``PeerRound.on_other_offer``): an older or equal epoch is refused as stale; a
+newer one that checks out supersedes an undecided round (preparing, accepted:
+its stage stops, it is recorded aborted and its coordinator told) and starts
+its own; a committed round is decided, so the newer offer is refused as busy
+until it ends (active, or aborted after its deadline).
 """
 
 from __future__ import annotations
@@ -239,24 +243,26 @@ class Query:
 
 
 PeerAction = Reply | Record | StageAction | Query
+OfferVerdict = Literal["take", "stale", "busy", "keep"]
 
 
 @dataclass
 class PeerRound:
     epoch: int
     state: PeerState = "waiting"
-    phase_s: float = PEER_PHASE_S
+    phase_s: float = PEER_PHASE_S  # between phases (accepted, committed)
+    prepare_s: float = PEER_PHASE_S  # loading the stage in standby
     frame_s: float = FRAME_S
     deadline: float | None = None
     queried: bool = False
     reason: str = ""
 
     @classmethod
-    def resume(cls, epoch: int, state: PeerState, now: float
+    def resume(cls, epoch: int, state: PeerState, now: float, phase_s: float = PEER_PHASE_S
                ) -> tuple[PeerRound, list[PeerAction]]:
         """After a restart: a vote or a commit waits again (with the standby stage back);
         an active stage comes back active."""
-        r = cls(epoch, state)
+        r = cls(epoch, state, phase_s=phase_s)
         if state in ("accepted", "committed"):
             r.deadline = now + r.phase_s
             return r, [StageAction("prepare")]
@@ -273,7 +279,7 @@ class PeerRound:
 
     def on_offer_accepted(self, now: float) -> list[PeerAction]:
         """The offer checks out: load the stage in standby; vote once it is loaded."""
-        self.state, self.deadline = "preparing", now + self.phase_s
+        self.state, self.deadline = "preparing", now + self.prepare_s
         return [Record("preparing"), StageAction("prepare")]
 
     def on_prepared(self, now: float) -> list[PeerAction]:
@@ -321,11 +327,44 @@ class PeerRound:
             return []
         return self._give_up(f"the coordinator's decision is {decision}")
 
+    def on_query_failed(self, reason: str) -> list[PeerAction]:
+        """The coordinator could not be asked (``Query``): past the deadline, give up."""
+        if self.state not in ("accepted", "committed") or not self.queried:
+            return []
+        return self._give_up(f"no word from the coordinator for {self.phase_s:g} s, and "
+                             f"it cannot be asked: {reason}")
+
+    def on_other_offer(self, epoch: int, valid: bool) -> tuple[OfferVerdict, list[PeerAction]]:
+        """An offer of plan ``epoch`` arrived while this round is here; ``valid``: it passed
+        every check but the epoch (``offers.judge``). Returns what becomes of the offer, and
+        the actions that end this round first when the offer takes over:
+
+        - ``stale``: ``epoch`` is not newer than this round's; refuse it, this round goes on;
+        - ``busy``: this round is committed (decided): refuse it until the round ends;
+        - ``keep``: a newer but bad offer does not disturb an undecided round: refuse it
+          with its own reason, unrecorded, and this round goes on;
+        - ``take``: a newer good offer supersedes an undecided round (preparing, accepted:
+          its stage stops, it is recorded aborted, its coordinator is told), or this
+          round has ended (active, aborted, refused, waiting): judge the offer as usual.
+        """
+        if epoch <= self.epoch:
+            return "stale", []
+        if self.state == "committed":
+            return "busy", []
+        if self.state not in ("preparing", "accepted"):
+            return "take", []
+        if not valid:
+            return "keep", []
+        reason = f"superseded by plan {epoch}"
+        self.state, self.reason, self.deadline = "aborted", reason, None
+        return "take", [StageAction("stop"), Record("aborted", reason),
+                        Reply("aborted", reason)]
+
     def handle_timer(self, now: float) -> list[PeerAction]:
         if self.deadline is None or now < self.deadline:
             return []
         if self.state == "preparing":
-            return self.on_prepare_failed(f"loading took longer than {self.phase_s:g} s")
+            return self.on_prepare_failed(f"loading took longer than {self.prepare_s:g} s")
         if self.state in ("accepted", "committed"):
             if not self.queried:
                 self.queried, self.deadline = True, now + self.frame_s

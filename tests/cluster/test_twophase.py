@@ -167,3 +167,70 @@ def test_refusals_final_or_back_to_waiting() -> None:
     q = PeerRound(1)
     q.on_offer_refused("cluster_name", "other cluster", final=False)
     assert q.state == "waiting"
+
+
+def accepted_round(epoch: int) -> PeerRound:
+    p = PeerRound(epoch)
+    p.on_offer_accepted(0)
+    p.on_prepared(1)
+    return p
+
+
+def test_a_newer_good_offer_supersedes_an_undecided_round() -> None:
+    for prepared in (False, True):  # preparing (loading), then accepted (voted)
+        p = PeerRound(5)
+        p.on_offer_accepted(0)
+        if prepared:
+            p.on_prepared(1)
+        outcome, out = p.on_other_offer(6, valid=True)
+        assert outcome == "take" and out == [
+            StageAction("stop"), Record("aborted", "superseded by plan 6"),
+            Reply("aborted", "superseded by plan 6")]
+        assert p.state == "aborted" and p.deadline is None
+        assert p.on_commit(2) == [] and p.on_prepared(2) == []  # the old round is over
+
+
+def test_an_older_or_equal_offer_is_stale_and_the_round_goes_on() -> None:
+    p = accepted_round(5)
+    assert p.on_other_offer(4, valid=True) == ("stale", [])
+    assert p.on_other_offer(5, valid=True) == ("stale", [])
+    assert p.state == "accepted" and p.on_commit(2) == [Record("committed"),
+                                                         Reply("committed")]
+
+
+def test_a_bad_newer_offer_does_not_disturb_an_undecided_round() -> None:
+    p = accepted_round(5)
+    assert p.on_other_offer(9, valid=False) == ("keep", [])
+    assert p.state == "accepted"
+
+
+def test_a_committed_round_is_decided_so_a_newer_offer_is_busy() -> None:
+    p = accepted_round(5)
+    p.on_commit(2)
+    assert p.on_other_offer(6, valid=True) == ("busy", [])
+    assert p.state == "committed"
+
+
+def test_an_ended_round_makes_way_without_actions() -> None:
+    for end in ("active", "aborted", "refused", "waiting"):
+        p = PeerRound(5, state=end)  # type: ignore[arg-type]
+        assert p.on_other_offer(6, valid=False) == ("take", []), end
+
+
+def test_a_coordinator_that_cannot_be_asked_ends_the_round() -> None:
+    p = accepted_round(5)
+    assert p.on_query_failed("refused") == []  # not past the deadline: nothing asked yet
+    assert p.handle_timer(1 + PEER_PHASE_S) == [Query()]
+    out = p.on_query_failed("connection refused")
+    assert out[0] == StageAction("stop") and p.state == "aborted"
+    assert isinstance(out[1], Record) and "cannot be asked: connection refused" in out[1].reason
+
+
+def test_the_wait_between_phases_is_separate_from_loading() -> None:
+    p = PeerRound(5, phase_s=2.0)
+    p.on_offer_accepted(0)
+    assert p.deadline == PEER_PHASE_S  # loading keeps its own bound
+    p.on_prepared(10)
+    assert p.deadline == 12.0
+    r, _ = PeerRound.resume(5, "accepted", 100, phase_s=2.0)
+    assert r.deadline == 102.0

@@ -109,3 +109,31 @@ def test_refusals_are_named_and_no_stage_runs(daemons: Daemons,
     for d in (*peers, coord):
         assert not [w for w in d.status()["workers"] if w["name"] in ("stage", "router")
                     and w["state"] in ("starting", "running")], d.status()["workers"]
+
+
+def test_pp_auto_over_mdns_discovery(daemons: Daemons, split_fixture_dir: Path) -> None:
+    """The same bring-up with no peer list: the coordinator finds both peers by their signed
+    mDNS records on lo (see tests/discovery/test_mdns.py for why lo carries them)."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    flags = ("--cluster-discovery", "mdns", "--cluster-name", f"mdns-{secrets.token_hex(4)}")
+    peers = [start(daemons, f"127.0.0.{i}", secret, *flags, "--pp-peer", "--model",
+                   str(model), name=f"p{i}") for i in (2, 3)]
+    port = free_port("127.0.0.1")
+    coord = start(daemons, "127.0.0.1", secret, *flags, "--pp-auto", "2", "--model",
+                  str(model), "--port", str(port), name="c")
+    wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active", "failed"),
+             120, "the push to end\n" + coord.stderr()[-3000:])
+    assert coord.status()["bringup"]["state"] == "active", (coord.status()["bringup"],
+                                                            coord.stderr()[-3000:])
+    nodes = {n["address"]: n for n in coord.api(lambda c: c.cluster_nodes())["nodes"]}
+    assert {nodes[agent(p)]["source"] for p in peers} == {"mdns"}
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    for i, p in enumerate(peers):
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+        assert p.status()["assignment"]["stage"] == f"stage-{i}"
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
+                                    temperature=0).choices[0].text
+    assert text == expected(model, "The quick brown fox", 8)

@@ -22,10 +22,11 @@ def secret_file(root: Path, secret: bytes) -> Path:
     return path
 
 
-def start(daemons: Daemons, ip: str, secret: bytes, *extra: str, name: str = "d") -> DaemonProc:
+def start(daemons: Daemons, ip: str, secret: bytes, *extra: str, name: str = "d",
+          env: dict[str, str] | None = None) -> DaemonProc:
     d = daemons.make(name=name)
     return d.start("--cluster-secret-file", str(secret_file(d.root, secret)),
-                   "--agent-addr", f"{ip}:0", *extra)
+                   "--agent-addr", f"{ip}:0", *extra, env=env)
 
 
 def agent(d: DaemonProc) -> str:

@@ -1,0 +1,102 @@
+"""Fail points: crashes and faults at named steps, for tests only.
+
+``MLXCELD_FAILPOINT=name[,name...]`` in a daemon's environment is read once,
+when this module is first imported (the daemon imports it as it starts); an
+unknown name makes the daemon refuse to start (``ConfigError``, exit 2). With
+the variable unset or empty nothing here does anything. Never set it on a
+daemon that serves: a crash point kills the daemon with SIGKILL, as a power
+cut would (no shutdown, no cleanup; its workers live on).
+
+Crash points (the process kills itself right there):
+
+``peer-after-accepted``
+    a peer, once its Accepted vote is persisted and sent, before Commit arrives
+``coordinator-before-decision``
+    the coordinator, every peer having accepted, before it writes ``commit``
+``coordinator-after-commit-decision``
+    the coordinator, right after writing ``commit``, before sending it
+
+Fault points (the coordinator's offers lie, so that a peer's check refuses):
+
+``offer-assignment-version``
+    offers name assignment protocol version 0
+``offer-package-version``
+    offers name package version ``<this version>+failpoint``
+``offer-layer-count``
+    the offered cluster TOML splits one layer more than the checkpoint has
+``offer-coordinator``
+    offers name another coordinator than the one the handshake binds
+
+``MLXCELD_TEST_PEER_WAIT_S`` (seconds, > 0; test only too) replaces
+``twophase.PEER_PHASE_S``, a peer's 60 s wait between two phases, so that a
+test of "the coordinator died before deciding" ends in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from typing import Final
+
+from mlxceld.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENV: Final = "MLXCELD_FAILPOINT"
+WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
+CRASH_POINTS: Final = frozenset({"peer-after-accepted", "coordinator-before-decision",
+                                 "coordinator-after-commit-decision"})
+FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
+                                 "offer-layer-count", "offer-coordinator"})
+KNOWN: Final = CRASH_POINTS | FAULT_POINTS
+
+
+def parse(environ: Mapping[str, str]) -> frozenset[str]:
+    """The fail points ``environ`` sets; ``ConfigError`` naming an unknown one."""
+    names = {n.strip() for n in environ.get(ENV, "").split(",") if n.strip()}
+    unknown = sorted(names - KNOWN)
+    if unknown:
+        raise ConfigError(f"{ENV} names unknown fail point(s) {', '.join(unknown)}",
+                          hint=f"known: {', '.join(sorted(KNOWN))} (tests only; unset it "
+                          "to run normally)")
+    return frozenset(names)
+
+
+def parse_wait(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_PEER_WAIT_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    raw = environ.get(WAIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{WAIT_ENV}={raw!r} is not a positive number of seconds",
+                          hint="unset it for the documented 60 s wait")
+    return value
+
+
+ACTIVE: Final = parse(os.environ)
+PEER_WAIT_S: Final = parse_wait(os.environ)
+
+
+def on(name: str) -> bool:
+    """Whether fault point ``name`` is set."""
+    assert name in FAULT_POINTS, name
+    return name in ACTIVE
+
+
+def crash(name: str) -> None:
+    """Kill this process with SIGKILL here if crash point ``name`` is set."""
+    assert name in CRASH_POINTS, name
+    if name in ACTIVE:
+        log.critical("fail point %s: killing this process (pid %d)", name, os.getpid())
+        for h in logging.getLogger().handlers:
+            h.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,175 @@
+"""A peer's assignment shell (``Assignee``) meeting offers of several plans, over real MXCL
+on loopback: a newer plan supersedes an undecided round, an older one is stale, a bad newer
+one leaves the round alone, a committed round answers busy. The stage host is our own seam,
+a fake whose prepare waits until the test lets it finish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mlxceld import __version__
+from mlxceld.cluster.agent import AgentService
+from mlxceld.cluster.assignee import Assignee
+from mlxceld.cluster.assignment import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
+from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer, PeerFacts
+from mlxceld.net import MxclStream, connect
+from mlxceld.state.db import open_db
+from mlxceld.state.plans import Assignments
+from mlxceld.wire import Keyring
+from mlxceld.wire.envelope import encode_envelope, parse_envelope
+
+COORDINATOR = "127.0.0.1:19000"
+PEER_HOST = "127.0.0.2"
+MODEL = "ab" * 32
+TOML = f"""
+[cluster]
+name = "c1"
+pipeline_parallel_size = 1
+
+[[nodes]]
+id = "coordinator"
+address = "{COORDINATOR}"
+role = "coordinator"
+
+[[nodes]]
+id = "stage-0"
+address = "{PEER_HOST}:19100"
+role = "pipeline_stage"
+rank = 0
+layers = [0, 4]
+"""
+
+
+def offer(epoch: int, **change: Any) -> bytes:
+    o = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION, package_version=__version__,
+              cluster="c1", model_identity=MODEL, stage=0, layers=(0, 4), node_id="stage-0",
+              port=19100, coordinator=COORDINATOR, toml=TOML)
+    return encode_envelope(replace(o, **change).header())
+
+
+@dataclass
+class HeldStage:
+    """Prepare blocks until ``release(epoch)``; every call is noted."""
+
+    calls: list[str] = field(default_factory=list)
+    gates: dict[int, asyncio.Event] = field(default_factory=dict)
+
+    def facts(self, port: int) -> PeerFacts:
+        return PeerFacts(__version__, "c1", MODEL, 4, PEER_HOST, frozenset({port}))
+
+    def gate(self, epoch: int) -> asyncio.Event:
+        return self.gates.setdefault(epoch, asyncio.Event())
+
+    async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
+        self.calls.append(f"prepare {epoch}")
+        await self.gate(epoch).wait()
+
+    async def activate_stage(self) -> None:
+        self.calls.append("activate")
+
+    async def stop_stage(self) -> None:
+        self.calls.append("stop")
+
+
+@dataclass
+class Peer:
+    stage: HeldStage
+    assignments: Assignments
+    keyring: Keyring
+    address: str
+
+    async def dial(self) -> MxclStream:
+        host, _, port = self.address.rpartition(":")
+        return await connect(host, int(port), keyring=self.keyring, identity=COORDINATOR,
+                             channel=ASSIGNMENT_CHANNEL, budget_s=5.0,
+                             local_addr=("127.0.0.1", 0))
+
+
+@contextlib.asynccontextmanager
+async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
+    keyring = Keyring()
+    keyring.add(secrets.token_bytes(32), primary=True)
+    stage, assignments = HeldStage(), Assignments(open_db(tmp_path / "state.db"))
+    agent = AgentService((PEER_HOST, 0), keyring)
+    assignee = Assignee(assignments, stage, keyring, identity=f"{PEER_HOST}:0",
+                        state_dir=tmp_path, enabled=True)
+    assignee.register(agent)
+    async with asyncio.TaskGroup() as tg:
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        tg.create_task(agent.run(started))
+        await started
+        tg.create_task(assignee.run())
+        try:
+            yield Peer(stage, assignments, keyring, agent.address)
+        finally:
+            assignee.close()
+            await agent.aclose()
+
+
+async def answer(stream: MxclStream, skip: str = "preparing") -> dict[str, Any]:
+    """The next message on ``stream`` other than ``skip`` heartbeats, within 10 s."""
+    async with asyncio.timeout(10):
+        while True:
+            env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
+            if env.type != skip:
+                return dict(env.header)
+
+
+async def until(predicate: Any) -> None:
+    async with asyncio.timeout(10):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def test_a_newer_plan_supersedes_an_undecided_round(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running_peer(tmp_path) as peer:
+            await scenario(peer)
+
+    asyncio.run(go())
+
+
+async def scenario(peer: Peer) -> None:
+    old = await peer.dial()
+    await old.send(offer(10))
+    await until(lambda: "prepare 10" in peer.stage.calls)  # loading, undecided
+    new = await peer.dial()
+    await new.send(offer(11))
+    got = await answer(old)
+    assert (got["t"], got["epoch"], got["reason"]) == ("aborted", 10, "superseded by plan 11")
+    await until(lambda: "prepare 11" in peer.stage.calls)
+    assert peer.stage.calls == ["prepare 10", "stop", "prepare 11"]
+    row = peer.assignments.latest()
+    assert row is not None and (row.epoch, row.state) == (11, "preparing")
+    peer.stage.gate(11).set()
+    assert (await answer(new))["t"] == "accepted"
+
+    # An older plan is stale; a newer one that does not check out leaves plan 11 alone.
+    late, bad = await peer.dial(), await peer.dial()
+    await late.send(offer(10))
+    got = await answer(late)
+    assert (got["t"], got["code"]) == ("refused", "stale_epoch"), got
+    await bad.send(offer(12, cluster="c2"))
+    got = await answer(bad)
+    assert (got["t"], got["code"], got["epoch"]) == ("refused", "cluster_name", 12), got
+    row = peer.assignments.latest()
+    assert row is not None and (row.epoch, row.state) == (11, "accepted")  # 12 unrecorded
+
+    # Committed, plan 11 is decided: a newer offer is busy until it ends.
+    await new.send(message("commit", 11))
+    assert (await answer(new))["t"] == "committed"
+    busy = await peer.dial()
+    await busy.send(offer(13))
+    got = await answer(busy)
+    assert (got["t"], got["code"]) == ("refused", "busy") and "plan 11" in got["reason"], got
+    await new.send(message("activate", 11))
+    assert (await answer(new))["t"] == "active"
+    assert peer.stage.calls[-1] == "activate"
+    for s in (old, new, late, bad, busy):
+        await s.close("done")

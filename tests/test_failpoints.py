@@ -1,0 +1,42 @@
+"""Fail points are read from the environment; an unknown name or a bad wait is named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxceld import failpoints
+from mlxceld.errors import ConfigError
+
+
+def test_names_are_parsed_and_unknown_ones_named() -> None:
+    assert failpoints.parse({}) == frozenset()
+    env = {failpoints.ENV: " peer-after-accepted, offer-coordinator ,"}
+    assert failpoints.parse(env) == {"peer-after-accepted", "offer-coordinator"}
+    with pytest.raises(ConfigError, match="MLXCELD_FAILPOINT names unknown fail point"
+                                          r"\(s\) no-such-point") as info:
+        failpoints.parse({failpoints.ENV: "peer-after-accepted,no-such-point"})
+    assert "coordinator-before-decision" in info.value.hint
+
+
+def test_the_peer_wait_must_be_positive_seconds() -> None:
+    assert failpoints.parse_wait({}) is None
+    assert failpoints.parse_wait({failpoints.WAIT_ENV: "2.5"}) == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(ConfigError, match=f"MLXCELD_TEST_PEER_WAIT_S={bad!r}"):
+            failpoints.parse_wait({failpoints.WAIT_ENV: bad})
+
+
+def test_an_unknown_fail_point_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxceld", "--state-dir", f"{tmp_path}/s",
+         "--socket", f"{tmp_path}/ctl.sock"],
+        env={**os.environ, "MLXCELD_FAILPOINT": "peer-after-acepted"},
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "mlxceld: error: MLXCELD_FAILPOINT names unknown fail point(s) " \
+           "peer-after-acepted" in out.stderr
