@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,8 +124,12 @@ def differences(cli: Tree, doc: Tree, page: str) -> list[str]:
 # -- the checks ----------------------------------------------------------------------------
 
 
-def test_every_page_is_there() -> None:
+def test_every_page_is_there_and_pip_installs_it() -> None:
     assert [p.name for p in PAGES] == ["mlxcel-cluster.toml.5", "mlxceld.8", "mlxctl.1"]
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        data_files = tomllib.load(f)["tool"]["setuptools"]["data-files"]
+    installed = {f"{d}/{Path(f).name}" for d, files in data_files.items() for f in files}
+    assert installed == {f"share/man/man{p.suffix[1:]}/{p.name}" for p in PAGES}
 
 
 def test_mlxctl_page_matches_the_command_tree() -> None:
