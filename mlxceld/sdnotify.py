@@ -24,8 +24,9 @@ What mlxceld sends, and when:
     stop timeout plus the daemon's slack), so a ``TimeoutStopSec=`` shorter
     than the drain does not cut it short.
 ``WATCHDOG=1``
-    at half of ``WATCHDOG_USEC`` from the event loop, when the unit sets
-    ``WatchdogSec=`` and ``WATCHDOG_PID`` is unset or is our pid.
+    from the event loop, every half of ``WATCHDOG_USEC`` or more often (with
+    each status look), when the unit sets ``WatchdogSec=`` and
+    ``WATCHDOG_PID`` is unset or is our pid.
 
 Send errors are logged, never raised: a service manager that went away must
 not stop the daemon. Workers never see these variables (the supervisor drops
@@ -148,15 +149,21 @@ class Notifier:
                          STATUS=f"stopping {workers} worker(s), at most {drain_s:.0f} s")
 
     async def run(self, status: Callable[[], str]) -> None:
-        """Until ``close``: ``STATUS=`` on change and ``WATCHDOG=1`` at half the interval."""
+        """Until ``close``: ``STATUS=`` on change, ``WATCHDOG=1`` at least at half the interval."""
         if self.address is None:
             return
         step = min(STATUS_EVERY_S, self.watchdog_s or STATUS_EVERY_S)
-        last = None
+        last, failed = "", False
         while not self._closed.is_set():
             fields = {"WATCHDOG": "1"} if self.watchdog_s else {}
-            line = status()
-            if line != last:
+            line: str | None = None
+            try:
+                line = status()
+            except Exception as exc:  # a summary that fails must not end the daemon
+                log.log(logging.DEBUG if failed else logging.WARNING,
+                        "no STATUS= for the service manager: %s: %s", type(exc).__name__, exc)
+                failed = True
+            if line is not None and line != last:
                 fields["STATUS"] = last = line
             if fields:
                 self.send(**fields)

@@ -174,6 +174,28 @@ def test_run_pings_the_watchdog_and_sends_status_on_change(
     assert [m["STATUS"] for m in got if "STATUS" in m] == ["a", "b"]
 
 
+def test_a_failing_status_keeps_the_watchdog_going(listener: tuple[Listener, str],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    sock, path = listener
+    n = Notifier(notify_address(path), watchdog_s=0.05)
+
+    def status() -> str:
+        raise KeyError("serving")
+
+    async def go() -> None:
+        task = asyncio.create_task(n.run(status))
+        await asyncio.sleep(0.2)
+        n.close()
+        await asyncio.wait_for(task, 2.0)
+
+    asyncio.run(go())
+    got = []
+    while (msg := sock.receive(0.2)) is not None:
+        got.append(msg)
+    assert got and all(m == {"WATCHDOG": "1"} for m in got)
+    assert "no STATUS= for the service manager: KeyError" in caplog.text
+
+
 def test_status_line_names_the_model_the_workers_and_problems() -> None:
     status = {"daemon": {"state": "running"},
               "serving": {"model_name": "tiny", "url": "http://127.0.0.1:8080/v1"},
