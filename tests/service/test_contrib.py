@@ -134,6 +134,7 @@ def test_unit_has_the_service_settings() -> None:
     assert set(s["RestrictAddressFamilies"][0].split()) == {"AF_UNIX", "AF_INET", "AF_INET6",
                                                            "AF_NETLINK"}
     assert s["ReadWritePaths"]
+    assert s["RestartPreventExitStatus"] == ["2"]  # a config error is not retried
     assert int(s["TimeoutStopSec"][0].rstrip("s")) >= 25
     assert s["ExecStart"] == ["/usr/local/bin/mlxceld"]  # no flags: the config file decides
 
