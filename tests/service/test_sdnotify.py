@@ -7,16 +7,23 @@ import os
 import shutil
 import signal
 import socket
+import stat
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from conftest import FAST_POLICY, Daemons, alive
 
+from mlxceld.control.client import ControlClient
 from mlxceld.sdnotify import Notifier, notify_address, status_line, watchdog_interval
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ONE_ECHO = FAST_POLICY + """
 [workers.tick]
@@ -261,3 +268,43 @@ def test_daemon_is_ready_only_after_readopting_survivors(
     w = d.worker("tick")
     assert (w["pid"], w["state"]) == (pid, "running")
     assert "worker.adopted" in {e["kind"] for e in d.events()}
+
+
+def test_daemon_started_like_the_systemd_unit(listener: tuple[Listener, str]) -> None:
+    """No flags, the unit's directories in the environment, the example config, UMask 0077:
+    the daemon finds its file, state and socket where the unit puts them, and says READY."""
+    sock, path = listener
+    root = Path(tempfile.mkdtemp(prefix="mxunit", dir="/tmp"))
+    dirs = {name: root / name for name in ("state", "run", "etc")}
+    for d in dirs.values():
+        d.mkdir(mode=0o700)
+    shutil.copy(ROOT / "contrib" / "mlxceld.toml", dirs["etc"] / "mlxceld.toml")
+    env = {**os.environ, "STATE_DIRECTORY": str(dirs["state"]),
+           "RUNTIME_DIRECTORY": str(dirs["run"]), "CONFIGURATION_DIRECTORY": str(dirs["etc"]),
+           "NOTIFY_SOCKET": path}
+    with (root / "stderr").open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxceld"], env=env, umask=0o077,
+                                stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+    try:
+        ready = sock.until("READY", 20.0)
+        assert ready["STATUS"] == "idle (no model); workers: none"
+        control = dirs["run"] / "mlxceld.sock"
+        assert stat.S_IMODE(control.stat().st_mode) == 0o600
+
+        async def status() -> dict[str, Any]:
+            async with ControlClient(control) as client:
+                return await client.status()
+
+        daemon = asyncio.run(status())["daemon"]
+        assert daemon["config_file"] == str(dirs["etc"] / "mlxceld.toml")
+        assert daemon["state_dir"] == str(dirs["state"])
+        assert (dirs["state"] / "state.db").exists()
+        proc.send_signal(signal.SIGTERM)
+        sock.until("STOPPING", 10.0, "1")
+        assert proc.wait(timeout=20) == 0, (root / "stderr").read_text()
+        assert not control.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
