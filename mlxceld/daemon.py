@@ -2,7 +2,8 @@
 
 Start-up order: private umask, state dir (0700), lock, database, keyring and
 the cluster secret, control socket, supervisor (re-adopting what survived a
-previous daemon), control API.
+previous daemon), control API; then READY=1 to a service manager that asked for
+it (NOTIFY_SOCKET; see mlxceld.sdnotify for what else is said, and when).
 
 The cluster secret (PROTOCOL.md section 1): a secret from --cluster-secret-file,
 MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or the cluster TOML is
@@ -61,6 +62,7 @@ from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
+from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -111,6 +113,7 @@ class Daemon:
         self._commands: asyncio.Queue[str] = asyncio.Queue()
         self._stopping = False
         self._started_at = time.time()
+        self._notify = Notifier.from_environment()  # systemd's NOTIFY_SOCKET; else a no-op
         os.umask(0o077)
         check_socket_path(config.socket)
         prepare_state_dir(config.state_dir)
@@ -522,6 +525,8 @@ class Daemon:
                 self._tg = tg
                 if len(self.keys.keyring):
                     await self._start_agent()
+                self._notify.ready(status_line(self.status()))
+                tg.create_task(self._notify.run(lambda: status_line(self.status())))
                 code = await (self._dry_run() if self.config.dry_run
                               else self._serve_commands())
                 if self._discovery is not None:
@@ -534,6 +539,7 @@ class Daemon:
                     await self._agent.aclose()
                 self._server.request_shutdown()
                 self.supervisor.close()
+                self._notify.close()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -545,7 +551,9 @@ class Daemon:
         while True:
             command = await self._commands.get()
             if command == "reload":
+                self._notify.reloading()
                 await self._reload()
+                self._notify.ready(status_line(self.status()))
                 continue
             if command == "agent":
                 await self._start_agent()
@@ -604,6 +612,7 @@ class Daemon:
         self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
         log.info("shutting down: stopping %d worker(s)", len(self.supervisor.names()))
         longest = self.supervisor.longest_stop_timeout()
+        self._notify.stopping(longest + SHUTDOWN_SLACK_S, len(self.supervisor.names()))
         try:
             async with asyncio.timeout(longest + SHUTDOWN_SLACK_S):
                 await self.supervisor.stop_all()

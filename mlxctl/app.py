@@ -25,7 +25,8 @@ from mlxctl.secret import secret_app
 
 STOP_WAIT_S = 120.0
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+# add_completion: --show-completion SHELL is what Homebrew's completion helper runs.
+app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Control the local mlxceld daemon.")
 app.add_typer(secret_app, name="secret")

@@ -22,6 +22,9 @@ from mlxceld.types import WorkerBootstrap
 
 # Never hand these to a child: secrets travel on the bootstrap pipe only.
 SECRET_ENV = re.compile(r"SECRET|API_KEY|PASSWORD|TOKEN", re.IGNORECASE)
+# The service manager's channel is the daemon's alone (systemd NotifyAccess=main): a
+# worker that inherited NOTIFY_SOCKET could report READY or ping the watchdog for it.
+SERVICE_MANAGER_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
 CREATE_TIME_TOLERANCE_S = 0.05
 
 
@@ -68,7 +71,8 @@ class WorkerSpec:
 
 
 def child_environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not SECRET_ENV.search(k)}
+    env = {k: v for k, v in os.environ.items()
+           if not SECRET_ENV.search(k) and k not in SERVICE_MANAGER_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

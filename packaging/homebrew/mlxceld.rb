@@ -1,0 +1,66 @@
+# A Homebrew formula for mlxceld, for a tap (brew tap OWNER/mlxceld; brew install mlxceld).
+#
+# The dependencies (mlx, mlx-lm, ...) are installed from PyPI wheels into the
+# formula's own virtualenv. A formula for homebrew-core would list each of them
+# as a `resource` instead (`brew update-python-resources mlxceld` writes them).
+class Mlxceld < Formula
+  include Language::Python::Virtualenv
+
+  desc "Run large language models across a handful of machines, as a system service"
+  homepage "https://github.com/mlxceld/mlxceld"
+  url "https://github.com/mlxceld/mlxceld/archive/refs/tags/v0.1.0.tar.gz"
+  sha256 "0000000000000000000000000000000000000000000000000000000000000000"
+  license "MIT"
+  head "https://github.com/mlxceld/mlxceld.git", branch: "main"
+
+  depends_on "python@3.12"
+
+  on_macos do
+    depends_on arch: :arm64 # MLX runs on Apple silicon
+  end
+
+  def install
+    virtualenv_create(libexec, "python3.12")
+    system libexec/"bin/python", "-m", "pip", "install", "--no-cache-dir", buildpath
+    bin.install_symlink libexec/"bin/mlxceld", libexec/"bin/mlxctl"
+
+    man1.install "man/mlxctl.1"
+    man5.install "man/mlxcel-cluster.toml.5"
+    man8.install "man/mlxceld.8"
+    generate_completions_from_executable(bin/"mlxctl", shell_parameter_format: :typer)
+
+    (pkgshare/"examples").install "contrib/mlxceld.toml", "contrib/cluster"
+  end
+
+  def caveats
+    <<~EOS
+      `brew services start mlxceld` runs the daemon with no arguments: it reads
+      its config file and keeps its state and control socket where mlxctl
+      looks for them (mlxceld(8), FILES):
+        macOS:  ~/Library/Application Support/mlxceld/mlxceld.toml
+        Linux:  ~/.config/mlxceld/mlxceld.toml
+      An example config and cluster TOMLs are in:
+        #{opt_pkgshare}/examples
+      Without a config file the daemon runs idle; serve a model with:
+        mlxctl serve MODEL_DIR
+    EOS
+  end
+
+  service do
+    run opt_bin/"mlxceld"
+    keep_alive successful_exit: false
+    log_path var/"log/mlxceld.log"
+    error_log_path var/"log/mlxceld.log"
+    # At least the drain deadline: the router's 20 s stop timeout plus 5 s.
+    stop_timeout 60
+    process_type :interactive
+  end
+
+  test do
+    assert_match version.to_s, shell_output("#{bin}/mlxceld --version")
+    assert_match "Control the local mlxceld daemon", shell_output("#{bin}/mlxctl --help")
+    # No daemon here: mlxctl says so with its own exit code (3).
+    output = shell_output("#{bin}/mlxctl --socket #{testpath}/none.sock status 2>&1", 3)
+    assert_match "mlxceld", output
+  end
+end
