@@ -45,7 +45,8 @@ from typing import Any, Final
 
 from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationRequest, TokenOutput
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.links import Inbox, StageAddress, StageLink
+from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
+from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
 from mlxceld.wire import Envelope, Keyring
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,11 @@ class PipelineEngine:
     def __init__(self, stages: Sequence[StageAddress], *, keyring: Keyring, identity: str,
                  dial_ip: str | None, model_identity: str, cluster: str, model_id: str,
                  context_length: int, eos_token_ids: set[int], max_batch: int = 8,
-                 step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+                 step_timeout_s: float = STEP_TIMEOUT_S,
+                 retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
+                 dial_budget_s: float = DIAL_BUDGET_S) -> None:
+        """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
+        long one dial may retry a refused connection (smaller in tests)."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
@@ -74,7 +79,9 @@ class PipelineEngine:
         self._inboxes: dict[str, Inbox] = {}
         self._links = [StageLink(s, keyring=keyring, identity=identity, dial_ip=dial_ip,
                                  model_identity=model_identity, cluster=cluster,
-                                 inboxes=self._inboxes.get)
+                                 inboxes=self._inboxes.get, dial_budget_s=dial_budget_s,
+                                 connectivity=Connectivity(initial_s=retry_s[0],
+                                                           max_s=retry_s[1]))
                        for s in sorted(stages, key=lambda s: s.rank)]
         self._last_rank = self._links[-1].stage.rank
         self._tasks: set[asyncio.Task[None]] = set()

@@ -63,11 +63,13 @@ class StageLink:
     def __init__(self, stage: StageAddress, *, keyring: Keyring, identity: str,
                  dial_ip: str | None, model_identity: str, cluster: str,
                  inboxes: Callable[[str], Inbox | None],
-                 connectivity: Connectivity | None = None) -> None:
+                 connectivity: Connectivity | None = None,
+                 dial_budget_s: float = DIAL_BUDGET_S) -> None:
         self.stage = stage
         self._keyring = keyring
         self._identity = identity
         self._dial_ip = dial_ip
+        self._dial_budget = dial_budget_s
         self._model_identity = model_identity
         self._cluster = cluster
         self._inboxes = inboxes  # seq -> its inbox, or None when nobody waits for it
@@ -96,12 +98,13 @@ class StageLink:
         up = self.up
         return {"stage": self.stage.node_id, "address": self.stage.address,
                 "layers": list(self.stage.layers), "connected": up, "state": self.state,
-                "error": None if up else self.conn.error, "since": self.conn.since}
+                "error": None if up else self.conn.error, "since": self.conn.since,
+                "failures": self.conn.failures}
 
     async def ensure(self) -> None:
         """Connect and attach unless already attached; ``EngineUnavailable`` otherwise.
 
-        Waits at most for one attempt (``DIAL_BUDGET_S`` + ``ATTACH_TIMEOUT_S``): when
+        Waits at most for one attempt (the dial budget + ``ATTACH_TIMEOUT_S``): when
         another attempt finishes while this one waits for it, its outcome is ours too.
         """
         if self.up:
@@ -136,7 +139,7 @@ class StageLink:
         try:
             stream = await connect(
                 stage.host, stage.port, keyring=self._keyring, identity=self._identity,
-                channel=1, budget_s=DIAL_BUDGET_S,
+                channel=1, budget_s=self._dial_budget,
                 local_addr=(self._dial_ip, 0) if self._dial_ip else None)
         except HandshakeFailed as exc:
             self._fail("unreachable" if exc.kind in UNREACHABLE_KINDS else "refused",
