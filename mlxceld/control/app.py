@@ -30,7 +30,7 @@ from mlxceld.errors import (
     UnknownKey,
 )
 from mlxceld.state import EventLog
-from mlxceld.supervisor import logfiles
+from mlxceld.supervisor import health, logfiles
 from mlxceld.types import JSON
 
 HEARTBEAT_S = 15.0
@@ -81,6 +81,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
         stats = await daemon.worker_stats()  # bounded: supervisor.STATS_TIMEOUT_S
         for w in current["workers"]:
             w["stats"] = stats.get(w["name"])
+        current["problems"] = health.problems(current["workers"])
         return body("status", **current)
 
     async def workers(request: Request) -> Response:
