@@ -151,8 +151,8 @@ class StageLink:
                 env = parse_envelope(await stream.recv(), p.ENGINE_SPECS)
         except (TimeoutError, NetError, EnvelopeError) as exc:
             await stream.abort()
-            self._fail("unreachable", f"{stage.name()} did not attach within "
-                       f"{ATTACH_TIMEOUT_S:g} s: {exc or 'timeout'}", exc)
+            why = str(exc) or f"no answer within {ATTACH_TIMEOUT_S:g} s"
+            self._fail("unreachable", f"{stage.name()} did not attach: {why}", exc)
         if env.type != "attached":
             await stream.close()
             message = env.header.get("message", env.type)

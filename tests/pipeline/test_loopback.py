@@ -429,3 +429,37 @@ def test_a_standby_stage_is_reported_as_such_until_activated(
         assert [level for level, _ in changes] == [logging.INFO, logging.INFO], changes
         assert "is in standby" in changes[0][1] and "(was standby)" in changes[1][1]
     assert after == reference(path, PROMPT, 3)
+
+
+def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
+        split_fixture_dir: Path) -> None:
+    """The background waits 30 s between attempts here; a request while the stage is down
+    fails within one attempt naming it, and one right after it is back succeeds."""
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[str, float, float, list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path, retry_s=(30.0, 30.0), dial_budget_s=0.3)
+            linking = asyncio.ensure_future(engine.keep_linked())
+            try:
+                await until("both stages attached", lambda: engine.readiness() is None)
+                await c.stop_stage(1)
+                await until("stage-1 unreachable, the background asleep",
+                            lambda: engine.stages()[1]["state"] == "unreachable")
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 2)
+                failed_in = loop.time() - started
+                await c.restart_stage(1)
+                started = loop.time()
+                tokens = await tokens_of(engine, PROMPT, 3)
+                return str(info.value), failed_in, loop.time() - started, tokens
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    message, failed_in, served_in, tokens = asyncio.run(asyncio.wait_for(go(), 60))
+    assert "stage-1" in message and "could not connect" in message
+    assert failed_in < 3.0
+    assert served_in < 10.0 and tokens == reference(path, PROMPT, 3)
