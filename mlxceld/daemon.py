@@ -367,6 +367,9 @@ class Daemon:
     def log_path(self, name: str) -> str | None:
         return self.supervisor.log_path(name)
 
+    async def worker_stats(self) -> dict[str, JSON]:
+        return await self.supervisor.stats()
+
     def restart_worker(self, name: str) -> None:
         self.supervisor.restart(name)
 

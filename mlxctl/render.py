@@ -15,6 +15,9 @@ import typer
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
+LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
+               "disconnected": "yellow", "unreachable": "yellow", "refused": "red",
+               "model_mismatch": "red", "layers_mismatch": "red"}
 STATE_COLORS = {"running": "green", "starting": "cyan", "backoff": "yellow",
                 "stopping": "yellow", "exited": "white", "failed": "red"}
 
@@ -139,7 +142,31 @@ def status(body: dict[str, Any]) -> str:
     if bringup:
         lines.append(f"bring-up: {bringup['state']}"
                      + (f": {bringup['summary']}" if bringup.get("summary") else ""))
-    return "\n".join([*lines, "", workers_table(workers), "", health(body["problems"])])
+    links = stage_links(workers)
+    return "\n".join([*lines, "", workers_table(workers), *links, "",
+                      health(body["problems"])])
+
+
+def stage_links(workers: list[dict[str, Any]]) -> list[str]:
+    """A pipeline router's stages: whether each is attached, and why not (its stats)."""
+    out: list[str] = []
+    for w in workers:
+        stages = (w.get("stats") or {}).get("stages")
+        if not stages:
+            continue
+        now = time.time()
+        rows, colors, errors = [], [], []
+        for s in stages:
+            since = duration(now - s["since"]) if s.get("since") else "-"
+            rows.append([s["stage"], s["address"], f"[{s['layers'][0]}, {s['layers'][1]})",
+                         s["state"].replace("_", " "), since])
+            colors.append([None, None, None, LINK_COLORS.get(s["state"]), None])
+            if s.get("error"):
+                errors.append(f"  {s['stage']}: {s['error']}")
+        attached = sum(1 for s in stages if s.get("connected"))
+        out += ["", f"stages of {w['name']}: {attached} of {len(stages)} attached",
+                table(["STAGE", "ADDRESS", "LAYERS", "LINK", "FOR"], rows, colors), *errors]
+    return out
 
 
 def health(problems: list[dict[str, Any]]) -> str:

@@ -4,10 +4,13 @@
     POST /v1/chat/completions          chat, whole or streamed (SSE)
     POST /v1/completions               text completion, whole or streamed
     GET  /health                       liveness: always 200, never needs the key
-    GET  /ready                        200 once ``ready()`` says so, else 503
+    GET  /ready                        200 once ``ready()`` says so and ``readiness()``
+                                       names nothing wrong, else 503
     GET  /metrics                      Prometheus text
 
-Completions are refused with 503 (code "not_ready") until ``ready()`` is true.
+Completions are refused with 503 (code "not_ready") until ``ready()`` is true;
+``readiness()`` (a pipeline's stages not attached) only shows on ``/ready``:
+completions still try, and fail with the engine's own 503 naming what is down.
 Every error, unknown paths and methods included, is OpenAI's error JSON. The
 app does not own the engine: whoever built it closes it.
 """
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -52,8 +56,11 @@ def build_router_app(
     max_body_bytes: int = 4 << 20,
     default_max_tokens: int = 512,
     ready: Callable[[], bool] | None = None,
+    readiness: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> ASGIApp:
-    """``ready``: whether the engine serves yet (None: it always does)."""
+    """``ready``: whether the engine serves yet (None: it always does); ``readiness``:
+    what keeps it from serving well now (a JSON object with a ``message`` for ``/ready``'s
+    503 body), or None when nothing does."""
     if default_max_tokens < 1 or max_body_bytes < 1:
         raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, not "
                          f"{default_max_tokens} and {max_body_bytes}")
@@ -79,9 +86,12 @@ def build_router_app(
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def readiness(request: Request) -> Response:
+    async def ready_route(request: Request) -> Response:
         if not is_ready():
             return JSONResponse({"status": "starting"}, status_code=503)
+        problem = readiness() if readiness is not None else None
+        if problem is not None:
+            return JSONResponse({"status": "degraded", **problem}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(request: Request) -> Response:
@@ -130,7 +140,7 @@ def build_router_app(
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/health", health),
-            Route("/ready", readiness),
+            Route("/ready", ready_route),
             Route("/metrics", metrics_text),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,

@@ -30,7 +30,7 @@ from mlxceld.errors import (
     UnknownKey,
 )
 from mlxceld.state import EventLog
-from mlxceld.supervisor import logfiles
+from mlxceld.supervisor import health, logfiles
 from mlxceld.types import JSON
 
 HEARTBEAT_S = 15.0
@@ -51,6 +51,7 @@ class DaemonView(Protocol):
     def stopping(self) -> bool: ...
     def status(self) -> JSON: ...
     def workers(self) -> list[JSON]: ...
+    async def worker_stats(self) -> dict[str, JSON]: ...
     def cluster_nodes(self) -> JSON: ...
     async def plan_cluster(self, model: str, stages: int) -> JSON: ...
     def log_path(self, name: str) -> str | None: ...
@@ -76,7 +77,12 @@ def build_app(daemon: DaemonView) -> ASGIApp:
         return body("version", api=API_VERSION)
 
     async def status(request: Request) -> Response:
-        return body("status", **daemon.status())
+        current = daemon.status()
+        stats = await daemon.worker_stats()  # bounded: supervisor.STATS_TIMEOUT_S
+        for w in current["workers"]:
+            w["stats"] = stats.get(w["name"])
+        current["problems"] = health.problems(current["workers"])
+        return body("status", **current)
 
     async def workers(request: Request) -> Response:
         return body("workers", workers=daemon.workers())

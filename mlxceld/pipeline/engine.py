@@ -11,10 +11,18 @@ client gone), so the coordinator is never on the decode loop's critical path.
 Sequences of concurrent requests are in flight at once, so while one stage
 works on one sequence the others work on others.
 
+The stage links are kept up in the background (``keep_linked``, run by the
+router): every stage is dialed and attached at start and re-dialed whenever its
+connection ends, with a bounded backoff (links.py, connectivity.py).
+``readiness`` names the stages that are not attached and why, for the router's
+``GET /ready``; requests are not held back by it: one that finds a link down
+dials it on demand.
+
 Bounds (every wait has a deadline):
 
 - connecting and attaching a stage: ``DIAL_BUDGET_S`` + ``ATTACH_TIMEOUT_S``
-  (links.py), then HTTP 503 naming the stage;
+  (links.py), then HTTP 503 naming the stage; in the background, attempts are
+  ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` apart (connectivity.py);
 - ``prepared`` from every stage: ``PREPARE_TIMEOUT_S``;
 - each token: ``STEP_TIMEOUT_S`` plus ``PER_TOKEN_S`` for every prompt token in
   the step; a stage that dies is noticed at once (its connection ends), one that
@@ -22,7 +30,7 @@ Bounds (every wait has a deadline):
   ``EngineUnavailable`` (503 before the first token, an SSE error event after).
 
 A client that goes away closes the generator: the sequence is released on every
-stage. A later request reconnects to stages that came back.
+stage. A request after a stage came back finds it re-attached, or attaches it.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ from typing import Any, Final
 
 from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationRequest, TokenOutput
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.links import Inbox, StageAddress, StageLink
+from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
+from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
 from mlxceld.wire import Envelope, Keyring
 
 log = logging.getLogger(__name__)
@@ -53,7 +62,11 @@ class PipelineEngine:
     def __init__(self, stages: Sequence[StageAddress], *, keyring: Keyring, identity: str,
                  dial_ip: str | None, model_identity: str, cluster: str, model_id: str,
                  context_length: int, eos_token_ids: set[int], max_batch: int = 8,
-                 step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+                 step_timeout_s: float = STEP_TIMEOUT_S,
+                 retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
+                 dial_budget_s: float = DIAL_BUDGET_S) -> None:
+        """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
+        long one dial may retry a refused connection (smaller in tests)."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
@@ -65,7 +78,10 @@ class PipelineEngine:
         self._step_timeout = step_timeout_s
         self._inboxes: dict[str, Inbox] = {}
         self._links = [StageLink(s, keyring=keyring, identity=identity, dial_ip=dial_ip,
-                                 inboxes=self._inboxes.get)
+                                 model_identity=model_identity, cluster=cluster,
+                                 inboxes=self._inboxes.get, dial_budget_s=dial_budget_s,
+                                 connectivity=Connectivity(initial_s=retry_s[0],
+                                                           max_s=retry_s[1]))
                        for s in sorted(stages, key=lambda s: s.rank)]
         self._last_rank = self._links[-1].stage.rank
         self._tasks: set[asyncio.Task[None]] = set()
@@ -75,14 +91,28 @@ class PipelineEngine:
         return len(self._inboxes)
 
     def stages(self) -> list[dict[str, Any]]:
-        return [{"stage": link.stage.node_id, "address": link.stage.address,
-                 "layers": list(link.stage.layers), "connected": link.up,
-                 "error": None if link.up else link.broken} for link in self._links]
+        """Each stage, where it is, and whether it is attached (else its state and error)."""
+        return [link.describe() for link in self._links]
+
+    def readiness(self) -> dict[str, Any] | None:
+        """None when every stage is attached; else what ``GET /ready`` answers with 503."""
+        down = [link.describe() for link in self._links if not link.up]
+        if not down:
+            return None
+        said = "; ".join(f"{d['stage']} is {d['state'].replace('_', ' ')}"
+                         + (f" ({d['error']})" if d["error"] else "") for d in down)
+        return {"message": f"{len(down)} of {len(self._links)} stages not attached: {said}",
+                "stages": down}
 
     async def connect(self) -> None:
         """Connect and attach every stage that is not (raises ``EngineUnavailable``)."""
-        await asyncio.gather(*(link.ensure(self._model_identity, self._cluster)
-                               for link in self._links))
+        await asyncio.gather(*(link.ensure() for link in self._links))
+
+    async def keep_linked(self) -> None:
+        """Keep every stage attached, re-dialing broken links, until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            for link in self._links:
+                tg.create_task(link.keep_up())
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         if self._closed:

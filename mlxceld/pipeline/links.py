@@ -3,7 +3,18 @@
 A link reads its stream all the time (so pings are answered and a closed or
 killed stage is noticed at once) and hands each message to the waiting
 sequence's inbox by ``seq``. When the stream ends, every sequence that waits on
-the link gets ``StageUnavailable`` naming the stage.
+the link gets ``EngineUnavailable`` naming the stage.
+
+A link is kept up in the background (``keep_up``): dialed and attached at
+start, re-dialed at once when its connection ends, then every
+``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` (connectivity.py) while it
+fails. Each attempt is bounded by ``DIAL_BUDGET_S`` (TCP connect and handshake,
+retried within it while refused) plus ``ATTACH_TIMEOUT_S`` (the stage's answer
+to ``attach``). A request that finds the link down dials it itself (``ensure``)
+rather than waiting for the backoff; if an attempt is already in flight it
+shares that attempt's outcome instead of starting another, so it waits at most
+one attempt's bound. Each change of state (attached, lost, unreachable,
+refused, standby, mismatch) is logged once, not every retry.
 """
 
 from __future__ import annotations
@@ -11,19 +22,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from mlxceld.engine.base import EngineUnavailable
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect
 from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.connectivity import Connectivity, Failure, LinkState, Transition
 from mlxceld.wire import Envelope, EnvelopeError, Keyring, encode_envelope, parse_envelope
 
 log = logging.getLogger(__name__)
 
 DIAL_BUDGET_S: Final = 5.0  # a stage that does not answer within this is unavailable
 ATTACH_TIMEOUT_S: Final = 5.0
+# Handshake failures that say nothing about the stage refusing us: retried, then unreachable.
+UNREACHABLE_KINDS: Final = frozenset({"unreachable", "at_capacity", "abort", "handshake_timeout"})
 
 Inbox = asyncio.Queue[tuple[int, Envelope] | BaseException]  # (the stage's rank, message)
 
@@ -46,63 +61,142 @@ class StageAddress:
 
 class StageLink:
     def __init__(self, stage: StageAddress, *, keyring: Keyring, identity: str,
-                 dial_ip: str | None, inboxes: Callable[[str], Inbox | None]) -> None:
+                 dial_ip: str | None, model_identity: str, cluster: str,
+                 inboxes: Callable[[str], Inbox | None],
+                 connectivity: Connectivity | None = None,
+                 dial_budget_s: float = DIAL_BUDGET_S) -> None:
         self.stage = stage
         self._keyring = keyring
         self._identity = identity
         self._dial_ip = dial_ip
+        self._dial_budget = dial_budget_s
+        self._model_identity = model_identity
+        self._cluster = cluster
         self._inboxes = inboxes  # seq -> its inbox, or None when nobody waits for it
         self._stream: MxclStream | None = None
+        self._gone = asyncio.Event()  # set when the attached stream's reader ends
         self._reader: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one attempt at a time
+        self._attempts = 0  # attempts finished, so a waiter knows it may share an outcome
         self._waiting: set[str] = set()  # sequences prepared through this link
-        self.broken: str | None = None
+        self._closing = False
+        self.conn = connectivity or Connectivity()
 
     @property
     def up(self) -> bool:
         return self._stream is not None and not self._stream.closed
 
-    async def ensure(self, model_identity: str, cluster: str) -> None:
-        """Connect and attach unless already attached; ``EngineUnavailable`` otherwise."""
+    @property
+    def state(self) -> LinkState:
+        """The connectivity state, ``disconnected`` already while the reader winds down."""
+        if self.conn.state == "attached" and not self.up:
+            return "disconnected"
+        return self.conn.state
+
+    def describe(self) -> dict[str, Any]:
+        """For the router's stats and ``/ready``: where the stage is and whether we reach it."""
+        up = self.up
+        return {"stage": self.stage.node_id, "address": self.stage.address,
+                "layers": list(self.stage.layers), "connected": up, "state": self.state,
+                "error": None if up else self.conn.error, "since": self.conn.since,
+                "failures": self.conn.failures}
+
+    async def ensure(self) -> None:
+        """Connect and attach unless already attached; ``EngineUnavailable`` otherwise.
+
+        Waits at most for one attempt (the dial budget + ``ATTACH_TIMEOUT_S``): when
+        another attempt finishes while this one waits for it, its outcome is ours too.
+        """
+        if self.up:
+            return
+        seen = self._attempts
         async with self._lock:
             if self.up:
                 return
-            stage = self.stage
+            if self._attempts != seen:  # an attempt ended since we came: it failed
+                raise EngineUnavailable(self.conn.error or f"{self.stage.name()} is "
+                                        "unavailable")
             try:
-                stream = await connect(
-                    stage.host, stage.port, keyring=self._keyring, identity=self._identity,
-                    channel=1, budget_s=DIAL_BUDGET_S,
-                    local_addr=(self._dial_ip, 0) if self._dial_ip else None)
-            except HandshakeFailed as exc:
-                raise EngineUnavailable(f"{stage.name()} is unavailable: {exc}") from exc
+                await self._attempt()
+            finally:
+                self._attempts += 1
+
+    async def keep_up(self) -> None:
+        """Attach now and re-attach whenever the link is down, until cancelled or closed."""
+        while not self._closing:
+            if self.up:
+                await self._gone.wait()
+                continue
             try:
-                async with asyncio.timeout(ATTACH_TIMEOUT_S):
-                    await stream.send(encode_envelope(
-                        {"t": "attach", "model": model_identity, "cluster": cluster}))
-                    env = parse_envelope(await stream.recv(), p.ENGINE_SPECS)
-            except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
-                await stream.abort()
-                raise EngineUnavailable(f"{stage.name()} did not attach: {exc or 'timeout'}"
-                                        ) from exc
-            if env.type != "attached":
-                await stream.close()
-                raise EngineUnavailable(f"{stage.name()} refused to attach: "
-                                        f"{env.header.get('message', env.type)}")
-            if tuple(env.header.get("layers", ())) != stage.layers:
-                await stream.close()
-                raise EngineUnavailable(
-                    f"{stage.name()} serves layers {env.header.get('layers')}, the cluster "
-                    f"config says {list(stage.layers)}: restart it with the same config")
-            self._stream = stream
-            self.broken = None
-            self._reader = asyncio.ensure_future(self._read(stream))
-            log.info("attached %s, layers %s", stage.name(), list(stage.layers))
+                await self.ensure()
+            except EngineUnavailable:
+                await asyncio.sleep(self.conn.next_delay())
+
+    async def _attempt(self) -> None:
+        stage = self.stage
+        if self._closing:
+            raise EngineUnavailable(f"{stage.name()}: the engine is closing")
+        try:
+            stream = await connect(
+                stage.host, stage.port, keyring=self._keyring, identity=self._identity,
+                channel=1, budget_s=self._dial_budget,
+                local_addr=(self._dial_ip, 0) if self._dial_ip else None)
+        except HandshakeFailed as exc:
+            self._fail("unreachable" if exc.kind in UNREACHABLE_KINDS else "refused",
+                       f"{stage.name()} is unavailable: {exc}", exc)
+        try:
+            async with asyncio.timeout(ATTACH_TIMEOUT_S):
+                await stream.send(encode_envelope(
+                    {"t": "attach", "model": self._model_identity, "cluster": self._cluster}))
+                env = parse_envelope(await stream.recv(), p.ENGINE_SPECS)
+        except (TimeoutError, NetError, EnvelopeError) as exc:
+            await stream.abort()
+            why = str(exc) or f"no answer within {ATTACH_TIMEOUT_S:g} s"
+            self._fail("unreachable", f"{stage.name()} did not attach: {why}", exc)
+        if env.type != "attached":
+            await stream.close()
+            message = env.header.get("message", env.type)
+            code = env.header.get("code")
+            if code == p.ERR_STANDBY:
+                self._fail("standby", f"{stage.name()} is in standby: {message}")
+            self._fail("model_mismatch" if code == p.ERR_MODEL_MISMATCH else "refused",
+                       f"{stage.name()} refused to attach: {message}")
+        if tuple(env.header.get("layers", ())) != stage.layers:
+            await stream.close()
+            self._fail("layers_mismatch",
+                       f"{stage.name()} serves layers {env.header.get('layers')}, the cluster "
+                       f"config says {list(stage.layers)}: restart it with the same config")
+        self._stream = stream
+        self._gone = asyncio.Event()
+        self._reader = asyncio.ensure_future(self._read(stream, self._gone))
+        old = self.conn.state
+        self.conn.attached(time.time())
+        log.info("attached %s, layers %s%s", stage.name(), list(stage.layers),
+                 f" (was {old})" if old != "connecting" else "")
+
+    def _fail(self, failure: Failure, message: str,
+              cause: BaseException | None = None) -> NoReturn:
+        self._log(self.conn.failed(failure, message, time.time()))
+        raise EngineUnavailable(message) from cause
+
+    def _log(self, change: Transition | None) -> None:
+        """One line per change of state; a repeated failure only at debug level."""
+        if change is None:
+            log.debug("%s still %s: %s", self.stage.name(), self.conn.state, self.conn.error)
+        elif change.new == "standby":
+            log.info("%s is in standby (prepared, not activated yet); retrying until it is",
+                     self.stage.name())
+        else:
+            log.warning("%s is %s (was %s): %s; retrying in the background",
+                        self.stage.name(), change.new.replace("_", " "), change.old,
+                        change.reason)
 
     async def send(self, header: dict[str, Any], tensors: list[Any] | None = None) -> None:
         stream = self._stream
         if stream is None or stream.closed:
+            error = self.conn.error
             raise EngineUnavailable(f"{self.stage.name()} is not connected"
-                                    + (f": {self.broken}" if self.broken else ""))
+                                    + (f": {error}" if error else ""))
         try:
             await stream.send(encode_envelope(header, tensors or ()))
         except NetError as exc:
@@ -114,7 +208,7 @@ class StageLink:
     def untrack(self, seq: str) -> None:
         self._waiting.discard(seq)
 
-    async def _read(self, stream: MxclStream) -> None:
+    async def _read(self, stream: MxclStream, gone: asyncio.Event) -> None:
         reason = "closed"
         try:
             while True:
@@ -138,16 +232,19 @@ class StageLink:
             reason = "the engine is closing"
             raise
         finally:
-            self.broken = reason
-            failure = EngineUnavailable(f"{self.stage.name()} is unavailable: {reason}")
+            message = f"{self.stage.name()} is unavailable: {reason}"
+            failure = EngineUnavailable(message)
             for seq in list(self._waiting):
                 inbox = self._inboxes(seq)
                 if inbox is not None:
                     inbox.put_nowait(failure)
             self._waiting.clear()
-            log.warning("lost %s: %s", self.stage.name(), reason)
+            if self._stream is stream and not self._closing:
+                self._log(self.conn.lost(message, time.time()))
+            gone.set()
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -22,7 +22,18 @@ def problems(workers: list[JSON]) -> list[JSON]:
         elif state == "running" and w.get("healthy") is False:
             out.append(_problem(name, f"worker {name} does not answer health probes: "
                                 f"{w['reason']}", logs))
+        out += _stage_links(w)
     return out
+
+
+def _stage_links(w: JSON) -> list[JSON]:
+    """A pipeline router's stages that are not attached (from its stats, when asked)."""
+    stages = (w.get("stats") or {}).get("stages") or []
+    return [_problem(s["stage"], f"worker {w['name']} cannot reach stage {s['stage']} "
+                     f"({s['state'].replace('_', ' ')}): {s['error']}",
+                     f"mlxctl status on the stage's host ({s['address']}); "
+                     f"mlxctl logs {w['name']}")
+            for s in stages if not s.get("connected") and s.get("state") != "connecting"]
 
 
 def _problem(subject: str, message: str, next_command: str) -> JSON:

@@ -17,8 +17,9 @@ from typing import Any
 
 import psutil
 
+from mlxceld.errors import WorkerError
 from mlxceld.state import EventLog, WorkerRow, WorkersTable
-from mlxceld.supervisor import logfiles, process
+from mlxceld.supervisor import channel, logfiles, process
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import (
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ROTATE_EVERY_S = 5.0
 REMOVED_STOP_TIMEOUT_S = 10.0
+STATS_TIMEOUT_S = 0.5  # a running worker that does not answer ``stats`` within this is left out
 
 
 class Supervisor:
@@ -217,6 +219,24 @@ class Supervisor:
                 "rss_bytes": _rss(r.pid), "log": str(r.spec.log_path),
             })
         return out
+
+    async def stats(self) -> dict[str, JSON]:
+        """Each running worker's own stats (its control channel's ``stats`` op), asked all at
+        once; a worker that does not answer within ``STATS_TIMEOUT_S`` is left out."""
+        running = [(name, r) for name, r in sorted(self._runners.items())
+                   if r.machine.state is WorkerState.RUNNING and r.pid is not None]
+
+        async def ask(runner: WorkerRunner) -> JSON | None:
+            try:
+                reply = await channel.call(runner.spec.control_socket, "stats",
+                                           timeout_s=STATS_TIMEOUT_S)
+            except WorkerError:
+                return None
+            stats = reply.get("stats")
+            return stats if isinstance(stats, dict) else None
+
+        answers = await asyncio.gather(*(ask(r) for _, r in running))
+        return {name: a for (name, _), a in zip(running, answers, strict=True) if a is not None}
 
     def log_path(self, name: str) -> str | None:
         r = self._runners.get(name)

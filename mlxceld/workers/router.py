@@ -8,11 +8,18 @@ the cluster secret then arrives on the bootstrap pipe too.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready.
+
+Over a pipeline the engine keeps its stage links up in the background from the
+start; ``GET /ready`` is 503 naming the stages not attached (completions are
+not held back: they dial on demand and fail with a 503 naming the stage), and
+the worker's stats (``stages``: each stage's state and last error, refreshed
+every ``STATS_EVERY_S``) show in ``mlxctl status``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,7 @@ from mlxceld.wire import Keyring
 from mlxceld.workers.runtime import WorkerContext
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
+STATS_EVERY_S = 1.0
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -94,18 +102,27 @@ async def run(ctx: WorkerContext) -> int:
     except Exception as exc:
         sock.close()
         raise RuntimeError(f"cannot load model {o['model']!r}: {exc}") from exc
+    pipeline = bool(o.get("pipeline"))
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=str(o["model_name"]),
-                           api_key=ctx.api_key, max_queued=int(o["max_queued"]))
+                           api_key=ctx.api_key, max_queued=int(o["max_queued"]),
+                           readiness=engine.readiness if pipeline else None)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S)
     started: asyncio.Future[None] = loop.create_future()
     try:
         async with asyncio.TaskGroup() as tg:
+            linking = tg.create_task(engine.keep_linked()) if pipeline else None
             tg.create_task(server.serve(started))
             await started
             ctx.stats.update(url=f"http://{o['host']}:{o['port']}/v1", model=o["model_name"])
             ctx.ready()
-            await ctx.stopping.wait()
+            while not ctx.stopping.is_set():
+                if pipeline:
+                    ctx.stats["stages"] = engine.stages()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()
+            if linking is not None:
+                linking.cancel()
     finally:
         await engine.aclose()
     if broken:  # exit non-zero: the supervisor restarts us with a fresh engine

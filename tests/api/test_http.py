@@ -174,6 +174,25 @@ def test_health_and_readiness() -> None:
     asyncio.run(main())
 
 
+def test_readiness_problems_show_on_ready_but_do_not_gate_completions() -> None:
+    """A pipeline with a stage down: /ready is 503 naming it, yet completions still try
+    (the engine answers with its own, specific 503)."""
+    async def main() -> None:
+        problem: dict[str, Any] | None = {"message": "1 of 2 stages not attached: s1 is "
+                                                     "unreachable", "stages": [{"stage": "s1"}]}
+        async with http_client(make_app(FakeEngine(reply=b"ok"),
+                                        readiness=lambda: problem)) as client:
+            down = await client.get("/ready")
+            assert down.status_code == 503
+            assert down.json() == {"status": "degraded", **(problem or {})}
+            assert (await post(client, "/v1/chat/completions", CHAT)).status_code == 200
+            problem = None
+            up = await client.get("/ready")
+            assert up.status_code == 200 and up.json() == {"status": "ready"}
+
+    asyncio.run(main())
+
+
 def test_metrics() -> None:
     async def main() -> None:
         async with http_client(make_app(FakeEngine())) as client:

@@ -303,3 +303,61 @@ def test_stages_refuse_other_secret_holders(daemons: Daemons, split_fixture_dir:
         text_out = c.completions.create(model="llama", prompt=PROMPT, max_tokens=6,
                                         temperature=0).choices[0].text
     assert text_out == expected(model, PROMPT, 6)
+
+
+def ready(pipe: Pipeline) -> httpx.Response:
+    return httpx.get(pipe.url.removesuffix("/v1") + "/ready", timeout=10)
+
+
+def router_links(d: DaemonProc) -> list[dict[str, object]]:
+    """The router worker's stages as the daemon's status shows them (its stats)."""
+    stats = d.worker("router").get("stats") or {}
+    links: list[dict[str, object]] = stats.get("stages", [])
+    return links
+
+
+def status_saying(d: DaemonProc, text: str) -> str | None:
+    shown = d.ctl("status").stdout
+    return shown if text in shown else None
+
+
+def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """The router attaches its stages at start and re-attaches one that comes back by
+    itself: no completion is sent until /ready says 200 again."""
+    model = split_fixture_dir / "llama"
+    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    wait_for(lambda: ready(pipe).status_code == 200, 30, "/ready 200 with both stages")
+    shown = wait_for(lambda: status_saying(pipe.coordinator, "stages of router: 2 of 2 attached"),
+                     10, "mlxctl status showing both stages attached")
+    assert "stage-0" in shown and "stage-1" in shown
+
+    stage = pipe.stages[1]
+    assert stage.proc is not None
+    stage.proc.send_signal(signal.SIGTERM)
+    stage.proc.wait(30)
+    down = wait_for(lambda: (r := ready(pipe)).status_code == 503 and r.json(), 10,
+                    "/ready 503 once stage-1 is gone")
+    assert down["status"] == "degraded" and "stage-1" in down["message"], down
+    assert [s["stage"] for s in down["stages"]] == ["stage-1"]
+    assert down["stages"][0]["state"] in ("disconnected", "unreachable")
+    links = wait_for(lambda: (ls := router_links(pipe.coordinator)) and
+                     ls[1]["state"] == "unreachable" and ls, 20,
+                     "the router's stats showing stage-1 unreachable")
+    assert links[0]["connected"] is True and links[1]["connected"] is False
+    assert "stage-1" in str(links[1]["error"])
+    shown = pipe.coordinator.ctl("status").stdout
+    assert "stages of router: 1 of 2 attached" in shown and "unreachable" in shown, shown
+    assert "worker router cannot reach stage stage-1 (unreachable)" in shown, shown
+
+    stage.start("--distributed-config", str(pipe.toml), "--node-id", "stage-1",
+                "--agent-addr", "127.0.0.3:0")
+    daemons.pids.add(stage.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    wait_for(lambda: ready(pipe).status_code == 200, 60,
+             "/ready 200 again once stage-1 is back, with no request sent")
+    wait_for(lambda: [s["connected"] for s in router_links(pipe.coordinator)] == [True, True],
+             5, "the router's stats showing both stages attached again")
+    with client(pipe.url) as c:
+        text = c.completions.create(model="llama", prompt=PROMPT, max_tokens=6,
+                                    temperature=0).choices[0].text
+    assert text == expected(model, PROMPT, 6)

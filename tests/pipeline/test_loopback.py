@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,26 @@ class Cluster:
             await self.services[rank].handle(stream)
         return handle
 
-    def engine(self, path: Path, eos: set[int] | None = None) -> PipelineEngine:
+    def engine(self, path: Path, eos: set[int] | None = None, **knobs: Any) -> PipelineEngine:
         return PipelineEngine(self.stages, keyring=keyring(), identity=COORD,
                               dial_ip="127.0.0.1", model_identity=model_identity(path),
                               cluster="test", model_id="m", context_length=4096,
-                              eos_token_ids=eos or set())
+                              eos_token_ids=eos or set(), **knobs)
+
+    async def stop_stage(self, rank: int) -> None:
+        """Its listener goes away: every connection to it drops, new ones are refused."""
+        await self.listeners[rank].aclose()
+
+    async def restart_stage(self, rank: int) -> None:
+        """A new listener on the same address, in front of the same stage service."""
+        st = self.stages[rank]
+        lst = Listener(st.host, st.port, keyring=keyring(),
+                       identity_of_server=f"{st.host}:0", channels={1},
+                       handler=self._handler(rank))
+        await lst.start()
+        self.tasks.append(asyncio.ensure_future(lst.serve()))
+        await lst.wait_accepting()
+        self.listeners[rank] = lst
 
     async def aclose(self) -> None:
         for svc in self.services:
@@ -120,6 +136,14 @@ async def cluster(path: Path, splits: Sequence[tuple[int, int]],
         yield c
     finally:
         await c.aclose()
+
+
+async def until(what: str, check: Any, timeout_s: float = 15.0) -> None:
+    """Poll ``check()`` every 20 ms until it is true; fail naming ``what`` after the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.02)
 
 
 async def tokens_of(engine: PipelineEngine, prompt: list[int], n: int) -> list[int]:
@@ -208,18 +232,19 @@ def test_the_stages_stop_a_sequence_at_max_tokens_and_at_eos(split_fixture_dir: 
 def test_wrong_model_is_refused_with_both_identities(split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
 
-    async def go() -> str:
+    async def go() -> tuple[str, list[str]]:
         async with cluster(path, [(0, 2), (2, 4)], identity="f" * 64) as c:
             engine = c.engine(path)
             try:
                 with pytest.raises(EngineUnavailable) as info:
                     await tokens_of(engine, PROMPT, 2)
-                return str(info.value)
+                return str(info.value), [s["state"] for s in engine.stages()]
             finally:
                 await engine.aclose()
 
-    message = asyncio.run(go())
+    message, states = asyncio.run(go())
     assert "f" * 64 in message and model_identity(path) in message
+    assert states == ["model_mismatch"] * 2
 
 
 async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], list[Any]]],
@@ -314,3 +339,127 @@ def test_a_standby_stage_refuses_until_activated(split_fixture_dir: Path) -> Non
     message, after = asyncio.run(go())
     assert "not active yet" in message
     assert after == reference(path, PROMPT, 3)
+
+
+FAST = {"retry_s": (0.05, 0.2), "dial_budget_s": 0.3}  # background re-dials, quickly
+
+
+def link_lines(caplog: pytest.LogCaptureFixture, stage: str) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.name == "mlxceld.pipeline.links" and stage in r.getMessage()]
+
+
+def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
+        split_fixture_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No request ever dials here: the engine attaches the stages itself, notices one go,
+    retries it quietly while it is down, and attaches it again when it is back."""
+    caplog.set_level(logging.DEBUG, logger="mlxceld.pipeline.links")
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[int, str]],
+                            list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path, **FAST)
+            assert [s["state"] for s in engine.stages()] == ["connecting"] * 2
+            assert engine.readiness() is not None
+            linking = asyncio.ensure_future(engine.keep_linked())
+            try:
+                await until("both stages attached", lambda: engine.readiness() is None)
+                await c.stop_stage(1)
+                await until("stage-1 failing again and again",
+                            lambda: engine.stages()[1]["failures"] >= 3)
+                problem = engine.readiness()
+                assert problem is not None
+                stages = engine.stages()
+                down = link_lines(caplog, "stage-1")
+                await c.restart_stage(1)
+                await until("stage-1 attached again", lambda: engine.readiness() is None)
+                down += link_lines(caplog, "stage-1")[len(down):]
+                return problem, stages, down, await tokens_of(engine, PROMPT, 3)
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    problem, stages, lines, after = asyncio.run(asyncio.wait_for(go(), 60))
+    assert [s["stage"] for s in problem["stages"]] == ["stage-1"]
+    assert problem["stages"][0]["state"] == "unreachable"
+    assert problem["message"].startswith("1 of 2 stages not attached: stage-1 is unreachable")
+    assert stages[0]["connected"] and stages[0]["state"] == "attached"
+    assert stages[0]["error"] is None
+    assert not stages[1]["connected"] and "stage-1" in stages[1]["error"]
+    # Once each: attached, lost, unreachable, attached again; the retries only at debug.
+    changes = [(level, text) for level, text in lines if level > logging.DEBUG]
+    assert [level for level, _ in changes] == [logging.INFO, logging.WARNING,
+                                               logging.WARNING, logging.INFO], changes
+    assert "is disconnected (was attached)" in changes[1][1]
+    assert "is unreachable (was disconnected)" in changes[2][1]
+    assert changes[3][1].endswith("(was unreachable)")
+    assert sum(1 for level, _ in lines if level == logging.DEBUG) >= 2
+    assert after == reference(path, PROMPT, 3)
+
+
+def test_a_standby_stage_is_reported_as_such_until_activated(
+        split_fixture_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="mlxceld.pipeline.links")
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[list[dict[str, Any]], list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)], standby=True) as c:
+            engine = c.engine(path, **FAST)
+            linking = asyncio.ensure_future(engine.keep_linked())
+            try:
+                await until("both stages refused as standby several times", lambda: all(
+                    s["state"] == "standby" and s["failures"] >= 3 for s in engine.stages()))
+                standby = engine.stages()
+                for svc in c.services:
+                    svc.activate()
+                await until("both stages attached once active",
+                            lambda: engine.readiness() is None)
+                return standby, await tokens_of(engine, PROMPT, 3)
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    standby, after = asyncio.run(asyncio.wait_for(go(), 60))
+    assert all("is in standby" in s["error"] and "not active yet" in s["error"]
+               for s in standby)
+    for stage in ("stage-0", "stage-1"):
+        changes = [(level, text) for level, text in link_lines(caplog, stage)
+                   if level > logging.DEBUG]
+        assert [level for level, _ in changes] == [logging.INFO, logging.INFO], changes
+        assert "is in standby" in changes[0][1] and "(was standby)" in changes[1][1]
+    assert after == reference(path, PROMPT, 3)
+
+
+def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
+        split_fixture_dir: Path) -> None:
+    """The background waits 30 s between attempts here; a request while the stage is down
+    fails within one attempt naming it, and one right after it is back succeeds."""
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[str, float, float, list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path, retry_s=(30.0, 30.0), dial_budget_s=0.3)
+            linking = asyncio.ensure_future(engine.keep_linked())
+            try:
+                await until("both stages attached", lambda: engine.readiness() is None)
+                await c.stop_stage(1)
+                await until("stage-1 unreachable, the background asleep",
+                            lambda: engine.stages()[1]["state"] == "unreachable")
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 2)
+                failed_in = loop.time() - started
+                await c.restart_stage(1)
+                started = loop.time()
+                tokens = await tokens_of(engine, PROMPT, 3)
+                return str(info.value), failed_in, loop.time() - started, tokens
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    message, failed_in, served_in, tokens = asyncio.run(asyncio.wait_for(go(), 60))
+    assert "stage-1" in message and "could not connect" in message
+    assert failed_in < 3.0
+    assert served_in < 10.0 and tokens == reference(path, PROMPT, 3)

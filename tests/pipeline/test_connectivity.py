@@ -1,0 +1,49 @@
+"""A stage link's connectivity, sans-IO: transitions once per change, the bounded backoff."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxceld.pipeline.connectivity import (
+    RETRY_INITIAL_S,
+    RETRY_MAX_S,
+    Connectivity,
+    Transition,
+)
+
+
+def test_backoff_doubles_to_its_bound_and_starts_over_once_attached_or_lost() -> None:
+    c = Connectivity()
+    assert [c.next_delay() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert (RETRY_INITIAL_S, RETRY_MAX_S) == (0.5, 5.0)
+    c.attached(1.0)
+    assert c.next_delay() == 0.5 and c.next_delay() == 1.0
+    c.lost("closed", 2.0)
+    assert c.next_delay() == 0.5
+
+
+def test_a_repeated_failure_is_one_transition_and_each_change_is_one() -> None:
+    c = Connectivity(initial_s=0.1, max_s=0.4)
+    assert c.state == "connecting" and not c.up and c.error is None
+    first = c.failed("unreachable", "s1 is unavailable: refused", 10.0)
+    assert first == Transition("connecting", "unreachable", "s1 is unavailable: refused")
+    # The same failure again: no transition (nothing to log), but the newest message.
+    assert c.failed("unreachable", "s1 is unavailable: timed out", 11.0) is None
+    assert c.error == "s1 is unavailable: timed out" and c.since == 10.0 and c.failures == 2
+    assert c.failed("standby", "s1 is in standby", 12.0) == Transition(
+        "unreachable", "standby", "s1 is in standby")
+    assert c.failed("standby", "s1 is in standby", 13.0) is None
+    assert c.attached(14.0) == Transition("standby", "attached", None)
+    assert c.up and c.error is None and c.failures == 0 and c.since == 14.0
+    assert c.attached(15.0) is None
+    assert c.lost("s1 is unavailable: closed", 16.0) == Transition(
+        "attached", "disconnected", "s1 is unavailable: closed")
+    assert c.failed("model_mismatch", "other model", 17.0) == Transition(
+        "disconnected", "model_mismatch", "other model")
+
+
+def test_bad_inputs_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="0 < initial_s <= max_s"):
+        Connectivity(initial_s=2.0, max_s=1.0)
+    with pytest.raises(ValueError, match="'broken'"):
+        Connectivity().failed("broken", "x", 0.0)  # type: ignore[arg-type]

@@ -1,0 +1,34 @@
+"""Problems of a set of workers: a pipeline router's unattached stages are problems too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxceld.supervisor.health import problems
+
+
+def router(stages: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {"name": "router", "role": "router", "state": "running", "healthy": True,
+            "reason": "", "last_exit": "", "stats": None if stages is None else
+            {"stages": stages}}
+
+
+def stage(name: str, state: str, error: str | None = None) -> dict[str, Any]:
+    return {"stage": name, "address": "127.0.0.3:4000", "layers": [2, 4],
+            "connected": state == "attached", "state": state, "error": error}
+
+
+def test_a_stage_that_is_not_attached_is_a_problem_naming_it_and_why() -> None:
+    found = problems([router([stage("s0", "attached"),
+                              stage("s1", "model_mismatch", "s1 serves model abc")])])
+    assert found == [{"subject": "s1",
+                      "message": "worker router cannot reach stage s1 (model mismatch): "
+                                 "s1 serves model abc",
+                      "next": "mlxctl status on the stage's host (127.0.0.3:4000); "
+                              "mlxctl logs router"}]
+
+
+def test_attached_or_still_connecting_stages_and_no_stats_are_no_problem() -> None:
+    assert problems([router([stage("s0", "attached"), stage("s1", "connecting")])]) == []
+    assert problems([router(None)]) == []
+    assert problems([{**router(None), "stats": {"ticks": 3}}]) == []
