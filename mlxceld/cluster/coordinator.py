@@ -1,0 +1,163 @@
+"""The coordinator's bring-up: plan over the reachable peers, push the plan, serve it.
+
+``--pp-auto N`` (``bring_up``) and ``--pp-auto N --dry-run`` (``dry_run``) run
+here, as does ``mlxctl cluster plan`` (``plan``). The daemon hands over what a
+bring-up needs (its plans table, keyring, discovery, agent address, event log)
+and a ``CoordinatorSlot``: its window for running the router over a pushed
+plan. ``state`` is what ``mlxctl status`` shows as ``bringup``.
+
+Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
+(each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
+the push itself is bounded by ``twophase.PUSH_S`` (``assignment.push``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Final, Protocol
+
+from mlxceld.cluster.assignment import PushPlan, StageOffer, push, resume_push
+from mlxceld.cluster.placement import Placement, place
+from mlxceld.cluster.planning import make_plan, plan_nodes
+from mlxceld.discovery.service import DiscoveryService
+from mlxceld.errors import ConfigError, MlxceldError
+from mlxceld.models.identity import model_identity
+from mlxceld.serving import resolve_model
+from mlxceld.state import EventLog
+from mlxceld.state.plans import Plans
+from mlxceld.types import JSON
+from mlxceld.wire import Keyring
+
+log = logging.getLogger(__name__)
+
+DRY_RUN_WAIT_S: Final = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
+PP_AUTO_WAIT_S: Final = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
+POLL_S: Final = 1.0  # between two polls of the candidates while waiting for peers
+
+
+class CoordinatorSlot(Protocol):
+    """The daemon's side: run the router over a pushed plan."""
+
+    async def serve_pipeline(self, placement: Placement) -> None:
+        """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router."""
+
+
+class Coordinator:
+    def __init__(self, slot: CoordinatorSlot, *, cluster: str, state_dir: Path,
+                 config_out: Path | None, plans: Plans, keyring: Keyring,
+                 discovery: DiscoveryService, identity: str, events: EventLog) -> None:
+        self._slot = slot
+        self._cluster = cluster
+        self._state_dir = state_dir
+        self._config_out = config_out
+        self._plans = plans
+        self._keyring = keyring
+        self._discovery = discovery
+        self._identity = identity  # our agent address: the peers bind our identity to it
+        self._events = events
+        self.state: JSON | None = None  # the last push, for `mlxctl status`
+
+    async def plan(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
+        ``model`` (a local directory) over the reachable ones. Assigns nothing."""
+        path = Path(resolve_model(model, Path("/"), "mlxctl cluster plan"))
+        if not path.is_dir():
+            raise ConfigError(f"model {model!r} is not a local directory",
+                              hint="planning reads the checkpoint's safetensors headers")
+        candidates = await self._discovery.refresh()
+        return make_plan(candidates, path, stages, cluster=self._cluster,
+                         coordinator=self._identity)
+
+    async def await_peers(self, n: int, within_s: float) -> None:
+        """Poll the candidates until ``n`` are reachable or ``within_s`` has passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + within_s
+        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
+            await asyncio.sleep(POLL_S)
+
+    async def dry_run(self, n: int, model: str) -> int:
+        """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
+        reachable, plan, print the table on stdout, write ``--cluster-config-out``."""
+        await self.await_peers(n, DRY_RUN_WAIT_S)
+        try:
+            planned = await self.plan(model, n)
+        except MlxceldError as exc:
+            print(f"mlxceld: error: {exc.message}", file=sys.stderr)
+            if exc.hint:
+                print(f"  hint: {exc.hint}", file=sys.stderr)
+            return 1
+        print(planned["table"])
+        for note in planned["notes"]:
+            print(f"note: {note}")
+        if self._config_out is not None:
+            self._config_out.write_text(planned["toml"])
+            print(f"cluster TOML written to {self._config_out}")
+        return 0
+
+    async def bring_up(self, n: int, model: str) -> None:
+        """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,
+        push the plan (two-phase), then run the router over the pipeline. A failure is
+        logged and recorded; the daemon stays up, idle."""
+        last = self._plans.latest()
+        if last is not None and last.decision in ("commit", "activate", "active"):
+            await self._resume(last.epoch, last.decision, last.toml, model)
+            return
+        await self.await_peers(n, PP_AUTO_WAIT_S)
+        try:
+            planned = await self.plan(model, n)
+        except MlxceldError as exc:
+            notes = await self._plan_notes(model)
+            self._failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
+            return
+        stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]), s["stage"],
+                                  int(s["address"].rpartition(":")[2]))
+                       for s in planned["plan"]["stages"])
+        plan = PushPlan(self._cluster, planned["model_identity"], planned["toml"], stages)
+        self.state = {"state": "pushing", "summary": ""}
+        epoch, done = await push(plan, plans=self._plans, keyring=self._keyring,
+                                 identity=self._identity)
+        if not done.ok:
+            self._failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
+            return
+        await self._serve(epoch, planned["toml"], model, done.summary)
+
+    async def _resume(self, epoch: int, decision: str, toml: str, model: str) -> None:
+        """A restart after a commit or activate decision re-sends it until every peer is
+        active; after ``active`` the pushed pipeline is served again as it was."""
+        summary = f"plan {epoch}: resumed as decided ({decision})"
+        if decision != "active":
+            done = await resume_push(epoch, plans=self._plans, keyring=self._keyring,
+                                     identity=self._identity)
+            if not done.ok:
+                self._failed(done.summary)
+                return
+            summary = done.summary
+        await self._serve(epoch, toml, model, summary)
+
+    async def _serve(self, epoch: int, toml: str, model: str, summary: str) -> None:
+        path = self._state_dir / f"cluster-{epoch}.toml"
+        path.write_text(toml)
+        if self._config_out is not None:
+            self._config_out.write_text(toml)
+        placement = await asyncio.to_thread(place, path, "coordinator", model)
+        self.state = {"state": "active", "epoch": epoch, "summary": summary}
+        self._events.append("bringup.active", "cluster", summary, epoch=epoch)
+        log.info("pipeline bring-up: %s", summary)
+        await self._slot.serve_pipeline(placement)
+
+    async def _plan_notes(self, model: str) -> list[str]:
+        """Why candidates were left out of a plan (another model, no inventory yet)."""
+        try:
+            identity = await asyncio.to_thread(model_identity, Path(model))
+        except MlxceldError:
+            return []
+        return plan_nodes(await self._discovery.refresh(), identity)[1]
+
+    def _failed(self, summary: str) -> None:
+        self.state = {"state": "failed", "summary": summary}
+        log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
+                  "the peers named, then restart it)", summary)
+        self._events.append("bringup.failed", "cluster", summary)
