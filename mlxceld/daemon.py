@@ -193,6 +193,15 @@ class Daemon:
         """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
         return await self._coordinating().plan(model, stages)
 
+    async def activate_cluster(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
+        serves in our task group; the answer carries the plan's epoch."""
+        coordinator = self._coordinating()
+        if self._stopping or self._tg is None:
+            raise DaemonError("the daemon is shutting down and starts no bring-up",
+                              hint="start it again, then activate")
+        return await coordinator.activate(model, stages, self._tg)
+
     def _coordinating(self) -> Coordinator:
         if self._coordinator is None:
             raise ConfigError("planning needs discovery, which runs with the agent listener "
@@ -211,8 +220,15 @@ class Daemon:
     # -- the coordinator's and the stage host's window on us -------------------------------
 
     async def serve_pipeline(self, placement: Placement) -> None:
+        """Run the router over the pushed plan: on its model, restarted if it was serving."""
         self.placement = placement
+        model = str(placement.model)
+        if self._serve.model != model:
+            self._serve = self._serve.with_model(model)
+        existed = ROUTER in self.supervisor.names()
         await self.reconcile()
+        if existed:
+            self.supervisor.restart(ROUTER)
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self._standby = placement, standby

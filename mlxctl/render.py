@@ -162,3 +162,11 @@ def cluster_plan(body: dict[str, Any]) -> str:
     for note in body.get("notes") or []:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def peer_step(p: dict[str, Any]) -> str:
+    """One peer's step in a bring-up (``mlxctl cluster activate``)."""
+    color = {"active": "green", "failed": "red", "aborted": "yellow"}.get(p["state"])
+    what = paint(p["state"], color) + (f": {p['reason']}" if p.get("reason") else "")
+    layers = f"layers [{p['layers'][0]}, {p['layers'][1]})" if p.get("layers") else ""
+    return f"  {p.get('stage') or '-':8} {p['address']:22} {layers:16} {what}"

@@ -1,10 +1,22 @@
 """The coordinator's bring-up: plan over the reachable peers, push the plan, serve it.
 
-``--pp-auto N`` (``bring_up``) and ``--pp-auto N --dry-run`` (``dry_run``) run
-here, as does ``mlxctl cluster plan`` (``plan``). The daemon hands over what a
-bring-up needs (its plans table, keyring, discovery, agent address, event log)
-and a ``CoordinatorSlot``: its window for running the router over a pushed
-plan. ``state`` is what ``mlxctl status`` shows as ``bringup``.
+``--pp-auto N`` (``bring_up``), ``--pp-auto N --dry-run`` (``dry_run``),
+``mlxctl cluster plan`` (``plan``) and ``mlxctl cluster activate`` (``activate``)
+run here. The daemon hands over what a bring-up needs (its plans table,
+keyring, discovery, agent address, event log) and a ``CoordinatorSlot``: its
+window for running the router over a pushed plan.
+
+One bring-up at a time: while one plans or pushes, ``activate`` raises
+``BringUpInProgress`` naming its plan. ``state`` is what ``mlxctl status``
+shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
+
+    {"state": "planning" | "pushing" | "active" | "failed", "epoch": E,
+     "model": DIR, "stages": N, "summary": "...",
+     "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
+                "layers": [first, end], "state": STATE, "reason": "..."}]}
+
+with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
+prepared, committed, active, failed (its reason), aborted.
 
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
@@ -17,13 +29,14 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from mlxceld.cluster.assignment import PushPlan, StageOffer, push, resume_push
 from mlxceld.cluster.placement import Placement, place
 from mlxceld.cluster.planning import make_plan, plan_nodes
+from mlxceld.cluster.twophase import CoordinatorRound
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import ConfigError, MlxceldError
+from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError
 from mlxceld.models.identity import model_identity
 from mlxceld.serving import resolve_model
 from mlxceld.state import EventLog
@@ -58,18 +71,43 @@ class Coordinator:
         self._discovery = discovery
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
-        self.state: JSON | None = None  # the last push, for `mlxctl status`
+        self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
+        self._busy = False  # a bring-up plans or pushes
 
-    async def plan(self, model: str, stages: int) -> JSON:
+    async def plan(self, model: str, stages: int, what: str = "mlxctl cluster plan") -> JSON:
         """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
         ``model`` (a local directory) over the reachable ones. Assigns nothing."""
-        path = Path(resolve_model(model, Path("/"), "mlxctl cluster plan"))
-        if not path.is_dir():
-            raise ConfigError(f"model {model!r} is not a local directory",
-                              hint="planning reads the checkpoint's safetensors headers")
+        path = model_dir(model, what)
         candidates = await self._discovery.refresh()
         return make_plan(candidates, path, stages, cluster=self._cluster,
                          coordinator=self._identity)
+
+    async def activate(self, model: str, stages: int, tg: asyncio.TaskGroup) -> JSON:
+        """`mlxctl cluster activate`: plan now (a plan that does not fit is raised here, as
+        `mlxctl cluster plan` would), then push it and serve the router over it in ``tg``.
+        Returns the state at once, with the plan's epoch; poll ``state`` for the rest."""
+        self._claim()
+        try:
+            path = str(model_dir(model, "mlxctl cluster activate"))
+            self.state = {"state": "planning", "model": path, "stages": stages,
+                          "summary": ""}
+            planned = await self.plan(path, stages, "mlxctl cluster activate")
+        except BaseException:
+            self._busy = False
+            raise
+        epoch = self._plans.next_epoch()
+        self._pushing(epoch, planned)
+        tg.create_task(self._push_and_serve(epoch, planned, path))
+        return self.state or {}
+
+    def _claim(self) -> None:
+        if self._busy:
+            epoch = (self.state or {}).get("epoch")
+            raise BringUpInProgress(
+                f"a bring-up is in progress (plan {epoch})" if epoch else
+                "a bring-up is in progress (planning)",
+                hint="wait for it to end (mlxctl status shows it), then try again")
+        self._busy = True
 
     async def await_peers(self, n: int, within_s: float) -> None:
         """Poll the candidates until ``n`` are reachable or ``within_s`` has passed."""
@@ -101,28 +139,70 @@ class Coordinator:
         """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,
         push the plan (two-phase), then run the router over the pipeline. A failure is
         logged and recorded; the daemon stays up, idle."""
-        last = self._plans.latest()
-        if last is not None and last.decision in ("commit", "activate", "active"):
-            await self._resume(last.epoch, last.decision, last.toml, model)
-            return
-        await self.await_peers(n, PP_AUTO_WAIT_S)
+        self._claim()
         try:
-            planned = await self.plan(model, n)
+            last = self._plans.latest()
+            if last is not None and last.decision in ("commit", "activate", "active"):
+                self.state = {"state": "pushing", "epoch": last.epoch, "model": model,
+                              "stages": len(last.peers), "summary": "", "peers": []}
+                await self._resume(last.epoch, last.decision, last.toml, model)
+                return
+            self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
+            await self.await_peers(n, PP_AUTO_WAIT_S)
+            try:
+                planned = await self.plan(model, n)
+            except MlxceldError as exc:
+                notes = await self._plan_notes(model)
+                self._failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
+                return
+            epoch = self._plans.next_epoch()
+            self._pushing(epoch, planned)
+            await self._push_and_serve(epoch, planned, model)
+        finally:
+            self._busy = False
+
+    def _pushing(self, epoch: int, planned: JSON) -> None:
+        self.state = {**(self.state or {}), "state": "pushing", "epoch": epoch, "summary": "",
+                      "peers": [{"stage": s["stage"], "node_id": s.get("node_id"),
+                                 "address": s["node_address"], "layers": list(s["layers"]),
+                                 "state": "offered", "reason": ""}
+                                for s in planned["plan"]["stages"]]}
+
+    async def _push_and_serve(self, epoch: int, planned: JSON, model: str) -> None:
+        """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
+        try:
+            stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]),
+                                      s["stage"], int(s["address"].rpartition(":")[2]))
+                           for s in planned["plan"]["stages"])
+            plan = PushPlan(self._cluster, planned["model_identity"], planned["toml"], stages)
+            epoch, done = await push(plan, plans=self._plans, keyring=self._keyring,
+                                     identity=self._identity, epoch=epoch, watch=self._watch)
+            if not done.ok:
+                self._failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
+                return
+            await self._serve(epoch, planned["toml"], model, done.summary)
         except MlxceldError as exc:
-            notes = await self._plan_notes(model)
-            self._failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
+            self._failed(f"plan {epoch}: {exc.message}")
+        finally:
+            self._busy = False
+
+    def _watch(self, round_: CoordinatorRound) -> None:
+        """Each peer's progress into ``state``; each change logged once."""
+        if self.state is None:
             return
-        stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]), s["stage"],
-                                  int(s["address"].rpartition(":")[2]))
-                       for s in planned["plan"]["stages"])
-        plan = PushPlan(self._cluster, planned["model_identity"], planned["toml"], stages)
-        self.state = {"state": "pushing", "summary": ""}
-        epoch, done = await push(plan, plans=self._plans, keyring=self._keyring,
-                                 identity=self._identity)
-        if not done.ok:
-            self._failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
-            return
-        await self._serve(epoch, planned["toml"], model, done.summary)
+        peers: list[dict[str, Any]] = self.state.setdefault("peers", [])
+        rows = {p["address"]: p for p in peers}
+        for address, (state, reason) in round_.progress().items():
+            row = rows.get(address)
+            if row is None:  # a resumed plan: the plans table knows the peers, not the stages
+                row = {"stage": None, "node_id": None, "address": address, "layers": None,
+                       "state": "", "reason": ""}
+                peers.append(row)
+            if (row["state"], row["reason"]) != (state, reason):
+                row["state"], row["reason"] = state, reason
+                log.info("plan %d: peer %s%s is %s%s", round_.epoch, address,
+                         f" ({row['stage']})" if row["stage"] else "", state,
+                         f": {reason}" if reason else "")
 
     async def _resume(self, epoch: int, decision: str, toml: str, model: str) -> None:
         """A restart after a commit or activate decision re-sends it until every peer is
@@ -130,7 +210,7 @@ class Coordinator:
         summary = f"plan {epoch}: resumed as decided ({decision})"
         if decision != "active":
             done = await resume_push(epoch, plans=self._plans, keyring=self._keyring,
-                                     identity=self._identity)
+                                     identity=self._identity, watch=self._watch)
             if not done.ok:
                 self._failed(done.summary)
                 return
@@ -143,10 +223,11 @@ class Coordinator:
         if self._config_out is not None:
             self._config_out.write_text(toml)
         placement = await asyncio.to_thread(place, path, "coordinator", model)
-        self.state = {"state": "active", "epoch": epoch, "summary": summary}
+        await self._slot.serve_pipeline(placement)
+        self.state = {**(self.state or {}), "state": "active", "epoch": epoch,
+                      "summary": summary}
         self._events.append("bringup.active", "cluster", summary, epoch=epoch)
         log.info("pipeline bring-up: %s", summary)
-        await self._slot.serve_pipeline(placement)
 
     async def _plan_notes(self, model: str) -> list[str]:
         """Why candidates were left out of a plan (another model, no inventory yet)."""
@@ -157,7 +238,16 @@ class Coordinator:
         return plan_nodes(await self._discovery.refresh(), identity)[1]
 
     def _failed(self, summary: str) -> None:
-        self.state = {"state": "failed", "summary": summary}
+        self.state = {**(self.state or {}), "state": "failed", "summary": summary}
         log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
                   "the peers named, then restart it)", summary)
         self._events.append("bringup.failed", "cluster", summary)
+
+
+def model_dir(model: str, what: str) -> Path:
+    """The local checkpoint directory ``model`` names; planning reads its headers."""
+    path = Path(resolve_model(model, Path("/"), what))
+    if not path.is_dir():
+        raise ConfigError(f"model {model!r} is not a local directory",
+                          hint="planning reads the checkpoint's safetensors headers")
+    return path

@@ -1,0 +1,100 @@
+"""`mlxctl cluster activate` on a running coordinator: plan, two-phase push, router over the
+pipeline; real daemons on 127.0.0.1 (coordinator), .2 and .3 (peers)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import DaemonProc, Daemons, wait_for
+from test_discovery import agent, start
+from test_pipeline import READY_S, expected, free_port
+
+from mlxceld.errors import ControlError
+
+ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
+
+
+def no_stage_or_router_runs(d: DaemonProc) -> bool:
+    return not [w for w in d.status()["workers"] if w["name"] in ("stage", "router")
+                and w["state"] in ("starting", "running")]
+
+
+def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    secret = b"4f" * 16
+    peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
+                   name=f"p{i}") for i in (2, 3)]
+    port = free_port("127.0.0.1")
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+                  ",".join(agent(p) for p in peers), "--port", str(port), name="c")
+    assert coord.status()["serving"] is None  # idle until activated
+
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "mlxctl", "--socket", str(coord.socket), "cluster", "activate",
+         "--model", str(model), "--stages", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pushing = wait_for(lambda: (b := coord.status().get("bringup") or {}).get("state")
+                           == "pushing" and b, 60, "the push to start", every=0.02)
+        with pytest.raises(ControlError) as busy:
+            coord.api(lambda c: c.activate_cluster(str(model), 2))
+        assert busy.value.code == "bringup_in_progress"
+        assert busy.value.message == f"a bring-up is in progress (plan {pushing['epoch']})"
+        out, err = cli.communicate(timeout=ACTIVATE_S)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, (out, err, coord.stderr()[-3000:])
+    for p, stage in zip(peers, ("stage-0", "stage-1"), strict=True):
+        assert f"{stage:8} {agent(p)}" in out and "prepared" in out, out
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+        assert p.status()["assignment"]["state"] == "active"
+    assert f"every stage of 2 is active; serving llama at http://127.0.0.1:{port}/v1" in out
+    daemons.pids.add(coord.worker("router")["pid"])
+    bringup = coord.status()["bringup"]
+    assert bringup["state"] == "active" and bringup["epoch"] == pushing["epoch"]
+    assert [p["state"] for p in bringup["peers"]] == ["active", "active"], bringup
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                       max_retries=0, timeout=60) as c:
+        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
+                                    temperature=0).choices[0].text
+    assert text == expected(model, "The quick brown fox", 8)
+
+
+def test_activate_names_the_peer_that_failed(daemons: Daemons,
+                                            split_fixture_dir: Path) -> None:
+    """A peer without --pp-peer refuses its offer; the push aborts everywhere; the CLI exits 1
+    naming that peer and its reason; no stage and no router runs anywhere."""
+    model = str(split_fixture_dir / "llama")
+    secret = b"5e" * 16
+    good = start(daemons, "127.0.0.2", secret, "--pp-peer", "--model", model, name="good")
+    lazy = start(daemons, "127.0.0.3", secret, "--model", model, "--port",
+                 str(free_port("127.0.0.1")), name="lazy")
+    daemons.note(lazy)  # it serves the model itself (a router), which is not a stage
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+                  f"{agent(good)},{agent(lazy)}", "--port", str(free_port("127.0.0.1")),
+                  name="c")
+
+    missing = coord.ctl("cluster", "activate", "--model", "/nonexistent/model", "--stages", "2")
+    assert missing.returncode == 1 and "/nonexistent/model" in missing.stderr, missing.stderr
+    usage = coord.ctl("cluster", "activate", "--model", model, "--stages", "0")
+    assert usage.returncode == 2 and "--stages" in usage.stderr, usage.stderr
+
+    done = coord.ctl("cluster", "activate", "--model", model, "--stages", "2",
+                     timeout=ACTIVATE_S)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert f"{agent(lazy)} (stage-1): refused: not_a_peer:" in done.stderr, done.stderr
+    assert "bring-up failed: plan" in done.stderr and agent(lazy) in done.stderr
+    assert agent(good) not in [line.split()[0] for line in done.stderr.splitlines()[1:]]
+    bringup = coord.status()["bringup"]
+    assert bringup["state"] == "failed" and agent(lazy) in bringup["summary"], bringup
+    wait_for(lambda: (good.status()["assignment"] or {}).get("state") == "aborted", 20,
+             "the good peer aborted")
+    for d in (good, coord):
+        assert no_stage_or_router_runs(d), d.status()["workers"]
+    assert "stage" not in [w["name"] for w in lazy.status()["workers"]]
