@@ -146,7 +146,6 @@ class Daemon:
         self._assignee: Assignee | None = None
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
         self._coordinator: Coordinator | None = None
-        self._bringup_task: asyncio.Task[None] | None = None
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -200,7 +199,7 @@ class Daemon:
         if self._stopping or self._tg is None:
             raise DaemonError("the daemon is shutting down and starts no bring-up",
                               hint="start it again, then activate")
-        return await coordinator.activate(model, stages, self._tg)
+        return await coordinator.activate(model, stages)
 
     def _coordinating(self) -> Coordinator:
         if self._coordinator is None:
@@ -403,8 +402,8 @@ class Daemon:
                     self._discovery.close()
                 if self._assignee is not None:
                     self._assignee.close()
-                if self._bringup_task is not None:
-                    self._bringup_task.cancel()  # a push cut short: peers abort by deadline
+                if self._coordinator is not None:
+                    self._coordinator.close()  # a push cut short: peers abort by deadline
                 if self._agent is not None:
                     await self._agent.aclose()
                 self._server.request_shutdown()
@@ -470,15 +469,14 @@ class Daemon:
                 agent_address=agent.address)
             self._tg.create_task(self._discovery.run())
             self._coordinator = Coordinator(
-                self, cluster=c.cluster_name, state_dir=c.state_dir,
+                self, self._tg, cluster=c.cluster_name, state_dir=c.state_dir,
                 config_out=c.cluster_config_out, plans=self._plans, keyring=self.keys.keyring,
                 discovery=self._discovery, identity=agent.address, events=self.events)
             self._assignee = assignee
             self._tg.create_task(assignee.run())
             model = self._serve.model
             if c.pp_auto is not None and not c.dry_run and model is not None:
-                self._bringup_task = self._tg.create_task(
-                    self._coordinator.bring_up(c.pp_auto, model))
+                self._coordinator.start(c.pp_auto, model)
 
     async def _shutdown(self) -> int:
         self._stopping = True

@@ -119,17 +119,20 @@ async def _activate(c: ControlClient, model: str, stages: int,
     epoch = started["epoch"]
     if not quiet:
         typer.echo(f"plan {epoch}: {len(started['peers'])} stage(s) of {started['model']}")
-    shown: dict[str, tuple[str, str]] = {}
+    shown: dict[str, int] = {}  # steps printed, per peer
     loop = asyncio.get_running_loop()
     give_up = loop.time() + PUSH_WAIT_S
     while True:
         status = await c.status()
         bringup = status.get("bringup") or {}
         for p in bringup.get("peers") or []:
-            step = (p["state"], p["reason"])
-            if not quiet and shown.get(p["address"]) != step:
-                shown[p["address"]] = step
-                typer.echo(render.peer_step(p))
+            steps = p.get("steps") or []
+            for i in range(shown.get(p["address"], 0), len(steps)):
+                if not quiet:
+                    last = i == len(steps) - 1
+                    typer.echo(render.peer_step({**p, "state": steps[i],
+                                                 "reason": p["reason"] if last else ""}))
+            shown[p["address"]] = len(steps)
         if bringup.get("epoch") != epoch or bringup.get("state") not in ("planning",
                                                                           "pushing"):
             break

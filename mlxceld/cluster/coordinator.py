@@ -13,10 +13,12 @@ shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
     {"state": "planning" | "pushing" | "active" | "failed", "epoch": E,
      "model": DIR, "stages": N, "summary": "...",
      "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
-                "layers": [first, end], "state": STATE, "reason": "..."}]}
+                "layers": [first, end], "state": STATE, "reason": "...",
+                "steps": [STATE, ...]}]}
 
 with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
-prepared, committed, active, failed (its reason), aborted.
+prepared, committed, active, failed (its reason), aborted; ``steps`` holds every
+state it went through, in order, so that a poller misses none.
 
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
@@ -59,10 +61,11 @@ class CoordinatorSlot(Protocol):
 
 
 class Coordinator:
-    def __init__(self, slot: CoordinatorSlot, *, cluster: str, state_dir: Path,
-                 config_out: Path | None, plans: Plans, keyring: Keyring,
+    def __init__(self, slot: CoordinatorSlot, tasks: asyncio.TaskGroup, *, cluster: str,
+                 state_dir: Path, config_out: Path | None, plans: Plans, keyring: Keyring,
                  discovery: DiscoveryService, identity: str, events: EventLog) -> None:
         self._slot = slot
+        self._tasks = tasks  # the daemon's: a bring-up runs there
         self._cluster = cluster
         self._state_dir = state_dir
         self._config_out = config_out
@@ -73,6 +76,7 @@ class Coordinator:
         self._events = events
         self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
         self._busy = False  # a bring-up plans or pushes
+        self._task: asyncio.Task[None] | None = None
 
     async def plan(self, model: str, stages: int, what: str = "mlxctl cluster plan") -> JSON:
         """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
@@ -82,9 +86,19 @@ class Coordinator:
         return make_plan(candidates, path, stages, cluster=self._cluster,
                          coordinator=self._identity)
 
-    async def activate(self, model: str, stages: int, tg: asyncio.TaskGroup) -> JSON:
+    def start(self, n: int, model: str) -> None:
+        """``--pp-auto N``: ``bring_up`` in the background."""
+        self._task = self._tasks.create_task(self.bring_up(n, model))
+
+    def close(self) -> None:
+        """The daemon stops: a push cut short is presumed aborted; its peers abort by their
+        deadline (``twophase.PEER_PHASE_S``), or at once on asking us after our restart."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def activate(self, model: str, stages: int) -> JSON:
         """`mlxctl cluster activate`: plan now (a plan that does not fit is raised here, as
-        `mlxctl cluster plan` would), then push it and serve the router over it in ``tg``.
+        `mlxctl cluster plan` would), then push it and serve the router over it.
         Returns the state at once, with the plan's epoch; poll ``state`` for the rest."""
         self._claim()
         try:
@@ -97,7 +111,7 @@ class Coordinator:
             raise
         epoch = self._plans.next_epoch()
         self._pushing(epoch, planned)
-        tg.create_task(self._push_and_serve(epoch, planned, path))
+        self._task = self._tasks.create_task(self._push_and_serve(epoch, planned, path))
         return self.state or {}
 
     def _claim(self) -> None:
@@ -165,7 +179,7 @@ class Coordinator:
         self.state = {**(self.state or {}), "state": "pushing", "epoch": epoch, "summary": "",
                       "peers": [{"stage": s["stage"], "node_id": s.get("node_id"),
                                  "address": s["node_address"], "layers": list(s["layers"]),
-                                 "state": "offered", "reason": ""}
+                                 "state": "offered", "reason": "", "steps": ["offered"]}
                                 for s in planned["plan"]["stages"]]}
 
     async def _push_and_serve(self, epoch: int, planned: JSON, model: str) -> None:
@@ -183,6 +197,8 @@ class Coordinator:
             await self._serve(epoch, planned["toml"], model, done.summary)
         except MlxceldError as exc:
             self._failed(f"plan {epoch}: {exc.message}")
+        except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
+            self._failed(f"plan {epoch}: cannot write {exc.filename}: {exc.strerror}")
         finally:
             self._busy = False
 
@@ -196,10 +212,11 @@ class Coordinator:
             row = rows.get(address)
             if row is None:  # a resumed plan: the plans table knows the peers, not the stages
                 row = {"stage": None, "node_id": None, "address": address, "layers": None,
-                       "state": "", "reason": ""}
+                       "state": "", "reason": "", "steps": []}
                 peers.append(row)
             if (row["state"], row["reason"]) != (state, reason):
                 row["state"], row["reason"] = state, reason
+                row["steps"].append(state)
                 log.info("plan %d: peer %s%s is %s%s", round_.epoch, address,
                          f" ({row['stage']})" if row["stage"] else "", state,
                          f": {reason}" if reason else "")

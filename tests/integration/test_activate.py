@@ -3,6 +3,7 @@ pipeline; real daemons on 127.0.0.1 (coordinator), .2 and .3 (peers)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,10 @@ def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path
             cli.wait()
     assert cli.returncode == 0, (out, err, coord.stderr()[-3000:])
     for p, stage in zip(peers, ("stage-0", "stage-1"), strict=True):
-        assert f"{stage:8} {agent(p)}" in out and "prepared" in out, out
+        steps = [line.split()[-1] for line in out.splitlines()
+                 if line.split()[:2] == [stage, agent(p)]]
+        assert [s for s in steps if s != "loading"] == ["offered", "prepared", "committed",
+                                                        "active"], out
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
         assert p.status()["assignment"]["state"] == "active"
     assert f"every stage of 2 is active; serving llama at http://127.0.0.1:{port}/v1" in out
@@ -59,6 +63,7 @@ def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path
     bringup = coord.status()["bringup"]
     assert bringup["state"] == "active" and bringup["epoch"] == pushing["epoch"]
     assert [p["state"] for p in bringup["peers"]] == ["active", "active"], bringup
+    assert bringup["peers"][0]["steps"][-2:] == ["committed", "active"], bringup
     with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                        max_retries=0, timeout=60) as c:
         text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
@@ -98,3 +103,23 @@ def test_activate_names_the_peer_that_failed(daemons: Daemons,
     for d in (good, coord):
         assert no_stage_or_router_runs(d), d.status()["workers"]
     assert "stage" not in [w["name"] for w in lazy.status()["workers"]]
+
+
+def test_activate_is_refused_while_a_bring_up_is_in_progress(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """`--pp-auto 2` with no reachable peer waits for two (up to 60 s); meanwhile `cluster
+    activate` exits 5 saying so, and the daemon still stops at once (the wait is cancelled)."""
+    model = str(split_fixture_dir / "llama")
+    coord = start(daemons, "127.0.0.1", b"6d" * 16, "--cluster-peers", "127.0.0.5:9",
+                  "--pp-auto", "2", "--model", model, "--port", str(free_port("127.0.0.1")),
+                  name="c")
+    wait_for(lambda: (coord.status().get("bringup") or {}).get("state") == "planning", 10,
+             "the bring-up waiting for peers")
+    busy = coord.ctl("cluster", "activate", "--model", model, "--stages", "2")
+    assert busy.returncode == 5, (busy.stdout, busy.stderr)
+    assert "a bring-up is in progress (planning)" in busy.stderr, busy.stderr
+    as_json = coord.ctl("cluster", "activate", "--model", model, "--stages", "2", "--json")
+    assert as_json.returncode == 5
+    assert json.loads(as_json.stdout)["error"]["code"] == "bringup_in_progress"
+    assert coord.ctl("stop").returncode == 0
+    assert coord.proc is not None and coord.proc.wait(20) == 0
