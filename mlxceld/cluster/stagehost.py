@@ -90,7 +90,11 @@ class LocalStageHost:
                               hint="see: mlxctl logs stage") from None
 
     async def activate_stage(self) -> None:
-        await channel.call(self._state_dir / "workers" / f"{STAGE_WORKER}.sock", "activate")
+        sock = self._supervisor.control_socket(STAGE_WORKER)
+        if sock is None:
+            raise DaemonError("no stage worker to activate (it was stopped after prepare)",
+                              hint="see: mlxctl events")
+        await channel.call(sock, "activate")
         self._slot.set_stage(self._placement, standby=False)
         await self._slot.reconcile()  # a restart comes back active
         self._events.append("stage.active", STAGE_WORKER, "the assigned stage is active")
