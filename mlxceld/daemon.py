@@ -19,6 +19,12 @@ socket, close the database, release the lock. A second SIGTERM/SIGINT while
 shutting down forces: SIGKILL to every worker group and exit 1.
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
+
+With a cluster secret the agent listener runs, and with it discovery, the
+``Coordinator`` (``cluster/coordinator.py``: `mlxctl cluster plan|activate`,
+``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``
+(``cluster/stagehost.py``); the daemon is their window on its placement and
+supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
 """
 
 from __future__ import annotations
@@ -196,6 +202,14 @@ class Daemon:
         """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
         serves in our task group; the answer carries the plan's epoch."""
         coordinator = self._coordinating()
+        if self.config.pp_peer:
+            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
+                              "coordinate them",
+                              hint="run mlxctl cluster activate on a daemon without --pp-peer")
+        if self.config.distributed_config is not None:
+            raise ConfigError(f"this daemon runs the cluster config "
+                              f"{self.config.distributed_config} (--distributed-config)",
+                              hint="start it without --distributed-config to activate a plan")
         if self._stopping or self._tg is None:
             raise DaemonError("the daemon is shutting down and starts no bring-up",
                               hint="start it again, then activate")

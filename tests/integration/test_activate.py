@@ -11,12 +11,18 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import DaemonProc, Daemons, wait_for
-from test_discovery import agent, start
+from test_discovery import POLL_WAIT_S, agent, settled, start
 from test_pipeline import READY_S, expected, free_port
 
 from mlxceld.errors import ControlError
 
 ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
+
+
+def reachable(coord: DaemonProc, peers: list[DaemonProc]) -> None:
+    """Both peers polled once (so that the plan does not race their first inventory)."""
+    want = {agent(p): "reachable" for p in peers}
+    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
 
 
 def no_stage_or_router_runs(d: DaemonProc) -> bool:
@@ -33,6 +39,7 @@ def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path
     coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
                   ",".join(agent(p) for p in peers), "--port", str(port), name="c")
     assert coord.status()["serving"] is None  # idle until activated
+    reachable(coord, peers)
 
     cli = subprocess.Popen(
         [sys.executable, "-m", "mlxctl", "--socket", str(coord.socket), "cluster", "activate",
@@ -85,10 +92,13 @@ def test_activate_names_the_peer_that_failed(daemons: Daemons,
                   f"{agent(good)},{agent(lazy)}", "--port", str(free_port("127.0.0.1")),
                   name="c")
 
+    reachable(coord, [good, lazy])
     missing = coord.ctl("cluster", "activate", "--model", "/nonexistent/model", "--stages", "2")
     assert missing.returncode == 1 and "/nonexistent/model" in missing.stderr, missing.stderr
     usage = coord.ctl("cluster", "activate", "--model", model, "--stages", "0")
     assert usage.returncode == 2 and "--stages" in usage.stderr, usage.stderr
+    on_peer = good.ctl("cluster", "activate", "--model", model, "--stages", "2")
+    assert on_peer.returncode == 1 and "--pp-peer" in on_peer.stderr, on_peer.stderr
 
     done = coord.ctl("cluster", "activate", "--model", model, "--stages", "2",
                      timeout=ACTIVATE_S)
