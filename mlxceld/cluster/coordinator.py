@@ -101,13 +101,14 @@ class Coordinator:
         `mlxctl cluster plan` would), then push it and serve the router over it.
         Returns the state at once, with the plan's epoch; poll ``state`` for the rest."""
         self._claim()
+        before = self.state
         try:
             path = str(model_dir(model, "mlxctl cluster activate"))
             self.state = {"state": "planning", "model": path, "stages": stages,
                           "summary": ""}
             planned = await self.plan(path, stages, "mlxctl cluster activate")
-        except BaseException:
-            self._busy = False
+        except BaseException:  # refused at once (the caller hears why): nothing happened
+            self.state, self._busy = before, False
             raise
         epoch = self._plans.next_epoch()
         self._pushing(epoch, planned)

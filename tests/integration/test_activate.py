@@ -97,6 +97,9 @@ def test_activate_names_the_peer_that_failed(daemons: Daemons,
     assert missing.returncode == 1 and "/nonexistent/model" in missing.stderr, missing.stderr
     usage = coord.ctl("cluster", "activate", "--model", model, "--stages", "0")
     assert usage.returncode == 2 and "--stages" in usage.stderr, usage.stderr
+    too_many = coord.ctl("cluster", "activate", "--model", model, "--stages", "3", timeout=60)
+    assert too_many.returncode == 1 and "3 stages need 3 peers" in too_many.stderr, too_many
+    assert coord.status()["bringup"] is None  # refused at once: nothing was pushed
     on_peer = good.ctl("cluster", "activate", "--model", model, "--stages", "2")
     assert on_peer.returncode == 1 and "--pp-peer" in on_peer.stderr, on_peer.stderr
 
