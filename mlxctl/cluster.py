@@ -74,9 +74,12 @@ def activate(ctx: typer.Context,
              stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                                  help="How many pipeline stages.")],
              socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
-    """Plan a pipeline over the reachable peers, assign its stages (offer, prepare,
-    commit, activate: every peer or none) and serve the router over it, showing each
-    peer's progress. The peers run `mlxceld --pp-peer` with the same cluster secret."""
+    """Plan a pipeline, assign its stages to the peers and serve the router over it.
+
+    Plans as `cluster plan` does, then assigns the stages two-phase (offer, prepare,
+    commit, activate: every peer or none), printing each peer's step, and waits for the
+    router. The peers run `mlxceld --pp-peer` with the same cluster secret. Waits at most
+    90 s for the assignment, then 180 s for the router."""
     resolved = _local(model)
     outcome = call(socket_path(ctx, socket), as_json,
                    lambda c: _activate(c, resolved, stages, as_json))

@@ -139,6 +139,7 @@ def status(body: dict[str, Any]) -> str:
     if bringup:
         lines.append(f"bring-up: {bringup['state']}"
                      + (f": {bringup['summary']}" if bringup.get("summary") else ""))
+        lines += [peer_step(p) for p in bringup.get("peers") or []]
     return "\n".join([*lines, "", workers_table(workers), "", health(body["problems"])])
 
 

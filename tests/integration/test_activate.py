@@ -71,6 +71,9 @@ def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path
     assert bringup["state"] == "active" and bringup["epoch"] == pushing["epoch"]
     assert [p["state"] for p in bringup["peers"]] == ["active", "active"], bringup
     assert bringup["peers"][0]["steps"][-2:] == ["committed", "active"], bringup
+    shown = coord.ctl("status").stdout
+    assert f"bring-up: active: plan {pushing['epoch']}" in shown, shown
+    assert all(f"{agent(p):22} layers" in shown for p in peers), shown
     with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                        max_retries=0, timeout=60) as c:
         text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
