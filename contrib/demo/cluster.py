@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -210,7 +211,15 @@ def peer_line(root: Path, node: str) -> str:
 
 
 def prepare(args: argparse.Namespace, root: Path) -> None:
-    """The secret (kept across runs) and the model (a generated fixture unless given)."""
+    """The router's port free, the secret (kept across runs), the model (a generated
+    fixture unless given)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", args.port))
+        except OSError as exc:
+            raise SystemExit(f"--port {args.port}: 127.0.0.1:{args.port} cannot be used "
+                             f"({exc.strerror}); pick another, e.g. make run PORT="
+                             f"{args.port + 1}") from None
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     secret = root / "secret"
     if not secret.exists():
