@@ -14,6 +14,7 @@ from conftest import DaemonProc, Daemons, wait_for
 from test_discovery import POLL_WAIT_S, agent, settled, start
 from test_pipeline import READY_S, expected, free_port
 
+from mlxceld.cluster.twophase import FRAME_S, PEER_PHASE_S
 from mlxceld.errors import ControlError
 
 ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
@@ -114,11 +115,23 @@ def test_activate_names_the_peer_that_failed(daemons: Daemons,
     assert agent(good) not in [line.split()[0] for line in done.stderr.splitlines()[1:]]
     bringup = coord.status()["bringup"]
     assert bringup["state"] == "failed" and agent(lazy) in bringup["summary"], bringup
-    wait_for(lambda: (good.status()["assignment"] or {}).get("state") == "aborted", 20,
-             "the good peer aborted")
+    # The abort reaches the good peer at once, or (when the refusal came back before its
+    # connection was up) never: then it never had the offer, or it asks the coordinator
+    # after its own deadline and aborts (PROTOCOL bound: PEER_PHASE_S, then FRAME_S).
+    wait_for(lambda: (good.status()["assignment"] or {}).get("state") in (None, "aborted"),
+             PEER_PHASE_S + 2 * FRAME_S, "the good peer aborted", every=0.5)
     for d in (good, coord):
         assert no_stage_or_router_runs(d), d.status()["workers"]
     assert "stage" not in [w["name"] for w in lazy.status()["workers"]]
+
+    again = coord.ctl("cluster", "activate", "--model", model, "--stages", "2", "--json",
+                      timeout=ACTIVATE_S)
+    assert again.returncode == 1, again.stderr
+    doc = json.loads(again.stdout)
+    assert doc["schema"] == "mlxctl.cluster-activate/1" and doc["ok"] is False
+    assert doc["bringup"]["epoch"] > bringup["epoch"]
+    assert [(p["address"], p["state"]) for p in doc["bringup"]["peers"]] == [
+        (agent(good), "aborted"), (agent(lazy), "failed")], doc
 
 
 def test_activate_is_refused_while_a_bring_up_is_in_progress(
