@@ -5,11 +5,12 @@ BIN    := $(VENV)/bin
 DEMO   := .demo
 PYTEST_ARGS ?=
 MODEL ?=
+MODEL_NAME ?=
 PORT  ?= 8080
 RUN_MODEL = $(if $(MODEL),$(MODEL),$(DEMO)/model)
 RUN_NAME  = $(if $(MODEL),$(notdir $(patsubst %/,%,$(MODEL))),tiny-qwen3)
 
-.PHONY: run run-pipeline test install lint typecheck clean
+.PHONY: run run-single run-pipeline test install lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,16 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# The product's demo: a zero-config 2-stage cluster on loopback. A coordinator
+# (mlxceld --pp-auto 2, 127.0.0.1) and two peers (--pp-peer, 127.0.0.2 and .3), each a
+# real daemon with its own state dir under $(DEMO)/cluster, a generated secret (0600) and
+# a generated tiny model unless MODEL= names one; see contrib/demo/cluster.py.
 run: install
+	exec $(BIN)/python contrib/demo/cluster.py $(if $(MODEL),--model $(MODEL)) \
+		$(if $(MODEL_NAME),--model-name $(MODEL_NAME)) --port $(PORT) --dir $(DEMO)/cluster
+
+# One daemon serving the whole model (no cluster): the embedded default.
+run-single: install
 	@mkdir -p $(DEMO)
 	@if [ -z "$(MODEL)" ] && [ ! -f $(DEMO)/model/config.json ]; then \
 		echo "No MODEL given: generating a tiny random-weight model in $(DEMO)/model"; \
@@ -45,7 +55,7 @@ run: install
 	exec $(BIN)/mlxceld --config contrib/demo/mlxceld.toml --state-dir $(DEMO)/state \
 		--socket $(CURDIR)/$(DEMO)/mlxceld.sock --model $(RUN_MODEL) --model-name $(RUN_NAME) --port $(PORT)
 
-# The same model as `make run`, split over two pipeline stages: three daemons on
+# A 2-stage pipeline from a hand-written cluster TOML (no --pp-auto): three daemons on
 # 127.0.0.1 (coordinator), 127.0.0.2 and 127.0.0.3 (stages); see contrib/demo/pipeline.py.
 run-pipeline: install
 	@mkdir -p $(DEMO)

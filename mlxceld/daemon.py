@@ -20,6 +20,12 @@ socket, close the database, release the lock. A second SIGTERM/SIGINT while
 shutting down forces: SIGKILL to every worker group and exit 1.
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
+
+With a cluster secret the agent listener runs, and with it discovery, the
+``Coordinator`` (``cluster/coordinator.py``: `mlxctl cluster plan|activate`,
+``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``
+(``cluster/stagehost.py``); the daemon is their window on its placement and
+supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
 """
 
 from __future__ import annotations
@@ -37,18 +43,18 @@ from pathlib import Path
 from mlxceld import __version__
 from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
-from mlxceld.cluster.assignee import PREPARE_S, Assignee, port_is_free
-from mlxceld.cluster.assignment import (
-    PushPlan,
-    StageOffer,
-    push,
-    resume_push,
-    serve_queries,
-)
+from mlxceld.cluster.assignee import Assignee
+from mlxceld.cluster.assignment import serve_queries
+from mlxceld.cluster.coordinator import Coordinator
 from mlxceld.cluster.inventory import serve_inventory
-from mlxceld.cluster.offers import PeerFacts
-from mlxceld.cluster.placement import STAGE_WORKER, pipeline_options, place, stage_options
-from mlxceld.cluster.planning import make_plan, plan_nodes
+from mlxceld.cluster.placement import (
+    STAGE_WORKER,
+    Placement,
+    pipeline_options,
+    place,
+    stage_options,
+)
+from mlxceld.cluster.stagehost import LocalStageHost
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -60,8 +66,7 @@ from mlxceld.control.server import (
 )
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import ConfigError, DaemonError, MlxceldError
-from mlxceld.models.identity import layer_count, model_identity, read_model_config
+from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
@@ -77,7 +82,7 @@ from mlxceld.state import (
 )
 from mlxceld.state.lock import StateLock, acquire
 from mlxceld.state.plans import Assignments, Plans
-from mlxceld.supervisor import channel, health
+from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -85,8 +90,6 @@ from mlxceld.types import JSON
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
-DRY_RUN_WAIT_S = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
-PP_AUTO_WAIT_S = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
 ROUTER_START_TIMEOUT_S = 600.0
 ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
@@ -151,8 +154,7 @@ class Daemon:
         self._assignments = Assignments(self._db)
         self._assignee: Assignee | None = None
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
-        self._bringup: JSON | None = None  # the coordinator's last push
-        self._bringup_task: asyncio.Task[None] | None = None
+        self._coordinator: Coordinator | None = None
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -175,7 +177,7 @@ class Daemon:
             "serving": self._serving(),
             "cluster": self.placement.describe() if self.placement else None,
             "assignment": self._assignee.describe() if self._assignee else None,
-            "bringup": self._bringup,
+            "bringup": self._coordinator.state if self._coordinator else None,
             "agent": {"address": self._agent.address if self._agent else None,
                       "error": self._agent_error if not self._agent else None,
                       "keys": len(self.keys.keyring)},
@@ -195,174 +197,60 @@ class Daemon:
         return {"cluster": c.cluster_name, "node_id": self.node.node_id,
                 "discovery": discovery, "nodes": self.candidates.snapshot()}
 
-    async def _dry_run(self) -> int:
-        """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
-        reachable, plan, print the table on stdout, write ``--cluster-config-out``, exit."""
-        n, model = self.config.pp_auto or 0, self._serve.model
-        if self._discovery is None or model is None:
-            print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
-                  file=sys.stderr)
-            return 2
-        await self._await_peers(n, DRY_RUN_WAIT_S)
-        try:
-            planned = await self.plan_cluster(model, n)
-        except MlxceldError as exc:
-            print(f"mlxceld: error: {exc.message}", file=sys.stderr)
-            if exc.hint:
-                print(f"  hint: {exc.hint}", file=sys.stderr)
-            return 1
-        print(planned["table"])
-        for note in planned["notes"]:
-            print(f"note: {note}")
-        out = self.config.cluster_config_out
-        if out is not None:
-            out.write_text(planned["toml"])
-            print(f"cluster TOML written to {out}")
-        return 0
-
-    async def _await_peers(self, n: int, within_s: float) -> None:
-        """Poll the candidates until ``n`` are reachable or ``within_s`` has passed."""
-        assert self._discovery is not None
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + within_s
-        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
-            await asyncio.sleep(1.0)
-
-    async def _bring_up(self) -> None:
-        """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,
-        push the plan (two-phase), then run the router over the pipeline. A failure is
-        logged and recorded; the daemon stays up, idle."""
-        n, model = self.config.pp_auto or 0, self._serve.model
-        assert self._discovery is not None and self._agent is not None and model is not None
-        last = self._plans.latest()
-        if last is not None and last.decision in ("commit", "activate", "active"):
-            await self._resume_bring_up(last.epoch, last.decision, last.toml, model)
-            return
-        await self._await_peers(n, PP_AUTO_WAIT_S)
-        try:
-            planned = await self.plan_cluster(model, n)
-        except MlxceldError as exc:
-            notes = await self._plan_notes(model)
-            self._bring_up_failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
-            return
-        stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]), s["stage"],
-                                  int(s["address"].rpartition(":")[2]))
-                       for s in planned["plan"]["stages"])
-        plan = PushPlan(self.config.cluster_name, planned["model_identity"], planned["toml"],
-                        stages)
-        self._bringup = {"state": "pushing", "summary": ""}
-        epoch, done = await push(plan, plans=self._plans, keyring=self.keys.keyring,
-                                 identity=self._agent.address)
-        if not done.ok:
-            self._bring_up_failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
-            return
-        await self._serve_pipeline(epoch, planned["toml"], model, done.summary)
-
-    async def _resume_bring_up(self, epoch: int, decision: str, toml: str, model: str) -> None:
-        """A restart after a commit or activate decision re-sends it until every peer is
-        active; after ``active`` the pushed pipeline is served again as it was."""
-        assert self._agent is not None
-        summary = f"plan {epoch}: resumed as decided ({decision})"
-        if decision != "active":
-            done = await resume_push(epoch, plans=self._plans, keyring=self.keys.keyring,
-                                     identity=self._agent.address)
-            if not done.ok:
-                self._bring_up_failed(done.summary)
-                return
-            summary = done.summary
-        await self._serve_pipeline(epoch, toml, model, summary)
-
-    async def _serve_pipeline(self, epoch: int, toml: str, model: str, summary: str) -> None:
-        path = self.config.state_dir / f"cluster-{epoch}.toml"
-        path.write_text(toml)
-        if self.config.cluster_config_out is not None:
-            self.config.cluster_config_out.write_text(toml)
-        self.placement = await asyncio.to_thread(place, path, "coordinator", model)
-        self._bringup = {"state": "active", "epoch": epoch, "summary": summary}
-        self.events.append("bringup.active", "cluster", summary, epoch=epoch)
-        log.info("pipeline bring-up: %s", summary)
-        await self.supervisor.reconcile(self.specs(self.config))
-
-    async def _plan_notes(self, model: str) -> list[str]:
-        """Why candidates were left out of a plan (another model, no inventory yet)."""
-        assert self._discovery is not None
-        try:
-            identity = await asyncio.to_thread(model_identity, Path(model))
-        except MlxceldError:
-            return []
-        return plan_nodes(await self._discovery.refresh(), identity)[1]
-
-    def _bring_up_failed(self, summary: str) -> None:
-        self._bringup = {"state": "failed", "summary": summary}
-        log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
-                  "the peers named, then restart it)", summary)
-        self.events.append("bringup.failed", "cluster", summary)
-
-    # -- StageHost (the assignee's window on us) --------------------------------------------
-
-    def facts(self, port: int) -> PeerFacts:
-        model = self._serve.model
-        identity, layers = None, None
-        if model is not None:
-            identity = model_identity(Path(model))
-            layers = layer_count(read_model_config(Path(model)))
-        host = self._agent.host if self._agent else ""
-        return PeerFacts(__version__, self.config.cluster_name, identity, layers, host,
-                         frozenset({port}) if port_is_free(host, port) else frozenset())
-
-    async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
-        path = self.config.state_dir / f"cluster-{epoch}.toml"
-        path.write_text(toml)
-        if STAGE_WORKER in self.supervisor.names():
-            await self.supervisor.remove(STAGE_WORKER)
-        self.placement = await asyncio.to_thread(place, path, node_id, self._serve.model)
-        self._standby = True
-        await self.supervisor.reconcile(self.specs(self.config))
-        started = False  # a new worker reads "exited" until its start is under way
-        try:
-            async with asyncio.timeout(PREPARE_S):
-                while True:
-                    row = next((w for w in self.supervisor.snapshot()
-                                if w["name"] == STAGE_WORKER), None)
-                    state = row["state"] if row else "missing"
-                    started = started or state == "starting"
-                    if state == "running":
-                        return
-                    if state in ("backoff", "fatal", "missing") or (started and
-                                                                      state == "exited"):
-                        raise DaemonError(f"stage worker is {state}: {row and row['reason']}",
-                                          hint="see: mlxctl logs stage")
-                    await asyncio.sleep(0.2)
-        except TimeoutError:
-            raise DaemonError(f"stage worker did not load within {PREPARE_S:g} s",
-                              hint="see: mlxctl logs stage") from None
-
-    async def activate_stage(self) -> None:
-        spec = next(s for s in self.specs(self.config) if s.name == STAGE_WORKER)
-        await channel.call(spec.control_socket, "activate")
-        self._standby = False
-        await self.supervisor.reconcile(self.specs(self.config))  # a restart comes back active
-        self.events.append("stage.active", STAGE_WORKER, "the assigned stage is active")
-
-    async def stop_stage(self) -> None:
-        self.placement, self._standby = None, False
-        if STAGE_WORKER in self.supervisor.names():
-            await self.supervisor.remove(STAGE_WORKER)
-
     async def plan_cluster(self, model: str, stages: int) -> JSON:
-        """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
-        ``model`` (a local directory) over the reachable ones. Assigns nothing."""
-        if self._discovery is None or self._agent is None:
+        """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
+        return await self._coordinating().plan(model, stages)
+
+    async def activate_cluster(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
+        serves in our task group; the answer carries the plan's epoch."""
+        coordinator = self._coordinating()
+        if self.config.pp_peer:
+            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
+                              "coordinate them",
+                              hint="run mlxctl cluster activate on a daemon without --pp-peer")
+        if self.config.distributed_config is not None:
+            raise ConfigError(f"this daemon runs the cluster config "
+                              f"{self.config.distributed_config} (--distributed-config)",
+                              hint="start it without --distributed-config to activate a plan")
+        if self._stopping or self._tg is None:
+            raise DaemonError("the daemon is shutting down and starts no bring-up",
+                              hint="start it again, then activate")
+        return await coordinator.activate(model, stages)
+
+    def _coordinating(self) -> Coordinator:
+        if self._coordinator is None:
             raise ConfigError("planning needs discovery, which runs with the agent listener "
                               "once the daemon has a cluster secret",
                               hint="install one: mlxctl secret install FILE --primary")
-        path = Path(resolve_model(model, Path("/"), "mlxctl cluster plan"))
-        if not path.is_dir():
-            raise ConfigError(f"model {model!r} is not a local directory",
-                              hint="planning reads the checkpoint's safetensors headers")
-        candidates = await self._discovery.refresh()
-        return make_plan(candidates, path, stages, cluster=self.config.cluster_name,
-                         coordinator=self._agent.address)
+        return self._coordinator
+
+    async def _dry_run(self) -> int:
+        model = self._serve.model
+        if self._coordinator is None or model is None:
+            print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
+                  file=sys.stderr)
+            return 2
+        return await self._coordinator.dry_run(self.config.pp_auto or 0, model)
+
+    # -- the coordinator's and the stage host's window on us -------------------------------
+
+    async def serve_pipeline(self, placement: Placement) -> None:
+        """Run the router over the pushed plan: on its model, restarted if it was serving."""
+        self.placement = placement
+        model = str(placement.model)
+        if self._serve.model != model:
+            self._serve = self._serve.with_model(model)
+        existed = ROUTER in self.supervisor.names()
+        await self.reconcile()
+        if existed:
+            self.supervisor.restart(ROUTER)
+
+    def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
+        self.placement, self._standby = placement, standby
+
+    async def reconcile(self) -> None:
+        await self.supervisor.reconcile(self.specs(self.config))
 
     def log_path(self, name: str) -> str | None:
         return self.supervisor.log_path(name)
@@ -536,8 +424,8 @@ class Daemon:
                     self._discovery.close()
                 if self._assignee is not None:
                     self._assignee.close()
-                if self._bringup_task is not None:
-                    self._bringup_task.cancel()  # a push cut short: peers abort by deadline
+                if self._coordinator is not None:
+                    self._coordinator.close()  # a push cut short: peers abort by deadline
                 if self._agent is not None:
                     await self._agent.aclose()
                 self._server.request_shutdown()
@@ -571,7 +459,11 @@ class Daemon:
         agent = AgentService(self._agent_addr, self.keys.keyring)
         serve_inventory(agent, self.node.node_id, lambda: self._serve.model)
         serve_queries(agent, self._plans)
-        assignee = Assignee(self._assignments, self, self.keys.keyring,
+        c = self.config
+        stages = LocalStageHost(self, self.supervisor, self.events, cluster=c.cluster_name,
+                                state_dir=c.state_dir, model=lambda: self._serve.model,
+                                agent_host=lambda: agent.host)
+        assignee = Assignee(self._assignments, stages, self.keys.keyring,
                             identity=agent.address, state_dir=self.config.state_dir,
                             enabled=self.config.pp_peer)
         assignee.register(agent)
@@ -596,16 +488,20 @@ class Daemon:
             self._agent_error = None
             self.events.append("agent.listening", "agent",
                                f"agent listener on {agent.address}", address=agent.address)
-            c = self.config
             self._discovery = DiscoveryService(
                 self.candidates, self.keys.keyring, node_id=self.node.node_id,
                 cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
                 agent_address=agent.address)
             self._tg.create_task(self._discovery.run())
+            self._coordinator = Coordinator(
+                self, self._tg, cluster=c.cluster_name, state_dir=c.state_dir,
+                config_out=c.cluster_config_out, plans=self._plans, keyring=self.keys.keyring,
+                discovery=self._discovery, identity=agent.address, events=self.events)
             self._assignee = assignee
             self._tg.create_task(assignee.run())
-            if self.config.pp_auto is not None and not self.config.dry_run:
-                self._bringup_task = self._tg.create_task(self._bring_up())
+            model = self._serve.model
+            if c.pp_auto is not None and not c.dry_run and model is not None:
+                self._coordinator.start(c.pp_auto, model)
 
     async def _shutdown(self) -> int:
         self._stopping = True

@@ -10,7 +10,8 @@
     │   └── PrimaryKeyRemoval       the primary secret cannot be removed
     ├── DaemonError                 the daemon cannot start or run as asked
     │   ├── AlreadyRunning          another daemon holds the state dir lock
-    │   └── SocketError             the control socket cannot be created
+    │   ├── SocketError             the control socket cannot be created
+    │   └── BringUpInProgress       a pipeline bring-up runs already (names its plan)
     ├── WorkerError                 a worker cannot be spawned, reached or stopped
     │   └── ChannelError            a worker's control channel failed or timed out
     └── ControlError                the control API answered with an error (client side)
@@ -93,6 +94,12 @@ class AlreadyRunning(DaemonError):
 
 class SocketError(DaemonError):
     code = "socket"
+
+
+class BringUpInProgress(DaemonError):
+    """A second bring-up was asked for while one plans or pushes."""
+
+    code = "bringup_in_progress"
 
 
 class WorkerError(MlxceldError):

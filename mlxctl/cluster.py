@@ -4,20 +4,36 @@
 records) with what their last inventory poll found; exit codes as every
 command (0 ok, 1 failure, 3 daemon not running, 4 permission denied). A peer
 that is unreachable or refused is a row in the answer, not a failure.
+
+``activate`` plans like ``plan``, then has the daemon push the plan (the
+two-phase assignment of ``--pp-auto``) and serve its router over it; it polls
+``status`` every ``POLL_S`` and prints each peer's step as it happens. Its
+waits: ``PUSH_WAIT_S`` for the push to end (the daemon bounds it by
+``twophase.PUSH_S``), then ``ROUTER_WAIT_S`` for the router to run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Final
 
 import typer
 
+from mlxceld.cluster.twophase import PUSH_S
+from mlxceld.control.client import ControlClient
+from mlxceld.errors import ControlError
 from mlxctl import render
-from mlxctl.edge import JsonOpt, SocketOpt, call, emit, socket_path
+from mlxctl.edge import EXIT_FAILURE, JsonOpt, SocketOpt, call, emit, fail, socket_path
 
-cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery.",
-                          no_args_is_help=True)
+EXIT_BUSY: Final = 5  # `cluster activate`: another bring-up is in progress
+POLL_S: Final = 0.5
+PUSH_WAIT_S: Final = PUSH_S + 30.0  # the push's own bound, and the serving after it
+ROUTER_WAIT_S: Final = 180.0  # the router loads the tokenizer and attaches to the stages
+
+cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery, plans, "
+                          "bring-up.", no_args_is_help=True)
 
 
 @cluster_app.command()
@@ -39,10 +55,116 @@ def plan(ctx: typer.Context,
          socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Plan a pipeline over the reachable peers (stage, node, address, layers, bytes,
     headroom) and assign nothing. A plan that does not fit names the shortfall per node."""
-    resolved = str(Path(model).expanduser().absolute()) if Path(model).expanduser().exists() \
-        else model
+    resolved = _local(model)
     body = call(socket_path(ctx, socket), as_json,
                 lambda c: c.plan_cluster(resolved, stages))
     if cluster_config_out is not None:
         cluster_config_out.write_text(body["toml"])
     emit(as_json, "cluster-plan", body, lambda: render.cluster_plan(body))
+
+
+@cluster_app.command(epilog="Exit codes: 0 every stage is active and the router serves; "
+                     "1 the bring-up failed (each peer that failed is named, with its "
+                     "reason) or the router did not start; 2 usage; 3 daemon not running; "
+                     "4 permission denied; 5 another bring-up is in progress.")
+def activate(ctx: typer.Context,
+             model: Annotated[str, typer.Option("--model", help="The model directory (a "
+                                                "local mlx-lm checkpoint; the same on every "
+                                                "host).")],
+             stages: Annotated[int, typer.Option("--stages", min=1, max=64,
+                                                 help="How many pipeline stages.")],
+             socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """Plan a pipeline, assign its stages to the peers and serve the router over it.
+
+    Plans as `cluster plan` does, then assigns the stages two-phase (offer, prepare,
+    commit, activate: every peer or none), printing each peer's step, and waits for the
+    router. The peers run `mlxceld --pp-peer` with the same cluster secret. Waits at most
+    90 s for the assignment, then 180 s for the router."""
+    resolved = _local(model)
+    outcome = call(socket_path(ctx, socket), as_json,
+                   lambda c: _activate(c, resolved, stages, as_json))
+    if "refused" in outcome:
+        err: ControlError = outcome["refused"]
+        fail(as_json, EXIT_BUSY, err.code, err.message, err.hint)
+    bringup, router = outcome["bringup"], outcome["router"]
+    ok = bringup.get("state") == "active" and router.get("state") == "running"
+    if as_json:
+        typer.echo(json.dumps({"schema": "mlxctl.cluster-activate/1", "ok": ok,
+                               "bringup": bringup, "router": router,
+                               "serving": outcome["serving"]}, indent=2))
+    elif ok:
+        serving = outcome["serving"] or {}
+        typer.echo(f"{bringup['summary']}; serving {serving.get('model_name')} at "
+                   f"{serving.get('url')}")
+    elif bringup.get("state") == "active":
+        typer.echo(f"mlxctl: {bringup['summary']}, but the router is "
+                   f"{router.get('state')}: {router.get('reason') or 'no reason given'}",
+                   err=True)
+        typer.echo("  hint: see: mlxctl logs router", err=True)
+    else:
+        typer.echo(f"mlxctl: bring-up failed: {bringup.get('summary')}", err=True)
+        for p in bringup.get("peers") or []:
+            if p["state"] == "failed":
+                typer.echo(f"  {p['address']} ({p['stage']}): {p['reason']}", err=True)
+    if not ok:
+        raise typer.Exit(EXIT_FAILURE)
+
+
+async def _activate(c: ControlClient, model: str, stages: int,
+                    quiet: bool) -> dict[str, Any]:
+    """Start the bring-up, print each peer's step until it ends, then wait for the router."""
+    try:
+        started = (await c.activate_cluster(model, stages))["bringup"]
+    except ControlError as exc:
+        if exc.code == "bringup_in_progress":
+            return {"refused": exc}
+        raise
+    epoch = started["epoch"]
+    if not quiet:
+        typer.echo(f"plan {epoch}: {len(started['peers'])} stage(s) of {started['model']}")
+    shown: dict[str, int] = {}  # steps printed, per peer
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + PUSH_WAIT_S
+    while True:
+        status = await c.status()
+        bringup = status.get("bringup") or {}
+        for p in bringup.get("peers") or []:
+            steps = p.get("steps") or []
+            for i in range(shown.get(p["address"], 0), len(steps)):
+                if not quiet:
+                    last = i == len(steps) - 1
+                    typer.echo(render.peer_step({**p, "state": steps[i],
+                                                 "reason": p["reason"] if last else ""}))
+            shown[p["address"]] = len(steps)
+        if bringup.get("epoch") != epoch or bringup.get("state") not in ("planning",
+                                                                          "pushing"):
+            break
+        if loop.time() > give_up:
+            bringup = {**bringup, "state": "failed", "summary": f"plan {epoch} did not end "
+                       f"within {PUSH_WAIT_S:g} s (see: mlxctl status, mlxctl events)"}
+            break
+        await asyncio.sleep(POLL_S)
+    router: dict[str, Any] = {"state": "not started"}
+    if bringup.get("state") == "active":
+        router = await _wait_router(c)
+        status = await c.status()
+    return {"bringup": bringup, "router": router, "serving": status.get("serving")}
+
+
+async def _wait_router(c: ControlClient) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + ROUTER_WAIT_S
+    router: dict[str, Any] = {"state": "missing"}
+    while loop.time() < give_up:
+        workers = (await c.workers())["workers"]
+        router = next((w for w in workers if w["name"] == "router"), {"state": "missing"})
+        if router["state"] in ("running", "failed", "fatal"):
+            break
+        await asyncio.sleep(POLL_S)
+    return router
+
+
+def _local(model: str) -> str:
+    """A local directory as an absolute path: the daemon has another working directory."""
+    path = Path(model).expanduser()
+    return str(path.absolute()) if path.exists() else model

@@ -142,6 +142,7 @@ def status(body: dict[str, Any]) -> str:
     if bringup:
         lines.append(f"bring-up: {bringup['state']}"
                      + (f": {bringup['summary']}" if bringup.get("summary") else ""))
+        lines += [peer_step(p) for p in bringup.get("peers") or []]
     links = stage_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *links, "",
                       health(body["problems"])])
@@ -189,3 +190,11 @@ def cluster_plan(body: dict[str, Any]) -> str:
     for note in body.get("notes") or []:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def peer_step(p: dict[str, Any]) -> str:
+    """One peer's step in a bring-up (``mlxctl cluster activate``)."""
+    color = {"active": "green", "failed": "red", "aborted": "yellow"}.get(p["state"])
+    what = paint(p["state"], color) + (f": {p['reason']}" if p.get("reason") else "")
+    layers = f"layers [{p['layers'][0]}, {p['layers'][1]})" if p.get("layers") else ""
+    return f"  {p.get('stage') or '-':8} {p['address']:22} {layers:16} {what}"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
@@ -54,6 +54,8 @@ from mlxceld.wire.envelope import parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
 log = logging.getLogger(__name__)
+
+Watch = Callable[[CoordinatorRound], None]  # sees the round after every step (progress)
 
 ASSIGNMENT_CHANNEL: Final = 2
 CONNECT_S: Final = 5.0  # one dial and handshake
@@ -122,10 +124,12 @@ def _faulty(offer: Offer) -> Offer:
 
 
 async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
-               push_s: float = PUSH_S) -> tuple[int, Finished]:
+               push_s: float = PUSH_S, epoch: int | None = None,
+               watch: Watch | None = None) -> tuple[int, Finished]:
     """Offer every stage, then commit and activate, or abort everywhere; the decision is
-    written to ``plans`` before it is sent. Returns the epoch and how it ended."""
-    epoch = plans.next_epoch()
+    written to ``plans`` before it is sent. Returns the epoch (``epoch``, taken from
+    ``plans.next_epoch()`` by the caller, or here) and how it ended."""
+    epoch = plans.next_epoch() if epoch is None else epoch
     peers = tuple(s.agent for s in plan.stages)
     plans.create(epoch, plan.cluster, plan.model_identity, peers, plan.toml)
     loop = asyncio.get_running_loop()
@@ -134,11 +138,12 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
     round_.start()  # the offers go out as each connection is up
     first = {s.agent: encode_envelope(offer_for(plan, s, epoch, identity).header())
              for s in plan.stages}
-    return epoch, await _drive(round_, first, plans=plans, keyring=keyring, identity=identity)
+    return epoch, await _drive(round_, first, plans=plans, keyring=keyring, identity=identity,
+                               watch=watch)
 
 
-async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: str
-                      ) -> Finished:
+async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: str,
+                      watch: Watch | None = None) -> Finished:
     """A coordinator restarted after deciding commit or activate: re-send the decision
     (idempotent) to every peer over fresh connections until every peer is active."""
     row = plans.get(epoch)
@@ -147,11 +152,12 @@ async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: s
                                               asyncio.get_running_loop().time())
     log.info("plan %d: resuming after a restart (%s)", epoch, row.decision)
     first = {a.peer: message(a.kind, epoch) for a in actions if isinstance(a, Send)}
-    return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity)
+    return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity,
+                        watch=watch)
 
 
 async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans: Plans,
-                 keyring: Keyring, identity: str) -> Finished:
+                 keyring: Keyring, identity: str, watch: Watch | None = None) -> Finished:
     """One connection per peer (``first`` goes out on it), a reader each feeding the
     round, its actions carried out in order, until it finishes."""
     loop = asyncio.get_running_loop()
@@ -199,6 +205,8 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
 
     readers = [asyncio.create_task(dial(agent)) for agent in first]
     try:
+        if watch is not None:
+            watch(round_)
         while True:
             deadline = round_.next_deadline()
             try:
@@ -208,6 +216,8 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
                 done = await execute(round_.handle_timer(loop.time()))
             else:
                 done = await execute(_feed(round_, peer, kind, header, loop.time()))
+            if watch is not None:
+                watch(round_)
             if done is not None:
                 return done
     finally:

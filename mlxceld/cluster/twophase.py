@@ -182,6 +182,25 @@ class CoordinatorRound:
             return [Send(p, "activate") for p in self.peers if p not in self.active]
         return []
 
+    def progress(self) -> dict[str, tuple[str, str]]:
+        """Each peer's (state, reason), for the operator: offered, loading (its offer
+        checked out; it loads the stage), prepared, committed, active, failed, aborted."""
+        out: dict[str, tuple[str, str]] = {}
+        for p in self.peers:
+            if p in self.failures:
+                out[p] = ("failed", self.failures[p])
+            elif p in self.active:
+                out[p] = ("active", "")
+            elif self.phase is Phase.ABORTED:
+                out[p] = ("aborted", "another peer failed")
+            elif p in self.committed:
+                out[p] = ("committed", "")
+            elif p in self.accepted:
+                out[p] = ("prepared", "")
+            else:
+                out[p] = ("loading" if p in self._heard else "offered", "")
+        return out
+
     def next_deadline(self) -> float | None:
         if self.phase is Phase.OFFERING:
             waiting = [self._offer_deadline(p) for p in self.peers if p not in self.accepted]

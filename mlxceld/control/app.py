@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
 from mlxceld.errors import (
+    BringUpInProgress,
     KeyringError,
     MlxceldError,
     PlanRefused,
@@ -54,6 +55,7 @@ class DaemonView(Protocol):
     async def worker_stats(self) -> dict[str, JSON]: ...
     def cluster_nodes(self) -> JSON: ...
     async def plan_cluster(self, model: str, stages: int) -> JSON: ...
+    async def activate_cluster(self, model: str, stages: int) -> JSON: ...
     def log_path(self, name: str) -> str | None: ...
     def restart_worker(self, name: str) -> None: ...
     async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
@@ -120,23 +122,19 @@ def build_app(daemon: DaemonView) -> ASGIApp:
         return StreamingResponse(_event_stream(daemon, after, limit, subject), media_type=NDJSON)
 
     async def plan(request: Request) -> Response:
-        try:
-            payload = await request.json()
-            model, stages = payload["model"], payload["stages"]
-            if not isinstance(model, str) or not model or type(stages) is not int \
-                    or not 1 <= stages <= MAX_STAGES:
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            return error(400, "bad_request", "body must be JSON: {\"model\": DIR, "
-                         f"\"stages\": 1..{MAX_STAGES}}}", "see `mlxctl cluster plan --help`")
-        try:
-            planned = await daemon.plan_cluster(model, stages)
-        except PlanRefused as exc:
-            return error(409, exc.code, exc.message, exc.hint,
-                         shortfalls=list(exc.shortfalls))
-        except MlxceldError as exc:
-            return error(400, exc.code, exc.message, exc.hint)
-        return body("cluster_plan", **planned)
+        return await _planned(request, "plan", daemon.plan_cluster,
+                              lambda planned: body("cluster_plan", **planned))
+
+    async def activate(request: Request) -> Response:
+        """Plan now, push and serve in the background: 202 with the bring-up (its epoch);
+        `GET /v1/status` shows its progress as ``bringup``."""
+        if daemon.stopping:
+            return _stopping()
+        return await _planned(request, "activate", daemon.activate_cluster,
+                              lambda state: JSONResponse(
+                                  {"schema": "mlxceld.cluster_activate/1",
+                                   "version": __version__, "bringup": state},
+                                  status_code=202))
 
     async def serve(request: Request) -> Response:
         if daemon.stopping:
@@ -207,6 +205,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/workers", workers),
             Route("/v1/cluster/nodes", cluster_nodes),
             Route("/v1/cluster/plan", plan, methods=["POST"]),
+            Route("/v1/cluster/activate", activate, methods=["POST"]),
             Route("/v1/workers/{name}/restart", restart, methods=["POST"]),
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),
@@ -235,6 +234,30 @@ def version_header(app: ASGIApp) -> ASGIApp:
         await app(scope, receive, send_with_version if scope["type"] == "http" else send)
 
     return wrapped
+
+
+async def _planned(request: Request, command: str,
+                   job: Callable[[str, int], Awaitable[JSON]],
+                   answer: Callable[[JSON], JSONResponse]) -> JSONResponse:
+    """``{"model": DIR, "stages": N}`` → ``job`` → ``answer``; its errors as answers."""
+    try:
+        payload = await request.json()
+        model, stages = payload["model"], payload["stages"]
+        if not isinstance(model, str) or not model or type(stages) is not int \
+                or not 1 <= stages <= MAX_STAGES:
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return error(400, "bad_request", "body must be JSON: {\"model\": DIR, "
+                     f"\"stages\": 1..{MAX_STAGES}}}", f"see `mlxctl cluster {command} --help`")
+    try:
+        result = await job(model, stages)
+    except PlanRefused as exc:
+        return error(409, exc.code, exc.message, exc.hint, shortfalls=list(exc.shortfalls))
+    except BringUpInProgress as exc:
+        return error(409, exc.code, exc.message, exc.hint)
+    except MlxceldError as exc:
+        return error(400, exc.code, exc.message, exc.hint)
+    return answer(result)
 
 
 def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:

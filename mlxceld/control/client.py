@@ -63,6 +63,12 @@ class ControlClient:
         return await self._request("POST", "/v1/cluster/plan", timeout=PLAN_TIMEOUT_S,
                                    json={"model": model, "stages": stages})
 
+    async def activate_cluster(self, model: str, stages: int) -> JSON:
+        """Plan, then push and serve in the daemon's background (answer: the bring-up with
+        its epoch); poll ``status()["bringup"]`` for each peer's progress."""
+        return await self._request("POST", "/v1/cluster/activate", timeout=PLAN_TIMEOUT_S,
+                                   json={"model": model, "stages": stages})
+
     async def events(self, after: int = -20, limit: int = 100) -> JSON:
         return await self._get("/v1/events", after=after, limit=limit)
 

@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -241,6 +242,10 @@ class Supervisor:
     def log_path(self, name: str) -> str | None:
         r = self._runners.get(name)
         return str(r.spec.log_path) if r else None
+
+    def control_socket(self, name: str) -> Path | None:
+        r = self._runners.get(name)
+        return r.spec.control_socket if r else None
 
     async def _rotate_logs(self) -> None:
         while True:

@@ -1,0 +1,271 @@
+"""The coordinator's bring-up: plan over the reachable peers, push the plan, serve it.
+
+``--pp-auto N`` (``bring_up``), ``--pp-auto N --dry-run`` (``dry_run``),
+``mlxctl cluster plan`` (``plan``) and ``mlxctl cluster activate`` (``activate``)
+run here. The daemon hands over what a bring-up needs (its plans table,
+keyring, discovery, agent address, event log) and a ``CoordinatorSlot``: its
+window for running the router over a pushed plan.
+
+One bring-up at a time: while one plans or pushes, ``activate`` raises
+``BringUpInProgress`` naming its plan. ``state`` is what ``mlxctl status``
+shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
+
+    {"state": "planning" | "pushing" | "active" | "failed", "epoch": E,
+     "model": DIR, "stages": N, "summary": "...",
+     "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
+                "layers": [first, end], "state": STATE, "reason": "...",
+                "steps": [STATE, ...]}]}
+
+with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
+prepared, committed, active, failed (its reason), aborted; ``steps`` holds every
+state it went through, in order, so that a poller misses none.
+
+Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
+(each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
+the push itself is bounded by ``twophase.PUSH_S`` (``assignment.push``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from mlxceld.cluster.assignment import PushPlan, StageOffer, push, resume_push
+from mlxceld.cluster.placement import Placement, place
+from mlxceld.cluster.planning import make_plan, plan_nodes
+from mlxceld.cluster.twophase import CoordinatorRound
+from mlxceld.discovery.service import DiscoveryService
+from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError
+from mlxceld.models.identity import model_identity
+from mlxceld.serving import resolve_model
+from mlxceld.state import EventLog
+from mlxceld.state.plans import Plans
+from mlxceld.types import JSON
+from mlxceld.wire import Keyring
+
+log = logging.getLogger(__name__)
+
+DRY_RUN_WAIT_S: Final = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
+PP_AUTO_WAIT_S: Final = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
+POLL_S: Final = 1.0  # between two polls of the candidates while waiting for peers
+
+
+class CoordinatorSlot(Protocol):
+    """The daemon's side: run the router over a pushed plan."""
+
+    async def serve_pipeline(self, placement: Placement) -> None:
+        """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router."""
+
+
+class Coordinator:
+    def __init__(self, slot: CoordinatorSlot, tasks: asyncio.TaskGroup, *, cluster: str,
+                 state_dir: Path, config_out: Path | None, plans: Plans, keyring: Keyring,
+                 discovery: DiscoveryService, identity: str, events: EventLog) -> None:
+        self._slot = slot
+        self._tasks = tasks  # the daemon's: a bring-up runs there
+        self._cluster = cluster
+        self._state_dir = state_dir
+        self._config_out = config_out
+        self._plans = plans
+        self._keyring = keyring
+        self._discovery = discovery
+        self._identity = identity  # our agent address: the peers bind our identity to it
+        self._events = events
+        self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
+        self._busy = False  # a bring-up plans or pushes
+        self._task: asyncio.Task[None] | None = None
+
+    async def plan(self, model: str, stages: int, what: str = "mlxctl cluster plan") -> JSON:
+        """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
+        ``model`` (a local directory) over the reachable ones. Assigns nothing."""
+        path = model_dir(model, what)
+        candidates = await self._discovery.refresh()
+        return make_plan(candidates, path, stages, cluster=self._cluster,
+                         coordinator=self._identity)
+
+    def start(self, n: int, model: str) -> None:
+        """``--pp-auto N``: ``bring_up`` in the background."""
+        self._task = self._tasks.create_task(self.bring_up(n, model))
+
+    def close(self) -> None:
+        """The daemon stops: a push cut short is presumed aborted; its peers abort by their
+        deadline (``twophase.PEER_PHASE_S``), or at once on asking us after our restart."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def activate(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster activate`: plan now (a plan that does not fit is raised here, as
+        `mlxctl cluster plan` would), then push it and serve the router over it.
+        Returns the state at once, with the plan's epoch; poll ``state`` for the rest."""
+        self._claim()
+        before = self.state
+        try:
+            path = str(model_dir(model, "mlxctl cluster activate"))
+            self.state = {"state": "planning", "model": path, "stages": stages,
+                          "summary": ""}
+            planned = await self.plan(path, stages, "mlxctl cluster activate")
+        except BaseException:  # refused at once (the caller hears why): nothing happened
+            self.state, self._busy = before, False
+            raise
+        epoch = self._plans.next_epoch()
+        self._pushing(epoch, planned)
+        self._task = self._tasks.create_task(self._push_and_serve(epoch, planned, path))
+        return self.state or {}
+
+    def _claim(self) -> None:
+        if self._busy:
+            epoch = (self.state or {}).get("epoch")
+            raise BringUpInProgress(
+                f"a bring-up is in progress (plan {epoch})" if epoch else
+                "a bring-up is in progress (planning)",
+                hint="wait for it to end (mlxctl status shows it), then try again")
+        self._busy = True
+
+    async def await_peers(self, n: int, within_s: float) -> None:
+        """Poll the candidates until ``n`` are reachable or ``within_s`` has passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + within_s
+        while len(await self._discovery.refresh()) < n and loop.time() < give_up:
+            await asyncio.sleep(POLL_S)
+
+    async def dry_run(self, n: int, model: str) -> int:
+        """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
+        reachable, plan, print the table on stdout, write ``--cluster-config-out``."""
+        await self.await_peers(n, DRY_RUN_WAIT_S)
+        try:
+            planned = await self.plan(model, n)
+        except MlxceldError as exc:
+            print(f"mlxceld: error: {exc.message}", file=sys.stderr)
+            if exc.hint:
+                print(f"  hint: {exc.hint}", file=sys.stderr)
+            return 1
+        print(planned["table"])
+        for note in planned["notes"]:
+            print(f"note: {note}")
+        if self._config_out is not None:
+            self._config_out.write_text(planned["toml"])
+            print(f"cluster TOML written to {self._config_out}")
+        return 0
+
+    async def bring_up(self, n: int, model: str) -> None:
+        """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,
+        push the plan (two-phase), then run the router over the pipeline. A failure is
+        logged and recorded; the daemon stays up, idle."""
+        self._claim()
+        try:
+            last = self._plans.latest()
+            if last is not None and last.decision in ("commit", "activate", "active"):
+                self.state = {"state": "pushing", "epoch": last.epoch, "model": model,
+                              "stages": len(last.peers), "summary": "", "peers": []}
+                await self._resume(last.epoch, last.decision, last.toml, model)
+                return
+            self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
+            await self.await_peers(n, PP_AUTO_WAIT_S)
+            try:
+                planned = await self.plan(model, n)
+            except MlxceldError as exc:
+                notes = await self._plan_notes(model)
+                self._failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
+                return
+            epoch = self._plans.next_epoch()
+            self._pushing(epoch, planned)
+            await self._push_and_serve(epoch, planned, model)
+        finally:
+            self._busy = False
+
+    def _pushing(self, epoch: int, planned: JSON) -> None:
+        self.state = {**(self.state or {}), "state": "pushing", "epoch": epoch, "summary": "",
+                      "peers": [{"stage": s["stage"], "node_id": s.get("node_id"),
+                                 "address": s["node_address"], "layers": list(s["layers"]),
+                                 "state": "offered", "reason": "", "steps": ["offered"]}
+                                for s in planned["plan"]["stages"]]}
+
+    async def _push_and_serve(self, epoch: int, planned: JSON, model: str) -> None:
+        """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
+        try:
+            stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]),
+                                      s["stage"], int(s["address"].rpartition(":")[2]))
+                           for s in planned["plan"]["stages"])
+            plan = PushPlan(self._cluster, planned["model_identity"], planned["toml"], stages)
+            epoch, done = await push(plan, plans=self._plans, keyring=self._keyring,
+                                     identity=self._identity, epoch=epoch, watch=self._watch)
+            if not done.ok:
+                self._failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
+                return
+            await self._serve(epoch, planned["toml"], model, done.summary)
+        except MlxceldError as exc:
+            self._failed(f"plan {epoch}: {exc.message}")
+        except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
+            self._failed(f"plan {epoch}: cannot write {exc.filename}: {exc.strerror}")
+        finally:
+            self._busy = False
+
+    def _watch(self, round_: CoordinatorRound) -> None:
+        """Each peer's progress into ``state``; each change logged once."""
+        if self.state is None:
+            return
+        peers: list[dict[str, Any]] = self.state.setdefault("peers", [])
+        rows = {p["address"]: p for p in peers}
+        for address, (state, reason) in round_.progress().items():
+            row = rows.get(address)
+            if row is None:  # a resumed plan: the plans table knows the peers, not the stages
+                row = {"stage": None, "node_id": None, "address": address, "layers": None,
+                       "state": "", "reason": "", "steps": []}
+                peers.append(row)
+            if (row["state"], row["reason"]) != (state, reason):
+                row["state"], row["reason"] = state, reason
+                row["steps"].append(state)
+                log.info("plan %d: peer %s%s is %s%s", round_.epoch, address,
+                         f" ({row['stage']})" if row["stage"] else "", state,
+                         f": {reason}" if reason else "")
+
+    async def _resume(self, epoch: int, decision: str, toml: str, model: str) -> None:
+        """A restart after a commit or activate decision re-sends it until every peer is
+        active; after ``active`` the pushed pipeline is served again as it was."""
+        summary = f"plan {epoch}: resumed as decided ({decision})"
+        if decision != "active":
+            done = await resume_push(epoch, plans=self._plans, keyring=self._keyring,
+                                     identity=self._identity, watch=self._watch)
+            if not done.ok:
+                self._failed(done.summary)
+                return
+            summary = done.summary
+        await self._serve(epoch, toml, model, summary)
+
+    async def _serve(self, epoch: int, toml: str, model: str, summary: str) -> None:
+        path = self._state_dir / f"cluster-{epoch}.toml"
+        path.write_text(toml)
+        if self._config_out is not None:
+            self._config_out.write_text(toml)
+        placement = await asyncio.to_thread(place, path, "coordinator", model)
+        await self._slot.serve_pipeline(placement)
+        self.state = {**(self.state or {}), "state": "active", "epoch": epoch,
+                      "summary": summary}
+        self._events.append("bringup.active", "cluster", summary, epoch=epoch)
+        log.info("pipeline bring-up: %s", summary)
+
+    async def _plan_notes(self, model: str) -> list[str]:
+        """Why candidates were left out of a plan (another model, no inventory yet)."""
+        try:
+            identity = await asyncio.to_thread(model_identity, Path(model))
+        except MlxceldError:
+            return []
+        return plan_nodes(await self._discovery.refresh(), identity)[1]
+
+    def _failed(self, summary: str) -> None:
+        self.state = {**(self.state or {}), "state": "failed", "summary": summary}
+        log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
+                  "the peers named, then restart it)", summary)
+        self._events.append("bringup.failed", "cluster", summary)
+
+
+def model_dir(model: str, what: str) -> Path:
+    """The local checkpoint directory ``model`` names; planning reads its headers."""
+    path = Path(resolve_model(model, Path("/"), what))
+    if not path.is_dir():
+        raise ConfigError(f"model {model!r} is not a local directory",
+                          hint="planning reads the checkpoint's safetensors headers")
+    return path
