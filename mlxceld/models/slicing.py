@@ -89,14 +89,12 @@ class StageModel:
         return TensorSpec(frozenset({self.wire_dtype}),
                           ((1, 1), (1, max_tokens), (self.hidden_size, self.hidden_size)))
 
-    def forward(self, x: Any, cache: list[Any], *, evaluate: bool = True) -> Any:
+    def forward(self, x: Any, cache: list[Any]) -> Any:
         """Run this stage's layers over ``x`` with ``cache`` (from ``make_cache``).
 
         First stage: ``x`` is int32 token ids [b, n]; else hidden [b, n, hidden_size].
         Returns hidden [b, n, hidden_size], or on the last stage the float32
-        log-probabilities of the last position [b, vocab_size]; evaluated unless
-        ``evaluate`` is false (the caller then evaluates what it builds on the result,
-        the caches' updates with it, in one go).
+        log-probabilities of the last position [b, vocab_size]; evaluated.
         """
         self._check_input(x, cache)
         inner = self.model.model
@@ -109,16 +107,14 @@ class StageModel:
             x = x[:, -1:]
         h = self._layers(x, cache)
         if not self.last:
-            if evaluate:
-                mx.eval(h)
+            mx.eval(h)
             return h
         # Norm and head act per position: only the last one is needed.
         h = inner.norm(h[:, -1:, :])
         logits = inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
         logits = logits[:, -1, :].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if evaluate:
-            mx.eval(logprobs)
+        mx.eval(logprobs)
         return logprobs
 
     def _layers(self, x: Any, cache: list[Any]) -> Any:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from mlxceld.wire import Tensor
-from mlxceld.wire.mx_tensors import blob_of, from_blob, wire_bits
+from mlxceld.wire.mx_tensors import from_blob, to_blob
 
 MAX_BATCH: Final = 16
 
@@ -36,7 +36,7 @@ class StageModelLike(Protocol):
 
     def make_cache(self) -> list[Any]: ...
 
-    def forward(self, x: Any, cache: list[Any], *, evaluate: bool = True) -> Any: ...
+    def forward(self, x: Any, cache: list[Any]) -> Any: ...
 
 
 @dataclass
@@ -76,44 +76,38 @@ def plan(steps: Sequence[Step]) -> list[list[Step]]:
 
 def run_group(model: StageModelLike, group: Sequence[Step]) -> list[Any]:
     """Run ``group`` (one step per sequence); per step: a hidden-state blob for the next
-    stage, or on the last stage the sampled token id (``None`` where not sampled).
-
-    One evaluation per step: the layers, the caches' updates and what leaves the stage
-    (the wire bytes, or the sampled ids) are evaluated together, so the compute
-    thread waits for mlx once, not once per array."""
+    stage, or on the last stage the sampled token id (``None`` where not sampled)."""
     import mlx.core as mx
 
     if model.first:
         check_token_ids(group, model.vocab_size)
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
-    also: list[Any] = []  # the split caches of a batch
     if len(group) == 1:
-        out = model.forward(x, group[0].state.cache, evaluate=False)
+        out = model.forward(x, group[0].state.cache)
     else:
         layers = len(group[0].state.cache)
         merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
                   for i in range(layers)]
-        out = model.forward(x, merged, evaluate=False)
+        out = model.forward(x, merged)
         for j, s in enumerate(group):
             s.state.cache = [c.extract(j) for c in merged]
-        also = [(c.keys, c.values) for s in group for c in s.state.cache]
+        mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])
     if not model.last:
-        parts = [out[j:j + 1] for j in range(len(group))]
-        raws = [wire_bits("hidden", part) for part in parts]
-        mx.eval(raws, also)
-        return [blob_of("hidden", part, raw) for part, raw in zip(parts, raws, strict=True)]
-    picks: list[Any] = []
+        return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
+    tokens: list[Any] = []
     for j, s in enumerate(group):
-        assert s.state.sampler is not None or not s.sample
-        picks.append(s.state.sampler(out[j:j + 1]) if s.sample and s.state.sampler else None)
-    mx.eval([p for p in picks if p is not None], out, also)
-    return [None if p is None else int(p.item()) for p in picks]
+        if not s.sample:
+            tokens.append(None)
+            continue
+        assert s.state.sampler is not None
+        tokens.append(int(s.state.sampler(out[j:j + 1]).item()))
+    return tokens
 
 
 def check_token_ids(group: Sequence[Step], vocab_size: int) -> None:
-    """Every token id of ``group`` in [0, vocab_size), checked on the wire bytes (the
-    blobs are i32, checked by the envelope's spec) before mlx sees them."""
+    """Every token id of ``group`` in [0, vocab_size), checked on the wire bytes (i32, as
+    the envelope's spec checked) before mlx sees them."""
     for s in group:
         ids = s.x.data.cast("B").cast("i")
         low, high = min(ids), max(ids)

@@ -24,28 +24,13 @@ def to_blob(name: str, array: Any) -> tuple[str, str, tuple[int, ...], memoryvie
     """``(name, dtype, shape, buffer)`` for ``encode_envelope`` from an mx.array."""
     import mlx.core as mx
 
-    raw = wire_bits(name, array)
-    mx.eval(raw)
-    return blob_of(name, array, raw)
-
-
-def wire_bits(name: str, array: Any) -> Any:
-    """``array``'s bytes as they travel, lazily: a contiguous array of a dtype that
-    memoryview knows (bf16 and f16 as uint16). Evaluate it, then ``blob_of``."""
-    import mlx.core as mx
-
     wire = wire_dtype(array.dtype)
     if wire is None:
         dtype_name = str(array.dtype).removeprefix("mlx.core.")
         raise ValueError(f"tensor {name!r}: dtype {dtype_name} does not travel on the wire")
     raw: Any = array.view(getattr(mx, _BITS[wire])) if wire in _BITS else array
-    return mx.contiguous(raw)
-
-
-def blob_of(name: str, array: Any, raw: Any) -> tuple[str, str, tuple[int, ...], memoryview]:
-    """The blob of ``array`` from its evaluated ``wire_bits``."""
-    wire = wire_dtype(array.dtype)
-    assert wire is not None
+    raw = mx.contiguous(raw)
+    mx.eval(raw)
     return name, wire, tuple(array.shape), memoryview(raw).cast("B")
 
 
