@@ -79,13 +79,10 @@ def run_group(model: StageModelLike, group: Sequence[Step]) -> list[Any]:
     stage, or on the last stage the sampled token id (``None`` where not sampled)."""
     import mlx.core as mx
 
+    if model.first:
+        check_token_ids(group, model.vocab_size)
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
-    if model.first:
-        low, high = mx.min(x).tolist(), mx.max(x).tolist()
-        if not 0 <= low <= high < model.vocab_size:  # type: ignore[operator]
-            raise ValueError(f"token ids must be in [0, {model.vocab_size}); "
-                             f"got {low}..{high}")
     if len(group) == 1:
         out = model.forward(x, group[0].state.cache)
     else:
@@ -106,3 +103,13 @@ def run_group(model: StageModelLike, group: Sequence[Step]) -> list[Any]:
         assert s.state.sampler is not None
         tokens.append(int(s.state.sampler(out[j:j + 1]).item()))
     return tokens
+
+
+def check_token_ids(group: Sequence[Step], vocab_size: int) -> None:
+    """Every token id of ``group`` in [0, vocab_size), checked on the wire bytes (i32, as
+    the envelope's spec checked) before mlx sees them."""
+    for s in group:
+        ids = s.x.data.cast("B").cast("i")
+        low, high = min(ids), max(ids)
+        if not 0 <= low <= high < vocab_size:
+            raise ValueError(f"token ids must be in [0, {vocab_size}); got {low}..{high}")

@@ -463,3 +463,22 @@ def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
     assert "stage-1" in message and "could not connect" in message
     assert failed_in < 3.0
     assert served_in < 10.0 and tokens == reference(path, PROMPT, 3)
+
+
+def test_token_ids_outside_the_vocabulary_fail_the_request_not_the_stage(
+        split_fixture_dir: Path) -> None:
+    path = split_fixture_dir / "llama"
+
+    async def go() -> tuple[str, list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, [1, 5, 1 << 20], 2)
+                return str(info.value), await tokens_of(engine, PROMPT, 3)
+            finally:
+                await engine.aclose()
+
+    message, after = asyncio.run(asyncio.wait_for(go(), 60))
+    assert "token ids must be in [0, " in message and f"..{1 << 20}" in message
+    assert after == reference(path, PROMPT, 3)
