@@ -10,8 +10,9 @@ afterwards, in arrival order, so each sequence's steps keep their order.
 Batching is what lets a stage serve several sequences for little more than the
 price of one on a machine whose step time is dominated by reading the weights.
 
-Runs on the stage's compute thread only: mlx arrays belong to the thread (its
-stream) that made them.
+Runs one group at a time, on the stage's compute thread or (short decode
+steps) its event loop's thread: a sequence's caches may be made on one and used
+on the other, which mlx orders by each array's dependencies.
 """
 
 from __future__ import annotations

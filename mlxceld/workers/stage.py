@@ -99,7 +99,8 @@ async def run(ctx: WorkerContext) -> int:
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
                 ctx.stats.update(sequences=service.sequences, steps=service.stats.steps,
                                  tokens=service.stats.tokens, refused=service.stats.refused,
-                                 compute_s=round(service.stats.compute_s, 6))
+                                 compute_s=round(service.stats.compute_s, 6),
+                                 inline=service.stats.inline)
             await listener.aclose()
             await service.aclose()
             compute.cancel()

@@ -25,6 +25,7 @@ from mlxceld.models.slicing import load_stage
 from mlxceld.net import Listener, connect
 from mlxceld.pipeline import PipelineEngine, StageAddress, StagePlace, StageService
 from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline import stage as stage_module
 from mlxceld.wire import Keyring, encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
 
@@ -482,3 +483,33 @@ def test_token_ids_outside_the_vocabulary_fail_the_request_not_the_stage(
     message, after = asyncio.run(asyncio.wait_for(go(), 60))
     assert "token ids must be in [0, " in message and f"..{1 << 20}" in message
     assert after == reference(path, PROMPT, 3)
+
+
+@pytest.mark.parametrize("inline_below_s", [stage_module.INLINE_STEP_S, 0.0])
+def test_short_decode_steps_run_inline_and_long_ones_on_the_compute_thread(
+        split_fixture_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        inline_below_s: float) -> None:
+    """Either way the tokens are mlx-lm's; with a bound of 0 no step is short enough."""
+    monkeypatch.setattr(stage_module, "INLINE_STEP_S", inline_below_s)
+    path = split_fixture_dir / "llama"
+    long_prompt = [(i * 5) % 300 + 1 for i in range(p.PREFILL_CHUNK + 40)]  # two chunks
+
+    async def go() -> tuple[list[list[int]], list[int], list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                got = [await tokens_of(engine, PROMPT, 12),
+                       await tokens_of(engine, long_prompt, 6)]
+                return (got, [s.stats.inline for s in c.services],
+                        [s.stats.steps for s in c.services])
+            finally:
+                await engine.aclose()
+
+    got, inline, steps = asyncio.run(asyncio.wait_for(go(), 60))
+    assert got == [reference(path, PROMPT, 12), reference(path, long_prompt, 6)]
+    if inline_below_s:
+        # The very first decode step runs on the compute thread (no decode step to
+        # judge by yet; a prefill does not count); every later one inline.
+        assert all(n >= 10 for n in inline), (inline, steps)
+    else:
+        assert inline == [0, 0]
