@@ -4,8 +4,9 @@ For the `small` fixture (8 layers, hidden 512, bf16; split [0,4)+[4,8)) and the
 `tiny` one (2 layers, hidden 64, f32; split [0,1)+[1,2)) it starts a real
 cluster on loopback: a coordinator daemon on 127.0.0.1 (the router, serving the
 OpenAI API) and one daemon per stage on 127.0.0.2 and .3, with a cluster secret
-(AES-256-GCM, the default suite). On tiny it also starts a 1-stage cluster
-(stage on 127.0.0.4) so the cost of one more hop shows on its own. The baseline
+(AES-256-GCM, the default suite). It also starts a 1-stage cluster (stage on
+127.0.0.4): the same layers in one worker, so what splitting them costs shows
+on its own (hops on tiny, the stages' compute on small). The baseline
 is mlx-lm's own `generate_step` in this process, greedy, the same token ids.
 
 Measured, rounds interleaved (baseline, then each cluster) so noise falls on all:
@@ -35,7 +36,7 @@ the per-token time: (2-stage - sum of stage compute) / 2 is what a hop adds
 (network, crypto, asyncio, the hand-off to the compute thread).
 
 The client's own cost (HTTP, SSE parsing) runs on the same CPUs as the daemons;
-the baseline has none. `--quick`: 32 tokens, 1 run (about 1.5 minutes on 2 CPUs, most of it
+the baseline has none. `--quick`: 32 tokens, 1 run (about 2.5 minutes on 2 CPUs, most of it
 the small fixture's 512-token prefills).
 
     .venv/bin/python bench/pipeline.py [--quick] [--max-tokens 128] [--runs 3]
@@ -413,7 +414,7 @@ def bench_fixture(name: str, args: argparse.Namespace, root: Path,
             "mlx-lm": base.stream,
             "2-stage": lambda p, n: stream_once(two, p, n)}
         one = None
-        if args.one_stage and name == "tiny":
+        if args.one_stage:
             one = start_cluster(root / f"{name}-1", model, [(0, layers)], ["127.0.0.4"],
                                 clusters)
             targets["1-stage"] = lambda p, n: stream_once(one, p, n)
@@ -544,7 +545,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--fixtures", default="small,tiny", help="comma-separated presets")
     parser.add_argument("--no-one-stage", dest="one_stage", action="store_false",
-                        help="skip the 1-stage cluster on tiny")
+                        help="skip the 1-stage clusters")
     args = parser.parse_args()
     if args.quick:
         args.max_tokens, args.runs = 32, 1
