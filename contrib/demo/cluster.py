@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
-from pipeline import CONFIG, stage_hosts, tail
+from pipeline import CONFIG, Daemons, descendants, stage_hosts, stop, tail
 
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
@@ -48,11 +47,9 @@ from mlxceld.privatefile import write_private
 
 READY_S = 180.0  # the peers load their stages, the coordinator pushes, the router attaches
 SOCKET_S = 30.0  # a daemon's control socket answers
-STOP_S = 30.0  # a daemon stops its workers (each has its own stop timeout)
 POLL_S = 0.5
 FIXTURE = "tiny-qwen3"
 
-Daemons = dict[str, subprocess.Popen[bytes]]
 
 
 def ask(sock: Path, what: str) -> dict[str, Any]:
@@ -120,44 +117,6 @@ def wait_ready(url: str, model: str, root: Path, daemons: Daemons,
         stopping.wait(POLL_S)
     raise SystemExit(f"the router at {url} did not answer within {READY_S:g} s; see the logs "
                      f"in {root}")
-
-
-def descendants(daemons: Daemons) -> set[int]:
-    """Every pid we started: the daemons and, below them, their workers."""
-    pids = {p.pid for p in daemons.values()}
-    for proc in daemons.values():
-        with contextlib.suppress(psutil.Error):
-            pids |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def stop(daemons: Daemons, known: set[int]) -> list[int]:
-    """SIGTERM each daemon (it stops its workers); SIGKILL what is left after STOP_S.
-    Returns the pids still alive at the end (none, normally)."""
-    known |= descendants(daemons)
-    for proc in daemons.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for node, proc in daemons.items():
-        try:
-            proc.wait(STOP_S)
-        except subprocess.TimeoutExpired:
-            print(f"{node} did not stop within {STOP_S:g} s; killing it", file=sys.stderr)
-            proc.kill()
-            proc.wait()
-    for pid in known:
-        if alive(pid):
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-    time.sleep(0.2)
-    return sorted(pid for pid in known if alive(pid))
 
 
 def usage(args: argparse.Namespace, root: Path, peers: dict[str, str], python: str) -> str:

@@ -38,6 +38,8 @@ READY_S = 120.0
 STOP_S = 30.0
 CONFIG = Path(__file__).with_name("mlxceld.toml")
 
+Daemons = dict[str, subprocess.Popen[bytes]]
+
 
 def stage_hosts() -> list[str]:
     """127.0.0.2 and .3 where they can be bound (Linux), else 127.0.0.1 twice."""
@@ -111,12 +113,27 @@ def tail(path: Path, lines: int = 20) -> str:
     return "(no log)"
 
 
-def stop(daemons: dict[str, subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each daemon (it stops its workers); SIGKILL what is left after STOP_S."""
-    workers: list[psutil.Process] = []
+def descendants(daemons: Daemons) -> set[int]:
+    """Every pid we started: the daemons and, below them, their workers."""
+    pids = {p.pid for p in daemons.values()}
     for proc in daemons.values():
         with contextlib.suppress(psutil.Error):
-            workers += psutil.Process(proc.pid).children(recursive=True)
+            pids |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop(daemons: Daemons, known: set[int]) -> list[int]:
+    """SIGTERM each daemon (it stops its workers); SIGKILL what is left after STOP_S.
+    Returns the pids still alive at the end (none, normally)."""
+    known |= descendants(daemons)
+    for proc in daemons.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     for node, proc in daemons.items():
@@ -126,10 +143,12 @@ def stop(daemons: dict[str, subprocess.Popen[bytes]]) -> None:
             print(f"{node} did not stop within {STOP_S:g} s; killing it", file=sys.stderr)
             proc.kill()
             proc.wait()
-    for w in workers:
-        with contextlib.suppress(psutil.Error):
-            if w.is_running():
-                w.kill()
+    for pid in known:
+        if alive(pid):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    time.sleep(0.2)
+    return sorted(pid for pid in known if alive(pid))
 
 
 def usage(args: argparse.Namespace, root: Path, hosts: list[str], python: str) -> str:
@@ -195,8 +214,8 @@ def main() -> None:
                                      f"{tail(root / f'{node}.log')}")
     finally:
         print("\nStopping the coordinator and both stages...", flush=True)
-        stop(daemons)
-        print("Stopped.")
+        left = stop(daemons, descendants(daemons))
+        print(f"still running after the stop: pids {left}" if left else "Stopped.")
 
 
 if __name__ == "__main__":

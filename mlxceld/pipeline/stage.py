@@ -51,6 +51,13 @@ from mlxceld.wire import (
 log = logging.getLogger(__name__)
 
 DOWNSTREAM_DIAL_S: Final = 5.0
+# What other stages send: the tensor it carries, and the refusal when the sender is not
+# the one stage allowed to send it (act: the upstream stage; next: the last stage).
+_FROM_STAGES: Final = {
+    "act": ("hidden", p.ERR_NOT_UPSTREAM, "activations are accepted only from the upstream "
+            "stage"),
+    "next": ("tokens", p.ERR_NOT_LAST, "'next' is accepted only from the last stage"),
+}
 INLINE_STEP_S: Final = 0.02  # a decode step shorter than this runs the next one inline
 
 
@@ -144,19 +151,14 @@ class StageService:
                         p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}"), None)
                     continue
                 try:
-                    if env.type == "act":
-                        if not from_upstream:
-                            raise p.ProtocolViolation(
-                                p.ERR_NOT_UPSTREAM, f"activations are accepted only from the "
-                                f"upstream stage {self._place.upstream}; you are {who}")
-                        self._from_stage(env, "hidden")
-                        continue
-                    if env.type == "next":
-                        if not from_last:
-                            raise p.ProtocolViolation(
-                                p.ERR_NOT_LAST, f"'next' is accepted only from the last stage "
-                                f"{self._place.last}; you are {who}")
-                        self._from_stage(env, "tokens")
+                    if env.type in _FROM_STAGES:
+                        tensor, code, what = _FROM_STAGES[env.type]
+                        allowed = from_upstream if env.type == "act" else from_last
+                        if not allowed:
+                            sender = (self._place.upstream if env.type == "act"
+                                      else self._place.last)
+                            raise p.ProtocolViolation(code, f"{what} {sender}; you are {who}")
+                        self._from_stage(env, tensor)
                         continue
                     if not from_coordinator:
                         raise p.ProtocolViolation(
