@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import mlx_lm
@@ -172,8 +173,12 @@ def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
         assert error is not None and "stage-1" in str(error), error
         assert elapsed < 15
         assert not alive(victim["pid"])
-        w = pipe.stages[1].wait_worker("stage", timeout=READY_S, state="running")
-        assert w["pid"] != victim["pid"]
+        # The router can notice before the stage's daemon does: wait for the new worker.
+        def restarted() -> dict[str, Any] | None:
+            w = pipe.stages[1].worker("stage")
+            return w if w["state"] == "running" and w["pid"] != victim["pid"] else None
+
+        w = wait_for(restarted, READY_S, "the stage's daemon to run a new stage worker")
         daemons.pids.add(w["pid"])
 
         def answered() -> str | None:
