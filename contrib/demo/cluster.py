@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pipeline import CONFIG, Daemons, descendants, stage_hosts, stop, tail
+from pipeline import CONFIG, LOOPBACK_ONLY, Daemons, descendants, stage_hosts, stop, tail
 
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
@@ -148,10 +148,7 @@ def usage(args: argparse.Namespace, root: Path, peers: dict[str, str], python: s
         f"  {ctl} --socket {root}/coordinator.sock events  # the bring-up, step by step",
         f"  {ctl} --socket {root}/peer-2.sock logs stage -f", ""]
     if next(iter(peers.values())).startswith("127.0.0.1:"):
-        lines += ["127.0.0.2 and 127.0.0.3 are not available here, so every node is "
-                  "127.0.0.1 with its own port.",
-                  "For one address per node on macOS: sudo ifconfig lo0 alias 127.0.0.2 up; "
-                  "sudo ifconfig lo0 alias 127.0.0.3 up", ""]
+        lines += LOOPBACK_ONLY
     lines.append("Stop all three with Ctrl-C here.")
     return "\n".join(lines)
 

@@ -39,6 +39,11 @@ STOP_S = 30.0
 CONFIG = Path(__file__).with_name("mlxceld.toml")
 
 Daemons = dict[str, subprocess.Popen[bytes]]
+# Printed where the system has no 127.0.0.2 and .3 (macOS until they are aliased).
+LOOPBACK_ONLY = ["127.0.0.2 and 127.0.0.3 are not available here, so every node is "
+                 "127.0.0.1 with its own port.",
+                 "For one address per node on macOS: sudo ifconfig lo0 alias 127.0.0.2 up; "
+                 "sudo ifconfig lo0 alias 127.0.0.3 up", ""]
 
 
 def stage_hosts() -> list[str]:
@@ -170,10 +175,7 @@ def usage(args: argparse.Namespace, root: Path, hosts: list[str], python: str) -
         "stage-1.sock",
         f"  {mlxctl} --socket {root}/stage-1.sock logs stage -f", ""]
     if hosts[0] == "127.0.0.1":
-        lines += ["127.0.0.2 and 127.0.0.3 are not available here, so every node is "
-                  "127.0.0.1 with its own port.",
-                  "For one address per node on macOS: sudo ifconfig lo0 alias 127.0.0.2 up; "
-                  "sudo ifconfig lo0 alias 127.0.0.3 up", ""]
+        lines += LOOPBACK_ONLY
     lines.append("Stop all three with Ctrl-C here.")
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +166,18 @@ def test_run_pings_the_watchdog_and_sends_status_on_change(
     def status() -> str:
         return next(lines, "b")
 
+    got = run_for(n, status, 0.4, sock)
+    assert len(got) >= 5, got
+    assert all(m["WATCHDOG"] == "1" for m in got)
+    assert [m["STATUS"] for m in got if "STATUS" in m] == ["a", "b"]
+
+
+def run_for(n: Notifier, status: Callable[[], str], seconds: float,
+            sock: Listener) -> list[dict[str, str]]:
+    """Run the notifier's loop for ``seconds``, close it, and return what it sent."""
     async def go() -> None:
         task = asyncio.create_task(n.run(status))
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(seconds)
         n.close()
         await asyncio.wait_for(task, 2.0)
 
@@ -176,9 +185,7 @@ def test_run_pings_the_watchdog_and_sends_status_on_change(
     got = []
     while (msg := sock.receive(0.2)) is not None:
         got.append(msg)
-    assert len(got) >= 5, got
-    assert all(m["WATCHDOG"] == "1" for m in got)
-    assert [m["STATUS"] for m in got if "STATUS" in m] == ["a", "b"]
+    return got
 
 
 def test_a_failing_status_keeps_the_watchdog_going(listener: tuple[Listener, str],
@@ -189,16 +196,7 @@ def test_a_failing_status_keeps_the_watchdog_going(listener: tuple[Listener, str
     def status() -> str:
         raise KeyError("serving")
 
-    async def go() -> None:
-        task = asyncio.create_task(n.run(status))
-        await asyncio.sleep(0.2)
-        n.close()
-        await asyncio.wait_for(task, 2.0)
-
-    asyncio.run(go())
-    got = []
-    while (msg := sock.receive(0.2)) is not None:
-        got.append(msg)
+    got = run_for(n, status, 0.2, sock)
     assert got and all(m == {"WATCHDOG": "1"} for m in got)
     assert "no STATUS= for the service manager: KeyError" in caplog.text
 
