@@ -37,7 +37,7 @@ class StageModelLike(Protocol):
 
     def make_cache(self) -> list[Any]: ...
 
-    def forward(self, x: Any, cache: list[Any]) -> Any: ...
+    def forward(self, x: Any, cache: list[Any], *, overlap: bool = False) -> Any: ...
 
 
 @dataclass
@@ -75,9 +75,11 @@ def plan(steps: Sequence[Step]) -> list[list[Step]]:
     return groups + [[s] for s in rest]
 
 
-def run_group(model: StageModelLike, group: Sequence[Step]) -> list[Any]:
+def run_group(model: StageModelLike, group: Sequence[Step], *,
+              overlap: bool = False) -> list[Any]:
     """Run ``group`` (one step per sequence); per step: a hidden-state blob for the next
-    stage, or on the last stage the sampled token id (``None`` where not sampled)."""
+    stage, or on the last stage the sampled token id (``None`` where not sampled).
+    ``overlap``: see ``StageModel.forward`` (for long steps)."""
     import mlx.core as mx
 
     if model.first:
@@ -85,12 +87,12 @@ def run_group(model: StageModelLike, group: Sequence[Step]) -> list[Any]:
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
     if len(group) == 1:
-        out = model.forward(x, group[0].state.cache)
+        out = model.forward(x, group[0].state.cache, overlap=overlap)
     else:
         layers = len(group[0].state.cache)
         merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
                   for i in range(layers)]
-        out = model.forward(x, merged)
+        out = model.forward(x, merged, overlap=overlap)
         for j, s in enumerate(group):
             s.state.cache = [c.extract(j) for c in merged]
         mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])

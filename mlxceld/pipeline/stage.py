@@ -291,9 +291,9 @@ class StageService:
             decode = all(w.tokens == 1 for w in group)
             if decode and self._inline:
                 self.stats.inline += 1
-                outs = self._compute(group)
+                outs = self._compute(group, False)
             else:
-                outs = await loop.run_in_executor(self._pool, self._compute, group)
+                outs = await loop.run_in_executor(self._pool, self._compute, group, True)
         except Exception as exc:
             log.exception("a step of sequences %s failed", [w.seq_id for w in group])
             for work in group:
@@ -307,11 +307,13 @@ class StageService:
             self.stats.tokens += work.tokens
             await self._forward(work, out)
 
-    def _compute(self, group: list[_Work]) -> list[Any]:
-        """One group's step, timed (on the compute thread, or inline: see above)."""
+    def _compute(self, group: list[_Work], overlap: bool) -> list[Any]:
+        """One group's step, timed (on the compute thread, or inline: see above). Steps
+        long enough for the compute thread overlap building a layer's graph with running
+        the one before (``StageModel.forward``); short ones gain nothing by it."""
         start = time.perf_counter()
         try:
-            return run_group(self._model, group)
+            return run_group(self._model, group, overlap=overlap)
         finally:
             took = time.perf_counter() - start
             self.stats.compute_s += took

@@ -38,14 +38,15 @@ def test_plan_batches_first_decode_steps_and_keeps_each_sequences_order() -> Non
 
 
 def run_through(stages: list[StageModel], inputs: list[list[int]],
-                states: list[list[SeqState]], groups: list[list[int]]) -> list[int]:
+                states: list[list[SeqState]], groups: list[list[int]],
+                overlap: bool = False) -> list[int]:
     """Run sequences ``groups`` at a time through every stage; the sampled token of each."""
     result: dict[int, int] = {}
     for members in groups:
         blobs = [tokens(inputs[i]) for i in members]
         for k, st in enumerate(stages):
             outs = run_group(st, [Step(str(i), states[i][k], 0, True, blobs[j])
-                                  for j, i in enumerate(members)])
+                                  for j, i in enumerate(members)], overlap=overlap)
             if not st.last:
                 blobs = [Tensor(name, dtype, shape, data) for name, dtype, shape, data in outs]
         for j, i in enumerate(members):
@@ -53,9 +54,11 @@ def run_through(stages: list[StageModel], inputs: list[list[int]],
     return [result[i] for i in range(len(inputs))]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("splits", [[(0, 2), (2, 4)], [(0, 4)]])
 def test_batched_decode_equals_one_by_one(split_fixture_dir: Path,
-                                          splits: list[tuple[int, int]]) -> None:
+                                          splits: list[tuple[int, int]],
+                                          overlap: bool) -> None:
     path = split_fixture_dir / "qwen3"
     stages = [load_stage(path, a, b) for a, b in splits]
     prompts = [[1, 5, 9, 200, 31], [7, 7], [300, 2, 4, 8, 16, 32, 64]]
@@ -72,5 +75,6 @@ def test_batched_decode_equals_one_by_one(split_fixture_dir: Path,
     b = run_through(stages, prompts, together, singly)
     for _ in range(6):
         a = run_through(stages, [[t] for t in a], alone, singly)
-        b = run_through(stages, [[t] for t in b], together, [list(range(len(prompts)))])
+        b = run_through(stages, [[t] for t in b], together, [list(range(len(prompts)))],
+                        overlap)
         assert a == b

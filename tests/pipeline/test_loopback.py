@@ -489,7 +489,8 @@ def test_token_ids_outside_the_vocabulary_fail_the_request_not_the_stage(
 def test_short_decode_steps_run_inline_and_long_ones_on_the_compute_thread(
         split_fixture_dir: Path, monkeypatch: pytest.MonkeyPatch,
         inline_below_s: float) -> None:
-    """Either way the tokens are mlx-lm's; with a bound of 0 no step is short enough."""
+    """Either way the tokens are mlx-lm's; with a bound of 0 no step is short enough, so
+    every step runs on the compute thread with its layers overlapped."""
     monkeypatch.setattr(stage_module, "INLINE_STEP_S", inline_below_s)
     path = split_fixture_dir / "llama"
     long_prompt = [(i * 5) % 300 + 1 for i in range(p.PREFILL_CHUNK + 40)]  # two chunks
