@@ -96,8 +96,7 @@ def encode_envelope(header: Mapping[str, Any],
             specs.append({"name": name, "dtype": dtype, "shape": [int(n) for n in shape]})
             blobs.append(view)
         full["tensors"] = specs
-    head = json.dumps(full, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    head = _ENCODER.encode(full).encode("utf-8")
     return b"".join([_LEN.pack(len(head)), head, *blobs])
 
 
@@ -114,10 +113,18 @@ def _no_constant(name: str) -> Any:
     raise EnvelopeError(f"{name} in the header")
 
 
+# Made once: ``json.dumps``/``json.loads`` with options build a new coder every call,
+# a measurable share of a small message's cost.
+_ENCODER: Final = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                   allow_nan=False)
+_DECODER: Final = json.JSONDecoder(object_pairs_hook=_no_duplicates,
+                                   parse_constant=_no_constant)
+
+
 def _parse_header(raw: memoryview) -> dict[str, Any]:
     try:
         text = bytes(raw).decode("utf-8")
-        header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        header = _DECODER.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         if isinstance(exc, EnvelopeError):
             raise
