@@ -29,12 +29,14 @@ a peer's ``query`` (``twophase.Query``) dials the coordinator's.
 
 Bounds: ``CONNECT_S`` per dial and handshake, ``twophase.FRAME_S`` per answer,
 ``twophase.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
-commit phase, ``twophase.PEER_PHASE_S`` for a peer's waits between phases.
+commit phase, ``twophase.PEER_PHASE_S`` for a peer's waits between phases,
+``LATE_DECISION_S`` for a decision to a peer whose connection came up after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -59,6 +61,10 @@ Watch = Callable[[CoordinatorRound], None]  # sees the round after every step (p
 
 ASSIGNMENT_CHANNEL: Final = 2
 CONNECT_S: Final = 5.0  # one dial and handshake
+# A decision for a peer whose connection came up only after it was made, sent as the push
+# ends: short, as push's caller waits on it; a peer that misses it still learns the decision
+# by its query after its own wait (PEER_PHASE_S).
+LATE_DECISION_S: Final = 1.0
 HEARTBEAT_S: Final = 2.0  # a preparing peer's heartbeat
 FROM_PEER: Final = ("preparing", "accepted", "refused", "committed", "active", "aborted",
                     "decision", "error")
@@ -159,11 +165,19 @@ async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: s
 async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans: Plans,
                  keyring: Keyring, identity: str, watch: Watch | None = None) -> Finished:
     """One connection per peer (``first`` goes out on it), a reader each feeding the
-    round, its actions carried out in order, until it finishes."""
+    round, its actions carried out in order, until it finishes.
+
+    A ``Send`` to a peer still connecting is skipped, but its message is kept: should
+    that dial still come up and deliver ``first`` before the round finishes (it connects
+    while another send is under way), the peer hears the message after all, best effort
+    and within ``LATE_DECISION_S``, before its connection is closed. A peer still
+    connecting when the round finishes is not waited for: its dial is cancelled, and
+    nothing went out to it."""
     loop = asyncio.get_running_loop()
     epoch = round_.epoch
     inbox: asyncio.Queue[tuple[str, str, dict[str, Any]]] = asyncio.Queue()
     streams: dict[str, MxclStream] = {}
+    unsent: dict[str, bytes] = {}  # the last Send skipped per peer: it was not connected
 
     async def dial(agent: str) -> None:
         host, port = split_address(agent)
@@ -193,10 +207,15 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
                 log.info("plan %d: decided %s %s", epoch, a.decision, a.summary)
                 if a.decision == "commit":
                     failpoints.crash("coordinator-after-commit-decision")
-            elif isinstance(a, Send) and a.peer in streams:
+            elif isinstance(a, Send):
                 fields = {"summary": a.summary} if a.kind == "abort" else {}
+                payload = message(a.kind, epoch, **fields)
+                if a.peer not in streams:
+                    unsent[a.peer] = payload
+                    continue
+                unsent.pop(a.peer, None)
                 try:
-                    await streams[a.peer].send(message(a.kind, epoch, **fields))
+                    await streams[a.peer].send(payload)
                 except ConnectionClosed:
                     await inbox.put((a.peer, "lost", {"reason": "connection lost"}))
             elif isinstance(a, Finished):
@@ -224,8 +243,18 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
         for t in readers:
             t.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        # A dial cancelled inside connect sent nothing; one that got a stream also sent
+        # ``first`` (no await in between), so the peer must hear what it missed.
+        await asyncio.gather(*(_send_late(streams[p], m) for p, m in unsent.items()
+                               if p in streams))
         for stream in streams.values():
             await stream.close("assignment over")
+
+
+async def _send_late(stream: MxclStream, payload: bytes) -> None:
+    with contextlib.suppress(ConnectionClosed, TimeoutError):
+        async with asyncio.timeout(LATE_DECISION_S):
+            await stream.send(payload)
 
 
 def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
