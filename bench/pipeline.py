@@ -36,8 +36,17 @@ the per-token time: (2-stage - sum of stage compute) / 2 is what a hop adds
 (network, crypto, asyncio, the hand-off to the compute thread).
 
 The client's own cost (HTTP, SSE parsing) runs on the same CPUs as the daemons;
-the baseline has none. `--quick`: 32 tokens, 1 run (about 2.5 minutes on 2 CPUs, most of it
-the small fixture's 512-token prefills).
+the baseline has none.
+
+Where the stages, the router and the client share two CPUs, the goals measure
+mostly per-step fixed costs. mlx's CPU backend hands every op to its stream
+thread, and a stage idles while the other computes. Measured on a 2-vCPU
+microVM, a tiny stage's step costs about twice as much after an idle gap as
+back to back (1.0-1.2 against 2.0-2.8 ms). Judge the goals where each stage
+has its own cores: separate hosts, or a machine with at least six free.
+
+`--quick`: 32 tokens, 1 run (about 2.5 minutes on 2 CPUs, most of it the small
+fixture's 512-token prefills).
 
     .venv/bin/python bench/pipeline.py [--quick] [--max-tokens 128] [--runs 3]
 """
