@@ -128,13 +128,16 @@ class StageModel:
         inner = self.model.model
         h = inner.embed_tokens(x) if self.first else x
         masks: dict[bool, Any] = {}  # by use_sliding: made from that kind's first cache
-        for layer, c in zip(self.layers, cache, strict=True):
+        last = len(self.layers) - 1
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             sliding = bool(getattr(layer, "use_sliding", False))
             if sliding not in masks:
                 window = self._window if sliding else None
                 masks[sliding] = create_attention_mask(h, c, window_size=window)
             h = layer(h, masks[sliding], c)
-            if overlap:
+            # Not the last layer's output: the caller evaluates what it needs of it (on
+            # the last stage's prefill, only its cache: its output there is not needed).
+            if overlap and i < last:
                 mx.async_eval(h)  # type: ignore[no-untyped-call]
         return h
 
