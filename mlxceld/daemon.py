@@ -145,7 +145,7 @@ class Daemon:
             self._lock.release()
             raise
         self._server = ControlServer(peer_guard(build_app(self)), self._sock)
-        self._agent_addr = parse_addr(config.agent_addr, "--agent-addr")
+        self._agent_addr = parse_addr(config.agent_addr, "--agent-addr / [daemon] agent_addr")
         self._agent: AgentService | None = None
         self._agent_error: str | None = None
         self._discovery: DiscoveryService | None = None

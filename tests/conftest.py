@@ -89,6 +89,26 @@ class DaemonProc:
             wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
         return self
 
+    def start_service(self, *, wait: bool = True,
+                      env: dict[str, str] | None = None) -> DaemonProc:
+        """Start the daemon as launchd, systemd or brew do: ``mlxceld --config FILE`` and
+        nothing else (the file holds the state dir and socket, see tests/deploy.py);
+        ``env`` is added to the environment (what a unit's Environment= would set)."""
+        with self.stderr_path.open("ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxceld", "--config", str(self.config)],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                env={**os.environ, **env} if env else None)
+        if wait:
+            wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
+        return self
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, as a service manager stops a daemon; its exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
     def _ready(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:

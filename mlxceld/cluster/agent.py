@@ -23,6 +23,7 @@ from mlxceld.errors import ConfigError
 from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
 from mlxceld.net.securitylog import SecurityClass
 from mlxceld.wire import Keyring
+from mlxceld.wire.address import format_address, parse_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
@@ -35,13 +36,16 @@ _CLASS_OF: dict[str, SecurityClass] = {"noise": "noise", "abort": "noise",
 
 
 def parse_addr(value: str, what: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port``; port 0 lets the system choose (tests)."""
-    host, sep, port = value.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{what}: {value!r} is not host:port",
-                          hint=f"for example {DEFAULT_AGENT_ADDR}, or [::]:19000 for IPv6")
-    return host, int(port)
+    """The agent's listen address: ``host:port``, ``[v6]:port``, a wildcard (every
+    interface) or a host name (the addresses it resolves to); port 0 lets the system
+    choose (tests)."""
+    try:
+        where = parse_address(value, port_zero=True)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {value!r} {exc}",
+                          hint=f"for example {DEFAULT_AGENT_ADDR}, or [::]:19000 for IPv6"
+                          ) from None
+    return where.host, where.port
 
 
 class AgentService:
@@ -51,7 +55,7 @@ class AgentService:
         self._specs: dict[int, dict[str, MessageSpec]] = {c: {} for c in AGENT_CHANNELS}
         self._handlers: dict[tuple[int, str], AgentHandler] = {}
         self._listener = Listener(addr[0], addr[1], keyring=keyring,
-                                  identity_of_server=f"{addr[0]}:{addr[1]}",
+                                  identity_of_server=format_address(*addr),
                                   channels=AGENT_CHANNELS, handler=self._serve_stream,
                                   on_refused=self._refused)
 
@@ -59,7 +63,7 @@ class AgentService:
     def address(self) -> str:
         """``host:port`` as it listens (IPv6 in brackets), the port resolved if it was 0."""
         host = self._listener.host
-        return f"[{host}]:{self._listener.port}" if ":" in host else f"{host}:{self._listener.port}"
+        return format_address(host, self._listener.port)
 
     @property
     def host(self) -> str:

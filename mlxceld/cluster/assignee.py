@@ -56,9 +56,9 @@ from mlxceld.cluster.twophase import (
 )
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
-from mlxceld.pipeline.peers import bound_identity, split_address
 from mlxceld.state.plans import Assignments
 from mlxceld.wire import Envelope, Keyring
+from mlxceld.wire.address import HostPort, bound_identity, parse_address
 from mlxceld.wire.envelope import parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 PREPARE_S: Final = PEER_PHASE_S  # loading the stage in standby, at most
 # A peer's wait between phases: PEER_PHASE_S; tests shorten it (MLXCELD_TEST_PEER_WAIT_S).
 PHASE_S: Final = failpoints.PEER_WAIT_S or PEER_PHASE_S
+JUDGE_S: Final = 10.0  # judging an offer, host name look-ups included
 
 
 class StageHost(Protocol):
@@ -174,7 +175,13 @@ class Assignee:
                                       reason=str(exc)))
             return
         newest = self._assignments.newest_epoch()  # SQLite stays on the loop's thread
-        verdict = await asyncio.to_thread(self._judge, offer, stream, newest)
+        bound = bound_identity(stream.peer_identity, stream.peer)
+        try:
+            async with asyncio.timeout(JUDGE_S):  # host names in the TOML are looked up
+                verdict = await asyncio.to_thread(self._judge, offer, bound, newest)
+        except TimeoutError:
+            verdict = Refusal("listener", f"judging the offer took over {JUDGE_S:g} s "
+                              "(looking up the host names in its cluster TOML)", False)
         if isinstance(verdict, Refusal) and verdict.code == "stale_epoch":
             log.warning("offer %d from %s refused: %s", offer.epoch, offer.coordinator,
                         verdict.reason)
@@ -184,8 +191,8 @@ class Assignee:
         if not await self._make_way(offer, stream, verdict):
             return
         loop = asyncio.get_running_loop()
-        cur = _Current(PeerRound(offer.epoch, phase_s=PHASE_S), offer.coordinator, offer.stage,
-                       offer.toml, stream)
+        cur = _Current(PeerRound(offer.epoch, phase_s=PHASE_S), _dialable(offer, bound),
+                       offer.stage, offer.toml, stream)
         self._current = cur
         self._wake.set()
         if isinstance(verdict, Refusal):
@@ -228,9 +235,8 @@ class Assignee:
                                   reason=reason))
         return False
 
-    def _judge(self, offer: Offer, stream: MxclStream, newest: int) -> Any:
-        return judge(offer, self._host.facts(offer.port),
-                     bound_identity=bound_identity(stream.peer_identity, stream.peer),
+    def _judge(self, offer: Offer, bound: HostPort, newest: int) -> Any:
+        return judge(offer, self._host.facts(offer.port), bound_identity=bound,
                      newest_epoch=newest,
                      toml_path=self._state_dir / f"cluster-{offer.epoch}.toml")
 
@@ -316,11 +322,11 @@ class Assignee:
             self._wake.set()
 
     async def _query(self, cur: _Current) -> None:
-        host, port = split_address(cur.coordinator)
+        where, me = parse_address(cur.coordinator), parse_address(self._identity, port_zero=True)
         try:
-            stream = await connect(host, port, keyring=self._keyring, identity=self._identity,
-                                   channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S,
-                                   local_addr=(split_address(self._identity)[0], 0))
+            stream = await connect(where.host, where.port, keyring=self._keyring,
+                                   identity=me.claim(), channel=ASSIGNMENT_CHANNEL,
+                                   budget_s=CONNECT_S, local_addr=me.local_addr())
         except HandshakeFailed as exc:
             log.warning("stage assignment %d: cannot ask coordinator %s: %s",
                         cur.round.epoch, cur.coordinator, exc.message)
@@ -359,6 +365,16 @@ class Assignee:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _dialable(offer: Offer, bound: HostPort) -> str:
+    """Where to ask the coordinator (``Query``): the address it names itself by, or, when
+    that is a wildcard, the address it reached us from (the judge checked they agree)."""
+    try:
+        named = parse_address(offer.coordinator)
+    except ValueError:
+        return str(bound)
+    return str(bound) if named.is_wildcard else offer.coordinator
 
 
 def _state(state: str) -> PeerState:

@@ -49,9 +49,9 @@ from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer
 from mlxceld.cluster.topology import dump_cluster, parse_cluster_text
 from mlxceld.cluster.twophase import PUSH_S, CoordinatorRound, Finished, Persist, Send
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
-from mlxceld.pipeline.peers import split_address
 from mlxceld.state.plans import Plans
 from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
+from mlxceld.wire.address import parse_address
 from mlxceld.wire.envelope import parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
@@ -179,12 +179,14 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
     streams: dict[str, MxclStream] = {}
     unsent: dict[str, bytes] = {}  # the last Send skipped per peer: it was not connected
 
+    me = parse_address(identity, port_zero=True)
+
     async def dial(agent: str) -> None:
-        host, port = split_address(agent)
+        where = parse_address(agent)
         try:
-            stream = await connect(host, port, keyring=keyring, identity=identity,
-                                   channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S,
-                                   local_addr=(split_address(identity)[0], 0))
+            stream = await connect(where.host, where.port, keyring=keyring,
+                                   identity=me.claim(), channel=ASSIGNMENT_CHANNEL,
+                                   budget_s=CONNECT_S, local_addr=me.local_addr())
         except HandshakeFailed as exc:
             await inbox.put((agent, "lost", {"reason": f"cannot connect: {exc.message}"}))
             return

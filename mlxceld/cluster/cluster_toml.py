@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.cluster.nodes import (
     COORDINATOR,
     DEFAULT_NAME,
@@ -23,6 +22,7 @@ from mlxceld.cluster.nodes import (
     Role,
 )
 from mlxceld.errors import ConfigError
+from mlxceld.wire.address import parse_address
 
 TOP_KEYS: Final = ("cluster", "nodes")
 CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "secret_file", "model")

@@ -45,6 +45,7 @@ from mlxceld.state import EventLog
 from mlxceld.state.plans import Plans
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
+from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class Coordinator:
         """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
         try:
             stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]),
-                                      s["stage"], int(s["address"].rpartition(":")[2]))
+                                      s["stage"], parse_address(s["address"]).port)
                            for s in planned["plan"]["stages"])
             plan = PushPlan(self._cluster, planned["model_identity"], planned["toml"], stages)
             epoch, done = await push(plan, plans=self._plans, keyring=self._keyring,

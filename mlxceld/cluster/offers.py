@@ -12,10 +12,17 @@ in this order, and refuses at the first problem:
    the peer's own checkpoint, and its stage there must have
    the offered range                                            final
 7. the node id: ``stage-<index>``, the node of that rank        back to waiting
-8. the listener: the TOML places this peer (its agent host) at
-   the offered port, one it proposed                            back to waiting
+8. the listener: the TOML places this peer's stage at the
+   offered port, one it proposed, on a host that is this peer   back to waiting
 9. the coordinator: the TOML's coordinator and the offer's
    coordinator are the identity the handshake bound             back to waiting
+
+"This peer" (8): the stage's host is the agent's IP when the agent listens on
+one IP; any address of this host (one the kernel lets us bind: each interface's,
+the one the coordinator reached us on) when it listens on a wildcard; an
+address of the agent's host name when it listens on a name. A host name in the
+TOML is looked up (8 and 9: ``mlxceld.net.resolve``), so ``judge`` blocks: run
+it in a thread, under a deadline.
 
 and before all of them, the epoch: an offer from a plan not newer than the
 newest the peer has seen is refused (stale). A *final* refusal ends the peer's wait
@@ -32,12 +39,8 @@ from typing import Any, Final
 
 from mlxceld.cluster.topology import ClusterConfig, parse_cluster_text, validate_layers
 from mlxceld.errors import ConfigError
-from mlxceld.pipeline.peers import (
-    canonical_address,
-    canonical_ip,
-    identity_matches,
-    split_address,
-)
+from mlxceld.net.resolve import ResolveError, is_local_ip, matches_blocking, resolve_blocking
+from mlxceld.wire.address import HostPort, ip_or_none, parse_address
 
 ASSIGNMENT_VERSION: Final = 2
 MAX_TOML: Final = 64 * 1024
@@ -106,7 +109,7 @@ def parse_offer(header: Mapping[str, Any]) -> Offer:
                  port=get("port", int), coordinator=get("coordinator", str), toml=toml)
 
 
-def judge(offer: Offer, me: PeerFacts, *, bound_identity: str, newest_epoch: int,
+def judge(offer: Offer, me: PeerFacts, *, bound_identity: HostPort, newest_epoch: int,
           toml_path: Path) -> ClusterConfig | Refusal:
     """The cluster config to run if the offer is good, else the first refusal."""
     if offer.epoch <= newest_epoch:
@@ -134,7 +137,7 @@ def judge(offer: Offer, me: PeerFacts, *, bound_identity: str, newest_epoch: int
 
 
 def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
-                     bound_identity: str) -> ClusterConfig | Refusal:
+                     bound_identity: HostPort) -> ClusterConfig | Refusal:
     stages = cfg.stages
     if not 0 <= offer.stage < len(stages):
         return Refusal("layer_range", f"the offered cluster has no stage {offer.stage}", True)
@@ -152,22 +155,27 @@ def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
     if offer.node_id != f"stage-{offer.stage}" or node.id != offer.node_id:
         return Refusal("node_id", f"the offer names node {offer.node_id!r} for stage "
                        f"{offer.stage}; expected 'stage-{offer.stage}' in the TOML too", False)
-    host, port = split_address(node.address)
-    if canonical_ip(host) != canonical_ip(me.agent_host) or port != offer.port \
-            or port not in me.ports:
+    where = parse_address(node.address)
+    if where.port != offer.port or where.port not in me.ports \
+            or not _is_mine(where.host, me.agent_host):
         return Refusal("listener", f"the offer places stage {offer.stage} at {node.address}; "
-                       f"this node listens on {me.agent_host} and proposed ports "
+                       f"this node's agent listens on {me.agent_host} and it proposed ports "
                        f"{sorted(me.ports)}", False)
-    if not (_is(cfg.coordinator.address, bound_identity)
-            and _is(offer.coordinator, bound_identity)):
+    if not (matches_blocking(cfg.coordinator.address, bound_identity)
+            and matches_blocking(offer.coordinator, bound_identity)):
         return Refusal("coordinator", f"the offer names coordinator {offer.coordinator} "
                        f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
                        False)
     return cfg
 
 
-def _is(configured: str, bound: str) -> bool:
+def _is_mine(stage_host: str, agent_host: str) -> bool:
+    """Whether a stage on ``stage_host`` is on this node (the module docstring, 8)."""
+    agent = ip_or_none(agent_host)
     try:
-        return identity_matches(canonical_address(configured), bound)
-    except (OSError, ValueError):  # unparseable, or a host name that does not resolve
+        stage = resolve_blocking(stage_host)
+        if agent is not None and agent.is_unspecified:
+            return any(not ip.is_unspecified and is_local_ip(ip) for ip in stage)
+        return bool(stage & resolve_blocking(agent_host))
+    except ResolveError:
         return False

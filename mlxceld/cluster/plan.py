@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
 from mlxceld.cluster.topology import dump_cluster, parse_cluster_text
 from mlxceld.models.profile import LayerProfile
+from mlxceld.wire.address import canonical_address, parse_address
 
 MIB: Final = 1 << 20
 SAFETY_FRACTION: Final = 0.10
@@ -45,13 +45,6 @@ def usable_memory(available_bytes: int, safety_fraction: float = SAFETY_FRACTION
     if not 0 <= safety_fraction < 1:
         raise ValueError(f"safety fraction {safety_fraction} is not within [0, 1)")
     return max(0, available_bytes - math.ceil(available_bytes * safety_fraction))
-
-
-def canonical_address(address: str) -> str:
-    """``host:port`` in the normalized form equal addresses share (IPv6 in brackets);
-    what nodes are ranked by. ``ValueError`` says what is wrong with ``address``."""
-    host, port = parse_address(address).key()
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -72,8 +65,7 @@ class PlanNode:
     @property
     def stage_address(self) -> str:
         """The stage listener's address: this node's host at ``stage_port``."""
-        host = self.key.rpartition(":")[0]
-        return f"{host}:{self.stage_port}"
+        return parse_address(self.key).with_port(self.stage_port).canonical()
 
 
 @dataclass(frozen=True)
@@ -157,8 +149,7 @@ class Plan:
 def _node(node_id: str, address: str, rank: int | None, layers: tuple[int, int] | None,
           memory: int | None) -> NodeConfig:
     """A node for ``dump_cluster``; ``parse_cluster_text`` checks it afterwards."""
-    host, _, port = address.rpartition(":")
-    return NodeConfig(id=node_id, address=address, host=host.strip("[]"),
-                      port=int(port) if port.isdigit() else 0,
+    where = parse_address(address)
+    return NodeConfig(id=node_id, address=address, host=where.host, port=where.port,
                       role=COORDINATOR if rank is None else PIPELINE_STAGE,
                       rank=rank, layers=layers, memory_bytes=memory)

@@ -34,11 +34,11 @@ import os
 import tomllib
 from pathlib import Path
 
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.cluster.cluster_toml import parse_cluster
 from mlxceld.cluster.nodes import ClusterConfig, NodeConfig, select_node
 from mlxceld.cluster.topology_rules import check_cluster, validate_layers
 from mlxceld.errors import ConfigError
+from mlxceld.wire.address import parse_address
 
 __all__ = ["ClusterConfig", "NodeConfig", "dump_cluster", "load_cluster", "needs_secret",
            "parse_cluster_text", "select_node", "validate_layers", "write_cluster"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
 from mlxceld.errors import ConfigError
+from mlxceld.wire.address import parse_address
 
 RANK_HINT = "stages have ranks 0, 1, ..., N-1, one each, in pipeline order"
 

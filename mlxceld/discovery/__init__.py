@@ -13,7 +13,7 @@ from typing import Any
 _EXPORTS = {
     "DEFAULT_CLUSTER_NAME": "settings", "DISCOVERY_MODES": "settings",
     "cluster_settings": "settings", "parse_cluster_name": "settings",
-    "format_address": "static", "normalize_address": "static", "parse_peers": "static",
+    "parse_peers": "static",
     "Candidate": "candidates", "CandidateTable": "candidates",
     "DiscoveryService": "service",
 }

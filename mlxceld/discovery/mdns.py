@@ -41,11 +41,11 @@ from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from mlxceld import __version__
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.records import SERVICE_TYPE, check_service, host_name, instance_name
-from mlxceld.discovery.static import format_address
+from mlxceld.net.resolve import resolve_blocking
 from mlxceld.wire import BeaconError, Keyring, build_record
+from mlxceld.wire.address import format_address, parse_address
 from mlxceld.wire.beacon import REFRESH_S
 from mlxceld.wire.hello import VERSION
 
@@ -80,14 +80,15 @@ class MdnsDiscovery:
     def __init__(self, table: CandidateTable, keyring: Keyring, *, node_id: str, cluster: str,
                  agent_address: str, clock: Callable[[], float] = time.time,
                  random: Callable[[int], bytes] = os.urandom) -> None:
-        agent = parse_address(agent_address)
-        if agent.ip is None:
-            raise ValueError(f"mDNS needs an agent address with an IP, not {agent_address!r}")
+        agent = parse_address(agent_address, port_zero=True)
+        ip = agent.ip
+        if ip is None:  # an agent listening on a host name: the name's address
+            ip = min(resolve_blocking(agent.host), key=lambda a: (a.version, int(a)))
         self._table = table
         self._keyring = keyring
         self._node_id = node_id
         self._cluster = cluster
-        self._host = str(agent.ip)
+        self._host = str(ip)
         self._port = agent.port
         self._ip = advertised_ip(self._host)
         self._clock = clock

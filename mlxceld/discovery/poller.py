@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.cluster.inventory import (
     AGENT_CHANNEL,
     ANSWER_SPECS,
@@ -44,6 +43,7 @@ from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.net import ConnectionClosed, HandshakeFailed, connect
 from mlxceld.state.peers import PeerState
 from mlxceld.wire import EnvelopeError, SecretStore, encode_envelope, parse_envelope
+from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,8 @@ class InventoryPoller:
                  clock: Callable[[], float] = time.time) -> None:
         self._table = table
         self._keyring = keyring
-        self._identity = identity
-        ours = parse_address(identity)
-        unspecified = ours.ip is not None and ours.ip.is_unspecified
-        self._local_addr = None if unspecified else (ours.host, 0)
+        ours = parse_address(identity, port_zero=True)  # our agent listener
+        self._claim, self._local_addr = ours.claim(), ours.local_addr()
         self._interval = interval_s
         self._clock = clock
         self._wake = asyncio.Event()
@@ -114,7 +112,7 @@ class InventoryPoller:
         target = parse_address(address)
         try:
             stream = await connect(target.host, target.port, keyring=self._keyring,
-                                   identity=self._identity, channel=AGENT_CHANNEL,
+                                   identity=self._claim, channel=AGENT_CHANNEL,
                                    budget_s=CONNECT_BUDGET_S, local_addr=self._local_addr)
         except HandshakeFailed as exc:
             state: PeerState = "refused" if exc.kind in REFUSED_KINDS else "unreachable"

@@ -30,13 +30,11 @@ candidate table's too.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from mlxceld.cluster.addresses import parse_address
-from mlxceld.discovery.static import format_address
 from mlxceld.wire import BeaconError, SecretStore, verify_record
+from mlxceld.wire.address import ip_or_none, normalize_ip, parse_address
 from mlxceld.wire.beacon import SERVICE_TYPE
 
 __all__ = ["SERVICE_TYPE", "check_service", "decode_txt", "host_name", "instance_name"]
@@ -82,18 +80,7 @@ def check_service(name: str, addresses: Sequence[str], port: int | None,
         raise BeaconError("record field 'addr' is a hostname, not an IP address")
     if addr.port != port:
         raise BeaconError("record 'addr' port is not the service's SRV port")
-    resolved = set()
-    for text in addresses:
-        try:
-            resolved.add(_canonical(ipaddress.ip_address(text.split("%", 1)[0])))
-        except ValueError:
-            continue
-    if _canonical(addr.ip) not in resolved:
+    resolved = {ip for ip in map(ip_or_none, addresses) if ip is not None}
+    if normalize_ip(addr.ip) not in resolved:
         raise BeaconError("record 'addr' IP is not an address the service resolved to")
-    return record, format_address(_canonical(addr.ip), addr.port)
-
-
-def _canonical(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
+    return record, addr.canonical()

@@ -81,11 +81,12 @@ class DiscoveryService:
 
     async def _run_mdns(self) -> None:
         from mlxceld.discovery.mdns import MdnsDiscovery  # imports zeroconf: only when asked
+        from mlxceld.net.resolve import ResolveError
 
         try:
             mdns = MdnsDiscovery(self._table, self._keyring, node_id=self._node_id,
                                  cluster=self._cluster, agent_address=self._address)
-        except ValueError as exc:
+        except (ValueError, ResolveError) as exc:  # an agent host name that does not resolve
             self._error = str(exc)
             log.error("discovery: %s", exc)
             return

@@ -1,7 +1,7 @@
 """Static discovery: the peer agent addresses of ``--cluster-peers`` ([daemon] cluster_peers).
 
 Each entry is ``host:port`` as the cluster TOML writes addresses
-(``mlxceld.cluster.addresses``): an IPv4 address, a hostname, or an IPv6 address
+(``mlxceld.wire.address``): an IPv4 address, a hostname, or an IPv6 address
 in brackets (``[fd00::12]:19000``), with a port of 1-65535. Entries are
 normalized (canonical IPs, ``::ffff:a.b.c.d`` as the IPv4 address it carries,
 lowercase hostnames without a trailing dot, IPv6 back in brackets) and a
@@ -14,23 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from mlxceld.cluster.addresses import parse_address
 from mlxceld.errors import ConfigError
+from mlxceld.wire.address import canonical_address
 
 MAX_PEERS: Final = 256
 PEERS_HINT: Final = ("write host:port pairs separated by commas, e.g. "
                      "192.168.1.11:19000,[fd00::12]:19000")
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def normalize_address(text: str) -> str:
-    """The normalized ``host:port`` of ``text``; ``ValueError`` says what is wrong with it."""
-    host, port = parse_address(text).key()
-    return format_address(host, port)
 
 
 def parse_peers(value: str | Sequence[str], what: str) -> tuple[str, ...]:
@@ -49,7 +38,7 @@ def parse_peers(value: str | Sequence[str], what: str) -> tuple[str, ...]:
         if not text:
             raise ConfigError(f"{what}: an empty entry in {value!r}", hint=PEERS_HINT)
         try:
-            address = normalize_address(text)
+            address = canonical_address(text)
         except ValueError as exc:
             raise ConfigError(f"{what}: peer {text!r} {exc}", hint=PEERS_HINT) from None
         if address not in peers:

@@ -7,7 +7,7 @@ established connection; ``SecurityLog`` rate-limits the warnings they raise.
 
 from mlxceld.net.dialer import connect
 from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
-from mlxceld.net.listener import Listener, normalize_ip, source_bucket
+from mlxceld.net.listener import Listener, source_bucket
 from mlxceld.net.pool import ConnectionPool, PoolClosed
 from mlxceld.net.securitylog import SecurityClass, SecurityLog, Verdict
 from mlxceld.net.stream import MxclStream
@@ -15,5 +15,5 @@ from mlxceld.net.stream import MxclStream
 __all__ = [
     "ConnectionClosed", "ConnectionPool", "HandshakeFailed", "Listener", "MxclStream",
     "NetError", "PoolClosed", "SecurityClass", "SecurityLog", "Verdict", "connect",
-    "normalize_ip", "source_bucket",
+    "source_bucket",
 ]

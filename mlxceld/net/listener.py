@@ -28,6 +28,7 @@ from mlxceld.wire import (
     SecretStore,
     Suite,
 )
+from mlxceld.wire.address import normalize_ip
 from mlxceld.wire.frames import DEFAULT_LIMITS
 
 # Every refusal, a socket closed at accept counted as ``noise``, goes to this logger
@@ -38,20 +39,10 @@ Handler = Callable[[MxclStream], Awaitable[None]]
 OnRefused = Callable[[str, str], None]  # (kind, peer "host:port")
 
 
-def normalize_ip(ip: str) -> str:
-    """``ip`` as text, an IPv4-mapped IPv6 address as the IPv4 address it carries."""
-    addr = ipaddress.ip_address(ip)
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return str(addr.ipv4_mapped)
-    return str(addr)
-
-
 def source_bucket(ip: str) -> str:
     """The pending-pool source of ``ip``: the IPv4 address itself, or the IPv6 /64."""
-    addr = ipaddress.ip_address(ip)
+    addr = normalize_ip(ip)
     if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
         return str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64)))
     return str(addr)
 
@@ -198,7 +189,7 @@ class Listener:
             try:
                 conn = Connection(Role.SERVER, keyring=self._keyring, random=self._random,
                                   now=asyncio.get_running_loop().time(), suite=self._suite,
-                                  peer_ip=normalize_ip(ip), capacity_ok=capacity_ok,
+                                  peer_ip=str(normalize_ip(ip)), capacity_ok=capacity_ok,
                                   limits=self._limits, handshake_timeout=self._handshake_timeout)
                 done = await handshake(conn, reader, writer)
             except RemoteProtocolError as exc:

@@ -48,6 +48,7 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
 from mlxceld.wire import Envelope, Keyring
+from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,15 @@ PER_TOKEN_S: Final = 0.05
 class PipelineEngine:
     """Implements ``Engine`` by driving stage workers over MXCL channel 1."""
 
-    def __init__(self, stages: Sequence[StageAddress], *, keyring: Keyring, identity: str,
-                 dial_ip: str | None, model_identity: str, cluster: str, model_id: str,
+    def __init__(self, stages: Sequence[StageAddress], *, keyring: Keyring, origin: str,
+                 model_identity: str, cluster: str, model_id: str,
                  context_length: int, eos_token_ids: set[int], max_batch: int = 8,
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
                  dial_budget_s: float = DIAL_BUDGET_S) -> None:
         """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
-        long one dial may retry a refused connection (smaller in tests)."""
+        long one dial may retry a refused connection (smaller in tests); ``origin``: the
+        coordinator's address in the cluster TOML, whose identity the links claim."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
@@ -77,7 +79,8 @@ class PipelineEngine:
         self._cluster = cluster
         self._step_timeout = step_timeout_s
         self._inboxes: dict[str, Inbox] = {}
-        self._links = [StageLink(s, keyring=keyring, identity=identity, dial_ip=dial_ip,
+        me = parse_address(origin, port_zero=True)
+        self._links = [StageLink(s, keyring=keyring, origin=me,
                                  model_identity=model_identity, cluster=cluster,
                                  inboxes=self._inboxes.get, dial_budget_s=dial_budget_s,
                                  connectivity=Connectivity(initial_s=retry_s[0],

@@ -32,6 +32,7 @@ from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError,
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import Connectivity, Failure, LinkState, Transition
 from mlxceld.wire import Envelope, EnvelopeError, Keyring, encode_envelope, parse_envelope
+from mlxceld.wire.address import HostPort
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,14 @@ class StageAddress:
 
 
 class StageLink:
-    def __init__(self, stage: StageAddress, *, keyring: Keyring, identity: str,
-                 dial_ip: str | None, model_identity: str, cluster: str,
+    def __init__(self, stage: StageAddress, *, keyring: Keyring, origin: HostPort,
+                 model_identity: str, cluster: str,
                  inboxes: Callable[[str], Inbox | None],
                  connectivity: Connectivity | None = None,
                  dial_budget_s: float = DIAL_BUDGET_S) -> None:
         self.stage = stage
         self._keyring = keyring
-        self._identity = identity
-        self._dial_ip = dial_ip
+        self._origin = origin  # the coordinator's address: what we claim, where we dial from
         self._dial_budget = dial_budget_s
         self._model_identity = model_identity
         self._cluster = cluster
@@ -138,9 +138,8 @@ class StageLink:
             raise EngineUnavailable(f"{stage.name()}: the engine is closing")
         try:
             stream = await connect(
-                stage.host, stage.port, keyring=self._keyring, identity=self._identity,
-                channel=1, budget_s=self._dial_budget,
-                local_addr=(self._dial_ip, 0) if self._dial_ip else None)
+                stage.host, stage.port, keyring=self._keyring, identity=self._origin.claim(),
+                channel=1, budget_s=self._dial_budget, local_addr=self._origin.local_addr())
         except HandshakeFailed as exc:
             self._fail("unreachable" if exc.kind in UNREACHABLE_KINDS else "refused",
                        f"{stage.name()} is unavailable: {exc}", exc)

@@ -36,9 +36,9 @@ from typing import Any, Final
 from mlxceld.engine.base import SamplingParams
 from mlxceld.net import ConnectionClosed, MxclStream, connect
 from mlxceld.net.errors import NetError
+from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.compute import SeqState, StageModelLike, Step, plan, run_group
-from mlxceld.pipeline.peers import bound_identity, identity_matches
 from mlxceld.wire import (
     Envelope,
     EnvelopeError,
@@ -47,6 +47,7 @@ from mlxceld.wire import (
     encode_envelope,
     parse_envelope,
 )
+from mlxceld.wire.address import HostPort, bound_identity, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +107,17 @@ class StageStats:
 
 class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
-                 wire_dtype: str, *, dial_ip: str | None = None,
-                 standby: bool = False) -> None:
+                 wire_dtype: str, *, standby: bool = False) -> None:
         self._model = model
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, _Sequence] = {}
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
-        self._down = _Dialer(place.downstream, keyring, place.address, dial_ip, "next stage")
-        self._ring = _Dialer(place.first, keyring, place.address, dial_ip, "first stage")
+        me = parse_address(place.address)
+        self._down = _Dialer(place.downstream, keyring, me, "next stage")
+        self._ring = _Dialer(place.first, keyring, me, "first stage")
+        self._resolver = Resolver()  # the configured peers' host names
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self._inline = False  # the last decode step was short: run the next one inline
         self.stats = StageStats()
@@ -134,12 +136,12 @@ class StageService:
 
     async def handle(self, stream: MxclStream) -> None:
         """Serve one authenticated connection (the listener's handler)."""
-        who = bound_identity(stream.peer_identity, stream.peer)
-        from_coordinator = identity_matches(self._place.coordinator, who)
-        from_upstream = (self._place.upstream is not None
-                         and identity_matches(self._place.upstream, who))
-        from_last = (self._place.last is not None
-                     and identity_matches(self._place.last, who))
+        bound = bound_identity(stream.peer_identity, stream.peer)
+        who = str(bound)
+        is_node = self._resolver.is_node
+        from_coordinator = await is_node(self._place.coordinator, bound)
+        from_upstream = await is_node(self._place.upstream, bound)
+        from_last = await is_node(self._place.last, bound)
         attached = False
         try:
             while True:
@@ -375,13 +377,12 @@ class _Dialer:
     """One outgoing stage connection (to the next stage, or the first), dialed when first
     needed and again after it broke."""
 
-    def __init__(self, target: tuple[str, int] | None, keyring: Keyring, identity: str,
-                 dial_ip: str | None, what: str) -> None:
+    def __init__(self, target: tuple[str, int] | None, keyring: Keyring, origin: HostPort,
+                 what: str) -> None:
         self.target = target
         self.what = what
         self._keyring = keyring
-        self._identity = identity
-        self._dial_ip = dial_ip
+        self._origin = origin  # our own listener: the identity we claim
         self._stream: MxclStream | None = None
         self._lock = asyncio.Lock()
         self._drain: asyncio.Task[None] | None = None
@@ -393,9 +394,8 @@ class _Dialer:
             assert self.target is not None, f"this stage has no {self.what}"
             host, port = self.target
             self._stream = await connect(
-                host, port, keyring=self._keyring, identity=self._identity, channel=1,
-                budget_s=DOWNSTREAM_DIAL_S,
-                local_addr=(self._dial_ip, 0) if self._dial_ip else None)
+                host, port, keyring=self._keyring, identity=self._origin.claim(), channel=1,
+                budget_s=DOWNSTREAM_DIAL_S, local_addr=self._origin.local_addr())
             self._drain = asyncio.ensure_future(self._read(self._stream))
             log.info("connected to the %s at %s", self.what, _addr(self.target))
             return self._stream

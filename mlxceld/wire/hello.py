@@ -13,11 +13,11 @@ Readings where the page is loose (the stricter one, per its own instruction):
 
 from __future__ import annotations
 
-import ipaddress
 import struct
 from dataclasses import dataclass
 from typing import Final
 
+from mlxceld.wire.address import MAX_ADDRESS, ip_or_none, parse_address
 from mlxceld.wire.crypto import SHARE_LEN
 from mlxceld.wire.errors import RemoteProtocolError
 from mlxceld.wire.schedule import Channel
@@ -27,7 +27,7 @@ MAGIC: Final = b"MXCL"
 VERSION: Final = 1
 NONCE_LEN: Final = 32
 AUTH_LEN: Final = 32
-MAX_IDENTITY: Final = 255
+MAX_IDENTITY: Final = MAX_ADDRESS
 # "MXCL" · version · suite · channel · flags · key_id 8 · nonce 32 · share 32 · identity_len u16
 _FIXED: Final = struct.Struct(f">4sBBBB{KEY_ID_BYTES}s{NONCE_LEN}s{SHARE_LEN}sH")
 HELLO_FIXED_LEN: Final = _FIXED.size  # 82
@@ -104,43 +104,19 @@ def parse_identity(data: bytes) -> tuple[str, int]:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise noise("identity is not UTF-8") from None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit() or str(int(port)) != port:
-        raise noise("identity is not host:port")
-    if not 0 < int(port) < 65536:
-        raise noise("identity port out of range")
-    if host.startswith("["):
-        if not host.endswith("]"):
-            raise noise("identity is not host:port")
-        host = host[1:-1]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise noise("bracketed identity host is not an IPv6 address") from None
-    elif not host or ":" in host or "[" in host or "]" in host:
-        raise noise("identity is not host:port")
-    return host, int(port)
-
-
-def _normalized(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        addr = ipaddress.ip_address(ip.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
-    return addr
+        hp = parse_address(text, loose_names=True)
+    except ValueError as exc:
+        raise noise(f"identity {exc}") from None
+    return hp.host, hp.port
 
 
 def identity_owned(identity_host: str, source_ip: str) -> bool:
     """Whether the identity's IP is the TCP source's (unspecified IPs match any source)."""
-    source = _normalized(source_ip)
-    claimed = _normalized(identity_host)
+    source, claimed = ip_or_none(source_ip), ip_or_none(identity_host)
     if source is None or claimed is None:
         return False
-    if claimed.is_unspecified:
-        return True
-    return claimed == source
+    return claimed.is_unspecified or claimed == source
 
 
 def reject(status: int) -> bytes:

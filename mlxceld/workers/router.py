@@ -52,7 +52,7 @@ def pipeline_engine(ctx: WorkerContext) -> tuple[Any, Any]:
 
     from mlxceld.models.identity import layer_count, read_model_config
     from mlxceld.pipeline import PipelineEngine, StageAddress
-    from mlxceld.pipeline.peers import canonical_ip, split_address
+    from mlxceld.wire.address import parse_address
 
     o, pipe = ctx.options, ctx.options["pipeline"]
     if ctx.secret is None:
@@ -66,15 +66,12 @@ def pipeline_engine(ctx: WorkerContext) -> tuple[Any, Any]:
         path, eos_token_ids=config.get("eos_token_id"))
     stages = []
     for s in pipe["stages"]:
-        host, port = split_address(str(s["address"]))
-        stages.append(StageAddress(str(s["node_id"]), host, port, int(s["rank"]),
+        where = parse_address(str(s["address"]))
+        stages.append(StageAddress(str(s["node_id"]), where.host, where.port, int(s["rank"]),
                                    (int(s["layers"][0]), int(s["layers"][1]))))
-    coordinator = str(pipe["coordinator"])
-    dial_host = split_address(coordinator)[0]
     context = int(config.get("max_position_embeddings") or 4096)
     engine = PipelineEngine(
-        stages, keyring=keyring, identity=coordinator,
-        dial_ip=None if dial_host in ("0.0.0.0", "::") else canonical_ip(dial_host),
+        stages, keyring=keyring, origin=str(pipe["coordinator"]),
         model_identity=str(pipe["model_identity"]), cluster=str(pipe["cluster"]),
         model_id=str(o["model_name"]), context_length=context,
         eos_token_ids=set(tokenizer.eos_token_ids), max_batch=int(o["max_batch"]))

@@ -22,10 +22,10 @@ import logging
 from typing import Any
 
 from mlxceld.net import Listener
-from mlxceld.pipeline.peers import canonical_ip, split_address
 from mlxceld.pipeline.stage import StagePlace, StageService
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
+from mlxceld.wire.address import parse_address
 from mlxceld.workers.runtime import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,16 @@ def place_of(o: dict[str, Any]) -> StagePlace:
         node_id=str(o["node_id"]), rank=int(o["rank"]),
         layers=(int(o["layers"][0]), int(o["layers"][1])), address=str(o["address"]),
         coordinator=str(o["coordinator"]), upstream=o.get("upstream"),
-        downstream=split_address(down) if down else None,
+        downstream=_host_port(down),
         model_identity=str(o["model_identity"]), cluster=str(o["cluster"]),
-        first=split_address(first) if first else None, last=o.get("last"))
+        first=_host_port(first), last=o.get("last"))
+
+
+def _host_port(address: str | None) -> tuple[str, int] | None:
+    if not address:
+        return None
+    hp = parse_address(address)
+    return hp.host, hp.port
 
 
 async def run(ctx: WorkerContext) -> int:
@@ -52,14 +59,14 @@ async def run(ctx: WorkerContext) -> int:
     place = place_of(o)
     keyring = Keyring()
     keyring.add(ctx.secret, primary=True)
-    host, port = split_address(place.address)
+    me = parse_address(place.address)  # a name binds every address it resolves to
     service: StageService | None = None
 
     async def handler(stream: Any) -> None:
         assert service is not None
         await service.handle(stream)
 
-    listener = Listener(host, port, keyring=keyring, identity_of_server=place.address,
+    listener = Listener(me.host, me.port, keyring=keyring, identity_of_server=place.address,
                         channels={1}, handler=handler)
     try:
         await listener.start()
@@ -75,8 +82,7 @@ async def run(ctx: WorkerContext) -> int:
         if wire is None:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
                                "cannot travel on the wire")
-        service = StageService(model, place, keyring, wire, dial_ip=canonical_ip(host),
-                               standby=bool(o.get("standby")))
+        service = StageService(model, place, keyring, wire, standby=bool(o.get("standby")))
         active = service
 
         def activate() -> JSON:

@@ -10,6 +10,7 @@ import pytest
 
 from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer, PeerFacts, Refusal, judge, parse_offer
 from mlxceld.cluster.topology import ClusterConfig
+from mlxceld.wire.address import parse_address
 
 TOML = textwrap.dedent("""
     [cluster]
@@ -42,12 +43,12 @@ OFFER = Offer(epoch=5, assignment_version=ASSIGNMENT_VERSION, package_version="1
               node_id="stage-1", port=19101, coordinator="127.0.0.1:19000", toml=TOML)
 ME = PeerFacts(package_version="1.0", cluster="c1", model_identity="ab" * 32, num_layers=4,
                agent_host="127.0.0.3", ports=frozenset({19101, 19102}))
-BOUND = "127.0.0.1:19000"
+BOUND = "127.0.0.1:19000"  # the identity the handshake bound
 
 
 def verdict(offer: Offer = OFFER, me: PeerFacts = ME, bound: str = BOUND,
             newest: int = 4) -> ClusterConfig | Refusal:
-    return judge(offer, me, bound_identity=bound, newest_epoch=newest,
+    return judge(offer, me, bound_identity=parse_address(bound), newest_epoch=newest,
                  toml_path=Path("/tmp/offered.toml"))
 
 
@@ -69,6 +70,10 @@ def test_a_good_offer_gives_the_cluster_to_run() -> None:
     ({"node_id": "stage-7"}, {}, BOUND, "node_id", False),
     ({"port": 19102}, {}, BOUND, "listener", False),
     ({}, {"agent_host": "127.0.0.9"}, BOUND, "listener", False),
+    ({"toml": TOML.replace("127.0.0.3:19101", "192.0.2.1:19101")}, {"agent_host": "0.0.0.0"},
+     BOUND, "listener", False),  # a wildcard peer: an address that is not this host's
+    ({"toml": TOML.replace("127.0.0.3:19101", "no-such-host.invalid:19101")}, {}, BOUND,
+     "listener", False),
     ({}, {}, "127.0.0.7:19000", "coordinator", False),
 ])
 def test_each_refusal(change: dict[str, object], me_change: dict[str, object], bound: str,
@@ -78,6 +83,27 @@ def test_each_refusal(change: dict[str, object], me_change: dict[str, object], b
                   bound)
     assert isinstance(got, Refusal) and (got.code, got.final) == (code, final), got
     assert got.reason
+
+
+@pytest.mark.parametrize(("stage_address", "agent_host", "coordinator", "bound"), [
+    # An agent on a wildcard takes a stage on any of its own addresses.
+    ("127.0.0.3:19101", "0.0.0.0", "127.0.0.1:19000", BOUND),
+    ("127.0.0.5:19101", "0.0.0.0", "127.0.0.1:19000", BOUND),
+    ("127.0.0.5:19101", "::", "127.0.0.1:19000", BOUND),
+    # Host names, in the TOML and for the agent, are their addresses.
+    ("localhost:19101", "127.0.0.1", "localhost:19000", BOUND),
+    ("127.0.0.1:19101", "localhost", "127.0.0.1:19000", BOUND),
+    ("localhost:19101", "0.0.0.0", "localhost:19000", BOUND),
+    # A coordinator on a wildcard: the peer knows it by where it came from.
+    ("127.0.0.3:19101", "127.0.0.3", "0.0.0.0:19000", "127.0.0.8:19000"),
+])
+def test_wildcards_and_host_names(stage_address: str, agent_host: str, coordinator: str,
+                                  bound: str) -> None:
+    toml = TOML.replace("127.0.0.3:19101", stage_address).replace("127.0.0.1:19000",
+                                                                   coordinator)
+    offer = dataclasses.replace(OFFER, toml=toml, coordinator=coordinator)
+    got = verdict(offer, dataclasses.replace(ME, agent_host=agent_host), bound)
+    assert isinstance(got, ClusterConfig), got
 
 
 def test_the_checks_run_in_order() -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.mdns import MdnsDiscovery, advertised_ip, interfaces_for
+from mlxceld.net.resolve import ResolveError
 from mlxceld.wire import Keyring
 
 SEEN_WITHIN_S = 15.0  # registration probes take about 2 s, a browse answer is quick
@@ -32,9 +33,13 @@ def test_interface_and_advertised_address_choices() -> None:
     assert interfaces_for("10.1.2.3")[0] == ["10.1.2.3"]
     assert advertised_ip("127.0.0.2") == "127.0.0.2"
     assert advertised_ip("0.0.0.0") != "0.0.0.0"
-    with pytest.raises(ValueError, match="an IP"):
+    # An agent on a host name advertises the address the name resolves to.
+    named = MdnsDiscovery(CandidateTable(), ring(b"x" * 16), node_id="n", cluster="c",
+                          agent_address="localhost:1")
+    assert named.advertised == "127.0.0.1:1"
+    with pytest.raises(ResolveError, match=r"'no-such-host\.invalid'"):
         MdnsDiscovery(CandidateTable(), ring(b"x" * 16), node_id="n", cluster="c",
-                      agent_address="host-b:1")
+                      agent_address="no-such-host.invalid:1")
 
 
 def test_daemons_on_loopback_find_each_other_and_ignore_strangers(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mlxceld.config import Config, Overrides, build_config
-from mlxceld.discovery.static import normalize_address, parse_peers
+from mlxceld.discovery.static import parse_peers
 from mlxceld.errors import ConfigError
 
 
@@ -32,16 +32,6 @@ def test_flags_win_over_keys(tmp_path: Path) -> None:
     assert cfg.cluster_peers == ("10.0.0.2:1", "10.0.0.3:2")
     assert cfg.cluster_discovery == "mdns"
     assert config(tmp_path, keys, cluster_peers="").cluster_peers == ()
-
-
-@pytest.mark.parametrize(("text", "normal"), [
-    ("192.168.1.11:19000", "192.168.1.11:19000"),
-    ("[FD00::0012]:19000", "[fd00::12]:19000"),
-    ("[::ffff:10.0.0.1]:7", "10.0.0.1:7"),
-    ("Host-B.Local.:19000", "host-b.local:19000"),
-])
-def test_normalized(text: str, normal: str) -> None:
-    assert normalize_address(text) == normal
 
 
 def test_duplicates_dropped_keeping_the_first() -> None:

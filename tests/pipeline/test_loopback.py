@@ -79,8 +79,7 @@ class Cluster:
                 first=(listeners[0].host, listeners[0].port)
                 if rank == len(splits) - 1 and rank > 0 else None,
                 last=addrs[-1] if rank == 0 and len(splits) > 1 else None)
-            svc = StageService(model, place, keyring(), model.wire_dtype,
-                               dial_ip=listeners[rank].host, standby=standby)
+            svc = StageService(model, place, keyring(), model.wire_dtype, standby=standby)
             self.services.append(svc)
             self.tasks.append(asyncio.ensure_future(svc.run()))
             self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
@@ -96,8 +95,8 @@ class Cluster:
         return handle
 
     def engine(self, path: Path, eos: set[int] | None = None, **knobs: Any) -> PipelineEngine:
-        return PipelineEngine(self.stages, keyring=keyring(), identity=COORD,
-                              dial_ip="127.0.0.1", model_identity=model_identity(path),
+        return PipelineEngine(self.stages, keyring=keyring(), origin=COORD,
+                              model_identity=model_identity(path),
                               cluster="test", model_id="m", context_length=4096,
                               eos_token_ids=eos or set(), **knobs)
 

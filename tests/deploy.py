@@ -1,0 +1,84 @@
+"""Daemons started the way users deploy them, for the bring-up, pipeline and service tests.
+
+What a test gets here is what a user gets from `brew services`, launchd or systemd:
+``mlxceld --config FILE`` and no other flag; the file keeps the defaults except
+what a user must change when several "hosts" share this machine (the agent's
+port, the router's port, the state dir and socket); the agent listens on the
+default wildcard host (``0.0.0.0``); peers are named by host name
+(``localhost``) or by the address another host reaches them on; the cluster
+secret comes from the environment (``MLXCEL_CLUSTER_SECRET_FILE``, what a
+unit's Environment= or a plist's EnvironmentVariables sets), never from argv;
+a restart is SIGTERM and the same start again.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping, Sequence
+
+from conftest import FAST_POLICY, DaemonProc, Daemons
+
+Value = str | int | float | bool | Sequence[str]
+
+
+def free_port() -> int:
+    """A TCP port free on every address (the wildcard), as a user's agent port is."""
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def toml_value(value: Value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return "[" + ", ".join(toml_value(v) for v in value) + "]"
+
+
+def table(name: str, keys: Mapping[str, Value]) -> str:
+    return f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items())
+
+
+class Host:
+    """One daemon as one host of a deployment: its config file, its agent port, the
+    secret its service environment names."""
+
+    def __init__(self, daemons: Daemons, name: str, *, secret: bytes | None,
+                 daemon: Mapping[str, Value] | None = None,
+                 serve: Mapping[str, Value] | None = None) -> None:
+        self.d: DaemonProc = daemons.make(FAST_POLICY, name=name)
+        self.agent_port = free_port()
+        self.env: dict[str, str] = {}
+        if secret is not None:
+            path = self.d.root / "cluster.secret"
+            path.write_bytes(secret + b"\n")
+            path.chmod(0o600)
+            self.env["MLXCEL_CLUSTER_SECRET_FILE"] = str(path)
+        self.daemon_keys: dict[str, Value] = {
+            "state_dir": str(self.d.state_dir), "socket": str(self.d.socket),
+            "agent_addr": f"0.0.0.0:{self.agent_port}", **(daemon or {})}
+        self.serve_keys: dict[str, Value] = dict(serve or {})
+        self.write()
+
+    def write(self) -> None:
+        text = FAST_POLICY + "\n" + table("daemon", self.daemon_keys)
+        if self.serve_keys:
+            text += "\n" + table("serve", self.serve_keys)
+        self.d.config.write_text(text)
+
+    def address(self, host: str = "localhost") -> str:
+        """How another host names this one's agent."""
+        return f"{host}:{self.agent_port}"
+
+    def start(self) -> Host:
+        self.d.start_service(env=self.env)
+        return self
+
+    def restart(self) -> Host:
+        """SIGTERM and the same start again (a service manager's restart)."""
+        assert self.d.terminate() == 0, self.d.stderr()[-3000:]
+        return self.start()
