@@ -1,4 +1,8 @@
 # A Homebrew formula for mlxceld, for a tap (brew tap OWNER/mlxceld; brew install mlxceld).
+# Written by `make formula` (packaging/homebrew/formula.py) from mlxceld.rb.in: edit that.
+#
+# url is the sdist attached to the GitHub release (not the tag's archive, whose bytes
+# differ), so sha256 is that of the file `make dist` built and the release published.
 #
 # The dependencies (mlx, mlx-lm, ...) are installed from PyPI wheels into the
 # formula's own virtualenv. A formula for homebrew-core would list each of them
@@ -8,8 +12,8 @@ class Mlxceld < Formula
 
   desc "Run large language models across a handful of machines, as a system service"
   homepage "https://github.com/mlxceld/mlxceld"
-  url "https://github.com/mlxceld/mlxceld/archive/refs/tags/v0.1.0.tar.gz"
-  sha256 "0000000000000000000000000000000000000000000000000000000000000000"
+  url "https://github.com/mlxceld/mlxceld/releases/download/v0.1.0/mlxceld-0.1.0.tar.gz"
+  sha256 "b188aa9071d92868fc535261182f7fbec5b467f11497db4e222f915a3bc9b830"
   license "MIT"
   head "https://github.com/mlxceld/mlxceld.git", branch: "main"
 

@@ -1,5 +1,6 @@
 """The service files: example TOMLs through the real loaders, the launchd plists, the systemd
-unit through ``systemd-analyze verify``, and the Homebrew formula through ``ruby -c``."""
+unit through ``systemd-analyze verify``, and the Homebrew formula's service block (the rest
+of the formula is tests/service/test_packaging.py's)."""
 
 from __future__ import annotations
 
@@ -215,14 +216,6 @@ def test_mlxctl_prints_completions_the_way_homebrew_asks() -> None:
                                "COMP_WORDS": "mlxctl st", "COMP_CWORD": "1"})
     assert set(done.stdout.split()) >= {"status", "stop"}, done.stdout + done.stderr
     assert mlxctl_app  # the app the man-page test walks is the one that completes
-
-
-@pytest.mark.skipif(shutil.which("ruby") is None,
-                    reason="ruby is not installed; the formula's syntax is checked where it is")
-def test_formula_is_valid_ruby() -> None:
-    done = subprocess.run(["ruby", "-c", str(FORMULA)], capture_output=True, text=True,
-                          timeout=TOOL_TIMEOUT_S)
-    assert done.returncode == 0 and "Syntax OK" in done.stdout, done.stderr
 
 
 def test_formula_toml_and_unit_agree_on_the_drain() -> None:
