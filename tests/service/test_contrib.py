@@ -182,12 +182,15 @@ def test_verify_catches_a_misspelt_key(tmp_path: Path) -> None:
 # -- Homebrew ------------------------------------------------------------------------------
 
 
-def test_formula_service_block_runs_the_daemon_with_its_defaults() -> None:
+def test_formula_service_block_runs_the_daemon_with_brews_config() -> None:
     text = FORMULA.read_text()
     block = re.search(r"(?ms)^  service do\n(.*?)^  end\n", text)
     assert block, "no service do ... end block"
     body = block[1]
-    assert re.search(r'^\s+run \[?opt_bin/"mlxceld"\]?\s*$', body, re.M), body
+    # The config file post_install writes, which keeps state and socket under var/
+    # (tests/service/test_packaging.py runs post_install).
+    assert re.search(r'^\s+run \[opt_bin/"mlxceld", "--config", etc/"mlxceld/mlxceld.toml"\]$',
+                     body, re.M), body
     assert re.search(r"^\s+keep_alive ", body, re.M)
     assert 'log_path var/"log/mlxceld.log"' in body
     assert 'error_log_path var/"log/mlxceld.log"' in body

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -16,15 +17,22 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import Daemons, wait_for
 
 import mlxceld
+from mlxceld.config import Overrides, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 HOMEBREW = ROOT / "packaging" / "homebrew"
 SCRIPT = HOMEBREW / "formula.py"
 VERSION = mlxceld.__version__
+EXAMPLE = ROOT / "contrib" / "mlxceld.toml"
 BUILD_TIMEOUT_S = 300
 TOOL_TIMEOUT_S = 60
+# Where the Homebrew service keeps its files, under $(brew --prefix)/var; mlxctl looks for
+# the socket at $(brew --prefix)/var/run/mlxceld.sock.
+BREW_VAR = {"state_dir": "lib/mlxceld", "socket": "run/mlxceld.sock",
+            "log_file": "log/mlxceld.log"}
 
 
 def load_script() -> ModuleType:
@@ -203,3 +211,145 @@ def test_formula_is_valid_ruby(sdist: Path, tmp_path: Path) -> None:
         done = subprocess.run(["ruby", "-c", str(path)], capture_output=True, text=True,
                               timeout=TOOL_TIMEOUT_S)
         assert done.returncode == 0 and "Syntax OK" in done.stdout, done.stderr
+
+
+# -- the service's config file under etc/, its files under var/ ----------------------------
+
+
+def post_install_settings(text: str) -> dict[str, str]:
+    """The ``"key" => var/"path"`` pairs that post_install sets in the config file."""
+    body = re.search(r"(?ms)^  def post_install\n(.*?)^  end\n", text)
+    assert body, "the formula has no post_install"
+    return dict(re.findall(r'^\s+"(\w+)"\s+=> var/"([^"]+)",$', body[1], re.M))
+
+
+def brew_config(example: str, var: Path) -> str:
+    """post_install's substitution, in Python (test_post_install_* run the Ruby itself)."""
+    for key, path in BREW_VAR.items():
+        assert len(re.findall(rf"(?m)^# {key} = ", example)) == 1, \
+            f"contrib/mlxceld.toml needs exactly one '# {key} = ' line for post_install to set"
+        example = re.sub(rf"(?m)^# {key} = .*$", f'{key} = "{var / path}"', example, count=1)
+    return example
+
+
+def assert_under_var(config: Path, var: Path) -> None:
+    cfg = load_config(Overrides(config_file=config))
+    assert (cfg.state_dir, cfg.socket, cfg.log_file) == (
+        var / "lib/mlxceld", var / "run/mlxceld.sock", var / "log/mlxceld.log")
+    # The rest is the example's.
+    assert cfg.cluster_peers == ("192.168.1.11:19000", "192.168.1.12:19000")
+    assert cfg.serve.port == 8080
+
+
+def test_service_reads_the_config_that_post_install_writes(good: str) -> None:
+    assert post_install_settings(good) == BREW_VAR
+    assert "text.sub!(/^# #{key} = .*$/, " in good  # what brew_config mirrors
+    assert 'config = etc/"mlxceld/mlxceld.toml"' in good
+    assert 'run [opt_bin/"mlxceld", "--config", etc/"mlxceld/mlxceld.toml"]' in good
+    assert 'log_path var/"log/mlxceld.log"' in good  # the daemon's log_file too
+    caveats = re.search(r"(?ms)^  def caveats\n(.*?)^  end\n", good)
+    assert caveats and "~/Library" not in caveats[1]
+    for path in ("#{etc}/mlxceld/mlxceld.toml", *(f"#{{var}}/{p}" for p in BREW_VAR.values())):
+        assert path in caveats[1], path
+
+
+def test_the_example_becomes_a_config_with_state_and_socket_under_var(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("STATE_DIRECTORY", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    var = tmp_path / "var"
+    config = tmp_path / "mlxceld.toml"
+    config.write_text(brew_config(EXAMPLE.read_text(), var))
+    assert_under_var(config, var)
+
+
+def test_the_daemon_runs_as_brew_services_runs_it(daemons: Daemons) -> None:
+    """The service's command line with that config: state, socket and log land under var/,
+    and mlxctl reaches the daemon at var/run/mlxceld.sock."""
+    d = daemons.make(name="brew")  # a short dir: the socket path has a length limit
+    var = d.root / "var"
+    d.config.write_text(brew_config(EXAMPLE.read_text(), var))
+    (var / "log").mkdir(parents=True)  # post_install's (var/"log").mkpath; brew has var/log
+    with d.stderr_path.open("ab") as err:
+        d.proc = subprocess.Popen([sys.executable, "-m", "mlxceld", "--config", str(d.config)],
+                                  stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+    socket = var / "run/mlxceld.sock"
+    wait_for(lambda: socket.is_socket() or d.proc.poll() is not None, 20,
+             f"the control socket {socket}")
+    assert d.proc.poll() is None, d.stderr()
+    done = subprocess.run([sys.executable, "-m", "mlxctl", "--socket", str(socket), "status",
+                           "--json"], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    daemon = json.loads(done.stdout)["daemon"]
+    assert (daemon["state_dir"], daemon["socket"]) == (str(var / "lib/mlxceld"), str(socket))
+    assert (var / "lib/mlxceld/state.db").is_file()
+    wait_for(lambda: "ready" in (var / "log/mlxceld.log").read_text(), 10,
+             "the daemon's log in var/log/mlxceld.log")
+
+
+# post_install for real: the formula loaded by ruby under a stand-in for brew's Formula
+# class, whose DSL records nothing and whose etc, var and pkgshare are a temp dir's.
+BREW_STUB = """
+require "pathname"
+
+module Language
+  module Python
+    module Virtualenv; end
+  end
+end
+
+class Formula
+  PREFIX = Pathname(ARGV.fetch(1))
+  def self.method_missing(*, **) = nil
+  def self.respond_to_missing?(*) = true
+  def self.test(*) = nil # Kernel#test would take `test do ... end`
+  def etc = PREFIX/"etc"
+  def var = PREFIX/"var"
+  def pkgshare = PREFIX/"share/mlxceld"
+  def odie(message) = abort("Error: #{message}")
+end
+
+load ARGV.fetch(0)
+Mlxceld.new.post_install
+"""
+
+
+def post_install(good: str, prefix: Path, example: str) -> subprocess.CompletedProcess[str]:
+    (prefix / "share/mlxceld/examples").mkdir(parents=True, exist_ok=True)
+    (prefix / "share/mlxceld/examples/mlxceld.toml").write_text(example)
+    (prefix / "mlxceld.rb").write_text(good)
+    (prefix / "brew.rb").write_text(BREW_STUB)
+    return subprocess.run(["ruby", str(prefix / "brew.rb"), str(prefix / "mlxceld.rb"),
+                           str(prefix)], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+
+
+needs_ruby = pytest.mark.skipif(shutil.which("ruby") is None,
+                                reason="ruby is not on PATH; post_install runs where it is")
+
+
+@needs_ruby
+def test_post_install_writes_the_config_once(good: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("STATE_DIRECTORY", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    done = post_install(good, tmp_path, EXAMPLE.read_text())
+    assert done.returncode == 0, done.stderr
+    config = tmp_path / "etc/mlxceld/mlxceld.toml"
+    assert config.read_text() == brew_config(EXAMPLE.read_text(), tmp_path / "var")
+    assert_under_var(config, tmp_path / "var")
+    assert (tmp_path / "var/log").is_dir()
+    # An upgrade runs post_install again: the user's file stays as it is.
+    config.write_text("[daemon]\nlog_level = 'debug'\n")
+    done = post_install(good, tmp_path, EXAMPLE.read_text())
+    assert done.returncode == 0, done.stderr
+    assert config.read_text() == "[daemon]\nlog_level = 'debug'\n"
+
+
+@needs_ruby
+def test_post_install_refuses_an_example_without_a_key_to_set(good: str,
+                                                               tmp_path: Path) -> None:
+    example = EXAMPLE.read_text().replace("# socket = ", "# sock = ")
+    done = post_install(good, tmp_path, example)
+    assert done.returncode != 0
+    assert "has no '# socket = ' line to set" in done.stderr, done.stderr
+    assert not (tmp_path / "etc/mlxceld/mlxceld.toml").exists()
