@@ -10,7 +10,7 @@ PORT  ?= 8080
 RUN_MODEL = $(if $(MODEL),$(MODEL),$(DEMO)/model)
 RUN_NAME  = $(if $(MODEL),$(notdir $(patsubst %/,%,$(MODEL))),tiny-qwen3)
 
-.PHONY: run run-single run-pipeline test install lint typecheck clean
+.PHONY: run run-single run-pipeline test install lint typecheck dist formula clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,10 +70,24 @@ test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check mlxceld mlxctl tests bench contrib
+	$(BIN)/ruff check mlxceld mlxctl tests bench contrib packaging
 
 typecheck: install
 	$(BIN)/mypy
+	$(BIN)/mypy packaging/homebrew/formula.py
+
+# A release: `make formula` builds dist/mlxceld-VERSION.tar.gz (and the wheel built from it,
+# as pip does from the unpacked sdist) and writes packaging/homebrew/mlxceld.rb for it. Attach
+# that sdist to the GitHub release vVERSION: the formula's url points there.
+VERSION = $(shell $(BIN)/python -c 'import mlxceld; print(mlxceld.__version__)')
+SDIST   = dist/mlxceld-$(VERSION).tar.gz
+
+dist: install
+	rm -rf dist
+	$(BIN)/python -m build --quiet --no-isolation --outdir dist .
+
+formula: dist
+	$(BIN)/python packaging/homebrew/formula.py $(SDIST) --output packaging/homebrew/mlxceld.rb
 
 clean:
-	rm -rf $(VENV) $(DEMO) build *.egg-info
+	rm -rf $(VENV) $(DEMO) build dist *.egg-info
