@@ -123,8 +123,13 @@ def fail(exc: MlxceldError, code: int) -> None:
 
 
 def setup_logging(level: str, log_file: Path | None) -> None:
-    handler: logging.Handler = (logging.FileHandler(log_file) if log_file
-                                else logging.StreamHandler(sys.stderr))
+    try:
+        handler: logging.Handler = (logging.FileHandler(log_file) if log_file
+                                    else logging.StreamHandler(sys.stderr))
+    except OSError as exc:
+        raise ConfigError(f"log file {log_file} cannot be opened: {exc.strerror}",
+                          hint="create its directory (writable by this user), or change "
+                          "--log-file / [daemon] log_file") from None
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

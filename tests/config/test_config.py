@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -346,3 +347,14 @@ def test_empty_xdg_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("STATE_DIRECTORY", "")
     assert default_state_dir() == clean_env / ".local" / "state" / "mlxceld"
     assert default_socket(Path("/srv/st")) == Path("/srv/st/mlxceld.sock")
+
+
+def test_a_log_file_that_cannot_be_opened_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "mlxceld.log"
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxceld", "--state-dir", str(tmp_path / "state"),
+         "--socket", str(tmp_path / "ctl.sock"), "--log-file", str(missing)],
+        capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert f"log file {missing} cannot be opened" in out.stderr
+    assert "[daemon] log_file" in out.stderr and "Traceback" not in out.stderr
