@@ -89,14 +89,15 @@ class DaemonProc:
             wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
         return self
 
-    def start_service(self, *, wait: bool = True,
-                      env: dict[str, str] | None = None) -> DaemonProc:
+    def start_service(self, *, wait: bool = True, env: dict[str, str] | None = None,
+                      prefix: tuple[str, ...] = ()) -> DaemonProc:
         """Start the daemon as launchd, systemd or brew do: ``mlxceld --config FILE`` and
         nothing else (the file holds the state dir and socket, see tests/deploy.py);
-        ``env`` is added to the environment (what a unit's Environment= would set)."""
+        ``env`` is added to the environment (what a unit's Environment= would set);
+        ``prefix`` runs it under another command that execs it (``ip netns exec NS``)."""
         with self.stderr_path.open("ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlxceld", "--config", str(self.config)],
+                [*prefix, sys.executable, "-m", "mlxceld", "--config", str(self.config)],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                 env={**os.environ, **env} if env else None)
         if wait:

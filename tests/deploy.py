@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from conftest import FAST_POLICY, DaemonProc, Daemons
 
 Value = str | int | float | bool | Sequence[str]
+DEFAULT_AGENT_PORT = 19000
 
 
 def free_port() -> int:
@@ -49,9 +50,12 @@ class Host:
 
     def __init__(self, daemons: Daemons, name: str, *, secret: bytes | None,
                  daemon: Mapping[str, Value] | None = None,
-                 serve: Mapping[str, Value] | None = None) -> None:
+                 serve: Mapping[str, Value] | None = None, netns: str | None = None) -> None:
+        """``netns``: run in that Linux network namespace, a host of its own, where the
+        agent keeps its default address too (0.0.0.0:19000)."""
         self.d: DaemonProc = daemons.make(FAST_POLICY, name=name)
-        self.agent_port = free_port()
+        self.netns = netns
+        self.agent_port = DEFAULT_AGENT_PORT if netns else free_port()
         self.env: dict[str, str] = {}
         if secret is not None:
             path = self.d.root / "cluster.secret"
@@ -60,7 +64,8 @@ class Host:
             self.env["MLXCEL_CLUSTER_SECRET_FILE"] = str(path)
         self.daemon_keys: dict[str, Value] = {
             "state_dir": str(self.d.state_dir), "socket": str(self.d.socket),
-            "agent_addr": f"0.0.0.0:{self.agent_port}", **(daemon or {})}
+            **({} if netns else {"agent_addr": f"0.0.0.0:{self.agent_port}"}),
+            **(daemon or {})}
         self.serve_keys: dict[str, Value] = dict(serve or {})
         self.write()
 
@@ -75,7 +80,8 @@ class Host:
         return f"{host}:{self.agent_port}"
 
     def start(self) -> Host:
-        self.d.start_service(env=self.env)
+        prefix = ("ip", "netns", "exec", self.netns) if self.netns else ()
+        self.d.start_service(env=self.env, prefix=prefix)
         return self
 
     def restart(self) -> Host:
