@@ -130,7 +130,8 @@ class Daemon:
             self.keys = KeyStore(self._db, config.state_dir / "keys")
             self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
             self.placement = (place(config.distributed_config, config.node_id or "",
-                                    flags.model) if config.distributed_config else None)
+                                    config.serve.model)  # --model or [serve] model wins
+                              if config.distributed_config else None)
             self._adopt_secret(flags)
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)

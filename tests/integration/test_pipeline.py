@@ -1,5 +1,7 @@
 """A pipeline of real daemons on 127.0.0.1 (coordinator), .2, .3 (stages), each with its
-own state dir, driven by the real `openai` client."""
+own state dir, driven by the real `openai` client. Each daemon is started as a service
+would start it (tests/deploy.py): `--config FILE` only, naming the cluster TOML and its
+node there, its agent on the default wildcard host."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import mlx_lm
 import openai
 import pytest
 from conftest import FAST_POLICY, DaemonProc, Daemons, alive, wait_for
+from deploy import Host
 
 READY_S = 120.0
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -37,6 +40,7 @@ class Pipeline:
     stages: list[DaemonProc]
     url: str
     toml: Path
+    hosts: list[Host]  # the stages' (restart: SIGTERM, then start again)
 
 
 def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
@@ -72,22 +76,23 @@ def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
 
 
 def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
-                   *coordinator_extra: str) -> Pipeline:
-    coord = daemons.make(FAST_POLICY, name="co")
-    toml = write_cluster(coord.root, model, splits)
-    stages = []
-    for rank in range(len(splits)):
-        d = daemons.make(FAST_POLICY, name=f"s{rank}")
-        d.start("--distributed-config", str(toml), "--node-id", f"stage-{rank}",
-                "--agent-addr", f"127.0.0.{2 + rank}:0")
-        stages.append(d)
+                   coordinator_serve: dict[str, str] | None = None) -> Pipeline:
+    """The cluster TOML's daemons, each from its config file (``coordinator_serve``: more
+    [serve] keys for the coordinator's)."""
     port = free_port("127.0.0.1")
-    coord.start("--distributed-config", str(toml), "--node-id", "coordinator",
-                "--port", str(port), *coordinator_extra)
+    coord = Host(daemons, "co", secret=None, serve={"port": port, **(coordinator_serve or {})})
+    toml = write_cluster(coord.d.root, model, splits)
+    coord.daemon_keys.update(distributed_config=str(toml), node_id="coordinator")
+    coord.write()
+    hosts = [Host(daemons, f"s{rank}", secret=None,
+                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"}).start()
+             for rank in range(len(splits))]
+    coord.start()
+    stages = [h.d for h in hosts]
     for d in stages:
         daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
-    return Pipeline(coord, stages, f"http://127.0.0.1:{port}/v1", toml)
+    daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    return Pipeline(coord.d, stages, f"http://127.0.0.1:{port}/v1", toml, hosts)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -260,7 +265,7 @@ def test_a_coordinator_with_another_model_is_refused_naming_both(
     from mlxceld.models import model_identity
 
     stages_model, other = split_fixture_dir / "llama", split_fixture_dir / "qwen3"
-    pipe = start_pipeline(daemons, stages_model, [(0, 2), (2, 4)], "--model", str(other))
+    pipe = start_pipeline(daemons, stages_model, [(0, 2), (2, 4)], {"model": str(other)})
     with client(pipe.url) as c, \
             pytest.raises(openai.APIStatusError) as info:
         c.completions.create(model="qwen3", prompt=PROMPT, max_tokens=4, temperature=0)
@@ -355,8 +360,7 @@ def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
     assert "stages of router: 1 of 2 attached" in shown and "unreachable" in shown, shown
     assert "worker router cannot reach stage stage-1 (unreachable)" in shown, shown
 
-    stage.start("--distributed-config", str(pipe.toml), "--node-id", "stage-1",
-                "--agent-addr", "127.0.0.3:0")
+    pipe.hosts[1].start()
     daemons.pids.add(stage.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     wait_for(lambda: ready(pipe).status_code == 200, 60,
              "/ready 200 again once stage-1 is back, with no request sent")
