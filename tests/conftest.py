@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,6 +40,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: flo
             return last
         time.sleep(every)
     pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def free_port(host: str = "0.0.0.0") -> int:
+    """A TCP port free on ``host`` now (the default: on every address, as a user's is)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def alive(pid: int) -> bool:

@@ -13,21 +13,12 @@ a restart is SIGTERM and the same start again.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping, Sequence
 
-from conftest import FAST_POLICY, DaemonProc, Daemons
+from conftest import FAST_POLICY, DaemonProc, Daemons, free_port
 
 Value = str | int | float | bool | Sequence[str]
 DEFAULT_AGENT_PORT = 19000
-
-
-def free_port() -> int:
-    """A TCP port free on every address (the wildcard), as a user's agent port is."""
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def toml_value(value: Value) -> str:

@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 import openai
-from conftest import DaemonProc, Daemons, wait_for
-from deploy import Host, free_port
+from conftest import DaemonProc, Daemons, free_port, wait_for
+from deploy import Host
 from test_discovery import POLL_WAIT_S, settled
 from test_pipeline import PROMPT, READY_S, expected
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import textwrap
 import threading
 import time
@@ -20,18 +19,11 @@ import httpx
 import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, alive, wait_for
+from conftest import FAST_POLICY, DaemonProc, Daemons, alive, free_port, wait_for
 from deploy import Host
 
 READY_S = 120.0
 SECRET = "0123456789abcdef0123456789abcdef"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

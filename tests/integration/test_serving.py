@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,16 +13,9 @@ import httpx
 import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, wait_for
+from conftest import FAST_POLICY, DaemonProc, Daemons, free_port, wait_for
 
 ROUTER_READY_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
