@@ -35,11 +35,10 @@ from typing import Any, Final, Protocol
 
 from mlxceld.cluster.assignment import PushPlan, StageOffer, push, resume_push
 from mlxceld.cluster.placement import Placement, place
-from mlxceld.cluster.planning import make_plan, plan_nodes
+from mlxceld.cluster.planning import make_plan
 from mlxceld.cluster.twophase import CoordinatorRound
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError
-from mlxceld.models.identity import model_identity
 from mlxceld.serving import resolve_model
 from mlxceld.state import EventLog
 from mlxceld.state.plans import Plans
@@ -166,9 +165,8 @@ class Coordinator:
             await self.await_peers(n, PP_AUTO_WAIT_S)
             try:
                 planned = await self.plan(model, n)
-            except MlxceldError as exc:
-                notes = await self._plan_notes(model)
-                self._failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
+            except MlxceldError as exc:  # a PlanRefused names the candidates left out
+                self._failed(f"no plan: {exc.message}")
                 return
             epoch = self._plans.next_epoch()
             self._pushing(epoch, planned)
@@ -246,14 +244,6 @@ class Coordinator:
                       "summary": summary}
         self._events.append("bringup.active", "cluster", summary, epoch=epoch)
         log.info("pipeline bring-up: %s", summary)
-
-    async def _plan_notes(self, model: str) -> list[str]:
-        """Why candidates were left out of a plan (another model, no inventory yet)."""
-        try:
-            identity = await asyncio.to_thread(model_identity, Path(model))
-        except MlxceldError:
-            return []
-        return plan_nodes(await self._discovery.refresh(), identity)[1]
 
     def _failed(self, summary: str) -> None:
         self.state = {**(self.state or {}), "state": "failed", "summary": summary}
