@@ -54,6 +54,7 @@ from mlxceld.cluster.placement import (
     place,
     stage_options,
 )
+from mlxceld.cluster.secret_sources import FLAG as SECRET_FLAG
 from mlxceld.cluster.stagehost import LocalStageHost
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
@@ -131,7 +132,7 @@ class Daemon:
             self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
             self.placement = (place(config.distributed_config, config.node_id or "",
                                     flags.model) if config.distributed_config else None)
-            self._adopt_secret(flags)
+            self._adopt_secret()
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
@@ -317,11 +318,15 @@ class Daemon:
                                     secret=secret if p is not None else None))
         return specs
 
-    def _adopt_secret(self, flags: Overrides) -> None:
+    def _adopt_secret(self) -> None:
         """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
         toml = self.placement.cluster.secret_source() if self.placement else None
-        resolved = resolve_secret(flag_file=flags.cluster_secret_file, toml=toml,
-                                  keyring=self.keys.keyring, keyring_where=str(self.keys.dir))
+        c = self.config
+        from_flag = c.cluster_secret_origin == SECRET_FLAG
+        resolved = resolve_secret(flag_file=c.cluster_secret_file if from_flag else None,
+                                  config_file=None if from_flag else c.cluster_secret_file,
+                                  toml=toml, keyring=self.keys.keyring,
+                                  keyring_where=str(self.keys.dir))
         os.environ.pop(ENV_VALUE, None)
         if resolved is None:
             log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
@@ -341,8 +346,8 @@ class Daemon:
         if self.config.pp_auto is not None and not len(self.keys.keyring):
             raise ConfigError(
                 "--pp-auto needs the cluster secret to reach its peers; none was found in "
-                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or "
-                f"the keyring in {self.keys.dir}",
+                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
+                f"[daemon] cluster_secret_file or the keyring in {self.keys.dir}",
                 hint="give every node the same secret file with --cluster-secret-file")
         if self.config.pp_auto is not None and self._serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
@@ -353,8 +358,8 @@ class Daemon:
         raise ConfigError(
             f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
             "cluster secret; none was found in --cluster-secret-file, "
-            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [cluster] secret_file or the "
-            f"keyring in {self.keys.dir}",
+            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file, "
+            f"[cluster] secret_file or the keyring in {self.keys.dir}",
             hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
             "(chmod 600) to each host, then pass --cluster-secret-file FILE")
 
@@ -457,12 +462,13 @@ class Daemon:
         if self._agent is not None or self._tg is None or self._stopping:
             return
         agent = AgentService(self._agent_addr, self.keys.keyring)
-        serve_inventory(agent, self.node.node_id, lambda: self._serve.model)
+        serve_inventory(agent, self.node.node_id, lambda: self._serve.model,
+                        self.config.stage_ports)
         serve_queries(agent, self._plans)
         c = self.config
         stages = LocalStageHost(self, self.supervisor, self.events, cluster=c.cluster_name,
                                 state_dir=c.state_dir, model=lambda: self._serve.model,
-                                agent_host=lambda: agent.host)
+                                agent_host=lambda: agent.host, stage_ports=c.stage_ports)
         assignee = Assignee(self._assignments, stages, self.keys.keyring,
                             identity=agent.address, state_dir=self.config.state_dir,
                             enabled=self.config.pp_peer)
