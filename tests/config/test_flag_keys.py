@@ -114,7 +114,7 @@ def test_a_flag_only_key_in_the_file_is_refused_by_name(key: str, tmp_path: Path
 def test_pp_auto_from_the_file_is_checked_like_the_flag(tmp_path: Path) -> None:
     where = tmp_path / "m.toml"
     for bad in (0, 65, True, "2"):
-        with pytest.raises(ConfigError, match="'daemon.pp_auto'"):
+        with pytest.raises(ConfigError, match=r"'daemon\.pp_auto'"):
             build_config({"daemon": {"pp_auto": bad}}, where, parse([]))
     with pytest.raises(ConfigError, match=r"pp_peer \(--pp-peer\) excludes pp_auto"):
         build_config({"daemon": {"pp_auto": 2}}, where, parse(["--pp-peer"]))
