@@ -470,7 +470,7 @@ class Daemon:
                                 state_dir=c.state_dir, model=lambda: self._serve.model,
                                 agent_host=lambda: agent.host, stage_ports=c.stage_ports)
         assignee = Assignee(self._assignments, stages, self.keys.keyring,
-                            identity=agent.address, state_dir=self.config.state_dir,
+                            identity=lambda: agent.address, state_dir=self.config.state_dir,
                             enabled=self.config.pp_peer)
         assignee.register(agent)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -3,29 +3,37 @@
 Messages (the envelope of PROTOCOL.md section 4, header only, no tensors; every
 one carries ``epoch``, the plan's; anything about another epoch is ignored):
 
-========= ================ ===================================================
-type      direction        fields
-========= ================ ===================================================
-offer     coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
-                           layers, port, node id and the cluster TOML
-preparing peer → coord     none: a heartbeat every ``HEARTBEAT_S`` while the
-                           peer loads its stage in standby
-accepted  peer → coord     none: the stage is loaded; the vote is durable
-refused   peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
-commit    coord → peer     none: every peer accepted (the decision is durable)
-committed peer → coord     none
-activate  coord → peer     none: every peer committed; re-sent until active
-active    peer → coord     none: the stage serves
-abort     coord → peer     ``summary``: each peer that did not commit, and why
-aborted   peer → coord     ``reason`` (optional): the standby stage is gone
-query     either way       none: "what did you decide for this epoch?"
-decision  answer to query  ``decision``: commit | activate | active | abort |
-                           unknown (never heard of it)
-========= ================ ===================================================
+=========== ================ ===================================================
+type        direction        fields
+=========== ================ ===================================================
+offer       coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
+                             layers, port, node id and the cluster TOML
+preparing   peer → coord     none: a heartbeat every ``HEARTBEAT_S`` while the
+                             peer loads its stage in standby
+accepted    peer → coord     none: the stage is loaded; the vote is durable
+refused     peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
+commit      coord → peer     none: every peer accepted (the decision is durable)
+committed   peer → coord     none
+activate    coord → peer     none: every peer committed; re-sent until active
+active      peer → coord     none: the stage serves
+abort       coord → peer     ``summary``: each peer that did not commit, and why
+aborted     peer → coord     ``reason`` (optional): the standby stage is gone
+query       either way       none: "what did you decide for this epoch?"
+decision    answer to query  ``decision``: commit | activate | active | abort |
+                             deactivated | unknown (never heard of it)
+deactivate  coord → peer     ``reason``: the plan ended (`mlxctl cluster
+                             deactivate`; any state, after the round)
+deactivated peer → coord     ``reason``: what was done; the stage is stopped and
+                             the assignment recorded deactivated
+=========== ================ ===================================================
 
 The offer and everything after it travel on one connection the coordinator
 dials to the peer's agent listener (identity: the coordinator's agent address);
-a peer's ``query`` (``twophase.Query``) dials the coordinator's.
+a peer's ``query`` (``twophase.Query``) dials the coordinator's, and so does a
+peer that restarts with an active assignment, before it brings the stage back
+(``assignee``). ``deactivate`` travels on a connection of its own
+(``deactivation.py``); a peer refuses it (``refused``, code ``coordinator``)
+from anyone but the coordinator that offered the plan.
 
 Bounds: ``CONNECT_S`` per dial and handshake, ``twophase.FRAME_S`` per answer,
 ``twophase.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
@@ -67,8 +75,8 @@ CONNECT_S: Final = 5.0  # one dial and handshake
 LATE_DECISION_S: Final = 1.0
 HEARTBEAT_S: Final = 2.0  # a preparing peer's heartbeat
 FROM_PEER: Final = ("preparing", "accepted", "refused", "committed", "active", "aborted",
-                    "decision", "error")
-FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query")
+                    "decision", "deactivated", "error")
+FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query", "deactivate")
 COORDINATOR_SPECS: Final = {t: MessageSpec() for t in FROM_PEER}  # what a coordinator reads
 PEER_SPECS: Final = {t: MessageSpec() for t in (*FROM_COORDINATOR, "decision")}
 

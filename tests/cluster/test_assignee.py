@@ -97,7 +97,7 @@ async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
     keyring.add(secrets.token_bytes(32), primary=True)
     stage, assignments = HeldStage(), Assignments(open_db(tmp_path / "state.db"))
     agent = AgentService((PEER_HOST, 0), keyring)
-    assignee = Assignee(assignments, stage, keyring, identity=f"{PEER_HOST}:0",
+    assignee = Assignee(assignments, stage, keyring, identity=lambda: agent.address,
                         state_dir=tmp_path, enabled=True)
     assignee.register(agent)
     async with asyncio.TaskGroup() as tg:
