@@ -45,7 +45,7 @@ from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
 from mlxceld.cluster.assignee import Assignee
 from mlxceld.cluster.assignment import serve_queries
-from mlxceld.cluster.coordinator import Coordinator
+from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
 from mlxceld.cluster.inventory import serve_inventory
 from mlxceld.cluster.placement import (
     STAGE_WORKER,
@@ -156,6 +156,9 @@ class Daemon:
         self._assignee: Assignee | None = None
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
         self._coordinator: Coordinator | None = None
+        # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
+        # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
+        self._hold_router = config.pp_auto is not None or self._resumes_a_plan()
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -219,6 +222,23 @@ class Daemon:
                               hint="start it again, then activate")
         return await coordinator.activate(model, stages)
 
+    async def deactivate_cluster(self) -> JSON:
+        """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
+        peer and stop our router; the daemon stays up."""
+        coordinator = self._coordinating()
+        if self.config.distributed_config is not None:
+            raise ConfigError(f"this daemon runs the cluster config "
+                              f"{self.config.distributed_config} (--distributed-config), "
+                              "which no plan of its own placed",
+                              hint="stop the daemons of that cluster, or start them without "
+                              "--distributed-config")
+        state = await coordinator.deactivate()
+        if self.config.pp_auto is not None:
+            state = {**state, "note": f"pp_auto {self.config.pp_auto} is set: the next start "
+                     "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
+                     "[daemon] pp_auto) to keep the cluster down"}
+        return state
+
     def _coordinating(self) -> Coordinator:
         if self._coordinator is None:
             raise ConfigError("planning needs discovery, which runs with the agent listener "
@@ -235,6 +255,13 @@ class Daemon:
         return await self._coordinator.dry_run(self.config.pp_auto or 0, model)
 
     # -- the coordinator's and the stage host's window on us -------------------------------
+
+    async def stop_pipeline(self) -> None:
+        """The plan is deactivated: no placement, no router (not even a single-host one on
+        the configured model) until `mlxctl serve`, an activate, or a restart."""
+        self.placement = None
+        self._hold_router = True
+        await self.reconcile()
 
     async def serve_pipeline(self, placement: Placement) -> None:
         """Run the router over the pushed plan: on its model, restarted if it was serving."""
@@ -309,7 +336,7 @@ class Daemon:
             specs.append(WorkerSpec(STAGE_WORKER, STAGE_WORKER, config.state_dir,
                                     options, policy, secret=secret))
         elif (self._serve.model is not None and not config.pp_peer
-              and (config.pp_auto is None or p is not None)):
+              and (p is not None or not self._hold_router)):
             options = router_options(self._serve)
             if p is not None:
                 options["pipeline"] = pipeline_options(p)
@@ -317,6 +344,21 @@ class Daemon:
                                     api_key=self._api_key,
                                     secret=secret if p is not None else None))
         return specs
+
+    def _may_coordinate(self) -> bool:
+        """A peer or a node of a written cluster never resumes a plan of its own."""
+        return not self.config.pp_peer and self.config.distributed_config is None
+
+    def _resumes_a_plan(self) -> bool:
+        """Whether the latest plan is to be resumed at start (``coordinator.RESUMABLE``)."""
+        last = self._plans.latest()
+        if last is None or last.decision not in RESUMABLE:
+            return False
+        if self._may_coordinate():
+            return True
+        log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
+                    last.decision, "pp_peer" if self.config.pp_peer else "distributed_config")
+        return False
 
     def _adopt_secret(self) -> None:
         """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
@@ -382,6 +424,7 @@ class Daemon:
                 hint="change [cluster] model in that file on every node, then restart them")
         resolved = resolve_model(model, Path("/"), "mlxctl serve")
         self._serve = self._serve.with_model(resolved, name)
+        self._hold_router = False  # told to serve: also after a deactivate
         self.settings.put("serve", {"model": resolved, "model_name": name})
         existed = ROUTER in self.supervisor.names()
         await self.supervisor.reconcile(self.specs(self.config))
@@ -393,8 +436,8 @@ class Daemon:
 
     def _serving(self) -> JSON | None:
         s = self._serve
-        if s.model is None:
-            return None
+        if s.model is None or (self._hold_router and self.placement is None):
+            return None  # nothing, or a router held back (see ``specs``)
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
 
@@ -505,9 +548,9 @@ class Daemon:
                 discovery=self._discovery, identity=agent.address, events=self.events)
             self._assignee = assignee
             self._tg.create_task(assignee.run())
-            model = self._serve.model
-            if c.pp_auto is not None and not c.dry_run and model is not None:
-                self._coordinator.start(c.pp_auto, model)
+            if not c.dry_run and self._may_coordinate():
+                self._coordinator.start(c.pp_auto, self._serve.model,
+                                        configured_model=c.serve.model)
 
     async def _shutdown(self) -> int:
         self._stopping = True

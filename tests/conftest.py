@@ -72,22 +72,31 @@ class DaemonProc:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, *extra: str, wait: bool = True,
-              env: dict[str, str] | None = None) -> DaemonProc:
+    def start(self, *extra: str, wait: bool = True, env: dict[str, str] | None = None,
+              config_only: bool = False) -> DaemonProc:
         """Start the daemon with ``extra`` flags; ``env`` is added to this process's
-        environment (fail points, for one start only)."""
+        environment (fail points, for one start only). ``config_only``: with ``--config``
+        and nothing else, as a service manager starts it (the file then names the state
+        dir, the socket and the agent address: ``service_config``)."""
+        harness = ("--state-dir", str(self.state_dir), "--socket", str(self.socket),
+                   *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")))
         with self.stderr_path.open("ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlxceld", "--config", str(self.config),
-                 "--state-dir", str(self.state_dir), "--socket", str(self.socket),
-                 *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
-                 *extra],
+                 *(() if config_only else harness), *extra],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                 env={**os.environ, **env} if env else None,
             )
         if wait:
             wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
         return self
+
+    def service_config(self, agent_addr: str, body: str = "") -> None:
+        """Write a config file that holds everything a flag would (see ``start``):
+        ``[daemon]`` with the state dir, socket and ``agent_addr``, then ``body``."""
+        self.config.write_text(f'[daemon]\nstate_dir = "{self.state_dir}"\n'
+                               f'socket = "{self.socket}"\nagent_addr = "{agent_addr}"\n'
+                               + textwrap.dedent(body))
 
     def _ready(self) -> bool:
         assert self.proc is not None
