@@ -434,6 +434,39 @@ class Daemon:
                            f"now serving {self._serve.served_name} from {resolved}")
         return self._serving()
 
+    async def unserve(self) -> JSON:
+        """`mlxctl unserve`: stop the single-host router and forget what `mlxctl serve`
+        chose, so that a restart does not serve it again. Refused, changing nothing, where
+        a restart would serve again anyway (a model from the flags or the config file) or
+        where the router is a cluster's."""
+        p = self.placement
+        if p is not None and p.is_coordinator:
+            raise ConfigError("this daemon's router serves a pipeline",
+                              hint="mlxctl cluster deactivate ends the plan and stops its "
+                              "router" if self.config.distributed_config is None else
+                              f"it runs the cluster config {p.cluster.path}; stop the daemon")
+        if p is not None:
+            raise ConfigError(f"this daemon runs {p.node.id} of a cluster and no router",
+                              hint="on the coordinator: mlxctl cluster deactivate")
+        configured = self.config.serve.model
+        if configured is not None:
+            origin = ("--model" if self._flags.model else
+                      f"[serve] model in {self.config.config_file}")
+            raise ConfigError(f"the model {configured} comes from {origin}: a restart would "
+                              "serve it again, so it is not unserved",
+                              hint="remove it there, then reload (systemctl reload mlxceld, "
+                              "or SIGHUP) or restart; then mlxctl unserve forgets what "
+                              "mlxctl serve chose, if anything")
+        was = self._serving()
+        self.settings.delete("serve")
+        self._serve = replace(self._serve, model=None, model_name=None)
+        await self.supervisor.reconcile(self.specs(self.config))
+        if was is not None:
+            self.events.append("serve.stopped", ROUTER,
+                               f"no longer serving {was['model_name']} ({was['model']})")
+            log.info("no longer serving %s (mlxctl unserve)", was["model"])
+        return {"unserved": was}
+
     def _serving(self) -> JSON | None:
         s = self._serve
         if s.model is None or (self._hold_router and self.placement is None):

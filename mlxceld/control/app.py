@@ -60,6 +60,7 @@ class DaemonView(Protocol):
     def log_path(self, name: str) -> str | None: ...
     def restart_worker(self, name: str) -> None: ...
     async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
+    async def unserve(self) -> JSON: ...
     def request_stop(self) -> None: ...
     def secrets(self) -> list[JSON]: ...
     def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
@@ -150,6 +151,14 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             return error(400, exc.code, exc.message, exc.hint)
         return body("cluster_deactivate", bringup=state)
 
+    async def unserve(request: Request) -> Response:
+        if daemon.stopping:
+            return _stopping()
+        try:
+            return body("unserve", **await daemon.unserve())
+        except MlxceldError as exc:
+            return error(409, exc.code, exc.message, exc.hint)
+
     async def serve(request: Request) -> Response:
         if daemon.stopping:
             return _stopping()
@@ -225,6 +234,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),
             Route("/v1/serve", serve, methods=["POST"]),
+            Route("/v1/unserve", unserve, methods=["POST"]),
             Route("/v1/secrets", secrets),
             Route("/v1/secrets", install_secret, methods=["POST"]),
             Route("/v1/secrets/{kid}/primary", use_secret, methods=["POST"]),
