@@ -54,6 +54,7 @@ from mlxceld.cluster.assignment import (
 from mlxceld.cluster.offers import Offer, PeerFacts, Refusal, judge, parse_offer
 from mlxceld.cluster.twophase import (
     FRAME_S,
+    HOLDS_A_STAGE,
     PEER_PHASE_S,
     PeerAction,
     PeerRound,
@@ -303,8 +304,10 @@ class Assignee:
         newest = self._assignments.newest_epoch()
         done = f"plan {epoch} was superseded here by plan {newest}; nothing of it ran"
         if epoch == newest:  # no round in memory (it ended before this daemon started)
-            await self._host.stop_stage()
-            done = "the stage is stopped"
+            done = "nothing of it ran here"
+            if row.state in HOLDS_A_STAGE:
+                await self._host.stop_stage()
+                done = "the stage is stopped"
         if row.state != "deactivated":
             self._assignments.record(epoch, row.coordinator, row.stage, "deactivated",
                                      row.toml, reason)

@@ -266,6 +266,9 @@ class Query:
 
 
 PeerAction = Reply | Record | StageAction | Query
+# The states in which this round's stage worker runs or loads; in the others the stage
+# that runs, if any, is another round's.
+HOLDS_A_STAGE: Final = ("preparing", "accepted", "committed", "active")
 OfferVerdict = Literal["take", "stale", "busy", "keep"]
 
 
@@ -341,12 +344,15 @@ class PeerRound:
         return [StageAction("stop"), Record("aborted", summary), Reply("aborted")]
 
     def on_deactivate(self, reason: str) -> list[PeerAction]:
-        """The coordinator ended the plan (``deactivate``), whatever this round's state: the
-        stage stops and the round is recorded deactivated (a restart does not resume it)."""
+        """The coordinator ended the plan (``deactivate``), whatever this round's state: its
+        stage stops (if it has one) and the round is recorded deactivated (a restart does
+        not resume it)."""
         if self.state == "deactivated":
             return [Reply("deactivated")]  # a resent deactivate: answer again
+        had_stage = self.state in HOLDS_A_STAGE
         self.state, self.reason, self.deadline = "deactivated", reason, None
-        return [StageAction("stop"), Record("deactivated", reason), Reply("deactivated")]
+        return [*([StageAction("stop")] if had_stage else []), Record("deactivated", reason),
+                Reply("deactivated")]
 
     def on_decision(self, decision: str, now: float) -> list[PeerAction]:
         """The coordinator's answer to ``Query``: commit, activate, abort, deactivated or

@@ -257,3 +257,7 @@ def test_a_deactivated_round_stops_its_stage_whatever_its_state() -> None:
     assert q.on_decision("deactivated", 70) == [
         StageAction("stop"), Record("deactivated", "the coordinator deactivated the plan")]
     assert q.state == "deactivated"
+    r = PeerRound(5)
+    r.on_offer_refused("busy", "plan 4 is committed here", final=False)
+    assert r.on_deactivate("x") == [Record("deactivated", "x"), Reply("deactivated")]  # no
+    # stage of its own: the stage that runs here (plan 4's) is not this round's to stop
