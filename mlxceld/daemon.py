@@ -226,6 +226,10 @@ class Daemon:
         """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
         peer and stop our router; the daemon stays up."""
         coordinator = self._coordinating()
+        if self.config.pp_peer:
+            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
+                              "push plans",
+                              hint="run mlxctl cluster deactivate on the coordinator")
         if self.config.distributed_config is not None:
             raise ConfigError(f"this daemon runs the cluster config "
                               f"{self.config.distributed_config} (--distributed-config), "
@@ -557,6 +561,9 @@ class Daemon:
             except OSError as exc:
                 self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
                                      f"{self._agent_addr[1]}: {exc.strerror}")
+                if self._hold_router and self.placement is None:
+                    self._agent_error += ("; no pipeline is brought up or resumed without it "
+                                          "(restart the daemon once the address is free)")
                 log.error("agent listener: %s", self._agent_error)
                 self.events.append("agent.failed", "agent", self._agent_error)
                 self._agent = None

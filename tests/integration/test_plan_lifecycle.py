@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from conftest import DaemonProc, Daemons, wait_for
+from conftest import DaemonProc, Daemons, alive, wait_for
 from test_activate import ACTIVATE_S, reachable
 from test_discovery import agent, secret_file, stop
 from test_pipeline import PROMPT, READY_S, expected, free_port
@@ -118,6 +118,9 @@ def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
     assert f"plan {bringup['epoch']} deactivated: 1 of 2 stage(s) stopped" in gone.stderr
     assert f"stage-0  {agent(up):22}" in gone.stdout and "deactivated" in gone.stdout
     assert "stage" not in names(up) and "router" not in names(coord)
+    assert not alive(stage_pids[up.root]) and not alive(router["pid"])  # memory freed
+    on_peer = up.ctl("cluster", "deactivate")
+    assert on_peer.returncode == 1 and "--pp-peer" in on_peer.stderr, on_peer.stderr
     assert coord.status()["serving"] is None
     assert up.status()["assignment"]["state"] == "deactivated"
     assert up.ctl("status").returncode == 0 and coord.ctl("status").returncode == 0
