@@ -16,9 +16,11 @@ plan and push a new one. When the config now names another model, or
 (the running cluster wins over a changed start-up setting), and the difference
 is logged, recorded as the event ``bringup.config_differs`` and shown by
 `mlxctl status` (``config_differs``): deactivate the plan, then restart (or
-activate), to apply the config. The daemon hands over what a bring-up needs (its plans table,
-keyring, discovery, agent address, event log) and a ``CoordinatorSlot``: its
-window for running the router over a pushed plan.
+activate), to apply the config.
+
+The daemon hands over what a bring-up needs (its plans table, keyring,
+discovery, agent address, event log) and a ``CoordinatorSlot``: its window for
+running the router over a pushed plan, and for stopping it.
 
 One bring-up at a time: while one plans or pushes, ``activate`` raises
 ``BringUpInProgress`` naming its plan. ``state`` is what ``mlxctl status``
