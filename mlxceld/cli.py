@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -30,6 +31,7 @@ def _version(value: bool) -> None:
 
 @app.command()
 def run(
+    ctx: typer.Context,
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", help="Config file (TOML). Default: mlxceld.toml in the platform's "
         "config dir, if it exists.")] = None,
@@ -89,19 +91,16 @@ def run(
     cluster_config_out: Annotated[Path | None, typer.Option(
         "--cluster-config-out", help="Write the plan as a cluster TOML here "
         "(--distributed-config accepts it unchanged).")] = None,
+    stage_ports: Annotated[str | None, typer.Option(
+        "--stage-ports", help="Ports for assigned stage listeners: PORT or FIRST-LAST "
+        "(inclusive), proposed to coordinators and required of offers. Default: ephemeral "
+        "ports.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     """Run the mlxceld daemon in the foreground."""
-    flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
-                      log_level=log_level, log_file=log_file, model=model,
-                      model_name=model_name, host=host, port=port, api_key_file=api_key_file,
-                      agent_addr=agent_addr, cluster_secret_file=cluster_secret_file,
-                      distributed_config=distributed_config, node_id=node_id,
-                      cluster_name=cluster_name, cluster_peers=cluster_peers,
-                      cluster_discovery=cluster_discovery, pp_auto=pp_auto, dry_run=dry_run,
-                      cluster_config_out=cluster_config_out, pp_peer=pp_peer)
+    flags = overrides(ctx.params)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file)
@@ -113,6 +112,13 @@ def run(
     except MlxceldError as exc:
         fail(exc, 1)
     raise typer.Exit(code)
+
+
+def overrides(params: Mapping[str, Any]) -> Overrides:
+    """The parsed flags, by parameter name, as ``Overrides`` (``--config`` is ``config_file``;
+    ``--version`` has exited before)."""
+    values = {k: v for k, v in params.items() if k not in ("config", "version")}
+    return Overrides(config_file=params.get("config"), **values)
 
 
 def fail(exc: MlxceldError, code: int) -> None:

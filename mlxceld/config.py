@@ -14,7 +14,13 @@ File format (TOML, every table and key optional)::
     cluster_name = "mlxcel-cluster"    # 1-128 characters, no control characters
     cluster_peers = ["192.168.1.11:19000", "[fd00::12]:19000"]  # peer agent addresses
     cluster_discovery = "static"       # static | mdns (see mlxceld/discovery/settings.py)
-    pp_peer = false                    # take a stage from a --pp-auto coordinator
+    cluster_secret_file = "secret"     # the cluster secret (below the variables, see
+                                       # mlxceld/cluster/secret_sources.py)
+    pp_peer = false                    # take a stage from a coordinator
+    pp_auto = 2                        # coordinate: plan and push N stages at start
+    cluster_config_out = "pushed.toml" # where a pushed plan is written as a cluster TOML
+    stage_ports = "19100-19199"        # stage listener ports: one port or a range
+                                       # (mlxceld/cluster/stage_ports.py); default ephemeral
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -29,6 +35,12 @@ File format (TOML, every table and key optional)::
 
     [serve]                            # the model server (the router worker):
     model = "~/models/tiny"            # see mlxceld/serving.py for every key
+
+Every flag of ``mlxceld`` has a key here (``FLAG_KEYS``) except those of
+``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run`` (a one-shot
+command, not a service setting: ``dry_run`` in the file is refused, naming
+the flag) and ``--version``. ``tests/config/test_flag_keys.py`` holds the
+two lists to the CLI.
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxceld.cluster.secret_sources import FLAG as SECRET_FLAG
+from mlxceld.cluster.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.discovery.settings import DEFAULT_CLUSTER_NAME, KEYS, cluster_settings
 from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
@@ -52,6 +66,26 @@ DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 POLICY_FIELDS = {f.name: f.type for f in dataclasses.fields(RestartPolicy)}
+MAX_STAGES = 64
+# Each flag of `mlxceld` and its key in the config file ...
+FLAG_KEYS: dict[str, str] = {
+    "--state-dir": "daemon.state_dir", "--socket": "daemon.socket",
+    "--log-level": "daemon.log_level", "--log-file": "daemon.log_file",
+    "--model": "serve.model", "--model-name": "serve.model_name", "--host": "serve.host",
+    "--port": "serve.port", "--api-key-file": "serve.api_key_file",
+    "--cluster-secret-file": "daemon.cluster_secret_file",
+    "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
+    "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
+    "--cluster-peers": "daemon.cluster_peers", "--cluster-discovery": "daemon.cluster_discovery",
+    "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer",
+    "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
+}
+# ... and the flags that have none, with the reason.
+FLAG_ONLY: dict[str, str] = {
+    "--config": "it names the config file itself",
+    "--dry-run": "it is a one-shot command (plan, print, exit), not a service setting",
+    "--version": "it prints the version and exits",
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +116,9 @@ class Config:
     dry_run: bool = False
     cluster_config_out: Path | None = None  # where a plan is written as a cluster TOML
     pp_peer: bool = False  # take stage assignments from a --pp-auto coordinator
+    cluster_secret_file: Path | None = None  # the flag's, else the [daemon] key's
+    cluster_secret_origin: str | None = None  # which: SECRET_FLAG, or "FILE: 'daemon.KEY'"
+    stage_ports: StagePorts | None = None  # stage listener ports; None: ephemeral
     cluster_name: str = DEFAULT_CLUSTER_NAME
     cluster_peers: tuple[str, ...] = ()  # normalized peer agent addresses
     cluster_discovery: str = "static"  # static | mdns
@@ -112,6 +149,7 @@ class Overrides:
     cluster_name: str | None = None
     cluster_peers: str | None = None  # comma-separated, as given
     cluster_discovery: str | None = None
+    stage_ports: str | None = None  # as given
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -129,21 +167,29 @@ def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
             "node_id": node}
 
 
-def _pp_auto_choice(flags: Overrides, cluster: Mapping[str, Any]) -> dict[str, Any]:
-    """``--pp-auto N [--dry-run] [--cluster-config-out FILE]``, checked against the rest."""
-    n = flags.pp_auto
+def _pp_auto_choice(daemon: Mapping[str, Any], flags: Overrides, cluster: Mapping[str, Any],
+                    base: Path, where: str) -> dict[str, Any]:
+    """``--pp-auto N [--dry-run] [--cluster-config-out FILE]`` (or ``[daemon] pp_auto`` and
+    ``cluster_config_out``; ``--dry-run`` is a flag only), checked against the rest."""
+    n, what = flags.pp_auto, "--pp-auto"
+    if n is None and "pp_auto" in daemon:
+        n, what = daemon["pp_auto"], f"{where}: 'daemon.pp_auto'"
+        if type(n) is not int:
+            raise ConfigError(f"{what} must be a whole number of stages, not {n!r}",
+                              hint="for example pp_auto = 2")
     if flags.dry_run and n is None:
         raise ConfigError("--dry-run is for --pp-auto N only",
                           hint="mlxceld --pp-auto 2 --dry-run --model DIR prints a plan")
     if n is not None:
-        if not 1 <= n <= 64:
-            raise ConfigError(f"--pp-auto {n}: the number of stages must be 1-64",
-                              hint="for example --pp-auto 2")
+        if not 1 <= n <= MAX_STAGES:
+            raise ConfigError(f"{what} {n}: the number of stages must be 1-{MAX_STAGES}",
+                              hint="for example --pp-auto 2 (or pp_auto = 2 under [daemon])")
         if cluster.get("distributed_config") is not None:
-            raise ConfigError("--pp-auto and --distributed-config exclude each other",
+            raise ConfigError("pp_auto (--pp-auto) and distributed_config "
+                              "(--distributed-config) exclude each other",
                               hint="--pp-auto plans the cluster itself; --distributed-config "
-                              "runs a written one")
-    out = flags.cluster_config_out
+                              "runs a written one: drop one from the flags or the config file")
+    out = flags.cluster_config_out or _path(daemon, "cluster_config_out", base, where)
     return {"pp_auto": n, "dry_run": flags.dry_run,
             "cluster_config_out": out.expanduser().absolute() if out else None}
 
@@ -156,10 +202,42 @@ def _pp_peer(daemon: Mapping[str, Any], flags: Overrides, cluster: Mapping[str, 
         raise ConfigError(f"{where}: 'daemon.pp_peer' must be true or false",
                           hint="write it as pp_peer = true")
     peer = flags.pp_peer or value
-    if peer and (flags.pp_auto is not None or cluster.get("distributed_config") is not None):
-        raise ConfigError("--pp-peer excludes --pp-auto and --distributed-config",
-                          hint="a peer takes its stage from a --pp-auto coordinator")
+    if peer and (cluster.get("pp_auto") is not None
+                 or cluster.get("distributed_config") is not None):
+        raise ConfigError("pp_peer (--pp-peer) excludes pp_auto (--pp-auto) and "
+                          "distributed_config (--distributed-config)",
+                          hint="a peer takes its stage from a coordinator: drop one from the "
+                          "flags or the config file")
     return peer
+
+
+def _secret_and_ports(daemon: Mapping[str, Any], flags: Overrides, base: Path,
+                      where: str) -> dict[str, Any]:
+    """``--cluster-secret-file`` / ``[daemon] cluster_secret_file`` (the flag wins over the
+    secret variables, the key does not: ``secret_sources``) and ``--stage-ports`` /
+    ``[daemon] stage_ports``."""
+    secret, origin = flags.cluster_secret_file, SECRET_FLAG
+    if secret is None:
+        secret = _path(daemon, "cluster_secret_file", base, where)
+        origin = f"{where}: 'daemon.cluster_secret_file'"
+    if flags.stage_ports is not None:
+        ports = parse_stage_ports(flags.stage_ports, "--stage-ports")
+    elif "stage_ports" in daemon:
+        ports = parse_stage_ports(daemon["stage_ports"], f"{where}: 'daemon.stage_ports'")
+    else:
+        ports = None
+    return {"cluster_secret_file": secret.expanduser().absolute() if secret else None,
+            "cluster_secret_origin": origin if secret else None, "stage_ports": ports}
+
+
+def _refuse_flag_only(daemon: Mapping[str, Any], where: str) -> None:
+    for flag, why in FLAG_ONLY.items():
+        key = flag.removeprefix("--").replace("-", "_")
+        if key in daemon:
+            raise ConfigError(f"{where}: 'daemon.{key}' cannot be set in the config file: "
+                              f"{flag} is a flag only, as {why}",
+                              hint=f"remove {key} from [daemon]; pass {flag} on the command "
+                              "line when you mean it")
 
 
 def load_config(flags: Overrides) -> Config:
@@ -181,8 +259,11 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     _check_keys(data, {"daemon", "supervisor", "workers", "serve"}, where, "")
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
+    _refuse_flag_only(daemon, where)
     _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr",
-                         "distributed_config", "node_id", "pp_peer", *KEYS}, where, "daemon.")
+                         "distributed_config", "node_id", "pp_peer", "pp_auto",
+                         "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS},
+                where, "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
         sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
@@ -210,8 +291,9 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         agent_addr=flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
         or DEFAULT_AGENT_ADDR,
         **(choice := _cluster_choice(daemon, flags, base, where)),
-        **_pp_auto_choice(flags, choice),
-        pp_peer=_pp_peer(daemon, flags, choice, where),
+        **(auto := _pp_auto_choice(daemon, flags, choice, base, where)),
+        pp_peer=_pp_peer(daemon, flags, {**choice, **auto}, where),
+        **_secret_and_ports(daemon, flags, base, where),
         **cluster_settings(daemon, where, name=flags.cluster_name, peers=flags.cluster_peers,
                            discovery=flags.cluster_discovery),
         policy=policy,

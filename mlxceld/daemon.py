@@ -45,7 +45,7 @@ from mlxceld.cluster import ENV_VALUE, resolve_secret
 from mlxceld.cluster.agent import AgentService, parse_addr
 from mlxceld.cluster.assignee import Assignee
 from mlxceld.cluster.assignment import serve_queries
-from mlxceld.cluster.coordinator import Coordinator
+from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
 from mlxceld.cluster.inventory import serve_inventory
 from mlxceld.cluster.placement import (
     STAGE_WORKER,
@@ -54,6 +54,7 @@ from mlxceld.cluster.placement import (
     place,
     stage_options,
 )
+from mlxceld.cluster.secret_sources import FLAG as SECRET_FLAG
 from mlxceld.cluster.stagehost import LocalStageHost
 from mlxceld.config import Config, Overrides, load_config
 from mlxceld.control.app import build_app
@@ -132,7 +133,7 @@ class Daemon:
             self.placement = (place(config.distributed_config, config.node_id or "",
                                     config.serve.model)  # --model or [serve] model wins
                               if config.distributed_config else None)
-            self._adopt_secret(flags)
+            self._adopt_secret()
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
@@ -156,6 +157,9 @@ class Daemon:
         self._assignee: Assignee | None = None
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
         self._coordinator: Coordinator | None = None
+        # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
+        # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
+        self._hold_router = config.pp_auto is not None or self._resumes_a_plan()
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -219,6 +223,27 @@ class Daemon:
                               hint="start it again, then activate")
         return await coordinator.activate(model, stages)
 
+    async def deactivate_cluster(self) -> JSON:
+        """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
+        peer and stop our router; the daemon stays up."""
+        coordinator = self._coordinating()
+        if self.config.pp_peer:
+            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
+                              "push plans",
+                              hint="run mlxctl cluster deactivate on the coordinator")
+        if self.config.distributed_config is not None:
+            raise ConfigError(f"this daemon runs the cluster config "
+                              f"{self.config.distributed_config} (--distributed-config), "
+                              "which no plan of its own placed",
+                              hint="stop the daemons of that cluster, or start them without "
+                              "--distributed-config")
+        state = await coordinator.deactivate()
+        if self.config.pp_auto is not None:
+            state = {**state, "note": f"pp_auto {self.config.pp_auto} is set: the next start "
+                     "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
+                     "[daemon] pp_auto) to keep the cluster down"}
+        return state
+
     def _coordinating(self) -> Coordinator:
         if self._coordinator is None:
             raise ConfigError("planning needs discovery, which runs with the agent listener "
@@ -235,6 +260,13 @@ class Daemon:
         return await self._coordinator.dry_run(self.config.pp_auto or 0, model)
 
     # -- the coordinator's and the stage host's window on us -------------------------------
+
+    async def stop_pipeline(self) -> None:
+        """The plan is deactivated: no placement, no router (not even a single-host one on
+        the configured model) until `mlxctl serve`, an activate, or a restart."""
+        self.placement = None
+        self._hold_router = True
+        await self.reconcile()
 
     async def serve_pipeline(self, placement: Placement) -> None:
         """Run the router over the pushed plan: on its model, restarted if it was serving."""
@@ -309,7 +341,7 @@ class Daemon:
             specs.append(WorkerSpec(STAGE_WORKER, STAGE_WORKER, config.state_dir,
                                     options, policy, secret=secret))
         elif (self._serve.model is not None and not config.pp_peer
-              and (config.pp_auto is None or p is not None)):
+              and (p is not None or not self._hold_router)):
             options = router_options(self._serve)
             if p is not None:
                 options["pipeline"] = pipeline_options(p)
@@ -318,11 +350,30 @@ class Daemon:
                                     secret=secret if p is not None else None))
         return specs
 
-    def _adopt_secret(self, flags: Overrides) -> None:
+    def _may_coordinate(self) -> bool:
+        """A peer or a node of a written cluster never resumes a plan of its own."""
+        return not self.config.pp_peer and self.config.distributed_config is None
+
+    def _resumes_a_plan(self) -> bool:
+        """Whether the latest plan is to be resumed at start (``coordinator.RESUMABLE``)."""
+        last = self._plans.latest()
+        if last is None or last.decision not in RESUMABLE:
+            return False
+        if self._may_coordinate():
+            return True
+        log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
+                    last.decision, "pp_peer" if self.config.pp_peer else "distributed_config")
+        return False
+
+    def _adopt_secret(self) -> None:
         """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
         toml = self.placement.cluster.secret_source() if self.placement else None
-        resolved = resolve_secret(flag_file=flags.cluster_secret_file, toml=toml,
-                                  keyring=self.keys.keyring, keyring_where=str(self.keys.dir))
+        c = self.config
+        from_flag = c.cluster_secret_origin == SECRET_FLAG
+        resolved = resolve_secret(flag_file=c.cluster_secret_file if from_flag else None,
+                                  config_file=None if from_flag else c.cluster_secret_file,
+                                  toml=toml, keyring=self.keys.keyring,
+                                  keyring_where=str(self.keys.dir))
         os.environ.pop(ENV_VALUE, None)
         if resolved is None:
             log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
@@ -342,8 +393,8 @@ class Daemon:
         if self.config.pp_auto is not None and not len(self.keys.keyring):
             raise ConfigError(
                 "--pp-auto needs the cluster secret to reach its peers; none was found in "
-                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or "
-                f"the keyring in {self.keys.dir}",
+                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
+                f"[daemon] cluster_secret_file or the keyring in {self.keys.dir}",
                 hint="give every node the same secret file with --cluster-secret-file")
         if self.config.pp_auto is not None and self._serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
@@ -354,8 +405,8 @@ class Daemon:
         raise ConfigError(
             f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
             "cluster secret; none was found in --cluster-secret-file, "
-            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [cluster] secret_file or the "
-            f"keyring in {self.keys.dir}",
+            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file, "
+            f"[cluster] secret_file or the keyring in {self.keys.dir}",
             hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
             "(chmod 600) to each host, then pass --cluster-secret-file FILE")
 
@@ -378,6 +429,7 @@ class Daemon:
                 hint="change [cluster] model in that file on every node, then restart them")
         resolved = resolve_model(model, Path("/"), "mlxctl serve")
         self._serve = self._serve.with_model(resolved, name)
+        self._hold_router = False  # told to serve: also after a deactivate
         self.settings.put("serve", {"model": resolved, "model_name": name})
         existed = ROUTER in self.supervisor.names()
         await self.supervisor.reconcile(self.specs(self.config))
@@ -387,10 +439,43 @@ class Daemon:
                            f"now serving {self._serve.served_name} from {resolved}")
         return self._serving()
 
+    async def unserve(self) -> JSON:
+        """`mlxctl unserve`: stop the single-host router and forget what `mlxctl serve`
+        chose, so that a restart does not serve it again. Refused, changing nothing, where
+        a restart would serve again anyway (a model from the flags or the config file) or
+        where the router is a cluster's."""
+        p = self.placement
+        if p is not None and p.is_coordinator:
+            raise ConfigError("this daemon's router serves a pipeline",
+                              hint="mlxctl cluster deactivate ends the plan and stops its "
+                              "router" if self.config.distributed_config is None else
+                              f"it runs the cluster config {p.cluster.path}; stop the daemon")
+        if p is not None:
+            raise ConfigError(f"this daemon runs {p.node.id} of a cluster and no router",
+                              hint="on the coordinator: mlxctl cluster deactivate")
+        configured = self.config.serve.model
+        if configured is not None:
+            origin = ("--model" if self._flags.model else
+                      f"[serve] model in {self.config.config_file}")
+            raise ConfigError(f"the model {configured} comes from {origin}: a restart would "
+                              "serve it again, so it is not unserved",
+                              hint="remove it there, then reload (systemctl reload mlxceld, "
+                              "or SIGHUP) or restart; then mlxctl unserve forgets what "
+                              "mlxctl serve chose, if anything")
+        was = self._serving()
+        self.settings.delete("serve")
+        self._serve = replace(self._serve, model=None, model_name=None)
+        await self.supervisor.reconcile(self.specs(self.config))
+        if was is not None:
+            self.events.append("serve.stopped", ROUTER,
+                               f"no longer serving {was['model_name']} ({was['model']})")
+            log.info("no longer serving %s (mlxctl unserve)", was["model"])
+        return {"unserved": was}
+
     def _serving(self) -> JSON | None:
         s = self._serve
-        if s.model is None:
-            return None
+        if s.model is None or (self._hold_router and self.placement is None):
+            return None  # nothing, or a router held back (see ``specs``)
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
 
@@ -458,14 +543,15 @@ class Daemon:
         if self._agent is not None or self._tg is None or self._stopping:
             return
         agent = AgentService(self._agent_addr, self.keys.keyring)
-        serve_inventory(agent, self.node.node_id, lambda: self._serve.model)
+        serve_inventory(agent, self.node.node_id, lambda: self._serve.model,
+                        self.config.stage_ports)
         serve_queries(agent, self._plans)
         c = self.config
         stages = LocalStageHost(self, self.supervisor, self.events, cluster=c.cluster_name,
                                 state_dir=c.state_dir, model=lambda: self._serve.model,
-                                agent_host=lambda: agent.host)
+                                agent_host=lambda: agent.host, stage_ports=c.stage_ports)
         assignee = Assignee(self._assignments, stages, self.keys.keyring,
-                            identity=agent.address, state_dir=self.config.state_dir,
+                            identity=lambda: agent.address, state_dir=self.config.state_dir,
                             enabled=self.config.pp_peer)
         assignee.register(agent)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -476,6 +562,9 @@ class Daemon:
             except OSError as exc:
                 self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
                                      f"{self._agent_addr[1]}: {exc.strerror}")
+                if self._hold_router and self.placement is None:
+                    self._agent_error += ("; no pipeline is brought up or resumed without it "
+                                          "(restart the daemon once the address is free)")
                 log.error("agent listener: %s", self._agent_error)
                 self.events.append("agent.failed", "agent", self._agent_error)
                 self._agent = None
@@ -500,9 +589,9 @@ class Daemon:
                 discovery=self._discovery, identity=agent.address, events=self.events)
             self._assignee = assignee
             self._tg.create_task(assignee.run())
-            model = self._serve.model
-            if c.pp_auto is not None and not c.dry_run and model is not None:
-                self._coordinator.start(c.pp_auto, model)
+            if not c.dry_run and self._may_coordinate():
+                self._coordinator.start(c.pp_auto, self._serve.model,
+                                        configured_model=c.serve.model)
 
     async def _shutdown(self) -> int:
         self._stopping = True

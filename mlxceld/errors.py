@@ -11,7 +11,8 @@
     ├── DaemonError                 the daemon cannot start or run as asked
     │   ├── AlreadyRunning          another daemon holds the state dir lock
     │   ├── SocketError             the control socket cannot be created
-    │   └── BringUpInProgress       a pipeline bring-up runs already (names its plan)
+    │   ├── BringUpInProgress       a pipeline bring-up runs already (names its plan)
+    │   └── NoActivePlan            `mlxctl cluster deactivate` with no plan to end
     ├── WorkerError                 a worker cannot be spawned, reached or stopped
     │   └── ChannelError            a worker's control channel failed or timed out
     └── ControlError                the control API answered with an error (client side)
@@ -100,6 +101,12 @@ class BringUpInProgress(DaemonError):
     """A second bring-up was asked for while one plans or pushes."""
 
     code = "bringup_in_progress"
+
+
+class NoActivePlan(DaemonError):
+    """`mlxctl cluster deactivate` with no plan committed or active (or deactivated) here."""
+
+    code = "nothing_to_end"
 
 
 class WorkerError(MlxceldError):

@@ -138,6 +138,19 @@ def serve(
         raise typer.Exit(EXIT_FAILURE)
 
 
+@app.command(epilog="Exit codes: 0 the router is stopped (or nothing was served); 1 "
+             "refused: the model comes from --model or [serve] model (a restart would serve "
+             "it again), or the router is a cluster's; 3 daemon not running; 4 permission "
+             "denied.")
+def unserve(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """Stop serving: stop the router of a single-host daemon and forget what `mlxctl serve`
+    chose, so that a restart does not serve it again. The daemon keeps running."""
+    body = call(socket_path(ctx, socket), as_json, lambda c: c.unserve())
+    was = body.get("unserved")
+    emit(as_json, "unserve", body, lambda: f"stopped serving {was['model_name']} ({was['model']})"
+         if was else "nothing was served; nothing changed")
+
+
 async def _wait_router(client: ControlClient, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     router: dict[str, Any] = {}

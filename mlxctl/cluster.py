@@ -10,6 +10,12 @@ two-phase assignment of ``--pp-auto``) and serve its router over it; it polls
 ``status`` every ``POLL_S`` and prints each peer's step as it happens. Its
 waits: ``PUSH_WAIT_S`` for the push to end (the daemon bounds it by
 ``twophase.PUSH_S``), then ``ROUTER_WAIT_S`` for the router to run.
+
+``deactivate`` ends the latest plan everywhere (``cluster/deactivation.py``): it
+prints each peer's outcome and exits 0 when every peer stopped its stage, 1
+when one could not be told (named, with the reason; it learns later), 5 while
+a bring-up is in progress. The daemon answers within its own bounds
+(``control.client.DEACTIVATE_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -108,6 +114,50 @@ def activate(ctx: typer.Context,
                 typer.echo(f"  {p['address']} ({p['stage']}): {p['reason']}", err=True)
     if not ok:
         raise typer.Exit(EXIT_FAILURE)
+
+
+@cluster_app.command(epilog="Exit codes: 0 every peer stopped its stage and the router is "
+                     "stopped; 1 a peer could not be told (each is named, with the reason), "
+                     "or there is no plan to end; 2 usage; 3 daemon not running; 4 permission "
+                     "denied; 5 a bring-up is in progress.")
+def deactivate(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """End the plan this daemon pushed: every peer stops its stage (freeing its memory) and
+    the router stops; the daemons keep running.
+
+    The plan is recorded as deactivated first, so that no restart brings it back. A peer
+    that cannot be told is named (exit 1); it learns later: the daemon tries it again
+    every 20 s for an hour, and a peer daemon that restarts asks before bringing a stage
+    back. Running deactivate again tells every peer again."""
+    body = call(socket_path(ctx, socket), as_json, _deactivate)
+    if "refused" in body:
+        err: ControlError = body["refused"]
+        fail(as_json, EXIT_BUSY, err.code, err.message, err.hint)
+    state = body["bringup"]
+    ok = all(p["state"] == "deactivated" for p in state.get("peers") or [])
+    if as_json:
+        typer.echo(json.dumps({**body, "schema": "mlxctl.cluster-deactivate/1", "ok": ok},
+                              indent=2))
+    else:
+        for p in state.get("peers") or []:
+            typer.echo(render.peer_step(p), err=p["state"] != "deactivated")
+        typer.echo(state["summary"] if ok else f"mlxctl: {state['summary']}", err=not ok)
+        if state.get("note"):
+            typer.echo(f"note: {state['note']}")
+        if not ok:
+            typer.echo("  hint: each peer not told learns it when its daemon restarts, or "
+                       "when this daemon reaches it (every 20 s for an hour); mlxctl cluster "
+                       "deactivate again tells every peer again", err=True)
+    if not ok:
+        raise typer.Exit(EXIT_FAILURE)
+
+
+async def _deactivate(c: ControlClient) -> dict[str, Any]:
+    try:
+        return await c.deactivate_cluster()
+    except ControlError as exc:
+        if exc.code == "bringup_in_progress":
+            return {"refused": exc}
+        raise
 
 
 async def _activate(c: ControlClient, model: str, stages: int,

@@ -142,6 +142,9 @@ def status(body: dict[str, Any]) -> str:
     if bringup:
         lines.append(f"bring-up: {bringup['state']}"
                      + (f": {bringup['summary']}" if bringup.get("summary") else ""))
+        if bringup.get("config_differs"):
+            lines.append(f"  config differs: {bringup['config_differs']} (resumed as it was; "
+                         "mlxctl cluster deactivate, then restart, applies the config)")
         lines += [peer_step(p) for p in bringup.get("peers") or []]
     links = stage_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *links, "",
@@ -194,7 +197,8 @@ def cluster_plan(body: dict[str, Any]) -> str:
 
 def peer_step(p: dict[str, Any]) -> str:
     """One peer's step in a bring-up (``mlxctl cluster activate``)."""
-    color = {"active": "green", "failed": "red", "aborted": "yellow"}.get(p["state"])
+    color = {"active": "green", "failed": "red", "aborted": "yellow", "deactivated": "green",
+             "unreachable": "red", "refused": "red"}.get(p["state"])
     what = paint(p["state"], color) + (f": {p['reason']}" if p.get("reason") else "")
     layers = f"layers [{p['layers'][0]}, {p['layers'][1]})" if p.get("layers") else ""
     return f"  {p.get('stage') or '-':8} {p['address']:22} {layers:16} {what}"

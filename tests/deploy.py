@@ -6,9 +6,8 @@ what a user must change when several "hosts" share this machine (the agent's
 port, the router's port, the state dir and socket); the agent listens on the
 default wildcard host (``0.0.0.0``); peers are named by host name
 (``localhost``) or by the address another host reaches them on; the cluster
-secret comes from the environment (``MLXCEL_CLUSTER_SECRET_FILE``, what a
-unit's Environment= or a plist's EnvironmentVariables sets), never from argv;
-a restart is SIGTERM and the same start again.
+secret file is named in the config file (``cluster_secret_file``), never in
+argv; a restart is SIGTERM and the same start again.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ def table(name: str, keys: Mapping[str, Value]) -> str:
 
 
 class Host:
-    """One daemon as one host of a deployment: its config file, its agent port, the
-    secret its service environment names."""
+    """One daemon as one host of a deployment: its config file and its agent port."""
 
     def __init__(self, daemons: Daemons, name: str, *, secret: bytes | None,
                  daemon: Mapping[str, Value] | None = None,
@@ -47,16 +45,15 @@ class Host:
         self.d: DaemonProc = daemons.make(FAST_POLICY, name=name)
         self.netns = netns
         self.agent_port = DEFAULT_AGENT_PORT if netns else free_port()
-        self.env: dict[str, str] = {}
+        self.daemon_keys: dict[str, Value] = {
+            "state_dir": str(self.d.state_dir), "socket": str(self.d.socket),
+            **({} if netns else {"agent_addr": f"0.0.0.0:{self.agent_port}"})}
         if secret is not None:
             path = self.d.root / "cluster.secret"
             path.write_bytes(secret + b"\n")
             path.chmod(0o600)
-            self.env["MLXCEL_CLUSTER_SECRET_FILE"] = str(path)
-        self.daemon_keys: dict[str, Value] = {
-            "state_dir": str(self.d.state_dir), "socket": str(self.d.socket),
-            **({} if netns else {"agent_addr": f"0.0.0.0:{self.agent_port}"}),
-            **(daemon or {})}
+            self.daemon_keys["cluster_secret_file"] = str(path)
+        self.daemon_keys.update(daemon or {})
         self.serve_keys: dict[str, Value] = dict(serve or {})
         self.write()
 
@@ -72,7 +69,7 @@ class Host:
 
     def start(self) -> Host:
         prefix = ("ip", "netns", "exec", self.netns) if self.netns else ()
-        self.d.start_service(env=self.env, prefix=prefix)
+        self.d.start_service(prefix=prefix)
         return self
 
     def restart(self) -> Host:

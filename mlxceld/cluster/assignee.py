@@ -19,6 +19,15 @@ sends ``preparing`` every ``HEARTBEAT_S`` until it ends; the daemon's
 or ``MLXCELD_TEST_PEER_WAIT_S`` in tests, see ``mlxceld.failpoints``); a
 ``Query`` dials the coordinator (``CONNECT_S`` to connect, ``FRAME_S`` for the
 answer), and a coordinator that cannot be asked ends the round (aborted).
+
+``deactivate`` (`mlxctl cluster deactivate`, ``deactivation.py``) comes from
+the coordinator that offered the plan, on a connection of its own: the stage
+stops, the assignment is recorded deactivated, ``deactivated`` answers. A plan
+this peer never ran, or one a newer plan superseded here, is only recorded
+(its stage is not this plan's). On start, an assignment recorded active first
+asks its coordinator (``query``, at most ``CONNECT_S`` + ``FRAME_S``): when the
+plan was deactivated meanwhile, the stage does not come back; on any other
+answer, or none (the coordinator may be restarting too), it comes back active.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, cast
@@ -45,6 +54,7 @@ from mlxceld.cluster.assignment import (
 from mlxceld.cluster.offers import Offer, PeerFacts, Refusal, judge, parse_offer
 from mlxceld.cluster.twophase import (
     FRAME_S,
+    HOLDS_A_STAGE,
     PEER_PHASE_S,
     PeerAction,
     PeerRound,
@@ -55,7 +65,8 @@ from mlxceld.cluster.twophase import (
     StageAction,
 )
 from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net.resolve import Resolver
 from mlxceld.state.plans import Assignments
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
@@ -104,11 +115,12 @@ class _Current:
 
 class Assignee:
     def __init__(self, assignments: Assignments, host: StageHost, keyring: Keyring, *,
-                 identity: str, state_dir: Path, enabled: bool) -> None:
+                 identity: Callable[[], str], state_dir: Path, enabled: bool) -> None:
         self._assignments = assignments
         self._host = host
         self._keyring = keyring
-        self._identity = identity
+        self._identity = identity  # our agent address as it listens (a port 0 resolved)
+        self._resolver = Resolver()  # a coordinator named by host name
         self._state_dir = state_dir
         self._enabled = enabled
         self._current: _Current | None = None
@@ -121,6 +133,7 @@ class Assignee:
         agent.add_handler(ASSIGNMENT_CHANNEL, "offer", self._on_offer)
         for kind in ("commit", "activate", "abort"):
             agent.add_handler(ASSIGNMENT_CHANNEL, kind, self._on_decision)
+        agent.add_handler(ASSIGNMENT_CHANNEL, "deactivate", self._on_deactivate)
 
     def describe(self) -> dict[str, Any] | None:
         row = self._assignments.latest()
@@ -133,6 +146,19 @@ class Assignee:
         """Resume a committed or active assignment, then keep the round's timer."""
         loop = asyncio.get_running_loop()
         row = self._assignments.latest()
+        if row is not None and row.state == "active" and self._enabled:
+            log.info("stage assignment %d is active: asking coordinator %s before resuming",
+                     row.epoch, row.coordinator)
+            decision, why = await self._ask(row.coordinator, row.epoch)
+            if decision == "deactivated":
+                reason = "the coordinator deactivated the plan while this daemon was down"
+                self._assignments.record(row.epoch, row.coordinator, row.stage, "deactivated",
+                                         row.toml, reason)
+                log.info("stage assignment %d: not resumed: %s", row.epoch, reason)
+                row = None
+            elif decision is None:
+                log.info("stage assignment %d: resuming without word from coordinator %s "
+                         "(%s)", row.epoch, row.coordinator, why)
         if self._enabled and row is not None and row.state in ("accepted", "committed",
                                                                "active"):
             r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time(), PHASE_S)
@@ -255,6 +281,42 @@ class Assignee:
         self._wake.set()
         await self._execute(actions)
 
+    async def _on_deactivate(self, stream: MxclStream, env: Envelope) -> None:
+        epoch = epoch_of(env.header) or 0
+        row = self._assignments.get(epoch)
+        if row is None:
+            await stream.send(message("deactivated", epoch,
+                                      reason=f"plan {epoch} never ran here"))
+            return
+        bound = bound_identity(stream.peer_identity, stream.peer)
+        if not await self._resolver.is_node(row.coordinator, bound):
+            log.warning("deactivate %d from %s refused: plan %d came from %s", epoch, bound,
+                        epoch, row.coordinator)
+            await stream.send(message("refused", epoch, code="coordinator", final=True,
+                                      reason=f"plan {epoch} came from {row.coordinator}, not "
+                                      f"from {bound}"))
+            return
+        reason = f"deactivated by coordinator {row.coordinator}"
+        cur = self._current
+        if cur is not None and cur.round.epoch == epoch:
+            log.info("stage assignment %d: %s", epoch, reason)
+            cur.stream = stream
+            self._wake.set()
+            await self._execute(cur.round.on_deactivate(reason))
+            return
+        newest = self._assignments.newest_epoch()
+        done = f"plan {epoch} was superseded here by plan {newest}; nothing of it ran"
+        if epoch == newest:  # no round in memory (it ended before this daemon started)
+            done = "nothing of it ran here"
+            if row.state in HOLDS_A_STAGE:
+                await self._host.stop_stage()
+                done = "the stage is stopped"
+        if row.state != "deactivated":
+            self._assignments.record(epoch, row.coordinator, row.stage, "deactivated",
+                                     row.toml, reason)
+            log.info("stage assignment %d: %s (%s)", epoch, reason, done)
+        await stream.send(message("deactivated", epoch, reason=done))
+
     # -- actions ----------------------------------------------------------------------------
 
     async def _execute(self, actions: Sequence[PeerAction], *, wait_prepare: bool = False
@@ -322,36 +384,39 @@ class Assignee:
             self._wake.set()
 
     async def _query(self, cur: _Current) -> None:
-        where, me = parse_address(cur.coordinator), parse_address(self._identity, port_zero=True)
-        try:
-            stream = await connect(where.host, where.port, keyring=self._keyring,
-                                   identity=me.claim(), channel=ASSIGNMENT_CHANNEL,
-                                   budget_s=CONNECT_S, local_addr=me.local_addr())
-        except HandshakeFailed as exc:
-            log.warning("stage assignment %d: cannot ask coordinator %s: %s",
-                        cur.round.epoch, cur.coordinator, exc.message)
-            if cur is self._current:
-                await self._execute(cur.round.on_query_failed(exc.message))
-                self._wake.set()
+        decision, why = await self._ask(cur.coordinator, cur.round.epoch)
+        if cur is not self._current:
             return
-        try:
-            async with asyncio.timeout(FRAME_S):
-                await stream.send(message("query", cur.round.epoch))
-                env = parse_envelope(await stream.recv(), PEER_SPECS)
-            decision = str(env.header.get("decision"))
-        except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
-            log.warning("stage assignment %d: coordinator %s did not answer: %s",
-                        cur.round.epoch, cur.coordinator, exc)
-            if cur is self._current:
-                await self._execute(cur.round.on_query_failed(f"no answer: {exc}"))
-                self._wake.set()
-            return
-        finally:
-            await stream.close("query answered")
-        if cur is self._current:
+        if decision is None:
+            await self._execute(cur.round.on_query_failed(why))
+        else:
             await self._execute(cur.round.on_decision(
                 decision, asyncio.get_running_loop().time()))
-            self._wake.set()
+        self._wake.set()
+
+    async def _ask(self, coordinator: str, epoch: int) -> tuple[str | None, str]:
+        """The coordinator's decision for ``epoch``, or None and why it could not be asked
+        (``CONNECT_S`` to connect, then ``FRAME_S`` for the answer)."""
+        try:
+            stream = await connect_as(self._identity(), coordinator, keyring=self._keyring,
+                                      channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
+        except ValueError as exc:  # not host:port: nothing to dial
+            return None, f"coordinator address {coordinator!r} {exc}"
+        except HandshakeFailed as exc:
+            log.warning("stage assignment %d: cannot ask coordinator %s: %s", epoch,
+                        coordinator, exc.message)
+            return None, exc.message
+        try:
+            async with asyncio.timeout(FRAME_S):
+                await stream.send(message("query", epoch))
+                env = parse_envelope(await stream.recv(), PEER_SPECS)
+            return str(env.header.get("decision")), ""
+        except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
+            log.warning("stage assignment %d: coordinator %s did not answer: %s", epoch,
+                        coordinator, exc)
+            return None, f"no answer: {exc}"
+        finally:
+            await stream.close("query answered")
 
     async def _cancel_prepare(self) -> None:
         """An abort while the stage loads: stop loading before the stage is removed."""
@@ -378,5 +443,6 @@ def _dialable(offer: Offer, bound: HostPort) -> str:
 
 
 def _state(state: str) -> PeerState:
-    known = ("preparing", "accepted", "committed", "active", "aborted", "refused")
+    known = ("preparing", "accepted", "committed", "active", "aborted", "refused",
+             "deactivated")
     return cast(PeerState, state) if state in known else "aborted"

@@ -3,29 +3,37 @@
 Messages (the envelope of PROTOCOL.md section 4, header only, no tensors; every
 one carries ``epoch``, the plan's; anything about another epoch is ignored):
 
-========= ================ ===================================================
-type      direction        fields
-========= ================ ===================================================
-offer     coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
-                           layers, port, node id and the cluster TOML
-preparing peer → coord     none: a heartbeat every ``HEARTBEAT_S`` while the
-                           peer loads its stage in standby
-accepted  peer → coord     none: the stage is loaded; the vote is durable
-refused   peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
-commit    coord → peer     none: every peer accepted (the decision is durable)
-committed peer → coord     none
-activate  coord → peer     none: every peer committed; re-sent until active
-active    peer → coord     none: the stage serves
-abort     coord → peer     ``summary``: each peer that did not commit, and why
-aborted   peer → coord     ``reason`` (optional): the standby stage is gone
-query     either way       none: "what did you decide for this epoch?"
-decision  answer to query  ``decision``: commit | activate | active | abort |
-                           unknown (never heard of it)
-========= ================ ===================================================
+=========== ================ ===================================================
+type        direction        fields
+=========== ================ ===================================================
+offer       coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
+                             layers, port, node id and the cluster TOML
+preparing   peer → coord     none: a heartbeat every ``HEARTBEAT_S`` while the
+                             peer loads its stage in standby
+accepted    peer → coord     none: the stage is loaded; the vote is durable
+refused     peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
+commit      coord → peer     none: every peer accepted (the decision is durable)
+committed   peer → coord     none
+activate    coord → peer     none: every peer committed; re-sent until active
+active      peer → coord     none: the stage serves
+abort       coord → peer     ``summary``: each peer that did not commit, and why
+aborted     peer → coord     ``reason`` (optional): the standby stage is gone
+query       either way       none: "what did you decide for this epoch?"
+decision    answer to query  ``decision``: commit | activate | active | abort |
+                             deactivated | unknown (never heard of it)
+deactivate  coord → peer     ``reason``: the plan ended (`mlxctl cluster
+                             deactivate`; any state, after the round)
+deactivated peer → coord     ``reason``: what was done; the stage is stopped and
+                             the assignment recorded deactivated
+=========== ================ ===================================================
 
 The offer and everything after it travel on one connection the coordinator
 dials to the peer's agent listener (identity: the coordinator's agent address);
-a peer's ``query`` (``twophase.Query``) dials the coordinator's.
+a peer's ``query`` (``twophase.Query``) dials the coordinator's, and so does a
+peer that restarts with an active assignment, before it brings the stage back
+(``assignee``). ``deactivate`` travels on a connection of its own
+(``deactivation.py``); a peer refuses it (``refused``, code ``coordinator``)
+from anyone but the coordinator that offered the plan.
 
 Bounds: ``CONNECT_S`` per dial and handshake, ``twophase.FRAME_S`` per answer,
 ``twophase.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
@@ -48,10 +56,9 @@ from mlxceld.cluster.agent import AgentService
 from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer
 from mlxceld.cluster.topology import dump_cluster, parse_cluster_text
 from mlxceld.cluster.twophase import PUSH_S, CoordinatorRound, Finished, Persist, Send
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.state.plans import Plans
 from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
-from mlxceld.wire.address import parse_address
 from mlxceld.wire.envelope import parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
@@ -67,8 +74,8 @@ CONNECT_S: Final = 5.0  # one dial and handshake
 LATE_DECISION_S: Final = 1.0
 HEARTBEAT_S: Final = 2.0  # a preparing peer's heartbeat
 FROM_PEER: Final = ("preparing", "accepted", "refused", "committed", "active", "aborted",
-                    "decision", "error")
-FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query")
+                    "decision", "deactivated", "error")
+FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query", "deactivate")
 COORDINATOR_SPECS: Final = {t: MessageSpec() for t in FROM_PEER}  # what a coordinator reads
 PEER_SPECS: Final = {t: MessageSpec() for t in (*FROM_COORDINATOR, "decision")}
 
@@ -179,14 +186,10 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
     streams: dict[str, MxclStream] = {}
     unsent: dict[str, bytes] = {}  # the last Send skipped per peer: it was not connected
 
-    me = parse_address(identity, port_zero=True)
-
     async def dial(agent: str) -> None:
-        where = parse_address(agent)
         try:
-            stream = await connect(where.host, where.port, keyring=keyring,
-                                   identity=me.claim(), channel=ASSIGNMENT_CHANNEL,
-                                   budget_s=CONNECT_S, local_addr=me.local_addr())
+            stream = await connect_as(identity, agent, keyring=keyring,
+                                      channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
         except HandshakeFailed as exc:
             await inbox.put((agent, "lost", {"reason": f"cannot connect: {exc.message}"}))
             return

@@ -1,24 +1,41 @@
 """The coordinator's bring-up: plan over the reachable peers, push the plan, serve it.
 
 ``--pp-auto N`` (``bring_up``), ``--pp-auto N --dry-run`` (``dry_run``),
-``mlxctl cluster plan`` (``plan``) and ``mlxctl cluster activate`` (``activate``)
-run here. The daemon hands over what a bring-up needs (its plans table,
-keyring, discovery, agent address, event log) and a ``CoordinatorSlot``: its
-window for running the router over a pushed plan.
+``mlxctl cluster plan`` (``plan``), ``mlxctl cluster activate`` (``activate``)
+and ``mlxctl cluster deactivate`` (``deactivate``, ``deactivation.py``) run here.
+
+At the daemon's start (``start``) the latest plan is resumed when it was
+committed or active, whatever the flags and the config file say now, so that
+a coordinator run by a service manager serves its plan again after a restart
+without planning again or reloading the peers' weights: a plan decided
+``active`` is served as it is, one decided ``commit`` or ``activate`` is pushed
+on until every peer is active (``assignment.resume_push``). A plan that was
+deactivated is not resumed. Only without a plan to resume does ``pp_auto``
+plan and push a new one. When the config now names another model, or
+``pp_auto`` another number of stages, the plan is still resumed as it was
+(the running cluster wins over a changed start-up setting), and the difference
+is logged, recorded as the event ``bringup.config_differs`` and shown by
+`mlxctl status` (``config_differs``): deactivate the plan, then restart (or
+activate), to apply the config.
+
+The daemon hands over what a bring-up needs (its plans table, keyring,
+discovery, agent address, event log) and a ``CoordinatorSlot``: its window for
+running the router over a pushed plan, and for stopping it.
 
 One bring-up at a time: while one plans or pushes, ``activate`` raises
 ``BringUpInProgress`` naming its plan. ``state`` is what ``mlxctl status``
 shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
 
-    {"state": "planning" | "pushing" | "active" | "failed", "epoch": E,
-     "model": DIR, "stages": N, "summary": "...",
+    {"state": "planning" | "pushing" | "active" | "failed" | "deactivated", "epoch": E,
+     "model": DIR, "stages": N, "summary": "...", "config_differs": "..." (a resumed plan),
      "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
                 "layers": [first, end], "state": STATE, "reason": "...",
                 "steps": [STATE, ...]}]}
 
 with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
-prepared, committed, active, failed (its reason), aborted; ``steps`` holds every
-state it went through, in order, so that a poller misses none.
+prepared, committed, active, failed (its reason), aborted; after a deactivation
+deactivated, unreachable or refused (``deactivation.Outcome``); ``steps`` holds
+every state it went through, in order, so that a poller misses none.
 
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
@@ -33,16 +50,18 @@ import sys
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from mlxceld.cluster import deactivation
 from mlxceld.cluster.assignment import PushPlan, StageOffer, push, resume_push
 from mlxceld.cluster.placement import Placement, place
-from mlxceld.cluster.planning import make_plan, plan_nodes
+from mlxceld.cluster.planning import make_plan
+from mlxceld.cluster.topology import parse_cluster_text
 from mlxceld.cluster.twophase import CoordinatorRound
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError
+from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.identity import model_identity
 from mlxceld.serving import resolve_model
 from mlxceld.state import EventLog
-from mlxceld.state.plans import Plans
+from mlxceld.state.plans import PlanRow, Plans
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
 from mlxceld.wire.address import parse_address
@@ -52,6 +71,7 @@ log = logging.getLogger(__name__)
 DRY_RUN_WAIT_S: Final = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
 PP_AUTO_WAIT_S: Final = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
 POLL_S: Final = 1.0  # between two polls of the candidates while waiting for peers
+RESUMABLE: Final = ("commit", "activate", "active")  # a plan decided so is resumed at start
 
 
 class CoordinatorSlot(Protocol):
@@ -59,6 +79,9 @@ class CoordinatorSlot(Protocol):
 
     async def serve_pipeline(self, placement: Placement) -> None:
         """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router."""
+
+    async def stop_pipeline(self) -> None:
+        """Drop the placement and stop the router; serve nothing until told again."""
 
 
 class Coordinator:
@@ -76,8 +99,9 @@ class Coordinator:
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
         self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
-        self._busy = False  # a bring-up plans or pushes
+        self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
+        self._chase: asyncio.Task[None] | None = None  # peers not told of a deactivation
 
     async def plan(self, model: str, stages: int, what: str = "mlxctl cluster plan") -> JSON:
         """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
@@ -87,15 +111,29 @@ class Coordinator:
         return make_plan(candidates, path, stages, cluster=self._cluster,
                          coordinator=self._identity)
 
-    def start(self, n: int, model: str) -> None:
-        """``--pp-auto N``: ``bring_up`` in the background."""
-        self._task = self._tasks.create_task(self.bring_up(n, model))
+    def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
+        """At the daemon's start, in the background: resume the latest plan if it is
+        committed or active; else with ``n`` (pp_auto) ``bring_up`` one of ``model``.
+        ``configured_model``: the model the flags or the config file name, if any."""
+        last = self._plans.latest()
+        if last is not None and last.decision in RESUMABLE:
+            self._task = self._tasks.create_task(
+                self._resume_at_start(last, n, configured_model))
+        elif n is not None and model is not None:
+            self._task = self._tasks.create_task(self.bring_up(n, model))
+        elif last is not None and last.decision == "deactivated":
+            self.state = {"state": "deactivated", "epoch": last.epoch, "stages":
+                          len(last.peers), "summary": f"plan {last.epoch} was deactivated "
+                          f"({last.summary}); mlxctl cluster activate brings up a new one",
+                          "peers": []}
 
     def close(self) -> None:
         """The daemon stops: a push cut short is presumed aborted; its peers abort by their
-        deadline (``twophase.PEER_PHASE_S``), or at once on asking us after our restart."""
-        if self._task is not None:
-            self._task.cancel()
+        deadline (``twophase.PEER_PHASE_S``), or at once on asking us after our restart.
+        Peers not told of a deactivation learn it when their daemon restarts."""
+        for task in (self._task, self._chase):
+            if task is not None:
+                task.cancel()
 
     async def activate(self, model: str, stages: int) -> JSON:
         """`mlxctl cluster activate`: plan now (a plan that does not fit is raised here, as
@@ -157,19 +195,12 @@ class Coordinator:
         logged and recorded; the daemon stays up, idle."""
         self._claim()
         try:
-            last = self._plans.latest()
-            if last is not None and last.decision in ("commit", "activate", "active"):
-                self.state = {"state": "pushing", "epoch": last.epoch, "model": model,
-                              "stages": len(last.peers), "summary": "", "peers": []}
-                await self._resume(last.epoch, last.decision, last.toml, model)
-                return
             self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
             await self.await_peers(n, PP_AUTO_WAIT_S)
             try:
                 planned = await self.plan(model, n)
-            except MlxceldError as exc:
-                notes = await self._plan_notes(model)
-                self._failed(f"no plan: {exc.message}" + "".join(f"; {n}" for n in notes))
+            except MlxceldError as exc:  # a PlanRefused names the candidates left out
+                self._failed(f"no plan: {exc.message}")
                 return
             epoch = self._plans.next_epoch()
             self._pushing(epoch, planned)
@@ -223,6 +254,94 @@ class Coordinator:
                          f" ({row['stage']})" if row["stage"] else "", state,
                          f": {reason}" if reason else "")
 
+    async def _resume_at_start(self, last: PlanRow, n: int | None,
+                               configured: str | None) -> None:
+        """Serve ``last`` again as it was (``_resume``), on the configured model when it is
+        the plan's, else on the plan's own; a config that differs is reported, not applied."""
+        self._claim()
+        epoch = last.epoch
+        try:
+            model = parse_cluster_text(last.toml, self._state_dir / f"cluster-{epoch}.toml"
+                                       ).model_path()
+            configured_identity = (None if configured is None else
+                                   await asyncio.to_thread(_identity_or_error, configured))
+            if configured is not None and configured_identity == last.model_identity:
+                model = Path(configured)
+            self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
+                          "stages": len(last.peers), "summary": "", "peers": []}
+            differs = config_differences(last, n, configured, configured_identity)
+            if differs:
+                self.state["config_differs"] = differs
+                log.warning("plan %d is resumed as it was, though %s; to apply the config: "
+                            "mlxctl cluster deactivate, then restart mlxceld", epoch, differs)
+                self._events.append("bringup.config_differs", "cluster",
+                                    f"plan {epoch} resumed as it was, though {differs}",
+                                    epoch=epoch)
+            assert last.decision is not None and model is not None
+            await self._resume(epoch, last.decision, last.toml, str(model))
+        except MlxceldError as exc:
+            self._failed(f"plan {epoch} cannot be resumed: {exc.message}")
+        except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
+            self._failed(f"plan {epoch} cannot be resumed: {exc}")
+        finally:
+            self._busy = False
+
+    async def deactivate(self) -> JSON:
+        """`mlxctl cluster deactivate`: end the latest plan (committed, active, or
+        deactivated already: then its peers are told again); see ``deactivation``."""
+        self._claim()
+        try:
+            last = self._plans.latest()
+            if last is None or last.decision not in (*RESUMABLE, "deactivated"):
+                what = (f"plan {last.epoch} is {last.decision or 'undecided'}" if last
+                        else "no plan was pushed from here")
+                raise NoActivePlan(f"nothing to deactivate: {what}",
+                                   hint="mlxctl status shows the last bring-up")
+            if self._chase is not None:
+                self._chase.cancel()
+            epoch, reason = last.epoch, "mlxctl cluster deactivate"
+            self._plans.decide(epoch, "deactivated", reason)
+            log.info("plan %d: deactivated; stopping the router, telling %d peer(s)", epoch,
+                     len(last.peers))
+            outcomes, _ = await asyncio.gather(
+                deactivation.tell(epoch, last.peers, keyring=self._keyring,
+                                  identity=self._identity, reason=reason),
+                self._slot.stop_pipeline())
+            return self._deactivated(last, outcomes)
+        finally:
+            self._busy = False
+
+    def _deactivated(self, plan: PlanRow, outcomes: dict[str, deactivation.Outcome]) -> JSON:
+        epoch = plan.epoch
+        left = [p for p, (state, _) in outcomes.items() if state != "deactivated"]
+        summary = (f"plan {epoch} deactivated: " + (
+            f"every stage of {len(plan.peers)} is stopped" if not left else
+            f"{len(plan.peers) - len(left)} of {len(plan.peers)} stage(s) stopped; not told: "
+            + "; ".join(f"{p}: {outcomes[p][0]}: {outcomes[p][1]}" for p in left)))
+        self.state = {"state": "deactivated", "epoch": epoch, "stages": len(plan.peers),
+                      "summary": summary,
+                      "peers": [{"stage": f"stage-{i}", "node_id": None, "address": p,
+                                 "layers": None, "state": outcomes[p][0],
+                                 "reason": outcomes[p][1], "steps": [outcomes[p][0]]}
+                                for i, p in enumerate(plan.peers)]}
+        (log.warning if left else log.info)("%s", summary)
+        self._events.append("bringup.deactivated", "cluster", summary, epoch=epoch)
+        if left:
+            self._chase = self._tasks.create_task(deactivation.chase(
+                epoch, left, self._told_late, keyring=self._keyring, identity=self._identity,
+                reason="mlxctl cluster deactivate"))
+        return self.state
+
+    def _told_late(self, peer: str, outcome: deactivation.Outcome) -> None:
+        state = self.state or {}
+        for row in state.get("peers") or []:
+            if row["address"] == peer and row["state"] != outcome[0]:
+                row["state"], row["reason"] = outcome
+                row["steps"].append(outcome[0])
+        message = f"plan {state.get('epoch')}: peer {peer} told of the deactivation late"
+        log.info("%s", message)
+        self._events.append("bringup.peer_deactivated", "cluster", message, peer=peer)
+
     async def _resume(self, epoch: int, decision: str, toml: str, model: str) -> None:
         """A restart after a commit or activate decision re-sends it until every peer is
         active; after ``active`` the pushed pipeline is served again as it was."""
@@ -248,19 +367,30 @@ class Coordinator:
         self._events.append("bringup.active", "cluster", summary, epoch=epoch)
         log.info("pipeline bring-up: %s", summary)
 
-    async def _plan_notes(self, model: str) -> list[str]:
-        """Why candidates were left out of a plan (another model, no inventory yet)."""
-        try:
-            identity = await asyncio.to_thread(model_identity, Path(model))
-        except MlxceldError:
-            return []
-        return plan_nodes(await self._discovery.refresh(), identity)[1]
-
     def _failed(self, summary: str) -> None:
         self.state = {**(self.state or {}), "state": "failed", "summary": summary}
         log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
                   "the peers named, then restart it)", summary)
         self._events.append("bringup.failed", "cluster", summary)
+
+
+def config_differences(plan: PlanRow, n: int | None, configured: str | None,
+                       configured_identity: str | None) -> str:
+    """How the start-up config differs from the plan resumed (empty: it does not)."""
+    parts = []
+    if configured is not None and configured_identity != plan.model_identity:
+        parts.append(f"the config names model {configured} ({configured_identity}), the plan "
+                     f"serves model {plan.model_identity}")
+    if n is not None and n != len(plan.peers):
+        parts.append(f"pp_auto is {n}, the plan has {len(plan.peers)} stage(s)")
+    return "; ".join(parts)
+
+
+def _identity_or_error(model: str) -> str:
+    try:
+        return model_identity(Path(model))
+    except MlxceldError as exc:
+        return f"unreadable: {exc.message}"
 
 
 def model_dir(model: str, what: str) -> Path:

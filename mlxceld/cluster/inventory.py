@@ -30,6 +30,8 @@ asker treats a violation as a bad answer, never as a partial inventory):
 - ``ports``: 0 to ``MAX_PORTS`` distinct TCP ports in 1-65535 that were free on
   the agent's host when it answered, proposed for stage listeners (found by
   binding port 0 and closing; another process may take one before it is used).
+  With ``stage_ports`` set (``stage_ports.py``) they are the lowest free ports of
+  that range, found by binding each in turn; none when every one is taken.
 - ``agent``: the agent's listener address ``host:port`` as it listens (an
   unspecified host such as ``0.0.0.0`` when it listens on every interface).
 
@@ -53,6 +55,7 @@ import psutil
 from mlxceld import __version__
 from mlxceld.cluster.agent import AgentService
 from mlxceld.cluster.cluster_toml import name_problem
+from mlxceld.cluster.stage_ports import StagePorts
 from mlxceld.errors import MlxceldError
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream
@@ -80,14 +83,15 @@ def request() -> dict[str, Any]:
     return {"t": INVENTORY}
 
 
-def local_inventory(node_id: str, agent: str, agent_host: str,
-                    model: str | None) -> dict[str, Any]:
+def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None,
+                    stage_ports: StagePorts | None = None) -> dict[str, Any]:
     """This daemon's answer (psutil, the platform, free ports on ``agent_host``)."""
     memory = psutil.virtual_memory()
     return {"t": INVENTORY, "node": node_id, "version": __version__,
             "platform": {"system": sys.platform, "machine": platform.machine()[:64]},
             "memory_total": int(memory.total), "memory_available": int(memory.available),
-            "model": model_entry(model), "ports": free_ports(agent_host, FREE_PORTS),
+            "model": model_entry(model),
+            "ports": free_ports(agent_host, FREE_PORTS, stage_ports),
             "agent": agent}
 
 
@@ -100,9 +104,13 @@ def model_entry(model: str | None) -> dict[str, Any] | None:
         return {"path": model, "identity": None, "error": exc.message[:1024]}
 
 
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct TCP ports free on ``host`` now (all bound at once, then closed)."""
+def free_ports(host: str, count: int, within: StagePorts | None = None) -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` now: ephemeral ones (all bound at
+    once, then closed), or the lowest free ones ``within`` a range (fewer, or none, when
+    the range has fewer free ports)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if within is not None:
+        return _free_in(host, family, count, within)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
@@ -115,6 +123,21 @@ def free_ports(host: str, count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def _free_in(host: str, family: socket.AddressFamily, count: int,
+             within: StagePorts) -> list[int]:
+    found: list[int] = []
+    for port in within:
+        if len(found) == count:
+            break
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # taken (or not ours to bind): the next one
+            found.append(port)
+    return found
 
 
 def parse_inventory(header: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,12 +189,14 @@ def _string(table: Mapping[str, Any], key: str, low: int, high: int) -> None:
         raise InventoryError(f"inventory {key!r} must be a string of {low}-{high} characters")
 
 
-def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str | None]) -> None:
-    """Answer ``inventory`` on the agent channel; ``model`` gives the configured model now."""
+def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str | None],
+                    stage_ports: StagePorts | None = None) -> None:
+    """Answer ``inventory`` on the agent channel; ``model`` gives the configured model now,
+    ``stage_ports`` the range stage ports are proposed from (None: ephemeral ports)."""
 
     async def answer(stream: MxclStream, message: Envelope) -> None:
         inventory = await asyncio.to_thread(local_inventory, node_id, agent.address, agent.host,
-                                            model())
+                                            model(), stage_ports)
         await stream.send(encode_envelope(inventory))
 
     agent.add_handler(AGENT_CHANNEL, INVENTORY, answer)

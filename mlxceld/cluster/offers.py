@@ -12,7 +12,9 @@ in this order, and refuses at the first problem:
    the peer's own checkpoint, and its stage there must have
    the offered range                                            final
 7. the node id: ``stage-<index>``, the node of that rank        back to waiting
-8. the listener: the TOML places this peer's stage at the
+8. the stage port: inside this peer's ``stage_ports`` range,
+   when it has one (``stage_ports.py``)                         back to waiting
+   the listener: the TOML places this peer's stage at the
    offered port, one it proposed, on a host that is this peer   back to waiting
 9. the coordinator: the TOML's coordinator and the offer's
    coordinator are the identity the handshake bound             back to waiting
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from mlxceld.cluster.stage_ports import StagePorts
 from mlxceld.cluster.topology import ClusterConfig, parse_cluster_text, validate_layers
 from mlxceld.errors import ConfigError
 from mlxceld.net.resolve import ResolveError, is_local_ip, matches_blocking, resolve_blocking
@@ -85,6 +88,7 @@ class PeerFacts:
     num_layers: int | None
     agent_host: str
     ports: frozenset[int]  # the stage listener ports it proposed
+    stage_ports: StagePorts | None = None  # the range its stage ports must be in, if any
 
 
 def parse_offer(header: Mapping[str, Any]) -> Offer:
@@ -155,6 +159,10 @@ def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
     if offer.node_id != f"stage-{offer.stage}" or node.id != offer.node_id:
         return Refusal("node_id", f"the offer names node {offer.node_id!r} for stage "
                        f"{offer.stage}; expected 'stage-{offer.stage}' in the TOML too", False)
+    if me.stage_ports is not None and offer.port not in me.stage_ports:
+        return Refusal("stage_port", f"the offer places stage {offer.stage} at port "
+                       f"{offer.port}, outside this node's stage_ports {me.stage_ports}",
+                       False)
     where = parse_address(node.address)
     if where.port != offer.port or where.port not in me.ports \
             or not _is_mine(where.host, me.agent_host):

@@ -18,6 +18,7 @@ from mlxceld.cluster.plan import PlanNode, usable_memory
 from mlxceld.cluster.plan_report import plan_json, render_plan_table
 from mlxceld.cluster.planner import plan_stages
 from mlxceld.cluster.topology import dump_cluster
+from mlxceld.errors import PlanRefused
 from mlxceld.models.identity import model_identity
 from mlxceld.models.profile import layer_profile
 from mlxceld.state.peers import PeerRow
@@ -35,8 +36,12 @@ def plan_nodes(candidates: Sequence[PeerRow], identity: str) -> tuple[list[PlanN
         if theirs is not None and theirs != identity:
             notes.append(f"{name} ({c.address}) has model {theirs}, not {identity}: left out")
             continue
-        if c.memory_available is None or not ports:
+        if c.memory_available is None:
             notes.append(f"{name} ({c.address}) has not reported its memory and ports yet")
+            continue
+        if not ports:
+            notes.append(f"{name} ({c.address}) proposed no free stage port (with "
+                         "stage_ports set: every port of that range is taken there): left out")
             continue
         nodes.append(PlanNode(name, c.address, usable_memory(c.memory_available),
                               int(ports[0])))
@@ -49,7 +54,13 @@ def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluste
     raises ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
     identity = model_identity(model)
     nodes, notes = plan_nodes(candidates, identity)
-    plan = plan_stages(layer_profile(model), stages, nodes)
+    try:
+        plan = plan_stages(layer_profile(model), stages, nodes)
+    except PlanRefused as exc:
+        if not notes:
+            raise
+        raise PlanRefused(f"{exc.message} ({'; '.join(notes)})", hint=exc.hint,
+                          shortfalls=exc.shortfalls) from exc
     cfg = plan.to_cluster(cluster, str(model), coordinator)
     return {"plan": dict(plan_json(plan)), "table": render_plan_table(plan),
             "toml": dump_cluster(cfg), "notes": notes, "model_identity": identity}

@@ -6,8 +6,11 @@ Highest precedence first:
 2. ``MLXCEL_CLUSTER_SECRET_FILE`` (a path)
 3. ``MLXCEL_CLUSTER_SECRET`` (the value itself; setting both variables is an
    error, whatever else is given: the stricter reading)
-4. ``[cluster] secret_file`` in the cluster TOML, relative to the TOML's dir
-5. the daemon's keyring (its primary)
+4. ``[daemon] cluster_secret_file`` in the daemon's config file, relative to
+   that file's dir (below the variables, as a config file is below the
+   environment everywhere else)
+5. ``[cluster] secret_file`` in the cluster TOML, relative to the TOML's dir
+6. the daemon's keyring (its primary)
 
 A file's content is trimmed (one trailing CRLF or LF) and must then hold at
 least 16 bytes; an environment value is taken as is. A variable that is set
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 ENV_FILE = "MLXCEL_CLUSTER_SECRET_FILE"
 ENV_VALUE = "MLXCEL_CLUSTER_SECRET"
 FLAG = "--cluster-secret-file"
+CONFIG_KEY = "[daemon] cluster_secret_file"
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,12 @@ class ResolvedSecret:
 
 @dataclass
 class _Sources:
-    """The five sources, each with what was found there, for error messages."""
+    """The six sources, each with what was found there, for error messages."""
 
     flag_file: Path | None
     env_file: str | None
     env_value: str | None
+    config_file: Path | None
     toml: TomlSecretFile | None
     keyring: Keyring | None
     keyring_where: str
@@ -71,6 +76,7 @@ class _Sources:
             (FLAG, str(self.flag_file) if self.flag_file else None),
             (ENV_FILE, self.env_file),
             (ENV_VALUE, "set" if self.env_value is not None else None),
+            (CONFIG_KEY, str(self.config_file) if self.config_file else None),
             ("[cluster] secret_file", str(self.toml.resolve()) if self.toml else None),
             (f"the keyring in {self.keyring_where}",
              f"{len(self.keyring)} key(s)" if self.keyring else None),
@@ -90,14 +96,15 @@ def resolve_secret(
     *,
     flag_file: Path | None = None,
     environ: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
     toml: TomlSecretFile | None = None,
     keyring: Keyring | None = None,
     keyring_where: str = "the state dir",
 ) -> ResolvedSecret | None:
     """The node's secret by precedence, or None if no source has one (no cluster use yet)."""
     env = os.environ if environ is None else environ
-    src = _Sources(flag_file, env.get(ENV_FILE), env.get(ENV_VALUE), toml, keyring,
-                   keyring_where)
+    src = _Sources(flag_file, env.get(ENV_FILE), env.get(ENV_VALUE), config_file, toml,
+                   keyring, keyring_where)
     if src.env_file is not None and src.env_value is not None:
         raise SecretSourceError(
             f"both {ENV_FILE} and {ENV_VALUE} are set; {src.describe(None)}",
@@ -116,6 +123,8 @@ def resolve_secret(
         secret = os.fsencode(src.env_value)
         _check_length(secret, ENV_VALUE, ENV_VALUE, src)
         return ResolvedSecret(secret, ENV_VALUE)
+    if config_file is not None:
+        return _from_file(config_file, f"{CONFIG_KEY} {config_file}", CONFIG_KEY, src)
     if toml is not None:
         path = toml.resolve()
         return _from_file(path, f"[cluster] secret_file {path} (in {toml.toml_path})",

@@ -19,6 +19,7 @@ from mlxceld import __version__
 from mlxceld.cluster.assignee import PREPARE_S, port_is_free
 from mlxceld.cluster.offers import PeerFacts
 from mlxceld.cluster.placement import STAGE_WORKER, Placement, place
+from mlxceld.cluster.stage_ports import StagePorts
 from mlxceld.errors import DaemonError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
@@ -42,7 +43,8 @@ class LocalStageHost:
 
     def __init__(self, slot: StageSlot, supervisor: Supervisor, events: EventLog, *,
                  cluster: str, state_dir: Path, model: Callable[[], str | None],
-                 agent_host: Callable[[], str]) -> None:
+                 agent_host: Callable[[], str], stage_ports: StagePorts | None = None
+                 ) -> None:
         self._slot = slot
         self._supervisor = supervisor
         self._events = events
@@ -50,6 +52,7 @@ class LocalStageHost:
         self._state_dir = state_dir
         self._model = model
         self._agent_host = agent_host
+        self._stage_ports = stage_ports
         self._placement: Placement | None = None
 
     def facts(self, port: int) -> PeerFacts:
@@ -60,7 +63,8 @@ class LocalStageHost:
             layers = layer_count(read_model_config(Path(model)))
         host = self._agent_host()
         return PeerFacts(__version__, self._cluster, identity, layers, host,
-                         frozenset({port}) if port_is_free(host, port) else frozenset())
+                         frozenset({port}) if port_is_free(host, port) else frozenset(),
+                         self._stage_ports)
 
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
         path = self._state_dir / f"cluster-{epoch}.toml"

@@ -26,6 +26,10 @@ newer one that checks out supersedes an undecided round (preparing, accepted:
 its stage stops, it is recorded aborted and its coordinator told) and starts
 its own; a committed round is decided, so the newer offer is refused as busy
 until it ends (active, or aborted after its deadline).
+
+After the round, the coordinator may end the plan (``PeerRound.on_deactivate``,
+`mlxctl cluster deactivate`, ``deactivation.py``): from any state the stage
+stops and the round is recorded deactivated, which a restart does not resume.
 """
 
 from __future__ import annotations
@@ -231,12 +235,12 @@ class CoordinatorRound:
 # -- the peer ---------------------------------------------------------------------------
 
 PeerState = Literal["waiting", "preparing", "accepted", "committed", "active", "aborted",
-                    "refused"]
+                    "refused", "deactivated"]
 
 
 @dataclass(frozen=True)
 class Reply:
-    kind: str  # preparing | accepted | refused | committed | active | aborted
+    kind: str  # preparing | accepted | refused | committed | active | aborted | deactivated
     reason: str = ""
 
 
@@ -262,6 +266,9 @@ class Query:
 
 
 PeerAction = Reply | Record | StageAction | Query
+# The states in which this round's stage worker runs or loads; in the others the stage
+# that runs, if any, is another round's.
+HOLDS_A_STAGE: Final = ("preparing", "accepted", "committed", "active")
 OfferVerdict = Literal["take", "stale", "busy", "keep"]
 
 
@@ -308,6 +315,8 @@ class PeerRound:
         return [Record("accepted"), Reply("accepted")]
 
     def on_prepare_failed(self, reason: str) -> list[PeerAction]:
+        if self.state in ("aborted", "deactivated"):
+            return []  # the stage was stopped on purpose, which ended its loading
         self.state, self.reason, self.deadline = "waiting", reason, None
         return [StageAction("stop"), Record("refused", f"prepare: {reason}"),
                 Reply("refused", f"the stage could not be prepared: {reason}")]
@@ -329,13 +338,28 @@ class PeerRound:
         return [Record("active"), StageAction("activate"), Reply("active")]
 
     def on_abort(self, summary: str) -> list[PeerAction]:
-        if self.state in ("active", "aborted", "refused", "waiting"):
+        if self.state in ("active", "aborted", "refused", "waiting", "deactivated"):
             return [Reply("aborted")] if self.state == "aborted" else []
         self.state, self.reason, self.deadline = "aborted", summary, None
         return [StageAction("stop"), Record("aborted", summary), Reply("aborted")]
 
+    def on_deactivate(self, reason: str) -> list[PeerAction]:
+        """The coordinator ended the plan (``deactivate``), whatever this round's state: its
+        stage stops (if it has one) and the round is recorded deactivated (a restart does
+        not resume it)."""
+        if self.state == "deactivated":
+            return [Reply("deactivated")]  # a resent deactivate: answer again
+        had_stage = self.state in HOLDS_A_STAGE
+        self.state, self.reason, self.deadline = "deactivated", reason, None
+        return [*([StageAction("stop")] if had_stage else []), Record("deactivated", reason),
+                Reply("deactivated")]
+
     def on_decision(self, decision: str, now: float) -> list[PeerAction]:
-        """The coordinator's answer to ``Query``: commit, activate, abort or unknown."""
+        """The coordinator's answer to ``Query``: commit, activate, abort, deactivated or
+        unknown."""
+        if decision == "deactivated":
+            return [a for a in self.on_deactivate("the coordinator deactivated the plan")
+                    if not isinstance(a, Reply)]
         if decision == "commit" and self.state == "accepted":
             return self.on_commit(now)
         if decision in ("activate", "active") and self.state in ("accepted", "committed"):

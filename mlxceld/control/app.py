@@ -56,9 +56,11 @@ class DaemonView(Protocol):
     def cluster_nodes(self) -> JSON: ...
     async def plan_cluster(self, model: str, stages: int) -> JSON: ...
     async def activate_cluster(self, model: str, stages: int) -> JSON: ...
+    async def deactivate_cluster(self) -> JSON: ...
     def log_path(self, name: str) -> str | None: ...
     def restart_worker(self, name: str) -> None: ...
     async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
+    async def unserve(self) -> JSON: ...
     def request_stop(self) -> None: ...
     def secrets(self) -> list[JSON]: ...
     def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
@@ -136,6 +138,27 @@ def build_app(daemon: DaemonView) -> ASGIApp:
                                    "version": __version__, "bringup": state},
                                   status_code=202))
 
+    async def deactivate(request: Request) -> Response:
+        """End the plan on every peer and stop the router (at most ``deactivation`` bounds:
+        a dial and an answer per peer, in parallel, and the router's stop)."""
+        if daemon.stopping:
+            return _stopping()
+        try:
+            state = await daemon.deactivate_cluster()
+        except BringUpInProgress as exc:
+            return error(409, exc.code, exc.message, exc.hint)
+        except MlxceldError as exc:
+            return error(400, exc.code, exc.message, exc.hint)
+        return body("cluster_deactivate", bringup=state)
+
+    async def unserve(request: Request) -> Response:
+        if daemon.stopping:
+            return _stopping()
+        try:
+            return body("unserve", **await daemon.unserve())
+        except MlxceldError as exc:
+            return error(409, exc.code, exc.message, exc.hint)
+
     async def serve(request: Request) -> Response:
         if daemon.stopping:
             return _stopping()
@@ -206,10 +229,12 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/cluster/nodes", cluster_nodes),
             Route("/v1/cluster/plan", plan, methods=["POST"]),
             Route("/v1/cluster/activate", activate, methods=["POST"]),
+            Route("/v1/cluster/deactivate", deactivate, methods=["POST"]),
             Route("/v1/workers/{name}/restart", restart, methods=["POST"]),
             Route("/v1/workers/{name}/logs", logs),
             Route("/v1/events", events),
             Route("/v1/serve", serve, methods=["POST"]),
+            Route("/v1/unserve", unserve, methods=["POST"]),
             Route("/v1/secrets", secrets),
             Route("/v1/secrets", install_secret, methods=["POST"]),
             Route("/v1/secrets/{kid}/primary", use_secret, methods=["POST"]),

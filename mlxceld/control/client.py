@@ -22,6 +22,10 @@ from mlxceld.types import JSON
 
 REQUEST_TIMEOUT_S = 10.0
 PLAN_TIMEOUT_S = 30.0  # the daemon's candidate poll (10 s at most) and the planning
+# The daemon's bounds on a deactivation (deactivation.CONNECT_S + ANSWER_S per peer, in
+# parallel with the router's stop), and slack.
+DEACTIVATE_TIMEOUT_S = 60.0
+UNSERVE_TIMEOUT_S = 40.0  # the router's stop: open streams get 10 s, SIGKILL after 20 s
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a heartbeat line every 15 s
 START_HINT = ("start it with `mlxceld` (or `brew services start mlxceld`, "
               "`systemctl start mlxceld`), or point --socket / MLXCELD_SOCKET at a running one")
@@ -68,6 +72,15 @@ class ControlClient:
         its epoch); poll ``status()["bringup"]`` for each peer's progress."""
         return await self._request("POST", "/v1/cluster/activate", timeout=PLAN_TIMEOUT_S,
                                    json={"model": model, "stages": stages})
+
+    async def deactivate_cluster(self) -> JSON:
+        """End the plan on every peer and stop the router; the answer names each peer's
+        outcome (``bringup``)."""
+        return await self._request("POST", "/v1/cluster/deactivate",
+                                   timeout=DEACTIVATE_TIMEOUT_S)
+
+    async def unserve(self) -> JSON:
+        return await self._request("POST", "/v1/unserve", timeout=UNSERVE_TIMEOUT_S)
 
     async def events(self, after: int = -20, limit: int = 100) -> JSON:
         return await self._get("/v1/events", after=after, limit=limit)

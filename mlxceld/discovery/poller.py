@@ -7,7 +7,7 @@ happens at least every ``POLL_INTERVAL_S`` whichever discovery runs.
 
 One poll, with its deadlines:
 
-1. ``mlxceld.net.connect`` to the candidate's agent address on channel 3 within
+1. ``mlxceld.net.connect_as`` to the candidate's agent address on channel 3 within
    ``CONNECT_BUDGET_S`` (5 s, the dialer's retries with backoff included). Our
    identity is our own agent address; when that names a specific IP the socket
    is bound to it, so the peer sees the source IP the identity claims (an
@@ -40,10 +40,9 @@ from mlxceld.cluster.inventory import (
     request,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.net import ConnectionClosed, HandshakeFailed, connect
+from mlxceld.net import ConnectionClosed, HandshakeFailed, connect_as
 from mlxceld.state.peers import PeerState
 from mlxceld.wire import EnvelopeError, SecretStore, encode_envelope, parse_envelope
-from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +59,7 @@ class InventoryPoller:
                  clock: Callable[[], float] = time.time) -> None:
         self._table = table
         self._keyring = keyring
-        ours = parse_address(identity, port_zero=True)  # our agent listener
-        self._claim, self._local_addr = ours.claim(), ours.local_addr()
+        self._origin = identity  # our agent listener
         self._interval = interval_s
         self._clock = clock
         self._wake = asyncio.Event()
@@ -109,11 +107,9 @@ class InventoryPoller:
 
     async def poll(self, address: str) -> None:
         """Ask ``address`` for its inventory and record the outcome in the table."""
-        target = parse_address(address)
         try:
-            stream = await connect(target.host, target.port, keyring=self._keyring,
-                                   identity=self._claim, channel=AGENT_CHANNEL,
-                                   budget_s=CONNECT_BUDGET_S, local_addr=self._local_addr)
+            stream = await connect_as(self._origin, address, keyring=self._keyring,
+                                      channel=AGENT_CHANNEL, budget_s=CONNECT_BUDGET_S)
         except HandshakeFailed as exc:
             state: PeerState = "refused" if exc.kind in REFUSED_KINDS else "unreachable"
             self._table.failed(address, state, f"{exc.kind}: {exc.message}", self._clock())

@@ -5,7 +5,7 @@
 established connection; ``SecurityLog`` rate-limits the warnings they raise.
 """
 
-from mlxceld.net.dialer import connect
+from mlxceld.net.dialer import connect, connect_as
 from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
 from mlxceld.net.listener import Listener, source_bucket
 from mlxceld.net.pool import ConnectionPool, PoolClosed
@@ -14,6 +14,6 @@ from mlxceld.net.stream import MxclStream
 
 __all__ = [
     "ConnectionClosed", "ConnectionPool", "HandshakeFailed", "Listener", "MxclStream",
-    "NetError", "PoolClosed", "SecurityClass", "SecurityLog", "Verdict", "connect",
+    "NetError", "PoolClosed", "SecurityClass", "SecurityLog", "Verdict", "connect", "connect_as",
     "source_bucket",
 ]

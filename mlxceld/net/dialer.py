@@ -28,6 +28,7 @@ from mlxceld.wire import (
     SecretStore,
     Suite,
 )
+from mlxceld.wire.address import parse_address
 from mlxceld.wire.frames import DEFAULT_LIMITS
 
 log = logging.getLogger(__name__)
@@ -100,3 +101,14 @@ async def connect(host: str, port: int, *, keyring: SecretStore, identity: str, 
         pass
     raise HandshakeFailed(last_kind, f"could not connect to {peer} within {budget_s:g} s "
                           f"({attempts} attempts); last: {last_reason}", peer=peer)
+
+
+async def connect_as(origin: str, address: str, *, keyring: SecretStore, channel: int,
+                     budget_s: float = 10.0) -> MxclStream:
+    """``connect`` to ``address`` (``host:port``, a host name resolved when dialed) as the
+    node whose listener is at ``origin``: with the identity it claims and from the IP it
+    dials from (``mlxceld.wire.address.HostPort.claim``). ``ValueError`` if either is not
+    ``host:port``."""
+    me, where = parse_address(origin, port_zero=True), parse_address(address)
+    return await connect(where.host, where.port, keyring=keyring, identity=me.claim(),
+                         channel=channel, budget_s=budget_s, local_addr=me.local_addr())

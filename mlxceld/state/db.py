@@ -84,7 +84,14 @@ def _v5(db: sqlite_utils.Database) -> None:
     create_tables(db)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(db: sqlite_utils.Database) -> None:
+    """A plan and an assignment can be deactivated (`mlxctl cluster deactivate`)."""
+    from mlxceld.state.plans import allow_deactivated
+
+    allow_deactivated(db)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -2,10 +2,12 @@
 
 ``plans`` is the coordinator's side: one row per plan epoch with the cluster
 TOML it pushes, its peers, and its decision (NULL while undecided, which a
-restarted coordinator reads as aborted). ``assignments`` is a peer's side: one
-row per epoch it was offered, with its state (preparing, accepted, refused,
-committed, active, aborted), the coordinator identity that offered it, and
-the cluster TOML it runs once active. Each write is one committed transaction
+restarted coordinator reads as aborted; ``deactivated`` once `mlxctl cluster
+deactivate` ended it, which a restarted coordinator does not resume).
+``assignments`` is a peer's side: one row per epoch it was offered, with its
+state (preparing, accepted, refused, committed, active, aborted, deactivated),
+the coordinator identity that offered it, and the cluster TOML it runs once
+active. Each write is one committed transaction
 (``twophase`` requires a decision or a vote to be durable before it is sent).
 """
 
@@ -18,8 +20,11 @@ from dataclasses import dataclass
 import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
-PLAN_DECISIONS = ("commit", "activate", "active", "abort")
-PEER_STATES = ("preparing", "accepted", "refused", "committed", "active", "aborted")
+# Schema v5's values; v6 added "deactivated" to both (`mlxctl cluster deactivate`).
+_V5_DECISIONS = ("commit", "activate", "active", "abort")
+_V5_STATES = ("preparing", "accepted", "refused", "committed", "active", "aborted")
+PLAN_DECISIONS = (*_V5_DECISIONS, "deactivated")
+PEER_STATES = (*_V5_STATES, "deactivated")
 
 
 @dataclass(frozen=True)
@@ -43,23 +48,41 @@ class AssignmentRow:
     toml: str
 
 
-def create_tables(db: sqlite_utils.Database) -> None:
-    """Migration v5 (see db.py)."""
+def _one_of(values: tuple[str, ...]) -> str:
+    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+def _create(db: sqlite_utils.Database, decisions: tuple[str, ...],
+            states: tuple[str, ...]) -> None:
     db.execute(
         "CREATE TABLE plans ("
         " epoch INTEGER PRIMARY KEY,"
         " cluster TEXT NOT NULL, model_identity TEXT NOT NULL, peers TEXT NOT NULL,"
         " toml TEXT NOT NULL,"
-        " decision TEXT CHECK (decision IS NULL OR decision IN"
-        "   ('commit', 'activate', 'active', 'abort')),"
+        f" decision TEXT CHECK (decision IS NULL OR decision IN {_one_of(decisions)}),"
         " summary TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL, updated_at REAL NOT NULL)")
     db.execute(
         "CREATE TABLE assignments ("
         " epoch INTEGER PRIMARY KEY,"
         " coordinator TEXT NOT NULL, stage INTEGER NOT NULL,"
-        " state TEXT NOT NULL CHECK (state IN"
-        "   ('preparing', 'accepted', 'refused', 'committed', 'active', 'aborted')),"
+        f" state TEXT NOT NULL CHECK (state IN {_one_of(states)}),"
         " reason TEXT NOT NULL DEFAULT '', toml TEXT NOT NULL, updated_at REAL NOT NULL)")
+
+
+def create_tables(db: sqlite_utils.Database) -> None:
+    """Migration v5 (see db.py)."""
+    _create(db, _V5_DECISIONS, _V5_STATES)
+
+
+def allow_deactivated(db: sqlite_utils.Database) -> None:
+    """Migration v6: both tables again with "deactivated" allowed, rows kept (SQLite cannot
+    change a CHECK in place)."""
+    for table in ("plans", "assignments"):
+        db.execute(f"ALTER TABLE {table} RENAME TO {table}_v5")
+    _create(db, PLAN_DECISIONS, PEER_STATES)
+    for table in ("plans", "assignments"):
+        db.execute(f"INSERT INTO {table} SELECT * FROM {table}_v5")
+        db.execute(f"DROP TABLE {table}_v5")
 
 
 class Plans:
@@ -124,8 +147,12 @@ class Assignments:
 
     def latest(self) -> AssignmentRow | None:
         epoch = self.newest_epoch()
-        if not epoch:
+        return self.get(epoch) if epoch else None
+
+    def get(self, epoch: int) -> AssignmentRow | None:
+        try:
+            r = self._table.get(epoch)
+        except NotFoundError:
             return None
-        r = self._table.get(epoch)
         return AssignmentRow(r["epoch"], r["coordinator"], r["stage"], r["state"],
                              r["reason"], r["toml"])

@@ -84,9 +84,9 @@ class Peer:
     keyring: Keyring
     address: str
 
-    async def dial(self) -> MxclStream:
+    async def dial(self, identity: str = COORDINATOR) -> MxclStream:
         host, _, port = self.address.rpartition(":")
-        return await connect(host, int(port), keyring=self.keyring, identity=COORDINATOR,
+        return await connect(host, int(port), keyring=self.keyring, identity=identity,
                              channel=ASSIGNMENT_CHANNEL, budget_s=5.0,
                              local_addr=("127.0.0.1", 0))
 
@@ -97,7 +97,7 @@ async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
     keyring.add(secrets.token_bytes(32), primary=True)
     stage, assignments = HeldStage(), Assignments(open_db(tmp_path / "state.db"))
     agent = AgentService((PEER_HOST, 0), keyring)
-    assignee = Assignee(assignments, stage, keyring, identity=f"{PEER_HOST}:0",
+    assignee = Assignee(assignments, stage, keyring, identity=lambda: agent.address,
                         state_dir=tmp_path, enabled=True)
     assignee.register(agent)
     async with asyncio.TaskGroup() as tg:
@@ -173,3 +173,40 @@ async def scenario(peer: Peer) -> None:
     assert peer.stage.calls[-1] == "activate"
     for s in (old, new, late, bad, busy):
         await s.close("done")
+
+
+def test_deactivate_stops_the_stage_and_comes_only_from_the_coordinator(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with running_peer(tmp_path) as peer:
+            push = await peer.dial()
+            await push.send(offer(20))
+            peer.stage.gate(20).set()
+            assert (await answer(push))["t"] == "accepted"
+            for ask, reply in (("commit", "committed"), ("activate", "active")):
+                await push.send(message(ask, 20))
+                assert (await answer(push))["t"] == reply
+
+            stranger = await peer.dial("127.0.0.1:19001")
+            await stranger.send(message("deactivate", 20, reason="x"))
+            got = await answer(stranger)
+            assert (got["t"], got["code"]) == ("refused", "coordinator"), got
+            assert got["reason"] == f"plan 20 came from {COORDINATOR}, not from 127.0.0.1:19001"
+            assert "stop" not in peer.stage.calls
+
+            told = await peer.dial()
+            await told.send(message("deactivate", 20, reason="mlxctl cluster deactivate"))
+            assert (await answer(told))["t"] == "deactivated"
+            assert peer.stage.calls.count("stop") == 1
+            row = peer.assignments.latest()
+            assert row is not None and (row.epoch, row.state) == (20, "deactivated")
+            assert row.reason == f"deactivated by coordinator {COORDINATOR}"
+            await told.send(message("deactivate", 20, reason="again"))
+            assert (await answer(told))["t"] == "deactivated"  # answered again, stopped once
+            await told.send(message("deactivate", 99, reason="?"))
+            got = await answer(told)
+            assert (got["t"], got["reason"]) == ("deactivated", "plan 99 never ran here")
+            assert peer.stage.calls.count("stop") == 1
+            for stream in (push, stranger, told):
+                await stream.close("done")
+
+    asyncio.run(go())

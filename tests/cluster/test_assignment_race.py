@@ -3,7 +3,7 @@ the decision: it got its offer, so it must hear the decision before the connecti
 
 Two fake peers on real MXCL listeners on loopback record what they receive; A refuses its
 offer. The plan lists B first, so the abort to B is due while B is still connecting and is
-skipped; B's dial is held (a wrapper around ``connect``, our own seam) until the abort to A
+skipped; B's dial is held (a wrapper around ``connect_as``, our own seam) until the abort to A
 is being sent, and that send yields a moment, so B registers and gets its offer just then.
 """
 
@@ -106,13 +106,13 @@ async def scenario(keyring: Keyring, b: FakePeer, a: FakePeer, agents: list[str]
                    plans: Plans, monkeypatch: pytest.MonkeyPatch) -> None:
     b_agent, a_agent = agents
     b_connected, aborting = asyncio.Event(), asyncio.Event()
-    real_connect = assignment.connect
+    real_connect = assignment.connect_as
 
-    async def held_connect(host: str, port: int, **kwargs: Any) -> Any:
+    async def held_connect(origin: str, address: str, **kwargs: Any) -> Any:
         """A's stream once B is connected (so B's dial only waits on the abort); B's once
         the abort to A is being sent."""
-        stream = await real_connect(host, port, **kwargs)
-        is_b = f"{host}:{port}" == b_agent
+        stream = await real_connect(origin, address, **kwargs)
+        is_b = address == b_agent
         try:
             if is_b:
                 b_connected.set()
@@ -124,7 +124,7 @@ async def scenario(keyring: Keyring, b: FakePeer, a: FakePeer, agents: list[str]
             raise
         return stream if is_b else AbortYields(stream, aborting)
 
-    monkeypatch.setattr(assignment, "connect", held_connect)
+    monkeypatch.setattr(assignment, "connect_as", held_connect)
     plan = PushPlan("c1", MODEL, "", (StageOffer(b_agent, 0, (0, 2), "stage-0", 19100),
                                       StageOffer(a_agent, 1, (2, 4), "stage-1", 19101)))
     epoch, done = await asyncio.wait_for(

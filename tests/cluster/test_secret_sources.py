@@ -16,8 +16,8 @@ B = b"secret-from-the-env-file-1111111"
 C = "secret-from-the-env-value-222222"
 D = b"secret-from-the-toml-file-333333"
 E = b"secret-in-the-keyring-4444444444"
-ALL_SOURCES = ("--cluster-secret-file", ENV_FILE, ENV_VALUE, "[cluster] secret_file",
-               "the keyring in")
+ALL_SOURCES = ("--cluster-secret-file", ENV_FILE, ENV_VALUE, "[daemon] cluster_secret_file",
+               "[cluster] secret_file", "the keyring in")
 
 
 def write(path: Path, content: bytes, mode: int = 0o600) -> Path:
@@ -58,6 +58,22 @@ def test_precedence_flag_env_file_env_value_toml_keyring(files: dict[str, Path])
     assert got is not None and got.secret == E and got.from_keyring
     assert resolve_secret(environ={}, keyring=Keyring()) is None
     assert resolve_secret(environ={}) is None
+
+
+def test_the_config_files_key_is_below_the_variables_above_the_toml(
+        files: dict[str, Path]) -> None:
+    toml = TomlSecretFile("d.key", files["cluster.toml"])
+    conf = files["flag"]  # [daemon] cluster_secret_file (resolved by mlxceld.config)
+    got = resolve_secret(environ={ENV_FILE: str(files["env"])}, config_file=conf, toml=toml)
+    assert got is not None and got.secret == B
+    got = resolve_secret(environ={ENV_VALUE: C}, config_file=conf, toml=toml)
+    assert got is not None and got.secret == C.encode()
+    got = resolve_secret(environ={}, config_file=conf, toml=toml, keyring=keyring())
+    assert got is not None and got.secret == A
+    assert got.source == f"[daemon] cluster_secret_file {conf}"
+    with pytest.raises(SecretSourceError) as info:
+        resolve_secret(environ={}, config_file=conf.with_name("gone.key"), toml=toml)
+    assert "gone.key (from [daemon] cluster_secret_file) cannot be read" in info.value.message
 
 
 def test_file_content_is_trimmed_once_and_only_at_the_end(tmp_path: Path) -> None:

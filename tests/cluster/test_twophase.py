@@ -234,3 +234,30 @@ def test_the_wait_between_phases_is_separate_from_loading() -> None:
     assert p.deadline == 12.0
     r, _ = PeerRound.resume(5, "accepted", 100, phase_s=2.0)
     assert r.deadline == 102.0
+
+
+def test_a_deactivated_round_stops_its_stage_whatever_its_state() -> None:
+    p = PeerRound(2)
+    p.on_offer_accepted(0)
+    p.on_prepared(1)
+    p.on_commit(2)
+    p.on_activate()
+    assert p.on_deactivate("by mlxctl") == [StageAction("stop"), Record("deactivated",
+                                                                        "by mlxctl"),
+                                            Reply("deactivated")]
+    assert (p.state, p.deadline) == ("deactivated", None)
+    assert p.on_deactivate("again") == [Reply("deactivated")]  # resent: answered, once
+    assert p.on_activate() == [] and p.on_abort("late") == [] and p.handle_timer(1e9) == []
+    assert p.on_other_offer(3, True) == ("take", [])  # a later plan is judged as usual
+    assert p.on_prepare_failed("stage worker is missing") == []  # it was stopped for this
+    q = PeerRound(4)
+    q.on_offer_accepted(0)
+    q.on_prepared(1)
+    q.handle_timer(1 + PEER_PHASE_S)  # asks the coordinator, which ended the plan
+    assert q.on_decision("deactivated", 70) == [
+        StageAction("stop"), Record("deactivated", "the coordinator deactivated the plan")]
+    assert q.state == "deactivated"
+    r = PeerRound(5)
+    r.on_offer_refused("busy", "plan 4 is committed here", final=False)
+    assert r.on_deactivate("x") == [Record("deactivated", "x"), Reply("deactivated")]  # no
+    # stage of its own: the stage that runs here (plan 4's) is not this round's to stop

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import httpx
 import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, free_port, wait_for
+from conftest import FAST_POLICY, DaemonProc, Daemons, alive, free_port, wait_for
 
 ROUTER_READY_S = 120.0
 
@@ -185,3 +186,39 @@ def test_missing_model_path_is_refused_at_startup(daemons: Daemons) -> None:
                          timeout=30)
     assert out.returncode == 2
     assert "--model: model directory /no/such/model does not exist" in out.stderr
+
+
+def test_unserve_stops_the_router_and_a_restart_serves_nothing(daemons: Daemons,
+                                                               tiny_llama: Path) -> None:
+    port = free_port()
+    d = daemons.make(FAST_POLICY + f"\n[serve]\nport = {port}\n").start()
+    nothing = d.ctl("unserve")
+    assert nothing.returncode == 0 and "nothing was served" in nothing.stdout
+    assert d.ctl("serve", str(tiny_llama), timeout=ROUTER_READY_S).returncode == 0
+    daemons.note(d)
+    router = d.worker("router")["pid"]
+    out = d.ctl("unserve", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"stopped serving llama ({tiny_llama.resolve()})"
+    assert "router" not in [w["name"] for w in d.status()["workers"]]
+    assert d.status()["serving"] is None and not alive(router)
+    assert any(e["kind"] == "serve.stopped" for e in d.events())
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+    assert d.ctl("stop").returncode == 0 and d.proc is not None and d.proc.wait(30) == 0
+    d.start()  # the choice was forgotten: nothing is served again
+    assert d.status()["serving"] is None and d.status()["workers"] == []
+
+    # A model from --model (or [serve] model) would be served again by a restart: refused,
+    # and nothing changes.
+    assert d.ctl("stop").returncode == 0 and d.proc.wait(30) == 0
+    d.start("--model", str(tiny_llama), "--port", str(port))
+    daemons.pids.add(d.wait_worker("router", timeout=ROUTER_READY_S, state="running")["pid"])
+    refused = d.ctl("unserve", "--json")
+    assert refused.returncode == 1
+    error = json.loads(refused.stdout)["error"]
+    assert error["message"] == (f"the model {tiny_llama.resolve()} comes from --model: a "
+                                "restart would serve it again, so it is not unserved")
+    assert "remove it there" in error["hint"]
+    assert d.worker("router")["state"] == "running"

@@ -37,3 +37,38 @@ def test_assignments_keep_the_newest_epoch_and_state(tmp_path: Path) -> None:
     assert row is not None and (row.epoch, row.state) == (5, "committed")
     with pytest.raises(ValueError, match="unknown assignment state"):
         a.record(6, "x", 0, "happy", "")
+
+
+def test_a_v5_database_keeps_its_rows_and_can_record_deactivated(tmp_path: Path) -> None:
+    """Migration v6 rebuilds both tables (a CHECK cannot change in place)."""
+    import sqlite3
+
+    import sqlite_utils
+
+    from mlxceld.state.db import MIGRATIONS
+
+    path = tmp_path / "state.db"
+    old = sqlite_utils.Database(sqlite3.connect(path, isolation_level=None))
+    for migration in MIGRATIONS[:5]:
+        migration(old)
+    old.execute("PRAGMA user_version = 5")
+    Plans(old).create(7, "c", "ab" * 32, ("127.0.0.2:19000",), "toml")
+    Plans(old).decide(7, "active", "every stage of 1 is active")
+    Assignments(old).record(7, "127.0.0.1:19000", 0, "active", "toml")
+    with pytest.raises(sqlite3.IntegrityError):  # what v6 is for
+        old.execute("UPDATE plans SET decision = 'deactivated'")
+    old.conn.close()
+
+    db = open_db(path)
+    plans, assignments = Plans(db), Assignments(db)
+    row = plans.get(7)
+    assert row is not None and (row.decision, row.summary) == ("active",
+                                                               "every stage of 1 is active")
+    plans.decide(7, "deactivated", "mlxctl cluster deactivate")
+    assignments.record(7, "127.0.0.1:19000", 0, "deactivated", "toml", "by 127.0.0.1:19000")
+    assert plans.latest().decision == "deactivated"  # type: ignore[union-attr]
+    got = assignments.get(7)
+    assert got is not None and (got.state, got.reason) == ("deactivated", "by 127.0.0.1:19000")
+    assert assignments.get(8) is None
+    names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert not {"plans_v5", "assignments_v5"} & names

@@ -1,0 +1,106 @@
+"""A coordinator starting with a plan in its database resumes it whatever the config says now;
+a config that differs is reported (state, event), not applied. Real SQLite, a real model,
+the daemon's side played by a recording ``CoordinatorSlot``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from test_placement import write
+
+from mlxceld.cluster.coordinator import Coordinator, config_differences
+from mlxceld.cluster.placement import Placement
+from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.service import DiscoveryService
+from mlxceld.models import model_identity
+from mlxceld.state import EventLog, PeersTable, open_db
+from mlxceld.state.plans import PlanRow, Plans
+from mlxceld.wire import Keyring
+
+PEERS = ("127.0.0.2:19000", "127.0.0.3:19000")
+
+
+class Slot:
+    def __init__(self) -> None:
+        self.served: list[Placement] = []
+
+    async def serve_pipeline(self, placement: Placement) -> None:
+        self.served.append(placement)
+
+    async def stop_pipeline(self) -> None:
+        self.served.clear()
+
+
+async def start(tmp_path: Path, model: Path, decision: str, n: int | None,
+                configured: str | None) -> tuple[Coordinator, Slot, EventLog]:
+    """A plan of ``model`` decided ``decision`` in the database; then ``Coordinator.start``
+    with pp_auto ``n`` and the ``configured`` model, until what it started has ended."""
+    db = open_db(tmp_path / "state.db")
+    plans, events, keyring, slot = Plans(db), EventLog(db), Keyring(), Slot()
+    toml = write(tmp_path, model, [(0, 2), (2, 4)]).read_text().replace(
+        'id = "coord"', 'id = "coordinator"')  # the planner's name for it
+    plans.create(7, "c", model_identity(model) if model.exists() else "ab" * 32, PEERS, toml)
+    plans.decide(7, decision)
+    discovery = DiscoveryService(CandidateTable(PeersTable(db), node_id="n"), keyring,
+                                 node_id="n", cluster="c", peers=(), mode="static",
+                                 agent_address="127.0.0.1:19000")
+    async with asyncio.TaskGroup() as tg:
+        c = Coordinator(slot, tg, cluster="c", state_dir=tmp_path, config_out=None,
+                        plans=plans, keyring=keyring, discovery=discovery,
+                        identity="127.0.0.1:19000", events=events)
+        c.start(n, configured, configured_model=configured)
+    return c, slot, events
+
+
+def test_an_active_plan_is_served_again_as_it_was(tmp_path: Path,
+                                                  split_fixture_dir: Path) -> None:
+    llama, qwen = split_fixture_dir / "llama", split_fixture_dir / "qwen3"
+    c, slot, events = asyncio.run(start(tmp_path, llama, "active", 3, str(qwen)))
+    assert [p.model for p in slot.served] == [llama]  # the plan's model, not the config's
+    assert slot.served[0].is_coordinator and len(slot.served[0].cluster.stages) == 2
+    state = c.state or {}
+    assert state["state"] == "active" and state["summary"] == (
+        "plan 7: resumed as decided (active)")
+    differs = state["config_differs"]
+    assert f"the config names model {qwen} ({model_identity(qwen)})" in differs
+    assert f"the plan serves model {model_identity(llama)}" in differs
+    assert "pp_auto is 3, the plan has 2 stage(s)" in differs
+    kinds = [e.kind for e in events.since(0)]
+    assert kinds == ["bringup.config_differs", "bringup.active"]
+    assert (tmp_path / "cluster-7.toml").exists()
+
+
+def test_a_matching_config_resumes_quietly_on_its_own_model_path(
+        tmp_path: Path, split_fixture_dir: Path) -> None:
+    llama = split_fixture_dir / "llama"
+    c, slot, events = asyncio.run(start(tmp_path, llama, "active", 2, str(llama)))
+    assert [p.model for p in slot.served] == [llama]
+    assert "config_differs" not in (c.state or {})
+    assert [e.kind for e in events.since(0)] == ["bringup.active"]
+
+
+def test_a_deactivated_plan_is_not_resumed(tmp_path: Path, split_fixture_dir: Path) -> None:
+    c, slot, events = asyncio.run(start(tmp_path, split_fixture_dir / "llama", "deactivated",
+                                         None, None))
+    assert slot.served == [] and events.since(0) == []
+    state = c.state or {}
+    assert state["state"] == "deactivated" and "plan 7 was deactivated" in state["summary"]
+
+
+def test_a_plan_whose_model_is_gone_fails_visibly(tmp_path: Path) -> None:
+    c, slot, events = asyncio.run(start(tmp_path, tmp_path / "gone", "active", None, None))
+    state = c.state or {}
+    assert slot.served == [] and state["state"] == "failed"
+    assert state["summary"].startswith("plan 7 cannot be resumed: ")
+    assert str(tmp_path / "gone") in state["summary"]
+    assert [e.kind for e in events.since(0)] == ["bringup.failed"]
+
+
+def test_the_differences_named() -> None:
+    plan = PlanRow(7, "c", "ab" * 32, PEERS, "", "active", "")
+    assert config_differences(plan, None, None, None) == ""
+    assert config_differences(plan, 2, "/m", "ab" * 32) == ""
+    assert config_differences(plan, 4, None, None) == "pp_auto is 4, the plan has 2 stage(s)"
+    assert config_differences(plan, None, "/m", "unreadable: gone") == (
+        f"the config names model /m (unreadable: gone), the plan serves model {'ab' * 32}")
