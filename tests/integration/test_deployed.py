@@ -36,17 +36,27 @@ def activate(coord: DaemonProc, model: Path, stages: int) -> str:
     return out.stdout
 
 
-def bring_up(daemons: Daemons, model: Path, peer_names: list[str]) -> tuple[Host, list[Host]]:
-    """Two `pp_peer` hosts and a coordinator that names them ``peer_names[i]:port``."""
+def bring_up(daemons: Daemons, model: Path, peer_names: list[str], *,
+             pp_auto: bool) -> tuple[Host, list[Host]]:
+    """Two `pp_peer` hosts and a coordinator that names them ``peer_names[i]:port``, and
+    plans and assigns two stages over them: by itself (`pp_auto = 2` in its config file)
+    or when told to (`mlxctl cluster activate`)."""
     secret = secrets.token_hex(16).encode()
     peers = [Host(daemons, f"p{i}", secret=secret, daemon={"pp_peer": True},
                   serve={"model": str(model)}).start() for i in range(2)]
     named = [p.address(name) for p, name in zip(peers, peer_names, strict=True)]
-    coord = Host(daemons, "c", secret=secret, daemon={"cluster_peers": named},
-                 serve={"port": free_port()}).start()
-    wait_for(lambda: settled(coord.d, dict.fromkeys(named, "reachable")), POLL_WAIT_S,
-             f"the coordinator to reach {named}", every=0.2)
-    activate(coord.d, model, 2)
+    coord = Host(daemons, "c", secret=secret,
+                 daemon={"cluster_peers": named, **({"pp_auto": 2} if pp_auto else {})},
+                 serve={"port": free_port(), **({"model": str(model)} if pp_auto else {})})
+    coord.start()
+    if pp_auto:
+        wait_for(lambda: (coord.d.status().get("bringup") or {}).get("state")
+                 in ("active", "failed"), ACTIVATE_S, "the bring-up to end")
+        assert coord.d.status()["bringup"]["state"] == "active", coord.d.stderr()[-3000:]
+    else:
+        wait_for(lambda: settled(coord.d, dict.fromkeys(named, "reachable")), POLL_WAIT_S,
+                 f"the coordinator to reach {named}", every=0.2)
+        activate(coord.d, model, 2)
     for p in peers:
         daemons.pids.add(p.d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
@@ -55,10 +65,11 @@ def bring_up(daemons: Daemons, model: Path, peer_names: list[str]) -> tuple[Host
 
 def test_agents_on_the_wildcard_take_stages_at_the_address_they_are_reached_on(
         daemons: Daemons, split_fixture_dir: Path) -> None:
-    """Every agent on `0.0.0.0:<port>` (the default host of agent_addr); the coordinator
-    names its peers 127.0.0.2 and 127.0.0.3: each stage listens there, not on a wildcard."""
+    """Every agent on `0.0.0.0:<port>` (the default host of agent_addr), the coordinator
+    with `pp_auto = 2` in its config file naming its peers 127.0.0.2 and 127.0.0.3: each
+    stage listens there, not on a wildcard."""
     model = split_fixture_dir / "llama"
-    coord, peers = bring_up(daemons, model, ["127.0.0.2", "127.0.0.3"])
+    coord, peers = bring_up(daemons, model, ["127.0.0.2", "127.0.0.3"], pp_auto=True)
     assert coord.d.status()["agent"]["address"] == f"0.0.0.0:{coord.agent_port}"
     port = int(coord.serve_keys["port"])
     assert complete(port, "llama") == expected(model, PROMPT, 8)
@@ -71,7 +82,7 @@ def test_peers_named_by_host_name(daemons: Daemons, split_fixture_dir: Path) -> 
     """`cluster_peers = ["localhost:P1", "localhost:P2"]`: planned, assigned and served by
     name (the stage links' handshakes bind the names' addresses)."""
     model = split_fixture_dir / "qwen3"
-    coord, peers = bring_up(daemons, model, ["localhost", "localhost"])
+    coord, peers = bring_up(daemons, model, ["localhost", "localhost"], pp_auto=False)
     bringup = coord.d.status()["bringup"]
     assert sorted(p["address"] for p in bringup["peers"]) == sorted(
         p.address("localhost") for p in peers), bringup

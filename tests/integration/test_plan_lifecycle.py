@@ -59,8 +59,8 @@ def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
                   daemon={"pp_peer": True, "stage_ports": f"{ports[0]}-{ports[-1]}"}).start()
              for i in (2, 3)]
     peers = [h.d for h in hosts]
-    named = {p: h.address(f"127.0.0.{i}") for i, (p, h) in enumerate(zip(peers, hosts,
-                                                                          strict=True), 2)}
+    named = {p.root: h.address(f"127.0.0.{i}") for i, (p, h) in enumerate(zip(peers, hosts,
+                                                                               strict=True), 2)}
     port = free_port("127.0.0.1")
     coord_host = Host(daemons, "c", secret=secret, serve={"port": port},
                       daemon={"cluster_peers": list(named.values())}).start()
@@ -99,13 +99,13 @@ def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
 
     # One peer down, then deactivate: the other stops its stage, the down one is named.
     (up, up_host), (down, down_host) = zip(peers, hosts, strict=True)
-    down_agent = named[down]
+    down_agent = named[down.root]
     stop(down)
     gone = coord.ctl("cluster", "deactivate", timeout=DEACTIVATE_CLI_S)
     assert gone.returncode == 1, (gone.stdout, gone.stderr)
     assert f"{down_agent:22}" in gone.stderr and "unreachable: cannot connect" in gone.stderr
     assert f"plan {bringup['epoch']} deactivated: 1 of 2 stage(s) stopped" in gone.stderr
-    assert f"stage-0  {named[up]:22}" in gone.stdout and "deactivated" in gone.stdout
+    assert f"stage-0  {named[up.root]:22}" in gone.stdout and "deactivated" in gone.stdout
     assert "stage" not in names(up) and "router" not in names(coord)
     assert not alive(stage_pids[up.root]) and not alive(router["pid"])  # memory freed
     on_peer = up.ctl("cluster", "deactivate")
