@@ -1,40 +1,36 @@
 """The typed client of the control API (used by mlxctl and the tests).
 
-Failures become our errors once, here: nothing listening is DaemonNotRunning,
-a refused socket or a 403 is PermissionDenied, any other error answer is a
-ControlError carrying the daemon's code, message and hint.
+Failures become our errors once: reaching the socket fails in ``transport`` (nothing
+listening is DaemonNotRunning, a refused socket PermissionDenied); here a 403 is
+PermissionDenied, any other error answer a ControlError carrying the daemon's code,
+message and hint, and a deadline that passes a ControlError saying so. Every request
+has its own connection (one ``transport.Exchange``); closing the client is a no-op.
 """
 
 from __future__ import annotations
 
-import errno
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-from urllib.parse import quote
+from typing import Any, TypeVar
+from urllib.parse import quote, urlencode
 
-import httpx
-
-from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
+from mlxceld.control.transport import Exchange
+from mlxceld.errors import ControlError, PermissionDenied
 from mlxceld.types import JSON
 
 REQUEST_TIMEOUT_S = 10.0
 PLAN_TIMEOUT_S = 30.0  # the daemon's candidate poll (10 s at most) and the planning
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a heartbeat line every 15 s
-START_HINT = ("start it with `mlxceld` (or `brew services start mlxceld`, "
-              "`systemctl start mlxceld`), or point --socket / MLXCELD_SOCKET at a running one")
 
+T = TypeVar("T")
 
 class ControlClient:
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self._http = httpx.AsyncClient(
-            # No TLS on a Unix socket: verify=False skips loading a CA bundle on every command.
-            transport=httpx.AsyncHTTPTransport(uds=str(socket_path), verify=False),
-            base_url="http://mlxceld", timeout=REQUEST_TIMEOUT_S,
-        )
 
     async def __aenter__(self) -> ControlClient:
         return self
@@ -44,7 +40,7 @@ class ControlClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Nothing stays open between requests."""
 
     async def version(self) -> JSON:
         return await self._get("/v1/version")
@@ -61,23 +57,23 @@ class ControlClient:
     async def plan_cluster(self, model: str, stages: int) -> JSON:
         """Plan (never assign): the daemon polls every candidate first, up to 10 s."""
         return await self._request("POST", "/v1/cluster/plan", timeout=PLAN_TIMEOUT_S,
-                                   json={"model": model, "stages": stages})
+                                   body={"model": model, "stages": stages})
 
     async def activate_cluster(self, model: str, stages: int) -> JSON:
         """Plan, then push and serve in the daemon's background (answer: the bring-up with
         its epoch); poll ``status()["bringup"]`` for each peer's progress."""
         return await self._request("POST", "/v1/cluster/activate", timeout=PLAN_TIMEOUT_S,
-                                   json={"model": model, "stages": stages})
+                                   body={"model": model, "stages": stages})
 
     async def events(self, after: int = -20, limit: int = 100) -> JSON:
         return await self._get("/v1/events", after=after, limit=limit)
 
     async def restart(self, worker: str) -> JSON:
-        return await self._request("POST", f"/v1/workers/{worker}/restart")
+        return await self._request("POST", f"/v1/workers/{_segment(worker)}/restart")
 
     async def serve(self, model: str, model_name: str | None = None) -> JSON:
         return await self._request("POST", "/v1/serve",
-                                   json={"model": model, "model_name": model_name})
+                                   body={"model": model, "model_name": model_name})
 
     async def secrets(self) -> JSON:
         return await self._get("/v1/secrets")
@@ -85,7 +81,7 @@ class ControlClient:
     async def install_secret(self, secret: bytes, *, primary: bool = False,
                              source: str | None = None) -> JSON:
         """Send a secret (hex in the body, over the 0600 peer-checked socket) to the keyring."""
-        return await self._request("POST", "/v1/secrets", json={
+        return await self._request("POST", "/v1/secrets", body={
             "secret_hex": secret.hex(), "primary": primary, "source": source})
 
     async def use_secret(self, kid: str) -> JSON:
@@ -101,58 +97,74 @@ class ControlClient:
         return self._stream("/v1/events", {"after": after, "follow": 1})
 
     def logs(self, worker: str, lines: int = 50, follow: bool = False) -> AsyncIterator[JSON]:
-        return self._stream(f"/v1/workers/{worker}/logs",
+        return self._stream(f"/v1/workers/{_segment(worker)}/logs",
                             {"lines": lines, "follow": int(follow)})
 
     async def _get(self, path: str, **params: Any) -> JSON:
         return await self._request("GET", path, params=params or None)
 
-    async def _request(self, method: str, path: str, **kw: Any) -> JSON:
+    async def _request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
+                       body: JSON | None = None, timeout: float = REQUEST_TIMEOUT_S) -> JSON:
+        data = None if body is None else json.dumps(body).encode()
+        status, content = await self._within(timeout, self._exchange(method, path, params,
+                                                                     data))
+        if status >= 400:
+            raise _answer_error(status, content)
         try:
-            response = await self._http.request(method, path, **kw)
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from exc
-        if response.status_code >= 400:
-            raise _answer_error(response.status_code, response.content)
-        try:
-            body: JSON = response.json()
+            answer: JSON = json.loads(content)
         except ValueError as exc:
             raise ControlError(f"the daemon at {self.socket_path} answered {path} with "
                                "something that is not JSON") from exc
-        return body
+        return answer
+
+    async def _exchange(self, method: str, path: str, params: dict[str, Any] | None,
+                        data: bytes | None) -> tuple[int, bytes]:
+        exchange = await Exchange.open(self.socket_path, method, _target(path, params), data)
+        try:
+            return exchange.status, await exchange.read()
+        finally:
+            await exchange.aclose()
 
     async def _stream(self, path: str, params: dict[str, Any]) -> AsyncIterator[JSON]:
-        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, read=STREAM_READ_TIMEOUT_S)
+        """NDJSON lines as they come. Opening and an error answer have
+        ``REQUEST_TIMEOUT_S``, every later read ``STREAM_READ_TIMEOUT_S`` (the server sends
+        an empty line every 15 s)."""
+        exchange = await self._within(REQUEST_TIMEOUT_S,
+                                      Exchange.open(self.socket_path, "GET",
+                                                    _target(path, params)))
         try:
-            async with self._http.stream("GET", path, params=params, timeout=timeout) as resp:
-                if resp.status_code >= 400:
-                    raise _answer_error(resp.status_code, await resp.aread())
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        item: JSON = json.loads(line)
-                        yield item
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from exc
+            if exchange.status >= 400:
+                content = await self._within(REQUEST_TIMEOUT_S, exchange.read())
+                raise _answer_error(exchange.status, content)
+            pending = b""
+            async with contextlib.aclosing(exchange.chunks()) as chunks:
+                while (chunk := await self._within(STREAM_READ_TIMEOUT_S,
+                                                   anext(chunks, None))) is not None:
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield _item(line)
+            if pending.strip():
+                yield _item(pending)
+        finally:
+            await exchange.aclose()
 
-    def _transport_error(self, exc: httpx.HTTPError) -> ControlError:
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        code = cause.errno if isinstance(cause, OSError) else None
-        where = self.socket_path
-        if code in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
-            return DaemonNotRunning(f"mlxceld is not running (nothing listens on {where})",
-                                    hint=START_HINT)
-        if code in (errno.EACCES, errno.EPERM):
-            return PermissionDenied(f"permission denied on the control socket {where}",
-                                    hint="run mlxctl as the user that runs mlxceld, or as root")
-        if isinstance(exc, httpx.TimeoutException):
-            return ControlError(f"the daemon at {where} did not answer in time",
-                                hint="it may be overloaded or stuck; see its log")
-        if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
-            return ControlError(f"the daemon at {where} closed the connection",
-                                hint="it may be stopping; check `mlxctl status` again")
-        return ControlError(f"cannot talk to the daemon at {where}: {exc}")
+    async def _within(self, seconds: float, step: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(seconds):
+                return await step
+        except TimeoutError as exc:
+            raise ControlError(f"the daemon at {self.socket_path} did not answer in time",
+                               hint="it may be overloaded or stuck; see its log") from exc
+
+
+def _target(path: str, params: dict[str, Any] | None) -> str:
+    return f"{path}?{urlencode(params)}" if params else path
+
+
+def _item(line: bytes) -> JSON:
+    item: JSON = json.loads(line)
+    return item
 
 
 def _segment(text: str) -> str:
