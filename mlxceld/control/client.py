@@ -1,10 +1,9 @@
-"""The typed client of the control API (used by mlxctl and the tests).
+"""The typed client of the control API (used by mlxctl and the tests), on asyncio.
 
-Failures become our errors once: reaching the socket fails in ``transport`` (nothing
-listening is DaemonNotRunning, a refused socket PermissionDenied); here a 403 is
-PermissionDenied, any other error answer a ControlError carrying the daemon's code,
-message and hint, and a deadline that passes a ControlError saying so. Every request
-has its own connection (one ``transport.Exchange``); closing the client is a no-op.
+Requests, answers and their errors are ``exchange``'s; a deadline that passes is a
+ControlError saying so. Every request has its own connection; closing the client is a
+no-op. mlxctl's read-only commands use ``blocking.BlockingClient``, the same without
+asyncio.
 """
 
 from __future__ import annotations
@@ -16,17 +15,23 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode
 
-from mlxceld.control.transport import Exchange
-from mlxceld.errors import ControlError, PermissionDenied
+from mlxceld.control.exchange import (
+    PLAN_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    STREAM_READ_TIMEOUT_S,
+    Lines,
+    answer_error,
+    decode,
+    segment,
+    target,
+    timed_out,
+)
+from mlxceld.control.transport import Connection
 from mlxceld.types import JSON
 
-REQUEST_TIMEOUT_S = 10.0
-PLAN_TIMEOUT_S = 30.0  # the daemon's candidate poll (10 s at most) and the planning
-STREAM_READ_TIMEOUT_S = 60.0  # the server sends a heartbeat line every 15 s
-
 T = TypeVar("T")
+
 
 class ControlClient:
     def __init__(self, socket_path: Path) -> None:
@@ -69,7 +74,7 @@ class ControlClient:
         return await self._get("/v1/events", after=after, limit=limit)
 
     async def restart(self, worker: str) -> JSON:
-        return await self._request("POST", f"/v1/workers/{_segment(worker)}/restart")
+        return await self._request("POST", f"/v1/workers/{segment(worker)}/restart")
 
     async def serve(self, model: str, model_name: str | None = None) -> JSON:
         return await self._request("POST", "/v1/serve",
@@ -85,10 +90,10 @@ class ControlClient:
             "secret_hex": secret.hex(), "primary": primary, "source": source})
 
     async def use_secret(self, kid: str) -> JSON:
-        return await self._request("POST", f"/v1/secrets/{_segment(kid)}/primary")
+        return await self._request("POST", f"/v1/secrets/{segment(kid)}/primary")
 
     async def remove_secret(self, kid: str) -> JSON:
-        return await self._request("DELETE", f"/v1/secrets/{_segment(kid)}")
+        return await self._request("DELETE", f"/v1/secrets/{segment(kid)}")
 
     async def stop(self) -> JSON:
         return await self._request("POST", "/v1/stop")
@@ -97,86 +102,52 @@ class ControlClient:
         return self._stream("/v1/events", {"after": after, "follow": 1})
 
     def logs(self, worker: str, lines: int = 50, follow: bool = False) -> AsyncIterator[JSON]:
-        return self._stream(f"/v1/workers/{_segment(worker)}/logs",
+        return self._stream(f"/v1/workers/{segment(worker)}/logs",
                             {"lines": lines, "follow": int(follow)})
 
     async def _get(self, path: str, **params: Any) -> JSON:
         return await self._request("GET", path, params=params or None)
 
     async def _request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
-                       body: JSON | None = None, timeout: float = REQUEST_TIMEOUT_S) -> JSON:
+                       body: JSON | None = None, timeout: float | None = None) -> JSON:
+        where = target(path, params)
         data = None if body is None else json.dumps(body).encode()
-        status, content = await self._within(timeout, self._exchange(method, path, params,
-                                                                     data))
-        if status >= 400:
-            raise _answer_error(status, content)
-        try:
-            answer: JSON = json.loads(content)
-        except ValueError as exc:
-            raise ControlError(f"the daemon at {self.socket_path} answered {path} with "
-                               "something that is not JSON") from exc
-        return answer
+        seconds = REQUEST_TIMEOUT_S if timeout is None else timeout
+        status, content = await self._within(seconds, self._exchange(method, where, data))
+        return decode(self.socket_path, where, status, content)
 
-    async def _exchange(self, method: str, path: str, params: dict[str, Any] | None,
-                        data: bytes | None) -> tuple[int, bytes]:
-        exchange = await Exchange.open(self.socket_path, method, _target(path, params), data)
+    async def _exchange(self, method: str, where: str, data: bytes | None
+                        ) -> tuple[int, bytes]:
+        conn = await Connection.open(self.socket_path, method, where, data)
         try:
-            return exchange.status, await exchange.read()
+            return conn.status, await conn.read()
         finally:
-            await exchange.aclose()
+            await conn.aclose()
 
     async def _stream(self, path: str, params: dict[str, Any]) -> AsyncIterator[JSON]:
         """NDJSON lines as they come. Opening and an error answer have
         ``REQUEST_TIMEOUT_S``, every later read ``STREAM_READ_TIMEOUT_S`` (the server sends
         an empty line every 15 s)."""
-        exchange = await self._within(REQUEST_TIMEOUT_S,
-                                      Exchange.open(self.socket_path, "GET",
-                                                    _target(path, params)))
+        conn = await self._within(REQUEST_TIMEOUT_S, Connection.open(
+            self.socket_path, "GET", target(path, params)))
         try:
-            if exchange.status >= 400:
-                content = await self._within(REQUEST_TIMEOUT_S, exchange.read())
-                raise _answer_error(exchange.status, content)
-            pending = b""
-            async with contextlib.aclosing(exchange.chunks()) as chunks:
+            if conn.status >= 400:
+                raise answer_error(conn.status, await self._within(REQUEST_TIMEOUT_S,
+                                                                   conn.read()))
+            items = Lines()
+            async with contextlib.aclosing(conn.chunks()) as chunks:
                 while (chunk := await self._within(STREAM_READ_TIMEOUT_S,
                                                    anext(chunks, None))) is not None:
-                    *lines, pending = (pending + chunk).split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield _item(line)
-            if pending.strip():
-                yield _item(pending)
+                    for item in items.feed(chunk):
+                        yield item
+            for item in items.feed(b""):
+                yield item
         finally:
-            await exchange.aclose()
+            await conn.aclose()
 
     async def _within(self, seconds: float, step: Awaitable[T]) -> T:
         try:
             async with asyncio.timeout(seconds):
                 return await step
         except TimeoutError as exc:
-            raise ControlError(f"the daemon at {self.socket_path} did not answer in time",
-                               hint="it may be overloaded or stuck; see its log") from exc
-
-
-def _target(path: str, params: dict[str, Any] | None) -> str:
-    return f"{path}?{urlencode(params)}" if params else path
-
-
-def _item(line: bytes) -> JSON:
-    item: JSON = json.loads(line)
-    return item
-
-
-def _segment(text: str) -> str:
-    return quote(text, safe="")
-
-
-def _answer_error(status: int, content: bytes) -> ControlError:
-    try:
-        err = json.loads(content)["error"]
-        code, message, hint = str(err["code"]), str(err["message"]), str(err.get("hint", ""))
-    except (ValueError, KeyError, TypeError):
-        code, message, hint = "http_error", f"the daemon answered HTTP {status}", ""
-    if status == 403 and code == "permission_denied":
-        return PermissionDenied(message, hint=hint, code=code, status=status)
-    return ControlError(message, hint=hint, code=code, status=status)
+            raise timed_out(self.socket_path) from exc
