@@ -39,6 +39,10 @@ def run(
     socket: Annotated[Path | None, typer.Option(
         "--socket", help="Control socket path. Default: $XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, "
         "else <state-dir>/mlxceld.sock.")] = None,
+    socket_group: Annotated[str | None, typer.Option(
+        "--socket-group", help="Let this group's members use the control socket (0660, its "
+        "directory 0750, both of the group). Default: only root and the daemon's user.")
+    ] = None,
     log_level: Annotated[str | None, typer.Option(
         "--log-level", help=f"One of {', '.join(LOG_LEVELS)}. Default: info.")] = None,
     log_file: Annotated[Path | None, typer.Option(
@@ -95,9 +99,10 @@ def run(
 ) -> None:
     """Run the mlxceld daemon in the foreground."""
     flags = Overrides(config_file=config, state_dir=state_dir, socket=socket,
-                      log_level=log_level, log_file=log_file, model=model,
-                      model_name=model_name, host=host, port=port, api_key_file=api_key_file,
-                      agent_addr=agent_addr, cluster_secret_file=cluster_secret_file,
+                      socket_group=socket_group, log_level=log_level, log_file=log_file,
+                      model=model, model_name=model_name, host=host, port=port,
+                      api_key_file=api_key_file, agent_addr=agent_addr,
+                      cluster_secret_file=cluster_secret_file,
                       distributed_config=distributed_config, node_id=node_id,
                       cluster_name=cluster_name, cluster_peers=cluster_peers,
                       cluster_discovery=cluster_discovery, pp_auto=pp_auto, dry_run=dry_run,

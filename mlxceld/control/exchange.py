@@ -7,7 +7,8 @@ mlxctl's read-only commands, which would otherwise spend a third of their time i
 asyncio). Each connection carries one request.
 
 Failures, translated once, naming the socket: nothing there or nothing listening is
-``DaemonNotRunning``; a refused ``connect()`` is ``PermissionDenied``; an answer cut
+``DaemonNotRunning``; a refused ``connect()`` is ``PermissionDenied`` (with
+``access.denied_hint``: which group to join, when one would do); an answer cut
 short is a ``ControlError``; an error answer is the daemon's code, message and hint (a
 403 ``permission_denied`` a ``PermissionDenied``).
 """
@@ -23,6 +24,7 @@ from urllib.parse import quote, urlencode
 import h11
 
 from mlxceld import __version__
+from mlxceld.control.access import denied_hint
 from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
 from mlxceld.types import JSON
 
@@ -32,7 +34,6 @@ PLAN_TIMEOUT_S = 30.0  # the daemon's candidate poll (10 s at most) and the plan
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a heartbeat line every 15 s
 START_HINT = ("start it with `mlxceld` (or `brew services start mlxceld`, "
               "`systemctl start mlxceld`), or point --socket / MLXCELD_SOCKET at a running one")
-DENIED_HINT = "run mlxctl as the user that runs mlxceld, or as root"
 _ABSENT = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR)
 _DENIED = (errno.EACCES, errno.EPERM)
 
@@ -98,7 +99,7 @@ def connect_error(path: Path, exc: OSError) -> ControlError:
                                 hint=START_HINT)
     if exc.errno in _DENIED:
         return PermissionDenied(f"permission denied on the control socket {path}",
-                                hint=DENIED_HINT)
+                                hint=denied_hint(path))
     return ControlError(f"cannot talk to the daemon at {path}: {exc.strerror or exc}")
 
 
