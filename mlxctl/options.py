@@ -11,11 +11,14 @@ from mlxceld.paths import client_socket
 
 SocketOpt = Annotated[Path | None, typer.Option(
     "--socket", envvar="MLXCELD_SOCKET", show_envvar=True,
-    help="The daemon's control socket. Default: $XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, "
-    "else <state-dir>/mlxceld.sock.")]
+    help="The daemon's control socket. Default: the first that exists of the per-user "
+    "socket ($XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, else <state-dir>/mlxceld.sock), the "
+    "system one (/run/mlxceld/mlxceld.sock) and Homebrew's "
+    "($HOMEBREW_PREFIX/var/run/mlxceld.sock); see mlxctl(1), FILES.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
 def socket_path(ctx: typer.Context, socket: Path | None) -> Path:
-    """The command's ``--socket``, else the one given before the command, else the default."""
+    """The command's ``--socket``, else the one given before the command, else the first
+    socket present (``mlxceld.paths.client_socket``)."""
     return socket or ctx.obj or client_socket()
