@@ -41,6 +41,10 @@ def run(
     socket: Annotated[Path | None, typer.Option(
         "--socket", help="Control socket path. Default: $XDG_RUNTIME_DIR/mlxceld/mlxceld.sock, "
         "else <state-dir>/mlxceld.sock.")] = None,
+    socket_group: Annotated[str | None, typer.Option(
+        "--socket-group", help="Let this group's members use the control socket (0660, its "
+        "directory 0750, both of the group). Default: only root and the daemon's user.")
+    ] = None,
     log_level: Annotated[str | None, typer.Option(
         "--log-level", help=f"One of {', '.join(LOG_LEVELS)}. Default: info.")] = None,
     log_file: Annotated[Path | None, typer.Option(

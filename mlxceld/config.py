@@ -6,6 +6,7 @@ File format (TOML, every table and key optional)::
     [daemon]
     state_dir = "/var/lib/mlxceld"     # relative paths resolve against the file's dir
     socket = "/run/mlxceld/mlxceld.sock"
+    socket_group = "mlxceld"           # members may use the socket: 0660, its dir 0750
     log_level = "info"                 # debug | info | warning | error
     log_file = "/var/log/mlxceld.log"  # default: stderr
     agent_addr = "0.0.0.0:19000"       # MXCL agent listener (with a cluster secret)
@@ -55,6 +56,7 @@ from typing import Any
 
 from mlxceld.cluster.secret_sources import FLAG as SECRET_FLAG
 from mlxceld.cluster.stage_ports import StagePorts, parse_stage_ports
+from mlxceld.control.access import OperatorGroup
 from mlxceld.discovery.settings import DEFAULT_CLUSTER_NAME, KEYS, cluster_settings
 from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
@@ -101,6 +103,7 @@ class Config:
     state_dir: Path
     socket: Path
     config_file: Path | None = None
+    socket_group: OperatorGroup | None = None  # whose members may use the socket too
     log_level: str = "info"
     log_file: Path | None = None
     policy: RestartPolicy = field(default_factory=RestartPolicy)
@@ -131,6 +134,7 @@ class Overrides:
     config_file: Path | None = None
     state_dir: Path | None = None
     socket: Path | None = None
+    socket_group: str | None = None
     log_level: str | None = None
     log_file: Path | None = None
     model: str | None = None
@@ -260,8 +264,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     base = path.parent if path else Path.cwd()
     daemon = _table(data, "daemon", where)
     _refuse_flag_only(daemon, where)
-    _check_keys(daemon, {"state_dir", "socket", "log_level", "log_file", "agent_addr",
-                         "distributed_config", "node_id", "pp_peer", "pp_auto",
+    _check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
+                         "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS},
                 where, "daemon.")
     sup = _table(data, "supervisor", where)
@@ -282,9 +286,11 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     policy = _policy(sup, RestartPolicy(), where, "supervisor.")
     workers = _workers(_table(data, "workers", where), policy, where)
     serve = parse_serve(_table(data, "serve", where), flags, base, where)
+    socket = socket.expanduser().absolute()
     return Config(
         state_dir=state_dir,
-        socket=socket.expanduser().absolute(),
+        socket=socket,
+        socket_group=_socket_group(daemon, flags, socket, state_dir, where),
         config_file=path,
         log_level=log_level,
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
@@ -303,6 +309,31 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         workers=workers,
         serve=serve,
     )
+
+
+def _socket_group(daemon: Mapping[str, Any], flags: Overrides, socket: Path, state_dir: Path,
+                  where: str) -> OperatorGroup | None:
+    """``--socket-group`` / ``[daemon] socket_group``: a group that exists here, for a
+    socket in a directory of its own (the state dir stays 0700)."""
+    name = flags.socket_group
+    source = f"--socket-group {name}"
+    if name is None:
+        name = _str(daemon, "socket_group", where, "daemon.")
+        source = f"{where}: 'daemon.socket_group' = {name!r}"
+    if name is None:
+        return None
+    try:
+        group = OperatorGroup.named(name)
+    except KeyError:
+        raise ConfigError(f"{source}: there is no group named {name!r} on this host",
+                          hint="create it (groupadd, or systemd-sysusers with "
+                          "contrib/systemd/mlxceld.sysusers), or name another") from None
+    if socket.parent == state_dir:
+        raise ConfigError(f"{source}: the control socket {socket} is in the state dir, "
+                          "which stays private to the daemon",
+                          hint="give the socket a directory of its own, e.g. --socket "
+                          "/run/mlxceld/mlxceld.sock")
+    return group
 
 
 def _read_toml(path: Path, *, required: bool) -> dict[str, Any]:

@@ -142,11 +142,13 @@ class Daemon:
                 WorkersTable(self._db), self.events,
                 health_interval_s=config.health_interval_s,
                 log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
-            self._sock = bind_control_socket(config.socket)
+            self._sock = bind_control_socket(config.socket, config.socket_group)
         except BaseException:
             self._lock.release()
             raise
-        self._server = ControlServer(peer_guard(build_app(self)), self._sock)
+        self._socket_group = config.socket_group  # a reload changes it at the next start
+        self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
+                                                config.socket), self._sock)
         self._agent_addr = parse_addr(config.agent_addr, "--agent-addr / [daemon] agent_addr")
         self._agent: AgentService | None = None
         self._agent_error: str | None = None
@@ -176,6 +178,7 @@ class Daemon:
                 "uptime_s": round(time.time() - self._started_at, 3),
                 "state": "stopping" if self._stopping else "running",
                 "state_dir": str(self.config.state_dir), "socket": str(self.config.socket),
+                "socket_group": self._socket_group.name if self._socket_group else None,
                 "config_file": str(self.config.config_file) if self.config.config_file else None,
                 "schema_version": SCHEMA_VERSION,
             },
@@ -632,7 +635,7 @@ class Daemon:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")
             return
-        for field in ("state_dir", "socket"):
+        for field in ("state_dir", "socket", "socket_group"):
             if getattr(new, field) != getattr(self.config, field):
                 log.warning("reload: %s changed; it takes effect at the next start", field)
         logging.getLogger().setLevel(new.log_level.upper())

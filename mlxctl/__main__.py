@@ -1,3 +1,4 @@
-from mlxctl.app import main
+"""mlxctl: the control CLI of mlxceld. It talks only to the local daemon."""
+from mlxctl.main import main
 
 main()

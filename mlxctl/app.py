@@ -2,13 +2,16 @@
 
 Exit codes: 0 ok, 1 failure, 2 usage, 3 daemon not running, 4 permission denied.
 Every command takes ``--json``; its output carries a versioned ``schema`` field.
+
+This is the whole command tree (help, completion, usage errors). The program starts in
+``mlxctl.main``, which runs the plainest ``status``, ``workers`` and ``logs`` without
+importing typer (``mlxctl.fastpath``) and everything else here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,9 +21,10 @@ import typer
 
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
-from mlxctl import render
+from mlxctl import reading, render
 from mlxctl.cluster import cluster_app
-from mlxctl.edge import EXIT_FAILURE, JsonOpt, SocketOpt, call, emit, socket_path
+from mlxctl.edge import EXIT_FAILURE, call, emit
+from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.secret import secret_app
 
 STOP_WAIT_S = 120.0
@@ -41,15 +45,13 @@ def main_options(ctx: typer.Context, socket: SocketOpt = None) -> None:
 @app.command()
 def status(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Show the daemon, its workers, and what is unhealthy (with the next command to run)."""
-    body = call(socket_path(ctx, socket), as_json, lambda c: c.status())
-    emit(as_json, "status", body, lambda: render.status(body))
+    reading.status(socket_path(ctx, socket), as_json)
 
 
 @app.command()
 def workers(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """List the supervised workers."""
-    body = call(socket_path(ctx, socket), as_json, lambda c: c.workers())
-    emit(as_json, "workers", body, lambda: render.workers_table(body["workers"]))
+    reading.workers(socket_path(ctx, socket), as_json)
 
 
 @app.command()
@@ -63,16 +65,7 @@ def logs(
     socket: SocketOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Print a worker's log (its stdout and stderr)."""
-
-    async def job(c: ControlClient) -> None:
-        async for chunk in c.logs(worker, lines, follow):
-            if as_json:
-                typer.echo(json.dumps({"schema": "mlxctl.log/1", "worker": worker, **chunk}))
-            else:
-                sys.stdout.write(chunk["data"])
-                sys.stdout.flush()
-
-    call(socket_path(ctx, socket), as_json, job)
+    reading.logs(socket_path(ctx, socket), worker, lines, follow, as_json)
 
 
 @app.command()
@@ -233,4 +226,7 @@ def version(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = Fal
 
 
 def main() -> None:
-    app()
+    """The entry point of installs made before ``mlxctl.main`` was: the same program."""
+    from mlxctl.main import main as start
+
+    start()

@@ -31,7 +31,8 @@ from mlxceld.cluster.twophase import PUSH_S
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
 from mlxctl import render
-from mlxctl.edge import EXIT_FAILURE, JsonOpt, SocketOpt, call, emit, fail, socket_path
+from mlxctl.edge import EXIT_FAILURE, call, emit, fail
+from mlxctl.options import JsonOpt, SocketOpt, socket_path
 
 EXIT_BUSY: Final = 5  # `cluster activate`: another bring-up is in progress
 POLL_S: Final = 0.5

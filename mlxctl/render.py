@@ -1,6 +1,7 @@
 """Turning the daemon's answers into text for a person: tables, durations, colour.
 
-Colour only on a terminal, and never with NO_COLOR set (https://no-color.org).
+Colour only on a terminal, and never with NO_COLOR set (https://no-color.org). The
+escape codes are click's (``typer.style``), written here: ``status`` does not import typer.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import typer
-
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
 LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
                "disconnected": "yellow", "unreachable": "yellow", "refused": "red",
                "model_mismatch": "red", "layers_mismatch": "red"}
+ANSI_COLORS = {"black": 30, "red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35,
+               "cyan": 36, "white": 37}
 STATE_COLORS = {"running": "green", "starting": "cyan", "backoff": "yellow",
                 "stopping": "yellow", "exited": "white", "failed": "red"}
 
@@ -29,7 +30,14 @@ def color_enabled() -> bool:
 def paint(text: str, color: str | None, *, bold: bool = False) -> str:
     if not color_enabled() or (color is None and not bold):
         return text
-    return typer.style(text, fg=color, bold=bold)
+    return style(text, color, bold=bold)
+
+
+def style(text: str, color: str | None, *, bold: bool = False) -> str:
+    """``text`` in ``color`` (a name of ``ANSI_COLORS``), bold or not (both say so, as
+    ``typer.style(text, fg=color, bold=bold)`` does), then a reset."""
+    fg = f"\033[{ANSI_COLORS[color]}m" if color else ""
+    return fg + ("\033[1m" if bold else "\033[22m") + text + "\033[0m"
 
 
 def duration(seconds: float | None) -> str:

@@ -20,7 +20,8 @@ import typer
 from mlxceld.privatefile import write_private
 from mlxceld.wire.secret import MIN_SECRET_BYTES, key_id, trim_secret_file
 from mlxctl import render
-from mlxctl.edge import EXIT_FAILURE, EXIT_USAGE, JsonOpt, SocketOpt, call, emit, fail, socket_path
+from mlxctl.edge import EXIT_FAILURE, EXIT_USAGE, call, emit, fail
+from mlxctl.options import JsonOpt, SocketOpt, socket_path
 
 GENERATED_BYTES = 32
 

@@ -1,44 +1,46 @@
-"""The typed client of the control API (used by mlxctl and the tests).
+"""The typed client of the control API (used by mlxctl and the tests), on asyncio.
 
-Failures become our errors once, here: nothing listening is DaemonNotRunning,
-a refused socket or a 403 is PermissionDenied, any other error answer is a
-ControlError carrying the daemon's code, message and hint.
+Requests, answers and their errors are ``exchange``'s; a deadline that passes is a
+ControlError saying so. Every request has its own connection; closing the client is a
+no-op. mlxctl's read-only commands use ``blocking.BlockingClient``, the same without
+asyncio.
 """
 
 from __future__ import annotations
 
-import errno
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-from urllib.parse import quote
+from typing import Any, TypeVar
 
-import httpx
-
-from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
+from mlxceld.control.exchange import (
+    PLAN_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    STREAM_READ_TIMEOUT_S,
+    Lines,
+    answer_error,
+    decode,
+    segment,
+    target,
+    timed_out,
+)
+from mlxceld.control.transport import Connection
 from mlxceld.types import JSON
 
-REQUEST_TIMEOUT_S = 10.0
-PLAN_TIMEOUT_S = 30.0  # the daemon's candidate poll (10 s at most) and the planning
+T = TypeVar("T")
+
 # The daemon's bounds on a deactivation (deactivation.CONNECT_S + ANSWER_S per peer, in
 # parallel with the router's stop), and slack.
 DEACTIVATE_TIMEOUT_S = 60.0
 UNSERVE_TIMEOUT_S = 40.0  # the router's stop: open streams get 10 s, SIGKILL after 20 s
-STREAM_READ_TIMEOUT_S = 60.0  # the server sends a heartbeat line every 15 s
-START_HINT = ("start it with `mlxceld` (or `brew services start mlxceld`, "
-              "`systemctl start mlxceld`), or point --socket / MLXCELD_SOCKET at a running one")
 
 
 class ControlClient:
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self._http = httpx.AsyncClient(
-            # No TLS on a Unix socket: verify=False skips loading a CA bundle on every command.
-            transport=httpx.AsyncHTTPTransport(uds=str(socket_path), verify=False),
-            base_url="http://mlxceld", timeout=REQUEST_TIMEOUT_S,
-        )
 
     async def __aenter__(self) -> ControlClient:
         return self
@@ -48,7 +50,7 @@ class ControlClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Nothing stays open between requests."""
 
     async def version(self) -> JSON:
         return await self._get("/v1/version")
@@ -65,13 +67,13 @@ class ControlClient:
     async def plan_cluster(self, model: str, stages: int) -> JSON:
         """Plan (never assign): the daemon polls every candidate first, up to 10 s."""
         return await self._request("POST", "/v1/cluster/plan", timeout=PLAN_TIMEOUT_S,
-                                   json={"model": model, "stages": stages})
+                                   body={"model": model, "stages": stages})
 
     async def activate_cluster(self, model: str, stages: int) -> JSON:
         """Plan, then push and serve in the daemon's background (answer: the bring-up with
         its epoch); poll ``status()["bringup"]`` for each peer's progress."""
         return await self._request("POST", "/v1/cluster/activate", timeout=PLAN_TIMEOUT_S,
-                                   json={"model": model, "stages": stages})
+                                   body={"model": model, "stages": stages})
 
     async def deactivate_cluster(self) -> JSON:
         """End the plan on every peer and stop the router; the answer names each peer's
@@ -86,11 +88,11 @@ class ControlClient:
         return await self._get("/v1/events", after=after, limit=limit)
 
     async def restart(self, worker: str) -> JSON:
-        return await self._request("POST", f"/v1/workers/{worker}/restart")
+        return await self._request("POST", f"/v1/workers/{segment(worker)}/restart")
 
     async def serve(self, model: str, model_name: str | None = None) -> JSON:
         return await self._request("POST", "/v1/serve",
-                                   json={"model": model, "model_name": model_name})
+                                   body={"model": model, "model_name": model_name})
 
     async def secrets(self) -> JSON:
         return await self._get("/v1/secrets")
@@ -98,14 +100,14 @@ class ControlClient:
     async def install_secret(self, secret: bytes, *, primary: bool = False,
                              source: str | None = None) -> JSON:
         """Send a secret (hex in the body, over the 0600 peer-checked socket) to the keyring."""
-        return await self._request("POST", "/v1/secrets", json={
+        return await self._request("POST", "/v1/secrets", body={
             "secret_hex": secret.hex(), "primary": primary, "source": source})
 
     async def use_secret(self, kid: str) -> JSON:
-        return await self._request("POST", f"/v1/secrets/{_segment(kid)}/primary")
+        return await self._request("POST", f"/v1/secrets/{segment(kid)}/primary")
 
     async def remove_secret(self, kid: str) -> JSON:
-        return await self._request("DELETE", f"/v1/secrets/{_segment(kid)}")
+        return await self._request("DELETE", f"/v1/secrets/{segment(kid)}")
 
     async def stop(self) -> JSON:
         return await self._request("POST", "/v1/stop")
@@ -114,70 +116,52 @@ class ControlClient:
         return self._stream("/v1/events", {"after": after, "follow": 1})
 
     def logs(self, worker: str, lines: int = 50, follow: bool = False) -> AsyncIterator[JSON]:
-        return self._stream(f"/v1/workers/{worker}/logs",
+        return self._stream(f"/v1/workers/{segment(worker)}/logs",
                             {"lines": lines, "follow": int(follow)})
 
     async def _get(self, path: str, **params: Any) -> JSON:
         return await self._request("GET", path, params=params or None)
 
-    async def _request(self, method: str, path: str, **kw: Any) -> JSON:
+    async def _request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
+                       body: JSON | None = None, timeout: float | None = None) -> JSON:
+        where = target(path, params)
+        data = None if body is None else json.dumps(body).encode()
+        seconds = REQUEST_TIMEOUT_S if timeout is None else timeout
+        status, content = await self._within(seconds, self._exchange(method, where, data))
+        return decode(self.socket_path, where, status, content)
+
+    async def _exchange(self, method: str, where: str, data: bytes | None
+                        ) -> tuple[int, bytes]:
+        conn = await Connection.open(self.socket_path, method, where, data)
         try:
-            response = await self._http.request(method, path, **kw)
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from exc
-        if response.status_code >= 400:
-            raise _answer_error(response.status_code, response.content)
-        try:
-            body: JSON = response.json()
-        except ValueError as exc:
-            raise ControlError(f"the daemon at {self.socket_path} answered {path} with "
-                               "something that is not JSON") from exc
-        return body
+            return conn.status, await conn.read()
+        finally:
+            await conn.aclose()
 
     async def _stream(self, path: str, params: dict[str, Any]) -> AsyncIterator[JSON]:
-        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, read=STREAM_READ_TIMEOUT_S)
+        """NDJSON lines as they come. Opening and an error answer have
+        ``REQUEST_TIMEOUT_S``, every later read ``STREAM_READ_TIMEOUT_S`` (the server sends
+        an empty line every 15 s)."""
+        conn = await self._within(REQUEST_TIMEOUT_S, Connection.open(
+            self.socket_path, "GET", target(path, params)))
         try:
-            async with self._http.stream("GET", path, params=params, timeout=timeout) as resp:
-                if resp.status_code >= 400:
-                    raise _answer_error(resp.status_code, await resp.aread())
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        item: JSON = json.loads(line)
+            if conn.status >= 400:
+                raise answer_error(conn.status, await self._within(REQUEST_TIMEOUT_S,
+                                                                   conn.read()))
+            items = Lines()
+            async with contextlib.aclosing(conn.chunks()) as chunks:
+                while (chunk := await self._within(STREAM_READ_TIMEOUT_S,
+                                                   anext(chunks, None))) is not None:
+                    for item in items.feed(chunk):
                         yield item
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from exc
+            for item in items.feed(b""):
+                yield item
+        finally:
+            await conn.aclose()
 
-    def _transport_error(self, exc: httpx.HTTPError) -> ControlError:
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        code = cause.errno if isinstance(cause, OSError) else None
-        where = self.socket_path
-        if code in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
-            return DaemonNotRunning(f"mlxceld is not running (nothing listens on {where})",
-                                    hint=START_HINT)
-        if code in (errno.EACCES, errno.EPERM):
-            return PermissionDenied(f"permission denied on the control socket {where}",
-                                    hint="run mlxctl as the user that runs mlxceld, or as root")
-        if isinstance(exc, httpx.TimeoutException):
-            return ControlError(f"the daemon at {where} did not answer in time",
-                                hint="it may be overloaded or stuck; see its log")
-        if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
-            return ControlError(f"the daemon at {where} closed the connection",
-                                hint="it may be stopping; check `mlxctl status` again")
-        return ControlError(f"cannot talk to the daemon at {where}: {exc}")
-
-
-def _segment(text: str) -> str:
-    return quote(text, safe="")
-
-
-def _answer_error(status: int, content: bytes) -> ControlError:
-    try:
-        err = json.loads(content)["error"]
-        code, message, hint = str(err["code"]), str(err["message"]), str(err.get("hint", ""))
-    except (ValueError, KeyError, TypeError):
-        code, message, hint = "http_error", f"the daemon answered HTTP {status}", ""
-    if status == 403 and code == "permission_denied":
-        return PermissionDenied(message, hint=hint, code=code, status=status)
-    return ControlError(message, hint=hint, code=code, status=status)
+    async def _within(self, seconds: float, step: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(seconds):
+                return await step
+        except TimeoutError as exc:
+            raise timed_out(self.socket_path) from exc

@@ -15,6 +15,7 @@ import sys
 from asyncio.trsock import TransportSocket
 from dataclasses import dataclass
 
+from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import SocketError
 
 # <sys/un.h> on macOS; the socket module does not export these.
@@ -55,9 +56,14 @@ def peer_credentials(sock: socket.socket | TransportSocket) -> PeerCredentials:
     )
 
 
-def is_authorized(creds: PeerCredentials | None, own_uid: int) -> bool:
-    """Only root and the daemon's own user may use the control socket."""
-    return creds is not None and creds.uid in (0, own_uid)
+def is_authorized(creds: PeerCredentials | None, own_uid: int,
+                  group: OperatorGroup | None = None) -> bool:
+    """Root, the daemon's own user, and (when there is one) members of the operator group
+    may use the control socket."""
+    if creds is None:
+        return False
+    return creds.uid in (0, own_uid) or (group is not None and group.admits(creds.uid,
+                                                                            creds.gid))
 
 
 def _linux_peer(sock: socket.socket | TransportSocket) -> PeerCredentials:

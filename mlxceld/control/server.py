@@ -2,9 +2,12 @@
 
 Three fences, each enough on its own for the common case:
 
-1. the socket's directory is 0700 and the socket 0600 (the file system's word);
+1. the socket's directory is 0700 and the socket 0600 (the file system's word); with an
+   operator group (``[daemon] socket_group``) the directory is 0750 and the socket 0660,
+   both of that group;
 2. every connection carries the kernel's peer credentials, and ``peer_guard`` refuses
-   any uid but root and our own (survives a too-wide directory or socket mode);
+   any uid but root, our own and the operator group's members (survives a too-wide
+   directory or socket mode);
 3. ``peer_guard`` refuses requests with ``Origin`` or ``Referer``: a browser tricked
    into talking to the socket through some local proxy always sends one of them.
 
@@ -30,6 +33,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from mlxceld.control.access import DEFAULT_DENIED_HINT, OperatorGroup, join_hint
 from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
 from mlxceld.errors import SocketError
 
@@ -55,23 +59,26 @@ def check_socket_path(path: Path) -> None:
         )
 
 
-def bind_control_socket(path: Path) -> socket.socket:
+def bind_control_socket(path: Path, group: OperatorGroup | None = None) -> socket.socket:
     """Bind, chmod 0600 and listen on the Unix socket at ``path``; return it non-blocking.
 
-    The parent directory is created 0700 (or tightened to 0700 when it is ours). A stale
-    socket file is replaced; a live one, or anything that is not a socket, is refused.
+    The parent directory is created 0700 (or set to 0700 when it is ours). With ``group``
+    the socket is 0660 and the directory 0750, both given to that group. A stale socket
+    file is replaced; a live one, or anything that is not a socket, is refused.
     """
     check_socket_path(path)
-    _prepare_directory(path.parent)
+    _prepare_directory(path.parent, group)
     _clear_stale_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         old_umask = os.umask(0o177)
         try:
-            sock.bind(os.fspath(path))
+            sock.bind(os.fspath(path))  # 0600 from the start: only then opened to the group
         finally:
             os.umask(old_umask)
-        os.chmod(path, 0o600)
+        if group is not None:
+            _give_to_group(path, group, "control socket")
+        os.chmod(path, 0o600 if group is None else 0o660)
         sock.listen(_BACKLOG)
         sock.setblocking(False)
     except OSError as exc:
@@ -80,7 +87,11 @@ def bind_control_socket(path: Path) -> socket.socket:
             f"cannot bind control socket {path}: {_strerror(exc)}",
             hint="check the directory's owner and mode, or pick another --socket",
         ) from exc
-    logger.info("control socket bound at %s", path)
+    except SocketError:
+        sock.close()
+        raise
+    logger.info("control socket bound at %s%s", path,
+                f" (group {group.name}, mode 0660)" if group else "")
     return sock
 
 
@@ -95,7 +106,8 @@ def remove_socket_file(path: Path) -> None:
         raise SocketError(f"cannot remove control socket {path}: {_strerror(exc)}") from exc
 
 
-def _prepare_directory(directory: Path) -> None:
+def _prepare_directory(directory: Path, group: OperatorGroup | None) -> None:
+    mode = 0o700 if group is None else 0o750
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(directory)
@@ -117,14 +129,49 @@ def _prepare_directory(directory: Path) -> None:
             f"control socket directory {directory} is a shared (sticky) directory",
             hint="use --socket with a path in a directory of your own",
         )
-    if stat.S_IMODE(st.st_mode) != 0o700:
+    if group is not None:
+        _check_reachable(directory, group)  # before the directory is opened to the group
+        if st.st_gid != group.gid:
+            _give_to_group(directory, group, "control socket directory")
+    if stat.S_IMODE(st.st_mode) != mode:
         try:
-            os.chmod(directory, 0o700)
+            os.chmod(directory, mode)
         except OSError as exc:
             raise SocketError(
-                f"cannot chmod control socket directory {directory} to 0700: {_strerror(exc)}"
+                f"cannot chmod control socket directory {directory} to {mode:04o}: "
+                f"{_strerror(exc)}"
             ) from exc
-        logger.info("control socket directory %s tightened to 0700", directory)
+        logger.info("control socket directory %s set to %04o", directory, mode)
+
+
+def _check_reachable(directory: Path, group: OperatorGroup) -> None:
+    """Refuse an operator group that could not reach the socket: every directory above
+    it must let the group pass (x for others, or for the group when it is theirs)."""
+    for parent in directory.absolute().parents:
+        try:
+            st = os.stat(parent)
+        except OSError as exc:
+            raise SocketError(f"cannot inspect {parent}: {_strerror(exc)}") from exc
+        mode = stat.S_IMODE(st.st_mode)
+        if not (mode & stat.S_IXOTH or (mode & stat.S_IXGRP and st.st_gid == group.gid)):
+            raise SocketError(
+                f"members of group '{group.name}' (socket_group) cannot reach the control "
+                f"socket in {directory}: {parent} is mode {mode:04o} (uid {st.st_uid}, "
+                f"gid {st.st_gid})",
+                hint="put the socket where the group can reach it, e.g. --socket "
+                "/run/mlxceld/mlxceld.sock",
+            )
+
+
+def _give_to_group(path: Path, group: OperatorGroup, what: str) -> None:
+    try:
+        os.chown(path, -1, group.gid)
+    except OSError as exc:
+        raise SocketError(
+            f"cannot give the {what} {path} to group '{group.name}' (socket_group): "
+            f"{_strerror(exc)}",
+            hint=f"run mlxceld as root or as a member of group '{group.name}'",
+        ) from exc
 
 
 def _clear_stale_socket(path: Path) -> None:
@@ -275,8 +322,10 @@ class ControlServer(SocketServer):
                          http=_PeerH11Protocol)
 
 
-def peer_guard(app: ASGIApp) -> ASGIApp:
-    """Refuse requests from uids other than root and ours, and any browser-originated one."""
+def peer_guard(app: ASGIApp, group: OperatorGroup | None = None,
+               socket_path: Path | None = None) -> ASGIApp:
+    """Refuse requests from uids other than root, ours and ``group``'s members, and any
+    browser-originated one. ``socket_path`` is named in the refusal."""
     own_uid = os.getuid()
 
     async def guard(scope: Scope, receive: Receive, send: Send) -> None:
@@ -284,8 +333,9 @@ def peer_guard(app: ASGIApp) -> ASGIApp:
             await app(scope, receive, send)
             return
         creds = (scope.get("extensions") or {}).get(PEER_EXTENSION)
-        if not isinstance(creds, PeerCredentials) or not is_authorized(creds, own_uid):
-            await _refuse_peer(scope, receive, send, creds, own_uid)
+        if not isinstance(creds, PeerCredentials) or not is_authorized(creds, own_uid, group):
+            body = _refusal(creds, own_uid, group, socket_path)
+            await _respond(scope, receive, send, body)
             return
         if any(name in (b"origin", b"referer") for name, _ in scope["headers"]):
             logger.warning(
@@ -305,22 +355,19 @@ def peer_guard(app: ASGIApp) -> ASGIApp:
     return guard
 
 
-async def _refuse_peer(
-    scope: Scope, receive: Receive, send: Send, creds: object, own_uid: int
-) -> None:
+def _refusal(creds: object, own_uid: int, group: OperatorGroup | None,
+             socket_path: Path | None) -> dict[str, Any]:
     if isinstance(creds, PeerCredentials):
         logger.warning("refused control request from uid %d pid %s", creds.uid, creds.pid)
         who = f"uid {creds.uid}"
     else:
         logger.warning("refused control request from a peer with unknown credentials")
         who = "a peer whose credentials could not be read"
-    body = _error(
-        "permission_denied",
-        f"{who} is not allowed to use this daemon's control socket "
-        f"(only root and uid {own_uid} are)",
-        "run mlxctl as the user that runs mlxceld, or as root",
-    )
-    await _respond(scope, receive, send, body)
+    where = f"the control socket {socket_path}" if socket_path else "this daemon's control socket"
+    allowed = (f"only root and uid {own_uid} are" if group is None else
+               f"only root, uid {own_uid} and members of group '{group.name}' are")
+    return _error("permission_denied", f"{who} is not allowed to use {where} ({allowed})",
+                  DEFAULT_DENIED_HINT if group is None else join_hint(group.name))
 
 
 def _error(code: str, message: str, hint: str) -> dict[str, Any]:

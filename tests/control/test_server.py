@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from mlxceld.control import (
     peer_guard,
     remove_socket_file,
 )
+from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import SocketError
 
 NOBODY = 65534
@@ -111,6 +113,33 @@ def test_wider_existing_directory_is_tightened_to_0700(short_dir: Path) -> None:
     sock = bind_control_socket(directory / "c.sock")
     sock.close()
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to any group needs root")
+def test_an_operator_group_gets_the_socket_and_its_directory(short_dir: Path) -> None:
+    os.chmod(short_dir, 0o711)  # the group may pass on the way, as through /run
+    group = OperatorGroup.named(grp.getgrgid(NOBODY).gr_name)
+    directory = short_dir / "run"
+    directory.mkdir(mode=0o700)
+    bind_control_socket(directory / "c.sock", group).close()
+    for path, mode in ((directory / "c.sock", 0o660), (directory, 0o750)):
+        st = os.stat(path)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, NOBODY), path
+    # Without the group again, both are closed to it.
+    bind_control_socket(directory / "c.sock").close()
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(directory / "c.sock").st_mode) == 0o600
+
+
+def test_a_group_that_could_not_reach_the_socket_is_refused(short_dir: Path) -> None:
+    os.chmod(short_dir, 0o700)
+    with pytest.raises(SocketError) as info:
+        bind_control_socket(short_dir / "run" / "c.sock", OperatorGroup("ops", 424242))
+    assert (f"members of group 'ops' (socket_group) cannot reach the control socket in "
+            f"{short_dir / 'run'}: {short_dir} is mode 0700") in str(info.value)
+    assert "--socket" in info.value.hint
+    assert stat.S_IMODE(os.stat(short_dir / "run").st_mode) == 0o700  # left as it was
+    assert not (short_dir / "run" / "c.sock").exists()
 
 
 def test_umask_is_restored_after_bind(short_dir: Path) -> None:

@@ -126,7 +126,8 @@ def test_unit_has_the_service_settings() -> None:
     s = unit_settings()
     for key, value in {"Type": "notify", "Restart": "on-failure", "StateDirectory": "mlxceld",
                        "StateDirectoryMode": "0700", "RuntimeDirectory": "mlxceld",
-                       "RuntimeDirectoryMode": "0700", "UMask": "0077",
+                       "RuntimeDirectoryMode": "0750", "UMask": "0077",
+                       "User": "mlxceld", "Group": "mlxceld",
                        "NoNewPrivileges": "yes", "ProtectSystem": "strict",
                        "PrivateTmp": "yes", "ProtectKernelTunables": "yes",
                        "ProtectControlGroups": "yes", "LockPersonality": "yes",
@@ -137,7 +138,21 @@ def test_unit_has_the_service_settings() -> None:
     assert s["ReadWritePaths"]
     assert s["RestartPreventExitStatus"] == ["2"]  # a config error is not retried
     assert int(s["TimeoutStopSec"][0].rstrip("s")) >= 25
-    assert s["ExecStart"] == ["/usr/local/bin/mlxceld"]  # no flags: the config file decides
+    # One flag, the unit's own business (its group and RuntimeDirectory=); the rest is the
+    # config file's.
+    assert s["ExecStart"] == ["/usr/local/bin/mlxceld --socket-group mlxceld"]
+
+
+def test_the_units_group_is_the_one_sysusers_makes() -> None:
+    """The socket's group exists where the unit is installed: sysusers' `u mlxceld` makes
+    the user and a group of the same name, which the unit runs as and opens the socket to."""
+    entries = [line.split() for line in (UNIT.parent / "mlxceld.sysusers").read_text()
+               .splitlines() if line.strip() and not line.startswith("#")]
+    assert [e[:3] for e in entries] == [["u", "mlxceld", "-"]]
+    flags = unit_settings()["ExecStart"][0].split()[1:]
+    assert set(flags[::2]) <= mlxceld_flags()
+    assert dict(zip(flags[::2], flags[1::2], strict=True)) == {"--socket-group": "mlxceld"}
+    assert unit_settings()["Group"] == ["mlxceld"]
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
