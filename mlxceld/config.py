@@ -72,6 +72,7 @@ MAX_STAGES = 64
 # Each flag of `mlxceld` and its key in the config file ...
 FLAG_KEYS: dict[str, str] = {
     "--state-dir": "daemon.state_dir", "--socket": "daemon.socket",
+    "--socket-group": "daemon.socket_group",
     "--log-level": "daemon.log_level", "--log-file": "daemon.log_file",
     "--model": "serve.model", "--model-name": "serve.model_name", "--host": "serve.host",
     "--port": "serve.port", "--api-key-file": "serve.api_key_file",

@@ -68,7 +68,7 @@ def socket_candidates(environ: Mapping[str, str] | None = None, platform: str = 
 
     1. the per-user daemon's default (``default_socket`` of ``default_state_dir``);
     2. on Linux, the system daemon's (``/run/mlxceld/mlxceld.sock``, the systemd unit's);
-    3. Homebrew's service: ``<prefix>/var/run/mlxceld.sock``, the prefix from
+    3. Homebrew's service: ``<prefix>/var/run/mlxceld/mlxceld.sock``, the prefix from
        ``HOMEBREW_PREFIX`` (``brew shellenv`` sets it), else on macOS ``/opt/homebrew``
        and ``/usr/local``.
     """
@@ -78,7 +78,7 @@ def socket_candidates(environ: Mapping[str, str] | None = None, platform: str = 
         found.append(system_socket)
     brew = environ.get("HOMEBREW_PREFIX")
     prefixes = [Path(brew)] if brew else list(brew_prefixes) if platform == "darwin" else []
-    found += [prefix / "var" / "run" / f"{APP}.sock" for prefix in prefixes]
+    found += [prefix / "var" / "run" / APP / f"{APP}.sock" for prefix in prefixes]
     return tuple(dict.fromkeys(found))
 
 

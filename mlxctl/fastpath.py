@@ -87,10 +87,10 @@ def parse(argv: Sequence[str], environ: Mapping[str, str]) -> Invocation | None:
     lines = given.get("lines", "50")
     if not _LINES.fullmatch(lines) or int(lines) > MAX_LOG_LINES:
         return None
-    # As typer resolves it: the command's --socket (or the variable), else the one given
-    # before the command (or the variable).
+    # As options.socket_path resolves it: the command's --socket, else the one given
+    # before the command, else the variable.
     env = environ.get(SOCKET_ENV) or None
-    socket = given.get("socket") or env or before.get("socket")
+    socket = given.get("socket") or before.get("socket") or env
     return Invocation(command, Path(socket) if socket else None, as_json="json" in given,
                       worker=arguments[0] if arguments else "", follow="follow" in given,
                       lines=int(lines))

@@ -47,7 +47,7 @@ class Mlxceld < Formula
     text = example.read
     {
       "state_dir" => var/"lib/mlxceld",
-      "socket"    => var/"run/mlxceld.sock",
+      "socket"    => var/"run/mlxceld/mlxceld.sock",
       "log_file"  => var/"log/mlxceld.log",
     }.each do |key, path|
       next if text.sub!(/^# #{key} = .*$/, "#{key} = \"#{path}\"")
@@ -65,7 +65,7 @@ class Mlxceld < Formula
       (written from the example on install when absent, kept on upgrade), which
       keeps its state in #{var}/lib/mlxceld, its log in
       #{var}/log/mlxceld.log and its control socket at
-        #{var}/run/mlxceld.sock
+        #{var}/run/mlxceld/mlxceld.sock
       where mlxctl looks for it (or set MLXCELD_SOCKET to it).
       Example cluster TOMLs are in:
         #{opt_pkgshare}/examples

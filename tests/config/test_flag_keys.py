@@ -4,6 +4,8 @@ documented flag-only list; a flag-only key in the file is refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import grp
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from mlxceld.errors import ConfigError
 # A value for each flag as typed, the same value as written in the file, and flags that
 # must come with it (on both sides). Paths are absolute: relative ones resolve against the
 # working directory (a flag) or the file's directory (a key), by design.
+GROUP = grp.getgrgid(os.getgid()).gr_name
 SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--state-dir": ("/srv/mx/state", "/srv/mx/state", ()),
     "--socket": ("/srv/mx/ctl.sock", "/srv/mx/ctl.sock", ()),
@@ -39,6 +42,8 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--pp-peer": (None, True, ()),  # a switch
     "--cluster-config-out": ("/srv/mx/out.toml", "/srv/mx/out.toml", ()),
     "--stage-ports": ("19100-19199", "19100-19199", ()),
+    # A group that exists here; a group's socket may not be inside the state dir.
+    "--socket-group": (GROUP, GROUP, ("--socket", "/run/mlxceld-flag-keys/ctl.sock")),
 }
 ROOT = Path(__file__).resolve().parents[2]
 ORIGINS = {"config_file", "cluster_secret_origin"}  # where a value came from, not the value

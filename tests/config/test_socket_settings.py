@@ -63,16 +63,18 @@ def test_the_order_on_linux(tmp_path: Path) -> None:
     del env["XDG_RUNTIME_DIR"]
     assert socket_candidates(env, "linux", system_socket=system) == (
         tmp_path / ".local" / "state" / "mlxceld" / "mlxceld.sock", system,
-        tmp_path / "brew" / "var" / "run" / "mlxceld.sock")
+        tmp_path / "brew" / "var" / "run" / "mlxceld" / "mlxceld.sock")
 
 
 def test_the_order_on_macos(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path)}
     user = tmp_path / "Library" / "Application Support" / "mlxceld" / "mlxceld.sock"
     assert socket_candidates(env, "darwin") == (
-        user, Path("/opt/homebrew/var/run/mlxceld.sock"), Path("/usr/local/var/run/mlxceld.sock"))
+        user, Path("/opt/homebrew/var/run/mlxceld/mlxceld.sock"),
+        Path("/usr/local/var/run/mlxceld/mlxceld.sock"))
     env["HOMEBREW_PREFIX"] = "/opt/brew"
-    assert socket_candidates(env, "darwin") == (user, Path("/opt/brew/var/run/mlxceld.sock"))
+    assert socket_candidates(env, "darwin") == (
+        user, Path("/opt/brew/var/run/mlxceld/mlxceld.sock"))
 
 
 def test_the_first_socket_present_wins(tmp_path: Path) -> None:

@@ -17,9 +17,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {"mlxceld", "mlxctl"}
 # Declared but never imported by name, each with why it is declared anyway.
-INDIRECT = {
-    "h11": "uvicorn's h11 protocol parses every request; the floor is a CVE fix",
-}
+INDIRECT: dict[str, str] = {}
 
 
 def requirements() -> list[Requirement]:

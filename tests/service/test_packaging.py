@@ -9,6 +9,7 @@ import importlib.util
 import json
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -30,8 +31,8 @@ EXAMPLE = ROOT / "contrib" / "mlxceld.toml"
 BUILD_TIMEOUT_S = 300
 TOOL_TIMEOUT_S = 60
 # Where the Homebrew service keeps its files, under $(brew --prefix)/var; mlxctl looks for
-# the socket at $(brew --prefix)/var/run/mlxceld.sock.
-BREW_VAR = {"state_dir": "lib/mlxceld", "socket": "run/mlxceld.sock",
+# the socket at $(brew --prefix)/var/run/mlxceld/mlxceld.sock.
+BREW_VAR = {"state_dir": "lib/mlxceld", "socket": "run/mlxceld/mlxceld.sock",
             "log_file": "log/mlxceld.log"}
 
 
@@ -235,7 +236,7 @@ def brew_config(example: str, var: Path) -> str:
 def assert_under_var(config: Path, var: Path) -> None:
     cfg = load_config(Overrides(config_file=config))
     assert (cfg.state_dir, cfg.socket, cfg.log_file) == (
-        var / "lib/mlxceld", var / "run/mlxceld.sock", var / "log/mlxceld.log")
+        var / "lib/mlxceld", var / "run/mlxceld/mlxceld.sock", var / "log/mlxceld.log")
     # The rest is the example's.
     assert cfg.cluster_peers == ("192.168.1.11:19000", "192.168.1.12:19000")
     assert cfg.serve.port == 8080
@@ -265,15 +266,16 @@ def test_the_example_becomes_a_config_with_state_and_socket_under_var(
 
 def test_the_daemon_runs_as_brew_services_runs_it(daemons: Daemons) -> None:
     """The service's command line with that config: state, socket and log land under var/,
-    and mlxctl reaches the daemon at var/run/mlxceld.sock."""
+    and mlxctl reaches the daemon at var/run/mlxceld/mlxceld.sock."""
     d = daemons.make(name="brew")  # a short dir: the socket path has a length limit
     var = d.root / "var"
     d.config.write_text(brew_config(EXAMPLE.read_text(), var))
     (var / "log").mkdir(parents=True)  # post_install's (var/"log").mkpath; brew has var/log
+    (var / "run").mkdir(mode=0o755)  # shared by every brew service: ours is a dir inside
     with d.stderr_path.open("ab") as err:
         d.proc = subprocess.Popen([sys.executable, "-m", "mlxceld", "--config", str(d.config)],
                                   stdin=subprocess.DEVNULL, stdout=err, stderr=err)
-    socket = var / "run/mlxceld.sock"
+    socket = var / "run/mlxceld/mlxceld.sock"
     wait_for(lambda: socket.is_socket() or d.proc.poll() is not None, 20,
              f"the control socket {socket}")
     assert d.proc.poll() is None, d.stderr()
@@ -283,6 +285,7 @@ def test_the_daemon_runs_as_brew_services_runs_it(daemons: Daemons) -> None:
     daemon = json.loads(done.stdout)["daemon"]
     assert (daemon["state_dir"], daemon["socket"]) == (str(var / "lib/mlxceld"), str(socket))
     assert (var / "lib/mlxceld/state.db").is_file()
+    assert stat.S_IMODE((var / "run").stat().st_mode) == 0o755  # left as brew made it
     wait_for(lambda: "ready" in (var / "log/mlxceld.log").read_text(), 10,
              "the daemon's log in var/log/mlxceld.log")
 
