@@ -26,6 +26,7 @@ import h11
 from mlxceld import __version__
 from mlxceld.control.access import denied_hint
 from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
+from mlxceld.paths import socket_candidates
 from mlxceld.types import JSON
 
 READ_SIZE = 65536
@@ -95,8 +96,11 @@ def timed_out(path: Path) -> ControlError:
 def connect_error(path: Path, exc: OSError) -> ControlError:
     """What a failed ``connect()`` to the control socket means."""
     if exc.errno in _ABSENT:
+        looked = socket_candidates()
+        where = (f"; with no --socket, mlxctl looked at {', '.join(map(str, looked))}"
+                 if path in looked else "")
         return DaemonNotRunning(f"mlxceld is not running (nothing listens on {path})",
-                                hint=START_HINT)
+                                hint=START_HINT + where)
     if exc.errno in _DENIED:
         return PermissionDenied(f"permission denied on the control socket {path}",
                                 hint=denied_hint(path))
