@@ -88,8 +88,8 @@ def test_peers_named_by_host_name(daemons: Daemons, split_fixture_dir: Path) -> 
         p.address("localhost") for p in peers), bringup
     port = int(coord.serve_keys["port"])
     assert complete(port, "qwen3") == expected(model, PROMPT, 8)
-    shown = coord.d.ctl("status").stdout
-    assert "stages of router: 2 of 2 attached" in shown, shown
+    wait_for(lambda: "stages of router: 2 of 2 attached" in coord.d.ctl("status").stdout,
+             10, "mlxctl status showing both stages attached (the router's stats, each 1 s)")
 
 
 def test_a_cluster_toml_that_names_every_node_by_host_name(

@@ -178,8 +178,9 @@ def test_mlxctl_finds_a_system_socket_it_may_not_look_at(daemons: Daemons) -> No
     """Neither --socket nor MLXCELD_SOCKET: the lookup goes on past the per-user socket to
     Homebrew's; one it cannot even stat (not in the group) is still the one it reports."""
     group = foreign_group()
-    brew = make_at(daemons, lambda root: root / "brew" / "var" / "run" / "mlxceld" / "mlxceld.sock")
-    for sub in ("brew", "brew/var"):
+    brew = make_at(daemons,
+                   lambda root: root / "brew" / "var" / "run" / "mlxceld" / "mlxceld.sock")
+    for sub in ("brew", "brew/var", "brew/var/run"):
         (brew.root / sub).mkdir(mode=0o755)
     start(brew, group)
     env = {"HOMEBREW_PREFIX": str(brew.root / "brew"), "HOME": str(brew.root),
