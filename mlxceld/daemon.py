@@ -212,15 +212,7 @@ class Daemon:
     async def activate_cluster(self, model: str, stages: int) -> JSON:
         """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
         serves in our task group; the answer carries the plan's epoch."""
-        coordinator = self._coordinating()
-        if self.config.pp_peer:
-            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
-                              "coordinate them",
-                              hint="run mlxctl cluster activate on a daemon without --pp-peer")
-        if self.config.distributed_config is not None:
-            raise ConfigError(f"this daemon runs the cluster config "
-                              f"{self.config.distributed_config} (--distributed-config)",
-                              hint="start it without --distributed-config to activate a plan")
+        coordinator = self._pushing_plans("activate")
         if self._stopping or self._tg is None:
             raise DaemonError("the daemon is shutting down and starts no bring-up",
                               hint="start it again, then activate")
@@ -229,23 +221,29 @@ class Daemon:
     async def deactivate_cluster(self) -> JSON:
         """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
         peer and stop our router; the daemon stays up."""
-        coordinator = self._coordinating()
-        if self.config.pp_peer:
-            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
-                              "push plans",
-                              hint="run mlxctl cluster deactivate on the coordinator")
-        if self.config.distributed_config is not None:
-            raise ConfigError(f"this daemon runs the cluster config "
-                              f"{self.config.distributed_config} (--distributed-config), "
-                              "which no plan of its own placed",
-                              hint="stop the daemons of that cluster, or start them without "
-                              "--distributed-config")
-        state = await coordinator.deactivate()
+        state = await self._pushing_plans("deactivate").deactivate()
         if self.config.pp_auto is not None:
             state = {**state, "note": f"pp_auto {self.config.pp_auto} is set: the next start "
                      "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
                      "[daemon] pp_auto) to keep the cluster down"}
         return state
+
+    def _pushing_plans(self, command: str) -> Coordinator:
+        """The coordinator, for `mlxctl cluster activate|deactivate`: refused on a daemon
+        that takes stages (--pp-peer) or runs a written cluster (--distributed-config)."""
+        coordinator = self._coordinating()
+        if self.config.pp_peer:
+            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
+                              "push plans",
+                              hint=f"run mlxctl cluster {command} on the coordinator, a "
+                              "daemon without --pp-peer")
+        if self.config.distributed_config is not None:
+            raise ConfigError(f"this daemon runs the cluster config "
+                              f"{self.config.distributed_config} (--distributed-config), "
+                              "which no plan of its own placed",
+                              hint=f"start it without --distributed-config to {command} a "
+                              "plan; a written cluster stops with its daemons")
+        return coordinator
 
     def _coordinating(self) -> Coordinator:
         if self._coordinator is None:
