@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxceld import __version__
-from mlxceld.cluster.agent import AgentService
-from mlxceld.cluster.assignee import Assignee
-from mlxceld.cluster.assignment import PushPlan, StageOffer, push
-from mlxceld.cluster.offers import PeerFacts
-from mlxceld.cluster.planner import PlanNode, PlanRefused, plan_stages
-from mlxceld.cluster.twophase import Finished
+from mlxceld.cluster.assignment.offers import PeerFacts
+from mlxceld.cluster.assignment.peer import Assignee
+from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push
+from mlxceld.cluster.assignment.rounds import Finished
+from mlxceld.cluster.plan.solver import PlanNode, PlanRefused, plan_stages
 from mlxceld.models.profile import LayerProfile, layer_profile
+from mlxceld.net.agent import AgentService
 from mlxceld.state.db import open_db
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.wire import Keyring

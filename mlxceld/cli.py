@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from mlxceld import __version__
-from mlxceld.config import LOG_LEVELS, Overrides, load_config
+from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, MlxceldError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,

@@ -24,7 +24,7 @@ Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
 With a cluster secret the agent listener runs, and with it discovery, the
 ``Coordinator`` (``cluster/coordinator.py``: `mlxctl cluster plan|activate`,
 ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``
-(``cluster/stagehost.py``); the daemon is their window on its placement and
+(``cluster/assignment/stagehost.py``); the daemon is their window on its placement and
 supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
 """
 
@@ -41,22 +41,21 @@ from dataclasses import replace
 from pathlib import Path
 
 from mlxceld import __version__
-from mlxceld.cluster import ENV_VALUE, resolve_secret
-from mlxceld.cluster.agent import AgentService, parse_addr
-from mlxceld.cluster.assignee import Assignee
-from mlxceld.cluster.assignment import serve_queries
-from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
-from mlxceld.cluster.inventory import serve_inventory
-from mlxceld.cluster.placement import (
+from mlxceld.cluster.assignment.peer import Assignee
+from mlxceld.cluster.assignment.push import serve_queries
+from mlxceld.cluster.assignment.stagehost import LocalStageHost
+from mlxceld.cluster.clusterfile.placement import (
     STAGE_WORKER,
     Placement,
     pipeline_options,
     place,
     stage_options,
 )
-from mlxceld.cluster.secret_sources import FLAG as SECRET_FLAG
-from mlxceld.cluster.stagehost import LocalStageHost
-from mlxceld.config import Config, Overrides, load_config
+from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
+from mlxceld.config.daemon import Config, Overrides, load_config
+from mlxceld.config.secrets import ENV_VALUE, resolve_secret
+from mlxceld.config.secrets import FLAG as SECRET_FLAG
+from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
     ControlServer,
@@ -66,10 +65,11 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.inventory import serve_inventory
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.net.agent import AgentService
 from mlxceld.sdnotify import Notifier, status_line
-from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
     SCHEMA_VERSION,
     EventLog,
@@ -87,6 +87,7 @@ from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
+from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ class Daemon:
         self._socket_group = config.socket_group  # a reload changes it at the next start
         self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
                                                 config.socket), self._sock)
-        self._agent_addr = parse_addr(config.agent_addr, "--agent-addr / [daemon] agent_addr")
+        agent = parse_address(config.agent_addr, port_zero=True)  # checked by the config
+        self._agent_addr = (agent.host, agent.port)
         self._agent: AgentService | None = None
         self._agent_error: str | None = None
         self._discovery: DiscoveryService | None = None

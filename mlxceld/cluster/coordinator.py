@@ -39,7 +39,7 @@ every state it went through, in order, so that a poller misses none.
 
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
-the push itself is bounded by ``twophase.PUSH_S`` (``assignment.push``).
+the push itself is bounded by ``rounds.PUSH_S`` (``push.push``).
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ import sys
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from mlxceld.cluster import deactivation
-from mlxceld.cluster.assignment import PushPlan, StageOffer, push, resume_push
-from mlxceld.cluster.placement import Placement, place
-from mlxceld.cluster.planning import make_plan
-from mlxceld.cluster.topology import parse_cluster_text
-from mlxceld.cluster.twophase import CoordinatorRound
+from mlxceld.cluster.assignment import deactivation
+from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
+from mlxceld.cluster.assignment.rounds import CoordinatorRound
+from mlxceld.cluster.clusterfile.load import parse_cluster_text
+from mlxceld.cluster.clusterfile.placement import Placement, place
+from mlxceld.cluster.plan.candidates import make_plan
+from mlxceld.config.serve import resolve_model
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.identity import model_identity
-from mlxceld.serving import resolve_model
 from mlxceld.state import EventLog
 from mlxceld.state.plans import PlanRow, Plans
 from mlxceld.types import JSON
@@ -129,7 +129,7 @@ class Coordinator:
 
     def close(self) -> None:
         """The daemon stops: a push cut short is presumed aborted; its peers abort by their
-        deadline (``twophase.PEER_PHASE_S``), or at once on asking us after our restart.
+        deadline (``rounds.PEER_PHASE_S``), or at once on asking us after our restart.
         Peers not told of a deactivation learn it when their daemon restarts."""
         for task in (self._task, self._chase):
             if task is not None:

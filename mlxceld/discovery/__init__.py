@@ -1,8 +1,9 @@
-"""Discovery: finding candidate peers (static addresses, signed mDNS records) and
-keeping the candidate table; the authenticated handshake decides membership.
+"""Discovery: finding candidate peers (static addresses, signed mDNS records), asking
+each for its inventory (``inventory``, ``poller``) and keeping the candidate table;
+the authenticated handshake decides membership.
 
-Names are loaded on first use: the config reads ``settings`` and ``static``
-without importing zeroconf or the network shell.
+Names are loaded on first use, so that importing one module of the room does not
+import zeroconf.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DEFAULT_CLUSTER_NAME": "settings", "DISCOVERY_MODES": "settings",
-    "cluster_settings": "settings", "parse_cluster_name": "settings",
-    "parse_peers": "static",
     "Candidate": "candidates", "CandidateTable": "candidates",
     "DiscoveryService": "service",
 }

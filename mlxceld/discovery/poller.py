@@ -13,7 +13,7 @@ One poll, with its deadlines:
    is bound to it, so the peer sees the source IP the identity claims (an
    unspecified ``0.0.0.0`` identity is replaced by the source IP on the peer).
 2. Send ``{"t": "inventory"}``, wait ``ANSWER_TIMEOUT_S`` (5 s) for the answer,
-   check it (``mlxceld.cluster.inventory.parse_inventory``), close the stream.
+   check it (``mlxceld.discovery.inventory.parse_inventory``), close the stream.
 
 Outcomes: ``reachable`` with the inventory; ``refused`` when the handshake was
 refused (``REFUSED_KINDS``: another secret shows as ``unknown_key_id`` or
@@ -32,14 +32,14 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from mlxceld.cluster.inventory import (
+from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.inventory import (
     AGENT_CHANNEL,
     ANSWER_SPECS,
     InventoryError,
     parse_inventory,
     request,
 )
-from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.net import ConnectionClosed, HandshakeFailed, connect_as
 from mlxceld.state.peers import PeerState
 from mlxceld.wire import EnvelopeError, SecretStore, encode_envelope, parse_envelope

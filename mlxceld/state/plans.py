@@ -8,7 +8,7 @@ deactivate` ended it, which a restarted coordinator does not resume).
 state (preparing, accepted, refused, committed, active, aborted, deactivated),
 the coordinator identity that offered it, and the cluster TOML it runs once
 active. Each write is one committed transaction
-(``twophase`` requires a decision or a vote to be durable before it is sent).
+(``cluster.assignment.rounds`` requires a decision or a vote to be durable before it is sent).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Worker subprocess entry points, one module per role."""
 
-from mlxceld.workers.roles import ROLES
+from mlxceld.roles import ROLES
 
 __all__ = ["ROLES"]

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxceld.roles import ROLES
 from mlxceld.types import JSON, ExitRecord, WorkerBootstrap
-from mlxceld.workers.roles import ROLES
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ def test_the_simulated_push_ends_with_every_stage_active(bench: ModuleType,
 
 
 def test_the_cluster_toml_it_pushes_is_valid(bench: ModuleType, tmp_path: Path) -> None:
-    from mlxceld.cluster.topology import parse_cluster_text, validate_layers
+    from mlxceld.cluster.clusterfile.load import parse_cluster_text, validate_layers
 
     cfg = parse_cluster_text(bench.cluster_toml("127.0.0.1:19000", [("127.0.0.2", 19100),
                                                                      ("127.0.0.3", 19100)]),

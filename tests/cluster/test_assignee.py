@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld import __version__
-from mlxceld.cluster.agent import AgentService
-from mlxceld.cluster.assignee import Assignee
-from mlxceld.cluster.assignment import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
-from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer, PeerFacts
+from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer, PeerFacts
+from mlxceld.cluster.assignment.peer import Assignee
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
 from mlxceld.net import MxclStream, connect
+from mlxceld.net.agent import AgentService
 from mlxceld.state.db import open_db
 from mlxceld.state.plans import Assignments
 from mlxceld.wire import Keyring

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from mlxceld.cluster import assignment
-from mlxceld.cluster.assignment import (
+from mlxceld.cluster.assignment import push as assignment
+from mlxceld.cluster.assignment.push import (
     ASSIGNMENT_CHANNEL,
     PEER_SPECS,
     PushPlan,

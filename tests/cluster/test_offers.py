@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer, PeerFacts, Refusal, judge, parse_offer
-from mlxceld.cluster.topology import ClusterConfig
+from mlxceld.cluster.assignment.offers import (
+    ASSIGNMENT_VERSION,
+    Offer,
+    PeerFacts,
+    Refusal,
+    judge,
+    parse_offer,
+)
+from mlxceld.cluster.clusterfile.load import ClusterConfig
 from mlxceld.wire.address import parse_address
 
 TOML = textwrap.dedent("""

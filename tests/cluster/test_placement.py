@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.cluster.placement import pipeline_options, place, stage_options
+from mlxceld.cluster.clusterfile.placement import pipeline_options, place, stage_options
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_identity
 
@@ -76,7 +76,7 @@ def test_an_unknown_node_id_lists_the_known_ones(tmp_path: Path,
 
 
 def test_the_daemon_does_not_import_mlx() -> None:
-    code = ("import sys, mlxceld.daemon, mlxceld.cluster.placement, mlxceld.pipeline; "
+    code = ("import sys, mlxceld.daemon, mlxceld.cluster.clusterfile.placement, mlxceld.pipeline; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.cluster import load_cluster, validate_layers, write_cluster
-from mlxceld.cluster.placement import place
-from mlxceld.cluster.planner import (
+from mlxceld.cluster.clusterfile.load import (
+    dump_cluster,
+    load_cluster,
+    validate_layers,
+    write_cluster,
+)
+from mlxceld.cluster.clusterfile.placement import place
+from mlxceld.cluster.plan.solver import (
     SCALE,
     Plan,
     PlanNode,
@@ -24,7 +29,6 @@ from mlxceld.cluster.planner import (
     render_plan_table,
     usable_memory,
 )
-from mlxceld.cluster.topology import dump_cluster
 from mlxceld.errors import ConfigError
 from mlxceld.models import layer_profile
 from mlxceld.models.profile import LayerProfile

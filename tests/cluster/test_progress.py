@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mlxceld.cluster.twophase import CoordinatorRound
+from mlxceld.cluster.assignment.rounds import CoordinatorRound
 
 PEERS = ("a:1", "b:2")
 

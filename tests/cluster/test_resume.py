@@ -9,8 +9,8 @@ from pathlib import Path
 
 from test_placement import write
 
+from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.cluster.coordinator import Coordinator, config_differences
-from mlxceld.cluster.placement import Placement
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.models import model_identity

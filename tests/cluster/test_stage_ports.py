@@ -9,11 +9,11 @@ import socket
 import pytest
 from test_offers import ME, OFFER, verdict
 
-from mlxceld.cluster.inventory import free_ports
-from mlxceld.cluster.offers import Refusal
-from mlxceld.cluster.planning import plan_nodes
-from mlxceld.cluster.stage_ports import StagePorts, parse_stage_ports
-from mlxceld.cluster.topology import ClusterConfig
+from mlxceld.cluster.assignment.offers import Refusal
+from mlxceld.cluster.clusterfile.load import ClusterConfig
+from mlxceld.cluster.plan.candidates import plan_nodes
+from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
+from mlxceld.discovery.inventory import free_ports
 from mlxceld.errors import ConfigError
 from mlxceld.state.peers import PeerRow
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxceld.cluster.twophase import (
+from mlxceld.cluster.assignment.rounds import (
     COMMIT_WINDOW_S,
     PEER_PHASE_S,
     PUSH_S,

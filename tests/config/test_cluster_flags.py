@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.config import Overrides, build_config
+from mlxceld.config.daemon import Overrides, build_config
 from mlxceld.errors import ConfigError
 
 

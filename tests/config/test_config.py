@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mlxceld.config import Config, Overrides, build_config, load_config
+from mlxceld.config.daemon import Config, Overrides, build_config, load_config
 from mlxceld.errors import ConfigError
 from mlxceld.paths import client_socket, default_config_file, default_socket, default_state_dir
 from mlxceld.supervisor.states import RestartPolicy

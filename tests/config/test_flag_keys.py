@@ -13,7 +13,7 @@ import pytest
 import typer
 
 from mlxceld.cli import app, overrides
-from mlxceld.config import FLAG_KEYS, FLAG_ONLY, Config, build_config
+from mlxceld.config.daemon import FLAG_KEYS, FLAG_ONLY, Config, build_config
 from mlxceld.errors import ConfigError
 
 # A value for each flag as typed, the same value as written in the file, and flags that
@@ -98,12 +98,12 @@ def test_the_key_does_what_the_flag_does(flag: str, tmp_path: Path) -> None:
 def test_every_key_is_documented() -> None:
     man = (ROOT / "man" / "mlxceld.8").read_text()
     page = man.split(".SH CONFIGURATION FILE")[1].split("\n.SH ")[0]
-    docstring = (ROOT / "mlxceld" / "config.py").read_text()
+    docstring = (ROOT / "mlxceld" / "config/daemon.py").read_text()
     for flag, where in FLAG_KEYS.items():
         key = where.split(".")[1]
         assert key in page, f"{where} ({flag}) is not in mlxceld(8), CONFIGURATION FILE"
         if where.startswith("daemon."):
-            assert f"\n    {key} = " in docstring, f"{where} is not in config.py's docstring"
+            assert f"\n    {key} = " in docstring, f"{where} is not in config/daemon.py's docstring"
 
 
 @pytest.mark.parametrize("key", ["dry_run", "config", "version"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.config import Overrides, build_config
+from mlxceld.config.daemon import Overrides, build_config
 from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
 from mlxceld.paths import first_present, socket_candidates

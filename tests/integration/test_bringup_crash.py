@@ -19,8 +19,8 @@ from test_discovery import agent, secret_file, start
 from test_pipeline import READY_S, expected, free_port
 
 from mlxceld import __version__
-from mlxceld.cluster.assignment import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS
-from mlxceld.cluster.offers import ASSIGNMENT_VERSION, Offer
+from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS
 from mlxceld.net import connect
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope

@@ -12,7 +12,7 @@ from conftest import FAST_POLICY, Daemons, wait_for
 from test_discovery import agent, by_address, secret_file, start
 from test_pipeline import READY_S, expected, free_port
 
-from mlxceld.cluster.topology import load_cluster, validate_layers
+from mlxceld.cluster.clusterfile.load import load_cluster, validate_layers
 from mlxceld.models import layer_count, read_model_config
 
 

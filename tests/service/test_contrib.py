@@ -17,9 +17,9 @@ import pytest
 import typer
 
 from mlxceld.cli import app as mlxceld_app
-from mlxceld.cluster.placement import place
-from mlxceld.cluster.topology import load_cluster
-from mlxceld.config import Overrides, load_config
+from mlxceld.cluster.clusterfile.load import load_cluster
+from mlxceld.cluster.clusterfile.placement import place
+from mlxceld.config.daemon import Overrides, load_config
 from mlxceld.models import preset, write_fixture
 from mlxctl.app import app as mlxctl_app
 

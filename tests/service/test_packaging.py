@@ -21,7 +21,7 @@ import pytest
 from conftest import Daemons, wait_for
 
 import mlxceld
-from mlxceld.config import Overrides, load_config
+from mlxceld.config.daemon import Overrides, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 HOMEBREW = ROOT / "packaging" / "homebrew"

@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 
 from mlxceld import __version__
-from mlxceld.cluster.agent import AgentService
-from mlxceld.cluster.inventory import (
+from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.inventory import (
     InventoryError,
     free_ports,
     local_inventory,
     parse_inventory,
     serve_inventory,
 )
-from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.poller import InventoryPoller
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream, connect
+from mlxceld.net.agent import AgentService
 from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope, parse_envelope
 
 

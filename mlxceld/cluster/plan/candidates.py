@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxceld.cluster.plan import PlanNode, usable_memory
-from mlxceld.cluster.plan_report import plan_json, render_plan_table
-from mlxceld.cluster.planner import plan_stages
-from mlxceld.cluster.topology import dump_cluster
+from mlxceld.cluster.clusterfile.load import dump_cluster
+from mlxceld.cluster.plan.model import PlanNode, usable_memory
+from mlxceld.cluster.plan.report import plan_json, render_plan_table
+from mlxceld.cluster.plan.solver import plan_stages
 from mlxceld.errors import PlanRefused
 from mlxceld.models.identity import model_identity
 from mlxceld.models.profile import layer_profile

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from mlxceld.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mlxceld.config import Overrides
+    from mlxceld.config.daemon import Overrides
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 - cluster name: 1-128 characters without control characters (the cluster TOML's
   rule) and at most ``MAX_NAME_BYTES`` bytes of UTF-8, so that ``cluster=NAME``
   fits one mDNS TXT string; default ``mlxcel-cluster``.
-- peers: see ``static.py``; in the config file a list of strings.
+- peers: see ``peers.py``; in the config file a list of strings.
 - discovery: ``static`` (only the listed peers; the default) or ``mdns`` (the
   listed peers and whatever the signed mDNS records of PROTOCOL.md section 5 find).
 """
@@ -15,12 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from mlxceld.cluster.cluster_toml import MAX_NAME, name_problem
-from mlxceld.cluster.nodes import DEFAULT_NAME
-from mlxceld.discovery.static import PEERS_HINT, parse_peers
+from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem
+from mlxceld.config.peers import PEERS_HINT, parse_peers
 from mlxceld.errors import ConfigError
 
-DEFAULT_CLUSTER_NAME: Final = DEFAULT_NAME
 DISCOVERY_MODES: Final = ("static", "mdns")
 MAX_NAME_BYTES: Final = 240  # "cluster=" + name within a TXT string's 255 bytes
 KEYS: Final = ("cluster_name", "cluster_peers", "cluster_discovery")

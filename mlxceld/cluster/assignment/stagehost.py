@@ -2,7 +2,7 @@
 
 ``prepare_stage`` writes the offered cluster TOML to ``<state-dir>/cluster-E.toml``,
 places this node in it and starts the stage worker in standby (weights loaded,
-not serving), waiting at most ``assignee.PREPARE_S`` for it to run;
+not serving), waiting at most ``peer.PREPARE_S`` for it to run;
 ``activate_stage`` switches it to serving over the worker's control socket;
 ``stop_stage`` removes it. Which workers run follows the daemon's placement,
 so the daemon's side is a ``StageSlot``: set the placement, reconcile.
@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from mlxceld import __version__
-from mlxceld.cluster.assignee import PREPARE_S, port_is_free
-from mlxceld.cluster.offers import PeerFacts
-from mlxceld.cluster.placement import STAGE_WORKER, Placement, place
-from mlxceld.cluster.stage_ports import StagePorts
+from mlxceld.cluster.assignment.offers import PeerFacts
+from mlxceld.cluster.assignment.peer import PREPARE_S, port_is_free
+from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
+from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import DaemonError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
@@ -39,7 +39,7 @@ class StageSlot(Protocol):
 
 
 class LocalStageHost:
-    """The ``assignee.StageHost`` of a daemon: its stage worker under its supervisor."""
+    """The ``peer.StageHost`` of a daemon: its stage worker under its supervisor."""
 
     def __init__(self, slot: StageSlot, supervisor: Supervisor, events: EventLog, *,
                  cluster: str, state_dir: Path, model: Callable[[], str | None],

@@ -14,14 +14,14 @@ File format (TOML, every table and key optional)::
     node_id = "stage-0"                # ... and which node of it this daemon is
     cluster_name = "mlxcel-cluster"    # 1-128 characters, no control characters
     cluster_peers = ["192.168.1.11:19000", "[fd00::12]:19000"]  # peer agent addresses
-    cluster_discovery = "static"       # static | mdns (see mlxceld/discovery/settings.py)
+    cluster_discovery = "static"       # static | mdns (see mlxceld/config/cluster.py)
     cluster_secret_file = "secret"     # the cluster secret (below the variables, see
-                                       # mlxceld/cluster/secret_sources.py)
+                                       # mlxceld/config/secrets.py)
     pp_peer = false                    # take a stage from a coordinator
     pp_auto = 2                        # coordinate: plan and push N stages at start
     cluster_config_out = "pushed.toml" # where a pushed plan is written as a cluster TOML
     stage_ports = "19100-19199"        # stage listener ports: one port or a range
-                                       # (mlxceld/cluster/stage_ports.py); default ephemeral
+                                       # (mlxceld/config/stage_ports.py); default ephemeral
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -35,7 +35,7 @@ File format (TOML, every table and key optional)::
     stop_timeout_s = 20.0              # any RestartPolicy field overrides [supervisor]
 
     [serve]                            # the model server (the router worker):
-    model = "~/models/tiny"            # see mlxceld/serving.py for every key
+    model = "~/models/tiny"            # see mlxceld/config/serve.py for every key
 
 Every flag of ``mlxceld`` has a key here (``FLAG_KEYS``) except those of
 ``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run`` (a one-shot
@@ -54,15 +54,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxceld.cluster.secret_sources import FLAG as SECRET_FLAG
-from mlxceld.cluster.stage_ports import StagePorts, parse_stage_ports
+from mlxceld.config.cluster import KEYS, cluster_settings
+from mlxceld.config.names import DEFAULT_CLUSTER_NAME
+from mlxceld.config.secrets import FLAG as SECRET_FLAG
+from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
+from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.control.access import OperatorGroup
-from mlxceld.discovery.settings import DEFAULT_CLUSTER_NAME, KEYS, cluster_settings
 from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
-from mlxceld.serving import ROUTER, ServeConfig, parse_serve
+from mlxceld.roles import ROLES, STAGE
 from mlxceld.supervisor.states import RestartPolicy
-from mlxceld.workers.roles import ROLES, STAGE
+from mlxceld.wire.address import parse_address
 
 DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -219,7 +221,7 @@ def _pp_peer(daemon: Mapping[str, Any], flags: Overrides, cluster: Mapping[str, 
 def _secret_and_ports(daemon: Mapping[str, Any], flags: Overrides, base: Path,
                       where: str) -> dict[str, Any]:
     """``--cluster-secret-file`` / ``[daemon] cluster_secret_file`` (the flag wins over the
-    secret variables, the key does not: ``secret_sources``) and ``--stage-ports`` /
+    secret variables, the key does not: ``secrets``) and ``--stage-ports`` /
     ``[daemon] stage_ports``."""
     secret, origin = flags.cluster_secret_file, SECRET_FLAG
     if secret is None:
@@ -295,8 +297,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         config_file=path,
         log_level=log_level,
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
-        agent_addr=flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
-        or DEFAULT_AGENT_ADDR,
+        agent_addr=_agent_addr(daemon, flags, where),
         **(choice := _cluster_choice(daemon, flags, base, where)),
         **(auto := _pp_auto_choice(daemon, flags, choice, base, where)),
         pp_peer=_pp_peer(daemon, flags, {**choice, **auto}, where),
@@ -335,6 +336,23 @@ def _socket_group(daemon: Mapping[str, Any], flags: Overrides, socket: Path, sta
                           hint="give the socket a directory of its own, e.g. --socket "
                           "/run/mlxceld/mlxceld.sock")
     return group
+
+
+def _agent_addr(daemon: Mapping[str, Any], flags: Overrides, where: str) -> str:
+    """``--agent-addr`` / ``[daemon] agent_addr``: ``host:port``, ``[v6]:port``, a wildcard
+    (every interface) or a host name (the addresses it resolves to); port 0 lets the
+    system choose (tests). Checked here, before the daemon takes its lock and socket."""
+    value = flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
+    if value is None:
+        return DEFAULT_AGENT_ADDR
+    what = "--agent-addr" if flags.agent_addr else f"{where}: 'daemon.agent_addr'"
+    try:
+        parse_address(value, port_zero=True)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {value!r} {exc}",
+                          hint=f"for example {DEFAULT_AGENT_ADDR}, or [::]:19000 for IPv6"
+                          ) from None
+    return value
 
 
 def _read_toml(path: Path, *, required: bool) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A pipeline plan as values: the candidate nodes, the memory reserve, the stages.
 
-``planner.plan_stages`` makes a ``Plan``; ``Plan.to_cluster`` turns it into the
+``solver.plan_stages`` makes a ``Plan``; ``Plan.to_cluster`` turns it into the
 cluster TOML that ``--distributed-config`` reads unchanged.
 
 Usable memory is what a node offers for a stage: the memory its inventory
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
-from mlxceld.cluster.topology import dump_cluster, parse_cluster_text
+from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
+from mlxceld.cluster.clusterfile.model import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
 from mlxceld.models.profile import LayerProfile
 from mlxceld.wire.address import canonical_address, parse_address
 

@@ -5,7 +5,7 @@ neither its own restart nor a peer's brings it back; then it stops its router an
 tells every peer of the plan at once (``tell``): one connection each to the
 peer's agent listener, ``deactivate``, and the peer's ``deactivated`` once its
 stage worker is stopped and its assignment recorded deactivated
-(``assignee.Assignee``; the messages are listed in ``assignment.py``). Each peer
+(``peer.Assignee``; the messages are listed in ``push.py``). Each peer
 ends ``deactivated``, ``unreachable`` (no connection, or no answer in time: the
 reason) or ``refused`` (the peer's code and reason).
 
@@ -32,7 +32,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from mlxceld.cluster.assignment import (
+from mlxceld.cluster.assignment.push import (
     ASSIGNMENT_CHANNEL,
     CONNECT_S,
     COORDINATOR_SPECS,

@@ -34,9 +34,9 @@ import os
 import tomllib
 from pathlib import Path
 
-from mlxceld.cluster.cluster_toml import parse_cluster
-from mlxceld.cluster.nodes import ClusterConfig, NodeConfig, select_node
-from mlxceld.cluster.topology_rules import check_cluster, validate_layers
+from mlxceld.cluster.clusterfile.fields import parse_cluster
+from mlxceld.cluster.clusterfile.model import ClusterConfig, NodeConfig, select_node
+from mlxceld.cluster.clusterfile.rules import check_cluster, validate_layers
 from mlxceld.errors import ConfigError
 from mlxceld.wire.address import parse_address
 

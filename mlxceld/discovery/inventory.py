@@ -53,12 +53,12 @@ from typing import Any, Final
 import psutil
 
 from mlxceld import __version__
-from mlxceld.cluster.agent import AgentService
-from mlxceld.cluster.cluster_toml import name_problem
-from mlxceld.cluster.stage_ports import StagePorts
+from mlxceld.config.names import name_problem
+from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import MlxceldError
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream
+from mlxceld.net.agent import AgentService
 from mlxceld.wire import Envelope, MessageSpec, encode_envelope
 
 AGENT_CHANNEL: Final = 3

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.config import Config, Overrides, build_config
-from mlxceld.discovery.static import parse_peers
+from mlxceld.config.daemon import Config, Overrides, build_config
+from mlxceld.config.peers import parse_peers
 from mlxceld.errors import ConfigError
 
 

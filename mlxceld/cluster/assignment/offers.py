@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.cluster.stage_ports import StagePorts
-from mlxceld.cluster.topology import ClusterConfig, parse_cluster_text, validate_layers
+from mlxceld.cluster.clusterfile.load import ClusterConfig, parse_cluster_text, validate_layers
+from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import ConfigError
 from mlxceld.net.resolve import ResolveError, is_local_ip, matches_blocking, resolve_blocking
 from mlxceld.wire.address import HostPort, ip_or_none, parse_address

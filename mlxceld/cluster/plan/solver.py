@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 from typing import Final
 
-from mlxceld.cluster.plan import (
+from mlxceld.cluster.plan.model import (
     DEFAULT_ACTIVATION_BYTES,
     DEFAULT_CONTEXT_TOKENS,
     SAFETY_FRACTION,
@@ -48,7 +48,7 @@ from mlxceld.cluster.plan import (
     Reserve,
     usable_memory,
 )
-from mlxceld.cluster.plan_report import PlanJSON, human_bytes, plan_json, render_plan_table
+from mlxceld.cluster.plan.report import PlanJSON, human_bytes, plan_json, render_plan_table
 from mlxceld.errors import ConfigError, PlanRefused
 from mlxceld.models.profile import LayerProfile
 

@@ -1,6 +1,6 @@
 """The cluster TOML as typed values: one ``ClusterConfig`` holding its ``NodeConfig`` s.
 
-Built and validated by ``mlxceld.cluster.topology.load_cluster``; a value made
+Built and validated by ``mlxceld.cluster.clusterfile.load.load_cluster``; a value made
 by hand is checked when ``write_cluster`` writes it.
 """
 
@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from mlxceld.cluster.secret_sources import TomlSecretFile
+from mlxceld.config.secrets import TomlSecretFile
 from mlxceld.errors import ConfigError
 
 COORDINATOR: Final = "coordinator"
 PIPELINE_STAGE: Final = "pipeline_stage"
 ROLES: Final = (COORDINATOR, PIPELINE_STAGE)
-DEFAULT_NAME: Final = "mlxcel-cluster"
 Role = Literal["coordinator", "pipeline_stage"]
 
 

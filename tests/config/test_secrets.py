@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.cluster import ENV_FILE, ENV_VALUE, TomlSecretFile, resolve_secret
+from mlxceld.config.secrets import ENV_FILE, ENV_VALUE, TomlSecretFile, resolve_secret
 from mlxceld.errors import ConfigError, SecretSourceError
 from mlxceld.wire.secret import Keyring
 
@@ -63,7 +63,7 @@ def test_precedence_flag_env_file_env_value_toml_keyring(files: dict[str, Path])
 def test_the_config_files_key_is_below_the_variables_above_the_toml(
         files: dict[str, Path]) -> None:
     toml = TomlSecretFile("d.key", files["cluster.toml"])
-    conf = files["flag"]  # [daemon] cluster_secret_file (resolved by mlxceld.config)
+    conf = files["flag"]  # [daemon] cluster_secret_file (resolved by mlxceld.config.daemon)
     got = resolve_secret(environ={ENV_FILE: str(files["env"])}, config_file=conf, toml=toml)
     assert got is not None and got.secret == B
     got = resolve_secret(environ={ENV_VALUE: C}, config_file=conf, toml=toml)

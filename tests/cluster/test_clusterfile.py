@@ -17,9 +17,7 @@ from typing import Any
 
 import pytest
 
-from mlxceld.cluster import (
-    NodeConfig,
-    TomlSecretFile,
+from mlxceld.cluster.clusterfile.load import (
     dump_cluster,
     load_cluster,
     needs_secret,
@@ -27,6 +25,8 @@ from mlxceld.cluster import (
     validate_layers,
     write_cluster,
 )
+from mlxceld.cluster.clusterfile.model import NodeConfig
+from mlxceld.config.secrets import TomlSecretFile
 from mlxceld.errors import ConfigError
 
 Data = dict[str, Any]
@@ -489,7 +489,7 @@ def test_file_errors(tmp_path: Path) -> None:
 
 
 def test_the_man_page_documents_every_key() -> None:
-    from mlxceld.cluster.cluster_toml import CLUSTER_KEYS, NODE_KEYS, RESOURCE_KEYS
+    from mlxceld.cluster.clusterfile.fields import CLUSTER_KEYS, NODE_KEYS, RESOURCE_KEYS
 
     page = (Path(__file__).parents[2] / "man" / "mlxcel-cluster.toml.5").read_text()
     for key in (*CLUSTER_KEYS, *NODE_KEYS, *RESOURCE_KEYS):

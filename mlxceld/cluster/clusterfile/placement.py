@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.cluster.topology import (
+from mlxceld.cluster.clusterfile.load import (
     ClusterConfig,
     NodeConfig,
     load_cluster,
@@ -23,7 +23,7 @@ from mlxceld.cluster.topology import (
 )
 from mlxceld.errors import ConfigError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
-from mlxceld.workers.roles import STAGE
+from mlxceld.roles import STAGE
 
 STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
 

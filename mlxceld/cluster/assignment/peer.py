@@ -1,6 +1,6 @@
 """A peer's side of the two-phase stage assignment: the asyncio shell around ``PeerRound``.
 
-The coordinator's ``offer`` arrives on channel 2 (``assignment.py``); so do
+The coordinator's ``offer`` arrives on channel 2 (``push.py``); so do
 ``commit``, ``activate`` and ``abort``, on the same connection. A daemon that
 is not a peer (no ``--pp-peer``) refuses every offer with code ``not_a_peer``
 (not final: start it with ``--pp-peer`` and push again).
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, Final, Protocol, cast
 
 from mlxceld import failpoints
-from mlxceld.cluster.agent import AgentService
-from mlxceld.cluster.assignment import (
+from mlxceld.cluster.assignment.offers import Offer, PeerFacts, Refusal, judge, parse_offer
+from mlxceld.cluster.assignment.push import (
     ASSIGNMENT_CHANNEL,
     CONNECT_S,
     HEARTBEAT_S,
@@ -51,8 +51,7 @@ from mlxceld.cluster.assignment import (
     epoch_of,
     message,
 )
-from mlxceld.cluster.offers import Offer, PeerFacts, Refusal, judge, parse_offer
-from mlxceld.cluster.twophase import (
+from mlxceld.cluster.assignment.rounds import (
     FRAME_S,
     HOLDS_A_STAGE,
     PEER_PHASE_S,
@@ -66,6 +65,7 @@ from mlxceld.cluster.twophase import (
 )
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net.agent import AgentService
 from mlxceld.net.resolve import Resolver
 from mlxceld.state.plans import Assignments
 from mlxceld.wire import Envelope, Keyring

@@ -2,25 +2,24 @@
 
 Every error names the file, the node (by id, or as ``nodes[2]`` while its id is
 the thing that is wrong) and the field. Rules across nodes (unique ids and
-addresses, ranks, contiguous layers) are ``topology_rules``'s.
+addresses, ranks, contiguous layers) are ``rules``'s.
 """
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.cluster.nodes import (
+from mlxceld.cluster.clusterfile.model import (
     COORDINATOR,
-    DEFAULT_NAME,
     PIPELINE_STAGE,
     ROLES,
     ClusterConfig,
     NodeConfig,
     Role,
 )
+from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 from mlxceld.errors import ConfigError
 from mlxceld.wire.address import parse_address
 
@@ -28,7 +27,6 @@ TOP_KEYS: Final = ("cluster", "nodes")
 CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "secret_file", "model")
 NODE_KEYS: Final = ("id", "address", "role", "rank", "layers", "resources")
 RESOURCE_KEYS: Final = ("memory_bytes",)
-MAX_NAME: Final = 128
 # Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
 # TOML does not describe yet: refused as "not supported yet", not as typos.
 LATER_ROLES: Final = frozenset({"hybrid", "prefill", "decode", "tensor_parallel_rank", "tp",
@@ -47,12 +45,12 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
         raise ConfigError(f"{where}: there is no [cluster] table",
                           hint="start the file with [cluster] and pipeline_parallel_size = N")
     _check_keys(cluster, CLUSTER_KEYS, where, "cluster.")
-    name = cluster.get("name", DEFAULT_NAME)
+    name = cluster.get("name", DEFAULT_CLUSTER_NAME)
     problem = name_problem(name)
     if problem:
         raise ConfigError(f"{where}: 'cluster.name' {problem}",
                           hint=f'use 1-{MAX_NAME} printable characters, e.g. name = '
-                          f'"{DEFAULT_NAME}"')
+                          f'"{DEFAULT_CLUSTER_NAME}"')
     size = _int(cluster, "pipeline_parallel_size", where, "cluster.", minimum=1)
     if size is None:
         raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is missing",
@@ -73,27 +71,6 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
         nodes=tuple(_node(raw, i, where) for i, raw in enumerate(nodes)),
         path=path,
     )
-
-
-def name_problem(value: object) -> str | None:
-    """What is wrong with ``value`` as a node id or cluster name, or None."""
-    if not isinstance(value, str):
-        return f"must be a string, not {shown(value)}"
-    if not value:
-        return "must not be empty"
-    if len(value) > MAX_NAME:
-        return f"is {len(value)} characters long; at most {MAX_NAME} are allowed"
-    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
-    if bad is not None:
-        return f"contains the control character U+{ord(bad):04X}"
-    return None
-
-
-def shown(value: object) -> str:
-    """A value as TOML would write it, near enough for a message."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value)
 
 
 def _node(raw: Mapping[str, Any], i: int, where: str) -> NodeConfig:

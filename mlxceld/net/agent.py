@@ -18,12 +18,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from mlxceld.config import DEFAULT_AGENT_ADDR
-from mlxceld.errors import ConfigError
 from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
 from mlxceld.net.securitylog import SecurityClass
 from mlxceld.wire import Keyring
-from mlxceld.wire.address import format_address, parse_address
+from mlxceld.wire.address import format_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
@@ -33,19 +31,6 @@ AGENT_CHANNELS = {2, 3}
 AgentHandler = Callable[[MxclStream, Envelope], Awaitable[None]]
 _CLASS_OF: dict[str, SecurityClass] = {"noise": "noise", "abort": "noise",
                                        "at_capacity": "capacity"}
-
-
-def parse_addr(value: str, what: str) -> tuple[str, int]:
-    """The agent's listen address: ``host:port``, ``[v6]:port``, a wildcard (every
-    interface) or a host name (the addresses it resolves to); port 0 lets the system
-    choose (tests)."""
-    try:
-        where = parse_address(value, port_zero=True)
-    except ValueError as exc:
-        raise ConfigError(f"{what}: {value!r} {exc}",
-                          hint=f"for example {DEFAULT_AGENT_ADDR}, or [::]:19000 for IPv6"
-                          ) from None
-    return where.host, where.port
 
 
 class AgentService:

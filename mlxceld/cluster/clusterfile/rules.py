@@ -1,6 +1,6 @@
 """Rules across the nodes of a cluster TOML, and against its model's layer count.
 
-The fields of each node are already checked (``cluster_toml``); these rules
+The fields of each node are already checked (``fields``); these rules
 look at the nodes together: unique ids and addresses, one coordinator, ranks
 0..N-1, and layer ranges that follow each other in rank order without a gap or
 an overlap, so that no layer is ever silently dropped or run twice.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxceld.cluster.nodes import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.cluster.clusterfile.model import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
 from mlxceld.errors import ConfigError
 from mlxceld.wire.address import parse_address
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final, Literal, TypedDict
 
-from mlxceld.cluster.plan import Plan, PlanNode
+from mlxceld.cluster.plan.model import Plan, PlanNode
 
 SCHEMA: Final = "mlxctl.cluster.plan/1"
 HEADERS: Final = ("STAGE", "NODE", "ADDRESS", "LAYERS", "BYTES", "RESERVE", "USABLE",
