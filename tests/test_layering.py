@@ -1,0 +1,111 @@
+"""The rooms of mlxceld form a one-way stack (ARCHITECTURE.md): each module imports only
+from its own room or the rooms below it. Read from the sources with ``ast``, so that a
+wrong import fails here naming the file, the line and the import, before any cycle
+shows up at run time. ``if TYPE_CHECKING:`` imports count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mlxceld"
+
+# Bottom first. A room is a package under mlxceld/ or a top-level module.
+STACK = [
+    "wire",  # the sans-IO protocol core: imports nothing of ours
+    "errors", "types", "paths", "privatefile", "failpoints", "roles", "sdnotify",
+    "state", "models", "net",
+    "supervisor", "control",
+    "config",
+    "discovery", "engine", "pipeline", "api",
+    "workers",
+    "cluster",
+    "daemon", "cli", "__main__",
+]
+RANK = {room: i for i, room in enumerate(STACK)}
+# What mlxctl may use: the control client and what it needs; never the daemon's insides
+# (its database, supervisor, network shell) nor the daemon itself.
+CLI_FORBIDDEN = {"daemon", "cli", "state", "supervisor", "net", "discovery", "pipeline",
+                 "engine", "api", "workers"}
+
+
+def room_of(module: str) -> str | None:
+    """The room of ``mlxceld.X...`` (None: not ours, or the package's own attributes)."""
+    parts = module.split(".")
+    if parts[0] != "mlxceld" or len(parts) < 2:
+        return None
+    name = parts[1]
+    if (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file():
+        return name
+    return None  # an attribute of mlxceld itself, e.g. __version__
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """Every absolute import in ``path``: (line, module or module.name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def own_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_room_is_in_the_stack() -> None:
+    rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in own_modules()}
+    assert rooms - {"__init__"} == set(STACK), (
+        f"rooms missing from STACK (add them where they belong): "
+        f"{sorted(rooms - {'__init__'} - set(STACK))}; in STACK but gone: "
+        f"{sorted(set(STACK) - rooms)}")
+
+
+def test_imports_point_down_the_stack() -> None:
+    wrong = []
+    for path in own_modules():
+        here = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if here == "__init__":
+            continue
+        for line, name in imports(path):
+            there = room_of(name)
+            if there is None or there == here:
+                continue
+            if RANK[there] > RANK[here]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {here} imports {name} "
+                             f"({there} is above {here})")
+    assert not wrong, "imports up the stack:\n" + "\n".join(wrong)
+
+
+def test_the_wire_imports_nothing_of_ours() -> None:
+    ours = [f"{p.relative_to(ROOT)}:{line}: {name}"
+            for p in own_modules() if p.relative_to(PACKAGE).parts[0] == "wire"
+            for line, name in imports(p)
+            if room_of(name) not in (None, "wire")]
+    assert not ours, ours
+
+
+def test_mlxctl_talks_to_the_daemon_only_through_its_client() -> None:
+    wrong = [f"{p.relative_to(ROOT)}:{line}: {name}"
+             for p in sorted((ROOT / "mlxctl").glob("*.py"))
+             for line, name in imports(p) if room_of(name) in CLI_FORBIDDEN]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize(("source", "room"), [
+    ("from mlxceld.cluster.coordinator import Coordinator", "cluster"),
+    ("from mlxceld import __version__", None),
+    ("import mlxceld.wire.address", "wire"),
+    ("from mlxceld.roles import ROLES", "roles"),
+])
+def test_the_check_sees_each_kind_of_import(source: str, room: str | None,
+                                            tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(source + "\n")
+    (line, name), = imports(path)
+    assert line == 1 and room_of(name) == room
