@@ -34,9 +34,10 @@ stops and the round is recorded deactivated, which a restart does not resume.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Final, Literal
+from enum import StrEnum
+from typing import Any, Final, Literal
 
 PUSH_S: Final = 60.0  # the coordinator's whole push
 COMMIT_WINDOW_S: Final = 10.0  # always left for the commit phase
@@ -70,7 +71,9 @@ class Finished:
 Action = Send | Persist | Finished
 
 
-class Phase(Enum):
+class Phase(StrEnum):
+    """The coordinator's round. Not stored: the plans table keeps its ``Decision``s."""
+
     OFFERING = "offering"
     COMMITTING = "committing"
     ACTIVATING = "activating"
@@ -78,8 +81,48 @@ class Phase(Enum):
     ABORTED = "aborted"
 
 
+# -- the coordinator's events: its ``on_*`` methods make them, ``COORDINATOR_TABLE`` routes them
+
+
+@dataclass(frozen=True)
+class _FromPeer:
+    peer: str
+    now: float
+
+
+class PeerAccepted(_FromPeer):
+    """``accepted``: the peer's vote, once its stage runs in standby."""
+
+
+class PeerCommitted(_FromPeer): ...
+
+
+class PeerActivated(_FromPeer): ...
+
+
+@dataclass(frozen=True)
+class PeerFailed:
+    """A refusal, a lost connection, a peer that could not be reached, its ``aborted``."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    """``next_deadline()`` has passed."""
+
+    now: float
+
+
+CoordinatorEvent = PeerAccepted | PeerCommitted | PeerActivated | PeerFailed
+
+
 @dataclass
 class CoordinatorRound:
+    """One plan epoch, the coordinator's side: see the module docstring and
+    ``COORDINATOR_TABLE``."""
+
     epoch: int
     peers: tuple[str, ...]
     started: float
@@ -96,8 +139,9 @@ class CoordinatorRound:
     _resend_at: float = 0.0
 
     def start(self) -> list[Action]:
+        """Open a new round: the offers."""
         self._phase_deadline = self.started + self.push_s - self.commit_window_s
-        return [Send(p, "offer") for p in self.peers]
+        return self._send("offer")
 
     @classmethod
     def resume(cls, epoch: int, peers: tuple[str, ...], decision: Decision | None,
@@ -110,81 +154,44 @@ class CoordinatorRound:
         if decision == "commit":
             r.phase, r.accepted = Phase.COMMITTING, set(peers)
             r._phase_deadline = now + r.commit_window_s
-            return r, [Send(p, "commit") for p in peers]
+            return r, r._send("commit")
         if decision == "activate":
             r.phase, r.accepted, r.committed = Phase.ACTIVATING, set(peers), set(peers)
             r._resend_at = now + RESEND_S
-            return r, [Send(p, "activate") for p in peers]
+            return r, r._send("activate")
         r.phase = Phase.DONE if decision == "active" else Phase.ABORTED
         return r, []
 
-    # -- inputs ---------------------------------------------------------------------------
+    # -- inputs: each is an event for COORDINATOR_TABLE ------------------------------------
 
     def on_preparing(self, peer: str, now: float) -> list[Action]:
-        """A heartbeat while the peer loads its weights: its offer deadline moves on."""
+        """A heartbeat while the peer loads its weights: its offer deadline moves on. Noted
+        in any phase, and it moves none: not an event for the table."""
         self._heard[peer] = now
         return []
 
     def on_accepted(self, peer: str, now: float) -> list[Action]:
-        if self.phase is not Phase.OFFERING or peer not in self.peers:
-            return []
-        self.accepted.add(peer)
-        if self.accepted == set(self.peers):
-            self.phase = Phase.COMMITTING
-            self._phase_deadline = now + self.commit_window_s
-            return [Persist("commit"), *(Send(p, "commit") for p in self.peers)]
-        return []
+        return self._handle(PeerAccepted(peer, now))
 
     def on_committed(self, peer: str, now: float) -> list[Action]:
-        if self.phase is not Phase.COMMITTING or peer not in self.peers:
-            return []
-        self.committed.add(peer)
-        if self.committed == set(self.peers):
-            self.phase = Phase.ACTIVATING
-            self._resend_at = now + RESEND_S
-            return [Persist("activate"), *(Send(p, "activate") for p in self.peers)]
-        return []
+        return self._handle(PeerCommitted(peer, now))
 
     def on_active(self, peer: str, now: float) -> list[Action]:
-        if self.phase is not Phase.ACTIVATING or peer not in self.peers:
-            return []
-        self.active.add(peer)
-        if self.active == set(self.peers):
-            self.phase = Phase.DONE
-            return [Persist("active"), Finished(True, f"plan {self.epoch}: every stage of "
-                                                      f"{len(self.peers)} is active")]
-        return []
+        return self._handle(PeerActivated(peer, now))
 
     def on_refused(self, peer: str, reason: str) -> list[Action]:
         return self.on_failed(peer, f"refused: {reason}")
 
     def on_failed(self, peer: str, reason: str) -> list[Action]:
         """A refusal, a lost connection, a peer that could not be reached."""
-        if peer not in self.peers:
-            return []
-        self.failures.setdefault(peer, reason)
-        if self.phase in (Phase.OFFERING, Phase.COMMITTING):
-            return self._abort(self._summary())
-        return []  # activating: the decision stands; activation is re-sent
+        return self._handle(PeerFailed(peer, reason))
 
     def handle_timer(self, now: float) -> list[Action]:
-        if self.phase is Phase.OFFERING:
-            late = [p for p in self.peers
-                    if p not in self.accepted and now >= self._offer_deadline(p)]
-            if late:
-                for p in late:
-                    self.failures.setdefault(p, "did not accept in time")
-                return self._abort(self._summary())
-        elif self.phase is Phase.COMMITTING and now >= self._phase_deadline:
-            for p in self.peers:
-                if p not in self.committed:
-                    self.failures.setdefault(p, f"did not commit within "
-                                                f"{self.commit_window_s:g} s")
-            return self._abort(self._summary())
-        elif self.phase is Phase.ACTIVATING and now >= self._resend_at:
-            self._resend_at = now + RESEND_S
-            return [Send(p, "activate") for p in self.peers if p not in self.active]
-        return []
+        """Fire the phase's timer if ``next_deadline()`` has passed; else do nothing."""
+        deadline = self.next_deadline()
+        if deadline is None or now < deadline:
+            return []
+        return self._dispatch(TimerFired(now))
 
     def progress(self) -> dict[str, tuple[str, str]]:
         """Each peer's (state, reason), for the operator: offered, loading (its offer
@@ -215,7 +222,67 @@ class CoordinatorRound:
             return self._resend_at
         return None
 
+    def _handle(self, event: CoordinatorEvent) -> list[Action]:
+        """A message (or its loss) about one peer: one not in this round is ignored."""
+        return self._dispatch(event) if event.peer in self.peers else []
+
+    def _dispatch(self, event: CoordinatorEvent | TimerFired) -> list[Action]:
+        row = COORDINATOR_TABLE.get((self.phase, type(event)))
+        return [] if row is None else row[0](self, event)
+
+    # -- handlers: one per row of COORDINATOR_TABLE -----------------------------------------
+
+    def _on_accepted(self, e: PeerAccepted) -> list[Action]:
+        self.accepted.add(e.peer)
+        if self.accepted != set(self.peers):
+            return []
+        self.phase, self._phase_deadline = Phase.COMMITTING, e.now + self.commit_window_s
+        return [Persist("commit"), *self._send("commit")]
+
+    def _on_committed(self, e: PeerCommitted) -> list[Action]:
+        self.committed.add(e.peer)
+        if self.committed != set(self.peers):
+            return []
+        self.phase, self._resend_at = Phase.ACTIVATING, e.now + RESEND_S
+        return [Persist("activate"), *self._send("activate")]
+
+    def _on_activated(self, e: PeerActivated) -> list[Action]:
+        self.active.add(e.peer)
+        if self.active != set(self.peers):
+            return []
+        self.phase = Phase.DONE
+        return [Persist("active"), Finished(True, f"plan {self.epoch}: every stage of "
+                                                  f"{len(self.peers)} is active")]
+
+    def _on_failed(self, e: PeerFailed) -> list[Action]:
+        self.failures.setdefault(e.peer, e.reason)
+        return self._abort(self._summary())
+
+    def _on_failed_when_decided(self, e: PeerFailed) -> list[Action]:
+        self.failures.setdefault(e.peer, e.reason)  # for progress(); the decision stands
+        return []
+
+    def _on_offers_late(self, e: TimerFired) -> list[Action]:
+        for p in self.peers:
+            if p not in self.accepted and e.now >= self._offer_deadline(p):
+                self.failures.setdefault(p, "did not accept in time")
+        return self._abort(self._summary())
+
+    def _on_commit_window_closed(self, e: TimerFired) -> list[Action]:
+        for p in self.peers:
+            if p not in self.committed:
+                self.failures.setdefault(p, f"did not commit within "
+                                            f"{self.commit_window_s:g} s")
+        return self._abort(self._summary())
+
+    def _on_resend(self, e: TimerFired) -> list[Action]:
+        self._resend_at = e.now + RESEND_S
+        return [Send(p, "activate") for p in self.peers if p not in self.active]
+
     # -- helpers --------------------------------------------------------------------------
+
+    def _send(self, kind: str) -> list[Action]:
+        return [Send(p, kind) for p in self.peers]
 
     def _offer_deadline(self, peer: str) -> float:
         return max(self._phase_deadline, self._heard.get(peer, 0.0) + self.frame_s)
@@ -230,6 +297,29 @@ class CoordinatorRound:
         parts = [f"{p}: {self.failures.get(p, 'aborted because another peer failed')}"
                  for p in did_not]
         return f"plan {self.epoch} aborted; peers that did not commit: " + "; ".join(parts)
+
+
+_CRow = tuple[Callable[[CoordinatorRound, Any], list[Action]], tuple[Phase, ...]]
+_P = Phase
+
+# (phase, event) -> (handler, the phases it may lead to). A pair not listed is ignored: the
+# method returns [] and changes nothing (a late, resent or out-of-phase message). A
+# TimerFired comes only once next_deadline() has passed: a phase without one has no timer.
+COORDINATOR_TABLE: Final[dict[tuple[Phase, type[object]], _CRow]] = {
+    (_P.OFFERING, PeerAccepted): (CoordinatorRound._on_accepted, (_P.OFFERING, _P.COMMITTING)),
+    (_P.OFFERING, PeerFailed): (CoordinatorRound._on_failed, (_P.ABORTED,)),
+    (_P.OFFERING, TimerFired): (CoordinatorRound._on_offers_late, (_P.ABORTED,)),
+    (_P.COMMITTING, PeerCommitted): (CoordinatorRound._on_committed,
+                                     (_P.COMMITTING, _P.ACTIVATING)),
+    (_P.COMMITTING, PeerFailed): (CoordinatorRound._on_failed, (_P.ABORTED,)),
+    (_P.COMMITTING, TimerFired): (CoordinatorRound._on_commit_window_closed, (_P.ABORTED,)),
+    (_P.ACTIVATING, PeerActivated): (CoordinatorRound._on_activated,
+                                     (_P.ACTIVATING, _P.DONE)),
+    (_P.ACTIVATING, PeerFailed): (CoordinatorRound._on_failed_when_decided, (_P.ACTIVATING,)),
+    (_P.ACTIVATING, TimerFired): (CoordinatorRound._on_resend, (_P.ACTIVATING,)),
+    (_P.DONE, PeerFailed): (CoordinatorRound._on_failed_when_decided, (_P.DONE,)),
+    (_P.ABORTED, PeerFailed): (CoordinatorRound._on_failed_when_decided, (_P.ABORTED,)),
+}
 
 
 # -- the peer ---------------------------------------------------------------------------
