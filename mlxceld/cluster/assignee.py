@@ -39,7 +39,7 @@ import socket
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol
 
 from mlxceld import failpoints
 from mlxceld.cluster.agent import AgentService
@@ -445,4 +445,4 @@ def _dialable(offer: Offer, bound: HostPort) -> str:
 def _state(state: str) -> PeerState:
     known = ("preparing", "accepted", "committed", "active", "aborted", "refused",
              "deactivated")
-    return cast(PeerState, state) if state in known else "aborted"
+    return PeerState(state) if state in known else PeerState.ABORTED

@@ -12,20 +12,29 @@ The coordinator (one ``CoordinatorRound`` per plan epoch)::
     OFFERING or COMMITTING --a refusal, a lost peer, a deadline-->
                                          Persist(abort), Send(abort)     ABORTED
 
+The whole machine is ``COORDINATOR_TABLE``, at the end: (phase, event) ->
+(handler, the phases it may lead to). Each ``on_*`` method makes its event and
+looks it up; a pair not listed is ignored: the method returns ``[]`` and changes
+nothing (a late, resent or out-of-phase message), and so is a message about a
+peer that is not the round's. A peer's failure after the decision is noted for
+``progress()``, nothing more. A ``preparing`` heartbeat (``on_preparing``) is
+noted in any phase and moves none: it is not in the table.
+
 Deadlines: offers until ``start + push_s - commit_window_s`` (a peer's
 ``preparing`` heartbeat, sent while it loads its weights, moves its own
 deadline to ``heartbeat + frame_s``); the commit phase ``commit_window_s``; once
 ``activate`` is persisted the decision is final: activation is re-sent until
 every peer is active (``resend_s``), even by a coordinator that restarted.
 
-A peer (``PeerRound``) persists its vote before it sends it and follows the
-coordinator's decisions; every message carries the epoch, and anything about
-another epoch is ignored. An offer of another plan while a round is on
-(``PeerRound.on_other_offer``): an older or equal epoch is refused as stale; a
-newer one that checks out supersedes an undecided round (preparing, accepted:
-its stage stops, it is recorded aborted and its coordinator told) and starts
-its own; a committed round is decided, so the newer offer is refused as busy
-until it ends (active, or aborted after its deadline).
+A peer (``PeerRound``, in ``peer_round.py``, its names exported here too)
+persists its vote before it sends it and follows the coordinator's decisions;
+every message carries the epoch, and anything about another epoch is ignored.
+An offer of another plan while a round is on (``PeerRound.on_other_offer``): an
+older or equal epoch is refused as stale; a newer one that checks out
+supersedes an undecided round (preparing, accepted: its stage stops, it is
+recorded aborted and its coordinator told) and starts its own; a committed round
+is decided, so the newer offer is refused as busy until it ends (active, or
+aborted after its deadline).
 
 After the round, the coordinator may end the plan (``PeerRound.on_deactivate``,
 `mlxctl cluster deactivate`, ``deactivation.py``): from any state the stage
@@ -39,11 +48,22 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final, Literal
 
+# The peer's side, exported here too: the two-phase assignment has one entry.
+from mlxceld.cluster.peer_round import FRAME_S as FRAME_S  # one answer (either side's)
+from mlxceld.cluster.peer_round import HOLDS_A_STAGE as HOLDS_A_STAGE
+from mlxceld.cluster.peer_round import PEER_IDLE_S as PEER_IDLE_S
+from mlxceld.cluster.peer_round import PEER_PHASE_S as PEER_PHASE_S
+from mlxceld.cluster.peer_round import OfferVerdict as OfferVerdict
+from mlxceld.cluster.peer_round import PeerAction as PeerAction
+from mlxceld.cluster.peer_round import PeerRound as PeerRound
+from mlxceld.cluster.peer_round import PeerState as PeerState
+from mlxceld.cluster.peer_round import Query as Query
+from mlxceld.cluster.peer_round import Record as Record
+from mlxceld.cluster.peer_round import Reply as Reply
+from mlxceld.cluster.peer_round import StageAction as StageAction
+
 PUSH_S: Final = 60.0  # the coordinator's whole push
 COMMIT_WINDOW_S: Final = 10.0  # always left for the commit phase
-FRAME_S: Final = 10.0  # one answer
-PEER_PHASE_S: Final = 60.0  # a peer's wait between phases
-PEER_IDLE_S: Final = 600.0  # a peer's wait for any assignment
 RESEND_S: Final = 2.0  # activation re-sent this often until every peer is active
 
 Decision = Literal["commit", "activate", "active", "abort"]
@@ -320,191 +340,3 @@ COORDINATOR_TABLE: Final[dict[tuple[Phase, type[object]], _CRow]] = {
     (_P.DONE, PeerFailed): (CoordinatorRound._on_failed_when_decided, (_P.DONE,)),
     (_P.ABORTED, PeerFailed): (CoordinatorRound._on_failed_when_decided, (_P.ABORTED,)),
 }
-
-
-# -- the peer ---------------------------------------------------------------------------
-
-PeerState = Literal["waiting", "preparing", "accepted", "committed", "active", "aborted",
-                    "refused", "deactivated"]
-
-
-@dataclass(frozen=True)
-class Reply:
-    kind: str  # preparing | accepted | refused | committed | active | aborted | deactivated
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class Record:
-    """Persist the peer's state for this epoch (before the ``Reply`` after it)."""
-
-    state: PeerState
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class StageAction:
-    """Start the stage worker in standby (weights loaded, not serving), switch it to
-    active, or stop it."""
-
-    what: Literal["prepare", "activate", "stop"]
-
-
-@dataclass(frozen=True)
-class Query:
-    """Ask the coordinator what it decided (the peer waited past its deadline)."""
-
-
-PeerAction = Reply | Record | StageAction | Query
-# The states in which this round's stage worker runs or loads; in the others the stage
-# that runs, if any, is another round's.
-HOLDS_A_STAGE: Final = ("preparing", "accepted", "committed", "active")
-OfferVerdict = Literal["take", "stale", "busy", "keep"]
-
-
-@dataclass
-class PeerRound:
-    epoch: int
-    state: PeerState = "waiting"
-    phase_s: float = PEER_PHASE_S  # between phases (accepted, committed)
-    prepare_s: float = PEER_PHASE_S  # loading the stage in standby
-    frame_s: float = FRAME_S
-    deadline: float | None = None
-    queried: bool = False
-    reason: str = ""
-
-    @classmethod
-    def resume(cls, epoch: int, state: PeerState, now: float, phase_s: float = PEER_PHASE_S
-               ) -> tuple[PeerRound, list[PeerAction]]:
-        """After a restart: a vote or a commit waits again (with the standby stage back);
-        an active stage comes back active."""
-        r = cls(epoch, state, phase_s=phase_s)
-        if state in ("accepted", "committed"):
-            r.deadline = now + r.phase_s
-            return r, [StageAction("prepare")]
-        if state == "preparing":  # no vote was sent: nothing to wait for
-            r.state = "aborted"
-            return r, [Record("aborted", "restarted before voting")]
-        if state == "active":
-            return r, [StageAction("prepare"), StageAction("activate")]
-        return r, []
-
-    def on_offer_refused(self, code: str, reason: str, final: bool) -> list[PeerAction]:
-        self.state, self.reason = ("refused" if final else "waiting"), reason
-        return [Record("refused", f"{code}: {reason}"), Reply("refused", reason)]
-
-    def on_offer_accepted(self, now: float) -> list[PeerAction]:
-        """The offer checks out: load the stage in standby; vote once it is loaded."""
-        self.state, self.deadline = "preparing", now + self.prepare_s
-        return [Record("preparing"), StageAction("prepare")]
-
-    def on_prepared(self, now: float) -> list[PeerAction]:
-        if self.state != "preparing":
-            return []
-        self.state, self.deadline = "accepted", now + self.phase_s
-        return [Record("accepted"), Reply("accepted")]
-
-    def on_prepare_failed(self, reason: str) -> list[PeerAction]:
-        if self.state in ("aborted", "deactivated"):
-            return []  # the stage was stopped on purpose, which ended its loading
-        self.state, self.reason, self.deadline = "waiting", reason, None
-        return [StageAction("stop"), Record("refused", f"prepare: {reason}"),
-                Reply("refused", f"the stage could not be prepared: {reason}")]
-
-    def on_commit(self, now: float) -> list[PeerAction]:
-        if self.state == "committed":
-            return [Reply("committed")]  # a resent commit: answer again
-        if self.state != "accepted":
-            return []
-        self.state, self.deadline, self.queried = "committed", now + self.phase_s, False
-        return [Record("committed"), Reply("committed")]
-
-    def on_activate(self) -> list[PeerAction]:
-        if self.state == "active":
-            return [Reply("active")]
-        if self.state != "committed":
-            return []
-        self.state, self.deadline = "active", None
-        return [Record("active"), StageAction("activate"), Reply("active")]
-
-    def on_abort(self, summary: str) -> list[PeerAction]:
-        if self.state in ("active", "aborted", "refused", "waiting", "deactivated"):
-            return [Reply("aborted")] if self.state == "aborted" else []
-        self.state, self.reason, self.deadline = "aborted", summary, None
-        return [StageAction("stop"), Record("aborted", summary), Reply("aborted")]
-
-    def on_deactivate(self, reason: str) -> list[PeerAction]:
-        """The coordinator ended the plan (``deactivate``), whatever this round's state: its
-        stage stops (if it has one) and the round is recorded deactivated (a restart does
-        not resume it)."""
-        if self.state == "deactivated":
-            return [Reply("deactivated")]  # a resent deactivate: answer again
-        had_stage = self.state in HOLDS_A_STAGE
-        self.state, self.reason, self.deadline = "deactivated", reason, None
-        return [*([StageAction("stop")] if had_stage else []), Record("deactivated", reason),
-                Reply("deactivated")]
-
-    def on_decision(self, decision: str, now: float) -> list[PeerAction]:
-        """The coordinator's answer to ``Query``: commit, activate, abort, deactivated or
-        unknown."""
-        if decision == "deactivated":
-            return [a for a in self.on_deactivate("the coordinator deactivated the plan")
-                    if not isinstance(a, Reply)]
-        if decision == "commit" and self.state == "accepted":
-            return self.on_commit(now)
-        if decision in ("activate", "active") and self.state in ("accepted", "committed"):
-            self.state = "committed"
-            return self.on_activate()
-        if decision in ("commit", "activate", "active"):
-            self.deadline = now + self.phase_s  # decided, but not for us yet: keep waiting
-            return []
-        return self._give_up(f"the coordinator's decision is {decision}")
-
-    def on_query_failed(self, reason: str) -> list[PeerAction]:
-        """The coordinator could not be asked (``Query``): past the deadline, give up."""
-        if self.state not in ("accepted", "committed") or not self.queried:
-            return []
-        return self._give_up(f"no word from the coordinator for {self.phase_s:g} s, and "
-                             f"it cannot be asked: {reason}")
-
-    def on_other_offer(self, epoch: int, valid: bool) -> tuple[OfferVerdict, list[PeerAction]]:
-        """An offer of plan ``epoch`` arrived while this round is here; ``valid``: it passed
-        every check but the epoch (``offers.judge``). Returns what becomes of the offer, and
-        the actions that end this round first when the offer takes over:
-
-        - ``stale``: ``epoch`` is not newer than this round's; refuse it, this round goes on;
-        - ``busy``: this round is committed (decided): refuse it until the round ends;
-        - ``keep``: a newer but bad offer does not disturb an undecided round: refuse it
-          with its own reason, unrecorded, and this round goes on;
-        - ``take``: a newer good offer supersedes an undecided round (preparing, accepted:
-          its stage stops, it is recorded aborted, its coordinator is told), or this
-          round has ended (active, aborted, refused, waiting): judge the offer as usual.
-        """
-        if epoch <= self.epoch:
-            return "stale", []
-        if self.state == "committed":
-            return "busy", []
-        if self.state not in ("preparing", "accepted"):
-            return "take", []
-        if not valid:
-            return "keep", []
-        reason = f"superseded by plan {epoch}"
-        self.state, self.reason, self.deadline = "aborted", reason, None
-        return "take", [StageAction("stop"), Record("aborted", reason),
-                        Reply("aborted", reason)]
-
-    def handle_timer(self, now: float) -> list[PeerAction]:
-        if self.deadline is None or now < self.deadline:
-            return []
-        if self.state == "preparing":
-            return self.on_prepare_failed(f"loading took longer than {self.prepare_s:g} s")
-        if self.state in ("accepted", "committed"):
-            if not self.queried:
-                self.queried, self.deadline = True, now + self.frame_s
-                return [Query()]
-            return self._give_up(f"no word from the coordinator for {self.phase_s:g} s")
-        return []
-
-    def _give_up(self, reason: str) -> list[PeerAction]:
-        self.state, self.reason, self.deadline = "aborted", reason, None
-        return [StageAction("stop"), Record("aborted", reason)]

@@ -7,6 +7,25 @@ from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from mlxceld.cluster.peer_round import (
+    PEER_TABLE,
+    AbortReceived,
+    ActivateReceived,
+    AnsweredActivate,
+    AnsweredCommit,
+    AnsweredDeactivated,
+    AnsweredOther,
+    CommitReceived,
+    DeactivateReceived,
+    DeadlinePassed,
+    OfferAccepted,
+    OfferRefused,
+    PeerState,
+    PrepareFailed,
+    QueryFailed,
+    StagePrepared,
+    Superseded,
+)
 from mlxceld.cluster.twophase import (
     COMMIT_WINDOW_S,
     COORDINATOR_TABLE,
@@ -366,3 +385,94 @@ def test_the_coordinator_table_every_phase_every_event() -> None:
             assert r.phase in COORDINATOR_TABLE[(phase, TimerFired)][1], phase
             seen.add(r.phase)
     assert seen == set(Phase)
+
+
+def peer_in(state: PeerState, *, queried: bool = False) -> PeerRound:
+    """A round of plan 5 in ``state``; ``queried``: it has asked the coordinator."""
+    on: list[Callable[[PeerRound], object]] = [
+        lambda p: p.on_offer_accepted(0), lambda p: p.on_prepared(1),
+        lambda p: p.on_commit(2), lambda p: p.on_activate()]
+    path = {PeerState.WAITING: [], PeerState.PREPARING: on[:1], PeerState.ACCEPTED: on[:2],
+            PeerState.COMMITTED: on[:3], PeerState.ACTIVE: on,
+            PeerState.ABORTED: [*on[:2], lambda p: p.on_abort("stage-1 failed")],
+            PeerState.REFUSED: [lambda p: p.on_offer_refused("model", "other", final=True)],
+            PeerState.DEACTIVATED: [lambda p: p.on_deactivate("by mlxctl")]}
+    p = PeerRound(5)
+    for step in path[state]:
+        step(p)
+    if queried:
+        assert p.handle_timer(1e3) == [Query()]
+    assert p.state is state and p.queried is queried
+    return p
+
+
+PEER_INPUTS: list[tuple[type[object], Callable[[PeerRound], list[Any]]]] = [
+    (OfferAccepted, lambda p: p.on_offer_accepted(500)),
+    (OfferRefused, lambda p: p.on_offer_refused("model", "other model", True)),
+    (OfferRefused, lambda p: p.on_offer_refused("busy", "plan 4 is committed", False)),
+    (StagePrepared, lambda p: p.on_prepared(500)),
+    (PrepareFailed, lambda p: p.on_prepare_failed("out of memory")),
+    (CommitReceived, lambda p: p.on_commit(500)),
+    (ActivateReceived, lambda p: p.on_activate()),
+    (AbortReceived, lambda p: p.on_abort("stage-1 failed")),
+    (DeactivateReceived, lambda p: p.on_deactivate("by mlxctl")),
+    (AnsweredCommit, lambda p: p.on_decision("commit", 500)),
+    (AnsweredActivate, lambda p: p.on_decision("activate", 500)),
+    (AnsweredActivate, lambda p: p.on_decision("active", 500)),
+    (AnsweredDeactivated, lambda p: p.on_decision("deactivated", 500)),
+    (AnsweredOther, lambda p: p.on_decision("abort", 500)),
+    (AnsweredOther, lambda p: p.on_decision("unknown", 500)),
+    (QueryFailed, lambda p: p.on_query_failed("connection refused")),
+    (DeadlinePassed, lambda p: p.handle_timer(1e9)),
+]
+
+
+def test_the_peer_table_every_state_every_event() -> None:
+    """A listed pair leads where the table says; a pair not listed returns [] and changes
+    nothing; a timer not yet due neither."""
+    assert reachable(PEER_TABLE, PeerState.WAITING) == set(PeerState)
+    assert {event for _, event in PEER_TABLE} == {e for e, _ in PEER_INPUTS} | {Superseded}
+    seen: set[PeerState] = set()
+    for state in PeerState:
+        asked = (False, True) if state in (PeerState.ACCEPTED, PeerState.COMMITTED) else (False,)
+        for queried in asked:
+            for event, feed in PEER_INPUTS:
+                p = peer_in(state, queried=queried)
+                before = copy.deepcopy(p)
+                out = feed(p)
+                row = PEER_TABLE.get((state, event))
+                if row is None:
+                    assert (out, p) == ([], before), (state, queried, event)
+                else:
+                    assert p.state in row[1], (state, queried, event, p.state)
+                    seen.add(p.state)
+            p = peer_in(state, queried=queried)
+            before = copy.deepcopy(p)
+            soon = 1e9 if p.deadline is None else p.deadline - 0.01
+            assert p.handle_timer(soon) == [] and p == before
+    assert seen == set(PeerState)
+
+
+def test_an_other_offer_every_state() -> None:
+    """Stale whatever the state, busy while committed; where the table has no Superseded
+    row the round has ended and the offer is taken; where it has one, a bad offer is kept
+    out and a good one supersedes the round."""
+    for state in PeerState:
+        for epoch, valid in ((4, True), (5, True), (6, True), (6, False)):
+            p = peer_in(state)
+            before = copy.deepcopy(p)
+            verdict, out = p.on_other_offer(epoch, valid)
+            row = PEER_TABLE.get((state, Superseded))
+            if epoch <= 5:
+                expected = "stale"
+            elif state is PeerState.COMMITTED:
+                expected = "busy"
+            elif row is None or valid:
+                expected = "take"
+            else:
+                expected = "keep"
+            assert verdict == expected, (state, epoch, valid)
+            if row is not None and expected == "take":
+                assert p.state in row[1] and out[0] == StageAction("stop")
+            else:
+                assert (out, p) == ([], before), (state, epoch, valid)
