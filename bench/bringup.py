@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxceld import __version__
+from mlxceld.cluster.assignment.coordinator_round import Finished
 from mlxceld.cluster.assignment.offers import PeerFacts
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push
-from mlxceld.cluster.assignment.rounds import Finished
 from mlxceld.cluster.plan.solver import PlanNode, PlanRefused, plan_stages
 from mlxceld.models.profile import LayerProfile, layer_profile
 from mlxceld.net.agent import AgentService

@@ -28,7 +28,7 @@ Fault points (the coordinator's offers lie, so that a peer's check refuses):
     offers name another coordinator than the one the handshake binds
 
 ``MLXCELD_TEST_PEER_WAIT_S`` (seconds, > 0; test only too) replaces
-``rounds.PEER_PHASE_S``, a peer's 60 s wait between two phases, so that a
+``peer_round.PEER_PHASE_S``, a peer's 60 s wait between two phases, so that a
 test of "the coordinator died before deciding" ends in seconds.
 """
 

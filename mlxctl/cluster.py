@@ -9,7 +9,7 @@ that is unreachable or refused is a row in the answer, not a failure.
 two-phase assignment of ``--pp-auto``) and serve its router over it; it polls
 ``status`` every ``POLL_S`` and prints each peer's step as it happens. Its
 waits: ``PUSH_WAIT_S`` for the push to end (the daemon bounds it by
-``rounds.PUSH_S``), then ``ROUTER_WAIT_S`` for the router to run.
+``coordinator_round.PUSH_S``), then ``ROUTER_WAIT_S`` for the router to run.
 
 ``deactivate`` ends the latest plan everywhere (``cluster/assignment/deactivation.py``): it
 prints each peer's outcome and exits 0 when every peer stopped its stage, 1
@@ -27,7 +27,7 @@ from typing import Annotated, Any, Final
 
 import typer
 
-from mlxceld.cluster.assignment.rounds import PUSH_S
+from mlxceld.cluster.assignment.coordinator_round import PUSH_S
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
 from mlxctl import render

@@ -39,7 +39,7 @@ every state it went through, in order, so that a poller misses none.
 
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
-the push itself is bounded by ``rounds.PUSH_S`` (``push.push``).
+the push itself is bounded by ``coordinator_round.PUSH_S`` (``push.push``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from mlxceld.cluster.assignment import deactivation
+from mlxceld.cluster.assignment.coordinator_round import CoordinatorRound
 from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
-from mlxceld.cluster.assignment.rounds import CoordinatorRound
 from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.plan.candidates import make_plan
@@ -129,7 +129,7 @@ class Coordinator:
 
     def close(self) -> None:
         """The daemon stops: a push cut short is presumed aborted; its peers abort by their
-        deadline (``rounds.PEER_PHASE_S``), or at once on asking us after our restart.
+        deadline (``peer_round.PEER_PHASE_S``), or at once on asking us after our restart.
         Peers not told of a deactivation learn it when their daemon restarts."""
         for task in (self._task, self._chase):
             if task is not None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mlxceld.cluster.assignment.rounds import CoordinatorRound
+from mlxceld.cluster.assignment.coordinator_round import CoordinatorRound
 
 PEERS = ("a:1", "b:2")
 

@@ -2,24 +2,55 @@
 
 from __future__ import annotations
 
-from mlxceld.cluster.assignment.rounds import (
+import copy
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from mlxceld.cluster.assignment.coordinator_round import (
     COMMIT_WINDOW_S,
-    PEER_PHASE_S,
+    COORDINATOR_TABLE,
     PUSH_S,
     RESEND_S,
     CoordinatorRound,
     Finished,
-    PeerRound,
+    PeerAccepted,
+    PeerActivated,
+    PeerCommitted,
+    PeerFailed,
     Persist,
     Phase,
+    Send,
+    TimerFired,
+)
+from mlxceld.cluster.assignment.peer_round import (
+    PEER_PHASE_S,
+    PEER_TABLE,
+    AbortReceived,
+    ActivateReceived,
+    AnsweredActivate,
+    AnsweredCommit,
+    AnsweredDeactivated,
+    AnsweredOther,
+    CommitReceived,
+    DeactivateReceived,
+    DeadlinePassed,
+    OfferAccepted,
+    OfferRefused,
+    PeerRound,
+    PeerState,
+    PrepareFailed,
     Query,
+    QueryFailed,
     Record,
     Reply,
-    Send,
     StageAction,
+    StagePrepared,
+    Superseded,
 )
 
 PEERS = ("stage-0", "stage-1", "stage-2")
+S = TypeVar("S", bound=StrEnum)
 
 
 def sends(actions: list[object], kind: str) -> list[str]:
@@ -101,6 +132,21 @@ def test_after_activate_the_decision_stands_and_activation_is_resent() -> None:
     assert r.on_failed("stage-1", "restarting") == []
     assert sends(r.handle_timer(2 + RESEND_S), "activate") == ["stage-1"]
     assert r.phase is Phase.ACTIVATING
+
+
+def test_a_failure_after_the_decision_is_noted_for_the_operator_only() -> None:
+    r = CoordinatorRound(1, PEERS[:2], started=0.0)
+    for p in PEERS[:2]:
+        r.on_accepted(p, 1)
+    for p in PEERS[:2]:
+        r.on_committed(p, 2)
+    assert r.on_failed("stage-1", "connection lost") == [] and r.phase is Phase.ACTIVATING
+    assert r.progress()["stage-1"] == ("failed", "connection lost")
+    r.on_active("stage-0", 3)
+    r.on_active("stage-1", 3)
+    assert r.phase is Phase.DONE and r.on_failed("stage-0", "closed") == []
+    assert r.progress() == {"stage-0": ("failed", "closed"),
+                            "stage-1": ("failed", "connection lost")}  # first reason kept
 
 
 def test_a_restarted_coordinator_resumes_from_its_decision() -> None:
@@ -261,3 +307,172 @@ def test_a_deactivated_round_stops_its_stage_whatever_its_state() -> None:
     r.on_offer_refused("busy", "plan 4 is committed here", final=False)
     assert r.on_deactivate("x") == [Record("deactivated", "x"), Reply("deactivated")]  # no
     # stage of its own: the stage that runs here (plan 4's) is not this round's to stop
+
+
+# -- the tables walked: every (state, event) pair, listed or not ---------------------------
+
+
+def reachable(table: Mapping[tuple[S, type[object]], tuple[object, tuple[S, ...]]],
+              start: S) -> set[S]:
+    """The states the table's declared targets lead to from ``start``."""
+    seen, todo = {start}, [start]
+    while todo:
+        here = todo.pop()
+        for (state, _), (_, targets) in table.items():
+            if state == here:
+                todo += [t for t in targets if t not in seen]
+                seen.update(targets)
+    return seen
+
+
+def coordinator_in(phase: Phase) -> CoordinatorRound:
+    """A round of three peers in ``phase``: one peer has moved on, two are still to."""
+    r = CoordinatorRound(1, PEERS, started=0.0)
+    r.start()
+    r.on_preparing("stage-2", 1)
+    r.on_accepted("stage-0", 1)
+    for step, then in ((r.on_accepted, r.on_committed), (r.on_committed, r.on_active),
+                       (r.on_active, None)):
+        if r.phase is phase:
+            return r
+        if phase is Phase.ABORTED:
+            r.on_failed("stage-1", "connection lost")
+            return r
+        for p in PEERS:
+            step(p, 2)
+        if then is not None:
+            then("stage-0", 3)
+    assert r.phase is phase
+    return r
+
+
+COORDINATOR_INPUTS: dict[type[object], Callable[[CoordinatorRound, str], list[Any]]] = {
+    PeerAccepted: lambda r, p: r.on_accepted(p, 5),
+    PeerCommitted: lambda r, p: r.on_committed(p, 5),
+    PeerActivated: lambda r, p: r.on_active(p, 5),
+    PeerFailed: lambda r, p: r.on_refused(p, "model mismatch"),
+}
+
+
+def test_the_coordinator_table_every_phase_every_event() -> None:
+    """A listed pair leads where the table says; a pair not listed, or a message about a
+    peer not in the round, returns [] and changes nothing; a timer not yet due neither."""
+    assert reachable(COORDINATOR_TABLE, Phase.OFFERING) == set(Phase)
+    assert {event for _, event in COORDINATOR_TABLE} <= {*COORDINATOR_INPUTS, TimerFired}
+    seen: set[Phase] = set()
+    for phase in Phase:
+        for event, feed in COORDINATOR_INPUTS.items():
+            r = coordinator_in(phase)
+            for peer in ("elsewhere:1", *PEERS):  # the last may complete the phase
+                before = copy.deepcopy(r)
+                out = feed(r, peer)
+                row = COORDINATOR_TABLE.get((before.phase, event))
+                if row is None or peer not in PEERS:
+                    assert (out, r) == ([], before), (phase, event, peer)
+                else:
+                    assert r.phase in row[1], (phase, event, peer, r.phase)
+                    seen.add(r.phase)
+        r = coordinator_in(phase)
+        before = copy.deepcopy(r)
+        assert r.on_preparing("stage-1", 5) == [] and r.phase is phase  # noted, no event
+        r = before
+        due = r.next_deadline()
+        assert (due is None) == ((phase, TimerFired) not in COORDINATOR_TABLE), phase
+        before = copy.deepcopy(r)
+        assert r.handle_timer(1e9 if due is None else due - 0.01) == [] and r == before
+        if due is not None:
+            r.handle_timer(due)
+            assert r.phase in COORDINATOR_TABLE[(phase, TimerFired)][1], phase
+            seen.add(r.phase)
+    assert seen == set(Phase)
+
+
+def peer_in(state: PeerState, *, queried: bool = False) -> PeerRound:
+    """A round of plan 5 in ``state``; ``queried``: it has asked the coordinator."""
+    on: list[Callable[[PeerRound], object]] = [
+        lambda p: p.on_offer_accepted(0), lambda p: p.on_prepared(1),
+        lambda p: p.on_commit(2), lambda p: p.on_activate()]
+    path = {PeerState.WAITING: [], PeerState.PREPARING: on[:1], PeerState.ACCEPTED: on[:2],
+            PeerState.COMMITTED: on[:3], PeerState.ACTIVE: on,
+            PeerState.ABORTED: [*on[:2], lambda p: p.on_abort("stage-1 failed")],
+            PeerState.REFUSED: [lambda p: p.on_offer_refused("model", "other", final=True)],
+            PeerState.DEACTIVATED: [lambda p: p.on_deactivate("by mlxctl")]}
+    p = PeerRound(5)
+    for step in path[state]:
+        step(p)
+    if queried:
+        assert p.handle_timer(1e3) == [Query()]
+    assert p.state is state and p.queried is queried
+    return p
+
+
+PEER_INPUTS: list[tuple[type[object], Callable[[PeerRound], list[Any]]]] = [
+    (OfferAccepted, lambda p: p.on_offer_accepted(500)),
+    (OfferRefused, lambda p: p.on_offer_refused("model", "other model", True)),
+    (OfferRefused, lambda p: p.on_offer_refused("busy", "plan 4 is committed", False)),
+    (StagePrepared, lambda p: p.on_prepared(500)),
+    (PrepareFailed, lambda p: p.on_prepare_failed("out of memory")),
+    (CommitReceived, lambda p: p.on_commit(500)),
+    (ActivateReceived, lambda p: p.on_activate()),
+    (AbortReceived, lambda p: p.on_abort("stage-1 failed")),
+    (DeactivateReceived, lambda p: p.on_deactivate("by mlxctl")),
+    (AnsweredCommit, lambda p: p.on_decision("commit", 500)),
+    (AnsweredActivate, lambda p: p.on_decision("activate", 500)),
+    (AnsweredActivate, lambda p: p.on_decision("active", 500)),
+    (AnsweredDeactivated, lambda p: p.on_decision("deactivated", 500)),
+    (AnsweredOther, lambda p: p.on_decision("abort", 500)),
+    (AnsweredOther, lambda p: p.on_decision("unknown", 500)),
+    (QueryFailed, lambda p: p.on_query_failed("connection refused")),
+    (DeadlinePassed, lambda p: p.handle_timer(1e9)),
+]
+
+
+def test_the_peer_table_every_state_every_event() -> None:
+    """A listed pair leads where the table says; a pair not listed returns [] and changes
+    nothing; a timer not yet due neither."""
+    assert reachable(PEER_TABLE, PeerState.WAITING) == set(PeerState)
+    assert {event for _, event in PEER_TABLE} == {e for e, _ in PEER_INPUTS} | {Superseded}
+    seen: set[PeerState] = set()
+    for state in PeerState:
+        asked = (False, True) if state in (PeerState.ACCEPTED, PeerState.COMMITTED) else (False,)
+        for queried in asked:
+            for event, feed in PEER_INPUTS:
+                p = peer_in(state, queried=queried)
+                before = copy.deepcopy(p)
+                out = feed(p)
+                row = PEER_TABLE.get((state, event))
+                if row is None:
+                    assert (out, p) == ([], before), (state, queried, event)
+                else:
+                    assert p.state in row[1], (state, queried, event, p.state)
+                    seen.add(p.state)
+            p = peer_in(state, queried=queried)
+            before = copy.deepcopy(p)
+            soon = 1e9 if p.deadline is None else p.deadline - 0.01
+            assert p.handle_timer(soon) == [] and p == before
+    assert seen == set(PeerState)
+
+
+def test_an_other_offer_every_state() -> None:
+    """Stale whatever the state, busy while committed; where the table has no Superseded
+    row the round has ended and the offer is taken; where it has one, a bad offer is kept
+    out and a good one supersedes the round."""
+    for state in PeerState:
+        for epoch, valid in ((4, True), (5, True), (6, True), (6, False)):
+            p = peer_in(state)
+            before = copy.deepcopy(p)
+            verdict, out = p.on_other_offer(epoch, valid)
+            row = PEER_TABLE.get((state, Superseded))
+            if epoch <= 5:
+                expected = "stale"
+            elif state is PeerState.COMMITTED:
+                expected = "busy"
+            elif row is None or valid:
+                expected = "take"
+            else:
+                expected = "keep"
+            assert verdict == expected, (state, epoch, valid)
+            if row is not None and expected == "take":
+                assert p.state in row[1] and out[0] == StageAction("stop")
+            else:
+                assert (out, p) == ([], before), (state, epoch, valid)

@@ -39,19 +39,11 @@ import socket
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol
 
 from mlxceld import failpoints
 from mlxceld.cluster.assignment.offers import Offer, PeerFacts, Refusal, judge, parse_offer
-from mlxceld.cluster.assignment.push import (
-    ASSIGNMENT_CHANNEL,
-    CONNECT_S,
-    HEARTBEAT_S,
-    PEER_SPECS,
-    epoch_of,
-    message,
-)
-from mlxceld.cluster.assignment.rounds import (
+from mlxceld.cluster.assignment.peer_round import (
     FRAME_S,
     HOLDS_A_STAGE,
     PEER_PHASE_S,
@@ -62,6 +54,14 @@ from mlxceld.cluster.assignment.rounds import (
     Record,
     Reply,
     StageAction,
+)
+from mlxceld.cluster.assignment.push import (
+    ASSIGNMENT_CHANNEL,
+    CONNECT_S,
+    HEARTBEAT_S,
+    PEER_SPECS,
+    epoch_of,
+    message,
 )
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
@@ -445,4 +445,4 @@ def _dialable(offer: Offer, bound: HostPort) -> str:
 def _state(state: str) -> PeerState:
     known = ("preparing", "accepted", "committed", "active", "aborted", "refused",
              "deactivated")
-    return cast(PeerState, state) if state in known else "aborted"
+    return PeerState(state) if state in known else PeerState.ABORTED

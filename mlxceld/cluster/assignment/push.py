@@ -29,15 +29,15 @@ deactivated peer → coord     ``reason``: what was done; the stage is stopped a
 
 The offer and everything after it travel on one connection the coordinator
 dials to the peer's agent listener (identity: the coordinator's agent address);
-a peer's ``query`` (``rounds.Query``) dials the coordinator's, and so does a
+a peer's ``query`` (``peer_round.Query``) dials the coordinator's, and so does a
 peer that restarts with an active assignment, before it brings the stage back
 (``peer``). ``deactivate`` travels on a connection of its own
 (``deactivation.py``); a peer refuses it (``refused``, code ``coordinator``)
 from anyone but the coordinator that offered the plan.
 
-Bounds: ``CONNECT_S`` per dial and handshake, ``rounds.FRAME_S`` per answer,
-``rounds.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
-commit phase, ``rounds.PEER_PHASE_S`` for a peer's waits between phases,
+Bounds: ``CONNECT_S`` per dial and handshake, ``peer_round.FRAME_S`` per answer,
+``coordinator_round.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
+commit phase, ``peer_round.PEER_PHASE_S`` for a peer's waits between phases,
 ``LATE_DECISION_S`` for a decision to a peer whose connection came up after it.
 """
 
@@ -52,8 +52,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from mlxceld import __version__, failpoints
+from mlxceld.cluster.assignment.coordinator_round import (
+    PUSH_S,
+    CoordinatorRound,
+    Finished,
+    Persist,
+    Send,
+)
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
-from mlxceld.cluster.assignment.rounds import PUSH_S, CoordinatorRound, Finished, Persist, Send
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.agent import AgentService
