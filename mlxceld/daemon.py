@@ -67,7 +67,7 @@ from mlxceld.control.server import (
 )
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.errors import ConfigError, DaemonError, ModelRefused, UnserveRefused
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
@@ -424,11 +424,14 @@ class Daemon:
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
         if self.placement is not None:
-            raise ConfigError(
+            raise ModelRefused(
                 f"this daemon is node {self.placement.node.id!r} of cluster config "
                 f"{self.placement.cluster.path}; it serves that cluster's model",
                 hint="change [cluster] model in that file on every node, then restart them")
-        resolved = resolve_model(model, Path("/"), "mlxctl serve")
+        try:
+            resolved = resolve_model(model, Path("/"), "mlxctl serve")
+        except ConfigError as exc:
+            raise ModelRefused(exc.message, hint=exc.hint) from exc
         self._serve = self._serve.with_model(resolved, name)
         self._hold_router = False  # told to serve: also after a deactivate
         self.settings.put("serve", {"model": resolved, "model_name": name})
@@ -447,22 +450,22 @@ class Daemon:
         where the router is a cluster's."""
         p = self.placement
         if p is not None and p.is_coordinator:
-            raise ConfigError("this daemon's router serves a pipeline",
-                              hint="mlxctl cluster deactivate ends the plan and stops its "
-                              "router" if self.config.distributed_config is None else
-                              f"it runs the cluster config {p.cluster.path}; stop the daemon")
+            raise UnserveRefused("this daemon's router serves a pipeline",
+                                 hint="mlxctl cluster deactivate ends the plan and stops its "
+                                 "router" if self.config.distributed_config is None else
+                                 f"it runs the cluster config {p.cluster.path}; stop the daemon")
         if p is not None:
-            raise ConfigError(f"this daemon runs {p.node.id} of a cluster and no router",
-                              hint="on the coordinator: mlxctl cluster deactivate")
+            raise UnserveRefused(f"this daemon runs {p.node.id} of a cluster and no router",
+                                 hint="on the coordinator: mlxctl cluster deactivate")
         configured = self.config.serve.model
         if configured is not None:
             origin = ("--model" if self._flags.model else
                       f"[serve] model in {self.config.config_file}")
-            raise ConfigError(f"the model {configured} comes from {origin}: a restart would "
-                              "serve it again, so it is not unserved",
-                              hint="remove it there, then reload (systemctl reload mlxceld, "
-                              "or SIGHUP) or restart; then mlxctl unserve forgets what "
-                              "mlxctl serve chose, if anything")
+            raise UnserveRefused(f"the model {configured} comes from {origin}: a restart would "
+                                 "serve it again, so it is not unserved",
+                                 hint="remove it there, then reload (systemctl reload mlxceld, "
+                                 "or SIGHUP) or restart; then mlxctl unserve forgets what "
+                                 "mlxctl serve chose, if anything")
         was = self._serving()
         self.settings.delete("serve")
         self._serve = replace(self._serve, model=None, model_name=None)
