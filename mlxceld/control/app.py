@@ -2,17 +2,15 @@
 
 Every response carries the daemon's version (header ``Mlxceld-Version``);
 errors are ``{"error": {"code", "message", "hint"}}``. Streams (``follow=1``)
-are newline-delimited JSON with an empty line as a heartbeat every
-``HEARTBEAT_S`` seconds, so a client can put a deadline on every read.
+are newline-delimited JSON with an empty line as a heartbeat (``streams.py``),
+so a client can put a deadline on every read.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,6 +20,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
+from mlxceld.control.streams import NDJSON, event_lines, log_lines
+from mlxceld.control.view import DaemonView
 from mlxceld.errors import (
     BringUpInProgress,
     KeyringError,
@@ -30,42 +30,13 @@ from mlxceld.errors import (
     PrimaryKeyRemoval,
     UnknownKey,
 )
-from mlxceld.state import EventLog
-from mlxceld.supervisor import health, logfiles
+from mlxceld.supervisor import health
 from mlxceld.types import JSON
 
-HEARTBEAT_S = 15.0
-LOG_POLL_S = 0.25
 MAX_LINES = 10_000
 MAX_EVENTS = 1_000
 MAX_STAGES = 64
-NDJSON = "application/x-ndjson"
 API_VERSION = 1
-
-
-class DaemonView(Protocol):
-    """What the control API needs from the daemon; the daemon implements it."""
-
-    events: EventLog
-
-    @property
-    def stopping(self) -> bool: ...
-    def status(self) -> JSON: ...
-    def workers(self) -> list[JSON]: ...
-    async def worker_stats(self) -> dict[str, JSON]: ...
-    def cluster_nodes(self) -> JSON: ...
-    async def plan_cluster(self, model: str, stages: int) -> JSON: ...
-    async def activate_cluster(self, model: str, stages: int) -> JSON: ...
-    async def deactivate_cluster(self) -> JSON: ...
-    def log_path(self, name: str) -> str | None: ...
-    def restart_worker(self, name: str) -> None: ...
-    async def serve_model(self, model: str, name: str | None) -> JSON | None: ...
-    async def unserve(self) -> JSON: ...
-    def request_stop(self) -> None: ...
-    def secrets(self) -> list[JSON]: ...
-    def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
-    def use_secret(self, kid: str) -> JSON: ...
-    def remove_secret(self, kid: str) -> JSON: ...
 
 
 def error(status: int, code: str, message: str, hint: str = "", **extra: Any) -> JSONResponse:
@@ -110,7 +81,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             return _unknown_worker(name)
         lines = _int_param(request, "lines", 50, 0, MAX_LINES)
         follow = request.query_params.get("follow") in ("1", "true")
-        return StreamingResponse(_log_stream(daemon, Path(path), lines, follow),
+        return StreamingResponse(log_lines(daemon, Path(path), lines, follow),
                                  media_type=NDJSON)
 
     async def events(request: Request) -> Response:
@@ -121,7 +92,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
         if not follow:
             items = [e.to_json() for e in daemon.events.since(after, limit, subject)]
             return body("events", events=items)
-        return StreamingResponse(_event_stream(daemon, after, limit, subject), media_type=NDJSON)
+        return StreamingResponse(event_lines(daemon, after, limit, subject), media_type=NDJSON)
 
     async def plan(request: Request) -> Response:
         return await _planned(request, "plan", daemon.plan_cluster,
@@ -320,40 +291,3 @@ def _unknown_worker(name: str) -> JSONResponse:
 def _stopping() -> JSONResponse:
     return error(503, "stopping", "the daemon is shutting down and admits no new work",
                  "wait for it to stop, then start it again")
-
-
-def _line(obj: JSON) -> bytes:
-    return json.dumps(obj).encode() + b"\n"
-
-
-async def _log_stream(daemon: DaemonView, path: Path, lines: int,
-                      follow: bool) -> AsyncIterator[bytes]:
-    text, offset = logfiles.tail(path, lines)
-    if text:
-        yield _line({"data": text})
-    idle = 0.0
-    while follow and not daemon.stopping:
-        await asyncio.sleep(LOG_POLL_S)
-        data, offset = logfiles.read_from(path, offset)
-        if data:
-            idle = 0.0
-            yield _line({"data": data.decode("utf-8", "replace")})
-        else:
-            idle += LOG_POLL_S
-            if idle >= HEARTBEAT_S:
-                idle = 0.0
-                yield b"\n"
-
-
-async def _event_stream(daemon: DaemonView, after: int, limit: int,
-                        subject: str | None) -> AsyncIterator[bytes]:
-    while not daemon.stopping:
-        batch = daemon.events.since(after, limit, subject)
-        for event in batch:
-            after = event.id
-            yield _line(event.to_json())
-        if not batch:
-            await daemon.events.wait(HEARTBEAT_S)
-            if not daemon.events.since(after, 1, subject):
-                yield b"\n"
-
