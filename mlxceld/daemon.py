@@ -35,10 +35,10 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster import ENV_VALUE, resolve_secret
@@ -67,7 +67,13 @@ from mlxceld.control.server import (
 )
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import ConfigError, DaemonError, ModelRefused, UnserveRefused
+from mlxceld.errors import (
+    ConfigError,
+    DaemonError,
+    MlxceldError,
+    ModelRefused,
+    UnserveRefused,
+)
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.state import (
@@ -95,6 +101,14 @@ ROUTER_START_TIMEOUT_S = 600.0
 ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
 
+class Terminal(Protocol):
+    """The terminal that started the daemon, for what it says there (``--dry-run``'s plan);
+    the CLI's edge renders it (``mlxceld.cli``)."""
+
+    def say(self, text: str) -> None: ...
+    def error(self, exc: MlxceldError) -> None: ...
+
+
 def prepare_state_dir(path: Path) -> None:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -111,9 +125,10 @@ def prepare_state_dir(path: Path) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config, flags: Overrides) -> None:
+    def __init__(self, config: Config, flags: Overrides, terminal: Terminal) -> None:
         self.config = config
         self._flags = flags
+        self._terminal = terminal
         self._commands: asyncio.Queue[str] = asyncio.Queue()
         self._stopping = False
         self._started_at = time.time()
@@ -253,12 +268,17 @@ class Daemon:
         return self._coordinator
 
     async def _dry_run(self) -> int:
+        """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal."""
         model = self._serve.model
         if self._coordinator is None or model is None:
-            print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
-                  file=sys.stderr)
+            self._terminal.error(ConfigError("--pp-auto needs a cluster secret and --model DIR"))
             return 2
-        return await self._coordinator.dry_run(self.config.pp_auto or 0, model)
+        try:
+            self._terminal.say(await self._coordinator.dry_run(self.config.pp_auto or 0, model))
+        except MlxceldError as exc:
+            self._terminal.error(exc)
+            return 1
+        return 0
 
     # -- the coordinator's and the stage host's window on us -------------------------------
 
@@ -655,5 +675,5 @@ class Daemon:
         self._lock.release()
 
 
-async def serve(config: Config, flags: Overrides) -> int:
-    return await Daemon(config, flags).run()
+async def serve(config: Config, flags: Overrides, terminal: Terminal) -> int:
+    return await Daemon(config, flags, terminal).run()
