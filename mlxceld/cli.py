@@ -110,7 +110,7 @@ def run(
         setup_logging(cfg.log_level, cfg.log_file)
         from mlxceld.daemon import serve  # after logging: importing it pulls uvicorn in
 
-        code = asyncio.run(serve(cfg, flags))
+        code = asyncio.run(serve(cfg, flags, Terminal()))
     except ConfigError as exc:
         fail(exc, 2)
     except MlxceldError as exc:
@@ -125,10 +125,21 @@ def overrides(params: Mapping[str, Any]) -> Overrides:
     return Overrides(config_file=params.get("config"), **values)
 
 
+class Terminal:
+    """What the daemon says on the terminal that started it: text on stdout, errors (and
+    their hints) on stderr."""
+
+    def say(self, text: str) -> None:
+        typer.echo(text)
+
+    def error(self, exc: MlxceldError) -> None:
+        typer.echo(f"mlxceld: error: {exc.message}", err=True)
+        if exc.hint:
+            typer.echo(f"  hint: {exc.hint}", err=True)
+
+
 def fail(exc: MlxceldError, code: int) -> None:
-    typer.echo(f"mlxceld: error: {exc.message}", err=True)
-    if exc.hint:
-        typer.echo(f"  hint: {exc.hint}", err=True)
+    Terminal().error(exc)
     raise typer.Exit(code)
 
 

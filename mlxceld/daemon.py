@@ -35,10 +35,10 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.peer import Assignee
@@ -67,7 +67,13 @@ from mlxceld.control.server import (
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.inventory import serve_inventory
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.errors import (
+    ConfigError,
+    DaemonError,
+    MlxceldError,
+    ModelRefused,
+    UnserveRefused,
+)
 from mlxceld.net.agent import AgentService
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
@@ -96,6 +102,14 @@ ROUTER_START_TIMEOUT_S = 600.0
 ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
 
+class Terminal(Protocol):
+    """The terminal that started the daemon, for what it says there (``--dry-run``'s plan);
+    the CLI's edge renders it (``mlxceld.cli``)."""
+
+    def say(self, text: str) -> None: ...
+    def error(self, exc: MlxceldError) -> None: ...
+
+
 def prepare_state_dir(path: Path) -> None:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -112,9 +126,10 @@ def prepare_state_dir(path: Path) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config, flags: Overrides) -> None:
+    def __init__(self, config: Config, flags: Overrides, terminal: Terminal) -> None:
         self.config = config
         self._flags = flags
+        self._terminal = terminal
         self._commands: asyncio.Queue[str] = asyncio.Queue()
         self._stopping = False
         self._started_at = time.time()
@@ -255,12 +270,17 @@ class Daemon:
         return self._coordinator
 
     async def _dry_run(self) -> int:
+        """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal."""
         model = self._serve.model
         if self._coordinator is None or model is None:
-            print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
-                  file=sys.stderr)
+            self._terminal.error(ConfigError("--pp-auto needs a cluster secret and --model DIR"))
             return 2
-        return await self._coordinator.dry_run(self.config.pp_auto or 0, model)
+        try:
+            self._terminal.say(await self._coordinator.dry_run(self.config.pp_auto or 0, model))
+        except MlxceldError as exc:
+            self._terminal.error(exc)
+            return 1
+        return 0
 
     # -- the coordinator's and the stage host's window on us -------------------------------
 
@@ -426,11 +446,14 @@ class Daemon:
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
         if self.placement is not None:
-            raise ConfigError(
+            raise ModelRefused(
                 f"this daemon is node {self.placement.node.id!r} of cluster config "
                 f"{self.placement.cluster.path}; it serves that cluster's model",
                 hint="change [cluster] model in that file on every node, then restart them")
-        resolved = resolve_model(model, Path("/"), "mlxctl serve")
+        try:
+            resolved = resolve_model(model, Path("/"), "mlxctl serve")
+        except ConfigError as exc:
+            raise ModelRefused(exc.message, hint=exc.hint) from exc
         self._serve = self._serve.with_model(resolved, name)
         self._hold_router = False  # told to serve: also after a deactivate
         self.settings.put("serve", {"model": resolved, "model_name": name})
@@ -449,22 +472,22 @@ class Daemon:
         where the router is a cluster's."""
         p = self.placement
         if p is not None and p.is_coordinator:
-            raise ConfigError("this daemon's router serves a pipeline",
-                              hint="mlxctl cluster deactivate ends the plan and stops its "
-                              "router" if self.config.distributed_config is None else
-                              f"it runs the cluster config {p.cluster.path}; stop the daemon")
+            raise UnserveRefused("this daemon's router serves a pipeline",
+                                 hint="mlxctl cluster deactivate ends the plan and stops its "
+                                 "router" if self.config.distributed_config is None else
+                                 f"it runs the cluster config {p.cluster.path}; stop the daemon")
         if p is not None:
-            raise ConfigError(f"this daemon runs {p.node.id} of a cluster and no router",
-                              hint="on the coordinator: mlxctl cluster deactivate")
+            raise UnserveRefused(f"this daemon runs {p.node.id} of a cluster and no router",
+                                 hint="on the coordinator: mlxctl cluster deactivate")
         configured = self.config.serve.model
         if configured is not None:
             origin = ("--model" if self._flags.model else
                       f"[serve] model in {self.config.config_file}")
-            raise ConfigError(f"the model {configured} comes from {origin}: a restart would "
-                              "serve it again, so it is not unserved",
-                              hint="remove it there, then reload (systemctl reload mlxceld, "
-                              "or SIGHUP) or restart; then mlxctl unserve forgets what "
-                              "mlxctl serve chose, if anything")
+            raise UnserveRefused(f"the model {configured} comes from {origin}: a restart would "
+                                 "serve it again, so it is not unserved",
+                                 hint="remove it there, then reload (systemctl reload mlxceld, "
+                                 "or SIGHUP) or restart; then mlxctl unserve forgets what "
+                                 "mlxctl serve chose, if anything")
         was = self._serving()
         self.settings.delete("serve")
         self._serve = replace(self._serve, model=None, model_name=None)
@@ -654,5 +677,5 @@ class Daemon:
         self._lock.release()
 
 
-async def serve(config: Config, flags: Overrides) -> int:
-    return await Daemon(config, flags).run()
+async def serve(config: Config, flags: Overrides, terminal: Terminal) -> int:
+    return await Daemon(config, flags, terminal).run()

@@ -1,9 +1,13 @@
 """The one exception tree of mlxceld.
 
     MlxceldError                    root: everything we raise on purpose
+    ├── BadRequest                  a control API request is malformed (names the parameter
+    │                               or body field; the caller's to fix)
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
     │   ├── SecretSourceError       no usable cluster secret where the sources point
-    │   └── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
+    │   ├── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
+    │   ├── ModelRefused            `mlxctl serve` names a model this daemon cannot serve
+    │   └── UnserveRefused          `mlxctl unserve` would not last, or the router is a cluster's
     ├── StateError                  the SQLite state could not be read or written
     ├── KeyringError                a cluster secret cannot be installed, used or removed
     │   ├── UnknownKey              no installed secret has that key id
@@ -12,8 +16,10 @@
     │   ├── AlreadyRunning          another daemon holds the state dir lock
     │   ├── SocketError             the control socket cannot be created
     │   ├── BringUpInProgress       a pipeline bring-up runs already (names its plan)
-    │   └── NoActivePlan            `mlxctl cluster deactivate` with no plan to end
+    │   ├── NoActivePlan            `mlxctl cluster deactivate` with no plan to end
+    │   └── ShuttingDown            the daemon is stopping and admits no new work
     ├── WorkerError                 a worker cannot be spawned, reached or stopped
+    │   ├── UnknownWorker           no worker has that name
     │   └── ChannelError            a worker's control channel failed or timed out
     └── ControlError                the control API answered with an error (client side)
         ├── DaemonNotRunning        nothing listens on the control socket
@@ -41,6 +47,17 @@ class MlxceldError(Exception):
         return self.message
 
 
+class BadRequest(MlxceldError):
+    """A control API request the daemon cannot read: ``field`` names the query parameter or
+    body field at fault (``"body"`` when the body as a whole is not a JSON object)."""
+
+    code = "bad_request"
+
+    def __init__(self, field: str, message: str, *, hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.field = field
+
+
 class ConfigError(MlxceldError):
     code = "config"
 
@@ -65,6 +82,17 @@ class PlanRefused(ConfigError):
                  shortfalls: tuple[dict[str, str | int], ...] = ()) -> None:
         super().__init__(message, hint=hint)
         self.shortfalls = shortfalls
+
+
+class ModelRefused(ConfigError):
+    """`mlxctl serve`: the model cannot be found or read, or this daemon serves a cluster's."""
+
+    code = "bad_model"
+
+
+class UnserveRefused(ConfigError):
+    """`mlxctl unserve` changes nothing: a restart would serve the configured model again, or
+    the router is a cluster's. Its code stays its parent's, as `mlxctl unserve --json` says."""
 
 
 class StateError(MlxceldError):
@@ -109,8 +137,18 @@ class NoActivePlan(DaemonError):
     code = "nothing_to_end"
 
 
+class ShuttingDown(DaemonError):
+    """A request for new work (a restart, a bring-up, a serve) while the daemon stops."""
+
+    code = "stopping"
+
+
 class WorkerError(MlxceldError):
     code = "worker"
+
+
+class UnknownWorker(WorkerError):
+    code = "unknown_worker"
 
 
 class ChannelError(WorkerError):

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -170,24 +169,17 @@ class Coordinator:
         while len(await self._discovery.refresh()) < n and loop.time() < give_up:
             await asyncio.sleep(POLL_S)
 
-    async def dry_run(self, n: int, model: str) -> int:
+    async def dry_run(self, n: int, model: str) -> str:
         """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
-        reachable, plan, print the table on stdout, write ``--cluster-config-out``."""
+        reachable, plan, write ``--cluster-config-out``; return the report for the terminal
+        (the table, its notes, where the TOML went). A plan that does not fit is raised."""
         await self.await_peers(n, DRY_RUN_WAIT_S)
-        try:
-            planned = await self.plan(model, n)
-        except MlxceldError as exc:
-            print(f"mlxceld: error: {exc.message}", file=sys.stderr)
-            if exc.hint:
-                print(f"  hint: {exc.hint}", file=sys.stderr)
-            return 1
-        print(planned["table"])
-        for note in planned["notes"]:
-            print(f"note: {note}")
+        planned = await self.plan(model, n)
+        report = [planned["table"], *(f"note: {note}" for note in planned["notes"])]
         if self._config_out is not None:
             self._config_out.write_text(planned["toml"])
-            print(f"cluster TOML written to {self._config_out}")
-        return 0
+            report.append(f"cluster TOML written to {self._config_out}")
+        return "\n".join(report)
 
     async def bring_up(self, n: int, model: str) -> None:
         """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,

@@ -64,13 +64,13 @@ from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.roles import ROLES, STAGE
 from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.types import MAX_PIPELINE_STAGES
 from mlxceld.wire.address import parse_address
 
 DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 POLICY_FIELDS = {f.name: f.type for f in dataclasses.fields(RestartPolicy)}
-MAX_STAGES = 64
 # Each flag of `mlxceld` and its key in the config file ...
 FLAG_KEYS: dict[str, str] = {
     "--state-dir": "daemon.state_dir", "--socket": "daemon.socket",
@@ -188,8 +188,8 @@ def _pp_auto_choice(daemon: Mapping[str, Any], flags: Overrides, cluster: Mappin
         raise ConfigError("--dry-run is for --pp-auto N only",
                           hint="mlxceld --pp-auto 2 --dry-run --model DIR prints a plan")
     if n is not None:
-        if not 1 <= n <= MAX_STAGES:
-            raise ConfigError(f"{what} {n}: the number of stages must be 1-{MAX_STAGES}",
+        if not 1 <= n <= MAX_PIPELINE_STAGES:
+            raise ConfigError(f"{what} {n}: the number of stages must be 1-{MAX_PIPELINE_STAGES}",
                               hint="for example --pp-auto 2 (or pp_auto = 2 under [daemon])")
         if cluster.get("distributed_config") is not None:
             raise ConfigError("pp_auto (--pp-auto) and distributed_config "

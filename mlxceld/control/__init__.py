@@ -15,7 +15,7 @@ _EXPORTS = {
     "SocketServer": "server",
     "bind_control_socket": "server", "check_socket_path": "server", "peer_guard": "server",
     "remove_socket_file": "server", "build_app": "app", "ControlClient": "client",
-    "BlockingClient": "blocking",
+    "BlockingClient": "blocking", "DaemonView": "view",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,10 +17,13 @@ each can be tested against a real process:
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 
 from mlxceld.workers.runtime import WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 async def run(ctx: WorkerContext) -> int:
@@ -43,7 +46,7 @@ async def run(ctx: WorkerContext) -> int:
             time.sleep(3600)  # blocks the event loop: the control channel stops answering
         await _sleep_unless_stopped(ctx, min(interval, 0.05) if _timed(opts) else interval)
         ctx.stats["ticks"] += 1
-    print(f"echo worker {ctx.name} stopping after {ctx.stats['ticks']} ticks", flush=True)
+    log.info("echo worker %s stopping after %d ticks", ctx.name, ctx.stats["ticks"])
     return 0
 
 

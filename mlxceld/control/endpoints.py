@@ -1,0 +1,152 @@
+"""The control API's endpoints: one method each, over the daemon's ``DaemonView``.
+
+An endpoint reads its request (``requests.py``), asks the daemon, and shapes
+the answer ``{"schema": "mlxceld.NAME/1", "version": V, ...}``. It answers no
+error itself: what it or the daemon raises is answered by ``errors.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mlxceld import __version__
+from mlxceld.control.requests import (
+    PlanRequest,
+    SecretRequest,
+    ServeRequest,
+    flag_param,
+    int_param,
+    text_param,
+)
+from mlxceld.control.streams import NDJSON, event_lines, log_lines
+from mlxceld.control.view import DaemonView
+from mlxceld.errors import ShuttingDown, UnknownWorker
+from mlxceld.supervisor import health
+
+API_VERSION: Final = 1
+MAX_LINES: Final = 10_000
+MAX_EVENTS: Final = 1_000
+
+
+def answer(schema: str, status: int = 200, **fields: Any) -> JSONResponse:
+    return JSONResponse({"schema": f"mlxceld.{schema}/1", "version": __version__, **fields},
+                        status_code=status)
+
+
+class Endpoints:
+    def __init__(self, daemon: DaemonView) -> None:
+        self.daemon = daemon
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def version(self, request: Request) -> Response:
+        return answer("version", api=API_VERSION)
+
+    async def status(self, request: Request) -> Response:
+        current = self.daemon.status()
+        stats = await self.daemon.worker_stats()  # bounded: supervisor.STATS_TIMEOUT_S
+        for w in current["workers"]:
+            w["stats"] = stats.get(w["name"])
+        current["problems"] = health.problems(current["workers"])
+        return answer("status", **current)
+
+    async def workers(self, request: Request) -> Response:
+        return answer("workers", workers=self.daemon.workers())
+
+    async def cluster_nodes(self, request: Request) -> Response:
+        return answer("cluster_nodes", **self.daemon.cluster_nodes())
+
+    async def logs(self, request: Request) -> Response:
+        path = self._log_path(request.path_params["name"])
+        lines = int_param(request, "lines", 50, 0, MAX_LINES)
+        follow = flag_param(request, "follow")
+        return StreamingResponse(log_lines(self.daemon, path, lines, follow), media_type=NDJSON)
+
+    async def events(self, request: Request) -> Response:
+        after = int_param(request, "after", -20, -MAX_EVENTS, 2**62)
+        limit = int_param(request, "limit", 100, 1, MAX_EVENTS)
+        subject = text_param(request, "subject")
+        if not flag_param(request, "follow"):
+            items = [e.to_json() for e in self.daemon.events.since(after, limit, subject)]
+            return answer("events", events=items)
+        return StreamingResponse(event_lines(self.daemon, after, limit, subject),
+                                 media_type=NDJSON)
+
+    # -- workers and serving ---------------------------------------------------------------
+
+    async def restart(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        self._admitting()
+        self._log_path(name)
+        self.daemon.restart_worker(name)
+        return answer("restart", worker=name, restarting=True)
+
+    async def serve(self, request: Request) -> Response:
+        self._admitting()
+        asked = await ServeRequest.read(request)
+        return answer("serve", serving=await self.daemon.serve_model(asked.model,
+                                                                     asked.model_name))
+
+    async def unserve(self, request: Request) -> Response:
+        self._admitting()
+        return answer("unserve", **await self.daemon.unserve())
+
+    async def stop(self, request: Request) -> Response:
+        self.daemon.request_stop()
+        return answer("stop", stopping=True, pid=self.daemon.status()["daemon"]["pid"])
+
+    # -- the cluster -----------------------------------------------------------------------
+
+    async def plan(self, request: Request) -> Response:
+        asked = await PlanRequest.read(request, "plan")
+        return answer("cluster_plan", **await self.daemon.plan_cluster(asked.model,
+                                                                        asked.stages))
+
+    async def activate(self, request: Request) -> Response:
+        """Plan now, push and serve in the background: 202 with the bring-up (its epoch);
+        `GET /v1/status` shows its progress as ``bringup``."""
+        self._admitting()
+        asked = await PlanRequest.read(request, "activate")
+        state = await self.daemon.activate_cluster(asked.model, asked.stages)
+        return answer("cluster_activate", 202, bringup=state)
+
+    async def deactivate(self, request: Request) -> Response:
+        """End the plan on every peer and stop the router (at most ``deactivation`` bounds:
+        a dial and an answer per peer, in parallel, and the router's stop)."""
+        self._admitting()
+        return answer("cluster_deactivate", bringup=await self.daemon.deactivate_cluster())
+
+    # -- cluster secrets -------------------------------------------------------------------
+
+    async def secrets(self, request: Request) -> Response:
+        return answer("secrets", keys=self.daemon.secrets())
+
+    async def install_secret(self, request: Request) -> Response:
+        asked = await SecretRequest.read(request)
+        return answer("secret", key=self.daemon.install_secret(asked.secret, asked.primary,
+                                                               asked.source))
+
+    async def use_secret(self, request: Request) -> Response:
+        return answer("secret", key=self.daemon.use_secret(request.path_params["kid"]))
+
+    async def remove_secret(self, request: Request) -> Response:
+        return answer("secret", key=self.daemon.remove_secret(request.path_params["kid"]),
+                      removed=True)
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _admitting(self) -> None:
+        if self.daemon.stopping:
+            raise ShuttingDown("the daemon is shutting down and admits no new work",
+                               hint="wait for it to stop, then start it again")
+
+    def _log_path(self, name: str) -> Path:
+        path = self.daemon.log_path(name)
+        if path is None:
+            raise UnknownWorker(f"no worker named {name!r}",
+                                hint="see `mlxctl workers` for the names")
+        return Path(path)

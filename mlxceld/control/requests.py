@@ -1,0 +1,152 @@
+"""Reading a control request: its query parameters and JSON bodies, in one place.
+
+Every refusal is a ``BadRequest`` naming the query parameter or body field at
+fault, with the body's whole shape and where to read more. A value is never
+echoed from a body: a secret's body carries the secret.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from starlette.requests import Request
+
+from mlxceld.errors import BadRequest
+from mlxceld.types import MAX_PIPELINE_STAGES
+
+QUERY_HINT: Final = "check the query parameters"
+
+
+def int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(name, f"query parameter {name!r} must be an integer, not {raw!r}",
+                         hint=QUERY_HINT) from None
+    if not low <= value <= high:
+        raise BadRequest(name, f"query parameter {name!r} must be between {low} and {high}",
+                         hint=QUERY_HINT)
+    return value
+
+
+def flag_param(request: Request, name: str) -> bool:
+    """``?follow=1`` or ``?follow=true``; anything else is off."""
+    return request.query_params.get(name) in ("1", "true")
+
+
+def text_param(request: Request, name: str) -> str | None:
+    return request.query_params.get(name) or None
+
+
+class Body:
+    """A request's JSON object; each refusal names its field, the shape and the hint."""
+
+    def __init__(self, fields: dict[str, Any], shape: str, hint: str) -> None:
+        self._fields, self._shape, self._hint = fields, shape, hint
+
+    @classmethod
+    async def read(cls, request: Request, shape: str, hint: str) -> Body:
+        try:
+            value = json.loads(await request.body())
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+            raise BadRequest("body", f"the body is not JSON; it must be {shape}",
+                             hint=hint) from None
+        if not isinstance(value, dict):
+            raise BadRequest("body", f"the body is not a JSON object; it must be {shape}",
+                             hint=hint)
+        return cls(value, shape, hint)
+
+    def refuse(self, name: str, problem: str) -> BadRequest:
+        return BadRequest(name, f"body field {name!r} {problem}; the body must be JSON: "
+                          f"{self._shape}", hint=self._hint)
+
+    def required(self, name: str) -> Any:
+        if name not in self._fields:
+            raise self.refuse(name, "is missing")
+        return self._fields[name]
+
+    def text(self, name: str) -> str:
+        value = self.required(name)
+        if not isinstance(value, str) or not value:
+            raise self.refuse(name, "must be a non-empty string")
+        return value
+
+    def optional_text(self, name: str) -> str | None:
+        value = self._fields.get(name)
+        if not isinstance(value, str | None):
+            raise self.refuse(name, "must be a string")
+        return value
+
+    def integer(self, name: str, low: int, high: int) -> int:
+        value = self.required(name)
+        if type(value) is not int or not low <= value <= high:  # a bool is no count
+            raise self.refuse(name, f"must be an integer from {low} to {high}")
+        return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self._fields.get(name, default)
+        if not isinstance(value, bool):
+            raise self.refuse(name, "must be true or false")
+        return value
+
+    def hex_bytes(self, name: str) -> bytes:
+        value = self.required(name)
+        try:
+            return bytes.fromhex(value)
+        except (TypeError, ValueError):
+            raise self.refuse(name, "must be a string of hex digits") from None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """`mlxctl cluster plan` and `mlxctl cluster activate`."""
+
+    model: str
+    stages: int
+
+    @classmethod
+    async def read(cls, request: Request, command: str) -> PlanRequest:
+        body = await Body.read(request, f'{{"model": DIR, "stages": 1..{MAX_PIPELINE_STAGES}}}',
+                               f"see `mlxctl cluster {command} --help`")
+        return cls(body.text("model"), body.integer("stages", 1, MAX_PIPELINE_STAGES))
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """`mlxctl serve`; ``model_name`` is None for the model's own name."""
+
+    model: str
+    model_name: str | None
+
+    @classmethod
+    async def read(cls, request: Request) -> ServeRequest:
+        body = await Body.read(request, '{"model": PATH-OR-REPO, "model_name": optional '
+                               'string}', "see `mlxctl serve --help`")
+        return cls(body.text("model"), body.optional_text("model_name"))
+
+
+@dataclass(frozen=True, repr=False)
+class SecretRequest:
+    """`mlxctl secret install`; ``source`` (cut to 200 characters) says where it came from."""
+
+    secret: bytes
+    primary: bool
+    source: str
+
+    @classmethod
+    async def read(cls, request: Request) -> SecretRequest:
+        body = await Body.read(request, '{"secret_hex": HEX, "primary": optional bool, '
+                               '"source": optional string}',
+                               "see `mlxctl secret install --help`")
+        secret = body.hex_bytes("secret_hex")
+        primary = body.flag("primary", False)
+        source = body.optional_text("source") or "the control API"
+        return cls(secret, primary, source[:200])
+
+    def __repr__(self) -> str:  # never the secret, not even in a traceback's locals
+        return f"SecretRequest(primary={self.primary}, source={self.source!r})"
