@@ -5,12 +5,11 @@ the cluster secret, control socket, supervisor (re-adopting what survived a
 previous daemon), control API; then READY=1 to a service manager that asked for
 it (NOTIFY_SOCKET; see mlxceld.sdnotify for what else is said, and when).
 
-The cluster secret (PROTOCOL.md section 1): a secret from --cluster-secret-file,
-MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or the cluster TOML is
-installed into the keyring as its primary and so persisted (a 0600 file under
-``<state-dir>/keys``): a restart without the flag or variable keeps it, and
-`mlxctl secret list` shows it. MLXCEL_CLUSTER_SECRET is dropped from our own
-environment once read; workers never get any *SECRET* variable anyway.
+The cluster secret (PROTOCOL.md section 1) is the ``KeyringService``'s
+(``cluster/keyring.py``): adopted at start (a secret from a flag, a variable or
+a TOML becomes the primary, kept in a 0600 file under ``<state-dir>/keys``),
+required where a pipeline runs, changed by `mlxctl secret`. Its first secret
+starts the agent listener. Workers never get any *SECRET* variable.
 
 Shutdown order, written once (``_shutdown``): stop admitting work, ask every
 worker to stop (each has its stop timeout, then SIGKILL from its lifecycle),
@@ -52,9 +51,8 @@ from mlxceld.cluster.clusterfile.placement import (
     stage_options,
 )
 from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
+from mlxceld.cluster.keyring import KeyringService
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.secrets import ENV_VALUE, resolve_secret
-from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -79,7 +77,6 @@ from mlxceld.state import (
     WorkersTable,
     claim_node,
     open_db,
-    parse_key_id,
 )
 from mlxceld.state.lock import StateLock, acquire
 from mlxceld.state.plans import Assignments, Plans
@@ -129,16 +126,20 @@ class Daemon:
             self.events = EventLog(self._db)
             self.events.trim()
             self.settings = Settings(self._db)
-            self.keys = KeyStore(self._db, config.state_dir / "keys")
+            self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
+                                       self.events, on_install=self._secret_installed)
             self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
             self.placement = (place(config.distributed_config, config.node_id or "",
                                     config.serve.model)  # --model or [serve] model wins
                               if config.distributed_config else None)
-            self._adopt_secret()
+            self.keys.adopt(config, self.placement)
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
-            self._check_cluster_secret()
+            self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
+            if config.pp_auto is not None and self._serve.model is None:
+                raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                                  hint="the same checkpoint must be on every host")
             self.supervisor = Supervisor(
                 WorkersTable(self._db), self.events,
                 health_interval_s=config.health_interval_s,
@@ -301,28 +302,20 @@ class Daemon:
         self._commands.put_nowait("stop")
 
     def secrets(self) -> list[JSON]:
-        return [k.to_json() for k in self.keys.list()]
+        return self.keys.list()
 
     def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
-        info = self.keys.install(secret, source=source, primary=primary)
-        self.events.append("secret.installed", "keyring",
-                           f"cluster secret {info.key_id} installed ({info.state})",
-                           key_id=info.key_id)
-        if self._agent is None:
-            self._commands.put_nowait("agent")  # the first secret: start the agent listener
-        return info.to_json()
+        return self.keys.install(secret, primary, source)
 
     def use_secret(self, kid: str) -> JSON:
-        info = self.keys.set_primary(parse_key_id(kid))
-        self.events.append("secret.primary", "keyring",
-                           f"cluster secret {info.key_id} is now the primary", key_id=info.key_id)
-        return info.to_json()
+        return self.keys.use(kid)
 
     def remove_secret(self, kid: str) -> JSON:
-        info = self.keys.remove(parse_key_id(kid))
-        self.events.append("secret.removed", "keyring", f"cluster secret {info.key_id} removed",
-                           key_id=info.key_id)
-        return info.to_json()
+        return self.keys.remove(kid)
+
+    def _secret_installed(self) -> None:
+        if self._agent is None:
+            self._commands.put_nowait("agent")  # the first secret: start the agent listener
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -367,51 +360,6 @@ class Daemon:
         log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
                     last.decision, "pp_peer" if self.config.pp_peer else "distributed_config")
         return False
-
-    def _adopt_secret(self) -> None:
-        """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
-        toml = self.placement.cluster.secret_source() if self.placement else None
-        c = self.config
-        from_flag = c.cluster_secret_origin == SECRET_FLAG
-        resolved = resolve_secret(flag_file=c.cluster_secret_file if from_flag else None,
-                                  config_file=None if from_flag else c.cluster_secret_file,
-                                  toml=toml, keyring=self.keys.keyring,
-                                  keyring_where=str(self.keys.dir))
-        os.environ.pop(ENV_VALUE, None)
-        if resolved is None:
-            log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
-            return
-        if resolved.from_keyring:
-            log.info("cluster secret: %s", resolved.source)
-            return
-        info = self.keys.install(resolved.secret, source=resolved.source, primary=True)
-        self.events.append("secret.adopted", "keyring",
-                           f"cluster secret {info.key_id} from {resolved.source} is the primary",
-                           key_id=info.key_id)
-        log.info("cluster secret %s from %s is the primary (kept in %s)", info.key_id,
-                 resolved.source, self.keys.dir)
-
-    def _check_cluster_secret(self) -> None:
-        """Fail closed: a pipeline of two or more stages never runs without the secret."""
-        if self.config.pp_auto is not None and not len(self.keys.keyring):
-            raise ConfigError(
-                "--pp-auto needs the cluster secret to reach its peers; none was found in "
-                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
-                f"[daemon] cluster_secret_file or the keyring in {self.keys.dir}",
-                hint="give every node the same secret file with --cluster-secret-file")
-        if self.config.pp_auto is not None and self._serve.model is None:
-            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
-                              hint="the same checkpoint must be on every host")
-        p = self.placement
-        if p is None or not p.needs_secret or len(self.keys.keyring):
-            return
-        raise ConfigError(
-            f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
-            "cluster secret; none was found in --cluster-secret-file, "
-            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file, "
-            f"[cluster] secret_file or the keyring in {self.keys.dir}",
-            hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
-            "(chmod 600) to each host, then pass --cluster-secret-file FILE")
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.
