@@ -11,12 +11,15 @@ a TOML becomes the primary, kept in a 0600 file under ``<state-dir>/keys``),
 required where a pipeline runs, changed by `mlxctl secret`. Its first secret
 starts the agent listener. Workers never get any *SECRET* variable.
 
-Shutdown order, written once (``_shutdown``): stop admitting work, ask every
-worker to stop (each has its stop timeout, then SIGKILL from its lifecycle),
-a backstop deadline of the longest stop timeout plus ``SHUTDOWN_SLACK_S``
-after which every group is SIGKILLed, then close the control API, remove the
-socket, close the database, release the lock. A second SIGTERM/SIGINT while
-shutting down forces: SIGKILL to every worker group and exit 1.
+Shutdown order, written once (``_shutdown``, whose last step ``_release`` runs
+once every task has ended): stop admitting work, ask every worker to stop (each
+has its stop timeout, then SIGKILL from its lifecycle), a backstop deadline of
+the longest stop timeout plus ``SHUTDOWN_SLACK_S`` after which every group is
+SIGKILLed; then close discovery, the assignee, the coordinator, the agent
+listener and the control API; remove the socket, close the database, release
+the lock. A second SIGTERM/SIGINT while shutting down forces (``_force``):
+SIGKILL to every worker group, ``_release``, exit 1. After a dry run nothing is
+drained: it goes straight to the closing.
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
 
@@ -455,27 +458,19 @@ class Daemon:
                     await self._start_agent()
                 self._notify.ready(status_line(self.status()))
                 tg.create_task(self._notify.run(lambda: status_line(self.status())))
-                code = await (self._dry_run() if self.config.dry_run
-                              else self._serve_commands())
-                if self._discovery is not None:
-                    self._discovery.close()
-                if self._assignee is not None:
-                    self._assignee.close()
-                if self._coordinator is not None:
-                    self._coordinator.close()  # a push cut short: peers abort by deadline
-                if self._agent is not None:
-                    await self._agent.aclose()
-                self._server.request_shutdown()
-                self.supervisor.close()
-                self._notify.close()
-        finally:
+                if self.config.dry_run:
+                    code = await self._shutdown(dry_run=await self._dry_run())
+                else:
+                    await self._serve_commands()  # until told to stop
+                    code = await self._shutdown()
+        finally:  # the shutdown's last step; also where start-up or a task failed
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-            self._close()
+            self._release()
         log.info("mlxceld stopped")
         return code
 
-    async def _serve_commands(self) -> int:
+    async def _serve_commands(self) -> None:
         while True:
             command = await self._commands.get()
             if command == "reload":
@@ -486,7 +481,7 @@ class Daemon:
             if command == "agent":
                 await self._start_agent()
                 continue
-            return await self._shutdown()
+            return  # "stop"
 
     async def _start_agent(self) -> None:
         """The MXCL agent listener, whenever there is a cluster secret; a bind failure is
@@ -544,32 +539,52 @@ class Daemon:
                 self._coordinator.start(c.pp_auto, self._serve.model,
                                         configured_model=c.serve.model)
 
-    async def _shutdown(self) -> int:
-        self._stopping = True
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._force)
-        self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
-        log.info("shutting down: stopping %d worker(s)", len(self.supervisor.names()))
-        longest = self.supervisor.longest_stop_timeout()
-        self._notify.stopping(longest + SHUTDOWN_SLACK_S, len(self.supervisor.names()))
-        try:
-            async with asyncio.timeout(longest + SHUTDOWN_SLACK_S):
-                await self.supervisor.stop_all()
-        except TimeoutError:
-            log.warning("workers still running after %.0f s: SIGKILL to every worker group",
-                        longest + SHUTDOWN_SLACK_S)
-            self.supervisor.kill_all()
-            self.events.append("daemon.forced_stop", "daemon", "forced stop at the deadline")
-            return 1
-        self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
-        return 0
+    async def _shutdown(self, dry_run: int | None = None) -> int:
+        """The shutdown order (see the module docstring); ``dry_run`` is a dry run's exit
+        code: nothing to drain. ``_release`` follows once every task has ended."""
+        code = 0 if dry_run is None else dry_run
+        if dry_run is None:
+            # Admit no more work; a second SIGTERM/SIGINT forces.
+            self._stopping = True
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._force)
+            self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
+            # Every worker by its own stop timeout, then SIGKILL; all of them by the backstop.
+            workers = len(self.supervisor.names())
+            log.info("shutting down: stopping %d worker(s)", workers)
+            deadline_s = self.supervisor.longest_stop_timeout() + SHUTDOWN_SLACK_S
+            self._notify.stopping(deadline_s, workers)
+            try:
+                async with asyncio.timeout(deadline_s):
+                    await self.supervisor.stop_all()
+            except TimeoutError:
+                log.warning("workers still running after %.0f s: SIGKILL to every worker group",
+                            deadline_s)
+                self.supervisor.kill_all()
+                self.events.append("daemon.forced_stop", "daemon", "forced stop at the deadline")
+                code = 1
+            else:
+                self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
+        # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
+        if self._discovery is not None:
+            self._discovery.close()
+        if self._assignee is not None:
+            self._assignee.close()
+        if self._coordinator is not None:
+            self._coordinator.close()  # a push cut short: peers abort by deadline
+        if self._agent is not None:
+            await self._agent.aclose()
+        self._server.request_shutdown()
+        self.supervisor.close()
+        self._notify.close()
+        return code
 
     def _force(self) -> None:
         """A second SIGTERM/SIGINT while shutting down: kill every worker group, exit now."""
         log.warning("second signal: forcing shutdown, SIGKILL to every worker group")
         self.supervisor.kill_all()
-        self._close()
+        self._release()
         os._exit(1)
 
     async def _reload(self) -> None:
@@ -593,7 +608,8 @@ class Daemon:
         log.info("configuration reloaded")
         await self.supervisor.reconcile(self.specs(new))
 
-    def _close(self) -> None:
+    def _release(self) -> None:
+        """The shutdown's last step: remove the socket, close the database, release the lock."""
         remove_socket_file(self.config.socket)
         with contextlib.suppress(Exception):
             self._sock.close()
