@@ -15,19 +15,19 @@ Shutdown order, written once (``_shutdown``, whose last step ``_release`` runs
 once every task has ended): stop admitting work, ask every worker to stop (each
 has its stop timeout, then SIGKILL from its lifecycle), a backstop deadline of
 the longest stop timeout plus ``SHUTDOWN_SLACK_S`` after which every group is
-SIGKILLed; then close discovery, the assignee, the coordinator, the agent
-listener and the control API; remove the socket, close the database, release
-the lock. A second SIGTERM/SIGINT while shutting down forces (``_force``):
+SIGKILLed; then close the cluster member (discovery, the assignee, the
+coordinator, the agent listener) and the control API; remove the socket, close
+the database, release the lock. A second SIGTERM/SIGINT while shutting down forces (``_force``):
 SIGKILL to every worker group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
 
-With a cluster secret the agent listener runs, and with it discovery, the
-``Coordinator`` (``cluster/coordinator.py``: `mlxctl cluster plan|activate`,
-``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``
-(``cluster/assignment/stagehost.py``); the daemon is their window on its placement and
-supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
+With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the agent
+listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
+plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; the
+daemon is their window on its placement and supervisor (``serve_pipeline``,
+``set_stage``, ``reconcile``).
 """
 
 from __future__ import annotations
@@ -37,15 +37,11 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from mlxceld import __version__
-from mlxceld.cluster.assignment.peer import Assignee
-from mlxceld.cluster.assignment.push import serve_queries
-from mlxceld.cluster.assignment.stagehost import LocalStageHost
 from mlxceld.cluster.clusterfile.placement import (
     STAGE_WORKER,
     Placement,
@@ -53,8 +49,8 @@ from mlxceld.cluster.clusterfile.placement import (
     place,
     stage_options,
 )
-from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
 from mlxceld.cluster.keyring import KeyringService
+from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.control.app import build_app
@@ -66,10 +62,7 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.discovery.inventory import serve_inventory
-from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError
-from mlxceld.net.agent import AgentService
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -87,7 +80,6 @@ from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
-from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -154,20 +146,13 @@ class Daemon:
         self._socket_group = config.socket_group  # a reload changes it at the next start
         self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
                                                 config.socket), self._sock)
-        agent = parse_address(config.agent_addr, port_zero=True)  # checked by the config
-        self._agent_addr = (agent.host, agent.port)
-        self._agent: AgentService | None = None
-        self._agent_error: str | None = None
-        self._discovery: DiscoveryService | None = None
-        self._tg: asyncio.TaskGroup | None = None
-        self._plans = Plans(self._db)
-        self._assignments = Assignments(self._db)
-        self._assignee: Assignee | None = None
+        self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
+                                    node_id=self.node.node_id, candidates=self.candidates,
+                                    plans=Plans(self._db), assignments=Assignments(self._db))
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
-        self._coordinator: Coordinator | None = None
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
-        self._hold_router = config.pp_auto is not None or self._resumes_a_plan()
+        self._hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -190,11 +175,7 @@ class Daemon:
             },
             "serving": self._serving(),
             "cluster": self.placement.describe() if self.placement else None,
-            "assignment": self._assignee.describe() if self._assignee else None,
-            "bringup": self._coordinator.state if self._coordinator else None,
-            "agent": {"address": self._agent.address if self._agent else None,
-                      "error": self._agent_error if not self._agent else None,
-                      "keys": len(self.keys.keyring)},
+            **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
             "problems": health.problems(workers),
         }
@@ -203,70 +184,24 @@ class Daemon:
         return self.supervisor.snapshot()
 
     def cluster_nodes(self) -> JSON:
-        c = self.config
-        discovery = (self._discovery.describe() if self._discovery else
-                     {"mode": c.cluster_discovery, "running": False, "address": None,
-                      "advertised": None, "error": None if len(self.keys.keyring) else
-                      "no cluster secret: discovery runs with the agent listener"})
-        return {"cluster": c.cluster_name, "node_id": self.node.node_id,
-                "discovery": discovery, "nodes": self.candidates.snapshot()}
+        return self.member.nodes()
 
     async def plan_cluster(self, model: str, stages: int) -> JSON:
-        """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
-        return await self._coordinating().plan(model, stages)
+        return await self.member.plan(model, stages)
 
     async def activate_cluster(self, model: str, stages: int) -> JSON:
-        """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
-        serves in our task group; the answer carries the plan's epoch."""
-        coordinator = self._pushing_plans("activate")
-        if self._stopping or self._tg is None:
-            raise DaemonError("the daemon is shutting down and starts no bring-up",
-                              hint="start it again, then activate")
-        return await coordinator.activate(model, stages)
+        return await self.member.activate(model, stages)
 
     async def deactivate_cluster(self) -> JSON:
-        """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
-        peer and stop our router; the daemon stays up."""
-        state = await self._pushing_plans("deactivate").deactivate()
-        if self.config.pp_auto is not None:
-            state = {**state, "note": f"pp_auto {self.config.pp_auto} is set: the next start "
-                     "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
-                     "[daemon] pp_auto) to keep the cluster down"}
-        return state
+        return await self.member.deactivate()
 
-    def _pushing_plans(self, command: str) -> Coordinator:
-        """The coordinator, for `mlxctl cluster activate|deactivate`: refused on a daemon
-        that takes stages (--pp-peer) or runs a written cluster (--distributed-config)."""
-        coordinator = self._coordinating()
-        if self.config.pp_peer:
-            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
-                              "push plans",
-                              hint=f"run mlxctl cluster {command} on the coordinator, a "
-                              "daemon without --pp-peer")
-        if self.config.distributed_config is not None:
-            raise ConfigError(f"this daemon runs the cluster config "
-                              f"{self.config.distributed_config} (--distributed-config), "
-                              "which no plan of its own placed",
-                              hint=f"start it without --distributed-config to {command} a "
-                              "plan; a written cluster stops with its daemons")
-        return coordinator
+    # -- the member's, the coordinator's and the stage host's window on us -----------------
 
-    def _coordinating(self) -> Coordinator:
-        if self._coordinator is None:
-            raise ConfigError("planning needs discovery, which runs with the agent listener "
-                              "once the daemon has a cluster secret",
-                              hint="install one: mlxctl secret install FILE --primary")
-        return self._coordinator
+    def served_model(self) -> str | None:
+        return self._serve.model
 
-    async def _dry_run(self) -> int:
-        model = self._serve.model
-        if self._coordinator is None or model is None:
-            print("mlxceld: error: --pp-auto needs a cluster secret and --model DIR",
-                  file=sys.stderr)
-            return 2
-        return await self._coordinator.dry_run(self.config.pp_auto or 0, model)
-
-    # -- the coordinator's and the stage host's window on us -------------------------------
+    def router_held(self) -> bool:
+        return self._hold_router and self.placement is None
 
     async def stop_pipeline(self) -> None:
         """The plan is deactivated: no placement, no router (not even a single-host one on
@@ -317,7 +252,7 @@ class Daemon:
         return self.keys.remove(kid)
 
     def _secret_installed(self) -> None:
-        if self._agent is None:
+        if self.member.agent is None:
             self._commands.put_nowait("agent")  # the first secret: start the agent listener
 
     # -- lifetime -------------------------------------------------------------------------
@@ -348,21 +283,6 @@ class Daemon:
                                     api_key=self._api_key,
                                     secret=secret if p is not None else None))
         return specs
-
-    def _may_coordinate(self) -> bool:
-        """A peer or a node of a written cluster never resumes a plan of its own."""
-        return not self.config.pp_peer and self.config.distributed_config is None
-
-    def _resumes_a_plan(self) -> bool:
-        """Whether the latest plan is to be resumed at start (``coordinator.RESUMABLE``)."""
-        last = self._plans.latest()
-        if last is None or last.decision not in RESUMABLE:
-            return False
-        if self._may_coordinate():
-            return True
-        log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
-                    last.decision, "pp_peer" if self.config.pp_peer else "distributed_config")
-        return False
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.
@@ -453,15 +373,14 @@ class Daemon:
                                    pid=os.getpid())
                 log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
                          __version__, self.node.node_id, self.config.socket, len(specs))
-                self._tg = tg
                 if len(self.keys.keyring):
-                    await self._start_agent()
+                    await self.member.start(tg)
                 self._notify.ready(status_line(self.status()))
                 tg.create_task(self._notify.run(lambda: status_line(self.status())))
                 if self.config.dry_run:
-                    code = await self._shutdown(dry_run=await self._dry_run())
+                    code = await self._shutdown(dry_run=await self.member.dry_run())
                 else:
-                    await self._serve_commands()  # until told to stop
+                    await self._serve_commands(tg)  # until told to stop
                     code = await self._shutdown()
         finally:  # the shutdown's last step; also where start-up or a task failed
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -470,7 +389,7 @@ class Daemon:
         log.info("mlxceld stopped")
         return code
 
-    async def _serve_commands(self) -> None:
+    async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:
         while True:
             command = await self._commands.get()
             if command == "reload":
@@ -479,65 +398,9 @@ class Daemon:
                 self._notify.ready(status_line(self.status()))
                 continue
             if command == "agent":
-                await self._start_agent()
+                await self.member.start(tg)
                 continue
             return  # "stop"
-
-    async def _start_agent(self) -> None:
-        """The MXCL agent listener, whenever there is a cluster secret; a bind failure is
-        reported (log, event, status) and leaves the daemon running single-host."""
-        if self._agent is not None or self._tg is None or self._stopping:
-            return
-        agent = AgentService(self._agent_addr, self.keys.keyring)
-        serve_inventory(agent, self.node.node_id, lambda: self._serve.model,
-                        self.config.stage_ports)
-        serve_queries(agent, self._plans)
-        c = self.config
-        stages = LocalStageHost(self, self.supervisor, self.events, cluster=c.cluster_name,
-                                state_dir=c.state_dir, model=lambda: self._serve.model,
-                                agent_host=lambda: agent.host, stage_ports=c.stage_ports)
-        assignee = Assignee(self._assignments, stages, self.keys.keyring,
-                            identity=lambda: agent.address, state_dir=self.config.state_dir,
-                            enabled=self.config.pp_peer)
-        assignee.register(agent)
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def run() -> None:
-            try:
-                await agent.run(started)
-            except OSError as exc:
-                self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
-                                     f"{self._agent_addr[1]}: {exc.strerror}")
-                if self._hold_router and self.placement is None:
-                    self._agent_error += ("; no pipeline is brought up or resumed without it "
-                                          "(restart the daemon once the address is free)")
-                log.error("agent listener: %s", self._agent_error)
-                self.events.append("agent.failed", "agent", self._agent_error)
-                self._agent = None
-                if not started.done():
-                    started.set_result(None)
-
-        self._agent = agent
-        self._tg.create_task(run())
-        await started
-        if self._agent is not None:
-            self._agent_error = None
-            self.events.append("agent.listening", "agent",
-                               f"agent listener on {agent.address}", address=agent.address)
-            self._discovery = DiscoveryService(
-                self.candidates, self.keys.keyring, node_id=self.node.node_id,
-                cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
-                agent_address=agent.address)
-            self._tg.create_task(self._discovery.run())
-            self._coordinator = Coordinator(
-                self, self._tg, cluster=c.cluster_name, state_dir=c.state_dir,
-                config_out=c.cluster_config_out, plans=self._plans, keyring=self.keys.keyring,
-                discovery=self._discovery, identity=agent.address, events=self.events)
-            self._assignee = assignee
-            self._tg.create_task(assignee.run())
-            if not c.dry_run and self._may_coordinate():
-                self._coordinator.start(c.pp_auto, self._serve.model,
-                                        configured_model=c.serve.model)
 
     async def _shutdown(self, dry_run: int | None = None) -> int:
         """The shutdown order (see the module docstring); ``dry_run`` is a dry run's exit
@@ -567,14 +430,7 @@ class Daemon:
             else:
                 self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
-        if self._discovery is not None:
-            self._discovery.close()
-        if self._assignee is not None:
-            self._assignee.close()
-        if self._coordinator is not None:
-            self._coordinator.close()  # a push cut short: peers abort by deadline
-        if self._agent is not None:
-            await self._agent.aclose()
+        await self.member.aclose()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()
