@@ -62,7 +62,7 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.errors import ConfigError
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -74,7 +74,7 @@ from mlxceld.state import (
     claim_node,
     open_db,
 )
-from mlxceld.state.lock import StateLock, acquire
+from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
@@ -86,21 +86,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_SLACK_S = 5.0
 ROUTER_START_TIMEOUT_S = 600.0
 ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
-
-
-def prepare_state_dir(path: Path) -> None:
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-        if st.st_uid != os.geteuid():
-            raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us "
-                              f"(uid {os.geteuid()})",
-                              hint="run mlxceld as its owner, or pick another --state-dir")
-        os.chmod(path, 0o700)
-    except OSError as exc:
-        raise DaemonError(f"state dir {path} cannot be used: {exc.strerror}",
-                          hint="check the path and its permissions, or pick another --state-dir"
-                          ) from exc
 
 
 class Daemon:
