@@ -5,27 +5,29 @@ the cluster secret, control socket, supervisor (re-adopting what survived a
 previous daemon), control API; then READY=1 to a service manager that asked for
 it (NOTIFY_SOCKET; see mlxceld.sdnotify for what else is said, and when).
 
-The cluster secret (PROTOCOL.md section 1): a secret from --cluster-secret-file,
-MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET or the cluster TOML is
-installed into the keyring as its primary and so persisted (a 0600 file under
-``<state-dir>/keys``): a restart without the flag or variable keeps it, and
-`mlxctl secret list` shows it. MLXCEL_CLUSTER_SECRET is dropped from our own
-environment once read; workers never get any *SECRET* variable anyway.
+The cluster secret (PROTOCOL.md section 1) is the ``KeyringService``'s
+(``cluster/keyring.py``): adopted at start (a secret from a flag, a variable or
+a TOML becomes the primary, kept in a 0600 file under ``<state-dir>/keys``),
+required where a pipeline runs, changed by `mlxctl secret`. Its first secret
+starts the agent listener. Workers never get any *SECRET* variable.
 
-Shutdown order, written once (``_shutdown``): stop admitting work, ask every
-worker to stop (each has its stop timeout, then SIGKILL from its lifecycle),
-a backstop deadline of the longest stop timeout plus ``SHUTDOWN_SLACK_S``
-after which every group is SIGKILLed, then close the control API, remove the
-socket, close the database, release the lock. A second SIGTERM/SIGINT while
-shutting down forces: SIGKILL to every worker group and exit 1.
+Shutdown order, written once (``_shutdown``, whose last step ``_release`` runs
+once every task has ended): stop admitting work, ask every worker to stop (each
+has its stop timeout, then SIGKILL from its lifecycle), a backstop deadline of
+the longest stop timeout plus ``SHUTDOWN_SLACK_S`` after which every group is
+SIGKILLed; then close the cluster member (discovery, the assignee, the
+coordinator, the agent listener) and the control API; remove the socket, close
+the database, release the lock. A second SIGTERM/SIGINT while shutting down forces (``_force``):
+SIGKILL to every worker group, ``_release``, exit 1. After a dry run nothing is
+drained: it goes straight to the closing.
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
 
-With a cluster secret the agent listener runs, and with it discovery, the
-``Coordinator`` (``cluster/coordinator.py``: `mlxctl cluster plan|activate`,
-``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``
-(``cluster/assignment/stagehost.py``); the daemon is their window on its placement and
-supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
+With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the agent
+listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
+plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; the
+daemon is their window on its placement and supervisor (``serve_pipeline``,
+``set_stage``, ``reconcile``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,6 @@ from pathlib import Path
 from typing import Protocol
 
 from mlxceld import __version__
-from mlxceld.cluster.assignment.peer import Assignee
-from mlxceld.cluster.assignment.push import serve_queries
-from mlxceld.cluster.assignment.stagehost import LocalStageHost
 from mlxceld.cluster.clusterfile.placement import (
     STAGE_WORKER,
     Placement,
@@ -51,10 +50,9 @@ from mlxceld.cluster.clusterfile.placement import (
     place,
     stage_options,
 )
-from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
+from mlxceld.cluster.keyring import KeyringService
+from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.secrets import ENV_VALUE, resolve_secret
-from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
@@ -65,16 +63,7 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.discovery.inventory import serve_inventory
-from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import (
-    ConfigError,
-    DaemonError,
-    MlxceldError,
-    ModelRefused,
-    UnserveRefused,
-)
-from mlxceld.net.agent import AgentService
+from mlxceld.errors import ConfigError, MlxceldError, ModelRefused, UnserveRefused
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -85,15 +74,13 @@ from mlxceld.state import (
     WorkersTable,
     claim_node,
     open_db,
-    parse_key_id,
 )
-from mlxceld.state.lock import StateLock, acquire
+from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
-from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -108,21 +95,6 @@ class Terminal(Protocol):
 
     def say(self, text: str) -> None: ...
     def error(self, exc: MlxceldError) -> None: ...
-
-
-def prepare_state_dir(path: Path) -> None:
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-        if st.st_uid != os.geteuid():
-            raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us "
-                              f"(uid {os.geteuid()})",
-                              hint="run mlxceld as its owner, or pick another --state-dir")
-        os.chmod(path, 0o700)
-    except OSError as exc:
-        raise DaemonError(f"state dir {path} cannot be used: {exc.strerror}",
-                          hint="check the path and its permissions, or pick another --state-dir"
-                          ) from exc
 
 
 class Daemon:
@@ -144,16 +116,20 @@ class Daemon:
             self.events = EventLog(self._db)
             self.events.trim()
             self.settings = Settings(self._db)
-            self.keys = KeyStore(self._db, config.state_dir / "keys")
+            self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
+                                       self.events, on_install=self._secret_installed)
             self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
             self.placement = (place(config.distributed_config, config.node_id or "",
                                     config.serve.model)  # --model or [serve] model wins
                               if config.distributed_config else None)
-            self._adopt_secret()
+            self.keys.adopt(config, self.placement)
             self._api_key = (read_api_key(config.serve.api_key_file)
                              if config.serve.api_key_file else None)
             self._serve = self._effective_serve(config.serve)
-            self._check_cluster_secret()
+            self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
+            if config.pp_auto is not None and self._serve.model is None:
+                raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                                  hint="the same checkpoint must be on every host")
             self.supervisor = Supervisor(
                 WorkersTable(self._db), self.events,
                 health_interval_s=config.health_interval_s,
@@ -165,20 +141,13 @@ class Daemon:
         self._socket_group = config.socket_group  # a reload changes it at the next start
         self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
                                                 config.socket), self._sock)
-        agent = parse_address(config.agent_addr, port_zero=True)  # checked by the config
-        self._agent_addr = (agent.host, agent.port)
-        self._agent: AgentService | None = None
-        self._agent_error: str | None = None
-        self._discovery: DiscoveryService | None = None
-        self._tg: asyncio.TaskGroup | None = None
-        self._plans = Plans(self._db)
-        self._assignments = Assignments(self._db)
-        self._assignee: Assignee | None = None
+        self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
+                                    node_id=self.node.node_id, candidates=self.candidates,
+                                    plans=Plans(self._db), assignments=Assignments(self._db))
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
-        self._coordinator: Coordinator | None = None
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
-        self._hold_router = config.pp_auto is not None or self._resumes_a_plan()
+        self._hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -201,11 +170,7 @@ class Daemon:
             },
             "serving": self._serving(),
             "cluster": self.placement.describe() if self.placement else None,
-            "assignment": self._assignee.describe() if self._assignee else None,
-            "bringup": self._coordinator.state if self._coordinator else None,
-            "agent": {"address": self._agent.address if self._agent else None,
-                      "error": self._agent_error if not self._agent else None,
-                      "keys": len(self.keys.keyring)},
+            **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
             "problems": health.problems(workers),
         }
@@ -214,75 +179,37 @@ class Daemon:
         return self.supervisor.snapshot()
 
     def cluster_nodes(self) -> JSON:
-        c = self.config
-        discovery = (self._discovery.describe() if self._discovery else
-                     {"mode": c.cluster_discovery, "running": False, "address": None,
-                      "advertised": None, "error": None if len(self.keys.keyring) else
-                      "no cluster secret: discovery runs with the agent listener"})
-        return {"cluster": c.cluster_name, "node_id": self.node.node_id,
-                "discovery": discovery, "nodes": self.candidates.snapshot()}
+        return self.member.nodes()
 
     async def plan_cluster(self, model: str, stages: int) -> JSON:
-        """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
-        return await self._coordinating().plan(model, stages)
+        return await self.member.plan(model, stages)
 
     async def activate_cluster(self, model: str, stages: int) -> JSON:
-        """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
-        serves in our task group; the answer carries the plan's epoch."""
-        coordinator = self._pushing_plans("activate")
-        if self._stopping or self._tg is None:
-            raise DaemonError("the daemon is shutting down and starts no bring-up",
-                              hint="start it again, then activate")
-        return await coordinator.activate(model, stages)
+        return await self.member.activate(model, stages)
 
     async def deactivate_cluster(self) -> JSON:
-        """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
-        peer and stop our router; the daemon stays up."""
-        state = await self._pushing_plans("deactivate").deactivate()
-        if self.config.pp_auto is not None:
-            state = {**state, "note": f"pp_auto {self.config.pp_auto} is set: the next start "
-                     "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
-                     "[daemon] pp_auto) to keep the cluster down"}
-        return state
+        return await self.member.deactivate()
 
-    def _pushing_plans(self, command: str) -> Coordinator:
-        """The coordinator, for `mlxctl cluster activate|deactivate`: refused on a daemon
-        that takes stages (--pp-peer) or runs a written cluster (--distributed-config)."""
-        coordinator = self._coordinating()
-        if self.config.pp_peer:
-            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
-                              "push plans",
-                              hint=f"run mlxctl cluster {command} on the coordinator, a "
-                              "daemon without --pp-peer")
-        if self.config.distributed_config is not None:
-            raise ConfigError(f"this daemon runs the cluster config "
-                              f"{self.config.distributed_config} (--distributed-config), "
-                              "which no plan of its own placed",
-                              hint=f"start it without --distributed-config to {command} a "
-                              "plan; a written cluster stops with its daemons")
-        return coordinator
+    # -- the member's, the coordinator's and the stage host's window on us -----------------
 
-    def _coordinating(self) -> Coordinator:
-        if self._coordinator is None:
-            raise ConfigError("planning needs discovery, which runs with the agent listener "
-                              "once the daemon has a cluster secret",
-                              hint="install one: mlxctl secret install FILE --primary")
-        return self._coordinator
+    def served_model(self) -> str | None:
+        return self._serve.model
 
     async def _dry_run(self) -> int:
-        """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal."""
-        model = self._serve.model
-        if self._coordinator is None or model is None:
-            self._terminal.error(ConfigError("--pp-auto needs a cluster secret and --model DIR"))
-            return 2
+        """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal (exit
+        2 for a config error, as the CLI's edge does, 1 for any other failure)."""
         try:
-            self._terminal.say(await self._coordinator.dry_run(self.config.pp_auto or 0, model))
+            self._terminal.say(await self.member.dry_run())
+        except ConfigError as exc:
+            self._terminal.error(exc)
+            return 2
         except MlxceldError as exc:
             self._terminal.error(exc)
             return 1
         return 0
 
-    # -- the coordinator's and the stage host's window on us -------------------------------
+    def router_held(self) -> bool:
+        return self._hold_router and self.placement is None
 
     async def stop_pipeline(self) -> None:
         """The plan is deactivated: no placement, no router (not even a single-host one on
@@ -321,28 +248,20 @@ class Daemon:
         self._commands.put_nowait("stop")
 
     def secrets(self) -> list[JSON]:
-        return [k.to_json() for k in self.keys.list()]
+        return self.keys.list()
 
     def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
-        info = self.keys.install(secret, source=source, primary=primary)
-        self.events.append("secret.installed", "keyring",
-                           f"cluster secret {info.key_id} installed ({info.state})",
-                           key_id=info.key_id)
-        if self._agent is None:
-            self._commands.put_nowait("agent")  # the first secret: start the agent listener
-        return info.to_json()
+        return self.keys.install(secret, primary, source)
 
     def use_secret(self, kid: str) -> JSON:
-        info = self.keys.set_primary(parse_key_id(kid))
-        self.events.append("secret.primary", "keyring",
-                           f"cluster secret {info.key_id} is now the primary", key_id=info.key_id)
-        return info.to_json()
+        return self.keys.use(kid)
 
     def remove_secret(self, kid: str) -> JSON:
-        info = self.keys.remove(parse_key_id(kid))
-        self.events.append("secret.removed", "keyring", f"cluster secret {info.key_id} removed",
-                           key_id=info.key_id)
-        return info.to_json()
+        return self.keys.remove(kid)
+
+    def _secret_installed(self) -> None:
+        if self.member.agent is None:
+            self._commands.put_nowait("agent")  # the first secret: start the agent listener
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -372,66 +291,6 @@ class Daemon:
                                     api_key=self._api_key,
                                     secret=secret if p is not None else None))
         return specs
-
-    def _may_coordinate(self) -> bool:
-        """A peer or a node of a written cluster never resumes a plan of its own."""
-        return not self.config.pp_peer and self.config.distributed_config is None
-
-    def _resumes_a_plan(self) -> bool:
-        """Whether the latest plan is to be resumed at start (``coordinator.RESUMABLE``)."""
-        last = self._plans.latest()
-        if last is None or last.decision not in RESUMABLE:
-            return False
-        if self._may_coordinate():
-            return True
-        log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
-                    last.decision, "pp_peer" if self.config.pp_peer else "distributed_config")
-        return False
-
-    def _adopt_secret(self) -> None:
-        """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
-        toml = self.placement.cluster.secret_source() if self.placement else None
-        c = self.config
-        from_flag = c.cluster_secret_origin == SECRET_FLAG
-        resolved = resolve_secret(flag_file=c.cluster_secret_file if from_flag else None,
-                                  config_file=None if from_flag else c.cluster_secret_file,
-                                  toml=toml, keyring=self.keys.keyring,
-                                  keyring_where=str(self.keys.dir))
-        os.environ.pop(ENV_VALUE, None)
-        if resolved is None:
-            log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
-            return
-        if resolved.from_keyring:
-            log.info("cluster secret: %s", resolved.source)
-            return
-        info = self.keys.install(resolved.secret, source=resolved.source, primary=True)
-        self.events.append("secret.adopted", "keyring",
-                           f"cluster secret {info.key_id} from {resolved.source} is the primary",
-                           key_id=info.key_id)
-        log.info("cluster secret %s from %s is the primary (kept in %s)", info.key_id,
-                 resolved.source, self.keys.dir)
-
-    def _check_cluster_secret(self) -> None:
-        """Fail closed: a pipeline of two or more stages never runs without the secret."""
-        if self.config.pp_auto is not None and not len(self.keys.keyring):
-            raise ConfigError(
-                "--pp-auto needs the cluster secret to reach its peers; none was found in "
-                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
-                f"[daemon] cluster_secret_file or the keyring in {self.keys.dir}",
-                hint="give every node the same secret file with --cluster-secret-file")
-        if self.config.pp_auto is not None and self._serve.model is None:
-            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
-                              hint="the same checkpoint must be on every host")
-        p = self.placement
-        if p is None or not p.needs_secret or len(self.keys.keyring):
-            return
-        raise ConfigError(
-            f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
-            "cluster secret; none was found in --cluster-secret-file, "
-            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file, "
-            f"[cluster] secret_file or the keyring in {self.keys.dir}",
-            hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
-            "(chmod 600) to each host, then pass --cluster-secret-file FILE")
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.
@@ -525,32 +384,23 @@ class Daemon:
                                    pid=os.getpid())
                 log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
                          __version__, self.node.node_id, self.config.socket, len(specs))
-                self._tg = tg
                 if len(self.keys.keyring):
-                    await self._start_agent()
+                    await self.member.start(tg)
                 self._notify.ready(status_line(self.status()))
                 tg.create_task(self._notify.run(lambda: status_line(self.status())))
-                code = await (self._dry_run() if self.config.dry_run
-                              else self._serve_commands())
-                if self._discovery is not None:
-                    self._discovery.close()
-                if self._assignee is not None:
-                    self._assignee.close()
-                if self._coordinator is not None:
-                    self._coordinator.close()  # a push cut short: peers abort by deadline
-                if self._agent is not None:
-                    await self._agent.aclose()
-                self._server.request_shutdown()
-                self.supervisor.close()
-                self._notify.close()
-        finally:
+                if self.config.dry_run:
+                    code = await self._shutdown(dry_run=await self._dry_run())
+                else:
+                    await self._serve_commands(tg)  # until told to stop
+                    code = await self._shutdown()
+        finally:  # the shutdown's last step; also where start-up or a task failed
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-            self._close()
+            self._release()
         log.info("mlxceld stopped")
         return code
 
-    async def _serve_commands(self) -> int:
+    async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:
         while True:
             command = await self._commands.get()
             if command == "reload":
@@ -559,92 +409,49 @@ class Daemon:
                 self._notify.ready(status_line(self.status()))
                 continue
             if command == "agent":
-                await self._start_agent()
+                await self.member.start(tg)
                 continue
-            return await self._shutdown()
+            return  # "stop"
 
-    async def _start_agent(self) -> None:
-        """The MXCL agent listener, whenever there is a cluster secret; a bind failure is
-        reported (log, event, status) and leaves the daemon running single-host."""
-        if self._agent is not None or self._tg is None or self._stopping:
-            return
-        agent = AgentService(self._agent_addr, self.keys.keyring)
-        serve_inventory(agent, self.node.node_id, lambda: self._serve.model,
-                        self.config.stage_ports)
-        serve_queries(agent, self._plans)
-        c = self.config
-        stages = LocalStageHost(self, self.supervisor, self.events, cluster=c.cluster_name,
-                                state_dir=c.state_dir, model=lambda: self._serve.model,
-                                agent_host=lambda: agent.host, stage_ports=c.stage_ports)
-        assignee = Assignee(self._assignments, stages, self.keys.keyring,
-                            identity=lambda: agent.address, state_dir=self.config.state_dir,
-                            enabled=self.config.pp_peer)
-        assignee.register(agent)
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def run() -> None:
+    async def _shutdown(self, dry_run: int | None = None) -> int:
+        """The shutdown order (see the module docstring); ``dry_run`` is a dry run's exit
+        code: nothing to drain. ``_release`` follows once every task has ended."""
+        code = 0 if dry_run is None else dry_run
+        if dry_run is None:
+            # Admit no more work; a second SIGTERM/SIGINT forces.
+            self._stopping = True
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._force)
+            self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
+            # Every worker by its own stop timeout, then SIGKILL; all of them by the backstop.
+            workers = len(self.supervisor.names())
+            log.info("shutting down: stopping %d worker(s)", workers)
+            deadline_s = self.supervisor.longest_stop_timeout() + SHUTDOWN_SLACK_S
+            self._notify.stopping(deadline_s, workers)
             try:
-                await agent.run(started)
-            except OSError as exc:
-                self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
-                                     f"{self._agent_addr[1]}: {exc.strerror}")
-                if self._hold_router and self.placement is None:
-                    self._agent_error += ("; no pipeline is brought up or resumed without it "
-                                          "(restart the daemon once the address is free)")
-                log.error("agent listener: %s", self._agent_error)
-                self.events.append("agent.failed", "agent", self._agent_error)
-                self._agent = None
-                if not started.done():
-                    started.set_result(None)
-
-        self._agent = agent
-        self._tg.create_task(run())
-        await started
-        if self._agent is not None:
-            self._agent_error = None
-            self.events.append("agent.listening", "agent",
-                               f"agent listener on {agent.address}", address=agent.address)
-            self._discovery = DiscoveryService(
-                self.candidates, self.keys.keyring, node_id=self.node.node_id,
-                cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
-                agent_address=agent.address)
-            self._tg.create_task(self._discovery.run())
-            self._coordinator = Coordinator(
-                self, self._tg, cluster=c.cluster_name, state_dir=c.state_dir,
-                config_out=c.cluster_config_out, plans=self._plans, keyring=self.keys.keyring,
-                discovery=self._discovery, identity=agent.address, events=self.events)
-            self._assignee = assignee
-            self._tg.create_task(assignee.run())
-            if not c.dry_run and self._may_coordinate():
-                self._coordinator.start(c.pp_auto, self._serve.model,
-                                        configured_model=c.serve.model)
-
-    async def _shutdown(self) -> int:
-        self._stopping = True
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._force)
-        self.events.append("daemon.stopping", "daemon", "mlxceld is shutting down")
-        log.info("shutting down: stopping %d worker(s)", len(self.supervisor.names()))
-        longest = self.supervisor.longest_stop_timeout()
-        self._notify.stopping(longest + SHUTDOWN_SLACK_S, len(self.supervisor.names()))
-        try:
-            async with asyncio.timeout(longest + SHUTDOWN_SLACK_S):
-                await self.supervisor.stop_all()
-        except TimeoutError:
-            log.warning("workers still running after %.0f s: SIGKILL to every worker group",
-                        longest + SHUTDOWN_SLACK_S)
-            self.supervisor.kill_all()
-            self.events.append("daemon.forced_stop", "daemon", "forced stop at the deadline")
-            return 1
-        self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
-        return 0
+                async with asyncio.timeout(deadline_s):
+                    await self.supervisor.stop_all()
+            except TimeoutError:
+                log.warning("workers still running after %.0f s: SIGKILL to every worker group",
+                            deadline_s)
+                self.supervisor.kill_all()
+                self.events.append("daemon.forced_stop", "daemon", "forced stop at the deadline")
+                code = 1
+            else:
+                self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
+        # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
+        await self.member.aclose()
+        self._server.request_shutdown()
+        self.supervisor.close()
+        self._notify.close()
+        return code
 
     def _force(self) -> None:
         """A second SIGTERM/SIGINT while shutting down: kill every worker group, exit now."""
         log.warning("second signal: forcing shutdown, SIGKILL to every worker group")
         self.supervisor.kill_all()
-        self._close()
+        self._release()
         os._exit(1)
 
     async def _reload(self) -> None:
@@ -668,7 +475,8 @@ class Daemon:
         log.info("configuration reloaded")
         await self.supervisor.reconcile(self.specs(new))
 
-    def _close(self) -> None:
+    def _release(self) -> None:
+        """The shutdown's last step: remove the socket, close the database, release the lock."""
         remove_socket_file(self.config.socket)
         with contextlib.suppress(Exception):
             self._sock.close()

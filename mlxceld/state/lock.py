@@ -1,4 +1,5 @@
-"""One daemon per state dir: an exclusive flock on ``<state-dir>/mlxceld.lock``.
+"""One daemon per state dir: an exclusive flock on ``<state-dir>/mlxceld.lock``, in a
+state dir that is ours and 0700 (``prepare_state_dir``).
 
 The lock dies with the process (a SIGKILLed daemon leaves nothing to clean up),
 and workers never inherit it (Python's descriptors are not inheritable).
@@ -45,3 +46,18 @@ def acquire(state_dir: Path) -> StateLock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return StateLock(fd, path)
+
+
+def prepare_state_dir(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.geteuid():
+            raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us "
+                              f"(uid {os.geteuid()})",
+                              hint="run mlxceld as its owner, or pick another --state-dir")
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise DaemonError(f"state dir {path} cannot be used: {exc.strerror}",
+                          hint="check the path and its permissions, or pick another --state-dir"
+                          ) from exc

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import time
 
-from conftest import FAST_POLICY, Daemons, alive, wait_for
+from conftest import FAST_POLICY, DaemonProc, Daemons, alive, wait_for
 
 TWO_ECHOS = FAST_POLICY + """
 [workers.alpha]
@@ -159,6 +160,42 @@ stop_timeout_s = 0.5
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=20) == 0
     assert not alive(pid)
+
+
+def daemon_events(d: DaemonProc) -> list[str]:
+    """The daemon's own event kinds in its database, read once it has exited."""
+    db = sqlite3.connect(d.state_dir / "state.db")
+    try:
+        return [kind for (kind,) in db.execute(
+            "SELECT kind FROM events WHERE subject = 'daemon' ORDER BY id")]
+    finally:
+        db.close()
+
+
+def test_a_clean_shutdown_is_recorded(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    d.wait_worker("alpha", state="running")
+    assert d.terminate(timeout=20) == 0
+    assert daemon_events(d)[-3:] == ["daemon.started", "daemon.stopping", "daemon.stopped"]
+
+
+def test_a_second_sigterm_forces_exit_1(daemons: Daemons) -> None:
+    d = daemons.make(FAST_POLICY + """
+[workers.stuck]
+role = "echo"
+options = { ignore_term = true }
+stop_timeout_s = 60
+""").start()
+    pid = d.wait_worker("stuck", state="running")["pid"]
+    daemons.pids.add(pid)
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: d.status()["daemon"]["state"] == "stopping", 10, "the daemon stopping")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 1
+    wait_for(lambda: not alive(pid), 5, "the stuck worker killed")
+    assert not d.socket.exists()
+    assert daemon_events(d)[-2:] == ["daemon.started", "daemon.stopping"]
 
 
 def test_mlxctl_stop_stops_the_daemon(daemons: Daemons) -> None:

@@ -1,0 +1,119 @@
+"""The cluster secret on this node: adopted at start, required where a pipeline runs,
+changed by `mlxctl secret install|use|remove` (PROTOCOL.md section 1).
+
+``KeyStore`` (``state/keys.py``) keeps the secrets (0600 files) and their ids (the
+``keys`` table); ``resolve_secret`` (``config/secrets.py``) says where a configured
+secret comes from. ``KeyringService`` is what the daemon does with both: each change is
+logged as an event (subject ``keyring``), and ``on_install`` is called after every
+install: the daemon starts its agent listener on the first secret.
+
+A secret from --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET
+or a TOML is installed as the primary and so persisted: a restart without the flag or
+variable keeps it. MLXCEL_CLUSTER_SECRET is dropped from our environment once read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from mlxceld.cluster.clusterfile.placement import Placement
+from mlxceld.config.daemon import Config
+from mlxceld.config.secrets import ENV_VALUE, resolve_secret
+from mlxceld.config.secrets import FLAG as SECRET_FLAG
+from mlxceld.errors import ConfigError
+from mlxceld.state import EventLog, KeyStore, parse_key_id
+from mlxceld.types import JSON
+from mlxceld.wire.secret import Keyring
+
+log = logging.getLogger(__name__)
+
+
+class KeyringService:
+    """This node's keyring operations over its ``KeyStore``, each with its event."""
+
+    def __init__(self, store: KeyStore, events: EventLog, *,
+                 on_install: Callable[[], None] = lambda: None) -> None:
+        self._store = store
+        self._events = events
+        self._on_install = on_install
+
+    @property
+    def keyring(self) -> Keyring:
+        """The secrets in memory: what the agent listener, discovery and workers use."""
+        return self._store.keyring
+
+    @property
+    def dir(self) -> Path:
+        return self._store.dir
+
+    # -- at start ---------------------------------------------------------------------------
+
+    def adopt(self, config: Config, placement: Placement | None) -> None:
+        """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
+        toml = placement.cluster.secret_source() if placement else None
+        from_flag = config.cluster_secret_origin == SECRET_FLAG
+        resolved = resolve_secret(flag_file=config.cluster_secret_file if from_flag else None,
+                                  config_file=None if from_flag else config.cluster_secret_file,
+                                  toml=toml, keyring=self.keyring, keyring_where=str(self.dir))
+        os.environ.pop(ENV_VALUE, None)
+        if resolved is None:
+            log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
+            return
+        if resolved.from_keyring:
+            log.info("cluster secret: %s", resolved.source)
+            return
+        info = self._store.install(resolved.secret, source=resolved.source, primary=True)
+        self._events.append("secret.adopted", "keyring",
+                            f"cluster secret {info.key_id} from {resolved.source} is the "
+                            "primary", key_id=info.key_id)
+        log.info("cluster secret %s from %s is the primary (kept in %s)", info.key_id,
+                 resolved.source, self.dir)
+
+    def require(self, *, pp_auto: bool, placement: Placement | None) -> None:
+        """Fail closed: --pp-auto, or a cluster config of two or more stages (or hosts),
+        never runs without the cluster secret."""
+        if pp_auto and not len(self.keyring):
+            raise ConfigError(
+                "--pp-auto needs the cluster secret to reach its peers; none was found in "
+                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
+                f"[daemon] cluster_secret_file or the keyring in {self.dir}",
+                hint="give every node the same secret file with --cluster-secret-file")
+        p = placement
+        if p is None or not p.needs_secret or len(self.keyring):
+            return
+        raise ConfigError(
+            f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
+            "cluster secret; none was found in --cluster-secret-file, "
+            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file, "
+            f"[cluster] secret_file or the keyring in {self.dir}",
+            hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
+            "(chmod 600) to each host, then pass --cluster-secret-file FILE")
+
+    # -- mlxctl secret ----------------------------------------------------------------------
+
+    def list(self) -> list[JSON]:
+        return [k.to_json() for k in self._store.list()]
+
+    def install(self, secret: bytes, primary: bool, source: str) -> JSON:
+        info = self._store.install(secret, source=source, primary=primary)
+        self._events.append("secret.installed", "keyring",
+                            f"cluster secret {info.key_id} installed ({info.state})",
+                            key_id=info.key_id)
+        self._on_install()
+        return info.to_json()
+
+    def use(self, kid: str) -> JSON:
+        info = self._store.set_primary(parse_key_id(kid))
+        self._events.append("secret.primary", "keyring",
+                            f"cluster secret {info.key_id} is now the primary",
+                            key_id=info.key_id)
+        return info.to_json()
+
+    def remove(self, kid: str) -> JSON:
+        info = self._store.remove(parse_key_id(kid))
+        self._events.append("secret.removed", "keyring",
+                            f"cluster secret {info.key_id} removed", key_id=info.key_id)
+        return info.to_json()

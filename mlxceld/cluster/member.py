@@ -1,0 +1,241 @@
+"""This daemon as a member of the cluster: with a cluster secret, the agent listener
+(``net/agent.py``) and what runs with it (inventory and plan queries, discovery, the
+``Assignee`` over a ``LocalStageHost``, the ``Coordinator``), and the control API's
+cluster commands (`mlxctl cluster nodes|plan|activate|deactivate`, ``--dry-run``).
+
+The daemon is the member's ``DaemonSlot``: its configuration (replaced on a reload),
+its placement, the model it serves, and the window the coordinator and the stage host
+have on its supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from mlxceld.cluster.assignment.peer import Assignee
+from mlxceld.cluster.assignment.push import serve_queries
+from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
+from mlxceld.cluster.coordinator import RESUMABLE, Coordinator, CoordinatorSlot
+from mlxceld.config.daemon import Config
+from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.inventory import serve_inventory
+from mlxceld.discovery.service import DiscoveryService
+from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.net.agent import AgentService
+from mlxceld.state import EventLog
+from mlxceld.state.plans import Assignments, Plans
+from mlxceld.supervisor.service import Supervisor
+from mlxceld.types import JSON
+from mlxceld.wire.address import parse_address
+from mlxceld.wire.secret import Keyring
+
+log = logging.getLogger(__name__)
+
+
+class DaemonSlot(CoordinatorSlot, StageSlot, Protocol):
+    """The daemon's side of its membership."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def stopping(self) -> bool: ...
+    def served_model(self) -> str | None:
+        """The model the router serves or would serve (what the inventory reports)."""
+    def router_held(self) -> bool:
+        """Whether the router waits for a pipeline (pp_auto, a plan to resume)."""
+
+
+class ClusterMember:
+    def __init__(self, slot: DaemonSlot, supervisor: Supervisor, events: EventLog,
+                 keyring: Keyring, *, node_id: str, candidates: CandidateTable, plans: Plans,
+                 assignments: Assignments) -> None:
+        self._slot = slot
+        self._supervisor = supervisor
+        self._events = events
+        self._keyring = keyring
+        self._node_id = node_id
+        self._candidates = candidates
+        self._plans = plans
+        self._assignments = assignments
+        agent = parse_address(slot.config.agent_addr, port_zero=True)  # checked by the config
+        self._agent_addr = (agent.host, agent.port)
+        self.agent: AgentService | None = None
+        self._agent_error: str | None = None
+        self._discovery: DiscoveryService | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._assignee: Assignee | None = None
+        self._coordinator: Coordinator | None = None
+
+    # -- what `mlxctl status` and `mlxctl cluster nodes` show -------------------------------
+
+    def describe(self) -> JSON:
+        """The ``assignment``, ``bringup`` and ``agent`` parts of the daemon's status."""
+        return {
+            "assignment": self._assignee.describe() if self._assignee else None,
+            "bringup": self._coordinator.state if self._coordinator else None,
+            "agent": {"address": self.agent.address if self.agent else None,
+                      "error": self._agent_error if not self.agent else None,
+                      "keys": len(self._keyring)},
+        }
+
+    def nodes(self) -> JSON:
+        c = self._slot.config
+        discovery = (self._discovery.describe() if self._discovery else
+                     {"mode": c.cluster_discovery, "running": False, "address": None,
+                      "advertised": None, "error": None if len(self._keyring) else
+                      "no cluster secret: discovery runs with the agent listener"})
+        return {"cluster": c.cluster_name, "node_id": self._node_id,
+                "discovery": discovery, "nodes": self._candidates.snapshot()}
+
+    # -- mlxctl cluster plan|activate|deactivate, --dry-run ---------------------------------
+
+    async def plan(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
+        return await self._coordinating().plan(model, stages)
+
+    async def activate(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
+        serves in our task group; the answer carries the plan's epoch."""
+        coordinator = self._pushing_plans("activate")
+        if self._slot.stopping or self._tg is None:
+            raise DaemonError("the daemon is shutting down and starts no bring-up",
+                              hint="start it again, then activate")
+        return await coordinator.activate(model, stages)
+
+    async def deactivate(self) -> JSON:
+        """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
+        peer and stop our router; the daemon stays up."""
+        state = await self._pushing_plans("deactivate").deactivate()
+        pp_auto = self._slot.config.pp_auto
+        if pp_auto is not None:
+            state = {**state, "note": f"pp_auto {pp_auto} is set: the next start "
+                     "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
+                     "[daemon] pp_auto) to keep the cluster down"}
+        return state
+
+    def _pushing_plans(self, command: str) -> Coordinator:
+        """The coordinator, for `mlxctl cluster activate|deactivate`: refused on a daemon
+        that takes stages (--pp-peer) or runs a written cluster (--distributed-config)."""
+        coordinator = self._coordinating()
+        config = self._slot.config
+        if config.pp_peer:
+            raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
+                              "push plans",
+                              hint=f"run mlxctl cluster {command} on the coordinator, a "
+                              "daemon without --pp-peer")
+        if config.distributed_config is not None:
+            raise ConfigError(f"this daemon runs the cluster config "
+                              f"{config.distributed_config} (--distributed-config), "
+                              "which no plan of its own placed",
+                              hint=f"start it without --distributed-config to {command} a "
+                              "plan; a written cluster stops with its daemons")
+        return coordinator
+
+    def _coordinating(self) -> Coordinator:
+        if self._coordinator is None:
+            raise ConfigError("planning needs discovery, which runs with the agent listener "
+                              "once the daemon has a cluster secret",
+                              hint="install one: mlxctl secret install FILE --primary")
+        return self._coordinator
+
+    async def dry_run(self) -> str:
+        """``--pp-auto N --dry-run``: the plan's report for the terminal; ``ConfigError``
+        without a cluster secret or a model, or what ``Coordinator.dry_run`` raises."""
+        model = self._slot.served_model()
+        if self._coordinator is None or model is None:
+            raise ConfigError("--pp-auto needs a cluster secret and --model DIR",
+                              hint="give the cluster secret (--cluster-secret-file) and "
+                              "the model to plan")
+        return await self._coordinator.dry_run(self._slot.config.pp_auto or 0, model)
+
+    # -- plans of our own ---------------------------------------------------------------------
+
+    def may_coordinate(self) -> bool:
+        """A peer or a node of a written cluster never resumes a plan of its own."""
+        return not self._slot.config.pp_peer and self._slot.config.distributed_config is None
+
+    def resumes_a_plan(self) -> bool:
+        """Whether the latest plan is to be resumed at start (``coordinator.RESUMABLE``)."""
+        last = self._plans.latest()
+        if last is None or last.decision not in RESUMABLE:
+            return False
+        if self.may_coordinate():
+            return True
+        log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
+                    last.decision,
+                    "pp_peer" if self._slot.config.pp_peer else "distributed_config")
+        return False
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        """The MXCL agent listener, whenever there is a cluster secret, and what runs with
+        it in ``tg``; a bind failure is reported (log, event, status) and leaves the daemon
+        running single-host."""
+        self._tg = tg
+        if self.agent is not None or self._slot.stopping:
+            return
+        slot = self._slot
+        agent = AgentService(self._agent_addr, self._keyring)
+        serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports)
+        serve_queries(agent, self._plans)
+        c = slot.config
+        stages = LocalStageHost(slot, self._supervisor, self._events, cluster=c.cluster_name,
+                                state_dir=c.state_dir, model=slot.served_model,
+                                agent_host=lambda: agent.host, stage_ports=c.stage_ports)
+        assignee = Assignee(self._assignments, stages, self._keyring,
+                            identity=lambda: agent.address, state_dir=c.state_dir,
+                            enabled=c.pp_peer)
+        assignee.register(agent)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def run() -> None:
+            try:
+                await agent.run(started)
+            except OSError as exc:
+                self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
+                                     f"{self._agent_addr[1]}: {exc.strerror}")
+                if slot.router_held():
+                    self._agent_error += ("; no pipeline is brought up or resumed without it "
+                                          "(restart the daemon once the address is free)")
+                log.error("agent listener: %s", self._agent_error)
+                self._events.append("agent.failed", "agent", self._agent_error)
+                self.agent = None
+                if not started.done():
+                    started.set_result(None)
+
+        self.agent = agent
+        tg.create_task(run())
+        await started
+        if self.agent is not None:
+            self._agent_error = None
+            self._events.append("agent.listening", "agent",
+                                f"agent listener on {agent.address}", address=agent.address)
+            self._discovery = DiscoveryService(
+                self._candidates, self._keyring, node_id=self._node_id,
+                cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
+                agent_address=agent.address)
+            tg.create_task(self._discovery.run())
+            self._coordinator = Coordinator(
+                slot, tg, cluster=c.cluster_name, state_dir=c.state_dir,
+                config_out=c.cluster_config_out, plans=self._plans, keyring=self._keyring,
+                discovery=self._discovery, identity=agent.address, events=self._events)
+            self._assignee = assignee
+            tg.create_task(assignee.run())
+            if not c.dry_run and self.may_coordinate():
+                self._coordinator.start(c.pp_auto, slot.served_model(),
+                                        configured_model=c.serve.model)
+
+    async def aclose(self) -> None:
+        """Discovery, the assignee, the coordinator (a push cut short: peers abort by
+        deadline), then the agent listener."""
+        if self._discovery is not None:
+            self._discovery.close()
+        if self._assignee is not None:
+            self._assignee.close()
+        if self._coordinator is not None:
+            self._coordinator.close()
+        if self.agent is not None:
+            await self.agent.aclose()
