@@ -327,7 +327,7 @@ class Daemon:
     # -- lifetime -------------------------------------------------------------------------
 
     def specs(self, config: Config) -> list[WorkerSpec]:
-        specs = [WorkerSpec(w.name, w.role, config.state_dir, dict(w.options), w.policy)
+        specs = [WorkerSpec(w.name, config.state_dir, w.options, w.policy)
                  for w in config.workers]
         # Loading a model takes a while; stopping waits for open streams to finish.
         policy = replace(config.policy,
@@ -338,17 +338,14 @@ class Daemon:
         p = self.placement
         secret = self.keys.keyring.primary if len(self.keys.keyring) else None
         if p is not None and not p.is_coordinator:
-            options = stage_options(p)
-            if self._standby:
-                options["standby"] = True
-            specs.append(WorkerSpec(STAGE_WORKER, STAGE_WORKER, config.state_dir,
-                                    options, policy, secret=secret))
+            specs.append(WorkerSpec(STAGE_WORKER, config.state_dir,
+                                    stage_options(p, standby=self._standby), policy,
+                                    secret=secret))
         elif (self._serve.model is not None and not config.pp_peer
               and (p is not None or not self._hold_router)):
-            options = router_options(self._serve)
-            if p is not None:
-                options["pipeline"] = pipeline_options(p)
-            specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir, options, policy,
+            options = router_options(self._serve,
+                                     pipeline_options(p) if p is not None else None)
+            specs.append(WorkerSpec(ROUTER, config.state_dir, options, policy,
                                     api_key=self._api_key,
                                     secret=secret if p is not None else None))
         return specs

@@ -6,11 +6,15 @@ without loading any model runtime.
 
 from __future__ import annotations
 
-STAGE = "stage"  # a pipeline stage: only from a cluster TOML, never from [workers]
+from typing import Final
 
-# role -> module with ``async def run(ctx: WorkerContext) -> int``
+ECHO: Final = "echo"  # a test worker (workers/echo.py)
+ROUTER: Final = "router"  # the OpenAI port: only from [serve] or a plan, never from [workers]
+STAGE: Final = "stage"  # a pipeline stage: only from a cluster TOML, never from [workers]
+
+# role -> module with ``async def run(ctx: WorkerContext[ITS_OPTIONS]) -> int``
 ROLES: dict[str, str] = {
-    "echo": "mlxceld.workers.echo",
-    "router": "mlxceld.workers.router",
-    "stage": "mlxceld.workers.stage",
+    ECHO: "mlxceld.workers.echo",
+    ROUTER: "mlxceld.workers.router",
+    STAGE: "mlxceld.workers.stage",
 }

@@ -15,7 +15,7 @@ class WorkerBootstrap(TypedDict):
 
     name: str
     role: str
-    options: dict[str, Any]
+    options: dict[str, object]  # the role's options (workers/options.py), read once on entry
     control_socket: str
     exit_record: str
     state_dir: str

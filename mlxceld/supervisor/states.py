@@ -71,7 +71,8 @@ class RestartPolicy:
 class ExitCause:
     """Why a worker process ended; classified elsewhere, consumed here."""
 
-    kind: str  # "clean" | "signal" | "oom" | "exception" | "status" | "unknown" | "spawn_failed"
+    kind: str  # "clean" | "signal" | "oom" | "exception" | "status" | "config" (options
+    # refused: workers/options.py) | "unknown" | "spawn_failed"
     summary: str  # one human line, e.g. "killed by SIGKILL (likely out of memory)"
     returncode: int | None = None
 

@@ -24,6 +24,7 @@ from mlxceld.supervisor.exits import classify, read_exit_record
 from mlxceld.supervisor.logfiles import tail
 from mlxceld.supervisor.process import WorkerSpec, child_environment
 from mlxceld.types import JSON
+from mlxceld.workers.options import EchoOptions
 
 READY_TIMEOUT_S = 15.0
 EXIT_TIMEOUT_S = 5.0
@@ -96,7 +97,7 @@ def start(state_dir: Path) -> Iterator[Any]:
     started: list[Worker] = []
 
     def make(name: str = "t1", **options: Any) -> Worker:
-        worker = Worker(WorkerSpec(name, "echo", state_dir, options=options))
+        worker = Worker(WorkerSpec(name, state_dir, EchoOptions(**options)))
         started.append(worker)
         return worker
 
