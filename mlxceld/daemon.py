@@ -44,18 +44,12 @@ from mlxceld import __version__
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.push import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost
-from mlxceld.cluster.clusterfile.placement import (
-    STAGE_WORKER,
-    Placement,
-    pipeline_options,
-    place,
-    stage_options,
-)
+from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.coordinator import RESUMABLE, Coordinator
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.secrets import ENV_VALUE, resolve_secret
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
-from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
+from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
     ControlServer,
@@ -69,6 +63,7 @@ from mlxceld.discovery.inventory import serve_inventory
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.net.agent import AgentService
+from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -92,8 +87,6 @@ from mlxceld.wire.address import parse_address
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
-ROUTER_START_TIMEOUT_S = 600.0
-ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
 
 def prepare_state_dir(path: Path) -> None:
@@ -327,28 +320,12 @@ class Daemon:
     # -- lifetime -------------------------------------------------------------------------
 
     def specs(self, config: Config) -> list[WorkerSpec]:
-        specs = [WorkerSpec(w.name, config.state_dir, w.options, w.policy)
-                 for w in config.workers]
-        # Loading a model takes a while; stopping waits for open streams to finish.
-        policy = replace(config.policy,
-                         start_timeout_s=max(config.policy.start_timeout_s,
-                                             ROUTER_START_TIMEOUT_S),
-                         stop_timeout_s=max(config.policy.stop_timeout_s,
-                                            ROUTER_STOP_TIMEOUT_S))
-        p = self.placement
-        secret = self.keys.keyring.primary if len(self.keys.keyring) else None
-        if p is not None and not p.is_coordinator:
-            specs.append(WorkerSpec(STAGE_WORKER, config.state_dir,
-                                    stage_options(p, standby=self._standby), policy,
-                                    secret=secret))
-        elif (self._serve.model is not None and not config.pp_peer
-              and (p is not None or not self._hold_router)):
-            options = router_options(self._serve,
-                                     pipeline_options(p) if p is not None else None)
-            specs.append(WorkerSpec(ROUTER, config.state_dir, options, policy,
-                                    api_key=self._api_key,
-                                    secret=secret if p is not None else None))
-        return specs
+        """The workers to run now: ``roster.draw_roster`` of ``config`` and our state."""
+        return draw_roster(Situation(
+            config, self._serve, self.placement, standby=self._standby,
+            hold_router=self._hold_router,
+            secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
+            api_key=self._api_key))
 
     def _may_coordinate(self) -> bool:
         """A peer or a node of a written cluster never resumes a plan of its own."""
