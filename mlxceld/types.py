@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, NotRequired, TypedDict
 
 JSON = dict[str, Any]
+
+
+class WorkerHealth(StrEnum):
+    """A worker's own word on itself: ``state`` in its control channel's ``health`` answer.
+    (The supervisor's view of a worker is ``supervisor.states.WorkerState``.)"""
+
+    STARTING = "starting"  # its role is getting ready (binding, loading a model)
+    READY = "ready"  # it does its work
+    STOPPING = "stopping"  # told to stop
 
 
 class WorkerBootstrap(TypedDict):

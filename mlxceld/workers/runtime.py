@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from mlxceld.errors import ConfigError
 from mlxceld.roles import ROLES
-from mlxceld.types import JSON, ExitRecord, WorkerBootstrap
+from mlxceld.types import JSON, ExitRecord, WorkerBootstrap, WorkerHealth
 from mlxceld.workers.options import EXIT_CONFIG, WorkerOptions, parse_options
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class WorkerContext(Generic[Opts]):
     secret: bytes | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     started_at: float = field(default_factory=time.time)
-    state: str = "starting"
+    state: WorkerHealth = WorkerHealth.STARTING
     stats: dict[str, Any] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # Role-specific control-channel operations (e.g. a standby stage's "activate").
@@ -62,12 +62,12 @@ class WorkerContext(Generic[Opts]):
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
-        if self.state == "starting":
-            self.state = "ready"
+        if self.state is WorkerHealth.STARTING:
+            self.state = WorkerHealth.READY
             log.info("worker %s is ready", self.name)
 
     def stop(self) -> None:
-        self.state = "stopping"
+        self.state = WorkerHealth.STOPPING
         self.stopping.set()
 
 
