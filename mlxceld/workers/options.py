@@ -169,15 +169,19 @@ OPTIONS: Final[dict[str, type[WorkerOptions]]] = {
     c.role: c for c in (EchoOptions, RouterOptions, StageOptions)}
 
 
-def options_json(options: object) -> dict[str, object]:
-    """``options`` (any of the dataclasses here) as the JSON object it travels as."""
-    assert dataclasses.is_dataclass(options) and not isinstance(options, type)
-    return {f.name: _to_json(getattr(options, f.name)) for f in dataclasses.fields(options)}
+def options_json(options: WorkerOptions) -> dict[str, object]:
+    """``options`` as the JSON object it travels as (tuples as lists)."""
+    return _object_json(options)
+
+
+def _object_json(value: object) -> dict[str, object]:
+    assert dataclasses.is_dataclass(value) and not isinstance(value, type)
+    return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
 
 
 def _to_json(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return options_json(value)
+        return _object_json(value)
     if isinstance(value, tuple):
         return [_to_json(v) for v in value]
     return value
