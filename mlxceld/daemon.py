@@ -44,16 +44,13 @@ from typing import Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.clusterfile.placement import (
-    STAGE_WORKER,
     Placement,
-    pipeline_options,
     place,
-    stage_options,
 )
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model, router_options
+from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model
 from mlxceld.control.app import build_app
 from mlxceld.control.server import (
     ControlServer,
@@ -64,6 +61,7 @@ from mlxceld.control.server import (
 )
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.errors import ConfigError, MlxceldError, ModelRefused, UnserveRefused
+from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -85,8 +83,6 @@ from mlxceld.types import JSON
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
-ROUTER_START_TIMEOUT_S = 600.0
-ROUTER_STOP_TIMEOUT_S = 20.0  # open streams get 10 s to finish (router.GRACEFUL_S), then exit
 
 
 class Terminal(Protocol):
@@ -266,31 +262,12 @@ class Daemon:
     # -- lifetime -------------------------------------------------------------------------
 
     def specs(self, config: Config) -> list[WorkerSpec]:
-        specs = [WorkerSpec(w.name, w.role, config.state_dir, dict(w.options), w.policy)
-                 for w in config.workers]
-        # Loading a model takes a while; stopping waits for open streams to finish.
-        policy = replace(config.policy,
-                         start_timeout_s=max(config.policy.start_timeout_s,
-                                             ROUTER_START_TIMEOUT_S),
-                         stop_timeout_s=max(config.policy.stop_timeout_s,
-                                            ROUTER_STOP_TIMEOUT_S))
-        p = self.placement
-        secret = self.keys.keyring.primary if len(self.keys.keyring) else None
-        if p is not None and not p.is_coordinator:
-            options = stage_options(p)
-            if self._standby:
-                options["standby"] = True
-            specs.append(WorkerSpec(STAGE_WORKER, STAGE_WORKER, config.state_dir,
-                                    options, policy, secret=secret))
-        elif (self._serve.model is not None and not config.pp_peer
-              and (p is not None or not self._hold_router)):
-            options = router_options(self._serve)
-            if p is not None:
-                options["pipeline"] = pipeline_options(p)
-            specs.append(WorkerSpec(ROUTER, ROUTER, config.state_dir, options, policy,
-                                    api_key=self._api_key,
-                                    secret=secret if p is not None else None))
-        return specs
+        """The workers to run now: ``roster.draw_roster`` of ``config`` and our state."""
+        return draw_roster(Situation(
+            config, self._serve, self.placement, standby=self._standby,
+            hold_router=self._hold_router,
+            secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
+            api_key=self._api_key))
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.

@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Final, NotRequired, TypedDict
 
 JSON = dict[str, Any]
 MAX_PIPELINE_STAGES: Final = 64  # --pp-auto, [daemon] pp_auto, `mlxctl cluster plan|activate`
+
+
+class WorkerState(StrEnum):
+    """The supervisor's view of a worker (its lifecycle: ``supervisor.states``), as
+    stored and as `mlxctl status` shows it."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    FAILED = "failed"
+
+
+class WorkerHealth(StrEnum):
+    """A worker's own word on itself: ``state`` in its control channel's ``health`` answer.
+    (The supervisor's view of a worker is ``WorkerState``.)"""
+
+    STARTING = "starting"  # its role is getting ready (binding, loading a model)
+    READY = "ready"  # it does its work
+    STOPPING = "stopping"  # told to stop
 
 
 class WorkerBootstrap(TypedDict):
@@ -16,7 +38,7 @@ class WorkerBootstrap(TypedDict):
 
     name: str
     role: str
-    options: dict[str, Any]
+    options: dict[str, object]  # the role's options (workers/options.py), read once on entry
     control_socket: str
     exit_record: str
     state_dir: str

@@ -21,8 +21,9 @@ import typer
 
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
+from mlxceld.types import WorkerState
 from mlxctl import reading, render
-from mlxctl.cluster import cluster_app
+from mlxctl.cluster import SETTLED, cluster_app
 from mlxctl.edge import EXIT_FAILURE, call, emit
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.secret import secret_app
@@ -127,7 +128,7 @@ def serve(
         body["router"] = state
     emit(as_json, "serve", body, lambda: f"serving {serving['model_name']} at {serving['url']}"
          + ("" if not wait else f" (router {body['router']['state']})"))
-    if wait and body["router"]["state"] != "running":
+    if wait and body["router"]["state"] != WorkerState.RUNNING:
         raise typer.Exit(EXIT_FAILURE)
 
 
@@ -151,7 +152,7 @@ async def _wait_router(client: ControlClient, timeout: float) -> dict[str, Any]:
     while time.monotonic() < deadline:
         workers = (await client.workers())["workers"]
         router = next((w for w in workers if w["name"] == "router"), {"state": "missing"})
-        if router["state"] in ("running", "failed"):
+        if router["state"] in SETTLED:
             break
         await asyncio.sleep(0.2)
     return router

@@ -30,6 +30,7 @@ import typer
 from mlxceld.cluster.assignment.coordinator_round import PUSH_S
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
+from mlxceld.types import WorkerState
 from mlxctl import render
 from mlxctl.edge import EXIT_FAILURE, call, emit, fail
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
@@ -38,6 +39,8 @@ EXIT_BUSY: Final = 5  # `cluster activate`: another bring-up is in progress
 POLL_S: Final = 0.5
 PUSH_WAIT_S: Final = PUSH_S + 30.0  # the push's own bound, and the serving after it
 ROUTER_WAIT_S: Final = 180.0  # the router loads the tokenizer and attaches to the stages
+# A router's start has come to rest: it runs, or its supervisor gave up (BACKOFF retries).
+SETTLED: Final = frozenset({WorkerState.RUNNING, WorkerState.FAILED})
 
 cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery, plans, "
                           "bring-up.", no_args_is_help=True)
@@ -94,7 +97,7 @@ def activate(ctx: typer.Context,
         err: ControlError = outcome["refused"]
         fail(as_json, EXIT_BUSY, err.code, err.message, err.hint)
     bringup, router = outcome["bringup"], outcome["router"]
-    ok = bringup.get("state") == "active" and router.get("state") == "running"
+    ok = bringup.get("state") == "active" and router.get("state") == WorkerState.RUNNING
     if as_json:
         typer.echo(json.dumps({"schema": "mlxctl.cluster-activate/1", "ok": ok,
                                "bringup": bringup, "router": router,
@@ -209,7 +212,7 @@ async def _wait_router(c: ControlClient) -> dict[str, Any]:
     while loop.time() < give_up:
         workers = (await c.workers())["workers"]
         router = next((w for w in workers if w["name"] == "router"), {"state": "missing"})
-        if router["state"] in ("running", "failed", "fatal"):
+        if router["state"] in SETTLED:
             break
         await asyncio.sleep(POLL_S)
     return router

@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mlxceld.types import WorkerState
+
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
 LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
@@ -19,8 +21,9 @@ LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
                "model_mismatch": "red", "layers_mismatch": "red"}
 ANSI_COLORS = {"black": 30, "red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35,
                "cyan": 36, "white": 37}
-STATE_COLORS = {"running": "green", "starting": "cyan", "backoff": "yellow",
-                "stopping": "yellow", "exited": "white", "failed": "red"}
+STATE_COLORS = {WorkerState.RUNNING: "green", WorkerState.STARTING: "cyan",
+                WorkerState.BACKOFF: "yellow", WorkerState.STOPPING: "yellow",
+                WorkerState.EXITED: "white", WorkerState.FAILED: "red"}
 
 
 def color_enabled() -> bool:
@@ -87,10 +90,9 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
     headers = ["NAME", "ROLE", "STATE", "PID", "RESTARTS", "UPTIME", "RSS", "LAST EXIT"]
     rows, colors = [], []
     for w in workers:
-        state = w["state"]
-        if state == "running" and w.get("healthy") is False:
-            state = "running (unhealthy)"
-        up = now - w["started_at"] if w["state"] == "running" and w.get("started_at") else None
+        running = w["state"] == WorkerState.RUNNING
+        state = "running (unhealthy)" if running and w.get("healthy") is False else w["state"]
+        up = now - w["started_at"] if running and w.get("started_at") else None
         rows.append([w["name"], w["role"], state, str(w["pid"] or "-"), str(w["restarts"]),
                      duration(up), size(w.get("rss_bytes")), w.get("last_exit") or "-"])
         colors.append([None, None, STATE_COLORS.get(w["state"]), None, None, None, None, None])
@@ -126,7 +128,7 @@ def cluster_nodes(body: dict[str, Any]) -> str:
 def status(body: dict[str, Any]) -> str:
     d = body["daemon"]
     workers = body["workers"]
-    running = sum(1 for w in workers if w["state"] == "running")
+    running = sum(1 for w in workers if w["state"] == WorkerState.RUNNING)
     state = paint(d["state"], "green" if d["state"] == "running" else "yellow")
     summary = (f"mlxceld {d['version']} {state} · node {d['node_id']} · pid {d['pid']} · "
                f"up {duration(d['uptime_s'])} · {len(workers)} worker(s), {running} running")

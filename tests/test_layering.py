@@ -23,6 +23,7 @@ STACK = [
     "discovery", "engine", "pipeline", "api",
     "workers",
     "cluster",
+    "roster",  # which workers run: the daemon's rule over roles, placements and [serve]
     "daemon", "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}

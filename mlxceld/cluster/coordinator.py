@@ -54,7 +54,8 @@ from mlxceld.cluster.assignment.coordinator_round import CoordinatorRound
 from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
 from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.clusterfile.placement import Placement, place
-from mlxceld.cluster.plan.candidates import make_plan
+from mlxceld.cluster.plan.candidates import Proposal, make_plan
+from mlxceld.cluster.plan.model import Plan
 from mlxceld.config.serve import resolve_model
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
@@ -63,7 +64,6 @@ from mlxceld.state import EventLog
 from mlxceld.state.plans import PlanRow, Plans
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
-from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,14 @@ class Coordinator:
         self._task: asyncio.Task[None] | None = None
         self._chase: asyncio.Task[None] | None = None  # peers not told of a deactivation
 
-    async def plan(self, model: str, stages: int, what: str = "mlxctl cluster plan") -> JSON:
-        """`mlxctl cluster plan`: poll every candidate now, then plan ``stages`` stages of
-        ``model`` (a local directory) over the reachable ones. Assigns nothing."""
+    async def plan(self, model: str, stages: int) -> JSON:
+        """`mlxctl cluster plan`: ``propose``, shown. Assigns nothing."""
+        return dict((await self.propose(model, stages)).to_json())
+
+    async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan"
+                      ) -> Proposal:
+        """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local
+        directory) over the reachable ones."""
         path = model_dir(model, what)
         candidates = await self._discovery.refresh()
         return make_plan(candidates, path, stages, cluster=self._cluster,
@@ -144,13 +149,13 @@ class Coordinator:
             path = str(model_dir(model, "mlxctl cluster activate"))
             self.state = {"state": "planning", "model": path, "stages": stages,
                           "summary": ""}
-            planned = await self.plan(path, stages, "mlxctl cluster activate")
+            proposal = await self.propose(path, stages, "mlxctl cluster activate")
         except BaseException:  # refused at once (the caller hears why): nothing happened
             self.state, self._busy = before, False
             raise
         epoch = self._plans.next_epoch()
-        self._pushing(epoch, planned)
-        self._task = self._tasks.create_task(self._push_and_serve(epoch, planned, path))
+        self._pushing(epoch, proposal.plan)
+        self._task = self._tasks.create_task(self._push_and_serve(epoch, proposal, path))
         return self.state or {}
 
     def _claim(self) -> None:
@@ -174,10 +179,10 @@ class Coordinator:
         reachable, plan, write ``--cluster-config-out``; return the report for the terminal
         (the table, its notes, where the TOML went). A plan that does not fit is raised."""
         await self.await_peers(n, DRY_RUN_WAIT_S)
-        planned = await self.plan(model, n)
-        report = [planned["table"], *(f"note: {note}" for note in planned["notes"])]
+        proposal = await self.propose(model, n)
+        report = [proposal.table, *(f"note: {note}" for note in proposal.notes)]
         if self._config_out is not None:
-            self._config_out.write_text(planned["toml"])
+            self._config_out.write_text(proposal.toml)
             report.append(f"cluster TOML written to {self._config_out}")
         return "\n".join(report)
 
@@ -190,36 +195,33 @@ class Coordinator:
             self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
             await self.await_peers(n, PP_AUTO_WAIT_S)
             try:
-                planned = await self.plan(model, n)
+                proposal = await self.propose(model, n)
             except MlxceldError as exc:  # a PlanRefused names the candidates left out
                 self._failed(f"no plan: {exc.message}")
                 return
             epoch = self._plans.next_epoch()
-            self._pushing(epoch, planned)
-            await self._push_and_serve(epoch, planned, model)
+            self._pushing(epoch, proposal.plan)
+            await self._push_and_serve(epoch, proposal, model)
         finally:
             self._busy = False
 
-    def _pushing(self, epoch: int, planned: JSON) -> None:
+    def _pushing(self, epoch: int, plan: Plan) -> None:
         self.state = {**(self.state or {}), "state": "pushing", "epoch": epoch, "summary": "",
-                      "peers": [{"stage": s["stage"], "node_id": s.get("node_id"),
-                                 "address": s["node_address"], "layers": list(s["layers"]),
+                      "peers": [{"stage": s.stage_id, "node_id": s.node.node_id,
+                                 "address": s.node.key, "layers": list(s.layers),
                                  "state": "offered", "reason": "", "steps": ["offered"]}
-                                for s in planned["plan"]["stages"]]}
+                                for s in plan.stages]}
 
-    async def _push_and_serve(self, epoch: int, planned: JSON, model: str) -> None:
+    async def _push_and_serve(self, epoch: int, proposal: Proposal, model: str) -> None:
         """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
         try:
-            stages = tuple(StageOffer(s["node_address"], s["rank"], tuple(s["layers"]),
-                                      s["stage"], parse_address(s["address"]).port)
-                           for s in planned["plan"]["stages"])
-            plan = PushPlan(self._cluster, planned["model_identity"], planned["toml"], stages)
-            epoch, done = await push(plan, plans=self._plans, keyring=self._keyring,
-                                     identity=self._identity, epoch=epoch, watch=self._watch)
+            epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
+                                     keyring=self._keyring, identity=self._identity,
+                                     epoch=epoch, watch=self._watch)
             if not done.ok:
-                self._failed(done.summary + "".join(f"; {n}" for n in planned["notes"]))
+                self._failed(done.summary + "".join(f"; {n}" for n in proposal.notes))
                 return
-            await self._serve(epoch, planned["toml"], model, done.summary)
+            await self._serve(epoch, proposal.toml, model, done.summary)
         except MlxceldError as exc:
             self._failed(f"plan {epoch}: {exc.message}")
         except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
@@ -364,6 +366,13 @@ class Coordinator:
         log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
                   "the peers named, then restart it)", summary)
         self._events.append("bringup.failed", "cluster", summary)
+
+
+def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
+    """What the push offers: each stage to the agent of the node it was planned on."""
+    return PushPlan(cluster, proposal.model_identity, proposal.toml,
+                    tuple(StageOffer(s.node.key, s.rank, s.layers, s.stage_id, s.node.stage_port)
+                          for s in proposal.plan.stages))
 
 
 def config_differences(plan: PlanRow, n: int | None, configured: str | None,

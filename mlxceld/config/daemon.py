@@ -31,7 +31,7 @@ File format (TOML, every table and key optional)::
 
     [workers.NAME]                     # one table per supervised worker
     role = "echo"
-    options = { interval_s = 1.0 }     # role-specific
+    options = { interval_s = 1.0 }     # the role's (mlxceld/roles/options.py), checked here
     stop_timeout_s = 20.0              # any RestartPolicy field overrides [supervisor]
 
     [serve]                            # the model server (the router worker):
@@ -63,6 +63,7 @@ from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.roles import ROLES, STAGE
+from mlxceld.roles.options import WorkerOptions, parse_options
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import MAX_PIPELINE_STAGES
 from mlxceld.wire.address import parse_address
@@ -96,9 +97,12 @@ FLAG_ONLY: dict[str, str] = {
 @dataclass(frozen=True)
 class WorkerConfig:
     name: str
-    role: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: WorkerOptions  # its role's, which say the role
     policy: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def role(self) -> str:
+        return self.options.role
 
 
 @dataclass(frozen=True)
@@ -473,7 +477,9 @@ def _workers(
         if not isinstance(options, Mapping):
             raise ConfigError(f"{where}: '{prefix}options' must be a table",
                               hint="write it as options = { key = value }")
-        workers.append(
-            WorkerConfig(name, role, dict(options), _policy(spec, policy, where, prefix))
-        )
+        try:
+            parsed = parse_options(role, dict(options), f"{prefix}options")
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}", hint=exc.hint) from None
+        workers.append(WorkerConfig(name, parsed, _policy(spec, policy, where, prefix)))
     return tuple(workers)

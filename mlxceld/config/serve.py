@@ -20,16 +20,18 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+from mlxceld import roles
 from mlxceld.errors import ConfigError
+from mlxceld.roles.options import PipelineOptions, RouterOptions
 
 if TYPE_CHECKING:
     from mlxceld.config.daemon import Overrides
 
 log = logging.getLogger(__name__)
 
-ROUTER = "router"
+ROUTER: Final = roles.ROUTER  # the worker's name and role
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued"}
 
@@ -146,7 +148,10 @@ def _port(port: int, what: str) -> int:
     return port
 
 
-def router_options(cfg: ServeConfig) -> dict[str, Any]:
+def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None
+                   ) -> RouterOptions:
+    """The router worker's options: ``cfg``'s model, locally or over ``pipeline``."""
     assert cfg.model is not None
-    return {"model": cfg.model, "model_name": cfg.served_name, "host": cfg.host,
-            "port": cfg.port, "max_batch": cfg.max_batch, "max_queued": cfg.max_queued}
+    return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
+                         port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
+                         pipeline=pipeline)

@@ -17,8 +17,8 @@ from mlxceld.supervisor.states import (
     StartRequested,
     StopRequested,
     Transitioned,
-    WorkerState,
 )
+from mlxceld.types import WorkerState
 
 __all__ = [
     "Action",

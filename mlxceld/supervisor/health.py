@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from mlxceld.types import JSON
+from mlxceld.types import JSON, WorkerState
 
 
 def problems(workers: list[JSON]) -> list[JSON]:
+    """``workers`` as ``Supervisor.snapshot`` gives them."""
     out: list[JSON] = []
     for w in workers:
-        name, state = w["name"], w["state"]
+        name, state = w["name"], WorkerState(w["state"])
         logs = f"mlxctl logs {name}"
-        if state == "failed":
+        if state is WorkerState.FAILED:
             out.append(_problem(name, f"worker {name} failed: {w['reason']}",
                                 f"{logs}; then: mlxctl restart {name}"))
-        elif state == "backoff":
+        elif state is WorkerState.BACKOFF:
             out.append(_problem(name, f"worker {name} is restarting: {w['reason']}", logs))
-        elif state == "exited":
+        elif state is WorkerState.EXITED:
             why = w["last_exit"] or w["reason"] or "stopped"
             out.append(_problem(name, f"worker {name} is not running ({why})",
                                 f"mlxctl restart {name}"))
-        elif state == "running" and w.get("healthy") is False:
+        elif state is WorkerState.RUNNING and w.get("healthy") is False:
             out.append(_problem(name, f"worker {name} does not answer health probes: "
                                 f"{w['reason']}", logs))
         out += _stage_links(w)

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from mlxceld.errors import WorkerError
+from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import WorkerBootstrap
@@ -30,15 +31,20 @@ CREATE_TIME_TOLERANCE_S = 0.05
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything needed to start one worker; built by the daemon from its Config."""
+    """Everything needed to start one worker; built by the daemon (``mlxceld.roster``).
+    The role is the options' (``workers/options.py``): one cannot be given without the
+    other."""
 
     name: str
-    role: str
     state_dir: Path
-    options: dict[str, Any] = field(default_factory=dict)
+    options: WorkerOptions
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     secret: bytes | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def role(self) -> str:
+        return self.options.role
 
     @property
     def control_socket(self) -> Path:
@@ -54,12 +60,12 @@ class WorkerSpec:
 
     def describe(self) -> dict[str, Any]:
         """The spec as stored in SQLite: no secret, only whether there is one."""
-        return {"name": self.name, "role": self.role, "options": self.options,
+        return {"name": self.name, "role": self.role, "options": options_json(self.options),
                 "has_secret": self.secret is not None, "has_api_key": self.api_key is not None}
 
     def bootstrap(self) -> WorkerBootstrap:
         boot: WorkerBootstrap = {
-            "name": self.name, "role": self.role, "options": dict(self.options),
+            "name": self.name, "role": self.role, "options": options_json(self.options),
             "control_socket": str(self.control_socket), "exit_record": str(self.exit_record),
             "state_dir": str(self.state_dir),
         }

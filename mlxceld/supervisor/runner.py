@@ -33,8 +33,8 @@ from mlxceld.supervisor.states import (
     StartRequested,
     StopRequested,
     Transitioned,
-    WorkerState,
 )
+from mlxceld.types import WorkerHealth, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class WorkerRunner:
         while self.pid == pid and self.machine.state is WorkerState.STARTING:
             with contextlib.suppress(WorkerError):
                 reply = await channel.call(self.spec.control_socket, "health", timeout_s=1.0)
-                if reply.get("pid") == pid and reply.get("state") == "ready":
+                if reply.get("pid") == pid and reply.get("state") == WorkerHealth.READY:
                     self.post(BecameReady())
                     return
             await asyncio.sleep(READY_POLL_S)

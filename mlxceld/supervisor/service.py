@@ -28,9 +28,8 @@ from mlxceld.supervisor.states import (
     StartRequested,
     StopRequested,
     Transitioned,
-    WorkerState,
 )
-from mlxceld.types import JSON
+from mlxceld.types import JSON, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +237,11 @@ class Supervisor:
 
         answers = await asyncio.gather(*(ask(r) for _, r in running))
         return {name: a for (name, _), a in zip(running, answers, strict=True) if a is not None}
+
+    def state(self, name: str) -> tuple[WorkerState, str] | None:
+        """Worker ``name``'s lifecycle state and its reason; None if there is no such worker."""
+        r = self._runners.get(name)
+        return None if r is None else (r.machine.state, r.machine.reason)
 
     def log_path(self, name: str) -> str | None:
         r = self._runners.get(name)

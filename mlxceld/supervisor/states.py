@@ -27,17 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from enum import StrEnum
 from typing import Any, Literal
 
-
-class WorkerState(StrEnum):
-    STARTING = "starting"
-    RUNNING = "running"
-    BACKOFF = "backoff"
-    STOPPING = "stopping"
-    EXITED = "exited"
-    FAILED = "failed"
+from mlxceld.types import WorkerState
 
 
 @dataclass(frozen=True)
@@ -71,7 +63,8 @@ class RestartPolicy:
 class ExitCause:
     """Why a worker process ended; classified elsewhere, consumed here."""
 
-    kind: str  # "clean" | "signal" | "oom" | "exception" | "status" | "unknown" | "spawn_failed"
+    kind: str  # "clean" | "signal" | "oom" | "exception" | "status" | "config" (options
+    # refused: workers/options.py) | "unknown" | "spawn_failed"
     summary: str  # one human line, e.g. "killed by SIGKILL (likely out of memory)"
     returncode: int | None = None
 

@@ -1,8 +1,8 @@
 """The ``echo`` role: a small real worker for tests and the demo.
 
 It serves the control channel, counts ticks, and can be told through its
-options to misbehave the ways real workers do, so the supervisor's handling of
-each can be tested against a real process:
+options (``EchoOptions``) to misbehave the ways real workers do, so the
+supervisor's handling of each can be tested against a real process:
 
     ready_after_s   wait this long before reporting ready (a slow model load)
     crash_after_s   raise RuntimeError after this long (a Python exception)
@@ -21,40 +21,36 @@ import logging
 import signal
 import time
 
+from mlxceld.roles.options import EchoOptions
 from mlxceld.workers.runtime import WorkerContext
 
 log = logging.getLogger(__name__)
 
 
-async def run(ctx: WorkerContext) -> int:
-    opts = ctx.options
-    if opts.get("ignore_term"):
+async def run(ctx: WorkerContext[EchoOptions]) -> int:
+    o = ctx.options
+    if o.ignore_term:
         asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     start = time.monotonic()
-    await _sleep_unless_stopped(ctx, float(opts.get("ready_after_s", 0.0)))
+    await _sleep_unless_stopped(ctx, o.ready_after_s)
     ctx.ready()
-    interval = float(opts.get("interval_s", 1.0))
     ctx.stats["ticks"] = 0
     while not ctx.stopping.is_set():
         elapsed = time.monotonic() - start
-        if "crash_after_s" in opts and elapsed >= float(opts["crash_after_s"]):
+        if o.crash_after_s is not None and elapsed >= o.crash_after_s:
             raise RuntimeError(f"echo worker {ctx.name} crashed on purpose")
-        if "exit_after_s" in opts and elapsed >= float(opts["exit_after_s"]):
-            return int(opts.get("exit_code", 0))
-        if "freeze_after_s" in opts and elapsed >= float(opts["freeze_after_s"]):
+        if o.exit_after_s is not None and elapsed >= o.exit_after_s:
+            return o.exit_code
+        if o.freeze_after_s is not None and elapsed >= o.freeze_after_s:
             time.sleep(3600)  # blocks the event loop: the control channel stops answering
-        await _sleep_unless_stopped(ctx, min(interval, 0.05) if _timed(opts) else interval)
+        await _sleep_unless_stopped(ctx, min(o.interval_s, 0.05) if o.timed else o.interval_s)
         ctx.stats["ticks"] += 1
     log.info("echo worker %s stopping after %d ticks", ctx.name, ctx.stats["ticks"])
     return 0
 
 
-def _timed(opts: dict[str, object]) -> bool:
-    return any(k in opts for k in ("crash_after_s", "exit_after_s", "freeze_after_s"))
-
-
-async def _sleep_unless_stopped(ctx: WorkerContext, seconds: float) -> None:
+async def _sleep_unless_stopped(ctx: WorkerContext[EchoOptions], seconds: float) -> None:
     if seconds <= 0:
         return
     try:

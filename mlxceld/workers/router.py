@@ -1,10 +1,10 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
-Options (from ``[serve]`` / ``--model`` / ``mlxctl serve``): model, model_name, host,
-port, max_batch, max_queued. The API key, if any, arrives on the bootstrap pipe.
-With ``pipeline`` (from a cluster config: stages, coordinator, model_identity,
-cluster) the engine drives remote stages and only the tokenizer is loaded here;
-the cluster secret then arrives on the bootstrap pipe too.
+Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
+model_name, host, port, max_batch, max_queued. The API key, if any, arrives on the
+bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config: stages,
+coordinator, model_identity, cluster) the engine drives remote stages and only the
+tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready.
@@ -27,6 +27,7 @@ from typing import Any
 from mlxceld.api import MlxTextCodec, build_router_app
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
+from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.wire import Keyring
 from mlxceld.workers.runtime import WorkerContext
 
@@ -46,41 +47,40 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def pipeline_engine(ctx: WorkerContext) -> tuple[Any, Any]:
-    """The pipeline engine over the stages of ``options.pipeline``, and the tokenizer."""
+def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
+                    ) -> tuple[Any, Any]:
+    """The pipeline engine over the stages of ``pipe``, and the tokenizer."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxceld.models.identity import layer_count, read_model_config
     from mlxceld.pipeline import PipelineEngine, StageAddress
     from mlxceld.wire.address import parse_address
 
-    o, pipe = ctx.options, ctx.options["pipeline"]
+    o = ctx.options
     if ctx.secret is None:
         raise RuntimeError("the pipeline engine needs the cluster secret and has none")
     keyring = Keyring()
     keyring.add(ctx.secret, primary=True)
-    path = Path(str(o["model"]))
+    path = Path(o.model)
     config = read_model_config(path)
     layer_count(config)
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
     stages = []
-    for s in pipe["stages"]:
-        where = parse_address(str(s["address"]))
-        stages.append(StageAddress(str(s["node_id"]), where.host, where.port, int(s["rank"]),
-                                   (int(s["layers"][0]), int(s["layers"][1]))))
+    for s in pipe.stages:
+        where = parse_address(s.address)
+        stages.append(StageAddress(s.node_id, where.host, where.port, s.rank, s.layers))
     context = int(config.get("max_position_embeddings") or 4096)
     engine = PipelineEngine(
-        stages, keyring=keyring, origin=str(pipe["coordinator"]),
-        model_identity=str(pipe["model_identity"]), cluster=str(pipe["cluster"]),
-        model_id=str(o["model_name"]), context_length=context,
-        eos_token_ids=set(tokenizer.eos_token_ids), max_batch=int(o["max_batch"]))
+        stages, keyring=keyring, origin=pipe.coordinator, model_identity=pipe.model_identity,
+        cluster=pipe.cluster, model_id=o.model_name, context_length=context,
+        eos_token_ids=set(tokenizer.eos_token_ids), max_batch=o.max_batch)
     return engine, tokenizer
 
 
-async def run(ctx: WorkerContext) -> int:
-    o: dict[str, Any] = ctx.options
-    sock = listen(str(o["host"]), int(o["port"]))
+async def run(ctx: WorkerContext[RouterOptions]) -> int:
+    o = ctx.options
+    sock = listen(o.host, o.port)
     loop = asyncio.get_running_loop()
     broken: list[BaseException] = []
 
@@ -90,18 +90,18 @@ async def run(ctx: WorkerContext) -> int:
 
     engine: Any
     try:
-        if o.get("pipeline"):
-            engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx)
+        if o.pipeline is not None:
+            engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
             engine, tokenizer = await asyncio.to_thread(
-                load_local_engine, str(o["model"]), model_id=str(o["model_name"]),
-                max_batch=int(o["max_batch"]), on_failure=engine_broke)
+                load_local_engine, o.model, model_id=o.model_name, max_batch=o.max_batch,
+                on_failure=engine_broke)
     except Exception as exc:
         sock.close()
-        raise RuntimeError(f"cannot load model {o['model']!r}: {exc}") from exc
-    pipeline = bool(o.get("pipeline"))
-    app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=str(o["model_name"]),
-                           api_key=ctx.api_key, max_queued=int(o["max_queued"]),
+        raise RuntimeError(f"cannot load model {o.model!r}: {exc}") from exc
+    pipeline = o.pipeline is not None
+    app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
+                           api_key=ctx.api_key, max_queued=o.max_queued,
                            readiness=engine.readiness if pipeline else None)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S)
     started: asyncio.Future[None] = loop.create_future()
@@ -110,7 +110,7 @@ async def run(ctx: WorkerContext) -> int:
             linking = tg.create_task(engine.keep_linked()) if pipeline else None
             tg.create_task(server.serve(started))
             await started
-            ctx.stats.update(url=f"http://{o['host']}:{o['port']}/v1", model=o["model_name"])
+            ctx.stats.update(url=f"http://{o.host}:{o.port}/v1", model=o.model_name)
             ctx.ready()
             while not ctx.stopping.is_set():
                 if pipeline:

@@ -6,6 +6,10 @@ document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
 ``stats``, ``stop``), runs the role, and leaves an exit record for a daemon
 that may have adopted it after a restart.
+
+The role's options are read once, here, into their typed spec
+(``workers/options.py``): a bad one is named in the log and the exit record
+(kind ``config``) and the worker exits ``EXIT_CONFIG`` before its role runs.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from mlxceld.errors import ConfigError
 from mlxceld.roles import ROLES
-from mlxceld.types import JSON, ExitRecord, WorkerBootstrap
+from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
+from mlxceld.types import JSON, ExitRecord, WorkerBootstrap, WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +40,21 @@ MAX_BOOTSTRAP = 1 << 20
 MAX_REQUEST = 64 * 1024
 CHANNEL_IDLE_S = 30.0  # a control connection that sends nothing for this long is closed
 
+Opts = TypeVar("Opts", bound=WorkerOptions)
+
 
 @dataclass
-class WorkerContext:
+class WorkerContext(Generic[Opts]):
     """Handed to a role's ``run``: its identity, options and the knobs it reports through."""
 
     name: str
     role: str
-    options: dict[str, Any]
+    options: Opts
     state_dir: Path
     secret: bytes | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     started_at: float = field(default_factory=time.time)
-    state: str = "starting"
+    state: WorkerHealth = WorkerHealth.STARTING
     stats: dict[str, Any] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # Role-specific control-channel operations (e.g. a standby stage's "activate").
@@ -54,16 +62,16 @@ class WorkerContext:
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
-        if self.state == "starting":
-            self.state = "ready"
+        if self.state is WorkerHealth.STARTING:
+            self.state = WorkerHealth.READY
             log.info("worker %s is ready", self.name)
 
     def stop(self) -> None:
-        self.state = "stopping"
+        self.state = WorkerHealth.STOPPING
         self.stopping.set()
 
 
-RoleMain = Callable[[WorkerContext], Awaitable[int]]
+RoleMain = Callable[[WorkerContext[WorkerOptions]], Awaitable[int]]
 
 
 def read_bootstrap() -> WorkerBootstrap:
@@ -79,7 +87,7 @@ def read_bootstrap() -> WorkerBootstrap:
     return boot
 
 
-async def serve_channel(ctx: WorkerContext, path: Path) -> asyncio.Server:
+async def serve_channel(ctx: WorkerContext[WorkerOptions], path: Path) -> asyncio.Server:
     """Listen on the worker's control socket (0600; the state dir around it is 0700)."""
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -94,7 +102,7 @@ async def serve_channel(ctx: WorkerContext, path: Path) -> asyncio.Server:
 
 
 async def _serve_client(
-    ctx: WorkerContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ctx: WorkerContext[WorkerOptions], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     try:
         while True:
@@ -112,7 +120,7 @@ async def _serve_client(
             await writer.wait_closed()
 
 
-def _answer(ctx: WorkerContext, line: bytes) -> JSON:
+def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
     try:
         request = json.loads(line)
         op = request["op"]
@@ -138,10 +146,10 @@ def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> N
         path.write_text(json.dumps(record))
 
 
-async def run_worker(boot: WorkerBootstrap) -> int:
+async def run_worker(boot: WorkerBootstrap, options: WorkerOptions) -> int:
     secret = bytes.fromhex(boot["secret_hex"]) if "secret_hex" in boot else None
-    ctx = WorkerContext(boot["name"], boot["role"], dict(boot["options"]),
-                        Path(boot["state_dir"]), secret, boot.get("api_key"))
+    ctx = WorkerContext(boot["name"], boot["role"], options, Path(boot["state_dir"]), secret,
+                        boot.get("api_key"))
     module = importlib.import_module(ROLES[boot["role"]])
     role_main: RoleMain = module.run
     loop = asyncio.get_running_loop()
@@ -162,7 +170,14 @@ def main(argv: list[str]) -> int:
         exit_record.unlink()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
     try:
-        code = asyncio.run(run_worker(boot))
+        options = parse_options(boot["role"], boot["options"])
+    except ConfigError as exc:
+        summary = f"refused its options: {exc.message}"
+        log.error("worker %s %s (%s)", boot["name"], summary, exc.hint)
+        write_exit_record(exit_record, EXIT_CONFIG, "config", summary)
+        return EXIT_CONFIG
+    try:
+        code = asyncio.run(run_worker(boot, options))
     except Exception as exc:
         traceback.print_exc()
         last = traceback.format_exception_only(exc)[-1].strip()

@@ -1,14 +1,13 @@
 """The ``stage`` role: one pipeline stage behind an MXCL listener on channel 1.
 
-Options (built by the daemon from the cluster config): model, layers [start,
-end), node_id, rank, address (our listener, also the identity we dial the next
-stage with), coordinator, upstream, downstream, first (on the last of 2+
-stages: where decoding continues), last (on the first of 2+ stages: who sends
-``next``) (addresses or null),
-model_identity, cluster, and standby (a stage prepared by a two-phase
-assignment: loaded and listening, refusing coordinators until the control
-channel's ``activate`` op switches it on). The cluster secret arrives on the bootstrap pipe; a
-stage without one refuses to start.
+Options (``StageOptions``, built by the daemon from the cluster config): model,
+layers [start, end), node_id, rank, address (our listener, also the identity we
+dial the next stage with), coordinator, upstream, downstream, first (on the last
+of 2+ stages: where decoding continues), last (on the first of 2+ stages: who
+sends ``next``) (addresses or null), model_identity, cluster, and standby (a
+stage prepared by a two-phase assignment: loaded and listening, refusing
+coordinators until the control channel's ``activate`` op switches it on). The
+cluster secret arrives on the bootstrap pipe; a stage without one refuses to start.
 
 Start-up binds the listener first (a port in use fails at once, named), loads
 only this stage's layers, then accepts connections and reports ready.
@@ -23,6 +22,7 @@ from typing import Any
 
 from mlxceld.net import Listener
 from mlxceld.pipeline.stage import StagePlace, StageService
+from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
 from mlxceld.wire.address import parse_address
@@ -33,26 +33,23 @@ log = logging.getLogger(__name__)
 STATS_EVERY_S = 1.0
 
 
-def place_of(o: dict[str, Any]) -> StagePlace:
-    down, first = o.get("downstream"), o.get("first")
+def place_of(o: StageOptions) -> StagePlace:
     return StagePlace(
-        node_id=str(o["node_id"]), rank=int(o["rank"]),
-        layers=(int(o["layers"][0]), int(o["layers"][1])), address=str(o["address"]),
-        coordinator=str(o["coordinator"]), upstream=o.get("upstream"),
-        downstream=_host_port(down),
-        model_identity=str(o["model_identity"]), cluster=str(o["cluster"]),
-        first=_host_port(first), last=o.get("last"))
+        node_id=o.node_id, rank=o.rank, layers=o.layers, address=o.address,
+        coordinator=o.coordinator, upstream=o.upstream, downstream=_host_port(o.downstream),
+        model_identity=o.model_identity, cluster=o.cluster, first=_host_port(o.first),
+        last=o.last)
 
 
 def _host_port(address: str | None) -> tuple[str, int] | None:
-    if not address:
+    if address is None:
         return None
     hp = parse_address(address)
     return hp.host, hp.port
 
 
-async def run(ctx: WorkerContext) -> int:
-    o: dict[str, Any] = ctx.options
+async def run(ctx: WorkerContext[StageOptions]) -> int:
+    o = ctx.options
     if ctx.secret is None:
         raise RuntimeError("a pipeline stage needs the cluster secret and has none; "
                            "see mlxctl secret --help")
@@ -77,12 +74,12 @@ async def run(ctx: WorkerContext) -> int:
         from mlxceld.models.slicing import load_stage
         from mlxceld.wire.mx_tensors import wire_dtype
 
-        model = await asyncio.to_thread(load_stage, str(o["model"]), *place.layers)
+        model = await asyncio.to_thread(load_stage, o.model, *place.layers)
         wire = wire_dtype(model.dtype)
         if wire is None:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
                                "cannot travel on the wire")
-        service = StageService(model, place, keyring, wire, standby=bool(o.get("standby")))
+        service = StageService(model, place, keyring, wire, standby=o.standby)
         active = service
 
         def activate() -> JSON:

@@ -44,15 +44,20 @@ def test_stage_and_router_options(tmp_path: Path, split_fixture_dir: Path) -> No
     middle = place(path, "s1")
     assert not middle.is_coordinator and middle.needs_secret
     opts = stage_options(middle)
-    assert opts["layers"] == [1, 3] and opts["rank"] == 1
-    assert opts["upstream"] == "127.0.0.2:19100" and opts["downstream"] == "127.0.0.4:19102"
-    assert opts["coordinator"] == "127.0.0.1:19000"
-    assert opts["model_identity"] == model_identity(model)
+    assert opts.layers == (1, 3) and opts.rank == 1 and not opts.standby
+    assert opts.upstream == "127.0.0.2:19100" and opts.downstream == "127.0.0.4:19102"
+    assert opts.coordinator == "127.0.0.1:19000"
+    assert opts.model_identity == model_identity(model)
+    assert opts.first is None and opts.last is None  # only the ends of the ring have them
+    assert stage_options(middle, standby=True).standby
     first, last = stage_options(place(path, "s0")), stage_options(place(path, "s2"))
-    assert first["upstream"] is None and last["downstream"] is None
+    assert first.upstream is None and last.downstream is None
+    assert first.last == "127.0.0.4:19102" and last.first == "127.0.0.2:19100"
     pipe = pipeline_options(place(path, "coord"))
-    assert [s["layers"] for s in pipe["stages"]] == [[0, 1], [1, 3], [3, 4]]
-    assert pipe["coordinator"] == "127.0.0.1:19000"
+    assert [s.layers for s in pipe.stages] == [(0, 1), (1, 3), (3, 4)]
+    assert [s.address for s in pipe.stages] == ["127.0.0.2:19100", "127.0.0.3:19101",
+                                                "127.0.0.4:19102"]
+    assert pipe.coordinator == "127.0.0.1:19000"
 
 
 def test_layers_checked_against_the_model(tmp_path: Path, split_fixture_dir: Path) -> None:

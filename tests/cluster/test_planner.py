@@ -13,10 +13,13 @@ import pytest
 from mlxceld.cluster.clusterfile.load import (
     dump_cluster,
     load_cluster,
+    parse_cluster_text,
     validate_layers,
     write_cluster,
 )
 from mlxceld.cluster.clusterfile.placement import place
+from mlxceld.cluster.coordinator import push_plan
+from mlxceld.cluster.plan.candidates import make_plan
 from mlxceld.cluster.plan.solver import (
     SCALE,
     Plan,
@@ -30,8 +33,9 @@ from mlxceld.cluster.plan.solver import (
     usable_memory,
 )
 from mlxceld.errors import ConfigError
-from mlxceld.models import layer_profile
+from mlxceld.models import layer_profile, model_identity
 from mlxceld.models.profile import LayerProfile
+from mlxceld.state.peers import PeerRow
 
 MIB, GIB = 1 << 20, 1 << 30
 NO_RESERVE = Reserve(context_tokens=0, activation_bytes=0)
@@ -294,3 +298,32 @@ def test_to_cluster_refuses_what_the_file_would_not_allow(tmp_path: Path) -> Non
         plan.to_cluster("lab", None, "10.0.0.1:19100", path=tmp_path / "c.toml")
     with pytest.raises(ConfigError, match=r"cluster\.name"):
         plan.to_cluster("", None, "10.0.0.1:19000", path=tmp_path / "c.toml")
+
+
+def test_the_push_is_made_from_the_plan_and_agrees_with_its_toml(fixture_dir: Path) -> None:
+    """``make_plan`` gives a typed ``Proposal``: the push is built from its stages, and its
+    JSON (``mlxctl cluster plan --json``) and TOML say the same things."""
+    model = fixture_dir / "llama"
+
+    def peer(address: str, node_id: str, port: int) -> PeerRow:
+        return PeerRow(address=address, source="static", state="reachable", updated_at=1.0,
+                       node_id=node_id, memory_total=64 * GIB, memory_available=32 * GIB,
+                       inventory={"ports": [port, port + 1], "model": None})
+
+    proposal = make_plan([peer("127.0.0.3:19000", "b", 19301),
+                          peer("127.0.0.2:19000", "a", 19201)], model, 2, cluster="lab",
+                         coordinator="127.0.0.1:19000")
+    assert proposal.model_identity == model_identity(model) and proposal.notes == ()
+    pushed = push_plan("lab", proposal)
+    assert (pushed.cluster, pushed.model_identity, pushed.toml) == \
+        ("lab", proposal.model_identity, proposal.toml)
+    assert [(o.agent, o.stage, o.node_id, o.port) for o in pushed.stages] == [
+        ("127.0.0.2:19000", 0, "stage-0", 19201), ("127.0.0.3:19000", 1, "stage-1", 19301)]
+    toml = parse_cluster_text(proposal.toml, Path("c.toml"))
+    assert [(n.id, n.address, n.layers) for n in toml.stages] == \
+        [(o.node_id, f"127.0.0.{2 + o.stage}:{o.port}", o.layers) for o in pushed.stages]
+    shown = json.loads(json.dumps(proposal.to_json()))
+    assert shown["toml"] == proposal.toml and shown["table"] == proposal.table
+    assert [(s["node_address"], s["address"], s["layers"]) for s in shown["plan"]["stages"]] \
+        == [(o.agent, f"127.0.0.{2 + o.stage}:{o.port}", list(o.layers))
+            for o in pushed.stages]

@@ -12,6 +12,7 @@ import pytest
 from mlxceld.config.daemon import Config, Overrides, build_config, load_config
 from mlxceld.errors import ConfigError
 from mlxceld.paths import client_socket, default_config_file, default_socket, default_state_dir
+from mlxceld.roles.options import EchoOptions
 from mlxceld.supervisor.states import RestartPolicy
 
 linux_only = pytest.mark.skipif(sys.platform == "darwin", reason="XDG locations are Linux's")
@@ -75,7 +76,7 @@ def test_file_values_are_read(tmp_path: Path) -> None:
     assert config.health_interval_s == 2.0
     assert (config.log_max_bytes, config.log_backups) == (4096, 1)
     (w1,) = config.workers
-    assert (w1.name, w1.role, dict(w1.options)) == ("w1", "echo", {"interval_s": 0.1})
+    assert (w1.name, w1.role, w1.options) == ("w1", "echo", EchoOptions(interval_s=0.1))
     # A worker's policy starts from [supervisor] and overrides what it names.
     assert w1.policy == RestartPolicy(backoff_initial_s=0.5, flap_max_exits=3, stop_timeout_s=2.5)
 
@@ -233,6 +234,22 @@ def test_unknown_or_missing_role(spec: dict[str, Any], shown: str) -> None:
 def test_options_must_be_a_table() -> None:
     error = refusal({"workers": {"w1": {"role": "echo", "options": [1, 2]}}})
     assert "'workers.w1.options' must be a table" in str(error)
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"interval_s": 0.1, "intervall_s": 2}, "unknown option 'workers.w1.options.intervall_s'"),
+    ({"interval_s": "fast"}, "option 'workers.w1.options.interval_s' must be a number, "
+                             "not 'fast'"),
+    ({"ignore_term": 1}, "option 'workers.w1.options.ignore_term' must be true or false"),
+    ({"exit_code": 2.5}, "option 'workers.w1.options.exit_code' must be an integer"),
+    ({"interval_s": 0}, "option 'workers.w1.options.interval_s' must be > 0, not 0.0"),
+])
+def test_worker_options_are_checked_as_the_file_is_read(options: dict[str, Any],
+                                                        said: str) -> None:
+    error = refusal({"workers": {"w1": {"role": "echo", "options": options}}},
+                    Path("/etc/mlxceld.toml"))
+    assert str(error).startswith("/etc/mlxceld.toml: ") and said in str(error)
+    assert "interval_s" in error.hint  # it names the role's options
 
 
 def test_worker_must_be_a_table() -> None:

@@ -8,32 +8,40 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.roles.options import EchoOptions, RouterOptions
 from mlxceld.supervisor.process import WorkerSpec, child_environment
 
 SECRET = b"x" * 32
+ECHO = EchoOptions(interval_s=0.5)
 
 
 def test_describe_and_repr_do_not_carry_the_secret(tmp_path: Path) -> None:
-    spec = WorkerSpec("w1", "echo", tmp_path, options={"a": 1}, secret=SECRET)
+    spec = WorkerSpec("w1", tmp_path, ECHO, secret=SECRET)
     described = json.dumps(spec.describe())
     for text in (described, repr(spec)):
         assert SECRET.decode() not in text
         assert SECRET.hex() not in text
         assert repr(SECRET) not in text
-    assert spec.describe() == {"name": "w1", "role": "echo", "options": {"a": 1},
+    assert spec.describe() == {"name": "w1", "role": "echo",
+                               "options": {"interval_s": 0.5, "ready_after_s": 0.0,
+                                           "crash_after_s": None, "exit_after_s": None,
+                                           "exit_code": 0, "ignore_term": False,
+                                           "freeze_after_s": None},
                                "has_secret": True, "has_api_key": False}
 
 
 def test_the_api_key_travels_on_the_bootstrap_only(tmp_path: Path) -> None:
     key = "sk-test-0123456789"
-    spec = WorkerSpec("router", "router", tmp_path, api_key=key)
+    options = RouterOptions(model="/m", model_name="m", host="127.0.0.1", port=8080,
+                            max_batch=1, max_queued=1)
+    spec = WorkerSpec("router", tmp_path, options, api_key=key)
     assert key not in json.dumps(spec.describe()) and key not in repr(spec)
     assert spec.describe()["has_api_key"] is True
     assert spec.bootstrap()["api_key"] == key
 
 
 def test_bootstrap_is_the_only_place_for_the_secret(tmp_path: Path) -> None:
-    spec = WorkerSpec("w1", "echo", tmp_path, options={"a": 1}, secret=SECRET)
+    spec = WorkerSpec("w1", tmp_path, ECHO, secret=SECRET)
     boot = spec.bootstrap()
     assert bytes.fromhex(boot["secret_hex"]) == SECRET
     assert boot["control_socket"] == str(tmp_path / "workers" / "w1.sock")
@@ -43,7 +51,7 @@ def test_bootstrap_is_the_only_place_for_the_secret(tmp_path: Path) -> None:
 
 
 def test_no_secret_no_secret_hex(tmp_path: Path) -> None:
-    spec = WorkerSpec("w1", "echo", tmp_path)
+    spec = WorkerSpec("w1", tmp_path, ECHO)
     assert "secret_hex" not in spec.bootstrap()
     assert spec.describe()["has_secret"] is False
 

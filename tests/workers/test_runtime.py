@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from mlxceld.errors import ChannelError
+from mlxceld.roles.options import EchoOptions
 from mlxceld.supervisor import channel
 from mlxceld.supervisor.exits import classify, read_exit_record
 from mlxceld.supervisor.logfiles import tail
@@ -96,7 +97,7 @@ def start(state_dir: Path) -> Iterator[Any]:
     started: list[Worker] = []
 
     def make(name: str = "t1", **options: Any) -> Worker:
-        worker = Worker(WorkerSpec(name, "echo", state_dir, options=options))
+        worker = Worker(WorkerSpec(name, state_dir, EchoOptions(**options)))
         started.append(worker)
         return worker
 

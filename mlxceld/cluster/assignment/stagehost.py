@@ -25,8 +25,11 @@ from mlxceld.models.identity import layer_count, model_identity, read_model_conf
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
 from mlxceld.supervisor.service import Supervisor
+from mlxceld.types import WorkerState
 
 POLL_S: Final = 0.2  # between two looks at the loading stage worker
+# A loading stage in one of these has failed: a restart is due (BACKOFF), or none (FAILED).
+GAVE_UP: Final = frozenset({WorkerState.BACKOFF, WorkerState.FAILED})
 
 
 class StageSlot(Protocol):
@@ -74,19 +77,20 @@ class LocalStageHost:
         self._placement = await asyncio.to_thread(place, path, node_id, self._model())
         self._slot.set_stage(self._placement, standby=True)
         await self._slot.reconcile()
-        started = False  # a new worker reads "exited" until its start is under way
+        started = False  # a new worker reads EXITED until its start is under way
         try:
             async with asyncio.timeout(PREPARE_S):
                 while True:
-                    row = next((w for w in self._supervisor.snapshot()
-                                if w["name"] == STAGE_WORKER), None)
-                    state = row["state"] if row else "missing"
-                    started = started or state == "starting"
-                    if state == "running":
+                    now = self._supervisor.state(STAGE_WORKER)
+                    if now is None:
+                        raise DaemonError("stage worker is missing: it was removed as it "
+                                          "loaded", hint="see: mlxctl logs stage")
+                    state, reason = now
+                    started = started or state is WorkerState.STARTING
+                    if state is WorkerState.RUNNING:
                         return
-                    if state in ("backoff", "fatal", "missing") or (started and
-                                                                      state == "exited"):
-                        raise DaemonError(f"stage worker is {state}: {row and row['reason']}",
+                    if state in GAVE_UP or (started and state is WorkerState.EXITED):
+                        raise DaemonError(f"stage worker is {state}: {reason}",
                                           hint="see: mlxctl logs stage")
                     await asyncio.sleep(POLL_S)
         except TimeoutError:

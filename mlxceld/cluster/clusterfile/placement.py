@@ -24,6 +24,7 @@ from mlxceld.cluster.clusterfile.load import (
 from mlxceld.errors import ConfigError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
+from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
 
 STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
 
@@ -65,27 +66,30 @@ def place(path: Path, node_id: str, model_override: str | None = None) -> Placem
     return Placement(cfg, node, model, model_identity(model))
 
 
-def stage_options(p: Placement) -> dict[str, Any]:
-    """The ``stage`` worker's options for this node."""
+def stage_options(p: Placement, *, standby: bool = False) -> StageOptions:
+    """The ``stage`` worker's options for this node (``standby``: a prepared assignment's,
+    loaded and not serving until activated)."""
     cfg, node = p.cluster, p.node
     assert node.layers is not None and node.rank is not None
     stages = cfg.stages
     up = stages[node.rank - 1] if node.rank > 0 else None
     down = stages[node.rank + 1] if node.rank + 1 < len(stages) else None
     ring = len(stages) > 1  # the last stage sends each continuing token to the first
-    return {"model": str(p.model), "layers": list(node.layers), "node_id": node.id,
-            "rank": node.rank, "address": node.address,
-            "coordinator": cfg.coordinator.address,
-            "upstream": up.address if up else None,
-            "downstream": down.address if down else None,
-            "first": stages[0].address if ring and node.rank == len(stages) - 1 else None,
-            "last": stages[-1].address if ring and node.rank == 0 else None,
-            "model_identity": p.model_identity, "cluster": cfg.name}
+    return StageOptions(
+        model=str(p.model), layers=node.layers, node_id=node.id, rank=node.rank,
+        address=node.address, coordinator=cfg.coordinator.address,
+        upstream=up.address if up else None, downstream=down.address if down else None,
+        first=stages[0].address if ring and node.rank == len(stages) - 1 else None,
+        last=stages[-1].address if ring and node.rank == 0 else None,
+        model_identity=p.model_identity, cluster=cfg.name, standby=standby)
 
 
-def pipeline_options(p: Placement) -> dict[str, Any]:
+def pipeline_options(p: Placement) -> PipelineOptions:
     """The router's ``pipeline`` option: the stages to drive and who we are."""
-    return {"stages": [{"node_id": s.id, "address": s.address, "rank": s.rank,
-                        "layers": list(s.layers or ())} for s in p.cluster.stages],
-            "coordinator": p.node.address, "model_identity": p.model_identity,
-            "cluster": p.cluster.name}
+    stages = []
+    for s in p.cluster.stages:
+        assert s.rank is not None and s.layers is not None  # a stage node has both
+        stages.append(PipelineStage(node_id=s.id, address=s.address, rank=s.rank,
+                                    layers=s.layers))
+    return PipelineOptions(stages=tuple(stages), coordinator=p.node.address,
+                           model_identity=p.model_identity, cluster=p.cluster.name)

@@ -11,12 +11,13 @@ offer would be refused anyway.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from mlxceld.cluster.clusterfile.load import dump_cluster
-from mlxceld.cluster.plan.model import PlanNode, usable_memory
-from mlxceld.cluster.plan.report import plan_json, render_plan_table
+from mlxceld.cluster.plan.model import Plan, PlanNode, usable_memory
+from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
 from mlxceld.cluster.plan.solver import plan_stages
 from mlxceld.errors import PlanRefused
 from mlxceld.models.identity import model_identity
@@ -48,10 +49,37 @@ def plan_nodes(candidates: Sequence[PeerRow], identity: str) -> tuple[list[PlanN
     return nodes, notes
 
 
+class ProposalJSON(TypedDict):
+    """``Proposal.to_json``: the answer of `mlxctl cluster plan`."""
+
+    plan: PlanJSON
+    table: str
+    toml: str
+    notes: list[str]
+    model_identity: str
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A plan that fits, with what else it was made of: the model's identity, the cluster
+    TOML it pushes, its table for a person and the notes on candidates left out."""
+
+    plan: Plan
+    model_identity: str
+    toml: str
+    table: str
+    notes: tuple[str, ...]
+
+    def to_json(self) -> ProposalJSON:
+        """For display only (`mlxctl cluster plan --json`): nothing reads it back."""
+        return {"plan": plan_json(self.plan), "table": self.table, "toml": self.toml,
+                "notes": list(self.notes), "model_identity": self.model_identity}
+
+
 def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluster: str,
-              coordinator: str) -> dict[str, Any]:
-    """The plan as JSON (``plan_json``) plus its table, its cluster TOML and notes;
-    raises ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
+              coordinator: str) -> Proposal:
+    """The plan over ``candidates``, with its table, its cluster TOML and notes; raises
+    ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
     identity = model_identity(model)
     nodes, notes = plan_nodes(candidates, identity)
     try:
@@ -62,5 +90,4 @@ def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluste
         raise PlanRefused(f"{exc.message} ({'; '.join(notes)})", hint=exc.hint,
                           shortfalls=exc.shortfalls) from exc
     cfg = plan.to_cluster(cluster, str(model), coordinator)
-    return {"plan": dict(plan_json(plan)), "table": render_plan_table(plan),
-            "toml": dump_cluster(cfg), "notes": notes, "model_identity": identity}
+    return Proposal(plan, identity, dump_cluster(cfg), render_plan_table(plan), tuple(notes))

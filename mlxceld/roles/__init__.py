@@ -1,0 +1,20 @@
+"""Which worker roles exist and where their entry points live.
+
+Kept free of heavy imports: the daemon validates configs against this table
+without loading any model runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+ECHO: Final = "echo"  # a test worker (workers/echo.py)
+ROUTER: Final = "router"  # the OpenAI port: only from [serve] or a plan, never from [workers]
+STAGE: Final = "stage"  # a pipeline stage: only from a cluster TOML, never from [workers]
+
+# role -> module with ``async def run(ctx: WorkerContext[ITS_OPTIONS]) -> int``
+ROLES: dict[str, str] = {
+    ECHO: "mlxceld.workers.echo",
+    ROUTER: "mlxceld.workers.router",
+    STAGE: "mlxceld.workers.stage",
+}

@@ -1,0 +1,266 @@
+"""Each role's options as a typed spec: built by the daemon, read by the worker.
+
+The daemon builds them (``config.serve.router_options``,
+``cluster.clusterfile.placement.stage_options`` and ``pipeline_options``, and
+``[workers.NAME] options`` as the config file is loaded); ``WorkerSpec`` carries
+them, ``options_json`` writes them on the worker's bootstrap pipe, and the
+worker runtime reads them back once, on entry, with ``parse_options``. There a
+missing, unknown or ill-typed field is a ``ConfigError`` naming it
+(``options.layers``, or ``workers.NAME.options.KEY`` for the config file), and
+the worker exits with ``EXIT_CONFIG``; nothing after that entry checks a type.
+
+Imports nothing heavy (no mlx): the daemon imports this module too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass
+from typing import ClassVar, Final, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from mlxceld.errors import ConfigError
+from mlxceld.roles import ECHO, ROUTER, STAGE
+from mlxceld.wire.address import parse_address
+
+T = TypeVar("T")
+
+EXIT_CONFIG: Final = 2  # a worker whose options are refused exits so (as mlxceld does)
+
+
+class InvalidOption(ValueError):
+    """A value of the right type that breaks its field's rule; ``parse_options`` names it."""
+
+    def __init__(self, key: str, rule: str, value: object) -> None:
+        super().__init__(f"{key} must {rule}, not {value!r}")
+        self.key, self.rule, self.value = key, rule, value
+
+
+def _check(ok: bool, key: str, rule: str, value: object) -> None:
+    if not ok:
+        raise InvalidOption(key, rule, value)
+
+
+def _check_layers(key: str, layers: tuple[int, int]) -> None:
+    _check(0 <= layers[0] < layers[1], key, "be [start, end) with 0 <= start < end", layers)
+
+
+def _check_port(key: str, port: int) -> None:
+    _check(1 <= port <= 65535, key, "be a port in 1-65535", port)
+
+
+def _check_address(key: str, address: str | None) -> None:
+    if address is None:
+        return
+    try:
+        parse_address(address)
+    except ValueError as exc:
+        raise InvalidOption(key, f"be host:port (it {exc})", address) from None
+
+
+@dataclass(frozen=True)
+class EchoOptions:
+    """The ``echo`` role (``workers/echo.py``): a test worker that can misbehave on cue."""
+
+    role: ClassVar[str] = ECHO
+
+    interval_s: float = 1.0  # tick period
+    ready_after_s: float = 0.0  # a slow start: ready only after this long
+    crash_after_s: float | None = None  # raise RuntimeError after this long
+    exit_after_s: float | None = None  # exit with exit_code after this long
+    exit_code: int = 0
+    ignore_term: bool = False  # a stuck worker: the supervisor must SIGKILL it
+    freeze_after_s: float | None = None  # block the whole process after this long
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "interval_s", "be > 0", self.interval_s)
+        for key in ("ready_after_s", "crash_after_s", "exit_after_s", "freeze_after_s"):
+            value = getattr(self, key)
+            _check(value is None or value >= 0, key, "be >= 0", value)
+        _check(0 <= self.exit_code <= 255, "exit_code", "be in 0-255", self.exit_code)
+
+    @property
+    def timed(self) -> bool:
+        """Whether something is due at a time (then it ticks finely to catch it)."""
+        return any(t is not None for t in (self.crash_after_s, self.exit_after_s,
+                                           self.freeze_after_s))
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage the pipeline engine drives: its node id, listener, rank and layers."""
+
+    node_id: str
+    address: str  # host:port of its MXCL listener
+    rank: int
+    layers: tuple[int, int]  # [start, end)
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "rank", "be >= 0", self.rank)
+        _check_layers("layers", self.layers)
+        _check_address("address", self.address)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The router's ``pipeline``: the stages to drive, and who we are to them."""
+
+    stages: tuple[PipelineStage, ...]
+    coordinator: str  # our address, the identity the stages bind
+    model_identity: str
+    cluster: str
+
+    def __post_init__(self) -> None:
+        _check(len(self.stages) >= 1, "stages", "name at least one stage", self.stages)
+        _check_address("coordinator", self.coordinator)
+        ranks = [s.rank for s in self.stages]
+        _check(ranks == list(range(len(ranks))), "stages", "be in rank order 0, 1, ...", ranks)
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """The ``router`` role: the OpenAI port, over a local model or a ``pipeline``."""
+
+    role: ClassVar[str] = ROUTER
+
+    model: str  # a local directory or a Hugging Face repo id
+    model_name: str  # the id clients see
+    host: str
+    port: int
+    max_batch: int
+    max_queued: int
+    pipeline: PipelineOptions | None = None  # None: the model runs in this process
+
+    def __post_init__(self) -> None:
+        _check_port("port", self.port)
+        _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
+        _check(self.max_queued >= 1, "max_queued", "be >= 1", self.max_queued)
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """The ``stage`` role: one pipeline stage (``workers/stage.py`` says what each is)."""
+
+    role: ClassVar[str] = STAGE
+
+    model: str
+    layers: tuple[int, int]  # [start, end)
+    node_id: str
+    rank: int
+    address: str  # our listener, also the identity we dial the next stage with
+    coordinator: str
+    upstream: str | None
+    downstream: str | None
+    first: str | None  # on the last of 2+ stages: where decoding continues
+    last: str | None  # on the first of 2+ stages: who sends ``next``
+    model_identity: str
+    cluster: str
+    standby: bool = False  # loaded and listening; serves once activated
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "rank", "be >= 0", self.rank)
+        _check_layers("layers", self.layers)
+        for key in ("address", "coordinator", "upstream", "downstream", "first", "last"):
+            _check_address(key, getattr(self, key))
+
+
+WorkerOptions = EchoOptions | RouterOptions | StageOptions
+OPTIONS: Final[dict[str, type[WorkerOptions]]] = {
+    c.role: c for c in (EchoOptions, RouterOptions, StageOptions)}
+
+
+def options_json(options: WorkerOptions) -> dict[str, object]:
+    """``options`` as the JSON object it travels as (tuples as lists)."""
+    return _object_json(options)
+
+
+def _object_json(value: object) -> dict[str, object]:
+    assert dataclasses.is_dataclass(value) and not isinstance(value, type)
+    return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+
+
+def _to_json(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _object_json(value)
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def parse_options(role: str, raw: object, where: str = "options") -> WorkerOptions:
+    """``raw`` (JSON, or a TOML table) as ``role``'s options; ``ConfigError`` naming the
+    first field that is missing, unknown, of the wrong type or out of its range, as
+    ``where.KEY``."""
+    kind = OPTIONS.get(role)
+    if kind is None:
+        raise ConfigError(f"no worker role {role!r}",
+                          hint=f"roles: {', '.join(sorted(OPTIONS))}")
+    return _parse(kind, raw, where)
+
+
+def _parse(kind: type[T], raw: object, where: str) -> T:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{where}' must be a table of options, not {raw!r}",
+                          hint=_hint(kind))
+    fields = {f.name: f for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    hints = get_type_hints(kind)
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(f"unknown option '{where}.{key}'", hint=_hint(kind))
+    values: dict[str, object] = {}
+    for name, f in fields.items():
+        if name in raw:
+            values[name] = _value(hints[name], raw[name], f"{where}.{name}", _hint(kind))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"option '{where}.{name}' is missing", hint=_hint(kind))
+    try:
+        return kind(**values)
+    except InvalidOption as exc:
+        raise ConfigError(f"option '{where}.{exc.key}' must {exc.rule}, not {exc.value!r}",
+                          hint=_hint(kind)) from None
+
+
+def _value(tp: object, value: object, where: str, hint: str) -> object:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = (a for a in args if a is not type(None))
+        return _value(inner, value, where, hint)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise _wrong(where, "a list", value, hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_value(args[0], v, f"{where}[{i}]", hint) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _wrong(where, f"a list of {len(args)}", value, hint)
+        return tuple(_value(a, v, f"{where}[{i}]", hint)
+                     for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _parse(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _wrong(where, "true or false", value, hint)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _wrong(where, "an integer", value, hint)
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise _wrong(where, "a number", value, hint)
+    if tp is str:
+        if isinstance(value, str) and value:
+            return value
+        raise _wrong(where, "a non-empty string", value, hint)
+    raise AssertionError(f"{where}: no parser for {tp!r}")
+
+
+def _wrong(where: str, what: str, value: object, hint: str) -> ConfigError:
+    return ConfigError(f"option '{where}' must be {what}, not {value!r}", hint=hint)
+
+
+def _hint(kind: type) -> str:
+    names = [f.name for f in dataclasses.fields(kind)]
+    return f"known options here: {', '.join(names)} (mlxceld/roles/options.py)"

@@ -1,0 +1,76 @@
+"""Which workers a daemon should run: a pure function of its config and its state.
+
+``draw_roster`` reads nothing but its ``Situation`` (no database, no keyring, no
+clock) and returns the ``WorkerSpec`` of every worker that should run; the
+daemon hands that to the supervisor's ``reconcile`` whenever one of its inputs
+changes (start, SIGHUP, `mlxctl serve|unserve`, a plan pushed, a stage
+prepared or activated, a deactivation). The rules, in order:
+
+- every ``[workers.NAME]`` of the config runs, with its options and policy;
+- a stage node of a placement (a cluster TOML, or a pushed plan) runs the
+  ``stage`` worker, in standby while its assignment is only prepared, with the
+  cluster secret;
+- else the ``router`` runs when there is a model to serve and the daemon is no
+  ``--pp-peer``: over the pipeline with the cluster secret when the placement
+  makes it the coordinator, else on the model alone unless the router is held
+  back (``pp_auto`` waiting for its plan, a plan to resume at start, or after
+  `mlxctl cluster deactivate`, until `mlxctl serve`).
+
+It lives beside ``daemon.py``, not in ``supervisor/``: the supervisor runs any
+spec it is given and knows no roles, while this is the daemon's policy over
+roles, placements and ``[serve]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+from mlxceld.cluster.clusterfile.placement import (
+    STAGE_WORKER,
+    Placement,
+    pipeline_options,
+    stage_options,
+)
+from mlxceld.config.daemon import Config
+from mlxceld.config.serve import ROUTER, ServeConfig, router_options
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.states import RestartPolicy
+
+# A model takes a while to load; stopping waits for open streams (router.GRACEFUL_S: 10 s).
+MODEL_START_TIMEOUT_S: Final = 600.0
+MODEL_STOP_TIMEOUT_S: Final = 20.0
+
+
+@dataclass(frozen=True)
+class Situation:
+    """Everything the roster depends on."""
+
+    config: Config
+    serve: ServeConfig  # what to serve: flags and file, else what `mlxctl serve` chose
+    placement: Placement | None = None  # this daemon's node of a cluster, if any
+    standby: bool = False  # the stage's assignment is prepared, not yet active
+    hold_router: bool = False  # no single-host router for now (see the module docstring)
+    secret: bytes | None = field(default=None, repr=False)  # the cluster's primary secret
+    api_key: str | None = field(default=None, repr=False)  # the router's, from its file
+
+
+def draw_roster(s: Situation) -> list[WorkerSpec]:
+    """The workers that should run in ``s``, in a stable order."""
+    c, p = s.config, s.placement
+    specs = [WorkerSpec(w.name, c.state_dir, w.options, w.policy) for w in c.workers]
+    policy = model_policy(c.policy)
+    if p is not None and not p.is_coordinator:
+        specs.append(WorkerSpec(STAGE_WORKER, c.state_dir,
+                                stage_options(p, standby=s.standby), policy, secret=s.secret))
+    elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
+        options = router_options(s.serve, pipeline_options(p) if p is not None else None)
+        specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
+                                secret=s.secret if p is not None else None))
+    return specs
+
+
+def model_policy(base: RestartPolicy) -> RestartPolicy:
+    """``base`` with room for a worker that loads a model (router, stage)."""
+    return replace(base, start_timeout_s=max(base.start_timeout_s, MODEL_START_TIMEOUT_S),
+                   stop_timeout_s=max(base.stop_timeout_s, MODEL_STOP_TIMEOUT_S))

@@ -1,0 +1,128 @@
+"""A peer's ``LocalStageHost`` over a real supervisor and a real stage worker process: a
+stage that fails at once makes ``prepare_stage`` raise at once, naming the worker's state
+and why, whether the failure is final (FAILED) or to be retried (BACKOFF). The daemon's
+side is our own seam: the roster of the placement, as the daemon draws it."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mlxceld.cluster.assignment.peer import PREPARE_S
+from mlxceld.cluster.assignment.stagehost import LocalStageHost
+from mlxceld.cluster.clusterfile.placement import Placement
+from mlxceld.config.daemon import Config
+from mlxceld.config.serve import ServeConfig
+from mlxceld.errors import DaemonError
+from mlxceld.roster import Situation, draw_roster
+from mlxceld.state import EventLog, WorkersTable, open_db
+from mlxceld.supervisor.service import Supervisor
+from mlxceld.supervisor.states import RestartPolicy
+
+PROMPT_S = 20.0  # a worker's start (imports) and its first exit; PREPARE_S is 60 s
+
+
+@dataclass
+class RosterSlot:
+    """``StageSlot`` as the daemon is one: its placement and standby, drawn as a roster."""
+
+    supervisor: Supervisor
+    config: Config
+    secret: bytes
+    placement: Placement | None = None
+    standby: bool = False
+
+    def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
+        self.placement, self.standby = placement, standby
+
+    async def reconcile(self) -> None:
+        await self.supervisor.reconcile(draw_roster(Situation(
+            self.config, ServeConfig(), self.placement, standby=self.standby,
+            secret=self.secret)))
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))  # short: Unix socket paths
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def cluster_toml(port: int) -> str:
+    return f"""
+[cluster]
+name = "c1"
+pipeline_parallel_size = 1
+
+[[nodes]]
+id = "coordinator"
+address = "127.0.0.1:19000"
+role = "coordinator"
+
+[[nodes]]
+id = "stage-0"
+address = "127.0.0.1:{port}"
+role = "pipeline_stage"
+rank = 0
+layers = [0, 2]
+"""
+
+
+async def prepare_on_a_taken_port(state_dir: Path, model: Path, policy: RestartPolicy
+                                  ) -> tuple[float, str]:
+    """``prepare_stage`` of a stage whose port another listener holds: the worker fails as
+    it starts. Returns how long prepare took and what it raised."""
+    db = open_db(state_dir / "state.db")
+    events = EventLog(db)
+    supervisor = Supervisor(WorkersTable(db), events, health_interval_s=5.0,
+                            log_max_bytes=1 << 20, log_backups=1)
+    config = Config(state_dir=state_dir, socket=state_dir / "ctl.sock", policy=policy,
+                    pp_peer=True)
+    slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
+    host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
+                          model=lambda: str(model), agent_host=lambda: "127.0.0.1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        async with asyncio.TaskGroup() as tg:
+            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            tg.create_task(supervisor.run(started))
+            await started
+            begun = time.monotonic()
+            try:
+                async with asyncio.timeout(PROMPT_S):  # not PREPARE_S: "at once"
+                    with pytest.raises(DaemonError) as info:
+                        await host.prepare_stage(1, "stage-0", cluster_toml(port))
+                took = time.monotonic() - begun
+            finally:
+                await host.stop_stage()
+                supervisor.close()
+    assert slot.placement is None and supervisor.names() == []
+    assert info.value.hint == "see: mlxctl logs stage"
+    return took, info.value.message
+
+
+@pytest.mark.parametrize(("policy", "state"), [
+    (RestartPolicy(flap_max_exits=1), "failed"),  # the first failed exit is final
+    (RestartPolicy(), "backoff"),  # the first of five: a restart is due
+])
+def test_a_stage_that_fails_at_once_is_reported_at_once(state_dir: Path, fixture_dir: Path,
+                                                        policy: RestartPolicy,
+                                                        state: str) -> None:
+    took, message = asyncio.run(prepare_on_a_taken_port(state_dir, fixture_dir / "llama",
+                                                        policy))
+    assert took < PROMPT_S < PREPARE_S
+    assert message.startswith(f"stage worker is {state}: ")
+    assert "cannot listen on 127.0.0.1:" in message and "for stage stage-0" in message

@@ -1,0 +1,149 @@
+"""Which workers a daemon runs, as a pure function of its config and state: each case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxceld.cluster.clusterfile.load import parse_cluster_text
+from mlxceld.cluster.clusterfile.placement import Placement
+from mlxceld.config.daemon import Config, WorkerConfig
+from mlxceld.config.serve import ServeConfig
+from mlxceld.roles.options import EchoOptions, RouterOptions, StageOptions
+from mlxceld.roster import (
+    MODEL_START_TIMEOUT_S,
+    MODEL_STOP_TIMEOUT_S,
+    Situation,
+    draw_roster,
+)
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.states import RestartPolicy
+
+STATE = Path("/nonexistent/mlxceld")  # never touched: the roster does no IO
+SECRET = b"s" * 32
+KEY = "sk-test-0123456789"
+MODEL = "/models/tiny"
+IDENTITY = "ab" * 32
+POLICY = RestartPolicy(backoff_initial_s=0.5, start_timeout_s=5.0, stop_timeout_s=2.0)
+CLUSTER = parse_cluster_text("""
+[cluster]
+name = "lab"
+pipeline_parallel_size = 2
+
+[[nodes]]
+id = "coordinator"
+address = "127.0.0.1:19000"
+role = "coordinator"
+
+[[nodes]]
+id = "stage-0"
+address = "127.0.0.2:19100"
+role = "pipeline_stage"
+rank = 0
+layers = [0, 2]
+
+[[nodes]]
+id = "stage-1"
+address = "127.0.0.3:19101"
+role = "pipeline_stage"
+rank = 1
+layers = [2, 4]
+""", Path("cluster-1.toml"))
+
+
+def placed(node_id: str) -> Placement:
+    node = next(n for n in CLUSTER.nodes if n.id == node_id)
+    return Placement(CLUSTER, node, Path(MODEL), IDENTITY)
+
+
+def situation(*, config: Config | None = None, model: str | None = MODEL,
+              placement: Placement | None = None, standby: bool = False,
+              hold_router: bool = False) -> Situation:
+    c = config or Config(state_dir=STATE, socket=STATE / "s.sock", policy=POLICY)
+    return Situation(c, ServeConfig(model=model), placement, standby=standby,
+                     hold_router=hold_router, secret=SECRET, api_key=KEY)
+
+
+def only(specs: list[WorkerSpec]) -> WorkerSpec:
+    assert len(specs) == 1, specs
+    return specs[0]
+
+
+def test_nothing_configured_runs_nothing() -> None:
+    assert draw_roster(situation(model=None)) == []
+
+
+def test_a_single_host_serves_its_model_with_the_api_key_and_no_secret() -> None:
+    spec = only(draw_roster(situation()))
+    assert (spec.name, spec.role, spec.state_dir) == ("router", "router", STATE)
+    assert spec.options == RouterOptions(model=MODEL, model_name="tiny", host="127.0.0.1",
+                                         port=8080, max_batch=8, max_queued=64)
+    assert spec.api_key == KEY and spec.secret is None  # a single host needs no secret
+    # A model loads slowly and drains its streams: [supervisor]'s policy, widened.
+    assert spec.policy == RestartPolicy(backoff_initial_s=0.5,
+                                        start_timeout_s=MODEL_START_TIMEOUT_S,
+                                        stop_timeout_s=MODEL_STOP_TIMEOUT_S)
+
+
+def test_configured_workers_come_first_with_their_own_policy() -> None:
+    echo = WorkerConfig("ticker", EchoOptions(interval_s=0.2), RestartPolicy(flap_max_exits=2))
+    config = Config(state_dir=STATE, socket=STATE / "s.sock", policy=POLICY, workers=(echo,))
+    first, router = draw_roster(situation(config=config))
+    assert first == WorkerSpec("ticker", STATE, EchoOptions(interval_s=0.2),
+                               RestartPolicy(flap_max_exits=2))
+    assert first.secret is None and first.api_key is None
+    assert router.name == "router"
+    assert [s.name for s in draw_roster(situation(config=config, model=None))] == ["ticker"]
+
+
+@pytest.mark.parametrize("standby", [False, True])
+def test_a_stage_node_runs_its_stage_with_the_secret_and_no_router(standby: bool) -> None:
+    config = Config(state_dir=STATE, socket=STATE / "s.sock", policy=POLICY, pp_peer=True)
+    spec = only(draw_roster(situation(config=config, placement=placed("stage-1"),
+                                      standby=standby)))
+    assert (spec.name, spec.role, spec.secret, spec.api_key) == ("stage", "stage", SECRET,
+                                                                 None)
+    assert spec.options == StageOptions(
+        model=MODEL, layers=(2, 4), node_id="stage-1", rank=1, address="127.0.0.3:19101",
+        coordinator="127.0.0.1:19000", upstream="127.0.0.2:19100", downstream=None,
+        first="127.0.0.2:19100", last=None, model_identity=IDENTITY, cluster="lab",
+        standby=standby)
+    assert spec.policy.start_timeout_s == MODEL_START_TIMEOUT_S
+
+
+def test_a_stage_node_of_a_written_cluster_runs_its_stage_too() -> None:
+    spec = only(draw_roster(situation(placement=placed("stage-0"))))  # no pp_peer
+    assert isinstance(spec.options, StageOptions) and spec.options.last == "127.0.0.3:19101"
+
+
+def test_a_coordinator_serves_the_pipeline_with_the_secret_even_while_holding() -> None:
+    for hold in (False, True):  # a pushed plan's router runs though pp_auto held it back
+        spec = only(draw_roster(situation(placement=placed("coordinator"),
+                                          hold_router=hold)))
+        assert spec.name == "router" and spec.secret == SECRET and spec.api_key == KEY
+        assert isinstance(spec.options, RouterOptions)
+        pipe = spec.options.pipeline
+        assert pipe is not None and pipe.coordinator == "127.0.0.1:19000"
+        assert [(s.node_id, s.address, s.rank, s.layers) for s in pipe.stages] == [
+            ("stage-0", "127.0.0.2:19100", 0, (0, 2)),
+            ("stage-1", "127.0.0.3:19101", 1, (2, 4))]
+        assert (pipe.model_identity, pipe.cluster) == (IDENTITY, "lab")
+
+
+def test_no_single_host_router_while_held_back() -> None:
+    """pp_auto waiting for its plan, a plan to resume, or after a deactivation."""
+    config = Config(state_dir=STATE, socket=STATE / "s.sock", policy=POLICY, pp_auto=2)
+    assert draw_roster(situation(config=config, hold_router=True)) == []
+    assert only(draw_roster(situation(config=config, hold_router=False))).name == "router"
+
+
+def test_a_peer_without_a_stage_runs_no_router() -> None:
+    config = Config(state_dir=STATE, socket=STATE / "s.sock", policy=POLICY, pp_peer=True)
+    assert draw_roster(situation(config=config)) == []
+
+
+def test_the_same_situation_gives_the_same_roster() -> None:
+    s = situation(placement=placed("coordinator"))
+    assert draw_roster(s) == draw_roster(s)
+    assert not STATE.exists()

@@ -1,0 +1,152 @@
+"""Each role's options: JSON out and back unchanged, a bad field refused by name, once, on
+entry; a real worker handed bad options exits EXIT_CONFIG, naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxceld.errors import ConfigError
+from mlxceld.roles import ROLES
+from mlxceld.roles.options import (
+    EXIT_CONFIG,
+    OPTIONS,
+    EchoOptions,
+    PipelineOptions,
+    PipelineStage,
+    RouterOptions,
+    StageOptions,
+    WorkerOptions,
+    options_json,
+    parse_options,
+)
+from mlxceld.supervisor.exits import read_exit_record
+from mlxceld.supervisor.process import WorkerSpec, child_environment
+
+PIPELINE = PipelineOptions(
+    stages=(PipelineStage("stage-0", "127.0.0.2:19100", 0, (0, 2)),
+            PipelineStage("stage-1", "[::1]:19101", 1, (2, 4))),
+    coordinator="127.0.0.1:19000", model_identity="ab" * 32, cluster="c1")
+ROUTER = RouterOptions(model="/models/tiny", model_name="tiny", host="127.0.0.1", port=8080,
+                       max_batch=8, max_queued=64)
+STAGE = StageOptions(model="/models/tiny", layers=(2, 4), node_id="stage-1", rank=1,
+                     address="127.0.0.3:19101", coordinator="127.0.0.1:19000",
+                     upstream="127.0.0.2:19100", downstream=None, first="127.0.0.2:19100",
+                     last=None, model_identity="ab" * 32, cluster="c1", standby=True)
+
+
+def test_every_role_has_its_options() -> None:
+    assert set(OPTIONS) == set(ROLES)
+
+
+@pytest.mark.parametrize("options", [
+    EchoOptions(), EchoOptions(interval_s=0.2, crash_after_s=1, exit_code=3, ignore_term=True),
+    ROUTER, replace(ROUTER, pipeline=PIPELINE), STAGE,
+], ids=["echo", "echo-all", "router", "router-pipeline", "stage"])
+def test_options_cross_as_json_and_come_back_equal(options: WorkerOptions) -> None:
+    wire = json.loads(json.dumps(options_json(options)))  # as the bootstrap pipe carries it
+    back = parse_options(options.role, wire)
+    assert back == options and type(back) is type(options)
+
+
+def test_the_json_is_plain() -> None:
+    wire = options_json(replace(ROUTER, pipeline=PIPELINE))
+    pipeline = wire["pipeline"]
+    assert isinstance(pipeline, dict)
+    assert pipeline["stages"][1] == {"node_id": "stage-1", "address": "[::1]:19101",
+                                     "rank": 1, "layers": [2, 4]}
+    assert wire["port"] == 8080 and options_json(STAGE)["downstream"] is None
+
+
+def refused(role: str, raw: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_options(role, raw)
+    assert info.value.hint
+    return info.value.message
+
+
+def stage(**change: Any) -> dict[str, Any]:
+    return {**json.loads(json.dumps(options_json(STAGE))), **change}
+
+
+@pytest.mark.parametrize(("raw", "said"), [
+    (stage(layers=[2]), "option 'options.layers' must be a list of 2, not [2]"),
+    (stage(layers=[4, 2]), "option 'options.layers' must be [start, end) with 0 <= start < end, "
+                           "not (4, 2)"),
+    (stage(layers=["2", 4]), "option 'options.layers[0]' must be an integer, not '2'"),
+    (stage(rank=True), "option 'options.rank' must be an integer, not True"),
+    (stage(rank=-1), "option 'options.rank' must be >= 0, not -1"),
+    (stage(downstream="127.0.0.4"), "option 'options.downstream' must be host:port "
+                                    "(it has no ':port'), not '127.0.0.4'"),
+    (stage(upstream=""), "option 'options.upstream' must be a non-empty string, not ''"),
+    (stage(standby="yes"), "option 'options.standby' must be true or false, not 'yes'"),
+    (stage(colour="blue"), "unknown option 'options.colour'"),
+    ({k: v for k, v in stage().items() if k != "cluster"}, "option 'options.cluster' is "
+                                                           "missing"),
+    ([1, 2], "'options' must be a table of options, not [1, 2]"),
+])
+def test_a_bad_stage_option_is_named(raw: object, said: str) -> None:
+    assert refused("stage", raw) == said
+
+
+def test_a_bad_pipeline_stage_is_named_by_its_path() -> None:
+    raw = json.loads(json.dumps(options_json(replace(ROUTER, pipeline=PIPELINE))))
+    raw["pipeline"]["stages"][1]["layers"] = [2, "4"]
+    assert refused("router", raw) == ("option 'options.pipeline.stages[1].layers[1]' must be "
+                                      "an integer, not '4'")
+    raw["pipeline"]["stages"][1]["layers"] = [2, 4]
+    raw["pipeline"]["stages"][1]["rank"] = 5
+    assert refused("router", raw) == ("option 'options.pipeline.stages' must be in rank "
+                                      "order 0, 1, ..., not [0, 5]")
+    raw["pipeline"] = None
+    assert parse_options("router", raw) == ROUTER  # no pipeline: the model runs locally
+
+
+def test_an_unknown_role_is_refused() -> None:
+    assert refused("hybrid", {}) == "no worker role 'hybrid'"
+
+
+def test_defaults_fill_in_and_numbers_widen() -> None:
+    assert parse_options("echo", {"interval_s": 1}) == EchoOptions(interval_s=1.0)
+    assert parse_options("echo", {}) == EchoOptions()
+
+
+# -- a real worker, handed bad options on its bootstrap pipe ----------------------------------
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))  # short: Unix socket paths
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_worker_refuses_bad_options_before_its_role_runs(state_dir: Path) -> None:
+    spec = WorkerSpec("w1", state_dir, EchoOptions())
+    boot = spec.bootstrap()
+    boot["options"] = {"interval_s": "soon"}  # what no daemon of ours writes
+    for d in (spec.control_socket.parent, spec.log_path.parent):
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "mlxceld.workers", "--role", "echo",
+                             "--name", "w1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=child_environment(), cwd=state_dir)
+    out, _ = proc.communicate(json.dumps(boot).encode(), timeout=30)
+    assert proc.returncode == EXIT_CONFIG
+    said = "option 'options.interval_s' must be a number, not 'soon'"
+    assert said in out.decode()
+    assert "Traceback" not in out.decode()  # a refusal, not a crash
+    cause = read_exit_record(spec.exit_record, proc.pid)
+    assert cause is not None and (cause.kind, cause.returncode) == ("config", EXIT_CONFIG)
+    assert said in cause.summary
+    assert not spec.control_socket.exists()  # it never got as far as its channel
