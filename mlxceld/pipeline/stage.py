@@ -100,7 +100,6 @@ class _Work(Step):
 class StageStats:
     steps: int = 0  # forward passes (a batch is one)
     tokens: int = 0
-    batched: int = 0  # sequence steps that ran in a batch of two or more
     refused: int = 0
     compute_s: float = 0.0  # time in the stage's layers
     inline: int = 0  # steps run on the event loop's thread (short decode steps)
@@ -312,7 +311,6 @@ class StageService:
                                        f"stage {self._place.node_id} failed: {exc}")
             return
         self.stats.steps += 1
-        self.stats.batched += len(group) if len(group) > 1 else 0
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)
