@@ -16,7 +16,7 @@ PACKAGE = ROOT / "mlxceld"
 # Bottom first. A room is a package under mlxceld/ or a top-level module.
 STACK = [
     "wire",  # the sans-IO protocol core: imports nothing of ours
-    "errors", "types", "paths", "privatefile", "failpoints", "roles", "sdnotify",
+    "errors", "types", "paths", "privatefile", "failpoints", "roles", "sdnotify", "tasks",
     "state", "models", "net",
     "supervisor", "control",
     "config",

@@ -43,6 +43,8 @@ async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) ->
     """Run ``work`` (the request's body already read) until it ends or the client
     disconnects; return True if the client went away and ``work`` was cancelled.
     An exception of ``work`` propagates."""
+    # Not a task group: both tasks end in this scope, and a group would wrap work's
+    # exception (the caller catches its OSError) in an ExceptionGroup.
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(_disconnected(receive))
     try:

@@ -63,7 +63,6 @@ from mlxceld.wire import Envelope, MessageSpec, encode_envelope
 
 AGENT_CHANNEL: Final = 3
 INVENTORY: Final = "inventory"
-REQUEST_SPECS: Final = {INVENTORY: MessageSpec()}  # what an agent accepts on channel 3
 ANSWER_SPECS: Final = {INVENTORY: MessageSpec(), "error": MessageSpec()}  # what the asker does
 MAX_PORTS: Final = 8
 FREE_PORTS: Final = 3  # proposed per answer

@@ -1,4 +1,5 @@
-"""Engines: local (in-process model) now; pipeline and disaggregated later."""
+"""Engines: the seam the router's API drives (``base``) and the local, in-process engine
+(``local``); the pipeline engine over stages on other hosts is ``mlxceld.pipeline``."""
 
 from mlxceld.engine.base import (
     Engine,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -61,7 +60,6 @@ class LocalEngine:
             prefill_step_size=prefill_step,
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._keys = itertools.count()
         self._by_uid: dict[int, _Sequence] = {}
         # KV caches of finished sequences, by their tokens: a new prompt that shares a
         # prefix (a chat's earlier turns, a repeated system prompt) skips that prefill.

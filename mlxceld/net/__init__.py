@@ -1,19 +1,19 @@
 """The asyncio shell around the MXCL v1 sans-IO core in ``mlxceld.wire``.
 
 ``Listener`` accepts and authenticates, ``connect`` dials with backoff,
-``ConnectionPool`` reuses streams per (peer, channel); ``MxclStream`` is one
-established connection; ``SecurityLog`` rate-limits the warnings they raise.
+``Redialer`` keeps one outgoing stream up (dialed on first use and again once it
+broke); ``MxclStream`` is one established connection; ``SecurityLog`` rate-limits
+the warnings they raise.
 """
 
 from mlxceld.net.dialer import connect, connect_as
 from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
 from mlxceld.net.listener import Listener, source_bucket
-from mlxceld.net.pool import ConnectionPool, PoolClosed
+from mlxceld.net.redialer import Redialer
 from mlxceld.net.securitylog import SecurityClass, SecurityLog, Verdict
 from mlxceld.net.stream import MxclStream
 
 __all__ = [
-    "ConnectionClosed", "ConnectionPool", "HandshakeFailed", "Listener", "MxclStream",
-    "NetError", "PoolClosed", "SecurityClass", "SecurityLog", "Verdict", "connect", "connect_as",
-    "source_bucket",
+    "ConnectionClosed", "HandshakeFailed", "Listener", "MxclStream", "NetError", "Redialer",
+    "SecurityClass", "SecurityLog", "Verdict", "connect", "connect_as", "source_bucket",
 ]

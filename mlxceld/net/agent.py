@@ -63,17 +63,11 @@ class AgentService:
         self._handlers[(channel, kind)] = handler
 
     async def run(self, started: asyncio.Future[None]) -> None:
+        """Serve until ``aclose``; ``started`` resolves once it accepts. ``OSError`` if the
+        address cannot be bound."""
         await self._listener.start()
-        serving = asyncio.ensure_future(self._listener.serve())
-        try:
-            await self._listener.wait_accepting()
-            started.set_result(None)
-            log.info("agent listener on %s (MXCL channels assignment, agent)", self.address)
-            await serving
-        finally:
-            if not serving.done():
-                await self._listener.aclose()
-                await serving
+        log.info("agent listener on %s (MXCL channels assignment, agent)", self.address)
+        await self._listener.serve(started)
 
     async def aclose(self) -> None:
         await self._listener.aclose()

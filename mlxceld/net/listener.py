@@ -4,7 +4,8 @@ Bounds of PROTOCOL.md section 2: sockets that have not finished the handshake co
 from a pending pool (64 in flight, 8 per source, a source being an IPv4 address or
 an IPv6 /64); a socket beyond either bound is closed at accept. Each handshake has
 5 s. Authenticated connections are capped (512); past the cap the core answers
-verdict 1. Every accepted socket is served by one task in the listener's TaskGroup.
+verdict 1. Every accepted socket is served by one task in the listener's task group;
+a handler that raises ends its own connection, never the listener.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from mlxceld.net.errors import ConnectionClosed
 from mlxceld.net.stream import MxclStream, close_writer, handshake
+from mlxceld.tasks import cancelling_group
 from mlxceld.wire import (
     HANDSHAKE_TIMEOUT_S,
     Connection,
@@ -80,8 +82,7 @@ class Listener:
         self._pending_total = 0
         self._established = 0
         self._server: asyncio.Server | None = None
-        self._tg: asyncio.TaskGroup | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tg: asyncio.TaskGroup | None = None  # the connections' (while serving)
         self._stop = asyncio.Event()
         self._stopped = asyncio.Event()
         self._serving = False
@@ -107,22 +108,23 @@ class Listener:
                                                   start_serving=False)
         log.info("MXCL listener bound on %s:%d", self.host, self.port)
 
-    async def serve(self) -> None:
-        """Accept and serve until ``aclose``; owns every connection's task."""
+    async def serve(self, started: asyncio.Future[None] | None = None) -> None:
+        """Accept and serve until ``aclose``, then cancel every connection's task (each in
+        the one task group this owns); ``started`` resolves once it accepts."""
         if self._server is None:
             await self.start()
         assert self._server is not None
         self._serving = True
         try:
-            async with asyncio.TaskGroup() as tg:
+            async with cancelling_group() as tg:
                 self._tg = tg
                 await self._server.start_serving()
                 self._accepting.set()
+                if started is not None:
+                    started.set_result(None)
                 await self._stop.wait()
                 self._server.close()
                 self._tg = None
-                for task in list(self._tasks):
-                    task.cancel()
         finally:
             self._tg = None
             self._server.close()
@@ -163,9 +165,7 @@ class Listener:
             return
         self._pending[bucket] += 1
         self._pending_total += 1
-        task = self._tg.create_task(self._serve_one(reader, writer, ip, peer, bucket))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tg.create_task(self._serve_one(reader, writer, ip, peer, bucket))
 
     def _release_pending(self, bucket: str) -> None:
         self._pending_total -= 1
@@ -218,6 +218,8 @@ class Listener:
             await close_writer(writer)
 
     async def _run_handler(self, stream: MxclStream) -> None:
+        """The handler's error ends its connection only: caught here, it never reaches the
+        task group, where it would end the listener and every other connection."""
         try:
             await self._handler(stream)
         except ConnectionClosed as exc:

@@ -8,7 +8,7 @@ the last one (how many, of which kinds). Classes:
 - ``noise``: junk connections and pool refusals
 - ``diagnostic``: typed refusals and authentication failures
 - ``capacity``: at-capacity verdicts
-- ``router_drop``: the router dropping a connection (later)
+- ``router_drop``: the router dropping a connection (no caller warns in it today)
 
 ``admit`` is pure (time comes in as ``now``); ``warn`` is the thin shell that
 reads the monotonic clock and logs through this module's logger. A message is

@@ -211,6 +211,8 @@ class PipelineEngine:
                     await link.send({"t": "release", "seq": seq})
 
     def _spawn(self, coro: Any) -> None:
+        # Not a task group: a release outlives its request, and the engine has no scope of
+        # its own (requests run without keep_linked too); aclose waits for these.
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

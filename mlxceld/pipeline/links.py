@@ -167,6 +167,8 @@ class StageLink:
                        f"config says {list(stage.layers)}: restart it with the same config")
         self._stream = stream
         self._gone = asyncio.Event()
+        # Not a task group: the reader outlives the request (or keep_up) that attached the
+        # link, and the engine has no scope of its own; aclose cancels and awaits it.
         self._reader = asyncio.ensure_future(self._read(stream, self._gone))
         old = self.conn.state
         self.conn.attached(time.time())

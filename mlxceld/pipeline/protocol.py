@@ -75,7 +75,6 @@ SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 ERR_NOT_COORDINATOR: Final = "not_coordinator"
 ERR_NOT_UPSTREAM: Final = "not_upstream"
 ERR_NOT_LAST: Final = "not_last_stage"
-ERR_NOT_FIRST: Final = "not_first_stage"
 ERR_NOT_OWNER: Final = "not_owner"
 ERR_UNKNOWN_SEQ: Final = "unknown_sequence"
 ERR_MODEL_MISMATCH: Final = "model_mismatch"

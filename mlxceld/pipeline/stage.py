@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import struct
 import time
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from mlxceld.engine.base import SamplingParams
-from mlxceld.net import ConnectionClosed, MxclStream, connect
+from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.net.errors import NetError
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
@@ -99,7 +100,6 @@ class _Work(Step):
 class StageStats:
     steps: int = 0  # forward passes (a batch is one)
     tokens: int = 0
-    batched: int = 0  # sequence steps that ran in a batch of two or more
     refused: int = 0
     compute_s: float = 0.0  # time in the stage's layers
     inline: int = 0  # steps run on the event loop's thread (short decode steps)
@@ -115,8 +115,8 @@ class StageService:
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         me = parse_address(place.address)
-        self._down = _Dialer(place.downstream, keyring, me, "next stage")
-        self._ring = _Dialer(place.first, keyring, me, "first stage")
+        self._down = _redialer(place.downstream, keyring, me, "next stage")
+        self._ring = _redialer(place.first, keyring, me, "first stage")
         self._resolver = Resolver()  # the configured peers' host names
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self._inline = False  # the last decode step was short: run the next one inline
@@ -272,21 +272,28 @@ class StageService:
     # -- compute ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Take what is queued, run it in groups (``compute.plan``), forward each result.
-        Runs until cancelled."""
-        loop = asyncio.get_running_loop()
+        """Take what is queued, run it in groups (``compute.plan``), forward each result;
+        meanwhile read the connections to the next and the first stage. Runs until
+        cancelled."""
         try:
-            while True:
-                queued = [await self._queue.get()]
-                while not self._queue.empty():
-                    queued.append(self._queue.get_nowait())
-                for group in plan(queued):
-                    live = [w for w in group if isinstance(w, _Work)
-                            and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
-                    if live:
-                        await self._run_group(loop, live)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._down.run())
+                tg.create_task(self._ring.run())
+                await self._take_and_run()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _take_and_run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            queued = [await self._queue.get()]
+            while not self._queue.empty():
+                queued.append(self._queue.get_nowait())
+            for group in plan(queued):
+                live = [w for w in group if isinstance(w, _Work)
+                        and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
+                if live:
+                    await self._run_group(loop, live)
 
     async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[_Work]) -> None:
         try:
@@ -304,7 +311,6 @@ class StageService:
                                        f"stage {self._place.node_id} failed: {exc}")
             return
         self.stats.steps += 1
-        self.stats.batched += len(group) if len(group) > 1 else 0
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)
@@ -352,7 +358,7 @@ class StageService:
             {"t": "next", "seq": work.seq_id, "step": work.step + 1},
             [("tokens", "i32", (1, 1), blob)]))
 
-    async def _send_on(self, dialer: _Dialer, work: _Work, message: bytes) -> None:
+    async def _send_on(self, dialer: Redialer, work: _Work, message: bytes) -> None:
         try:
             stream = await dialer.stream()
             await stream.send(message)
@@ -368,54 +374,22 @@ class StageService:
             p.error_header(code, message, work.seq_id, work.step)))
 
     async def aclose(self) -> None:
-        await self._down.aclose()
-        await self._ring.aclose()
+        await self._down.aclose("stage stopping")
+        await self._ring.aclose("stage stopping")
         self._seqs.clear()
 
 
-class _Dialer:
-    """One outgoing stage connection (to the next stage, or the first), dialed when first
-    needed and again after it broke."""
+def _redialer(target: tuple[str, int] | None, keyring: Keyring, me: HostPort,
+              what: str) -> Redialer:
+    """The connection to the next (or the first) stage, dialed as ``me``, our listener."""
+    return Redialer(target, keyring=keyring, origin=me, channel=1, what=what,
+                    budget_s=DOWNSTREAM_DIAL_S, on_message=functools.partial(_unexpected, what))
 
-    def __init__(self, target: tuple[str, int] | None, keyring: Keyring, origin: HostPort,
-                 what: str) -> None:
-        self.target = target
-        self.what = what
-        self._keyring = keyring
-        self._origin = origin  # our own listener: the identity we claim
-        self._stream: MxclStream | None = None
-        self._lock = asyncio.Lock()
-        self._drain: asyncio.Task[None] | None = None
 
-    async def stream(self) -> MxclStream:
-        async with self._lock:
-            if self._stream is not None and not self._stream.closed:
-                return self._stream
-            assert self.target is not None, f"this stage has no {self.what}"
-            host, port = self.target
-            self._stream = await connect(
-                host, port, keyring=self._keyring, identity=self._origin.claim(), channel=1,
-                budget_s=DOWNSTREAM_DIAL_S, local_addr=self._origin.local_addr())
-            self._drain = asyncio.ensure_future(self._read(self._stream))
-            log.info("connected to the %s at %s", self.what, _addr(self.target))
-            return self._stream
-
-    def forget(self) -> None:
-        self._stream = None
-
-    async def _read(self, stream: MxclStream) -> None:
-        """Read the connection: answers pongs, logs what the other stage refuses."""
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                payload = await stream.recv()
-                log.warning("the %s sent %d unexpected bytes (%r...)", self.what,
-                            len(payload), bytes(payload[:120]))
-
-    async def aclose(self) -> None:
-        if self._drain is not None:
-            self._drain.cancel()
-        if self._stream is not None:
-            await self._stream.close("stage stopping")
+def _unexpected(what: str, payload: bytes) -> None:
+    """What the next (or first) stage sends us: it answers nothing, only refuses."""
+    log.warning("the %s sent %d unexpected bytes (%r...)", what, len(payload),
+                bytes(payload[:120]))
 
 
 def _addr(hp: tuple[str, int] | None) -> str:

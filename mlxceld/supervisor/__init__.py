@@ -1,4 +1,6 @@
-"""Worker supervision: the sans-IO lifecycle state machine (and, later, the process runner)."""
+"""Worker supervision: the sans-IO lifecycle state machine (``states``, exported here), the
+runner that carries out its actions (``runner``), processes, health, logs, and the
+``Supervisor`` over them all (``service``)."""
 
 from mlxceld.supervisor.states import (
     Action,

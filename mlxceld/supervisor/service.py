@@ -29,6 +29,7 @@ from mlxceld.supervisor.states import (
     StopRequested,
     Transitioned,
 )
+from mlxceld.tasks import cancelling_group
 from mlxceld.types import JSON, WorkerState
 
 log = logging.getLogger(__name__)
@@ -50,28 +51,23 @@ class Supervisor:
         self._rand = rand
         self._runners: dict[str, WorkerRunner] = {}
         self._tg: asyncio.TaskGroup | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
 
     # -- lifetime -------------------------------------------------------------------------
 
     async def run(self, started: asyncio.Future[None]) -> None:
-        """Own every runner task until ``close``; ``started`` resolves once tasks can be made."""
-        async with asyncio.TaskGroup() as tg:
+        """Own every runner task until ``close`` (then they are cancelled); ``started``
+        resolves once tasks can be made."""
+        async with cancelling_group() as tg:
             self._tg = tg
             self._spawn_task(self._rotate_logs())
             started.set_result(None)
             await self._closing.wait()
-            for task in list(self._tasks):
-                task.cancel()
         self._tg = None
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tg is not None, "supervisor is not running"
-        task = self._tg.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tg.create_task(coro)
 
     def close(self) -> None:
         self._closing.set()

@@ -29,7 +29,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TEMPLATE = HERE / f"{NAME}.rb.in"
 FORMULA = HERE / f"{NAME}.rb"
-URL = "https://github.com/mlxceld/mlxceld/releases/download/v{version}/mlxceld-{version}.tar.gz"
 GENERATED = ("Written by `make formula` (packaging/homebrew/formula.py) from mlxceld.rb.in: "
              "edit that.")
 # pip builds and installs the unpacked tree: the project, its readme and its license.

@@ -258,3 +258,34 @@ def test_unreachable_peer_is_retried_until_the_budget_ends() -> None:
         assert "attempts" in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
 
     run(main())
+
+
+def test_a_handler_that_raises_ends_its_connection_only(caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    async def handler(stream: MxclStream) -> None:
+        msg = await stream.recv()
+        if msg == b"crash":
+            raise RuntimeError("a bug in the handler")
+        await stream.send(msg)
+        await stream.send(await stream.recv())
+
+    async def main() -> None:
+        async with serving(handler) as lst:
+            calm = await dial(lst.port)
+            await calm.send(b"one")
+            assert await calm.recv() == b"one"
+            crashing = await dial(lst.port)
+            await crashing.send(b"crash")
+            with pytest.raises(ConnectionClosed):  # closed by the listener, not left open
+                await crashing.recv()
+            await calm.send(b"two")  # the other connection is still served
+            assert await calm.recv() == b"two"
+            later = await dial(lst.port)  # and the listener still accepts
+            await later.send(b"three")
+            assert await later.recv() == b"three"
+            for stream in (calm, crashing, later):
+                await stream.close()
+
+    run(main())
+    assert any(r.exc_info and "a bug in the handler" in str(r.exc_info[1])
+               for r in caplog.records)

@@ -25,7 +25,7 @@ Deadlines: offers until ``start + push_s - commit_window_s`` (a peer's
 ``preparing`` heartbeat, sent while it loads its weights, moves its own
 deadline to ``heartbeat + frame_s``); the commit phase ``commit_window_s``; once
 ``activate`` is persisted the decision is final: activation is re-sent until
-every peer is active (``resend_s``), even by a coordinator that restarted.
+every peer is active (every ``RESEND_S``), even by a coordinator that restarted.
 
 A peer (``PeerRound``, in ``peer_round.py``, its names exported here too)
 persists its vote before it sends it and follows the coordinator's decisions;

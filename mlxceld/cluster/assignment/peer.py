@@ -68,6 +68,7 @@ from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_a
 from mlxceld.net.agent import AgentService
 from mlxceld.net.resolve import Resolver
 from mlxceld.state.plans import Assignments
+from mlxceld.tasks import cancelling_group
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
 from mlxceld.wire.envelope import parse_envelope
@@ -124,7 +125,7 @@ class Assignee:
         self._state_dir = state_dir
         self._enabled = enabled
         self._current: _Current | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tg: asyncio.TaskGroup | None = None  # a round's prepare and query, while running
         self._wake = asyncio.Event()
         self._closed = False
         self._preparing: asyncio.Task[None] | None = None
@@ -143,7 +144,18 @@ class Assignee:
                 "coordinator": row.coordinator, "reason": row.reason}
 
     async def run(self) -> None:
-        """Resume a committed or active assignment, then keep the round's timer."""
+        """Resume a committed or active assignment, then keep the round's timer until
+        ``close``; a round's prepare and query run in this one's task group (cancelled at
+        ``close``)."""
+        async with cancelling_group() as tg:
+            self._tg = tg
+            try:
+                await self._resume()
+                await self._keep_timer()
+            finally:
+                self._tg = None
+
+    async def _resume(self) -> None:
         loop = asyncio.get_running_loop()
         row = self._assignments.latest()
         if row is not None and row.state == "active" and self._enabled:
@@ -165,20 +177,18 @@ class Assignee:
             self._current = _Current(r, row.coordinator, row.stage, row.toml)
             log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
             await self._execute(actions, wait_prepare=True)
-        try:
-            while not self._closed:
-                cur = self._current
-                deadline = cur.round.deadline if cur else None
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(deadline):
-                        await self._wake.wait()
-                if cur is not None and cur is self._current and not self._closed:
-                    await self._execute(cur.round.handle_timer(loop.time()))
-        finally:
-            for t in list(self._tasks):
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _keep_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            cur = self._current
+            deadline = cur.round.deadline if cur else None
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._wake.wait()
+            if cur is not None and cur is self._current and not self._closed:
+                await self._execute(cur.round.handle_timer(loop.time()))
 
     def close(self) -> None:
         """End ``run`` (the daemon is shutting down); a round in progress ends with it."""
@@ -334,7 +344,7 @@ class Assignee:
                 if wait_prepare:
                     await self._prepare(cur, heartbeat=False)
                 else:
-                    self._preparing = self._spawn(self._prepare(cur, heartbeat=True))
+                    self._preparing = self._spawn(self._prepare(cur, heartbeat=True), "prepare")
             elif isinstance(a, StageAction) and a.what == "activate":
                 try:
                     await self._host.activate_stage()
@@ -345,7 +355,7 @@ class Assignee:
                 await self._cancel_prepare()
                 await self._host.stop_stage()
             elif isinstance(a, Query):
-                self._spawn(self._query(cur))
+                self._spawn(self._query(cur), "query")
 
     async def _reply(self, cur: _Current, a: Reply) -> None:
         fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
@@ -365,6 +375,8 @@ class Assignee:
             failpoints.crash("peer-after-accepted")
 
     async def _prepare(self, cur: _Current, *, heartbeat: bool) -> None:
+        # Not a task group: awaited here between heartbeats and cancelled below, and a
+        # group would wrap the MlxceldError caught below in an ExceptionGroup.
         task = asyncio.ensure_future(self._host.prepare_stage(
             cur.round.epoch, f"stage-{cur.stage}", cur.toml))
         try:
@@ -425,11 +437,14 @@ class Assignee:
             task.cancel()
             await asyncio.wait({task})
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None] | None:
+        """``coro`` as a task of ``run``'s group; not started when ``run`` is not running
+        (the daemon is shutting down)."""
+        if self._tg is None:
+            log.info("stage assignment: not running; the %s is not started", what)
+            coro.close()
+            return None
+        return self._tg.create_task(coro)
 
 
 def _dialable(offer: Offer, bound: HostPort) -> str:

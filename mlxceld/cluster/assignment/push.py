@@ -233,6 +233,8 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
                 return a
         return None
 
+    # Not a task group: the readers end in the finally below, and a group would wrap the
+    # round's own errors (the MlxceldError the coordinator catches) in an ExceptionGroup.
     readers = [asyncio.create_task(dial(agent)) for agent in first]
     try:
         if watch is not None:

@@ -81,7 +81,7 @@ def render_plan_table(plan: Plan) -> str:
 def plan_json(plan: Plan) -> PlanJSON:
     """The plan as ``mlxctl.cluster.plan/1``."""
     return {
-        "schema": "mlxctl.cluster.plan/1",
+        "schema": SCHEMA,
         "num_layers": plan.num_layers,
         "reserve": {"context_tokens": plan.reserve.context_tokens,
                     "activation_bytes": plan.reserve.activation_bytes},
