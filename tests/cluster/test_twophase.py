@@ -196,6 +196,26 @@ def test_a_peer_aborts_on_abort_and_after_its_deadline() -> None:
         "aborted", "the coordinator's decision is unknown")
 
 
+def test_a_late_answer_leaves_no_timer_to_spin_on() -> None:
+    """The peer asked, then activate came on its own; the answer to the question arrives
+    after: the active round waits for nothing, so its timer does not fire forever."""
+    p = accepted_round(6)
+    p.on_commit(2)
+    assert p.handle_timer(2 + PEER_PHASE_S) == [Query()]
+    p.on_activate()
+    assert p.on_decision("activate", 70) == [] and p.deadline is None
+    p.deadline = 80.0  # a deadline left over in a state with none: dropped, not kept
+    assert p.handle_timer(1e6) == [] and p.deadline is None
+
+
+def test_a_peer_told_decided_asks_again_instead_of_giving_up() -> None:
+    p = accepted_round(7)
+    p.on_commit(2)
+    assert p.handle_timer(2 + PEER_PHASE_S) == [Query()]
+    assert p.on_decision("commit", 70) == []  # decided, the activate is not here yet
+    assert p.handle_timer(70 + PEER_PHASE_S) == [Query()] and p.state == "committed"
+
+
 def test_a_peer_that_restarts_comes_back_where_it_was() -> None:
     assert PeerRound.resume(1, "active", 0)[1] == [StageAction("prepare"),
                                                    StageAction("activate")]

@@ -278,6 +278,9 @@ class PeerRound:
     def handle_timer(self, now: float) -> list[PeerAction]:
         if self.deadline is None or now < self.deadline:
             return []
+        if (self.state, DeadlinePassed) not in PEER_TABLE:
+            self.deadline = None  # a state that waits for nothing: no timer to keep firing
+            return []
         return self._handle(DeadlinePassed(now))
 
     def _handle(self, event: PeerEvent) -> list[PeerAction]:
@@ -312,7 +315,7 @@ class PeerRound:
         return [Record(PeerState.COMMITTED), Reply("committed")]
 
     def _on_activate(self, e: ActivateReceived | AnsweredActivate) -> list[PeerAction]:
-        self.state, self.deadline = PeerState.ACTIVE, None
+        self.state, self.deadline, self.queried = PeerState.ACTIVE, None, False
         return [Record(PeerState.ACTIVE), StageAction("activate"), Reply("active")]
 
     def _on_abort(self, e: AbortReceived) -> list[PeerAction]:
@@ -341,7 +344,10 @@ class PeerRound:
         return [Reply(self.state.value)]
 
     def _on_decided_elsewhere(self, e: AnsweredCommit | AnsweredActivate) -> list[PeerAction]:
-        self.deadline = e.now + self.phase_s  # decided, but not for us yet: keep waiting
+        """Decided, but not for us yet (or an answer that came after the round moved on):
+        keep waiting, and ask again at the next deadline, where this state has one."""
+        if (self.state, DeadlinePassed) in PEER_TABLE:
+            self.deadline, self.queried = e.now + self.phase_s, False
         return []
 
     def _on_answered_other(self, e: AnsweredOther) -> list[PeerAction]:
