@@ -10,12 +10,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import DaemonProc, Daemons, wait_for
 from test_discovery import POLL_WAIT_S, agent, settled, start
 from test_pipeline import READY_S, expected, free_port
 
 from mlxceld.cluster.assignment.peer_round import FRAME_S, PEER_PHASE_S
 from mlxceld.errors import ControlError
+
+from helpers.daemons import DaemonProc, Daemons
+from helpers.waiting import wait_for
 
 ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
 

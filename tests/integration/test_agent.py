@@ -7,12 +7,14 @@ import secrets
 from pathlib import Path
 
 import pytest
-from conftest import Daemons, wait_for
 
 from mlxceld.net import ConnectionClosed, HandshakeFailed, connect
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
+
+from helpers.daemons import Daemons
+from helpers.waiting import wait_for
 
 
 def ring(secret: bytes) -> Keyring:

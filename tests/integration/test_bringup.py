@@ -8,9 +8,11 @@ import secrets
 from pathlib import Path
 
 import openai
-from conftest import Daemons, wait_for
 from test_discovery import agent, secret_file, start
 from test_pipeline import READY_S, expected, free_port
+
+from helpers.daemons import Daemons
+from helpers.waiting import wait_for
 
 
 def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_dir: Path,

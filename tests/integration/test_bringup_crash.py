@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from conftest import DaemonProc, Daemons, alive, wait_for
 from test_discovery import agent, secret_file, start
 from test_pipeline import READY_S, expected, free_port
 
@@ -24,6 +23,9 @@ from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPEC
 from mlxceld.net import connect
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
+
+from helpers.daemons import DaemonProc, Daemons, alive
+from helpers.waiting import wait_for
 
 PEER_WAIT_S = 5.0  # MLXCELD_TEST_PEER_WAIT_S where a test waits for a peer to give up
 PUSH_END_S = 120.0  # a push with two stage loads on a busy CPU

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import openai
 import psutil
-from conftest import alive
 from test_pipeline import expected, free_port
+
+from helpers.daemons import alive
 
 DEMO = Path(__file__).resolve().parents[2] / "contrib" / "demo" / "cluster.py"
 READY_S = 240.0  # the script's own READY_S (180 s) and its start-up

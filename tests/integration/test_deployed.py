@@ -1,4 +1,4 @@
-"""A cluster as users deploy it (tests/deploy.py): `mlxceld --config FILE` only, agents on
+"""A cluster as users deploy it (tests/helpers/deploy.py): `mlxceld --config FILE` only, agents on
 the default wildcard host, peers named by host name or by the address another host
 reaches them on, the secret from the service's environment."""
 
@@ -11,10 +11,13 @@ import textwrap
 from pathlib import Path
 
 import openai
-from conftest import DaemonProc, Daemons, free_port, wait_for
-from deploy import Host
 from test_discovery import POLL_WAIT_S, settled
 from test_pipeline import PROMPT, READY_S, expected
+
+from helpers.daemons import DaemonProc, Daemons
+from helpers.deploy import Host
+from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 ACTIVATE_S = 300.0
 

@@ -7,10 +7,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from conftest import DaemonProc, Daemons, wait_for
-
 from mlxceld import __version__
 from mlxceld.wire import key_id
+
+from helpers.daemons import DaemonProc, Daemons
+from helpers.waiting import wait_for
 
 POLL_WAIT_S = 30.0  # a first poll starts at once and takes at most 5 s + 5 s
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import Daemons
-from deploy import Host
 from test_deployed import activate
 from test_pipeline import PROMPT, READY_S, expected
+
+from helpers.daemons import Daemons
+from helpers.deploy import Host
 
 SUBNET = "10.213.77"
 DOMAIN = "mlx.test"

@@ -1,6 +1,6 @@
 """A pipeline of real daemons on 127.0.0.1 (coordinator), .2, .3 (stages), each with its
 own state dir, driven by the real `openai` client. Each daemon is started as a service
-would start it (tests/deploy.py): `--config FILE` only, naming the cluster TOML and its
+would start it (tests/helpers/deploy.py): `--config FILE` only, naming the cluster TOML and its
 node there, its agent on the default wildcard host."""
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import httpx
 import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, alive, free_port, wait_for
-from deploy import Host
+
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
+from helpers.deploy import Host
+from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 READY_S = 120.0
 SECRET = "0123456789abcdef0123456789abcdef"

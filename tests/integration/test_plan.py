@@ -8,12 +8,14 @@ import secrets
 from pathlib import Path
 
 import openai
-from conftest import FAST_POLICY, Daemons, wait_for
 from test_discovery import agent, by_address, secret_file, start
 from test_pipeline import READY_S, expected, free_port
 
 from mlxceld.cluster.clusterfile.load import load_cluster, validate_layers
 from mlxceld.models import layer_count, read_model_config
+
+from helpers.daemons import FAST_POLICY, Daemons
+from helpers.waiting import wait_for
 
 
 def test_plan_then_run_the_planned_pipeline(daemons: Daemons, split_fixture_dir: Path,

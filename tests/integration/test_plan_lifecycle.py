@@ -2,7 +2,7 @@
 and nothing else): `mlxctl cluster activate` with stage ports from a configured range, the
 coordinator stopped and started again serving the same plan (the peers' stage workers keep
 their pids), then `mlxctl cluster deactivate` with one peer down, and nothing coming back
-after any restart. Real daemons started by tests/deploy.py (agents on the wildcard host);
+after any restart. Real daemons started by tests/helpers/deploy.py (agents on the wildcard host);
 the coordinator names its peers 127.0.0.2 and 127.0.0.3."""
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from conftest import DaemonProc, Daemons, alive, free_port, wait_for
-from deploy import Host
 from test_activate import ACTIVATE_S
 from test_discovery import POLL_WAIT_S, settled, stop
 from test_pipeline import PROMPT, READY_S, expected
+
+from helpers.daemons import DaemonProc, Daemons, alive
+from helpers.deploy import Host
+from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 DEACTIVATE_CLI_S = 90.0  # the CLI's own bound (control.client.DEACTIVATE_TIMEOUT_S) fits
 AGENT_UP_S = 20.0  # a restarted daemon's agent listener (and with it its resume decision)

@@ -14,7 +14,10 @@ import httpx
 import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, alive, free_port, wait_for
+
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
+from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 ROUTER_READY_S = 120.0
 

@@ -7,7 +7,8 @@ import os
 import signal
 import time
 
-from conftest import FAST_POLICY, Daemons, alive, wait_for
+from helpers.daemons import FAST_POLICY, Daemons, alive
+from helpers.waiting import wait_for
 
 TWO_ECHOS = FAST_POLICY + """
 [workers.alpha]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from conftest import FAST_POLICY, DaemonProc, Daemons, free_port
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons
+from helpers.ports import free_port
 
 Value = str | int | float | bool | Sequence[str]
 DEFAULT_AGENT_PORT = 19000
