@@ -24,6 +24,8 @@ from mlxceld.state.plans import Assignments
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
+from helpers import keys
+
 COORDINATOR = "127.0.0.1:19000"
 PEER_HOST = "127.0.0.2"
 MODEL = "ab" * 32
@@ -93,8 +95,7 @@ class Peer:
 
 @contextlib.asynccontextmanager
 async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32), primary=True)
+    keyring = keys.keyring(secrets.token_bytes(32))
     stage, assignments = HeldStage(), Assignments(open_db(tmp_path / "state.db"))
     agent = AgentService((PEER_HOST, 0), keyring)
     assignee = Assignee(assignments, stage, keyring, identity=lambda: agent.address,

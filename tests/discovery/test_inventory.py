@@ -23,7 +23,9 @@ from mlxceld.discovery.poller import InventoryPoller
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream, connect
 from mlxceld.net.agent import AgentService
-from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire import Envelope, MessageSpec, encode_envelope, parse_envelope
+
+from helpers import keys
 
 
 def model_dir(root: Path) -> Path:
@@ -78,8 +80,7 @@ def test_answers_out_of_bounds_are_refused(change: dict[str, Any], words: str) -
 
 
 def test_handlers_are_per_channel_and_type() -> None:
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32))
+    keyring = keys.keyring(secrets.token_bytes(32))
     agent = AgentService(("127.0.0.1", 0), keyring)
 
     async def noop(stream: MxclStream, message: Envelope) -> None: ...
@@ -92,8 +93,7 @@ def test_handlers_are_per_channel_and_type() -> None:
 
 
 def test_inventory_and_another_handler_over_a_real_agent() -> None:
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32))
+    keyring = keys.keyring(secrets.token_bytes(32))
 
     async def main() -> None:
         agent = AgentService(("127.0.0.1", 0), keyring)
@@ -138,8 +138,7 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
     from mlxceld.discovery import poller
 
     monkeypatch.setattr(poller, "ANSWER_TIMEOUT_S", 0.3)
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32))
+    keyring = keys.keyring(secrets.token_bytes(32))
 
     async def main() -> None:
         agent = AgentService(("127.0.0.1", 0), keyring)

@@ -21,9 +21,9 @@ from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
 from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS
 from mlxceld.net import connect
-from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
+from helpers import keys
 from helpers.daemons import DaemonProc, Daemons, alive
 from helpers.waiting import wait_for
 
@@ -151,8 +151,7 @@ def test_the_coordinator_killed_after_its_commit_decision_finishes_after_restart
 
 def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
     """Send a stage offer of ``epoch`` to ``peer`` from 127.0.0.9 over MXCL; its answer."""
-    keyring = Keyring()
-    keyring.add(secret, primary=True)
+    keyring = keys.keyring(secret)
     me = f"127.0.0.9:{free_port('127.0.0.9')}"
     offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
                   package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import json
 import secrets
-from pathlib import Path
 from typing import Any
 
 from mlxceld import __version__
 from mlxceld.wire import key_id
 
 from helpers.daemons import DaemonProc, Daemons
+from helpers.keys import secret_file
 from helpers.waiting import wait_for
 
 POLL_WAIT_S = 30.0  # a first poll starts at once and takes at most 5 s + 5 s
-
-
-def secret_file(root: Path, secret: bytes) -> Path:
-    path = root / "cluster.secret"
-    path.write_bytes(secret + b"\n")
-    path.chmod(0o600)
-    return path
 
 
 def start(daemons: Daemons, ip: str, secret: bytes, *extra: str, name: str = "d",

@@ -20,6 +20,7 @@ import mlx_lm
 import openai
 import pytest
 
+from helpers import keys
 from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
 from helpers.deploy import Host
 from helpers.ports import free_port
@@ -275,14 +276,13 @@ def test_stages_refuse_other_secret_holders(daemons: Daemons, split_fixture_dir:
     from mlxceld.models import model_identity
     from mlxceld.net import connect
     from mlxceld.pipeline import protocol as p
-    from mlxceld.wire import Keyring, encode_envelope, parse_envelope
+    from mlxceld.wire import encode_envelope, parse_envelope
 
     model = split_fixture_dir / "llama"
     pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
     text = pipe.toml.read_text()
     addrs = [line.split('"')[1] for line in text.splitlines() if line.startswith("address")]
-    keyring = Keyring()
-    keyring.add(SECRET.encode(), primary=True)
+    keyring = keys.keyring(SECRET.encode())
 
     async def intrude(address: str, header: dict[str, object],
                       tensors: list[tuple[str, str, tuple[int, ...], bytes]]) -> dict[str, object]:

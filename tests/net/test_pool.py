@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from net_helpers import CLIENT_ID, ring, run, serving
+from net_helpers import CLIENT_ID, SECRET, run, serving
 
 from mlxceld.net import ConnectionClosed, ConnectionPool, MxclStream, PoolClosed
+
+from helpers.keys import keyring
 
 
 def test_pool_reuses_and_redials() -> None:
@@ -23,7 +25,7 @@ def test_pool_reuses_and_redials() -> None:
             await stream.send(msg)
 
     async def main() -> None:
-        async with serving(handler) as lst, ConnectionPool(keyring=ring(),
+        async with serving(handler) as lst, ConnectionPool(keyring=keyring(SECRET),
                                                            identity=CLIENT_ID) as pool:
             first = await pool.get("127.0.0.1", lst.port, 1)
             assert await pool.get("127.0.0.1", lst.port, 1) is first

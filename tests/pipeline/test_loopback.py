@@ -26,17 +26,13 @@ from mlxceld.net import Listener, connect
 from mlxceld.pipeline import PipelineEngine, StageAddress, StagePlace, StageService
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
-from mlxceld.wire import Keyring, encode_envelope, parse_envelope
+from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
+
+from helpers.keys import keyring
 
 SECRET = b"pipeline-test-secret-0123456789"
 COORD = "127.0.0.1:19999"
-
-
-def keyring() -> Keyring:
-    k = Keyring()
-    k.add(SECRET, primary=True)
-    return k
 
 
 def reference(path: Path, prompt: list[int], n: int) -> list[int]:
@@ -63,7 +59,7 @@ class Cluster:
         listeners = []
         for rank in range(len(splits)):
             host = f"127.0.0.{2 + rank}"
-            lst = Listener(host, 0, keyring=keyring(), identity_of_server=f"{host}:0",
+            lst = Listener(host, 0, keyring=keyring(SECRET), identity_of_server=f"{host}:0",
                            channels={1}, handler=self._handler(rank))
             await lst.start()
             listeners.append(lst)
@@ -79,7 +75,7 @@ class Cluster:
                 first=(listeners[0].host, listeners[0].port)
                 if rank == len(splits) - 1 and rank > 0 else None,
                 last=addrs[-1] if rank == 0 and len(splits) > 1 else None)
-            svc = StageService(model, place, keyring(), model.wire_dtype, standby=standby)
+            svc = StageService(model, place, keyring(SECRET), model.wire_dtype, standby=standby)
             self.services.append(svc)
             self.tasks.append(asyncio.ensure_future(svc.run()))
             self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
@@ -95,7 +91,7 @@ class Cluster:
         return handle
 
     def engine(self, path: Path, eos: set[int] | None = None, **knobs: Any) -> PipelineEngine:
-        return PipelineEngine(self.stages, keyring=keyring(), origin=COORD,
+        return PipelineEngine(self.stages, keyring=keyring(SECRET), origin=COORD,
                               model_identity=model_identity(path),
                               cluster="test", model_id="m", context_length=4096,
                               eos_token_ids=eos or set(), **knobs)
@@ -107,7 +103,7 @@ class Cluster:
     async def restart_stage(self, rank: int) -> None:
         """A new listener on the same address, in front of the same stage service."""
         st = self.stages[rank]
-        lst = Listener(st.host, st.port, keyring=keyring(),
+        lst = Listener(st.host, st.port, keyring=keyring(SECRET),
                        identity_of_server=f"{st.host}:0", channels={1},
                        handler=self._handler(rank))
         await lst.start()
@@ -251,7 +247,7 @@ async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], 
                     ip: str = "127.0.0.5") -> list[dict[str, Any]]:
     """Dial stage ``rank`` as another secret holder; send ``messages``; collect answers."""
     st = c.stages[rank]
-    stream = await connect(st.host, st.port, keyring=keyring(), identity=f"{ip}:4000",
+    stream = await connect(st.host, st.port, keyring=keyring(SECRET), identity=f"{ip}:4000",
                            channel=1, local_addr=(ip, 0))
     answers = []
     async with stream:
