@@ -17,13 +17,14 @@ from api_harness import (
     make_app,
     metric,
     sse_events,
-    until,
     until_metric,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxceld.api import ChatMessage
+
+from helpers.waiting import until
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),

@@ -30,6 +30,7 @@ from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
 
 from helpers.keys import keyring
+from helpers.waiting import until
 
 SECRET = b"pipeline-test-secret-0123456789"
 COORD = "127.0.0.1:19999"
@@ -132,14 +133,6 @@ async def cluster(path: Path, splits: Sequence[tuple[int, int]],
         yield c
     finally:
         await c.aclose()
-
-
-async def until(what: str, check: Any, timeout_s: float = 15.0) -> None:
-    """Poll ``check()`` every 20 ms until it is true; fail naming ``what`` after the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.02)
 
 
 async def tokens_of(engine: PipelineEngine, prompt: list[int], n: int) -> list[int]:
@@ -360,16 +353,17 @@ def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
             assert engine.readiness() is not None
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
-                await until("both stages attached", lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
                 await c.stop_stage(1)
-                await until("stage-1 failing again and again",
-                            lambda: engine.stages()[1]["failures"] >= 3)
+                await until(lambda: engine.stages()[1]["failures"] >= 3,
+                            "stage-1 failing again and again", timeout=15)
                 problem = engine.readiness()
                 assert problem is not None
                 stages = engine.stages()
                 down = link_lines(caplog, "stage-1")
                 await c.restart_stage(1)
-                await until("stage-1 attached again", lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "stage-1 attached again",
+                            timeout=15)
                 down += link_lines(caplog, "stage-1")[len(down):]
                 return problem, stages, down, await tokens_of(engine, PROMPT, 3)
             finally:
@@ -404,13 +398,14 @@ def test_a_standby_stage_is_reported_as_such_until_activated(
             engine = c.engine(path, **FAST)
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
-                await until("both stages refused as standby several times", lambda: all(
-                    s["state"] == "standby" and s["failures"] >= 3 for s in engine.stages()))
+                await until(lambda: all(
+                    s["state"] == "standby" and s["failures"] >= 3 for s in engine.stages()),
+                    "both stages refused as standby several times", timeout=15)
                 standby = engine.stages()
                 for svc in c.services:
                     svc.activate()
-                await until("both stages attached once active",
-                            lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "both stages attached once active",
+                            timeout=15)
                 return standby, await tokens_of(engine, PROMPT, 3)
             finally:
                 linking.cancel()
@@ -438,10 +433,10 @@ def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
             engine = c.engine(path, retry_s=(30.0, 30.0), dial_budget_s=0.3)
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
-                await until("both stages attached", lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
                 await c.stop_stage(1)
-                await until("stage-1 unreachable, the background asleep",
-                            lambda: engine.stages()[1]["state"] == "unreachable")
+                await until(lambda: engine.stages()[1]["state"] == "unreachable",
+                            "stage-1 unreachable, the background asleep", timeout=15)
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 with pytest.raises(EngineUnavailable) as info:
