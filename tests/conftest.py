@@ -25,20 +25,14 @@ def daemons() -> Iterator[Daemons]:
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight checkpoints written by our generator: ``llama/`` and ``qwen3/``."""
-    from mlxceld.models import preset, write_fixture
+    from helpers.models import write_tiny_checkpoints  # mlx, once a test asks for a model
 
-    root = tmp_path_factory.mktemp("fixtures")
-    for family in ("llama", "qwen3"):
-        write_fixture(root / family, preset("tiny", family=family))
-    return root
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("fixtures"))
 
 
 @pytest.fixture(scope="session")
 def split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4-layer tiny checkpoints (``llama/``, ``qwen3/``) to split into pipeline stages."""
-    from mlxceld.models import preset, write_fixture
+    from helpers.models import write_tiny_checkpoints
 
-    root = tmp_path_factory.mktemp("split-fixtures")
-    for family in ("llama", "qwen3"):
-        write_fixture(root / family, preset("tiny", family=family, layers=4))
-    return root
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("split-fixtures"), layers=4)

@@ -28,6 +28,7 @@ from helpers.waiting import wait_for
 T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 20.0
+READY_S = 120.0  # a router or stage worker loading its model, on a busy CPU
 
 FAST_POLICY = """
 [supervisor]

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import mlx_lm
 import openai
 import pytest
 
 from helpers import keys
-from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
+from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
 from helpers.deploy import Host
+from helpers.models import PROMPT, expected
 from helpers.ports import free_port
+from helpers.router import client
 from helpers.waiting import wait_for
 
-READY_S = 120.0
 SECRET = "0123456789abcdef0123456789abcdef"
 
 
@@ -91,17 +91,6 @@ def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
     return Pipeline(coord.d, stages, f"http://127.0.0.1:{port}/v1", toml, hosts)
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-
-
-def expected(model: Path, prompt: str, n: int) -> str:
-    m, tok = mlx_lm.load(str(model))
-    text: str = mlx_lm.generate(m, tok, prompt, max_tokens=n)
-    return text
-
-
-PROMPT = "The quick brown fox"
 LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
 
 
