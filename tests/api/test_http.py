@@ -9,8 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import ByteCodec, FakeEngine
-from api_harness import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxceld.api import ChatMessage
+
+from helpers.api import (
     BASE,
     MODEL,
     http_client,
@@ -19,11 +23,7 @@ from api_harness import (
     sse_events,
     until_metric,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from mlxceld.api import ChatMessage
-
+from helpers.fakes import ByteCodec, FakeEngine
 from helpers.waiting import until
 
 json_values = st.recursive(

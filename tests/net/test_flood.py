@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from net_helpers import CLIENT_ID, SECRET, Refusals, run, serving
-
 from mlxceld.net import connect
 
 from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, SECRET, Refusals, run, serving
 
 FLOOD = 200
 SOURCES = [f"127.0.0.{i}" for i in range(2, 9)]  # seven IPv4 sources

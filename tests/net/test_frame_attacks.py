@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from net_helpers import SECRET, raw_client, run, serving
 
 from mlxceld.net import ConnectionClosed, MxclStream, connect
 from mlxceld.wire import FrameLimits, Kind
 
 from helpers.keys import keyring
+from helpers.mxcl import SECRET, raw_client, run, serving
 
 
 @dataclass

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 
-from net_helpers import CLIENT_ID, SECRET, raw_client, run, serving
-
 from mlxceld.net import ConnectionClosed, MxclStream, connect
 from mlxceld.net.stream import READ_CHUNK
 
 from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, SECRET, raw_client, run, serving
 
 
 def test_large_messages_echo_whole() -> None:

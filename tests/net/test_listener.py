@@ -5,7 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from net_helpers import (
+
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect, source_bucket
+from mlxceld.wire import Channel, PeerClosed, encode_envelope, key_id, parse_envelope
+from mlxceld.wire.envelope import MessageSpec
+
+from helpers.keys import keyring
+from helpers.mxcl import (
     CLIENT_ID,
     OTHER_SECRET,
     SECRET,
@@ -16,12 +22,6 @@ from net_helpers import (
     run,
     serving,
 )
-
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect, source_bucket
-from mlxceld.wire import Channel, PeerClosed, encode_envelope, key_id, parse_envelope
-from mlxceld.wire.envelope import MessageSpec
-
-from helpers.keys import keyring
 
 PONG = {"pong": MessageSpec()}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from net_helpers import CLIENT_ID, SECRET, run, serving
 
 from mlxceld.net import ConnectionClosed, ConnectionPool, MxclStream, PoolClosed
 
 from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, SECRET, run, serving
 
 
 def test_pool_reuses_and_redials() -> None:

@@ -7,19 +7,6 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
-from wire_link import (
-    IDENTITY,
-    OTHER_SECRET,
-    SECRET,
-    VECTORS,
-    connected,
-    drain,
-    h,
-    make_pair,
-    pump,
-    shuttle,
-    vector_randoms,
-)
 
 from mlxceld.wire import (
     Channel,
@@ -38,6 +25,19 @@ from mlxceld.wire import (
 from mlxceld.wire.hello import ClientHello
 
 from helpers.keys import keyring
+from helpers.wire import (
+    IDENTITY,
+    OTHER_SECRET,
+    SECRET,
+    VECTORS,
+    connected,
+    drain,
+    h,
+    make_pair,
+    pump,
+    shuttle,
+    vector_randoms,
+)
 
 SUITES = [Suite.AES_256_GCM, Suite.CHACHA20_POLY1305]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-from wire_link import OTHER_SECRET, SECRET, VECTORS
 
 from mlxceld.wire import (
     BeaconError,
@@ -19,6 +18,7 @@ from mlxceld.wire import (
 )
 
 from helpers.keys import keyring
+from helpers.wire import OTHER_SECRET, SECRET, VECTORS
 
 F16 = frozenset({"f16"})
 SPECS = {

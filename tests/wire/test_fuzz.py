@@ -7,9 +7,8 @@ import json
 import os
 import struct
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from wire_link import IDENTITY, SECRET, connected
 
 from mlxceld.wire import (
     Channel,
@@ -26,8 +25,8 @@ from mlxceld.wire import (
 from mlxceld.wire.hello import ClientHello
 
 from helpers.keys import keyring
+from helpers.wire import FUZZ, IDENTITY, SECRET, connected
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GOOD_HELLO = ClientHello(1, 1, 1, key_id(SECRET), bytes(32), bytes(range(1, 33)),
                          IDENTITY).encode()
 

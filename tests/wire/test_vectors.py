@@ -5,16 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from wire_link import (
-    IDENTITY,
-    SECRET,
-    SOURCE_IP,
-    VECTORS,
-    drain,
-    h,
-    make_pair,
-    vector_randoms,
-)
 
 from mlxceld.wire import (
     Channel,
@@ -41,6 +31,16 @@ from mlxceld.wire.crypto import x25519, x25519_public
 from mlxceld.wire.handshake import Handshake
 
 from helpers.keys import keyring
+from helpers.wire import (
+    IDENTITY,
+    SECRET,
+    SOURCE_IP,
+    VECTORS,
+    drain,
+    h,
+    make_pair,
+    vector_randoms,
+)
 
 HANDSHAKES = VECTORS["handshakes"]
 IDS = [f"suite{v['suite']}-channel{v['channel']}" for v in HANDSHAKES]
@@ -230,7 +230,8 @@ def test_beacon() -> None:
 
 def test_the_local_copy_of_the_vectors_matches_shared() -> None:
     import pytest
-    from wire_link import LOCAL_VECTORS, SHARED_VECTORS
+
+    from helpers.wire import LOCAL_VECTORS, SHARED_VECTORS
 
     if not SHARED_VECTORS.exists():
         pytest.skip(f"{SHARED_VECTORS} is not beside this checkout")

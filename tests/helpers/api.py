@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import openai
 import uvicorn
-from api_fakes import ByteCodec, FakeEngine
 from starlette.types import ASGIApp
 
 from mlxceld.api import TextCodec, build_router_app
 
+from helpers.fakes import ByteCodec, FakeEngine
 from helpers.waiting import until
 
 BASE = "http://test"

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+
 from mlxceld.wire import (
     Channel,
     Connection,
@@ -25,15 +27,17 @@ from mlxceld.wire.frames import DEFAULT_LIMITS
 from helpers.keys import keyring
 
 # The contract's vectors live in ../shared beside the repository (CI has it too); the copy
-# here serves a checkout without it, and test_vectors checks the two are the same.
+# in tests/wire serves a checkout without it, and test_vectors checks the two are the same.
 SHARED_VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "mxcl-v1.json"
-LOCAL_VECTORS = Path(__file__).parent / "mxcl-v1.json"
+LOCAL_VECTORS = Path(__file__).resolve().parents[1] / "wire" / "mxcl-v1.json"
 VECTORS: dict[str, Any] = json.loads(
     (SHARED_VECTORS if SHARED_VECTORS.exists() else LOCAL_VECTORS).read_text())
 SECRET = VECTORS["secret_utf8"].encode()
 OTHER_SECRET = b"a different cluster secret, 40 bytes...."
 IDENTITY = "127.0.0.2:19100"
 SOURCE_IP = "127.0.0.2"
+# The settings every hypothesis test of a wire parser runs under.
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def scripted(chunks: Iterable[bytes]) -> Callable[[int], bytes]:
