@@ -6,6 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlite_utils
+
+from mlxceld.state import open_db
 
 # Before the first import of a helper: its asserts then explain themselves as a test's do.
 pytest.register_assert_rewrite("helpers")
@@ -20,6 +23,16 @@ def daemons() -> Iterator[Daemons]:
         yield d
     finally:
         d.cleanup()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[sqlite_utils.Database]:
+    """A state database, ``state.db`` in the test's ``tmp_path``, closed after the test."""
+    database = open_db(tmp_path / "state.db")
+    try:
+        yield database
+    finally:
+        database.conn.close()
 
 
 @pytest.fixture(scope="session")
