@@ -26,6 +26,7 @@ from mlxceld.net.agent import AgentService
 from mlxceld.wire import Envelope, MessageSpec, encode_envelope, parse_envelope
 
 from helpers import keys
+from helpers.mxcl import running
 
 
 def model_dir(root: Path) -> Path:
@@ -105,10 +106,7 @@ def test_inventory_and_another_handler_over_a_real_agent() -> None:
             await stream.send(encode_envelope({"t": "accepted"}))
 
         agent.add_handler(2, "offer", offer)
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(agent.run(started))
-        await started
-        try:
+        async with running(agent):
             table = CandidateTable(node_id="host-a")
             table.propose_static(agent.address, 0.0)
             await InventoryPoller(table, keyring, "127.0.0.1:19999").poll(agent.address)
@@ -126,9 +124,6 @@ def test_inventory_and_another_handler_over_a_real_agent() -> None:
                 await stream.send(encode_envelope({"t": "offer", "epoch": 1}))
                 assert parse_envelope(await stream.recv(), specs).type == "accepted"
             assert seen == [("127.0.0.1:19999", {"t": "offer", "epoch": 1})]
-        finally:
-            await agent.aclose()
-            await task
 
     asyncio.run(main())
 
@@ -150,10 +145,7 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
                 await stream.send(encode_envelope(answer))
 
         agent.add_handler(3, "inventory", inventory)
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(agent.run(started))
-        await started
-        try:
+        async with running(agent):
             table = CandidateTable(node_id="host-a")
             table.propose_static(agent.address, 0.0)
             p = InventoryPoller(table, keyring, "127.0.0.1:19999")
@@ -164,8 +156,5 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
             await p.poll(agent.address)
             row = table.get(agent.address)
             assert row is not None and row.error == "no_answer: no inventory answer within 0.3 s"
-        finally:
-            await agent.aclose()
-            await task
 
     asyncio.run(main())

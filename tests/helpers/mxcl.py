@@ -1,4 +1,4 @@
-"""Helpers for the network shell tests: a served listener, a raw core client."""
+"""Helpers for the network shell tests: a served listener or agent, a raw core client."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxceld.net import Listener, MxclStream
+from mlxceld.net.agent import AgentService
 from mlxceld.wire import Channel, Connection, Role, key_id
 
 from helpers import keys
@@ -88,6 +89,19 @@ async def serving(handler: Callable[[MxclStream], Awaitable[None]] = echo,
             yield listener
         finally:
             await listener.aclose()
+
+
+@contextlib.asynccontextmanager
+async def running(agent: AgentService) -> AsyncIterator[AgentService]:
+    """``agent`` accepting (its ``started`` answered) until the block ends; then closed."""
+    started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(agent.run(started))
+    await started
+    try:
+        yield agent
+    finally:
+        await agent.aclose()
+        await task
 
 
 @contextlib.asynccontextmanager
