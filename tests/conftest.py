@@ -1,228 +1,19 @@
-"""Real daemons as subprocesses, each in its own short temp dir, ended by pid afterwards."""
+"""The fixtures every test room may ask for; the helpers behind them live in ``helpers/``."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import shutil
-import signal
-import socket
-import sqlite3
-import subprocess
-import sys
-import tempfile
-import textwrap
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
-import psutil
 import pytest
+import sqlite_utils
 
-from mlxceld.control.client import ControlClient
-from mlxceld.errors import DaemonNotRunning
+from mlxceld.state import open_db
 
-T = TypeVar("T")
+# Before the first import of a helper: its asserts then explain themselves as a test's do.
+pytest.register_assert_rewrite("helpers")
 
-STARTUP_TIMEOUT_S = 20.0
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
-    """Poll until ``predicate`` returns something truthy; fail the test naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
-
-
-def free_port(host: str = "0.0.0.0") -> int:
-    """A TCP port free on ``host`` now (the default: on every address, as a user's is)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-@dataclass
-class DaemonProc:
-    root: Path
-    config: Path
-    proc: subprocess.Popen[bytes] | None = None
-    stderr_path: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stderr_path = self.root / "daemon.stderr"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def socket(self) -> Path:
-        return self.root / "run" / "ctl.sock"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self, *extra: str, wait: bool = True,
-              env: dict[str, str] | None = None) -> DaemonProc:
-        """Start the daemon with ``extra`` flags; ``env`` is added to this process's
-        environment (fail points, for one start only)."""
-        with self.stderr_path.open("ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlxceld", "--config", str(self.config),
-                 "--state-dir", str(self.state_dir), "--socket", str(self.socket),
-                 *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
-                 *extra],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                env={**os.environ, **env} if env else None,
-            )
-        if wait:
-            wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
-        return self
-
-    def start_service(self, *, wait: bool = True, env: dict[str, str] | None = None,
-                      prefix: tuple[str, ...] = ()) -> DaemonProc:
-        """Start the daemon as launchd, systemd or brew do: ``mlxceld --config FILE`` and
-        nothing else (the file holds the state dir and socket, see tests/deploy.py);
-        ``env`` is added to the environment (what a unit's Environment= would set);
-        ``prefix`` runs it under another command that execs it (``ip netns exec NS``)."""
-        with self.stderr_path.open("ab") as err:
-            self.proc = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "mlxceld", "--config", str(self.config)],
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                env={**os.environ, **env} if env else None)
-        if wait:
-            wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
-        return self
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, as a service manager stops a daemon; its exit status."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def _ready(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.stderr()}")
-        try:
-            self.api(lambda c: c.version())
-        except DaemonNotRunning:
-            return False
-        return True
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
-
-    def ctl(self, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "mlxctl", "--socket", str(self.socket), *args],
-            capture_output=True, text=True, timeout=timeout,
-            env={**os.environ, "NO_COLOR": "1", **(env or {})},
-        )
-
-    def api(self, job: Callable[[ControlClient], Awaitable[T]]) -> T:
-        """Call the control API in-process (the typed client mlxctl uses)."""
-
-        async def go() -> T:
-            async with ControlClient(self.socket) as client:
-                return await job(client)
-
-        return asyncio.run(go())
-
-    def status(self) -> dict[str, Any]:
-        return self.api(lambda c: c.status())
-
-    def worker(self, name: str) -> dict[str, Any]:
-        for w in self.status()["workers"]:
-            if w["name"] == name:
-                return dict(w)
-        raise AssertionError(f"no worker {name} in status")
-
-    def events(self, last: int = 200) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = self.api(lambda c: c.events(-last, last))["events"]
-        return events
-
-    def wait_worker(self, name: str, timeout: float = 20.0,
-                    **expected: Any) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            w = next((w for w in self.status()["workers"] if w["name"] == name), None)
-            return w if w and all(w.get(k) == v for k, v in expected.items()) else None
-
-        result: dict[str, Any] = wait_for(check, timeout, f"worker {name} with {expected}",
-                                          every=0.1)
-        return result
-
-    def recorded_pids(self) -> set[int]:
-        """Every worker pid the state database knows (read-only, for cleanup)."""
-        db = self.state_dir / "state.db"
-        if not db.exists():
-            return set()
-        query = "select pid from workers where pid is not null"
-        with contextlib.suppress(sqlite3.Error), contextlib.closing(
-            sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        ) as conn:
-            return {r[0] for r in conn.execute(query)}
-        return set()
-
-
-class Daemons:
-    """Starts daemons for a test and ends every process they made, by pid."""
-
-    def __init__(self) -> None:
-        self.started: list[DaemonProc] = []
-        self.pids: set[int] = set()
-
-    def make(self, config: str = "", name: str = "d") -> DaemonProc:
-        root = Path(tempfile.mkdtemp(prefix=f"mx{name}", dir="/tmp"))
-        (root / "run").mkdir(mode=0o700)
-        cfg = root / "mlxceld.toml"
-        cfg.write_text(textwrap.dedent(config))
-        d = DaemonProc(root, cfg)
-        self.started.append(d)
-        return d
-
-    def note(self, d: DaemonProc) -> None:
-        self.pids |= d.recorded_pids()
-        for w in d.status()["workers"]:
-            if w["pid"]:
-                self.pids.add(w["pid"])
-
-    def cleanup(self) -> None:
-        for d in self.started:
-            self.pids |= d.recorded_pids()
-            if d.proc is not None and d.proc.poll() is None:
-                d.proc.send_signal(signal.SIGTERM)
-                try:
-                    d.proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait()
-        for pid in self.pids - {None}:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-        for d in self.started:
-            shutil.rmtree(d.root, ignore_errors=True)
+from helpers.daemons import Daemons  # noqa: E402
 
 
 @pytest.fixture
@@ -234,33 +25,27 @@ def daemons() -> Iterator[Daemons]:
         d.cleanup()
 
 
-FAST_POLICY = """
-[supervisor]
-backoff_initial_s = 0.2
-backoff_max_s = 1.0
-stable_after_s = 30.0
-stop_timeout_s = 3.0
-health_interval_s = 0.5
-"""
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[sqlite_utils.Database]:
+    """A state database, ``state.db`` in the test's ``tmp_path``, closed after the test."""
+    database = open_db(tmp_path / "state.db")
+    try:
+        yield database
+    finally:
+        database.conn.close()
 
 
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight checkpoints written by our generator: ``llama/`` and ``qwen3/``."""
-    from mlxceld.models import preset, write_fixture
+    from helpers.models import write_tiny_checkpoints  # mlx, once a test asks for a model
 
-    root = tmp_path_factory.mktemp("fixtures")
-    for family in ("llama", "qwen3"):
-        write_fixture(root / family, preset("tiny", family=family))
-    return root
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("fixtures"))
 
 
 @pytest.fixture(scope="session")
 def split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4-layer tiny checkpoints (``llama/``, ``qwen3/``) to split into pipeline stages."""
-    from mlxceld.models import preset, write_fixture
+    from helpers.models import write_tiny_checkpoints
 
-    root = tmp_path_factory.mktemp("split-fixtures")
-    for family in ("llama", "qwen3"):
-        write_fixture(root / family, preset("tiny", family=family, layers=4))
-    return root
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("split-fixtures"), layers=4)

@@ -9,8 +9,10 @@ import json
 
 import httpx
 import pytest
-from api_fakes import FakeEngine
-from api_harness import MODEL, make_app, metric, serving, until, until_metric
+
+from helpers.api import MODEL, make_app, metric, serving, until_metric
+from helpers.fakes import FakeEngine
+from helpers.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 

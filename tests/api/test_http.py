@@ -9,21 +9,22 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fakes import ByteCodec, FakeEngine
-from api_harness import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxceld.api import ChatMessage
+
+from helpers.api import (
     BASE,
     MODEL,
     http_client,
     make_app,
     metric,
     sse_events,
-    until,
     until_metric,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from mlxceld.api import ChatMessage
+from helpers.fakes import ByteCodec, FakeEngine
+from helpers.waiting import until
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),

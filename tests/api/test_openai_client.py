@@ -7,8 +7,9 @@ from typing import Any
 
 import openai
 import pytest
-from api_fakes import FakeEngine
-from api_harness import KEY, MODEL, http_client, make_app, openai_client
+
+from helpers.api import KEY, MODEL, http_client, make_app, openai_client
+from helpers.fakes import FakeEngine
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT_PROMPT = len("<user>hi<assistant>")

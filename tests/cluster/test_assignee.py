@@ -24,6 +24,9 @@ from mlxceld.state.plans import Assignments
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
+from helpers import keys
+from helpers.waiting import until
+
 COORDINATOR = "127.0.0.1:19000"
 PEER_HOST = "127.0.0.2"
 MODEL = "ab" * 32
@@ -93,8 +96,7 @@ class Peer:
 
 @contextlib.asynccontextmanager
 async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32), primary=True)
+    keyring = keys.keyring(secrets.token_bytes(32))
     stage, assignments = HeldStage(), Assignments(open_db(tmp_path / "state.db"))
     agent = AgentService((PEER_HOST, 0), keyring)
     assignee = Assignee(assignments, stage, keyring, identity=lambda: agent.address,
@@ -121,12 +123,6 @@ async def answer(stream: MxclStream, skip: str = "preparing") -> dict[str, Any]:
                 return dict(env.header)
 
 
-async def until(predicate: Any) -> None:
-    async with asyncio.timeout(10):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 def test_a_newer_plan_supersedes_an_undecided_round(tmp_path: Path) -> None:
     async def go() -> None:
         async with running_peer(tmp_path) as peer:
@@ -138,12 +134,13 @@ def test_a_newer_plan_supersedes_an_undecided_round(tmp_path: Path) -> None:
 async def scenario(peer: Peer) -> None:
     old = await peer.dial()
     await old.send(offer(10))
-    await until(lambda: "prepare 10" in peer.stage.calls)  # loading, undecided
+    await until(lambda: "prepare 10" in peer.stage.calls, "plan 10 loading, undecided",
+                timeout=10)
     new = await peer.dial()
     await new.send(offer(11))
     got = await answer(old)
     assert (got["t"], got["epoch"], got["reason"]) == ("aborted", 10, "superseded by plan 11")
-    await until(lambda: "prepare 11" in peer.stage.calls)
+    await until(lambda: "prepare 11" in peer.stage.calls, "plan 11 to be prepared", timeout=10)
     assert peer.stage.calls == ["prepare 10", "stop", "prepare 11"]
     row = peer.assignments.latest()
     assert row is not None and (row.epoch, row.state) == (11, "preparing")

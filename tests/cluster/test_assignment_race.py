@@ -33,6 +33,8 @@ from mlxceld.state.plans import Plans
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import parse_envelope
 
+from helpers import keys
+
 COORDINATOR = "127.0.0.1:19000"
 MODEL = "ab" * 32
 
@@ -80,8 +82,7 @@ class AbortYields:
 def test_a_peer_connected_after_the_abort_hears_it(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     async def go() -> None:
-        keyring = Keyring()
-        keyring.add(secrets.token_bytes(32), primary=True)
+        keyring = keys.keyring(secrets.token_bytes(32))
         b, a = FakePeer(refuses=False), FakePeer(refuses=True)
         listeners = [Listener(host, 0, keyring=keyring, identity_of_server=f"{host}:0",
                               channels={ASSIGNMENT_CHANNEL}, handler=peer.serve)

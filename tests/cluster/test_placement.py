@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,34 +12,12 @@ from mlxceld.cluster.clusterfile.placement import pipeline_options, place, stage
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_identity
 
-
-def write(tmp_path: Path, model: Path | None, splits: list[tuple[int, int]]) -> Path:
-    text = "[cluster]\nname = \"c\"\n" + f"pipeline_parallel_size = {len(splits)}\n"
-    if model is not None:
-        text += f'model = "{model}"\n'
-    text += textwrap.dedent("""
-        [[nodes]]
-        id = "coord"
-        address = "127.0.0.1:19000"
-        role = "coordinator"
-        """)
-    for rank, (start, end) in enumerate(splits):
-        text += textwrap.dedent(f"""
-            [[nodes]]
-            id = "s{rank}"
-            address = "127.0.0.{2 + rank}:1910{rank}"
-            role = "pipeline_stage"
-            rank = {rank}
-            layers = [{start}, {end}]
-            """)
-    path = tmp_path / "cluster.toml"
-    path.write_text(text)
-    return path
+from helpers.clusterfile import write_cluster_toml
 
 
 def test_stage_and_router_options(tmp_path: Path, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
-    path = write(tmp_path, model, [(0, 1), (1, 3), (3, 4)])
+    path = write_cluster_toml(tmp_path, model, [(0, 1), (1, 3), (3, 4)])
     middle = place(path, "s1")
     assert not middle.is_coordinator and middle.needs_secret
     opts = stage_options(middle)
@@ -61,13 +38,13 @@ def test_stage_and_router_options(tmp_path: Path, split_fixture_dir: Path) -> No
 
 
 def test_layers_checked_against_the_model(tmp_path: Path, split_fixture_dir: Path) -> None:
-    path = write(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 3)])
+    path = write_cluster_toml(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 3)])
     with pytest.raises(ConfigError, match=r"layer 3 is on no stage|layers 3"):
         place(path, "s0")
 
 
 def test_a_model_is_required(tmp_path: Path, split_fixture_dir: Path) -> None:
-    path = write(tmp_path, None, [(0, 2), (2, 4)])
+    path = write_cluster_toml(tmp_path, None, [(0, 2), (2, 4)])
     with pytest.raises(ConfigError, match="--model"):
         place(path, "s0")
     assert place(path, "s0", str(split_fixture_dir / "llama")).node.id == "s0"
@@ -75,7 +52,7 @@ def test_a_model_is_required(tmp_path: Path, split_fixture_dir: Path) -> None:
 
 def test_an_unknown_node_id_lists_the_known_ones(tmp_path: Path,
                                                  split_fixture_dir: Path) -> None:
-    path = write(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 4)])
+    path = write_cluster_toml(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 4)])
     with pytest.raises(ConfigError, match="'coord', 's0', 's1'"):
         place(path, "nobody")
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from test_placement import write
-
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.cluster.coordinator import Coordinator, config_differences
 from mlxceld.discovery.candidates import CandidateTable
@@ -17,6 +15,8 @@ from mlxceld.models import model_identity
 from mlxceld.state import EventLog, PeersTable, open_db
 from mlxceld.state.plans import PlanRow, Plans
 from mlxceld.wire import Keyring
+
+from helpers.clusterfile import write_cluster_toml
 
 PEERS = ("127.0.0.2:19000", "127.0.0.3:19000")
 
@@ -38,7 +38,7 @@ async def start(tmp_path: Path, model: Path, decision: str, n: int | None,
     with pp_auto ``n`` and the ``configured`` model, until what it started has ended."""
     db = open_db(tmp_path / "state.db")
     plans, events, keyring, slot = Plans(db), EventLog(db), Keyring(), Slot()
-    toml = write(tmp_path, model, [(0, 2), (2, 4)]).read_text().replace(
+    toml = write_cluster_toml(tmp_path, model, [(0, 2), (2, 4)]).read_text().replace(
         'id = "coord"', 'id = "coordinator"')  # the planner's name for it
     plans.create(7, "c", model_identity(model) if model.exists() else "ab" * 32, PEERS, toml)
     plans.decide(7, decision)

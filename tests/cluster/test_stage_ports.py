@@ -7,7 +7,6 @@ import dataclasses
 import socket
 
 import pytest
-from test_offers import ME, OFFER, verdict
 
 from mlxceld.cluster.assignment.offers import Refusal
 from mlxceld.cluster.clusterfile.load import ClusterConfig
@@ -16,6 +15,8 @@ from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.discovery.inventory import free_ports
 from mlxceld.errors import ConfigError
 from mlxceld.state.peers import PeerRow
+
+from helpers.offers import ME, OFFER, verdict
 
 
 @pytest.mark.parametrize(("value", "expected"), [

@@ -11,6 +11,8 @@ from mlxceld.config.secrets import ENV_FILE, ENV_VALUE, TomlSecretFile, resolve_
 from mlxceld.errors import ConfigError, SecretSourceError
 from mlxceld.wire.secret import Keyring
 
+from helpers.keys import keyring
+
 A = b"secret-from-the-flag-file-000000"
 B = b"secret-from-the-env-file-1111111"
 C = "secret-from-the-env-value-222222"
@@ -37,24 +39,18 @@ def files(tmp_path: Path) -> dict[str, Path]:
     }
 
 
-def keyring() -> Keyring:
-    ring = Keyring()
-    ring.add(E)
-    return ring
-
-
 def test_precedence_flag_env_file_env_value_toml_keyring(files: dict[str, Path]) -> None:
     toml = TomlSecretFile("d.key", files["cluster.toml"])  # relative to the TOML's dir
     env = {ENV_FILE: str(files["env"])}
-    got = resolve_secret(flag_file=files["flag"], environ=env, toml=toml, keyring=keyring())
+    got = resolve_secret(flag_file=files["flag"], environ=env, toml=toml, keyring=keyring(E))
     assert got is not None and got.secret == A and str(files["flag"]) in got.source
-    got = resolve_secret(environ=env, toml=toml, keyring=keyring())
+    got = resolve_secret(environ=env, toml=toml, keyring=keyring(E))
     assert got is not None and got.secret == B and got.source.startswith(ENV_FILE)
-    got = resolve_secret(environ={ENV_VALUE: C}, toml=toml, keyring=keyring())
+    got = resolve_secret(environ={ENV_VALUE: C}, toml=toml, keyring=keyring(E))
     assert got is not None and got.secret == C.encode() and got.source == ENV_VALUE
-    got = resolve_secret(environ={}, toml=toml, keyring=keyring())
+    got = resolve_secret(environ={}, toml=toml, keyring=keyring(E))
     assert got is not None and got.secret == D and str(files["toml"]) in got.source
-    got = resolve_secret(environ={}, keyring=keyring())
+    got = resolve_secret(environ={}, keyring=keyring(E))
     assert got is not None and got.secret == E and got.from_keyring
     assert resolve_secret(environ={}, keyring=Keyring()) is None
     assert resolve_secret(environ={}) is None
@@ -68,7 +64,7 @@ def test_the_config_files_key_is_below_the_variables_above_the_toml(
     assert got is not None and got.secret == B
     got = resolve_secret(environ={ENV_VALUE: C}, config_file=conf, toml=toml)
     assert got is not None and got.secret == C.encode()
-    got = resolve_secret(environ={}, config_file=conf, toml=toml, keyring=keyring())
+    got = resolve_secret(environ={}, config_file=conf, toml=toml, keyring=keyring(E))
     assert got is not None and got.secret == A
     assert got.source == f"[daemon] cluster_secret_file {conf}"
     with pytest.raises(SecretSourceError) as info:
@@ -108,7 +104,7 @@ def test_a_short_secret_names_every_source_and_the_one_used(tmp_path: Path,
     toml = TomlSecretFile(str(short), tmp_path / "c.toml") if source == "toml" else None
     with pytest.raises(SecretSourceError) as info:
         resolve_secret(flag_file=flag, environ=env.get(source, {}), toml=toml,
-                       keyring=keyring(), keyring_where="/state/keys")
+                       keyring=keyring(E), keyring_where="/state/keys")
     message = info.value.message
     for name in ALL_SOURCES:
         assert name in message, name

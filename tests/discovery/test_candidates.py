@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import sqlite_utils
 
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.state import PeersTable, open_db
+from mlxceld.state import PeersTable
 
 T0 = 1_767_225_600
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[sqlite_utils.Database]:
-    database = open_db(tmp_path / "state.db")
-    try:
-        yield database
-    finally:
-        database.conn.close()
 
 
 def record(node: str = "host-b", ts: int = T0, kid: str = "ab" * 8) -> dict[str, str]:

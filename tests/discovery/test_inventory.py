@@ -23,7 +23,10 @@ from mlxceld.discovery.poller import InventoryPoller
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream, connect
 from mlxceld.net.agent import AgentService
-from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire import Envelope, MessageSpec, encode_envelope, parse_envelope
+
+from helpers import keys
+from helpers.mxcl import running
 
 
 def model_dir(root: Path) -> Path:
@@ -78,8 +81,7 @@ def test_answers_out_of_bounds_are_refused(change: dict[str, Any], words: str) -
 
 
 def test_handlers_are_per_channel_and_type() -> None:
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32))
+    keyring = keys.keyring(secrets.token_bytes(32))
     agent = AgentService(("127.0.0.1", 0), keyring)
 
     async def noop(stream: MxclStream, message: Envelope) -> None: ...
@@ -92,8 +94,7 @@ def test_handlers_are_per_channel_and_type() -> None:
 
 
 def test_inventory_and_another_handler_over_a_real_agent() -> None:
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32))
+    keyring = keys.keyring(secrets.token_bytes(32))
 
     async def main() -> None:
         agent = AgentService(("127.0.0.1", 0), keyring)
@@ -105,10 +106,7 @@ def test_inventory_and_another_handler_over_a_real_agent() -> None:
             await stream.send(encode_envelope({"t": "accepted"}))
 
         agent.add_handler(2, "offer", offer)
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(agent.run(started))
-        await started
-        try:
+        async with running(agent):
             table = CandidateTable(node_id="host-a")
             table.propose_static(agent.address, 0.0)
             await InventoryPoller(table, keyring, "127.0.0.1:19999").poll(agent.address)
@@ -126,9 +124,6 @@ def test_inventory_and_another_handler_over_a_real_agent() -> None:
                 await stream.send(encode_envelope({"t": "offer", "epoch": 1}))
                 assert parse_envelope(await stream.recv(), specs).type == "accepted"
             assert seen == [("127.0.0.1:19999", {"t": "offer", "epoch": 1})]
-        finally:
-            await agent.aclose()
-            await task
 
     asyncio.run(main())
 
@@ -138,8 +133,7 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
     from mlxceld.discovery import poller
 
     monkeypatch.setattr(poller, "ANSWER_TIMEOUT_S", 0.3)
-    keyring = Keyring()
-    keyring.add(secrets.token_bytes(32))
+    keyring = keys.keyring(secrets.token_bytes(32))
 
     async def main() -> None:
         agent = AgentService(("127.0.0.1", 0), keyring)
@@ -151,10 +145,7 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
                 await stream.send(encode_envelope(answer))
 
         agent.add_handler(3, "inventory", inventory)
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(agent.run(started))
-        await started
-        try:
+        async with running(agent):
             table = CandidateTable(node_id="host-a")
             table.propose_static(agent.address, 0.0)
             p = InventoryPoller(table, keyring, "127.0.0.1:19999")
@@ -165,8 +156,5 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
             await p.poll(agent.address)
             row = table.get(agent.address)
             assert row is not None and row.error == "no_answer: no inventory answer within 0.3 s"
-        finally:
-            await agent.aclose()
-            await task
 
     asyncio.run(main())

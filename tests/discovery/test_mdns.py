@@ -17,15 +17,10 @@ import pytest
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.mdns import MdnsDiscovery, advertised_ip, interfaces_for
 from mlxceld.net.resolve import ResolveError
-from mlxceld.wire import Keyring
+
+from helpers.keys import keyring
 
 SEEN_WITHIN_S = 15.0  # registration probes take about 2 s, a browse answer is quick
-
-
-def ring(secret: bytes) -> Keyring:
-    k = Keyring()
-    k.add(secret)
-    return k
 
 
 def test_interface_and_advertised_address_choices() -> None:
@@ -34,11 +29,11 @@ def test_interface_and_advertised_address_choices() -> None:
     assert advertised_ip("127.0.0.2") == "127.0.0.2"
     assert advertised_ip("0.0.0.0") != "0.0.0.0"
     # An agent on a host name advertises the address the name resolves to.
-    named = MdnsDiscovery(CandidateTable(), ring(b"x" * 16), node_id="n", cluster="c",
+    named = MdnsDiscovery(CandidateTable(), keyring(b"x" * 16), node_id="n", cluster="c",
                           agent_address="localhost:1")
     assert named.advertised == "127.0.0.1:1"
     with pytest.raises(ResolveError, match=r"'no-such-host\.invalid'"):
-        MdnsDiscovery(CandidateTable(), ring(b"x" * 16), node_id="n", cluster="c",
+        MdnsDiscovery(CandidateTable(), keyring(b"x" * 16), node_id="n", cluster="c",
                       agent_address="no-such-host.invalid:1")
 
 
@@ -55,14 +50,14 @@ def test_daemons_on_loopback_find_each_other_and_ignore_strangers(
     async def main() -> None:
         tables = {x: CandidateTable(node_id=n) for x, n in ids.items()}
         nodes = [
-            MdnsDiscovery(tables["b"], ring(secret), node_id=ids["b"], cluster=cluster,
+            MdnsDiscovery(tables["b"], keyring(secret), node_id=ids["b"], cluster=cluster,
                           agent_address="127.0.0.2:19002"),
-            MdnsDiscovery(tables["c"], ring(secret), node_id=ids["c"], cluster=cluster,
+            MdnsDiscovery(tables["c"], keyring(secret), node_id=ids["c"], cluster=cluster,
                           agent_address="127.0.0.3:19003"),
             # Another secret, and another cluster name: both announce, neither is a candidate.
-            MdnsDiscovery(tables["x"], ring(secrets.token_bytes(32)), node_id=ids["x"],
+            MdnsDiscovery(tables["x"], keyring(secrets.token_bytes(32)), node_id=ids["x"],
                           cluster=cluster, agent_address="127.0.0.4:19004"),
-            MdnsDiscovery(tables["y"], ring(secret), node_id=ids["y"],
+            MdnsDiscovery(tables["y"], keyring(secret), node_id=ids["y"],
                           cluster=cluster + "-other", agent_address="127.0.0.5:19005"),
         ]
         tasks = [asyncio.create_task(n.run()) for n in nodes]

@@ -5,16 +5,12 @@ from __future__ import annotations
 import pytest
 
 from mlxceld.discovery.records import check_service, instance_name
-from mlxceld.wire import BeaconError, Keyring, build_record
+from mlxceld.wire import BeaconError, build_record
+
+from helpers.keys import keyring
 
 SECRET = b"a cluster secret of 32 bytes...."
 NOW = 1_767_225_600
-
-
-def keyring(secret: bytes = SECRET) -> Keyring:
-    k = Keyring()
-    k.add(secret)
-    return k
 
 
 def txt(secret: bytes = SECRET, **changes: str) -> dict[bytes, bytes | None]:
@@ -28,7 +24,7 @@ def txt(secret: bytes = SECRET, **changes: str) -> dict[bytes, bytes | None]:
 def check(properties: dict[bytes, bytes | None], *, name: str = instance_name("host-b"),
           addresses: tuple[str, ...] = ("10.0.0.2",), port: int | None = 19000,
           now: float = NOW, cluster: str = "lab") -> tuple[dict[str, str], str]:
-    return check_service(name, list(addresses), port, properties, keyring(), version="1",
+    return check_service(name, list(addresses), port, properties, keyring(SECRET), version="1",
                          package_version="0.1.0", cluster=cluster, now=now)
 
 

@@ -14,6 +14,8 @@ from mlx_lm.generate import generate_step
 from mlxceld.engine import GenerationRequest, SamplingParams
 from mlxceld.engine.local import LocalEngine, load_local_engine
 
+from helpers.waiting import until
+
 PROMPTS = ["Hello, world", "The quick brown fox jumps over", "x"]
 
 
@@ -82,11 +84,8 @@ def test_seeded_sampling_is_reproducible_and_cancellation_frees(fixture_dir: Pat
                 break
             await stream.aclose()
             assert engine.active_sequences() == 0
-            for _ in range(100):  # the step thread drops the sequence soon after
-                if not engine._by_uid:
-                    break
-                await asyncio.sleep(0.01)
-            assert not engine._by_uid
+            await until(lambda: not engine._by_uid,  # the step thread drops it soon after
+                        "the sequence to be dropped", timeout=1.0)
         finally:
             await engine.aclose()
 

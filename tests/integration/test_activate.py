@@ -8,16 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import openai
 import pytest
-from conftest import DaemonProc, Daemons, wait_for
-from test_discovery import POLL_WAIT_S, agent, settled, start
-from test_pipeline import READY_S, expected, free_port
 
 from mlxceld.cluster.assignment.peer_round import FRAME_S, PEER_PHASE_S
 from mlxceld.errors import ControlError
 
-ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
+from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, agent, settled, start
+from helpers.daemons import READY_S, DaemonProc, Daemons
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
 
 
 def reachable(coord: DaemonProc, peers: list[DaemonProc]) -> None:
@@ -75,11 +76,8 @@ def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path
     shown = coord.ctl("status").stdout
     assert f"bring-up: active: plan {pushing['epoch']}" in shown, shown
     assert all(f"{agent(p):22} layers" in shown for p in peers), shown
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
-                                    temperature=0).choices[0].text
-    assert text == expected(model, "The quick brown fox", 8)
+    text = complete(port, "llama")
+    assert text == expected(model, PROMPT, 8)
 
 
 def test_activate_names_the_peer_that_failed(daemons: Daemons,

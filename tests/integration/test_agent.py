@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from pathlib import Path
 
 import pytest
-from conftest import Daemons, wait_for
 
 from mlxceld.net import ConnectionClosed, HandshakeFailed, connect
-from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
-
-def ring(secret: bytes) -> Keyring:
-    k = Keyring()
-    k.add(secret)
-    return k
-
-
-def secret_file(root: Path, secret: bytes) -> Path:
-    path = root / "cluster.secret"
-    path.write_bytes(secret + b"\n")
-    path.chmod(0o600)
-    return path
+from helpers.daemons import Daemons
+from helpers.keys import keyring, secret_file
+from helpers.waiting import wait_for
 
 
 def address(status: dict[str, object]) -> tuple[str, int]:
@@ -54,7 +42,7 @@ def test_agent_answers_ping_and_refuses_strangers(daemons: Daemons) -> None:
     host, port = address(d.status())
 
     async def talk() -> None:
-        stream = await connect(host, port, keyring=ring(secret), identity="127.0.0.1:19100",
+        stream = await connect(host, port, keyring=keyring(secret), identity="127.0.0.1:19100",
                                channel=3, budget_s=5)
         try:
             await stream.send(encode_envelope({"t": "ping", "id": 7}))
@@ -67,11 +55,11 @@ def test_agent_answers_ping_and_refuses_strangers(daemons: Daemons) -> None:
         finally:
             await stream.close()
         with pytest.raises(HandshakeFailed) as wrong:
-            await connect(host, port, keyring=ring(b"another-secret-0123456789"),
+            await connect(host, port, keyring=keyring(b"another-secret-0123456789"),
                           identity="127.0.0.1:19100", channel=3, budget_s=2)
         assert wrong.value.kind == "unknown_key_id"  # another secret has another key id
         with pytest.raises((HandshakeFailed, ConnectionClosed)):
-            s1 = await connect(host, port, keyring=ring(secret), identity="127.0.0.1:19100",
+            s1 = await connect(host, port, keyring=keyring(secret), identity="127.0.0.1:19100",
                                channel=1, budget_s=1)  # transport is not the agent's
             await s1.recv()
 
@@ -89,7 +77,7 @@ def test_installing_a_first_secret_starts_the_agent(daemons: Daemons) -> None:
     host, port = address(d.status())
 
     async def talk() -> None:
-        stream = await connect(host, port, keyring=ring(secret), identity="127.0.0.1:19100",
+        stream = await connect(host, port, keyring=keyring(secret), identity="127.0.0.1:19100",
                                channel=2, budget_s=5)
         await stream.send(encode_envelope({"t": "ping", "id": 1}))
         assert reply_type(await stream.recv()) == "pong"

@@ -7,10 +7,13 @@ import json
 import secrets
 from pathlib import Path
 
-import openai
-from conftest import Daemons, wait_for
-from test_discovery import agent, secret_file, start
-from test_pipeline import READY_S, expected, free_port
+from helpers.cluster import agent, start
+from helpers.daemons import READY_S, Daemons
+from helpers.keys import secret_file
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
 
 
 def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_dir: Path,
@@ -37,11 +40,8 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     for p in peers:
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     assert out.exists()
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
-                                    temperature=0).choices[0].text
-    assert text == expected(model, "The quick brown fox", 8)
+    text = complete(port, "llama")
+    assert text == expected(model, PROMPT, 8)
     shown = peers[0].ctl("status", "--json")
     assert shown.returncode == 0, shown.stderr
     body = json.loads(shown.stdout)
@@ -59,11 +59,7 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     assert p.status()["assignment"]["state"] == "active"
     wait_for(lambda: sum(e["kind"] == "stage.active" for e in p.events()) == 2, 20,
              "stage-1 activated again")
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        again = c.completions.create(model="llama", prompt="The quick brown fox",
-                                     max_tokens=8, temperature=0).choices[0].text
-    assert again == text
+    assert complete(port, "llama") == text
 
     # A coordinator restarted after its plan went active serves that plan again, unpushed.
     assert coord.ctl("stop").returncode == 0 and coord.proc is not None
@@ -71,11 +67,7 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     coord.start(*coord_args)
     daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
     assert "resumed" in coord.status()["bringup"]["summary"]
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        third = c.completions.create(model="llama", prompt="The quick brown fox",
-                                     max_tokens=8, temperature=0).choices[0].text
-    assert third == text
+    assert complete(port, "llama") == text
 
 
 def test_refusals_are_named_and_no_stage_runs(daemons: Daemons,
@@ -132,8 +124,5 @@ def test_pp_auto_over_mdns_discovery(daemons: Daemons, split_fixture_dir: Path) 
     for i, p in enumerate(peers):
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
         assert p.status()["assignment"]["stage"] == f"stage-{i}"
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
-                                    temperature=0).choices[0].text
-    assert text == expected(model, "The quick brown fox", 8)
+    text = complete(port, "llama")
+    assert text == expected(model, PROMPT, 8)

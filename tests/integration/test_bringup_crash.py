@@ -13,17 +13,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import openai
-from conftest import DaemonProc, Daemons, alive, wait_for
-from test_discovery import agent, secret_file, start
-from test_pipeline import READY_S, expected, free_port
-
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
 from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS
 from mlxceld.net import connect
-from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
+
+from helpers import keys
+from helpers.cluster import agent, start
+from helpers.daemons import READY_S, DaemonProc, Daemons, alive
+from helpers.keys import secret_file
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
 
 PEER_WAIT_S = 5.0  # MLXCELD_TEST_PEER_WAIT_S where a test waits for a peer to give up
 PUSH_END_S = 120.0  # a push with two stage loads on a busy CPU
@@ -140,17 +143,13 @@ def test_the_coordinator_killed_after_its_commit_decision_finishes_after_restart
     for p in peers:
         assert assignment(p)["state"] == "active"
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
-                                    temperature=0).choices[0].text
-    assert text == expected(model, "The quick brown fox", 8)
+    text = complete(port, "llama")
+    assert text == expected(model, PROMPT, 8)
 
 
 def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
     """Send a stage offer of ``epoch`` to ``peer`` from 127.0.0.9 over MXCL; its answer."""
-    keyring = Keyring()
-    keyring.add(secret, primary=True)
+    keyring = keys.keyring(secret)
     me = f"127.0.0.9:{free_port('127.0.0.9')}"
     offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
                   package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProc, Daemons, wait_for
-from test_discovery import agent, start
-from test_pipeline import free_port
 
 from mlxceld import __version__
+
+from helpers.cluster import agent, start
+from helpers.daemons import DaemonProc, Daemons
+from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 PUSH_END_S = 90.0  # plan and push; a refused offer loads nothing
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FAST_POLICY, Daemons, wait_for
+
+from helpers.daemons import FAST_POLICY, Daemons
+from helpers.waiting import wait_for
 
 ONE_ECHO = FAST_POLICY + """
 [workers.alpha]

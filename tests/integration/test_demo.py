@@ -17,10 +17,12 @@ import threading
 import time
 from pathlib import Path
 
-import openai
 import psutil
-from conftest import alive
-from test_pipeline import expected, free_port
+
+from helpers.daemons import alive
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
 
 DEMO = Path(__file__).resolve().parents[2] / "contrib" / "demo" / "cluster.py"
 READY_S = 240.0  # the script's own READY_S (180 s) and its start-up
@@ -72,11 +74,7 @@ def test_demo_serves_and_ctrl_c_stops_every_process(split_fixture_dir: Path) -> 
         assert "curl -s" in text and "import openai" in text, text
         assert "bring-up: active" in text and "router" in text, text  # mlxctl status
         assert "stage-0 active (plan" in text and "stage-1 active (plan" in text, text
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                           max_retries=0, timeout=60) as c:
-            got = c.completions.create(model="qwen3", prompt="The quick brown fox",
-                                       max_tokens=6, temperature=0).choices[0].text
-        assert got == expected(model, "The quick brown fox", 6)
+        assert complete(port, "qwen3", 6) == expected(model, PROMPT, 6)
         workers = recorded_pids(root)
         assert len(workers) >= 3, workers  # two stages and the router
         started |= workers

@@ -1,39 +1,20 @@
-"""A cluster as users deploy it (tests/deploy.py): `mlxceld --config FILE` only, agents on
+"""A cluster as users deploy it (tests/helpers/deploy.py): `mlxceld --config FILE` only, agents on
 the default wildcard host, peers named by host name or by the address another host
 reaches them on, the secret from the service's environment."""
 
 from __future__ import annotations
 
 import secrets
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-import openai
-from conftest import DaemonProc, Daemons, free_port, wait_for
-from deploy import Host
-from test_discovery import POLL_WAIT_S, settled
-from test_pipeline import PROMPT, READY_S, expected
-
-ACTIVATE_S = 300.0
-
-
-def complete(port: int, model: str, n: int = 8) -> str:
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text: str = c.completions.create(model=model, prompt=PROMPT, max_tokens=n,
-                                         temperature=0).choices[0].text
-        return text
-
-
-def activate(coord: DaemonProc, model: Path, stages: int) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "mlxctl", "--socket", str(coord.socket), "cluster", "activate",
-         "--model", str(model), "--stages", str(stages)],
-        capture_output=True, text=True, timeout=ACTIVATE_S)
-    assert out.returncode == 0, (out.stdout, out.stderr, coord.stderr()[-3000:])
-    return out.stdout
+from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, activate, settled
+from helpers.daemons import READY_S, Daemons
+from helpers.deploy import Host
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
 
 
 def bring_up(daemons: Daemons, model: Path, peer_names: list[str], *,

@@ -4,40 +4,14 @@ from __future__ import annotations
 
 import json
 import secrets
-from pathlib import Path
 from typing import Any
-
-from conftest import DaemonProc, Daemons, wait_for
 
 from mlxceld import __version__
 from mlxceld.wire import key_id
 
-POLL_WAIT_S = 30.0  # a first poll starts at once and takes at most 5 s + 5 s
-
-
-def secret_file(root: Path, secret: bytes) -> Path:
-    path = root / "cluster.secret"
-    path.write_bytes(secret + b"\n")
-    path.chmod(0o600)
-    return path
-
-
-def start(daemons: Daemons, ip: str, secret: bytes, *extra: str, name: str = "d",
-          env: dict[str, str] | None = None) -> DaemonProc:
-    d = daemons.make(name=name)
-    return d.start("--cluster-secret-file", str(secret_file(d.root, secret)),
-                   "--agent-addr", f"{ip}:0", *extra, env=env)
-
-
-def agent(d: DaemonProc) -> str:
-    address = d.status()["agent"]["address"]
-    assert address, d.status()["agent"]
-    return str(address)
-
-
-def stop(d: DaemonProc) -> None:
-    assert d.ctl("stop").returncode == 0
-    assert d.proc is not None and d.proc.wait(timeout=20) == 0
+from helpers.cluster import POLL_WAIT_S, agent, by_address, settled, start, stop
+from helpers.daemons import DaemonProc, Daemons
+from helpers.waiting import wait_for
 
 
 def nodes_json(d: DaemonProc) -> dict[str, Any]:
@@ -46,17 +20,6 @@ def nodes_json(d: DaemonProc) -> dict[str, Any]:
     body: dict[str, Any] = json.loads(out.stdout)
     assert body["schema"] == "mlxctl.cluster-nodes/1"
     return body
-
-
-def by_address(d: DaemonProc) -> dict[str, dict[str, Any]]:
-    """The candidates through the control API in-process (mlxctl's client, no subprocess)."""
-    return {n["address"]: n for n in d.api(lambda c: c.cluster_nodes())["nodes"]}
-
-
-def settled(d: DaemonProc, expected: dict[str, str]) -> dict[str, dict[str, Any]] | None:
-    rows = by_address(d)
-    ok = all(rows.get(a, {}).get("state") == s for a, s in expected.items())
-    return rows if ok else None
 
 
 def test_static_peers_are_polled_for_their_inventory(daemons: Daemons) -> None:

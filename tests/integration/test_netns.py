@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import Daemons
-from deploy import Host
-from test_deployed import activate
-from test_pipeline import PROMPT, READY_S, expected
+
+from helpers.cluster import activate
+from helpers.daemons import READY_S, Daemons
+from helpers.deploy import Host
+from helpers.models import PROMPT, expected
 
 SUBNET = "10.213.77"
 DOMAIN = "mlx.test"

@@ -1,6 +1,6 @@
 """A pipeline of real daemons on 127.0.0.1 (coordinator), .2, .3 (stages), each with its
 own state dir, driven by the real `openai` client. Each daemon is started as a service
-would start it (tests/deploy.py): `--config FILE` only, naming the cluster TOML and its
+would start it (tests/helpers/deploy.py): `--config FILE` only, naming the cluster TOML and its
 node there, its agent on the default wildcard host."""
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, alive, free_port, wait_for
-from deploy import Host
 
-READY_S = 120.0
+from helpers import keys
+from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
+from helpers.deploy import Host
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import client
+from helpers.waiting import wait_for
+
 SECRET = "0123456789abcdef0123456789abcdef"
 
 
@@ -87,17 +91,6 @@ def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
     return Pipeline(coord.d, stages, f"http://127.0.0.1:{port}/v1", toml, hosts)
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-
-
-def expected(model: Path, prompt: str, n: int) -> str:
-    m, tok = mlx_lm.load(str(model))
-    text: str = mlx_lm.generate(m, tok, prompt, max_tokens=n)
-    return text
-
-
-PROMPT = "The quick brown fox"
 LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
 
 
@@ -272,14 +265,13 @@ def test_stages_refuse_other_secret_holders(daemons: Daemons, split_fixture_dir:
     from mlxceld.models import model_identity
     from mlxceld.net import connect
     from mlxceld.pipeline import protocol as p
-    from mlxceld.wire import Keyring, encode_envelope, parse_envelope
+    from mlxceld.wire import encode_envelope, parse_envelope
 
     model = split_fixture_dir / "llama"
     pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
     text = pipe.toml.read_text()
     addrs = [line.split('"')[1] for line in text.splitlines() if line.startswith("address")]
-    keyring = Keyring()
-    keyring.add(SECRET.encode(), primary=True)
+    keyring = keys.keyring(SECRET.encode())
 
     async def intrude(address: str, header: dict[str, object],
                       tensors: list[tuple[str, str, tuple[int, ...], bytes]]) -> dict[str, object]:

@@ -7,13 +7,16 @@ import json
 import secrets
 from pathlib import Path
 
-import openai
-from conftest import FAST_POLICY, Daemons, wait_for
-from test_discovery import agent, by_address, secret_file, start
-from test_pipeline import READY_S, expected, free_port
-
 from mlxceld.cluster.clusterfile.load import load_cluster, validate_layers
 from mlxceld.models import layer_count, read_model_config
+
+from helpers.cluster import agent, by_address, start
+from helpers.daemons import FAST_POLICY, READY_S, Daemons
+from helpers.keys import secret_file
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
 
 
 def test_plan_then_run_the_planned_pipeline(daemons: Daemons, split_fixture_dir: Path,
@@ -61,11 +64,8 @@ def test_plan_then_run_the_planned_pipeline(daemons: Daemons, split_fixture_dir:
         w = d.wait_worker("router" if node == "coordinator" else "stage", timeout=READY_S,
                           state="running")
         daemons.pids.add(w["pid"])
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text = c.completions.create(model="llama", prompt="The quick brown fox", max_tokens=8,
-                                    temperature=0).choices[0].text
-    assert text == expected(model, "The quick brown fox", 8)
+    text = complete(port, "llama")
+    assert text == expected(model, PROMPT, 8)
 
 
 def test_pp_auto_dry_run_prints_the_plan_and_writes_the_toml(

@@ -2,7 +2,7 @@
 and nothing else): `mlxctl cluster activate` with stage ports from a configured range, the
 coordinator stopped and started again serving the same plan (the peers' stage workers keep
 their pids), then `mlxctl cluster deactivate` with one peer down, and nothing coming back
-after any restart. Real daemons started by tests/deploy.py (agents on the wildcard host);
+after any restart. Real daemons started by tests/helpers/deploy.py (agents on the wildcard host);
 the coordinator names its peers 127.0.0.2 and 127.0.0.3."""
 
 from __future__ import annotations
@@ -11,25 +11,19 @@ import random
 import secrets
 from pathlib import Path
 
-import openai
 import psutil
 import pytest
-from conftest import DaemonProc, Daemons, alive, free_port, wait_for
-from deploy import Host
-from test_activate import ACTIVATE_S
-from test_discovery import POLL_WAIT_S, settled, stop
-from test_pipeline import PROMPT, READY_S, expected
+
+from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, settled, stop
+from helpers.daemons import READY_S, DaemonProc, Daemons, alive
+from helpers.deploy import Host
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
 
 DEACTIVATE_CLI_S = 90.0  # the CLI's own bound (control.client.DEACTIVATE_TIMEOUT_S) fits
 AGENT_UP_S = 20.0  # a restarted daemon's agent listener (and with it its resume decision)
-
-
-def complete(port: int) -> str:
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                       max_retries=0, timeout=60) as c:
-        text: str = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
-                                         temperature=0).choices[0].text
-    return text
 
 
 def listening_ports(pid: int) -> set[int]:
@@ -80,7 +74,7 @@ def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
         address = p.status()["cluster"]["address"]
         assert int(address.rpartition(":")[2]) in ports, address
         assert listening_ports(w["pid"]) and listening_ports(w["pid"]) <= set(ports)
-    text = complete(port)
+    text = complete(port, "llama")
     assert text == expected(model, PROMPT, 8)
 
     # SIGTERM, then `mlxceld --config FILE` alone: the plan is served again, not pushed.
@@ -92,7 +86,7 @@ def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
     bringup = coord.status()["bringup"]
     assert bringup["state"] == "active" and "resumed as decided (active)" in bringup["summary"]
     assert "config_differs" not in bringup, bringup
-    assert complete(port) == text
+    assert complete(port, "llama") == text
     for p in peers:
         assert p.worker("stage")["pid"] == stage_pids[p.root]
         assert sum(e["kind"] == "stage.active" for e in p.events()) == 1  # loaded once

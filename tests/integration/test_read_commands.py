@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons
+
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons
 
 ONE_ECHO = FAST_POLICY + """
 [workers.alpha]

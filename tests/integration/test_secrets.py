@@ -11,10 +11,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons
 
 from mlxceld.errors import ControlError
 from mlxceld.wire.secret import key_id, trim_secret_file
+
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons
 
 ONE_ECHO = FAST_POLICY + """
 [workers.alpha]

@@ -11,12 +11,14 @@ import threading
 from pathlib import Path
 
 import httpx
-import mlx_lm
 import openai
 import pytest
-from conftest import FAST_POLICY, DaemonProc, Daemons, alive, free_port, wait_for
 
-ROUTER_READY_S = 120.0
+from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import client
+from helpers.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +30,9 @@ def start_serving(daemons: Daemons, model: Path, *extra: str,
                   config: str = FAST_POLICY) -> tuple[DaemonProc, str]:
     port = free_port()
     d = daemons.make(config).start("--model", str(model), "--port", str(port), *extra)
-    w = d.wait_worker("router", timeout=ROUTER_READY_S, state="running")
+    w = d.wait_worker("router", timeout=READY_S, state="running")
     daemons.pids.add(w["pid"])
     return d, f"http://127.0.0.1:{port}/v1"
-
-
-def client(base_url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
 
 
 def test_chat_and_completions_streamed_and_not(daemons: Daemons, tiny_llama: Path) -> None:
@@ -62,14 +60,12 @@ def test_chat_and_completions_streamed_and_not(daemons: Daemons, tiny_llama: Pat
                 pieces.append(ch.delta.content or "")
         assert "".join(pieces) == choice.message.content  # greedy: same text both ways
         assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
-        comp = c.completions.create(model="llama", prompt="The quick brown fox",
-                                    max_tokens=24, temperature=0)
+        comp = c.completions.create(model="llama", prompt=PROMPT, max_tokens=24,
+                                    temperature=0)
         assert comp.choices[0].finish_reason in ("stop", "length")
         assert comp.usage is not None and comp.usage.completion_tokens <= 24
     # Greedy decoding through the daemon gives what mlx_lm.generate gives.
-    model, tokenizer = mlx_lm.load(str(tiny_llama))
-    assert comp.choices[0].text == mlx_lm.generate(model, tokenizer, "The quick brown fox",
-                                                   max_tokens=24)
+    assert comp.choices[0].text == expected(tiny_llama, PROMPT, 24)
     status = d.status()
     assert status["serving"]["model_name"] == "llama"
     assert status["serving"]["url"] == url
@@ -157,7 +153,7 @@ def test_kill9_router_is_restarted_and_serves_again(daemons: Daemons, tiny_llama
     pid = d.worker("router")["pid"]
     os.kill(pid, signal.SIGKILL)
     w = wait_for(lambda: (x := d.worker("router"))["state"] == "running" and x["pid"] != pid
-                 and x, ROUTER_READY_S, "router restarted")
+                 and x, READY_S, "router restarted")
     daemons.pids.add(w["pid"])
     with client(url) as c:
         assert c.completions.create(model="llama", prompt="Hi", max_tokens=3).choices
@@ -167,7 +163,7 @@ def test_mlxctl_serve_switches_the_model(daemons: Daemons, fixture_dir: Path) ->
     port = free_port()
     d = daemons.make(FAST_POLICY + f"\n[serve]\nport = {port}\n").start()
     assert d.status()["serving"] is None
-    out = d.ctl("serve", str(fixture_dir / "qwen3"), "--name", "q", timeout=ROUTER_READY_S)
+    out = d.ctl("serve", str(fixture_dir / "qwen3"), "--name", "q", timeout=READY_S)
     assert out.returncode == 0, out.stderr
     assert f"serving q at http://127.0.0.1:{port}/v1" in out.stdout
     daemons.note(d)
@@ -194,7 +190,7 @@ def test_unserve_stops_the_router_and_a_restart_serves_nothing(daemons: Daemons,
     d = daemons.make(FAST_POLICY + f"\n[serve]\nport = {port}\n").start()
     nothing = d.ctl("unserve")
     assert nothing.returncode == 0 and "nothing was served" in nothing.stdout
-    assert d.ctl("serve", str(tiny_llama), timeout=ROUTER_READY_S).returncode == 0
+    assert d.ctl("serve", str(tiny_llama), timeout=READY_S).returncode == 0
     daemons.note(d)
     router = d.worker("router")["pid"]
     out = d.ctl("unserve", timeout=60)
@@ -214,7 +210,7 @@ def test_unserve_stops_the_router_and_a_restart_serves_nothing(daemons: Daemons,
     # and nothing changes.
     assert d.ctl("stop").returncode == 0 and d.proc.wait(30) == 0
     d.start("--model", str(tiny_llama), "--port", str(port))
-    daemons.pids.add(d.wait_worker("router", timeout=ROUTER_READY_S, state="running")["pid"])
+    daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
     refused = d.ctl("unserve", "--json")
     assert refused.returncode == 1
     error = json.loads(refused.stdout)["error"]

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProc, Daemons
 
 from mlxceld.paths import SYSTEM_SOCKET
+
+from helpers.daemons import DaemonProc, Daemons
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")

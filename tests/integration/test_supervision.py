@@ -8,7 +8,8 @@ import signal
 import sqlite3
 import time
 
-from conftest import FAST_POLICY, DaemonProc, Daemons, alive, wait_for
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
+from helpers.waiting import wait_for
 
 TWO_ECHOS = FAST_POLICY + """
 [workers.alpha]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from net_helpers import CLIENT_ID, Refusals, ring, run, serving
-
 from mlxceld.net import connect
+
+from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, SECRET, Refusals, run, serving
 
 FLOOD = 200
 SOURCES = [f"127.0.0.{i}" for i in range(2, 9)]  # seven IPv4 sources
@@ -32,7 +33,7 @@ def test_idle_flood_does_not_block_an_authenticated_client() -> None:
                 await refusals.wait_for("noise", FLOOD - held)  # closed at accept
                 assert lst.pending == held and lst.established == 0
                 async with asyncio.timeout(5.0):
-                    stream = await connect("127.0.0.1", lst.port, keyring=ring(),
+                    stream = await connect("127.0.0.1", lst.port, keyring=keyring(SECRET),
                                            identity=CLIENT_ID, channel=1)
                 assert lst.established == 1
                 await stream.send(b"through the flood")

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from net_helpers import raw_client, ring, run, serving
 
 from mlxceld.net import ConnectionClosed, MxclStream, connect
 from mlxceld.wire import FrameLimits, Kind
+
+from helpers.keys import keyring
+from helpers.mxcl import SECRET, raw_client, run, serving
 
 
 @dataclass
@@ -131,7 +133,7 @@ def test_key_updates_at_lowered_limits_in_both_directions() -> None:
 
     async def main() -> list[bytes]:
         async with serving(limits=limits) as lst:  # echoes
-            stream = await connect("127.0.0.1", lst.port, keyring=ring(),
+            stream = await connect("127.0.0.1", lst.port, keyring=keyring(SECRET),
                                    identity="127.0.0.1:19100", channel=1, limits=limits)
             got = []
             for i in range(40):  # ten rekeys each way at least

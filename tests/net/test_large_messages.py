@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 
-from net_helpers import CLIENT_ID, raw_client, ring, run, serving
-
 from mlxceld.net import ConnectionClosed, MxclStream, connect
 from mlxceld.net.stream import READ_CHUNK
+
+from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, SECRET, raw_client, run, serving
 
 
 def test_large_messages_echo_whole() -> None:
@@ -16,7 +17,7 @@ def test_large_messages_echo_whole() -> None:
 
     async def main() -> list[bytes]:
         async with serving() as lst:  # echoes
-            stream = await connect("127.0.0.1", lst.port, keyring=ring(),
+            stream = await connect("127.0.0.1", lst.port, keyring=keyring(SECRET),
                                    identity=CLIENT_ID, channel=1)
             try:
                 await stream.send(memoryview(payloads[0]))

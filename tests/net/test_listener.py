@@ -5,7 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from net_helpers import (
+
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect, source_bucket
+from mlxceld.wire import Channel, PeerClosed, encode_envelope, key_id, parse_envelope
+from mlxceld.wire.envelope import MessageSpec
+
+from helpers.keys import keyring
+from helpers.mxcl import (
     CLIENT_ID,
     OTHER_SECRET,
     SECRET,
@@ -13,20 +19,15 @@ from net_helpers import (
     Refusals,
     raw_client,
     read_to_eof,
-    ring,
     run,
     serving,
 )
-
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect, source_bucket
-from mlxceld.wire import Channel, PeerClosed, encode_envelope, key_id, parse_envelope
-from mlxceld.wire.envelope import MessageSpec
 
 PONG = {"pong": MessageSpec()}
 
 
 async def dial(port: int, **kwargs: object) -> MxclStream:
-    kwargs.setdefault("keyring", ring())
+    kwargs.setdefault("keyring", keyring(SECRET))
     kwargs.setdefault("identity", CLIENT_ID)
     kwargs.setdefault("channel", 1)
     return await connect("127.0.0.1", port, **kwargs)  # type: ignore[arg-type]
@@ -126,7 +127,7 @@ def test_unknown_key_id() -> None:
         refusals = Refusals()
         async with serving(on_refused=refusals) as lst:
             with pytest.raises(HandshakeFailed) as err:
-                await dial(lst.port, keyring=ring(OTHER_SECRET))
+                await dial(lst.port, keyring=keyring(OTHER_SECRET))
             assert err.value.kind == "unknown_key_id"
             assert refusals.kinds() == ["unknown_key_id"]
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from net_helpers import CLIENT_ID, ring, run, serving
 
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.address import parse_address
 from mlxceld.wire.envelope import MessageSpec
 
+from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, SECRET, run, serving
+
 
 def redialer(port: int, got: list[bytes]) -> Redialer:
-    return Redialer(("127.0.0.1", port), keyring=ring(), origin=parse_address(CLIENT_ID),
+    return Redialer(("127.0.0.1", port), keyring=keyring(SECRET), origin=parse_address(CLIENT_ID),
                     channel=1, what="test peer", budget_s=5.0, on_message=got.append)
 
 

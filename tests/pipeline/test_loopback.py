@@ -26,17 +26,14 @@ from mlxceld.net import Listener, connect
 from mlxceld.pipeline import PipelineEngine, StageAddress, StagePlace, StageService
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
-from mlxceld.wire import Keyring, encode_envelope, parse_envelope
+from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
+
+from helpers.keys import keyring
+from helpers.waiting import until
 
 SECRET = b"pipeline-test-secret-0123456789"
 COORD = "127.0.0.1:19999"
-
-
-def keyring() -> Keyring:
-    k = Keyring()
-    k.add(SECRET, primary=True)
-    return k
 
 
 def reference(path: Path, prompt: list[int], n: int) -> list[int]:
@@ -63,7 +60,7 @@ class Cluster:
         listeners = []
         for rank in range(len(splits)):
             host = f"127.0.0.{2 + rank}"
-            lst = Listener(host, 0, keyring=keyring(), identity_of_server=f"{host}:0",
+            lst = Listener(host, 0, keyring=keyring(SECRET), identity_of_server=f"{host}:0",
                            channels={1}, handler=self._handler(rank))
             await lst.start()
             listeners.append(lst)
@@ -79,7 +76,7 @@ class Cluster:
                 first=(listeners[0].host, listeners[0].port)
                 if rank == len(splits) - 1 and rank > 0 else None,
                 last=addrs[-1] if rank == 0 and len(splits) > 1 else None)
-            svc = StageService(model, place, keyring(), model.wire_dtype, standby=standby)
+            svc = StageService(model, place, keyring(SECRET), model.wire_dtype, standby=standby)
             self.services.append(svc)
             self.tasks.append(asyncio.ensure_future(svc.run()))
             self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
@@ -95,7 +92,7 @@ class Cluster:
         return handle
 
     def engine(self, path: Path, eos: set[int] | None = None, **knobs: Any) -> PipelineEngine:
-        return PipelineEngine(self.stages, keyring=keyring(), origin=COORD,
+        return PipelineEngine(self.stages, keyring=keyring(SECRET), origin=COORD,
                               model_identity=model_identity(path),
                               cluster="test", model_id="m", context_length=4096,
                               eos_token_ids=eos or set(), **knobs)
@@ -107,7 +104,7 @@ class Cluster:
     async def restart_stage(self, rank: int) -> None:
         """A new listener on the same address, in front of the same stage service."""
         st = self.stages[rank]
-        lst = Listener(st.host, st.port, keyring=keyring(),
+        lst = Listener(st.host, st.port, keyring=keyring(SECRET),
                        identity_of_server=f"{st.host}:0", channels={1},
                        handler=self._handler(rank))
         await lst.start()
@@ -136,14 +133,6 @@ async def cluster(path: Path, splits: Sequence[tuple[int, int]],
         yield c
     finally:
         await c.aclose()
-
-
-async def until(what: str, check: Any, timeout_s: float = 15.0) -> None:
-    """Poll ``check()`` every 20 ms until it is true; fail naming ``what`` after the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(0.02)
 
 
 async def tokens_of(engine: PipelineEngine, prompt: list[int], n: int) -> list[int]:
@@ -251,7 +240,7 @@ async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], 
                     ip: str = "127.0.0.5") -> list[dict[str, Any]]:
     """Dial stage ``rank`` as another secret holder; send ``messages``; collect answers."""
     st = c.stages[rank]
-    stream = await connect(st.host, st.port, keyring=keyring(), identity=f"{ip}:4000",
+    stream = await connect(st.host, st.port, keyring=keyring(SECRET), identity=f"{ip}:4000",
                            channel=1, local_addr=(ip, 0))
     answers = []
     async with stream:
@@ -364,16 +353,17 @@ def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
             assert engine.readiness() is not None
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
-                await until("both stages attached", lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
                 await c.stop_stage(1)
-                await until("stage-1 failing again and again",
-                            lambda: engine.stages()[1]["failures"] >= 3)
+                await until(lambda: engine.stages()[1]["failures"] >= 3,
+                            "stage-1 failing again and again", timeout=15)
                 problem = engine.readiness()
                 assert problem is not None
                 stages = engine.stages()
                 down = link_lines(caplog, "stage-1")
                 await c.restart_stage(1)
-                await until("stage-1 attached again", lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "stage-1 attached again",
+                            timeout=15)
                 down += link_lines(caplog, "stage-1")[len(down):]
                 return problem, stages, down, await tokens_of(engine, PROMPT, 3)
             finally:
@@ -408,13 +398,14 @@ def test_a_standby_stage_is_reported_as_such_until_activated(
             engine = c.engine(path, **FAST)
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
-                await until("both stages refused as standby several times", lambda: all(
-                    s["state"] == "standby" and s["failures"] >= 3 for s in engine.stages()))
+                await until(lambda: all(
+                    s["state"] == "standby" and s["failures"] >= 3 for s in engine.stages()),
+                    "both stages refused as standby several times", timeout=15)
                 standby = engine.stages()
                 for svc in c.services:
                     svc.activate()
-                await until("both stages attached once active",
-                            lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "both stages attached once active",
+                            timeout=15)
                 return standby, await tokens_of(engine, PROMPT, 3)
             finally:
                 linking.cancel()
@@ -442,10 +433,10 @@ def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
             engine = c.engine(path, retry_s=(30.0, 30.0), dial_budget_s=0.3)
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
-                await until("both stages attached", lambda: engine.readiness() is None)
+                await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
                 await c.stop_stage(1)
-                await until("stage-1 unreachable, the background asleep",
-                            lambda: engine.stages()[1]["state"] == "unreachable")
+                await until(lambda: engine.stages()[1]["state"] == "unreachable",
+                            "stage-1 unreachable, the background asleep", timeout=15)
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 with pytest.raises(EngineUnavailable) as info:

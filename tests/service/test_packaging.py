@@ -18,10 +18,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import Daemons, wait_for
 
 import mlxceld
 from mlxceld.config.daemon import Overrides, load_config
+
+from helpers.daemons import Daemons
+from helpers.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HOMEBREW = ROOT / "packaging" / "homebrew"

@@ -18,10 +18,11 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import FAST_POLICY, Daemons, alive
 
 from mlxceld.control.client import ControlClient
 from mlxceld.sdnotify import Notifier, notify_address, status_line, watchdog_interval
+
+from helpers.daemons import FAST_POLICY, Daemons, alive
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,6 @@ S3 = bytes(range(256))[:40]
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[sqlite_utils.Database]:
-    database = open_db(tmp_path / "state.db")
-    try:
-        yield database
-    finally:
-        database.conn.close()
 
 
 @pytest.fixture

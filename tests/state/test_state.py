@@ -8,7 +8,6 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,6 @@ from mlxceld.state import (
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "state.db"
-
-
-@pytest.fixture
-def db(db_path: Path) -> Iterator[sqlite_utils.Database]:
-    database = open_db(db_path)
-    try:
-        yield database
-    finally:
-        database.conn.close()
 
 
 def user_version(path: Path) -> int:

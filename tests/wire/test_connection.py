@@ -7,20 +7,6 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
-from wire_link import (
-    IDENTITY,
-    OTHER_SECRET,
-    SECRET,
-    VECTORS,
-    connected,
-    drain,
-    h,
-    keyring,
-    make_pair,
-    pump,
-    shuttle,
-    vector_randoms,
-)
 
 from mlxceld.wire import (
     Channel,
@@ -37,6 +23,21 @@ from mlxceld.wire import (
     key_id,
 )
 from mlxceld.wire.hello import ClientHello
+
+from helpers.keys import keyring
+from helpers.wire import (
+    IDENTITY,
+    OTHER_SECRET,
+    SECRET,
+    VECTORS,
+    connected,
+    drain,
+    h,
+    make_pair,
+    pump,
+    shuttle,
+    vector_randoms,
+)
 
 SUITES = [Suite.AES_256_GCM, Suite.CHACHA20_POLY1305]
 
@@ -181,7 +182,7 @@ def _hello(**changes: Any) -> bytes:
 
 def _server(peer_ip: str = "127.0.0.2", suite: Suite = Suite.AES_256_GCM) -> Connection:
     import os
-    return Connection(Role.SERVER, keyring=keyring(), random=os.urandom, now=0,
+    return Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=0,
                       peer_ip=peer_ip, suite=suite)
 
 
@@ -404,9 +405,9 @@ def test_local_misuse() -> None:
     with pytest.raises(LocalProtocolError):
         client.close()
     with pytest.raises(LocalProtocolError):
-        Connection(Role.CLIENT, keyring=keyring(), random=bytes, now=0)
+        Connection(Role.CLIENT, keyring=keyring(SECRET), random=bytes, now=0)
     with pytest.raises(LocalProtocolError):
-        Connection(Role.SERVER, keyring=keyring(), random=bytes, now=0, peer_ip="::1",
+        Connection(Role.SERVER, keyring=keyring(SECRET), random=bytes, now=0, peer_ip="::1",
                    suite=Suite.UNPROTECTED)
     client, _server = connected()
     with pytest.raises(LocalProtocolError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-from wire_link import OTHER_SECRET, SECRET, VECTORS, keyring
 
 from mlxceld.wire import (
     BeaconError,
@@ -17,6 +16,9 @@ from mlxceld.wire import (
     parse_envelope,
     verify_record,
 )
+
+from helpers.keys import keyring
+from helpers.wire import OTHER_SECRET, SECRET, VECTORS
 
 F16 = frozenset({"f16"})
 SPECS = {
@@ -108,7 +110,7 @@ def _record(**changes: str) -> dict[str, str]:
 
 
 def _verify(record: dict[str, str], now: float = NOW) -> dict[str, str]:
-    return verify_record(record, keyring(), version="1", package_version="0.1.0",
+    return verify_record(record, keyring(SECRET), version="1", package_version="0.1.0",
                          cluster="mlxcel-cluster", now=now)
 
 

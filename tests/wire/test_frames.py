@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_fuzz import FUZZ
 
 from mlxceld.wire import Frame, FrameLimits, FrameReceiver, FrameSender, Kind, Suite
 from mlxceld.wire.crypto import TAG_LEN, UnprotectedAead
 from mlxceld.wire.frames import HEADER_LEN
+
+from helpers.wire import FUZZ
 
 SECRET = bytes(range(32))
 SUITES = [Suite.AES_256_GCM, Suite.CHACHA20_POLY1305, Suite.UNPROTECTED]

@@ -7,9 +7,8 @@ import json
 import os
 import struct
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from wire_link import IDENTITY, SECRET, connected, keyring
 
 from mlxceld.wire import (
     Channel,
@@ -25,13 +24,15 @@ from mlxceld.wire import (
 )
 from mlxceld.wire.hello import ClientHello
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from helpers.keys import keyring
+from helpers.wire import FUZZ, IDENTITY, SECRET, connected
+
 GOOD_HELLO = ClientHello(1, 1, 1, key_id(SECRET), bytes(32), bytes(range(1, 33)),
                          IDENTITY).encode()
 
 
 def _server() -> Connection:
-    return Connection(Role.SERVER, keyring=keyring(), random=os.urandom, now=0,
+    return Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=0,
                       peer_ip="127.0.0.2")
 
 
@@ -64,7 +65,7 @@ def test_hello_parser(data: bytes, chunk: int) -> None:
 @FUZZ
 @given(st.binary(max_size=200))
 def test_client_side_server_hello_parser(data: bytes) -> None:
-    client = Connection(Role.CLIENT, keyring=keyring(), random=os.urandom, now=0,
+    client = Connection(Role.CLIENT, keyring=keyring(SECRET), random=os.urandom, now=0,
                         channel=Channel.TRANSPORT, identity=IDENTITY)
     with contextlib.suppress(RemoteProtocolError):
         client.receive_data(data, 0)

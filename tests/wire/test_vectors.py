@@ -5,17 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from wire_link import (
-    IDENTITY,
-    SECRET,
-    SOURCE_IP,
-    VECTORS,
-    drain,
-    h,
-    keyring,
-    make_pair,
-    vector_randoms,
-)
 
 from mlxceld.wire import (
     Channel,
@@ -40,6 +29,18 @@ from mlxceld.wire import (
 from mlxceld.wire import schedule as ks
 from mlxceld.wire.crypto import x25519, x25519_public
 from mlxceld.wire.handshake import Handshake
+
+from helpers.keys import keyring
+from helpers.wire import (
+    IDENTITY,
+    SECRET,
+    SOURCE_IP,
+    VECTORS,
+    drain,
+    h,
+    make_pair,
+    vector_randoms,
+)
 
 HANDSHAKES = VECTORS["handshakes"]
 IDS = [f"suite{v['suite']}-channel{v['channel']}" for v in HANDSHAKES]
@@ -122,8 +123,8 @@ def test_frames(v: dict[str, Any], direction: str) -> None:
 def test_handshake_state_machines_byte_by_byte(v: dict[str, Any]) -> None:
     crand, srand = vector_randoms(v)
     client = Handshake.client(suite=Suite(v["suite"]), channel=Channel(v["channel"]),
-                              identity=v["identity"], keyring=keyring(), random=crand)
-    server = Handshake.server(suite=Suite(v["suite"]), keyring=keyring(), random=srand,
+                              identity=v["identity"], keyring=keyring(SECRET), random=crand)
+    server = Handshake.server(suite=Suite(v["suite"]), keyring=keyring(SECRET), random=srand,
                               source_ip=SOURCE_IP)
     hello = client.take_output()
     assert hello == h(v, "client_hello")
@@ -199,7 +200,7 @@ def test_at_capacity_verdict(v: dict[str, Any]) -> None:
 def test_rejects(case: dict[str, Any]) -> None:
     status = case["status"]
     server_suite = Suite.CHACHA20_POLY1305 if status == 2 else Suite.AES_256_GCM
-    server_keys = keyring(b"the server's only secret, 33 bytes") if status == 3 else keyring()
+    server_keys = keyring(b"the server's only secret, 33 bytes") if status == 3 else keyring(SECRET)
     client, server = make_pair(server_suite=server_suite, server_keyring=server_keys,
                                peer_ip="10.9.9.9" if status == 4 else SOURCE_IP)
     hello = client.data_to_send()
@@ -229,7 +230,8 @@ def test_beacon() -> None:
 
 def test_the_local_copy_of_the_vectors_matches_shared() -> None:
     import pytest
-    from wire_link import LOCAL_VECTORS, SHARED_VECTORS
+
+    from helpers.wire import LOCAL_VECTORS, SHARED_VECTORS
 
     if not SHARED_VECTORS.exists():
         pytest.skip(f"{SHARED_VECTORS} is not beside this checkout")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from conftest import FAST_POLICY, DaemonProc, Daemons, free_port
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons
+from helpers.keys import secret_file
+from helpers.ports import free_port
 
 Value = str | int | float | bool | Sequence[str]
 DEFAULT_AGENT_PORT = 19000
@@ -49,10 +51,7 @@ class Host:
             "state_dir": str(self.d.state_dir), "socket": str(self.d.socket),
             **({} if netns else {"agent_addr": f"0.0.0.0:{self.agent_port}"})}
         if secret is not None:
-            path = self.d.root / "cluster.secret"
-            path.write_bytes(secret + b"\n")
-            path.chmod(0o600)
-            self.daemon_keys["cluster_secret_file"] = str(path)
+            self.daemon_keys["cluster_secret_file"] = str(secret_file(self.d.root, secret))
         self.daemon_keys.update(daemon or {})
         self.serve_keys: dict[str, Value] = dict(serve or {})
         self.write()

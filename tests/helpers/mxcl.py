@@ -1,4 +1,4 @@
-"""Helpers for the network shell tests: keyrings, a served listener, a raw core client."""
+"""Helpers for the network shell tests: a served listener or agent, a raw core client."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxceld.net import Listener, MxclStream
-from mlxceld.wire import Channel, Connection, Keyring, Role, key_id
+from mlxceld.net.agent import AgentService
+from mlxceld.wire import Channel, Connection, Role, key_id
+
+from helpers import keys
 
 T = TypeVar("T")
 
@@ -18,13 +21,6 @@ SECRET = b"the net tests' cluster secret, 40 bytes."
 OTHER_SECRET = b"a different cluster secret, 40 bytes...."
 CLIENT_ID = "127.0.0.1:19100"
 TEST_TIMEOUT_S = 20.0
-
-
-def ring(*secrets: bytes) -> Keyring:
-    keys = Keyring()
-    for secret in secrets or (SECRET,):
-        keys.add(secret)
-    return keys
 
 
 @dataclass
@@ -81,7 +77,7 @@ async def echo(stream: MxclStream) -> None:
 @contextlib.asynccontextmanager
 async def serving(handler: Callable[[MxclStream], Awaitable[None]] = echo,
                   **kwargs: Any) -> AsyncIterator[Listener]:
-    kwargs.setdefault("keyring", ring())
+    kwargs.setdefault("keyring", keys.keyring(SECRET))
     kwargs.setdefault("channels", {1, 2, 3})
     listener = Listener("127.0.0.1", 0, identity_of_server="127.0.0.1:0", handler=handler,
                         **kwargs)
@@ -96,6 +92,19 @@ async def serving(handler: Callable[[MxclStream], Awaitable[None]] = echo,
 
 
 @contextlib.asynccontextmanager
+async def running(agent: AgentService) -> AsyncIterator[AgentService]:
+    """``agent`` accepting (its ``started`` answered) until the block ends; then closed."""
+    started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(agent.run(started))
+    await started
+    try:
+        yield agent
+    finally:
+        await agent.aclose()
+        await task
+
+
+@contextlib.asynccontextmanager
 async def raw_client(port: int, *, keyring: Any = None, identity: str = CLIENT_ID,
                      tamper: Callable[[bytes], bytes] | None = None,
                      ) -> AsyncIterator[tuple[Connection, asyncio.StreamReader,
@@ -107,7 +116,7 @@ async def raw_client(port: int, *, keyring: Any = None, identity: str = CLIENT_I
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         loop = asyncio.get_running_loop()
-        conn = Connection(Role.CLIENT, keyring=keyring or ring(), random=os.urandom,
+        conn = Connection(Role.CLIENT, keyring=keyring or keys.keyring(SECRET), random=os.urandom,
                           now=loop.time(), channel=Channel.TRANSPORT, identity=identity)
         writer.write(conn.data_to_send())
         sent_hello = True

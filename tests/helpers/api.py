@@ -7,16 +7,18 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import uvicorn
-from api_fakes import ByteCodec, FakeEngine
 from starlette.types import ASGIApp
 
 from mlxceld.api import TextCodec, build_router_app
+
+from helpers.fakes import ByteCodec, FakeEngine
+from helpers.waiting import until
 
 BASE = "http://test"
 MODEL = "fake-model"
@@ -63,16 +65,6 @@ async def serving(app: ASGIApp) -> AsyncIterator[str]:
         async with asyncio.timeout(5):
             await task
         sock.close()
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def sse_events(text: str) -> list[Any]:

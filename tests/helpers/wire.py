@@ -12,34 +12,32 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+
 from mlxceld.wire import (
     Channel,
     Connection,
     Event,
     FrameLimits,
-    Keyring,
     Role,
     Suite,
 )
 from mlxceld.wire.frames import DEFAULT_LIMITS
 
+from helpers.keys import keyring
+
 # The contract's vectors live in ../shared beside the repository (CI has it too); the copy
-# here serves a checkout without it, and test_vectors checks the two are the same.
+# in tests/wire serves a checkout without it, and test_vectors checks the two are the same.
 SHARED_VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "mxcl-v1.json"
-LOCAL_VECTORS = Path(__file__).parent / "mxcl-v1.json"
+LOCAL_VECTORS = Path(__file__).resolve().parents[1] / "wire" / "mxcl-v1.json"
 VECTORS: dict[str, Any] = json.loads(
     (SHARED_VECTORS if SHARED_VECTORS.exists() else LOCAL_VECTORS).read_text())
 SECRET = VECTORS["secret_utf8"].encode()
 OTHER_SECRET = b"a different cluster secret, 40 bytes...."
 IDENTITY = "127.0.0.2:19100"
 SOURCE_IP = "127.0.0.2"
-
-
-def keyring(*secrets: bytes) -> Keyring:
-    ring = Keyring()
-    for secret in secrets or (SECRET,):
-        ring.add(secret)
-    return ring
+# The settings every hypothesis test of a wire parser runs under.
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def scripted(chunks: Iterable[bytes]) -> Callable[[int], bytes]:
@@ -74,12 +72,12 @@ def make_pair(*, channel: Channel = Channel.TRANSPORT, suite: Suite = Suite.AES_
               randoms: tuple[Callable[[int], bytes], Callable[[int], bytes]] | None = None,
               now: float = 0.0) -> tuple[Connection, Connection]:
     crand, srand = randoms or (os.urandom, os.urandom)
-    client = Connection(Role.CLIENT, keyring=client_keyring or keyring(), random=crand, now=now,
-                        channel=channel, identity=identity, suite=suite,
+    client = Connection(Role.CLIENT, keyring=client_keyring or keyring(SECRET), random=crand,
+                        now=now, channel=channel, identity=identity, suite=suite,
                         limits=client_limits or limits)
-    server = Connection(Role.SERVER, keyring=server_keyring or keyring(), random=srand, now=now,
-                        peer_ip=peer_ip, suite=server_suite or suite, capacity_ok=capacity_ok,
-                        limits=server_limits or limits)
+    server = Connection(Role.SERVER, keyring=server_keyring or keyring(SECRET), random=srand,
+                        now=now, peer_ip=peer_ip, suite=server_suite or suite,
+                        capacity_ok=capacity_ok, limits=server_limits or limits)
     return client, server
 
 

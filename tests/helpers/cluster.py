@@ -1,0 +1,58 @@
+"""Real daemons as the hosts of a cluster on 127.0.0.x: each started with the cluster secret
+and its agent's address, its agent and candidates read back, a plan activated by mlxctl."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from helpers.daemons import DaemonProc, Daemons
+from helpers.keys import secret_file
+
+POLL_WAIT_S = 30.0  # a first poll starts at once and takes at most 5 s + 5 s
+ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
+
+
+def start(daemons: Daemons, ip: str, secret: bytes, *extra: str, name: str = "d",
+          env: dict[str, str] | None = None) -> DaemonProc:
+    """A daemon holding ``secret``, its agent on ``ip`` (a port of its own choosing)."""
+    d = daemons.make(name=name)
+    return d.start("--cluster-secret-file", str(secret_file(d.root, secret)),
+                   "--agent-addr", f"{ip}:0", *extra, env=env)
+
+
+def agent(d: DaemonProc) -> str:
+    """The address ``d``'s agent listens on."""
+    address = d.status()["agent"]["address"]
+    assert address, d.status()["agent"]
+    return str(address)
+
+
+def stop(d: DaemonProc) -> None:
+    """``mlxctl stop``, and the daemon exits 0."""
+    assert d.ctl("stop").returncode == 0
+    assert d.proc is not None and d.proc.wait(timeout=20) == 0
+
+
+def by_address(d: DaemonProc) -> dict[str, dict[str, Any]]:
+    """The candidates through the control API in-process (mlxctl's client, no subprocess)."""
+    return {n["address"]: n for n in d.api(lambda c: c.cluster_nodes())["nodes"]}
+
+
+def settled(d: DaemonProc, expected: dict[str, str]) -> dict[str, dict[str, Any]] | None:
+    """The candidates, once each address in ``expected`` has its state there; else None."""
+    rows = by_address(d)
+    ok = all(rows.get(a, {}).get("state") == s for a, s in expected.items())
+    return rows if ok else None
+
+
+def activate(coord: DaemonProc, model: Path, stages: int) -> str:
+    """``mlxctl cluster activate`` on ``coord``, which must succeed; what it printed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxctl", "--socket", str(coord.socket), "cluster", "activate",
+         "--model", str(model), "--stages", str(stages)],
+        capture_output=True, text=True, timeout=ACTIVATE_S)
+    assert out.returncode == 0, (out.stdout, out.stderr, coord.stderr()[-3000:])
+    return out.stdout

@@ -1,0 +1,215 @@
+"""Real daemons as subprocesses, each in its own short temp dir, ended by pid afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+import pytest
+
+from mlxceld.control.client import ControlClient
+from mlxceld.errors import DaemonNotRunning
+
+from helpers.waiting import wait_for
+
+T = TypeVar("T")
+
+STARTUP_TIMEOUT_S = 20.0
+READY_S = 120.0  # a router or stage worker loading its model, on a busy CPU
+
+FAST_POLICY = """
+[supervisor]
+backoff_initial_s = 0.2
+backoff_max_s = 1.0
+stable_after_s = 30.0
+stop_timeout_s = 3.0
+health_interval_s = 0.5
+"""
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass
+class DaemonProc:
+    root: Path
+    config: Path
+    proc: subprocess.Popen[bytes] | None = None
+    stderr_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stderr_path = self.root / "daemon.stderr"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "run" / "ctl.sock"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, *extra: str, wait: bool = True,
+              env: dict[str, str] | None = None) -> DaemonProc:
+        """Start the daemon with ``extra`` flags; ``env`` is added to this process's
+        environment (fail points, for one start only)."""
+        with self.stderr_path.open("ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxceld", "--config", str(self.config),
+                 "--state-dir", str(self.state_dir), "--socket", str(self.socket),
+                 *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
+                 *extra],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                env={**os.environ, **env} if env else None,
+            )
+        if wait:
+            wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
+        return self
+
+    def start_service(self, *, wait: bool = True, env: dict[str, str] | None = None,
+                      prefix: tuple[str, ...] = ()) -> DaemonProc:
+        """Start the daemon as launchd, systemd or brew do: ``mlxceld --config FILE`` and
+        nothing else (the file holds the state dir and socket, see tests/helpers/deploy.py);
+        ``env`` is added to the environment (what a unit's Environment= would set);
+        ``prefix`` runs it under another command that execs it (``ip netns exec NS``)."""
+        with self.stderr_path.open("ab") as err:
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "mlxceld", "--config", str(self.config)],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                env={**os.environ, **env} if env else None)
+        if wait:
+            wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
+        return self
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, as a service manager stops a daemon; its exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.stderr()}")
+        try:
+            self.api(lambda c: c.version())
+        except DaemonNotRunning:
+            return False
+        return True
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+
+    def ctl(self, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "mlxctl", "--socket", str(self.socket), *args],
+            capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "NO_COLOR": "1", **(env or {})},
+        )
+
+    def api(self, job: Callable[[ControlClient], Awaitable[T]]) -> T:
+        """Call the control API in-process (the typed client mlxctl uses)."""
+
+        async def go() -> T:
+            async with ControlClient(self.socket) as client:
+                return await job(client)
+
+        return asyncio.run(go())
+
+    def status(self) -> dict[str, Any]:
+        return self.api(lambda c: c.status())
+
+    def worker(self, name: str) -> dict[str, Any]:
+        for w in self.status()["workers"]:
+            if w["name"] == name:
+                return dict(w)
+        raise AssertionError(f"no worker {name} in status")
+
+    def events(self, last: int = 200) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = self.api(lambda c: c.events(-last, last))["events"]
+        return events
+
+    def wait_worker(self, name: str, timeout: float = 20.0,
+                    **expected: Any) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            w = next((w for w in self.status()["workers"] if w["name"] == name), None)
+            return w if w and all(w.get(k) == v for k, v in expected.items()) else None
+
+        result: dict[str, Any] = wait_for(check, timeout, f"worker {name} with {expected}",
+                                          every=0.1)
+        return result
+
+    def recorded_pids(self) -> set[int]:
+        """Every worker pid the state database knows (read-only, for cleanup)."""
+        db = self.state_dir / "state.db"
+        if not db.exists():
+            return set()
+        query = "select pid from workers where pid is not null"
+        with contextlib.suppress(sqlite3.Error), contextlib.closing(
+            sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        ) as conn:
+            return {r[0] for r in conn.execute(query)}
+        return set()
+
+
+class Daemons:
+    """Starts daemons for a test and ends every process they made, by pid."""
+
+    def __init__(self) -> None:
+        self.started: list[DaemonProc] = []
+        self.pids: set[int] = set()
+
+    def make(self, config: str = "", name: str = "d") -> DaemonProc:
+        root = Path(tempfile.mkdtemp(prefix=f"mx{name}", dir="/tmp"))
+        (root / "run").mkdir(mode=0o700)
+        cfg = root / "mlxceld.toml"
+        cfg.write_text(textwrap.dedent(config))
+        d = DaemonProc(root, cfg)
+        self.started.append(d)
+        return d
+
+    def note(self, d: DaemonProc) -> None:
+        self.pids |= d.recorded_pids()
+        for w in d.status()["workers"]:
+            if w["pid"]:
+                self.pids.add(w["pid"])
+
+    def cleanup(self) -> None:
+        for d in self.started:
+            self.pids |= d.recorded_pids()
+            if d.proc is not None and d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
+                try:
+                    d.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    d.proc.kill()
+                    d.proc.wait()
+        for pid in self.pids - {None}:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        for d in self.started:
+            shutil.rmtree(d.root, ignore_errors=True)
