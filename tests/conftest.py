@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,17 @@ def db(tmp_path: Path) -> Iterator[sqlite_utils.Database]:
         yield database
     finally:
         database.conn.close()
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A state dir under /tmp with a short path (a Unix socket's path has a length limit),
+    removed after the test."""
+    root = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,11 @@ from mlxceld.cluster.keyring import KeyringService
 from mlxceld.config.daemon import Config, Overrides, build_config
 from mlxceld.config.secrets import ENV_FILE, ENV_VALUE
 from mlxceld.errors import ConfigError, KeyringError, PrimaryKeyRemoval, UnknownKey
-from mlxceld.state import EventLog, KeyStore, open_db
+from mlxceld.state import EventLog, KeyStore
 from mlxceld.wire.secret import key_id
 
 S1 = b"first-cluster-secret-0123456789"
 S2 = b"second-cluster-secret-abcdefghij"
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[sqlite_utils.Database]:
-    database = open_db(tmp_path / "state.db")
-    try:
-        yield database
-    finally:
-        database.conn.close()
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
 import socket
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +45,6 @@ class RosterSlot:
         await self.supervisor.reconcile(draw_roster(Situation(
             self.config, ServeConfig(), self.placement, standby=self.standby,
             secret=self.secret)))
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))  # short: Unix socket paths
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def cluster_toml(port: int) -> str:

@@ -4,11 +4,8 @@ entry; a real worker handed bad options exits EXIT_CONFIG, naming the field."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -121,15 +118,6 @@ def test_defaults_fill_in_and_numbers_widen() -> None:
 
 
 # -- a real worker, handed bad options on its bootstrap pipe ----------------------------------
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))  # short: Unix socket paths
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_worker_refuses_bad_options_before_its_role_runs(state_dir: Path) -> None:

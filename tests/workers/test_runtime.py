@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,16 +26,6 @@ from mlxceld.types import JSON
 
 READY_TIMEOUT_S = 15.0
 EXIT_TIMEOUT_S = 5.0
-
-
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    """Short, so the worker's Unix socket path stays far below the 108-byte limit."""
-    root = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 class Worker:
