@@ -9,7 +9,8 @@ sends its own answers. A type with no handler on the stream's channel, or a
 malformed envelope, gets ``{"t": "error", "reason": ...}`` and the stream stays
 open.
 
-Refusals go to the security log, rate-limited per class.
+Refusals go to the security log, rate-limited per class, never one line per socket
+(see ``mlxceld.net.listener``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
-from mlxceld.net.securitylog import SecurityClass
 from mlxceld.wire import Keyring
 from mlxceld.wire.address import format_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 
 AGENT_CHANNELS = {2, 3}
 AgentHandler = Callable[[MxclStream, Envelope], Awaitable[None]]
-_CLASS_OF: dict[str, SecurityClass] = {"noise": "noise", "abort": "noise",
-                                       "at_capacity": "capacity"}
 
 
 class AgentService:
@@ -42,7 +40,7 @@ class AgentService:
         self._listener = Listener(addr[0], addr[1], keyring=keyring,
                                   identity_of_server=format_address(*addr),
                                   channels=AGENT_CHANNELS, handler=self._serve_stream,
-                                  on_refused=self._refused)
+                                  seclog=self._seclog, name="agent listener")
 
     @property
     def address(self) -> str:
@@ -71,10 +69,6 @@ class AgentService:
 
     async def aclose(self) -> None:
         await self._listener.aclose()
-
-    def _refused(self, kind: str, peer: str) -> None:
-        cls = _CLASS_OF.get(kind, "diagnostic")
-        self._seclog.warn(cls, "agent listener: %s refused (%s)", peer, kind)
 
     async def _serve_stream(self, stream: MxclStream) -> None:
         try:

@@ -1,11 +1,42 @@
 """The MXCL v1 listener: accept, bound the pending pool, handshake, hand streams over.
 
-Bounds of PROTOCOL.md section 2: sockets that have not finished the handshake come
-from a pending pool (64 in flight, 8 per source, a source being an IPv4 address or
-an IPv6 /64); a socket beyond either bound is closed at accept. Each handshake has
-5 s. Authenticated connections are capped (512); past the cap the core answers
-verdict 1. Every accepted socket is served by one task in the listener's task group;
-a handler that raises ends its own connection, never the listener.
+Knobs (``Listener`` arguments; the daemon's agent listener and every stage listener
+use the defaults):
+
+- ``max_pending`` (64) and ``max_pending_per_source`` (8): the pending pool of
+  PROTOCOL.md section 2, sockets accepted and not yet authenticated; a source is an
+  IPv4 address or an IPv6 /64 (``source_bucket``). See ``mlxceld.net.pending``.
+- ``hello_timeout`` (``HELLO_TIMEOUT_S``, 2 s): a socket's whole ClientHello must
+  arrive within it (a client sends it as it connects), else the socket is closed
+  (``hello_timeout``).
+- ``handshake_timeout`` (5 s): the whole handshake.
+- ``max_established`` (512): authenticated connections; past it the core answers
+  verdict 1. It is lowered to ``established_cap`` so that established and pending
+  sockets together stay within half the process's open-file limit (RLIMIT_NOFILE,
+  soft): at the usual 256 of macOS launchd that is 64, at 1024 it is 448. Raise the
+  limit (``ulimit -n``, systemd ``LimitNOFILE=``, launchd ``SoftResourceLimits``) for
+  more; the cap in force is logged at start when it was lowered.
+
+How PROTOCOL.md section 2 is read here. "A socket beyond either bound is closed at
+accept": the pool never holds more than 64 sockets, nor more than 8 from a source;
+when a bound is reached the socket closed at accept is the oldest *silent* one
+(no complete ClientHello yet; of the newcomer's source when that source is full,
+else of the source holding the most), and the newcomer takes its slot; with no
+silent socket to close the newcomer itself is closed. Either way a socket is closed
+with nothing sent, which is all a peer can see of "closed at accept", and both
+bounds hold at every instant. "5 s for the whole handshake" is an upper bound;
+requiring the hello, the first flight, within 2 s of the 5 s is within it. Together
+they keep silent sockets from starving a keyed peer: a flood can fill the pool, but
+each new socket replaces a flooder's oldest silent one, and a keyed peer is silent
+for one network trip at most.
+
+Refusals (closed at accept, evicted, timed out, refused by the handshake) are never
+logged one by one: each goes to the listener's ``SecurityLog`` (class by kind: see
+``CLASS_OF``; at most 5 warnings a minute per class, the rest counted, a summary
+with the counts by kind every minute while there are any, and at close) and to
+``on_refused(kind, peer)`` if given. Every accepted socket is served by one task in
+the listener's task group; a handler that raises ends its own connection, never the
+listener.
 """
 
 from __future__ import annotations
@@ -14,10 +45,13 @@ import asyncio
 import ipaddress
 import logging
 import os
-from collections import Counter
+import resource
 from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
 from mlxceld.net.errors import ConnectionClosed
+from mlxceld.net.pending import Pending, PendingPool
+from mlxceld.net.securitylog import SecurityClass, SecurityLog
 from mlxceld.net.stream import MxclStream, close_writer, handshake
 from mlxceld.tasks import cancelling_group
 from mlxceld.wire import (
@@ -33,12 +67,31 @@ from mlxceld.wire import (
 from mlxceld.wire.address import normalize_ip
 from mlxceld.wire.frames import DEFAULT_LIMITS
 
-# Every refusal, a socket closed at accept counted as ``noise``, goes to this logger
-# and to ``on_refused(kind, peer)``, where a security log can count it.
 log = logging.getLogger(__name__)
 
 Handler = Callable[[MxclStream], Awaitable[None]]
 OnRefused = Callable[[str, str], None]  # (kind, peer "host:port")
+
+HELLO_TIMEOUT_S: Final = 2.0
+# A refusal's security-log class by its kind; every other kind is ``diagnostic``.
+CLASS_OF: Final[dict[str, SecurityClass]] = {
+    "noise": "noise", "abort": "noise", "evicted": "noise", "hello_timeout": "noise",
+    "at_capacity": "capacity"}
+
+
+def open_file_limit() -> int | None:
+    """This process's soft RLIMIT_NOFILE, or ``None`` if unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def established_cap(requested: int, max_pending: int, file_limit: int | None) -> int:
+    """``requested``, lowered so that pending and established sockets take at most half
+    of ``file_limit`` (the other half is the rest of the process's: its database, logs,
+    workers' pipes, outgoing connections); at least 1."""
+    if file_limit is None:
+        return requested
+    return max(1, min(requested, file_limit // 2 - max_pending))
 
 
 def source_bucket(ip: str) -> str:
@@ -49,9 +102,8 @@ def source_bucket(ip: str) -> str:
     return str(addr)
 
 
-def _peer_of(writer: asyncio.StreamWriter) -> tuple[str, str]:
-    """(source IP, "host:port") of the socket's peer."""
-    name = writer.get_extra_info("peername")
+def _peer_of(name: tuple[Any, ...]) -> tuple[str, str]:
+    """(source IP, "host:port") of a socket's peer address."""
     ip, port = str(name[0]), int(name[1])
     return ip, (f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
 
@@ -60,26 +112,30 @@ class Listener:
     def __init__(self, host: str, port: int, *, keyring: SecretStore, identity_of_server: str,
                  channels: set[int], handler: Handler, max_pending: int = 64,
                  max_pending_per_source: int = 8, max_established: int = 512,
+                 hello_timeout: float = HELLO_TIMEOUT_S,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
                  random: Callable[[int], bytes] = os.urandom,
                  suite: Suite = Suite.AES_256_GCM, limits: FrameLimits = DEFAULT_LIMITS,
-                 on_refused: OnRefused | None = None) -> None:
+                 on_refused: OnRefused | None = None, seclog: SecurityLog | None = None,
+                 name: str = "MXCL listener") -> None:
+        """``name`` starts its security-log lines ("agent listener")."""
         self.host = host
         self.identity = identity_of_server
+        self.name = name
         self._port = port
         self._keyring = keyring
         self._channels = frozenset(channels)
         self._handler = handler
-        self._max_pending = max_pending
-        self._max_per_source = max_pending_per_source
-        self._max_established = max_established
+        self._pool = PendingPool(max_pending, max_pending_per_source)
+        self._max_established = established_cap(max_established, max_pending,
+                                                open_file_limit())
+        self._hello_timeout = hello_timeout
         self._handshake_timeout = handshake_timeout
         self._random = random
         self._suite = suite
         self._limits = limits
         self._on_refused = on_refused
-        self._pending: Counter[str] = Counter()
-        self._pending_total = 0
+        self._seclog = seclog or SecurityLog()
         self._established = 0
         self._server: asyncio.Server | None = None
         self._tg: asyncio.TaskGroup | None = None  # the connections' (while serving)
@@ -87,6 +143,10 @@ class Listener:
         self._stopped = asyncio.Event()
         self._serving = False
         self._accepting = asyncio.Event()
+        if self._max_established < max_established:
+            log.info("%s: at most %d authenticated connections (not %d): the open-file "
+                     "limit is %s; raise it (ulimit -n, LimitNOFILE=) for more", name,
+                     self._max_established, max_established, open_file_limit())
 
     @property
     def port(self) -> int:
@@ -96,11 +156,20 @@ class Listener:
 
     @property
     def pending(self) -> int:
-        return self._pending_total
+        return len(self._pool)
+
+    def pending_from(self, bucket: str) -> int:
+        """Pending sockets from one source (``source_bucket``)."""
+        return self._pool.count(bucket)
 
     @property
     def established(self) -> int:
         return self._established
+
+    @property
+    def max_established(self) -> int:
+        """The established cap in force (``established_cap``)."""
+        return self._max_established
 
     async def start(self) -> None:
         """Bind the socket (``port`` is known after this); accepting starts in ``serve``."""
@@ -118,6 +187,7 @@ class Listener:
         try:
             async with cancelling_group() as tg:
                 self._tg = tg
+                tg.create_task(self._summarize())
                 await self._server.start_serving()
                 self._accepting.set()
                 if started is not None:
@@ -128,6 +198,7 @@ class Listener:
         finally:
             self._tg = None
             self._server.close()
+            self._seclog.flush(f"{self.name}: ")
             self._stopped.set()
 
     async def wait_accepting(self) -> None:
@@ -143,38 +214,44 @@ class Listener:
             self._server.close()
             await self._server.wait_closed()
 
+    async def _summarize(self) -> None:
+        """The security log's pending counts, once a window, for as long as this serves."""
+        while True:
+            await asyncio.sleep(self._seclog.window_s)
+            self._seclog.flush(f"{self.name}: ")
+
     def _refused(self, kind: str, peer: str, reason: str) -> None:
-        log.warning("refused %s: %s (%s)", peer, reason, kind)
+        self._seclog.warn(CLASS_OF.get(kind, "diagnostic"), "%s: refused %s: %s (%s)",
+                          self.name, peer, reason, kind, kind=kind)
         if self._on_refused is not None:
             self._on_refused(kind, peer)
 
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        ip, peer = _peer_of(writer)
-        bucket = source_bucket(ip)
         if self._tg is None:
             writer.close()
             return
-        if self._pending_total >= self._max_pending:
+        name = writer.get_extra_info("peername")
+        if not name:  # reset before we got to it
             writer.close()
-            self._refused("noise", peer, f"pending pool full ({self._max_pending})")
+            self._refused("abort", "an unknown peer", "the socket was gone at accept")
             return
-        if self._pending[bucket] >= self._max_per_source:
+        ip, peer = _peer_of(name)
+        entry = Pending(source_bucket(ip), peer, writer)
+        admission = self._pool.admit(entry)
+        if not admission.admitted:
             writer.close()
-            self._refused("noise", peer, f"pending pool full for source {bucket} "
-                                         f"({self._max_per_source})")
+            self._refused("noise", peer, admission.refusal)
             return
-        self._pending[bucket] += 1
-        self._pending_total += 1
-        self._tg.create_task(self._serve_one(reader, writer, ip, peer, bucket))
+        if (victim := admission.evicted) is not None:
+            victim.writer.close()
+            if victim.task is not None:
+                victim.task.cancel()
+            self._refused("evicted", victim.peer, "silent, closed to make room in the "
+                                                  "pending pool")
+        entry.task = self._tg.create_task(self._serve_one(reader, entry, ip))
 
-    def _release_pending(self, bucket: str) -> None:
-        self._pending_total -= 1
-        self._pending[bucket] -= 1
-        if self._pending[bucket] <= 0:
-            del self._pending[bucket]
-
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         ip: str, peer: str, bucket: str) -> None:
+    async def _serve_one(self, reader: asyncio.StreamReader, entry: Pending, ip: str) -> None:
+        writer, peer = entry.writer, entry.peer
         reserved = False
 
         def capacity_ok() -> bool:
@@ -190,7 +267,9 @@ class Listener:
                 conn = Connection(Role.SERVER, keyring=self._keyring, random=self._random,
                                   now=asyncio.get_running_loop().time(), suite=self._suite,
                                   peer_ip=str(normalize_ip(ip)), capacity_ok=capacity_ok,
-                                  limits=self._limits, handshake_timeout=self._handshake_timeout)
+                                  limits=self._limits, handshake_timeout=self._handshake_timeout,
+                                  hello_timeout=self._hello_timeout)
+                entry.conn = conn
                 done = await handshake(conn, reader, writer)
             except RemoteProtocolError as exc:
                 self._refused(exc.kind, peer, exc.reason)
@@ -199,7 +278,7 @@ class Listener:
                 self._refused("abort", peer, f"socket error during the handshake: {exc}")
                 return
             finally:
-                self._release_pending(bucket)
+                self._pool.release(entry)
             if isinstance(done, HandshakeRefused):
                 self._refused("at_capacity", peer, done.reason)
                 return

@@ -1,19 +1,24 @@
 """Rate-limited security warnings: a flood of junk must not drown the log.
 
 Warnings are limited per class: at most ``PER_WINDOW`` (5) in any sliding
-``WINDOW_S`` (60 s) per class; the rest go out at debug. When the next warning
-of that class is written, it carries a summary of what was suppressed since
-the last one (how many, of which kinds). Classes:
+``WINDOW_S`` (60 s) per class. The rest are counted, never written one by one
+(not even at debug: a flood of 300,000 refused sockets is a count, not 300,000
+lines). The next warning of that class written carries a summary of what was
+suppressed since the last one (how many, of which kinds); ``flush`` writes the
+summaries still pending as lines of their own (a listener calls it every window
+and when it closes), so a flood that stops is still reported with its counts.
+A flood thus writes at most ``PER_WINDOW`` warnings and one summary per class and
+window. Classes:
 
-- ``noise``: junk connections and pool refusals
+- ``noise``: junk connections, pool refusals and evictions, silent sockets
 - ``diagnostic``: typed refusals and authentication failures
 - ``capacity``: at-capacity verdicts
 - ``router_drop``: the router dropping a connection (no caller warns in it today)
 
 ``admit`` is pure (time comes in as ``now``); ``warn`` is the thin shell that
 reads the monotonic clock and logs through this module's logger. A message is
-a %-style template plus arguments; the template names the kind in summaries,
-so never put a secret or a payload in either.
+a %-style template plus arguments; a summary counts it by its ``kind`` (the
+template when none is given), so never put a secret or a payload in either.
 """
 
 from __future__ import annotations
@@ -67,8 +72,36 @@ class SecurityLog:
             state.suppressed[kind or cls] += 1
             return Verdict(False)
         state.written.append(now)
+        count, summary = self._take_summary(cls, now)
+        return Verdict(True, count, summary)
+
+    def warn(self, cls: SecurityClass, msg: str, *args: object, now: float | None = None,
+             kind: str = "") -> None:
+        """Log ``msg % args`` at warning if ``cls`` has room, else count it as ``kind``
+        (default: ``msg``) for the next summary."""
+        verdict = self.admit(cls, time.monotonic() if now is None else now, kind or msg)
+        if not verdict.warn:
+            return
+        if verdict.summary:
+            self._log.warning("[%s] " + msg + "; %s", cls, *args, verdict.summary)
+        else:
+            self._log.warning("[%s] " + msg, cls, *args)
+
+    def flush(self, prefix: str = "", now: float | None = None) -> None:
+        """Write each class's pending summary (if any) as a warning of its own;
+        ``prefix`` names the writer ("agent listener: ")."""
+        when = time.monotonic() if now is None else now
+        for cls in CLASSES:
+            count, summary = self._take_summary(cls, when)
+            if count:
+                self._log.warning("[%s] %s%s", cls, prefix, summary)
+
+    def _take_summary(self, cls: SecurityClass, now: float) -> tuple[int, str]:
+        """(how many, a sentence with the counts by kind) suppressed in ``cls`` since the
+        last summary, and forget them; (0, "") if none."""
+        state = self._classes[cls]
         if not state.suppressed:
-            return Verdict(True)
+            return 0, ""
         count = sum(state.suppressed.values())
         kinds = ", ".join(f"{n} x {k}" for k, n in state.suppressed.most_common())
         since = now - (state.suppressed_since if state.suppressed_since is not None else now)
@@ -76,14 +109,4 @@ class SecurityLog:
                    f"({kinds})")
         state.suppressed.clear()
         state.suppressed_since = None
-        return Verdict(True, count, summary)
-
-    def warn(self, cls: SecurityClass, msg: str, *args: object, now: float | None = None) -> None:
-        """Log ``msg % args`` at warning if ``cls`` has room, else at debug."""
-        verdict = self.admit(cls, time.monotonic() if now is None else now, msg)
-        if not verdict.warn:
-            self._log.debug("[%s, rate-limited] " + msg, cls, *args)
-        elif verdict.summary:
-            self._log.warning("[%s] " + msg + "; %s", cls, *args, verdict.summary)
-        else:
-            self._log.warning("[%s] " + msg, cls, *args)
+        return count, summary

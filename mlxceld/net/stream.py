@@ -1,11 +1,12 @@
 """One MXCL v1 connection over an asyncio ``StreamReader``/``StreamWriter``.
 
 The sans-IO ``Connection`` does the protocol; this module reads chunks, feeds them
-in, writes what it wants sent, and arms the 5 s handshake deadline at the call site
-with ``asyncio.timeout_at``. ``recv()`` drives the reading: pings are answered with
-pongs on the way and never reach the caller. Chunks go to the core as read (it opens
-a frame where it lies when one chunk holds it), and sealed frames are written as they
-are, never joined.
+in, writes what it wants sent, and arms the core's handshake deadline at the call
+site with ``asyncio.timeout_at``, re-armed as the core moves it (a server's shorter
+deadline for the ClientHello, then the 5 s of the whole handshake). ``recv()``
+drives the reading: pings are answered with pongs on the way and never reach the
+caller. Chunks go to the core as read (it opens a frame where it lies when one chunk
+holds it), and sealed frames are written as they are, never joined.
 """
 
 from __future__ import annotations
@@ -48,10 +49,9 @@ async def handshake(conn: Connection, reader: asyncio.StreamReader,
     included) after sending the protocol's answer; the caller closes the writer.
     """
     loop = asyncio.get_running_loop()
-    deadline = conn.next_deadline()
     try:
         await _write(conn, writer)
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(conn.next_deadline()) as timer:
             while True:
                 event = conn.next_event()
                 if isinstance(event, HandshakeComplete | HandshakeRefused):
@@ -59,10 +59,12 @@ async def handshake(conn: Connection, reader: asyncio.StreamReader,
                     return event
                 data = await read_chunk(reader)
                 conn.receive_data(data, loop.time())
+                if (deadline := conn.next_deadline()) is not None:
+                    timer.reschedule(deadline)  # a server's hello deadline, then the 5 s
                 await _write(conn, writer)
     except TimeoutError:
         # The loop may wake a hair before the deadline; the core decides from its own.
-        conn.handle_timer(max(loop.time(), deadline or 0.0))
+        conn.handle_timer(max(loop.time(), conn.next_deadline() or 0.0))
         raise RemoteProtocolError("the handshake did not finish in time",
                                   kind="handshake_timeout") from None
     except RemoteProtocolError:

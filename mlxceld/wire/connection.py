@@ -8,6 +8,11 @@
     conn.buffers_to_send()          # the same, unjoined: a shell writes each (no copy)
     conn.next_deadline(); conn.handle_timer(now)
 
+The handshake has ``handshake_timeout`` (5 s) from ``now`` at construction. A server
+may also be given ``hello_timeout``, a shorter bound on the ClientHello alone (a
+socket that stays silent, or dribbles its hello, is failed as ``hello_timeout``);
+``awaiting_hello`` says whether the hello is still outstanding.
+
 The core never reads a clock: ``now`` is whatever monotonic time the shell uses.
 Every ``RemoteProtocolError`` leaves the connection broken; what ``data_to_send()``
 still holds is the protocol's answer (a reject, or a close frame carrying the
@@ -51,14 +56,19 @@ class Connection:
                  suite: Suite = Suite.AES_256_GCM, peer_ip: str | None = None,
                  capacity_ok: Callable[[], bool] = lambda: True,
                  limits: FrameLimits = DEFAULT_LIMITS,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                 hello_timeout: float | None = None) -> None:
         """A client needs ``channel`` and ``identity`` (its advertised listener ``host:port``);
         a server needs ``peer_ip`` (the TCP source) and accepts any channel, reported in
         ``HandshakeComplete``. ``capacity_ok`` is asked once a client is authenticated:
-        ``False`` answers verdict 1."""
+        ``False`` answers verdict 1. ``hello_timeout`` (server only): the ClientHello must
+        be complete that long after ``now``."""
         self.role = role
         self._limits = limits
         self._deadline: float | None = now + handshake_timeout
+        self._hello_deadline: float | None = None
+        if hello_timeout is not None and role is Role.SERVER:
+            self._hello_deadline = now + hello_timeout
         self._events: deque[Event] = deque()
         self._out: list[bytes | bytearray] = []
         self._sender: FrameSender | None = None
@@ -88,6 +98,11 @@ class Connection:
     def closed(self) -> bool:
         """Nothing more will be sent or accepted: flush ``data_to_send()`` and close."""
         return self._broken or (self._our_closed and self._their_closed)
+
+    @property
+    def awaiting_hello(self) -> bool:
+        """A server whose peer has not yet sent its whole ClientHello (and no failure)."""
+        return not self._broken and self._hs is not None and self._hs.awaiting_hello
 
     @property
     def our_closed(self) -> bool:
@@ -129,7 +144,12 @@ class Connection:
             raise
 
     def next_deadline(self) -> float | None:
-        return None if self._broken else self._deadline
+        if self._broken:
+            return None
+        hello, whole = self._hello_deadline, self._deadline
+        if hello is not None and self.awaiting_hello:
+            return hello if whole is None else min(hello, whole)
+        return whole
 
     def next_event(self) -> Event | None:
         return self._events.popleft() if self._events else None
@@ -177,10 +197,14 @@ class Connection:
         if self._deadline is not None and now >= self._deadline:
             raise RemoteProtocolError("the handshake did not finish in time",
                                       kind="handshake_timeout")
+        hello = self._hello_deadline
+        if hello is not None and now >= hello and self.awaiting_hello:
+            raise RemoteProtocolError("the client sent no complete ClientHello in time",
+                                      kind="hello_timeout")
 
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._broken = True
-        self._deadline = None
+        self._deadline = self._hello_deadline = None
         self._flush_handshake()
         if self._sender is not None and not self._our_closed:
             reason = exc.reason.encode("utf-8")[:MAX_CLOSE_REASON].decode("utf-8", "ignore")
@@ -208,7 +232,7 @@ class Connection:
         if result is None:
             return
         self._hs = None
-        self._deadline = None
+        self._deadline = self._hello_deadline = None
         if result.verdict != VERDICT_ACCEPTED:  # only a server gets here with verdict 1
             self._events.append(HandshakeRefused("at capacity"))
             self._our_closed = self._their_closed = True

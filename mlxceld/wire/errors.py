@@ -27,6 +27,7 @@ KINDS: Final = frozenset({
     "invalid_share",        # an X25519 share whose shared secret is all zero
     "at_capacity",          # verdict 1
     "handshake_timeout",    # the handshake took longer than its bound (5 s)
+    "hello_timeout",        # a server's shorter bound on the ClientHello alone ran out
     "frame_auth_failed",    # a frame that does not open
     "malformed_frame",      # length below the tag size, bad close reason, non-empty key update
     "unknown_frame_kind",   # an authenticated frame of an unknown kind

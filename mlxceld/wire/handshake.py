@@ -148,6 +148,11 @@ class Handshake:
         hs.state = S.SERVER_AWAIT_HELLO
         return hs
 
+    @property
+    def awaiting_hello(self) -> bool:
+        """A server that has not yet received the whole ClientHello."""
+        return self.state in (S.SERVER_AWAIT_HELLO, S.SERVER_AWAIT_IDENTITY)
+
     # -- driving -------------------------------------------------------------------------
 
     def feed(self, data: bytes) -> bytes:

@@ -64,7 +64,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         await service.handle(stream)
 
     listener = Listener(me.host, me.port, keyring=keyring, identity_of_server=place.address,
-                        channels={1}, handler=handler)
+                        channels={1}, handler=handler,
+                        name=f"stage {place.node_id} listener")
     try:
         await listener.start()
     except OSError as exc:

@@ -8,6 +8,7 @@ import secrets
 import pytest
 
 from mlxceld.net import ConnectionClosed, HandshakeFailed, connect
+from mlxceld.wire import key_id
 from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
@@ -80,6 +81,25 @@ def test_installing_a_first_secret_starts_the_agent(daemons: Daemons) -> None:
         stream = await connect(host, port, keyring=keyring(secret), identity="127.0.0.1:19100",
                                channel=2, budget_s=5)
         await stream.send(encode_envelope({"t": "ping", "id": 1}))
+        assert reply_type(await stream.recv()) == "pong"
+        await stream.close()
+
+    asyncio.run(talk())
+
+
+def test_a_second_installed_key_is_accepted(daemons: Daemons) -> None:
+    """A peer still on a key installed beside the primary (a rotation under way) gets in."""
+    primary, second = secrets.token_bytes(32), secrets.token_bytes(32)
+    d = daemons.make()
+    d.start("--cluster-secret-file", str(secret_file(d.root, primary)))
+    d.api(lambda c: c.install_secret(second, primary=False))
+    host, port = address(d.status())
+
+    async def talk() -> None:
+        stream = await connect(host, port, keyring=keyring(second), identity="127.0.0.1:19100",
+                               channel=3, budget_s=5)
+        assert stream.key_id == key_id(second)
+        await stream.send(encode_envelope({"t": "ping", "id": 2}))
         assert reply_type(await stream.recv()) == "pong"
         await stream.close()
 

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 
 import pytest
 
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect, source_bucket
+from mlxceld.net import (
+    ConnectionClosed,
+    HandshakeFailed,
+    Listener,
+    MxclStream,
+    connect,
+    source_bucket,
+)
+from mlxceld.net.listener import established_cap
 from mlxceld.wire import Channel, PeerClosed, encode_envelope, key_id, parse_envelope
 from mlxceld.wire.envelope import MessageSpec
 
@@ -17,6 +26,7 @@ from helpers.mxcl import (
     SECRET,
     LyingKeyring,
     Refusals,
+    echo,
     raw_client,
     read_to_eof,
     run,
@@ -231,6 +241,59 @@ def test_handshake_deadline() -> None:
                 await writer.wait_closed()
 
     run(main())
+
+
+def test_hello_deadline() -> None:
+    """A socket silent, or dribbling its ClientHello, is closed at the hello deadline."""
+    async def main() -> None:
+        refusals = Refusals()
+        loop = asyncio.get_running_loop()
+        async with serving(on_refused=refusals, hello_timeout=0.3) as lst:
+            for first_bytes in (b"", b"MXCL"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", lst.port)
+                try:
+                    start = loop.time()
+                    writer.write(first_bytes)
+                    assert await read_to_eof(reader) == b""
+                    assert loop.time() - start < 3.0  # 0.3 s, not the handshake's 5 s
+                finally:
+                    writer.close()
+                    await writer.wait_closed()
+            assert refusals.kinds() == ["hello_timeout", "hello_timeout"]
+            assert lst.pending == 0
+            stream = await dial(lst.port)  # a client sends its hello at once: unaffected
+            await stream.close()
+
+    run(main())
+
+
+def test_a_second_installed_key_is_accepted() -> None:
+    """A client whose primary is the listener's second, non-primary key gets in."""
+    async def main() -> None:
+        async with serving(keyring=keyring(SECRET, OTHER_SECRET)) as lst:
+            stream = await dial(lst.port, keyring=keyring(OTHER_SECRET))
+            assert stream.key_id == key_id(OTHER_SECRET) != key_id(SECRET)
+            await stream.send(b"under the second key")
+            assert await stream.recv() == b"under the second key"
+            await stream.close()
+
+    run(main())
+
+
+def test_the_established_cap_stays_under_the_open_file_limit() -> None:
+    assert established_cap(512, 64, None) == 512
+    assert established_cap(512, 64, 100_000) == 512
+    assert established_cap(512, 64, 1024) == 448  # 64 + 448 = half of 1024
+    assert established_cap(512, 64, 256) == 64  # macOS launchd's default soft limit
+    assert established_cap(512, 64, 100) == 1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        lst = Listener("127.0.0.1", 0, keyring=keyring(SECRET), identity_of_server="x:1",
+                       channels={1}, handler=echo)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert lst.max_established == 64
 
 
 def test_channel_not_served_is_closed() -> None:

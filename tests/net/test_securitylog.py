@@ -43,7 +43,7 @@ def test_the_window_slides() -> None:
     assert limiter.admit("diagnostic", 15.0).warn
 
 
-def test_warn_logs_at_warning_then_debug_then_the_summary(
+def test_warn_writes_five_then_counts_then_the_summary(
     caplog: pytest.LogCaptureFixture
 ) -> None:
     limiter = SecurityLog()
@@ -52,9 +52,25 @@ def test_warn_logs_at_warning_then_debug_then_the_summary(
             limiter.warn("diagnostic", "auth failure from %s", f"10.0.0.{i}", now=float(i))
         limiter.warn("diagnostic", "auth failure from %s", "10.0.0.99", now=100.0)
     levels = [r.levelno for r in caplog.records]
-    assert levels == [logging.WARNING] * 5 + [logging.DEBUG] * 2 + [logging.WARNING]
+    assert levels == [logging.WARNING] * 6  # the two suppressed: not a line, not even debug
     assert caplog.records[0].getMessage() == "[diagnostic] auth failure from 10.0.0.0"
-    assert "10.0.0.6" in caplog.records[6].getMessage()  # nothing is lost at debug
     last = caplog.records[-1].getMessage()
     assert last.startswith("[diagnostic] auth failure from 10.0.0.99; 2 more diagnostic")
     assert "(2 x auth failure from %s)" in last
+
+
+def test_a_flood_is_a_few_lines_and_flush_reports_its_counts(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    limiter = SecurityLog()
+    with caplog.at_level(logging.DEBUG, logger="mlxceld.net.securitylog"):
+        for i in range(100_000):
+            kind = "evicted" if i % 4 else "hello_timeout"
+            limiter.warn("noise", "refused %s (%s)", f"10.0.0.{i % 250}", kind, now=i / 10_000,
+                         kind=kind)
+        limiter.flush("agent listener: ", now=10.0)
+        limiter.flush("agent listener: ", now=11.0)  # nothing more to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6
+    assert lines[-1] == ("[noise] agent listener: 99995 more noise warning(s) suppressed in "
+                         "the last 10 s (74997 x evicted, 24998 x hello_timeout)")

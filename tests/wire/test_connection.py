@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any
 
@@ -29,6 +30,7 @@ from helpers.wire import (
     IDENTITY,
     OTHER_SECRET,
     SECRET,
+    SOURCE_IP,
     VECTORS,
     connected,
     drain,
@@ -270,6 +272,54 @@ def test_handshake_timer(role: str) -> None:
         conn.handle_timer(105.0)
     assert conn.next_deadline() is None
     conn.handle_timer(200.0)  # once broken, the timer is quiet
+
+
+def test_hello_deadline_on_a_server() -> None:
+    """A server given ``hello_timeout`` wants the ClientHello by then, the rest by 5 s."""
+    client, _ = make_pair(now=100.0)
+    hello = client.data_to_send()
+
+    def server() -> Connection:
+        return Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=100.0,
+                          peer_ip=SOURCE_IP, hello_timeout=1.0)
+
+    silent = server()
+    assert silent.awaiting_hello and silent.next_deadline() == 101.0
+    silent.handle_timer(100.999)
+    with refused("hello_timeout"):
+        silent.handle_timer(101.0)
+    assert silent.next_deadline() is None and not silent.awaiting_hello
+    dribbling = server()
+    dribbling.receive_data(hello[:50], 100.5)  # part of the hello does not move the deadline
+    assert dribbling.awaiting_hello and dribbling.next_deadline() == 101.0
+    with refused("hello_timeout"):
+        dribbling.receive_data(hello[50:], 101.2)
+    prompt = server()
+    prompt.receive_data(hello, 100.5)
+    assert not prompt.awaiting_hello and prompt.next_deadline() == 105.0
+    prompt.handle_timer(104.0)  # past the hello deadline: no longer its concern
+    with refused("handshake_timeout"):
+        prompt.handle_timer(105.0)
+    short = Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=100.0,
+                       peer_ip=SOURCE_IP, hello_timeout=9.0)
+    assert short.next_deadline() == 105.0  # the whole handshake's bound comes first
+    with refused("handshake_timeout"):
+        short.handle_timer(105.0)
+
+
+def test_a_second_installed_key_is_accepted() -> None:
+    """The server holds SECRET (primary) and OTHER_SECRET; a client whose primary is the
+    second one connects, and both sides agree on its key id."""
+    client, server = make_pair(client_keyring=keyring(OTHER_SECRET),
+                               server_keyring=keyring(SECRET, OTHER_SECRET))
+    shuttle(client, server, bytewise=False)
+    assert client.established and server.established
+    (done,) = drain(server)
+    assert isinstance(done, HandshakeComplete) and done.key_id == key_id(OTHER_SECRET)
+    assert key_id(OTHER_SECRET) != keyring(SECRET, OTHER_SECRET).primary_id
+    client.send_message(b"under the second key")
+    pump(client, server)
+    assert drain(server) == [MessageReceived(b"under the second key")]
 
 
 def test_late_bytes_fail_the_handshake() -> None:
