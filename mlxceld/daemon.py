@@ -65,13 +65,15 @@ from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
+    STATE_DB,
     EventLog,
     KeyStore,
     PeersTable,
     Settings,
     WorkersTable,
     claim_node,
-    open_db,
+    open_state,
+    state_errors,
 )
 from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
@@ -107,30 +109,8 @@ class Daemon:
         prepare_state_dir(config.state_dir)
         self._lock: StateLock = acquire(config.state_dir)
         try:
-            self._db = open_db(config.state_dir / "state.db")
-            self.node = claim_node(self._db)
-            self.events = EventLog(self._db)
-            self.events.trim()
-            self.settings = Settings(self._db)
-            self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
-                                       self.events, on_install=self._secret_installed)
-            self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
-            self.placement = (place(config.distributed_config, config.node_id or "",
-                                    config.serve.model)  # --model or [serve] model wins
-                              if config.distributed_config else None)
-            self.keys.adopt(config, self.placement)
-            self._api_key = (read_api_key(config.serve.api_key_file)
-                             if config.serve.api_key_file else None)
-            self._serve = self._effective_serve(config.serve)
-            self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
-            if config.pp_auto is not None and self._serve.model is None:
-                raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
-                                  hint="the same checkpoint must be on every host")
-            self.supervisor = Supervisor(
-                WorkersTable(self._db), self.events,
-                health_interval_s=config.health_interval_s,
-                log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
-            self._sock = bind_control_socket(config.socket, config.socket_group)
+            with state_errors(config.state_dir / STATE_DB):
+                self._start(config)
         except BaseException:
             self._lock.release()
             raise
@@ -144,6 +124,48 @@ class Daemon:
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
         self._hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+
+    def _start(self, config: Config) -> None:
+        """The start-up under the lock: state, keyring, supervisor, the control socket."""
+        self._open_state(config.state_dir / STATE_DB, reset=config.reset_state)
+        self.settings = Settings(self._db)
+        self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
+                                   self.events, on_install=self._secret_installed)
+        self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
+        self.placement = (place(config.distributed_config, config.node_id or "",
+                                config.serve.model)  # --model or [serve] model wins
+                          if config.distributed_config else None)
+        self.keys.adopt(config, self.placement)
+        self._api_key = (read_api_key(config.serve.api_key_file)
+                         if config.serve.api_key_file else None)
+        self._serve = self._effective_serve(config.serve)
+        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
+        if config.pp_auto is not None and self._serve.model is None:
+            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                              hint="the same checkpoint must be on every host")
+        self.supervisor = Supervisor(
+            WorkersTable(self._db), self.events,
+            health_interval_s=config.health_interval_s,
+            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
+        self._sock = bind_control_socket(config.socket, config.socket_group)
+
+    def _open_state(self, path: Path, *, reset: bool) -> None:
+        """The database and this node's identity in it; with ``reset`` (``--reset-state``)
+        a damaged database is moved aside first, and the new node says so loudly."""
+        self._db, aside = open_state(path, reset=reset)
+        self.node = claim_node(self._db)
+        self.events = EventLog(self._db)
+        self.events.trim()
+        if aside is not None:
+            message = (f"the state database was damaged and is moved aside to {aside}; this "
+                       f"daemon starts over as a new node, {self.node.node_id}, without history, "
+                       "worker records or installed secrets (a configured secret is adopted "
+                       "again)")
+            log.error("%s", message)
+            self.events.append("state.reset", "daemon", message, moved_to=str(aside),
+                               node_id=self.node.node_id)
+        elif reset:
+            log.warning("--reset-state: the state database %s is sound; it is kept", path)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 

@@ -9,6 +9,8 @@
     │   ├── ModelRefused            `mlxctl serve` names a model this daemon cannot serve
     │   └── UnserveRefused          `mlxctl unserve` would not last, or the router is a cluster's
     ├── StateError                  the SQLite state could not be read or written
+    │   └── DamagedState            the state database is damaged (exit 2; --reset-state
+    │                               moves it aside)
     ├── KeyringError                a cluster secret cannot be installed, used or removed
     │   ├── UnknownKey              no installed secret has that key id
     │   └── PrimaryKeyRemoval       the primary secret cannot be removed
@@ -97,6 +99,13 @@ class UnserveRefused(ConfigError):
 
 class StateError(MlxceldError):
     code = "state"
+
+
+class DamagedState(StateError):
+    """The state database is not a sound SQLite file (corrupt pages, not a database, zero
+    bytes long): refused at start, never repaired or replaced behind the user's back."""
+
+    code = "state_damaged"
 
 
 class KeyringError(MlxceldError):
