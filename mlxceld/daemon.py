@@ -21,7 +21,9 @@ the database, release the lock. A second SIGTERM/SIGINT while shutting down forc
 SIGKILL to every worker group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
-Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
+Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds
+the control socket again if its file was deleted; ``control/keeper.py`` checks that file
+every few seconds as well).
 
 With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the agent
 listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
@@ -52,6 +54,7 @@ from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model
 from mlxceld.control.app import build_app
+from mlxceld.control.keeper import SocketKeeper, holder_hint
 from mlxceld.control.server import (
     ControlServer,
     bind_control_socket,
@@ -60,7 +63,13 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.errors import ConfigError, MlxceldError, ModelRefused, UnserveRefused
+from mlxceld.errors import (
+    AlreadyRunning,
+    ConfigError,
+    MlxceldError,
+    ModelRefused,
+    UnserveRefused,
+)
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
@@ -107,7 +116,11 @@ class Daemon:
         os.umask(0o077)
         check_socket_path(config.socket)
         prepare_state_dir(config.state_dir)
-        self._lock: StateLock = acquire(config.state_dir)
+        try:
+            self._lock: StateLock = acquire(config.state_dir, config.socket)
+        except AlreadyRunning as exc:  # the hint depends on whether its socket answers
+            raise AlreadyRunning(exc.message, hint=holder_hint(exc.pid, exc.socket),
+                                 pid=exc.pid, socket=exc.socket) from None
         try:
             with state_errors(config.state_dir / STATE_DB):
                 self._start(config)
@@ -117,6 +130,8 @@ class Daemon:
         self._socket_group = config.socket_group  # a reload changes it at the next start
         self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
                                                 config.socket), self._sock)
+        self._keeper = SocketKeeper(self._server, config.socket, config.socket_group,
+                                    self._socket_event)
         self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
                                     node_id=self.node.node_id, candidates=self.candidates,
                                     plans=Plans(self._db), assignments=Assignments(self._db))
@@ -376,6 +391,7 @@ class Daemon:
                 srv_started: asyncio.Future[None] = loop.create_future()
                 tg.create_task(self._server.serve(srv_started))
                 await srv_started
+                tg.create_task(self._keeper.run())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -441,6 +457,7 @@ class Daemon:
                 self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
+        self._keeper.close()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()
@@ -454,7 +471,9 @@ class Daemon:
         os._exit(1)
 
     async def _reload(self) -> None:
-        """SIGHUP: re-read the config file and reopen log files; never restart workers."""
+        """SIGHUP: bind the control socket again if its file is gone, re-read the config
+        file and reopen log files; never restart workers."""
+        await self._keeper.restore("SIGHUP")
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
                 handler.close()  # reopened on the next record
@@ -473,6 +492,9 @@ class Daemon:
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
         log.info("configuration reloaded")
         await self.supervisor.reconcile(self.specs(new))
+
+    def _socket_event(self, kind: str, message: str, trigger: str) -> None:
+        self.events.append(f"daemon.socket_{kind}", "daemon", message, trigger=trigger)
 
     def _release(self) -> None:
         """The shutdown's last step: remove the socket, close the database, release the lock."""

@@ -34,6 +34,8 @@ json errors) are translated once, at the seam, with ``raise X(...) from exc``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class MlxceldError(Exception):
     """Root of the tree. ``hint`` tells the user what to do next."""
@@ -127,7 +129,16 @@ class DaemonError(MlxceldError):
 
 
 class AlreadyRunning(DaemonError):
+    """Another daemon holds the state dir's lock: its ``pid`` and control ``socket`` as its
+    lock file says (None where it does not)."""
+
     code = "already_running"
+
+    def __init__(self, message: str, *, hint: str = "", pid: int | None = None,
+                 socket: Path | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.pid = pid
+        self.socket = socket
 
 
 class SocketError(DaemonError):

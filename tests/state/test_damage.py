@@ -3,7 +3,6 @@ moved aside (``--reset-state``), never repaired, replaced or deleted."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sqlite3
 import stat
@@ -11,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers.damage import scribble_pages
 from mlxceld.errors import DamagedState, StateError
 from mlxceld.state import EventLog, claim_node, open_db, open_state, state_errors
 from mlxceld.state.db import move_aside
+
+from helpers.damage import scribble_pages
 
 
 def filled(path: Path, events: int = 300) -> str:
