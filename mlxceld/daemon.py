@@ -318,6 +318,11 @@ class Daemon:
 
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
+        if self.config.pp_peer:
+            raise ModelRefused("this daemon is a --pp-peer: it takes a pipeline stage from a "
+                               "coordinator and runs no router",
+                               hint="serve on the coordinator (mlxctl cluster activate), or "
+                               "run this daemon without --pp-peer ([daemon] pp_peer)")
         if self.placement is not None:
             raise ModelRefused(
                 f"this daemon is node {self.placement.node.id!r} of cluster config "
@@ -372,9 +377,11 @@ class Daemon:
         return {"unserved": was}
 
     def _serving(self) -> JSON | None:
+        """What the router serves, and where; None where the roster runs no router (no
+        model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
         s = self._serve
-        if s.model is None or (self._hold_router and self.placement is None):
-            return None  # nothing, or a router held back (see ``specs``)
+        if s.model is None or not any(spec.name == ROUTER for spec in self.specs(self.config)):
+            return None
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
 
