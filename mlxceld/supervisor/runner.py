@@ -64,6 +64,9 @@ class WorkerRunner:
         self._task = spawn_task
         self._health_interval_s = health_interval_s
         self._inbox: asyncio.Queue[Event] = asyncio.Queue()
+        # (pid, the cgroup's OOM-kill count read while that pid was known alive): read at the
+        # spawn, again before each health probe it answers (``exits``: the OOM label)
+        self._oom_mark: tuple[int, int | None] | None = None
 
     @property
     def name(self) -> str:
@@ -117,14 +120,17 @@ class WorkerRunner:
             self.post(SpawnFailed(exc.message))
             return
         self.pid, self.create_time = proc.pid, process.create_time(proc.pid)
+        self._oom_mark = (proc.pid, oom_before)
         self._observer.spawned(self)
         self.post(Spawned(proc.pid))
-        self._task(self._watch_child(proc, oom_before))
+        self._task(self._watch_child(proc))
         self._task(self._probe_readiness(proc.pid))
 
-    async def _watch_child(self, proc: asyncio.subprocess.Process, oom_before: int | None) -> None:
+    async def _watch_child(self, proc: asyncio.subprocess.Process) -> None:
         returncode = await proc.wait()
         oom_after = exits.oom_kill_count()
+        mark = self._oom_mark
+        oom_before = mark[1] if mark is not None and mark[0] == proc.pid else None
         grew = None if oom_before is None or oom_after is None else oom_after > oom_before
         cause = exits.read_exit_record(self.spec.exit_record, proc.pid)
         if cause is None or returncode != cause.returncode:
@@ -155,14 +161,18 @@ class WorkerRunner:
     async def _probe_liveness(self) -> None:
         while True:
             await asyncio.sleep(self._health_interval_s)
-            if self.machine.state is not WorkerState.RUNNING or self.pid is None:
+            pid = self.pid
+            if self.machine.state is not WorkerState.RUNNING or pid is None:
                 continue
+            oom_kills = exits.oom_kill_count()
             try:
                 await channel.call(self.spec.control_socket, "health",
                                    timeout_s=LIVENESS_TIMEOUT_S)
             except WorkerError as exc:
                 self.post(HealthProbed(False, exc.message))
             else:
+                if self.pid == pid:  # it answered after the count: no OOM kill of it before
+                    self._oom_mark = (pid, oom_kills)
                 if not self.machine.healthy:
                     self.post(HealthProbed(True))
 
