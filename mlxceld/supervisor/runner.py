@@ -60,6 +60,7 @@ class WorkerRunner:
         self.machine = machine
         self.pid: int | None = None
         self.create_time: float | None = None
+        self.adopted_since: float | None = None  # an adopted process: since when it runs
         self._observer = observer
         self._task = spawn_task
         self._health_interval_s = health_interval_s
@@ -75,9 +76,9 @@ class WorkerRunner:
     def post(self, event: Event) -> None:
         self._inbox.put_nowait(event)
 
-    def adopt(self, pid: int, create_time: float) -> None:
-        """Take over a worker left running by a previous daemon."""
-        self.pid, self.create_time = pid, create_time
+    def adopt(self, pid: int, create_time: float, since: float) -> None:
+        """Take over a worker left running by a previous daemon, running ``since`` then."""
+        self.pid, self.create_time, self.adopted_since = pid, create_time, since
         self._task(self._watch_adopted(pid, create_time))
         self.post(AdoptedRunning(pid))
 
@@ -95,7 +96,7 @@ class WorkerRunner:
                 if isinstance(event, ProcessExited):
                     # Here, not in the watcher: pid and machine state change together, so
                     # no one ever sees "running" without a pid.
-                    self.pid = self.create_time = None
+                    self.pid = self.create_time = self.adopted_since = None
                 actions = self.machine.handle(event, loop.time())
             for action in actions:
                 await self._carry_out(action)
