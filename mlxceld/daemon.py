@@ -63,29 +63,21 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.errors import (
-    AlreadyRunning,
-    ConfigError,
-    MlxceldError,
-    ModelRefused,
-    UnserveRefused,
-)
+from mlxceld.errors import AlreadyRunning, ConfigError, MlxceldError, ModelRefused, UnserveRefused
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
-    EventLog,
     KeyStore,
     PeersTable,
     Settings,
     WorkersTable,
-    claim_node,
-    open_state,
     state_errors,
 )
 from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
+from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
@@ -142,7 +134,8 @@ class Daemon:
 
     def _start(self, config: Config) -> None:
         """The start-up under the lock: state, keyring, supervisor, the control socket."""
-        self._open_state(config.state_dir / STATE_DB, reset=config.reset_state)
+        state = start_state(config.state_dir / STATE_DB, reset=config.reset_state)
+        self._db, self.node, self.events = state.db, state.node, state.events
         self.settings = Settings(self._db)
         self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
                                    self.events, on_install=self._secret_installed)
@@ -163,24 +156,6 @@ class Daemon:
             health_interval_s=config.health_interval_s,
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
         self._sock = bind_control_socket(config.socket, config.socket_group)
-
-    def _open_state(self, path: Path, *, reset: bool) -> None:
-        """The database and this node's identity in it; with ``reset`` (``--reset-state``)
-        a damaged database is moved aside first, and the new node says so loudly."""
-        self._db, aside = open_state(path, reset=reset)
-        self.node = claim_node(self._db)
-        self.events = EventLog(self._db)
-        self.events.trim()
-        if aside is not None:
-            message = (f"the state database was damaged and is moved aside to {aside}; this "
-                       f"daemon starts over as a new node, {self.node.node_id}, without history, "
-                       "worker records or installed secrets (a configured secret is adopted "
-                       "again)")
-            log.error("%s", message)
-            self.events.append("state.reset", "daemon", message, moved_to=str(aside),
-                               node_id=self.node.node_id)
-        elif reset:
-            log.warning("--reset-state: the state database %s is sound; it is kept", path)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 

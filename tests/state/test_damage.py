@@ -13,6 +13,7 @@ import pytest
 from mlxceld.errors import DamagedState, StateError
 from mlxceld.state import EventLog, claim_node, open_db, open_state, state_errors
 from mlxceld.state.db import move_aside
+from mlxceld.state.startup import start_state
 
 from helpers.damage import scribble_pages
 
@@ -140,3 +141,19 @@ def test_move_aside_never_overwrites(tmp_path: Path) -> None:
                                        "state.db.damaged-19700101T000000Z.3"]
     assert [n.read_bytes() for n in names] == [b"first", b"second", b"third"]
     assert not path.exists()
+
+
+def test_the_start_after_a_reset_says_so_in_an_event(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    old_node = filled(path, events=50)
+    scribble_pages(path)
+    state = start_state(path, reset=True)
+    try:
+        assert state.node.node_id != old_node
+        [event] = [e for e in state.events.since(0, 1000) if e.kind == "state.reset"]
+        aside = event.data["moved_to"]
+        assert aside.startswith(f"{path}.damaged-") and Path(aside).exists()
+        assert event.data["node_id"] == state.node.node_id
+        assert f"moved aside to {aside}" in event.message
+    finally:
+        state.db.conn.close()
