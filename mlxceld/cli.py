@@ -17,7 +17,7 @@ import typer
 
 from mlxceld import __version__
 from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
-from mlxceld.errors import ConfigError, MlxceldError
+from mlxceld.errors import ConfigError, DamagedState, MlxceldError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -92,6 +92,10 @@ def run(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="With --pp-auto: plan, print the table, write --cluster-config-out, "
         "exit without assigning.")] = False,
+    reset_state: Annotated[bool, typer.Option(
+        "--reset-state", help="If the state database is damaged, move it aside (to "
+        "state.db.damaged-TIME, never deleted) and start as a new node; a sound one is kept. "
+        "Otherwise a damaged database stops the start (exit 2).")] = False,
     cluster_config_out: Annotated[Path | None, typer.Option(
         "--cluster-config-out", help="Write the plan as a cluster TOML here "
         "(--distributed-config accepts it unchanged).")] = None,
@@ -111,7 +115,7 @@ def run(
         from mlxceld.daemon import serve  # after logging: importing it pulls uvicorn in
 
         code = asyncio.run(serve(cfg, flags, Terminal()))
-    except ConfigError as exc:
+    except (ConfigError, DamagedState) as exc:  # starting again as is cannot help
         fail(exc, 2)
     except MlxceldError as exc:
         fail(exc, 1)

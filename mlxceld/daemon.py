@@ -21,7 +21,9 @@ the database, release the lock. A second SIGTERM/SIGINT while shutting down forc
 SIGKILL to every worker group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
-Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload).
+Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds
+the control socket again if its file was deleted; ``control/keeper.py`` checks that file
+every few seconds as well).
 
 With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the agent
 listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
@@ -52,6 +54,7 @@ from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model
 from mlxceld.control.app import build_app
+from mlxceld.control.keeper import SocketKeeper, holder_hint
 from mlxceld.control.server import (
     ControlServer,
     bind_control_socket,
@@ -60,21 +63,21 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.errors import ConfigError, MlxceldError, ModelRefused, UnserveRefused
+from mlxceld.errors import AlreadyRunning, ConfigError, MlxceldError, ModelRefused, UnserveRefused
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
-    EventLog,
+    STATE_DB,
     KeyStore,
     PeersTable,
     Settings,
     WorkersTable,
-    claim_node,
-    open_db,
+    state_errors,
 )
 from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
+from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
@@ -105,38 +108,22 @@ class Daemon:
         os.umask(0o077)
         check_socket_path(config.socket)
         prepare_state_dir(config.state_dir)
-        self._lock: StateLock = acquire(config.state_dir)
         try:
-            self._db = open_db(config.state_dir / "state.db")
-            self.node = claim_node(self._db)
-            self.events = EventLog(self._db)
-            self.events.trim()
-            self.settings = Settings(self._db)
-            self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
-                                       self.events, on_install=self._secret_installed)
-            self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
-            self.placement = (place(config.distributed_config, config.node_id or "",
-                                    config.serve.model)  # --model or [serve] model wins
-                              if config.distributed_config else None)
-            self.keys.adopt(config, self.placement)
-            self._api_key = (read_api_key(config.serve.api_key_file)
-                             if config.serve.api_key_file else None)
-            self._serve = self._effective_serve(config.serve)
-            self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
-            if config.pp_auto is not None and self._serve.model is None:
-                raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
-                                  hint="the same checkpoint must be on every host")
-            self.supervisor = Supervisor(
-                WorkersTable(self._db), self.events,
-                health_interval_s=config.health_interval_s,
-                log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
-            self._sock = bind_control_socket(config.socket, config.socket_group)
+            self._lock: StateLock = acquire(config.state_dir, config.socket)
+        except AlreadyRunning as exc:  # the hint depends on whether its socket answers
+            raise AlreadyRunning(exc.message, hint=holder_hint(exc.pid, exc.socket),
+                                 pid=exc.pid, socket=exc.socket) from None
+        try:
+            with state_errors(config.state_dir / STATE_DB):
+                self._start(config)
         except BaseException:
             self._lock.release()
             raise
         self._socket_group = config.socket_group  # a reload changes it at the next start
         self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
                                                 config.socket), self._sock)
+        self._keeper = SocketKeeper(self._server, config.socket, config.socket_group,
+                                    self._socket_event)
         self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
                                     node_id=self.node.node_id, candidates=self.candidates,
                                     plans=Plans(self._db), assignments=Assignments(self._db))
@@ -144,6 +131,31 @@ class Daemon:
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
         self._hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+
+    def _start(self, config: Config) -> None:
+        """The start-up under the lock: state, keyring, supervisor, the control socket."""
+        state = start_state(config.state_dir / STATE_DB, reset=config.reset_state)
+        self._db, self.node, self.events = state.db, state.node, state.events
+        self.settings = Settings(self._db)
+        self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
+                                   self.events, on_install=self._secret_installed)
+        self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
+        self.placement = (place(config.distributed_config, config.node_id or "",
+                                config.serve.model)  # --model or [serve] model wins
+                          if config.distributed_config else None)
+        self.keys.adopt(config, self.placement)
+        self._api_key = (read_api_key(config.serve.api_key_file)
+                         if config.serve.api_key_file else None)
+        self._serve = self._effective_serve(config.serve)
+        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
+        if config.pp_auto is not None and self._serve.model is None:
+            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                              hint="the same checkpoint must be on every host")
+        self.supervisor = Supervisor(
+            WorkersTable(self._db), self.events,
+            health_interval_s=config.health_interval_s,
+            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
+        self._sock = bind_control_socket(config.socket, config.socket_group)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -281,6 +293,11 @@ class Daemon:
 
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
+        if self.config.pp_peer:
+            raise ModelRefused("this daemon is a --pp-peer: it takes a pipeline stage from a "
+                               "coordinator and runs no router",
+                               hint="serve on the coordinator (mlxctl cluster activate), or "
+                               "run this daemon without --pp-peer ([daemon] pp_peer)")
         if self.placement is not None:
             raise ModelRefused(
                 f"this daemon is node {self.placement.node.id!r} of cluster config "
@@ -335,9 +352,11 @@ class Daemon:
         return {"unserved": was}
 
     def _serving(self) -> JSON | None:
+        """What the router serves, and where; None where the roster runs no router (no
+        model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
         s = self._serve
-        if s.model is None or (self._hold_router and self.placement is None):
-            return None  # nothing, or a router held back (see ``specs``)
+        if s.model is None or not any(spec.name == ROUTER for spec in self.specs(self.config)):
+            return None
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
 
@@ -354,6 +373,7 @@ class Daemon:
                 srv_started: asyncio.Future[None] = loop.create_future()
                 tg.create_task(self._server.serve(srv_started))
                 await srv_started
+                tg.create_task(self._keeper.run())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -419,6 +439,7 @@ class Daemon:
                 self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
+        self._keeper.close()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()
@@ -432,7 +453,9 @@ class Daemon:
         os._exit(1)
 
     async def _reload(self) -> None:
-        """SIGHUP: re-read the config file and reopen log files; never restart workers."""
+        """SIGHUP: bind the control socket again if its file is gone, re-read the config
+        file and reopen log files; never restart workers."""
+        await self._keeper.restore("SIGHUP")
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
                 handler.close()  # reopened on the next record
@@ -451,6 +474,9 @@ class Daemon:
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
         log.info("configuration reloaded")
         await self.supervisor.reconcile(self.specs(new))
+
+    def _socket_event(self, kind: str, message: str, trigger: str) -> None:
+        self.events.append(f"daemon.socket_{kind}", "daemon", message, trigger=trigger)
 
     def _release(self) -> None:
         """The shutdown's last step: remove the socket, close the database, release the lock."""

@@ -9,6 +9,8 @@
     │   ├── ModelRefused            `mlxctl serve` names a model this daemon cannot serve
     │   └── UnserveRefused          `mlxctl unserve` would not last, or the router is a cluster's
     ├── StateError                  the SQLite state could not be read or written
+    │   └── DamagedState            the state database is damaged (exit 2; --reset-state
+    │                               moves it aside)
     ├── KeyringError                a cluster secret cannot be installed, used or removed
     │   ├── UnknownKey              no installed secret has that key id
     │   └── PrimaryKeyRemoval       the primary secret cannot be removed
@@ -31,6 +33,8 @@ json errors) are translated once, at the seam, with ``raise X(...) from exc``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class MlxceldError(Exception):
@@ -99,6 +103,13 @@ class StateError(MlxceldError):
     code = "state"
 
 
+class DamagedState(StateError):
+    """The state database is not a sound SQLite file (corrupt pages, not a database, zero
+    bytes long): refused at start, never repaired or replaced behind the user's back."""
+
+    code = "state_damaged"
+
+
 class KeyringError(MlxceldError):
     """A cluster secret problem; the message names the key id, never the secret."""
 
@@ -118,7 +129,16 @@ class DaemonError(MlxceldError):
 
 
 class AlreadyRunning(DaemonError):
+    """Another daemon holds the state dir's lock: its ``pid`` and control ``socket`` as its
+    lock file says (None where it does not)."""
+
     code = "already_running"
+
+    def __init__(self, message: str, *, hint: str = "", pid: int | None = None,
+                 socket: Path | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.pid = pid
+        self.socket = socket
 
 
 class SocketError(DaemonError):

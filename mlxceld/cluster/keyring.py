@@ -9,7 +9,12 @@ install: the daemon starts its agent listener on the first secret.
 
 A secret from --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET
 or a TOML is installed as the primary and so persisted: a restart without the flag or
-variable keeps it. MLXCEL_CLUSTER_SECRET is dropped from our environment once read.
+variable keeps it. MLXCEL_CLUSTER_SECRET is dropped from ``os.environ`` once read, so
+that nothing we start inherits it; but no process can erase its initial environment,
+which the kernel keeps (``/proc/PID/environ`` on Linux, ``ps -E`` on macOS) readable to
+root and to the daemon's user while it runs: the daemon warns at start where it was set,
+and the file (``--cluster-secret-file``, ``[daemon] cluster_secret_file``,
+``MLXCEL_CLUSTER_SECRET_FILE``) is the way to give a secret.
 """
 
 from __future__ import annotations
@@ -58,7 +63,12 @@ class KeyringService:
         resolved = resolve_secret(flag_file=config.cluster_secret_file if from_flag else None,
                                   config_file=None if from_flag else config.cluster_secret_file,
                                   toml=toml, keyring=self.keyring, keyring_where=str(self.dir))
-        os.environ.pop(ENV_VALUE, None)
+        if os.environ.pop(ENV_VALUE, None) is not None:
+            log.warning("%s is set: its value stays readable to root and to this user in "
+                        "this daemon's initial environment (/proc/%d/environ on Linux) for as "
+                        "long as it runs; give the secret as a 0600 file instead "
+                        "(--cluster-secret-file, [daemon] cluster_secret_file or "
+                        "MLXCEL_CLUSTER_SECRET_FILE)", ENV_VALUE, os.getpid())
         if resolved is None:
             log.info("no cluster secret yet (see mlxctl secret --help); single-node use only")
             return

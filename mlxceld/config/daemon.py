@@ -38,10 +38,10 @@ File format (TOML, every table and key optional)::
     model = "~/models/tiny"            # see mlxceld/config/serve.py for every key
 
 Every flag of ``mlxceld`` has a key here (``FLAG_KEYS``) except those of
-``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run`` (a one-shot
-command, not a service setting: ``dry_run`` in the file is refused, naming
-the flag) and ``--version``. ``tests/config/test_flag_keys.py`` holds the
-two lists to the CLI.
+``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run`` and
+``--reset-state`` (one-shot commands, not service settings: ``dry_run`` or
+``reset_state`` in the file is refused, naming the flag) and ``--version``.
+``tests/config/test_flag_keys.py`` holds the two lists to the CLI.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ FLAG_KEYS: dict[str, str] = {
 FLAG_ONLY: dict[str, str] = {
     "--config": "it names the config file itself",
     "--dry-run": "it is a one-shot command (plan, print, exit), not a service setting",
+    "--reset-state": "it is a one-shot repair (a damaged state database moved aside), not a "
+    "service setting",
     "--version": "it prints the version and exits",
 }
 
@@ -124,6 +126,7 @@ class Config:
     node_id: str | None = None  # which of its nodes this daemon is
     pp_auto: int | None = None  # plan (and with --dry-run only plan) N pipeline stages
     dry_run: bool = False
+    reset_state: bool = False  # move a damaged state database aside (state/db.py)
     cluster_config_out: Path | None = None  # where a plan is written as a cluster TOML
     pp_peer: bool = False  # take stage assignments from a --pp-auto coordinator
     cluster_secret_file: Path | None = None  # the flag's, else the [daemon] key's
@@ -155,6 +158,7 @@ class Overrides:
     node_id: str | None = None
     pp_auto: int | None = None
     dry_run: bool = False
+    reset_state: bool = False
     cluster_config_out: Path | None = None
     pp_peer: bool = False
     cluster_name: str | None = None
@@ -299,6 +303,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         socket=socket,
         socket_group=_socket_group(daemon, flags, socket, state_dir, where),
         config_file=path,
+        reset_state=flags.reset_state,
         log_level=log_level,
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
         agent_addr=_agent_addr(daemon, flags, where),

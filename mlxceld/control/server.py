@@ -186,7 +186,7 @@ def _clear_stale_socket(path: Path) -> None:
             f"{path} exists and is not a socket; refusing to replace it",
             hint="remove it yourself if it is not needed, or pick another --socket",
         )
-    if _is_listening(path):
+    if is_listening(path):
         raise SocketError(
             f"socket {path} is in use by another mlxceld; stop it first or pick another --socket"
         )
@@ -199,7 +199,9 @@ def _clear_stale_socket(path: Path) -> None:
         raise SocketError(f"cannot remove stale socket {path}: {_strerror(exc)}") from exc
 
 
-def _is_listening(path: Path) -> bool:
+def is_listening(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket at ``path`` (a probe that
+    sends nothing, bounded by ``_PROBE_TIMEOUT_S``)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(_PROBE_TIMEOUT_S)
         try:
@@ -261,6 +263,23 @@ class _QuietServer(uvicorn.Server):
         if self.started and fut is not None and not fut.done():
             fut.set_result(None)
 
+    async def replace_listeners(self, sock: socket.socket) -> None:
+        """Accept on ``sock`` from now on, as ``startup`` does, and close the listeners we
+        had; the connections they accepted go on."""
+        assert self.started, "the server is not serving yet"
+        config = self.config
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state,
+                _loop=_loop)
+
+        server = await asyncio.get_running_loop().create_server(
+            create_protocol, sock=sock, backlog=config.backlog)
+        for old in self.servers:
+            old.close()
+        self.servers = [server]
+
 
 class SocketServer:
     """Serve ``app`` with uvicorn on the pre-bound socket ``sock`` until asked to stop.
@@ -304,6 +323,13 @@ class SocketServer:
     def request_shutdown(self) -> None:
         """Stop accepting, let requests finish (up to the graceful timeout), return."""
         self._server.should_exit = True
+
+    async def listen_on(self, sock: socket.socket) -> None:
+        """Serve on ``sock`` instead of the socket we had (a control socket file bound again:
+        ``control/keeper.py``); requests under way on the old one finish as they would."""
+        await self._server.replace_listeners(sock)
+        old, self._sock = self._sock, sock
+        old.close()
 
     def _close_listeners(self) -> None:
         # uvicorn closes them on a clean exit; not when serve() is cancelled or fails.

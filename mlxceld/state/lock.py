@@ -2,7 +2,10 @@
 state dir that is ours and 0700 (``prepare_state_dir``).
 
 The lock dies with the process (a SIGKILLed daemon leaves nothing to clean up),
-and workers never inherit it (Python's descriptors are not inheritable).
+and workers never inherit it (Python's descriptors are not inheritable). The file
+holds the holder's pid on its first line and its control socket's path on the
+second, so that a daemon refused the lock can say which process holds it and how
+to stop it (``AlreadyRunning``'s ``pid`` and ``socket``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ class StateLock:
             os.close(self._fd)
 
 
-def acquire(state_dir: Path) -> StateLock:
+def acquire(state_dir: Path, socket: Path | None = None) -> StateLock:
+    """Take the state dir's lock and write our pid (and ``socket``) into its file; raise
+    ``AlreadyRunning`` naming the holder's pid if another process has it."""
     path = state_dir / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -37,15 +42,30 @@ def acquire(state_dir: Path) -> StateLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        pid, held_socket = _holder(os.pread(fd, _HOLDER_MAX, 0))
         os.close(fd)
         raise AlreadyRunning(
-            f"another mlxceld (pid {holder}) is already running with state dir {state_dir}",
-            hint=f"stop it first (mlxctl stop, or kill {holder}), or pick another --state-dir",
+            f"another mlxceld (pid {pid if pid is not None else 'unknown'}) is already running "
+            f"with state dir {state_dir}",
+            hint=f"stop it first (mlxctl stop, or kill -TERM {pid or 'its pid'}), or pick "
+            "another --state-dir", pid=pid, socket=held_socket,
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    lines = [str(os.getpid()), *([] if socket is None else [str(socket)])]
+    os.pwrite(fd, os.fsencode("".join(f"{line}\n" for line in lines)), 0)
     return StateLock(fd, path)
+
+
+_HOLDER_MAX = 4096 + 32  # a pid line and a path
+
+
+def _holder(content: bytes) -> tuple[int | None, Path | None]:
+    """The pid and the socket written in a lock file (either may be missing or garbled)."""
+    lines = content.decode(errors="replace").splitlines()
+    first = lines[0].strip() if lines else ""
+    pid = int(first) if first.isdigit() else None
+    socket = Path(lines[1]) if len(lines) > 1 and lines[1].startswith("/") else None
+    return pid, socket
 
 
 def prepare_state_dir(path: Path) -> None:

@@ -60,10 +60,14 @@ class WorkerRunner:
         self.machine = machine
         self.pid: int | None = None
         self.create_time: float | None = None
+        self.adopted_since: float | None = None  # an adopted process: since when it runs
         self._observer = observer
         self._task = spawn_task
         self._health_interval_s = health_interval_s
         self._inbox: asyncio.Queue[Event] = asyncio.Queue()
+        # (pid, the cgroup's OOM-kill count read while that pid was known alive): read at the
+        # spawn, again before each health probe it answers (``exits``: the OOM label)
+        self._oom_mark: tuple[int, int | None] | None = None
 
     @property
     def name(self) -> str:
@@ -72,9 +76,9 @@ class WorkerRunner:
     def post(self, event: Event) -> None:
         self._inbox.put_nowait(event)
 
-    def adopt(self, pid: int, create_time: float) -> None:
-        """Take over a worker left running by a previous daemon."""
-        self.pid, self.create_time = pid, create_time
+    def adopt(self, pid: int, create_time: float, since: float) -> None:
+        """Take over a worker left running by a previous daemon, running ``since`` then."""
+        self.pid, self.create_time, self.adopted_since = pid, create_time, since
         self._task(self._watch_adopted(pid, create_time))
         self.post(AdoptedRunning(pid))
 
@@ -92,7 +96,7 @@ class WorkerRunner:
                 if isinstance(event, ProcessExited):
                     # Here, not in the watcher: pid and machine state change together, so
                     # no one ever sees "running" without a pid.
-                    self.pid = self.create_time = None
+                    self.pid = self.create_time = self.adopted_since = None
                 actions = self.machine.handle(event, loop.time())
             for action in actions:
                 await self._carry_out(action)
@@ -117,14 +121,17 @@ class WorkerRunner:
             self.post(SpawnFailed(exc.message))
             return
         self.pid, self.create_time = proc.pid, process.create_time(proc.pid)
+        self._oom_mark = (proc.pid, oom_before)
         self._observer.spawned(self)
         self.post(Spawned(proc.pid))
-        self._task(self._watch_child(proc, oom_before))
+        self._task(self._watch_child(proc))
         self._task(self._probe_readiness(proc.pid))
 
-    async def _watch_child(self, proc: asyncio.subprocess.Process, oom_before: int | None) -> None:
+    async def _watch_child(self, proc: asyncio.subprocess.Process) -> None:
         returncode = await proc.wait()
         oom_after = exits.oom_kill_count()
+        mark = self._oom_mark
+        oom_before = mark[1] if mark is not None and mark[0] == proc.pid else None
         grew = None if oom_before is None or oom_after is None else oom_after > oom_before
         cause = exits.read_exit_record(self.spec.exit_record, proc.pid)
         if cause is None or returncode != cause.returncode:
@@ -155,14 +162,18 @@ class WorkerRunner:
     async def _probe_liveness(self) -> None:
         while True:
             await asyncio.sleep(self._health_interval_s)
-            if self.machine.state is not WorkerState.RUNNING or self.pid is None:
+            pid = self.pid
+            if self.machine.state is not WorkerState.RUNNING or pid is None:
                 continue
+            oom_kills = exits.oom_kill_count()
             try:
                 await channel.call(self.spec.control_socket, "health",
                                    timeout_s=LIVENESS_TIMEOUT_S)
             except WorkerError as exc:
                 self.post(HealthProbed(False, exc.message))
             else:
+                if self.pid == pid:  # it answered after the count: no OOM kill of it before
+                    self._oom_mark = (pid, oom_kills)
                 if not self.machine.healthy:
                     self.post(HealthProbed(True))
 

@@ -111,7 +111,10 @@ class Supervisor:
                 self._events.append("worker.adopted", spec.name,
                                     f"worker {spec.name} re-adopted (pid {row.pid})",
                                     pid=row.pid)
-                runner.adopt(row.pid, row.create_time)
+                # Its uptime goes on: since it ran, as the row says for this very process.
+                since = (row.started_at if row.started_at and row.started_at >= row.create_time
+                         else row.create_time)
+                runner.adopt(row.pid, row.create_time, since)
                 return
             if process.is_same_process(row.pid, row.create_time):
                 self._events.append("worker.unresponsive", spec.name,
@@ -180,7 +183,7 @@ class Supervisor:
             fields["last_exit"] = m.last_cause.summary
             fields["last_exit_at"] = time.time()
         if change.new is WorkerState.RUNNING:
-            fields["started_at"] = time.time()
+            fields["started_at"] = runner.adopted_since or time.time()
         self._table.update(runner.name, **fields)
         level = logging.WARNING if change.new is WorkerState.FAILED else logging.INFO
         log.log(level, "worker %s: %s -> %s (%s)", runner.name, change.old.value,

@@ -106,7 +106,7 @@ def test_every_key_is_documented() -> None:
             assert f"\n    {key} = " in docstring, f"{where} is not in config/daemon.py's docstring"
 
 
-@pytest.mark.parametrize("key", ["dry_run", "config", "version"])
+@pytest.mark.parametrize("key", ["dry_run", "reset_state", "config", "version"])
 def test_a_flag_only_key_in_the_file_is_refused_by_name(key: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         build_config({"daemon": {key: True}}, tmp_path / "m.toml", parse([]))

@@ -47,6 +47,7 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     body = json.loads(shown.stdout)
     assignment = body.get("assignment") or body.get("data", {}).get("assignment")
     assert assignment["state"] == "active" and assignment["stage"] == "stage-0", body
+    assert body["serving"] is None  # a stage node: no router listens there
     assert coord.status()["bringup"]["state"] == "active"
     human = peers[1].ctl("status")
     assert "stage-1 active" in human.stdout, human.stdout

@@ -147,6 +147,11 @@ def test_a_secret_from_the_environment_is_adopted_and_kept_from_workers(
     environ = Path(f"/proc/{pid}/environ").read_bytes()
     assert b"MLXCEL_CLUSTER_SECRET" not in environ and secret.encode() not in environ
     assert_nowhere(d, secret.encode())
+    # The daemon's own initial environment keeps it, as no process can erase it: it says so.
+    assert secret.encode() in Path(f"/proc/{d.pid}/environ").read_bytes()
+    assert (f"MLXCEL_CLUSTER_SECRET is set: its value stays readable to root and to this "
+            f"user in this daemon's initial environment (/proc/{d.pid}/environ") in d.stderr()
+    assert "--cluster-secret-file" in d.stderr() and secret not in d.stderr()
     # Persisted: a restart without the variable still has it as the primary.
     d.api(lambda c: c.stop())
     assert d.proc is not None and d.proc.wait(timeout=20) == 0

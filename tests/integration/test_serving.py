@@ -218,3 +218,20 @@ def test_unserve_stops_the_router_and_a_restart_serves_nothing(daemons: Daemons,
                                 "restart would serve it again, so it is not unserved")
     assert "remove it there" in error["hint"]
     assert d.worker("router")["state"] == "running"
+
+
+def test_a_pp_peer_reports_no_serving_where_nothing_listens(daemons: Daemons,
+                                                            tmp_path: Path) -> None:
+    """A --pp-peer runs a stage at most, never a router: status says it serves nothing, and
+    `mlxctl serve` (which would wait for a router that never comes) is refused."""
+    port = free_port()
+    d = daemons.make(FAST_POLICY).start("--pp-peer", "--model", str(tmp_path), "--port",
+                                        str(port))
+    body = json.loads(d.ctl("status", "--json").stdout)
+    assert body["serving"] is None and body["workers"] == []
+    text = d.ctl("status")
+    assert text.returncode == 0 and "serving" not in text.stdout, text.stdout
+    refused = d.ctl("serve", str(tmp_path))
+    assert refused.returncode == 1, refused.stderr
+    assert "this daemon is a --pp-peer" in refused.stderr and "hint:" in refused.stderr
+    assert d.status()["serving"] is None

@@ -48,9 +48,11 @@ def test_kill9_worker_is_restarted_with_backoff_and_recorded(daemons: Daemons) -
                      and w["pid"] not in (first, None) and w, 20, "alpha restarted")
     daemons.pids.add(again["pid"])
     assert again["restarts"] == 1
-    assert "SIGKILL" in again["last_exit"]
+    # A kill -9 by hand is no OOM kill: the cgroup's counter says so, or nothing does.
+    assert again["last_exit"] == "killed by SIGKILL"
     backoff = [e for e in d.events() if e["kind"] == "worker.backoff" and e["subject"] == "alpha"]
     assert backoff and "SIGKILL" in backoff[-1]["message"]
+    assert backoff[-1]["data"]["cause"] == "signal"
     assert d.worker("beta")["restarts"] == 0
 
 
@@ -112,6 +114,37 @@ def test_daemon_kill9_then_restart_readopts_the_same_worker(daemons: Daemons) ->
     w = wait_for(lambda: (x := d.worker("alpha"))["state"] == "running" and x["pid"] != pid
                  and x, 20, "adopted worker restarted")
     daemons.pids.add(w["pid"])
+
+
+def test_a_daemon_restart_keeps_a_workers_restart_count_and_uptime(daemons: Daemons) -> None:
+    d = daemons.make(TWO_ECHOS).start()
+    first = d.wait_worker("alpha", state="running")["pid"]
+    daemons.pids.add(first)
+    os.kill(first, signal.SIGKILL)
+    w = wait_for(lambda: (x := d.worker("alpha"))["state"] == "running"
+                 and x["pid"] not in (first, None) and x, 20, "alpha restarted")
+    daemons.note(d)
+    assert w["restarts"] == 1
+
+    # Re-adopted by the next daemon (this one killed): the same process, count and start.
+    os.kill(d.pid, signal.SIGKILL)
+    assert d.proc is not None
+    d.proc.wait()
+    d.start()
+    adopted = d.wait_worker("alpha", state="running")
+    assert (adopted["pid"], adopted["restarts"]) == (w["pid"], 1)
+    assert adopted["started_at"] == w["started_at"]
+    shown = json.loads(d.ctl("workers", "--json").stdout)
+    [alpha] = [x for x in shown["workers"] if x["name"] == "alpha"]
+    assert alpha["started_at"] == w["started_at"]
+
+    # Stopped with the daemon and started by the next one: a new process, the same count.
+    assert d.terminate() == 0
+    d.start()
+    again = d.wait_worker("alpha", state="running")
+    daemons.note(d)
+    assert again["pid"] != w["pid"] and again["restarts"] == 1
+    assert again["started_at"] > w["started_at"]
 
 
 def test_sighup_reloads_without_restarting_workers(daemons: Daemons) -> None:

@@ -313,6 +313,32 @@ def test_second_acquire_is_refused_naming_the_pid(tmp_path: Path) -> None:
         held.release()
 
 
+def test_the_lock_file_names_the_holders_socket_for_the_next_daemon(tmp_path: Path) -> None:
+    socket = Path("/run/mx/ctl.sock")
+    held = lock.acquire(tmp_path, socket)
+    try:
+        assert held.path.read_text() == f"{os.getpid()}\n{socket}\n"
+        with pytest.raises(AlreadyRunning) as info:
+            lock.acquire(tmp_path, Path("/run/other.sock"))
+        assert (info.value.pid, info.value.socket) == (os.getpid(), socket)
+        assert f"kill -TERM {os.getpid()}" in info.value.hint
+    finally:
+        held.release()
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage\n", b"12x\nrelative/path\n", b"\xff\xfe"])
+def test_a_garbled_lock_file_still_gives_a_refusal(tmp_path: Path, content: bytes) -> None:
+    held = lock.acquire(tmp_path)
+    try:
+        held.path.write_bytes(content)  # what the holder wrote, overwritten
+        with pytest.raises(AlreadyRunning) as info:
+            lock.acquire(tmp_path)
+        assert (info.value.pid, info.value.socket) == (None, None)
+        assert "(pid unknown)" in info.value.message
+    finally:
+        held.release()
+
+
 def test_release_then_acquire_works(tmp_path: Path) -> None:
     lock.acquire(tmp_path).release()
     again = lock.acquire(tmp_path)

@@ -40,7 +40,7 @@ def test_clean_exit() -> None:
     ("grew", "kind", "summary"),
     [
         (True, "oom", "killed by the kernel OOM killer (out of memory)"),
-        (None, "oom", "killed by SIGKILL (likely out of memory)"),
+        (None, "signal", "killed by SIGKILL"),  # the kernel did not say: neither do we
         (False, "signal", "killed by SIGKILL"),
     ],
 )
@@ -135,6 +135,94 @@ def test_missing_exit_record(tmp_path: Path) -> None:
     assert read_exit_record(tmp_path, 1) is None  # a directory: OSError, still None
 
 
-def test_oom_kill_count_is_an_int_or_none() -> None:
+# -- The OOM-kill counter -------------------------------------------------------------------------
+
+
+def fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo.replace("ROOT", str(tmp_path)))
+    return proc
+
+
+def counter(directory: Path, name: str, text: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text)
+
+
+V2_EVENTS = "low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\noom_group_kill 0\n"  # memory.events
+V1_CONTROL = "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n"  # memory.oom_control
+
+
+def test_the_counter_of_cgroup_v2(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, "0::/system.slice/mlxceld.service\n",
+                     "30 23 0:26 / ROOT/cg rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n")
+    counter(tmp_path / "cg/system.slice/mlxceld.service", "memory.events", V2_EVENTS)
+    assert oom_kill_count(proc) == 2
+
+
+def test_the_counter_of_cgroup_v1_in_a_hybrid_host(tmp_path: Path) -> None:
+    """Memory on v1 and an empty v2 hierarchy beside it (this is how the old bug read None)."""
+    proc = fake_proc(tmp_path, "9:name=systemd:/\n4:memory:/box/42\n1:cpu,cpuacct:/\n0::/\n",
+                     "31 23 0:28 / ROOT/v1/cpu rw - cgroup cgroup rw,cpu,cpuacct\n"
+                     "35 23 0:32 / ROOT/v1/memory rw,relatime - cgroup cgroup rw,memory\n"
+                     "41 23 0:38 / ROOT/unified rw,relatime - cgroup2 cgroup2 rw\n")
+    (tmp_path / "unified").mkdir()  # no memory controller there: no memory.events
+    counter(tmp_path / "v1/memory/box/42", "memory.oom_control", V1_CONTROL)
+    assert oom_kill_count(proc) == 5
+
+
+def test_a_mount_of_a_subtree_and_an_escaped_mount_point(tmp_path: Path) -> None:
+    """A container's view: the mount shows /box as its root, in a path with a space."""
+    proc = fake_proc(tmp_path, "0::/box/inner\n",
+                     "30 23 0:26 /box ROOT/my\\040cg rw - cgroup2 cgroup2 rw\n")
+    counter(tmp_path / "my cg/inner", "memory.events", V2_EVENTS)
+    assert oom_kill_count(proc) == 2
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "mountinfo"),
+    [
+        ("0::/elsewhere\n", "30 23 0:26 /box ROOT/cg rw - cgroup2 cgroup2 rw\n"),  # not shown
+        ("0::/\n", ""),  # not mounted
+        ("4:cpu:/x\n", "35 23 0:32 / ROOT/cg rw - cgroup cgroup rw,cpu\n"),  # no memory
+        ("0::/\n", "30 23 0:26 / ROOT/cg rw - cgroup2 cgroup2 rw\n"),  # no counter file
+        ("garbage", "garbage without the separator\n"),
+    ],
+)
+def test_no_counter_reads_none(tmp_path: Path, cgroup: str, mountinfo: str) -> None:
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "box").mkdir()
+    assert oom_kill_count(fake_proc(tmp_path, cgroup, mountinfo)) is None
+
+
+def test_no_proc_reads_none(tmp_path: Path) -> None:
+    assert oom_kill_count(tmp_path / "absent") is None  # macOS
+
+
+def test_this_hosts_counter_is_read_where_its_cgroup_exposes_one() -> None:
+    """The counter the kernel keeps for our cgroup, found the plain way (cgroupfs at
+    /sys/fs/cgroup), must be what ``oom_kill_count`` reads; the OOM label depends on it."""
+    proc = Path("/proc/self/cgroup")
+    if not proc.exists():
+        pytest.skip("no /proc/self/cgroup: not Linux, so no OOM-kill counter to read")
+    candidates = []
+    for line in proc.read_text().splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        relative = path.lstrip("/")
+        if hierarchy == "0":
+            candidates += [Path("/sys/fs/cgroup") / relative / "memory.events",
+                           Path("/sys/fs/cgroup/unified") / relative / "memory.events"]
+        elif "memory" in controllers.split(","):
+            candidates.append(Path("/sys/fs/cgroup/memory") / relative / "memory.oom_control")
+    exposed = [c for c in candidates if c.exists() and "oom_kill " in c.read_text()]
+    if not exposed:
+        pytest.skip(f"this host's cgroup exposes no oom_kill counter (looked at "
+                    f"{', '.join(map(str, candidates)) or 'nothing: no cgroup lines'})")
+    before = int(exposed[0].read_text().split("oom_kill ")[1].split()[0])
     count = oom_kill_count()
-    assert count is None or (isinstance(count, int) and count >= 0)
+    after = int(exposed[0].read_text().split("oom_kill ")[1].split()[0])
+    assert count is not None, f"{exposed[0]} holds a counter but oom_kill_count() read None"
+    assert before <= count <= after
