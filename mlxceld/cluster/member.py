@@ -62,6 +62,7 @@ class ClusterMember:
         agent = parse_address(slot.config.agent_addr, port_zero=True)  # checked by the config
         self._agent_addr = (agent.host, agent.port)
         self.agent: AgentService | None = None
+        self._agent_bound = False
         self._agent_error: str | None = None
         self._discovery: DiscoveryService | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -75,7 +76,9 @@ class ClusterMember:
         return {
             "assignment": self._assignee.describe() if self._assignee else None,
             "bringup": self._coordinator.state if self._coordinator else None,
-            "agent": {"address": self.agent.address if self.agent else None,
+            # the address only once bound: before, its port may still be the 0 asked for
+            "agent": {"address": self.agent.address if self.agent and self._agent_bound
+                      else None,
                       "error": self._agent_error if not self.agent else None,
                       "keys": len(self._keyring)},
         }
@@ -202,7 +205,7 @@ class ClusterMember:
                                           "(restart the daemon once the address is free)")
                 log.error("agent listener: %s", self._agent_error)
                 self._events.append("agent.failed", "agent", self._agent_error)
-                self.agent = None
+                self.agent, self._agent_bound = None, False
                 if not started.done():
                     started.set_result(None)
 
@@ -210,6 +213,7 @@ class ClusterMember:
         tg.create_task(run())
         await started
         if self.agent is not None:
+            self._agent_bound = True
             self._agent_error = None
             self._events.append("agent.listening", "agent",
                                 f"agent listener on {agent.address}", address=agent.address)
