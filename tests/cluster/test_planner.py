@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -281,15 +280,17 @@ def test_ties_against_every_split() -> None:
     assert tied > 50, tied  # ties were what was tried
 
 
-def test_fast_for_100_nodes_and_200_layers() -> None:
+def test_100_nodes_and_200_layers() -> None:
+    """The bench's size (bench/bringup.py measures its time): every node used, every layer
+    placed, each stage non-empty and in address order."""
     nodes = [node(i, (16 + 16 * (i % 5)) * GIB) for i in range(1, 101)]
     nodes = [PlanNode(n.node_id, f"10.0.{i // 200}.{i % 200 + 1}:19000", n.memory_usable_bytes,
                       19100) for i, n in enumerate(nodes)]
     p = profile(layers=200, embed=GIB, head=GIB)
-    start = time.perf_counter()
     plan = plan_stages(p, 100, nodes)
-    assert time.perf_counter() - start < 1.0
     assert plan.fits and plan.stages[-1].layers[1] == 200
+    assert [s.node.key for s in plan.stages] == sorted(n.key for n in nodes)
+    assert all(s.layers[0] < s.layers[1] for s in plan.stages)
 
 
 def test_table_and_json() -> None:
