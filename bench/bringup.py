@@ -10,6 +10,9 @@ which other load on the machine does not move. So far:
   per-node shortfall message);
 - profile (with ``--model DIR``): ``layer_profile`` of a real checkpoint, which
   reads its safetensors headers only;
+- fixture: ``write_fixture`` of the ``tiny`` (goal: 1 s) and ``small`` (goal:
+  10 s) presets then ``mlx_lm.load`` of what it wrote, as `make run` without
+  ``MODEL`` does first (3 runs at most);
 - two-phase assignment: ``assignment.push`` from a coordinator to ``--peers``
   (32) simulated peers, from the first offer to every stage active (goal: 2 s).
   Each peer is the real thing but its stage: an ``AgentService`` listening on
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -108,6 +112,20 @@ def measure_refused_plan(runs: int) -> Row:
 def measure_profile(runs: int, model: Path) -> Row:
     return Row(f"profile of {model.name}", *timed(runs, lambda: layer_profile(model)),
                goal=0.1)
+
+
+def measure_fixture(runs: int, name: str, goal: float) -> Row:
+    import mlx_lm
+
+    from mlxceld.models import preset, write_fixture
+
+    with tempfile.TemporaryDirectory(prefix="mxfix") as root:
+        def write_and_load() -> None:
+            directory = Path(root) / name
+            shutil.rmtree(directory, ignore_errors=True)
+            mlx_lm.load(str(write_fixture(directory, preset(name))))
+
+        return Row(f"fixture {name}: write and load", *timed(runs, write_and_load), goal=goal)
 
 
 CLUSTER, MODEL_IDENTITY = "bench-cluster", "be" * 32
@@ -237,6 +255,8 @@ def main() -> None:
             measure_push(args.runs, args.peers)]
     if args.model is not None:
         rows.append(measure_profile(args.runs, args.model))
+    rows += [measure_fixture(min(args.runs, 3), "tiny", 1.0),
+             measure_fixture(min(args.runs, 3), "small", 10.0)]
     print(render(rows))
 
 

@@ -27,6 +27,13 @@ Fault points (the coordinator's offers lie, so that a peer's check refuses):
 ``offer-coordinator``
     offers name another coordinator than the one the handshake binds
 
+Fault point of the supervisor:
+
+``worker-kill-lost``
+    a worker's SIGKILL at the end of its stop timeout is not sent, as if the
+    process could not die (stuck in uninterruptible I/O): only the daemon's
+    shutdown backstop (``daemon.SHUTDOWN_SLACK_S``) then ends it
+
 ``MLXCELD_TEST_PEER_WAIT_S`` (seconds, > 0; test only too) replaces
 ``peer_round.PEER_PHASE_S``, a peer's 60 s wait between two phases, so that a
 test of "the coordinator died before deciding" ends in seconds.
@@ -51,7 +58,8 @@ WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 CRASH_POINTS: Final = frozenset({"peer-after-accepted", "coordinator-before-decision",
                                  "coordinator-after-commit-decision"})
 FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
-                                 "offer-layer-count", "offer-coordinator"})
+                                 "offer-layer-count", "offer-coordinator",
+                                 "worker-kill-lost"})
 KNOWN: Final = CRASH_POINTS | FAULT_POINTS
 
 

@@ -18,6 +18,7 @@ import os
 import pwd
 import stat
 import sys
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,16 +37,22 @@ class OperatorGroup:
         """The group called ``name`` on this host; ``KeyError`` when there is none."""
         return cls(name, grp.getgrnam(name).gr_gid)
 
-    def admits(self, uid: int, gid: int | None) -> bool:
+    def admits(self, uid: int, gid: int | None,
+               groups_of: Callable[[int], Collection[int]] | None = None) -> bool:
         """True if the peer's gid is ours, or its uid's user is a member (primary or
-        supplementary, as the group database says now: ``os.getgrouplist``)."""
-        if gid == self.gid:
-            return True
-        try:
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False  # a uid without a user has no supplementary groups
-        return self.gid in os.getgrouplist(user.pw_name, user.pw_gid)
+        supplementary): ``groups_of(uid)``, by default ``user_groups``, the group database
+        now."""
+        return gid == self.gid or self.gid in (groups_of or user_groups)(uid)
+
+
+def user_groups(uid: int) -> list[int]:
+    """The gids the group database lists now for ``uid``'s user, primary and supplementary
+    (``os.getgrouplist``); none for a uid without a user."""
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return []
+    return os.getgrouplist(user.pw_name, user.pw_gid)
 
 
 def join_hint(group: str, platform: str = sys.platform) -> str:

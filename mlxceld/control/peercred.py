@@ -13,6 +13,7 @@ import socket
 import struct
 import sys
 from asyncio.trsock import TransportSocket
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from mlxceld.control.access import OperatorGroup
@@ -57,13 +58,17 @@ def peer_credentials(sock: socket.socket | TransportSocket) -> PeerCredentials:
 
 
 def is_authorized(creds: PeerCredentials | None, own_uid: int,
-                  group: OperatorGroup | None = None) -> bool:
+                  group: OperatorGroup | None = None,
+                  groups_of: Callable[[int], Collection[int]] | None = None) -> bool:
     """Root, the daemon's own user, and (when there is one) members of the operator group
-    may use the control socket."""
+    may use the control socket; a peer whose credentials are unknown may not. The
+    decision, pure but for ``groups_of`` (``OperatorGroup.admits``: by default the group
+    database)."""
     if creds is None:
         return False
     return creds.uid in (0, own_uid) or (group is not None and group.admits(creds.uid,
-                                                                            creds.gid))
+                                                                            creds.gid,
+                                                                            groups_of))
 
 
 def _linux_peer(sock: socket.socket | TransportSocket) -> PeerCredentials:

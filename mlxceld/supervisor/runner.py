@@ -16,6 +16,7 @@ import signal
 from collections.abc import Callable
 from typing import Protocol
 
+from mlxceld import failpoints
 from mlxceld.errors import WorkerError
 from mlxceld.supervisor import channel, exits, logfiles, process
 from mlxceld.supervisor.process import WorkerSpec
@@ -108,6 +109,9 @@ class WorkerRunner:
             await self._spawn()
         elif isinstance(action, SendSignal):
             sig = signal.SIGKILL if action.signal == "KILL" else signal.SIGTERM
+            if sig is signal.SIGKILL and failpoints.on("worker-kill-lost"):
+                log.critical("fail point worker-kill-lost: worker %s keeps running", self.name)
+                return
             if self.pid is not None:
                 log.info("worker %s: sending %s to process group %d", self.name, sig.name,
                          self.pid)

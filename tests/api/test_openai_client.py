@@ -178,3 +178,43 @@ def test_api_key_guards_every_path_but_health() -> None:
             assert (await known.get("/metrics")).status_code == 200
 
     asyncio.run(main())
+
+
+# Keys that are nearly the real one: each must be refused like any wrong key, so a comparison
+# that accepts a prefix, a longer key or another case cannot pass.
+NEAR_KEYS = [
+    KEY + "x",            # extra characters after the real key
+    KEY + " x",           # ... after a space
+    KEY + KEY,            # the real key twice
+    KEY[:-1],             # a prefix of the real key
+    KEY[:3],
+    "x" + KEY,            # the real key as a suffix
+    "sk-" + KEY,
+    KEY.upper(),          # case changes
+    KEY.capitalize(),
+    KEY[:-1] + KEY[-1].upper(),
+]
+
+
+def test_keys_near_the_real_one_are_refused() -> None:
+    async def main() -> None:
+        app = make_app(FakeEngine(reply=b"ok"), api_key=KEY)
+        async with http_client(app) as client:
+            chat = {"model": MODEL, "messages": USER}
+            for near in NEAR_KEYS:
+                headers = {"Authorization": f"Bearer {near}"}
+                for response in (await client.get("/v1/models", headers=headers),
+                                 await client.post("/v1/chat/completions", json=chat,
+                                                   headers=headers)):
+                    assert response.status_code == 401, (near, response.text)
+                    error = response.json()["error"]
+                    assert (error["code"], error["message"]) == ("invalid_api_key",
+                                                                 "invalid API key"), near
+                    assert KEY not in response.text, near  # (the message already says all)
+            real = {"Authorization": f"Bearer {KEY}"}
+            assert (await client.get("/v1/models", headers=real)).status_code == 200
+            answer = await client.post("/v1/chat/completions", json=chat, headers=real)
+            assert answer.status_code == 200
+            assert answer.json()["choices"][0]["message"]["content"] == "ok"
+
+    asyncio.run(main())

@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld.control import (
     PEER_EXTENSION,
@@ -248,6 +249,68 @@ def test_scope_without_peer_credentials_is_refused() -> None:
     response = asyncio.run(main())
     assert response.status_code == 403
     assert response.json()["error"]["code"] == "permission_denied"
+
+
+STRANGER = 424242  # a uid and gid with no user and no group on this host
+
+
+def as_peer(creds: PeerCredentials, group: OperatorGroup | None = None) -> ASGIApp:
+    """``peer_guard`` as the server runs it, every request carrying ``creds`` (what
+    ``ControlServer`` puts into each scope from the kernel's answer): the guard's decision
+    for any uid, without root."""
+    guarded = peer_guard(Starlette(routes=[Route("/v1/whoami", whoami)]), group)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        extensions = {**(scope.get("extensions") or {}), PEER_EXTENSION: creds}
+        await guarded({**scope, "extensions": extensions}, receive, send)
+
+    return app
+
+
+def whoami_as(creds: PeerCredentials, group: OperatorGroup | None = None) -> httpx.Response:
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=as_peer(creds, group))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.get("/v1/whoami")
+
+    return asyncio.run(main())
+
+
+def test_the_guard_admits_root_our_uid_and_the_groups_members_only() -> None:
+    ops = OperatorGroup("ops", STRANGER)
+    for creds, group in [(PeerCredentials(1, 0, 0), None),
+                         (PeerCredentials(1, os.getuid(), STRANGER + 1), None),
+                         (PeerCredentials(1, STRANGER, STRANGER), ops)]:
+        response = whoami_as(creds, group)
+        assert response.status_code == 200, (creds, group, response.text)
+        assert response.json()["uid"] == creds.uid
+    for creds, group in [(PeerCredentials(1, STRANGER, STRANGER), None),
+                         (PeerCredentials(1, STRANGER, STRANGER + 1), ops),
+                         (PeerCredentials(None, STRANGER, None), ops)]:
+        response = whoami_as(creds, group)
+        assert response.status_code == 403, (creds, group, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "permission_denied"
+        assert error["message"].startswith(f"uid {STRANGER} is not allowed to use")
+        allowed = (f"only root and uid {os.getuid()} are" if group is None else
+                   f"only root, uid {os.getuid()} and members of group 'ops' are")
+        assert allowed in error["message"]
+        assert ("group 'ops'" if group else "or as root") in error["hint"]
+
+
+def test_the_guard_closes_a_strangers_websocket_before_accepting() -> None:
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "websocket.connect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/whoami", "headers": [], "query_string": b"",
+             "root_path": "", "scheme": "ws", "server": None, "client": None}
+    asyncio.run(as_peer(PeerCredentials(1, STRANGER, STRANGER))(scope, receive, send))
+    assert sent == [{"type": "websocket.close", "code": 1008}]
 
 
 def test_serving_installs_no_signal_handlers(short_dir: Path) -> None:

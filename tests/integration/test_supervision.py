@@ -8,6 +8,10 @@ import signal
 import sqlite3
 import time
 
+import pytest
+
+from mlxceld.daemon import SHUTDOWN_SLACK_S
+
 from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
 from helpers.waiting import wait_for
 
@@ -213,7 +217,13 @@ def test_a_clean_shutdown_is_recorded(daemons: Daemons) -> None:
     assert daemon_events(d)[-3:] == ["daemon.started", "daemon.stopping", "daemon.stopped"]
 
 
-def test_a_second_sigterm_forces_exit_1(daemons: Daemons) -> None:
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT),
+                                           (signal.SIGINT, signal.SIGTERM)],
+                         ids=["TERM-then-INT", "INT-then-TERM"])
+def test_a_second_signal_forces_exit_1(daemons: Daemons, first: signal.Signals,
+                                       second: signal.Signals) -> None:
+    # The stuck worker's 60 s stop timeout keeps the drain going far past the wait below:
+    # only the second signal can end the daemon in time.
     d = daemons.make(FAST_POLICY + """
 [workers.stuck]
 role = "echo"
@@ -223,13 +233,42 @@ stop_timeout_s = 60
     pid = d.wait_worker("stuck", state="running")["pid"]
     daemons.pids.add(pid)
     assert d.proc is not None
-    d.proc.send_signal(signal.SIGTERM)
+    d.proc.send_signal(first)
     wait_for(lambda: d.status()["daemon"]["state"] == "stopping", 10, "the daemon stopping")
-    d.proc.send_signal(signal.SIGTERM)
+    d.proc.send_signal(second)
     assert d.proc.wait(timeout=20) == 1
     wait_for(lambda: not alive(pid), 5, "the stuck worker killed")
     assert not d.socket.exists()
     assert daemon_events(d)[-2:] == ["daemon.started", "daemon.stopping"]
+
+
+def test_a_worker_that_outlives_its_kill_is_killed_at_the_shutdown_deadline(
+        daemons: Daemons) -> None:
+    # The fail point drops the worker's own SIGKILL at its stop timeout (a process that
+    # cannot die): the daemon's backstop, the longest stop timeout plus SHUTDOWN_SLACK_S,
+    # must SIGKILL every group and end the daemon, exit 1.
+    stop_timeout_s = 0.5
+    d = daemons.make(FAST_POLICY + f"""
+[workers.stuck]
+role = "echo"
+options = {{ ignore_term = true }}
+stop_timeout_s = {stop_timeout_s}
+""").start(env={"MLXCELD_FAILPOINT": "worker-kill-lost"})
+    pid = d.wait_worker("stuck", state="running")["pid"]
+    daemons.pids.add(pid)
+    assert d.proc is not None
+    sent = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=60) == 1, d.stderr()
+    took = time.monotonic() - sent
+    deadline_s = stop_timeout_s + SHUTDOWN_SLACK_S
+    # Not before the deadline (the clock starts after the signal is sent), and at it: the
+    # few seconds of margin are the closing and a loaded machine, not the deadline.
+    assert deadline_s <= took < deadline_s + 10, took
+    wait_for(lambda: not alive(pid), 5, "the stuck worker killed")
+    assert not d.socket.exists()
+    assert daemon_events(d)[-3:] == ["daemon.started", "daemon.stopping", "daemon.forced_stop"]
+    assert "fail point worker-kill-lost" in d.stderr()
 
 
 def test_mlxctl_stop_stops_the_daemon(daemons: Daemons) -> None:

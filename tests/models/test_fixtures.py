@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +66,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_tiny_loads_and_generates_varied_tokens(tiny: Path) -> None:
-    started = time.monotonic()
     model, tokenizer = load(tiny)
     text = mlx_lm.generate(model, tokenizer, "The quick brown fox", max_tokens=20)
-    assert time.monotonic() - started < 1.0
     assert isinstance(text, str) and text
     ids = greedy(model, tokenizer, chat_prompt(tokenizer))
     assert len(set(ids)) >= 8, f"greedy decoding is degenerate: {ids}"
@@ -231,9 +228,7 @@ def test_fixture_cache_writes_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_small_preset_writes_and_loads(tmp_path: Path) -> None:
     spec = PRESETS["small"]
-    started = time.monotonic()
     model, tokenizer = load(write_fixture(tmp_path / "small", spec))
-    assert time.monotonic() - started < 10
     per_layer = (2 * spec.hidden * spec.hidden + 2 * spec.hidden * spec.kv_heads * spec.head_size
                  + 3 * spec.hidden * spec.intermediate + 2 * spec.hidden + 2 * spec.head_size)
     expected = spec.vocab * spec.hidden + spec.layers * per_layer + spec.hidden
