@@ -71,9 +71,11 @@ class EchoOptions:
     exit_code: int = 0
     ignore_term: bool = False  # a stuck worker: the supervisor must SIGKILL it
     freeze_after_s: float | None = None  # block the whole process after this long
+    hog_mib: int = 0  # once ready, fill this much memory (an out-of-memory kill under a limit)
 
     def __post_init__(self) -> None:
         _check(self.interval_s > 0, "interval_s", "be > 0", self.interval_s)
+        _check(0 <= self.hog_mib <= 1 << 20, "hog_mib", "be in 0-1048576", self.hog_mib)
         for key in ("ready_after_s", "crash_after_s", "exit_after_s", "freeze_after_s"):
             value = getattr(self, key)
             _check(value is None or value >= 0, key, "be >= 0", value)

@@ -11,6 +11,8 @@ supervisor's handling of each can be tested against a real process:
     ignore_term     ignore SIGTERM (a stuck worker: the supervisor must SIGKILL)
     freeze_after_s  block the whole process after this long (a hung worker: health probes
                     time out, the supervisor restarts it)
+    hog_mib         once ready, fill this many MiB, 16 at a time (a worker that runs out
+                    of memory: under a cgroup limit the kernel's OOM killer ends it)
     interval_s      tick period (default 1.0)
 """
 
@@ -26,6 +28,8 @@ from mlxceld.workers.runtime import WorkerContext
 
 log = logging.getLogger(__name__)
 
+HOG_STEP_MIB = 16
+
 
 async def run(ctx: WorkerContext[EchoOptions]) -> int:
     o = ctx.options
@@ -36,6 +40,10 @@ async def run(ctx: WorkerContext[EchoOptions]) -> int:
     await _sleep_unless_stopped(ctx, o.ready_after_s)
     ctx.ready()
     ctx.stats["ticks"] = 0
+    hog: list[bytearray] = []
+    while len(hog) * HOG_STEP_MIB < o.hog_mib and not ctx.stopping.is_set():
+        hog.append(bytearray(b"\x01") * (HOG_STEP_MIB << 20))  # written: every page is used
+        await asyncio.sleep(0.01)
     while not ctx.stopping.is_set():
         elapsed = time.monotonic() - start
         if o.crash_after_s is not None and elapsed >= o.crash_after_s:

@@ -71,13 +71,14 @@ class DaemonProc:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, *extra: str, wait: bool = True,
-              env: dict[str, str] | None = None) -> DaemonProc:
+    def start(self, *extra: str, wait: bool = True, env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> DaemonProc:
         """Start the daemon with ``extra`` flags; ``env`` is added to this process's
-        environment (fail points, for one start only)."""
+        environment (fail points, for one start only); ``prefix`` runs it under a command
+        that execs it."""
         with self.stderr_path.open("ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlxceld", "--config", str(self.config),
+                [*prefix, sys.executable, "-m", "mlxceld", "--config", str(self.config),
                  "--state-dir", str(self.state_dir), "--socket", str(self.socket),
                  *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
                  *extra],
