@@ -282,6 +282,8 @@ class Assignee:
             return  # another epoch's: ignored
         cur.stream = stream
         now = asyncio.get_running_loop().time()
+        if env.type == "activate" and cur.round.state is PeerState.COMMITTED:
+            failpoints.crash("peer-after-committed")
         if env.type == "commit":
             actions = cur.round.on_commit(now)
         elif env.type == "activate":
@@ -365,6 +367,8 @@ class Assignee:
                           reason=a.reason)
         if cur.stream is None:
             return
+        if a.kind == "active":
+            failpoints.crash("peer-after-active")
         try:
             await cur.stream.send(message(a.kind, cur.round.epoch, **fields))
         except ConnectionClosed:
@@ -391,6 +395,8 @@ class Assignee:
             return
         finally:
             task.cancel()
+        if cur.round.state is PeerState.PREPARING:
+            failpoints.crash("peer-after-preparing")
         if cur is self._current:
             await self._execute(cur.round.on_prepared(asyncio.get_running_loop().time()))
             self._wake.set()

@@ -216,9 +216,9 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
                     failpoints.crash("coordinator-before-decision")
                 plans.decide(epoch, a.decision, a.summary)
                 log.info("plan %d: decided %s %s", epoch, a.decision, a.summary)
-                if a.decision == "commit":
-                    failpoints.crash("coordinator-after-commit-decision")
             elif isinstance(a, Send):
+                if a.kind in ("commit", "activate", "abort"):
+                    failpoints.crash(f"coordinator-after-{a.kind}-decision")
                 fields = {"summary": a.summary} if a.kind == "abort" else {}
                 payload = message(a.kind, epoch, **fields)
                 if a.peer not in streams:
@@ -230,6 +230,8 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
                 except ConnectionClosed:
                     await inbox.put((a.peer, "lost", {"reason": "connection lost"}))
             elif isinstance(a, Finished):
+                if a.ok:
+                    failpoints.crash("coordinator-after-active-decision")
                 return a
         return None
 
