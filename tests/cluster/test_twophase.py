@@ -44,6 +44,7 @@ from mlxceld.cluster.assignment.peer_round import (
     QueryFailed,
     Record,
     Reply,
+    Restarted,
     StageAction,
     StagePrepared,
     Superseded,
@@ -221,8 +222,22 @@ def test_a_peer_that_restarts_comes_back_where_it_was() -> None:
                                                    StageAction("activate")]
     r, out = PeerRound.resume(1, "committed", 0)
     assert out == [StageAction("prepare")] and r.deadline == PEER_PHASE_S
+    assert r.on_activate() == [Record("active"), StageAction("activate"), Reply("active")]
+
+
+def test_a_peer_restarted_before_voting_aborts_and_says_so_when_asked_again() -> None:
+    """Killed while loading (record ``preparing``): no vote went out, so it aborts at once,
+    stopping the stage it left loading; a commit or activate re-sent to it is answered."""
     r, out = PeerRound.resume(1, "preparing", 0)
-    assert r.state == "aborted" and isinstance(out[0], Record)
+    assert out == [StageAction("stop"), Record("aborted", "restarted before voting")]
+    assert (r.state, r.deadline) == ("aborted", None)
+    assert r.on_commit(1) == [Reply("aborted", "restarted before voting")]
+    assert r.on_activate() == [Reply("aborted", "restarted before voting")]
+    r, out = PeerRound.resume(2, "aborted", 0, reason="stage-1 failed")
+    assert out == [] and r.on_activate() == [Reply("aborted", "stage-1 failed")]
+    for ended in ("refused", "deactivated"):
+        r, out = PeerRound.resume(3, ended, 0)  # type: ignore[arg-type]
+        assert out == [] and r.on_commit(1) == [] and r.on_activate() == [], ended
 
 
 def test_refusals_final_or_back_to_waiting() -> None:
@@ -253,7 +268,8 @@ def test_a_newer_good_offer_supersedes_an_undecided_round() -> None:
             StageAction("stop"), Record("aborted", "superseded by plan 6"),
             Reply("aborted", "superseded by plan 6")]
         assert p.state == "aborted" and p.deadline is None
-        assert p.on_commit(2) == [] and p.on_prepared(2) == []  # the old round is over
+        assert p.on_prepared(2) == []  # the old round is over, and says so if asked
+        assert p.on_commit(2) == [Reply("aborted", "superseded by plan 6")]
 
 
 def test_an_older_or_equal_offer_is_stale_and_the_round_goes_on() -> None:
@@ -444,6 +460,7 @@ PEER_INPUTS: list[tuple[type[object], Callable[[PeerRound], list[Any]]]] = [
     (AnsweredOther, lambda p: p.on_decision("unknown", 500)),
     (QueryFailed, lambda p: p.on_query_failed("connection refused")),
     (DeadlinePassed, lambda p: p.handle_timer(1e9)),
+    (Restarted, lambda p: p.on_restart(500)),
 ]
 
 

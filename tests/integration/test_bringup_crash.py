@@ -1,8 +1,10 @@
 """Crash points of the two-phase stage assignment, each on real daemons (127.0.0.1/.2/.3):
-a fail point (``mlxceld.failpoints``) kills one daemon with SIGKILL at a named step, and
-the rest of the cluster must end as the protocol says: aborted everywhere with nothing
-running, or active everywhere after the coordinator's restart. Plus a stale offer, sent
-by hand over MXCL to a real peer."""
+a fail point (``mlxceld.failpoints``) kills one daemon with SIGKILL at a named step (a peer
+at each record it keeps, the coordinator at each decision it writes), it is started again
+on the same state dir, and every node must end with the same outcome for the plan's epoch:
+aborted everywhere with nothing running, or active everywhere with the router serving
+mlx-lm's greedy text. Several crash points share one bring-up where their order allows.
+Plus a stale offer, sent by hand over MXCL to a real peer."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
-from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
 from mlxceld.net import connect
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
@@ -40,11 +42,21 @@ def peers_of(daemons: Daemons, secret: bytes, model: Path,
 
 
 def coordinator_args(coord: DaemonProc, secret: bytes, peers: list[DaemonProc], model: Path,
-                     port: int, agent_port: int) -> tuple[str, ...]:
+                     port: int, agent_port: int, pp_auto: bool = True) -> tuple[str, ...]:
+    """``--pp-auto 2`` over ``peers``; without ``pp_auto``, no bring-up and no model (so no
+    router of its own either): it only answers its peers' queries."""
     return ("--cluster-secret-file", str(secret_file(coord.root, secret)),
             "--agent-addr", f"127.0.0.1:{agent_port}",
-            "--cluster-peers", ",".join(agent(p) for p in peers), "--pp-auto", "2",
-            "--model", str(model), "--port", str(port))
+            "--cluster-peers", ",".join(agent(p) for p in peers),
+            *(("--pp-auto", "2", "--model", str(model)) if pp_auto else ()),
+            "--port", str(port))
+
+
+def restart_peer(d: DaemonProc, address: str, secret: bytes, model: Path,
+                 env: dict[str, str] | None = None) -> None:
+    """``d`` started again on its state dir and agent address, as a service manager would."""
+    d.start("--cluster-secret-file", str(secret_file(d.root, secret)), "--agent-addr",
+            address, "--pp-peer", "--model", str(model), env=env)
 
 
 def assignment(d: DaemonProc) -> dict[str, Any]:
@@ -57,11 +69,69 @@ def no_stage_or_router(d: DaemonProc) -> None:
     assert not running, running
 
 
-def killed(d: DaemonProc) -> None:
-    """The daemon ended by its own fail point (SIGKILL), not by a clean exit."""
+def killed(d: DaemonProc, point: str) -> None:
+    """The daemon ended by its own fail point ``point`` (SIGKILL), not by a clean exit."""
     assert d.proc is not None
     assert d.proc.wait(PUSH_END_S) == -signal.SIGKILL, d.stderr()[-3000:]
-    assert "fail point" in d.stderr()
+    assert f"fail point {point}: killing this process (pid {d.pid})" in d.stderr()
+
+
+def bringup(d: DaemonProc) -> dict[str, Any]:
+    return d.status().get("bringup") or {}
+
+
+def peer_row(d: DaemonProc, address: str) -> dict[str, Any]:
+    return next(p for p in bringup(d)["peers"] if p["address"] == address)
+
+
+def decision(coordinator: str, secret: bytes, epoch: int) -> str:
+    """The coordinator's decision for ``epoch``, asked as a peer asks (``query``)."""
+    return str(over_mxcl(coordinator, secret, message("query", epoch))["decision"])
+
+
+def serves(coord: DaemonProc, peers: list[DaemonProc], port: int, model: Path,
+           daemons: Daemons) -> None:
+    """The router and every stage run, and the router answers mlx-lm's greedy text."""
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    for p in peers:
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert complete(port, "llama") == expected(model, PROMPT, 8)
+
+
+def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """The peer's record says ``preparing`` (its stage loaded, no vote); the coordinator
+    decides abort and dies before telling anyone. Both back: every node says abort."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    wait = {"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)}
+    good, doomed = peers_of(daemons, secret, model, env={
+        "127.0.0.2": wait, "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-preparing", **wait}})
+    doomed_agent = agent(doomed)
+    coord = daemons.make(name="c")
+    port, agent_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    args = coordinator_args(coord, secret, [good, doomed], model, port, agent_port)
+    idle = coordinator_args(coord, secret, [good, doomed], model, port, agent_port, False)
+    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-abort-decision"})
+    killed(doomed, "peer-after-preparing")
+    killed(coord, "coordinator-after-abort-decision")
+    epoch = assignment(good)["epoch"]
+    orphans = doomed.recorded_pids()  # its standby stage outlived it, as workers do
+    daemons.pids |= orphans
+    assert orphans and all(alive(pid) for pid in orphans)
+
+    # Back up (the coordinator without --pp-auto: no new plan), each ends the epoch aborted.
+    coord.start(*idle)
+    restart_peer(doomed, doomed_agent, secret, model, env=wait)
+    assert decision(f"127.0.0.1:{agent_port}", secret, epoch) == "abort"
+    for p, name in ((doomed, "the restarted peer"), (good, "the other peer")):
+        row = wait_for(lambda p=p: (a := assignment(p)).get("state") == "aborted" and a,
+                       PEER_WAIT_S + 30, f"{name} to record plan {epoch} aborted", every=0.2)
+        assert row["epoch"] == epoch, row
+    assert assignment(doomed)["reason"] == "restarted before voting"
+    for d in (good, doomed, coord):
+        no_stage_or_router(d)
+    wait_for(lambda: not any(alive(pid) for pid in orphans), 20, "the orphan stage gone")
 
 
 def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
@@ -75,9 +145,9 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
     coord = daemons.make(name="c")
     coord.start(*coordinator_args(coord, secret, [good, doomed], model,
                                   free_port("127.0.0.1"), free_port("127.0.0.1")))
-    killed(doomed)
-    failed = wait_for(lambda: (b := coord.status().get("bringup") or {}).get("state")
-                      == "failed" and b, PUSH_END_S, "the bring-up to fail")
+    killed(doomed, "peer-after-accepted")
+    failed = wait_for(lambda: (b := bringup(coord)).get("state") == "failed" and b,
+                      PUSH_END_S, "the bring-up to fail", every=0.2)
     summary = failed["summary"]
     assert f"{doomed_agent}: connection lost" in summary, summary
     wait_for(lambda: assignment(good).get("state") == "aborted", 30, "the good peer aborted")
@@ -88,8 +158,7 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
     assert orphans and all(alive(pid) for pid in orphans)
 
     # Back up, it finds its vote, waits PEER_WAIT_S, asks the coordinator, and aborts.
-    doomed.start("--cluster-secret-file", str(secret_file(doomed.root, secret)),
-                 "--agent-addr", doomed_agent, "--pp-peer", "--model", str(model), env=wait)
+    restart_peer(doomed, doomed_agent, secret, model, env=wait)
     row = wait_for(lambda: (a := assignment(doomed)).get("state") == "aborted" and a, 60,
                    "the restarted peer to abort")
     assert "the coordinator's decision is abort" in row["reason"], row
@@ -107,7 +176,7 @@ def test_the_coordinator_killed_before_deciding_leaves_peers_to_abort_by_deadlin
     coord.start(*coordinator_args(coord, secret, peers, model, free_port("127.0.0.1"),
                                   free_port("127.0.0.1")),
                 env={"MLXCELD_FAILPOINT": "coordinator-before-decision"})
-    killed(coord)
+    killed(coord, "coordinator-before-decision")
     died = time.monotonic()
     assert [assignment(p)["state"] for p in peers] == ["accepted", "accepted"]  # voted
     for p in peers:
@@ -130,7 +199,7 @@ def test_the_coordinator_killed_after_its_commit_decision_finishes_after_restart
     port = free_port("127.0.0.1")
     args = coordinator_args(coord, secret, peers, model, port, free_port("127.0.0.1"))
     coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-commit-decision"})
-    killed(coord)
+    killed(coord, "coordinator-after-commit-decision")
     assert [assignment(p)["state"] for p in peers] == ["accepted", "accepted"]  # no commit
     coord.start(*args)  # no fail point: it finds "commit" and re-sends it
     wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active",
@@ -147,27 +216,34 @@ def test_the_coordinator_killed_after_its_commit_decision_finishes_after_restart
     assert text == expected(model, PROMPT, 8)
 
 
-def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
-    """Send a stage offer of ``epoch`` to ``peer`` from 127.0.0.9 over MXCL; its answer."""
+def over_mxcl(node: str, secret: bytes, payload: bytes, me: str = "") -> dict[str, Any]:
+    """Send ``payload`` to ``node``'s agent on channel 2 as ``me`` (127.0.0.9:PORT); its
+    answer."""
     keyring = keys.keyring(secret)
-    me = f"127.0.0.9:{free_port('127.0.0.9')}"
-    offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
-                  package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,
-                  stage=0, layers=(0, 4), node_id="stage-0", port=1, coordinator=me, toml="")
+    me = me or f"127.0.0.9:{free_port('127.0.0.9')}"
 
     async def go() -> dict[str, Any]:
-        host, _, port = peer.rpartition(":")
+        host, _, port = node.rpartition(":")
         stream = await connect(host, int(port), keyring=keyring, identity=me,
                                channel=ASSIGNMENT_CHANNEL, budget_s=5.0,
                                local_addr=("127.0.0.9", 0))
         try:
             async with asyncio.timeout(10):
-                await stream.send(encode_envelope(offer.header()))
+                await stream.send(payload)
                 return dict(parse_envelope(await stream.recv(), COORDINATOR_SPECS).header)
         finally:
             await stream.close("done")
 
     return asyncio.run(go())
+
+
+def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
+    """Send a stage offer of ``epoch`` to ``peer`` from 127.0.0.9 over MXCL; its answer."""
+    me = f"127.0.0.9:{free_port('127.0.0.9')}"
+    offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
+                  package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,
+                  stage=0, layers=(0, 4), node_id="stage-0", port=1, coordinator=me, toml="")
+    return over_mxcl(peer, secret, encode_envelope(offer.header()), me)
 
 
 def test_a_stale_epoch_offer_is_refused_naming_both_epochs(daemons: Daemons) -> None:
