@@ -7,14 +7,32 @@ the variable unset or empty nothing here does anything. Never set it on a
 daemon that serves: a crash point kills the daemon with SIGKILL, as a power
 cut would (no shutdown, no cleanup; its workers live on).
 
-Crash points (the process kills itself right there):
+Crash points (the process kills itself right there). A peer's are named after the
+record they leave behind (its row in the ``assignments`` table), the coordinator's
+after the decision it has written (its row in ``plans``) and not yet told anyone:
 
+``peer-after-preparing``
+    a peer, its offer recorded ``preparing`` and its stage loaded in standby,
+    before it records its vote (the coordinator, still offering, loses it)
 ``peer-after-accepted``
     a peer, once its Accepted vote is persisted and sent, before Commit arrives
+``peer-after-committed``
+    a peer recorded ``committed``, as the coordinator's Activate arrives, before
+    it records it (the coordinator has decided activate and loses it)
+``peer-after-active``
+    a peer, ``active`` recorded and its stage switched to serving, before it
+    answers Active (the coordinator, still activating, loses it)
 ``coordinator-before-decision``
     the coordinator, every peer having accepted, before it writes ``commit``
 ``coordinator-after-commit-decision``
-    the coordinator, right after writing ``commit``, before sending it
+    the coordinator, as it is about to send ``commit`` to its first peer (the
+    decision must be written by then: ``push.py``)
+``coordinator-after-activate-decision``
+    the same for ``activate``
+``coordinator-after-abort-decision``
+    the same for ``abort``
+``coordinator-after-active-decision``
+    the coordinator, ``active`` written, before it starts its router
 
 Fault points (the coordinator's offers lie, so that a peer's check refuses):
 
@@ -55,8 +73,11 @@ log = logging.getLogger(__name__)
 
 ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
-CRASH_POINTS: Final = frozenset({"peer-after-accepted", "coordinator-before-decision",
-                                 "coordinator-after-commit-decision"})
+CRASH_POINTS: Final = frozenset({
+    "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
+    "coordinator-before-decision", "coordinator-after-commit-decision",
+    "coordinator-after-activate-decision", "coordinator-after-active-decision",
+    "coordinator-after-abort-decision"})
 FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
                                  "offer-layer-count", "offer-coordinator",
                                  "worker-kill-lost"})

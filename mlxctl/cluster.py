@@ -9,7 +9,10 @@ that is unreachable or refused is a row in the answer, not a failure.
 two-phase assignment of ``--pp-auto``) and serve its router over it; it polls
 ``status`` every ``POLL_S`` and prints each peer's step as it happens. Its
 waits: ``PUSH_WAIT_S`` for the push to end (the daemon bounds it by
-``coordinator_round.PUSH_S``), then ``ROUTER_WAIT_S`` for the router to run.
+``coordinator_round.PUSH_S``), then ``ROUTER_WAIT_S`` for the router to run. Once
+the plan is decided activate, a peer that was lost is re-dialled for up to
+``coordinator_round.ACTIVATE_FOR_S`` (it reads ``unreachable``): should the push
+outlast ``PUSH_WAIT_S`` so, this command stops waiting and says the daemon goes on.
 
 ``deactivate`` ends the latest plan everywhere (``cluster/assignment/deactivation.py``): it
 prints each peer's outcome and exits 0 when every peer stopped its stage, 1
@@ -194,8 +197,12 @@ async def _activate(c: ControlClient, model: str, stages: int,
                                                                           "pushing"):
             break
         if loop.time() > give_up:
+            going_on = ("; the daemon keeps at it (a peer is unreachable, re-dialled)"
+                        if any(p.get("state") == "unreachable"
+                               for p in bringup.get("peers") or []) else "")
             bringup = {**bringup, "state": "failed", "summary": f"plan {epoch} did not end "
-                       f"within {PUSH_WAIT_S:g} s (see: mlxctl status, mlxctl events)"}
+                       f"within {PUSH_WAIT_S:g} s{going_on} (see: mlxctl status, "
+                       "mlxctl events)"}
             break
         await asyncio.sleep(POLL_S)
     router: dict[str, Any] = {"state": "not started"}

@@ -33,13 +33,22 @@ shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
                 "steps": [STATE, ...]}]}
 
 with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
-prepared, committed, active, failed (its reason), aborted; after a deactivation
+prepared, committed, active, failed (its reason), aborted, unreachable (lost
+after the decision, and re-dialled: the bring-up stays ``pushing``, and the
+peer turns committed or active as soon as it answers); after a deactivation
 deactivated, unreachable or refused (``deactivation.Outcome``); ``steps`` holds
 every state it went through, in order, so that a poller misses none.
 
+A push decided activate that ends without every peer active (one unreachable
+for ``coordinator_round.ACTIVATE_FOR_S``, or one that aborted on its own) is
+``failed`` with a summary that says the decision stands; the plan stays
+``activate`` in the plans table, so this daemon's restart resumes it, and so
+does the first ``query`` of a peer that comes back (``peer_asked``).
+
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
-the push itself is bounded by ``coordinator_round.PUSH_S`` (``push.push``).
+the push itself is bounded by ``coordinator_round.PUSH_S`` (``push.push``) up to
+the activate decision, then by ``coordinator_round.ACTIVATE_FOR_S``.
 """
 
 from __future__ import annotations
@@ -121,6 +130,7 @@ class Coordinator:
         ``configured_model``: the model the flags or the config file name, if any."""
         last = self._plans.latest()
         if last is not None and last.decision in RESUMABLE:
+            self._claim()
             self._task = self._tasks.create_task(
                 self._resume_at_start(last, n, configured_model))
         elif n is not None and model is not None:
@@ -130,6 +140,20 @@ class Coordinator:
                           len(last.peers), "summary": f"plan {last.epoch} was deactivated "
                           f"({last.summary}); mlxctl cluster activate brings up a new one",
                           "peers": []}
+
+    def peer_asked(self, epoch: int, decision: str) -> None:
+        """A peer asked about plan ``epoch`` (``query``) and heard ``activate``: if no push
+        runs, the last one ended without that peer active (``Phase.STALLED``: it was
+        unreachable for ``ACTIVATE_FOR_S``), and it is back: push the plan on, as a restart
+        of this daemon would (``resume_push``)."""
+        if decision != "activate" or self._busy:
+            return
+        last = self._plans.latest()
+        if last is None or (last.epoch, last.decision) != (epoch, "activate"):
+            return
+        log.info("plan %d: a peer asks about it and it is decided activate: pushing on", epoch)
+        self._claim()
+        self._task = self._tasks.create_task(self._resume_at_start(last, None, None))
 
     def close(self) -> None:
         """The daemon stops: a push cut short is presumed aborted; its peers abort by their
@@ -251,8 +275,8 @@ class Coordinator:
     async def _resume_at_start(self, last: PlanRow, n: int | None,
                                configured: str | None) -> None:
         """Serve ``last`` again as it was (``_resume``), on the configured model when it is
-        the plan's, else on the plan's own; a config that differs is reported, not applied."""
-        self._claim()
+        the plan's, else on the plan's own; a config that differs is reported, not applied.
+        The caller has claimed the bring-up (``_claim``): this ends it."""
         epoch = last.epoch
         try:
             model = parse_cluster_text(last.toml, self._state_dir / f"cluster-{epoch}.toml"

@@ -171,6 +171,10 @@ class ClusterMember:
                     "pp_peer" if self._slot.config.pp_peer else "distributed_config")
         return False
 
+    def _peer_asked(self, epoch: int, decision: str) -> None:
+        if self._coordinator is not None and self.may_coordinate():
+            self._coordinator.peer_asked(epoch, decision)
+
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
@@ -183,7 +187,7 @@ class ClusterMember:
         slot = self._slot
         agent = AgentService(self._agent_addr, self._keyring)
         serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports)
-        serve_queries(agent, self._plans)
+        serve_queries(agent, self._plans, asked=self._peer_asked)
         c = slot.config
         stages = LocalStageHost(slot, self._supervisor, self._events, cluster=c.cluster_name,
                                 state_dir=c.state_dir, model=slot.served_model,

@@ -32,10 +32,9 @@ class Slot:
         self.served.clear()
 
 
-async def start(tmp_path: Path, model: Path, decision: str, n: int | None,
-                configured: str | None) -> tuple[Coordinator, Slot, EventLog]:
-    """A plan of ``model`` decided ``decision`` in the database; then ``Coordinator.start``
-    with pp_auto ``n`` and the ``configured`` model, until what it started has ended."""
+def coordinator(tg: asyncio.TaskGroup, tmp_path: Path, model: Path, decision: str
+                ) -> tuple[Coordinator, Slot, EventLog]:
+    """A coordinator over a database that holds a plan of ``model`` decided ``decision``."""
     db = open_db(tmp_path / "state.db")
     plans, events, keyring, slot = Plans(db), EventLog(db), Keyring(), Slot()
     toml = write_cluster_toml(tmp_path, model, [(0, 2), (2, 4)]).read_text().replace(
@@ -45,10 +44,18 @@ async def start(tmp_path: Path, model: Path, decision: str, n: int | None,
     discovery = DiscoveryService(CandidateTable(PeersTable(db), node_id="n"), keyring,
                                  node_id="n", cluster="c", peers=(), mode="static",
                                  agent_address="127.0.0.1:19000")
+    c = Coordinator(slot, tg, cluster="c", state_dir=tmp_path, config_out=None, plans=plans,
+                    keyring=keyring, discovery=discovery, identity="127.0.0.1:19000",
+                    events=events)
+    return c, slot, events
+
+
+async def start(tmp_path: Path, model: Path, decision: str, n: int | None,
+                configured: str | None) -> tuple[Coordinator, Slot, EventLog]:
+    """``Coordinator.start`` with pp_auto ``n`` and the ``configured`` model, over a plan of
+    ``model`` decided ``decision``, until what it started has ended."""
     async with asyncio.TaskGroup() as tg:
-        c = Coordinator(slot, tg, cluster="c", state_dir=tmp_path, config_out=None,
-                        plans=plans, keyring=keyring, discovery=discovery,
-                        identity="127.0.0.1:19000", events=events)
+        c, slot, events = coordinator(tg, tmp_path, model, decision)
         c.start(n, configured, configured_model=configured)
     return c, slot, events
 
@@ -104,3 +111,27 @@ def test_the_differences_named() -> None:
     assert config_differences(plan, 4, None, None) == "pp_auto is 4, the plan has 2 stage(s)"
     assert config_differences(plan, None, "/m", "unreadable: gone") == (
         f"the config names model /m (unreadable: gone), the plan serves model {'ab' * 32}")
+
+
+def test_a_peer_asking_about_a_plan_left_decided_activate_pushes_it_on(
+        tmp_path: Path, split_fixture_dir: Path) -> None:
+    """A push that gave up on a peer (STALLED) leaves its plan decided activate: the peer's
+    query when it is back (``peer_asked``) pushes it on, as a restart would; a query about
+    another plan or decision, or one while a push runs, does nothing."""
+
+    async def go() -> tuple[object, object]:
+        async with asyncio.TaskGroup() as tg:
+            c, _, _ = coordinator(tg, tmp_path, split_fixture_dir / "llama", "activate")
+            c.peer_asked(7, "active")
+            c.peer_asked(6, "activate")
+            idle = c.state
+            c.peer_asked(7, "activate")
+            await asyncio.sleep(0.1)
+            pushing = dict(c.state or {})
+            c.peer_asked(7, "activate")  # a push runs: ignored (not BringUpInProgress)
+            c.close()
+        return idle, pushing
+
+    idle, pushing = asyncio.run(go())
+    assert idle is None
+    assert isinstance(pushing, dict) and (pushing["state"], pushing["epoch"]) == ("pushing", 7)

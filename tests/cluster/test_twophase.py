@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from mlxceld.cluster.assignment.coordinator_round import (
+    ACTIVATE_FOR_S,
     COMMIT_WINDOW_S,
     COORDINATOR_TABLE,
     PUSH_S,
@@ -18,8 +19,11 @@ from mlxceld.cluster.assignment.coordinator_round import (
     PeerActivated,
     PeerCommitted,
     PeerFailed,
+    PeerLost,
     Persist,
     Phase,
+    Redial,
+    ResendDue,
     Send,
     TimerFired,
 )
@@ -44,6 +48,7 @@ from mlxceld.cluster.assignment.peer_round import (
     QueryFailed,
     Record,
     Reply,
+    Restarted,
     StageAction,
     StagePrepared,
     Superseded,
@@ -116,37 +121,119 @@ def test_commit_window_then_abort() -> None:
     r.on_accepted("stage-0", 5)
     r.on_accepted("stage-1", 5)
     r.on_committed("stage-0", 6)
-    assert r.handle_timer(5 + COMMIT_WINDOW_S - 0.1) == []
+    assert r.handle_timer(5 + RESEND_S - 0.1) == []
+    assert r.handle_timer(5 + RESEND_S) == [Send("stage-1", "commit")]  # not answered yet
+    assert r.handle_timer(5 + COMMIT_WINDOW_S - 0.1) == [Send("stage-1", "commit")]
     out = r.handle_timer(5 + COMMIT_WINDOW_S)
     assert isinstance(out[-1], Finished) and "stage-1: did not commit" in out[-1].summary
 
 
-def test_after_activate_the_decision_stands_and_activation_is_resent() -> None:
-    r = CoordinatorRound(1, PEERS[:2], started=0.0)
+def activating(peers: tuple[str, ...] = PEERS[:2]) -> CoordinatorRound:
+    """A round that decided activate at time 2."""
+    r = CoordinatorRound(1, peers, started=0.0)
     r.start()
-    for p in PEERS[:2]:
+    for p in peers:
         r.on_accepted(p, 1)
-    for p in PEERS[:2]:
+    for p in peers:
         r.on_committed(p, 2)
+    assert r.phase is Phase.ACTIVATING
+    return r
+
+
+def test_after_activate_the_decision_stands_and_activation_is_resent() -> None:
+    r = activating()
     r.on_active("stage-0", 3)
-    assert r.on_failed("stage-1", "restarting") == []
-    assert sends(r.handle_timer(2 + RESEND_S), "activate") == ["stage-1"]
+    assert r.on_lost("stage-1", "connection lost: reset") == []
+    assert r.handle_timer(2 + RESEND_S) == [Redial("stage-1", "activate")]
     assert r.phase is Phase.ACTIVATING
 
 
-def test_a_failure_after_the_decision_is_noted_for_the_operator_only() -> None:
+def test_a_peer_lost_after_the_decision_is_unreachable_until_it_answers() -> None:
+    """Re-dialled every RESEND_S, reported unreachable with the first reason (never failed),
+    and active as soon as it answers."""
+    r = activating()
+    r.on_active("stage-0", 3)
+    r.on_lost("stage-1", "connection lost: reset")
+    state, why = r.progress()["stage-1"]
+    assert state == "unreachable" and why.startswith("connection lost: reset; re-dialled, "
+                                                      "activate re-sent every 2 s")
+    for t in (4, 6, 8):
+        assert r.handle_timer(t) == [Redial("stage-1", "activate")]
+        assert r.on_lost("stage-1", "cannot connect: refused") == []  # still down
+    assert r.progress()["stage-1"] == (state, why)  # the first reason, not each try's
+    out = r.on_active("stage-1", 9)
+    assert out[0] == Persist("active") and isinstance(out[1], Finished) and out[1].ok
+    assert r.progress() == {"stage-0": ("active", ""), "stage-1": ("active", "")}
+
+
+def test_a_peer_lost_while_committing_is_redialled_within_the_commit_window() -> None:
     r = CoordinatorRound(1, PEERS[:2], started=0.0)
-    for p in PEERS[:2]:
-        r.on_accepted(p, 1)
-    for p in PEERS[:2]:
-        r.on_committed(p, 2)
-    assert r.on_failed("stage-1", "connection lost") == [] and r.phase is Phase.ACTIVATING
-    assert r.progress()["stage-1"] == ("failed", "connection lost")
+    r.start()
+    r.on_accepted("stage-0", 1)
+    r.on_accepted("stage-1", 1)
+    r.on_committed("stage-0", 2)
+    assert r.on_lost("stage-1", "connection lost: reset") == [] and r.phase is Phase.COMMITTING
+    assert r.handle_timer(1 + RESEND_S) == [Redial("stage-1", "commit")]
+    assert r.progress()["stage-1"][0] == "unreachable"
+    out = r.on_committed("stage-1", 4)  # back with its vote (PeerRound.resume)
+    assert out[0] == Persist("activate") and r.progress()["stage-1"] == ("committed", "")
+    late = CoordinatorRound(2, PEERS[:2], started=0.0)
+    late.start()
+    late.on_accepted("stage-0", 1)
+    late.on_accepted("stage-1", 1)
+    late.on_lost("stage-1", "connection lost: reset")
+    out = late.handle_timer(1 + COMMIT_WINDOW_S)
+    assert isinstance(out[0], Persist) and out[0].decision == "abort"
+    assert isinstance(out[-1], Finished) and (
+        "stage-1: connection lost: reset; not back within the commit window (10 s)"
+        in out[-1].summary)
+    assert late.progress()["stage-1"][0] == "failed"
+
+
+def test_a_lost_peer_before_the_decision_aborts_at_once() -> None:
+    r = CoordinatorRound(1, PEERS[:2], started=0.0)
+    r.start()
+    r.on_accepted("stage-0", 1)
+    out = r.on_lost("stage-1", "connection lost: reset")  # its vote cannot be asked again
+    assert isinstance(out[0], Persist) and out[0].decision == "abort"
+    assert isinstance(out[-1], Finished) and "stage-1: connection lost: reset" in out[-1].summary
+
+
+def test_activation_gives_up_after_its_bound_and_the_decision_stands() -> None:
+    r = activating()
+    r.on_active("stage-0", 3)
+    r.on_lost("stage-1", "connection lost: reset")
+    assert r.next_deadline() == 2 + RESEND_S
+    assert r.handle_timer(100) == [Redial("stage-1", "activate")]  # the bound is not reached
+    out = r.handle_timer(2 + ACTIVATE_FOR_S)
+    assert len(out) == 1 and isinstance(out[0], Finished) and not out[0].ok  # no Persist
+    assert r.phase is Phase.STALLED and r.next_deadline() is None
+    assert out[0].summary.startswith(
+        "plan 1 is decided active, but 1 of 2 stage(s) did not answer active: stage-1: "
+        "connection lost: reset; not active 600 s after the decision; the decision stands")
+
+
+def test_a_peer_that_aborted_on_its_own_is_not_waited_for() -> None:
+    """Decided activate, but the peer answers aborted (it gave up waiting): it will not come
+    back for this plan; once every other peer is active the push ends, the decision kept."""
+    r = activating(PEERS)
+    r.on_active("stage-0", 3)
+    assert r.on_failed("stage-1", "aborted: no word from the coordinator") == []
+    assert r.handle_timer(2 + RESEND_S) == [Send("stage-2", "activate")]  # not stage-1
+    out = r.on_active("stage-2", 5)
+    assert len(out) == 1 and isinstance(out[0], Finished) and not out[0].ok
+    assert "stage-1: aborted: no word from the coordinator" in out[0].summary
+    assert r.phase is Phase.STALLED
+
+
+def test_a_failure_after_the_round_ended_is_noted_for_the_operator_only() -> None:
+    r = activating()
     r.on_active("stage-0", 3)
     r.on_active("stage-1", 3)
     assert r.phase is Phase.DONE and r.on_failed("stage-0", "closed") == []
+    assert r.on_lost("stage-1", "connection lost") == []
     assert r.progress() == {"stage-0": ("failed", "closed"),
-                            "stage-1": ("failed", "connection lost")}  # first reason kept
+                            "stage-1": ("failed", "connection lost")}
 
 
 def test_a_restarted_coordinator_resumes_from_its_decision() -> None:
@@ -156,6 +243,9 @@ def test_a_restarted_coordinator_resumes_from_its_decision() -> None:
     assert sends(out, "commit") == list(PEERS) and r.phase is Phase.COMMITTING
     r, out = CoordinatorRound.resume(4, PEERS, "activate", now=100)
     assert sends(out, "activate") == list(PEERS) and r.phase is Phase.ACTIVATING
+    r.on_lost("stage-1", "cannot connect: refused")  # re-dialled, for ACTIVATE_FOR_S
+    assert r.handle_timer(100 + RESEND_S)[1] == Redial("stage-1", "activate")
+    assert isinstance(r.handle_timer(100 + ACTIVATE_FOR_S)[0], Finished)
     r, out = CoordinatorRound.resume(4, PEERS, "active", now=100)
     assert out == [] and r.phase is Phase.DONE
 
@@ -221,8 +311,22 @@ def test_a_peer_that_restarts_comes_back_where_it_was() -> None:
                                                    StageAction("activate")]
     r, out = PeerRound.resume(1, "committed", 0)
     assert out == [StageAction("prepare")] and r.deadline == PEER_PHASE_S
+    assert r.on_activate() == [Record("active"), StageAction("activate"), Reply("active")]
+
+
+def test_a_peer_restarted_before_voting_aborts_and_says_so_when_asked_again() -> None:
+    """Killed while loading (record ``preparing``): no vote went out, so it aborts at once,
+    stopping the stage it left loading; a commit or activate re-sent to it is answered."""
     r, out = PeerRound.resume(1, "preparing", 0)
-    assert r.state == "aborted" and isinstance(out[0], Record)
+    assert out == [StageAction("stop"), Record("aborted", "restarted before voting")]
+    assert (r.state, r.deadline) == ("aborted", None)
+    assert r.on_commit(1) == [Reply("aborted", "restarted before voting")]
+    assert r.on_activate() == [Reply("aborted", "restarted before voting")]
+    r, out = PeerRound.resume(2, "aborted", 0, reason="stage-1 failed")
+    assert out == [] and r.on_activate() == [Reply("aborted", "stage-1 failed")]
+    for ended in ("refused", "deactivated"):
+        r, out = PeerRound.resume(3, ended, 0)  # type: ignore[arg-type]
+        assert out == [] and r.on_commit(1) == [] and r.on_activate() == [], ended
 
 
 def test_refusals_final_or_back_to_waiting() -> None:
@@ -253,7 +357,8 @@ def test_a_newer_good_offer_supersedes_an_undecided_round() -> None:
             StageAction("stop"), Record("aborted", "superseded by plan 6"),
             Reply("aborted", "superseded by plan 6")]
         assert p.state == "aborted" and p.deadline is None
-        assert p.on_commit(2) == [] and p.on_prepared(2) == []  # the old round is over
+        assert p.on_prepared(2) == []  # the old round is over, and says so if asked
+        assert p.on_commit(2) == [Reply("aborted", "superseded by plan 6")]
 
 
 def test_an_older_or_equal_offer_is_stale_and_the_round_goes_on() -> None:
@@ -358,6 +463,10 @@ def coordinator_in(phase: Phase) -> CoordinatorRound:
         if phase is Phase.ABORTED:
             r.on_failed("stage-1", "connection lost")
             return r
+        if phase is Phase.STALLED and r.phase is Phase.ACTIVATING:
+            for p in PEERS[1:]:
+                r.on_failed(p, "aborted: no word from the coordinator")
+            return r
         for p in PEERS:
             step(p, 2)
         if then is not None:
@@ -371,14 +480,16 @@ COORDINATOR_INPUTS: dict[type[object], Callable[[CoordinatorRound, str], list[An
     PeerCommitted: lambda r, p: r.on_committed(p, 5),
     PeerActivated: lambda r, p: r.on_active(p, 5),
     PeerFailed: lambda r, p: r.on_refused(p, "model mismatch"),
+    PeerLost: lambda r, p: r.on_lost(p, "connection lost"),
 }
+TIMERS = (TimerFired, ResendDue)
 
 
 def test_the_coordinator_table_every_phase_every_event() -> None:
     """A listed pair leads where the table says; a pair not listed, or a message about a
     peer not in the round, returns [] and changes nothing; a timer not yet due neither."""
     assert reachable(COORDINATOR_TABLE, Phase.OFFERING) == set(Phase)
-    assert {event for _, event in COORDINATOR_TABLE} <= {*COORDINATOR_INPUTS, TimerFired}
+    assert {event for _, event in COORDINATOR_TABLE} <= {*COORDINATOR_INPUTS, *TIMERS}
     seen: set[Phase] = set()
     for phase in Phase:
         for event, feed in COORDINATOR_INPUTS.items():
@@ -397,11 +508,16 @@ def test_the_coordinator_table_every_phase_every_event() -> None:
         assert r.on_preparing("stage-1", 5) == [] and r.phase is phase  # noted, no event
         r = before
         due = r.next_deadline()
-        assert (due is None) == ((phase, TimerFired) not in COORDINATOR_TABLE), phase
+        timers = [t for t in TIMERS if (phase, t) in COORDINATOR_TABLE]
+        assert (due is None) == (not timers), phase
         before = copy.deepcopy(r)
         assert r.handle_timer(1e9 if due is None else due - 0.01) == [] and r == before
-        if due is not None:
+        if due is not None:  # the first timer due, then the phase's deadline (far later)
             r.handle_timer(due)
+            assert r.phase in {q for t in timers for q in COORDINATOR_TABLE[(phase, t)][1]}
+            seen.add(r.phase)
+            r = copy.deepcopy(before)
+            r.handle_timer(1e9)
             assert r.phase in COORDINATOR_TABLE[(phase, TimerFired)][1], phase
             seen.add(r.phase)
     assert seen == set(Phase)
@@ -444,6 +560,7 @@ PEER_INPUTS: list[tuple[type[object], Callable[[PeerRound], list[Any]]]] = [
     (AnsweredOther, lambda p: p.on_decision("unknown", 500)),
     (QueryFailed, lambda p: p.on_query_failed("connection refused")),
     (DeadlinePassed, lambda p: p.handle_timer(1e9)),
+    (Restarted, lambda p: p.on_restart(500)),
 ]
 
 

@@ -1,12 +1,17 @@
 """Crash points of the two-phase stage assignment, each on real daemons (127.0.0.1/.2/.3):
-a fail point (``mlxceld.failpoints``) kills one daemon with SIGKILL at a named step, and
-the rest of the cluster must end as the protocol says: aborted everywhere with nothing
-running, or active everywhere after the coordinator's restart. Plus a stale offer, sent
-by hand over MXCL to a real peer."""
+a fail point (``mlxceld.failpoints``) kills one daemon with SIGKILL at a named step (a peer
+at each record it keeps, the coordinator at each decision it writes), it is started again
+on the same state dir, and every node must end with the same outcome for the plan's epoch:
+aborted everywhere with nothing running, or active everywhere with the router serving
+mlx-lm's greedy text. Several crash points share one bring-up where their order allows.
+Plus a stale offer, sent by hand over MXCL to a real peer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import secrets
 import signal
 import time
@@ -15,7 +20,7 @@ from typing import Any
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
-from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
 from mlxceld.net import connect
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
@@ -27,6 +32,8 @@ from helpers.models import PROMPT, expected
 from helpers.ports import free_port
 from helpers.router import complete
 from helpers.waiting import wait_for
+
+log = logging.getLogger(__name__)  # each crash point's times (pytest --log-cli-level=INFO)
 
 PEER_WAIT_S = 5.0  # MLXCELD_TEST_PEER_WAIT_S where a test waits for a peer to give up
 PUSH_END_S = 120.0  # a push with two stage loads on a busy CPU
@@ -40,11 +47,21 @@ def peers_of(daemons: Daemons, secret: bytes, model: Path,
 
 
 def coordinator_args(coord: DaemonProc, secret: bytes, peers: list[DaemonProc], model: Path,
-                     port: int, agent_port: int) -> tuple[str, ...]:
+                     port: int, agent_port: int, pp_auto: bool = True) -> tuple[str, ...]:
+    """``--pp-auto 2`` over ``peers``; without ``pp_auto``, no bring-up and no model (so no
+    router of its own either): it only answers its peers' queries."""
     return ("--cluster-secret-file", str(secret_file(coord.root, secret)),
             "--agent-addr", f"127.0.0.1:{agent_port}",
-            "--cluster-peers", ",".join(agent(p) for p in peers), "--pp-auto", "2",
-            "--model", str(model), "--port", str(port))
+            "--cluster-peers", ",".join(agent(p) for p in peers),
+            *(("--pp-auto", "2", "--model", str(model)) if pp_auto else ()),
+            "--port", str(port))
+
+
+def restart_peer(d: DaemonProc, address: str, secret: bytes, model: Path,
+                 env: dict[str, str] | None = None) -> None:
+    """``d`` started again on its state dir and agent address, as a service manager would."""
+    d.start("--cluster-secret-file", str(secret_file(d.root, secret)), "--agent-addr",
+            address, "--pp-peer", "--model", str(model), env=env)
 
 
 def assignment(d: DaemonProc) -> dict[str, Any]:
@@ -57,11 +74,85 @@ def no_stage_or_router(d: DaemonProc) -> None:
     assert not running, running
 
 
-def killed(d: DaemonProc) -> None:
-    """The daemon ended by its own fail point (SIGKILL), not by a clean exit."""
+def killed(d: DaemonProc, point: str) -> None:
+    """The daemon ended by its own fail point ``point`` (SIGKILL), not by a clean exit."""
     assert d.proc is not None
     assert d.proc.wait(PUSH_END_S) == -signal.SIGKILL, d.stderr()[-3000:]
-    assert "fail point" in d.stderr()
+    assert f"fail point {point}: killing this process (pid {d.pid})" in d.stderr()
+
+
+def host_down(d: DaemonProc, point: str) -> None:
+    """``d`` killed at ``point`` (``killed``), then its workers with SIGKILL too, as when
+    its host loses power: nothing of it is left to adopt."""
+    killed(d, point)
+    workers = d.recorded_pids()
+    assert workers, "no worker of the peer was recorded"
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    wait_for(lambda: not any(alive(pid) for pid in workers), 20, "its workers gone")
+
+
+def bringup(d: DaemonProc) -> dict[str, Any]:
+    return d.status().get("bringup") or {}
+
+
+def peer_row(d: DaemonProc, address: str) -> dict[str, Any]:
+    return next(p for p in bringup(d)["peers"] if p["address"] == address)
+
+
+def decision(coordinator: str, secret: bytes, epoch: int) -> str:
+    """The coordinator's decision for ``epoch``, asked as a peer asks (``query``)."""
+    return str(over_mxcl(coordinator, secret, message("query", epoch))["decision"])
+
+
+def serves(coord: DaemonProc, peers: list[DaemonProc], port: int, model: Path,
+           daemons: Daemons) -> None:
+    """The router and every stage run, and the router answers mlx-lm's greedy text."""
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    for p in peers:
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert complete(port, "llama") == expected(model, PROMPT, 8)
+
+
+def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """The peer's record says ``preparing`` (its stage loaded, no vote); the coordinator
+    decides abort and dies before telling anyone. Both back: every node says abort."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    wait = {"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)}
+    good, doomed = peers_of(daemons, secret, model, env={
+        "127.0.0.2": wait, "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-preparing", **wait}})
+    doomed_agent = agent(doomed)
+    coord = daemons.make(name="c")
+    port, agent_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    args = coordinator_args(coord, secret, [good, doomed], model, port, agent_port)
+    idle = coordinator_args(coord, secret, [good, doomed], model, port, agent_port, False)
+    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-abort-decision"},
+                wait=False)  # it may die before it answers its control socket
+    killed(doomed, "peer-after-preparing")
+    killed(coord, "coordinator-after-abort-decision")
+    epoch = assignment(good)["epoch"]
+    orphans = doomed.recorded_pids()  # its standby stage outlived it, as workers do
+    daemons.pids |= orphans
+    assert orphans and all(alive(pid) for pid in orphans)
+
+    # Back up (the coordinator without --pp-auto: no new plan), each ends the epoch aborted.
+    back = time.monotonic()
+    coord.start(*idle)
+    restart_peer(doomed, doomed_agent, secret, model, env=wait)
+    assert decision(f"127.0.0.1:{agent_port}", secret, epoch) == "abort"
+    for p, name in ((doomed, "the restarted peer"), (good, "the other peer")):
+        row = wait_for(lambda p=p: (a := assignment(p)).get("state") == "aborted" and a,
+                       PEER_WAIT_S + 30, f"{name} to record plan {epoch} aborted", every=0.2)
+        assert row["epoch"] == epoch, row
+    log.info("peer-after-preparing + coordinator-after-abort-decision: every node aborted "
+             "plan %d %.1f s after the restarts", epoch, time.monotonic() - back)
+    assert assignment(doomed)["reason"] == "restarted before voting"
+    for d in (good, doomed, coord):
+        no_stage_or_router(d)
+    wait_for(lambda: not any(alive(pid) for pid in orphans), 20, "the orphan stage gone")
 
 
 def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
@@ -75,12 +166,22 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
     coord = daemons.make(name="c")
     coord.start(*coordinator_args(coord, secret, [good, doomed], model,
                                   free_port("127.0.0.1"), free_port("127.0.0.1")))
-    killed(doomed)
-    failed = wait_for(lambda: (b := coord.status().get("bringup") or {}).get("state")
-                      == "failed" and b, PUSH_END_S, "the bring-up to fail")
+    killed(doomed, "peer-after-accepted")
+    died = time.monotonic()
+    epoch = assignment(good)["epoch"]
+    failed = wait_for(lambda: (b := bringup(coord)).get("state") == "failed" and b,
+                      PUSH_END_S, "the bring-up to fail", every=0.2)
     summary = failed["summary"]
+    assert failed["epoch"] == epoch, failed
+    # Lost before every vote was in (aborted at once) or after (re-dialled for the commit
+    # window, then aborted), as the other peer's load goes.
     assert f"{doomed_agent}: connection lost" in summary, summary
-    wait_for(lambda: assignment(good).get("state") == "aborted", 30, "the good peer aborted")
+    assert decision(agent(coord), secret, epoch) == "abort"
+    row = wait_for(lambda: (a := assignment(good)).get("state") == "aborted" and a, 30,
+                   "the good peer aborted")
+    assert row["epoch"] == epoch, row
+    log.info("peer-after-accepted: plan %d aborted by the coordinator and the other peer "
+             "%.1f s after the peer died", epoch, time.monotonic() - died)
     for d in (good, coord):
         no_stage_or_router(d)
     orphans = doomed.recorded_pids()  # its standby stage outlived it, as workers do
@@ -88,11 +189,14 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
     assert orphans and all(alive(pid) for pid in orphans)
 
     # Back up, it finds its vote, waits PEER_WAIT_S, asks the coordinator, and aborts.
-    doomed.start("--cluster-secret-file", str(secret_file(doomed.root, secret)),
-                 "--agent-addr", doomed_agent, "--pp-peer", "--model", str(model), env=wait)
+    back = time.monotonic()
+    restart_peer(doomed, doomed_agent, secret, model, env=wait)
     row = wait_for(lambda: (a := assignment(doomed)).get("state") == "aborted" and a, 60,
                    "the restarted peer to abort")
+    assert row["epoch"] == epoch, row
     assert "the coordinator's decision is abort" in row["reason"], row
+    log.info("peer-after-accepted: the restarted peer aborted plan %d %.1f s after its "
+             "restart", epoch, time.monotonic() - back)
     no_stage_or_router(doomed)
     wait_for(lambda: not any(alive(pid) for pid in orphans), 20, "the orphan stage gone")
 
@@ -106,8 +210,8 @@ def test_the_coordinator_killed_before_deciding_leaves_peers_to_abort_by_deadlin
     coord = daemons.make(name="c")
     coord.start(*coordinator_args(coord, secret, peers, model, free_port("127.0.0.1"),
                                   free_port("127.0.0.1")),
-                env={"MLXCELD_FAILPOINT": "coordinator-before-decision"})
-    killed(coord)
+                env={"MLXCELD_FAILPOINT": "coordinator-before-decision"}, wait=False)
+    killed(coord, "coordinator-before-decision")
     died = time.monotonic()
     assert [assignment(p)["state"] for p in peers] == ["accepted", "accepted"]  # voted
     for p in peers:
@@ -116,58 +220,138 @@ def test_the_coordinator_killed_before_deciding_leaves_peers_to_abort_by_deadlin
                        PEER_WAIT_S + 30, f"{agent(p)} to abort")
         assert "no word from the coordinator" in row["reason"], row
         assert "cannot be asked" in row["reason"], row
-    assert time.monotonic() - died >= PEER_WAIT_S  # not before their deadline
+    took = time.monotonic() - died
+    assert took >= PEER_WAIT_S  # not before their deadline
+    log.info("coordinator-before-decision: both peers aborted %.1f s after it died (their "
+             "wait: %g s)", took, PEER_WAIT_S)
     for p in peers:
         no_stage_or_router(p)
 
 
-def test_the_coordinator_killed_after_its_commit_decision_finishes_after_restart(
+def test_the_coordinator_killed_at_commit_then_at_activate_and_a_committed_peer_end_active(
         daemons: Daemons, split_fixture_dir: Path) -> None:
+    """Three deaths in one bring-up: the coordinator right after writing commit (it must
+    resume that plan, not push a new one: the epoch is checked at every step), again right
+    after writing activate, then a peer's host (daemon and workers) whose record says
+    ``committed`` as that activate reaches it. The coordinator re-dials the lost peer, and
+    once it is back every node is active in the first plan's epoch, and the router serves."""
     model = split_fixture_dir / "llama"
     secret = secrets.token_hex(16).encode()
-    peers = peers_of(daemons, secret, model)  # the documented 60 s wait: time to restart
+    # The documented 60 s wait between phases: time enough for every restart here.
+    good, doomed = peers_of(daemons, secret, model, env={
+        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-committed"}})
+    doomed_agent = agent(doomed)
     coord = daemons.make(name="c")
     port = free_port("127.0.0.1")
-    args = coordinator_args(coord, secret, peers, model, port, free_port("127.0.0.1"))
-    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-commit-decision"})
-    killed(coord)
-    assert [assignment(p)["state"] for p in peers] == ["accepted", "accepted"]  # no commit
-    coord.start(*args)  # no fail point: it finds "commit" and re-sends it
-    wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active",
-                                                                            "failed"),
-             PUSH_END_S, "the resumed push to end")
-    bringup = coord.status()["bringup"]
-    assert bringup["state"] == "active", (bringup, coord.stderr()[-3000:])
-    assert "every stage of 2 is active" in bringup["summary"]
-    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
-    for p in peers:
-        assert assignment(p)["state"] == "active"
-        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    text = complete(port, "llama")
-    assert text == expected(model, PROMPT, 8)
+    args = coordinator_args(coord, secret, [good, doomed], model, port, free_port("127.0.0.1"))
+    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-commit-decision"},
+                wait=False)
+    killed(coord, "coordinator-after-commit-decision")
+    epoch = assignment(good)["epoch"]
+    assert [(assignment(p)["epoch"], assignment(p)["state"]) for p in (good, doomed)] == [
+        (epoch, "accepted")] * 2  # commit written, not sent
+    daemons.note(good)
+
+    # It resumes plan `epoch` (a coordinator that had lost its commit would push a new one).
+    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-activate-decision"},
+                wait=False)  # it dies within a second: maybe before its socket answers
+    killed(coord, "coordinator-after-activate-decision")
+    assert [(assignment(p)["epoch"], assignment(p)["state"]) for p in (good, doomed)] == [
+        (epoch, "committed")] * 2
+
+    coord.start(*args)  # re-sends activate: the good peer activates, the doomed one dies
+    host_down(doomed, "peer-after-committed")
+    lost = wait_for(lambda: (r := peer_row(coord, doomed_agent))["state"] == "unreachable"
+                    and r, 30, "the coordinator to report the peer unreachable", every=0.2)
+    assert bringup(coord)["state"] == "pushing", bringup(coord)  # not failed: it re-dials
+    assert "connection lost" in lost["reason"], lost
+
+    back = time.monotonic()
+    restart_peer(doomed, doomed_agent, secret, model)
+    done = wait_for(lambda: (b := bringup(coord)).get("state") in ("active", "failed") and b,
+                    PUSH_END_S, "the resumed push to end", every=0.2)
+    agreed = time.monotonic() - back
+    assert (done["state"], done["epoch"]) == ("active", epoch), (done, coord.stderr()[-3000:])
+    assert "every stage of 2 is active" in done["summary"]
+    assert peer_row(coord, doomed_agent)["steps"][-2:] == ["unreachable", "active"]
+    for p in (good, doomed):
+        assert (assignment(p)["epoch"], assignment(p)["state"]) == (epoch, "active")
+    assert decision(agent(coord), secret, epoch) == "active"
+    serves(coord, [good, doomed], port, model, daemons)
+    log.info("coordinator-after-commit/activate-decision + peer-after-committed: plan %d "
+             "active everywhere %.1f s after the peer's restart, served after %.1f s", epoch,
+             agreed, time.monotonic() - back)
 
 
-def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
-    """Send a stage offer of ``epoch`` to ``peer`` from 127.0.0.9 over MXCL; its answer."""
+def test_a_peer_killed_once_active_and_the_coordinator_once_active_end_active(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """The peer records active and switches its stage on, then its host dies (daemon and
+    workers) before it answers; the coordinator re-dials it, and once it is back (it asks
+    first, then serves), writes active and dies before starting its router. Back up, it
+    serves the plan it decided, in that plan's epoch."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    good, doomed = peers_of(daemons, secret, model, env={
+        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-active"}})
+    doomed_agent = agent(doomed)
+    coord = daemons.make(name="c")
+    port = free_port("127.0.0.1")
+    args = coordinator_args(coord, secret, [good, doomed], model, port, free_port("127.0.0.1"))
+    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-active-decision"})
+    host_down(doomed, "peer-after-active")
+    epoch = assignment(good)["epoch"]
+    wait_for(lambda: peer_row(coord, doomed_agent)["state"] == "unreachable", 30,
+             "the coordinator to report the peer unreachable", every=0.2)
+    assert bringup(coord)["state"] == "pushing"
+
+    back = time.monotonic()
+    restart_peer(doomed, doomed_agent, secret, model)
+    killed(coord, "coordinator-after-active-decision")
+    agreed = time.monotonic() - back
+    for p in (good, doomed):
+        assert (assignment(p)["epoch"], assignment(p)["state"]) == (epoch, "active")
+    daemons.note(good)
+    daemons.note(doomed)
+    again = time.monotonic()
+    coord.start(*args)
+    done = wait_for(lambda: (b := bringup(coord)).get("state") in ("active", "failed") and b,
+                    PUSH_END_S, "the plan to be served again", every=0.2)
+    assert (done["state"], done["epoch"]) == ("active", epoch), (done, coord.stderr()[-3000:])
+    assert decision(agent(coord), secret, epoch) == "active"
+    serves(coord, [good, doomed], port, model, daemons)
+    log.info("peer-after-active + coordinator-after-active-decision: plan %d active "
+             "everywhere %.1f s after the peer's restart; served %.1f s after the "
+             "coordinator's", epoch, agreed, time.monotonic() - again)
+
+
+def over_mxcl(node: str, secret: bytes, payload: bytes, me: str = "") -> dict[str, Any]:
+    """Send ``payload`` to ``node``'s agent on channel 2 as ``me`` (127.0.0.9:PORT); its
+    answer."""
     keyring = keys.keyring(secret)
-    me = f"127.0.0.9:{free_port('127.0.0.9')}"
-    offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
-                  package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,
-                  stage=0, layers=(0, 4), node_id="stage-0", port=1, coordinator=me, toml="")
+    me = me or f"127.0.0.9:{free_port('127.0.0.9')}"
 
     async def go() -> dict[str, Any]:
-        host, _, port = peer.rpartition(":")
+        host, _, port = node.rpartition(":")
         stream = await connect(host, int(port), keyring=keyring, identity=me,
                                channel=ASSIGNMENT_CHANNEL, budget_s=5.0,
                                local_addr=("127.0.0.9", 0))
         try:
             async with asyncio.timeout(10):
-                await stream.send(encode_envelope(offer.header()))
+                await stream.send(payload)
                 return dict(parse_envelope(await stream.recv(), COORDINATOR_SPECS).header)
         finally:
             await stream.close("done")
 
     return asyncio.run(go())
+
+
+def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
+    """Send a stage offer of ``epoch`` to ``peer`` from 127.0.0.9 over MXCL; its answer."""
+    me = f"127.0.0.9:{free_port('127.0.0.9')}"
+    offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
+                  package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,
+                  stage=0, layers=(0, 4), node_id="stage-0", port=1, coordinator=me, toml="")
+    return over_mxcl(peer, secret, encode_envelope(offer.header()), me)
 
 
 def test_a_stale_epoch_offer_is_refused_naming_both_epochs(daemons: Daemons) -> None:

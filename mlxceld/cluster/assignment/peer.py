@@ -24,10 +24,20 @@ answer), and a coordinator that cannot be asked ends the round (aborted).
 the coordinator that offered the plan, on a connection of its own: the stage
 stops, the assignment is recorded deactivated, ``deactivated`` answers. A plan
 this peer never ran, or one a newer plan superseded here, is only recorded
-(its stage is not this plan's). On start, an assignment recorded active first
-asks its coordinator (``query``, at most ``CONNECT_S`` + ``FRAME_S``): when the
-plan was deactivated meanwhile, the stage does not come back; on any other
-answer, or none (the coordinator may be restarting too), it comes back active.
+(its stage is not this plan's).
+
+On start, the latest assignment is resumed as its record left it
+(``PeerRound.resume``, whatever the record): ``preparing`` is recorded aborted
+(no vote went out, so nothing was decided with it; the standby stage the daemon
+left loading is stopped), ``accepted`` and ``committed`` load the stage back in
+standby and wait again (``PHASE_S``, then ``query``), and an ended round answers
+a commit or activate re-sent to it with ``aborted`` and its reason. An
+assignment recorded active first asks its coordinator (``query``, at most
+``CONNECT_S`` + ``FRAME_S``): when the plan was deactivated meanwhile, the stage
+does not come back; on any other answer, or none (the coordinator may be
+restarting too), it comes back active. A coordinator that re-dials a restarted
+peer may send ``activate`` while its stage still loads: switching it on, and
+answering ``active``, wait until it runs (``PREPARE_S`` at most).
 """
 
 from __future__ import annotations
@@ -144,9 +154,9 @@ class Assignee:
                 "coordinator": row.coordinator, "reason": row.reason}
 
     async def run(self) -> None:
-        """Resume a committed or active assignment, then keep the round's timer until
-        ``close``; a round's prepare and query run in this one's task group (cancelled at
-        ``close``)."""
+        """Resume the latest assignment as its record left it, then keep the round's timer
+        until ``close``; a round's prepare and query run in this one's task group
+        (cancelled at ``close``)."""
         async with cancelling_group() as tg:
             self._tg = tg
             try:
@@ -171,12 +181,13 @@ class Assignee:
             elif decision is None:
                 log.info("stage assignment %d: resuming without word from coordinator %s "
                          "(%s)", row.epoch, row.coordinator, why)
-        if self._enabled and row is not None and row.state in ("accepted", "committed",
-                                                               "active"):
-            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time(), PHASE_S)
+        if self._enabled and row is not None:
+            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time(), PHASE_S,
+                                          row.reason)
             self._current = _Current(r, row.coordinator, row.stage, row.toml)
-            log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
-            await self._execute(actions, wait_prepare=True)
+            if actions:
+                log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
+            await self._execute(actions)
 
     async def _keep_timer(self) -> None:
         loop = asyncio.get_running_loop()
@@ -282,6 +293,8 @@ class Assignee:
             return  # another epoch's: ignored
         cur.stream = stream
         now = asyncio.get_running_loop().time()
+        if env.type == "activate" and cur.round.state is PeerState.COMMITTED:
+            failpoints.crash("peer-after-committed")
         if env.type == "commit":
             actions = cur.round.on_commit(now)
         elif env.type == "activate":
@@ -329,8 +342,7 @@ class Assignee:
 
     # -- actions ----------------------------------------------------------------------------
 
-    async def _execute(self, actions: Sequence[PeerAction], *, wait_prepare: bool = False
-                       ) -> None:
+    async def _execute(self, actions: Sequence[PeerAction]) -> None:
         cur = self._current
         assert cur is not None
         for a in actions:
@@ -341,11 +353,9 @@ class Assignee:
             elif isinstance(a, Reply):
                 await self._reply(cur, a)
             elif isinstance(a, StageAction) and a.what == "prepare":
-                if wait_prepare:
-                    await self._prepare(cur, heartbeat=False)
-                else:
-                    self._preparing = self._spawn(self._prepare(cur, heartbeat=True), "prepare")
+                self._preparing = self._spawn(self._prepare(cur), "prepare")
             elif isinstance(a, StageAction) and a.what == "activate":
+                await self._stage_loaded()
                 try:
                     await self._host.activate_stage()
                 except MlxceldError as exc:  # the stage stays in standby
@@ -365,6 +375,9 @@ class Assignee:
                           reason=a.reason)
         if cur.stream is None:
             return
+        if a.kind == "active":
+            await self._stage_loaded()  # a restarted round's stage runs before it says so
+            failpoints.crash("peer-after-active")
         try:
             await cur.stream.send(message(a.kind, cur.round.epoch, **fields))
         except ConnectionClosed:
@@ -374,7 +387,10 @@ class Assignee:
         if a.kind == "accepted":
             failpoints.crash("peer-after-accepted")
 
-    async def _prepare(self, cur: _Current, *, heartbeat: bool) -> None:
+    async def _prepare(self, cur: _Current) -> None:
+        """Load the stage in standby; an offer's (the round is preparing) says ``preparing``
+        every ``HEARTBEAT_S`` meanwhile, a restarted round's loads it back quietly."""
+        heartbeat = cur.round.state is PeerState.PREPARING
         # Not a task group: awaited here between heartbeats and cancelled below, and a
         # group would wrap the MlxceldError caught below in an ExceptionGroup.
         task = asyncio.ensure_future(self._host.prepare_stage(
@@ -391,6 +407,8 @@ class Assignee:
             return
         finally:
             task.cancel()
+        if cur.round.state is PeerState.PREPARING:
+            failpoints.crash("peer-after-preparing")
         if cur is self._current:
             await self._execute(cur.round.on_prepared(asyncio.get_running_loop().time()))
             self._wake.set()
@@ -429,6 +447,13 @@ class Assignee:
             return None, f"no answer: {exc}"
         finally:
             await stream.close("query answered")
+
+    async def _stage_loaded(self) -> None:
+        """Wait for a stage still loading (a restarted round's: the coordinator's activate
+        may come before it runs); ``StageHost.prepare_stage`` bounds it (``PREPARE_S``)."""
+        task = self._preparing
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            await asyncio.wait({task})
 
     async def _cancel_prepare(self) -> None:
         """An abort while the stage loads: stop loading before the stage is removed."""

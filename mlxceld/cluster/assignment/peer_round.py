@@ -16,7 +16,17 @@ must be durable before the ``Reply`` after it goes out)::
     PREPARING/ACCEPTED --a newer offer that checks out--> the same      ABORTED
     ACCEPTED/COMMITTED --phase_s without word--> Query, then the answer's way;
                        --frame_s more, or it cannot be asked--> stop, Record ABORTED
+    ABORTED --commit or activate resent--> Reply(aborted, why)          ABORTED
     any --deactivate--> stop (a stage of its own), Record(deactivated), Reply DEACTIVATED
+
+A restart (``resume``: the daemon started again with the round's record) is an
+event too, from every record::
+
+    PREPARING --restarted--> stop, Record(aborted): no vote went out    ABORTED
+    ACCEPTED/COMMITTED --restarted--> prepare, wait phase_s again       the same
+    ACTIVE --restarted--> prepare, activate                             ACTIVE
+    ABORTED/REFUSED/DEACTIVATED --restarted--> nothing; a decision resent to it is
+                       answered as above
 
 The whole machine is ``PEER_TABLE``, at the end: (state, event) -> (handler,
 the states it may lead to). Each ``on_*`` method makes its event and looks it
@@ -121,6 +131,10 @@ class DeadlinePassed(_At):
     """``deadline`` has passed (``handle_timer``)."""
 
 
+class Restarted(_At):
+    """The daemon started again with this round's record (``resume``)."""
+
+
 @dataclass(frozen=True)
 class _Because:
     reason: str
@@ -172,7 +186,7 @@ class Superseded:
 PeerEvent = (OfferAccepted | OfferRefused | StagePrepared | PrepareFailed | CommitReceived
              | ActivateReceived | AbortReceived | DeactivateReceived | AnsweredCommit
              | AnsweredActivate | AnsweredDeactivated | AnsweredOther | QueryFailed
-             | Superseded | DeadlinePassed)
+             | Superseded | DeadlinePassed | Restarted)
 
 
 @dataclass
@@ -192,22 +206,20 @@ class PeerRound:
         self.state = PeerState(self.state)  # a state read back from SQLite is a str
 
     @classmethod
-    def resume(cls, epoch: int, state: PeerState, now: float, phase_s: float = PEER_PHASE_S
-               ) -> tuple[PeerRound, list[PeerAction]]:
-        """After a restart: a vote or a commit waits again (with the standby stage back);
-        an active stage comes back active."""
-        r = cls(epoch, state, phase_s=phase_s)
-        if r.state in (PeerState.ACCEPTED, PeerState.COMMITTED):
-            r.deadline = now + r.phase_s
-            return r, [StageAction("prepare")]
-        if r.state is PeerState.PREPARING:  # no vote was sent: nothing to wait for
-            r.state = PeerState.ABORTED
-            return r, [Record(PeerState.ABORTED, "restarted before voting")]
-        if r.state is PeerState.ACTIVE:
-            return r, [StageAction("prepare"), StageAction("activate")]
-        return r, []
+    def resume(cls, epoch: int, state: PeerState, now: float, phase_s: float = PEER_PHASE_S,
+               reason: str = "") -> tuple[PeerRound, list[PeerAction]]:
+        """After a restart, the round as its record (``state``, ``reason``) left it, and
+        what ``Restarted`` does there: an unvoted one aborts, a vote or a commit waits again
+        (with the standby stage back), an active stage comes back active, an ended round
+        stays ended."""
+        r = cls(epoch, state, phase_s=phase_s, reason=reason)
+        return r, r.on_restart(now)
 
     # -- inputs: each is an event for PEER_TABLE -------------------------------------------
+
+    def on_restart(self, now: float) -> list[PeerAction]:
+        """The daemon started again with this round's record (``resume``)."""
+        return self._handle(Restarted(now))
 
     def on_offer_refused(self, code: str, reason: str, final: bool) -> list[PeerAction]:
         return self._handle(OfferRefused(code, reason, final))
@@ -343,6 +355,25 @@ class PeerRound:
         """A resent message: answered again, nothing changes."""
         return [Reply(self.state.value)]
 
+    def _answer_ended(self, e: CommitReceived | ActivateReceived) -> list[PeerAction]:
+        """A decision resent to a round that ended on its own (it gave up waiting, or it
+        restarted before voting): the coordinator hears why, nothing changes."""
+        return [Reply(self.state.value, self.reason)]
+
+    def _on_restart_unvoted(self, e: Restarted) -> list[PeerAction]:
+        """No vote went out, so the coordinator cannot have decided commit: abort, and stop
+        the standby stage the previous daemon may have left loading."""
+        reason = "restarted before voting"
+        self._end(PeerState.ABORTED, reason)
+        return [StageAction("stop"), Record(PeerState.ABORTED, reason)]
+
+    def _on_restart_voted(self, e: Restarted) -> list[PeerAction]:
+        self.deadline = e.now + self.phase_s
+        return [StageAction("prepare")]
+
+    def _on_restart_active(self, e: Restarted) -> list[PeerAction]:
+        return [StageAction("prepare"), StageAction("activate")]
+
     def _on_decided_elsewhere(self, e: AnsweredCommit | AnsweredActivate) -> list[PeerAction]:
         """Decided, but not for us yet (or an answer that came after the round moved on):
         keep waiting, and ask again at the next deadline, where this state has one."""
@@ -402,6 +433,13 @@ PEER_TABLE: Final[dict[tuple[PeerState, type[object]], _PRow]] = {
     (_S.ACCEPTED, AbortReceived): (_R._on_abort, (_S.ABORTED,)),
     (_S.COMMITTED, AbortReceived): (_R._on_abort, (_S.ABORTED,)),
     (_S.ABORTED, AbortReceived): (_R._answer_again, (_S.ABORTED,)),
+    (_S.ABORTED, CommitReceived): (_R._answer_ended, (_S.ABORTED,)),
+    (_S.ABORTED, ActivateReceived): (_R._answer_ended, (_S.ABORTED,)),
+    # The daemon started again with this round's record (resume); an ended round: nothing.
+    (_S.PREPARING, Restarted): (_R._on_restart_unvoted, (_S.ABORTED,)),
+    (_S.ACCEPTED, Restarted): (_R._on_restart_voted, (_S.ACCEPTED,)),
+    (_S.COMMITTED, Restarted): (_R._on_restart_voted, (_S.COMMITTED,)),
+    (_S.ACTIVE, Restarted): (_R._on_restart_active, (_S.ACTIVE,)),
     # No word between phases: ask the coordinator (Query), then give up.
     (_S.ACCEPTED, DeadlinePassed): (_R._on_no_word, (_S.ACCEPTED, _S.ABORTED)),
     (_S.COMMITTED, DeadlinePassed): (_R._on_no_word, (_S.COMMITTED, _S.ABORTED)),

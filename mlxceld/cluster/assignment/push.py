@@ -35,10 +35,20 @@ peer that restarts with an active assignment, before it brings the stage back
 (``deactivation.py``); a peer refuses it (``refused``, code ``coordinator``)
 from anyone but the coordinator that offered the plan.
 
-Bounds: ``CONNECT_S`` per dial and handshake, ``peer_round.FRAME_S`` per answer,
-``coordinator_round.PUSH_S`` for the whole push with ``COMMIT_WINDOW_S`` left for the
-commit phase, ``peer_round.PEER_PHASE_S`` for a peer's waits between phases,
-``LATE_DECISION_S`` for a decision to a peer whose connection came up after it.
+A peer whose connection is lost after the coordinator decided commit or activate
+is re-dialled (``_Links``): every ``coordinator_round.RESEND_S`` the decision goes
+again, over its connection or a new one, to each peer that has not answered it,
+within the commit window for ``commit`` and for ``coordinator_round.ACTIVATE_FOR_S``
+after ``activate`` (a peer that restarts answers from its record,
+``peer_round.PeerRound.resume``). Lost before the decision, a peer's vote cannot be
+asked again: the plan is aborted.
+
+Bounds: ``CONNECT_S`` per dial and handshake (one dial at a time per peer),
+``peer_round.FRAME_S`` per answer, ``coordinator_round.PUSH_S`` for the push up to the
+activate decision with ``COMMIT_WINDOW_S`` left for the commit phase, then
+``ACTIVATE_FOR_S``; ``RESEND_S`` between two re-sends or re-dials;
+``peer_round.PEER_PHASE_S`` for a peer's waits between phases, ``LATE_DECISION_S`` for
+a decision to a peer whose connection came up after it.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from mlxceld.cluster.assignment.coordinator_round import (
     CoordinatorRound,
     Finished,
     Persist,
+    Redial,
     Send,
 )
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
@@ -71,6 +82,7 @@ from mlxceld.wire.errors import EnvelopeError
 log = logging.getLogger(__name__)
 
 Watch = Callable[[CoordinatorRound], None]  # sees the round after every step (progress)
+Asked = Callable[[int, str], None]  # a peer asked about plan epoch, and heard this decision
 
 ASSIGNMENT_CHANNEL: Final = 2
 CONNECT_S: Final = 5.0  # one dial and handshake
@@ -177,37 +189,11 @@ async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: s
 
 async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans: Plans,
                  keyring: Keyring, identity: str, watch: Watch | None = None) -> Finished:
-    """One connection per peer (``first`` goes out on it), a reader each feeding the
-    round, its actions carried out in order, until it finishes.
-
-    A ``Send`` to a peer still connecting is skipped, but its message is kept: should
-    that dial still come up and deliver ``first`` before the round finishes (it connects
-    while another send is under way), the peer hears the message after all, best effort
-    and within ``LATE_DECISION_S``, before its connection is closed. A peer still
-    connecting when the round finishes is not waited for: its dial is cancelled, and
-    nothing went out to it."""
+    """One connection per peer at a time (``first`` goes out on the first; ``_Links``), a
+    reader each feeding the round, its actions carried out in order, until it finishes."""
     loop = asyncio.get_running_loop()
     epoch = round_.epoch
-    inbox: asyncio.Queue[tuple[str, str, dict[str, Any]]] = asyncio.Queue()
-    streams: dict[str, MxclStream] = {}
-    unsent: dict[str, bytes] = {}  # the last Send skipped per peer: it was not connected
-
-    async def dial(agent: str) -> None:
-        try:
-            stream = await connect_as(identity, agent, keyring=keyring,
-                                      channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
-        except HandshakeFailed as exc:
-            await inbox.put((agent, "lost", {"reason": f"cannot connect: {exc.message}"}))
-            return
-        streams[agent] = stream
-        try:
-            await stream.send(first[agent])
-            while True:
-                env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
-                if epoch_of(env.header) == epoch or env.type == "error":
-                    await inbox.put((agent, env.type, env.header))
-        except (ConnectionClosed, EnvelopeError) as exc:
-            await inbox.put((agent, "lost", {"reason": f"connection lost: {exc}"}))
+    links = _Links(epoch, identity, keyring)
 
     async def execute(actions: Sequence[object]) -> Finished | None:
         for a in actions:
@@ -216,26 +202,21 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
                     failpoints.crash("coordinator-before-decision")
                 plans.decide(epoch, a.decision, a.summary)
                 log.info("plan %d: decided %s %s", epoch, a.decision, a.summary)
-                if a.decision == "commit":
-                    failpoints.crash("coordinator-after-commit-decision")
-            elif isinstance(a, Send):
-                fields = {"summary": a.summary} if a.kind == "abort" else {}
+            elif isinstance(a, Send | Redial):
+                if a.kind in ("commit", "activate", "abort"):
+                    failpoints.crash(f"coordinator-after-{a.kind}-decision")
+                fields = ({"summary": a.summary} if isinstance(a, Send) and a.kind == "abort"
+                          else {})
                 payload = message(a.kind, epoch, **fields)
-                if a.peer not in streams:
-                    unsent[a.peer] = payload
-                    continue
-                unsent.pop(a.peer, None)
-                try:
-                    await streams[a.peer].send(payload)
-                except ConnectionClosed:
-                    await inbox.put((a.peer, "lost", {"reason": "connection lost"}))
+                await (links.redial if isinstance(a, Redial) else links.send)(a.peer, payload)
             elif isinstance(a, Finished):
+                if a.ok:
+                    failpoints.crash("coordinator-after-active-decision")
                 return a
         return None
 
-    # Not a task group: the readers end in the finally below, and a group would wrap the
-    # round's own errors (the MlxceldError the coordinator catches) in an ExceptionGroup.
-    readers = [asyncio.create_task(dial(agent)) for agent in first]
+    for peer, payload in first.items():
+        links.open(peer, payload)
     try:
         if watch is not None:
             watch(round_)
@@ -243,25 +224,132 @@ async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans:
             deadline = round_.next_deadline()
             try:
                 async with asyncio.timeout_at(deadline):
-                    peer, kind, header = await inbox.get()
+                    peer, kind, header, link = await links.inbox.get()
             except TimeoutError:
-                done = await execute(round_.handle_timer(loop.time()))
+                actions = round_.handle_timer(loop.time())
             else:
-                done = await execute(_feed(round_, peer, kind, header, loop.time()))
+                if kind == "lost" and not links.lose(peer, link):
+                    continue  # that connection's loss was heard already
+                actions = _feed(round_, peer, kind, header, loop.time())
+            done = await execute(actions)
             if watch is not None:
                 watch(round_)
             if done is not None:
                 return done
     finally:
-        for t in readers:
+        await links.aclose()
+
+
+@dataclass(eq=False)
+class _Link:
+    """One connection to a peer, from its dial on; its reader feeds ``_Links.inbox``."""
+
+    task: asyncio.Task[None] | None = None
+    stream: MxclStream | None = None
+    lost: bool = False
+
+
+class _Links:
+    """The push's connections, one per peer at a time, each dialled with its first message
+    and read into ``inbox`` as (peer, type, header, link); ``lost`` once it closes or
+    cannot be dialled (``CONNECT_S``). The round re-dials a lost peer (``Redial``).
+
+    A ``send`` to a peer still connecting is skipped, but its message is kept: should
+    that dial still come up and deliver its first message before the round finishes (it
+    connects while another send is under way), the peer hears the message after all,
+    best effort and within ``LATE_DECISION_S``, before its connection is closed. A peer
+    still connecting when the round finishes is not waited for: its dial is cancelled,
+    and nothing went out to it. A ``send`` to a peer whose connection is lost is
+    dropped: the round hears of the loss, and re-dials it or not."""
+
+    def __init__(self, epoch: int, identity: str, keyring: Keyring) -> None:
+        self.inbox: asyncio.Queue[tuple[str, str, Mapping[str, Any], _Link]] = asyncio.Queue()
+        self._epoch = epoch
+        self._identity = identity
+        self._keyring = keyring
+        self._by_peer: dict[str, _Link] = {}
+        self._all: list[_Link] = []
+        self._unsent: dict[str, bytes] = {}  # the last send skipped per peer: dialling
+
+    def open(self, peer: str, first: bytes) -> None:
+        """Dial ``peer`` (in a task of its own) and send ``first`` once connected."""
+        again = peer in self._by_peer
+        # Forget the links that are over (lost, their task done): a peer down for the
+        # whole ACTIVATE_FOR_S is dialled every RESEND_S, and nothing of those dials stays.
+        self._all = [k for k in self._all if not (k.lost and k.task is not None
+                                                   and k.task.done())]
+        link = _Link()
+        # Not a task group: the readers end in aclose, and a group would wrap the round's
+        # own errors (the MlxceldError the coordinator catches) in an ExceptionGroup.
+        link.task = asyncio.create_task(self._run(peer, first, link, again))
+        self._by_peer[peer] = link
+        self._all.append(link)
+
+    def lose(self, peer: str, link: _Link) -> bool:
+        """A ``lost`` from ``link``: True if it is news (the peer's current connection,
+        not yet lost), and then it is marked lost."""
+        if self._by_peer.get(peer) is not link or link.lost:
+            return False
+        link.lost = True
+        return True
+
+    async def send(self, peer: str, payload: bytes) -> None:
+        link = self._by_peer.get(peer)
+        if link is None or link.lost:
+            return
+        if link.stream is None:
+            self._unsent[peer] = payload
+            return
+        self._unsent.pop(peer, None)
+        try:
+            await link.stream.send(payload)
+        except ConnectionClosed as exc:
+            await self.inbox.put((peer, "lost", {"reason": f"connection lost: {exc}"}, link))
+
+    async def redial(self, peer: str, payload: bytes) -> None:
+        """``payload`` over a new connection if the peer's is lost; over its connection if
+        that is up; nothing while a dial is under way (the round sends again later)."""
+        link = self._by_peer.get(peer)
+        if link is None or link.lost:
+            log.debug("plan %d: dialling %s again", self._epoch, peer)
+            self.open(peer, payload)
+        elif link.stream is not None:
+            await self.send(peer, payload)
+
+    async def aclose(self) -> None:
+        tasks = [link.task for link in self._all if link.task is not None]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
-        # A dial cancelled inside connect sent nothing; one that got a stream also sent
-        # ``first`` (no await in between), so the peer must hear what it missed.
-        await asyncio.gather(*(_send_late(streams[p], m) for p, m in unsent.items()
-                               if p in streams))
-        for stream in streams.values():
-            await stream.close("assignment over")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # A dial cancelled inside connect sent nothing; one that got a stream also sent its
+        # first message (no await in between), so the peer must hear what it missed.
+        late = [(link.stream, m) for p, m in self._unsent.items()
+                if (link := self._by_peer[p]).stream is not None and not link.lost]
+        await asyncio.gather(*(_send_late(stream, m) for stream, m in late))
+        for link in self._all:
+            if link.stream is not None:
+                await link.stream.close("assignment over")
+
+    async def _run(self, peer: str, first: bytes, link: _Link, again: bool) -> None:
+        try:
+            stream = await connect_as(self._identity, peer, keyring=self._keyring,
+                                      channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
+        except HandshakeFailed as exc:
+            await self.inbox.put((peer, "lost", {"reason": f"cannot connect: {exc.message}"},
+                                  link))
+            return
+        link.stream = stream
+        if again:
+            log.info("plan %d: connected to %s again", self._epoch, peer)
+        try:
+            await stream.send(first)
+            while True:
+                env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
+                if epoch_of(env.header) == self._epoch or env.type == "error":
+                    await self.inbox.put((peer, env.type, env.header, link))
+        except (ConnectionClosed, EnvelopeError) as exc:
+            await self.inbox.put((peer, "lost", {"reason": f"connection lost: {exc}"}, link))
+            await stream.close("connection lost")
 
 
 async def _send_late(stream: MxclStream, payload: bytes) -> None:
@@ -284,7 +372,7 @@ def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
         code, reason = header.get("code"), header.get("reason")
         return r.on_refused(peer, f"{code}: {reason}")
     if kind == "lost":
-        return r.on_failed(peer, str(header.get("reason")))
+        return r.on_lost(peer, str(header.get("reason")))
     if kind == "error":
         return r.on_failed(peer, f"protocol error: {header.get('reason')}")
     if kind == "aborted":
@@ -293,13 +381,16 @@ def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
     return []
 
 
-def serve_queries(agent: AgentService, plans: Plans) -> None:
-    """Answer a peer's ``query`` from the plans table (an undecided plan reads as abort)."""
+def serve_queries(agent: AgentService, plans: Plans, asked: Asked | None = None) -> None:
+    """Answer a peer's ``query`` from the plans table (an undecided plan reads as abort);
+    ``asked`` then hears the epoch and the answer (``Coordinator.peer_asked``)."""
 
     async def answer(stream: MxclStream, env: Envelope) -> None:
         epoch = epoch_of(env.header)
         row = plans.get(epoch) if epoch is not None else None
         decision = "unknown" if row is None else (row.decision or "abort")
         await stream.send(message("decision", epoch or 0, decision=decision))
+        if asked is not None and row is not None:
+            asked(row.epoch, decision)
 
     agent.add_handler(ASSIGNMENT_CHANNEL, "query", answer)
