@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import resource
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -130,7 +131,7 @@ class Guard:
         self.render = render
         self.what = what  # "the OpenAI port", "the control socket": named in the log
         self._open: set[Connection] = set()
-        self._idle: dict[Connection, None] = {}  # insertion order: longest waiting first
+        self._idle: OrderedDict[Connection, None] = OrderedDict()  # longest waiting first
         self.evictions = Burst(log, logging.WARNING, "connections closed over the cap")
         self.late = Burst(log, logging.WARNING, "connections closed at a deadline")
         self.refusals = Burst(log, logging.INFO, "requests refused before the app")
@@ -155,6 +156,12 @@ class Guard:
         if conn in self._open:
             self._idle.pop(conn, None)
             self._idle[conn] = None
+
+    def doomed(self, conn: Connection) -> None:
+        """``conn`` is closing (refused, lingering for its answer to be read): first to go."""
+        if conn in self._open:
+            self._idle[conn] = None
+            self._idle.move_to_end(conn, last=False)
 
     def busy(self, conn: Connection) -> None:
         self._idle.pop(conn, None)
@@ -186,7 +193,7 @@ def connection_cap(wanted: int, what: str) -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return wanted
-    cap = max(MIN_CONNECTIONS, min(wanted, soft - RESERVED_FDS))
+    cap = min(wanted, max(MIN_CONNECTIONS, soft - RESERVED_FDS))
     if cap < wanted:
         log.warning("%s takes %d connections, not %d: the file limit is %d and %d are kept "
                     "for the process itself; raise the limit (ulimit -n) to take more",

@@ -14,6 +14,12 @@ a large head is taken whenever it arrives in one read. Two additions close that:
   ``IDLE`` (a head is awaited) arms the header deadline, ``SEND_BODY`` the body
   deadline, and anything else (the app has the request) none. The deadline is armed
   when the state changes, never pushed back by bytes that trickle in.
+
+A refused connection lingers: the answer and our FIN go out, and what the peer still
+sends (the rest of a head too large) is read and dropped until it closes, or for
+``LINGER_S`` at most; closing at once would have the kernel reset the connection,
+and the peer lose the answer it had not read yet. A lingering connection is the first
+to go over the cap.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from mlxceld.control.connections import (
 log = logging.getLogger(__name__)
 
 Waiting = Literal["head", "body"]
+LINGER_S = 2.0
 
 
 class _CheckedConnection(h11.Connection):
@@ -82,6 +89,7 @@ class GuardedH11Protocol(H11Protocol):
         self._waiting: Waiting | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._answered = 0  # responses completed on this connection
+        self._lingering = False
 
     # -- uvicorn's protocol, followed --------------------------------------------------------
 
@@ -96,6 +104,8 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         super().data_received(data)
         self._follow()
 
@@ -110,6 +120,9 @@ class GuardedH11Protocol(H11Protocol):
         """Closed to make room: said so (503) unless it is a keep-alive connection with
         nothing of a next request, which is closed as an idle one is."""
         limits = self.guard.limits
+        if self._lingering:
+            self.transport.abort()
+            return
         if not newcomer and self._answered and not self._partial_head():
             self._close_quietly()
             return
@@ -158,6 +171,8 @@ class GuardedH11Protocol(H11Protocol):
         """Arm the deadline of what the connection now waits for, if that changed."""
         state = self.conn.their_state
         waiting: Waiting | None = None
+        if self._lingering:
+            return
         if not self.transport.is_closing():
             waiting = "head" if state is h11.IDLE else "body" if state is h11.SEND_BODY \
                 else None
@@ -216,8 +231,19 @@ class GuardedH11Protocol(H11Protocol):
         # unsent answer: what the kernel did not take at once is dropped.
         if self.transport.get_write_buffer_size():
             self.transport.abort()
-        else:
+        elif not self.transport.can_write_eof():
             self.transport.close()
+        else:
+            self.transport.write_eof()
+            self._lingering = True
+            self._disarm()
+            self.guard.doomed(self)
+            self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.resume_reading()  # uvicorn paused it when it saw h11.PAUSED
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a local client"
