@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,25 @@ def test_a_body_that_is_no_json_object_is_a_400(daemon: FakeDaemon, content: byt
     error = refusal(call(daemon, "POST", "/v1/cluster/plan", content=content), 400)
     assert error["code"] == "bad_request" and error["message"].startswith("the body is not")
     assert error["hint"] == "see `mlxctl cluster plan --help`"
+
+
+def test_a_body_over_the_limit_is_a_413_that_names_it(daemon: FakeDaemon) -> None:
+    from mlxceld.control.requests import MAX_BODY_BYTES
+
+    async def streamed() -> AsyncIterator[bytes]:  # no Content-Length: counted as it comes
+        yield b'{"model": "'
+        for _ in range(MAX_BODY_BYTES // 65536 + 1):
+            yield b"m" * 65536
+        yield b'"}'
+
+    declared = b'{"model": "' + b"m" * MAX_BODY_BYTES + b'"}'
+    for content in (declared, streamed()):
+        error = refusal(call(daemon, "POST", "/v1/serve", content=content), 413)
+        assert error["code"] == "request_too_large"
+        assert error["message"] == (f"the request body is larger than {MAX_BODY_BYTES} bytes, "
+                                    "the most the control API takes")
+        assert error["hint"] == "see `mlxctl serve --help`"
+    assert daemon.calls == []
 
 
 def test_a_secret_is_never_echoed(daemon: FakeDaemon) -> None:
