@@ -15,11 +15,13 @@ a large head is taken whenever it arrives in one read. Two additions close that:
   deadline, and anything else (the app has the request) none. The deadline is armed
   when the state changes, never pushed back by bytes that trickle in.
 
-A refused connection lingers: the answer and our FIN go out, and what the peer still
-sends (the rest of a head too large) is read and dropped until it closes, or for
-``LINGER_S`` at most; closing at once would have the kernel reset the connection,
-and the peer lose the answer it had not read yet. A lingering connection is the first
-to go over the cap.
+A connection whose head is refused lingers: the answer and our FIN go out, and what
+the peer still sends (the rest of a head too large) is read and dropped until it
+closes, or for ``LINGER_S`` at most; closing at once would have the kernel reset the
+connection, and the peer lose the answer it had not read yet. A lingering connection
+still counts against the cap, and is the first to go over it. Connections closed for
+the cap or at a deadline do not linger: they hold descriptors the cap is there to
+bound.
 """
 
 from __future__ import annotations
@@ -137,9 +139,9 @@ class GuardedH11Protocol(H11Protocol):
     def refuse_head(self, refusal: Refusal) -> None:
         self.guard.refusals.note("%s refused a request: %d %s (%s)", self.guard.what,
                                  refusal.status, refusal.message, self._peer())
-        self.refuse(refusal)
+        self.refuse(refusal, linger=True)
 
-    def refuse(self, refusal: Refusal) -> None:
+    def refuse(self, refusal: Refusal, *, linger: bool = False) -> None:
         """Answer ``refusal`` instead of the app (a plain close if the app's answer has
         begun) and close. The app's request, if any, sees the client gone."""
         cycle = self.cycle
@@ -163,7 +165,7 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.abort()
             return
         self.transport.write(data)
-        self._close()
+        self._close(linger=linger)
 
     # -- deadlines ---------------------------------------------------------------------------
 
@@ -226,12 +228,12 @@ class GuardedH11Protocol(H11Protocol):
             self.conn.send(h11.ConnectionClosed())
         self._close()
 
-    def _close(self) -> None:
+    def _close(self, *, linger: bool = False) -> None:
         # A peer that reads nothing must not hold the connection open through our
         # unsent answer: what the kernel did not take at once is dropped.
         if self.transport.get_write_buffer_size():
             self.transport.abort()
-        elif not self.transport.can_write_eof():
+        elif not linger or not self.transport.can_write_eof():
             self.transport.close()
         else:
             self.transport.write_eof()
