@@ -4,7 +4,7 @@ Every refusal is a ``BadRequest`` naming the query parameter or body field at
 fault, with the body's whole shape and where to read more. A value is never
 echoed from a body: a secret's body carries the secret. A body is at most
 ``MAX_BODY_BYTES`` (413, ``RequestTooLarge``, refused as soon as it grows past it);
-one nested too deep for the parser is not JSON (400).
+one nested too deep for the parser is refused (400) saying so.
 """
 
 from __future__ import annotations
@@ -56,7 +56,10 @@ class Body:
     async def read(cls, request: Request, shape: str, hint: str) -> Body:
         try:
             value = json.loads(await _bounded_body(request, hint))
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+        except RecursionError:  # the C parser's guard: caught here, never logged
+            raise BadRequest("body", "the body is nested too deeply to be parsed; it must be "
+                             f"{shape}", hint=hint) from None
+        except ValueError:  # not JSON, not UTF-8
             raise BadRequest("body", f"the body is not JSON; it must be {shape}",
                              hint=hint) from None
         if not isinstance(value, dict):
