@@ -17,8 +17,10 @@
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
 its own is closed (a request in progress never is); the cap is lowered to keep
-128 descriptors of the router's file limit free (the router raises its soft limit
-to the hard one; mlx-lm sets the hard one to 4096 as it is imported). A head not
+128 descriptors of the router's file limit free, and 128 more for the connections
+accepted in one go (the router raises its soft limit to the hard one; mlx-lm sets
+the hard one to 4096 as it is imported). The kernel queues 1024 connections not yet
+accepted (``workers/router.py``'s ``BACKLOG``). A head not
 whole ``header_timeout_s`` after the connection opened (or after the previous
 response on it), or a body not whole ``body_timeout_s`` after its head, is answered
 408 and closed.

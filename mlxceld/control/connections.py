@@ -8,7 +8,13 @@ A peer can stall us in four ways, and each has its bound (``ConnectionLimits``):
   a connection whose request is in the app is never closed for it. When every
   connection is busy, the newcomer is answered 503 and closed. The cap is kept
   below the process's file limit (``connection_cap``), so ``accept()`` never fails
-  for want of a descriptor and the process keeps the ones it needs for itself;
+  for want of a descriptor and the process keeps the ones it needs for itself. Over
+  the cap, a connection is closed once accepted: asyncio accepts ``ACCEPT_BATCH`` in
+  a turn of its loop, so for a moment a listener holds that many more, which the
+  cap leaves room for. Between two batches the loop reads what the connections
+  already accepted have sent, so a burst of newcomers does not push out one whose
+  request has arrived but was not read yet; the rest of a burst waits in the
+  kernel's queue (the listener's backlog);
 - **a slow head** (``header_timeout_s``): a request's head must be whole this long
   after the connection opened, or after the previous response on it; the deadline
   does not move as bytes trickle in. A partial head is answered 408; nothing at all
@@ -42,6 +48,7 @@ MAX_HEAD_BYTES: Final = 64 * 1024  # the request line and every header
 MAX_HEADER_LINE_BYTES: Final = 16 * 1024  # one header, name and value
 MAX_HEADERS: Final = 100
 RESERVED_FDS: Final = 128  # descriptors a process keeps for itself beyond its connections
+ACCEPT_BATCH: Final = 128  # connections asyncio accepts in one turn, before the cap sees any
 MIN_CONNECTIONS: Final = 8
 OPEN_MAX: Final = 10240  # macOS: the most a soft limit may be when the hard one is unlimited
 
@@ -187,15 +194,16 @@ def raise_file_limit() -> int:
     return target
 
 
-def connection_cap(wanted: int, what: str) -> int:
-    """``wanted``, lowered to keep ``RESERVED_FDS`` of the soft file limit free (and
-    logged when it is)."""
+def connection_cap(wanted: int, what: str, burst: int = 0) -> int:
+    """``wanted``, lowered to keep ``RESERVED_FDS`` of the soft file limit free, and
+    ``burst`` more (and logged when it is): the connections accepted in one turn, before
+    the cap can close any of them."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return wanted
-    cap = min(wanted, max(MIN_CONNECTIONS, soft - RESERVED_FDS))
+    cap = min(wanted, max(MIN_CONNECTIONS, soft - RESERVED_FDS - burst))
     if cap < wanted:
-        log.warning("%s takes %d connections, not %d: the file limit is %d and %d are kept "
-                    "for the process itself; raise the limit (ulimit -n) to take more",
-                    what, cap, wanted, soft, RESERVED_FDS)
+        log.warning("%s takes %d connections, not %d: the file limit is %d, and %d are kept "
+                    "for the process itself and %d for a burst of accepts; raise the limit "
+                    "(ulimit -n) to take more", what, cap, wanted, soft, RESERVED_FDS, burst)
     return cap

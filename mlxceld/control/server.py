@@ -41,7 +41,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxceld.control.access import DEFAULT_DENIED_HINT, OperatorGroup, join_hint
 from mlxceld.control.bursts import Burst
-from mlxceld.control.connections import ConnectionLimits, Guard, Render, connection_cap
+from mlxceld.control.connections import (
+    ACCEPT_BATCH,
+    ConnectionLimits,
+    Guard,
+    Render,
+    connection_cap,
+)
 from mlxceld.control.guarded import GuardedH11Protocol, json_refusal
 from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
 from mlxceld.errors import SocketError
@@ -262,9 +268,10 @@ class _PeerH11Protocol(GuardedH11Protocol):
 class _QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signals alone and reports when it is accepting."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, backlog: int) -> None:
         super().__init__(config)
         self.started_future: asyncio.Future[None] | None = None
+        self._backlog = backlog
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -272,6 +279,8 @@ class _QuietServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
+        for sock in sockets or ():  # asyncio listen()ed with its batch: the kernel's queue
+            sock.listen(self._backlog)
         fut = self.started_future
         if self.started and fut is not None and not fut.done():
             fut.set_result(None)
@@ -282,17 +291,20 @@ class SocketServer:
 
     uvicorn never installs signal handlers here: the process that owns us does. The
     socket is closed when ``serve`` returns; a Unix socket file is left in place (see
-    ``remove_socket_file``).
+    ``remove_socket_file``). ``backlog`` is the kernel's queue of connections not yet
+    accepted (128, the control socket's, unless told). asyncio accepts as many as its
+    own backlog argument in a turn, and ``listen()``s with it: it is given
+    ``ACCEPT_BATCH``, and ``listen()`` is called again with ``backlog`` once serving.
     """
 
     def __init__(
         self, app: ASGIApp, sock: socket.socket, *, graceful_timeout_s: float = 5.0,
         limits: ConnectionLimits = CONTROL_LIMITS, render: Render = json_refusal,
         what: str = "the control socket",
-        protocol: type[GuardedH11Protocol] = GuardedH11Protocol,
+        protocol: type[GuardedH11Protocol] = GuardedH11Protocol, backlog: int = _BACKLOG,
     ) -> None:
         self._sock = sock
-        capped = ConnectionLimits(connection_cap(limits.max_connections, what),
+        capped = ConnectionLimits(connection_cap(limits.max_connections, what, ACCEPT_BATCH),
                                   limits.header_timeout_s, limits.body_timeout_s)
         self.guard = Guard(capped, render, what)
         self._accept_failures = Burst(logger, logging.ERROR, "failed accepts")
@@ -307,11 +319,11 @@ class SocketServer:
             log_level="warning",
             access_log=False,
             proxy_headers=False,
-            backlog=_BACKLOG,  # asyncio calls listen() again with this
+            backlog=min(backlog, ACCEPT_BATCH),  # accepts a turn; listen() again after
             # asyncio.wait_for takes a float; uvicorn only annotates int.
             timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
         )
-        self._server = _QuietServer(config)
+        self._server = _QuietServer(config, backlog)
 
     async def serve(self, started: asyncio.Future[None] | None = None) -> None:
         """Serve until ``request_shutdown``; set ``started`` once accepting connections."""

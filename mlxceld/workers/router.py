@@ -38,12 +38,13 @@ from mlxceld.workers.runtime import WorkerContext
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
 STATS_EVERY_S = 1.0
+BACKLOG = 1024  # connections the kernel queues for accept(): a burst of clients, not a flood
 
 
 def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), family=family, backlog=1024)
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
     except OSError as exc:
         raise RuntimeError(
             f"cannot listen on {host}:{port}: {exc.strerror}; is another server using the "
@@ -111,7 +112,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            readiness=engine.readiness if pipeline else None)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
-                          render=refusal_body, what="the OpenAI port")
+                          render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
     started: asyncio.Future[None] = loop.create_future()
     try:
         async with asyncio.TaskGroup() as tg:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -337,14 +338,38 @@ from mlxceld.control.connections import connection_cap, raise_file_limit
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 print("cap", connection_cap(1024, "the port"))
+print("cap", connection_cap(1024, "the port", burst=64))
 print("raised", raise_file_limit() == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 print("cap", connection_cap(1024, "the port"))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     lines = out.splitlines()
-    assert f"cap {256 - RESERVED_FDS}" in lines
+    assert f"cap {256 - RESERVED_FDS}" in lines and f"cap {256 - RESERVED_FDS - 64}" in lines
+    assert any("kept for the process itself and 64 for a burst of accepts" in line
+               for line in lines)
     assert any("the port takes 128 connections, not 1024: the file limit is 256" in line
                for line in lines)
     assert "raised True" in lines
     assert lines[-1] == "cap 1024" or resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="reads the backlog with ss(8)")
+def test_the_kernel_queues_the_listeners_backlog_and_asyncio_accepts_a_batch() -> None:
+    async def main() -> None:
+        sock = socket.create_server(("127.0.0.1", 0), backlog=1000)
+        sock.setblocking(False)
+        port = sock.getsockname()[1]
+        server = SocketServer(Backend().app, sock, backlog=1000, what="the test port")
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(server.serve(started))
+        try:
+            await started
+            out = await asyncio.to_thread(subprocess.run, ["ss", "-ltnH", f"sport = :{port}"],
+                                          capture_output=True, text=True, timeout=30)
+            assert out.stdout.split()[2] == "1000", out.stdout  # Send-Q: the backlog
+        finally:
+            server.request_shutdown()
+            await task
+
+    asyncio.run(main())
