@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,13 @@ import httpx
 import psutil
 import pytest
 
-from mlxceld.control.connections import MAX_HEADER_LINE_BYTES, MAX_HEADERS, RESERVED_FDS
+from mlxceld.control.connections import ACCEPT_BATCH, MAX_HEADER_LINE_BYTES, MAX_HEADERS
 from mlxceld.models import preset, write_fixture
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.models import PROMPT
 from helpers.ports import free_port
+from helpers.probe import HealthProbe
 from helpers.router import client
 from helpers.waiting import wait_for
 
@@ -128,45 +129,6 @@ def open_connections(port: int, count: int, into: list[socket.socket],
                     selector.unregister(s)
 
 
-@dataclass
-class Probe:
-    """``GET /health`` on a fresh connection every ``every`` s in a thread, until stopped:
-    how long each took, and what failed."""
-
-    url: str
-    every: float = 0.2
-    took: list[float] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            began = time.monotonic()
-            try:
-                status = httpx.get(f"{self.url}/health", timeout=5).status_code
-                if status != 200:
-                    self.failed.append(f"status {status}")
-            except httpx.HTTPError as exc:
-                self.failed.append(repr(exc))
-            self.took.append(time.monotonic() - began)
-            self.stop.wait(self.every)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Probe]:
-        thread = threading.Thread(target=self.run, daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            self.stop.set()
-            thread.join(10)
-
-    def check(self, within: float, at_least: int) -> None:
-        assert not self.failed, self.failed
-        assert len(self.took) >= at_least, self.took
-        assert max(self.took) < within, f"/health took up to {max(self.took):.3f} s"
-
-
 class Closings:
     """Watches non-blocking sockets until the server has closed each; keeps what it sent."""
 
@@ -192,6 +154,7 @@ def test_a_flood_of_idle_and_slowloris_connections_leaves_the_router_serving(
         router: Router) -> None:
     log_before = router.log_size()
     worker = psutil.Process(router.pid)
+    own_fds = worker.num_fds()  # the model, the log, the sockets of its own
     sockets: list[socket.socket] = []
     dripping = threading.Event()
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 60
@@ -204,7 +167,12 @@ def test_a_flood_of_idle_and_slowloris_connections_leaves_the_router_serving(
             if dripping.wait(1):
                 return
 
-    with file_limit(IDLE + SLOW + 256), Probe(router.url).running() as probe:
+    # Asked once the connections are open: while they open as fast as the kernel
+    # takes them, its accept queue overflows, and a probe's SYN may wait for its
+    # retransmission (bench/hostile_http.py measures that phase too).
+    probe = HealthProbe("127.0.0.1", router.port)
+    dripper: threading.Thread | None = None
+    with file_limit(IDLE + SLOW + 256):
         try:
             open_connections(router.port, IDLE, sockets)
             slow: list[socket.socket] = []
@@ -213,20 +181,26 @@ def test_a_flood_of_idle_and_slowloris_connections_leaves_the_router_serving(
             dripper = threading.Thread(target=drip, args=(slow,), daemon=True)
             dripper.start()
             held = worker.num_fds()
-            with client(f"{router.url}/v1") as c:
-                choice = c.completions.create(model="llama", prompt=PROMPT, max_tokens=4,
-                                              temperature=0).choices[0]
-            began = time.monotonic()
-            answers = wait_for(Closings(slow), HEADER_TIMEOUT_S + 60,
-                               "the router to close every slowloris connection", every=0.2)
-            closed_after = time.monotonic() - began
+            with probe.running():
+                with client(f"{router.url}/v1") as c:
+                    choice = c.completions.create(model="llama", prompt=PROMPT,
+                                                  max_tokens=4, temperature=0).choices[0]
+                began = time.monotonic()
+                answers = wait_for(Closings(slow), HEADER_TIMEOUT_S + 60,
+                                   "the router to close every slowloris connection",
+                                   every=0.2)
+                closed_after = time.monotonic() - began
         finally:
             dripping.set()
+            if dripper is not None:
+                dripper.join(10)
             for s in sockets:
                 s.close()
     probe.check(within=1.0, at_least=5)
     assert choice.finish_reason in ("length", "stop") and isinstance(choice.text, str)
-    assert held <= MAX_CONNECTIONS + RESERVED_FDS, f"the router held {held} descriptors"
+    # The cap, and a batch or two accepted at once, before the cap closes them.
+    assert held <= own_fds + MAX_CONNECTIONS + 2 * ACCEPT_BATCH, \
+        f"the router held {held} descriptors"
     # Each slow head was refused at its deadline (408), or closed over the cap (503).
     statuses = {a.split(b" ", 2)[1] for a in answers if a}
     assert statuses <= {b"408", b"503"}, answers[:3]
@@ -285,7 +259,8 @@ def test_prompts_of_mbs_are_refused_while_health_answers(router: Router) -> None
                                              "max_tokens": 4})
 
     sender = threading.Thread(target=send)
-    with Probe(router.url, every=0.05).running() as probe:
+    probe = HealthProbe("127.0.0.1", router.port, every=0.05)
+    with probe.running():
         sender.start()
         sender.join(120)
     probe.check(within=0.5, at_least=5)
