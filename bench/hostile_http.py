@@ -1,8 +1,8 @@
 """Hostile clients against a real router, measured: what a flood of connections and a
 prompt of MBs do to ``/health``, to a completion, to the router's log and memory.
 
-It starts a real daemon serving the ``tiny`` llama fixture (context 2,048 tokens) on
-loopback with the default ``[serve]`` bounds, then:
+It starts a real daemon serving the ``tiny`` llama fixture (context ``--context``
+tokens, 2,048 by default) on loopback with the default ``[serve]`` bounds, then:
 
 1. quiet: ``GET /health`` every 0.05 s for 2 s, each on a fresh connection, from a
    process of its own;
@@ -11,16 +11,17 @@ loopback with the default ``[serve]`` bounds, then:
    ``--hold`` s (past the 10 s head deadline); ``/health`` every 0.2 s (5 s timeout
    each) while they open and while they are held, and one completion (4 tokens, 60 s
    timeout) once they are open. Reported: /health's median and worst, its failures,
-   the completion's time, the router's descriptors at their most, its log's growth;
+   the completion's time, the router's descriptors at their most, its log's growth
+   (rotated files included), and whether the router is still the same process;
 3. a prompt of ``--mb`` MB (``/v1/completions``, 120 s timeout) while ``/health``
    is asked every 0.05 s: its status and time, /health's worst, and the router's
    RSS before, at its most, and 2 s after.
 
-``--tree DIR`` runs the daemon and its workers from another checkout (its directory
-first on PYTHONPATH), e.g. a worktree of main, to compare before and after:
+``--python PATH`` runs the daemon (and so its workers) with another interpreter, e.g.
+the venv of a worktree of main, to compare before and after:
 
-    git worktree add --detach /tmp/mx-main main
-    .venv/bin/python bench/hostile_http.py --tree /tmp/mx-main
+    git worktree add --detach /tmp/mx-main main && make -C /tmp/mx-main install
+    .venv/bin/python bench/hostile_http.py --python /tmp/mx-main/.venv/bin/python
     .venv/bin/python bench/hostile_http.py
 """
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import resource
 import selectors
 import shutil
@@ -183,26 +183,45 @@ def timed_post(url: str, body: dict[str, object], timeout: float) -> str:
 
 
 class Router:
-    def __init__(self, tree: Path | None, work: Path) -> None:
+    def __init__(self, python: str, work: Path, context: int) -> None:
         self.work = work
         model = work / "llama"
-        write_fixture(model, preset("tiny", family="llama"))
+        write_fixture(model, preset("tiny", family="llama", context=context))
         (work / "mlxceld.toml").write_text(CONFIG)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket = work / "ctl.sock"
-        env = dict(os.environ)
-        if tree is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
-        self.env = env
+        self.python = python
         self._stderr = (work / "daemon.log").open("wb")
         self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "mlxceld", "--config", str(work / "mlxceld.toml"),
+            [python, "-m", "mlxceld", "--config", str(work / "mlxceld.toml"),
              "--state-dir", str(work / "state"), "--socket", str(self.socket),
              "--agent-addr", "127.0.0.1:0", "--model", str(model), "--port", str(self.port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=self._stderr)
+            cwd=work, stdout=subprocess.DEVNULL, stderr=self._stderr)
         self.pid = self._wait_router()
         self.log = work / "state" / "logs" / "router.log"
+
+    def log_bytes(self) -> tuple[int, int]:
+        """The router's log and its rotated ones: bytes in all, and how many files."""
+        files = list(self.log.parent.glob("router.log*"))
+        return sum(f.stat().st_size for f in files), len(files)
+
+    def worker(self) -> dict[str, object]:
+        """The router's row in ``mlxctl workers --json``."""
+        out = subprocess.run([self.python, "-m", "mlxctl", "--socket", str(self.socket),
+                              "workers", "--json"], capture_output=True, text=True,
+                             cwd=self.work, check=True)
+        row: dict[str, object] = next(w for w in json.loads(out.stdout)["workers"]
+                                      if w["name"] == "router")
+        return row
+
+    def restarted(self) -> str:
+        """What became of the router since the last look (and its pid updated)."""
+        row = self.worker()
+        if row["pid"] == self.pid:
+            return f"the same router (pid {self.pid}), {row['restarts']} restarts"
+        was, self.pid = self.pid, self._wait_router()
+        return f"the router was replaced: pid {was} -> {self.pid}, {row['restarts']} restarts"
 
     def _wait_router(self) -> int:
         deadline = time.monotonic() + 180
@@ -210,9 +229,9 @@ class Router:
             if self.daemon.poll() is not None:
                 raise SystemExit(f"the daemon exited {self.daemon.returncode}; see "
                                  f"{self.work / 'daemon.log'}")
-            out = subprocess.run([sys.executable, "-m", "mlxctl", "--socket", str(self.socket),
+            out = subprocess.run([self.python, "-m", "mlxctl", "--socket", str(self.socket),
                                   "workers", "--json"], capture_output=True, text=True,
-                                 env=self.env)
+                                 cwd=self.work)
             if out.returncode == 0:
                 for w in json.loads(out.stdout)["workers"]:
                     if w["name"] == "router" and w["state"] == "running":
@@ -241,7 +260,7 @@ def quiet(router: Router) -> None:
 
 def flood(router: Router, idle: int, slow: int, hold: float) -> None:
     worker = psutil.Process(router.pid)
-    log_before = router.log.stat().st_size
+    log_before, files_before = router.log_bytes()
     sockets: list[socket.socket] = []
     dripping = threading.Event()
     head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
@@ -275,17 +294,16 @@ def flood(router: Router, idle: int, slow: int, hold: float) -> None:
             dripping.set()
             for s in sockets:
                 s.close()
-    grew = router.log.stat().st_size - log_before
-    with router.log.open("rb") as f:
-        f.seek(log_before)
-        lines = f.read().count(b"\n")
+    log_after, files_after = router.log_bytes()
     print(f"flood: {idle} idle + {slow} slowloris connections (opened in {opened:.1f} s), "
           f"held {hold:.0f} s")
     print(f"  /health while they open: {opening.summary()}")
     print(f"  /health while they are held: {holding.summary()}")
     print(f"  completion: {done[0] if done else 'no answer in 60 s'}")
-    print(f"  router: at most {watch.fds} descriptors; its log grew {grew} bytes, "
-          f"{lines} lines")
+    rotated = f" (rotated into {files_after} files)" if files_after > files_before else ""
+    print(f"  router: at most {watch.fds} descriptors; its log grew "
+          f"{log_after - log_before} bytes{rotated}")
+    print(f"  after: {router.restarted()}")
 
 
 def large_prompt(router: Router, mb: float) -> None:
@@ -310,11 +328,15 @@ def large_prompt(router: Router, mb: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", type=Path, help="run the daemon from this checkout")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter to run the daemon with (another checkout's venv)")
     parser.add_argument("--idle", type=int, default=2100)
     parser.add_argument("--slow", type=int, default=500)
     parser.add_argument("--hold", type=float, default=15.0)
     parser.add_argument("--mb", type=float, default=4.0)
+    parser.add_argument("--context", type=int, default=2048,
+                        help="the model's context; 131072 takes a 4 MB prompt to its tokenizer")
+    parser.add_argument("--keep", action="store_true", help="keep the state dir and logs")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = args.idle + args.slow + 256
@@ -323,17 +345,19 @@ def main() -> None:
             raise SystemExit(f"{needed} descriptors are needed; the hard file limit is {hard}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     work = Path(tempfile.mkdtemp(prefix="mxhostile", dir="/tmp"))
-    router = Router(args.tree.resolve() if args.tree else None, work)
+    router = Router(args.python, work, args.context)
     try:
-        print(f"router pid {router.pid} on {router.url}, code from "
-              f"{args.tree or 'this checkout'}")
+        print(f"router pid {router.pid} on {router.url}, daemon run by {args.python}")
         quiet(router)
         flood(router, args.idle, args.slow, args.hold)
         quiet(router)
         large_prompt(router, args.mb)
     finally:
         router.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
