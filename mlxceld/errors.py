@@ -2,7 +2,8 @@
 
     MlxceldError                    root: everything we raise on purpose
     ├── BadRequest                  a control API request is malformed (names the parameter
-    │                               or body field; the caller's to fix)
+    │   │                           or body field; the caller's to fix)
+    │   └── RequestTooLarge         its body is larger than the control API takes
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
     │   ├── SecretSourceError       no usable cluster secret where the sources point
     │   ├── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
@@ -60,6 +61,10 @@ class BadRequest(MlxceldError):
     def __init__(self, field: str, message: str, *, hint: str = "") -> None:
         super().__init__(message, hint=hint)
         self.field = field
+
+
+class RequestTooLarge(BadRequest):
+    code = "request_too_large"
 
 
 class ConfigError(MlxceldError):

@@ -9,8 +9,9 @@ from mlxceld.api.codec import (
     StreamDecoder,
     TextCodec,
 )
-from mlxceld.api.errors import ApiError
+from mlxceld.api.errors import ApiError, refusal_body
 from mlxceld.api.requests import ChatRequest, CompletionRequest, Options
 
 __all__ = ["ApiError", "ChatMessage", "ChatRequest", "ChatTemplateError", "CompletionRequest",
-           "MlxTextCodec", "Options", "Role", "StreamDecoder", "TextCodec", "build_router_app"]
+           "MlxTextCodec", "Options", "Role", "StreamDecoder", "TextCodec", "build_router_app",
+           "refusal_body"]

@@ -36,9 +36,17 @@ from mlxceld.api.errors import ApiError, error_response, invalid
 from mlxceld.api.formats import ChatFormat, Format, TextFormat
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.metrics import CONTENT_TYPE, Metrics, count_requests
-from mlxceld.api.requests import Options, parse_chat, parse_completion, read_body, sampling_params
+from mlxceld.api.requests import (
+    Options,
+    check_prompt_bytes,
+    parse_chat,
+    parse_completion,
+    read_body,
+    sampling_params,
+)
 from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
+from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.engine import Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
@@ -69,6 +77,7 @@ def build_router_app(
     metrics = Metrics(queue_depth=lambda: admission.queued,
                       active_sequences=lambda: admission.active)
     sequencer = Sequencer(engine, codec, admission, metrics)
+    tokenizer = PromptTokenizer(codec)
     card: ModelCard = {"id": model_id, "object": "model", "created": int(time.time()),
                        "owned_by": "mlxceld"}
 
@@ -116,8 +125,10 @@ def build_router_app(
     async def chat(request: Request) -> Response:
         arrived = check_ready()
         parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
+        size = sum(len(m.content.encode()) for m in parsed.messages)
+        check_prompt_bytes(size, context_length=engine.context_length, prompt_param="messages")
         try:
-            prompt = codec.encode_chat(list(parsed.messages))
+            prompt = await tokenizer.chat(list(parsed.messages), size)
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
         options = parsed.options
@@ -128,10 +139,13 @@ def build_router_app(
     async def completions(request: Request) -> Response:
         arrived = check_ready()
         parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
+        size = len(parsed.prompt.encode())
+        check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
+        prompt = await tokenizer.prompt(parsed.prompt, size)
         options = parsed.options
         fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage)
-        return respond(codec.encode_prompt(parsed.prompt), options, fmt, "prompt", arrived)
+        return respond(prompt, options, fmt, "prompt", arrived)
 
     app = Starlette(
         routes=[

@@ -31,7 +31,15 @@ class ChatTemplateError(Exception):
 
 
 class StreamDecoder(Protocol):
-    """Token ids in, text out, one sequence at a time."""
+    """Token ids in, text out, one sequence at a time.
+
+    ``incremental``: whether ``add`` costs about the same for every token (mlx-lm's BPE
+    and SentencePiece detokenizers: 2 to 4 us), so that the router calls it on its event
+    loop; a hop to a thread costs the loop ten times that. When False (mlx-lm's naive
+    detokenizer decodes the whole line so far at every token), the router calls
+    ``add`` and ``finish`` in a thread."""
+
+    incremental: bool
 
     def add(self, token: int) -> str:
         """Take one token; return the text that became final with it, possibly ""
@@ -94,7 +102,10 @@ class _MlxDecoder:
     ``last_segment``: the text that became final since the last look."""
 
     def __init__(self, detokenizer: Any) -> None:
+        from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
         self._detokenizer = detokenizer
+        self.incremental = not isinstance(detokenizer, NaiveStreamingDetokenizer)
 
     def add(self, token: int) -> str:
         self._detokenizer.add_token(token)

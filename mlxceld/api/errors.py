@@ -9,11 +9,13 @@ starlette's ``HTTPException`` stands outside a program's own errors.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
 
 from mlxceld.api.shapes import ErrorBody, ErrorType
+from mlxceld.control.connections import Refusal
 
 
 class ApiError(Exception):
@@ -57,3 +59,11 @@ def error_response(error: ApiError) -> JSONResponse:
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400: the client's request is wrong, and ``message`` says how."""
     return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def refusal_body(refusal: Refusal) -> bytes:
+    """A connection's refusal (too many connections, a late or oversized head: answered
+    before the app sees the request) as OpenAI's error JSON."""
+    kind: ErrorType = "server_error" if refusal.status >= 500 else "invalid_request_error"
+    message = f"{refusal.message}; {refusal.hint}" if refusal.hint else refusal.message
+    return json.dumps(ApiError(refusal.status, message, kind, code=refusal.code).body()).encode()

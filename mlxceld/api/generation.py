@@ -14,6 +14,7 @@ codec calls end-of-sequence is taken as such even if the engine did not mark it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -74,7 +75,8 @@ class Sequencer:
                     if output.finish_reason == "stop" or output.token in self.codec.eos_token_ids:
                         reason = "stop"
                         break
-                    text = matcher.feed(decoder.add(output.token))
+                    text = matcher.feed(decoder.add(output.token) if decoder.incremental
+                                        else await asyncio.to_thread(decoder.add, output.token))
                     if text:
                         yield TextPiece(text)
                     if matcher.stopped:
@@ -86,7 +88,8 @@ class Sequencer:
             finally:
                 await outputs.aclose()
         if not matcher.stopped:
-            tail = matcher.feed(decoder.finish())
+            tail = matcher.feed(decoder.finish() if decoder.incremental
+                                else await asyncio.to_thread(decoder.finish))
             tail += matcher.flush()
             if tail:
                 yield TextPiece(tail)

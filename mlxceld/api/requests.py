@@ -20,6 +20,12 @@ serve:
 - ``prompt`` is a string or a list of one string; token ids are refused (the
   router could not check them against the vocabulary).
 - ``stream_options`` is read only when ``stream`` is true.
+
+A prompt is measured twice. Before tokenizing, its UTF-8 bytes (a chat's message
+contents together) against ``PROMPT_BYTES_PER_TOKEN`` times the context length: a
+prompt longer than that cannot fit the context, and is refused (400,
+``context_length_exceeded``) without the seconds and the memory tokenizing it would
+take. After tokenizing, its tokens against the context (``sampling_params``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
 from mlxceld.engine import SamplingParams
 
+# No tokenizer packs more text in a token, over a whole prompt: English runs at about 4
+# bytes a token, code at 3, a long run of one repeated character at the longest token.
+PROMPT_BYTES_PER_TOKEN = 32
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -96,6 +105,17 @@ def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
 def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
     fields = Fields(parse_object(body))
     return CompletionRequest(prompt=_prompt(fields), options=_options(fields, model_id))
+
+
+def check_prompt_bytes(size: int, *, context_length: int, prompt_param: str) -> None:
+    """Refuse a prompt of ``size`` UTF-8 bytes that cannot fit the context, before it is
+    tokenized."""
+    most = context_length * PROMPT_BYTES_PER_TOKEN
+    if size > most:
+        raise invalid(f"the prompt is {size} bytes long; this model's maximum context length "
+                      f"is {context_length} tokens, which holds at most {most} bytes of prompt "
+                      f"({PROMPT_BYTES_PER_TOKEN} a token); shorten the prompt", prompt_param,
+                      "context_length_exceeded")
 
 
 def sampling_params(options: Options, *, prompt_tokens: int, context_length: int,

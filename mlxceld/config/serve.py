@@ -10,11 +10,26 @@
     api_key_file = "/etc/mlxceld/api-key"   # or MLXCEL_API_KEY_FILE; 0600, one line
     max_batch = 8                   # sequences decoded together
     max_queued = 64                 # requests waiting beyond that; more get 503
+    max_connections = 1024          # open connections; past it the longest idle goes
+    header_timeout_s = 10.0         # a request's head must be whole this soon
+    body_timeout_s = 60.0           # and its body this soon after the head
+
+The connection bounds (``mlxceld/control/connections.py`` has the whole story):
+past ``max_connections`` the connection that has waited longest for a request of
+its own is closed (a request in progress never is); the cap is lowered to keep
+128 descriptors of the router's file limit free, and 128 more for the connections
+accepted in one go (the router raises its soft limit to the hard one; mlx-lm sets
+the hard one to 4096 as it is imported). The kernel queues 1024 connections not yet
+accepted (``workers/router.py``'s ``BACKLOG``). A head not
+whole ``header_timeout_s`` after the connection opened (or after the previous
+response on it), or a body not whole ``body_timeout_s`` after its head, is answered
+408 and closed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import stat
 from collections.abc import Mapping
@@ -33,7 +48,8 @@ log = logging.getLogger(__name__)
 
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued"}
+SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
+              "max_connections", "header_timeout_s", "body_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,9 @@ class ServeConfig:
     api_key_file: Path | None = None
     max_batch: int = 8
     max_queued: int = 64
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
 
     @property
     def served_name(self) -> str:
@@ -85,6 +104,9 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         model_name=_typed(table, "model_name", str, where),
         max_batch=_positive(table, "max_batch", 8, where),
         max_queued=_positive(table, "max_queued", 64, where),
+        max_connections=_positive(table, "max_connections", 1024, where),
+        header_timeout_s=_seconds(table, "header_timeout_s", 10.0, where),
+        body_timeout_s=_seconds(table, "body_timeout_s", 60.0, where),
     )
     model = flags.model or _typed(table, "model", str, where)
     if model:
@@ -142,6 +164,16 @@ def _positive(table: Mapping[str, Any], key: str, default: int, where: str) -> i
     return int(value)
 
 
+def _seconds(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    value = table.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ConfigError(f"{where}: 'serve.{key}' must be a number of seconds above 0, not "
+                          f"{value!r}", hint=f"for example {key} = {default}")
+    return float(value)
+
+
 def _port(port: int, what: str) -> int:
     if not 1 <= port <= 65535:
         raise ConfigError(f"{what}: port {port} is out of range", hint="use 1-65535")
@@ -154,4 +186,6 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None
     assert cfg.model is not None
     return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
-                         pipeline=pipeline)
+                         pipeline=pipeline, max_connections=cfg.max_connections,
+                         header_timeout_s=cfg.header_timeout_s,
+                         body_timeout_s=cfg.body_timeout_s)

@@ -9,6 +9,7 @@ and hint (``PlanRefused`` adds its ``shortfalls``):
     400     ConfigError (config, bad_model, ...)    a cluster command on a daemon without a secret
     400     KeyringError (keyring)                  a key id that is not 16 hex digits
     400     NoActivePlan (nothing_to_end)           `mlxctl cluster deactivate` with no plan
+    413     RequestTooLarge (request_too_large)     a body over MAX_BODY_BYTES (requests.py)
     404     UnknownWorker (unknown_worker)          logs or restart of a worker that is not ours
     404     UnknownKey (unknown_key)                no installed secret has that key id
     409     PlanRefused (plan_refused)              no plan fits the reachable nodes
@@ -44,6 +45,7 @@ from mlxceld.errors import (
     NoActivePlan,
     PlanRefused,
     PrimaryKeyRemoval,
+    RequestTooLarge,
     ShuttingDown,
     UnknownKey,
     UnknownWorker,
@@ -58,6 +60,7 @@ STATUS: Final[Mapping[type[MlxceldError], int]] = {
     ConfigError: 400,
     KeyringError: 400,
     NoActivePlan: 400,
+    RequestTooLarge: 413,
     UnknownWorker: 404,
     UnknownKey: 404,
     PlanRefused: 409,

@@ -2,7 +2,9 @@
 
 Every refusal is a ``BadRequest`` naming the query parameter or body field at
 fault, with the body's whole shape and where to read more. A value is never
-echoed from a body: a secret's body carries the secret.
+echoed from a body: a secret's body carries the secret. A body is at most
+``MAX_BODY_BYTES`` (413, ``RequestTooLarge``, refused as soon as it grows past it);
+one nested too deep for the parser is refused (400) saying so.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from mlxceld.errors import BadRequest
+from mlxceld.errors import BadRequest, RequestTooLarge
 from mlxceld.types import MAX_PIPELINE_STAGES
 
 QUERY_HINT: Final = "check the query parameters"
+MAX_BODY_BYTES: Final = 1 << 20  # the largest body mlxctl sends is a few hundred bytes
 
 
 def int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
@@ -52,8 +55,11 @@ class Body:
     @classmethod
     async def read(cls, request: Request, shape: str, hint: str) -> Body:
         try:
-            value = json.loads(await request.body())
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+            value = json.loads(await _bounded_body(request, hint))
+        except RecursionError:  # the C parser's guard: caught here, never logged
+            raise BadRequest("body", "the body is nested too deeply to be parsed; it must be "
+                             f"{shape}", hint=hint) from None
+        except ValueError:  # not JSON, not UTF-8
             raise BadRequest("body", f"the body is not JSON; it must be {shape}",
                              hint=hint) from None
         if not isinstance(value, dict):
@@ -100,6 +106,26 @@ class Body:
             return bytes.fromhex(value)
         except (TypeError, ValueError):
             raise self.refuse(name, "must be a string of hex digits") from None
+
+
+async def _bounded_body(request: Request, hint: str) -> bytes:
+    too_large = RequestTooLarge("body", f"the request body is larger than {MAX_BODY_BYTES} "
+                                "bytes, the most the control API takes", hint=hint)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise BadRequest("body", "the client went away before sending the whole body",
+                         hint=hint) from None
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

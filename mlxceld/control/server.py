@@ -13,12 +13,19 @@ Three fences, each enough on its own for the common case:
 
 uvicorn serves our pre-bound socket; it never installs signal handlers (the daemon owns
 signals) and never gets ``uds=`` (it would chmod the socket 0666).
+
+Every listener served here (the control socket, and the router's OpenAI port) holds its
+connections to a ``ConnectionLimits`` (``connections.py``: a cap kept below the file
+limit, a head deadline, a body deadline, a bounded head). The control socket's are
+``CONTROL_LIMITS``. An ``accept()`` that fails for want of descriptors is logged once per
+burst (``bursts.py``), not once per attempt with its traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -26,14 +33,22 @@ import stat
 import sys
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxceld.control.access import DEFAULT_DENIED_HINT, OperatorGroup, join_hint
+from mlxceld.control.bursts import Burst
+from mlxceld.control.connections import (
+    ACCEPT_BATCH,
+    ConnectionLimits,
+    Guard,
+    Render,
+    connection_cap,
+)
+from mlxceld.control.guarded import GuardedH11Protocol, json_refusal
 from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
 from mlxceld.errors import SocketError
 
@@ -46,6 +61,10 @@ PEER_EXTENSION = "mlxceld.peer"
 SOCKET_PATH_LIMIT = 107 if sys.platform.startswith("linux") else 103
 _BACKLOG = 128
 _PROBE_TIMEOUT_S = 1.0
+# mlxctl sends a request at once and reads its answer; a stream (logs -f) is one request.
+CONTROL_LIMITS: Final = ConnectionLimits(max_connections=128, header_timeout_s=10.0,
+                                         body_timeout_s=30.0)
+_ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's words
 
 
 def check_socket_path(path: Path) -> None:
@@ -231,11 +250,13 @@ def _with_peer(app: ASGIApp, creds: PeerCredentials | None) -> ASGIApp:
     return with_peer
 
 
-class _PeerH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with the kernel's peer credentials put into every scope."""
+class _PeerH11Protocol(GuardedH11Protocol):
+    """The guarded h11 protocol, with the kernel's peer credentials put into every scope."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if transport.is_closing():  # refused: too many connections
+            return
         creds: PeerCredentials | None
         try:
             creds = peer_credentials(transport.get_extra_info("socket"))
@@ -249,9 +270,10 @@ class _PeerH11Protocol(H11Protocol):
 class _QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signals alone and reports when it is accepting."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, backlog: int) -> None:
         super().__init__(config)
         self.started_future: asyncio.Future[None] | None = None
+        self._backlog = backlog
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -259,6 +281,8 @@ class _QuietServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
+        for sock in sockets or ():  # asyncio listen()ed with its batch: the kernel's queue
+            sock.listen(self._backlog)
         fut = self.started_future
         if self.started and fut is not None and not fut.done():
             fut.set_result(None)
@@ -276,6 +300,7 @@ class _QuietServer(uvicorn.Server):
 
         server = await asyncio.get_running_loop().create_server(
             create_protocol, sock=sock, backlog=config.backlog)
+        sock.listen(self._backlog)  # as in startup: asyncio listen()ed with its batch
         for old in self.servers:
             old.close()
         self.servers = [server]
@@ -286,17 +311,27 @@ class SocketServer:
 
     uvicorn never installs signal handlers here: the process that owns us does. The
     socket is closed when ``serve`` returns; a Unix socket file is left in place (see
-    ``remove_socket_file``).
+    ``remove_socket_file``). ``backlog`` is the kernel's queue of connections not yet
+    accepted (128, the control socket's, unless told). asyncio accepts as many as its
+    own backlog argument in a turn, and ``listen()``s with it: it is given
+    ``ACCEPT_BATCH``, and ``listen()`` is called again with ``backlog`` once serving.
     """
 
     def __init__(
         self, app: ASGIApp, sock: socket.socket, *, graceful_timeout_s: float = 5.0,
-        http: type[asyncio.Protocol] | str = "h11",
+        limits: ConnectionLimits = CONTROL_LIMITS, render: Render = json_refusal,
+        what: str = "the control socket",
+        protocol: type[GuardedH11Protocol] = GuardedH11Protocol, backlog: int = _BACKLOG,
     ) -> None:
         self._sock = sock
+        capped = ConnectionLimits(connection_cap(limits.max_connections, what, ACCEPT_BATCH),
+                                  limits.header_timeout_s, limits.body_timeout_s)
+        self.guard = Guard(capped, render, what)
+        self._accept_failures = Burst(logger, logging.ERROR, "failed accepts")
         config = uvicorn.Config(
             app,
-            http=http,
+            # uvicorn calls this with its config and state: one guard for all connections.
+            http=functools.partial(protocol, guard=self.guard),  # type: ignore[arg-type]
             ws="none",  # uvicorn's websocket protocols take config.loaded_app, not ours
             lifespan="off",
             interface="asgi3",
@@ -304,18 +339,22 @@ class SocketServer:
             log_level="warning",
             access_log=False,
             proxy_headers=False,
-            backlog=_BACKLOG,  # asyncio calls listen() again with this
+            backlog=min(backlog, ACCEPT_BATCH),  # accepts a turn; listen() again after
             # asyncio.wait_for takes a float; uvicorn only annotates int.
             timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
         )
-        self._server = _QuietServer(config)
+        self._server = _QuietServer(config, backlog)
 
     async def serve(self, started: asyncio.Future[None] | None = None) -> None:
         """Serve until ``request_shutdown``; set ``started`` once accepting connections."""
         self._server.started_future = started
+        loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(functools.partial(self._loop_exception, previous))
         try:
             await self._server.serve(sockets=[self._sock])
         finally:
+            loop.set_exception_handler(previous)
             self._close_listeners()
             if started is not None and not started.done():
                 started.cancel()
@@ -331,6 +370,22 @@ class SocketServer:
         old, self._sock = self._sock, sock
         old.close()
 
+    def _loop_exception(self, previous: Any, loop: asyncio.AbstractEventLoop,
+                        context: dict[str, Any]) -> None:
+        """asyncio retries a failed ``accept()`` a second later, and then once per
+        connection still queued: a thousand tracebacks a second. One line per burst."""
+        if context.get("message") == _ACCEPT_FAILED:
+            where = context.get("socket")
+            self._accept_failures.note(
+                "cannot accept connections on %s: %s (%s holds %d of its %d)",
+                where.getsockname() if where is not None else "a listener",
+                context.get("exception"), self.guard.what, self.guard.open,
+                self.guard.limits.max_connections)
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
     def _close_listeners(self) -> None:
         # uvicorn closes them on a clean exit; not when serve() is cancelled or fails.
         servers: list[Any] = getattr(self._server, "servers", [])
@@ -345,7 +400,7 @@ class ControlServer(SocketServer):
     def __init__(self, app: ASGIApp, sock: socket.socket, *,
                  graceful_timeout_s: float = 5.0) -> None:
         super().__init__(app, sock, graceful_timeout_s=graceful_timeout_s,
-                         http=_PeerH11Protocol)
+                         protocol=_PeerH11Protocol)
 
 
 def peer_guard(app: ASGIApp, group: OperatorGroup | None = None,

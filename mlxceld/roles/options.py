@@ -132,11 +132,18 @@ class RouterOptions:
     max_batch: int
     max_queued: int
     pipeline: PipelineOptions | None = None  # None: the model runs in this process
+    # The OpenAI port's connections (control/connections.py says what each bounds).
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
         _check(self.max_queued >= 1, "max_queued", "be >= 1", self.max_queued)
+        _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)
+        for key in ("header_timeout_s", "body_timeout_s"):
+            _check(getattr(self, key) > 0, key, "be > 0", getattr(self, key))
 
 
 @dataclass(frozen=True)

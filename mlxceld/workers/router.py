@@ -1,13 +1,17 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
-model_name, host, port, max_batch, max_queued. The API key, if any, arrives on the
-bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config: stages,
-coordinator, model_identity, cluster) the engine drives remote stages and only the
-tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too.
+model_name, host, port, max_batch, max_queued, and the port's connection bounds
+max_connections, header_timeout_s, body_timeout_s (``config/serve.py``). The API key,
+if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
+cluster config: stages, coordinator, model_identity, cluster) the engine drives remote
+stages and only the tokenizer is loaded here; the cluster secret then arrives on the
+bootstrap pipe too.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
-model (the supervisor's start timeout covers it), then serves and reports ready.
+model (the supervisor's start timeout covers it), then serves and reports ready. It
+raises its soft file limit to the hard one first (mlx-lm, as it is imported, sets them
+to 2048 and 4096), and keeps its connections below it.
 
 Over a pipeline the engine keeps its stage links up in the background from the
 start; ``GET /ready`` is 503 naming the stages not attached (completions are
@@ -24,7 +28,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from mlxceld.api import MlxTextCodec, build_router_app
+from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
+from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
 from mlxceld.roles.options import PipelineOptions, RouterOptions
@@ -33,12 +38,13 @@ from mlxceld.workers.runtime import WorkerContext
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
 STATS_EVERY_S = 1.0
+BACKLOG = 1024  # connections the kernel queues for accept(): a burst of clients, not a flood
 
 
 def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), family=family, backlog=1024)
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
     except OSError as exc:
         raise RuntimeError(
             f"cannot listen on {host}:{port}: {exc.strerror}; is another server using the "
@@ -80,6 +86,7 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
 
 async def run(ctx: WorkerContext[RouterOptions]) -> int:
     o = ctx.options
+    raise_file_limit()
     sock = listen(o.host, o.port)
     loop = asyncio.get_running_loop()
     broken: list[BaseException] = []
@@ -103,7 +110,9 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            readiness=engine.readiness if pipeline else None)
-    server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S)
+    limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
+    server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
+                          render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
     started: asyncio.Future[None] = loop.create_future()
     try:
         async with asyncio.TaskGroup() as tg:

@@ -375,3 +375,29 @@ def test_a_log_file_that_cannot_be_opened_is_a_config_error(tmp_path: Path) -> N
     assert out.returncode == 2, out.stderr
     assert f"log file {missing} cannot be opened" in out.stderr
     assert "[daemon] log_file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_openai_ports_connection_bounds_are_read(tmp_path: Path) -> None:
+    from mlxceld.config.serve import router_options
+
+    default = build_config({}, None, Overrides()).serve
+    assert (default.max_connections, default.header_timeout_s, default.body_timeout_s) == \
+        (1024, 10.0, 60.0)
+    data = {"serve": {"model": "org/model", "max_connections": 64, "header_timeout_s": 2,
+                      "body_timeout_s": 0.5}}
+    options = router_options(build_config(data, tmp_path / "mlxceld.toml", Overrides()).serve)
+    assert (options.max_connections, options.header_timeout_s, options.body_timeout_s) == \
+        (64, 2.0, 0.5)
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("max_connections", 0, "must be at least 1, not 0"),
+    ("max_connections", "many", "must be"),
+    ("header_timeout_s", 0, "must be a number of seconds above 0, not 0"),
+    ("header_timeout_s", True, "must be a number of seconds above 0, not True"),
+    ("body_timeout_s", float("inf"), "must be a number of seconds above 0, not inf"),
+    ("body_timeout_s", "60", "must be a number of seconds above 0, not '60'"),
+])
+def test_bad_connection_bounds_are_refused_by_name(key: str, value: object, says: str) -> None:
+    error = refusal({"serve": {key: value}})
+    assert f"'serve.{key}' {says}" in str(error)

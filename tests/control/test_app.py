@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,11 +194,42 @@ def test_a_bad_body_field_is_a_400_that_names_it(daemon: FakeDaemon, path: str,
     assert daemon.calls == []
 
 
-@pytest.mark.parametrize("content", [b"{", b"[1, 2]", b"\xff", b"[" * 100_000])
+@pytest.mark.parametrize("content", [b"{", b"[1, 2]", b"\xff"])
 def test_a_body_that_is_no_json_object_is_a_400(daemon: FakeDaemon, content: bytes) -> None:
     error = refusal(call(daemon, "POST", "/v1/cluster/plan", content=content), 400)
     assert error["code"] == "bad_request" and error["message"].startswith("the body is not")
     assert error["hint"] == "see `mlxctl cluster plan --help`"
+
+
+@pytest.mark.parametrize("content", [b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000,
+                                     b'{"a": ' * 100_000 + b"1" + b"}" * 100_000])
+def test_a_body_nested_too_deeply_is_a_400_that_says_so(
+        daemon: FakeDaemon, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    error = refusal(call(daemon, "POST", "/v1/cluster/plan", content=content), 400)
+    assert error["code"] == "bad_request"
+    assert error["message"].startswith("the body is nested too deeply to be parsed; it must be {")
+    assert error["hint"] == "see `mlxctl cluster plan --help`"
+    assert "RecursionError" not in caplog.text and daemon.calls == []
+    assert call(daemon, "GET", "/v1/version").status_code == 200
+
+
+def test_a_body_over_the_limit_is_a_413_that_names_it(daemon: FakeDaemon) -> None:
+    from mlxceld.control.requests import MAX_BODY_BYTES
+
+    async def streamed() -> AsyncIterator[bytes]:  # no Content-Length: counted as it comes
+        yield b'{"model": "'
+        for _ in range(MAX_BODY_BYTES // 65536 + 1):
+            yield b"m" * 65536
+        yield b'"}'
+
+    declared = b'{"model": "' + b"m" * MAX_BODY_BYTES + b'"}'
+    for content in (declared, streamed()):
+        error = refusal(call(daemon, "POST", "/v1/serve", content=content), 413)
+        assert error["code"] == "request_too_large"
+        assert error["message"] == (f"the request body is larger than {MAX_BODY_BYTES} bytes, "
+                                    "the most the control API takes")
+        assert error["hint"] == "see `mlxctl serve --help`"
+    assert daemon.calls == []
 
 
 def test_a_secret_is_never_echoed(daemon: FakeDaemon) -> None:

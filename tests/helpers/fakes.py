@@ -14,7 +14,8 @@ EOS = 256
 
 
 class ByteDecoder:
-    def __init__(self) -> None:
+    def __init__(self, incremental: bool = True) -> None:
+        self.incremental = incremental
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token: int) -> str:

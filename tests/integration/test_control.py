@@ -93,6 +93,24 @@ def test_every_response_carries_the_version_and_errors_have_one_shape(daemons: D
             assert set(err) == {"code", "message", "hint"} and err["message"]
 
 
+def test_a_body_nested_too_deeply_is_refused_and_the_daemon_unaffected(
+        daemons: Daemons) -> None:
+    d = daemons.make().start()
+
+    async def post(content: bytes) -> httpx.Response:
+        transport = httpx.AsyncHTTPTransport(uds=str(d.socket))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await client.post("/v1/cluster/plan", content=content)
+
+    for content in (b"[" * 200_000 + b"]" * 200_000, b'{"a": ' * 100_000 + b"{}" +
+                    b"}" * 100_000):
+        r = asyncio.run(post(content))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("the body is nested too deeply")
+    assert d.status()["daemon"]["pid"] == d.pid
+    assert "RecursionError" not in d.stderr() and "Traceback" not in d.stderr()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
 def test_a_process_of_another_uid_is_refused(daemons: Daemons) -> None:
     d = daemons.make().start()

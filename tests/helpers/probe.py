@@ -1,0 +1,62 @@
+"""``GET /health`` asked again and again from a process of its own, timed: how a server
+answers while a test loads it (the test's own threads, opening thousands of sockets,
+would otherwise hold the probe up on this process's GIL)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+PROBE = """
+import http.client, sys, time
+host, port, every = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+while True:
+    began = time.monotonic()
+    try:
+        c = http.client.HTTPConnection(host, port, timeout=5)
+        c.request("GET", "/health")
+        what = str(c.getresponse().status)
+        c.close()
+    except OSError as exc:
+        what = type(exc).__name__
+    print(f"{time.monotonic() - began:.4f} {what}", flush=True)
+    time.sleep(every)
+"""
+
+
+@dataclass
+class HealthProbe:
+    """``GET /health`` on ``host:port``, a fresh connection every ``every`` s (5 s timeout
+    each), while ``running``; then ``took`` (seconds) and ``failed`` (what was not 200)."""
+
+    host: str
+    port: int
+    every: float = 0.2
+    took: list[float] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[HealthProbe]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, self.host, str(self.port), str(self.every)],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            yield self
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=10)
+            for line in out.splitlines():
+                took, _, what = line.partition(" ")
+                if what:  # a line cut by the end is dropped
+                    self.took.append(float(took))
+                    if what != "200":
+                        self.failed.append(what)
+
+    def check(self, within: float, at_least: int) -> None:
+        """Every probe answered 200 within ``within`` s, and there were ``at_least``."""
+        assert not self.failed, self.failed
+        assert len(self.took) >= at_least, self.took
+        assert max(self.took) < within, f"/health took up to {max(self.took):.3f} s"
