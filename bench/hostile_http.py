@@ -50,6 +50,9 @@ import psutil
 
 from mlxceld.models import preset, write_fixture
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.probe import HealthProbe  # the tests' probe, one copy
+
 CONFIG = """
 [supervisor]
 health_interval_s = 1.0
@@ -63,48 +66,10 @@ def free_port() -> int:
         return port
 
 
-PROBE = """
-import http.client, sys, time
-host, port, every = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-while True:
-    began = time.monotonic()
-    try:
-        c = http.client.HTTPConnection(host, port, timeout=5)
-        c.request("GET", "/health")
-        what = str(c.getresponse().status)
-        c.close()
-    except OSError as exc:
-        what = type(exc).__name__
-    print(f"{time.monotonic() - began:.4f} {what}", flush=True)
-    time.sleep(every)
-"""
-
-
 @dataclass
-class Probe:
-    """``GET /health`` on a fresh connection every ``every`` s (5 s timeout each), from a
-    process of its own (this one's threads would hold it up on the GIL), while running."""
-
-    port: int
-    every: float
-    took: list[float] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Probe]:
-        proc = subprocess.Popen([sys.executable, "-c", PROBE, "127.0.0.1", str(self.port),
-                                 str(self.every)], stdout=subprocess.PIPE, text=True)
-        try:
-            yield self
-        finally:
-            proc.terminate()
-            out, _ = proc.communicate(timeout=10)
-            for line in out.splitlines():
-                took, _, what = line.partition(" ")
-                if what:
-                    self.took.append(float(took))
-                    if what != "200":
-                        self.failed.append(what)
+class Probe(HealthProbe):
+    """``GET /health`` on 127.0.0.1 from a process of its own (the tests' probe), and a
+    summary of what it saw."""
 
     def summary(self) -> str:
         if not self.took:
@@ -159,8 +124,8 @@ def open_connections(port: int, count: int, into: list[socket.socket]) -> None:
             while selector.get_map() and time.monotonic() < deadline:
                 for key, _ in selector.select(1):
                     selector.unregister(key.fileobj)
-            for s in list(selector.get_map().values()):
-                selector.unregister(s.fileobj)
+            for left in list(selector.get_map().values()):
+                selector.unregister(left.fileobj)
 
 
 def in_thread(job: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
@@ -252,7 +217,7 @@ class Router:
 
 
 def quiet(router: Router) -> None:
-    probe = Probe(router.port, 0.05)
+    probe = Probe("127.0.0.1", router.port, 0.05)
     with probe.running():
         time.sleep(2)
     print(f"quiet: /health {probe.summary()}")
@@ -274,7 +239,7 @@ def flood(router: Router, idle: int, slow: int, hold: float) -> None:
             if dripping.wait(1):
                 return
 
-    opening, holding = Probe(router.port, 0.2), Probe(router.port, 0.2)
+    opening, holding = Probe("127.0.0.1", router.port, 0.2), Probe("127.0.0.1", router.port, 0.2)
     with Watch(worker).running() as watch:
         try:
             began = time.monotonic()
@@ -311,7 +276,7 @@ def large_prompt(router: Router, mb: float) -> None:
     time.sleep(2)
     before = worker.memory_info().rss
     prompt = ("lorem ipsum dolor sit amet " * int(mb * 40_000))[:int(mb * 1_000_000)]
-    probe = Probe(router.port, 0.05)
+    probe = Probe("127.0.0.1", router.port, 0.05)
     with Watch(worker).running() as watch, probe.running():
         sender, answer = in_thread(lambda: timed_post(
             f"{router.url}/v1/completions",

@@ -33,11 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
+from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import SamplingParams
 
 # No tokenizer packs more text in a token, over a whole prompt: English runs at about 4
@@ -79,22 +80,11 @@ class CompletionRequest:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refused with 413 as soon as it grows past ``limit`` bytes."""
-    too_large = ApiError(413, f"the request body is larger than {limit} bytes",
-                         param=None, code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise invalid("the client went away before sending the whole body") from None
-    return b"".join(chunks)
+    return await read_bounded(
+        request, limit,
+        too_large=ApiError(413, f"the request body is larger than {limit} bytes",
+                           param=None, code="request_too_large"),
+        went_away=invalid("the client went away before sending the whole body"))
 
 
 def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:

@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
+from mlxceld.control.bodies import read_bounded
 from mlxceld.errors import BadRequest, RequestTooLarge
 from mlxceld.types import MAX_PIPELINE_STAGES
 
@@ -109,23 +110,12 @@ class Body:
 
 
 async def _bounded_body(request: Request, hint: str) -> bytes:
-    too_large = RequestTooLarge("body", f"the request body is larger than {MAX_BODY_BYTES} "
-                                "bytes, the most the control API takes", hint=hint)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise BadRequest("body", "the client went away before sending the whole body",
-                         hint=hint) from None
-    return b"".join(chunks)
+    return await read_bounded(
+        request, MAX_BODY_BYTES,
+        too_large=RequestTooLarge("body", f"the request body is larger than {MAX_BODY_BYTES} "
+                                  "bytes, the most the control API takes", hint=hint),
+        went_away=BadRequest("body", "the client went away before sending the whole body",
+                             hint=hint))
 
 
 @dataclass(frozen=True)
