@@ -144,12 +144,16 @@ def read_api_key(path: Path) -> str:
     return key
 
 
+_KINDS: dict[type, str] = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _typed(table: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     value = table.get(key)
     if value is None:
         return None
     if not isinstance(value, kind) or isinstance(value, bool) or value == "":
-        raise ConfigError(f"{where}: 'serve.{key}' must be a {kind.__name__}, not {value!r}",
+        raise ConfigError(f"{where}: 'serve.{key}' must be {_KINDS.get(kind, kind.__name__)}, "
+                          f"not {value!r}",
                           hint=f"see the [serve] example in {__name__.replace('.', '/')}.py")
     return value
 
