@@ -8,7 +8,7 @@ says the code moved and the bug must be rewritten); the tests named with it run 
 git worktree of HEAD (under the system temp dir, removed at the end) with this venv's
 Python and PYTHONPATH set to the worktree, so that daemons and workers spawned by the
 tests run the bugged code too. Exit 1 if any bug survives its tests. Not run by CI: the
-whole list takes about 8 minutes on 2 cores.
+whole list takes about 4 minutes on 2 cores.
 """
 
 from __future__ import annotations
