@@ -55,6 +55,13 @@ Fault point of the supervisor:
 ``MLXCELD_TEST_PEER_WAIT_S`` (seconds, > 0; test only too) replaces
 ``peer_round.PEER_PHASE_S``, a peer's 60 s wait between two phases, so that a
 test of "the coordinator died before deciding" ends in seconds.
+
+``MLXCELD_TEST_ACTIVATE_FOR_S`` (seconds, > 0; test only too) replaces
+``coordinator_round.ACTIVATE_FOR_S``, how long a coordinator's push keeps
+re-sending ``activate`` to a peer that is not active (600 s), so that a test of
+a push that ends stalled (``Phase.STALLED``) and is picked up by the peer's
+``query`` ends in seconds. Either one set to anything but a positive number of
+seconds makes the daemon refuse to start (``ConfigError`` naming it, exit 2).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ log = logging.getLogger(__name__)
 
 ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
+ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
@@ -97,7 +105,16 @@ def parse(environ: Mapping[str, str]) -> frozenset[str]:
 
 def parse_wait(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_PEER_WAIT_S`` as seconds, None when unset; ``ConfigError`` if bad."""
-    raw = environ.get(WAIT_ENV, "").strip()
+    return _seconds(environ, WAIT_ENV, "the documented 60 s wait")
+
+
+def parse_activate_for(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_ACTIVATE_FOR_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, ACTIVATE_ENV, "the documented 600 s of re-sent activates")
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | None:
+    raw = environ.get(name, "").strip()
     if not raw:
         return None
     try:
@@ -105,13 +122,14 @@ def parse_wait(environ: Mapping[str, str]) -> float | None:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{WAIT_ENV}={raw!r} is not a positive number of seconds",
-                          hint="unset it for the documented 60 s wait")
+        raise ConfigError(f"{name}={raw!r} is not a positive number of seconds",
+                          hint=f"unset it for {default}")
     return value
 
 
 ACTIVE: Final = parse(os.environ)
 PEER_WAIT_S: Final = parse_wait(os.environ)
+ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
 
 
 def on(name: str) -> bool:

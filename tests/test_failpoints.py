@@ -31,6 +31,27 @@ def test_the_peer_wait_must_be_positive_seconds() -> None:
             failpoints.parse_wait({failpoints.WAIT_ENV: bad})
 
 
+def test_the_activate_bound_must_be_positive_seconds() -> None:
+    assert failpoints.parse_activate_for({}) is None
+    assert failpoints.parse_activate_for({failpoints.ACTIVATE_ENV: " 4 "}) == 4.0
+    for bad in ("0", "-1", "soon", "nan", "inf", "1e999"):
+        with pytest.raises(ConfigError, match=f"MLXCELD_TEST_ACTIVATE_FOR_S={bad!r} is not "
+                                              "a positive number of seconds") as info:
+            failpoints.parse_activate_for({failpoints.ACTIVATE_ENV: bad})
+        assert "600 s" in info.value.hint
+
+
+def test_a_bad_activate_bound_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxceld", "--state-dir", f"{tmp_path}/s",
+         "--socket", f"{tmp_path}/ctl.sock"],
+        env={**os.environ, failpoints.ACTIVATE_ENV: "10m"},
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "mlxceld: error: MLXCELD_TEST_ACTIVATE_FOR_S='10m' is not a positive number of " \
+           "seconds" in out.stderr
+
+
 def test_an_unknown_fail_point_stops_the_daemon_at_start(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "mlxceld", "--state-dir", f"{tmp_path}/s",

@@ -48,7 +48,8 @@ does the first ``query`` of a peer that comes back (``peer_asked``).
 Bounds: ``DRY_RUN_WAIT_S`` and ``PP_AUTO_WAIT_S`` for enough reachable peers
 (each poll of every candidate takes at most 10 s, ``DiscoveryService.refresh``);
 the push itself is bounded by ``coordinator_round.PUSH_S`` (``push.push``) up to
-the activate decision, then by ``coordinator_round.ACTIVATE_FOR_S``.
+the activate decision, then by ``coordinator_round.ACTIVATE_FOR_S`` (``push.ACTIVATING_S``:
+tests shorten it, ``MLXCELD_TEST_ACTIVATE_FOR_S``).
 """
 
 from __future__ import annotations

@@ -250,6 +250,18 @@ def test_a_restarted_coordinator_resumes_from_its_decision() -> None:
     assert out == [] and r.phase is Phase.DONE
 
 
+def test_a_resumed_activation_keeps_at_it_for_its_own_bound() -> None:
+    """The bound a restarted coordinator (or a peer's query) resumes with: a test's shorter
+    one (push.ACTIVATING_S, MLXCELD_TEST_ACTIVATE_FOR_S) counts from the resume."""
+    r, _ = CoordinatorRound.resume(4, PEERS[:2], "activate", now=100, activate_for_s=4)
+    r.on_active("stage-0", 101)
+    r.on_lost("stage-1", "cannot connect: refused")
+    assert r.handle_timer(103.9) == [Redial("stage-1", "activate")]
+    out = r.handle_timer(104)
+    assert isinstance(out[0], Finished) and r.phase is Phase.STALLED
+    assert "not active 4 s after the decision" in out[0].summary
+
+
 def test_a_peer_votes_after_loading_and_persists_before_replying() -> None:
     p = PeerRound(2)
     assert p.on_offer_accepted(0) == [Record("preparing"), StageAction("prepare")]

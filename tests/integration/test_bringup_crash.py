@@ -4,7 +4,9 @@ at each record it keeps, the coordinator at each decision it writes), it is star
 on the same state dir, and every node must end with the same outcome for the plan's epoch:
 aborted everywhere with nothing running, or active everywhere with the router serving
 mlx-lm's greedy text. Several crash points share one bring-up where their order allows.
-Plus a stale offer, sent by hand over MXCL to a real peer."""
+A push that gives up on a peer lost after the activate decision (its bound shortened by
+``MLXCELD_TEST_ACTIVATE_FOR_S``) keeps the decision, and the peer's query, once it is back,
+pushes it on. Plus a stale offer, sent by hand over MXCL to a real peer."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,11 @@ log = logging.getLogger(__name__)  # each crash point's times (pytest --log-cli-
 
 PEER_WAIT_S = 5.0  # MLXCELD_TEST_PEER_WAIT_S where a test waits for a peer to give up
 PUSH_END_S = 120.0  # a push with two stage loads on a busy CPU
+# MLXCELD_TEST_ACTIVATE_FOR_S where a push must give up on a lost peer (600 s otherwise):
+# longer than a re-dial (RESEND_S), and the other peer's activation fits well inside.
+ACTIVATE_FOR_S = 8.0
+ASK_AFTER_S = 2.0  # MLXCELD_TEST_PEER_WAIT_S of a restarted peer that is to ask soon
+SLACK_S = 30.0  # beyond a bound the daemons keep, for a busy CPU (within pytest's 120 s)
 
 
 def peers_of(daemons: Daemons, secret: bytes, model: Path,
@@ -322,6 +330,84 @@ def test_a_peer_killed_once_active_and_the_coordinator_once_active_end_active(
     log.info("peer-after-active + coordinator-after-active-decision: plan %d active "
              "everywhere %.1f s after the peer's restart; served %.1f s after the "
              "coordinator's", epoch, agreed, time.monotonic() - again)
+
+
+def plan_decision(d: DaemonProc, epoch: int) -> str | None:
+    """``d``'s decision for ``epoch`` as its plans table holds it, read-only (not asked over
+    MXCL: a ``query`` answered ``activate`` would push the plan on, ``peer_asked``)."""
+    db = f"file:{d.state_dir / 'state.db'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(db, uri=True)) as conn:
+        row = conn.execute("select decision from plans where epoch = ?", (epoch,)).fetchone()
+    assert row is not None, f"no plan {epoch} in {d.state_dir}"
+    return None if row[0] is None else str(row[0])
+
+
+def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """The coordinator decides activate; a peer's host dies (daemon and workers) as the
+    activate reaches it (its record: ``committed``) and stays down past the push's bound
+    (``MLXCELD_TEST_ACTIVATE_FOR_S``, 600 s otherwise): the push ends stalled, the bring-up
+    failed, the decision ``activate`` kept. Back up, the peer waits its phase, asks
+    (``query``), hears activate and activates; the coordinator, asked, pushes on: every
+    node active in the first plan's epoch, and the router serves."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    good, doomed = peers_of(daemons, secret, model, env={
+        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-committed"}})
+    doomed_agent = agent(doomed)
+    coord = daemons.make(name="c")
+    port = free_port("127.0.0.1")
+    args = coordinator_args(coord, secret, [good, doomed], model, port, free_port("127.0.0.1"))
+    coord.start(*args, env={"MLXCELD_TEST_ACTIVATE_FOR_S": str(ACTIVATE_FOR_S)})
+    host_down(doomed, "peer-after-committed")
+    down = time.monotonic()
+    epoch = assignment(good)["epoch"]
+    daemons.note(good)
+
+    # The activate decision was sent before the peer died: the push ends within its bound.
+    stalled = wait_for(lambda: (b := bringup(coord)).get("state") in ("active", "failed")
+                       and b, ACTIVATE_FOR_S + SLACK_S, "the push to give up on the lost "
+                       f"peer ({ACTIVATE_FOR_S:g} s after the activate decision)", every=0.2)
+    gave_up = time.monotonic() - down
+    assert (stalled["state"], stalled["epoch"]) == ("failed", epoch), stalled
+    assert stalled["summary"].startswith(
+        f"plan {epoch} is decided active, but 1 of 2 stage(s) did not answer active: "
+        f"{doomed_agent}: connection lost"), stalled["summary"]
+    assert f"not active {ACTIVATE_FOR_S:g} s after the decision; the decision stands" in \
+        stalled["summary"], stalled["summary"]
+    row = peer_row(coord, doomed_agent)
+    assert row["state"] == "failed" and row["steps"][-2:] == ["unreachable", "failed"], row
+    assert row["reason"].endswith(f"not active {ACTIVATE_FOR_S:g} s after the decision"), row
+    assert peer_row(coord, agent(good))["state"] == "active"
+    assert plan_decision(coord, epoch) == "activate"  # the decision stands
+    shown = coord.ctl("status")  # what the operator sees
+    assert f"bring-up: failed: plan {epoch} is decided active" in shown.stdout, shown
+    assert f"{doomed_agent}" in shown.stdout and "failed: connection lost" in shown.stdout
+    assert (assignment(good)["epoch"], assignment(good)["state"]) == (epoch, "active")
+    no_stage_or_router(coord)  # nothing served over a plan with a stage missing
+    log.info("stalled push: the coordinator gave up on the lost peer %.1f s after it died "
+             "(its bound: %g s after the activate decision)", gave_up, ACTIVATE_FOR_S)
+
+    back = time.monotonic()
+    restart_peer(doomed, doomed_agent, secret, model,
+                 env={"MLXCELD_TEST_PEER_WAIT_S": str(ASK_AFTER_S)})
+    # It asks ASK_AFTER_S after its start (CONNECT_S + FRAME_S at most), and the push it
+    # sets off ends within ACTIVATE_FOR_S, active or stalled again (then not waited out).
+    done = wait_for(lambda: (b := bringup(coord)) != stalled and b.get("state") in (
+        "active", "failed") and b, ASK_AFTER_S + ACTIVATE_FOR_S + SLACK_S,
+        "the peer to ask and the coordinator to push the plan on", every=0.2)
+    agreed = time.monotonic() - back
+    assert (done["state"], done["epoch"]) == ("active", epoch), (done, coord.stderr()[-3000:])
+    assert "every stage of 2 is active" in done["summary"], done
+    for p in (good, doomed):
+        assert (assignment(p)["epoch"], assignment(p)["state"]) == (epoch, "active")
+    assert plan_decision(coord, epoch) == "active"
+    assert f"resuming stage assignment {epoch} (committed)" in doomed.stderr()
+    assert f"plan {epoch}: a peer asks about it and it is decided activate: pushing on" in \
+        coord.stderr()
+    serves(coord, [good, doomed], port, model, daemons)
+    log.info("stalled push: plan %d active everywhere %.1f s after the peer's restart (it "
+             "asks after %g s)", epoch, agreed, ASK_AFTER_S)
 
 
 def over_mxcl(node: str, secret: bytes, payload: bytes, me: str = "") -> dict[str, Any]:

@@ -200,10 +200,12 @@ class CoordinatorRound:
 
     @classmethod
     def resume(cls, epoch: int, peers: tuple[str, ...], decision: Decision | None,
-               now: float) -> tuple[CoordinatorRound, list[Action]]:
+               now: float, activate_for_s: float = ACTIVATE_FOR_S
+               ) -> tuple[CoordinatorRound, list[Action]]:
         """After a restart: an undecided plan is presumed aborted; a commit decision re-runs
-        the commit phase (commit is idempotent); an activate decision re-sends activate."""
-        r = cls(epoch, peers, now)
+        the commit phase (commit is idempotent); an activate decision re-sends activate
+        (for ``activate_for_s`` from ``now``)."""
+        r = cls(epoch, peers, now, activate_for_s=activate_for_s)
         if decision is None:
             return r, r._abort("the coordinator restarted before deciding")
         if decision == "commit":

@@ -46,7 +46,8 @@ asked again: the plan is aborted.
 Bounds: ``CONNECT_S`` per dial and handshake (one dial at a time per peer),
 ``peer_round.FRAME_S`` per answer, ``coordinator_round.PUSH_S`` for the push up to the
 activate decision with ``COMMIT_WINDOW_S`` left for the commit phase, then
-``ACTIVATE_FOR_S``; ``RESEND_S`` between two re-sends or re-dials;
+``ACTIVATE_FOR_S`` (``ACTIVATING_S``: tests shorten it with ``MLXCELD_TEST_ACTIVATE_FOR_S``,
+see ``mlxceld.failpoints``); ``RESEND_S`` between two re-sends or re-dials;
 ``peer_round.PEER_PHASE_S`` for a peer's waits between phases, ``LATE_DECISION_S`` for
 a decision to a peer whose connection came up after it.
 """
@@ -63,6 +64,7 @@ from typing import Any, Final
 
 from mlxceld import __version__, failpoints
 from mlxceld.cluster.assignment.coordinator_round import (
+    ACTIVATE_FOR_S,
     PUSH_S,
     CoordinatorRound,
     Finished,
@@ -91,6 +93,9 @@ CONNECT_S: Final = 5.0  # one dial and handshake
 # by its query after its own wait (PEER_PHASE_S).
 LATE_DECISION_S: Final = 1.0
 HEARTBEAT_S: Final = 2.0  # a preparing peer's heartbeat
+# After activate is written, how long a push keeps at a peer that is not active:
+# ACTIVATE_FOR_S; tests shorten it (MLXCELD_TEST_ACTIVATE_FOR_S).
+ACTIVATING_S: Final = failpoints.ACTIVATE_FOR_S or ACTIVATE_FOR_S
 FROM_PEER: Final = ("preparing", "accepted", "refused", "committed", "active", "aborted",
                     "decision", "deactivated", "error")
 FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query", "deactivate")
@@ -164,7 +169,8 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
     peers = tuple(s.agent for s in plan.stages)
     plans.create(epoch, plan.cluster, plan.model_identity, peers, plan.toml)
     loop = asyncio.get_running_loop()
-    round_ = CoordinatorRound(epoch, peers, loop.time(), push_s=push_s)
+    round_ = CoordinatorRound(epoch, peers, loop.time(), push_s=push_s,
+                              activate_for_s=ACTIVATING_S)
     log.info("plan %d: offering %d stage(s) to %s", epoch, len(peers), ", ".join(peers))
     round_.start()  # the offers go out as each connection is up
     first = {s.agent: encode_envelope(offer_for(plan, s, epoch, identity).header())
@@ -180,7 +186,7 @@ async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: s
     row = plans.get(epoch)
     assert row is not None and row.decision in ("commit", "activate")
     round_, actions = CoordinatorRound.resume(epoch, row.peers, row.decision,  # type: ignore[arg-type]
-                                              asyncio.get_running_loop().time())
+                                              asyncio.get_running_loop().time(), ACTIVATING_S)
     log.info("plan %d: resuming after a restart (%s)", epoch, row.decision)
     first = {a.peer: message(a.kind, epoch) for a in actions if isinstance(a, Send)}
     return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity,
