@@ -23,7 +23,11 @@ discovery, agent address, event log) and a ``CoordinatorSlot``: its window for
 running the router over a pushed plan, and for stopping it.
 
 One bring-up at a time: while one plans or pushes, ``activate`` raises
-``BringUpInProgress`` naming its plan. ``state`` is what ``mlxctl status``
+``BringUpInProgress`` naming its plan. ``deactivate`` does too while a plan is
+undecided, but not once it is decided commit or activate: then the push only
+re-sends the decision (for up to ``ACTIVATE_FOR_S`` to a lost peer), and a
+deactivation ends it at once (``_end_decided_push``) and takes over, so that a
+peer gone for good never locks the operator out. ``state`` is what ``mlxctl status``
 shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
 
     {"state": "planning" | "pushing" | "active" | "failed" | "deactivated", "epoch": E,
@@ -154,7 +158,8 @@ class Coordinator:
             return
         log.info("plan %d: a peer asks about it and it is decided activate: pushing on", epoch)
         self._claim()
-        self._task = self._tasks.create_task(self._resume_at_start(last, None, None))
+        self._task = self._tasks.create_task(
+            self._resume_at_start(last, None, None, why="a peer asked about it"))
 
     def close(self) -> None:
         """The daemon stops: a push cut short is presumed aborted; its peers abort by their
@@ -273,8 +278,8 @@ class Coordinator:
                          f" ({row['stage']})" if row["stage"] else "", state,
                          f": {reason}" if reason else "")
 
-    async def _resume_at_start(self, last: PlanRow, n: int | None,
-                               configured: str | None) -> None:
+    async def _resume_at_start(self, last: PlanRow, n: int | None, configured: str | None,
+                               *, why: str = "after a restart") -> None:
         """Serve ``last`` again as it was (``_resume``), on the configured model when it is
         the plan's, else on the plan's own; a config that differs is reported, not applied.
         The caller has claimed the bring-up (``_claim``): this ends it."""
@@ -287,7 +292,8 @@ class Coordinator:
             if configured is not None and configured_identity == last.model_identity:
                 model = Path(configured)
             self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
-                          "stages": len(last.peers), "summary": "", "peers": []}
+                          "stages": len(last.peers), "summary": "",
+                          "peers": _resumed_rows(last)}
             differs = config_differences(last, n, configured, configured_identity)
             if differs:
                 self.state["config_differs"] = differs
@@ -297,7 +303,7 @@ class Coordinator:
                                     f"plan {epoch} resumed as it was, though {differs}",
                                     epoch=epoch)
             assert last.decision is not None and model is not None
-            await self._resume(epoch, last.decision, last.toml, str(model))
+            await self._resume(epoch, last.decision, last.toml, str(model), why)
         except MlxceldError as exc:
             self._failed(f"plan {epoch} cannot be resumed: {exc.message}")
         except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
@@ -307,7 +313,9 @@ class Coordinator:
 
     async def deactivate(self) -> JSON:
         """`mlxctl cluster deactivate`: end the latest plan (committed, active, or
-        deactivated already: then its peers are told again); see ``deactivation``."""
+        deactivated already: then its peers are told again); see ``deactivation``. A push
+        of the latest plan, decided, is ended first."""
+        await self._end_decided_push()
         self._claim()
         try:
             last = self._plans.latest()
@@ -329,6 +337,18 @@ class Coordinator:
             return self._deactivated(last, outcomes)
         finally:
             self._busy = False
+
+    async def _end_decided_push(self) -> None:
+        """If a push (or a resumed one) of the latest plan runs past its decision, commit or
+        activate, cancel it and wait for it to end (its ``finally`` frees the bring-up)."""
+        task, last = self._task, self._plans.latest()
+        if (not self._busy or task is None or task.done() or last is None
+                or last.decision not in ("commit", "activate")):
+            return
+        log.info("plan %d: a deactivation ends its push (decided %s)", last.epoch,
+                 last.decision)
+        task.cancel()
+        await asyncio.wait({task})
 
     def _deactivated(self, plan: PlanRow, outcomes: dict[str, deactivation.Outcome]) -> JSON:
         epoch = plan.epoch
@@ -361,13 +381,15 @@ class Coordinator:
         log.info("%s", message)
         self._events.append("bringup.peer_deactivated", "cluster", message, peer=peer)
 
-    async def _resume(self, epoch: int, decision: str, toml: str, model: str) -> None:
-        """A restart after a commit or activate decision re-sends it until every peer is
-        active; after ``active`` the pushed pipeline is served again as it was."""
+    async def _resume(self, epoch: int, decision: str, toml: str, model: str,
+                      why: str) -> None:
+        """A restart after a commit or activate decision (or a peer's query after a push
+        that stalled) re-sends it until every peer is active; after ``active`` the pushed
+        pipeline is served again as it was."""
         summary = f"plan {epoch}: resumed as decided ({decision})"
         if decision != "active":
             done = await resume_push(epoch, plans=self._plans, keyring=self._keyring,
-                                     identity=self._identity, watch=self._watch)
+                                     identity=self._identity, watch=self._watch, why=why)
             if not done.ok:
                 self._failed(done.summary)
                 return
@@ -391,6 +413,23 @@ class Coordinator:
         log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
                   "the peers named, then restart it)", summary)
         self._events.append("bringup.failed", "cluster", summary)
+
+
+def _resumed_rows(plan: PlanRow) -> list[dict[str, Any]]:
+    """A resumed plan's peers as ``state`` shows them: each stage's id and layers from the
+    plan's TOML (its stages in rank order, as the plans table lists the peers); the peer's
+    node id is not kept, so it reads None."""
+    try:
+        cluster = parse_cluster_text(plan.toml, Path(f"cluster-{plan.epoch}.toml"))
+    except MlxceldError:
+        return []
+    stages = sorted((n for n in cluster.nodes if n.rank is not None),
+                    key=lambda n: n.rank or 0)
+    if len(stages) != len(plan.peers):
+        return []
+    return [{"stage": n.id, "node_id": None, "address": address,
+             "layers": list(n.layers) if n.layers else None, "state": "", "reason": "",
+             "steps": []} for address, n in zip(plan.peers, stages, strict=True)]
 
 
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:

@@ -44,6 +44,7 @@ PUSH_END_S = 120.0  # a push with two stage loads on a busy CPU
 # longer than a re-dial (RESEND_S), and the other peer's activation fits well inside.
 ACTIVATE_FOR_S = 8.0
 ASK_AFTER_S = 2.0  # MLXCELD_TEST_PEER_WAIT_S of a restarted peer that is to ask soon
+DEACTIVATE_CLI_S = 90.0  # the CLI's own bound (control.client.DEACTIVATE_TIMEOUT_S) fits
 SLACK_S = 30.0  # beyond a bound the daemons keep, for a busy CPU (within pytest's 120 s)
 
 
@@ -405,9 +406,52 @@ def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back
     assert f"resuming stage assignment {epoch} (committed)" in doomed.stderr()
     assert f"plan {epoch}: a peer asks about it and it is decided activate: pushing on" in \
         coord.stderr()
+    assert f"plan {epoch}: resuming the push, a peer asked about it (activate)" in \
+        coord.stderr()
+    # the resumed push shows each stage as the first did: its id and layers, from the plan
+    assert [(r["stage"], r["address"]) for r in done["peers"]] == [
+        ("stage-0", agent(good)), ("stage-1", doomed_agent)], done["peers"]
+    assert all(r["layers"] for r in done["peers"]), done["peers"]
     serves(coord, [good, doomed], port, model, daemons)
     log.info("stalled push: plan %d active everywhere %.1f s after the peer's restart (it "
              "asks after %g s)", epoch, agreed, ASK_AFTER_S)
+
+
+def test_a_deactivation_ends_a_push_that_re_dials_a_lost_peer(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """A peer's host dies as the activate reaches it, and the push re-dials it (for
+    ACTIVATE_FOR_S, 600 s: the default here). `mlxctl cluster deactivate` does not wait
+    that out, nor is it refused as a bring-up in progress: it ends the push, decides
+    deactivated, stops the other peer's stage and names the lost one (exit 1)."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    good, doomed = peers_of(daemons, secret, model, env={
+        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-committed"}})
+    doomed_agent = agent(doomed)
+    coord = daemons.make(name="c")
+    coord.start(*coordinator_args(coord, secret, [good, doomed], model,
+                                  free_port("127.0.0.1"), free_port("127.0.0.1")))
+    host_down(doomed, "peer-after-committed")
+    daemons.note(good)
+    wait_for(lambda: (b := bringup(coord)).get("state") == "pushing" and any(
+        p["address"] == doomed_agent and p["state"] == "unreachable" for p in b["peers"]),
+        PUSH_END_S, "the coordinator re-dialling the lost peer")
+    epoch = bringup(coord)["epoch"]
+
+    began = time.monotonic()
+    gone = coord.ctl("cluster", "deactivate", timeout=DEACTIVATE_CLI_S)
+    took = time.monotonic() - began
+    assert gone.returncode == 1, (gone.stdout, gone.stderr)
+    assert f"plan {epoch} deactivated: 1 of 2 stage(s) stopped" in gone.stderr, gone.stderr
+    assert doomed_agent in gone.stderr
+    assert f"plan {epoch}: a deactivation ends its push (decided activate)" in coord.stderr()
+    assert plan_decision(coord, epoch) == "deactivated"
+    assert bringup(coord)["state"] == "deactivated"
+    wait_for(lambda: assignment(good).get("state") == "deactivated", SLACK_S,
+             "the reachable peer told of the deactivation")
+    no_stage_or_router(good)
+    no_stage_or_router(coord)
+    log.info("deactivation during a re-dialling push: %.1f s", took)
 
 
 def over_mxcl(node: str, secret: bytes, payload: bytes, me: str = "") -> dict[str, Any]:

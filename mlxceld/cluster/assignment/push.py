@@ -180,14 +180,15 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
 
 
 async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: str,
-                      watch: Watch | None = None) -> Finished:
-    """A coordinator restarted after deciding commit or activate: re-send the decision
-    (idempotent) to every peer over fresh connections until every peer is active."""
+                      watch: Watch | None = None, why: str = "after a restart") -> Finished:
+    """A coordinator restarted after deciding commit or activate (or asked by a peer after
+    a push that stalled: ``why``): re-send the decision (idempotent) to every peer over
+    fresh connections until every peer is active."""
     row = plans.get(epoch)
     assert row is not None and row.decision in ("commit", "activate")
     round_, actions = CoordinatorRound.resume(epoch, row.peers, row.decision,  # type: ignore[arg-type]
                                               asyncio.get_running_loop().time(), ACTIVATING_S)
-    log.info("plan %d: resuming after a restart (%s)", epoch, row.decision)
+    log.info("plan %d: resuming the push, %s (%s)", epoch, why, row.decision)
     first = {a.peer: message(a.kind, epoch) for a in actions if isinstance(a, Send)}
     return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity,
                         watch=watch)
