@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 DEMO   := .demo
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=20  # the slowest tests listed at the end: where the suite's time goes
 MODEL ?=
 MODEL_NAME ?=
 PORT  ?= 8080
