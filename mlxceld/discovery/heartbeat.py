@@ -91,8 +91,11 @@ class Heartbeats:
         try:
             async with asyncio.TaskGroup() as tg:
                 while not self._stop.is_set():
-                    self._sync(tg, beats, loop.time())
-                    self._apply(self._detector.handle_timer(loop.time()))
+                    try:
+                        self._sync(tg, beats, loop.time())
+                        self._apply(self._detector.handle_timer(loop.time()))
+                    except Exception:  # a bug, a full disk: logged; never stops the daemon
+                        log.exception("failure detector: a round failed; the next one follows")
                     wait = self._t.ping_interval_s  # the next look at peers()
                     deadline = self._detector.next_deadline()
                     if deadline is not None:
