@@ -70,6 +70,7 @@ from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
     KeyStore,
+    LivenessTable,
     PeersTable,
     Settings,
     WorkersTable,
@@ -126,7 +127,8 @@ class Daemon:
                                     self._socket_event)
         self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
                                     node_id=self.node.node_id, candidates=self.candidates,
-                                    plans=Plans(self._db), assignments=Assignments(self._db))
+                                    plans=Plans(self._db), assignments=Assignments(self._db),
+                                    liveness=LivenessTable(self._db))
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
@@ -180,7 +182,7 @@ class Daemon:
             "cluster": self.placement.describe() if self.placement else None,
             **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
-            "problems": health.problems(workers),
+            "problems": health.problems(workers) + self.member.problems(),
         }
 
     def workers(self) -> list[JSON]:

@@ -51,7 +51,8 @@ cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery,
 
 @cluster_app.command()
 def nodes(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
-    """List candidate peers: node id, address, version, key id, memory, state, last seen."""
+    """List candidate peers: node id, address, version, key id, memory, state, last seen,
+    and the failure detector's liveness (alive, suspect, dead) since when."""
     body = call(socket_path(ctx, socket), as_json, lambda c: c.cluster_nodes())
     emit(as_json, "cluster-nodes", body, lambda: render.cluster_nodes(body))
 

@@ -16,6 +16,7 @@ from mlxceld.types import WorkerState
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
+LIVENESS_COLORS = {"alive": "green", "unknown": "cyan", "suspect": "yellow", "dead": "red"}
 LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
                "disconnected": "yellow", "unreachable": "yellow", "refused": "red",
                "model_mismatch": "red", "layers_mismatch": "red"}
@@ -111,18 +112,44 @@ def cluster_nodes(body: dict[str, Any]) -> str:
                            "--cluster-discovery mdns)"])
     now = time.time()
     headers = ["NODE", "ADDRESS", "VERSION", "KEY", "MEMORY (AVAIL/TOTAL)", "STATE",
-               "LAST SEEN", "SOURCE"]
+               "LAST SEEN", "SOURCE", "LIVENESS", "SINCE"]
     rows, colors, errors = [], [], []
     for n in nodes:
         memory = (f"{size(n['memory_available'])} / {size(n['memory_total'])}"
                   if n.get("memory_total") is not None else "-")
         seen = duration(now - n["last_seen"]) + " ago" if n.get("last_seen") else "never"
+        live = n.get("liveness") or {}
         rows.append([n.get("node_id") or "-", n["address"], n.get("version") or "-",
-                     n.get("key_id") or "-", memory, n["state"], seen, n["source"]])
-        colors.append([None, None, None, None, None, PEER_COLORS.get(n["state"]), None, None])
+                     n.get("key_id") or "-", memory, n["state"], seen, n["source"],
+                     live.get("state") or "-", _since(live.get("since"), now)])
+        colors.append([None, None, None, None, None, PEER_COLORS.get(n["state"]), None, None,
+                       LIVENESS_COLORS.get(live.get("state") or ""), None])
         if n.get("error") and n["state"] in ("unreachable", "refused"):
             errors.append(f"  {n['address']}: {n['error']}")
-    return "\n".join([*lines, "", table(headers, rows, colors), *errors])
+    listed = {n["address"] for n in nodes}
+    for live in body.get("liveness") or []:  # a plan's peer that is no candidate (any more)
+        if live["address"] not in listed:
+            errors.append(f"  {live['address']} (a plan's peer): {live['state']} since "
+                          f"{_since(live['since'], now)}")
+        if live["state"] in ("suspect", "dead"):
+            errors.append(f"  {live['address']}: {live['state']}: {live['reason']}")
+    return "\n".join([*lines, _detector(body.get("detector")), "",
+                      table(headers, rows, colors), *errors])
+
+
+def _since(ts: float | None, now: float) -> str:
+    """A transition's time: its time of day, and how long ago."""
+    if ts is None:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(ts)) + f" ({duration(now - ts)} ago)"
+
+
+def _detector(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "failure detector: -"
+    return (f"failure detector {'running' if d['running'] else '(not running)'}: ping every "
+            f"{d['ping_interval_s']:g} s, suspect after {d['suspect_after_s']:g} s, dead "
+            f"after {d['dead_after_s']:g} s without an answer")
 
 
 def status(body: dict[str, Any]) -> str:

@@ -1,7 +1,12 @@
 """This daemon as a member of the cluster: with a cluster secret, the agent listener
 (``net/agent.py``) and what runs with it (inventory and plan queries, discovery, the
-``Assignee`` over a ``LocalStageHost``, the ``Coordinator``), and the control API's
-cluster commands (`mlxctl cluster nodes|plan|activate|deactivate`, ``--dry-run``).
+failure detector's heartbeats, the ``Assignee`` over a ``LocalStageHost``, the
+``Coordinator``), and the control API's cluster commands (`mlxctl cluster
+nodes|plan|activate|deactivate`, ``--dry-run``).
+
+The heartbeats watch every candidate peer and, on a coordinator, every peer of its
+active plan (``discovery/heartbeat.py``); a plan's peer that is suspect or dead is a
+problem in `mlxctl status`, with what to do.
 
 The daemon is the member's ``DaemonSlot``: its configuration (replaced on a reload),
 its placement, the model it serves, and the window the coordinator and the stage host
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
 from mlxceld.cluster.assignment.peer import Assignee
@@ -20,11 +26,12 @@ from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.coordinator import RESUMABLE, Coordinator, CoordinatorSlot
 from mlxceld.config.daemon import Config
 from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.heartbeat import Heartbeats
 from mlxceld.discovery.inventory import serve_inventory
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.net.agent import AgentService
-from mlxceld.state import EventLog
+from mlxceld.state import EventLog, LivenessTable
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -50,7 +57,7 @@ class DaemonSlot(CoordinatorSlot, StageSlot, Protocol):
 class ClusterMember:
     def __init__(self, slot: DaemonSlot, supervisor: Supervisor, events: EventLog,
                  keyring: Keyring, *, node_id: str, candidates: CandidateTable, plans: Plans,
-                 assignments: Assignments) -> None:
+                 assignments: Assignments, liveness: LivenessTable) -> None:
         self._slot = slot
         self._supervisor = supervisor
         self._events = events
@@ -59,6 +66,8 @@ class ClusterMember:
         self._candidates = candidates
         self._plans = plans
         self._assignments = assignments
+        self._liveness = liveness
+        self._heartbeats: Heartbeats | None = None
         agent = parse_address(slot.config.agent_addr, port_zero=True)  # checked by the config
         self._agent_addr = (agent.host, agent.port)
         self.agent: AgentService | None = None
@@ -89,8 +98,52 @@ class ClusterMember:
                      {"mode": c.cluster_discovery, "running": False, "address": None,
                       "advertised": None, "error": None if len(self._keyring) else
                       "no cluster secret: discovery runs with the agent listener"})
+        rows = self._liveness_rows()
+        nodes = [{**n, "liveness": rows.get(n["address"])} for n in self._candidates.snapshot()]
         return {"cluster": c.cluster_name, "node_id": self._node_id,
-                "discovery": discovery, "nodes": self._candidates.snapshot()}
+                "discovery": discovery, "nodes": nodes,
+                "detector": {"running": self._heartbeats is not None,
+                             "ping_interval_s": c.liveness.ping_interval_s,
+                             "suspect_after_s": c.liveness.suspect_after_s,
+                             "dead_after_s": c.liveness.dead_after_s},
+                "liveness": [rows[a] for a in sorted(rows)]}
+
+    def problems(self) -> list[JSON]:
+        """On a coordinator, each peer of its active plan that the failure detector holds
+        suspect or dead: what, since when, why, and what to do."""
+        rows = self._liveness_rows()
+        out: list[JSON] = []
+        for address in self._plan_peers():
+            row = rows.get(address)
+            if row is None or row["state"] not in ("suspect", "dead"):
+                continue
+            name = f"node {row['node_id']} ({address})" if row["node_id"] else f"peer {address}"
+            last = (f"; its last answer was at {_clock(row['last_answer'])}"
+                    if row["last_answer"] else "")
+            out.append({"subject": row["node_id"] or address, "since": row["since"],
+                        "message": f"{name} of the active plan is {row['state']} since "
+                        f"{_clock(row['since'])}: {row['reason']}{last}",
+                        "next": f"check the host of {address}: awake, on the network, "
+                        "mlxceld running (mlxctl status there); it is marked alive again as "
+                        "soon as it answers: mlxctl cluster nodes"})
+        return out
+
+    def _liveness_rows(self) -> dict[str, JSON]:
+        """The failure detector's rows by address (the table's while it does not run)."""
+        if self._heartbeats is not None:
+            return {r["address"]: r for r in self._heartbeats.snapshot()}
+        return {r.address: r.to_json() for r in self._liveness.all()}
+
+    def _plan_peers(self) -> tuple[str, ...]:
+        """The peers of the plan this daemon coordinates and keeps up, if any."""
+        if not self.may_coordinate():
+            return ()
+        last = self._plans.latest()
+        return last.peers if last is not None and last.decision in RESUMABLE else ()
+
+    def _watched(self) -> list[str]:
+        """Whom the heartbeats watch: the candidates and the active plan's peers."""
+        return sorted({*self._candidates.addresses(), *self._plan_peers()})
 
     # -- mlxctl cluster plan|activate|deactivate, --dry-run ---------------------------------
 
@@ -226,6 +279,12 @@ class ClusterMember:
                 cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
                 agent_address=agent.address)
             tg.create_task(self._discovery.run())
+            candidates = self._candidates
+            self._heartbeats = Heartbeats(
+                c.liveness, self._keyring, agent.address, peers=self._watched,
+                store=self._liveness, events=self._events,
+                node_of=lambda a: row.node_id if (row := candidates.get(a)) else None)
+            tg.create_task(self._heartbeats.run())
             self._coordinator = Coordinator(
                 slot, tg, cluster=c.cluster_name, state_dir=c.state_dir,
                 config_out=c.cluster_config_out, plans=self._plans, keyring=self._keyring,
@@ -237,13 +296,20 @@ class ClusterMember:
                                         configured_model=c.serve.model)
 
     async def aclose(self) -> None:
-        """Discovery, the assignee, the coordinator (a push cut short: peers abort by
-        deadline), then the agent listener."""
+        """Discovery, the heartbeats, the assignee, the coordinator (a push cut short: peers
+        abort by deadline), then the agent listener."""
         if self._discovery is not None:
             self._discovery.close()
+        if self._heartbeats is not None:
+            self._heartbeats.close()
         if self._assignee is not None:
             self._assignee.close()
         if self._coordinator is not None:
             self._coordinator.close()
         if self.agent is not None:
             await self.agent.aclose()
+
+
+def _clock(ts: float) -> str:
+    """A time of day for a problem's message (the JSON carries the unix time)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))

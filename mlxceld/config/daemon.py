@@ -22,6 +22,9 @@ File format (TOML, every table and key optional)::
     cluster_config_out = "pushed.toml" # where a pushed plan is written as a cluster TOML
     stage_ports = "19100-19199"        # stage listener ports: one port or a range
                                        # (mlxceld/config/stage_ports.py); default ephemeral
+    peer_ping_interval_s = 1.0         # the failure detector: ping each peer this often,
+    peer_suspect_after_s = 3.0         # suspect it after this long without an answer,
+    peer_dead_after_s = 10.0           # dead after this long (mlxceld/config/liveness.py)
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -55,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.config.cluster import KEYS, cluster_settings
+from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
+from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
@@ -135,6 +140,7 @@ class Config:
     cluster_name: str = DEFAULT_CLUSTER_NAME
     cluster_peers: tuple[str, ...] = ()  # normalized peer agent addresses
     cluster_discovery: str = "static"  # static | mdns
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # failure detector
 
 
 @dataclass(frozen=True)
@@ -277,7 +283,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     _refuse_flag_only(daemon, where)
     _check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
-                         "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS},
+                         "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
+                         *LIVENESS_KEYS},
                 where, "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
@@ -313,6 +320,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         **_secret_and_ports(daemon, flags, base, where),
         **cluster_settings(daemon, where, name=flags.cluster_name, peers=flags.cluster_peers,
                            discovery=flags.cluster_discovery),
+        liveness=liveness_settings(daemon, where),
         policy=policy,
         health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

@@ -1,6 +1,7 @@
 """Discovery: finding candidate peers (static addresses, signed mDNS records), asking
 each for its inventory (``inventory``, ``poller``) and keeping the candidate table;
-the authenticated handshake decides membership.
+the authenticated handshake decides membership. The failure detector (``detector``)
+and its heartbeats (``heartbeat``) say which of them answer now.
 
 Names are loaded on first use, so that importing one module of the room does not
 import zeroconf.

@@ -107,7 +107,14 @@ def _v6(db: sqlite_utils.Database) -> None:
     allow_deactivated(db)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6]
+def _v7(db: sqlite_utils.Database) -> None:
+    """The failure detector's state per peer (``state/liveness.py``)."""
+    from mlxceld.state.liveness import create_table
+
+    create_table(db)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
