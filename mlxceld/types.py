@@ -53,3 +53,14 @@ class ExitRecord(TypedDict):
     returncode: int
     kind: str
     summary: str
+
+
+class WorkerProgress(TypedDict):
+    """A worker's progress, in its ``health`` answer (``progress``) where its role does
+    steps of work (the stage). The supervisor's watchdog restarts a worker that has work
+    (``busy``) but has made no step for ``RestartPolicy.stall_timeout_s``."""
+
+    steps: int  # steps done since the worker started
+    last_step_at: float | None  # wall-clock time of the last step; None: none yet
+    busy: bool  # it has work: something received and not yet done
+    stalled_s: float  # how long it has had work without a step (0 when not busy)

@@ -69,7 +69,9 @@ def logs(
     reading.logs(socket_path(ctx, socket), worker, lines, follow, as_json)
 
 
-@app.command()
+@app.command(epilog="With --follow --json: one mlxctl.event/1 object a line (id, ts, "
+             "kind, subject, message, data), every new event in order until Ctrl-C (exit "
+             "130) or the daemon stops (exit 0).")
 def events(
     ctx: typer.Context,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events.")

@@ -241,6 +241,11 @@ class Coordinator:
                                  "address": s.node.key, "layers": list(s.layers),
                                  "state": "offered", "reason": "", "steps": ["offered"]}
                                 for s in plan.stages]}
+        self._events.append(
+            "bringup.pushing", "cluster", f"plan {epoch}: offering {len(plan.stages)} "
+            f"stage(s) of {self.state.get('model')} to "
+            + ", ".join(s.node.key for s in plan.stages), epoch=epoch,
+            peers=[s.node.key for s in plan.stages])
 
     async def _push_and_serve(self, epoch: int, proposal: Proposal, model: str) -> None:
         """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
@@ -277,6 +282,13 @@ class Coordinator:
                 log.info("plan %d: peer %s%s is %s%s", round_.epoch, address,
                          f" ({row['stage']})" if row["stage"] else "", state,
                          f": {reason}" if reason else "")
+                self._events.append(
+                    "bringup.peer", "cluster",
+                    f"plan {round_.epoch}: peer {address}"
+                    + (f" ({row['stage']})" if row["stage"] else "") + f" is {state}"
+                    + (f": {reason}" if reason else ""),
+                    epoch=round_.epoch, peer=address, stage=row["stage"], state=state,
+                    reason=reason)
 
     async def _resume_at_start(self, last: PlanRow, n: int | None, configured: str | None,
                                *, why: str = "after a restart") -> None:

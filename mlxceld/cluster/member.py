@@ -247,7 +247,7 @@ class ClusterMember:
                                 agent_host=lambda: agent.host, stage_ports=c.stage_ports)
         assignee = Assignee(self._assignments, stages, self._keyring,
                             identity=lambda: agent.address, state_dir=c.state_dir,
-                            enabled=c.pp_peer)
+                            enabled=c.pp_peer, events=self._events)
         assignee.register(agent)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 

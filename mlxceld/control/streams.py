@@ -3,6 +3,16 @@
 An empty line is a heartbeat, sent after ``HEARTBEAT_S`` seconds without news,
 so that a client can put a deadline on every read. A stream ends when the
 daemon stops.
+
+A follower holds no queue of its own: each stream is a position in its source (the
+``events`` table, a log file) and reads the next batch (at most ``limit`` events, or
+what a log grew by) only once the previous one was taken. A reader that does not read
+is waited for: uvicorn stops our writes while the socket's buffers are full (its flow
+control), so what a slow or stopped reader costs the daemon is those buffers and one
+batch, however far behind it falls; nothing is dropped for it, and it catches up from
+the table when it reads again (the table keeps ``KEEP_EVENTS``, trimmed only at a
+start, when every stream has ended). A reader that goes away ends its stream at the
+next write or heartbeat.
 """
 
 from __future__ import annotations
@@ -48,7 +58,11 @@ async def log_lines(daemon: DaemonView, path: Path, lines: int,
 
 async def event_lines(daemon: DaemonView, after: int, limit: int,
                       subject: str | None) -> AsyncIterator[bytes]:
-    """Events after ``after`` (of ``subject``), in batches of ``limit``, as they come."""
+    """Events after ``after`` (of ``subject``), in batches of ``limit``, as they come;
+    ``after=-N``: the last N first (all N, whatever ``limit``), then every later one."""
+    if after < 0:  # a position, once: what is appended later is never "the last N"
+        past = daemon.events.since(after, -after, subject)
+        after = past[0].id - 1 if past else daemon.events.last_id()
     while not daemon.stopping:
         batch = daemon.events.since(after, limit, subject)
         for event in batch:

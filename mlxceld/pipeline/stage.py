@@ -17,6 +17,11 @@ it samples for: it sends the token to the owner and, unless the token ends the
 sequence or ``max_tokens`` are reached, to the first stage as the next step
 (``next``), so decode steps go round the stages without the coordinator.
 
+Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
+and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
+stage whose compute hangs, or whose forwarding waits on a stalled next stage,
+stays busy with no new step.
+
 Bounds: ``MAX_SEQUENCES`` prepared at once; the next stage (and, from the last
 stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
 ``downstream_unreachable``.
@@ -103,6 +108,7 @@ class StageStats:
     refused: int = 0
     compute_s: float = 0.0  # time in the stage's layers
     inline: int = 0  # steps run on the event loop's thread (short decode steps)
+    last_step_at: float | None = None  # time.monotonic() when the last step ended
 
 
 class StageService:
@@ -121,6 +127,8 @@ class StageService:
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self._inline = False  # the last decode step was short: run the next one inline
         self.stats = StageStats()
+        self._pending = 0  # steps enqueued and not yet run (or dropped)
+        self.busy_since: float | None = None  # time.monotonic() when _pending left 0
 
     def activate(self) -> None:
         """Leave standby: the weights are loaded already, so this is only a switch."""
@@ -267,6 +275,9 @@ class StageService:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
                                       f"arrived, step {seq.next_step} was expected")
         seq.next_step += 1
+        if self._pending == 0:
+            self.busy_since = time.monotonic()
+        self._pending += 1
         self._queue.put_nowait(_Work(seq_id, seq.state, step, sample, tensor, seq))
 
     # -- compute ------------------------------------------------------------------------
@@ -294,6 +305,13 @@ class StageService:
                         and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
                 if live:
                     await self._run_group(loop, live)
+                self._done(len(group))
+
+    def _done(self, n: int) -> None:
+        """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
+        self._pending = max(0, self._pending - n)
+        if self._pending == 0:
+            self.busy_since = None
 
     async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[_Work]) -> None:
         try:
@@ -304,6 +322,7 @@ class StageService:
             else:
                 outs = await loop.run_in_executor(self._pool, self._compute, group, True)
         except Exception as exc:
+            self.stats.last_step_at = time.monotonic()  # ended, if badly: not a stall
             log.exception("a step of sequences %s failed", [w.seq_id for w in group])
             for work in group:
                 self._seqs.pop(work.seq_id, None)
@@ -311,6 +330,7 @@ class StageService:
                                        f"stage {self._place.node_id} failed: {exc}")
             return
         self.stats.steps += 1
+        self.stats.last_step_at = time.monotonic()
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)

@@ -72,11 +72,14 @@ class EchoOptions:
     ignore_term: bool = False  # a stuck worker: the supervisor must SIGKILL it
     freeze_after_s: float | None = None  # block the whole process after this long
     hog_mib: int = 0  # once ready, fill this much memory (an out-of-memory kill under a limit)
+    busy: bool = False  # report having work (its ticks are its steps): the watchdog watches
+    stall_after_s: float | None = None  # stop ticking after this long, channel still answering
 
     def __post_init__(self) -> None:
         _check(self.interval_s > 0, "interval_s", "be > 0", self.interval_s)
         _check(0 <= self.hog_mib <= 1 << 20, "hog_mib", "be in 0-1048576", self.hog_mib)
-        for key in ("ready_after_s", "crash_after_s", "exit_after_s", "freeze_after_s"):
+        for key in ("ready_after_s", "crash_after_s", "exit_after_s", "freeze_after_s",
+                    "stall_after_s"):
             value = getattr(self, key)
             _check(value is None or value >= 0, key, "be >= 0", value)
         _check(0 <= self.exit_code <= 255, "exit_code", "be in 0-255", self.exit_code)
@@ -85,7 +88,7 @@ class EchoOptions:
     def timed(self) -> bool:
         """Whether something is due at a time (then it ticks finely to catch it)."""
         return any(t is not None for t in (self.crash_after_s, self.exit_after_s,
-                                           self.freeze_after_s))
+                                           self.freeze_after_s, self.stall_after_s))
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ class EventLog:
         self._changed = asyncio.Event()
         return event
 
+    def last_id(self) -> int:
+        """The newest event's id (0 for an empty log): where a follower starts."""
+        row = self._db.execute("select max(id) from events").fetchone()
+        return int(row[0] or 0)
+
     def since(self, after: int = 0, limit: int = 100, subject: str | None = None) -> list[Event]:
         """Events with id > after, oldest first; ``after=-N`` means the last N."""
         where, args = "1=1", []

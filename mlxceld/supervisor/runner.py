@@ -4,7 +4,8 @@ A runner owns an inbox of lifecycle events. Its ``drive`` task takes the next
 event (or the machine's next timer), feeds the machine, and carries out the
 actions it returns: spawn a process, signal its group, record a transition.
 Helper tasks only post events: the exit watcher, the readiness probe, the
-liveness probe.
+liveness probe (which also posts the progress a worker reports in its answer, for
+the watchdog: ``ProgressReported``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mlxceld.supervisor.states import (
     HealthProbed,
     Lifecycle,
     ProcessExited,
+    ProgressReported,
     SendSignal,
     Spawned,
     SpawnFailed,
@@ -44,7 +46,7 @@ LIVENESS_TIMEOUT_S = 2.0
 ADOPTED_POLL_S = 0.5
 LOG_TAIL_LINES = 40
 Event = (StartRequested | StopRequested | AdoptedRunning | Spawned | SpawnFailed | BecameReady
-         | HealthProbed | ProcessExited)
+         | HealthProbed | ProgressReported | ProcessExited)
 
 
 class Observer(Protocol):
@@ -171,8 +173,8 @@ class WorkerRunner:
                 continue
             oom_kills = exits.oom_kill_count()
             try:
-                await channel.call(self.spec.control_socket, "health",
-                                   timeout_s=LIVENESS_TIMEOUT_S)
+                reply = await channel.call(self.spec.control_socket, "health",
+                                           timeout_s=LIVENESS_TIMEOUT_S)
             except WorkerError as exc:
                 self.post(HealthProbed(False, exc.message))
             else:
@@ -180,6 +182,9 @@ class WorkerRunner:
                     self._oom_mark = (pid, oom_kills)
                 if not self.machine.healthy:
                     self.post(HealthProbed(True))
+                progress = progress_of(reply)
+                if progress is not None and self.pid == pid:
+                    self.post(progress)
 
     async def wait_stopped(self) -> None:
         """Return once the machine rests in EXITED or FAILED with no process left."""
@@ -190,3 +195,18 @@ class WorkerRunner:
     def kill_now(self) -> None:
         if self.pid is not None:
             process.signal_group(self.pid, signal.SIGKILL)
+
+
+def progress_of(reply: dict[str, object]) -> ProgressReported | None:
+    """The ``progress`` of a health answer (``types.WorkerProgress``), if it has a
+    well-formed one; a role without steps reports none, and the watchdog leaves it be."""
+    p = reply.get("progress")
+    if not isinstance(p, dict):
+        return None
+    busy, stalled, steps = p.get("busy"), p.get("stalled_s"), p.get("steps")
+    if (not isinstance(busy, bool) or isinstance(stalled, bool)
+            or not isinstance(stalled, int | float) or isinstance(steps, bool)
+            or not isinstance(steps, int)):
+        log.warning("worker health answer has a malformed progress: %r", p)
+        return None
+    return ProgressReported(busy, float(stalled), steps)

@@ -12,6 +12,7 @@ Every state change returns exactly one ``Transitioned``, first in the list.
     STARTING/RUNNING --failed exit--> FAILED           (too many exits in the flap window)
     STARTING/RUNNING --stop--> STOPPING --exit--> EXITED (or STARTING if a start came meanwhile)
     RUNNING --too many failed probes--> STOPPING --exit--> BACKOFF (a failure)
+    RUNNING --busy, no step for stall_timeout_s--> STOPPING --exit--> BACKOFF (the watchdog)
 
 A failed exit is any exit that is not clean, a spawn failure, or any exit
 after we killed the worker for a start timeout or failed health probes.
@@ -43,6 +44,9 @@ class RestartPolicy:
     start_timeout_s: float = 30.0  # not ready by then: kill it, counts as a failure
     stop_timeout_s: float = 10.0  # STOPPING -> SIGKILL after this
     liveness_failures: int = 6  # consecutive failed health probes while RUNNING -> restart
+    # The watchdog: a worker that reports work (``WorkerProgress.busy``) but no step for
+    # this long is restarted; 0 turns it off. Checked at each health probe.
+    stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -51,6 +55,8 @@ class RestartPolicy:
                 ok, rule = 0 <= value < 1, "be in [0, 1)"
             elif f.name in ("flap_max_exits", "liveness_failures"):
                 ok, rule = type(value) is int and value >= 1, "be an integer >= 1"
+            elif f.name == "stall_timeout_s":
+                ok, rule = value >= 0, "be >= 0 (0: no watchdog)"
             elif f.name == "backoff_max_s":
                 ok, rule = value >= self.backoff_initial_s, "be >= backoff_initial_s"
             else:
@@ -64,7 +70,8 @@ class ExitCause:
     """Why a worker process ended; classified elsewhere, consumed here."""
 
     kind: str  # "clean" | "signal" | "oom" | "exception" | "status" | "config" (options
-    # refused: workers/options.py) | "unknown" | "spawn_failed"
+    # refused: workers/options.py) | "unknown" | "spawn_failed" | "watchdog" (stopped by
+    # the supervisor's watchdog: it had work and made no progress)
     summary: str  # one human line, e.g. "killed by SIGKILL (likely out of memory)"
     returncode: int | None = None
 
@@ -121,6 +128,15 @@ class HealthProbed:
 
 
 @dataclass(frozen=True)
+class ProgressReported:
+    """A running worker's progress, from a health probe's answer (``WorkerProgress``)."""
+
+    busy: bool
+    stalled_s: float  # how long it has had work without a step
+    steps: int
+
+
+@dataclass(frozen=True)
 class ProcessExited:
     cause: ExitCause
 
@@ -133,6 +149,7 @@ Event = (
     | SpawnFailed
     | BecameReady
     | HealthProbed
+    | ProgressReported
     | ProcessExited
 )
 
@@ -207,6 +224,7 @@ class Lifecycle:
         self._streak = 0  # failed exits since the last stable period: the backoff exponent
         self._probe_failures = 0  # consecutive failed health probes
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
+        self._doomed_kind = ""  # ... and of this kind (else the exit's own)
         self._start_pending = False  # a start was requested while STOPPING
 
     def __repr__(self) -> str:
@@ -238,7 +256,8 @@ class Lifecycle:
         old, self.state, self.reason = self.state, new, reason
         self.healthy = new is WorkerState.RUNNING
         self._timer = None  # every timer belongs to the state it was armed in
-        self._doomed, self._start_pending, self._probe_failures = "", False, 0
+        self._doomed, self._doomed_kind = "", ""
+        self._start_pending, self._probe_failures = False, 0
         return [Transitioned(old, new, reason)]
 
     def _reap(self, cause: ExitCause) -> None:
@@ -326,9 +345,22 @@ class Lifecycle:
         self._doomed = doomed
         return actions
 
+    def _on_progress(self, event: ProgressReported, now: float) -> list[Action]:
+        limit = self.policy.stall_timeout_s
+        if not event.busy or limit <= 0 or event.stalled_s < limit:
+            return []
+        doomed = (f"watchdog: it had work but made no progress for {event.stalled_s:.0f} s "
+                  f"(stall_timeout_s {limit:g}; {event.steps} steps done)")
+        actions = self._stop(now, f"restarting: {doomed}")
+        self._doomed, self._doomed_kind = doomed, "watchdog"
+        return actions
+
+    def _doomed_cause(self, cause: ExitCause) -> ExitCause:
+        return replace(cause, summary=self._doomed, kind=self._doomed_kind or cause.kind)
+
     def _on_exit(self, event: ProcessExited, now: float) -> list[Action]:
         if self._doomed:
-            return self._fail(replace(event.cause, summary=self._doomed), now)
+            return self._fail(self._doomed_cause(event.cause), now)
         if not event.cause.clean:
             return self._fail(event.cause, now)
         self._reap(event.cause)
@@ -338,7 +370,8 @@ class Lifecycle:
         return self._stop(now, "stop requested")
 
     def _on_stop_while_stopping(self, event: StopRequested, now: float) -> list[Action]:
-        self._doomed, self._start_pending = "", False  # down it is: no restart after the exit
+        self._doomed, self._doomed_kind = "", ""  # down it is: no restart after the exit
+        self._start_pending = False
         return []
 
     def _on_start_while_stopping(self, event: StartRequested, now: float) -> list[Action]:
@@ -349,8 +382,8 @@ class Lifecycle:
         return [SendSignal("KILL")]
 
     def _on_stopped(self, event: ProcessExited, now: float) -> list[Action]:
-        if self._doomed:  # a liveness restart: the exit is a failure
-            return self._fail(replace(event.cause, summary=self._doomed), now)
+        if self._doomed:  # a liveness or watchdog restart: the exit is a failure
+            return self._fail(self._doomed_cause(event.cause), now)
         self._reap(event.cause)
         if self._start_pending:
             return self._spawn(now, "restart requested")
@@ -380,6 +413,7 @@ _TRANSITIONS: dict[tuple[WorkerState, type[object]], _Handler] = {
     (_S.STARTING, StopRequested): Lifecycle._on_stop,  # -> STOPPING
     (_S.RUNNING, _RanStably): Lifecycle._on_stable,  # backoff exponent reset
     (_S.RUNNING, HealthProbed): Lifecycle._on_probe,  # -> STOPPING after too many failures
+    (_S.RUNNING, ProgressReported): Lifecycle._on_progress,  # -> STOPPING if stalled
     (_S.RUNNING, ProcessExited): Lifecycle._on_exit,  # -> EXITED | BACKOFF | FAILED
     (_S.RUNNING, StopRequested): Lifecycle._on_stop,  # -> STOPPING
     (_S.STOPPING, Spawned): Lifecycle._on_spawned_while_stopping,  # TERM the new pid

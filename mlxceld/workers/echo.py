@@ -13,6 +13,10 @@ supervisor's handling of each can be tested against a real process:
                     time out, the supervisor restarts it)
     hog_mib         once ready, fill this many MiB, 16 at a time (a worker that runs out
                     of memory: under a cgroup limit the kernel's OOM killer ends it)
+    busy            report having work: its progress (each tick a step) in its health
+                    answer says busy, so the supervisor's watchdog watches it
+    stall_after_s   stop ticking after this long while the control channel still answers
+                    (with ``busy``: alive, with work, no progress; the watchdog restarts it)
     interval_s      tick period (default 1.0)
 """
 
@@ -24,7 +28,7 @@ import signal
 import time
 
 from mlxceld.roles.options import EchoOptions
-from mlxceld.workers.runtime import WorkerContext
+from mlxceld.workers.runtime import WorkerContext, progress_report
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ async def run(ctx: WorkerContext[EchoOptions]) -> int:
     await _sleep_unless_stopped(ctx, o.ready_after_s)
     ctx.ready()
     ctx.stats["ticks"] = 0
+    busy_since = time.monotonic() if o.busy else None
+    last_tick: float | None = None
+    ctx.progress = lambda: progress_report(ctx.stats["ticks"], last_tick, busy_since)
     hog: list[bytearray] = []
     while len(hog) * HOG_STEP_MIB < o.hog_mib and not ctx.stopping.is_set():
         hog.append(bytearray(b"\x01") * (HOG_STEP_MIB << 20))  # written: every page is used
@@ -53,7 +60,10 @@ async def run(ctx: WorkerContext[EchoOptions]) -> int:
         if o.freeze_after_s is not None and elapsed >= o.freeze_after_s:
             time.sleep(3600)  # blocks the event loop: the control channel stops answering
         await _sleep_unless_stopped(ctx, min(o.interval_s, 0.05) if o.timed else o.interval_s)
+        if o.stall_after_s is not None and elapsed >= o.stall_after_s:
+            continue  # stalled: no more steps, the channel still answers
         ctx.stats["ticks"] += 1
+        last_tick = time.monotonic()
     log.info("echo worker %s stopping after %d ticks", ctx.name, ctx.stats["ticks"])
     return 0
 

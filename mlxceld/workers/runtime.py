@@ -5,7 +5,10 @@ session, with stdout and stderr on the worker's log file and a bootstrap JSON
 document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
 ``stats``, ``stop``), runs the role, and leaves an exit record for a daemon
-that may have adopted it after a restart.
+that may have adopted it after a restart. A role that does steps of work sets
+``WorkerContext.progress``; its ``health`` answer then carries ``progress``
+(``types.WorkerProgress``, made by ``progress_report``), which the supervisor's
+watchdog reads.
 
 The role's options are read once, here, into their typed spec
 (``workers/options.py``): a bad one is named in the log and the exit record
@@ -32,7 +35,7 @@ from typing import Any, Generic, TypeVar
 from mlxceld.errors import ConfigError
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
-from mlxceld.types import JSON, ExitRecord, WorkerBootstrap, WorkerHealth
+from mlxceld.types import JSON, ExitRecord, WorkerBootstrap, WorkerHealth, WorkerProgress
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class WorkerContext(Generic[Opts]):
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # Role-specific control-channel operations (e.g. a standby stage's "activate").
     ops: dict[str, Callable[[], JSON]] = field(default_factory=dict)
+    # A role that does steps of work: its progress, for the supervisor's watchdog.
+    progress: Callable[[], WorkerProgress] | None = None
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
@@ -127,8 +132,11 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
     except (ValueError, KeyError, TypeError):
         return {"ok": False, "error": "request must be a JSON object with an 'op'"}
     if op == "health":
-        return {"ok": True, "name": ctx.name, "role": ctx.role, "pid": os.getpid(),
-                "state": ctx.state, "started_at": ctx.started_at}
+        answer: JSON = {"ok": True, "name": ctx.name, "role": ctx.role, "pid": os.getpid(),
+                        "state": ctx.state, "started_at": ctx.started_at}
+        if ctx.progress is not None:
+            answer["progress"] = ctx.progress()
+        return answer
     if op == "stats":
         return {"ok": True, "stats": dict(ctx.stats)}
     if op == "stop":
@@ -137,6 +145,21 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
     if op in ctx.ops:
         return ctx.ops[op]()
     return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def progress_report(steps: int, last_step: float | None,
+                    busy_since: float | None) -> WorkerProgress:
+    """``WorkerProgress`` from a role's counts: ``last_step`` (when the last step ended)
+    and ``busy_since`` (when it got work it still has; None: it has none) are
+    ``time.monotonic()`` readings of this process."""
+    now = time.monotonic()
+    stalled = 0.0
+    if busy_since is not None:
+        stalled = max(0.0, now - max(busy_since, last_step if last_step is not None
+                                     else busy_since))
+    return {"steps": steps,
+            "last_step_at": None if last_step is None else time.time() - (now - last_step),
+            "busy": busy_since is not None, "stalled_s": round(stalled, 3)}
 
 
 def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> None:

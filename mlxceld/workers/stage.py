@@ -9,6 +9,9 @@ stage prepared by a two-phase assignment: loaded and listening, refusing
 coordinators until the control channel's ``activate`` op switches it on). The
 cluster secret arrives on the bootstrap pipe; a stage without one refuses to start.
 
+Its health answer carries its progress (steps, the last step's time, whether it
+has steps to run: ``types.WorkerProgress``), which the supervisor's watchdog reads.
+
 Start-up binds the listener first (a port in use fails at once, named), loads
 only this stage's layers, then accepts connections and reports ready.
 """
@@ -26,7 +29,7 @@ from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
 from mlxceld.wire.address import parse_address
-from mlxceld.workers.runtime import WorkerContext
+from mlxceld.workers.runtime import WorkerContext, progress_report
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             return {"ok": True}
 
         ctx.ops["activate"] = activate
+        ctx.progress = lambda: progress_report(active.stats.steps, active.stats.last_step_at,
+                                               active.busy_since)
         async with asyncio.TaskGroup() as tg:
             compute = tg.create_task(service.run())
             serving = tg.create_task(listener.serve())

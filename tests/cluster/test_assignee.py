@@ -20,6 +20,7 @@ from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPEC
 from mlxceld.net import MxclStream, connect
 from mlxceld.net.agent import AgentService
 from mlxceld.state.db import open_db
+from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
 from mlxceld.wire import Keyring
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
@@ -97,10 +98,11 @@ class Peer:
 @contextlib.asynccontextmanager
 async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
     keyring = keys.keyring(secrets.token_bytes(32))
-    stage, assignments = HeldStage(), Assignments(open_db(tmp_path / "state.db"))
+    db = open_db(tmp_path / "state.db")
+    stage, assignments = HeldStage(), Assignments(db)
     agent = AgentService((PEER_HOST, 0), keyring)
     assignee = Assignee(assignments, stage, keyring, identity=lambda: agent.address,
-                        state_dir=tmp_path, enabled=True)
+                        state_dir=tmp_path, enabled=True, events=EventLog(db))
     assignee.register(agent)
     async with asyncio.TaskGroup() as tg:
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()

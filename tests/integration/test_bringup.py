@@ -51,6 +51,17 @@ def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_
     assert coord.status()["bringup"]["state"] == "active"
     human = peers[1].ctl("status")
     assert "stage-1 active" in human.stdout, human.stdout
+    # Each step of the bring-up is an event, on the coordinator and on each peer.
+    pushed = coord.events()
+    kinds = [e["kind"] for e in pushed]
+    assert kinds.index("bringup.pushing") < kinds.index("bringup.active"), kinds
+    reached = [e["data"] for e in pushed if e["kind"] == "bringup.peer"]
+    assert sorted(r["stage"] for r in reached if r["state"] == "active") == [
+        "stage-0", "stage-1"], reached
+    for p in peers:
+        steps = [e["kind"] for e in p.events() if e["kind"].startswith("assignment.")]
+        assert steps == ["assignment.preparing", "assignment.accepted",
+                         "assignment.committed", "assignment.active"], steps
 
     # A peer restarted while active brings its stage back active (from the stored TOML).
     p = peers[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
+from mlxceld.workers.runtime import progress_report
 
 from helpers.keys import keyring
 from helpers.waiting import until
@@ -504,3 +506,47 @@ def test_short_decode_steps_run_inline_and_long_ones_on_the_compute_thread(
         assert all(n >= 10 for n in inline), (inline, steps)
     else:
         assert inline == [0, 0]
+
+
+def test_a_stage_reports_work_in_hand_and_its_steps_for_the_watchdog(
+        split_fixture_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A last stage whose compute is held has work and no new step: what the supervisor's
+    watchdog restarts (``types.WorkerProgress`` from ``workers.runtime.progress_report``);
+    released, it steps, and with the sequence done it has no work left."""
+    path = split_fixture_dir / "llama"
+    gate = threading.Event()
+    real = stage_module.run_group
+
+    def held(model: Any, group: Any, *, overlap: bool = False) -> list[Any]:
+        if model.last:
+            gate.wait(30)
+        return real(model, group, overlap=overlap)
+
+    monkeypatch.setattr(stage_module, "run_group", held)
+
+    async def go() -> list[int]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            first, last = c.services
+            assert (first.busy_since, last.busy_since) == (None, None)
+            engine = c.engine(path)
+            try:
+                task = asyncio.ensure_future(tokens_of(engine, PROMPT, 3))
+                await until(lambda: last.busy_since is not None, "the last stage has work")
+                await asyncio.sleep(0.3)
+                held_for = progress_report(last.stats.steps, last.stats.last_step_at,
+                                           last.busy_since)
+                assert held_for["busy"] and held_for["steps"] == 0
+                assert held_for["last_step_at"] is None and held_for["stalled_s"] >= 0.3
+                assert first.busy_since is None and first.stats.steps == 1  # passed it on
+                gate.set()
+                got = await asyncio.wait_for(task, 30)
+                await until(lambda: last.busy_since is None, "the last stage is done")
+                done = progress_report(last.stats.steps, last.stats.last_step_at, None)
+                assert done["steps"] == 3 and not done["busy"] and done["stalled_s"] == 0
+                assert done["last_step_at"] is not None
+                return got
+            finally:
+                gate.set()
+                await engine.aclose()
+
+    assert asyncio.run(asyncio.wait_for(go(), 60)) == reference(path, PROMPT, 3)

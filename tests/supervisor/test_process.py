@@ -26,7 +26,8 @@ def test_describe_and_repr_do_not_carry_the_secret(tmp_path: Path) -> None:
                                "options": {"interval_s": 0.5, "ready_after_s": 0.0,
                                            "crash_after_s": None, "exit_after_s": None,
                                            "exit_code": 0, "ignore_term": False,
-                                           "freeze_after_s": None, "hog_mib": 0},
+                                           "freeze_after_s": None, "hog_mib": 0,
+                                           "busy": False, "stall_after_s": None},
                                "has_secret": True, "has_api_key": False}
 
 

@@ -17,6 +17,7 @@ from mlxceld.supervisor import (
     HealthProbed,
     Lifecycle,
     ProcessExited,
+    ProgressReported,
     RestartPolicy,
     SendSignal,
     Spawned,
@@ -93,6 +94,7 @@ def test_policy_defaults() -> None:
         ("start_timeout_s", -3.0),
         ("stop_timeout_s", 0.0),
         ("liveness_failures", 0),
+        ("stall_timeout_s", -1.0),
     ],
 )
 def test_policy_rejects_bad_values(field: str, value: float) -> None:
@@ -531,6 +533,50 @@ def test_stop_during_liveness_restart_stays_down() -> None:
     assert crash(lc, 2.0) == [Transitioned(S.STOPPING, S.EXITED, "stopped")]
 
 
+# -- The watchdog: progress reported by a running worker ---------------------------
+
+
+def test_watchdog_restarts_a_busy_worker_without_steps() -> None:
+    lc = make(stall_timeout_s=30.0)
+    running(lc)
+    assert lc.handle(ProgressReported(busy=True, stalled_s=29.9, steps=7), 1.0) == []
+    actions = lc.handle(ProgressReported(busy=True, stalled_s=31.2, steps=7), 2.0)
+    why = ("watchdog: it had work but made no progress for 31 s "
+           "(stall_timeout_s 30; 7 steps done)")
+    assert actions == [Transitioned(S.RUNNING, S.STOPPING, f"restarting: {why}"),
+                       SendSignal("TERM")]
+    actions = crash(lc, 2.5, CLEAN)  # it stopped as asked: still a failure, of the watchdog
+    assert actions == [Transitioned(S.STOPPING, S.BACKOFF, f"restarting in 1.0 s after: {why}")]
+    assert lc.last_cause == ExitCause("watchdog", why, 0)
+    lc.handle_timer(3.5)
+    assert (lc.state, lc.restarts) == (S.STARTING, 1)
+
+
+@pytest.mark.parametrize("report", [
+    ProgressReported(busy=False, stalled_s=0.0, steps=0),  # idle: no work, no steps
+    ProgressReported(busy=False, stalled_s=99.0, steps=3),  # not busy: never a stall
+])
+def test_watchdog_leaves_an_idle_worker_be(report: ProgressReported) -> None:
+    lc = make(stall_timeout_s=5.0)
+    running(lc)
+    assert lc.handle(report, 1.0) == []
+    assert lc.state is S.RUNNING
+
+
+def test_watchdog_off_at_zero() -> None:
+    lc = make(stall_timeout_s=0.0)
+    running(lc)
+    assert lc.handle(ProgressReported(busy=True, stalled_s=1e6, steps=1), 1.0) == []
+    assert lc.state is S.RUNNING
+
+
+def test_watchdog_report_outside_running_is_ignored() -> None:
+    lc = make(stall_timeout_s=1.0)
+    starting(lc)
+    assert lc.handle(ProgressReported(busy=True, stalled_s=9.0, steps=0), 1.0) == []
+    assert lc.state is S.STARTING
+
+
 # -- Deadlines --------------------------------------------------------------------
 
 
@@ -568,6 +614,7 @@ events = st.one_of(
     st.builds(SpawnFailed, st.just("exec failed")),
     st.just(BecameReady()),
     st.builds(HealthProbed, st.booleans(), st.just("slow")),
+    st.builds(ProgressReported, st.booleans(), st.floats(0.0, 60.0), st.integers(0, 9)),
     st.builds(ProcessExited, st.sampled_from([CLEAN, CRASH, OOM])),
     st.just(TIMER),
 )

@@ -77,6 +77,7 @@ from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.agent import AgentService
 from mlxceld.net.resolve import Resolver
+from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
 from mlxceld.tasks import cancelling_group
 from mlxceld.wire import Envelope, Keyring
@@ -126,8 +127,10 @@ class _Current:
 
 class Assignee:
     def __init__(self, assignments: Assignments, host: StageHost, keyring: Keyring, *,
-                 identity: Callable[[], str], state_dir: Path, enabled: bool) -> None:
+                 identity: Callable[[], str], state_dir: Path, enabled: bool,
+                 events: EventLog) -> None:
         self._assignments = assignments
+        self._events = events  # each recorded state is an event (assignment.STATE)
         self._host = host
         self._keyring = keyring
         self._identity = identity  # our agent address as it listens (a port 0 resolved)
@@ -176,6 +179,7 @@ class Assignee:
                 reason = "the coordinator deactivated the plan while this daemon was down"
                 self._assignments.record(row.epoch, row.coordinator, row.stage, "deactivated",
                                          row.toml, reason)
+                self._recorded(row.epoch, row.coordinator, row.stage, "deactivated", reason)
                 log.info("stage assignment %d: not resumed: %s", row.epoch, reason)
                 row = None
             elif decision is None:
@@ -337,6 +341,7 @@ class Assignee:
         if row.state != "deactivated":
             self._assignments.record(epoch, row.coordinator, row.stage, "deactivated",
                                      row.toml, reason)
+            self._recorded(epoch, row.coordinator, row.stage, "deactivated", reason)
             log.info("stage assignment %d: %s (%s)", epoch, reason, done)
         await stream.send(message("deactivated", epoch, reason=done))
 
@@ -350,6 +355,7 @@ class Assignee:
                 self._assignments.record(cur.round.epoch, cur.coordinator, cur.stage, a.state,
                                          cur.toml, a.reason)
                 log.info("stage assignment %d: %s %s", cur.round.epoch, a.state, a.reason)
+                self._recorded(cur.round.epoch, cur.coordinator, cur.stage, a.state, a.reason)
             elif isinstance(a, Reply):
                 await self._reply(cur, a)
             elif isinstance(a, StageAction) and a.what == "prepare":
@@ -366,6 +372,15 @@ class Assignee:
                 await self._host.stop_stage()
             elif isinstance(a, Query):
                 self._spawn(self._query(cur), "query")
+
+    def _recorded(self, epoch: int, coordinator: str, stage: int, state: str,
+                  reason: str) -> None:
+        """A state just written to ``assignments``, as an event (``assignment.STATE``)."""
+        self._events.append(
+            f"assignment.{state}", "stage", f"stage assignment {epoch} from {coordinator} "
+            f"(stage {stage}): {state}" + (f": {reason}" if reason else ""),
+            epoch=epoch, coordinator=coordinator, stage=stage, state=str(state),
+            reason=reason)
 
     async def _reply(self, cur: _Current, a: Reply) -> None:
         fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
