@@ -78,7 +78,8 @@ class Heartbeat:
 
 async def watch(stream: MxclStream, silence_s: float, what: str) -> None:
     """Ping ``stream``'s peer while it is quiet; end the stream when it has been silent
-    for ``silence_s`` (``what``: the peer in the reason and the log, "stage stage-1").
+    for ``silence_s`` (``what``: the peer in the log line, "stage stage-1"; the stream's
+    ``ConnectionClosed`` says why without naming it, for its owner to name it).
     Returns when the stream ends, by this or anything else; cancel it to stop early."""
     loop = asyncio.get_running_loop()
     beat = Heartbeat(silence_s, stream.heard_at, loop.time())
@@ -86,8 +87,8 @@ async def watch(stream: MxclStream, silence_s: float, what: str) -> None:
         now = loop.time()
         beat.heard(stream.heard_at)
         if beat.silent(now):
-            reason = (f"{what} answered nothing for {now - beat.heard_at:.1f} s (the bound "
-                      f"is {silence_s:g} s): its host may be asleep or off the network")
+            reason = (f"nothing heard for {now - beat.heard_at:.1f} s (the bound is "
+                      f"{silence_s:g} s): the host may be asleep or off the network")
             log.warning("%s is silent: nothing heard from %s for %.2f s; the connection is "
                         "dropped", what, stream.peer, now - beat.heard_at)
             await stream.silenced(reason)
