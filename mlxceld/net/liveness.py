@@ -8,7 +8,11 @@ are buffered, reads wait forever. Only our own clock can tell. Three layers:
   nothing else arrives, and ends the stream (``ConnectionClosed`` kind ``"silent"``,
   the socket aborted) once nothing at all has been heard for ``silence_s``: the
   stream's reader and every writer blocked on it wake at once. The peer is noticed
-  ``silence_s`` after the last byte it sent, at the latest, whatever the traffic.
+  ``silence_s`` after the last byte it sent, whatever the traffic. In the bound's last
+  ``GRACE_S`` it lets the reader take what the socket holds before it blames the peer
+  (our own loop may have been the one stalled); a stall of our own longer than
+  ``silence_s`` with nothing in flight still reads as the peer's silence (the link is
+  re-dialed).
 - the write deadline of ``MxclStream.send`` (``stream.WRITE_TIMEOUT_S``): a write
   the peer does not take ends the stream rather than blocking its sender.
 - TCP keepalive (``keep_alive_socket``, on every dialed and accepted socket): a
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PINGS_PER_SILENCE: Final = 3  # pings sent within one silence_s while nothing comes
+GRACE_S: Final = 0.02  # at the bound, the reader's last chance to take what is unread
 KEEPALIVE_IDLE_S: Final = 10
 KEEPALIVE_INTERVAL_S: Final = 2
 KEEPALIVE_COUNT: Final = 3
@@ -82,11 +87,19 @@ async def watch(stream: MxclStream, silence_s: float, what: str) -> None:
     ``ConnectionClosed`` says why without naming it, for its owner to name it).
     Returns when the stream ends, by this or anything else; cancel it to stop early."""
     loop = asyncio.get_running_loop()
-    beat = Heartbeat(silence_s, stream.heard_at, loop.time())
+    grace = min(GRACE_S, silence_s / 10)  # taken from the bound, not added to it
+    beat = Heartbeat(silence_s - grace, stream.heard_at, loop.time())
     while not stream.closed:
         now = loop.time()
         beat.heard(stream.heard_at)
         if beat.silent(now):
+            # Our own loop may have stalled with the peer's answer unread: let the reader
+            # take what the socket holds before blaming the peer.
+            await asyncio.sleep(grace)
+            beat.heard(stream.heard_at)
+            if not beat.silent(now):
+                continue
+            now = loop.time()
             reason = (f"nothing heard for {now - beat.heard_at:.1f} s (the bound is "
                       f"{silence_s:g} s): the host may be asleep or off the network")
             log.warning("%s is silent: nothing heard from %s for %.2f s; the connection is "

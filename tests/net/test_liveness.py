@@ -60,7 +60,7 @@ def test_a_peer_that_answers_nothing_is_silent_within_the_bound() -> None:
     assert ended.reason.startswith("nothing heard for ")
     assert ended.reason.endswith(f"(the bound is {SILENCE_S:g} s): the host may be asleep "
                                  "or off the network")
-    assert SILENCE_S <= took < SILENCE_S + 0.3, took
+    assert SILENCE_S - 0.01 <= took < SILENCE_S + 0.3, took
 
 
 def test_a_peer_that_answers_pings_is_kept_and_its_pongs_are_not_delivered() -> None:
@@ -157,4 +157,4 @@ def test_a_redialer_drops_a_silent_stream_and_dials_afresh() -> None:
             reading.cancel()
         return took
 
-    assert SILENCE_S <= run(main()) < SILENCE_S + 0.3
+    assert SILENCE_S - 0.01 <= run(main()) < SILENCE_S + 0.3
