@@ -9,7 +9,7 @@ prepared or activated, a deactivation). The rules, in order:
 - every ``[workers.NAME]`` of the config runs, with its options and policy;
 - a stage node of a placement (a cluster TOML, or a pushed plan) runs the
   ``stage`` worker, in standby while its assignment is only prepared, with the
-  cluster secret;
+  cluster secret (and ``[serve] stage_silence_s`` for its links' heartbeat);
 - else the ``router`` runs when there is a model to serve and the daemon is no
   ``--pp-peer``: over the pipeline with the cluster secret when the placement
   makes it the coordinator, else on the model alone unless the router is held
@@ -62,7 +62,9 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
     policy = model_policy(c.policy)
     if p is not None and not p.is_coordinator:
         specs.append(WorkerSpec(STAGE_WORKER, c.state_dir,
-                                stage_options(p, standby=s.standby), policy, secret=s.secret))
+                                stage_options(p, standby=s.standby,
+                                              silence_s=s.serve.stage_silence_s),
+                                policy, secret=s.secret))
     elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
         options = router_options(s.serve, pipeline_options(p) if p is not None else None)
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,

@@ -6,6 +6,9 @@ from enum import StrEnum
 from typing import Any, Final, NotRequired, TypedDict
 
 JSON = dict[str, Any]
+# A peer that sends nothing (not even a pong) for this long is silent: net/liveness.py,
+# [serve] stage_silence_s.
+DEFAULT_SILENCE_S: Final = 3.0
 MAX_PIPELINE_STAGES: Final = 64  # --pp-auto, [daemon] pp_auto, `mlxctl cluster plan|activate`
 
 

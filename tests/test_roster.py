@@ -112,6 +112,15 @@ def test_a_stage_node_runs_its_stage_with_the_secret_and_no_router(standby: bool
     assert spec.policy.start_timeout_s == MODEL_START_TIMEOUT_S
 
 
+def test_the_stage_silence_bound_of_serve_reaches_the_stage_and_the_router() -> None:
+    from dataclasses import replace
+
+    for node, attribute in (("stage-1", "silence_s"), ("coordinator", "stage_silence_s")):
+        s = situation(placement=placed(node))
+        s = replace(s, serve=replace(s.serve, stage_silence_s=1.25))
+        assert getattr(only(draw_roster(s)).options, attribute) == 1.25
+
+
 def test_a_stage_node_of_a_written_cluster_runs_its_stage_too() -> None:
     spec = only(draw_roster(situation(placement=placed("stage-0"))))  # no pp_peer
     assert isinstance(spec.options, StageOptions) and spec.options.last == "127.0.0.3:19101"

@@ -31,7 +31,8 @@ def failure(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, EngineUnavailable):
-        return ApiError(503, str(exc), "server_error", code="engine_unavailable")
+        return ApiError(503, str(exc), "server_error", code="engine_unavailable",
+                        headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, EngineError):
         return ApiError(500, f"the engine failed: {exc}", "server_error", code="engine_error")
     return ApiError(500, "internal error while generating; see the server's log",

@@ -13,6 +13,8 @@
     max_connections = 1024          # open connections; past it the longest idle goes
     header_timeout_s = 10.0         # a request's head must be whole this soon
     body_timeout_s = 60.0           # and its body this soon after the head
+    stage_silence_s = 3.0           # a pipeline stage that sends nothing (not even a
+                                    # pong to our heartbeat) this long is silent
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -24,6 +26,14 @@ accepted (``workers/router.py``'s ``BACKLOG``). A head not
 whole ``header_timeout_s`` after the connection opened (or after the previous
 response on it), or a body not whole ``body_timeout_s`` after its head, is answered
 408 and closed.
+
+``stage_silence_s`` (``mlxceld/net/liveness.py``): over a pipeline, every stage link
+has a heartbeat, and a stage that sends nothing for this long (its host sleeps or
+lost its network: no RST ever comes) is *silent*: requests on it end with a 503 naming
+it, new ones get 503 with ``Retry-After`` at once, ``/ready`` is 503, ``mlxctl status``
+says since when, and it is re-attached by itself when it answers again. It bounds the
+stage workers' links to each other too (set it alike on every node). Below a second it
+takes a short hiccup (a busy host, a Wi-Fi roam) for a lost host.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Final
 from mlxceld import roles
 from mlxceld.errors import ConfigError
 from mlxceld.roles.options import PipelineOptions, RouterOptions
+from mlxceld.types import DEFAULT_SILENCE_S
 
 if TYPE_CHECKING:
     from mlxceld.config.daemon import Overrides
@@ -49,7 +60,7 @@ log = logging.getLogger(__name__)
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
-              "max_connections", "header_timeout_s", "body_timeout_s"}
+              "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class ServeConfig:
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    stage_silence_s: float = DEFAULT_SILENCE_S
 
     @property
     def served_name(self) -> str:
@@ -107,6 +119,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         max_connections=_positive(table, "max_connections", 1024, where),
         header_timeout_s=_seconds(table, "header_timeout_s", 10.0, where),
         body_timeout_s=_seconds(table, "body_timeout_s", 60.0, where),
+        stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
     )
     model = flags.model or _typed(table, "model", str, where)
     if model:
@@ -192,4 +205,5 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
                          pipeline=pipeline, max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
-                         body_timeout_s=cfg.body_timeout_s)
+                         body_timeout_s=cfg.body_timeout_s,
+                         stage_silence_s=cfg.stage_silence_s)

@@ -50,7 +50,12 @@ class EngineError(Exception):
 
 
 class EngineUnavailable(EngineError):
-    """A part of the engine (a pipeline stage) cannot be reached: HTTP 503, the part named."""
+    """A part of the engine (a pipeline stage) cannot be reached: HTTP 503, the part named
+    (never by its address), with ``Retry-After: retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Engine(Protocol):

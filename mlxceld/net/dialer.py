@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Final
 
 from mlxceld.net.errors import HandshakeFailed
+from mlxceld.net.liveness import keep_alive_socket
 from mlxceld.net.stream import MxclStream, close_writer, handshake
 from mlxceld.wire import (
     Channel,
@@ -45,6 +46,7 @@ async def _attempt(host: str, port: int, *, keyring: SecretStore, identity: str,
                    channel: Channel, suite: Suite, random: Callable[[int], bytes],
                    local_addr: tuple[str, int] | None, limits: FrameLimits) -> MxclStream:
     reader, writer = await asyncio.open_connection(host, port, local_addr=local_addr)
+    keep_alive_socket(writer.get_extra_info("socket"))
     try:
         conn = Connection(Role.CLIENT, keyring=keyring, random=random,
                           now=asyncio.get_running_loop().time(), channel=channel,

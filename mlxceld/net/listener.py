@@ -50,6 +50,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from mlxceld.net.errors import ConnectionClosed
+from mlxceld.net.liveness import keep_alive_socket
 from mlxceld.net.pending import Pending, PendingPool
 from mlxceld.net.securitylog import SecurityClass, SecurityLog
 from mlxceld.net.stream import MxclStream, close_writer, handshake
@@ -236,6 +237,7 @@ class Listener:
             self._refused("abort", "an unknown peer", "the socket was gone at accept")
             return
         ip, peer = _peer_of(name)
+        keep_alive_socket(writer.get_extra_info("socket"))
         entry = Pending(source_bucket(ip), peer, writer)
         admission = self._pool.admit(entry)
         if not admission.admitted:

@@ -6,9 +6,12 @@ identity it claims and the IP it dials from; retried within ``budget_s``, else
 way share it. ``run()`` reads every stream dialed, each in a task of its own task
 group: the stream answers pings on the way, anything else goes to ``on_message``,
 and a stream the peer closed is noticed at once, so the next ``stream()`` dials
-afresh. The streams are read only while ``run`` runs. ``forget()`` drops the
-stream (a send on it failed: the next ``stream()`` dials); ``aclose`` closes it
-with a close frame.
+afresh. With ``silence_s``, each stream also has a heartbeat while it is read
+(``liveness.watch``): a peer that answers nothing for that long (asleep, off the
+network) has its stream ended, so the next ``stream()`` dials afresh instead of
+writing into a socket nobody reads. The streams are read only while ``run`` runs.
+``forget()`` drops the stream (a send on it failed: the next ``stream()`` dials);
+``aclose`` closes it with a close frame.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 from mlxceld.net.dialer import connect
 from mlxceld.net.errors import ConnectionClosed
+from mlxceld.net.liveness import watch
 from mlxceld.net.stream import MxclStream
 from mlxceld.wire import SecretStore
 from mlxceld.wire.address import HostPort, format_address
@@ -30,10 +34,10 @@ log = logging.getLogger(__name__)
 class Redialer:
     def __init__(self, target: tuple[str, int] | None, *, keyring: SecretStore,
                  origin: HostPort, channel: int, what: str, budget_s: float,
-                 on_message: Callable[[bytes], None]) -> None:
+                 on_message: Callable[[bytes], None], silence_s: float | None = None) -> None:
         """``target``: the peer's listener (None: there is none, and ``stream`` must not be
         called); ``origin``: our own listener, whose identity we claim; ``what``: the peer
-        in log lines ("next stage")."""
+        in log lines ("next stage"); ``silence_s``: the heartbeat's bound (None: none)."""
         self.target = target
         self.what = what
         self._keyring = keyring
@@ -41,6 +45,7 @@ class Redialer:
         self._channel = channel
         self._budget_s = budget_s
         self._on_message = on_message
+        self._silence_s = silence_s
         self._stream: MxclStream | None = None
         self._lock = asyncio.Lock()
         self._dialed: asyncio.Queue[MxclStream] = asyncio.Queue()  # for ``run`` to read
@@ -71,9 +76,14 @@ class Redialer:
                 tg.create_task(self._read(await self._dialed.get()))
 
     async def _read(self, stream: MxclStream) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                self._on_message(await stream.recv())
+        async with asyncio.TaskGroup() as tg:
+            heartbeat = (tg.create_task(watch(stream, self._silence_s, f"the {self.what}"))
+                         if self._silence_s is not None else None)
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    self._on_message(await stream.recv())
+            if heartbeat is not None:
+                heartbeat.cancel()
 
     async def aclose(self, reason: str = "") -> None:
         """Close the stream, if any, with a close frame carrying ``reason``."""

@@ -7,6 +7,13 @@ deadline for the ClientHello, then the 5 s of the whole handshake). ``recv()``
 drives the reading: pings are answered with pongs on the way and never reach the
 caller. Chunks go to the core as read (it opens a frame where it lies when one chunk
 holds it), and sealed frames are written as they are, never joined.
+
+Liveness (``liveness.py`` has the whole story): the stream keeps ``heard_at``, when
+the peer last sent anything; ``ping()`` sends a heartbeat ping, whose pong ``recv()``
+swallows (a pong to anyone else's ping is delivered); ``silenced(reason)`` ends the
+stream for a peer that went quiet. ``send`` has a deadline: a write the peer does not
+take within ``write_timeout_s`` (default ``WRITE_TIMEOUT_S``) ends the stream, kind
+``"write_timeout"``, instead of blocking the sender for as long as the peer sleeps.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ READ_CHUNK: Final = 1024 * 1024  # a read takes what is buffered, up to this
 FLUSH_TIMEOUT_S: Final = 1.0  # bound on writing a last answer (reject, close) to a peer
 _PING_SPECS: Final = {"ping": MessageSpec()}
 _PING_MAX: Final = 256  # a ping envelope is tiny; larger payloads skip the JSON check
+_PONG_SPECS: Final = {"pong": MessageSpec()}
+WRITE_TIMEOUT_S: Final = 10.0  # a write the peer takes nothing of for this long ends the stream
+HEARTBEAT_IDS: Final = 1 << 48  # heartbeat pings count up from here (others stay below)
+# Kinds of an end we decided (nothing the peer sends after it is delivered).
+_OURS: Final = frozenset({"local", "silent", "write_timeout"})
 
 
 async def handshake(conn: Connection, reader: asyncio.StreamReader,
@@ -121,10 +133,19 @@ async def close_writer(writer: asyncio.StreamWriter) -> None:
 
 def ping_id(payload: bytes) -> int | None:
     """The ``id`` of a ping envelope, or ``None`` if ``payload`` is anything else."""
-    if len(payload) > _PING_MAX or b'"ping"' not in payload:
-        return None  # the common case, decided without parsing: not a ping
+    return _small_id(payload, "ping", _PING_SPECS)
+
+
+def pong_id(payload: bytes) -> int | None:
+    """The ``id`` of a pong envelope, or ``None`` if ``payload`` is anything else."""
+    return _small_id(payload, "pong", _PONG_SPECS)
+
+
+def _small_id(payload: bytes, kind: str, specs: dict[str, MessageSpec]) -> int | None:
+    if len(payload) > _PING_MAX or f'"{kind}"'.encode() not in payload:
+        return None  # the common case, decided without parsing: not one
     try:
-        env = parse_envelope(payload, _PING_SPECS)
+        env = parse_envelope(payload, specs)
     except EnvelopeError:
         return None
     ident = env.header.get("id")
@@ -135,7 +156,8 @@ class MxclStream:
     """An established, authenticated connection: ``send``, ``recv``, ``close``."""
 
     def __init__(self, conn: Connection, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, done: HandshakeComplete, *, peer: str) -> None:
+                 writer: asyncio.StreamWriter, done: HandshakeComplete, *, peer: str,
+                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
         self._conn = conn
         self._reader = reader
         self._writer = writer
@@ -145,6 +167,9 @@ class MxclStream:
         self.peer = peer  # "host:port" of the TCP peer, for messages and logs
         self._recv_lock = asyncio.Lock()
         self._ended: ConnectionClosed | None = None
+        self.write_timeout_s = write_timeout_s
+        self.heard_at = asyncio.get_running_loop().time()  # the peer's last bytes (loop clock)
+        self._pings = 0  # heartbeat pings sent: ids HEARTBEAT_IDS + 1 .. + _pings
 
     @property
     def closed(self) -> bool:
@@ -159,25 +184,60 @@ class MxclStream:
         except LocalProtocolError as exc:
             raise ConnectionClosed(str(exc), "local") from exc
         try:
-            await _write(self._conn, self._writer)
+            async with asyncio.timeout(self.write_timeout_s):
+                await _write(self._conn, self._writer)
+        except TimeoutError:
+            reason = (f"the peer took nothing of a write for {self.write_timeout_s:g} s "
+                      "(asleep or off the network?)")
+            await self._drop(ConnectionClosed(reason, "write_timeout"))
+            raise ConnectionClosed(reason, "write_timeout") from None
         except OSError as exc:
+            if self._ended is not None and self._ended.kind in _OURS:
+                raise self._ended from exc  # we dropped it (silent) while this waited
             await self._end(ConnectionClosed(f"write to {self.peer} failed: {exc}", "abort"))
             raise ConnectionClosed(f"write to {self.peer} failed", "abort") from exc
+
+    def ping(self) -> None:
+        """Send a heartbeat ping (``recv`` swallows its pong); nothing on an ended stream.
+        Written without waiting for the peer to take it: a ping stuck behind data the peer
+        does not read is the silence ``liveness.watch`` is there to notice."""
+        if self._ended is not None:
+            return
+        self._pings += 1
+        try:
+            self._conn.send_message(encode_envelope(
+                {"t": "ping", "id": HEARTBEAT_IDS + self._pings}))
+        except LocalProtocolError:  # closing: the stream ends by itself
+            return
+        write_buffers(self._writer, self._conn.buffers_to_send())
+
+    async def silenced(self, reason: str) -> None:
+        """End the stream for a peer that answers nothing: the socket is aborted (no close
+        frame: it would only queue), and ``recv``/``send`` raise ``ConnectionClosed`` kind
+        ``"silent"`` with ``reason``."""
+        await self._drop(ConnectionClosed(reason, "silent"))
+
+    async def _drop(self, ended: ConnectionClosed) -> None:
+        if self._ended is None:
+            self._ended = ended
+            self._writer.transport.abort()
+            await close_writer(self._writer)
 
     async def recv(self) -> bytes:
         """The next message's payload; raises ``ConnectionClosed`` once the stream is over."""
         async with self._recv_lock:
             while True:
-                if self._ended is not None and self._ended.kind == "local":
-                    raise self._ended  # we closed it: nothing more for us
+                if self._ended is not None and self._ended.kind in _OURS:
+                    raise self._ended  # we ended it: nothing more for us
                 # Messages that authenticated before a broken frame are still delivered;
                 # the error comes after them.
                 event = self._conn.next_event()
                 if isinstance(event, MessageReceived):
                     ident = ping_id(event.payload)
-                    if ident is None:
+                    if ident is not None:
+                        await self._pong(ident)
+                    elif not self._our_pong(event.payload):
                         return event.payload
-                    await self._pong(ident)
                 elif isinstance(event, PeerClosed):
                     await self._answer_close(event.reason)
                 elif event is None:
@@ -189,6 +249,10 @@ class MxclStream:
         with contextlib.suppress(ConnectionClosed):
             await self.send(encode_envelope({"t": "pong", "id": ident}))
 
+    def _our_pong(self, payload: bytes) -> bool:
+        ident = pong_id(payload)
+        return ident is not None and HEARTBEAT_IDS < ident <= HEARTBEAT_IDS + self._pings
+
     async def _answer_close(self, reason: str) -> None:
         if not self._conn.our_closed:
             with contextlib.suppress(LocalProtocolError):
@@ -197,6 +261,8 @@ class MxclStream:
 
     async def _read_more(self) -> None:
         data = await read_chunk(self._reader)
+        if data:
+            self.heard_at = asyncio.get_running_loop().time()
         try:
             self._conn.receive_data(data, asyncio.get_running_loop().time())
         except RemoteProtocolError as exc:
@@ -212,10 +278,7 @@ class MxclStream:
 
     async def abort(self) -> None:
         """Drop the socket without a close frame; the peer sees an abort."""
-        if self._ended is None:
-            self._ended = ConnectionClosed("aborted by us", "local")
-            self._writer.transport.abort()
-            await close_writer(self._writer)
+        await self._drop(ConnectionClosed("aborted by us", "local"))
 
     async def _end(self, ended: ConnectionClosed) -> None:
         if self._ended is not None:

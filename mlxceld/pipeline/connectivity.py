@@ -10,9 +10,18 @@ retry. ``next_delay`` is the bounded backoff between background re-dials:
 States::
 
     connecting ──attached──▶ attached ──lost──▶ disconnected
-        │                       ▲                   │
+        │                     ▲    │                │
+        │                     │    └──silent──▶ silent ◀─┐ (failed: unreachable)
+        │                     │                   │      │
         └──failed──▶ unreachable | refused | standby | model_mismatch | layers_mismatch
                                 (each retried until attached)
+
+``silent``: the attached stage stopped answering (no byte, not even a pong, for the
+link's silence bound; ``mlxceld.net.liveness``): its host sleeps or is off the
+network. It stays silent while re-dials find nobody answering (``unreachable``),
+since when it went silent, and leaves only when attached again, or for a failure
+that says more (refused, a mismatch). While silent, ``admits`` is False: requests
+are refused at once rather than each waiting for a dial to a sleeping host.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ RETRY_INITIAL_S: Final = 0.5
 RETRY_MAX_S: Final = 5.0
 
 LinkState = Literal["connecting", "attached", "disconnected", "unreachable", "refused",
-                    "standby", "model_mismatch", "layers_mismatch"]
+                    "standby", "model_mismatch", "layers_mismatch", "silent"]
 Failure = Literal["unreachable", "refused", "standby", "model_mismatch", "layers_mismatch"]
 FAILURES: Final[frozenset[str]] = frozenset(
     {"unreachable", "refused", "standby", "model_mismatch", "layers_mismatch"})
@@ -56,6 +65,11 @@ class Connectivity:
     def up(self) -> bool:
         return self.state == "attached"
 
+    @property
+    def admits(self) -> bool:
+        """Whether a request may dial this link on demand (not while it is silent)."""
+        return self.state != "silent"
+
     def attached(self, now: float) -> Transition | None:
         self._delay, self.failures = self._initial, 0
         return self._move("attached", None, now)
@@ -66,12 +80,20 @@ class Connectivity:
             raise ValueError(f"unknown link failure {failure!r}; expected one of "
                              f"{sorted(FAILURES)}")
         self.failures += 1
+        if self.state == "silent" and failure == "unreachable":
+            return self._move("silent", error, now)  # still nobody answers: still silent
         return self._move(failure, error, now)
 
     def lost(self, reason: str, now: float) -> Transition | None:
         """The attached connection ended; re-dialing starts over at the shortest delay."""
         self._delay = self._initial
         return self._move("disconnected", reason, now)
+
+    def silent(self, reason: str, now: float) -> Transition | None:
+        """The attached stage answered nothing for the silence bound; re-dialing starts
+        over at the shortest delay."""
+        self._delay = self._initial
+        return self._move("silent", reason, now)
 
     def next_delay(self) -> float:
         """How long to wait before the next background attempt (doubles each call)."""

@@ -16,7 +16,10 @@ router): every stage is dialed and attached at start and re-dialed whenever its
 connection ends, with a bounded backoff (links.py, connectivity.py).
 ``readiness`` names the stages that are not attached and why, for the router's
 ``GET /ready``; requests are not held back by it: one that finds a link down
-dials it on demand.
+dials it on demand, except while a stage is *silent* (attached, then nothing
+heard for ``silence_s``: its host sleeps or is off the network; links.py): then
+a request is refused at once with 503 and ``Retry-After``, naming the stage,
+until the background re-dial attaches it again.
 
 Bounds (every wait has a deadline):
 
@@ -26,8 +29,11 @@ Bounds (every wait has a deadline):
 - ``prepared`` from every stage: ``PREPARE_TIMEOUT_S``;
 - each token: ``STEP_TIMEOUT_S`` plus ``PER_TOKEN_S`` for every prompt token in
   the step; a stage that dies is noticed at once (its connection ends), one that
-  stalls within this bound. Either way the request fails with
+  goes silent within ``silence_s`` (the heartbeat, ``DEFAULT_SILENCE_S``: 3 s),
+  one that stalls within this bound. Either way the request fails with
   ``EngineUnavailable`` (503 before the first token, an SSE error event after).
+
+What reaches the client names stages by node id, never by address.
 
 A client that goes away closes the generator: the sequence is released on every
 stage. A request after a stage came back finds it re-attached, or attaches it.
@@ -47,6 +53,7 @@ from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationReques
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
+from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
 
@@ -65,10 +72,12 @@ class PipelineEngine:
                  context_length: int, eos_token_ids: set[int], max_batch: int = 8,
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
-                 dial_budget_s: float = DIAL_BUDGET_S) -> None:
+                 dial_budget_s: float = DIAL_BUDGET_S,
+                 silence_s: float = DEFAULT_SILENCE_S) -> None:
         """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
         long one dial may retry a refused connection (smaller in tests); ``origin``: the
-        coordinator's address in the cluster TOML, whose identity the links claim."""
+        coordinator's address in the cluster TOML, whose identity the links claim;
+        ``silence_s``: how long an attached stage may send nothing before it is silent."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
@@ -84,7 +93,8 @@ class PipelineEngine:
                                  model_identity=model_identity, cluster=cluster,
                                  inboxes=self._inboxes.get, dial_budget_s=dial_budget_s,
                                  connectivity=Connectivity(initial_s=retry_s[0],
-                                                           max_s=retry_s[1]))
+                                                           max_s=retry_s[1]),
+                                 silence_s=silence_s)
                        for s in sorted(stages, key=lambda s: s.rank)]
         self._last_rank = self._links[-1].stage.rank
         self._tasks: set[asyncio.Task[None]] = set()
@@ -94,11 +104,13 @@ class PipelineEngine:
         return len(self._inboxes)
 
     def stages(self) -> list[dict[str, Any]]:
-        """Each stage, where it is, and whether it is attached (else its state and error)."""
-        return [link.describe() for link in self._links]
+        """Each stage, where it is, and whether it is attached (else its state and error):
+        the router's stats, for the operator."""
+        return [link.stats() for link in self._links]
 
     def readiness(self) -> dict[str, Any] | None:
-        """None when every stage is attached; else what ``GET /ready`` answers with 503."""
+        """None when every stage is attached; else what ``GET /ready`` answers with 503
+        (stages named by node id, no address)."""
         down = [link.describe() for link in self._links if not link.up]
         if not down:
             return None
@@ -120,6 +132,8 @@ class PipelineEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         if self._closed:
             raise EngineError("the engine is closed")
+        for link in self._links:
+            link.check_admits()
         await self.connect()
         seq = uuid.uuid4().hex[:24]
         inbox: Inbox = asyncio.Queue()
@@ -191,18 +205,29 @@ class PipelineEngine:
                 f"no token for step {step} within {bound:g} s: a stage is stalled "
                 f"({', '.join(link.stage.node_id for link in self._links)})") from None
 
-    @staticmethod
-    def _checked(item: tuple[int, Envelope] | BaseException) -> tuple[int, Envelope]:
+    def _checked(self, item: tuple[int, Envelope] | BaseException) -> tuple[int, Envelope]:
         if isinstance(item, BaseException):
             raise item
-        _rank, env = item
+        rank, env = item
         if env.type == "error":
             message = str(env.header.get("message", "unknown error"))
             code = env.header.get("code")
-            if code in (p.ERR_STAGE_FAILED, p.ERR_DOWNSTREAM):
+            if code == p.ERR_DOWNSTREAM:  # the stage's words name an address: log them
+                log.warning("stage of rank %s: %s", rank, message)
+                raise EngineUnavailable(self._downstream_message(rank))
+            if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
             raise EngineError(f"a stage refused the request: {message} ({code})")
         return item
+
+    def _downstream_message(self, rank: int) -> str:
+        """A stage could not reach the stage after it (the first, from the last)."""
+        ranks = [link.stage.rank for link in self._links]
+        at = ranks.index(rank) if rank in ranks else 0
+        here = self._links[at].stage.node_id
+        after = self._links[(at + 1) % len(self._links)].stage.node_id
+        return (f"stage {here} cannot reach stage {after}: is {after}'s host up and on the "
+                "network? retry shortly")
 
     async def _release(self, seq: str) -> None:
         for link in self._links:

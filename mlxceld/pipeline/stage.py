@@ -24,7 +24,11 @@ stays busy with no new step.
 
 Bounds: ``MAX_SEQUENCES`` prepared at once; the next stage (and, from the last
 stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
-``downstream_unreachable``.
+``downstream_unreachable``. The connections to them have a heartbeat
+(``silence_s``, ``mlxceld.net.liveness``): one whose stage sends nothing for that
+long (asleep, off the network) is dropped and dialed afresh at the next send, and a
+send the stage does not take within ``mlxceld.net.stream.WRITE_TIMEOUT_S`` fails
+(the owner is told ``downstream_unreachable``) instead of holding this stage's loop.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from mlxceld.net.errors import NetError
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.compute import SeqState, StageModelLike, Step, plan, run_group
+from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
     EnvelopeError,
@@ -113,7 +118,8 @@ class StageStats:
 
 class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
-                 wire_dtype: str, *, standby: bool = False) -> None:
+                 wire_dtype: str, *, standby: bool = False,
+                 silence_s: float = DEFAULT_SILENCE_S) -> None:
         self._model = model
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
@@ -121,8 +127,8 @@ class StageService:
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         me = parse_address(place.address)
-        self._down = _redialer(place.downstream, keyring, me, "next stage")
-        self._ring = _redialer(place.first, keyring, me, "first stage")
+        self._down = _redialer(place.downstream, keyring, me, "next stage", silence_s)
+        self._ring = _redialer(place.first, keyring, me, "first stage", silence_s)
         self._resolver = Resolver()  # the configured peers' host names
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self._inline = False  # the last decode step was short: run the next one inline
@@ -400,10 +406,11 @@ class StageService:
 
 
 def _redialer(target: tuple[str, int] | None, keyring: Keyring, me: HostPort,
-              what: str) -> Redialer:
+              what: str, silence_s: float) -> Redialer:
     """The connection to the next (or the first) stage, dialed as ``me``, our listener."""
     return Redialer(target, keyring=keyring, origin=me, channel=1, what=what,
-                    budget_s=DOWNSTREAM_DIAL_S, on_message=functools.partial(_unexpected, what))
+                    budget_s=DOWNSTREAM_DIAL_S, on_message=functools.partial(_unexpected, what),
+                    silence_s=silence_s)
 
 
 def _unexpected(what: str, payload: bytes) -> None:

@@ -21,6 +21,7 @@ from typing import ClassVar, Final, TypeVar, Union, get_args, get_origin, get_ty
 
 from mlxceld.errors import ConfigError
 from mlxceld.roles import ECHO, ROUTER, STAGE
+from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire.address import parse_address
 
 T = TypeVar("T")
@@ -139,13 +140,15 @@ class RouterOptions:
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    # How long a pipeline stage may send nothing before it is silent (net/liveness.py).
+    stage_silence_s: float = DEFAULT_SILENCE_S
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
         _check(self.max_queued >= 1, "max_queued", "be >= 1", self.max_queued)
         _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)
-        for key in ("header_timeout_s", "body_timeout_s"):
+        for key in ("header_timeout_s", "body_timeout_s", "stage_silence_s"):
             _check(getattr(self, key) > 0, key, "be > 0", getattr(self, key))
 
 
@@ -168,9 +171,12 @@ class StageOptions:
     model_identity: str
     cluster: str
     standby: bool = False  # loaded and listening; serves once activated
+    # The heartbeat's bound on its links to the next and the first stage (net/liveness.py).
+    silence_s: float = DEFAULT_SILENCE_S
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "rank", "be >= 0", self.rank)
+        _check(self.silence_s > 0, "silence_s", "be > 0", self.silence_s)
         _check_layers("layers", self.layers)
         for key in ("address", "coordinator", "upstream", "downstream", "first", "last"):
             _check_address(key, getattr(self, key))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from mlxceld.types import JSON, WorkerState
 
 
@@ -30,11 +32,23 @@ def problems(workers: list[JSON]) -> list[JSON]:
 def _stage_links(w: JSON) -> list[JSON]:
     """A pipeline router's stages that are not attached (from its stats, when asked)."""
     stages = (w.get("stats") or {}).get("stages") or []
-    return [_problem(s["stage"], f"worker {w['name']} cannot reach stage {s['stage']} "
-                     f"({s['state'].replace('_', ' ')}): {s['error']}",
-                     f"mlxctl status on the stage's host ({s['address']}); "
-                     f"mlxctl logs {w['name']}")
-            for s in stages if not s.get("connected") and s.get("state") != "connecting"]
+    return [_stage_link(w["name"], s) for s in stages
+            if not s.get("connected") and s.get("state") != "connecting"]
+
+
+def _stage_link(router: str, s: JSON) -> JSON:
+    state = s["state"]
+    since = (" since " + time.strftime("%H:%M:%S", time.localtime(s["since"]))
+             if s.get("since") else "")
+    message = (f"worker {router} cannot reach stage {s['stage']} ({state.replace('_', ' ')})"
+               f"{since}: {s['error']}")
+    if state == "silent":
+        return _problem(s["stage"], message,
+                        f"check that the host of stage {s['stage']} ({s['address']}) is awake "
+                        "and on the network; it is re-attached by itself once it answers; "
+                        f"mlxctl logs {router}")
+    return _problem(s["stage"], message, f"mlxctl status on the stage's host "
+                    f"({s['address']}); mlxctl logs {router}")
 
 
 def _problem(subject: str, message: str, next_command: str) -> JSON:

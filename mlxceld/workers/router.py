@@ -2,7 +2,8 @@
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
 model_name, host, port, max_batch, max_queued, and the port's connection bounds
-max_connections, header_timeout_s, body_timeout_s (``config/serve.py``). The API key,
+max_connections, header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline
+stage's heartbeat bound) (``config/serve.py``). The API key,
 if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
 cluster config: stages, coordinator, model_identity, cluster) the engine drives remote
 stages and only the tokenizer is loaded here; the cluster secret then arrives on the
@@ -15,7 +16,8 @@ to 2048 and 4096), and keeps its connections below it.
 
 Over a pipeline the engine keeps its stage links up in the background from the
 start; ``GET /ready`` is 503 naming the stages not attached (completions are
-not held back: they dial on demand and fail with a 503 naming the stage), and
+not held back: they dial on demand and fail with a 503 naming the stage; while
+a stage is silent they get that 503 at once, with ``Retry-After``), and
 the worker's stats (``stages``: each stage's state and last error, refreshed
 every ``STATS_EVERY_S``) show in ``mlxctl status``.
 """
@@ -80,7 +82,8 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     engine = PipelineEngine(
         stages, keyring=keyring, origin=pipe.coordinator, model_identity=pipe.model_identity,
         cluster=pipe.cluster, model_id=o.model_name, context_length=context,
-        eos_token_ids=set(tokenizer.eos_token_ids), max_batch=o.max_batch)
+        eos_token_ids=set(tokenizer.eos_token_ids), max_batch=o.max_batch,
+        silence_s=o.stage_silence_s)
     return engine, tokenizer
 
 

@@ -4,9 +4,11 @@ Options (``StageOptions``, built by the daemon from the cluster config): model,
 layers [start, end), node_id, rank, address (our listener, also the identity we
 dial the next stage with), coordinator, upstream, downstream, first (on the last
 of 2+ stages: where decoding continues), last (on the first of 2+ stages: who
-sends ``next``) (addresses or null), model_identity, cluster, and standby (a
+sends ``next``) (addresses or null), model_identity, cluster, standby (a
 stage prepared by a two-phase assignment: loaded and listening, refusing
-coordinators until the control channel's ``activate`` op switches it on). The
+coordinators until the control channel's ``activate`` op switches it on), and
+silence_s (the heartbeat's bound on its links to other stages, ``[serve]
+stage_silence_s``). The
 cluster secret arrives on the bootstrap pipe; a stage without one refuses to start.
 
 Its health answer carries its progress (steps, the last step's time, whether it
@@ -83,7 +85,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         if wire is None:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
                                "cannot travel on the wire")
-        service = StageService(model, place, keyring, wire, standby=o.standby)
+        service = StageService(model, place, keyring, wire, standby=o.standby,
+                               silence_s=o.silence_s)
         active = service
 
         def activate() -> JSON:

@@ -390,6 +390,18 @@ def test_the_openai_ports_connection_bounds_are_read(tmp_path: Path) -> None:
         (64, 2.0, 0.5)
 
 
+def test_the_stage_silence_bound_reaches_the_router_and_the_stage(tmp_path: Path) -> None:
+    """``[serve] stage_silence_s``: the router's heartbeat on its stage links, and (through
+    the roster) a stage worker's on its links to other stages."""
+    from mlxceld.config.serve import router_options
+
+    assert build_config({}, None, Overrides()).serve.stage_silence_s == 3.0
+    data = {"serve": {"model": "org/model", "stage_silence_s": 1.5}}
+    serve = build_config(data, tmp_path / "mlxceld.toml", Overrides()).serve
+    assert serve.stage_silence_s == 1.5
+    assert router_options(serve).stage_silence_s == 1.5
+
+
 @pytest.mark.parametrize(("key", "value", "says"), [
     ("max_connections", 0, "must be at least 1, not 0"),
     ("max_connections", "many", "must be"),
@@ -397,6 +409,8 @@ def test_the_openai_ports_connection_bounds_are_read(tmp_path: Path) -> None:
     ("header_timeout_s", True, "must be a number of seconds above 0, not True"),
     ("body_timeout_s", float("inf"), "must be a number of seconds above 0, not inf"),
     ("body_timeout_s", "60", "must be a number of seconds above 0, not '60'"),
+    ("stage_silence_s", 0, "must be a number of seconds above 0, not 0"),
+    ("stage_silence_s", -1.5, "must be a number of seconds above 0, not -1.5"),
 ])
 def test_bad_connection_bounds_are_refused_by_name(key: str, value: object, says: str) -> None:
     error = refusal({"serve": {key: value}})

@@ -1,17 +1,15 @@
 """A pipeline of real daemons on 127.0.0.1 (coordinator), .2, .3 (stages), each with its
 own state dir, driven by the real `openai` client. Each daemon is started as a service
-would start it (tests/helpers/deploy.py): `--config FILE` only, naming the cluster TOML and its
-node there, its agent on the default wildcard host."""
+would start it (tests/helpers/pipeline.py, tests/helpers/deploy.py): `--config FILE` only,
+naming the cluster TOML and its node there, its agent on the default wildcard host."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import textwrap
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,75 +19,10 @@ import pytest
 
 from helpers import keys
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
-from helpers.deploy import Host
 from helpers.models import PROMPT, expected
-from helpers.ports import free_port
+from helpers.pipeline import SECRET, Pipeline, start_pipeline, write_cluster
 from helpers.router import client
 from helpers.waiting import wait_for
-
-SECRET = "0123456789abcdef0123456789abcdef"
-
-
-@dataclass
-class Pipeline:
-    coordinator: DaemonProc
-    stages: list[DaemonProc]
-    url: str
-    toml: Path
-    hosts: list[Host]  # the stages' (restart: SIGTERM, then start again)
-
-
-def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
-                  secret: bool = True) -> Path:
-    nodes = [textwrap.dedent(f"""
-        [[nodes]]
-        id = "coordinator"
-        address = "127.0.0.1:{free_port('127.0.0.1')}"
-        role = "coordinator"
-        """)]
-    for rank, (start, end) in enumerate(splits):
-        host = f"127.0.0.{2 + rank}"
-        nodes.append(textwrap.dedent(f"""
-            [[nodes]]
-            id = "stage-{rank}"
-            address = "{host}:{free_port(host)}"
-            role = "pipeline_stage"
-            rank = {rank}
-            layers = [{start}, {end}]
-            """))
-    if secret:
-        (root / "secret").write_text(SECRET + "\n")
-        os.chmod(root / "secret", 0o600)
-    head = textwrap.dedent(f"""
-        [cluster]
-        name = "test-cluster"
-        pipeline_parallel_size = {len(splits)}
-        model = "{model}"
-        """) + ('secret_file = "secret"\n' if secret else "")
-    toml = root / "cluster.toml"
-    toml.write_text(head + "".join(nodes))
-    return toml
-
-
-def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
-                   coordinator_serve: dict[str, str] | None = None) -> Pipeline:
-    """The cluster TOML's daemons, each from its config file (``coordinator_serve``: more
-    [serve] keys for the coordinator's)."""
-    port = free_port("127.0.0.1")
-    coord = Host(daemons, "co", secret=None, serve={"port": port, **(coordinator_serve or {})})
-    toml = write_cluster(coord.d.root, model, splits)
-    coord.daemon_keys.update(distributed_config=str(toml), node_id="coordinator")
-    coord.write()
-    hosts = [Host(daemons, f"s{rank}", secret=None,
-                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"}).start()
-             for rank in range(len(splits))]
-    coord.start()
-    stages = [h.d for h in hosts]
-    for d in stages:
-        daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-    return Pipeline(coord.d, stages, f"http://127.0.0.1:{port}/v1", toml, hosts)
-
 
 LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
 

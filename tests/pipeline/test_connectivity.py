@@ -47,3 +47,23 @@ def test_bad_inputs_are_refused_by_name() -> None:
         Connectivity(initial_s=2.0, max_s=1.0)
     with pytest.raises(ValueError, match="'broken'"):
         Connectivity().failed("broken", "x", 0.0)  # type: ignore[arg-type]
+
+
+def test_a_silent_link_stays_silent_while_nobody_answers_and_refuses_requests() -> None:
+    c = Connectivity(initial_s=0.1, max_s=0.4)
+    c.attached(1.0)
+    c.next_delay()
+    assert c.admits
+    assert c.silent("s1 is silent: nothing for 3 s", 5.0) == Transition(
+        "attached", "silent", "s1 is silent: nothing for 3 s")
+    assert not c.admits and not c.up and c.next_delay() == 0.1  # the backoff starts over
+    # Re-dials that find nobody answering: still silent, since the same time, newest words.
+    assert c.failed("unreachable", "s1 is unreachable: no handshake", 9.0) is None
+    assert (c.state, c.since, c.error) == ("silent", 5.0, "s1 is unreachable: no handshake")
+    assert c.attached(12.0) == Transition("silent", "attached", None)
+    assert c.admits and c.since == 12.0
+    # A failure that says more than silence (its stage refuses us) leaves silence.
+    c.silent("quiet", 13.0)
+    assert c.failed("refused", "s1 refused the handshake", 14.0) == Transition(
+        "silent", "refused", "s1 refused the handshake")
+    assert c.admits

@@ -32,3 +32,17 @@ def test_attached_or_still_connecting_stages_and_no_stats_are_no_problem() -> No
     assert problems([router([stage("s0", "attached"), stage("s1", "connecting")])]) == []
     assert problems([router(None)]) == []
     assert problems([{**router(None), "stats": {"ticks": 3}}]) == []
+
+
+def test_a_silent_stage_says_since_when_and_what_to_check() -> None:
+    import time
+
+    since = time.mktime((2024, 5, 1, 12, 34, 56, 0, 0, -1))
+    silent = {**stage("s1", "silent", "stage s1 is silent: it answered nothing for 3.0 s"),
+              "since": since}
+    [found] = problems([router([stage("s0", "attached"), silent])])
+    assert found["message"] == ("worker router cannot reach stage s1 (silent) since 12:34:56: "
+                                "stage s1 is silent: it answered nothing for 3.0 s")
+    assert found["next"].startswith("check that the host of stage s1 (127.0.0.3:4000) is "
+                                    "awake and on the network")
+    assert found["next"].endswith("mlxctl logs router")

@@ -25,6 +25,7 @@ from mlxceld.errors import ConfigError
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
 from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
+from mlxceld.types import DEFAULT_SILENCE_S
 
 STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
 
@@ -66,9 +67,10 @@ def place(path: Path, node_id: str, model_override: str | None = None) -> Placem
     return Placement(cfg, node, model, model_identity(model))
 
 
-def stage_options(p: Placement, *, standby: bool = False) -> StageOptions:
+def stage_options(p: Placement, *, standby: bool = False,
+                  silence_s: float = DEFAULT_SILENCE_S) -> StageOptions:
     """The ``stage`` worker's options for this node (``standby``: a prepared assignment's,
-    loaded and not serving until activated)."""
+    loaded and not serving until activated; ``silence_s``: its links' heartbeat bound)."""
     cfg, node = p.cluster, p.node
     assert node.layers is not None and node.rank is not None
     stages = cfg.stages
@@ -81,7 +83,8 @@ def stage_options(p: Placement, *, standby: bool = False) -> StageOptions:
         upstream=up.address if up else None, downstream=down.address if down else None,
         first=stages[0].address if ring and node.rank == len(stages) - 1 else None,
         last=stages[-1].address if ring and node.rank == 0 else None,
-        model_identity=p.model_identity, cluster=cfg.name, standby=standby)
+        model_identity=p.model_identity, cluster=cfg.name, standby=standby,
+        silence_s=silence_s)
 
 
 def pipeline_options(p: Placement) -> PipelineOptions:

@@ -1,0 +1,77 @@
+"""A pipeline of real daemons on 127.0.0.1 (coordinator), .2, .3, ... (stages), each with its
+own state dir, each started as a service would start it (helpers/deploy.py): `--config FILE`
+only, naming the cluster TOML and its node there, its agent on the default wildcard host."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from helpers.daemons import READY_S, DaemonProc, Daemons
+from helpers.deploy import Host, Value
+from helpers.ports import free_port
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+@dataclass
+class Pipeline:
+    coordinator: DaemonProc
+    stages: list[DaemonProc]
+    url: str
+    toml: Path
+    hosts: list[Host]  # the stages' (restart: SIGTERM, then start again)
+
+
+def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
+                  secret: bool = True) -> Path:
+    nodes = [textwrap.dedent(f"""
+        [[nodes]]
+        id = "coordinator"
+        address = "127.0.0.1:{free_port('127.0.0.1')}"
+        role = "coordinator"
+        """)]
+    for rank, (start, end) in enumerate(splits):
+        host = f"127.0.0.{2 + rank}"
+        nodes.append(textwrap.dedent(f"""
+            [[nodes]]
+            id = "stage-{rank}"
+            address = "{host}:{free_port(host)}"
+            role = "pipeline_stage"
+            rank = {rank}
+            layers = [{start}, {end}]
+            """))
+    if secret:
+        (root / "secret").write_text(SECRET + "\n")
+        os.chmod(root / "secret", 0o600)
+    head = textwrap.dedent(f"""
+        [cluster]
+        name = "test-cluster"
+        pipeline_parallel_size = {len(splits)}
+        model = "{model}"
+        """) + ('secret_file = "secret"\n' if secret else "")
+    toml = root / "cluster.toml"
+    toml.write_text(head + "".join(nodes))
+    return toml
+
+
+def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
+                   coordinator_serve: dict[str, Value] | None = None) -> Pipeline:
+    """The cluster TOML's daemons, each from its config file (``coordinator_serve``: more
+    [serve] keys for the coordinator's)."""
+    port = free_port("127.0.0.1")
+    coord = Host(daemons, "co", secret=None, serve={"port": port, **(coordinator_serve or {})})
+    toml = write_cluster(coord.d.root, model, splits)
+    coord.daemon_keys.update(distributed_config=str(toml), node_id="coordinator")
+    coord.write()
+    hosts = [Host(daemons, f"s{rank}", secret=None,
+                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"}).start()
+             for rank in range(len(splits))]
+    coord.start()
+    stages = [h.d for h in hosts]
+    for d in stages:
+        daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    return Pipeline(coord.d, stages, f"http://127.0.0.1:{port}/v1", toml, hosts)
