@@ -43,9 +43,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.cluster.coordinator import Coordinator, Served
@@ -123,12 +123,23 @@ class Healer:
         for address, epoch in self._healing.to_fence(view):
             if address not in self._fencing:
                 self._fencing.add(address)
-                tg.create_task(self._fence(address, epoch))
+                tg.create_task(self._guarded(f"fencing {address}", self._fence(address, epoch)))
         decision = self._healing.decide(view, time.time())
         self._report(decision)
         if isinstance(decision, Heal) and (served := self._coordinator.serving) is not None:
-            task = tg.create_task(self._heal(decision, served))
+            task = tg.create_task(self._guarded("a heal", self._heal(decision, served)))
             await asyncio.wait({task})  # a deactivation may cancel it: not this loop
+            if task.cancelled():
+                self._last = None
+                self._set("idle", f"plan {decision.epoch}: the heal was ended by a "
+                          "deactivation", "heal.cancelled", epoch=decision.epoch)
+
+    async def _guarded(self, what: str, job: Coroutine[Any, Any, None]) -> None:
+        """``job``; a bug in it is logged and never ends the healer or the daemon."""
+        try:
+            await job
+        except Exception:
+            log.exception("self-healing: %s failed", what)
 
     def _report(self, decision: Decision) -> None:
         """Each change of decision once: the log, an event, ``state``."""
