@@ -62,6 +62,11 @@ re-sending ``activate`` to a peer that is not active (600 s), so that a test of
 a push that ends stalled (``Phase.STALLED``) and is picked up by the peer's
 ``query`` ends in seconds. Either one set to anything but a positive number of
 seconds makes the daemon refuse to start (``ConfigError`` naming it, exit 2).
+
+``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
+daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
+the planner find a plan that does not fit (the fixtures are tiny). Anything but a
+positive whole number makes the daemon refuse to start, as above.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ log = logging.getLogger(__name__)
 ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
+MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
@@ -113,6 +119,17 @@ def parse_activate_for(environ: Mapping[str, str]) -> float | None:
     return _seconds(environ, ACTIVATE_ENV, "the documented 600 s of re-sent activates")
 
 
+def parse_memory(environ: Mapping[str, str]) -> int | None:
+    """``MLXCELD_TEST_MEMORY_AVAILABLE`` as bytes, None when unset; ``ConfigError`` if bad."""
+    raw = environ.get(MEMORY_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ConfigError(f"{MEMORY_ENV}={raw!r} is not a positive number of bytes",
+                          hint="unset it for the memory the host has available")
+    return int(raw)
+
+
 def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | None:
     raw = environ.get(name, "").strip()
     if not raw:
@@ -130,6 +147,7 @@ def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | Non
 ACTIVE: Final = parse(os.environ)
 PEER_WAIT_S: Final = parse_wait(os.environ)
 ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
+MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 
 
 def on(name: str) -> bool:

@@ -183,6 +183,10 @@ def status(body: dict[str, Any]) -> str:
             lines.append(f"  config differs: {bringup['config_differs']} (resumed as it was; "
                          "mlxctl cluster deactivate, then restart, applies the config)")
         lines += [peer_step(p) for p in bringup.get("peers") or []]
+    healing = body.get("healing")
+    if healing and healing.get("state") not in (None, "off", "idle"):
+        lines.append(f"self-healing: {healing['state']}"
+                     + (f": {healing['summary']}" if healing.get("summary") else ""))
     links = stage_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *links, "",
                       health(body["problems"])])

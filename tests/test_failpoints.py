@@ -41,6 +41,15 @@ def test_the_activate_bound_must_be_positive_seconds() -> None:
         assert "600 s" in info.value.hint
 
 
+def test_the_memory_cap_must_be_positive_bytes() -> None:
+    assert failpoints.parse_memory({}) is None
+    assert failpoints.parse_memory({failpoints.MEMORY_ENV: " 604000000 "}) == 604_000_000
+    for bad in ("0", "-1", "1.5", "600M", "nan"):
+        with pytest.raises(ConfigError, match=f"MLXCELD_TEST_MEMORY_AVAILABLE={bad!r} is not "
+                                              "a positive number of bytes"):
+            failpoints.parse_memory({failpoints.MEMORY_ENV: bad})
+
+
 def test_a_bad_activate_bound_stops_the_daemon_at_start(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "mlxceld", "--state-dir", f"{tmp_path}/s",

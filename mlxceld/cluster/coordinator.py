@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -85,6 +86,15 @@ DRY_RUN_WAIT_S: Final = 30.0  # --pp-auto --dry-run waits this long for enough r
 PP_AUTO_WAIT_S: Final = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
 POLL_S: Final = 1.0  # between two polls of the candidates while waiting for peers
 RESUMABLE: Final = ("commit", "activate", "active")  # a plan decided so is resumed at start
+
+
+@dataclass(frozen=True)
+class Served:
+    """The plan this coordinator serves: its epoch, model directory and stage hosts."""
+
+    epoch: int
+    model: str
+    peers: tuple[str, ...]  # agent addresses, in rank order
 
 
 class CoordinatorSlot(Protocol):
@@ -115,6 +125,12 @@ class Coordinator:
         self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
         self._chase: asyncio.Task[None] | None = None  # peers not told of a deactivation
+        self.serving: Served | None = None  # the plan the router serves, once it does
+
+    @property
+    def busy(self) -> bool:
+        """A bring-up (an operator's, a resume, a heal) or a deactivation runs."""
+        return self._busy
 
     async def plan(self, model: str, stages: int) -> JSON:
         """`mlxctl cluster plan`: ``propose``, shown. Assigns nothing."""
@@ -340,6 +356,7 @@ class Coordinator:
                 self._chase.cancel()
             epoch, reason = last.epoch, "mlxctl cluster deactivate"
             self._plans.decide(epoch, "deactivated", reason)
+            self.serving = None
             log.info("plan %d: deactivated; stopping the router, telling %d peer(s)", epoch,
                      len(last.peers))
             outcomes, _ = await asyncio.gather(
@@ -415,10 +432,44 @@ class Coordinator:
             self._config_out.write_text(toml)
         placement = await asyncio.to_thread(place, path, "coordinator", model)
         await self._slot.serve_pipeline(placement)
+        row = self._plans.get(epoch)
+        self.serving = Served(epoch, model, row.peers if row else ())
         self.state = {**(self.state or {}), "state": "active", "epoch": epoch,
                       "summary": summary}
         self._events.append("bringup.active", "cluster", summary, epoch=epoch)
         log.info("pipeline bring-up: %s", summary)
+
+    async def heal(self, proposal: Proposal, old: Served, why: str) -> tuple[bool, str]:
+        """Self-healing (``healer.py``): push ``proposal``, a plan of ``old``'s model over
+        the hosts alive, as a bring-up (one at a time: ``BringUpInProgress`` if one runs),
+        with a new epoch; once it is active, ``old`` is recorded deactivated (superseded:
+        a peer of it that asks hears so) and the router serves the new plan. Returns
+        whether it is served, and the summary."""
+        self._claim()
+        self._task = asyncio.current_task()  # a deactivation ends it once decided
+        try:
+            epoch = self._plans.next_epoch()
+            self.state = {"state": "planning", "model": old.model,
+                          "stages": len(proposal.plan.stages), "summary": why}
+            self._pushing(epoch, proposal.plan)
+            epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
+                                     keyring=self._keyring, identity=self._identity,
+                                     epoch=epoch, watch=self._watch)
+            if not done.ok:
+                self._failed(done.summary)
+                return False, done.summary
+            self._plans.decide(old.epoch, "deactivated", f"superseded by plan {epoch}: {why}")
+            await self._serve(epoch, proposal.toml, old.model, done.summary)
+            return True, done.summary
+        except MlxceldError as exc:
+            self._failed(f"plan {self.state.get('epoch') if self.state else '?'}: "
+                         f"{exc.message}")
+            return False, exc.message
+        except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
+            self._failed(f"cannot write {exc.filename}: {exc.strerror}")
+            return False, f"cannot write {exc.filename}: {exc.strerror}"
+        finally:
+            self._busy = False
 
     def _failed(self, summary: str) -> None:
         self.state = {**(self.state or {}), "state": "failed", "summary": summary}

@@ -24,6 +24,8 @@ from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.push import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.coordinator import RESUMABLE, Coordinator, CoordinatorSlot
+from mlxceld.cluster.healer import TICK_S, Healer
+from mlxceld.cluster.healing import Healing
 from mlxceld.config.daemon import Config
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.heartbeat import Heartbeats
@@ -77,6 +79,7 @@ class ClusterMember:
         self._tg: asyncio.TaskGroup | None = None
         self._assignee: Assignee | None = None
         self._coordinator: Coordinator | None = None
+        self._healer: Healer | None = None
 
     # -- what `mlxctl status` and `mlxctl cluster nodes` show -------------------------------
 
@@ -85,6 +88,7 @@ class ClusterMember:
         return {
             "assignment": self._assignee.describe() if self._assignee else None,
             "bringup": self._coordinator.state if self._coordinator else None,
+            "healing": self._healer.state if self._healer else None,
             # the address only once bound: before, its port may still be the 0 asked for
             "agent": {"address": self.agent.address if self.agent and self._agent_bound
                       else None,
@@ -112,7 +116,7 @@ class ClusterMember:
         """On a coordinator, each peer of its active plan that the failure detector holds
         suspect or dead: what, since when, why, and what to do."""
         rows = self._liveness_rows()
-        out: list[JSON] = []
+        out: list[JSON] = self._healer.problems() if self._healer else []
         for address in self._plan_peers():
             row = rows.get(address)
             if row is None or row["state"] not in ("suspect", "dead"):
@@ -138,6 +142,9 @@ class ClusterMember:
         """The peers of the plan this daemon coordinates and keeps up, if any."""
         if not self.may_coordinate():
             return ()
+        served = self._coordinator.serving if self._coordinator else None
+        if served is not None:  # a heal that did not end active leaves it the latest
+            return served.peers
         last = self._plans.latest()
         return last.peers if last is not None and last.decision in RESUMABLE else ()
 
@@ -291,6 +298,16 @@ class ClusterMember:
                 discovery=self._discovery, identity=agent.address, events=self._events)
             self._assignee = assignee
             tg.create_task(assignee.run())
+            if self.may_coordinate():
+                heartbeats = self._heartbeats
+                self._healer = Healer(
+                    Healing(c.heal_after_s), self._coordinator, self._discovery,
+                    liveness=lambda: {r["address"]: (r["state"], r["since"])
+                                      for r in heartbeats.snapshot()},
+                    candidates=candidates.addresses, events=self._events,
+                    keyring=self._keyring, identity=agent.address, cluster=c.cluster_name,
+                    tick_s=min(TICK_S, c.liveness.ping_interval_s))
+                tg.create_task(self._healer.run())
             if not c.dry_run and self.may_coordinate():
                 self._coordinator.start(c.pp_auto, slot.served_model(),
                                         configured_model=c.serve.model)
@@ -304,6 +321,8 @@ class ClusterMember:
             self._heartbeats.close()
         if self._assignee is not None:
             self._assignee.close()
+        if self._healer is not None:
+            self._healer.close()
         if self._coordinator is not None:
             self._coordinator.close()
         if self.agent is not None:

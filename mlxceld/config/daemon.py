@@ -25,6 +25,8 @@ File format (TOML, every table and key optional)::
     peer_ping_interval_s = 1.0         # the failure detector: ping each peer this often,
     peer_suspect_after_s = 3.0         # suspect it after this long without an answer,
     peer_dead_after_s = 10.0           # dead after this long (mlxceld/config/liveness.py)
+    heal_after_s = 60.0                # a plan's peer dead this long: plan again around
+                                       # it; 0: off (mlxceld/config/healing.py)
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -58,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.config.cluster import KEYS, cluster_settings
+from mlxceld.config.healing import KEY as HEAL_KEY
+from mlxceld.config.healing import heal_after
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
@@ -141,6 +145,7 @@ class Config:
     cluster_peers: tuple[str, ...] = ()  # normalized peer agent addresses
     cluster_discovery: str = "static"  # static | mdns
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # failure detector
+    heal_after_s: float = 60.0  # a plan's peer dead this long is healed around; 0: off
 
 
 @dataclass(frozen=True)
@@ -284,7 +289,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     _check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
-                         *LIVENESS_KEYS},
+                         *LIVENESS_KEYS, HEAL_KEY},
                 where, "daemon.")
     sup = _table(data, "supervisor", where)
     _check_keys(
@@ -321,6 +326,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         **cluster_settings(daemon, where, name=flags.cluster_name, peers=flags.cluster_peers,
                            discovery=flags.cluster_discovery),
         liveness=liveness_settings(daemon, where),
+        heal_after_s=heal_after(daemon, where),
         policy=policy,
         health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

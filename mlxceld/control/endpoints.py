@@ -48,10 +48,13 @@ class Endpoints:
 
     async def status(self, request: Request) -> Response:
         current = self.daemon.status()
+        # the daemon's problems are its workers' (recomputed below with their stats: the
+        # stage links) followed by the cluster's (the failure detector, self-healing)
+        cluster = current["problems"][len(health.problems(current["workers"])):]
         stats = await self.daemon.worker_stats()  # bounded: supervisor.STATS_TIMEOUT_S
         for w in current["workers"]:
             w["stats"] = stats.get(w["name"])
-        current["problems"] = health.problems(current["workers"])
+        current["problems"] = health.problems(current["workers"]) + cluster
         return answer("status", **current)
 
     async def workers(self, request: Request) -> Response:

@@ -52,7 +52,7 @@ from typing import Any, Final
 
 import psutil
 
-from mlxceld import __version__
+from mlxceld import __version__, failpoints
 from mlxceld.config.names import name_problem
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import MlxceldError
@@ -86,9 +86,12 @@ def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None
                     stage_ports: StagePorts | None = None) -> dict[str, Any]:
     """This daemon's answer (psutil, the platform, free ports on ``agent_host``)."""
     memory = psutil.virtual_memory()
+    available = int(memory.available)
+    if failpoints.MEMORY_AVAILABLE is not None:  # tests only: a plan that does not fit
+        available = min(available, failpoints.MEMORY_AVAILABLE)
     return {"t": INVENTORY, "node": node_id, "version": __version__,
             "platform": {"system": sys.platform, "machine": platform.machine()[:64]},
-            "memory_total": int(memory.total), "memory_available": int(memory.available),
+            "memory_total": int(memory.total), "memory_available": available,
             "model": model_entry(model),
             "ports": free_ports(agent_host, FREE_PORTS, stage_ports),
             "agent": agent}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from typing import Any
 
 from mlxceld.discovery.candidates import Candidate, CandidateTable
@@ -45,10 +45,14 @@ class DiscoveryService:
         return {"mode": self._mode, "running": self._running, "address": self._address,
                 "advertised": self._advertised, "error": self._error}
 
-    async def refresh(self) -> list[Candidate]:
-        """Poll every candidate now (at most 10 s); the reachable ones, for a plan."""
-        await self._poller.poll_all()
-        return self._table.reachable()
+    async def refresh(self, only: Collection[str] | None = None) -> list[Candidate]:
+        """Poll every candidate (or those of ``only``) now, at most 10 s; the reachable
+        ones (of ``only``), for a plan."""
+        if only is None:
+            await self._poller.poll_all()
+            return self._table.reachable()
+        await self._poller.poll_all([a for a in self._table.addresses() if a in only])
+        return [c for c in self._table.reachable() if c.address in only]
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,155 @@
+"""Self-healing's decisions, sans-IO: when a served plan is healed around a dead host, when
+a heal that could not be done is tried again, and which superseded hosts are fenced.
+
+No IO and no clock of its own (as ``discovery/detector.py``): the shell (``healer.py``)
+hands each look a ``View`` (the plan this coordinator serves, the failure detector's
+verdicts, discovery's candidates, whether the operator's bring-up or deactivation runs)
+and the wall time, and carries out what comes back::
+
+    off (heal_after_s = 0), no plan served, the operator busy ........ Idle
+    a stage host dead, since S, and now < S + heal_after_s .......... Waiting(due)
+    a stage host dead past its grace ................................ Heal(alive)
+    ... but the last heal of this plan was refused over these same
+        alive hosts (or failed less than heal_after_s ago) ........... Held
+
+A heal plans over the hosts the detector holds ``alive`` (the plan's own and every
+other candidate: spares), never one that is suspect, dead or unknown. A refusal (the
+model does not fit) is tried again only when that set changes (a host comes back, a
+spare appears, one more dies); a push that failed, also after ``heal_after_s``. A host
+that answers again before its grace ends is simply back: nothing is re-planned.
+
+Once a plan ``E + 1`` replaced ``E``, each host of ``E`` left out of ``E + 1`` still
+runs ``E``'s stage, or will once it is awake again: it is to be fenced (``to_fence``),
+i.e. told that ``E`` is over, as soon as the detector holds it alive, until it
+answered (``fenced``). It is a candidate like any other for the next plan, and is not
+pulled into the running one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mlxceld.state.liveness import LivenessState
+
+
+@dataclass(frozen=True)
+class View:
+    """What the shell sees at one look."""
+
+    epoch: int | None  # the plan served from here; None: none
+    peers: tuple[str, ...]  # its stage hosts' agent addresses
+    liveness: Mapping[str, tuple[LivenessState, float]]  # address -> (state, since: unix)
+    candidates: frozenset[str]  # discovery's candidates, spares included
+    busy: bool = False  # a bring-up or a deactivation runs: the operator wins
+
+    def alive(self) -> tuple[str, ...]:
+        return tuple(sorted(a for a in self.candidates | set(self.peers)
+                            if self.liveness.get(a, ("unknown", 0.0))[0] == "alive"))
+
+    def dead(self) -> dict[str, float]:
+        """The plan's hosts held dead, and since when."""
+        return {p: since for p in self.peers
+                if (row := self.liveness.get(p)) is not None and row[0] == "dead"
+                for since in (row[1],)}
+
+
+@dataclass(frozen=True)
+class Idle:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    epoch: int
+    dead: tuple[str, ...]
+    due: float  # unix time the grace ends
+
+
+@dataclass(frozen=True)
+class Held:
+    epoch: int
+    dead: tuple[str, ...]
+    reason: str  # why the last try did not heal, and what would make the next one
+
+
+@dataclass(frozen=True)
+class Heal:
+    epoch: int  # the plan to replace
+    dead: tuple[str, ...]
+    alive: tuple[str, ...]  # whom to plan over
+
+
+Decision = Idle | Waiting | Held | Heal
+
+
+@dataclass
+class _Blocked:
+    epoch: int
+    alive: tuple[str, ...]
+    reason: str
+    retry_at: float | None  # None: only when ``alive`` changes
+
+
+@dataclass
+class Healing:
+    heal_after_s: float
+    _blocked: _Blocked | None = None
+    _fence: dict[str, int] = field(default_factory=dict)  # address -> the epoch it runs
+
+    @property
+    def enabled(self) -> bool:
+        return self.heal_after_s > 0
+
+    def decide(self, view: View, now: float) -> Decision:
+        if not self.enabled:
+            return Idle("self-healing is off (heal_after_s = 0)")
+        if view.epoch is None:
+            return Idle("no plan is served from here")
+        dead = view.dead()
+        if not dead:
+            return Idle(f"every stage host of plan {view.epoch} is up")
+        if view.busy:
+            return Idle("a bring-up or a deactivation is in progress: it goes first")
+        names = tuple(sorted(dead))
+        due = min(dead.values()) + self.heal_after_s
+        if now < due:
+            return Waiting(view.epoch, names, due)
+        alive = view.alive()
+        b = self._blocked
+        if (b is not None and b.epoch == view.epoch and b.alive == alive
+                and (b.retry_at is None or now < b.retry_at)):
+            return Held(view.epoch, names, b.reason)
+        return Heal(view.epoch, names, alive)
+
+    def refused(self, heal: Heal, reason: str) -> None:
+        """The plan over ``heal.alive`` does not fit: wait until that set changes."""
+        self._blocked = _Blocked(heal.epoch, heal.alive, reason + "; tried again when a host "
+                                 "comes back or another candidate is alive", None)
+
+    def failed(self, heal: Heal, reason: str, now: float) -> None:
+        """The push did not end active: again after ``heal_after_s``, or on a change."""
+        self._blocked = _Blocked(heal.epoch, heal.alive, reason + f"; tried again in "
+                                 f"{self.heal_after_s:g} s or when the hosts alive change",
+                                 now + self.heal_after_s)
+
+    def healed(self, old_epoch: int, old_peers: tuple[str, ...],
+               new_peers: tuple[str, ...]) -> None:
+        """Plan ``old_epoch`` is replaced: its hosts left out are to be fenced."""
+        self._blocked = None
+        for peer in old_peers:
+            if peer not in new_peers:
+                self._fence[peer] = old_epoch
+        for peer in new_peers:  # a host of the new plan runs the new plan's stage
+            self._fence.pop(peer, None)
+
+    def to_fence(self, view: View) -> list[tuple[str, int]]:
+        """Superseded hosts alive now, each with the epoch to end there."""
+        return [(a, e) for a, e in sorted(self._fence.items())
+                if view.liveness.get(a, ("unknown", 0.0))[0] == "alive"]
+
+    def fenced(self, address: str) -> None:
+        self._fence.pop(address, None)
+
+    def unfenced(self) -> dict[str, int]:
+        return dict(self._fence)
