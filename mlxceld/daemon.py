@@ -280,6 +280,7 @@ class Daemon:
         each worker failed, by name ({} when all took it)."""
         ring = self.keys.keyring
         retire_streams(ring)
+        self.member.keyring_changed()
         if not len(ring):
             return {}
         failed = await self.supervisor.push_keyring(ring.primary, ring.others())
