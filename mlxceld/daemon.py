@@ -64,6 +64,7 @@ from mlxceld.control.server import (
 )
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.errors import AlreadyRunning, ConfigError, MlxceldError, ModelRefused, UnserveRefused
+from mlxceld.net import retire_streams
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
@@ -260,14 +261,33 @@ class Daemon:
     def secrets(self) -> list[JSON]:
         return self.keys.list()
 
-    def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
-        return self.keys.install(secret, primary, source)
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
+        key = self.keys.install(secret, primary, source)
+        return {**key, "workers": await self.push_keyring()}
 
-    def use_secret(self, kid: str) -> JSON:
-        return self.keys.use(kid)
+    async def use_secret(self, kid: str) -> JSON:
+        key = self.keys.use(kid)
+        return {**key, "workers": await self.push_keyring()}
 
-    def remove_secret(self, kid: str) -> JSON:
-        return self.keys.remove(kid)
+    async def remove_secret(self, kid: str) -> JSON:
+        key = self.keys.remove(kid)
+        return {**key, "workers": await self.push_keyring()}
+
+    async def push_keyring(self) -> JSON:
+        """The keyring changed: this process's streams under a removed key end (their
+        owners re-dial under the primary), and every worker holding the cluster secret
+        takes the new keyring at once, without a restart (``supervisor/keys.py``). What
+        each worker failed, by name ({} when all took it)."""
+        ring = self.keys.keyring
+        retire_streams(ring)
+        self.member.keyring_changed()
+        if not len(ring):
+            return {}
+        failed = await self.supervisor.push_keyring(ring.primary, ring.others())
+        for name, why in failed.items():
+            log.warning("%s", why)
+            self.events.append("secret.worker_failed", name, why)
+        return {"failed": failed}
 
     def _secret_installed(self) -> None:
         if self.member.agent is None:
@@ -281,6 +301,7 @@ class Daemon:
             config, self._serve, self.placement, standby=self._standby,
             hold_router=self._hold_router,
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
+            accepted=tuple(self.keys.keyring.others()),
             api_key=self._api_key))
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:

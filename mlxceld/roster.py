@@ -52,6 +52,7 @@ class Situation:
     standby: bool = False  # the stage's assignment is prepared, not yet active
     hold_router: bool = False  # no single-host router for now (see the module docstring)
     secret: bytes | None = field(default=None, repr=False)  # the cluster's primary secret
+    accepted: tuple[bytes, ...] = field(default=(), repr=False)  # its other installed keys
     api_key: str | None = field(default=None, repr=False)  # the router's, from its file
 
 
@@ -64,11 +65,12 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
         specs.append(WorkerSpec(STAGE_WORKER, c.state_dir,
                                 stage_options(p, standby=s.standby,
                                               silence_s=s.serve.stage_silence_s),
-                                policy, secret=s.secret))
+                                policy, secret=s.secret, accepted=s.accepted))
     elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
         options = router_options(s.serve, pipeline_options(p) if p is not None else None)
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
-                                secret=s.secret if p is not None else None))
+                                secret=s.secret if p is not None else None,
+                                accepted=s.accepted if p is not None else ()))
     return specs
 
 

@@ -45,8 +45,16 @@ class WorkerBootstrap(TypedDict):
     control_socket: str
     exit_record: str
     state_dir: str
-    secret_hex: NotRequired[str]
+    secret_hex: NotRequired[str]  # the primary cluster secret: what the worker dials with
+    accepted_hex: NotRequired[list[str]]  # the others it accepts (a rotation's overlap)
     api_key: NotRequired[str]
+
+
+class WorkerKeys(TypedDict):
+    """A worker's keyring by key id (hex), in its ``health`` answer: never a secret."""
+
+    primary: str
+    ids: list[str]
 
 
 class ExitRecord(TypedDict):

@@ -103,7 +103,8 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
 def cluster_nodes(body: dict[str, Any]) -> str:
     """The candidate peers of ``GET /v1/cluster/nodes`` as a table, with discovery's line."""
     d = body["discovery"]
-    head = (f"cluster {body['cluster']} · node {body['node_id']} · discovery {d['mode']} "
+    head = (f"cluster {body['cluster']} · node {body['node_id']} · key "
+            f"{body.get('key_id') or '-'} · discovery {d['mode']} "
             + (f"on {d['address']}" if d["running"] else "(not running)"))
     lines = [head] + ([f"  {paint('x', 'red')} {d['error']}"] if d.get("error") else [])
     nodes = body["nodes"]
@@ -122,8 +123,14 @@ def cluster_nodes(body: dict[str, Any]) -> str:
         rows.append([n.get("node_id") or "-", n["address"], n.get("version") or "-",
                      n.get("key_id") or "-", memory, n["state"], seen, n["source"],
                      live.get("state") or "-", _since(live.get("since"), now)])
-        colors.append([None, None, None, None, None, PEER_COLORS.get(n["state"]), None, None,
+        colors.append([None, None, None, "red" if n.get("key_stale") else None, None,
+                       PEER_COLORS.get(n["state"]), None, None,
                        LIVENESS_COLORS.get(live.get("state") or ""), None])
+        if n.get("key_stale"):
+            errors.append(f"  node {n.get('node_id') or '?'} ({n['address']}) dials with key "
+                          f"{n['key_id']}, this node with {body.get('key_id')}: it missed a "
+                          "secret rotation; on it, mlxctl secret install FILE --primary with "
+                          "this cluster's secret")
         if n.get("error") and n["state"] in ("unreachable", "refused"):
             errors.append(f"  {n['address']}: {n['error']}")
     listed = {n["address"] for n in nodes}

@@ -103,14 +103,25 @@ class ClusterMember:
                       "advertised": None, "error": None if len(self._keyring) else
                       "no cluster secret: discovery runs with the agent listener"})
         rows = self._liveness_rows()
-        nodes = [{**n, "liveness": rows.get(n["address"])} for n in self._candidates.snapshot()]
-        return {"cluster": c.cluster_name, "node_id": self._node_id,
+        ours = self._keyring.primary_id.hex() if self._keyring.primary_id else None
+        # key_stale: the peer's primary (its inventory's, or its mDNS record's key id) is not
+        # ours: it missed a rotation, and its traffic fails once the old key is removed.
+        nodes = [{**n, "liveness": rows.get(n["address"]),
+                  "key_stale": bool(ours and n.get("key_id") and n["key_id"] != ours)}
+                 for n in self._candidates.snapshot()]
+        return {"cluster": c.cluster_name, "node_id": self._node_id, "key_id": ours,
                 "discovery": discovery, "nodes": nodes,
                 "detector": {"running": self._heartbeats is not None,
                              "ping_interval_s": c.liveness.ping_interval_s,
                              "suspect_after_s": c.liveness.suspect_after_s,
                              "dead_after_s": c.liveness.dead_after_s},
                 "liveness": [rows[a] for a in sorted(rows)]}
+
+    def keyring_changed(self) -> None:
+        """Our keyring changed: poll every peer now, so that ``nodes`` shows which of them
+        dial with another primary (``key_stale``) without waiting for the next poll."""
+        if self._discovery is not None:
+            self._discovery.repoll()
 
     def problems(self) -> list[JSON]:
         """On a coordinator, each peer of its active plan that the failure detector holds
@@ -246,7 +257,8 @@ class ClusterMember:
             return
         slot = self._slot
         agent = AgentService(self._agent_addr, self._keyring)
-        serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports)
+        serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports,
+                        keyring=self._keyring)
         serve_queries(agent, self._plans, asked=self._peer_asked)
         c = slot.config
         stages = LocalStageHost(slot, self._supervisor, self._events, cluster=c.cluster_name,

@@ -130,14 +130,14 @@ class Endpoints:
 
     async def install_secret(self, request: Request) -> Response:
         asked = await SecretRequest.read(request)
-        return answer("secret", key=self.daemon.install_secret(asked.secret, asked.primary,
+        return answer("secret", key=await self.daemon.install_secret(asked.secret, asked.primary,
                                                                asked.source))
 
     async def use_secret(self, request: Request) -> Response:
-        return answer("secret", key=self.daemon.use_secret(request.path_params["kid"]))
+        return answer("secret", key=await self.daemon.use_secret(request.path_params["kid"]))
 
     async def remove_secret(self, request: Request) -> Response:
-        return answer("secret", key=self.daemon.remove_secret(request.path_params["kid"]),
+        return answer("secret", key=await self.daemon.remove_secret(request.path_params["kid"]),
                       removed=True)
 
     # -- checks ----------------------------------------------------------------------------

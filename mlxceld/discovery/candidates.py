@@ -109,7 +109,8 @@ class CandidateTable:
     # -- poll results -------------------------------------------------------------------
 
     def answered(self, address: str, inventory: JSON, key_id: str, now: float) -> None:
-        """The peer at ``address`` answered its inventory over an authenticated stream."""
+        """The peer at ``address`` answered its inventory over an authenticated stream
+        (``key_id``: the stream's; the inventory's own, its primary, wins)."""
         row = self._rows.get(address)
         if row is None:
             return
@@ -119,7 +120,8 @@ class CandidateTable:
         if row.state != "reachable":
             log.info("peer %s (%s) is reachable", address, inventory["node"])
         self._put(replace(row, state="reachable", node_id=inventory["node"],
-                          version=inventory["version"], key_id=key_id,
+                          version=inventory["version"],
+                          key_id=inventory.get("key_id") or key_id,
                           memory_total=inventory["memory_total"],
                           memory_available=inventory["memory_available"], error=None,
                           last_seen=now, inventory=inventory, updated_at=now))

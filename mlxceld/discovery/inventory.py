@@ -8,7 +8,8 @@ type      direction        fields
 inventory asker → agent    none besides ``t``: ``{"t": "inventory"}``
 inventory agent → asker    ``node``, ``version``, ``platform``,
                            ``memory_total``, ``memory_available``, ``model``,
-                           ``ports``, ``agent`` (below); exactly these keys
+                           ``ports``, ``agent``, ``key_id`` (below); exactly
+                           these keys
 error     agent → asker    ``reason`` (a message type this agent does not serve
                            on this channel, or a malformed envelope)
 ========= ================ ====================================================
@@ -34,6 +35,10 @@ asker treats a violation as a bad answer, never as a partial inventory):
   that range, found by binding each in turn; none when every one is taken.
 - ``agent``: the agent's listener address ``host:port`` as it listens (an
   unspecified host such as ``0.0.0.0`` when it listens on every interface).
+- ``key_id``: the key id (16 lowercase hex digits) of the agent's primary cluster
+  secret, the one it dials with (``null`` only without one): a node left on an old
+  key after a rotation is told apart by this before its traffic fails (the stream's
+  own key id is the asker's primary, which the agent may merely still accept).
 
 The asker's budget (``mlxceld.discovery.poller``): 5 s to connect and
 authenticate, then 5 s for the answer.
@@ -59,7 +64,7 @@ from mlxceld.errors import MlxceldError
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService
-from mlxceld.wire import Envelope, MessageSpec, encode_envelope
+from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
 
 AGENT_CHANNEL: Final = 3
 INVENTORY: Final = "inventory"
@@ -68,8 +73,9 @@ MAX_PORTS: Final = 8
 FREE_PORTS: Final = 3  # proposed per answer
 MAX_MEMORY: Final = 2**63
 KEYS: Final = frozenset({"t", "node", "version", "platform", "memory_total",
-                         "memory_available", "model", "ports", "agent"})
+                         "memory_available", "model", "ports", "agent", "key_id"})
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class InventoryError(MlxceldError):
@@ -83,8 +89,10 @@ def request() -> dict[str, Any]:
 
 
 def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None,
-                    stage_ports: StagePorts | None = None) -> dict[str, Any]:
-    """This daemon's answer (psutil, the platform, free ports on ``agent_host``)."""
+                    stage_ports: StagePorts | None = None, *,
+                    key_id: str | None = None) -> dict[str, Any]:
+    """This daemon's answer (psutil, the platform, free ports on ``agent_host``, the key id
+    of its primary secret)."""
     memory = psutil.virtual_memory()
     available = int(memory.available)
     if failpoints.MEMORY_AVAILABLE is not None:  # tests only: a plan that does not fit
@@ -94,7 +102,7 @@ def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None
             "memory_total": int(memory.total), "memory_available": available,
             "model": model_entry(model),
             "ports": free_ports(agent_host, FREE_PORTS, stage_ports),
-            "agent": agent}
+            "agent": agent, "key_id": key_id}
 
 
 def model_entry(model: str | None) -> dict[str, Any] | None:
@@ -167,6 +175,9 @@ def parse_inventory(header: Mapping[str, Any]) -> dict[str, Any]:
             or not all(type(p) is int and 1 <= p <= 65535 for p in ports)):
         raise InventoryError(f"inventory 'ports' must be at most {MAX_PORTS} distinct ports")
     _string(header, "agent", 3, 255)
+    kid = header["key_id"]
+    if kid is not None and (not isinstance(kid, str) or not _HEX16.fullmatch(kid)):
+        raise InventoryError("inventory 'key_id' must be 16 lowercase hex digits or null")
     return dict(header)
 
 
@@ -192,13 +203,17 @@ def _string(table: Mapping[str, Any], key: str, low: int, high: int) -> None:
 
 
 def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str | None],
-                    stage_ports: StagePorts | None = None) -> None:
+                    stage_ports: StagePorts | None = None, *,
+                    keyring: SecretStore | None = None) -> None:
     """Answer ``inventory`` on the agent channel; ``model`` gives the configured model now,
-    ``stage_ports`` the range stage ports are proposed from (None: ephemeral ports)."""
+    ``stage_ports`` the range stage ports are proposed from (None: ephemeral ports),
+    ``keyring`` the primary key id at the time of each answer."""
 
     async def answer(stream: MxclStream, message: Envelope) -> None:
+        kid = keyring.primary_id if keyring is not None else None
         inventory = await asyncio.to_thread(local_inventory, node_id, agent.address, agent.host,
-                                            model(), stage_ports)
+                                            model(), stage_ports,
+                                            key_id=kid.hex() if kid else None)
         await stream.send(encode_envelope(inventory))
 
     agent.add_handler(AGENT_CHANNEL, INVENTORY, answer)

@@ -75,6 +75,12 @@ class DiscoveryService:
             self._running = False
             self._table.on_added = None
 
+    def repoll(self) -> None:
+        """Poll every candidate at once (this node's keyring changed: what each peer now
+        accepts and dials with is worth knowing before the next regular poll)."""
+        for address in self._table.addresses():
+            self._poller.wake(address)
+
     async def _guarded(self, what: str, job: Coroutine[Any, Any, None]) -> None:
         """Run ``job``; a bug in it is logged and reported, and never stops the daemon."""
         try:

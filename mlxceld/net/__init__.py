@@ -2,7 +2,8 @@
 
 ``Listener`` accepts and authenticates, ``connect`` dials with backoff,
 ``Redialer`` keeps one outgoing stream up (dialed on first use and again once it
-broke); ``MxclStream`` is one established connection; ``SecurityLog`` rate-limits
+broke); ``MxclStream`` is one established connection (``retire_streams`` ends those
+made under a key the keyring no longer holds); ``SecurityLog`` rate-limits
 the warnings they raise.
 """
 
@@ -11,9 +12,10 @@ from mlxceld.net.errors import ConnectionClosed, HandshakeFailed, NetError
 from mlxceld.net.listener import Listener, source_bucket
 from mlxceld.net.redialer import Redialer
 from mlxceld.net.securitylog import SecurityClass, SecurityLog, Verdict
-from mlxceld.net.stream import MxclStream
+from mlxceld.net.stream import MxclStream, retire_streams
 
 __all__ = [
     "ConnectionClosed", "HandshakeFailed", "Listener", "MxclStream", "NetError", "Redialer",
-    "SecurityClass", "SecurityLog", "Verdict", "connect", "connect_as", "source_bucket",
+    "SecurityClass", "SecurityLog", "Verdict", "connect", "connect_as", "retire_streams",
+    "source_bucket",
 ]

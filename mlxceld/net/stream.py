@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
+from collections.abc import Container
 from typing import Final
 
 from mlxceld.net.errors import ConnectionClosed
@@ -49,8 +51,33 @@ _PING_MAX: Final = 256  # a ping envelope is tiny; larger payloads skip the JSON
 _PONG_SPECS: Final = {"pong": MessageSpec()}
 WRITE_TIMEOUT_S: Final = 10.0  # a write the peer takes nothing of for this long ends the stream
 HEARTBEAT_IDS: Final = 1 << 48  # heartbeat pings count up from here (others stay below)
-# Kinds of an end we decided (nothing the peer sends after it is delivered).
-_OURS: Final = frozenset({"local", "silent", "write_timeout"})
+# Kinds of an end we decided (nothing the peer sends after it is delivered); "rekey": the
+# key the stream was made under was removed from the keyring (``retire_streams``).
+_OURS: Final = frozenset({"local", "silent", "write_timeout", "rekey"})
+# Every open stream of this process, with its loop: what ``retire_streams`` looks through.
+_LIVE: Final[weakref.WeakKeyDictionary[MxclStream, asyncio.AbstractEventLoop]] = \
+    weakref.WeakKeyDictionary()
+
+
+def retire_streams(keyring: Container[bytes]) -> int:
+    """End every open stream of this process made under a key id ``keyring`` no longer
+    holds (a close frame, then the socket): their owners re-dial, under the primary. Safe
+    from any thread (a stream of another loop is ended on its loop). The count ended."""
+    count = 0
+    for stream, loop in list(_LIVE.items()):
+        if stream.closed or stream.key_id in keyring:
+            continue
+        count += 1
+        reason = f"key {stream.key_id.hex()} was removed from the keyring; dial again"
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is running:
+            stream.retire(reason)
+        else:
+            loop.call_soon_threadsafe(stream.retire, reason)
+    return count
 
 
 async def handshake(conn: Connection, reader: asyncio.StreamReader,
@@ -170,6 +197,7 @@ class MxclStream:
         self.write_timeout_s = write_timeout_s
         self.heard_at = asyncio.get_running_loop().time()  # the peer's last bytes (loop clock)
         self._pings = 0  # heartbeat pings sent: ids HEARTBEAT_IDS + 1 .. + _pings
+        _LIVE[self] = asyncio.get_running_loop()
 
     @property
     def closed(self) -> bool:
@@ -216,6 +244,19 @@ class MxclStream:
         frame: it would only queue), and ``recv``/``send`` raise ``ConnectionClosed`` kind
         ``"silent"`` with ``reason``."""
         await self._drop(ConnectionClosed(reason, "silent"))
+
+    def retire(self, reason: str) -> None:
+        """End the stream now, from its loop, with a close frame naming ``reason``: ``recv``
+        and ``send`` raise ``ConnectionClosed`` kind ``"rekey"``."""
+        if self._ended is not None:
+            return
+        self._ended = ConnectionClosed(reason, "rekey")
+        if not self._conn.closed and not self._conn.our_closed:
+            with contextlib.suppress(LocalProtocolError):
+                self._conn.close(reason)
+        with contextlib.suppress(OSError, RuntimeError):
+            write_buffers(self._writer, self._conn.buffers_to_send())
+        self._writer.close()
 
     async def _drop(self, ended: ConnectionClosed) -> None:
         if self._ended is None:

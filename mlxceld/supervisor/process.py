@@ -39,7 +39,8 @@ class WorkerSpec:
     state_dir: Path
     options: WorkerOptions
     policy: RestartPolicy = field(default_factory=RestartPolicy)
-    secret: bytes | None = field(default=None, repr=False)
+    secret: bytes | None = field(default=None, repr=False)  # the primary cluster secret
+    accepted: tuple[bytes, ...] = field(default=(), repr=False)  # the others it accepts
     api_key: str | None = field(default=None, repr=False)
 
     @property
@@ -71,6 +72,8 @@ class WorkerSpec:
         }
         if self.secret is not None:
             boot["secret_hex"] = self.secret.hex()
+            if self.accepted:
+                boot["accepted_hex"] = [s.hex() for s in self.accepted]
         if self.api_key is not None:
             boot["api_key"] = self.api_key
         return boot

@@ -20,6 +20,7 @@ from typing import Protocol
 from mlxceld import failpoints
 from mlxceld.errors import WorkerError
 from mlxceld.supervisor import channel, exits, logfiles, process
+from mlxceld.supervisor.keys import KEYRING_OP, keyring_request, keys_of, reported_keys
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import (
     AdoptedRunning,
@@ -37,7 +38,7 @@ from mlxceld.supervisor.states import (
     StopRequested,
     Transitioned,
 )
-from mlxceld.types import WorkerHealth, WorkerState
+from mlxceld.types import WorkerHealth, WorkerKeys, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class WorkerRunner:
         self.spec = spec
         self.machine = machine
         self.pid: int | None = None
+        self.keys: WorkerKeys | None = None  # its keyring's key ids, as it last reported them
         self.create_time: float | None = None
         self.adopted_since: float | None = None  # an adopted process: since when it runs
         self._observer = observer
@@ -185,6 +187,39 @@ class WorkerRunner:
                 progress = progress_of(reply)
                 if progress is not None and self.pid == pid:
                     self.post(progress)
+                await self._converge_keys(reply)
+
+    async def push_keys(self) -> WorkerKeys | None:
+        """Send the worker its spec's keyring (``supervisor/keys.py``) and return the key
+        ids it then holds; None for a worker without a secret or a process. Raises
+        ``WorkerError`` (naming the worker, never a secret) when it does not take it."""
+        s = self.spec
+        if s.secret is None or self.pid is None:
+            return None
+        try:
+            reply = await channel.call(s.control_socket, KEYRING_OP,
+                                       timeout_s=LIVENESS_TIMEOUT_S,
+                                       args=keyring_request(s.secret, s.accepted))
+        except WorkerError as exc:
+            raise WorkerError(f"worker {s.name!r} did not take the new keyring: {exc.message}",
+                              hint=f"see mlxctl logs {s.name}; it is sent again at its next "
+                              "health probe") from exc
+        self.keys = reported_keys(reply)
+        return self.keys
+
+    async def _converge_keys(self, reply: dict[str, object]) -> None:
+        """A worker whose keyring is not its spec's (adopted after a restart, or started
+        while the keyring changed) is sent its spec's again."""
+        self.keys = reported_keys(reply)
+        s = self.spec
+        if s.secret is None or self.keys == keys_of(s.secret, s.accepted):
+            return
+        log.info("worker %s holds keys %s, not its spec's: sending its keyring", s.name,
+                 self.keys)
+        try:
+            await self.push_keys()
+        except WorkerError as exc:
+            log.warning("%s", exc.message)
 
     async def wait_stopped(self) -> None:
         """Return once the machine rests in EXITED or FAILED with no process left."""

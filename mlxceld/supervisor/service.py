@@ -12,7 +12,8 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from mlxceld.supervisor.states import (
     Transitioned,
 )
 from mlxceld.tasks import cancelling_group
-from mlxceld.types import JSON, WorkerState
+from mlxceld.types import JSON, WorkerKeys, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class Supervisor:
             runner = self._runners.get(spec.name)
             if runner is None:
                 await self._add(spec)
+            elif replace(spec, secret=runner.spec.secret,
+                         accepted=runner.spec.accepted) == runner.spec:
+                runner.spec = spec  # at most the keyring: push_keyring carries that live
             elif spec != runner.spec:
                 # Never a restart on reload: the new spec and policy apply from the next start.
                 runner.spec = spec
@@ -158,6 +162,30 @@ class Supervisor:
     def longest_stop_timeout(self) -> float:
         return max((r.spec.policy.stop_timeout_s for r in self._runners.values()), default=0.0)
 
+    async def push_keyring(self, primary: bytes, accepted: Sequence[bytes]) -> dict[str, str]:
+        """Give every worker that holds the cluster secret this keyring: its spec (for the
+        next start) and, running, over its control channel, all at once (each within the
+        runner's ``LIVENESS_TIMEOUT_S``). What failed, by worker (a failed one is sent its
+        keyring again at its next health probe)."""
+        holders = [r for r in self._runners.values() if r.spec.secret is not None]
+        for r in holders:
+            r.spec = replace(r.spec, secret=primary, accepted=tuple(accepted))
+
+        async def push(runner: WorkerRunner) -> str | None:
+            try:
+                await runner.push_keys()
+            except WorkerError as exc:
+                return exc.message
+            return None
+
+        answers = await asyncio.gather(*(push(r) for r in holders))
+        return {r.name: a for r, a in zip(holders, answers, strict=True) if a is not None}
+
+    def worker_keys(self) -> dict[str, WorkerKeys | None]:
+        """Each worker holding the cluster secret: its key ids as it last reported them."""
+        return {name: r.keys for name, r in sorted(self._runners.items())
+                if r.spec.secret is not None}
+
     def names(self) -> list[str]:
         return sorted(self._runners)
 
@@ -216,6 +244,7 @@ class Supervisor:
                                                                         else ""),
                 "started_at": row.started_at if row else None,
                 "rss_bytes": _rss(r.pid), "log": str(r.spec.log_path),
+                "keys": dict(r.keys) if r.keys is not None else None,
             })
         return out
 

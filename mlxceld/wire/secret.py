@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MIN_SECRET_BYTES = 16
@@ -60,6 +61,25 @@ class Keyring:
         if kid == self.primary_id:
             raise SecretError("the primary key cannot be removed; make another primary first")
         self._secrets.pop(kid, None)
+
+    def replace_all(self, primary: bytes, others: Sequence[bytes] = ()) -> list[bytes]:
+        """Become exactly ``primary`` and ``others``, in place (the listeners and dialers
+        holding this object see the change at their next handshake); the ids dropped.
+
+        Each step leaves a keyring that a reader on another thread may use: first the
+        union, then the new primary, then only the new keys.
+        """
+        kid = key_id(check_secret(primary))
+        wanted = {kid: primary, **{key_id(check_secret(s)): s for s in others}}
+        dropped = [k for k in self._secrets if k not in wanted]
+        self._secrets = {**self._secrets, **wanted}
+        self.primary_id = kid
+        self._secrets = wanted
+        return dropped
+
+    def others(self) -> list[bytes]:
+        """The secrets other than the primary, by key id: what is accepted but not used."""
+        return [self._secrets[k] for k in self.ids() if k != self.primary_id]
 
     def get(self, kid: bytes) -> bytes | None:
         return self._secrets.get(kid)

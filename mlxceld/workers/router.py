@@ -35,7 +35,6 @@ from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
 from mlxceld.roles.options import PipelineOptions, RouterOptions
-from mlxceld.wire import Keyring
 from mlxceld.workers.runtime import WorkerContext
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
@@ -65,10 +64,9 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     from mlxceld.wire.address import parse_address
 
     o = ctx.options
-    if ctx.secret is None:
+    if ctx.keyring is None:
         raise RuntimeError("the pipeline engine needs the cluster secret and has none")
-    keyring = Keyring()
-    keyring.add(ctx.secret, primary=True)
+    keyring = ctx.keyring  # changed in place by the daemon (supervisor/keys.py)
     path = Path(o.model)
     config = read_model_config(path)
     layer_count(config)

@@ -4,11 +4,12 @@ The daemon starts ``python -m mlxceld.workers --role R --name N`` in a new
 session, with stdout and stderr on the worker's log file and a bootstrap JSON
 document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
-``stats``, ``stop``), runs the role, and leaves an exit record for a daemon
-that may have adopted it after a restart. A role that does steps of work sets
-``WorkerContext.progress``; its ``health`` answer then carries ``progress``
-(``types.WorkerProgress``, made by ``progress_report``), which the supervisor's
-watchdog reads.
+``stats``, ``stop``, ``keyring``: ``supervisor/keys.py``), runs the role, and
+leaves an exit record for a daemon that may have adopted it after a restart. A
+role that does steps of work sets ``WorkerContext.progress``; its ``health``
+answer then carries ``progress`` (``types.WorkerProgress``, made by
+``progress_report``), which the supervisor's watchdog reads; a worker with the
+cluster keyring carries ``keys`` (``types.WorkerKeys``: key ids only).
 
 The role's options are read once, here, into their typed spec
 (``workers/options.py``): a bad one is named in the log and the exit record
@@ -33,9 +34,19 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from mlxceld.errors import ConfigError
+from mlxceld.net import retire_streams
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
-from mlxceld.types import JSON, ExitRecord, WorkerBootstrap, WorkerHealth, WorkerProgress
+from mlxceld.supervisor.keys import KEYRING_OP, KeyringRequestError, parse_keyring_request
+from mlxceld.types import (
+    JSON,
+    ExitRecord,
+    WorkerBootstrap,
+    WorkerHealth,
+    WorkerKeys,
+    WorkerProgress,
+)
+from mlxceld.wire.secret import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +65,10 @@ class WorkerContext(Generic[Opts]):
     role: str
     options: Opts
     state_dir: Path
-    secret: bytes | None = field(default=None, repr=False)
+    # The cluster keyring (the bootstrap's secret_hex and accepted_hex), or None: changed
+    # in place by the control channel's ``keyring`` op (supervisor/keys.py); a role hands
+    # this very object to its listeners and dialers.
+    keyring: Keyring | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     started_at: float = field(default_factory=time.time)
     state: WorkerHealth = WorkerHealth.STARTING
@@ -136,7 +150,11 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
                         "state": ctx.state, "started_at": ctx.started_at}
         if ctx.progress is not None:
             answer["progress"] = ctx.progress()
+        if ctx.keyring is not None:
+            answer["keys"] = _keys(ctx.keyring)
         return answer
+    if op == KEYRING_OP:
+        return _take_keyring(ctx, request)
     if op == "stats":
         return {"ok": True, "stats": dict(ctx.stats)}
     if op == "stop":
@@ -145,6 +163,28 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
     if op in ctx.ops:
         return ctx.ops[op]()
     return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def _keys(keyring: Keyring) -> WorkerKeys:
+    assert keyring.primary_id is not None
+    return {"primary": keyring.primary_id.hex(), "ids": [k.hex() for k in keyring.ids()]}
+
+
+def _take_keyring(ctx: WorkerContext[WorkerOptions], request: dict[str, object]) -> JSON:
+    """The ``keyring`` op: swap the keyring in place, end the streams under a key it no
+    longer holds (their owners re-dial under the primary)."""
+    if ctx.keyring is None:
+        return {"ok": False, "error": f"worker {ctx.name} speaks no MXCL and holds no keyring"}
+    try:
+        primary, accepted = parse_keyring_request(request)
+    except KeyringRequestError as exc:
+        return {"ok": False, "error": f"keyring: {exc}"}
+    dropped = ctx.keyring.replace_all(primary, accepted)
+    ended = retire_streams(ctx.keyring) if dropped else 0
+    keys = _keys(ctx.keyring)
+    log.info("worker %s: keyring now %s (primary %s); %d stream(s) under a removed key "
+             "ended", ctx.name, ", ".join(keys["ids"]), keys["primary"], ended)
+    return {"ok": True, "keys": keys, "ended": ended}
 
 
 def progress_report(steps: int, last_step: float | None,
@@ -170,8 +210,12 @@ def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> N
 
 
 async def run_worker(boot: WorkerBootstrap, options: WorkerOptions) -> int:
-    secret = bytes.fromhex(boot["secret_hex"]) if "secret_hex" in boot else None
-    ctx = WorkerContext(boot["name"], boot["role"], options, Path(boot["state_dir"]), secret,
+    keyring = None
+    if "secret_hex" in boot:
+        keyring = Keyring()
+        keyring.replace_all(bytes.fromhex(boot["secret_hex"]),
+                            [bytes.fromhex(h) for h in boot.get("accepted_hex", [])])
+    ctx = WorkerContext(boot["name"], boot["role"], options, Path(boot["state_dir"]), keyring,
                         boot.get("api_key"))
     module = importlib.import_module(ROLES[boot["role"]])
     role_main: RoleMain = module.run

@@ -29,7 +29,6 @@ from mlxceld.net import Listener
 from mlxceld.pipeline.stage import StagePlace, StageService
 from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
-from mlxceld.wire import Keyring
 from mlxceld.wire.address import parse_address
 from mlxceld.workers.runtime import WorkerContext, progress_report
 
@@ -55,12 +54,11 @@ def _host_port(address: str | None) -> tuple[str, int] | None:
 
 async def run(ctx: WorkerContext[StageOptions]) -> int:
     o = ctx.options
-    if ctx.secret is None:
+    if ctx.keyring is None:
         raise RuntimeError("a pipeline stage needs the cluster secret and has none; "
                            "see mlxctl secret --help")
     place = place_of(o)
-    keyring = Keyring()
-    keyring.add(ctx.secret, primary=True)
+    keyring = ctx.keyring  # changed in place by the daemon (supervisor/keys.py)
     me = parse_address(place.address)  # a name binds every address it resolves to
     service: StageService | None = None
 

@@ -110,15 +110,15 @@ class FakeDaemon:
         self._called("secrets")
         return []
 
-    def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
         self._called("install_secret")
         return {"key_id": KID}
 
-    def use_secret(self, kid: str) -> JSON:
+    async def use_secret(self, kid: str) -> JSON:
         self._called("use_secret")
         return {"key_id": kid}
 
-    def remove_secret(self, kid: str) -> JSON:
+    async def remove_secret(self, kid: str) -> JSON:
         self._called("remove_secret")
         return {"key_id": kid}
 

@@ -1,0 +1,76 @@
+"""A worker's keyring at runtime: the control channel's ``keyring`` op, both sides.
+
+A worker that speaks MXCL (router over a pipeline, stage) starts with the daemon's
+keyring on its bootstrap pipe (``secret_hex``: the primary, ``accepted_hex``: the
+others). When the daemon's keyring changes (`mlxctl secret install|use|remove`, a
+rotation), the daemon sends the new one over the worker's control channel (a 0600
+Unix socket in the 0700 state dir, as private as the bootstrap pipe)::
+
+    {"op": "keyring", "primary_hex": HEX, "accepted_hex": [HEX, ...]}
+
+and the worker swaps it in place: new handshakes dial with the new primary and accept
+every key listed; streams made under a key no longer listed are ended, so that their
+owners re-dial under the primary. The answer and every ``health`` answer carry the
+worker's ``keys`` (``types.WorkerKeys``: key ids only), which the supervisor compares
+with what it last sent: a worker that differs (one adopted after a restart, one that
+missed an update while starting) is sent its keyring again at the next health probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from mlxceld.types import WorkerKeys
+from mlxceld.wire.secret import MIN_SECRET_BYTES, key_id
+
+KEYRING_OP: Final = "keyring"
+MAX_KEYS: Final = 16  # a keyring holds a primary and a rotation's overlap: a few keys
+
+
+class KeyringRequestError(ValueError):
+    """A ``keyring`` request that is not one; the message never carries a secret."""
+
+
+def keyring_request(primary: bytes, accepted: Sequence[bytes]) -> dict[str, object]:
+    """The ``keyring`` op's arguments (the daemon's side)."""
+    return {"primary_hex": primary.hex(), "accepted_hex": [s.hex() for s in accepted]}
+
+
+def parse_keyring_request(request: Mapping[str, object]) -> tuple[bytes, list[bytes]]:
+    """The primary and the accepted secrets of a ``keyring`` request (the worker's side)."""
+    primary = _secret(request.get("primary_hex"), "primary_hex")
+    accepted = request.get("accepted_hex", [])
+    if not isinstance(accepted, list) or len(accepted) > MAX_KEYS:
+        raise KeyringRequestError(f"'accepted_hex' must be a list of at most {MAX_KEYS} "
+                                  "hex secrets")
+    return primary, [_secret(a, "accepted_hex") for a in accepted]
+
+
+def keys_of(primary: bytes, accepted: Sequence[bytes]) -> WorkerKeys:
+    """What a worker holding these secrets reports (key ids, sorted)."""
+    return {"primary": key_id(primary).hex(),
+            "ids": sorted({key_id(s).hex() for s in (primary, *accepted)})}
+
+
+def reported_keys(reply: Mapping[str, object]) -> WorkerKeys | None:
+    """The ``keys`` of a health answer, if it has well-formed ones."""
+    keys = reply.get("keys")
+    if not isinstance(keys, dict):
+        return None
+    primary, ids = keys.get("primary"), keys.get("ids")
+    if not isinstance(primary, str) or not isinstance(ids, list) \
+            or not all(isinstance(i, str) for i in ids):
+        return None
+    return {"primary": primary, "ids": sorted(ids)}
+
+
+def _secret(value: object, name: str) -> bytes:
+    try:
+        secret = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        secret = b""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise KeyringRequestError(f"{name!r} must hold secrets as hex, each at least "
+                                  f"{MIN_SECRET_BYTES} bytes")
+    return secret

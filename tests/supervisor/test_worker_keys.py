@@ -1,0 +1,47 @@
+"""The keyring op's shape (supervisor/keys.py) and the in-place swap it drives."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxceld.supervisor.keys import (
+    KeyringRequestError,
+    keyring_request,
+    keys_of,
+    parse_keyring_request,
+    reported_keys,
+)
+from mlxceld.wire.secret import Keyring, key_id
+
+A, B = b"a" * 32, b"b" * 32
+
+
+def test_a_request_round_trips_and_reports_key_ids_only() -> None:
+    primary, accepted = parse_keyring_request(keyring_request(B, [A]))
+    assert (primary, accepted) == (B, [A])
+    keys = keys_of(B, [A])
+    assert keys == {"primary": key_id(B).hex(), "ids": sorted([key_id(A).hex(),
+                                                               key_id(B).hex()])}
+    assert reported_keys({"keys": dict(keys)}) == keys
+    assert reported_keys({"keys": "x"}) is None
+
+
+@pytest.mark.parametrize("request_", [
+    {}, {"primary_hex": "zz"}, {"primary_hex": (b"short").hex()},
+    {"primary_hex": A.hex(), "accepted_hex": "nope"},
+    {"primary_hex": A.hex(), "accepted_hex": [B.hex()] * 17},
+    {"primary_hex": A.hex(), "accepted_hex": [B.hex()[:-2] + "zz"]},
+])
+def test_bad_requests_are_named_without_the_secret(request_: dict[str, object]) -> None:
+    with pytest.raises(KeyringRequestError) as err:
+        parse_keyring_request(request_)
+    assert A.hex() not in str(err.value) and B.hex() not in str(err.value)
+
+
+def test_replace_all_swaps_in_place_and_names_what_it_dropped() -> None:
+    ring = Keyring()
+    ring.add(A)
+    assert ring.replace_all(A, [B]) == []
+    assert ring.primary_id == key_id(A) and key_id(B) in ring and ring.others() == [B]
+    assert ring.replace_all(B) == [key_id(A)]
+    assert ring.primary == B and key_id(A) not in ring and ring.others() == []
