@@ -14,8 +14,10 @@ MAX_REPLY = 1 << 20
 DEFAULT_TIMEOUT_S = 2.0
 
 
-async def call(path: Path, op: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> JSON:
-    """Send ``{"op": op}`` to the worker listening on ``path``; ChannelError on any failure.
+async def call(path: Path, op: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+               args: JSON | None = None) -> JSON:
+    """Send ``{"op": op, **args}`` to the worker listening on ``path``; ChannelError on any
+    failure.
 
     The whole exchange (connect, write, read) has one deadline of ``timeout_s``.
     """
@@ -23,7 +25,7 @@ async def call(path: Path, op: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_REPLY)
-            writer.write(json.dumps({"op": op}).encode() + b"\n")
+            writer.write(json.dumps({**(args or {}), "op": op}).encode() + b"\n")
             await writer.drain()
             line = await reader.readline()
         reply: JSON = json.loads(line)
