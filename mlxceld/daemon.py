@@ -63,13 +63,24 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.errors import AlreadyRunning, ConfigError, MlxceldError, ModelRefused, UnserveRefused
+from mlxceld.drain import DrainService
+from mlxceld.errors import (
+    AlreadyRunning,
+    ChannelError,
+    ConfigError,
+    MlxceldError,
+    ModelRefused,
+    UnknownNode,
+    UnserveRefused,
+)
 from mlxceld.net import retire_streams
+from mlxceld.roles.options import RouterOptions
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
+    DrainsTable,
     KeyStore,
     LivenessTable,
     PeersTable,
@@ -80,10 +91,10 @@ from mlxceld.state import (
 from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.startup import start_state
-from mlxceld.supervisor import health
+from mlxceld.supervisor import channel, health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
+from mlxceld.types import JSON, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +170,8 @@ class Daemon:
             health_interval_s=config.health_interval_s,
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
         self._sock = bind_control_socket(config.socket, config.socket_group)
+        self._drains = DrainService(DrainsTable(self._db), self.events,
+                                    needs=self._router_needs, call_router=self._call_router)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -200,6 +213,57 @@ class Daemon:
 
     async def deactivate_cluster(self) -> JSON:
         return await self.member.deactivate()
+
+    def drains(self) -> list[JSON]:
+        return self._drains.list()
+
+    def drain(self, node: str | None, deadline_s: float | None, force: bool) -> JSON:
+        return self._drains.drain(self._known_node(node), deadline_s, force)
+
+    def undrain(self, node: str | None) -> JSON:
+        target = node or self._local_node()
+        if target not in {d["node_id"] for d in self._drains.list()}:
+            self._known_node(target)
+        return self._drains.undrain(target)
+
+    def _local_node(self) -> str:
+        return self.placement.node.id if self.placement is not None else self.node.node_id
+
+    def _known_node(self, node: str | None) -> str:
+        """``node``, or this daemon's own, if it is this node, a node of its router's
+        requests, or a peer discovery knows; else ``UnknownNode``."""
+        target = node or self._local_node()
+        known = {self._local_node(), self.node.node_id, *(self._router_needs() or ())}
+        known |= {n["node_id"] for n in self.member.nodes()["nodes"] if n.get("node_id")}
+        if target not in known:
+            raise UnknownNode(f"no node {target!r} is known here; the nodes are "
+                              f"{', '.join(sorted(known))}",
+                              hint="see `mlxctl cluster nodes`; drain a pipeline's stage on "
+                              "the coordinator, whose router sends it requests")
+        return target
+
+    def _router_needs(self) -> frozenset[str] | None:
+        """The nodes the router's requests need (this one; a pipeline's stages too); None
+        where the roster runs no router."""
+        spec = next((s for s in self.specs(self.config) if s.name == ROUTER), None)
+        if spec is None:
+            return None
+        ids = {self.node.node_id, self._local_node()}
+        if isinstance(spec.options, RouterOptions) and spec.options.pipeline is not None:
+            ids |= {s.node_id for s in spec.options.pipeline.stages}
+        return frozenset(ids)
+
+    async def _call_router(self, args: JSON) -> JSON | None:
+        """The router worker's ``drain`` op (None: it is not running or did not answer)."""
+        path = self.supervisor.control_socket(ROUTER)
+        state = self.supervisor.state(ROUTER)
+        if path is None or state is None or state[0] is not WorkerState.RUNNING:
+            return None
+        try:
+            return await channel.call(path, "drain", args=args)
+        except ChannelError as exc:
+            log.debug("the router did not take the drains: %s", exc)
+            return None
 
     # -- the member's, the coordinator's and the stage host's window on us -----------------
 
@@ -397,6 +461,7 @@ class Daemon:
                 tg.create_task(self._server.serve(srv_started))
                 await srv_started
                 tg.create_task(self._keeper.run())
+                tg.create_task(self._drains.run())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -463,6 +528,7 @@ class Daemon:
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
         self._keeper.close()
+        self._drains.close()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()

@@ -4,6 +4,7 @@
     ├── BadRequest                  a control API request is malformed (names the parameter
     │   │                           or body field; the caller's to fix)
     │   └── RequestTooLarge         its body is larger than the control API takes
+    ├── UnknownNode                 `mlxctl drain` names a node this daemon does not know
     ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
     │   ├── SecretSourceError       no usable cluster secret where the sources point
     │   ├── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
@@ -65,6 +66,13 @@ class BadRequest(MlxceldError):
 
 class RequestTooLarge(BadRequest):
     code = "request_too_large"
+
+
+class UnknownNode(MlxceldError):
+    """`mlxctl drain` or `undrain` names a node that is neither this one nor a peer it
+    knows (nor, for undrain, one it drains)."""
+
+    code = "unknown_node"
 
 
 class ConfigError(MlxceldError):

@@ -24,6 +24,7 @@ from mlxceld.control.client import ControlClient
 from mlxceld.types import WorkerState
 from mlxctl import reading, render
 from mlxctl.cluster import SETTLED, cluster_app
+from mlxctl.drain import drain, undrain
 from mlxctl.edge import EXIT_FAILURE, call, emit
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.secret import secret_app
@@ -36,6 +37,10 @@ app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_i
                   help="Control the local mlxceld daemon.")
 app.add_typer(secret_app, name="secret")
 app.add_typer(cluster_app, name="cluster")
+app.command(epilog="Exit codes: 0 drained (with --detach: the drain is recorded); 1 not "
+            "drained in time, or refused; 2 usage; 3 daemon not running; 4 permission "
+            "denied.")(drain)
+app.command()(undrain)
 
 
 @app.callback()

@@ -20,6 +20,7 @@ STACK = [
     "state", "models", "net",
     "supervisor", "control",
     "config",
+    "drain",  # the drain state (state/drains.py) and the router told of it
     "discovery", "engine", "pipeline", "api",
     "workers",
     "cluster",

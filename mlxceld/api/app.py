@@ -8,7 +8,9 @@
                                        names nothing wrong, else 503
     GET  /metrics                      Prometheus text
 
-Completions are refused with 503 (code "not_ready") until ``ready()`` is true;
+Completions are refused with 503 (code "not_ready") until ``ready()`` is true, and
+with 503 (code "draining") while a node they need drains (``draining.py``; ``/ready``
+is 503 "draining" then too);
 ``readiness()`` (a pipeline's stages not attached) only shows on ``/ready``:
 completions still try, and fail with the engine's own 503 naming what is down.
 Every error, unknown paths and methods included, is OpenAI's error JSON. The
@@ -32,6 +34,7 @@ from starlette.types import ASGIApp
 from mlxceld.api.admission import Admission
 from mlxceld.api.auth import require_api_key
 from mlxceld.api.codec import ChatTemplateError, TextCodec
+from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response, invalid
 from mlxceld.api.formats import ChatFormat, Format, TextFormat
 from mlxceld.api.generation import Sequencer
@@ -65,10 +68,12 @@ def build_router_app(
     default_max_tokens: int = 512,
     ready: Callable[[], bool] | None = None,
     readiness: Callable[[], Mapping[str, Any] | None] | None = None,
+    draining: Draining | None = None,
 ) -> ASGIApp:
     """``ready``: whether the engine serves yet (None: it always does); ``readiness``:
     what keeps it from serving well now (a JSON object with a ``message`` for ``/ready``'s
-    503 body), or None when nothing does."""
+    503 body), or None when nothing does; ``draining``: the nodes draining, set by the
+    worker as its daemon says (``api/draining.py``)."""
     if default_max_tokens < 1 or max_body_bytes < 1:
         raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, not "
                          f"{default_max_tokens} and {max_body_bytes}")
@@ -76,7 +81,8 @@ def build_router_app(
     admission = Admission(engine.max_batch, max_queued)
     metrics = Metrics(queue_depth=lambda: admission.queued,
                       active_sequences=lambda: admission.active)
-    sequencer = Sequencer(engine, codec, admission, metrics)
+    drains = draining or Draining()
+    sequencer = Sequencer(engine, codec, admission, metrics, drains)
     tokenizer = PromptTokenizer(codec)
     card: ModelCard = {"id": model_id, "object": "model", "created": int(time.time()),
                        "owned_by": "mlxceld"}
@@ -101,6 +107,10 @@ def build_router_app(
         problem = readiness() if readiness is not None else None
         if problem is not None:
             return JSONResponse({"status": "degraded", **problem}, status_code=503)
+        if drains.active:
+            return JSONResponse({"status": "draining", "nodes": drains.nodes(),
+                                 "message": f"draining {', '.join(drains.nodes())}: new "
+                                 "requests are not admitted"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(request: Request) -> Response:
@@ -111,6 +121,7 @@ def build_router_app(
         if not is_ready():
             raise ApiError(503, "the model is still loading; retry shortly", "server_error",
                            code="not_ready", headers={"Retry-After": "1"})
+        drains.check()
         return arrived
 
     def respond(prompt: list[int], options: Options, fmt: Format, prompt_param: str,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from mlxceld.api.admission import Admission
 from mlxceld.api.codec import TextCodec
+from mlxceld.api.draining import Draining
 from mlxceld.api.metrics import Metrics
 from mlxceld.api.stops import StopMatcher
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
@@ -49,6 +50,7 @@ class Sequencer:
     codec: TextCodec
     admission: Admission
     metrics: Metrics
+    draining: Draining  # a drain's deadline ends the sequence (``next_output``)
 
     async def generate_text(self, request: GenerationRequest, stops: Sequence[str], *,
                             arrived: float) -> AsyncGenerator[Event, None]:
@@ -64,7 +66,11 @@ class Sequencer:
             last = arrived
             outputs = self.engine.generate(request)
             try:
-                async for output in outputs:
+                while True:
+                    try:
+                        output = await self.draining.next_output(outputs)
+                    except StopAsyncIteration:
+                        break
                     now = time.monotonic()
                     latency = self.metrics.inter_token_latency if count else \
                         self.metrics.time_to_first_token

@@ -63,7 +63,7 @@ class CompletionResponse(Response):
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         events = self._sequencer.generate_text(self._request, self._stops, arrived=self._arrived)
-        async with aclosing(events):
+        async with self._sequencer.draining.track(), aclosing(events):
             try:
                 first = await anext(events)
             except Exception as exc:

@@ -5,12 +5,13 @@ errors are ``{"error": {"code", "message", "hint"}}`` (``errors.py`` has the
 status of each). Streams (``follow=1``) are newline-delimited JSON with an empty
 line as a heartbeat (``streams.py``), so a client can put a deadline on every read.
 
-    GET    /v1/version, /v1/status, /v1/workers, /v1/cluster/nodes, /v1/secrets
+    GET    /v1/version, /v1/status, /v1/workers, /v1/cluster/nodes, /v1/secrets, /v1/drains
     GET    /v1/workers/{name}/logs    ?lines=N&follow=1
     GET    /v1/events                 ?after=ID&limit=N&subject=S&follow=1
     POST   /v1/workers/{name}/restart, /v1/serve, /v1/unserve, /v1/stop
     POST   /v1/cluster/plan, /v1/cluster/activate, /v1/cluster/deactivate
     POST   /v1/secrets, /v1/secrets/{kid}/primary
+    POST   /v1/drain, /v1/undrain     {"node", "deadline_s", "force"}
     DELETE /v1/secrets/{kid}
 """
 
@@ -49,6 +50,9 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/secrets", e.install_secret, methods=["POST"]),
             Route("/v1/secrets/{kid}/primary", e.use_secret, methods=["POST"]),
             Route("/v1/secrets/{kid}", e.remove_secret, methods=["DELETE"]),
+            Route("/v1/drains", e.drains),
+            Route("/v1/drain", e.drain, methods=["POST"]),
+            Route("/v1/undrain", e.undrain, methods=["POST"]),
             Route("/v1/stop", e.stop, methods=["POST"]),
         ],
         middleware=[Middleware(InternalErrors)],

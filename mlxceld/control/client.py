@@ -109,6 +109,17 @@ class ControlClient:
     async def remove_secret(self, kid: str) -> JSON:
         return await self._request("DELETE", f"/v1/secrets/{segment(kid)}")
 
+    async def drains(self) -> JSON:
+        return await self._get("/v1/drains")
+
+    async def drain(self, node: str | None, deadline_s: float | None = None,
+                    force: bool = False) -> JSON:
+        return await self._request("POST", "/v1/drain", body={
+            "node": node, "deadline_s": deadline_s, "force": force})
+
+    async def undrain(self, node: str | None) -> JSON:
+        return await self._request("POST", "/v1/undrain", body={"node": node})
+
     async def stop(self) -> JSON:
         return await self._request("POST", "/v1/stop")
 

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxceld import __version__
 from mlxceld.control.requests import (
+    DrainRequest,
     PlanRequest,
     SecretRequest,
     ServeRequest,
@@ -122,6 +123,21 @@ class Endpoints:
         a dial and an answer per peer, in parallel, and the router's stop)."""
         self._admitting()
         return answer("cluster_deactivate", bringup=await self.daemon.deactivate_cluster())
+
+    # -- drains ----------------------------------------------------------------------------
+
+    async def drains(self, request: Request) -> Response:
+        return answer("drains", drains=self.daemon.drains())
+
+    async def drain(self, request: Request) -> Response:
+        self._admitting()
+        asked = await DrainRequest.read(request, "drain")
+        return answer("drain", drain=self.daemon.drain(asked.node, asked.deadline_s,
+                                                       asked.force))
+
+    async def undrain(self, request: Request) -> Response:
+        asked = await DrainRequest.read(request, "undrain")
+        return answer("undrain", **self.daemon.undrain(asked.node))
 
     # -- cluster secrets -------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ and hint (``PlanRefused`` adds its ``shortfalls``):
     413     RequestTooLarge (request_too_large)     a body over MAX_BODY_BYTES (requests.py)
     404     UnknownWorker (unknown_worker)          logs or restart of a worker that is not ours
     404     UnknownKey (unknown_key)                no installed secret has that key id
+    404     UnknownNode (unknown_node)              `mlxctl drain` of a node not known here
     409     PlanRefused (plan_refused)              no plan fits the reachable nodes
     409     UnserveRefused (config)                 a restart would serve the model again
     409     PrimaryKeyRemoval (key_is_primary)      the primary secret cannot be removed
@@ -48,6 +49,7 @@ from mlxceld.errors import (
     RequestTooLarge,
     ShuttingDown,
     UnknownKey,
+    UnknownNode,
     UnknownWorker,
     UnserveRefused,
 )
@@ -63,6 +65,7 @@ STATUS: Final[Mapping[type[MlxceldError], int]] = {
     RequestTooLarge: 413,
     UnknownWorker: 404,
     UnknownKey: 404,
+    UnknownNode: 404,
     PlanRefused: 409,
     UnserveRefused: 409,
     PrimaryKeyRemoval: 409,

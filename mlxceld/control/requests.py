@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from mlxceld.control.bodies import read_bounded
 from mlxceld.errors import BadRequest, RequestTooLarge
-from mlxceld.types import MAX_PIPELINE_STAGES
+from mlxceld.types import MAX_DRAIN_DEADLINE_S, MAX_PIPELINE_STAGES
 
 QUERY_HINT: Final = "check the query parameters"
 MAX_BODY_BYTES: Final = 1 << 20  # the largest body mlxctl sends is a few hundred bytes
@@ -95,6 +95,14 @@ class Body:
             raise self.refuse(name, f"must be an integer from {low} to {high}")
         return value
 
+    def optional_number(self, name: str, low: float, high: float) -> float | None:
+        value = self._fields.get(name)
+        if value is None:
+            return None
+        if type(value) not in (int, float) or not low <= value <= high:  # a bool is none
+            raise self.refuse(name, f"must be a number from {low:g} to {high:g}")
+        return float(value)
+
     def flag(self, name: str, default: bool) -> bool:
         value = self._fields.get(name, default)
         if not isinstance(value, bool):
@@ -144,6 +152,24 @@ class ServeRequest:
         body = await Body.read(request, '{"model": PATH-OR-REPO, "model_name": optional '
                                'string}', "see `mlxctl serve --help`")
         return cls(body.text("model"), body.optional_text("model_name"))
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    """`mlxctl drain` and `mlxctl undrain`: ``node`` None is this daemon's own node;
+    ``deadline_s`` None is no deadline."""
+
+    node: str | None
+    deadline_s: float | None
+    force: bool
+
+    @classmethod
+    async def read(cls, request: Request, command: str) -> DrainRequest:
+        body = await Body.read(request, f'{{"node": optional string, "deadline_s": optional '
+                               f'number 0..{MAX_DRAIN_DEADLINE_S:g}, "force": optional bool}}',
+                               f"see `mlxctl {command} --help`")
+        deadline = body.optional_number("deadline_s", 0.0, MAX_DRAIN_DEADLINE_S)
+        return cls(body.optional_text("node") or None, deadline, body.flag("force", False))
 
 
 @dataclass(frozen=True, repr=False)

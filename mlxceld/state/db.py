@@ -114,7 +114,14 @@ def _v7(db: sqlite_utils.Database) -> None:
     create_table(db)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
+def _v8(db: sqlite_utils.Database) -> None:
+    """Nodes being drained (`mlxctl drain`; ``state/drains.py``)."""
+    from mlxceld.state.drains import create_table
+
+    create_table(db)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

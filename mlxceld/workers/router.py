@@ -20,6 +20,11 @@ not held back: they dial on demand and fail with a 503 naming the stage; while
 a stage is silent they get that 503 at once, with ``Retry-After``), and
 the worker's stats (``stages``: each stage's state and last error, refreshed
 every ``STATS_EVERY_S``) show in ``mlxctl status``.
+
+Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
+nodes its requests need are draining (``api/draining.py``: 503 "draining" for new
+requests, in-flight ones finish, the rest end at the deadline); the daemon says it
+again every ``drain/service.py`` ``PUSH_EVERY_S``, so a restarted router learns it.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
+from mlxceld.api.draining import Draining, NodeDrain
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
 from mlxceld.roles.options import PipelineOptions, RouterOptions
+from mlxceld.types import JSON
 from mlxceld.workers.runtime import WorkerContext
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
@@ -85,6 +92,25 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     return engine, tokenizer
 
 
+def drain_op(draining: Draining, request: JSON) -> JSON:
+    """The control channel's ``drain``: ``{"drains": [{"node": ID, "deadline": UNIX-S or
+    null}, ...]}``, every drain in force (``[]``: none); answers the counts."""
+    raw = request.get("drains")
+    drains = []
+    if not isinstance(raw, list):
+        return {"ok": False, "error": "'drains' must be a list"}
+    for item in raw:
+        node = item.get("node") if isinstance(item, dict) else None
+        deadline = item.get("deadline") if isinstance(item, dict) else None
+        if not isinstance(node, str) or not (deadline is None or isinstance(deadline, float | int)):
+            return {"ok": False, "error": "each drain must be {'node': ID, 'deadline': "
+                    "UNIX-S or null}"}
+        drains.append(NodeDrain(node, None if deadline is None else float(deadline)))
+    draining.set(drains)
+    return {"ok": True, "nodes": draining.nodes(), "in_flight": draining.in_flight,
+            "finished": draining.finished, "ended": draining.ended}
+
+
 async def run(ctx: WorkerContext[RouterOptions]) -> int:
     o = ctx.options
     raise_file_limit()
@@ -108,9 +134,12 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         sock.close()
         raise RuntimeError(f"cannot load model {o.model!r}: {exc}") from exc
     pipeline = o.pipeline is not None
+    draining = Draining()
+    ctx.ops["drain"] = lambda request: drain_op(draining, request)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
                            api_key=ctx.api_key, max_queued=o.max_queued,
-                           readiness=engine.readiness if pipeline else None)
+                           readiness=engine.readiness if pipeline else None,
+                           draining=draining)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)

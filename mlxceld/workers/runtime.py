@@ -4,12 +4,13 @@ The daemon starts ``python -m mlxceld.workers --role R --name N`` in a new
 session, with stdout and stderr on the worker's log file and a bootstrap JSON
 document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
-``stats``, ``stop``, ``keyring``: ``supervisor/keys.py``), runs the role, and
-leaves an exit record for a daemon that may have adopted it after a restart. A
-role that does steps of work sets ``WorkerContext.progress``; its ``health``
-answer then carries ``progress`` (``types.WorkerProgress``, made by
-``progress_report``), which the supervisor's watchdog reads; a worker with the
-cluster keyring carries ``keys`` (``types.WorkerKeys``: key ids only).
+``stats``, ``stop``, ``keyring``: ``supervisor/keys.py``, and the role's own
+``ops``, which get the request's object), runs the role, and leaves an exit
+record for a daemon that may have adopted it after a restart. A role that does
+steps of work sets ``WorkerContext.progress``; its ``health`` answer then carries
+``progress`` (``types.WorkerProgress``, made by ``progress_report``), which the
+supervisor's watchdog reads; a worker with the cluster keyring carries ``keys``
+(``types.WorkerKeys``: key ids only).
 
 The role's options are read once, here, into their typed spec
 (``workers/options.py``): a bad one is named in the log and the exit record
@@ -74,8 +75,9 @@ class WorkerContext(Generic[Opts]):
     state: WorkerHealth = WorkerHealth.STARTING
     stats: dict[str, Any] = field(default_factory=dict)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    # Role-specific control-channel operations (e.g. a standby stage's "activate").
-    ops: dict[str, Callable[[], JSON]] = field(default_factory=dict)
+    # Role-specific control-channel operations (e.g. a standby stage's "activate", the
+    # router's "drain"), each handed the request's JSON object.
+    ops: dict[str, Callable[[JSON], JSON]] = field(default_factory=dict)
     # A role that does steps of work: its progress, for the supervisor's watchdog.
     progress: Callable[[], WorkerProgress] | None = None
 
@@ -143,6 +145,8 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
     try:
         request = json.loads(line)
         op = request["op"]
+        if not isinstance(request, dict):
+            raise TypeError(request)
     except (ValueError, KeyError, TypeError):
         return {"ok": False, "error": "request must be a JSON object with an 'op'"}
     if op == "health":
@@ -161,7 +165,7 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
         ctx.stop()
         return {"ok": True}
     if op in ctx.ops:
-        return ctx.ops[op]()
+        return ctx.ops[op](request)
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 

@@ -87,7 +87,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                silence_s=o.silence_s)
         active = service
 
-        def activate() -> JSON:
+        def activate(request: JSON) -> JSON:
             active.activate()
             ctx.stats.update(standby=False)
             return {"ok": True}

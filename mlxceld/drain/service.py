@@ -1,0 +1,156 @@
+"""The daemon's side of a drain, in the spirit of ``nomad node drain``.
+
+`mlxctl drain NODE` writes the node's row (``state/drains.py``: ``draining``, its
+deadline, or the drain's start with ``--force``) before anything else, so that it
+survives a restart of the daemon. Then, every ``PUSH_EVERY_S`` (and at once after a
+change), the router worker is told every drain in force of the nodes its requests
+need (its control channel's ``drain`` op; ``api/draining.py`` says what it does
+with them: 503 "draining" for new requests, the running ones finish, the deadline
+ends the rest), and answers how many requests are still in flight. A draining node
+whose router has none left is ``drained``; its row keeps the counts (finished,
+ended at the deadline). A node no request of this daemon's router needs (a peer
+outside the plan, a daemon that runs no router) is drained at once. `mlxctl
+undrain NODE` deletes the row; the next push lets the router admit again.
+
+The push is said again and again, so a router that restarts, or a daemon that
+restarts while its router keeps running, converges within ``PUSH_EVERY_S``. A router
+that does not answer (starting, stopped) leaves the state as it is.
+
+Where self-healing re-plans (``cluster/coordinator.py``), a drain of a node the
+model can do without would re-plan around it first (``DrainService.started`` is the
+hook: it is called with the node as its drain starts); that part is not built here.
+
+Every change is an event: ``drain.started``, ``drain.changed`` (a new deadline),
+``drain.drained``, ``drain.ended`` (undrained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Final
+
+from mlxceld.state import DrainRow, DrainsTable, EventLog
+from mlxceld.types import JSON
+
+log = logging.getLogger(__name__)
+
+PUSH_EVERY_S: Final = 0.5  # how often the router is told the drains (and asked its count)
+
+Needs = Callable[[], frozenset[str] | None]  # the nodes the router's requests need; None:
+#                                             no router runs here
+RouterCall = Callable[[JSON], Awaitable[JSON | None]]  # the drain op; None: no answer
+
+
+class DrainService:
+    def __init__(self, table: DrainsTable, events: EventLog, *, needs: Needs,
+                 call_router: RouterCall,
+                 started: Callable[[str], None] | None = None) -> None:
+        self._table = table
+        self._events = events
+        self._needs = needs
+        self._call = call_router
+        self._started = started
+        self._wake = asyncio.Event()
+        self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
+        self._closing = False
+
+    # -- commands -------------------------------------------------------------------------
+
+    def list(self) -> list[JSON]:
+        return [r.to_json() for r in self._table.all()]
+
+    def drain(self, node: str, deadline_s: float | None, force: bool) -> JSON:
+        """Start draining ``node`` (or change the deadline of its drain): ``deadline_s``
+        from now (None: none), or now with ``force``."""
+        now = time.time()
+        deadline = now if force else None if deadline_s is None else now + deadline_s
+        said = ("at once (--force)" if force else "no deadline" if deadline is None
+                else f"deadline in {deadline_s:g} s")
+        old = self._table.get(node)
+        if old is None:
+            row = DrainRow(node, "draining", now, deadline, force, now,
+                           f"mlxctl drain: {said}")
+            self._table.put(row)
+            self._events.append("drain.started", node, f"node {node} is draining ({said})",
+                                deadline=deadline, force=force)
+            log.info("node %s is draining (%s)", node, said)
+            if self._started is not None:
+                self._started(node)
+        else:
+            row = replace(old, deadline=deadline, force=force, updated_at=now,
+                          reason=f"mlxctl drain again: {said}")
+            self._table.put(row)
+            self._events.append("drain.changed", node, f"drain of node {node}: {said}",
+                                deadline=deadline, force=force)
+            log.info("drain of node %s changed: %s", node, said)
+        self._wake.set()
+        return row.to_json()
+
+    def undrain(self, node: str) -> JSON:
+        """End ``node``'s drain: requests that need it are admitted again."""
+        old = self._table.get(node)
+        if old is not None:
+            self._table.delete(node)
+            self._events.append("drain.ended", node, f"node {node} is undrained: requests "
+                                "that need it are admitted again", was=old.state)
+            log.info("node %s undrained (was %s)", node, old.state)
+            self._wake.set()
+        return {"node": node, "was": None if old is None else old.to_json()}
+
+    # -- the router -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Push every ``PUSH_EVERY_S`` and after each change, until ``close``."""
+        while not self._closing:
+            self._wake.clear()
+            await self.push()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(PUSH_EVERY_S):
+                    await self._wake.wait()
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+
+    async def push(self) -> None:
+        rows = self._table.all()
+        needed = self._needs()
+        mine = [r for r in rows if needed is not None and r.node_id in needed]
+        for r in rows:
+            if r.state == "draining" and r not in mine:
+                why = ("no router runs on this node" if needed is None
+                       else "no request of this node's router needs it")
+                self._drained(r, why, 0, 0)
+        if needed is None:
+            return
+        drains: list[JSON] = [{"node": r.node_id, "deadline": r.deadline} for r in mine]
+        if not drains and self._pushed == []:
+            return  # nothing to say, and said already
+        reply = await self._call({"drains": drains})
+        if reply is None:
+            self._pushed = None  # unknown: say it again next time
+            return
+        self._pushed = drains
+        if reply.get("in_flight") != 0:
+            return
+        finished, ended = int(reply.get("finished") or 0), int(reply.get("ended") or 0)
+        for r in mine:
+            if r.state == "draining":
+                self._drained(r, "no request that needs it is running", finished, ended)
+
+    def _drained(self, row: DrainRow, why: str, finished: int, ended: int) -> None:
+        now = time.time()
+        self._table.put(replace(row, state="drained", updated_at=now, reason=why,
+                                finished=finished, ended=ended))
+        took = now - row.started_at
+        self._events.append("drain.drained", row.node_id,
+                            f"node {row.node_id} drained in {took:.1f} s: {why} ({finished} "
+                            f"finished, {ended} ended at the deadline)",
+                            finished=finished, ended=ended, took_s=round(took, 3))
+        log.info("node %s drained in %.1f s: %s (%d finished, %d ended at the deadline)",
+                 row.node_id, took, why, finished, ended)
