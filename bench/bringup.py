@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import secrets
 import shutil
 import statistics
@@ -47,6 +48,7 @@ from mlxceld.cluster.plan.solver import PlanNode, PlanRefused, plan_stages
 from mlxceld.models.profile import LayerProfile, layer_profile
 from mlxceld.net.agent import AgentService
 from mlxceld.state.db import open_db
+from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.wire import Keyring
 
@@ -188,9 +190,11 @@ async def simulated_push(peers: int, root: Path) -> PushResult:
     hosts = [f"127.0.{i // 250}.{i % 250 + 2}" for i in range(peers)]
     stages = [InstantStage(h, layers) for h in hosts]
     agents = [AgentService((h, 0), keyring) for h in hosts]
-    assignees = [Assignee(Assignments(open_db(root / f"peer-{i}.db")), stage, keyring,
-                          identity=a.address, state_dir=root, enabled=True)
-                 for i, (stage, a) in enumerate(zip(stages, agents, strict=True))]
+    dbs = [open_db(root / f"peer-{i}.db") for i in range(peers)]
+    assignees = [Assignee(Assignments(db), stage, keyring,
+                          identity=functools.partial(getattr, a, "address"), state_dir=root,
+                          enabled=True, events=EventLog(db))
+                 for db, stage, a in zip(dbs, stages, agents, strict=True)]
     async with asyncio.TaskGroup() as tg:
         try:
             for a, assignee in zip(agents, assignees, strict=True):
