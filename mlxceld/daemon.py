@@ -63,19 +63,16 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.drain import DrainService
+from mlxceld.drain import DrainService, known_node
 from mlxceld.errors import (
     AlreadyRunning,
-    ChannelError,
     ConfigError,
     MlxceldError,
     ModelRefused,
-    UnknownNode,
     UnserveRefused,
 )
 from mlxceld.net import retire_streams
-from mlxceld.roles.options import RouterOptions
-from mlxceld.roster import Situation, draw_roster
+from mlxceld.roster import Situation, draw_roster, router_needs
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
     SCHEMA_VERSION,
@@ -91,10 +88,10 @@ from mlxceld.state import (
 from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.startup import start_state
-from mlxceld.supervisor import channel, health
+from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON, WorkerState
+from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
@@ -230,40 +227,15 @@ class Daemon:
         return self.placement.node.id if self.placement is not None else self.node.node_id
 
     def _known_node(self, node: str | None) -> str:
-        """``node``, or this daemon's own, if it is this node, a node of its router's
-        requests, or a peer discovery knows; else ``UnknownNode``."""
-        target = node or self._local_node()
         known = {self._local_node(), self.node.node_id, *(self._router_needs() or ())}
         known |= {n["node_id"] for n in self.member.nodes()["nodes"] if n.get("node_id")}
-        if target not in known:
-            raise UnknownNode(f"no node {target!r} is known here; the nodes are "
-                              f"{', '.join(sorted(known))}",
-                              hint="see `mlxctl cluster nodes`; drain a pipeline's stage on "
-                              "the coordinator, whose router sends it requests")
-        return target
+        return known_node(node or self._local_node(), known)
 
     def _router_needs(self) -> frozenset[str] | None:
-        """The nodes the router's requests need (this one; a pipeline's stages too); None
-        where the roster runs no router."""
-        spec = next((s for s in self.specs(self.config) if s.name == ROUTER), None)
-        if spec is None:
-            return None
-        ids = {self.node.node_id, self._local_node()}
-        if isinstance(spec.options, RouterOptions) and spec.options.pipeline is not None:
-            ids |= {s.node_id for s in spec.options.pipeline.stages}
-        return frozenset(ids)
+        return router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
 
     async def _call_router(self, args: JSON) -> JSON | None:
-        """The router worker's ``drain`` op (None: it is not running or did not answer)."""
-        path = self.supervisor.control_socket(ROUTER)
-        state = self.supervisor.state(ROUTER)
-        if path is None or state is None or state[0] is not WorkerState.RUNNING:
-            return None
-        try:
-            return await channel.call(path, "drain", args=args)
-        except ChannelError as exc:
-            log.debug("the router did not take the drains: %s", exc)
-            return None
+        return await self.supervisor.call_running(ROUTER, "drain", args)
 
     # -- the member's, the coordinator's and the stage host's window on us -----------------
 

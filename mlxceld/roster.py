@@ -34,6 +34,7 @@ from mlxceld.cluster.clusterfile.placement import (
 )
 from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
+from mlxceld.roles.options import RouterOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
 
@@ -78,3 +79,14 @@ def model_policy(base: RestartPolicy) -> RestartPolicy:
     """``base`` with room for a worker that loads a model (router, stage)."""
     return replace(base, start_timeout_s=max(base.start_timeout_s, MODEL_START_TIMEOUT_S),
                    stop_timeout_s=max(base.stop_timeout_s, MODEL_STOP_TIMEOUT_S))
+
+
+def router_needs(specs: list[WorkerSpec], own: set[str]) -> frozenset[str] | None:
+    """The nodes the router's requests need: ``own`` (this node's ids), and a pipeline's
+    stages; None where the roster runs no router."""
+    spec = next((s for s in specs if s.name == ROUTER), None)
+    if spec is None:
+        return None
+    if isinstance(spec.options, RouterOptions) and spec.options.pipeline is not None:
+        own = own | {s.node_id for s in spec.options.pipeline.stages}
+    return frozenset(own)

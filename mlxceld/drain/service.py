@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Final
 
+from mlxceld.errors import UnknownNode
 from mlxceld.state import DrainRow, DrainsTable, EventLog
 from mlxceld.types import JSON
 
@@ -154,3 +155,14 @@ class DrainService:
                             finished=finished, ended=ended, took_s=round(took, 3))
         log.info("node %s drained in %.1f s: %s (%d finished, %d ended at the deadline)",
                  row.node_id, took, why, finished, ended)
+
+
+def known_node(target: str, known: set[str]) -> str:
+    """``target`` if it is one of the ``known`` nodes (this node, a node of its router's
+    requests, a peer discovery knows); else ``UnknownNode`` naming them."""
+    if target not in known:
+        raise UnknownNode(f"no node {target!r} is known here; the nodes are "
+                          f"{', '.join(sorted(known))}",
+                          hint="see `mlxctl cluster nodes`; drain a pipeline's stage on "
+                          "the coordinator, whose router sends it requests")
+    return target

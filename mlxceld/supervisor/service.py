@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from mlxceld.errors import WorkerError
+from mlxceld.errors import ChannelError, WorkerError
 from mlxceld.state import EventLog, WorkerRow, WorkersTable
 from mlxceld.supervisor import channel, logfiles, process
 from mlxceld.supervisor.process import WorkerSpec
@@ -278,6 +278,18 @@ class Supervisor:
     def control_socket(self, name: str) -> Path | None:
         r = self._runners.get(name)
         return r.spec.control_socket if r else None
+
+    async def call_running(self, name: str, op: str, args: JSON) -> JSON | None:
+        """Worker ``name``'s control-channel ``op`` with ``args``, if it is running; None if
+        it is not, or did not answer within the channel's deadline (logged at debug)."""
+        r = self._runners.get(name)
+        if r is None or r.machine.state is not WorkerState.RUNNING:
+            return None
+        try:
+            return await channel.call(r.spec.control_socket, op, args=args)
+        except ChannelError as exc:
+            log.debug("worker %s did not take %s: %s", name, op, exc)
+            return None
 
     async def _rotate_logs(self) -> None:
         while True:
