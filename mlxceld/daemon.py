@@ -16,9 +16,15 @@ once every task has ended): stop admitting work, ask every worker to stop (each
 has its stop timeout, then SIGKILL from its lifecycle), a backstop deadline of
 the longest stop timeout plus ``SHUTDOWN_SLACK_S`` after which every group is
 SIGKILLed; then close the cluster member (discovery, the assignee, the
-coordinator, the agent listener) and the control API; remove the socket, close
-the database, release the lock. A second SIGTERM/SIGINT while shutting down forces (``_force``):
-SIGKILL to every worker group, ``_release``, exit 1. After a dry run nothing is
+coordinator, the agent listener) and the control API. The workers drain in
+parallel, each within its stop timeout (a model worker's is at least
+``roster.MODEL_STOP_TIMEOUT_S``, 20 s): a router lets its open streams finish for
+``workers.router.GRACEFUL_S`` (10 s), a stage refuses new sequences and runs those
+it holds to their end for ``pipeline.stage.DRAIN_S`` (15 s). The member closes only
+after them, so heartbeats keep a draining stage's host alive to its coordinator.
+Then remove the socket, close the database, release the lock. A second
+SIGTERM/SIGINT while shutting down forces (``_force``): SIGKILL to every worker
+group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds

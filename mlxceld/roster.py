@@ -38,7 +38,8 @@ from mlxceld.roles.options import RouterOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
 
-# A model takes a while to load; stopping waits for open streams (router.GRACEFUL_S: 10 s).
+# A model takes a while to load; stopping waits for open streams (router.GRACEFUL_S: 10 s)
+# and a stage's sequences (pipeline.stage.DRAIN_S: 15 s).
 MODEL_START_TIMEOUT_S: Final = 600.0
 MODEL_STOP_TIMEOUT_S: Final = 20.0
 

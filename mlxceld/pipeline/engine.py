@@ -33,6 +33,10 @@ Bounds (every wait has a deadline):
   one that stalls within this bound. Either way the request fails with
   ``EngineUnavailable`` (503 before the first token, an SSE error event after).
 
+A stage that is stopping refuses new sequences (``draining``, stage.py): the
+request is refused with ``EngineUnavailable`` (503, ``Retry-After:
+DRAINING_RETRY_S``) naming the stage; requests it already holds run on.
+
 What reaches the client names stages by node id, never by address.
 
 A client that goes away closes the generator: the sequence is released on every
@@ -62,6 +66,7 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S: Final = 5.0
 STEP_TIMEOUT_S: Final = 10.0
 PER_TOKEN_S: Final = 0.05
+DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then restarts
 
 
 class PipelineEngine:
@@ -217,8 +222,16 @@ class PipelineEngine:
                 raise EngineUnavailable(self._downstream_message(rank))
             if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
+            if code == p.ERR_DRAINING:  # stopping: its sequences finish, no new one
+                raise EngineUnavailable(
+                    f"stage {self._node_of(rank)} is draining (stopping or restarting): it "
+                    "takes no new request; retry shortly", retry_after_s=DRAINING_RETRY_S)
             raise EngineError(f"a stage refused the request: {message} ({code})")
         return item
+
+    def _node_of(self, rank: int) -> str:
+        return next((link.stage.node_id for link in self._links if link.stage.rank == rank),
+                    f"of rank {rank}")
 
     def _downstream_message(self, rank: int) -> str:
         """A stage could not reach the stage after it (the first, from the last)."""

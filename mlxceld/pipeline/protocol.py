@@ -26,7 +26,9 @@ attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
 prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             top_p, top_k, seed}, ``eos`` (at most ``MAX_EOS``
                             token ids); a fresh KV cache, owned by the
-                            sender's identity; answered by ``prepared`` {seq}
+                            sender's identity; answered by ``prepared`` {seq},
+                            or ``error`` code ``draining`` while the stage is
+                            stopping (it finishes its sequences, takes no new one)
 run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
                             ``tokens`` i32 ``[1, n]``, 1 ≤ n ≤ ``MAX_STEP_TOKENS``
                             (the prompt, in chunks; the last one samples)
@@ -83,6 +85,7 @@ ERR_TOO_MANY: Final = "too_many_sequences"
 ERR_STAGE_FAILED: Final = "stage_failed"
 ERR_DOWNSTREAM: Final = "downstream_unreachable"
 ERR_STANDBY: Final = "standby"
+ERR_DRAINING: Final = "draining"  # the stage is stopping: no new sequence (stage.py, drain)
 
 
 class ProtocolViolation(Exception):

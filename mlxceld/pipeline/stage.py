@@ -29,6 +29,13 @@ stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
 long (asleep, off the network) is dropped and dialed afresh at the next send, and a
 send the stage does not take within ``mlxceld.net.stream.WRITE_TIMEOUT_S`` fails
 (the owner is told ``downstream_unreachable``) instead of holding this stage's loop.
+
+Draining (``drain``, when the worker is told to stop: SIGTERM): the stage refuses
+every new ``prepare`` with ``draining`` (the router answers 503 naming the stage)
+and keeps serving the sequences it holds, until each is released (or its owner's
+connection ends), for at most ``DRAIN_S``; then the worker closes. ``DRAIN_S`` stays
+under the stop timeout of a model worker (``roster.MODEL_STOP_TIMEOUT_S``: 20 s), so
+the supervisor's SIGKILL never cuts a drain short.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ _FROM_STAGES: Final = {
     "next": ("tokens", p.ERR_NOT_LAST, "'next' is accepted only from the last stage"),
 }
 INLINE_STEP_S: Final = 0.02  # a decode step shorter than this runs the next one inline
+DRAIN_S: Final = 15.0  # how long a stopping stage serves the sequences it holds (see above)
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,8 @@ class StageService:
         self.stats = StageStats()
         self._pending = 0  # steps enqueued and not yet run (or dropped)
         self.busy_since: float | None = None  # time.monotonic() when _pending left 0
+        self.draining = False  # stopping: no new sequence (``drain``)
+        self._released = asyncio.Event()  # set when a sequence is forgotten (``drain``)
 
     def activate(self) -> None:
         """Leave standby: the weights are loaded already, so this is only a switch."""
@@ -145,6 +155,33 @@ class StageService:
     @property
     def sequences(self) -> int:
         return len(self._seqs)
+
+    async def drain(self, deadline: float) -> int:
+        """Refuse new sequences and wait until those held are released, at the latest
+        until ``deadline`` (the loop's clock); the number still held then."""
+        self.draining = True
+        held = len(self._seqs)
+        log.info("stage %s draining: %d sequence(s) to finish within %.0f s",
+                 self._place.node_id, held, max(0.0, deadline - asyncio.get_running_loop()
+                                                .time()))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while self._seqs:
+                    self._released.clear()
+                    await self._released.wait()
+        left = len(self._seqs)
+        if left:
+            log.warning("stage %s: %d sequence(s) still running at the drain's deadline "
+                        "are dropped", self._place.node_id, left)
+        elif held:
+            log.info("stage %s drained: its %d sequence(s) finished", self._place.node_id,
+                     held)
+        return left
+
+    def _forget(self, seq_id: str) -> None:
+        """The sequence's cache is freed (released, failed, its owner gone)."""
+        if self._seqs.pop(seq_id, None) is not None:
+            self._released.set()
 
     # -- connections --------------------------------------------------------------------
 
@@ -211,7 +248,7 @@ class StageService:
         """Sequences whose owner's connection ended are released: nobody can use them."""
         gone = [s for s, seq in self._seqs.items() if seq.stream is stream]
         for s in gone:
-            del self._seqs[s]
+            self._forget(s)
         if gone:
             log.info("released %d sequences of %s (connection ended)", len(gone), stream.peer)
 
@@ -244,6 +281,10 @@ class StageService:
             raise p.ProtocolViolation(p.ERR_NOT_OWNER,
                                       f"sequence {seq_id} belongs to another identity")
         if env.type == "prepare":
+            if self.draining:
+                raise p.ProtocolViolation(p.ERR_DRAINING, f"stage {self._place.node_id} is "
+                                          "stopping: it finishes its sequences and takes no "
+                                          "new one; retry in a few seconds")
             params = p.params_from_wire(env.header.get("params"))
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
@@ -257,7 +298,7 @@ class StageService:
                                            p.eos_of(env.header))
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
-            self._seqs.pop(seq_id, None)
+            self._forget(seq_id)
         elif env.type == "run":
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
@@ -331,7 +372,7 @@ class StageService:
             self.stats.last_step_at = time.monotonic()  # ended, if badly: not a stall
             log.exception("a step of sequences %s failed", [w.seq_id for w in group])
             for work in group:
-                self._seqs.pop(work.seq_id, None)
+                self._forget(work.seq_id)
                 await self._tell_owner(work, p.ERR_STAGE_FAILED,
                                        f"stage {self._place.node_id} failed: {exc}")
             return
@@ -390,7 +431,7 @@ class StageService:
             await stream.send(message)
         except (ConnectionClosed, NetError) as exc:
             dialer.forget()
-            self._seqs.pop(work.seq_id, None)
+            self._forget(work.seq_id)
             await self._tell_owner(work, p.ERR_DOWNSTREAM,
                                    f"stage {self._place.node_id} cannot reach the "
                                    f"{dialer.what} at {_addr(dialer.target)}: {exc}")
@@ -403,6 +444,7 @@ class StageService:
         await self._down.aclose("stage stopping")
         await self._ring.aclose("stage stopping")
         self._seqs.clear()
+        self._released.set()
 
 
 def _redialer(target: tuple[str, int] | None, keyring: Keyring, me: HostPort,

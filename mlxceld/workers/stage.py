@@ -16,6 +16,13 @@ has steps to run: ``types.WorkerProgress``), which the supervisor's watchdog rea
 
 Start-up binds the listener first (a port in use fails at once, named), loads
 only this stage's layers, then accepts connections and reports ready.
+
+Stopping (SIGTERM, from the daemon or anyone): the stage drains first
+(``StageService.drain``): new sequences are refused (``draining``: the router
+answers 503 naming the stage, with Retry-After), the sequences it holds run to
+their end, for at most ``pipeline.stage.DRAIN_S`` (15 s, under the model
+workers' 20 s stop timeout); then the listener and the links close and the
+worker exits 0.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import logging
 from typing import Any
 
 from mlxceld.net import Listener
-from mlxceld.pipeline.stage import StagePlace, StageService
+from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
 from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
@@ -111,6 +118,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  tokens=service.stats.tokens, refused=service.stats.refused,
                                  compute_s=round(service.stats.compute_s, 6),
                                  inline=service.stats.inline)
+            ctx.stats.update(draining=True)
+            await service.drain(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()
             await service.aclose()
             compute.cancel()

@@ -27,6 +27,7 @@ from mlxceld.net import Listener, connect
 from mlxceld.pipeline import PipelineEngine, StageAddress, StagePlace, StageService
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
+from mlxceld.roster import MODEL_STOP_TIMEOUT_S
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
 from mlxceld.workers.runtime import progress_report
@@ -552,3 +553,47 @@ def test_a_stage_reports_work_in_hand_and_its_steps_for_the_watchdog(
                 await engine.aclose()
 
     assert asyncio.run(asyncio.wait_for(go(), 60)) == reference(path, PROMPT, 3)
+
+
+def test_a_draining_stage_finishes_its_sequences_and_refuses_new_ones(
+        split_fixture_dir: Path) -> None:
+    """``StageService.drain`` (a stopping stage worker): a sequence in flight runs to its
+    end; a new request is refused, naming the stage by node id, with Retry-After; the
+    drain ends as soon as nothing is held, and at its deadline otherwise."""
+    path = split_fixture_dir / "llama"
+    n = 40
+    assert stage_module.DRAIN_S < MODEL_STOP_TIMEOUT_S  # the supervisor never cuts it short
+
+    async def go() -> tuple[list[int], EngineUnavailable, int, int, float]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                req = GenerationRequest("r", PROMPT, SamplingParams(max_tokens=n,
+                                                                    temperature=0.0))
+                outs = engine.generate(req)
+                got = [(await anext(outs)).token]  # in flight on both stages
+                loop = asyncio.get_running_loop()
+                drain = asyncio.ensure_future(c.services[1].drain(loop.time() + 30))
+                await until(lambda: c.services[1].draining, "the stage drains")
+                with pytest.raises(EngineUnavailable) as refused:
+                    await tokens_of(engine, PROMPT, 2)
+                got += [t.token async for t in outs]
+                left = await asyncio.wait_for(drain, 10)  # released: the drain ends
+                # A sequence nobody releases is held until the deadline, then dropped.
+                c.services[1].draining = False
+                held = engine.generate(req)
+                await anext(held)
+                start = loop.time()
+                dropped = await c.services[1].drain(start + 0.5)
+                took = loop.time() - start
+                await held.aclose()
+                return got, refused.value, left, dropped, took
+            finally:
+                await engine.aclose()
+
+    got, refused, left, dropped, took = asyncio.run(asyncio.wait_for(go(), 60))
+    assert got == reference(path, PROMPT, n)
+    assert "stage stage-1 is draining" in str(refused) and "127.0.0" not in str(refused)
+    assert refused.retry_after_s == 5
+    assert left == 0
+    assert dropped == 1 and 0.4 <= took < 5
