@@ -87,6 +87,7 @@ from mlxceld.state import (
     KeyStore,
     LivenessTable,
     PeersTable,
+    RotationsTable,
     Settings,
     WorkersTable,
     state_errors,
@@ -143,7 +144,8 @@ class Daemon:
         self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
                                     node_id=self.node.node_id, candidates=self.candidates,
                                     plans=Plans(self._db), assignments=Assignments(self._db),
-                                    liveness=LivenessTable(self._db))
+                                    liveness=LivenessTable(self._db),
+                                    rotations=RotationsTable(self._db))
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
@@ -314,6 +316,12 @@ class Daemon:
     async def remove_secret(self, kid: str) -> JSON:
         key = self.keys.remove(kid)
         return {**key, "workers": await self.push_keyring()}
+
+    async def rotate_secret(self, secret: bytes) -> JSON:
+        return await self.member.rotate(secret)
+
+    def rotation(self) -> JSON | None:
+        return self.member.rotation()
 
     async def push_keyring(self) -> JSON:
         """The keyring changed: this process's streams under a removed key end (their

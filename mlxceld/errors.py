@@ -15,7 +15,10 @@
     │                               moves it aside)
     ├── KeyringError                a cluster secret cannot be installed, used or removed
     │   ├── UnknownKey              no installed secret has that key id
-    │   └── PrimaryKeyRemoval       the primary secret cannot be removed
+    │   ├── PrimaryKeyRemoval       the primary secret cannot be removed
+    │   ├── RotationRefused         `mlxctl secret rotate` cannot start (names each member
+    │   │                           unreachable, or the rotation already running)
+    │   └── RotationFailed          a member failed a rotation's step (names every one)
     ├── DaemonError                 the daemon cannot start or run as asked
     │   ├── AlreadyRunning          another daemon holds the state dir lock
     │   ├── SocketError             the control socket cannot be created
@@ -135,6 +138,14 @@ class UnknownKey(KeyringError):
 
 class PrimaryKeyRemoval(KeyringError):
     code = "key_is_primary"
+
+
+class RotationRefused(KeyringError):
+    code = "rotation_refused"
+
+
+class RotationFailed(KeyringError):
+    code = "rotation_failed"
 
 
 class DaemonError(MlxceldError):

@@ -34,6 +34,17 @@ after the decision it has written (its row in ``plans``) and not yet told anyone
 ``coordinator-after-active-decision``
     the coordinator, ``active`` written, before it starts its router
 
+Crash points of a secret rotation's rotator (``cluster/rotation.py``), each once every
+member has done the step it names and before the next step is written (a restart
+resumes at that step and asks every member again):
+
+``rotator-after-installing``
+    every member holds the new secret; none uses it
+``rotator-after-using``
+    every member's primary is the new key; the old one is still installed everywhere
+``rotator-after-removing``
+    the old key is gone everywhere; the rotation is not yet written ``done``
+
 Fault points (the coordinator's offers lie, so that a peer's check refuses):
 
 ``offer-assignment-version``
@@ -91,7 +102,8 @@ CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
     "coordinator-after-activate-decision", "coordinator-after-active-decision",
-    "coordinator-after-abort-decision"})
+    "coordinator-after-abort-decision", "rotator-after-installing", "rotator-after-using",
+    "rotator-after-removing"})
 FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
                                  "offer-layer-count", "offer-coordinator",
                                  "worker-kill-lost"})

@@ -25,7 +25,8 @@ from mlxctl.options import JsonOpt, SocketOpt, socket_path
 
 GENERATED_BYTES = 32
 
-secret_app = typer.Typer(help="The cluster secret keyring: generate, install, list, use, remove.",
+secret_app = typer.Typer(help="The cluster secret keyring: generate, install, list, use, remove, "
+                         "rotate.",
                          no_args_is_help=True)
 
 KeyIdArg = Annotated[str, typer.Argument(help="A key id (16 hex digits; see `mlxctl secret "
@@ -111,6 +112,30 @@ def remove(ctx: typer.Context, kid: KeyIdArg, socket: SocketOpt = None,
          lambda: f"removed cluster secret {body['key']['key_id']}")
 
 
+@secret_app.command()
+def rotate(
+    ctx: typer.Context,
+    new_secret_file: Annotated[Path | None, typer.Option(
+        "--new-secret-file", help="The new secret (mode 0600, one trailing newline trimmed, "
+        "at least 16 bytes remain). Without it the daemon generates one.")] = None,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Rotate the cluster secret on this daemon and every peer it knows (mlxctl cluster
+    nodes): install the new secret everywhere, verify, make it the primary everywhere,
+    verify, remove the old one. Refused, changing nothing, while a member is unreachable;
+    exit 1 naming every member that failed a step. A daemon killed meanwhile resumes the
+    rotation when it starts again (mlxctl secret list --json shows its step)."""
+    secret = None
+    if new_secret_file is not None:
+        secret = _read_secret(new_secret_file, as_json, private=True)
+    body = call(socket_path(ctx, socket), as_json, lambda c: c.rotate_secret(secret))
+    rot = body["rotation"]
+    emit(as_json, "secret-rotate", body,
+         lambda: f"rotated the cluster secret from key {rot['old_key_id']} to "
+         f"{rot['new_key_id']} on {len(rot['members'])} member(s): "
+         + ", ".join(rot["members"]))
+
+
 def _write_new(path: Path, content: bytes, force: bool) -> None:
     """0600 from the first byte; with ``force`` a temp file renamed over the old one."""
     if force:
@@ -123,7 +148,9 @@ def _write_new(path: Path, content: bytes, force: bool) -> None:
         os.close(fd)
 
 
-def _read_secret(file: Path, as_json: bool) -> bytes:
+def _read_secret(file: Path, as_json: bool, *, private: bool = False) -> bytes:
+    """The secret in ``file``; with ``private`` one that group or others may read is
+    refused (exit 2), else only warned about."""
     try:
         with file.open("rb") as f:
             mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
@@ -131,6 +158,9 @@ def _read_secret(file: Path, as_json: bool) -> bytes:
     except OSError as exc:
         fail(as_json, EXIT_USAGE, "bad_file", f"cannot read {file}: {exc.strerror or exc}",
              "check the path and its permissions")
+    if mode & 0o077 and private:
+        fail(as_json, EXIT_USAGE, "bad_file", f"{file} is readable by group or others (mode "
+             f"{mode:04o}); a new cluster secret must be private", f"run: chmod 600 {file}")
     if mode & 0o077:
         typer.echo(f"mlxctl: warning: {file} is readable by group or others (mode {mode:04o}); "
                    f"run: chmod 600 {file}", err=True)

@@ -2,7 +2,9 @@
 (``net/agent.py``) and what runs with it (inventory and plan queries, discovery, the
 failure detector's heartbeats, the ``Assignee`` over a ``LocalStageHost``, the
 ``Coordinator``), and the control API's cluster commands (`mlxctl cluster
-nodes|plan|activate|deactivate`, ``--dry-run``).
+nodes|plan|activate|deactivate`, ``--dry-run``), and `mlxctl secret rotate`: the key ops
+every member answers and this daemon's ``Rotator`` (``cluster/rotation.py``), which
+resumes an unfinished rotation once the agent listener is up.
 
 The heartbeats watch every candidate peer and, on a coordinator, every peer of its
 active plan (``discovery/heartbeat.py``); a plan's peer that is suspect or dead is a
@@ -26,6 +28,7 @@ from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.coordinator import RESUMABLE, Coordinator, CoordinatorSlot
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
+from mlxceld.cluster.rotation import KeyOps, Rotator, serve_key_ops
 from mlxceld.config.daemon import Config
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.heartbeat import Heartbeats
@@ -33,7 +36,7 @@ from mlxceld.discovery.inventory import serve_inventory
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.net.agent import AgentService
-from mlxceld.state import EventLog, LivenessTable
+from mlxceld.state import EventLog, LivenessTable, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -43,7 +46,7 @@ from mlxceld.wire.secret import Keyring
 log = logging.getLogger(__name__)
 
 
-class DaemonSlot(CoordinatorSlot, StageSlot, Protocol):
+class DaemonSlot(CoordinatorSlot, StageSlot, KeyOps, Protocol):
     """The daemon's side of its membership."""
 
     @property
@@ -59,7 +62,8 @@ class DaemonSlot(CoordinatorSlot, StageSlot, Protocol):
 class ClusterMember:
     def __init__(self, slot: DaemonSlot, supervisor: Supervisor, events: EventLog,
                  keyring: Keyring, *, node_id: str, candidates: CandidateTable, plans: Plans,
-                 assignments: Assignments, liveness: LivenessTable) -> None:
+                 assignments: Assignments, liveness: LivenessTable,
+                 rotations: RotationsTable) -> None:
         self._slot = slot
         self._supervisor = supervisor
         self._events = events
@@ -69,6 +73,8 @@ class ClusterMember:
         self._plans = plans
         self._assignments = assignments
         self._liveness = liveness
+        self._rotations = rotations
+        self._rotator: Rotator | None = None
         self._heartbeats: Heartbeats | None = None
         agent = parse_address(slot.config.agent_addr, port_zero=True)  # checked by the config
         self._agent_addr = (agent.host, agent.port)
@@ -224,6 +230,22 @@ class ClusterMember:
                               "the model to plan")
         return await self._coordinator.dry_run(self._slot.config.pp_auto or 0, model)
 
+    # -- mlxctl secret rotate -----------------------------------------------------------------
+
+    async def rotate(self, secret: bytes) -> JSON:
+        """`mlxctl secret rotate` (``cluster/rotation.py``) over this daemon and its
+        candidates; refused without the agent listener (it carries the new secret)."""
+        if self._rotator is None:
+            raise ConfigError("a secret rotation needs the agent listener, which runs once "
+                              "the daemon has a cluster secret",
+                              hint="install one: mlxctl secret install FILE --primary")
+        return await self._rotator.rotate(secret)
+
+    def rotation(self) -> JSON | None:
+        """The latest rotation (its step, members, failures), None before the first."""
+        row = self._rotations.latest()
+        return row.to_json() if row else None
+
     # -- plans of our own ---------------------------------------------------------------------
 
     def may_coordinate(self) -> bool:
@@ -268,6 +290,7 @@ class ClusterMember:
                             identity=lambda: agent.address, state_dir=c.state_dir,
                             enabled=c.pp_peer, events=self._events)
         assignee.register(agent)
+        serve_key_ops(agent, slot, self._keyring)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def run() -> None:
@@ -310,6 +333,9 @@ class ClusterMember:
                 discovery=self._discovery, identity=agent.address, events=self._events)
             self._assignee = assignee
             tg.create_task(assignee.run())
+            self._rotator = Rotator(self._rotations, self._keyring, slot, self._events,
+                                    identity=agent.address, peers=candidates.addresses, tg=tg)
+            self._rotator.resume()
             if self.may_coordinate():
                 heartbeats = self._heartbeats
                 self._healer = Healer(

@@ -10,7 +10,7 @@ line as a heartbeat (``streams.py``), so a client can put a deadline on every re
     GET    /v1/events                 ?after=ID&limit=N&subject=S&follow=1
     POST   /v1/workers/{name}/restart, /v1/serve, /v1/unserve, /v1/stop
     POST   /v1/cluster/plan, /v1/cluster/activate, /v1/cluster/deactivate
-    POST   /v1/secrets, /v1/secrets/{kid}/primary
+    POST   /v1/secrets, /v1/secrets/{kid}/primary, /v1/secrets/rotate
     POST   /v1/drain, /v1/undrain     {"node", "deadline_s", "force"}
     DELETE /v1/secrets/{kid}
 """
@@ -48,6 +48,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/unserve", e.unserve, methods=["POST"]),
             Route("/v1/secrets", e.secrets),
             Route("/v1/secrets", e.install_secret, methods=["POST"]),
+            Route("/v1/secrets/rotate", e.rotate_secret, methods=["POST"]),
             Route("/v1/secrets/{kid}/primary", e.use_secret, methods=["POST"]),
             Route("/v1/secrets/{kid}", e.remove_secret, methods=["DELETE"]),
             Route("/v1/drains", e.drains),

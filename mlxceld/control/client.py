@@ -35,6 +35,7 @@ T = TypeVar("T")
 # The daemon's bounds on a deactivation (deactivation.CONNECT_S + ANSWER_S per peer, in
 # parallel with the router's stop), and slack.
 DEACTIVATE_TIMEOUT_S = 60.0
+ROTATE_TIMEOUT_S = 300.0  # a rotation: its probe (20 s), five steps of at most 50 s each
 UNSERVE_TIMEOUT_S = 40.0  # the router's stop: open streams get 10 s, SIGKILL after 20 s
 
 
@@ -108,6 +109,11 @@ class ControlClient:
 
     async def remove_secret(self, kid: str) -> JSON:
         return await self._request("DELETE", f"/v1/secrets/{segment(kid)}")
+
+    async def rotate_secret(self, secret: bytes | None) -> JSON:
+        """`mlxctl secret rotate`: waits for the whole rotation (``ROTATE_TIMEOUT_S``)."""
+        return await self._request("POST", "/v1/secrets/rotate", timeout=ROTATE_TIMEOUT_S,
+                                   body={"secret_hex": secret.hex() if secret else None})
 
     async def drains(self) -> JSON:
         return await self._get("/v1/drains")

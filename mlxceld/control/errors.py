@@ -17,6 +17,8 @@ and hint (``PlanRefused`` adds its ``shortfalls``):
     409     UnserveRefused (config)                 a restart would serve the model again
     409     PrimaryKeyRemoval (key_is_primary)      the primary secret cannot be removed
     409     BringUpInProgress (bringup_in_progress) one bring-up at a time
+    409     RotationRefused (rotation_refused)      a member unreachable, or one rotation runs
+    502     RotationFailed (rotation_failed)        a member failed a secret rotation's step
     503     ShuttingDown (stopping), DaemonError    the daemon is stopping
     500     MlxceldError (state, worker, ...)       the state or a worker failed us
 
@@ -47,6 +49,8 @@ from mlxceld.errors import (
     PlanRefused,
     PrimaryKeyRemoval,
     RequestTooLarge,
+    RotationFailed,
+    RotationRefused,
     ShuttingDown,
     UnknownKey,
     UnknownNode,
@@ -70,6 +74,8 @@ STATUS: Final[Mapping[type[MlxceldError], int]] = {
     UnserveRefused: 409,
     PrimaryKeyRemoval: 409,
     BringUpInProgress: 409,
+    RotationRefused: 409,
+    RotationFailed: 502,
     DaemonError: 503,
     ShuttingDown: 503,
 }

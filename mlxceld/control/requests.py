@@ -192,3 +192,20 @@ class SecretRequest:
 
     def __repr__(self) -> str:  # never the secret, not even in a traceback's locals
         return f"SecretRequest(primary={self.primary}, source={self.source!r})"
+
+
+@dataclass(frozen=True, repr=False)
+class RotateRequest:
+    """`mlxctl secret rotate`: the new secret, or None to have the daemon generate one."""
+
+    secret: bytes | None
+
+    @classmethod
+    async def read(cls, request: Request) -> RotateRequest:
+        body = await Body.read(request, '{"secret_hex": optional HEX}',
+                               "see `mlxctl secret rotate --help`")
+        given = body.optional_text("secret_hex")
+        return cls(body.hex_bytes("secret_hex") if given is not None else None)
+
+    def __repr__(self) -> str:  # never the secret, not even in a traceback's locals
+        return f"RotateRequest(given={self.secret is not None})"

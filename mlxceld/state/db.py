@@ -121,7 +121,14 @@ def _v8(db: sqlite_utils.Database) -> None:
     create_table(db)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
+def _v9(db: sqlite_utils.Database) -> None:
+    """Cluster-wide secret rotations (`mlxctl secret rotate`; ``state/rotations.py``)."""
+    from mlxceld.state.rotations import create_table
+
+    create_table(db)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -1,0 +1,336 @@
+"""Cluster-wide secret rotation (`mlxctl secret rotate`): the asyncio shell of
+``rotation_round.py``, and each member's side of it.
+
+Members: this daemon and every candidate peer of discovery (``--cluster-peers`` and
+mDNS records; ``mlxctl cluster nodes``) when the rotation starts; the list is written
+with the rotation and kept for its whole life, a restart included.
+
+Messages, on MXCL channel 3 (agent), over the same authenticated and encrypted agent
+connections as the inventory; the new secret travels nowhere else (never in argv, a
+log line, an error, an event or the database):
+
+=========== ============== ===========================================================
+type        direction      fields
+=========== ============== ===========================================================
+key_install rotator → peer ``secret_hex``: the new secret (installed, not the primary)
+key_use     rotator → peer ``kid``: make it the primary (16 hex digits)
+key_remove  rotator → peer ``kid``: remove it (a key already gone is no error)
+key_report  rotator → peer none
+key_state   peer → rotator ``primary`` (key id or null), ``ids`` (every installed key id)
+error       peer → rotator ``reason`` (e.g. the primary cannot be removed)
+=========== ============== ===========================================================
+
+A member applies each change as `mlxctl secret install|use|remove` would on it (its
+keyring, its event, its workers told at once: ``Daemon.push_keyring``). Whoever holds
+the cluster secret may ask: the key ops are what the secret already grants.
+
+Deadlines: an ask is ``CONNECT_BUDGET_S`` (5 s) to connect and authenticate, then
+``ANSWER_TIMEOUT_S`` (15 s: the member tells its workers first) for the answer. Before
+starting, every member is asked ``key_report`` once: one that does not answer refuses
+the rotation (``RotationRefused`` naming every such member; nothing changed anywhere).
+Within a step a member that fails is asked again every ``RETRY_S`` (1 s) until
+``STEP_S`` (30 s) after the step began; then it has failed the step. A step ends when
+every member has done or failed it; a failed member makes the rotation ``failed``
+(``RotationFailed`` naming every member that failed and why; the steps before stay
+done, so the old key stays installed where it was not removed).
+
+The rotator writes each step (``state/rotations.py``) before it asks anything of it,
+and resumes an unfinished rotation when its daemon starts (``Rotator.resume``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any, Final, Protocol
+
+from mlxceld import failpoints
+from mlxceld.cluster.rotation_round import RotationRound, Step
+from mlxceld.errors import MlxceldError, RotationFailed, RotationRefused, UnknownKey
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net.agent import AgentService
+from mlxceld.state.events import EventLog
+from mlxceld.state.rotations import RotationRow, RotationsTable
+from mlxceld.types import JSON
+from mlxceld.wire import Envelope, EnvelopeError, MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire.secret import Keyring, key_id
+
+log = logging.getLogger(__name__)
+
+AGENT_CHANNEL: Final = 3
+CONNECT_BUDGET_S: Final = 5.0
+ANSWER_TIMEOUT_S: Final = 15.0
+RETRY_S: Final = 1.0
+STEP_S: Final = 30.0
+ANSWERS: Final = {"key_state": MessageSpec(), "error": MessageSpec()}
+MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
+#: The crash point after each step with an action (``failpoints.py``): every member did
+#: it, the next step is not written yet.
+CRASH_AFTER: Final = {Step.INSTALLING: "rotator-after-installing",
+                      Step.USING: "rotator-after-using",
+                      Step.REMOVING: "rotator-after-removing"}
+
+
+class KeyOps(Protocol):
+    """The daemon's keyring changes, each pushed to its workers (``daemon.py``)."""
+
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
+    async def use_secret(self, kid: str) -> JSON: ...
+    async def remove_secret(self, kid: str) -> JSON: ...
+
+
+class AskFailed(Exception):
+    """A member did not do what it was asked; the message says why (no secret in it)."""
+
+
+# -- a member's side ----------------------------------------------------------------------
+
+
+def serve_key_ops(agent: AgentService, ops: KeyOps, keyring: Keyring) -> None:
+    """Answer ``key_install``, ``key_use``, ``key_remove`` and ``key_report``."""
+
+    async def answer(stream: MxclStream, message: Envelope) -> None:
+        try:
+            await _apply(ops, message)
+        except MlxceldError as exc:  # the message names a key id at most, never a secret
+            await stream.send(encode_envelope({"t": "error", "reason": exc.message[:500]}))
+            return
+        await stream.send(encode_envelope({"t": "key_state", **key_state(keyring)}))
+
+    for kind in ("key_install", "key_use", "key_remove", "key_report"):
+        agent.add_handler(AGENT_CHANNEL, kind, answer)
+
+
+async def _apply(ops: KeyOps, message: Envelope) -> None:
+    header = message.header
+    if message.type == "key_install":
+        text = header.get("secret_hex")
+        if not isinstance(text, str) or len(text) > MAX_SECRET_HEX:
+            raise RotationRefused("key_install needs 'secret_hex', the secret as hex")
+        try:
+            secret = bytes.fromhex(text)
+        except ValueError:
+            raise RotationRefused("key_install's 'secret_hex' is not hex") from None
+        await ops.install_secret(secret, False, "mlxctl secret rotate (from a peer)")
+    elif message.type in ("key_use", "key_remove"):
+        kid = header.get("kid")
+        if not isinstance(kid, str):
+            raise RotationRefused(f"{message.type} needs 'kid', a key id")
+        if message.type == "key_use":
+            await ops.use_secret(kid)
+        else:
+            with contextlib.suppress(UnknownKey):  # removed already: what was asked is true
+                await ops.remove_secret(kid)
+
+
+def key_state(keyring: Keyring) -> dict[str, Any]:
+    primary = keyring.primary_id
+    return {"primary": primary.hex() if primary else None,
+            "ids": sorted(k.hex() for k in keyring.ids())}
+
+
+# -- the rotator's side -------------------------------------------------------------------
+
+
+async def ask(identity: str, keyring: Keyring, address: str, message: dict[str, Any]
+              ) -> dict[str, Any]:
+    """Send ``message`` to the member at ``address``; its ``key_state``. ``AskFailed``
+    saying why otherwise, within ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S``."""
+    try:
+        stream = await connect_as(identity, address, keyring=keyring, channel=AGENT_CHANNEL,
+                                  budget_s=CONNECT_BUDGET_S)
+    except HandshakeFailed as exc:
+        raise AskFailed(f"{exc.kind}: {exc.message}") from exc
+    try:
+        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+            await stream.send(encode_envelope(message))
+            got = parse_envelope(await stream.recv(), ANSWERS)
+    except TimeoutError:
+        raise AskFailed(f"no answer within {ANSWER_TIMEOUT_S:g} s") from None
+    except ConnectionClosed as exc:
+        raise AskFailed(f"closed: {exc.message}") from exc
+    except EnvelopeError as exc:
+        raise AskFailed(f"bad answer: {exc}") from exc
+    finally:
+        await stream.close()
+    if got.type == "error":
+        raise AskFailed(str(got.header.get("reason"))[:500])
+    primary, ids = got.header.get("primary"), got.header.get("ids")
+    if not (primary is None or isinstance(primary, str)) or not isinstance(ids, list):
+        raise AskFailed("bad answer: key_state needs 'primary' and 'ids'")
+    return {"primary": primary, "ids": [str(i) for i in ids]}
+
+
+class Rotator:
+    """Runs this daemon's rotations, one at a time, in the member's task group."""
+
+    def __init__(self, table: RotationsTable, keyring: Keyring, ops: KeyOps,
+                 events: EventLog, *, identity: str, peers: Callable[[], list[str]],
+                 tg: asyncio.TaskGroup) -> None:
+        self._table = table
+        self._keyring = keyring
+        self._ops = ops
+        self._events = events
+        self._identity = identity  # our agent address: the member that is us
+        self._peers = peers
+        self._tg = tg
+        self._running: asyncio.Future[RotationRound] | None = None
+
+    def describe(self) -> JSON | None:
+        """The latest rotation (``state/rotations.py``'s row), None before the first."""
+        row = self._table.latest()
+        return row.to_json() if row else None
+
+    def resume(self) -> None:
+        """At start: carry on the latest rotation if it did not finish."""
+        row = self._table.latest()
+        if row is None or row.finished:
+            return
+        log.info("rotation %d to key %s: resumed at step %s", row.id, row.new_kid, row.step)
+        self._events.append("rotation.resumed", "keyring",
+                            f"rotation {row.id} to key {row.new_kid} resumed at {row.step}",
+                            rotation=row.id)
+        self._start(row)
+
+    async def rotate(self, secret: bytes) -> JSON:
+        """A new rotation to ``secret`` over this daemon and its candidates; its row once
+        done. ``RotationRefused`` (nothing changed) or ``RotationFailed`` (names each
+        member that failed a step)."""
+        if self._running is not None and not self._running.done():
+            raise RotationRefused("a secret rotation runs already on this daemon",
+                                  hint="wait for it: mlxctl secret list --json shows its step")
+        old = self._keyring.primary_id
+        new = key_id(secret)
+        if old is None:
+            raise RotationRefused("this daemon has no cluster secret to rotate from",
+                                  hint="install one: mlxctl secret install FILE --primary")
+        if old == new:
+            raise RotationRefused(f"the new secret is the primary already (key {new.hex()})",
+                                  hint="give another secret, or none to have one generated")
+        members = (self._identity, *sorted(set(self._peers()) - {self._identity}))
+        await self._probe(members[1:])
+        await self._ops.install_secret(secret, False, "mlxctl secret rotate")
+        row = self._table.begin(old.hex(), new.hex(), members)
+        self._events.append("rotation.started", "keyring",
+                            f"rotation {row.id} from key {row.old_kid} to {row.new_kid} over "
+                            f"{len(members)} member(s)", rotation=row.id)
+        log.info("rotation %d from key %s to %s over %s", row.id, row.old_kid, row.new_kid,
+                 ", ".join(members))
+        done = await asyncio.shield(self._start(row))
+        return self._outcome(done)
+
+    async def _probe(self, peers: tuple[str, ...]) -> None:
+        async def one(address: str) -> str | None:
+            try:
+                await ask(self._identity, self._keyring, address, {"t": "key_report"})
+            except AskFailed as exc:
+                return str(exc)
+            return None
+
+        answers = await asyncio.gather(*(one(a) for a in peers))
+        failed = {a: why for a, why in zip(peers, answers, strict=True) if why is not None}
+        if failed:
+            raise RotationRefused(
+                "secret rotation refused, nothing changed: "
+                + "; ".join(f"member {a} is unreachable ({why})" for a, why in failed.items()),
+                hint="bring every member back (mlxctl cluster nodes), or remove the ones gone "
+                "for good from --cluster-peers, then rotate again")
+
+    def _start(self, row: RotationRow) -> asyncio.Future[RotationRound]:
+        rnd = RotationRound.resume(row.id, row.old_kid, row.new_kid, row.members,
+                                   Step(row.step), row.failures)
+        self._running = self._tg.create_task(self._run(rnd))
+        return self._running
+
+    def _outcome(self, rnd: RotationRound) -> JSON:
+        row = self._table.get(rnd.rotation_id)
+        assert row is not None
+        if rnd.step == Step.FAILED:
+            raise RotationFailed(
+                f"secret rotation {rnd.rotation_id} to key {rnd.new_kid} failed: "
+                + "; ".join(f"member {m} failed {why}" for m, why in rnd.failures.items()),
+                hint="bring those members back and run `mlxctl secret rotate` again; "
+                "mlxctl cluster nodes names a member left on another key")
+        return row.to_json()
+
+    async def _run(self, rnd: RotationRound) -> RotationRound:
+        while not rnd.finished:
+            step = rnd.step
+            deadline = asyncio.get_running_loop().time() + STEP_S
+            members = rnd.pending()
+            results = await asyncio.gather(*(self._member(rnd, m, deadline) for m in members))
+            for member, why in zip(members, results, strict=True):
+                advanced = (rnd.member_done(member, step) if why is None
+                            else rnd.member_failed(member, step, why))
+                if advanced is not None:
+                    if step in CRASH_AFTER:
+                        failpoints.crash(CRASH_AFTER[step])
+                    self._written(rnd)
+        return rnd
+
+    def _written(self, rnd: RotationRound) -> None:
+        self._table.set_step(rnd.rotation_id, rnd.step.value, rnd.failures)
+        what = f"rotation {rnd.rotation_id} to key {rnd.new_kid}: {rnd.step.value}"
+        if rnd.step == Step.FAILED:
+            what += " (" + "; ".join(f"{m}: {w}" for m, w in rnd.failures.items()) + ")"
+            log.error("%s", what)
+        else:
+            log.info("%s", what)
+        self._events.append(f"rotation.{rnd.step.value}", "keyring", what,
+                            rotation=rnd.rotation_id)
+
+    async def _member(self, rnd: RotationRound, member: str, deadline: float) -> str | None:
+        """Have ``member`` do the round's step, again every ``RETRY_S`` until ``deadline``;
+        None once done, else why it failed the last try."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await self._once(member, rnd.step, rnd.new_kid, rnd.old_kid)
+                return None
+            except (AskFailed, MlxceldError) as exc:
+                why = str(exc)
+            if loop.time() + RETRY_S >= deadline:
+                return why
+            await asyncio.sleep(RETRY_S)
+
+    async def _once(self, member: str, step: Step, new: str, old: str) -> None:
+        if member == self._identity:
+            state = await self._local(step, new, old)
+        else:
+            state = await ask(self._identity, self._keyring, member,
+                              self._message(step, new, old))
+        _verify(step, state, new, old)
+
+    def _message(self, step: Step, new: str, old: str) -> dict[str, Any]:
+        if step == Step.INSTALLING:
+            secret = self._keyring.get(bytes.fromhex(new))
+            if secret is None:
+                raise AskFailed(f"key {new} is no longer in this daemon's keyring")
+            return {"t": "key_install", "secret_hex": secret.hex()}
+        if step == Step.USING:
+            return {"t": "key_use", "kid": new}
+        if step == Step.REMOVING:
+            return {"t": "key_remove", "kid": old}
+        return {"t": "key_report"}
+
+    async def _local(self, step: Step, new: str, old: str) -> dict[str, Any]:
+        if step == Step.INSTALLING and bytes.fromhex(new) not in self._keyring:
+            raise AskFailed(f"key {new} is no longer in this daemon's keyring")
+        if step == Step.USING:
+            await self._ops.use_secret(new)
+        elif step == Step.REMOVING and bytes.fromhex(old) in self._keyring:
+            await self._ops.remove_secret(old)
+        return key_state(self._keyring)
+
+
+def _verify(step: Step, state: dict[str, Any], new: str, old: str) -> None:
+    """``AskFailed`` if a member's key state does not show ``step`` done."""
+    ids = state["ids"]
+    if step in (Step.INSTALLING, Step.VERIFYING_INSTALL) and new not in ids:
+        raise AskFailed(f"key {new} is not installed there (it has {', '.join(ids)})")
+    if step in (Step.USING, Step.VERIFYING_USE) and state["primary"] != new:
+        raise AskFailed(f"its primary is {state['primary']}, not {new}")
+    if step == Step.REMOVING and old in ids:
+        raise AskFailed(f"key {old} is still installed there")
