@@ -14,7 +14,7 @@ import sqlite_utils
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, build_config
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.state import EventLog, LivenessRow, LivenessTable
+from mlxceld.state import EventLog, LivenessRow, LivenessTable, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.wire import Keyring
 
@@ -32,7 +32,8 @@ def member(db: sqlite_utils.Database, tmp_path: Path, **daemon: object) -> Clust
                           tmp_path / "mlxceld.toml", Overrides())
     return ClusterMember(Slot(config), None, EventLog(db), Keyring(),  # type: ignore[arg-type]
                          node_id="me", candidates=CandidateTable(), plans=Plans(db),
-                         assignments=Assignments(db), liveness=LivenessTable(db))
+                         assignments=Assignments(db), liveness=LivenessTable(db),
+                         rotations=RotationsTable(db))
 
 
 def test_a_plans_suspect_or_dead_peer_is_a_problem(db: sqlite_utils.Database,
