@@ -18,6 +18,7 @@ import secrets
 import signal
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +56,59 @@ def peers_of(daemons: Daemons, secret: bytes, model: Path,
                   name=f"p{i}", env=(env or {}).get(f"127.0.0.{i}")) for i in (2, 3)]
 
 
-def coordinator_args(coord: DaemonProc, secret: bytes, peers: list[DaemonProc], model: Path,
+def coordinator_args(coord: DaemonProc, secret: bytes, peers: list[str], model: Path,
                      port: int, agent_port: int, pp_auto: bool = True) -> tuple[str, ...]:
-    """``--pp-auto 2`` over ``peers``; without ``pp_auto``, no bring-up and no model (so no
-    router of its own either): it only answers its peers' queries."""
+    """``--pp-auto 2`` over ``peers`` (agent addresses); without ``pp_auto``, no bring-up and
+    no model (so no router of its own either): it only answers its peers' queries."""
     return ("--cluster-secret-file", str(secret_file(coord.root, secret)),
             "--agent-addr", f"127.0.0.1:{agent_port}",
-            "--cluster-peers", ",".join(agent(p) for p in peers),
+            "--cluster-peers", ",".join(peers),
             *(("--pp-auto", "2", "--model", str(model)) if pp_auto else ()),
             "--port", str(port))
+
+
+@dataclass
+class Scene:
+    """One crash scene's cast: two ``--pp-peer`` daemons (``good`` on 127.0.0.2 holds
+    stage-0; ``doomed`` on 127.0.0.3, stage-1, carries the fail point) and the coordinator
+    ``coord`` (made, not started), with its router and agent ports."""
+    daemons: Daemons
+    model: Path
+    secret: bytes
+    good: DaemonProc
+    doomed: DaemonProc
+    good_agent: str
+    doomed_agent: str
+    coord: DaemonProc
+    port: int
+    agent_port: int
+
+    @property
+    def peers(self) -> list[DaemonProc]:
+        return [self.good, self.doomed]
+
+    def args(self, pp_auto: bool = True) -> tuple[str, ...]:
+        """The coordinator's flags: ``coordinator_args`` over both peers (by the addresses
+        known at the start: a peer may be down when this is asked)."""
+        return coordinator_args(self.coord, self.secret, [self.good_agent, self.doomed_agent],
+                                self.model, self.port, self.agent_port, pp_auto)
+
+    def restart_doomed(self, env: dict[str, str] | None = None) -> None:
+        restart_peer(self.doomed, self.doomed_agent, self.secret, self.model, env=env)
+
+
+def scene(daemons: Daemons, fixtures: Path, failpoint: str | None = None,
+          wait_s: float | None = None) -> Scene:
+    """Both peers started (the doomed one with ``failpoint``; both with
+    ``MLXCELD_TEST_PEER_WAIT_S=wait_s`` when given), the coordinator made."""
+    model = fixtures / "llama"
+    secret = secrets.token_hex(16).encode()
+    wait = {} if wait_s is None else {"MLXCELD_TEST_PEER_WAIT_S": str(wait_s)}
+    doomed_env = {**({} if failpoint is None else {"MLXCELD_FAILPOINT": failpoint}), **wait}
+    good, doomed = peers_of(daemons, secret, model,
+                            env={"127.0.0.2": wait, "127.0.0.3": doomed_env})
+    return Scene(daemons, model, secret, good, doomed, agent(good), agent(doomed),
+                 daemons.make(name="c"), free_port("127.0.0.1"), free_port("127.0.0.1"))
 
 
 def restart_peer(d: DaemonProc, address: str, secret: bytes, model: Path,
@@ -115,30 +160,22 @@ def decision(coordinator: str, secret: bytes, epoch: int) -> str:
     return str(over_mxcl(coordinator, secret, message("query", epoch))["decision"])
 
 
-def serves(coord: DaemonProc, peers: list[DaemonProc], port: int, model: Path,
-           daemons: Daemons) -> None:
+def serves(sc: Scene) -> None:
     """The router and every stage run, and the router answers mlx-lm's greedy text."""
-    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
-    for p in peers:
-        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    assert complete(port, "llama") == expected(model, PROMPT, 8)
+    sc.daemons.pids.add(sc.coord.wait_worker("router", timeout=READY_S,
+                                             state="running")["pid"])
+    for p in sc.peers:
+        sc.daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert complete(sc.port, "llama") == expected(sc.model, PROMPT, 8)
 
 
 def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """The peer's record says ``preparing`` (its stage loaded, no vote); the coordinator
     decides abort and dies before telling anyone. Both back: every node says abort."""
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
-    wait = {"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)}
-    good, doomed = peers_of(daemons, secret, model, env={
-        "127.0.0.2": wait, "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-preparing", **wait}})
-    doomed_agent = agent(doomed)
-    coord = daemons.make(name="c")
-    port, agent_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    args = coordinator_args(coord, secret, [good, doomed], model, port, agent_port)
-    idle = coordinator_args(coord, secret, [good, doomed], model, port, agent_port, False)
-    coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-abort-decision"},
+    sc = scene(daemons, split_fixture_dir, "peer-after-preparing", wait_s=PEER_WAIT_S)
+    good, doomed, coord = sc.good, sc.doomed, sc.coord
+    coord.start(*sc.args(), env={"MLXCELD_FAILPOINT": "coordinator-after-abort-decision"},
                 wait=False)  # it may die before it answers its control socket
     killed(doomed, "peer-after-preparing")
     killed(coord, "coordinator-after-abort-decision")
@@ -149,9 +186,9 @@ def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
 
     # Back up (the coordinator without --pp-auto: no new plan), each ends the epoch aborted.
     back = time.monotonic()
-    coord.start(*idle)
-    restart_peer(doomed, doomed_agent, secret, model, env=wait)
-    assert decision(f"127.0.0.1:{agent_port}", secret, epoch) == "abort"
+    coord.start(*sc.args(pp_auto=False))
+    sc.restart_doomed(env={"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)})
+    assert decision(f"127.0.0.1:{sc.agent_port}", sc.secret, epoch) == "abort"
     for p, name in ((doomed, "the restarted peer"), (good, "the other peer")):
         row = wait_for(lambda p=p: (a := assignment(p)).get("state") == "aborted" and a,
                        PEER_WAIT_S + 30, f"{name} to record plan {epoch} aborted", every=0.2)
@@ -166,15 +203,9 @@ def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
 
 def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
         daemons: Daemons, split_fixture_dir: Path) -> None:
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
-    wait = {"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)}
-    good, doomed = peers_of(daemons, secret, model, env={
-        "127.0.0.2": wait, "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-accepted", **wait}})
-    doomed_agent = agent(doomed)
-    coord = daemons.make(name="c")
-    coord.start(*coordinator_args(coord, secret, [good, doomed], model,
-                                  free_port("127.0.0.1"), free_port("127.0.0.1")))
+    sc = scene(daemons, split_fixture_dir, "peer-after-accepted", wait_s=PEER_WAIT_S)
+    good, doomed, coord = sc.good, sc.doomed, sc.coord
+    coord.start(*sc.args())
     killed(doomed, "peer-after-accepted")
     died = time.monotonic()
     epoch = assignment(good)["epoch"]
@@ -184,8 +215,8 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
     assert failed["epoch"] == epoch, failed
     # Lost before every vote was in (aborted at once) or after (re-dialled for the commit
     # window, then aborted), as the other peer's load goes.
-    assert f"{doomed_agent}: connection lost" in summary, summary
-    assert decision(agent(coord), secret, epoch) == "abort"
+    assert f"{sc.doomed_agent}: connection lost" in summary, summary
+    assert decision(agent(coord), sc.secret, epoch) == "abort"
     row = wait_for(lambda: (a := assignment(good)).get("state") == "aborted" and a, 30,
                    "the good peer aborted")
     assert row["epoch"] == epoch, row
@@ -199,7 +230,7 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
 
     # Back up, it finds its vote, waits PEER_WAIT_S, asks the coordinator, and aborts.
     back = time.monotonic()
-    restart_peer(doomed, doomed_agent, secret, model, env=wait)
+    sc.restart_doomed(env={"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)})
     row = wait_for(lambda: (a := assignment(doomed)).get("state") == "aborted" and a, 60,
                    "the restarted peer to abort")
     assert row["epoch"] == epoch, row
@@ -212,14 +243,9 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
 
 def test_the_coordinator_killed_before_deciding_leaves_peers_to_abort_by_deadline(
         daemons: Daemons, split_fixture_dir: Path) -> None:
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
-    wait = {"MLXCELD_TEST_PEER_WAIT_S": str(PEER_WAIT_S)}
-    peers = peers_of(daemons, secret, model, env={"127.0.0.2": wait, "127.0.0.3": wait})
-    coord = daemons.make(name="c")
-    coord.start(*coordinator_args(coord, secret, peers, model, free_port("127.0.0.1"),
-                                  free_port("127.0.0.1")),
-                env={"MLXCELD_FAILPOINT": "coordinator-before-decision"}, wait=False)
+    sc = scene(daemons, split_fixture_dir, wait_s=PEER_WAIT_S)
+    peers, coord = sc.peers, sc.coord
+    coord.start(*sc.args(), env={"MLXCELD_FAILPOINT": "coordinator-before-decision"}, wait=False)
     killed(coord, "coordinator-before-decision")
     died = time.monotonic()
     assert [assignment(p)["state"] for p in peers] == ["accepted", "accepted"]  # voted
@@ -244,15 +270,10 @@ def test_the_coordinator_killed_at_commit_then_at_activate_and_a_committed_peer_
     after writing activate, then a peer's host (daemon and workers) whose record says
     ``committed`` as that activate reaches it. The coordinator re-dials the lost peer, and
     once it is back every node is active in the first plan's epoch, and the router serves."""
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
     # The documented 60 s wait between phases: time enough for every restart here.
-    good, doomed = peers_of(daemons, secret, model, env={
-        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-committed"}})
-    doomed_agent = agent(doomed)
-    coord = daemons.make(name="c")
-    port = free_port("127.0.0.1")
-    args = coordinator_args(coord, secret, [good, doomed], model, port, free_port("127.0.0.1"))
+    sc = scene(daemons, split_fixture_dir, "peer-after-committed")
+    good, doomed, coord = sc.good, sc.doomed, sc.coord
+    args = sc.args()
     coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-commit-decision"},
                 wait=False)
     killed(coord, "coordinator-after-commit-decision")
@@ -270,23 +291,23 @@ def test_the_coordinator_killed_at_commit_then_at_activate_and_a_committed_peer_
 
     coord.start(*args)  # re-sends activate: the good peer activates, the doomed one dies
     host_down(doomed, "peer-after-committed")
-    lost = wait_for(lambda: (r := peer_row(coord, doomed_agent))["state"] == "unreachable"
+    lost = wait_for(lambda: (r := peer_row(coord, sc.doomed_agent))["state"] == "unreachable"
                     and r, 30, "the coordinator to report the peer unreachable", every=0.2)
     assert bringup(coord)["state"] == "pushing", bringup(coord)  # not failed: it re-dials
     assert "connection lost" in lost["reason"], lost
 
     back = time.monotonic()
-    restart_peer(doomed, doomed_agent, secret, model)
+    sc.restart_doomed()
     done = wait_for(lambda: (b := bringup(coord)).get("state") in ("active", "failed") and b,
                     PUSH_END_S, "the resumed push to end", every=0.2)
     agreed = time.monotonic() - back
     assert (done["state"], done["epoch"]) == ("active", epoch), (done, coord.stderr()[-3000:])
     assert "every stage of 2 is active" in done["summary"]
-    assert peer_row(coord, doomed_agent)["steps"][-2:] == ["unreachable", "active"]
+    assert peer_row(coord, sc.doomed_agent)["steps"][-2:] == ["unreachable", "active"]
     for p in (good, doomed):
         assert (assignment(p)["epoch"], assignment(p)["state"]) == (epoch, "active")
-    assert decision(agent(coord), secret, epoch) == "active"
-    serves(coord, [good, doomed], port, model, daemons)
+    assert decision(agent(coord), sc.secret, epoch) == "active"
+    serves(sc)
     log.info("coordinator-after-commit/activate-decision + peer-after-committed: plan %d "
              "active everywhere %.1f s after the peer's restart, served after %.1f s", epoch,
              agreed, time.monotonic() - back)
@@ -298,23 +319,18 @@ def test_a_peer_killed_once_active_and_the_coordinator_once_active_end_active(
     workers) before it answers; the coordinator re-dials it, and once it is back (it asks
     first, then serves), writes active and dies before starting its router. Back up, it
     serves the plan it decided, in that plan's epoch."""
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
-    good, doomed = peers_of(daemons, secret, model, env={
-        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-active"}})
-    doomed_agent = agent(doomed)
-    coord = daemons.make(name="c")
-    port = free_port("127.0.0.1")
-    args = coordinator_args(coord, secret, [good, doomed], model, port, free_port("127.0.0.1"))
+    sc = scene(daemons, split_fixture_dir, "peer-after-active")
+    good, doomed, coord = sc.good, sc.doomed, sc.coord
+    args = sc.args()
     coord.start(*args, env={"MLXCELD_FAILPOINT": "coordinator-after-active-decision"})
     host_down(doomed, "peer-after-active")
     epoch = assignment(good)["epoch"]
-    wait_for(lambda: peer_row(coord, doomed_agent)["state"] == "unreachable", 30,
+    wait_for(lambda: peer_row(coord, sc.doomed_agent)["state"] == "unreachable", 30,
              "the coordinator to report the peer unreachable", every=0.2)
     assert bringup(coord)["state"] == "pushing"
 
     back = time.monotonic()
-    restart_peer(doomed, doomed_agent, secret, model)
+    sc.restart_doomed()
     killed(coord, "coordinator-after-active-decision")
     agreed = time.monotonic() - back
     for p in (good, doomed):
@@ -326,8 +342,8 @@ def test_a_peer_killed_once_active_and_the_coordinator_once_active_end_active(
     done = wait_for(lambda: (b := bringup(coord)).get("state") in ("active", "failed") and b,
                     PUSH_END_S, "the plan to be served again", every=0.2)
     assert (done["state"], done["epoch"]) == ("active", epoch), (done, coord.stderr()[-3000:])
-    assert decision(agent(coord), secret, epoch) == "active"
-    serves(coord, [good, doomed], port, model, daemons)
+    assert decision(agent(coord), sc.secret, epoch) == "active"
+    serves(sc)
     log.info("peer-after-active + coordinator-after-active-decision: plan %d active "
              "everywhere %.1f s after the peer's restart; served %.1f s after the "
              "coordinator's", epoch, agreed, time.monotonic() - again)
@@ -351,14 +367,9 @@ def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back
     failed, the decision ``activate`` kept. Back up, the peer waits its phase, asks
     (``query``), hears activate and activates; the coordinator, asked, pushes on: every
     node active in the first plan's epoch, and the router serves."""
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
-    good, doomed = peers_of(daemons, secret, model, env={
-        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-committed"}})
-    doomed_agent = agent(doomed)
-    coord = daemons.make(name="c")
-    port = free_port("127.0.0.1")
-    args = coordinator_args(coord, secret, [good, doomed], model, port, free_port("127.0.0.1"))
+    sc = scene(daemons, split_fixture_dir, "peer-after-committed")
+    good, doomed, coord = sc.good, sc.doomed, sc.coord
+    args = sc.args()
     coord.start(*args, env={"MLXCELD_TEST_ACTIVATE_FOR_S": str(ACTIVATE_FOR_S)})
     host_down(doomed, "peer-after-committed")
     down = time.monotonic()
@@ -373,25 +384,24 @@ def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back
     assert (stalled["state"], stalled["epoch"]) == ("failed", epoch), stalled
     assert stalled["summary"].startswith(
         f"plan {epoch} is decided active, but 1 of 2 stage(s) did not answer active: "
-        f"{doomed_agent}: connection lost"), stalled["summary"]
+        f"{sc.doomed_agent}: connection lost"), stalled["summary"]
     assert f"not active {ACTIVATE_FOR_S:g} s after the decision; the decision stands" in \
         stalled["summary"], stalled["summary"]
-    row = peer_row(coord, doomed_agent)
+    row = peer_row(coord, sc.doomed_agent)
     assert row["state"] == "failed" and row["steps"][-2:] == ["unreachable", "failed"], row
     assert row["reason"].endswith(f"not active {ACTIVATE_FOR_S:g} s after the decision"), row
     assert peer_row(coord, agent(good))["state"] == "active"
     assert plan_decision(coord, epoch) == "activate"  # the decision stands
     shown = coord.ctl("status")  # what the operator sees
     assert f"bring-up: failed: plan {epoch} is decided active" in shown.stdout, shown
-    assert f"{doomed_agent}" in shown.stdout and "failed: connection lost" in shown.stdout
+    assert f"{sc.doomed_agent}" in shown.stdout and "failed: connection lost" in shown.stdout
     assert (assignment(good)["epoch"], assignment(good)["state"]) == (epoch, "active")
     no_stage_or_router(coord)  # nothing served over a plan with a stage missing
     log.info("stalled push: the coordinator gave up on the lost peer %.1f s after it died "
              "(its bound: %g s after the activate decision)", gave_up, ACTIVATE_FOR_S)
 
     back = time.monotonic()
-    restart_peer(doomed, doomed_agent, secret, model,
-                 env={"MLXCELD_TEST_PEER_WAIT_S": str(ASK_AFTER_S)})
+    sc.restart_doomed(env={"MLXCELD_TEST_PEER_WAIT_S": str(ASK_AFTER_S)})
     # It asks ASK_AFTER_S after its start (CONNECT_S + FRAME_S at most), and the push it
     # sets off ends within ACTIVATE_FOR_S, active or stalled again (then not waited out).
     done = wait_for(lambda: (b := bringup(coord)) != stalled and b.get("state") in (
@@ -410,9 +420,9 @@ def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back
         coord.stderr()
     # the resumed push shows each stage as the first did: its id and layers, from the plan
     assert [(r["stage"], r["address"]) for r in done["peers"]] == [
-        ("stage-0", agent(good)), ("stage-1", doomed_agent)], done["peers"]
+        ("stage-0", agent(good)), ("stage-1", sc.doomed_agent)], done["peers"]
     assert all(r["layers"] for r in done["peers"]), done["peers"]
-    serves(coord, [good, doomed], port, model, daemons)
+    serves(sc)
     log.info("stalled push: plan %d active everywhere %.1f s after the peer's restart (it "
              "asks after %g s)", epoch, agreed, ASK_AFTER_S)
 
@@ -423,18 +433,13 @@ def test_a_deactivation_ends_a_push_that_re_dials_a_lost_peer(
     ACTIVATE_FOR_S, 600 s: the default here). `mlxctl cluster deactivate` does not wait
     that out, nor is it refused as a bring-up in progress: it ends the push, decides
     deactivated, stops the other peer's stage and names the lost one (exit 1)."""
-    model = split_fixture_dir / "llama"
-    secret = secrets.token_hex(16).encode()
-    good, doomed = peers_of(daemons, secret, model, env={
-        "127.0.0.3": {"MLXCELD_FAILPOINT": "peer-after-committed"}})
-    doomed_agent = agent(doomed)
-    coord = daemons.make(name="c")
-    coord.start(*coordinator_args(coord, secret, [good, doomed], model,
-                                  free_port("127.0.0.1"), free_port("127.0.0.1")))
+    sc = scene(daemons, split_fixture_dir, "peer-after-committed")
+    good, doomed, coord = sc.good, sc.doomed, sc.coord
+    coord.start(*sc.args())
     host_down(doomed, "peer-after-committed")
     daemons.note(good)
     wait_for(lambda: (b := bringup(coord)).get("state") == "pushing" and any(
-        p["address"] == doomed_agent and p["state"] == "unreachable" for p in b["peers"]),
+        p["address"] == sc.doomed_agent and p["state"] == "unreachable" for p in b["peers"]),
         PUSH_END_S, "the coordinator re-dialling the lost peer")
     epoch = bringup(coord)["epoch"]
 
@@ -443,7 +448,7 @@ def test_a_deactivation_ends_a_push_that_re_dials_a_lost_peer(
     took = time.monotonic() - began
     assert gone.returncode == 1, (gone.stdout, gone.stderr)
     assert f"plan {epoch} deactivated: 1 of 2 stage(s) stopped" in gone.stderr, gone.stderr
-    assert doomed_agent in gone.stderr
+    assert sc.doomed_agent in gone.stderr
     assert f"plan {epoch}: a deactivation ends its push (decided activate)" in coord.stderr()
     assert plan_decision(coord, epoch) == "deactivated"
     assert bringup(coord)["state"] == "deactivated"
