@@ -278,7 +278,9 @@ class ClusterMember:
         if self.agent is not None or self._slot.stopping:
             return
         slot = self._slot
-        agent = AgentService(self._agent_addr, self._keyring)
+        # A connected peer silent for the detector's suspect bound is dropped (net/agent.py).
+        agent = AgentService(self._agent_addr, self._keyring,
+                             silence_s=slot.config.liveness.suspect_after_s)
         serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports,
                         keyring=self._keyring)
         serve_queries(agent, self._plans, asked=self._peer_asked)
