@@ -55,6 +55,11 @@ def test_a_stopped_peer_holds_no_agent_connection(daemons: Daemons) -> None:
     a = start(daemons, "a", "127.0.0.1", secret, "--cluster-peers", pb)
     wait_for(lambda: (by_address(a).get(pb) or {}).get("liveness", {}).get("state") == "alive",
              WAIT_S, f"{pb} alive at a", every=0.1)
+    # Two daemons of one machine, neither told its node id: each has its own (the host name
+    # and a suffix of its state dir's node, tests/state/test_state.py), and a knows b's.
+    ids = [d.status()["daemon"]["node_id"] for d in (a, b)]
+    assert ids[0] != ids[1], ids
+    assert by_address(a)[pb]["node_id"] == ids[1]
 
     noticed: list[float] = []
     for run in range(RUNS):
