@@ -345,15 +345,17 @@ class Coordinator:
             self._busy = False
 
     async def deactivate(self) -> JSON:
-        """`mlxctl cluster deactivate`: end the latest plan (committed, active, or
-        deactivated already: then its peers are told again); see ``deactivation``. A push
-        of the latest plan, decided, is ended first."""
+        """`mlxctl cluster deactivate`: end the standing plan (``Plans.standing``: the
+        newest committed or active, or deactivated already: then its peers are told again;
+        an aborted heal after it is passed over); see ``deactivation``. A push of the
+        latest plan, decided, is ended first."""
         await self._end_decided_push()
         self._claim()
         try:
-            last = self._plans.latest()
+            last = self._plans.standing()
             if last is None or last.decision not in (*RESUMABLE, "deactivated"):
-                what = (f"plan {last.epoch} is {last.decision or 'undecided'}" if last
+                latest = self._plans.latest()
+                what = (f"plan {latest.epoch} is {latest.decision or 'undecided'}" if latest
                         else "no plan was pushed from here")
                 raise NoActivePlan(f"nothing to deactivate: {what}",
                                    hint="mlxctl status shows the last bring-up")

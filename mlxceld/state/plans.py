@@ -126,17 +126,20 @@ class Plans:
         row = self._db.execute("SELECT max(epoch) FROM plans").fetchone()
         return None if row[0] is None else self.get(int(row[0]))
 
-    def resumable(self) -> PlanRow | None:
-        """The plan to resume at start: the newest decided commit, activate or active
-        (``RESUMABLE``) and not ended since. Plans after it that were aborted or never
-        decided (a heal's push that failed, an activate refused by a peer) never took
-        over, so they are passed over; a newer plan that took over and was deactivated
-        (by the operator, or superseded by a heal and then deactivated) ends the search:
-        None."""
+    def standing(self) -> PlanRow | None:
+        """The newest plan that took over: decided commit, activate or active, or
+        deactivated since. Plans after it that were aborted or never decided (a heal's push
+        that failed, an activate refused by a peer) never replaced it, so they are passed
+        over."""
         row = self._db.execute(
             "SELECT epoch FROM plans WHERE decision IN (?, ?, ?, ?) ORDER BY epoch DESC "
             "LIMIT 1", (*RESUMABLE, "deactivated")).fetchone()
-        plan = None if row is None else self.get(int(row[0]))
+        return None if row is None else self.get(int(row[0]))
+
+    def resumable(self) -> PlanRow | None:
+        """The plan to resume at start: the standing plan (``standing``) unless it was
+        deactivated (by the operator, or superseded by a heal): None then."""
+        plan = self.standing()
         return plan if plan is not None and plan.decision in RESUMABLE else None
 
 

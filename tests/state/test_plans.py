@@ -92,6 +92,7 @@ def test_the_plan_to_resume_is_the_newest_that_took_over(tmp_path: Path) -> None
     plan(4, None)  # a push cut short before its decision
     row = plans.resumable()
     assert row is not None and (row.epoch, row.decision) == (2, "active")
+    assert plans.standing() == row  # what `mlxctl cluster deactivate` ends
     latest = plans.latest()
     assert latest is not None and latest.epoch == 4
     plan(5, "activate")  # a heal decided: it took over
@@ -100,3 +101,5 @@ def test_the_plan_to_resume_is_the_newest_that_took_over(tmp_path: Path) -> None
     plans.decide(5, "deactivated")  # and then the operator's deactivate
     plan(6, "abort")
     assert plans.resumable() is None
+    standing = plans.standing()  # deactivated: told again by another deactivate
+    assert standing is not None and (standing.epoch, standing.decision) == (5, "deactivated")
