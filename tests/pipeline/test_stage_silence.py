@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,7 @@ SILENCE_S = 1.0
 SLACK_S = 1.5  # a loaded machine: the loop's timers and this test's polling
 WAIT_S = 60.0  # generous: a worker loading its model on a busy CPU
 RELEASED = "released 1 sequences of 127.0.0.1:"
+RUNS = 3
 
 ROUTER = textwrap.dedent("""
     import asyncio, sys
@@ -43,7 +45,7 @@ ROUTER = textwrap.dedent("""
     from mlxceld.pipeline import protocol as p
     from mlxceld.wire import Keyring, encode_envelope, parse_envelope
 
-    host, port, me, model, secret = sys.argv[1:]
+    host, port, me, model, secret, runs = sys.argv[1:]
     ring = Keyring()
     ring.add(secret.encode())
 
@@ -62,13 +64,14 @@ ROUTER = textwrap.dedent("""
         return stream
 
     async def main():
-        stream = await prepared()
-        print("prepared", flush=True)
-        try:
-            while True:
-                await stream.recv()  # pings answered on the way
-        except ConnectionClosed as exc:
-            print(f"closed: {exc.kind}", flush=True)
+        for _ in range(int(runs)):
+            stream = await prepared()
+            print("prepared", flush=True)
+            try:
+                while True:
+                    await stream.recv()  # pings answered on the way
+            except ConnectionClosed as exc:
+                print(f"closed: {exc.kind}", flush=True)
         stream = await prepared()
         print("prepared again", flush=True)
         await stream.close()
@@ -139,28 +142,30 @@ def test_a_silent_router_loses_its_sequences_and_prepares_again(
 
     router = subprocess.Popen(
         [sys.executable, "-c", ROUTER, "127.0.0.2", str(port), coordinator, identity,
-         SECRET.decode()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         SECRET.decode(), str(RUNS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
     processes.append(router)
     assert router.stdout is not None
-    assert router.stdout.readline().strip() == "prepared", router.stdout.read()
-    wait_for(lambda: stage.stats().get("sequences") == 1, WAIT_S, "the sequence held")
-
-    os.kill(router.pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        wait_for(lambda: RELEASED in stage.log(), WAIT_S, "the stage to free the sequence",
-                 every=0.02)
-        took = time.monotonic() - stopped
-    finally:
-        os.kill(router.pid, signal.SIGCONT)
-    print(f"\nthe stopped router's sequence freed after {took:.2f} s (bound {SILENCE_S:g} s)")
+    took: list[float] = []
+    for run in range(RUNS):
+        assert router.stdout.readline().strip() == "prepared", router.stdout.read()
+        wait_for(lambda: stage.stats().get("sequences") == 1, WAIT_S, "the sequence held")
+        os.kill(router.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_for(lambda run=run: stage.log().count(RELEASED) > run, WAIT_S,
+                     "the stage to free the sequence", every=0.02)
+            took.append(time.monotonic() - stopped)
+            wait_for(lambda: stage.stats().get("sequences") == 0, WAIT_S, "no sequence held")
+        finally:
+            os.kill(router.pid, signal.SIGCONT)
+        # Back: the router's link is gone; it dials again and prepares afresh.
+        assert router.stdout.readline().strip() == "closed: abort"
+    print(f"\nthe stopped router's sequence freed after (bound {SILENCE_S:g} s), {RUNS} "
+          f"runs: p50 {statistics.median(took):.2f} s, max {max(took):.2f} s")
     line = next(x for x in stage.log().splitlines() if RELEASED in x)
     assert "(connection closed (silent): nothing heard for" in line, line
     assert "is silent: nothing heard from 127.0.0.1:" in stage.log()
-    assert took <= SILENCE_S + SLACK_S, took
-    wait_for(lambda: stage.stats().get("sequences") == 0, WAIT_S, "no sequence held")
-
-    # Back: the router's link is gone; it dials again and prepares afresh.
-    assert router.stdout.readline().strip() == "closed: abort"
+    assert all(t <= SILENCE_S + SLACK_S for t in took), took
     assert router.stdout.readline().strip() == "prepared again"
     assert router.wait(timeout=WAIT_S) == 0
