@@ -17,7 +17,9 @@ for ``silence_s``: a dialer stopped (SIGSTOP) or asleep holds no connection here
 that bound. Every dialer of ours reads its agent streams while it holds them, so its
 net shell answers the pings. The stream is read ahead of its handlers (up to
 ``INBOX`` messages), so that a handler that takes a while (a key op telling the
-workers, an offer judged) does not make its peer look silent.
+workers, an offer judged) does not make its peer look silent; a peer that sends more
+than ``INBOX`` requests without waiting for the answers is not read meanwhile, and is
+dropped as silent if that lasts ``silence_s`` (our own dialers ask one at a time).
 
 Refusals go to the security log, rate-limited per class, never one line per socket
 (see ``mlxceld.net.listener``).
