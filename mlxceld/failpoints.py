@@ -74,6 +74,11 @@ a push that ends stalled (``Phase.STALLED``) and is picked up by the peer's
 ``query`` ends in seconds. Either one set to anything but a positive number of
 seconds makes the daemon refuse to start (``ConfigError`` naming it, exit 2).
 
+``MLXCELD_TEST_FOLLOWER_STALL_S`` (seconds, > 0; test only too) replaces
+``control.server.FOLLOWER_STALL_S``, how long a control API stream (``mlxctl events
+-f``) whose reader takes nothing is kept (30 s), so that a test of a stopped follower
+ends in seconds; refused at start as the two above when it is not a positive number.
+
 ``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
 the planner find a plan that does not fit (the fixtures are tiny). Anything but a
@@ -98,6 +103,7 @@ ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
+STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
@@ -131,6 +137,11 @@ def parse_activate_for(environ: Mapping[str, str]) -> float | None:
     return _seconds(environ, ACTIVATE_ENV, "the documented 600 s of re-sent activates")
 
 
+def parse_follower_stall(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_FOLLOWER_STALL_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, STALL_ENV, "the documented 30 s")
+
+
 def parse_memory(environ: Mapping[str, str]) -> int | None:
     """``MLXCELD_TEST_MEMORY_AVAILABLE`` as bytes, None when unset; ``ConfigError`` if bad."""
     raw = environ.get(MEMORY_ENV, "").strip()
@@ -160,6 +171,7 @@ ACTIVE: Final = parse(os.environ)
 PEER_WAIT_S: Final = parse_wait(os.environ)
 ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
+FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 
 
 def on(name: str) -> bool:

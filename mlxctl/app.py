@@ -21,6 +21,7 @@ import typer
 
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
+from mlxceld.errors import ControlError
 from mlxceld.types import WorkerState
 from mlxctl import reading, render
 from mlxctl.cluster import SETTLED, cluster_app
@@ -93,9 +94,19 @@ def events(
             emit(as_json, "events", body,
                  lambda: "\n".join(render.event_line(e) for e in body["events"]) or "no events")
             return
-        async for event in c.follow_events(after=-last):
-            typer.echo(json.dumps({"schema": "mlxctl.event/1", **event}) if as_json
-                       else render.event_line(event))
+        seen: int | None = None
+        try:
+            async for event in c.follow_events(after=-last):
+                seen = event.get("id", seen)
+                typer.echo(json.dumps({"schema": "mlxctl.event/1", **event}) if as_json
+                           else render.event_line(event))
+        except ControlError as exc:  # the stream broke off: the daemon stops, or cut us
+            raise ControlError(
+                "the event stream ended" + (f" after event {seen}" if seen else "")
+                + f": {exc.message}", code=exc.code,
+                hint="the daemon disconnects a follower that reads nothing for 30 s (and "
+                "ends every stream when it stops); run mlxctl events -f again, with -n N "
+                "for the events missed meanwhile") from exc
 
     call(socket_path(ctx, socket), as_json, job)
 

@@ -41,6 +41,14 @@ def test_the_activate_bound_must_be_positive_seconds() -> None:
         assert "600 s" in info.value.hint
 
 
+def test_the_follower_stall_must_be_positive_seconds() -> None:
+    assert failpoints.parse_follower_stall({}) is None
+    assert failpoints.parse_follower_stall({failpoints.STALL_ENV: "2"}) == 2.0
+    with pytest.raises(ConfigError, match="MLXCELD_TEST_FOLLOWER_STALL_S='0' is not") as info:
+        failpoints.parse_follower_stall({failpoints.STALL_ENV: "0"})
+    assert "30 s" in info.value.hint
+
+
 def test_the_memory_cap_must_be_positive_bytes() -> None:
     assert failpoints.parse_memory({}) is None
     assert failpoints.parse_memory({failpoints.MEMORY_ENV: " 604000000 "}) == 604_000_000

@@ -4,11 +4,12 @@
 ``mlxctl cluster plan`` (``plan``), ``mlxctl cluster activate`` (``activate``)
 and ``mlxctl cluster deactivate`` (``deactivate``, ``deactivation.py``) run here.
 
-At the daemon's start (``start``) the latest plan is resumed when it was
-committed or active, whatever the flags and the config file say now, so that
-a coordinator run by a service manager serves its plan again after a restart
-without planning again or reloading the peers' weights: a plan decided
-``active`` is served as it is, one decided ``commit`` or ``activate`` is pushed
+At the daemon's start (``start``) the newest plan that took over is resumed when it
+was committed or active (``Plans.resumable``: a newer plan that was aborted or never
+decided, such as a heal's push that failed, is passed over), whatever the flags and
+the config file say now, so that a coordinator run by a service manager serves its
+plan again after a restart without planning again or reloading the peers' weights: a
+plan decided ``active`` is served as it is, one decided ``commit`` or ``activate`` is pushed
 on until every peer is active (``assignment.resume_push``). A plan that was
 deactivated is not resumed. Only without a plan to resume does ``pp_auto``
 plan and push a new one. When the config now names another model, or
@@ -76,6 +77,7 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.identity import model_identity
 from mlxceld.state import EventLog
+from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
 from mlxceld.state.plans import PlanRow, Plans
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
@@ -85,7 +87,7 @@ log = logging.getLogger(__name__)
 DRY_RUN_WAIT_S: Final = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
 PP_AUTO_WAIT_S: Final = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
 POLL_S: Final = 1.0  # between two polls of the candidates while waiting for peers
-RESUMABLE: Final = ("commit", "activate", "active")  # a plan decided so is resumed at start
+RESUMABLE: Final = PLAN_RESUMABLE  # a plan decided so is resumed at start (Plans.resumable)
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,14 @@ class Coordinator:
         """At the daemon's start, in the background: resume the latest plan if it is
         committed or active; else with ``n`` (pp_auto) ``bring_up`` one of ``model``.
         ``configured_model``: the model the flags or the config file name, if any."""
-        last = self._plans.latest()
-        if last is not None and last.decision in RESUMABLE:
+        last, resumable = self._plans.latest(), self._plans.resumable()
+        if resumable is not None:
+            if last is not None and last.epoch != resumable.epoch:
+                log.info("plan %d (%s) never took over; plan %d (%s) is resumed", last.epoch,
+                         last.decision or "undecided", resumable.epoch, resumable.decision)
             self._claim()
             self._task = self._tasks.create_task(
-                self._resume_at_start(last, n, configured_model))
+                self._resume_at_start(resumable, n, configured_model))
         elif n is not None and model is not None:
             self._task = self._tasks.create_task(self.bring_up(n, model))
         elif last is not None and last.decision == "deactivated":
@@ -340,15 +345,17 @@ class Coordinator:
             self._busy = False
 
     async def deactivate(self) -> JSON:
-        """`mlxctl cluster deactivate`: end the latest plan (committed, active, or
-        deactivated already: then its peers are told again); see ``deactivation``. A push
-        of the latest plan, decided, is ended first."""
+        """`mlxctl cluster deactivate`: end the standing plan (``Plans.standing``: the
+        newest committed or active, or deactivated already: then its peers are told again;
+        an aborted heal after it is passed over); see ``deactivation``. A push of the
+        latest plan, decided, is ended first."""
         await self._end_decided_push()
         self._claim()
         try:
-            last = self._plans.latest()
+            last = self._plans.standing()
             if last is None or last.decision not in (*RESUMABLE, "deactivated"):
-                what = (f"plan {last.epoch} is {last.decision or 'undecided'}" if last
+                latest = self._plans.latest()
+                what = (f"plan {latest.epoch} is {latest.decision or 'undecided'}" if latest
                         else "no plan was pushed from here")
                 raise NoActivePlan(f"nothing to deactivate: {what}",
                                    hint="mlxctl status shows the last bring-up")

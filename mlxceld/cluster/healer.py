@@ -33,8 +33,9 @@ is decided, then it ends the push and takes over, as for any bring-up.
 
 Bounds: a look is dict reads; the poll at most 10 s (``DiscoveryService.refresh``); the
 push as any bring-up's (``coordinator_round.PUSH_S``, then ``ACTIVATE_FOR_S``); a fence
-``deactivation.CONNECT_S`` + ``ANSWER_S``, tried again at each look while the host is
-alive and has not answered.
+``deactivation.CONNECT_S`` + ``ANSWER_S``, tried again while the host is alive and has
+not answered, after a backoff (``healing.FENCE_RETRY_S`` doubled up to
+``FENCE_RETRY_MAX_S``: 1, 2, 4, ... 30 s).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Healer:
 
     async def _look(self, tg: asyncio.TaskGroup) -> None:
         view = self._view()
-        for address, epoch in self._healing.to_fence(view):
+        for address, epoch in self._healing.to_fence(view, time.time()):
             if address not in self._fencing:
                 self._fencing.add(address)
                 tg.create_task(self._guarded(f"fencing {address}", self._fence(address, epoch)))
@@ -224,6 +225,11 @@ class Healer:
                 self._events.append("heal.fenced", "cluster", message, peer=address,
                                     epoch=epoch, outcome=state)
             else:
-                log.info("self-healing: %s not fenced yet (%s: %s)", address, state, reason)
+                wait = self._healing.fence_failed(address, time.time())
+                log.info("self-healing: %s not fenced yet (%s: %s); tried again in %g s",
+                         address, state, reason, wait)
+        except Exception:  # a bug: logged by _guarded, and the fence backs off all the same
+            self._healing.fence_failed(address, time.time())
+            raise
         finally:
             self._fencing.discard(address)

@@ -22,15 +22,22 @@ Once a plan ``E + 1`` replaced ``E``, each host of ``E`` left out of ``E + 1`` s
 runs ``E``'s stage, or will once it is awake again: it is to be fenced (``to_fence``),
 i.e. told that ``E`` is over, as soon as the detector holds it alive, until it
 answered (``fenced``). It is a candidate like any other for the next plan, and is not
-pulled into the running one.
+pulled into the running one. A fence that did not get through (``fence_failed``: the host
+alive to the detector, yet its agent did not answer the deactivation) is tried again
+after a backoff, ``FENCE_RETRY_S`` (1 s) doubled at each failure up to
+``FENCE_RETRY_MAX_S`` (30 s), not at every look; a fence that gets through forgets it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from mlxceld.state.liveness import LivenessState
+
+FENCE_RETRY_S: Final = 1.0  # the wait after a fence's first failure, doubled at each next
+FENCE_RETRY_MAX_S: Final = 30.0  # the longest wait between two tries of a fence
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ class Healing:
     heal_after_s: float
     _blocked: _Blocked | None = None
     _fence: dict[str, int] = field(default_factory=dict)  # address -> the epoch it runs
+    # address -> (the time of its next try, the wait after its last failure)
+    _fence_retry: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -142,14 +151,25 @@ class Healing:
                 self._fence[peer] = old_epoch
         for peer in new_peers:  # a host of the new plan runs the new plan's stage
             self._fence.pop(peer, None)
+            self._fence_retry.pop(peer, None)
 
-    def to_fence(self, view: View) -> list[tuple[str, int]]:
-        """Superseded hosts alive now, each with the epoch to end there."""
+    def to_fence(self, view: View, now: float) -> list[tuple[str, int]]:
+        """Superseded hosts alive now and due (past their backoff), each with the epoch to
+        end there."""
         return [(a, e) for a, e in sorted(self._fence.items())
-                if view.liveness.get(a, ("unknown", 0.0))[0] == "alive"]
+                if view.liveness.get(a, ("unknown", 0.0))[0] == "alive"
+                and self._fence_retry.get(a, (now, 0.0))[0] <= now]
 
     def fenced(self, address: str) -> None:
         self._fence.pop(address, None)
+        self._fence_retry.pop(address, None)
+
+    def fence_failed(self, address: str, now: float) -> float:
+        """A fence of ``address`` did not get through: the seconds until its next try."""
+        last = self._fence_retry.get(address, (now, 0.0))[1]
+        wait = min(FENCE_RETRY_MAX_S, last * 2) if last else FENCE_RETRY_S
+        self._fence_retry[address] = (now + wait, wait)
+        return wait
 
     def unfenced(self) -> dict[str, int]:
         return dict(self._fence)

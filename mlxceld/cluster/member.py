@@ -25,7 +25,7 @@ from typing import Protocol
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.push import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
-from mlxceld.cluster.coordinator import RESUMABLE, Coordinator, CoordinatorSlot
+from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
 from mlxceld.cluster.rotation import KeyOps, Rotator, serve_key_ops
@@ -160,10 +160,10 @@ class ClusterMember:
         if not self.may_coordinate():
             return ()
         served = self._coordinator.serving if self._coordinator else None
-        if served is not None:  # a heal that did not end active leaves it the latest
+        if served is not None:  # a heal that did not end active leaves it the newest
             return served.peers
-        last = self._plans.latest()
-        return last.peers if last is not None and last.decision in RESUMABLE else ()
+        last = self._plans.resumable()
+        return last.peers if last is not None else ()
 
     def _watched(self) -> list[str]:
         """Whom the heartbeats watch: the candidates and the active plan's peers."""
@@ -253,9 +253,9 @@ class ClusterMember:
         return not self._slot.config.pp_peer and self._slot.config.distributed_config is None
 
     def resumes_a_plan(self) -> bool:
-        """Whether the latest plan is to be resumed at start (``coordinator.RESUMABLE``)."""
-        last = self._plans.latest()
-        if last is None or last.decision not in RESUMABLE:
+        """Whether a plan is to be resumed at start (``Plans.resumable``)."""
+        last = self._plans.resumable()
+        if last is None:
             return False
         if self.may_coordinate():
             return True
@@ -278,7 +278,9 @@ class ClusterMember:
         if self.agent is not None or self._slot.stopping:
             return
         slot = self._slot
-        agent = AgentService(self._agent_addr, self._keyring)
+        # A connected peer silent for the detector's suspect bound is dropped (net/agent.py).
+        agent = AgentService(self._agent_addr, self._keyring,
+                             silence_s=slot.config.liveness.suspect_after_s)
         serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports,
                         keyring=self._keyring)
         serve_queries(agent, self._plans, asked=self._peer_asked)

@@ -6,9 +6,11 @@ Every member pings each peer it knows (discovery's candidates and the peers of i
 active plan) over the agent connection (MXCL channel 3) every ``peer_ping_interval_s``
 (default 1 s). A peer that has not answered for ``peer_suspect_after_s`` (default 3 s) is
 ``suspect``; for ``peer_dead_after_s`` (default 10 s), ``dead``. Any answer makes it
-``alive`` again (``mlxceld/discovery/detector.py``). The rules: each a number of seconds
-in (0, 3600], and ``ping interval < suspect after < dead after``, so that at least one
-ping can be answered before a peer is suspected.
+``alive`` again (``mlxceld/discovery/detector.py``). ``peer_suspect_after_s`` is also
+the agent listener's silence bound: a connected peer that sends nothing, not even a pong
+to its pings, for that long has its connection dropped (``mlxceld/net/agent.py``).
+The rules: each a number of seconds in (0, 3600], and ``ping interval < suspect after <
+dead after``, so that at least one ping can be answered before a peer is suspected.
 """
 
 from __future__ import annotations

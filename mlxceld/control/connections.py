@@ -23,7 +23,14 @@ A peer can stall us in four ways, and each has its bound (``ConnectionLimits``):
   head; else 408 (or a plain close once the response has begun);
 - **a large head** (``MAX_HEAD_BYTES``, ``MAX_HEADER_LINE_BYTES``, ``MAX_HEADERS``):
   431; ``Content-Length`` with ``Transfer-Encoding`` (a smuggling vector, RFC 9112
-  section 6.3): 400.
+  section 6.3): 400;
+- **a reader that takes nothing** (``write_stall_s``; off unless a listener sets it,
+  as the control socket does): a response the peer takes nothing of for this long,
+  the transport's buffers full (its reader stopped: a suspended ``mlxctl events -f``),
+  has its connection aborted and logged once per burst. Its request is in the app,
+  so the cap would never close it: without this bound, stopped followers would hold
+  the listener's connections for ever. A reader that is slow but reads resumes the
+  writes now and then, and is never closed for it.
 
 Refusals are written by the protocol (``guarded.py``) in the server's own error
 shape (``Refusal`` rendered by the server's ``render``), and logged once per burst
@@ -58,9 +65,11 @@ class ConnectionLimits:
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    write_stall_s: float | None = None  # None: a reader may take nothing for ever
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
+        if (self.max_connections < 1 or self.header_timeout_s <= 0 or self.body_timeout_s <= 0
+                or (self.write_stall_s is not None and self.write_stall_s <= 0)):
             raise ValueError(f"connection limits must be positive, not {self}")
 
 

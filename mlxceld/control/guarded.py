@@ -10,6 +10,9 @@ a large head is taken whenever it arrives in one read. Two additions close that:
   ``Refusal`` too. The protocol answers a refusal in the server's error shape, and
   ``next_event`` then returns ``h11.PAUSED``, on which uvicorn stops asking for events
   (else it would answer a plain-text 400 and log a warning for every bad request);
+- a write deadline (``write_stall_s``, when set): armed when the transport pauses our
+  writes (its buffers are full) and disarmed when it resumes them; at the deadline the
+  connection is aborted;
 - one deadline per connection, set from h11's state of the client after every turn:
   ``IDLE`` (a head is awaited) arms the header deadline, ``SEND_BODY`` the body
   deadline, and anything else (the app has the request) none. The deadline is armed
@@ -92,6 +95,7 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._answered = 0  # responses completed on this connection
         self._lingering = False
+        self._stalled: asyncio.TimerHandle | None = None  # the write_stall_s deadline
 
     # -- uvicorn's protocol, followed --------------------------------------------------------
 
@@ -102,6 +106,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         self.guard.forget(self)
         super().connection_lost(exc)
 
@@ -110,6 +115,17 @@ class GuardedH11Protocol(H11Protocol):
             return
         super().data_received(data)
         self._follow()
+
+    def pause_writing(self) -> None:
+        """The transport's buffers are full: the reader has ``write_stall_s`` to take some."""
+        super().pause_writing()
+        stall = self.guard.limits.write_stall_s
+        if stall is not None and self._stalled is None:
+            self._stalled = self.loop.call_later(stall, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
 
     def on_response_complete(self) -> None:
         self._answered += 1
@@ -217,6 +233,24 @@ class GuardedH11Protocol(H11Protocol):
         self.refuse(Refusal(408, "request_timeout", f"the request's body did not arrive "
                             f"within {timeout:g} s of its head", "send the whole body at once, "
                             "and no less than its Content-Length"))
+
+    def _unstall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _write_stalled(self) -> None:
+        """The reader took nothing for ``write_stall_s``: abort (nothing more can reach it;
+        the app's stream sees the client gone and ends)."""
+        self._stalled = None
+        self.guard.late.note("%s closed a connection that took nothing of its response for "
+                             "%.0f s: its reader stopped reading (%s)", self.guard.what,
+                             self.guard.limits.write_stall_s or 0.0, self._peer())
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.abort()
 
     # -- closing -----------------------------------------------------------------------------
 

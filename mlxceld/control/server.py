@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -39,6 +40,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mlxceld import failpoints
 from mlxceld.control.access import DEFAULT_DENIED_HINT, OperatorGroup, join_hint
 from mlxceld.control.bursts import Burst
 from mlxceld.control.connections import (
@@ -62,8 +64,10 @@ SOCKET_PATH_LIMIT = 107 if sys.platform.startswith("linux") else 103
 _BACKLOG = 128
 _PROBE_TIMEOUT_S = 1.0
 # mlxctl sends a request at once and reads its answer; a stream (logs -f) is one request.
+# A follower that reads nothing for FOLLOWER_STALL_S (its buffers full) is disconnected.
+FOLLOWER_STALL_S: Final = failpoints.FOLLOWER_STALL_S or 30.0
 CONTROL_LIMITS: Final = ConnectionLimits(max_connections=128, header_timeout_s=10.0,
-                                         body_timeout_s=30.0)
+                                         body_timeout_s=30.0, write_stall_s=FOLLOWER_STALL_S)
 _ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's words
 
 
@@ -324,8 +328,8 @@ class SocketServer:
         protocol: type[GuardedH11Protocol] = GuardedH11Protocol, backlog: int = _BACKLOG,
     ) -> None:
         self._sock = sock
-        capped = ConnectionLimits(connection_cap(limits.max_connections, what, ACCEPT_BATCH),
-                                  limits.header_timeout_s, limits.body_timeout_s)
+        capped = dataclasses.replace(
+            limits, max_connections=connection_cap(limits.max_connections, what, ACCEPT_BATCH))
         self.guard = Guard(capped, render, what)
         self._accept_failures = Burst(logger, logging.ERROR, "failed accepts")
         config = uvicorn.Config(

@@ -11,8 +11,12 @@ is waited for: uvicorn stops our writes while the socket's buffers are full (its
 control), so what a slow or stopped reader costs the daemon is those buffers and one
 batch, however far behind it falls; nothing is dropped for it, and it catches up from
 the table when it reads again (the table keeps ``KEEP_EVENTS``, trimmed only at a
-start, when every stream has ended). A reader that goes away ends its stream at the
-next write or heartbeat.
+start, when every stream has ended). A reader that takes nothing at all for
+``server.FOLLOWER_STALL_S`` (30 s) while the buffers are full is disconnected (the
+control socket's ``write_stall_s``, ``connections.py``; logged once per burst), so that
+stopped followers never hold the socket's connections: its client reports the stream
+ended, and `mlxctl events -f` started again catches up from the table. A reader that
+goes away ends its stream at the next write or heartbeat.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ process, a host asleep: the socket stays open, nothing answers) stalls nobody el
    and the wait together within ``peer_suspect_after_s`` (a send blocked on a full
    socket buffer counts). A pong is an answer; a time-out, a closed stream or a wrong
    answer is a failure, the stream is dropped (no close frame: the peer may not read
-   it) and dialled again at once.
+   it) and dialled again at once. The stream is read all along, between pings too:
+   the peer's agent listener pings back a dialer that sends nothing for a while
+   (``net/agent.py``), and our net shell answers it on the way.
 
 The detector decides the state from the answers and the clock. Each transition is
 written to the ``liveness`` table (state, since, reason, the last answer), appended
@@ -188,13 +190,18 @@ class Heartbeats:
             self._failed(address, f"dial: {exc.kind}: {exc.message}")
             return
         loop = asyncio.get_running_loop()
+        pongs = _Pongs()
+        # Not a task group: it would wrap the reader's ConnectionClosed in an ExceptionGroup;
+        # the reader hands its end to ``pongs`` and is cancelled below.
+        reader = asyncio.ensure_future(pongs.read(stream))
         try:
             ident = 0
             while True:
                 ident += 1
                 sent = loop.time()
                 async with asyncio.timeout(t.suspect_after_s):
-                    await _ping(stream, ident)
+                    await stream.send(encode_envelope({"t": "ping", "id": ident}))
+                    await pongs.wait(ident)
                 self._answered(address)
                 await asyncio.sleep(max(sent + t.ping_interval_s - loop.time(), 0.0))
         except TimeoutError:
@@ -204,15 +211,39 @@ class Heartbeats:
         except (EnvelopeError, ValueError) as exc:
             self._failed(address, f"bad answer to a ping: {exc}")
         finally:
+            reader.cancel()
             await stream.abort()
+            await asyncio.wait({reader})
 
 
-async def _ping(stream: MxclStream, ident: int) -> None:
-    """Send ping ``ident`` and read until its pong. ``ValueError`` for an error answer."""
-    await stream.send(encode_envelope({"t": "ping", "id": ident}))
-    while True:
-        answer = parse_envelope(await stream.recv(), _PONG)
-        if answer.type == "error":
-            raise ValueError(str(answer.header.get("reason"))[:200])
-        if answer.header.get("id") == ident:
-            return
+class _Pongs:
+    """The pongs one heartbeat stream brought, read as they come (``read``)."""
+
+    def __init__(self) -> None:
+        self.latest = 0  # the highest pong id heard
+        self.error: Exception | None = None  # how the stream ended, once it did
+        self._changed = asyncio.Event()
+
+    async def read(self, stream: MxclStream) -> None:
+        """Read ``stream`` until it ends (its pings answered on the way); ``ValueError``
+        for an error answer."""
+        try:
+            while True:
+                answer = parse_envelope(await stream.recv(), _PONG)
+                if answer.type == "error":
+                    raise ValueError(str(answer.header.get("reason"))[:200])
+                ident = answer.header.get("id")
+                if type(ident) is int:
+                    self.latest = max(self.latest, ident)
+                    self._changed.set()
+        except (ConnectionClosed, EnvelopeError, ValueError) as exc:
+            self.error = exc
+            self._changed.set()
+
+    async def wait(self, ident: int) -> None:
+        """Until pong ``ident`` came; the stream's end (``ConnectionClosed``, ...) if first."""
+        while self.latest < ident:
+            if self.error is not None:
+                raise self.error
+            self._changed.clear()
+            await self._changed.wait()

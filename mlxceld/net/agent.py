@@ -9,6 +9,18 @@ sends its own answers. A type with no handler on the stream's channel, or a
 malformed envelope, gets ``{"t": "error", "reason": ...}`` and the stream stays
 open.
 
+Liveness: every accepted stream has a heartbeat (``net/liveness.watch``) with the bound
+``silence_s`` (the daemon passes ``[daemon] peer_suspect_after_s``, default 3 s): the
+listener pings a peer that sends nothing for a third of it, and drops the connection
+(logged once, its slot freed) when the peer has sent nothing at all, not even a pong,
+for ``silence_s``: a dialer stopped (SIGSTOP) or asleep holds no connection here past
+that bound. Every dialer of ours reads its agent streams while it holds them, so its
+net shell answers the pings. The stream is read ahead of its handlers (up to
+``INBOX`` messages), so that a handler that takes a while (a key op telling the
+workers, an offer judged) does not make its peer look silent; a peer that sends more
+than ``INBOX`` requests without waiting for the answers is not read meanwhile, and is
+dropped as silent if that lasts ``silence_s`` (our own dialers ask one at a time).
+
 Refusals go to the security log, rate-limited per class, never one line per socket
 (see ``mlxceld.net.listener``).
 """
@@ -18,8 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Final
 
 from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
+from mlxceld.net.liveness import watch
+from mlxceld.tasks import cancelling_group
+from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Keyring
 from mlxceld.wire.address import format_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
@@ -29,11 +45,16 @@ log = logging.getLogger(__name__)
 
 AGENT_CHANNELS = {2, 3}
 AgentHandler = Callable[[MxclStream, Envelope], Awaitable[None]]
+INBOX: Final = 16  # messages read ahead of their handler on one stream
 
 
 class AgentService:
     def __init__(self, addr: tuple[str, int], keyring: Keyring,
-                 seclog: SecurityLog | None = None) -> None:
+                 seclog: SecurityLog | None = None, *,
+                 silence_s: float = DEFAULT_SILENCE_S) -> None:
+        """``silence_s``: how long a connected peer may send nothing before its connection
+        is dropped (see the module docstring)."""
+        self.silence_s = silence_s
         self._seclog = seclog or SecurityLog()
         self._specs: dict[int, dict[str, MessageSpec]] = {c: {} for c in AGENT_CHANNELS}
         self._handlers: dict[tuple[int, str], AgentHandler] = {}
@@ -51,6 +72,11 @@ class AgentService:
     @property
     def host(self) -> str:
         return self._listener.host
+
+    @property
+    def established(self) -> int:
+        """Authenticated connections open now."""
+        return self._listener.established
 
     def add_handler(self, channel: int, kind: str, handler: AgentHandler,
                     spec: MessageSpec | None = None) -> None:
@@ -71,9 +97,16 @@ class AgentService:
         await self._listener.aclose()
 
     async def _serve_stream(self, stream: MxclStream) -> None:
+        inbox: asyncio.Queue[bytes | None] = asyncio.Queue(INBOX)
+        async with cancelling_group() as tg:
+            tg.create_task(watch(stream, self.silence_s, f"agent peer {stream.peer_identity}"))
+            tg.create_task(_read_ahead(stream, inbox))
+            await self._dispatch(stream, inbox)
+
+    async def _dispatch(self, stream: MxclStream, inbox: asyncio.Queue[bytes | None]) -> None:
+        """Each message read, to its handler in turn, until the stream ends."""
         try:
-            while True:
-                payload = await stream.recv()
+            while (payload := await inbox.get()) is not None:
                 try:
                     message = parse_envelope(payload, self._specs[stream.channel])
                 except EnvelopeError as exc:
@@ -83,3 +116,12 @@ class AgentService:
                 await self._handlers[(stream.channel, message.type)](stream, message)
         except ConnectionClosed:
             return
+
+
+async def _read_ahead(stream: MxclStream, inbox: asyncio.Queue[bytes | None]) -> None:
+    """Read ``stream`` (its pings answered on the way) into ``inbox``; ``None`` at its end."""
+    try:
+        while True:
+            await inbox.put(await stream.recv())
+    except ConnectionClosed:
+        await inbox.put(None)

@@ -12,7 +12,12 @@ short a time delays nothing that matters. Prefill chunks always go to the
 compute thread, so the loop keeps answering while a long prompt runs.
 
 Each sequence keeps its own KV cache until it is released, its owner's
-connection closes, or the stage stops. The last stage continues each sequence
+connection closes, or the stage stops. Every accepted connection has a heartbeat
+(``silence_s``, ``mlxceld.net.liveness.watch``): a router (or upstream stage) that
+sends nothing, not even a pong to the stage's pings, for ``silence_s`` (stopped,
+asleep, off the network: no RST ever comes) has its connection dropped and its
+sequences freed at once, logged with the reason; the router re-dials and prepares
+afresh as after any lost link. The last stage continues each sequence
 it samples for: it sends the token to the owner and, unless the token ends the
 sequence or ``max_tokens`` are reached, to the first stage as the next step
 (``next``), so decode steps go round the stages without the coordinator.
@@ -53,6 +58,7 @@ from typing import Any, Final
 from mlxceld.engine.base import SamplingParams
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.net.errors import NetError
+from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.compute import SeqState, StageModelLike, Step, plan, run_group
@@ -137,6 +143,7 @@ class StageService:
         me = parse_address(place.address)
         self._down = _redialer(place.downstream, keyring, me, "next stage", silence_s)
         self._ring = _redialer(place.first, keyring, me, "first stage", silence_s)
+        self._silence_s = silence_s
         self._resolver = Resolver()  # the configured peers' host names
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self._inline = False  # the last decode step was short: run the next one inline
@@ -194,6 +201,11 @@ class StageService:
         from_upstream = await is_node(self._place.upstream, bound)
         from_last = await is_node(self._place.last, bound)
         attached = False
+        # Not a task group: the loop below is the handler; the heartbeat ends the stream of
+        # a silent peer (recv then raises) and is cancelled with it.
+        heartbeat = asyncio.ensure_future(watch(stream, self._silence_s,
+                                                f"stage {self._place.node_id}'s peer {who}"))
+        ended = "connection ended"
         try:
             while True:
                 payload = await stream.recv()
@@ -228,10 +240,11 @@ class StageService:
                         await self._command(stream, who, env)
                 except p.ProtocolViolation as exc:
                     await self._refuse(stream, exc, env)
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as exc:
+            ended = str(exc)  # "connection closed (silent): nothing heard for ..."
         finally:
-            self._forget_connection(stream)
+            heartbeat.cancel()
+            self._forget_connection(stream, ended)
 
     async def _refuse(self, stream: MxclStream, exc: p.ProtocolViolation,
                       env: Envelope | None) -> None:
@@ -244,13 +257,13 @@ class StageService:
         await _send_quietly(stream, encode_envelope(p.error_header(exc.code, exc.message,
                                                                    seq, step)))
 
-    def _forget_connection(self, stream: MxclStream) -> None:
+    def _forget_connection(self, stream: MxclStream, why: str) -> None:
         """Sequences whose owner's connection ended are released: nobody can use them."""
         gone = [s for s, seq in self._seqs.items() if seq.stream is stream]
         for s in gone:
             self._forget(s)
         if gone:
-            log.info("released %d sequences of %s (connection ended)", len(gone), stream.peer)
+            log.info("released %d sequences of %s (%s)", len(gone), stream.peer, why)
 
     # -- commands -----------------------------------------------------------------------
 

@@ -171,7 +171,8 @@ class StageOptions:
     model_identity: str
     cluster: str
     standby: bool = False  # loaded and listening; serves once activated
-    # The heartbeat's bound on its links to the next and the first stage (net/liveness.py).
+    # The heartbeat's bound on its links to the next and the first stage, and on the
+    # connections it accepts (net/liveness.py).
     silence_s: float = DEFAULT_SILENCE_S
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ _V5_DECISIONS = ("commit", "activate", "active", "abort")
 _V5_STATES = ("preparing", "accepted", "refused", "committed", "active", "aborted")
 PLAN_DECISIONS = (*_V5_DECISIONS, "deactivated")
 PEER_STATES = (*_V5_STATES, "deactivated")
+RESUMABLE = ("commit", "activate", "active")  # a plan decided so is resumed at start
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,22 @@ class Plans:
     def latest(self) -> PlanRow | None:
         row = self._db.execute("SELECT max(epoch) FROM plans").fetchone()
         return None if row[0] is None else self.get(int(row[0]))
+
+    def standing(self) -> PlanRow | None:
+        """The newest plan that took over: decided commit, activate or active, or
+        deactivated since. Plans after it that were aborted or never decided (a heal's push
+        that failed, an activate refused by a peer) never replaced it, so they are passed
+        over."""
+        row = self._db.execute(
+            "SELECT epoch FROM plans WHERE decision IN (?, ?, ?, ?) ORDER BY epoch DESC "
+            "LIMIT 1", (*RESUMABLE, "deactivated")).fetchone()
+        return None if row is None else self.get(int(row[0]))
+
+    def resumable(self) -> PlanRow | None:
+        """The plan to resume at start: the standing plan (``standing``) unless it was
+        deactivated (by the operator, or superseded by a heal): None then."""
+        plan = self.standing()
+        return plan if plan is not None and plan.decision in RESUMABLE else None
 
 
 class Assignments:

@@ -7,8 +7,8 @@ of 2+ stages: where decoding continues), last (on the first of 2+ stages: who
 sends ``next``) (addresses or null), model_identity, cluster, standby (a
 stage prepared by a two-phase assignment: loaded and listening, refusing
 coordinators until the control channel's ``activate`` op switches it on), and
-silence_s (the heartbeat's bound on its links to other stages, ``[serve]
-stage_silence_s``). The
+silence_s (the heartbeat's bound on its links to other stages and on the
+connections it accepts, ``[serve] stage_silence_s``). The
 cluster secret arrives on the bootstrap pipe; a stage without one refuses to start.
 
 Its health answer carries its progress (steps, the last step's time, whether it

@@ -3,10 +3,19 @@ first, a refusal held until the hosts alive change, a failure retried, fencing."
 
 from __future__ import annotations
 
-from mlxceld.cluster.healing import Heal, Healing, Held, Idle, View, Waiting
+from mlxceld.cluster.healing import (
+    FENCE_RETRY_MAX_S,
+    FENCE_RETRY_S,
+    Heal,
+    Healing,
+    Held,
+    Idle,
+    View,
+    Waiting,
+)
 from mlxceld.state.liveness import LivenessState
 
-B, C, D = "127.0.0.2:19000", "127.0.0.3:19000", "127.0.0.4:19000"
+B, C, D, E = "127.0.0.2:19000", "127.0.0.3:19000", "127.0.0.4:19000", "127.0.0.5:19000"
 GRACE = 60.0
 
 
@@ -15,7 +24,7 @@ def view(states: dict[str, tuple[LivenessState, float]], *, epoch: int | None = 
     return View(epoch, peers if epoch else (), states, frozenset({B, C, D}), busy=busy)
 
 
-UP = {B: ("alive", 0.0), C: ("alive", 0.0), D: ("alive", 0.0)}
+UP = {B: ("alive", 0.0), C: ("alive", 0.0), D: ("alive", 0.0), E: ("alive", 0.0)}
 B_DEAD = {**UP, B: ("dead", 100.0)}
 
 
@@ -81,13 +90,35 @@ def test_the_host_left_out_is_fenced_once_alive_not_pulled_in() -> None:
     h.healed(7, (B, C), (C, D))
     assert h.unfenced() == {B: 7}
     new = view(B_DEAD, epoch=8, peers=(C, D))
-    assert h.to_fence(new) == []  # still dead: nobody to tell
+    assert h.to_fence(new, 0.0) == []  # still dead: nobody to tell
     assert isinstance(h.decide(new, 1e9), Idle)  # plan 8's hosts are up: B is not needed
     back = view(UP, epoch=8, peers=(C, D))
-    assert h.to_fence(back) == [(B, 7)]
+    assert h.to_fence(back, 0.0) == [(B, 7)]
     assert isinstance(h.decide(back, 1e9), Idle)  # back: a candidate, not pulled in
     h.fenced(B)
-    assert h.to_fence(back) == [] and h.unfenced() == {}
+    assert h.to_fence(back, 0.0) == [] and h.unfenced() == {}
     # a host of the new plan is never fenced for the old one
     h.healed(8, (C, D), (B, C))
     assert h.unfenced() == {D: 8}
+
+
+def test_a_fence_that_fails_backs_off_up_to_its_bound() -> None:
+    h = Healing(GRACE)
+    h.healed(7, (B, C), (C, D))
+    back = view(UP, epoch=8, peers=(C, D))
+    now, waits = 100.0, []
+    for _ in range(8):
+        assert h.to_fence(back, now) == [(B, 7)]
+        wait = h.fence_failed(B, now)
+        waits.append(wait)
+        assert h.to_fence(back, now + wait - 0.01) == []  # not before its time
+        now += wait
+    assert waits == [FENCE_RETRY_S, 2, 4, 8, 16, FENCE_RETRY_MAX_S, FENCE_RETRY_MAX_S,
+                     FENCE_RETRY_MAX_S]
+    h.fenced(B)  # it got through: nothing left, the backoff forgotten
+    assert h.to_fence(back, now) == [] and h.unfenced() == {}
+    h.healed(8, (C, D), (C, E))
+    h.fence_failed(D, now)
+    h.healed(9, (C, E), (D, E))  # D is in the new plan: never fenced, its backoff dropped
+    assert h.unfenced() == {C: 9} and h.to_fence(view(UP, epoch=9, peers=(D, E)), now) == [
+        (C, 9)]

@@ -87,6 +87,27 @@ def test_a_matching_config_resumes_quietly_on_its_own_model_path(
     assert [e.kind for e in events.since(0)] == ["bringup.active"]
 
 
+def test_an_aborted_heal_after_an_active_plan_resumes_the_active_plan(
+        tmp_path: Path, split_fixture_dir: Path) -> None:
+    """A heal's push that aborted is the newest plan, yet it never took over: the active
+    plan before it is served again, not nothing."""
+    llama = split_fixture_dir / "llama"
+
+    async def go() -> tuple[Coordinator, Slot]:
+        async with asyncio.TaskGroup() as tg:
+            c, slot, _ = coordinator(tg, tmp_path, llama, "active")
+            plans = Plans(open_db(tmp_path / "state.db"))
+            plans.create(8, "c", model_identity(llama), PEERS[:1], "")
+            plans.decide(8, "abort", "stage-0: refused")
+            c.start(None, None, configured_model=None)
+        return c, slot
+
+    c, slot = asyncio.run(go())
+    assert [p.model for p in slot.served] == [llama]
+    state = c.state or {}
+    assert (state["state"], state["epoch"]) == ("active", 7), state
+
+
 def test_a_deactivated_plan_is_not_resumed(tmp_path: Path, split_fixture_dir: Path) -> None:
     c, slot, events = asyncio.run(start(tmp_path, split_fixture_dir / "llama", "deactivated",
                                          None, None))

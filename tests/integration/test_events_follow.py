@@ -159,3 +159,63 @@ def test_a_follower_that_stops_reading_costs_buffers_only_and_loses_nothing(
                     if event["kind"] == "test.bulk":
                         ids.append(event["id"])
     assert ids == list(range(first, first + STALLED_EVENTS))
+
+
+STALL_S = 2.0  # the daemon's follower stall bound in this test (30 s by default)
+STALL_EVENTS = 2_000  # 4 MiB of lines: far above the socket's and the transport's buffers
+STALL_LINE = "closed a connection that took nothing of its response for 2 s"
+
+
+def test_a_stopped_follower_is_disconnected_and_says_how_to_go_on(daemons: Daemons) -> None:
+    """``mlxctl events -f`` stopped (SIGSTOP: a suspended pipe) while events pour in: once
+    the buffers are full the daemon waits ``FOLLOWER_STALL_S`` for it to take anything,
+    then drops its connection (one log line), so that stopped followers hold none of the
+    control socket's connections; the daemon answers meanwhile. Resumed, the follower
+    prints what had reached it, in order, then says the stream ended and what to do."""
+    d = daemons.make(ONE_ECHO).start(env={"MLXCELD_TEST_FOLLOWER_STALL_S": str(STALL_S)})
+    daemons.pids.add(d.wait_worker("alpha", state="running")["pid"])
+    f = Follower(d, "-n", "1")
+    try:
+        f.wait("the last past event", lambda e: True)
+        os.kill(f.proc.pid, signal.SIGSTOP)
+        try:
+            with contextlib.closing(sqlite3.connect(d.state_dir / "state.db",
+                                                    timeout=30)) as db, db:
+                db.executemany(
+                    "insert into events (ts, kind, subject, message, data) "
+                    "values (?, 'test.bulk', 'test', ?, '{}')",
+                    [(time.time(), "x" * EVENT_BYTES) for _ in range(STALL_EVENTS)])
+            woke = time.monotonic()
+            assert d.ctl("restart", "alpha").returncode == 0  # news: the stream writes
+            wait_for(lambda: STALL_LINE in d.stderr(), 30, "the daemon to drop the follower",
+                     every=0.05)
+            took = time.monotonic() - woke
+            assert d.ctl("status").returncode == 0
+        finally:
+            os.kill(f.proc.pid, signal.SIGCONT)
+        code = f.proc.wait(timeout=30)
+        f._reader.join(10)
+        assert f.proc.stderr is not None and f.proc.stdout is not None
+        err = f.proc.stderr.read()
+    finally:
+        f.kill()
+        for pipe in (f.proc.stdout, f.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    print(f"\na stopped follower dropped {took:.2f} s after the events began (bound "
+          f"{STALL_S:g} s once the buffers are full)")
+    assert STALL_S <= took < STALL_S + 10, took  # the buffers fill in well under a second
+    assert code == 1, err
+    assert "Traceback" not in err
+    lines = [line for _, line in f.lines]
+    split = next(i for i, line in enumerate(lines) if not line.startswith('{"schema": '
+                                                                          '"mlxctl.event/1"'))
+    events = [json.loads(line) for line in lines[:split]]
+    ids = [e["id"] for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert 0 < sum(e["kind"] == "test.bulk" for e in events) < STALL_EVENTS  # cut short
+    error = json.loads("".join(lines[split:]))
+    assert error["schema"] == "mlxctl.error/1", error
+    message, hint = error["error"]["message"], error["error"]["hint"]
+    assert message.startswith(f"the event stream ended after event {ids[-1]}: "), message
+    assert "reads nothing for 30 s" in hint and "mlxctl events -f again" in hint, hint

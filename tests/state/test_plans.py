@@ -72,3 +72,34 @@ def test_a_v5_database_keeps_its_rows_and_can_record_deactivated(tmp_path: Path)
     assert assignments.get(8) is None
     names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert not {"plans_v5", "assignments_v5"} & names
+
+
+def test_the_plan_to_resume_is_the_newest_that_took_over(tmp_path: Path) -> None:
+    """A heal's push that aborted (or one never decided) after an active plan leaves the
+    active one to resume; a plan deactivated after it ends the search."""
+    plans = Plans(open_db(tmp_path / "state.db"))
+    assert plans.resumable() is None
+
+    def plan(epoch: int, decision: str | None) -> None:
+        plans.create(epoch, "c", "ab" * 32, ("p",), "")
+        if decision is not None:
+            plans.decide(epoch, decision)
+
+    plan(1, "abort")
+    assert plans.resumable() is None
+    plan(2, "active")
+    plan(3, "abort")  # the heal's push, aborted
+    plan(4, None)  # a push cut short before its decision
+    row = plans.resumable()
+    assert row is not None and (row.epoch, row.decision) == (2, "active")
+    assert plans.standing() == row  # what `mlxctl cluster deactivate` ends
+    latest = plans.latest()
+    assert latest is not None and latest.epoch == 4
+    plan(5, "activate")  # a heal decided: it took over
+    assert (plans.resumable() or row).epoch == 5
+    plans.decide(2, "deactivated")  # the superseded plan, recorded as such
+    plans.decide(5, "deactivated")  # and then the operator's deactivate
+    plan(6, "abort")
+    assert plans.resumable() is None
+    standing = plans.standing()  # deactivated: told again by another deactivate
+    assert standing is not None and (standing.epoch, standing.decision) == (5, "deactivated")

@@ -49,7 +49,11 @@ activate decision with ``COMMIT_WINDOW_S`` left for the commit phase, then
 ``ACTIVATE_FOR_S`` (``ACTIVATING_S``: tests shorten it with ``MLXCELD_TEST_ACTIVATE_FOR_S``,
 see ``mlxceld.failpoints``); ``RESEND_S`` between two re-sends or re-dials;
 ``peer_round.PEER_PHASE_S`` for a peer's waits between phases, ``LATE_DECISION_S`` for
-a decision to a peer whose connection came up after it.
+a decision to a peer whose connection came up after it. Each connection of the push has
+a heartbeat (``net/liveness.watch``): a peer that sends nothing, not even a pong, for
+``SILENCE_S`` (3 s; a stopped process, a host asleep: no RST) has its connection ended
+and read as lost, so that the round re-dials it rather than writing its decisions into
+a socket nobody reads (the peer's agent listener pings us back the same way).
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.agent import AgentService
+from mlxceld.net.liveness import watch
 from mlxceld.state.plans import Plans
+from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
 from mlxceld.wire.envelope import parse_envelope
 from mlxceld.wire.errors import EnvelopeError
@@ -93,6 +99,9 @@ CONNECT_S: Final = 5.0  # one dial and handshake
 # by its query after its own wait (PEER_PHASE_S).
 LATE_DECISION_S: Final = 1.0
 HEARTBEAT_S: Final = 2.0  # a preparing peer's heartbeat
+# A push's connection whose peer sent nothing, not even a pong, for this long is lost (the
+# peer asleep or stopped: no RST); the round re-dials it, or aborts before its decision.
+SILENCE_S: Final = DEFAULT_SILENCE_S
 # After activate is written, how long a push keeps at a peer that is not active:
 # ACTIVATE_FOR_S; tests shorten it (MLXCELD_TEST_ACTIVATE_FOR_S).
 ACTIVATING_S: Final = failpoints.ACTIVATE_FOR_S or ACTIVATE_FOR_S
@@ -348,6 +357,10 @@ class _Links:
         link.stream = stream
         if again:
             log.info("plan %d: connected to %s again", self._epoch, peer)
+        # The heartbeat ends the stream of a peer silent for SILENCE_S (the recv below then
+        # raises); cancelled with this reader.
+        heartbeat = asyncio.ensure_future(watch(stream, SILENCE_S, f"plan {self._epoch}'s "
+                                                f"peer {peer}"))
         try:
             await stream.send(first)
             while True:
@@ -357,6 +370,8 @@ class _Links:
         except (ConnectionClosed, EnvelopeError) as exc:
             await self.inbox.put((peer, "lost", {"reason": f"connection lost: {exc}"}, link))
             await stream.close("connection lost")
+        finally:
+            heartbeat.cancel()
 
 
 async def _send_late(stream: MxclStream, payload: bytes) -> None:
