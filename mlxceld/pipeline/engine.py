@@ -67,6 +67,10 @@ PREPARE_TIMEOUT_S: Final = 5.0
 STEP_TIMEOUT_S: Final = 10.0
 PER_TOKEN_S: Final = 0.05
 DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then restarts
+# A stage's refusals whose words name no address (they name the stage, a sequence, a
+# field): passed on to the client; any other's words go to the router's log.
+_CLIENT_WORDS: Final = frozenset({p.ERR_TOO_MANY, p.ERR_UNKNOWN_SEQ, p.ERR_BAD_MESSAGE,
+                                  p.ERR_NOT_OWNER})
 
 
 class PipelineEngine:
@@ -226,7 +230,14 @@ class PipelineEngine:
                 raise EngineUnavailable(
                     f"stage {self._node_of(rank)} is draining (stopping or restarting): it "
                     "takes no new request; retry shortly", retry_after_s=DRAINING_RETRY_S)
-            raise EngineError(f"a stage refused the request: {message} ({code})")
+            if code in _CLIENT_WORDS:
+                raise EngineError(f"stage {self._node_of(rank)} refused the request: "
+                                  f"{message} ({code})")
+            # its words may name addresses (its coordinator's, its neighbours'): logged
+            log.warning("stage %s refused a request: %s (%s)", self._node_of(rank), message,
+                        code)
+            raise EngineError(f"stage {self._node_of(rank)} refused the request ({code}); "
+                              "see the router's log")
         return item
 
     def _node_of(self, rank: int) -> str:

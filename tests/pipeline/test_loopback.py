@@ -294,6 +294,35 @@ def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
     assert after == reference(path, PROMPT, 3)
 
 
+def test_a_router_its_stages_refuse_is_told_so_by_node_never_by_address(
+        split_fixture_dir: Path) -> None:
+    """A router that is not the stages' coordinator (another cluster config): the stages
+    refuse its attach naming addresses; the client's error and ``/ready`` name the node."""
+    path = split_fixture_dir / "llama"
+    stranger = "127.0.0.1:19998"
+
+    async def go() -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = PipelineEngine(c.stages, keyring=keyring(SECRET), origin=stranger,
+                                    model_identity=model_identity(path), cluster="test",
+                                    model_id="m", context_length=4096, eos_token_ids=set())
+            try:
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 2)
+                return str(info.value), engine.readiness(), engine.stages()
+            finally:
+                await engine.aclose()
+
+    message, ready, stats = asyncio.run(asyncio.wait_for(go(), 60))
+    assert message.startswith("stage stage-") and "refused to attach (not_coordinator)" \
+        in message, message
+    assert ready is not None and "refused to attach" in ready["message"]
+    said = f"{message} {ready}"
+    assert "127.0.0." not in said and COORD not in said and stranger not in said, said
+    assert {s["state"] for s in stats} == {"refused"}
+    assert all(s["address"].startswith("127.0.0.") for s in stats)  # the operator's view
+
+
 def test_a_stage_that_goes_away_fails_the_request_naming_it(split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
 
