@@ -106,6 +106,7 @@ class PipelineEngine:
                                  silence_s=silence_s)
                        for s in sorted(stages, key=lambda s: s.rank)]
         self._last_rank = self._links[-1].stage.rank
+        self.tokens = 0  # generated and handed to requests (end-of-sequence ones too)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -163,6 +164,7 @@ class PipelineEngine:
             while True:  # the stages run step, step + 1, ... on their own (see above)
                 token = await self._token(seq, step - 1 + produced, inbox, pending)
                 produced += 1
+                self.tokens += 1
                 if token in self._eos:
                     yield TokenOutput(token, "stop")
                     return

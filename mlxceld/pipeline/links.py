@@ -142,10 +142,14 @@ class StageLink:
                 "failures": self.conn.failures}
 
     def stats(self) -> dict[str, Any]:
-        """For the router's stats (``mlxctl status``, the operator's): ``describe`` and the
-        stage's address and silence bound."""
+        """For the router's stats (``mlxctl status``, the operator's): ``describe``, the
+        stage's address and silence bound, and ``rtt_ms``: the round trip of the latest
+        heartbeat ping answered on the attached connection (pings go while the link is
+        quiet, ``net/liveness.py``), None before one is or while not attached."""
+        rtt = self._stream.rtt_s if self._stream is not None and self.up else None
         return {**self.describe(), "address": self.stage.address,
-                "silence_s": self.silence_s}
+                "silence_s": self.silence_s,
+                "rtt_ms": None if rtt is None else round(rtt * 1000, 3)}
 
     def check_admits(self) -> None:
         """``EngineUnavailable`` at once while the stage is silent (see the module doc)."""

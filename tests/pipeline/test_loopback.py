@@ -157,15 +157,15 @@ def test_greedy_matches_mlx_lm(split_fixture_dir: Path, family: str,
     path = split_fixture_dir / family
     want = reference(path, PROMPT, 12)
 
-    async def go() -> list[int]:
+    async def go() -> tuple[list[int], int]:
         async with cluster(path, splits) as c:
             engine = c.engine(path)
             try:
-                return await tokens_of(engine, PROMPT, 12)
+                return await tokens_of(engine, PROMPT, 12), engine.tokens
             finally:
                 await engine.aclose()
 
-    assert asyncio.run(go()) == want
+    assert asyncio.run(go()) == (want, 12)  # and counted, for the router's tokens/s
 
 
 def test_concurrent_sequences_and_long_prompt(split_fixture_dir: Path) -> None:
@@ -386,6 +386,8 @@ def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
                 await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
+                await until(lambda: all(s["rtt_ms"] for s in engine.stages()),
+                            "a heartbeat's round trip timed on both links", timeout=15)
                 await c.stop_stage(1)
                 await until(lambda: engine.stages()[1]["failures"] >= 3,
                             "stage-1 failing again and again", timeout=15)
@@ -409,6 +411,7 @@ def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
     assert stages[0]["connected"] and stages[0]["state"] == "attached"
     assert stages[0]["error"] is None
     assert not stages[1]["connected"] and "stage-1" in stages[1]["error"]
+    assert 0 < stages[0]["rtt_ms"] < 3000 and stages[1]["rtt_ms"] is None  # not attached
     # Once each: attached, lost, unreachable, attached again; the retries only at debug.
     changes = [(level, text) for level, text in lines if level > logging.DEBUG]
     assert [level for level, _ in changes] == [logging.INFO, logging.WARNING,
@@ -466,6 +469,8 @@ def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
                 await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
+                await until(lambda: all(s["rtt_ms"] for s in engine.stages()),
+                            "a heartbeat's round trip timed on both links", timeout=15)
                 await c.stop_stage(1)
                 await until(lambda: engine.stages()[1]["state"] == "unreachable",
                             "stage-1 unreachable, the background asleep", timeout=15)
