@@ -1,0 +1,145 @@
+"""The coordinator's cluster view in `mlxctl status` (``pipeline`` in ``GET /v1/status``).
+
+Pure: built from what the daemon already keeps when the status is asked, never from a
+new remote call, so a silent peer cannot slow the status down. Its sources:
+
+- the plan: the bring-up's state (``bringup``: epoch, model, each peer's stage, node id,
+  agent address, layers and assignment state; ``cluster/coordinator.py``);
+- the links: the router worker's stats (``stages``: each link's state, since when, the
+  heartbeat's round trip; ``tokens`` and ``tokens_per_s``: the pipeline's throughput as
+  the router hands tokens to its clients, ``pipeline/throughput.py``), refreshed every
+  second by the router and asked within ``supervisor.STATS_TIMEOUT_S``;
+- the peers: the failure detector's rows and each candidate's primary key id
+  (``GET /v1/cluster/nodes``: ``key_stale`` when it is not ours);
+- the drains (``GET /v1/drains``), self-healing (``healing``) and the latest secret
+  rotation (``GET /v1/secrets``'s ``rotation``).
+
+Its shape is ``types.PipelineView`` (``mlxctl.status/1``, documented in mlxctl(1));
+``problems`` adds to the health footer what only this view sees: a plan's peer left on
+another key, a secret rotation that failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxceld.types import (
+    JSON,
+    PeerView,
+    PipelineRouter,
+    PipelineStage,
+    PipelineView,
+    StageLinkView,
+)
+
+
+def serves_pipeline(status: JSON) -> bool:
+    """Whether ``status`` is a coordinator's (a bring-up) or a router's over stages: the
+    daemons that have a view (``pipeline_view``)."""
+    return bool(status.get("bringup")) or any(
+        (w.get("stats") or {}).get("stages") for w in status.get("workers") or []
+        if w.get("role") == "router")
+
+
+def pipeline_view(status: JSON, nodes: JSON, drains: list[JSON],
+                  rotation: JSON | None) -> PipelineView | None:
+    """The view, or None on a daemon that serves no pipeline (no bring-up, no router over
+    stages): a peer, a single host. ``status``: ``GET /v1/status``'s body with the
+    workers' stats; ``nodes``: ``GET /v1/cluster/nodes``'s."""
+    bringup: JSON = status.get("bringup") or {}
+    router = next((w for w in status.get("workers") or [] if w.get("role") == "router"), None)
+    stats: JSON = (router or {}).get("stats") or {}
+    links: list[JSON] = stats.get("stages") or []
+    if not bringup and not links:
+        return None
+    peers: list[JSON] = bringup.get("peers") or []
+    names = [p.get("stage") for p in peers] + [
+        s["stage"] for s in links if s["stage"] not in {p.get("stage") for p in peers}]
+    by_link = {s["stage"]: s for s in links}
+    by_peer = {p.get("stage"): p for p in peers}
+    members = _members(nodes)
+    by_drain = {d["node_id"]: d for d in drains}
+    stages: list[PipelineStage] = []
+    for rank, name in enumerate(names):
+        peer = by_peer.get(name) or {}
+        address = peer.get("address")
+        node = peer.get("node_id")
+        stages.append({
+            "stage": name, "rank": rank, "node_id": node, "address": address,
+            "layers": peer.get("layers") or (by_link.get(name) or {}).get("layers"),
+            "assignment": peer.get("state"),
+            "link": _link(by_link.get(name)),
+            "peer": members.get(address) if address else None,
+            "drain": by_drain.get(node or "") or by_drain.get(name or ""),
+        })
+    serving = status.get("serving") or {}
+    return {
+        "epoch": bringup.get("epoch"), "model": bringup.get("model"),
+        "state": bringup.get("state"),
+        "router": _router(router, stats, serving) if router else None,
+        "stages": stages, "key_id": nodes.get("key_id"), "drains": drains,
+        "healing": status.get("healing"),
+        "rotation": None if rotation is None else {
+            **rotation, "in_progress": rotation.get("step") not in ("done", "failed")},
+    }
+
+
+def _link(s: JSON | None) -> StageLinkView | None:
+    if s is None:
+        return None
+    return {"state": s["state"], "since": s.get("since"), "address": s.get("address"),
+            "rtt_ms": s.get("rtt_ms"), "error": s.get("error")}
+
+
+def _router(w: JSON, stats: JSON, serving: JSON) -> PipelineRouter:
+    return {"worker": w["name"], "state": w["state"],
+            "url": stats.get("url") or serving.get("url"),
+            "tokens": stats.get("tokens"), "tokens_per_s": stats.get("tokens_per_s"),
+            "throughput_of": "pipeline"}
+
+
+def _members(nodes: JSON) -> dict[str, PeerView]:
+    """Each peer by agent address: its failure-detector row and its primary key id."""
+    out: dict[str, PeerView] = {}
+    rows: dict[str, Any] = {r["address"]: r for r in nodes.get("liveness") or []}
+    for n in nodes.get("nodes") or []:
+        if n.get("liveness"):
+            rows.setdefault(n["address"], n["liveness"])
+    keys = {n["address"]: n for n in nodes.get("nodes") or []}
+    for address in sorted({*rows, *keys}):
+        live = rows.get(address) or {}
+        cand = keys.get(address) or {}
+        out[address] = {"state": live.get("state"), "since": live.get("since"),
+                        "reason": live.get("reason"), "last_answer": live.get("last_answer"),
+                        "key_id": cand.get("key_id"), "key_stale": bool(cand.get("key_stale"))}
+    return out
+
+
+def problems(view: PipelineView | None) -> list[JSON]:
+    """What only this view sees, each with a reason and the next command: a plan's peer
+    that dials with another primary key (it missed a rotation), a rotation that failed."""
+    if view is None:
+        return []
+    out: list[JSON] = []
+    for s in view["stages"]:
+        peer = s["peer"]
+        if peer is None or not peer["key_stale"]:
+            continue
+        who = s["node_id"] or s["address"] or s["stage"]
+        out.append({
+            "subject": who,
+            "message": f"node {who} ({s['stage']}) dials with key {peer['key_id']}, this "
+            f"coordinator with {view['key_id']}: it missed a secret rotation, and its traffic "
+            "fails once the old key is removed",
+            "next": f"on node {who}: mlxctl secret install FILE --primary with this cluster's "
+            "secret; mlxctl cluster nodes shows its key"})
+    r = view["rotation"]
+    if r is not None and r.get("step") == "failed":
+        failed = "; ".join(f"member {m} failed {why}" for m, why in
+                           (r.get("failures") or {}).items()) or "no member named"
+        out.append({
+            "subject": "rotation",
+            "message": f"secret rotation {r['id']} to key {r['new_key_id']} failed: {failed}",
+            "next": "bring those members back (mlxctl cluster nodes), then run mlxctl "
+            "secret rotate again"})
+    return out
