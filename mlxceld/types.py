@@ -99,6 +99,13 @@ class PeerView(TypedDict):
     key_stale: bool  # its primary is not ours: it missed a secret rotation
 
 
+class ClusterPeer(PeerView):
+    """A peer that holds no stage of the plan (a spare, a host of an older plan)."""
+
+    address: str  # its agent address
+    node_id: str | None
+
+
 class PipelineStage(TypedDict):
     stage: str | None  # the stage's id in the cluster config ("stage-0")
     rank: int
@@ -129,6 +136,7 @@ class PipelineView(TypedDict):
     state: str | None  # the bring-up's: planning, pushing, active, failed, deactivated
     router: PipelineRouter | None
     stages: list[PipelineStage]
+    other_peers: list[ClusterPeer]  # every other peer the detector or discovery knows
     key_id: str | None  # this coordinator's primary key id
     drains: list[JSON]  # every drain in force (GET /v1/drains)
     healing: JSON | None  # self-healing's state

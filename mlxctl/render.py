@@ -240,6 +240,11 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
            f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} attached",
            table(["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS", "PEER",
                   "PEER SINCE", "KEY"], rows, colors), *errors]
+    for p in view.get("other_peers") or []:
+        out.append(f"peer {p.get('node_id') or '-'} ({p['address']}, no stage): "
+                   f"{p.get('state') or 'not watched'} since {_since(p.get('since'), now)}, "
+                   f"key {p.get('key_id') or '-'}"
+                   + (" (not ours: it missed a secret rotation)" if p.get("key_stale") else ""))
     for d in view.get("drains") or []:
         out.append(drain_line(d, now))
     rot = view.get("rotation")

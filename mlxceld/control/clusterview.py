@@ -10,7 +10,9 @@ new remote call, so a silent peer cannot slow the status down. Its sources:
   the router hands tokens to its clients, ``pipeline/throughput.py``), refreshed every
   second by the router and asked within ``supervisor.STATS_TIMEOUT_S``;
 - the peers: the failure detector's rows and each candidate's primary key id
-  (``GET /v1/cluster/nodes``: ``key_stale`` when it is not ours);
+  (``GET /v1/cluster/nodes``: ``key_stale`` when it is not ours), for the plan's peers
+  in their stage's row, for the others (spares, hosts of an older plan) in
+  ``other_peers``;
 - the drains (``GET /v1/drains``), self-healing (``healing``) and the latest secret
   rotation (``GET /v1/secrets``'s ``rotation``).
 
@@ -25,6 +27,7 @@ from typing import Any
 
 from mlxceld.types import (
     JSON,
+    ClusterPeer,
     PeerView,
     PipelineRouter,
     PipelineStage,
@@ -73,11 +76,18 @@ def pipeline_view(status: JSON, nodes: JSON, drains: list[JSON],
             "drain": by_drain.get(node or "") or by_drain.get(name or ""),
         })
     serving = status.get("serving") or {}
+    in_plan = {s["address"] for s in stages if s["address"]}
+    ids = {**{r["address"]: r.get("node_id") for r in nodes.get("liveness") or []},
+           **{n["address"]: n.get("node_id") for n in nodes.get("nodes") or []
+              if n.get("node_id")}}
+    others: list[ClusterPeer] = [{"address": a, "node_id": ids.get(a), **m}
+                                 for a, m in members.items() if a not in in_plan]
     return {
         "epoch": bringup.get("epoch"), "model": bringup.get("model"),
         "state": bringup.get("state"),
         "router": _router(router, stats, serving) if router else None,
-        "stages": stages, "key_id": nodes.get("key_id"), "drains": drains,
+        "stages": stages, "other_peers": others, "key_id": nodes.get("key_id"),
+        "drains": drains,
         "healing": status.get("healing"),
         "rotation": None if rotation is None else {
             **rotation, "in_progress": rotation.get("step") not in ("done", "failed")},
@@ -121,14 +131,15 @@ def problems(view: PipelineView | None) -> list[JSON]:
     if view is None:
         return []
     out: list[JSON] = []
-    for s in view["stages"]:
-        peer = s["peer"]
+    stale = [(s["node_id"] or s["address"] or s["stage"], s["stage"], s["peer"])
+             for s in view["stages"]]
+    stale += [(p["node_id"] or p["address"], "no stage", p) for p in view["other_peers"]]
+    for who, where, peer in stale:
         if peer is None or not peer["key_stale"]:
             continue
-        who = s["node_id"] or s["address"] or s["stage"]
         out.append({
             "subject": who,
-            "message": f"node {who} ({s['stage']}) dials with key {peer['key_id']}, this "
+            "message": f"node {who} ({where}) dials with key {peer['key_id']}, this "
             f"coordinator with {view['key_id']}: it missed a secret rotation, and its traffic "
             "fails once the old key is removed",
             "next": f"on node {who}: mlxctl secret install FILE --primary with this cluster's "

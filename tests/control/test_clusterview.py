@@ -10,11 +10,11 @@ from typing import Any
 from mlxceld.control import clusterview
 
 NOW = 1_800_000_000.0
-B, C = "127.0.0.2:19000", "127.0.0.3:19000"
+B, C, D, E = "127.0.0.2:19000", "127.0.0.3:19000", "127.0.0.4:19000", "127.0.0.5:19000"
 OURS, OLD = "00112233aabbccdd", "ffeeddcc99887766"
 
-VIEW_KEYS = {"epoch", "model", "state", "router", "stages", "key_id", "drains", "healing",
-             "rotation"}
+VIEW_KEYS = {"epoch", "model", "state", "router", "stages", "other_peers", "key_id", "drains",
+             "healing", "rotation"}
 STAGE_KEYS = {"stage", "rank", "node_id", "address", "layers", "assignment", "link", "peer",
               "drain"}
 LINK_KEYS = {"state", "since", "address", "rtt_ms", "error"}
@@ -46,16 +46,21 @@ def status() -> dict[str, Any]:
 
 
 def nodes() -> dict[str, Any]:
+    """B and C, the plan's; D a spare; E a host the detector watched once (no candidate)."""
     alive = {"address": B, "state": "alive", "since": NOW - 300, "reason": "answered a ping",
              "node_id": "mac-b", "last_answer": NOW - 0.2, "updated_at": NOW}
     dead = {"address": C, "state": "dead", "since": NOW - 15,
             "reason": "no answer to pings for 10 s", "node_id": "mac-c",
             "last_answer": NOW - 25, "updated_at": NOW}
-    return {"key_id": OURS, "liveness": [alive, dead], "nodes": [
+    spare = {**alive, "address": D, "node_id": None}
+    gone = {**dead, "address": E, "node_id": "old-e"}
+    return {"key_id": OURS, "liveness": [alive, dead, spare, gone], "nodes": [
         {"address": B, "node_id": "mac-b", "key_id": OURS, "key_stale": False,
          "liveness": alive},
         {"address": C, "node_id": "mac-c", "key_id": OLD, "key_stale": True,
-         "liveness": dead}]}
+         "liveness": dead},
+        {"address": D, "node_id": "mac-d", "key_id": OURS, "key_stale": False,
+         "liveness": spare}]}
 
 
 DRAIN = {"node_id": "mac-b", "state": "draining", "started_at": NOW - 5,
@@ -87,6 +92,14 @@ def test_the_view_of_a_coordinator_names_each_stage_its_node_link_and_peer() -> 
     assert s1["link"]["state"] == "silent" and s1["link"]["rtt_ms"] is None
     assert s1["peer"] is not None and set(s1["peer"]) == PEER_KEYS
     assert (s1["peer"]["state"], s1["peer"]["key_stale"]) == ("dead", True)
+    assert view["other_peers"] == [
+        {"address": D, "node_id": "mac-d", "state": "alive", "since": NOW - 300,
+         "reason": "answered a ping", "last_answer": NOW - 0.2, "key_id": OURS,
+         "key_stale": False},
+        {"address": E, "node_id": "old-e", "state": "dead", "since": NOW - 15,
+         "reason": "no answer to pings for 10 s", "last_answer": NOW - 25, "key_id": None,
+         "key_stale": False}]
+    assert all(set(p) == PEER_KEYS | {"address", "node_id"} for p in view["other_peers"])
     assert view["key_id"] == OURS and view["drains"] == [DRAIN]
     assert view["healing"] == status()["healing"]
     assert view["rotation"] == {**ROTATION, "in_progress": True}
@@ -139,3 +152,7 @@ def test_a_peer_left_on_another_key_and_a_failed_rotation_are_problems() -> None
     fresh = copy.deepcopy(nodes())
     fresh["nodes"][1]["key_stale"] = False
     assert clusterview.problems(clusterview.pipeline_view(status(), fresh, [], ROTATION)) == []
+    fresh["nodes"][2]["key_stale"] = True  # a spare: used by the next heal, so said now
+    [spare] = clusterview.problems(clusterview.pipeline_view(status(), fresh, [], ROTATION))
+    assert spare["subject"] == "mac-d" and spare["message"].startswith(
+        f"node mac-d (no stage) dials with key {OURS}")

@@ -40,6 +40,9 @@ def view() -> dict[str, Any]:
              "peer": {**peer, "state": "dead", "since": NOW - 15, "key_stale": True,
                       "reason": "no answer to pings for 10 s", "key_id": "ffeeddcc99887766"},
              "drain": None}],
+        "other_peers": [{"address": "127.0.0.4:19000", "node_id": "mac-d", "state": "alive",
+                         "since": NOW - 300, "reason": "answered a ping", "last_answer": NOW,
+                         "key_id": "ffeeddcc99887766", "key_stale": True}],
         "key_id": "00112233aabbccdd",
         "drains": [{"node_id": "mac-b", "state": "draining", "started_at": NOW - 5,
                     "deadline": NOW + 55, "force": False, "updated_at": NOW - 5,
@@ -70,6 +73,8 @@ def test_the_view_shows_plan_router_throughput_and_each_stage() -> None:
     assert lines[7:] == [
         "  stage-1: stage stage-1 is silent: nothing heard for 3.0 s",
         "  stage-1 (mac-c): dead: no answer to pings for 10 s",
+        f"peer mac-d (127.0.0.4:19000, no stage): alive since {clock(NOW - 300)} (5m00s "
+        "ago), key ffeeddcc99887766 (not ours: it missed a secret rotation)",
         f"drain: node mac-b draining since {clock(NOW - 5)} (5s ago), deadline in 55s: 2 "
         "finished, 0 ended",
         f"secret rotation 3 to key 00112233aabbccdd: using (2 member(s), since "
@@ -81,6 +86,7 @@ def test_a_plan_without_a_router_and_a_finished_rotation() -> None:
     v["router"] = None
     v["state"] = "pushing"
     v["drains"] = []
+    v["other_peers"] = []
     v["rotation"] = {**v["rotation"], "step": "done", "in_progress": False}
     for s in v["stages"]:
         s["link"] = None
