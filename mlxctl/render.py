@@ -206,6 +206,7 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
     secret rotation."""
     now = time.time() if now is None else now
     plan = (f"plan {view['epoch']} ({view['state']})" if view.get("epoch") is not None
+            else f"no plan yet ({view['state']})" if view.get("state")
             else "a written cluster config")
     head = [plan] + ([f"model {view['model']}"] if view.get("model") else [])
     r = view.get("router")
@@ -236,10 +237,11 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
         if peer.get("state") in ("suspect", "dead") and peer.get("reason"):
             errors.append(f"  {s.get('stage')} ({s.get('node_id') or s.get('address')}): "
                           f"{peer['state']}: {peer['reason']}")
-    out = ["", "cluster: " + " · ".join(head), f"  {serving}",
-           f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} attached",
-           table(["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS", "PEER",
-                  "PEER SINCE", "KEY"], rows, colors), *errors]
+    out = ["", "cluster: " + " · ".join(head), f"  {serving}"]
+    if stages:
+        out += [f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} "
+                "attached", table(["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS",
+                                   "PEER", "PEER SINCE", "KEY"], rows, colors), *errors]
     for p in view.get("other_peers") or []:
         out.append(f"peer {p.get('node_id') or '-'} ({p['address']}, no stage): "
                    f"{p.get('state') or 'not watched'} since {_since(p.get('since'), now)}, "

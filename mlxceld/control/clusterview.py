@@ -37,9 +37,10 @@ from mlxceld.types import (
 
 
 def serves_pipeline(status: JSON) -> bool:
-    """Whether ``status`` is a coordinator's (a bring-up) or a router's over stages: the
-    daemons that have a view (``pipeline_view``)."""
-    return bool(status.get("bringup")) or any(
+    """Whether ``status`` is a coordinator's (a bring-up, not deactivated) or a router's
+    over stages: the daemons that have a view (``pipeline_view``)."""
+    bringup = status.get("bringup") or {}
+    return bringup.get("state") not in (None, "deactivated") or any(
         (w.get("stats") or {}).get("stages") for w in status.get("workers") or []
         if w.get("role") == "router")
 

@@ -131,6 +131,8 @@ def test_no_view_on_a_peer_or_a_single_host() -> None:
         assert not clusterview.serves_pipeline(body)
         assert clusterview.pipeline_view(body, {}, [], None) is None
     assert clusterview.serves_pipeline(status())
+    ended = {"bringup": {"state": "deactivated", "epoch": 7, "peers": []}, "workers": []}
+    assert not clusterview.serves_pipeline(ended)  # `bring-up: deactivated` says it all
     assert clusterview.problems(None) == []
 
 

@@ -95,6 +95,10 @@ def test_a_plan_without_a_router_and_a_finished_rotation() -> None:
                           "  router not started", "stages of router: 0 of 2 attached"]
     assert lines[5].split()[:8] == ["stage-0", "mac-b", "[0,", "2)", "-", "-", "-", "-"]
     assert not any("rotation" in line or "drain" in line for line in lines)
+    v.update(epoch=None, state="planning", model=None, stages=[])
+    assert shown(v)[1:] == ["cluster: no plan yet (planning)", "  router not started"]
+    v["state"] = None  # a router over a written cluster config
+    assert shown(v)[1] == "cluster: a written cluster config"
 
 
 def test_status_shows_the_view_in_place_of_the_links_and_the_problems_below() -> None:
