@@ -17,8 +17,9 @@ new remote call, so a silent peer cannot slow the status down. Its sources:
   rotation (``GET /v1/secrets``'s ``rotation``).
 
 Its shape is ``types.PipelineView`` (``mlxctl.status/1``, documented in mlxctl(1));
-``problems`` adds to the health footer what only this view sees: a plan's peer left on
-another key, a secret rotation that failed.
+``problems`` adds to the health footer what only this view sees: a peer left on another
+key (but while a rotation runs, when primaries differ for a while), a secret rotation
+that failed.
 """
 
 from __future__ import annotations
@@ -132,9 +133,12 @@ def problems(view: PipelineView | None) -> list[JSON]:
     if view is None:
         return []
     out: list[JSON] = []
-    stale = [(s["node_id"] or s["address"] or s["stage"], s["stage"], s["peer"])
-             for s in view["stages"]]
-    stale += [(p["node_id"] or p["address"], "no stage", p) for p in view["other_peers"]]
+    rotating = bool(view["rotation"] and view["rotation"].get("in_progress"))
+    stale = [] if rotating else [  # mid-rotation, primaries differ for a while: no problem
+        (s["node_id"] or s["address"] or s["stage"], s["stage"], s["peer"])
+        for s in view["stages"]]
+    stale += [] if rotating else [(p["node_id"] or p["address"], "no stage", p)
+                                  for p in view["other_peers"]]
     for who, where, peer in stale:
         if peer is None or not peer["key_stale"]:
             continue

@@ -153,8 +153,15 @@ def test_a_peer_left_on_another_key_and_a_failed_rotation_are_problems() -> None
     assert "mlxctl secret rotate" in rotation["next"]
     fresh = copy.deepcopy(nodes())
     fresh["nodes"][1]["key_stale"] = False
-    assert clusterview.problems(clusterview.pipeline_view(status(), fresh, [], ROTATION)) == []
+    assert clusterview.problems(clusterview.pipeline_view(status(), fresh, [], None)) == []
     fresh["nodes"][2]["key_stale"] = True  # a spare: used by the next heal, so said now
-    [spare] = clusterview.problems(clusterview.pipeline_view(status(), fresh, [], ROTATION))
+    [spare] = clusterview.problems(clusterview.pipeline_view(status(), fresh, [], None))
     assert spare["subject"] == "mac-d" and spare["message"].startswith(
         f"node mac-d (no stage) dials with key {OURS}")
+
+
+def test_no_key_problem_while_a_rotation_runs() -> None:
+    """Mid-rotation the members switch primaries one by one: a stale key is expected."""
+    view = clusterview.pipeline_view(status(), nodes(), [], ROTATION)  # verifying_use
+    assert view is not None and view["stages"][1]["peer"]["key_stale"]  # type: ignore[index]
+    assert clusterview.problems(view) == []
