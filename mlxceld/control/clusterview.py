@@ -159,3 +159,18 @@ def problems(view: PipelineView | None) -> list[JSON]:
             "next": "bring those members back (mlxctl cluster nodes), then run mlxctl "
             "secret rotate again"})
     return out
+
+
+def name_nodes(found: list[JSON], view: PipelineView | None) -> list[JSON]:
+    """``found`` with each problem about a stage (its subject the stage's id, as the router's
+    link problems have it) saying which node runs that stage, where the plan knows it."""
+    if view is None:
+        return found
+    hosts = {s["stage"]: s for s in view["stages"] if s["stage"] and s["node_id"]}
+    out = []
+    for p in found:
+        s = hosts.get(str(p.get("subject")))
+        out.append(p if s is None else {
+            **p, "message": f"{p['message']} (stage {s['stage']} runs on node "
+            f"{s['node_id']}, agent {s['address']})"})
+    return out

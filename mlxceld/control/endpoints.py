@@ -63,8 +63,8 @@ class Endpoints:
                                           self.daemon.drains(), self.daemon.rotation())
                 if clusterview.serves_pipeline(current) else None)  # in memory: no peer asked
         current["pipeline"] = view
-        current["problems"] = (health.problems(current["workers"]) + cluster
-                               + clusterview.problems(view))
+        current["problems"] = clusterview.name_nodes(
+            health.problems(current["workers"]) + cluster + clusterview.problems(view), view)
         return answer("status", **current)
 
     async def workers(self, request: Request) -> Response:

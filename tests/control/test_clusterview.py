@@ -165,3 +165,15 @@ def test_no_key_problem_while_a_rotation_runs() -> None:
     view = clusterview.pipeline_view(status(), nodes(), [], ROTATION)  # verifying_use
     assert view is not None and view["stages"][1]["peer"]["key_stale"]  # type: ignore[index]
     assert clusterview.problems(view) == []
+
+
+def test_a_stage_problem_names_the_node_that_runs_it() -> None:
+    view = clusterview.pipeline_view(status(), nodes(), [], None)
+    link = {"subject": "stage-1", "message": "worker router cannot reach stage stage-1 "
+            "(silent) since 08:00:00: ...", "next": "check the host"}
+    other = {"subject": "healing", "message": "self-healing refused", "next": "x"}
+    named, same = clusterview.name_nodes([link, other], view)
+    assert named == {**link, "message": link["message"] + " (stage stage-1 runs on node "
+                     f"mac-c, agent {C})"}
+    assert same is other
+    assert clusterview.name_nodes([link], None) == [link]

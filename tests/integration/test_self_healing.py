@@ -279,6 +279,9 @@ def cluster_view_with_a_dead_peer(coord: DaemonProc, victim: str, node: str) -> 
     assert dead["message"].startswith(f"node {node} ({victim}) of the active plan is dead "
                                       "since "), dead
     assert dead["next"].startswith(f"check the host of {victim}: awake"), dead
+    links = [p for p in body["problems"] if p["subject"] == stage["stage"]]  # its link's
+    assert links and all(p["message"].endswith(f"runs on node {node}, agent {victim})")
+                         for p in links), body["problems"]
     text = coord.ctl("status").stdout
     assert f"x node {node} ({victim}) of the active plan is dead since " in text, text
     assert f"next: check the host of {victim}: awake" in text, text
