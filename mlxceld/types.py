@@ -76,3 +76,68 @@ class WorkerProgress(TypedDict):
     last_step_at: float | None  # wall-clock time of the last step; None: none yet
     busy: bool  # it has work: something received and not yet done
     stalled_s: float  # how long it has had work without a step (0 when not busy)
+
+
+class StageLinkView(TypedDict):
+    """The router's link to one stage (``pipeline/links.py``: ``LinkState``)."""
+
+    state: str  # attached, connecting, standby, disconnected, unreachable, refused, silent, ...
+    since: float | None  # unix s: when it turned so
+    address: str | None  # the stage's MXCL address (the operator's view; clients never see it)
+    rtt_ms: float | None  # the latest heartbeat ping's round trip; None: none yet, or down
+    error: str | None  # why it is not attached
+
+
+class PeerView(TypedDict):
+    """A peer as this coordinator's failure detector and discovery know it."""
+
+    state: str | None  # alive, suspect, dead, unknown; None: not watched (yet)
+    since: float | None
+    reason: str | None
+    last_answer: float | None  # its last pong (unix s)
+    key_id: str | None  # its primary key id, as its inventory or mDNS record says
+    key_stale: bool  # its primary is not ours: it missed a secret rotation
+
+
+class ClusterPeer(PeerView):
+    """A peer that holds no stage of the plan (a spare, a host of an older plan)."""
+
+    address: str  # its agent address
+    node_id: str | None
+
+
+class PipelineStage(TypedDict):
+    stage: str | None  # the stage's id in the cluster config ("stage-0")
+    rank: int
+    node_id: str | None  # the peer's own node id, where the plan knows it
+    address: str | None  # the peer's agent address
+    layers: list[int] | None  # [first, end)
+    assignment: str | None  # the peer's step in the bring-up (active, unreachable, ...)
+    link: StageLinkView | None  # None: no router over it (yet)
+    peer: PeerView | None
+    drain: JSON | None  # its drain (GET /v1/drains' row), if it is drained
+
+
+class PipelineRouter(TypedDict):
+    worker: str
+    state: str  # WorkerState
+    url: str | None  # the OpenAI port
+    tokens: int | None  # generated since the router started
+    tokens_per_s: float | None  # over the last 10 s; None: not measured yet
+    throughput_of: str  # "pipeline": tokens as the router hands them to clients
+
+
+class PipelineView(TypedDict):
+    """The coordinator's cluster view (``control/clusterview.py``; ``mlxctl.status/1``'s
+    ``pipeline``)."""
+
+    epoch: int | None  # the plan's; None: a written cluster config (no plan)
+    model: str | None
+    state: str | None  # the bring-up's: planning, pushing, active, failed, deactivated
+    router: PipelineRouter | None
+    stages: list[PipelineStage]
+    other_peers: list[ClusterPeer]  # every other peer the detector or discovery knows
+    key_id: str | None  # this coordinator's primary key id
+    drains: list[JSON]  # every drain in force (GET /v1/drains)
+    healing: JSON | None  # self-healing's state
+    rotation: JSON | None  # the latest secret rotation, with in_progress

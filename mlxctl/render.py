@@ -194,9 +194,76 @@ def status(body: dict[str, Any]) -> str:
     if healing and healing.get("state") not in (None, "off", "idle"):
         lines.append(f"self-healing: {healing['state']}"
                      + (f": {healing['summary']}" if healing.get("summary") else ""))
-    links = stage_links(workers)
+    view = body.get("pipeline")
+    links = pipeline(view) if view else stage_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *links, "",
                       health(body["problems"])])
+
+
+def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
+    """The coordinator's cluster view (``mlxctl.status/1``'s ``pipeline``): the plan, the
+    router and its throughput, each stage's node, layers, link and peer, the drains and a
+    secret rotation."""
+    now = time.time() if now is None else now
+    plan = (f"plan {view['epoch']} ({view['state']})" if view.get("epoch") is not None
+            else f"no plan yet ({view['state']})" if view.get("state")
+            else "a written cluster config")
+    head = [plan] + ([f"model {view['model']}"] if view.get("model") else [])
+    r = view.get("router")
+    if r:
+        rate = r.get("tokens_per_s")
+        serving = (f"router {r.get('url') or '-'} ({r['state']}) · "
+                   + (f"{rate:.1f} tokens/s (the pipeline's, last 10 s)" if rate is not None
+                      else "tokens/s not measured yet"))
+    else:
+        serving = "router not started"
+    stages = view["stages"]
+    attached = sum(1 for s in stages if (s.get("link") or {}).get("state") == "attached")
+    rows, colors, errors = [], [], []
+    for s in stages:
+        link, peer = s.get("link") or {}, s.get("peer") or {}
+        since = duration(now - link["since"]) if link.get("since") else "-"
+        rtt = f"{link['rtt_ms']:.1f} ms" if link.get("rtt_ms") is not None else "-"
+        layers = f"[{s['layers'][0]}, {s['layers'][1]})" if s.get("layers") else "-"
+        rows.append([s.get("stage") or "-", s.get("node_id") or "-", layers,
+                     (link.get("state") or "-").replace("_", " "), since, rtt,
+                     link.get("address") or "-", peer.get("state") or "-",
+                     _since(peer.get("since"), now), peer.get("key_id") or "-"])
+        colors.append([None, None, None, LINK_COLORS.get(link.get("state") or ""), None, None,
+                       None, LIVENESS_COLORS.get(peer.get("state") or ""), None,
+                       "red" if peer.get("key_stale") else None])
+        if link.get("error"):
+            errors.append(f"  {s.get('stage')}: {link['error']}")
+        if peer.get("state") in ("suspect", "dead") and peer.get("reason"):
+            errors.append(f"  {s.get('stage')} ({s.get('node_id') or s.get('address')}): "
+                          f"{peer['state']}: {peer['reason']}")
+    out = ["", "cluster: " + " · ".join(head), f"  {serving}"]
+    if stages:
+        out += [f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} "
+                "attached", table(["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS",
+                                   "PEER", "PEER SINCE", "KEY"], rows, colors), *errors]
+    for p in view.get("other_peers") or []:
+        out.append(f"peer {p.get('node_id') or '-'} ({p['address']}, no stage): "
+                   f"{p.get('state') or 'not watched'} since {_since(p.get('since'), now)}, "
+                   f"key {p.get('key_id') or '-'}"
+                   + (" (not ours: it missed a secret rotation)" if p.get("key_stale") else ""))
+    for d in view.get("drains") or []:
+        out.append(drain_line(d, now))
+    rot = view.get("rotation")
+    if rot and rot.get("in_progress"):
+        out.append(f"secret rotation {rot['id']} to key {rot['new_key_id']}: {rot['step']} "
+                   f"({len(rot.get('members') or [])} member(s), since "
+                   f"{_since(rot.get('started_at'), now)})")
+    return out
+
+
+def drain_line(d: dict[str, Any], now: float) -> str:
+    """One drain in force, as ``GET /v1/drains`` has it."""
+    deadline = ("no deadline" if d.get("deadline") is None else
+                "deadline passed" if d["deadline"] <= now else
+                f"deadline in {duration(d['deadline'] - now)}")
+    return (f"drain: node {d['node_id']} {d['state']} since {_since(d['started_at'], now)}, "
+            f"{deadline}: {d.get('finished', 0)} finished, {d.get('ended', 0)} ended")
 
 
 def stage_links(workers: list[dict[str, Any]]) -> list[str]:

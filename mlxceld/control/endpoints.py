@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mlxceld import __version__
+from mlxceld.control import clusterview
 from mlxceld.control.requests import (
     DrainRequest,
     PlanRequest,
@@ -58,7 +59,12 @@ class Endpoints:
         stats = await self.daemon.worker_stats()  # bounded: supervisor.STATS_TIMEOUT_S
         for w in current["workers"]:
             w["stats"] = stats.get(w["name"])
-        current["problems"] = health.problems(current["workers"]) + cluster
+        view = (clusterview.pipeline_view(current, self.daemon.cluster_nodes(),
+                                          self.daemon.drains(), self.daemon.rotation())
+                if clusterview.serves_pipeline(current) else None)  # in memory: no peer asked
+        current["pipeline"] = view
+        current["problems"] = clusterview.name_nodes(
+            health.problems(current["workers"]) + cluster + clusterview.problems(view), view)
         return answer("status", **current)
 
     async def workers(self, request: Request) -> Response:

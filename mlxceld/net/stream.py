@@ -10,7 +10,9 @@ holds it), and sealed frames are written as they are, never joined.
 
 Liveness (``liveness.py`` has the whole story): the stream keeps ``heard_at``, when
 the peer last sent anything; ``ping()`` sends a heartbeat ping, whose pong ``recv()``
-swallows (a pong to anyone else's ping is delivered); ``silenced(reason)`` ends the
+swallows (a pong to anyone else's ping is delivered) and times: ``rtt_s`` is the round
+trip of the latest ping, once answered (our loop's delay included; a pong that comes
+after the next ping was sent is not timed); ``silenced(reason)`` ends the
 stream for a peer that went quiet. ``send`` has a deadline: a write the peer does not
 take within ``write_timeout_s`` (default ``WRITE_TIMEOUT_S``) ends the stream, kind
 ``"write_timeout"``, instead of blocking the sender for as long as the peer sleeps.
@@ -197,6 +199,8 @@ class MxclStream:
         self.write_timeout_s = write_timeout_s
         self.heard_at = asyncio.get_running_loop().time()  # the peer's last bytes (loop clock)
         self._pings = 0  # heartbeat pings sent: ids HEARTBEAT_IDS + 1 .. + _pings
+        self._last_ping: tuple[int, float] | None = None  # the latest one's id and time
+        self.rtt_s: float | None = None  # the round trip of the latest ping answered in time
         _LIVE[self] = asyncio.get_running_loop()
 
     @property
@@ -237,6 +241,7 @@ class MxclStream:
                 {"t": "ping", "id": HEARTBEAT_IDS + self._pings}))
         except LocalProtocolError:  # closing: the stream ends by itself
             return
+        self._last_ping = (HEARTBEAT_IDS + self._pings, asyncio.get_running_loop().time())
         write_buffers(self._writer, self._conn.buffers_to_send())
 
     async def silenced(self, reason: str) -> None:
@@ -292,7 +297,11 @@ class MxclStream:
 
     def _our_pong(self, payload: bytes) -> bool:
         ident = pong_id(payload)
-        return ident is not None and HEARTBEAT_IDS < ident <= HEARTBEAT_IDS + self._pings
+        if ident is None or not HEARTBEAT_IDS < ident <= HEARTBEAT_IDS + self._pings:
+            return False
+        if self._last_ping is not None and self._last_ping[0] == ident:  # not a late one
+            self.rtt_s = asyncio.get_running_loop().time() - self._last_ping[1]
+        return True
 
     async def _answer_close(self, reason: str) -> None:
         if not self._conn.our_closed:

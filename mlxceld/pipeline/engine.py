@@ -67,6 +67,10 @@ PREPARE_TIMEOUT_S: Final = 5.0
 STEP_TIMEOUT_S: Final = 10.0
 PER_TOKEN_S: Final = 0.05
 DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then restarts
+# A stage's refusals whose words name no address (they name the stage, a sequence, a
+# field): passed on to the client; any other's words go to the router's log.
+_CLIENT_WORDS: Final = frozenset({p.ERR_TOO_MANY, p.ERR_UNKNOWN_SEQ, p.ERR_BAD_MESSAGE,
+                                  p.ERR_NOT_OWNER})
 
 
 class PipelineEngine:
@@ -102,6 +106,7 @@ class PipelineEngine:
                                  silence_s=silence_s)
                        for s in sorted(stages, key=lambda s: s.rank)]
         self._last_rank = self._links[-1].stage.rank
+        self.tokens = 0  # generated and handed to requests (end-of-sequence ones too)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -159,6 +164,7 @@ class PipelineEngine:
             while True:  # the stages run step, step + 1, ... on their own (see above)
                 token = await self._token(seq, step - 1 + produced, inbox, pending)
                 produced += 1
+                self.tokens += 1
                 if token in self._eos:
                     yield TokenOutput(token, "stop")
                     return
@@ -226,7 +232,14 @@ class PipelineEngine:
                 raise EngineUnavailable(
                     f"stage {self._node_of(rank)} is draining (stopping or restarting): it "
                     "takes no new request; retry shortly", retry_after_s=DRAINING_RETRY_S)
-            raise EngineError(f"a stage refused the request: {message} ({code})")
+            if code in _CLIENT_WORDS:
+                raise EngineError(f"stage {self._node_of(rank)} refused the request: "
+                                  f"{message} ({code})")
+            # its words may name addresses (its coordinator's, its neighbours'): logged
+            log.warning("stage %s refused a request: %s (%s)", self._node_of(rank), message,
+                        code)
+            raise EngineError(f"stage {self._node_of(rank)} refused the request ({code}); "
+                              "see the router's log")
         return item
 
     def _node_of(self, rank: int) -> str:

@@ -64,6 +64,15 @@ _DIAL_WORDS: Final = {
     "abort": "it dropped the connection during the handshake",
 }
 
+# Why a stage refused ``attach``, in words that name no address (the stage's own name
+# its coordinator's and ours: they go to the log).
+_ATTACH_WORDS: Final = {
+    p.ERR_NOT_COORDINATOR: "it takes commands only from the coordinator its cluster config "
+    "names, and this router is not that one: start the stage and the router from the same "
+    "cluster config",
+    p.ERR_BAD_MESSAGE: "it did not understand the attach (another version of mlxceld?)",
+}
+
 Inbox = asyncio.Queue[tuple[int, Envelope] | BaseException]  # (the stage's rank, message)
 
 
@@ -133,10 +142,14 @@ class StageLink:
                 "failures": self.conn.failures}
 
     def stats(self) -> dict[str, Any]:
-        """For the router's stats (``mlxctl status``, the operator's): ``describe`` and the
-        stage's address and silence bound."""
+        """For the router's stats (``mlxctl status``, the operator's): ``describe``, the
+        stage's address and silence bound, and ``rtt_ms``: the round trip of the latest
+        heartbeat ping answered on the attached connection (pings go while the link is
+        quiet, ``net/liveness.py``), None before one is or while not attached."""
+        rtt = self._stream.rtt_s if self._stream is not None and self.up else None
         return {**self.describe(), "address": self.stage.address,
-                "silence_s": self.silence_s}
+                "silence_s": self.silence_s,
+                "rtt_ms": None if rtt is None else round(rtt * 1000, 3)}
 
     def check_admits(self) -> None:
         """``EngineUnavailable`` at once while the stage is silent (see the module doc)."""
@@ -214,8 +227,12 @@ class StageLink:
             code = env.header.get("code")
             if code == p.ERR_STANDBY:
                 self._fail("standby", f"{stage.name()} is in standby: {message}")
-            self._fail("model_mismatch" if code == p.ERR_MODEL_MISMATCH else "refused",
-                       f"{stage.name()} refused to attach: {message}")
+            if code == p.ERR_MODEL_MISMATCH:  # its words name the two models, no address
+                self._fail("model_mismatch", f"{stage.name()} refused to attach: {message}")
+            # Other refusals name addresses (its coordinator's, ours): the log has them.
+            log.warning("%s refused to attach: %s (%s)", stage.where(), message, code)
+            self._fail("refused", f"{stage.name()} refused to attach ({code}): "
+                       + _ATTACH_WORDS.get(str(code), "see the router's log"))
         if tuple(env.header.get("layers", ())) != stage.layers:
             await stream.close()
             self._fail("layers_mismatch",

@@ -18,8 +18,9 @@ Over a pipeline the engine keeps its stage links up in the background from the
 start; ``GET /ready`` is 503 naming the stages not attached (completions are
 not held back: they dial on demand and fail with a 503 naming the stage; while
 a stage is silent they get that 503 at once, with ``Retry-After``), and
-the worker's stats (``stages``: each stage's state and last error, refreshed
-every ``STATS_EVERY_S``) show in ``mlxctl status``.
+the worker's stats (``stages``: each stage's state, last error and heartbeat round
+trip; ``tokens`` generated and ``tokens_per_s`` over the last ``pipeline/throughput.py``
+``WINDOW_S``; refreshed every ``STATS_EVERY_S``) show in ``mlxctl status``.
 
 Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
 nodes its requests need are draining (``api/draining.py``: 503 "draining" for new
@@ -40,6 +41,7 @@ from mlxceld.api.draining import Draining, NodeDrain
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
+from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.workers.runtime import WorkerContext
@@ -144,6 +146,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
     started: asyncio.Future[None] = loop.create_future()
+    throughput = Throughput()
     try:
         async with asyncio.TaskGroup() as tg:
             linking = tg.create_task(engine.keep_linked()) if pipeline else None
@@ -154,6 +157,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             while not ctx.stopping.is_set():
                 if pipeline:
                     ctx.stats["stages"] = engine.stages()
+                    throughput.sample(engine.tokens, loop.time())
+                    rate = throughput.rate()
+                    ctx.stats.update(tokens=engine.tokens, tokens_per_s=None if rate is None
+                                     else round(rate, 2))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()

@@ -310,3 +310,54 @@ def test_the_endpoints_own_refusals(daemon: FakeDaemon) -> None:
     for path in ("/v1/unserve", "/v1/cluster/deactivate", "/v1/workers/alpha/restart"):
         assert refusal(call(daemon, "POST", path), 503)["code"] == "stopping"
     assert daemon.calls == []
+
+
+class Coordinating(FakeDaemon):
+    """A coordinator serving plan 4 over one peer that missed a secret rotation."""
+
+    def status(self) -> JSON:
+        self._called("status")
+        return {"daemon": {"pid": 1}, "healing": None, "serving": None,
+                "bringup": {"state": "active", "epoch": 4, "model": "/m", "peers": [
+                    {"stage": "stage-0", "node_id": "mac-b", "address": "10.0.0.2:19000",
+                     "layers": [0, 4], "state": "active"}]},
+                "workers": [{"name": "router", "role": "router", "state": "running"}],
+                "problems": []}
+
+    async def worker_stats(self) -> dict[str, JSON]:
+        return {"router": {"url": "http://h:1/v1", "tokens": 9, "tokens_per_s": 1.5,
+                           "stages": [{"stage": "stage-0", "layers": [0, 4],
+                                       "connected": True, "state": "attached", "error": None,
+                                       "since": 1.0, "address": "10.0.0.2:4000",
+                                       "rtt_ms": 0.5}]}}
+
+    def cluster_nodes(self) -> JSON:
+        self._called("cluster_nodes")
+        return {"key_id": KID, "liveness": [], "nodes": [
+            {"address": "10.0.0.2:19000", "node_id": "mac-b", "key_id": "ab" * 8,
+             "key_stale": True, "liveness": None}]}
+
+    def drains(self) -> list[JSON]:
+        self._called("drains")
+        return []
+
+    def rotation(self) -> JSON | None:
+        self._called("rotation")
+        return None
+
+
+def test_a_coordinators_status_carries_its_cluster_view_and_its_problems(
+        tmp_path: Path) -> None:
+    daemon = Coordinating(tmp_path)
+    try:
+        body = call(daemon, "GET", "/v1/status").json()
+    finally:
+        daemon.db.close()
+    view = body["pipeline"]
+    assert (view["epoch"], view["router"]["tokens_per_s"]) == (4, 1.5)
+    [stage] = view["stages"]
+    assert (stage["node_id"], stage["link"]["rtt_ms"], stage["peer"]["key_stale"]) == (
+        "mac-b", 0.5, True)
+    assert [p["subject"] for p in body["problems"]] == ["mac-b"]
+    # what the daemon keeps in memory or in its database: no peer is asked
+    assert daemon.calls == ["status", "cluster_nodes", "drains", "rotation"]

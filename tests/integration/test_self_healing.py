@@ -5,10 +5,14 @@ over the hosts alive (the spare), pushes it with a new epoch and serves mlx-lm's
 text from it; the host that comes back (SIGCONT) is told its plan is over and is not
 pulled in. Without a spare, and with memory for two stages but not one
 (``MLXCELD_TEST_MEMORY_AVAILABLE``), the heal is refused naming the memory missing and
-waits; the host's return ends the wait. Times are printed (``pytest -s``)."""
+waits; the host's return ends the wait, and meanwhile `mlxctl status` shows the cluster
+view (plan, stages attached with their round trips, peers alive, tokens/s) and the dead
+peer as a problem naming its node and the next command, at once. Times are printed
+(``pytest -s``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -181,10 +185,14 @@ def test_a_heal_that_does_not_fit_names_the_memory_missing_and_waits(
     for p in peers:
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     victim, survivor = peers[1], peers[0]
+    victim_agent = agent(victim)
+    victim_node = next(r["node_id"] for r in first["peers"] if r["address"] == victim_agent)
+    cluster_view_serving(coord, port, model, first)
     before = max(e["id"] for e in coord.events(1))
     with asleep(victim):
         refused = wait_for(lambda: event(coord, "heal.refused", before), HEAL_WAIT_S,
                            "the heal refused", every=0.1)
+        cluster_view_with_a_dead_peer(coord, victim_agent, victim_node)
         message = refused["message"]
         print(f"\nrefused: {message}")
         assert "plan refused: no split of 4 layers over 1 stages fits" in message, message
@@ -208,3 +216,73 @@ def test_a_heal_that_does_not_fit_names_the_memory_missing_and_waits(
     assert not [p for p in coord.status()["problems"] if p["subject"] == "healing"]
     wait_for(lambda: serves(port, model), HEAL_WAIT_S, "the old plan serving again", every=0.2)
     assert coord.status()["bringup"]["epoch"] == first["epoch"]
+
+
+STATUS_KEYS = {"schema", "version", "daemon", "serving", "cluster", "assignment", "bringup",
+               "healing", "agent", "workers", "problems", "pipeline"}
+
+
+def status_json(coord: DaemonProc) -> tuple[dict[str, Any], float]:
+    """`mlxctl status --json` (its schema pinned), and how long it took."""
+    started = time.monotonic()
+    out = coord.ctl("status", "--json")
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    body: dict[str, Any] = json.loads(out.stdout)
+    assert body["schema"] == "mlxctl.status/1" and set(body) == STATUS_KEYS, sorted(body)
+    return body, took
+
+
+def cluster_view_serving(coord: DaemonProc, port: int, model: Path,
+                         plan: dict[str, Any]) -> None:
+    """The cluster view of a healthy 2-stage pipeline: the plan, each stage attached with
+    its node and a heartbeat round trip, the peers alive, the router's tokens/s."""
+    assert complete(port, "llama") == expected(model, PROMPT, 8)
+
+    def measured() -> bool:
+        view = coord.status()["pipeline"]  # in-process: cheaper than mlxctl to poll
+        rate = (view["router"] or {}).get("tokens_per_s") if view else None
+        if not rate:  # a loaded machine: the completion left the 10 s window already
+            complete(port, "llama")
+        return bool(rate) and all((s["link"] or {}).get("rtt_ms") for s in view["stages"])
+    wait_for(measured, 30, "the view with tokens/s and both round trips", every=0.2)
+    view = status_json(coord)[0]["pipeline"]
+    assert (view["epoch"], view["state"]) == (plan["epoch"], "active")
+    assert view["router"]["url"] == f"http://127.0.0.1:{port}/v1"
+    assert [(s["stage"], s["node_id"], s["address"], s["layers"]) for s in view["stages"]] \
+        == [(r["stage"], r["node_id"], r["address"], r["layers"]) for r in plan["peers"]]
+    assert [s["link"]["state"] for s in view["stages"]] == ["attached", "attached"]
+    assert [s["peer"]["state"] for s in view["stages"]] == ["alive", "alive"]
+    assert all(s["peer"]["key_id"] == view["key_id"] and not s["peer"]["key_stale"]
+               for s in view["stages"])
+    text = coord.ctl("status").stdout
+    assert f"cluster: plan {plan['epoch']} (active)" in text, text
+    assert "tokens/s (the pipeline's, last 10 s)" in text and "health: ok" in text, text
+
+
+def cluster_view_with_a_dead_peer(coord: DaemonProc, victim: str, node: str) -> None:
+    """A plan's peer the detector holds dead: `mlxctl status` names its node, why, and the
+    next command, at once (no peer is asked: the silent host slows nothing down)."""
+    def of_victim(body: dict[str, Any]) -> dict[str, Any]:
+        return next(s for s in body["pipeline"]["stages"] if s["address"] == victim)
+
+    wait_for(lambda: of_victim(coord.status())["peer"]["state"] == "dead", 30,
+             "the view with the dead peer", every=0.2)
+    body, took = status_json(coord)
+    print(f"mlxctl status --json with a silent peer: {took:.2f} s")
+    assert took < 10, took  # the CLI's start included; nothing waits on the silent host
+    stage = of_victim(body)
+    assert stage["node_id"] == node
+    assert stage["peer"]["reason"].startswith("no answer to pings for"), stage
+    assert stage["link"]["state"] != "attached", stage
+    [dead] = [p for p in body["problems"] if p["subject"] == node]
+    assert dead["message"].startswith(f"node {node} ({victim}) of the active plan is dead "
+                                      "since "), dead
+    assert dead["next"].startswith(f"check the host of {victim}: awake"), dead
+    links = [p for p in body["problems"] if p["subject"] == stage["stage"]]  # its link's
+    assert links and all(p["message"].endswith(f"runs on node {node}, agent {victim})")
+                         for p in links), body["problems"]
+    text = coord.ctl("status").stdout
+    assert f"x node {node} ({victim}) of the active plan is dead since " in text, text
+    assert f"next: check the host of {victim}: awake" in text, text
+    assert f"{stage['stage']} ({node}): dead: no answer to pings for" in text, text

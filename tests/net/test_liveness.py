@@ -1,5 +1,6 @@
 """Liveness: a peer that answers nothing is noticed by the heartbeat within its bound, one that
-answers is kept; a write the peer does not take ends the stream; sockets keep TCP alive."""
+answers is kept (its round trip timed); a write the peer does not take ends the stream;
+sockets keep TCP alive."""
 
 from __future__ import annotations
 
@@ -68,10 +69,11 @@ def test_a_peer_that_answers_pings_is_kept_and_its_pongs_are_not_delivered() -> 
         while True:
             await stream.recv()  # answers pings on the way, sends nothing of its own
 
-    async def main() -> tuple[bool, list[bytes]]:
+    async def main() -> tuple[bool, list[bytes], float | None, float | None]:
         got: list[bytes] = []
         async with serving(quiet_but_alive) as lst:
             stream = await dial(lst.port)
+            before = stream.rtt_s  # no ping answered yet
             async with asyncio.TaskGroup() as tg:
                 beating = tg.create_task(watch(stream, SILENCE_S, "the test peer"))
 
@@ -85,12 +87,14 @@ def test_a_peer_that_answers_pings_is_kept_and_its_pongs_are_not_delivered() -> 
             # A pong to somebody else's ping (ours, sent by hand) is delivered.
             await stream.send(encode_envelope({"t": "ping", "id": 5}))
             got.append(await asyncio.wait_for(stream.recv(), 5))
+            rtt = stream.rtt_s  # the heartbeat's, timed; not changed by the pong to id 5
             await stream.close()
-        return alive, got
+        return alive, got, before, rtt
 
-    alive, got = run(main())
+    alive, got, before, rtt = run(main())
     assert alive
     assert got == [encode_envelope({"t": "pong", "id": 5})]
+    assert before is None and rtt is not None and 0 < rtt < SILENCE_S, rtt
 
 
 def test_a_write_the_peer_does_not_take_ends_the_stream_within_its_deadline() -> None:

@@ -157,15 +157,15 @@ def test_greedy_matches_mlx_lm(split_fixture_dir: Path, family: str,
     path = split_fixture_dir / family
     want = reference(path, PROMPT, 12)
 
-    async def go() -> list[int]:
+    async def go() -> tuple[list[int], int]:
         async with cluster(path, splits) as c:
             engine = c.engine(path)
             try:
-                return await tokens_of(engine, PROMPT, 12)
+                return await tokens_of(engine, PROMPT, 12), engine.tokens
             finally:
                 await engine.aclose()
 
-    assert asyncio.run(go()) == want
+    assert asyncio.run(go()) == (want, 12)  # and counted, for the router's tokens/s
 
 
 def test_concurrent_sequences_and_long_prompt(split_fixture_dir: Path) -> None:
@@ -294,6 +294,35 @@ def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
     assert after == reference(path, PROMPT, 3)
 
 
+def test_a_router_its_stages_refuse_is_told_so_by_node_never_by_address(
+        split_fixture_dir: Path) -> None:
+    """A router that is not the stages' coordinator (another cluster config): the stages
+    refuse its attach naming addresses; the client's error and ``/ready`` name the node."""
+    path = split_fixture_dir / "llama"
+    stranger = "127.0.0.1:19998"
+
+    async def go() -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = PipelineEngine(c.stages, keyring=keyring(SECRET), origin=stranger,
+                                    model_identity=model_identity(path), cluster="test",
+                                    model_id="m", context_length=4096, eos_token_ids=set())
+            try:
+                with pytest.raises(EngineUnavailable) as info:
+                    await tokens_of(engine, PROMPT, 2)
+                return str(info.value), engine.readiness(), engine.stages()
+            finally:
+                await engine.aclose()
+
+    message, ready, stats = asyncio.run(asyncio.wait_for(go(), 60))
+    assert message.startswith("stage stage-") and "refused to attach (not_coordinator)" \
+        in message, message
+    assert ready is not None and "refused to attach" in ready["message"]
+    said = f"{message} {ready}"
+    assert "127.0.0." not in said and COORD not in said and stranger not in said, said
+    assert {s["state"] for s in stats} == {"refused"}
+    assert all(s["address"].startswith("127.0.0.") for s in stats)  # the operator's view
+
+
 def test_a_stage_that_goes_away_fails_the_request_naming_it(split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
 
@@ -357,6 +386,8 @@ def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
                 await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
+                await until(lambda: all(s["rtt_ms"] for s in engine.stages()),
+                            "a heartbeat's round trip timed on both links", timeout=15)
                 await c.stop_stage(1)
                 await until(lambda: engine.stages()[1]["failures"] >= 3,
                             "stage-1 failing again and again", timeout=15)
@@ -380,6 +411,7 @@ def test_links_are_kept_up_in_the_background_and_logged_once_per_change(
     assert stages[0]["connected"] and stages[0]["state"] == "attached"
     assert stages[0]["error"] is None
     assert not stages[1]["connected"] and "stage-1" in stages[1]["error"]
+    assert 0 < stages[0]["rtt_ms"] < 3000 and stages[1]["rtt_ms"] is None  # not attached
     # Once each: attached, lost, unreachable, attached again; the retries only at debug.
     changes = [(level, text) for level, text in lines if level > logging.DEBUG]
     assert [level for level, _ in changes] == [logging.INFO, logging.WARNING,
@@ -437,6 +469,8 @@ def test_a_request_dials_on_demand_rather_than_waiting_for_the_backoff(
             linking = asyncio.ensure_future(engine.keep_linked())
             try:
                 await until(lambda: engine.readiness() is None, "both stages attached", timeout=15)
+                await until(lambda: all(s["rtt_ms"] for s in engine.stages()),
+                            "a heartbeat's round trip timed on both links", timeout=15)
                 await c.stop_stage(1)
                 await until(lambda: engine.stages()[1]["state"] == "unreachable",
                             "stage-1 unreachable, the background asleep", timeout=15)

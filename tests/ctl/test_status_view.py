@@ -1,0 +1,116 @@
+"""`mlxctl status`'s cluster view as text (``render.pipeline``, ``render.status``): pure,
+from a view as the daemon builds it (``control/clusterview.py``); no colour off a terminal."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlxctl import render
+
+NOW = 1_800_000_000.0
+
+
+def clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def shown(v: dict[str, Any]) -> list[str]:
+    return "\n".join(render.pipeline(v, NOW)).split("\n")  # the table is one string
+
+
+def view() -> dict[str, Any]:
+    link = {"state": "attached", "since": NOW - 60, "address": "127.0.0.2:4000",
+            "rtt_ms": 0.42, "error": None}
+    peer = {"state": "alive", "since": NOW - 300, "reason": "answered a ping",
+            "last_answer": NOW, "key_id": "00112233aabbccdd", "key_stale": False}
+    return {
+        "epoch": 7, "model": "/m/llama", "state": "active",
+        "router": {"worker": "router", "state": "running", "url": "http://127.0.0.1:8080/v1",
+                   "tokens": 480, "tokens_per_s": 12.5, "throughput_of": "pipeline"},
+        "stages": [
+            {"stage": "stage-0", "rank": 0, "node_id": "mac-b", "address": "127.0.0.2:19000",
+             "layers": [0, 2], "assignment": "active", "link": link, "peer": peer,
+             "drain": None},
+            {"stage": "stage-1", "rank": 1, "node_id": "mac-c", "address": "127.0.0.3:19000",
+             "layers": [2, 4], "assignment": "active",
+             "link": {**link, "state": "silent", "since": NOW - 20, "rtt_ms": None,
+                      "address": "127.0.0.3:4000",
+                      "error": "stage stage-1 is silent: nothing heard for 3.0 s"},
+             "peer": {**peer, "state": "dead", "since": NOW - 15, "key_stale": True,
+                      "reason": "no answer to pings for 10 s", "key_id": "ffeeddcc99887766"},
+             "drain": None}],
+        "other_peers": [{"address": "127.0.0.4:19000", "node_id": "mac-d", "state": "alive",
+                         "since": NOW - 300, "reason": "answered a ping", "last_answer": NOW,
+                         "key_id": "ffeeddcc99887766", "key_stale": True}],
+        "key_id": "00112233aabbccdd",
+        "drains": [{"node_id": "mac-b", "state": "draining", "started_at": NOW - 5,
+                    "deadline": NOW + 55, "force": False, "updated_at": NOW - 5,
+                    "reason": "", "finished": 2, "ended": 0}],
+        "healing": None,
+        "rotation": {"id": 3, "old_key_id": "ffeeddcc99887766",
+                     "new_key_id": "00112233aabbccdd", "members": ["a", "b"],
+                     "step": "using", "failures": {}, "started_at": NOW - 4,
+                     "updated_at": NOW, "in_progress": True},
+    }
+
+
+def test_the_view_shows_plan_router_throughput_and_each_stage() -> None:
+    lines = shown(view())
+    assert lines[:4] == [
+        "", "cluster: plan 7 (active) · model /m/llama",
+        "  router http://127.0.0.1:8080/v1 (running) · 12.5 tokens/s (the pipeline's, last "
+        "10 s)",
+        "stages of router: 1 of 2 attached"]
+    head, s0, s1 = lines[4:7]
+    assert head.split() == ["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS",
+                            "PEER", "PEER", "SINCE", "KEY"]
+    assert s0.split()[:9] == ["stage-0", "mac-b", "[0,", "2)", "attached", "1m00s", "0.4",
+                              "ms", "127.0.0.2:4000"]
+    assert f"alive  {clock(NOW - 300)} (5m00s ago)  00112233aabbccdd" in s0
+    assert s1.split()[:7] == ["stage-1", "mac-c", "[2,", "4)", "silent", "20s", "-"]
+    assert f"dead   {clock(NOW - 15)} (15s ago)    ffeeddcc99887766" in s1
+    assert lines[7:] == [
+        "  stage-1: stage stage-1 is silent: nothing heard for 3.0 s",
+        "  stage-1 (mac-c): dead: no answer to pings for 10 s",
+        f"peer mac-d (127.0.0.4:19000, no stage): alive since {clock(NOW - 300)} (5m00s "
+        "ago), key ffeeddcc99887766 (not ours: it missed a secret rotation)",
+        f"drain: node mac-b draining since {clock(NOW - 5)} (5s ago), deadline in 55s: 2 "
+        "finished, 0 ended",
+        f"secret rotation 3 to key 00112233aabbccdd: using (2 member(s), since "
+        f"{clock(NOW - 4)} (4s ago))"]
+
+
+def test_a_plan_without_a_router_and_a_finished_rotation() -> None:
+    v = view()
+    v["router"] = None
+    v["state"] = "pushing"
+    v["drains"] = []
+    v["other_peers"] = []
+    v["rotation"] = {**v["rotation"], "step": "done", "in_progress": False}
+    for s in v["stages"]:
+        s["link"] = None
+    lines = shown(v)
+    assert lines[1:4] == ["cluster: plan 7 (pushing) · model /m/llama",
+                          "  router not started", "stages of router: 0 of 2 attached"]
+    assert lines[5].split()[:8] == ["stage-0", "mac-b", "[0,", "2)", "-", "-", "-", "-"]
+    assert not any("rotation" in line or "drain" in line for line in lines)
+    v.update(epoch=None, state="planning", model=None, stages=[])
+    assert shown(v)[1:] == ["cluster: no plan yet (planning)", "  router not started"]
+    v["state"] = None  # a router over a written cluster config
+    assert shown(v)[1] == "cluster: a written cluster config"
+
+
+def test_status_shows_the_view_in_place_of_the_links_and_the_problems_below() -> None:
+    body = {"daemon": {"version": "1", "state": "running", "node_id": "coord", "pid": 9,
+                       "uptime_s": 5},
+            "workers": [], "serving": None, "cluster": None, "assignment": None,
+            "bringup": None, "healing": None, "pipeline": view(),
+            "problems": [{"subject": "mac-c", "message": "node mac-c (127.0.0.3:19000) of "
+                          "the active plan is dead since ...", "next": "check the host"}]}
+    text = render.status(body)
+    assert "cluster: plan 7 (active)" in text and "stages of router: 1 of 2 attached" in text
+    assert text.endswith("health: 1 problem(s)\n  x node mac-c (127.0.0.3:19000) of the "
+                         "active plan is dead since ...\n    next: check the host")
+    body["pipeline"] = None  # a peer, or an older daemon: the router's links as before
+    assert "cluster: plan" not in render.status(body)
