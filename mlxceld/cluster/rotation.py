@@ -25,7 +25,8 @@ keyring, its event, its workers told at once: ``Daemon.push_keyring``). Whoever 
 the cluster secret may ask: the key ops are what the secret already grants.
 
 Deadlines: an ask is ``CONNECT_BUDGET_S`` (5 s) to connect and authenticate, then
-``ANSWER_TIMEOUT_S`` (15 s: the member tells its workers first) for the answer. Before
+``ANSWER_TIMEOUT_S`` (15 s: the member tells its workers first; plus ``HANDOVER_S`` for
+``key_remove``, below) for the answer. Before
 starting, every member is asked ``key_report`` once: one that does not answer refuses
 the rotation (``RotationRefused`` naming every such member; nothing changed anywhere).
 Within a step a member that fails is asked again every ``RETRY_S`` (1 s) until
@@ -36,6 +37,18 @@ done, so the old key stays installed where it was not removed).
 
 The rotator writes each step (``state/rotations.py``) before it asks anything of it,
 and resumes an unfinished rotation when its daemon starts (``Rotator.resume``).
+
+Nothing in flight is lost (issue 16: rotation under load): at ``use`` every worker
+hands its outgoing streams over to the new primary (``pipeline/links.py``: the router's
+links send new sequences over a new stream and finish the old one when its last
+sequence ends; ``net/redialer.py``: stage-to-stage streams, at once, in order). Before a
+member removes the old key (``key_remove``, and the rotator's own removal) it waits
+until none of its workers has a stream left under it (``KeyOps.streams_under``, polled
+every ``HANDOVER_POLL_S``), at most ``HANDOVER_S`` (30 s: the longest a sequence that
+began before ``use`` may still run); what is still under the old key then is cut (the
+streams end, their owners re-dial under the new key, and a sequence on them fails with
+an error naming its stage), with a warning naming each worker. The removal's answer may
+take ``ANSWER_TIMEOUT_S + HANDOVER_S``.
 """
 
 from __future__ import annotations
@@ -64,6 +77,8 @@ CONNECT_BUDGET_S: Final = 5.0
 ANSWER_TIMEOUT_S: Final = 15.0
 RETRY_S: Final = 1.0
 STEP_S: Final = 30.0
+HANDOVER_S: Final = 30.0  # a key's streams may take this long to hand over (see above)
+HANDOVER_POLL_S: Final = 0.2
 ANSWERS: Final = {"key_state": MessageSpec(), "error": MessageSpec()}
 MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
 #: The crash point after each step with an action (``failpoints.py``): every member did
@@ -79,6 +94,7 @@ class KeyOps(Protocol):
     async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
     async def use_secret(self, kid: str) -> JSON: ...
     async def remove_secret(self, kid: str) -> JSON: ...
+    async def streams_under(self, kid: str) -> dict[str, int]: ...
 
 
 class AskFailed(Exception):
@@ -121,8 +137,24 @@ async def _apply(ops: KeyOps, message: Envelope) -> None:
         if message.type == "key_use":
             await ops.use_secret(kid)
         else:
+            await handed_over(ops, kid)
             with contextlib.suppress(UnknownKey):  # removed already: what was asked is true
                 await ops.remove_secret(kid)
+
+
+async def handed_over(ops: KeyOps, kid: str) -> dict[str, int]:
+    """Wait until no worker has a stream under ``kid``, at most ``HANDOVER_S``; what is
+    left then (by worker, logged: removing the key cuts those streams)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HANDOVER_S
+    while (left := await ops.streams_under(kid)) and loop.time() < deadline:
+        await asyncio.sleep(HANDOVER_POLL_S)
+    if left:
+        log.warning("key %s is removed while %s still use it after %g s: those streams "
+                    "end, and the sequences on them fail", kid,
+                    ", ".join(f"worker {w} ({n} stream(s))" for w, n in sorted(left.items())),
+                    HANDOVER_S)
+    return left
 
 
 def key_state(keyring: Keyring) -> dict[str, Any]:
@@ -143,12 +175,13 @@ async def ask(identity: str, keyring: Keyring, address: str, message: dict[str, 
                                   budget_s=CONNECT_BUDGET_S)
     except HandshakeFailed as exc:
         raise AskFailed(f"{exc.kind}: {exc.message}") from exc
+    timeout = ANSWER_TIMEOUT_S + (HANDOVER_S if message.get("t") == "key_remove" else 0.0)
     try:
-        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+        async with asyncio.timeout(timeout):
             await stream.send(encode_envelope(message))
             got = parse_envelope(await stream.recv(), ANSWERS)
     except TimeoutError:
-        raise AskFailed(f"no answer within {ANSWER_TIMEOUT_S:g} s") from None
+        raise AskFailed(f"no answer within {timeout:g} s") from None
     except ConnectionClosed as exc:
         raise AskFailed(f"closed: {exc.message}") from exc
     except EnvelopeError as exc:
@@ -321,6 +354,7 @@ class Rotator:
         if step == Step.USING:
             await self._ops.use_secret(new)
         elif step == Step.REMOVING and bytes.fromhex(old) in self._keyring:
+            await handed_over(self._ops, old)
             await self._ops.remove_secret(old)
         return key_state(self._keyring)
 

@@ -128,6 +128,12 @@ class PipelineEngine:
         """Connect and attach every stage that is not (raises ``EngineUnavailable``)."""
         await asyncio.gather(*(link.ensure() for link in self._links))
 
+    def rekey(self) -> None:
+        """The keyring's primary changed: each link hands new sequences over to a stream
+        under it, in the background (links.py); running sequences finish where they are."""
+        for link in self._links:
+            link.rekey()
+
     async def keep_linked(self) -> None:
         """Keep every stage attached, re-dialing broken links, until cancelled."""
         async with asyncio.TaskGroup() as tg:

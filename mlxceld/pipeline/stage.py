@@ -29,6 +29,9 @@ stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
 long (asleep, off the network) is dropped and dialed afresh at the next send, and a
 send the stage does not take within ``mlxceld.net.stream.WRITE_TIMEOUT_S`` fails
 (the owner is told ``downstream_unreachable``) instead of holding this stage's loop.
+When the keyring's primary changes (a secret rotation's ``use``: ``rekey``), both
+connections are handed over to streams under the new primary without losing a message
+(``Redialer.hand_over``), so the rotation's removal of the old key cuts nothing here.
 
 Draining (``drain``, when the worker is told to stop: SIGTERM): the stage refuses
 every new ``prepare`` with ``draining`` (the router answers 503 naming the stage)
@@ -145,6 +148,7 @@ class StageService:
         self.busy_since: float | None = None  # time.monotonic() when _pending left 0
         self.draining = False  # stopping: no new sequence (``drain``)
         self._released = asyncio.Event()  # set when a sequence is forgotten (``drain``)
+        self._rekeyed = asyncio.Event()  # the keyring's primary changed (``rekey``)
 
     def activate(self) -> None:
         """Leave standby: the weights are loaded already, so this is only a switch."""
@@ -177,6 +181,26 @@ class StageService:
             log.info("stage %s drained: its %d sequence(s) finished", self._place.node_id,
                      held)
         return left
+
+    def rekey(self) -> None:
+        """The keyring's primary changed: hand the streams to the next and the first stage
+        over to streams under it (``Redialer.hand_over``), in the background."""
+        self._rekeyed.set()
+
+    async def _hand_over(self) -> None:
+        """Run each ``rekey``'s handovers; one that cannot dial leaves the old stream in use
+        (until its key is removed: then the next send dials under the primary)."""
+        while True:
+            await self._rekeyed.wait()
+            self._rekeyed.clear()
+            for dialer in (self._down, self._ring):
+                if dialer.target is None:
+                    continue
+                try:
+                    await dialer.hand_over()
+                except NetError as exc:
+                    log.warning("stage %s: the %s stays on its old key for now: %s",
+                                self._place.node_id, dialer.what, exc)
 
     def _forget(self, seq_id: str) -> None:
         """The sequence's cache is freed (released, failed, its owner gone)."""
@@ -337,6 +361,7 @@ class StageService:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._down.run())
                 tg.create_task(self._ring.run())
+                tg.create_task(self._hand_over())
                 await self._take_and_run()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -427,8 +452,7 @@ class StageService:
 
     async def _send_on(self, dialer: Redialer, work: _Work, message: bytes) -> None:
         try:
-            stream = await dialer.stream()
-            await stream.send(message)
+            await dialer.send(message)
         except (ConnectionClosed, NetError) as exc:
             dialer.forget()
             self._forget(work.seq_id)
