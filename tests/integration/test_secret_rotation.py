@@ -1,8 +1,10 @@
 """`mlxctl secret rotate` over real daemons on 127.0.0.1-3 with static peers (issue 16,
 cluster-wide secret rotation): refused naming a member that is down, with nothing
 changed; done once it is back (every member's primary the new key, the old one removed
-everywhere); and a rotator killed with SIGKILL after a step (fail point
-``rotator-after-using``) finishes the rotation by itself when it starts again."""
+everywhere), and a member restarted with its old secret file stays on the new key (the
+file is stale: a warning and an event tell the operator to update it); and a rotator
+killed with SIGKILL after a step (fail point ``rotator-after-using``) finishes the
+rotation by itself when it starts again."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 from mlxceld.wire.secret import key_id
 
-from helpers.cluster import agent, start
+from helpers.cluster import POLL_WAIT_S, agent, by_address, start
 from helpers.daemons import DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.ports import free_port
@@ -64,6 +66,19 @@ def test_refused_while_a_member_is_down_then_done_everywhere(daemons: Daemons) -
         "rotation.verifying_use", "rotation.removing", "rotation.done"]
     for d in (a, b, c):  # the secret went to no log
         assert new.decode() not in d.stderr() and new.hex() not in d.stderr()
+
+    # c restarted with its old --cluster-secret-file: the keyring the rotation updated
+    # wins over a file naming the key it retired, and c is told to update the file.
+    stale = c.root / "cluster.secret"
+    assert c.terminate() == 0
+    c.start("--cluster-secret-file", str(stale), "--agent-addr", c_addr)
+    assert keys(c) == {new_id: "primary"}
+    warned = [line for line in c.stderr().splitlines() if f"{old_id} from" in line]
+    assert warned and str(stale) in warned[-1] and "update the file" in warned[-1], warned
+    event = [e for e in c.events() if e["kind"] == "secret.stale_file"][-1]
+    assert str(stale) in event["message"] and new_id in event["message"]
+    wait_for(lambda: (r := by_address(a).get(c_addr, {})).get("key_id") == new_id
+             and r.get("key_stale") is False, POLL_WAIT_S, "c current on a", every=0.2)
 
 
 def test_a_rotator_killed_after_a_step_finishes_the_rotation_when_restarted(
