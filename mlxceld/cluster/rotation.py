@@ -40,15 +40,16 @@ and resumes an unfinished rotation when its daemon starts (``Rotator.resume``).
 
 Nothing in flight is lost (issue 16: rotation under load): at ``use`` every worker
 hands its outgoing streams over to the new primary (``pipeline/links.py``: the router's
-links send new sequences over a new stream and finish the old one when its last
-sequence ends; ``net/redialer.py``: stage-to-stage streams, at once, in order). Before a
-member removes the old key (``key_remove``, and the rotator's own removal) it waits
-until none of its workers has a stream left under it (``KeyOps.streams_under``, polled
-every ``HANDOVER_POLL_S``), at most ``HANDOVER_S`` (30 s: the longest a sequence that
-began before ``use`` may still run); what is still under the old key then is cut (the
-streams end, their owners re-dial under the new key, and a sequence on them fails with
-an error naming its stage), with a warning naming each worker. The removal's answer may
-take ``ANSWER_TIMEOUT_S + HANDOVER_S``.
+links send new sequences over a new stream, move the running ones there as soon as
+their prompt is sent, and finish the old stream once none is left on it;
+``net/redialer.py``: stage-to-stage streams, at once, in order), however long the
+sequences run. Before a member removes the old key (``key_remove``, and the rotator's
+own removal) it waits until none of its workers has a stream left under it
+(``KeyOps.streams_under``, polled every ``HANDOVER_POLL_S``), at most ``HANDOVER_S``
+(30 s: a prompt being sent at ``use``, a handover that has to dial again); what is
+still under the old key then is cut (the streams end, their owners re-dial under the
+new key, and a sequence on them fails with an error naming its stage), with a warning
+naming each worker. The removal's answer may take ``ANSWER_TIMEOUT_S + HANDOVER_S``.
 """
 
 from __future__ import annotations

@@ -160,6 +160,8 @@ class PipelineEngine:
                 last_chunk = start + p.PREFILL_CHUNK >= len(prompt)
                 await self._run(seq, step, chunk, sample=last_chunk)
                 step += 1
+            for link in self._links:  # a handover may move it now (links.py)
+                await link.decoding(seq)
             produced = 0
             pending = len(prompt[-p.PREFILL_CHUNK:])
             while True:  # the stages run step, step + 1, ... on their own (see above)

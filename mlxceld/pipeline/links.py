@@ -27,13 +27,17 @@ for a dial to a host that does not answer.
 
 Handover (``rekey``: the keyring's primary changed, a secret rotation's ``use``): the
 link dials and attaches a second stream under the new primary in the background and
-sends every new sequence over it; each sequence stays on the stream it was prepared on
-(``track`` pins it: its commands go there, the stage answers there), and the old
-stream is finished (our close frame, then the stage's, nothing in flight lost) once
-its last sequence ends. So when the rotation removes the old key, no stream of ours is
-under it and nothing is cut. A handover that cannot dial leaves the old stream in use
-and is tried again with the link's backoff; a stream that ends fails only the
-sequences pinned to it.
+sends every new sequence over it. A sequence is pinned to the stream it was prepared on
+(``track``: its commands go there, the stage answers there) until it moves: once its
+prompt is sent (``decoding``) it is *adopted* over the new stream (``adopt``; the stage
+answers ``adopted`` over the old one after everything it sent there, and what the new
+stream brings for the sequence before that is held back, so its tokens stay in order).
+The old stream is finished (our close frame, then the stage's, nothing in flight lost)
+once no sequence is left on it: at once, or after the prompts being sent end. So a
+long sequence does not keep the old key in use, and when the rotation removes it no
+stream of ours is under it and nothing is cut. A handover that cannot dial leaves the
+old stream in use and is tried again with the link's backoff; a stream that ends fails
+only the sequences pinned to it.
 
 What a client may read (``EngineUnavailable``, ``/ready``, the connectivity's
 error) names the stage by its node id, never by its address; the log lines, for
@@ -120,7 +124,10 @@ class StageLink:
         self._readers: set[asyncio.Task[None]] = set()  # one per stream, old ones included
         self._lock = asyncio.Lock()  # one attempt at a time
         self._attempts = 0  # attempts finished, so a waiter knows it may share an outcome
-        self._pinned: dict[str, MxclStream] = {}  # sequence -> the stream it was prepared on
+        self._pinned: dict[str, MxclStream] = {}  # sequence -> the stream it is on
+        self._decoding: set[str] = set()  # sequences whose prompt is sent: they may move
+        self._adopting: dict[str, MxclStream] = {}  # sequence -> the stream it moves to
+        self._held: dict[str, list[Envelope]] = {}  # what the new stream brought meanwhile
         self._closing = False
         self.conn = connectivity or Connectivity()
 
@@ -222,12 +229,55 @@ class StageLink:
                             f" [{exc.__cause__}]" if exc.__cause__ else "")
                 raise EngineUnavailable(exc.message) from exc
             self._install(new)
-            left = sum(1 for s in self._pinned.values() if s is old)
-            log.info("%s handed over to key %s; the stream under key %s ends %s",
-                     self.stage.where(), new.key_id.hex(), old.key_id.hex(),
-                     f"after its {left} sequence(s)" if left else "now")
-            if not left:
-                old.finish(_HANDED_OVER)
+            on_old = [q for q, s in self._pinned.items() if s is old]
+            moving = [q for q in on_old if q in self._decoding]
+            log.info("%s handed over to key %s; of the %d sequence(s) on the stream under "
+                     "key %s, %d move over, the others end there", self.stage.where(),
+                     new.key_id.hex(), len(on_old), old.key_id.hex(), len(moving))
+            for seq in moving:
+                await self._adopt(seq)
+            self._finish_if_done(old)
+
+    async def decoding(self, seq: str) -> None:
+        """``seq``'s prompt is sent: from now on it may move to the current stream."""
+        self._decoding.add(seq)
+        if self._pinned.get(seq, self._stream) is not self._stream:
+            await self._adopt(seq)
+
+    async def _adopt(self, seq: str) -> None:
+        """Ask the stage to answer ``seq`` over the current stream (see the module doc);
+        a failed send leaves it where it is."""
+        new = self._stream
+        if new is None or seq in self._adopting:
+            return
+        self._adopting[seq] = new
+        try:
+            await new.send(encode_envelope({"t": "adopt", "seq": seq}))
+        except ConnectionClosed:
+            self._adopting.pop(seq, None)
+
+    def _adopted(self, seq: str, old: MxclStream) -> None:
+        """The stage sent ``seq``'s last message over ``old``: deliver what the new stream
+        brought meanwhile, and finish ``old`` if that was its last sequence."""
+        new = self._adopting.pop(seq, None)
+        held = self._held.pop(seq, [])
+        if new is None or self._pinned.get(seq) is not old:
+            return
+        self._pinned[seq] = new
+        inbox = self._inboxes(seq)
+        for env in held:
+            if inbox is not None:
+                inbox.put_nowait((self.stage.rank, env))
+        self._finish_if_done(old)
+
+    def _finish_if_done(self, stream: MxclStream) -> None:
+        """Finish a handed-over stream that no sequence uses any more."""
+        if stream is self._stream or stream.closed or stream.finishing \
+                or any(s is stream for s in self._pinned.values()):
+            return
+        log.info("%s: no sequence is left on the stream under key %s; finishing it",
+                 self.stage.where(), stream.key_id.hex())
+        stream.finish(_HANDED_OVER)
 
     async def _attempt(self) -> None:
         if self._closing:
@@ -336,12 +386,11 @@ class StageLink:
     def untrack(self, seq: str) -> None:
         """``seq`` ended; a handed-over stream whose last sequence it was is finished."""
         stream = self._pinned.pop(seq, None)
-        if stream is None or stream is self._stream or stream.closed \
-                or any(s is stream for s in self._pinned.values()):
-            return
-        log.info("%s: the stream under key %s carried its last sequence; finishing it",
-                 self.stage.where(), stream.key_id.hex())
-        stream.finish(_HANDED_OVER)
+        self._decoding.discard(seq)
+        self._adopting.pop(seq, None)
+        self._held.pop(seq, None)
+        if stream is not None:
+            self._finish_if_done(stream)
 
     async def _read(self, stream: MxclStream) -> None:
         """Deliver what the stage sends, with a heartbeat beside; when the stream ends,
@@ -368,6 +417,13 @@ class StageLink:
                 log.warning("%s sent a bad message: %s", self.stage.where(), exc.reason)
                 continue
             seq = env.header.get("seq")
+            if isinstance(seq, str):
+                if env.type == "adopted":
+                    self._adopted(seq, stream)
+                    continue
+                if self._adopting.get(seq) is stream:  # moving here: after ``adopted``
+                    self._held.setdefault(seq, []).append(env)
+                    continue
             inbox = self._inboxes(seq) if isinstance(seq, str) else None
             if inbox is None:
                 if env.type == "error":
@@ -386,8 +442,12 @@ class StageLink:
         else:
             message = f"{self.stage.name()} is unavailable: {_why(ended)}"
         failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
-        for seq in [q for q, s in self._pinned.items() if s is stream]:
-            del self._pinned[seq]
+        lost = {q for q, s in self._pinned.items() if s is stream}
+        lost |= {q for q, s in self._adopting.items() if s is stream}  # were moving here
+        for seq in lost:
+            self._pinned.pop(seq, None)
+            self._adopting.pop(seq, None)
+            self._held.pop(seq, None)
             inbox = self._inboxes(seq)
             if inbox is not None:
                 inbox.put_nowait(failure)

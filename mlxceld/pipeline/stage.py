@@ -12,10 +12,13 @@ short a time delays nothing that matters. Prefill chunks always go to the
 compute thread, so the loop keeps answering while a long prompt runs.
 
 Each sequence keeps its own KV cache until it is released, its owner's
-connection closes, or the stage stops. The last stage continues each sequence
-it samples for: it sends the token to the owner and, unless the token ends the
-sequence or ``max_tokens`` are reached, to the first stage as the next step
-(``next``), so decode steps go round the stages without the coordinator.
+connection closes, or the stage stops. Its owner may move it to another of its
+connections (``adopt``: a handover to a new key, ``links.py``): ``adopted`` goes
+over the old one, after all the sequence's messages there, and the rest over the new.
+The last stage continues each sequence it samples for: it sends the token to
+the owner and, unless the token ends the sequence or ``max_tokens`` are reached,
+to the first stage as the next step (``next``), so decode steps go round the
+stages without the coordinator.
 
 Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
 and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
@@ -323,6 +326,11 @@ class StageService:
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
             self._forget(seq_id)
+        elif env.type == "adopt":
+            if current is not None and current.stream is not stream:
+                await _send_quietly(current.stream, encode_envelope(
+                    {"t": "adopted", "seq": seq_id}))
+                current.stream = stream  # what it sends from now on goes here
         elif env.type == "run":
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
