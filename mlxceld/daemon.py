@@ -322,7 +322,7 @@ class Daemon:
         removes the old key once there are none, ``cluster/rotation.py``)."""
         return await self.supervisor.streams_under(kid)
 
-    async def rotate_secret(self, secret: bytes) -> JSON:
+    async def rotate_secret(self, secret: bytes | None) -> JSON:
         return await self.member.rotate(secret)
 
     def rotation(self) -> JSON | None:

@@ -56,6 +56,12 @@ Fault points (the coordinator's offers lie, so that a peer's check refuses):
 ``offer-coordinator``
     offers name another coordinator than the one the handshake binds
 
+Fault point of a secret rotation's member (``cluster/rotation.py``):
+
+``member-refuses-key-use``
+    a member asked ``key_use`` by a rotator answers an error (as one whose keyring
+    cannot be changed would), so that the rotation fails at ``using`` naming it
+
 Fault point of the supervisor:
 
 ``worker-kill-lost``
@@ -73,6 +79,10 @@ re-sending ``activate`` to a peer that is not active (600 s), so that a test of
 a push that ends stalled (``Phase.STALLED``) and is picked up by the peer's
 ``query`` ends in seconds. Either one set to anything but a positive number of
 seconds makes the daemon refuse to start (``ConfigError`` naming it, exit 2).
+
+``MLXCELD_TEST_ROTATION_STEP_S`` (seconds, > 0; test only too) replaces
+``rotation.STEP_S``, how long a rotation's step asks a member that fails it again (30 s),
+so that a test of a member failing a step ends in seconds.
 
 ``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
@@ -97,6 +107,7 @@ log = logging.getLogger(__name__)
 ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
+ROTATION_STEP_ENV: Final = "MLXCELD_TEST_ROTATION_STEP_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
@@ -106,7 +117,7 @@ CRASH_POINTS: Final = frozenset({
     "rotator-after-removing"})
 FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
                                  "offer-layer-count", "offer-coordinator",
-                                 "worker-kill-lost"})
+                                 "worker-kill-lost", "member-refuses-key-use"})
 KNOWN: Final = CRASH_POINTS | FAULT_POINTS
 
 
@@ -129,6 +140,12 @@ def parse_wait(environ: Mapping[str, str]) -> float | None:
 def parse_activate_for(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_ACTIVATE_FOR_S`` as seconds, None when unset; ``ConfigError`` if bad."""
     return _seconds(environ, ACTIVATE_ENV, "the documented 600 s of re-sent activates")
+
+
+def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_ROTATION_STEP_S`` as seconds, None when unset; ``ConfigError`` if
+    bad."""
+    return _seconds(environ, ROTATION_STEP_ENV, "the documented 30 s of a rotation's step")
 
 
 def parse_memory(environ: Mapping[str, str]) -> int | None:
@@ -159,6 +176,7 @@ def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | Non
 ACTIVE: Final = parse(os.environ)
 PEER_WAIT_S: Final = parse_wait(os.environ)
 ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
+ROTATION_STEP_S: Final = parse_rotation_step(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 
 

@@ -123,3 +123,38 @@ def rotation_on_disk(d: DaemonProc) -> dict[str, Any]:
                                             uri=True)) as conn:
         conn.row_factory = sqlite3.Row
         return dict(conn.execute("select * from rotations order by id desc limit 1").fetchone())
+
+
+def test_a_member_failing_a_step_fails_the_rotation_and_a_rerun_finishes_it(
+        daemons: Daemons) -> None:
+    old = secrets.token_hex(16).encode()
+    old_id = key_id(old).hex()
+    b_addr = f"127.0.0.2:{free_port('127.0.0.2')}"
+    b = daemons.make(name="b")
+    b_file = secret_file(b.root, old)
+    b.start("--cluster-secret-file", str(b_file), "--agent-addr", b_addr,
+            env={"MLXCELD_FAILPOINT": "member-refuses-key-use"})
+    a = start(daemons, "127.0.0.1", old, "--cluster-peers", b_addr, name="a",
+              env={"MLXCELD_TEST_ROTATION_STEP_S": "2"})
+
+    failed = a.ctl("secret", "rotate", timeout=ROTATE_S)
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    assert f"member {b_addr} failed using" in failed.stderr, failed.stderr
+    assert "fail point member-refuses-key-use" in failed.stderr
+    assert "run `mlxctl secret rotate` again (without --new-secret-file" in failed.stderr
+    row = rotation(a)
+    assert row is not None and row["step"] == "failed"
+    new_id = row["new_key_id"]
+    assert keys(b) == {old_id: "primary", new_id: "installed"}  # installed, not used
+
+    assert b.terminate() == 0
+    b.start("--agent-addr", b_addr)  # back, without the fault
+    done = a.ctl("secret", "rotate", "--json", timeout=ROTATE_S)
+    assert done.returncode == 0, (done.stdout, done.stderr, a.stderr()[-3000:])
+    again = json.loads(done.stdout)["rotation"]
+    assert (again["id"], again["new_key_id"], again["step"]) == (row["id"], new_id, "done")
+    for d in (a, b):
+        assert keys(d) == {new_id: "primary"}, d.root
+    kinds = [e["kind"] for e in a.events() if e["kind"].startswith("rotation.")]
+    assert kinds[-5:] == ["rotation.failed", "rotation.retried", "rotation.verifying_use",
+                          "rotation.removing", "rotation.done"], kinds
