@@ -128,6 +128,7 @@ class StageLink:
         self._decoding: set[str] = set()  # sequences whose prompt is sent: they may move
         self._adopting: dict[str, MxclStream] = {}  # sequence -> the stream it moves to
         self._held: dict[str, list[Envelope]] = {}  # what the new stream brought meanwhile
+        self._handover_failing = False  # the last handover could not attach (logged once)
         self._closing = False
         self.conn = connectivity or Connectivity()
 
@@ -223,11 +224,14 @@ class StageLink:
                 return
             try:
                 new = await self._open()
-            except _OpenFailed as exc:
-                log.warning("%s stays on key %s for now: %s%s", self.stage.where(),
-                            old.key_id.hex(), exc.message,
-                            f" [{exc.__cause__}]" if exc.__cause__ else "")
+            except _OpenFailed as exc:  # logged once, then at debug level until it works
+                log.log(logging.DEBUG if self._handover_failing else logging.WARNING,
+                        "%s stays on key %s for now (retrying in the background): %s%s",
+                        self.stage.where(), old.key_id.hex(), exc.message,
+                        f" [{exc.__cause__}]" if exc.__cause__ else "")
+                self._handover_failing = True
                 raise EngineUnavailable(exc.message) from exc
+            self._handover_failing = False
             self._install(new)
             on_old = [q for q, s in self._pinned.items() if s is old]
             moving = [q for q in on_old if q in self._decoding]

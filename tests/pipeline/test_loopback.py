@@ -638,3 +638,38 @@ def test_sequences_move_to_the_new_primary_key_mid_decode(split_fixture_dir: Pat
                 await engine.aclose()
 
     assert asyncio.run(go()) == [want] * 3
+
+
+def test_a_handover_the_stages_refuse_keeps_the_old_stream_and_warns_once(
+        split_fixture_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's primary changes to a key the stages do not hold (a `mlxctl secret use`
+    on the router's host only): each link stays on its stream under the old key, requests
+    go on being served, and the refused handover is warned about once per link, not at
+    every retry."""
+    path = split_fixture_dir / "llama"
+    want = reference(path, PROMPT, 4)
+    new = b"pipeline-test-secret-new-abcdefgh"
+    ours = keyring(SECRET, new)
+
+    async def go() -> list[int]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:  # the stages hold SECRET only
+            engine = PipelineEngine(c.stages, keyring=ours, origin=COORD,
+                                    model_identity=model_identity(path), cluster="test",
+                                    model_id="m", context_length=4096, eos_token_ids=set(),
+                                    retry_s=(0.05, 0.1))
+            linking = asyncio.ensure_future(engine.keep_linked())
+            try:
+                assert await tokens_of(engine, PROMPT, 4) == want
+                ours.replace_all(new, [SECRET])
+                engine.rekey()
+                await asyncio.sleep(1.0)  # about ten refused handovers per link
+                return await tokens_of(engine, PROMPT, 4)
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    with caplog.at_level(logging.DEBUG, logger="mlxceld.pipeline.links"):
+        assert asyncio.run(go()) == want
+    tries = [r for r in caplog.records if "stays on key" in r.getMessage()]
+    assert [r.levelno for r in tries].count(logging.WARNING) == 2, tries  # once per link
+    assert len(tries) > 4  # it kept trying
