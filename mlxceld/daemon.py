@@ -317,7 +317,12 @@ class Daemon:
         key = self.keys.remove(kid)
         return {**key, "workers": await self.push_keyring()}
 
-    async def rotate_secret(self, secret: bytes) -> JSON:
+    async def streams_under(self, kid: str) -> dict[str, int]:
+        """Workers with open MXCL streams under key id ``kid``: how many (a rotation
+        removes the old key once there are none, ``cluster/rotation.py``)."""
+        return await self.supervisor.streams_under(kid)
+
+    async def rotate_secret(self, secret: bytes | None) -> JSON:
         return await self.member.rotate(secret)
 
     def rotation(self) -> JSON | None:

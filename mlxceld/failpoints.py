@@ -56,6 +56,12 @@ Fault points (the coordinator's offers lie, so that a peer's check refuses):
 ``offer-coordinator``
     offers name another coordinator than the one the handshake binds
 
+Fault point of a secret rotation's member (``cluster/rotation.py``):
+
+``member-refuses-key-use``
+    a member asked ``key_use`` by a rotator answers an error (as one whose keyring
+    cannot be changed would), so that the rotation fails at ``using`` naming it
+
 Fault point of the supervisor:
 
 ``worker-kill-lost``
@@ -78,6 +84,10 @@ seconds makes the daemon refuse to start (``ConfigError`` naming it, exit 2).
 ``control.server.FOLLOWER_STALL_S``, how long a control API stream (``mlxctl events
 -f``) whose reader takes nothing is kept (30 s), so that a test of a stopped follower
 ends in seconds; refused at start as the two above when it is not a positive number.
+
+``MLXCELD_TEST_ROTATION_STEP_S`` (seconds, > 0; test only too) replaces
+``rotation.STEP_S``, how long a rotation's step asks a member that fails it again (30 s),
+so that a test of a member failing a step ends in seconds.
 
 ``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
@@ -102,6 +112,7 @@ log = logging.getLogger(__name__)
 ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
+ROTATION_STEP_ENV: Final = "MLXCELD_TEST_ROTATION_STEP_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
 CRASH_POINTS: Final = frozenset({
@@ -112,7 +123,7 @@ CRASH_POINTS: Final = frozenset({
     "rotator-after-removing"})
 FAULT_POINTS: Final = frozenset({"offer-assignment-version", "offer-package-version",
                                  "offer-layer-count", "offer-coordinator",
-                                 "worker-kill-lost"})
+                                 "worker-kill-lost", "member-refuses-key-use"})
 KNOWN: Final = CRASH_POINTS | FAULT_POINTS
 
 
@@ -140,6 +151,12 @@ def parse_activate_for(environ: Mapping[str, str]) -> float | None:
 def parse_follower_stall(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_FOLLOWER_STALL_S`` as seconds, None when unset; ``ConfigError`` if bad."""
     return _seconds(environ, STALL_ENV, "the documented 30 s")
+
+
+def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_ROTATION_STEP_S`` as seconds, None when unset; ``ConfigError`` if
+    bad."""
+    return _seconds(environ, ROTATION_STEP_ENV, "the documented 30 s of a rotation's step")
 
 
 def parse_memory(environ: Mapping[str, str]) -> int | None:
@@ -170,6 +187,7 @@ def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | Non
 ACTIVE: Final = parse(os.environ)
 PEER_WAIT_S: Final = parse_wait(os.environ)
 ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
+ROTATION_STEP_S: Final = parse_rotation_step(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 

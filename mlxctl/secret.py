@@ -117,14 +117,17 @@ def rotate(
     ctx: typer.Context,
     new_secret_file: Annotated[Path | None, typer.Option(
         "--new-secret-file", help="The new secret (mode 0600, one trailing newline trimmed, "
-        "at least 16 bytes remain). Without it the daemon generates one.")] = None,
+        "at least 16 bytes remain). Without it the latest rotation, if it failed, is "
+        "taken up again at the step it failed; else the daemon generates one.")] = None,
     socket: SocketOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Rotate the cluster secret on this daemon and every peer it knows (mlxctl cluster
     nodes): install the new secret everywhere, verify, make it the primary everywhere,
     verify, remove the old one. Refused, changing nothing, while a member is unreachable;
-    exit 1 naming every member that failed a step. A daemon killed meanwhile resumes the
-    rotation when it starts again (mlxctl secret list --json shows its step)."""
+    exit 1 naming every member that failed a step; run it again (without
+    --new-secret-file) once they are back to finish that rotation. A daemon killed
+    meanwhile resumes the rotation when it starts again (mlxctl secret list --json shows
+    its step)."""
     secret = None
     if new_secret_file is not None:
         secret = _read_secret(new_secret_file, as_json, private=True)

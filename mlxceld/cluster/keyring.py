@@ -9,7 +9,12 @@ install: the daemon starts its agent listener on the first secret.
 
 A secret from --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET
 or a TOML is installed as the primary and so persisted: a restart without the flag or
-variable keeps it. MLXCEL_CLUSTER_SECRET is dropped from ``os.environ`` once read, so
+variable keeps it. Unless a rotation retired it: a configured secret whose key id was
+removed from this keyring (``KeyStore.retired_at``) while the keyring has a primary is
+stale, and the keyring wins, with a warning and the event ``secret.stale_file`` naming
+the source and telling the operator to update it (a node restarted with its old
+``--cluster-secret-file`` after `mlxctl secret rotate` stays on the cluster's key).
+MLXCEL_CLUSTER_SECRET is dropped from ``os.environ`` once read, so
 that nothing we start inherits it; but no process can erase its initial environment,
 which the kernel keeps (``/proc/PID/environ`` on Linux, ``ps -E`` on macOS) readable to
 root and to the daemon's user while it runs: the daemon warns at start where it was set,
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +37,7 @@ from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.errors import ConfigError
 from mlxceld.state import EventLog, KeyStore, parse_key_id
 from mlxceld.types import JSON
-from mlxceld.wire.secret import Keyring
+from mlxceld.wire.secret import Keyring, SecretError, key_id
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +81,36 @@ class KeyringService:
         if resolved.from_keyring:
             log.info("cluster secret: %s", resolved.source)
             return
+        if self._stale(resolved.secret, resolved.source):
+            return
         info = self._store.install(resolved.secret, source=resolved.source, primary=True)
         self._events.append("secret.adopted", "keyring",
                             f"cluster secret {info.key_id} from {resolved.source} is the "
                             "primary", key_id=info.key_id)
         log.info("cluster secret %s from %s is the primary (kept in %s)", info.key_id,
                  resolved.source, self.dir)
+
+    def _stale(self, secret: bytes, source: str) -> bool:
+        """A configured secret whose key id was removed from this keyring (a rotation
+        retired it) while the keyring holds a primary: the keyring wins, and the operator
+        is told (a warning and the event ``secret.stale_file``) to update the file."""
+        try:
+            kid = key_id(secret)
+        except SecretError:
+            return False  # too short: install's own error says so
+        primary = self.keyring.primary_id
+        when = self._store.retired_at(kid)
+        if when is None or primary is None or kid in self.keyring:
+            return False
+        what = (f"cluster secret {kid.hex()} from {source} was retired from this keyring "
+                f"at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))} (a secret "
+                f"rotation); the keyring's primary {primary.hex()} stays in use: update the "
+                "file to the current secret (or drop the setting: the keyring is kept "
+                "across restarts)")
+        log.warning("%s", what)
+        self._events.append("secret.stale_file", "keyring", what, key_id=kid.hex(),
+                            primary=primary.hex())
+        return True
 
     def require(self, *, pp_auto: bool, placement: Placement | None) -> None:
         """Fail closed: --pp-auto, or a cluster config of two or more stages (or hosts),

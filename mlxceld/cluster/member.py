@@ -232,7 +232,7 @@ class ClusterMember:
 
     # -- mlxctl secret rotate -----------------------------------------------------------------
 
-    async def rotate(self, secret: bytes) -> JSON:
+    async def rotate(self, secret: bytes | None) -> JSON:
         """`mlxctl secret rotate` (``cluster/rotation.py``) over this daemon and its
         candidates; refused without the agent listener (it carries the new secret)."""
         if self._rotator is None:

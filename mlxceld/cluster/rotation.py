@@ -25,7 +25,8 @@ keyring, its event, its workers told at once: ``Daemon.push_keyring``). Whoever 
 the cluster secret may ask: the key ops are what the secret already grants.
 
 Deadlines: an ask is ``CONNECT_BUDGET_S`` (5 s) to connect and authenticate, then
-``ANSWER_TIMEOUT_S`` (15 s: the member tells its workers first) for the answer. Before
+``ANSWER_TIMEOUT_S`` (15 s: the member tells its workers first; plus ``HANDOVER_S`` for
+``key_remove``, below) for the answer. Before
 starting, every member is asked ``key_report`` once: one that does not answer refuses
 the rotation (``RotationRefused`` naming every such member; nothing changed anywhere).
 Within a step a member that fails is asked again every ``RETRY_S`` (1 s) until
@@ -35,7 +36,24 @@ every member has done or failed it; a failed member makes the rotation ``failed`
 done, so the old key stays installed where it was not removed).
 
 The rotator writes each step (``state/rotations.py``) before it asks anything of it,
-and resumes an unfinished rotation when its daemon starts (``Rotator.resume``).
+and resumes an unfinished rotation when its daemon starts (``Rotator.resume``). A
+failed rotation is taken up again, at the step it failed and over the same members,
+by `mlxctl secret rotate` without ``--new-secret-file`` (``Rotator.retry``; the event
+``rotation.retried``); with one, or when the latest rotation did not fail, a new one
+starts (to a generated secret when none is given).
+
+Nothing in flight is lost (issue 16: rotation under load): at ``use`` every worker
+hands its outgoing streams over to the new primary (``pipeline/links.py``: the router's
+links send new sequences over a new stream, move the running ones there as soon as
+their prompt is sent, and finish the old stream once none is left on it;
+``net/redialer.py``: stage-to-stage streams, at once, in order), however long the
+sequences run. Before a member removes the old key (``key_remove``, and the rotator's
+own removal) it waits until none of its workers has a stream left under it
+(``KeyOps.streams_under``, polled every ``HANDOVER_POLL_S``), at most ``HANDOVER_S``
+(30 s: a prompt being sent at ``use``, a handover that has to dial again); what is
+still under the old key then is cut (the streams end, their owners re-dial under the
+new key, and a sequence on them fails with an error naming its stage), with a warning
+naming each worker. The removal's answer may take ``ANSWER_TIMEOUT_S + HANDOVER_S``.
 """
 
 from __future__ import annotations
@@ -43,11 +61,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from mlxceld import failpoints
-from mlxceld.cluster.rotation_round import RotationRound, Step
+from mlxceld.cluster.rotation_round import RotationRound, Step, failed_step
 from mlxceld.errors import MlxceldError, RotationFailed, RotationRefused, UnknownKey
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.agent import AgentService
@@ -64,8 +83,11 @@ CONNECT_BUDGET_S: Final = 5.0
 ANSWER_TIMEOUT_S: Final = 15.0
 RETRY_S: Final = 1.0
 STEP_S: Final = 30.0
+HANDOVER_S: Final = 30.0  # a key's streams may take this long to hand over (see above)
+HANDOVER_POLL_S: Final = 0.2
 ANSWERS: Final = {"key_state": MessageSpec(), "error": MessageSpec()}
 MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
+GENERATED_SECRET_BYTES: Final = 32  # as `mlxctl secret generate`: the secret is their hex
 #: The crash point after each step with an action (``failpoints.py``): every member did
 #: it, the next step is not written yet.
 CRASH_AFTER: Final = {Step.INSTALLING: "rotator-after-installing",
@@ -79,6 +101,7 @@ class KeyOps(Protocol):
     async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
     async def use_secret(self, kid: str) -> JSON: ...
     async def remove_secret(self, kid: str) -> JSON: ...
+    async def streams_under(self, kid: str) -> dict[str, int]: ...
 
 
 class AskFailed(Exception):
@@ -119,10 +142,28 @@ async def _apply(ops: KeyOps, message: Envelope) -> None:
         if not isinstance(kid, str):
             raise RotationRefused(f"{message.type} needs 'kid', a key id")
         if message.type == "key_use":
+            if failpoints.on("member-refuses-key-use"):
+                raise RotationRefused("fail point member-refuses-key-use: key_use refused")
             await ops.use_secret(kid)
         else:
+            await handed_over(ops, kid)
             with contextlib.suppress(UnknownKey):  # removed already: what was asked is true
                 await ops.remove_secret(kid)
+
+
+async def handed_over(ops: KeyOps, kid: str) -> dict[str, int]:
+    """Wait until no worker has a stream under ``kid``, at most ``HANDOVER_S``; what is
+    left then (by worker, logged: removing the key cuts those streams)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HANDOVER_S
+    while (left := await ops.streams_under(kid)) and loop.time() < deadline:
+        await asyncio.sleep(HANDOVER_POLL_S)
+    if left:
+        log.warning("key %s is removed while %s still use it after %g s: those streams "
+                    "end, and the sequences on them fail", kid,
+                    ", ".join(f"worker {w} ({n} stream(s))" for w, n in sorted(left.items())),
+                    HANDOVER_S)
+    return left
 
 
 def key_state(keyring: Keyring) -> dict[str, Any]:
@@ -143,12 +184,13 @@ async def ask(identity: str, keyring: Keyring, address: str, message: dict[str, 
                                   budget_s=CONNECT_BUDGET_S)
     except HandshakeFailed as exc:
         raise AskFailed(f"{exc.kind}: {exc.message}") from exc
+    timeout = ANSWER_TIMEOUT_S + (HANDOVER_S if message.get("t") == "key_remove" else 0.0)
     try:
-        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+        async with asyncio.timeout(timeout):
             await stream.send(encode_envelope(message))
             got = parse_envelope(await stream.recv(), ANSWERS)
     except TimeoutError:
-        raise AskFailed(f"no answer within {ANSWER_TIMEOUT_S:g} s") from None
+        raise AskFailed(f"no answer within {timeout:g} s") from None
     except ConnectionClosed as exc:
         raise AskFailed(f"closed: {exc.message}") from exc
     except EnvelopeError as exc:
@@ -194,13 +236,21 @@ class Rotator:
                             rotation=row.id)
         self._start(row)
 
-    async def rotate(self, secret: bytes) -> JSON:
+    async def rotate(self, secret: bytes | None) -> JSON:
         """A new rotation to ``secret`` over this daemon and its candidates; its row once
-        done. ``RotationRefused`` (nothing changed) or ``RotationFailed`` (names each
-        member that failed a step)."""
+        done. Without ``secret``, the latest rotation if it failed (``retry``), else one
+        to a generated secret. ``RotationRefused`` (nothing changed) or
+        ``RotationFailed`` (names each member that failed a step)."""
         if self._running is not None and not self._running.done():
             raise RotationRefused("a secret rotation runs already on this daemon",
                                   hint="wait for it: mlxctl secret list --json shows its step")
+        if secret is None:
+            row = self._table.latest()
+            step = failed_step(row.failures) if row and row.step == Step.FAILED else None
+            if row is not None and step is not None \
+                    and bytes.fromhex(row.new_kid) in self._keyring:
+                return await self.retry(row, step)
+            secret = secrets.token_bytes(GENERATED_SECRET_BYTES).hex().encode()
         old = self._keyring.primary_id
         new = key_id(secret)
         if old is None:
@@ -219,6 +269,21 @@ class Rotator:
         log.info("rotation %d from key %s to %s over %s", row.id, row.old_kid, row.new_kid,
                  ", ".join(members))
         done = await asyncio.shield(self._start(row))
+        return self._outcome(done)
+
+    async def retry(self, row: RotationRow, step: Step) -> JSON:
+        """Take the failed rotation ``row`` up again at ``step``, the one it failed, over
+        the same members, once every one of them answers (else ``RotationRefused``)."""
+        await self._probe(tuple(m for m in row.members if m != self._identity))
+        self._table.set_step(row.id, step.value, {})
+        log.info("rotation %d to key %s: taken up again at step %s", row.id, row.new_kid,
+                 step.value)
+        self._events.append("rotation.retried", "keyring",
+                            f"rotation {row.id} to key {row.new_kid} taken up again at "
+                            f"{step.value}", rotation=row.id)
+        again = self._table.get(row.id)
+        assert again is not None
+        done = await asyncio.shield(self._start(again))
         return self._outcome(done)
 
     async def _probe(self, peers: tuple[str, ...]) -> None:
@@ -251,14 +316,16 @@ class Rotator:
             raise RotationFailed(
                 f"secret rotation {rnd.rotation_id} to key {rnd.new_kid} failed: "
                 + "; ".join(f"member {m} failed {why}" for m, why in rnd.failures.items()),
-                hint="bring those members back and run `mlxctl secret rotate` again; "
+                hint="bring those members back and run `mlxctl secret rotate` again (without "
+                "--new-secret-file: it takes this rotation up again at the step that failed); "
                 "mlxctl cluster nodes names a member left on another key")
         return row.to_json()
 
     async def _run(self, rnd: RotationRound) -> RotationRound:
         while not rnd.finished:
             step = rnd.step
-            deadline = asyncio.get_running_loop().time() + STEP_S
+            deadline = asyncio.get_running_loop().time() + (failpoints.ROTATION_STEP_S
+                                                            or STEP_S)
             members = rnd.pending()
             results = await asyncio.gather(*(self._member(rnd, m, deadline) for m in members))
             for member, why in zip(members, results, strict=True):
@@ -321,6 +388,7 @@ class Rotator:
         if step == Step.USING:
             await self._ops.use_secret(new)
         elif step == Step.REMOVING and bytes.fromhex(old) in self._keyring:
+            await handed_over(self._ops, old)
             await self._ops.remove_secret(old)
         return key_state(self._keyring)
 

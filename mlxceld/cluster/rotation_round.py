@@ -22,8 +22,10 @@ failed         (terminal: ``failures`` names each member
 Every step is idempotent on a member (installing an installed secret, using the
 primary, removing a key that is gone all answer as done), so a rotator restarted
 after a crash resumes at the step it had written (``RotationRound.resume``) and
-asks every member again. The shell (``cluster/rotation.py``) writes the round's
-``record()`` at each transition, before it asks anyone anything of the next step.
+asks every member again; and a failed round is taken up again at the step it failed
+(``failed_step``: `mlxctl secret rotate` run again without a new secret). The shell
+(``cluster/rotation.py``) writes the round's ``record()`` at each transition, before
+it asks anyone anything of the next step.
 
 This module does no IO and reads no clock: the shell reports each member's outcome
 (``member_done``, ``member_failed``) and acts on ``pending()``.
@@ -57,6 +59,16 @@ NEXT: Final[dict[Step, Step]] = {
 }
 TERMINAL: Final = frozenset({Step.DONE, Step.FAILED})
 STEPS: Final = tuple(Step)
+
+
+def failed_step(failures: dict[str, str]) -> Step | None:
+    """The step a failed round failed at, as its ``failures`` say ("<step>: <why>" each);
+    None when they name none (a round written by another version, say)."""
+    steps = {why.split(":", 1)[0] for why in failures.values()}
+    if len(steps) != 1:
+        return None
+    name = steps.pop()
+    return Step(name) if name in NEXT else None
 
 
 class RoundError(Exception):

@@ -35,7 +35,9 @@ T = TypeVar("T")
 # The daemon's bounds on a deactivation (deactivation.CONNECT_S + ANSWER_S per peer, in
 # parallel with the router's stop), and slack.
 DEACTIVATE_TIMEOUT_S = 60.0
-ROTATE_TIMEOUT_S = 300.0  # a rotation: its probe (20 s), five steps of at most 50 s each
+# A rotation: its probe (20 s), five steps of at most 50 s each, the removal's handover
+# (cluster/rotation.py HANDOVER_S: 30 s) and some slack.
+ROTATE_TIMEOUT_S = 340.0
 UNSERVE_TIMEOUT_S = 40.0  # the router's stop: open streams get 10 s, SIGKILL after 20 s
 
 

@@ -7,7 +7,6 @@ error itself: what it or the daemon raises is answered by ``errors.py``.
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,7 +33,6 @@ from mlxceld.supervisor import health
 API_VERSION: Final = 1
 MAX_LINES: Final = 10_000
 MAX_EVENTS: Final = 1_000
-GENERATED_SECRET_BYTES: Final = 32  # as `mlxctl secret generate`: the secret is their hex
 
 
 def answer(schema: str, status: int = 200, **fields: Any) -> JSONResponse:
@@ -154,12 +152,12 @@ class Endpoints:
         return answer("secrets", keys=self.daemon.secrets(), rotation=self.daemon.rotation())
 
     async def rotate_secret(self, request: Request) -> Response:
-        """The rotation's row once done; a generated secret (as `mlxctl secret generate`
-        makes one: 32 random bytes as hex) when none is given."""
+        """The rotation's row once done. Without a secret: the latest rotation taken up
+        again if it failed, else a new one to a generated secret (as `mlxctl secret
+        generate` makes one; ``cluster/rotation.py``)."""
         self._admitting()
         asked = await RotateRequest.read(request)
-        secret = asked.secret or secrets.token_bytes(GENERATED_SECRET_BYTES).hex().encode()
-        return answer("rotation", rotation=await self.daemon.rotate_secret(secret))
+        return answer("rotation", rotation=await self.daemon.rotate_secret(asked.secret))
 
     async def install_secret(self, request: Request) -> Response:
         asked = await SecretRequest.read(request)

@@ -82,6 +82,12 @@ def retire_streams(keyring: Container[bytes]) -> int:
     return count
 
 
+def streams_under(kid: bytes) -> int:
+    """How many open streams of this process were made under key id ``kid`` (a stream
+    being finished, its close frame sent and the peer's awaited, still counts)."""
+    return sum(1 for stream in list(_LIVE) if not stream.closed and stream.key_id == kid)
+
+
 async def handshake(conn: Connection, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> HandshakeComplete | HandshakeRefused:
     """Run the handshake to its end within the core's deadline.
@@ -249,6 +255,24 @@ class MxclStream:
         frame: it would only queue), and ``recv``/``send`` raise ``ConnectionClosed`` kind
         ``"silent"`` with ``reason``."""
         await self._drop(ConnectionClosed(reason, "silent"))
+
+    def finish(self, reason: str) -> None:
+        """Send our close frame and send nothing more, but go on reading: every message
+        the peer sent before it answers our close is still delivered, then ``recv`` raises
+        ``ConnectionClosed`` kind ``"closed"``. What a handover uses (the peer has taken
+        all we sent on this stream once its close comes back). ``send`` raises
+        ``ConnectionClosed`` kind ``"local"`` from now on."""
+        if self._ended is not None or self._conn.our_closed or self._conn.closed:
+            return
+        with contextlib.suppress(LocalProtocolError):
+            self._conn.close(reason)
+        with contextlib.suppress(OSError, RuntimeError):
+            write_buffers(self._writer, self._conn.buffers_to_send())
+
+    @property
+    def finishing(self) -> bool:
+        """Our close frame is sent (``finish``), the peer's not received yet."""
+        return self._ended is None and self._conn.our_closed
 
     def retire(self, reason: str) -> None:
         """End the stream now, from its loop, with a close frame naming ``reason``: ``recv``

@@ -133,6 +133,12 @@ class PipelineEngine:
         """Connect and attach every stage that is not (raises ``EngineUnavailable``)."""
         await asyncio.gather(*(link.ensure() for link in self._links))
 
+    def rekey(self) -> None:
+        """The keyring's primary changed: each link hands new sequences over to a stream
+        under it, in the background (links.py); running sequences finish where they are."""
+        for link in self._links:
+            link.rekey()
+
     async def keep_linked(self) -> None:
         """Keep every stage attached, re-dialing broken links, until cancelled."""
         async with asyncio.TaskGroup() as tg:
@@ -159,6 +165,8 @@ class PipelineEngine:
                 last_chunk = start + p.PREFILL_CHUNK >= len(prompt)
                 await self._run(seq, step, chunk, sample=last_chunk)
                 step += 1
+            for link in self._links:  # a handover may move it now (links.py)
+                await link.decoding(seq)
             produced = 0
             pending = len(prompt[-p.PREFILL_CHUNK:])
             while True:  # the stages run step, step + 1, ... on their own (see above)

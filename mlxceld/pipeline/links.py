@@ -25,6 +25,20 @@ sequence waiting on it fails naming the stage, and the link reads ``silent``
 refuses requests at once (503 with ``Retry-After``) instead of letting each wait
 for a dial to a host that does not answer.
 
+Handover (``rekey``: the keyring's primary changed, a secret rotation's ``use``): the
+link dials and attaches a second stream under the new primary in the background and
+sends every new sequence over it. A sequence is pinned to the stream it was prepared on
+(``track``: its commands go there, the stage answers there) until it moves: once its
+prompt is sent (``decoding``) it is *adopted* over the new stream (``adopt``; the stage
+answers ``adopted`` over the old one after everything it sent there, and what the new
+stream brings for the sequence before that is held back, so its tokens stay in order).
+The old stream is finished (our close frame, then the stage's, nothing in flight lost)
+once no sequence is left on it: at once, or after the prompts being sent end. So a
+long sequence does not keep the old key in use, and when the rotation removes it no
+stream of ours is under it and nothing is cut. A handover that cannot dial leaves the
+old stream in use and is tried again with the link's backoff; a stream that ends fails
+only the sequences pinned to it.
+
 What a client may read (``EngineUnavailable``, ``/ready``, the connectivity's
 error) names the stage by its node id, never by its address; the log lines, for
 the operator, give both (``StageAddress.where``).
@@ -63,6 +77,8 @@ _DIAL_WORDS: Final = {
     "at_capacity": "it holds its maximum of connections",
     "abort": "it dropped the connection during the handshake",
 }
+
+_HANDED_OVER: Final = "handed over to a stream under the new primary key"
 
 # Why a stage refused ``attach``, in words that name no address (the stage's own name
 # its coordinator's and ours: they go to the log).
@@ -113,18 +129,32 @@ class StageLink:
         self._model_identity = model_identity
         self._cluster = cluster
         self._inboxes = inboxes  # seq -> its inbox, or None when nobody waits for it
-        self._stream: MxclStream | None = None
-        self._gone = asyncio.Event()  # set when the attached stream's reader ends
-        self._reader: asyncio.Task[None] | None = None
+        self._stream: MxclStream | None = None  # the stream new sequences go over
+        self._wake = asyncio.Event()  # for keep_up: the stream ended, or the key changed
+        self._readers: set[asyncio.Task[None]] = set()  # one per stream, old ones included
         self._lock = asyncio.Lock()  # one attempt at a time
         self._attempts = 0  # attempts finished, so a waiter knows it may share an outcome
-        self._waiting: set[str] = set()  # sequences prepared through this link
+        self._pinned: dict[str, MxclStream] = {}  # sequence -> the stream it is on
+        self._decoding: set[str] = set()  # sequences whose prompt is sent: they may move
+        self._adopting: dict[str, MxclStream] = {}  # sequence -> the stream it moves to
+        self._held: dict[str, list[Envelope]] = {}  # what the new stream brought meanwhile
+        self._handover_failing = False  # the last handover could not attach (logged once)
         self._closing = False
         self.conn = connectivity or Connectivity()
 
     @property
     def up(self) -> bool:
         return self._stream is not None and not self._stream.closed
+
+    @property
+    def stale(self) -> bool:
+        """Attached under another key than the keyring's primary: to be handed over."""
+        return self.up and self._stream is not None \
+            and self._stream.key_id != self._keyring.primary_id
+
+    def rekey(self) -> None:
+        """The keyring changed: ``keep_up`` hands the link over if it is stale."""
+        self._wake.set()
 
     @property
     def state(self) -> LinkState:
@@ -186,31 +216,126 @@ class StageLink:
                 self._attempts += 1
 
     async def keep_up(self) -> None:
-        """Attach now and re-attach whenever the link is down, until cancelled or closed."""
+        """Attach now and re-attach whenever the link is down, and hand it over when its
+        key is not the primary any more, until cancelled or closed."""
         while not self._closing:
-            if self.up:
-                await self._gone.wait()
+            if self.up and not self.stale:
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             try:
-                await self.ensure()
+                await (self.hand_over() if self.up else self.ensure())
             except EngineUnavailable:
                 await asyncio.sleep(self.conn.next_delay())
 
+    async def hand_over(self) -> None:
+        """A stream under the primary for new sequences (see the module doc); the old one
+        is finished once its last sequence ends. ``EngineUnavailable`` if the new one
+        cannot be attached: the old one stays in use."""
+        async with self._lock:
+            old = self._stream
+            if old is None or not self.stale:
+                return
+            try:
+                new = await self._open()
+            except _OpenFailed as exc:  # logged once, then at debug level until it works
+                log.log(logging.DEBUG if self._handover_failing else logging.WARNING,
+                        "%s stays on key %s for now (retrying in the background): %s%s",
+                        self.stage.where(), old.key_id.hex(), exc.message,
+                        f" [{exc.__cause__}]" if exc.__cause__ else "")
+                self._handover_failing = True
+                raise EngineUnavailable(exc.message) from exc
+            self._handover_failing = False
+            self._install(new)
+            on_old = [q for q, s in self._pinned.items() if s is old]
+            moving = [q for q in on_old if q in self._decoding]
+            log.info("%s handed over to key %s; of the %d sequence(s) on the stream under "
+                     "key %s, %d move over, the others end there", self.stage.where(),
+                     new.key_id.hex(), len(on_old), old.key_id.hex(), len(moving))
+            for seq in moving:
+                await self._adopt(seq)
+            self._finish_if_done(old)
+
+    async def decoding(self, seq: str) -> None:
+        """``seq``'s prompt is sent: from now on it may move to the current stream."""
+        self._decoding.add(seq)
+        if self._pinned.get(seq, self._stream) is not self._stream:
+            await self._adopt(seq)
+
+    async def _adopt(self, seq: str) -> None:
+        """Ask the stage to answer ``seq`` over the current stream (see the module doc);
+        a failed send leaves it where it is."""
+        new = self._stream
+        if new is None or seq in self._adopting:
+            return
+        self._adopting[seq] = new
+        try:
+            await new.send(encode_envelope({"t": "adopt", "seq": seq}))
+        except ConnectionClosed:
+            self._adopting.pop(seq, None)
+
+    def _adopted(self, seq: str, old: MxclStream) -> None:
+        """The stage sent ``seq``'s last message over ``old``: deliver what the new stream
+        brought meanwhile, and finish ``old`` if that was its last sequence."""
+        new = self._adopting.pop(seq, None)
+        held = self._held.pop(seq, [])
+        if new is None or self._pinned.get(seq) is not old:
+            return
+        self._pinned[seq] = new
+        inbox = self._inboxes(seq)
+        for env in held:
+            if inbox is not None:
+                inbox.put_nowait((self.stage.rank, env))
+        self._finish_if_done(old)
+
+    def _finish_if_done(self, stream: MxclStream) -> None:
+        """Finish a handed-over stream that no sequence uses any more."""
+        if stream is self._stream or stream.closed or stream.finishing \
+                or any(s is stream for s in self._pinned.values()):
+            return
+        log.info("%s: no sequence is left on the stream under key %s; finishing it",
+                 self.stage.where(), stream.key_id.hex())
+        stream.finish(_HANDED_OVER)
+
     async def _attempt(self) -> None:
-        stage = self.stage
         if self._closing:
-            raise EngineUnavailable(f"{stage.name()}: the engine is closing")
+            raise EngineUnavailable(f"{self.stage.name()}: the engine is closing")
+        try:
+            stream = await self._open()
+        except _OpenFailed as exc:
+            self._fail(exc.failure, exc.message, exc.__cause__)
+        self._install(stream)
+        old = self.conn.state
+        since = self.conn.since
+        self.conn.attached(time.time())
+        log.info("attached %s, layers %s%s", self.stage.where(), list(self.stage.layers),
+                 (f" after {time.time() - since:.1f} s" if since else "") + f" (was {old})"
+                 if old != "connecting" else "")
+
+    def _install(self, stream: MxclStream) -> None:
+        """``stream`` is the one new sequences go over; read it until it ends."""
+        self._stream = stream
+        # Not a task group: the reader outlives the request (or keep_up) that attached the
+        # link, and the engine has no scope of its own; aclose cancels and awaits it.
+        reader = asyncio.ensure_future(self._read(stream))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+
+    async def _open(self) -> MxclStream:
+        """A new stream to the stage, attached; ``_OpenFailed`` saying why not."""
+        stage = self.stage
         try:
             stream = await connect(
                 stage.host, stage.port, keyring=self._keyring, identity=self._origin.claim(),
                 channel=1, budget_s=self._dial_budget, local_addr=self._origin.local_addr())
         except HandshakeFailed as exc:
             if exc.kind in UNREACHABLE_KINDS:
-                self._fail("unreachable", f"{stage.name()} is unreachable: "
-                           f"{_DIAL_WORDS[exc.kind]} (tried for {self._dial_budget:g} s)", exc)
-            self._fail("refused", f"{stage.name()} refused the handshake "
-                       f"({exc.kind.replace('_', ' ')})"
-                       + (f": {exc.hint}" if exc.hint else ""), exc)
+                raise _OpenFailed("unreachable", f"{stage.name()} is unreachable: "
+                                  f"{_DIAL_WORDS[exc.kind]} (tried for "
+                                  f"{self._dial_budget:g} s)") from exc
+            raise _OpenFailed("refused", f"{stage.name()} refused the handshake "
+                              f"({exc.kind.replace('_', ' ')})"
+                              + (f": {exc.hint}" if exc.hint else "")) from exc
         try:
             async with asyncio.timeout(ATTACH_TIMEOUT_S):
                 await stream.send(encode_envelope(
@@ -220,35 +345,27 @@ class StageLink:
             await stream.abort()
             why = (f"no answer within {ATTACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
                    else _why(exc) if isinstance(exc, ConnectionClosed) else str(exc))
-            self._fail("unreachable", f"{stage.name()} did not attach: {why}", exc)
+            raise _OpenFailed("unreachable", f"{stage.name()} did not attach: {why}") from exc
         if env.type != "attached":
             await stream.close()
             message = env.header.get("message", env.type)
             code = env.header.get("code")
             if code == p.ERR_STANDBY:
-                self._fail("standby", f"{stage.name()} is in standby: {message}")
+                raise _OpenFailed("standby", f"{stage.name()} is in standby: {message}")
             if code == p.ERR_MODEL_MISMATCH:  # its words name the two models, no address
-                self._fail("model_mismatch", f"{stage.name()} refused to attach: {message}")
+                raise _OpenFailed("model_mismatch",
+                                  f"{stage.name()} refused to attach: {message}")
             # Other refusals name addresses (its coordinator's, ours): the log has them.
             log.warning("%s refused to attach: %s (%s)", stage.where(), message, code)
-            self._fail("refused", f"{stage.name()} refused to attach ({code}): "
-                       + _ATTACH_WORDS.get(str(code), "see the router's log"))
+            raise _OpenFailed("refused", f"{stage.name()} refused to attach ({code}): "
+                              + _ATTACH_WORDS.get(str(code), "see the router's log"))
         if tuple(env.header.get("layers", ())) != stage.layers:
             await stream.close()
-            self._fail("layers_mismatch",
-                       f"{stage.name()} serves layers {env.header.get('layers')}, the cluster "
-                       f"config says {list(stage.layers)}: restart it with the same config")
-        self._stream = stream
-        self._gone = asyncio.Event()
-        # Not a task group: the reader outlives the request (or keep_up) that attached the
-        # link, and the engine has no scope of its own; aclose cancels and awaits it.
-        self._reader = asyncio.ensure_future(self._read(stream, self._gone))
-        old = self.conn.state
-        since = self.conn.since
-        self.conn.attached(time.time())
-        log.info("attached %s, layers %s%s", stage.where(), list(stage.layers),
-                 (f" after {time.time() - since:.1f} s" if since else "") + f" (was {old})"
-                 if old != "connecting" else "")
+            raise _OpenFailed("layers_mismatch",
+                              f"{stage.name()} serves layers {env.header.get('layers')}, the "
+                              f"cluster config says {list(stage.layers)}: restart it with the "
+                              "same config")
+        return stream
 
     def _fail(self, failure: Failure, message: str,
               cause: BaseException | None = None) -> NoReturn:
@@ -271,7 +388,9 @@ class StageLink:
                         change.reason, detail)
 
     async def send(self, header: dict[str, Any], tensors: list[Any] | None = None) -> None:
-        stream = self._stream
+        """Send over the stream the header's sequence is pinned to, else the current one."""
+        seq = header.get("seq")
+        stream = self._pinned.get(seq, self._stream) if isinstance(seq, str) else self._stream
         if stream is None or stream.closed:
             error = self.conn.error
             raise EngineUnavailable(f"{self.stage.name()} is not connected"
@@ -283,14 +402,22 @@ class StageLink:
                                     retry_after_s=self.retry_after_s) from exc
 
     def track(self, seq: str) -> None:
-        self._waiting.add(seq)
+        """Pin ``seq`` to the current stream: its commands and answers go over it."""
+        if self._stream is not None:
+            self._pinned[seq] = self._stream
 
     def untrack(self, seq: str) -> None:
-        self._waiting.discard(seq)
+        """``seq`` ended; a handed-over stream whose last sequence it was is finished."""
+        stream = self._pinned.pop(seq, None)
+        self._decoding.discard(seq)
+        self._adopting.pop(seq, None)
+        self._held.pop(seq, None)
+        if stream is not None:
+            self._finish_if_done(stream)
 
-    async def _read(self, stream: MxclStream, gone: asyncio.Event) -> None:
+    async def _read(self, stream: MxclStream) -> None:
         """Deliver what the stage sends, with a heartbeat beside; when the stream ends,
-        fail every sequence waiting on it, naming the stage and why."""
+        fail every sequence pinned to it, naming the stage and why."""
         ended: ConnectionClosed | None = None
         try:
             async with asyncio.TaskGroup() as tg:
@@ -298,7 +425,7 @@ class StageLink:
                 ended = await self._deliver(stream)
                 heartbeat.cancel()
         finally:
-            self._ended(stream, ended, gone)
+            self._ended(stream, ended)
 
     async def _deliver(self, stream: MxclStream) -> ConnectionClosed:
         """Hand each message to its sequence's inbox until the stream ends (returned)."""
@@ -313,6 +440,13 @@ class StageLink:
                 log.warning("%s sent a bad message: %s", self.stage.where(), exc.reason)
                 continue
             seq = env.header.get("seq")
+            if isinstance(seq, str):
+                if env.type == "adopted":
+                    self._adopted(seq, stream)
+                    continue
+                if self._adopting.get(seq) is stream:  # moving here: after ``adopted``
+                    self._held.setdefault(seq, []).append(env)
+                    continue
             inbox = self._inboxes(seq) if isinstance(seq, str) else None
             if inbox is None:
                 if env.type == "error":
@@ -321,8 +455,7 @@ class StageLink:
                 continue
             inbox.put_nowait((self.stage.rank, env))
 
-    def _ended(self, stream: MxclStream, ended: ConnectionClosed | None,
-               gone: asyncio.Event) -> None:
+    def _ended(self, stream: MxclStream, ended: ConnectionClosed | None) -> None:
         """``ended`` None: the reader was cancelled (the engine is closing)."""
         silent = ended is not None and ended.kind == "silent"
         if ended is None:
@@ -332,25 +465,40 @@ class StageLink:
         else:
             message = f"{self.stage.name()} is unavailable: {_why(ended)}"
         failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
-        for seq in list(self._waiting):
+        lost = {q for q, s in self._pinned.items() if s is stream}
+        lost |= {q for q, s in self._adopting.items() if s is stream}  # were moving here
+        for seq in lost:
+            self._pinned.pop(seq, None)
+            self._adopting.pop(seq, None)
+            self._held.pop(seq, None)
             inbox = self._inboxes(seq)
             if inbox is not None:
                 inbox.put_nowait(failure)
-        self._waiting.clear()
-        if self._stream is stream and not self._closing:
-            now = time.time()
-            self._log(self.conn.silent(message, now) if silent
-                      else self.conn.lost(message, now))
-        gone.set()
+        if self._stream is stream:
+            if not self._closing:
+                now = time.time()
+                self._log(self.conn.silent(message, now) if silent
+                          else self.conn.lost(message, now))
+            self._wake.set()
 
     async def aclose(self) -> None:
         self._closing = True
-        if self._reader is not None:
-            self._reader.cancel()
+        streams = {id(s): s for s in (self._stream, *self._pinned.values()) if s is not None}
+        for reader in list(self._readers):
+            reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        if self._stream is not None:
-            await self._stream.close("coordinator stopping")
+                await reader
+        for stream in streams.values():
+            await stream.close("coordinator stopping")
+
+
+class _OpenFailed(Exception):
+    """A stream could not be opened and attached: the ``Failure`` and the client's words."""
+
+    def __init__(self, failure: Failure, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.message = message
 
 
 def _why(exc: ConnectionClosed) -> str:

@@ -42,6 +42,12 @@ next       last → stage 0   ``seq``, ``step``; tensor ``tokens`` i32 ``[1, 1]`
                             has produced ``max_tokens`` (one stage: no message,
                             the stage continues itself)
 release    coord → stage    ``seq``; frees its cache; no answer
+adopt      coord → stage    ``seq``, sent over another connection of the
+                            sequence's owner (a handover to a new key): the
+                            stage answers ``adopted`` {seq} over the
+                            connection the sequence used so far (after all
+                            it sent there) and sends it everything from then
+                            on over this one; an unknown ``seq`` is ignored
 error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
                             the error concerns one
 ========== ================ ===================================================
@@ -99,7 +105,8 @@ class ProtocolViolation(Exception):
 
 def stage_specs(hidden_size: int, wire_dtype: str, *, first: bool) -> dict[str, MessageSpec]:
     """What a stage accepts: tokens on the first stage, hidden states elsewhere."""
-    specs = {"attach": MessageSpec(), "prepare": MessageSpec(), "release": MessageSpec()}
+    specs = {"attach": MessageSpec(), "prepare": MessageSpec(), "release": MessageSpec(),
+             "adopt": MessageSpec()}
     if first:
         specs["run"] = MessageSpec({"tokens": TensorSpec(
             frozenset({"i32"}), ((1, 1), (1, MAX_STEP_TOKENS)))})
@@ -115,6 +122,7 @@ def stage_specs(hidden_size: int, wire_dtype: str, *, first: bool) -> dict[str, 
 ENGINE_SPECS: Final = {
     "attached": MessageSpec(),
     "prepared": MessageSpec(),
+    "adopted": MessageSpec(),
     "error": MessageSpec(),
     "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
 }

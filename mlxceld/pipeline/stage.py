@@ -17,10 +17,13 @@ connection closes, or the stage stops. Every accepted connection has a heartbeat
 sends nothing, not even a pong to the stage's pings, for ``silence_s`` (stopped,
 asleep, off the network: no RST ever comes) has its connection dropped and its
 sequences freed at once, logged with the reason; the router re-dials and prepares
-afresh as after any lost link. The last stage continues each sequence
-it samples for: it sends the token to the owner and, unless the token ends the
-sequence or ``max_tokens`` are reached, to the first stage as the next step
-(``next``), so decode steps go round the stages without the coordinator.
+afresh as after any lost link. Its owner may move a sequence to another of its
+connections (``adopt``: a handover to a new key, ``links.py``): ``adopted`` goes
+over the old one, after all the sequence's messages there, and the rest over the new.
+The last stage continues each sequence it samples for: it sends the token to
+the owner and, unless the token ends the sequence or ``max_tokens`` are reached,
+to the first stage as the next step (``next``), so decode steps go round the
+stages without the coordinator.
 
 Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
 and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
@@ -34,6 +37,9 @@ stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
 long (asleep, off the network) is dropped and dialed afresh at the next send, and a
 send the stage does not take within ``mlxceld.net.stream.WRITE_TIMEOUT_S`` fails
 (the owner is told ``downstream_unreachable``) instead of holding this stage's loop.
+When the keyring's primary changes (a secret rotation's ``use``: ``rekey``), both
+connections are handed over to streams under the new primary without losing a message
+(``Redialer.hand_over``), so the rotation's removal of the old key cuts nothing here.
 
 Draining (``drain``, when the worker is told to stop: SIGTERM): the stage refuses
 every new ``prepare`` with ``draining`` (the router answers 503 naming the stage)
@@ -152,6 +158,7 @@ class StageService:
         self.busy_since: float | None = None  # time.monotonic() when _pending left 0
         self.draining = False  # stopping: no new sequence (``drain``)
         self._released = asyncio.Event()  # set when a sequence is forgotten (``drain``)
+        self._rekeyed = asyncio.Event()  # the keyring's primary changed (``rekey``)
 
     def activate(self) -> None:
         """Leave standby: the weights are loaded already, so this is only a switch."""
@@ -184,6 +191,26 @@ class StageService:
             log.info("stage %s drained: its %d sequence(s) finished", self._place.node_id,
                      held)
         return left
+
+    def rekey(self) -> None:
+        """The keyring's primary changed: hand the streams to the next and the first stage
+        over to streams under it (``Redialer.hand_over``), in the background."""
+        self._rekeyed.set()
+
+    async def _hand_over(self) -> None:
+        """Run each ``rekey``'s handovers; one that cannot dial leaves the old stream in use
+        (until its key is removed: then the next send dials under the primary)."""
+        while True:
+            await self._rekeyed.wait()
+            self._rekeyed.clear()
+            for dialer in (self._down, self._ring):
+                if dialer.target is None:
+                    continue
+                try:
+                    await dialer.hand_over()
+                except NetError as exc:
+                    log.warning("stage %s: the %s stays on its old key for now: %s",
+                                self._place.node_id, dialer.what, exc)
 
     def _forget(self, seq_id: str) -> None:
         """The sequence's cache is freed (released, failed, its owner gone)."""
@@ -312,6 +339,11 @@ class StageService:
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
             self._forget(seq_id)
+        elif env.type == "adopt":
+            if current is not None and current.stream is not stream:
+                await _send_quietly(current.stream, encode_envelope(
+                    {"t": "adopted", "seq": seq_id}))
+                current.stream = stream  # what it sends from now on goes here
         elif env.type == "run":
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
@@ -350,6 +382,7 @@ class StageService:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._down.run())
                 tg.create_task(self._ring.run())
+                tg.create_task(self._hand_over())
                 await self._take_and_run()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -440,8 +473,7 @@ class StageService:
 
     async def _send_on(self, dialer: Redialer, work: _Work, message: bytes) -> None:
         try:
-            stream = await dialer.stream()
-            await stream.send(message)
+            await dialer.send(message)
         except (ConnectionClosed, NetError) as exc:
             dialer.forget()
             self._forget(work.seq_id)

@@ -8,6 +8,12 @@ put in the database, a log line, an error message or an argv.
 The file holds the secret's exact bytes (no newline): it is the secret after
 PROTOCOL.md section 1 trimming, so reading it back is not trimmed again.
 The first key installed becomes the primary; the primary cannot be removed.
+
+A removed key id is remembered as *retired* (the ``settings`` row ``RETIRED_SETTING``:
+key id -> when, the latest ``MAX_RETIRED``), so that a secret file still naming it
+(a restart with the old ``--cluster-secret-file`` after a rotation) is known stale
+(``cluster/keyring.py``); installing the secret again (`mlxctl secret install`)
+un-retires it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sqlite_utils
 
 from mlxceld.errors import KeyringError, PrimaryKeyRemoval, StateError, UnknownKey
 from mlxceld.privatefile import write_private
+from mlxceld.state.settings import Settings
 from mlxceld.types import JSON
 from mlxceld.wire.secret import KEY_ID_BYTES, Keyring, SecretError, check_secret, key_id
 
@@ -30,6 +37,8 @@ log = logging.getLogger(__name__)
 
 KeyState = Literal["primary", "installed"]
 LIST_HINT = "see `mlxctl secret list` for the installed key ids"
+RETIRED_SETTING = "retired_keys"
+MAX_RETIRED = 32  # retired key ids remembered (the latest)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class KeyStore:
     def __init__(self, db: sqlite_utils.Database, keys_dir: Path) -> None:
         self._db = db
         self._table = db.table("keys")
+        self._settings = Settings(db)
         self.dir = keys_dir
         self.keyring = Keyring()
         self._prepare_dir()
@@ -79,6 +89,26 @@ class KeyStore:
                 return key
         raise UnknownKey(f"no installed cluster secret has key id {kid.hex()}", hint=LIST_HINT)
 
+    def retired_at(self, kid: bytes) -> float | None:
+        """When key id ``kid`` was removed from this keyring (None: it never was, or it
+        was installed again since)."""
+        when = self._retired().get(kid.hex())
+        return when if isinstance(when, float | int) else None
+
+    def _retired(self) -> dict[str, float]:
+        found = self._settings.get(RETIRED_SETTING)
+        return {k: v for k, v in found.items() if isinstance(v, float | int)} \
+            if isinstance(found, dict) else {}
+
+    def _mark_retired(self, kid: bytes, retired: bool) -> None:
+        marks = self._retired()
+        if retired:
+            marks[kid.hex()] = time.time()
+        elif marks.pop(kid.hex(), None) is None:
+            return
+        latest = sorted(marks.items(), key=lambda kv: kv[1])[-MAX_RETIRED:]
+        self._settings.put(RETIRED_SETTING, dict(latest))
+
     def path(self, kid: bytes) -> Path:
         return self.dir / f"{kid.hex()}.key"
 
@@ -93,6 +123,7 @@ class KeyStore:
                                hint="use at least 16 bytes; `mlxctl secret generate` makes one"
                                ) from exc
         self._write(kid, secret)
+        self._mark_retired(kid, False)
         first = self.keyring.primary_id is None
         if kid not in self.keyring:
             self._table.insert({"key_id": kid.hex(), "state": "installed",
@@ -137,6 +168,7 @@ class KeyStore:
                              hint=f"check the permissions of {self.dir}") from exc
         self._table.delete(kid.hex())
         self.keyring.remove(kid)
+        self._mark_retired(kid, True)
         log.info("cluster secret %s removed", kid.hex())
         return info
 

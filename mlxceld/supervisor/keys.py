@@ -14,6 +14,13 @@ owners re-dial under the primary. The answer and every ``health`` answer carry t
 worker's ``keys`` (``types.WorkerKeys``: key ids only), which the supervisor compares
 with what it last sent: a worker that differs (one adopted after a restart, one that
 missed an update while starting) is sent its keyring again at the next health probe.
+A worker whose primary changed hands its outgoing streams over to the new one
+(``WorkerContext.rekeyed``). The ``streams`` op::
+
+    {"op": "streams", "kid": HEX}   ->   {"ok": true, "streams": N}
+
+counts the worker's open streams under a key id: a rotation removes the old key once
+no worker has one left (``Supervisor.streams_under``), so removing it cuts nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from mlxceld.types import WorkerKeys
 from mlxceld.wire.secret import MIN_SECRET_BYTES, key_id
 
 KEYRING_OP: Final = "keyring"
+STREAMS_OP: Final = "streams"
 MAX_KEYS: Final = 16  # a keyring holds a primary and a rotation's overlap: a few keys
 
 

@@ -20,7 +20,13 @@ from typing import Protocol
 from mlxceld import failpoints
 from mlxceld.errors import WorkerError
 from mlxceld.supervisor import channel, exits, logfiles, process
-from mlxceld.supervisor.keys import KEYRING_OP, keyring_request, keys_of, reported_keys
+from mlxceld.supervisor.keys import (
+    KEYRING_OP,
+    STREAMS_OP,
+    keyring_request,
+    keys_of,
+    reported_keys,
+)
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import (
     AdoptedRunning,
@@ -206,6 +212,16 @@ class WorkerRunner:
                               "health probe") from exc
         self.keys = reported_keys(reply)
         return self.keys
+
+    async def streams_under(self, kid: str) -> int:
+        """The worker's open MXCL streams under key id ``kid`` (0 without a process or a
+        secret); ``WorkerError`` when it does not answer within ``LIVENESS_TIMEOUT_S``."""
+        if self.spec.secret is None or self.pid is None:
+            return 0
+        reply = await channel.call(self.spec.control_socket, STREAMS_OP,
+                                   timeout_s=LIVENESS_TIMEOUT_S, args={"kid": kid})
+        count = reply.get("streams")
+        return count if type(count) is int else 0
 
     async def _converge_keys(self, reply: dict[str, object]) -> None:
         """A worker whose keyring is not its spec's (adopted after a restart, or started

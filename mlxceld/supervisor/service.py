@@ -181,6 +181,21 @@ class Supervisor:
         answers = await asyncio.gather(*(push(r) for r in holders))
         return {r.name: a for r, a in zip(holders, answers, strict=True) if a is not None}
 
+    async def streams_under(self, kid: str) -> dict[str, int]:
+        """Each worker holding the cluster secret that has open streams under key id
+        ``kid``: how many (a worker that does not answer is left out: it is told its
+        keyring again at its next health probe)."""
+        holders = [r for r in self._runners.values() if r.spec.secret is not None]
+
+        async def count(runner: WorkerRunner) -> int:
+            try:
+                return await runner.streams_under(kid)
+            except WorkerError:
+                return 0
+
+        answers = await asyncio.gather(*(count(r) for r in holders))
+        return {r.name: n for r, n in zip(holders, answers, strict=True) if n}
+
     def worker_keys(self) -> dict[str, WorkerKeys | None]:
         """Each worker holding the cluster secret: its key ids as it last reported them."""
         return {name: r.keys for name, r in sorted(self._runners.items())

@@ -138,6 +138,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     pipeline = o.pipeline is not None
     draining = Draining()
     ctx.ops["drain"] = lambda request: drain_op(draining, request)
+    if pipeline:
+        ctx.rekeyed.append(engine.rekey)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            readiness=engine.readiness if pipeline else None,

@@ -4,8 +4,8 @@ The daemon starts ``python -m mlxceld.workers --role R --name N`` in a new
 session, with stdout and stderr on the worker's log file and a bootstrap JSON
 document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
-``stats``, ``stop``, ``keyring``: ``supervisor/keys.py``, and the role's own
-``ops``, which get the request's object), runs the role, and leaves an exit
+``stats``, ``stop``, ``keyring`` and ``streams``: ``supervisor/keys.py``, and the
+role's own ``ops``, which get the request's object), runs the role, and leaves an exit
 record for a daemon that may have adopted it after a restart. A role that does
 steps of work sets ``WorkerContext.progress``; its ``health`` answer then carries
 ``progress`` (``types.WorkerProgress``, made by ``progress_report``), which the
@@ -35,10 +35,15 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from mlxceld.errors import ConfigError
-from mlxceld.net import retire_streams
+from mlxceld.net import retire_streams, streams_under
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
-from mlxceld.supervisor.keys import KEYRING_OP, KeyringRequestError, parse_keyring_request
+from mlxceld.supervisor.keys import (
+    KEYRING_OP,
+    STREAMS_OP,
+    KeyringRequestError,
+    parse_keyring_request,
+)
 from mlxceld.types import (
     JSON,
     ExitRecord,
@@ -80,6 +85,9 @@ class WorkerContext(Generic[Opts]):
     ops: dict[str, Callable[[JSON], JSON]] = field(default_factory=dict)
     # A role that does steps of work: its progress, for the supervisor's watchdog.
     progress: Callable[[], WorkerProgress] | None = None
+    # Called (on the worker's loop) when the ``keyring`` op changed the primary: the role
+    # hands its outgoing streams over to the new key (pipeline/links.py, stage.py).
+    rekeyed: list[Callable[[], None]] = field(default_factory=list)
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
@@ -159,6 +167,8 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
         return answer
     if op == KEYRING_OP:
         return _take_keyring(ctx, request)
+    if op == STREAMS_OP:
+        return _streams(ctx, request)
     if op == "stats":
         return {"ok": True, "stats": dict(ctx.stats)}
     if op == "stop":
@@ -183,12 +193,29 @@ def _take_keyring(ctx: WorkerContext[WorkerOptions], request: dict[str, object])
         primary, accepted = parse_keyring_request(request)
     except KeyringRequestError as exc:
         return {"ok": False, "error": f"keyring: {exc}"}
+    was = ctx.keyring.primary_id
     dropped = ctx.keyring.replace_all(primary, accepted)
     ended = retire_streams(ctx.keyring) if dropped else 0
     keys = _keys(ctx.keyring)
     log.info("worker %s: keyring now %s (primary %s); %d stream(s) under a removed key "
              "ended", ctx.name, ", ".join(keys["ids"]), keys["primary"], ended)
+    if ctx.keyring.primary_id != was:
+        for hand_over in ctx.rekeyed:
+            hand_over()
     return {"ok": True, "keys": keys, "ended": ended}
+
+
+def _streams(ctx: WorkerContext[WorkerOptions], request: dict[str, object]) -> JSON:
+    """The ``streams`` op: how many open MXCL streams of this worker are under key id
+    ``kid`` (hex), so that a rotation removes a key only once nothing uses it."""
+    kid = request.get("kid")
+    try:
+        raw = bytes.fromhex(kid) if isinstance(kid, str) else b""
+    except ValueError:
+        raw = b""
+    if not raw:
+        return {"ok": False, "error": "streams: 'kid' must be a key id in hex"}
+    return {"ok": True, "streams": streams_under(raw)}
 
 
 def progress_report(steps: int, last_step: float | None,

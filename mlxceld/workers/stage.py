@@ -100,6 +100,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             return {"ok": True}
 
         ctx.ops["activate"] = activate
+        ctx.rekeyed.append(service.rekey)
         ctx.progress = lambda: progress_report(active.stats.steps, active.stats.last_step_at,
                                                active.busy_since)
         async with asyncio.TaskGroup() as tg:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxceld.cluster.rotation_round import NEXT, RotationRound, RoundError, Step
+from mlxceld.cluster.rotation_round import NEXT, RotationRound, RoundError, Step, failed_step
 
 MEMBERS = ("10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000")
 
@@ -62,3 +62,15 @@ def test_reports_out_of_step_are_our_bug() -> None:
         rnd.member_failed(m, Step.INSTALLING, "x")
     with pytest.raises(RoundError):
         rnd.member_done(MEMBERS[0], Step.FAILED)
+
+
+def test_a_failed_round_names_the_step_to_take_up_again() -> None:
+    rnd = RotationRound(1, "a" * 16, "b" * 16, ("m1", "m2"), Step.USING)
+    rnd.member_done("m1", Step.USING)
+    assert rnd.member_failed("m2", Step.USING, "refused: no: really") == Step.FAILED
+    assert failed_step(rnd.failures) == Step.USING
+    again = RotationRound.resume(1, "a" * 16, "b" * 16, ("m1", "m2"), Step.USING, {})
+    assert again.pending() == ["m1", "m2"]  # every member asked again: the steps are idempotent
+    assert failed_step({}) is None
+    assert failed_step({"m1": "using: x", "m2": "removing: y"}) is None  # not one step
+    assert failed_step({"m1": "done: x"}) is None and failed_step({"m1": "nonsense"}) is None

@@ -1,8 +1,10 @@
 """`mlxctl secret rotate` over real daemons on 127.0.0.1-3 with static peers (issue 16,
 cluster-wide secret rotation): refused naming a member that is down, with nothing
 changed; done once it is back (every member's primary the new key, the old one removed
-everywhere); and a rotator killed with SIGKILL after a step (fail point
-``rotator-after-using``) finishes the rotation by itself when it starts again."""
+everywhere), and a member restarted with its old secret file stays on the new key (the
+file is stale: a warning and an event tell the operator to update it); and a rotator
+killed with SIGKILL after a step (fail point ``rotator-after-using``) finishes the
+rotation by itself when it starts again."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 from mlxceld.wire.secret import key_id
 
-from helpers.cluster import agent, start
+from helpers.cluster import POLL_WAIT_S, agent, by_address, start
 from helpers.daemons import DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.ports import free_port
@@ -65,6 +67,19 @@ def test_refused_while_a_member_is_down_then_done_everywhere(daemons: Daemons) -
     for d in (a, b, c):  # the secret went to no log
         assert new.decode() not in d.stderr() and new.hex() not in d.stderr()
 
+    # c restarted with its old --cluster-secret-file: the keyring the rotation updated
+    # wins over a file naming the key it retired, and c is told to update the file.
+    stale = c.root / "cluster.secret"
+    assert c.terminate() == 0
+    c.start("--cluster-secret-file", str(stale), "--agent-addr", c_addr)
+    assert keys(c) == {new_id: "primary"}
+    warned = [line for line in c.stderr().splitlines() if f"{old_id} from" in line]
+    assert warned and str(stale) in warned[-1] and "update the file" in warned[-1], warned
+    event = [e for e in c.events() if e["kind"] == "secret.stale_file"][-1]
+    assert str(stale) in event["message"] and new_id in event["message"]
+    wait_for(lambda: (r := by_address(a).get(c_addr, {})).get("key_id") == new_id
+             and r.get("key_stale") is False, POLL_WAIT_S, "c current on a", every=0.2)
+
 
 def test_a_rotator_killed_after_a_step_finishes_the_rotation_when_restarted(
         daemons: Daemons) -> None:
@@ -108,3 +123,38 @@ def rotation_on_disk(d: DaemonProc) -> dict[str, Any]:
                                             uri=True)) as conn:
         conn.row_factory = sqlite3.Row
         return dict(conn.execute("select * from rotations order by id desc limit 1").fetchone())
+
+
+def test_a_member_failing_a_step_fails_the_rotation_and_a_rerun_finishes_it(
+        daemons: Daemons) -> None:
+    old = secrets.token_hex(16).encode()
+    old_id = key_id(old).hex()
+    b_addr = f"127.0.0.2:{free_port('127.0.0.2')}"
+    b = daemons.make(name="b")
+    b_file = secret_file(b.root, old)
+    b.start("--cluster-secret-file", str(b_file), "--agent-addr", b_addr,
+            env={"MLXCELD_FAILPOINT": "member-refuses-key-use"})
+    a = start(daemons, "127.0.0.1", old, "--cluster-peers", b_addr, name="a",
+              env={"MLXCELD_TEST_ROTATION_STEP_S": "2"})
+
+    failed = a.ctl("secret", "rotate", timeout=ROTATE_S)
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    assert f"member {b_addr} failed using" in failed.stderr, failed.stderr
+    assert "fail point member-refuses-key-use" in failed.stderr
+    assert "run `mlxctl secret rotate` again (without --new-secret-file" in failed.stderr
+    row = rotation(a)
+    assert row is not None and row["step"] == "failed"
+    new_id = row["new_key_id"]
+    assert keys(b) == {old_id: "primary", new_id: "installed"}  # installed, not used
+
+    assert b.terminate() == 0
+    b.start("--agent-addr", b_addr)  # back, without the fault
+    done = a.ctl("secret", "rotate", "--json", timeout=ROTATE_S)
+    assert done.returncode == 0, (done.stdout, done.stderr, a.stderr()[-3000:])
+    again = json.loads(done.stdout)["rotation"]
+    assert (again["id"], again["new_key_id"], again["step"]) == (row["id"], new_id, "done")
+    for d in (a, b):
+        assert keys(d) == {new_id: "primary"}, d.root
+    kinds = [e["kind"] for e in a.events() if e["kind"].startswith("rotation.")]
+    assert kinds[-5:] == ["rotation.failed", "rotation.retried", "rotation.verifying_use",
+                          "rotation.removing", "rotation.done"], kinds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -10,9 +11,10 @@ from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.address import parse_address
 from mlxceld.wire.envelope import MessageSpec
+from mlxceld.wire.secret import key_id
 
 from helpers.keys import keyring
-from helpers.mxcl import CLIENT_ID, SECRET, run, serving
+from helpers.mxcl import CLIENT_ID, OTHER_SECRET, SECRET, run, serving
 
 
 def redialer(port: int, got: list[bytes]) -> Redialer:
@@ -117,5 +119,55 @@ def test_cancelling_run_ends_every_reader() -> None:
             assert readers() == []
             await first.close()
             await dialer.aclose()
+
+    run(main())
+
+
+def test_hand_over_to_a_new_primary_loses_and_reorders_nothing() -> None:
+    """Messages sent back to back while the keyring's primary changes: the old stream is
+    finished (its close answered) before anything goes over the new one, so the peer takes
+    every message once, in order; a send that raced the handover went over the new one."""
+    seen: list[tuple[bytes, int]] = []  # (key id of the stream, message), as handled
+    accepted: list[MxclStream] = []
+
+    async def handler(stream: MxclStream) -> None:
+        accepted.append(stream)
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                message = await stream.recv()
+                await asyncio.sleep(0.002 if stream.key_id == key_id(SECRET) else 0)
+                seen.append((stream.key_id, int(message)))
+
+    async def main() -> None:
+        ring = keyring(SECRET, OTHER_SECRET)
+        async with serving(handler, keyring=keyring(SECRET, OTHER_SECRET)) as lst, \
+                asyncio.TaskGroup() as tg:
+            dialer = Redialer(("127.0.0.1", lst.port), keyring=ring,
+                              origin=parse_address(CLIENT_ID), channel=1, what="test peer",
+                              budget_s=5.0, on_message=lambda _: None)
+            reading = tg.create_task(dialer.run())
+            assert not await dialer.hand_over()  # nothing dialed: nothing to hand over
+
+            for i in range(100):  # a backlog on the old stream (its peer is slow)
+                await dialer.send(str(i).encode())
+            old = await dialer.stream()
+            assert not dialer.stale
+            ring.replace_all(OTHER_SECRET, [SECRET])
+            assert dialer.stale
+            handing = tg.create_task(dialer.hand_over())
+            for i in range(100, 300):  # racing the handover, then after it
+                await dialer.send(str(i).encode())
+                await asyncio.sleep(0.001)
+            assert await handing
+            assert old.closed and not dialer.stale
+            await until(lambda: len(seen) == 300)
+            await dialer.aclose("done")
+            reading.cancel()
+        assert [i for _, i in seen] == list(range(300))
+        kids = [k for k, _ in seen]
+        switch = kids.index(key_id(OTHER_SECRET))
+        assert set(kids[:switch]) == {key_id(SECRET)} and set(kids[switch:]) == {
+            key_id(OTHER_SECRET)}
+        assert len(accepted) == 2
 
     run(main())

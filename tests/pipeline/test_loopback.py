@@ -23,13 +23,14 @@ from mlx_lm.generate import generate_step
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.models.identity import model_identity
 from mlxceld.models.slicing import load_stage
-from mlxceld.net import Listener, connect
+from mlxceld.net import Listener, connect, streams_under
 from mlxceld.pipeline import PipelineEngine, StageAddress, StagePlace, StageService
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
 from mlxceld.roster import MODEL_STOP_TIMEOUT_S
-from mlxceld.wire import encode_envelope, parse_envelope
+from mlxceld.wire import Keyring, encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
+from mlxceld.wire.secret import key_id
 from mlxceld.workers.runtime import progress_report
 
 from helpers.keys import keyring
@@ -51,7 +52,8 @@ def reference(path: Path, prompt: list[int], n: int) -> list[int]:
 class Cluster:
     """Stage services on 127.0.0.(2+rank), each behind its own listener."""
 
-    def __init__(self) -> None:
+    def __init__(self, ring: Keyring | None = None) -> None:
+        self.ring = ring or keyring(SECRET)  # every stage's and the engine's, one object
         self.listeners: list[Listener] = []
         self.services: list[StageService] = []
         self.tasks: list[asyncio.Task[Any]] = []
@@ -63,7 +65,7 @@ class Cluster:
         listeners = []
         for rank in range(len(splits)):
             host = f"127.0.0.{2 + rank}"
-            lst = Listener(host, 0, keyring=keyring(SECRET), identity_of_server=f"{host}:0",
+            lst = Listener(host, 0, keyring=self.ring, identity_of_server=f"{host}:0",
                            channels={1}, handler=self._handler(rank))
             await lst.start()
             listeners.append(lst)
@@ -79,7 +81,7 @@ class Cluster:
                 first=(listeners[0].host, listeners[0].port)
                 if rank == len(splits) - 1 and rank > 0 else None,
                 last=addrs[-1] if rank == 0 and len(splits) > 1 else None)
-            svc = StageService(model, place, keyring(SECRET), model.wire_dtype, standby=standby)
+            svc = StageService(model, place, self.ring, model.wire_dtype, standby=standby)
             self.services.append(svc)
             self.tasks.append(asyncio.ensure_future(svc.run()))
             self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
@@ -95,7 +97,7 @@ class Cluster:
         return handle
 
     def engine(self, path: Path, eos: set[int] | None = None, **knobs: Any) -> PipelineEngine:
-        return PipelineEngine(self.stages, keyring=keyring(SECRET), origin=COORD,
+        return PipelineEngine(self.stages, keyring=self.ring, origin=COORD,
                               model_identity=model_identity(path),
                               cluster="test", model_id="m", context_length=4096,
                               eos_token_ids=eos or set(), **knobs)
@@ -107,7 +109,7 @@ class Cluster:
     async def restart_stage(self, rank: int) -> None:
         """A new listener on the same address, in front of the same stage service."""
         st = self.stages[rank]
-        lst = Listener(st.host, st.port, keyring=keyring(SECRET),
+        lst = Listener(st.host, st.port, keyring=self.ring,
                        identity_of_server=f"{st.host}:0", channels={1},
                        handler=self._handler(rank))
         await lst.start()
@@ -129,8 +131,9 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(path: Path, splits: Sequence[tuple[int, int]],
-                  identity: str | None = None, standby: bool = False) -> AsyncIterator[Cluster]:
-    c = Cluster()
+                  identity: str | None = None, standby: bool = False,
+                  ring: Keyring | None = None) -> AsyncIterator[Cluster]:
+    c = Cluster(ring)
     try:
         await c.start(path, splits, identity, standby)
         yield c
@@ -631,3 +634,76 @@ def test_a_draining_stage_finishes_its_sequences_and_refuses_new_ones(
     assert refused.retry_after_s == 5
     assert left == 0
     assert dropped == 1 and 0.4 <= took < 5
+
+
+def test_sequences_move_to_the_new_primary_key_mid_decode(split_fixture_dir: Path) -> None:
+    """The keyring's primary changes while 3 sequences decode (a rotation's ``use``): the
+    engine's links and the stages' streams hand over to the new key, the sequences move
+    over (``adopt``) with every token in order, and no stream is left under the old key
+    although none of the sequences ended (links.py, redialer.py)."""
+    path = split_fixture_dir / "llama"
+    n = 100
+    want = reference(path, PROMPT, n)
+    new = b"pipeline-test-secret-new-abcdefgh"
+    ring = keyring(SECRET, new)
+
+    async def go() -> list[list[int]]:
+        async with cluster(path, [(0, 2), (2, 4)], ring=ring) as c:
+            engine = c.engine(path)
+            linking = asyncio.ensure_future(engine.keep_linked())  # as the router runs it
+            try:
+                requests = [engine.generate(GenerationRequest(
+                    f"r{i}", PROMPT, SamplingParams(max_tokens=n, temperature=0.0)))
+                    for i in range(3)]
+                got = [[(await anext(r)).token] for r in requests]  # each one decodes
+                ring.replace_all(new, [SECRET])
+                engine.rekey()
+                for svc in c.services:
+                    svc.rekey()
+                await until(lambda: streams_under(key_id(SECRET)) == 0,
+                            "no stream left under the old key", timeout=10)
+                assert engine.active_sequences() == 3  # moved, not ended
+                for tokens, r in zip(got, requests, strict=True):
+                    tokens.extend([t.token async for t in r])
+                assert await tokens_of(engine, PROMPT, 4) == want[:4]  # a new one, new key
+                return got
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    assert asyncio.run(go()) == [want] * 3
+
+
+def test_a_handover_the_stages_refuse_keeps_the_old_stream_and_warns_once(
+        split_fixture_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's primary changes to a key the stages do not hold (a `mlxctl secret use`
+    on the router's host only): each link stays on its stream under the old key, requests
+    go on being served, and the refused handover is warned about once per link, not at
+    every retry."""
+    path = split_fixture_dir / "llama"
+    want = reference(path, PROMPT, 4)
+    new = b"pipeline-test-secret-new-abcdefgh"
+    ours = keyring(SECRET, new)
+
+    async def go() -> list[int]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:  # the stages hold SECRET only
+            engine = PipelineEngine(c.stages, keyring=ours, origin=COORD,
+                                    model_identity=model_identity(path), cluster="test",
+                                    model_id="m", context_length=4096, eos_token_ids=set(),
+                                    retry_s=(0.05, 0.1))
+            linking = asyncio.ensure_future(engine.keep_linked())
+            try:
+                assert await tokens_of(engine, PROMPT, 4) == want
+                ours.replace_all(new, [SECRET])
+                engine.rekey()
+                await asyncio.sleep(1.0)  # about ten refused handovers per link
+                return await tokens_of(engine, PROMPT, 4)
+            finally:
+                linking.cancel()
+                await engine.aclose()
+
+    with caplog.at_level(logging.DEBUG, logger="mlxceld.pipeline.links"):
+        assert asyncio.run(go()) == want
+    tries = [r for r in caplog.records if "stays on key" in r.getMessage()]
+    assert [r.levelno for r in tries].count(logging.WARNING) == 2, tries  # once per link
+    assert len(tries) > 4  # it kept trying

@@ -12,6 +12,7 @@ import sqlite_utils
 
 from mlxceld.errors import KeyringError, PrimaryKeyRemoval, StateError, UnknownKey
 from mlxceld.state import SCHEMA_VERSION, KeyStore, open_db, parse_key_id
+from mlxceld.state.keys import MAX_RETIRED
 from mlxceld.wire.secret import key_id
 
 S1 = b"first-cluster-secret-0123456789"
@@ -162,3 +163,23 @@ def test_the_database_never_holds_the_secret(tmp_path: Path,
     for s in (S1, S2, S3):  # ...the secrets are not, raw or hex
         assert s not in blobs and s.hex().encode() not in blobs
         assert s.hex() not in caplog.text and repr(s) not in caplog.text
+
+
+def test_a_removed_key_is_retired_until_installed_again(db: sqlite_utils.Database,
+                                                        store: KeyStore,
+                                                        tmp_path: Path) -> None:
+    old, new = b"o" * 32, b"n" * 32
+    store.install(old, source="test")
+    store.install(new, source="test", primary=True)
+    assert store.retired_at(key_id(old)) is None
+    store.remove(key_id(old))
+    assert store.retired_at(key_id(old)) is not None
+    assert KeyStore(db, tmp_path / "keys").retired_at(key_id(old)) is not None  # persisted
+    store.install(old, source="mlxctl secret install")  # the operator wants it back
+    assert store.retired_at(key_id(old)) is None
+    for i in range(MAX_RETIRED + 3):  # bounded: the latest are kept
+        secret = f"{i:032d}".encode()
+        store.install(secret, source="test")
+        store.remove(key_id(secret))
+    assert store.retired_at(key_id(b"0" * 32)) is None
+    assert store.retired_at(key_id(f"{MAX_RETIRED + 2:032d}".encode())) is not None
