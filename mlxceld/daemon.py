@@ -176,7 +176,10 @@ class Daemon:
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._drains = DrainService(DrainsTable(self._db), self.events,
-                                    needs=self._router_needs, call_router=self._call_router)
+                                    needs=self._router_needs, call_router=self._call_router,
+                                    started=lambda node, force: self.member.drain_started(
+                                        node, force),
+                                    held=lambda: self.member.drain_held())
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -230,6 +233,9 @@ class Daemon:
         if target not in {d["node_id"] for d in self._drains.list()}:
             self._known_node(target)
         return self._drains.undrain(target)
+
+    def drained_nodes(self) -> frozenset[str]:
+        return frozenset(d["node_id"] for d in self._drains.list())
 
     def _local_node(self) -> str:
         return self.placement.node.id if self.placement is not None else self.node.node_id

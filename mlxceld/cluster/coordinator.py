@@ -3,6 +3,7 @@
 ``--pp-auto N`` (``bring_up``), ``--pp-auto N --dry-run`` (``dry_run``),
 ``mlxctl cluster plan`` (``plan``), ``mlxctl cluster activate`` (``activate``)
 and ``mlxctl cluster deactivate`` (``deactivate``, ``deactivation.py``) run here.
+Drained nodes (`mlxctl drain`) are left out of every plan, and its notes say so.
 
 At the daemon's start (``start``) the latest plan is resumed when it was
 committed or active, whatever the flags and the config file say now, so that
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -110,7 +112,8 @@ class CoordinatorSlot(Protocol):
 class Coordinator:
     def __init__(self, slot: CoordinatorSlot, tasks: asyncio.TaskGroup, *, cluster: str,
                  state_dir: Path, config_out: Path | None, plans: Plans, keyring: Keyring,
-                 discovery: DiscoveryService, identity: str, events: EventLog) -> None:
+                 discovery: DiscoveryService, identity: str, events: EventLog,
+                 drained: Callable[[], frozenset[str]] = frozenset) -> None:
         self._slot = slot
         self._tasks = tasks  # the daemon's: a bring-up runs there
         self._cluster = cluster
@@ -121,6 +124,7 @@ class Coordinator:
         self._discovery = discovery
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
+        self._drained = drained  # node ids `mlxctl drain` left out of every plan
         self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
         self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
@@ -139,11 +143,12 @@ class Coordinator:
     async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan"
                       ) -> Proposal:
         """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local
-        directory) over the reachable ones."""
+        directory) over the reachable ones that are not drained (the plan's notes say
+        which are)."""
         path = model_dir(model, what)
         candidates = await self._discovery.refresh()
         return make_plan(candidates, path, stages, cluster=self._cluster,
-                         coordinator=self._identity)
+                         coordinator=self._identity, drained=self._drained())
 
     def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
         """At the daemon's start, in the background: resume the latest plan if it is

@@ -16,9 +16,13 @@ The push is said again and again, so a router that restarts, or a daemon that
 restarts while its router keeps running, converges within ``PUSH_EVERY_S``. A router
 that does not answer (starting, stopped) leaves the state as it is.
 
-Where self-healing re-plans (``cluster/coordinator.py``), a drain of a node the
-model can do without would re-plan around it first (``DrainService.started`` is the
-hook: it is called with the node as its drain starts); that part is not built here.
+On a coordinator, a drain of a node that holds a stage of the plan served is re-planned
+around first (``cluster/healer.py``: ``started`` is called with the node and ``--force``
+as its drain starts): while that re-plan runs (``held`` names the node) the drain is not
+said to the router and the row stays ``draining``, so requests go on being admitted on
+the old plan; once the new plan serves, the router's requests no longer need the node
+and it is ``drained``; if the model does not fit without it (``drain.no_fit``), the
+drain goes on as above.
 
 Every change is an event: ``drain.started``, ``drain.changed`` (a new deadline),
 ``drain.drained``, ``drain.ended`` (undrained).
@@ -50,12 +54,14 @@ RouterCall = Callable[[JSON], Awaitable[JSON | None]]  # the drain op; None: no 
 class DrainService:
     def __init__(self, table: DrainsTable, events: EventLog, *, needs: Needs,
                  call_router: RouterCall,
-                 started: Callable[[str], None] | None = None) -> None:
+                 started: Callable[[str, bool], None] | None = None,
+                 held: Callable[[], frozenset[str]] = frozenset) -> None:
         self._table = table
         self._events = events
         self._needs = needs
         self._call = call_router
         self._started = started
+        self._held = held  # draining nodes not to be said to the router yet (a re-plan)
         self._wake = asyncio.Event()
         self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
         self._closing = False
@@ -81,7 +87,7 @@ class DrainService:
                                 deadline=deadline, force=force)
             log.info("node %s is draining (%s)", node, said)
             if self._started is not None:
-                self._started(node)
+                self._started(node, force)
         else:
             row = replace(old, deadline=deadline, force=force, updated_at=now,
                           reason=f"mlxctl drain again: {said}")
@@ -119,7 +125,8 @@ class DrainService:
         self._wake.set()
 
     async def push(self) -> None:
-        rows = self._table.all()
+        held = self._held()
+        rows = [r for r in self._table.all() if r.node_id not in held]
         needed = self._needs()
         mine = [r for r in rows if needed is not None and r.node_id in needed]
         for r in rows:

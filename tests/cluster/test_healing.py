@@ -1,9 +1,10 @@
 """Self-healing's decisions (``cluster/healing.py``), sans-IO: the grace, the operator
-first, a refusal held until the hosts alive change, a failure retried, fencing."""
+first, a refusal held until the hosts alive change, a failure retried, fencing; a drained
+host re-planned around at once (healing on or off), never planned over."""
 
 from __future__ import annotations
 
-from mlxceld.cluster.healing import Heal, Healing, Held, Idle, View, Waiting
+from mlxceld.cluster.healing import Heal, Healing, Held, Idle, Replan, View, Waiting
 from mlxceld.state.liveness import LivenessState
 
 B, C, D = "127.0.0.2:19000", "127.0.0.3:19000", "127.0.0.4:19000"
@@ -11,8 +12,10 @@ GRACE = 60.0
 
 
 def view(states: dict[str, tuple[LivenessState, float]], *, epoch: int | None = 7,
-         peers: tuple[str, ...] = (B, C), busy: bool = False) -> View:
-    return View(epoch, peers if epoch else (), states, frozenset({B, C, D}), busy=busy)
+         peers: tuple[str, ...] = (B, C), busy: bool = False,
+         drained: frozenset[str] = frozenset()) -> View:
+    return View(epoch, peers if epoch else (), states, frozenset({B, C, D}), busy=busy,
+                drained=drained)
 
 
 UP = {B: ("alive", 0.0), C: ("alive", 0.0), D: ("alive", 0.0)}
@@ -91,3 +94,33 @@ def test_the_host_left_out_is_fenced_once_alive_not_pulled_in() -> None:
     # a host of the new plan is never fenced for the old one
     h.healed(8, (C, D), (B, C))
     assert h.unfenced() == {D: 8}
+
+
+def test_a_drained_host_is_replanned_around_at_once_healing_on_or_off() -> None:
+    for h in (Healing(GRACE), Healing(0)):
+        assert h.decide(view(UP, drained=frozenset({C})), 0.0) == Replan(7, (C,), (B, D))
+        # a drained host outside the plan (a spare) changes nothing
+        assert isinstance(h.decide(view(UP, drained=frozenset({D})), 0.0), Idle)
+        # the operator's bring-up or deactivation goes first; no plan, nothing to re-plan
+        assert isinstance(h.decide(view(UP, busy=True, drained=frozenset({C})), 0.0), Idle)
+        assert h.decide(view(UP, epoch=None, drained=frozenset({C})), 0.0) == Idle(
+            "no plan is served from here")
+
+
+def test_a_drained_host_is_never_planned_over() -> None:
+    drained = frozenset({D})  # the spare is drained: a heal plans over C alone
+    assert Healing(GRACE).decide(view(B_DEAD, drained=drained), 200.0) == Heal(7, (B,), (C,))
+
+
+def test_a_replan_that_does_not_fit_is_held_until_the_hosts_alive_change() -> None:
+    h = Healing(0)
+    first = h.decide(view(UP, drained=frozenset({C})), 0.0)
+    assert isinstance(first, Replan)
+    h.refused(first, "plan refused: stage-0 ... 4.4 MiB short")
+    held = h.decide(view(UP, drained=frozenset({C})), 1e6)
+    assert isinstance(held, Held) and held.dead == (C,)
+    d_gone = {**UP, D: ("dead", 10.0)}  # the hosts alive change: tried again
+    assert h.decide(view(d_gone, drained=frozenset({C})), 1e6) == Replan(7, (C,), (B,))
+    # re-planned: the drained host is fenced once the new plan serves
+    h.healed(7, (B, C), (B, D))
+    assert h.to_fence(view(UP, epoch=8, peers=(B, D), drained=frozenset({C}))) == [(C, 7)]
