@@ -78,6 +78,7 @@ from mlxceld.errors import (
     UnserveRefused,
 )
 from mlxceld.net import retire_streams
+from mlxceld.roles.options import options_json
 from mlxceld.roster import Situation, draw_roster, router_needs
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
@@ -246,7 +247,12 @@ class Daemon:
         return known_node(node or self._local_node(), known)
 
     def _router_needs(self) -> frozenset[str] | None:
-        return router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
+        """This node, and over a pipeline its stages: by the cluster TOML's stage ids and,
+        for a plan coordinated here, by its hosts' node ids."""
+        needs = router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
+        if needs is None or self.placement is None:
+            return needs
+        return needs | self.member.plan_node_ids()
 
     async def _call_router(self, args: JSON) -> JSON | None:
         return await self.supervisor.call_running(ROUTER, "drain", args)
@@ -279,16 +285,28 @@ class Daemon:
         self._hold_router = True
         await self.reconcile()
 
-    async def serve_pipeline(self, placement: Placement) -> None:
-        """Run the router over the pushed plan: on its model, restarted if it was serving."""
+    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
+        """Run the router over the pushed plan: on its model, restarted if it was serving;
+        ``live``: a running router is moved to the plan's stages by its ``pipeline`` op
+        (``workers/router.py``), and restarted only if it refuses or does not answer."""
         self.placement = placement
         model = str(placement.model)
         if self._serve.model != model:
             self._serve = self._serve.with_model(model)
         existed = ROUTER in self.supervisor.names()
         await self.reconcile()
-        if existed:
-            self.supervisor.restart(ROUTER)
+        if not existed:
+            return
+        spec = next((s for s in self.specs(self.config) if s.name == ROUTER), None)
+        if live and spec is not None:
+            reply = await self.supervisor.call_running(
+                ROUTER, "pipeline", {"options": options_json(spec.options)})
+            if reply is not None and reply.get("ok"):
+                log.info("router moved to the new plan's stages without a restart")
+                return
+            log.info("router not moved live (%s): restarting it",
+                     "no answer" if reply is None else reply.get("error"))
+        self.supervisor.restart(ROUTER)
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self._standby = placement, standby

@@ -102,8 +102,9 @@ class Served:
 class CoordinatorSlot(Protocol):
     """The daemon's side: run the router over a pushed plan."""
 
-    async def serve_pipeline(self, placement: Placement) -> None:
-        """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router."""
+    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
+        """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router;
+        ``live``: move a running router to its stages without a restart, if it can."""
 
     async def stop_pipeline(self) -> None:
         """Drop the placement and stop the router; serve nothing until told again."""
@@ -430,13 +431,14 @@ class Coordinator:
             summary = done.summary
         await self._serve(epoch, toml, model, summary)
 
-    async def _serve(self, epoch: int, toml: str, model: str, summary: str) -> None:
+    async def _serve(self, epoch: int, toml: str, model: str, summary: str, *,
+                     live: bool = False) -> None:
         path = self._state_dir / f"cluster-{epoch}.toml"
         path.write_text(toml)
         if self._config_out is not None:
             self._config_out.write_text(toml)
         placement = await asyncio.to_thread(place, path, "coordinator", model)
-        await self._slot.serve_pipeline(placement)
+        await self._slot.serve_pipeline(placement, live=live)
         row = self._plans.get(epoch)
         self.serving = Served(epoch, model, row.peers if row else ())
         self.state = {**(self.state or {}), "state": "active", "epoch": epoch,
@@ -444,12 +446,14 @@ class Coordinator:
         self._events.append("bringup.active", "cluster", summary, epoch=epoch)
         log.info("pipeline bring-up: %s", summary)
 
-    async def heal(self, proposal: Proposal, old: Served, why: str) -> tuple[bool, str]:
+    async def heal(self, proposal: Proposal, old: Served, why: str, *, live: bool = False
+                   ) -> tuple[bool, str]:
         """Self-healing (``healer.py``): push ``proposal``, a plan of ``old``'s model over
         the hosts alive, as a bring-up (one at a time: ``BringUpInProgress`` if one runs),
         with a new epoch; once it is active, ``old`` is recorded deactivated (superseded:
-        a peer of it that asks hears so) and the router serves the new plan. Returns
-        whether it is served, and the summary."""
+        a peer of it that asks hears so) and the router serves the new plan (``live``, as
+        a drain's re-plan does: moved to it without a restart, its running requests
+        ending on the old stages). Returns whether it is served, and the summary."""
         self._claim()
         self._task = asyncio.current_task()  # a deactivation ends it once decided
         try:
@@ -464,7 +468,7 @@ class Coordinator:
                 self._failed(done.summary)
                 return False, done.summary
             self._plans.decide(old.epoch, "deactivated", f"superseded by plan {epoch}: {why}")
-            await self._serve(epoch, proposal.toml, old.model, done.summary)
+            await self._serve(epoch, proposal.toml, old.model, done.summary, live=live)
             return True, done.summary
         except MlxceldError as exc:
             self._failed(f"plan {self.state.get('epoch') if self.state else '?'}: "

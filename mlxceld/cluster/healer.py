@@ -37,7 +37,8 @@ below) or ``drain.replan_failed``; the drained host's old stage is then fenced
 served or given up, the drain is not said to the router (``holding``: the drain service
 asks), so that requests go on being admitted on the old plan: a surviving host's old
 stage finishes its sequences as the push replaces it (a stage's SIGTERM drain), and the
-router's restart onto the new plan lets its streams end (``workers.router.GRACEFUL_S``).
+router moves to the new plan without a restart (``serve_pipeline(live=True)``, its
+``pipeline`` op): its running requests end on the old stages.
 With ``--force`` nothing is held: the drain ends its requests at once, then the re-plan
 follows. Drained hosts are never planned over (``make_plan``'s ``drained``), by a heal
 either; `mlxctl undrain` makes a host a candidate again, not a part of the running plan.
@@ -306,7 +307,7 @@ class Healer:
                               f"{s.layers[1]})" for s in stages))
         self._events.append("drain.replan_pushing", subject, self.state["summary"],
                             epoch=replan.epoch, peers=[s.node.key for s in stages])
-        ok, summary = await self._coordinator.heal(proposal, served, why)
+        ok, summary = await self._coordinator.heal(proposal, served, why, live=True)
         new = self._coordinator.serving
         if not ok or new is None or new.epoch == served.epoch:
             self._healing.failed(replan, summary, time.time())

@@ -135,6 +135,12 @@ class ClusterMember:
         """The drained nodes whose drain waits for a re-plan before the router hears it."""
         return self._healer.holding() if self._healer is not None else frozenset()
 
+    def plan_node_ids(self) -> frozenset[str]:
+        """The node ids of the hosts of the plan this daemon coordinates (as `mlxctl
+        cluster nodes` names them): what its router's requests need."""
+        return frozenset(r.node_id for a in self._plan_peers()
+                         if (r := self._candidates.get(a)) is not None and r.node_id)
+
     def _drained_addresses(self) -> dict[str, str]:
         """Agent address -> node id of the candidates that are drained."""
         drained = self._slot.drained_nodes()
