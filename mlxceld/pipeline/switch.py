@@ -65,17 +65,24 @@ class PipelineSwitch:
         return self._current.stages()
 
     async def keep_linked(self) -> None:
-        """The current engine's links kept up; on a switch, the new one's too, and the old
-        one retired in the background. Until cancelled."""
+        """The current engine's links kept up; after a switch, the new one's too, and each
+        replaced engine retired in the background. Until cancelled."""
+        links: dict[PipelineEngine, asyncio.Task[None]] = {}
+        retired: set[PipelineEngine] = set()
         async with asyncio.TaskGroup() as tg:
             while True:
-                engine = self._current
-                linking = tg.create_task(engine.keep_linked())
+                current = self._current
+                if current not in links:
+                    links[current] = tg.create_task(current.keep_linked())
+                for engine in self._retiring:
+                    if engine not in retired:
+                        retired.add(engine)
+                        tg.create_task(self._retire(engine, links.pop(engine, None)))
                 await self._changed.wait()
                 self._changed.clear()
-                tg.create_task(self._retire(engine, linking))
 
-    async def _retire(self, engine: PipelineEngine, linking: asyncio.Task[None]) -> None:
+    async def _retire(self, engine: PipelineEngine, linking: asyncio.Task[None] | None
+                      ) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(RETIRE_S):
                 while engine.active_sequences():
@@ -84,7 +91,8 @@ class PipelineSwitch:
         (log.warning if left else log.info)(
             "pipeline: the old plan's engine retires%s", f" ending {left} sequence(s) after "
             f"{RETIRE_S:g} s" if left else ": its sequences ended")
-        linking.cancel()
+        if linking is not None:
+            linking.cancel()
         try:
             await engine.aclose()
         finally:

@@ -9,7 +9,10 @@ the new plan, is retried by the client and counted apart); the counts and the ti
 the new plan are printed (``pytest -s``). Undrained, the node is a candidate again and not
 pulled into the running plan. ``--force`` on a stage node ends the streams on it with the
 drain's error, then re-plans (over the undrained node). The coordinator's restart serves
-the last plan, and its drained node stays out."""
+the last plan, and its drained node stays out. With memory for two stages but not one
+(``MLXCELD_TEST_MEMORY_AVAILABLE``), a drain that leaves one host is not re-planned: it
+says which memory is missing (event, `mlxctl status` problem) and goes on as a drain
+without a plan (new requests refused 503 "draining")."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import pytest
 from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
 from helpers.keys import secret_file
+from helpers.memory import two_stages_but_not_one
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
 from helpers.router import client, complete
@@ -130,8 +134,9 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
     secret = secrets.token_hex(16).encode()
-    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
-             for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
+    memory = {"MLXCELD_TEST_MEMORY_AVAILABLE": str(two_stages_but_not_one(model))}
+    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}",
+                   env=memory) for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
     port = free_port("127.0.0.1")
     coord = daemons.make(name="c")
     flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
@@ -249,3 +254,24 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     assert plan_peers(coord) == (third["epoch"], sorted([survivor, victim]))
     assert [(r["node_id"], r["state"]) for r in coord.api(lambda c: c.drains())["drains"]] \
         == [(node_of[spare], "drained")]
+
+    # 5. Drain one more: the model does not fit on the one host left. Not re-planned: the
+    # memory missing is named, and the drain goes on without a plan.
+    before = max(e["id"] for e in coord.events(1))
+    alone = coord.ctl("drain", node_of[survivor], "--deadline", "60s", timeout=WAIT_S)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    (no_fit,) = events_after(coord, before, "drain.no_fit")
+    print(f"no fit: {no_fit['message']}")
+    assert no_fit["subject"] == node_of[survivor]
+    assert "short" in no_fit["message"] and "goes on without a new plan" in no_fit["message"]
+    assert no_fit["data"]["shortfalls"][0]["short_bytes"] > 0, no_fit
+    problems = [p for p in coord.status()["problems"] if p["subject"] == "drain"]
+    assert len(problems) == 1 and "short" in problems[0]["message"], problems
+    assert plan_peers(coord) == (third["epoch"], sorted([survivor, victim]))
+    with client(f"http://127.0.0.1:{port}/v1") as c, pytest.raises(openai.APIStatusError) as exc:
+        c.completions.create(model="llama", prompt=PROMPT, max_tokens=2)
+    assert exc.value.status_code == 503 and f"node {node_of[survivor]} draining" in str(
+        exc.value), exc.value
+    assert coord.ctl("undrain", node_of[survivor]).returncode == 0
+    wait_for(lambda: serves(port, model), WAIT_S, "serving once undrained", every=0.2)
+    assert not [p for p in coord.status()["problems"] if p["subject"] == "drain"]
