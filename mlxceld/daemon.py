@@ -27,6 +27,13 @@ SIGTERM/SIGINT while shutting down forces (``_force``): SIGKILL to every worker
 group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
+A worker that exits cleanly on its own stays down (the supervisor restarts failures
+only; `mlxctl restart` starts it), except the stage of an active plan: sent SIGTERM
+from outside, it drains and exits 0, and comes back after ``STAGE_BACK_S`` (1 s), since
+the pipeline stalls without it and the roster still wants it. `mlxctl cluster
+deactivate` (or a new plan without this host) and the daemon's own stop end a stage
+for good.
+
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds
 the control socket again if its file was deleted; ``control/keeper.py`` checks that file
 every few seconds as well).
@@ -52,6 +59,7 @@ from typing import Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.clusterfile.placement import (
+    STAGE_WORKER,
     Placement,
     place,
 )
@@ -99,11 +107,12 @@ from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
+from mlxceld.types import JSON, WorkerState
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
+STAGE_BACK_S = 1.0  # a stage of the active plan that exited cleanly on its own restarts after
 
 
 class Terminal(Protocol):
@@ -174,7 +183,8 @@ class Daemon:
         self.supervisor = Supervisor(
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,
-            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
+            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
+            finished=self._worker_finished)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._drains = DrainService(DrainsTable(self._db), self.events,
                                     needs=self._router_needs, call_router=self._call_router,
@@ -377,6 +387,24 @@ class Daemon:
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
             accepted=tuple(self.keys.keyring.others()),
             api_key=self._api_key))
+
+    def _worker_finished(self, name: str) -> None:
+        """A worker exited cleanly on its own. The stage of an active plan comes back after
+        ``STAGE_BACK_S`` (an outside SIGTERM drained it: the pipeline needs it, and the
+        roster still wants it); any other worker stays down (`mlxctl restart` starts it)."""
+        if name == STAGE_WORKER and self._stage_wanted():
+            log.info("worker %s exited cleanly, but it is a stage of the active plan: "
+                     "starting it again in %g s", name, STAGE_BACK_S)
+            asyncio.get_running_loop().call_later(STAGE_BACK_S, self._stage_back)
+
+    def _stage_wanted(self) -> bool:
+        return (not self._stopping and self.placement is not None and not self._standby
+                and any(s.name == STAGE_WORKER for s in self.specs(self.config)))
+
+    def _stage_back(self) -> None:
+        now = self.supervisor.state(STAGE_WORKER)
+        if now is not None and now[0] is WorkerState.EXITED and self._stage_wanted():
+            self.supervisor.restart(STAGE_WORKER)
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.

@@ -64,12 +64,28 @@ class DrainService:
         self._held = held  # draining nodes not to be said to the router yet (a re-plan)
         self._wake = asyncio.Event()
         self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
+        self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended
         self._closing = False
 
     # -- commands -------------------------------------------------------------------------
 
     def list(self) -> list[JSON]:
-        return [r.to_json() for r in self._table.all()]
+        """Every drain's row, with ``replanning`` (its drain waits for a re-plan around the
+        node) and, while it drains, the router's last counts: ``in_flight`` (None: not
+        known, or not said to the router yet), ``finished`` and ``ended`` so far."""
+        held = self._held()
+        told = {d["node"] for d in self._pushed or []}
+        out = []
+        for r in self._table.all():
+            row = {**r.to_json(), "replanning": r.node_id in held, "in_flight": 0}
+            if r.state == "draining":
+                live = r.node_id in told and r.node_id not in held and bool(self._counts)
+                row["in_flight"] = self._counts.get("in_flight") if live else None
+                if live:
+                    row["finished"] = int(self._counts.get("finished") or 0)
+                    row["ended"] = int(self._counts.get("ended") or 0)
+            out.append(row)
+        return out
 
     def drain(self, node: str, deadline_s: float | None, force: bool) -> JSON:
         """Start draining ``node`` (or change the deadline of its drain): ``deadline_s``
@@ -141,9 +157,10 @@ class DrainService:
             return  # nothing to say, and said already
         reply = await self._call({"drains": drains})
         if reply is None:
-            self._pushed = None  # unknown: say it again next time
+            self._pushed, self._counts = None, {}  # unknown: say it again next time
             return
         self._pushed = drains
+        self._counts = {k: reply.get(k) for k in ("in_flight", "finished", "ended")}
         if reply.get("in_flight") != 0:
             return
         finished, ended = int(reply.get("finished") or 0), int(reply.get("ended") or 0)
