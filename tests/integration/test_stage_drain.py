@@ -1,6 +1,7 @@
 """SIGTERM of a pipeline stage worker drains it (workers/stage.py, StageService.drain):
 the stream it serves completes with mlx-lm's greedy text, a new request meanwhile is
-refused with 503 naming the stage, and the worker then exits cleanly; a stage of the
+refused with 503 naming the stage (and ``/ready`` says it drains), and the worker then
+exits cleanly; a stage of the
 running pipeline, it is started again by its daemon. Real daemons on 127.0.0.x
 (tests/helpers/pipeline.py), the real `openai` client."""
 
@@ -11,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 from helpers.daemons import READY_S, Daemons, alive
@@ -49,6 +51,7 @@ def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
                 signalled = time.monotonic()
                 refused = wait_for(refused_while_draining, 10, "a request refused", every=0.05)
                 refused_after = time.monotonic() - signalled
+                ready = httpx.get(pipe.url.removesuffix("/v1") + "/ready", timeout=10)
                 streamed_before = len(parts)
         finished_after = time.monotonic() - signalled
     print(f"refused {refused_after:.2f} s after SIGTERM with {streamed_before} chunks "
@@ -57,6 +60,7 @@ def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
     assert refused is not None and refused.status_code == 503, refused
     assert "stage stage-1 is draining" in str(refused), refused
     assert refused.response.headers["retry-after"] == "5"
+    assert ready.status_code == 503 and "stage stage-1 is draining" in ready.text, ready.text
     # The drain is over with the stream: the worker exits 0 at once, well before SIGKILL.
     wait_for(lambda: not alive(victim["pid"]), 10, "the drained stage worker to exit")
     stage = pipe.stages[1]
