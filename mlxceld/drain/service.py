@@ -18,11 +18,11 @@ that does not answer (starting, stopped) leaves the state as it is.
 
 On a coordinator, a drain of a node that holds a stage of the plan served is re-planned
 around first (``cluster/healer.py``: ``started`` is called with the node and ``--force``
-as its drain starts): while that re-plan runs (``held`` names the node) the drain is not
-said to the router and the row stays ``draining``, so requests go on being admitted on
-the old plan; once the new plan serves, the router's requests no longer need the node
-and it is ``drained``; if the model does not fit without it (``drain.no_fit``), the
-drain goes on as above.
+as its drain starts): while that re-plan runs (``held`` names the node), up to the
+drain's deadline, the drain is not said to the router and the row stays ``draining``,
+so requests go on being admitted on the old plan; once the new plan serves, the
+router's requests no longer need the node and it is ``drained``; if the model does not
+fit without it (``drain.no_fit``), the drain goes on as above.
 
 Every change is an event: ``drain.started``, ``drain.changed`` (a new deadline),
 ``drain.drained``, ``drain.ended`` (undrained).
@@ -79,7 +79,7 @@ class DrainService:
         for r in self._table.all():
             row = {**r.to_json(), "replanning": r.node_id in held, "in_flight": 0}
             if r.state == "draining":
-                live = r.node_id in told and r.node_id not in held and bool(self._counts)
+                live = r.node_id in told and bool(self._counts)
                 row["in_flight"] = self._counts.get("in_flight") if live else None
                 if live:
                     row["finished"] = int(self._counts.get("finished") or 0)
@@ -141,8 +141,9 @@ class DrainService:
         self._wake.set()
 
     async def push(self) -> None:
-        held = self._held()
-        rows = [r for r in self._table.all() if r.node_id not in held]
+        held, now = self._held(), time.time()
+        rows = [r for r in self._table.all() if r.node_id not in held
+                or (r.deadline is not None and r.deadline <= now)]  # held to its deadline
         needed = self._needs()
         mine = [r for r in rows if needed is not None and r.node_id in needed]
         for r in rows:

@@ -1,6 +1,7 @@
 """``DrainService`` (``drain/service.py``) over a real state database and a fake router
 (our own seam, ``call_router``): the started hook hears the node and ``--force``, a drain
-held for a re-plan is not said to the router, and ``list`` gives each drain's counts."""
+held for a re-plan is not said to the router (until its deadline), and ``list`` gives
+each drain's counts."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_held_drains_wait_and_each_drain_reports_its_counts(tmp_path: Path) -> N
         return {"ok": True, **answer}
 
     service = DrainService(DrainsTable(state.db), state.events,
-                           needs=lambda: frozenset({"a", "b"}), call_router=router,
+                           needs=lambda: frozenset({"a", "b", "c"}), call_router=router,
                            started=lambda node, force: started.append((node, force)),
                            held=lambda: frozenset(held))
 
@@ -47,7 +48,13 @@ def test_held_drains_wait_and_each_drain_reports_its_counts(tmp_path: Path) -> N
         rows = {r["node_id"]: r for r in service.list()}
         assert all((r["state"], r["in_flight"], r["finished"]) == ("drained", 0, 3)
                    for r in rows.values()), rows
+        # A drain is held for its re-plan up to its deadline, not past it.
+        held.add("c")
+        answer.update(in_flight=1)
+        service.drain("c", 0.0, False)
+        await service.push()
+        assert [d["node"] for d in told[-1]["drains"]] == ["a", "b", "c"]
 
     asyncio.run(go())
     kinds = [e.kind for e in state.events.since(0, 100)]
-    assert kinds.count("drain.started") == 2 and kinds.count("drain.drained") == 2, kinds
+    assert kinds.count("drain.started") == 3 and kinds.count("drain.drained") == 2, kinds
