@@ -65,6 +65,7 @@ class DrainService:
         self._wake = asyncio.Event()
         self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
         self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended
+        self._replanned: set[str] = set()  # draining nodes that were held for a re-plan
         self._closing = False
 
     # -- commands -------------------------------------------------------------------------
@@ -146,11 +147,15 @@ class DrainService:
                 or (r.deadline is not None and r.deadline <= now)]  # held to its deadline
         needed = self._needs()
         mine = [r for r in rows if needed is not None and r.node_id in needed]
+        self._replanned |= held
         for r in rows:
             if r.state == "draining" and r not in mine:
                 why = ("no router runs on this node" if needed is None
+                       else "re-planned around: the plan served no longer needs it"
+                       if r.node_id in self._replanned
                        else "no request of this node's router needs it")
                 self._drained(r, why, 0, 0)
+        self._replanned &= {r.node_id for r in rows if r.state == "draining"} | held
         if needed is None:
             return
         drains: list[JSON] = [{"node": r.node_id, "deadline": r.deadline} for r in mine]

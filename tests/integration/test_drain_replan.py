@@ -185,6 +185,7 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     assert counts["completed"] > 0
     row = json.loads(drained.stdout)["drain"]
     assert row["node_id"] == node_of[victim] and row["state"] == "drained", row
+    assert row["reason"].startswith("re-planned around"), row
     assert new["epoch"] > first
     assert sorted(r["address"] for r in new["peers"]) == sorted([survivor, spare])
     kinds = [e["kind"] for e in events_after(coord, before, "drain.")]
