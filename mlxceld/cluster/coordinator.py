@@ -78,7 +78,7 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.identity import model_identity
 from mlxceld.state import EventLog
-from mlxceld.state.plans import PlanRow, Plans
+from mlxceld.state.plans import PlanRow, Plans, superseded
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
 
@@ -467,7 +467,7 @@ class Coordinator:
             if not done.ok:
                 self._failed(done.summary)
                 return False, done.summary
-            self._plans.decide(old.epoch, "deactivated", f"superseded by plan {epoch}: {why}")
+            self._plans.decide(old.epoch, "deactivated", superseded(epoch, why))
             await self._serve(epoch, proposal.toml, old.model, done.summary, live=live)
             return True, done.summary
         except MlxceldError as exc:

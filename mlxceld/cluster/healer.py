@@ -23,7 +23,9 @@ candidates, and carries out the decision (``healing.py``). A stage host dead for
    answers again: told that its plan is over (``deactivation.tell``), its stale stage
    stops (``heal.fenced``). Were its daemon restarted meanwhile, it asks first and hears
    ``deactivated``. It is then a candidate for the next plan; the running one is left
-   as it is.
+   as it is. The hosts to fence outlive this daemon: at its start, the hosts of the plans
+   that the plan it resumes superseded (``Plans.superseded_by``) are fenced again
+   (``ClusterMember._healing``; a host told twice answers ``deactivated`` again).
 
 A drain (`mlxctl drain NODE`) of a host of the served plan is planned around at once,
 self-healing on or off (``healing.Replan``), in the same steps and bounds as a heal with

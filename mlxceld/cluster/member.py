@@ -364,7 +364,7 @@ class ClusterMember:
             if self.may_coordinate():
                 heartbeats = self._heartbeats
                 self._healer = Healer(
-                    Healing(c.heal_after_s), self._coordinator, self._discovery,
+                    self._healing(c.heal_after_s), self._coordinator, self._discovery,
                     liveness=lambda: {r["address"]: (r["state"], r["since"])
                                       for r in heartbeats.snapshot()},
                     candidates=candidates.addresses, events=self._events,
@@ -375,6 +375,17 @@ class ClusterMember:
             if not c.dry_run and self.may_coordinate():
                 self._coordinator.start(c.pp_auto, slot.served_model(),
                                         configured_model=c.serve.model)
+
+    def _healing(self, heal_after_s: float) -> Healing:
+        """Self-healing's decisions, with the hosts of the plans the latest one superseded
+        (a heal, a drain's re-plan) to fence again: a restart of this daemon may have come
+        before they were told; telling one twice is harmless."""
+        healing = Healing(heal_after_s)
+        last = self._plans.latest()
+        if last is not None and last.decision in RESUMABLE:
+            for old in self._plans.superseded_by(last.epoch):
+                healing.healed(old.epoch, old.peers, last.peers)
+        return healing
 
     async def aclose(self) -> None:
         """Discovery, the heartbeats, the assignee, the coordinator (a push cut short: peers

@@ -140,7 +140,7 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     port = free_port("127.0.0.1")
     coord = daemons.make(name="c")
     flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
-             "--agent-addr", "127.0.0.1:0", "--port", str(port),
+             "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
              "--cluster-peers", ",".join(agent(p) for p in peers))
     coord.start(*flags)
     want = {agent(p): "reachable" for p in peers}
@@ -245,7 +245,11 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     wait_for(lambda: serves(port, model), WAIT_S, "serving on the plan after --force",
              every=0.2)
 
-    # 4. The coordinator restarts: it serves the last plan; the drained node stays out.
+    # 4. The coordinator restarts: it serves the last plan; the drained node stays out,
+    # and is told again that the plan it ran is over (the restart may have come first).
+    wait_for(lambda: [e for e in events_after(coord, before, "drain.fenced")
+                      if e["data"]["peer"] == spare], WAIT_S, "the spare fenced", every=0.2)
+    restarted = max(e["id"] for e in coord.events(1))
     assert coord.terminate() == 0
     coord.start(*flags)
     wait_for(lambda: (b := coord.status()["bringup"]) and b["state"] == "active"
@@ -255,6 +259,9 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     assert plan_peers(coord) == (third["epoch"], sorted([survivor, victim]))
     assert [(r["node_id"], r["state"]) for r in coord.api(lambda c: c.drains())["drains"]] \
         == [(node_of[spare], "drained")]
+    again = wait_for(lambda: events_after(coord, restarted, "drain.fenced"), WAIT_S,
+                     "the spare fenced again after the restart", every=0.2)
+    assert again[0]["data"]["peer"] == spare and again[0]["data"]["outcome"] == "deactivated"
 
     # 5. Drain one more: the model does not fit on the one host left. Not re-planned: the
     # memory missing is named, and the drain goes on without a plan.
@@ -275,4 +282,5 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
         exc.value), exc.value
     assert coord.ctl("undrain", node_of[survivor]).returncode == 0
     wait_for(lambda: serves(port, model), WAIT_S, "serving once undrained", every=0.2)
-    assert not [p for p in coord.status()["problems"] if p["subject"] == "drain"]
+    wait_for(lambda: not [p for p in coord.status()["problems"] if p["subject"] == "drain"],
+             30, "the drain's problem to go once undrained", every=0.2)
