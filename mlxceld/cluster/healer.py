@@ -182,8 +182,10 @@ class Healer:
                 tg.create_task(self._guarded(f"fencing {address}", self._fence(address, epoch)))
         decision = self._healing.decide(view, time.time())
         self._report(decision)
-        if not isinstance(decision, Replan):
-            self._holding.clear()  # no re-plan: the drain goes on as without one
+        names = self._drained()
+        # Held are the drains this decision re-plans around; any other goes on without one.
+        self._holding &= ({names.get(a, a) for a in decision.drained}
+                          if isinstance(decision, Replan) else set())
         if (isinstance(decision, Heal | Replan)
                 and (served := self._coordinator.serving) is not None):
             job = (self._heal(decision, served) if isinstance(decision, Heal)
@@ -191,8 +193,9 @@ class Healer:
             task = tg.create_task(self._guarded(f"a {type(decision).__name__.lower()}", job))
             try:
                 await asyncio.wait({task})  # a deactivation may cancel it: not this loop
-            finally:
-                self._holding.clear()
+            finally:  # a drain started meanwhile stays held: the next look re-plans for it
+                if isinstance(decision, Replan):
+                    self._holding -= {names.get(a, a) for a in decision.drained}
             if task.cancelled():
                 self._last = None
                 self._set("idle", f"plan {decision.epoch}: the "
@@ -295,7 +298,7 @@ class Healer:
             proposal = await self._propose(replan, served)
         except MlxceldError as exc:  # a PlanRefused names each stage's missing memory
             self._healing.refused(replan, exc.message)
-            self._holding.clear()
+            self._holding.difference_update(nodes)
             self._set("no_fit", f"drain of node {', '.join(nodes)}: plan {replan.epoch} "
                       f"cannot be re-planned without it: {exc.message}; the drain goes on "
                       "without a new plan")
@@ -313,7 +316,7 @@ class Healer:
         new = self._coordinator.serving
         if not ok or new is None or new.epoch == served.epoch:
             self._healing.failed(replan, summary, time.time())
-            self._holding.clear()
+            self._holding.difference_update(nodes)
             self._set("replan_failed", f"drain of node {', '.join(nodes)}: plan "
                       f"{replan.epoch} not re-planned: {summary}; the drain goes on "
                       "without a new plan")
@@ -321,7 +324,7 @@ class Healer:
                                 epoch=replan.epoch)
             return
         self._healing.healed(served.epoch, served.peers, new.peers)
-        self._holding.clear()
+        self._holding.difference_update(nodes)
         self._last = None
         took = time.monotonic() - began
         self._set("replanned", f"plan {new.epoch} replaces plan {served.epoch}, {why} in "
