@@ -123,11 +123,14 @@ class Healer:
 
     def problems(self) -> list[JSON]:
         if self.state["state"] in ("no_fit", "replan_failed"):
+            then = ("start another peer (mlxceld --pp-peer) with the memory named and the "
+                    "re-plan is tried again" if self.state["state"] == "no_fit" else
+                    "the re-plan is tried again when the hosts alive change (mlxctl events "
+                    "-f shows why the push failed)")
             return [{"subject": "drain", "since": self.state.get("since"),
                      "message": self.state["summary"],
                      "next": "the drain goes on without a new plan: requests that need the "
-                     "node are refused until `mlxctl undrain`; start another peer (mlxceld "
-                     "--pp-peer) with the memory named and the re-plan is tried again"}]
+                     f"node are refused until `mlxctl undrain`; {then}"}]
         if self.state["state"] not in ("refused", "failed"):
             return []
         return [{"subject": "healing", "since": self.state.get("since"),
@@ -140,6 +143,7 @@ class Healer:
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()  # the loop waits on it
 
     # -- drains -------------------------------------------------------------------------
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 from mlxceld.state.liveness import LivenessState
 
+REPLAN_RETRY_S = 60.0  # a drain's re-plan whose push failed, with heal_after_s = 0: again after
+
 
 @dataclass(frozen=True)
 class View:
@@ -157,10 +159,11 @@ class Healing:
                                  "comes back or another candidate is alive", None)
 
     def failed(self, heal: Heal | Replan, reason: str, now: float) -> None:
-        """The push did not end active: again after ``heal_after_s``, or on a change."""
+        """The push did not end active: again after ``heal_after_s`` (``REPLAN_RETRY_S``
+        for a drain's re-plan while self-healing is off), or on a change."""
+        wait = self.heal_after_s or REPLAN_RETRY_S
         self._blocked = _Blocked(heal.epoch, heal.alive, reason + f"; tried again in "
-                                 f"{self.heal_after_s:g} s or when the hosts alive change",
-                                 now + self.heal_after_s)
+                                 f"{wait:g} s or when the hosts alive change", now + wait)
 
     def healed(self, old_epoch: int, old_peers: tuple[str, ...],
                new_peers: tuple[str, ...]) -> None:

@@ -124,3 +124,12 @@ def test_a_replan_that_does_not_fit_is_held_until_the_hosts_alive_change() -> No
     # re-planned: the drained host is fenced once the new plan serves
     h.healed(7, (B, C), (B, D))
     assert h.to_fence(view(UP, epoch=8, peers=(B, D), drained=frozenset({C}))) == [(C, 7)]
+
+
+def test_a_failed_replan_waits_even_with_healing_off() -> None:
+    h = Healing(0)
+    first = h.decide(view(UP, drained=frozenset({C})), 100.0)
+    assert isinstance(first, Replan)
+    h.failed(first, "plan 8: peer D aborted", 100.0)
+    assert isinstance(h.decide(view(UP, drained=frozenset({C})), 159.0), Held)
+    assert isinstance(h.decide(view(UP, drained=frozenset({C})), 160.0), Replan)
