@@ -160,6 +160,8 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     load = Load(f"http://127.0.0.1:{port}/v1")
     threads = [threading.Thread(target=load.run) for _ in range(CLIENTS)]
     before = max(e["id"] for e in coord.events(1))
+    bound = threading.Timer(LOAD_S, load.stop.set)  # the load ends by then in any case
+    bound.start()
     for t in threads:
         t.start()
     try:
@@ -173,6 +175,7 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
         time.sleep(WARM_S)  # serving goes on, on the new plan
     finally:
         load.stop.set()
+        bound.cancel()
         for t in threads:
             t.join(RETRY_FOR_S + 30)
     counts = load.counts()
@@ -218,13 +221,16 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     # 3. --force on a stage node (the spare, now): its streams end with the drain's error,
     # then the plan moves again, onto the node undrained.
     ended: list[str] = []
+    begun = threading.Semaphore(0)
 
     def long_stream() -> None:
         with client(f"http://127.0.0.1:{port}/v1") as c:
             try:
-                for _ in c.completions.create(model="llama", prompt=LONG_PROMPT, stream=True,
-                                              max_tokens=600, temperature=0):
-                    pass
+                for i, _ in enumerate(c.completions.create(
+                        model="llama", prompt=LONG_PROMPT, stream=True, max_tokens=600,
+                        temperature=0)):
+                    if i == 0:
+                        begun.release()
                 ended.append("completed")
             except openai.APIError as exc:
                 ended.append(str(exc))
@@ -232,7 +238,8 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     streams = [threading.Thread(target=long_stream) for _ in range(2)]
     for t in streams:
         t.start()
-    time.sleep(1.0)
+    for _ in streams:
+        assert begun.acquire(timeout=60), "a stream to begin"
     forced = coord.ctl("drain", node_of[spare], "--force", timeout=WAIT_S)
     for t in streams:
         t.join(60)
