@@ -27,6 +27,13 @@ SIGTERM/SIGINT while shutting down forces (``_force``): SIGKILL to every worker
 group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
+A worker that exits cleanly on its own stays down (the supervisor restarts failures
+only; `mlxctl restart` starts it), except the stage of an active plan: sent SIGTERM
+from outside, it drains and exits 0, and comes back after ``STAGE_BACK_S`` (1 s), since
+the pipeline stalls without it and the roster still wants it. `mlxctl cluster
+deactivate` (or a new plan without this host) and the daemon's own stop end a stage
+for good.
+
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds
 the control socket again if its file was deleted; ``control/keeper.py`` checks that file
 every few seconds as well).
@@ -52,6 +59,7 @@ from typing import Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.clusterfile.placement import (
+    STAGE_WORKER,
     Placement,
     place,
 )
@@ -78,6 +86,7 @@ from mlxceld.errors import (
     UnserveRefused,
 )
 from mlxceld.net import retire_streams
+from mlxceld.roles.options import options_json
 from mlxceld.roster import Situation, draw_roster, router_needs
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
@@ -98,11 +107,12 @@ from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
+from mlxceld.types import JSON, WorkerState
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SLACK_S = 5.0
+STAGE_BACK_S = 1.0  # a stage of the active plan that exited cleanly on its own restarts after
 
 
 class Terminal(Protocol):
@@ -173,10 +183,14 @@ class Daemon:
         self.supervisor = Supervisor(
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,
-            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups)
+            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
+            finished=self._worker_finished)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._drains = DrainService(DrainsTable(self._db), self.events,
-                                    needs=self._router_needs, call_router=self._call_router)
+                                    needs=self._router_needs, call_router=self._call_router,
+                                    started=lambda node, force: self.member.drain_started(
+                                        node, force),
+                                    held=lambda: self.member.drain_held())
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -231,6 +245,9 @@ class Daemon:
             self._known_node(target)
         return self._drains.undrain(target)
 
+    def drained_nodes(self) -> frozenset[str]:
+        return frozenset(d["node_id"] for d in self._drains.list())
+
     def _local_node(self) -> str:
         return self.placement.node.id if self.placement is not None else self.node.node_id
 
@@ -240,7 +257,12 @@ class Daemon:
         return known_node(node or self._local_node(), known)
 
     def _router_needs(self) -> frozenset[str] | None:
-        return router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
+        """This node, and over a pipeline its stages: by the cluster TOML's stage ids and,
+        for a plan coordinated here, by its hosts' node ids."""
+        needs = router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
+        if needs is None or self.placement is None:
+            return needs
+        return needs | self.member.plan_node_ids()
 
     async def _call_router(self, args: JSON) -> JSON | None:
         return await self.supervisor.call_running(ROUTER, "drain", args)
@@ -273,16 +295,28 @@ class Daemon:
         self._hold_router = True
         await self.reconcile()
 
-    async def serve_pipeline(self, placement: Placement) -> None:
-        """Run the router over the pushed plan: on its model, restarted if it was serving."""
+    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
+        """Run the router over the pushed plan: on its model, restarted if it was serving;
+        ``live``: a running router is moved to the plan's stages by its ``pipeline`` op
+        (``workers/router.py``), and restarted only if it refuses or does not answer."""
         self.placement = placement
         model = str(placement.model)
         if self._serve.model != model:
             self._serve = self._serve.with_model(model)
         existed = ROUTER in self.supervisor.names()
         await self.reconcile()
-        if existed:
-            self.supervisor.restart(ROUTER)
+        if not existed:
+            return
+        spec = next((s for s in self.specs(self.config) if s.name == ROUTER), None)
+        if live and spec is not None:
+            reply = await self.supervisor.call_running(
+                ROUTER, "pipeline", {"options": options_json(spec.options)})
+            if reply is not None and reply.get("ok"):
+                log.info("router moved to the new plan's stages without a restart")
+                return
+            log.info("router not moved live (%s): restarting it",
+                     "no answer" if reply is None else reply.get("error"))
+        self.supervisor.restart(ROUTER)
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self._standby = placement, standby
@@ -358,6 +392,24 @@ class Daemon:
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
             accepted=tuple(self.keys.keyring.others()),
             api_key=self._api_key))
+
+    def _worker_finished(self, name: str) -> None:
+        """A worker exited cleanly on its own. The stage of an active plan comes back after
+        ``STAGE_BACK_S`` (an outside SIGTERM drained it: the pipeline needs it, and the
+        roster still wants it); any other worker stays down (`mlxctl restart` starts it)."""
+        if name == STAGE_WORKER and self._stage_wanted():
+            log.info("worker %s exited cleanly, but it is a stage of the active plan: "
+                     "starting it again in %g s", name, STAGE_BACK_S)
+            asyncio.get_running_loop().call_later(STAGE_BACK_S, self._stage_back)
+
+    def _stage_wanted(self) -> bool:
+        return (not self._stopping and self.placement is not None and not self._standby
+                and any(s.name == STAGE_WORKER for s in self.specs(self.config)))
+
+    def _stage_back(self) -> None:
+        now = self.supervisor.state(STAGE_WORKER)
+        if now is not None and now[0] is WorkerState.EXITED and self._stage_wanted():
+            self.supervisor.restart(STAGE_WORKER)
 
     def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.

@@ -3,6 +3,7 @@
 ``--pp-auto N`` (``bring_up``), ``--pp-auto N --dry-run`` (``dry_run``),
 ``mlxctl cluster plan`` (``plan``), ``mlxctl cluster activate`` (``activate``)
 and ``mlxctl cluster deactivate`` (``deactivate``, ``deactivation.py``) run here.
+Drained nodes (`mlxctl drain`) are left out of every plan, and its notes say so.
 
 At the daemon's start (``start``) the newest plan that took over is resumed when it
 was committed or active (``Plans.resumable``: a newer plan that was aborted or never
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -78,7 +80,7 @@ from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActiv
 from mlxceld.models.identity import model_identity
 from mlxceld.state import EventLog
 from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
-from mlxceld.state.plans import PlanRow, Plans
+from mlxceld.state.plans import PlanRow, Plans, superseded
 from mlxceld.types import JSON
 from mlxceld.wire import Keyring
 
@@ -102,8 +104,9 @@ class Served:
 class CoordinatorSlot(Protocol):
     """The daemon's side: run the router over a pushed plan."""
 
-    async def serve_pipeline(self, placement: Placement) -> None:
-        """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router."""
+    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
+        """Adopt ``placement`` (this daemon as its coordinator) and (re)start the router;
+        ``live``: move a running router to its stages without a restart, if it can."""
 
     async def stop_pipeline(self) -> None:
         """Drop the placement and stop the router; serve nothing until told again."""
@@ -112,7 +115,8 @@ class CoordinatorSlot(Protocol):
 class Coordinator:
     def __init__(self, slot: CoordinatorSlot, tasks: asyncio.TaskGroup, *, cluster: str,
                  state_dir: Path, config_out: Path | None, plans: Plans, keyring: Keyring,
-                 discovery: DiscoveryService, identity: str, events: EventLog) -> None:
+                 discovery: DiscoveryService, identity: str, events: EventLog,
+                 drained: Callable[[], frozenset[str]] = frozenset) -> None:
         self._slot = slot
         self._tasks = tasks  # the daemon's: a bring-up runs there
         self._cluster = cluster
@@ -123,6 +127,7 @@ class Coordinator:
         self._discovery = discovery
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
+        self._drained = drained  # node ids `mlxctl drain` left out of every plan
         self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
         self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
@@ -141,11 +146,12 @@ class Coordinator:
     async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan"
                       ) -> Proposal:
         """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local
-        directory) over the reachable ones."""
+        directory) over the reachable ones that are not drained (the plan's notes say
+        which are)."""
         path = model_dir(model, what)
         candidates = await self._discovery.refresh()
         return make_plan(candidates, path, stages, cluster=self._cluster,
-                         coordinator=self._identity)
+                         coordinator=self._identity, drained=self._drained())
 
     def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
         """At the daemon's start, in the background: resume the latest plan if it is
@@ -432,13 +438,14 @@ class Coordinator:
             summary = done.summary
         await self._serve(epoch, toml, model, summary)
 
-    async def _serve(self, epoch: int, toml: str, model: str, summary: str) -> None:
+    async def _serve(self, epoch: int, toml: str, model: str, summary: str, *,
+                     live: bool = False) -> None:
         path = self._state_dir / f"cluster-{epoch}.toml"
         path.write_text(toml)
         if self._config_out is not None:
             self._config_out.write_text(toml)
         placement = await asyncio.to_thread(place, path, "coordinator", model)
-        await self._slot.serve_pipeline(placement)
+        await self._slot.serve_pipeline(placement, live=live)
         row = self._plans.get(epoch)
         self.serving = Served(epoch, model, row.peers if row else ())
         self.state = {**(self.state or {}), "state": "active", "epoch": epoch,
@@ -446,12 +453,14 @@ class Coordinator:
         self._events.append("bringup.active", "cluster", summary, epoch=epoch)
         log.info("pipeline bring-up: %s", summary)
 
-    async def heal(self, proposal: Proposal, old: Served, why: str) -> tuple[bool, str]:
+    async def heal(self, proposal: Proposal, old: Served, why: str, *, live: bool = False
+                   ) -> tuple[bool, str]:
         """Self-healing (``healer.py``): push ``proposal``, a plan of ``old``'s model over
         the hosts alive, as a bring-up (one at a time: ``BringUpInProgress`` if one runs),
         with a new epoch; once it is active, ``old`` is recorded deactivated (superseded:
-        a peer of it that asks hears so) and the router serves the new plan. Returns
-        whether it is served, and the summary."""
+        a peer of it that asks hears so) and the router serves the new plan (``live``, as
+        a drain's re-plan does: moved to it without a restart, its running requests
+        ending on the old stages). Returns whether it is served, and the summary."""
         self._claim()
         self._task = asyncio.current_task()  # a deactivation ends it once decided
         try:
@@ -465,8 +474,8 @@ class Coordinator:
             if not done.ok:
                 self._failed(done.summary)
                 return False, done.summary
-            self._plans.decide(old.epoch, "deactivated", f"superseded by plan {epoch}: {why}")
-            await self._serve(epoch, proposal.toml, old.model, done.summary)
+            self._plans.decide(old.epoch, "deactivated", superseded(epoch, why))
+            await self._serve(epoch, proposal.toml, old.model, done.summary, live=live)
             return True, done.summary
         except MlxceldError as exc:
             self._failed(f"plan {self.state.get('epoch') if self.state else '?'}: "

@@ -23,7 +23,27 @@ candidates, and carries out the decision (``healing.py``). A stage host dead for
    answers again: told that its plan is over (``deactivation.tell``), its stale stage
    stops (``heal.fenced``). Were its daemon restarted meanwhile, it asks first and hears
    ``deactivated``. It is then a candidate for the next plan; the running one is left
-   as it is.
+   as it is. The hosts to fence outlive this daemon: at its start, the hosts of the plans
+   that the plan it resumes superseded (``Plans.superseded_by``) are fenced again
+   (``ClusterMember._healing``; a host told twice answers ``deactivated`` again).
+
+A drain (`mlxctl drain NODE`) of a host of the served plan is planned around at once,
+self-healing on or off (``healing.Replan``), in the same steps and bounds as a heal with
+its own events, subject the node: ``drain.replanning`` (the poll and the plan over the
+hosts alive and not drained), then ``drain.no_fit`` (naming each stage's missing
+memory, a problem in `mlxctl status`; the drain goes on as without a plan, and the
+re-plan is tried again when the hosts alive change) or ``drain.replan_pushing`` and
+``drain.replanned`` (the new plan serves: the drained host's requests are done, see
+below) or ``drain.replan_failed``; the drained host's old stage is then fenced
+(``drain.fenced``). From the drain's start (``drain_started``) until that plan is
+served or given up, the drain is not said to the router (``holding``: the drain service
+asks), so that requests go on being admitted on the old plan: a surviving host's old
+stage finishes its sequences as the push replaces it (a stage's SIGTERM drain), and the
+router moves to the new plan without a restart (``serve_pipeline(live=True)``, its
+``pipeline`` op): its running requests end on the old stages.
+With ``--force`` nothing is held: the drain ends its requests at once, then the re-plan
+follows. Drained hosts are never planned over (``make_plan``'s ``drained``), by a heal
+either; `mlxctl undrain` makes a host a candidate again, not a part of the running plan.
 
 The operator goes first: while a bring-up (`mlxctl cluster activate`, ``pp_auto``, a
 resume) or a deactivation runs, nothing is healed; after a deactivation there is no
@@ -50,7 +70,16 @@ from typing import Any, Final
 
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.cluster.coordinator import Coordinator, Served
-from mlxceld.cluster.healing import Decision, Heal, Healing, Held, Idle, View, Waiting
+from mlxceld.cluster.healing import (
+    Decision,
+    Heal,
+    Healing,
+    Held,
+    Idle,
+    Replan,
+    View,
+    Waiting,
+)
 from mlxceld.cluster.plan.candidates import Proposal, make_plan
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import MlxceldError, PlanRefused
@@ -64,12 +93,14 @@ log = logging.getLogger(__name__)
 TICK_S: Final = 1.0  # between two looks, at most
 
 Liveness = Callable[[], Mapping[str, tuple[LivenessState, float]]]
+Drained = Callable[[], Mapping[str, str]]  # agent address -> node id, of drained nodes
 
 
 class Healer:
     def __init__(self, healing: Healing, coordinator: Coordinator, discovery: DiscoveryService,
                  *, liveness: Liveness, candidates: Callable[[], list[str]], events: EventLog,
-                 keyring: Keyring, identity: str, cluster: str, tick_s: float = TICK_S) -> None:
+                 keyring: Keyring, identity: str, cluster: str, tick_s: float = TICK_S,
+                 drained: Drained = dict) -> None:
         self._healing = healing
         self._coordinator = coordinator
         self._discovery = discovery
@@ -80,6 +111,9 @@ class Healer:
         self._identity = identity
         self._cluster = cluster
         self._tick = tick_s
+        self._drained = drained
+        self._holding: set[str] = set()  # node ids: their drain waits for a re-plan
+        self._kick = asyncio.Event()  # look now (a drain started)
         self._stop = asyncio.Event()
         self._last: Decision | None = None
         self.state: JSON = {"state": "off" if not healing.enabled else "idle",
@@ -89,6 +123,15 @@ class Healer:
     # -- what `mlxctl status` shows -----------------------------------------------------
 
     def problems(self) -> list[JSON]:
+        if self.state["state"] in ("no_fit", "replan_failed"):
+            then = ("start another peer (mlxceld --pp-peer) with the memory named and the "
+                    "re-plan is tried again" if self.state["state"] == "no_fit" else
+                    "the re-plan is tried again when the hosts alive change (mlxctl events "
+                    "-f shows why the push failed)")
+            return [{"subject": "drain", "since": self.state.get("since"),
+                     "message": self.state["summary"],
+                     "next": "the drain goes on without a new plan: requests that need the "
+                     f"node are refused until `mlxctl undrain`; {then}"}]
         if self.state["state"] not in ("refused", "failed"):
             return []
         return [{"subject": "healing", "since": self.state.get("since"),
@@ -101,6 +144,22 @@ class Healer:
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()  # the loop waits on it
+
+    # -- drains -------------------------------------------------------------------------
+
+    def drain_started(self, node: str, force: bool) -> None:
+        """`mlxctl drain NODE` was recorded: look now; unless ``force``, hold the drain
+        from the router while a plan without the node is tried (``holding``)."""
+        served = self._coordinator.serving
+        if not force and served is not None and any(
+                n == node and a in served.peers for a, n in self._drained().items()):
+            self._holding.add(node)
+        self._kick.set()
+
+    def holding(self) -> frozenset[str]:
+        """The drained nodes whose drain is not to be said to the router yet."""
+        return frozenset(self._holding)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -111,13 +170,14 @@ class Healer:
                     log.exception("self-healing: a look failed; the next one follows")
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._tick):
-                        await self._stop.wait()
+                        await self._kick.wait()
+                self._kick.clear()
 
     def _view(self) -> View:
         served = self._coordinator.serving
         return View(served.epoch if served else None, served.peers if served else (),
                     self._liveness(), frozenset(self._candidates()),
-                    busy=self._coordinator.busy)
+                    busy=self._coordinator.busy, drained=frozenset(self._drained()))
 
     async def _look(self, tg: asyncio.TaskGroup) -> None:
         view = self._view()
@@ -127,13 +187,25 @@ class Healer:
                 tg.create_task(self._guarded(f"fencing {address}", self._fence(address, epoch)))
         decision = self._healing.decide(view, time.time())
         self._report(decision)
-        if isinstance(decision, Heal) and (served := self._coordinator.serving) is not None:
-            task = tg.create_task(self._guarded("a heal", self._heal(decision, served)))
-            await asyncio.wait({task})  # a deactivation may cancel it: not this loop
+        names = self._drained()
+        # Held are the drains this decision re-plans around; any other goes on without one.
+        self._holding &= ({names.get(a, a) for a in decision.drained}
+                          if isinstance(decision, Replan) else set())
+        if (isinstance(decision, Heal | Replan)
+                and (served := self._coordinator.serving) is not None):
+            job = (self._heal(decision, served) if isinstance(decision, Heal)
+                   else self._replan(decision, served))
+            task = tg.create_task(self._guarded(f"a {type(decision).__name__.lower()}", job))
+            try:
+                await asyncio.wait({task})  # a deactivation may cancel it: not this loop
+            finally:  # a drain started meanwhile stays held: the next look re-plans for it
+                if isinstance(decision, Replan):
+                    self._holding -= {names.get(a, a) for a in decision.drained}
             if task.cancelled():
                 self._last = None
-                self._set("idle", f"plan {decision.epoch}: the heal was ended by a "
-                          "deactivation", "heal.cancelled", epoch=decision.epoch)
+                self._set("idle", f"plan {decision.epoch}: the "
+                          f"{type(decision).__name__.lower()} was ended by a deactivation",
+                          "heal.cancelled", epoch=decision.epoch)
 
     async def _guarded(self, what: str, job: Coroutine[Any, Any, None]) -> None:
         """``job``; a bug in it is logged and never ends the healer or the daemon."""
@@ -159,6 +231,8 @@ class Healer:
         elif isinstance(decision, Idle) and self.state["state"] in ("waiting", "refused",
                                                                       "failed"):
             self._set("idle", decision.reason, "heal.cancelled")
+        elif isinstance(decision, Idle) and self.state["state"] in ("no_fit", "replan_failed"):
+            self._set("idle", decision.reason)  # undrained, or another plan: nothing to say
 
     def _set(self, state: str, summary: str, kind: str | None = None, **data: object) -> None:
         self.state = {**self.state, "state": state, "summary": summary, "since": time.time()}
@@ -201,14 +275,68 @@ class Healer:
                   f"{summary}", "heal.active", epoch=new.epoch, old_epoch=served.epoch,
                   peers=list(new.peers), fenced_later=sorted(self._healing.unfenced()))
 
-    async def _propose(self, heal: Heal, served: Served) -> Proposal:
+    async def _propose(self, heal: Heal | Replan, served: Served) -> Proposal:
         if not heal.alive:
             raise PlanRefused("no host is alive to plan over",
                               hint="bring a host back or start another peer")
         candidates = await self._discovery.refresh(set(heal.alive))
         stages = max(1, min(len(served.peers), len(candidates)))
         return await asyncio.to_thread(make_plan, candidates, Path(served.model), stages,
-                                       cluster=self._cluster, coordinator=self._identity)
+                                       cluster=self._cluster, coordinator=self._identity,
+                                       drained=frozenset(self._drained().values()))
+
+    # -- one re-plan around a drained host ----------------------------------------------
+
+    async def _replan(self, replan: Replan, served: Served) -> None:
+        names = self._drained()
+        nodes = [names.get(a, a) for a in replan.drained]
+        subject = ",".join(nodes)
+        said = ", ".join(f"{names.get(a, a)} ({a})" for a in replan.drained)
+        why = f"re-planned around drained node {', '.join(nodes)}"
+        began = time.monotonic()
+        self._set("replanning", f"plan {replan.epoch}: node {said} is drained; planning "
+                  f"over the hosts alive and not drained: {', '.join(replan.alive) or 'none'}")
+        self._events.append("drain.replanning", subject, self.state["summary"],
+                            epoch=replan.epoch, drained=list(replan.drained),
+                            alive=list(replan.alive))
+        try:
+            proposal = await self._propose(replan, served)
+        except MlxceldError as exc:  # a PlanRefused names each stage's missing memory
+            self._healing.refused(replan, exc.message)
+            self._holding.difference_update(nodes)
+            self._set("no_fit", f"drain of node {', '.join(nodes)}: plan {replan.epoch} "
+                      f"cannot be re-planned without it: {exc.message}; the drain goes on "
+                      "without a new plan")
+            self._events.append("drain.no_fit", subject, self.state["summary"],
+                                epoch=replan.epoch, alive=list(replan.alive),
+                                shortfalls=list(getattr(exc, "shortfalls", ())))
+            return
+        stages = proposal.plan.stages
+        self._set("pushing", f"plan {replan.epoch}: a new plan without node {said}: "
+                  + ", ".join(f"{s.stage_id} {s.node.key} layers [{s.layers[0]}, "
+                              f"{s.layers[1]})" for s in stages))
+        self._events.append("drain.replan_pushing", subject, self.state["summary"],
+                            epoch=replan.epoch, peers=[s.node.key for s in stages])
+        ok, summary = await self._coordinator.heal(proposal, served, why, live=True)
+        new = self._coordinator.serving
+        if not ok or new is None or new.epoch == served.epoch:
+            self._healing.failed(replan, summary, time.time())
+            self._holding.difference_update(nodes)
+            self._set("replan_failed", f"drain of node {', '.join(nodes)}: plan "
+                      f"{replan.epoch} not re-planned: {summary}; the drain goes on "
+                      "without a new plan")
+            self._events.append("drain.replan_failed", subject, self.state["summary"],
+                                epoch=replan.epoch)
+            return
+        self._healing.healed(served.epoch, served.peers, new.peers)
+        self._holding.difference_update(nodes)
+        self._last = None
+        took = time.monotonic() - began
+        self._set("replanned", f"plan {new.epoch} replaces plan {served.epoch}, {why} in "
+                  f"{took:.1f} s: {summary}")
+        self._events.append("drain.replanned", subject, self.state["summary"],
+                            epoch=new.epoch, old_epoch=served.epoch, peers=list(new.peers),
+                            took_s=round(took, 3))
 
     async def _fence(self, address: str, epoch: int) -> None:
         try:
@@ -218,12 +346,20 @@ class Healer:
             state, reason = outcome
             if state == "deactivated" or state == "refused":
                 self._healing.fenced(address)
-                message = (f"plan {epoch}: {address} is back; told its plan is over "
-                           f"({state}{': ' + reason if reason else ''}); a candidate for "
-                           "the next plan")
+                node = self._drained().get(address)
+                if node is not None:  # re-planned around: its drained stage stops
+                    message = (f"plan {epoch}: drained node {node} ({address}) told its "
+                               f"plan is over ({state}{': ' + reason if reason else ''}); "
+                               "its stage stops")
+                    kind, subject = "drain.fenced", node
+                else:
+                    message = (f"plan {epoch}: {address} is back; told its plan is over "
+                               f"({state}{': ' + reason if reason else ''}); a candidate "
+                               "for the next plan")
+                    kind, subject = "heal.fenced", "cluster"
                 log.info("self-healing: %s", message)
-                self._events.append("heal.fenced", "cluster", message, peer=address,
-                                    epoch=epoch, outcome=state)
+                self._events.append(kind, subject, message, peer=address, epoch=epoch,
+                                    outcome=state)
             else:
                 wait = self._healing.fence_failed(address, time.time())
                 log.info("self-healing: %s not fenced yet (%s: %s); tried again in %g s",

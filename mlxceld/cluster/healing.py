@@ -1,22 +1,31 @@
-"""Self-healing's decisions, sans-IO: when a served plan is healed around a dead host, when
-a heal that could not be done is tried again, and which superseded hosts are fenced.
+"""Self-healing's decisions, sans-IO: when a served plan is healed around a dead host or
+re-planned around a drained one, when a heal that could not be done is tried again, and
+which superseded hosts are fenced.
 
 No IO and no clock of its own (as ``discovery/detector.py``): the shell (``healer.py``)
 hands each look a ``View`` (the plan this coordinator serves, the failure detector's
 verdicts, discovery's candidates, whether the operator's bring-up or deactivation runs)
 and the wall time, and carries out what comes back::
 
-    off (heal_after_s = 0), no plan served, the operator busy ........ Idle
+    no plan served, the operator busy .............................. Idle
+    a stage host drained (`mlxctl drain`) ........................... Replan(alive)
+    off (heal_after_s = 0) ......................................... Idle
     a stage host dead, since S, and now < S + heal_after_s .......... Waiting(due)
     a stage host dead past its grace ................................ Heal(alive)
-    ... but the last heal of this plan was refused over these same
-        alive hosts (or failed less than heal_after_s ago) ........... Held
+    ... but the last heal or re-plan of this plan was refused over
+        these same alive hosts (or failed less than heal_after_s ago)  Held
 
 A heal plans over the hosts the detector holds ``alive`` (the plan's own and every
-other candidate: spares), never one that is suspect, dead or unknown. A refusal (the
-model does not fit) is tried again only when that set changes (a host comes back, a
-spare appears, one more dies); a push that failed, also after ``heal_after_s``. A host
-that answers again before its grace ends is simply back: nothing is re-planned.
+other candidate: spares), never one that is suspect, dead, unknown or drained. A
+refusal (the model does not fit) is tried again only when that set changes (a host
+comes back, a spare appears, one more dies); a push that failed, also after
+``heal_after_s``. A host that answers again before its grace ends is simply back:
+nothing is re-planned.
+
+A drain is the operator's word, so it is re-planned around whether self-healing is on
+or off: a host of the served plan that is drained (``View.drained``: agent addresses)
+is planned around at once, over the hosts alive and not drained; the drain itself
+goes on as without a plan (refuse, finish, deadline) when that plan does not fit.
 
 Once a plan ``E + 1`` replaced ``E``, each host of ``E`` left out of ``E + 1`` still
 runs ``E``'s stage, or will once it is awake again: it is to be fenced (``to_fence``),
@@ -38,6 +47,7 @@ from mlxceld.state.liveness import LivenessState
 
 FENCE_RETRY_S: Final = 1.0  # the wait after a fence's first failure, doubled at each next
 FENCE_RETRY_MAX_S: Final = 30.0  # the longest wait between two tries of a fence
+REPLAN_RETRY_S = 60.0  # a drain's re-plan whose push failed, with heal_after_s = 0: again after
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,17 @@ class View:
     liveness: Mapping[str, tuple[LivenessState, float]]  # address -> (state, since: unix)
     candidates: frozenset[str]  # discovery's candidates, spares included
     busy: bool = False  # a bring-up or a deactivation runs: the operator wins
+    drained: frozenset[str] = frozenset()  # agent addresses of drained nodes (mlxctl drain)
 
     def alive(self) -> tuple[str, ...]:
+        """The hosts to plan over: alive, and not drained."""
         return tuple(sorted(a for a in self.candidates | set(self.peers)
-                            if self.liveness.get(a, ("unknown", 0.0))[0] == "alive"))
+                            if self.liveness.get(a, ("unknown", 0.0))[0] == "alive"
+                            and a not in self.drained))
+
+    def drained_peers(self) -> tuple[str, ...]:
+        """The plan's hosts that are drained."""
+        return tuple(sorted(p for p in self.peers if p in self.drained))
 
     def dead(self) -> dict[str, float]:
         """The plan's hosts held dead, and since when."""
@@ -87,7 +104,14 @@ class Heal:
     alive: tuple[str, ...]  # whom to plan over
 
 
-Decision = Idle | Waiting | Held | Heal
+@dataclass(frozen=True)
+class Replan:
+    epoch: int  # the plan to replace
+    drained: tuple[str, ...]  # its hosts drained
+    alive: tuple[str, ...]  # whom to plan over
+
+
+Decision = Idle | Waiting | Held | Heal | Replan
 
 
 @dataclass
@@ -111,36 +135,43 @@ class Healing:
         return self.heal_after_s > 0
 
     def decide(self, view: View, now: float) -> Decision:
-        if not self.enabled:
-            return Idle("self-healing is off (heal_after_s = 0)")
         if view.epoch is None:
             return Idle("no plan is served from here")
+        if view.busy:
+            return Idle("a bring-up or a deactivation is in progress: it goes first")
+        drained = view.drained_peers()
+        if drained:
+            return self._held(view, drained, now) or Replan(view.epoch, drained, view.alive())
+        if not self.enabled:
+            return Idle("self-healing is off (heal_after_s = 0)")
         dead = view.dead()
         if not dead:
             return Idle(f"every stage host of plan {view.epoch} is up")
-        if view.busy:
-            return Idle("a bring-up or a deactivation is in progress: it goes first")
         names = tuple(sorted(dead))
         due = min(dead.values()) + self.heal_after_s
         if now < due:
             return Waiting(view.epoch, names, due)
-        alive = view.alive()
+        return self._held(view, names, now) or Heal(view.epoch, names, view.alive())
+
+    def _held(self, view: View, names: tuple[str, ...], now: float) -> Held | None:
+        """Held, if the last try on this plan was over the same hosts alive."""
         b = self._blocked
-        if (b is not None and b.epoch == view.epoch and b.alive == alive
+        if (b is not None and b.epoch == view.epoch and b.alive == view.alive()
                 and (b.retry_at is None or now < b.retry_at)):
             return Held(view.epoch, names, b.reason)
-        return Heal(view.epoch, names, alive)
+        return None
 
-    def refused(self, heal: Heal, reason: str) -> None:
+    def refused(self, heal: Heal | Replan, reason: str) -> None:
         """The plan over ``heal.alive`` does not fit: wait until that set changes."""
         self._blocked = _Blocked(heal.epoch, heal.alive, reason + "; tried again when a host "
                                  "comes back or another candidate is alive", None)
 
-    def failed(self, heal: Heal, reason: str, now: float) -> None:
-        """The push did not end active: again after ``heal_after_s``, or on a change."""
+    def failed(self, heal: Heal | Replan, reason: str, now: float) -> None:
+        """The push did not end active: again after ``heal_after_s`` (``REPLAN_RETRY_S``
+        for a drain's re-plan while self-healing is off), or on a change."""
+        wait = self.heal_after_s or REPLAN_RETRY_S
         self._blocked = _Blocked(heal.epoch, heal.alive, reason + f"; tried again in "
-                                 f"{self.heal_after_s:g} s or when the hosts alive change",
-                                 now + self.heal_after_s)
+                                 f"{wait:g} s or when the hosts alive change", now + wait)
 
     def healed(self, old_epoch: int, old_peers: tuple[str, ...],
                new_peers: tuple[str, ...]) -> None:

@@ -57,6 +57,8 @@ class DaemonSlot(CoordinatorSlot, StageSlot, KeyOps, Protocol):
         """The model the router serves or would serve (what the inventory reports)."""
     def router_held(self) -> bool:
         """Whether the router waits for a pipeline (pp_auto, a plan to resume)."""
+    def drained_nodes(self) -> frozenset[str]:
+        """The node ids `mlxctl drain` holds drained or draining (left out of plans)."""
 
 
 class ClusterMember:
@@ -122,6 +124,28 @@ class ClusterMember:
                              "suspect_after_s": c.liveness.suspect_after_s,
                              "dead_after_s": c.liveness.dead_after_s},
                 "liveness": [rows[a] for a in sorted(rows)]}
+
+    def drain_started(self, node: str, force: bool) -> None:
+        """`mlxctl drain NODE` was recorded: on a coordinator, re-plan around it if it
+        holds a stage of the plan served (``Healer.drain_started``)."""
+        if self._healer is not None:
+            self._healer.drain_started(node, force)
+
+    def drain_held(self) -> frozenset[str]:
+        """The drained nodes whose drain waits for a re-plan before the router hears it."""
+        return self._healer.holding() if self._healer is not None else frozenset()
+
+    def plan_node_ids(self) -> frozenset[str]:
+        """The node ids of the hosts of the plan this daemon coordinates (as `mlxctl
+        cluster nodes` names them): what its router's requests need."""
+        return frozenset(r.node_id for a in self._plan_peers()
+                         if (r := self._candidates.get(a)) is not None and r.node_id)
+
+    def _drained_addresses(self) -> dict[str, str]:
+        """Agent address -> node id of the candidates that are drained."""
+        drained = self._slot.drained_nodes()
+        return {r["address"]: r["node_id"] for r in self._candidates.snapshot()
+                if r.get("node_id") in drained} if drained else {}
 
     def keyring_changed(self) -> None:
         """Our keyring changed: poll every peer now, so that ``nodes`` shows which of them
@@ -332,7 +356,8 @@ class ClusterMember:
             self._coordinator = Coordinator(
                 slot, tg, cluster=c.cluster_name, state_dir=c.state_dir,
                 config_out=c.cluster_config_out, plans=self._plans, keyring=self._keyring,
-                discovery=self._discovery, identity=agent.address, events=self._events)
+                discovery=self._discovery, identity=agent.address, events=self._events,
+                drained=slot.drained_nodes)
             self._assignee = assignee
             tg.create_task(assignee.run())
             self._rotator = Rotator(self._rotations, self._keyring, slot, self._events,
@@ -341,16 +366,28 @@ class ClusterMember:
             if self.may_coordinate():
                 heartbeats = self._heartbeats
                 self._healer = Healer(
-                    Healing(c.heal_after_s), self._coordinator, self._discovery,
+                    self._healing(c.heal_after_s), self._coordinator, self._discovery,
                     liveness=lambda: {r["address"]: (r["state"], r["since"])
                                       for r in heartbeats.snapshot()},
                     candidates=candidates.addresses, events=self._events,
                     keyring=self._keyring, identity=agent.address, cluster=c.cluster_name,
-                    tick_s=min(TICK_S, c.liveness.ping_interval_s))
+                    tick_s=min(TICK_S, c.liveness.ping_interval_s),
+                    drained=self._drained_addresses)
                 tg.create_task(self._healer.run())
             if not c.dry_run and self.may_coordinate():
                 self._coordinator.start(c.pp_auto, slot.served_model(),
                                         configured_model=c.serve.model)
+
+    def _healing(self, heal_after_s: float) -> Healing:
+        """Self-healing's decisions, with the hosts of the plans the latest one superseded
+        (a heal, a drain's re-plan) to fence again: a restart of this daemon may have come
+        before they were told; telling one twice is harmless."""
+        healing = Healing(heal_after_s)
+        last = self._plans.resumable()  # not an aborted push after it
+        if last is not None:
+            for old in self._plans.superseded_by(last.epoch):
+                healing.healed(old.epoch, old.peers, last.peers)
+        return healing
 
     async def aclose(self) -> None:
         """Discovery, the heartbeats, the assignee, the coordinator (a push cut short: peers

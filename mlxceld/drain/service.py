@@ -16,9 +16,13 @@ The push is said again and again, so a router that restarts, or a daemon that
 restarts while its router keeps running, converges within ``PUSH_EVERY_S``. A router
 that does not answer (starting, stopped) leaves the state as it is.
 
-Where self-healing re-plans (``cluster/coordinator.py``), a drain of a node the
-model can do without would re-plan around it first (``DrainService.started`` is the
-hook: it is called with the node as its drain starts); that part is not built here.
+On a coordinator, a drain of a node that holds a stage of the plan served is re-planned
+around first (``cluster/healer.py``: ``started`` is called with the node and ``--force``
+as its drain starts): while that re-plan runs (``held`` names the node), up to the
+drain's deadline, the drain is not said to the router and the row stays ``draining``,
+so requests go on being admitted on the old plan; once the new plan serves, the
+router's requests no longer need the node and it is ``drained``; if the model does not
+fit without it (``drain.no_fit``), the drain goes on as above.
 
 Every change is an event: ``drain.started``, ``drain.changed`` (a new deadline),
 ``drain.drained``, ``drain.ended`` (undrained).
@@ -50,20 +54,39 @@ RouterCall = Callable[[JSON], Awaitable[JSON | None]]  # the drain op; None: no 
 class DrainService:
     def __init__(self, table: DrainsTable, events: EventLog, *, needs: Needs,
                  call_router: RouterCall,
-                 started: Callable[[str], None] | None = None) -> None:
+                 started: Callable[[str, bool], None] | None = None,
+                 held: Callable[[], frozenset[str]] = frozenset) -> None:
         self._table = table
         self._events = events
         self._needs = needs
         self._call = call_router
         self._started = started
+        self._held = held  # draining nodes not to be said to the router yet (a re-plan)
         self._wake = asyncio.Event()
         self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
+        self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended
+        self._replanned: set[str] = set()  # draining nodes that were held for a re-plan
         self._closing = False
 
     # -- commands -------------------------------------------------------------------------
 
     def list(self) -> list[JSON]:
-        return [r.to_json() for r in self._table.all()]
+        """Every drain's row, with ``replanning`` (its drain waits for a re-plan around the
+        node) and, while it drains, the router's last counts: ``in_flight`` (None: not
+        known, or not said to the router yet), ``finished`` and ``ended`` so far."""
+        held = self._held()
+        told = {d["node"] for d in self._pushed or []}
+        out = []
+        for r in self._table.all():
+            row = {**r.to_json(), "replanning": r.node_id in held, "in_flight": 0}
+            if r.state == "draining":
+                live = r.node_id in told and bool(self._counts)
+                row["in_flight"] = self._counts.get("in_flight") if live else None
+                if live:
+                    row["finished"] = int(self._counts.get("finished") or 0)
+                    row["ended"] = int(self._counts.get("ended") or 0)
+            out.append(row)
+        return out
 
     def drain(self, node: str, deadline_s: float | None, force: bool) -> JSON:
         """Start draining ``node`` (or change the deadline of its drain): ``deadline_s``
@@ -81,7 +104,7 @@ class DrainService:
                                 deadline=deadline, force=force)
             log.info("node %s is draining (%s)", node, said)
             if self._started is not None:
-                self._started(node)
+                self._started(node, force)
         else:
             row = replace(old, deadline=deadline, force=force, updated_at=now,
                           reason=f"mlxctl drain again: {said}")
@@ -119,14 +142,20 @@ class DrainService:
         self._wake.set()
 
     async def push(self) -> None:
-        rows = self._table.all()
+        held, now = self._held(), time.time()
+        rows = [r for r in self._table.all() if r.node_id not in held
+                or (r.deadline is not None and r.deadline <= now)]  # held to its deadline
         needed = self._needs()
         mine = [r for r in rows if needed is not None and r.node_id in needed]
+        self._replanned |= held
         for r in rows:
             if r.state == "draining" and r not in mine:
                 why = ("no router runs on this node" if needed is None
+                       else "re-planned around: the plan served no longer needs it"
+                       if r.node_id in self._replanned
                        else "no request of this node's router needs it")
                 self._drained(r, why, 0, 0)
+        self._replanned &= {r.node_id for r in rows if r.state == "draining"} | held
         if needed is None:
             return
         drains: list[JSON] = [{"node": r.node_id, "deadline": r.deadline} for r in mine]
@@ -134,9 +163,10 @@ class DrainService:
             return  # nothing to say, and said already
         reply = await self._call({"drains": drains})
         if reply is None:
-            self._pushed = None  # unknown: say it again next time
+            self._pushed, self._counts = None, {}  # unknown: say it again next time
             return
         self._pushed = drains
+        self._counts = {k: reply.get(k) for k in ("in_flight", "finished", "ended")}
         if reply.get("in_flight") != 0:
             return
         finished, ended = int(reply.get("finished") or 0), int(reply.get("ended") or 0)

@@ -35,7 +35,9 @@ Bounds (every wait has a deadline):
 
 A stage that is stopping refuses new sequences (``draining``, stage.py): the
 request is refused with ``EngineUnavailable`` (503, ``Retry-After:
-DRAINING_RETRY_S``) naming the stage; requests it already holds run on.
+DRAINING_RETRY_S``) naming the stage; requests it already holds run on. ``readiness``
+(``GET /ready``) then names it draining, until it prepares a sequence again or for
+``DRAINING_RETRY_S`` after its last refusal.
 
 What reaches the client names stages by node id, never by address.
 
@@ -49,6 +51,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
@@ -109,6 +112,7 @@ class PipelineEngine:
         self.tokens = 0  # generated and handed to requests (end-of-sequence ones too)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._draining: dict[int, float] = {}  # rank -> when it last refused: draining
 
     def active_sequences(self) -> int:
         return len(self._inboxes)
@@ -122,12 +126,19 @@ class PipelineEngine:
         """None when every stage is attached; else what ``GET /ready`` answers with 503
         (stages named by node id, no address)."""
         down = [link.describe() for link in self._links if not link.up]
-        if not down:
+        now = time.monotonic()
+        draining = [{"stage": link.stage.node_id, "state": "draining", "error": None}
+                    for link in self._links if link.up
+                    and now - self._draining.get(link.stage.rank, -1e9) < DRAINING_RETRY_S]
+        if not down and not draining:
             return None
         said = "; ".join(f"{d['stage']} is {d['state'].replace('_', ' ')}"
                          + (f" ({d['error']})" if d["error"] else "") for d in down)
-        return {"message": f"{len(down)} of {len(self._links)} stages not attached: {said}",
-                "stages": down}
+        message = [f"{len(down)} of {len(self._links)} stages not attached: {said}"] \
+            if down else []
+        message += [f"stage {d['stage']} is draining (stopping or restarting): it takes no "
+                    "new request" for d in draining]
+        return {"message": "; ".join(message), "stages": down + draining}
 
     async def connect(self) -> None:
         """Connect and attach every stage that is not (raises ``EngineUnavailable``)."""
@@ -198,6 +209,7 @@ class PipelineEngine:
                     rank, env = self._checked(await inbox.get())
                     if env.type == "prepared":
                         waiting.pop(rank, None)
+                        self._draining.pop(rank, None)
         except TimeoutError:
             raise EngineUnavailable(f"stages {sorted(waiting.values())} did not prepare the "
                                     f"sequence within {PREPARE_TIMEOUT_S:g} s") from None
@@ -237,6 +249,7 @@ class PipelineEngine:
             if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
             if code == p.ERR_DRAINING:  # stopping: its sequences finish, no new one
+                self._draining[rank] = time.monotonic()
                 raise EngineUnavailable(
                     f"stage {self._node_of(rank)} is draining (stopping or restarting): it "
                     "takes no new request; retry shortly", retry_after_s=DRAINING_RETRY_S)

@@ -86,6 +86,12 @@ def allow_deactivated(db: sqlite_utils.Database) -> None:
         db.execute(f"DROP TABLE {table}_v5")
 
 
+def superseded(epoch: int, why: str) -> str:
+    """The summary of a plan deactivated because plan ``epoch`` replaced it (a heal, a
+    drain's re-plan): ``Plans.superseded_by`` finds it again."""
+    return f"superseded by plan {epoch}: {why}"
+
+
 class Plans:
     """The coordinator's plans by epoch."""
 
@@ -141,6 +147,13 @@ class Plans:
         deactivated (by the operator, or superseded by a heal): None then."""
         plan = self.standing()
         return plan if plan is not None and plan.decision in RESUMABLE else None
+
+    def superseded_by(self, epoch: int) -> list[PlanRow]:
+        """The plans deactivated as plan ``epoch`` replaced them (``superseded``)."""
+        rows = self._db.execute(
+            "SELECT epoch FROM plans WHERE decision = 'deactivated' AND summary LIKE ?",
+            [superseded(epoch, "%")]).fetchall()
+        return [p for (e,) in rows if (p := self.get(int(e))) is not None]
 
 
 class Assignments:

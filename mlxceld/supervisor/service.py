@@ -43,8 +43,12 @@ STATS_TIMEOUT_S = 0.5  # a running worker that does not answer ``stats`` within 
 class Supervisor:
     def __init__(self, workers: WorkersTable, events: EventLog, *, health_interval_s: float,
                  log_max_bytes: int, log_backups: int,
-                 rand: Callable[[], float] = random.random) -> None:
+                 rand: Callable[[], float] = random.random,
+                 finished: Callable[[str], None] | None = None) -> None:
+        """``finished``: told the name of a worker that exited cleanly on its own (not
+        stopped by us), which stays down unless its owner starts it again."""
         self._table = workers
+        self._finished = finished
         self._events = events
         self._health_interval_s = health_interval_s
         self._log_max_bytes = log_max_bytes
@@ -237,6 +241,11 @@ class Supervisor:
                             old=change.old.value, new=change.new.value, reason=change.reason,
                             pid=runner.pid,
                             cause=m.last_cause.kind if m.last_cause else None)
+
+        if (self._finished is not None and change.new is WorkerState.EXITED
+                and change.old in (WorkerState.RUNNING, WorkerState.STARTING)
+                and m.last_cause is not None and m.last_cause.clean):
+            self._finished(runner.name)
 
     def spawned(self, runner: WorkerRunner) -> None:
         self._table.update(runner.name, pid=runner.pid, create_time=runner.create_time)

@@ -22,6 +22,11 @@ the worker's stats (``stages``: each stage's state, last error and heartbeat rou
 trip; ``tokens`` generated and ``tokens_per_s`` over the last ``pipeline/throughput.py``
 ``WINDOW_S``; refreshed every ``STATS_EVERY_S``) show in ``mlxctl status``.
 
+Its control channel's ``pipeline`` op (``pipeline_op``) moves it to another plan's
+stages without a restart (``pipeline/switch.py``: new requests go to the new stages,
+running ones end on the old); the daemon uses it when a drain's re-plan serves
+(``daemon.serve_pipeline``), and restarts the router where it is refused.
+
 Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
 nodes its requests need are draining (``api/draining.py``: 503 "draining" for new
 requests, in-flight ones finish, the rest end at the deadline); the daemon says it
@@ -33,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,33 +71,64 @@ def listen(host: str, port: int) -> socket.socket:
 
 def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
                     ) -> tuple[Any, Any]:
-    """The pipeline engine over the stages of ``pipe``, and the tokenizer."""
+    """The pipeline engine over the stages of ``pipe`` (a ``PipelineSwitch``: the
+    ``pipeline`` op moves it to another plan's stages), and the tokenizer."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxceld.models.identity import layer_count, read_model_config
+    from mlxceld.pipeline.switch import PipelineSwitch
+
+    path = Path(ctx.options.model)
+    config = read_model_config(path)
+    layer_count(config)
+    tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
+        path, eos_token_ids=config.get("eos_token_id"))
+    context = int(config.get("max_position_embeddings") or 4096)
+    engine = stages_engine(ctx, pipe, context, set(tokenizer.eos_token_ids))
+    return PipelineSwitch(engine), tokenizer
+
+
+def stages_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions, context: int,
+                  eos: set[int]) -> Any:
+    """A ``PipelineEngine`` over the stages of ``pipe``."""
     from mlxceld.pipeline import PipelineEngine, StageAddress
     from mlxceld.wire.address import parse_address
 
     o = ctx.options
     if ctx.keyring is None:
         raise RuntimeError("the pipeline engine needs the cluster secret and has none")
-    keyring = ctx.keyring  # changed in place by the daemon (supervisor/keys.py)
-    path = Path(o.model)
-    config = read_model_config(path)
-    layer_count(config)
-    tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
-        path, eos_token_ids=config.get("eos_token_id"))
     stages = []
     for s in pipe.stages:
         where = parse_address(s.address)
         stages.append(StageAddress(s.node_id, where.host, where.port, s.rank, s.layers))
-    context = int(config.get("max_position_embeddings") or 4096)
-    engine = PipelineEngine(
-        stages, keyring=keyring, origin=pipe.coordinator, model_identity=pipe.model_identity,
-        cluster=pipe.cluster, model_id=o.model_name, context_length=context,
-        eos_token_ids=set(tokenizer.eos_token_ids), max_batch=o.max_batch,
+    return PipelineEngine(  # the keyring is changed in place by the daemon (supervisor/keys.py)
+        stages, keyring=ctx.keyring, origin=pipe.coordinator,
+        model_identity=pipe.model_identity, cluster=pipe.cluster, model_id=o.model_name,
+        context_length=context, eos_token_ids=eos, max_batch=o.max_batch,
         silence_s=o.stage_silence_s)
-    return engine, tokenizer
+
+
+def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
+                request: JSON) -> JSON:
+    """The control channel's ``pipeline``: ``{"options": ROUTER-OPTIONS}``, this router's
+    options with another plan's ``pipeline``. Where only the pipeline differs, new
+    sequences go to the new stages at once and those running end on the old ones
+    (``PipelineSwitch``); else ``ok`` is false and the daemon restarts the router."""
+    from mlxceld.errors import ConfigError
+    from mlxceld.roles import ROUTER
+    from mlxceld.roles.options import parse_options
+
+    try:
+        new = parse_options(ROUTER, request.get("options"), "options")
+    except ConfigError as exc:
+        return {"ok": False, "error": exc.message}
+    assert isinstance(new, RouterOptions)
+    old = ctx.options
+    if new.pipeline is None or replace(new, pipeline=old.pipeline) != old:
+        return {"ok": False, "error": "more than the pipeline's stages changed: restart"}
+    switch.switch(stages_engine(ctx, new.pipeline, switch.context_length, eos))
+    ctx.options = new
+    return {"ok": True, "stages": len(new.pipeline.stages)}
 
 
 def drain_op(draining: Draining, request: JSON) -> JSON:
@@ -140,6 +177,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     ctx.ops["drain"] = lambda request: drain_op(draining, request)
     if pipeline:
         ctx.rekeyed.append(engine.rekey)
+        eos = set(tokenizer.eos_token_ids)
+        ctx.ops["pipeline"] = lambda request: pipeline_op(ctx, engine, eos, request)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            readiness=engine.readiness if pipeline else None,

@@ -1,5 +1,6 @@
 """Self-healing's decisions (``cluster/healing.py``), sans-IO: the grace, the operator
-first, a refusal held until the hosts alive change, a failure retried, fencing."""
+first, a refusal held until the hosts alive change, a failure retried, fencing; a drained
+host re-planned around at once (healing on or off), never planned over."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from mlxceld.cluster.healing import (
     Healing,
     Held,
     Idle,
+    Replan,
     View,
     Waiting,
 )
@@ -20,8 +22,10 @@ GRACE = 60.0
 
 
 def view(states: dict[str, tuple[LivenessState, float]], *, epoch: int | None = 7,
-         peers: tuple[str, ...] = (B, C), busy: bool = False) -> View:
-    return View(epoch, peers if epoch else (), states, frozenset({B, C, D}), busy=busy)
+         peers: tuple[str, ...] = (B, C), busy: bool = False,
+         drained: frozenset[str] = frozenset()) -> View:
+    return View(epoch, peers if epoch else (), states, frozenset({B, C, D}), busy=busy,
+                drained=drained)
 
 
 UP = {B: ("alive", 0.0), C: ("alive", 0.0), D: ("alive", 0.0), E: ("alive", 0.0)}
@@ -122,3 +126,42 @@ def test_a_fence_that_fails_backs_off_up_to_its_bound() -> None:
     h.healed(9, (C, E), (D, E))  # D is in the new plan: never fenced, its backoff dropped
     assert h.unfenced() == {C: 9} and h.to_fence(view(UP, epoch=9, peers=(D, E)), now) == [
         (C, 9)]
+
+
+def test_a_drained_host_is_replanned_around_at_once_healing_on_or_off() -> None:
+    for h in (Healing(GRACE), Healing(0)):
+        assert h.decide(view(UP, drained=frozenset({C})), 0.0) == Replan(7, (C,), (B, D))
+        # a drained host outside the plan (a spare) changes nothing
+        assert isinstance(h.decide(view(UP, drained=frozenset({D})), 0.0), Idle)
+        # the operator's bring-up or deactivation goes first; no plan, nothing to re-plan
+        assert isinstance(h.decide(view(UP, busy=True, drained=frozenset({C})), 0.0), Idle)
+        assert h.decide(view(UP, epoch=None, drained=frozenset({C})), 0.0) == Idle(
+            "no plan is served from here")
+
+
+def test_a_drained_host_is_never_planned_over() -> None:
+    drained = frozenset({D})  # the spare is drained: a heal plans over C alone
+    assert Healing(GRACE).decide(view(B_DEAD, drained=drained), 200.0) == Heal(7, (B,), (C,))
+
+
+def test_a_replan_that_does_not_fit_is_held_until_the_hosts_alive_change() -> None:
+    h = Healing(0)
+    first = h.decide(view(UP, drained=frozenset({C})), 0.0)
+    assert isinstance(first, Replan)
+    h.refused(first, "plan refused: stage-0 ... 4.4 MiB short")
+    held = h.decide(view(UP, drained=frozenset({C})), 1e6)
+    assert isinstance(held, Held) and held.dead == (C,)
+    d_gone = {**UP, D: ("dead", 10.0)}  # the hosts alive change: tried again
+    assert h.decide(view(d_gone, drained=frozenset({C})), 1e6) == Replan(7, (C,), (B,))
+    # re-planned: the drained host is fenced once the new plan serves
+    h.healed(7, (B, C), (B, D))
+    assert h.to_fence(view(UP, epoch=8, peers=(B, D), drained=frozenset({C})), 0.0) == [(C, 7)]
+
+
+def test_a_failed_replan_waits_even_with_healing_off() -> None:
+    h = Healing(0)
+    first = h.decide(view(UP, drained=frozenset({C})), 100.0)
+    assert isinstance(first, Replan)
+    h.failed(first, "plan 8: peer D aborted", 100.0)
+    assert isinstance(h.decide(view(UP, drained=frozenset({C})), 159.0), Held)
+    assert isinstance(h.decide(view(UP, drained=frozenset({C})), 160.0), Replan)

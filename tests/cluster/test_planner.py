@@ -379,3 +379,14 @@ def test_the_push_is_made_from_the_plan_and_agrees_with_its_toml(fixture_dir: Pa
     assert [(s["node_address"], s["address"], s["layers"]) for s in shown["plan"]["stages"]] \
         == [(o.agent, f"127.0.0.{2 + o.stage}:{o.port}", list(o.layers))
             for o in pushed.stages]
+    # A drained node (`mlxctl drain`) is left out of the plan, and the notes say so.
+    three = [peer("127.0.0.3:19000", "b", 19301), peer("127.0.0.2:19000", "a", 19201),
+             peer("127.0.0.4:19000", "c", 19401)]
+    around = make_plan(three, model, 2, cluster="lab", coordinator="127.0.0.1:19000",
+                       drained=frozenset({"a"}))
+    assert [s.node.node_id for s in around.plan.stages] == ["b", "c"]
+    assert around.notes == ("a (127.0.0.2:19000) is drained: left out of every plan until "
+                            "`mlxctl undrain a`",)
+    with pytest.raises(PlanRefused, match=r"a \(127\.0\.0\.2:19000\) is drained"):
+        make_plan(three, model, 3, cluster="lab", coordinator="127.0.0.1:19000",
+                  drained=frozenset({"a"}))

@@ -25,7 +25,7 @@ class Slot:
     def __init__(self) -> None:
         self.served: list[Placement] = []
 
-    async def serve_pipeline(self, placement: Placement) -> None:
+    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
         self.served.append(placement)
 
     async def stop_pipeline(self) -> None:

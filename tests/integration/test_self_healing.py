@@ -24,14 +24,10 @@ from typing import Any
 
 import pytest
 
-from mlxceld.cluster.plan.model import PlanNode, usable_memory
-from mlxceld.cluster.plan.solver import plan_stages
-from mlxceld.errors import PlanRefused
-from mlxceld.models.profile import layer_profile
-
 from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
 from helpers.keys import secret_file
+from helpers.memory import two_stages_but_not_one
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
 from helpers.router import complete
@@ -147,28 +143,6 @@ def test_a_dead_stage_host_is_healed_onto_the_spare_and_not_pulled_back(
     assert kinds(coord, before, "bringup.pushing").count("bringup.pushing") == 1
     assert serves(port, model)
     assert not [p for p in coord.status()["problems"] if p["subject"] == "healing"]
-
-
-def two_stages_but_not_one(model: Path) -> int:
-    """Memory available (bytes) with which two stages of ``model`` fit on two hosts, one
-    stage on one host does not (the default reserve, as the daemon plans)."""
-    profile = layer_profile(model)
-
-    def nodes(n: int, usable: int) -> list[PlanNode]:
-        return [PlanNode(f"n{i}", f"127.0.0.{i + 2}:19000", usable, 19100) for i in range(n)]
-
-    big = 1 << 50
-    one = plan_stages(profile, 1, nodes(1, big)).stages[0].needed_bytes
-    two = max(s.needed_bytes for s in plan_stages(profile, 2, nodes(2, big)).stages)
-    assert two < one
-    target = (one + two) // 2
-    available = target
-    while usable_memory(available) < target:
-        available += 1 + (target - usable_memory(available))
-    plan_stages(profile, 2, nodes(2, usable_memory(available)))  # fits
-    with pytest.raises(PlanRefused):
-        plan_stages(profile, 1, nodes(1, usable_memory(available)))
-    return available
 
 
 @pytest.mark.timeout(300)

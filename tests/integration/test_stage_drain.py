@@ -1,7 +1,9 @@
 """SIGTERM of a pipeline stage worker drains it (workers/stage.py, StageService.drain):
 the stream it serves completes with mlx-lm's greedy text, a new request meanwhile is
-refused with 503 naming the stage, and the worker then exits cleanly. Real daemons on
-127.0.0.x (tests/helpers/pipeline.py), the real `openai` client."""
+refused with 503 naming the stage (and ``/ready`` says it drains), and the worker then
+exits cleanly; a stage of the
+running pipeline, it is started again by its daemon. Real daemons on 127.0.0.x
+(tests/helpers/pipeline.py), the real `openai` client."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 from helpers.daemons import READY_S, Daemons, alive
@@ -48,6 +51,7 @@ def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
                 signalled = time.monotonic()
                 refused = wait_for(refused_while_draining, 10, "a request refused", every=0.05)
                 refused_after = time.monotonic() - signalled
+                ready = httpx.get(pipe.url.removesuffix("/v1") + "/ready", timeout=10)
                 streamed_before = len(parts)
         finished_after = time.monotonic() - signalled
     print(f"refused {refused_after:.2f} s after SIGTERM with {streamed_before} chunks "
@@ -56,15 +60,19 @@ def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
     assert refused is not None and refused.status_code == 503, refused
     assert "stage stage-1 is draining" in str(refused), refused
     assert refused.response.headers["retry-after"] == "5"
+    assert ready.status_code == 503 and "stage stage-1 is draining" in ready.text, ready.text
     # The drain is over with the stream: the worker exits 0 at once, well before SIGKILL.
     wait_for(lambda: not alive(victim["pid"]), 10, "the drained stage worker to exit")
     stage = pipe.stages[1]
-    w = stage.wait_worker("stage", timeout=READY_S, state="exited")
-    assert w["last_exit"] == "exited cleanly", w
-    # A clean exit stays down (the supervisor restarts failures only): the operator's
-    # `mlxctl restart` brings it back, on the same port.
-    stage.ctl("restart", "stage")
-    daemons.pids.add(stage.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    # A clean exit of another worker stays down, but this is the stage of the running
+    # pipeline: its daemon starts it again by itself (daemon.STAGE_BACK_S), same port.
+    back = wait_for(lambda: (w := stage.worker("stage"))["state"] == "running"
+                    and w["pid"] != victim["pid"] and w, READY_S, "the stage to come back",
+                    every=0.1)
+    daemons.pids.add(back["pid"])
+    exits = [e for e in stage.events(400) if e["kind"] == "worker.exited"
+             and e["subject"] == "stage"]
+    assert exits and exits[-1]["data"]["cause"] == "clean", exits
 
     # The daemon's SIGTERM stops its stage the same way: the stream in flight completes.
     with client(pipe.url) as c:

@@ -5,7 +5,8 @@ Used by ``mlxctl cluster plan`` (through the control API) and ``mlxceld --pp-aut
 node id, its agent address, its usable memory (``plan.usable_memory`` of what it
 reports available) and the first stage port it proposed. A candidate whose
 inventory names another model identity than ours is left out, and said so: its
-offer would be refused anyway.
+offer would be refused anyway. So is a drained node (`mlxctl drain`, ``drained``): no
+plan, heal or activate uses it until `mlxctl undrain`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ from mlxceld.models.profile import layer_profile
 from mlxceld.state.peers import PeerRow
 
 
-def plan_nodes(candidates: Sequence[PeerRow], identity: str) -> tuple[list[PlanNode], list[str]]:
+def plan_nodes(candidates: Sequence[PeerRow], identity: str,
+               drained: frozenset[str] = frozenset()) -> tuple[list[PlanNode], list[str]]:
     nodes: list[PlanNode] = []
     notes: list[str] = []
     for c in candidates:
         inv: dict[str, Any] = dict(c.inventory or {})
         ports = inv.get("ports") or []
         name = c.node_id or c.address
+        if c.node_id is not None and c.node_id in drained:
+            notes.append(f"{name} ({c.address}) is drained: left out of every plan until "
+                         f"`mlxctl undrain {name}`")
+            continue
         model = inv.get("model") or {}
         theirs = model.get("identity") if isinstance(model, dict) else None
         if theirs is not None and theirs != identity:
@@ -77,11 +83,12 @@ class Proposal:
 
 
 def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluster: str,
-              coordinator: str) -> Proposal:
-    """The plan over ``candidates``, with its table, its cluster TOML and notes; raises
-    ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
+              coordinator: str, drained: frozenset[str] = frozenset()) -> Proposal:
+    """The plan over ``candidates`` but the ``drained`` node ids, with its table, its
+    cluster TOML and notes; raises ``PlanRefused`` (naming the shortfall per node) when it
+    does not fit."""
     identity = model_identity(model)
-    nodes, notes = plan_nodes(candidates, identity)
+    nodes, notes = plan_nodes(candidates, identity, drained)
     try:
         plan = plan_stages(layer_profile(model), stages, nodes)
     except PlanRefused as exc:

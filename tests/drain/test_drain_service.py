@@ -1,0 +1,60 @@
+"""``DrainService`` (``drain/service.py``) over a real state database and a fake router
+(our own seam, ``call_router``): the started hook hears the node and ``--force``, a drain
+held for a re-plan is not said to the router (until its deadline), and ``list`` gives
+each drain's counts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from mlxceld.drain import DrainService
+from mlxceld.state import DrainsTable
+from mlxceld.state.startup import start_state
+from mlxceld.types import JSON
+
+
+def test_held_drains_wait_and_each_drain_reports_its_counts(tmp_path: Path) -> None:
+    state = start_state(tmp_path / "state.db", reset=False)
+    told: list[JSON] = []
+    answer: JSON = {"in_flight": 2, "finished": 1, "ended": 0}
+    held = {"b"}
+    started: list[tuple[str, bool]] = []
+
+    async def router(args: JSON) -> JSON:
+        told.append(args)
+        return {"ok": True, **answer}
+
+    service = DrainService(DrainsTable(state.db), state.events,
+                           needs=lambda: frozenset({"a", "b", "c"}), call_router=router,
+                           started=lambda node, force: started.append((node, force)),
+                           held=lambda: frozenset(held))
+
+    async def go() -> None:
+        service.drain("a", None, True)  # --force: nothing is held for it
+        service.drain("b", 60.0, False)
+        assert started == [("a", True), ("b", False)]
+        await service.push()
+        assert [d["node"] for d in told[-1]["drains"]] == ["a"]  # b waits for its re-plan
+        rows = {r["node_id"]: r for r in service.list()}
+        assert (rows["a"]["in_flight"], rows["a"]["finished"], rows["a"]["replanning"]) == \
+            (2, 1, False)
+        assert (rows["b"]["in_flight"], rows["b"]["replanning"], rows["b"]["state"]) == \
+            (None, True, "draining")
+        held.clear()  # the re-plan gave up: b's drain is said to the router too
+        answer.update(in_flight=0, finished=3)
+        await service.push()
+        assert [d["node"] for d in told[-1]["drains"]] == ["a", "b"]
+        rows = {r["node_id"]: r for r in service.list()}
+        assert all((r["state"], r["in_flight"], r["finished"]) == ("drained", 0, 3)
+                   for r in rows.values()), rows
+        # A drain is held for its re-plan up to its deadline, not past it.
+        held.add("c")
+        answer.update(in_flight=1)
+        service.drain("c", 0.0, False)
+        await service.push()
+        assert [d["node"] for d in told[-1]["drains"]] == ["a", "b", "c"]
+
+    asyncio.run(go())
+    kinds = [e.kind for e in state.events.since(0, 100)]
+    assert kinds.count("drain.started") == 3 and kinds.count("drain.drained") == 2, kinds
