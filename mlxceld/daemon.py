@@ -83,7 +83,6 @@ from mlxceld.errors import (
     MlxceldError,
 )
 from mlxceld.net import retire_streams
-from mlxceld.roles.options import options_json
 from mlxceld.roster import Situation, draw_roster, router_needs
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import Serving
@@ -293,31 +292,13 @@ class Daemon:
         """The plan is deactivated: no placement, no router (not even a single-host one on
         the configured model) until `mlxctl serve`, an activate, or a restart."""
         self.placement = None
-        self.serving.hold_router = True
-        await self.reconcile()
+        await self.serving.hold()
 
     async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
-        """Run the router over the pushed plan: on its model, restarted if it was serving;
-        ``live``: a running router is moved to the plan's stages by its ``pipeline`` op
-        (``workers/router.py``), and restarted only if it refuses or does not answer."""
+        """Run the router over the pushed plan (``Serving.serve_pipeline``; ``live``: moved
+        to the plan's stages without a restart, if it can)."""
         self.placement = placement
-        model = str(placement.model)
-        if self.serving.serve.model != model:
-            self.serving.serve = self.serving.serve.with_model(model)
-        existed = ROUTER in self.supervisor.names()
-        await self.reconcile()
-        if not existed:
-            return
-        spec = next((s for s in self.specs(self.config) if s.name == ROUTER), None)
-        if live and spec is not None:
-            reply = await self.supervisor.call_running(
-                ROUTER, "pipeline", {"options": options_json(spec.options)})
-            if reply is not None and reply.get("ok"):
-                log.info("router moved to the new plan's stages without a restart")
-                return
-            log.info("router not moved live (%s): restarting it",
-                     "no answer" if reply is None else reply.get("error"))
-        self.supervisor.restart(ROUTER)
+        await self.serving.serve_pipeline(placement, live=live)
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self._standby = placement, standby

@@ -12,6 +12,12 @@ that choice, refused (changing nothing) where a restart would serve again anyway
 where the router is a cluster's. ``describe`` is what `mlxctl status` shows as
 ``serving``.
 
+Over a pipeline this daemon coordinates, the router serves the pushed plan's model
+(``serve_pipeline``): a running router is restarted on it, or, ``live`` (a drain's
+re-plan), moved to the new plan's stages by its ``pipeline`` op (``workers/router.py``,
+``pipeline/switch.py``) and restarted only if it refuses or does not answer. Once the
+plan is deactivated, the router is held back (``hold``).
+
 It lives beside ``daemon.py`` (the composition root, its only user), above ``roster``:
 the daemon is its ``ServingHost``, the window on the config, the placement, the
 supervisor and the roster.
@@ -28,6 +34,7 @@ from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
+from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
@@ -132,6 +139,35 @@ class Serving:
                                f"no longer serving {was['model_name']} ({was['model']})")
             log.info("no longer serving %s (mlxctl unserve)", was["model"])
         return {"unserved": was}
+
+    async def serve_pipeline(self, placement: Placement, *, live: bool) -> None:
+        """Run the router over the pushed plan ``placement`` (the host's now): on its model,
+        restarted if it was serving; ``live``: a running router is moved to the plan's
+        stages by its ``pipeline`` op, and restarted only if it refuses or does not answer."""
+        host = self._host
+        model = str(placement.model)
+        if self.serve.model != model:
+            self.serve = self.serve.with_model(model)
+        existed = ROUTER in host.supervisor.names()
+        await host.supervisor.reconcile(host.specs(host.config))
+        if not existed:
+            return
+        spec = next((s for s in host.specs(host.config) if s.name == ROUTER), None)
+        if live and spec is not None:
+            reply = await host.supervisor.call_running(
+                ROUTER, "pipeline", {"options": options_json(spec.options)})
+            if reply is not None and reply.get("ok"):
+                log.info("router moved to the new plan's stages without a restart")
+                return
+            log.info("router not moved live (%s): restarting it",
+                     "no answer" if reply is None else reply.get("error"))
+        host.supervisor.restart(ROUTER)
+
+    async def hold(self) -> None:
+        """No router (not even a single-host one on the configured model) until `mlxctl
+        serve`, an activate, or a restart: the host's plan is deactivated."""
+        self.hold_router = True
+        await self._host.supervisor.reconcile(self._host.specs(self._host.config))
 
     def describe(self) -> JSON | None:
         """What the router serves, and where; None where the roster runs no router (no
