@@ -43,7 +43,7 @@ listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
 plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; the
 daemon is their window on its placement and supervisor (``serve_pipeline``,
 ``set_stage``, ``reconcile``). What the router serves, with `mlxctl serve|unserve`, is
-``Serving``'s (``serving.py``).
+``Serving``'s (``serving.py``); `mlxctl drain|undrain` are ``Draining``'s (``draining.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.serve import ROUTER, read_api_key
+from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
 from mlxceld.control.server import (
@@ -76,14 +76,14 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.drain import DrainService, known_node
+from mlxceld.draining import Draining
 from mlxceld.errors import (
     AlreadyRunning,
     ConfigError,
     MlxceldError,
 )
 from mlxceld.net import retire_streams
-from mlxceld.roster import Situation, draw_roster, router_needs
+from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import Serving
 from mlxceld.state import (
@@ -186,11 +186,7 @@ class Daemon:
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
             finished=self._worker_finished)
         self._sock = bind_control_socket(config.socket, config.socket_group)
-        self._drains = DrainService(DrainsTable(self._db), self.events,
-                                    needs=self._router_needs, call_router=self._call_router,
-                                    started=lambda node, force: self.member.drain_started(
-                                        node, force),
-                                    held=lambda: self.member.drain_held())
+        self._draining = Draining(self, DrainsTable(self._db), self.events)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -234,38 +230,16 @@ class Daemon:
         return await self.member.deactivate()
 
     def drains(self) -> list[JSON]:
-        return self._drains.list()
+        return self._draining.list()
 
     def drain(self, node: str | None, deadline_s: float | None, force: bool) -> JSON:
-        return self._drains.drain(self._known_node(node), deadline_s, force)
+        return self._draining.drain(node, deadline_s, force)
 
     def undrain(self, node: str | None) -> JSON:
-        target = node or self._local_node()
-        if target not in {d["node_id"] for d in self._drains.list()}:
-            self._known_node(target)
-        return self._drains.undrain(target)
+        return self._draining.undrain(node)
 
     def drained_nodes(self) -> frozenset[str]:
-        return frozenset(d["node_id"] for d in self._drains.list())
-
-    def _local_node(self) -> str:
-        return self.placement.node.id if self.placement is not None else self.node.node_id
-
-    def _known_node(self, node: str | None) -> str:
-        known = {self._local_node(), self.node.node_id, *(self._router_needs() or ())}
-        known |= {n["node_id"] for n in self.member.nodes()["nodes"] if n.get("node_id")}
-        return known_node(node or self._local_node(), known)
-
-    def _router_needs(self) -> frozenset[str] | None:
-        """This node, and over a pipeline its stages: by the cluster TOML's stage ids and,
-        for a plan coordinated here, by its hosts' node ids."""
-        needs = router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
-        if needs is None or self.placement is None:
-            return needs
-        return needs | self.member.plan_node_ids()
-
-    async def _call_router(self, args: JSON) -> JSON | None:
-        return await self.supervisor.call_running(ROUTER, "drain", args)
+        return self._draining.drained_nodes()
 
     # -- the member's, the coordinator's and the stage host's window on us -----------------
 
@@ -413,7 +387,7 @@ class Daemon:
                 tg.create_task(self._server.serve(srv_started))
                 await srv_started
                 tg.create_task(self._keeper.run())
-                tg.create_task(self._drains.run())
+                tg.create_task(self._draining.service.run())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -480,7 +454,7 @@ class Daemon:
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
         self._keeper.close()
-        self._drains.close()
+        self._draining.service.close()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()
