@@ -42,7 +42,8 @@ With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the age
 listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
 plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; the
 daemon is their window on its placement and supervisor (``serve_pipeline``,
-``set_stage``, ``reconcile``).
+``set_stage``, ``reconcile``). What the router serves, with `mlxctl serve|unserve`, is
+``Serving``'s (``serving.py``); `mlxctl drain|undrain` are ``Draining``'s (``draining.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import replace
-from pathlib import Path
 from typing import Protocol
 
 from mlxceld import __version__
@@ -66,7 +65,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.serve import ROUTER, ServeConfig, read_api_key, resolve_model
+from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
 from mlxceld.control.server import (
@@ -77,18 +76,16 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.drain import DrainService, known_node
+from mlxceld.draining import Draining
 from mlxceld.errors import (
     AlreadyRunning,
     ConfigError,
     MlxceldError,
-    ModelRefused,
-    UnserveRefused,
 )
 from mlxceld.net import retire_streams
-from mlxceld.roles.options import options_json
-from mlxceld.roster import Situation, draw_roster, router_needs
+from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
+from mlxceld.serving import Serving
 from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
@@ -124,6 +121,9 @@ class Terminal(Protocol):
 
 
 class Daemon:
+    supervisor: Supervisor  # made by _start, under the lock
+    serving: Serving
+
     def __init__(self, config: Config, flags: Overrides, terminal: Terminal) -> None:
         self.config = config
         self._flags = flags
@@ -159,7 +159,7 @@ class Daemon:
         self._standby = False  # the stage worker starts in standby (a prepared assignment)
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
-        self._hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+        self.serving.hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
 
     def _start(self, config: Config) -> None:
         """The start-up under the lock: state, keyring, supervisor, the control socket."""
@@ -175,9 +175,9 @@ class Daemon:
         self.keys.adopt(config, self.placement)
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
-        self._serve = self._effective_serve(config.serve)
+        self.serving = Serving(self, self._flags, config.serve)  # what the router serves
         self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
-        if config.pp_auto is not None and self._serve.model is None:
+        if config.pp_auto is not None and self.serving.serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")
         self.supervisor = Supervisor(
@@ -186,11 +186,7 @@ class Daemon:
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
             finished=self._worker_finished)
         self._sock = bind_control_socket(config.socket, config.socket_group)
-        self._drains = DrainService(DrainsTable(self._db), self.events,
-                                    needs=self._router_needs, call_router=self._call_router,
-                                    started=lambda node, force: self.member.drain_started(
-                                        node, force),
-                                    held=lambda: self.member.drain_held())
+        self._draining = Draining(self, DrainsTable(self._db), self.events)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -211,7 +207,7 @@ class Daemon:
                 "config_file": str(self.config.config_file) if self.config.config_file else None,
                 "schema_version": SCHEMA_VERSION,
             },
-            "serving": self._serving(),
+            "serving": self.serving.describe(),
             "cluster": self.placement.describe() if self.placement else None,
             **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
@@ -234,43 +230,21 @@ class Daemon:
         return await self.member.deactivate()
 
     def drains(self) -> list[JSON]:
-        return self._drains.list()
+        return self._draining.list()
 
     def drain(self, node: str | None, deadline_s: float | None, force: bool) -> JSON:
-        return self._drains.drain(self._known_node(node), deadline_s, force)
+        return self._draining.drain(node, deadline_s, force)
 
     def undrain(self, node: str | None) -> JSON:
-        target = node or self._local_node()
-        if target not in {d["node_id"] for d in self._drains.list()}:
-            self._known_node(target)
-        return self._drains.undrain(target)
+        return self._draining.undrain(node)
 
     def drained_nodes(self) -> frozenset[str]:
-        return frozenset(d["node_id"] for d in self._drains.list())
-
-    def _local_node(self) -> str:
-        return self.placement.node.id if self.placement is not None else self.node.node_id
-
-    def _known_node(self, node: str | None) -> str:
-        known = {self._local_node(), self.node.node_id, *(self._router_needs() or ())}
-        known |= {n["node_id"] for n in self.member.nodes()["nodes"] if n.get("node_id")}
-        return known_node(node or self._local_node(), known)
-
-    def _router_needs(self) -> frozenset[str] | None:
-        """This node, and over a pipeline its stages: by the cluster TOML's stage ids and,
-        for a plan coordinated here, by its hosts' node ids."""
-        needs = router_needs(self.specs(self.config), {self.node.node_id, self._local_node()})
-        if needs is None or self.placement is None:
-            return needs
-        return needs | self.member.plan_node_ids()
-
-    async def _call_router(self, args: JSON) -> JSON | None:
-        return await self.supervisor.call_running(ROUTER, "drain", args)
+        return self._draining.drained_nodes()
 
     # -- the member's, the coordinator's and the stage host's window on us -----------------
 
     def served_model(self) -> str | None:
-        return self._serve.model
+        return self.serving.serve.model
 
     async def _dry_run(self) -> int:
         """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal (exit
@@ -286,37 +260,19 @@ class Daemon:
         return 0
 
     def router_held(self) -> bool:
-        return self._hold_router and self.placement is None
+        return self.serving.hold_router and self.placement is None
 
     async def stop_pipeline(self) -> None:
         """The plan is deactivated: no placement, no router (not even a single-host one on
         the configured model) until `mlxctl serve`, an activate, or a restart."""
         self.placement = None
-        self._hold_router = True
-        await self.reconcile()
+        await self.serving.hold()
 
     async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
-        """Run the router over the pushed plan: on its model, restarted if it was serving;
-        ``live``: a running router is moved to the plan's stages by its ``pipeline`` op
-        (``workers/router.py``), and restarted only if it refuses or does not answer."""
+        """Run the router over the pushed plan (``Serving.serve_pipeline``; ``live``: moved
+        to the plan's stages without a restart, if it can)."""
         self.placement = placement
-        model = str(placement.model)
-        if self._serve.model != model:
-            self._serve = self._serve.with_model(model)
-        existed = ROUTER in self.supervisor.names()
-        await self.reconcile()
-        if not existed:
-            return
-        spec = next((s for s in self.specs(self.config) if s.name == ROUTER), None)
-        if live and spec is not None:
-            reply = await self.supervisor.call_running(
-                ROUTER, "pipeline", {"options": options_json(spec.options)})
-            if reply is not None and reply.get("ok"):
-                log.info("router moved to the new plan's stages without a restart")
-                return
-            log.info("router not moved live (%s): restarting it",
-                     "no answer" if reply is None else reply.get("error"))
-        self.supervisor.restart(ROUTER)
+        await self.serving.serve_pipeline(placement, live=live)
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self._standby = placement, standby
@@ -387,8 +343,8 @@ class Daemon:
     def specs(self, config: Config) -> list[WorkerSpec]:
         """The workers to run now: ``roster.draw_roster`` of ``config`` and our state."""
         return draw_roster(Situation(
-            config, self._serve, self.placement, standby=self._standby,
-            hold_router=self._hold_router,
+            config, self.serving.serve, self.placement, standby=self._standby,
+            hold_router=self.serving.hold_router,
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
             accepted=tuple(self.keys.keyring.others()),
             api_key=self._api_key))
@@ -411,84 +367,11 @@ class Daemon:
         if now is not None and now[0] is WorkerState.EXITED and self._stage_wanted():
             self.supervisor.restart(STAGE_WORKER)
 
-    def _effective_serve(self, configured: ServeConfig) -> ServeConfig:
-        """Flags and the config file win; else what `mlxctl serve` chose last time.
-        A cluster coordinator serves its cluster's model."""
-        if self.placement is not None:
-            return configured.with_model(str(self.placement.model), configured.model_name)
-        saved = self.settings.get("serve")
-        if configured.model is None and saved is not None:
-            return configured.with_model(saved["model"], saved.get("model_name"))
-        return configured
-
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
-        """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
-        if self.config.pp_peer:
-            raise ModelRefused("this daemon is a --pp-peer: it takes a pipeline stage from a "
-                               "coordinator and runs no router",
-                               hint="serve on the coordinator (mlxctl cluster activate), or "
-                               "run this daemon without --pp-peer ([daemon] pp_peer)")
-        if self.placement is not None:
-            raise ModelRefused(
-                f"this daemon is node {self.placement.node.id!r} of cluster config "
-                f"{self.placement.cluster.path}; it serves that cluster's model",
-                hint="change [cluster] model in that file on every node, then restart them")
-        try:
-            resolved = resolve_model(model, Path("/"), "mlxctl serve")
-        except ConfigError as exc:
-            raise ModelRefused(exc.message, hint=exc.hint) from exc
-        self._serve = self._serve.with_model(resolved, name)
-        self._hold_router = False  # told to serve: also after a deactivate
-        self.settings.put("serve", {"model": resolved, "model_name": name})
-        existed = ROUTER in self.supervisor.names()
-        await self.supervisor.reconcile(self.specs(self.config))
-        if existed:
-            self.supervisor.restart(ROUTER)
-        self.events.append("serve.changed", ROUTER,
-                           f"now serving {self._serve.served_name} from {resolved}")
-        return self._serving()
+        return await self.serving.serve_model(model, name)
 
     async def unserve(self) -> JSON:
-        """`mlxctl unserve`: stop the single-host router and forget what `mlxctl serve`
-        chose, so that a restart does not serve it again. Refused, changing nothing, where
-        a restart would serve again anyway (a model from the flags or the config file) or
-        where the router is a cluster's."""
-        p = self.placement
-        if p is not None and p.is_coordinator:
-            raise UnserveRefused("this daemon's router serves a pipeline",
-                                 hint="mlxctl cluster deactivate ends the plan and stops its "
-                                 "router" if self.config.distributed_config is None else
-                                 f"it runs the cluster config {p.cluster.path}; stop the daemon")
-        if p is not None:
-            raise UnserveRefused(f"this daemon runs {p.node.id} of a cluster and no router",
-                                 hint="on the coordinator: mlxctl cluster deactivate")
-        configured = self.config.serve.model
-        if configured is not None:
-            origin = ("--model" if self._flags.model else
-                      f"[serve] model in {self.config.config_file}")
-            raise UnserveRefused(f"the model {configured} comes from {origin}: a restart would "
-                                 "serve it again, so it is not unserved",
-                                 hint="remove it there, then reload (systemctl reload mlxceld, "
-                                 "or SIGHUP) or restart; then mlxctl unserve forgets what "
-                                 "mlxctl serve chose, if anything")
-        was = self._serving()
-        self.settings.delete("serve")
-        self._serve = replace(self._serve, model=None, model_name=None)
-        await self.supervisor.reconcile(self.specs(self.config))
-        if was is not None:
-            self.events.append("serve.stopped", ROUTER,
-                               f"no longer serving {was['model_name']} ({was['model']})")
-            log.info("no longer serving %s (mlxctl unserve)", was["model"])
-        return {"unserved": was}
-
-    def _serving(self) -> JSON | None:
-        """What the router serves, and where; None where the roster runs no router (no
-        model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
-        s = self._serve
-        if s.model is None or not any(spec.name == ROUTER for spec in self.specs(self.config)):
-            return None
-        return {"model": s.model, "model_name": s.served_name,
-                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
+        return await self.serving.unserve()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -504,7 +387,7 @@ class Daemon:
                 tg.create_task(self._server.serve(srv_started))
                 await srv_started
                 tg.create_task(self._keeper.run())
-                tg.create_task(self._drains.run())
+                tg.create_task(self._draining.service.run())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -571,7 +454,7 @@ class Daemon:
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
         self._keeper.close()
-        self._drains.close()
+        self._draining.service.close()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()
@@ -602,7 +485,7 @@ class Daemon:
                 log.warning("reload: %s changed; it takes effect at the next start", field)
         logging.getLogger().setLevel(new.log_level.upper())
         self.config = new
-        self._serve = self._effective_serve(new.serve)
+        self.serving.serve = self.serving.effective(new.serve)
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
         log.info("configuration reloaded")
         await self.supervisor.reconcile(self.specs(new))

@@ -25,6 +25,8 @@ STACK = [
     "workers",
     "cluster",
     "roster",  # which workers run: the daemon's rule over roles, placements and [serve]
+    "serving",  # what the daemon's router serves: `mlxctl serve|unserve`, held back or not
+    "draining",  # the daemon's `mlxctl drain|undrain` over drain/, with the nodes it knows
     "daemon", "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}

@@ -30,20 +30,8 @@ undecided, but not once it is decided commit or activate: then the push only
 re-sends the decision (for up to ``ACTIVATE_FOR_S`` to a lost peer), and a
 deactivation ends it at once (``_end_decided_push``) and takes over, so that a
 peer gone for good never locks the operator out. ``state`` is what ``mlxctl status``
-shows as ``bringup``, and what ``mlxctl cluster activate`` polls::
-
-    {"state": "planning" | "pushing" | "active" | "failed" | "deactivated", "epoch": E,
-     "model": DIR, "stages": N, "summary": "...", "config_differs": "..." (a resumed plan),
-     "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
-                "layers": [first, end], "state": STATE, "reason": "...",
-                "steps": [STATE, ...]}]}
-
-with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
-prepared, committed, active, failed (its reason), aborted, unreachable (lost
-after the decision, and re-dialled: the bring-up stays ``pushing``, and the
-peer turns committed or active as soon as it answers); after a deactivation
-deactivated, unreachable or refused (``deactivation.Outcome``); ``steps`` holds
-every state it went through, in order, so that a poller misses none.
+shows as ``bringup``, and what ``mlxctl cluster activate`` polls: its shape, each
+peer's states and the ``bringup.*`` events are ``BringUp``'s (``bringup.py``).
 
 A push decided activate that ends without every peer active (one unreachable
 for ``coordinator_round.ACTIVATE_FOR_S``, or one that aborted on its own) is
@@ -65,15 +53,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from mlxceld.cluster.assignment import deactivation
-from mlxceld.cluster.assignment.coordinator_round import CoordinatorRound
 from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
+from mlxceld.cluster.bringup import BringUp, resumed_rows
 from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.plan.candidates import Proposal, make_plan
-from mlxceld.cluster.plan.model import Plan
 from mlxceld.config.serve import resolve_model
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
@@ -128,11 +115,20 @@ class Coordinator:
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
         self._drained = drained  # node ids `mlxctl drain` left out of every plan
-        self.state: JSON | None = None  # the last bring-up, for `mlxctl status`
+        self._bringup = BringUp(events)  # the last bring-up, for `mlxctl status`
         self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
         self._chase: asyncio.Task[None] | None = None  # peers not told of a deactivation
         self.serving: Served | None = None  # the plan the router serves, once it does
+
+    @property
+    def state(self) -> JSON | None:
+        """The last bring-up, for `mlxctl status` (``BringUp.state``)."""
+        return self._bringup.state
+
+    @state.setter
+    def state(self, state: JSON | None) -> None:
+        self._bringup.state = state
 
     @property
     def busy(self) -> bool:
@@ -211,7 +207,7 @@ class Coordinator:
             self.state, self._busy = before, False
             raise
         epoch = self._plans.next_epoch()
-        self._pushing(epoch, proposal.plan)
+        self._bringup.pushing(epoch, proposal.plan)
         self._task = self._tasks.create_task(self._push_and_serve(epoch, proposal, path))
         return self.state or {}
 
@@ -254,68 +250,30 @@ class Coordinator:
             try:
                 proposal = await self.propose(model, n)
             except MlxceldError as exc:  # a PlanRefused names the candidates left out
-                self._failed(f"no plan: {exc.message}")
+                self._bringup.failed(f"no plan: {exc.message}")
                 return
             epoch = self._plans.next_epoch()
-            self._pushing(epoch, proposal.plan)
+            self._bringup.pushing(epoch, proposal.plan)
             await self._push_and_serve(epoch, proposal, model)
         finally:
             self._busy = False
-
-    def _pushing(self, epoch: int, plan: Plan) -> None:
-        self.state = {**(self.state or {}), "state": "pushing", "epoch": epoch, "summary": "",
-                      "peers": [{"stage": s.stage_id, "node_id": s.node.node_id,
-                                 "address": s.node.key, "layers": list(s.layers),
-                                 "state": "offered", "reason": "", "steps": ["offered"]}
-                                for s in plan.stages]}
-        self._events.append(
-            "bringup.pushing", "cluster", f"plan {epoch}: offering {len(plan.stages)} "
-            f"stage(s) of {self.state.get('model')} to "
-            + ", ".join(s.node.key for s in plan.stages), epoch=epoch,
-            peers=[s.node.key for s in plan.stages])
 
     async def _push_and_serve(self, epoch: int, proposal: Proposal, model: str) -> None:
         """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
         try:
             epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
                                      keyring=self._keyring, identity=self._identity,
-                                     epoch=epoch, watch=self._watch)
+                                     epoch=epoch, watch=self._bringup.watch)
             if not done.ok:
-                self._failed(done.summary + "".join(f"; {n}" for n in proposal.notes))
+                self._bringup.failed(done.summary + "".join(f"; {n}" for n in proposal.notes))
                 return
             await self._serve(epoch, proposal.toml, model, done.summary)
         except MlxceldError as exc:
-            self._failed(f"plan {epoch}: {exc.message}")
+            self._bringup.failed(f"plan {epoch}: {exc.message}")
         except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
-            self._failed(f"plan {epoch}: cannot write {exc.filename}: {exc.strerror}")
+            self._bringup.failed(f"plan {epoch}: cannot write {exc.filename}: {exc.strerror}")
         finally:
             self._busy = False
-
-    def _watch(self, round_: CoordinatorRound) -> None:
-        """Each peer's progress into ``state``; each change logged once."""
-        if self.state is None:
-            return
-        peers: list[dict[str, Any]] = self.state.setdefault("peers", [])
-        rows = {p["address"]: p for p in peers}
-        for address, (state, reason) in round_.progress().items():
-            row = rows.get(address)
-            if row is None:  # a resumed plan: the plans table knows the peers, not the stages
-                row = {"stage": None, "node_id": None, "address": address, "layers": None,
-                       "state": "", "reason": "", "steps": []}
-                peers.append(row)
-            if (row["state"], row["reason"]) != (state, reason):
-                row["state"], row["reason"] = state, reason
-                row["steps"].append(state)
-                log.info("plan %d: peer %s%s is %s%s", round_.epoch, address,
-                         f" ({row['stage']})" if row["stage"] else "", state,
-                         f": {reason}" if reason else "")
-                self._events.append(
-                    "bringup.peer", "cluster",
-                    f"plan {round_.epoch}: peer {address}"
-                    + (f" ({row['stage']})" if row["stage"] else "") + f" is {state}"
-                    + (f": {reason}" if reason else ""),
-                    epoch=round_.epoch, peer=address, stage=row["stage"], state=state,
-                    reason=reason)
 
     async def _resume_at_start(self, last: PlanRow, n: int | None, configured: str | None,
                                *, why: str = "after a restart") -> None:
@@ -332,7 +290,7 @@ class Coordinator:
                 model = Path(configured)
             self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
                           "stages": len(last.peers), "summary": "",
-                          "peers": _resumed_rows(last)}
+                          "peers": resumed_rows(last)}
             differs = config_differences(last, n, configured, configured_identity)
             if differs:
                 self.state["config_differs"] = differs
@@ -344,9 +302,9 @@ class Coordinator:
             assert last.decision is not None and model is not None
             await self._resume(epoch, last.decision, last.toml, str(model), why)
         except MlxceldError as exc:
-            self._failed(f"plan {epoch} cannot be resumed: {exc.message}")
+            self._bringup.failed(f"plan {epoch} cannot be resumed: {exc.message}")
         except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
-            self._failed(f"plan {epoch} cannot be resumed: {exc}")
+            self._bringup.failed(f"plan {epoch} cannot be resumed: {exc}")
         finally:
             self._busy = False
 
@@ -393,35 +351,12 @@ class Coordinator:
         await asyncio.wait({task})
 
     def _deactivated(self, plan: PlanRow, outcomes: dict[str, deactivation.Outcome]) -> JSON:
-        epoch = plan.epoch
-        left = [p for p, (state, _) in outcomes.items() if state != "deactivated"]
-        summary = (f"plan {epoch} deactivated: " + (
-            f"every stage of {len(plan.peers)} is stopped" if not left else
-            f"{len(plan.peers) - len(left)} of {len(plan.peers)} stage(s) stopped; not told: "
-            + "; ".join(f"{p}: {outcomes[p][0]}: {outcomes[p][1]}" for p in left)))
-        self.state = {"state": "deactivated", "epoch": epoch, "stages": len(plan.peers),
-                      "summary": summary,
-                      "peers": [{"stage": f"stage-{i}", "node_id": None, "address": p,
-                                 "layers": None, "state": outcomes[p][0],
-                                 "reason": outcomes[p][1], "steps": [outcomes[p][0]]}
-                                for i, p in enumerate(plan.peers)]}
-        (log.warning if left else log.info)("%s", summary)
-        self._events.append("bringup.deactivated", "cluster", summary, epoch=epoch)
+        left = self._bringup.deactivated(plan, outcomes)
         if left:
             self._chase = self._tasks.create_task(deactivation.chase(
-                epoch, left, self._told_late, keyring=self._keyring, identity=self._identity,
-                reason="mlxctl cluster deactivate"))
-        return self.state
-
-    def _told_late(self, peer: str, outcome: deactivation.Outcome) -> None:
-        state = self.state or {}
-        for row in state.get("peers") or []:
-            if row["address"] == peer and row["state"] != outcome[0]:
-                row["state"], row["reason"] = outcome
-                row["steps"].append(outcome[0])
-        message = f"plan {state.get('epoch')}: peer {peer} told of the deactivation late"
-        log.info("%s", message)
-        self._events.append("bringup.peer_deactivated", "cluster", message, peer=peer)
+                plan.epoch, left, self._bringup.told_late, keyring=self._keyring,
+                identity=self._identity, reason="mlxctl cluster deactivate"))
+        return self.state or {}
 
     async def _resume(self, epoch: int, decision: str, toml: str, model: str,
                       why: str) -> None:
@@ -431,9 +366,9 @@ class Coordinator:
         summary = f"plan {epoch}: resumed as decided ({decision})"
         if decision != "active":
             done = await resume_push(epoch, plans=self._plans, keyring=self._keyring,
-                                     identity=self._identity, watch=self._watch, why=why)
+                                     identity=self._identity, watch=self._bringup.watch, why=why)
             if not done.ok:
-                self._failed(done.summary)
+                self._bringup.failed(done.summary)
                 return
             summary = done.summary
         await self._serve(epoch, toml, model, summary)
@@ -448,10 +383,7 @@ class Coordinator:
         await self._slot.serve_pipeline(placement, live=live)
         row = self._plans.get(epoch)
         self.serving = Served(epoch, model, row.peers if row else ())
-        self.state = {**(self.state or {}), "state": "active", "epoch": epoch,
-                      "summary": summary}
-        self._events.append("bringup.active", "cluster", summary, epoch=epoch)
-        log.info("pipeline bring-up: %s", summary)
+        self._bringup.active(epoch, summary)
 
     async def heal(self, proposal: Proposal, old: Served, why: str, *, live: bool = False
                    ) -> tuple[bool, str]:
@@ -467,48 +399,26 @@ class Coordinator:
             epoch = self._plans.next_epoch()
             self.state = {"state": "planning", "model": old.model,
                           "stages": len(proposal.plan.stages), "summary": why}
-            self._pushing(epoch, proposal.plan)
+            self._bringup.pushing(epoch, proposal.plan)
             epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
                                      keyring=self._keyring, identity=self._identity,
-                                     epoch=epoch, watch=self._watch)
+                                     epoch=epoch, watch=self._bringup.watch)
             if not done.ok:
-                self._failed(done.summary)
+                self._bringup.failed(done.summary)
                 return False, done.summary
             self._plans.decide(old.epoch, "deactivated", superseded(epoch, why))
             await self._serve(epoch, proposal.toml, old.model, done.summary, live=live)
             return True, done.summary
         except MlxceldError as exc:
-            self._failed(f"plan {self.state.get('epoch') if self.state else '?'}: "
+            self._bringup.failed(f"plan {self.state.get('epoch') if self.state else '?'}: "
                          f"{exc.message}")
             return False, exc.message
         except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
-            self._failed(f"cannot write {exc.filename}: {exc.strerror}")
+            self._bringup.failed(f"cannot write {exc.filename}: {exc.strerror}")
             return False, f"cannot write {exc.filename}: {exc.strerror}"
         finally:
             self._busy = False
 
-    def _failed(self, summary: str) -> None:
-        self.state = {**(self.state or {}), "state": "failed", "summary": summary}
-        log.error("pipeline bring-up failed: %s; the daemon stays up without serving (fix "
-                  "the peers named, then restart it)", summary)
-        self._events.append("bringup.failed", "cluster", summary)
-
-
-def _resumed_rows(plan: PlanRow) -> list[dict[str, Any]]:
-    """A resumed plan's peers as ``state`` shows them: each stage's id and layers from the
-    plan's TOML (its stages in rank order, as the plans table lists the peers); the peer's
-    node id is not kept, so it reads None."""
-    try:
-        cluster = parse_cluster_text(plan.toml, Path(f"cluster-{plan.epoch}.toml"))
-    except MlxceldError:
-        return []
-    stages = sorted((n for n in cluster.nodes if n.rank is not None),
-                    key=lambda n: n.rank or 0)
-    if len(stages) != len(plan.peers):
-        return []
-    return [{"stage": n.id, "node_id": None, "address": address,
-             "layers": list(n.layers) if n.layers else None, "state": "", "reason": "",
-             "steps": []} for address, n in zip(plan.peers, stages, strict=True)]
 
 
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
