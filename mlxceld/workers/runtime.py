@@ -14,7 +14,11 @@ supervisor's watchdog reads; a worker with the cluster keyring carries ``keys``
 
 The role's options are read once, here, into their typed spec
 (``workers/options.py``): a bad one is named in the log and the exit record
-(kind ``config``) and the worker exits ``EXIT_CONFIG`` before its role runs.
+(kind ``config``) and the worker exits ``EXIT_CONFIG`` before its role runs. A
+role that raises ``ConfigError`` (a stage whose model cannot be loaded: a family
+it does not split, a missing shard, a bad config.json) exits the same way, its
+message and hint in the record: the supervisor does not restart a ``config`` exit
+(``supervisor/states.py``), since the same start would fail the same way.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ log = logging.getLogger(__name__)
 MAX_BOOTSTRAP = 1 << 20
 MAX_REQUEST = 64 * 1024
 CHANNEL_IDLE_S = 30.0  # a control connection that sends nothing for this long is closed
+MAX_SUMMARY = 1000  # characters of a ConfigError's message and hint kept in the exit record
 
 Opts = TypeVar("Opts", bound=WorkerOptions)
 
@@ -276,6 +281,12 @@ def main(argv: list[str]) -> int:
         return EXIT_CONFIG
     try:
         code = asyncio.run(run_worker(boot, options))
+    except ConfigError as exc:  # e.g. a stage's model it cannot load: a restart cannot help
+        said = exc.message + (f"; {exc.hint}" if exc.hint else "")
+        summary = " ".join(said.split())[:MAX_SUMMARY]  # one line, as a status shows it
+        log.error("worker %s %s", boot["name"], summary)
+        write_exit_record(exit_record, EXIT_CONFIG, "config", summary)
+        return EXIT_CONFIG
     except Exception as exc:
         traceback.print_exc()
         last = traceback.format_exception_only(exc)[-1].strip()
