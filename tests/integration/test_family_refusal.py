@@ -5,7 +5,9 @@ A family not split (a tiny llama fixture whose config.json says ``mamba``) is re
 `mlxctl cluster plan` and `activate`, `--pp-auto --dry-run` and `--distributed-config`,
 each naming the family and the supported ones, and no stage worker starts anywhere. A stage
 whose checkpoint mlx-lm cannot load (its config.json no longer fits its weights) exits
-once, is failed with the reason, and `mlxctl status` says so.
+once, is failed with the reason, and `mlxctl status` says so; in a bring-up, `mlxctl
+cluster activate` fails at once naming the peer and that reason, well within the
+``PREPARE_S`` a peer would otherwise wait for its stage to load.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxceld.cluster.assignment.peer import PREPARE_S
 from mlxceld.models.families import SUPPORTED
 
-from helpers.cluster import agent, start
+from helpers.cluster import ACTIVATE_S, agent, by_address, start
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 REFUSED_S = 60.0  # a daemon start refused at its edge; generous on a loaded machine
 LOOP_S = 3.0  # under FAST_POLICY (0.2 s backoff) a restart loop would start it again by far
@@ -127,3 +131,27 @@ def test_a_stage_that_cannot_load_fails_once_with_its_reason(
     assert record["data"]["cause"] == "config", record
     status = d.ctl("status")
     assert "worker stage failed: stage stage-0 failed to load" in status.stdout + status.stderr
+
+
+def test_a_stage_that_cannot_load_fails_the_bring_up_naming_the_peer(
+        daemons: Daemons, split_fixture_dir: Path, tmp_path: Path) -> None:
+    llama = split_fixture_dir / "llama"
+    size = json.loads((llama / "config.json").read_text())["intermediate_size"]
+    bad = edited(llama, tmp_path / "bad", intermediate_size=size + 16)  # plans; cannot load
+    secret = secrets.token_hex(16).encode()
+    peer = start(daemons, "127.0.0.2", secret, "--pp-peer", "--model", str(bad), name="p")
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers", agent(peer), name="c")
+    wait_for(lambda: by_address(coord).get(agent(peer), {}).get("state") == "reachable", 30,
+             "the peer reachable")
+
+    began = time.monotonic()
+    out = coord.ctl("cluster", "activate", "--model", str(bad), "--stages", "1",
+                    timeout=ACTIVATE_S)
+    took = time.monotonic() - began
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = next((x for x in out.stderr.splitlines() if x.startswith(f"  {agent(peer)} ")), "")
+    assert "stage stage-0 failed to load layers [0, 4)" in line, out.stderr
+    assert "mlx-lm cannot load it" in line, out.stderr
+    assert took < PREPARE_S, took  # failed at its first exit, not at the load deadline
+    assert stage_starts(peer) == 1
+    assert not [w for w in peer.status()["workers"] if w["name"] == "stage"]
