@@ -298,9 +298,10 @@ class Lifecycle:
         delay."""
         self._reap(cause)
         if cause.fatal:
-            return self._enter(WorkerState.FAILED,
-                               f"{cause.summary} (not restarted: the same start would fail "
-                               f"the same way; fix it, then: mlxctl restart {self.name})")
+            # What to do next is the caller's to say: `mlxctl restart` once fixed
+            # (supervisor/health.py), or a new plan (the assignment's stage host).
+            return self._enter(WorkerState.FAILED, f"{cause.summary} (not restarted: the "
+                               "same start would fail the same way)")
         p = self.policy
         self._exits = [t for t in self._exits if now - t <= p.flap_window_s] + [now]
         if len(self._exits) >= p.flap_max_exits:

@@ -326,8 +326,7 @@ def test_a_config_exit_fails_at_once_and_is_not_restarted(ready: bool) -> None:
     assert cause.fatal and not CRASH.fatal and not OOM.fatal
     actions = crash(lc, 2.0, cause)
     assert [type(a) for a in actions] == [Transitioned] and actions[0].new is S.FAILED
-    assert lc.reason.startswith(f"{cause.summary} (not restarted: ")
-    assert "mlxctl restart stage-0" in lc.reason
+    assert lc.reason == f"{cause.summary} (not restarted: the same start would fail the same way)"
     assert (lc.state, lc.pid, lc.last_cause, lc.next_deadline(), lc.restarts) == (
         S.FAILED, None, cause, None, 0)
     assert lc.handle_timer(1e9) == []
