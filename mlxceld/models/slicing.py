@@ -28,14 +28,16 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
+from mlxceld.models.families import SUPPORTED, check_family
 from mlxceld.wire.envelope import TensorSpec
 from mlxceld.wire.mx_tensors import wire_dtype
 
 log = logging.getLogger(__name__)
 
-# Families whose Model is model.{embed_tokens, layers, norm} plus lm_head or tied
-# embeddings, and whose inner loop is layer(h, mask, cache). mistral loads as llama.
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = ["MAX_STEP_TOKENS", "SUPPORTED", "StageModel", "load_stage"]
+
+# The families this module splits: one list, in families.py (the daemon reads it without
+# importing mlx); re-exported here as SUPPORTED.
 # The most tokens one forward step takes (a prefill chunk); what input_spec allows.
 MAX_STEP_TOKENS = 8192
 
@@ -158,11 +160,7 @@ def load_stage(path: str | Path, start: int, end: int) -> StageModel:
     """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those."""
     path = Path(path)
     config = _read_config(path)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED:
-        raise ConfigError(f"model {path}: model_type {model_type!r} cannot be split into "
-                          "pipeline stages",
-                          hint=f"supported model types: {', '.join(SUPPORTED)}")
+    model_type = check_family(config, str(path / "config.json"))  # UnsupportedFamily
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int):
         _check_range(start, end, layers, path)  # before any weight is touched

@@ -15,7 +15,11 @@ Its health answer carries its progress (steps, the last step's time, whether it
 has steps to run: ``types.WorkerProgress``), which the supervisor's watchdog reads.
 
 Start-up binds the listener first (a port in use fails at once, named), loads
-only this stage's layers, then accepts connections and reports ready.
+only this stage's layers, then accepts connections and reports ready. A model it
+cannot load (``ConfigError`` from ``load_stage``: a family it does not split, a
+missing shard, a bad config.json) ends the worker with ``EXIT_CONFIG``, the reason
+in its exit record, "stage stage-1 failed to load layers [2, 4): ...": its
+supervisor marks it failed and does not restart it.
 
 Stopping (SIGTERM, from the daemon or anyone): the stage drains first
 (``StageService.drain``): new sequences are refused (``draining``: the router
@@ -32,6 +36,7 @@ import contextlib
 import logging
 from typing import Any
 
+from mlxceld.errors import ConfigError
 from mlxceld.net import Listener
 from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
 from mlxceld.roles.options import StageOptions
@@ -85,7 +90,12 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         from mlxceld.models.slicing import load_stage
         from mlxceld.wire.mx_tensors import wire_dtype
 
-        model = await asyncio.to_thread(load_stage, o.model, *place.layers)
+        try:
+            model = await asyncio.to_thread(load_stage, o.model, *place.layers)
+        except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
+            raise ConfigError(f"stage {place.node_id} failed to load layers "
+                              f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",
+                              hint=exc.hint) from exc
         wire = wire_dtype(model.dtype)
         if wire is None:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "

@@ -21,6 +21,7 @@ from mlxceld.cluster.assignment.peer import PREPARE_S, port_is_free
 from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import DaemonError
+from mlxceld.models.families import model_family
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
@@ -60,14 +61,15 @@ class LocalStageHost:
 
     def facts(self, port: int) -> PeerFacts:
         model = self._model()
-        identity, layers = None, None
+        identity, layers, family = None, None, None
         if model is not None:
             identity = model_identity(Path(model))
-            layers = layer_count(read_model_config(Path(model)))
+            config = read_model_config(Path(model))
+            layers, family = layer_count(config), model_family(config)
         host = self._agent_host()
         return PeerFacts(__version__, self._cluster, identity, layers, host,
                          frozenset({port}) if port_is_free(host, port) else frozenset(),
-                         self._stage_ports)
+                         self._stage_ports, family)
 
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
         path = self._state_dir / f"cluster-{epoch}.toml"
