@@ -12,12 +12,27 @@ Activations between stages are [b, n, hidden_size] in the stage's ``dtype``
 token ids [b, n]; the last returns the float32 log-probabilities of the last
 position [b, vocab_size]. ``input_spec`` bounds
 what a stage accepts, for the network layer to check before it copies.
+
+Families (``FAMILIES``; ``SUPPORTED`` is their names, the one list other code reads):
+every one has mlx-lm's common shape, ``model.model.{embed_tokens, layers, norm}``
+plus ``lm_head`` or tied embeddings, and an inner loop ``layer(h, mask, cache)``.
+What differs between them is a ``Family``: the embeddings scaled (gemma3), masks
+as arrays rather than ``"causal"`` (deepseek_v3's multi-head latent attention adds
+them to its positional scores), and which layers attend over a sliding window
+(llama's ``layer_types``, gemma3's every n-th global layer, gpt_oss's
+``layer_types``). Each layer's cache is the one the family's own ``make_cache``
+makes for that layer of the whole model (a window's ``RotatingKVCache``, else a
+``KVCache``; deepseek_v3 keeps its compressed latent in a ``KVCache``).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,6 +40,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
@@ -33,9 +49,44 @@ from mlxceld.wire.mx_tensors import wire_dtype
 
 log = logging.getLogger(__name__)
 
-# Families whose Model is model.{embed_tokens, layers, norm} plus lm_head or tied
-# embeddings, and whose inner loop is layer(h, mask, cache). mistral loads as llama.
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _no_window(inner: Any, index: int) -> bool:
+    return False
+
+
+def _uses_sliding(inner: Any, index: int) -> bool:
+    """llama: ``layer_types`` in config.json made the layer a window's (``use_sliding``)."""
+    return bool(getattr(inner.layers[index], "use_sliding", False))
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's inner model differs from the common loop (see the module docstring).
+
+    ``sliding(inner, i)``: whether layer ``i`` of the whole model attends over a
+    window, asked of the unpruned inner model; ``window``: the inner model's
+    attribute holding the window's size. ``scaled_embeddings``: the embeddings are
+    multiplied by sqrt(hidden_size) rounded to bfloat16, as gemma does.
+    ``array_masks``: masks are boolean arrays, never the ``"causal"`` shortcut.
+    """
+
+    sliding: Callable[[Any, int], bool] = _no_window
+    window: str | None = None
+    scaled_embeddings: bool = False
+    array_masks: bool = False
+
+
+# model_type -> Family. mistral loads with llama's classes.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(sliding=_uses_sliding, window="sliding_window"),
+    "mistral": Family(sliding=_uses_sliding, window="sliding_window"),
+    "qwen2": Family(),
+    "qwen3": Family(),
+    "qwen3_moe": Family(),
+    "mixtral": Family(),
+}
+SUPPORTED: tuple[str, ...] = tuple(FAMILIES)
 # The most tokens one forward step takes (a prefill chunk); what input_spec allows.
 MAX_STEP_TOKENS = 8192
 
@@ -53,12 +104,19 @@ class StageModel:
         inner = model.model
         self.num_layers: int = len(inner.layers)
         _check_range(start, end, self.num_layers)
+        self.model_type: str = model.model_type
+        self.family: Family = _family(self.model_type)
         self.start, self.end = start, end
         self.first, self.last = start == 0, end == self.num_layers
         self.tied: bool = "lm_head" not in model
         self.hidden_size: int = model.args.hidden_size
         self.vocab_size: int = model.args.vocab_size
         self.model = model
+        # Asked of the whole model, before pruning: what each own layer is.
+        self._sliding = [self.family.sliding(inner, i) for i in range(start, end)]
+        self._window: int | None = (getattr(inner, self.family.window)
+                                    if self.family.window else None)
+        self._caches = self._whole_model_caches()[start:end]
         inner.layers = inner.layers[start:end]
         if not (self.first or (self.last and self.tied)):
             del inner.embed_tokens
@@ -69,7 +127,27 @@ class StageModel:
         self.layers: list[Any] = list(inner.layers)
         self.dtype: Any = _float_dtype(self.layers[0])
         self.wire_dtype: str = _wire_name(self.dtype)
-        self._window: int | None = getattr(inner, "sliding_window", None)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Refuse, before any weight is read, experts that mlx cannot run here: its CPU
+        backend multiplies unquantized experts (``gather_mm``) in float32 only."""
+        for layer in self.layers:
+            for _, module in layer.named_modules():
+                if isinstance(module, SwitchLinear) and not _gather_mm_runs(module.weight.dtype):
+                    raise ConfigError(
+                        f"model {self.model_type}: its experts are {module.weight.dtype}, "
+                        f"which mlx cannot multiply on this machine ({mx.default_device()})",
+                        hint="use a float32 or a quantized copy of the checkpoint "
+                             "(mlx_lm.convert --dtype float32, or -q), or a Mac's GPU")
+
+    def _whole_model_caches(self) -> list[Any]:
+        caches: list[Any] = make_prompt_cache(self.model)
+        if len(caches) != self.num_layers:
+            raise ConfigError(f"model {self.model_type}: its make_cache gives {len(caches)} "
+                              f"caches for {self.num_layers} layers",
+                              hint="this mlx-lm model class cannot be split into stages")
+        return caches
 
     @property
     def nbytes(self) -> int:
@@ -77,9 +155,9 @@ class StageModel:
         return sum(v.nbytes for v in _leaves(self.model.parameters()))
 
     def make_cache(self) -> list[Any]:
-        """One mlx-lm KV cache per own layer, as ``model.make_cache`` makes them."""
-        caches: list[Any] = make_prompt_cache(self.model)
-        return caches
+        """One fresh mlx-lm cache per own layer: the kind the family's ``make_cache``
+        gives that layer of the whole model."""
+        return [copy.deepcopy(c) for c in self._caches]
 
     def input_spec(self, max_tokens: int = MAX_STEP_TOKENS) -> TensorSpec:
         """What ``forward`` accepts, as the wire checks it: token ids on the first
@@ -127,13 +205,16 @@ class StageModel:
     def _layers(self, x: Any, cache: list[Any], overlap: bool) -> Any:
         inner = self.model.model
         h = inner.embed_tokens(x) if self.first else x
-        masks: dict[bool, Any] = {}  # by use_sliding: made from that kind's first cache
+        if self.first and self.family.scaled_embeddings:
+            h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        masks: dict[bool, Any] = {}  # by sliding: made from that kind's first cache
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
-            sliding = bool(getattr(layer, "use_sliding", False))
+            sliding = self._sliding[i]
             if sliding not in masks:
-                window = self._window if sliding else None
-                masks[sliding] = create_attention_mask(h, c, window_size=window)
+                masks[sliding] = create_attention_mask(
+                    h, c, window_size=self._window if sliding else None,
+                    return_array=self.family.array_masks)
             h = layer(h, masks[sliding], c)
             # Not the last layer's output: the caller evaluates what it needs of it (on
             # the last stage's prefill, only its cache: its output there is not needed).
@@ -176,6 +257,25 @@ def load_stage(path: str | Path, start: int, end: int) -> StageModel:
     log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes",
              start, end, stage.num_layers, path, model_type, stage.nbytes)
     return stage
+
+
+@functools.cache
+def _gather_mm_runs(dtype: Any) -> bool:
+    """Whether mlx's ``gather_mm`` (unquantized experts) runs in ``dtype`` on this device."""
+    a, b = mx.zeros((1, 1, 2), dtype), mx.zeros((1, 2, 2), dtype)
+    try:
+        mx.eval(mx.gather_mm(a, b, rhs_indices=mx.array([0], dtype=mx.uint32)))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _family(model_type: str) -> Family:
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ConfigError(f"model_type {model_type!r} cannot be split into pipeline stages",
+                          hint=f"supported model types: {', '.join(SUPPORTED)}")
+    return family
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -1,0 +1,117 @@
+"""Every family split into pipeline stages gives mlx-lm's own greedy tokens.
+
+One random-weight fixture per family from our generator (4 layers, the ``tiny``
+shapes, float32: mlx's CPU backend runs MoE kernels in float32 only), loaded by
+plain ``mlx_lm.load`` for the reference, and by ``load_stage`` for each stage;
+the stages are chained in this process (the network between them is tested
+elsewhere).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxceld.errors import ConfigError
+from mlxceld.models import layer_profile, preset, write_fixture
+from mlxceld.models.slicing import SUPPORTED, load_stage
+
+from helpers.models import chained_greedy, greedy_reference
+
+LAYERS = 4
+STEPS = 8
+PROMPT = "Hello, world, and a prompt longer than the sliding window of a few tokens"
+# Per family: changes to the tiny preset.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {},
+    "mixtral": {},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    paths = {family: write_fixture(root / family, preset("tiny", family=family, layers=LAYERS,
+                                                         **changes))
+             for family, changes in FAMILIES.items()}
+    paths["qwen3_moe-4bit"] = write_fixture(
+        root / "qwen3_moe-4bit", preset("tiny", family="qwen3_moe", layers=LAYERS,
+                                        quantize_bits=4))
+    return paths
+
+
+def check_split(path: Path, split: list[tuple[int, int]]) -> list[int]:
+    """The stages of ``split`` chained give mlx-lm's greedy tokens (and, within float32
+    rounding, its log-probabilities); returns the tokens."""
+    prompt, want_tokens, want_logprobs = greedy_reference(path, PROMPT, STEPS)
+    stages = [load_stage(path, start, end) for start, end in split]
+    tokens, logprobs = chained_greedy(stages, prompt, STEPS)
+    assert tokens == want_tokens
+    for got, want in zip(logprobs, want_logprobs, strict=True):
+        assert mx.allclose(got, want, atol=1e-4, rtol=0).item()
+    return tokens
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_stages_give_mlx_lm_greedy_tokens(models: dict[str, Path], family: str) -> None:
+    assert family in SUPPORTED
+    tokens = check_split(models[family], [(0, 2), (2, LAYERS)])
+    assert len(set(tokens)) >= 4, f"the fixture decodes degenerately: {tokens}"
+
+
+def test_moe_over_three_uneven_stages(models: dict[str, Path]) -> None:
+    check_split(models["qwen3_moe"], [(0, 1), (1, 3), (3, LAYERS)])
+
+
+def test_quantized_moe_splits(models: dict[str, Path]) -> None:
+    path = models["qwen3_moe-4bit"]
+    check_split(path, [(0, 3), (3, LAYERS)])
+    stage = load_stage(path, 0, 2)
+    packed = {name for name, value in tree_flatten(stage.model.parameters())
+              if value.dtype == mx.uint32}
+    assert "model.layers.0.mlp.switch_mlp.down_proj.weight" in packed
+    assert stage.dtype == mx.float32  # the activations', from the scales
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe-4bit"])
+def test_profile_prices_each_stage_as_loaded(models: dict[str, Path], family: str) -> None:
+    """The profile's per-layer bytes, from the safetensors headers, are what a loaded
+    stage holds: expert, router and shared weights all sorted to their layer."""
+    profile = layer_profile(models[family])
+    assert profile.num_layers == LAYERS
+    for start, end in [(0, 1), (1, 3), (3, LAYERS), (0, LAYERS)]:
+        assert profile.weight_bytes(start, end) == load_stage(models[family], start,
+                                                              end).nbytes
+
+
+@pytest.mark.parametrize(("family", "changes", "field"), [
+    ("llama", {"experts": 4}, "experts"),
+    ("qwen3_moe", {"experts": 2, "experts_per_token": 3}, "experts_per_token"),
+    ("qwen3_moe", {"experts": 0}, "experts"),
+    ("mixtral", {"head_dim": 32}, "head_dim"),
+])
+def test_bad_family_shapes_are_named(family: str, changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"fixture spec: {field} ") as info:
+        preset("tiny", family=family, **changes)
+    assert info.value.hint
+
+
+def test_experts_mlx_cannot_run_here_are_refused_at_load(tmp_path: Path) -> None:
+    """bfloat16 experts: refused before any weight is read where mlx's gather_mm runs in
+    float32 only (its CPU backend), with what to do; loaded where it can run them."""
+    path = write_fixture(tmp_path / "bf16", preset("tiny", family="mixtral", layers=2,
+                                                   dtype="bfloat16"))
+    probe = mx.zeros((1, 1, 2), mx.bfloat16)
+    try:
+        mx.eval(mx.gather_mm(probe, mx.zeros((1, 2, 2), mx.bfloat16),
+                             rhs_indices=mx.array([0], dtype=mx.uint32)))
+    except RuntimeError:
+        with pytest.raises(ConfigError, match=r"experts are mlx\.core\.bfloat16") as info:
+            load_stage(path, 0, 1)
+        assert "float32" in info.value.hint
+    else:
+        assert load_stage(path, 0, 1).dtype == mx.bfloat16
