@@ -85,6 +85,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(),
     "qwen3_moe": Family(),
     "mixtral": Family(),
+    "glm4_moe": Family(),
+    "phi3": Family(),
 }
 SUPPORTED: tuple[str, ...] = tuple(FAMILIES)
 # The most tokens one forward step takes (a prefill chunk); what input_spec allows.

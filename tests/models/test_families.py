@@ -29,6 +29,8 @@ PROMPT = "Hello, world, and a prompt longer than the sliding window of a few tok
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {},
     "mixtral": {},
+    "glm4_moe": {},
+    "phi3": {},
 }
 
 
@@ -93,6 +95,9 @@ def test_profile_prices_each_stage_as_loaded(models: dict[str, Path], family: st
     ("qwen3_moe", {"experts": 2, "experts_per_token": 3}, "experts_per_token"),
     ("qwen3_moe", {"experts": 0}, "experts"),
     ("mixtral", {"head_dim": 32}, "head_dim"),
+    ("phi3", {"head_dim": 8}, "head_dim"),
+    ("glm4_moe", {"tie_embeddings": True}, "tie_embeddings"),
+    ("glm4_moe", {"head_dim": 6}, "head_dim"),
 ])
 def test_bad_family_shapes_are_named(family: str, changes: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=f"fixture spec: {field} ") as info:
