@@ -60,6 +60,11 @@ def _uses_sliding(inner: Any, index: int) -> bool:
     return bool(getattr(inner.layers[index], "use_sliding", False))
 
 
+def _gemma_sliding(inner: Any, index: int) -> bool:
+    """gemma3: every ``sliding_window_pattern``-th layer global, the others a window's."""
+    return bool(inner.layers[index].self_attn.is_sliding)
+
+
 @dataclass(frozen=True)
 class Family:
     """How a family's inner model differs from the common loop (see the module docstring).
@@ -87,6 +92,8 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(),
     "glm4_moe": Family(),
     "phi3": Family(),
+    "gemma3_text": Family(sliding=_gemma_sliding, window="window_size",
+                          scaled_embeddings=True),
 }
 SUPPORTED: tuple[str, ...] = tuple(FAMILIES)
 # The most tokens one forward step takes (a prefill chunk); what input_spec allows.

@@ -9,6 +9,8 @@ elsewhere).
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {},
     "glm4_moe": {},
     "phi3": {},
+    "gemma3_text": {"sliding_window": 8},  # shorter than the prompt: the window matters
 }
 
 
@@ -63,6 +66,22 @@ def test_two_stages_give_mlx_lm_greedy_tokens(models: dict[str, Path], family: s
     assert family in SUPPORTED
     tokens = check_split(models[family], [(0, 2), (2, LAYERS)])
     assert len(set(tokens)) >= 4, f"the fixture decodes degenerately: {tokens}"
+
+
+def test_gemma3_alternates_windowed_and_global_layers(models: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """Each stage's layers get gemma3's own cache kinds (every second layer global), and
+    the window changes what it generates: the split test above would catch a stage
+    that ignored it."""
+    stage = load_stage(models["gemma3_text"], 1, 3)
+    assert [type(c).__name__ for c in stage.make_cache()] == ["KVCache", "RotatingKVCache"]
+    assert stage.tied and stage.family.scaled_embeddings
+    wide = tmp_path / "wide"
+    shutil.copytree(models["gemma3_text"], wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
+    assert (greedy_reference(wide, PROMPT, STEPS)[1]
+            != greedy_reference(models["gemma3_text"], PROMPT, STEPS)[1])
 
 
 def test_moe_over_three_uneven_stages(models: dict[str, Path]) -> None:
@@ -98,6 +117,9 @@ def test_profile_prices_each_stage_as_loaded(models: dict[str, Path], family: st
     ("phi3", {"head_dim": 8}, "head_dim"),
     ("glm4_moe", {"tie_embeddings": True}, "tie_embeddings"),
     ("glm4_moe", {"head_dim": 6}, "head_dim"),
+    ("qwen3", {"sliding_window": 8}, "sliding_window"),
+    ("gemma3_text", {"sliding_window": 0}, "sliding_window"),
+    ("gemma3_text", {"layers": 1}, "layers"),
 ])
 def test_bad_family_shapes_are_named(family: str, changes: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=f"fixture spec: {field} ") as info:
