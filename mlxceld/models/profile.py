@@ -45,7 +45,11 @@ class LayerProfile:
     ``kv_bytes_per_token`` is one token's keys and values in one layer:
     2 * num_key_value_heads * head_dim * ``dtype_bytes``, where ``dtype_bytes``
     is the size of the activations' dtype (that of the embeddings, or of their
-    quantization scales), which mlx-lm's KV caches take.
+    quantization scales), which mlx-lm's KV caches take. With multi-head latent
+    attention (deepseek_v3: config.json has ``kv_lora_rank``) the cache holds
+    the compressed latent and the rotated part of one key instead:
+    (kv_lora_rank + qk_rope_head_dim) * ``dtype_bytes``. Sliding-window layers
+    are priced as full ones (an upper bound: their cache stops at the window).
     """
 
     layer_bytes: tuple[int, ...]
@@ -109,11 +113,15 @@ def layer_profile(path: Path) -> LayerProfile:
     kv_heads = _config_int(config, "num_key_value_heads", source, default=heads)
     head_dim = _config_int(config, "head_dim", source, default=hidden // heads)
     dtype_bytes = _activation_dtype_bytes(path, tensors)
+    kv_width = 2 * kv_heads * head_dim
+    if config.get("kv_lora_rank") is not None:
+        kv_width = (_config_int(config, "kv_lora_rank", source)
+                    + _config_int(config, "qk_rope_head_dim", source))
     return LayerProfile(
         layer_bytes=tuple(layers), embed_bytes=parts["embed"], head_bytes=parts["head"],
         norm_bytes=parts["norm"], other_bytes=parts["other"], tied=tied,
         dtype_bytes=dtype_bytes, hidden_size=hidden,
-        kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes)
+        kv_bytes_per_token=kv_width * dtype_bytes)
 
 
 def _part(name: str) -> str:

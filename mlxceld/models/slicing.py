@@ -65,6 +65,11 @@ def _gemma_sliding(inner: Any, index: int) -> bool:
     return bool(inner.layers[index].self_attn.is_sliding)
 
 
+def _typed_sliding(inner: Any, index: int) -> bool:
+    """gpt_oss: ``layer_types`` in config.json (alternating when absent)."""
+    return bool(inner.layer_types[index] == "sliding_attention")
+
+
 @dataclass(frozen=True)
 class Family:
     """How a family's inner model differs from the common loop (see the module docstring).
@@ -94,6 +99,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(),
     "gemma3_text": Family(sliding=_gemma_sliding, window="window_size",
                           scaled_embeddings=True),
+    "deepseek_v3": Family(array_masks=True),
+    "gpt_oss": Family(sliding=_typed_sliding, window="window_size"),
 }
 SUPPORTED: tuple[str, ...] = tuple(FAMILIES)
 # The most tokens one forward step takes (a prefill chunk); what input_spec allows.

@@ -34,6 +34,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "glm4_moe": {},
     "phi3": {},
     "gemma3_text": {"sliding_window": 8},  # shorter than the prompt: the window matters
+    "deepseek_v3": {},
+    "gpt_oss": {"sliding_window": 8},
 }
 
 
@@ -68,20 +70,21 @@ def test_two_stages_give_mlx_lm_greedy_tokens(models: dict[str, Path], family: s
     assert len(set(tokens)) >= 4, f"the fixture decodes degenerately: {tokens}"
 
 
-def test_gemma3_alternates_windowed_and_global_layers(models: dict[str, Path],
-                                                     tmp_path: Path) -> None:
-    """Each stage's layers get gemma3's own cache kinds (every second layer global), and
-    the window changes what it generates: the split test above would catch a stage
-    that ignored it."""
-    stage = load_stage(models["gemma3_text"], 1, 3)
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_windowed_and_global_layers_alternate(models: dict[str, Path], family: str,
+                                              tmp_path: Path) -> None:
+    """Each stage's layers get the family's own cache kinds (gemma3: every second layer
+    global in our fixture; gpt_oss: layer_types, alternating), and the window changes
+    what it generates: the split test above would catch a stage that ignored it."""
+    stage = load_stage(models[family], 1, 3)
     assert [type(c).__name__ for c in stage.make_cache()] == ["KVCache", "RotatingKVCache"]
-    assert stage.tied and stage.family.scaled_embeddings
+    assert stage.family.scaled_embeddings is (family == "gemma3_text")
     wide = tmp_path / "wide"
-    shutil.copytree(models["gemma3_text"], wide)
+    shutil.copytree(models[family], wide)
     config = json.loads((wide / "config.json").read_text())
     (wide / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
     assert (greedy_reference(wide, PROMPT, STEPS)[1]
-            != greedy_reference(models["gemma3_text"], PROMPT, STEPS)[1])
+            != greedy_reference(models[family], PROMPT, STEPS)[1])
 
 
 def test_moe_over_three_uneven_stages(models: dict[str, Path]) -> None:
@@ -107,6 +110,20 @@ def test_profile_prices_each_stage_as_loaded(models: dict[str, Path], family: st
     for start, end in [(0, 1), (1, 3), (3, LAYERS), (0, LAYERS)]:
         assert profile.weight_bytes(start, end) == load_stage(models[family], start,
                                                               end).nbytes
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_profile_kv_bytes_are_what_the_cache_holds(models: dict[str, Path],
+                                                   family: str) -> None:
+    """deepseek_v3's latent cache (kv_lora_rank + qk_rope_head_dim a token), priced as
+    what mlx-lm's cache holds; gpt_oss's full layers as any other's."""
+    stage = load_stage(models[family], 0, LAYERS)
+    cache = stage.make_cache()
+    stage.forward(mx.array([[1, 2, 3]], dtype=mx.int32), cache)
+    full = next(c for c in cache if type(c).__name__ == "KVCache")
+    assert full.keys.shape[2] == full.values.shape[2] == 256  # room for 256 tokens
+    per_token = (full.keys.nbytes + full.values.nbytes) // 256
+    assert layer_profile(models[family]).kv_bytes_per_token == per_token
 
 
 @pytest.mark.parametrize(("family", "changes", "field"), [
