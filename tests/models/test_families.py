@@ -87,6 +87,45 @@ def test_windowed_and_global_layers_alternate(models: dict[str, Path], family: s
             != greedy_reference(models[family], PROMPT, STEPS)[1])
 
 
+def decode(stages: list[Any], caches: list[list[list[Any]]], tokens: list[int]) -> list[int]:
+    """One greedy step of each sequence (its caches per stage, its last token) batched as a
+    stage's compute batches them: each layer's caches merged, then extracted again."""
+    h = mx.array([[t] for t in tokens], dtype=mx.int32)
+    for k, stage in enumerate(stages):
+        per_seq = [seq[k] for seq in caches]
+        merged = [per_seq[0][i].merge([c[i] for c in per_seq]) for i in range(len(per_seq[0]))]
+        h = stage.forward(h, merged)
+        for j, seq in enumerate(caches):
+            seq[k] = [c.extract(j) for c in merged]
+    return [int(t) for t in mx.argmax(h, axis=-1).tolist()]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_decode_gives_each_sequence_its_own_tokens(models: dict[str, Path],
+                                                           family: str) -> None:
+    """Sequences of different lengths decoded in one batch, their caches merged (left
+    padded) and split per step as a stage does, give in float32 the tokens each gets
+    alone: every family's cache kinds and masks batch."""
+    prompt, want, _ = greedy_reference(models[family], PROMPT, 3)
+    stages = [load_stage(models[family], 0, 2), load_stage(models[family], 2, LAYERS)]
+    prompts = [prompt, prompt[:5], prompt[3:]]
+    alone = [chained_greedy(stages, p, 3)[0] for p in prompts]
+    assert alone[0] == want
+    caches = [[stage.make_cache() for stage in stages] for _ in prompts]
+    tokens = []
+    for p, seq in zip(prompts, caches, strict=True):
+        h = mx.array([p], dtype=mx.int32)
+        for stage, cache in zip(stages, seq, strict=True):
+            h = stage.forward(h, cache)
+        tokens.append(int(mx.argmax(h, axis=-1).item()))
+    got = [[t] for t in tokens]
+    for _ in range(2):
+        tokens = decode(stages, caches, tokens)
+        for g, t in zip(got, tokens, strict=True):
+            g.append(t)
+    assert got == alone
+
+
 def test_moe_over_three_uneven_stages(models: dict[str, Path]) -> None:
     check_split(models["qwen3_moe"], [(0, 1), (1, 3), (3, LAYERS)])
 
