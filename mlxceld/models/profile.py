@@ -12,6 +12,9 @@ model between pipeline stages:
 - ``model.norm.*`` and ``lm_head.*``: the final norm and the head, on the
   last stage (``head_bytes`` is 0 when tied: mlx-lm then drops any
   ``lm_head`` tensor while loading, as it drops ``rotary_emb.inv_freq``);
+- ``model.layers.{n}.*`` for the ``num_nextn_predict_layers`` layers past the
+  last (multi-token prediction, in glm4_moe and deepseek_v3 checkpoints as
+  published): not counted, as mlx-lm drops them while loading;
 - anything else: ``other_bytes``, counted on every stage, because
   ``StageModel`` prunes only layers, embeddings, norm and head, so every
   stage keeps whatever else the model holds.
@@ -35,6 +38,9 @@ from mlxceld.models.tensor_headers import DAMAGED, DTYPE_BYTES, TensorEntry, rea
 WEIGHT_GLOB: Final = "model*.safetensors"  # what mlx-lm's load_model reads
 INDEX: Final = "model.safetensors.index.json"
 DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
+# Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
+# published): mlx-lm's sanitize drops them too, and no stage runs them.
+NEXTN: Final = "num_nextn_predict_layers"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -95,12 +101,15 @@ def layer_profile(path: Path) -> LayerProfile:
     tied = _tied(config, tensors)
     layers = [0] * num_layers
     parts = {"embed": 0, "norm": 0, "head": 0, "other": 0}
+    predictors = _config_int(config, NEXTN, source, default=0, least=0)
     for name, entry in tensors.items():
         if name.endswith(DROPPED_SUFFIXES) or (tied and name.startswith("lm_head.")):
             continue
         m = _LAYER.match(name)
         if m is not None:
             i = int(m.group(1))
+            if num_layers <= i < num_layers + predictors:
+                continue  # a multi-token prediction layer: mlx-lm's sanitize drops it
             if i >= num_layers:
                 raise ConfigError(f"model {path}: tensor {name!r} belongs to layer {i}, but "
                                   f"{source} says {num_layers} layers", hint=DAMAGED)
@@ -208,14 +217,16 @@ def _activation_dtype_bytes(path: Path, tensors: dict[str, TensorEntry]) -> int:
                       hint="this checkpoint is not a supported mlx-lm model")
 
 
-def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None
-                ) -> int:
-    """``key`` at the top of config.json or under ``text_config``: a positive integer."""
+def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None,
+                least: int = 1) -> int:
+    """``key`` at the top of config.json or under ``text_config``: an integer, at least
+    ``least`` (positive unless told)."""
     for where, table in (("", config), ("text_config.", config.get("text_config"))):
         if isinstance(table, dict) and table.get(key) is not None:
             value = table[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{source}: '{where}{key}' must be a positive integer, "
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+                raise ConfigError(f"{source}: '{where}{key}' must be {kind}, "
                                   f"not {value!r}", hint=DAMAGED)
             return value
     if default is None:

@@ -165,6 +165,23 @@ def test_profile_kv_bytes_are_what_the_cache_holds(models: dict[str, Path],
     assert layer_profile(models[family]).kv_bytes_per_token == per_token
 
 
+def test_multi_token_prediction_layers_are_not_a_stage_s(models: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """GLM-4.5 (and DeepSeek-V3) as published hold a layer past the last, for multi-token
+    prediction, which mlx-lm drops while loading: the profile leaves it out as
+    config.json's num_nextn_predict_layers says, and stages load around it."""
+    path = tmp_path / "glm4_moe-mtp"
+    shutil.copytree(models["glm4_moe"], path)
+    mx.save_safetensors(str(path / "model-mtp.safetensors"),
+                        {f"model.layers.{LAYERS}.input_layernorm.weight": mx.ones((64,))})
+    with pytest.raises(ConfigError, match=f"belongs to layer {LAYERS}, but"):
+        layer_profile(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    assert layer_profile(path) == layer_profile(models["glm4_moe"])
+    assert load_stage(path, 2, LAYERS).nbytes == layer_profile(path).weight_bytes(2, LAYERS)
+
+
 @pytest.mark.parametrize(("family", "changes", "field"), [
     ("llama", {"experts": 4}, "experts"),
     ("qwen3_moe", {"experts": 2, "experts_per_token": 3}, "experts_per_token"),
