@@ -50,7 +50,6 @@ from mlxceld.wire.mx_tensors import wire_dtype
 log = logging.getLogger(__name__)
 
 
-
 def _no_window(inner: Any, index: int) -> bool:
     return False
 
