@@ -29,6 +29,7 @@ STEPS = 8
 PROMPT = "Hello, world, and a prompt longer than the sliding window of a few tokens"
 # Per family: changes to the tiny preset.
 FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": {},
     "qwen3_moe": {},
     "mixtral": {},
     "glm4_moe": {},
