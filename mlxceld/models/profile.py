@@ -15,6 +15,8 @@ model between pipeline stages:
 - ``model.layers.{n}.*`` for the ``num_nextn_predict_layers`` layers past the
   last (multi-token prediction, in glm4_moe and deepseek_v3 checkpoints as
   published): not counted, as mlx-lm drops them while loading;
+- in a multimodal checkpoint (gemma3), ``language_model.*`` as above without
+  that prefix; the vision tower not at all (mlx-lm drops it while loading);
 - anything else: ``other_bytes``, counted on every stage, because
   ``StageModel`` prunes only layers, embeddings, norm and head, so every
   stage keeps whatever else the model holds.
@@ -41,6 +43,10 @@ DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops t
 # Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
 # published): mlx-lm's sanitize drops them too, and no stage runs them.
 NEXTN: Final = "num_nextn_predict_layers"
+# A multimodal checkpoint (gemma3): its text model's tensors under TEXT_PREFIX, priced as
+# any model's; its vision tower's dropped by mlx-lm's sanitize, as here.
+TEXT_PREFIX: Final = "language_model."
+VISION_PREFIXES: Final = ("vision_tower.", "multi_modal_projector.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -97,7 +103,7 @@ def layer_profile(path: Path) -> LayerProfile:
     config = read_model_config(path)
     source = str(path / CONFIG)
     num_layers = layer_count(config, source=source)
-    tensors = _tensors(path)
+    tensors = _text_tensors(_tensors(path))
     tied = _tied(config, tensors)
     layers = [0] * num_layers
     parts = {"embed": 0, "norm": 0, "head": 0, "other": 0}
@@ -131,6 +137,12 @@ def layer_profile(path: Path) -> LayerProfile:
         norm_bytes=parts["norm"], other_bytes=parts["other"], tied=tied,
         dtype_bytes=dtype_bytes, hidden_size=hidden,
         kv_bytes_per_token=kv_width * dtype_bytes)
+
+
+def _text_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The text model's tensors, named as a text-only checkpoint names them."""
+    return {name.removeprefix(TEXT_PREFIX): entry for name, entry in tensors.items()
+            if not name.startswith(VISION_PREFIXES)}
 
 
 def _part(name: str) -> str:

@@ -78,12 +78,15 @@ class Family:
     attribute holding the window's size. ``scaled_embeddings``: the embeddings are
     multiplied by sqrt(hidden_size) rounded to bfloat16, as gemma does.
     ``array_masks``: masks are boolean arrays, never the ``"causal"`` shortcut.
+    ``text_model``: where a multimodal ``Model`` keeps the text model that has the
+    common shape (gemma3: ``language_model``; its vision tower is never loaded).
     """
 
     sliding: Callable[[Any, int], bool] = _no_window
     window: str | None = None
     scaled_embeddings: bool = False
     array_masks: bool = False
+    text_model: str | None = None
 
 
 # model_type -> Family. mistral loads with llama's classes.
@@ -98,6 +101,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(),
     "gemma3_text": Family(sliding=_gemma_sliding, window="window_size",
                           scaled_embeddings=True),
+    "gemma3": Family(sliding=_gemma_sliding, window="window_size", scaled_embeddings=True,
+                     text_model="language_model"),
     "deepseek_v3": Family(array_masks=True),
     "gpt_oss": Family(sliding=_typed_sliding, window="window_size"),
 }
@@ -116,17 +121,20 @@ class StageModel:
     """
 
     def __init__(self, model: Any, start: int, end: int) -> None:
-        inner = model.model
-        self.num_layers: int = len(inner.layers)
-        _check_range(start, end, self.num_layers)
         self.model_type: str = model.model_type
         self.family: Family = _family(self.model_type)
+        # The text model with the common shape: the model itself, or a multimodal one's.
+        text = getattr(model, self.family.text_model) if self.family.text_model else model
+        inner = text.model
+        self.num_layers: int = len(inner.layers)
+        _check_range(start, end, self.num_layers)
         self.start, self.end = start, end
         self.first, self.last = start == 0, end == self.num_layers
-        self.tied: bool = "lm_head" not in model
-        self.hidden_size: int = model.args.hidden_size
-        self.vocab_size: int = model.args.vocab_size
+        self.tied: bool = "lm_head" not in text
+        self.hidden_size: int = text.args.hidden_size
+        self.vocab_size: int = text.args.vocab_size
         self.model = model
+        self._text = text
         # Asked of the whole model, before pruning: what each own layer is.
         self._sliding = [self.family.sliding(inner, i) for i in range(start, end)]
         self._window: int | None = (getattr(inner, self.family.window)
@@ -138,7 +146,7 @@ class StageModel:
         if not self.last:
             del inner.norm
             if not self.tied:
-                del model.lm_head
+                del text.lm_head
         self.layers: list[Any] = list(inner.layers)
         self.dtype: Any = _float_dtype(self.layers[0])
         self.wire_dtype: str = _wire_name(self.dtype)
@@ -197,7 +205,7 @@ class StageModel:
         hide (tiny: +0.5 ms a step). Results are the same either way.
         """
         self._check_input(x, cache)
-        inner = self.model.model
+        inner = self._text.model
         if self.last and x.shape[1] > 1:
             # Only the caches are needed of all positions but the last: evaluating just
             # them (as mlx-lm's prefill does) skips the last layer's attention output and
@@ -211,14 +219,14 @@ class StageModel:
             return h
         # Norm and head act per position: only the last one is needed.
         h = inner.norm(h[:, -1:, :])
-        logits = inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
+        logits = inner.embed_tokens.as_linear(h) if self.tied else self._text.lm_head(h)
         logits = logits[:, -1, :].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         return logprobs
 
     def _layers(self, x: Any, cache: list[Any], overlap: bool) -> Any:
-        inner = self.model.model
+        inner = self._text.model
         h = inner.embed_tokens(x) if self.first else x
         if self.first and self.family.scaled_embeddings:
             h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)

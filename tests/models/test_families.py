@@ -35,6 +35,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "glm4_moe": {},
     "phi3": {},
     "gemma3_text": {"sliding_window": 8},  # shorter than the prompt: the window matters
+    "gemma3": {"sliding_window": 8},  # the same, as Gemma 3 4B and up hold it
     "deepseek_v3": {},
     "gpt_oss": {"sliding_window": 8},
 }
@@ -181,6 +182,21 @@ def test_multi_token_prediction_layers_are_not_a_stage_s(models: dict[str, Path]
     (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     assert layer_profile(path) == layer_profile(models["glm4_moe"])
     assert load_stage(path, 2, LAYERS).nbytes == layer_profile(path).weight_bytes(2, LAYERS)
+
+
+def test_a_vision_tower_is_not_a_stage_s(models: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma 3 4B and up hold a vision tower beside the text model, which mlx-lm drops
+    while loading: the profile leaves it out, and the stages load without it."""
+    path = tmp_path / "gemma3-vision"
+    shutil.copytree(models["gemma3"], path)
+    mx.save_safetensors(str(path / "model-vision.safetensors"),
+                        {"vision_tower.encoder.weight": mx.ones((64, 64)),
+                         "multi_modal_projector.weight": mx.ones((64,))})
+    assert layer_profile(path) == layer_profile(models["gemma3"])
+    stage = load_stage(path, 0, 2)
+    assert stage.nbytes == layer_profile(path).weight_bytes(0, 2)
+    assert not any(name.startswith(("vision_tower", "language_model.vision"))
+                   for name, _ in tree_flatten(stage.model.parameters()))
 
 
 @pytest.mark.parametrize(("family", "changes", "field"), [
