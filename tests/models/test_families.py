@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 
 from mlxceld.errors import ConfigError
 from mlxceld.models import layer_profile, preset, write_fixture
+from mlxceld.models.fixtures.spec import FAMILIES as GENERATED
 from mlxceld.models.slicing import SUPPORTED, load_stage
 
 from helpers.models import chained_greedy, greedy_reference
@@ -51,6 +52,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         root / "qwen3_moe-4bit", preset("tiny", family="qwen3_moe", layers=LAYERS,
                                         quantize_bits=4))
     return paths
+
+
+def test_every_family_is_split_here_or_in_test_slicing() -> None:
+    """A family added to SUPPORTED comes with its test (llama, qwen3 and mistral are in
+    test_slicing.py), and the generator writes every family a pipeline splits."""
+    assert set(SUPPORTED) == {*FAMILIES, "llama", "qwen3", "mistral"}
+    assert set(GENERATED) == set(SUPPORTED) - {"mistral"}  # mistral loads as llama
 
 
 def check_split(path: Path, split: list[tuple[int, int]]) -> list[int]:
