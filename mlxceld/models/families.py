@@ -24,9 +24,12 @@ from typing import Any, Final
 from mlxceld.errors import UnsupportedFamily
 from mlxceld.models.identity import CONFIG, read_model_config
 
-# Families whose Model is model.{embed_tokens, layers, norm} plus lm_head or tied
-# embeddings, and whose inner loop is layer(h, mask, cache). mistral loads as llama.
-SUPPORTED: Final[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+# The model_type values slicing.StageModel cuts into stages, each with its hooks there
+# (slicing.FAMILIES: the same names, in this order; tests/models/test_families.py holds
+# the two to each other). mistral loads with llama's classes.
+SUPPORTED: Final[tuple[str, ...]] = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "phi3",
+    "gemma3_text", "gemma3", "deepseek_v3", "gpt_oss")
 
 
 def model_family(config: Mapping[str, Any]) -> str | None:

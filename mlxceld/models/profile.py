@@ -12,6 +12,11 @@ model between pipeline stages:
 - ``model.norm.*`` and ``lm_head.*``: the final norm and the head, on the
   last stage (``head_bytes`` is 0 when tied: mlx-lm then drops any
   ``lm_head`` tensor while loading, as it drops ``rotary_emb.inv_freq``);
+- ``model.layers.{n}.*`` for the ``num_nextn_predict_layers`` layers past the
+  last (multi-token prediction, in glm4_moe and deepseek_v3 checkpoints as
+  published): not counted, as mlx-lm drops them while loading;
+- in a multimodal checkpoint (gemma3), ``language_model.*`` as above without
+  that prefix; the vision tower not at all (mlx-lm drops it while loading);
 - anything else: ``other_bytes``, counted on every stage, because
   ``StageModel`` prunes only layers, embeddings, norm and head, so every
   stage keeps whatever else the model holds.
@@ -35,6 +40,13 @@ from mlxceld.models.tensor_headers import DAMAGED, DTYPE_BYTES, TensorEntry, rea
 WEIGHT_GLOB: Final = "model*.safetensors"  # what mlx-lm's load_model reads
 INDEX: Final = "model.safetensors.index.json"
 DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
+# Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
+# published): mlx-lm's sanitize drops them too, and no stage runs them.
+NEXTN: Final = "num_nextn_predict_layers"
+# A multimodal checkpoint (gemma3): its text model's tensors under TEXT_PREFIX, priced as
+# any model's; its vision tower's dropped by mlx-lm's sanitize, as here.
+TEXT_PREFIX: Final = "language_model."
+VISION_PREFIXES: Final = ("vision_tower.", "multi_modal_projector.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -45,7 +57,11 @@ class LayerProfile:
     ``kv_bytes_per_token`` is one token's keys and values in one layer:
     2 * num_key_value_heads * head_dim * ``dtype_bytes``, where ``dtype_bytes``
     is the size of the activations' dtype (that of the embeddings, or of their
-    quantization scales), which mlx-lm's KV caches take.
+    quantization scales), which mlx-lm's KV caches take. With multi-head latent
+    attention (deepseek_v3: config.json has ``kv_lora_rank``) the cache holds
+    the compressed latent and the rotated part of one key instead:
+    (kv_lora_rank + qk_rope_head_dim) * ``dtype_bytes``. Sliding-window layers
+    are priced as full ones (an upper bound: their cache stops at the window).
     """
 
     layer_bytes: tuple[int, ...]
@@ -87,16 +103,19 @@ def layer_profile(path: Path) -> LayerProfile:
     config = read_model_config(path)
     source = str(path / CONFIG)
     num_layers = layer_count(config, source=source)
-    tensors = _tensors(path)
+    tensors = _text_tensors(_tensors(path))
     tied = _tied(config, tensors)
     layers = [0] * num_layers
     parts = {"embed": 0, "norm": 0, "head": 0, "other": 0}
+    predictors = _config_int(config, NEXTN, source, default=0, least=0)
     for name, entry in tensors.items():
         if name.endswith(DROPPED_SUFFIXES) or (tied and name.startswith("lm_head.")):
             continue
         m = _LAYER.match(name)
         if m is not None:
             i = int(m.group(1))
+            if num_layers <= i < num_layers + predictors:
+                continue  # a multi-token prediction layer: mlx-lm's sanitize drops it
             if i >= num_layers:
                 raise ConfigError(f"model {path}: tensor {name!r} belongs to layer {i}, but "
                                   f"{source} says {num_layers} layers", hint=DAMAGED)
@@ -109,11 +128,21 @@ def layer_profile(path: Path) -> LayerProfile:
     kv_heads = _config_int(config, "num_key_value_heads", source, default=heads)
     head_dim = _config_int(config, "head_dim", source, default=hidden // heads)
     dtype_bytes = _activation_dtype_bytes(path, tensors)
+    kv_width = 2 * kv_heads * head_dim
+    if config.get("kv_lora_rank") is not None:
+        kv_width = (_config_int(config, "kv_lora_rank", source)
+                    + _config_int(config, "qk_rope_head_dim", source))
     return LayerProfile(
         layer_bytes=tuple(layers), embed_bytes=parts["embed"], head_bytes=parts["head"],
         norm_bytes=parts["norm"], other_bytes=parts["other"], tied=tied,
         dtype_bytes=dtype_bytes, hidden_size=hidden,
-        kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes)
+        kv_bytes_per_token=kv_width * dtype_bytes)
+
+
+def _text_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The text model's tensors, named as a text-only checkpoint names them."""
+    return {name.removeprefix(TEXT_PREFIX): entry for name, entry in tensors.items()
+            if not name.startswith(VISION_PREFIXES)}
 
 
 def _part(name: str) -> str:
@@ -200,14 +229,16 @@ def _activation_dtype_bytes(path: Path, tensors: dict[str, TensorEntry]) -> int:
                       hint="this checkpoint is not a supported mlx-lm model")
 
 
-def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None
-                ) -> int:
-    """``key`` at the top of config.json or under ``text_config``: a positive integer."""
+def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None,
+                least: int = 1) -> int:
+    """``key`` at the top of config.json or under ``text_config``: an integer, at least
+    ``least`` (positive unless told)."""
     for where, table in (("", config), ("text_config.", config.get("text_config"))):
         if isinstance(table, dict) and table.get(key) is not None:
             value = table[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{source}: '{where}{key}' must be a positive integer, "
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+                raise ConfigError(f"{source}: '{where}{key}' must be {kind}, "
                                   f"not {value!r}", hint=DAMAGED)
             return value
     if default is None:
