@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mlxceld.types import WorkerState
+from mlxceld.types import LoadProgress, WorkerState, loading_text
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
@@ -196,8 +196,21 @@ def status(body: dict[str, Any]) -> str:
                      + (f": {healing['summary']}" if healing.get("summary") else ""))
     view = body.get("pipeline")
     links = pipeline(view) if view else stage_links(workers)
-    return "\n".join([*lines, "", workers_table(workers), *links, "",
+    return "\n".join([*lines, "", workers_table(workers), *loading(workers), *links, "",
                       health(body["problems"])])
+
+
+def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
+    """A stage loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``."""
+    now = time.time() if now is None else now
+    out = []
+    for w in workers:
+        p = (w.get("stats") or {}).get("loading")
+        if isinstance(p, dict) and all(isinstance(p.get(k), int | float)
+                                       for k in ("done", "total", "since")):
+            out.append(f"{w['name']}: " + loading_text(LoadProgress(
+                done=int(p["done"]), total=int(p["total"]), since=float(p["since"])), now))
+    return out
 
 
 def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
