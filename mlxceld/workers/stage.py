@@ -89,6 +89,9 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
     try:
         from mlxceld.models.slicing import load_stage
         from mlxceld.wire.mx_tensors import wire_dtype
+        from mlxceld.workers.wired import set_wired_limit
+
+        set_wired_limit()
 
         loop, since = asyncio.get_running_loop(), time.time()
 
