@@ -91,7 +91,8 @@ def activate(ctx: typer.Context,
     """Plan a pipeline, assign its stages to the peers and serve the router over it.
 
     Plans as `cluster plan` does, then assigns the stages two-phase (offer, prepare,
-    commit, activate: every peer or none), printing each peer's step, and waits for the
+    commit, activate: every peer or none), printing each peer's step and how far each
+    loads its stage (a line per tenth), and waits for the
     router. The peers run `mlxceld --pp-peer` with the same cluster secret. Waits at most
     90 s for the assignment, then 180 s for the router."""
     resolved = _local(model)
@@ -181,6 +182,7 @@ async def _activate(c: ControlClient, model: str, stages: int,
     if not quiet:
         typer.echo(f"plan {epoch}: {len(started['peers'])} stage(s) of {started['model']}")
     shown: dict[str, int] = {}  # steps printed, per peer
+    tenths: dict[str, int] = {}  # the tenth of its load last printed, per peer
     loop = asyncio.get_running_loop()
     give_up = loop.time() + PUSH_WAIT_S
     while True:
@@ -194,6 +196,12 @@ async def _activate(c: ControlClient, model: str, stages: int,
                     typer.echo(render.peer_step({**p, "state": steps[i],
                                                  "reason": p["reason"] if last else ""}))
             shown[p["address"]] = len(steps)
+            load = render.peer_loading(p)
+            # One line per tenth of a peer's load (and its first word): a line per step.
+            if load is not None and load[0] // 10 > tenths.get(p["address"], -1):
+                tenths[p["address"]] = load[0] // 10
+                if not quiet:
+                    typer.echo(load[1])
         if bringup.get("epoch") != epoch or bringup.get("state") not in ("planning",
                                                                           "pushing"):
             break

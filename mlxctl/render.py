@@ -330,3 +330,18 @@ def peer_step(p: dict[str, Any]) -> str:
     what = paint(p["state"], color) + (f": {p['reason']}" if p.get("reason") else "")
     layers = f"layers [{p['layers'][0]}, {p['layers'][1]})" if p.get("layers") else ""
     return f"  {p.get('stage') or '-':8} {p['address']:22} {layers:16} {what}"
+
+
+def peer_loading(p: dict[str, Any]) -> tuple[int, str] | None:
+    """A loading peer's progress in a bring-up (its row's ``loading``): its percentage and
+    the line ``mlxctl cluster activate`` prints; None when it has not said."""
+    load = p.get("loading")
+    if p.get("state") != "loading" or not isinstance(load, dict):
+        return None
+    try:
+        done, total, elapsed = int(load["done"]), int(load["total"]), float(load["elapsed_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    text = loading_text(LoadProgress(done=done, total=total, since=0.0), elapsed)
+    pct = 100 * done // total if total > 0 else 0
+    return pct, peer_step({**p, "state": text, "reason": ""})

@@ -19,6 +19,7 @@ from mlxceld.cluster.assignment.coordinator_round import (
     PeerActivated,
     PeerCommitted,
     PeerFailed,
+    PeerLoad,
     PeerLost,
     Persist,
     Phase,
@@ -114,6 +115,22 @@ def test_offer_deadline_and_heartbeats() -> None:
     assert r.handle_timer(offer_end) == []
     out = r.handle_timer(offer_end + 20)
     assert isinstance(out[-1], Finished) and "stage-2: did not accept in time" in out[-1].summary
+
+
+def test_heartbeats_say_how_far_each_peer_has_loaded() -> None:
+    """Kept for the operator (bring-up's ``loading``): a peer's last word, until it votes;
+    a heartbeat without one keeps what was said; nothing moves in the round."""
+    r = CoordinatorRound(1, PEERS, started=0.0)
+    r.start()
+    r.on_preparing("stage-0", 2, PeerLoad(10, 100, 1.5))
+    r.on_preparing("stage-1", 2)
+    r.on_preparing("stage-0", 4)
+    assert r.loading() == {"stage-0": PeerLoad(10, 100, 1.5)}
+    r.on_preparing("stage-0", 6, PeerLoad(60, 100, 5.5))
+    assert r.loading() == {"stage-0": PeerLoad(60, 100, 5.5)}
+    assert r.progress()["stage-0"] == ("loading", "")  # no step per heartbeat
+    r.on_accepted("stage-0", 7)
+    assert r.loading() == {}
 
 
 def test_commit_window_then_abort() -> None:

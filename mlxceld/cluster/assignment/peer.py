@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,7 @@ from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
 from mlxceld.tasks import cancelling_group
+from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
 from mlxceld.wire.envelope import parse_envelope
@@ -103,6 +105,9 @@ class StageHost(Protocol):
         """Start the stage in standby; returns once it runs, or raises MlxceldError."""
     async def activate_stage(self) -> None: ...
     async def stop_stage(self) -> None: ...
+    def loading(self) -> LoadProgress | None:
+        """How far the stage being prepared has loaded, when it has said (for the
+        ``preparing`` heartbeat)."""
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -386,6 +391,10 @@ class Assignee:
 
     async def _reply(self, cur: _Current, a: Reply) -> None:
         fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
+        load = self._host.loading() if a.kind == "preparing" else None
+        if load is not None:
+            fields.update(done=load["done"], total=load["total"],
+                          elapsed_s=round(max(0.0, time.time() - load["since"]), 1))
         if a.kind == "refused":
             r = cur.refusal
             fields.update(code=r.code if r else "prepare", final=r.final if r else False,

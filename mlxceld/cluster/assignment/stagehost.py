@@ -68,6 +68,7 @@ class LocalStageHost:
         self._agent_host = agent_host
         self._stage_ports = stage_ports
         self._placement: Placement | None = None
+        self._loading: LoadProgress | None = None  # what the loading stage last said
 
     def facts(self, port: int) -> PeerFacts:
         model = self._model()
@@ -94,6 +95,7 @@ class LocalStageHost:
         """Until the stage worker runs, while its load advances (module docstring)."""
         loop = asyncio.get_running_loop()
         started = False  # a new worker reads EXITED until its start is under way
+        self._loading = None
         done, moved_at, asked_at = -1, loop.time(), 0.0
         while True:
             now = self._supervisor.state(STAGE_WORKER)
@@ -103,6 +105,7 @@ class LocalStageHost:
             state, reason = now
             started = started or state is WorkerState.STARTING
             if state is WorkerState.RUNNING:
+                self._loading = None
                 self._supervisor.note_loading(STAGE_WORKER, None)
                 return
             if state in GAVE_UP or (started and state is WorkerState.EXITED):
@@ -135,12 +138,16 @@ class LocalStageHost:
         loading = (reply.get("stats") or {}).get("loading")
         if not (isinstance(loading, dict) and all(type(loading.get(k)) in (int, float)
                                                   for k in ("done", "total", "since"))):
+            self._loading = None
             self._supervisor.note_loading(STAGE_WORKER, None)
             return None
-        self._supervisor.note_loading(STAGE_WORKER, LoadProgress(
-            done=int(loading["done"]), total=int(loading["total"]),
-            since=float(loading["since"])))
+        self._loading = LoadProgress(done=int(loading["done"]), total=int(loading["total"]),
+                                     since=float(loading["since"]))
+        self._supervisor.note_loading(STAGE_WORKER, self._loading)
         return int(loading["done"])
+
+    def loading(self) -> LoadProgress | None:
+        return self._loading
 
     async def activate_stage(self) -> None:
         sock = self._supervisor.control_socket(STAGE_WORKER)
