@@ -40,7 +40,9 @@ from mlxctl.options import JsonOpt, SocketOpt, socket_path
 
 EXIT_BUSY: Final = 5  # `cluster activate`: another bring-up is in progress
 POLL_S: Final = 0.5
-PUSH_WAIT_S: Final = PUSH_S + 30.0  # the push's own bound, and the serving after it
+# The push's own bound, and the serving after it; from the last time a loading peer's
+# load was heard to advance, when that is later (a big stage loads for minutes).
+PUSH_WAIT_S: Final = PUSH_S + 30.0
 ROUTER_WAIT_S: Final = 180.0  # the router loads the tokenizer and attaches to the stages
 # A router's start has come to rest: it runs, or its supervisor gave up (BACKOFF retries).
 SETTLED: Final = frozenset({WorkerState.RUNNING, WorkerState.FAILED})
@@ -94,7 +96,8 @@ def activate(ctx: typer.Context,
     commit, activate: every peer or none), printing each peer's step and how far each
     loads its stage (a line per tenth), and waits for the
     router. The peers run `mlxceld --pp-peer` with the same cluster secret. Waits at most
-    90 s for the assignment, then 180 s for the router."""
+    90 s for the assignment (from the last advance of a peer's load, while one loads),
+    then 180 s for the router."""
     resolved = _local(model)
     outcome = call(socket_path(ctx, socket), as_json,
                    lambda c: _activate(c, resolved, stages, as_json))
@@ -183,6 +186,7 @@ async def _activate(c: ControlClient, model: str, stages: int,
         typer.echo(f"plan {epoch}: {len(started['peers'])} stage(s) of {started['model']}")
     shown: dict[str, int] = {}  # steps printed, per peer
     tenths: dict[str, int] = {}  # the tenth of its load last printed, per peer
+    read: dict[str, int] = {}  # the bytes its load had read, as last heard, per peer
     loop = asyncio.get_running_loop()
     give_up = loop.time() + PUSH_WAIT_S
     while True:
@@ -197,6 +201,10 @@ async def _activate(c: ControlClient, model: str, stages: int,
                                                  "reason": p["reason"] if last else ""}))
             shown[p["address"]] = len(steps)
             load = render.peer_loading(p)
+            done = (p.get("loading") or {}).get("done") if load is not None else None
+            if isinstance(done, int) and done > read.get(p["address"], -1):
+                read[p["address"]] = done  # a load that advances is waited for
+                give_up = max(give_up, loop.time() + PUSH_WAIT_S)
             # One line per tenth of a peer's load (and its first word): a line per step.
             if load is not None and load[0] // 10 > tenths.get(p["address"], -1):
                 tenths[p["address"]] = load[0] // 10
