@@ -23,11 +23,18 @@ model between pipeline stages:
 
 ``weight_bytes(start, end)`` is then the parameter bytes of a stage, which is
 what ``StageModel.nbytes`` reports once it is loaded.
+
+The profile needs every shard's header: it prices each tensor as it is stored
+(a dense first layer, an MoE layer, a 4-bit layer), and the index states only
+the total. So the host that plans (the coordinator: ``mlxctl cluster plan``,
+``--pp-auto``) holds the whole checkpoint, while the hosts that only run
+stages may hold just their shards (``shards.py``). A planning host that holds
+only some shards is refused with the shards it lacks named, not priced by
+guess.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +42,10 @@ from typing import Any, Final
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.identity import CONFIG, layer_count, read_model_config
+from mlxceld.models.shards import INDEX, missing_files, read_index
 from mlxceld.models.tensor_headers import DAMAGED, DTYPE_BYTES, TensorEntry, read_tensor_headers
 
 WEIGHT_GLOB: Final = "model*.safetensors"  # what mlx-lm's load_model reads
-INDEX: Final = "model.safetensors.index.json"
 DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
 # Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
 # published): mlx-lm's sanitize drops them too, and no stage runs them.
@@ -157,6 +164,16 @@ def _part(name: str) -> str:
 
 def _tensors(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the weight files in ``path``, checked against the index if any."""
+    index = read_index(path)
+    if index is not None:
+        absent = missing_files(path, index.files)
+        if absent:
+            raise ConfigError(
+                f"model {path} holds {len(index.files) - len(absent)} of the "
+                f"{len(index.files)} shards its {INDEX} names (missing: "
+                f"{_some(absent)}): planning prices every layer from its shard's header",
+                hint="plan on a host that holds the whole checkpoint (a host that only "
+                "runs a stage needs only its own shards)")
     files = sorted(path.glob(WEIGHT_GLOB))
     if not files:
         raise ConfigError(f"model directory {path} holds no {WEIGHT_GLOB} files",
@@ -170,32 +187,17 @@ def _tensors(path: Path) -> dict[str, TensorEntry]:
                 raise ConfigError(f"model {path}: tensor {name!r} is in both {where[name].name} "
                                   f"and {file.name}", hint=DAMAGED)
             tensors[name], where[name] = entry, file
-    if (path / INDEX).exists():
-        _check_index(path / INDEX, where)
+    if index is not None:
+        for name, shard in sorted(index.weight_map.items()):
+            if name not in where or where[name].name != shard:
+                raise ConfigError(f"{path / INDEX} places tensor {name!r} in {shard}, which "
+                                  "does not hold it", hint=DAMAGED)
     return tensors
 
 
-def _check_index(index: Path, where: dict[str, Path]) -> None:
-    try:
-        data = json.loads(index.read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"{index} cannot be read: {exc.strerror or exc}",
-                          hint="check its permissions") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{index} is not valid JSON: {exc}", hint=DAMAGED) from exc
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict):
-        raise ConfigError(f"{index} has no 'weight_map' object", hint=DAMAGED)
-    for name, file in sorted(weight_map.items()):
-        if not isinstance(file, str):
-            raise ConfigError(f"{index}: tensor {name!r} maps to {file!r}, not a file name",
-                              hint=DAMAGED)
-        if not (index.parent / file).is_file():
-            raise ConfigError(f"{index} places tensor {name!r} in {file}, which is missing",
-                              hint=DAMAGED)
-        if name not in where or where[name].name != file:
-            raise ConfigError(f"{index} places tensor {name!r} in {file}, which does not "
-                              "hold it", hint=DAMAGED)
+def _some(names: list[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _tied(config: dict[str, Any], tensors: dict[str, TensorEntry]) -> bool:

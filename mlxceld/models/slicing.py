@@ -4,8 +4,12 @@
 loader, lazily, then prunes it: the other layers go, the embeddings stay only on
 the first stage (and on the last when the head is tied to them), the final norm
 and the head only on the last. Only what is left is evaluated, so the weights
-of the other stages are never read from disk. ``forward`` is the family's own
-forward over the slice: the same masks, the same layer calls, the same head.
+of the other stages are never read from disk, and a directory that holds only
+the stage's shards (``shards.stage_files``, beside config.json, the index and
+the tokenizer) loads the stage as the whole checkpoint does. What is evaluated
+goes layer by layer, reported to ``progress(done, total)`` (parameter bytes).
+``forward`` is the family's own forward over the slice: the same masks, the same
+layer calls, the same head.
 
 Activations between stages are [b, n, hidden_size] in the stage's ``dtype``
 (b sequences in one batch, their caches merged); the first stage takes int32
@@ -45,6 +49,7 @@ from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import SUPPORTED, check_family
+from mlxceld.models.shards import INDEX, missing_files, read_index, stage_files
 from mlxceld.wire.envelope import TensorSpec
 from mlxceld.wire.mx_tensors import wire_dtype
 
@@ -263,23 +268,30 @@ class StageModel:
                              f"{x.dtype}, expected {want}")
 
 
-def load_stage(path: str | Path, start: int, end: int) -> StageModel:
-    """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those."""
+Progress = Callable[[int, int], None]  # (bytes loaded, bytes to load)
+
+
+def load_stage(path: str | Path, start: int, end: int,
+               progress: Progress | None = None) -> StageModel:
+    """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those;
+    ``progress(done, total)`` hears of each layer loaded (parameter bytes)."""
     path = Path(path)
     config = _read_config(path)
     model_type = check_family(config, str(path / "config.json"))  # UnsupportedFamily
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int):
         _check_range(start, end, layers, path)  # before any weight is touched
+    strict = _holds_every_shard(path, config, start, end)
     try:
-        model, _ = load_model(path, lazy=True)
+        model, _ = load_model(path, lazy=True, strict=strict)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model {path}: mlx-lm cannot load it: {exc}",
                           hint="check that it is a complete mlx-lm checkpoint") from exc
     stage = StageModel(model, start, end)
-    mx.eval(stage.model.parameters())
-    log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes",
-             start, end, stage.num_layers, path, model_type, stage.nbytes)
+    _evaluate(stage, progress)
+    log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes%s",
+             start, end, stage.num_layers, path, model_type, stage.nbytes,
+             "" if strict else ", from this stage's shards only")
     return stage
 
 
@@ -300,6 +312,50 @@ def _family(model_type: str) -> Family:
         raise ConfigError(f"model_type {model_type!r} cannot be split into pipeline stages",
                           hint=f"supported model types: {', '.join(SUPPORTED)}")
     return family
+
+
+def _holds_every_shard(path: Path, config: dict[str, Any], start: int, end: int) -> bool:
+    """Whether ``path`` holds every shard its index names (then mlx-lm loads it strictly,
+    each weight checked against the model); when it holds only some, those this stage
+    needs must be there (the index says each weight they hold is), or the load is
+    refused here, naming them."""
+    index = read_index(path)
+    if index is None:
+        return True
+    absent = missing_files(path, index.files)
+    if not absent:
+        return True
+    layers = config.get("num_hidden_layers")
+    count = layers if isinstance(layers, int) else end
+    needed = stage_files(index, config, start, end, count)
+    lacking = [f for f in absent if f in needed]
+    if lacking:
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise ConfigError(
+            f"model {path}: stage layers [{start}, {end}) need {len(needed)} of the "
+            f"{len(index.files)} shards its {INDEX} names, and {len(lacking)} of them are "
+            f"missing: {', '.join(lacking[:3])}{more}",
+            hint="copy them into the model directory: a stage reads the shards of its "
+            "layers and of the embeddings, norm and head it keeps (mlxceld/models/shards.py)")
+    return False
+
+
+def _evaluate(stage: StageModel, progress: Progress | None) -> None:
+    """Read the stage's weights from disk: layer by layer, then the rest (embeddings,
+    norm, head), each step reported to ``progress``."""
+    total = stage.nbytes
+    done = 0
+    if progress is not None:
+        progress(done, total)
+    for layer in stage.layers:
+        params = layer.parameters()
+        mx.eval(params)
+        done += sum(v.nbytes for v in _leaves(params))
+        if progress is not None:
+            progress(done, total)
+    mx.eval(stage.model.parameters())
+    if progress is not None:
+        progress(total, total)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -81,6 +81,9 @@ class HeldStage:
     async def stop_stage(self) -> None:
         self.calls.append("stop")
 
+    def loading(self) -> None:
+        return None
+
 
 @dataclass
 class Peer:
