@@ -52,8 +52,6 @@ def test_greedy_output_equals_mlx_lm(daemons: Daemons, split_fixture_dir: Path, 
             f"[{splits[0][0]}, {splits[0][1]}))") in shown
 
 
-@pytest.mark.xfail(strict=True, reason="the last stage takes log-probabilities in float32, "
-                                       "mlx-lm in the model's dtype")
 def test_four_concurrent_streams_are_all_correct(daemons: Daemons,
                                                  bf16_split_fixture_dir: Path) -> None:
     """In bfloat16, where rounding shows: batched on the stages, each stream still gets

@@ -110,8 +110,6 @@ def mlx_lm_alone(path: Path, prompts: list[list[int]], n: int) -> list[list[int]
             for pr in prompts]
 
 
-@pytest.mark.xfail(strict=True, reason="the last stage takes log-probabilities in float32, "
-                                       "mlx-lm in the model's dtype")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_sequences_under_load_get_what_mlx_lm_gives_each_alone(
         bf16_split_fixture_dir: Path, family: str) -> None:

@@ -189,8 +189,6 @@ def test_concurrent_sequences_and_long_prompt(split_fixture_dir: Path) -> None:
     assert asyncio.run(go()) == wants
 
 
-@pytest.mark.xfail(strict=True, reason="the last stage takes log-probabilities in float32, "
-                                       "mlx-lm in the model's dtype")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bf16_requests_under_load_get_what_each_gets_alone(
         bf16_split_fixture_dir: Path, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
