@@ -141,3 +141,23 @@ def test_bf16_sequences_under_load_get_what_mlx_lm_gives_each_alone(
     differ = {LENGTHS[i]: (out[i], want[i]) for i in range(len(prompts)) if out[i] != want[i]}
     assert not differ, (f"{len(differ)} of {len(prompts)} sequences (by prompt length) differ "
                         f"from mlx-lm's alone: {differ}")
+
+
+def test_a_batched_bf16_step_gives_each_sequence_the_bits_it_gets_alone(
+        bf16_split_fixture_dir: Path) -> None:
+    """What compute.py's docstring says of the CPU backend: merged, left-padded caches round
+    nothing differently; the hidden states a batched decode step sends on are, byte for
+    byte, those of each sequence's step alone."""
+    stage = load_stage(bf16_split_fixture_dir / "llama", 0, 2)
+    prompts = [[(i * 37 + n * 11) % 500 + 1 for i in range(n)] for n in (5, 18, 41)]
+    alone = [SeqState(stage.make_cache(), None) for _ in prompts]
+    together = [SeqState(stage.make_cache(), None) for _ in prompts]
+    for states in (alone, together):
+        for i, pr in enumerate(prompts):
+            run_group(stage, [Step(str(i), states[i], 0, False, tokens(pr))])
+    for t in range(1, 4):
+        steps = [[Step(str(i), states[i], t, False, tokens([7 + i + t]))
+                  for i in range(len(prompts))] for states in (alone, together)]
+        one_by_one = [run_group(stage, [s])[0] for s in steps[0]]
+        batched = run_group(stage, steps[1])
+        assert [bytes(blob[3]) for blob in batched] == [bytes(blob[3]) for blob in one_by_one]
