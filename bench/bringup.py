@@ -145,7 +145,7 @@ class InstantStage:
 
     def facts(self, port: int) -> PeerFacts:
         return PeerFacts(__version__, CLUSTER, MODEL_IDENTITY, self.layers, self.host,
-                         frozenset({port}))
+                         frozenset({port}), model_family="llama")
 
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
         self.calls.append(f"prepare {node_id}")

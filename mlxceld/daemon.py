@@ -54,6 +54,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Protocol
 
 from mlxceld import __version__
@@ -82,6 +83,7 @@ from mlxceld.errors import (
     ConfigError,
     MlxceldError,
 )
+from mlxceld.models.families import require_splittable
 from mlxceld.net import retire_streams
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
@@ -180,6 +182,11 @@ class Daemon:
         if config.pp_auto is not None and self.serving.serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")
+        planned = self.serving.serve.model
+        if config.pp_auto is not None and planned is not None and Path(planned).is_dir():
+            # A family that is not split is refused here (exit 2), not after the wait for
+            # peers; a model that is not a local directory is the coordinator's to refuse.
+            require_splittable(Path(planned), "--pp-auto --model")
         self.supervisor = Supervisor(
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,

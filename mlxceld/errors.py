@@ -9,6 +9,8 @@
     │   ├── SecretSourceError       no usable cluster secret where the sources point
     │   ├── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
     │   ├── ModelRefused            `mlxctl serve` names a model this daemon cannot serve
+    │   ├── UnsupportedFamily       a model family mlxceld cannot split into pipeline stages
+    │   │                           (names it and the families it splits)
     │   └── UnserveRefused          `mlxctl unserve` would not last, or the router is a cluster's
     ├── StateError                  the SQLite state could not be read or written
     │   └── DamagedState            the state database is damaged (exit 2; --reset-state
@@ -108,6 +110,20 @@ class ModelRefused(ConfigError):
     """`mlxctl serve`: the model cannot be found or read, or this daemon serves a cluster's."""
 
     code = "bad_model"
+
+
+class UnsupportedFamily(ConfigError):
+    """The checkpoint's ``model_type`` (``family``; None when config.json has none) is not
+    one of the families mlxceld splits into pipeline stages (``supported``:
+    ``models.families.SUPPORTED``). Refused before any weight is read."""
+
+    code = "unsupported_family"
+
+    def __init__(self, message: str, *, hint: str = "", family: str | None = None,
+                 supported: tuple[str, ...] = ()) -> None:
+        super().__init__(message, hint=hint)
+        self.family = family
+        self.supported = supported
 
 
 class UnserveRefused(ConfigError):

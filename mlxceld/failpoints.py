@@ -89,6 +89,11 @@ ends in seconds; refused at start as the two above when it is not a positive num
 ``rotation.STEP_S``, how long a rotation's step asks a member that fails it again (30 s),
 so that a test of a member failing a step ends in seconds.
 
+``MLXCELD_TEST_STAGE_LAYER_S`` (seconds, > 0; test only too) makes a stage worker
+sleep this long after each layer it loads (``workers/stage.py``), as a slow disk
+would, so that a test of the assignment's wait on load progress
+(``cluster/assignment/stagehost.py``) has a load that goes on, or stalls, for seconds.
+
 ``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
 the planner find a plan that does not fit (the fixtures are tiny). Anything but a
@@ -115,6 +120,7 @@ ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
 ROTATION_STEP_ENV: Final = "MLXCELD_TEST_ROTATION_STEP_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
+STAGE_LAYER_ENV: Final = "MLXCELD_TEST_STAGE_LAYER_S"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
@@ -151,6 +157,11 @@ def parse_activate_for(environ: Mapping[str, str]) -> float | None:
 def parse_follower_stall(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_FOLLOWER_STALL_S`` as seconds, None when unset; ``ConfigError`` if bad."""
     return _seconds(environ, STALL_ENV, "the documented 30 s")
+
+
+def parse_stage_layer(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_STAGE_LAYER_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, STAGE_LAYER_ENV, "a stage that loads at its disk's pace")
 
 
 def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
@@ -190,6 +201,7 @@ ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
 ROTATION_STEP_S: Final = parse_rotation_step(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
+STAGE_LAYER_S: Final = parse_stage_layer(os.environ)
 
 
 def on(name: str) -> bool:

@@ -16,7 +16,8 @@ What mlxceld sends, and when:
     ``TimeoutStartSec=`` never has to cover one.
 ``STATUS=...``
     a one-line summary, whenever it changes (looked at every
-    ``STATUS_EVERY_S``).
+    ``STATUS_EVERY_S``); a stage worker that loads its weights for an
+    assignment reads ``stage loading 43% of 61.0 GiB, 12 s``.
 ``RELOADING=1`` with ``MONOTONIC_USEC=``, then ``READY=1``
     around a SIGHUP reload.
 ``STOPPING=1`` with ``EXTEND_TIMEOUT_USEC=``
@@ -42,7 +43,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 
-from mlxceld.types import JSON
+from mlxceld.types import JSON, loading_text
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,9 @@ def status_line(status: JSON) -> str:
     what = (f"serving {serving['model_name']} at {serving['url']}" if serving
             else "idle (no model)")
     workers = status["workers"]
-    states = ", ".join(f"{w['name']} {w['state']}" for w in workers) or "none"
+    now = time.time()
+    states = ", ".join(f"{w['name']} " + (loading_text(w["loading"], now) if w.get("loading")
+                                          else w["state"]) for w in workers) or "none"
     problems = len(status["problems"])
     tail = f"; {problems} problem(s), see mlxctl status" if problems else ""
     return f"{what}; workers: {states}{tail}"

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Final
 
 import typer
+from rich.console import Console
 
 from mlxceld.cluster.assignment.coordinator_round import PUSH_S
 from mlxceld.control.client import ControlClient
@@ -37,10 +39,13 @@ from mlxceld.types import WorkerState
 from mlxctl import render
 from mlxctl.edge import EXIT_FAILURE, call, emit, fail
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
+from mlxctl.progress import LoadView
 
 EXIT_BUSY: Final = 5  # `cluster activate`: another bring-up is in progress
 POLL_S: Final = 0.5
-PUSH_WAIT_S: Final = PUSH_S + 30.0  # the push's own bound, and the serving after it
+# The push's own bound, and the serving after it; from the last time a loading peer's
+# load was heard to advance, when that is later (a big stage loads for minutes).
+PUSH_WAIT_S: Final = PUSH_S + 30.0
 ROUTER_WAIT_S: Final = 180.0  # the router loads the tokenizer and attaches to the stages
 # A router's start has come to rest: it runs, or its supervisor gave up (BACKOFF retries).
 SETTLED: Final = frozenset({WorkerState.RUNNING, WorkerState.FAILED})
@@ -91,9 +96,11 @@ def activate(ctx: typer.Context,
     """Plan a pipeline, assign its stages to the peers and serve the router over it.
 
     Plans as `cluster plan` does, then assigns the stages two-phase (offer, prepare,
-    commit, activate: every peer or none), printing each peer's step, and waits for the
+    commit, activate: every peer or none), printing each peer's step and how far each
+    loads its stage (a bar per peer on a terminal, else a line per tenth), and waits for the
     router. The peers run `mlxceld --pp-peer` with the same cluster secret. Waits at most
-    90 s for the assignment, then 180 s for the router."""
+    90 s for the assignment (from the last advance of a peer's load, while one loads),
+    then 180 s for the router."""
     resolved = _local(model)
     outcome = call(socket_path(ctx, socket), as_json,
                    lambda c: _activate(c, resolved, stages, as_json))
@@ -181,31 +188,42 @@ async def _activate(c: ControlClient, model: str, stages: int,
     if not quiet:
         typer.echo(f"plan {epoch}: {len(started['peers'])} stage(s) of {started['model']}")
     shown: dict[str, int] = {}  # steps printed, per peer
+    read: dict[str, int] = {}  # the bytes its load had read, as last heard, per peer
+    view = LoadView(typer.echo, Console() if not quiet and sys.stdout.isatty() else None)
     loop = asyncio.get_running_loop()
     give_up = loop.time() + PUSH_WAIT_S
-    while True:
-        status = await c.status()
-        bringup = status.get("bringup") or {}
-        for p in bringup.get("peers") or []:
-            steps = p.get("steps") or []
-            for i in range(shown.get(p["address"], 0), len(steps)):
+    try:
+        while True:
+            status = await c.status()
+            bringup = status.get("bringup") or {}
+            for p in bringup.get("peers") or []:
+                steps = p.get("steps") or []
+                for i in range(shown.get(p["address"], 0), len(steps)):
+                    if not quiet:
+                        last = i == len(steps) - 1
+                        view.step(render.peer_step({**p, "state": steps[i],
+                                                    "reason": p["reason"] if last else ""}))
+                shown[p["address"]] = len(steps)
+                done = (p.get("loading") or {}).get("done")
+                if isinstance(done, int) and done > read.get(p["address"], -1):
+                    read[p["address"]] = done  # a load that advances is waited for
+                    give_up = max(give_up, loop.time() + PUSH_WAIT_S)
                 if not quiet:
-                    last = i == len(steps) - 1
-                    typer.echo(render.peer_step({**p, "state": steps[i],
-                                                 "reason": p["reason"] if last else ""}))
-            shown[p["address"]] = len(steps)
-        if bringup.get("epoch") != epoch or bringup.get("state") not in ("planning",
-                                                                          "pushing"):
-            break
-        if loop.time() > give_up:
-            going_on = ("; the daemon keeps at it (a peer is unreachable, re-dialled)"
-                        if any(p.get("state") == "unreachable"
-                               for p in bringup.get("peers") or []) else "")
-            bringup = {**bringup, "state": "failed", "summary": f"plan {epoch} did not end "
-                       f"within {PUSH_WAIT_S:g} s{going_on} (see: mlxctl status, "
-                       "mlxctl events)"}
-            break
-        await asyncio.sleep(POLL_S)
+                    view.peer(p)
+            if bringup.get("epoch") != epoch or bringup.get("state") not in ("planning",
+                                                                              "pushing"):
+                break
+            if loop.time() > give_up:
+                going_on = ("; the daemon keeps at it (a peer is unreachable, re-dialled)"
+                            if any(p.get("state") == "unreachable"
+                                   for p in bringup.get("peers") or []) else "")
+                bringup = {**bringup, "state": "failed", "summary": f"plan {epoch} did not end "
+                           f"within {PUSH_WAIT_S:g} s{going_on} (see: mlxctl status, "
+                           "mlxctl events)"}
+                break
+            await asyncio.sleep(POLL_S)
+    finally:
+        view.close()
     router: dict[str, Any] = {"state": "not started"}
     if bringup.get("state") == "active":
         router = await _wait_router(c)

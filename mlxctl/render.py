@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mlxceld.types import WorkerState
+from mlxceld.types import LoadProgress, WorkerState, loading_text
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
@@ -196,8 +196,21 @@ def status(body: dict[str, Any]) -> str:
                      + (f": {healing['summary']}" if healing.get("summary") else ""))
     view = body.get("pipeline")
     links = pipeline(view) if view else stage_links(workers)
-    return "\n".join([*lines, "", workers_table(workers), *links, "",
+    return "\n".join([*lines, "", workers_table(workers), *loading(workers), *links, "",
                       health(body["problems"])])
+
+
+def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
+    """A stage loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``."""
+    now = time.time() if now is None else now
+    out = []
+    for w in workers:
+        p = (w.get("stats") or {}).get("loading")
+        if isinstance(p, dict) and all(isinstance(p.get(k), int | float)
+                                       for k in ("done", "total", "since")):
+            out.append(f"{w['name']}: " + loading_text(LoadProgress(
+                done=int(p["done"]), total=int(p["total"]), since=float(p["since"])), now))
+    return out
 
 
 def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
@@ -317,3 +330,18 @@ def peer_step(p: dict[str, Any]) -> str:
     what = paint(p["state"], color) + (f": {p['reason']}" if p.get("reason") else "")
     layers = f"layers [{p['layers'][0]}, {p['layers'][1]})" if p.get("layers") else ""
     return f"  {p.get('stage') or '-':8} {p['address']:22} {layers:16} {what}"
+
+
+def peer_loading(p: dict[str, Any]) -> tuple[int, str] | None:
+    """A loading peer's progress in a bring-up (its row's ``loading``): its percentage and
+    the line ``mlxctl cluster activate`` prints; None when it has not said."""
+    load = p.get("loading")
+    if p.get("state") != "loading" or not isinstance(load, dict):
+        return None
+    try:
+        done, total, elapsed = int(load["done"]), int(load["total"]), float(load["elapsed_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    text = loading_text(LoadProgress(done=done, total=total, since=0.0), elapsed)
+    pct = 100 * done // total if total > 0 else 0
+    return pct, peer_step({**p, "state": text, "reason": ""})

@@ -62,3 +62,13 @@ def split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers.models import write_tiny_checkpoints
 
     return write_tiny_checkpoints(tmp_path_factory.mktemp("split-fixtures"), layers=4)
+
+
+@pytest.fixture(scope="session")
+def bf16_split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``split_fixture_dir``'s checkpoints in bfloat16: where rounding shows (a token that
+    float32 keeps apart from the next best, bfloat16 may tie with it)."""
+    from helpers.models import write_tiny_checkpoints
+
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("bf16-split-fixtures"), layers=4,
+                                  dtype="bfloat16")

@@ -9,14 +9,17 @@ change of a peer logged once and recorded as a ``bringup.*`` event. ``state`` is
      "model": DIR, "stages": N, "summary": "...", "config_differs": "..." (a resumed plan),
      "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
                 "layers": [first, end], "state": STATE, "reason": "...",
-                "steps": [STATE, ...]}]}
+                "steps": [STATE, ...],
+                "loading": {"done": B, "total": B, "elapsed_s": S} | null}]}
 
 with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
 prepared, committed, active, failed (its reason), aborted, unreachable (lost
 after the decision, and re-dialled: the bring-up stays ``pushing``, and the
 peer turns committed or active as soon as it answers); after a deactivation
 deactivated, unreachable or refused (``deactivation.Outcome``); ``steps`` holds
-every state it went through, in order, so that a poller misses none.
+every state it went through, in order, so that a poller misses none. ``loading`` is
+how far a loading peer's stage has read its weights, as its last ``preparing``
+heartbeat said (``CoordinatorRound.loading``); it changes without a step or an event.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class BringUp:
             return
         peers: list[dict[str, Any]] = self.state.setdefault("peers", [])
         rows = {p["address"]: p for p in peers}
+        loads = round_.loading()
         for address, (state, reason) in round_.progress().items():
             row = rows.get(address)
             if row is None:  # a resumed plan: the plans table knows the peers, not the stages
@@ -82,6 +86,11 @@ class BringUp:
                     + (f": {reason}" if reason else ""),
                     epoch=round_.epoch, peer=address, stage=row["stage"], state=state,
                     reason=reason)
+            load = loads.get(address) if state == "loading" else None
+            # How far a loading peer is: kept on its row, neither a step nor an event.
+            row["loading"] = (None if load is None else
+                              {"done": load.done, "total": load.total,
+                               "elapsed_s": load.elapsed_s})
 
     def active(self, epoch: int, summary: str) -> None:
         """Plan ``epoch`` is served."""

@@ -3,7 +3,9 @@
 ``--pp-auto N`` (``bring_up``), ``--pp-auto N --dry-run`` (``dry_run``),
 ``mlxctl cluster plan`` (``plan``), ``mlxctl cluster activate`` (``activate``)
 and ``mlxctl cluster deactivate`` (``deactivate``, ``deactivation.py``) run here.
-Drained nodes (`mlxctl drain`) are left out of every plan, and its notes say so.
+Drained nodes (`mlxctl drain`) are left out of every plan, and its notes say so. A model
+of a family mlxceld does not split is refused by each of them before any peer is asked or
+waited for (``models.families.require_splittable``: ``UnsupportedFamily``).
 
 At the daemon's start (``start``) the newest plan that took over is resumed when it
 was committed or active (``Plans.resumable``: a newer plan that was aborted or never
@@ -64,6 +66,7 @@ from mlxceld.cluster.plan.candidates import Proposal, make_plan
 from mlxceld.config.serve import resolve_model
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
+from mlxceld.models.families import require_splittable
 from mlxceld.models.identity import model_identity
 from mlxceld.state import EventLog
 from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
@@ -145,6 +148,7 @@ class Coordinator:
         directory) over the reachable ones that are not drained (the plan's notes say
         which are)."""
         path = model_dir(model, what)
+        require_splittable(path, what)  # before any peer is asked
         candidates = await self._discovery.refresh()
         return make_plan(candidates, path, stages, cluster=self._cluster,
                          coordinator=self._identity, drained=self._drained())
@@ -231,6 +235,7 @@ class Coordinator:
         """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
         reachable, plan, write ``--cluster-config-out``; return the report for the terminal
         (the table, its notes, where the TOML went). A plan that does not fit is raised."""
+        require_splittable(model_dir(model, "--model"), "--model")  # before waiting
         await self.await_peers(n, DRY_RUN_WAIT_S)
         proposal = await self.propose(model, n)
         report = [proposal.table, *(f"note: {note}" for note in proposal.notes)]
@@ -246,8 +251,9 @@ class Coordinator:
         self._claim()
         try:
             self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
-            await self.await_peers(n, PP_AUTO_WAIT_S)
             try:
+                require_splittable(model_dir(model, "--model"), "--model")  # before waiting
+                await self.await_peers(n, PP_AUTO_WAIT_S)
                 proposal = await self.propose(model, n)
             except MlxceldError as exc:  # a PlanRefused names the candidates left out
                 self._bringup.failed(f"no plan: {exc.message}")

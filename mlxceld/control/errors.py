@@ -2,11 +2,13 @@
 
 Endpoints raise; nothing below them answers. An ``MlxceldError`` is answered
 with the status of its nearest class in ``STATUS``, and its own code, message
-and hint (``PlanRefused`` adds its ``shortfalls``):
+and hint (``PlanRefused`` adds its ``shortfalls``; ``UnsupportedFamily`` its ``family`` and
+the ``supported`` ones):
 
     status  class (code)                            e.g.
     400     BadRequest (bad_request)                ?after=x; a body field missing or mistyped
     400     ConfigError (config, bad_model, ...)    a cluster command on a daemon without a secret
+    400     UnsupportedFamily (unsupported_family)  `mlxctl cluster plan` of a family not split
     400     KeyringError (keyring)                  a key id that is not 16 hex digits
     400     NoActivePlan (nothing_to_end)           `mlxctl cluster deactivate` with no plan
     413     RequestTooLarge (request_too_large)     a body over MAX_BODY_BYTES (requests.py)
@@ -56,6 +58,7 @@ from mlxceld.errors import (
     UnknownNode,
     UnknownWorker,
     UnserveRefused,
+    UnsupportedFamily,
 )
 
 log = logging.getLogger(__name__)
@@ -96,7 +99,11 @@ async def domain_error(request: Request, exc: Exception) -> Response:
     status = status_of(exc)
     if status >= 500:
         log.error("control API: %s %s failed: %s", request.method, request.url.path, exc)
-    extra = {"shortfalls": list(exc.shortfalls)} if isinstance(exc, PlanRefused) else {}
+    extra: dict[str, Any] = {}
+    if isinstance(exc, PlanRefused):
+        extra = {"shortfalls": list(exc.shortfalls)}
+    elif isinstance(exc, UnsupportedFamily):
+        extra = {"family": exc.family, "supported": list(exc.supported)}
     return error(status, exc.code, exc.message, exc.hint, **extra)
 
 

@@ -12,17 +12,29 @@ model between pipeline stages:
 - ``model.norm.*`` and ``lm_head.*``: the final norm and the head, on the
   last stage (``head_bytes`` is 0 when tied: mlx-lm then drops any
   ``lm_head`` tensor while loading, as it drops ``rotary_emb.inv_freq``);
+- ``model.layers.{n}.*`` for the ``num_nextn_predict_layers`` layers past the
+  last (multi-token prediction, in glm4_moe and deepseek_v3 checkpoints as
+  published): not counted, as mlx-lm drops them while loading;
+- in a multimodal checkpoint (gemma3), ``language_model.*`` as above without
+  that prefix; the vision tower not at all (mlx-lm drops it while loading);
 - anything else: ``other_bytes``, counted on every stage, because
   ``StageModel`` prunes only layers, embeddings, norm and head, so every
   stage keeps whatever else the model holds.
 
 ``weight_bytes(start, end)`` is then the parameter bytes of a stage, which is
 what ``StageModel.nbytes`` reports once it is loaded.
+
+The profile needs every shard's header: it prices each tensor as it is stored
+(a dense first layer, an MoE layer, a 4-bit layer), and the index states only
+the total. So the host that plans (the coordinator: ``mlxctl cluster plan``,
+``--pp-auto``) holds the whole checkpoint, while the hosts that only run
+stages may hold just their shards (``shards.py``). A planning host that holds
+only some shards is refused with the shards it lacks named, not priced by
+guess.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +42,18 @@ from typing import Any, Final
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.identity import CONFIG, layer_count, read_model_config
+from mlxceld.models.shards import INDEX, missing_files, read_index
 from mlxceld.models.tensor_headers import DAMAGED, DTYPE_BYTES, TensorEntry, read_tensor_headers
 
 WEIGHT_GLOB: Final = "model*.safetensors"  # what mlx-lm's load_model reads
-INDEX: Final = "model.safetensors.index.json"
 DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
+# Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
+# published): mlx-lm's sanitize drops them too, and no stage runs them.
+NEXTN: Final = "num_nextn_predict_layers"
+# A multimodal checkpoint (gemma3): its text model's tensors under TEXT_PREFIX, priced as
+# any model's; its vision tower's dropped by mlx-lm's sanitize, as here.
+TEXT_PREFIX: Final = "language_model."
+VISION_PREFIXES: Final = ("vision_tower.", "multi_modal_projector.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -45,7 +64,11 @@ class LayerProfile:
     ``kv_bytes_per_token`` is one token's keys and values in one layer:
     2 * num_key_value_heads * head_dim * ``dtype_bytes``, where ``dtype_bytes``
     is the size of the activations' dtype (that of the embeddings, or of their
-    quantization scales), which mlx-lm's KV caches take.
+    quantization scales), which mlx-lm's KV caches take. With multi-head latent
+    attention (deepseek_v3: config.json has ``kv_lora_rank``) the cache holds
+    the compressed latent and the rotated part of one key instead:
+    (kv_lora_rank + qk_rope_head_dim) * ``dtype_bytes``. Sliding-window layers
+    are priced as full ones (an upper bound: their cache stops at the window).
     """
 
     layer_bytes: tuple[int, ...]
@@ -87,16 +110,19 @@ def layer_profile(path: Path) -> LayerProfile:
     config = read_model_config(path)
     source = str(path / CONFIG)
     num_layers = layer_count(config, source=source)
-    tensors = _tensors(path)
+    tensors = _text_tensors(_tensors(path))
     tied = _tied(config, tensors)
     layers = [0] * num_layers
     parts = {"embed": 0, "norm": 0, "head": 0, "other": 0}
+    predictors = _config_int(config, NEXTN, source, default=0, least=0)
     for name, entry in tensors.items():
         if name.endswith(DROPPED_SUFFIXES) or (tied and name.startswith("lm_head.")):
             continue
         m = _LAYER.match(name)
         if m is not None:
             i = int(m.group(1))
+            if num_layers <= i < num_layers + predictors:
+                continue  # a multi-token prediction layer: mlx-lm's sanitize drops it
             if i >= num_layers:
                 raise ConfigError(f"model {path}: tensor {name!r} belongs to layer {i}, but "
                                   f"{source} says {num_layers} layers", hint=DAMAGED)
@@ -109,11 +135,21 @@ def layer_profile(path: Path) -> LayerProfile:
     kv_heads = _config_int(config, "num_key_value_heads", source, default=heads)
     head_dim = _config_int(config, "head_dim", source, default=hidden // heads)
     dtype_bytes = _activation_dtype_bytes(path, tensors)
+    kv_width = 2 * kv_heads * head_dim
+    if config.get("kv_lora_rank") is not None:
+        kv_width = (_config_int(config, "kv_lora_rank", source)
+                    + _config_int(config, "qk_rope_head_dim", source))
     return LayerProfile(
         layer_bytes=tuple(layers), embed_bytes=parts["embed"], head_bytes=parts["head"],
         norm_bytes=parts["norm"], other_bytes=parts["other"], tied=tied,
         dtype_bytes=dtype_bytes, hidden_size=hidden,
-        kv_bytes_per_token=2 * kv_heads * head_dim * dtype_bytes)
+        kv_bytes_per_token=kv_width * dtype_bytes)
+
+
+def _text_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The text model's tensors, named as a text-only checkpoint names them."""
+    return {name.removeprefix(TEXT_PREFIX): entry for name, entry in tensors.items()
+            if not name.startswith(VISION_PREFIXES)}
 
 
 def _part(name: str) -> str:
@@ -128,6 +164,16 @@ def _part(name: str) -> str:
 
 def _tensors(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the weight files in ``path``, checked against the index if any."""
+    index = read_index(path)
+    if index is not None:
+        absent = missing_files(path, index.files)
+        if absent:
+            raise ConfigError(
+                f"model {path} holds {len(index.files) - len(absent)} of the "
+                f"{len(index.files)} shards its {INDEX} names (missing: "
+                f"{_some(absent)}): planning prices every layer from its shard's header",
+                hint="plan on a host that holds the whole checkpoint (a host that only "
+                "runs a stage needs only its own shards)")
     files = sorted(path.glob(WEIGHT_GLOB))
     if not files:
         raise ConfigError(f"model directory {path} holds no {WEIGHT_GLOB} files",
@@ -141,32 +187,17 @@ def _tensors(path: Path) -> dict[str, TensorEntry]:
                 raise ConfigError(f"model {path}: tensor {name!r} is in both {where[name].name} "
                                   f"and {file.name}", hint=DAMAGED)
             tensors[name], where[name] = entry, file
-    if (path / INDEX).exists():
-        _check_index(path / INDEX, where)
+    if index is not None:
+        for name, shard in sorted(index.weight_map.items()):
+            if name not in where or where[name].name != shard:
+                raise ConfigError(f"{path / INDEX} places tensor {name!r} in {shard}, which "
+                                  "does not hold it", hint=DAMAGED)
     return tensors
 
 
-def _check_index(index: Path, where: dict[str, Path]) -> None:
-    try:
-        data = json.loads(index.read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"{index} cannot be read: {exc.strerror or exc}",
-                          hint="check its permissions") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{index} is not valid JSON: {exc}", hint=DAMAGED) from exc
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict):
-        raise ConfigError(f"{index} has no 'weight_map' object", hint=DAMAGED)
-    for name, file in sorted(weight_map.items()):
-        if not isinstance(file, str):
-            raise ConfigError(f"{index}: tensor {name!r} maps to {file!r}, not a file name",
-                              hint=DAMAGED)
-        if not (index.parent / file).is_file():
-            raise ConfigError(f"{index} places tensor {name!r} in {file}, which is missing",
-                              hint=DAMAGED)
-        if name not in where or where[name].name != file:
-            raise ConfigError(f"{index} places tensor {name!r} in {file}, which does not "
-                              "hold it", hint=DAMAGED)
+def _some(names: list[str], shown: int = 3) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _tied(config: dict[str, Any], tensors: dict[str, TensorEntry]) -> bool:
@@ -200,14 +231,16 @@ def _activation_dtype_bytes(path: Path, tensors: dict[str, TensorEntry]) -> int:
                       hint="this checkpoint is not a supported mlx-lm model")
 
 
-def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None
-                ) -> int:
-    """``key`` at the top of config.json or under ``text_config``: a positive integer."""
+def _config_int(config: dict[str, Any], key: str, source: str, default: int | None = None,
+                least: int = 1) -> int:
+    """``key`` at the top of config.json or under ``text_config``: an integer, at least
+    ``least`` (positive unless told)."""
     for where, table in (("", config), ("text_config.", config.get("text_config"))):
         if isinstance(table, dict) and table.get(key) is not None:
             value = table[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{source}: '{where}{key}' must be a positive integer, "
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+                raise ConfigError(f"{source}: '{where}{key}' must be {kind}, "
                                   f"not {value!r}", hint=DAMAGED)
             return value
     if default is None:

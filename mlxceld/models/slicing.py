@@ -4,20 +4,40 @@
 loader, lazily, then prunes it: the other layers go, the embeddings stay only on
 the first stage (and on the last when the head is tied to them), the final norm
 and the head only on the last. Only what is left is evaluated, so the weights
-of the other stages are never read from disk. ``forward`` is the family's own
-forward over the slice: the same masks, the same layer calls, the same head.
+of the other stages are never read from disk, and a directory that holds only
+the stage's shards (``shards.stage_files``, beside config.json, the index and
+the tokenizer) loads the stage as the whole checkpoint does. What is evaluated
+goes layer by layer, reported to ``progress(done, total)`` (parameter bytes).
+``forward`` is the family's own forward over the slice: the same masks, the same
+layer calls, the same head.
 
 Activations between stages are [b, n, hidden_size] in the stage's ``dtype``
 (b sequences in one batch, their caches merged); the first stage takes int32
-token ids [b, n]; the last returns the float32 log-probabilities of the last
-position [b, vocab_size]. ``input_spec`` bounds
+token ids [b, n]; the last returns the log-probabilities of the last position
+[b, vocab_size], computed in the model's dtype as mlx-lm computes them and
+handed over as float32. ``input_spec`` bounds
 what a stage accepts, for the network layer to check before it copies.
+
+Families (``FAMILIES``, keyed by ``families.SUPPORTED``'s names, the one list):
+every one has mlx-lm's common shape, ``model.model.{embed_tokens, layers, norm}``
+plus ``lm_head`` or tied embeddings, and an inner loop ``layer(h, mask, cache)``.
+What differs between them is a ``Family``: the embeddings scaled (gemma3), masks
+as arrays rather than ``"causal"`` (deepseek_v3's multi-head latent attention adds
+them to its positional scores), and which layers attend over a sliding window
+(llama's ``layer_types``, gemma3's every n-th global layer, gpt_oss's
+``layer_types``). Each layer's cache is the one the family's own ``make_cache``
+makes for that layer of the whole model (a window's ``RotatingKVCache``, else a
+``KVCache``; deepseek_v3 keeps its compressed latent in a ``KVCache``).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,17 +45,79 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
+from mlxceld.models.families import SUPPORTED, check_family
+from mlxceld.models.shards import INDEX, missing_files, read_index, stage_files
 from mlxceld.wire.envelope import TensorSpec
 from mlxceld.wire.mx_tensors import wire_dtype
 
 log = logging.getLogger(__name__)
 
-# Families whose Model is model.{embed_tokens, layers, norm} plus lm_head or tied
-# embeddings, and whose inner loop is layer(h, mask, cache). mistral loads as llama.
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = ["MAX_STEP_TOKENS", "SUPPORTED", "StageModel", "load_stage"]
+
+# The families this module splits: one list, families.SUPPORTED (the daemon reads it
+# without importing mlx), re-exported here; FAMILIES below holds each one's hooks.
+
+
+def _no_window(inner: Any, index: int) -> bool:
+    return False
+
+
+def _uses_sliding(inner: Any, index: int) -> bool:
+    """llama: ``layer_types`` in config.json made the layer a window's (``use_sliding``)."""
+    return bool(getattr(inner.layers[index], "use_sliding", False))
+
+
+def _gemma_sliding(inner: Any, index: int) -> bool:
+    """gemma3: every ``sliding_window_pattern``-th layer global, the others a window's."""
+    return bool(inner.layers[index].self_attn.is_sliding)
+
+
+def _typed_sliding(inner: Any, index: int) -> bool:
+    """gpt_oss: ``layer_types`` in config.json (alternating when absent)."""
+    return bool(inner.layer_types[index] == "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's inner model differs from the common loop (see the module docstring).
+
+    ``sliding(inner, i)``: whether layer ``i`` of the whole model attends over a
+    window, asked of the unpruned inner model; ``window``: the inner model's
+    attribute holding the window's size. ``scaled_embeddings``: the embeddings are
+    multiplied by sqrt(hidden_size) rounded to bfloat16, as gemma does.
+    ``array_masks``: masks are boolean arrays, never the ``"causal"`` shortcut.
+    ``text_model``: where a multimodal ``Model`` keeps the text model that has the
+    common shape (gemma3: ``language_model``; its vision tower is never loaded).
+    """
+
+    sliding: Callable[[Any, int], bool] = _no_window
+    window: str | None = None
+    scaled_embeddings: bool = False
+    array_masks: bool = False
+    text_model: str | None = None
+
+
+# model_type -> Family. mistral loads with llama's classes.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(sliding=_uses_sliding, window="sliding_window"),
+    "mistral": Family(sliding=_uses_sliding, window="sliding_window"),
+    "qwen2": Family(),
+    "qwen3": Family(),
+    "qwen3_moe": Family(),
+    "mixtral": Family(),
+    "glm4_moe": Family(),
+    "phi3": Family(),
+    "gemma3_text": Family(sliding=_gemma_sliding, window="window_size",
+                          scaled_embeddings=True),
+    "gemma3": Family(sliding=_gemma_sliding, window="window_size", scaled_embeddings=True,
+                     text_model="language_model"),
+    "deepseek_v3": Family(array_masks=True),
+    "gpt_oss": Family(sliding=_typed_sliding, window="window_size"),
+}
 # The most tokens one forward step takes (a prefill chunk); what input_spec allows.
 MAX_STEP_TOKENS = 8192
 
@@ -50,26 +132,56 @@ class StageModel:
     """
 
     def __init__(self, model: Any, start: int, end: int) -> None:
-        inner = model.model
+        self.model_type: str = model.model_type
+        self.family: Family = _family(self.model_type)
+        # The text model with the common shape: the model itself, or a multimodal one's.
+        text = getattr(model, self.family.text_model) if self.family.text_model else model
+        inner = text.model
         self.num_layers: int = len(inner.layers)
         _check_range(start, end, self.num_layers)
         self.start, self.end = start, end
         self.first, self.last = start == 0, end == self.num_layers
-        self.tied: bool = "lm_head" not in model
-        self.hidden_size: int = model.args.hidden_size
-        self.vocab_size: int = model.args.vocab_size
+        self.tied: bool = "lm_head" not in text
+        self.hidden_size: int = text.args.hidden_size
+        self.vocab_size: int = text.args.vocab_size
         self.model = model
+        self._text = text
+        # Asked of the whole model, before pruning: what each own layer is.
+        self._sliding = [self.family.sliding(inner, i) for i in range(start, end)]
+        self._window: int | None = (getattr(inner, self.family.window)
+                                    if self.family.window else None)
+        self._caches = self._whole_model_caches()[start:end]
         inner.layers = inner.layers[start:end]
         if not (self.first or (self.last and self.tied)):
             del inner.embed_tokens
         if not self.last:
             del inner.norm
             if not self.tied:
-                del model.lm_head
+                del text.lm_head
         self.layers: list[Any] = list(inner.layers)
         self.dtype: Any = _float_dtype(self.layers[0])
         self.wire_dtype: str = _wire_name(self.dtype)
-        self._window: int | None = getattr(inner, "sliding_window", None)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Refuse, before any weight is read, experts that mlx cannot run here: its CPU
+        backend multiplies unquantized experts (``gather_mm``) in float32 only."""
+        for layer in self.layers:
+            for _, module in layer.named_modules():
+                if isinstance(module, SwitchLinear) and not _gather_mm_runs(module.weight.dtype):
+                    raise ConfigError(
+                        f"model {self.model_type}: its experts are {module.weight.dtype}, "
+                        f"which mlx cannot multiply on this machine ({mx.default_device()})",
+                        hint="use a float32 or a quantized copy of the checkpoint "
+                             "(mlx_lm.convert --dtype float32, or -q), or a Mac's GPU")
+
+    def _whole_model_caches(self) -> list[Any]:
+        caches: list[Any] = make_prompt_cache(self.model)
+        if len(caches) != self.num_layers:
+            raise ConfigError(f"model {self.model_type}: its make_cache gives {len(caches)} "
+                              f"caches for {self.num_layers} layers",
+                              hint="this mlx-lm model class cannot be split into stages")
+        return caches
 
     @property
     def nbytes(self) -> int:
@@ -77,9 +189,9 @@ class StageModel:
         return sum(v.nbytes for v in _leaves(self.model.parameters()))
 
     def make_cache(self) -> list[Any]:
-        """One mlx-lm KV cache per own layer, as ``model.make_cache`` makes them."""
-        caches: list[Any] = make_prompt_cache(self.model)
-        return caches
+        """One fresh mlx-lm cache per own layer: the kind the family's ``make_cache``
+        gives that layer of the whole model."""
+        return [copy.deepcopy(c) for c in self._caches]
 
     def input_spec(self, max_tokens: int = MAX_STEP_TOKENS) -> TensorSpec:
         """What ``forward`` accepts, as the wire checks it: token ids on the first
@@ -93,8 +205,9 @@ class StageModel:
         """Run this stage's layers over ``x`` with ``cache`` (from ``make_cache``).
 
         First stage: ``x`` is int32 token ids [b, n]; else hidden [b, n, hidden_size].
-        Returns hidden [b, n, hidden_size], or on the last stage the float32
-        log-probabilities of the last position [b, vocab_size]; evaluated.
+        Returns hidden [b, n, hidden_size], or on the last stage the log-probabilities of
+        the last position [b, vocab_size] (mlx-lm's, in the model's dtype, as float32);
+        evaluated.
 
         ``overlap``: hand each layer to mlx as soon as its graph is built
         (``mx.async_eval``), so that building the next layer's graph in Python overlaps
@@ -104,7 +217,7 @@ class StageModel:
         hide (tiny: +0.5 ms a step). Results are the same either way.
         """
         self._check_input(x, cache)
-        inner = self.model.model
+        inner = self._text.model
         if self.last and x.shape[1] > 1:
             # Only the caches are needed of all positions but the last: evaluating just
             # them (as mlx-lm's prefill does) skips the last layer's attention output and
@@ -118,22 +231,30 @@ class StageModel:
             return h
         # Norm and head act per position: only the last one is needed.
         h = inner.norm(h[:, -1:, :])
-        logits = inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
-        logits = logits[:, -1, :].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logits = inner.embed_tokens.as_linear(h) if self.tied else self._text.lm_head(h)
+        logits = logits[:, -1, :]
+        # Subtracted in the model's dtype, as mlx-lm's own steps (generate_step,
+        # BatchGenerator) do, then widened (exactly): greedy decoding is the argmax of this
+        # rounded result, and subtracting in float32 instead made a bfloat16 model's tokens
+        # part from mlx-lm's (and the single-host engine's) within 24 tokens for 1 to 5 of
+        # 5 prompts (tests/pipeline/test_compute.py).
+        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
         mx.eval(logprobs)
         return logprobs
 
     def _layers(self, x: Any, cache: list[Any], overlap: bool) -> Any:
-        inner = self.model.model
+        inner = self._text.model
         h = inner.embed_tokens(x) if self.first else x
-        masks: dict[bool, Any] = {}  # by use_sliding: made from that kind's first cache
+        if self.first and self.family.scaled_embeddings:
+            h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        masks: dict[bool, Any] = {}  # by sliding: made from that kind's first cache
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
-            sliding = bool(getattr(layer, "use_sliding", False))
+            sliding = self._sliding[i]
             if sliding not in masks:
-                window = self._window if sliding else None
-                masks[sliding] = create_attention_mask(h, c, window_size=window)
+                masks[sliding] = create_attention_mask(
+                    h, c, window_size=self._window if sliding else None,
+                    return_array=self.family.array_masks)
             h = layer(h, masks[sliding], c)
             # Not the last layer's output: the caller evaluates what it needs of it (on
             # the last stage's prefill, only its cache: its output there is not needed).
@@ -154,28 +275,94 @@ class StageModel:
                              f"{x.dtype}, expected {want}")
 
 
-def load_stage(path: str | Path, start: int, end: int) -> StageModel:
-    """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those."""
+Progress = Callable[[int, int], None]  # (bytes loaded, bytes to load)
+
+
+def load_stage(path: str | Path, start: int, end: int,
+               progress: Progress | None = None) -> StageModel:
+    """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those;
+    ``progress(done, total)`` hears of each layer loaded (parameter bytes)."""
     path = Path(path)
     config = _read_config(path)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED:
-        raise ConfigError(f"model {path}: model_type {model_type!r} cannot be split into "
-                          "pipeline stages",
-                          hint=f"supported model types: {', '.join(SUPPORTED)}")
+    model_type = check_family(config, str(path / "config.json"))  # UnsupportedFamily
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int):
         _check_range(start, end, layers, path)  # before any weight is touched
+    strict = _holds_every_shard(path, config, start, end)
     try:
-        model, _ = load_model(path, lazy=True)
+        model, _ = load_model(path, lazy=True, strict=strict)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model {path}: mlx-lm cannot load it: {exc}",
                           hint="check that it is a complete mlx-lm checkpoint") from exc
     stage = StageModel(model, start, end)
-    mx.eval(stage.model.parameters())
-    log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes",
-             start, end, stage.num_layers, path, model_type, stage.nbytes)
+    _evaluate(stage, progress)
+    log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes%s",
+             start, end, stage.num_layers, path, model_type, stage.nbytes,
+             "" if strict else ", from this stage's shards only")
     return stage
+
+
+@functools.cache
+def _gather_mm_runs(dtype: Any) -> bool:
+    """Whether mlx's ``gather_mm`` (unquantized experts) runs in ``dtype`` on this device."""
+    a, b = mx.zeros((1, 1, 2), dtype), mx.zeros((1, 2, 2), dtype)
+    try:
+        mx.eval(mx.gather_mm(a, b, rhs_indices=mx.array([0], dtype=mx.uint32)))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _family(model_type: str) -> Family:
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ConfigError(f"model_type {model_type!r} cannot be split into pipeline stages",
+                          hint=f"supported model types: {', '.join(SUPPORTED)}")
+    return family
+
+
+def _holds_every_shard(path: Path, config: dict[str, Any], start: int, end: int) -> bool:
+    """Whether ``path`` holds every shard its index names (then mlx-lm loads it strictly,
+    each weight checked against the model); when it holds only some, those this stage
+    needs must be there (the index says each weight they hold is), or the load is
+    refused here, naming them."""
+    index = read_index(path)
+    if index is None:
+        return True
+    absent = missing_files(path, index.files)
+    if not absent:
+        return True
+    layers = config.get("num_hidden_layers")
+    count = layers if isinstance(layers, int) else end
+    needed = stage_files(index, config, start, end, count)
+    lacking = [f for f in absent if f in needed]
+    if lacking:
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise ConfigError(
+            f"model {path}: stage layers [{start}, {end}) need {len(needed)} of the "
+            f"{len(index.files)} shards its {INDEX} names, and {len(lacking)} of them are "
+            f"missing: {', '.join(lacking[:3])}{more}",
+            hint="copy them into the model directory: a stage reads the shards of its "
+            "layers and of the embeddings, norm and head it keeps (mlxceld/models/shards.py)")
+    return False
+
+
+def _evaluate(stage: StageModel, progress: Progress | None) -> None:
+    """Read the stage's weights from disk: layer by layer, then the rest (embeddings,
+    norm, head), each step reported to ``progress``."""
+    total = stage.nbytes
+    done = 0
+    if progress is not None:
+        progress(done, total)
+    for layer in stage.layers:
+        params = layer.parameters()
+        mx.eval(params)
+        done += sum(v.nbytes for v in _leaves(params))
+        if progress is not None:
+            progress(done, total)
+    mx.eval(stage.model.parameters())
+    if progress is not None:
+        progress(total, total)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -9,6 +9,14 @@ afterwards, in arrival order, so each sequence's steps keep their order.
 
 Batching is what lets a stage serve several sequences for little more than the
 price of one on a machine whose step time is dominated by reading the weights.
+It does not change what a sequence gets: on mlx's CPU backend a batched step gives
+each sequence, bit for bit, what it gets alone (its ops act row by row, and the
+zeros of the left padding are masked out and summed before its own keys, exactly),
+and the last stage's log-probabilities are mlx-lm's, so greedy tokens under load
+are mlx-lm's for each prompt alone, in bfloat16 too (tests/pipeline/test_compute.py,
+test_loopback.py). On a GPU the batched kernels are not those of one sequence and may
+round otherwise, as in mlx-lm's BatchGenerator, whose batch caches and masks these are
+(not measured here).
 
 Runs one group at a time, on the stage's compute thread or (short decode
 steps) its event loop's thread: a sequence's caches may be made on one and used

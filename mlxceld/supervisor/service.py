@@ -31,12 +31,13 @@ from mlxceld.supervisor.states import (
     Transitioned,
 )
 from mlxceld.tasks import cancelling_group
-from mlxceld.types import JSON, WorkerKeys, WorkerState
+from mlxceld.types import JSON, LoadProgress, WorkerKeys, WorkerState
 
 log = logging.getLogger(__name__)
 
 ROTATE_EVERY_S = 5.0
 REMOVED_STOP_TIMEOUT_S = 10.0
+ASKED_STATS = frozenset({WorkerState.RUNNING, WorkerState.STARTING})  # by stats()
 STATS_TIMEOUT_S = 0.5  # a running worker that does not answer ``stats`` within this is left out
 
 
@@ -55,6 +56,8 @@ class Supervisor:
         self._log_backups = log_backups
         self._rand = rand
         self._runners: dict[str, WorkerRunner] = {}
+        # A starting worker's load, as the last one to ask it saw it (note_loading).
+        self._loading: dict[str, LoadProgress] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
 
@@ -151,6 +154,7 @@ class Supervisor:
         runner.post(StopRequested())
         await runner.wait_stopped()
         del self._runners[name]
+        self._loading.pop(name, None)
         self._table.delete(name)
         self._events.append("worker.removed", name, f"worker {name} removed from the config")
 
@@ -270,13 +274,25 @@ class Supervisor:
                 "rss_bytes": _rss(r.pid), "log": str(r.spec.log_path),
                 "keys": dict(r.keys) if r.keys is not None else None,
             })
+            loading = self._loading.get(name)
+            if loading is not None and m.state is WorkerState.STARTING:
+                out[-1]["loading"] = dict(loading)
         return out
 
+    def note_loading(self, name: str, progress: LoadProgress | None) -> None:
+        """What worker ``name`` said of its load (its ``loading`` stat), for ``snapshot``
+        (and so systemd's STATUS line) while it starts; None: it has loaded."""
+        if progress is None:
+            self._loading.pop(name, None)
+        else:
+            self._loading[name] = progress
+
     async def stats(self) -> dict[str, JSON]:
-        """Each running worker's own stats (its control channel's ``stats`` op), asked all at
-        once; a worker that does not answer within ``STATS_TIMEOUT_S`` is left out."""
+        """Each running or starting worker's own stats (its control channel's ``stats`` op:
+        a stage loading its weights says how far it is), asked all at once; a worker that
+        does not answer within ``STATS_TIMEOUT_S`` is left out."""
         running = [(name, r) for name, r in sorted(self._runners.items())
-                   if r.machine.state is WorkerState.RUNNING and r.pid is not None]
+                   if r.machine.state in ASKED_STATS and r.pid is not None]
 
         async def ask(runner: WorkerRunner) -> JSON | None:
             try:

@@ -10,12 +10,17 @@ Every state change returns exactly one ``Transitioned``, first in the list.
     STARTING/RUNNING --clean exit--> EXITED            (finished on its own)
     STARTING/RUNNING --failed exit--> BACKOFF --retry--> STARTING
     STARTING/RUNNING --failed exit--> FAILED           (too many exits in the flap window)
+    STARTING/RUNNING --fatal exit--> FAILED            (kind "config": a restart cannot help)
     STARTING/RUNNING --stop--> STOPPING --exit--> EXITED (or STARTING if a start came meanwhile)
     RUNNING --too many failed probes--> STOPPING --exit--> BACKOFF (a failure)
     RUNNING --busy, no step for stall_timeout_s--> STOPPING --exit--> BACKOFF (the watchdog)
 
 A failed exit is any exit that is not clean, a spawn failure, or any exit
 after we killed the worker for a start timeout or failed health probes.
+A fatal exit (``ExitCause.fatal``: the worker refused its options, or could not
+load the model they name, exiting ``roles.options.EXIT_CONFIG`` with its exit
+record's kind ``config``) is a failed exit that goes to FAILED at once: the same
+start would fail the same way. ``mlxctl restart`` starts it again, once fixed.
 
 The whole lifecycle is the ``_TRANSITIONS`` table at the end of this module.
 An event that has no row for the current state is ignored: ``handle`` returns
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from mlxceld.types import WorkerState
 
@@ -65,6 +70,10 @@ class RestartPolicy:
                 raise ValueError(f"RestartPolicy.{f.name} must {rule}, got {value!r}")
 
 
+# Exit kinds after which the worker is not restarted: FAILED at once (see ExitCause.fatal).
+FATAL_KINDS: Final = frozenset({"config"})
+
+
 @dataclass(frozen=True)
 class ExitCause:
     """Why a worker process ended; classified elsewhere, consumed here."""
@@ -78,6 +87,12 @@ class ExitCause:
     @property
     def clean(self) -> bool:
         return self.kind == "clean"
+
+    @property
+    def fatal(self) -> bool:
+        """A worker that refused its options or could not load what they name (``config``:
+        ``workers/runtime.py``): another start fails the same way, so none is made."""
+        return self.kind in FATAL_KINDS
 
 
 # -- Input events -------------------------------------------------------------
@@ -279,8 +294,14 @@ class Lifecycle:
         return [*actions, SendSignal("TERM")]
 
     def _fail(self, cause: ExitCause, now: float) -> list[Action]:
-        """A failed exit: FAILED if it flaps, else BACKOFF with an exponential delay."""
+        """A failed exit: FAILED if it is fatal or flaps, else BACKOFF with an exponential
+        delay."""
         self._reap(cause)
+        if cause.fatal:
+            # What to do next is the caller's to say: `mlxctl restart` once fixed
+            # (supervisor/health.py), or a new plan (the assignment's stage host).
+            return self._enter(WorkerState.FAILED, f"{cause.summary} (not restarted: the "
+                               "same start would fail the same way)")
         p = self.policy
         self._exits = [t for t in self._exits if now - t <= p.flap_window_s] + [now]
         if len(self._exits) >= p.flap_max_exits:

@@ -51,6 +51,7 @@ from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.workers.runtime import WorkerContext
+from mlxceld.workers.wired import set_wired_limit
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
 STATS_EVERY_S = 1.0
@@ -163,6 +164,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
 
     engine: Any
     try:
+        if o.pipeline is None:  # a pipeline's router holds no weights
+            set_wired_limit()
         if o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:

@@ -14,7 +14,12 @@ supervisor's watchdog reads; a worker with the cluster keyring carries ``keys``
 
 The role's options are read once, here, into their typed spec
 (``workers/options.py``): a bad one is named in the log and the exit record
-(kind ``config``) and the worker exits ``EXIT_CONFIG`` before its role runs.
+(kind ``config``) and the worker exits ``EXIT_CONFIG`` before its role runs. A
+role that raises ``ConfigError`` (a stage whose model cannot be loaded: a family
+it does not split, a missing shard, a bad config.json) exits the same way, its
+message and hint in the record, at once (``exit_at_once``: no interpreter teardown,
+where mlx may abort): the supervisor does not restart a ``config`` exit
+(``supervisor/states.py``), since the same start would fail the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from mlxceld.errors import ConfigError
 from mlxceld.net import retire_streams, streams_under
@@ -59,6 +64,7 @@ log = logging.getLogger(__name__)
 MAX_BOOTSTRAP = 1 << 20
 MAX_REQUEST = 64 * 1024
 CHANNEL_IDLE_S = 30.0  # a control connection that sends nothing for this long is closed
+MAX_SUMMARY = 1000  # characters of a ConfigError's message and hint kept in the exit record
 
 Opts = TypeVar("Opts", bound=WorkerOptions)
 
@@ -259,6 +265,18 @@ async def run_worker(boot: WorkerBootstrap, options: WorkerOptions) -> int:
         server.close()
 
 
+def exit_at_once(code: int) -> NoReturn:
+    """Exit with ``code`` without the interpreter's teardown. After a model failed to load,
+    mlx may still hold a native thread whose destruction aborts the process at teardown
+    ("terminate called without an active exception": SIGABRT, 1 run in 3 here), and the
+    supervisor would read a crash, not this exit and its record."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -276,6 +294,12 @@ def main(argv: list[str]) -> int:
         return EXIT_CONFIG
     try:
         code = asyncio.run(run_worker(boot, options))
+    except ConfigError as exc:  # e.g. a stage's model it cannot load: a restart cannot help
+        said = exc.message + (f"; {exc.hint}" if exc.hint else "")
+        summary = " ".join(said.split())[:MAX_SUMMARY]  # one line, as a status shows it
+        log.error("worker %s %s", boot["name"], summary)
+        write_exit_record(exit_record, EXIT_CONFIG, "config", summary)
+        exit_at_once(EXIT_CONFIG)
     except Exception as exc:
         traceback.print_exc()
         last = traceback.format_exception_only(exc)[-1].strip()

@@ -15,7 +15,14 @@ Its health answer carries its progress (steps, the last step's time, whether it
 has steps to run: ``types.WorkerProgress``), which the supervisor's watchdog reads.
 
 Start-up binds the listener first (a port in use fails at once, named), loads
-only this stage's layers, then accepts connections and reports ready.
+only this stage's layers, then accepts connections and reports ready. While it
+loads, its stats carry ``loading`` (``types.LoadProgress``: parameter bytes read
+of those to read, updated layer by layer), which the daemon's assignment waits
+on (``cluster/assignment/stagehost.py``) and ``mlxctl status`` shows. A model it
+cannot load (``ConfigError`` from ``load_stage``: a family it does not split, a
+missing shard, a bad config.json) ends the worker with ``EXIT_CONFIG``, the reason
+in its exit record, "stage stage-1 failed to load layers [2, 4): ...": its
+supervisor marks it failed and does not restart it.
 
 Stopping (SIGTERM, from the daemon or anyone): the stage drains first
 (``StageService.drain``): new sequences are refused (``draining``: the router
@@ -30,12 +37,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
+from mlxceld import failpoints
+from mlxceld.errors import ConfigError
 from mlxceld.net import Listener
 from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
 from mlxceld.roles.options import StageOptions
-from mlxceld.types import JSON
+from mlxceld.types import JSON, LoadProgress
 from mlxceld.wire.address import parse_address
 from mlxceld.workers.runtime import WorkerContext, progress_report
 
@@ -84,8 +94,30 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
     try:
         from mlxceld.models.slicing import load_stage
         from mlxceld.wire.mx_tensors import wire_dtype
+        from mlxceld.workers.wired import set_wired_limit
 
-        model = await asyncio.to_thread(load_stage, o.model, *place.layers)
+        set_wired_limit()
+
+        loop, since = asyncio.get_running_loop(), time.time()
+
+        def loaded(done: int, total: int) -> None:  # in load_stage's thread
+            report = LoadProgress(done=done, total=total, since=since)
+            loop.call_soon_threadsafe(ctx.stats.update, {"loading": report})
+            if failpoints.STAGE_LAYER_S is not None and done < total:  # tests: a slow disk
+                until = time.monotonic() + failpoints.STAGE_LAYER_S
+                while time.monotonic() < until and not ctx.stopping.is_set():
+                    time.sleep(0.05)
+
+        # Its reports are queued before the thread ends, so they all land before this pop.
+        try:
+            model = await asyncio.to_thread(load_stage, o.model, *place.layers, loaded)
+        except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
+            raise ConfigError(f"stage {place.node_id} failed to load layers "
+                              f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",
+                              hint=exc.hint) from exc
+        ctx.stats.pop("loading", None)
+        log.info("stage %s loaded %d parameter bytes in %.1f s", place.node_id, model.nbytes,
+                 time.time() - since)
         wire = wire_dtype(model.dtype)
         if wire is None:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "

@@ -65,7 +65,8 @@ class HeldStage:
     gates: dict[int, asyncio.Event] = field(default_factory=dict)
 
     def facts(self, port: int) -> PeerFacts:
-        return PeerFacts(__version__, "c1", MODEL, 4, PEER_HOST, frozenset({port}))
+        return PeerFacts(__version__, "c1", MODEL, 4, PEER_HOST, frozenset({port}),
+                         model_family="llama")
 
     def gate(self, epoch: int) -> asyncio.Event:
         return self.gates.setdefault(epoch, asyncio.Event())
@@ -79,6 +80,9 @@ class HeldStage:
 
     async def stop_stage(self) -> None:
         self.calls.append("stop")
+
+    def loading(self) -> None:
+        return None
 
 
 @dataclass

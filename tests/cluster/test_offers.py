@@ -8,6 +8,7 @@ import pytest
 
 from mlxceld.cluster.assignment.offers import Refusal, parse_offer
 from mlxceld.cluster.clusterfile.load import ClusterConfig
+from mlxceld.models.families import SUPPORTED
 
 from helpers.offers import BOUND, ME, OFFER, TOML, verdict
 
@@ -35,6 +36,8 @@ def test_a_good_offer_gives_the_cluster_to_run() -> None:
     ({"toml": TOML.replace("127.0.0.3:19101", "no-such-host.invalid:19101")}, {}, BOUND,
      "listener", False),
     ({}, {}, "127.0.0.7:19000", "coordinator", False),
+    ({}, {"model_family": "mamba"}, BOUND, "model_family", True),
+    ({}, {"model_family": None}, BOUND, "model_family", True),
 ])
 def test_each_refusal(change: dict[str, object], me_change: dict[str, object], bound: str,
                       code: str, final: bool) -> None:
@@ -70,6 +73,12 @@ def test_the_checks_run_in_order() -> None:
     # A wrong package version and a wrong model: the version is named (it comes first).
     got = verdict(dataclasses.replace(OFFER, package_version="0.9", model_identity="cd" * 32))
     assert isinstance(got, Refusal) and got.code == "package_version"
+
+
+def test_a_family_not_split_is_refused_naming_it_and_the_supported_ones() -> None:
+    got = verdict(OFFER, dataclasses.replace(ME, model_family="mamba"))
+    assert isinstance(got, Refusal) and got.code == "model_family" and got.final, got
+    assert "'mamba'" in got.reason and all(f in got.reason for f in SUPPORTED), got
 
 
 def test_parse_offer_names_the_bad_field() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from mlxceld.cluster.clusterfile.placement import pipeline_options, place, stage_options
-from mlxceld.errors import ConfigError
+from mlxceld.errors import ConfigError, UnsupportedFamily
 from mlxceld.models import model_identity
+from mlxceld.models.families import SUPPORTED
 
 from helpers.clusterfile import write_cluster_toml
 
@@ -48,6 +50,18 @@ def test_a_model_is_required(tmp_path: Path, split_fixture_dir: Path) -> None:
     with pytest.raises(ConfigError, match="--model"):
         place(path, "s0")
     assert place(path, "s0", str(split_fixture_dir / "llama")).node.id == "s0"
+
+
+def test_a_family_not_split_is_refused_naming_the_file(tmp_path: Path,
+                                                       split_fixture_dir: Path) -> None:
+    model = tmp_path / "mamba"
+    model.mkdir()
+    config = json.loads((split_fixture_dir / "llama" / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    path = write_cluster_toml(tmp_path, model, [(0, 2), (2, 4)])
+    with pytest.raises(UnsupportedFamily, match=f"^{path}: .*model_type 'mamba'") as info:
+        place(path, "s0")  # no weight file there: refused before any is looked for
+    assert all(f in info.value.message for f in SUPPORTED)
 
 
 def test_an_unknown_node_id_lists_the_known_ones(tmp_path: Path,

@@ -1,7 +1,9 @@
 """A peer's ``LocalStageHost`` over a real supervisor and a real stage worker process: a
 stage that fails at once makes ``prepare_stage`` raise at once, naming the worker's state
-and why, whether the failure is final (FAILED) or to be retried (BACKOFF). The daemon's
-side is our own seam: the roster of the placement, as the daemon draws it."""
+and why, whether the failure is final (FAILED) or to be retried (BACKOFF); a load that
+goes on (each layer slowed down: ``MLXCELD_TEST_STAGE_LAYER_S``) is waited for however long
+it takes, one that stops advancing fails. The daemon's side is our own seam: the roster of
+the placement, as the daemon draws it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.cluster.assignment import stagehost
 from mlxceld.cluster.assignment.peer import PREPARE_S
 from mlxceld.cluster.assignment.stagehost import LocalStageHost
 from mlxceld.cluster.clusterfile.placement import Placement
@@ -24,6 +27,9 @@ from mlxceld.roster import Situation, draw_roster
 from mlxceld.state import EventLog, WorkersTable, open_db
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.types import JSON
+
+from helpers.ports import free_port
 
 PROMPT_S = 20.0  # a worker's start (imports) and its first exit; PREPARE_S is 60 s
 
@@ -114,3 +120,75 @@ def test_a_stage_that_fails_at_once_is_reported_at_once(state_dir: Path, fixture
     assert took < PROMPT_S < PREPARE_S
     assert message.startswith(f"stage worker is {state}: ")
     assert "cannot listen on 127.0.0.1:" in message and "for stage stage-0" in message
+
+
+async def prepare_with_a_slow_disk(state_dir: Path, model: Path
+                                   ) -> tuple[float, DaemonError | None, list[JSON]]:
+    """``prepare_stage`` of a stage whose every layer takes ``MLXCELD_TEST_STAGE_LAYER_S``
+    to load. Returns how long prepare took, what it raised, and each ``loading`` the
+    supervisor's snapshot showed meanwhile (what systemd's STATUS line is made of)."""
+    db = open_db(state_dir / "state.db")
+    events = EventLog(db)
+    supervisor = Supervisor(WorkersTable(db), events, health_interval_s=5.0,
+                            log_max_bytes=1 << 20, log_backups=1)
+    config = Config(state_dir=state_dir, socket=state_dir / "ctl.sock", pp_peer=True)
+    slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
+    host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
+                          model=lambda: str(model), agent_host=lambda: "127.0.0.1")
+    seen: list[JSON] = []
+    error: DaemonError | None = None
+
+    async def watch() -> None:
+        while True:
+            seen.extend(w["loading"] for w in supervisor.snapshot() if "loading" in w)
+            await asyncio.sleep(0.1)
+
+    async with asyncio.TaskGroup() as tg:
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        tg.create_task(supervisor.run(started))
+        await started
+        watching = tg.create_task(watch())
+        begun = time.monotonic()
+        try:
+            async with asyncio.timeout(PROMPT_S * 2):
+                await host.prepare_stage(1, "stage-0", cluster_toml(free_port("127.0.0.1")))
+        except DaemonError as exc:
+            error = exc
+        took = time.monotonic() - begun
+        try:
+            watching.cancel()
+            await host.stop_stage()
+        finally:
+            supervisor.close()
+    return took, error, seen
+
+
+@pytest.fixture
+def fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stagehost, "PROGRESS_EVERY_S", 0.1)
+    monkeypatch.setattr(stagehost, "LOAD_STALL_S", 1.5)
+
+
+@pytest.mark.usefixtures("fast_polls")
+def test_a_load_that_advances_is_waited_for_past_the_stall_bound(
+        state_dir: Path, fixture_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound is on no progress, not on the whole load: each layer takes 0.6 s (three
+    steps), the whole prepare longer than LOAD_STALL_S (1.5 s here), and it succeeds."""
+    monkeypatch.setenv("MLXCELD_TEST_STAGE_LAYER_S", "0.6")
+    took, error, seen = asyncio.run(prepare_with_a_slow_disk(state_dir, fixture_dir / "llama"))
+    assert error is None
+    assert took > 3 * 0.6 > stagehost.LOAD_STALL_S
+    done = [p["done"] for p in seen]
+    assert done == sorted(done) and len(set(done)) >= 2, seen
+    assert all(p["total"] == seen[0]["total"] > 0 for p in seen)
+
+
+@pytest.mark.usefixtures("fast_polls")
+def test_a_load_that_stalls_fails_naming_where(state_dir: Path, fixture_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stagehost, "LOAD_STALL_S", 0.6)
+    monkeypatch.setenv("MLXCELD_TEST_STAGE_LAYER_S", "1.5")
+    _, error, _ = asyncio.run(prepare_with_a_slow_disk(state_dir, fixture_dir / "llama"))
+    assert error is not None
+    assert error.message == "stage worker's load made no progress for 0.6 s (at 0 bytes)"
+    assert "mlxctl logs stage" in error.hint

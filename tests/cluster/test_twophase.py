@@ -19,6 +19,7 @@ from mlxceld.cluster.assignment.coordinator_round import (
     PeerActivated,
     PeerCommitted,
     PeerFailed,
+    PeerLoad,
     PeerLost,
     Persist,
     Phase,
@@ -51,6 +52,7 @@ from mlxceld.cluster.assignment.peer_round import (
     Restarted,
     StageAction,
     StagePrepared,
+    StillLoading,
     Superseded,
 )
 
@@ -113,6 +115,22 @@ def test_offer_deadline_and_heartbeats() -> None:
     assert r.handle_timer(offer_end) == []
     out = r.handle_timer(offer_end + 20)
     assert isinstance(out[-1], Finished) and "stage-2: did not accept in time" in out[-1].summary
+
+
+def test_heartbeats_say_how_far_each_peer_has_loaded() -> None:
+    """Kept for the operator (bring-up's ``loading``): a peer's last word, until it votes;
+    a heartbeat without one keeps what was said; nothing moves in the round."""
+    r = CoordinatorRound(1, PEERS, started=0.0)
+    r.start()
+    r.on_preparing("stage-0", 2, PeerLoad(10, 100, 1.5))
+    r.on_preparing("stage-1", 2)
+    r.on_preparing("stage-0", 4)
+    assert r.loading() == {"stage-0": PeerLoad(10, 100, 1.5)}
+    r.on_preparing("stage-0", 6, PeerLoad(60, 100, 5.5))
+    assert r.loading() == {"stage-0": PeerLoad(60, 100, 5.5)}
+    assert r.progress()["stage-0"] == ("loading", "")  # no step per heartbeat
+    r.on_accepted("stage-0", 7)
+    assert r.loading() == {}
 
 
 def test_commit_window_then_abort() -> None:
@@ -419,6 +437,25 @@ def test_the_wait_between_phases_is_separate_from_loading() -> None:
     assert r.deadline == 102.0
 
 
+def test_a_load_that_goes_on_is_waited_for_past_prepare_s() -> None:
+    """A big stage loads for minutes: each sign that it still loads (the shell's heartbeat,
+    while the StageHost sees its bytes advance) moves the deadline; silence does not."""
+    p = PeerRound(6, prepare_s=10.0)
+    p.on_offer_accepted(0)
+    for now in range(5, 100, 5):
+        assert p.on_still_loading(now) == [] and p.deadline == now + 10.0
+        assert p.handle_timer(now + 1) == []
+    assert p.on_prepared(101) == [Record("accepted"), Reply("accepted")]
+    q = PeerRound(7, prepare_s=10.0)
+    q.on_offer_accepted(0)
+    q.on_still_loading(5)
+    out = q.handle_timer(15)
+    assert out[0] == StageAction("stop") and q.state == "waiting"
+    assert out[-1] == Reply("refused", "the stage could not be prepared: loading gave no "
+                            "sign for 10 s")
+    assert q.on_still_loading(20) == []  # after the round moved on: nothing
+
+
 def test_a_deactivated_round_stops_its_stage_whatever_its_state() -> None:
     p = PeerRound(2)
     p.on_offer_accepted(0)
@@ -559,6 +596,7 @@ PEER_INPUTS: list[tuple[type[object], Callable[[PeerRound], list[Any]]]] = [
     (OfferRefused, lambda p: p.on_offer_refused("model", "other model", True)),
     (OfferRefused, lambda p: p.on_offer_refused("busy", "plan 4 is committed", False)),
     (StagePrepared, lambda p: p.on_prepared(500)),
+    (StillLoading, lambda p: p.on_still_loading(500)),
     (PrepareFailed, lambda p: p.on_prepare_failed("out of memory")),
     (CommitReceived, lambda p: p.on_commit(500)),
     (ActivateReceived, lambda p: p.on_activate()),

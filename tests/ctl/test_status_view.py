@@ -114,3 +114,15 @@ def test_status_shows_the_view_in_place_of_the_links_and_the_problems_below() ->
                          "active plan is dead since ...\n    next: check the host")
     body["pipeline"] = None  # a peer, or an older daemon: the router's links as before
     assert "cluster: plan" not in render.status(body)
+
+
+def test_a_loading_stage_says_how_far_it_is() -> None:
+    """``mlxctl status``: a stage loading its weights (its ``loading`` stat)."""
+    workers = [{"name": "stage", "stats": {"loading": {"done": 43 * 2**28, "total": 100 * 2**28,
+                                                       "since": NOW - 12.4}}},
+               {"name": "router", "stats": {"steps": 3}}, {"name": "other", "stats": None}]
+    assert render.loading(workers, NOW) == ["stage: loading 43% of 25.0 GiB, 12 s"]
+    small = [{"name": "stage", "stats": {"loading": {"done": 0, "total": 3 * 2**20,
+                                                     "since": NOW}}}]
+    assert render.loading(small, NOW) == ["stage: loading 0% of 3.0 MiB, 0 s"]
+    assert render.loading([{"name": "stage", "stats": {"loading": {"done": "x"}}}], NOW) == []

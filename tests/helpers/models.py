@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm
+from mlx_lm.generate import generate_step
 
 from mlxceld.models import preset, write_fixture
 
@@ -27,3 +29,29 @@ def expected(model: Path, prompt: str, n: int) -> str:
     m, tok = mlx_lm.load(str(model))
     text: str = mlx_lm.generate(m, tok, prompt, max_tokens=n)
     return text
+
+
+def greedy_reference(model: Path, prompt: str, n: int) -> tuple[list[int], list[int], list[Any]]:
+    """The prompt's token ids, then mlx-lm's greedy tokens and log-probabilities for ``n``
+    steps on the whole model, loaded with plain ``mlx_lm.load``."""
+    m, tok = mlx_lm.load(str(model))[:2]
+    ids: list[int] = tok.encode(prompt)
+    steps = list(generate_step(mx.array(ids), m, max_tokens=n))
+    return ids, [int(t) for t, _ in steps], [lp for _, lp in steps]
+
+
+def chained_greedy(stages: list[Any], prompt: list[int], n: int) -> tuple[list[int], list[Any]]:
+    """``prompt`` through ``stages`` (``StageModel``s of consecutive layers, chained in this
+    process, one cache each), then ``n`` greedy steps: the tokens and log-probabilities."""
+    caches = [stage.make_cache() for stage in stages]
+    x = mx.array([prompt], dtype=mx.int32)
+    tokens, logprobs = [], []
+    for _ in range(n):
+        h = x
+        for stage, cache in zip(stages, caches, strict=True):
+            h = stage.forward(h, cache)
+        token = int(mx.argmax(h, axis=-1).item())
+        tokens.append(token)
+        logprobs.append(h[0])
+        x = mx.array([[token]], dtype=mx.int32)
+    return tokens, logprobs

@@ -46,7 +46,8 @@ OFFER = Offer(epoch=5, assignment_version=ASSIGNMENT_VERSION, package_version="1
               cluster="c1", model_identity="ab" * 32, stage=1, layers=(3, 4),
               node_id="stage-1", port=19101, coordinator="127.0.0.1:19000", toml=TOML)
 ME = PeerFacts(package_version="1.0", cluster="c1", model_identity="ab" * 32, num_layers=4,
-               agent_host="127.0.0.3", ports=frozenset({19101, 19102}))
+               agent_host="127.0.0.3", ports=frozenset({19101, 19102}),
+               model_family="qwen3")
 BOUND = "127.0.0.1:19000"  # the identity the handshake bound
 
 

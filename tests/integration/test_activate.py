@@ -4,6 +4,7 @@ pipeline; real daemons on 127.0.0.1 (coordinator), .2 and .3 (peers)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,10 +34,12 @@ def no_stage_or_router_runs(d: DaemonProc) -> bool:
 
 
 def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path) -> None:
+    """... and prints how far each peer has loaded its stage: each layer takes 1.5 s here
+    (MLXCELD_TEST_STAGE_LAYER_S), so that a preparing heartbeat (every 2 s) says so."""
     model = split_fixture_dir / "llama"
     secret = b"4f" * 16
     peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
-                   name=f"p{i}") for i in (2, 3)]
+                   name=f"p{i}", env={"MLXCELD_TEST_STAGE_LAYER_S": "1.5"}) for i in (2, 3)]
     port = free_port("127.0.0.1")
     coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
                   ",".join(agent(p) for p in peers), "--port", str(port), name="c")
@@ -61,10 +64,13 @@ def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path
             cli.wait()
     assert cli.returncode == 0, (out, err, coord.stderr()[-3000:])
     for p, stage in zip(peers, ("stage-0", "stage-1"), strict=True):
-        steps = [line.split()[-1] for line in out.splitlines()
-                 if line.split()[:2] == [stage, agent(p)]]
+        lines = [line for line in out.splitlines() if line.split()[:2] == [stage, agent(p)]]
+        loads = [line for line in lines if "% of " in line]
+        steps = [line.split()[-1] for line in lines if line not in loads]
         assert [s for s in steps if s != "loading"] == ["offered", "prepared", "committed",
                                                         "active"], out
+        assert loads and all(re.search(r" loading \d+% of [\d.]+ [KM]iB, \d+ s$", line)
+                             for line in loads), out
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
         assert p.status()["assignment"]["state"] == "active"
     assert f"every stage of 2 is active; serving llama at http://127.0.0.1:{port}/v1" in out

@@ -26,16 +26,43 @@ def model(fixture_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(fixture_dir / "qwen3", tmp_path / "qwen3"))
 
 
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+             "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+             "tiktoken.model", "chat_template.jinja")
+
+
 def by_hand(path: Path, layers: int) -> str:
     """The definition in mlxceld/models/identity.py, written out once more."""
     def u64(n: int) -> bytes:
         return n.to_bytes(8, "big")
 
+    def text(s: str) -> bytes:
+        return u64(len(s.encode())) + s.encode()
+
     raw = (path / "config.json").read_bytes()
-    msg = b"mlxceld model identity v1\n" + u64(len(raw)) + raw
-    for name in sorted(p.name.encode() for p in path.glob("*.safetensors")):
-        msg += u64(len(name)) + name + u64((path / name.decode()).stat().st_size)
+    msg = b"mlxceld model identity v2\n" + u64(len(raw)) + raw
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        msg += b"I" + u64(data["metadata"]["total_size"])
+        for name, file in sorted(data["weight_map"].items()):
+            msg += text(name) + text(file)
+    else:
+        msg += b"F"
+        for name in sorted(p.name.encode() for p in path.glob("*.safetensors")):
+            msg += u64(len(name)) + name + u64((path / name.decode()).stat().st_size)
+    for name in TOKENIZER:
+        if (path / name).exists():
+            data_ = (path / name).read_bytes()
+            msg += text(name) + u64(len(data_)) + data_
     return hashlib.sha256(msg + u64(layers)).hexdigest()
+
+
+@pytest.fixture
+def sharded(tmp_path: Path) -> Path:
+    path = write_fixture(tmp_path / "sharded", preset("tiny", shard_bytes=64 * 1024))
+    assert len(list(path.glob("*.safetensors"))) > 1
+    return path
 
 
 def test_identity_follows_its_definition_and_is_stable(fixture_dir: Path) -> None:
@@ -47,11 +74,41 @@ def test_identity_follows_its_definition_and_is_stable(fixture_dir: Path) -> Non
     assert ident != model_identity(fixture_dir / "llama")
 
 
-def test_identity_of_a_sharded_checkpoint(tmp_path: Path) -> None:
-    path = write_fixture(tmp_path / "sharded", preset("tiny", shard_bytes=64 * 1024))
-    shards = sorted(p.name for p in path.glob("*.safetensors"))
-    assert len(shards) > 1, shards
-    assert model_identity(path) == by_hand(path, 2)
+def test_identity_of_a_sharded_checkpoint(sharded: Path) -> None:
+    assert model_identity(sharded) == by_hand(sharded, 2)
+
+
+def test_a_host_with_only_some_shards_has_the_same_identity(sharded: Path,
+                                                            tmp_path: Path) -> None:
+    """Each host holds only its layers: the identity is made of what every host has."""
+    partial = Path(shutil.copytree(sharded, tmp_path / "partial"))
+    shards = sorted(partial.glob("*.safetensors"))
+    for shard in shards[len(shards) // 2:]:
+        shard.unlink()
+    assert model_identity(partial) == model_identity(sharded)
+    for shard in shards[:len(shards) // 2]:
+        shard.unlink()  # none at all: a host that only routes, say
+    assert model_identity(partial) == model_identity(sharded)
+
+
+def test_identity_changes_with_the_index(sharded: Path) -> None:
+    before = model_identity(sharded)
+    index = sharded / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    index.write_text(json.dumps(data))  # other bytes, the same index
+    assert model_identity(sharded) == before
+    name = sorted(data["weight_map"])[0]
+    data["weight_map"][name] = "another.safetensors"  # another layout
+    index.write_text(json.dumps(data))
+    assert model_identity(sharded) != before
+    data = json.loads(index.read_text())
+    data["metadata"]["total_size"] += 1
+    index.write_text(json.dumps(data))
+    other = model_identity(sharded)
+    assert other != before
+    index.write_text("{")
+    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        model_identity(sharded)
 
 
 def test_identity_changes_with_config_json(model: Path) -> None:
@@ -59,6 +116,17 @@ def test_identity_changes_with_config_json(model: Path) -> None:
     config = model / "config.json"
     config.write_bytes(config.read_bytes() + b"\n")  # same JSON, other bytes
     assert model_identity(model) != before
+
+
+def test_identity_changes_with_the_tokenizer(model: Path) -> None:
+    before = model_identity(model)
+    tokenizer = model / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes() + b"\n")
+    changed = model_identity(model)
+    assert changed != before
+    (model / "merges.txt").write_text("")  # one more tokenizer file
+    assert model_identity(model) not in (before, changed)
+    assert model_identity(model) == by_hand(model, 2)
 
 
 def test_identity_changes_when_a_weight_file_is_renamed(model: Path) -> None:
@@ -80,11 +148,10 @@ def test_identity_changes_when_a_weight_file_is_added(model: Path) -> None:
     assert model_identity(model) != before
 
 
-def test_identity_ignores_other_files_and_weight_contents(model: Path) -> None:
+def test_identity_ignores_other_files_and_weight_contents(model: Path, sharded: Path) -> None:
     before = model_identity(model)
     (model / "README.md").write_text("notes")
-    (model / "tokenizer.json").write_text("{}")
-    (model / "model.safetensors.index.json").write_text("{}")
+    (model / "generation_config.json").write_text("{}")
     (model / "sub").mkdir()
     (model / "sub" / "more.safetensors").write_bytes(b"x")
     weights = model / "model.safetensors"
@@ -92,6 +159,9 @@ def test_identity_ignores_other_files_and_weight_contents(model: Path) -> None:
     data[-1] ^= 0xFF  # same name, same size: the identity does not read weights
     weights.write_bytes(bytes(data))
     assert model_identity(model) == before
+    before = model_identity(sharded)
+    (sharded / "stray.safetensors").write_bytes(b"x")  # beside an index: not a shard
+    assert model_identity(sharded) == before
 
 
 def test_identity_follows_symlinked_weights(model: Path, tmp_path: Path) -> None:

@@ -174,13 +174,16 @@ def test_headers_only_are_read(copy: Path) -> None:
     assert read_tensor_headers(shard)  # and the table is there
 
 
-def test_index_naming_a_missing_shard(copy: Path) -> None:
+def test_a_host_with_only_some_shards_cannot_plan(copy: Path) -> None:
+    """The decision in profile.py: planning needs every shard's header; a partial
+    directory is refused with what it lacks named."""
     shard = first_shard(copy)
     shard.unlink()
-    with pytest.raises(ConfigError, match=rf"places tensor .* in {shard.name}, which is "
-                       "missing") as info:
+    with pytest.raises(ConfigError, match=rf"holds 12 of the 13 shards its "
+                       rf"model\.safetensors\.index\.json names \(missing: {shard.name}\)"
+                       ) as info:
         layer_profile(copy)
-    assert "model.safetensors.index.json" in info.value.message
+    assert "whole checkpoint" in info.value.hint
 
 
 def test_layer_without_tensors(copy: Path) -> None:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
 
 from mlxceld.engine.sampling import greedy
 from mlxceld.models.slicing import StageModel, load_stage
 from mlxceld.pipeline.compute import MAX_BATCH, SeqState, Step, plan, run_group
 from mlxceld.wire import Tensor
+
+from helpers.models import FAMILIES
 
 
 def tokens(ids: list[int]) -> Tensor:
@@ -37,20 +42,29 @@ def test_plan_batches_first_decode_steps_and_keeps_each_sequences_order() -> Non
     assert [len(g) for g in many] == [MAX_BATCH, 1, 1]
 
 
-def run_through(stages: list[StageModel], inputs: list[list[int]],
-                states: list[list[SeqState]], groups: list[list[int]],
-                overlap: bool = False) -> list[int]:
-    """Run sequences ``groups`` at a time through every stage; the sampled token of each."""
+def run_groups(stages: list[StageModel], inputs: dict[int, list[int]],
+               states: list[list[SeqState]], groups: list[list[int]],
+               overlap: bool = False, sample: bool = True) -> dict[int, int]:
+    """Run sequences ``groups`` at a time through every stage, each group as one step (a
+    batch where it has several); the sampled token of each (``None`` unless ``sample``)."""
     result: dict[int, int] = {}
     for members in groups:
         blobs = [tokens(inputs[i]) for i in members]
         for k, st in enumerate(stages):
-            outs = run_group(st, [Step(str(i), states[i][k], 0, True, blobs[j])
+            outs = run_group(st, [Step(str(i), states[i][k], 0, sample, blobs[j])
                                   for j, i in enumerate(members)], overlap=overlap)
             if not st.last:
                 blobs = [Tensor(name, dtype, shape, data) for name, dtype, shape, data in outs]
         for j, i in enumerate(members):
             result[i] = outs[j]
+    return result
+
+
+def run_through(stages: list[StageModel], inputs: list[list[int]],
+                states: list[list[SeqState]], groups: list[list[int]],
+                overlap: bool = False) -> list[int]:
+    """Run sequences ``groups`` at a time through every stage; the sampled token of each."""
+    result = run_groups(stages, dict(enumerate(inputs)), states, groups, overlap)
     return [result[i] for i in range(len(inputs))]
 
 
@@ -78,3 +92,72 @@ def test_batched_decode_equals_one_by_one(split_fixture_dir: Path,
         b = run_through(stages, [[t] for t in b], together, [list(range(len(prompts)))],
                         overlap)
         assert a == b
+
+
+# Prompts of different lengths; those over CHUNK prefill in chunks, as PREFILL_CHUNK splits
+# a long prompt (engine.py), while the others decode.
+LENGTHS = (3, 11, 26, 47, 90)
+CHUNK = 32
+DECODE = 24
+
+
+def mlx_lm_alone(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """mlx-lm's own greedy tokens for each prompt alone (``generate_step`` on the whole
+    model, prefilling in the same chunks)."""
+    model, _ = load(str(path))
+    return [[int(t) for t, _ in generate_step(mx.array(pr), model, max_tokens=n,
+                                              sampler=greedy, prefill_step_size=CHUNK)]
+            for pr in prompts]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_sequences_under_load_get_what_mlx_lm_gives_each_alone(
+        bf16_split_fixture_dir: Path, family: str) -> None:
+    """Sequence i arrives at step i: its prefill (in chunks when long) runs while the ones
+    before it decode, in batches whose members change from step to step, as a loaded stage
+    groups them (compute.plan); every sequence still gets mlx-lm's tokens for it alone."""
+    path = bf16_split_fixture_dir / family
+    stages = [load_stage(path, 0, 2), load_stage(path, 2, 4)]
+    prompts = [[(i * 37 + n * 11) % 500 + 1 for i in range(n)] for n in LENGTHS]
+    states = [[SeqState(st.make_cache(), greedy if st.last else None) for st in stages]
+              for _ in prompts]
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for t in range(len(prompts) + DECODE):
+        decoding = [i for i in out if 0 < len(out[i]) < DECODE]
+        if t < len(prompts):  # a new arrival: its chunks run alone, between decode steps
+            chunks = [prompts[t][a:a + CHUNK] for a in range(0, len(prompts[t]), CHUNK)]
+            for k, chunk in enumerate(chunks):
+                got = run_groups(stages, {t: chunk}, states, [[t]],
+                                 sample=k == len(chunks) - 1)
+            out[t].append(got[t])
+        # This step's batches: two, their members rotating from step to step.
+        turn = decoding[t % len(decoding):] + decoding[:t % len(decoding)] if decoding else []
+        half = (len(turn) + 1) // 2
+        groups = [g for g in (turn[:half], turn[half:]) if g]
+        got = run_groups(stages, {i: [out[i][-1]] for i in decoding}, states, groups)
+        for i in decoding:
+            out[i].append(got[i])
+    want = mlx_lm_alone(path, prompts, DECODE)
+    differ = {LENGTHS[i]: (out[i], want[i]) for i in range(len(prompts)) if out[i] != want[i]}
+    assert not differ, (f"{len(differ)} of {len(prompts)} sequences (by prompt length) differ "
+                        f"from mlx-lm's alone: {differ}")
+
+
+def test_a_batched_bf16_step_gives_each_sequence_the_bits_it_gets_alone(
+        bf16_split_fixture_dir: Path) -> None:
+    """What compute.py's docstring says of the CPU backend: merged, left-padded caches round
+    nothing differently; the hidden states a batched decode step sends on are, byte for
+    byte, those of each sequence's step alone."""
+    stage = load_stage(bf16_split_fixture_dir / "llama", 0, 2)
+    prompts = [[(i * 37 + n * 11) % 500 + 1 for i in range(n)] for n in (5, 18, 41)]
+    alone = [SeqState(stage.make_cache(), None) for _ in prompts]
+    together = [SeqState(stage.make_cache(), None) for _ in prompts]
+    for states in (alone, together):
+        for i, pr in enumerate(prompts):
+            run_group(stage, [Step(str(i), states[i], 0, False, tokens(pr))])
+    for t in range(1, 4):
+        steps = [[Step(str(i), states[i], t, False, tokens([7 + i + t]))
+                  for i in range(len(prompts))] for states in (alone, together)]
+        one_by_one = [run_group(stage, [s])[0] for s in steps[0]]
+        batched = run_group(stage, steps[1])
+        assert [bytes(blob[3]) for blob in batched] == [bytes(blob[3]) for blob in one_by_one]

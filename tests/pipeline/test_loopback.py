@@ -189,6 +189,31 @@ def test_concurrent_sequences_and_long_prompt(split_fixture_dir: Path) -> None:
     assert asyncio.run(go()) == wants
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_requests_under_load_get_what_each_gets_alone(
+        bf16_split_fixture_dir: Path, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """5 concurrent greedy requests of different prompt lengths (two prefill in chunks while
+    the others decode) get the tokens each gets alone, which are mlx-lm's."""
+    monkeypatch.setattr(p, "PREFILL_CHUNK", 32)
+    path = bf16_split_fixture_dir / family
+    prompts = [[(i * 37 + n * 11) % 500 + 1 for i in range(n)] for n in (3, 11, 26, 47, 90)]
+
+    async def go() -> tuple[list[list[int]], list[list[int]]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                alone = [await tokens_of(engine, pr, 24) for pr in prompts]
+                together = await asyncio.gather(*(tokens_of(engine, pr, 24)
+                                                  for pr in prompts))
+                return alone, list(together)
+            finally:
+                await engine.aclose()
+
+    alone, together = asyncio.run(go())
+    assert together == alone
+    assert alone == [reference(path, pr, 24) for pr in prompts]
+
+
 @pytest.mark.parametrize("splits", [[(0, 2), (2, 4)], [(0, 4)]])
 def test_the_stages_stop_a_sequence_at_max_tokens_and_at_eos(split_fixture_dir: Path,
                                                              splits: list[tuple[int, int]]

@@ -211,6 +211,10 @@ def test_status_line_names_the_model_the_workers_and_problems() -> None:
                                    "router starting; 1 problem(s), see mlxctl status")
     idle = {"daemon": {"state": "running"}, "serving": None, "workers": [], "problems": []}
     assert status_line(idle) == "idle (no model); workers: none"
+    loading = {"done": 1 << 29, "total": 1 << 31, "since": time.time() - 2}
+    peer = {"daemon": {"state": "running"}, "serving": None, "problems": [],
+            "workers": [{"name": "stage", "state": "starting", "loading": loading}]}
+    assert status_line(peer) == "idle (no model); workers: stage loading 25% of 2.0 GiB, 2 s"
 
 
 # -- a real daemon -----------------------------------------------------------------------

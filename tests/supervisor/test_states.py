@@ -314,6 +314,26 @@ def test_flapping_fails_with_reason() -> None:
     assert (lc.state, lc.reason, lc.pid, lc.next_deadline()) == (S.FAILED, reason, None, None)
 
 
+@pytest.mark.parametrize("ready", [False, True])
+def test_a_config_exit_fails_at_once_and_is_not_restarted(ready: bool) -> None:
+    # A stage that cannot load its model (runtime.py: EXIT_CONFIG, kind "config"): the
+    # same start would fail the same way, so FAILED with its reason, no backoff, no timer.
+    lc = make()
+    starting(lc)
+    if ready:
+        lc.handle(BecameReady(), 1.0)
+    cause = ExitCause("config", "stage stage-0 failed to load layers [0, 2)", 2)
+    assert cause.fatal and not CRASH.fatal and not OOM.fatal
+    actions = crash(lc, 2.0, cause)
+    assert [type(a) for a in actions] == [Transitioned] and actions[0].new is S.FAILED
+    assert lc.reason == f"{cause.summary} (not restarted: the same start would fail the same way)"
+    assert (lc.state, lc.pid, lc.last_cause, lc.next_deadline(), lc.restarts) == (
+        S.FAILED, None, cause, None, 0)
+    assert lc.handle_timer(1e9) == []
+    # A manual start gives it a fresh chance, as after flapping.
+    assert lc.handle(StartRequested(), 3.0)[-1] == SpawnProcess()
+
+
 def test_exits_older_than_the_flap_window_are_forgotten() -> None:
     lc = make(flap_max_exits=2, flap_window_s=10.0)
     running(lc, 0.0)

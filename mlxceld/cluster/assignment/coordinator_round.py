@@ -78,6 +78,16 @@ Decision = Literal["commit", "activate", "active", "abort"]
 
 
 @dataclass(frozen=True)
+class PeerLoad:
+    """A loading peer's word in its ``preparing`` heartbeat: parameter bytes read of those
+    to read, and for how long it has loaded (its own clock)."""
+
+    done: int
+    total: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
 class Send:
     peer: str
     kind: str  # offer | commit | activate | abort
@@ -190,6 +200,7 @@ class CoordinatorRound:
     failures: dict[str, str] = field(default_factory=dict)
     unreachable: dict[str, str] = field(default_factory=dict)  # lost after the decision
     _heard: dict[str, float] = field(default_factory=dict)
+    _load: dict[str, PeerLoad] = field(default_factory=dict)
     _phase_deadline: float = 0.0
     _resend_at: float = 0.0
 
@@ -221,11 +232,20 @@ class CoordinatorRound:
 
     # -- inputs: each is an event for COORDINATOR_TABLE ------------------------------------
 
-    def on_preparing(self, peer: str, now: float) -> list[Action]:
-        """A heartbeat while the peer loads its weights: its offer deadline moves on. Noted
-        in any phase, and it moves none: not an event for the table."""
+    def on_preparing(self, peer: str, now: float, load: PeerLoad | None = None
+                     ) -> list[Action]:
+        """A heartbeat while the peer loads its weights: its offer deadline moves on, and
+        how far its load is (``load``, when it says) is kept for ``loading``. Noted in any
+        phase, and it moves none: not an event for the table."""
         self._heard[peer] = now
+        if load is not None:
+            self._load[peer] = load
         return []
+
+    def loading(self) -> dict[str, PeerLoad]:
+        """How far each peer that is still loading said its load was (its last heartbeat)."""
+        return {p: load for p, load in self._load.items()
+                if p not in self.accepted and p not in self.failures}
 
     def on_accepted(self, peer: str, now: float) -> list[Action]:
         return self._handle(PeerAccepted(peer, now))

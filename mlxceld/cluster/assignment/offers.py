@@ -7,6 +7,8 @@ in this order, and refuses at the first problem:
 2. the package version (both ends run the same release)         final
 3. the cluster name                                             back to waiting
 4. the model identity (its own checkpoint's)                    final
+   the model family: its checkpoint's ``model_type`` is one
+   mlxceld splits into stages (``models.families``)             final
 5. the cluster TOML in the offer (parsed and checked)           back to waiting
 6. the layer range: the TOML must cover exactly the layers of
    the peer's own checkpoint, and its stage there must have
@@ -42,6 +44,7 @@ from typing import Any, Final
 from mlxceld.cluster.clusterfile.load import ClusterConfig, parse_cluster_text, validate_layers
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import ConfigError
+from mlxceld.models.families import family_problem
 from mlxceld.net.resolve import ResolveError, is_local_ip, matches_blocking, resolve_blocking
 from mlxceld.wire.address import HostPort, ip_or_none, parse_address
 
@@ -89,6 +92,8 @@ class PeerFacts:
     agent_host: str
     ports: frozenset[int]  # the stage listener ports it proposed
     stage_ports: StagePorts | None = None  # the range its stage ports must be in, if any
+    # its checkpoint's family (config.json's model_type; None: none there, or no model)
+    model_family: str | None = None
 
 
 def parse_offer(header: Mapping[str, Any]) -> Offer:
@@ -132,6 +137,9 @@ def judge(offer: Offer, me: PeerFacts, *, bound_identity: HostPort, newest_epoch
     if me.model_identity is None or offer.model_identity != me.model_identity:
         return Refusal("model", f"the offer is for model {offer.model_identity}, this node "
                        f"has {me.model_identity or 'no model'}", True)
+    problem = family_problem(me.model_family, "this node's config.json")
+    if problem is not None:
+        return Refusal("model_family", problem, True)
     try:
         cfg = parse_cluster_text(offer.toml, toml_path)
     except ConfigError as exc:

@@ -14,7 +14,9 @@ after it goes out. An offer of another plan while a round is on is settled by
 ``PeerRound.on_other_offer`` (stale, busy, or a newer plan superseding an
 undecided round). Preparing (loading the stage in standby) runs as a task and
 sends ``preparing`` every ``HEARTBEAT_S`` until it ends; the daemon's
-``StageHost`` bounds it (``PREPARE_S``). One timer task calls
+``StageHost`` bounds it by its progress (``stagehost.LOAD_STALL_S`` without a
+byte read), and each heartbeat moves the round's own deadline
+(``PREPARE_S`` past it: ``PeerRound.on_still_loading``). One timer task calls
 ``handle_timer`` at the round's deadline (``PHASE_S`` between phases: 60 s,
 or ``MLXCELD_TEST_PEER_WAIT_S`` in tests, see ``mlxceld.failpoints``); a
 ``Query`` dials the coordinator (``CONNECT_S`` to connect, ``FRAME_S`` for the
@@ -37,7 +39,7 @@ assignment recorded active first asks its coordinator (``query``, at most
 does not come back; on any other answer, or none (the coordinator may be
 restarting too), it comes back active. A coordinator that re-dials a restarted
 peer may send ``activate`` while its stage still loads: switching it on, and
-answering ``active``, wait until it runs (``PREPARE_S`` at most).
+answering ``active``, wait until it runs (while its load advances, as above).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +83,7 @@ from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
 from mlxceld.tasks import cancelling_group
+from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
 from mlxceld.wire.envelope import parse_envelope
@@ -87,7 +91,7 @@ from mlxceld.wire.errors import EnvelopeError
 
 log = logging.getLogger(__name__)
 
-PREPARE_S: Final = PEER_PHASE_S  # loading the stage in standby, at most
+PREPARE_S: Final = PEER_PHASE_S  # loading the stage in standby: past its last heartbeat
 # A peer's wait between phases: PEER_PHASE_S; tests shorten it (MLXCELD_TEST_PEER_WAIT_S).
 PHASE_S: Final = failpoints.PEER_WAIT_S or PEER_PHASE_S
 JUDGE_S: Final = 10.0  # judging an offer, host name look-ups included
@@ -101,6 +105,9 @@ class StageHost(Protocol):
         """Start the stage in standby; returns once it runs, or raises MlxceldError."""
     async def activate_stage(self) -> None: ...
     async def stop_stage(self) -> None: ...
+    def loading(self) -> LoadProgress | None:
+        """How far the stage being prepared has loaded, when it has said (for the
+        ``preparing`` heartbeat)."""
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -384,6 +391,10 @@ class Assignee:
 
     async def _reply(self, cur: _Current, a: Reply) -> None:
         fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
+        load = self._host.loading() if a.kind == "preparing" else None
+        if load is not None:
+            fields.update(done=load["done"], total=load["total"],
+                          elapsed_s=round(max(0.0, time.time() - load["since"]), 1))
         if a.kind == "refused":
             r = cur.refusal
             fields.update(code=r.code if r else "prepare", final=r.final if r else False,
@@ -414,6 +425,7 @@ class Assignee:
             while heartbeat and not task.done():
                 await asyncio.wait({task}, timeout=HEARTBEAT_S)
                 if not task.done():
+                    cur.round.on_still_loading(asyncio.get_running_loop().time())
                     await self._reply(cur, Reply("preparing"))
             await task
         except MlxceldError as exc:
@@ -465,7 +477,7 @@ class Assignee:
 
     async def _stage_loaded(self) -> None:
         """Wait for a stage still loading (a restarted round's: the coordinator's activate
-        may come before it runs); ``StageHost.prepare_stage`` bounds it (``PREPARE_S``)."""
+        may come before it runs); ``StageHost.prepare_stage`` bounds it (by progress)."""
         task = self._preparing
         if task is not None and not task.done() and task is not asyncio.current_task():
             await asyncio.wait({task})

@@ -9,7 +9,9 @@ must be durable before the ``Reply`` after it goes out)::
     WAITING --its offer checks out--> Record(preparing), prepare        PREPARING
     WAITING --its offer is refused--> Record(refused), Reply            REFUSED | WAITING
     PREPARING --the stage runs in standby--> Record(accepted), Reply    ACCEPTED
-    PREPARING --loading failed, or took prepare_s--> stop, Record(refused), Reply WAITING
+    PREPARING --still loading--> the deadline moves to now + prepare_s  PREPARING
+    PREPARING --loading failed, or prepare_s without a sign of it--> stop,
+                       Record(refused), Reply                           WAITING
     ACCEPTED --commit--> Record(committed), Reply                       COMMITTED
     COMMITTED --activate--> Record(active), activate, Reply             ACTIVE
     PREPARING/ACCEPTED/COMMITTED --abort--> stop, Record(aborted), Reply ABORTED
@@ -116,6 +118,11 @@ class StagePrepared(_At):
     """The stage runs in standby."""
 
 
+class StillLoading(_At):
+    """The stage is still loading (the shell's heartbeat while ``prepare`` runs; the
+    ``StageHost`` ends a load that stops advancing, ``stagehost.LOAD_STALL_S``)."""
+
+
 class CommitReceived(_At): ...
 
 
@@ -183,9 +190,9 @@ class Superseded:
     epoch: int
 
 
-PeerEvent = (OfferAccepted | OfferRefused | StagePrepared | PrepareFailed | CommitReceived
-             | ActivateReceived | AbortReceived | DeactivateReceived | AnsweredCommit
-             | AnsweredActivate | AnsweredDeactivated | AnsweredOther | QueryFailed
+PeerEvent = (OfferAccepted | OfferRefused | StagePrepared | StillLoading | PrepareFailed
+             | CommitReceived | ActivateReceived | AbortReceived | DeactivateReceived
+             | AnsweredCommit | AnsweredActivate | AnsweredDeactivated | AnsweredOther | QueryFailed
              | Superseded | DeadlinePassed | Restarted)
 
 
@@ -230,6 +237,10 @@ class PeerRound:
 
     def on_prepared(self, now: float) -> list[PeerAction]:
         return self._handle(StagePrepared(now))
+
+    def on_still_loading(self, now: float) -> list[PeerAction]:
+        """A big stage loads for minutes: its deadline is ``prepare_s`` past the last sign."""
+        return self._handle(StillLoading(now))
 
     def on_prepare_failed(self, reason: str) -> list[PeerAction]:
         return self._handle(PrepareFailed(reason))
@@ -309,6 +320,10 @@ class PeerRound:
         self.state, self.deadline = PeerState.PREPARING, e.now + self.prepare_s
         return [Record(PeerState.PREPARING), StageAction("prepare")]
 
+    def _on_still_loading(self, e: StillLoading) -> list[PeerAction]:
+        self.deadline = e.now + self.prepare_s
+        return []
+
     def _on_prepared(self, e: StagePrepared) -> list[PeerAction]:
         self.state, self.deadline = PeerState.ACCEPTED, e.now + self.phase_s
         return [Record(PeerState.ACCEPTED), Reply("accepted")]
@@ -320,7 +335,7 @@ class PeerRound:
 
     def _on_loading_too_long(self, e: DeadlinePassed) -> list[PeerAction]:
         return self._on_prepare_failed(
-            PrepareFailed(f"loading took longer than {self.prepare_s:g} s"))
+            PrepareFailed(f"loading gave no sign for {self.prepare_s:g} s"))
 
     def _on_commit(self, e: CommitReceived | AnsweredCommit) -> list[PeerAction]:
         self.state, self.deadline, self.queried = PeerState.COMMITTED, e.now + self.phase_s, False
@@ -420,6 +435,7 @@ PEER_TABLE: Final[dict[tuple[PeerState, type[object]], _PRow]] = {
     **{(s, OfferRefused): (_R._on_offer_refused, (_S.REFUSED, _S.WAITING)) for s in _S},
     (_S.PREPARING, StagePrepared): (_R._on_prepared, (_S.ACCEPTED,)),  # the vote
     (_S.PREPARING, DeadlinePassed): (_R._on_loading_too_long, (_S.WAITING,)),
+    (_S.PREPARING, StillLoading): (_R._on_still_loading, (_S.PREPARING,)),
     # From any but a round that ended its stage on purpose (ABORTED, DEACTIVATED).
     **{(s, PrepareFailed): (_R._on_prepare_failed, (_S.WAITING,))
        for s in _S if s not in (_S.ABORTED, _S.DEACTIVATED)},

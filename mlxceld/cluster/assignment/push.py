@@ -8,8 +8,10 @@ type        direction        fields
 =========== ================ ===================================================
 offer       coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
                              layers, port, node id and the cluster TOML
-preparing   peer → coord     none: a heartbeat every ``HEARTBEAT_S`` while the
-                             peer loads its stage in standby
+preparing   peer → coord     a heartbeat every ``HEARTBEAT_S`` while the
+                             peer loads its stage in standby; ``done``,
+                             ``total`` (bytes), ``elapsed_s`` once its stage
+                             says how far its load is (optional)
 accepted    peer → coord     none: the stage is loaded; the vote is durable
 refused     peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
 commit      coord → peer     none: every peer accepted (the decision is durable)
@@ -72,6 +74,7 @@ from mlxceld.cluster.assignment.coordinator_round import (
     PUSH_S,
     CoordinatorRound,
     Finished,
+    PeerLoad,
     Persist,
     Redial,
     Send,
@@ -374,6 +377,19 @@ class _Links:
             heartbeat.cancel()
 
 
+def peer_load(header: Mapping[str, Any]) -> PeerLoad | None:
+    """A ``preparing`` heartbeat's load (``done``, ``total``, ``elapsed_s``); None when it
+    has none, or one that does not add up (ignored: it is for the operator's eyes only)."""
+    done, total, elapsed = header.get("done"), header.get("total"), header.get("elapsed_s")
+    if not (isinstance(done, int) and isinstance(total, int)
+            and isinstance(elapsed, int | float)) or any(
+                isinstance(v, bool) for v in (done, total, elapsed)):
+        return None
+    if not (0 <= done <= total and 0 <= elapsed < 1e9):
+        return None
+    return PeerLoad(done, total, float(elapsed))
+
+
 async def _send_late(stream: MxclStream, payload: bytes) -> None:
     with contextlib.suppress(ConnectionClosed, TimeoutError):
         async with asyncio.timeout(LATE_DECISION_S):
@@ -383,7 +399,7 @@ async def _send_late(stream: MxclStream, payload: bytes) -> None:
 def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
           now: float) -> list[Any]:
     if kind == "preparing":
-        return r.on_preparing(peer, now)
+        return r.on_preparing(peer, now, peer_load(header))
     if kind == "accepted":
         return r.on_accepted(peer, now)
     if kind == "committed":

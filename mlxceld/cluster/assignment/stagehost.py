@@ -2,7 +2,14 @@
 
 ``prepare_stage`` writes the offered cluster TOML to ``<state-dir>/cluster-E.toml``,
 places this node in it and starts the stage worker in standby (weights loaded,
-not serving), waiting at most ``peer.PREPARE_S`` for it to run;
+not serving), and waits for it to run while its load advances: a big stage
+loads for minutes, so the bound is on no progress, not on the total. The
+worker's ``loading`` stat (``types.LoadProgress``, asked every
+``PROGRESS_EVERY_S``, and noted in the supervisor's snapshot for systemd's
+STATUS line) must come within ``LOAD_START_S`` (60 s: starting the worker,
+importing mlx, reading the config and the shards' headers) and then read more
+bytes at least every ``LOAD_STALL_S`` (60 s; it reports after each layer);
+a worker that fails (``GAVE_UP``) ends the wait at once;
 ``activate_stage`` switches it to serving over the worker's control socket;
 ``stop_stage`` removes it. Which workers run follows the daemon's placement,
 so the daemon's side is a ``StageSlot``: set the placement, reconcile.
@@ -17,17 +24,22 @@ from typing import Final, Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import PeerFacts
-from mlxceld.cluster.assignment.peer import PREPARE_S, port_is_free
+from mlxceld.cluster.assignment.peer import port_is_free
 from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
 from mlxceld.config.stage_ports import StagePorts
-from mlxceld.errors import DaemonError
+from mlxceld.errors import DaemonError, WorkerError
+from mlxceld.models.families import model_family
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import WorkerState
+from mlxceld.types import LoadProgress, WorkerState
 
-POLL_S: Final = 0.2  # between two looks at the loading stage worker
+POLL_S: Final = 0.2  # between two looks at the loading stage worker's state
+PROGRESS_EVERY_S: Final = 1.0  # between two asks of its loading progress (its stats)
+ASK_S: Final = 0.5  # one ask
+LOAD_START_S: Final = 60.0  # a load that says nothing for this long from its start has failed
+LOAD_STALL_S: Final = 60.0  # a load that reads no more bytes for this long has failed
 # A loading stage in one of these has failed: a restart is due (BACKOFF), or none (FAILED).
 GAVE_UP: Final = frozenset({WorkerState.BACKOFF, WorkerState.FAILED})
 
@@ -57,17 +69,19 @@ class LocalStageHost:
         self._agent_host = agent_host
         self._stage_ports = stage_ports
         self._placement: Placement | None = None
+        self._loading: LoadProgress | None = None  # what the loading stage last said
 
     def facts(self, port: int) -> PeerFacts:
         model = self._model()
-        identity, layers = None, None
+        identity, layers, family = None, None, None
         if model is not None:
             identity = model_identity(Path(model))
-            layers = layer_count(read_model_config(Path(model)))
+            config = read_model_config(Path(model))
+            layers, family = layer_count(config), model_family(config)
         host = self._agent_host()
         return PeerFacts(__version__, self._cluster, identity, layers, host,
                          frozenset({port}) if port_is_free(host, port) else frozenset(),
-                         self._stage_ports)
+                         self._stage_ports, family)
 
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
         path = self._state_dir / f"cluster-{epoch}.toml"
@@ -77,25 +91,65 @@ class LocalStageHost:
         self._placement = await asyncio.to_thread(place, path, node_id, self._model())
         self._slot.set_stage(self._placement, standby=True)
         await self._slot.reconcile()
+        await self._wait_loaded()
+
+    async def _wait_loaded(self) -> None:
+        """Until the stage worker runs, while its load advances (module docstring)."""
+        loop = asyncio.get_running_loop()
         started = False  # a new worker reads EXITED until its start is under way
+        self._loading = None
+        done, moved_at, asked_at = -1, loop.time(), 0.0
+        while True:
+            now = self._supervisor.state(STAGE_WORKER)
+            if now is None:
+                raise DaemonError("stage worker is missing: it was removed as it "
+                                  "loaded", hint="see: mlxctl logs stage")
+            state, reason = now
+            started = started or state is WorkerState.STARTING
+            if state is WorkerState.RUNNING:
+                self._loading = None
+                self._supervisor.note_loading(STAGE_WORKER, None)
+                return
+            if state in GAVE_UP or (started and state is WorkerState.EXITED):
+                raise DaemonError(f"stage worker is {state}: {reason}",
+                                  hint="see: mlxctl logs stage")
+            if loop.time() - asked_at >= PROGRESS_EVERY_S:
+                asked_at = loop.time()
+                read = await self._loaded_bytes()
+                if read is not None and read > done:
+                    done, moved_at = read, loop.time()
+            bound = LOAD_START_S if done < 0 else LOAD_STALL_S
+            if loop.time() - moved_at > bound:
+                where = "before reading any weight" if done < 0 else f"at {done} bytes"
+                raise DaemonError(f"stage worker's load made no progress for {bound:g} s "
+                                  f"({where})",
+                                  hint="see: mlxctl logs stage (a disk or network mount "
+                                  "that stalls?)")
+            await asyncio.sleep(POLL_S)
+
+    async def _loaded_bytes(self) -> int | None:
+        """The bytes the loading stage worker has read (its ``loading`` stat); None when it
+        does not say (not started yet, or done)."""
+        sock = self._supervisor.control_socket(STAGE_WORKER)
+        if sock is None:
+            return None
         try:
-            async with asyncio.timeout(PREPARE_S):
-                while True:
-                    now = self._supervisor.state(STAGE_WORKER)
-                    if now is None:
-                        raise DaemonError("stage worker is missing: it was removed as it "
-                                          "loaded", hint="see: mlxctl logs stage")
-                    state, reason = now
-                    started = started or state is WorkerState.STARTING
-                    if state is WorkerState.RUNNING:
-                        return
-                    if state in GAVE_UP or (started and state is WorkerState.EXITED):
-                        raise DaemonError(f"stage worker is {state}: {reason}",
-                                          hint="see: mlxctl logs stage")
-                    await asyncio.sleep(POLL_S)
-        except TimeoutError:
-            raise DaemonError(f"stage worker did not load within {PREPARE_S:g} s",
-                              hint="see: mlxctl logs stage") from None
+            reply = await channel.call(sock, "stats", timeout_s=ASK_S)
+        except WorkerError:
+            return None
+        loading = (reply.get("stats") or {}).get("loading")
+        if not (isinstance(loading, dict) and all(type(loading.get(k)) in (int, float)
+                                                  for k in ("done", "total", "since"))):
+            self._loading = None
+            self._supervisor.note_loading(STAGE_WORKER, None)
+            return None
+        self._loading = LoadProgress(done=int(loading["done"]), total=int(loading["total"]),
+                                     since=float(loading["since"]))
+        self._supervisor.note_loading(STAGE_WORKER, self._loading)
+        return int(loading["done"])
+
+    def loading(self) -> LoadProgress | None:
+        return self._loading
 
     async def activate_stage(self) -> None:
         sock = self._supervisor.control_socket(STAGE_WORKER)

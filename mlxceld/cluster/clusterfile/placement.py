@@ -1,8 +1,9 @@
 """This daemon's place in a cluster TOML, and the worker it runs there.
 
 ``place(path, node_id)`` reads and checks the cluster config, finds the node,
-checks the stages' layer ranges against the model's layer count and computes
-the model identity, all before anything starts. A coordinator runs the router
+checks that the model is of a family mlxceld splits (``models.families``), checks
+the stages' layer ranges against the model's layer count and computes the model
+identity, all before anything starts. A coordinator runs the router
 with the pipeline engine; a pipeline stage runs the ``stage`` worker. The
 worker options built here are all the worker knows of the cluster.
 """
@@ -22,6 +23,7 @@ from mlxceld.cluster.clusterfile.load import (
     validate_layers,
 )
 from mlxceld.errors import ConfigError
+from mlxceld.models.families import check_family
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
 from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
@@ -63,7 +65,9 @@ def place(path: Path, node_id: str, model_override: str | None = None) -> Placem
         raise ConfigError(f"{path}: [cluster] has no 'model' and --model was not given",
                           hint="set model = \"DIR\" under [cluster] (relative to the file) "
                           "or pass --model DIR")
-    validate_layers(cfg, layer_count(read_model_config(model), source=str(model / "config.json")))
+    config, source = read_model_config(model), str(model / "config.json")
+    check_family(config, f"{path}: {source}")  # UnsupportedFamily, before anything loads
+    validate_layers(cfg, layer_count(config, source=source))
     return Placement(cfg, node, model, model_identity(model))
 
 
