@@ -222,12 +222,16 @@ def _check_complete(path: Path, layers: list[int], parts: dict[str, int], tied: 
 
 
 def _activation_dtype_bytes(path: Path, tensors: dict[str, TensorEntry]) -> int:
-    """The size of the embeddings' floating dtype (their scales when quantized)."""
-    for name in sorted(tensors):
-        entry = tensors[name]
-        if name.startswith("model.embed_tokens.") and entry.is_float:
-            return DTYPE_BYTES[entry.dtype]
-    raise ConfigError(f"model {path}: model.embed_tokens has no floating-point tensor",
+    """The size of the embeddings' floating dtype (their scales when quantized), or
+    where they hold none (mxfp4: 8-bit power-of-two scales), the first layer's (its
+    norms), which is the dtype ``StageModel`` gives the activations."""
+    for prefix in ("model.embed_tokens.", "model.layers.0."):
+        for name in sorted(tensors):
+            entry = tensors[name]
+            if name.startswith(prefix) and entry.is_float:
+                return DTYPE_BYTES[entry.dtype]
+    raise ConfigError(f"model {path}: neither model.embed_tokens nor layer 0 has a "
+                      "floating-point tensor",
                       hint="this checkpoint is not a supported mlx-lm model")
 
 

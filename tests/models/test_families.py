@@ -51,6 +51,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths["qwen3_moe-4bit"] = write_fixture(
         root / "qwen3_moe-4bit", preset("tiny", family="qwen3_moe", layers=LAYERS,
                                         quantize_bits=4))
+    # gpt-oss as published: mxfp4 (4-bit floats, 8-bit power-of-two scales, no biases)
+    paths["gpt_oss-mxfp4"] = write_fixture(
+        root / "gpt_oss-mxfp4", preset("tiny", family="gpt_oss", layers=LAYERS,
+                                       sliding_window=8, quantize_bits=4, group_size=32,
+                                       quantize_mode="mxfp4"))
     return paths
 
 
@@ -148,17 +153,22 @@ def test_moe_over_three_uneven_stages(models: dict[str, Path]) -> None:
     check_split(models["qwen3_moe"], [(0, 1), (1, 3), (3, LAYERS)])
 
 
-def test_quantized_moe_splits(models: dict[str, Path]) -> None:
-    path = models["qwen3_moe-4bit"]
+@pytest.mark.parametrize(("name", "experts"), [
+    ("qwen3_moe-4bit", "model.layers.0.mlp.switch_mlp.down_proj"),
+    ("gpt_oss-mxfp4", "model.layers.0.mlp.experts.down_proj"),
+])
+def test_quantized_moe_splits(models: dict[str, Path], name: str, experts: str) -> None:
+    path = models[name]
     check_split(path, [(0, 3), (3, LAYERS)])
     stage = load_stage(path, 0, 2)
-    packed = {name for name, value in tree_flatten(stage.model.parameters())
-              if value.dtype == mx.uint32}
-    assert "model.layers.0.mlp.switch_mlp.down_proj.weight" in packed
-    assert stage.dtype == mx.float32  # the activations', from the scales
+    dtypes = {name: value.dtype for name, value in tree_flatten(stage.model.parameters())}
+    assert dtypes[f"{experts}.weight"] == mx.uint32  # packed
+    # affine scales are floats; mxfp4's are 8-bit exponents, with no biases
+    assert dtypes[f"{experts}.scales"] == (mx.uint8 if "mxfp4" in name else mx.float32)
+    assert stage.dtype == mx.float32  # the activations', as the first layer's norms
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe-4bit"])
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe-4bit", "gpt_oss-mxfp4"])
 def test_profile_prices_each_stage_as_loaded(models: dict[str, Path], family: str) -> None:
     """The profile's per-layer bytes, from the safetensors headers, are what a loaded
     stage holds: expert, router and shared weights all sorted to their layer."""
@@ -169,7 +179,7 @@ def test_profile_prices_each_stage_as_loaded(models: dict[str, Path], family: st
                                                               end).nbytes
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "gpt_oss-mxfp4"])
 def test_profile_kv_bytes_are_what_the_cache_holds(models: dict[str, Path],
                                                    family: str) -> None:
     """deepseek_v3's latent cache (kv_lora_rank + qk_rope_head_dim a token), priced as

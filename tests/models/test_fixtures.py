@@ -163,6 +163,27 @@ def test_quantization_group_size_must_divide_dims() -> None:
         preset("tiny", quantize_bits=7)
 
 
+def test_mxfp4_is_four_bits_in_groups_of_32(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--quantize-mode mxfp4 sets what mxfp4 stores; a spec that says otherwise, or a mode
+    without quantization, is refused naming the field."""
+    with pytest.raises(ConfigError, match=r"group_size \(--group-size\) = 64 is not what "
+                                          r"mxfp4 stores"):
+        preset("tiny", quantize_bits=4, quantize_mode="mxfp4")
+    with pytest.raises(ConfigError, match=r"quantize_bits \(--quantize\) = 8"):
+        preset("tiny", quantize_bits=8, group_size=32, quantize_mode="mxfp4")
+    with pytest.raises(ConfigError, match=r"quantize_mode \(--quantize-mode\) = 'mxfp4' is "
+                                          r"for a quantized fixture"):
+        preset("tiny", quantize_mode="mxfp4")
+    target = tmp_path / "mx"
+    assert run_cli([str(target), "--quantize-mode", "mxfp4"]) == 0
+    assert "4-bit mxfp4" in capsys.readouterr().out
+    config = json.loads((target / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    model, tokenizer = load(target)
+    assert mlx_lm.generate(model, tokenizer, "hello", max_tokens=5)
+
+
 def test_padding_ids_are_never_emitted(tmp_path: Path) -> None:
     spec = preset("tiny", vocab=1024, tokenizer_vocab=512)
     model, tokenizer = load(write_fixture(tmp_path / "p", spec))
