@@ -64,7 +64,8 @@ class LayerProfile:
     ``kv_bytes_per_token`` is one token's keys and values in one layer:
     2 * num_key_value_heads * head_dim * ``dtype_bytes``, where ``dtype_bytes``
     is the size of the activations' dtype (that of the embeddings, or of their
-    quantization scales), which mlx-lm's KV caches take. With multi-head latent
+    quantization scales, or where those are not floats, as in mxfp4, of the first
+    layer's norms), which mlx-lm's KV caches take. With multi-head latent
     attention (deepseek_v3: config.json has ``kv_lora_rank``) the cache holds
     the compressed latent and the rotated part of one key instead:
     (kv_lora_rank + qk_rope_head_dim) * ``dtype_bytes``. Sliding-window layers

@@ -19,6 +19,7 @@ from mlxceld.cluster.clusterfile.load import (
 from mlxceld.cluster.clusterfile.placement import place
 from mlxceld.cluster.coordinator import push_plan
 from mlxceld.cluster.plan.candidates import make_plan
+from mlxceld.cluster.plan.report import layer_runs
 from mlxceld.cluster.plan.solver import (
     SCALE,
     Plan,
@@ -310,6 +311,22 @@ def test_table_and_json() -> None:
     assert s0["headroom_bytes"] == s0["usable_bytes"] - s0["weight_bytes"] - s0["reserve_bytes"]
     assert [s["layers"] for s in body["stages"]] == [[0, s0["layers"][1]],
                                                      [s0["layers"][1], 8]]
+
+
+def test_the_table_shows_what_each_layer_weighs() -> None:
+    """A dense first layer and MoE layers after it (DeepSeek-V3's shape) are priced as
+    they are, and the table and the JSON say so: the split is balanced by bytes."""
+    dense_then_moe = (10 * MIB, *(300 * MIB,) * 5, 200 * MIB)
+    p = LayerProfile(layer_bytes=dense_then_moe, embed_bytes=0, head_bytes=0, norm_bytes=0,
+                     other_bytes=0, tied=True, dtype_bytes=2, hidden_size=1024,
+                     kv_bytes_per_token=0)
+    plan = plan_stages(p, 2, [node(1, 4 * GIB), node(2, 4 * GIB)])
+    assert ("layer weights: [0, 1) 10.0 MiB, [1, 6) 300.0 MiB each, [6, 7) 200.0 MiB"
+            in render_plan_table(plan).splitlines())
+    assert plan_json(plan)["layer_bytes"] == list(dense_then_moe)
+    assert [s.layers for s in plan.stages] == [(0, 4), (4, 7)]  # 910 MiB and 800 MiB
+    assert layer_runs(tuple(range(9)), most=3) == (
+        "[0, 1) 0 B, [1, 2) 1 B, [2, 3) 2 B, and 6 more runs (--json has every layer)")
 
 
 def test_sizes_and_usable_memory() -> None:

@@ -117,12 +117,14 @@ class PlannedStage:
 @dataclass(frozen=True)
 class Plan:
     """Stages in rank order (their nodes in lexicographic order of canonical address),
-    the layers covered once each; ``spare``: the candidates left out."""
+    the layers covered once each; ``spare``: the candidates left out; ``layer_bytes``:
+    each layer's weights as the profile priced them (what the split balanced)."""
 
     stages: tuple[PlannedStage, ...]
     num_layers: int
     reserve: Reserve
     spare: tuple[PlanNode, ...] = field(default=())
+    layer_bytes: tuple[int, ...] = field(default=())
 
     @property
     def fits(self) -> bool:

@@ -43,6 +43,7 @@ class ReserveJSON(TypedDict):
 class PlanJSON(TypedDict):
     schema: Literal["mlxctl.cluster.plan/1"]
     num_layers: int
+    layer_bytes: list[int]  # each layer's weights, as priced from the safetensors headers
     reserve: ReserveJSON
     stages: list[PlanStageJSON]
     spare: list[SpareNodeJSON]
@@ -61,7 +62,8 @@ def human_bytes(n: int) -> str:
 
 
 def render_plan_table(plan: Plan) -> str:
-    """One row per stage, then a line on the reserve and one on any spare nodes."""
+    """One row per stage, then a line on the layers' sizes, one on the reserve and one
+    on any spare nodes."""
     rows = [(s.stage_id, s.node.node_id, s.address, f"[{s.layers[0]}, {s.layers[1]})",
              human_bytes(s.weight_bytes), human_bytes(s.reserve_bytes),
              human_bytes(s.node.memory_usable_bytes), human_bytes(s.headroom_bytes))
@@ -69,6 +71,8 @@ def render_plan_table(plan: Plan) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in (HEADERS, *rows)]
+    if plan.layer_bytes:
+        lines.append("layer weights: " + layer_runs(plan.layer_bytes))
     r = plan.reserve
     lines.append(f"{len(plan.stages)} stage(s), {plan.num_layers} layers; reserve per stage: "
                  f"KV cache for {r.context_tokens} tokens + "
@@ -78,11 +82,29 @@ def render_plan_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def layer_runs(layer_bytes: tuple[int, ...], most: int = 6) -> str:
+    """Each run of layers of one size, as the solver priced them: ``[0, 1) 1.2 MiB,
+    [1, 48) 3.1 GiB each`` (a dense first layer, then MoE layers); past ``most`` runs,
+    how many more."""
+    runs: list[tuple[int, int, int]] = []  # start, end, bytes
+    for i, size in enumerate(layer_bytes):
+        if runs and runs[-1][2] == size:
+            runs[-1] = (runs[-1][0], i + 1, size)
+        else:
+            runs.append((i, i + 1, size))
+    parts = [f"[{a}, {b}) {human_bytes(n)}{' each' if b - a > 1 else ''}"
+             for a, b, n in runs[:most]]
+    if len(runs) > most:
+        parts.append(f"and {len(runs) - most} more runs (--json has every layer)")
+    return ", ".join(parts)
+
+
 def plan_json(plan: Plan) -> PlanJSON:
     """The plan as ``mlxctl.cluster.plan/1``."""
     return {
         "schema": SCHEMA,
         "num_layers": plan.num_layers,
+        "layer_bytes": list(plan.layer_bytes),
         "reserve": {"context_tokens": plan.reserve.context_tokens,
                     "activation_bytes": plan.reserve.activation_bytes},
         "stages": [{"stage": s.stage_id, "rank": s.rank, "node_id": s.node.node_id,

@@ -189,7 +189,7 @@ def _plan(profile: LayerProfile, reserve: Reserve, nodes: list[PlanNode],
                      weight_bytes=profile.weight_bytes(bounds[k], bounds[k + 1]),
                      reserve_bytes=reserve.stage_bytes(profile, bounds[k + 1] - bounds[k]))
         for k, node in enumerate(nodes))
-    return Plan(stages, profile.num_layers, reserve, spare)
+    return Plan(stages, profile.num_layers, reserve, spare, profile.layer_bytes)
 
 
 def _refused(profile: LayerProfile, attempt: Plan) -> PlanRefused:
