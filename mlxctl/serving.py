@@ -9,6 +9,9 @@ peer's stage (``progress.LoadView``): a bar on a terminal, else a line per tenth
 (``router: loading 40% of 61.0 GiB, 12 s``). The wait ends when the router runs (the
 command prints ``serving NAME at URL (router running)``) or when it cannot: the
 router failed or exited (its reason), or a bound passed (exit 1 for all of these).
+A model named by a Hugging Face repo id is downloaded first (by mlx-lm, in the router),
+which shows as ``router starting`` without a load until its weights are read; only
+``--timeout`` bounds that part.
 
 Bounds. The whole wait ends at ``--timeout`` (default 600 s, the daemon's own start
 timeout for a model worker, ``roster.MODEL_START_TIMEOUT_S``, after which the daemon
