@@ -13,12 +13,17 @@ RUN_NAME  = $(if $(MODEL),$(notdir $(patsubst %/,%,$(MODEL))),tiny-qwen3)
 .PHONY: run run-single run-pipeline test install lint typecheck dist formula clean
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	@echo "creating a virtual environment in $(VENV) ($(PYTHON) -m venv)..."
+	@$(PYTHON) -m venv $(VENV)
 
+# Says what it does: pip is --quiet, and the first install (mlx, mlx-lm and the rest) takes
+# minutes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $@
+	@echo "installing mlxceld and its dependencies into $(VENV) (the first run takes a few minutes)..."
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+	@echo "installed mlxceld $$($(BIN)/python -c 'import mlxceld; print(mlxceld.__version__)') into $(VENV)"
 
 install: $(VENV)/.installed
 
@@ -27,7 +32,8 @@ install: $(VENV)/.installed
 # real daemon with its own state dir under $(DEMO)/cluster, a generated secret (0600) and
 # a generated tiny model unless MODEL= names one; see contrib/demo/cluster.py.
 run: install
-	exec $(BIN)/python contrib/demo/cluster.py $(if $(MODEL),--model $(MODEL)) \
+	@echo "bringing up a 2-stage cluster on loopback (contrib/demo/cluster.py; logs in $(DEMO)/cluster)..."
+	@exec $(BIN)/python contrib/demo/cluster.py $(if $(MODEL),--model $(MODEL)) \
 		$(if $(MODEL_NAME),--model-name $(MODEL_NAME)) --port $(PORT) --dir $(DEMO)/cluster
 
 # One daemon serving the whole model (no cluster): the embedded default.

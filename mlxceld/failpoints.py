@@ -94,6 +94,10 @@ sleep this long after each layer it loads (``workers/stage.py``), as a slow disk
 would, so that a test of the assignment's wait on load progress
 (``cluster/assignment/stagehost.py``) has a load that goes on, or stalls, for seconds.
 
+``MLXCELD_TEST_ROUTER_LAYER_S`` (seconds, > 0; test only too) does the same for a
+single-host router worker's model (``workers/router.py``), so that a test of
+``mlxctl serve``'s progress sees the load go on for seconds.
+
 ``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
 the planner find a plan that does not fit (the fixtures are tiny). Anything but a
@@ -121,6 +125,7 @@ ROTATION_STEP_ENV: Final = "MLXCELD_TEST_ROTATION_STEP_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
 STAGE_LAYER_ENV: Final = "MLXCELD_TEST_STAGE_LAYER_S"
+ROUTER_LAYER_ENV: Final = "MLXCELD_TEST_ROUTER_LAYER_S"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
@@ -164,6 +169,11 @@ def parse_stage_layer(environ: Mapping[str, str]) -> float | None:
     return _seconds(environ, STAGE_LAYER_ENV, "a stage that loads at its disk's pace")
 
 
+def parse_router_layer(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_ROUTER_LAYER_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, ROUTER_LAYER_ENV, "a router that loads at its disk's pace")
+
+
 def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_ROTATION_STEP_S`` as seconds, None when unset; ``ConfigError`` if
     bad."""
@@ -202,6 +212,7 @@ ROTATION_STEP_S: Final = parse_rotation_step(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 STAGE_LAYER_S: Final = parse_stage_layer(os.environ)
+ROUTER_LAYER_S: Final = parse_router_layer(os.environ)
 
 
 def on(name: str) -> bool:

@@ -16,8 +16,9 @@ What mlxceld sends, and when:
     ``TimeoutStartSec=`` never has to cover one.
 ``STATUS=...``
     a one-line summary, whenever it changes (looked at every
-    ``STATUS_EVERY_S``); a stage worker that loads its weights for an
-    assignment reads ``stage loading 43% of 61.0 GiB, 12 s``.
+    ``STATUS_EVERY_S``); a router or stage worker that reads its weights
+    reads ``router loading 43% of 61.0 GiB, 12 s`` (its load as its
+    supervisor last asked it, every ``supervisor.service.LOADS_EVERY_S``).
 ``RELOADING=1`` with ``MONOTONIC_USEC=``, then ``READY=1``
     around a SIGHUP reload.
 ``STOPPING=1`` with ``EXTEND_TIMEOUT_USEC=``

@@ -10,25 +10,27 @@ importing typer (``mlxctl.fastpath``) and everything else here.
 
 from __future__ import annotations
 
-import asyncio
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import psutil
 import typer
+from rich.console import Console
 
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
-from mlxceld.types import WorkerState
 from mlxctl import reading, render
-from mlxctl.cluster import SETTLED, cluster_app
+from mlxctl.cluster import cluster_app
 from mlxctl.drain import drain, undrain
 from mlxctl.edge import EXIT_FAILURE, call, emit
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
+from mlxctl.progress import LoadView
 from mlxctl.secret import secret_app
+from mlxctl.serving import Served, serve_and_wait
 
 STOP_WAIT_S = 120.0
 
@@ -122,7 +124,9 @@ def restart(
     emit(as_json, "restart", body, lambda: f"restarting worker {worker}")
 
 
-@app.command()
+@app.command(epilog="Exit codes: 0 served (with --wait: the router runs); 1 refused, or "
+             "the router failed, exited, stalled or did not run within --timeout (the reason "
+             "is printed); 2 usage; 3 daemon not running; 4 permission denied.")
 def serve(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(
@@ -130,23 +134,47 @@ def serve(
     name: Annotated[str | None, typer.Option(
         "--name", help="The model id clients see (default: the directory name).")] = None,
     wait: Annotated[bool, typer.Option(
-        "--wait/--no-wait", help="Wait until the model is loaded and served.")] = True,
+        "--wait/--no-wait", help="Wait until the model is loaded and served, showing how "
+        "far it has loaded (a bar on a terminal, else a line per tenth).")] = True,
     timeout: Annotated[float, typer.Option(
-        "--timeout", min=1, help="Seconds to wait for the model to load.")] = 600.0,
+        "--timeout", min=1, help="Seconds to wait for the router to run, in all (a load "
+        "that reads nothing for 60 s ends the wait sooner).")] = 600.0,
     socket: SocketOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Serve MODEL on the running daemon (starts or restarts its router worker)."""
     local = Path(model).expanduser()
     target = str(local.resolve()) if local.exists() else model  # the daemon has another cwd
     path = socket_path(ctx, socket)
-    body = call(path, as_json, lambda c: c.serve(target, name))
-    serving = body["serving"]
-    if wait:
-        state = call(path, as_json, lambda c: _wait_router(c, timeout))
-        body["router"] = state
-    emit(as_json, "serve", body, lambda: f"serving {serving['model_name']} at {serving['url']}"
-         + ("" if not wait else f" (router {body['router']['state']})"))
-    if wait and body["router"]["state"] != WorkerState.RUNNING:
+    if not wait:
+        body = call(path, as_json, lambda c: c.serve(target, name))
+        serving = body["serving"] or {}
+        emit(as_json, "serve", body, lambda: f"serving {serving.get('model_name')} at "
+             f"{serving.get('url')}")
+        return
+    view = None if as_json else LoadView(
+        typer.echo, Console() if sys.stdout.isatty() else None)
+
+    async def job(c: ControlClient) -> Served:
+        try:
+            return await serve_and_wait(c, target, name, timeout, view)
+        finally:
+            if view is not None:
+                view.close()
+
+    served = call(path, as_json, job)
+    body = {**served.body, "router": served.router}
+    if served.problem:
+        body["problem"] = served.problem
+    serving = served.body.get("serving") or {}
+    if as_json:
+        emit(as_json, "serve", body, lambda: "")
+    elif not served.problem:
+        typer.echo(f"serving {serving.get('model_name')} at {serving.get('url')} "
+                   f"(router {served.router['state']})")
+    else:
+        typer.echo(f"mlxctl: {served.problem}", err=True)
+        typer.echo("  hint: see: mlxctl logs router", err=True)
+    if served.problem:
         raise typer.Exit(EXIT_FAILURE)
 
 
@@ -161,19 +189,6 @@ def unserve(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = Fal
     was = body.get("unserved")
     emit(as_json, "unserve", body, lambda: f"stopped serving {was['model_name']} ({was['model']})"
          if was else "nothing was served; nothing changed")
-
-
-async def _wait_router(client: ControlClient, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    router: dict[str, Any] = {}
-    await asyncio.sleep(0.2)  # let a restart begin before the first look
-    while time.monotonic() < deadline:
-        workers = (await client.workers())["workers"]
-        router = next((w for w in workers if w["name"] == "router"), {"state": "missing"})
-        if router["state"] in SETTLED:
-            break
-        await asyncio.sleep(0.2)
-    return router
 
 
 @app.command()

@@ -187,7 +187,6 @@ async def _activate(c: ControlClient, model: str, stages: int,
     epoch = started["epoch"]
     if not quiet:
         typer.echo(f"plan {epoch}: {len(started['peers'])} stage(s) of {started['model']}")
-    shown: dict[str, int] = {}  # steps printed, per peer
     read: dict[str, int] = {}  # the bytes its load had read, as last heard, per peer
     view = LoadView(typer.echo, Console() if not quiet and sys.stdout.isatty() else None)
     loop = asyncio.get_running_loop()
@@ -196,20 +195,13 @@ async def _activate(c: ControlClient, model: str, stages: int,
         while True:
             status = await c.status()
             bringup = status.get("bringup") or {}
+            if not quiet:
+                view.peers(bringup.get("peers") or [])
             for p in bringup.get("peers") or []:
-                steps = p.get("steps") or []
-                for i in range(shown.get(p["address"], 0), len(steps)):
-                    if not quiet:
-                        last = i == len(steps) - 1
-                        view.step(render.peer_step({**p, "state": steps[i],
-                                                    "reason": p["reason"] if last else ""}))
-                shown[p["address"]] = len(steps)
                 done = (p.get("loading") or {}).get("done")
                 if isinstance(done, int) and done > read.get(p["address"], -1):
                     read[p["address"]] = done  # a load that advances is waited for
                     give_up = max(give_up, loop.time() + PUSH_WAIT_S)
-                if not quiet:
-                    view.peer(p)
             if bringup.get("epoch") != epoch or bringup.get("state") not in ("planning",
                                                                               "pushing"):
                 break

@@ -201,16 +201,20 @@ def status(body: dict[str, Any]) -> str:
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
-    """A stage loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``."""
+    """A stage or router loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``."""
     now = time.time() if now is None else now
-    out = []
-    for w in workers:
-        p = (w.get("stats") or {}).get("loading")
-        if isinstance(p, dict) and all(isinstance(p.get(k), int | float)
-                                       for k in ("done", "total", "since")):
-            out.append(f"{w['name']}: " + loading_text(LoadProgress(
-                done=int(p["done"]), total=int(p["total"]), since=float(p["since"])), now))
-    return out
+    return [load[2] for w in workers if (load := worker_loading(w, now)) is not None]
+
+
+def worker_loading(w: dict[str, Any], now: float) -> tuple[int, int, str] | None:
+    """A worker's load (its stats' ``loading``): bytes read, bytes to read, and its line
+    ``router: loading 43% of 61.0 GiB, 12 s``; None when it says none."""
+    p = (w.get("stats") or {}).get("loading")
+    if not (isinstance(p, dict) and all(isinstance(p.get(k), int | float)
+                                        for k in ("done", "total", "since"))):
+        return None
+    load = LoadProgress(done=int(p["done"]), total=int(p["total"]), since=float(p["since"]))
+    return load["done"], load["total"], f"{w['name']}: " + loading_text(load, now)
 
 
 def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:

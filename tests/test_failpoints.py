@@ -49,6 +49,15 @@ def test_the_follower_stall_must_be_positive_seconds() -> None:
     assert "30 s" in info.value.hint
 
 
+def test_the_layer_pauses_must_be_positive_seconds() -> None:
+    assert failpoints.parse_router_layer({}) is None
+    assert failpoints.parse_router_layer({failpoints.ROUTER_LAYER_ENV: "0.5"}) == 0.5
+    assert failpoints.parse_stage_layer({failpoints.STAGE_LAYER_ENV: "1"}) == 1.0
+    with pytest.raises(ConfigError, match="MLXCELD_TEST_ROUTER_LAYER_S='-1' is not") as info:
+        failpoints.parse_router_layer({failpoints.ROUTER_LAYER_ENV: "-1"})
+    assert "a router that loads at its disk's pace" in info.value.hint
+
+
 def test_the_memory_cap_must_be_positive_bytes() -> None:
     assert failpoints.parse_memory({}) is None
     assert failpoints.parse_memory({failpoints.MEMORY_ENV: " 604000000 "}) == 604_000_000

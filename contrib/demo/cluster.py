@@ -8,6 +8,11 @@ with its own state dir, control socket and log file. The coordinator plans
 the split from the peers' inventory and assigns the stages (two-phase: offer,
 prepare, commit, activate); no cluster TOML is written by hand.
 
+It says each step as it goes: the fixture generated, each daemon started and
+answering, the coordinator waiting for its peers and planning, the plan, each
+peer's steps (offered, loading, prepared, committed, active) and how far it has
+loaded its stage (a bar per peer on a terminal, else a line per tenth, as
+`mlxctl cluster activate` shows them: mlxctl/progress.py), the router starting.
 It waits until the router answers a completion (at most READY_S), prints
 "ready: URL", a curl and an `openai` snippet and `mlxctl status` of the
 coordinator, then runs until Ctrl-C (or SIGTERM, or a daemon exiting). Then it
@@ -39,11 +44,13 @@ from typing import Any
 
 import httpx
 from pipeline import CONFIG, LOOPBACK_ONLY, Daemons, descendants, stage_hosts, stop, tail
+from rich.console import Console
 
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
 from mlxceld.models import preset, write_fixture
 from mlxceld.privatefile import write_private
+from mlxctl.progress import LoadView
 
 READY_S = 180.0  # the peers load their stages, the coordinator pushes, the router attaches
 SOCKET_S = 30.0  # a daemon's control socket answers
@@ -96,27 +103,58 @@ def agent_address(root: Path, node: str, daemons: Daemons, stopping: threading.E
                      f" its log:\n{tail(root / f'{node}.log')}")
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
 def wait_ready(url: str, model: str, root: Path, daemons: Daemons,
                stopping: threading.Event) -> bool:
-    """Until the bring-up is active and one completion comes back; False if asked to stop
-    first; SystemExit naming the reason if the bring-up fails or time runs out."""
+    """Until the bring-up is active and one completion comes back, saying each step of
+    it (``show_bringup``); False if asked to stop first; SystemExit naming the reason if
+    the bring-up fails or time runs out."""
     body = {"model": model, "prompt": "Hello", "max_tokens": 1}
     deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        if stopping.is_set():
-            return False
-        check_alive(daemons, root)
-        with contextlib.suppress(ControlError):
-            bringup = ask(root / "coordinator.sock", "status").get("bringup") or {}
-            if bringup.get("state") == "failed":
-                raise SystemExit(f"the bring-up failed: {bringup.get('summary')}\nsee the "
-                                 f"logs in {root}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.post(f"{url}/completions", json=body, timeout=10).status_code == 200:
-                return True
-        stopping.wait(POLL_S)
+    view = LoadView(say, Console() if sys.stdout.isatty() else None)
+    said: set[str] = set()  # the coordinator's steps said
+    try:
+        while time.monotonic() < deadline:
+            if stopping.is_set():
+                return False
+            check_alive(daemons, root)
+            with contextlib.suppress(ControlError):
+                bringup = ask(root / "coordinator.sock", "status").get("bringup") or {}
+                show_bringup(view, bringup, url, said)
+                if bringup.get("state") == "failed":
+                    raise SystemExit(f"the bring-up failed: {bringup.get('summary')}\nsee "
+                                     f"the logs in {root}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.post(f"{url}/completions", json=body, timeout=10).status_code == 200:
+                    return True
+            stopping.wait(POLL_S)
+    finally:
+        view.close()
     raise SystemExit(f"the router at {url} did not answer within {READY_S:g} s; see the logs "
                      f"in {root}")
+
+
+def show_bringup(view: LoadView, bringup: dict[str, Any], url: str, said: set[str]) -> None:
+    """The coordinator's bring-up as it goes: waiting for its peers and planning, the plan,
+    each peer's steps and how far it has loaded its stage (a bar on a terminal, else a
+    line per tenth: ``mlxctl cluster activate``'s view), then the router starting."""
+    state = bringup.get("state")
+    if state in ("planning", "pushing", "active") and "planning" not in said:
+        said.add("planning")
+        view.step(f"the coordinator waits for its {bringup.get('stages')} peers to answer, "
+                  "reads their inventory and plans the split...")
+    if state in ("pushing", "active") and "plan" not in said and bringup.get("peers"):
+        said.add("plan")
+        view.step(f"plan {bringup.get('epoch')}: {len(bringup['peers'])} stage(s); each peer "
+                  "loads its layers (offered, loading, prepared), then commits and activates:")
+    view.peers(bringup.get("peers") or [])
+    if state == "active" and "active" not in said:
+        said.add("active")
+        view.step(f"bring-up: {bringup.get('summary')}; the router starts at {url} and "
+                  "attaches to the stages...")
 
 
 def usage(args: argparse.Namespace, root: Path, peers: dict[str, str], python: str) -> str:
@@ -183,9 +221,9 @@ def prepare(args: argparse.Namespace, root: Path) -> None:
     if args.model is None:
         args.model = root / FIXTURE
         if not (args.model / "config.json").exists():
-            print(f"No --model given: generating a tiny random-weight model in {args.model}",
-                  flush=True)
+            say(f"No --model given: generating a tiny random-weight model in {args.model}...")
             write_fixture(args.model, preset("tiny", family="qwen3", layers=4))
+            say(f"generated {args.model}")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there; give an mlx-lm "
                          "model directory")
@@ -212,9 +250,15 @@ def main() -> None:
     left: list[int] = []
     try:
         for i, host in enumerate(hosts, 1):
+            say(f"starting peer-{i}: mlxceld --pp-peer on {host} (log {root}/peer-{i}.log)")
             daemons[f"peer-{i}"] = start(root, f"peer-{i}", host, "--pp-peer",
                                          "--model", str(args.model))
-        peers = {node: agent_address(root, node, daemons, stopping) for node in daemons}
+        peers = {}
+        for node in daemons:
+            peers[node] = agent_address(root, node, daemons, stopping)
+            say(f"{node} is up (pid {daemons[node].pid}): its agent listens on {peers[node]}")
+        say(f"starting the coordinator: mlxceld --pp-auto 2 on 127.0.0.1, the router on port "
+            f"{args.port} (log {root}/coordinator.log)")
         daemons["coordinator"] = start(
             root, "coordinator", "127.0.0.1", "--pp-auto", "2", "--cluster-peers",
             ",".join(peers.values()), "--model", str(args.model), "--model-name",

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import EngineError, GenerationRequest, TokenOutput
 from mlxceld.engine.sampling import make_sampler
+from mlxceld.models.reading import Progress, model_layers, read_weights
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +203,18 @@ def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], Token
 
 
 def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8,
-                      on_failure: Callable[[BaseException], None] | None = None
-                      ) -> tuple[LocalEngine, Any]:
-    """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper."""
+                      on_failure: Callable[[BaseException], None] | None = None,
+                      progress: Progress | None = None) -> tuple[LocalEngine, Any]:
+    """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper.
+    mlx-lm builds the model lazily; its weights are then read layer by layer, each step
+    told to ``progress(done, total)`` in parameter bytes (``models/reading.py``)."""
     from mlx_lm import load
 
-    loaded: Any = load(path, return_config=True)
+    loaded: Any = load(path, lazy=True, return_config=True)
     model, tokenizer, config = loaded
     context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     vocab = int(config.get("vocab_size") or model.args.vocab_size)
-    mx.eval(model.parameters())
+    read_weights(model_layers(model), model, progress)
     engine = LocalEngine(model, model_id=model_id or Path(path).name, context_length=context,
                          eos_token_ids=set(tokenizer.eos_token_ids), vocab_size=vocab,
                          max_batch=max_batch, on_failure=on_failure)

@@ -50,6 +50,7 @@ from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import SUPPORTED, check_family
+from mlxceld.models.reading import Progress, read_weights
 from mlxceld.models.shards import INDEX, missing_files, read_index, stage_files
 from mlxceld.wire.envelope import TensorSpec
 from mlxceld.wire.mx_tensors import wire_dtype
@@ -275,9 +276,6 @@ class StageModel:
                              f"{x.dtype}, expected {want}")
 
 
-Progress = Callable[[int, int], None]  # (bytes loaded, bytes to load)
-
-
 def load_stage(path: str | Path, start: int, end: int,
                progress: Progress | None = None) -> StageModel:
     """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those;
@@ -349,20 +347,8 @@ def _holds_every_shard(path: Path, config: dict[str, Any], start: int, end: int)
 
 def _evaluate(stage: StageModel, progress: Progress | None) -> None:
     """Read the stage's weights from disk: layer by layer, then the rest (embeddings,
-    norm, head), each step reported to ``progress``."""
-    total = stage.nbytes
-    done = 0
-    if progress is not None:
-        progress(done, total)
-    for layer in stage.layers:
-        params = layer.parameters()
-        mx.eval(params)
-        done += sum(v.nbytes for v in _leaves(params))
-        if progress is not None:
-            progress(done, total)
-    mx.eval(stage.model.parameters())
-    if progress is not None:
-        progress(total, total)
+    norm, head), each step reported to ``progress`` (``reading.read_weights``)."""
+    read_weights(stage.layers, stage.model, progress)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

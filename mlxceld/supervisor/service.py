@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 ROTATE_EVERY_S = 5.0
 REMOVED_STOP_TIMEOUT_S = 10.0
 ASKED_STATS = frozenset({WorkerState.RUNNING, WorkerState.STARTING})  # by stats()
+STARTING = frozenset({WorkerState.STARTING})
 STATS_TIMEOUT_S = 0.5  # a running worker that does not answer ``stats`` within this is left out
+LOADS_EVERY_S = 2.0  # between two asks of the starting workers' loads (systemd's STATUS line)
 
 
 class Supervisor:
@@ -69,6 +71,7 @@ class Supervisor:
         async with cancelling_group() as tg:
             self._tg = tg
             self._spawn_task(self._rotate_logs())
+            self._spawn_task(self._watch_loads())
             started.set_result(None)
             await self._closing.wait()
         self._tg = None
@@ -287,12 +290,13 @@ class Supervisor:
         else:
             self._loading[name] = progress
 
-    async def stats(self) -> dict[str, JSON]:
+    async def stats(self, states: frozenset[WorkerState] = ASKED_STATS) -> dict[str, JSON]:
         """Each running or starting worker's own stats (its control channel's ``stats`` op:
-        a stage loading its weights says how far it is), asked all at once; a worker that
-        does not answer within ``STATS_TIMEOUT_S`` is left out."""
+        a stage or router loading its weights says how far it is), asked all at once; a
+        worker that does not answer within ``STATS_TIMEOUT_S`` is left out. ``states``:
+        only the workers in these."""
         running = [(name, r) for name, r in sorted(self._runners.items())
-                   if r.machine.state in ASKED_STATS and r.pid is not None]
+                   if r.machine.state in states and r.pid is not None]
 
         async def ask(runner: WorkerRunner) -> JSON | None:
             try:
@@ -331,6 +335,23 @@ class Supervisor:
             log.debug("worker %s did not take %s: %s", name, op, exc)
             return None
 
+    async def _watch_loads(self) -> None:
+        """Every ``LOADS_EVERY_S``, each starting worker's ``loading`` stat (a router or a
+        stage reading its weights: ``types.LoadProgress``), noted for ``snapshot`` and so
+        for systemd's STATUS line; each ask bounded by ``STATS_TIMEOUT_S``. A stage host's
+        assignment notes it too, as often as it asks (``stagehost.py``)."""
+        while True:
+            await asyncio.sleep(LOADS_EVERY_S)
+            starting = {name for name, r in self._runners.items()
+                        if r.machine.state is WorkerState.STARTING and r.pid is not None}
+            for name in set(self._loading) - starting:
+                self._loading.pop(name, None)
+            if not starting:
+                continue
+            stats = await self.stats(STARTING)
+            for name, answer in stats.items():  # one that did not answer keeps its last
+                self.note_loading(name, _load_of(answer.get("loading")))
+
     async def _rotate_logs(self) -> None:
         while True:
             await asyncio.sleep(ROTATE_EVERY_S)
@@ -350,3 +371,11 @@ def _rss(pid: int | None) -> int | None:
         return int(psutil.Process(pid).memory_info().rss)
     except psutil.Error:
         return None
+
+
+def _load_of(raw: Any) -> LoadProgress | None:
+    """A worker's ``loading`` stat as ``LoadProgress``; None when it says none (or garbage)."""
+    if not (isinstance(raw, dict) and all(type(raw.get(k)) in (int, float)
+                                          for k in ("done", "total", "since"))):
+        return None
+    return LoadProgress(done=int(raw["done"]), total=int(raw["total"]), since=float(raw["since"]))

@@ -12,7 +12,10 @@ bootstrap pipe too.
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready. It
 raises its soft file limit to the hard one first (mlx-lm, as it is imported, sets them
-to 2048 and 4096), and keeps its connections below it.
+to 2048 and 4096), and keeps its connections below it. While a single-host router
+reads its weights, its stats carry ``loading`` (``types.LoadProgress``: parameter bytes
+read of those to read, layer by layer, ``models/reading.py``), which ``mlxctl status``,
+systemd's STATUS line and ``mlxctl serve`` show.
 
 Over a pipeline the engine keeps its stage links up in the background from the
 start; ``GET /ready`` is 503 naming the stages not attached (completions are
@@ -38,10 +41,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mlxceld import failpoints
 from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
 from mlxceld.api.draining import Draining, NodeDrain
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
@@ -50,7 +55,7 @@ from mlxceld.engine.local import load_local_engine
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
-from mlxceld.workers.runtime import WorkerContext
+from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
@@ -169,9 +174,12 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         if o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
+            # Its reports are queued before the thread ends, so they land before the pop.
+            loaded = load_reporter(ctx, time.time(), failpoints.ROUTER_LAYER_S)
             engine, tokenizer = await asyncio.to_thread(
                 load_local_engine, o.model, model_id=o.model_name, max_batch=o.max_batch,
-                on_failure=engine_broke)
+                on_failure=engine_broke, progress=loaded)
+            ctx.stats.pop("loading", None)
     except Exception as exc:
         sock.close()
         raise RuntimeError(f"cannot load model {o.model!r}: {exc}") from exc

@@ -52,6 +52,7 @@ from mlxceld.supervisor.keys import (
 from mlxceld.types import (
     JSON,
     ExitRecord,
+    LoadProgress,
     WorkerBootstrap,
     WorkerHealth,
     WorkerKeys,
@@ -237,6 +238,27 @@ def progress_report(steps: int, last_step: float | None,
     return {"steps": steps,
             "last_step_at": None if last_step is None else time.time() - (now - last_step),
             "busy": busy_since is not None, "stalled_s": round(stalled, 3)}
+
+
+def load_reporter(ctx: WorkerContext[Any], since: float, slow_s: float | None = None
+                  ) -> Callable[[int, int], None]:
+    """A model load's ``progress(done, total)`` (``models/reading.py``), called on the
+    loading thread: each report lands in the worker's stats as ``loading``
+    (``types.LoadProgress``, ``since`` its wall-clock start), which its daemon shows in
+    ``mlxctl status`` and systemd's STATUS line; the role pops it once loaded. ``slow_s``
+    (tests only: ``failpoints``' ``*_LAYER_S``) pauses after each step but the last, as a
+    slow disk would, until the worker is told to stop."""
+    loop = asyncio.get_running_loop()
+
+    def loaded(done: int, total: int) -> None:
+        report = LoadProgress(done=done, total=total, since=since)
+        loop.call_soon_threadsafe(ctx.stats.update, {"loading": report})
+        if slow_s is not None and done < total:
+            until = time.monotonic() + slow_s
+            while time.monotonic() < until and not ctx.stopping.is_set():
+                time.sleep(0.05)
+
+    return loaded
 
 
 def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> None:

@@ -45,9 +45,9 @@ from mlxceld.errors import ConfigError
 from mlxceld.net import Listener
 from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
 from mlxceld.roles.options import StageOptions
-from mlxceld.types import JSON, LoadProgress
+from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
-from mlxceld.workers.runtime import WorkerContext, progress_report
+from mlxceld.workers.runtime import WorkerContext, load_reporter, progress_report
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +98,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
 
         set_wired_limit()
 
-        loop, since = asyncio.get_running_loop(), time.time()
-
-        def loaded(done: int, total: int) -> None:  # in load_stage's thread
-            report = LoadProgress(done=done, total=total, since=since)
-            loop.call_soon_threadsafe(ctx.stats.update, {"loading": report})
-            if failpoints.STAGE_LAYER_S is not None and done < total:  # tests: a slow disk
-                until = time.monotonic() + failpoints.STAGE_LAYER_S
-                while time.monotonic() < until and not ctx.stopping.is_set():
-                    time.sleep(0.05)
+        since = time.time()
+        loaded = load_reporter(ctx, since, failpoints.STAGE_LAYER_S)  # tests: a slow disk
 
         # Its reports are queued before the thread ends, so they all land before this pop.
         try:

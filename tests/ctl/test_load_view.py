@@ -43,3 +43,14 @@ def test_on_a_terminal_a_bar_per_peer() -> None:
     shown = out.getvalue()
     assert "stage-0 127.0.0.3:7000 prepared" in shown
     assert "stage-1 127.0.0.2:7000" in shown and "40%" in shown
+    assert "100%" not in shown
+
+
+def test_on_a_terminal_a_bar_is_full_once_its_peer_has_loaded() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    view = LoadView(print, console)
+    view.peer(row(4 << 20))
+    view.peer({**row(0, state="prepared"), "loading": None})
+    view.close()
+    assert "100%" in out.getvalue().split("40%")[-1]

@@ -1,4 +1,4 @@
-"""The local engine against mlx-lm itself, on our tiny fixtures."""
+"""The local engine against mlx-lm itself, on our tiny fixtures (its load reports progress)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import generate, load
 from mlx_lm.generate import generate_step
 
@@ -39,9 +40,11 @@ def test_greedy_tokens_equal_mlx_lm(fixture_dir: Path, family: str) -> None:
     path = str(fixture_dir / family)
     model, tokenizer = load(path)
     eos = set(tokenizer.eos_token_ids)
+    reports: list[tuple[int, int]] = []
 
     async def run() -> list[list[int]]:
-        engine, _ = load_local_engine(path, max_batch=4)
+        engine, _ = load_local_engine(path, max_batch=4,
+                                      progress=lambda done, total: reports.append((done, total)))
         try:
             prompts = [tokenizer.encode(p) for p in PROMPTS]
             alone = [await engine_tokens(engine, p, 40, temperature=0) for p in prompts]
@@ -53,6 +56,12 @@ def test_greedy_tokens_equal_mlx_lm(fixture_dir: Path, family: str) -> None:
             await engine.aclose()
 
     got = asyncio.run(run())
+    # Its weights were read layer by layer (then the rest), each step reported in bytes.
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert reports[0] == (0, total) and reports[-1] == (total, total)
+    assert len(reports) == len(model.layers) + 2
+    assert [d for d, _ in reports] == sorted(d for d, _ in reports)
+    assert 0 < reports[1][0] < total
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         ref = reference_tokens(model, tokenizer.encode(prompt), 40, eos)
         assert tokens == ref, prompt

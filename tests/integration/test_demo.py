@@ -1,5 +1,7 @@
 """`make run`'s demo (contrib/demo/cluster.py), run as a script: a `--pp-auto 2` cluster of
-three real daemons on loopback serves a completion; SIGINT stops every process it started."""
+three real daemons on loopback serves a completion; SIGINT stops every process it started.
+Off a terminal it says each step of the bring-up on a line, each stage's load per tenth
+(each layer's read slowed by ``MLXCELD_TEST_STAGE_LAYER_S``, so that the load is seen)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from helpers.router import complete
 DEMO = Path(__file__).resolve().parents[2] / "contrib" / "demo" / "cluster.py"
 READY_S = 240.0  # the script's own READY_S (180 s) and its start-up
 STOP_S = 90.0  # the script gives each daemon 30 s
+LAYER_S = 1.0  # each stage: 2 layers, so three pauses: a 'preparing' heartbeat (2 s) sees it
 
 
 def recorded_pids(root: Path) -> set[int]:
@@ -47,7 +50,7 @@ def test_demo_serves_and_ctrl_c_stops_every_process(split_fixture_dir: Path) -> 
         [sys.executable, str(DEMO), "--model", str(model), "--port", str(port),
          "--dir", str(root)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "NO_COLOR": "1"})
+        env={**os.environ, "NO_COLOR": "1", "MLXCELD_TEST_STAGE_LAYER_S": str(LAYER_S)})
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
 
@@ -72,6 +75,25 @@ def test_demo_serves_and_ctrl_c_stops_every_process(split_fixture_dir: Path) -> 
         text = "".join(output)
         assert f"\nready: http://127.0.0.1:{port}/v1\n" in text, text
         assert "curl -s" in text and "import openai" in text, text
+        steps = text.split(f"\nready: http://127.0.0.1:{port}/v1\n")[0].splitlines()
+        assert steps[0].startswith("starting peer-1: mlxceld --pp-peer on "), steps
+        assert any(re.fullmatch(r"peer-2 is up \(pid \d+\): its agent listens on \S+", line)
+                   for line in steps), steps
+        assert any(line.startswith("starting the coordinator: mlxceld --pp-auto 2 on "
+                                   "127.0.0.1") for line in steps), steps
+        assert any(line.startswith("the coordinator waits for its 2 peers")
+                   for line in steps), steps
+        assert any(re.match(r"plan \d+: 2 stage\(s\)", line) for line in steps), steps
+        loads = [line for line in steps
+                 if re.fullmatch(r"\s+stage-[01]\s+\S+\s+layers \[\d, \d\)\s+loading \d+% of "
+                                 r"[\d.]+ [KM]iB, \d+ s", line)]
+        assert loads, steps  # each stage's load, a line per tenth
+        for stage in ("stage-0", "stage-1"):
+            said = [line.split()[5] for line in steps if line.split()[:1] == [stage]]
+            assert said[0] == "offered" and "loading" in said and said[-1].startswith(
+                "active"), (stage, steps)
+        assert any(line.startswith("bring-up: ") and "the router starts at" in line
+                   for line in steps), steps
         assert "bring-up: active" in text and "router" in text, text  # mlxctl status
         assert "stage-0 active (plan" in text and "stage-1 active (plan" in text, text
         assert complete(port, "qwen3", 6) == expected(model, PROMPT, 6)
