@@ -59,18 +59,22 @@ from mlxceld.wire.address import parse_address
 log = logging.getLogger(__name__)
 
 ANSWER_S: Final = 5.0  # a connection that sends nothing for this long is closed
-MAX_REASON: Final = 400  # characters of the worker's reason in the answer
+MAX_REASON: Final = 300  # characters of the worker's reason in the answer
 
 
 def failure_message(node_id: str, host_node: str, reason: str) -> str:
-    """What a failed stage's stand-in answers: the stage, where, why, what to do."""
-    reason = reason.removesuffix(NOT_RESTARTED).strip() or "no reason recorded"
+    """What a failed stage's stand-in answers: the stage, where, why (short: a worker
+    that could not load says its error, and its hint stays in `mlxctl status` on its
+    host), what to do."""
+    if reason.endswith(NOT_RESTARTED):  # "MESSAGE; HINT" (workers/runtime.py), then that
+        reason = reason.removesuffix(NOT_RESTARTED).split("; ", 1)[0]
+    reason = reason.strip() or "no reason recorded"
     if len(reason) > MAX_REASON:
         reason = reason[:MAX_REASON - 3] + "..."
     said = reason if reason.startswith(f"stage {node_id} ") else \
         f"stage {node_id} failed: {reason}"
-    return (f"{said} (on node {host_node}; it is not restarted until fixed: fix it on "
-            f"{host_node}, then run `mlxctl restart stage` there)")
+    return (f"{said} (on node {host_node}, where it is not restarted: fix it there, "
+            "`mlxctl status` there says how, then run `mlxctl restart stage` there)")
 
 
 class StageStandIn:

@@ -31,8 +31,8 @@ SECRET = b"stand-in-test-secret-0123456789"
 HOST = "127.0.0.3"
 COORD = "127.0.0.1:19998"
 REASON = ("stage stage-1 failed to load layers [2, 4): stage layers [2, 4) need 1 of the 2 "
-          "shards, and 1 of them are missing: model-00002-of-00002.safetensors"
-          + NOT_RESTARTED)
+          "shards, and 1 of them are missing: model-00002-of-00002.safetensors; copy them "
+          "into the model directory" + NOT_RESTARTED)
 ANSWERED_S = 2.0  # a dial, a handshake and one answer on loopback; generous when loaded
 
 
@@ -64,10 +64,11 @@ def bindable(port: int) -> bool:
 def test_the_message_names_the_stage_the_node_the_reason_and_what_to_do() -> None:
     said = failure_message("stage-1", "mac-2", REASON)
     assert said.startswith("stage stage-1 failed to load layers [2, 4): ")
-    assert "missing: model-00002-of-00002.safetensors" in said and NOT_RESTARTED not in said
-    assert "on node mac-2" in said and "`mlxctl restart stage` there" in said
+    assert "missing: model-00002-of-00002.safetensors (on node mac-2" in said  # no hint
+    assert NOT_RESTARTED not in said and "copy them" not in said
+    assert "`mlxctl status` there" in said and "`mlxctl restart stage` there" in said
     other = failure_message("stage-1", "mac-2", "exited 5 times in 60 s; last: status 1")
-    assert other.startswith("stage stage-1 failed: exited 5 times in 60 s")
+    assert other.startswith("stage stage-1 failed: exited 5 times in 60 s; last: status 1")
     long = failure_message("stage-1", "mac-2", "x" * 5000)
     assert "x" * (MAX_REASON - 3) + "..." in long and "x" * MAX_REASON not in long
 
