@@ -7,7 +7,8 @@ stage's port for it (``pipeline/standin.py``). Within ``NOTICED_S`` the coordina
 ``/ready`` is 503 naming stage-1 and the missing shard, a completion gets that 503 at once,
 and `mlxctl status` there names the stage, the reason and what to do. Once the shard is
 back and `mlxctl restart stage` is run on that host, the router attaches the stage again
-by itself and serves.
+by itself and serves; broken and restarted again, the router that had it attached names
+it failed within ``NOTICED_S``.
 """
 
 from __future__ import annotations
@@ -120,3 +121,13 @@ def test_a_stage_that_cannot_load_is_named_by_the_router_and_status(
         text = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
                                     temperature=0).choices[0].text
     assert text == expected(good, PROMPT, 8)
+
+    # Broken again under a router that had it attached: a restart that cannot load is
+    # named within the documented bound (standin.py) of the worker's failure.
+    (broken / lost).unlink()
+    assert host.ctl("restart", "stage").returncode == 0
+    host.wait_worker("stage", timeout=READY_S, state="failed")
+    failed_at = time.monotonic()
+    wait_for(named, NOTICED_S, "/ready naming the stage failed again", every=0.2)
+    print(f"stage failure under an attached router: /ready named it "
+          f"{time.monotonic() - failed_at:.2f} s after the worker failed")
