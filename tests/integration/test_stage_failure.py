@@ -115,6 +115,7 @@ def test_a_stage_that_cannot_load_is_named_by_the_router_and_status(
     shutil.copy(good / lost, broken / lost)
     assert host.ctl("restart", "stage").returncode == 0
     daemons.pids.add(host.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    assert stage_starts(host) == 2  # its port was free at once: no failed bind, no retry
     wait_for(lambda: ready(pipe.url).status_code == 200, NOTICED_S, "/ready 200 again",
              every=0.2)
     with client(pipe.url) as c:
