@@ -34,6 +34,10 @@ the pipeline stalls without it and the roster still wants it. `mlxctl cluster
 deactivate` (or a new plan without this host) and the daemon's own stop end a stage
 for good.
 
+A stage worker that failed (it could not load, and is not restarted) leaves its port to
+a stand-in (``pipeline/standin.py``) that tells routers dialing it that the stage failed,
+where and why, until the worker starts again or is removed.
+
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds
 the control socket again if its file was deleted; ``control/keeper.py`` checks that file
 every few seconds as well).
@@ -85,6 +89,7 @@ from mlxceld.errors import (
 )
 from mlxceld.models.families import require_splittable
 from mlxceld.net import retire_streams
+from mlxceld.pipeline.standin import StandIns
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import Serving
@@ -175,6 +180,7 @@ class Daemon:
                                 config.serve.model)  # --model or [serve] model wins
                           if config.distributed_config else None)
         self.keys.adopt(config, self.placement)
+        self._stand_ins = StandIns(self.keys.keyring, self.node.node_id)
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
         self.serving = Serving(self, self._flags, config.serve)  # what the router serves
@@ -191,7 +197,7 @@ class Daemon:
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
-            finished=self._worker_finished)
+            finished=self._worker_finished, changed=self._worker_changed)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._draining = Draining(self, DrainsTable(self._db), self.events)
 
@@ -365,6 +371,13 @@ class Daemon:
                      "starting it again in %g s", name, STAGE_BACK_S)
             asyncio.get_running_loop().call_later(STAGE_BACK_S, self._stage_back)
 
+    def _worker_changed(self, spec: WorkerSpec, state: WorkerState | None,
+                        reason: str) -> None:
+        """A failed stage worker's port answers that it failed (``pipeline/standin.py``)."""
+        if self._stopping and state is WorkerState.FAILED:
+            return  # shutting down: no port is taken over now
+        self._stand_ins.worker_changed(spec, state, reason)
+
     def _stage_wanted(self) -> bool:
         return (not self._stopping and self.placement is not None and not self._standby
                 and any(s.name == STAGE_WORKER for s in self.specs(self.config)))
@@ -388,6 +401,7 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 sup_started: asyncio.Future[None] = loop.create_future()
+                tg.create_task(self._stand_ins.run())
                 tg.create_task(self.supervisor.run(sup_started))
                 await sup_started
                 srv_started: asyncio.Future[None] = loop.create_future()
@@ -460,6 +474,7 @@ class Daemon:
                 self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
+        self._stand_ins.close()
         self._keeper.close()
         self._draining.service.close()
         self._server.request_shutdown()

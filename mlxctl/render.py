@@ -19,7 +19,8 @@ PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yello
 LIVENESS_COLORS = {"alive": "green", "unknown": "cyan", "suspect": "yellow", "dead": "red"}
 LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
                "disconnected": "yellow", "unreachable": "yellow", "refused": "red",
-               "model_mismatch": "red", "layers_mismatch": "red", "silent": "red"}
+               "model_mismatch": "red", "layers_mismatch": "red", "failed": "red",
+               "silent": "red"}
 ANSI_COLORS = {"black": 30, "red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35,
                "cyan": 36, "white": 37}
 STATE_COLORS = {WorkerState.RUNNING: "green", WorkerState.STARTING: "cyan",

@@ -206,6 +206,13 @@ class Listener:
         """Return once ``serve`` accepts connections (its readiness signal)."""
         await self._accepting.wait()
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket now, without waiting (its port is free on return);
+        ``serve`` then winds its connections down as after ``aclose``."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.close()  # closes the bound sockets at once
+
     async def aclose(self) -> None:
         """Stop accepting, cancel every connection (each closes its socket), wait."""
         self._stop.set()

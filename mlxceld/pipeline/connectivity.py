@@ -14,7 +14,11 @@ States::
         │                     │    └──silent──▶ silent ◀─┐ (failed: unreachable)
         │                     │                   │      │
         └──failed──▶ unreachable | refused | standby | model_mismatch | layers_mismatch
-                                (each retried until attached)
+                     | failed           (each retried until attached)
+
+``failed``: the stage failed on its host and is not restarted until fixed: its
+daemon's stand-in answered for it (``standin.py``), and ``error`` is what it said
+(the stage, the node, the reason, the next step).
 
 ``silent``: the attached stage stopped answering (no byte, not even a pong, for the
 link's silence bound; ``mlxceld.net.liveness``): its host sleeps or is off the
@@ -33,10 +37,11 @@ RETRY_INITIAL_S: Final = 0.5
 RETRY_MAX_S: Final = 5.0
 
 LinkState = Literal["connecting", "attached", "disconnected", "unreachable", "refused",
-                    "standby", "model_mismatch", "layers_mismatch", "silent"]
-Failure = Literal["unreachable", "refused", "standby", "model_mismatch", "layers_mismatch"]
+                    "standby", "model_mismatch", "layers_mismatch", "failed", "silent"]
+Failure = Literal["unreachable", "refused", "standby", "model_mismatch", "layers_mismatch",
+                  "failed"]
 FAILURES: Final[frozenset[str]] = frozenset(
-    {"unreachable", "refused", "standby", "model_mismatch", "layers_mismatch"})
+    {"unreachable", "refused", "standby", "model_mismatch", "layers_mismatch", "failed"})
 
 
 @dataclass(frozen=True)

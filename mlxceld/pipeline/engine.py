@@ -15,11 +15,13 @@ The stage links are kept up in the background (``keep_linked``, run by the
 router): every stage is dialed and attached at start and re-dialed whenever its
 connection ends, with a bounded backoff (links.py, connectivity.py).
 ``readiness`` names the stages that are not attached and why, for the router's
-``GET /ready``; requests are not held back by it: one that finds a link down
-dials it on demand, except while a stage is *silent* (attached, then nothing
-heard for ``silence_s``: its host sleeps or is off the network; links.py): then
-a request is refused at once with 503 and ``Retry-After``, naming the stage,
-until the background re-dial attaches it again.
+``GET /ready`` (a stage that failed on its host, ``failed``: in its host's words,
+the reason and the next step; ``standin.py``); requests are not held back by it:
+one that finds a link down dials it on demand (a failed stage's stand-in answers
+at once: a 503 naming the stage and the reason), except while a stage is *silent*
+(attached, then nothing heard for ``silence_s``: its host sleeps or is off the
+network; links.py): then a request is refused at once with 503 and
+``Retry-After``, naming the stage, until the background re-dial attaches it again.
 
 Bounds (every wait has a deadline):
 
@@ -132,7 +134,8 @@ class PipelineEngine:
                     and now - self._draining.get(link.stage.rank, -1e9) < DRAINING_RETRY_S]
         if not down and not draining:
             return None
-        said = "; ".join(f"{d['stage']} is {d['state'].replace('_', ' ')}"
+        said = "; ".join(d["error"] if d["state"] == "failed" and d["error"] else
+                         f"{d['stage']} is {d['state'].replace('_', ' ')}"
                          + (f" ({d['error']})" if d["error"] else "") for d in down)
         message = [f"{len(down)} of {len(self._links)} stages not attached: {said}"] \
             if down else []

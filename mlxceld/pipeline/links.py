@@ -39,6 +39,13 @@ stream of ours is under it and nothing is cut. A handover that cannot dial leave
 old stream in use and is tried again with the link's backoff; a stream that ends fails
 only the sequences pinned to it.
 
+A stage that failed on its host (its worker could not load, and is not restarted)
+is answered for by its daemon's stand-in (``standin.py``): ``attach`` gets ``error``
+code ``stage_failed``, and the link reads ``failed`` with the stand-in's words (the
+stage, the node, the reason, the next step) until a re-dial attaches the stage
+again: within one backoff step (at most ``RETRY_MAX_S``) once it serves, and at once
+for a request, which dials on demand.
+
 What a client may read (``EngineUnavailable``, ``/ready``, the connectivity's
 error) names the stage by its node id, never by its address; the log lines, for
 the operator, give both (``StageAddress.where``).
@@ -352,6 +359,10 @@ class StageLink:
             code = env.header.get("code")
             if code == p.ERR_STANDBY:
                 raise _OpenFailed("standby", f"{stage.name()} is in standby: {message}")
+            if code == p.ERR_STAGE_FAILED:  # its host's stand-in: the stage, node, reason
+                said = str(message)[:1000]
+                raise _OpenFailed("failed", said if said.startswith(f"{stage.name()} ")
+                                  else f"{stage.name()} failed on its host: {said}")
             if code == p.ERR_MODEL_MISMATCH:  # its words name the two models, no address
                 raise _OpenFailed("model_mismatch",
                                   f"{stage.name()} refused to attach: {message}")

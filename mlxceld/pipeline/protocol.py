@@ -22,7 +22,11 @@ attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
                             ``attached`` {``stage``, ``rank``, ``layers``,
                             ``model``} or ``error`` code ``model_mismatch``
                             (then the stage closes the connection), or
-                            ``standby`` while its assignment is not active
+                            ``standby`` while its assignment is not active,
+                            or ``stage_failed`` from a failed stage's
+                            stand-in (``standin.py``: its host's daemon,
+                            which answers any first message so, then
+                            closes)
 prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             top_p, top_k, seed}, ``eos`` (at most ``MAX_EOS``
                             token ids); a fresh KV cache, owned by the

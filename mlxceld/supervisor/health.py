@@ -42,6 +42,12 @@ def _stage_link(router: str, s: JSON) -> JSON:
              if s.get("since") else "")
     message = (f"worker {router} cannot reach stage {s['stage']} ({state.replace('_', ' ')})"
                f"{since}: {s['error']}")
+    if state == "failed":  # its host's stand-in said so: the node, the reason
+        return _problem(s["stage"], f"worker {router} reads stage {s['stage']} failed"
+                        f"{since}: {s['error']}",
+                        f"on the stage's host ({s['address']}): mlxctl status and mlxctl "
+                        "logs stage, fix what they name, then mlxctl restart stage there; "
+                        "this router attaches it again by itself once it serves")
     if state == "silent":
         return _problem(s["stage"], message,
                         f"check that the host of stage {s['stage']} ({s['address']}) is awake "

@@ -43,15 +43,24 @@ STATS_TIMEOUT_S = 0.5  # a running worker that does not answer ``stats`` within 
 LOADS_EVERY_S = 2.0  # between two asks of the starting workers' loads (systemd's STATUS line)
 
 
+# (the worker's spec, its new state or None once removed, the reason)
+Changed = Callable[[WorkerSpec, WorkerState | None, str], None]
+
+
 class Supervisor:
     def __init__(self, workers: WorkersTable, events: EventLog, *, health_interval_s: float,
                  log_max_bytes: int, log_backups: int,
                  rand: Callable[[], float] = random.random,
-                 finished: Callable[[str], None] | None = None) -> None:
+                 finished: Callable[[str], None] | None = None,
+                 changed: Changed | None = None) -> None:
         """``finished``: told the name of a worker that exited cleanly on its own (not
-        stopped by us), which stays down unless its owner starts it again."""
+        stopped by us), which stays down unless its owner starts it again; ``changed``:
+        told each worker's every transition (its spec, new state and reason) as it is
+        recorded, before any action that follows it (a spawn), and its removal (state
+        None). Both are called on the event loop and must not block."""
         self._table = workers
         self._finished = finished
+        self._changed = changed
         self._events = events
         self._health_interval_s = health_interval_s
         self._log_max_bytes = log_max_bytes
@@ -160,6 +169,7 @@ class Supervisor:
         self._loading.pop(name, None)
         self._table.delete(name)
         self._events.append("worker.removed", name, f"worker {name} removed from the config")
+        self._tell(runner.spec, None, "removed")
 
     def restart(self, name: str) -> None:
         """Stop (if running) and start again; also the way out of FAILED."""
@@ -248,11 +258,22 @@ class Supervisor:
                             old=change.old.value, new=change.new.value, reason=change.reason,
                             pid=runner.pid,
                             cause=m.last_cause.kind if m.last_cause else None)
+        self._tell(runner.spec, change.new, change.reason or "")
 
         if (self._finished is not None and change.new is WorkerState.EXITED
                 and change.old in (WorkerState.RUNNING, WorkerState.STARTING)
                 and m.last_cause is not None and m.last_cause.clean):
             self._finished(runner.name)
+
+    def _tell(self, spec: WorkerSpec, state: WorkerState | None, reason: str) -> None:
+        """``changed``, whose failure is logged: it never stops a worker's lifecycle."""
+        if self._changed is None:
+            return
+        try:
+            self._changed(spec, state, reason)
+        except Exception:
+            log.exception("worker %s: what follows its change to %s failed", spec.name,
+                          state.value if state else "removed")
 
     def spawned(self, runner: WorkerRunner) -> None:
         self._table.update(runner.name, pid=runner.pid, create_time=runner.create_time)

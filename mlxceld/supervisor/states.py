@@ -72,6 +72,8 @@ class RestartPolicy:
 
 # Exit kinds after which the worker is not restarted: FAILED at once (see ExitCause.fatal).
 FATAL_KINDS: Final = frozenset({"config"})
+# What a fatal exit's FAILED reason ends with, after the exit's summary.
+NOT_RESTARTED: Final = " (not restarted: the same start would fail the same way)"
 
 
 @dataclass(frozen=True)
@@ -300,8 +302,7 @@ class Lifecycle:
         if cause.fatal:
             # What to do next is the caller's to say: `mlxctl restart` once fixed
             # (supervisor/health.py), or a new plan (the assignment's stage host).
-            return self._enter(WorkerState.FAILED, f"{cause.summary} (not restarted: the "
-                               "same start would fail the same way)")
+            return self._enter(WorkerState.FAILED, cause.summary + NOT_RESTARTED)
         p = self.policy
         self._exits = [t for t in self._exits if now - t <= p.flap_window_s] + [now]
         if len(self._exits) >= p.flap_max_exits:

@@ -58,20 +58,27 @@ def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
 
 
 def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
-                   coordinator_serve: dict[str, Value] | None = None) -> Pipeline:
+                   coordinator_serve: dict[str, Value] | None = None, *,
+                   stage_models: dict[int, Path] | None = None) -> Pipeline:
     """The cluster TOML's daemons, each from its config file (``coordinator_serve``: more
-    [serve] keys for the coordinator's)."""
+    [serve] keys for the coordinator's; ``stage_models``: by rank, the model directory that
+    stage's host has instead of ``model`` (its [serve] model), whose stage worker is not
+    waited for: it may fail to load)."""
     port = free_port("127.0.0.1")
     coord = Host(daemons, "co", secret=None, serve={"port": port, **(coordinator_serve or {})})
     toml = write_cluster(coord.d.root, model, splits)
     coord.daemon_keys.update(distributed_config=str(toml), node_id="coordinator")
     coord.write()
+    own = stage_models or {}
     hosts = [Host(daemons, f"s{rank}", secret=None,
-                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"}).start()
+                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"},
+                  serve={"model": str(own[rank])} if rank in own else None).start()
              for rank in range(len(splits))]
     coord.start()
     stages = [h.d for h in hosts]
-    for d in stages:
+    for rank, d in enumerate(stages):
+        if rank in own:
+            continue
         daemons.pids.add(d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
     return Pipeline(coord.d, stages, f"http://127.0.0.1:{port}/v1", toml, hosts)

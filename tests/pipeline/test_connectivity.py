@@ -67,3 +67,14 @@ def test_a_silent_link_stays_silent_while_nobody_answers_and_refuses_requests() 
     assert c.failed("refused", "s1 refused the handshake", 14.0) == Transition(
         "silent", "refused", "s1 refused the handshake")
     assert c.admits
+
+
+def test_a_stage_failed_on_its_host_is_its_own_state_and_says_more_than_silent() -> None:
+    c = Connectivity()
+    c.attached(1.0)
+    c.silent("s1 is silent", 2.0)
+    said = "stage s1 failed to load layers [2, 4): a shard is missing (on node m2; ...)"
+    assert c.failed("failed", said, 3.0) == Transition("silent", "failed", said)
+    assert c.admits and c.error == said  # a request dials: the stand-in answers at once
+    assert c.failed("failed", said, 4.0) is None and c.since == 3.0
+    assert c.attached(5.0) == Transition("failed", "attached", None)

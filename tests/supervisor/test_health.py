@@ -46,3 +46,12 @@ def test_a_silent_stage_says_since_when_and_what_to_check() -> None:
     assert found["next"].startswith("check that the host of stage s1 (127.0.0.3:4000) is "
                                     "awake and on the network")
     assert found["next"].endswith("mlxctl logs router")
+
+
+def test_a_stage_failed_on_its_host_names_the_reason_and_the_command_there() -> None:
+    said = ("stage s1 failed to load layers [2, 4): a shard is missing (on node m2; it is "
+            "not restarted until fixed: fix it on m2, then run `mlxctl restart stage` there)")
+    [found] = problems([router([stage("s0", "attached"), stage("s1", "failed", said)])])
+    assert found["subject"] == "s1"
+    assert found["message"] == f"worker router reads stage s1 failed: {said}"
+    assert "(127.0.0.3:4000)" in found["next"] and "mlxctl restart stage there" in found["next"]
