@@ -88,6 +88,15 @@ class LoadProgress(TypedDict):
     since: float
 
 
+def load_progress(raw: Any) -> LoadProgress | None:
+    """A worker's ``loading`` stat as it came over its control socket: None when it says
+    none (not loading, or done) or is not one."""
+    if not (isinstance(raw, dict) and all(type(raw.get(k)) in (int, float)
+                                          for k in ("done", "total", "since"))):
+        return None
+    return LoadProgress(done=int(raw["done"]), total=int(raw["total"]), since=float(raw["since"]))
+
+
 def loading_text(p: LoadProgress, now: float) -> str:
     """``loading 43% of 61.0 GiB, 12 s``: what ``mlxctl status`` and systemd's STATUS say."""
     pct = 100 * p["done"] // p["total"] if p["total"] > 0 else 0

@@ -31,7 +31,7 @@ from mlxceld.supervisor.states import (
     Transitioned,
 )
 from mlxceld.tasks import cancelling_group
-from mlxceld.types import JSON, LoadProgress, WorkerKeys, WorkerState
+from mlxceld.types import JSON, LoadProgress, WorkerKeys, WorkerState, load_progress
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class Supervisor:
                 continue
             stats = await self.stats(STARTING)
             for name, answer in stats.items():  # one that did not answer keeps its last
-                self.note_loading(name, _load_of(answer.get("loading")))
+                self.note_loading(name, load_progress(answer.get("loading")))
 
     async def _rotate_logs(self) -> None:
         while True:
@@ -392,11 +392,3 @@ def _rss(pid: int | None) -> int | None:
         return int(psutil.Process(pid).memory_info().rss)
     except psutil.Error:
         return None
-
-
-def _load_of(raw: Any) -> LoadProgress | None:
-    """A worker's ``loading`` stat as ``LoadProgress``; None when it says none (or garbage)."""
-    if not (isinstance(raw, dict) and all(type(raw.get(k)) in (int, float)
-                                          for k in ("done", "total", "since"))):
-        return None
-    return LoadProgress(done=int(raw["done"]), total=int(raw["total"]), since=float(raw["since"]))

@@ -33,7 +33,7 @@ from mlxceld.models.identity import layer_count, model_identity, read_model_conf
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import LoadProgress, WorkerState
+from mlxceld.types import LoadProgress, WorkerState, load_progress
 
 POLL_S: Final = 0.2  # between two looks at the loading stage worker's state
 PROGRESS_EVERY_S: Final = 1.0  # between two asks of its loading progress (its stats)
@@ -137,16 +137,9 @@ class LocalStageHost:
             reply = await channel.call(sock, "stats", timeout_s=ASK_S)
         except WorkerError:
             return None
-        loading = (reply.get("stats") or {}).get("loading")
-        if not (isinstance(loading, dict) and all(type(loading.get(k)) in (int, float)
-                                                  for k in ("done", "total", "since"))):
-            self._loading = None
-            self._supervisor.note_loading(STAGE_WORKER, None)
-            return None
-        self._loading = LoadProgress(done=int(loading["done"]), total=int(loading["total"]),
-                                     since=float(loading["since"]))
+        self._loading = load_progress((reply.get("stats") or {}).get("loading"))
         self._supervisor.note_loading(STAGE_WORKER, self._loading)
-        return int(loading["done"])
+        return self._loading["done"] if self._loading is not None else None
 
     def loading(self) -> LoadProgress | None:
         return self._loading
