@@ -81,19 +81,25 @@ class WorkerProgress(TypedDict):
 class LoadProgress(TypedDict):
     """A stage loading its weights, in its ``stats`` (``loading``) until it has loaded them:
     parameter bytes read of those to read, since when (wall clock). The peer's assignment
-    waits while ``done`` advances (``cluster/assignment/stagehost.py``)."""
+    waits while ``done`` advances (``cluster/assignment/stagehost.py``). ``step`` is
+    ``downloading`` while a stage of a model named by its Hugging Face repo id fetches
+    its shards (bytes fetched of those to fetch, ``models/fetch.py``), then ``loading``
+    (the default when absent)."""
 
     done: int
     total: int
     since: float
+    step: NotRequired[str]
 
 
 def loading_text(p: LoadProgress, now: float) -> str:
-    """``loading 43% of 61.0 GiB, 12 s``: what ``mlxctl status`` and systemd's STATUS say."""
+    """``loading 43% of 61.0 GiB, 12 s`` (or ``downloading ...``): what ``mlxctl status``
+    and systemd's STATUS say."""
     pct = 100 * p["done"] // p["total"] if p["total"] > 0 else 0
     gib = p["total"] / 2**30
     amount = f"{gib:.1f} GiB" if gib >= 1 else f"{p['total'] / 2**20:.1f} MiB"
-    return f"loading {pct}% of {amount}, {max(0.0, now - p['since']):.0f} s"
+    step = p.get("step", "loading")
+    return f"{step} {pct}% of {amount}, {max(0.0, now - p['since']):.0f} s"
 
 
 class StageLinkView(TypedDict):

@@ -201,7 +201,8 @@ def status(body: dict[str, Any]) -> str:
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
-    """A stage loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``."""
+    """A stage loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s`` (or fetching
+    them first: ``stage: downloading 43% of ...``)."""
     now = time.time() if now is None else now
     out = []
     for w in workers:
@@ -209,7 +210,8 @@ def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str
         if isinstance(p, dict) and all(isinstance(p.get(k), int | float)
                                        for k in ("done", "total", "since")):
             out.append(f"{w['name']}: " + loading_text(LoadProgress(
-                done=int(p["done"]), total=int(p["total"]), since=float(p["since"])), now))
+                done=int(p["done"]), total=int(p["total"]), since=float(p["since"]),
+                step=str(p.get("step") or "loading")), now))
     return out
 
 

@@ -1,37 +1,55 @@
 """A model named by its Hugging Face repo id: fetch what this host needs of it, no more.
 
 A model is a local directory or, when no such path exists, a Hugging Face repo
-id (``owner/name``). ``fetch_model(name, layers)`` fetches it in two steps,
-each one ``huggingface_hub.snapshot_download`` with ``allow_patterns`` and
-each logged as it starts and ends:
+id (``owner/name``: ``--model``, ``[serve] model``, the cluster TOML's
+``model``, ``mlxctl serve``, ``mlxctl cluster plan|activate``). It is fetched in
+two steps, each one ``huggingface_hub.snapshot_download`` with
+``allow_patterns``, each logged as it starts and ends:
 
-1. ``METADATA_PATTERNS``: config.json, the safetensors index, the tokenizer
-   and chat template files; what every host holds, and what the model
-   identity is made of (``identity.py``);
-2. ``weight_patterns``: with ``layers`` (a stage's [start, end)), only the
-   shards that hold what that stage keeps (``shards.stage_files``, read from
-   the index fetched in step 1); without, every ``model*.safetensors`` (a
-   host that serves the whole model, or plans it: the profile prices every
-   layer from its shard's header).
+1. ``local_model(name)``: ``METADATA_PATTERNS``, config.json, the safetensors
+   index, the tokenizer and chat template files; what every host holds, and
+   what the model identity is made of (``identity.py``), enough to check the
+   family, count the layers and take part in a plan. The daemon does it once
+   per model and process (at start-up for its flags and config file: an error
+   there exits 2), and everything else reads the snapshot directory it returns
+   as any other local directory (one holding only some shards).
+2. ``fetch_stage(path, layers)``: in the stage worker, before it loads, the
+   shards that hold what its stage keeps (``shards.stage_files``, read from the
+   index fetched in step 1) that the snapshot lacks, at the snapshot's own
+   commit, with their bytes reported to ``progress`` (the stage's ``loading``
+   stat: ``downloading 43% of 61.0 GiB, 12 s`` in ``mlxctl status``). The
+   peer's wait on a loading stage (``LOAD_START_S``, ``LOAD_STALL_S`` in
+   ``cluster/assignment/stagehost.py``) covers it: a download that advances is
+   waited for, one that stalls fails the stage. ``fetch_model(name, layers)``
+   is both steps in one call.
 
-Files land in huggingface_hub's cache (``HF_HOME``, ``HF_HUB_CACHE``; a file
-already there is not fetched again, ``HF_HUB_OFFLINE=1`` uses only the cache)
-and the snapshot directory is returned: a local directory, which everything
-else reads as any other. huggingface_hub is installed with mlx-lm (through
-transformers), and imported only here, only when a repo id is fetched.
+Files land in huggingface_hub's cache: ``HF_HUB_CACHE``, by default
+``$HF_HOME/hub`` (``~/.cache/huggingface/hub``); a file already there is not
+fetched again. With ``HF_HUB_OFFLINE=1`` only the cache is read: a repo it does
+not hold is refused naming it, and a stage whose shards it lacks fails naming
+them, each with the ``huggingface-cli download`` line that fetches them. A
+private or gated repo needs a token: huggingface_hub's own token file
+(``huggingface-cli login``) or ``HF_TOKEN`` in the daemon's environment, which
+reaches only the workers that download (``supervisor/process.py``) and is never
+written to argv, a log, an event, the database or an error.
+
+huggingface_hub is installed with mlx-lm (through transformers), and imported
+only here, only when a repo id is fetched.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, Protocol
 
 from mlxceld.errors import ConfigError
-from mlxceld.models.identity import layer_count, read_model_config
-from mlxceld.models.shards import read_index, stage_files
+from mlxceld.models.identity import CONFIG, layer_count, read_model_config
+from mlxceld.models.shards import missing_files, read_index, stage_files
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +58,49 @@ METADATA_PATTERNS: Final = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken
 ALL_WEIGHTS: Final = ("model*.safetensors",)  # what mlx-lm's load_model reads
 # Hugging Face's own rule for a repo id: owner/name, letters, digits, '-', '_', '.'.
 _REPO_ID: Final = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+# huggingface_hub's cache: <cache>/models--owner--name/snapshots/<commit>/<file>.
+_SNAPSHOT: Final = re.compile(r"models--(.+?)--(.+)")
+TOKEN_ENV: Final = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # never echoed (``_scrub``)
 
-# (repo id, allow_patterns) -> the local snapshot directory; huggingface_hub's by default.
-Download = Callable[[str, Sequence[str]], Path]
+Progress = Callable[[int, int], None]  # (bytes fetched, bytes to fetch)
+
+
+class Download(Protocol):
+    """Our seam over huggingface_hub: fetch the files of repo ``name`` matching
+    ``patterns`` (at ``revision``, the default branch when None) into the cache, and
+    return the snapshot directory; ``progress`` hears the bytes as they come."""
+
+    def __call__(self, name: str, patterns: Sequence[str], *, revision: str | None = None,
+                 progress: Progress | None = None) -> Path: ...
 
 
 def is_repo_id(name: str) -> bool:
     """Whether ``name`` reads as a Hugging Face repo id (``owner/name``)."""
     return (_REPO_ID.fullmatch(name) is not None and ".." not in name
             and not name.endswith((".", "-")))
+
+
+def names_a_repo(name: str) -> bool:
+    """Whether model ``name`` is a Hugging Face repo id: no such local path, and it reads as
+    one."""
+    return is_repo_id(name) and not Path(name).expanduser().exists()
+
+
+def snapshot_of(path: Path) -> tuple[str, str] | None:
+    """(repo id, commit) when ``path`` is a snapshot directory of huggingface_hub's cache
+    (what ``local_model`` returns for a repo id), else None."""
+    path = Path(path)
+    m = _SNAPSHOT.fullmatch(path.parent.parent.name)
+    if path.parent.name != "snapshots" or m is None:
+        return None
+    return f"{m.group(1)}/{m.group(2)}", path.name
+
+
+def model_name(path: Path) -> str:
+    """What a model directory is called: its repo id when it is a cache snapshot, else the
+    path (what a pushed cluster TOML names, so that each host resolves it itself)."""
+    snap = snapshot_of(path)
+    return snap[0] if snap is not None else str(path)
 
 
 def weight_patterns(path: Path, layers: tuple[int, int] | None) -> list[str]:
@@ -62,42 +114,193 @@ def weight_patterns(path: Path, layers: tuple[int, int] | None) -> list[str]:
     return sorted(stage_files(index, config, start, end, layer_count(config)))
 
 
+_local: dict[str, Path] = {}  # repo id -> its metadata snapshot, fetched by this process
+_lock = threading.Lock()
+
+
+def local_model(name: str, download: Download | None = None) -> Path:
+    """The local directory of model ``name``: the snapshot of the Hugging Face repo
+    ``name``'s metadata when no such path exists (step 1; fetched once per process while
+    the snapshot stays on disk), else ``name`` as a path."""
+    path = Path(name).expanduser()
+    if path.exists() or not is_repo_id(name):  # a path: what reads it names what is wrong
+        return path
+    with _lock:
+        known = _local.get(name)
+    if known is not None and (known / CONFIG).is_file():
+        return known
+    local = fetch_metadata(name, download)
+    with _lock:
+        _local[name] = local
+    return local
+
+
+def fetch_metadata(name: str, download: Download | None = None) -> Path:
+    """Step 1 for the repo ``name``: its snapshot directory, with what every host holds."""
+    _require_repo_id(name)
+    log.info("model %s: fetching its config, index and tokenizer", name)
+    local = _fetch(download or _snapshot, name, METADATA_PATTERNS)
+    if not (local / CONFIG).is_file():
+        raise ConfigError(f"Hugging Face repo {name!r} has no {CONFIG}",
+                          hint="is it an mlx-lm model? (mlx-community/... repos are)")
+    log.info("model %s: config, index and tokenizer in %s", name, local)
+    return local
+
+
+def fetch_stage(path: Path, layers: tuple[int, int], progress: Progress | None = None,
+                download: Download | None = None) -> Path:
+    """Step 2: the shards the stage of ``layers`` needs that the snapshot ``path`` lacks,
+    fetched at its commit; ``path`` as it is when it lacks none, or is not a snapshot of
+    the cache (a local directory: the load names what it lacks)."""
+    path = Path(path)
+    snap = snapshot_of(path)
+    if snap is None:
+        return path
+    needed = weight_patterns(path, layers)
+    if read_index(path) is None:
+        lacking = [] if any(path.glob(ALL_WEIGHTS[0])) else needed
+    else:
+        lacking = missing_files(path, frozenset(needed))
+    if not lacking:
+        return path
+    repo, commit = snap
+    where = f"stage layers [{layers[0]}, {layers[1]}) of {repo}"
+    if offline():
+        raise ConfigError(
+            f"{where} need {len(lacking)} file(s) that this host's Hugging Face cache "
+            f"({path}) lacks: {_some(lacking)}; HF_HUB_OFFLINE is set, so none is fetched",
+            hint=f"download them first: huggingface-cli download {repo} "
+            f"{' '.join(lacking)} --revision {commit} (or unset HF_HUB_OFFLINE)")
+    log.info("%s: fetching %d weight file(s): %s", where, len(lacking), _some(lacking))
+    local = _fetch(download or _snapshot, repo, lacking, revision=commit, progress=progress)
+    log.info("%s: fetched into %s", where, local)
+    return local
+
+
 def fetch_model(name: str, layers: tuple[int, int] | None = None,
                 download: Download | None = None) -> Path:
     """The local directory of model ``name``: itself when it is a path that exists, else
-    what this host needs of the Hugging Face repo ``name`` (module docstring)."""
+    what this host needs of the Hugging Face repo ``name``: its metadata and the weights
+    of the stage of ``layers``, or of every layer (None)."""
     path = Path(name).expanduser()
     if path.exists():
         return path
+    get = download or _snapshot
+    local = fetch_metadata(name, get)
+    patterns = weight_patterns(local, layers)
+    which = "every layer" if layers is None else f"layers [{layers[0]}, {layers[1]})"
+    log.info("model %s: fetching %d weight file pattern(s) for %s: %s", name, len(patterns),
+             which, _some(patterns))
+    return _fetch(get, name, patterns)
+
+
+def offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` says to read only the cache (huggingface_hub's rule)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _require_repo_id(name: str) -> None:
     if not is_repo_id(name):
         raise ConfigError(f"model {name!r} is not a local directory, nor a Hugging Face "
                           "repo id (owner/name)",
                           hint="give the path of an mlx-lm model directory, or a repo id "
                           "such as mlx-community/Qwen3-4B-4bit")
-    get = download or _snapshot
-    log.info("model %s: fetching its config, index and tokenizer", name)
-    local = _fetch(get, name, METADATA_PATTERNS)
-    patterns = weight_patterns(local, layers)
-    which = "every layer" if layers is None else f"layers [{layers[0]}, {layers[1]})"
-    log.info("model %s: fetching %d weight file pattern(s) for %s: %s", name, len(patterns),
-             which, ", ".join(patterns[:4]) + (" ..." if len(patterns) > 4 else ""))
-    local = _fetch(get, name, patterns)
-    log.info("model %s: fetched into %s", name, local)
-    return local
 
 
-def _fetch(get: Download, name: str, patterns: Sequence[str]) -> Path:
+def _fetch(get: Download, name: str, patterns: Sequence[str], *, revision: str | None = None,
+           progress: Progress | None = None) -> Path:
+    """``get``, its failures translated once, here: huggingface_hub's errors (OSError,
+    ValueError and httpx's own) name what failed, never the token."""
     try:
-        return get(name, patterns)
-    except (OSError, ValueError) as exc:  # huggingface_hub's errors are one of them
+        return Path(get(name, patterns, revision=revision, progress=progress))
+    except Exception as exc:  # a foreign library's seam: every failure becomes ours
+        kinds = {c.__name__ for c in type(exc).__mro__}
+        what = _scrub(f"{type(exc).__name__}: {exc}".splitlines()[0])[:400]
+        if offline() or kinds & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"}:
+            raise ConfigError(
+                f"model {name!r} is not a local directory, and this host's Hugging Face "
+                f"cache does not hold it ({what})",
+                hint=f"download it first with `huggingface-cli download {name}` and pass "
+                "the path it prints, or unset HF_HUB_OFFLINE on a host that can reach "
+                "huggingface.co") from exc
+        if kinds & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
+            raise ConfigError(
+                f"model {name!r} is not a local directory, and Hugging Face has no such repo "
+                f"this host may read ({what})",
+                hint="check the repo id; a private or gated repo needs a token "
+                "(`huggingface-cli login`, or HF_TOKEN in the daemon's environment)"
+                ) from exc
         raise ConfigError(f"model {name!r} is not a local directory, and cannot be fetched "
-                          f"from Hugging Face: {type(exc).__name__}: {exc}",
+                          f"from Hugging Face: {what}",
                           hint="check the repo id and this host's network (offline, give a "
                           "local directory, or set HF_HUB_OFFLINE=1 to use the cache)"
                           ) from exc
 
 
-def _snapshot(name: str, patterns: Sequence[str]) -> Path:
+def _scrub(text: str) -> str:
+    """``text`` without the value of a token variable, should a library ever echo one."""
+    for var in TOKEN_ENV:
+        token = os.environ.get(var)
+        if token and len(token) >= 4:
+            text = text.replace(token, "<token>")
+    return text
+
+
+def _some(names: Sequence[str], shown: int = 4) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def _snapshot(name: str, patterns: Sequence[str], *, revision: str | None = None,
+              progress: Progress | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(name, allow_patterns=list(patterns)))
+    kwargs: dict[str, Any] = {}
+    if progress is not None:
+        kwargs["tqdm_class"] = _bytes_bar(progress)
+    return Path(snapshot_download(name, allow_patterns=list(patterns), revision=revision,
+                                  **kwargs))
+
+
+def _bytes_bar(progress: Progress) -> type:
+    """A stand-in for tqdm that hears snapshot_download's bytes written (its
+    "Reconstructing" bar: each file adds its size to the total, each chunk its bytes
+    done) and says them to ``progress``; the other bars (files, network bytes) are
+    heard and dropped. Nothing is drawn."""
+    lock = threading.Lock()
+
+    class BytesBar:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.counts = str(kwargs.get("desc", "")).startswith("Reconstructing")
+            self.n = int(kwargs.get("initial", 0) or 0)
+            self.total = int(kwargs.get("total", 0) or 0)
+            self.format_dict: dict[str, Any] = {"rate": None}
+            self._say()
+
+        def _say(self) -> None:
+            if self.counts:
+                with lock:
+                    progress(self.n, max(self.n, self.total))
+
+        def update(self, n: float | None = 1) -> None:
+            self.n += int(n or 0)
+            self._say()
+
+        def refresh(self, *args: Any, **kwargs: Any) -> None:
+            self._say()
+
+        def __enter__(self) -> BytesBar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+        def set_description(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        set_description_str = set_postfix_str = set_postfix = set_description
+
+    return BytesBar

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from mlxceld.errors import WorkerError
+from mlxceld.roles import ROUTER, STAGE
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
 from mlxceld.supervisor.states import RestartPolicy
@@ -26,6 +27,10 @@ SECRET_ENV = re.compile(r"SECRET|API_KEY|PASSWORD|TOKEN", re.IGNORECASE)
 # The service manager's channel is the daemon's alone (systemd NotifyAccess=main): a
 # worker that inherited NOTIFY_SOCKET could report READY or ping the watchdog for it.
 SERVICE_MANAGER_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+# The Hugging Face token, for the workers that may download a model named by its repo id
+# (a stage its shards, a router mlx-lm's whole model; models/fetch.py) and no others.
+DOWNLOAD_ENV = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+DOWNLOADERS = frozenset({ROUTER, STAGE})
 CREATE_TIME_TOLERANCE_S = 0.05
 
 
@@ -79,9 +84,12 @@ class WorkerSpec:
         return boot
 
 
-def child_environment() -> dict[str, str]:
+def child_environment(role: str | None = None) -> dict[str, str]:
+    """The daemon's environment less its secrets and the service manager's channel; a
+    worker of ``role`` that may download a model keeps the Hugging Face token."""
+    keep = DOWNLOAD_ENV if role in DOWNLOADERS else frozenset()
     env = {k: v for k, v in os.environ.items()
-           if not SECRET_ENV.search(k) and k not in SERVICE_MANAGER_ENV}
+           if (k in keep or not SECRET_ENV.search(k)) and k not in SERVICE_MANAGER_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -96,7 +104,7 @@ async def spawn(spec: WorkerSpec) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "mlxceld.workers", "--role", spec.role, "--name", spec.name,
             stdin=asyncio.subprocess.PIPE, stdout=log_fd, stderr=log_fd,
-            start_new_session=True, env=child_environment(), cwd=spec.state_dir,
+            start_new_session=True, env=child_environment(spec.role), cwd=spec.state_dir,
         )
     except OSError as exc:
         raise WorkerError(f"worker {spec.name!r} could not be started: {exc}",

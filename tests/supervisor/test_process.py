@@ -73,3 +73,14 @@ def test_child_environment_drops_secrets_and_keeps_the_rest(
     assert env["MLXCELD_HARMLESS"] == "yes"
     assert env["PYTHONUNBUFFERED"] == "1"
     assert "MLXCEL_CLUSTER_SECRET" in os.environ  # the daemon's own environment is untouched
+
+
+def test_the_hugging_face_token_reaches_only_the_workers_that_download(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("GITHUB_TOKEN", "t")
+    for role in ("stage", "router"):  # a stage fetches its shards, a router mlx-lm's model
+        env = child_environment(role)
+        assert env["HF_TOKEN"] == "hf_secret" and "GITHUB_TOKEN" not in env
+    assert "HF_TOKEN" not in child_environment("echo")
+    assert "HF_TOKEN" not in child_environment()
