@@ -151,7 +151,7 @@ class Coordinator:
         path = await asyncio.to_thread(model_dir, model, what)  # a repo id: may fetch
         require_splittable(path, what)  # before any peer is asked
         candidates = await self._discovery.refresh()
-        # In a thread: it reads every shard's header.
+        # In a thread: a repo id's shards this host lacks are priced from the Hub's headers.
         return await asyncio.to_thread(
             make_plan, candidates, path, stages, cluster=self._cluster,
             coordinator=self._identity, drained=self._drained())

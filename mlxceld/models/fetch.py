@@ -23,6 +23,13 @@ two steps, each one ``huggingface_hub.snapshot_download`` with
    waited for, one that stalls fails the stage. ``fetch_model(name, layers)``
    is both steps in one call.
 
+The host that plans prices every layer from its shard's safetensors header
+(``profile.py``); of a repo id's snapshot that lacks some shards (the
+coordinator may hold none), ``hub_headers`` reads those shards' headers from the
+Hub (huggingface_hub's ``get_safetensors_metadata``: a few KB per shard by
+range requests, never the weights), kept per process; offline it is refused,
+naming the shards.
+
 Files land in huggingface_hub's cache: ``HF_HUB_CACHE``, by default
 ``$HF_HOME/hub`` (``~/.cache/huggingface/hub``); a file already there is not
 fetched again. With ``HF_HUB_OFFLINE=1`` only the cache is read: a repo it does
@@ -50,6 +57,7 @@ from typing import Any, Final, Protocol
 from mlxceld.errors import ConfigError
 from mlxceld.models.identity import CONFIG, layer_count, read_model_config
 from mlxceld.models.shards import missing_files, read_index, stage_files
+from mlxceld.models.tensor_headers import DTYPE_BYTES, TensorEntry
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,8 @@ _SNAPSHOT: Final = re.compile(r"models--(.+?)--(.+)")
 TOKEN_ENV: Final = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # never echoed (``_scrub``)
 
 Progress = Callable[[int, int], None]  # (bytes fetched, bytes to fetch)
+# (repo id, commit, shard files) -> each file's tensors, from its safetensors header alone.
+Headers = Callable[[str, str, Sequence[str]], dict[str, dict[str, TensorEntry]]]
 
 
 class Download(Protocol):
@@ -194,6 +204,40 @@ def fetch_model(name: str, layers: tuple[int, int] | None = None,
     return _fetch(get, name, patterns)
 
 
+_headers: dict[tuple[str, str], dict[str, dict[str, TensorEntry]]] = {}  # (repo, commit)
+
+
+def hub_headers(repo: str, commit: str, files: Sequence[str],
+                get: Headers | None = None) -> dict[str, dict[str, TensorEntry]]:
+    """The tensors of the shards ``files`` of ``repo`` at ``commit``, read from the Hub's
+    safetensors headers alone (a few KB per shard, never the weights): how the host that
+    plans prices the layers whose shards it does not hold (``profile.py``). Kept per
+    process; refused offline, naming the shards."""
+    with _lock:
+        known = _headers.get((repo, commit))
+    if known is None or not set(files) <= known.keys():
+        if offline():
+            raise ConfigError(
+                f"model {repo}: pricing its layers needs the headers of {len(files)} shard(s) "
+                f"this host's Hugging Face cache lacks ({_some(files)}), and HF_HUB_OFFLINE "
+                "is set", hint=f"download them first: huggingface-cli download {repo} "
+                f"{' '.join(files)} --revision {commit} (or unset HF_HUB_OFFLINE: the "
+                "Hub's headers price them)")
+        try:
+            known = (get or _hub_headers)(repo, commit, files)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a foreign library's seam, as in _fetch
+            what = _scrub(f"{type(exc).__name__}: {exc}".splitlines()[0])[:400]
+            raise ConfigError(f"model {repo}: the safetensors headers of its shards cannot be "
+                              f"read from Hugging Face: {what}",
+                              hint="check this host's network, or fetch every shard on the "
+                              f"host that plans: huggingface-cli download {repo}") from exc
+        with _lock:
+            _headers[(repo, commit)] = known
+    return {f: known[f] for f in files if f in known}
+
+
 def offline() -> bool:
     """Whether ``HF_HUB_OFFLINE`` says to read only the cache (huggingface_hub's rule)."""
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
@@ -249,6 +293,22 @@ def _scrub(text: str) -> str:
 def _some(names: Sequence[str], shown: int = 4) -> str:
     more = len(names) - shown
     return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def _hub_headers(repo: str, commit: str, files: Sequence[str]
+                 ) -> dict[str, dict[str, TensorEntry]]:
+    from huggingface_hub import get_safetensors_metadata
+
+    meta = get_safetensors_metadata(repo, revision=commit)
+    out: dict[str, dict[str, TensorEntry]] = {}
+    for file, header in meta.files_metadata.items():
+        out[file] = {}
+        for name, t in header.tensors.items():
+            if t.dtype not in DTYPE_BYTES:
+                raise ValueError(f"{file}: tensor {name!r} has dtype {t.dtype!r}")
+            begin, end = t.data_offsets
+            out[file][name] = TensorEntry(name, t.dtype, tuple(t.shape), end - begin)
+    return out
 
 
 def _snapshot(name: str, patterns: Sequence[str], *, revision: str | None = None,

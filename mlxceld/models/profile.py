@@ -28,10 +28,13 @@ what ``StageModel.nbytes`` reports once it is loaded.
 The profile needs every shard's header: it prices each tensor as it is stored
 (a dense first layer, an MoE layer, a 4-bit layer), and the index states only
 the total. So the host that plans (the coordinator: ``mlxctl cluster plan``,
-``--pp-auto``) holds the whole checkpoint, while the hosts that only run
-stages may hold just their shards (``shards.py``). A planning host that holds
-only some shards is refused with the shards it lacks named, not priced by
-guess.
+``--pp-auto``) reads every shard's header: from its own files, or, for a model
+named by its Hugging Face repo id (a snapshot of the cache holding only some
+shards, or none: ``fetch.py``), the headers of the shards it lacks from the Hub
+(``fetch.hub_headers``: a few KB per shard, never the weights; refused with
+HF_HUB_OFFLINE=1, naming them). The hosts that only run stages hold just their
+shards (``shards.py``). A planning host with a local directory that holds only
+some shards is refused with the shards it lacks named, not priced by guess.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from mlxceld.errors import ConfigError
+from mlxceld.models.fetch import Headers, hub_headers, snapshot_of
 from mlxceld.models.identity import CONFIG, layer_count, read_model_config
 from mlxceld.models.shards import (
     INDEX,
@@ -103,13 +107,14 @@ class LayerProfile:
         return n
 
 
-def layer_profile(path: Path) -> LayerProfile:
-    """The ``LayerProfile`` of the mlx-lm checkpoint in ``path`` (see the module docstring)."""
+def layer_profile(path: Path, hub: Headers | None = None) -> LayerProfile:
+    """The ``LayerProfile`` of the mlx-lm checkpoint in ``path`` (see the module docstring;
+    ``hub``: where the Hub's headers come from, huggingface_hub's by default)."""
     path = Path(path)
     config = read_model_config(path)
     source = str(path / CONFIG)
     num_layers = layer_count(config, source=source)
-    tensors = _tensors(path)
+    tensors = _tensors(path, hub)
     _config_int(config, NEXTN, source, default=0, least=0)  # a bad value is named here
     layout = layout_of(config, num_layers, tensors)
     tied = layout.tied
@@ -143,19 +148,24 @@ def layer_profile(path: Path) -> LayerProfile:
         kv_bytes_per_token=kv_width * dtype_bytes)
 
 
-def _tensors(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor of the weight files in ``path``, checked against the index if any."""
+def _tensors(path: Path, hub: Headers | None) -> dict[str, TensorEntry]:
+    """Every tensor of the weight files in ``path`` (and of the shards a repo id's snapshot
+    lacks, from the Hub's headers), checked against the index if any."""
     index = read_index(path)
     headers = {file.name: read_tensor_headers(file) for file in sorted(path.glob(WEIGHT_GLOB))}
     if index is not None:
         absent = missing_files(path, index.files)
-        if absent:
+        snap = snapshot_of(path)
+        if absent and snap is not None:  # a repo id's: priced from the Hub's headers
+            headers.update(hub_headers(*snap, absent, hub))
+        elif absent:
             raise ConfigError(
                 f"model {path} holds {len(index.files) - len(absent)} of the "
                 f"{len(index.files)} shards its {INDEX} names (missing: "
                 f"{_some(absent)}): planning prices every layer from its shard's header",
                 hint="plan on a host that holds the whole checkpoint (a host that only "
-                "runs a stage needs only its own shards)")
+                "runs a stage needs only its own shards), or name the model by its "
+                "Hugging Face repo id (the Hub's headers price the shards a host lacks)")
     if not headers:
         raise ConfigError(f"model directory {path} holds no {WEIGHT_GLOB} files",
                           hint="an mlx-lm checkpoint has config.json and safetensors weights "
