@@ -3,7 +3,8 @@
 On a terminal, a rich progress bar per loading peer (rich comes with typer),
 with the bring-up's steps printed above the bars; elsewhere (a pipe, a log),
 one line per tenth of each peer's load, beside the steps. Fed from the
-bring-up rows the command polls (``loading``: done, total, elapsed_s).
+bring-up rows the command polls (``loading``: done, total, elapsed_s, and step: a stage
+of a repo id's model downloads its shards, then loads them, each with its own tenths).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class LoadView:
 
     def __init__(self, echo: Callable[[str], None], console: Console | None = None) -> None:
         self._echo = echo
-        self._tenths: dict[str, int] = {}  # the tenth last printed, per peer (lines)
+        self._tenths: dict[tuple[str, str], int] = {}  # the last tenth printed, per peer, step
         self._tasks: dict[str, TaskID] = {}  # the bar of each peer (terminal)
         self._bars: Progress | None = None
         if console is not None:
@@ -44,18 +45,20 @@ class LoadView:
         if load is None:
             return
         address = row["address"]
+        step = str(row["loading"].get("step") or "loading")  # downloading, then loading
         if self._bars is None:
-            if load[0] // 10 > self._tenths.get(address, -1):
-                self._tenths[address] = load[0] // 10
+            if load[0] // 10 > self._tenths.get((address, step), -1):
+                self._tenths[(address, step)] = load[0] // 10
                 self._echo(load[1])
             return
         done, total = int(row["loading"]["done"]), int(row["loading"]["total"])
+        name = f"{row.get('stage') or '-'} {address}" + (f" ({step})" if step != "loading"
+                                                           else "")
         task = self._tasks.get(address)
         if task is None:
-            name = f"{row.get('stage') or '-'} {address}"
             self._tasks[address] = self._bars.add_task(name, total=total, completed=done)
         else:
-            self._bars.update(task, total=total, completed=done)
+            self._bars.update(task, total=total, completed=done, description=name)
 
     def close(self) -> None:
         if self._bars is not None:

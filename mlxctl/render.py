@@ -344,6 +344,7 @@ def peer_loading(p: dict[str, Any]) -> tuple[int, str] | None:
         done, total, elapsed = int(load["done"]), int(load["total"]), float(load["elapsed_s"])
     except (KeyError, TypeError, ValueError):
         return None
-    text = loading_text(LoadProgress(done=done, total=total, since=0.0), elapsed)
+    text = loading_text(LoadProgress(done=done, total=total, since=0.0,
+                                     step=str(load.get("step") or "loading")), elapsed)
     pct = 100 * done // total if total > 0 else 0
     return pct, peer_step({**p, "state": text, "reason": ""})

@@ -43,3 +43,17 @@ def test_on_a_terminal_a_bar_per_peer() -> None:
     shown = out.getvalue()
     assert "stage-0 127.0.0.3:7000 prepared" in shown
     assert "stage-1 127.0.0.2:7000" in shown and "40%" in shown
+
+
+def test_a_download_then_its_load_each_have_their_tenths() -> None:
+    """A stage of a repo id's model fetches its shards first (step ``downloading``)."""
+    lines: list[str] = []
+    view = LoadView(lines.append)
+    for step in ("downloading", "loading"):
+        for done in (0, 10 << 20):
+            r = row(done)
+            r["loading"]["step"] = step
+            view.peer(r)
+    view.close()
+    assert [" ".join(line.split(" of ")[0].split()[-2:]) for line in lines] == [
+        "downloading 0%", "downloading 100%", "loading 0%", "loading 100%"]
