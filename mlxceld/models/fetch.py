@@ -40,6 +40,10 @@ private or gated repo needs a token: huggingface_hub's own token file
 reaches only the workers that download (``supervisor/process.py``) and is never
 written to argv, a log, an event, the database or an error.
 
+Every fetch is bounded by huggingface_hub's own timeouts (``HF_HUB_ETAG_TIMEOUT``
+for a look-up, ``HF_HUB_DOWNLOAD_TIMEOUT`` for a read that stalls: 10 s each by
+default); a stage's download also by the peer's ``LOAD_STALL_S``.
+
 huggingface_hub is installed with mlx-lm (through transformers), and imported
 only here, only when a repo id is fetched.
 """
@@ -317,12 +321,12 @@ def _snapshot(name: str, patterns: Sequence[str], *, revision: str | None = None
 
     kwargs: dict[str, Any] = {}
     if progress is not None:
-        kwargs["tqdm_class"] = _bytes_bar(progress)
+        kwargs["tqdm_class"] = bytes_bar(progress)
     return Path(snapshot_download(name, allow_patterns=list(patterns), revision=revision,
                                   **kwargs))
 
 
-def _bytes_bar(progress: Progress) -> type:
+def bytes_bar(progress: Progress) -> type:
     """A stand-in for tqdm that hears snapshot_download's bytes written (its
     "Reconstructing" bar: each file adds its size to the total, each chunk its bytes
     done) and says them to ``progress``; the other bars (files, network bytes) are

@@ -5,6 +5,7 @@ cache laid out as it lays one out, with HF_HUB_OFFLINE=1: no network in tests.""
 from __future__ import annotations
 
 import fnmatch
+import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from mlxceld.models.fetch import (
     ALL_WEIGHTS,
     METADATA_PATTERNS,
     Progress,
+    bytes_bar,
     fetch_model,
     fetch_stage,
     is_repo_id,
@@ -193,3 +195,29 @@ def test_a_token_never_shows_in_an_error(monkeypatch: pytest.MonkeyPatch) -> Non
         local_model("owner/private", refused)
     assert "hf_0123456789secret" not in info.value.message + info.value.hint
     assert "401 Unauthorized: Bearer <token>" in info.value.message
+
+
+def test_huggingface_hubs_own_bars_drive_the_progress() -> None:
+    """snapshot_download's bar helpers over our stand-in for tqdm: the bytes written
+    ("Reconstructing": each file adds its size to the total, each chunk its bytes) reach
+    ``progress``; the network bar and the files bar (run by hf_thread_map) are dropped."""
+    from huggingface_hub.utils.tqdm import _create_progress_bar, hf_thread_map
+
+    heard: list[tuple[int, int]] = []
+    bar = bytes_bar(lambda done, total: heard.append((done, total)))
+    common = {"total": 0, "initial": 0, "unit": "B", "unit_scale": True}
+    transfer = _create_progress_bar(cls=bar, log_level=logging.INFO, name="t",
+                                    desc="Downloading bytes", **common)
+    written = _create_progress_bar(cls=bar, log_level=logging.INFO, name="w",
+                                   desc="Reconstructing (incomplete total...)", **common)
+
+    def one(size: int) -> None:  # what snapshot_download's _AggregatedTqdm does per file
+        written.total = (written.total or 0) + size
+        written.refresh()
+        written.update(size // 2)
+        transfer.update(size)
+        written.update(size - size // 2)
+
+    hf_thread_map(one, [100, 300], max_workers=1, tqdm_class=bar, desc="Fetching 2 files")
+    assert heard[0] == (0, 0) and heard[-1] == (400, 400)
+    assert all(done <= total for done, total in heard) and len(heard) == 7
