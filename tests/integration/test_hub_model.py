@@ -7,6 +7,9 @@ one of its shards fails its stage naming the file and how to fetch it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,22 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
     assert f"stage stage-1 failed to load layers [2, 4): stage layers [2, 4) of {REPO} " \
            f"need 1 file(s)" in reason, reason
     assert lost in reason and "HF_HUB_OFFLINE is set" in reason, reason
+
+
+def test_a_repo_id_not_in_the_cache_offline_is_refused_at_start(daemons: Daemons,
+                                                                 tmp_path: Path) -> None:
+    """The operator's flag names a repo the (offline) cache does not hold: exit 2, naming
+    the repo and the command that fetches it, before anything starts; the token is not
+    echoed."""
+    d = daemons.make()
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "HF_TOKEN": "hf_do_not_show_me"}
+    out = subprocess.run([sys.executable, "-m", "mlxceld", "--config", str(d.config),
+                          "--state-dir", str(d.state_dir), "--socket", str(d.socket),
+                          "--model", "owner/absent"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "model 'owner/absent' is not a local directory, and this host's Hugging Face " \
+           "cache does not hold it" in out.stderr, out.stderr[-2000:]
+    assert "huggingface-cli download owner/absent" in out.stderr
+    assert "hf_do_not_show_me" not in out.stderr
