@@ -186,7 +186,8 @@ def fetch_stage(path: Path, layers: tuple[int, int], progress: Progress | None =
             hint=f"download them first: huggingface-cli download {repo} "
             f"{' '.join(lacking)} --revision {commit} (or unset HF_HUB_OFFLINE)")
     log.info("%s: fetching %d weight file(s): %s", where, len(lacking), _some(lacking))
-    local = _fetch(download or _snapshot, repo, lacking, revision=commit, progress=progress)
+    local = _fetch(download or _snapshot, repo, lacking, revision=commit, progress=progress,
+                   subject=f"{where}: its shards {_some(lacking)}:")
     log.info("%s: fetched into %s", where, local)
     return local
 
@@ -256,30 +257,29 @@ def _require_repo_id(name: str) -> None:
 
 
 def _fetch(get: Download, name: str, patterns: Sequence[str], *, revision: str | None = None,
-           progress: Progress | None = None) -> Path:
+           progress: Progress | None = None, subject: str | None = None) -> Path:
     """``get``, its failures translated once, here: huggingface_hub's errors (OSError,
-    ValueError and httpx's own) name what failed, never the token."""
+    ValueError and httpx's own) name what failed, never the token. ``subject`` opens the
+    message (default: the model is not a local directory)."""
     try:
         return Path(get(name, patterns, revision=revision, progress=progress))
     except Exception as exc:  # a foreign library's seam: every failure becomes ours
         kinds = {c.__name__ for c in type(exc).__mro__}
         what = _scrub(f"{type(exc).__name__}: {exc}".splitlines()[0])[:400]
+        subject = subject or f"model {name!r} is not a local directory, and"
         if offline() or kinds & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"}:
             raise ConfigError(
-                f"model {name!r} is not a local directory, and this host's Hugging Face "
-                f"cache does not hold it ({what})",
+                f"{subject} this host's Hugging Face cache does not hold it ({what})",
                 hint=f"download it first with `huggingface-cli download {name}` and pass "
                 "the path it prints, or unset HF_HUB_OFFLINE on a host that can reach "
                 "huggingface.co") from exc
         if kinds & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
             raise ConfigError(
-                f"model {name!r} is not a local directory, and Hugging Face has no such repo "
-                f"this host may read ({what})",
+                f"{subject} Hugging Face has no such repo this host may read ({what})",
                 hint="check the repo id; a private or gated repo needs a token "
                 "(`huggingface-cli login`, or HF_TOKEN in the daemon's environment)"
                 ) from exc
-        raise ConfigError(f"model {name!r} is not a local directory, and cannot be fetched "
-                          f"from Hugging Face: {what}",
+        raise ConfigError(f"{subject} cannot be fetched from Hugging Face: {what}",
                           hint="check the repo id and this host's network (offline, give a "
                           "local directory, or set HF_HUB_OFFLINE=1 to use the cache)"
                           ) from exc

@@ -221,3 +221,19 @@ def test_huggingface_hubs_own_bars_drive_the_progress() -> None:
     hf_thread_map(one, [100, 300], max_workers=1, tqdm_class=bar, desc="Fetching 2 files")
     assert heard[0] == (0, 0) and heard[-1] == (400, 400)
     assert all(done <= total for done, total in heard) and len(heard) == 7
+
+
+def test_a_stage_whose_shards_cannot_be_fetched_names_them(
+        hub: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    needed = weight_patterns(hub, (1, 3))
+    snap = hub_cache(tmp_path / "hub", REPO, hub)
+
+    def down(name: str, patterns: Sequence[str], *, revision: str | None = None,
+             progress: Progress | None = None) -> Path:
+        raise OSError("Connection reset by peer")
+    with pytest.raises(ConfigError, match=rf"stage layers \[1, 3\) of {REPO}: its shards "
+                       rf"{needed[0]}.*: cannot be fetched from Hugging Face: OSError: "
+                       "Connection reset by peer") as info:
+        fetch_stage(snap, (1, 3), None, down)
+    assert "network" in info.value.hint
