@@ -73,6 +73,7 @@ _REPO_ID: Final = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 # huggingface_hub's cache: <cache>/models--owner--name/snapshots/<commit>/<file>.
 _SNAPSHOT: Final = re.compile(r"models--(.+?)--(.+)")
 TOKEN_ENV: Final = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # never echoed (``_scrub``)
+WATCH_S: Final = 1.0  # between two looks at a download's cache (``DownloadHeard``)
 
 Progress = Callable[[int, int], None]  # (bytes fetched, bytes to fetch)
 # (repo id, commit, shard files) -> each file's tensors, from its safetensors header alone.
@@ -317,13 +318,70 @@ def _hub_headers(repo: str, commit: str, files: Sequence[str]
 
 def _snapshot(name: str, patterns: Sequence[str], *, revision: str | None = None,
               progress: Progress | None = None) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
-    kwargs: dict[str, Any] = {}
-    if progress is not None:
-        kwargs["tqdm_class"] = bytes_bar(progress)
-    return Path(snapshot_download(name, allow_patterns=list(patterns), revision=revision,
-                                  **kwargs))
+    if progress is None:
+        return Path(snapshot_download(name, allow_patterns=list(patterns), revision=revision))
+    owner, repo = name.split("/")
+    heard = DownloadHeard(progress, Path(constants.HF_HUB_CACHE) / f"models--{owner}--{repo}"
+                          / "blobs")
+    watch = threading.Thread(target=heard.watch, name=f"fetch {name}", daemon=True)
+    watch.start()
+    try:
+        return Path(snapshot_download(name, allow_patterns=list(patterns), revision=revision,
+                                      tqdm_class=bytes_bar(heard.bar)))
+    finally:
+        heard.stop.set()
+        watch.join(WATCH_S * 2)
+
+
+class DownloadHeard:
+    """What a download says to ``progress``: the bytes its bars count (``bytes_bar``), or,
+    should a huggingface_hub version feed them none, how much its cache's blobs grew,
+    looked at every ``WATCH_S`` (then the total is what has come so far): a download
+    that advances always says so, and the stage waiting on it is not failed for
+    silence (``LOAD_STALL_S``)."""
+
+    def __init__(self, progress: Progress, blobs: Path) -> None:
+        self._progress, self._blobs = progress, blobs
+        self._lock = threading.Lock()
+        self._bar = (0, 0)
+        self._grown = 0
+        self._base = self._on_disk()
+        self.stop = threading.Event()
+
+    def bar(self, done: int, total: int) -> None:
+        with self._lock:
+            self._bar = (done, total)
+        self._say()
+
+    def watch(self) -> None:
+        while not self.stop.wait(WATCH_S):
+            grown = self._on_disk() - self._base
+            with self._lock:
+                moved, self._grown = grown > self._grown, max(grown, self._grown)
+            if moved:
+                self._say()
+
+    def _say(self) -> None:
+        with self._lock:
+            done = max(self._bar[0], self._grown)
+            total = max(self._bar[1], done)
+        self._progress(done, total)
+
+    def _on_disk(self) -> int:
+        """The bytes in the blobs directory, finished or not (``*.incomplete``)."""
+        total = 0
+        try:
+            entries = list(os.scandir(self._blobs))
+        except OSError:
+            return 0
+        for entry in entries:
+            try:
+                total += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+        return total
 
 
 def bytes_bar(progress: Progress) -> type:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import huggingface_hub.constants
 import pytest
 
 from mlxceld.errors import ConfigError
-from mlxceld.models import model_identity, preset, read_model_config, write_fixture
+from mlxceld.models import fetch, model_identity, preset, read_model_config, write_fixture
 from mlxceld.models.fetch import (
     ALL_WEIGHTS,
     METADATA_PATTERNS,
+    DownloadHeard,
     Progress,
     bytes_bar,
     fetch_model,
@@ -31,6 +33,7 @@ from mlxceld.models.fetch import (
 from mlxceld.models.shards import read_index, stage_files
 
 from helpers.hub import COMMIT, hub_cache, snapshot_dir
+from helpers.waiting import wait_for
 
 REPO = "owner/tiny-llama"
 
@@ -237,3 +240,28 @@ def test_a_stage_whose_shards_cannot_be_fetched_names_them(
                        "Connection reset by peer") as info:
         fetch_stage(snap, (1, 3), None, down)
     assert "network" in info.value.hint
+
+
+def test_a_download_whose_bars_say_nothing_still_advances(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should huggingface_hub feed our bar no bytes, the cache's blobs growing (a file being
+    downloaded is ``*.incomplete`` there) still reach ``progress``: a stage that downloads
+    is never failed for silence."""
+    monkeypatch.setattr(fetch, "WATCH_S", 0.02)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / "before").write_bytes(b"x" * 10)  # what the cache held already: not counted
+    heard: list[tuple[int, int]] = []
+    watched = DownloadHeard(lambda done, total: heard.append((done, total)), blobs)
+    watcher = threading.Thread(target=watched.watch)
+    watcher.start()
+    try:
+        for size in (100, 300):
+            (blobs / "abc.incomplete").write_bytes(b"y" * size)
+            wait_for(lambda size=size: heard and heard[-1] == (size, size), 10,
+                     f"{size} bytes heard")
+        watched.bar(50, 1000)  # the bars say less than the disk: the disk's bytes, their total
+        assert heard[-1] == (300, 1000)
+    finally:
+        watched.stop.set()
+        watcher.join(5)
