@@ -88,6 +88,7 @@ from mlxceld.errors import (
     MlxceldError,
 )
 from mlxceld.models.families import require_splittable
+from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.net import retire_streams
 from mlxceld.pipeline.standin import StandIns
 from mlxceld.roster import Situation, draw_roster
@@ -189,10 +190,14 @@ class Daemon:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")
         planned = self.serving.serve.model
+        if planned is not None and names_a_repo(planned):
+            self._fetch_metadata(planned, config)
         if config.pp_auto is not None and planned is not None and Path(planned).is_dir():
             # A family that is not split is refused here (exit 2), not after the wait for
             # peers; a model that is not a local directory is the coordinator's to refuse.
             require_splittable(Path(planned), "--pp-auto --model")
+        elif config.pp_auto is not None and planned is not None and names_a_repo(planned):
+            require_splittable(local_model(planned), "--pp-auto --model")
         self.supervisor = Supervisor(
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,
@@ -200,6 +205,18 @@ class Daemon:
             finished=self._worker_finished, changed=self._worker_changed)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._draining = Draining(self, DrainsTable(self._db), self.events)
+
+    def _fetch_metadata(self, model: str, config: Config) -> None:
+        """A model named by its Hugging Face repo id: its config, index and tokenizer, once,
+        before anything asks for its identity (``models/fetch.py``). Refused at start-up
+        (exit 2) when the flags or the config file name it; a model `mlxctl serve` chose
+        before is only warned of (its router and inventory say what is wrong)."""
+        try:
+            local_model(model)
+        except ConfigError as exc:
+            if config.serve.model == model:
+                raise
+            log.warning("model %s cannot be fetched: %s (%s)", model, exc.message, exc.hint)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 

@@ -25,6 +25,7 @@ supervisor and the roster.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
+from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
 from mlxceld.supervisor.process import WorkerSpec
@@ -93,6 +95,8 @@ class Serving:
                 hint="change [cluster] model in that file on every node, then restart them")
         try:
             resolved = resolve_model(model, Path("/"), "mlxctl serve")
+            if names_a_repo(resolved):  # its config, index, tokenizer (models/fetch.py)
+                await asyncio.to_thread(local_model, resolved)
         except ConfigError as exc:
             raise ModelRefused(exc.message, hint=exc.hint) from exc
         self.serve = self.serve.with_model(resolved, name)

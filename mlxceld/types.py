@@ -49,6 +49,9 @@ class WorkerBootstrap(TypedDict):
     secret_hex: NotRequired[str]  # the primary cluster secret: what the worker dials with
     accepted_hex: NotRequired[list[str]]  # the others it accepts (a rotation's overlap)
     api_key: NotRequired[str]
+    # The daemon's Hugging Face token, for a worker that may download a model named by its
+    # repo id (supervisor/process.py: DOWNLOADERS); set in its own process on entry.
+    hf_token: NotRequired[str]
 
 
 class WorkerKeys(TypedDict):
@@ -81,28 +84,38 @@ class WorkerProgress(TypedDict):
 class LoadProgress(TypedDict):
     """A stage loading its weights, in its ``stats`` (``loading``) until it has loaded them:
     parameter bytes read of those to read, since when (wall clock). The peer's assignment
-    waits while ``done`` advances (``cluster/assignment/stagehost.py``)."""
+    waits while ``done`` advances (``cluster/assignment/stagehost.py``). ``step`` is
+    ``downloading`` while a stage of a model named by its Hugging Face repo id fetches
+    its shards (bytes fetched of those to fetch, ``models/fetch.py``), then ``loading``
+    (the default when absent)."""
 
     done: int
     total: int
     since: float
+    step: NotRequired[str]
 
 
 def load_progress(raw: Any) -> LoadProgress | None:
     """A worker's ``loading`` stat as it came over its control socket: None when it says
-    none (not loading, or done) or is not one."""
+    none (not loading, or done) or is not one; its ``step`` kept when it downloads."""
     if not (isinstance(raw, dict) and all(type(raw.get(k)) in (int, float)
                                           for k in ("done", "total", "since"))):
         return None
-    return LoadProgress(done=int(raw["done"]), total=int(raw["total"]), since=float(raw["since"]))
+    progress = LoadProgress(done=int(raw["done"]), total=int(raw["total"]),
+                            since=float(raw["since"]))
+    if raw.get("step") == "downloading":
+        progress["step"] = "downloading"
+    return progress
 
 
 def loading_text(p: LoadProgress, now: float) -> str:
-    """``loading 43% of 61.0 GiB, 12 s``: what ``mlxctl status`` and systemd's STATUS say."""
+    """``loading 43% of 61.0 GiB, 12 s`` (or ``downloading ...``): what ``mlxctl status``
+    and systemd's STATUS say."""
     pct = 100 * p["done"] // p["total"] if p["total"] > 0 else 0
     gib = p["total"] / 2**30
     amount = f"{gib:.1f} GiB" if gib >= 1 else f"{p['total'] / 2**20:.1f} MiB"
-    return f"loading {pct}% of {amount}, {max(0.0, now - p['since']):.0f} s"
+    step = p.get("step", "loading")
+    return f"{step} {pct}% of {amount}, {max(0.0, now - p['since']):.0f} s"
 
 
 class StageLinkView(TypedDict):

@@ -64,8 +64,9 @@ def nodes(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False
 
 @cluster_app.command()
 def plan(ctx: typer.Context,
-         model: Annotated[str, typer.Option("--model", help="The model directory (a local "
-                                            "mlx-lm checkpoint; the same on every host).")],
+         model: Annotated[str, typer.Option("--model", help="The model: a local mlx-lm "
+                                            "checkpoint directory (the same on every host), or "
+                                            "a Hugging Face repo id.")],
          stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                              help="How many pipeline stages.")],
          cluster_config_out: Annotated[Path | None, typer.Option(
@@ -87,9 +88,10 @@ def plan(ctx: typer.Context,
                      "reason) or the router did not start; 2 usage; 3 daemon not running; "
                      "4 permission denied; 5 another bring-up is in progress.")
 def activate(ctx: typer.Context,
-             model: Annotated[str, typer.Option("--model", help="The model directory (a "
-                                                "local mlx-lm checkpoint; the same on every "
-                                                "host).")],
+             model: Annotated[str, typer.Option("--model", help="The model: a local "
+                                                "mlx-lm checkpoint directory (the same on "
+                                                "every host), or a Hugging Face repo id (each "
+                                                "host fetches what it needs).")],
              stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                                  help="How many pipeline stages.")],
              socket: SocketOpt = None, as_json: JsonOpt = False) -> None:

@@ -4,7 +4,9 @@ On a terminal, a rich progress bar per load (rich comes with typer): each peer's
 stage in a bring-up, the router's model in `mlxctl serve`; the command's steps are
 printed above the bars. Elsewhere (a pipe, a log), one line per tenth of each load,
 beside the steps. Fed from what the commands poll: a bring-up's peer rows
-(``peer``: their ``loading``, done, total, elapsed_s) or a worker's stats (``load``).
+(``peer``: their ``loading``, done, total, elapsed_s, and step: a stage of a repo
+id's model downloads its shards, then loads them, each with its own tenths) or a
+worker's stats (``load``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class LoadView:
     def __init__(self, echo: Callable[[str], None], console: Console | None = None) -> None:
         self._echo = echo
         self._shown: dict[str, int] = {}  # the steps printed, per peer
-        self._tenths: dict[str, int] = {}  # the tenth last printed, per load (lines)
+        self._tenths: dict[tuple[str, str], int] = {}  # the last tenth printed, per load, step
         self._tasks: dict[str, TaskID] = {}  # the bar of each load (terminal)
         self._totals: dict[str, int] = {}  # the bytes of each load, as its bar last heard
         self._bars: Progress | None = None
@@ -65,16 +67,19 @@ class LoadView:
                 self._bars.update(task, completed=self._totals[row["address"]])
             return
         done, total = int(row["loading"]["done"]), int(row["loading"]["total"])
-        self.load(row["address"], f"{row.get('stage') or '-'} {row['address']}", done, total,
-                  load[1])
+        step = str(row["loading"].get("step") or "loading")  # downloading, then loading
+        label = f"{row.get('stage') or '-'} {row['address']}" + (
+            f" ({step})" if step != "loading" else "")
+        self.load(row["address"], label, done, total, load[1], step)
 
-    def load(self, key: str, label: str, done: int, total: int, line: str) -> None:
-        """One load (``key``: whose) at ``done`` of ``total`` bytes: its bar, labelled
-        ``label``, or ``line`` when it has reached another tenth."""
+    def load(self, key: str, label: str, done: int, total: int, line: str,
+             step: str = "loading") -> None:
+        """One load (``key``: whose) at ``done`` of ``total`` bytes in its ``step``: its
+        bar, labelled ``label``, or ``line`` when it has reached another tenth."""
         if self._bars is None:
             tenth = (100 * done // total if total > 0 else 0) // 10
-            if tenth > self._tenths.get(key, -1):
-                self._tenths[key] = tenth
+            if tenth > self._tenths.get((key, step), -1):
+                self._tenths[(key, step)] = tenth
                 self._echo(line)
             return
         task = self._tasks.get(key)
@@ -82,11 +87,12 @@ class LoadView:
         if task is None:
             self._tasks[key] = self._bars.add_task(label, total=total, completed=done)
         else:
-            self._bars.update(task, total=total, completed=done)
+            self._bars.update(task, total=total, completed=done, description=label)
 
     def restart(self, key: str) -> None:
         """Load ``key`` begins again (a worker restarted): its lines from 0%, its bar too."""
-        self._tenths.pop(key, None)
+        for seen in [k for k in self._tenths if k[0] == key]:
+            del self._tenths[seen]
         task = self._tasks.get(key)
         if task is not None and self._bars is not None:
             self._bars.reset(task)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mlxceld.types import LoadProgress, WorkerState, loading_text
+from mlxceld.types import LoadProgress, WorkerState, load_progress, loading_text
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
@@ -202,7 +202,8 @@ def status(body: dict[str, Any]) -> str:
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
-    """A stage or router loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``."""
+    """A stage or router loading its weights: ``stage: loading 43% of 61.0 GiB, 12 s``
+    (or a stage fetching them first: ``stage: downloading 43% of ...``)."""
     now = time.time() if now is None else now
     return [load[2] for w in workers if (load := worker_loading(w, now)) is not None]
 
@@ -210,11 +211,9 @@ def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str
 def worker_loading(w: dict[str, Any], now: float) -> tuple[int, int, str] | None:
     """A worker's load (its stats' ``loading``): bytes read, bytes to read, and its line
     ``router: loading 43% of 61.0 GiB, 12 s``; None when it says none."""
-    p = (w.get("stats") or {}).get("loading")
-    if not (isinstance(p, dict) and all(isinstance(p.get(k), int | float)
-                                        for k in ("done", "total", "since"))):
+    load = load_progress((w.get("stats") or {}).get("loading"))
+    if load is None:
         return None
-    load = LoadProgress(done=int(p["done"]), total=int(p["total"]), since=float(p["since"]))
     return load["done"], load["total"], f"{w['name']}: " + loading_text(load, now)
 
 
@@ -347,6 +346,7 @@ def peer_loading(p: dict[str, Any]) -> tuple[int, str] | None:
         done, total, elapsed = int(load["done"]), int(load["total"]), float(load["elapsed_s"])
     except (KeyError, TypeError, ValueError):
         return None
-    text = loading_text(LoadProgress(done=done, total=total, since=0.0), elapsed)
+    text = loading_text(LoadProgress(done=done, total=total, since=0.0,
+                                     step=str(load.get("step") or "loading")), elapsed)
     pct = 100 * done // total if total > 0 else 0
     return pct, peer_step({**p, "state": text, "reason": ""})

@@ -10,7 +10,8 @@ change of a peer logged once and recorded as a ``bringup.*`` event. ``state`` is
      "peers": [{"stage": "stage-0", "node_id": ..., "address": AGENT,
                 "layers": [first, end], "state": STATE, "reason": "...",
                 "steps": [STATE, ...],
-                "loading": {"done": B, "total": B, "elapsed_s": S} | null}]}
+                "loading": {"done": B, "total": B, "elapsed_s": S,
+                            "step": "downloading" | "loading"} | null}]}
 
 with a peer's STATE one of ``CoordinatorRound.progress``: offered, loading,
 prepared, committed, active, failed (its reason), aborted, unreachable (lost
@@ -90,7 +91,7 @@ class BringUp:
             # How far a loading peer is: kept on its row, neither a step nor an event.
             row["loading"] = (None if load is None else
                               {"done": load.done, "total": load.total,
-                               "elapsed_s": load.elapsed_s})
+                               "elapsed_s": load.elapsed_s, "step": load.step})
 
     def active(self, epoch: int, summary: str) -> None:
         """Plan ``epoch`` is served."""

@@ -67,6 +67,7 @@ from mlxceld.config.serve import resolve_model
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.families import require_splittable
+from mlxceld.models.fetch import local_model
 from mlxceld.models.identity import model_identity
 from mlxceld.state import EventLog
 from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
@@ -147,11 +148,13 @@ class Coordinator:
         """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local
         directory) over the reachable ones that are not drained (the plan's notes say
         which are)."""
-        path = model_dir(model, what)
+        path = await asyncio.to_thread(model_dir, model, what)  # a repo id: may fetch
         require_splittable(path, what)  # before any peer is asked
         candidates = await self._discovery.refresh()
-        return make_plan(candidates, path, stages, cluster=self._cluster,
-                         coordinator=self._identity, drained=self._drained())
+        # In a thread: a repo id's shards this host lacks are priced from the Hub's headers.
+        return await asyncio.to_thread(
+            make_plan, candidates, path, stages, cluster=self._cluster,
+            coordinator=self._identity, drained=self._drained())
 
     def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
         """At the daemon's start, in the background: resume the latest plan if it is
@@ -203,7 +206,7 @@ class Coordinator:
         self._claim()
         before = self.state
         try:
-            path = str(model_dir(model, "mlxctl cluster activate"))
+            path = str(await asyncio.to_thread(model_dir, model, "mlxctl cluster activate"))
             self.state = {"state": "planning", "model": path, "stages": stages,
                           "summary": ""}
             proposal = await self.propose(path, stages, "mlxctl cluster activate")
@@ -235,7 +238,8 @@ class Coordinator:
         """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
         reachable, plan, write ``--cluster-config-out``; return the report for the terminal
         (the table, its notes, where the TOML went). A plan that does not fit is raised."""
-        require_splittable(model_dir(model, "--model"), "--model")  # before waiting
+        path = await asyncio.to_thread(model_dir, model, "--model")
+        require_splittable(path, "--model")  # before waiting
         await self.await_peers(n, DRY_RUN_WAIT_S)
         proposal = await self.propose(model, n)
         report = [proposal.table, *(f"note: {note}" for note in proposal.notes)]
@@ -252,7 +256,8 @@ class Coordinator:
         try:
             self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
             try:
-                require_splittable(model_dir(model, "--model"), "--model")  # before waiting
+                path = await asyncio.to_thread(model_dir, model, "--model")
+                require_splittable(path, "--model")  # before waiting
                 await self.await_peers(n, PP_AUTO_WAIT_S)
                 proposal = await self.propose(model, n)
             except MlxceldError as exc:  # a PlanRefused names the candidates left out
@@ -289,11 +294,11 @@ class Coordinator:
         epoch = last.epoch
         try:
             model = parse_cluster_text(last.toml, self._state_dir / f"cluster-{epoch}.toml"
-                                       ).model_path()
+                                       ).model_source()
             configured_identity = (None if configured is None else
                                    await asyncio.to_thread(_identity_or_error, configured))
             if configured is not None and configured_identity == last.model_identity:
-                model = Path(configured)
+                model = configured
             self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
                           "stages": len(last.peers), "summary": "",
                           "peers": resumed_rows(last)}
@@ -448,14 +453,15 @@ def config_differences(plan: PlanRow, n: int | None, configured: str | None,
 
 def _identity_or_error(model: str) -> str:
     try:
-        return model_identity(Path(model))
+        return model_identity(local_model(model))
     except MlxceldError as exc:
         return f"unreadable: {exc.message}"
 
 
 def model_dir(model: str, what: str) -> Path:
-    """The local checkpoint directory ``model`` names; planning reads its headers."""
-    path = Path(resolve_model(model, Path("/"), what))
+    """The local checkpoint directory ``model`` names (a repo id's snapshot,
+    ``models/fetch.py``); planning reads its headers."""
+    path = local_model(resolve_model(model, Path("/"), what))
     if not path.is_dir():
         raise ConfigError(f"model {model!r} is not a local directory",
                           hint="planning reads the checkpoint's safetensors headers")

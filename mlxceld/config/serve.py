@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
 from mlxceld.errors import ConfigError
+from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import DEFAULT_SILENCE_S
 
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROUTER: Final = roles.ROUTER  # the worker's name and role
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s"}
 
@@ -80,7 +79,8 @@ class ServeConfig:
     @property
     def served_name(self) -> str:
         assert self.model is not None
-        return self.model_name or Path(self.model.rstrip("/")).name
+        # A repo id's (or its cache snapshot's) name, else the directory's.
+        return self.model_name or model_name(Path(self.model.rstrip("/"))).split("/")[-1]
 
     def with_model(self, model: str, name: str | None = None) -> ServeConfig:
         return replace(self, model=model, model_name=name)
@@ -97,7 +97,7 @@ def resolve_model(value: str, base: Path, what: str) -> str:
     if path.exists():
         raise ConfigError(f"{what}: model {value!r} is a file, not a model directory",
                           hint="point it at the directory holding config.json")
-    if REPO_ID.match(value) and not value.startswith((".", "~")):
+    if is_repo_id(value):  # fetched as models/fetch.py says
         return value
     raise ConfigError(f"{what}: model directory {path} does not exist",
                       hint="give a local mlx-lm model directory (python -m "

@@ -52,7 +52,6 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Final
 
 import psutil
@@ -61,6 +60,7 @@ from mlxceld import __version__, failpoints
 from mlxceld.config.names import name_problem
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import MlxceldError
+from mlxceld.models.fetch import local_model
 from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService
@@ -109,7 +109,7 @@ def model_entry(model: str | None) -> dict[str, Any] | None:
     if model is None:
         return None
     try:
-        return {"path": model, "identity": model_identity(Path(model)), "error": None}
+        return {"path": model, "identity": model_identity(local_model(model)), "error": None}
     except MlxceldError as exc:
         return {"path": model, "identity": None, "error": exc.message[:1024]}
 

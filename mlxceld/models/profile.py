@@ -4,7 +4,8 @@
 (``model*.safetensors``; the index, when there is one, is checked against
 them) and config.json, never the tensor data, and sorts every tensor's bytes
 (quantized weights, scales and biases alike) the way ``slicing`` divides a
-model between pipeline stages:
+model between pipeline stages: by ``shards.tensor_part``, the one rule that
+also decides which shards a stage reads (``shards.stage_files``):
 
 - ``model.layers.{i}.*``: layer ``i``;
 - ``model.embed_tokens.*``: the embeddings, on the first stage, and on the
@@ -27,34 +28,36 @@ what ``StageModel.nbytes`` reports once it is loaded.
 The profile needs every shard's header: it prices each tensor as it is stored
 (a dense first layer, an MoE layer, a 4-bit layer), and the index states only
 the total. So the host that plans (the coordinator: ``mlxctl cluster plan``,
-``--pp-auto``) holds the whole checkpoint, while the hosts that only run
-stages may hold just their shards (``shards.py``). A planning host that holds
-only some shards is refused with the shards it lacks named, not priced by
-guess.
+``--pp-auto``) reads every shard's header: from its own files, or, for a model
+named by its Hugging Face repo id (a snapshot of the cache holding only some
+shards, or none: ``fetch.py``), the headers of the shards it lacks from the Hub
+(``fetch.hub_headers``: a few KB per shard, never the weights; refused with
+HF_HUB_OFFLINE=1, naming them). The hosts that only run stages hold just their
+shards (``shards.py``). A planning host with a local directory that holds only
+some shards is refused with the shards it lacks named, not priced by guess.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from mlxceld.errors import ConfigError
+from mlxceld.models.fetch import Headers, hub_headers, snapshot_of
 from mlxceld.models.identity import CONFIG, layer_count, read_model_config
-from mlxceld.models.shards import INDEX, missing_files, read_index
+from mlxceld.models.shards import (
+    INDEX,
+    NEXTN,
+    TEXT_PREFIX,
+    layout_of,
+    missing_files,
+    read_index,
+    tensor_part,
+)
 from mlxceld.models.tensor_headers import DAMAGED, DTYPE_BYTES, TensorEntry, read_tensor_headers
 
 WEIGHT_GLOB: Final = "model*.safetensors"  # what mlx-lm's load_model reads
-DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
-# Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
-# published): mlx-lm's sanitize drops them too, and no stage runs them.
-NEXTN: Final = "num_nextn_predict_layers"
-# A multimodal checkpoint (gemma3): its text model's tensors under TEXT_PREFIX, priced as
-# any model's; its vision tower's dropped by mlx-lm's sanitize, as here.
-TEXT_PREFIX: Final = "language_model."
-VISION_PREFIXES: Final = ("vision_tower.", "multi_modal_projector.")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -105,31 +108,30 @@ class LayerProfile:
         return n
 
 
-def layer_profile(path: Path) -> LayerProfile:
-    """The ``LayerProfile`` of the mlx-lm checkpoint in ``path`` (see the module docstring)."""
+def layer_profile(path: Path, hub: Headers | None = None) -> LayerProfile:
+    """The ``LayerProfile`` of the mlx-lm checkpoint in ``path`` (see the module docstring;
+    ``hub``: where the Hub's headers come from, huggingface_hub's by default)."""
     path = Path(path)
     config = read_model_config(path)
     source = str(path / CONFIG)
     num_layers = layer_count(config, source=source)
-    tensors = _text_tensors(_tensors(path))
-    tied = _tied(config, tensors)
+    tensors = _tensors(path, hub)
+    _config_int(config, NEXTN, source, default=0, least=0)  # a bad value is named here
+    layout = layout_of(config, num_layers, tensors)
+    tied = layout.tied
     layers = [0] * num_layers
     parts = {"embed": 0, "norm": 0, "head": 0, "other": 0}
-    predictors = _config_int(config, NEXTN, source, default=0, least=0)
     for name, entry in tensors.items():
-        if name.endswith(DROPPED_SUFFIXES) or (tied and name.startswith("lm_head.")):
+        part, i = tensor_part(name, layout)
+        if part == "dropped":
             continue
-        m = _LAYER.match(name)
-        if m is not None:
-            i = int(m.group(1))
-            if num_layers <= i < num_layers + predictors:
-                continue  # a multi-token prediction layer: mlx-lm's sanitize drops it
-            if i >= num_layers:
-                raise ConfigError(f"model {path}: tensor {name!r} belongs to layer {i}, but "
-                                  f"{source} says {num_layers} layers", hint=DAMAGED)
-            layers[i] += entry.nbytes
+        if part != "layer":
+            parts[part] += entry.nbytes
+        elif i >= num_layers:
+            raise ConfigError(f"model {path}: tensor {name!r} belongs to layer {i}, but "
+                              f"{source} says {num_layers} layers", hint=DAMAGED)
         else:
-            parts[_part(name)] += entry.nbytes
+            layers[i] += entry.nbytes
     _check_complete(path, layers, parts, tied)
     hidden = _config_int(config, "hidden_size", source)
     heads = _config_int(config, "num_attention_heads", source)
@@ -147,50 +149,39 @@ def layer_profile(path: Path) -> LayerProfile:
         kv_bytes_per_token=kv_width * dtype_bytes)
 
 
-def _text_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
-    """The text model's tensors, named as a text-only checkpoint names them."""
-    return {name.removeprefix(TEXT_PREFIX): entry for name, entry in tensors.items()
-            if not name.startswith(VISION_PREFIXES)}
-
-
-def _part(name: str) -> str:
-    if name.startswith("model.embed_tokens."):
-        return "embed"
-    if name.startswith("model.norm."):
-        return "norm"
-    if name.startswith("lm_head."):
-        return "head"
-    return "other"
-
-
-def _tensors(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor of the weight files in ``path``, checked against the index if any."""
+def _tensors(path: Path, hub: Headers | None) -> dict[str, TensorEntry]:
+    """Every tensor of the weight files in ``path`` (and of the shards a repo id's snapshot
+    lacks, from the Hub's headers), checked against the index if any."""
     index = read_index(path)
+    headers = {file.name: read_tensor_headers(file) for file in sorted(path.glob(WEIGHT_GLOB))}
     if index is not None:
         absent = missing_files(path, index.files)
-        if absent:
+        snap = snapshot_of(path)
+        if absent and snap is not None:  # a repo id's: priced from the Hub's headers
+            headers.update(hub_headers(*snap, absent, hub))
+        elif absent:
             raise ConfigError(
                 f"model {path} holds {len(index.files) - len(absent)} of the "
                 f"{len(index.files)} shards its {INDEX} names (missing: "
                 f"{_some(absent)}): planning prices every layer from its shard's header",
                 hint="plan on a host that holds the whole checkpoint (a host that only "
-                "runs a stage needs only its own shards)")
-    files = sorted(path.glob(WEIGHT_GLOB))
-    if not files:
+                "runs a stage needs only its own shards), or name the model by its "
+                "Hugging Face repo id (the Hub's headers price the shards a host lacks)")
+    if not headers:
         raise ConfigError(f"model directory {path} holds no {WEIGHT_GLOB} files",
                           hint="an mlx-lm checkpoint has config.json and safetensors weights "
                           "side by side")
     tensors: dict[str, TensorEntry] = {}
-    where: dict[str, Path] = {}
-    for file in files:
-        for name, entry in read_tensor_headers(file).items():
+    where: dict[str, str] = {}
+    for file, entries in headers.items():
+        for name, entry in entries.items():
             if name in tensors:
-                raise ConfigError(f"model {path}: tensor {name!r} is in both {where[name].name} "
-                                  f"and {file.name}", hint=DAMAGED)
+                raise ConfigError(f"model {path}: tensor {name!r} is in both {where[name]} "
+                                  f"and {file}", hint=DAMAGED)
             tensors[name], where[name] = entry, file
     if index is not None:
         for name, shard in sorted(index.weight_map.items()):
-            if name not in where or where[name].name != shard:
+            if name not in where or where[name] != shard:
                 raise ConfigError(f"{path / INDEX} places tensor {name!r} in {shard}, which "
                                   "does not hold it", hint=DAMAGED)
     return tensors
@@ -199,15 +190,6 @@ def _tensors(path: Path) -> dict[str, TensorEntry]:
 def _some(names: list[str], shown: int = 3) -> str:
     more = len(names) - shown
     return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
-
-
-def _tied(config: dict[str, Any], tensors: dict[str, TensorEntry]) -> bool:
-    """Tied as config.json says (mlx-lm builds the model from it); without the key, tied
-    when the files hold no head."""
-    for table in (config, config.get("text_config")):
-        if isinstance(table, dict) and "tie_word_embeddings" in table:
-            return bool(table["tie_word_embeddings"])
-    return "lm_head.weight" not in tensors
 
 
 def _check_complete(path: Path, layers: list[int], parts: dict[str, int], tied: bool) -> None:
@@ -229,7 +211,7 @@ def _activation_dtype_bytes(path: Path, tensors: dict[str, TensorEntry]) -> int:
     for prefix in ("model.embed_tokens.", "model.layers.0."):
         for name in sorted(tensors):
             entry = tensors[name]
-            if name.startswith(prefix) and entry.is_float:
+            if name.removeprefix(TEXT_PREFIX).startswith(prefix) and entry.is_float:
                 return DTYPE_BYTES[entry.dtype]
     raise ConfigError(f"model {path}: neither model.embed_tokens nor layer 0 has a "
                       "floating-point tensor",

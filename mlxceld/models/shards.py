@@ -5,15 +5,23 @@ A sharded mlx-lm (or Hugging Face) checkpoint names every tensor's file in
 "weight_map": {tensor name: file name}}``. Every host holds the index (it is
 part of the model identity, ``identity.py``); a host that runs a stage needs
 only the shards that hold what the stage keeps (``stage_files``), the way
-``slicing.StageModel`` prunes a model:
+``slicing.StageModel`` prunes a model.
 
-- a tensor of decoder layer ``i`` (a name with ``layers.{i}.``, as mlx-lm's own
-  ``sharded_load`` matches them): stages whose range holds ``i``; layers past
-  the model's last (multi-token-prediction layers, which mlx-lm's sanitize
-  drops) on none;
-- the embeddings (``embed_tokens``): the first stage, and the last when the
-  head is tied to them;
-- the final norm (``model.norm``) and the head (``lm_head``): the last stage;
+Where a tensor goes is one function, ``tensor_part``, which the cost profile
+(``profile.py``) prices by and ``stage_files`` fetches and loads by:
+
+- in a multimodal checkpoint (gemma3), ``language_model.*`` is read without that
+  prefix, and the vision tower (``vision_tower.*``, ``multi_modal_projector.*``)
+  belongs to no stage (mlx-lm's sanitize drops it);
+- ``model.layers.{i}.*``: decoder layer ``i``, on the stage whose range holds
+  it; the ``num_nextn_predict_layers`` layers past the last (multi-token
+  prediction, in deepseek_v3 and glm4_moe checkpoints as published) on none,
+  as mlx-lm's sanitize drops them;
+- ``model.embed_tokens.*``: the first stage, and the last when the head is
+  tied to them;
+- ``model.norm.*``: the last stage; ``lm_head.*`` too, unless the head is tied
+  (then mlx-lm drops it while loading, and no stage needs it);
+- ``*.rotary_emb.inv_freq``: no stage (mlx-lm's sanitize drops it);
 - anything else: every stage (``StageModel`` keeps it).
 
 A checkpoint without an index is one file, which every stage reads.
@@ -23,16 +31,28 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from mlxceld.errors import ConfigError
 
 INDEX: Final = "model.safetensors.index.json"
 DAMAGED: Final = "the checkpoint is damaged or incomplete; download it again"
-_LAYER: Final = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A multimodal checkpoint (gemma3): its text model's tensors under TEXT_PREFIX, placed as
+# any model's; its vision tower's on no stage (mlx-lm's sanitize drops them).
+TEXT_PREFIX: Final = "language_model."
+VISION_PREFIXES: Final = ("vision_tower.", "multi_modal_projector.")
+DROPPED_SUFFIXES: Final = (".rotary_emb.inv_freq",)  # mlx-lm's sanitize drops them
+# Layers past num_hidden_layers that predict further tokens (GLM-4.5, DeepSeek-V3 as
+# published): mlx-lm's sanitize drops them, and no stage runs them.
+NEXTN: Final = "num_nextn_predict_layers"
+_LAYER: Final = re.compile(r"model\.layers\.(\d+)\.")
+
+# Where a tensor goes (module docstring): a decoder layer, the embeddings, the final norm,
+# the head, every stage ("other"), or no stage ("dropped").
+Part = Literal["layer", "embed", "norm", "head", "other", "dropped"]
 
 
 @dataclass(frozen=True)
@@ -77,25 +97,57 @@ def read_index(path: Path) -> WeightIndex | None:
     return WeightIndex(dict(weight_map), int(total))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What config.json says of where tensors go: its layer count, the multi-token
+    prediction layers past them (``num_nextn_predict_layers``), a head tied to the
+    embeddings or not."""
+
+    num_layers: int
+    predictors: int
+    tied: bool
+
+
+def tensor_part(name: str, layout: Layout) -> tuple[Part, int]:
+    """Where the tensor ``name`` goes (module docstring), and its layer (-1 when it is not
+    a layer's). A layer past the last and its predictors is returned as it is: a damaged
+    checkpoint, for the caller to refuse."""
+    if name.startswith(VISION_PREFIXES) or name.endswith(DROPPED_SUFFIXES):
+        return "dropped", -1
+    name = name.removeprefix(TEXT_PREFIX)
+    m = _LAYER.match(name)
+    if m is not None:
+        i = int(m.group(1))
+        if layout.num_layers <= i < layout.num_layers + layout.predictors:
+            return "dropped", -1  # a multi-token prediction layer
+        return "layer", i
+    if name.startswith("model.embed_tokens."):
+        return "embed", -1
+    if name.startswith("model.norm."):
+        return "norm", -1
+    if name.startswith("lm_head."):
+        return ("dropped" if layout.tied else "head"), -1
+    return "other", -1
+
+
 def stage_files(index: WeightIndex, config: Mapping[str, Any], start: int, end: int,
                 num_layers: int) -> frozenset[str]:
     """The shards that hold what the stage of layers [start, end) keeps (module docstring)."""
     first, last = start == 0, end == num_layers
-    tied = _tied(config, index)
+    layout = layout_of(config, num_layers, index.weight_map)
+    keeps: dict[Part, bool] = {"embed": first or (last and layout.tied), "norm": last,
+                               "head": last, "other": True, "dropped": False}
     files: set[str] = set()
     for name, file in index.weight_map.items():
-        m = _LAYER.search(name)
-        if m is not None:
-            keep = start <= int(m.group(1)) < end
-        elif "embed_tokens." in name:
-            keep = first or (last and tied)
-        elif name.startswith(("model.norm.", "lm_head.")):
-            keep = last
-        else:
-            keep = True
-        if keep:
+        part, layer = tensor_part(name, layout)
+        if (start <= layer < end) if part == "layer" else keeps[part]:
             files.add(file)
     return frozenset(files)
+
+
+def layout_of(config: Mapping[str, Any], num_layers: int, tensors: Iterable[str]) -> Layout:
+    """The ``Layout`` of a checkpoint from its config.json and its tensor names."""
+    return Layout(num_layers, _predictors(config), _tied(config, tensors))
 
 
 def missing_files(path: Path, files: frozenset[str]) -> list[str]:
@@ -103,10 +155,21 @@ def missing_files(path: Path, files: frozenset[str]) -> list[str]:
     return sorted(f for f in files if not (Path(path) / f).is_file())
 
 
-def _tied(config: Mapping[str, Any], index: WeightIndex) -> bool:
+def _tied(config: Mapping[str, Any], tensors: Iterable[str]) -> bool:
     """Tied as config.json says (mlx-lm builds the model from it); without the key, tied
-    when the index names no head."""
+    when the checkpoint names no head."""
     for table in (config, config.get("text_config")):
         if isinstance(table, Mapping) and "tie_word_embeddings" in table:
             return bool(table["tie_word_embeddings"])
-    return "lm_head.weight" not in index.weight_map
+    return not any(n.removeprefix(TEXT_PREFIX) == "lm_head.weight" for n in tensors)
+
+
+def _predictors(config: Mapping[str, Any]) -> int:
+    """``num_nextn_predict_layers`` (top or under ``text_config``); 0 when absent or not a
+    count (the profile names a bad value; here it only decides what no stage needs)."""
+    for table in (config, config.get("text_config")):
+        if isinstance(table, Mapping):
+            value = table.get(NEXTN)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+    return 0

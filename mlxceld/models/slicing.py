@@ -50,6 +50,7 @@ from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import SUPPORTED, check_family
+from mlxceld.models.identity import layer_count
 from mlxceld.models.reading import Progress, read_weights
 from mlxceld.models.shards import INDEX, missing_files, read_index, stage_files
 from mlxceld.wire.envelope import TensorSpec
@@ -330,9 +331,7 @@ def _holds_every_shard(path: Path, config: dict[str, Any], start: int, end: int)
     absent = missing_files(path, index.files)
     if not absent:
         return True
-    layers = config.get("num_hidden_layers")
-    count = layers if isinstance(layers, int) else end
-    needed = stage_files(index, config, start, end, count)
+    needed = stage_files(index, config, start, end, layer_count(config, source=str(path)))
     lacking = [f for f in absent if f in needed]
     if lacking:
         more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""

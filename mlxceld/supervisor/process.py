@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from mlxceld.errors import WorkerError
+from mlxceld.roles import ROUTER, STAGE
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
 from mlxceld.supervisor.states import RestartPolicy
@@ -26,6 +27,12 @@ SECRET_ENV = re.compile(r"SECRET|API_KEY|PASSWORD|TOKEN", re.IGNORECASE)
 # The service manager's channel is the daemon's alone (systemd NotifyAccess=main): a
 # worker that inherited NOTIFY_SOCKET could report READY or ping the watchdog for it.
 SERVICE_MANAGER_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+# The Hugging Face token (the daemon's HF_TOKEN or HUGGING_FACE_HUB_TOKEN), for the
+# workers that may download a model named by its repo id (a stage its shards, a router
+# mlx-lm's whole model; models/fetch.py) and no others: in their bootstrap, on stdin, as
+# the cluster secret travels; never in a child's environment.
+DOWNLOAD_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+DOWNLOADERS = frozenset({ROUTER, STAGE})
 CREATE_TIME_TOLERANCE_S = 0.05
 
 
@@ -76,10 +83,15 @@ class WorkerSpec:
                 boot["accepted_hex"] = [s.hex() for s in self.accepted]
         if self.api_key is not None:
             boot["api_key"] = self.api_key
+        token = next((t for v in DOWNLOAD_ENV if (t := os.environ.get(v))), None)
+        if token and self.role in DOWNLOADERS:
+            boot["hf_token"] = token
         return boot
 
 
 def child_environment() -> dict[str, str]:
+    """The daemon's environment less its secrets (a Hugging Face token too: see
+    ``DOWNLOAD_ENV``) and the service manager's channel."""
     env = {k: v for k, v in os.environ.items()
            if not SECRET_ENV.search(k) and k not in SERVICE_MANAGER_ENV}
     env["PYTHONUNBUFFERED"] = "1"

@@ -240,18 +240,21 @@ def progress_report(steps: int, last_step: float | None,
             "busy": busy_since is not None, "stalled_s": round(stalled, 3)}
 
 
-def load_reporter(ctx: WorkerContext[Any], since: float, slow_s: float | None = None
-                  ) -> Callable[[int, int], None]:
+def load_reporter(ctx: WorkerContext[Any], since: float, slow_s: float | None = None,
+                  step: str | None = None) -> Callable[[int, int], None]:
     """A model load's ``progress(done, total)`` (``models/reading.py``), called on the
     loading thread: each report lands in the worker's stats as ``loading``
     (``types.LoadProgress``, ``since`` its wall-clock start), which its daemon shows in
     ``mlxctl status`` and systemd's STATUS line; the role pops it once loaded. ``slow_s``
     (tests only: ``failpoints``' ``*_LAYER_S``) pauses after each step but the last, as a
-    slow disk would, until the worker is told to stop."""
+    slow disk would, until the worker is told to stop. ``step``: what the bytes are, when
+    not read from disk (``downloading``: a stage's shards fetched first)."""
     loop = asyncio.get_running_loop()
 
     def loaded(done: int, total: int) -> None:
         report = LoadProgress(done=done, total=total, since=since)
+        if step is not None:
+            report["step"] = step
         loop.call_soon_threadsafe(ctx.stats.update, {"loading": report})
         if slow_s is not None and done < total:
             until = time.monotonic() + slow_s
@@ -269,6 +272,8 @@ def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> N
 
 
 async def run_worker(boot: WorkerBootstrap, options: WorkerOptions) -> int:
+    if "hf_token" in boot:  # huggingface_hub reads it at each call; no child inherits it
+        os.environ["HF_TOKEN"] = boot["hf_token"]
     keyring = None
     if "secret_hex" in boot:
         keyring = Keyring()

@@ -15,12 +15,18 @@ Its health answer carries its progress (steps, the last step's time, whether it
 has steps to run: ``types.WorkerProgress``), which the supervisor's watchdog reads.
 
 Start-up binds the listener first (a port in use fails at once, named), loads
-only this stage's layers, then accepts connections and reports ready. While it
-loads, its stats carry ``loading`` (``types.LoadProgress``: parameter bytes read
-of those to read, updated layer by layer), which the daemon's assignment waits
-on (``cluster/assignment/stagehost.py``) and ``mlxctl status`` shows. A model it
-cannot load (``ConfigError`` from ``load_stage``: a family it does not split, a
-missing shard, a bad config.json) ends the worker with ``EXIT_CONFIG``, the reason
+only this stage's layers, then accepts connections and reports ready. A model
+named by its Hugging Face repo id (its directory a snapshot of huggingface_hub's
+cache holding the config, index and tokenizer) first gets the shards this
+stage needs and the snapshot lacks (``models/fetch.py``: ``fetch_stage``),
+reported as ``loading`` with step ``downloading`` (bytes fetched of those to
+fetch). While it loads, its stats carry ``loading`` (``types.LoadProgress``:
+parameter bytes read of those to read, updated layer by layer), which the
+daemon's assignment waits on (``cluster/assignment/stagehost.py``) and ``mlxctl
+status`` shows. A model it cannot fetch or load (``ConfigError`` from
+``fetch_stage`` or ``load_stage``: a repo or shard it cannot fetch, a family it
+does not split, a missing shard, a bad config.json) ends the worker with
+``EXIT_CONFIG``, the reason
 in its exit record, "stage stage-1 failed to load layers [2, 4): ...": its
 supervisor marks it failed and does not restart it.
 
@@ -38,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from mlxceld import failpoints
@@ -92,18 +99,20 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         raise RuntimeError(f"cannot listen on {place.address} for stage {place.node_id}: "
                            f"{exc.strerror}; is another stage using the port?") from None
     try:
+        from mlxceld.models.fetch import fetch_stage
         from mlxceld.models.slicing import load_stage
         from mlxceld.wire.mx_tensors import wire_dtype
         from mlxceld.workers.wired import set_wired_limit
 
         set_wired_limit()
 
-        since = time.time()
-        loaded = load_reporter(ctx, since, failpoints.STAGE_LAYER_S)  # tests: a slow disk
-
+        fetched = load_reporter(ctx, time.time(), step="downloading")
         # Its reports are queued before the thread ends, so they all land before this pop.
         try:
-            model = await asyncio.to_thread(load_stage, o.model, *place.layers, loaded)
+            path = await asyncio.to_thread(fetch_stage, Path(o.model), place.layers, fetched)
+            since = time.time()
+            loaded = load_reporter(ctx, since, failpoints.STAGE_LAYER_S)  # tests: a slow disk
+            model = await asyncio.to_thread(load_stage, path, *place.layers, loaded)
         except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
             raise ConfigError(f"stage {place.node_id} failed to load layers "
                               f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",

@@ -439,7 +439,8 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
     "empty secret_file": (lambda d: d["cluster"].update(secret_file=""),
                           r"'cluster.secret_file' must be a non-empty path, not ''"),
     "model not a string": (lambda d: d["cluster"].update(model=3),
-                           r"'cluster.model' must be a non-empty path, not 3"),
+                           r"'cluster.model' must be a non-empty path or Hugging Face "
+                           r"repo id, not 3"),
 }
 
 

@@ -15,6 +15,9 @@ from mlxctl import render
 def test_a_heartbeat_with_a_load() -> None:
     assert peer_load({"done": 5, "total": 10, "elapsed_s": 2}) == PeerLoad(5, 10, 2.0)
     assert peer_load({}) is None  # a peer that says nothing (yet, or an older version)
+    assert peer_load({"done": 5, "total": 10, "elapsed_s": 2, "step": "downloading"}) == \
+        PeerLoad(5, 10, 2.0, "downloading")
+    assert peer_load({"done": 5, "total": 10, "elapsed_s": 2, "step": 3}).step == "loading"
 
 
 @pytest.mark.parametrize("header", [

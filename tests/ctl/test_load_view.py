@@ -54,3 +54,17 @@ def test_on_a_terminal_a_bar_is_full_once_its_peer_has_loaded() -> None:
     view.peer({**row(0, state="prepared"), "loading": None})
     view.close()
     assert "100%" in out.getvalue().split("40%")[-1]
+
+
+def test_a_download_then_its_load_each_have_their_tenths() -> None:
+    """A stage of a repo id's model fetches its shards first (step ``downloading``)."""
+    lines: list[str] = []
+    view = LoadView(lines.append)
+    for step in ("downloading", "loading"):
+        for done in (0, 10 << 20):
+            r = row(done)
+            r["loading"]["step"] = step
+            view.peer(r)
+    view.close()
+    assert [" ".join(line.split(" of ")[0].split()[-2:]) for line in lines] == [
+        "downloading 0%", "downloading 100%", "loading 0%", "loading 100%"]

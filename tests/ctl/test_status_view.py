@@ -126,3 +126,7 @@ def test_a_loading_stage_says_how_far_it_is() -> None:
                                                      "since": NOW}}}]
     assert render.loading(small, NOW) == ["stage: loading 0% of 3.0 MiB, 0 s"]
     assert render.loading([{"name": "stage", "stats": {"loading": {"done": "x"}}}], NOW) == []
+    fetching = [{"name": "stage", "stats": {"loading": {"done": 2**29, "total": 2**31,
+                                                        "since": NOW - 3,
+                                                        "step": "downloading"}}}]
+    assert render.loading(fetching, NOW) == ["stage: downloading 25% of 2.0 GiB, 3 s"]

@@ -19,8 +19,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxceld.errors import ConfigError
-from mlxceld.models import layer_profile, preset, write_fixture
+from mlxceld.models import layer_profile, preset, read_model_config, write_fixture
 from mlxceld.models.fixtures.spec import FAMILIES as GENERATED
+from mlxceld.models.shards import INDEX, read_index, stage_files
 from mlxceld.models.slicing import SUPPORTED, load_stage
 
 from helpers.models import chained_greedy, greedy_reference
@@ -223,6 +224,18 @@ def test_a_vision_tower_is_not_a_stage_s(models: dict[str, Path], tmp_path: Path
     assert stage.nbytes == layer_profile(path).weight_bytes(0, 2)
     assert not any(name.startswith(("vision_tower", "language_model.vision"))
                    for name, _ in tree_flatten(stage.model.parameters()))
+    # Sharded, with an index: no stage's shards include the vision tower's, and a stage
+    # loads from a directory without it.
+    weight_map = {name: file.name for file in sorted(path.glob("model*.safetensors"))
+                  for name in mx.load(str(file))}
+    (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = read_index(path)
+    assert index is not None and "model-vision.safetensors" in index.files
+    config = read_model_config(path)
+    for start, end in ((0, 2), (2, LAYERS)):
+        assert "model-vision.safetensors" not in stage_files(index, config, start, end, LAYERS)
+    (path / "model-vision.safetensors").unlink()
+    assert load_stage(path, 0, 2).nbytes == stage.nbytes
 
 
 @pytest.mark.parametrize(("family", "changes", "field"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +17,9 @@ from mlxceld.errors import ConfigError
 from mlxceld.models import preset, write_fixture
 from mlxceld.models.profile import LayerProfile, layer_profile
 from mlxceld.models.slicing import load_stage
-from mlxceld.models.tensor_headers import MAX_HEADER, read_tensor_headers
+from mlxceld.models.tensor_headers import MAX_HEADER, TensorEntry, read_tensor_headers
+
+from helpers.hub import COMMIT, hub_cache
 
 LAYERS = 4
 SPECS = {
@@ -184,6 +187,35 @@ def test_a_host_with_only_some_shards_cannot_plan(copy: Path) -> None:
                        ) as info:
         layer_profile(copy)
     assert "whole checkpoint" in info.value.hint
+
+
+def test_a_repo_ids_missing_shards_are_priced_from_the_hubs_headers(
+        models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host that plans a model named by its repo id holds its config, index and
+    tokenizer (and maybe a stage's shards): the others are priced from the Hub's headers
+    (here a fake of that seam over the whole checkpoint), as if it held them all; offline,
+    refused naming them."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    full = models["sharded"]
+    snap = hub_cache(tmp_path / "hub", "owner/sharded", full, [first_shard(full).name])
+    asked: list[list[str]] = []
+
+    def headers(repo: str, commit: str, files: Sequence[str]
+                ) -> dict[str, dict[str, TensorEntry]]:
+        assert (repo, commit) == ("owner/sharded", COMMIT)
+        asked.append(list(files))
+        return {f: read_tensor_headers(full / f) for f in files}
+
+    assert layer_profile(snap, headers) == layer_profile(full)
+    assert len(asked) == 1 and len(asked[0]) == 12 and first_shard(full).name not in asked[0]
+    assert layer_profile(snap, headers) == layer_profile(full)
+    assert len(asked) == 1  # kept per process
+    other = hub_cache(tmp_path / "hub2", "owner/other", full)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"model owner/other: pricing its layers needs the "
+                       r"headers of 13 shard\(s\) .* HF_HUB_OFFLINE is set") as info:
+        layer_profile(other, headers)
+    assert "huggingface-cli download owner/other" in info.value.hint
 
 
 def test_layer_without_tensors(copy: Path) -> None:

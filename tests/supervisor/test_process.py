@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.roles.options import EchoOptions, RouterOptions
+from mlxceld.roles.options import EchoOptions, RouterOptions, StageOptions
 from mlxceld.supervisor.process import WorkerSpec, child_environment
 
 SECRET = b"x" * 32
@@ -73,3 +73,26 @@ def test_child_environment_drops_secrets_and_keeps_the_rest(
     assert env["MLXCELD_HARMLESS"] == "yes"
     assert env["PYTHONUNBUFFERED"] == "1"
     assert "MLXCEL_CLUSTER_SECRET" in os.environ  # the daemon's own environment is untouched
+
+
+def test_the_hugging_face_token_reaches_only_the_workers_that_download(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """In their bootstrap (stdin), as the cluster secret; never in any child's environment
+    nor in what is stored of a spec."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("GITHUB_TOKEN", "t")
+    env = child_environment()
+    assert "HF_TOKEN" not in env and "GITHUB_TOKEN" not in env
+    router = RouterOptions(model="org/m", model_name="m", host="127.0.0.1", port=8080,
+                           max_batch=1, max_queued=1)
+    stage = StageOptions(
+        model="org/m", layers=(2, 4), node_id="stage-1", rank=1, address="127.0.0.1:1",
+        coordinator="127.0.0.1:2", upstream="127.0.0.2:1", downstream=None,
+        first="127.0.0.2:1", last=None, model_identity="0" * 64, cluster="test")
+    for options, gets in ((stage, True), (router, True), (ECHO, False)):
+        spec = WorkerSpec(options.role, tmp_path, options)
+        assert (spec.bootstrap().get("hf_token") == "hf_secret") is gets
+        assert "hf_secret" not in json.dumps(spec.describe()) + repr(spec)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_old")
+    assert WorkerSpec("stage", tmp_path, stage).bootstrap()["hf_token"] == "hf_old"

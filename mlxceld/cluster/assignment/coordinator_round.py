@@ -80,11 +80,14 @@ Decision = Literal["commit", "activate", "active", "abort"]
 @dataclass(frozen=True)
 class PeerLoad:
     """A loading peer's word in its ``preparing`` heartbeat: parameter bytes read of those
-    to read, and for how long it has loaded (its own clock)."""
+    to read, and for how long it has loaded (its own clock); ``step``: ``loading``, or
+    ``downloading`` while a stage of a repo id's model fetches its shards first (bytes
+    fetched of those to fetch, ``models/fetch.py``)."""
 
     done: int
     total: int
     elapsed_s: float
+    step: str = "loading"
 
 
 @dataclass(frozen=True)

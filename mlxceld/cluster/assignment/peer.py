@@ -394,7 +394,8 @@ class Assignee:
         load = self._host.loading() if a.kind == "preparing" else None
         if load is not None:
             fields.update(done=load["done"], total=load["total"],
-                          elapsed_s=round(max(0.0, time.time() - load["since"]), 1))
+                          elapsed_s=round(max(0.0, time.time() - load["since"]), 1),
+                          step=load.get("step", "loading"))
         if a.kind == "refused":
             r = cur.refusal
             fields.update(code=r.code if r else "prepare", final=r.final if r else False,

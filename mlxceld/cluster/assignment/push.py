@@ -11,7 +11,8 @@ offer       coord → peer     ``Offer.header()`` (``offers.py``): the stage, it
 preparing   peer → coord     a heartbeat every ``HEARTBEAT_S`` while the
                              peer loads its stage in standby; ``done``,
                              ``total`` (bytes), ``elapsed_s`` once its stage
-                             says how far its load is (optional)
+                             says how far its load is, and ``step``
+                             (``downloading`` or ``loading``) (optional)
 accepted    peer → coord     none: the stage is loaded; the vote is durable
 refused     peer → coord     ``code``, ``reason``, ``final`` (bool; ``offers``)
 commit      coord → peer     none: every peer accepted (the decision is durable)
@@ -387,7 +388,8 @@ def peer_load(header: Mapping[str, Any]) -> PeerLoad | None:
         return None
     if not (0 <= done <= total and 0 <= elapsed < 1e9):
         return None
-    return PeerLoad(done, total, float(elapsed))
+    step = "downloading" if header.get("step") == "downloading" else "loading"
+    return PeerLoad(done, total, float(elapsed), step)
 
 
 async def _send_late(stream: MxclStream, payload: bytes) -> None:

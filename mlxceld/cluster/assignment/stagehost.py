@@ -8,7 +8,10 @@ worker's ``loading`` stat (``types.LoadProgress``, asked every
 ``PROGRESS_EVERY_S``, and noted in the supervisor's snapshot for systemd's
 STATUS line) must come within ``LOAD_START_S`` (60 s: starting the worker,
 importing mlx, reading the config and the shards' headers) and then read more
-bytes at least every ``LOAD_STALL_S`` (60 s; it reports after each layer);
+bytes at least every ``LOAD_STALL_S`` (60 s; it reports after each layer); a
+stage of a model named by its Hugging Face repo id first downloads its shards
+(``step`` ``downloading``, ``models/fetch.py``), under the same two bounds, its
+bytes fetched counting as progress until the load's own bytes take over;
 a worker that fails (``GAVE_UP``) ends the wait at once;
 ``activate_stage`` switches it to serving over the worker's control socket;
 ``stop_stage`` removes it. Which workers run follows the daemon's placement,
@@ -29,6 +32,7 @@ from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import DaemonError, WorkerError
 from mlxceld.models.families import model_family
+from mlxceld.models.fetch import local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
@@ -40,6 +44,7 @@ PROGRESS_EVERY_S: Final = 1.0  # between two asks of its loading progress (its s
 ASK_S: Final = 0.5  # one ask
 LOAD_START_S: Final = 60.0  # a load that says nothing for this long from its start has failed
 LOAD_STALL_S: Final = 60.0  # a load that reads no more bytes for this long has failed
+_STEPS: Final = ("downloading", "loading")  # a loading stage's steps, in their order
 # A loading stage in one of these has failed: a restart is due (BACKOFF), or none (FAILED).
 GAVE_UP: Final = frozenset({WorkerState.BACKOFF, WorkerState.FAILED})
 
@@ -75,8 +80,9 @@ class LocalStageHost:
         model = self._model()
         identity, layers, family = None, None, None
         if model is not None:
-            identity = model_identity(Path(model))
-            config = read_model_config(Path(model))
+            local = local_model(model)  # a repo id: fetched at start (models/fetch.py)
+            identity = model_identity(local)
+            config = read_model_config(local)
             layers, family = layer_count(config), model_family(config)
         host = self._agent_host()
         return PeerFacts(__version__, self._cluster, identity, layers, host,
@@ -98,7 +104,7 @@ class LocalStageHost:
         loop = asyncio.get_running_loop()
         started = False  # a new worker reads EXITED until its start is under way
         self._loading = None
-        done, moved_at, asked_at = -1, loop.time(), 0.0
+        done, moved_at, asked_at = (-1, -1), loop.time(), 0.0
         while True:
             now = self._supervisor.state(STAGE_WORKER)
             if now is None:
@@ -118,17 +124,19 @@ class LocalStageHost:
                 read = await self._loaded_bytes()
                 if read is not None and read > done:
                     done, moved_at = read, loop.time()
-            bound = LOAD_START_S if done < 0 else LOAD_STALL_S
+            bound = LOAD_START_S if done[0] < 0 else LOAD_STALL_S
             if loop.time() - moved_at > bound:
-                where = "before reading any weight" if done < 0 else f"at {done} bytes"
+                where = ("before reading any weight" if done[0] < 0 else
+                         f"at {done[1]} bytes" + (" downloaded" if done[0] == 0 else ""))
                 raise DaemonError(f"stage worker's load made no progress for {bound:g} s "
                                   f"({where})",
                                   hint="see: mlxctl logs stage (a disk or network mount "
                                   "that stalls?)")
             await asyncio.sleep(POLL_S)
 
-    async def _loaded_bytes(self) -> int | None:
-        """The bytes the loading stage worker has read (its ``loading`` stat); None when it
+    async def _loaded_bytes(self) -> tuple[int, int] | None:
+        """How far the loading stage worker is (its ``loading`` stat): its step (0
+        downloading, 1 loading) and its bytes, in the order progress goes; None when it
         does not say (not started yet, or done)."""
         sock = self._supervisor.control_socket(STAGE_WORKER)
         if sock is None:
@@ -139,7 +147,9 @@ class LocalStageHost:
             return None
         self._loading = load_progress((reply.get("stats") or {}).get("loading"))
         self._supervisor.note_loading(STAGE_WORKER, self._loading)
-        return self._loading["done"] if self._loading is not None else None
+        if self._loading is None:
+            return None
+        return (0 if self._loading.get("step") == _STEPS[0] else 1), self._loading["done"]
 
     def loading(self) -> LoadProgress | None:
         return self._loading

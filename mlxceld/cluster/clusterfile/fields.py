@@ -172,7 +172,8 @@ def _path_str(table: Mapping[str, Any], key: str, where: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or "\0" in value:
-        raise ConfigError(f"{where}: 'cluster.{key}' must be a non-empty path, "
+        what = "path or Hugging Face repo id" if key == "model" else "path"
+        raise ConfigError(f"{where}: 'cluster.{key}' must be a non-empty {what}, "
                           f"not {shown(value)}",
                           hint=f'write it as {key} = "PATH", relative to this file\'s directory')
     return value

@@ -12,6 +12,7 @@ from typing import Final, Literal
 
 from mlxceld.config.secrets import TomlSecretFile
 from mlxceld.errors import ConfigError
+from mlxceld.models.fetch import is_repo_id
 
 COORDINATOR: Final = "coordinator"
 PIPELINE_STAGE: Final = "pipeline_stage"
@@ -76,6 +77,14 @@ class ClusterConfig:
     def model_path(self) -> Path | None:
         """``model`` resolved against the file's directory (``~`` expanded)."""
         return None if self.model is None else _resolve(self.model, self.path)
+
+    def model_source(self) -> str | None:
+        """``model`` as a daemon takes it: ``model_path``, or the Hugging Face repo id
+        ``model`` names when no such path exists (``models/fetch.py``)."""
+        path = self.model_path()
+        if path is None or self.model is None:
+            return None
+        return self.model if not path.exists() and is_repo_id(self.model) else str(path)
 
     def secret_source(self) -> TomlSecretFile | None:
         """``secret_file`` as ``resolve_secret``'s ``[cluster] secret_file`` source."""

@@ -1,6 +1,8 @@
 """This daemon's place in a cluster TOML, and the worker it runs there.
 
 ``place(path, node_id)`` reads and checks the cluster config, finds the node,
+takes the model (``--model`` or the file's ``model``: a directory, or a Hugging
+Face repo id whose config, index and tokenizer it fetches, ``models/fetch.py``),
 checks that the model is of a family mlxceld splits (``models.families``), checks
 the stages' layer ranges against the model's layer count and computes the model
 identity, all before anything starts. A coordinator runs the router
@@ -24,6 +26,7 @@ from mlxceld.cluster.clusterfile.load import (
 )
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import check_family
+from mlxceld.models.fetch import is_repo_id, local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
 from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
@@ -59,8 +62,12 @@ def place(path: Path, node_id: str, model_override: str | None = None) -> Placem
     """Everything a daemon needs to run ``node_id`` of the cluster TOML at ``path``."""
     cfg = load_cluster(path)
     node = select_node(cfg, node_id)
-    model = Path(model_override).expanduser().absolute() if model_override \
-        else cfg.model_path()
+    name = model_override or cfg.model_source()
+    if name is not None and not Path(name).expanduser().exists() and is_repo_id(name):
+        model: Path | None = local_model(name)  # a repo id: its metadata (models/fetch.py)
+    else:
+        model = Path(model_override).expanduser().absolute() if model_override \
+            else cfg.model_path()
     if model is None:
         raise ConfigError(f"{path}: [cluster] has no 'model' and --model was not given",
                           hint="set model = \"DIR\" under [cluster] (relative to the file) "

@@ -21,6 +21,7 @@ from mlxceld.cluster.plan.model import Plan, PlanNode, usable_memory
 from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
 from mlxceld.cluster.plan.solver import plan_stages
 from mlxceld.errors import PlanRefused
+from mlxceld.models.fetch import model_name
 from mlxceld.models.identity import model_identity
 from mlxceld.models.profile import layer_profile
 from mlxceld.state.peers import PeerRow
@@ -96,5 +97,6 @@ def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluste
             raise
         raise PlanRefused(f"{exc.message} ({'; '.join(notes)})", hint=exc.hint,
                           shortfalls=exc.shortfalls) from exc
-    cfg = plan.to_cluster(cluster, str(model), coordinator)
+    # A repo id's snapshot is pushed as the repo id: each host fetches what it needs.
+    cfg = plan.to_cluster(cluster, model_name(model), coordinator)
     return Proposal(plan, identity, dump_cluster(cfg), render_plan_table(plan), tuple(notes))

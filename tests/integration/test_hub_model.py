@@ -1,0 +1,100 @@
+"""A model named by its Hugging Face repo id over a 2-stage pipeline of real daemons, each
+host with its own Hugging Face cache (HF_HUB_CACHE) read by huggingface_hub's own code
+with HF_HUB_OFFLINE=1 (no network in tests): every cache holds the config, index and
+tokenizer, a stage host's only its stage's shards, the coordinator's none. The pipeline
+serves mlx-lm's greedy tokens through the real `openai` client; a stage host that lacks
+one of its shards fails its stage naming the file and how to fetch it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxceld.models import preset, read_model_config, write_fixture
+from mlxceld.models.shards import read_index, stage_files
+
+from helpers.daemons import READY_S, Daemons
+from helpers.deploy import Host
+from helpers.hub import hub_cache, snapshot_dir
+from helpers.models import expected
+from helpers.pipeline import write_cluster
+from helpers.ports import free_port
+from helpers.router import client
+
+REPO = "owner/tiny-llama"
+LAYERS = 4
+SPLITS = [(0, 2), (2, 4)]
+PROMPT = "The quick brown fox"
+
+
+def test_a_repo_id_served_by_hosts_holding_only_their_shards(
+        daemons: Daemons, tmp_path_factory: pytest.TempPathFactory) -> None:
+    repo = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
+                         preset("tiny", family="llama", layers=LAYERS, shard_bytes=64 * 1024))
+    index = read_index(repo)
+    assert index is not None
+    needs = [sorted(stage_files(index, read_model_config(repo), a, b, LAYERS))
+             for a, b in SPLITS]
+    port = free_port("127.0.0.1")
+    coord = Host(daemons, "co", secret=None, serve={"port": port})
+    toml = write_cluster(coord.d.root, Path(REPO), SPLITS)  # model = "owner/tiny-llama"
+    coord.daemon_keys.update(distributed_config=str(toml), node_id="coordinator")
+    coord.write()
+    hosts = [Host(daemons, f"s{rank}", secret=None,
+                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"})
+             for rank in range(len(SPLITS))]
+    caches = [h.d.root / "hf" for h in [coord, *hosts]]
+    hub_cache(caches[0], REPO, repo)  # the coordinator: config, index, tokenizer
+    for cache, files in zip(caches[1:], needs, strict=True):
+        held = hub_cache(cache, REPO, repo, files)
+        assert 0 < len(list(held.glob("*.safetensors"))) < len(index.files)
+
+    def env(cache: Path) -> dict[str, str]:
+        return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
+
+    for h, cache in zip(hosts, caches[1:], strict=True):
+        h.d.start_service(env=env(cache))
+    coord.d.start_service(env=env(caches[0]))
+    for h in hosts:
+        daemons.pids.add(h.d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        assert [m.id for m in c.models.list().data] == ["tiny-llama"]  # the repo's name
+        out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
+                                   temperature=0)
+    assert out.choices[0].text == expected(repo, PROMPT, 12)
+
+    # A stage host that lacks one of its shards, offline: its stage fails, naming it.
+    last = hosts[1]
+    assert last.d.terminate() == 0, last.d.stderr()[-3000:]
+    lost = needs[1][0]
+    (snapshot_dir(caches[2], REPO) / lost).unlink()
+    last.d.start_service(env=env(caches[2]))
+    failed = last.d.wait_worker("stage", timeout=READY_S, state="failed")
+    reason = failed["reason"]
+    assert f"stage stage-1 failed to load layers [2, 4): stage layers [2, 4) of {REPO} " \
+           f"need 1 file(s)" in reason, reason
+    assert lost in reason and "HF_HUB_OFFLINE is set" in reason, reason
+
+
+def test_a_repo_id_not_in_the_cache_offline_is_refused_at_start(daemons: Daemons,
+                                                                 tmp_path: Path) -> None:
+    """The operator's flag names a repo the (offline) cache does not hold: exit 2, naming
+    the repo and the command that fetches it, before anything starts; the token is not
+    echoed."""
+    d = daemons.make()
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "HF_TOKEN": "hf_do_not_show_me"}
+    out = subprocess.run([sys.executable, "-m", "mlxceld", "--config", str(d.config),
+                          "--state-dir", str(d.state_dir), "--socket", str(d.socket),
+                          "--model", "owner/absent"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "model 'owner/absent' is not a local directory, and this host's Hugging Face " \
+           "cache does not hold it" in out.stderr, out.stderr[-2000:]
+    assert "huggingface-cli download owner/absent" in out.stderr
+    assert "hf_do_not_show_me" not in out.stderr
