@@ -2,7 +2,9 @@
 
 ``SUPPORTED`` is the list: the ``model_type`` values of config.json whose models
 ``slicing.StageModel`` can cut into stages (``slicing`` reads it from here). It is
-the one home of that list; nothing copies it.
+the one home of that list; nothing copies it. ``ALIASES`` are the model types
+mlx-lm loads with one of those families' classes (Kimi K2's ``kimi_k2`` is
+DeepSeek-V3's), split as that family.
 
 ``require_splittable(path)`` reads the checkpoint's config.json (no weight file is
 opened) and raises ``UnsupportedFamily`` naming the family, the supported list and
@@ -30,6 +32,17 @@ from mlxceld.models.identity import CONFIG, read_model_config
 SUPPORTED: Final[tuple[str, ...]] = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "phi3",
     "gemma3_text", "gemma3", "deepseek_v3", "gpt_oss")
+# model_type values that mlx-lm loads with the classes of a family in SUPPORTED (its
+# MODEL_REMAPPING, for those families: tests/models/test_families.py holds the two to
+# each other): Kimi K2 is DeepSeek-V3's architecture, and is split as it.
+ALIASES: Final[dict[str, str]] = {
+    "kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3",
+    "iquestcoder": "llama", "xverse": "llama"}
+
+
+def split_as(family: str) -> str:
+    """The family in SUPPORTED whose hooks split ``family`` (itself, or what it aliases)."""
+    return ALIASES.get(family, family)
 
 
 def model_family(config: Mapping[str, Any]) -> str | None:
@@ -41,12 +54,13 @@ def model_family(config: Mapping[str, Any]) -> str | None:
 def family_problem(family: str | None, source: str) -> str | None:
     """Why a checkpoint of ``family`` (``source`` names its config.json) cannot be split
     into pipeline stages, or None when it can."""
-    if family in SUPPORTED:
+    if family is not None and split_as(family) in SUPPORTED:
         return None
     what = (f"model_type {family!r}" if family is not None
             else "no 'model_type' (or one that is not a string)")
+    also = ", ".join(f"{a} as {t}" for a, t in ALIASES.items())
     return (f"{source} says {what}, a model family mlxceld cannot split into pipeline "
-            f"stages (it splits: {', '.join(SUPPORTED)})")
+            f"stages (it splits: {', '.join(SUPPORTED)}; and {also})")
 
 
 def hint() -> str:

@@ -49,7 +49,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_config, load_model
 
 from mlxceld.errors import ConfigError
-from mlxceld.models.families import SUPPORTED, check_family
+from mlxceld.models.families import SUPPORTED, check_family, split_as
 from mlxceld.models.identity import layer_count
 from mlxceld.models.reading import Progress, read_weights
 from mlxceld.models.shards import INDEX, missing_files, read_index, stage_files
@@ -313,7 +313,7 @@ def _gather_mm_runs(dtype: Any) -> bool:
 
 
 def _family(model_type: str) -> Family:
-    family = FAMILIES.get(model_type)
+    family = FAMILIES.get(split_as(model_type))
     if family is None:
         raise ConfigError(f"model_type {model_type!r} cannot be split into pipeline stages",
                           hint=f"supported model types: {', '.join(SUPPORTED)}")

@@ -68,6 +68,34 @@ def test_the_hooks_cover_the_one_list_of_families() -> None:
     assert tuple(slicing.FAMILIES) == SUPPORTED
 
 
+def test_the_aliases_are_mlx_lm_s_own() -> None:
+    """families.ALIASES (mlx-free) says what mlx-lm's MODEL_REMAPPING says for them."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    from mlxceld.models.families import ALIASES
+
+    assert all(MODEL_REMAPPING.get(a) == t and t in SUPPORTED for a, t in ALIASES.items())
+    assert set(ALIASES) == {a for a, t in MODEL_REMAPPING.items()
+                            if t in SUPPORTED and a not in SUPPORTED}
+
+
+def test_kimi_k2_is_split_as_deepseek_v3(models: dict[str, Path], tmp_path: Path) -> None:
+    """Kimi K2's checkpoints say model_type kimi_k2, which mlx-lm loads as deepseek_v3: it
+    is accepted where splits are judged, and split to mlx-lm's greedy tokens (those of
+    the same weights as deepseek_v3: transformers' tokenizer loader does not know the
+    type, and real Kimi checkpoints bring their own tokenizer code)."""
+    from mlxceld.models.families import require_splittable
+
+    path = tmp_path / "kimi_k2"
+    shutil.copytree(models["deepseek_v3"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    assert require_splittable(path) == "kimi_k2"
+    prompt, want, _ = greedy_reference(models["deepseek_v3"], PROMPT, STEPS)
+    stages = [load_stage(path, 0, 1), load_stage(path, 1, LAYERS)]
+    assert chained_greedy(stages, prompt, STEPS)[0] == want
+
+
 def test_every_family_is_split_here_or_in_test_slicing() -> None:
     """A family added to SUPPORTED comes with its test (llama, qwen3 and mistral are in
     test_slicing.py), and the generator writes every family a pipeline splits."""
