@@ -29,6 +29,7 @@ REPO = "owner/tiny-llama"
 LAYERS = 4
 SPLITS = [(0, 2), (2, 4)]
 PROMPT = "The quick brown fox"
+TOKEN = "hf_test_token_never_in_an_environment"
 
 
 def test_a_repo_id_served_by_hosts_holding_only_their_shards(
@@ -54,13 +55,17 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
         assert 0 < len(list(held.glob("*.safetensors"))) < len(index.files)
 
     def env(cache: Path) -> dict[str, str]:
-        return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
+        return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache),
+                "HF_TOKEN": TOKEN}
 
     for h, cache in zip(hosts, caches[1:], strict=True):
         h.d.start_service(env=env(cache))
     coord.d.start_service(env=env(caches[0]))
     for h in hosts:
-        daemons.pids.add(h.d.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+        stage = h.d.wait_worker("stage", timeout=READY_S, state="running")["pid"]
+        daemons.pids.add(stage)
+        # the token reaches the stage on its stdin, never in its environment
+        assert TOKEN.encode() not in Path(f"/proc/{stage}/environ").read_bytes()
     daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
     with client(f"http://127.0.0.1:{port}/v1") as c:
         assert [m.id for m in c.models.list().data] == ["tiny-llama"]  # the repo's name
@@ -79,6 +84,9 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
     assert f"stage stage-1 failed to load layers [2, 4): stage layers [2, 4) of {REPO} " \
            f"need 1 file(s)" in reason, reason
     assert lost in reason and "HF_HUB_OFFLINE is set" in reason, reason
+    for h in [coord, *hosts]:
+        logs = [p.read_text(errors="replace") for p in (h.d.state_dir / "logs").glob("*.log")]
+        assert logs and not any(TOKEN in text for text in logs)
 
 
 def test_a_repo_id_not_in_the_cache_offline_is_refused_at_start(daemons: Daemons,
