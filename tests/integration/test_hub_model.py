@@ -7,6 +7,7 @@ one of its shards fails its stage naming the file and how to fetch it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from mlxceld.models import preset, read_model_config, write_fixture
 from mlxceld.models.shards import read_index, stage_files
 
+from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, agent, settled, start
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
 from helpers.hub import hub_cache, snapshot_dir
@@ -24,6 +26,7 @@ from helpers.models import expected
 from helpers.pipeline import write_cluster
 from helpers.ports import free_port
 from helpers.router import client
+from helpers.waiting import wait_for
 
 REPO = "owner/tiny-llama"
 LAYERS = 4
@@ -106,3 +109,49 @@ def test_a_repo_id_not_in_the_cache_offline_is_refused_at_start(daemons: Daemons
            "cache does not hold it" in out.stderr, out.stderr[-2000:]
     assert "huggingface-cli download owner/absent" in out.stderr
     assert "hf_do_not_show_me" not in out.stderr
+
+
+def test_a_repo_id_activated_over_peers_holding_only_their_shards(
+        daemons: Daemons, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The zero-config way: peers started with `--pp-peer --model owner/name`, the plan
+    made and pushed by `mlxctl cluster activate --model owner/name` on the coordinator
+    (whose cache holds the whole repo: it prices every layer), each peer's cache only the
+    shards of the layers it is given (the 2 peers have the same memory: an even split,
+    ranked by address)."""
+    repo = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
+                         preset("tiny", family="llama", layers=LAYERS, shard_bytes=64 * 1024))
+    index = read_index(repo)
+    assert index is not None
+    needs = [sorted(stage_files(index, read_model_config(repo), a, b, LAYERS))
+             for a, b in SPLITS]
+    secret = b"6d" * 16
+    roots = [tmp_path_factory.mktemp(f"hf{i}") for i in range(3)]
+    hub_cache(roots[0], REPO, repo, index.files)  # the coordinator: everything
+    for cache, files in zip(roots[1:], needs, strict=True):
+        hub_cache(cache, REPO, repo, files)
+
+    def env(cache: Path) -> dict[str, str]:
+        return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
+
+    peers = [start(daemons, f"127.0.0.{i + 2}", secret, "--pp-peer", "--model", REPO,
+                   name=f"p{i}", env=env(roots[i + 1])) for i in range(2)]
+    port = free_port("127.0.0.1")
+    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
+                  ",".join(agent(p) for p in peers), "--port", str(port), name="c",
+                  env=env(roots[0]))
+    want = {agent(p): "reachable" for p in peers}
+    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+    plan = coord.ctl("cluster", "plan", "--model", REPO, "--stages", "2", "--json",
+                     timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    assert [tuple(s["layers"]) for s in json.loads(plan.stdout)["plan"]["stages"]] == SPLITS
+    out = coord.ctl("cluster", "activate", "--model", REPO, "--stages", "2",
+                    timeout=ACTIVATE_S)
+    assert out.returncode == 0, (out.stdout, out.stderr, coord.stderr()[-3000:])
+    for p in peers:
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        done = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
+                                    temperature=0)
+    assert done.choices[0].text == expected(repo, PROMPT, 12)
