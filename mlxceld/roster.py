@@ -40,7 +40,7 @@ from mlxceld.supervisor.states import RestartPolicy
 
 # A model takes a while to load; stopping waits for open streams (router.GRACEFUL_S: 10 s)
 # and a stage's sequences (pipeline.stage.DRAIN_S: 15 s).
-MODEL_START_TIMEOUT_S: Final = 600.0
+MODEL_START_TIMEOUT_S: Final = 600.0  # after its load last advanced (supervisor/states.py)
 MODEL_STOP_TIMEOUT_S: Final = 20.0
 
 

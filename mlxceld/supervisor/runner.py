@@ -34,6 +34,7 @@ from mlxceld.supervisor.states import (
     ExitCause,
     HealthProbed,
     Lifecycle,
+    LoadAdvanced,
     ProcessExited,
     ProgressReported,
     SendSignal,
@@ -53,7 +54,7 @@ LIVENESS_TIMEOUT_S = 2.0
 ADOPTED_POLL_S = 0.5
 LOG_TAIL_LINES = 40
 Event = (StartRequested | StopRequested | AdoptedRunning | Spawned | SpawnFailed | BecameReady
-         | HealthProbed | ProgressReported | ProcessExited)
+         | HealthProbed | LoadAdvanced | ProgressReported | ProcessExited)
 
 
 class Observer(Protocol):

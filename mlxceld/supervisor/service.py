@@ -26,6 +26,7 @@ from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import (
     Lifecycle,
+    LoadAdvanced,
     StartRequested,
     StopRequested,
     Transitioned,
@@ -308,8 +309,12 @@ class Supervisor:
         (and so systemd's STATUS line) while it starts; None: it has loaded."""
         if progress is None:
             self._loading.pop(name, None)
-        else:
-            self._loading[name] = progress
+            return
+        before = self._loading.get(name)
+        self._loading[name] = progress
+        runner = self._runners.get(name)
+        if runner is not None and (before is None or _reach(progress) > _reach(before)):
+            runner.post(LoadAdvanced())  # its start timeout counts from now (states.py)
 
     async def stats(self, states: frozenset[WorkerState] = ASKED_STATS) -> dict[str, JSON]:
         """Each running or starting worker's own stats (its control channel's ``stats`` op:
@@ -383,6 +388,11 @@ class Supervisor:
                         log.info("worker %s: log rotated", r.name)
                 except OSError as exc:
                     log.warning("worker %s: log rotation failed: %s", r.name, exc)
+
+
+def _reach(p: LoadProgress) -> tuple[int, int]:
+    """How far a load has come, in the order it goes: downloading, then loading; bytes."""
+    return int(p.get("step") != "downloading"), p["done"]
 
 
 def _rss(pid: int | None) -> int | None:

@@ -7,6 +7,8 @@ runner sleeps until ``next_deadline()`` and then calls ``handle_timer(now)``.
 Every state change returns exactly one ``Transitioned``, first in the list.
 
     EXITED/FAILED --start--> STARTING --ready--> RUNNING --(ran stably: backoff reset)
+    STARTING --not ready within start_timeout_s--> KILL (a failure; each advance of its
+               model's load or download, LoadAdvanced, counts that time again from then)
     STARTING/RUNNING --clean exit--> EXITED            (finished on its own)
     STARTING/RUNNING --failed exit--> BACKOFF --retry--> STARTING
     STARTING/RUNNING --failed exit--> FAILED           (too many exits in the flap window)
@@ -46,7 +48,8 @@ class RestartPolicy:
     stable_after_s: float = 30.0  # running this long resets the backoff exponent
     flap_max_exits: int = 5  # this many failed exits ...
     flap_window_s: float = 60.0  # ... within this window -> FAILED
-    start_timeout_s: float = 30.0  # not ready by then: kill it, counts as a failure
+    # not ready by then (or by then after its model load last advanced): kill it, a failure
+    start_timeout_s: float = 30.0
     stop_timeout_s: float = 10.0  # STOPPING -> SIGKILL after this
     liveness_failures: int = 6  # consecutive failed health probes while RUNNING -> restart
     # The watchdog: a worker that reports work (``WorkerProgress.busy``) but no step for
@@ -145,6 +148,13 @@ class HealthProbed:
 
 
 @dataclass(frozen=True)
+class LoadAdvanced:
+    """A starting worker's model load (or a download before it) has read more bytes than
+    when it last said (``types.LoadProgress``): its start timeout counts again from now,
+    so that a load of any size is bounded by its progress, not by its total."""
+
+
+@dataclass(frozen=True)
 class ProgressReported:
     """A running worker's progress, from a health probe's answer (``WorkerProgress``)."""
 
@@ -166,6 +176,7 @@ Event = (
     | SpawnFailed
     | BecameReady
     | HealthProbed
+    | LoadAdvanced
     | ProgressReported
     | ProcessExited
 )
@@ -243,6 +254,7 @@ class Lifecycle:
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
         self._doomed_kind = ""  # ... and of this kind (else the exit's own)
         self._start_pending = False  # a start was requested while STOPPING
+        self._load_advanced = False  # the start timer was re-armed by a load's progress
 
     def __repr__(self) -> str:
         return f"<Lifecycle {self.name!r} {self.state} pid={self.pid} reason={self.reason!r}>"
@@ -275,6 +287,7 @@ class Lifecycle:
         self._timer = None  # every timer belongs to the state it was armed in
         self._doomed, self._doomed_kind = "", ""
         self._start_pending, self._probe_failures = False, 0
+        self._load_advanced = False
         return [Transitioned(old, new, reason)]
 
     def _reap(self, cause: ExitCause) -> None:
@@ -343,8 +356,16 @@ class Lifecycle:
         return [] if self._doomed else self._run(now, "ready")
 
     def _on_start_timeout(self, event: _StartTimedOut, now: float) -> list[Action]:
-        self._doomed = f"did not become ready within {self.policy.start_timeout_s:g} s"
+        self._doomed = (f"did not become ready within {self.policy.start_timeout_s:g} s"
+                        + (" of its model load's last progress" if self._load_advanced
+                           else ""))
         return [SendSignal("KILL")]
+
+    def _on_load_advanced(self, event: LoadAdvanced, now: float) -> list[Action]:
+        if not self._doomed:
+            self._timer = (now + self.policy.start_timeout_s, _StartTimedOut())
+            self._load_advanced = True
+        return []
 
     def _on_stable(self, event: _RanStably, now: float) -> list[Action]:
         self._streak = 0
@@ -431,6 +452,7 @@ _TRANSITIONS: dict[tuple[WorkerState, type[object]], _Handler] = {
     (_S.STARTING, SpawnFailed): Lifecycle._on_spawn_failed,  # as a failed ProcessExited
     (_S.STARTING, BecameReady): Lifecycle._on_ready,  # -> RUNNING
     (_S.STARTING, _StartTimedOut): Lifecycle._on_start_timeout,  # KILL; its exit is a failure
+    (_S.STARTING, LoadAdvanced): Lifecycle._on_load_advanced,  # the start timer again
     (_S.STARTING, ProcessExited): Lifecycle._on_exit,  # -> EXITED | BACKOFF | FAILED
     (_S.STARTING, StopRequested): Lifecycle._on_stop,  # -> STOPPING
     (_S.RUNNING, _RanStably): Lifecycle._on_stable,  # backoff exponent reset

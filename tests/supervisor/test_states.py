@@ -16,6 +16,7 @@ from mlxceld.supervisor import (
     ExitCause,
     HealthProbed,
     Lifecycle,
+    LoadAdvanced,
     ProcessExited,
     ProgressReported,
     RestartPolicy,
@@ -403,6 +404,25 @@ def test_start_timeout_counts_even_if_the_exit_looks_clean() -> None:
     crash(lc, 3.0, CLEAN)
     assert lc.state is S.BACKOFF
     assert lc.reason.endswith("after: did not become ready within 2.5 s")
+
+
+def test_a_load_that_advances_keeps_its_start_from_timing_out() -> None:
+    """A model of any size loads (or downloads) for as long as it advances: each advance
+    counts the start timeout again; one that stops advancing is killed that long after
+    its last advance, and the reason says so. Once doomed, an advance saves nothing."""
+    lc = make(start_timeout_s=10.0)
+    starting(lc, 0.0)
+    for t in (8.0, 16.0, 24.0):
+        assert lc.handle(LoadAdvanced(), t) == [] and lc.next_deadline() == t + 10.0
+        assert lc.handle_timer(t + 9.9) == []
+    assert lc.handle_timer(34.0) == [SendSignal("KILL")]
+    assert lc.handle(LoadAdvanced(), 34.5) == [] and lc.next_deadline() is None
+    crash(lc, 35.0, OOM)
+    assert lc.reason.endswith("did not become ready within 10 s of its model load's last "
+                              "progress")
+    lc = make(start_timeout_s=10.0)
+    running(lc, 50.0)  # a running worker's load reports are not its concern
+    assert lc.handle(LoadAdvanced(), 51.0) == [] and lc.next_deadline() == 80.0
 
 
 # -- Stopping ---------------------------------------------------------------------
