@@ -208,13 +208,15 @@ def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str
     return [load[2] for w in workers if (load := worker_loading(w, now)) is not None]
 
 
-def worker_loading(w: dict[str, Any], now: float) -> tuple[int, int, str] | None:
-    """A worker's load (its stats' ``loading``): bytes read, bytes to read, and its line
-    ``router: loading 43% of 61.0 GiB, 12 s``; None when it says none."""
+def worker_loading(w: dict[str, Any], now: float) -> tuple[int, int, str, str] | None:
+    """A worker's load (its stats' ``loading``): bytes read, bytes to read, its line
+    ``router: loading 43% of 61.0 GiB, 12 s`` and its step (``downloading`` a repo id's
+    weights first, then ``loading``); None when it says none."""
     load = load_progress((w.get("stats") or {}).get("loading"))
     if load is None:
         return None
-    return load["done"], load["total"], f"{w['name']}: " + loading_text(load, now)
+    return (load["done"], load["total"], f"{w['name']}: " + loading_text(load, now),
+            load.get("step", "loading"))
 
 
 def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:

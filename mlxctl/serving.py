@@ -9,13 +9,14 @@ peer's stage (``progress.LoadView``): a bar on a terminal, else a line per tenth
 (``router: loading 40% of 61.0 GiB, 12 s``). The wait ends when the router runs (the
 command prints ``serving NAME at URL (router running)``) or when it cannot: the
 router failed or exited (its reason), or a bound passed (exit 1 for all of these).
-A model named by a Hugging Face repo id is downloaded first (by mlx-lm, in the router),
-which shows as ``router starting`` without a load until its weights are read; only
-``--timeout`` bounds that part.
+A model named by a Hugging Face repo id has its weights downloaded first, by the
+router, shown the same way (``router: downloading 40% of ...``), then loaded.
 
 Bounds. The whole wait ends at ``--timeout`` (default 600 s, the daemon's own start
 timeout for a model worker, ``roster.MODEL_START_TIMEOUT_S``, after which the daemon
-kills a router that is not ready and counts a failure). A load that reads nothing
+kills a router that is not ready and counts a failure; the daemon's counts from the
+load's last progress, this one from the start: a download of many GiB needs a larger
+``--timeout``, or ``--no-wait`` and ``mlxctl status``). A load that reads nothing
 more for ``LOAD_STALL_S`` (60 s, as a stage's load in an assignment) ends the wait
 sooner, saying where it stood; the daemon keeps the router starting until its own
 timeout (``mlxctl status`` shows it). Each poll is one control request, bounded by
@@ -94,14 +95,14 @@ async def _follow(c: ControlClient, served: Served, before: tuple[Any, ...],
     moved = False  # the router has changed since the serve (a restart begun)
     shown: tuple[Any, Any] = (None, None)  # the state and pid last printed
     pid: Any = None  # the router's process, as last seen
-    done, moved_at = -1, loop.time()  # the load's bytes as last seen, and when they grew
+    done, moved_at = (-1, -1), loop.time()  # (step, bytes) as last seen, when they grew
     while True:
         w = router_of((await c.status())["workers"])
         served.router = w
         moved = moved or _mark(w) != before
         if moved and w.get("pid") is not None and w["pid"] != pid:
             if pid is not None:  # another process: its load starts over
-                done, moved_at = -1, loop.time()
+                done, moved_at = (-1, -1), loop.time()
                 if view is not None:
                     view.restart(ROUTER)
             pid = w["pid"]
@@ -112,9 +113,11 @@ async def _follow(c: ControlClient, served: Served, before: tuple[Any, ...],
         load = render.worker_loading(w, time.time()) if moved else None
         if load is not None:
             if view is not None:
-                view.load(ROUTER, ROUTER, *load)
-            if load[0] > done:
-                done, moved_at = load[0], loop.time()
+                label = ROUTER if load[3] == "loading" else f"{ROUTER} ({load[3]})"
+                view.load(ROUTER, label, *load)
+            now = (int(load[3] != "downloading"), load[0])  # downloading, then loading
+            if now > done:
+                done, moved_at = now, loop.time()
             elif loop.time() - moved_at > LOAD_STALL_S:
                 served.problem = (f"the router's load made no progress for {LOAD_STALL_S:g} "
                                   f"s ({load[2]}); the daemon keeps it starting until its "

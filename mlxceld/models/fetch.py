@@ -20,8 +20,10 @@ two steps, each one ``huggingface_hub.snapshot_download`` with
    stat: ``downloading 43% of 61.0 GiB, 12 s`` in ``mlxctl status``). The
    peer's wait on a loading stage (``LOAD_START_S``, ``LOAD_STALL_S`` in
    ``cluster/assignment/stagehost.py``) covers it: a download that advances is
-   waited for, one that stalls fails the stage. ``fetch_model(name, layers)``
-   is both steps in one call.
+   waited for, one that stalls fails the stage. A single host's router fetches
+   the whole model so (``fetch_whole``: every file of the index), its progress
+   in its own ``loading`` stat. ``fetch_model(name, layers)`` is both steps in
+   one call.
 
 The host that plans prices every layer from its shard's safetensors header
 (``profile.py``); of a repo id's snapshot that lacks some shards (the
@@ -163,35 +165,47 @@ def fetch_metadata(name: str, download: Download | None = None) -> Path:
     return local
 
 
-def fetch_stage(path: Path, layers: tuple[int, int], progress: Progress | None = None,
-                download: Download | None = None) -> Path:
-    """Step 2: the shards the stage of ``layers`` needs that the snapshot ``path`` lacks,
-    fetched at its commit; ``path`` as it is when it lacks none, or is not a snapshot of
-    the cache (a local directory: the load names what it lacks)."""
+def fetch_stage(path: Path, layers: tuple[int, int] | None,
+                progress: Progress | None = None, download: Download | None = None) -> Path:
+    """Step 2: the shards the stage of ``layers`` (None: the whole model, as a single
+    host's router loads it) needs that the snapshot ``path`` lacks, fetched at its commit;
+    ``path`` as it is when it lacks none, or is not a snapshot of the cache (a local
+    directory: the load names what it lacks)."""
     path = Path(path)
     snap = snapshot_of(path)
     if snap is None:
         return path
-    needed = weight_patterns(path, layers)
-    if read_index(path) is None:
-        lacking = [] if any(path.glob(ALL_WEIGHTS[0])) else needed
+    index = read_index(path)
+    if index is None:
+        lacking = [] if any(path.glob(ALL_WEIGHTS[0])) else weight_patterns(path, layers)
     else:
-        lacking = missing_files(path, frozenset(needed))
+        needed = index.files if layers is None else frozenset(weight_patterns(path, layers))
+        lacking = missing_files(path, needed)
     if not lacking:
         return path
     repo, commit = snap
-    where = f"stage layers [{layers[0]}, {layers[1]}) of {repo}"
+    where = (f"model {repo}" if layers is None
+             else f"stage layers [{layers[0]}, {layers[1]}) of {repo}")
     if offline():
         raise ConfigError(
-            f"{where} need {len(lacking)} file(s) that this host's Hugging Face cache "
-            f"({path}) lacks: {_some(lacking)}; HF_HUB_OFFLINE is set, so none is fetched",
+            f"{where} need{'s' if layers is None else ''} {len(lacking)} file(s) that this "
+            f"host's Hugging Face cache ({path}) lacks: {_some(lacking)}; HF_HUB_OFFLINE is "
+            "set, so none is fetched",
             hint=f"download them first: huggingface-cli download {repo} "
             f"{' '.join(lacking)} --revision {commit} (or unset HF_HUB_OFFLINE)")
     log.info("%s: fetching %d weight file(s): %s", where, len(lacking), _some(lacking))
+    subject = "its weights" if layers is None else "its shards"
     local = _fetch(download or _snapshot, repo, lacking, revision=commit, progress=progress,
-                   subject=f"{where}: its shards {_some(lacking)}:")
+                   subject=f"{where}: {subject} {_some(lacking)}:")
     log.info("%s: fetched into %s", where, local)
     return local
+
+
+def fetch_whole(name: str, progress: Progress | None = None,
+                download: Download | None = None) -> Path:
+    """A single host's model named by the repo id ``name``: its metadata (step 1), then
+    every weight file its cache lacks (step 2 for the whole model), with progress."""
+    return fetch_stage(local_model(name, download), None, progress, download)
 
 
 def fetch_model(name: str, layers: tuple[int, int] | None = None,

@@ -15,7 +15,9 @@ raises its soft file limit to the hard one first (mlx-lm, as it is imported, set
 to 2048 and 4096), and keeps its connections below it. While a single-host router
 reads its weights, its stats carry ``loading`` (``types.LoadProgress``: parameter bytes
 read of those to read, layer by layer, ``models/reading.py``), which ``mlxctl status``,
-systemd's STATUS line and ``mlxctl serve`` show.
+systemd's STATUS line and ``mlxctl serve`` show. A model named by its Hugging Face repo
+id is fetched first (``models/fetch.py``: ``fetch_whole``, the weight files the cache
+lacks), its bytes in the same stat with step ``downloading``.
 
 Over a pipeline the engine keeps its stage links up in the background from the
 start; ``GET /ready`` is 503 naming the stages not attached (completions are
@@ -52,6 +54,8 @@ from mlxceld.api.draining import Draining, NodeDrain
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
+from mlxceld.errors import ConfigError
+from mlxceld.models.fetch import fetch_whole, names_a_repo
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
@@ -120,7 +124,6 @@ def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
     options with another plan's ``pipeline``. Where only the pipeline differs, new
     sequences go to the new stages at once and those running end on the old ones
     (``PipelineSwitch``); else ``ok`` is false and the daemon restarts the router."""
-    from mlxceld.errors import ConfigError
     from mlxceld.roles import ROUTER
     from mlxceld.roles.options import parse_options
 
@@ -174,12 +177,20 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         if o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
+            path = o.model
+            if names_a_repo(o.model):  # its weights fetched first, with progress
+                fetched = load_reporter(ctx, time.time(), step="downloading")
+                path = str(await asyncio.to_thread(fetch_whole, o.model, fetched))
             # Its reports are queued before the thread ends, so they land before the pop.
             loaded = load_reporter(ctx, time.time(), failpoints.ROUTER_LAYER_S)
             engine, tokenizer = await asyncio.to_thread(
-                load_local_engine, o.model, model_id=o.model_name, max_batch=o.max_batch,
+                load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
                 on_failure=engine_broke, progress=loaded)
             ctx.stats.pop("loading", None)
+    except ConfigError as exc:  # a repo id's weights it cannot fetch: restarts cannot help
+        sock.close()
+        raise ConfigError(f"cannot load model {o.model!r}: {exc.message}",
+                          hint=exc.hint) from exc
     except Exception as exc:
         sock.close()
         raise RuntimeError(f"cannot load model {o.model!r}: {exc}") from exc

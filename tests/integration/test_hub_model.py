@@ -155,3 +155,34 @@ def test_a_repo_id_activated_over_peers_holding_only_their_shards(
         done = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
                                     temperature=0)
     assert done.choices[0].text == expected(repo, PROMPT, 12)
+
+
+def test_a_repo_id_served_whole_on_one_host(daemons: Daemons,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`mlxceld --model owner/name` on one host: the router takes the weights from the
+    Hugging Face cache (fetching what it lacks; offline here, so it holds them all) and
+    serves mlx-lm's greedy text; a cache lacking a shard, offline, fails the router at
+    once naming the file (not restarted: a restart cannot fetch it either)."""
+    repo = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
+                         preset("tiny", family="llama", layers=LAYERS, shard_bytes=64 * 1024))
+    index = read_index(repo)
+    assert index is not None
+    cache = tmp_path_factory.mktemp("hf")
+    snap = hub_cache(cache, REPO, repo, index.files)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
+    port = free_port("127.0.0.1")
+    d = daemons.make(name="one")
+    d.start("--model", REPO, "--port", str(port), env=env)
+    daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
+                                   temperature=0)
+    assert out.choices[0].text == expected(repo, PROMPT, 12)
+
+    assert d.ctl("stop").returncode == 0 and d.proc is not None and d.proc.wait(30) == 0
+    lost = sorted(index.files)[-1]
+    (snap / lost).unlink()
+    d.start("--model", REPO, "--port", str(port), env=env)
+    failed = d.wait_worker("router", timeout=READY_S, state="failed")
+    assert f"model {REPO} needs 1 file(s)" in failed["reason"], failed
+    assert lost in failed["reason"] and failed["restarts"] == 0, failed

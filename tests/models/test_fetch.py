@@ -24,6 +24,7 @@ from mlxceld.models.fetch import (
     bytes_bar,
     fetch_model,
     fetch_stage,
+    fetch_whole,
     is_repo_id,
     local_model,
     model_name,
@@ -173,6 +174,37 @@ def test_a_stage_fetches_only_the_shards_it_lacks(hub: Path, tmp_path: Path,
         raise AssertionError("fetched")
     assert fetch_stage(snap, (1, 3), None, nowhere) == snap  # it has them all now
     assert fetch_stage(hub, (0, 1), None, nowhere) == hub  # not a snapshot: never fetched
+
+
+def test_a_single_host_fetches_every_shard_it_lacks(hub: Path, offline_cache: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router serving a repo id whole: every file of the index, at the snapshot's
+    commit, with progress; offline, the ones its cache lacks named."""
+    monkeypatch.setattr(fetch, "_local", {})  # what this process resolved before: another cache
+    index = read_index(hub)
+    assert index is not None and len(index.files) > 2
+    held = sorted(index.files)[:1]
+    snap = hub_cache(offline_cache, REPO, hub, held)
+    lacking = sorted(index.files - set(held))
+    with pytest.raises(ConfigError, match=rf"model {REPO} needs {len(lacking)} file\(s\) "
+                       rf"that this host's Hugging Face cache .* lacks: {lacking[0]}"):
+        fetch_whole(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    heard: list[tuple[int, int]] = []
+
+    def download(name: str, patterns: Sequence[str], *, revision: str | None = None,
+              progress: Progress | None = None) -> Path:
+        assert (name, revision, sorted(patterns)) == (REPO, COMMIT, lacking)
+        assert progress is not None
+        for i, file in enumerate(patterns):
+            shutil.copy(hub / file, snap / file)
+            progress(i + 1, len(lacking))
+        return snap
+
+    assert fetch_whole(REPO, lambda d, t: heard.append((d, t)), download) == snap
+    assert {p.name for p in snap.glob("*.safetensors")} == index.files
+    assert heard and heard[-1][0] <= len(lacking) and heard[0][1] == len(lacking)
 
 
 def test_a_stage_offline_without_one_of_its_shards_names_it(hub: Path,
