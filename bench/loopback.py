@@ -136,6 +136,17 @@ def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
     return cluster
 
 
+def listening(path: Path) -> bool:
+    """Whether a Unix socket at ``path`` accepts a connection. Asked before httpx is: its
+    transport leaks the socket of a connect that fails (a ResourceWarning)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
 def wait_worker(root: Path, node: str, role: str, proc: subprocess.Popen[bytes]
                 ) -> psutil.Process:
     transport = httpx.HTTPTransport(uds=str(root / f"{node}.sock"))
@@ -145,6 +156,9 @@ def wait_worker(root: Path, node: str, role: str, proc: subprocess.Popen[bytes]
             if proc.poll() is not None:
                 tail = (root / f"{node}.log").read_text(errors="replace")[-3000:]
                 raise SystemExit(f"the daemon of {node} exited with {proc.returncode}:\n{tail}")
+            if not listening(root / f"{node}.sock"):
+                time.sleep(0.2)
+                continue
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                 for w in ctl.get("/v1/status").json()["workers"]:
                     if w["name"] == role and w["state"] == "running" and w["pid"]:
