@@ -74,15 +74,22 @@ from pathlib import Path
 from typing import Any
 
 from loopback import Cluster, interruptible, start_cluster, stop_all, stream_once
-from mlxlm import Rank, Run, end_tree, greedy, peak_rss, pipeline_problem, run_pipeline
+from mlxlm import (
+    PipelineFailed,
+    Rank,
+    Run,
+    end_tree,
+    greedy,
+    peak_rss,
+    pipeline_problem,
+    run_pipeline,
+)
 from streams import Stream
 
 MIB = 1 << 20
 GOAL_RSS = 1.1
 PROMPTS = ("The quick brown fox", "Once upon a time in a small village by the sea",
            "Hello, world", "A list of colours: red, green,", "In 1905 Einstein")
-MOE = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
-WINDOWED = ("gemma3_text", "gemma3", "gpt_oss")
 QUICK_FAMILIES = ("qwen2", "gemma3_text")
 # An empty mlx process (what any mlx process holds before its model), and one that has
 # also imported what our stage worker imports before it loads (mlx-lm, and transformers
@@ -107,14 +114,15 @@ class Settings:
 def fixture_spec(family: str, quick: bool) -> Any:
     """The benchmark's fixture of ``family`` (mistral: llama's, see ``fixture``)."""
     from mlxceld.models import preset
+    from mlxceld.models.fixtures.families import TRAITS
 
     generated = "llama" if family == "mistral" else family
     changes: dict[str, Any] = {}
-    if generated in MOE:
+    if TRAITS[generated].moe:
         changes.update(dtype="float32", experts=4, experts_per_token=2)
         if not quick:
             changes["intermediate"] = 704
-    if generated in WINDOWED:
+    if TRAITS[generated].window:
         changes["sliding_window"] = 4 if quick else 32
     if quick:
         return preset("tiny", family=generated, shard_bytes=64 << 10, **changes)
@@ -185,6 +193,7 @@ class FamilyResult:
     pipeline_differ: int = 0
     memory: list[Memory] = field(default_factory=list)
     weights: int = 0
+    failures: dict[str, str] = field(default_factory=dict)  # "ours", "pipeline": why
 
     def tps(self, runs: list[Stream]) -> float:
         return statistics.median(s.decode_tps for s in runs)
@@ -279,6 +288,8 @@ def measure_family(family: str, settings: Settings, root: Path, clusters: list[C
                     f"{time.monotonic() - started:.1f} s)")
         try:
             measure_ours(res, path, (model, tokenizer), reference, settings, root, clusters)
+        except (Exception, SystemExit) as exc:  # a finding: the other families still run
+            res.failures["ours"] = failed(family, "our pipeline", exc)
         finally:
             stop_all(clusters)
     finally:
@@ -287,8 +298,12 @@ def measure_family(family: str, settings: Settings, root: Path, clusters: list[C
     res.no_pipeline = pipeline_problem(path)
     if res.no_pipeline is None:
         started = time.monotonic()
-        ranks = run_pipeline(path, tokenizer.encode(prompt), settings.max_tokens,
-                             settings.runs, root / "mlx-lm", settings.timeout_s, procs)
+        try:
+            ranks = run_pipeline(path, tokenizer.encode(prompt), settings.max_tokens,
+                                 settings.runs, root / "mlx-lm", settings.timeout_s, procs)
+        except PipelineFailed as exc:
+            res.failures["pipeline"] = failed(family, "mlx-lm's pipeline", exc)
+            return res
         say(family, f"mlx-lm's pipeline: launched, loaded and run in "
                     f"{time.monotonic() - started:.1f} s")
         res.pipeline = [r.stream for r in ranks[0].runs]
@@ -299,6 +314,13 @@ def measure_family(family: str, settings: Settings, root: Path, clusters: list[C
 
 def say(family: str, what: str) -> None:
     print(f"[{family}] {what}", flush=True)
+
+
+def failed(family: str, what: str, exc: BaseException) -> str:
+    """Say in full why ``what`` failed on ``family``; its first line, for the table."""
+    text = str(exc) or type(exc).__name__
+    say(family, f"{what} failed: {text}")
+    return text.splitlines()[0]
 
 
 def rank_memory(rank: Rank) -> Memory:
@@ -352,23 +374,35 @@ def report(results: list[FamilyResult], settings: Settings, bare: Bare) -> str:
     return "\n".join(lines)
 
 
+def cell(r: FamilyResult, target: str, runs: list[Stream]) -> str:
+    """A target's median decode tok/s and spread, or why there is none."""
+    if runs:
+        return f"{r.tps(runs):8.1f}{spread(runs)}"
+    if target == "pipeline" and r.no_pipeline is not None:
+        return f"     n/a ({r.no_pipeline})"
+    return f"  failed ({r.failures.get(target, 'no run')})"
+
+
+def ratio(r: FamilyResult, over: list[Stream]) -> float | None:
+    return r.tps(r.ours) / r.tps(over) if r.ours and over else None
+
+
 def family_table(r: FamilyResult, bare: Bare) -> list[str]:
-    single, ours = r.tps(r.single), r.tps(r.ours)
-    pipeline = f"{r.tps(r.pipeline):8.1f}{spread(r.pipeline)}" if r.pipeline else \
-        f"     n/a ({r.no_pipeline})"
+    to_single, to_pipeline = ratio(r, r.single), ratio(r, r.pipeline)
     lines = ["", f"{r.family}: {r.shapes}; {r.weights / MIB:.1f} MiB of weights; prompt "
              f"{r.prompt!r} ({r.prompt_tokens} tokens)",
-             f"  decode tok/s  mlx-lm single   {single:8.1f}{spread(r.single)}",
-             f"                ours 2-stage    {ours:8.1f}{spread(r.ours)}",
-             f"                mlx-lm pipeline {pipeline}",
-             f"  ours / single {ours / single:.2f}" + (
-                 f"   ours / mlx-lm pipeline {ours / r.tps(r.pipeline):.2f}" if r.pipeline
-                 else ""),
-             f"  tokens differing from mlx-lm single: ours {r.ours_differ}" + (
-                 f", mlx-lm pipeline {r.pipeline_differ}" if r.pipeline else ""),
-             f"  memory (steady RSS after the runs; peak: VmHWM){'layers':>9}{'share':>8}"
-             f"{'RSS':>7}{'peak':>7}{'RSS/share':>10}{'-mlx':>7}{'-imports':>9}"
-             f"{'peak -imp':>10}"]
+             f"  decode tok/s  mlx-lm single   {cell(r, 'single', r.single)}",
+             f"                ours 2-stage    {cell(r, 'ours', r.ours)}",
+             f"                mlx-lm pipeline {cell(r, 'pipeline', r.pipeline)}"]
+    if to_single is not None:
+        lines.append(f"  ours / single {to_single:.2f}" + (
+            f"   ours / mlx-lm pipeline {to_pipeline:.2f}" if to_pipeline is not None else ""))
+    differ = ([f"ours {r.ours_differ}"] if r.ours else []) + (
+        [f"mlx-lm pipeline {r.pipeline_differ}"] if r.pipeline else [])
+    lines += [f"  tokens differing from mlx-lm single: {', '.join(differ) or '-'}",
+              f"  memory (steady RSS after the runs; peak: VmHWM){'layers':>9}{'share':>8}"
+              f"{'RSS':>7}{'peak':>7}{'RSS/share':>10}{'-mlx':>7}{'-imports':>9}"
+              f"{'peak -imp':>10}"]
     for m in r.memory:
         peak = "-" if m.peak is None else f"{m.peak / MIB:.0f}M"
         peak_net = "-" if m.peak is None else f"{(m.peak - bare.stage) / m.share:.2f}"
@@ -387,16 +421,24 @@ def summary(results: list[FamilyResult], bare: Bare) -> list[str]:
              "",
              f"{'family':<13}{'single':>8}{'ours':>8}{'mlx-lm pp':>10}{'ours/single':>12}"
              f"{'ours/pp':>9}{'differ':>8}{'RSS/share':>10}{'-mlx':>7}{'-imports':>9}"]
+
+    def tps(r: FamilyResult, target: str, runs: list[Stream], width: int) -> str:
+        if runs:
+            return f"{r.tps(runs):{width}.1f}"
+        return f"{'n/a' if target == 'pipeline' and r.no_pipeline else 'failed':>{width}}"
+
     for r in results:
         ours = [m for m in r.memory if m.who.startswith("ours")]
-        pp = f"{r.tps(r.pipeline):10.1f}" if r.pipeline else f"{'n/a':>10}"
-        ratio = f"{r.tps(r.ours) / r.tps(r.pipeline):9.2f}" if r.pipeline else f"{'-':>9}"
-        differ = f"{r.ours_differ}/{r.pipeline_differ if r.pipeline else '-'}"
-        lines.append(f"{r.family:<13}{r.tps(r.single):8.1f}{r.tps(r.ours):8.1f}{pp}"
-                     f"{r.tps(r.ours) / r.tps(r.single):12.2f}{ratio}{differ:>8}"
-                     f"{max(m.rss / m.share for m in ours):10.2f}"
-                     f"{max((m.rss - bare.mlx) / m.share for m in ours):7.2f}"
-                     f"{max((m.rss - bare.stage) / m.share for m in ours):9.2f}")
+        to_single, to_pipeline = ratio(r, r.single), ratio(r, r.pipeline)
+        differ = f"{r.ours_differ if r.ours else '-'}/{r.pipeline_differ if r.pipeline else '-'}"
+        memory = (f"{max(m.rss / m.share for m in ours):10.2f}"
+                  f"{max((m.rss - bare.mlx) / m.share for m in ours):7.2f}"
+                  f"{max((m.rss - bare.stage) / m.share for m in ours):9.2f}") if ours else ""
+        lines.append(f"{r.family:<13}{tps(r, 'single', r.single, 8)}{tps(r, 'ours', r.ours, 8)}"
+                     f"{tps(r, 'pipeline', r.pipeline, 10)}"
+                     f"{'-' if to_single is None else f'{to_single:.2f}':>12}"
+                     f"{'-' if to_pipeline is None else f'{to_pipeline:.2f}':>9}"
+                     f"{differ:>8}{memory}")
     lines.append("(decode tok/s, medians; differ: tokens differing from mlx-lm single, ours/"
                  "mlx-lm pipeline; RSS/share and the rest: the larger of our two stages)")
     return lines

@@ -94,6 +94,10 @@ def pipeline_problem(path: Path) -> str | None:
 # -- the two ranks --------------------------------------------------------------------------
 
 
+class PipelineFailed(RuntimeError):
+    """mlx-lm's pipeline did not run to its end (the message says why, with its log)."""
+
+
 @dataclass
 class Rank:
     rank: int
@@ -169,8 +173,8 @@ def run_pipeline(path: Path, prompt: list[int], max_tokens: int, runs: int, root
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"mlx-lm's pipeline on {path.name} did not finish within "
-                         f"{timeout_s:g} s; see {log}") from None
+        raise PipelineFailed(f"mlx-lm's pipeline on {path.name} did not finish within "
+                             f"{timeout_s:g} s:\n{tail(log)}") from None
     finally:
         end_tree(proc)
         procs.remove(proc)
@@ -178,13 +182,19 @@ def run_pipeline(path: Path, prompt: list[int], max_tokens: int, runs: int, root
     for r in range(2):
         out_file = root / f"rank{r}.json"
         if proc.returncode != 0 or not out_file.exists():
-            tail = log.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"mlx-lm's pipeline on {path.name} failed (exit "
-                             f"{proc.returncode}, no {out_file.name}):\n{tail}")
+            raise PipelineFailed(f"rank {r} wrote no result (mlx.launch exited "
+                                 f"{proc.returncode}):\n{tail(log)}")
         d = json.loads(out_file.read_text())
         ranks.append(Rank(r, tuple(d["layers"]), d["weights"], d["rss"], d["peak_rss"],
                           [Run.from_json(x) for x in d["runs"]]))
     return ranks
+
+
+def tail(log: Path) -> str:
+    """The end of the launcher's log, without the ring backend's repeated socket lines."""
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if not line.startswith("[ring]")]
+    return "\n".join(lines[-30:])
 
 
 def peak_rss(pid: int) -> int | None:

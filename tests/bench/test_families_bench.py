@@ -42,7 +42,7 @@ def test_the_quick_run_measures_all_three_with_the_same_tokens(
     [r] = families.run(["qwen2"], settings, state_dir / "run")
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
-    assert r.no_pipeline is None
+    assert r.no_pipeline is None and r.failures == {}
     streams = r.single + r.ours + r.pipeline
     assert [s.tokens for s in streams] == [8] * 3
     assert all(s.decode_tps > 0 for s in streams)
