@@ -36,15 +36,15 @@ mlx-lm's pipeline's ids against mlx-lm single's, ours (text over HTTP: the API h
 no token ids) against mlx-lm single's streamed text, token by token; "differ" is the
 number of tokens from the first that differs to the end, 0 when all match.
 
-Memory: each of our stage workers' RSS after the runs (steady) and its peak
-(VmHWM, Linux), against the stage's share of the weights (its parameter bytes, from
-the safetensors headers: ``layer_profile``), raw and net of two bare processes'
-RSS, measured once per run: an empty mlx process (python and mlx imported, one op
-evaluated: the fixed cost of any mlx process), and one that has also imported our
-stage worker's modules (mlx-lm and transformers among them: a stage's fixed cost
-before its weights). Goal: RSS at most 1.1 x the share. mlx-lm's
-ranks are shown beside them (each holds the embeddings, the final norm and the head
-too).
+Memory: each of our stage workers' RSS after the runs (steady), its peak (VmHWM,
+Linux) and its RSS once it runs, before any request (loaded), against the stage's
+share of the weights (its parameter bytes, from the safetensors headers:
+``layer_profile``), raw and net of two bare processes' RSS, measured once per run:
+an empty mlx process (python and mlx imported, one op evaluated: the fixed cost of
+any mlx process), and one that has also imported our stage worker's modules (mlx-lm
+and transformers among them: a stage's fixed cost before its weights). Goal: RSS
+at most 1.1 x the share. mlx-lm's ranks are shown beside them (each holds the
+embeddings, the final norm and the head too).
 
 On a machine with few CPUs the stages, the router, the client and mlx-lm's ranks
 share them: the ratios are what this machine gives, and where two numbers differ
@@ -177,6 +177,7 @@ class Memory:
     share: int
     rss: int
     peak: int | None
+    loaded: int | None = None  # RSS once it ran, before any request (ours only)
 
 
 @dataclass
@@ -266,9 +267,10 @@ def measure_ours(res: FamilyResult, path: Path, single: tuple[Any, Any], referen
         res.ours_differ = max(res.ours_differ, differing_text(reference, s.text),
                               abs(s.tokens - len(ids)))
     profile = layer_profile(path)
-    for rank, ((start, end), worker) in enumerate(zip(splits, cluster.workers, strict=False)):
+    for rank, ((start, end), worker, loaded) in enumerate(
+            zip(splits, cluster.workers, cluster.ready_rss, strict=False)):
         res.memory.append(Memory(f"ours {rank}", (start, end), profile.weight_bytes(start, end),
-                                 worker.memory_info().rss, peak_rss(worker.pid)))
+                                 worker.memory_info().rss, peak_rss(worker.pid), loaded))
     res.weights = profile.total_bytes
 
 
@@ -400,27 +402,30 @@ def family_table(r: FamilyResult, bare: Bare) -> list[str]:
     differ = ([f"ours {r.ours_differ}"] if r.ours else []) + (
         [f"mlx-lm pipeline {r.pipeline_differ}"] if r.pipeline else [])
     lines += [f"  tokens differing from mlx-lm single: {', '.join(differ) or '-'}",
-              f"  memory (steady RSS after the runs; peak: VmHWM){'layers':>9}{'share':>8}"
+              f"  memory (RSS: steady, after the runs){'layers':>21}{'share':>8}{'loaded':>8}"
               f"{'RSS':>7}{'peak':>7}{'RSS/share':>10}{'-mlx':>7}{'-imports':>9}"
-              f"{'peak -imp':>10}"]
+              f"{'loaded-imp':>11}"]
     for m in r.memory:
         peak = "-" if m.peak is None else f"{m.peak / MIB:.0f}M"
-        peak_net = "-" if m.peak is None else f"{(m.peak - bare.stage) / m.share:.2f}"
+        loaded = "-" if m.loaded is None else f"{m.loaded / MIB:.0f}M"
+        loaded_net = "-" if m.loaded is None else f"{(m.loaded - bare.stage) / m.share:.2f}"
         lines.append(f"    {m.who:<45}{f'[{m.layers[0]},{m.layers[1]})':>9}"
-                     f"{m.share / MIB:>7.1f}M{m.rss / MIB:>6.0f}M{peak:>7}"
+                     f"{m.share / MIB:>7.1f}M{loaded:>8}{m.rss / MIB:>6.0f}M{peak:>7}"
                      f"{m.rss / m.share:>10.2f}{(m.rss - bare.mlx) / m.share:>7.2f}"
-                     f"{(m.rss - bare.stage) / m.share:>9.2f}{peak_net:>10}")
+                     f"{(m.rss - bare.stage) / m.share:>9.2f}{loaded_net:>11}")
     return lines
 
 
 def summary(results: list[FamilyResult], bare: Bare) -> list[str]:
-    lines = ["", f"share: the parameter bytes a stage holds; -mlx: (RSS - {bare.mlx / MIB:.0f} "
-             f"MiB, an empty mlx process) / share; -imports: (RSS - {bare.stage / MIB:.0f} MiB, "
-             f"a process that has imported our stage worker's modules, mlx-lm among them) / "
-             f"share; goal: RSS <= {GOAL_RSS} x share",
+    lines = ["", f"share: the parameter bytes a stage holds; loaded: its RSS once it runs, "
+             f"before any request; peak: VmHWM; -mlx: (RSS - {bare.mlx / MIB:.0f} MiB, an "
+             f"empty mlx process) / share; -imports: (RSS - {bare.stage / MIB:.0f} MiB, a "
+             f"process that has imported our stage worker's modules, mlx-lm among them) / "
+             f"share; loaded-imp: the same of loaded; goal: RSS <= {GOAL_RSS} x share",
              "",
              f"{'family':<13}{'single':>8}{'ours':>8}{'mlx-lm pp':>10}{'ours/single':>12}"
-             f"{'ours/pp':>9}{'differ':>8}{'RSS/share':>10}{'-mlx':>7}{'-imports':>9}"]
+             f"{'ours/pp':>9}{'differ':>8}{'RSS/share':>10}{'-mlx':>7}{'-imports':>9}"
+             f"{'loaded-imp':>11}"]
 
     def tps(r: FamilyResult, target: str, runs: list[Stream], width: int) -> str:
         if runs:
@@ -433,7 +438,9 @@ def summary(results: list[FamilyResult], bare: Bare) -> list[str]:
         differ = f"{r.ours_differ if r.ours else '-'}/{r.pipeline_differ if r.pipeline else '-'}"
         memory = (f"{max(m.rss / m.share for m in ours):10.2f}"
                   f"{max((m.rss - bare.mlx) / m.share for m in ours):7.2f}"
-                  f"{max((m.rss - bare.stage) / m.share for m in ours):9.2f}") if ours else ""
+                  f"{max((m.rss - bare.stage) / m.share for m in ours):9.2f}"
+                  f"{max(((m.loaded or 0) - bare.stage) / m.share for m in ours):11.2f}"
+                  ) if ours else ""
         lines.append(f"{r.family:<13}{tps(r, 'single', r.single, 8)}{tps(r, 'ours', r.ours, 8)}"
                      f"{tps(r, 'pipeline', r.pipeline, 10)}"
                      f"{'-' if to_single is None else f'{to_single:.2f}':>12}"

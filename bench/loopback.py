@@ -49,6 +49,7 @@ class Cluster:
     model_id: str = ""
     daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
     workers: list[psutil.Process] = field(default_factory=list)
+    ready_rss: list[int] = field(default_factory=list)  # each worker's, once it runs
     # Made once: httpx builds an SSL context per client (tens of ms), which a timed
     # request must not pay.
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=600))
@@ -129,7 +130,8 @@ def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log))
     for (node, _, _), proc in zip(nodes, cluster.daemons, strict=True):
         role = "router" if node == "coordinator" else "stage"
-        cluster.workers.append(wait_worker(root, node, role, proc))
+        cluster.workers.append(worker := wait_worker(root, node, role, proc))
+        cluster.ready_rss.append(worker.memory_info().rss)  # a stage: its model loaded
     cluster.url = f"http://127.0.0.1:{router_port}/v1"
     cluster.model_id = cluster.http.get(f"{cluster.url}/models").json()["data"][0]["id"]
     wait_answering(cluster)

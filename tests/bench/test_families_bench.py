@@ -51,6 +51,7 @@ def test_the_quick_run_measures_all_three_with_the_same_tokens(
     assert [m.layers for m in ours] == [(0, 1), (1, 2)]
     assert [m.layers for m in r.memory[2:]] == [(0, 1), (1, 2)]  # mlx-lm's two ranks
     assert all(m.rss > 0 and m.share > 0 for m in r.memory)
+    assert all(m.loaded is not None and m.loaded > 0 for m in ours)  # once loaded
     # The stages' shares are the whole model's weights, its tied embeddings on both.
     assert sum(m.share for m in ours) > r.weights
 
