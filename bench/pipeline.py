@@ -54,33 +54,27 @@ fixture's 512-token prefills).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
-import secrets
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
-from streams import Stream, timed
+from loopback import Cluster, interruptible, start_cluster, stop_all, stream_once
+from streams import Stream
 
 PROMPT = "The quick brown fox"  # no EOS within 128 greedy tokens on either fixture
 LONG_PROMPT_TOKENS = 512
 STREAMS = 4
-READY_S = 180.0
 FRAME_OVERHEAD = 5 + 16  # kind u8, len u32, AEAD tag
 GOALS = {"decode_ratio": 0.95, "hop_us": 250.0, "concurrency": 2.0}
 
@@ -131,153 +125,6 @@ def prompt_of(tokenizer: Any, n: int) -> str:
         else:
             lo = mid + 1
     return text[:lo]
-
-
-# -- a cluster of daemons on loopback ------------------------------------------------------
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass
-class Cluster:
-    """One coordinator and its stages, each a daemon with its own state dir and socket."""
-
-    root: Path
-    stages: list[tuple[str, int]]  # the stages' listeners, in rank order
-    url: str = ""
-    model_id: str = ""
-    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    workers: list[psutil.Process] = field(default_factory=list)
-    # Made once: httpx builds an SSL context per client (tens of ms), which a timed
-    # request must not pay.
-    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=600))
-
-    def stop(self) -> None:
-        """SIGTERM each daemon (it stops its workers), then SIGKILL whatever is left, by pid."""
-        self.http.close()
-        for p in self.daemons:
-            with contextlib.suppress(psutil.Error):
-                self.workers += psutil.Process(p.pid).children(recursive=True)
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.daemons:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for w in self.workers:
-            with contextlib.suppress(psutil.Error):
-                if w.is_running():
-                    w.kill()
-
-
-def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
-                  stage_hosts: list[str]) -> tuple[Path, list[tuple[str, int]]]:
-    from mlxceld.privatefile import write_private
-
-    write_private(root / "secret", (secrets.token_bytes(32).hex() + "\n").encode())
-    ports = [free_port(h) for h in stage_hosts]
-    text = textwrap.dedent(f"""\
-        [cluster]
-        name = "bench"
-        pipeline_parallel_size = {len(splits)}
-        model = "{model}"
-        secret_file = "secret"
-
-        [[nodes]]
-        id = "coordinator"
-        address = "127.0.0.1:{free_port('127.0.0.1')}"
-        role = "coordinator"
-        """)
-    for rank, ((start, end), host, port) in enumerate(zip(splits, stage_hosts, ports,
-                                                          strict=True)):
-        text += textwrap.dedent(f"""
-            [[nodes]]
-            id = "stage-{rank}"
-            address = "{host}:{port}"
-            role = "pipeline_stage"
-            rank = {rank}
-            layers = [{start}, {end}]
-            """)
-    toml = root / "cluster.toml"
-    toml.write_text(text)
-    return toml, list(zip(stage_hosts, ports, strict=True))
-
-
-def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
-                  stage_hosts: list[str], clusters: list[Cluster]) -> Cluster:
-    """Start the daemons (registered in ``clusters`` at once, for cleanup) and wait for
-    the stage workers and the router to run and answer one completion."""
-    root.mkdir(mode=0o700)
-    (root / "empty.toml").write_text("")
-    toml, stages = write_cluster(root, model, splits, stage_hosts)
-    cluster = Cluster(root, stages)
-    clusters.append(cluster)
-    router_port = free_port("127.0.0.1")
-    nodes: list[tuple[str, str, tuple[str, ...]]] = [
-        (f"stage-{r}", h, ()) for r, h in enumerate(stage_hosts)]
-    nodes.append(("coordinator", "127.0.0.1", ("--port", str(router_port))))
-    for node, host, extra in nodes:
-        with (root / f"{node}.log").open("ab") as log:
-            cluster.daemons.append(subprocess.Popen(
-                [sys.executable, "-m", "mlxceld", "--config", str(root / "empty.toml"),
-                 "--state-dir", str(root / node), "--socket", str(root / f"{node}.sock"),
-                 "--agent-addr", f"{host}:0", "--log-level", "warning",
-                 "--distributed-config", str(toml), "--node-id", node, *extra],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log))
-    for (node, _, _), proc in zip(nodes, cluster.daemons, strict=True):
-        role = "router" if node == "coordinator" else "stage"
-        cluster.workers.append(wait_worker(root, node, role, proc))
-    cluster.url = f"http://127.0.0.1:{router_port}/v1"
-    cluster.model_id = cluster.http.get(f"{cluster.url}/models").json()["data"][0]["id"]
-    wait_answering(cluster)
-    return cluster
-
-
-def wait_worker(root: Path, node: str, role: str, proc: subprocess.Popen[bytes]
-                ) -> psutil.Process:
-    transport = httpx.HTTPTransport(uds=str(root / f"{node}.sock"))
-    deadline = time.monotonic() + READY_S
-    with httpx.Client(transport=transport, base_url="http://mlxceld", timeout=5) as ctl:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                tail = (root / f"{node}.log").read_text(errors="replace")[-3000:]
-                raise SystemExit(f"the daemon of {node} exited with {proc.returncode}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                for w in ctl.get("/v1/status").json()["workers"]:
-                    if w["name"] == role and w["state"] == "running" and w["pid"]:
-                        return psutil.Process(w["pid"])
-            time.sleep(0.2)
-    raise SystemExit(f"worker {role} of {node} not running after {READY_S:g} s; "
-                     f"see {root / (node + '.log')}")
-
-
-def wait_answering(cluster: Cluster) -> None:
-    """The router connects to its stages on the first request; retry while it is 503."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            stream_once(cluster, PROMPT, 4)
-            return
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
-def stream_once(cluster: Cluster, prompt: str, max_tokens: int,
-                http: httpx.Client | None = None) -> Stream:
-    body = {"model": cluster.model_id, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    with (http or cluster.http).stream("POST", f"{cluster.url}/completions", json=body) as r:
-        return timed(r, start)
 
 
 def aggregate_tps(cluster: Cluster, max_tokens: int, n: int) -> float:
@@ -519,32 +366,6 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
         r = res.streams / res.one_stream
         print(f"  {name} {STREAMS} streams / 1 stream {r:.2f} >= {GOALS['concurrency']}: "
               f"{met(r >= GOALS['concurrency'])}")
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """The first SIGINT or SIGTERM unwinds as KeyboardInterrupt, so every ``finally`` runs
-    (even where SIGINT was ignored at start, as for a background job of a non-interactive
-    shell); later ones are ignored, so that the clean-up is not cut short."""
-    signals = (signal.SIGINT, signal.SIGTERM)
-
-    def raise_interrupt(signum: int, frame: object) -> None:
-        for sig in signals:
-            signal.signal(sig, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, raise_interrupt) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def stop_all(clusters: list[Cluster]) -> None:
-    for c in clusters:
-        c.stop()
-    clusters.clear()
 
 
 def main() -> None:

@@ -11,12 +11,14 @@ import httpx
 
 @dataclass
 class Stream:
-    """One request's timings: seconds to the first token, and the decode span after it."""
+    """One request's timings: seconds to the first token, and the decode span after it;
+    ``text``, what it streamed (``timed`` keeps it)."""
 
     ttft: float
     tokens: int
     decode_s: float
     total_s: float
+    text: str = ""
 
     @property
     def decode_tps(self) -> float:
@@ -27,7 +29,7 @@ class Stream:
 def timed(response: httpx.Response, start: float) -> Stream:
     """Read an OpenAI SSE completion stream; time its first and last text chunks."""
     first = last = 0.0
-    chunks, usage = 0, None
+    chunks, usage, pieces = 0, None, []
     if response.status_code >= 400:
         response.read()
         response.raise_for_status()
@@ -37,9 +39,12 @@ def timed(response: httpx.Response, start: float) -> Stream:
         data = json.loads(line[6:])
         if data.get("usage"):
             usage = data["usage"]
-        if any(c.get("text") for c in data.get("choices", [])):
+        texts = [c["text"] for c in data.get("choices", []) if c.get("text")]
+        if texts:
+            pieces += texts
             last = time.perf_counter()
             first = first or last
             chunks += 1
     tokens = int(usage["completion_tokens"]) if usage else chunks
-    return Stream(first - start, tokens, max(last - first, 1e-9), time.perf_counter() - start)
+    return Stream(first - start, tokens, max(last - first, 1e-9), time.perf_counter() - start,
+                  "".join(pieces))

@@ -1,0 +1,218 @@
+"""Our daemons on loopback, as a benchmark starts them (bench/pipeline.py, bench/families.py).
+
+``start_cluster`` writes a cluster TOML (a coordinator on 127.0.0.1, one stage
+per given 127.0.0.x, free ports, a fresh cluster secret), starts one daemon per
+node with ``--distributed-config`` (each its own state dir, socket and log under
+``root``), and waits, ``READY_S`` at most, for the stage workers and the router
+to run and for one streamed completion to come back (``wait_answering``: 60 s of
+503s at most). ``Cluster.stop`` ends every daemon, then whatever worker is left,
+by pid. ``interruptible`` turns the first SIGINT or SIGTERM into a
+``KeyboardInterrupt`` so that the callers' ``finally`` clauses run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from streams import Stream, timed
+
+READY_S = 180.0
+WARMUP_PROMPT = "The quick brown fox"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Cluster:
+    """One coordinator and its stages, each a daemon with its own state dir and socket."""
+
+    root: Path
+    stages: list[tuple[str, int]]  # the stages' listeners, in rank order
+    url: str = ""
+    model_id: str = ""
+    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    workers: list[psutil.Process] = field(default_factory=list)
+    ready_rss: list[int] = field(default_factory=list)  # each worker's, once it runs
+    # Made once: httpx builds an SSL context per client (tens of ms), which a timed
+    # request must not pay.
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=600))
+
+    def stop(self) -> None:
+        """SIGTERM each daemon (it stops its workers), then SIGKILL whatever is left, by pid."""
+        self.http.close()
+        for p in self.daemons:
+            with contextlib.suppress(psutil.Error):
+                self.workers += psutil.Process(p.pid).children(recursive=True)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.daemons:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for w in self.workers:
+            with contextlib.suppress(psutil.Error):
+                if w.is_running():
+                    w.kill()
+
+
+def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
+                  stage_hosts: list[str]) -> tuple[Path, list[tuple[str, int]]]:
+    from mlxceld.privatefile import write_private
+
+    write_private(root / "secret", (secrets.token_bytes(32).hex() + "\n").encode())
+    ports = [free_port(h) for h in stage_hosts]
+    text = textwrap.dedent(f"""\
+        [cluster]
+        name = "bench"
+        pipeline_parallel_size = {len(splits)}
+        model = "{model}"
+        secret_file = "secret"
+
+        [[nodes]]
+        id = "coordinator"
+        address = "127.0.0.1:{free_port('127.0.0.1')}"
+        role = "coordinator"
+        """)
+    for rank, ((start, end), host, port) in enumerate(zip(splits, stage_hosts, ports,
+                                                          strict=True)):
+        text += textwrap.dedent(f"""
+            [[nodes]]
+            id = "stage-{rank}"
+            address = "{host}:{port}"
+            role = "pipeline_stage"
+            rank = {rank}
+            layers = [{start}, {end}]
+            """)
+    toml = root / "cluster.toml"
+    toml.write_text(text)
+    return toml, list(zip(stage_hosts, ports, strict=True))
+
+
+def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
+                  stage_hosts: list[str], clusters: list[Cluster]) -> Cluster:
+    """Start the daemons (registered in ``clusters`` at once, for cleanup) and wait for
+    the stage workers and the router to run and answer one completion."""
+    root.mkdir(mode=0o700)
+    (root / "empty.toml").write_text("")
+    toml, stages = write_cluster(root, model, splits, stage_hosts)
+    cluster = Cluster(root, stages)
+    clusters.append(cluster)
+    router_port = free_port("127.0.0.1")
+    nodes: list[tuple[str, str, tuple[str, ...]]] = [
+        (f"stage-{r}", h, ()) for r, h in enumerate(stage_hosts)]
+    nodes.append(("coordinator", "127.0.0.1", ("--port", str(router_port))))
+    for node, host, extra in nodes:
+        with (root / f"{node}.log").open("ab") as log:
+            cluster.daemons.append(subprocess.Popen(
+                [sys.executable, "-m", "mlxceld", "--config", str(root / "empty.toml"),
+                 "--state-dir", str(root / node), "--socket", str(root / f"{node}.sock"),
+                 "--agent-addr", f"{host}:0", "--log-level", "warning",
+                 "--distributed-config", str(toml), "--node-id", node, *extra],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+    for (node, _, _), proc in zip(nodes, cluster.daemons, strict=True):
+        role = "router" if node == "coordinator" else "stage"
+        cluster.workers.append(worker := wait_worker(root, node, role, proc))
+        cluster.ready_rss.append(worker.memory_info().rss)  # a stage: its model loaded
+    cluster.url = f"http://127.0.0.1:{router_port}/v1"
+    cluster.model_id = cluster.http.get(f"{cluster.url}/models").json()["data"][0]["id"]
+    wait_answering(cluster)
+    return cluster
+
+
+def listening(path: Path) -> bool:
+    """Whether a Unix socket at ``path`` accepts a connection. Asked before httpx is: its
+    transport leaks the socket of a connect that fails (a ResourceWarning)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def wait_worker(root: Path, node: str, role: str, proc: subprocess.Popen[bytes]
+                ) -> psutil.Process:
+    transport = httpx.HTTPTransport(uds=str(root / f"{node}.sock"))
+    deadline = time.monotonic() + READY_S
+    with httpx.Client(transport=transport, base_url="http://mlxceld", timeout=5) as ctl:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (root / f"{node}.log").read_text(errors="replace")[-3000:]
+                raise SystemExit(f"the daemon of {node} exited with {proc.returncode}:\n{tail}")
+            if not listening(root / f"{node}.sock"):
+                time.sleep(0.2)
+                continue
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                for w in ctl.get("/v1/status").json()["workers"]:
+                    if w["name"] == role and w["state"] == "running" and w["pid"]:
+                        return psutil.Process(w["pid"])
+            time.sleep(0.2)
+    raise SystemExit(f"worker {role} of {node} not running after {READY_S:g} s; "
+                     f"see {root / (node + '.log')}")
+
+
+def wait_answering(cluster: Cluster) -> None:
+    """The router connects to its stages on the first request; retry while it is 503."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            stream_once(cluster, WARMUP_PROMPT, 4)
+            return
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def stream_once(cluster: Cluster, prompt: str, max_tokens: int,
+                http: httpx.Client | None = None) -> Stream:
+    body = {"model": cluster.model_id, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    with (http or cluster.http).stream("POST", f"{cluster.url}/completions", json=body) as r:
+        return timed(r, start)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """The first SIGINT or SIGTERM unwinds as KeyboardInterrupt, so every ``finally`` runs
+    (even where SIGINT was ignored at start, as for a background job of a non-interactive
+    shell); later ones are ignored, so that the clean-up is not cut short."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def raise_interrupt(signum: int, frame: object) -> None:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, raise_interrupt) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_all(clusters: list[Cluster]) -> None:
+    for c in clusters:
+        c.stop()
+    clusters.clear()
