@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,14 +36,29 @@ PROMPT = "The quick brown fox"
 TOKEN = "hf_test_token_never_in_an_environment"
 
 
-def test_a_repo_id_served_by_hosts_holding_only_their_shards(
-        daemons: Daemons, tmp_path_factory: pytest.TempPathFactory) -> None:
-    repo = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
+@dataclass(frozen=True)
+class Repo:
+    """The repo's files (a local directory), its shards, and the shards of each split."""
+
+    path: Path
+    files: frozenset[str]
+    needs: list[list[str]]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Repo:
+    path = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
                          preset("tiny", family="llama", layers=LAYERS, shard_bytes=64 * 1024))
-    index = read_index(repo)
+    index = read_index(path)
     assert index is not None
-    needs = [sorted(stage_files(index, read_model_config(repo), a, b, LAYERS))
+    needs = [sorted(stage_files(index, read_model_config(path), a, b, LAYERS))
              for a, b in SPLITS]
+    return Repo(path, index.files, needs)
+
+
+def test_a_repo_id_served_by_hosts_holding_only_their_shards(
+        daemons: Daemons, repo: Repo) -> None:
+    needs = repo.needs
     port = free_port("127.0.0.1")
     coord = Host(daemons, "co", secret=None, serve={"port": port})
     toml = write_cluster(coord.d.root, Path(REPO), SPLITS)  # model = "owner/tiny-llama"
@@ -52,10 +68,10 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
                   daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"})
              for rank in range(len(SPLITS))]
     caches = [h.d.root / "hf" for h in [coord, *hosts]]
-    hub_cache(caches[0], REPO, repo)  # the coordinator: config, index, tokenizer
+    hub_cache(caches[0], REPO, repo.path)  # the coordinator: config, index, tokenizer
     for cache, files in zip(caches[1:], needs, strict=True):
-        held = hub_cache(cache, REPO, repo, files)
-        assert 0 < len(list(held.glob("*.safetensors"))) < len(index.files)
+        held = hub_cache(cache, REPO, repo.path, files)
+        assert 0 < len(list(held.glob("*.safetensors"))) < len(repo.files)
 
     def env(cache: Path) -> dict[str, str]:
         return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache),
@@ -74,7 +90,7 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
         assert [m.id for m in c.models.list().data] == ["tiny-llama"]  # the repo's name
         out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
                                    temperature=0)
-    assert out.choices[0].text == expected(repo, PROMPT, 12)
+    assert out.choices[0].text == expected(repo.path, PROMPT, 12)
 
     # A stage host that lacks one of its shards, offline: its stage fails, naming it.
     last = hosts[1]
@@ -112,23 +128,18 @@ def test_a_repo_id_not_in_the_cache_offline_is_refused_at_start(daemons: Daemons
 
 
 def test_a_repo_id_activated_over_peers_holding_only_their_shards(
-        daemons: Daemons, tmp_path_factory: pytest.TempPathFactory) -> None:
+        daemons: Daemons, repo: Repo, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The zero-config way: peers started with `--pp-peer --model owner/name`, the plan
     made and pushed by `mlxctl cluster activate --model owner/name` on the coordinator
     (whose cache holds the whole repo: it prices every layer), each peer's cache only the
     shards of the layers it is given (the 2 peers have the same memory: an even split,
     ranked by address)."""
-    repo = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
-                         preset("tiny", family="llama", layers=LAYERS, shard_bytes=64 * 1024))
-    index = read_index(repo)
-    assert index is not None
-    needs = [sorted(stage_files(index, read_model_config(repo), a, b, LAYERS))
-             for a, b in SPLITS]
+    needs = repo.needs
     secret = b"6d" * 16
     roots = [tmp_path_factory.mktemp(f"hf{i}") for i in range(3)]
-    hub_cache(roots[0], REPO, repo, index.files)  # the coordinator: everything
+    hub_cache(roots[0], REPO, repo.path, repo.files)  # the coordinator: everything
     for cache, files in zip(roots[1:], needs, strict=True):
-        hub_cache(cache, REPO, repo, files)
+        hub_cache(cache, REPO, repo.path, files)
 
     def env(cache: Path) -> dict[str, str]:
         return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
@@ -154,21 +165,17 @@ def test_a_repo_id_activated_over_peers_holding_only_their_shards(
     with client(f"http://127.0.0.1:{port}/v1") as c:
         done = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
                                     temperature=0)
-    assert done.choices[0].text == expected(repo, PROMPT, 12)
+    assert done.choices[0].text == expected(repo.path, PROMPT, 12)
 
 
-def test_a_repo_id_served_whole_on_one_host(daemons: Daemons,
+def test_a_repo_id_served_whole_on_one_host(daemons: Daemons, repo: Repo,
                                             tmp_path_factory: pytest.TempPathFactory) -> None:
     """`mlxceld --model owner/name` on one host: the router takes the weights from the
     Hugging Face cache (fetching what it lacks; offline here, so it holds them all) and
     serves mlx-lm's greedy text; a cache lacking a shard, offline, fails the router at
     once naming the file (not restarted: a restart cannot fetch it either)."""
-    repo = write_fixture(tmp_path_factory.mktemp("hubrepo") / "repo",
-                         preset("tiny", family="llama", layers=LAYERS, shard_bytes=64 * 1024))
-    index = read_index(repo)
-    assert index is not None
     cache = tmp_path_factory.mktemp("hf")
-    snap = hub_cache(cache, REPO, repo, index.files)
+    snap = hub_cache(cache, REPO, repo.path, repo.files)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
     port = free_port("127.0.0.1")
     d = daemons.make(name="one")
@@ -177,10 +184,10 @@ def test_a_repo_id_served_whole_on_one_host(daemons: Daemons,
     with client(f"http://127.0.0.1:{port}/v1") as c:
         out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
                                    temperature=0)
-    assert out.choices[0].text == expected(repo, PROMPT, 12)
+    assert out.choices[0].text == expected(repo.path, PROMPT, 12)
 
     assert d.ctl("stop").returncode == 0 and d.proc is not None and d.proc.wait(30) == 0
-    lost = sorted(index.files)[-1]
+    lost = sorted(repo.files)[-1]
     (snap / lost).unlink()
     d.start("--model", REPO, "--port", str(port), env=env)
     failed = d.wait_worker("router", timeout=READY_S, state="failed")
