@@ -40,7 +40,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
-    seed: int | None = None
+    seed: int | None = None  # in [0, 2**64) (the API maps OpenAI's signed seed there)
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -208,7 +208,7 @@ def params_from_wire(value: object, vocab_size: int | None = None) -> SamplingPa
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.max_tokens' out of range")
     if type(top_k) is not int or top_k < 0:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.top_k' out of range")
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.seed' out of range")
     logprobs = value["logprobs"]
     if logprobs is not None and (type(logprobs) is not int
