@@ -44,6 +44,10 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
         if key[0] is None:
             return mx.random.categorical(scaled)
         key[0], sub = mx.random.split(key[0])
+        # Evaluated now: the pipeline's last stage samples on its compute thread or its
+        # event loop's, and a lazy key left by one is not runnable on the other (mlx:
+        # "There is no Stream(cpu, 1) in current thread"); a split costs microseconds.
+        mx.eval(key[0])
         return mx.random.categorical(scaled, key=sub)
 
     return sample
