@@ -150,14 +150,16 @@ class LocalEngine:
         tokens = list(req.prompt_tokens)
         try:
             check_vocabulary(req.params, self._vocab_size)
+            sampler = make_sampler(req.params, self._vocab_size)
+            processors = make_logits_processors(req.params)
             cache, rest = self._cached_prefix(tokens)
             [uid] = self._gen.insert(
                 [rest], max_tokens=[req.params.max_tokens], caches=[cache],
                 all_tokens=[tokens[: len(tokens) - len(rest)]],
-                samplers=[make_sampler(req.params, self._vocab_size)],
-                logits_processors=[make_logits_processors(req.params)],
+                samplers=[sampler], logits_processors=[processors],
             )
-        except ValueError as exc:  # empty prompt, bad max_tokens: caught above us normally
+        except (ValueError, TypeError) as exc:  # a bad parameter fails its request only
+            # (empty prompt, max_tokens, a seed mlx refuses: caught above us normally)
             self._deliver(seq, exc)
             return
         seq.uid = uid
