@@ -129,7 +129,7 @@ def build_router_app(
         params = sampling_params(options, prompt_tokens=len(prompt),
                                  context_length=engine.context_length,
                                  default_max_tokens=default_max_tokens,
-                                 prompt_param=prompt_param)
+                                 prompt_param=prompt_param, vocab_size=codec.vocab_size)
         return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
                                   options.stop, fmt, stream=options.stream, arrived=arrived)
 
@@ -144,7 +144,7 @@ def build_router_app(
             raise invalid(str(exc), "messages") from None
         options = parsed.options
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
-                         options.include_usage)
+                         options.include_usage, options.logprobs is not None)
         return respond(prompt, options, fmt, "messages", arrived)
 
     async def completions(request: Request) -> Response:
@@ -155,7 +155,7 @@ def build_router_app(
         prompt = await tokenizer.prompt(parsed.prompt, size)
         options = parsed.options
         fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
-                         options.include_usage)
+                         options.include_usage, options.logprobs is not None)
         return respond(prompt, options, fmt, "prompt", arrived)
 
     app = Starlette(

@@ -53,6 +53,12 @@ class StreamDecoder(Protocol):
 
 class TextCodec(Protocol):
     eos_token_ids: frozenset[int]
+    vocab_size: int  # the tokenizer's token ids are 0 .. vocab_size - 1
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character, maybe), as a
+        token's ``bytes`` in logprobs show them."""
+        ...
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion prompt's ids, with the tokenizer's usual special tokens (BOS)."""
@@ -76,6 +82,16 @@ class MlxTextCodec:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.vocab_size = len(tokenizer)
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token: int) -> bytes:
+        """From the vocabulary mlx-lm's detokenizer reads: byte-level BPE's characters
+        mapped back to bytes, SentencePiece's pieces (``<0xNN>`` a byte, ``▁`` a
+        space), else the token decoded alone."""
+        if token not in self._bytes:
+            self._bytes[token] = _token_bytes(self._tokenizer, token)
+        return self._bytes[token]
 
     def encode_prompt(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer.encode(text)]
@@ -114,3 +130,20 @@ class _MlxDecoder:
     def finish(self) -> str:
         self._detokenizer.finalize()
         return str(self._detokenizer.last_segment)
+
+
+def _token_bytes(tokenizer: Any, token: int) -> bytes:
+    from mlx_lm.tokenizer_utils import (
+        BPEStreamingDetokenizer,
+        SPMStreamingDetokenizer,
+        _byte_decoder,
+    )
+
+    detokenizer = tokenizer.detokenizer  # a fresh copy: only its token map is read
+    if isinstance(detokenizer, SPMStreamingDetokenizer) and token < len(detokenizer.tokenmap):
+        return bytes(detokenizer.tokenmap[token]).replace(SPMStreamingDetokenizer._sep, b" ")
+    if isinstance(detokenizer, BPEStreamingDetokenizer) and token < len(detokenizer.tokenmap):
+        decoder = _byte_decoder()
+        return b"".join(bytes([decoder[c]]) if c in decoder else c.encode()
+                        for c in str(detokenizer.tokenmap[token]))
+    return str(tokenizer.decode([token])).encode()

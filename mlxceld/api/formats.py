@@ -4,15 +4,19 @@ A stream of chat chunks opens with a ``{"role": "assistant"}`` delta, carries
 the text in content deltas, and closes with an empty delta and the finish
 reason; text completion chunks carry the text in ``choices[0].text``. With
 ``stream_options.include_usage`` every chunk has ``"usage": null`` and a last
-chunk with no choices carries the usage.
+chunk with no choices carries the usage. With ``logprobs`` asked, every choice carries
+the log-probabilities of its text's tokens (``logprobs.py``), a chunk those of its own
+text; else ``logprobs`` is null.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from mlxceld.api.generation import Finished
+from mlxceld.api.logprobs import TokenLogprob, chat_logprobs, text_logprobs
 from mlxceld.api.shapes import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,9 +41,10 @@ class Format(Protocol):
     @property
     def include_usage(self) -> bool: ...
 
-    def whole(self, text: str, finished: Finished) -> ChatCompletion | TextCompletion: ...
+    def whole(self, text: str, finished: Finished,
+              entries: Sequence[TokenLogprob] = ()) -> ChatCompletion | TextCompletion: ...
     def opening(self) -> list[Chunk]: ...
-    def piece(self, text: str) -> Chunk: ...
+    def piece(self, text: str, entries: Sequence[TokenLogprob] = ()) -> Chunk: ...
     def closing(self, reason: FinishReason) -> Chunk: ...
     def usage(self, finished: Finished) -> Chunk: ...
 
@@ -50,19 +55,25 @@ class ChatFormat:
     created: int
     model: str
     include_usage: bool = False
+    logprobs: bool = False  # asked for: every choice carries them
 
-    def whole(self, text: str, finished: Finished) -> ChatCompletion:
+    def whole(self, text: str, finished: Finished,
+              entries: Sequence[TokenLogprob] = ()) -> ChatCompletion:
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finished.reason}],
+                             "logprobs": chat_logprobs(entries) if self.logprobs else None,
+                             "finish_reason": finished.reason}],
                 "usage": usage_of(finished)}
 
     def opening(self) -> list[Chunk]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def piece(self, text: str) -> Chunk:
-        return self._chunk({"content": text}, None)
+    def piece(self, text: str, entries: Sequence[TokenLogprob] = ()) -> Chunk:
+        chunk = self._chunk({"content": text}, None)
+        if self.logprobs:
+            chunk["choices"][0]["logprobs"] = chat_logprobs(entries)
+        return chunk
 
     def closing(self, reason: FinishReason) -> Chunk:
         return self._chunk({}, reason)
@@ -87,17 +98,24 @@ class TextFormat:
     created: int
     model: str
     include_usage: bool = False
+    logprobs: bool = False  # asked for: every choice carries them
 
-    def whole(self, text: str, finished: Finished) -> TextCompletion:
+    def whole(self, text: str, finished: Finished,
+              entries: Sequence[TokenLogprob] = ()) -> TextCompletion:
         completion = self._chunk(text, finished.reason)
+        if self.logprobs:
+            completion["choices"][0]["logprobs"] = text_logprobs(entries)
         completion["usage"] = usage_of(finished)
         return completion
 
     def opening(self) -> list[Chunk]:
         return []
 
-    def piece(self, text: str) -> Chunk:
-        return self._chunk(text, None)
+    def piece(self, text: str, entries: Sequence[TokenLogprob] = ()) -> Chunk:
+        chunk = self._chunk(text, None)
+        if self.logprobs:
+            chunk["choices"][0]["logprobs"] = text_logprobs(entries)
+        return chunk
 
     def closing(self, reason: FinishReason) -> Chunk:
         return self._chunk("", reason)

@@ -10,6 +10,10 @@ Counting: ``completion_tokens`` counts every token the engine generated for
 the sequence, the end-of-sequence token included (it was sampled and counts
 against ``max_tokens``), as vLLM does; its text is never shown. A token the
 codec calls end-of-sequence is taken as such even if the engine did not mark it.
+
+With ``logprobs`` asked, each ``TextPiece`` carries the entries of the tokens whose text
+it completes (``logprobs.LogprobTracker``), and the last piece those whose text a stop
+string cut; such a last piece may have no text.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from mlxceld.api.admission import Admission
 from mlxceld.api.codec import TextCodec
 from mlxceld.api.draining import Draining
+from mlxceld.api.logprobs import LogprobTracker, TokenLogprob
 from mlxceld.api.metrics import Metrics
 from mlxceld.api.stops import StopMatcher
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
@@ -30,6 +35,7 @@ from mlxceld.engine import Engine, FinishReason, GenerationRequest
 @dataclass(frozen=True)
 class TextPiece:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class Sequencer:
         max_tokens = request.params.max_tokens
         decoder = self.codec.decoder()
         matcher = StopMatcher(stops)
+        tracker = (LogprobTracker(self.codec.token_bytes)
+                   if request.params.logprobs is not None else None)
         count = 0
         reason: FinishReason | None = None
         async with self.admission.slot():
@@ -81,9 +89,15 @@ class Sequencer:
                     if output.finish_reason == "stop" or output.token in self.codec.eos_token_ids:
                         reason = "stop"
                         break
-                    text = matcher.feed(decoder.add(output.token) if decoder.incremental
-                                        else await asyncio.to_thread(decoder.add, output.token))
-                    if text:
+                    made = (decoder.add(output.token) if decoder.incremental
+                            else await asyncio.to_thread(decoder.add, output.token))
+                    text = matcher.feed(made)
+                    if tracker is not None:
+                        tracker.add(output, made)
+                        entries = tracker.shown(text)
+                        if text or entries:
+                            yield TextPiece(text, entries)
+                    elif text:
                         yield TextPiece(text)
                     if matcher.stopped:
                         reason = "stop"
@@ -93,14 +107,19 @@ class Sequencer:
                         break
             finally:
                 await outputs.aclose()
+        tail = ""
         if not matcher.stopped:
-            tail = matcher.feed(decoder.finish() if decoder.incremental
-                                else await asyncio.to_thread(decoder.finish))
+            made = (decoder.finish() if decoder.incremental
+                    else await asyncio.to_thread(decoder.finish))
+            tail = matcher.feed(made)
             tail += matcher.flush()
-            if tail:
-                yield TextPiece(tail)
+            if tracker is not None:
+                tracker.made(made)
             if matcher.stopped:  # the held-back end of the text completed a stop string
                 reason = "stop"
+        entries = () if tracker is None else tracker.shown(tail) + tracker.finish()
+        if tail or entries:
+            yield TextPiece(tail, entries)
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
         yield Finished(reason, prompt_tokens, count)

@@ -5,11 +5,15 @@ the field. What the router does with fields OpenAI defines but it does not
 serve:
 
 - ``n`` other than 1: refused (400, param "n"); one choice per request.
-- ``presence_penalty``, ``frequency_penalty``: checked to lie in [-2, 2], then
-  ignored, zero or not (the engine's sampler has no penalties; clients such as
-  LangChain send them by default, and refusing would break them).
-- ``user``, ``logprobs``, ``logit_bias``, ``tools`` and every unknown field:
-  ignored.
+- sampling controls, each checked and honoured (``engine/processors.py`` says how):
+  ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI's, over the
+  generated tokens), ``repetition_penalty`` in (0, ``MAX_REPETITION_PENALTY``] (vLLM's
+  and mlx-lm's; 1 is off), ``logit_bias`` (an object of at most ``MAX_LOGIT_BIAS`` token
+  ids, as decimal strings, each in the tokenizer's vocabulary, to numbers in
+  [-100, 100]), ``min_p`` in [0, 1], ``top_k`` >= 0 (0 is off), ``seed``.
+- ``logprobs``: chat: a boolean, with ``top_logprobs`` 0 to 20 (which needs
+  ``logprobs`` true); completions: an integer 0 to 5, the alternatives per token.
+- ``user``, ``tools`` and every unknown field: ignored.
 - ``model`` may be left out: a router serves one model.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
   newer name). Left out: what is left of the context, capped by the server's
@@ -39,7 +43,8 @@ from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
 from mlxceld.control.bodies import read_bounded
-from mlxceld.engine import SamplingParams
+from mlxceld.engine import MAX_TOP_LOGPROBS, SamplingParams
+from mlxceld.engine.base import MAX_LOGIT_BIAS
 
 # No tokenizer packs more text in a token, over a whole prompt: English runs at about 4
 # bytes a token, code at 3, a long run of one repeated character at the longest token.
@@ -47,6 +52,9 @@ PROMPT_BYTES_PER_TOKEN = 32
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**63 - 1)
+MAX_REPETITION_PENALTY = 10.0
+MAX_BIAS = 100.0  # |a logit_bias value| (OpenAI's)
+MAX_COMPLETION_LOGPROBS = 5  # completions' ``logprobs`` (OpenAI's bound)
 ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user",
                           "assistant": "assistant", "tool": "tool"}
 
@@ -61,6 +69,12 @@ class Options:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # token id, bias; sorted by id
+    logprobs: int | None = None  # None: none; else the top alternatives per token
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -89,12 +103,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
     fields = Fields(parse_object(body))
-    return ChatRequest(messages=_messages(fields), options=_options(fields, model_id))
+    return ChatRequest(messages=_messages(fields),
+                       options=_options(fields, model_id, _chat_logprobs(fields)))
 
 
 def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
     fields = Fields(parse_object(body))
-    return CompletionRequest(prompt=_prompt(fields), options=_options(fields, model_id))
+    logprobs = fields.integer("logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    return CompletionRequest(prompt=_prompt(fields),
+                             options=_options(fields, model_id, logprobs))
+
+
+def _chat_logprobs(fields: Fields) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs``: None, or how many
+    alternatives each token carries."""
+    wanted = fields.boolean("logprobs", False)
+    top = fields.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def check_prompt_bytes(size: int, *, context_length: int, prompt_param: str) -> None:
@@ -109,8 +136,15 @@ def check_prompt_bytes(size: int, *, context_length: int, prompt_param: str) -> 
 
 
 def sampling_params(options: Options, *, prompt_tokens: int, context_length: int,
-                    default_max_tokens: int, prompt_param: str) -> SamplingParams:
-    """The engine's parameters, once the prompt's length is known."""
+                    default_max_tokens: int, prompt_param: str,
+                    vocab_size: int | None = None) -> SamplingParams:
+    """The engine's parameters, once the prompt's length is known (``vocab_size``: the
+    tokenizer's, which every ``logit_bias`` id must be below)."""
+    outside = [t for t, _ in options.logit_bias if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise invalid(f"'logit_bias' names token id {outside[0]}, outside this model's "
+                      f"vocabulary (ids 0 to {vocab_size - 1 if vocab_size else 0}); use ids "
+                      "of its tokenizer", "logit_bias")
     left = context_length - prompt_tokens
     if left < 1:
         raise invalid(f"this model's maximum context length is {context_length} tokens, and "
@@ -125,10 +159,15 @@ def sampling_params(options: Options, *, prompt_tokens: int, context_length: int
                       f"completion, but {max_tokens} were asked for; lower max_tokens",
                       "max_tokens", "context_length_exceeded")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
-                          top_p=options.top_p, top_k=options.top_k, seed=options.seed)
+                          top_p=options.top_p, top_k=options.top_k,
+                          seed=None if options.seed is None else options.seed % 2**64,
+                          min_p=options.min_p, presence_penalty=options.presence_penalty,
+                          frequency_penalty=options.frequency_penalty,
+                          repetition_penalty=options.repetition_penalty,
+                          logit_bias=options.logit_bias, logprobs=options.logprobs)
 
 
-def _options(fields: Fields, model_id: str) -> Options:
+def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
     model = fields.string("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
@@ -137,8 +176,6 @@ def _options(fields: Fields, model_id: str) -> Options:
     n = fields.integer("n", 1)
     if n is not None and n != 1:
         raise invalid(f"'n' must be 1: one choice per request is served, not {n}", "n")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        fields.number(penalty, 0.0, -2.0, 2.0)  # checked, then ignored
     max_tokens = fields.integer("max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", 1)
@@ -150,10 +187,36 @@ def _options(fields: Fields, model_id: str) -> Options:
         top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=fields.integer("top_k", 0) or 0,
         seed=fields.integer("seed", *SEED_RANGE),
+        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0,
+                                         MAX_REPETITION_PENALTY, low_open=True),
+        logit_bias=_logit_bias(fields),
+        logprobs=logprobs,
         stop=_stops(fields),
         stream=stream,
         include_usage=stream and _include_usage(fields),
     )
+
+
+def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+    value = fields.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise fields.wrong("logit_bias", "an object of token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' holds {len(value)} token ids; at most {MAX_LOGIT_BIAS} "
+                      "are allowed", "logit_bias")
+    biases = Fields(value, "logit_bias")
+    pairs: dict[int, float] = {}
+    for key in value:
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise invalid(f"'logit_bias' keys must be token ids (decimal integers), not "
+                          f"{show(key)}", "logit_bias")
+        pairs[int(key)] = biases.number(key, 0.0, -MAX_BIAS, MAX_BIAS)
+    return tuple(sorted(pairs.items()))
 
 
 def _include_usage(fields: Fields) -> bool:

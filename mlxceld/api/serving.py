@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
+from mlxceld.api.logprobs import TokenLogprob
 from mlxceld.api.streaming import end_events, event, send_event, start_events, until_disconnect
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 
@@ -85,16 +86,19 @@ class CompletionResponse(Response):
     async def _send_whole(self, first: Event, events: AsyncIterator[Event], scope: Scope,
                           receive: Receive, send: Send) -> None:
         texts: list[str] = []
+        entries: list[TokenLogprob] = []
         current = first
         try:
             while not isinstance(current, Finished):
                 texts.append(current.text)
+                entries += current.logprobs
                 current = await anext(events)
         except Exception as exc:
             await self._refuse(exc, scope, receive, send)
             return
         self._log_finished(current)
-        await JSONResponse(self._format.whole("".join(texts), current))(scope, receive, send)
+        await JSONResponse(self._format.whole("".join(texts), current, entries))(
+            scope, receive, send)
 
     async def _send_stream(self, first: Event, events: AsyncIterator[Event], send: Send) -> None:
         await start_events(send)
@@ -103,7 +107,8 @@ class CompletionResponse(Response):
         current = first
         try:
             while isinstance(current, TextPiece):
-                await send_event(send, event(self._format.piece(current.text)))
+                await send_event(send, event(self._format.piece(current.text,
+                                                                current.logprobs)))
                 current = await anext(events)
         except Exception as exc:
             error = failure(exc)

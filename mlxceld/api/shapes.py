@@ -1,7 +1,7 @@
 """The JSON shapes of the OpenAI API that the router port answers with.
 
 Field for field what OpenAI's API reference shows, so that its clients parse
-them: ``logprobs`` is always null (not offered), ``usage`` is null on the
+them: ``logprobs`` is null unless the request asked for them, ``usage`` is null on the
 chunks of a stream except the last one when the client asked for usage.
 """
 
@@ -25,6 +25,31 @@ class ErrorBody(TypedDict):
     error: ErrorDetail
 
 
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class TextLogprobs(TypedDict):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
@@ -39,7 +64,7 @@ class AssistantMessage(TypedDict):
 class ChatChoice(TypedDict):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -60,7 +85,7 @@ class Delta(TypedDict):
 class ChatChunkChoice(TypedDict):
     index: int
     delta: Delta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -76,7 +101,7 @@ class ChatCompletionChunk(TypedDict):
 class TextChoice(TypedDict):
     index: int
     text: str
-    logprobs: None
+    logprobs: TextLogprobs | None
     finish_reason: FinishReason | None
 
 

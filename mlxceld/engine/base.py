@@ -17,15 +17,42 @@ from typing import Literal, Protocol
 FinishReason = Literal["stop", "length"]
 
 
+REPETITION_CONTEXT = 20  # tokens the repetition penalty looks back (mlx-lm's default)
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # alternatives one token may carry (OpenAI's top_logprobs bound)
+LOGPROB_FLOOR = -9999.0  # what a token the processors ruled out (-inf) reads as, as OpenAI's
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy (argmax)."""
+    """How to pick each next token. ``temperature == 0`` is greedy (argmax).
+
+    The logits processors (``engine/processors.py``) act on the model's logits, in this
+    order: ``logit_bias`` (token id, added value: pairs sorted by id), the repetition
+    penalty (1: off) over the last ``REPETITION_CONTEXT`` tokens of prompt and
+    completion, then the presence and frequency penalties (0: off) over the tokens
+    generated so far. The sampler then filters by ``top_k`` (0: off), ``top_p`` and
+    ``min_p`` (0: off). ``logprobs``: None, or how many top alternatives each
+    ``TokenOutput`` carries besides the chosen token's own log-probability (0 to
+    ``MAX_TOP_LOGPROBS``)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
-    seed: int | None = None
+    seed: int | None = None  # in [0, 2**64) (the API maps OpenAI's signed seed there)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any processor looks at the tokens before the one to sample."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)
@@ -43,6 +70,11 @@ class TokenOutput:
 
     token: int
     finish_reason: FinishReason | None = None
+    # With ``SamplingParams.logprobs``: the token's log-probability (the log-softmax of the
+    # processed logits, before temperature and the sampler's filters; never below
+    # ``LOGPROB_FLOOR``) and the top alternatives, most likely first (ties by id).
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class EngineError(Exception):

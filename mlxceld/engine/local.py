@@ -22,8 +22,15 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from mlxceld.engine.base import EngineError, GenerationRequest, TokenOutput
-from mlxceld.engine.sampling import make_sampler
+from mlxceld.engine.base import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenOutput,
+)
+from mlxceld.engine.processors import make_logits_processors
+from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.models.reading import Progress, model_layers, read_weights
 
 log = logging.getLogger(__name__)
@@ -141,14 +148,18 @@ class LocalEngine:
     def _insert(self, seq: _Sequence) -> None:
         req = seq.request
         tokens = list(req.prompt_tokens)
-        cache, rest = self._cached_prefix(tokens)
         try:
+            check_vocabulary(req.params, self._vocab_size)
+            sampler = make_sampler(req.params, self._vocab_size)
+            processors = make_logits_processors(req.params)
+            cache, rest = self._cached_prefix(tokens)
             [uid] = self._gen.insert(
                 [rest], max_tokens=[req.params.max_tokens], caches=[cache],
                 all_tokens=[tokens[: len(tokens) - len(rest)]],
-                samplers=[make_sampler(req.params, self._vocab_size)],
+                samplers=[sampler], logits_processors=[processors],
             )
-        except ValueError as exc:  # empty prompt, bad max_tokens: caught above us normally
+        except (ValueError, TypeError) as exc:  # a bad parameter fails its request only
+            # (empty prompt, max_tokens, a seed mlx refuses: caught above us normally)
             self._deliver(seq, exc)
             return
         seq.uid = uid
@@ -176,7 +187,7 @@ class LocalEngine:
             reason = r.finish_reason if r.finish_reason in ("stop", "length") else None
             if r.finish_reason is not None and reason is None:
                 reason = "length"  # anything else that ends a sequence ends it for length
-            batch.append((seq, TokenOutput(int(r.token), reason)))
+            batch.append((seq, _output(seq.request.params, r, reason)))
             if reason is not None:
                 del self._by_uid[r.uid]
                 if r.prompt_cache is not None and r.all_tokens:
@@ -194,6 +205,25 @@ class LocalEngine:
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
+
+
+def _output(params: SamplingParams, r: Any, reason: FinishReason | None) -> TokenOutput:
+    """One of ``BatchGenerator``'s responses as a ``TokenOutput`` (its log-probabilities
+    read only when the request asked for them)."""
+    token = int(r.token)
+    if params.logprobs is None:
+        return TokenOutput(token, reason)
+    logprob, top = read_logprobs(r.logprobs, token, params.logprobs)
+    return TokenOutput(token, reason, logprob, top)
+
+
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """Every ``logit_bias`` token id inside the model's vocabulary (the API checked it
+    against the tokenizer's, which may be larger than the model's logits)."""
+    outside = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+    if outside:
+        raise ValueError(f"logit_bias names token {outside[0]}, outside this model's "
+                         f"vocabulary of {vocab_size} tokens")
 
 
 def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], TokenOutput]]

@@ -203,13 +203,15 @@ class StageModel:
         return TensorSpec(frozenset({self.wire_dtype}),
                           ((1, 1), (1, max_tokens), (self.hidden_size, self.hidden_size)))
 
-    def forward(self, x: Any, cache: list[Any], *, overlap: bool = False) -> Any:
+    def forward(self, x: Any, cache: list[Any], *, overlap: bool = False,
+                raw: bool = False) -> Any:
         """Run this stage's layers over ``x`` with ``cache`` (from ``make_cache``).
 
         First stage: ``x`` is int32 token ids [b, n]; else hidden [b, n, hidden_size].
         Returns hidden [b, n, hidden_size], or on the last stage the log-probabilities of
         the last position [b, vocab_size] (mlx-lm's, in the model's dtype, as float32);
-        evaluated.
+        evaluated. ``raw``: the last stage's logits instead, in the model's dtype (what
+        logits processors act on; ``log_softmax`` then gives the log-probabilities).
 
         ``overlap``: hand each layer to mlx as soon as its graph is built
         (``mx.async_eval``), so that building the next layer's graph in Python overlaps
@@ -235,14 +237,10 @@ class StageModel:
         h = inner.norm(h[:, -1:, :])
         logits = inner.embed_tokens.as_linear(h) if self.tied else self._text.lm_head(h)
         logits = logits[:, -1, :]
-        # Subtracted in the model's dtype, as mlx-lm's own steps (generate_step,
-        # BatchGenerator) do, then widened (exactly): greedy decoding is the argmax of this
-        # rounded result, and subtracting in float32 instead made a bfloat16 model's tokens
-        # part from mlx-lm's (and the single-host engine's) within 24 tokens for 1 to 5 of
-        # 5 prompts (tests/pipeline/test_compute.py).
-        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
-        mx.eval(logprobs)
-        return logprobs
+        if raw:
+            mx.eval(logits)
+            return logits
+        return log_softmax(logits)
 
     def _layers(self, x: Any, cache: list[Any], overlap: bool) -> Any:
         inner = self._text.model
@@ -388,3 +386,15 @@ def _wire_name(dtype: Any) -> str:
         raise ConfigError(f"model activations of dtype {dtype} cannot travel between stages",
                           hint="use a float32, bfloat16 or float16 checkpoint")
     return name
+
+
+def log_softmax(logits: Any) -> Any:
+    """The log-probabilities of ``logits`` [b, vocab] as mlx-lm's steps compute them,
+    evaluated: subtracted in the model's dtype, as mlx-lm's own steps (generate_step,
+    BatchGenerator) do, then widened (exactly). Greedy decoding is the argmax of this
+    rounded result, and subtracting in float32 instead made a bfloat16 model's tokens part
+    from mlx-lm's (and the single-host engine's) within 24 tokens for 1 to 5 of 5 prompts
+    (tests/pipeline/test_compute.py)."""
+    logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
+    mx.eval(logprobs)
+    return logprobs

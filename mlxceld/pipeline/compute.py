@@ -26,7 +26,7 @@ on the other, which mlx orders by each array's dependencies.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from mlxceld.wire import Tensor
@@ -45,13 +45,31 @@ class StageModelLike(Protocol):
 
     def make_cache(self) -> list[Any]: ...
 
-    def forward(self, x: Any, cache: list[Any], *, overlap: bool = False) -> Any: ...
+    def forward(self, x: Any, cache: list[Any], *, overlap: bool = False,
+                raw: bool = False) -> Any: ...
 
 
 @dataclass
 class SeqState:
+    """A sequence on this stage. On the last stage: its sampler and logits processors
+    (``engine/processors.py``) with the request's parameters, the history they look back
+    on (the prompt's tail from ``prepare``, then each token sampled), and how many top
+    alternatives each token's log-probabilities carry (None: none asked)."""
+
     cache: list[Any]  # one mlx-lm cache per own layer
-    sampler: Callable[[Any], Any] | None  # the last stage's, with the request's parameters
+    sampler: Callable[[Any], Any] | None
+    processors: list[Callable[[Any, Any], Any]] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What the last stage sampled for one step."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -86,7 +104,7 @@ def plan(steps: Sequence[Step]) -> list[list[Step]]:
 def run_group(model: StageModelLike, group: Sequence[Step], *,
               overlap: bool = False) -> list[Any]:
     """Run ``group`` (one step per sequence); per step: a hidden-state blob for the next
-    stage, or on the last stage the sampled token id (``None`` where not sampled).
+    stage, or on the last stage what was sampled (``Sampled``; ``None`` where not sampled).
     ``overlap``: see ``StageModel.forward`` (for long steps)."""
     import mlx.core as mx
 
@@ -95,25 +113,54 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
     if len(group) == 1:
-        out = model.forward(x, group[0].state.cache, overlap=overlap)
+        out = model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last)
     else:
         layers = len(group[0].state.cache)
         merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
                   for i in range(layers)]
-        out = model.forward(x, merged, overlap=overlap)
+        out = model.forward(x, merged, overlap=overlap, raw=model.last)
         for j, s in enumerate(group):
             s.state.cache = [c.extract(j) for c in merged]
         mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])
     if not model.last:
         return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
-    tokens: list[Any] = []
+    return sample_group(group, out)
+
+
+def sample_group(group: Sequence[Step], logits: Any) -> list[Sampled | None]:
+    """The last stage's sampling of ``logits`` [len(group), vocab] (raw, the model's dtype):
+    each sampling step's processors over its history, the log-softmax of the batch as
+    mlx-lm's ``BatchGenerator`` computes it (processed rows concatenated), its sampler."""
+    import mlx.core as mx
+
+    from mlxceld.engine.sampling import read_logprobs
+    from mlxceld.models.slicing import log_softmax
+
+    if any(s.sample and s.state.processors for s in group):
+        rows = []
+        for j, s in enumerate(group):
+            row = logits[j:j + 1]
+            if s.sample and s.state.processors:
+                history = mx.array(s.state.history, dtype=mx.int32)
+                for processor in s.state.processors:
+                    row = processor(history, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    logprobs = log_softmax(logits)
+    out: list[Sampled | None] = []
     for j, s in enumerate(group):
         if not s.sample:
-            tokens.append(None)
+            out.append(None)
             continue
         assert s.state.sampler is not None
-        tokens.append(int(s.state.sampler(out[j:j + 1]).item()))
-    return tokens
+        token = int(s.state.sampler(logprobs[j:j + 1]).item())
+        if s.state.processors:
+            s.state.history.append(token)
+        if s.state.logprobs is None:
+            out.append(Sampled(token))
+        else:
+            out.append(Sampled(token, *read_logprobs(logprobs[j], token, s.state.logprobs)))
+    return out
 
 
 def check_token_ids(group: Sequence[Step], vocab_size: int) -> None:

@@ -56,9 +56,16 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from typing import Any, Final
 
-from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationRequest, TokenOutput
+from mlxceld.engine.base import (
+    REPETITION_CONTEXT,
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+    TokenOutput,
+)
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
@@ -184,16 +191,17 @@ class PipelineEngine:
             produced = 0
             pending = len(prompt[-p.PREFILL_CHUNK:])
             while True:  # the stages run step, step + 1, ... on their own (see above)
-                token = await self._token(seq, step - 1 + produced, inbox, pending)
+                out = await self._token(seq, step - 1 + produced, inbox, pending,
+                                        request.params.logprobs)
                 produced += 1
                 self.tokens += 1
-                if token in self._eos:
-                    yield TokenOutput(token, "stop")
+                if out.token in self._eos:
+                    yield replace(out, finish_reason="stop")
                     return
                 if produced >= request.params.max_tokens:
-                    yield TokenOutput(token, "length")
+                    yield replace(out, finish_reason="length")
                     return
-                yield TokenOutput(token)
+                yield out
                 pending = 1
         finally:
             del self._inboxes[seq]
@@ -202,8 +210,11 @@ class PipelineEngine:
             self._spawn(self._release(seq))
 
     async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> None:
-        header = {"t": "prepare", "seq": seq, "params": p.params_to_wire(request.params),
-                  "eos": sorted(self._eos)[:p.MAX_EOS]}
+        header: dict[str, Any] = {"t": "prepare", "seq": seq,
+                                  "params": p.params_to_wire(request.params),
+                                  "eos": sorted(self._eos)[:p.MAX_EOS]}
+        if request.params.repetition_penalty != 1:  # what the last stage's penalty sees
+            header["history"] = list(request.prompt_tokens)[-REPETITION_CONTEXT:]
         await asyncio.gather(*(link.send(header) for link in self._links))
         waiting = {link.stage.rank: link.stage.node_id for link in self._links}
         try:
@@ -222,7 +233,9 @@ class PipelineEngine:
         await self._links[0].send({"t": "run", "seq": seq, "step": step, "sample": sample},
                                   [blob])
 
-    async def _token(self, seq: str, step: int, inbox: Inbox, prompt_tokens: int) -> int:
+    async def _token(self, seq: str, step: int, inbox: Inbox, prompt_tokens: int,
+                     logprobs: int | None) -> TokenOutput:
+        """The last stage's token for ``step``, with its log-probabilities when asked."""
         bound = self._step_timeout + PER_TOKEN_S * prompt_tokens
         try:
             async with asyncio.timeout(bound):
@@ -230,8 +243,14 @@ class PipelineEngine:
                     rank, env = self._checked(await inbox.get())
                     if env.type == "token" and rank == self._last_rank \
                             and env.header.get("step") == step:
-                        return int.from_bytes(env.tensors["tokens"].data, "little",
-                                              signed=True)
+                        token = int.from_bytes(env.tensors["tokens"].data, "little",
+                                               signed=True)
+                        try:
+                            logprob, top = p.logprobs_of(env.header, logprobs)
+                        except p.ProtocolViolation as exc:
+                            raise EngineError(f"stage {self._node_of(rank)} sent a bad "
+                                              f"token: {exc.message}") from None
+                        return TokenOutput(token, None, logprob, top)
                     log.debug("sequence %s: ignored %s for step %s", seq, env.type,
                               env.header.get("step"))
         except TimeoutError:

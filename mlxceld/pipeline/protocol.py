@@ -28,8 +28,17 @@ attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
                             which answers any first message so, then
                             closes)
 prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
-                            top_p, top_k, seed}, ``eos`` (at most ``MAX_EOS``
-                            token ids); a fresh KV cache, owned by the
+                            top_p, top_k, seed, min_p, presence_penalty,
+                            frequency_penalty, repetition_penalty,
+                            logit_bias: [[id, bias], ...] (at most
+                            ``MAX_LOGIT_BIAS``, ids below the model's
+                            vocabulary on the last stage), logprobs: null or
+                            0 to ``MAX_TOP_LOGPROBS``}, ``eos`` (at most
+                            ``MAX_EOS`` token ids), ``history`` (the prompt's
+                            last ``REPETITION_CONTEXT`` token ids, when the
+                            repetition penalty is on: the last stage's
+                            processors look back that far; else absent or
+                            empty); a fresh KV cache, owned by the
                             sender's identity; answered by ``prepared`` {seq},
                             or ``error`` code ``draining`` while the stage is
                             stopping (it finishes its sequences, takes no new one)
@@ -39,7 +48,11 @@ run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
 act        stage → next     ``seq``, ``step``, ``sample``; tensor ``hidden``
                             ``[1, n, hidden_size]`` in the model's dtype
 token      last → owner     ``seq``, ``step``; tensor ``tokens`` i32 ``[1]``;
-                            sent only for steps with ``sample`` true
+                            sent only for steps with ``sample`` true; with
+                            ``params.logprobs``: ``logprob`` (the token's)
+                            and ``top`` [[id, logprob], ...] (``logprobs``
+                            of them, most likely first), each logprob a
+                            number in [``LOGPROB_FLOOR``, 0]
 next       last → stage 0   ``seq``, ``step``; tensor ``tokens`` i32 ``[1, 1]``:
                             the token just sampled, run as the sequence's next
                             step unless it is an ``eos`` id or the sequence
@@ -74,7 +87,13 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from mlxceld.engine.base import SamplingParams
+from mlxceld.engine.base import (
+    LOGPROB_FLOOR,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    REPETITION_CONTEXT,
+    SamplingParams,
+)
 from mlxceld.wire import MessageSpec, TensorSpec
 
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in chunks of 512
@@ -82,6 +101,8 @@ PREFILL_CHUNK: Final = 512
 MAX_SEQUENCES: Final = 256  # prepared sequences one stage keeps at once
 MAX_EOS: Final = 64  # end-of-sequence token ids in one ``prepare``
 MAX_TEMPERATURE: Final = 100.0
+MAX_PENALTY: Final = 100.0  # |presence|, |frequency|, repetition (the API allows less)
+MAX_BIAS: Final = 100.0  # |logit_bias| values
 SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 ERR_NOT_COORDINATOR: Final = "not_coordinator"
@@ -154,31 +175,103 @@ def sample_of(header: Mapping[str, Any]) -> bool:
     return sample
 
 
+PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
+                               "presence_penalty", "frequency_penalty",
+                               "repetition_penalty", "logit_bias", "logprobs"})
+
+
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return {"max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed}
+            "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+            "min_p": params.min_p, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty,
+            "repetition_penalty": params.repetition_penalty,
+            "logit_bias": [[t, b] for t, b in params.logit_bias],
+            "logprobs": params.logprobs}
 
 
-def params_from_wire(value: object) -> SamplingParams:
-    """The request's sampling parameters, each checked (the last stage samples with them)."""
-    if not isinstance(value, dict) or set(value) != {"max_tokens", "temperature", "top_p",
-                                                     "top_k", "seed"}:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params' must hold exactly max_tokens, "
-                                "temperature, top_p, top_k and seed")
-    max_tokens, temp, top_p = value["max_tokens"], value["temperature"], value["top_p"]
-    top_k, seed = value["top_k"], value["seed"]
+def _number(value: Any, name: str, low: float, high: float, *, low_open: bool = False) -> float:
+    if type(value) not in (int, float) or not (low < value if low_open else low <= value) \
+            or not value <= high:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'params.{name}' out of range")
+    return float(value)
+
+
+def params_from_wire(value: object, vocab_size: int | None = None) -> SamplingParams:
+    """The request's sampling parameters, each checked (the last stage samples with them;
+    ``vocab_size``: its model's, which every ``logit_bias`` id must be below)."""
+    if not isinstance(value, dict) or set(value) != PARAM_KEYS:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params' must hold exactly "
+                                f"{', '.join(sorted(PARAM_KEYS))}")
+    max_tokens, top_k, seed = value["max_tokens"], value["top_k"], value["seed"]
     if type(max_tokens) is not int or not 1 <= max_tokens < 2**31:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.max_tokens' out of range")
-    if type(temp) not in (int, float) or not 0 <= temp <= MAX_TEMPERATURE:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.temperature' out of range")
-    if type(top_p) not in (int, float) or not 0 < top_p <= 1:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.top_p' out of range")
     if type(top_k) is not int or top_k < 0:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.top_k' out of range")
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**64):
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.seed' out of range")
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temp), top_p=float(top_p),
-                          top_k=top_k, seed=seed)
+    logprobs = value["logprobs"]
+    if logprobs is not None and (type(logprobs) is not int
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.logprobs' out of range")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(value["temperature"], "temperature", 0, MAX_TEMPERATURE),
+        top_p=_number(value["top_p"], "top_p", 0, 1, low_open=True),
+        top_k=top_k, seed=seed,
+        min_p=_number(value["min_p"], "min_p", 0, 1),
+        presence_penalty=_number(value["presence_penalty"], "presence_penalty",
+                                 -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(value["frequency_penalty"], "frequency_penalty",
+                                  -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=_number(value["repetition_penalty"], "repetition_penalty", 0,
+                                   MAX_PENALTY, low_open=True),
+        logit_bias=_logit_bias(value["logit_bias"], vocab_size),
+        logprobs=logprobs)
+
+
+def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, list) or len(value) > MAX_LOGIT_BIAS:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.logit_bias' must be a list of at "
+                                f"most {MAX_LOGIT_BIAS} [token id, bias] pairs")
+    pairs: dict[int, float] = {}
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2 or type(item[0]) is not int \
+                or not 0 <= item[0] < (vocab_size or 2**31) or item[0] in pairs:
+            raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.logit_bias' holds a pair that "
+                                    "is not [token id in the vocabulary, bias] (or an id twice)")
+        pairs[item[0]] = _number(item[1], "logit_bias", -MAX_BIAS, MAX_BIAS)
+    return tuple(sorted(pairs.items()))
+
+
+def history_of(header: Mapping[str, Any]) -> tuple[int, ...]:
+    """The ``prepare``'s prompt tail (token ids the last stage's processors look back on)."""
+    history = header.get("history", [])
+    if not isinstance(history, list) or len(history) > REPETITION_CONTEXT or any(
+            type(t) is not int or not 0 <= t < 2**31 for t in history):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'history' must be a list of at most "
+                                f"{REPETITION_CONTEXT} token ids")
+    return tuple(history)
+
+
+def logprobs_of(header: Mapping[str, Any], wanted: int | None
+                ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+    """A ``token`` message's log-probabilities: None and () when ``wanted`` is None (none
+    asked), else the token's and ``wanted`` alternatives, each checked."""
+    if wanted is None:
+        return None, ()
+    logprob, top = header.get("logprob"), header.get("top")
+    if not _is_logprob(logprob) or not isinstance(top, list) or len(top) > wanted or any(
+            not isinstance(p, list) or len(p) != 2 or type(p[0]) is not int
+            or not 0 <= p[0] < 2**31 or not _is_logprob(p[1]) for p in top):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"a token's 'logprob' and 'top' (at most "
+                                f"{wanted} alternatives) are missing or malformed")
+    assert isinstance(logprob, int | float)
+    return float(logprob), tuple((p[0], float(p[1])) for p in top)
+
+
+def _is_logprob(value: Any) -> bool:
+    return type(value) in (int, float) and LOGPROB_FLOOR <= value <= 0
 
 
 def eos_of(header: Mapping[str, Any]) -> frozenset[int]:

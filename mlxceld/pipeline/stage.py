@@ -67,7 +67,14 @@ from mlxceld.net.errors import NetError
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.compute import SeqState, StageModelLike, Step, plan, run_group
+from mlxceld.pipeline.compute import (
+    Sampled,
+    SeqState,
+    StageModelLike,
+    Step,
+    plan,
+    run_group,
+)
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
@@ -325,17 +332,23 @@ class StageService:
                 raise p.ProtocolViolation(p.ERR_DRAINING, f"stage {self._place.node_id} is "
                                           "stopping: it finishes its sequences and takes no "
                                           "new one; retry in a few seconds")
-            params = p.params_from_wire(env.header.get("params"))
+            last = self._model.last
+            params = p.params_from_wire(env.header.get("params"),
+                                        self._model.vocab_size if last else None)
+            history = p.history_of(env.header)
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
-            from mlxceld.engine.sampling import make_sampler  # mlx: only once serving
+            state = SeqState(self._model.make_cache(), None)
+            if last:
+                # mlx: only once serving
+                from mlxceld.engine.processors import make_logits_processors
+                from mlxceld.engine.sampling import make_sampler
 
-            sampler = (make_sampler(params, self._model.vocab_size) if self._model.last
-                       else None)
-            self._seqs[seq_id] = _Sequence(who, stream,
-                                           SeqState(self._model.make_cache(), sampler), params,
-                                           p.eos_of(env.header))
+                state = SeqState(state.cache, make_sampler(params, self._model.vocab_size),
+                                 make_logits_processors(params), list(history),
+                                 params.logprobs)
+            self._seqs[seq_id] = _Sequence(who, stream, state, params, p.eos_of(env.header))
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
             self._forget(seq_id)
@@ -449,10 +462,13 @@ class StageService:
             return
         if out is None:
             return
-        await self._continue(work, out)
+        assert isinstance(out, Sampled)
+        await self._continue(work, out.token)
+        header: dict[str, Any] = {"t": "token", "seq": work.seq_id, "step": work.step}
+        if out.logprob is not None:
+            header.update(logprob=out.logprob, top=[list(pair) for pair in out.top])
         await _send_quietly(work.seq.stream, encode_envelope(
-            {"t": "token", "seq": work.seq_id, "step": work.step},
-            [("tokens", "i32", (1,), struct.pack("<i", out))]))
+            header, [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
 
     async def _continue(self, work: _Work, token: int) -> None:
         """Run ``token`` as the sequence's next step, unless it ends the sequence: on the

@@ -37,8 +37,32 @@ def test_a_full_chat_body() -> None:
     request = parse_chat(chat(), model_id=MODEL)
     assert request.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "hi"))
     assert request.options == Options(model=MODEL, max_tokens=5, temperature=0.5, top_p=0.9,
-                                      top_k=40, seed=7, stop=("x",), stream=True,
-                                      include_usage=True)
+                                      top_k=40, seed=7, presence_penalty=0.5, stop=("x",),
+                                      stream=True, include_usage=True)
+
+
+def test_sampling_controls_and_logprobs() -> None:
+    options = parse_chat(chat(min_p=0.1, repetition_penalty=1.2, frequency_penalty=-1,
+                              logit_bias={"7": 100, "03": -5.5}, logprobs=True,
+                              top_logprobs=3), model_id=MODEL).options
+    assert (options.min_p, options.repetition_penalty, options.frequency_penalty) == \
+        (0.1, 1.2, -1.0)
+    assert options.logit_bias == ((3, -5.5), (7, 100.0)) and options.logprobs == 3
+    assert parse_chat(chat(logprobs=True), model_id=MODEL).options.logprobs == 0
+    assert parse_chat(chat(logprobs=False), model_id=MODEL).options.logprobs is None
+    body = json.dumps({**COMPLETION, "logprobs": 2}).encode()
+    assert parse_completion(body, model_id=MODEL).options.logprobs == 2
+    params = sampling_params(options, prompt_tokens=1, context_length=100,
+                             default_max_tokens=8, prompt_param="messages", vocab_size=8)
+    assert (params.logit_bias, params.logprobs, params.min_p) == (options.logit_bias, 3, 0.1)
+    with pytest.raises(ApiError) as caught:
+        sampling_params(options, prompt_tokens=1, context_length=100, default_max_tokens=8,
+                        prompt_param="messages", vocab_size=7)
+    assert caught.value.param == "logit_bias" and "token id 7" in caught.value.message
+    # OpenAI's seed is a signed 64-bit integer; the engines' is unsigned (two's complement)
+    negative = parse_chat(chat(seed=-1), model_id=MODEL).options
+    assert sampling_params(negative, prompt_tokens=1, context_length=100, default_max_tokens=8,
+                           prompt_param="messages").seed == 2**64 - 1
 
 
 def test_defaults_and_nulls_as_absent() -> None:
@@ -113,6 +137,17 @@ def test_completion_prompts() -> None:
     (chat(stream_options=[]), 400, "stream_options", "an object"),
     (chat(stream_options={"include_usage": 1}), 400, "stream_options.include_usage", "boolean"),
     (chat(frequency_penalty=3), 400, "frequency_penalty", "[-2, 2]"),
+    (chat(presence_penalty=-2.5), 400, "presence_penalty", "[-2, 2]"),
+    (chat(repetition_penalty=0), 400, "repetition_penalty", "(0, 10]"),
+    (chat(min_p=1.5), 400, "min_p", "[0, 1]"),
+    (chat(logit_bias=[1]), 400, "logit_bias", "an object"),
+    (chat(logit_bias={"a": 1}), 400, "logit_bias", "token ids"),
+    (chat(logit_bias={"-1": 1}), 400, "logit_bias", "token ids"),
+    (chat(logit_bias={"5": 101}), 400, "logit_bias.5", "[-100, 100]"),
+    (chat(logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias", "at most 300"),
+    (chat(logprobs=1), 400, "logprobs", "a boolean"),
+    (chat(top_logprobs=2), 400, "top_logprobs", "needs 'logprobs'"),
+    (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "between 0 and 20"),
 ])
 def test_chat_refusals(body: bytes, status: int, param: str | None, words: str) -> None:
     error = refusal(body)
@@ -131,6 +166,12 @@ def test_completion_refusals(prompt: Any, words: str) -> None:
     error = refusal(json.dumps({**COMPLETION, "prompt": prompt}).encode(), parse_completion)
     assert (error.status, error.param) == (400, "prompt")
     assert words in error.message
+
+
+@pytest.mark.parametrize("logprobs", [6, -1, True, 1.5])
+def test_completion_logprobs_refusals(logprobs: Any) -> None:
+    error = refusal(json.dumps({**COMPLETION, "logprobs": logprobs}).encode(), parse_completion)
+    assert (error.status, error.param) == (400, "logprobs")
 
 
 def test_context_length_checks() -> None:
@@ -157,7 +198,8 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=4),
     max_leaves=12)
-keys = st.sampled_from(sorted({*CHAT, *COMPLETION, "max_completion_tokens"}))
+keys = st.sampled_from(sorted({*CHAT, *COMPLETION, "max_completion_tokens", "logprobs",
+                               "top_logprobs", "min_p", "repetition_penalty"}))
 
 
 def check_only_api_errors(body: bytes) -> None:
@@ -171,7 +213,7 @@ def check_only_api_errors(body: bytes) -> None:
         for length in (1, 50, 5000):
             try:
                 sampling_params(request.options, prompt_tokens=length, context_length=100,
-                                default_max_tokens=16, prompt_param="prompt")
+                                default_max_tokens=16, prompt_param="prompt", vocab_size=50)
             except ApiError as error:
                 assert error.status == 400
 

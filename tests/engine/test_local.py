@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import generate, load
 from mlx_lm.generate import generate_step
 
-from mlxceld.engine import GenerationRequest, SamplingParams
+from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
 from mlxceld.engine.local import LocalEngine, load_local_engine
 
 from helpers.waiting import until
@@ -87,6 +87,19 @@ def test_seeded_sampling_is_reproducible_and_cancellation_frees(fixture_dir: Pat
                 engine_tokens(engine, prompt, 20, temperature=1.0, seed=7),
                 engine_tokens(engine, prompt, 20, temperature=1.0, seed=99))
             assert a == b  # same seed, same tokens, whatever shares the batch
+            # a penalized sequence's processors are its own: the same tokens in a batch
+            c = await engine_tokens(engine, prompt, 20, temperature=0, frequency_penalty=1.5,
+                                    logit_bias=((5, 2.0),))
+            d, _plain = await asyncio.gather(
+                engine_tokens(engine, prompt, 20, temperature=0, frequency_penalty=1.5,
+                              logit_bias=((5, 2.0),)),
+                engine_tokens(engine, prompt, 20, temperature=0))
+            assert c == d != _plain
+            # a parameter the engine cannot take fails its request, not the engine
+            for bad in ({"temperature": 1.0, "seed": -1}, {"logit_bias": ((10**6, 1.0),)}):
+                with pytest.raises(EngineError):
+                    await engine_tokens(engine, prompt, 4, **bad)
+            assert len(await engine_tokens(engine, prompt, 4, temperature=0)) == 4
             stream = engine.generate(GenerationRequest(
                 "c", prompt, SamplingParams(max_tokens=10_000, temperature=0.8)))
             async for _ in stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mlxceld.api import ChatMessage, ChatTemplateError, StreamDecoder
 from mlxceld.engine import EngineError, GenerationRequest, TokenOutput
@@ -31,6 +31,10 @@ class ByteCodec:
     ``<role>content`` per message, then ``<assistant>``; it knows no "tool" role."""
 
     eos_token_ids = frozenset({EOS})
+    vocab_size = EOS + 1
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < EOS else b""
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(text.encode())
@@ -75,12 +79,24 @@ class FakeEngine:
             [prompt[i % len(prompt)] for i in range(limit)]
         if self.eos_after is not None:
             body = body[: self.eos_after]
-        outputs = [TokenOutput(t) for t in body[:limit]]
+        outputs = [self.output(t, request) for t in body[:limit]]
         if len(outputs) == limit:
-            outputs[-1] = TokenOutput(outputs[-1].token, "length")
+            outputs[-1] = replace(outputs[-1], finish_reason="length")
         else:
-            outputs.append(TokenOutput(EOS, None if self.unmarked_eos else "stop"))
+            outputs.append(replace(self.output(EOS, request),
+                                   finish_reason=None if self.unmarked_eos else "stop"))
         return outputs
+
+    @staticmethod
+    def output(token: int, request: GenerationRequest) -> TokenOutput:
+        """With logprobs asked: the token's is -token/1000, its alternatives the token
+        itself and those after it, each 0.5 less likely than the one before."""
+        n = request.params.logprobs
+        if n is None:
+            return TokenOutput(token)
+        lp = -token / 1000
+        return TokenOutput(token, None, lp,
+                           tuple(((token + k) % 256, lp - k / 2) for k in range(n)))
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         assert self.active < self.max_batch, "more sequences than max_batch were admitted"

@@ -56,7 +56,7 @@ def run_groups(stages: list[StageModel], inputs: dict[int, list[int]],
             if not st.last:
                 blobs = [Tensor(name, dtype, shape, data) for name, dtype, shape, data in outs]
         for j, i in enumerate(members):
-            result[i] = outs[j]
+            result[i] = outs[j] and outs[j].token
     return result
 
 

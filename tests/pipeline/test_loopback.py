@@ -294,9 +294,8 @@ def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
             ident = model_identity(path)
             commands = await _intruder(c, 0, [
                 ({"t": "attach", "model": ident, "cluster": "test"}, []),
-                ({"t": "prepare", "seq": "x1", "params": {
-                    "max_tokens": 3, "temperature": 0, "top_p": 1, "top_k": 0,
-                    "seed": None}}, [])])
+                ({"t": "prepare", "seq": "x1",
+                  "params": p.params_to_wire(SamplingParams(3, temperature=0))}, [])])
             nexts = await _intruder(c, 0, [
                 ({"t": "next", "seq": "x1", "step": 1},
                  [("tokens", "i32", (1, 1), (5).to_bytes(4, "little"))])])

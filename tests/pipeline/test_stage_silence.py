@@ -60,7 +60,9 @@ ROUTER = textwrap.dedent("""
                                local_addr=("127.0.0.1", 0), budget_s=10)
         await ask(stream, {"t": "attach", "model": model, "cluster": "test"})
         await ask(stream, {"t": "prepare", "seq": "s1", "params": {
-            "max_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 0, "seed": None}})
+            "max_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 0, "seed": None,
+            "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0,
+            "repetition_penalty": 1, "logit_bias": [], "logprobs": None}})
         return stream
 
     async def main():

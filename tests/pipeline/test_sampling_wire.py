@@ -1,0 +1,54 @@
+"""The sampling parameters and logprobs on the stage protocol: carried whole, each checked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlxceld.engine import SamplingParams
+from mlxceld.pipeline import protocol as p
+
+PARAMS = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1,
+                        min_p=0.05, presence_penalty=-1.5, frequency_penalty=2.0,
+                        repetition_penalty=1.3, logit_bias=((3, -100.0), (7, 5.5)),
+                        logprobs=20)
+
+
+def test_params_round_trip() -> None:
+    assert p.params_from_wire(p.params_to_wire(PARAMS), vocab_size=8) == PARAMS
+    assert p.params_from_wire(p.params_to_wire(SamplingParams(1))) == SamplingParams(1)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": float(p.MAX_PENALTY) + 1}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logit_bias": [[8, 1.0]]}, "logit_bias"),  # past the last stage's vocabulary
+    ({"logit_bias": [[3, 1.0], [3, 2.0]]}, "logit_bias"),
+    ({"logit_bias": [[3, 101]]}, "logit_bias"),
+    ({"logit_bias": [[1, 1]] * (p.MAX_LOGIT_BIAS + 1)}, "logit_bias"),
+    ({"seed": -1}, "seed"),
+    ({"extra": 1}, "exactly"),
+])
+def test_params_refused(change: dict[str, Any], words: str) -> None:
+    wire = {**p.params_to_wire(PARAMS), **change}
+    with pytest.raises(p.ProtocolViolation) as caught:
+        p.params_from_wire(wire, vocab_size=8)
+    assert caught.value.code == p.ERR_BAD_MESSAGE and words in caught.value.message
+
+
+def test_history_and_token_logprobs() -> None:
+    assert p.history_of({}) == () and p.history_of({"history": [1, 2]}) == (1, 2)
+    with pytest.raises(p.ProtocolViolation):
+        p.history_of({"history": list(range(p.REPETITION_CONTEXT + 1))})
+    header = {"logprob": -0.25, "top": [[4, -0.25], [9, -3]]}
+    assert p.logprobs_of(header, None) == (None, ())
+    assert p.logprobs_of(header, 2) == (-0.25, ((4, -0.25), (9, -3.0)))
+    for bad in ({"logprob": 0.5, "top": []}, {"logprob": -1, "top": [[4, -1]] * 3},
+                {"top": []}, {"logprob": -1, "top": [[-4, -1]]},
+                {"logprob": p.LOGPROB_FLOOR - 1, "top": []}):
+        with pytest.raises(p.ProtocolViolation):
+            p.logprobs_of(bad, 2)
