@@ -2,24 +2,31 @@
 
 A stream of chat chunks opens with a ``{"role": "assistant"}`` delta, carries
 the text in content deltas, and closes with an empty delta and the finish
-reason; text completion chunks carry the text in ``choices[0].text``. With
+reason; text completion chunks carry the text in ``choices[0].text``. A chat answer's
+reasoning goes in ``reasoning_content`` deltas, each tool call in two chunks (its index,
+id, type and name with arguments "", then its arguments), and a chat answer that called
+tools finishes with "tool_calls". With
 ``stream_options.include_usage`` every chunk has ``"usage": null`` and a last
 chunk with no choices carries the usage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from mlxceld.api.generation import Finished
+from mlxceld.api.replies import PartKind
 from mlxceld.api.shapes import (
+    AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatFinishReason,
     Delta,
     TextCompletion,
     Usage,
 )
+from mlxceld.api.toolcalls import ToolCall
 from mlxceld.engine import FinishReason
 
 Chunk = ChatCompletionChunk | TextCompletion
@@ -31,16 +38,29 @@ def usage_of(finished: Finished) -> Usage:
             "total_tokens": finished.prompt_tokens + finished.completion_tokens}
 
 
+@dataclass
+class Answer:
+    """A whole answer, gathered: its content, reasoning and tool calls."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def reason(self, finished: Finished) -> ChatFinishReason:
+        return "tool_calls" if self.calls and finished.reason == "stop" else finished.reason
+
+
 class Format(Protocol):
     @property
     def id(self) -> str: ...
     @property
     def include_usage(self) -> bool: ...
 
-    def whole(self, text: str, finished: Finished) -> ChatCompletion | TextCompletion: ...
+    def whole(self, answer: Answer, finished: Finished) -> ChatCompletion | TextCompletion: ...
     def opening(self) -> list[Chunk]: ...
-    def piece(self, text: str) -> Chunk: ...
-    def closing(self, reason: FinishReason) -> Chunk: ...
+    def piece(self, text: str, kind: PartKind = "content") -> Chunk: ...
+    def called(self, index: int, call: ToolCall) -> list[Chunk]: ...
+    def closing(self, reason: ChatFinishReason) -> Chunk: ...
     def usage(self, finished: Finished) -> Chunk: ...
 
 
@@ -51,27 +71,45 @@ class ChatFormat:
     model: str
     include_usage: bool = False
 
-    def whole(self, text: str, finished: Finished) -> ChatCompletion:
+    def whole(self, answer: Answer, finished: Finished) -> ChatCompletion:
+        message: AssistantMessage = {
+            "role": "assistant",
+            "content": None if answer.calls and not answer.content.strip() else answer.content}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if answer.calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in answer.calls]
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finished.reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": answer.reason(finished)}],
                 "usage": usage_of(finished)}
 
     def opening(self) -> list[Chunk]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def piece(self, text: str) -> Chunk:
-        return self._chunk({"content": text}, None)
+    def piece(self, text: str, kind: PartKind = "content") -> Chunk:
+        return self._chunk({"reasoning_content": text} if kind == "reasoning"
+                           else {"content": text}, None)
 
-    def closing(self, reason: FinishReason) -> Chunk:
+    def called(self, index: int, call: ToolCall) -> list[Chunk]:
+        return [
+            self._chunk({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                         "function": {"name": call.name, "arguments": ""}}]},
+                        None),
+            self._chunk({"tool_calls": [{"index": index,
+                                         "function": {"arguments": call.arguments}}]}, None)]
+
+    def closing(self, reason: ChatFinishReason) -> Chunk:
         return self._chunk({}, reason)
 
     def usage(self, finished: Finished) -> Chunk:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": [], "usage": usage_of(finished)}
 
-    def _chunk(self, delta: Delta, reason: FinishReason | None) -> ChatCompletionChunk:
+    def _chunk(self, delta: Delta, reason: ChatFinishReason | None) -> ChatCompletionChunk:
         chunk: ChatCompletionChunk = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created,
             "model": self.model,
@@ -88,18 +126,22 @@ class TextFormat:
     model: str
     include_usage: bool = False
 
-    def whole(self, text: str, finished: Finished) -> TextCompletion:
-        completion = self._chunk(text, finished.reason)
+    def whole(self, answer: Answer, finished: Finished) -> TextCompletion:
+        completion = self._chunk(answer.content, finished.reason)
         completion["usage"] = usage_of(finished)
         return completion
 
     def opening(self) -> list[Chunk]:
         return []
 
-    def piece(self, text: str) -> Chunk:
-        return self._chunk(text, None)
+    def piece(self, text: str, kind: PartKind = "content") -> Chunk:
+        return self._chunk(text, None)  # a text completion's text is never read for parts
 
-    def closing(self, reason: FinishReason) -> Chunk:
+    def called(self, index: int, call: ToolCall) -> list[Chunk]:
+        raise AssertionError("a text completion has no tool calls")
+
+    def closing(self, reason: ChatFinishReason) -> Chunk:
+        assert reason != "tool_calls", "a text completion has no tool calls"
         return self._chunk("", reason)
 
     def usage(self, finished: Finished) -> Chunk:

@@ -10,6 +10,11 @@ Counting: ``completion_tokens`` counts every token the engine generated for
 the sequence, the end-of-sequence token included (it was sampled and counts
 against ``max_tokens``), as vLLM does; its text is never shown. A token the
 codec calls end-of-sequence is taken as such even if the engine did not mark it.
+
+A chat answer is read by its ``ChatReply`` (``replies.py``) after the stop strings: its
+text pieces come out as content or reasoning, its tool calls as ``Called``; once the reply
+is done (``parallel_tool_calls`` false, one call made) the sequence ends as at a stop
+string.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from mlxceld.api.admission import Admission
 from mlxceld.api.codec import TextCodec
 from mlxceld.api.draining import Draining
 from mlxceld.api.metrics import Metrics
+from mlxceld.api.replies import Called, ChatReply, PartKind, Said
 from mlxceld.api.stops import StopMatcher
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
 
@@ -30,6 +36,7 @@ from mlxceld.engine import Engine, FinishReason, GenerationRequest
 @dataclass(frozen=True)
 class TextPiece:
     text: str
+    kind: PartKind = "content"
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class Finished:
     completion_tokens: int
 
 
-Event = TextPiece | Finished
+Event = TextPiece | Called | Finished
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,10 @@ class Sequencer:
     draining: Draining  # a drain's deadline ends the sequence (``next_output``)
 
     async def generate_text(self, request: GenerationRequest, stops: Sequence[str], *,
-                            arrived: float) -> AsyncGenerator[Event, None]:
-        """``arrived``: the request's ``time.monotonic()``, for time to first token."""
+                            arrived: float, reply: ChatReply | None = None
+                            ) -> AsyncGenerator[Event, None]:
+        """``arrived``: the request's ``time.monotonic()``, for time to first token;
+        ``reply``: how a chat answer is read (None: all its text is content)."""
         prompt_tokens = len(request.prompt_tokens)
         max_tokens = request.params.max_tokens
         decoder = self.codec.decoder()
@@ -83,9 +92,9 @@ class Sequencer:
                         break
                     text = matcher.feed(decoder.add(output.token) if decoder.incremental
                                         else await asyncio.to_thread(decoder.add, output.token))
-                    if text:
-                        yield TextPiece(text)
-                    if matcher.stopped:
+                    for piece in _read(text, reply):
+                        yield piece
+                    if matcher.stopped or (reply is not None and reply.done):
                         reason = "stop"
                         break
                     if output.finish_reason == "length" or count >= max_tokens:
@@ -93,14 +102,25 @@ class Sequencer:
                         break
             finally:
                 await outputs.aclose()
-        if not matcher.stopped:
+        if not matcher.stopped and not (reply is not None and reply.done):
             tail = matcher.feed(decoder.finish() if decoder.incremental
                                 else await asyncio.to_thread(decoder.finish))
             tail += matcher.flush()
-            if tail:
-                yield TextPiece(tail)
+            for piece in _read(tail, reply):
+                yield piece
             if matcher.stopped:  # the held-back end of the text completed a stop string
                 reason = "stop"
+        if reply is not None:
+            for piece in _read(None, reply):
+                yield piece
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
         yield Finished(reason, prompt_tokens, count)
+
+
+def _read(text: str | None, reply: ChatReply | None) -> list[TextPiece | Called]:
+    """``text``'s events; None: the answer's end (what the reply still holds)."""
+    if reply is None:
+        return [TextPiece(text)] if text else []
+    readings = reply.finish() if text is None else reply.feed(text) if text else []
+    return [TextPiece(r.text, r.kind) if isinstance(r, Said) else r for r in readings]
