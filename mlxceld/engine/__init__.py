@@ -2,6 +2,8 @@
 (``local``); the pipeline engine over stages on other hosts is ``mlxceld.pipeline``."""
 
 from mlxceld.engine.base import (
+    Constraint,
+    ConstraintKind,
     Engine,
     EngineError,
     EngineUnavailable,
@@ -11,6 +13,6 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 
-__all__ = ["Engine", "EngineError", "EngineUnavailable",
+__all__ = ["Constraint", "ConstraintKind", "Engine", "EngineError", "EngineUnavailable",
            "FinishReason", "GenerationRequest", "SamplingParams",
            "TokenOutput"]

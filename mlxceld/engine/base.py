@@ -15,17 +15,30 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
+ConstraintKind = Literal["json_schema", "json_object", "lark"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, enforced token by token (``engine/constraints.py``):
+    ``json_schema`` (``text`` is the schema as JSON), ``json_object`` (any JSON object;
+    ``text`` is empty) or ``lark`` (``text`` is a Lark grammar in llguidance's dialect)."""
+
+    kind: ConstraintKind
+    text: str = ""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy (argmax)."""
+    """How to pick each next token. ``temperature == 0`` is greedy (argmax).
+    ``constraint``: the output must match it (None: free text)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     seed: int | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
