@@ -19,6 +19,7 @@ app does not own the engine: whoever built it closes it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -55,8 +56,8 @@ from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.api.toolcalls import parse_calls
-from mlxceld.api.toolgrammar import json_object_calls
-from mlxceld.engine import Engine, GenerationRequest
+from mlxceld.api.toolgrammar import forced_constraint, json_object_calls
+from mlxceld.engine import Constraint, Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
@@ -131,11 +132,14 @@ def build_router_app(
         return arrived
 
     def respond(prompt: list[int], options: Options, fmt: Format, prompt_param: str,
-                arrived: float, reply: ChatReply | None = None) -> Response:
+                arrived: float, reply: ChatReply | None = None,
+                constraint: Constraint | None = None) -> Response:
         params = sampling_params(options, prompt_tokens=len(prompt),
                                  context_length=engine.context_length,
                                  default_max_tokens=default_max_tokens,
                                  prompt_param=prompt_param)
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
         return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
                                   options.stop, fmt, stream=options.stream, arrived=arrived,
                                   reply=reply)
@@ -153,10 +157,16 @@ def build_router_app(
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
         options = parsed.options
+        thinking = codec.opens_thinking(prompt)
+        use = parsed.tools
+        forced = None
+        if tools and use is not None and use.forced:
+            forced = await forced_constraint(use.offered, codec.features,
+                                             parallel=use.parallel, close_thinking=thinking)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage)
         return respond(prompt, options, fmt, "messages", arrived,
-                       _reply(parsed, codec, tools, prompt, fmt.id))
+                       _reply(parsed, codec, tools, thinking, fmt.id), forced)
 
     async def completions(request: Request) -> Response:
         arrived = check_ready()
@@ -197,19 +207,15 @@ def _template_tools(parsed: ChatRequest, codec: TextCodec, model_id: str) -> lis
         raise invalid(f"the model {model_id!r} does not support tool calling: its chat "
                       "template and tokenizer have no tool-call format; leave out 'tools' "
                       "(or set 'tool_choice' to \"none\")", "tools", "tools_not_supported")
-    if use.forced:
-        if not json_object_calls(features):
-            raise invalid(f"'tool_choice' {use.choice!r} cannot be forced for the model "
-                          f"{model_id!r}: its tool calls are not <tool_call>{{\"name\", "
-                          "\"arguments\"}</tool_call> objects; use \"auto\"",
-                          "tool_choice", "tool_choice_not_supported")
-        raise invalid(f"'tool_choice' {use.choice!r} needs constrained decoding, which this "
-                      "server does not have yet; use \"auto\"", "tool_choice",
-                      "tool_choice_not_supported")
+    if use.forced and not json_object_calls(features):
+        raise invalid(f"'tool_choice' {use.choice!r} cannot be forced for the model "
+                      f"{model_id!r}: its tool calls are not <tool_call>{{\"name\", "
+                      "\"arguments\"}</tool_call> objects; use \"auto\"",
+                      "tool_choice", "tool_choice_not_supported")
     return [t.template_dict() for t in use.offered]
 
 
-def _reply(parsed: ChatRequest, codec: TextCodec, tools: list[Any], prompt: list[int],
+def _reply(parsed: ChatRequest, codec: TextCodec, tools: list[Any], thinking: bool,
            request_id: str) -> ChatReply | None:
     """How the answer is read: its reasoning and tool calls apart from its content. None
     when the model has neither (all of it is content, as before)."""
@@ -217,7 +223,7 @@ def _reply(parsed: ChatRequest, codec: TextCodec, tools: list[Any], prompt: list
     if not tools and features.think is None:
         return None
     parallel = parsed.tools is None or parsed.tools.parallel
-    splitter = ReplySplitter(features, tools=bool(tools), thinking=codec.opens_thinking(prompt),
+    splitter = ReplySplitter(features, tools=bool(tools), thinking=thinking,
                              max_calls=None if parallel else 1)
     parser = features.parse_tool_call
     if parser is None:

@@ -15,11 +15,18 @@ no reasoning.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 
 from mlxceld.api.codec import ChatFeatures
+from mlxceld.api.errors import invalid
 from mlxceld.api.tools import Tool
+from mlxceld.engine import Constraint
+from mlxceld.engine.constraints import ConstraintError, compile_grammar
+
+# Compact JSON in the call (llguidance's schema options): no room to pad with whitespace.
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 # The parsers whose call is the JSON object above, between the markers.
 JSON_CALL_MARKERS = ("<tool_call>", "</tool_call>")
@@ -55,6 +62,22 @@ def tool_call_grammar(tools: Sequence[Tool], features: ChatFeatures, *, parallel
         schema = {"type": "object",
                   "properties": {"name": {"const": tool.name},
                                  "arguments": json.loads(tool.parameters)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "x-guidance": JSON_OPTIONS}
         lines.append(f"call_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
+
+
+async def forced_constraint(tools: Sequence[Tool], features: ChatFeatures, *,
+                            parallel: bool, close_thinking: bool) -> Constraint:
+    """The constraint of a forced answer, compiled (in a thread: a large schema takes a
+    while) so that a tool's schema llguidance cannot honour is refused before admission,
+    as a 400 naming ``tools``."""
+    constraint = Constraint("lark", tool_call_grammar(tools, features, parallel=parallel,
+                                                      close_thinking=close_thinking))
+    try:
+        await asyncio.to_thread(compile_grammar, constraint)
+    except ConstraintError as exc:
+        raise invalid(f"the tools' parameters cannot force a tool call: {exc}", "tools",
+                      "invalid_tools") from None
+    return constraint

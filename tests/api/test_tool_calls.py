@@ -188,3 +188,36 @@ def test_the_offered_tools_follow_tool_choice() -> None:
     assert use(tool_choice="required").forced and not use().forced
     assert not use(parallel_tool_calls=False).parallel
     assert parse_tool_use(Fields({"tools": []})) is None
+
+
+def test_forcing_sets_a_grammar_of_the_offered_tools() -> None:
+    async def main() -> None:
+        forced = f"</think>\n\n<tool_call>{CALL}</tool_call>"  # what the grammar allows
+        engine = FakeEngine(context_length=4096, reply=forced.encode())
+        async with openai_client(make_app(engine, ToolByteCodec())) as client:
+            named = await client.chat.completions.create(
+                model=MODEL, messages=USER, tools=[WEATHER, CLOCK],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            await client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER],
+                                                 tool_choice="required",
+                                                 parallel_tool_calls=False)
+            await client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER])
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(
+                    model=MODEL, messages=USER, tool_choice="required", tools=[
+                        {"type": "function", "function": {"name": "f", "parameters": {
+                            "type": "object", "properties": {"x": {"type": "nonsense"}}}}}])
+        assert named.choices[0].finish_reason == "tool_calls"
+        assert named.choices[0].message.content is None  # only whitespace besides the call
+        first, second, free = (r.params.constraint for r in engine.requests)
+        assert first is not None and first.kind == "lark"
+        # The prompt opened <think>: the grammar closes it first; one or more calls.
+        assert first.text.startswith('start: "</think>" "\\n\\n" block+\n')
+        assert '"const": "get_weather"' in first.text and "get_time" not in first.text
+        assert second is not None and "block+" not in second.text
+        assert free is None
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"] == "tools"
+        assert "cannot force a tool call" in error["message"]
+
+    asyncio.run(main())
