@@ -139,6 +139,9 @@ def build_router_app(
                                  default_max_tokens=default_max_tokens,
                                  prompt_param=prompt_param)
         if constraint is not None:
+            if params.constraint is not None:  # response_format's: one grammar at a time
+                raise invalid("a forced 'tool_choice' and a 'response_format' cannot both "
+                              "constrain the answer; drop one of them", "tool_choice")
             params = dataclasses.replace(params, constraint=constraint)
         return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
                                   options.stop, fmt, stream=options.stream, arrived=arrived,

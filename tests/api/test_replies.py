@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from itertools import pairwise
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,7 +68,7 @@ def test_one_call_when_parallel_calls_are_off() -> None:
     assert parts == [CallText(CALL)] and splitter.done and splitter.finish() == []
 
 
-def test_calls_are_read_or_shown_as_content() -> None:
+def test_calls_are_read_or_shown_as_content(caplog: pytest.LogCaptureFixture) -> None:
     def read(text: str) -> list[ToolCall] | None:
         return parse_calls(text, TOOL_FEATURES.parse_tool_call,  # type: ignore[arg-type]
                            None, request_id="r")
@@ -79,6 +80,7 @@ def test_calls_are_read_or_shown_as_content() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in called.calls] == [("f", {"x": 1})]  # type: ignore[union-attr]
     assert called.calls[0].id.startswith("call_")  # type: ignore[union-attr]
     assert shown == Said("content", "<tool_call>not json</tool_call>")
+    assert "request r: a tool call the model's parser cannot read" in caplog.text
     assert reply.called
     # A name missing, arguments that are not an object: content too.
     assert read('{"arguments": {}}') is None and read('{"name": "f", "arguments": 3}') is None
