@@ -1,9 +1,11 @@
 """Serving speed: mlx_lm.server (the baseline) and our router, side by side, one run.
 
-Both serve the same checkpoint (by default the `small` fixture: 8 layers, hidden
-512) on loopback. For each: time to first token and single-stream decode tok/s
-(median of --runs), then aggregate tok/s with --streams concurrent streams. All
-requests are greedy with the same prompts, so both produce the same tokens.
+Both serve the same checkpoint (by default the `small` fixture with the tools chat
+template: 8 layers, hidden 512) on loopback. For each: time to first token and
+single-stream decode tok/s (median of --runs), then aggregate tok/s with --streams
+concurrent streams, then a chat request with `tools` in it (whole answers: tok/s and
+seconds each, median of --runs; a model whose template has no tool calling skips the
+row). All requests are greedy with the same prompts, so both produce the same tokens.
 
     .venv/bin/python bench/serve.py [--model DIR] [--max-tokens 64] [--streams 8]
 """
@@ -26,6 +28,11 @@ import httpx
 from streams import Stream, timed
 
 PROMPT = "Once upon a time in a small village by the sea, there lived"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
 
 
 
@@ -83,6 +90,29 @@ def measure(url: str, model: str, max_tokens: int, runs: int, streams: int) -> d
     }
 
 
+def measure_tools(url: str, model: str, max_tokens: int, runs: int) -> dict[str, float]:
+    """A chat request with ``tools`` (tool_choice auto), whole: the template renders the
+    tools, the answer is read for reasoning and calls. Median tok/s and seconds."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "What is the weather in Oslo?"}]}
+    httpx.post(f"{url}/chat/completions", json=body, timeout=600).raise_for_status()  # warm
+    rates, seconds = [], []
+    for _ in range(runs):
+        start = time.perf_counter()
+        r = httpx.post(f"{url}/chat/completions", json=body, timeout=600)
+        r.raise_for_status()
+        took = time.perf_counter() - start
+        seconds.append(took)
+        rates.append(r.json()["usage"]["completion_tokens"] / took)
+    return {"tools_tps": statistics.median(rates), "tools_s": statistics.median(seconds)}
+
+
+def has_tool_calling(model: Path) -> bool:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return bool(load_tokenizer(Path(model)).has_tool_calling)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model dir (default: the small fixture)")
@@ -94,7 +124,7 @@ def main() -> None:
     if model is None:
         from mlxceld.models import fixture_cache, preset
 
-        model = fixture_cache(preset("small"))
+        model = fixture_cache(preset("small", chat_template="tools"))
     root = Path(tempfile.mkdtemp(prefix="mxbench", dir="/tmp"))
     base_port, our_port = free_port(), free_port()
     procs = [
@@ -117,11 +147,20 @@ def main() -> None:
         print(f"model: {model}  max_tokens: {args.max_tokens}  streams: {args.streams}")
         res = {name: measure(urls[name], ids[name], args.max_tokens, args.runs, args.streams)
                for name in urls}
+        rows = [("decode_tps", "single-stream tok/s", False),
+                ("ttft_ms", "time to first token ms", True),
+                ("aggregate_tps", f"{args.streams} streams tok/s", False)]
+        if has_tool_calling(model):
+            for name in urls:
+                res[name].update(measure_tools(urls[name], ids[name], args.max_tokens,
+                                               args.runs))
+            rows += [("tools_tps", "chat with tools tok/s", False),
+                     ("tools_s", "chat with tools s", True)]
+        else:
+            print("(no tools row: the model's template has no tool calling)")
         base, ours = res["mlx_lm.server"], res["mlxceld"]
         print(f"{'':24}{'mlx_lm.server':>14}{'mlxceld':>10}{'ratio':>8}")
-        for key, label, better_low in (("decode_tps", "single-stream tok/s", False),
-                                       ("ttft_ms", "time to first token ms", True),
-                                       ("aggregate_tps", f"{args.streams} streams tok/s", False)):
+        for key, label, better_low in rows:
             ratio = base[key] / ours[key] if better_low else ours[key] / base[key]
             print(f"{label:24}{base[key]:14.1f}{ours[key]:10.1f}{ratio:8.2f}")
         print("(ratio > 1 means mlxceld is better)")

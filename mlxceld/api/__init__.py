@@ -2,6 +2,8 @@
 
 from mlxceld.api.app import build_router_app
 from mlxceld.api.codec import (
+    CalledTool,
+    ChatFeatures,
     ChatMessage,
     ChatTemplateError,
     MlxTextCodec,
@@ -12,6 +14,6 @@ from mlxceld.api.codec import (
 from mlxceld.api.errors import ApiError, refusal_body
 from mlxceld.api.requests import ChatRequest, CompletionRequest, Options
 
-__all__ = ["ApiError", "ChatMessage", "ChatRequest", "ChatTemplateError", "CompletionRequest",
-           "MlxTextCodec", "Options", "Role", "StreamDecoder", "TextCodec", "build_router_app",
-           "refusal_body"]
+__all__ = ["ApiError", "CalledTool", "ChatFeatures", "ChatMessage", "ChatRequest",
+           "ChatTemplateError", "CompletionRequest", "MlxTextCodec", "Options", "Role",
+           "StreamDecoder", "TextCodec", "build_router_app", "refusal_body"]

@@ -19,6 +19,9 @@ app does not own the engine: whoever built it closes it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -39,7 +42,9 @@ from mlxceld.api.errors import ApiError, error_response, invalid
 from mlxceld.api.formats import ChatFormat, Format, TextFormat
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.metrics import CONTENT_TYPE, Metrics, count_requests
+from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
+    ChatRequest,
     Options,
     check_prompt_bytes,
     parse_chat,
@@ -50,7 +55,9 @@ from mlxceld.api.requests import (
 from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
-from mlxceld.engine import Engine, GenerationRequest
+from mlxceld.api.toolcalls import parse_calls
+from mlxceld.api.toolgrammar import forced_constraint, json_object_calls
+from mlxceld.engine import Constraint, Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
@@ -125,27 +132,44 @@ def build_router_app(
         return arrived
 
     def respond(prompt: list[int], options: Options, fmt: Format, prompt_param: str,
-                arrived: float) -> Response:
+                arrived: float, reply: ChatReply | None = None,
+                constraint: Constraint | None = None) -> Response:
         params = sampling_params(options, prompt_tokens=len(prompt),
                                  context_length=engine.context_length,
                                  default_max_tokens=default_max_tokens,
                                  prompt_param=prompt_param, vocab_size=codec.vocab_size)
+        if constraint is not None:
+            if params.constraint is not None:  # response_format's: one grammar at a time
+                raise invalid("a forced 'tool_choice' and a 'response_format' cannot both "
+                              "constrain the answer; drop one of them", "tool_choice")
+            params = dataclasses.replace(params, constraint=constraint)
         return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
-                                  options.stop, fmt, stream=options.stream, arrived=arrived)
+                                  options.stop, fmt, stream=options.stream, arrived=arrived,
+                                  reply=reply)
 
     async def chat(request: Request) -> Response:
         arrived = check_ready()
         parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
-        size = sum(len(m.content.encode()) for m in parsed.messages)
+        tools = _template_tools(parsed, codec, model_id)
+        size = sum(len(m.content.encode()) for m in parsed.messages) + \
+            sum(len(json.dumps(t)) for t in tools)
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="messages")
         try:
-            prompt = await tokenizer.chat(list(parsed.messages), size)
+            prompt = await tokenizer.chat(list(parsed.messages), size, tools=tools or None,
+                                          template_kwargs=dict(parsed.template_kwargs))
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
         options = parsed.options
+        thinking = codec.opens_thinking(prompt)
+        use = parsed.tools
+        forced = None
+        if tools and use is not None and use.forced:
+            forced = await forced_constraint(use.offered, codec.features,
+                                             parallel=use.parallel, close_thinking=thinking)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage, options.logprobs is not None)
-        return respond(prompt, options, fmt, "messages", arrived)
+        return respond(prompt, options, fmt, "messages", arrived,
+                       _reply(parsed, codec, tools, thinking, fmt.id), forced)
 
     async def completions(request: Request) -> Response:
         arrived = check_ready()
@@ -174,6 +198,41 @@ def build_router_app(
     guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
                                                                     open_paths=OPEN_PATHS)
     return count_requests(guarded, metrics, ENDPOINTS)
+
+
+def _template_tools(parsed: ChatRequest, codec: TextCodec, model_id: str) -> list[Any]:
+    """The tools the chat template is given, checked against what the model offers."""
+    use = parsed.tools
+    if use is None or not use.offered:
+        return []
+    features = codec.features
+    if features.tool_call is None:
+        raise invalid(f"the model {model_id!r} does not support tool calling: its chat "
+                      "template and tokenizer have no tool-call format; leave out 'tools' "
+                      "(or set 'tool_choice' to \"none\")", "tools", "tools_not_supported")
+    if use.forced and not json_object_calls(features):
+        raise invalid(f"'tool_choice' {use.choice!r} cannot be forced for the model "
+                      f"{model_id!r}: its tool calls are not <tool_call>{{\"name\", "
+                      "\"arguments\"}</tool_call> objects; use \"auto\"",
+                      "tool_choice", "tool_choice_not_supported")
+    return [t.template_dict() for t in use.offered]
+
+
+def _reply(parsed: ChatRequest, codec: TextCodec, tools: list[Any], thinking: bool,
+           request_id: str) -> ChatReply | None:
+    """How the answer is read: its reasoning and tool calls apart from its content. None
+    when the model has neither (all of it is content, as before)."""
+    features = codec.features
+    if not tools and features.think is None:
+        return None
+    parallel = parsed.tools is None or parsed.tools.parallel
+    splitter = ReplySplitter(features, tools=bool(tools), thinking=thinking,
+                             max_calls=None if parallel else 1)
+    parser = features.parse_tool_call
+    if parser is None:
+        return ChatReply(splitter, features, lambda text: None)
+    return ChatReply(splitter, features, functools.partial(parse_calls, parser=parser,
+                                                           tools=tools, request_id=request_id))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -9,20 +9,71 @@ Tests give the router a simpler codec of their own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import jinja2
 
 Role = Literal["system", "user", "assistant", "tool"]
+# A generation prompt that opens a reasoning block does so in its last few tokens.
+THINK_TAIL_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class CalledTool:
+    """A tool call of an earlier assistant message, as the client sent it back.
+    ``arguments``: a JSON object's text (OpenAI's wire form); the template gets the object."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One message of a chat, its content parts already joined into one string."""
+    """One message of a chat, its content parts already joined into one string;
+    an assistant's ``tool_calls``, a tool result's ``tool_call_id``."""
 
     role: Role
     content: str
+    tool_calls: tuple[CalledTool, ...] = ()
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's and mlx-lm's convention: a call's
+        arguments as an object, not OpenAI's JSON string)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+ToolParser = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class ChatFeatures:
+    """What the model's chat template and tokenizer offer beyond plain chat.
+
+    ``tool_call``: the markers around a tool call in the output (``<tool_call>``,
+    ``</tool_call>``) and ``parse_tool_call`` the model's parser of the text between them
+    (mlx-lm's ``tool_parser``: text and the tools in, ``{"name", "arguments"}`` or a list of
+    them out; raises ValueError on text it cannot parse); None: no tool calling.
+    ``think``: the markers around reasoning (``<think>``, ``</think>``); None: none.
+    ``marker_ids``: the markers that are one token each, with its id (a grammar names the
+    token, which llguidance counts as special, rather than the text)."""
+
+    tool_call: tuple[str, str] | None = None
+    think: tuple[str, str] | None = None
+    parse_tool_call: ToolParser | None = field(default=None, compare=False)
+    marker_ids: tuple[tuple[str, int], ...] = ()
 
 
 class ChatTemplateError(Exception):
@@ -54,6 +105,7 @@ class StreamDecoder(Protocol):
 class TextCodec(Protocol):
     eos_token_ids: frozenset[int]
     vocab_size: int  # the tokenizer's token ids are 0 .. vocab_size - 1
+    features: ChatFeatures
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (part of a UTF-8 character, maybe), as a
@@ -64,9 +116,17 @@ class TextCodec(Protocol):
         """A completion prompt's ids, with the tokenizer's usual special tokens (BOS)."""
         ...
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        """The chat template applied with ``add_generation_prompt=True``, as ids.
-        Raises ``ChatTemplateError`` when the template refuses the messages."""
+    def encode_chat(self, messages: list[ChatMessage], *,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The chat template applied with ``add_generation_prompt=True``, as ids, with
+        ``tools`` (OpenAI's tool objects; None: none) and the client's ``template_kwargs``
+        (``enable_thinking``). Raises ``ChatTemplateError`` when the template refuses them."""
+        ...
+
+    def opens_thinking(self, prompt: Sequence[int]) -> bool:
+        """Whether the prompt ends inside a reasoning block (the template opened one that
+        the model is to close): the answer starts as reasoning."""
         ...
 
     def decoder(self) -> StreamDecoder: ...
@@ -82,6 +142,18 @@ class MlxTextCodec:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        has_template = bool(tokenizer.has_chat_template)
+        tools = has_template and bool(tokenizer.has_tool_calling) and \
+            tokenizer.tool_parser is not None
+        tool_call = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else None
+        think = (tokenizer.think_start, tokenizer.think_end) \
+            if has_template and tokenizer.has_thinking else None
+        ids = {m: tokenizer.encode(m, add_special_tokens=False)
+               for m in (*(tool_call or ()), *(think or ()))}
+        self.features = ChatFeatures(
+            tool_call=tool_call, think=think,
+            parse_tool_call=tokenizer.tool_parser if tools else None,
+            marker_ids=tuple((m, int(t[0])) for m, t in ids.items() if len(t) == 1))
         self.vocab_size = len(tokenizer)
         self._bytes: dict[int, bytes] = {}
 
@@ -96,18 +168,30 @@ class MlxTextCodec:
     def encode_prompt(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer.encode(text)]
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], *,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         if not self._tokenizer.has_chat_template:
             lines = "".join(f"{m.role}: {m.content}\n" for m in messages)
             return self.encode_prompt(lines + "assistant:")
-        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        dicts = [m.template_dict() for m in messages]
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = [dict(t) for t in tools]
         try:
             ids = self._tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
-                                                      tokenize=True)
-        except (jinja2.TemplateError, ValueError) as exc:
+                                                      tokenize=True, **extra)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise ChatTemplateError(f"the model's chat template refused the messages: {exc}") \
                 from exc
         return [int(t) for t in ids]
+
+    def opens_thinking(self, prompt: Sequence[int]) -> bool:
+        if self.features.think is None:
+            return False
+        ids = list(prompt[-THINK_TAIL_TOKENS:])
+        start = self._tokenizer.rfind_think_start(ids)  # -1: not found
+        return bool(start >= 0 and self._tokenizer.rfind_think_end(ids) < start)
 
     def decoder(self) -> StreamDecoder:
         return _MlxDecoder(self._tokenizer.detokenizer)

@@ -11,9 +11,15 @@ the sequence, the end-of-sequence token included (it was sampled and counts
 against ``max_tokens``), as vLLM does; its text is never shown. A token the
 codec calls end-of-sequence is taken as such even if the engine did not mark it.
 
-With ``logprobs`` asked, each ``TextPiece`` carries the entries of the tokens whose text
-it completes (``logprobs.LogprobTracker``), and the last piece those whose text a stop
-string cut; such a last piece may have no text.
+With ``logprobs`` asked, each token's entry goes with the text it completes
+(``logprobs.LogprobTracker``): on the first ``TextPiece`` made of that text, or on a
+``TextPiece`` of its own with no text where the text made none (held back, a stop
+string cut it, or it was a tool call's); the last piece carries those a stop string cut.
+
+A chat answer is read by its ``ChatReply`` (``replies.py``) after the stop strings: its
+text pieces come out as content or reasoning, its tool calls as ``Called``; once the reply
+is done (``parallel_tool_calls`` false, one call made) the sequence ends as at a stop
+string.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from mlxceld.api.codec import TextCodec
 from mlxceld.api.draining import Draining
 from mlxceld.api.logprobs import LogprobTracker, TokenLogprob
 from mlxceld.api.metrics import Metrics
+from mlxceld.api.replies import Called, ChatReply, PartKind, Said
 from mlxceld.api.stops import StopMatcher
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
 
@@ -35,6 +42,7 @@ from mlxceld.engine import Engine, FinishReason, GenerationRequest
 @dataclass(frozen=True)
 class TextPiece:
     text: str
+    kind: PartKind = "content"
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -45,7 +53,7 @@ class Finished:
     completion_tokens: int
 
 
-Event = TextPiece | Finished
+Event = TextPiece | Called | Finished
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,10 @@ class Sequencer:
     draining: Draining  # a drain's deadline ends the sequence (``next_output``)
 
     async def generate_text(self, request: GenerationRequest, stops: Sequence[str], *,
-                            arrived: float) -> AsyncGenerator[Event, None]:
-        """``arrived``: the request's ``time.monotonic()``, for time to first token."""
+                            arrived: float, reply: ChatReply | None = None
+                            ) -> AsyncGenerator[Event, None]:
+        """``arrived``: the request's ``time.monotonic()``, for time to first token;
+        ``reply``: how a chat answer is read (None: all its text is content)."""
         prompt_tokens = len(request.prompt_tokens)
         max_tokens = request.params.max_tokens
         decoder = self.codec.decoder()
@@ -92,14 +102,13 @@ class Sequencer:
                     made = (decoder.add(output.token) if decoder.incremental
                             else await asyncio.to_thread(decoder.add, output.token))
                     text = matcher.feed(made)
+                    entries: tuple[TokenLogprob, ...] = ()
                     if tracker is not None:
                         tracker.add(output, made)
                         entries = tracker.shown(text)
-                        if text or entries:
-                            yield TextPiece(text, entries)
-                    elif text:
-                        yield TextPiece(text)
-                    if matcher.stopped:
+                    for piece in _read(text, reply, entries):
+                        yield piece
+                    if matcher.stopped or (reply is not None and reply.done):
                         reason = "stop"
                         break
                     if output.finish_reason == "length" or count >= max_tokens:
@@ -108,7 +117,7 @@ class Sequencer:
             finally:
                 await outputs.aclose()
         tail = ""
-        if not matcher.stopped:
+        if not matcher.stopped and not (reply is not None and reply.done):
             made = (decoder.finish() if decoder.incremental
                     else await asyncio.to_thread(decoder.finish))
             tail = matcher.feed(made)
@@ -118,8 +127,31 @@ class Sequencer:
             if matcher.stopped:  # the held-back end of the text completed a stop string
                 reason = "stop"
         entries = () if tracker is None else tracker.shown(tail) + tracker.finish()
-        if tail or entries:
-            yield TextPiece(tail, entries)
+        for piece in _read(tail, reply, entries):
+            yield piece
+        if reply is not None:
+            for piece in _read(None, reply):
+                yield piece
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
         yield Finished(reason, prompt_tokens, count)
+
+
+def _read(text: str | None, reply: ChatReply | None,
+          entries: tuple[TokenLogprob, ...] = ()) -> list[TextPiece | Called]:
+    """``text``'s events, the first text piece carrying ``entries`` (a piece of its own
+    when none has text); ``text`` None: the answer's end (what the reply still holds)."""
+    if reply is None:
+        events: list[TextPiece | Called] = [TextPiece(text)] if text else []
+    else:
+        readings = reply.finish() if text is None else reply.feed(text) if text else []
+        events = [TextPiece(r.text, r.kind) if isinstance(r, Said) else r for r in readings]
+    if entries:
+        first = next((i for i, e in enumerate(events) if isinstance(e, TextPiece)), None)
+        if first is None:
+            events.append(TextPiece("", logprobs=entries))
+        else:
+            piece = events[first]
+            assert isinstance(piece, TextPiece)
+            events[first] = TextPiece(piece.text, piece.kind, entries)
+    return events

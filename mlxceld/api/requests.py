@@ -13,7 +13,13 @@ serve:
   [-100, 100]), ``min_p`` in [0, 1], ``top_k`` >= 0 (0 is off), ``seed``.
 - ``logprobs``: chat: a boolean, with ``top_logprobs`` 0 to 20 (which needs
   ``logprobs`` true); completions: an integer 0 to 5, the alternatives per token.
-- ``user``, ``tools`` and every unknown field: ignored.
+- ``user`` and every unknown field: ignored.
+- ``tools``, ``tool_choice``, ``parallel_tool_calls`` and an assistant message's
+  ``tool_calls``: see ``tools.py``; a ``role: "tool"`` message's ``tool_call_id`` goes
+  to the template (left out, as templates that ignore it allow).
+- ``chat_template_kwargs``: an object of extra variables for the chat template (such as
+  ``{"enable_thinking": false}``); names the router itself gives the template
+  (``TEMPLATE_OWN_KWARGS``) are refused.
 - ``model`` may be left out: a router serves one model.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
   newer name). Left out: what is left of the context, capped by the server's
@@ -42,6 +48,7 @@ from starlette.requests import Request
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
+from mlxceld.api.tools import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import MAX_TOP_LOGPROBS, SamplingParams
 from mlxceld.engine.base import MAX_LOGIT_BIAS
@@ -55,6 +62,12 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_REPETITION_PENALTY = 10.0
 MAX_BIAS = 100.0  # |a logit_bias value| (OpenAI's)
 MAX_COMPLETION_LOGPROBS = 5  # completions' ``logprobs`` (OpenAI's bound)
+# What the router passes to the chat template itself, or what would change what it renders.
+TEMPLATE_OWN_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "chat_template"})
 ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user",
                           "assistant": "assistant", "tool": "tool"}
 
@@ -84,6 +97,8 @@ class Options:
 class ChatRequest:
     messages: tuple[ChatMessage, ...]
     options: Options
+    tools: ToolUse | None = None
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs, in order
 
 
 @dataclass(frozen=True)
@@ -104,7 +119,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
     fields = Fields(parse_object(body))
     return ChatRequest(messages=_messages(fields),
-                       options=_options(fields, model_id, _chat_logprobs(fields)))
+                       options=_options(fields, model_id, _chat_logprobs(fields)),
+                       tools=parse_tool_use(fields), template_kwargs=_template_kwargs(fields))
 
 
 def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
@@ -276,6 +292,20 @@ def _messages(fields: Fields) -> tuple[ChatMessage, ...]:
     return tuple(_message(item, f"messages[{i}]") for i, item in enumerate(value))
 
 
+def _template_kwargs(fields: Fields) -> tuple[tuple[str, Any], ...]:
+    value = fields.get("chat_template_kwargs")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise fields.wrong("chat_template_kwargs", "an object")
+    ours = sorted(TEMPLATE_OWN_KWARGS & set(value))
+    if ours:
+        raise invalid(f"'chat_template_kwargs' sets {', '.join(map(repr, ours))}, which the "
+                      "server sets itself; send messages and tools as their own fields",
+                      f"chat_template_kwargs.{ours[0]}")
+    return tuple(value.items())
+
+
 def _message(item: Any, path: str) -> ChatMessage:
     if not isinstance(item, dict):
         raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
@@ -287,14 +317,16 @@ def _message(item: Any, path: str) -> ChatMessage:
     if role is None:
         raise invalid(f"'{path}.role' must be one of {', '.join(ROLES)}, not {show(name)}",
                       f"{path}.role")
+    calls = parse_called_tools(fields) if role == "assistant" else ()
+    call_id = fields.string("tool_call_id") if role == "tool" else None
     content = fields.get("content")
     if content is None and role == "assistant":
-        return ChatMessage(role, "")
+        return ChatMessage(role, "", calls)
     if isinstance(content, str):
-        return ChatMessage(role, check_text(content, f"{path}.content"))
+        return ChatMessage(role, check_text(content, f"{path}.content"), calls, call_id)
     if isinstance(content, list):
         return ChatMessage(role, "\n".join(_text_part(part, f"{path}.content[{j}]")
-                                           for j, part in enumerate(content)))
+                                           for j, part in enumerate(content)), calls, call_id)
     raise fields.wrong("content", "a string or an array of content parts")
 
 

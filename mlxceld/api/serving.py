@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from mlxceld.api.errors import ApiError, error_response
-from mlxceld.api.formats import Format
+from mlxceld.api.formats import Answer, Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
-from mlxceld.api.logprobs import TokenLogprob
+from mlxceld.api.replies import Called, ChatReply
 from mlxceld.api.streaming import end_events, event, send_event, start_events, until_disconnect
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 
@@ -44,8 +44,10 @@ class CompletionResponse(Response):
     """An ASGI response that runs the sequence while it is sent, cancelled with it."""
 
     def __init__(self, sequencer: Sequencer, request: GenerationRequest, stops: Sequence[str],
-                 fmt: Format, *, stream: bool, arrived: float) -> None:
+                 fmt: Format, *, stream: bool, arrived: float,
+                 reply: ChatReply | None = None) -> None:
         self._sequencer = sequencer
+        self._reply = reply
         self._request = request
         self._stops = tuple(stops)
         self._format = fmt
@@ -63,7 +65,8 @@ class CompletionResponse(Response):
                       self._request.request_id)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        events = self._sequencer.generate_text(self._request, self._stops, arrived=self._arrived)
+        events = self._sequencer.generate_text(self._request, self._stops, arrived=self._arrived,
+                                               reply=self._reply)
         async with self._sequencer.draining.track(), aclosing(events):
             try:
                 first = await anext(events)
@@ -85,30 +88,41 @@ class CompletionResponse(Response):
 
     async def _send_whole(self, first: Event, events: AsyncIterator[Event], scope: Scope,
                           receive: Receive, send: Send) -> None:
-        texts: list[str] = []
-        entries: list[TokenLogprob] = []
+        answer = Answer()
         current = first
         try:
             while not isinstance(current, Finished):
-                texts.append(current.text)
-                entries += current.logprobs
+                if isinstance(current, Called):
+                    answer.calls.extend(current.calls)
+                else:
+                    answer.logprobs += current.logprobs
+                    if current.kind == "reasoning":
+                        answer.reasoning += current.text
+                    else:
+                        answer.content += current.text
                 current = await anext(events)
         except Exception as exc:
             await self._refuse(exc, scope, receive, send)
             return
         self._log_finished(current)
-        await JSONResponse(self._format.whole("".join(texts), current, entries))(
-            scope, receive, send)
+        await JSONResponse(self._format.whole(answer, current))(scope, receive, send)
 
     async def _send_stream(self, first: Event, events: AsyncIterator[Event], send: Send) -> None:
         await start_events(send)
         for chunk in self._format.opening():
             await send_event(send, event(chunk))
         current = first
+        calls = 0
         try:
-            while isinstance(current, TextPiece):
-                await send_event(send, event(self._format.piece(current.text,
-                                                                current.logprobs)))
+            while isinstance(current, TextPiece | Called):
+                if isinstance(current, Called):
+                    for call in current.calls:
+                        for chunk in self._format.called(calls, call):
+                            await send_event(send, event(chunk))
+                        calls += 1
+                else:
+                    await send_event(send, event(self._format.piece(
+                        current.text, current.kind, current.logprobs)))
                 current = await anext(events)
         except Exception as exc:
             error = failure(exc)
@@ -118,7 +132,8 @@ class CompletionResponse(Response):
             await end_events(send)
             return
         self._log_finished(current)
-        await send_event(send, event(self._format.closing(current.reason)))
+        reason = "tool_calls" if calls and current.reason == "stop" else current.reason
+        await send_event(send, event(self._format.closing(reason)))
         if self._format.include_usage:
             await send_event(send, event(self._format.usage(current)))
         await end_events(send)

@@ -11,6 +11,8 @@ from typing import Literal, NotRequired, TypedDict
 
 from mlxceld.engine import FinishReason
 
+# A chat answer that called tools ends with "tool_calls" (where the engine said "stop").
+ChatFinishReason = FinishReason | Literal["tool_calls"]
 ErrorType = Literal["invalid_request_error", "server_error"]
 
 
@@ -56,16 +58,33 @@ class Usage(TypedDict):
     total_tokens: int
 
 
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallShape(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(TypedDict):
+    """``content`` is null when the answer is tool calls only; ``reasoning_content`` (the
+    model's thinking, as vLLM and DeepSeek name it) and ``tool_calls`` only when there are
+    any."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCallShape]]
 
 
 class ChatChoice(TypedDict):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletion(TypedDict):
@@ -77,16 +96,33 @@ class ChatCompletion(TypedDict):
     usage: Usage
 
 
+class FunctionCallDelta(TypedDict):
+    name: NotRequired[str]
+    arguments: str
+
+
+class ToolCallDelta(TypedDict):
+    """A call streamed as OpenAI does: its first delta has the index, id, type and name
+    (arguments ""), the next ones more of the arguments under the same index."""
+
+    index: int
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: FunctionCallDelta
+
+
 class Delta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCallDelta]]
 
 
 class ChatChunkChoice(TypedDict):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(TypedDict):

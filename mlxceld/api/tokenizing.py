@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from mlxceld.api.codec import ChatMessage, TextCodec
 
@@ -57,10 +57,15 @@ class PromptTokenizer:
         """``text`` (``size`` UTF-8 bytes) as token ids."""
         return await self._run(self._codec.encode_prompt, text, size)
 
-    async def chat(self, messages: list[ChatMessage], size: int) -> list[int]:
-        """The chat template applied to ``messages`` (``size`` bytes of content), as ids;
-        raises the codec's ``ChatTemplateError``."""
-        return await self._run(self._codec.encode_chat, messages, size)
+    async def chat(self, messages: list[ChatMessage], size: int, *,
+                   tools: Sequence[Mapping[str, Any]] | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The chat template applied to ``messages`` (``size`` bytes of content and tools)
+        with ``tools`` and ``template_kwargs``, as ids; raises the codec's
+        ``ChatTemplateError``."""
+        encode = functools.partial(self._codec.encode_chat, tools=tools,
+                                   template_kwargs=template_kwargs)
+        return await self._run(encode, messages, size)
 
     async def _run(self, encode: Callable[[T], list[int]], arg: T, size: int) -> list[int]:
         if size < LARGE_PROMPT_BYTES:

@@ -4,6 +4,8 @@
 from mlxceld.engine.base import (
     LOGPROB_FLOOR,
     MAX_TOP_LOGPROBS,
+    Constraint,
+    ConstraintKind,
     Engine,
     EngineError,
     EngineUnavailable,
@@ -13,6 +15,6 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 
-__all__ = ["LOGPROB_FLOOR", "MAX_TOP_LOGPROBS", "Engine", "EngineError", "EngineUnavailable",
-           "FinishReason", "GenerationRequest", "SamplingParams",
-           "TokenOutput"]
+__all__ = ["LOGPROB_FLOOR", "MAX_TOP_LOGPROBS", "Constraint", "ConstraintKind", "Engine",
+           "EngineError", "EngineUnavailable", "FinishReason", "GenerationRequest",
+           "SamplingParams", "TokenOutput"]

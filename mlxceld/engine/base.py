@@ -15,6 +15,17 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
+ConstraintKind = Literal["json_schema", "json_object", "lark"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, enforced token by token (``engine/constraints.py``):
+    ``json_schema`` (``text`` is the schema as JSON), ``json_object`` (any JSON object;
+    ``text`` is empty) or ``lark`` (``text`` is a Lark grammar in llguidance's dialect)."""
+
+    kind: ConstraintKind
+    text: str = ""
 
 
 REPETITION_CONTEXT = 20  # tokens the repetition penalty looks back (mlx-lm's default)
@@ -34,7 +45,8 @@ class SamplingParams:
     generated so far. The sampler then filters by ``top_k`` (0: off), ``top_p`` and
     ``min_p`` (0: off). ``logprobs``: None, or how many top alternatives each
     ``TokenOutput`` carries besides the chosen token's own log-probability (0 to
-    ``MAX_TOP_LOGPROBS``)."""
+    ``MAX_TOP_LOGPROBS``). ``constraint``: the output must match it (None: free text);
+    its mask acts after the other processors."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -47,6 +59,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     @property
     def penalized(self) -> bool:

@@ -5,6 +5,9 @@ cancelled sequences from a thread-safe inbox between steps, runs one step
 (a prefill chunk and/or one batched decode step for every active sequence),
 and hands each token to its request's asyncio queue. Concurrent requests
 therefore share each decode step. The asyncio side never touches mlx.
+
+A request with a constraint (``SamplingParams.constraint``) gets its own matcher, built
+off the step thread (``engine/constraints.py``), as one more logits processor.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mlxceld.engine.base import (
     SamplingParams,
     TokenOutput,
 )
+from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer, Matching
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.models.reading import Progress, model_layers, read_weights
@@ -48,6 +52,7 @@ class _Sequence:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[TokenOutput | BaseException]
     uid: int | None = None
+    matching: Matching | None = None  # the request's constraint, if it has one
 
 
 class LocalEngine:
@@ -56,11 +61,15 @@ class LocalEngine:
     def __init__(self, model: Any, *, model_id: str, context_length: int,
                  eos_token_ids: set[int], vocab_size: int, max_batch: int = 8,
                  prefill_step: int = DEFAULT_PREFILL_STEP,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 constraints: ConstraintTokenizer | ConstraintError | None = None) -> None:
+        """``constraints``: what builds a constrained request's matcher, or why this model
+        has none (such a request is refused with that ``ConstraintError``)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
         self._vocab_size = vocab_size
+        self._constraints = constraints
         self._gen: Any = BatchGenerator(  # mlx-lm is untyped here
             model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
             completion_batch_size=max_batch, prefill_batch_size=max_batch,
@@ -87,6 +96,8 @@ class LocalEngine:
         if self._failure is not None or self._closed.is_set():
             raise EngineError(f"the engine is not running: {self._failure or 'closed'}")
         seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())
+        if request.params.constraint is not None:  # compiling may take a while: not here
+            seq.matching = await asyncio.to_thread(self._matching, request.params)
         self._active += 1
         self._inbox.put(("insert", seq))
         finished = False
@@ -103,6 +114,14 @@ class LocalEngine:
             self._active -= 1
             if not finished:
                 self._inbox.put(("cancel", seq))
+
+    def _matching(self, params: SamplingParams) -> Matching:
+        constraint = params.constraint
+        assert constraint is not None
+        if not isinstance(self._constraints, ConstraintTokenizer):
+            why = self._constraints or "this engine was built without constrained decoding"
+            raise ConstraintError(str(why))
+        return self._constraints.matcher(constraint)
 
     async def aclose(self) -> None:
         self._closed.set()
@@ -156,7 +175,8 @@ class LocalEngine:
             [uid] = self._gen.insert(
                 [rest], max_tokens=[req.params.max_tokens], caches=[cache],
                 all_tokens=[tokens[: len(tokens) - len(rest)]],
-                samplers=[sampler], logits_processors=[processors],
+                samplers=[sampler],
+                logits_processors=[processors + constraint_processors(seq.matching)],
             )
         except (ValueError, TypeError) as exc:  # a bad parameter fails its request only
             # (empty prompt, max_tokens, a seed mlx refuses: caught above us normally)
@@ -226,6 +246,12 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
                          f"vocabulary of {vocab_size} tokens")
 
 
+def constraint_processors(matching: Matching | None) -> list[Callable[[Any, Any], Any]]:
+    """A sequence's constraint as mlx-lm logits processors (kept apart from the sampling
+    processors, so that the two lists are concatenated; the mask goes last)."""
+    return [] if matching is None else [matching]
+
+
 def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], TokenOutput]]
              ) -> None:
     for out, item in items:
@@ -245,7 +271,21 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
     context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     vocab = int(config.get("vocab_size") or model.args.vocab_size)
     read_weights(model_layers(model), model, progress)
+    eos = set(tokenizer.eos_token_ids)
     engine = LocalEngine(model, model_id=model_id or Path(path).name, context_length=context,
-                         eos_token_ids=set(tokenizer.eos_token_ids), vocab_size=vocab,
-                         max_batch=max_batch, on_failure=on_failure)
+                         eos_token_ids=eos, vocab_size=vocab, max_batch=max_batch,
+                         on_failure=on_failure,
+                         constraints=constraint_tokenizer(tokenizer, vocab, eos))
     return engine, tokenizer
+
+
+def constraint_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]
+                         ) -> ConstraintTokenizer | ConstraintError:
+    """llguidance's tokenizer from mlx-lm's ``TokenizerWrapper`` (its Hugging Face tokenizer),
+    or why there is none (logged once: constrained requests are then refused)."""
+    try:
+        return ConstraintTokenizer(tokenizer._tokenizer, vocab_size=vocab_size,
+                                   eos_token_ids=eos_token_ids)
+    except ConstraintError as exc:
+        log.warning("%s; requests with a response_format will be refused", exc)
+        return exc

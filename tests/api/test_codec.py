@@ -98,3 +98,33 @@ def test_a_template_that_refuses_the_messages_is_a_chat_template_error() -> None
 def test_without_a_template_a_plain_one_is_used() -> None:
     ids = codec(template=False).encode_chat([ChatMessage("user", "hi")])
     assert hf_tokenizer().decode(ids) == "user: hi\nassistant:"
+
+
+def test_features_tools_and_template_kwargs_over_the_tools_fixture(tmp_path: Any) -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxceld.api import CalledTool, ChatFeatures
+    from mlxceld.models import preset, write_fixture
+
+    directory = write_fixture(tmp_path / "tools", preset("tiny", chat_template="tools"))
+    codec = MlxTextCodec(load_tokenizer(directory))
+    features = codec.features
+    assert features.tool_call == ("<tool_call>", "</tool_call>")
+    assert features.think == ("<think>", "</think>")
+    assert dict(features.marker_ids).keys() == {"<tool_call>", "</tool_call>", "<think>",
+                                                "</think>"}
+    assert features.parse_tool_call is not None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    messages = [ChatMessage("user", "go"),
+                ChatMessage("assistant", "", (CalledTool("call_1", "f", '{"x": 1}'),)),
+                ChatMessage("tool", "42", tool_call_id="call_1")]
+    ids = codec.encode_chat(messages, tools=tools)
+    decoder = codec.decoder()
+    text = "".join(decoder.add(t) for t in ids) + decoder.finish()
+    assert '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>' in text
+    assert '"name": "f"' in text.split("</tools>")[0]
+    assert codec.opens_thinking(ids)
+    closed = codec.encode_chat(messages[:1], template_kwargs={"enable_thinking": False})
+    assert not codec.opens_thinking(closed)
+    plain = MlxTextCodec(TokenizerWrapper(hf_tokenizer()))
+    assert plain.features == ChatFeatures()  # a plain template: no tools, no thinking

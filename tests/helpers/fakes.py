@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncGenerator
+import json
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from mlxceld.api import ChatMessage, ChatTemplateError, StreamDecoder
+from mlx_lm.tool_parsers import json_tools
+
+from mlxceld.api import ChatFeatures, ChatMessage, ChatTemplateError, StreamDecoder
 from mlxceld.engine import EngineError, GenerationRequest, TokenOutput
 
 EOS = 256
@@ -26,12 +30,20 @@ class ByteDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+# What ToolByteCodec's model writes: json_tools calls and Qwen's thinking markers.
+TOOL_FEATURES = ChatFeatures(tool_call=("<tool_call>", "</tool_call>"),
+                             think=("<think>", "</think>"),
+                             parse_tool_call=json_tools.parse_tool_call)
+
+
 class ByteCodec:
     """One token per UTF-8 byte; 256 is end-of-sequence. Its chat template is
-    ``<role>content`` per message, then ``<assistant>``; it knows no "tool" role."""
+    ``<role>content`` per message, then ``<assistant>``; it knows no "tool" role and
+    no tools."""
 
     eos_token_ids = frozenset({EOS})
     vocab_size = EOS + 1
+    features = ChatFeatures()
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([token]) if token < EOS else b""
@@ -39,14 +51,47 @@ class ByteCodec:
     def encode_prompt(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], *,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         if any(m.role == "tool" for m in messages):
             raise ChatTemplateError("the chat template knows no role 'tool'")
         return self.encode_prompt("".join(f"<{m.role}>{m.content}" for m in messages)
                                   + "<assistant>")
 
+    def opens_thinking(self, prompt: Sequence[int]) -> bool:
+        return False
+
     def decoder(self) -> StreamDecoder:
         return ByteDecoder()
+
+
+class ToolByteCodec(ByteCodec):
+    """A ``ByteCodec`` whose template has tools (``<tools>`` and their JSON first),
+    tool calls and results, and opens ``<think>`` at the answer unless
+    ``enable_thinking`` is false. ``templated``: what each call was given."""
+
+    features = TOOL_FEATURES
+
+    def __init__(self) -> None:
+        self.templated: list[tuple[list[ChatMessage], Any, dict[str, Any]]] = []
+
+    def encode_chat(self, messages: list[ChatMessage], *,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        kwargs = dict(template_kwargs or {})
+        self.templated.append((messages, tools, kwargs))
+        text = f"<tools>{json.dumps(list(tools))}" if tools else ""
+        for m in messages:
+            calls = "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>"
+                            for c in m.template_dict().get("tool_calls", []))
+            text += f"<{m.role}>{m.content}{calls}"
+        think = "<think>" if kwargs.get("enable_thinking", True) else "<think></think>"
+        return self.encode_prompt(text + "<assistant>" + think)
+
+    def opens_thinking(self, prompt: Sequence[int]) -> bool:
+        text = bytes(prompt).decode()
+        return text.rfind("<think>") > text.rfind("</think>")
 
 
 @dataclass

@@ -295,3 +295,35 @@ def test_cli_writes_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run_cli([str(tmp_path / "y"), "--kv-heads", "3"]) == 2
     assert "--kv-heads" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_tools_template_gives_mlx_lm_tool_calling_and_thinking(tmp_path: Path,
+                                                                  tiny: Path) -> None:
+    target = tmp_path / "tools"
+    assert run_cli([str(target), "--chat-template", "tools"]) == 0
+    _, tokenizer = load(target)
+    assert tokenizer.has_tool_calling and tokenizer.has_thinking
+    assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert len(tokenizer.tool_call_start_tokens) == len(tokenizer.think_start_tokens) == 1
+    assert tokenizer.tool_parser('{"name": "f", "arguments": {"x": 1}}') == \
+        {"name": "f", "arguments": {"x": 1}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "f", "arguments": {"x": 1}}}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "go"}, {"role": "assistant", "content": None,
+                                             "tool_calls": calls},
+         {"role": "tool", "tool_call_id": "call_1", "content": "42"}],
+        tools=tools, add_generation_prompt=True, tokenize=False)
+    assert '<tools>\n{"type": "function"' in text
+    assert '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>' in text
+    assert "<tool_response>\n42\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n")  # the answer opens thinking
+    closed = tokenizer.apply_chat_template([{"role": "user", "content": "go"}],
+                                           add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=False)
+    assert closed.endswith("<think>\n\n</think>\n\n")
+    _, plain = load(tiny)  # the default template: neither
+    assert not plain.has_tool_calling and not plain.has_thinking
+    with pytest.raises(ConfigError, match="chat_template"):
+        preset("tiny", chat_template="jinja")

@@ -1,0 +1,194 @@
+"""A chat answer's text split into its parts: content, reasoning and tool calls (sans-IO).
+
+Text arrives in pieces, as the decoder lets it out (after the stop strings). The model's
+markers (``codec.ChatFeatures``) switch between three states:
+
+- content, until a tool call's start marker (when the request offered tools) or a
+  reasoning start marker;
+- reasoning, until the reasoning end marker; an answer starts in it when its prompt ended
+  inside a reasoning block (``TextCodec.opens_thinking``);
+- a tool call, until its end marker: the text between is one ``CallText``, parsed above
+  (``toolcalls.py``).
+
+Markers are matched in the text, so a marker split across pieces (or spelled by several
+tokens) is found: text that may be the start of a marker is held back until the next
+piece says whether it is one, as ``StopMatcher`` does. Markers are never shown. A tool
+call still open when the answer ends is shown as content, its start marker included
+(``finish``), so that no text is lost.
+
+``ChatReply`` puts the splitter and the tool-call reader together: ``Said`` parts and
+``Called`` calls out, a call the reader cannot read shown as content, markers and all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from mlxceld.api.codec import ChatFeatures
+from mlxceld.api.toolcalls import ToolCall
+
+PartKind = Literal["content", "reasoning"]
+
+
+@dataclass(frozen=True)
+class Said:
+    """Text to show: the answer's ``content`` or its ``reasoning_content``."""
+
+    kind: PartKind
+    text: str
+
+
+@dataclass(frozen=True)
+class CallText:
+    """The text of one complete tool call, without its markers."""
+
+    text: str
+
+
+Part = Said | CallText
+State = Literal["content", "reasoning", "call"]
+
+
+class ReplySplitter:
+    """``tools``: whether tool-call markers count (the request offered tools);
+    ``thinking``: whether the answer starts as reasoning; ``max_calls``: after that many
+    complete calls ``done`` is set (``parallel_tool_calls`` false: 1), None: no limit."""
+
+    def __init__(self, features: ChatFeatures, *, tools: bool, thinking: bool,
+                 max_calls: int | None = None) -> None:
+        self._call_markers = features.tool_call if tools else None
+        self._think = features.think
+        self._state: State = "reasoning" if thinking and self._think else "content"
+        self._held = ""
+        self._call = ""
+        self._max_calls = max_calls
+        self.calls = 0
+        self.done = False
+
+    def feed(self, text: str) -> list[Part]:
+        """Take the next piece; return the parts it completes, in order."""
+        parts: list[Part] = []
+        buffer = self._held + text
+        self._held = ""
+        while buffer and not self.done:
+            markers = self._markers()
+            found = [(i, m, s) for m, s in markers if (i := buffer.find(m)) >= 0]
+            if not found:
+                keep = _partial_suffix(buffer, [m for m, _ in markers])
+                self._emit(buffer[: len(buffer) - keep], parts)
+                self._held = buffer[len(buffer) - keep:]
+                break
+            at, marker, state = min(found)
+            self._emit(buffer[:at], parts)
+            buffer = buffer[at + len(marker):]
+            self._switch(state, parts)
+        return parts
+
+    def finish(self) -> list[Part]:
+        """The answer ended: what was held back, and an unfinished call as content."""
+        parts: list[Part] = []
+        held, self._held = self._held, ""
+        if self.done:
+            return parts
+        if self._state == "call":
+            start = self._call_markers[0] if self._call_markers else ""
+            parts.append(Said("content", start + self._call + held))
+            self._call = ""
+            self._state = "content"
+        elif held:
+            parts.append(Said(self._state, held))
+        return parts
+
+    @property
+    def open_call(self) -> bool:
+        """Whether a tool call has started and not ended."""
+        return self._state == "call"
+
+    def _markers(self) -> list[tuple[str, State]]:
+        if self._state == "reasoning":
+            return [(self._think[1], "content")] if self._think else []
+        if self._state == "call":
+            return [(self._call_markers[1], "content")] if self._call_markers else []
+        markers: list[tuple[str, State]] = []
+        if self._call_markers:
+            markers.append((self._call_markers[0], "call"))
+        if self._think:
+            markers.append((self._think[0], "reasoning"))
+        return markers
+
+    def _emit(self, text: str, parts: list[Part]) -> None:
+        if not text:
+            return
+        if self._state == "call":
+            self._call += text
+        else:
+            parts.append(Said(self._state, text))
+
+    def _switch(self, state: State, parts: list[Part]) -> None:
+        if self._state == "call":
+            parts.append(CallText(self._call))
+            self._call = ""
+            self.calls += 1
+            if self._max_calls is not None and self.calls >= self._max_calls:
+                self.done = True
+        self._state = state
+
+
+def _partial_suffix(buffer: str, markers: list[str]) -> int:
+    """The length of the longest end of ``buffer`` that begins some marker."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(buffer)), longest, -1):
+            if buffer.endswith(marker[:size]):
+                longest = size
+                break
+    return longest
+
+
+@dataclass(frozen=True)
+class Called:
+    """The calls one tool-call block held (most parsers give one)."""
+
+    calls: tuple[ToolCall, ...]
+
+
+Reading = Said | Called
+
+
+class ChatReply:
+    """One chat answer read as it arrives. ``read_calls``: a call's text to its calls,
+    None when it cannot be read (``toolcalls.parse_calls``)."""
+
+    def __init__(self, splitter: ReplySplitter, features: ChatFeatures,
+                 read_calls: Callable[[str], list[ToolCall] | None]) -> None:
+        self._splitter = splitter
+        self._markers = features.tool_call or ("", "")
+        self._read = read_calls
+        self.called = False  # whether any call was read
+
+    @property
+    def done(self) -> bool:
+        """Whether the answer is complete (its one allowed call made): end the sequence."""
+        return self._splitter.done
+
+    def feed(self, text: str) -> list[Reading]:
+        return self._readings(self._splitter.feed(text))
+
+    def finish(self) -> list[Reading]:
+        return self._readings(self._splitter.finish())
+
+    def _readings(self, parts: list[Part]) -> list[Reading]:
+        out: list[Reading] = []
+        for part in parts:
+            if isinstance(part, Said):
+                out.append(part)
+                continue
+            calls = self._read(part.text)
+            if calls is None:
+                out.append(Said("content", self._markers[0] + part.text + self._markers[1]))
+            else:
+                self.called = True
+                out.append(Called(tuple(calls)))
+        return out

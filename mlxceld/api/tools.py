@@ -1,0 +1,214 @@
+"""A chat request's tools: ``tools``, ``tool_choice``, ``parallel_tool_calls``, read and
+checked, and the earlier tool calls its assistant messages carry.
+
+- ``tools``: function tools only (``{"type": "function", "function": {"name",
+  "description", "parameters"}}``), at most ``MAX_TOOLS``, names unique and as OpenAI
+  allows them (``NAME``); ``parameters`` a JSON schema object (left out: no arguments).
+  An empty list is no tools.
+- ``tool_choice``: "auto" (the default with tools), "none" (the template is given no
+  tools: the model answers in text), "required" (at least one call), or
+  ``{"type": "function", "function": {"name": ...}}`` (that one, and only it is given to
+  the template). "required" and a named function are forced by a grammar
+  (``toolgrammar.py``; the local engine enforces it); "required" or a named function
+  without tools is refused.
+- ``parallel_tool_calls`` (default true): false is honoured by ending the answer after its
+  first tool call.
+- an assistant message's ``tool_calls``: each ``{"id", "type": "function", "function":
+  {"name", "arguments"}}``, ``arguments`` a JSON object's text, as OpenAI sends it.
+
+Tools are checked against what the model offers in ``app.py``: a model whose chat
+template or tokenizer has no tool calling refuses tools (400 naming the model) unless
+``tool_choice`` is "none".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mlxceld.api.codec import CalledTool
+from mlxceld.api.errors import invalid
+from mlxceld.api.fields import Fields, kind, show
+
+MAX_TOOLS = 128  # OpenAI's limit
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+ChoiceKind = Literal["auto", "none", "required", "function"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call; ``parameters`` is its JSON schema's text."""
+
+    name: str
+    description: str | None
+    parameters: str
+
+    def template_dict(self) -> dict[str, Any]:
+        """OpenAI's tool object, as chat templates (and mlx-lm's parsers) read it."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = json.loads(self.parameters)
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The request's tools and how they may be used. ``function``: the named choice."""
+
+    tools: tuple[Tool, ...]
+    choice: ChoiceKind = "auto"
+    function: str | None = None
+    parallel: bool = True
+
+    @property
+    def offered(self) -> tuple[Tool, ...]:
+        """The tools the template is given: none for "none", the named one alone."""
+        if self.choice == "none":
+            return ()
+        if self.choice == "function":
+            return tuple(t for t in self.tools if t.name == self.function)
+        return self.tools
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer must be tool calls ("required", a named function)."""
+        return self.choice in ("required", "function")
+
+
+def parse_tool_use(fields: Fields) -> ToolUse | None:
+    """The request's tools, None when it has none (and ``tool_choice`` allows that)."""
+    tools = _tools(fields)
+    choice, function = _choice(fields)
+    parallel = fields.boolean("parallel_tool_calls", True)
+    if not tools:
+        if choice in ("required", "function"):
+            raise invalid(f"'tool_choice' is {show(fields.get('tool_choice'))}, but the "
+                          "request has no 'tools'; send the tools to choose from",
+                          "tool_choice")
+        return None
+    if function is not None and function not in {t.name for t in tools}:
+        raise invalid(f"'tool_choice' names the function {function!r}, which is not among "
+                      f"'tools' ({', '.join(t.name for t in tools)})",
+                      "tool_choice.function.name")
+    return ToolUse(tools, choice, function, parallel)
+
+
+def _tools(fields: Fields) -> tuple[Tool, ...]:
+    value = fields.get("tools")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise fields.wrong("tools", "an array of tools")
+    if len(value) > MAX_TOOLS:
+        raise invalid(f"'tools' holds {len(value)} tools; at most {MAX_TOOLS} are allowed",
+                      "tools")
+    tools = tuple(_tool(item, f"tools[{i}]") for i, item in enumerate(value))
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise invalid(f"'tools[{i}].function.name' {tool.name!r} is declared twice; "
+                          "give each tool its own name", f"tools[{i}].function.name")
+        seen.add(tool.name)
+    return tools
+
+
+def _tool(item: Any, path: str) -> Tool:
+    if not isinstance(item, dict):
+        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
+    fields = Fields(item, path)
+    tool_type = fields.string("type")
+    if tool_type != "function":
+        raise invalid(f"'{path}.type' must be \"function\" (only function tools are "
+                      f"served), not {show(tool_type)}", f"{path}.type")
+    function = fields.get("function")
+    if not isinstance(function, dict):
+        raise fields.wrong("function", "an object")
+    inner = Fields(function, f"{path}.function")
+    name = _name(inner)
+    description = inner.string("description")
+    parameters = inner.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise inner.wrong("parameters", "a JSON schema object")
+    inner.boolean("strict", False)  # checked; the grammar follows the schema either way
+    return Tool(name, description, json.dumps(parameters, ensure_ascii=False))
+
+
+def _name(fields: Fields) -> str:
+    name = fields.string("name")
+    if name is None:
+        raise invalid(f"'{fields.path('name')}' is required", fields.path("name"))
+    if not NAME.match(name):
+        raise invalid(f"'{fields.path('name')}' must be 1 to 64 letters, digits, '_' or '-', "
+                      f"not {show(name)}", fields.path("name"))
+    return name
+
+
+def _choice(fields: Fields) -> tuple[ChoiceKind, str | None]:
+    value = fields.get("tool_choice")
+    if value is None or value == "auto":
+        return "auto", None
+    if value == "none":
+        return "none", None
+    if value == "required":
+        return "required", None
+    if isinstance(value, dict):
+        choice = Fields(value, "tool_choice")
+        if choice.string("type") != "function":
+            raise invalid("'tool_choice.type' must be \"function\", not "
+                          f"{show(value.get('type'))}", "tool_choice.type")
+        function = value.get("function")
+        if not isinstance(function, dict):
+            raise choice.wrong("function", "an object with the function's name")
+        return "function", _name(Fields(function, "tool_choice.function"))
+    raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                  "{\"type\": \"function\", \"function\": {\"name\": ...}}, not "
+                  f"{show(value)}", "tool_choice")
+
+
+def parse_called_tools(fields: Fields) -> tuple[CalledTool, ...]:
+    """An assistant message's ``tool_calls``."""
+    value = fields.get("tool_calls")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise fields.wrong("tool_calls", "an array of tool calls")
+    return tuple(_called(item, fields.path(f"tool_calls[{i}]"))
+                 for i, item in enumerate(value))
+
+
+def _called(item: Any, path: str) -> CalledTool:
+    if not isinstance(item, dict):
+        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
+    fields = Fields(item, path)
+    call_id = fields.string("id")
+    if call_id is None:
+        raise invalid(f"'{path}.id' is required", f"{path}.id")
+    call_type = fields.string("type")
+    if call_type not in (None, "function"):
+        raise invalid(f"'{path}.type' must be \"function\", not {show(call_type)}",
+                      f"{path}.type")
+    function = fields.get("function")
+    if not isinstance(function, dict):
+        raise fields.wrong("function", "an object")
+    inner = Fields(function, f"{path}.function")
+    name = _name(inner)
+    arguments = inner.get("arguments")
+    if isinstance(arguments, dict):  # some clients send the object itself
+        return CalledTool(call_id, name, json.dumps(arguments, ensure_ascii=False))
+    text = inner.string("arguments")
+    if text is None:
+        raise invalid(f"'{path}.function.arguments' is required", f"{path}.function.arguments")
+    try:
+        parsed = json.loads(text or "{}")
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"'{path}.function.arguments' is not valid JSON ({exc}); send the "
+                      "arguments as the model gave them", f"{path}.function.arguments") from None
+    if not isinstance(parsed, dict):
+        raise invalid(f"'{path}.function.arguments' must hold a JSON object, not "
+                      f"{kind(parsed)}", f"{path}.function.arguments")
+    return CalledTool(call_id, name, json.dumps(parsed, ensure_ascii=False))
