@@ -61,6 +61,10 @@ def run(
     api_key_file: Annotated[Path | None, typer.Option(
         "--api-key-file", envvar="MLXCEL_API_KEY_FILE", show_envvar=True,
         help="Require this API key (Authorization: Bearer) on the OpenAI port.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="The most tokens one completion generates; a request without "
+        "max_tokens gets this many or what is left of the context, one asking for more is "
+        "refused. Default: no bound but the context.")] = None,
     cluster_secret_file: Annotated[Path | None, typer.Option(
         "--cluster-secret-file", help="The cluster secret (at least 16 bytes; one trailing "
         "newline is trimmed). Wins over MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET and "

@@ -65,18 +65,22 @@ def build_router_app(
     api_key: str | None = None,
     max_queued: int = 64,
     max_body_bytes: int = 4 << 20,
-    default_max_tokens: int = 512,
+    max_tokens: int | None = None,
     ready: Callable[[], bool] | None = None,
     readiness: Callable[[], Mapping[str, Any] | None] | None = None,
     draining: Draining | None = None,
 ) -> ASGIApp:
-    """``ready``: whether the engine serves yet (None: it always does); ``readiness``:
-    what keeps it from serving well now (a JSON object with a ``message`` for ``/ready``'s
-    503 body), or None when nothing does; ``draining``: the nodes draining, set by the
-    worker as its daemon says (``api/draining.py``)."""
-    if default_max_tokens < 1 or max_body_bytes < 1:
-        raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, not "
-                         f"{default_max_tokens} and {max_body_bytes}")
+    """``max_tokens``: the most tokens one completion may generate (the operator's
+    ``[serve] max_tokens``; None: what is left of the context); a request that leaves
+    ``max_tokens`` out gets that many, or what is left of the context if fewer, and one
+    asking for more is refused naming ``max_tokens``. ``ready``: whether the engine serves
+    yet (None: it always does); ``readiness``: what keeps it from serving well now (a
+    JSON object with a ``message`` for ``/ready``'s 503 body), or None when nothing
+    does; ``draining``: the nodes draining, set by the worker as its daemon says
+    (``api/draining.py``)."""
+    if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
+        raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
+                         f"{max_tokens} and {max_body_bytes}")
     is_ready = ready or (lambda: True)
     admission = Admission(engine.max_batch, max_queued)
     metrics = Metrics(queue_depth=lambda: admission.queued,
@@ -128,7 +132,7 @@ def build_router_app(
                 arrived: float) -> Response:
         params = sampling_params(options, prompt_tokens=len(prompt),
                                  context_length=engine.context_length,
-                                 default_max_tokens=default_max_tokens,
+                                 max_tokens_bound=max_tokens,
                                  prompt_param=prompt_param)
         return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
                                   options.stop, fmt, stream=options.stream, arrived=arrived)

@@ -12,8 +12,9 @@ serve:
   ignored.
 - ``model`` may be left out: a router serves one model.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
-  newer name). Left out: what is left of the context, capped by the server's
-  default; asking for more than is left is refused, as OpenAI does.
+  newer name). Left out: what is left of the context (OpenAI's behaviour), or the
+  operator's ``[serve] max_tokens`` if that is fewer; asking for more than is left,
+  or than the operator's bound, is refused naming the field, as OpenAI does.
 - message content parts (``[{"type": "text", "text": ...}]``) are joined with
   newlines; other part types (images, audio) are refused. Role "developer" is
   read as "system". An assistant message may have null content.
@@ -56,7 +57,7 @@ class Options:
     """What both endpoints share: the model, sampling, stops and streaming."""
 
     model: str
-    max_tokens: int | None  # None: what is left of the context, capped by the server
+    max_tokens: int | None  # None: what is left of the context, up to the server's bound
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -64,6 +65,7 @@ class Options:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    max_tokens_param: str = "max_tokens"  # which name the request gave it by
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ def check_prompt_bytes(size: int, *, context_length: int, prompt_param: str) -> 
 
 
 def sampling_params(options: Options, *, prompt_tokens: int, context_length: int,
-                    default_max_tokens: int, prompt_param: str) -> SamplingParams:
-    """The engine's parameters, once the prompt's length is known."""
+                    max_tokens_bound: int | None, prompt_param: str) -> SamplingParams:
+    """The engine's parameters, once the prompt's length is known. ``max_tokens_bound``:
+    the operator's ``[serve] max_tokens`` (None: only the context bounds a completion)."""
     left = context_length - prompt_tokens
     if left < 1:
         raise invalid(f"this model's maximum context length is {context_length} tokens, and "
@@ -118,12 +121,18 @@ def sampling_params(options: Options, *, prompt_tokens: int, context_length: int
                       "the completion; shorten the prompt", prompt_param, "context_length_exceeded")
     max_tokens = options.max_tokens
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, left)
+        max_tokens = left if max_tokens_bound is None else min(max_tokens_bound, left)
+    elif max_tokens_bound is not None and max_tokens > max_tokens_bound:
+        name = options.max_tokens_param
+        raise invalid(f"{name} is {max_tokens}, but this server generates at most "
+                      f"{max_tokens_bound} tokens a completion; lower {name} (or leave it "
+                      "out to get as many as the server allows)", name)
     elif max_tokens > left:
         raise invalid(f"this model's maximum context length is {context_length} tokens, and "
                       f"the prompt has {prompt_tokens} tokens, which leaves {left} for the "
-                      f"completion, but {max_tokens} were asked for; lower max_tokens",
-                      "max_tokens", "context_length_exceeded")
+                      f"completion, but {max_tokens} were asked for; lower "
+                      f"{options.max_tokens_param}", options.max_tokens_param,
+                      "context_length_exceeded")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                           top_p=options.top_p, top_k=options.top_k, seed=options.seed)
 
@@ -139,9 +148,11 @@ def _options(fields: Fields, model_id: str) -> Options:
         raise invalid(f"'n' must be 1: one choice per request is served, not {n}", "n")
     for penalty in ("presence_penalty", "frequency_penalty"):
         fields.number(penalty, 0.0, -2.0, 2.0)  # checked, then ignored
-    max_tokens = fields.integer("max_completion_tokens", 1)
+    max_tokens_param = "max_completion_tokens"
+    max_tokens = fields.integer(max_tokens_param, 1)
     if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", 1)
+        max_tokens_param = "max_tokens"
+        max_tokens = fields.integer(max_tokens_param, 1)
     stream = fields.boolean("stream", False)
     return Options(
         model=model_id,
@@ -153,6 +164,7 @@ def _options(fields: Fields, model_id: str) -> Options:
         stop=_stops(fields),
         stream=stream,
         include_usage=stream and _include_usage(fields),
+        max_tokens_param=max_tokens_param,
     )
 
 

@@ -88,6 +88,7 @@ FLAG_KEYS: dict[str, str] = {
     "--log-level": "daemon.log_level", "--log-file": "daemon.log_file",
     "--model": "serve.model", "--model-name": "serve.model_name", "--host": "serve.host",
     "--port": "serve.port", "--api-key-file": "serve.api_key_file",
+    "--max-tokens": "serve.max_tokens",
     "--cluster-secret-file": "daemon.cluster_secret_file",
     "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
     "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
@@ -163,6 +164,7 @@ class Overrides:
     host: str | None = None
     port: int | None = None
     api_key_file: Path | None = None
+    max_tokens: int | None = None
     cluster_secret_file: Path | None = None  # read at start only (mlxceld.cluster)
     agent_addr: str | None = None
     distributed_config: Path | None = None
