@@ -1,15 +1,15 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies, read and checked.
 
 Bytes in, a frozen request out, or an ``ApiError`` (400, 404, 413) that names
-the field. What the router does with fields OpenAI defines but it does not
-serve:
+the field. Nothing is silently ignored: ``surface.py`` holds the table of every field
+each endpoint knows (honoured, opaque, pending another part of issue 18, or refused),
+and a field it does not know is refused by name. Here:
 
 - ``n`` other than 1: refused (400, param "n"); one choice per request.
-- ``presence_penalty``, ``frequency_penalty``: checked to lie in [-2, 2], then
-  ignored, zero or not (the engine's sampler has no penalties; clients such as
-  LangChain send them by default, and refusing would break them).
-- ``user``, ``logprobs``, ``logit_bias``, ``tools`` and every unknown field:
-  ignored.
+- ``presence_penalty``, ``frequency_penalty``: checked to lie in [-2, 2] (until the
+  sampling part honours them, see ``surface.py``).
+- ``user`` (and chat's ``safety_identifier``, ``prompt_cache_key``, ``metadata``):
+  accepted as the caller's opaque labels; nothing is stored, so nothing uses them.
 - ``model`` may be left out: a router serves one model.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
   newer name). Left out: what is left of the context (OpenAI's behaviour), or the
@@ -39,6 +39,7 @@ from starlette.requests import Request
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
+from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import SamplingParams
 
@@ -90,12 +91,16 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
-    fields = Fields(parse_object(body))
+    obj = parse_object(body)
+    check_fields(obj, CHAT_FIELDS)
+    fields = Fields(obj)
     return ChatRequest(messages=_messages(fields), options=_options(fields, model_id))
 
 
 def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
-    fields = Fields(parse_object(body))
+    obj = parse_object(body)
+    check_fields(obj, COMPLETION_FIELDS)
+    fields = Fields(obj)
     return CompletionRequest(prompt=_prompt(fields), options=_options(fields, model_id))
 
 
@@ -147,7 +152,7 @@ def _options(fields: Fields, model_id: str) -> Options:
     if n is not None and n != 1:
         raise invalid(f"'n' must be 1: one choice per request is served, not {n}", "n")
     for penalty in ("presence_penalty", "frequency_penalty"):
-        fields.number(penalty, 0.0, -2.0, 2.0)  # checked, then ignored
+        fields.number(penalty, 0.0, -2.0, 2.0)  # checked; pending the sampling part
     max_tokens_param = "max_completion_tokens"
     max_tokens = fields.integer(max_tokens_param, 1)
     if max_tokens is None:

@@ -19,7 +19,7 @@ CHAT: dict[str, Any] = {
                                  {"role": "user", "content": "hi"}],
     "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": ["x"],
     "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "u",
-    "frequency_penalty": 0, "presence_penalty": 0.5, "logit_bias": {}, "whatever": [1, 2],
+    "frequency_penalty": 0, "presence_penalty": 0.5, "logit_bias": {},
 }
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "once upon", "max_tokens": 3}
 
