@@ -13,7 +13,8 @@ with 503 (code "draining") while a node they need drains (``draining.py``; ``/re
 is 503 "draining" then too);
 ``readiness()`` (a pipeline's stages not attached) only shows on ``/ready``:
 completions still try, and fail with the engine's own 503 naming what is down.
-Every error, unknown paths and methods included, is OpenAI's error JSON. The
+Every error, unknown paths and methods included, is OpenAI's error JSON. Every
+request gets a line in the access log (``access.py``) when its response ends. The
 app does not own the engine: whoever built it closes it.
 """
 
@@ -31,6 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from mlxceld.api.access import log_access
 from mlxceld.api.admission import Admission
 from mlxceld.api.auth import require_api_key
 from mlxceld.api.codec import ChatTemplateError, TextCodec
@@ -177,7 +179,7 @@ def build_router_app(
     )
     guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
                                                                     open_paths=OPEN_PATHS)
-    return count_requests(guarded, metrics, ENDPOINTS)
+    return log_access(count_requests(guarded, metrics, ENDPOINTS))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

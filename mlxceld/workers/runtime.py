@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar
 
 from mlxceld.errors import ConfigError
+from mlxceld.logformat import formatter
 from mlxceld.net import retire_streams, streams_under
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
@@ -305,9 +306,10 @@ def exit_at_once(code: int) -> NoReturn:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     boot = read_bootstrap()
+    handler.setFormatter(formatter("json" if boot.get("log_format") == "json" else "text"))
     exit_record = Path(boot["exit_record"])
     with contextlib.suppress(FileNotFoundError):
         exit_record.unlink()

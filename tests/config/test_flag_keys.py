@@ -25,6 +25,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--socket": ("/srv/mx/ctl.sock", "/srv/mx/ctl.sock", ()),
     "--log-level": ("debug", "debug", ()),
     "--log-file": ("/srv/mx/log", "/srv/mx/log", ()),
+    "--log-format": ("json", "json", ()),
     "--model": ("MODEL", "MODEL", ()),  # a real directory, below
     "--model-name": ("tiny", "tiny", ()),
     "--host": ("0.0.0.0", "0.0.0.0", ()),
