@@ -40,7 +40,7 @@ from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response, invalid
 from mlxceld.api.formats import ChatFormat, Format, TextFormat
 from mlxceld.api.generation import Sequencer
-from mlxceld.api.metrics import CONTENT_TYPE, Metrics, count_requests
+from mlxceld.api.metrics import CONTENT_TYPE, Metrics, StageLinks, count_requests
 from mlxceld.api.requests import (
     Options,
     check_prompt_bytes,
@@ -71,6 +71,7 @@ def build_router_app(
     ready: Callable[[], bool] | None = None,
     readiness: Callable[[], Mapping[str, Any] | None] | None = None,
     draining: Draining | None = None,
+    stage_links: StageLinks | None = None,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -79,14 +80,16 @@ def build_router_app(
     yet (None: it always does); ``readiness``: what keeps it from serving well now (a
     JSON object with a ``message`` for ``/ready``'s 503 body), or None when nothing
     does; ``draining``: the nodes draining, set by the worker as its daemon says
-    (``api/draining.py``)."""
+    (``api/draining.py``); ``stage_links``: over a pipeline, each stage link's stats
+    (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``)."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
     is_ready = ready or (lambda: True)
     admission = Admission(engine.max_batch, max_queued)
     metrics = Metrics(queue_depth=lambda: admission.queued,
-                      active_sequences=lambda: admission.active)
+                      active_sequences=lambda: admission.active, model_id=model_id,
+                      context_length=engine.context_length, stage_links=stage_links)
     drains = draining or Draining()
     sequencer = Sequencer(engine, codec, admission, metrics, drains)
     tokenizer = PromptTokenizer(codec)

@@ -205,7 +205,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            max_tokens=o.max_tokens,
                            readiness=engine.readiness if pipeline else None,
-                           draining=draining)
+                           draining=draining,
+                           stage_links=engine.stages if pipeline else None)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)

@@ -1,5 +1,6 @@
 """The OpenAI port as an operator runs it: how long a completion may run (``--max-tokens``),
-the access log in both formats (``--log-format``), with a real daemon, a real tiny model
+the access log in both formats (``--log-format``), ``/metrics``' process, build and
+model, with a real daemon, a real tiny model
 and the real ``openai`` client."""
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 
+import mlxceld
+
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
+from helpers.metrics import sample, scrape
 from helpers.ports import free_port
 from helpers.router import client
 from helpers.waiting import wait_for
@@ -123,6 +128,20 @@ def test_the_operators_max_tokens_bounds_a_completion(daemons: Daemons,
         (comp.usage.prompt_tokens, 20, comp.id)
     assert first["duration_ms"] > 0
     assert (lines[2]["completion_tokens"], lines[2]["request_id"]) == (None, None)
+    metrics = scrape(url, KEY)
+    router_pid = d.worker("router")["pid"]
+    proc = psutil.Process(router_pid)
+    rss = sample(metrics, "process_resident_memory_bytes")
+    assert rss is not None and 0.5 < rss / proc.memory_info().rss < 2
+    assert sample(metrics, "process_start_time_seconds") == pytest.approx(proc.create_time(),
+                                                                          abs=1)
+    assert (sample(metrics, "process_cpu_seconds_total") or 0) > 0
+    assert (sample(metrics, "process_open_fds") or 0) > 2
+    assert sample(metrics, "mlxceld_model_info", model="llama",
+                  context_length=str(CONTEXT)) == 1
+    [build] = [labels for name, labels in metrics if name == "mlxceld_build_info"]
+    assert dict(build)["version"] == mlxceld.__version__ and dict(build)["mlx_lm"] != "none"
+    assert not [name for name, _ in metrics if name.startswith("mlxceld_stage_link")]
     router_log = (d.state_dir / "logs" / "router.log").read_text()
     assert KEY not in router_log
     for text in (router_log, d.stderr()):
