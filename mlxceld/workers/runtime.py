@@ -2,7 +2,8 @@
 
 The daemon starts ``python -m mlxceld.workers --role R --name N`` in a new
 session, with stdout and stderr on the worker's log file and a bootstrap JSON
-document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
+document (``WorkerBootstrap``) on stdin; it logs there in the daemon's format (the
+bootstrap's ``log_format``, ``logformat.py``). The runtime reads the bootstrap, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
 ``stats``, ``stop``, ``keyring`` and ``streams``: ``supervisor/keys.py``, and the
 role's own ``ops``, which get the request's object), runs the role, and leaves an exit
@@ -307,6 +308,7 @@ def exit_at_once(code: int) -> NoReturn:
 
 def main(argv: list[str]) -> int:
     handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter("text"))  # until the bootstrap says which
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     boot = read_bootstrap()
     handler.setFormatter(formatter("json" if boot.get("log_format") == "json" else "text"))
