@@ -4,8 +4,9 @@ One table per endpoint, each field in one of four states:
 
 - ``honoured``: it does what OpenAI documents (``requests.py`` reads it; ``n`` only as 1).
 - ``opaque``: an identifier or a label for the caller's own books (``user``,
-  ``safety_identifier``, ``prompt_cache_key``, ``metadata``): accepted, and by its
-  nature nothing for a server that stores nothing to do.
+  ``safety_identifier``, ``prompt_cache_key``: strings; ``metadata``: an object):
+  accepted once its type is checked, and by its nature nothing for a server that
+  stores nothing to do.
 - ``pending``: another part of issue 18 honours it; until it lands it behaves as it
   always did (checked where ``requests.py`` checks it, else accepted unread). The
   comment on each line names the part; that part turns it ``honoured`` in one line.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from mlxceld.api.errors import invalid
-from mlxceld.api.fields import show
+from mlxceld.api.fields import kind, show
 
 State = Literal["honoured", "opaque", "pending", "refused"]
 MAX_NAMED = 5  # unknown fields named in one error; the rest are counted
@@ -36,6 +37,7 @@ class Rule:
     state: State
     note: str = ""  # refused: why, and what to do; pending: the part that will honour it
     allowed: Callable[[Any], bool] | None = None  # refused: values that ask for nothing
+    shape: type | None = None  # opaque: the JSON type its value must have (str or dict)
 
 
 def _honoured() -> Rule:
@@ -62,7 +64,7 @@ SHARED: Final[dict[str, Rule]] = {
     "stream": _honoured(),
     "stream_options": _honoured(),
     "n": _honoured(),  # 1 only: requests.py refuses any other
-    "user": Rule("opaque"),
+    "user": Rule("opaque", shape=str),
     "presence_penalty": _pending("sampling"),
     "frequency_penalty": _pending("sampling"),
     "repetition_penalty": _pending("sampling"),
@@ -74,9 +76,9 @@ SHARED: Final[dict[str, Rule]] = {
 CHAT_FIELDS: Final[dict[str, Rule]] = {
     **SHARED,
     "messages": _honoured(),
-    "safety_identifier": Rule("opaque"),
-    "prompt_cache_key": Rule("opaque"),
-    "metadata": Rule("opaque"),
+    "safety_identifier": Rule("opaque", shape=str),
+    "prompt_cache_key": Rule("opaque", shape=str),
+    "metadata": Rule("opaque", shape=dict),
     "top_logprobs": _pending("sampling"),
     "tools": _pending("tools"),
     "tool_choice": _pending("tools"),
@@ -137,3 +139,6 @@ def check_fields(body: Mapping[str, Any], table: Mapping[str, Rule]) -> None:
                 rule.allowed is not None and rule.allowed(value)):
             raise invalid(f"{name!r} is not supported by this server: {rule.note}", name,
                           "unsupported_parameter")
+        if rule is not None and rule.shape is not None and not isinstance(value, rule.shape):
+            wanted = "a string" if rule.shape is str else "an object"
+            raise invalid(f"{name!r} must be {wanted}, not {kind(value)}", name)

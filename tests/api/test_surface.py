@@ -69,6 +69,13 @@ def test_values_that_ask_for_nothing_more_are_accepted() -> None:
     parse_chat(json.dumps({**CHAT, "audio": None, "typo": None}).encode(), model_id=MODEL)
 
 
+def test_opaque_fields_are_checked_for_their_type() -> None:
+    error = refusal({**CHAT, "user": 5})
+    assert (error.status, error.param) == (400, "user")
+    assert "'user' must be a string, not an integer" in error.message
+    assert refusal({**CHAT, "metadata": "x"}).param == "metadata"
+
+
 def test_unknown_fields_are_each_named() -> None:
     error = refusal({**CHAT, "max_token": 5, "temprature": 0.2})
     assert (error.status, error.param, error.code) == (400, "max_token", "unknown_parameter")
