@@ -18,6 +18,7 @@ import typer
 from mlxceld import __version__
 from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, DamagedState, MlxceldError
+from mlxceld.logformat import LogFormat, formatter
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,6 +50,10 @@ def run(
         "--log-level", help=f"One of {', '.join(LOG_LEVELS)}. Default: info.")] = None,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", help="Log here instead of stderr; reopened on SIGHUP.")] = None,
+    log_format: Annotated[str | None, typer.Option(
+        "--log-format", help="text, or json: one object a line (time, level, logger, "
+        "message and the access log's fields), for the daemon and its workers. Default: "
+        "text.")] = None,
     model: Annotated[str | None, typer.Option(
         "--model", help="Serve this model: a local mlx-lm directory or a Hugging Face repo id "
         "(overrides [serve] model).")] = None,
@@ -61,6 +66,10 @@ def run(
     api_key_file: Annotated[Path | None, typer.Option(
         "--api-key-file", envvar="MLXCEL_API_KEY_FILE", show_envvar=True,
         help="Require this API key (Authorization: Bearer) on the OpenAI port.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="The most tokens one completion generates; a request without "
+        "max_tokens gets this many or what is left of the context, one asking for more is "
+        "refused. Default: no bound but the context.")] = None,
     cluster_secret_file: Annotated[Path | None, typer.Option(
         "--cluster-secret-file", help="The cluster secret (at least 16 bytes; one trailing "
         "newline is trimmed). Wins over MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET and "
@@ -111,7 +120,7 @@ def run(
     flags = overrides(ctx.params)
     try:
         cfg = load_config(flags)
-        setup_logging(cfg.log_level, cfg.log_file)
+        setup_logging(cfg.log_level, cfg.log_file, cfg.log_format)
         from mlxceld.daemon import serve  # after logging: importing it pulls uvicorn in
 
         code = asyncio.run(serve(cfg, flags, Terminal()))
@@ -147,7 +156,7 @@ def fail(exc: MlxceldError, code: int) -> None:
     raise typer.Exit(code)
 
 
-def setup_logging(level: str, log_file: Path | None) -> None:
+def setup_logging(level: str, log_file: Path | None, log_format: LogFormat = "text") -> None:
     try:
         handler: logging.Handler = (logging.FileHandler(log_file) if log_file
                                     else logging.StreamHandler(sys.stderr))
@@ -155,7 +164,7 @@ def setup_logging(level: str, log_file: Path | None) -> None:
         raise ConfigError(f"log file {log_file} cannot be opened: {exc.strerror}",
                           hint="create its directory (writable by this user), or change "
                           "--log-file / [daemon] log_file") from None
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(formatter(log_format))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

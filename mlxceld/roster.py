@@ -61,18 +61,21 @@ class Situation:
 def draw_roster(s: Situation) -> list[WorkerSpec]:
     """The workers that should run in ``s``, in a stable order."""
     c, p = s.config, s.placement
-    specs = [WorkerSpec(w.name, c.state_dir, w.options, w.policy) for w in c.workers]
+    specs = [WorkerSpec(w.name, c.state_dir, w.options, w.policy, log_format=c.log_format)
+             for w in c.workers]
     policy = model_policy(c.policy)
     if p is not None and not p.is_coordinator:
         specs.append(WorkerSpec(STAGE_WORKER, c.state_dir,
                                 stage_options(p, standby=s.standby,
                                               silence_s=s.serve.stage_silence_s),
-                                policy, secret=s.secret, accepted=s.accepted))
+                                policy, secret=s.secret, accepted=s.accepted,
+                                log_format=c.log_format))
     elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
         options = router_options(s.serve, pipeline_options(p) if p is not None else None)
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
                                 secret=s.secret if p is not None else None,
-                                accepted=s.accepted if p is not None else ()))
+                                accepted=s.accepted if p is not None else (),
+                                log_format=c.log_format))
     return specs
 
 

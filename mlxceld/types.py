@@ -52,6 +52,7 @@ class WorkerBootstrap(TypedDict):
     # The daemon's Hugging Face token, for a worker that may download a model named by its
     # repo id (supervisor/process.py: DOWNLOADERS); set in its own process on entry.
     hf_token: NotRequired[str]
+    log_format: NotRequired[str]  # "json": one JSON object a line (logformat.py); else text
 
 
 class WorkerKeys(TypedDict):

@@ -17,6 +17,7 @@ PACKAGE = ROOT / "mlxceld"
 STACK = [
     "wire",  # the sans-IO protocol core: imports nothing of ours
     "errors", "types", "paths", "privatefile", "failpoints", "roles", "sdnotify", "tasks",
+    "logformat",
     "state", "models", "net",
     "supervisor", "control",
     "config",

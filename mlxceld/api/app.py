@@ -13,7 +13,8 @@ with 503 (code "draining") while a node they need drains (``draining.py``; ``/re
 is 503 "draining" then too);
 ``readiness()`` (a pipeline's stages not attached) only shows on ``/ready``:
 completions still try, and fail with the engine's own 503 naming what is down.
-Every error, unknown paths and methods included, is OpenAI's error JSON. The
+Every error, unknown paths and methods included, is OpenAI's error JSON. Every
+request gets a line in the access log (``access.py``) when its response ends. The
 app does not own the engine: whoever built it closes it.
 """
 
@@ -34,6 +35,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from mlxceld.api.access import log_access
 from mlxceld.api.admission import Admission
 from mlxceld.api.auth import require_api_key
 from mlxceld.api.codec import ChatTemplateError, TextCodec
@@ -41,7 +43,7 @@ from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response, invalid
 from mlxceld.api.formats import ChatFormat, Format, TextFormat
 from mlxceld.api.generation import Sequencer
-from mlxceld.api.metrics import CONTENT_TYPE, Metrics, count_requests
+from mlxceld.api.metrics import CONTENT_TYPE, Metrics, StageLinks, count_requests
 from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
     ChatRequest,
@@ -72,22 +74,29 @@ def build_router_app(
     api_key: str | None = None,
     max_queued: int = 64,
     max_body_bytes: int = 4 << 20,
-    default_max_tokens: int = 512,
+    max_tokens: int | None = None,
     ready: Callable[[], bool] | None = None,
     readiness: Callable[[], Mapping[str, Any] | None] | None = None,
     draining: Draining | None = None,
+    stage_links: StageLinks | None = None,
 ) -> ASGIApp:
-    """``ready``: whether the engine serves yet (None: it always does); ``readiness``:
-    what keeps it from serving well now (a JSON object with a ``message`` for ``/ready``'s
-    503 body), or None when nothing does; ``draining``: the nodes draining, set by the
-    worker as its daemon says (``api/draining.py``)."""
-    if default_max_tokens < 1 or max_body_bytes < 1:
-        raise ValueError(f"default_max_tokens and max_body_bytes must be >= 1, not "
-                         f"{default_max_tokens} and {max_body_bytes}")
+    """``max_tokens``: the most tokens one completion may generate (the operator's
+    ``[serve] max_tokens``; None: what is left of the context); a request that leaves
+    ``max_tokens`` out gets that many, or what is left of the context if fewer, and one
+    asking for more is refused naming ``max_tokens``. ``ready``: whether the engine serves
+    yet (None: it always does); ``readiness``: what keeps it from serving well now (a
+    JSON object with a ``message`` for ``/ready``'s 503 body), or None when nothing
+    does; ``draining``: the nodes draining, set by the worker as its daemon says
+    (``api/draining.py``); ``stage_links``: over a pipeline, each stage link's stats
+    (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``)."""
+    if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
+        raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
+                         f"{max_tokens} and {max_body_bytes}")
     is_ready = ready or (lambda: True)
     admission = Admission(engine.max_batch, max_queued)
     metrics = Metrics(queue_depth=lambda: admission.queued,
-                      active_sequences=lambda: admission.active)
+                      active_sequences=lambda: admission.active, model_id=model_id,
+                      context_length=engine.context_length, stage_links=stage_links)
     drains = draining or Draining()
     sequencer = Sequencer(engine, codec, admission, metrics, drains)
     tokenizer = PromptTokenizer(codec)
@@ -136,7 +145,7 @@ def build_router_app(
                 constraint: Constraint | None = None) -> Response:
         params = sampling_params(options, prompt_tokens=len(prompt),
                                  context_length=engine.context_length,
-                                 default_max_tokens=default_max_tokens,
+                                 max_tokens_bound=max_tokens,
                                  prompt_param=prompt_param, vocab_size=codec.vocab_size)
         if constraint is not None:
             if params.constraint is not None:  # response_format's: one grammar at a time
@@ -197,7 +206,7 @@ def build_router_app(
     )
     guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
                                                                     open_paths=OPEN_PATHS)
-    return count_requests(guarded, metrics, ENDPOINTS)
+    return log_access(count_requests(guarded, metrics, ENDPOINTS))
 
 
 def _template_tools(parsed: ChatRequest, codec: TextCodec, model_id: str) -> list[Any]:

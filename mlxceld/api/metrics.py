@@ -2,27 +2,120 @@
 
 A registry per app, not prometheus-client's global one: two apps in one
 process (tests, a worker serving two models) keep separate counts.
+
+Besides the requests' own counts, each scrape reads (``Snapshot``):
+
+- the process, from psutil (prometheus-client's own reads Linux's /proc only):
+  ``process_resident_memory_bytes``, ``process_cpu_seconds_total`` (user and system),
+  ``process_open_fds``, ``process_start_time_seconds`` (Unix time);
+- ``mlxceld_build_info{version, python, mlx, mlx_lm} 1`` (a package not installed
+  reads "none");
+- ``mlxceld_model_info{model, context_length} 1``: the model served, by its id;
+- over a pipeline, for each stage link (labels ``stage``: its node id, ``layers``:
+  ``START-END``): ``mlxceld_stage_link_state{stage, layers, state}``, 1 for the state
+  it is in and 0 for every other (``pipeline/connectivity.py``'s ``LinkState``), and
+  ``mlxceld_stage_link_rtt_seconds{stage, layers}``: the round trip of its latest
+  heartbeat ping answered (``net/liveness.py``; left out before one is, or while the
+  link is not attached).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import platform
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, get_args
 
+import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxceld import __version__
+from mlxceld.pipeline.connectivity import LinkState
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OTHER_ENDPOINT = "other"
 CLIENT_GONE = "499"  # nginx's "client closed request": no response was ever sent
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+LINK_STATES: tuple[str, ...] = get_args(LinkState)
+StageLinks = Callable[[], Sequence[Mapping[str, Any]]]  # PipelineEngine.stages
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+@dataclass(frozen=True)
+class Snapshot(Collector):
+    """What each scrape reads afresh: the process, the build, the model, the links."""
+
+    model_id: str
+    context_length: int
+    stage_links: StageLinks | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._process()
+        build = GaugeMetricFamily("mlxceld_build_info", "The versions this router runs",
+                                  labels=["version", "python", "mlx", "mlx_lm"])
+        build.add_metric([__version__, platform.python_version(), _version("mlx"),
+                          _version("mlx-lm")], 1)
+        yield build
+        model = GaugeMetricFamily("mlxceld_model_info", "The model served, by its id",
+                                  labels=["model", "context_length"])
+        model.add_metric([self.model_id, str(self.context_length)], 1)
+        yield model
+        if self.stage_links is not None:
+            yield from self._links(self.stage_links())
+
+    @staticmethod
+    def _process() -> Iterator[Metric]:
+        proc = psutil.Process()
+        with proc.oneshot():
+            rss = proc.memory_info().rss
+            cpu = proc.cpu_times()
+            fds = proc.num_fds()
+            started = proc.create_time()
+        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size",
+                                value=rss)
+        yield CounterMetricFamily("process_cpu_seconds", "User and system CPU time spent",
+                                  value=cpu.user + cpu.system)
+        yield GaugeMetricFamily("process_open_fds", "Open file descriptors", value=fds)
+        yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process "
+                                "since the Unix epoch", value=started)
+
+    @staticmethod
+    def _links(links: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "mlxceld_stage_link_state", "Each pipeline stage link's state: 1 for the one it "
+            "is in", labels=["stage", "layers", "state"])
+        rtt = GaugeMetricFamily(
+            "mlxceld_stage_link_rtt_seconds", "Round trip of the latest heartbeat ping a "
+            "stage answered on its attached link", labels=["stage", "layers"])
+        for link in links:
+            start, end = link["layers"]
+            names = [str(link["stage"]), f"{start}-{end}"]
+            for name in LINK_STATES:
+                state.add_metric([*names, name], 1 if link["state"] == name else 0)
+            if link.get("rtt_ms") is not None:
+                rtt.add_metric(names, link["rtt_ms"] / 1000)
+        yield state
+        yield rtt
 
 
 class Metrics:
     def __init__(self, *, queue_depth: Callable[[], float],
-                 active_sequences: Callable[[], float]) -> None:
+                 active_sequences: Callable[[], float], model_id: str = "",
+                 context_length: int = 0, stage_links: StageLinks | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(Snapshot(model_id, context_length, stage_links))
         self.requests = Counter(
             "mlxceld_http_requests", "HTTP requests by endpoint and status (499: the client "
             "went away before any response)", ["endpoint", "status"], registry=self.registry)

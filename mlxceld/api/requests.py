@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies, read and checked.
 
 Bytes in, a frozen request out, or an ``ApiError`` (400, 404, 413) that names
-the field. What the router does with fields OpenAI defines but it does not
-serve:
+the field. Nothing is silently ignored: ``surface.py`` holds the table of every field
+each endpoint knows (honoured, opaque, pending another part of issue 18, or refused),
+and a field it does not know is refused by name. Here:
 
 - ``n`` other than 1: refused (400, param "n"); one choice per request.
 - sampling controls, each checked and honoured (``engine/processors.py`` says how):
@@ -13,7 +14,8 @@ serve:
   [-100, 100]), ``min_p`` in [0, 1], ``top_k`` >= 0 (0 is off), ``seed``.
 - ``logprobs``: chat: a boolean, with ``top_logprobs`` 0 to 20 (which needs
   ``logprobs`` true); completions: an integer 0 to 5, the alternatives per token.
-- ``user`` and every unknown field: ignored.
+- ``user`` (and chat's ``safety_identifier``, ``prompt_cache_key``, ``metadata``):
+  accepted as the caller's opaque labels; nothing is stored, so nothing uses them.
 - ``tools``, ``tool_choice``, ``parallel_tool_calls`` and an assistant message's
   ``tool_calls``: see ``tools.py``; a ``role: "tool"`` message's ``tool_call_id`` goes
   to the template (left out, as templates that ignore it allow).
@@ -22,8 +24,9 @@ serve:
   (``TEMPLATE_OWN_KWARGS``) are refused.
 - ``model`` may be left out: a router serves one model.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
-  newer name). Left out: what is left of the context, capped by the server's
-  default; asking for more than is left is refused, as OpenAI does.
+  newer name). Left out: what is left of the context (OpenAI's behaviour), or the
+  operator's ``[serve] max_tokens`` if that is fewer; asking for more than is left,
+  or than the operator's bound, is refused naming the field, as OpenAI does.
 - message content parts (``[{"type": "text", "text": ...}]``) are joined with
   newlines; other part types (images, audio) are refused. Role "developer" is
   read as "system". An assistant message may have null content.
@@ -48,6 +51,7 @@ from starlette.requests import Request
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
+from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from mlxceld.api.tools import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import MAX_TOP_LOGPROBS, SamplingParams
@@ -77,7 +81,7 @@ class Options:
     """What both endpoints share: the model, sampling, stops and streaming."""
 
     model: str
-    max_tokens: int | None  # None: what is left of the context, capped by the server
+    max_tokens: int | None  # None: what is left of the context, up to the server's bound
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -91,6 +95,7 @@ class Options:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    max_tokens_param: str = "max_tokens"  # which name the request gave it by
 
 
 @dataclass(frozen=True)
@@ -117,14 +122,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
-    fields = Fields(parse_object(body))
+    obj = parse_object(body)
+    check_fields(obj, CHAT_FIELDS)
+    fields = Fields(obj)
     return ChatRequest(messages=_messages(fields),
                        options=_options(fields, model_id, _chat_logprobs(fields)),
                        tools=parse_tool_use(fields), template_kwargs=_template_kwargs(fields))
 
 
 def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
-    fields = Fields(parse_object(body))
+    obj = parse_object(body)
+    check_fields(obj, COMPLETION_FIELDS)
+    fields = Fields(obj)
     logprobs = fields.integer("logprobs", 0, MAX_COMPLETION_LOGPROBS)
     return CompletionRequest(prompt=_prompt(fields),
                              options=_options(fields, model_id, logprobs))
@@ -152,10 +161,11 @@ def check_prompt_bytes(size: int, *, context_length: int, prompt_param: str) -> 
 
 
 def sampling_params(options: Options, *, prompt_tokens: int, context_length: int,
-                    default_max_tokens: int, prompt_param: str,
+                    max_tokens_bound: int | None, prompt_param: str,
                     vocab_size: int | None = None) -> SamplingParams:
-    """The engine's parameters, once the prompt's length is known (``vocab_size``: the
-    tokenizer's, which every ``logit_bias`` id must be below)."""
+    """The engine's parameters, once the prompt's length is known. ``max_tokens_bound``:
+    the operator's ``[serve] max_tokens`` (None: only the context bounds a completion);
+    ``vocab_size``: the tokenizer's, which every ``logit_bias`` id must be below."""
     outside = [t for t, _ in options.logit_bias if vocab_size is not None and t >= vocab_size]
     if outside:
         raise invalid(f"'logit_bias' names token id {outside[0]}, outside this model's "
@@ -168,12 +178,18 @@ def sampling_params(options: Options, *, prompt_tokens: int, context_length: int
                       "the completion; shorten the prompt", prompt_param, "context_length_exceeded")
     max_tokens = options.max_tokens
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, left)
+        max_tokens = left if max_tokens_bound is None else min(max_tokens_bound, left)
+    elif max_tokens_bound is not None and max_tokens > max_tokens_bound:
+        name = options.max_tokens_param
+        raise invalid(f"{name} is {max_tokens}, but this server generates at most "
+                      f"{max_tokens_bound} tokens a completion; lower {name} (or leave it "
+                      "out to get as many as the server allows)", name)
     elif max_tokens > left:
         raise invalid(f"this model's maximum context length is {context_length} tokens, and "
                       f"the prompt has {prompt_tokens} tokens, which leaves {left} for the "
-                      f"completion, but {max_tokens} were asked for; lower max_tokens",
-                      "max_tokens", "context_length_exceeded")
+                      f"completion, but {max_tokens} were asked for; lower "
+                      f"{options.max_tokens_param}", options.max_tokens_param,
+                      "context_length_exceeded")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                           top_p=options.top_p, top_k=options.top_k,
                           seed=None if options.seed is None else options.seed % 2**64,
@@ -192,9 +208,11 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
     n = fields.integer("n", 1)
     if n is not None and n != 1:
         raise invalid(f"'n' must be 1: one choice per request is served, not {n}", "n")
-    max_tokens = fields.integer("max_completion_tokens", 1)
+    max_tokens_param = "max_completion_tokens"
+    max_tokens = fields.integer(max_tokens_param, 1)
     if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", 1)
+        max_tokens_param = "max_tokens"
+        max_tokens = fields.integer(max_tokens_param, 1)
     stream = fields.boolean("stream", False)
     return Options(
         model=model_id,
@@ -213,6 +231,7 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
         stop=_stops(fields),
         stream=stream,
         include_usage=stream and _include_usage(fields),
+        max_tokens_param=max_tokens_param,
     )
 
 

@@ -16,6 +16,7 @@ from contextlib import aclosing
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from mlxceld.api.access import Usage, noted
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import Answer, Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
@@ -53,9 +54,13 @@ class CompletionResponse(Response):
         self._format = fmt
         self._stream = stream
         self._arrived = arrived
+        self._usage = Usage()  # the access log's, once called (api/access.py)
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._usage = noted(scope)
+        self._usage.request_id = self._request.request_id
+        self._usage.prompt_tokens = len(self._request.prompt_tokens)
         try:
             gone = await until_disconnect(receive, self._serve(scope, receive, send))
         except OSError:  # a server that raises on sending to a closed connection
@@ -139,6 +144,7 @@ class CompletionResponse(Response):
         await end_events(send)
 
     def _log_finished(self, finished: Finished) -> None:
+        self._usage.completion_tokens = finished.completion_tokens
         log.debug("request %s finished (%s): %d prompt tokens, %d completion tokens, %.3f s",
                   self._request.request_id, finished.reason, finished.prompt_tokens,
                   finished.completion_tokens, time.monotonic() - self._arrived)

@@ -9,6 +9,8 @@ File format (TOML, every table and key optional)::
     socket_group = "mlxceld"           # members may use the socket: 0660, its dir 0750
     log_level = "info"                 # debug | info | warning | error
     log_file = "/var/log/mlxceld.log"  # default: stderr
+    log_format = "text"                # text | json: one object a line, the daemon's
+                                       # and its workers' (mlxceld/logformat.py)
     agent_addr = "0.0.0.0:19000"       # MXCL agent listener (with a cluster secret)
     distributed_config = "cluster.toml"  # a cluster TOML, mlxcel-cluster.toml(5) ...
     node_id = "stage-0"                # ... and which node of it this daemon is
@@ -70,6 +72,7 @@ from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
+from mlxceld.logformat import LOG_FORMATS, LogFormat
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.roles import ROLES, STAGE
 from mlxceld.roles.options import WorkerOptions, parse_options
@@ -86,8 +89,10 @@ FLAG_KEYS: dict[str, str] = {
     "--state-dir": "daemon.state_dir", "--socket": "daemon.socket",
     "--socket-group": "daemon.socket_group",
     "--log-level": "daemon.log_level", "--log-file": "daemon.log_file",
+    "--log-format": "daemon.log_format",
     "--model": "serve.model", "--model-name": "serve.model_name", "--host": "serve.host",
     "--port": "serve.port", "--api-key-file": "serve.api_key_file",
+    "--max-tokens": "serve.max_tokens",
     "--cluster-secret-file": "daemon.cluster_secret_file",
     "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
     "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
@@ -124,6 +129,7 @@ class Config:
     socket_group: OperatorGroup | None = None  # whose members may use the socket too
     log_level: str = "info"
     log_file: Path | None = None
+    log_format: LogFormat = "text"  # the daemon's and its workers' lines (logformat.py)
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     health_interval_s: float = 5.0
     log_max_bytes: int = 10 * 1024 * 1024
@@ -158,11 +164,13 @@ class Overrides:
     socket_group: str | None = None
     log_level: str | None = None
     log_file: Path | None = None
+    log_format: str | None = None
     model: str | None = None
     model_name: str | None = None
     host: str | None = None
     port: int | None = None
     api_key_file: Path | None = None
+    max_tokens: int | None = None
     cluster_secret_file: Path | None = None  # read at start only (mlxceld.cluster)
     agent_addr: str | None = None
     distributed_config: Path | None = None
@@ -287,6 +295,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     daemon = _table(data, "daemon", where)
     _refuse_flag_only(daemon, where)
     _check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
+                         "log_format",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
                          *LIVENESS_KEYS, HEAL_KEY},
@@ -306,6 +315,12 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
             f"{where}: log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}",
             hint="set --log-level or [daemon] log_level to one of those",
         )
+    log_format = flags.log_format or _str(daemon, "log_format", where, "daemon.") or "text"
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(
+            f"{where}: log format {log_format!r} is not one of {', '.join(LOG_FORMATS)}",
+            hint="set --log-format or [daemon] log_format to one of those",
+        )
     policy = _policy(sup, RestartPolicy(), where, "supervisor.")
     workers = _workers(_table(data, "workers", where), policy, where)
     serve = parse_serve(_table(data, "serve", where), flags, base, where)
@@ -318,6 +333,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         reset_state=flags.reset_state,
         log_level=log_level,
         log_file=flags.log_file or _path(daemon, "log_file", base, where),
+        log_format="json" if log_format == "json" else "text",
         agent_addr=_agent_addr(daemon, flags, where),
         **(choice := _cluster_choice(daemon, flags, base, where)),
         **(auto := _pp_auto_choice(daemon, flags, choice, base, where)),

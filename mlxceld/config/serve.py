@@ -10,6 +10,8 @@
     api_key_file = "/etc/mlxceld/api-key"   # or MLXCEL_API_KEY_FILE; 0600, one line
     max_batch = 8                   # sequences decoded together
     max_queued = 64                 # requests waiting beyond that; more get 503
+    max_tokens = 4096               # the most tokens one completion generates (default:
+                                    # none but the model's context)
     max_connections = 1024          # open connections; past it the longest idle goes
     header_timeout_s = 10.0         # a request's head must be whole this soon
     body_timeout_s = 60.0           # and its body this soon after the head
@@ -26,6 +28,12 @@ accepted (``workers/router.py``'s ``BACKLOG``). A head not
 whole ``header_timeout_s`` after the connection opened (or after the previous
 response on it), or a body not whole ``body_timeout_s`` after its head, is answered
 408 and closed.
+
+``max_tokens`` (also ``--max-tokens``): a request that leaves ``max_tokens`` (and
+``max_completion_tokens``) out gets what is left of the model's context, as OpenAI
+does, or this many if fewer; one asking for more than this is refused (400 naming the
+field), as one asking for more than the context is. Unset, only the context bounds a
+completion.
 
 ``stage_silence_s`` (``mlxceld/net/liveness.py``): over a pipeline, every stage link
 has a heartbeat, and a stage that sends nothing for this long (its host sleeps or
@@ -59,7 +67,8 @@ log = logging.getLogger(__name__)
 
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
-              "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s"}
+              "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
+              "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class ServeConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     stage_silence_s: float = DEFAULT_SILENCE_S
+    max_tokens: int | None = None  # None: a completion is bounded by the context only
 
     @property
     def served_name(self) -> str:
@@ -120,6 +130,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         header_timeout_s=_seconds(table, "header_timeout_s", 10.0, where),
         body_timeout_s=_seconds(table, "body_timeout_s", 60.0, where),
         stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
+        max_tokens=_max_tokens(flags.max_tokens, table, where),
     )
     model = flags.model or _typed(table, "model", str, where)
     if model:
@@ -181,6 +192,17 @@ def _positive(table: Mapping[str, Any], key: str, default: int, where: str) -> i
     return int(value)
 
 
+def _max_tokens(flag: int | None, table: Mapping[str, Any], where: str) -> int | None:
+    if flag is not None:
+        if flag < 1:
+            raise ConfigError(f"--max-tokens must be at least 1, not {flag}",
+                              hint="leave it out to bound a completion by the context only")
+        return flag
+    if table.get("max_tokens") is None:
+        return None
+    return _positive(table, "max_tokens", 4096, where)
+
+
 def _seconds(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
     value = table.get(key)
     if value is None:
@@ -206,4 +228,4 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None
                          pipeline=pipeline, max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
-                         stage_silence_s=cfg.stage_silence_s)
+                         stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens)

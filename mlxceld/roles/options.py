@@ -142,9 +142,13 @@ class RouterOptions:
     body_timeout_s: float = 60.0
     # How long a pipeline stage may send nothing before it is silent (net/liveness.py).
     stage_silence_s: float = DEFAULT_SILENCE_S
+    # The most tokens one completion generates (None: what is left of the context).
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "be >= 1",
+               self.max_tokens)
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
         _check(self.max_queued >= 1, "max_queued", "be >= 1", self.max_queued)
         _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)

@@ -10,19 +10,27 @@ truncate can be lost; that window is a few milliseconds per rotation.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
+from mlxceld.logformat import JsonFormatter, LogFormat
+
 READ_CHUNK = 64 * 1024
 
 
-def open_for_worker(path: Path, banner: str) -> int:
-    """An O_APPEND descriptor for a worker's stdout/stderr, after writing a banner line."""
+def open_for_worker(path: Path, banner: str, log_format: LogFormat = "text") -> int:
+    """An O_APPEND descriptor for a worker's stdout/stderr, after writing a banner line
+    (in json, one object as the worker's own lines: ``logformat.py``)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    os.write(fd, f"=== {stamp} mlxceld: {banner} ===\n".encode())
+    if log_format == "json":
+        record = logging.LogRecord(__name__, logging.INFO, __file__, 0, banner, None, None)
+        line = JsonFormatter().format(record)
+    else:
+        line = f"=== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} mlxceld: {banner} ==="
+    os.write(fd, f"{line}\n".encode())
     return fd
 
 

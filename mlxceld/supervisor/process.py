@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from mlxceld.errors import WorkerError
+from mlxceld.logformat import LogFormat
 from mlxceld.roles import ROUTER, STAGE
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
@@ -49,6 +50,7 @@ class WorkerSpec:
     secret: bytes | None = field(default=None, repr=False)  # the primary cluster secret
     accepted: tuple[bytes, ...] = field(default=(), repr=False)  # the others it accepts
     api_key: str | None = field(default=None, repr=False)
+    log_format: LogFormat = "text"  # its log lines (logformat.py), as the daemon's
 
     @property
     def role(self) -> str:
@@ -83,6 +85,8 @@ class WorkerSpec:
                 boot["accepted_hex"] = [s.hex() for s in self.accepted]
         if self.api_key is not None:
             boot["api_key"] = self.api_key
+        if self.log_format != "text":
+            boot["log_format"] = self.log_format
         token = next((t for v in DOWNLOAD_ENV if (t := os.environ.get(v))), None)
         if token and self.role in DOWNLOADERS:
             boot["hf_token"] = token
@@ -103,7 +107,7 @@ async def spawn(spec: WorkerSpec) -> asyncio.subprocess.Process:
     for d in (spec.control_socket.parent, spec.log_path.parent):
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_fd = logfiles.open_for_worker(spec.log_path, f"starting worker {spec.name} "
-                                                      f"(role {spec.role})")
+                                      f"(role {spec.role})", spec.log_format)
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "mlxceld.workers", "--role", spec.role, "--name", spec.name,

@@ -1,7 +1,7 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
-model_name, host, port, max_batch, max_queued, and the port's connection bounds
+model_name, host, port, max_batch, max_queued, max_tokens, and the port's connection bounds
 max_connections, header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline
 stage's heartbeat bound) (``config/serve.py``). The API key,
 if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
@@ -203,8 +203,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         ctx.ops["pipeline"] = lambda request: pipeline_op(ctx, engine, eos, request)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
                            api_key=ctx.api_key, max_queued=o.max_queued,
+                           max_tokens=o.max_tokens,
                            readiness=engine.readiness if pipeline else None,
-                           draining=draining)
+                           draining=draining,
+                           stage_links=engine.stages if pipeline else None)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)

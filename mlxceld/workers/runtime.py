@@ -2,7 +2,8 @@
 
 The daemon starts ``python -m mlxceld.workers --role R --name N`` in a new
 session, with stdout and stderr on the worker's log file and a bootstrap JSON
-document (``WorkerBootstrap``) on stdin. The runtime reads it, serves the
+document (``WorkerBootstrap``) on stdin; it logs there in the daemon's format (the
+bootstrap's ``log_format``, ``logformat.py``). The runtime reads the bootstrap, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
 ``stats``, ``stop``, ``keyring`` and ``streams``: ``supervisor/keys.py``, and the
 role's own ``ops``, which get the request's object), runs the role, and leaves an exit
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar
 
 from mlxceld.errors import ConfigError
+from mlxceld.logformat import formatter
 from mlxceld.net import retire_streams, streams_under
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
@@ -305,9 +307,11 @@ def exit_at_once(code: int) -> NoReturn:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter("text"))  # until the bootstrap says which
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     boot = read_bootstrap()
+    handler.setFormatter(formatter("json" if boot.get("log_format") == "json" else "text"))
     exit_record = Path(boot["exit_record"])
     with contextlib.suppress(FileNotFoundError):
         exit_record.unlink()

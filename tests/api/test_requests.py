@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ CHAT: dict[str, Any] = {
                                  {"role": "user", "content": "hi"}],
     "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": ["x"],
     "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "u",
-    "frequency_penalty": 0, "presence_penalty": 0.5, "logit_bias": {}, "whatever": [1, 2],
+    "frequency_penalty": 0, "presence_penalty": 0.5, "logit_bias": {},
 }
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "once upon", "max_tokens": 3}
 
@@ -53,15 +54,15 @@ def test_sampling_controls_and_logprobs() -> None:
     body = json.dumps({**COMPLETION, "logprobs": 2}).encode()
     assert parse_completion(body, model_id=MODEL).options.logprobs == 2
     params = sampling_params(options, prompt_tokens=1, context_length=100,
-                             default_max_tokens=8, prompt_param="messages", vocab_size=8)
+                             max_tokens_bound=8, prompt_param="messages", vocab_size=8)
     assert (params.logit_bias, params.logprobs, params.min_p) == (options.logit_bias, 3, 0.1)
     with pytest.raises(ApiError) as caught:
-        sampling_params(options, prompt_tokens=1, context_length=100, default_max_tokens=8,
+        sampling_params(options, prompt_tokens=1, context_length=100, max_tokens_bound=8,
                         prompt_param="messages", vocab_size=7)
     assert caught.value.param == "logit_bias" and "token id 7" in caught.value.message
     # OpenAI's seed is a signed 64-bit integer; the engines' is unsigned (two's complement)
     negative = parse_chat(chat(seed=-1), model_id=MODEL).options
-    assert sampling_params(negative, prompt_tokens=1, context_length=100, default_max_tokens=8,
+    assert sampling_params(negative, prompt_tokens=1, context_length=100, max_tokens_bound=8,
                            prompt_param="messages").seed == 2**64 - 1
 
 
@@ -176,20 +177,37 @@ def test_completion_logprobs_refusals(logprobs: Any) -> None:
 
 def test_context_length_checks() -> None:
     options = Options(model=MODEL, max_tokens=None)
-    assert sampling_params(options, prompt_tokens=10, context_length=100, default_max_tokens=512,
+    assert sampling_params(options, prompt_tokens=10, context_length=100, max_tokens_bound=512,
                            prompt_param="messages").max_tokens == 90
-    assert sampling_params(options, prompt_tokens=10, context_length=1000, default_max_tokens=512,
+    assert sampling_params(options, prompt_tokens=10, context_length=1000, max_tokens_bound=512,
                            prompt_param="messages").max_tokens == 512
+    # No operator bound: what is left of the context, however much that is.
+    assert sampling_params(options, prompt_tokens=10, context_length=40960,
+                           max_tokens_bound=None, prompt_param="messages").max_tokens == 40950
     with pytest.raises(ApiError) as caught:
-        sampling_params(options, prompt_tokens=120, context_length=100, default_max_tokens=512,
+        sampling_params(options, prompt_tokens=120, context_length=100, max_tokens_bound=512,
                         prompt_param="prompt")
     error = caught.value
     assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
     assert "120" in error.message and "100" in error.message and "leaves 0" in error.message
     with pytest.raises(ApiError) as caught:
         sampling_params(Options(model=MODEL, max_tokens=50), prompt_tokens=60, context_length=100,
-                        default_max_tokens=512, prompt_param="prompt")
+                        max_tokens_bound=512, prompt_param="prompt")
     assert caught.value.param == "max_tokens" and "leaves 40" in caught.value.message
+
+
+def test_the_operators_bound_refuses_more_by_the_name_asked() -> None:
+    asked = parse_chat(json.dumps({**CHAT, "max_completion_tokens": 65}).encode(),
+                       model_id=MODEL).options
+    with pytest.raises(ApiError) as caught:
+        sampling_params(asked, prompt_tokens=1, context_length=1000, max_tokens_bound=64,
+                        prompt_param="messages")
+    error = caught.value
+    assert (error.status, error.param) == (400, "max_completion_tokens")
+    assert "at most 64 tokens" in error.message and "65" in error.message
+    within = replace(asked, max_tokens=64)
+    assert sampling_params(within, prompt_tokens=1, context_length=1000, max_tokens_bound=64,
+                           prompt_param="messages").max_tokens == 64
 
 
 json_values = st.recursive(
@@ -213,7 +231,7 @@ def check_only_api_errors(body: bytes) -> None:
         for length in (1, 50, 5000):
             try:
                 sampling_params(request.options, prompt_tokens=length, context_length=100,
-                                default_max_tokens=16, prompt_param="prompt", vocab_size=50)
+                                max_tokens_bound=16, prompt_param="prompt", vocab_size=50)
             except ApiError as error:
                 assert error.status == 400
 

@@ -402,7 +402,24 @@ def test_the_stage_silence_bound_reaches_the_router_and_the_stage(tmp_path: Path
     assert router_options(serve).stage_silence_s == 1.5
 
 
+def test_the_max_tokens_bound_reaches_the_router(tmp_path: Path) -> None:
+    """``[serve] max_tokens`` / ``--max-tokens`` (the flag wins); unset: None, the context."""
+    from mlxceld.config.serve import router_options
+
+    data = {"serve": {"model": "org/model"}}
+    assert router_options(build_config(data, None, Overrides()).serve).max_tokens is None
+    data = {"serve": {"model": "org/model", "max_tokens": 300}}
+    serve = build_config(data, tmp_path / "mlxceld.toml", Overrides()).serve
+    assert router_options(serve).max_tokens == 300
+    serve = build_config(data, tmp_path / "mlxceld.toml", Overrides(max_tokens=20)).serve
+    assert router_options(serve).max_tokens == 20
+    with pytest.raises(ConfigError, match="--max-tokens must be at least 1, not 0"):
+        build_config(data, None, Overrides(max_tokens=0))
+
+
 @pytest.mark.parametrize(("key", "value", "says"), [
+    ("max_tokens", 0, "must be at least 1, not 0"),
+    ("max_tokens", 1.5, "must be an integer, not 1.5"),
     ("max_connections", 0, "must be at least 1, not 0"),
     ("max_connections", "many", "must be"),
     ("header_timeout_s", 0, "must be a number of seconds above 0, not 0"),

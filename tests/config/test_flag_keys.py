@@ -25,11 +25,13 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--socket": ("/srv/mx/ctl.sock", "/srv/mx/ctl.sock", ()),
     "--log-level": ("debug", "debug", ()),
     "--log-file": ("/srv/mx/log", "/srv/mx/log", ()),
+    "--log-format": ("json", "json", ()),
     "--model": ("MODEL", "MODEL", ()),  # a real directory, below
     "--model-name": ("tiny", "tiny", ()),
     "--host": ("0.0.0.0", "0.0.0.0", ()),
     "--port": ("9090", 9090, ()),
     "--api-key-file": ("/srv/mx/key", "/srv/mx/key", ()),
+    "--max-tokens": ("2048", 2048, ()),
     "--cluster-secret-file": ("/srv/mx/secret", "/srv/mx/secret", ()),
     "--agent-addr": ("10.0.0.1:19001", "10.0.0.1:19001", ()),
     "--distributed-config": ("/srv/mx/c.toml", "/srv/mx/c.toml", ("--node-id", "stage-1")),

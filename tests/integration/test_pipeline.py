@@ -19,6 +19,7 @@ import pytest
 
 from helpers import keys
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
+from helpers.metrics import sample, scrape
 from helpers.models import PROMPT, expected
 from helpers.pipeline import SECRET, Pipeline, start_pipeline, write_cluster
 from helpers.router import client
@@ -235,6 +236,10 @@ def test_stages_refuse_other_secret_holders(daemons: Daemons, split_fixture_dir:
     assert text_out == expected(model, PROMPT, 6)
 
 
+STATE = "mlxceld_stage_link_state"
+RTT = "mlxceld_stage_link_rtt_seconds"
+
+
 def ready(pipe: Pipeline) -> httpx.Response:
     return httpx.get(pipe.url.removesuffix("/v1") + "/ready", timeout=10)
 
@@ -261,6 +266,14 @@ def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
     shown = wait_for(lambda: status_saying(pipe.coordinator, "stages of router: 2 of 2 attached"),
                      10, "mlxctl status showing both stages attached")
     assert "stage-0" in shown and "stage-1" in shown
+    # /metrics: each link's state, one gauge per state, and its heartbeat's round trip.
+    up = wait_for(lambda: (m := scrape(pipe.url)) and all(
+        sample(m, "mlxceld_stage_link_rtt_seconds", stage=f"stage-{r}", layers=ls)
+        for r, ls in ((0, "0-2"), (1, "2-4"))) and m, 20, "both links' rtt in /metrics")
+    for stage, layers in (("stage-0", "0-2"), ("stage-1", "2-4")):
+        assert sample(up, STATE, stage=stage, layers=layers, state="attached") == 1
+        assert sample(up, STATE, stage=stage, layers=layers, state="unreachable") == 0
+        assert 0 < sample(up, RTT, stage=stage, layers=layers) < 3  # type: ignore[operator]
 
     stage = pipe.stages[1]
     assert stage.proc is not None
@@ -279,6 +292,11 @@ def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
     shown = pipe.coordinator.ctl("status").stdout
     assert "stages of router: 1 of 2 attached" in shown and "unreachable" in shown, shown
     assert "worker router cannot reach stage stage-1 (unreachable)" in shown, shown
+    down_metrics = scrape(pipe.url)
+    assert sample(down_metrics, STATE, stage="stage-1", layers="2-4", state="unreachable") == 1
+    assert sample(down_metrics, STATE, stage="stage-1", layers="2-4", state="attached") == 0
+    assert sample(down_metrics, RTT, stage="stage-1", layers="2-4") is None
+    assert sample(down_metrics, STATE, stage="stage-0", layers="0-2", state="attached") == 1
 
     pipe.hosts[1].start()
     daemons.pids.add(stage.wait_worker("stage", timeout=READY_S, state="running")["pid"])

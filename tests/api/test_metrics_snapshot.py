@@ -1,0 +1,52 @@
+"""``/metrics``' per-scrape part (``api/metrics.py`` ``Snapshot``), in process: the process,
+the build, the model, and stage links fed through the app's ``stage_links`` seam."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import psutil
+
+from mlxceld.api.metrics import LINK_STATES
+
+from helpers.api import http_client, make_app
+from helpers.metrics import Samples, parse_samples, sample
+
+LINKS: list[dict[str, Any]] = [
+    {"stage": "stage-0", "layers": [0, 2], "state": "attached", "rtt_ms": 1.5},
+    {"stage": "stage-1", "layers": [2, 4], "state": "silent", "rtt_ms": None},
+]
+
+
+def scrape_app(**options: Any) -> Samples:
+    async def main() -> str:
+        async with http_client(make_app(**options)) as client:
+            return (await client.get("/metrics")).text
+
+    return parse_samples(asyncio.run(main()))
+
+
+def test_the_process_build_and_model_without_links() -> None:
+    metrics = scrape_app()
+    me = psutil.Process(os.getpid())
+    assert sample(metrics, "process_start_time_seconds") == me.create_time()
+    assert (sample(metrics, "process_resident_memory_bytes") or 0) > 1 << 20
+    assert sample(metrics, "mlxceld_model_info", model="fake-model", context_length="256") == 1
+    assert not [n for n, _ in metrics if n.startswith("mlxceld_stage_link")]
+
+
+def test_each_link_has_one_gauge_per_state_and_its_rtt_when_known() -> None:
+    metrics = scrape_app(stage_links=lambda: LINKS)
+    states = {dict(labels)["state"]: value for name, labels in metrics
+              if name == "mlxceld_stage_link_state" and ("stage", "stage-1") in labels
+              for value in [metrics[(name, labels)]]}
+    assert set(states) == set(LINK_STATES) and states["silent"] == 1
+    assert sum(states.values()) == 1
+    assert sample(metrics, "mlxceld_stage_link_state", stage="stage-0", layers="0-2",
+                  state="attached") == 1
+    assert sample(metrics, "mlxceld_stage_link_rtt_seconds", stage="stage-0",
+                  layers="0-2") == 0.0015
+    assert sample(metrics, "mlxceld_stage_link_rtt_seconds", stage="stage-1",
+                  layers="2-4") is None

@@ -1,0 +1,111 @@
+"""Every request field is honoured or refused by name (``api/surface.py``), never silently
+ignored: through the parser, and through the real ``openai`` client (in process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from mlxceld.api import ApiError
+from mlxceld.api.requests import parse_chat, parse_completion
+from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS
+
+from helpers.api import MODEL, make_app, openai_client
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT: dict[str, Any] = {"model": MODEL, "messages": USER}
+COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "once"}
+
+# A value of each refused field that asks for something this server does not do.
+REFUSED_CHAT: dict[str, Any] = {
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto",
+    "service_tier": "flex", "store": True, "reasoning_effort": "low", "verbosity": "low",
+    "moderation": True, "prompt_cache_retention": "24h", "prompt_cache_options": {},
+}
+REFUSED_COMPLETION: dict[str, Any] = {"echo": True, "best_of": 2, "suffix": "}"}
+# Values of refused fields that ask for nothing more than is served: accepted.
+ALLOWED_CHAT: dict[str, Any] = {"modalities": ["text"], "service_tier": "auto",
+                                "store": False, "user": "u-1", "safety_identifier": "s",
+                                "prompt_cache_key": "k", "metadata": {"a": "b"}}
+ALLOWED_COMPLETION: dict[str, Any] = {"echo": False, "best_of": 1, "suffix": "", "user": "u"}
+
+
+def refusal(body: dict[str, Any], parse: Any = parse_chat) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse(json.dumps(body).encode(), model_id=MODEL)
+    return caught.value
+
+
+def test_the_tables_cover_every_refused_field_tested_here() -> None:
+    refused = {n for n, r in CHAT_FIELDS.items() if r.state == "refused"}
+    assert refused == set(REFUSED_CHAT)
+    refused = {n for n, r in COMPLETION_FIELDS.items() if r.state == "refused"}
+    assert refused == set(REFUSED_COMPLETION)
+
+
+@pytest.mark.parametrize(("name", "value"), sorted(REFUSED_CHAT.items()))
+def test_each_refused_chat_field_is_named(name: str, value: Any) -> None:
+    error = refusal({**CHAT, name: value})
+    assert (error.status, error.param, error.code) == (400, name, "unsupported_parameter")
+    assert name in error.message and ("leave" in error.message or "send" in error.message)
+
+
+@pytest.mark.parametrize(("name", "value"), sorted(REFUSED_COMPLETION.items()))
+def test_each_refused_completion_field_is_named(name: str, value: Any) -> None:
+    error = refusal({**COMPLETION, name: value}, parse_completion)
+    assert (error.status, error.param, error.code) == (400, name, "unsupported_parameter")
+
+
+def test_values_that_ask_for_nothing_more_are_accepted() -> None:
+    parse_chat(json.dumps({**CHAT, **ALLOWED_CHAT}).encode(), model_id=MODEL)
+    parse_completion(json.dumps({**COMPLETION, **ALLOWED_COMPLETION}).encode(), model_id=MODEL)
+    # null is absent, for refused and unknown fields alike
+    parse_chat(json.dumps({**CHAT, "audio": None, "typo": None}).encode(), model_id=MODEL)
+
+
+def test_opaque_fields_are_checked_for_their_type() -> None:
+    error = refusal({**CHAT, "user": 5})
+    assert (error.status, error.param) == (400, "user")
+    assert "'user' must be a string, not an integer" in error.message
+    assert refusal({**CHAT, "metadata": "x"}).param == "metadata"
+
+
+def test_unknown_fields_are_each_named() -> None:
+    error = refusal({**CHAT, "max_token": 5, "temprature": 0.2})
+    assert (error.status, error.param, error.code) == (400, "max_token", "unknown_parameter")
+    assert '"max_token", "temprature"' in error.message
+    many = {f"x{i}": 1 for i in range(8)}
+    assert "and 3 more" in refusal({**CHAT, **many}).message
+    # A chat-only field on the completions endpoint is unknown there.
+    error = refusal({**COMPLETION, "messages": USER}, parse_completion)
+    assert error.param == "messages" and error.code == "unknown_parameter"
+
+
+def test_the_openai_client_gets_a_400_naming_each_field() -> None:
+    async def main() -> None:
+        async with openai_client(make_app()) as client:
+            for name, value in [*sorted(REFUSED_CHAT.items()), ("typo_field", 1)]:
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await client.chat.completions.create(model=MODEL, messages=USER,
+                                                         extra_body={name: value})
+                body = caught.value.body
+                assert isinstance(body, dict) and body["param"] == name, name
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model=MODEL, messages=USER, n=2)
+            assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "n"
+            for name, value in sorted(REFUSED_COMPLETION.items()):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await client.completions.create(model=MODEL, prompt="once", max_tokens=2,
+                                                    extra_body={name: value})
+                assert isinstance(caught.value.body, dict) and caught.value.body["param"] == name
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=2, extra_body=ALLOWED_CHAT)
+            assert answer.choices[0].finish_reason == "length"
+
+    asyncio.run(main())
