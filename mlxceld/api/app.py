@@ -41,6 +41,7 @@ from mlxceld.api.generation import Sequencer
 from mlxceld.api.metrics import CONTENT_TYPE, Metrics, count_requests
 from mlxceld.api.requests import (
     Options,
+    check_constraint,
     check_prompt_bytes,
     parse_chat,
     parse_completion,
@@ -143,6 +144,7 @@ def build_router_app(
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
         options = parsed.options
+        await check_constraint(options)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage)
         return respond(prompt, options, fmt, "messages", arrived)
@@ -154,6 +156,7 @@ def build_router_app(
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         prompt = await tokenizer.prompt(parsed.prompt, size)
         options = parsed.options
+        await check_constraint(options)
         fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage)
         return respond(prompt, options, fmt, "prompt", arrived)
