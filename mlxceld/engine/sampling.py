@@ -29,6 +29,8 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
     top_k = params.top_k if 0 < params.top_k < vocab_size else 0
     top_p = params.top_p
     key: list[mx.array | None] = [None if params.seed is None else mx.random.key(params.seed)]
+    if key[0] is not None:
+        mx.eval(key[0])
 
     def sample(logprobs: mx.array) -> mx.array:
         if top_k:
@@ -39,6 +41,10 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
         if key[0] is None:
             return mx.random.categorical(scaled)
         key[0], sub = mx.random.split(key[0])
+        # Evaluated now: a pipeline stage samples on its compute thread or its event loop's,
+        # and a lazy key made on one fails on the other ("no Stream(cpu, 1) in current
+        # thread"); an evaluated one is plain data.
+        mx.eval(key[0])
         return mx.random.categorical(scaled, key=sub)
 
     return sample
