@@ -48,7 +48,9 @@ from mlxceld.engine.base import Constraint
 
 log = logging.getLogger(__name__)
 
-MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema or grammar's text, as UTF-8
+# A schema or grammar's text, measured as the JSON string that carries it (its quotes
+# escaped): the pipeline sends it in a ``prepare`` header, at most 64 KiB in all.
+MAX_CONSTRAINT_BYTES = 48 * 1024
 CACHED_GRAMMARS = 32  # compiled matchers kept per engine, most recently used
 JSON_OPTIONS: Any = {"whitespace_flexible": False}  # compact JSON (llguidance's TypedDict)
 LIMITS = llguidance.LLParserLimits()
@@ -63,9 +65,9 @@ class ConstraintError(ValueError):
 def compile_grammar(constraint: Constraint) -> str:
     """The constraint as llguidance's grammar (a JSON string), checked without a tokenizer.
     The ``CACHED_GRAMMARS`` most recent are kept (a refusal is not)."""
-    size = len(constraint.text.encode("utf-8", "surrogatepass"))
+    size = wire_size(constraint.text)
     if size > MAX_CONSTRAINT_BYTES:
-        raise ConstraintError(f"the {_name(constraint)} is {size} bytes long; at most "
+        raise ConstraintError(f"the {_name(constraint)} is {size} bytes long as JSON; at most "
                               f"{MAX_CONSTRAINT_BYTES} are allowed")
     if constraint.kind == "json_object":
         grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
@@ -89,6 +91,11 @@ def compile_grammar(constraint: Constraint) -> str:
     if failed:
         raise ConstraintError(f"the {_name(constraint)} cannot be used: {_first_line(messages)}")
     return grammar
+
+
+def wire_size(text: str) -> int:
+    """``text``'s size as a JSON string, in UTF-8 bytes."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 def _name(constraint: Constraint) -> str:

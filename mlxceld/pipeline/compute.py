@@ -18,6 +18,10 @@ test_loopback.py). On a GPU the batched kernels are not those of one sequence an
 round otherwise, as in mlx-lm's BatchGenerator, whose batch caches and masks these are
 (not measured here).
 
+On the last stage a constrained sequence's log-probabilities are masked by its matcher
+(``engine/constraints.py``) before its sampler picks, and the matcher then consumes the
+token picked.
+
 Runs one group at a time, on the stage's compute thread or (short decode
 steps) its event loop's thread: a sequence's caches may be made on one and used
 on the other, which mlx orders by each array's dependencies.
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from mlxceld.wire import Tensor
 from mlxceld.wire.mx_tensors import from_blob, to_blob
+
+if TYPE_CHECKING:
+    from mlxceld.engine.constraints import Matching
 
 MAX_BATCH: Final = 16
 
@@ -52,6 +59,7 @@ class StageModelLike(Protocol):
 class SeqState:
     cache: list[Any]  # one mlx-lm cache per own layer
     sampler: Callable[[Any], Any] | None  # the last stage's, with the request's parameters
+    matching: Matching | None = None  # the last stage's, when the output is constrained
 
 
 @dataclass
@@ -112,7 +120,15 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
             tokens.append(None)
             continue
         assert s.state.sampler is not None
-        tokens.append(int(s.state.sampler(out[j:j + 1]).item()))
+        logprobs = out[j:j + 1]
+        matching = s.state.matching
+        if matching is not None:  # as mlx-lm does: mask, then normalize again
+            logprobs = matching.mask(logprobs)
+            logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        token = int(s.state.sampler(logprobs).item())
+        if matching is not None:
+            matching.advance([token])
+        tokens.append(token)
     return tokens
 
 

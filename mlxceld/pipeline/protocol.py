@@ -28,11 +28,18 @@ attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
                             which answers any first message so, then
                             closes)
 prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
-                            top_p, top_k, seed}, ``eos`` (at most ``MAX_EOS``
-                            token ids); a fresh KV cache, owned by the
-                            sender's identity; answered by ``prepared`` {seq},
-                            or ``error`` code ``draining`` while the stage is
-                            stopping (it finishes its sequences, takes no new one)
+                            top_p, top_k, seed, and ``constraint``
+                            {kind, text} when the output must match one
+                            (``engine/constraints.py``; its text at most
+                            ``MAX_CONSTRAINT_BYTES`` as a JSON string)},
+                            ``eos`` (at most ``MAX_EOS`` token ids); a fresh
+                            KV cache, owned by the sender's identity;
+                            answered by ``prepared`` {seq}, or ``error`` code
+                            ``draining`` while the stage is stopping (it
+                            finishes its sequences, takes no new one), or
+                            code ``bad_constraint`` from the last stage when
+                            it cannot decode under the constraint (the router
+                            answers 400 naming response_format)
 run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
                             ``tokens`` i32 ``[1, n]``, 1 ≤ n ≤ ``MAX_STEP_TOKENS``
                             (the prompt, in chunks; the last one samples)
@@ -74,7 +81,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from mlxceld.engine.base import SamplingParams
+from mlxceld.engine.base import Constraint, SamplingParams
 from mlxceld.wire import MessageSpec, TensorSpec
 
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in chunks of 512
@@ -96,6 +103,9 @@ ERR_STAGE_FAILED: Final = "stage_failed"
 ERR_DOWNSTREAM: Final = "downstream_unreachable"
 ERR_STANDBY: Final = "standby"
 ERR_DRAINING: Final = "draining"  # the stage is stopping: no new sequence (stage.py, drain)
+ERR_BAD_CONSTRAINT: Final = "bad_constraint"  # the last stage cannot use the constraint
+CONSTRAINT_KINDS: Final = ("json_schema", "json_object", "lark")
+PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed"})
 
 
 class ProtocolViolation(Exception):
@@ -155,16 +165,21 @@ def sample_of(header: Mapping[str, Any]) -> bool:
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed}
+    """``constraint`` only when there is one: a stage of the version before it reads the
+    rest as it always did."""
+    wire: dict[str, Any] = {"max_tokens": params.max_tokens,
+                            "temperature": params.temperature, "top_p": params.top_p,
+                            "top_k": params.top_k, "seed": params.seed}
+    if params.constraint is not None:
+        wire["constraint"] = {"kind": params.constraint.kind, "text": params.constraint.text}
+    return wire
 
 
 def params_from_wire(value: object) -> SamplingParams:
     """The request's sampling parameters, each checked (the last stage samples with them)."""
-    if not isinstance(value, dict) or set(value) != {"max_tokens", "temperature", "top_p",
-                                                     "top_k", "seed"}:
+    if not isinstance(value, dict) or set(value) - {"constraint"} != PARAM_KEYS:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params' must hold exactly max_tokens, "
-                                "temperature, top_p, top_k and seed")
+                                "temperature, top_p, top_k and seed, and may hold constraint")
     max_tokens, temp, top_p = value["max_tokens"], value["temperature"], value["top_p"]
     top_k, seed = value["top_k"], value["seed"]
     if type(max_tokens) is not int or not 1 <= max_tokens < 2**31:
@@ -178,7 +193,26 @@ def params_from_wire(value: object) -> SamplingParams:
     if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.seed' out of range")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temp), top_p=float(top_p),
-                          top_k=top_k, seed=seed)
+                          top_k=top_k, seed=seed, constraint=constraint_of(value.get("constraint")))
+
+
+def constraint_of(value: object) -> Constraint | None:
+    """``params.constraint``: its kind and its text, bounded (compiled on the last stage)."""
+    from mlxceld.engine.constraints import MAX_CONSTRAINT_BYTES, wire_size
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"kind", "text"}:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.constraint' must hold exactly kind "
+                                "and text")
+    kind, text = value["kind"], value["text"]
+    if kind not in CONSTRAINT_KINDS:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.constraint.kind' must be one of "
+                                f"{', '.join(CONSTRAINT_KINDS)}")
+    if not isinstance(text, str) or wire_size(text) > MAX_CONSTRAINT_BYTES:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.constraint.text' must be a string "
+                                f"of at most {MAX_CONSTRAINT_BYTES} bytes as JSON")
+    return Constraint(kind, text)
 
 
 def eos_of(header: Mapping[str, Any]) -> frozenset[int]:
