@@ -163,6 +163,9 @@ class Matching:
         self._failed = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # The step's forward pass starts now, and runs while this thread waits for the last
+        # token and computes the mask; mlx-lm would start it only after the processors.
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
         size = int(tokens.size)
         if self._seen is not None and size > self._seen:
             new: list[int] = tokens[self._seen:].tolist()  # type: ignore[assignment]
