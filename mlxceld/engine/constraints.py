@@ -181,8 +181,9 @@ class Matching:
             return
         if not self._matcher.consume_tokens(tokens) and not self._failed:
             self._failed = True  # a token the mask did not allow: end the sequence
+            # Its reason only: llguidance's error text quotes the output and the grammar.
             log.warning("constrained decoding failed (%s); ending the sequence",
-                        self._matcher.get_error())
+                        self._matcher.stop_reason())
 
     def mask(self, logits: mx.array) -> mx.array:
         """``logits`` ``[..., vocab]`` with every token the grammar does not allow at -inf."""
