@@ -131,6 +131,8 @@ def test_json_object_and_lark(fixture_dir: Path) -> None:
      "nope"),
     (Constraint("json_schema", '{"type": "string", "format": "no-such-format"}'),
      "no-such-format"),
+    (Constraint("json_schema", '{"type": "array", "uniqueItems": true}'),  # not ignored
+     "Unimplemented keys"),
     (Constraint("lark", "start: missing_rule"), "missing_rule"),
     (Constraint("json_schema", " " * (MAX_CONSTRAINT_BYTES + 1)), "at most"),
 ])
