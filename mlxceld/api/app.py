@@ -139,12 +139,12 @@ def build_router_app(
         parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
         size = sum(len(m.content.encode()) for m in parsed.messages)
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="messages")
+        options = parsed.options
+        await check_constraint(options)
         try:
             prompt = await tokenizer.chat(list(parsed.messages), size)
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
-        options = parsed.options
-        await check_constraint(options)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage)
         return respond(prompt, options, fmt, "messages", arrived)
@@ -154,9 +154,9 @@ def build_router_app(
         parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
-        prompt = await tokenizer.prompt(parsed.prompt, size)
         options = parsed.options
         await check_constraint(options)
+        prompt = await tokenizer.prompt(parsed.prompt, size)
         fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage)
         return respond(prompt, options, fmt, "prompt", arrived)
