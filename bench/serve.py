@@ -7,6 +7,11 @@ concurrent streams, then a chat request with `tools` in it (whole answers: tok/s
 seconds each, median of --runs; a model whose template has no tool calling skips the
 row). All requests are greedy with the same prompts, so both produce the same tokens.
 
+Then structured output on our router alone: the same measures with a ``response_format``
+json_schema (``SCHEMA``: an object with one free string, which a random-weight model never
+closes, so that every request runs to max_tokens as the free ones do) against none, and
+their ratio (the aim: constrained decode at 0.9 or more of free decode).
+
     .venv/bin/python bench/serve.py [--model DIR] [--max-tokens 64] [--streams 8]
 """
 
@@ -23,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from streams import Stream, timed
@@ -33,6 +39,9 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                     "days": {"type": "integer"}},
                    "required": ["city"]}}}]
+SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}},
+          "required": ["story"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
 
 
 
@@ -60,18 +69,21 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: floa
     raise SystemExit(f"{what} not ready after {timeout} s")
 
 
-def stream_once(url: str, model: str, max_tokens: int, prompt: str = PROMPT) -> Stream:
+def stream_once(url: str, model: str, max_tokens: int, prompt: str = PROMPT,
+                extra: dict[str, Any] | None = None) -> Stream:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     with httpx.stream("POST", f"{url}/completions", json=body, timeout=600) as r:
         return timed(r, start)
 
 
-def concurrent(url: str, model: str, max_tokens: int, n: int) -> float:
+def concurrent(url: str, model: str, max_tokens: int, n: int,
+               extra: dict[str, Any] | None = None) -> float:
     results: list[Stream] = []
     threads = [threading.Thread(target=lambda i=i: results.append(
-        stream_once(url, model, max_tokens, f"{PROMPT} (story {i})"))) for i in range(n)]
+        stream_once(url, model, max_tokens, f"{PROMPT} (story {i})", extra)))
+        for i in range(n)]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -80,13 +92,16 @@ def concurrent(url: str, model: str, max_tokens: int, n: int) -> float:
     return sum(r.tokens for r in results) / (time.perf_counter() - start)
 
 
-def measure(url: str, model: str, max_tokens: int, runs: int, streams: int) -> dict[str, float]:
-    stream_once(url, model, 8)  # warm up: compile, caches
-    singles = [stream_once(url, model, max_tokens) for _ in range(runs)]
+def measure(url: str, model: str, max_tokens: int, runs: int, streams: int,
+            extra: dict[str, Any] | None = None) -> dict[str, float]:
+    stream_once(url, model, 8, extra=extra)  # warm up: compile, caches
+    singles = [stream_once(url, model, max_tokens, extra=extra) for _ in range(runs)]
+    if extra is not None:  # each ran to max_tokens, as the free ones do
+        assert all(s.tokens == max_tokens for s in singles), [s.tokens for s in singles]
     return {
         "ttft_ms": statistics.median(s.ttft for s in singles) * 1000,
         "decode_tps": statistics.median(s.decode_tps for s in singles),
-        "aggregate_tps": concurrent(url, model, max_tokens, streams),
+        "aggregate_tps": concurrent(url, model, max_tokens, streams, extra),
     }
 
 
@@ -111,6 +126,27 @@ def has_tool_calling(model: Path) -> bool:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     return bool(load_tokenizer(Path(model)).has_tool_calling)
+
+
+def compare(url: str, model: str, max_tokens: int, runs: int, streams: int,
+            extra: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``measure`` without and with ``extra``, a round of each in turn, so that a busy
+    machine slows both alike; the median of the rounds."""
+    rounds = [(measure(url, model, max_tokens, 1, streams),
+               measure(url, model, max_tokens, 1, streams, extra)) for _ in range(runs)]
+    return {name: {key: statistics.median(r[i][key] for r in rounds) for key in rounds[0][i]}
+            for i, name in enumerate(("free", "json_schema"))}
+
+
+def table(names: tuple[str, str], res: dict[str, dict[str, float]], streams: int) -> None:
+    """Two columns and their ratio (> 1: the second is better)."""
+    first, second = (res[n] for n in names)
+    print(f"{'':24}{names[0]:>14}{names[1]:>12}{'ratio':>8}")
+    for key, label, better_low in (("decode_tps", "single-stream tok/s", False),
+                                   ("ttft_ms", "time to first token ms", True),
+                                   ("aggregate_tps", f"{streams} streams tok/s", False)):
+        ratio = first[key] / second[key] if better_low else second[key] / first[key]
+        print(f"{label:24}{first[key]:14.1f}{second[key]:12.1f}{ratio:8.2f}")
 
 
 def main() -> None:
@@ -164,6 +200,12 @@ def main() -> None:
             ratio = base[key] / ours[key] if better_low else ours[key] / base[key]
             print(f"{label:24}{base[key]:14.1f}{ours[key]:10.1f}{ratio:8.2f}")
         print("(ratio > 1 means mlxceld is better)")
+        structured = compare(urls["mlxceld"], ids["mlxceld"], args.max_tokens, args.runs,
+                             args.streams, {"response_format": JSON_SCHEMA})
+        print("\nstructured output on mlxceld (response_format json_schema, llguidance; "
+              f"free and constrained interleaved, {args.runs} rounds):")
+        table(("free", "json_schema"), structured, args.streams)
+        print("(ratio: constrained over free; the aim is 0.9 or more)")
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

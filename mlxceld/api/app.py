@@ -48,6 +48,7 @@ from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
     ChatRequest,
     Options,
+    check_constraint,
     check_prompt_bytes,
     parse_chat,
     parse_completion,
@@ -163,12 +164,13 @@ def build_router_app(
         size = sum(len(m.content.encode()) for m in parsed.messages) + \
             sum(len(json.dumps(t)) for t in tools)
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="messages")
+        options = parsed.options
+        await check_constraint(options)
         try:
             prompt = await tokenizer.chat(list(parsed.messages), size, tools=tools or None,
                                           template_kwargs=dict(parsed.template_kwargs))
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
-        options = parsed.options
         thinking = codec.opens_thinking(prompt)
         use = parsed.tools
         forced = None
@@ -185,8 +187,9 @@ def build_router_app(
         parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
-        prompt = await tokenizer.prompt(parsed.prompt, size)
         options = parsed.options
+        await check_constraint(options)
+        prompt = await tokenizer.prompt(parsed.prompt, size)
         fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage, options.logprobs is not None)
         return respond(prompt, options, fmt, "prompt", arrived)

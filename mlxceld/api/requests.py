@@ -22,6 +22,15 @@ and a field it does not know is refused by name. Here:
 - ``chat_template_kwargs``: an object of extra variables for the chat template (such as
   ``{"enable_thinking": false}``); names the router itself gives the template
   (``TEMPLATE_OWN_KWARGS``) are refused.
+- ``response_format``: ``{"type": "text"}`` (free text, as if absent),
+  ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict", "description"}}``: the output is
+  constrained token by token to match (``engine/constraints.py``), strict or not
+  (``strict`` is checked to be a boolean; the schema is always enforced). ``schema`` is
+  required. Anything else, or a schema llguidance cannot honour (a keyword it does not
+  implement, an unknown ``format``, a remote ``$ref``, over ``MAX_CONSTRAINT_BYTES``), is
+  refused (400, param "response_format..."), checked before the request is admitted
+  (``check_constraint``). JSON comes out compact (no whitespace between tokens).
 - ``model`` may be left out: a router serves one model.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
   newer name). Left out: what is left of the context (OpenAI's behaviour), or the
@@ -43,6 +52,8 @@ take. After tokenizing, its tokens against the context (``sampling_params``).
 
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +65,9 @@ from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
 from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from mlxceld.api.tools import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.control.bodies import read_bounded
-from mlxceld.engine import MAX_TOP_LOGPROBS, SamplingParams
+from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from mlxceld.engine.base import MAX_LOGIT_BIAS
+from mlxceld.engine.constraints import ConstraintError, compile_grammar
 
 # No tokenizer packs more text in a token, over a whole prompt: English runs at about 4
 # bytes a token, code at 3, a long run of one repeated character at the longest token.
@@ -72,6 +84,7 @@ TEMPLATE_OWN_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "chat_template"})
+SCHEMA_NAME_CHARS = 64  # OpenAI's limit on response_format.json_schema.name
 ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user",
                           "assistant": "assistant", "tool": "tool"}
 
@@ -96,6 +109,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     max_tokens_param: str = "max_tokens"  # which name the request gave it by
+    constraint: Constraint | None = None  # from response_format; None: free text
 
 
 @dataclass(frozen=True)
@@ -196,7 +210,25 @@ def sampling_params(options: Options, *, prompt_tokens: int, context_length: int
                           min_p=options.min_p, presence_penalty=options.presence_penalty,
                           frequency_penalty=options.frequency_penalty,
                           repetition_penalty=options.repetition_penalty,
-                          logit_bias=options.logit_bias, logprobs=options.logprobs)
+                          logit_bias=options.logit_bias, logprobs=options.logprobs,
+                          constraint=options.constraint)
+
+
+async def check_constraint(options: Options) -> None:
+    """Refuse a ``response_format`` llguidance cannot honour (400 naming it), compiled in a
+    thread: a large schema takes a while."""
+    if options.constraint is None:
+        return
+    try:
+        await asyncio.to_thread(compile_grammar, options.constraint)
+    except ConstraintError as exc:
+        raise constraint_refused(exc) from None
+
+
+def constraint_refused(exc: ConstraintError) -> ApiError:
+    """A constraint the engine cannot honour, as the client's fault."""
+    return invalid(f"'response_format' cannot be honoured: {exc}", "response_format",
+                   "invalid_response_format")
 
 
 def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
@@ -232,6 +264,7 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
         stream=stream,
         include_usage=stream and _include_usage(fields),
         max_tokens_param=max_tokens_param,
+        constraint=_response_format(fields),
     )
 
 
@@ -252,6 +285,45 @@ def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
                           f"{show(key)}", "logit_bias")
         pairs[int(key)] = biases.number(key, 0.0, -MAX_BIAS, MAX_BIAS)
     return tuple(sorted(pairs.items()))
+
+
+def _response_format(fields: Fields) -> Constraint | None:
+    value = fields.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fields.wrong("response_format", "an object")
+    inner = Fields(value, "response_format")
+    kind = inner.string("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise invalid(f"'response_format.type' must be one of text, json_object, json_schema, "
+                      f"not {show(kind)}", "response_format.type")
+    spec = inner.get("json_schema")
+    if spec is None:
+        raise invalid("'response_format.json_schema' is required when its type is "
+                      "json_schema", "response_format.json_schema")
+    if not isinstance(spec, dict):
+        raise inner.wrong("json_schema", "an object")
+    schema_fields = Fields(spec, "response_format.json_schema")
+    name = schema_fields.string("name")
+    if name is None or not 1 <= len(name) <= SCHEMA_NAME_CHARS or \
+            not all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
+        raise invalid(f"'response_format.json_schema.name' must be 1 to {SCHEMA_NAME_CHARS} "
+                      f"letters, digits, '_' or '-', not {show(name)}",
+                      "response_format.json_schema.name")
+    schema_fields.string("description")
+    schema_fields.boolean("strict", False)
+    schema = schema_fields.get("schema")
+    if schema is None:
+        raise invalid("'response_format.json_schema.schema' is required: the JSON schema "
+                      "the output must match", "response_format.json_schema.schema")
+    if not isinstance(schema, dict):
+        raise schema_fields.wrong("schema", "an object (a JSON schema)")
+    return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def _include_usage(fields: Fields) -> bool:

@@ -21,8 +21,10 @@ from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import Answer, Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
 from mlxceld.api.replies import Called, ChatReply
+from mlxceld.api.requests import constraint_refused
 from mlxceld.api.streaming import end_events, event, send_event, start_events, until_disconnect
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
+from mlxceld.engine.constraints import ConstraintError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ def failure(exc: Exception) -> ApiError:
     beyond the engine's own message."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ConstraintError):  # the engine could not build the request's matcher
+        return constraint_refused(exc)
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, str(exc), "server_error", code="engine_unavailable",
                         headers={"Retry-After": str(exc.retry_after_s)})
@@ -87,7 +91,7 @@ class CompletionResponse(Response):
         error = failure(exc)
         if isinstance(exc, EngineError):
             log.warning("request %s: the engine failed: %s", self._request.request_id, exc)
-        elif not isinstance(exc, ApiError):
+        elif not isinstance(exc, ApiError | ConstraintError):
             log.exception("request %s failed", self._request.request_id)
         await error_response(error)(scope, receive, send)
 

@@ -71,6 +71,7 @@ SHARED: Final[dict[str, Rule]] = {
     "min_p": _honoured(),
     "logit_bias": _honoured(),
     "logprobs": _honoured(),
+    "response_format": _honoured(),  # completions too, as vLLM
 }
 
 CHAT_FIELDS: Final[dict[str, Rule]] = {
@@ -84,7 +85,6 @@ CHAT_FIELDS: Final[dict[str, Rule]] = {
     "tool_choice": _honoured(),
     "parallel_tool_calls": _honoured(),
     "chat_template_kwargs": _honoured(),
-    "response_format": _pending("structured"),
     "audio": _refused("audio output is not served; leave 'audio' out"),
     "modalities": _refused('only text is served; send ["text"] or leave \'modalities\' out',
                            lambda v: v == ["text"]),

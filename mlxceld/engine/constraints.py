@@ -26,8 +26,10 @@ The mask is applied here (numpy unpacks the bits, ``mx.where`` masks) rather tha
 ``llguidance.mlx``, whose Metal kernel does not run on mlx's CPU backend.
 
 Limits: a constraint's text is at most ``MAX_CONSTRAINT_BYTES``; llguidance's parser
-limits (``LIMITS``: its defaults) bound a grammar's size, its lexer and each step's work,
-so no request makes a step take long.
+limits (``LIMITS``: its defaults) bound a grammar's size, its lexer and each step's work
+(at those limits about 15 ms a step; a schema's mask takes tens of microseconds), so no
+request holds the batch's steps for long. Compiling is bounded by them too (up to about a
+second), and runs off the event loop and off the step thread.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from mlxceld.engine.base import Constraint
 
 log = logging.getLogger(__name__)
 
-MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema or grammar's text, as UTF-8
+# A schema or grammar's text, measured as the JSON string that carries it (its quotes
+# escaped): the pipeline sends it in a ``prepare`` header, at most 64 KiB in all.
+MAX_CONSTRAINT_BYTES = 48 * 1024
 CACHED_GRAMMARS = 32  # compiled matchers kept per engine, most recently used
 JSON_OPTIONS: Any = {"whitespace_flexible": False}  # compact JSON (llguidance's TypedDict)
 LIMITS = llguidance.LLParserLimits()
@@ -63,9 +67,9 @@ class ConstraintError(ValueError):
 def compile_grammar(constraint: Constraint) -> str:
     """The constraint as llguidance's grammar (a JSON string), checked without a tokenizer.
     The ``CACHED_GRAMMARS`` most recent are kept (a refusal is not)."""
-    size = len(constraint.text.encode("utf-8", "surrogatepass"))
+    size = wire_size(constraint.text)
     if size > MAX_CONSTRAINT_BYTES:
-        raise ConstraintError(f"the {_name(constraint)} is {size} bytes long; at most "
+        raise ConstraintError(f"the {_name(constraint)} is {size} bytes long as JSON; at most "
                               f"{MAX_CONSTRAINT_BYTES} are allowed")
     if constraint.kind == "json_object":
         grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
@@ -89,6 +93,11 @@ def compile_grammar(constraint: Constraint) -> str:
     if failed:
         raise ConstraintError(f"the {_name(constraint)} cannot be used: {_first_line(messages)}")
     return grammar
+
+
+def wire_size(text: str) -> int:
+    """``text``'s size as a JSON string, in UTF-8 bytes."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 def _name(constraint: Constraint) -> str:
@@ -156,6 +165,9 @@ class Matching:
         self._failed = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # The step's forward pass starts now, and runs while this thread waits for the last
+        # token and computes the mask; mlx-lm would start it only after the processors.
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
         size = int(tokens.size)
         if self._seen is not None and size > self._seen:
             new: list[int] = tokens[self._seen:].tolist()  # type: ignore[assignment]
@@ -171,8 +183,9 @@ class Matching:
             return
         if not self._matcher.consume_tokens(tokens) and not self._failed:
             self._failed = True  # a token the mask did not allow: end the sequence
+            # Its reason only: llguidance's error text quotes the output and the grammar.
             log.warning("constrained decoding failed (%s); ending the sequence",
-                        self._matcher.get_error())
+                        self._matcher.stop_reason())
 
     def mask(self, logits: mx.array) -> mx.array:
         """``logits`` ``[..., vocab]`` with every token the grammar does not allow at -inf."""

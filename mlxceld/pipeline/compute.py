@@ -18,6 +18,10 @@ test_loopback.py). On a GPU the batched kernels are not those of one sequence an
 round otherwise, as in mlx-lm's BatchGenerator, whose batch caches and masks these are
 (not measured here).
 
+On the last stage a constrained sequence's log-probabilities are masked by its matcher
+(``engine/constraints.py``) before its sampler picks, and the matcher then consumes the
+token picked.
+
 Runs one group at a time, on the stage's compute thread or (short decode
 steps) its event loop's thread: a sequence's caches may be made on one and used
 on the other, which mlx orders by each array's dependencies.
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from mlxceld.wire import Tensor
 from mlxceld.wire.mx_tensors import from_blob, to_blob
+
+if TYPE_CHECKING:
+    from mlxceld.engine.constraints import Matching
 
 MAX_BATCH: Final = 16
 
@@ -61,6 +68,7 @@ class SeqState:
     processors: list[Callable[[Any, Any], Any]] = field(default_factory=list)
     history: list[int] = field(default_factory=list)
     logprobs: int | None = None
+    matching: Matching | None = None  # the last stage's, when the output is constrained
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,7 @@ def sample_group(group: Sequence[Step], logits: Any) -> list[Sampled | None]:
     from mlxceld.engine.sampling import read_logprobs
     from mlxceld.models.slicing import log_softmax
 
-    if any(s.sample and s.state.processors for s in group):
+    if any(s.sample and (s.state.processors or s.state.matching) for s in group):
         rows = []
         for j, s in enumerate(group):
             row = logits[j:j + 1]
@@ -144,6 +152,8 @@ def sample_group(group: Sequence[Step], logits: Any) -> list[Sampled | None]:
                 history = mx.array(s.state.history, dtype=mx.int32)
                 for processor in s.state.processors:
                     row = processor(history, row)
+            if s.sample and s.state.matching is not None:  # the constraint's mask goes last
+                row = s.state.matching.mask(row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     logprobs = log_softmax(logits)
@@ -156,6 +166,8 @@ def sample_group(group: Sequence[Step], logits: Any) -> list[Sampled | None]:
         token = int(s.state.sampler(logprobs[j:j + 1]).item())
         if s.state.processors:
             s.state.history.append(token)
+        if s.state.matching is not None:
+            s.state.matching.advance([token])
         if s.state.logprobs is None:
             out.append(Sampled(token))
         else:

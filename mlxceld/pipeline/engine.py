@@ -275,6 +275,10 @@ class PipelineEngine:
                 raise EngineUnavailable(
                     f"stage {self._node_of(rank)} is draining (stopping or restarting): it "
                     "takes no new request; retry shortly", retry_after_s=DRAINING_RETRY_S)
+            if code == p.ERR_BAD_CONSTRAINT:  # the client's: a 400 naming response_format
+                from mlxceld.engine.constraints import ConstraintError
+
+                raise ConstraintError(message)
             if code in _CLIENT_WORDS:
                 raise EngineError(f"stage {self._node_of(rank)} refused the request: "
                                   f"{message} ({code})")

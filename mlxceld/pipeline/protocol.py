@@ -33,15 +33,22 @@ prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             logit_bias: [[id, bias], ...] (at most
                             ``MAX_LOGIT_BIAS``, ids below the model's
                             vocabulary on the last stage), logprobs: null or
-                            0 to ``MAX_TOP_LOGPROBS``}, ``eos`` (at most
-                            ``MAX_EOS`` token ids), ``history`` (the prompt's
-                            last ``REPETITION_CONTEXT`` token ids, when the
+                            0 to ``MAX_TOP_LOGPROBS``, and ``constraint``
+                            {kind, text} when the output must match one
+                            (``engine/constraints.py``; its text at most
+                            ``MAX_CONSTRAINT_BYTES`` as a JSON string)},
+                            ``eos`` (at most ``MAX_EOS`` token ids),
+                            ``history`` (the prompt's last
+                            ``REPETITION_CONTEXT`` token ids, when the
                             repetition penalty is on: the last stage's
                             processors look back that far; else absent or
                             empty); a fresh KV cache, owned by the
                             sender's identity; answered by ``prepared`` {seq},
                             or ``error`` code ``draining`` while the stage is
-                            stopping (it finishes its sequences, takes no new one)
+                            stopping (it finishes its sequences, takes no new
+                            one), or code ``bad_constraint`` from the last
+                            stage when it cannot decode under the constraint
+                            (the router answers 400 naming response_format)
 run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
                             ``tokens`` i32 ``[1, n]``, 1 ≤ n ≤ ``MAX_STEP_TOKENS``
                             (the prompt, in chunks; the last one samples)
@@ -92,6 +99,7 @@ from mlxceld.engine.base import (
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     REPETITION_CONTEXT,
+    Constraint,
     SamplingParams,
 )
 from mlxceld.wire import MessageSpec, TensorSpec
@@ -117,6 +125,8 @@ ERR_STAGE_FAILED: Final = "stage_failed"
 ERR_DOWNSTREAM: Final = "downstream_unreachable"
 ERR_STANDBY: Final = "standby"
 ERR_DRAINING: Final = "draining"  # the stage is stopping: no new sequence (stage.py, drain)
+ERR_BAD_CONSTRAINT: Final = "bad_constraint"  # the last stage cannot use the constraint
+CONSTRAINT_KINDS: Final = ("json_schema", "json_object", "lark")
 
 
 class ProtocolViolation(Exception):
@@ -181,13 +191,18 @@ PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "s
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
-            "min_p": params.min_p, "presence_penalty": params.presence_penalty,
-            "frequency_penalty": params.frequency_penalty,
-            "repetition_penalty": params.repetition_penalty,
-            "logit_bias": [[t, b] for t, b in params.logit_bias],
-            "logprobs": params.logprobs}
+    """``constraint`` only when there is one."""
+    wire: dict[str, Any] = {
+        "max_tokens": params.max_tokens, "temperature": params.temperature,
+        "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+        "min_p": params.min_p, "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logit_bias": [[t, b] for t, b in params.logit_bias],
+        "logprobs": params.logprobs}
+    if params.constraint is not None:
+        wire["constraint"] = {"kind": params.constraint.kind, "text": params.constraint.text}
+    return wire
 
 
 def _number(value: Any, name: str, low: float, high: float, *, low_open: bool = False) -> float:
@@ -200,9 +215,9 @@ def _number(value: Any, name: str, low: float, high: float, *, low_open: bool = 
 def params_from_wire(value: object, vocab_size: int | None = None) -> SamplingParams:
     """The request's sampling parameters, each checked (the last stage samples with them;
     ``vocab_size``: its model's, which every ``logit_bias`` id must be below)."""
-    if not isinstance(value, dict) or set(value) != PARAM_KEYS:
+    if not isinstance(value, dict) or set(value) - {"constraint"} != PARAM_KEYS:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params' must hold exactly "
-                                f"{', '.join(sorted(PARAM_KEYS))}")
+                                f"{', '.join(sorted(PARAM_KEYS))}, and may hold constraint")
     max_tokens, top_k, seed = value["max_tokens"], value["top_k"], value["seed"]
     if type(max_tokens) is not int or not 1 <= max_tokens < 2**31:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.max_tokens' out of range")
@@ -227,7 +242,7 @@ def params_from_wire(value: object, vocab_size: int | None = None) -> SamplingPa
         repetition_penalty=_number(value["repetition_penalty"], "repetition_penalty", 0,
                                    MAX_PENALTY, low_open=True),
         logit_bias=_logit_bias(value["logit_bias"], vocab_size),
-        logprobs=logprobs)
+        logprobs=logprobs, constraint=constraint_of(value.get("constraint")))
 
 
 def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -272,6 +287,25 @@ def logprobs_of(header: Mapping[str, Any], wanted: int | None
 
 def _is_logprob(value: Any) -> bool:
     return type(value) in (int, float) and LOGPROB_FLOOR <= value <= 0
+
+
+def constraint_of(value: object) -> Constraint | None:
+    """``params.constraint``: its kind and its text, bounded (compiled on the last stage)."""
+    from mlxceld.engine.constraints import MAX_CONSTRAINT_BYTES, wire_size
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"kind", "text"}:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.constraint' must hold exactly kind "
+                                "and text")
+    kind, text = value["kind"], value["text"]
+    if kind not in CONSTRAINT_KINDS:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.constraint.kind' must be one of "
+                                f"{', '.join(CONSTRAINT_KINDS)}")
+    if not isinstance(text, str) or wire_size(text) > MAX_CONSTRAINT_BYTES:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.constraint.text' must be a string "
+                                f"of at most {MAX_CONSTRAINT_BYTES} bytes as JSON")
+    return Constraint(kind, text)
 
 
 def eos_of(header: Mapping[str, Any]) -> frozenset[int]:

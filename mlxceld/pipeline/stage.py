@@ -23,7 +23,9 @@ over the old one, after all the sequence's messages there, and the rest over the
 The last stage continues each sequence it samples for: it sends the token to
 the owner and, unless the token ends the sequence or ``max_tokens`` are reached,
 to the first stage as the next step (``next``), so decode steps go round the
-stages without the coordinator.
+stages without the coordinator. A constrained sequence (``params.constraint``) gets a
+matcher on the last stage, whose tokenizer it reads from the model's directory at its
+first such ``prepare``; a constraint it cannot use is refused (``bad_constraint``).
 
 Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
 and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
@@ -59,7 +61,8 @@ import logging
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Final
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld.engine.base import SamplingParams
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
@@ -85,6 +88,9 @@ from mlxceld.wire import (
     parse_envelope,
 )
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
+
+if TYPE_CHECKING:  # llguidance and mlx: imported only once serving
+    from mlxceld.engine.constraints import ConstraintTokenizer, Matching
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +152,13 @@ class StageStats:
 class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
                  wire_dtype: str, *, standby: bool = False,
-                 silence_s: float = DEFAULT_SILENCE_S) -> None:
+                 silence_s: float = DEFAULT_SILENCE_S,
+                 tokenizer_path: Path | None = None) -> None:
+        """``tokenizer_path``: the model's directory, whose tokenizer the last stage reads
+        to decode under a constraint (None: a constrained ``prepare`` is refused)."""
         self._model = model
+        self._tokenizer_path = tokenizer_path
+        self._constraints: ConstraintTokenizer | None = None
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, _Sequence] = {}
@@ -348,7 +359,10 @@ class StageService:
                 state = SeqState(state.cache, make_sampler(params, self._model.vocab_size),
                                  make_logits_processors(params), list(history),
                                  params.logprobs)
-            self._seqs[seq_id] = _Sequence(who, stream, state, params, p.eos_of(env.header))
+            eos = p.eos_of(env.header)
+            if last:
+                state.matching = await self._matching(params, eos)
+            self._seqs[seq_id] = _Sequence(who, stream, state, params, eos)
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
             self._forget(seq_id)
@@ -363,6 +377,37 @@ class StageService:
                                           f"sequence {seq_id} is not prepared here")
             self._enqueue(seq_id, current, p.step_of(env.header), p.sample_of(env.header),
                           env.tensors["tokens"])
+
+    async def _matching(self, params: SamplingParams, eos: frozenset[int]) -> Matching | None:
+        """The sequence's matcher when its output is constrained (the last stage's). The
+        model's tokenizer is read from its directory at the first such ``prepare``, then
+        kept; compiling runs in a thread (a large grammar takes up to about a second)."""
+        if params.constraint is None:
+            return None
+        from mlxceld.engine.constraints import ConstraintError
+
+        try:
+            if self._constraints is None or self._constraints.eos_token_ids != sorted(eos):
+                self._constraints = await asyncio.to_thread(self._constraint_tokenizer, eos)
+            return await asyncio.to_thread(self._constraints.matcher, params.constraint)
+        except ConstraintError as exc:
+            raise p.ProtocolViolation(p.ERR_BAD_CONSTRAINT, str(exc)) from None
+
+    def _constraint_tokenizer(self, eos: frozenset[int]) -> ConstraintTokenizer:
+        from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer
+
+        if self._tokenizer_path is None:
+            raise ConstraintError(f"stage {self._place.node_id} has no tokenizer to decode "
+                                  "under a constraint")
+        from mlx_lm.utils import load_tokenizer
+
+        try:
+            wrapper: Any = load_tokenizer(self._tokenizer_path)  # type: ignore[no-untyped-call]
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' words
+            raise ConstraintError(f"stage {self._place.node_id} cannot read the model's "
+                                  f"tokenizer in {self._tokenizer_path}: {exc}") from exc
+        return ConstraintTokenizer(wrapper._tokenizer, vocab_size=self._model.vocab_size,
+                                   eos_token_ids=eos)
 
     def _from_stage(self, env: Envelope, tensor: str) -> None:
         """An activation (``act``) or a continuation (``next``) from another stage."""

@@ -125,7 +125,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
                                "cannot travel on the wire")
         service = StageService(model, place, keyring, wire, standby=o.standby,
-                               silence_s=o.silence_s)
+                               silence_s=o.silence_s, tokenizer_path=path)
         active = service
 
         def activate(request: JSON) -> JSON:

@@ -131,6 +131,8 @@ def test_json_object_and_lark(fixture_dir: Path) -> None:
      "nope"),
     (Constraint("json_schema", '{"type": "string", "format": "no-such-format"}'),
      "no-such-format"),
+    (Constraint("json_schema", '{"type": "array", "uniqueItems": true}'),  # not ignored
+     "Unimplemented keys"),
     (Constraint("lark", "start: missing_rule"), "missing_rule"),
     (Constraint("json_schema", " " * (MAX_CONSTRAINT_BYTES + 1)), "at most"),
 ])
@@ -154,3 +156,19 @@ def test_the_engine_refuses_a_bad_constraint_and_keeps_serving(fixture_dir: Path
             await engine.aclose()
 
     asyncio.run(run())
+
+
+def test_a_token_the_grammar_refused_leaves_only_eos(fixture_dir: Path) -> None:
+    """A matcher fed a token its mask did not allow (a bug) ends the sequence rather than
+    letting anything through; its vocabulary's rows past the tokenizer's stay masked."""
+    model, tokenizer = load(str(fixture_dir / "llama"))
+    vocab = model.args.vocab_size
+    eos = set(tokenizer.eos_token_ids)
+    tokens = constraint_tokenizer(tokenizer, vocab, eos)
+    assert not isinstance(tokens, ConstraintError)
+    matching = tokens.matcher(Constraint("lark", 'start: "yes"'))
+    allowed = mx.isfinite(matching.mask(mx.zeros((1, vocab + 7))))[0].tolist()
+    assert 0 < sum(allowed) < vocab and not any(allowed[vocab:])
+    matching.advance(tokenizer.encode("no"))
+    allowed = mx.isfinite(matching.mask(mx.zeros((1, vocab))))[0].tolist()
+    assert {i for i, ok in enumerate(allowed) if ok} == eos

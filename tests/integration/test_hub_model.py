@@ -34,6 +34,9 @@ LAYERS = 4
 SPLITS = [(0, 2), (2, 4)]
 PROMPT = "The quick brown fox"
 TOKEN = "hf_test_token_never_in_an_environment"
+SHAPED = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 17}},
+    "required": ["n"], "additionalProperties": False}}}
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,12 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
         assert [m.id for m in c.models.list().data] == ["tiny-llama"]  # the repo's name
         out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
                                    temperature=0)
+        # Under a constraint the last stage reads the tokenizer from its snapshot.
+        shaped = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=100,
+                                      temperature=0, extra_body={"response_format": SHAPED})
     assert out.choices[0].text == expected(repo.path, PROMPT, 12)
+    assert shaped.choices[0].finish_reason == "stop", shaped.choices[0].text
+    assert 3 <= json.loads(shaped.choices[0].text)["n"] <= 17
 
     # A stage host that lacks one of its shards, offline: its stage fails, naming it.
     last = hosts[1]
@@ -184,7 +192,12 @@ def test_a_repo_id_served_whole_on_one_host(daemons: Daemons, repo: Repo,
     with client(f"http://127.0.0.1:{port}/v1") as c:
         out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
                                    temperature=0)
+        # Under a constraint the last stage reads the tokenizer from its snapshot.
+        shaped = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=100,
+                                      temperature=0, extra_body={"response_format": SHAPED})
     assert out.choices[0].text == expected(repo.path, PROMPT, 12)
+    assert shaped.choices[0].finish_reason == "stop", shaped.choices[0].text
+    assert 3 <= json.loads(shaped.choices[0].text)["n"] <= 17
 
     assert d.ctl("stop").returncode == 0 and d.proc is not None and d.proc.wait(30) == 0
     lost = sorted(repo.files)[-1]

@@ -68,8 +68,10 @@ def arguments(call: Any) -> dict[str, Any]:
     return value
 
 
-def test_forced_calls_whole_and_streamed(local: str) -> None:
-    with client(local) as c:
+def check_forced_calls(url: str) -> None:
+    """tool_choice "required" (whole) and a named function (streamed): the grammar forces
+    a call the parser reads, with arguments inside the tool's schema."""
+    with client(url) as c:
         for seed in (1, 2):
             answer = c.chat.completions.create(
                 model="qwen3", messages=USER, tools=[WEATHER, CLOCK], tool_choice="required",
@@ -98,6 +100,10 @@ def test_forced_calls_whole_and_streamed(local: str) -> None:
     args = json.loads(calls[1].function.arguments)
     assert args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_forced_calls_whole_and_streamed(local: str) -> None:
+    check_forced_calls(local)
 
 
 def check_reasoning_and_round_trip(url: str) -> None:
@@ -131,12 +137,13 @@ def test_reasoning_kwargs_and_a_round_trip_local(local: str) -> None:
     check_reasoning_and_round_trip(local)
 
 
-def test_reasoning_kwargs_a_round_trip_and_a_refusal_in_a_pipeline(
+def test_reasoning_forced_calls_a_round_trip_and_a_refusal_in_a_pipeline(
         tools_model: Path, split_fixture_dir: Path) -> None:
     daemons = Daemons()
     try:
         url = start_pipeline(daemons, tools_model, [(0, 2), (2, 4)]).url
         check_reasoning_and_round_trip(url)
+        check_forced_calls(url)  # the last stage masks under the tools' grammar
         # A model whose template has no tool calling refuses tools, naming the model.
         port = free_port()
         d = daemons.make(name="plain").start("--model", str(split_fixture_dir / "qwen3"),
