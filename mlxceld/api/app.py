@@ -161,7 +161,7 @@ def build_router_app(
         arrived = check_ready()
         parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
         tools = _template_tools(parsed, codec, model_id)
-        size = sum(len(m.content.encode()) for m in parsed.messages) + \
+        size = sum(m.size for m in parsed.messages) + \
             sum(len(json.dumps(t)) for t in tools)
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="messages")
         options = parsed.options

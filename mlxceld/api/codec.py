@@ -34,17 +34,33 @@ class CalledTool:
 @dataclass(frozen=True)
 class ChatMessage:
     """One message of a chat, its content parts already joined into one string;
-    an assistant's ``tool_calls``, a tool result's ``tool_call_id``."""
+    an assistant's ``tool_calls``, a tool result's ``tool_call_id``, the sender's ``name``,
+    an earlier answer's ``reasoning``."""
 
     role: Role
     content: str
     tool_calls: tuple[CalledTool, ...] = ()
     tool_call_id: str | None = None
+    name: str | None = None  # the participant's name, for templates that show it
+    reasoning: str | None = None  # an earlier answer's reasoning_content (assistant)
+
+    @property
+    def size(self) -> int:
+        """The UTF-8 bytes of what it puts in the prompt: content, reasoning, name and its
+        calls (``requests.check_prompt_bytes`` weighs a chat by them before tokenizing)."""
+        texts = [self.content, self.reasoning or "", self.name or "",
+                 *(c.name + c.arguments for c in self.tool_calls)]
+        return sum(len(t.encode()) for t in texts)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (HF's and mlx-lm's convention: a call's
-        arguments as an object, not OpenAI's JSON string)."""
+        arguments as an object, not OpenAI's JSON string; ``name`` and
+        ``reasoning_content`` under those keys, which templates that know them read)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",

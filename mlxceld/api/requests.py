@@ -38,7 +38,9 @@ and a field it does not know is refused by name. Here:
   or than the operator's bound, is refused naming the field, as OpenAI does.
 - message content parts (``[{"type": "text", "text": ...}]``) are joined with
   newlines; other part types (images, audio) are refused. Role "developer" is
-  read as "system". An assistant message may have null content.
+  read as "system". An assistant message may have null content. A message's own
+  fields are those of its role (``surface.ROLE_FIELDS``): ``name`` and an assistant's
+  ``reasoning_content`` go to the template, the rest are refused by their path.
 - ``prompt`` is a string or a list of one string; token ids are refused (the
   router could not check them against the vocabulary).
 - ``stream_options`` is read only when ``stream`` is true.
@@ -62,7 +64,7 @@ from starlette.requests import Request
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
-from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS, ROLE_FIELDS, check_fields
 from mlxceld.api.tools import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
@@ -408,17 +410,22 @@ def _message(item: Any, path: str) -> ChatMessage:
     if role is None:
         raise invalid(f"'{path}.role' must be one of {', '.join(ROLES)}, not {show(name)}",
                       f"{path}.role")
+    check_fields(item, ROLE_FIELDS[role], path)
     calls = parse_called_tools(fields) if role == "assistant" else ()
     call_id = fields.string("tool_call_id") if role == "tool" else None
+    sender = fields.string("name")
+    reasoning = fields.string("reasoning_content") if role == "assistant" else None
     content = fields.get("content")
     if content is None and role == "assistant":
-        return ChatMessage(role, "", calls)
-    if isinstance(content, str):
-        return ChatMessage(role, check_text(content, f"{path}.content"), calls, call_id)
-    if isinstance(content, list):
-        return ChatMessage(role, "\n".join(_text_part(part, f"{path}.content[{j}]")
-                                           for j, part in enumerate(content)), calls, call_id)
-    raise fields.wrong("content", "a string or an array of content parts")
+        text = ""
+    elif isinstance(content, str):
+        text = check_text(content, f"{path}.content")
+    elif isinstance(content, list):
+        text = "\n".join(_text_part(part, f"{path}.content[{j}]")
+                         for j, part in enumerate(content))
+    else:
+        raise fields.wrong("content", "a string or an array of content parts")
+    return ChatMessage(role, text, calls, call_id, sender, reasoning)
 
 
 def _text_part(part: Any, path: str) -> str:

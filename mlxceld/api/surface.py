@@ -14,6 +14,7 @@ One table per endpoint, each field in one of four states:
   unless its value asks nothing this server does not do (``ALLOWED``: ``n`` 1,
   ``modalities`` ``["text"]``, ``store`` false, ``echo`` false, ``best_of`` 1, ...).
 
+Each chat message has its own table by role (``ROLE_FIELDS``), read the same way.
 A field in neither table is refused (400, code ``unknown_parameter``) naming every
 such field. ``null`` counts as absent, here as in ``fields.py``: some clients send
 every optional field, unset ones as null.
@@ -121,24 +122,53 @@ COMPLETION_FIELDS: Final[dict[str, Rule]] = {
 }
 
 
-def check_fields(body: Mapping[str, Any], table: Mapping[str, Rule]) -> None:
-    """Refuse ``body`` (a request's top-level object) if it holds a refused field with a
-    value that asks for something, or fields ``table`` does not know (each named)."""
+# A chat message's fields, by its role (``requests.py`` reads them; ``name`` and an
+# assistant's ``reasoning_content`` go to the chat template, whose messages carry them).
+MESSAGE_FIELDS: Final[dict[str, Rule]] = {
+    "role": _honoured(),
+    "content": _honoured(),
+    "name": _honoured(),
+}
+
+ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
+    "system": MESSAGE_FIELDS,
+    "user": MESSAGE_FIELDS,
+    "assistant": {
+        **MESSAGE_FIELDS,
+        "tool_calls": _honoured(),
+        "reasoning_content": _honoured(),  # an earlier answer's, as this server returns it
+        "refusal": _refused("a refusal is not read back into the chat; send its text as "
+                            "'content' instead"),
+        "audio": _refused("audio is not served; leave an assistant message's 'audio' out"),
+        "function_call": _refused("the legacy 'function_call' is not served; send "
+                                  "'tool_calls' instead"),
+    },
+    "tool": {**MESSAGE_FIELDS, "tool_call_id": _honoured()},
+}
+
+
+def check_fields(body: Mapping[str, Any], table: Mapping[str, Rule], prefix: str = "") -> None:
+    """Refuse ``body`` (a request's top-level object, or one of its messages: ``prefix``
+    is then its path, ``messages[2]``) if it holds a refused field with a value that asks
+    for something, or fields ``table`` does not know (each named)."""
+    def path(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
     unknown = [name for name, value in body.items() if value is not None and name not in table]
     if unknown:
-        names = ", ".join(show(n) for n in unknown[:MAX_NAMED])
+        names = ", ".join(show(path(n)) for n in unknown[:MAX_NAMED])
         more = f" and {len(unknown) - MAX_NAMED} more" if len(unknown) > MAX_NAMED else ""
         raise invalid(f"unknown field{'s' if len(unknown) > 1 else ''} {names}{more}: this "
                       "server honours OpenAI's fields and top_k, and refuses what it does not "
                       "know rather than ignore it; remove "
-                      f"{'them' if len(unknown) > 1 else 'it'}", unknown[0][:200],
+                      f"{'them' if len(unknown) > 1 else 'it'}", path(unknown[0])[:200],
                       "unknown_parameter")
     for name, value in body.items():
         rule = table[name] if value is not None else None
         if rule is not None and rule.state == "refused" and not (
                 rule.allowed is not None and rule.allowed(value)):
-            raise invalid(f"{name!r} is not supported by this server: {rule.note}", name,
-                          "unsupported_parameter")
+            raise invalid(f"{path(name)!r} is not supported by this server: {rule.note}",
+                          path(name), "unsupported_parameter")
         if rule is not None and rule.shape is not None and not isinstance(value, rule.shape):
             wanted = "a string" if rule.shape is str else "an object"
-            raise invalid(f"{name!r} must be {wanted}, not {kind(value)}", name)
+            raise invalid(f"{path(name)!r} must be {wanted}, not {kind(value)}", path(name))

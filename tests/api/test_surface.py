@@ -109,3 +109,37 @@ def test_the_openai_client_gets_a_400_naming_each_field() -> None:
             assert answer.choices[0].finish_reason == "length"
 
     asyncio.run(main())
+
+
+def test_message_fields_are_honoured_or_refused_by_name() -> None:
+    """A message's own fields by its role: ``name`` and an assistant's
+    ``reasoning_content`` reach the template; the rest is refused naming its path."""
+    messages = [
+        {"role": "system", "content": "be brief", "name": "ops"},
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": None, "reasoning_content": "think",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}], "refusal": None},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    parsed = parse_chat(json.dumps({**CHAT, "messages": messages}).encode(), model_id=MODEL)
+    dicts = [m.template_dict() for m in parsed.messages]
+    assert dicts[0]["name"] == "ops" and dicts[1]["name"] == "ann"
+    assert dicts[2]["reasoning_content"] == "think" and "name" not in dicts[2]
+    assert parsed.messages[2].size == len("think") + len("f{}")
+    for message, param, code in (
+            ({"role": "assistant", "content": "x", "audio": {"id": "a1"}},
+             "messages[0].audio", "unsupported_parameter"),
+            ({"role": "assistant", "content": "", "refusal": "no"},
+             "messages[0].refusal", "unsupported_parameter"),
+            ({"role": "assistant", "content": "", "function_call": {"name": "f"}},
+             "messages[0].function_call", "unsupported_parameter"),
+            ({"role": "user", "content": "x", "tool_calls": []},
+             "messages[0].tool_calls", "unknown_parameter"),
+            ({"role": "user", "content": "x", "reasoning_content": "r"},
+             "messages[0].reasoning_content", "unknown_parameter"),
+            ({"role": "user", "content": "x", "cache_control": {"type": "ephemeral"}},
+             "messages[0].cache_control", "unknown_parameter")):
+        error = refusal({**CHAT, "messages": [message]})
+        assert (error.status, error.param, error.code) == (400, param, code), error.message
+        assert param in error.message
