@@ -64,7 +64,13 @@ from starlette.requests import Request
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
-from mlxceld.api.surface import CHAT_FIELDS, COMPLETION_FIELDS, ROLE_FIELDS, check_fields
+from mlxceld.api.surface import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    ROLE_FIELDS,
+    TEXT_PART_FIELDS,
+    check_fields,
+)
 from mlxceld.api.tools import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
@@ -439,4 +445,5 @@ def _text_part(part: Any, path: str) -> str:
     text = fields.string("text")
     if text is None:
         raise invalid(f"'{path}.text' is required", f"{path}.text")
+    check_fields(part, TEXT_PART_FIELDS, path)
     return text

@@ -130,6 +130,9 @@ MESSAGE_FIELDS: Final[dict[str, Rule]] = {
     "name": _honoured(),
 }
 
+# A text part of a message's content (the only part type served).
+TEXT_PART_FIELDS: Final[dict[str, Rule]] = {"type": _honoured(), "text": _honoured()}
+
 ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
     "system": MESSAGE_FIELDS,
     "user": MESSAGE_FIELDS,

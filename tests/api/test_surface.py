@@ -139,7 +139,10 @@ def test_message_fields_are_honoured_or_refused_by_name() -> None:
             ({"role": "user", "content": "x", "reasoning_content": "r"},
              "messages[0].reasoning_content", "unknown_parameter"),
             ({"role": "user", "content": "x", "cache_control": {"type": "ephemeral"}},
-             "messages[0].cache_control", "unknown_parameter")):
+             "messages[0].cache_control", "unknown_parameter"),
+            ({"role": "user", "content": [{"type": "text", "text": "x",
+                                           "cache_control": {"type": "ephemeral"}}]},
+             "messages[0].content[0].cache_control", "unknown_parameter")):
         error = refusal({**CHAT, "messages": [message]})
         assert (error.status, error.param, error.code) == (400, param, code), error.message
         assert param in error.message
