@@ -68,6 +68,14 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
+def member(item: Any, path: str) -> Fields:
+    """An array's member that must be an object (a message, a tool, a content part), as
+    ``Fields`` named by its path."""
+    if not isinstance(item, dict):
+        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
+    return Fields(item, path)
+
+
 class Fields:
     """The fields of one JSON object; ``name`` in messages is the field's path."""
 
@@ -84,6 +92,20 @@ class Fields:
     def wrong(self, name: str, wanted: str) -> ApiError:
         value = self._obj.get(name)
         return invalid(f"{self.path(name)!r} must be {wanted}, not {kind(value)}", self.path(name))
+
+    def object(self, name: str, wanted: str = "an object") -> dict[str, Any] | None:
+        """An object-valued field, or None when absent."""
+        value = self.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise self.wrong(name, wanted)
+        return value
+
+    def array(self, name: str, wanted: str = "an array") -> list[Any] | None:
+        """An array-valued field, or None when absent."""
+        value = self.get(name)
+        if value is not None and not isinstance(value, list):
+            raise self.wrong(name, wanted)
+        return value
 
     def boolean(self, name: str, default: bool) -> bool:
         value = self.get(name)

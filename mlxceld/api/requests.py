@@ -63,7 +63,7 @@ from starlette.requests import Request
 
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
-from mlxceld.api.fields import Fields, check_text, kind, parse_object, show
+from mlxceld.api.fields import Fields, check_text, member, parse_object, show
 from mlxceld.api.surface import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -277,11 +277,9 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
 
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
-    value = fields.get("logit_bias")
+    value = fields.object("logit_bias", "an object of token ids to numbers")
     if value is None:
         return ()
-    if not isinstance(value, dict):
-        raise fields.wrong("logit_bias", "an object of token ids to numbers")
     if len(value) > MAX_LOGIT_BIAS:
         raise invalid(f"'logit_bias' holds {len(value)} token ids; at most {MAX_LOGIT_BIAS} "
                       "are allowed", "logit_bias")
@@ -296,11 +294,9 @@ def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
 
 
 def _response_format(fields: Fields) -> Constraint | None:
-    value = fields.get("response_format")
+    value = fields.object("response_format")
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise fields.wrong("response_format", "an object")
     inner = Fields(value, "response_format")
     kind = inner.string("type")
     if kind == "text":
@@ -310,12 +306,10 @@ def _response_format(fields: Fields) -> Constraint | None:
     if kind != "json_schema":
         raise invalid(f"'response_format.type' must be one of text, json_object, json_schema, "
                       f"not {show(kind)}", "response_format.type")
-    spec = inner.get("json_schema")
+    spec = inner.object("json_schema")
     if spec is None:
         raise invalid("'response_format.json_schema' is required when its type is "
                       "json_schema", "response_format.json_schema")
-    if not isinstance(spec, dict):
-        raise inner.wrong("json_schema", "an object")
     schema_fields = Fields(spec, "response_format.json_schema")
     name = schema_fields.string("name")
     if name is None or not 1 <= len(name) <= SCHEMA_NAME_CHARS or \
@@ -325,21 +319,17 @@ def _response_format(fields: Fields) -> Constraint | None:
                       "response_format.json_schema.name")
     schema_fields.string("description")
     schema_fields.boolean("strict", False)
-    schema = schema_fields.get("schema")
+    schema = schema_fields.object("schema", "an object (a JSON schema)")
     if schema is None:
         raise invalid("'response_format.json_schema.schema' is required: the JSON schema "
                       "the output must match", "response_format.json_schema.schema")
-    if not isinstance(schema, dict):
-        raise schema_fields.wrong("schema", "an object (a JSON schema)")
     return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def _include_usage(fields: Fields) -> bool:
-    value = fields.get("stream_options")
+    value = fields.object("stream_options")
     if value is None:
         return False
-    if not isinstance(value, dict):
-        raise fields.wrong("stream_options", "an object")
     return Fields(value, "stream_options").boolean("include_usage", False)
 
 
@@ -381,22 +371,18 @@ def _prompt(fields: Fields) -> str:
 
 
 def _messages(fields: Fields) -> tuple[ChatMessage, ...]:
-    value = fields.get("messages")
+    value = fields.array("messages", "an array of messages")
     if value is None:
         raise invalid("'messages' is required", "messages")
-    if not isinstance(value, list):
-        raise fields.wrong("messages", "an array of messages")
     if not value:
         raise invalid("'messages' is empty; send at least one message", "messages")
     return tuple(_message(item, f"messages[{i}]") for i, item in enumerate(value))
 
 
 def _template_kwargs(fields: Fields) -> tuple[tuple[str, Any], ...]:
-    value = fields.get("chat_template_kwargs")
+    value = fields.object("chat_template_kwargs")
     if value is None:
         return ()
-    if not isinstance(value, dict):
-        raise fields.wrong("chat_template_kwargs", "an object")
     ours = sorted(TEMPLATE_OWN_KWARGS & set(value))
     if ours:
         raise invalid(f"'chat_template_kwargs' sets {', '.join(map(repr, ours))}, which the "
@@ -406,9 +392,7 @@ def _template_kwargs(fields: Fields) -> tuple[tuple[str, Any], ...]:
 
 
 def _message(item: Any, path: str) -> ChatMessage:
-    if not isinstance(item, dict):
-        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
-    fields = Fields(item, path)
+    fields = member(item, path)
     name = fields.string("role")
     if name is None:
         raise invalid(f"'{path}.role' is required", f"{path}.role")
@@ -435,9 +419,7 @@ def _message(item: Any, path: str) -> ChatMessage:
 
 
 def _text_part(part: Any, path: str) -> str:
-    if not isinstance(part, dict):
-        raise invalid(f"{path!r} must be an object, not {kind(part)}", path)
-    fields = Fields(part, path)
+    fields = member(part, path)
     part_type = fields.string("type")
     if part_type != "text":
         raise invalid(f"'{path}.type' must be \"text\" (only text is served), not "

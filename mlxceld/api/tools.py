@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from mlxceld.api.codec import CalledTool
 from mlxceld.api.errors import invalid
-from mlxceld.api.fields import Fields, kind, show
+from mlxceld.api.fields import Fields, kind, member, show
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
@@ -97,11 +97,9 @@ def parse_tool_use(fields: Fields) -> ToolUse | None:
 
 
 def _tools(fields: Fields) -> tuple[Tool, ...]:
-    value = fields.get("tools")
+    value = fields.array("tools", "an array of tools")
     if value is None:
         return ()
-    if not isinstance(value, list):
-        raise fields.wrong("tools", "an array of tools")
     if len(value) > MAX_TOOLS:
         raise invalid(f"'tools' holds {len(value)} tools; at most {MAX_TOOLS} are allowed",
                       "tools")
@@ -116,17 +114,12 @@ def _tools(fields: Fields) -> tuple[Tool, ...]:
 
 
 def _tool(item: Any, path: str) -> Tool:
-    if not isinstance(item, dict):
-        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
-    fields = Fields(item, path)
+    fields = member(item, path)
     tool_type = fields.string("type")
     if tool_type != "function":
         raise invalid(f"'{path}.type' must be \"function\" (only function tools are "
                       f"served), not {show(tool_type)}", f"{path}.type")
-    function = fields.get("function")
-    if not isinstance(function, dict):
-        raise fields.wrong("function", "an object")
-    inner = Fields(function, f"{path}.function")
+    inner = _function(fields)
     name = _name(inner)
     description = inner.string("description")
     parameters = inner.get("parameters")
@@ -172,19 +165,23 @@ def _choice(fields: Fields) -> tuple[ChoiceKind, str | None]:
 
 def parse_called_tools(fields: Fields) -> tuple[CalledTool, ...]:
     """An assistant message's ``tool_calls``."""
-    value = fields.get("tool_calls")
+    value = fields.array("tool_calls", "an array of tool calls")
     if value is None:
         return ()
-    if not isinstance(value, list):
-        raise fields.wrong("tool_calls", "an array of tool calls")
     return tuple(_called(item, fields.path(f"tool_calls[{i}]"))
                  for i, item in enumerate(value))
 
 
+def _function(fields: Fields) -> Fields:
+    """A tool's or a call's required ``function`` object."""
+    function = fields.object("function")
+    if function is None:
+        raise fields.wrong("function", "an object")
+    return Fields(function, fields.path("function"))
+
+
 def _called(item: Any, path: str) -> CalledTool:
-    if not isinstance(item, dict):
-        raise invalid(f"{path!r} must be an object, not {kind(item)}", path)
-    fields = Fields(item, path)
+    fields = member(item, path)
     call_id = fields.string("id")
     if call_id is None:
         raise invalid(f"'{path}.id' is required", f"{path}.id")
@@ -192,10 +189,7 @@ def _called(item: Any, path: str) -> CalledTool:
     if call_type not in (None, "function"):
         raise invalid(f"'{path}.type' must be \"function\", not {show(call_type)}",
                       f"{path}.type")
-    function = fields.get("function")
-    if not isinstance(function, dict):
-        raise fields.wrong("function", "an object")
-    inner = Fields(function, f"{path}.function")
+    inner = _function(fields)
     name = _name(inner)
     arguments = inner.get("arguments")
     if isinstance(arguments, dict):  # some clients send the object itself
