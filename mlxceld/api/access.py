@@ -10,6 +10,10 @@ and with ``--log-format json`` the same as fields of the line's object (``method
 ``path``, ``status``, ``prompt_tokens``, ``completion_tokens``, ``duration_ms``,
 ``request_id``; the tokens and the id null when the request had none).
 
+``GET /health``, ``/ready`` and ``/metrics`` (``PROBE_PATHS``: what load balancers,
+supervisors and Prometheus poll every few seconds) are logged at DEBUG, everything
+else at INFO.
+
 A streamed answer is logged when its stream ends, with its duration to that end.
 ``status`` is what was sent (499: the client went away before any response). The
 path is logged without its query string, cut to ``MAX_PATH`` characters, its control
@@ -29,6 +33,9 @@ from mlxceld.api.metrics import CLIENT_GONE
 
 log = logging.getLogger(__name__)
 MAX_PATH = 256  # characters of a path logged; a longer one is cut
+# Polled by load balancers, supervisors and Prometheus, every few seconds: at DEBUG, so
+# that a day of probes does not bury the requests (``--log-level debug`` shows them).
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 SCOPE_KEY = "mlxceld.access"  # where a request's ``Usage`` waits in its ASGI scope
 
 
@@ -83,7 +90,8 @@ def _write(method: str, path: str, status: int, usage: Usage, duration_ms: float
               "prompt_tokens": usage.prompt_tokens,
               "completion_tokens": usage.completion_tokens,
               "duration_ms": round(duration_ms, 1), "request_id": usage.request_id}
-    log.info("%s %s %d prompt_tokens=%s completion_tokens=%s duration_ms=%.1f request_id=%s",
+    level = logging.DEBUG if method == "GET" and path in PROBE_PATHS else logging.INFO
+    log.log(level, "%s %s %d prompt_tokens=%s completion_tokens=%s duration_ms=%.1f request_id=%s",
              method, path, status, _shown(usage.prompt_tokens),
              _shown(usage.completion_tokens), duration_ms, _shown(usage.request_id),
              extra={"fields": fields})

@@ -36,6 +36,21 @@ def test_a_refused_request_and_a_forged_path_each_log_one_line(
     assert KEY not in "".join(r.getMessage() for r in records)
 
 
+def test_probes_are_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """/health, /ready and /metrics, polled every few seconds, do not bury the requests."""
+    async def main() -> None:
+        async with http_client(make_app()) as client:
+            for path in ("/health", "/ready", "/metrics", "/v1/models"):
+                await client.get(path)
+
+    with caplog.at_level(logging.DEBUG, ACCESS):
+        asyncio.run(main())
+    levels = {r.fields["path"]: r.levelno for r in caplog.records  # type: ignore[attr-defined]
+              if r.name == ACCESS}
+    assert levels == {"/health": logging.DEBUG, "/ready": logging.DEBUG,
+                      "/metrics": logging.DEBUG, "/v1/models": logging.INFO}
+
+
 def test_the_json_formatter_keeps_the_four_and_adds_the_fields() -> None:
     record = logging.LogRecord("mlxceld.x", logging.WARNING, __file__, 1, "a %s", ("b",), None)
     record.fields = {"status": 200, "message": "not this one"}
