@@ -34,7 +34,11 @@ pytestmark = pytest.mark.timeout(300)
 CLIENTS = 3
 TOKENS = 24
 LONG_PROMPT = "Once upon a time"
-LONG_TOKENS = 200  # one stream begun before the rotation, read to its end after it
+# One stream begun before the rotation, read to its end after it. Its reader stops after
+# the first chunk, but the router writes the rest into the socket's buffers and ends the
+# sequence as fast as the stages decode: it must outlast the rotation (about 2 s) at the
+# tiny pipeline's speed under load (200 tokens ended before it once: CI, 2026-12-01).
+LONG_TOKENS = 600
 BEFORE_S = 1.5  # load before the rotation starts
 AFTER_S = 2.0  # load after it is done, over the links made under the new key
 ROTATE_S = 120.0  # the CLI's own deadline is longer; a healthy rotation takes seconds
