@@ -38,7 +38,6 @@ daemon asks for it at every inventory poll and offer.
 from __future__ import annotations
 
 import hashlib
-import json
 import stat
 import time
 from collections.abc import Mapping
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from mlxceld.errors import ConfigError
-from mlxceld.models.shards import INDEX, read_index
+from mlxceld.models.shards import INDEX, read_index, read_json_object
 
 DOMAIN: Final = b"mlxceld model identity v2\n"
 CONFIG: Final = "config.json"
@@ -165,24 +164,12 @@ def _read_config(path: Path) -> tuple[bytes, dict[str, Any]]:
     if not path.is_dir():
         raise ConfigError(f"model {path} is a file, not a model directory",
                           hint=f"point it at the directory holding {CONFIG}")
-    file = path / CONFIG
-    try:
-        raw = file.read_bytes()
-    except FileNotFoundError as exc:
-        raise ConfigError(f"model directory {path} has no {CONFIG}",
-                          hint="is this the checkpoint's top directory? an mlx-lm model has "
-                          f"{CONFIG} beside its weights") from exc
-    except OSError as exc:
-        raise ConfigError(f"{file} cannot be read: {exc.strerror or exc}",
-                          hint="check its permissions") from exc
-    try:
-        config = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{file} is not valid JSON: {exc}",
-                          hint="the checkpoint is damaged; download it again") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"{file} must hold a JSON object, not {type(config).__name__}",
-                          hint="the checkpoint is damaged; download it again")
+    read = read_json_object(path / CONFIG, missing=ConfigError(
+        f"model directory {path} has no {CONFIG}",
+        hint="is this the checkpoint's top directory? an mlx-lm model has "
+        f"{CONFIG} beside its weights"))
+    assert read is not None
+    raw, config = read
     return raw, config
 
 

@@ -67,21 +67,39 @@ class WeightIndex:
         return frozenset(self.weight_map.values())
 
 
-def read_index(path: Path) -> WeightIndex | None:
-    """The index of the model directory ``path``; None when it has none (one file)."""
-    file = Path(path) / INDEX
+def read_json_object(file: Path, *, missing: ConfigError | None,
+                     damaged: str = "the checkpoint is damaged; download it again"
+                     ) -> tuple[bytes, dict[str, Any]] | None:
+    """A checkpoint's JSON file as bytes and the object they hold; a missing file raises
+    ``missing``, or is None when ``missing`` is None. An unreadable file, one that is not
+    JSON or not an object raise a ``ConfigError`` naming it (``damaged``: the hint)."""
     try:
         raw = file.read_bytes()
-    except FileNotFoundError:
-        return None
+    except FileNotFoundError as exc:
+        if missing is None:
+            return None
+        raise missing from exc
     except OSError as exc:
         raise ConfigError(f"{file} cannot be read: {exc.strerror or exc}",
                           hint="check its permissions") from exc
     try:
-        data = json.loads(raw)
+        value = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{file} is not valid JSON: {exc}", hint=DAMAGED) from exc
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        raise ConfigError(f"{file} is not valid JSON: {exc}", hint=damaged) from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file} must hold a JSON object, not {type(value).__name__}",
+                          hint=damaged)
+    return raw, value
+
+
+def read_index(path: Path) -> WeightIndex | None:
+    """The index of the model directory ``path``; None when it has none (one file)."""
+    file = Path(path) / INDEX
+    read = read_json_object(file, missing=None, damaged=DAMAGED)
+    if read is None:
+        return None
+    data = read[1]
+    weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{file} has no 'weight_map' object naming each tensor's file",
                           hint=DAMAGED)
