@@ -24,12 +24,12 @@ from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ServeConfig
 from mlxceld.errors import DaemonError
 from mlxceld.roster import Situation, draw_roster
-from mlxceld.state import EventLog, WorkersTable, open_db
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import JSON
 
 from helpers.ports import free_port
+from helpers.supervisor import running_supervisor
 
 PROMPT_S = 20.0  # a worker's start (imports) and its first exit; PREPARE_S is 60 s
 
@@ -77,23 +77,16 @@ async def prepare_on_a_taken_port(state_dir: Path, model: Path, policy: RestartP
                                   ) -> tuple[float, str]:
     """``prepare_stage`` of a stage whose port another listener holds: the worker fails as
     it starts. Returns how long prepare took and what it raised."""
-    db = open_db(state_dir / "state.db")
-    events = EventLog(db)
-    supervisor = Supervisor(WorkersTable(db), events, health_interval_s=5.0,
-                            log_max_bytes=1 << 20, log_backups=1)
     config = Config(state_dir=state_dir, socket=state_dir / "ctl.sock", policy=policy,
                     pp_peer=True)
-    slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
-    host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
-                          model=lambda: str(model), agent_host=lambda: "127.0.0.1")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        async with asyncio.TaskGroup() as tg:
-            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            tg.create_task(supervisor.run(started))
-            await started
+        async with running_supervisor(state_dir) as (supervisor, events):
+            slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
+            host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
+                                  model=lambda: str(model), agent_host=lambda: "127.0.0.1")
             begun = time.monotonic()
             try:
                 async with asyncio.timeout(PROMPT_S):  # not PREPARE_S: "at once"
@@ -102,7 +95,6 @@ async def prepare_on_a_taken_port(state_dir: Path, model: Path, policy: RestartP
                 took = time.monotonic() - begun
             finally:
                 await host.stop_stage()
-                supervisor.close()
     assert slot.placement is None and supervisor.names() == []
     assert info.value.hint == "see: mlxctl logs stage"
     return took, info.value.message
@@ -127,27 +119,20 @@ async def prepare_with_a_slow_disk(state_dir: Path, model: Path
     """``prepare_stage`` of a stage whose every layer takes ``MLXCELD_TEST_STAGE_LAYER_S``
     to load. Returns how long prepare took, what it raised, and each ``loading`` the
     supervisor's snapshot showed meanwhile (what systemd's STATUS line is made of)."""
-    db = open_db(state_dir / "state.db")
-    events = EventLog(db)
-    supervisor = Supervisor(WorkersTable(db), events, health_interval_s=5.0,
-                            log_max_bytes=1 << 20, log_backups=1)
     config = Config(state_dir=state_dir, socket=state_dir / "ctl.sock", pp_peer=True)
-    slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
-    host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
-                          model=lambda: str(model), agent_host=lambda: "127.0.0.1")
     seen: list[JSON] = []
     error: DaemonError | None = None
+    async with running_supervisor(state_dir) as (supervisor, events):
+        slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
+        host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
+                              model=lambda: str(model), agent_host=lambda: "127.0.0.1")
 
-    async def watch() -> None:
-        while True:
-            seen.extend(w["loading"] for w in supervisor.snapshot() if "loading" in w)
-            await asyncio.sleep(0.1)
+        async def watch() -> None:
+            while True:
+                seen.extend(w["loading"] for w in supervisor.snapshot() if "loading" in w)
+                await asyncio.sleep(0.1)
 
-    async with asyncio.TaskGroup() as tg:
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        tg.create_task(supervisor.run(started))
-        await started
-        watching = tg.create_task(watch())
+        watching = asyncio.create_task(watch())
         begun = time.monotonic()
         try:
             async with asyncio.timeout(PROMPT_S * 2):
@@ -155,11 +140,8 @@ async def prepare_with_a_slow_disk(state_dir: Path, model: Path
         except DaemonError as exc:
             error = exc
         took = time.monotonic() - begun
-        try:
-            watching.cancel()
-            await host.stop_stage()
-        finally:
-            supervisor.close()
+        watching.cancel()
+        await host.stop_stage()
     return took, error, seen
 
 

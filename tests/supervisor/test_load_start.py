@@ -16,13 +16,12 @@ import pytest
 from mlxceld.failpoints import ROUTER_LAYER_ENV
 from mlxceld.models import preset, write_fixture
 from mlxceld.roles.options import RouterOptions
-from mlxceld.state import EventLog, WorkersTable, open_db
 from mlxceld.supervisor.process import WorkerSpec
-from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import WorkerState
 
 from helpers.ports import free_port
+from helpers.supervisor import running_supervisor
 
 START_TIMEOUT_S = 6.0  # above a worker's imports on a busy machine; below the slowed load
 LAYERS = 6  # 8 steps of 1.5 s: 12 s of load
@@ -34,18 +33,12 @@ async def start_router(state_dir: Path, model: Path
                        ) -> tuple[WorkerState, str, float, list[str]]:
     """Where the router's start ended (running, or killed: backoff), why, how long it
     took, and the loads the snapshot showed meanwhile."""
-    db = open_db(state_dir / "state.db")
-    supervisor = Supervisor(WorkersTable(db), EventLog(db), health_interval_s=5.0,
-                            log_max_bytes=1 << 20, log_backups=1)
     options = RouterOptions(model=str(model), model_name="m", host="127.0.0.1",
                             port=free_port("127.0.0.1"), max_batch=1, max_queued=1)
     spec = WorkerSpec("router", state_dir, options,
                       policy=RestartPolicy(start_timeout_s=START_TIMEOUT_S, stop_timeout_s=20))
     seen: list[str] = []
-    async with asyncio.TaskGroup() as tg:
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        tg.create_task(supervisor.run(started))
-        await started
+    async with running_supervisor(state_dir) as (supervisor, _):
         begun = time.monotonic()
         try:
             await supervisor.reconcile([spec])
@@ -59,7 +52,6 @@ async def start_router(state_dir: Path, model: Path
             state, reason = supervisor.state("router") or (WorkerState.EXITED, "gone")
         finally:
             await supervisor.reconcile([])
-            supervisor.close()
     return state, reason, took, seen
 
 
