@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,31 +78,17 @@ def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
     from mlxceld.privatefile import write_private
 
     write_private(root / "secret", (secrets.token_bytes(32).hex() + "\n").encode())
-    ports = [free_port(h) for h in stage_hosts]
-    text = textwrap.dedent(f"""\
-        [cluster]
-        name = "bench"
-        pipeline_parallel_size = {len(splits)}
-        model = "{model}"
-        secret_file = "secret"
+    from mlxceld.cluster.clusterfile.load import dump_cluster
+    from mlxceld.cluster.clusterfile.model import StageEntry, pipeline_cluster
 
-        [[nodes]]
-        id = "coordinator"
-        address = "127.0.0.1:{free_port('127.0.0.1')}"
-        role = "coordinator"
-        """)
-    for rank, ((start, end), host, port) in enumerate(zip(splits, stage_hosts, ports,
-                                                          strict=True)):
-        text += textwrap.dedent(f"""
-            [[nodes]]
-            id = "stage-{rank}"
-            address = "{host}:{port}"
-            role = "pipeline_stage"
-            rank = {rank}
-            layers = [{start}, {end}]
-            """)
+    ports = [free_port(h) for h in stage_hosts]
+    stages = [StageEntry(f"stage-{rank}", f"{host}:{port}", layers)
+              for rank, (layers, host, port) in enumerate(zip(splits, stage_hosts, ports,
+                                                              strict=True))]
     toml = root / "cluster.toml"
-    toml.write_text(text)
+    toml.write_text(dump_cluster(pipeline_cluster(
+        "bench", model, ("coordinator", f"127.0.0.1:{free_port('127.0.0.1')}"), stages,
+        secret_file="secret", path=toml)))
     return toml, list(zip(stage_hosts, ports, strict=True))
 
 

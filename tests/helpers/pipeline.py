@@ -5,9 +5,11 @@ only, naming the cluster TOML and its node there, its agent on the default wildc
 from __future__ import annotations
 
 import os
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+
+from mlxceld.cluster.clusterfile.load import dump_cluster
+from mlxceld.cluster.clusterfile.model import StageEntry, pipeline_cluster
 
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.deploy import Host, Value
@@ -27,33 +29,16 @@ class Pipeline:
 
 def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
                   secret: bool = True) -> Path:
-    nodes = [textwrap.dedent(f"""
-        [[nodes]]
-        id = "coordinator"
-        address = "127.0.0.1:{free_port('127.0.0.1')}"
-        role = "coordinator"
-        """)]
-    for rank, (start, end) in enumerate(splits):
-        host = f"127.0.0.{2 + rank}"
-        nodes.append(textwrap.dedent(f"""
-            [[nodes]]
-            id = "stage-{rank}"
-            address = "{host}:{free_port(host)}"
-            role = "pipeline_stage"
-            rank = {rank}
-            layers = [{start}, {end}]
-            """))
+    hosts = [f"127.0.0.{2 + rank}" for rank in range(len(splits))]
+    stages = [StageEntry(f"stage-{rank}", f"{host}:{free_port(host)}", layers)
+              for rank, (host, layers) in enumerate(zip(hosts, splits, strict=True))]
     if secret:
         (root / "secret").write_text(SECRET + "\n")
         os.chmod(root / "secret", 0o600)
-    head = textwrap.dedent(f"""
-        [cluster]
-        name = "test-cluster"
-        pipeline_parallel_size = {len(splits)}
-        model = "{model}"
-        """) + ('secret_file = "secret"\n' if secret else "")
     toml = root / "cluster.toml"
-    toml.write_text(head + "".join(nodes))
+    toml.write_text(dump_cluster(pipeline_cluster(
+        "test-cluster", model, ("coordinator", f"127.0.0.1:{free_port('127.0.0.1')}"), stages,
+        secret_file="secret" if secret else None, path=toml)))
     return toml
 
 

@@ -6,13 +6,15 @@ by hand is checked when ``write_cluster`` writes it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
 from mlxceld.config.secrets import TomlSecretFile
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id
+from mlxceld.wire.address import parse_address
 
 COORDINATOR: Final = "coordinator"
 PIPELINE_STAGE: Final = "pipeline_stage"
@@ -107,6 +109,40 @@ class ClusterConfig:
 
     def _flow(self) -> list[NodeConfig]:
         return [self.coordinator, *self.stages]
+
+
+class StageEntry(NamedTuple):
+    """One stage of ``pipeline_cluster``: its id, address, layers [start, end) and memory."""
+
+    id: str
+    address: str
+    layers: tuple[int, int]
+    memory_bytes: int | None = None
+
+
+def pipeline_cluster(name: str, model: str | Path | None, coordinator: tuple[str, str],
+                     stages: Sequence[StageEntry], *, secret_file: str | Path | None = None,
+                     path: Path = Path("cluster.toml")) -> ClusterConfig:
+    """A pipeline's cluster TOML as a value: the coordinator ``(id, address)`` and each
+    stage in rank order; ``model`` and ``secret_file`` as written (relative to ``path``'s
+    directory unless absolute). Not checked: ``write_cluster`` (or ``parse_cluster_text``
+    over ``dump_cluster``) checks it. Raises ``ConfigError`` for an address that is not
+    ``host:port``."""
+    nodes = [_node(coordinator[0], coordinator[1], None, None, None)]
+    nodes += [_node(s.id, s.address, rank, s.layers, s.memory_bytes)
+              for rank, s in enumerate(stages)]
+    return ClusterConfig(name=name, pipeline_parallel_size=len(stages),
+                         secret_file=None if secret_file is None else str(secret_file),
+                         model=None if model is None else str(model), nodes=tuple(nodes),
+                         path=path)
+
+
+def _node(node_id: str, address: str, rank: int | None, layers: tuple[int, int] | None,
+          memory: int | None) -> NodeConfig:
+    where = parse_address(address)
+    return NodeConfig(id=node_id, address=address, host=where.host, port=where.port,
+                      role=COORDINATOR if rank is None else PIPELINE_STAGE,
+                      rank=rank, layers=layers, memory_bytes=memory)
 
 
 def select_node(cfg: ClusterConfig, node_id: str) -> NodeConfig:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Final
 
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
-from mlxceld.cluster.clusterfile.model import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.cluster.clusterfile.model import ClusterConfig, StageEntry, pipeline_cluster
 from mlxceld.models.profile import LayerProfile
 from mlxceld.wire.address import canonical_address, parse_address
 
@@ -138,20 +138,8 @@ class Plan:
         directory unless absolute). Each stage's ``memory_bytes`` is its node's usable
         memory. Raises ``ConfigError`` for what the file would not allow (e.g. two
         nodes at one address)."""
-        nodes = [_node(COORDINATOR_ID, coordinator_address, None, None, None)]
-        nodes += [_node(s.stage_id, s.address, s.rank, s.layers, s.node.memory_usable_bytes)
-                  for s in self.stages]
-        draft = ClusterConfig(
-            name=name, pipeline_parallel_size=len(self.stages),
-            secret_file=None if secret_file is None else str(secret_file),
-            model=None if model is None else str(model), nodes=tuple(nodes), path=path)
+        draft = pipeline_cluster(
+            name, model, (COORDINATOR_ID, coordinator_address),
+            [StageEntry(s.stage_id, s.address, s.layers, s.node.memory_usable_bytes)
+             for s in self.stages], secret_file=secret_file, path=path)
         return parse_cluster_text(dump_cluster(draft), path)
-
-
-def _node(node_id: str, address: str, rank: int | None, layers: tuple[int, int] | None,
-          memory: int | None) -> NodeConfig:
-    """A node for ``dump_cluster``; ``parse_cluster_text`` checks it afterwards."""
-    where = parse_address(address)
-    return NodeConfig(id=node_id, address=address, host=where.host, port=where.port,
-                      role=COORDINATOR if rank is None else PIPELINE_STAGE,
-                      rank=rank, layers=layers, memory_bytes=memory)
