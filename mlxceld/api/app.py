@@ -59,7 +59,7 @@ from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.api.toolcalls import parse_calls
-from mlxceld.api.toolgrammar import forced_constraint, json_object_calls
+from mlxceld.api.toolgrammar import after_thinking, forced_constraint, json_object_calls
 from mlxceld.engine import Constraint, Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
@@ -172,6 +172,9 @@ def build_router_app(
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
         thinking = codec.opens_thinking(prompt)
+        if thinking and options.constraint is not None:  # the JSON is content, not reasoning
+            options = dataclasses.replace(
+                options, constraint=after_thinking(options.constraint, codec.features))
         use = parsed.tools
         forced = None
         if tools and use is not None and use.forced:

@@ -10,6 +10,9 @@ markers (``codec.ChatFeatures``) switch between three states:
 - a tool call, until its end marker: the text between is one ``CallText``, parsed above
   (``toolcalls.py``).
 
+The whitespace that follows a reasoning block's end (templates write ``</think>\n\n``) is
+not content: content starts at its first other character.
+
 Markers are matched in the text, so a marker split across pieces (or spelled by several
 tokens) is found: text that may be the start of a marker is held back until the next
 piece says whether it is one, as ``StopMatcher`` does. Markers are never shown. A tool
@@ -64,6 +67,7 @@ class ReplySplitter:
         self._held = ""
         self._call = ""
         self._max_calls = max_calls
+        self._trim = False  # reasoning just ended: the whitespace after it is not content
         self.calls = 0
         self.done = False
 
@@ -97,8 +101,8 @@ class ReplySplitter:
             parts.append(Said("content", start + self._call + held))
             self._call = ""
             self._state = "content"
-        elif held:
-            parts.append(Said(self._state, held))
+        else:
+            self._emit(held, parts)
         return parts
 
     @property
@@ -119,6 +123,9 @@ class ReplySplitter:
         return markers
 
     def _emit(self, text: str, parts: list[Part]) -> None:
+        if self._trim and self._state == "content":
+            text = text.lstrip()
+            self._trim = not text
         if not text:
             return
         if self._state == "call":
@@ -133,6 +140,7 @@ class ReplySplitter:
             self.calls += 1
             if self._max_calls is not None and self.calls >= self._max_calls:
                 self.done = True
+        self._trim = self._state == "reasoning" and state == "content"
         self._state = state
 
 

@@ -10,7 +10,8 @@ The object is what mlx-lm's json_tools parser reads (Qwen, Hermes and the other
 ``<tool_call>{...}</tool_call>`` templates); for a model whose template calls tools in
 another syntax (``json_object_calls`` is False) no grammar is made and forcing is refused.
 When the prompt opens a reasoning block, the grammar first closes it: a forced answer has
-no reasoning.
+no reasoning. A ``response_format`` after such a prompt is closed the same way
+(``after_thinking``): the JSON is the answer's content, not its reasoning.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def tool_call_grammar(tools: Sequence[Tool], features: ChatFeatures, *, parallel
     lines = []
     prefix = ""
     if close_thinking and features.think is not None:
-        prefix = f"{marker(features.think[1])} \"\\n\\n\" "
+        prefix = _closing(features)
     lines.append(f"start: {prefix}{'block+' if parallel else 'block'}")
     lines.append(f"block: {marker(start)} call {marker(end)}")
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
@@ -66,6 +67,28 @@ def tool_call_grammar(tools: Sequence[Tool], features: ChatFeatures, *, parallel
                   "x-guidance": JSON_OPTIONS}
         lines.append(f"call_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
+
+
+def _closing(features: ChatFeatures) -> str:
+    """The Lark that closes the reasoning block the prompt opened, as templates write it."""
+    assert features.think is not None
+    end = features.think[1]
+    ids = dict(features.marker_ids)
+    closing = f"<[{ids[end]}]>" if end in ids else json.dumps(end)
+    return f"{closing} \"\\n\\n\" "
+
+
+def after_thinking(constraint: Constraint, features: ChatFeatures) -> Constraint:
+    """A ``response_format`` constraint for a prompt that opens a reasoning block: close
+    the block first, then the JSON. Unchanged when the model has no reasoning markers."""
+    if features.think is None or constraint.kind == "lark":
+        return constraint
+    schema = json.loads(constraint.text) if constraint.kind == "json_schema" \
+        else {"type": "object"}
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": JSON_OPTIONS}
+    grammar = f"start: {_closing(features)}answer\nanswer: %json {json.dumps(schema)}\n"
+    return Constraint("lark", grammar)
 
 
 async def forced_constraint(tools: Sequence[Tool], features: ChatFeatures, *,

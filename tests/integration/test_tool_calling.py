@@ -118,6 +118,15 @@ def check_reasoning_and_round_trip(url: str) -> None:
         # A round trip with tools offered ("auto"): the template takes the call and result.
         after = c.chat.completions.create(model="qwen3", messages=ROUND_TRIP, tools=[WEATHER],
                                           temperature=0, max_tokens=4)
+        # A response_format after a prompt that opens thinking: the grammar closes the
+        # reasoning first, and the JSON is the content.
+        digit = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                        "maximum": 9}},
+                 "required": ["a"], "additionalProperties": False}
+        shaped = c.chat.completions.create(
+            model="qwen3", messages=USER, temperature=0, max_tokens=20,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "digit", "schema": digit}})
     # The template opens <think>: the whole answer is reasoning, apart from content.
     reasoning = (thinking.choices[0].message.model_extra or {}).get("reasoning_content")
     assert reasoning and not thinking.choices[0].message.content
@@ -129,6 +138,8 @@ def check_reasoning_and_round_trip(url: str) -> None:
     assert not (plain.choices[0].message.model_extra or {}).get("reasoning_content")
     assert plain.usage and thinking.usage
     assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens
+    assert json.loads(shaped.choices[0].message.content or "")["a"] in range(10)
+    assert not (shaped.choices[0].message.model_extra or {}).get("reasoning_content")
     assert after.choices[0].finish_reason in ("stop", "length")
     assert after.usage and after.usage.prompt_tokens > thinking.usage.prompt_tokens + 20
 
