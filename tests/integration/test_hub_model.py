@@ -59,6 +59,20 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Repo:
     return Repo(path, index.files, needs)
 
 
+def check_serves(port: int, repo: Repo) -> None:
+    """The router on ``port`` gives mlx-lm's greedy text of the repo's model, and, under a
+    constraint, JSON that follows it: the engine that samples (a pipeline's last stage, or
+    the one host) read the tokenizer from its snapshot."""
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
+                                   temperature=0)
+        shaped = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=100,
+                                      temperature=0, extra_body={"response_format": SHAPED})
+    assert out.choices[0].text == expected(repo.path, PROMPT, 12)
+    assert shaped.choices[0].finish_reason == "stop", shaped.choices[0].text
+    assert 3 <= json.loads(shaped.choices[0].text)["n"] <= 17
+
+
 def test_a_repo_id_served_by_hosts_holding_only_their_shards(
         daemons: Daemons, repo: Repo) -> None:
     needs = repo.needs
@@ -91,14 +105,7 @@ def test_a_repo_id_served_by_hosts_holding_only_their_shards(
     daemons.pids.add(coord.d.wait_worker("router", timeout=READY_S, state="running")["pid"])
     with client(f"http://127.0.0.1:{port}/v1") as c:
         assert [m.id for m in c.models.list().data] == ["tiny-llama"]  # the repo's name
-        out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
-                                   temperature=0)
-        # Under a constraint the last stage reads the tokenizer from its snapshot.
-        shaped = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=100,
-                                      temperature=0, extra_body={"response_format": SHAPED})
-    assert out.choices[0].text == expected(repo.path, PROMPT, 12)
-    assert shaped.choices[0].finish_reason == "stop", shaped.choices[0].text
-    assert 3 <= json.loads(shaped.choices[0].text)["n"] <= 17
+    check_serves(port, repo)
 
     # A stage host that lacks one of its shards, offline: its stage fails, naming it.
     last = hosts[1]
@@ -189,15 +196,7 @@ def test_a_repo_id_served_whole_on_one_host(daemons: Daemons, repo: Repo,
     d = daemons.make(name="one")
     d.start("--model", REPO, "--port", str(port), env=env)
     daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-    with client(f"http://127.0.0.1:{port}/v1") as c:
-        out = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
-                                   temperature=0)
-        # Under a constraint the last stage reads the tokenizer from its snapshot.
-        shaped = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=100,
-                                      temperature=0, extra_body={"response_format": SHAPED})
-    assert out.choices[0].text == expected(repo.path, PROMPT, 12)
-    assert shaped.choices[0].finish_reason == "stop", shaped.choices[0].text
-    assert 3 <= json.loads(shaped.choices[0].text)["n"] <= 17
+    check_serves(port, repo)
 
     assert d.ctl("stop").returncode == 0 and d.proc is not None and d.proc.wait(30) == 0
     lost = sorted(repo.files)[-1]
