@@ -14,7 +14,8 @@ Prefix affinity. Each member's engine keeps a prompt cache of the sequences it
 finished (mlx-lm's ``LRUPromptCache``: a sequence's prompt and generated tokens), so
 a prompt that starts as one of them skips that much prefill there. The router
 keeps a shadow of those caches: for each member, the last ``SHADOW_SEQUENCES``
-sequences it finished there (a cancelled or failed one is not kept, as the member
+sequences it finished there (fewer when they hold more than ``SHADOW_BLOCKS``
+blocks) (a cancelled or failed one is not kept, as the member
 does not keep it), each as the chained hashes of its whole ``BLOCK_TOKENS``-token
 blocks (block i's hash covers blocks 0..i, so a hit on it means the whole prefix
 up to it matches). A new prompt's cached prefix on a member is its number of
@@ -38,6 +39,7 @@ from typing import Literal
 
 BLOCK_TOKENS = 16  # the shadow's granularity: a prefix counts in whole blocks
 SHADOW_SEQUENCES = 256  # sequences remembered per member (its prompt cache holds fewer)
+SHADOW_BLOCKS = 1 << 16  # and at most this many blocks (1 Mi tokens), so memory is bounded
 
 Outcome = Literal["completed", "cancelled", "failed", "retried"]
 
@@ -55,13 +57,19 @@ def block_hashes(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> tuple[int,
 
 class PrefixShadow:
     """One member's cache as the router guesses it: the last ``capacity`` sequences
-    finished there, as block hashes (least recently used forgotten first)."""
+    finished there, as block hashes, ``max_blocks`` blocks in all at most (least
+    recently used forgotten first; a sequence longer than that keeps its first
+    ``max_blocks`` blocks)."""
 
-    def __init__(self, capacity: int = SHADOW_SEQUENCES, block: int = BLOCK_TOKENS) -> None:
-        if capacity < 1 or block < 1:
-            raise ValueError(f"capacity and block must be >= 1, not {capacity} and {block}")
+    def __init__(self, capacity: int = SHADOW_SEQUENCES, block: int = BLOCK_TOKENS,
+                 max_blocks: int = SHADOW_BLOCKS) -> None:
+        if capacity < 1 or block < 1 or max_blocks < 1:
+            raise ValueError(f"capacity, block and max_blocks must be >= 1, not {capacity}, "
+                             f"{block} and {max_blocks}")
         self.capacity = capacity
         self.block = block
+        self.max_blocks = max_blocks
+        self._blocks = 0
         self._sequences: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._held: dict[int, int] = {}  # block hash -> how many sequences hold it
 
@@ -69,7 +77,7 @@ class PrefixShadow:
         return len(self._sequences)
 
     def remember(self, tokens: Sequence[int]) -> None:
-        hashes = block_hashes(tokens, self.block)
+        hashes = block_hashes(tokens, self.block)[:self.max_blocks]
         if not hashes:
             return
         key = hashes[-1]  # names the whole sequence (its blocks, chained)
@@ -77,10 +85,12 @@ class PrefixShadow:
             self._sequences.move_to_end(key)
             return
         self._sequences[key] = hashes
+        self._blocks += len(hashes)
         for h in hashes:
             self._held[h] = self._held.get(h, 0) + 1
-        while len(self._sequences) > self.capacity:
+        while len(self._sequences) > self.capacity or self._blocks > self.max_blocks:
             _, old = self._sequences.popitem(last=False)
+            self._blocks -= len(old)
             for h in old:
                 left = self._held[h] - 1
                 if left:
@@ -101,6 +111,7 @@ class PrefixShadow:
     def clear(self) -> None:
         self._sequences.clear()
         self._held.clear()
+        self._blocks = 0
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,19 @@ def test_shadow_holds_prefixes_and_forgets_least_recent_first() -> None:
         PrefixShadow(capacity=0)
 
 
+def test_shadow_memory_is_bounded_in_blocks_too() -> None:
+    shadow = PrefixShadow(capacity=100, max_blocks=5)
+    a, b = long_prompt(1, 3 * BLOCK_TOKENS), long_prompt(2, 3 * BLOCK_TOKENS)
+    shadow.remember(a)
+    shadow.remember(b)  # 6 blocks: a goes
+    assert (len(shadow), shadow.cached(block_hashes(a))) == (1, 0)
+    assert shadow.cached(block_hashes(b)) == len(b)
+    huge = long_prompt(3, 9 * BLOCK_TOKENS)
+    shadow.remember(huge)  # its first 5 blocks only
+    assert shadow.cached(block_hashes(huge)) == 5 * BLOCK_TOKENS
+    assert shadow.cached(block_hashes(b)) == 0
+
+
 def test_least_outstanding_work_then_fewest_in_flight_then_node_id() -> None:
     r = routing()
     assert r.choose([1, 2, 3], NODES) == Choice("replica-0", 0, 3)
@@ -161,7 +174,7 @@ events = st.lists(st.tuples(st.sampled_from(NODES), st.integers(0, 70), st.integ
                   max_size=30)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(events=events)
 def test_the_account_returns_to_zero_when_every_sequence_ends(
         events: list[tuple[str, int, int, int, Outcome]]) -> None:
