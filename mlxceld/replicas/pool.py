@@ -47,6 +47,7 @@ from mlxceld.replicas.routing import Outcome, Routing
 log = logging.getLogger(__name__)
 
 DOWN_RETRY_AFTER_S = 2  # Retry-After when no member is up (none said when to come back)
+CLOSE_S = 35.0  # how long aclose waits for each member's (a local engine's joins in 30 s)
 MemberState = Literal["up", "connecting", "down"]
 
 
@@ -121,12 +122,20 @@ class ReplicaEngine:
             await self._close(stream)
 
     async def aclose(self) -> None:
-        results = await asyncio.gather(*(m.aclose() for m in self._members),
-                                       return_exceptions=True)
-        for member, result in zip(self._members, results, strict=True):
-            if isinstance(result, Exception):
-                log.warning("replica %s did not close cleanly: %s", member.node_id,
-                            self._scrub(str(result)))
+        """Close every member, at once, each within ``CLOSE_S`` (one that does not is
+        logged and left)."""
+        await asyncio.gather(*(self._close_member(m) for m in self._members))
+
+    async def _close_member(self, member: Member) -> None:
+        try:
+            async with asyncio.timeout(CLOSE_S):
+                await member.aclose()
+        except TimeoutError:
+            log.warning("replica %s did not close within %s s; left behind", member.node_id,
+                        CLOSE_S)
+        except Exception as exc:
+            log.warning("replica %s did not close cleanly: %s", member.node_id,
+                        self._scrub(str(exc)))
 
     # -- the pool's own -------------------------------------------------------------------
 
