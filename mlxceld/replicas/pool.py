@@ -111,11 +111,11 @@ class ReplicaEngine:
             outcome = "completed"  # the member ended it without a finish reason
         except EngineError as exc:
             outcome = "failed"
-            error = self._scrub(str(exc))
-            raise self._midway(node, seq, exc, error) from exc
+            error = str(exc)  # as it is: stats scrub it unless verbose
+            raise self._midway(node, seq, exc) from exc
         except Exception as exc:
             outcome = "failed"
-            error = f"{type(exc).__name__}: {self._scrub(str(exc))}"
+            error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
             self._routing.end(seq, outcome, error)
@@ -141,7 +141,10 @@ class ReplicaEngine:
 
     def stats(self, *, verbose: bool) -> dict[str, Any]:
         """The body of ``GET /router/stats``: per member and in all. Without ``verbose``
-        no address is in it (members by node id; errors scrubbed)."""
+        no address is in it (members by node id; errors scrubbed). A member's
+        ``dispatched`` counts every try there: it is ``in_flight`` plus ``completed``,
+        ``cancelled``, ``failed`` and ``retried`` (refused before its first token);
+        ``refused``: the requests no member could take."""
         nodes: list[dict[str, Any]] = []
         totals = dict.fromkeys(("in_flight", "outstanding_tokens", "dispatched", "completed",
                                 "cancelled", "failed", "retried"), 0)
@@ -217,7 +220,7 @@ class ReplicaEngine:
             except EngineUnavailable as exc:
                 await self._close(stream)
                 refused[member.node_id] = exc
-                self._routing.end(seq, "retried", self._scrub(str(exc)))
+                self._routing.end(seq, "retried", str(exc))
                 log.info("replica %s refused request %s before its first token (%s); "
                          "trying another", member.node_id, request.request_id,
                          self._scrub(str(exc)))
@@ -228,8 +231,7 @@ class ReplicaEngine:
                 # not take (a ValueError: a bad constraint) is the client's
                 failed = isinstance(exc, Exception)
                 self._routing.end(seq, "failed" if failed else "cancelled",
-                                  self._scrub(str(exc)) if isinstance(exc, EngineError)
-                                  else None)
+                                  str(exc) if isinstance(exc, EngineError) else None)
                 raise
             if self._refusing:
                 self._refusing = False
@@ -260,10 +262,10 @@ class ReplicaEngine:
             parts.append(f"{member.node_id} {state}{detail}")
         return ", ".join(parts)
 
-    def _midway(self, node: str, seq: int, exc: EngineError, error: str) -> EngineError:
+    def _midway(self, node: str, seq: int, exc: EngineError) -> EngineError:
         n = self._routing.generated(seq)
         message = (f"replica {node!r} failed after {n} token{'s' * (n != 1)} of this "
-                   f"answer: {error}")
+                   f"answer: {self._scrub(str(exc))}")
         log.warning("%s", message)
         if isinstance(exc, EngineUnavailable):
             return EngineUnavailable(message, retry_after_s=exc.retry_after_s)

@@ -138,7 +138,9 @@ def test_a_refusal_before_the_first_token_is_tried_elsewhere_once(loaded: Loaded
         stats = pool.stats(verbose=True)
         assert [n["retried"] for n in stats["nodes"]] == [2, 1]
         assert stats["refused"] == 1 and stats["in_flight"] == 0
-        assert stats["nodes"][0]["last_error"] == "the node at <address> is busy"
+        assert stats["nodes"][0]["last_error"] == "the node at 10.9.8.1:19100 is busy"
+        assert pool.stats(verbose=False)["nodes"][0]["last_error"] == \
+            "the node at <address> is busy"
 
     asyncio.run(run())
 
