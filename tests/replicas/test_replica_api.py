@@ -16,9 +16,10 @@ from mlxceld.api.app import STATS_VERBOSE_ENV, stats_verbose
 from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
 from mlxceld.replicas.pool import DOWN_RETRY_AFTER_S, ReplicaEngine
 
-from helpers.api import KEY, MODEL, http_client, make_app, openai_client
+from helpers.api import KEY, MODEL, http_client, make_app, openai_client, sse_events
 from helpers.fakes import FakeEngine
 from helpers.replicas import EngineMember
+from helpers.waiting import until
 
 ADDRESSES = ("10.0.0.21:19100", "node-b.example:19100")
 
@@ -151,6 +152,33 @@ def test_a_failure_after_tokens_is_not_retried_and_names_the_replica() -> None:
         assert engine.stats(verbose=False)["nodes"][0]["failed"] == 1
 
     asyncio.run(run())
+
+
+def test_a_replica_down_mid_stream_is_an_error_event_naming_it() -> None:
+    engine, members = pool(reply=b"abcdef", stall_after=3)
+
+    async def run() -> str:
+        async with http_client(app_over(engine), KEY) as http:
+            streamed = asyncio.create_task(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "p", "stream": True, "max_tokens": 10}))
+            await until(lambda: engine.stats(verbose=False)["nodes"][0]["outstanding_tokens"]
+                        == 10 - 3, "three tokens through the pool", timeout=30)
+            members[0].down(f"no heartbeat from {ADDRESSES[0]}")
+            fake = members[0].engine
+            assert isinstance(fake, FakeEngine)
+            fake.release.set()
+            async with asyncio.timeout(30):
+                return (await streamed).text
+
+    events = sse_events(asyncio.run(run()))
+    assert [e["choices"][0]["text"] for e in events[:3]] == ["a", "b", "c"]
+    error = events[3]["error"]
+    assert error["code"] == "engine_unavailable"
+    assert error["message"] == (
+        "replica 'replica-0' failed after 3 tokens of this answer: the link to <address> "
+        "broke: no heartbeat from <address>")
+    assert events[4:] == ["[DONE]"]
+    assert members[1].requests == []  # nothing retried once tokens were out
 
 
 class Linked(EngineMember):
