@@ -171,7 +171,9 @@ class ReplicaEngine:
                 "refused": self._refused}
 
     async def keep_linked(self) -> None:
-        """Each member's ``keep_linked()`` (those that have one), until cancelled."""
+        """Each member's ``keep_linked()`` (those that have one), until cancelled. One
+        that fails (a bug: a keeper outlives its link's errors) ends the others and
+        raises, for the worker to exit and its supervisor to restart it."""
         runners = [cast(Callable[[], Coroutine[Any, Any, None]], run) for m in self._members
                    if callable(run := getattr(m, "keep_linked", None))]
         async with asyncio.TaskGroup() as group:

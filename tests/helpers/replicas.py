@@ -25,18 +25,14 @@ class EngineMember:
     _error: str | None = None
     _refusals: int = 0
     rekeyed: int = 0
+    model_id: str = field(init=False)
+    context_length: int = field(init=False)
+    max_batch: int = field(init=False)
 
-    @property
-    def model_id(self) -> str:
-        return self.engine.model_id
-
-    @property
-    def context_length(self) -> int:
-        return self.engine.context_length
-
-    @property
-    def max_batch(self) -> int:
-        return self.engine.max_batch
+    def __post_init__(self) -> None:
+        self.model_id = self.engine.model_id
+        self.context_length = self.engine.context_length
+        self.max_batch = self.engine.max_batch
 
     def state(self) -> str:
         return self._state
