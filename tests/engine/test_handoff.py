@@ -176,15 +176,22 @@ def test_quantized_cache_is_within_half_a_group_scale(loaded: Loaded, quant: str
     _, blobs = encode_cache(cache, Mode(quant))  # type: ignore[arg-type]
     assert sum(map(len, blobs.values())) < sum(encode_cache(cache, Mode())[0]["raw"].values())
 
-    async def run() -> tuple[list[int], list[int]]:
-        local = await collect(loaded.engine.generate(req))
-        return local, await collect(loaded.engine.generate_from(req, first, plain))
+    # The next step's logits: within a small share of their span (measured on these
+    # fixtures: int8 0.1 to 0.3 %, int4 1.2 to 2.3 %).
+    def logits(layers: list[Any]) -> mx.array:
+        return loaded.model(mx.array([[first.token]]), cache=layers)[0, -1]
 
-    local, got = asyncio.run(run())
-    if quant == "int8":
-        assert got == local  # int8 keeps every greedy token on these fixtures
-    else:
-        assert got[0] == local[0]  # int4: the tokens may part ways; the first is the host's
+    exact = logits(handed_off(loaded, cache, Mode()))
+    share = float(mx.abs(logits(plain) - exact).max() / (exact.max() - exact.min()))
+    # (that step extended ``plain``: ``packed``, its equal, is handed to the engine)
+    assert 0 < share < {"int8": 0.01, "int4": 0.05}[quant]
+    if quant == "int8":  # int8 keeps every greedy token on these fixtures; int4 need not
+        async def run() -> tuple[list[int], list[int]]:
+            return (await collect(loaded.engine.generate(req)),
+                    await collect(loaded.engine.generate_from(req, first, packed)))
+
+        local, got = asyncio.run(run())
+        assert got == local
 
 
 def bad(header: dict[str, Any], blobs: dict[str, bytes], layout: CacheLayout,
