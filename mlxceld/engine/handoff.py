@@ -403,13 +403,17 @@ def _plain(name: str, blobs: Mapping[str, bytes], h: _Header) -> bytes:
     if not h.lz4:
         return data
     limit = _blob_names(h)[name]
+    frame = lz4.frame.LZ4FrameDecompressor()
     try:
-        out = lz4.frame.LZ4FrameDecompressor().decompress(data, max_length=limit + 1)
+        out = frame.decompress(data, max_length=limit + 1)
     except RuntimeError as exc:
         raise HandoffError(f"blob {name!r} is not a valid lz4 frame: {exc}") from None
     if len(out) != limit:
-        raise HandoffError(f"blob {name!r} decompresses to {len(out)}+ bytes; the shapes "
-                           f"make it {limit}")
+        raise HandoffError(f"blob {name!r} decompresses to {len(out)} bytes or more; the "
+                           f"shapes make it {limit}")
+    if not frame.eof or frame.unused_data:
+        raise HandoffError(f"blob {name!r} is not one whole lz4 frame (cut short, or bytes "
+                           f"after its end)")
     return bytes(out)
 
 

@@ -110,7 +110,11 @@ class LocalEngine:
         ``KVCache`` per layer: ``handoff.decode_cache``'s), batched with every other
         sequence. Greedy tokens are the one-host tokens (the module docstring of
         ``engine/handoff.py`` says what seeded sampling gives)."""
-        length = cache[0].offset if cache else 0
+        layers = len(self._gen.model.layers)
+        if len(cache) != layers:
+            raise ValueError(f"the handed-off cache has {len(cache)} layers; this model "
+                             f"has {layers}")
+        length = cache[0].offset
         if length != len(request.prompt_tokens):
             raise ValueError(f"the handed-off cache holds {length} tokens; the prompt has "
                              f"{len(request.prompt_tokens)}")

@@ -225,6 +225,22 @@ def test_a_bad_handoff_is_refused_naming_the_field(loaded: Loaded) -> None:
     garbage = b"\x00" * len(blobs["k1"])
     bad({**header, "sent": {**header["sent"], "k1": len(garbage)}}, {**blobs, "k1": garbage},
         layout, "blob 'k1' is not a valid lz4 frame")
+    frame = blobs["k1"]
+    for cut, why in ((frame[:-4], "not one whole lz4 frame"),
+                     (frame + b"more", "not one whole lz4 frame")):
+        bad({**header, "sent": {**header["sent"], "k1": len(cut)}}, {**blobs, "k1": cut},
+            layout, f"blob 'k1' is {why}")
+    async def continue_from(prompt: list[int], first: TokenOutput, layers: list[Any]) -> None:
+        await anext(loaded.engine.generate_from(request_for(prompt), first, layers))
+
+    short = loaded.prompt[:40]
+    for prompt, first, layers, why in (
+            (loaded.prompt, TokenOutput(1), cache,
+             f"cache holds 40 tokens; the prompt has {PROMPT_TOKENS}"),
+            (short, TokenOutput(1), cache[:-1], "has 1 layers; this model has 2"),
+            (short, TokenOutput(10**6), cache, "first token 1000000 is outside")):
+        with pytest.raises(ValueError, match=why):
+            asyncio.run(continue_from(prompt, first, layers))
     # uncompressed: a blob's size is checked against the shapes too
     header, blobs = encode_cache(cache, Mode())
     short = blobs["v0"][:-2]
