@@ -23,10 +23,12 @@ from mlxceld.engine.handoff import (
     check_handoff,
     decode_cache,
     encode_cache,
+    handoff_specs,
     prefill,
 )
 from mlxceld.engine.local import LocalEngine, constraint_tokenizer
 from mlxceld.models import preset, write_fixture
+from mlxceld.wire import encode_envelope, parse_envelope
 
 from helpers.waiting import until
 
@@ -205,6 +207,12 @@ def test_a_bad_handoff_is_refused_naming_the_field(loaded: Loaded) -> None:
     layout = loaded.layout
     header, blobs = encode_cache(cache, Mode("int8", True))
     decode_cache(header, blobs, expect=layout, max_tokens=40)  # the good one passes
+    # and passes through an MXCL envelope under handoff_specs' allow-list
+    payload = encode_envelope({"t": "kv", "cache": header},
+                              [(n, "u8", [len(b)], b) for n, b in blobs.items()])
+    got = parse_envelope(payload, {"kv": handoff_specs(layout, 40, Mode("int8", True))})
+    decode_cache(got.header["cache"], {n: bytes(t.data) for n, t in got.tensors.items()},
+                 expect=layout, max_tokens=40)
 
     bad({k: v for k, v in header.items() if k != "tokens"}, blobs, layout, "'tokens' is missing")
     bad({**header, "tokens": "40"}, blobs, layout, "'tokens' is '40'; expected a int")
