@@ -9,6 +9,7 @@ therefore share each decode step. The asyncio side never touches mlx.
 A request with a constraint (``SamplingParams.constraint``) gets its own matcher, built
 off the step thread (``engine/constraints.py``), as one more logits processor.
 
+``prefill`` prefills a prompt for a handoff on the step thread, between batch steps;
 ``generate_from`` continues a sequence another host prefilled (``engine/handoff.py``): its
 cache joins the batch with the first token as its only prompt token.
 """
@@ -16,6 +17,7 @@ cache joins the batch with the first token as its only prompt token.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -36,7 +38,7 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer, Matching
-from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP, resume_sampling
+from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP, prefill, resume_sampling
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.models.reading import Progress, model_layers, read_weights
@@ -74,6 +76,8 @@ class LocalEngine:
         self.context_length = context_length
         self.max_batch = max_batch
         self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._prefill_step = prefill_step
         self._constraints = constraints
         self._gen: Any = BatchGenerator(  # mlx-lm is untyped here
             model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
@@ -133,6 +137,16 @@ class LocalEngine:
             async for item in outputs:
                 yield item
 
+    async def prefill(self, request: GenerationRequest) -> tuple[TokenOutput, list[Any]]:
+        """``request``'s first token and its prompt's cache, for another host to decode on
+        (``handoff.prefill`` on the step thread, between batch steps: the batch waits for
+        it as for any prompt). The caller checks ``handoff.check_handoff`` first."""
+        seq = await self._sequence(request)
+        done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]] = \
+            concurrent.futures.Future()
+        self._inbox.put(("prefill", (seq, done)))
+        return await asyncio.wrap_future(done)
+
     async def _sequence(self, request: GenerationRequest) -> _Sequence:
         if self._failure is not None or self._closed.is_set():
             raise EngineError(f"the engine is not running: {self._failure or 'closed'}")
@@ -191,6 +205,19 @@ class LocalEngine:
                 self._on_failure(exc)
         finally:
             self._gen.close()
+            self._fail_prefills()
+
+    def _fail_prefills(self) -> None:
+        """Answer the prefills still queued when the step thread ends (their callers wait)."""
+        while True:
+            try:
+                command, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "prefill":
+                item[1].set_exception(EngineError(
+                    f"the engine stopped before the prompt was prefilled: "
+                    f"{self._failure or 'closed'}"))
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:
@@ -201,6 +228,8 @@ class LocalEngine:
         while True:
             if command == "insert":
                 self._insert(seq)
+            elif command == "prefill":
+                self._prefill(*seq)
             elif command == "cancel" and seq.uid is not None \
                     and self._by_uid.pop(seq.uid, None) is not None:
                 self._gen.remove([seq.uid])
@@ -237,6 +266,21 @@ class LocalEngine:
             return
         seq.uid = uid
         self._by_uid[uid] = seq
+
+    def _prefill(self, seq: _Sequence,
+                 done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]]) -> None:
+        req = seq.request
+        try:
+            check_vocabulary(req.params, self._vocab_size)
+            done.set_result(prefill(self._gen.model, req.prompt_tokens, req.params,
+                                    vocab_size=self._vocab_size,
+                                    eos_token_ids=self._eos_token_ids,
+                                    matching=seq.matching, prefill_step=self._prefill_step))
+        except (ValueError, TypeError) as exc:  # a bad request fails alone, as in _insert
+            done.set_exception(exc)
+        except BaseException as exc:  # the engine is broken: this waiter hears it too
+            done.set_exception(EngineError(f"prefill failed: {exc}"))
+            raise
 
     def _cached_prefix(self, tokens: list[int]) -> tuple[Any, list[int]]:
         """The KV cache of the longest known prefix, and the tokens still to prefill."""

@@ -101,7 +101,7 @@ def test_greedy_handoff_gives_the_one_host_tokens(loaded: Loaded) -> None:
         other = engine.generate(request_for(loaded.prompt[:50], max_tokens=400))
         started = await anext(other)
         assert started.finish_reason is None
-        first, cache = loaded.prefill(req.params)
+        first, cache = await asyncio.wait_for(engine.prefill(req), TIMEOUT_S)  # its thread
         got = await collect(engine.generate_from(req, first, handed_off(loaded, cache,
                                                                           Mode("none", True))))
         assert got == local
@@ -153,6 +153,8 @@ def test_seeded_sampling_continues_the_seed_and_cancelling_frees(loaded: Loaded)
         await until(lambda: not engine._by_uid, "the handed-off sequence to be dropped",
                     timeout=TIMEOUT_S)
         assert len(engine._prompt_cache) == kept  # a handed-off cache is not kept for reuse
+        with pytest.raises(ValueError, match="logit_bias names token 1000000"):
+            await engine.prefill(request_for(loaded.prompt, logit_bias=((10**6, 1.0),)))
 
     asyncio.run(run())
 
