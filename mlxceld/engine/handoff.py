@@ -149,10 +149,12 @@ def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_
         raise ValueError("the prompt is empty: there is nothing to prefill")
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens is {params.max_tokens}; it must be at least 1")
-    outside = [t for t in prompt if not 0 <= t < vocab_size]
-    if outside:
-        raise ValueError(f"the prompt holds token {outside[0]}, outside this model's "
-                         f"vocabulary of {vocab_size} tokens")
+    for what, ids in (("the prompt holds", prompt),
+                      ("logit_bias names", [t for t, _ in params.logit_bias])):
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"{what} token {outside[0]}, outside this model's vocabulary "
+                             f"of {vocab_size} tokens")
     cache = [_layer() for _ in model.layers]
     head = mx.array([list(prompt[:-1])], dtype=mx.int32)
     while head.shape[1] > 0:

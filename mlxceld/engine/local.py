@@ -271,7 +271,6 @@ class LocalEngine:
                  done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]]) -> None:
         req = seq.request
         try:
-            check_vocabulary(req.params, self._vocab_size)
             done.set_result(prefill(self._gen.model, req.prompt_tokens, req.params,
                                     vocab_size=self._vocab_size,
                                     eos_token_ids=self._eos_token_ids,
