@@ -38,7 +38,12 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer, Matching
-from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP, prefill, resume_sampling
+from mlxceld.engine.handoff import (
+    DEFAULT_PREFILL_STEP,
+    check_handoff,
+    prefill,
+    resume_sampling,
+)
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.models.reading import Progress, model_layers, read_weights
@@ -140,7 +145,10 @@ class LocalEngine:
     async def prefill(self, request: GenerationRequest) -> tuple[TokenOutput, list[Any]]:
         """``request``'s first token and its prompt's cache, for another host to decode on
         (``handoff.prefill`` on the step thread, between batch steps: the batch waits for
-        it as for any prompt). The caller checks ``handoff.check_handoff`` first."""
+        it as for any prompt). A model whose cache cannot be handed off is refused first
+        (``HandoffUnsupported``), before any work; the engine keeps serving."""
+        check_handoff(self._gen.model, str(getattr(self._gen.model, "model_type", "")
+                                            or self.model_id))
         seq = await self._sequence(request)
         done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]] = \
             concurrent.futures.Future()

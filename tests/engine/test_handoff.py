@@ -268,3 +268,17 @@ def test_a_sliding_window_family_is_refused_before_any_work(tmp_path: Path,
         with pytest.raises(HandoffUnsupported, match=f"{family}: its sliding-window layers "
                                                      "keep a RotatingKVCache.*hybrid nodes"):
             check_handoff(model, family)
+
+    # The engine refuses such a prefill per request, and keeps serving.
+    async def run() -> list[int]:
+        model = mlx_lm.load(str(tmp_path / "gemma3_text"))[0]
+        engine = LocalEngine(model, model_id="g", context_length=2048, eos_token_ids=set(),
+                             vocab_size=int(model.args.vocab_size))
+        try:
+            with pytest.raises(HandoffUnsupported, match="gemma3_text: its sliding-window"):
+                await engine.prefill(request_for([1, 2, 3]))
+            return await collect(engine.generate(request_for([1, 2, 3], max_tokens=3)))
+        finally:
+            await engine.aclose()
+
+    assert len(asyncio.run(run())) == 3
