@@ -13,6 +13,9 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
 
 from mlxceld.engine import Constraint, GenerationRequest, SamplingParams, TokenOutput
 from mlxceld.engine.handoff import (
@@ -282,3 +285,41 @@ def test_a_sliding_window_family_is_refused_before_any_work(tmp_path: Path,
             await engine.aclose()
 
     assert len(asyncio.run(run())) == 3
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+
+
+def random_cache(layout: CacheLayout, tokens: int) -> list[Any]:
+    cache = []
+    for i in range(layout.layers):
+        layer = KVCache()  # type: ignore[no-untyped-call]
+        shape = (1, layout.kv_heads, tokens, layout.key_dim)
+        layer.state = (mx.random.normal(shape, key=mx.random.key(2 * i)),
+                       mx.random.normal(shape, key=mx.random.key(2 * i + 1)), tokens)
+        cache.append(layer)
+    return cache
+
+
+@settings(max_examples=100, deadline=None)
+@given(quant=st.sampled_from(["none", "int8", "int4"]), lz4=st.booleans(),
+       field=st.sampled_from(["v", "quant", "lz4", "dtype", "layers", "kv_heads", "key_dim",
+                              "value_dim", "tokens", "group", "raw", "sent", None]),
+       value=JSON, blob=st.integers(0, 7), cut=st.integers(-3, 3))
+def test_any_header_value_or_blob_length_is_refused_or_read(
+        quant: str, lz4: bool, field: str | None, value: Any, blob: int, cut: int) -> None:
+    """What a peer sends is read or refused with HandoffError; nothing else escapes."""
+    layout = CacheLayout(2, 2, 16, 16, "float32")
+    header, blobs = encode_cache(random_cache(layout, 5), Mode(quant, lz4))  # type: ignore[arg-type]
+    if field is not None:
+        header[field] = value
+    name = sorted(blobs)[blob % len(blobs)]
+    blobs[name] = blobs[name][:cut] if cut < 0 else blobs[name] + bytes(cut)
+    try:
+        got = decode_cache(header, blobs, expect=layout, max_tokens=64)
+    except HandoffError:
+        assert field is not None or cut != 0  # an untouched handoff is read
+        return
+    assert [layer.offset for layer in got] == [5, 5]
