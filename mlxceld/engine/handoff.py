@@ -32,9 +32,10 @@ Blob layout (``handoff_specs`` gives the MXCL allow-list): for layer ``i``, ``k{
   ``q + 8`` in a nibble, two to a byte (the even element in the low nibble):
   ``[kv_heads, tokens, dim / 2]`` bytes.
 
-``group`` is ``QUANT_GROUP`` (64) or, for a smaller ``dim``, ``dim`` itself; it must divide
-``dim``. With ``lz4``, each blob is one ``lz4.frame`` of those bytes; the header keeps the
-byte count before (``raw``) and after (``sent``) compression for every blob.
+``group`` is the first of ``QUANT_GROUPS`` (64, 32) that divides ``dim``, else ``dim``
+itself (the header says which; a receiver takes any even divisor of ``dim``). With
+``lz4``, each blob is one ``lz4.frame`` of those bytes; the header keeps the byte count
+before (``raw``) and after (``sent``) compression for every blob.
 
 Seeded sampling across a handoff: the decoding host's sampler starts from the request's
 seed and is split once for the token the prefill host drew, so the key stream is the one
@@ -63,7 +64,7 @@ from mlxceld.wire import MessageSpec, TensorSpec
 
 FORMAT: Final = 1  # the header's "v": a receiver refuses any other
 DEFAULT_PREFILL_STEP: Final = 512  # tokens per prefill chunk (the pipeline's and the engine's)
-QUANT_GROUP: Final = 64  # elements along head_dim that share one scale
+QUANT_GROUPS: Final = (64, 32)  # elements along head_dim that share one scale, by preference
 Quant = Literal["none", "int8", "int4"]
 QUANTS: Final[tuple[Quant, ...]] = ("none", "int8", "int4")
 DTYPES: Final = {"float32": (mx.float32, "<f4", 4), "float16": (mx.float16, "<f2", 2),
@@ -234,7 +235,7 @@ def _layer() -> Any:
 
 
 def _group(dim: int) -> int:
-    return QUANT_GROUP if dim % QUANT_GROUP == 0 else dim
+    return next((g for g in QUANT_GROUPS if dim % g == 0), dim)
 
 
 def _pack(name: str, part: mx.array, quant: Quant, group: int, dtype: str
