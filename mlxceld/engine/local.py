@@ -117,8 +117,8 @@ class LocalEngine:
         """Continue ``request`` from another host's prefill: ``first`` (its first token,
         yielded here first; it counts toward max_tokens) and ``cache`` (the prompt's, a
         ``KVCache`` per layer: ``handoff.decode_cache``'s), batched with every other
-        sequence. Greedy tokens are the one-host tokens (the module docstring of
-        ``engine/handoff.py`` says what seeded sampling gives)."""
+        sequence. From a lossless (``none``) cache, greedy tokens are the one-host tokens
+        (the module docstring of ``engine/handoff.py`` says what seeded sampling gives)."""
         layers = len(self._gen.model.layers)
         if len(cache) != layers:
             raise ValueError(f"the handed-off cache has {len(cache)} layers; this model "
