@@ -8,16 +8,21 @@ therefore share each decode step. The asyncio side never touches mlx.
 
 A request with a constraint (``SamplingParams.constraint``) gets its own matcher, built
 off the step thread (``engine/constraints.py``), as one more logits processor.
+
+``prefill`` prefills a prompt for a handoff on the step thread, between batch steps;
+``generate_from`` continues a sequence another host prefilled (``engine/handoff.py``): its
+cache joins the batch with the first token as its only prompt token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,12 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer, Matching
+from mlxceld.engine.handoff import (
+    DEFAULT_PREFILL_STEP,
+    check_handoff,
+    prefill,
+    resume_sampling,
+)
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.models.reading import Progress, model_layers, read_weights
@@ -40,7 +51,6 @@ from mlxceld.models.reading import Progress, model_layers, read_weights
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps before re-checking for shutdown
-DEFAULT_PREFILL_STEP = 512
 PROMPT_CACHE_ENTRIES = 16
 PROMPT_CACHE_BYTES = 2 << 30
 MODEL_KEY = "model"  # one model per engine: the prompt cache needs a key, any will do
@@ -53,6 +63,8 @@ class _Sequence:
     out: asyncio.Queue[TokenOutput | BaseException]
     uid: int | None = None
     matching: Matching | None = None  # the request's constraint, if it has one
+    # A handed-off sequence: its first token (sampled elsewhere) and its prompt's cache.
+    handoff: tuple[int, Sequence[Any]] | None = None
 
 
 class LocalEngine:
@@ -69,6 +81,8 @@ class LocalEngine:
         self.context_length = context_length
         self.max_batch = max_batch
         self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._prefill_step = prefill_step
         self._constraints = constraints
         self._gen: Any = BatchGenerator(  # mlx-lm is untyped here
             model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
@@ -93,11 +107,64 @@ class LocalEngine:
         return self._active
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        seq = await self._sequence(request)
+        async with contextlib.aclosing(self._stream(seq)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def generate_from(self, request: GenerationRequest, first: TokenOutput,
+                            cache: Sequence[Any]) -> AsyncGenerator[TokenOutput, None]:
+        """Continue ``request`` from another host's prefill: ``first`` (its first token,
+        yielded here first; it counts toward max_tokens) and ``cache`` (the prompt's, a
+        ``KVCache`` per layer: ``handoff.decode_cache``'s), batched with every other
+        sequence. From a lossless (``none``) cache, greedy tokens are the one-host tokens
+        (the module docstring of ``engine/handoff.py`` says what seeded sampling gives)."""
+        layers = len(self._gen.model.layers)
+        if len(cache) != layers:
+            raise ValueError(f"the handed-off cache has {len(cache)} layers; this model "
+                             f"has {layers}")
+        length = cache[0].offset
+        if length != len(request.prompt_tokens):
+            raise ValueError(f"the handed-off cache holds {length} tokens; the prompt has "
+                             f"{len(request.prompt_tokens)}")
+        if not 0 <= first.token < self._vocab_size:
+            raise ValueError(f"the first token {first.token} is outside this model's "
+                             f"vocabulary of {self._vocab_size} tokens")
+        if first.finish_reason is None and request.params.max_tokens < 2:
+            raise ValueError(f"max_tokens is {request.params.max_tokens} and the first "
+                             f"token did not finish the sequence")
+        seq = await self._sequence(request)
+        seq.handoff = (first.token, cache)
+        yield first
+        if first.finish_reason is not None:
+            return
+        async with contextlib.aclosing(self._stream(seq)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def prefill(self, request: GenerationRequest) -> tuple[TokenOutput, list[Any]]:
+        """``request``'s first token and its prompt's cache, for another host to decode on
+        (``handoff.prefill`` on the step thread, between batch steps: the batch waits for
+        it as for any prompt). A model whose cache cannot be handed off is refused first
+        (``HandoffUnsupported``), before any work; the engine keeps serving."""
+        check_handoff(self._gen.model, str(getattr(self._gen.model, "model_type", "")
+                                            or self.model_id))
+        seq = await self._sequence(request)
+        done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]] = \
+            concurrent.futures.Future()
+        self._inbox.put(("prefill", (seq, done)))
+        return await asyncio.wrap_future(done)
+
+    async def _sequence(self, request: GenerationRequest) -> _Sequence:
         if self._failure is not None or self._closed.is_set():
             raise EngineError(f"the engine is not running: {self._failure or 'closed'}")
         seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())
         if request.params.constraint is not None:  # compiling may take a while: not here
             seq.matching = await asyncio.to_thread(self._matching, request.params)
+        return seq
+
+    async def _stream(self, seq: _Sequence) -> AsyncGenerator[TokenOutput, None]:
+        """``seq``'s tokens from the step thread; closing early cancels it there."""
         self._active += 1
         self._inbox.put(("insert", seq))
         finished = False
@@ -146,6 +213,19 @@ class LocalEngine:
                 self._on_failure(exc)
         finally:
             self._gen.close()
+            self._fail_prefills()
+
+    def _fail_prefills(self) -> None:
+        """Answer the prefills still queued when the step thread ends (their callers wait)."""
+        while True:
+            try:
+                command, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "prefill":
+                item[1].set_exception(EngineError(
+                    f"the engine stopped before the prompt was prefilled: "
+                    f"{self._failure or 'closed'}"))
 
     def _drain_inbox(self, *, block: bool) -> None:
         try:
@@ -156,6 +236,8 @@ class LocalEngine:
         while True:
             if command == "insert":
                 self._insert(seq)
+            elif command == "prefill":
+                self._prefill(*seq)
             elif command == "cancel" and seq.uid is not None \
                     and self._by_uid.pop(seq.uid, None) is not None:
                 self._gen.remove([seq.uid])
@@ -169,21 +251,43 @@ class LocalEngine:
         tokens = list(req.prompt_tokens)
         try:
             check_vocabulary(req.params, self._vocab_size)
-            sampler = make_sampler(req.params, self._vocab_size)
-            processors = make_logits_processors(req.params)
-            cache, rest = self._cached_prefix(tokens)
-            [uid] = self._gen.insert(
-                [rest], max_tokens=[req.params.max_tokens], caches=[cache],
-                all_tokens=[tokens[: len(tokens) - len(rest)]],
-                samplers=[sampler],
-                logits_processors=[processors + constraint_processors(seq.matching)],
-            )
+            if seq.handoff is not None:  # the first token was sampled by the prefill host
+                first, cache = seq.handoff
+                sampler, processors = resume_sampling(req.params, tokens, self._vocab_size,
+                                                      seq.matching)
+                [uid] = self._gen.insert(
+                    [[first]], max_tokens=[req.params.max_tokens - 1], caches=[list(cache)],
+                    all_tokens=[tokens], samplers=[sampler], logits_processors=[processors])
+            else:
+                sampler = make_sampler(req.params, self._vocab_size)
+                processors = make_logits_processors(req.params)
+                cache, rest = self._cached_prefix(tokens)
+                [uid] = self._gen.insert(
+                    [rest], max_tokens=[req.params.max_tokens], caches=[cache],
+                    all_tokens=[tokens[: len(tokens) - len(rest)]],
+                    samplers=[sampler],
+                    logits_processors=[processors + constraint_processors(seq.matching)],
+                )
         except (ValueError, TypeError) as exc:  # a bad parameter fails its request only
             # (empty prompt, max_tokens, a seed mlx refuses: caught above us normally)
             self._deliver(seq, exc)
             return
         seq.uid = uid
         self._by_uid[uid] = seq
+
+    def _prefill(self, seq: _Sequence,
+                 done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]]) -> None:
+        req = seq.request
+        try:
+            done.set_result(prefill(self._gen.model, req.prompt_tokens, req.params,
+                                    vocab_size=self._vocab_size,
+                                    eos_token_ids=self._eos_token_ids,
+                                    matching=seq.matching, prefill_step=self._prefill_step))
+        except (ValueError, TypeError) as exc:  # a bad request fails alone, as in _insert
+            done.set_exception(exc)
+        except BaseException as exc:  # the engine is broken: this waiter hears it too
+            done.set_exception(EngineError(f"prefill failed: {exc}"))
+            raise
 
     def _cached_prefix(self, tokens: list[int]) -> tuple[Any, list[int]]:
         """The KV cache of the longest known prefix, and the tokens still to prefill."""
@@ -210,7 +314,8 @@ class LocalEngine:
             batch.append((seq, _output(seq.request.params, r, reason)))
             if reason is not None:
                 del self._by_uid[r.uid]
-                if r.prompt_cache is not None and r.all_tokens:
+                # A handed-off cache may be lossy (int8, int4): not for other requests.
+                if r.prompt_cache is not None and r.all_tokens and seq.handoff is None:
                     self._prompt_cache.insert_cache(MODEL_KEY, list(r.all_tokens),
                                                     r.prompt_cache)
         # One wake-up of the event loop per step, not one per sequence: each wake-up
