@@ -22,7 +22,7 @@ STACK = [
     "supervisor", "control",
     "config",
     "drain",  # the drain state (state/drains.py) and the router told of it
-    "discovery", "engine", "pipeline", "api",
+    "discovery", "engine", "pipeline", "replicas", "api",
     "workers",
     "cluster",
     "roster",  # which workers run: the daemon's rule over roles, placements and [serve]
