@@ -18,8 +18,9 @@ port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
   the engine's ``max_batch``, at most ``protocol.MAX_SEQUENCES``), and the node's
   engine at most ``max_batch`` running plus as many again waiting: beyond either,
   ``busy`` (the router tries another node). A prompt over the engine's context
-  length is ``bad_request``. While ``draining`` every ``generate`` is refused with
-  ``draining`` and the sequences held run to their end.
+  length is ``bad_request``. While draining (``drain``, as the node stops) every
+  ``generate`` is refused with ``draining`` and the sequences held run to their end, for
+  a bound the caller gives.
 - Engine failures map to codes: a constraint it cannot use (``ConstraintError``) is
   ``bad_request``; ``EngineUnavailable`` (a stage of the node's own pipeline down)
   is ``unavailable``; any other ``EngineError`` is ``internal``.
@@ -81,6 +82,7 @@ class ServingService:
         self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
         self.draining = False
         self._held = 0  # sequences in flight over all connections
+        self._ended = asyncio.Event()  # set as each sequence ends (``drain`` waits on it)
         self._listener = Listener(where.host, where.port, keyring=keyring,
                                   identity_of_server=address, channels={1},
                                   handler=self._handle, name=f"serving listener of {node_id}")
@@ -108,9 +110,16 @@ class ServingService:
                  self.role, self.host, self.port)
         await self._listener.serve(started)
 
-    def drain(self) -> None:
-        """Take no new sequence (``draining``); those held run to their end."""
+    async def drain(self, within_s: float) -> int:
+        """Take no new sequence (``draining``) and wait for those held to end, at most
+        ``within_s``; how many are still held then (``aclose`` cancels them)."""
         self.draining = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while self._held:
+                    self._ended.clear()
+                    await self._ended.wait()
+        return self._held
 
     async def aclose(self) -> None:
         """Stop accepting; every connection ends and its sequences are cancelled."""
@@ -239,6 +248,7 @@ class ServingService:
             await self._failed(link, seq, exc)
         finally:
             self._held -= 1
+            self._ended.set()
             link.seqs.pop(seq, None)
 
     async def _failed(self, link: _Link, seq: str, exc: Exception) -> None:
