@@ -18,12 +18,12 @@ import pytest
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.engine.base import Constraint
 from mlxceld.engine.local import LocalEngine, load_local_engine
-from mlxceld.net import MxclStream, connect
+from mlxceld.net import MxclStream, connect, streams_under
 from mlxceld.pipeline.protocol import params_to_wire
 from mlxceld.replicas import protocol as p
 from mlxceld.replicas.remote import RemoteEngine, RequestRefused
 from mlxceld.replicas.service import ServingService
-from mlxceld.wire import encode_envelope, parse_envelope
+from mlxceld.wire import encode_envelope, key_id, parse_envelope
 
 from helpers.keys import keyring
 from helpers.mxcl import CLIENT_ID, OTHER_SECRET, SECRET, accepting, run
@@ -263,4 +263,85 @@ def test_a_sequence_belongs_to_its_connection(node: tuple[LocalEngine, Any]) -> 
                 await b.close()
 
     port = 0
+    run(main())
+
+
+NEW_SECRET = b"the rotation's new cluster secret, 40 b."
+
+
+def test_rekey_hands_over_without_cutting_a_sequence(node: tuple[LocalEngine, Any]) -> None:
+    """A secret rotation's ``use``: the link attaches a stream under the new primary for new
+    sequences; the one running finishes on the old stream, which is then closed."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[2])
+    ring = keyring(SECRET)
+
+    async def main() -> None:
+        async with serving(engine, keyring=keyring(SECRET, NEW_SECRET)) as service, \
+                linked(service.port, keyring=ring) as remote:
+            held = remote.generate(request(ids, 5000, **endless(tokenizer)))
+            await anext(held)
+            ring.add(NEW_SECRET, primary=True)
+            remote.rekey()
+            await until(lambda: streams_under(key_id(NEW_SECRET)) == 2,  # ours and the node's
+                        "a stream under the new key", WAIT_S)
+            assert len(await tokens(remote, request(ids, 3, temperature=0))) == 3
+            for _ in range(3):
+                await anext(held)  # the old stream still carries the running sequence
+            assert streams_under(key_id(SECRET)) == 2
+            await held.aclose()
+            await until(lambda: streams_under(key_id(SECRET)) == 0,
+                        "the old stream finished once its last sequence ended", WAIT_S)
+            assert remote.state() == "up" and service.sequences == 0
+
+    run(main())
+
+
+def test_tokens_are_taken_only_from_the_connection_the_sequence_went_over() -> None:
+    """The result-frame rule on the router's side: a node with two connections from one
+    router (after a rekey) that sends a sequence's token over the other one is not heard;
+    the token from the sequence's own connection is."""
+    streams: list[MxclStream] = []
+
+    async def forging(stream: MxclStream) -> None:
+        streams.append(stream)
+        while True:
+            env = parse_envelope(await stream.recv(), p.NODE_SPECS)
+            if env.type == "attach":
+                await stream.send(encode_envelope({
+                    "t": "attached", "node": "node-a", "role": "hybrid", "model": MODEL,
+                    "context_length": 64, "max_batch": 2}))
+            elif env.type == "generate" and stream is not streams[0]:  # the first: held
+                seq = env.header["seq"]
+                for other in streams:
+                    if other is not stream:
+                        await other.send(encode_envelope(
+                            {"t": "token", "seq": seq, "finish_reason": "length"},
+                            [("tokens", "i32", (1,), struct.pack("<i", 7))]))
+                await asyncio.sleep(0.3)  # the forged token is read first
+                await stream.send(encode_envelope(
+                    {"t": "token", "seq": seq, "finish_reason": "length"},
+                    [("tokens", "i32", (1,), struct.pack("<i", 5))]))
+
+    ring = keyring(SECRET)
+
+    async def main() -> None:
+        async with mxcl_serving(forging, channels={1},
+                                keyring=keyring(SECRET, NEW_SECRET)) as listener, \
+                linked(listener.port, keyring=ring) as remote:
+            held = remote.generate(request([1, 2], 1))  # keeps the first connection open
+            waiting = asyncio.create_task(anext(held))
+            ring.add(NEW_SECRET, primary=True)
+            remote.rekey()
+            await until(lambda: len(streams) == 2, "a second connection", WAIT_S)
+            await until(lambda: streams_under(key_id(NEW_SECRET)) == 2, "attached", WAIT_S)
+            await asyncio.sleep(0.1)  # keep_linked installs the new stream after attach
+            got = await tokens(remote, request([1, 2], 1))
+            assert [out.token for out in got] == [5]
+            assert not waiting.done()  # nor was the forged token the held sequence's
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await held.aclose()
+
     run(main())
