@@ -111,6 +111,7 @@ class RemoteEngine:
         self._cluster = cluster
         self._dial_budget_s = dial_budget_s
         self._stream: MxclStream | None = None  # the stream new sequences go over
+        self._streams: set[MxclStream] = set()  # every stream still read, old ones too
         self._state = "connecting"
         self._error: str | None = None
         self._seqs: dict[str, _Seq] = {}
@@ -166,6 +167,7 @@ class RemoteEngine:
 
     def _install(self, stream: MxclStream) -> None:
         old, self._stream = self._stream, stream
+        self._streams.add(stream)
         if self._state != "up":
             log.info("attached node %s (%s): context %d, max_batch %d", self.node_id,
                      self.address, self.context_length, self.max_batch)
@@ -263,6 +265,7 @@ class RemoteEngine:
         else:
             message = f"node {self.node_id} is unavailable: the connection ended ({ended.kind})"
         failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
+        self._streams.discard(stream)
         for sequence in self._seqs.values():
             if sequence.stream is stream:
                 sequence.inbox.put_nowait(failure)
@@ -362,12 +365,10 @@ class RemoteEngine:
     async def aclose(self) -> None:
         self._closing = True
         self._wake.set()
-        streams = {id(s.stream): s.stream for s in self._seqs.values()}
-        if self._stream is not None:
-            streams[id(self._stream)] = self._stream
+        streams = list(self._streams)  # a handed-over one finishing included
         for task in list(self._tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for stream in streams.values():
+        for stream in streams:
             await stream.close("router stopping")

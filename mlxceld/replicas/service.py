@@ -18,9 +18,10 @@ port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
   the engine's ``max_batch``, at most ``protocol.MAX_SEQUENCES``), and the node's
   engine at most ``max_batch`` running plus as many again waiting: beyond either,
   ``busy`` (the router tries another node). A prompt over the engine's context
-  length is ``bad_request``. While draining (``drain``, as the node stops) every
-  ``generate`` is refused with ``draining`` and the sequences held run to their end, for
-  a bound the caller gives.
+  length is ``bad_request``, as is a token id outside the model's vocabulary
+  (``vocab_size``: checked before the engine sees it). While draining (``drain``, as
+  the node stops) every ``generate`` is refused with ``draining`` and the sequences
+  held run to their end, for a bound the caller gives.
 - Engine failures map to codes: a constraint it cannot use (``ConstraintError``) is
   ``bad_request``; ``EngineUnavailable`` (a stage of the node's own pipeline down)
   is ``unavailable``; any other ``EngineError`` is ``internal``.
@@ -67,10 +68,12 @@ class _Link:
 class ServingService:
     def __init__(self, engine: Engine, *, node_id: str, role: str, model_identity: str,
                  cluster: str, keyring: SecretStore, address: str, silence_s: float,
-                 max_sequences: int | None = None) -> None:
+                 max_sequences: int | None = None, vocab_size: int | None = None) -> None:
         """``address``: where to listen, ``host:port`` (port 0: ephemeral);
         ``silence_s``: how long a router may send nothing before its connection is
-        dropped; ``max_sequences``: sequences in flight per connection (see above)."""
+        dropped; ``max_sequences``: sequences in flight per connection (see above);
+        ``vocab_size``: the model's, every prompt token id must be below it (None: the
+        engine checks them itself, as a pipeline's first stage does)."""
         where = parse_address(address, port_zero=True)
         self.engine = engine
         self.node_id = node_id
@@ -78,6 +81,7 @@ class ServingService:
         self._model_identity = model_identity
         self._cluster = cluster
         self._silence_s = silence_s
+        self._vocab_size = vocab_size
         limit = engine.max_batch if max_sequences is None else max_sequences
         self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
         self.draining = False
@@ -228,6 +232,10 @@ class ServingService:
             raise p.ProtocolViolation(p.ERR_BUSY, f"node {self.node_id} is full "
                                       f"({engine.active_sequences()} sequences)")
         tokens = struct.unpack(f"<{n}i", prompt.data)
+        if self._vocab_size is not None and not 0 <= min(tokens) <= max(tokens) \
+                < self._vocab_size:
+            raise p.ProtocolViolation(p.ERR_BAD_REQUEST, "prompt token ids must be in [0, "
+                                      f"{self._vocab_size}) (node {self.node_id}'s model)")
         request = GenerationRequest(f"replica-{seq}", tokens, params)
         link.seqs[seq] = tg.create_task(self._run(link, seq, request))
 

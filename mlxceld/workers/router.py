@@ -165,7 +165,8 @@ async def serving_service(ctx: WorkerContext[RouterOptions], engine: Any,
     service = ServingService(  # the keyring is changed in place by the daemon
         engine, node_id=o.serving.node_id, role="hybrid", model_identity=identity,
         cluster=o.serving.cluster, keyring=ctx.keyring, address=o.serving.address,
-        silence_s=o.stage_silence_s)
+        silence_s=o.stage_silence_s,
+        vocab_size=None if o.pipeline is not None else engine.vocab_size)  # stage 0 checks
     try:
         await service.start()
     except OSError as exc:

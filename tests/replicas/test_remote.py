@@ -48,7 +48,8 @@ def node(fixture_dir: Path) -> Iterator[tuple[LocalEngine, Any]]:
 async def serving(engine: Any, **changes: Any) -> AsyncIterator[ServingService]:
     options: dict[str, Any] = dict(node_id="node-a", role="hybrid", model_identity=MODEL,
                                    cluster=CLUSTER, keyring=keyring(SECRET),
-                                   address="127.0.0.1:0", silence_s=SILENCE_S)
+                                   address="127.0.0.1:0", silence_s=SILENCE_S,
+                                   vocab_size=engine.vocab_size)
     service = ServingService(engine, **{**options, **changes})
     async with accepting(service.serve, service.aclose):
         yield service
@@ -187,6 +188,8 @@ def test_busy_and_bad_request_reach_the_caller(node: tuple[LocalEngine, Any]) ->
             too_long = request([1] * (engine.context_length + 1), 4)
             with pytest.raises(RequestRefused, match="context"):
                 await tokens(remote, too_long)
+            with pytest.raises(RequestRefused, match=r"token ids must be in \[0, "):
+                await tokens(remote, request([1, engine.vocab_size], 4))
             # and the link is still up, serving
             assert remote.state() == "up"
             assert len(await tokens(remote, request(ids, 3, temperature=0))) == 3
