@@ -33,6 +33,10 @@ token      node → router    ``seq``; tensor ``tokens`` i32 ``[1]``; with
                             sequence's last one
 cancel     router → node    ``seq``: the node stops the sequence and frees it;
                             no answer (an unknown ``seq`` is ignored)
+load       node → router    ``sequences`` (all its engine runs: its own OpenAI
+                            clients' and every router's), ``max_batch``; sent
+                            once attached, then every ``LOAD_EVERY_S`` while it
+                            changed; no answer
 error      node → router    ``code``, ``message``, and ``seq`` when it concerns
                             one (it ends that sequence)
 ========== ================ ===================================================
@@ -84,6 +88,7 @@ from mlxceld.wire import MessageSpec, TensorSpec
 
 MAX_PROMPT_TOKENS: Final = 1 << 20  # tokens one ``generate`` may carry (and the context)
 MAX_SEQUENCES: Final = 256  # sequences in flight on one connection
+LOAD_EVERY_S: Final = 1.0  # how often a node says its load (when it changed)
 
 ERR_BUSY: Final = "busy"
 ERR_UNAVAILABLE: Final = "unavailable"
@@ -108,13 +113,14 @@ NODE_SPECS: Final = {
 ROUTER_SPECS: Final = {
     "attached": MessageSpec(),
     "error": MessageSpec(),
+    "load": MessageSpec(),
     "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
 }
 
 __all__ = ["ERR_BAD_MESSAGE", "ERR_BAD_REQUEST", "ERR_BUSY", "ERR_CLUSTER_MISMATCH",
            "ERR_DRAINING", "ERR_INTERNAL", "ERR_MODEL_MISMATCH", "ERR_UNAVAILABLE",
-           "MAX_PROMPT_TOKENS", "MAX_SEQUENCES", "NODE_SPECS", "ROUTER_SPECS", "SEQ_ID",
-           "ProtocolViolation", "error_header", "finish_of", "token_header"]
+           "LOAD_EVERY_S", "MAX_PROMPT_TOKENS", "MAX_SEQUENCES", "NODE_SPECS", "ROUTER_SPECS",
+           "SEQ_ID", "ProtocolViolation", "error_header", "finish_of", "token_header"]
 
 
 def token_header(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:

@@ -27,6 +27,12 @@ that was not sent over the stream it came on is dropped. An ``error`` ends it:
 sequence on it with ``EngineUnavailable`` naming the node, at once. Closing the
 generator early sends ``cancel`` (the node frees the sequence).
 
+The node's load (``node_sequences``: every sequence its engine runs, its own OpenAI
+clients' included, from its latest ``load``; None before one came): what this router
+sent it is ``active_sequences()``, so the difference is the work it has that the pool
+cannot see. A pool that routes by least outstanding work may weigh a member by
+``max(active_sequences(), node_sequences)``.
+
 Rekey (``rekey``: the keyring's primary changed, a secret rotation's ``use``):
 ``keep_linked`` dials and attaches a second stream under the new primary; new
 sequences go over it, those running stay on the old one until they end, and the old
@@ -118,6 +124,7 @@ class RemoteEngine:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()  # readers and cancels
         self._closing = False
+        self.node_sequences: int | None = None  # the node's last ``load`` (see above)
 
     # -- the member's face --------------------------------------------------------------
 
@@ -249,6 +256,9 @@ class RemoteEngine:
         except EnvelopeError as exc:
             log.warning("node %s sent a bad message: %s", self.node_id, exc.reason)
             return
+        if env.type == "load":
+            self._load(stream, env.header.get("sequences"))
+            return
         seq = env.header.get("seq")
         sequence = self._seqs.get(seq) if isinstance(seq, str) else None
         if sequence is not None and sequence.stream is stream:
@@ -256,6 +266,10 @@ class RemoteEngine:
         elif env.type == "error":
             log.warning("node %s: %s (%s)", self.node_id, env.header.get("message"),
                         env.header.get("code"))
+
+    def _load(self, stream: MxclStream, sequences: object) -> None:
+        if stream is self._stream and type(sequences) is int and 0 <= sequences < 2**31:
+            self.node_sequences = sequences
 
     def _ended(self, stream: MxclStream, ended: ConnectionClosed | None) -> None:
         if ended is None:

@@ -26,6 +26,9 @@ port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
   ``bad_request``; ``EngineUnavailable`` (a stage of the node's own pipeline down)
   is ``unavailable``; any other ``EngineError`` is ``internal``.
 
+- Its load (``load``: the engine's sequences, its own clients' included) goes to each
+  attached router at once and then every ``protocol.LOAD_EVERY_S`` while it changed.
+
 Pings are answered by the stream itself (PROTOCOL.md).
 """
 
@@ -62,6 +65,7 @@ class _Link:
 
     stream: MxclStream
     attached: bool = False
+    reporting: bool = False  # its ``load`` task runs
     seqs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
 
@@ -165,6 +169,9 @@ class ServingService:
                 if env.type == "attach":
                     if not await self._attach(link, env):
                         return "refused to attach"
+                    if not link.reporting:
+                        link.reporting = True
+                        tg.create_task(self._report_load(link))
                 elif not link.attached:
                     raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
                                               "send 'attach' before any other message")
@@ -176,6 +183,18 @@ class ServingService:
                         task.cancel()
             except p.ProtocolViolation as exc:
                 await self._refuse(link, seq, exc.code, exc.message)
+
+    async def _report_load(self, link: _Link) -> None:
+        """``load`` now, then every ``LOAD_EVERY_S`` while it changed (see above)."""
+        said: tuple[int, int] | None = None
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                load = (self.engine.active_sequences(), self.engine.max_batch)
+                if load != said:
+                    await link.stream.send(encode_envelope(
+                        {"t": "load", "sequences": load[0], "max_batch": load[1]}))
+                    said = load
+                await asyncio.sleep(p.LOAD_EVERY_S)
 
     async def _refuse(self, link: _Link, seq: str | None, code: str, message: str) -> None:
         log.warning("refused a message of router %s: %s (%s)", link.stream.peer, message,

@@ -127,6 +127,7 @@ def test_cancel_and_a_dropped_router_free_the_nodes_sequences(
                 for _ in range(3):
                     await anext(stream)
                 assert engine.active_sequences() == 1 and service.sequences == 1
+                await until(lambda: remote.node_sequences == 1, "the node's load", WAIT_S)
                 await stream.aclose()  # sends cancel
                 await until(lambda: engine.active_sequences() == 0 and service.sequences == 0,
                             "the node frees the cancelled sequence", WAIT_S)
@@ -236,6 +237,12 @@ def test_a_sequence_belongs_to_its_connection(node: tuple[LocalEngine, Any]) -> 
         assert parse_envelope(await stream.recv(), p.ROUTER_SPECS).type == "attached"
         return stream
 
+    async def answer(stream: MxclStream) -> Any:
+        """The next message but ``load`` (which the node sends on its own)."""
+        while (env := parse_envelope(await stream.recv(), p.ROUTER_SPECS)).type == "load":
+            pass
+        return env
+
     async def main() -> None:
         nonlocal port
         async with serving(engine) as service:
@@ -248,7 +255,7 @@ def test_a_sequence_belongs_to_its_connection(node: tuple[LocalEngine, Any]) -> 
                 await b.send(encode_envelope({"t": "cancel", "seq": "s1"}))
                 got = []
                 while True:
-                    env = parse_envelope(await a.recv(), p.ROUTER_SPECS)
+                    env = await answer(a)
                     assert env.type == "token" and env.header["seq"] == "s1", env.header
                     got.append(env)
                     if "finish_reason" in env.header:
@@ -257,7 +264,7 @@ def test_a_sequence_belongs_to_its_connection(node: tuple[LocalEngine, Any]) -> 
                 # b got nothing for s1: its next message is the answer to its own request
                 await b.send(encode_envelope({"t": "generate", "seq": "s1",
                                               "params": {"bad": 1}}, prompt))
-                env = parse_envelope(await b.recv(), p.ROUTER_SPECS)
+                env = await answer(b)
                 assert (env.type, env.header["code"], env.header["seq"]) == (
                     "error", p.ERR_BAD_MESSAGE, "s1")
                 assert service.sequences == 0
