@@ -80,6 +80,7 @@ class LocalEngine:
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
+        self.vocab_size = vocab_size  # the model's: token ids in [0, vocab_size)
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._prefill_step = prefill_step
