@@ -158,6 +158,7 @@ class PipelineStage(TypedDict):
     link: StageLinkView | None  # None: no router over it (yet)
     peer: PeerView | None
     drain: JSON | None  # its drain (GET /v1/drains' row), if it is drained
+    replica: NotRequired[int]  # its replica group, where the router serves 2 or more
 
 
 class PipelineRouter(TypedDict):
