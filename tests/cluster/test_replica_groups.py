@@ -23,7 +23,11 @@ from mlxceld.cluster.clusterfile.placement import (
     replica_pipelines,
     stage_options,
 )
+from mlxceld.config.daemon import Config
+from mlxceld.config.serve import ServeConfig
 from mlxceld.errors import ConfigError
+from mlxceld.roles.options import RouterOptions
+from mlxceld.roster import Situation, draw_roster, router_needs
 
 Node = dict[str, object]
 
@@ -161,3 +165,20 @@ def test_each_group_must_cover_the_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         validate_layers(cfg, 7)
     assert "node 'a1' (rank 1, layers [4, 8]) reaches layer 7" in err.value.message
+
+
+def test_the_coordinator_runs_one_router_over_every_group(tmp_path: Path) -> None:
+    """... and no group's stage is needed by every request: a drained stage host is not
+    held from the router (its group's requests go to the others)."""
+    cfg = load_cluster(_written(tmp_path, text(two_by_two())))
+    state = Path("/nonexistent/mlxceld")
+    config = Config(state_dir=state, socket=state / "s.sock")
+    placement = Placement(cfg, cfg.coordinator, Path("/models/tiny"), "ab" * 32)
+    specs = draw_roster(Situation(config, ServeConfig(model="/models/tiny"), placement,
+                                  secret=b"s" * 32))
+    (router,) = specs
+    assert isinstance(router.options, RouterOptions) and router.options.pipeline is not None
+    assert [s.node_id for s in router.options.pipeline.stages] == ["a0", "a1"]
+    assert [[s.node_id for s in p.stages] for p in router.options.replica_pipelines] == [
+        ["b0", "b1"]]
+    assert router_needs(specs, {"coord"}) == {"coord"}
