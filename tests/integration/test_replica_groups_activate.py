@@ -1,6 +1,8 @@
 """`mlxctl cluster activate --replicas 2`: two whole copies of the model, one stage each on
 its own peer, behind the coordinator's one router; real daemons on 127.0.0.1 (coordinator),
-.2 and .3 (peers), one cluster secret, the tiny fixture."""
+.2 and .3 (peers), one cluster secret, the tiny fixture. After a kill -9 of one host the
+other group serves, and self-healing (on, with a short detector) refuses to re-plan a plan
+of replica groups, naming why."""
 
 from __future__ import annotations
 
@@ -16,12 +18,21 @@ import httpx
 
 from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, agent, settled, start
 from helpers.daemons import READY_S, Daemons
+from helpers.keys import secret_file
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
 from helpers.router import complete
 from helpers.waiting import wait_for
 
 DOWN_S = 30.0  # a killed host's group is seen down (its link's reset; silence at worst 3 s)
+HEAL_REFUSED_S = 60.0  # dead after 2 s, healed after 2 s more: refused, as replicas are
+COORDINATOR = """
+[daemon]
+peer_ping_interval_s = 0.25
+peer_suspect_after_s = 1.0
+peer_dead_after_s = 2.0
+heal_after_s = 2.0
+"""
 
 
 def router_stats(port: int) -> dict[str, Any]:
@@ -38,8 +49,10 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
                    name=f"p{i}") for i in (2, 3)]
     port = free_port("127.0.0.1")
-    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers",
-                  ",".join(agent(p) for p in peers), "--port", str(port), name="c")
+    coord = daemons.make(COORDINATOR, name="c")  # self-healing on, a short detector
+    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
+                "--agent-addr", "127.0.0.1:0", "--port", str(port),
+                "--cluster-peers", ",".join(agent(p) for p in peers))
     want = {agent(p): "reachable" for p in peers}
     wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
 
@@ -91,3 +104,9 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     assert texts == [want_text] * 4  # each within the client's 60 s: none hangs
     after = {n["id"]: n for n in router_stats(port)["nodes"]}
     assert after["replica-0"]["completed"] >= nodes["replica-0"]["completed"] + 4
+    # The dead host is not healed around: a plan of replica groups is refused, named.
+    refused = wait_for(lambda: next((e for e in coord.events(300)
+                                     if e["kind"] == "heal.refused"), None),
+                       HEAL_REFUSED_S, "the heal refused")
+    assert "2 replica groups, which are not healed" in refused["message"], refused
+    assert coord.status()["bringup"]["epoch"] == bringup["epoch"]  # nothing was pushed
