@@ -1,11 +1,13 @@
 """`mlxctl cluster activate --replicas 2`: two whole copies of the model, one stage each on
 its own peer, behind the coordinator's one router; real daemons on 127.0.0.1 (coordinator),
 .2 and .3 (peers), one cluster secret, the tiny fixture. After a kill -9 of one host the
-other group serves, and self-healing (on, with a short detector) refuses to re-plan a plan
-of replica groups, naming why."""
+stream on its group ends with an error naming the group, the other group serves, and
+self-healing (on, with a short detector) refuses to re-plan a plan of replica groups,
+naming why."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,22 +90,38 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     shown = coord.ctl("status").stdout
     assert "REPLICA" in shown and "stages of router: 2 of 2 attached" in shown, shown
 
-    # kill -9 the host of stage-1 (replica 1): daemon and stage worker.
-    host = next(p for p in peers if agent(p) == bringup["peers"][1]["address"])
-    assert host.proc is not None
-    for pid in (host.proc.pid, stage_pids[host.proc.pid]):
-        os.kill(pid, signal.SIGKILL)
+    # kill -9 the host of the group a long stream runs on (daemon and stage worker): the
+    # stream ends with an error naming that group; new requests go to the other group.
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 1900, "stream": True,
+            "temperature": 0, "logit_bias": {str(t): -100 for t in
+                                             (eos if isinstance(eos, list) else [eos])}}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=60) as streamed:
+        lines = (line for line in streamed.iter_lines() if line.startswith("data: "))
+        assert "error" not in json.loads(next(lines)[6:])
+        busy = next(n["id"] for n in router_stats(port)["nodes"] if n["in_flight"])
+        index = int(busy.removeprefix("replica-"))
+        host = next(p for p in peers if agent(p) == bringup["peers"][index]["address"])
+        assert host.proc is not None
+        for pid in (host.proc.pid, stage_pids[host.proc.pid]):
+            os.kill(pid, signal.SIGKILL)
+        events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
     host.proc.wait(timeout=10)
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and f"replica {busy!r} failed after" in errors[0]["message"], events[-3:]
+    assert errors[0]["code"] == "engine_unavailable"
+    other = "replica-1" if busy == "replica-0" else "replica-0"
     stats = wait_for(lambda: (s := router_stats(port))["up"] == 1 and s, DOWN_S,
-                     "replica-1 down")
-    down = next(n for n in stats["nodes"] if n["id"] == "replica-1")
-    assert down["state"] == "down" and "stage-1" in (down["last_error"] or ""), down
+                     f"{busy} down")
+    down = next(n for n in stats["nodes"] if n["id"] == busy)
+    assert down["state"] == "down" and f"stage-{index}" in (down["last_error"] or ""), down
     assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
     with ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda _: complete(port, "llama"), range(4)))
     assert texts == [want_text] * 4  # each within the client's 60 s: none hangs
     after = {n["id"]: n for n in router_stats(port)["nodes"]}
-    assert after["replica-0"]["completed"] >= nodes["replica-0"]["completed"] + 4
+    assert after[other]["completed"] >= nodes[other]["completed"] + 4
     # The dead host is not healed around: a plan of replica groups is refused, named.
     refused = wait_for(lambda: next((e for e in coord.events(300)
                                      if e["kind"] == "heal.refused"), None),
