@@ -94,7 +94,7 @@ def serving_options(s: Situation) -> ServingOptions | None:
     listener's host and ``[serve] serving_port``; else None."""
     if s.secret is None or s.node_id is None:
         return None
-    host = parse_address(s.config.agent_addr).host
+    host = parse_address(s.config.agent_addr, port_zero=True).host  # 0: an ephemeral agent port
     cluster = s.placement.cluster.name if s.placement is not None else s.config.cluster_name
     return ServingOptions(format_address(host, s.serve.serving_port), s.node_id, cluster)
 
