@@ -112,6 +112,12 @@ def run(
         "--stage-ports", help="Ports for assigned stage listeners: PORT or FIRST-LAST "
         "(inclusive), proposed to coordinators and required of offers. Default: ephemeral "
         "ports.")] = None,
+    node_role: Annotated[str | None, typer.Option(
+        "--node-role", help="hybrid (run the model here) or router (model-free: spread "
+        "requests over --replicas; needs the cluster secret). Default: hybrid.")] = None,
+    replicas: Annotated[str | None, typer.Option(
+        "--replicas", help="With --node-role router: the replicas' agent addresses, "
+        "host:port,... (a host alone: port 19000; [v6] for IPv6).")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

@@ -70,6 +70,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
+from mlxceld.config.replicas import ROUTER_ROLE
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
@@ -185,7 +186,8 @@ class Daemon:
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
         self.serving = Serving(self, self._flags, config.serve)  # what the router serves
-        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
+        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
+                          router=config.serve.node_role == ROUTER_ROLE)
         if config.pp_auto is not None and self.serving.serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")

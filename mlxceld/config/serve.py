@@ -17,6 +17,9 @@
     body_timeout_s = 60.0           # and its body this soon after the head
     stage_silence_s = 3.0           # a pipeline stage that sends nothing (not even a
                                     # pong to our heartbeat) this long is silent
+                                    # (a replica too, behind a router)
+    node_role = "hybrid"            # hybrid | router: see mlxceld/config/replicas.py
+    replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -55,6 +58,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
+from mlxceld.config.replicas import (
+    HYBRID,
+    NodeRole,
+    check_role,
+    parse_replica_list,
+    parse_role,
+)
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import PipelineOptions, RouterOptions
@@ -68,7 +78,7 @@ log = logging.getLogger(__name__)
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
-              "max_tokens"}
+              "max_tokens", "node_role", "replicas"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,8 @@ class ServeConfig:
     body_timeout_s: float = 60.0
     stage_silence_s: float = DEFAULT_SILENCE_S
     max_tokens: int | None = None  # None: a completion is bounded by the context only
+    node_role: NodeRole = HYBRID  # config/replicas.py
+    replicas: tuple[str, ...] = ()  # a router's replicas' agent addresses, normalized
 
     @property
     def served_name(self) -> str:
@@ -132,6 +144,10 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
         max_tokens=_max_tokens(flags.max_tokens, table, where),
     )
+    role, role_from = parse_role(flags.node_role, table, where)
+    replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
+    check_role(role, role_from, replicas, replicas_from)
+    cfg = replace(cfg, node_role=role, replicas=replicas)
     model = flags.model or _typed(table, "model", str, where)
     if model:
         origin = "--model" if flags.model else f"{where}: 'serve.model'"
