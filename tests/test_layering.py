@@ -22,7 +22,9 @@ STACK = [
     "supervisor", "control",
     "config",
     "drain",  # the drain state (state/drains.py) and the router told of it
-    "discovery", "engine", "pipeline", "api",
+    "discovery", "engine", "pipeline",
+    "replicas",  # a router's pool of replica engines and the wire to the nodes serving them
+    "api",
     "workers",
     "cluster",
     "roster",  # which workers run: the daemon's rule over roles, placements and [serve]

@@ -7,6 +7,8 @@
     GET  /ready                        200 once ``ready()`` says so and ``readiness()``
                                        names nothing wrong, else 503
     GET  /metrics                      Prometheus text
+    GET  /router/stats                 over a replica pool: each replica's load, health
+                                       and counts (only when ``router_stats`` is given)
 
 Completions are refused with 503 (code "not_ready") until ``ready()`` is true, and
 with 503 (code "draining") while a node they need drains (``draining.py``; ``/ready``
@@ -16,6 +18,11 @@ completions still try, and fail with the engine's own 503 naming what is down.
 Every error, unknown paths and methods included, is OpenAI's error JSON. Every
 request gets a line in the access log (``access.py``) when its response ends. The
 app does not own the engine: whoever built it closes it.
+
+``/router/stats`` shows replicas by node id; their addresses only when the
+environment variable ``MLXCEL_ROUTER_STATS_VERBOSE`` is 1, true, yes or on (any
+case), read once when the app is built; the body says which
+(``addresses_redacted``). It needs the API key, as every route but ``/health``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -64,7 +72,14 @@ from mlxceld.engine import Constraint, Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
-                       "/ready", "/metrics"})
+                       "/ready", "/metrics", "/router/stats"})
+STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+
+
+def stats_verbose(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``/router/stats`` shows the replicas' addresses (``STATS_VERBOSE_ENV``)."""
+    return environ.get(STATS_VERBOSE_ENV, "").strip().lower() in TRUE_WORDS
 
 
 def build_router_app(
@@ -80,6 +95,7 @@ def build_router_app(
     readiness: Callable[[], Mapping[str, Any] | None] | None = None,
     draining: Draining | None = None,
     stage_links: StageLinks | None = None,
+    router_stats: Callable[[bool], Any] | None = None,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -89,7 +105,9 @@ def build_router_app(
     JSON object with a ``message`` for ``/ready``'s 503 body), or None when nothing
     does; ``draining``: the nodes draining, set by the worker as its daemon says
     (``api/draining.py``); ``stage_links``: over a pipeline, each stage link's stats
-    (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``)."""
+    (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``); ``router_stats``:
+    over a replica pool, its stats as JSON given whether to show addresses
+    (``ReplicaEngine.stats``), served on ``/router/stats``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -132,6 +150,12 @@ def build_router_app(
 
     async def metrics_text(request: Request) -> Response:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    verbose = stats_verbose()
+
+    async def router_stats_route(request: Request) -> Response:
+        assert router_stats is not None
+        return JSONResponse(router_stats(verbose))
 
     def check_ready() -> float:
         arrived = time.monotonic()
@@ -206,6 +230,7 @@ def build_router_app(
             Route("/health", health),
             Route("/ready", ready_route),
             Route("/metrics", metrics_text),
+            *([Route("/router/stats", router_stats_route)] if router_stats is not None else []),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error},

@@ -1,0 +1,282 @@
+"""``ReplicaEngine``: one ``Engine`` over a pool of member engines, each a whole copy of
+the model (a hybrid node reached by ``RemoteEngine``, or in tests a local engine).
+
+Each request goes to one member, chosen by ``routing.py`` (least outstanding work,
+with prefix affinity; its docstring says how both are measured), and that member's
+tokens pass through unchanged. Closing the stream closes the member's (it cancels
+the sequence there).
+
+Members down. Only a member whose ``state()`` is "up" gets a new request. A member
+that raises ``EngineUnavailable`` before its first token (it went down, or refused
+as busy) has the request tried on the next best up member, each member at most
+once. After tokens were streamed nothing is retried (the client has part of an
+answer): the member's error passes on as ``EngineUnavailable`` (or ``EngineError``)
+naming the member by node id. When no member is up, or every one refused, the
+request fails with ``EngineUnavailable`` naming each member and why, with
+``retry_after_s`` the least a refusing member asked for, else
+``DOWN_RETRY_AFTER_S``: the API answers 503 with ``Retry-After``.
+
+A member fails its own in-flight sequences when its link breaks or falls silent
+(``RemoteEngine``'s ``silence_s``): the pool adds no deadline of its own to a
+sequence, whose length only the client bounds (``max_tokens``).
+
+Addresses. A member's address is shown only in ``stats(verbose=True)``. Every error
+the pool raises, and each member's ``last_error`` in the redacted stats, has
+addresses replaced by ``<address>`` (``redaction.py``), the rest of the message kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from typing import Any, Literal, Protocol, cast
+
+from mlxceld.engine import (
+    Engine,
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+    TokenOutput,
+)
+from mlxceld.replicas.redaction import scrub
+from mlxceld.replicas.routing import Outcome, Routing
+
+log = logging.getLogger(__name__)
+
+DOWN_RETRY_AFTER_S = 2  # Retry-After when no member is up (none said when to come back)
+CLOSE_S = 35.0  # how long aclose waits for each member's (a local engine's joins in 30 s)
+MemberState = Literal["up", "connecting", "down"]
+
+
+class Member(Engine, Protocol):
+    """A pool member: an ``Engine`` with a stable ``node_id`` (shown in stats and
+    errors), an ``address`` (shown only in verbose stats), a ``role`` ("hybrid"), its
+    ``state()`` ("up", "connecting", "down") and its ``last_error()``. It may also have
+    ``async keep_linked()`` (runs until cancelled) and ``rekey()``."""
+
+    node_id: str
+    address: str
+    role: str
+
+    def state(self) -> str: ...
+
+    def last_error(self) -> str | None: ...
+
+
+class ReplicaEngine:
+    """Implements ``Engine`` over ``members``; its ``max_batch`` is the sum of theirs."""
+
+    def __init__(self, members: Sequence[Member], *, model_id: str,
+                 context_length: int) -> None:
+        ids = [m.node_id for m in members]
+        if not members or len(set(ids)) != len(ids):
+            raise ValueError(f"a replica pool needs one or more members with distinct node "
+                             f"ids, not {ids}")
+        self.model_id = model_id
+        self.context_length = context_length
+        self.max_batch = sum(m.max_batch for m in members)
+        self._members = list(members)
+        self._by_id = {m.node_id: m for m in members}
+        self._routing = Routing({m.node_id: m.max_batch for m in members})
+        self._sequences = itertools.count()
+        self._refused = 0
+        self._refusing = False
+
+    # -- Engine -----------------------------------------------------------------------
+
+    def active_sequences(self) -> int:
+        return self._routing.in_flight()
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        seq = next(self._sequences)
+        node, stream, first = await self._start(seq, request)
+        outcome: Outcome = "cancelled"
+        error: str | None = None
+        try:
+            if first is None:
+                outcome = "completed"
+                return
+            out: TokenOutput | None = first
+            while out is not None:
+                self._routing.token(seq, out.token)
+                if out.finish_reason is not None:
+                    outcome = "completed"  # before the yield: the caller may stop there
+                yield out
+                if outcome == "completed":
+                    return
+                out = await anext(stream, None)
+            outcome = "completed"  # the member ended it without a finish reason
+        except EngineError as exc:
+            outcome = "failed"
+            error = str(exc)  # as it is: stats scrub it unless verbose
+            raise self._midway(node, seq, exc) from exc
+        except Exception as exc:
+            outcome = "failed"
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._routing.end(seq, outcome, error)
+            await self._close(stream)
+
+    async def aclose(self) -> None:
+        """Close every member, at once, each within ``CLOSE_S`` (one that does not is
+        logged and left)."""
+        await asyncio.gather(*(self._close_member(m) for m in self._members))
+
+    async def _close_member(self, member: Member) -> None:
+        try:
+            async with asyncio.timeout(CLOSE_S):
+                await member.aclose()
+        except TimeoutError:
+            log.warning("replica %s did not close within %s s; left behind", member.node_id,
+                        CLOSE_S)
+        except Exception as exc:
+            log.warning("replica %s did not close cleanly: %s", member.node_id,
+                        self._scrub(str(exc)))
+
+    # -- the pool's own -------------------------------------------------------------------
+
+    def stats(self, *, verbose: bool) -> dict[str, Any]:
+        """The body of ``GET /router/stats``: per member and in all. Without ``verbose``
+        no address is in it (members by node id; errors scrubbed). A member's
+        ``dispatched`` counts every try there: it is ``in_flight`` plus ``completed``,
+        ``cancelled``, ``failed`` and ``retried`` (refused before its first token);
+        ``refused``: the requests no member could take."""
+        nodes: list[dict[str, Any]] = []
+        totals = dict.fromkeys(("in_flight", "outstanding_tokens", "dispatched", "completed",
+                                "cancelled", "failed", "retried"), 0)
+        for member in self._members:
+            account = self._routing.nodes[member.node_id]
+            error = member.last_error() or account.last_error
+            node: dict[str, Any] = {
+                "id": member.node_id, "role": member.role, "state": member.state(),
+                "in_flight": account.in_flight,
+                "outstanding_tokens": account.outstanding_tokens,
+                "dispatched": account.dispatched, "completed": account.completed,
+                "cancelled": account.cancelled, "failed": account.failed,
+                "retried": account.retried, "affinity_hits": account.affinity_hits,
+                "affinity_tokens": account.affinity_tokens,
+                "last_error": error if verbose or error is None else self._scrub(error),
+            }
+            if verbose:
+                node["address"] = member.address
+            nodes.append(node)
+            for key in totals:
+                totals[key] += node[key]
+        return {"addresses_redacted": not verbose, "model": self.model_id,
+                "up": sum(n["state"] == "up" for n in nodes), "nodes": nodes, **totals,
+                "refused": self._refused}
+
+    async def keep_linked(self) -> None:
+        """Each member's ``keep_linked()`` (those that have one), until cancelled. One
+        that fails (a bug: a keeper outlives its link's errors) ends the others and
+        raises, for the worker to exit and its supervisor to restart it."""
+        runners = [cast(Callable[[], Coroutine[Any, Any, None]], run) for m in self._members
+                   if callable(run := getattr(m, "keep_linked", None))]
+        async with asyncio.TaskGroup() as group:
+            for run in runners:
+                group.create_task(run())
+            await asyncio.Event().wait()  # until cancelled
+
+    def readiness(self) -> dict[str, Any] | None:
+        """None while a member is up; else what is wrong (for ``/ready``'s 503)."""
+        if any(m.state() == "up" for m in self._members):
+            return None
+        return {"message": f"no replica is up: {self._why_not({})}",
+                "nodes": [{"id": m.node_id, "state": m.state()} for m in self._members]}
+
+    def rekey(self) -> None:
+        """Each member's ``rekey()`` (those that have one): the cluster secret changed."""
+        for member in self._members:
+            rekey = getattr(member, "rekey", None)
+            if callable(rekey):
+                rekey()
+
+    # -- inside ---------------------------------------------------------------------------
+
+    async def _start(self, seq: int, request: GenerationRequest
+                     ) -> tuple[str, AsyncGenerator[TokenOutput, None], TokenOutput | None]:
+        """The member that took the request, its stream and its first output (None: it
+        ended with none). A member refusing before its first token is passed over."""
+        prompt = request.prompt_tokens
+        hashes = self._routing.hashes(prompt)
+        refused: dict[str, EngineUnavailable] = {}
+        while True:
+            up = []
+            for member in self._members:
+                if member.state() != "up":
+                    self._routing.nodes[member.node_id].shadow.clear()  # its cache may be gone
+                elif member.node_id not in refused:
+                    up.append(member.node_id)
+            choice = self._routing.choose(prompt, up, hashes)
+            if choice is None:
+                raise self._unavailable(refused)
+            member = self._by_id[choice.node_id]
+            self._routing.dispatch(seq, choice, prompt, request.params.max_tokens)
+            stream = member.generate(request)
+            try:
+                first = await anext(stream, None)
+            except EngineUnavailable as exc:
+                await self._close(stream)
+                refused[member.node_id] = exc
+                self._routing.end(seq, "retried", str(exc))
+                log.info("replica %s refused request %s before its first token (%s); "
+                         "trying another", member.node_id, request.request_id,
+                         self._scrub(str(exc)))
+                continue
+            except BaseException as exc:  # its own fault (a bad constraint), or cancelled
+                await self._close(stream)
+                # an EngineError is the member's: its last error; a request it could
+                # not take (a ValueError: a bad constraint) is the client's
+                failed = isinstance(exc, Exception)
+                self._routing.end(seq, "failed" if failed else "cancelled",
+                                  str(exc) if isinstance(exc, EngineError) else None)
+                raise
+            if self._refusing:
+                self._refusing = False
+                log.info("replicas take requests again (%s took %s)", member.node_id,
+                         request.request_id)
+            return member.node_id, stream, first
+
+    def _unavailable(self, refused: dict[str, EngineUnavailable]) -> EngineUnavailable:
+        self._refused += 1
+        why = self._why_not(refused)
+        if not self._refusing:
+            self._refusing = True
+            log.warning("no replica can take requests now: %s", why)
+        retry = min((e.retry_after_s for e in refused.values()), default=DOWN_RETRY_AFTER_S)
+        return EngineUnavailable(f"no replica can take the request now: {why}; retry in "
+                                 f"{retry} s", retry_after_s=retry)
+
+    def _why_not(self, refused: dict[str, EngineUnavailable]) -> str:
+        parts = []
+        for member in self._members:
+            if member.node_id in refused:
+                parts.append(f"{member.node_id} refused "
+                             f"({self._scrub(str(refused[member.node_id]))})")
+                continue
+            state = member.state()
+            error = member.last_error() or self._routing.nodes[member.node_id].last_error
+            detail = f" ({self._scrub(error)})" if error else ""
+            parts.append(f"{member.node_id} {state}{detail}")
+        return ", ".join(parts)
+
+    def _midway(self, node: str, seq: int, exc: EngineError) -> EngineError:
+        n = self._routing.generated(seq)
+        message = (f"replica {node!r} failed after {n} token{'s' * (n != 1)} of this "
+                   f"answer: {self._scrub(str(exc))}")
+        log.warning("%s", message)
+        if isinstance(exc, EngineUnavailable):
+            return EngineUnavailable(message, retry_after_s=exc.retry_after_s)
+        return EngineError(message)
+
+    def _scrub(self, text: str) -> str:
+        return scrub(text, (m.address for m in self._members))
+
+    @staticmethod
+    async def _close(stream: AsyncGenerator[TokenOutput, None]) -> None:
+        with contextlib.suppress(Exception):  # it failed already: its error was told
+            await stream.aclose()

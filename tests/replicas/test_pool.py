@@ -1,0 +1,165 @@
+"""``ReplicaEngine`` over two real local engines on the tiny fixture (loaded once for the
+module), each behind ``EngineMember``, our fake of the ``Member`` seam: the pool's
+outputs, its spread, members down or refusing, affinity and its stats."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.replicas.pool import ReplicaEngine
+from mlxceld.replicas.routing import BLOCK_TOKENS
+
+from helpers.replicas import EngineMember
+
+PROMPTS = ["Hello, world", "The quick brown fox jumps over", "x", "one two three four"]
+N = 12  # tokens per answer
+
+
+@dataclass
+class Loaded:
+    engines: tuple[LocalEngine, LocalEngine]
+    tokenizer: Any
+
+    def prompt(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text)
+        return ids
+
+    def pool(self) -> tuple[ReplicaEngine, list[EngineMember]]:
+        members = [EngineMember(engine, f"replica-{i}", address=f"10.9.8.{i + 1}:19100")
+                   for i, engine in enumerate(self.engines)]
+        return ReplicaEngine(members, model_id="tiny", context_length=2048), members
+
+    def no_eos(self) -> tuple[tuple[int, float], ...]:
+        return tuple((t, -100.0) for t in sorted(self.tokenizer.eos_token_ids))
+
+
+@pytest.fixture(scope="module")
+def loaded(fixture_dir: Path) -> Iterator[Loaded]:
+    path = str(fixture_dir / "qwen3")
+    a, tokenizer = load_local_engine(path, max_batch=4)
+    b, _ = load_local_engine(path, max_batch=4)
+    try:
+        yield Loaded((a, b), tokenizer)
+    finally:
+        for engine in (a, b):
+            asyncio.run(engine.aclose())
+
+
+def request(rid: str, prompt: list[int], n: int = N, **params: Any) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=n, temperature=0,
+                                                         **params))
+
+
+async def tokens(engine: Any, req: GenerationRequest) -> list[int]:
+    async with asyncio.timeout(60):
+        return [t.token async for t in engine.generate(req)]
+
+
+def test_outputs_equal_one_engines_and_concurrent_requests_spread(loaded: Loaded) -> None:
+    async def run() -> None:
+        prompts = [loaded.prompt(p) for p in PROMPTS]
+        alone = [await tokens(loaded.engines[0], request("ref", p)) for p in prompts]
+        pool, members = loaded.pool()
+        assert pool.max_batch == 8
+        assert [await tokens(pool, request(f"s{i}", p)) for i, p in enumerate(prompts)] \
+            == alone
+        got = await asyncio.gather(*(tokens(pool, request(f"c{i}", prompts[i % 4]))
+                                     for i in range(8)))
+        assert list(got) == [alone[i % 4] for i in range(8)]
+        took = [sum(r.startswith("c") for r in m.requests) for m in members]
+        assert sum(took) == 8 and min(took) >= 2, took  # both took a share
+        stats = pool.stats(verbose=False)
+        assert (stats["dispatched"], stats["completed"], stats["in_flight"],
+                stats["outstanding_tokens"], stats["failed"]) == (12, 12, 0, 0, 0)
+        assert pool.active_sequences() == 0
+
+    asyncio.run(run())
+
+
+def test_a_member_down_fails_its_sequence_by_name_and_gets_nothing_new(
+        loaded: Loaded) -> None:
+    async def run() -> None:
+        pool, members = loaded.pool()
+        prompt = loaded.prompt(PROMPTS[1])
+        stream = pool.generate(request("long", prompt, n=400, logit_bias=loaded.no_eos()))
+        async with asyncio.timeout(60):
+            await anext(stream)
+            [holder] = [m for m in members if m.requests == ["long"]]
+            holder.down(f"no heartbeat from {holder.address} for 5 s")
+            with pytest.raises(EngineUnavailable) as caught:
+                async for _ in stream:
+                    pass
+        message = str(caught.value)
+        assert message.startswith(f"replica {holder.node_id!r} failed after ")
+        assert "10.9.8." not in message and "<address>" in message
+        other = next(m for m in members if m is not holder)
+        for i in range(3):
+            await tokens(pool, request(f"after{i}", prompt))
+        assert holder.requests == ["long"]
+        assert other.requests[-3:] == ["after0", "after1", "after2"]
+        node = next(n for n in pool.stats(verbose=False)["nodes"]
+                    if n["id"] == holder.node_id)
+        assert (node["state"], node["failed"], node["in_flight"],
+                node["outstanding_tokens"]) == ("down", 1, 0, 0)
+        assert node["last_error"] == "no heartbeat from <address> for 5 s"
+        assert pool.readiness() is None
+        other.down("silent")
+        assert "no replica is up: replica-0 down" in pool.readiness()["message"]  # type: ignore[index]
+
+    asyncio.run(run())
+
+
+def test_a_refusal_before_the_first_token_is_tried_elsewhere_once(loaded: Loaded) -> None:
+    async def run() -> None:
+        pool, members = loaded.pool()
+        prompt = loaded.prompt(PROMPTS[0])
+        expected = await tokens(loaded.engines[0], request("ref", prompt))
+        members[0].refuse(1)
+        assert await tokens(pool, request("r1", prompt)) == expected
+        assert (members[0].requests, members[1].requests) == (["r1"], ["r1"])
+        for m in members:
+            m.refuse(1)
+        with pytest.raises(EngineUnavailable) as caught:
+            await tokens(pool, request("r2", prompt))
+        assert caught.value.retry_after_s == 3
+        assert str(caught.value) == (
+            "no replica can take the request now: replica-0 refused (the node at "
+            "<address> is busy), replica-1 refused (the node at <address> is busy); "
+            "retry in 3 s")
+        assert (members[0].requests[-1], members[1].requests[-1]) == ("r2", "r2")
+        stats = pool.stats(verbose=True)
+        assert [n["retried"] for n in stats["nodes"]] == [2, 1]
+        assert stats["refused"] == 1 and stats["in_flight"] == 0
+        assert stats["nodes"][0]["last_error"] == "the node at 10.9.8.1:19100 is busy"
+        assert pool.stats(verbose=False)["nodes"][0]["last_error"] == \
+            "the node at <address> is busy"
+
+    asyncio.run(run())
+
+
+def test_the_same_long_prompt_goes_back_to_the_member_that_holds_it(loaded: Loaded) -> None:
+    async def run() -> None:
+        pool, members = loaded.pool()
+        first = loaded.prompt(" ".join(["alpha beta gamma"] * 20))
+        second = loaded.prompt(" ".join(["delta epsilon"] * 25))
+        assert min(len(first), len(second)) >= 3 * BLOCK_TOKENS
+        # together: the first goes to replica-0, the second to replica-1 (less work)
+        await asyncio.gather(tokens(pool, request("a", first)),
+                             tokens(pool, request("b", second)))
+        assert (members[0].requests, members[1].requests) == (["a"], ["b"])
+        # alone, with nothing in flight anywhere: replica-1 holds the second's prefix
+        await tokens(pool, request("b-again", second))
+        assert members[1].requests == ["b", "b-again"]
+        node = pool.stats(verbose=False)["nodes"][1]
+        assert node["affinity_hits"] == 1
+        assert node["affinity_tokens"] == len(second) // BLOCK_TOKENS * BLOCK_TOKENS
+
+    asyncio.run(run())
