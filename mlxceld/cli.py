@@ -112,6 +112,10 @@ def run(
         "--stage-ports", help="Ports for assigned stage listeners: PORT or FIRST-LAST "
         "(inclusive), proposed to coordinators and required of offers. Default: ephemeral "
         "ports.")] = None,
+    serving_port: Annotated[int | None, typer.Option(
+        "--serving-port", help="With a cluster secret: the port of the serving listener, where "
+        "the cluster's routers send this node sequences (MXCL, on the agent listener's "
+        "host). Default: 0, an ephemeral port.")] = None,
     node_role: Annotated[str | None, typer.Option(
         "--node-role", help="hybrid (run the model here) or router (model-free: spread "
         "requests over --replicas; needs the cluster secret). Default: hybrid.")] = None,

@@ -379,7 +379,7 @@ class Daemon:
             hold_router=self.serving.hold_router,
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
             accepted=tuple(self.keys.keyring.others()),
-            api_key=self._api_key))
+            api_key=self._api_key, node_id=self.node.node_id))
 
     def _worker_finished(self, name: str) -> None:
         """A worker exited cleanly on its own. The stage of an active plan comes back after

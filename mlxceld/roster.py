@@ -14,7 +14,10 @@ prepared or activated, a deactivation). The rules, in order:
   ``--pp-peer``: over the pipeline with the cluster secret when the placement
   makes it the coordinator, else on the model alone unless the router is held
   back (``pp_auto`` waiting for its plan, a plan to resume at start, or after
-  `mlxctl cluster deactivate`, until `mlxctl serve`).
+  `mlxctl cluster deactivate`, until `mlxctl serve`). Whenever the daemon holds the
+  cluster secret the router gets it too, with ``serving`` (``ServingOptions``): it
+  serves its engine to the cluster's routers on the agent listener's host and
+  ``[serve] serving_port`` (``replicas/service.py``).
 
 It lives beside ``daemon.py``, not in ``supervisor/``: the supervisor runs any
 spec it is given and knows no roles, while this is the daemon's policy over
@@ -34,9 +37,10 @@ from mlxceld.cluster.clusterfile.placement import (
 )
 from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
-from mlxceld.roles.options import RouterOptions
+from mlxceld.roles.options import RouterOptions, ServingOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.wire.address import format_address, parse_address
 
 # A model takes a while to load; stopping waits for open streams (router.GRACEFUL_S: 10 s)
 # and a stage's sequences (pipeline.stage.DRAIN_S: 15 s).
@@ -56,6 +60,7 @@ class Situation:
     secret: bytes | None = field(default=None, repr=False)  # the cluster's primary secret
     accepted: tuple[bytes, ...] = field(default=(), repr=False)  # its other installed keys
     api_key: str | None = field(default=None, repr=False)  # the router's, from its file
+    node_id: str | None = None  # this daemon's node id (its serving listener names it)
 
 
 def draw_roster(s: Situation) -> list[WorkerSpec]:
@@ -71,12 +76,24 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                 policy, secret=s.secret, accepted=s.accepted,
                                 log_format=c.log_format))
     elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
-        options = router_options(s.serve, pipeline_options(p) if p is not None else None)
+        options = router_options(s.serve, pipeline_options(p) if p is not None else None,
+                                 serving_options(s))
+        keyed = p is not None or options.serving is not None
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
-                                secret=s.secret if p is not None else None,
-                                accepted=s.accepted if p is not None else (),
+                                secret=s.secret if keyed else None,
+                                accepted=s.accepted if keyed else (),
                                 log_format=c.log_format))
     return specs
+
+
+def serving_options(s: Situation) -> ServingOptions | None:
+    """The router's serving listener: with the cluster secret and a node id, on the agent
+    listener's host and ``[serve] serving_port``; else None."""
+    if s.secret is None or s.node_id is None:
+        return None
+    host = parse_address(s.config.agent_addr).host
+    cluster = s.placement.cluster.name if s.placement is not None else s.config.cluster_name
+    return ServingOptions(format_address(host, s.serve.serving_port), s.node_id, cluster)
 
 
 def model_policy(base: RestartPolicy) -> RestartPolicy:

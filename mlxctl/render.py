@@ -173,6 +173,10 @@ def status(body: dict[str, Any]) -> str:
     if serving:
         lines.append(f"serving {serving['model_name']} at {serving['url']}"
                      + (" (API key required)" if serving.get("api_key") else ""))
+    listener = next((w["stats"]["serving"] for w in workers
+                     if isinstance(w.get("stats"), dict) and w["stats"].get("serving")), None)
+    if listener:  # the router's serving listener (workers/router.py): routers send it work
+        lines.append(f"serving listener at {listener} (for the cluster's routers)")
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"

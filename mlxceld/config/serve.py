@@ -17,7 +17,8 @@
     body_timeout_s = 60.0           # and its body this soon after the head
     stage_silence_s = 3.0           # a pipeline stage that sends nothing (not even a
                                     # pong to our heartbeat) this long is silent
-                                    # (a replica too, behind a router)
+    serving_port = 0                # with a cluster secret: the serving listener's port
+                                    # (0: ephemeral), on the agent listener's host
     node_role = "hybrid"            # hybrid | router: see mlxceld/config/replicas.py
     replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
 
@@ -45,6 +46,14 @@ it, new ones get 503 with ``Retry-After`` at once, ``/ready`` is 503, ``mlxctl s
 says since when, and it is re-attached by itself when it answers again. It bounds the
 stage workers' links to each other too (set it alike on every node). Below a second it
 takes a short hiccup (a busy host, a Wi-Fi roam) for a lost host.
+
+``serving_port`` (also ``--serving-port``): when the daemon holds the cluster secret, its
+router serves its engine to the cluster's routers too (``mlxceld/replicas/service.py``:
+a replica; the sequences are batched with the OpenAI port's own) on the *serving
+listener*, MXCL channel 1 at the agent listener's host and this port (0: an ephemeral
+one; ``mlxctl status`` shows the address bound, as the router's ``serving``). A router
+that sends nothing for ``stage_silence_s`` has its connection dropped and its sequences
+cancelled. Without a secret there is no serving listener.
 """
 
 from __future__ import annotations
@@ -67,7 +76,7 @@ from mlxceld.config.replicas import (
 )
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
-from mlxceld.roles.options import PipelineOptions, RouterOptions
+from mlxceld.roles.options import PipelineOptions, RouterOptions, ServingOptions
 from mlxceld.types import DEFAULT_SILENCE_S
 
 if TYPE_CHECKING:
@@ -78,7 +87,7 @@ log = logging.getLogger(__name__)
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
-              "max_tokens", "node_role", "replicas"}
+              "max_tokens", "serving_port", "node_role", "replicas"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class ServeConfig:
     body_timeout_s: float = 60.0
     stage_silence_s: float = DEFAULT_SILENCE_S
     max_tokens: int | None = None  # None: a completion is bounded by the context only
+    serving_port: int = 0  # the serving listener's port, with a secret (0: ephemeral)
     node_role: NodeRole = HYBRID  # config/replicas.py
     replicas: tuple[str, ...] = ()  # a router's replicas' agent addresses, normalized
 
@@ -143,6 +153,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         body_timeout_s=_seconds(table, "body_timeout_s", 60.0, where),
         stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
         max_tokens=_max_tokens(flags.max_tokens, table, where),
+        serving_port=_serving_port(flags.serving_port, table, where),
     )
     role, role_from = parse_role(flags.node_role, table, where)
     replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
@@ -229,19 +240,30 @@ def _seconds(table: Mapping[str, Any], key: str, default: float, where: str) -> 
     return float(value)
 
 
+def _serving_port(flag: int | None, table: Mapping[str, Any], where: str) -> int:
+    port = flag if flag is not None else _typed(table, "serving_port", int, where) or 0
+    what = "--serving-port" if flag is not None else f"{where}: 'serve.serving_port'"
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{what}: port {port} is out of range",
+                          hint="use 1-65535, or 0 for an ephemeral port")
+    return int(port)
+
+
 def _port(port: int, what: str) -> int:
     if not 1 <= port <= 65535:
         raise ConfigError(f"{what}: port {port} is out of range", hint="use 1-65535")
     return port
 
 
-def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None
-                   ) -> RouterOptions:
-    """The router worker's options: ``cfg``'s model, locally or over ``pipeline``."""
+def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
+                   serving: ServingOptions | None = None) -> RouterOptions:
+    """The router worker's options: ``cfg``'s model, locally or over ``pipeline``, and its
+    serving listener's (``serving``: None without a cluster secret)."""
     assert cfg.model is not None
     return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
                          pipeline=pipeline, max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
-                         stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens)
+                         stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
+                         serving=serving)

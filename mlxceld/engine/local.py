@@ -68,6 +68,7 @@ class LocalEngine:
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
+        self.vocab_size = vocab_size  # the model's: token ids in [0, vocab_size)
         self._vocab_size = vocab_size
         self._constraints = constraints
         self._gen: Any = BatchGenerator(  # mlx-lm is untyped here

@@ -21,7 +21,8 @@ are buffered, reads wait forever. Only our own clock can tell. Three layers:
   connection after ``KEEPALIVE_COUNT`` probes unanswered (about 16 s). It cannot
   see a stopped process whose kernel still answers (SIGSTOP): the heartbeat does.
 
-``Heartbeat`` is the rule, without IO: it is fed the time and what was heard, and
+``read_watched`` reads a stream with its heartbeat beside. ``Heartbeat`` is the rule,
+without IO: it is fed the time and what was heard, and
 says when to ping and whether the peer is silent.
 """
 
@@ -30,8 +31,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
+
+from mlxceld.net.errors import ConnectionClosed
 
 if TYPE_CHECKING:
     from mlxceld.net.stream import MxclStream
@@ -110,6 +114,20 @@ async def watch(stream: MxclStream, silence_s: float, what: str) -> None:
             beat.pinged(now)
             stream.ping()
         await asyncio.sleep(max(0.0, beat.next_wake() - loop.time()))
+
+
+async def read_watched(stream: MxclStream, silence_s: float, what: str,
+                       on_message: Callable[[bytes], None]) -> ConnectionClosed:
+    """Hand each of ``stream``'s messages to ``on_message`` until the stream ends, with a
+    heartbeat beside (``watch``: a silent peer's stream is ended); why it ended."""
+    async with asyncio.TaskGroup() as tg:
+        heartbeat = tg.create_task(watch(stream, silence_s, what))
+        try:
+            while True:
+                on_message(await stream.recv())
+        except ConnectionClosed as exc:
+            heartbeat.cancel()
+            return exc
 
 
 def keep_alive_socket(sock: socket.socket | None) -> None:

@@ -64,7 +64,7 @@ from typing import Any, Final, NoReturn
 
 from mlxceld.engine.base import EngineUnavailable
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect
-from mlxceld.net.liveness import watch
+from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import Connectivity, Failure, LinkState, Transition
 from mlxceld.types import DEFAULT_SILENCE_S
@@ -431,40 +431,33 @@ class StageLink:
         fail every sequence pinned to it, naming the stage and why."""
         ended: ConnectionClosed | None = None
         try:
-            async with asyncio.TaskGroup() as tg:
-                heartbeat = tg.create_task(watch(stream, self.silence_s, self.stage.name()))
-                ended = await self._deliver(stream)
-                heartbeat.cancel()
+            ended = await read_watched(stream, self.silence_s, self.stage.name(),
+                                       lambda payload: self._deliver(stream, payload))
         finally:
             self._ended(stream, ended)
 
-    async def _deliver(self, stream: MxclStream) -> ConnectionClosed:
-        """Hand each message to its sequence's inbox until the stream ends (returned)."""
-        while True:
-            try:
-                payload = await stream.recv()
-            except ConnectionClosed as exc:
-                return exc
-            try:
-                env = parse_envelope(payload, p.ENGINE_SPECS)
-            except EnvelopeError as exc:
-                log.warning("%s sent a bad message: %s", self.stage.where(), exc.reason)
-                continue
-            seq = env.header.get("seq")
-            if isinstance(seq, str):
-                if env.type == "adopted":
-                    self._adopted(seq, stream)
-                    continue
-                if self._adopting.get(seq) is stream:  # moving here: after ``adopted``
-                    self._held.setdefault(seq, []).append(env)
-                    continue
-            inbox = self._inboxes(seq) if isinstance(seq, str) else None
-            if inbox is None:
-                if env.type == "error":
-                    log.warning("%s: %s (%s)", self.stage.where(),
-                                env.header.get("message"), env.header.get("code"))
-                continue
-            inbox.put_nowait((self.stage.rank, env))
+    def _deliver(self, stream: MxclStream, payload: bytes) -> None:
+        """Hand a message to its sequence's inbox."""
+        try:
+            env = parse_envelope(payload, p.ENGINE_SPECS)
+        except EnvelopeError as exc:
+            log.warning("%s sent a bad message: %s", self.stage.where(), exc.reason)
+            return
+        seq = env.header.get("seq")
+        if isinstance(seq, str):
+            if env.type == "adopted":
+                self._adopted(seq, stream)
+                return
+            if self._adopting.get(seq) is stream:  # moving here: after ``adopted``
+                self._held.setdefault(seq, []).append(env)
+                return
+        inbox = self._inboxes(seq) if isinstance(seq, str) else None
+        if inbox is None:
+            if env.type == "error":
+                log.warning("%s: %s (%s)", self.stage.where(),
+                            env.header.get("message"), env.header.get("code"))
+            return
+        inbox.put_nowait((self.stage.rank, env))
 
     def _ended(self, stream: MxclStream, ended: ConnectionClosed | None) -> None:
         """``ended`` None: the reader was cancelled (the engine is closing)."""

@@ -124,6 +124,22 @@ class PipelineOptions:
 
 
 @dataclass(frozen=True)
+class ServingOptions:
+    """The router's ``serving``: its engine served to the cluster's routers on an MXCL
+    listener (``replicas/service.py``), when the daemon holds the cluster secret."""
+
+    address: str  # where to listen: the agent listener's host, [serve] serving_port (0 ok)
+    node_id: str  # this node's id, in ``attached`` and the log
+    cluster: str  # the cluster's name: a router's ``attach`` must name it
+
+    def __post_init__(self) -> None:
+        try:
+            parse_address(self.address, port_zero=True)
+        except ValueError as exc:
+            raise InvalidOption("address", f"be host:port (it {exc})", self.address) from None
+
+
+@dataclass(frozen=True)
 class RouterOptions:
     """The ``router`` role: the OpenAI port, over a local model or a ``pipeline``."""
 
@@ -144,6 +160,7 @@ class RouterOptions:
     stage_silence_s: float = DEFAULT_SILENCE_S
     # The most tokens one completion generates (None: what is left of the context).
     max_tokens: int | None = None
+    serving: ServingOptions | None = None  # None: no serving listener (no cluster secret)
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

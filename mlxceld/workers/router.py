@@ -32,6 +32,15 @@ stages without a restart (``pipeline/switch.py``: new requests go to the new sta
 running ones end on the old); the daemon uses it when a drain's re-plan serves
 (``daemon.serve_pipeline``), and restarts the router where it is refused.
 
+With ``serving`` (``ServingOptions``: the daemon holds the cluster secret) it serves its
+engine to the cluster's routers too, on the serving listener (``replicas/service.py``:
+MXCL channel 1 at ``serving.address``; port 0: an ephemeral one), bound once the model is
+loaded (a port in use fails the start, named); those sequences are batched with the
+OpenAI port's own, and a router silent for ``stage_silence_s`` has its sequences
+cancelled. The bound address is in its stats (``serving``: ``mlxctl status``). On stop
+the listener takes no new sequence (``draining``) and its sequences get ``GRACEFUL_S`` to
+finish, as the OpenAI port's streams do.
+
 Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
 nodes its requests need are draining (``api/draining.py``: 503 "draining" for new
 requests, in-flight ones finish, the rest end at the deadline); the daemon says it
@@ -59,6 +68,7 @@ from mlxceld.models.fetch import fetch_whole, names_a_repo
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
+from mlxceld.wire.address import format_address
 from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
 
@@ -140,6 +150,32 @@ def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
     return {"ok": True, "stages": len(new.pipeline.stages)}
 
 
+async def serving_service(ctx: WorkerContext[RouterOptions], engine: Any,
+                          path: str) -> Any:
+    """The bound serving listener over ``engine`` (``path``: the local model's directory,
+    whose identity routers must name), or None without ``serving`` or a secret."""
+    o = ctx.options
+    if o.serving is None or ctx.keyring is None:
+        return None
+    from mlxceld.models.identity import model_identity
+    from mlxceld.replicas.service import ServingService
+
+    identity = (o.pipeline.model_identity if o.pipeline is not None
+                else await asyncio.to_thread(model_identity, Path(path)))
+    service = ServingService(  # the keyring is changed in place by the daemon
+        engine, node_id=o.serving.node_id, role="hybrid", model_identity=identity,
+        cluster=o.serving.cluster, keyring=ctx.keyring, address=o.serving.address,
+        silence_s=o.stage_silence_s,
+        vocab_size=None if o.pipeline is not None else engine.vocab_size)  # stage 0 checks
+    try:
+        await service.start()
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {o.serving.address} for the serving listener: "
+                           f"{exc.strerror}; pick another port with --serving-port or [serve] "
+                           "serving_port") from None
+    return service
+
+
 def drain_op(draining: Draining, request: JSON) -> JSON:
     """The control channel's ``drain``: ``{"drains": [{"node": ID, "deadline": UNIX-S or
     null}, ...]}``, every drain in force (``[]``: none); answers the counts."""
@@ -171,13 +207,13 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         loop.call_soon_threadsafe(ctx.stop)
 
     engine: Any
+    path = o.model
     try:
         if o.pipeline is None:  # a pipeline's router holds no weights
             set_wired_limit()
         if o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
-            path = o.model
             if names_a_repo(o.model):  # its weights fetched first, with progress
                 fetched = load_reporter(ctx, time.time(), step="downloading")
                 path = str(await asyncio.to_thread(fetch_whole, o.model, fetched))
@@ -212,11 +248,16 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
     started: asyncio.Future[None] = loop.create_future()
     throughput = Throughput()
+    service = None
     try:
+        service = await serving_service(ctx, engine, path)
         async with asyncio.TaskGroup() as tg:
             linking = tg.create_task(engine.keep_linked()) if pipeline else None
             tg.create_task(server.serve(started))
             await started
+            if service is not None:
+                tg.create_task(service.serve())
+                ctx.stats["serving"] = format_address(service.host, service.port)
             ctx.stats.update(url=f"http://{o.host}:{o.port}/v1", model=o.model_name)
             ctx.ready()
             while not ctx.stopping.is_set():
@@ -229,9 +270,14 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()
+            if service is not None:  # as the OpenAI port: its streams get GRACEFUL_S
+                await service.drain(GRACEFUL_S)
+                await service.aclose()
             if linking is not None:
                 linking.cancel()
     finally:
+        if service is not None:
+            await service.aclose()
         await engine.aclose()
     if broken:  # exit non-zero: the supervisor restarts us with a fresh engine
         raise RuntimeError(f"the engine failed: {broken[0]!r}") from broken[0]

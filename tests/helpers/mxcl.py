@@ -92,16 +92,25 @@ async def serving(handler: Callable[[MxclStream], Awaitable[None]] = echo,
 
 
 @contextlib.asynccontextmanager
-async def running(agent: AgentService) -> AsyncIterator[AgentService]:
-    """``agent`` accepting (its ``started`` answered) until the block ends; then closed."""
+async def accepting(run: Callable[[asyncio.Future[None]], Awaitable[None]],
+                    aclose: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """``run(started)`` in a task, accepting (its ``started`` answered) until the block
+    ends; then ``aclose()``, and the task awaited."""
     started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(agent.run(started))
+    task = asyncio.create_task(run(started))
     await started
     try:
-        yield agent
+        yield
     finally:
-        await agent.aclose()
+        await aclose()
         await task
+
+
+@contextlib.asynccontextmanager
+async def running(agent: AgentService) -> AsyncIterator[AgentService]:
+    """``agent`` accepting (its ``started`` answered) until the block ends; then closed."""
+    async with accepting(agent.run, agent.aclose):
+        yield agent
 
 
 @contextlib.asynccontextmanager

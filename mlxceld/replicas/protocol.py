@@ -1,0 +1,142 @@
+"""The replica protocol: MXCL messages on channel 1 between a router and a serving node.
+
+A serving node (a hybrid: its own OpenAI port and model, ``service.py``) serves its
+engine to the routers of its cluster on a listener of its own, the *serving
+listener*. A router (``remote.py``: ``RemoteEngine``) dials it as the identity of its
+own agent listener (``connect_as``), attaches, and sends its sequences over that one
+connection; the node answers on that same connection. The cluster secret is the
+gate: any member of the cluster may dial and attach.
+
+Messages (the envelope of PROTOCOL.md section 4; ``seq`` is 1 to 64 characters of
+``[A-Za-z0-9_.-]``, the router's name for the sequence, unique on its connection):
+
+========== ================ ===================================================
+type       direction        fields, tensors, answer
+========== ================ ===================================================
+attach     router → node    ``model`` (identity hex), ``cluster``; answered by
+                            ``attached`` {``node``, ``role``, ``model``,
+                            ``context_length``, ``max_batch``} or ``error``
+                            code ``model_mismatch`` / ``cluster_mismatch``
+                            (then the node closes the connection)
+generate   router → node    ``seq``, ``params`` (``pipeline/protocol.py``'s
+                            ``params_to_wire``: the sampling parameters, and
+                            ``constraint`` {kind, text} when the output must
+                            match one); tensor ``prompt`` i32 ``[1, n]``,
+                            1 ≤ n ≤ ``MAX_PROMPT_TOKENS`` and at most the
+                            node's ``context_length``; answered by a stream
+                            of ``token`` and at most one ``error`` for the
+                            ``seq``
+token      node → router    ``seq``; tensor ``tokens`` i32 ``[1]``; with
+                            ``params.logprobs``: ``logprob`` and ``top``
+                            [[id, logprob], ...] as the pipeline's ``token``;
+                            ``finish_reason`` ("stop" / "length") on the
+                            sequence's last one
+cancel     router → node    ``seq``: the node stops the sequence and frees it;
+                            no answer (an unknown ``seq`` is ignored)
+load       node → router    ``sequences`` (all its engine runs: its own OpenAI
+                            clients' and every router's), ``max_batch``; sent
+                            once attached, then every ``LOAD_EVERY_S`` while it
+                            changed; no answer
+error      node → router    ``code``, ``message``, and ``seq`` when it concerns
+                            one (it ends that sequence)
+========== ================ ===================================================
+
+Error codes: ``busy`` (the node holds its bound of sequences: the router tries
+another node), ``unavailable`` (a part of the node's engine is down, e.g. a stage
+of its own pipeline), ``bad_request`` (the request cannot be served as asked, e.g.
+a constraint the node cannot use, a prompt over its context: the client's, HTTP
+400), ``draining`` (the node is stopping: no new sequence), ``internal`` (the
+node's engine failed), ``bad_message`` (not this protocol; the sequence, if named,
+is not started), ``model_mismatch`` and ``cluster_mismatch`` (answers to
+``attach``).
+
+Bounds: ``MAX_PROMPT_TOKENS`` per prompt (and the node's context length);
+``MAX_SEQUENCES`` sequences in flight per connection (the service's
+``max_sequences`` may lower it), beyond that ``busy``. Every tensor's dtype and
+shape is checked against these specs before any blob is copied.
+
+Authorization (the identity is the handshake's, never a field): any identity that
+completed the handshake under the cluster secret may attach. A sequence belongs to
+the connection that sent its ``generate``: its ``token``s and its ``error`` go over
+that connection only, a ``cancel`` for it from any other connection is ignored, and
+the node forgets it (cancelled in its engine) when that connection ends.
+
+The result-frame rule, on the router's side: a node's ``token`` frames are read only
+from the connection the router dialed to that node, and each is delivered only to a
+sequence that was sent over that same connection. So a sequence's tokens can only
+come from the node it was sent to; a ``token`` for a ``seq`` not in flight on that
+connection is dropped.
+
+Room left for disaggregation (not built yet; the names are reserved): ``prefill``
+router → prefill node, a ``generate`` with a ``decode_target`` (the decode node's
+serving address): the prefill node runs the prompt, then sends ``handoff`` prefill
+node → decode node (dialed by the prefill node as itself) with the KV cache as
+tensor blobs (``engine/handoff.py``'s encoding) and the first sampled token; the
+decode node answers the router, over the router's own connection to it, with the
+sequence's ``token``s. The result-frame rule above stays: the router reads tokens
+only from the connection it dialed to the decode node, having told it the ``seq``
+beforehand (``expect``), never from the prefill node's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from mlxceld.engine.base import TokenOutput
+from mlxceld.pipeline.protocol import SEQ_ID, ProtocolViolation, error_header
+from mlxceld.wire import MessageSpec, TensorSpec
+
+MAX_PROMPT_TOKENS: Final = 1 << 20  # tokens one ``generate`` may carry (and the context)
+MAX_SEQUENCES: Final = 256  # sequences in flight on one connection
+LOAD_EVERY_S: Final = 1.0  # how often a node says its load (when it changed)
+
+ERR_BUSY: Final = "busy"
+ERR_UNAVAILABLE: Final = "unavailable"
+ERR_BAD_REQUEST: Final = "bad_request"
+ERR_DRAINING: Final = "draining"
+ERR_INTERNAL: Final = "internal"
+ERR_BAD_MESSAGE: Final = "bad_message"
+ERR_MODEL_MISMATCH: Final = "model_mismatch"
+ERR_CLUSTER_MISMATCH: Final = "cluster_mismatch"
+
+FINISH_REASONS: Final = ("stop", "length")
+
+# What a node accepts from a router.
+NODE_SPECS: Final = {
+    "attach": MessageSpec(),
+    "generate": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
+                                                  ((1, 1), (1, MAX_PROMPT_TOKENS)))}),
+    "cancel": MessageSpec(),
+}
+
+# What a router accepts from a node.
+ROUTER_SPECS: Final = {
+    "attached": MessageSpec(),
+    "error": MessageSpec(),
+    "load": MessageSpec(),
+    "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
+}
+
+__all__ = ["ERR_BAD_MESSAGE", "ERR_BAD_REQUEST", "ERR_BUSY", "ERR_CLUSTER_MISMATCH",
+           "ERR_DRAINING", "ERR_INTERNAL", "ERR_MODEL_MISMATCH", "ERR_UNAVAILABLE",
+           "LOAD_EVERY_S", "MAX_PROMPT_TOKENS", "MAX_SEQUENCES", "NODE_SPECS", "ROUTER_SPECS",
+           "SEQ_ID", "ProtocolViolation", "error_header", "finish_of", "token_header"]
+
+
+def token_header(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:
+    """A ``token`` message's header for ``out`` (its tensor carries the token id)."""
+    header: dict[str, Any] = {"t": "token", "seq": seq}
+    if logprobs is not None:
+        header["logprob"] = out.logprob
+        header["top"] = [[t, lp] for t, lp in out.top]
+    if out.finish_reason is not None:
+        header["finish_reason"] = out.finish_reason
+    return header
+
+
+def finish_of(header: dict[str, Any]) -> Any:
+    """A ``token``'s ``finish_reason``: None, "stop" or "length"."""
+    reason = header.get("finish_reason")
+    if reason is not None and reason not in FINISH_REASONS:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'finish_reason' must be stop or length")
+    return reason

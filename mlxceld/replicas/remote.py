@@ -1,0 +1,388 @@
+"""``RemoteEngine``: an ``Engine`` over a link to one serving node (``service.py``).
+
+A router's pool (``replicas/pool.py``) holds one per node; it is a pool member:
+``node_id``, ``address`` (the node's serving listener as last resolved), ``role``,
+``state()`` and ``last_error()``.
+
+The link (``keep_linked``, run until cancelled): ``resolve()`` (the node's serving
+listener ``host:port``, asked again before every dial, within ``RESOLVE_S``), dial
+it as ``origin`` (``connect_as``, channel 1, within ``DIAL_BUDGET_S``), ``attach``
+(answered within ``ATTACH_TIMEOUT_S``); on any failure wait ``RETRY_INITIAL_S``
+doubling to ``RETRY_MAX_S`` and try again. The attached link has a heartbeat
+(``net/liveness.watch``, ``silence_s``): a node that sends nothing, not even a pong,
+that long (stopped, asleep, off the network: no RST comes) is dropped.
+
+States: ``connecting`` until the first attempt ends; ``up`` while attached (only then
+does ``generate`` send anything); ``down`` once an attempt failed or the link ended,
+until a re-dial attaches again. ``last_error()`` says why it is down, naming the node
+by its id (its address and the causes' words go to the log only; never the secret).
+
+A sequence (``generate``) is sent over the current stream and its answers are read
+from that stream only (``protocol.py``'s result-frame rule): a ``token`` for a ``seq``
+that was not sent over the stream it came on is dropped. An ``error`` ends it:
+``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable`` naming the node
+(the pool tries another), ``bad_request`` as ``RequestRefused`` (a
+``ConstraintError``: the API answers 400, as for a pipeline stage's
+``bad_constraint``), anything else as ``EngineError``. The stream ending ends every
+sequence on it with ``EngineUnavailable`` naming the node, at once. Closing the
+generator early sends ``cancel`` (the node frees the sequence).
+
+The node's load (``node_sequences``: every sequence its engine runs, its own OpenAI
+clients' included, from its latest ``load``; None before one came): what this router
+sent it is ``active_sequences()``, so the difference is the work it has that the pool
+cannot see. A pool that routes by least outstanding work may weigh a member by
+``max(active_sequences(), node_sequences)``.
+
+Rekey (``rekey``: the keyring's primary changed, a secret rotation's ``use``):
+``keep_linked`` dials and attaches a second stream under the new primary; new
+sequences go over it, those running stay on the old one until they end, and the old
+stream is then finished (our close frame). No sequence moves between streams: a
+rotation that removes the old key while a sequence still runs on it ends that
+sequence with ``EngineUnavailable``, as any lost link does. A handover that cannot
+attach leaves the old stream in use and is retried with the backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import struct
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from mlxceld.engine.base import (
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+    TokenOutput,
+)
+from mlxceld.engine.constraints import ConstraintError
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
+from mlxceld.net.liveness import read_watched
+from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
+from mlxceld.pipeline.protocol import ProtocolViolation, logprobs_of, params_to_wire
+from mlxceld.replicas import protocol as p
+from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
+
+log = logging.getLogger(__name__)
+
+RESOLVE_S: Final = 5.0  # finding the node's serving address
+DIAL_BUDGET_S: Final = 5.0  # TCP connect and handshake, retried within it
+ATTACH_TIMEOUT_S: Final = 5.0  # the node's answer to ``attach``
+DRAINING_RETRY_S: Final = 5  # Retry-After for a draining node: it stops, then restarts
+_DIAL_WORDS: Final = {
+    "unreachable": "nothing accepts connections on its serving port",
+    "handshake_timeout": "it accepted the connection but did not answer the handshake",
+    "at_capacity": "it holds its maximum of connections",
+    "abort": "it dropped the connection during the handshake",
+}
+
+
+class RequestRefused(ConstraintError):
+    """The node refused a request as the client's (``bad_request``): HTTP 400."""
+
+
+@dataclass
+class _Seq:
+    stream: MxclStream  # the stream it was sent over: its answers come from there only
+    inbox: asyncio.Queue[Envelope | BaseException] = field(default_factory=asyncio.Queue)
+
+
+class _LinkFailed(Exception):
+    """An attempt failed; the message names the node, never its address."""
+
+
+class RemoteEngine:
+    role = "hybrid"
+
+    def __init__(self, node_id: str, resolve: Callable[[], Awaitable[str]], *,
+                 keyring: SecretStore, origin: str, model_identity: str, cluster: str,
+                 silence_s: float, dial_budget_s: float = DIAL_BUDGET_S) -> None:
+        """``context_length`` and ``max_batch`` are the node's, from its ``attached``
+        (0 until the first attach)."""
+        self.node_id = node_id
+        self.address = ""
+        self.model_id = model_identity
+        self.context_length = 0
+        self.max_batch = 0
+        self.silence_s = silence_s
+        self._resolve = resolve
+        self._keyring = keyring
+        self._origin = origin
+        self._model_identity = model_identity
+        self._cluster = cluster
+        self._dial_budget_s = dial_budget_s
+        self._stream: MxclStream | None = None  # the stream new sequences go over
+        self._streams: set[MxclStream] = set()  # every stream still read, old ones too
+        self._state = "connecting"
+        self._error: str | None = None
+        self._seqs: dict[str, _Seq] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()  # readers and cancels
+        self._closing = False
+        self.node_sequences: int | None = None  # the node's last ``load`` (see above)
+
+    # -- the member's face --------------------------------------------------------------
+
+    def state(self) -> str:
+        return self._state
+
+    def last_error(self) -> str | None:
+        return self._error
+
+    def active_sequences(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self.silence_s))
+
+    def rekey(self) -> None:
+        """The keyring changed: ``keep_linked`` hands the link over if its key is stale."""
+        self._wake.set()
+
+    @property
+    def _stale(self) -> bool:
+        return self._stream is not None and self._stream.key_id != self._keyring.primary_id
+
+    # -- the link -----------------------------------------------------------------------
+
+    async def keep_linked(self) -> None:
+        """Keep one attached stream to the node, under the primary key, until cancelled."""
+        delay = RETRY_INITIAL_S
+        while not self._closing:
+            if self._state == "up" and not self._stale:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                stream = await self._open()
+            except _LinkFailed as exc:
+                if self._state == "up":  # a handover that failed: the old stream serves on
+                    log.warning("node %s stays on its old key for now: %s", self.node_id, exc)
+                else:
+                    self._down(str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            delay = RETRY_INITIAL_S
+            self._install(stream)
+
+    def _install(self, stream: MxclStream) -> None:
+        old, self._stream = self._stream, stream
+        self._streams.add(stream)
+        if self._state != "up":
+            log.info("attached node %s (%s): context %d, max_batch %d", self.node_id,
+                     self.address, self.context_length, self.max_batch)
+        self._state, self._error = "up", None
+        # Not a task group: a reader outlives the call that attached it; aclose ends it.
+        self._spawn(self._read(stream))
+        if old is not None:
+            log.info("node %s handed over to key %s", self.node_id, stream.key_id.hex())
+            self._finish_if_done(old)
+
+    def _down(self, message: str) -> None:
+        if self._state != "down" or self._error != message:
+            log.warning("node %s is down: %s", self.node_id, message)
+        self._state, self._error = "down", message
+
+    async def _open(self) -> MxclStream:
+        """Resolve, dial and attach; ``_LinkFailed`` saying why not."""
+        name = f"node {self.node_id}"
+        try:
+            async with asyncio.timeout(RESOLVE_S):
+                self.address = await self._resolve()
+        except Exception as exc:  # the resolver's own failure, whatever it is
+            log.info("%s: finding its serving address failed: %s", name, exc)
+            raise _LinkFailed(f"{name}: its serving address is not known "
+                              f"({type(exc).__name__}); is its daemon up?") from exc
+        try:
+            stream = await connect_as(self._origin, self.address, keyring=self._keyring,
+                                      channel=1, budget_s=self._dial_budget_s)
+        except ValueError as exc:
+            raise _LinkFailed(f"{name}: its serving address is not host:port") from exc
+        except HandshakeFailed as exc:
+            log.info("%s (%s): %s", name, self.address, exc)
+            words = _DIAL_WORDS.get(exc.kind)
+            if words is not None:
+                raise _LinkFailed(f"{name} is unreachable: {words} (tried for "
+                                  f"{self._dial_budget_s:g} s)") from exc
+            raise _LinkFailed(f"{name} refused the handshake ({exc.kind.replace('_', ' ')}): "
+                              "do both hosts hold the same cluster secret?") from exc
+        return await self._attach(stream, name)
+
+    async def _attach(self, stream: MxclStream, name: str) -> MxclStream:
+        try:
+            async with asyncio.timeout(ATTACH_TIMEOUT_S):
+                await stream.send(encode_envelope(
+                    {"t": "attach", "model": self._model_identity, "cluster": self._cluster}))
+                env = parse_envelope(await stream.recv(), p.ROUTER_SPECS)
+        except (TimeoutError, NetError, EnvelopeError) as exc:
+            await stream.abort()
+            why = (f"no answer within {ATTACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
+                   else "the connection ended" if isinstance(exc, NetError) else str(exc))
+            raise _LinkFailed(f"{name} did not attach: {why}") from exc
+        header = env.header
+        if env.type != "attached":
+            await stream.close()
+            raise _LinkFailed(f"{name} refused to attach ({header.get('code')}): "
+                              f"{str(header.get('message', env.type))[:1000]}")
+        context, batch = header.get("context_length"), header.get("max_batch")
+        if type(context) is not int or type(batch) is not int or context < 1 or batch < 1:
+            await stream.close()
+            raise _LinkFailed(f"{name} sent an 'attached' without its context_length and "
+                              "max_batch (another version of mlxceld?)")
+        self.context_length, self.max_batch = context, batch
+        return stream
+
+    async def _read(self, stream: MxclStream) -> None:
+        """Deliver what the node sends, with a heartbeat beside, until the stream ends."""
+        ended: ConnectionClosed | None = None
+        try:
+            ended = await read_watched(stream, self.silence_s, f"node {self.node_id}",
+                                       lambda payload: self._deliver(stream, payload))
+        finally:
+            self._ended(stream, ended)
+
+    def _deliver(self, stream: MxclStream, payload: bytes) -> None:
+        """Hand a message to its sequence, if that was sent over ``stream`` (the
+        result-frame rule); else drop it."""
+        try:
+            env = parse_envelope(payload, p.ROUTER_SPECS)
+        except EnvelopeError as exc:
+            log.warning("node %s sent a bad message: %s", self.node_id, exc.reason)
+            return
+        if env.type == "load":
+            self._load(stream, env.header.get("sequences"))
+            return
+        seq = env.header.get("seq")
+        sequence = self._seqs.get(seq) if isinstance(seq, str) else None
+        if sequence is not None and sequence.stream is stream:
+            sequence.inbox.put_nowait(env)
+        elif env.type == "error":
+            log.warning("node %s: %s (%s)", self.node_id, env.header.get("message"),
+                        env.header.get("code"))
+
+    def _load(self, stream: MxclStream, sequences: object) -> None:
+        if stream is self._stream and type(sequences) is int and 0 <= sequences < 2**31:
+            self.node_sequences = sequences
+
+    def _ended(self, stream: MxclStream, ended: ConnectionClosed | None) -> None:
+        if ended is None:
+            message = f"node {self.node_id} is unavailable: the router is closing"
+        elif ended.kind == "silent":
+            message = f"node {self.node_id} is silent: {ended.reason}"
+        else:
+            message = f"node {self.node_id} is unavailable: the connection ended ({ended.kind})"
+        failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
+        self._streams.discard(stream)
+        for sequence in self._seqs.values():
+            if sequence.stream is stream:
+                sequence.inbox.put_nowait(failure)
+        if self._stream is stream:
+            self._stream = None
+            if not self._closing:
+                self._down(message)
+            self._wake.set()
+
+    def _finish_if_done(self, stream: MxclStream) -> None:
+        """Finish a handed-over stream no sequence uses any more."""
+        if stream is self._stream or stream.closed or stream.finishing \
+                or any(s.stream is stream for s in self._seqs.values()):
+            return
+        stream.finish("handed over to a stream under the new primary key")
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- sequences ----------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        stream = self._stream
+        if self._closing:
+            raise EngineError("the engine is closed")
+        if self._state != "up" or stream is None or stream.closed:
+            raise EngineUnavailable(self._error or f"node {self.node_id} is not connected "
+                                    "yet", retry_after_s=self.retry_after_s)
+        seq = uuid.uuid4().hex
+        sequence = _Seq(stream)
+        self._seqs[seq] = sequence
+        prompt = list(request.prompt_tokens)
+        finished = False
+        try:
+            try:
+                await stream.send(encode_envelope(
+                    {"t": "generate", "seq": seq, "params": params_to_wire(request.params)},
+                    [("prompt", "i32", (1, len(prompt)), struct.pack(f"<{len(prompt)}i",
+                                                                     *prompt))]))
+            except ConnectionClosed as exc:
+                raise EngineUnavailable(f"node {self.node_id}: sending failed ({exc.kind})",
+                                        retry_after_s=self.retry_after_s) from exc
+            while not finished:
+                item = await sequence.inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                out = self._output(item, request.params.logprobs)
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            self._seqs.pop(seq, None)
+            if not finished and not stream.closed:
+                self._spawn(self._cancel(stream, seq))
+            else:
+                self._finish_if_done(stream)
+
+    async def _cancel(self, stream: MxclStream, seq: str) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await stream.send(encode_envelope({"t": "cancel", "seq": seq}))
+        self._finish_if_done(stream)
+
+    def _output(self, env: Envelope, logprobs: int | None) -> TokenOutput:
+        header = env.header
+        if env.type == "error":
+            raise self._refusal(header)
+        if env.type != "token":
+            raise EngineError(f"node {self.node_id} sent '{env.type}' for a sequence")
+        try:
+            logprob, top = logprobs_of(header, logprobs)
+            reason = p.finish_of(header)
+        except ProtocolViolation as exc:
+            raise EngineError(f"node {self.node_id} sent a bad token: {exc.message}") from None
+        (token,) = struct.unpack("<i", env.tensors["tokens"].data)
+        return TokenOutput(token, reason, logprob, top)
+
+    def _refusal(self, header: dict[str, object]) -> Exception:
+        code, message = header.get("code"), str(header.get("message", ""))[:1000]
+        name = f"node {self.node_id}"
+        if code == p.ERR_BAD_REQUEST:
+            return RequestRefused(f"{name}: {message}")
+        if code == p.ERR_BUSY:
+            return EngineUnavailable(f"{name} is busy: {message}", retry_after_s=1)
+        if code == p.ERR_DRAINING:
+            return EngineUnavailable(f"{name} is draining (stopping or restarting): it takes "
+                                     "no new request; retry shortly",
+                                     retry_after_s=DRAINING_RETRY_S)
+        if code == p.ERR_UNAVAILABLE:
+            after = header.get("retry_after_s")
+            return EngineUnavailable(f"{name} is unavailable: {message}",
+                                     retry_after_s=after if type(after) is int and 0 < after
+                                     <= 3600 else 1)
+        log.warning("%s refused a request: %s (%s)", name, message, code)
+        return EngineError(f"{name} failed the request ({code}); see the router's log")
+
+    async def aclose(self) -> None:
+        self._closing = True
+        self._wake.set()
+        streams = list(self._streams)  # a handed-over one finishing included
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for stream in streams:
+            await stream.close("router stopping")

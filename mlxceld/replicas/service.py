@@ -1,0 +1,294 @@
+"""A serving node's side of the replica wire: its engine, served to the cluster's routers.
+
+``ServingService`` serves any ``Engine`` (a hybrid node's local engine, or its own
+pipeline) on an MXCL listener, channel 1, at ``address`` (port 0: an ephemeral
+port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
+
+- Any identity that completes the handshake under the cluster secret may attach;
+  ``attach`` must name this node's model identity and cluster, else ``error``
+  ``model_mismatch`` / ``cluster_mismatch`` and the connection is closed.
+- Each ``generate`` runs on the engine as an ordinary sequence, batched with the
+  node's own OpenAI clients' sequences, in a task of its connection's task group;
+  its tokens go back over that connection as they come. A sequence belongs to its
+  connection (``protocol.py``): a ``cancel`` from another is ignored.
+- A connection that ends (closed, reset, or silent: nothing heard for
+  ``silence_s``, its heartbeat ``net/liveness.py``) has its sequences cancelled in
+  the engine at once: nothing keeps running for a router that is gone.
+- Bounds: at most ``max_sequences`` sequences in flight on one connection (default
+  the engine's ``max_batch``, at most ``protocol.MAX_SEQUENCES``), and the node's
+  engine at most ``max_batch`` running plus as many again waiting: beyond either,
+  ``busy`` (the router tries another node). A prompt over the engine's context
+  length is ``bad_request``, as is a token id outside the model's vocabulary
+  (``vocab_size``: checked before the engine sees it). While draining (``drain``, as
+  the node stops) every ``generate`` is refused with ``draining`` and the sequences
+  held run to their end, for a bound the caller gives.
+- Engine failures map to codes: a constraint it cannot use (``ConstraintError``) is
+  ``bad_request``; ``EngineUnavailable`` (a stage of the node's own pipeline down)
+  is ``unavailable``; any other ``EngineError`` is ``internal``.
+
+- Its load (``load``: the engine's sequences, its own clients' included) goes to each
+  attached router at once and then every ``protocol.LOAD_EVERY_S`` while it changed.
+
+Pings are answered by the stream itself (PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxceld.engine.base import (
+    Engine,
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+)
+from mlxceld.engine.constraints import ConstraintError
+from mlxceld.net import ConnectionClosed, Listener, MxclStream
+from mlxceld.net.liveness import watch
+from mlxceld.pipeline.protocol import params_from_wire, seq_of
+from mlxceld.replicas import protocol as p
+from mlxceld.tasks import cancelling_group
+from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
+from mlxceld.wire.address import parse_address
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Link:
+    """One router's connection: its sequences by ``seq``, each a task."""
+
+    stream: MxclStream
+    attached: bool = False
+    reporting: bool = False  # its ``load`` task runs
+    seqs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+
+class ServingService:
+    def __init__(self, engine: Engine, *, node_id: str, role: str, model_identity: str,
+                 cluster: str, keyring: SecretStore, address: str, silence_s: float,
+                 max_sequences: int | None = None, vocab_size: int | None = None) -> None:
+        """``address``: where to listen, ``host:port`` (port 0: ephemeral);
+        ``silence_s``: how long a router may send nothing before its connection is
+        dropped; ``max_sequences``: sequences in flight per connection (see above);
+        ``vocab_size``: the model's, every prompt token id must be below it (None: the
+        engine checks them itself, as a pipeline's first stage does)."""
+        where = parse_address(address, port_zero=True)
+        self.engine = engine
+        self.node_id = node_id
+        self.role = role
+        self._model_identity = model_identity
+        self._cluster = cluster
+        self._silence_s = silence_s
+        self._vocab_size = vocab_size
+        limit = engine.max_batch if max_sequences is None else max_sequences
+        self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
+        self.draining = False
+        self._held = 0  # sequences in flight over all connections
+        self._ended = asyncio.Event()  # set as each sequence ends (``drain`` waits on it)
+        self._listener = Listener(where.host, where.port, keyring=keyring,
+                                  identity_of_server=address, channels={1},
+                                  handler=self._handle, name=f"serving listener of {node_id}")
+
+    @property
+    def port(self) -> int:
+        return self._listener.port
+
+    @property
+    def host(self) -> str:
+        return self._listener.host
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in flight for routers."""
+        return self._held
+
+    async def start(self) -> None:
+        """Bind (``port`` is known after this); ``OSError`` if the port is taken."""
+        await self._listener.start()
+
+    async def serve(self, started: asyncio.Future[None] | None = None) -> None:
+        """Accept and serve until ``aclose``; ``started`` resolves once it accepts."""
+        log.info("serving node %s (%s) serves its engine to routers on %s:%d", self.node_id,
+                 self.role, self.host, self.port)
+        await self._listener.serve(started)
+
+    async def drain(self, within_s: float) -> int:
+        """Take no new sequence (``draining``) and wait for those held to end, at most
+        ``within_s``; how many are still held then (``aclose`` cancels them)."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while self._held:
+                    self._ended.clear()
+                    await self._ended.wait()
+        return self._held
+
+    async def aclose(self) -> None:
+        """Stop accepting; every connection ends and its sequences are cancelled."""
+        await self._listener.aclose()
+
+    # -- one connection -----------------------------------------------------------------
+
+    async def _handle(self, stream: MxclStream) -> None:
+        link = _Link(stream)
+        # Not in the task group: the heartbeat ends the stream of a silent router (recv
+        # then raises), and is cancelled with the connection.
+        heartbeat = asyncio.ensure_future(watch(stream, self._silence_s,
+                                                f"router {stream.peer} of {self.node_id}"))
+        ended = "connection ended"
+        try:
+            async with cancelling_group() as tg:
+                ended = await self._serve_link(link, tg)
+        finally:
+            heartbeat.cancel()
+            if link.seqs:
+                log.info("cancelled %d sequence(s) of router %s (%s)", len(link.seqs),
+                         stream.peer, ended)
+
+    async def _serve_link(self, link: _Link, tg: asyncio.TaskGroup) -> str:
+        """Read the router's messages until its connection ends; why it ended."""
+        stream = link.stream
+        while True:
+            try:
+                payload = await stream.recv()
+            except ConnectionClosed as exc:
+                return str(exc)
+            try:
+                env = parse_envelope(payload, p.NODE_SPECS)
+            except EnvelopeError as exc:
+                await self._refuse(link, None, p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}")
+                continue
+            seq = env.header.get("seq") if isinstance(env.header.get("seq"), str) else None
+            try:
+                if env.type == "attach":
+                    if not await self._attach(link, env):
+                        return "refused to attach"
+                    if not link.reporting:
+                        link.reporting = True
+                        tg.create_task(self._report_load(link))
+                elif not link.attached:
+                    raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
+                                              "send 'attach' before any other message")
+                elif env.type == "generate":
+                    self._generate(link, env, tg)
+                elif env.type == "cancel":
+                    task = link.seqs.get(seq_of(env.header))
+                    if task is not None:
+                        task.cancel()
+            except p.ProtocolViolation as exc:
+                await self._refuse(link, seq, exc.code, exc.message)
+
+    async def _report_load(self, link: _Link) -> None:
+        """``load`` now, then every ``LOAD_EVERY_S`` while it changed (see above)."""
+        said: tuple[int, int] | None = None
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                load = (self.engine.active_sequences(), self.engine.max_batch)
+                if load != said:
+                    await link.stream.send(encode_envelope(
+                        {"t": "load", "sequences": load[0], "max_batch": load[1]}))
+                    said = load
+                await asyncio.sleep(p.LOAD_EVERY_S)
+
+    async def _refuse(self, link: _Link, seq: str | None, code: str, message: str) -> None:
+        log.warning("refused a message of router %s: %s (%s)", link.stream.peer, message,
+                    code)
+        with contextlib.suppress(ConnectionClosed):
+            await link.stream.send(encode_envelope(p.error_header(code, message, seq)))
+
+    async def _attach(self, link: _Link, env: Envelope) -> bool:
+        model, cluster = env.header.get("model"), env.header.get("cluster")
+        code, message = None, ""
+        if model != self._model_identity:
+            code = p.ERR_MODEL_MISMATCH
+            message = (f"node {self.node_id} serves model {self._model_identity}, the router "
+                       f"asked for model {model}: give both the same checkpoint")
+        elif cluster != self._cluster:
+            code = p.ERR_CLUSTER_MISMATCH
+            message = (f"node {self.node_id} is in cluster {self._cluster!r}, the router in "
+                       f"{cluster!r}: give both the same cluster config")
+        if code is not None:
+            log.error("%s (router %s)", message, link.stream.peer)
+            with contextlib.suppress(ConnectionClosed):
+                await link.stream.send(encode_envelope(p.error_header(code, message)))
+            await link.stream.close(code.replace("_", " "))
+            return False
+        engine = self.engine
+        await link.stream.send(encode_envelope({
+            "t": "attached", "node": self.node_id, "role": self.role,
+            "model": self._model_identity, "context_length": engine.context_length,
+            "max_batch": engine.max_batch}))
+        if not link.attached:
+            log.info("router %s attached to node %s", link.stream.peer, self.node_id)
+        link.attached = True
+        return True
+
+    def _generate(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+        seq = seq_of(env.header)
+        if seq in link.seqs:
+            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already running "
+                                      "on this connection")
+        params = params_from_wire(env.header.get("params"))
+        prompt = env.tensors["prompt"]
+        n = prompt.shape[1]
+        engine = self.engine
+        if n > engine.context_length:
+            raise p.ProtocolViolation(p.ERR_BAD_REQUEST, f"the prompt is {n} tokens; node "
+                                      f"{self.node_id}'s context is {engine.context_length}")
+        if self.draining:
+            raise p.ProtocolViolation(p.ERR_DRAINING, f"node {self.node_id} is stopping: it "
+                                      "finishes its sequences and takes no new one")
+        if len(link.seqs) >= self.max_sequences:
+            raise p.ProtocolViolation(p.ERR_BUSY, f"node {self.node_id} holds this router's "
+                                      f"bound of {self.max_sequences} sequences")
+        if engine.active_sequences() >= 2 * engine.max_batch:
+            raise p.ProtocolViolation(p.ERR_BUSY, f"node {self.node_id} is full "
+                                      f"({engine.active_sequences()} sequences)")
+        tokens = struct.unpack(f"<{n}i", prompt.data)
+        if self._vocab_size is not None and not 0 <= min(tokens) <= max(tokens) \
+                < self._vocab_size:
+            raise p.ProtocolViolation(p.ERR_BAD_REQUEST, "prompt token ids must be in [0, "
+                                      f"{self._vocab_size}) (node {self.node_id}'s model)")
+        request = GenerationRequest(f"replica-{seq}", tokens, params)
+        link.seqs[seq] = tg.create_task(self._run(link, seq, request))
+
+    async def _run(self, link: _Link, seq: str, request: GenerationRequest) -> None:
+        """One sequence: its tokens to its router, or one ``error``; cancelled with its
+        connection or by ``cancel``."""
+        self._held += 1
+        stream = link.stream
+        try:
+            async with contextlib.aclosing(self.engine.generate(request)) as tokens:
+                async for out in tokens:
+                    await stream.send(encode_envelope(
+                        p.token_header(seq, out, request.params.logprobs),
+                        [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
+        except ConnectionClosed:
+            pass  # the connection's end cancels the rest
+        except (ConstraintError, EngineError) as exc:
+            await self._failed(link, seq, exc)
+        finally:
+            self._held -= 1
+            self._ended.set()
+            link.seqs.pop(seq, None)
+
+    async def _failed(self, link: _Link, seq: str, exc: Exception) -> None:
+        if isinstance(exc, ConstraintError):
+            code = p.ERR_BAD_REQUEST
+        elif isinstance(exc, EngineUnavailable):
+            code = p.ERR_UNAVAILABLE
+        else:
+            code = p.ERR_INTERNAL
+            log.warning("node %s: sequence %s of router %s failed: %s", self.node_id, seq,
+                        link.stream.peer, exc)
+        header: dict[str, Any] = p.error_header(code, str(exc), seq)
+        if isinstance(exc, EngineUnavailable):
+            header["retry_after_s"] = exc.retry_after_s
+        with contextlib.suppress(ConnectionClosed):
+            await link.stream.send(encode_envelope(header))

@@ -1,0 +1,357 @@
+"""The replica wire end to end in one process: a real local engine (the tiny fixture, loaded
+once for the module) behind a real ``ServingService`` on 127.0.0.1, and a ``RemoteEngine``
+dialing it with real keys. A node that stops answering is a listener of our own that
+attaches and then reads nothing (no pong: what a SIGSTOPped host looks like)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.engine.base import Constraint
+from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.net import MxclStream, connect, streams_under
+from mlxceld.pipeline.protocol import params_to_wire
+from mlxceld.replicas import protocol as p
+from mlxceld.replicas.remote import RemoteEngine, RequestRefused
+from mlxceld.replicas.service import ServingService
+from mlxceld.wire import encode_envelope, key_id, parse_envelope
+
+from helpers.keys import keyring
+from helpers.mxcl import CLIENT_ID, OTHER_SECRET, SECRET, accepting, run
+from helpers.mxcl import serving as mxcl_serving
+from helpers.waiting import until
+
+MODEL = "ab" * 32  # the model identity both sides name
+CLUSTER = "replicas-test"
+SILENCE_S = 0.6
+WAIT_S = 10.0  # generous: a loaded machine; no assertion here is about time but silence's
+PROMPTS = ["Hello, world", "The quick brown fox jumps over", "x", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def node(fixture_dir: Path) -> Iterator[tuple[LocalEngine, Any]]:
+    engine, tokenizer = load_local_engine(str(fixture_dir / "qwen3"), max_batch=4)
+    yield engine, tokenizer
+    asyncio.run(engine.aclose())
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Any, **changes: Any) -> AsyncIterator[ServingService]:
+    options: dict[str, Any] = dict(node_id="node-a", role="hybrid", model_identity=MODEL,
+                                   cluster=CLUSTER, keyring=keyring(SECRET),
+                                   address="127.0.0.1:0", silence_s=SILENCE_S,
+                                   vocab_size=engine.vocab_size)
+    service = ServingService(engine, **{**options, **changes})
+    async with accepting(service.serve, service.aclose):
+        yield service
+
+
+@contextlib.asynccontextmanager
+async def linked(port: int, *, up: bool = True, **changes: Any) -> AsyncIterator[RemoteEngine]:
+    async def resolve() -> str:
+        return f"127.0.0.1:{port}"
+
+    options: dict[str, Any] = dict(keyring=keyring(SECRET), origin=CLIENT_ID,
+                                   model_identity=MODEL, cluster=CLUSTER, silence_s=SILENCE_S,
+                                   dial_budget_s=1.0)
+    remote = RemoteEngine("node-a", resolve, **{**options, **changes})
+    linking = asyncio.create_task(remote.keep_linked())
+    try:
+        await until(lambda: remote.state() != "connecting", "the first attempt", WAIT_S)
+        if up:
+            assert remote.state() == "up", remote.last_error()
+        yield remote
+    finally:
+        linking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await linking
+        await remote.aclose()
+
+
+def request(prompt: list[int], n: int, **params: Any) -> GenerationRequest:
+    return GenerationRequest("r", prompt, SamplingParams(max_tokens=n, **params))
+
+
+async def tokens(engine: Any, req: GenerationRequest) -> list[Any]:
+    return [out async for out in engine.generate(req)]
+
+
+def endless(tokenizer: Any) -> dict[str, Any]:
+    """Greedy parameters under which the fixture never stops by itself (eos ruled out)."""
+    return {"temperature": 0, "logit_bias": tuple((t, -100.0)
+                                                  for t in sorted(tokenizer.eos_token_ids))}
+
+
+def test_remote_tokens_equal_the_engines_own(node: tuple[LocalEngine, Any]) -> None:
+    """Greedy output (with log-probabilities) over the wire is the engine's own, one at a
+    time and 4 at once; the node's context and batch come with ``attached``."""
+    engine, tokenizer = node
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+
+    async def main() -> None:
+        local = [await tokens(engine, request(ids, 24, temperature=0, logprobs=2))
+                 for ids in prompts]
+        async with serving(engine) as service, linked(service.port) as remote:
+            assert (remote.context_length, remote.max_batch) == (engine.context_length, 4)
+            alone = [await tokens(remote, request(ids, 24, temperature=0, logprobs=2))
+                     for ids in prompts]
+            together = await asyncio.gather(*(tokens(remote, request(ids, 24, temperature=0,
+                                                                     logprobs=2))
+                                              for ids in prompts))
+            assert remote.active_sequences() == 0
+        assert alone == local
+        assert list(together) == local
+        assert any(out.finish_reason == "length" for out in local[0])
+
+    run(main())
+
+
+def test_cancel_and_a_dropped_router_free_the_nodes_sequences(
+        node: tuple[LocalEngine, Any]) -> None:
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[1])
+
+    async def main() -> None:
+        async with serving(engine) as service:
+            async with linked(service.port) as remote:
+                stream = remote.generate(request(ids, 5000, **endless(tokenizer)))
+                for _ in range(3):
+                    await anext(stream)
+                assert engine.active_sequences() == 1 and service.sequences == 1
+                await until(lambda: remote.node_sequences == 1, "the node's load", WAIT_S)
+                await stream.aclose()  # sends cancel
+                await until(lambda: engine.active_sequences() == 0 and service.sequences == 0,
+                            "the node frees the cancelled sequence", WAIT_S)
+                stream = remote.generate(request(ids, 5000, **endless(tokenizer)))
+                await anext(stream)
+                assert service.sequences == 1
+            # The router is gone (its link closed, its generator never closed): freed too.
+            await until(lambda: engine.active_sequences() == 0 and service.sequences == 0,
+                        "the node frees a gone router's sequence", WAIT_S)
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    run(main())
+
+
+def test_wrong_secret_and_wrong_model_are_refused_and_named(
+        node: tuple[LocalEngine, Any]) -> None:
+    engine, _ = node
+
+    async def main() -> None:
+        async with serving(engine) as service:
+            async with linked(service.port, up=False, keyring=keyring(OTHER_SECRET)) as remote:
+                assert remote.state() == "down"
+                error = remote.last_error() or ""
+                assert "node node-a refused the handshake" in error, error
+                assert "cluster secret" in error
+                assert OTHER_SECRET.decode() not in error and "127.0.0.1" not in error
+                with pytest.raises(EngineUnavailable, match="node node-a"):
+                    await tokens(remote, request([1, 2], 2))
+            async with linked(service.port, up=False, model_identity="cd" * 32) as remote:
+                assert remote.state() == "down"
+                error = remote.last_error() or ""
+                assert "node node-a refused to attach (model_mismatch)" in error, error
+                assert MODEL in error and "cd" * 32 in error
+            async with linked(service.port, up=False, cluster="another") as remote:
+                assert "(cluster_mismatch)" in (remote.last_error() or "")
+            assert service.sequences == 0
+
+    run(main())
+
+
+def test_busy_and_bad_request_reach_the_caller(node: tuple[LocalEngine, Any]) -> None:
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[0])
+
+    async def main() -> None:
+        async with serving(engine, max_sequences=1) as service, \
+                linked(service.port) as remote:
+            held = remote.generate(request(ids, 5000, **endless(tokenizer)))
+            await anext(held)
+            with pytest.raises(EngineUnavailable, match="node node-a is busy") as busy:
+                await tokens(remote, request(ids, 4, temperature=0))
+            assert busy.value.retry_after_s >= 1
+            await held.aclose()
+            await until(lambda: service.sequences == 0, "the held sequence ends", WAIT_S)
+            bad = request(ids, 4, constraint=Constraint("lark", "this is not a grammar"))
+            with pytest.raises(RequestRefused, match=r"node node-a: .*grammar"):
+                await tokens(remote, bad)
+            too_long = request([1] * (engine.context_length + 1), 4)
+            with pytest.raises(RequestRefused, match="context"):
+                await tokens(remote, too_long)
+            with pytest.raises(RequestRefused, match=r"token ids must be in \[0, "):
+                await tokens(remote, request([1, engine.vocab_size], 4))
+            # and the link is still up, serving
+            assert remote.state() == "up"
+            assert len(await tokens(remote, request(ids, 3, temperature=0))) == 3
+
+    run(main())
+
+
+async def _attached_then_silent(stream: MxclStream) -> None:
+    """A node that attaches, then reads nothing more: no pong, no token (SIGSTOP-like)."""
+    env = parse_envelope(await stream.recv(), p.NODE_SPECS)
+    assert env.type == "attach"
+    await stream.send(encode_envelope({"t": "attached", "node": "node-a", "role": "hybrid",
+                                       "model": MODEL, "context_length": 64, "max_batch": 2}))
+    await asyncio.sleep(3600)
+
+
+def test_a_silent_node_is_down_and_its_sequence_ends() -> None:
+    async def main() -> None:
+        async with mxcl_serving(_attached_then_silent, channels={1}) as listener, \
+                linked(listener.port) as remote:
+            begun = time.monotonic()
+            with pytest.raises(EngineUnavailable, match="node node-a is silent"):
+                await tokens(remote, request([1, 2, 3], 4))
+            took = time.monotonic() - begun
+            assert remote.state() == "down"
+            assert "silent" in (remote.last_error() or "")
+            assert took < SILENCE_S + 3.0, took  # about silence_s, never a hang
+
+    run(main())
+
+
+def test_a_sequence_belongs_to_its_connection(node: tuple[LocalEngine, Any]) -> None:
+    """A ``cancel`` from another connection is ignored, and a sequence's tokens go only
+    to the connection that sent it: the result-frame rule, on the node's side."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[3])
+    prompt = [("prompt", "i32", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids))]
+    attach = encode_envelope({"t": "attach", "model": MODEL, "cluster": CLUSTER})
+
+    async def dial() -> MxclStream:
+        stream = await connect("127.0.0.1", port, keyring=keyring(SECRET), identity=CLIENT_ID,
+                               channel=1, local_addr=("127.0.0.1", 0))
+        await stream.send(attach)
+        assert parse_envelope(await stream.recv(), p.ROUTER_SPECS).type == "attached"
+        return stream
+
+    async def answer(stream: MxclStream) -> Any:
+        """The next message but ``load`` (which the node sends on its own)."""
+        while (env := parse_envelope(await stream.recv(), p.ROUTER_SPECS)).type == "load":
+            pass
+        return env
+
+    async def main() -> None:
+        nonlocal port
+        async with serving(engine) as service:
+            port = service.port
+            a, b = await dial(), await dial()
+            try:
+                params = params_to_wire(SamplingParams(max_tokens=20, temperature=0))
+                await a.send(encode_envelope({"t": "generate", "seq": "s1",
+                                              "params": params}, prompt))
+                await b.send(encode_envelope({"t": "cancel", "seq": "s1"}))
+                got = []
+                while True:
+                    env = await answer(a)
+                    assert env.type == "token" and env.header["seq"] == "s1", env.header
+                    got.append(env)
+                    if "finish_reason" in env.header:
+                        break
+                assert len(got) == 20 or got[-1].header["finish_reason"] == "stop"
+                # b got nothing for s1: its next message is the answer to its own request
+                await b.send(encode_envelope({"t": "generate", "seq": "s1",
+                                              "params": {"bad": 1}}, prompt))
+                env = await answer(b)
+                assert (env.type, env.header["code"], env.header["seq"]) == (
+                    "error", p.ERR_BAD_MESSAGE, "s1")
+                assert service.sequences == 0
+            finally:
+                await a.close()
+                await b.close()
+
+    port = 0
+    run(main())
+
+
+NEW_SECRET = b"the rotation's new cluster secret, 40 b."
+
+
+def test_rekey_hands_over_without_cutting_a_sequence(node: tuple[LocalEngine, Any]) -> None:
+    """A secret rotation's ``use``: the link attaches a stream under the new primary for new
+    sequences; the one running finishes on the old stream, which is then closed."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[2])
+    ring = keyring(SECRET)
+
+    async def main() -> None:
+        async with serving(engine, keyring=keyring(SECRET, NEW_SECRET)) as service, \
+                linked(service.port, keyring=ring) as remote:
+            held = remote.generate(request(ids, 5000, **endless(tokenizer)))
+            await anext(held)
+            ring.add(NEW_SECRET, primary=True)
+            remote.rekey()
+            await until(lambda: streams_under(key_id(NEW_SECRET)) == 2,  # ours and the node's
+                        "a stream under the new key", WAIT_S)
+            assert len(await tokens(remote, request(ids, 3, temperature=0))) == 3
+            for _ in range(3):
+                await anext(held)  # the old stream still carries the running sequence
+            assert streams_under(key_id(SECRET)) == 2
+            await held.aclose()
+            await until(lambda: streams_under(key_id(SECRET)) == 0,
+                        "the old stream finished once its last sequence ended", WAIT_S)
+            assert remote.state() == "up" and service.sequences == 0
+
+    run(main())
+
+
+def test_tokens_are_taken_only_from_the_connection_the_sequence_went_over() -> None:
+    """The result-frame rule on the router's side: a node with two connections from one
+    router (after a rekey) that sends a sequence's token over the other one is not heard;
+    the token from the sequence's own connection is."""
+    streams: list[MxclStream] = []
+
+    async def forging(stream: MxclStream) -> None:
+        streams.append(stream)
+        while True:
+            env = parse_envelope(await stream.recv(), p.NODE_SPECS)
+            if env.type == "attach":
+                await stream.send(encode_envelope({
+                    "t": "attached", "node": "node-a", "role": "hybrid", "model": MODEL,
+                    "context_length": 64, "max_batch": 2}))
+            elif env.type == "generate" and stream is not streams[0]:  # the first: held
+                seq = env.header["seq"]
+                for other in streams:
+                    if other is not stream:
+                        await other.send(encode_envelope(
+                            {"t": "token", "seq": seq, "finish_reason": "length"},
+                            [("tokens", "i32", (1,), struct.pack("<i", 7))]))
+                await asyncio.sleep(0.3)  # the forged token is read first
+                await stream.send(encode_envelope(
+                    {"t": "token", "seq": seq, "finish_reason": "length"},
+                    [("tokens", "i32", (1,), struct.pack("<i", 5))]))
+
+    ring = keyring(SECRET)
+
+    async def main() -> None:
+        async with mxcl_serving(forging, channels={1},
+                                keyring=keyring(SECRET, NEW_SECRET)) as listener, \
+                linked(listener.port, keyring=ring) as remote:
+            held = remote.generate(request([1, 2], 1))  # keeps the first connection open
+            waiting = asyncio.create_task(anext(held))
+            ring.add(NEW_SECRET, primary=True)
+            remote.rekey()
+            await until(lambda: len(streams) == 2, "a second connection", WAIT_S)
+            await until(lambda: streams_under(key_id(NEW_SECRET)) == 2, "attached", WAIT_S)
+            await asyncio.sleep(0.1)  # keep_linked installs the new stream after attach
+            got = await tokens(remote, request([1, 2], 1))
+            assert [out.token for out in got] == [5]
+            assert not waiting.done()  # nor was the forged token the held sequence's
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await held.aclose()
+
+    run(main())
