@@ -27,7 +27,9 @@ error   agent → asker    ``reason`` (an agent that does not serve the type)
 The asker's budget (``ask_serving``): ``CONNECT_BUDGET_S`` (5 s) to connect and
 authenticate, then ``ANSWER_TIMEOUT_S`` (5 s) for the answer. ``ServingFinder``
 turns the answer into the address to dial, or a ``ServingNotFound`` that says why
-there is none (the member's ``last_error``; it is asked again at the next dial).
+there is none (the member's ``last_error``; it is asked again at the next dial). Its
+message names no address (a member's error reaches clients' 503s and the redacted
+``/router/stats``): the member's node id and ``mlxctl status`` say which agent it is.
 """
 
 from __future__ import annotations
@@ -128,23 +130,22 @@ async def ask_serving(origin: str, agent: str, *, keyring: SecretStore) -> dict[
         stream = await connect_as(origin, agent, keyring=keyring, channel=AGENT_CHANNEL,
                                   budget_s=CONNECT_BUDGET_S)
     except HandshakeFailed as exc:
-        raise ServingNotFound(f"its agent {agent} cannot be reached: {exc.kind}: "
-                              f"{exc.message}") from None
+        raise ServingNotFound(f"its agent cannot be reached ({exc.kind}): is its daemon "
+                              "up, with the same cluster secret?") from None
     try:
         async with asyncio.timeout(ANSWER_TIMEOUT_S):
             await stream.send(encode_envelope(request()))
             answer = parse_envelope(await stream.recv(), ANSWER_SPECS)
         if answer.type == "error":
-            raise ServingNotFound(f"its agent {agent} does not answer 'serving' (an older "
-                                  f"mlxceld?): {str(answer.header.get('reason'))[:200]}")
+            raise ServingNotFound("its agent does not answer 'serving' (an older mlxceld?)")
         return parse_serving(answer.header)
     except TimeoutError:
-        raise ServingNotFound(f"its agent {agent} did not answer 'serving' within "
+        raise ServingNotFound(f"its agent did not answer 'serving' within "
                               f"{ANSWER_TIMEOUT_S:g} s") from None
     except ConnectionClosed as exc:
-        raise ServingNotFound(f"its agent {agent} closed the stream: {exc.message}") from None
+        raise ServingNotFound(f"its agent closed the stream ({exc.kind})") from None
     except EnvelopeError as exc:
-        raise ServingNotFound(f"its agent {agent} answered out of bounds: {exc}") from None
+        raise ServingNotFound(f"its agent answered out of bounds: {exc.reason}") from None
     finally:
         await stream.close()
 
@@ -166,18 +167,16 @@ class ServingFinder:
     async def __call__(self) -> str:
         answer = await ask_serving(self._origin, self.agent, keyring=self._keyring)
         if answer["role"] != "hybrid":
-            raise ServingNotFound(f"the node at {self.agent} is a {answer['role']}, not a "
-                                  "hybrid node serving the model: list only hybrid nodes "
-                                  "in --replicas")
+            raise ServingNotFound(f"it is a {answer['role']}, not a hybrid node serving the "
+                                  "model: list only hybrid nodes in --replicas")
         if answer["model"] is None:
-            raise ServingNotFound(f"the node at {self.agent} serves no model (yet)")
+            raise ServingNotFound("it serves no model (yet)")
         if answer["model"] != self._identity:
             raise ServingNotFound(
-                f"the node at {self.agent} serves another model (identity "
+                f"it serves another model (identity "
                 f"{answer['model'][:12]}…, ours {self._identity[:12]}…): give every replica "
                 "the same model files as the router")
         if answer["port"] is None:
-            raise ServingNotFound(f"the node at {self.agent} has no serving listener (yet): "
-                                  "its router is starting, or it runs without the cluster "
-                                  "secret")
+            raise ServingNotFound("it has no serving listener (yet): its router is starting, "
+                                  "or it runs without the cluster secret")
         return format_address(self._host, answer["port"])
