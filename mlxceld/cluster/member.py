@@ -106,6 +106,10 @@ class ClusterMember:
                       "keys": len(self._keyring)},
         }
 
+    def agent_address(self) -> str | None:
+        """The agent listener's address once bound (its port resolved), else None."""
+        return self.agent.address if self.agent is not None and self._agent_bound else None
+
     def nodes(self) -> JSON:
         c = self._slot.config
         discovery = (self._discovery.describe() if self._discovery else

@@ -45,7 +45,9 @@ lost its network: no RST ever comes) is *silent*: requests on it end with a 503 
 it, new ones get 503 with ``Retry-After`` at once, ``/ready`` is 503, ``mlxctl status``
 says since when, and it is re-attached by itself when it answers again. It bounds the
 stage workers' links to each other too (set it alike on every node). Below a second it
-takes a short hiccup (a busy host, a Wi-Fi roam) for a lost host.
+takes a short hiccup (a busy host, a Wi-Fi roam) for a lost host. On a router node
+(``node_role = "router"``, ``config/replicas.py``) it bounds each replica's link the same
+way: a replica silent this long is down, and requests go to the others.
 
 ``serving_port`` (also ``--serving-port``): when the daemon holds the cluster secret, its
 router serves its engine to the cluster's routers too (``mlxceld/replicas/service.py``:
@@ -76,7 +78,12 @@ from mlxceld.config.replicas import (
 )
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
-from mlxceld.roles.options import PipelineOptions, RouterOptions, ServingOptions
+from mlxceld.roles.options import (
+    PipelineOptions,
+    ReplicasOptions,
+    RouterOptions,
+    ServingOptions,
+)
 from mlxceld.types import DEFAULT_SILENCE_S
 
 if TYPE_CHECKING:
@@ -256,13 +263,16 @@ def _port(port: int, what: str) -> int:
 
 
 def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
-                   serving: ServingOptions | None = None) -> RouterOptions:
+                   serving: ServingOptions | None = None,
+                   replicas: ReplicasOptions | None = None) -> RouterOptions:
     """The router worker's options: ``cfg``'s model, locally or over ``pipeline``, and its
-    serving listener's (``serving``: None without a cluster secret)."""
+    serving listener's (``serving``: None without a cluster secret); or, on a router node,
+    over ``replicas``."""
     assert cfg.model is not None
     return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
-                         pipeline=pipeline, max_connections=cfg.max_connections,
+                         pipeline=pipeline, replicas=replicas,
+                         max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
