@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -90,11 +91,17 @@ def complete(url: str, prompt: str, n: int = 8) -> str:
         return text
 
 
-def stream(url: str, prompt: str, n: int = 16) -> str:
+def stream(url: str, prompt: str, n: int = 16,
+           together: threading.Barrier | None = None) -> str:
+    """A streamed greedy completion; with ``together``, its first chunk is read before the
+    barrier is passed, so that every stream of the barrier is in flight at once."""
     with client(f"{url}/v1") as c:
-        chunks = c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                      temperature=0, stream=True)
-        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        chunks = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                           temperature=0, stream=True))
+        first = next(chunks)
+        if together is not None:
+            together.wait(60)
+        return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)
 
 
 def both_up(c: Cluster, url: str | None = None) -> bool:
@@ -151,8 +158,9 @@ def test_outputs_through_the_router_equal_a_single_hosts(cluster: Cluster) -> No
 
 def test_concurrent_streams_spread_over_both_replicas(cluster: Cluster) -> None:
     before = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
+    together = threading.Barrier(len(PROMPTS))  # all 8 in flight at once
     with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda p: stream(cluster.url, p), PROMPTS))
+        texts = list(pool.map(lambda p: stream(cluster.url, p, together=together), PROMPTS))
     assert all(texts), texts
     after = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
     spread = {k: after[k] - before[k] for k in after}
@@ -203,8 +211,9 @@ def test_a_replica_host_that_dies_is_routed_around_and_used_again_when_back(
     a.d.wait_worker("router", READY_S, state="running")
     wait_for(lambda: both_up(cluster), 60, "replica-0 up again behind the router")
     before = cluster.node("replica-0")["dispatched"]
+    # Prompts B has not cached (prefix affinity would keep those it has on B).
     with ThreadPoolExecutor(4) as pool:
-        assert all(pool.map(lambda p: stream(cluster.url, p), PROMPTS[:4]))
+        assert all(pool.map(lambda p: stream(cluster.url, p + " again"), PROMPTS[4:]))
     assert cluster.node("replica-0")["dispatched"] > before
 
 
