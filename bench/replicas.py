@@ -7,9 +7,10 @@ router worker and model, ``--max-batch`` sequences each) and two router nodes
 over A and B. The same --streams concurrent greedy streams (--max-tokens each, distinct
 prompts) go through each router in turn, --runs times; the median aggregate tok/s
 (completion tokens of all streams over the wall time from the first request to the last
-token) of each, and their ratio, are printed. The model is by default the ``small``
-fixture (``mlxctl model fixture --preset small``), written to a temp dir. Every process
-is ended by pid at the end.
+token) of each, and their ratio, are printed; and, to tell the router's cost from the
+machine's, the same streams split over the two replicas' own OpenAI ports (no router).
+The model is by default the ``small`` fixture (``mlxctl model fixture --preset small``),
+written to a temp dir. Every process is ended by pid at the end.
 
     .venv/bin/python bench/replicas.py [--model DIR] [--streams 8] [--max-tokens 128]
 
@@ -156,12 +157,14 @@ def one_stream(url: str, model: str, prompt: str, max_tokens: int) -> Stream:
         return timed(r, start)
 
 
-def aggregate(url: str, model: str, streams: int, max_tokens: int) -> float:
-    """Tokens of ``streams`` concurrent streams over the wall time they took, together."""
+def aggregate(urls: list[str], model: str, streams: int, max_tokens: int) -> float:
+    """Tokens of ``streams`` concurrent streams (spread over ``urls`` in turn) over the
+    wall time they took, together."""
     prompts = [f"{PROMPT} {i}" for i in range(streams)]
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        done = list(pool.map(lambda p: one_stream(url, model, p, max_tokens), prompts))
+        done = list(pool.map(lambda i: one_stream(urls[i % len(urls)], model, prompts[i],
+                                                  max_tokens), range(streams)))
     wall = time.perf_counter() - start
     return sum(s.tokens for s in done) / wall
 
@@ -201,21 +204,26 @@ def main() -> None:
         daemons += [one, two]
         wait("the router over A", lambda: replicas_up(one, 1), one)
         wait("the router over A and B", lambda: replicas_up(two, 2), two)
-        for r in (one, two):  # warm up: compile, caches
-            aggregate(r.url, "m", args.streams, 8)
-        rates: dict[str, list[float]] = {"1 replica": [], "2 replicas": []}
-        for _ in range(args.runs):  # interleaved, so that a noisy moment hits both
-            rates["1 replica"].append(aggregate(one.url, "m", args.streams, args.max_tokens))
-            rates["2 replicas"].append(aggregate(two.url, "m", args.streams, args.max_tokens))
+        setups = {"1 replica": [one.url], "2 replicas": [two.url],
+                  # without a router: the streams split over the replicas' own ports
+                  "2, no router": [a.url, b.url]}
+        for urls in setups.values():  # warm up: compile, caches
+            aggregate(urls, "m", args.streams, 8)
+        rates: dict[str, list[float]] = {k: [] for k in setups}
+        for _ in range(args.runs):  # interleaved, so that a noisy moment hits each
+            for k, urls in setups.items():
+                rates[k].append(aggregate(urls, "m", args.streams, args.max_tokens))
         print(f"model {model.name}, {args.streams} concurrent streams x {args.max_tokens} "
               f"tokens, max_batch {args.max_batch} per replica, {os.cpu_count()} CPUs, "
               f"median of {args.runs}")
         medians = {k: statistics.median(v) for k, v in rates.items()}
         for k, v in rates.items():
-            print(f"  router over {k:<10} {medians[k]:8.1f} tok/s  "
+            print(f"  {k:<14} {medians[k]:8.1f} tok/s  "
                   f"(runs: {', '.join(f'{x:.1f}' for x in v)})")
-        print(f"  ratio (2 / 1): {medians['2 replicas'] / medians['1 replica']:.2f} "
-              "(aim: 1.6 or more)")
+        print(f"  ratio (2 replicas / 1 replica, through the router): "
+              f"{medians['2 replicas'] / medians['1 replica']:.2f} (aim: 1.6 or more)")
+        print(f"  the router's share: 2 replicas through it / without it: "
+              f"{medians['2 replicas'] / medians['2, no router']:.2f}")
     finally:
         for d in reversed(daemons):
             d.stop()
