@@ -159,6 +159,8 @@ def test_the_same_situation_gives_the_same_roster() -> None:
     assert not STATE.exists()
 
 
+
+
 @pytest.mark.parametrize("agent_addr", ["0.0.0.0:19000", "127.0.0.1:0"])
 def test_a_keyed_router_serves_on_the_agent_host_even_with_an_ephemeral_agent_port(
         agent_addr: str) -> None:
@@ -171,3 +173,20 @@ def test_a_keyed_router_serves_on_the_agent_host_even_with_an_ephemeral_agent_po
     host = agent_addr.rsplit(":", 1)[0]
     assert spec.options.serving.address == f"{host}:0"
     assert spec.secret == SECRET
+def test_a_router_node_runs_its_router_over_the_replicas_once_its_agent_is_bound() -> None:
+    from dataclasses import replace
+
+    from mlxceld.roles.options import ReplicasOptions
+
+    s = situation()
+    s = replace(s, serve=replace(s.serve, node_role="router",
+                                 replicas=("10.0.0.2:19000", "mac-3:19000")))
+    assert draw_roster(s) == []  # its identity is its agent's address: not bound yet
+    spec = only(draw_roster(replace(s, agent_address="0.0.0.0:19000")))
+    assert spec.name == "router" and spec.secret == SECRET and spec.api_key == KEY
+    assert isinstance(spec.options, RouterOptions) and spec.options.pipeline is None
+    assert spec.options.replicas == ReplicasOptions(
+        agents=("10.0.0.2:19000", "mac-3:19000"), origin="0.0.0.0:19000",
+        cluster="mlxcel-cluster")
+    assert draw_roster(replace(s, agent_address="0.0.0.0:19000", serve=replace(
+        s.serve, model=None))) == []  # no model: no tokenizer to serve with
