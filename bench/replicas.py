@@ -8,7 +8,9 @@ over A and B. The same --streams concurrent greedy streams (--max-tokens each, d
 prompts) go through each router in turn, --runs times; the median aggregate tok/s
 (completion tokens of all streams over the wall time from the first request to the last
 token) of each, and their ratio, are printed; and, to tell the router's cost from the
-machine's, the same streams split over the two replicas' own OpenAI ports (no router).
+machine's, the same streams split over the two replicas' own OpenAI ports (no router). Beside each
+setup's rate: the cores each worker kept busy (its CPU seconds over the wall time, median
+of the runs), which says where the time goes on a small machine.
 The model is by default the ``small`` fixture (``mlxctl model fixture --preset small``),
 written to a temp dir. Every process is ended by pid at the end.
 
@@ -157,16 +159,37 @@ def one_stream(url: str, model: str, prompt: str, max_tokens: int) -> Stream:
         return timed(r, start)
 
 
-def aggregate(urls: list[str], model: str, streams: int, max_tokens: int) -> float:
+def cpu_seconds(proc: psutil.Process) -> float:
+    """The CPU time (user + system, its threads together) ``proc`` has used so far."""
+    with contextlib.suppress(psutil.Error):
+        times = proc.cpu_times()
+        return float(times.user + times.system)
+    return 0.0
+
+
+def aggregate(urls: list[str], model: str, streams: int, max_tokens: int,
+              workers: dict[str, psutil.Process] | None = None
+              ) -> tuple[float, dict[str, float]]:
     """Tokens of ``streams`` concurrent streams (spread over ``urls`` in turn) over the
-    wall time they took, together."""
+    wall time they took, together; and the cores each of ``workers`` kept busy meanwhile
+    (its CPU seconds over the wall time: 1.0 is one core all along)."""
+    workers = workers or {}
     prompts = [f"{PROMPT} {i}" for i in range(streams)]
+    before = {k: cpu_seconds(p) for k, p in workers.items()}
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         done = list(pool.map(lambda i: one_stream(urls[i % len(urls)], model, prompts[i],
                                                   max_tokens), range(streams)))
     wall = time.perf_counter() - start
-    return sum(s.tokens for s in done) / wall
+    cores = {k: (cpu_seconds(p) - before[k]) / wall for k, p in workers.items()}
+    return sum(s.tokens for s in done) / wall, cores
+
+
+def router_worker(d: Daemon) -> psutil.Process:
+    """``d``'s router worker process (its model, or a router node's pool)."""
+    body = d.ctl_status()
+    pid = next(w["pid"] for w in body.get("workers") or [] if w.get("name") == "router")
+    return psutil.Process(pid)
 
 
 def main() -> None:
@@ -207,19 +230,34 @@ def main() -> None:
         setups = {"1 replica": [one.url], "2 replicas": [two.url],
                   # without a router: the streams split over the replicas' own ports
                   "2, no router": [a.url, b.url]}
+        # Where the time goes: the cores each process keeps busy during a setup's runs.
+        workers = {"replica A": router_worker(a), "replica B": router_worker(b),
+                   "router": router_worker(one)}
+        watched = {"1 replica": ["replica A", "router"],
+                   "2 replicas": ["replica A", "replica B", "router"],
+                   "2, no router": ["replica A", "replica B"]}
+        router_two = router_worker(two)
         for urls in setups.values():  # warm up: compile, caches
             aggregate(urls, "m", args.streams, 8)
         rates: dict[str, list[float]] = {k: [] for k in setups}
+        busy: dict[str, list[dict[str, float]]] = {k: [] for k in setups}
         for _ in range(args.runs):  # interleaved, so that a noisy moment hits each
             for k, urls in setups.items():
-                rates[k].append(aggregate(urls, "m", args.streams, args.max_tokens))
+                procs = {w: workers[w] for w in watched[k]}
+                if k == "2 replicas":
+                    procs["router"] = router_two
+                rate, cores = aggregate(urls, "m", args.streams, args.max_tokens, procs)
+                rates[k].append(rate)
+                busy[k].append(cores)
         print(f"model {model.name}, {args.streams} concurrent streams x {args.max_tokens} "
               f"tokens, max_batch {args.max_batch} per replica, {os.cpu_count()} CPUs, "
               f"median of {args.runs}")
         medians = {k: statistics.median(v) for k, v in rates.items()}
         for k, v in rates.items():
+            cores = {w: statistics.median(run[w] for run in busy[k]) for w in busy[k][0]}
             print(f"  {k:<14} {medians[k]:8.1f} tok/s  "
-                  f"(runs: {', '.join(f'{x:.1f}' for x in v)})")
+                  f"(runs: {', '.join(f'{x:.1f}' for x in v)}); cores busy: "
+                  + ", ".join(f"{w} {c:.2f}" for w, c in cores.items()))
         print(f"  ratio (2 replicas / 1 replica, through the router): "
               f"{medians['2 replicas'] / medians['1 replica']:.2f} (aim: 1.6 or more)")
         print(f"  the router's share: 2 replicas through it / without it: "
