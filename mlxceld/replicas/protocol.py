@@ -122,7 +122,8 @@ from mlxceld.wire import MessageSpec, TensorSpec
 MAX_PROMPT_TOKENS: Final = 1 << 20  # tokens one ``generate`` may carry (and the context)
 MAX_SEQUENCES: Final = 256  # sequences in flight on one connection
 LOAD_EVERY_S: Final = 1.0  # how often a node says its load (when it changed)
-HANDOFF_TIMEOUT_S: Final = 60.0  # an ``expect`` waits this long for its ``handoff``
+HANDOFF_TIMEOUT_S: Final = 330.0  # an ``expect`` waits this long for its ``handoff`` (past
+# the router's own bound on a prefill, ``disagg.PREFILL_TIMEOUT_S``: the router ends it first)
 HANDOFF_FRAME_BYTES: Final = 64 << 20  # a ``handoff`` frame's blobs, at most (MXCL: 256 MiB)
 
 ERR_BUSY: Final = "busy"
