@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationRequest, TokenOutput
-from mlxceld.engine.handoff import Mode
+from mlxceld.engine.handoff import HandoffUnsupported, Mode
 from mlxceld.replicas.redaction import scrub
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.routing import Choice, Outcome, Routing
@@ -169,7 +169,7 @@ class DisaggEngine:
             for node_id, node in members.items():
                 account = routing.nodes[node_id]
                 entry: dict[str, Any] = {
-                    "node_id": node_id, "role": pool, "state": node.state(),
+                    "id": node_id, "role": pool, "state": node.state(),
                     "in_flight": account.in_flight, "dispatched": account.dispatched,
                     "completed": account.completed, "failed": account.failed,
                     "last_error": _shown(node.last_error(), verbose)}
@@ -183,7 +183,9 @@ class DisaggEngine:
                 if verbose:
                     entry["address"] = node.address
                 nodes.append(entry)
-        return {"mode": "disaggregated", "kv_compression": str(self.mode),
+        return {"addresses_redacted": not verbose, "model": self.model_id,
+                "mode": "disaggregated", "kv_compression": str(self.mode),
+                "up": sum(n["state"] == "up" for n in nodes),
                 "in_flight": self.active_sequences(), "nodes": nodes,
                 "handoff": total.view()}
 
@@ -206,4 +208,71 @@ def _shown(error: str | None, verbose: bool) -> str | None:
     return error if verbose or error is None else scrub(error)
 
 
-__all__ = ["PREFILL_TIMEOUT_S", "DisaggEngine", "HandoffAccount"]
+class DisaggOrReplicas:
+    """A router with both pools and replicas (``--prefill-peers``, ``--decode-peers`` and
+    ``--replicas``): a request is disaggregated while a prefill node and a decode node are
+    up (``disagg.readiness()`` is None), else it goes to the replicas; and to the
+    replicas too when the pair refuses it before its first token (the model's family
+    cannot hand off, ``HandoffUnsupported``; a node busy or down, ``EngineUnavailable``).
+    Implements ``Engine``; ``replicas`` is a ``ReplicaEngine``."""
+
+    def __init__(self, disagg: DisaggEngine, replicas: Any) -> None:
+        self.disagg = disagg
+        self.replicas = replicas
+        self.model_id = disagg.model_id
+        self.context_length = disagg.context_length
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.disagg.max_batch + self.replicas.max_batch)
+
+    def active_sequences(self) -> int:
+        return int(self.disagg.active_sequences() + self.replicas.active_sequences())
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        source: AsyncGenerator[TokenOutput, None] = self.replicas.generate(request)
+        if self.disagg.readiness() is None:
+            source = self.disagg.generate(request)
+            try:
+                first = await anext(source)
+            except (HandoffUnsupported, EngineUnavailable) as exc:
+                log.info("disaggregation refused a request (%s); it goes to a replica",
+                         type(exc).__name__)
+                await source.aclose()
+                source = self.replicas.generate(request)
+            else:
+                async with contextlib.aclosing(source):
+                    yield first
+                    async for out in source:
+                        yield out
+                return
+        async with contextlib.aclosing(source):
+            async for out in source:
+                yield out
+
+    def readiness(self) -> dict[str, Any] | None:
+        disagg, replicas = self.disagg.readiness(), self.replicas.readiness()
+        if disagg is None or replicas is None:
+            return None
+        return {"reason": "no prefill/decode pair and no replica is up",
+                "disaggregation": disagg, "replicas": replicas}
+
+    def stats(self, *, verbose: bool) -> dict[str, Any]:
+        return {**self.disagg.stats(verbose=verbose),
+                "replicas": self.replicas.stats(verbose=verbose)}
+
+    async def keep_linked(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.disagg.keep_linked())
+            tg.create_task(self.replicas.keep_linked())
+
+    def rekey(self) -> None:
+        self.disagg.rekey()
+        self.replicas.rekey()
+
+    async def aclose(self) -> None:
+        await self.disagg.aclose()
+        await self.replicas.aclose()
+
+
+__all__ = ["PREFILL_TIMEOUT_S", "DisaggEngine", "DisaggOrReplicas", "HandoffAccount"]

@@ -18,9 +18,11 @@ from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest, Sa
 from mlxceld.engine.handoff import HandoffUnsupported, Mode
 from mlxceld.engine.local import LocalEngine, load_local_engine
 from mlxceld.net import connect_as
-from mlxceld.replicas.disagg import DisaggEngine
+from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
 from mlxceld.replicas.handoffs import HandoffService, decode_allowlist
+from mlxceld.replicas.pool import ReplicaEngine
 from mlxceld.replicas.remote import RemoteEngine
+from mlxceld.replicas.service import ServingService
 from mlxceld.wire import encode_envelope
 
 from helpers.keys import keyring
@@ -73,9 +75,9 @@ async def node_service(engine: Any, node_id: str, role: str,
         yield service
 
 
-def remote(service: HandoffService) -> RemoteEngine:
+def remote(service: ServingService) -> RemoteEngine:
     async def resolve() -> str:
-        return service.origin
+        return f"{service.host}:{service.port}"
 
     return RemoteEngine(service.node_id, resolve, keyring=keyring(SECRET), origin=CLIENT_ID,
                         model_identity=MODEL, cluster=CLUSTER, silence_s=SILENCE_S,
@@ -139,12 +141,12 @@ def test_greedy_tokens_equal_one_hosts_and_both_decode_nodes_serve(
                 ids, 16, temperature=0, logprobs=2)) for ids in prompts))
             assert list(together) == local
             stats = router.stats(verbose=False)
-            by_id = {n["node_id"]: n for n in stats["nodes"]}
+            by_id = {n["id"]: n for n in stats["nodes"]}
             assert by_id["decode-a"]["completed"] >= 1 and by_id["decode-b"]["completed"] >= 1
             assert by_id["prefill-a"]["handoff"]["handoffs"] == 4
             assert stats["handoff"]["bytes"] == prefill.stats.bytes > 0
             assert sum(d.stats.handoffs for d in decodes) == 4
-            assert "127.0.0.1" not in repr(stats)
+            assert "127.0.0.1" not in repr(stats) and stats["addresses_redacted"]
             assert router.stats(verbose=True)["nodes"][0]["address"] == prefill.origin
             assert router.active_sequences() == 0 and engine.active_sequences() == 0
             sizes = {}
@@ -275,3 +277,47 @@ def test_no_pair_is_503_and_the_allowlist_skips_names(
         assert decode_allowlist("") is None
     text = caplog.text
     assert "decode.example:7000" in text and "'junk'" in text and "is not set" in text
+
+
+def test_with_replicas_too_a_request_goes_to_them_without_a_pair(
+        node: tuple[LocalEngine, Any]) -> None:
+    """Both pools and a replica (a hybrid node): disaggregated while a pair is up, to the
+    replica when the family cannot hand off or no decode node is up."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[2])
+    refusing = Refusing(engine)
+    refusing.refuse = False
+
+    async def main() -> None:
+        local = await tokens(engine, request(ids, 6, temperature=0))
+        hybrid = ServingService(engine, node_id="hybrid-a", role="hybrid",
+                                model_identity=MODEL, cluster=CLUSTER, keyring=keyring(SECRET),
+                                address="127.0.0.1:0", silence_s=SILENCE_S)
+        await hybrid.start()
+        async with cluster(engine, prefill_engine=refusing) as (router, _, decodes), \
+                accepting(hybrid.serve, hybrid.aclose):
+            replica = remote(hybrid)
+            pool = ReplicaEngine([replica], model_id=MODEL,
+                                 context_length=engine.context_length)
+            both = DisaggOrReplicas(router, pool)
+            linking = asyncio.create_task(pool.keep_linked())
+            try:
+                await until(lambda: replica.state() == "up", "the replica up", WAIT_S)
+                assert await tokens(both, request(ids, 6, temperature=0)) == local
+                assert router.stats(verbose=False)["handoff"]["handoffs"] == 1
+                refusing.refuse = True
+                assert await tokens(both, request(ids, 6, temperature=0)) == local
+                assert pool.stats(verbose=False)["completed"] == 1
+                for d in decodes:
+                    await d.aclose()
+                await until(lambda: router.readiness() is not None, "decode down", WAIT_S)
+                assert both.readiness() is None
+                assert await tokens(both, request(ids, 6, temperature=0)) == local
+                assert pool.stats(verbose=False)["completed"] == 2
+            finally:
+                linking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await linking
+                await pool.aclose()
+
+    run(main())
