@@ -116,6 +116,12 @@ def run(
         "--serving-port", help="With a cluster secret: the port of the serving listener, where "
         "the cluster's routers send this node sequences (MXCL, on the agent listener's "
         "host). Default: 0, an ephemeral port.")] = None,
+    node_role: Annotated[str | None, typer.Option(
+        "--node-role", help="hybrid (run the model here) or router (model-free: spread "
+        "requests over --replicas; needs the cluster secret). Default: hybrid.")] = None,
+    replicas: Annotated[str | None, typer.Option(
+        "--replicas", help="With --node-role router: the replicas' agent addresses, "
+        "host:port,... (a host alone: port 19000; [v6] for IPv6).")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

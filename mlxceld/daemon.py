@@ -70,6 +70,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
+from mlxceld.config.replicas import ROUTER_ROLE
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
@@ -185,7 +186,8 @@ class Daemon:
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
         self.serving = Serving(self, self._flags, config.serve)  # what the router serves
-        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement)
+        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
+                          router=config.serve.node_role == ROUTER_ROLE)
         if config.pp_auto is not None and self.serving.serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")
@@ -377,7 +379,8 @@ class Daemon:
             hold_router=self.serving.hold_router,
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
             accepted=tuple(self.keys.keyring.others()),
-            api_key=self._api_key, node_id=self.node.node_id))
+            api_key=self._api_key, node_id=self.node.node_id,
+            agent_address=self.member.agent_address()))
 
     def _worker_finished(self, name: str) -> None:
         """A worker exited cleanly on its own. The stage of an active plan comes back after
@@ -435,6 +438,7 @@ class Daemon:
                          __version__, self.node.node_id, self.config.socket, len(specs))
                 if len(self.keys.keyring):
                     await self.member.start(tg)
+                    await self._router_node_linked()
                 self._notify.ready(status_line(self.status()))
                 tg.create_task(self._notify.run(lambda: status_line(self.status())))
                 if self.config.dry_run:
@@ -449,6 +453,12 @@ class Daemon:
         log.info("mlxceld stopped")
         return code
 
+    async def _router_node_linked(self) -> None:
+        """A router node's router waits for the agent listener (its address is the
+        identity it dials replicas with: ``roster``): it starts now."""
+        if self.config.serve.node_role == ROUTER_ROLE:
+            await self.supervisor.reconcile(self.specs(self.config))
+
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:
         while True:
             command = await self._commands.get()
@@ -459,6 +469,7 @@ class Daemon:
                 continue
             if command == "agent":
                 await self.member.start(tg)
+                await self._router_node_linked()
                 continue
             return  # "stop"
 

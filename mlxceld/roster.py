@@ -10,6 +10,10 @@ prepared or activated, a deactivation). The rules, in order:
 - a stage node of a placement (a cluster TOML, or a pushed plan) runs the
   ``stage`` worker, in standby while its assignment is only prepared, with the
   cluster secret (and ``[serve] stage_silence_s`` for its links' heartbeat);
+- a router node (``--node-role router``) runs the ``router`` over its
+  ``replicas`` with the cluster secret, once its agent listener is bound (its
+  address is the identity the router dials with), when there is a model to serve
+  (its tokenizer; the replicas hold the weights);
 - else the ``router`` runs when there is a model to serve and the daemon is no
   ``--pp-peer``: over the pipeline with the cluster secret when the placement
   makes it the coordinator, else on the model alone unless the router is held
@@ -36,8 +40,9 @@ from mlxceld.cluster.clusterfile.placement import (
     stage_options,
 )
 from mlxceld.config.daemon import Config
+from mlxceld.config.replicas import ROUTER_ROLE
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
-from mlxceld.roles.options import RouterOptions, ServingOptions
+from mlxceld.roles.options import ReplicasOptions, RouterOptions, ServingOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.wire.address import format_address, parse_address
@@ -61,6 +66,7 @@ class Situation:
     accepted: tuple[bytes, ...] = field(default=(), repr=False)  # its other installed keys
     api_key: str | None = field(default=None, repr=False)  # the router's, from its file
     node_id: str | None = None  # this daemon's node id (its serving listener names it)
+    agent_address: str | None = None  # the agent listener's, once bound
 
 
 def draw_roster(s: Situation) -> list[WorkerSpec]:
@@ -75,6 +81,14 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                               silence_s=s.serve.stage_silence_s),
                                 policy, secret=s.secret, accepted=s.accepted,
                                 log_format=c.log_format))
+    elif s.serve.node_role == ROUTER_ROLE:
+        if s.serve.model is not None and s.agent_address is not None:
+            replicas = ReplicasOptions(agents=s.serve.replicas, origin=s.agent_address,
+                                       cluster=c.cluster_name)
+            specs.append(WorkerSpec(ROUTER, c.state_dir, router_options(s.serve,
+                                                                        replicas=replicas),
+                                    policy, api_key=s.api_key, secret=s.secret,
+                                    accepted=s.accepted, log_format=c.log_format))
     elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
         options = router_options(s.serve, pipeline_options(p) if p is not None else None,
                                  serving_options(s))

@@ -17,6 +17,7 @@ from mlxceld.types import LoadProgress, WorkerState, load_progress, loading_text
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
 LIVENESS_COLORS = {"alive": "green", "unknown": "cyan", "suspect": "yellow", "dead": "red"}
+REPLICA_COLORS = {"up": "green", "connecting": "cyan", "down": "red"}
 LINK_COLORS = {"attached": "green", "connecting": "cyan", "standby": "cyan",
                "disconnected": "yellow", "unreachable": "yellow", "refused": "red",
                "model_mismatch": "red", "layers_mismatch": "red", "failed": "red",
@@ -200,7 +201,7 @@ def status(body: dict[str, Any]) -> str:
         lines.append(f"self-healing: {healing['state']}"
                      + (f": {healing['summary']}" if healing.get("summary") else ""))
     view = body.get("pipeline")
-    links = pipeline(view) if view else stage_links(workers)
+    links = (pipeline(view) if view else stage_links(workers)) + replica_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *loading(workers), *links, "",
                       health(body["problems"])])
 
@@ -308,6 +309,25 @@ def stage_links(workers: list[dict[str, Any]]) -> list[str]:
         attached = sum(1 for s in stages if s.get("connected"))
         out += ["", f"stages of {w['name']}: {attached} of {len(stages)} attached",
                 table(["STAGE", "ADDRESS", "LAYERS", "LINK", "FOR"], rows, colors), *errors]
+    return out
+
+
+def replica_links(workers: list[dict[str, Any]]) -> list[str]:
+    """A router node's replicas: whether each is up, and why not (its stats)."""
+    out: list[str] = []
+    for w in workers:
+        replicas = (w.get("stats") or {}).get("replicas")
+        if not replicas:
+            continue
+        rows, colors, errors = [], [], []
+        for r in replicas:
+            rows.append([r["replica"], r["agent"], r["state"], str(r.get("dispatched", 0))])
+            colors.append([None, None, REPLICA_COLORS.get(r["state"]), None])
+            if r.get("error") and r["state"] != "up":
+                errors.append(f"  {r['replica']}: {r['error']}")
+        up = sum(1 for r in replicas if r.get("connected"))
+        out += ["", f"replicas of {w['name']}: {up} of {len(replicas)} up",
+                table(["REPLICA", "AGENT", "STATE", "DISPATCHED"], rows, colors), *errors]
     return out
 
 

@@ -156,3 +156,22 @@ def test_the_same_situation_gives_the_same_roster() -> None:
     s = situation(placement=placed("coordinator"))
     assert draw_roster(s) == draw_roster(s)
     assert not STATE.exists()
+
+
+def test_a_router_node_runs_its_router_over_the_replicas_once_its_agent_is_bound() -> None:
+    from dataclasses import replace
+
+    from mlxceld.roles.options import ReplicasOptions
+
+    s = situation()
+    s = replace(s, serve=replace(s.serve, node_role="router",
+                                 replicas=("10.0.0.2:19000", "mac-3:19000")))
+    assert draw_roster(s) == []  # its identity is its agent's address: not bound yet
+    spec = only(draw_roster(replace(s, agent_address="0.0.0.0:19000")))
+    assert spec.name == "router" and spec.secret == SECRET and spec.api_key == KEY
+    assert isinstance(spec.options, RouterOptions) and spec.options.pipeline is None
+    assert spec.options.replicas == ReplicasOptions(
+        agents=("10.0.0.2:19000", "mac-3:19000"), origin="0.0.0.0:19000",
+        cluster="mlxcel-cluster")
+    assert draw_roster(replace(s, agent_address="0.0.0.0:19000", serve=replace(
+        s.serve, model=None))) == []  # no model: no tokenizer to serve with

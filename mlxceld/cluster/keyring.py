@@ -112,9 +112,19 @@ class KeyringService:
                             primary=primary.hex())
         return True
 
-    def require(self, *, pp_auto: bool, placement: Placement | None) -> None:
-        """Fail closed: --pp-auto, or a cluster config of two or more stages (or hosts),
-        never runs without the cluster secret."""
+    def require(self, *, pp_auto: bool, placement: Placement | None,
+                router: bool = False) -> None:
+        """Fail closed: --pp-auto, --node-role router, or a cluster config of two or more
+        stages (or hosts), never runs without the cluster secret."""
+        if router and not len(self.keyring):
+            raise ConfigError(
+                "--node-role router needs the cluster secret to reach its replicas; none was "
+                "found in --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, "
+                "MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file or the keyring in "
+                f"{self.dir}",
+                hint="give the router and every replica the same secret: mlxctl secret "
+                "generate FILE, copy FILE (chmod 600) to each host, then pass "
+                "--cluster-secret-file FILE")
         if pp_auto and not len(self.keyring):
             raise ConfigError(
                 "--pp-auto needs the cluster secret to reach its peers; none was found in "

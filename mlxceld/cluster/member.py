@@ -32,10 +32,12 @@ from mlxceld.cluster.rotation import KeyOps, Rotator, serve_key_ops
 from mlxceld.config.daemon import Config
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.heartbeat import Heartbeats
-from mlxceld.discovery.inventory import serve_inventory
+from mlxceld.discovery.inventory import model_entry, serve_inventory
 from mlxceld.discovery.service import DiscoveryService
+from mlxceld.discovery.serving import port_of, serve_serving
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.net.agent import AgentService
+from mlxceld.roles import ROUTER
 from mlxceld.state import EventLog, LivenessTable, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
@@ -103,6 +105,10 @@ class ClusterMember:
                       "error": self._agent_error if not self.agent else None,
                       "keys": len(self._keyring)},
         }
+
+    def agent_address(self) -> str | None:
+        """The agent listener's address once bound (its port resolved), else None."""
+        return self.agent.address if self.agent is not None and self._agent_bound else None
 
     def nodes(self) -> JSON:
         c = self._slot.config
@@ -307,6 +313,7 @@ class ClusterMember:
                              silence_s=slot.config.liveness.suspect_after_s)
         serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports,
                         keyring=self._keyring)
+        serve_serving(agent, self._serving)
         serve_queries(agent, self._plans, asked=self._peer_asked)
         c = slot.config
         stages = LocalStageHost(slot, self._supervisor, self._events, cluster=c.cluster_name,
@@ -377,6 +384,16 @@ class ClusterMember:
             if not c.dry_run and self.may_coordinate():
                 self._coordinator.start(c.pp_auto, slot.served_model(),
                                         configured_model=c.serve.model)
+
+    async def _serving(self) -> JSON:
+        """The ``serving`` answer (``discovery/serving.py``): our node role, the port of our
+        router's serving listener (its stats), the identity of the model it serves."""
+        stats = await self._supervisor.stats()
+        router = stats.get(ROUTER)
+        entry = await asyncio.to_thread(model_entry, self._slot.served_model())
+        return {"role": self._slot.config.serve.node_role,
+                "port": port_of(router if isinstance(router, dict) else None),
+                "model": entry["identity"] if entry else None}
 
     def _healing(self, heal_after_s: float) -> Healing:
         """Self-healing's decisions, with the hosts of the plans the latest one superseded

@@ -67,6 +67,7 @@ from mlxceld.config.healing import heal_after
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
+from mlxceld.config.replicas import check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
@@ -99,6 +100,7 @@ FLAG_KEYS: dict[str, str] = {
     "--cluster-peers": "daemon.cluster_peers", "--cluster-discovery": "daemon.cluster_discovery",
     "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer",
     "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
+    "--node-role": "serve.node_role", "--replicas": "serve.replicas",
 }
 # ... and the flags that have none, with the reason.
 FLAG_ONLY: dict[str, str] = {
@@ -185,6 +187,8 @@ class Overrides:
     cluster_peers: str | None = None  # comma-separated, as given
     cluster_discovery: str | None = None
     stage_ports: str | None = None  # as given
+    node_role: str | None = None  # as given (config/replicas.py)
+    replicas: str | None = None  # comma-separated, as given
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -326,7 +330,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     workers = _workers(_table(data, "workers", where), policy, where)
     serve = parse_serve(_table(data, "serve", where), flags, base, where)
     socket = socket.expanduser().absolute()
-    return Config(
+    config = Config(
         state_dir=state_dir,
         socket=socket,
         socket_group=_socket_group(daemon, flags, socket, state_dir, where),
@@ -351,6 +355,12 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         workers=workers,
         serve=serve,
     )
+    check_no_pipeline(serve.node_role,
+                      "pp_auto (--pp-auto)" if config.pp_auto is not None
+                      else "pp_peer (--pp-peer)" if config.pp_peer
+                      else "distributed_config (--distributed-config)"
+                      if config.distributed_config is not None else None)
+    return config
 
 
 def _socket_group(daemon: Mapping[str, Any], flags: Overrides, socket: Path, state_dir: Path,

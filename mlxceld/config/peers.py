@@ -2,7 +2,8 @@
 
 Each entry is ``host:port`` as the cluster TOML writes addresses
 (``mlxceld.wire.address``): an IPv4 address, a hostname, or an IPv6 address
-in brackets (``[fd00::12]:19000``), with a port of 1-65535. Entries are
+in brackets (``[fd00::12]:19000``), with a port of 1-65535 (where a caller gives a
+``default_port``, a host alone takes that port: ``studio.local``, ``[fd00::12]``). Entries are
 normalized (canonical IPs, ``::ffff:a.b.c.d`` as the IPv4 address it carries,
 lowercase hostnames without a trailing dot, IPv6 back in brackets) and a
 duplicate is dropped, keeping the first. No DNS is asked here: a hostname is
@@ -22,10 +23,13 @@ PEERS_HINT: Final = ("write host:port pairs separated by commas, e.g. "
                      "192.168.1.11:19000,[fd00::12]:19000")
 
 
-def parse_peers(value: str | Sequence[str], what: str) -> tuple[str, ...]:
+def parse_peers(value: str | Sequence[str], what: str, *, default_port: int | None = None,
+                hint: str = PEERS_HINT) -> tuple[str, ...]:
     """The normalized, de-duplicated peers of a comma-separated string or a list of strings.
 
-    ``what`` names the flag or key in errors. An empty string means no peers.
+    ``what`` names the flag or key in errors, ``hint`` says how to write one. An empty
+    string means no peers. ``default_port``: the port of an entry that names a host alone
+    (else such an entry is refused).
     """
     entries = value.split(",") if isinstance(value, str) else list(value)
     if isinstance(value, str) and not value.strip():
@@ -33,17 +37,25 @@ def parse_peers(value: str | Sequence[str], what: str) -> tuple[str, ...]:
     peers: list[str] = []
     for entry in entries:
         if not isinstance(entry, str):
-            raise ConfigError(f"{what}: {entry!r} is not a string", hint=PEERS_HINT)
+            raise ConfigError(f"{what}: {entry!r} is not a string", hint=hint)
         text = entry.strip()
         if not text:
-            raise ConfigError(f"{what}: an empty entry in {value!r}", hint=PEERS_HINT)
+            raise ConfigError(f"{what}: an empty entry in {value!r}", hint=hint)
+        if default_port is not None and host_alone(text):
+            text = f"{text}:{default_port}"
         try:
             address = canonical_address(text)
         except ValueError as exc:
-            raise ConfigError(f"{what}: peer {text!r} {exc}", hint=PEERS_HINT) from None
+            raise ConfigError(f"{what}: peer {text!r} {exc}", hint=hint) from None
         if address not in peers:
             peers.append(address)
     if len(peers) > MAX_PEERS:
         raise ConfigError(f"{what}: {len(peers)} peers; at most {MAX_PEERS} are allowed",
                           hint="list the agent addresses of the hosts of one cluster only")
     return tuple(peers)
+
+
+def host_alone(text: str) -> bool:
+    """Whether ``text`` names a host without a port: a name or IPv4 address without ':',
+    or an IPv6 address in brackets (``[fd00::12]``)."""
+    return ":" not in text or (text.startswith("[") and text.endswith("]"))

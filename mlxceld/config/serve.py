@@ -19,6 +19,8 @@
                                     # pong to our heartbeat) this long is silent
     serving_port = 0                # with a cluster secret: the serving listener's port
                                     # (0: ephemeral), on the agent listener's host
+    node_role = "hybrid"            # hybrid | router: see mlxceld/config/replicas.py
+    replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -43,7 +45,9 @@ lost its network: no RST ever comes) is *silent*: requests on it end with a 503 
 it, new ones get 503 with ``Retry-After`` at once, ``/ready`` is 503, ``mlxctl status``
 says since when, and it is re-attached by itself when it answers again. It bounds the
 stage workers' links to each other too (set it alike on every node). Below a second it
-takes a short hiccup (a busy host, a Wi-Fi roam) for a lost host.
+takes a short hiccup (a busy host, a Wi-Fi roam) for a lost host. On a router node
+(``node_role = "router"``, ``config/replicas.py``) it bounds each replica's link the same
+way: a replica silent this long is down, and requests go to the others.
 
 ``serving_port`` (also ``--serving-port``): when the daemon holds the cluster secret, its
 router serves its engine to the cluster's routers too (``mlxceld/replicas/service.py``:
@@ -65,9 +69,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
+from mlxceld.config.replicas import (
+    HYBRID,
+    NodeRole,
+    check_role,
+    parse_replica_list,
+    parse_role,
+)
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
-from mlxceld.roles.options import PipelineOptions, RouterOptions, ServingOptions
+from mlxceld.roles.options import (
+    PipelineOptions,
+    ReplicasOptions,
+    RouterOptions,
+    ServingOptions,
+)
 from mlxceld.types import DEFAULT_SILENCE_S
 
 if TYPE_CHECKING:
@@ -78,7 +94,7 @@ log = logging.getLogger(__name__)
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
-              "max_tokens", "serving_port"}
+              "max_tokens", "serving_port", "node_role", "replicas"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,8 @@ class ServeConfig:
     stage_silence_s: float = DEFAULT_SILENCE_S
     max_tokens: int | None = None  # None: a completion is bounded by the context only
     serving_port: int = 0  # the serving listener's port, with a secret (0: ephemeral)
+    node_role: NodeRole = HYBRID  # config/replicas.py
+    replicas: tuple[str, ...] = ()  # a router's replicas' agent addresses, normalized
 
     @property
     def served_name(self) -> str:
@@ -144,6 +162,10 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         max_tokens=_max_tokens(flags.max_tokens, table, where),
         serving_port=_serving_port(flags.serving_port, table, where),
     )
+    role, role_from = parse_role(flags.node_role, table, where)
+    replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
+    check_role(role, role_from, replicas, replicas_from)
+    cfg = replace(cfg, node_role=role, replicas=replicas)
     model = flags.model or _typed(table, "model", str, where)
     if model:
         origin = "--model" if flags.model else f"{where}: 'serve.model'"
@@ -241,13 +263,16 @@ def _port(port: int, what: str) -> int:
 
 
 def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
-                   serving: ServingOptions | None = None) -> RouterOptions:
+                   serving: ServingOptions | None = None,
+                   replicas: ReplicasOptions | None = None) -> RouterOptions:
     """The router worker's options: ``cfg``'s model, locally or over ``pipeline``, and its
-    serving listener's (``serving``: None without a cluster secret)."""
+    serving listener's (``serving``: None without a cluster secret); or, on a router node,
+    over ``replicas``."""
     assert cfg.model is not None
     return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
-                         pipeline=pipeline, max_connections=cfg.max_connections,
+                         pipeline=pipeline, replicas=replicas,
+                         max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,

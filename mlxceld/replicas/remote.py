@@ -15,7 +15,9 @@ that long (stopped, asleep, off the network: no RST comes) is dropped.
 States: ``connecting`` until the first attempt ends; ``up`` while attached (only then
 does ``generate`` send anything); ``down`` once an attempt failed or the link ended,
 until a re-dial attaches again. ``last_error()`` says why it is down, naming the node
-by its id (its address and the causes' words go to the log only; never the secret).
+by its id (its address and the causes' words go to the log only; never the secret),
+and a resolver's ``MlxceldError`` message, which names no address (a router node's
+``ServingFinder``: another model, no serving listener yet, its agent unreachable).
 
 A sequence (``generate``) is sent over the current stream and its answers are read
 from that stream only (``protocol.py``'s result-frame rule): a ``token`` for a ``seq``
@@ -62,6 +64,7 @@ from mlxceld.engine.base import (
 )
 from mlxceld.engine.constraints import ConstraintError
 from mlxceld.engine.handoff import HandoffUnsupported
+from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
 from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
@@ -71,7 +74,9 @@ from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, 
 
 log = logging.getLogger(__name__)
 
-RESOLVE_S: Final = 5.0  # finding the node's serving address
+# Finding the node's serving address: a router node's resolve asks the node's agent,
+# 5 s to connect and 5 s for the answer (discovery/serving.py).
+RESOLVE_S: Final = 10.0
 DIAL_BUDGET_S: Final = 5.0  # TCP connect and handshake, retried within it
 ATTACH_TIMEOUT_S: Final = 5.0  # the node's answer to ``attach``
 DRAINING_RETRY_S: Final = 5  # Retry-After for a draining node: it stops, then restarts
@@ -198,6 +203,10 @@ class RemoteEngine:
         try:
             async with asyncio.timeout(RESOLVE_S):
                 self.address = await self._resolve()
+        except MlxceldError as exc:  # the resolver says why (discovery/serving.py)
+            log.info("%s: finding its serving address failed: %s", name, exc.message)
+            raise _LinkFailed(f"{name}: its serving address is not known: "
+                              f"{exc.message}") from exc
         except Exception as exc:  # the resolver's own failure, whatever it is
             log.info("%s: finding its serving address failed: %s", name, exc)
             raise _LinkFailed(f"{name}: its serving address is not known "

@@ -124,6 +124,22 @@ class PipelineOptions:
 
 
 @dataclass(frozen=True)
+class ReplicasOptions:
+    """The router's ``replicas`` (``--node-role router``): the hybrid nodes to route over,
+    by agent address, and who we are to them."""
+
+    agents: tuple[str, ...]  # each replica's agent address (config/replicas.py)
+    origin: str  # our agent listener's address: the identity we dial with
+    cluster: str
+
+    def __post_init__(self) -> None:
+        _check(len(self.agents) >= 1, "agents", "name at least one replica", self.agents)
+        for agent in self.agents:
+            _check_address("agents", agent)
+        _check_address("origin", self.origin)
+
+
+@dataclass(frozen=True)
 class ServingOptions:
     """The router's ``serving``: its engine served to the cluster's routers on an MXCL
     listener (``replicas/service.py``), when the daemon holds the cluster secret."""
@@ -152,6 +168,8 @@ class RouterOptions:
     max_batch: int
     max_queued: int
     pipeline: PipelineOptions | None = None  # None: the model runs in this process
+    # With --node-role router: the replicas to spread requests over (no model here).
+    replicas: ReplicasOptions | None = None
     # The OpenAI port's connections (control/connections.py says what each bounds).
     max_connections: int = 1024
     header_timeout_s: float = 10.0
@@ -164,6 +182,8 @@ class RouterOptions:
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(self.pipeline is None or self.replicas is None, "replicas",
+               "be null with a pipeline", self.replicas)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "be >= 1",
                self.max_tokens)
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)

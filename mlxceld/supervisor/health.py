@@ -26,7 +26,17 @@ def problems(workers: list[JSON]) -> list[JSON]:
             out.append(_problem(name, f"worker {name} does not answer health probes: "
                                 f"{w['reason']}", logs))
         out += _stage_links(w)
+        out += _replica_links(w)
     return out
+
+
+def _replica_links(w: JSON) -> list[JSON]:
+    """A router node's replicas that are down (from its stats, when asked)."""
+    return [_problem(r["replica"], f"worker {w['name']} cannot use replica {r['replica']} "
+                     f"(agent {r['agent']}): {r['error']}",
+                     f"on the replica's host (agent {r['agent']}): mlxctl status; it is used "
+                     f"again by itself once it serves; mlxctl logs {w['name']}")
+            for r in (w.get("stats") or {}).get("replicas") or [] if r.get("state") == "down"]
 
 
 def _stage_links(w: JSON) -> list[JSON]:

@@ -27,6 +27,14 @@ the worker's stats (``stages``: each stage's state, last error and heartbeat rou
 trip; ``tokens`` generated and ``tokens_per_s`` over the last ``pipeline/throughput.py``
 ``WINDOW_S``; refreshed every ``STATS_EVERY_S``) show in ``mlxctl status``.
 
+On a router node (``replicas``: ``ReplicasOptions``, ``--node-role router``) the engine
+is a pool of replicas (``workers/replica_router.py``): only the tokenizer is loaded here,
+the cluster secret arrives on the bootstrap pipe, the links to the replicas are kept up
+in the background from the start, ``GET /ready`` is 503 while no replica is up,
+``GET /router/stats`` answers the pool's stats, and the worker's stats carry
+``replicas`` (each one's node id, agent address, state and last error) for
+``mlxctl status``.
+
 Its control channel's ``pipeline`` op (``pipeline_op``) moves it to another plan's
 stages without a restart (``pipeline/switch.py``: new requests go to the new stages,
 running ones end on the old); the daemon uses it when a drain's re-plan serves
@@ -69,6 +77,7 @@ from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import format_address
+from mlxceld.workers.replica_router import replica_engine, replica_links
 from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
 
@@ -209,9 +218,11 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     engine: Any
     path = o.model
     try:
-        if o.pipeline is None:  # a pipeline's router holds no weights
+        if o.pipeline is None and o.replicas is None:  # those routers hold no weights
             set_wired_limit()
-        if o.pipeline is not None:
+        if o.replicas is not None:
+            engine, tokenizer = await asyncio.to_thread(replica_engine, ctx, o.replicas)
+        elif o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
             if names_a_repo(o.model):  # its weights fetched first, with progress
@@ -231,16 +242,21 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         sock.close()
         raise RuntimeError(f"cannot load model {o.model!r}: {exc}") from exc
     pipeline = o.pipeline is not None
+    pool = o.replicas is not None
+    linked = pipeline or pool  # an engine with links to keep up
     draining = Draining()
     ctx.ops["drain"] = lambda request: drain_op(draining, request)
-    if pipeline:
+    if linked:
         ctx.rekeyed.append(engine.rekey)
+    if pipeline:
         eos = set(tokenizer.eos_token_ids)
         ctx.ops["pipeline"] = lambda request: pipeline_op(ctx, engine, eos, request)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            max_tokens=o.max_tokens,
-                           readiness=engine.readiness if pipeline else None,
+                           readiness=engine.readiness if linked else None,
+                           router_stats=(lambda verbose: engine.stats(verbose=verbose))
+                           if pool else None,
                            draining=draining,
                            stage_links=engine.stages if pipeline else None)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
@@ -252,7 +268,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     try:
         service = await serving_service(ctx, engine, path)
         async with asyncio.TaskGroup() as tg:
-            linking = tg.create_task(engine.keep_linked()) if pipeline else None
+            linking = tg.create_task(engine.keep_linked()) if linked else None
             tg.create_task(server.serve(started))
             await started
             if service is not None:
@@ -267,6 +283,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                     rate = throughput.rate()
                     ctx.stats.update(tokens=engine.tokens, tokens_per_s=None if rate is None
                                      else round(rate, 2))
+                if o.replicas is not None:
+                    ctx.stats["replicas"] = replica_links(engine, o.replicas.agents)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()

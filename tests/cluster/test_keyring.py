@@ -165,6 +165,14 @@ def test_fails_closed_without_a_secret(svc: Service, tmp_path: Path) -> None:
         svc.keys.require(pp_auto=False, placement=placement(tmp_path, 2))
     svc.keys.require(pp_auto=False, placement=None)
     svc.keys.require(pp_auto=False, placement=placement(tmp_path, 1))  # one host, one stage
+    with pytest.raises(ConfigError) as err:
+        svc.keys.require(pp_auto=False, placement=None, router=True)
+    assert err.value.message.startswith("--node-role router needs the cluster secret")
+    for source in ("--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE",
+                   "MLXCEL_CLUSTER_SECRET,", "[daemon] cluster_secret_file",
+                   f"the keyring in {svc.keys.dir}"):
+        assert source in err.value.message, source
     svc.keys.install(S1, False, "test")
+    svc.keys.require(pp_auto=False, placement=None, router=True)
     svc.keys.require(pp_auto=True, placement=None)
     svc.keys.require(pp_auto=False, placement=placement(tmp_path, 2))

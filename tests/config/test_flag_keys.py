@@ -45,6 +45,8 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--pp-peer": (None, True, ()),  # a switch
     "--cluster-config-out": ("/srv/mx/out.toml", "/srv/mx/out.toml", ()),
     "--stage-ports": ("19100-19199", "19100-19199", ()),
+    "--node-role": ("router", "router", ("--replicas", "10.0.0.2")),
+    "--replicas": ("10.0.0.2,mac-3", ["10.0.0.2", "mac-3:19000"], ("--node-role", "router")),
     # A group that exists here; a group's socket may not be inside the state dir.
     "--socket-group": (GROUP, GROUP, ("--socket", "/run/mlxceld-flag-keys/ctl.sock")),
 }

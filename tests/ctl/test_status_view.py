@@ -130,3 +130,17 @@ def test_a_loading_stage_says_how_far_it_is() -> None:
                                                         "since": NOW - 3,
                                                         "step": "downloading"}}}]
     assert render.loading(fetching, NOW) == ["stage: downloading 25% of 2.0 GiB, 3 s"]
+
+
+def test_a_router_nodes_replicas_show_with_their_state_and_why_one_is_down() -> None:
+    worker = {"name": "router", "state": "running", "pid": 9, "restarts": 0, "healthy": True,
+              "stats": {"replicas": [
+                  {"replica": "replica-0", "agent": "localhost:19000", "state": "up",
+                   "connected": True, "error": None, "dispatched": 5},
+                  {"replica": "replica-1", "agent": "10.0.0.3:19000", "state": "down",
+                   "connected": False, "error": "node replica-1 is unreachable",
+                   "dispatched": 2}]}}
+    lines = "\n".join(render.replica_links([worker]))
+    assert "replicas of router: 1 of 2 up" in lines
+    assert "replica-1: node replica-1 is unreachable" in lines
+    assert "10.0.0.3:19000" in lines and "localhost:19000" in lines

@@ -55,3 +55,20 @@ def test_a_stage_failed_on_its_host_names_the_reason_and_the_command_there() -> 
     assert found["subject"] == "s1"
     assert found["message"] == f"worker router reads stage s1 failed: {said}"
     assert "(127.0.0.3:4000)" in found["next"] and "mlxctl restart stage there" in found["next"]
+
+
+def test_a_router_nodes_replica_that_is_down_is_a_problem_naming_it_and_why() -> None:
+    replicas = [{"replica": "replica-0", "agent": "localhost:19000", "state": "up",
+                 "connected": True, "error": None},
+                {"replica": "replica-1", "agent": "10.0.0.3:19000", "state": "down",
+                 "connected": False, "error": "the node at 10.0.0.3:19000 serves another "
+                 "model"},
+                {"replica": "replica-2", "agent": "10.0.0.4:19000", "state": "connecting",
+                 "connected": False, "error": None}]
+    found = problems([{**router(None), "stats": {"replicas": replicas}}])
+    assert found == [{"subject": "replica-1",
+                      "message": "worker router cannot use replica replica-1 (agent "
+                                 "10.0.0.3:19000): the node at 10.0.0.3:19000 serves another "
+                                 "model",
+                      "next": "on the replica's host (agent 10.0.0.3:19000): mlxctl status; "
+                              "it is used again by itself once it serves; mlxctl logs router"}]

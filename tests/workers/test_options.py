@@ -20,6 +20,7 @@ from mlxceld.roles.options import (
     EchoOptions,
     PipelineOptions,
     PipelineStage,
+    ReplicasOptions,
     RouterOptions,
     StageOptions,
     WorkerOptions,
@@ -33,6 +34,8 @@ PIPELINE = PipelineOptions(
     stages=(PipelineStage("stage-0", "127.0.0.2:19100", 0, (0, 2)),
             PipelineStage("stage-1", "[::1]:19101", 1, (2, 4))),
     coordinator="127.0.0.1:19000", model_identity="ab" * 32, cluster="c1")
+REPLICAS = ReplicasOptions(agents=("studio-2.local:19000", "[fd00::13]:19001"),
+                           origin="0.0.0.0:19000", cluster="c1")
 ROUTER = RouterOptions(model="/models/tiny", model_name="tiny", host="127.0.0.1", port=8080,
                        max_batch=8, max_queued=64)
 STAGE = StageOptions(model="/models/tiny", layers=(2, 4), node_id="stage-1", rank=1,
@@ -47,8 +50,8 @@ def test_every_role_has_its_options() -> None:
 
 @pytest.mark.parametrize("options", [
     EchoOptions(), EchoOptions(interval_s=0.2, crash_after_s=1, exit_code=3, ignore_term=True),
-    ROUTER, replace(ROUTER, pipeline=PIPELINE), STAGE,
-], ids=["echo", "echo-all", "router", "router-pipeline", "stage"])
+    ROUTER, replace(ROUTER, pipeline=PIPELINE), STAGE, replace(ROUTER, replicas=REPLICAS),
+], ids=["echo", "echo-all", "router", "router-pipeline", "stage", "router-replicas"])
 def test_options_cross_as_json_and_come_back_equal(options: WorkerOptions) -> None:
     wire = json.loads(json.dumps(options_json(options)))  # as the bootstrap pipe carries it
     back = parse_options(options.role, wire)
@@ -93,6 +96,18 @@ def stage(**change: Any) -> dict[str, Any]:
 ])
 def test_a_bad_stage_option_is_named(raw: object, said: str) -> None:
     assert refused("stage", raw) == said
+
+
+def test_a_router_over_replicas_and_a_pipeline_at_once_is_refused() -> None:
+    raw = options_json(replace(ROUTER, replicas=REPLICAS))
+    raw["pipeline"] = options_json(PIPELINE)
+    with pytest.raises(ConfigError, match=r"option 'options\.replicas' must be null with a "
+                       "pipeline"):
+        parse_options("router", raw)
+    with pytest.raises(ConfigError, match=r"option 'options\.replicas\.agents' must name at "
+                       "least one replica"):
+        parse_options("router", {**options_json(ROUTER), "replicas": {
+            "agents": [], "origin": "0.0.0.0:19000", "cluster": "c1"}})
 
 
 def test_a_bad_pipeline_stage_is_named_by_its_path() -> None:

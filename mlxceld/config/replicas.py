@@ -1,0 +1,109 @@
+"""A node's role in front of replicas: ``--node-role`` and ``--replicas`` ([serve] keys).
+
+``[serve]`` in the config file (flags win)::
+
+    [serve]
+    node_role = "router"            # hybrid (default) | router
+    replicas = ["studio-2.local", "192.168.1.12:19000", "[fd00::13]"]
+
+- ``hybrid`` (the default, today's behaviour): this daemon's router worker runs the
+  model itself (or a pipeline's stages) and serves the OpenAI port.
+- ``router``: a model-free router. Its router worker loads only the tokenizer and
+  config of ``[serve] model`` (the same files as on every replica) and spreads requests
+  over the hybrid nodes ``replicas`` names, each by its **agent address**
+  (``--agent-addr`` of that node's daemon): ``host:port``, a host name or IPv4 address
+  alone meaning the default agent port 19000, an IPv6 address in brackets. Names are
+  resolved when dialed. The replica's serving port is asked of its agent before every
+  dial (``discovery/serving.py``).
+
+Rules, checked here (exit 2 at start, naming both sides): ``router`` needs
+``replicas``; ``replicas`` needs ``router``; a router takes no pipeline of its own
+(``--pp-auto``, ``--pp-peer``, ``--distributed-config``). The router role needs the
+cluster secret too, checked once the daemon has read every source of it
+(``cluster/keyring.py``: ``KeyringService.require``). Finding replicas by discovery
+instead of listing them is not there yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal
+
+from mlxceld.config.peers import parse_peers
+from mlxceld.errors import ConfigError
+from mlxceld.wire.address import parse_address
+
+NodeRole = Literal["hybrid", "router"]
+HYBRID: Final = "hybrid"
+ROUTER_ROLE: Final = "router"
+NODE_ROLES: Final = (HYBRID, ROUTER_ROLE)  # prefill and decode come later
+DEFAULT_AGENT_PORT: Final = 19000
+REPLICAS_HINT: Final = ("name each replica by its agent address, separated by commas: "
+                        "host:port, or a host alone for port 19000, e.g. "
+                        "studio-2.local,192.168.1.12:19001,[fd00::13]")
+DISCOVERY_LATER: Final = ("finding replicas by discovery is not supported yet: list them")
+
+
+def parse_role(flag: str | None, table: Mapping[str, Any],
+               where: str) -> tuple[NodeRole, str]:
+    """The node role and where it was said (``--node-role`` or the file's key)."""
+    if flag is not None:
+        value: object = flag
+        what = "--node-role"
+    else:
+        value = table.get("node_role", HYBRID)
+        what = f"{where}: 'serve.node_role'"
+    if value == ROUTER_ROLE:
+        return ROUTER_ROLE, what
+    if value == HYBRID:
+        return HYBRID, what
+    raise ConfigError(f"{what}: {value!r} is not a node role; the roles are "
+                      f"{', '.join(NODE_ROLES)}",
+                      hint="hybrid (the default) runs the model here; router spreads "
+                      "requests over --replicas")
+
+
+def parse_replica_list(flag: str | None, table: Mapping[str, Any],
+                       where: str) -> tuple[tuple[str, ...], str]:
+    """The replicas' normalized agent addresses and where they were said."""
+    value: object
+    if flag is not None:
+        value, what = flag, "--replicas"
+    else:
+        value, what = table.get("replicas", []), f"{where}: 'serve.replicas'"
+        if not isinstance(value, list):
+            raise ConfigError(f"{what} must be a list of agent addresses, not {value!r}",
+                              hint='for example replicas = ["studio-2.local", '
+                              '"192.168.1.12:19001"]')
+    assert isinstance(value, str | Sequence)
+    replicas = parse_peers(value, what, default_port=DEFAULT_AGENT_PORT, hint=REPLICAS_HINT)
+    for address in replicas:
+        if parse_address(address).is_wildcard:
+            raise ConfigError(f"{what}: replica {address!r} is a wildcard, which names no "
+                              "host to dial", hint=REPLICAS_HINT)
+    return replicas, what
+
+
+def check_role(role: NodeRole, role_from: str, replicas: tuple[str, ...],
+               replicas_from: str) -> None:
+    """The first two rules of the module docstring."""
+    if role == ROUTER_ROLE and not replicas:
+        raise ConfigError(f"{role_from} router needs --replicas ([serve] replicas): the "
+                          "agent addresses of the hybrid nodes to route to",
+                          hint=f"for example --replicas studio-2.local,studio-3.local "
+                          f"({DISCOVERY_LATER})")
+    if replicas and role != ROUTER_ROLE:
+        raise ConfigError(f"{replicas_from} is for --node-role router ([serve] node_role = "
+                          f"\"router\") only; this node's role is {role}",
+                          hint="add --node-role router, or drop --replicas ([serve] "
+                          "replicas) to run the model here")
+
+
+def check_no_pipeline(role: NodeRole, pipeline: str | None) -> None:
+    """A router takes no pipeline: ``pipeline`` names the pipeline setting in force
+    (``--pp-auto`` ...), if any."""
+    if role == ROUTER_ROLE and pipeline is not None:
+        raise ConfigError(f"node_role router (--node-role) excludes {pipeline}: a router "
+                          "over replicas runs no pipeline of its own",
+                          hint="drop one of them; a replica may itself be a pipeline's "
+                          "coordinator")

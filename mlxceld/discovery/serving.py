@@ -1,0 +1,182 @@
+"""The ``serving`` exchange on MXCL channel 3 (agent): where a node serves requests.
+
+A router over replicas (``--node-role router``) names each replica by its agent
+address; before every dial of a replica it asks that agent where its serving
+listener is (``replicas/service.py``'s, run by the replica's router worker), and
+dials the agent's host at that port.
+
+Messages (the envelope of PROTOCOL.md section 4, header only, no tensors):
+
+======= ================ =====================================================
+type    direction        fields
+======= ================ =====================================================
+serving asker → agent    none besides ``t``: ``{"t": "serving"}``
+serving agent → asker    ``role``, ``port``, ``model``; exactly these keys
+error   agent → asker    ``reason`` (an agent that does not serve the type)
+======= ================ =====================================================
+
+- ``role``: the node role of the agent's daemon (``config/replicas.py``):
+  ``"hybrid"`` or ``"router"``.
+- ``port``: the TCP port of its serving listener, from its router worker's stats
+  (``serving``), an integer in 1-65535; ``null`` while none listens (no model,
+  the worker loading or restarting, or a router).
+- ``model``: the model identity (``models/identity.py``, 64 lowercase hex digits)
+  of what its router serves, ``null`` when it serves nothing or the identity
+  cannot be computed.
+
+The asker's budget (``ask_serving``): ``CONNECT_BUDGET_S`` (5 s) to connect and
+authenticate, then ``ANSWER_TIMEOUT_S`` (5 s) for the answer. ``ServingFinder``
+turns the answer into the address to dial, or a ``ServingNotFound`` that says why
+there is none (the member's ``last_error``; it is asked again at the next dial). Its
+message names no address (a member's error reaches clients' 503s and the redacted
+``/router/stats``): the member's node id and ``mlxctl status`` say which agent it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+from mlxceld.discovery.inventory import AGENT_CHANNEL
+from mlxceld.errors import MlxceldError
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net.agent import AgentService
+from mlxceld.types import JSON
+from mlxceld.wire import (
+    Envelope,
+    EnvelopeError,
+    MessageSpec,
+    SecretStore,
+    encode_envelope,
+    parse_envelope,
+)
+from mlxceld.wire.address import format_address, parse_address
+
+SERVING: Final = "serving"
+ANSWER_SPECS: Final = {SERVING: MessageSpec(), "error": MessageSpec()}
+KEYS: Final = frozenset({"t", "role", "port", "model"})
+ROLES: Final = frozenset({"hybrid", "router"})
+CONNECT_BUDGET_S: Final = 5.0
+ANSWER_TIMEOUT_S: Final = 5.0
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class ServingNotFound(MlxceldError):
+    """No serving listener to dial at a replica: unreachable agent, a bad answer, no
+    listener yet, another role or another model. ``message`` says which."""
+
+    code = "serving_not_found"
+
+
+def request() -> dict[str, Any]:
+    return {"t": SERVING}
+
+
+def serving_answer(role: str, port: int | None, model: str | None) -> dict[str, Any]:
+    return {"t": SERVING, "role": role, "port": port, "model": model}
+
+
+def parse_serving(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked answer; ``ServingNotFound`` names the first field out of bounds."""
+    if set(header) != KEYS:
+        raise ServingNotFound(f"its agent answered 'serving' with keys {sorted(header)}, "
+                              f"expected {sorted(KEYS)}")
+    if header["role"] not in ROLES:
+        raise ServingNotFound(f"its agent answered 'serving' with role "
+                              f"{str(header['role'])[:40]!r}")
+    port = header["port"]
+    if port is not None and (type(port) is not int or not 1 <= port <= 65535):
+        raise ServingNotFound("its agent answered 'serving' with a port outside 1-65535")
+    model = header["model"]
+    if model is not None and not (isinstance(model, str) and _HEX64.fullmatch(model)):
+        raise ServingNotFound("its agent answered 'serving' with a model that is not an "
+                              "identity (64 lowercase hex digits)")
+    return dict(header)
+
+
+def port_of(stats: Mapping[str, Any] | None) -> int | None:
+    """The serving listener's port in a router worker's ``stats`` (its ``serving``: the
+    port, or ``{"port": ...}``, or ``host:port``); None while there is none."""
+    value = (stats or {}).get("serving")
+    if isinstance(value, Mapping):
+        value = value.get("port")
+    if isinstance(value, str):
+        try:
+            value = parse_address(value).port
+        except ValueError:
+            return None
+    if type(value) is int and 1 <= value <= 65535:
+        return value
+    return None
+
+
+def serve_serving(agent: AgentService, answer: Callable[[], Awaitable[JSON]]) -> None:
+    """Answer ``serving`` on the agent channel with what ``answer`` says now
+    (``{role, port, model}``)."""
+
+    async def handle(stream: MxclStream, message: Envelope) -> None:
+        await stream.send(encode_envelope({"t": SERVING, **await answer()}))
+
+    agent.add_handler(AGENT_CHANNEL, SERVING, handle)
+
+
+async def ask_serving(origin: str, agent: str, *, keyring: SecretStore) -> dict[str, Any]:
+    """Ask the agent at ``agent`` (``host:port``) as the node whose agent is ``origin``;
+    the checked answer, or ``ServingNotFound`` saying why there is none. At most
+    ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S``."""
+    try:
+        stream = await connect_as(origin, agent, keyring=keyring, channel=AGENT_CHANNEL,
+                                  budget_s=CONNECT_BUDGET_S)
+    except HandshakeFailed as exc:
+        raise ServingNotFound(f"its agent cannot be reached ({exc.kind}): is its daemon "
+                              "up, with the same cluster secret?") from None
+    try:
+        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+            await stream.send(encode_envelope(request()))
+            answer = parse_envelope(await stream.recv(), ANSWER_SPECS)
+        if answer.type == "error":
+            raise ServingNotFound("its agent does not answer 'serving' (an older mlxceld?)")
+        return parse_serving(answer.header)
+    except TimeoutError:
+        raise ServingNotFound(f"its agent did not answer 'serving' within "
+                              f"{ANSWER_TIMEOUT_S:g} s") from None
+    except ConnectionClosed as exc:
+        raise ServingNotFound(f"its agent closed the stream ({exc.kind})") from None
+    except EnvelopeError as exc:
+        raise ServingNotFound(f"its agent answered out of bounds: {exc.reason}") from None
+    finally:
+        await stream.close()
+
+
+class ServingFinder:
+    """The ``resolve`` of a ``RemoteEngine``: the serving address of the replica whose
+    agent is at ``agent``, asked anew at every call (a restarted replica may listen on
+    another port). The replica must be a hybrid serving ``model_identity``; otherwise
+    ``ServingNotFound`` says what it is instead."""
+
+    def __init__(self, agent: str, *, origin: str, keyring: SecretStore,
+                 model_identity: str) -> None:
+        self.agent = agent
+        self._host = parse_address(agent).host  # a name stays a name: resolved at the dial
+        self._origin = origin
+        self._keyring = keyring
+        self._identity = model_identity
+
+    async def __call__(self) -> str:
+        answer = await ask_serving(self._origin, self.agent, keyring=self._keyring)
+        if answer["role"] != "hybrid":
+            raise ServingNotFound(f"it is a {answer['role']}, not a hybrid node serving the "
+                                  "model: list only hybrid nodes in --replicas")
+        if answer["model"] is None:
+            raise ServingNotFound("it serves no model (yet)")
+        if answer["model"] != self._identity:
+            raise ServingNotFound(
+                f"it serves another model (identity "
+                f"{answer['model'][:12]}…, ours {self._identity[:12]}…): give every replica "
+                "the same model files as the router")
+        if answer["port"] is None:
+            raise ServingNotFound("it has no serving listener (yet): its router is starting, "
+                                  "or it runs without the cluster secret")
+        return format_address(self._host, answer["port"])
