@@ -256,11 +256,11 @@ class Daemon:
     def cluster_nodes(self) -> JSON:
         return self.member.nodes()
 
-    async def plan_cluster(self, model: str, stages: int) -> JSON:
-        return await self.member.plan(model, stages)
+    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
+        return await self.member.plan(model, stages, replicas)
 
-    async def activate_cluster(self, model: str, stages: int) -> JSON:
-        return await self.member.activate(model, stages)
+    async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
+        return await self.member.activate(model, stages, replicas)
 
     async def deactivate_cluster(self) -> JSON:
         return await self.member.deactivate()

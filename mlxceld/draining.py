@@ -80,15 +80,18 @@ class Draining:
     def _known_node(self, node: str | None) -> str:
         host = self._host
         known = {self._local_node(), host.node.node_id, *(self.router_needs() or ())}
+        if host.placement is not None:  # over replica groups the router needs none of them
+            known |= {n.id for n in host.placement.cluster.stages}
         known |= {n["node_id"] for n in host.member.nodes()["nodes"] if n.get("node_id")}
         return known_node(node or self._local_node(), known)
 
     def router_needs(self) -> frozenset[str] | None:
         """This node, and over a pipeline its stages: by the cluster TOML's stage ids and,
-        for a plan coordinated here, by its hosts' node ids."""
+        for a plan coordinated here, by its hosts' node ids. Over replica groups only this
+        node: a drained stage host is not held from the router (``roster.router_needs``)."""
         host = self._host
         needs = router_needs(host.specs(host.config), {host.node.node_id, self._local_node()})
-        if needs is None or host.placement is None:
+        if needs is None or host.placement is None or host.placement.cluster.replicas > 1:
             return needs
         return needs | host.member.plan_node_ids()
 

@@ -42,6 +42,7 @@ from mlxceld.cluster.clusterfile.placement import (
     STAGE_WORKER,
     Placement,
     pipeline_options,
+    replica_pipelines,
     stage_options,
 )
 from mlxceld.config.daemon import Config
@@ -114,6 +115,8 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
     elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
         options = router_options(s.serve, pipeline_options(p) if p is not None else None,
                                  serving_options(s))
+        if p is not None and p.cluster.replicas > 1:  # the groups past the first
+            options = replace(options, replica_pipelines=replica_pipelines(p))
         keyed = p is not None or options.serving is not None
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
                                 secret=s.secret if keyed else None,
@@ -127,7 +130,7 @@ def serving_options(s: Situation) -> ServingOptions | None:
     listener's host and ``[serve] serving_port``; else None."""
     if s.secret is None or s.node_id is None:
         return None
-    host = parse_address(s.config.agent_addr).host
+    host = parse_address(s.config.agent_addr, port_zero=True).host  # 0: an ephemeral agent port
     cluster = s.placement.cluster.name if s.placement is not None else s.config.cluster_name
     return ServingOptions(format_address(host, s.serve.serving_port), s.node_id, cluster)
 
@@ -140,10 +143,13 @@ def model_policy(base: RestartPolicy) -> RestartPolicy:
 
 def router_needs(specs: list[WorkerSpec], own: set[str]) -> frozenset[str] | None:
     """The nodes the router's requests need: ``own`` (this node's ids), and a pipeline's
-    stages; None where the roster runs no router."""
+    stages; None where the roster runs no router. Over replica groups no stage is needed
+    by every request: a drained stage refuses new sequences and its group's are sent to
+    the other groups (``replicas/groups.py``)."""
     spec = next((s for s in specs if s.name == ROUTER), None)
     if spec is None:
         return None
-    if isinstance(spec.options, RouterOptions) and spec.options.pipeline is not None:
+    if (isinstance(spec.options, RouterOptions) and spec.options.pipeline is not None
+            and not spec.options.replica_pipelines):
         own = own | {s.node_id for s in spec.options.pipeline.stages}
     return frozenset(own)

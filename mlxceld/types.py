@@ -10,6 +10,7 @@ JSON = dict[str, Any]
 # [serve] stage_silence_s.
 DEFAULT_SILENCE_S: Final = 3.0
 MAX_PIPELINE_STAGES: Final = 64  # --pp-auto, [daemon] pp_auto, `mlxctl cluster plan|activate`
+MAX_REPLICAS: Final = 8  # replica groups: `mlxctl cluster plan|activate --replicas`, TOML's
 MAX_DRAIN_DEADLINE_S: Final = 7 * 24 * 3600.0  # the longest `mlxctl drain --deadline`
 
 
@@ -157,6 +158,7 @@ class PipelineStage(TypedDict):
     link: StageLinkView | None  # None: no router over it (yet)
     peer: PeerView | None
     drain: JSON | None  # its drain (GET /v1/drains' row), if it is drained
+    replica: NotRequired[int]  # its replica group, where the router serves 2 or more
 
 
 class PipelineRouter(TypedDict):

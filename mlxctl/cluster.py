@@ -35,7 +35,7 @@ from rich.console import Console
 from mlxceld.cluster.assignment.coordinator_round import PUSH_S
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
-from mlxceld.types import WorkerState
+from mlxceld.types import MAX_REPLICAS, WorkerState
 from mlxctl import render
 from mlxctl.edge import EXIT_FAILURE, call, emit, fail
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
@@ -54,6 +54,11 @@ cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery,
                           "bring-up.", no_args_is_help=True)
 
 
+ReplicasOpt = Annotated[int, typer.Option(
+    "--replicas", min=1, max=MAX_REPLICAS,
+    help="How many replicas: whole copies of the model, each a pipeline of --stages stages "
+    "on peers of its own, behind the one router (needs replicas x stages peers).")]
+
 @cluster_app.command()
 def nodes(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """List candidate peers: node id, address, version, key id, memory, state, last seen,
@@ -69,15 +74,18 @@ def plan(ctx: typer.Context,
                                             "a Hugging Face repo id.")],
          stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                              help="How many pipeline stages.")],
+         replicas: ReplicasOpt = 1,
          cluster_config_out: Annotated[Path | None, typer.Option(
              "--cluster-config-out", help="Write the plan as a cluster TOML here; "
              "mlxceld --distributed-config accepts it unchanged.")] = None,
          socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Plan a pipeline over the reachable peers (stage, node, address, layers, bytes,
-    headroom) and assign nothing. A plan that does not fit names the shortfall per node."""
+    headroom) and assign nothing. A plan that does not fit names the shortfall per node.
+    With --replicas R: R pipelines of --stages stages each, every one a whole copy of the
+    model, on R x stages peers."""
     resolved = _local(model)
     body = call(socket_path(ctx, socket), as_json,
-                lambda c: c.plan_cluster(resolved, stages))
+                lambda c: c.plan_cluster(resolved, stages, replicas))
     if cluster_config_out is not None:
         cluster_config_out.write_text(body["toml"])
     emit(as_json, "cluster-plan", body, lambda: render.cluster_plan(body))
@@ -94,8 +102,10 @@ def activate(ctx: typer.Context,
                                                 "host fetches what it needs).")],
              stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                                  help="How many pipeline stages.")],
+             replicas: ReplicasOpt = 1,
              socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
-    """Plan a pipeline, assign its stages to the peers and serve the router over it.
+    """Plan a pipeline, assign its stages to the peers and serve the router over it
+    (--replicas R: R pipelines, each a whole copy of the model, behind the one router).
 
     Plans as `cluster plan` does, then assigns the stages two-phase (offer, prepare,
     commit, activate: every peer or none), printing each peer's step and how far each
@@ -105,7 +115,7 @@ def activate(ctx: typer.Context,
     then 180 s for the router."""
     resolved = _local(model)
     outcome = call(socket_path(ctx, socket), as_json,
-                   lambda c: _activate(c, resolved, stages, as_json))
+                   lambda c: _activate(c, resolved, stages, as_json, replicas))
     if "refused" in outcome:
         err: ControlError = outcome["refused"]
         fail(as_json, EXIT_BUSY, err.code, err.message, err.hint)
@@ -178,10 +188,10 @@ async def _deactivate(c: ControlClient) -> dict[str, Any]:
 
 
 async def _activate(c: ControlClient, model: str, stages: int,
-                    quiet: bool) -> dict[str, Any]:
+                    quiet: bool, replicas: int = 1) -> dict[str, Any]:
     """Start the bring-up, print each peer's step until it ends, then wait for the router."""
     try:
-        started = (await c.activate_cluster(model, stages))["bringup"]
+        started = (await c.activate_cluster(model, stages, replicas))["bringup"]
     except ControlError as exc:
         if exc.code == "bringup_in_progress":
             return {"refused": exc}

@@ -255,11 +255,13 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
         since = duration(now - link["since"]) if link.get("since") else "-"
         rtt = f"{link['rtt_ms']:.1f} ms" if link.get("rtt_ms") is not None else "-"
         layers = f"[{s['layers'][0]}, {s['layers'][1]})" if s.get("layers") else "-"
-        rows.append([s.get("stage") or "-", s.get("node_id") or "-", layers,
+        group = _group(s, stages)
+        rows.append([*group, s.get("stage") or "-", s.get("node_id") or "-", layers,
                      (link.get("state") or "-").replace("_", " "), since, rtt,
                      link.get("address") or "-", peer.get("state") or "-",
                      _since(peer.get("since"), now), peer.get("key_id") or "-"])
-        colors.append([None, None, None, LINK_COLORS.get(link.get("state") or ""), None, None,
+        colors.append([*_blank(group), None, None, None,
+                       LINK_COLORS.get(link.get("state") or ""), None, None,
                        None, LIVENESS_COLORS.get(peer.get("state") or ""), None,
                        "red" if peer.get("key_stale") else None])
         if link.get("error"):
@@ -270,8 +272,9 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
     out = ["", "cluster: " + " · ".join(head), f"  {serving}"]
     if stages:
         out += [f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} "
-                "attached", table(["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS",
-                                   "PEER", "PEER SINCE", "KEY"], rows, colors), *errors]
+                "attached", table([*_group({"replica": "REPLICA"}, stages), "STAGE", "NODE",
+                                   "LAYERS", "LINK", "FOR", "RTT", "ADDRESS", "PEER",
+                                   "PEER SINCE", "KEY"], rows, colors), *errors]
     for p in view.get("other_peers") or []:
         out.append(f"peer {p.get('node_id') or '-'} ({p['address']}, no stage): "
                    f"{p.get('state') or 'not watched'} since {_since(p.get('since'), now)}, "
@@ -296,6 +299,17 @@ def drain_line(d: dict[str, Any], now: float) -> str:
             f"{deadline}: {d.get('finished', 0)} finished, {d.get('ended', 0)} ended")
 
 
+def _group(s: Any, stages: list[Any]) -> list[str]:
+    """The REPLICA cell of a stage's row (``s``), where the router serves replica groups
+    (its stages carry ``replica``); else no cell."""
+    return [str(s.get("replica", "-"))] if any("replica" in t for t in stages) else []
+
+
+def _blank(cells: list[str]) -> list[str | None]:
+    """No colour for each of ``cells``."""
+    return [None for _ in cells]
+
+
 def stage_links(workers: list[dict[str, Any]]) -> list[str]:
     """A pipeline router's stages: whether each is attached, and why not (its stats)."""
     out: list[str] = []
@@ -307,14 +321,18 @@ def stage_links(workers: list[dict[str, Any]]) -> list[str]:
         rows, colors, errors = [], [], []
         for s in stages:
             since = duration(now - s["since"]) if s.get("since") else "-"
-            rows.append([s["stage"], s["address"], f"[{s['layers'][0]}, {s['layers'][1]})",
+            group = _group(s, stages)
+            rows.append([*group, s["stage"], s["address"],
+                         f"[{s['layers'][0]}, {s['layers'][1]})",
                          s["state"].replace("_", " "), since])
-            colors.append([None, None, None, LINK_COLORS.get(s["state"]), None])
+            colors.append([*_blank(group), None, None, None, LINK_COLORS.get(s["state"]),
+                           None])
             if s.get("error"):
                 errors.append(f"  {s['stage']}: {s['error']}")
         attached = sum(1 for s in stages if s.get("connected"))
         out += ["", f"stages of {w['name']}: {attached} of {len(stages)} attached",
-                table(["STAGE", "ADDRESS", "LAYERS", "LINK", "FOR"], rows, colors), *errors]
+                table([*_group({"replica": "REPLICA"}, stages), "STAGE", "ADDRESS", "LAYERS",
+                       "LINK", "FOR"], rows, colors), *errors]
     return out
 
 

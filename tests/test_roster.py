@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,20 @@ def test_the_same_situation_gives_the_same_roster() -> None:
     assert not STATE.exists()
 
 
+
+
+@pytest.mark.parametrize("agent_addr", ["0.0.0.0:19000", "127.0.0.1:0"])
+def test_a_keyed_router_serves_on_the_agent_host_even_with_an_ephemeral_agent_port(
+        agent_addr: str) -> None:
+    """An agent listener on port 0 (the system picks one) is a valid agent address; the
+    serving listener takes its host. Before, such a daemon crashed drawing its roster."""
+    c = Config(state_dir=STATE, socket=STATE / "s.sock", policy=POLICY, agent_addr=agent_addr)
+    s = dataclasses.replace(situation(config=c), node_id="node-a")
+    spec = only(draw_roster(s))
+    assert isinstance(spec.options, RouterOptions) and spec.options.serving is not None
+    host = agent_addr.rsplit(":", 1)[0]
+    assert spec.options.serving.address == f"{host}:0"
+    assert spec.secret == SECRET
 def test_a_router_node_runs_its_router_over_the_replicas_once_its_agent_is_bound() -> None:
     from dataclasses import replace
 

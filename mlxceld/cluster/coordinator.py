@@ -89,7 +89,8 @@ class Served:
 
     epoch: int
     model: str
-    peers: tuple[str, ...]  # agent addresses, in rank order
+    peers: tuple[str, ...]  # agent addresses, in rank order (group by group)
+    replicas: int = 1  # replica groups (healer.py heals and re-plans only 1)
 
 
 class CoordinatorSlot(Protocol):
@@ -139,22 +140,22 @@ class Coordinator:
         """A bring-up (an operator's, a resume, a heal) or a deactivation runs."""
         return self._busy
 
-    async def plan(self, model: str, stages: int) -> JSON:
+    async def plan(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """`mlxctl cluster plan`: ``propose``, shown. Assigns nothing."""
-        return dict((await self.propose(model, stages)).to_json())
+        return dict((await self.propose(model, stages, replicas=replicas)).to_json())
 
-    async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan"
-                      ) -> Proposal:
+    async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan",
+                      *, replicas: int = 1) -> Proposal:
         """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local
-        directory) over the reachable ones that are not drained (the plan's notes say
-        which are)."""
+        directory; ``replicas`` groups of them) over the reachable ones that are not
+        drained (the plan's notes say which are)."""
         path = await asyncio.to_thread(model_dir, model, what)  # a repo id: may fetch
         require_splittable(path, what)  # before any peer is asked
         candidates = await self._discovery.refresh()
         # In a thread: a repo id's shards this host lacks are priced from the Hub's headers.
         return await asyncio.to_thread(
             make_plan, candidates, path, stages, cluster=self._cluster,
-            coordinator=self._identity, drained=self._drained())
+            coordinator=self._identity, drained=self._drained(), replicas=replicas)
 
     def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
         """At the daemon's start, in the background: resume the latest plan if it is
@@ -199,17 +200,19 @@ class Coordinator:
             if task is not None:
                 task.cancel()
 
-    async def activate(self, model: str, stages: int) -> JSON:
+    async def activate(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """`mlxctl cluster activate`: plan now (a plan that does not fit is raised here, as
-        `mlxctl cluster plan` would), then push it and serve the router over it.
+        `mlxctl cluster plan` would), then push it and serve the router over it; with
+        ``replicas`` groups, every group's stages in the one push (one plan, one epoch).
         Returns the state at once, with the plan's epoch; poll ``state`` for the rest."""
         self._claim()
         before = self.state
         try:
             path = str(await asyncio.to_thread(model_dir, model, "mlxctl cluster activate"))
-            self.state = {"state": "planning", "model": path, "stages": stages,
+            self.state = {"state": "planning", "model": path, "stages": stages * replicas,
                           "summary": ""}
-            proposal = await self.propose(path, stages, "mlxctl cluster activate")
+            proposal = await self.propose(path, stages, "mlxctl cluster activate",
+                                          replicas=replicas)
         except BaseException:  # refused at once (the caller hears why): nothing happened
             self.state, self._busy = before, False
             raise
@@ -393,7 +396,8 @@ class Coordinator:
         placement = await asyncio.to_thread(place, path, "coordinator", model)
         await self._slot.serve_pipeline(placement, live=live)
         row = self._plans.get(epoch)
-        self.serving = Served(epoch, model, row.peers if row else ())
+        self.serving = Served(epoch, model, row.peers if row else (),
+                              placement.cluster.replicas)
         self._bringup.active(epoch, summary)
 
     async def heal(self, proposal: Proposal, old: Served, why: str, *, live: bool = False
@@ -435,8 +439,8 @@ class Coordinator:
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
     """What the push offers: each stage to the agent of the node it was planned on."""
     return PushPlan(cluster, proposal.model_identity, proposal.toml,
-                    tuple(StageOffer(s.node.key, s.rank, s.layers, s.stage_id, s.node.stage_port)
-                          for s in proposal.plan.stages))
+                    tuple(StageOffer(s.node.key, s.index, s.layers, s.stage_id,
+                                     s.node.stage_port) for s in proposal.plan.stages))
 
 
 def config_differences(plan: PlanRow, n: int | None, configured: str | None,

@@ -51,6 +51,13 @@ plan to heal. A heal is a bring-up: `mlxctl cluster activate` during one is refu
 (``BringUpInProgress``), and `mlxctl cluster deactivate` is too until the heal's push
 is decided, then it ends the push and takes over, as for any bring-up.
 
+Replica groups (`mlxctl cluster activate --replicas R`, R > 1) are neither healed nor
+re-planned around a drain: the plan of such a heal or re-plan is refused (``heal.refused``,
+``drain.no_fit``, naming why), and the plan stays as it is. The router's replica pool
+already sends new requests to the groups whose stages are all up; a group with a dead or
+drained host serves again when that host is back, or after `mlxctl cluster deactivate`
+and `mlxctl cluster activate` plan the groups anew.
+
 Bounds: a look is dict reads; the poll at most 10 s (``DiscoveryService.refresh``); the
 push as any bring-up's (``coordinator_round.PUSH_S``, then ``ACTIVATE_FOR_S``); a fence
 ``deactivation.CONNECT_S`` + ``ANSWER_S``, tried again while the host is alive and has
@@ -276,6 +283,12 @@ class Healer:
                   peers=list(new.peers), fenced_later=sorted(self._healing.unfenced()))
 
     async def _propose(self, heal: Heal | Replan, served: Served) -> Proposal:
+        if served.replicas > 1:
+            raise PlanRefused(f"plan {served.epoch} has {served.replicas} replica groups, "
+                              "which are not healed or re-planned yet: the router sends new "
+                              "requests to the groups whose stages are all up",
+                              hint="bring the host back, or mlxctl cluster deactivate, then "
+                              "mlxctl cluster activate --replicas to plan the groups anew")
         if not heal.alive:
             raise PlanRefused("no host is alive to plan over",
                               hint="bring a host back or start another peer")

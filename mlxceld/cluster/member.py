@@ -201,18 +201,18 @@ class ClusterMember:
 
     # -- mlxctl cluster plan|activate|deactivate, --dry-run ---------------------------------
 
-    async def plan(self, model: str, stages: int) -> JSON:
+    async def plan(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
-        return await self._coordinating().plan(model, stages)
+        return await self._coordinating().plan(model, stages, replicas)
 
-    async def activate(self, model: str, stages: int) -> JSON:
+    async def activate(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
         serves in our task group; the answer carries the plan's epoch."""
         coordinator = self._pushing_plans("activate")
         if self._slot.stopping or self._tg is None:
             raise DaemonError("the daemon is shutting down and starts no bring-up",
                               hint="start it again, then activate")
-        return await coordinator.activate(model, stages)
+        return await coordinator.activate(model, stages, replicas)
 
     async def deactivate(self) -> JSON:
         """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every

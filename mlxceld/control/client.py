@@ -67,16 +67,16 @@ class ControlClient:
     async def cluster_nodes(self) -> JSON:
         return await self._get("/v1/cluster/nodes")
 
-    async def plan_cluster(self, model: str, stages: int) -> JSON:
+    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """Plan (never assign): the daemon polls every candidate first, up to 10 s."""
         return await self._request("POST", "/v1/cluster/plan", timeout=PLAN_TIMEOUT_S,
-                                   body={"model": model, "stages": stages})
+                                   body=_plan_body(model, stages, replicas))
 
-    async def activate_cluster(self, model: str, stages: int) -> JSON:
+    async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """Plan, then push and serve in the daemon's background (answer: the bring-up with
         its epoch); poll ``status()["bringup"]`` for each peer's progress."""
         return await self._request("POST", "/v1/cluster/activate", timeout=PLAN_TIMEOUT_S,
-                                   body={"model": model, "stages": stages})
+                                   body=_plan_body(model, stages, replicas))
 
     async def deactivate_cluster(self) -> JSON:
         """End the plan on every peer and stop the router; the answer names each peer's
@@ -184,3 +184,11 @@ class ControlClient:
                 return await step
         except TimeoutError as exc:
             raise timed_out(self.socket_path) from exc
+
+
+def _plan_body(model: str, stages: int, replicas: int) -> JSON:
+    """`cluster plan|activate`'s body; ``replicas`` only when more than one (as before)."""
+    body: JSON = {"model": model, "stages": stages}
+    if replicas != 1:
+        body["replicas"] = replicas
+    return body

@@ -69,14 +69,18 @@ def pipeline_view(status: JSON, nodes: JSON, drains: list[JSON],
         peer = by_peer.get(name) or {}
         address = peer.get("address")
         node = peer.get("node_id")
-        stages.append({
+        link = by_link.get(name) or {}
+        row: PipelineStage = {
             "stage": name, "rank": rank, "node_id": node, "address": address,
             "layers": peer.get("layers") or (by_link.get(name) or {}).get("layers"),
             "assignment": peer.get("state"),
             "link": _link(by_link.get(name)),
             "peer": members.get(address) if address else None,
             "drain": by_drain.get(node or "") or by_drain.get(name or ""),
-        })
+        }
+        if "replica" in link:  # a router over replica groups (replicas/groups.py)
+            row["replica"] = link["replica"]
+        stages.append(row)
     serving = status.get("serving") or {}
     in_plan = {s["address"] for s in stages if s["address"]}
     ids = {**{r["address"]: r.get("node_id") for r in nodes.get("liveness") or []},

@@ -114,15 +114,15 @@ class Endpoints:
 
     async def plan(self, request: Request) -> Response:
         asked = await PlanRequest.read(request, "plan")
-        return answer("cluster_plan", **await self.daemon.plan_cluster(asked.model,
-                                                                        asked.stages))
+        return answer("cluster_plan", **await self.daemon.plan_cluster(
+            asked.model, asked.stages, asked.replicas))
 
     async def activate(self, request: Request) -> Response:
         """Plan now, push and serve in the background: 202 with the bring-up (its epoch);
         `GET /v1/status` shows its progress as ``bringup``."""
         self._admitting()
         asked = await PlanRequest.read(request, "activate")
-        state = await self.daemon.activate_cluster(asked.model, asked.stages)
+        state = await self.daemon.activate_cluster(asked.model, asked.stages, asked.replicas)
         return answer("cluster_activate", 202, bringup=state)
 
     async def deactivate(self, request: Request) -> Response:

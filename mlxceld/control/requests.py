@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from mlxceld.control.bodies import read_bounded
 from mlxceld.errors import BadRequest, RequestTooLarge
-from mlxceld.types import MAX_DRAIN_DEADLINE_S, MAX_PIPELINE_STAGES
+from mlxceld.types import MAX_DRAIN_DEADLINE_S, MAX_PIPELINE_STAGES, MAX_REPLICAS
 
 QUERY_HINT: Final = "check the query parameters"
 MAX_BODY_BYTES: Final = 1 << 20  # the largest body mlxctl sends is a few hundred bytes
@@ -95,6 +95,9 @@ class Body:
             raise self.refuse(name, f"must be an integer from {low} to {high}")
         return value
 
+    def optional_integer(self, name: str, low: int, high: int, default: int) -> int:
+        return default if self._fields.get(name) is None else self.integer(name, low, high)
+
     def optional_number(self, name: str, low: float, high: float) -> float | None:
         value = self._fields.get(name)
         if value is None:
@@ -128,16 +131,20 @@ async def _bounded_body(request: Request, hint: str) -> bytes:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """`mlxctl cluster plan` and `mlxctl cluster activate`."""
+    """`mlxctl cluster plan` and `mlxctl cluster activate` (``replicas``: 1 when left
+    out)."""
 
     model: str
     stages: int
+    replicas: int = 1
 
     @classmethod
     async def read(cls, request: Request, command: str) -> PlanRequest:
-        body = await Body.read(request, f'{{"model": DIR, "stages": 1..{MAX_PIPELINE_STAGES}}}',
+        body = await Body.read(request, f'{{"model": DIR, "stages": 1..{MAX_PIPELINE_STAGES}, '
+                               f'"replicas": 1..{MAX_REPLICAS} (optional)}}',
                                f"see `mlxctl cluster {command} --help`")
-        return cls(body.text("model"), body.integer("stages", 1, MAX_PIPELINE_STAGES))
+        return cls(body.text("model"), body.integer("stages", 1, MAX_PIPELINE_STAGES),
+                   body.optional_integer("replicas", 1, MAX_REPLICAS, 1))
 
 
 @dataclass(frozen=True)

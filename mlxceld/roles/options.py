@@ -208,9 +208,14 @@ class RouterOptions:
     # The most tokens one completion generates (None: what is left of the context).
     max_tokens: int | None = None
     serving: ServingOptions | None = None  # None: no serving listener (no cluster secret)
+    # Replica groups past the first (``pipeline`` is replica 0): each a whole pipeline;
+    # the router pools them (replicas/groups.py). Empty: one pipeline, as before.
+    replica_pipelines: tuple[PipelineOptions, ...] = ()
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(not self.replica_pipelines or self.pipeline is not None, "replica_pipelines",
+               "come with a pipeline (replica 0)", self.replica_pipelines)
         _check(self.pipeline is None or self.replicas is None, "replicas",
                "be null with a pipeline", self.replicas)
         _check(self.handoff is None or (self.pipeline is None and self.replicas is None

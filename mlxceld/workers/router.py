@@ -27,6 +27,11 @@ the worker's stats (``stages``: each stage's state, last error and heartbeat rou
 trip; ``tokens`` generated and ``tokens_per_s`` over the last ``pipeline/throughput.py``
 ``WINDOW_S``; refreshed every ``STATS_EVERY_S``) show in ``mlxctl status``.
 
+Over replica groups (``replica_pipelines``: a cluster TOML's ``[cluster] replicas``,
+`mlxctl cluster activate --replicas`) each group is a pipeline engine of its own and the
+groups one pool (``replicas/groups.py``): ``GET /ready`` is 503 only while no group has
+all its stages attached, ``GET /router/stats`` shows each group (``replica-<i>``), and
+the stats' ``stages`` every group's stages, each with its ``replica``.
 On a router node (``replicas``: ``ReplicasOptions``, ``--node-role router``) the engine
 is a pool of replicas (``workers/replica_router.py``): only the tokenizer is loaded here,
 the cluster secret arrives on the bootstrap pipe, the links to the replicas are kept up
@@ -42,7 +47,8 @@ engine on the serving listener only (``workers/handoff_node.py``).
 Its control channel's ``pipeline`` op (``pipeline_op``) moves it to another plan's
 stages without a restart (``pipeline/switch.py``: new requests go to the new stages,
 running ones end on the old); the daemon uses it when a drain's re-plan serves
-(``daemon.serve_pipeline``), and restarts the router where it is refused.
+(``daemon.serve_pipeline``), and restarts the router where it is refused (always over
+replica groups).
 
 With ``serving`` (``ServingOptions``: the daemon holds the cluster secret) it serves its
 engine to the cluster's routers too, on the serving listener (``replicas/service.py``:
@@ -80,7 +86,7 @@ from mlxceld.models.fetch import fetch_whole, names_a_repo
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
-from mlxceld.wire.address import format_address
+from mlxceld.wire.address import format_address, parse_address
 from mlxceld.workers.handoff_node import run_handoff_node
 from mlxceld.workers.replica_router import replica_engine, replica_links
 from mlxceld.workers.runtime import WorkerContext, load_reporter
@@ -118,8 +124,24 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
     context = int(config.get("max_position_embeddings") or 4096)
-    engine = stages_engine(ctx, pipe, context, set(tokenizer.eos_token_ids))
-    return PipelineSwitch(engine), tokenizer
+    eos = set(tokenizer.eos_token_ids)
+    if ctx.options.replica_pipelines:
+        return grouped_engine(ctx, (pipe, *ctx.options.replica_pipelines), context, eos), \
+            tokenizer
+    return PipelineSwitch(stages_engine(ctx, pipe, context, eos)), tokenizer
+
+
+def grouped_engine(ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+                   context: int, eos: set[int]) -> Any:
+    """Replica groups (``replicas/groups.py``): each group's stages behind a
+    ``PipelineSwitch``, the groups behind one pool."""
+    from mlxceld.pipeline.switch import PipelineSwitch
+    from mlxceld.replicas.groups import GroupedPipelines, GroupMember
+
+    members = [GroupMember(i, PipelineSwitch(stages_engine(ctx, pipe, context, eos)),
+                           parse_address(pipe.stages[0].address).canonical())
+               for i, pipe in enumerate(groups)]
+    return GroupedPipelines(members, model_id=ctx.options.model_name, context_length=context)
 
 
 def stages_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions, context: int,
@@ -157,6 +179,9 @@ def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
         return {"ok": False, "error": exc.message}
     assert isinstance(new, RouterOptions)
     old = ctx.options
+    if old.replica_pipelines or new.replica_pipelines:
+        return {"ok": False, "error": "a router over replica groups moves to another plan "
+                "by a restart"}
     if new.pipeline is None or replace(new, pipeline=old.pipeline) != old:
         return {"ok": False, "error": "more than the pipeline's stages changed: restart"}
     switch.switch(stages_engine(ctx, new.pipeline, switch.context_length, eos))
@@ -265,7 +290,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            max_tokens=o.max_tokens,
                            readiness=engine.readiness if linked else None,
                            router_stats=(lambda verbose: engine.stats(verbose=verbose))
-                           if pool else None,
+                           if pool or o.replica_pipelines else None,
                            draining=draining,
                            stage_links=engine.stages if pipeline else None)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)

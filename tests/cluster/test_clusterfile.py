@@ -465,6 +465,7 @@ def test_unknown_key_hint_lists_the_known_keys(tmp_path: Path) -> None:
     data["cluster"]["size"] = 2
     err = refused(tmp_path, data, "cluster.size")
     assert err.hint == ("known keys here: cluster.name, cluster.pipeline_parallel_size, "
+                        "cluster.replicas, "
                         "cluster.secret_file, cluster.model")
 
 

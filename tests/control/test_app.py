@@ -77,11 +77,11 @@ class FakeDaemon:
         self._called("cluster_nodes")
         return {"nodes": []}
 
-    async def plan_cluster(self, model: str, stages: int) -> JSON:
+    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
         self._called("plan_cluster")
         return {"model": model, "stages": stages}
 
-    async def activate_cluster(self, model: str, stages: int) -> JSON:
+    async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
         self._called("activate_cluster")
         return {"state": "planning", "model": model, "stages": stages}
 
@@ -179,6 +179,8 @@ def test_a_bad_query_parameter_is_a_400_that_names_it(daemon: FakeDaemon, path: 
     ("/v1/cluster/plan", {"model": "/m", "stages": 0}, "stages"),
     ("/v1/cluster/plan", {"model": "/m", "stages": True}, "stages"),
     ("/v1/cluster/activate", {"model": "", "stages": 2}, "model"),
+    ("/v1/cluster/activate", {"model": "/m", "stages": 1, "replicas": 9}, "replicas"),
+    ("/v1/cluster/plan", {"model": "/m", "stages": 1, "replicas": 0}, "replicas"),
     ("/v1/serve", {"model": 3}, "model"),
     ("/v1/serve", {"model": "/m", "model_name": 5}, "model_name"),
     ("/v1/secrets", {"primary": True}, "secret_hex"),

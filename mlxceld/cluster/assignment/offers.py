@@ -13,7 +13,9 @@ in this order, and refuses at the first problem:
 6. the layer range: the TOML must cover exactly the layers of
    the peer's own checkpoint, and its stage there must have
    the offered range                                            final
-7. the node id: ``stage-<index>``, the node of that rank        back to waiting
+7. the node id: ``stage-<index>``, the node of that index      back to waiting
+   (the offer's ``stage`` is the stage's index in the TOML's
+   stages, group by group with replicas: its rank with one)
 8. the stage port: inside this peer's ``stage_ports`` range,
    when it has one (``stage_ports.py``)                         back to waiting
    the listener: the TOML places this peer's stage at the

@@ -21,17 +21,20 @@ from mlxceld.cluster.clusterfile.model import (
 )
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 from mlxceld.errors import ConfigError
+from mlxceld.types import MAX_REPLICAS
 from mlxceld.wire.address import parse_address
 
 TOP_KEYS: Final = ("cluster", "nodes")
-CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "secret_file", "model")
-NODE_KEYS: Final = ("id", "address", "role", "rank", "layers", "resources")
+CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model")
+NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resources")
 RESOURCE_KEYS: Final = ("memory_bytes",)
 # Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
 # TOML does not describe yet: refused as "not supported yet", not as typos.
 LATER_ROLES: Final = frozenset({"hybrid", "prefill", "decode", "tensor_parallel_rank", "tp",
                                 "pipeline_tensor_parallel", "pp_tp", "2d"})
 ID_HINT = 'give every node a unique id of 1-128 printable characters, e.g. id = "stage-0"'
+REPLICA_HINT = ("with [cluster] replicas = R, every pipeline_stage names its group: "
+                "replica = 0 .. R-1")
 ADDRESS_HINT = "write host:port, e.g. 192.168.1.10:19100, or [fd00::10]:19100 for IPv6"
 LAYERS_HINT = "for example layers = [0, 14]: layers 0 to 13 (the end is excluded)"
 
@@ -54,7 +57,13 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
     size = _int(cluster, "pipeline_parallel_size", where, "cluster.", minimum=1)
     if size is None:
         raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is missing",
-                          hint="set it to the number of pipeline_stage nodes")
+                          hint="set it to the number of stages in each replica")
+    replicas = _int(cluster, "replicas", where, "cluster.", minimum=1)
+    replicas = 1 if replicas is None else replicas
+    if replicas > MAX_REPLICAS:
+        raise ConfigError(f"{where}: 'cluster.replicas' is {replicas}, more than the "
+                          f"{MAX_REPLICAS} a cluster serves",
+                          hint=f"set replicas = 1 .. {MAX_REPLICAS}")
     nodes = data.get("nodes")
     if not nodes:
         raise ConfigError(f"{where}: there are no [[nodes]]",
@@ -68,12 +77,13 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
         pipeline_parallel_size=size,
         secret_file=_path_str(cluster, "secret_file", where),
         model=_path_str(cluster, "model", where),
-        nodes=tuple(_node(raw, i, where) for i, raw in enumerate(nodes)),
+        nodes=tuple(_node(raw, i, where, replicas) for i, raw in enumerate(nodes)),
         path=path,
+        replicas=replicas,
     )
 
 
-def _node(raw: Mapping[str, Any], i: int, where: str) -> NodeConfig:
+def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConfig:
     node_id = raw.get("id")
     problem = "is missing" if node_id is None else name_problem(node_id)
     at = f"{where}: nodes[{i}]" if problem else f"{where}: node {node_id!r}"
@@ -92,8 +102,10 @@ def _node(raw: Mapping[str, Any], i: int, where: str) -> NodeConfig:
     role = _role(raw, at)
     rank = _int(raw, "rank", at, "", minimum=0)
     layers = _layers(raw, at)
+    replica = _int(raw, "replica", at, "", minimum=0)
+    group = 0
     if role == COORDINATOR:
-        for key in ("rank", "layers"):
+        for key in ("rank", "layers", "replica"):
             if key in raw:
                 raise ConfigError(f"{at}: a coordinator has no '{key}'",
                                   hint="remove it: the coordinator runs the router (the "
@@ -108,8 +120,23 @@ def _node(raw: Mapping[str, Any], i: int, where: str) -> NodeConfig:
             raise ConfigError(f"{at}: 'address' {address!r} is a wildcard, which cannot be dialed",
                               hint="give the address the stage before it (or the coordinator) "
                               "dials: the host's own IP or hostname")
+        group = _replica(replica, replicas, at)
     return NodeConfig(id=node_id, address=address, host=addr.host, port=addr.port, role=role,
-                      rank=rank, layers=layers, memory_bytes=_resources(raw, at))
+                      rank=rank, layers=layers, memory_bytes=_resources(raw, at),
+                      replica=group)
+
+
+def _replica(replica: int | None, replicas: int, at: str) -> int:
+    """A stage's group: 0 when left out with one replica; required with more."""
+    if replica is None:
+        if replicas > 1:
+            raise ConfigError(f"{at}: 'replica' is missing ([cluster] replicas is {replicas})",
+                              hint=REPLICA_HINT)
+        return 0
+    if replica >= replicas:
+        raise ConfigError(f"{at}: 'replica' is {replica}, but [cluster] replicas is "
+                          f"{replicas} (groups 0..{replicas - 1})", hint=REPLICA_HINT)
+    return replica
 
 
 def _role(raw: Mapping[str, Any], at: str) -> Role:

@@ -4,7 +4,9 @@
 
     [cluster]
     name = "mlxcel-cluster"          # default "mlxcel-cluster"
-    pipeline_parallel_size = 2       # the number of pipeline_stage nodes
+    pipeline_parallel_size = 2       # the stages of each replica
+    replicas = 1                     # optional, 1-8: whole copies of the model, each
+                                     # a pipeline of its own (stages say replica = i)
     secret_file = "secret"           # optional; relative to this file's directory
     model = "models/qwen3"           # optional; relative to this file's directory
 
@@ -17,6 +19,7 @@
     id = "stage-0"
     address = "127.0.0.2:19100"      # its MXCL channel-1 listener
     role = "pipeline_stage"
+    replica = 0                      # its group; may be left out when replicas = 1
     rank = 0
     layers = [0, 14]                 # [start, end)
     [nodes.resources]
@@ -88,6 +91,8 @@ def dump_cluster(cfg: ClusterConfig) -> str:
     lines = ["# A cluster of mlxceld nodes; see mlxcel-cluster.toml(5).", "[cluster]",
              f"name = {_string(cfg.name)}",
              f"pipeline_parallel_size = {cfg.pipeline_parallel_size}"]
+    if cfg.replicas > 1:
+        lines.append(f"replicas = {cfg.replicas}")
     if cfg.secret_file is not None:
         lines.append(f"secret_file = {_string(cfg.secret_file)}")
     if cfg.model is not None:
@@ -95,6 +100,8 @@ def dump_cluster(cfg: ClusterConfig) -> str:
     for n in cfg.nodes:
         lines += ["", "[[nodes]]", f"id = {_string(n.id)}", f"address = {_string(n.address)}",
                   f"role = {_string(n.role)}"]
+        if cfg.replicas > 1 and n.is_stage:
+            lines.append(f"replica = {n.replica}")
         if n.rank is not None:
             lines.append(f"rank = {n.rank}")
         if n.layers is not None:

@@ -2,6 +2,11 @@
 
 Built and validated by ``mlxceld.cluster.clusterfile.load.load_cluster``; a value made
 by hand is checked when ``write_cluster`` writes it.
+
+Replica groups: a cluster of ``replicas`` R serves R whole copies of the model, each a
+pipeline of ``pipeline_parallel_size`` S stages (its *group*: the stages of one
+``replica``); the coordinator's router spreads requests over the groups. With R = 1
+there is one group, replica 0, as before.
 """
 
 from __future__ import annotations
@@ -36,16 +41,20 @@ class NodeConfig:
     rank: int | None = None
     layers: tuple[int, int] | None = None
     memory_bytes: int | None = None
+    replica: int = 0  # a stage's group (0 on the coordinator, which has none)
 
     @property
     def is_stage(self) -> bool:
         return self.role == PIPELINE_STAGE
 
     def describe(self) -> str:
-        """``node 'stage-1' (rank 1, layers [14, 28])`` for messages."""
+        """``node 'stage-1' (rank 1, layers [14, 28])`` for messages (``replica 1, rank
+        1, ...`` in a group past the first)."""
         if self.layers is None:
             return f"node {self.id!r}"
-        return f"node {self.id!r} (rank {self.rank}, layers [{self.layers[0]}, {self.layers[1]}])"
+        group = f"replica {self.replica}, " if self.replica else ""
+        return (f"node {self.id!r} ({group}rank {self.rank}, layers [{self.layers[0]}, "
+                f"{self.layers[1]}])")
 
 
 @dataclass(frozen=True)
@@ -59,11 +68,24 @@ class ClusterConfig:
     model: str | None
     nodes: tuple[NodeConfig, ...]
     path: Path
+    replicas: int = 1  # groups of pipeline_parallel_size stages, each a whole model
 
     @property
     def stages(self) -> tuple[NodeConfig, ...]:
-        """The pipeline stages in rank order."""
-        return tuple(sorted((n for n in self.nodes if n.is_stage), key=lambda n: n.rank or 0))
+        """The pipeline stages in (replica, rank) order: group 0's, then group 1's, ..."""
+        return tuple(sorted((n for n in self.nodes if n.is_stage),
+                            key=lambda n: (n.replica, n.rank or 0)))
+
+    @property
+    def groups(self) -> tuple[tuple[NodeConfig, ...], ...]:
+        """Each replica's stages in rank order, replica 0 first (one group when R = 1)."""
+        stages = self.stages
+        return tuple(tuple(n for n in stages if n.replica == i)
+                     for i in range(self.replicas))
+
+    def group_of(self, node_id: str) -> tuple[NodeConfig, ...]:
+        """The stages of ``node_id``'s group in rank order (group 0 for the coordinator)."""
+        return self.groups[select_node(self, node_id).replica]
 
     @property
     def coordinator(self) -> NodeConfig:
@@ -93,56 +115,63 @@ class ClusterConfig:
         return None if self.secret_file is None else TomlSecretFile(self.secret_file, self.path)
 
     def upstream_of(self, node_id: str) -> NodeConfig | None:
-        """Who sends activations to ``node_id``: the stage of the rank before, the
-        coordinator for rank 0, nobody for the coordinator."""
-        order = self._flow()
+        """Who sends activations to ``node_id``: the stage of the rank before in its
+        group, the coordinator for rank 0, nobody for the coordinator."""
+        order = self._flow(node_id)
         i = order.index(select_node(self, node_id))
         return order[i - 1] if i > 0 else None
 
     def downstream_of(self, node_id: str) -> NodeConfig | None:
-        """Whom ``node_id`` sends activations to: rank 0 for the coordinator, the next
-        rank for a stage, nobody for the last stage (it answers the coordinator with
-        token ids, not activations)."""
-        order = self._flow()
+        """Whom ``node_id`` sends activations to: rank 0 (of group 0) for the
+        coordinator, the next rank of its group for a stage, nobody for a group's last
+        stage (it answers the coordinator with token ids, not activations)."""
+        order = self._flow(node_id)
         i = order.index(select_node(self, node_id))
         return order[i + 1] if i + 1 < len(order) else None
 
-    def _flow(self) -> list[NodeConfig]:
-        return [self.coordinator, *self.stages]
+    def _flow(self, node_id: str) -> list[NodeConfig]:
+        return [self.coordinator, *self.group_of(node_id)]
 
 
 class StageEntry(NamedTuple):
-    """One stage of ``pipeline_cluster``: its id, address, layers [start, end) and memory."""
+    """One stage of ``pipeline_cluster``: its id, address, layers [start, end), memory
+    and replica group."""
 
     id: str
     address: str
     layers: tuple[int, int]
     memory_bytes: int | None = None
+    replica: int = 0
 
 
 def pipeline_cluster(name: str, model: str | Path | None, coordinator: tuple[str, str],
                      stages: Sequence[StageEntry], *, secret_file: str | Path | None = None,
                      path: Path = Path("cluster.toml")) -> ClusterConfig:
     """A pipeline's cluster TOML as a value: the coordinator ``(id, address)`` and each
-    stage in rank order; ``model`` and ``secret_file`` as written (relative to ``path``'s
-    directory unless absolute). Not checked: ``write_cluster`` (or ``parse_cluster_text``
-    over ``dump_cluster``) checks it. Raises ``ConfigError`` for an address that is not
-    ``host:port``."""
+    stage, group by group (``StageEntry.replica``: 0, 0, 1, 1 for two replicas of two
+    stages), in rank order within its group; ``model`` and ``secret_file`` as written
+    (relative to ``path``'s directory unless absolute). Not checked: ``write_cluster``
+    (or ``parse_cluster_text`` over ``dump_cluster``) checks it. Raises ``ConfigError``
+    for an address that is not ``host:port``."""
+    replicas = max((s.replica for s in stages), default=0) + 1
     nodes = [_node(coordinator[0], coordinator[1], None, None, None)]
-    nodes += [_node(s.id, s.address, rank, s.layers, s.memory_bytes)
-              for rank, s in enumerate(stages)]
-    return ClusterConfig(name=name, pipeline_parallel_size=len(stages),
+    ranks: dict[int, int] = {}
+    for s in stages:
+        rank = ranks[s.replica] = ranks.get(s.replica, -1) + 1
+        nodes.append(_node(s.id, s.address, rank, s.layers, s.memory_bytes, s.replica))
+    return ClusterConfig(name=name, pipeline_parallel_size=len(stages) // replicas,
                          secret_file=None if secret_file is None else str(secret_file),
                          model=None if model is None else str(model), nodes=tuple(nodes),
-                         path=path)
+                         path=path, replicas=replicas)
 
 
 def _node(node_id: str, address: str, rank: int | None, layers: tuple[int, int] | None,
-          memory: int | None) -> NodeConfig:
+          memory: int | None, replica: int = 0) -> NodeConfig:
     where = parse_address(address)
     return NodeConfig(id=node_id, address=address, host=where.host, port=where.port,
                       role=COORDINATOR if rank is None else PIPELINE_STAGE,
-                      rank=rank, layers=layers, memory_bytes=memory)
+                      rank=rank, layers=layers, memory_bytes=memory,
+                      replica=replica)
 
 
 def select_node(cfg: ClusterConfig, node_id: str) -> NodeConfig:

@@ -54,7 +54,8 @@ class Placement:
         return {"name": self.cluster.name, "file": str(self.cluster.path),
                 "node": self.node.id, "role": self.node.role, "address": self.node.address,
                 "layers": list(self.node.layers) if self.node.layers else None,
-                "stages": len(self.cluster.stages), "model": str(self.model),
+                "stages": len(self.cluster.stages), "replicas": self.cluster.replicas,
+                "model": str(self.model),
                 "model_identity": self.model_identity}
 
 
@@ -84,7 +85,7 @@ def stage_options(p: Placement, *, standby: bool = False,
     loaded and not serving until activated; ``silence_s``: its links' heartbeat bound)."""
     cfg, node = p.cluster, p.node
     assert node.layers is not None and node.rank is not None
-    stages = cfg.stages
+    stages = cfg.group_of(node.id)  # its neighbours are those of its own replica
     up = stages[node.rank - 1] if node.rank > 0 else None
     down = stages[node.rank + 1] if node.rank + 1 < len(stages) else None
     ring = len(stages) > 1  # the last stage sends each continuing token to the first
@@ -99,9 +100,21 @@ def stage_options(p: Placement, *, standby: bool = False,
 
 
 def pipeline_options(p: Placement) -> PipelineOptions:
-    """The router's ``pipeline`` option: the stages to drive and who we are."""
+    """The router's ``pipeline`` option: the stages to drive (replica 0's) and who we
+    are."""
+    return group_options(p, 0)
+
+
+def replica_pipelines(p: Placement) -> tuple[PipelineOptions, ...]:
+    """The router's ``replica_pipelines``: replica 1's stages, replica 2's, ... (empty
+    with one replica)."""
+    return tuple(group_options(p, i) for i in range(1, p.cluster.replicas))
+
+
+def group_options(p: Placement, replica: int) -> PipelineOptions:
+    """Replica group ``replica``'s stages as a ``PipelineOptions``."""
     stages = []
-    for s in p.cluster.stages:
+    for s in p.cluster.groups[replica]:
         assert s.rank is not None and s.layers is not None  # a stage node has both
         stages.append(PipelineStage(node_id=s.id, address=s.address, rank=s.rank,
                                     layers=s.layers))

@@ -1,9 +1,10 @@
 """Rules across the nodes of a cluster TOML, and against its model's layer count.
 
 The fields of each node are already checked (``fields``); these rules
-look at the nodes together: unique ids and addresses, one coordinator, ranks
-0..N-1, and layer ranges that follow each other in rank order without a gap or
-an overlap, so that no layer is ever silently dropped or run twice.
+look at the nodes together: unique ids and addresses (across every group), one
+coordinator, and in each replica group ``pipeline_parallel_size`` stages with ranks
+0..N-1 and layer ranges that follow each other in rank order without a gap or an
+overlap, so that no layer is ever silently dropped or run twice.
 """
 
 from __future__ import annotations
@@ -27,20 +28,34 @@ def check_cluster(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{where}: no node has role {PIPELINE_STAGE!r}",
                           hint=f'add [[nodes]] tables with role = "{PIPELINE_STAGE}", a rank '
                           "and their layers")
-    if cfg.pipeline_parallel_size != len(stages):
+    if cfg.replicas == 1 and cfg.pipeline_parallel_size != len(stages):
         ids = ", ".join(repr(n.id) for n in stages)
         raise ConfigError(
             f"{where}: 'cluster.pipeline_parallel_size' is {cfg.pipeline_parallel_size}, but "
             f"{len(stages)} node(s) have role {PIPELINE_STAGE!r} ({ids})",
             hint=f"set pipeline_parallel_size = {len(stages)}, or add or remove stages")
-    _ranks(stages, where)
-    _contiguous(cfg.stages, where)
+    for i, group in enumerate(cfg.groups):
+        if cfg.replicas > 1 and len(group) != cfg.pipeline_parallel_size:
+            ids = ", ".join(repr(n.id) for n in group) or "none"
+            raise ConfigError(
+                f"{where}: replica {i} has {len(group)} stage(s) ({ids}), but "
+                f"'cluster.pipeline_parallel_size' is {cfg.pipeline_parallel_size}: every "
+                "replica is a whole pipeline of that many stages",
+                hint=f"give replica {i} ranks 0..{cfg.pipeline_parallel_size - 1} (replica = "
+                f"{i} on each), or change pipeline_parallel_size or replicas")
+        _ranks(group, where)
+        _contiguous(group, where)
 
 
 def validate_layers(cfg: ClusterConfig, num_layers: int) -> None:
-    """The stages cover the model's ``num_layers`` exactly: no layer missing, none extra."""
+    """Each group's stages cover the model's ``num_layers`` exactly: no layer missing,
+    none extra."""
+    for group in cfg.groups:
+        _covers(cfg, group, num_layers)
+
+
+def _covers(cfg: ClusterConfig, stages: Sequence[NodeConfig], num_layers: int) -> None:
     where = str(cfg.path)
-    stages = cfg.stages
     past = next((s for s in stages if _range(s)[1] > num_layers), None)
     if past is not None:
         raise ConfigError(
@@ -96,6 +111,7 @@ def _one_coordinator(nodes: Sequence[NodeConfig], where: str) -> None:
 
 
 def _ranks(stages: Sequence[NodeConfig], where: str) -> None:
+    """The ranks of one group are 0..N-1, one each."""
     by_rank: dict[int, NodeConfig] = {}
     for n in stages:
         assert n.rank is not None
@@ -107,7 +123,8 @@ def _ranks(stages: Sequence[NodeConfig], where: str) -> None:
     missing = sorted(set(range(len(stages))) - set(by_rank))
     if missing:
         ranks = ", ".join(str(r) for r in sorted(by_rank))
-        raise ConfigError(f"{where}: no stage has rank {missing[0]}: the ranks of "
+        group = f" of replica {stages[0].replica}" if stages[0].replica else ""
+        raise ConfigError(f"{where}: no stage{group} has rank {missing[0]}: the ranks of "
                           f"{len(stages)} stages are 0 to {len(stages) - 1}, not {ranks}",
                           hint=RANK_HINT)
 

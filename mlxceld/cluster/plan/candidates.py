@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 from mlxceld.cluster.clusterfile.load import dump_cluster
 from mlxceld.cluster.plan.model import Plan, PlanNode, usable_memory
 from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
-from mlxceld.cluster.plan.solver import plan_stages
+from mlxceld.cluster.plan.solver import plan_replicas
 from mlxceld.errors import PlanRefused
 from mlxceld.models.fetch import model_name
 from mlxceld.models.identity import model_identity
@@ -84,14 +84,15 @@ class Proposal:
 
 
 def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluster: str,
-              coordinator: str, drained: frozenset[str] = frozenset()) -> Proposal:
-    """The plan over ``candidates`` but the ``drained`` node ids, with its table, its
-    cluster TOML and notes; raises ``PlanRefused`` (naming the shortfall per node) when it
-    does not fit."""
+              coordinator: str, drained: frozenset[str] = frozenset(),
+              replicas: int = 1) -> Proposal:
+    """The plan over ``candidates`` but the ``drained`` node ids (``replicas`` groups of
+    ``stages`` stages), with its table, its cluster TOML and notes; raises
+    ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
     identity = model_identity(model)
     nodes, notes = plan_nodes(candidates, identity, drained)
     try:
-        plan = plan_stages(layer_profile(model), stages, nodes)
+        plan = plan_replicas(layer_profile(model), stages, replicas, nodes)
     except PlanRefused as exc:
         if not notes:
             raise

@@ -1,6 +1,7 @@
 """A pipeline plan as values: the candidate nodes, the memory reserve, the stages.
 
-``solver.plan_stages`` makes a ``Plan``; ``Plan.to_cluster`` turns it into the
+``solver.plan_stages`` makes a ``Plan`` (``solver.plan_replicas``: one of several
+replica groups, each a whole pipeline); ``Plan.to_cluster`` turns it into the
 cluster TOML that ``--distributed-config`` reads unchanged.
 
 Usable memory is what a node offers for a stage: the memory its inventory
@@ -89,17 +90,26 @@ class Reserve:
 
 @dataclass(frozen=True)
 class PlannedStage:
-    """Stage ``rank`` (``stage-<rank>``): layers [start, end) on ``node``."""
+    """Stage ``rank`` of replica group ``replica`` (``stage-<index>``, its index among
+    all the plan's stages, group by group: ``stage-<rank>`` with one replica): layers
+    [start, end) on ``node``. ``group_start``: the index of its group's rank 0."""
 
     rank: int
     node: PlanNode
     layers: tuple[int, int]
     weight_bytes: int
     reserve_bytes: int
+    replica: int = 0
+    group_start: int = 0
+
+    @property
+    def index(self) -> int:
+        """Its place in the plan's stages (and the offer's ``stage``)."""
+        return self.group_start + self.rank
 
     @property
     def stage_id(self) -> str:
-        return f"stage-{self.rank}"
+        return f"stage-{self.index}"
 
     @property
     def address(self) -> str:
@@ -117,14 +127,20 @@ class PlannedStage:
 @dataclass(frozen=True)
 class Plan:
     """Stages in rank order (their nodes in lexicographic order of canonical address),
-    the layers covered once each; ``spare``: the candidates left out; ``layer_bytes``:
-    each layer's weights as the profile priced them (what the split balanced)."""
+    the layers covered once each (group by group with ``replicas`` groups); ``spare``:
+    the candidates left out; ``layer_bytes``: each layer's weights as the profile priced
+    them (what the split balanced)."""
 
     stages: tuple[PlannedStage, ...]
     num_layers: int
     reserve: Reserve
     spare: tuple[PlanNode, ...] = field(default=())
     layer_bytes: tuple[int, ...] = field(default=())
+    replicas: int = 1  # groups of len(stages) // replicas stages, group 0's first
+
+    @property
+    def stages_per_replica(self) -> int:
+        return len(self.stages) // self.replicas
 
     @property
     def fits(self) -> bool:
@@ -140,6 +156,6 @@ class Plan:
         nodes at one address)."""
         draft = pipeline_cluster(
             name, model, (COORDINATOR_ID, coordinator_address),
-            [StageEntry(s.stage_id, s.address, s.layers, s.node.memory_usable_bytes)
-             for s in self.stages], secret_file=secret_file, path=path)
+            [StageEntry(s.stage_id, s.address, s.layers, s.node.memory_usable_bytes,
+                        s.replica) for s in self.stages], secret_file=secret_file, path=path)
         return parse_cluster_text(dump_cluster(draft), path)

@@ -7,7 +7,7 @@ colour it); the JSON is ``mlxctl.cluster.plan/1``, all sizes in bytes.
 
 from __future__ import annotations
 
-from typing import Final, Literal, TypedDict
+from typing import Final, Literal, NotRequired, TypedDict
 
 from mlxceld.cluster.plan.model import Plan, PlanNode
 
@@ -27,6 +27,7 @@ class PlanStageJSON(TypedDict):
     reserve_bytes: int
     usable_bytes: int
     headroom_bytes: int
+    replica: NotRequired[int]  # its replica group; only in a plan of 2 replicas or more
 
 
 class SpareNodeJSON(TypedDict):
@@ -47,6 +48,7 @@ class PlanJSON(TypedDict):
     reserve: ReserveJSON
     stages: list[PlanStageJSON]
     spare: list[SpareNodeJSON]
+    replicas: NotRequired[int]  # only in a plan of 2 replicas or more
 
 
 def human_bytes(n: int) -> str:
@@ -62,18 +64,24 @@ def human_bytes(n: int) -> str:
 
 
 def render_plan_table(plan: Plan) -> str:
-    """One row per stage, then a line on the layers' sizes, one on the reserve and one
-    on any spare nodes."""
-    rows = [(s.stage_id, s.node.node_id, s.address, f"[{s.layers[0]}, {s.layers[1]})",
+    """One row per stage (with 2 replicas or more, each row's replica group first), then
+    a line on the layers' sizes, one on the reserve and one on any spare nodes."""
+    groups = plan.replicas > 1
+    headers = ("REPLICA", *HEADERS) if groups else HEADERS
+    rows = [((str(s.replica),) if groups else ()) + (
+             s.stage_id, s.node.node_id, s.address, f"[{s.layers[0]}, {s.layers[1]})",
              human_bytes(s.weight_bytes), human_bytes(s.reserve_bytes),
              human_bytes(s.node.memory_usable_bytes), human_bytes(s.headroom_bytes))
             for s in plan.stages]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-             for row in (HEADERS, *rows)]
+             for row in (headers, *rows)]
     if plan.layer_bytes:
         lines.append("layer weights: " + layer_runs(plan.layer_bytes))
     r = plan.reserve
+    if groups:
+        lines.append(f"{plan.replicas} replicas of {plan.stages_per_replica} stage(s), each "
+                     "a whole copy of the model")
     lines.append(f"{len(plan.stages)} stage(s), {plan.num_layers} layers; reserve per stage: "
                  f"KV cache for {r.context_tokens} tokens + "
                  f"{human_bytes(r.activation_bytes)} activations")
@@ -100,7 +108,17 @@ def layer_runs(layer_bytes: tuple[int, ...], most: int = 6) -> str:
 
 
 def plan_json(plan: Plan) -> PlanJSON:
-    """The plan as ``mlxctl.cluster.plan/1``."""
+    """The plan as ``mlxctl.cluster.plan/1`` (with ``replicas``, and each stage's
+    ``replica``, when it has 2 replicas or more)."""
+    out = _plan_json(plan)
+    if plan.replicas > 1:
+        out["replicas"] = plan.replicas
+        for row, s in zip(out["stages"], plan.stages, strict=True):
+            row["replica"] = s.replica
+    return out
+
+
+def _plan_json(plan: Plan) -> PlanJSON:
     return {
         "schema": SCHEMA,
         "num_layers": plan.num_layers,

@@ -30,11 +30,18 @@ uses: O(n * w * log w) cost evaluations for w = layers - n + 1 (about 70 000
 for 100 nodes and 200 layers). Ties go to the smallest boundary, last stage
 first. When the result does not fit, ``PlanRefused`` names every stage that is
 short, by how much, and what to do.
+
+``plan_replicas(profile, n, r, nodes)`` plans ``r`` replica groups of ``n`` stages
+each, every one a whole copy of the model: group 0 is ``plan_stages`` over all the
+candidates, group 1 over those group 0 left, and so on, so each group takes the
+candidates with the most memory of those left. It needs ``r * n`` candidates; a group
+that does not fit is refused by number, saying how many groups did fit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import accumulate
 from typing import Final
 
@@ -54,7 +61,8 @@ from mlxceld.models.profile import LayerProfile
 
 __all__ = ["DEFAULT_ACTIVATION_BYTES", "DEFAULT_CONTEXT_TOKENS", "SAFETY_FRACTION", "SCALE",
            "Plan", "PlanJSON", "PlanNode", "PlanRefused", "PlannedStage", "Reserve",
-           "human_bytes", "plan_json", "plan_stages", "render_plan_table", "usable_memory"]
+           "human_bytes", "plan_json", "plan_replicas", "plan_stages", "render_plan_table",
+           "usable_memory"]
 
 SCALE: Final = 1 << 80  # a stage's cost weight is SCALE // its usable memory
 
@@ -79,6 +87,42 @@ def plan_stages(profile: LayerProfile, stages: int, nodes: Sequence[PlanNode], *
     if not plan.fits:
         raise _refused(profile, plan)
     return plan
+
+
+def plan_replicas(profile: LayerProfile, stages: int, replicas: int,
+                  nodes: Sequence[PlanNode], *, reserve: Reserve | None = None) -> Plan:
+    """The plan of ``replicas`` groups of ``stages`` stages over ``nodes`` (the module
+    docstring); ``plan_stages`` when ``replicas`` is 1. Raises ``PlanRefused``."""
+    if replicas == 1:
+        return plan_stages(profile, stages, nodes, reserve=reserve)
+    if replicas < 1:
+        raise ConfigError(f"a plan of {replicas} replicas is empty",
+                          hint="plan 1 replica or more")
+    left = _rank(nodes)
+    _check_counts(profile, stages, left)
+    if len(left) < stages * replicas:
+        found = ", ".join(f"{n.node_id!r} ({n.key})" for n in left)
+        raise PlanRefused(f"plan refused: {replicas} replicas of {stages} stage(s) need "
+                          f"{stages * replicas} peers, and {len(left)} are candidates: "
+                          f"{found}; {len(left) // stages} replica(s) would fit in number",
+                          hint="start more peers (mlxceld --pp-peer), or plan fewer replicas "
+                          "or fewer stages")
+    groups: list[Plan] = []
+    for i in range(replicas):
+        try:
+            group = plan_stages(profile, stages, left, reserve=reserve)
+        except PlanRefused as exc:
+            raise PlanRefused(f"plan refused: {i} of {replicas} replicas fit; replica {i}, "
+                              f"over the {len(left)} candidates left: {exc.message}",
+                              hint=f"plan {i} replica(s), or {REFUSED_HINT}",
+                              shortfalls=exc.shortfalls) from exc
+        groups.append(group)
+        left = list(group.spare)
+    planned = tuple(replace(s, replica=i, group_start=i * stages)
+                    for i, g in enumerate(groups) for s in g.stages)
+    first = groups[0]
+    return Plan(planned, first.num_layers, first.reserve, groups[-1].spare,
+                first.layer_bytes, replicas=replicas)
 
 
 def _rank(nodes: Sequence[PlanNode]) -> list[PlanNode]:

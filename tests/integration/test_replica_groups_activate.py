@@ -1,0 +1,130 @@
+"""`mlxctl cluster activate --replicas 2`: two whole copies of the model, one stage each on
+its own peer, behind the coordinator's one router; real daemons on 127.0.0.1 (coordinator),
+.2 and .3 (peers), one cluster secret, the tiny fixture. After a kill -9 of one host the
+stream on its group ends with an error naming the group, the other group serves, and
+self-healing (on, with a short detector) refuses to re-plan a plan of replica groups,
+naming why."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, agent, settled, start
+from helpers.daemons import READY_S, Daemons
+from helpers.keys import secret_file
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import complete
+from helpers.waiting import wait_for
+
+DOWN_S = 30.0  # a killed host's group is seen down (its link's reset; silence at worst 3 s)
+HEAL_REFUSED_S = 60.0  # dead after 2 s, healed after 2 s more: refused, as replicas are
+COORDINATOR = """
+[daemon]
+peer_ping_interval_s = 0.25
+peer_suspect_after_s = 1.0
+peer_dead_after_s = 2.0
+heal_after_s = 2.0
+"""
+
+
+def router_stats(port: int) -> dict[str, Any]:
+    answer = httpx.get(f"http://127.0.0.1:{port}/router/stats", timeout=10)
+    assert answer.status_code == 200, answer.text
+    body: dict[str, Any] = answer.json()
+    return body
+
+
+def test_two_replicas_serve_share_and_outlive_a_killed_host(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    secret = b"6d" * 16
+    peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
+                   name=f"p{i}") for i in (2, 3)]
+    port = free_port("127.0.0.1")
+    coord = daemons.make(COORDINATOR, name="c")  # self-healing on, a short detector
+    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
+                "--agent-addr", "127.0.0.1:0", "--port", str(port),
+                "--cluster-peers", ",".join(agent(p) for p in peers))
+    want = {agent(p): "reachable" for p in peers}
+    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+
+    three = coord.ctl("cluster", "plan", "--model", str(model), "--stages", "1",
+                      "--replicas", "3", timeout=60)
+    assert three.returncode == 1, (three.stdout, three.stderr)
+    assert "3 replicas of 1 stage(s) need 3 peers, and 2 are candidates" in three.stderr
+
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxctl", "--socket", str(coord.socket), "cluster", "activate",
+         "--model", str(model), "--stages", "1", "--replicas", "2"],
+        capture_output=True, text=True, timeout=ACTIVATE_S)
+    assert out.returncode == 0, (out.stdout, out.stderr, coord.stderr()[-3000:])
+    stage_pids = {p.proc.pid if p.proc else 0:
+                  p.wait_worker("stage", timeout=READY_S, state="running")["pid"]
+                  for p in peers}
+    daemons.pids |= set(stage_pids.values())
+    daemons.pids.add(coord.worker("router")["pid"])
+    bringup = coord.status()["bringup"]
+    assert [(p["stage"], p["state"]) for p in bringup["peers"]] == [
+        ("stage-0", "active"), ("stage-1", "active")], bringup
+    wait_for(lambda: router_stats(port)["up"] == 2, READY_S, "both groups up")
+
+    # Greedy outputs equal one host's; 8 at once use both groups.
+    want_text = expected(model, PROMPT, 8)
+    assert complete(port, "llama") == want_text
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda _: complete(port, "llama"), range(8)))
+    assert texts == [want_text] * 8
+    nodes = {n["id"]: n for n in router_stats(port)["nodes"]}
+    assert set(nodes) == {"replica-0", "replica-1"}
+    assert all(n["dispatched"] >= 1 and n["failed"] == 0 for n in nodes.values()), nodes
+    shown = coord.ctl("status").stdout
+    assert "REPLICA" in shown and "stages of router: 2 of 2 attached" in shown, shown
+
+    # kill -9 the host of the group a long stream runs on (daemon and stage worker): the
+    # stream ends with an error naming that group; new requests go to the other group.
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 1900, "stream": True,
+            "temperature": 0, "logit_bias": {str(t): -100 for t in
+                                             (eos if isinstance(eos, list) else [eos])}}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=60) as streamed:
+        lines = (line for line in streamed.iter_lines() if line.startswith("data: "))
+        assert "error" not in json.loads(next(lines)[6:])
+        busy = next(n["id"] for n in router_stats(port)["nodes"] if n["in_flight"])
+        index = int(busy.removeprefix("replica-"))
+        host = next(p for p in peers if agent(p) == bringup["peers"][index]["address"])
+        assert host.proc is not None
+        for pid in (host.proc.pid, stage_pids[host.proc.pid]):
+            os.kill(pid, signal.SIGKILL)
+        events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    host.proc.wait(timeout=10)
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and f"replica {busy!r} failed after" in errors[0]["message"], events[-3:]
+    assert errors[0]["code"] == "engine_unavailable"
+    other = "replica-1" if busy == "replica-0" else "replica-0"
+    stats = wait_for(lambda: (s := router_stats(port))["up"] == 1 and s, DOWN_S,
+                     f"{busy} down")
+    down = next(n for n in stats["nodes"] if n["id"] == busy)
+    assert down["state"] == "down" and f"stage-{index}" in (down["last_error"] or ""), down
+    assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: complete(port, "llama"), range(4)))
+    assert texts == [want_text] * 4  # each within the client's 60 s: none hangs
+    after = {n["id"]: n for n in router_stats(port)["nodes"]}
+    assert after[other]["completed"] >= nodes[other]["completed"] + 4
+    # The dead host is not healed around: a plan of replica groups is refused, named.
+    refused = wait_for(lambda: next((e for e in coord.events(300)
+                                     if e["kind"] == "heal.refused"), None),
+                       HEAL_REFUSED_S, "the heal refused")
+    assert "2 replica groups, which are not healed" in refused["message"], refused
+    assert coord.status()["bringup"]["epoch"] == bringup["epoch"]  # nothing was pushed
