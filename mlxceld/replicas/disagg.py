@@ -15,8 +15,10 @@ replicas are (send errors, silence). Only up nodes are chosen; with no prefill n
 no decode node up the request is refused with ``EngineUnavailable`` (HTTP 503 with
 Retry-After) naming which pool has none. Bounds: a prefill is answered within
 ``PREFILL_TIMEOUT_S`` (the prompt's prefill and the handoff's send), else the request
-fails with 503; the decode node bounds its wait for the cache itself
-(``protocol.HANDOFF_TIMEOUT_S``).
+fails with 503; the decode node's first token must follow the prefill node's
+``prefilled`` within ``FIRST_TOKEN_S`` (a handoff the decode node dropped, e.g. from a
+prefill node missing from its ``--prefill-peers``, would otherwise hold the request
+for the decode node's own bound, ``protocol.HANDOFF_TIMEOUT_S``), else 503.
 
 Errors: a model whose cache cannot travel (``HandoffUnsupported`` from the prefill
 node) is HTTP 500 naming the family: the deployment is wrong (serve it on hybrid
@@ -44,6 +46,7 @@ from mlxceld.replicas.routing import Choice, Outcome, Routing
 log = logging.getLogger(__name__)
 
 PREFILL_TIMEOUT_S: Final = 300.0  # a prefill and its handoff, answered within this
+FIRST_TOKEN_S: Final = 30.0  # the decode node's first token, once the handoff was sent
 
 
 @dataclass
@@ -144,6 +147,20 @@ class DisaggEngine:
                 prefill_outcome = "completed"
                 self._prefill_routing.end(key, "completed")
                 self._handoffs[prefill.node_id].add(prefilled)
+                try:
+                    async with asyncio.timeout(FIRST_TOKEN_S):
+                        first = await anext(tokens)
+                except TimeoutError:
+                    raise EngineUnavailable(
+                        f"node {decode.node_id} sent no token within {FIRST_TOKEN_S:g} s of "
+                        f"node {prefill.node_id}'s handoff (is the prefill node among its "
+                        "--prefill-peers?)", retry_after_s=1) from None
+                except StopAsyncIteration:
+                    raise EngineError(f"node {decode.node_id} ended the sequence without a "
+                                      "token") from None
+                self._decode_routing.token(key, first.token)
+                finished = first.finish_reason is not None
+                yield first
                 async for out in tokens:
                     self._decode_routing.token(key, out.token)
                     finished = out.finish_reason is not None
@@ -275,4 +292,5 @@ class DisaggOrReplicas:
         await self.replicas.aclose()
 
 
-__all__ = ["PREFILL_TIMEOUT_S", "DisaggEngine", "DisaggOrReplicas", "HandoffAccount"]
+__all__ = ["FIRST_TOKEN_S", "PREFILL_TIMEOUT_S", "DisaggEngine", "DisaggOrReplicas",
+           "HandoffAccount"]

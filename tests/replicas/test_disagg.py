@@ -18,6 +18,7 @@ from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest, Sa
 from mlxceld.engine.handoff import HandoffUnsupported, Mode
 from mlxceld.engine.local import LocalEngine, load_local_engine
 from mlxceld.net import connect_as
+from mlxceld.replicas import disagg
 from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
 from mlxceld.replicas.handoffs import HandoffService, decode_allowlist
 from mlxceld.replicas.pool import ReplicaEngine
@@ -86,7 +87,7 @@ def remote(service: ServingService) -> RemoteEngine:
 
 @contextlib.asynccontextmanager
 async def cluster(engine: Any, *, prefill_engine: Any = None, allowlist: bool = True,
-                  mode: Mode | None = None
+                  mode: Mode | None = None, peers: bool = True
                   ) -> AsyncIterator[tuple[DisaggEngine, HandoffService,
                                            list[HandoffService]]]:
     """1 prefill node, 2 decode nodes, and a router's engine over them, all linked."""
@@ -99,7 +100,8 @@ async def cluster(engine: Any, *, prefill_engine: Any = None, allowlist: bool = 
         allowed = frozenset(d.origin for d in decodes) if allowlist else None
         prefill = await stack.enter_async_context(node_service(
             prefill_engine or engine, "prefill-a", "prefill", allowlist=allowed))
-        prefill_origin.append(prefill.origin)
+        if peers:
+            prefill_origin.append(prefill.origin)
         members = [remote(prefill), *(remote(d) for d in decodes)]
         router = DisaggEngine(members[:1], members[1:], model_id=MODEL,
                               context_length=engine.context_length, mode=mode)
@@ -319,5 +321,26 @@ def test_with_replicas_too_a_request_goes_to_them_without_a_pair(
                 with contextlib.suppress(asyncio.CancelledError):
                     await linking
                 await pool.aclose()
+
+    run(main())
+
+
+def test_a_prefill_node_the_decode_node_does_not_list_fails_the_request_in_bound(
+        node: tuple[LocalEngine, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode node whose prefill peers lack the prefill node drops its handoff; the
+    router fails the request with 503 after ``FIRST_TOKEN_S`` (not the decode node's
+    330 s) naming both nodes, and the decode node frees the sequence."""
+    engine, tokenizer = node
+    monkeypatch.setattr(disagg, "FIRST_TOKEN_S", 1.0)
+
+    async def main() -> None:
+        async with cluster(engine, peers=False) as (router, _, decodes):
+            with pytest.raises(EngineUnavailable, match=r"node decode-\w sent no token within "
+                               r"1 s of node prefill-a's handoff") as failed:
+                await tokens(router, request(tokenizer.encode(PROMPTS[0]), 4, temperature=0))
+            assert "127.0.0.1" not in str(failed.value)
+            assert sum(d.stats.dropped for d in decodes) == 1
+            await until(lambda: sum(d.sequences for d in decodes) == 0,
+                        "the decode node frees the expected sequence", WAIT_S)
 
     run(main())
