@@ -44,12 +44,13 @@ class Cluster:
     prefill: Host
     decodes: list[Host]
     hybrid: Host
+    int8: Host  # a second router: kv_compression int8, MLXCEL_ROUTER_STATS_VERBOSE=1
 
     def url(self, host: Host) -> str:
         return f"http://127.0.0.1:{host.serve_keys['port']}"
 
-    def stats(self) -> dict[str, Any]:
-        body: dict[str, Any] = httpx.get(f"{self.url(self.router)}/router/stats",
+    def stats(self, router: Host | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{self.url(router or self.router)}/router/stats",
                                          timeout=10).json()
         return body
 
@@ -100,18 +101,23 @@ def cluster(fixture_dir: Path) -> Iterator[Cluster]:
         hybrid = node(daemons, "h", model, "127.0.0.5").start()
         for d in decodes:
             d.start()
-        router = Host(daemons, "r", secret=SECRET,
-                      serve={"model": str(model), "port": free_port("127.0.0.1"),
-                             "node_role": "router", "max_batch": 4,
-                             "prefill_peers": [agent(prefill)],
-                             "decode_peers": [agent(d) for d in decodes]})
-        router.daemon_keys["agent_addr"] = f"127.0.0.1:{router.agent_port}"
-        router.write()
-        router.start()
-        c = Cluster(router, prefill, decodes, hybrid)
-        for h in (prefill, *decodes, hybrid, router):
+        routers = []
+        for name, extra in (("r", {}), ("r8", {"kv_compression": "int8"})):
+            router = Host(daemons, name, secret=SECRET,
+                          serve={"model": str(model), "port": free_port("127.0.0.1"),
+                                 "node_role": "router", "max_batch": 4,
+                                 "prefill_peers": [agent(prefill)],
+                                 "decode_peers": [agent(d) for d in decodes], **extra})
+            router.daemon_keys["agent_addr"] = f"127.0.0.1:{router.agent_port}"
+            router.write()
+            routers.append(router)
+        routers[0].start()
+        routers[1].d.start_service(env={"MLXCEL_ROUTER_STATS_VERBOSE": "1"})
+        c = Cluster(routers[0], prefill, decodes, hybrid, routers[1])
+        for h in (prefill, *decodes, hybrid, *routers):
             h.d.wait_worker("router", READY_S, state="running")
-        wait_for(lambda: c.stats()["up"] == 3, 60, "the prefill and decode nodes up")
+        for r in routers:
+            wait_for(lambda r=r: c.stats(r)["up"] == 3, 60, "the prefill and decode nodes up")
         yield c
     finally:
         for d in daemons.started:
@@ -139,6 +145,23 @@ def test_outputs_equal_one_hosts_and_both_decode_nodes_serve(cluster: Cluster) -
     out = cluster.prefill.d.ctl("status").stdout
     assert f"prefill node: serving listener at {serving(cluster.prefill)}" in out, out
     assert "no OpenAI port" in out
+
+
+def test_int8_keeps_the_greedy_text_here_and_verbose_stats_name_addresses(
+        cluster: Cluster) -> None:
+    """int8 on this fixture keeps every greedy token (its error is within half a group's
+    scale: engine/handoff.py's tests); in fewer bytes than none; the second router's
+    daemon has MLXCEL_ROUTER_STATS_VERBOSE=1: its stats name each node's address."""
+    for prompt in PROMPTS[:2]:
+        assert complete(cluster.url(cluster.int8), prompt) == \
+            complete(cluster.url(cluster.hybrid), prompt)
+    stats = cluster.stats(cluster.int8)
+    assert stats["kv_compression"] == "int8" and stats["addresses_redacted"] is False
+    assert {n["address"] for n in stats["nodes"]} == {
+        serving(cluster.prefill), *(serving(d) for d in cluster.decodes)}
+    plain = cluster.stats()["handoff"]
+    per_plain = plain["bytes"] / plain["handoffs"]
+    assert 0 < stats["handoff"]["bytes"] / stats["handoff"]["handoffs"] < per_plain
 
 
 def test_a_forged_decode_target_is_refused_and_nothing_is_sent(cluster: Cluster) -> None:
