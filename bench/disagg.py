@@ -19,7 +19,15 @@ Both setups run in this one process: their engines' step threads share its cores
 releases the GIL while it computes), so on a 2-core machine the prefill and decode
 engines contend as two processes would, but nothing here is a separate host's network.
 
+With ``--daemons`` the workload runs instead against real daemons on loopback (each MLX
+process its own: ``bench/replicas.py``'s ``Daemon``, one cluster secret): one hybrid
+node's own OpenAI port against a router (127.0.0.1) over a prefill node (127.0.0.2) and
+a decode node (127.0.0.3), through the real OpenAI API (TTFT and mean inter-token time
+per chat); the handoff table is then the router's ``/router/stats`` per compression
+(one router per setting would restart; this mode prints the uncompressed one).
+
     .venv/bin/python bench/disagg.py [--tokens 2000] [--chats 16] [--long 3] [--new 24]
+    .venv/bin/python bench/disagg.py --daemons [--tokens 2000] ...
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ def remote(node_id: str, address: str, role: str) -> RemoteEngine:
 
 
 @contextlib.asynccontextmanager
-async def served(service: ServingService) -> AsyncIterator[ServingService]:
+async def served(service: Any) -> AsyncIterator[Any]:
     await service.start()
     task = asyncio.create_task(service.serve())
     try:
@@ -119,7 +127,7 @@ async def workload(engine: Any, args: argparse.Namespace, vocab: int) -> dict[st
     longs = [[rng.randrange(vocab) for _ in range(args.tokens)] for _ in range(args.long)]
     every = max(1, args.chats // max(1, args.long))
     results: list[tuple[float, list[float]]] = []
-    tasks = []
+    tasks: list[asyncio.Task[Any]] = []
 
     async def chat(prompt: list[int]) -> None:
         results.append(await timed(engine, prompt, args.new))
@@ -199,6 +207,95 @@ async def main(args: argparse.Namespace) -> None:
             await e.aclose()
 
 
+def daemons_run(args: argparse.Namespace) -> None:
+    """The workload against real daemons (see the module docstring)."""
+    import secrets as pysecrets
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+    from replicas import Daemon, wait  # bench/replicas.py: the daemons as a service starts them
+    from streams import Stream, timed
+
+    from mlxceld.models import write_fixture
+
+    root = Path(tempfile.mkdtemp(prefix="mxdg", dir="/tmp"))
+    started: list[Daemon] = []
+    try:
+        model = root / "small"
+        write_fixture(model, preset("small"))
+        secret = root / "cluster.secret"
+        secret.write_text(pysecrets.token_hex(32) + "\n")
+        secret.chmod(0o600)
+        base = {"model": str(model), "model_name": "m", "max_batch": 8}
+        hybrid = Daemon(root, "h", "127.0.0.4", {**base, "host": "127.0.0.1"}).start(secret)
+        prefill = Daemon(root, "p", "127.0.0.2", {**base, "node_role": "prefill"}).start(secret)
+        started += [hybrid, prefill]
+        decode = Daemon(root, "d", "127.0.0.3", {**base, "node_role": "decode",
+                                                 "prefill_peers": [prefill.agent]}
+                        ).start(secret)
+        started.append(decode)
+        router = Daemon(root, "r", "127.0.0.1", {**base, "node_role": "router",
+                                                 "prefill_peers": [prefill.agent],
+                                                 "decode_peers": [decode.agent]}).start(secret)
+        started.append(router)
+        wait("the hybrid's port", lambda: httpx.get(f"{hybrid.url}/ready", timeout=5)
+             .status_code == 200, hybrid)
+        wait("the router's nodes", lambda: httpx.get(f"{router.url}/router/stats", timeout=5)
+             .json().get("up") == 2, router)
+        rng = random.Random(7)
+        words = ["alpha", "beta", "gamma", "delta", "sea", "village", "time", "story"]
+
+        def text(n: int) -> str:
+            return " ".join(rng.choice(words) for _ in range(n))
+
+        def one(url: str, prompt: str) -> Stream:
+            body = {"model": "m", "prompt": prompt, "max_tokens": args.new, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            start = time.perf_counter()
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
+                return timed(r, start)
+
+        def workload_of(url: str) -> dict[str, float]:
+            one(url, "warm up")
+            chats = [text(25) for _ in range(args.chats)]
+            longs = [text(args.tokens) for _ in range(args.long)]  # ~1 token a word or more
+            every = max(1, args.chats // max(1, args.long))
+            with ThreadPoolExecutor(args.chats + args.long) as pool:
+                futures, chat_futures = [], []
+                for i, prompt in enumerate(chats):
+                    if i % every == 0 and longs:
+                        futures.append(pool.submit(one, url, longs.pop()))
+                    chat_futures.append(pool.submit(one, url, prompt))
+                    time.sleep(args.gap)
+                done = [f.result() for f in chat_futures]
+                for f in futures:
+                    f.result()
+            ttft = sorted(d.ttft for d in done)
+            itl = sorted(d.decode_s / max(d.tokens - 1, 1) for d in done)
+            return {"ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
+                    "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95)}
+
+        results = {"hybrid": workload_of(hybrid.url), "disagg": workload_of(router.url)}
+        print(f"small fixture, real daemons; {args.chats} chats of ~25 words + {args.long} "
+              f"prompts of ~{args.tokens} words, {args.new} new tokens each, {args.gap} s "
+              "apart (ms; ITL: each chat's mean)")
+        print(f"{'':8} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8}")
+        for name, r in results.items():
+            print(f"{name:8} {r['ttft_p50']:9.1f} {r['ttft_p95']:9.1f} {r['itl_p50']:8.1f} "
+                  f"{r['itl_p95']:8.1f}")
+        h, d = results["hybrid"], results["disagg"]
+        print("ratio    " + " ".join(f"{d[k] / h[k]:9.2f}" for k in h))
+        print("handoffs (none):", httpx.get(f"{router.url}/router/stats", timeout=5)
+              .json()["handoff"])
+    finally:
+        for daemon in reversed(started):
+            daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2000)
@@ -206,4 +303,9 @@ if __name__ == "__main__":
     parser.add_argument("--long", type=int, default=3)
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--gap", type=float, default=0.1)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--daemons", action="store_true", help="real daemons (see above)")
+    parsed = parser.parse_args()
+    if parsed.daemons:
+        daemons_run(parsed)
+    else:
+        asyncio.run(main(parsed))
