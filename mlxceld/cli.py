@@ -117,11 +117,23 @@ def run(
         "the cluster's routers send this node sequences (MXCL, on the agent listener's "
         "host). Default: 0, an ephemeral port.")] = None,
     node_role: Annotated[str | None, typer.Option(
-        "--node-role", help="hybrid (run the model here) or router (model-free: spread "
-        "requests over --replicas; needs the cluster secret). Default: hybrid.")] = None,
+        "--node-role", help="hybrid (run the model here), router (model-free: spread "
+        "requests over --replicas, or --prefill-peers and --decode-peers), prefill or decode "
+        "(serve a router's disaggregation on the serving listener only). All but hybrid "
+        "need the cluster secret. Default: hybrid.")] = None,
     replicas: Annotated[str | None, typer.Option(
         "--replicas", help="With --node-role router: the replicas' agent addresses, "
         "host:port,... (a host alone: port 19000; [v6] for IPv6).")] = None,
+    prefill_peers: Annotated[str | None, typer.Option(
+        "--prefill-peers", help="With --node-role router or decode: the prefill nodes' "
+        "agent addresses, as --replicas (numeric addresses).")] = None,
+    decode_peers: Annotated[str | None, typer.Option(
+        "--decode-peers", help="With --node-role router: the decode nodes' agent "
+        "addresses, as --replicas (numeric addresses).")] = None,
+    kv_compression: Annotated[str | None, typer.Option(
+        "--kv-compression", help="With --node-role router and --prefill-peers: how KV caches "
+        "travel from prefill to decode nodes: none, int8 or int4, each optionally +lz4. "
+        "Default: none.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

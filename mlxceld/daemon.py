@@ -70,7 +70,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.replicas import ROUTER_ROLE
+from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
@@ -116,6 +116,8 @@ from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON, WorkerState
 
 log = logging.getLogger(__name__)
+
+HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
 
 SHUTDOWN_SLACK_S = 5.0
 STAGE_BACK_S = 1.0  # a stage of the active plan that exited cleanly on its own restarts after
@@ -187,7 +189,9 @@ class Daemon:
                          if config.serve.api_key_file else None)
         self.serving = Serving(self, self._flags, config.serve)  # what the router serves
         self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
-                          router=config.serve.node_role == ROUTER_ROLE)
+                          router=config.serve.node_role == ROUTER_ROLE,
+                          handoff_role=config.serve.node_role
+                          if config.serve.node_role in HANDOFF_ROLES else None)
         if config.pp_auto is not None and self.serving.serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")
@@ -454,9 +458,9 @@ class Daemon:
         return code
 
     async def _router_node_linked(self) -> None:
-        """A router node's router waits for the agent listener (its address is the
-        identity it dials replicas with: ``roster``): it starts now."""
-        if self.config.serve.node_role == ROUTER_ROLE:
+        """A router (or decode) node's router waits for the agent listener (its address is
+        the identity it dials replicas and asks agents with: ``roster``): it starts now."""
+        if self.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_ROLES):
             await self.supervisor.reconcile(self.specs(self.config))
 
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:

@@ -10,10 +10,15 @@ prepared or activated, a deactivation). The rules, in order:
 - a stage node of a placement (a cluster TOML, or a pushed plan) runs the
   ``stage`` worker, in standby while its assignment is only prepared, with the
   cluster secret (and ``[serve] stage_silence_s`` for its links' heartbeat);
+- a prefill or decode node (``--node-role prefill|decode``) runs the ``router``
+  with ``handoff`` options (no OpenAI port: its engine on the serving listener
+  only) with the cluster secret, once its agent listener is bound, when there is
+  a model to serve;
 - a router node (``--node-role router``) runs the ``router`` over its
-  ``replicas`` with the cluster secret, once its agent listener is bound (its
-  address is the identity the router dials with), when there is a model to serve
-  (its tokenizer; the replicas hold the weights);
+  ``replicas`` (and its prefill and decode pools) with the cluster secret,
+  once its agent listener is bound (its address is the identity the router
+  dials with), when there is a model to serve (its tokenizer; the replicas
+  hold the weights);
 - else the ``router`` runs when there is a model to serve and the daemon is no
   ``--pp-peer``: over the pipeline with the cluster secret when the placement
   makes it the coordinator, else on the model alone unless the router is held
@@ -41,9 +46,14 @@ from mlxceld.cluster.clusterfile.placement import (
     stage_options,
 )
 from mlxceld.config.daemon import Config
-from mlxceld.config.replicas import ROUTER_ROLE
+from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
-from mlxceld.roles.options import ReplicasOptions, RouterOptions, ServingOptions
+from mlxceld.roles.options import (
+    HandoffOptions,
+    ReplicasOptions,
+    RouterOptions,
+    ServingOptions,
+)
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.wire.address import format_address, parse_address
@@ -82,10 +92,22 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                               silence_s=s.serve.stage_silence_s),
                                 policy, secret=s.secret, accepted=s.accepted,
                                 log_format=c.log_format))
+    elif s.serve.node_role in (PREFILL_ROLE, DECODE_ROLE):
+        serving = serving_options(s)
+        if s.serve.model is not None and s.agent_address is not None and serving is not None:
+            handoff = HandoffOptions(s.serve.node_role, s.agent_address,
+                                     s.serve.prefill_peers)
+            specs.append(WorkerSpec(ROUTER, c.state_dir,
+                                    router_options(s.serve, serving=serving, handoff=handoff),
+                                    policy, secret=s.secret, accepted=s.accepted,
+                                    log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE:
         if s.serve.model is not None and s.agent_address is not None:
             replicas = ReplicasOptions(agents=s.serve.replicas, origin=s.agent_address,
-                                       cluster=c.cluster_name)
+                                       cluster=c.cluster_name,
+                                       prefill_agents=s.serve.prefill_peers,
+                                       decode_agents=s.serve.decode_peers,
+                                       kv_compression=s.serve.kv_compression)
             specs.append(WorkerSpec(ROUTER, c.state_dir, router_options(s.serve,
                                                                         replicas=replicas),
                                     policy, api_key=s.api_key, secret=s.secret,

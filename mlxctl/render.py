@@ -170,12 +170,18 @@ def status(body: dict[str, Any]) -> str:
                f"up {duration(d['uptime_s'])} · {len(workers)} worker(s), {running} running")
     serving = body.get("serving")
     lines = [summary]
-    if serving:
+    # A prefill or decode node's router worker says its role (workers/handoff_node.py).
+    role = next((w["stats"]["node_role"] for w in workers
+                 if isinstance(w.get("stats"), dict) and w["stats"].get("node_role")), None)
+    if serving and not role:
         lines.append(f"serving {serving['model_name']} at {serving['url']}"
                      + (" (API key required)" if serving.get("api_key") else ""))
     listener = next((w["stats"]["serving"] for w in workers
                      if isinstance(w.get("stats"), dict) and w["stats"].get("serving")), None)
-    if listener:  # the router's serving listener (workers/router.py): routers send it work
+    if listener and role:
+        lines.append(f"{role} node: serving listener at {listener} (for the cluster's "
+                     "routers; no OpenAI port)")
+    elif listener:  # the router's serving listener (workers/router.py): routers send it work
         lines.append(f"serving listener at {listener} (for the cluster's routers)")
     cluster = body.get("cluster")
     if cluster:

@@ -113,9 +113,19 @@ class KeyringService:
         return True
 
     def require(self, *, pp_auto: bool, placement: Placement | None,
-                router: bool = False) -> None:
-        """Fail closed: --pp-auto, --node-role router, or a cluster config of two or more
-        stages (or hosts), never runs without the cluster secret."""
+                router: bool = False, handoff_role: str | None = None) -> None:
+        """Fail closed: --pp-auto, --node-role router, prefill or decode
+        (``handoff_role``), or a cluster config of two or more stages (or hosts), never
+        runs without the cluster secret."""
+        if handoff_role is not None and not len(self.keyring):
+            raise ConfigError(
+                f"--node-role {handoff_role} needs the cluster secret to serve a router and "
+                "hand KV caches over; none was found in --cluster-secret-file, "
+                "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] "
+                f"cluster_secret_file or the keyring in {self.dir}",
+                hint="give the router and every prefill and decode node the same secret: "
+                "mlxctl secret generate FILE, copy FILE (chmod 600) to each host, then "
+                "pass --cluster-secret-file FILE")
         if router and not len(self.keyring):
             raise ConfigError(
                 "--node-role router needs the cluster secret to reach its replicas; none was "

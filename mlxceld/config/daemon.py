@@ -101,6 +101,8 @@ FLAG_KEYS: dict[str, str] = {
     "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer",
     "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
     "--node-role": "serve.node_role", "--replicas": "serve.replicas",
+    "--prefill-peers": "serve.prefill_peers", "--decode-peers": "serve.decode_peers",
+    "--kv-compression": "serve.kv_compression",
 }
 # ... and the flags that have none, with the reason.
 FLAG_ONLY: dict[str, str] = {
@@ -189,6 +191,9 @@ class Overrides:
     stage_ports: str | None = None  # as given
     node_role: str | None = None  # as given (config/replicas.py)
     replicas: str | None = None  # comma-separated, as given
+    prefill_peers: str | None = None  # comma-separated, as given (config/disagg.py)
+    decode_peers: str | None = None  # ditto
+    kv_compression: str | None = None  # as given
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,

@@ -16,8 +16,12 @@
   resolved when dialed. The replica's serving port is asked of its agent before every
   dial (``discovery/serving.py``).
 
+- ``prefill`` and ``decode``: prefill/decode disaggregation's nodes
+  (``config/disagg.py``: their keys and rules).
+
 Rules, checked here (exit 2 at start, naming both sides): ``router`` needs
-``replicas``; ``replicas`` needs ``router``; a router takes no pipeline of its own
+``replicas`` (or ``prefill_peers`` and ``decode_peers``); ``replicas`` needs
+``router``; a router (or prefill or decode node) takes no pipeline of its own
 (``--pp-auto``, ``--pp-peer``, ``--distributed-config``). The router role needs the
 cluster secret too, checked once the daemon has read every source of it
 (``cluster/keyring.py``: ``KeyringService.require``). Finding replicas by discovery
@@ -33,10 +37,13 @@ from mlxceld.config.peers import parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.wire.address import parse_address
 
-NodeRole = Literal["hybrid", "router"]
+NodeRole = Literal["hybrid", "router", "prefill", "decode"]
 HYBRID: Final = "hybrid"
 ROUTER_ROLE: Final = "router"
-NODE_ROLES: Final = (HYBRID, ROUTER_ROLE)  # prefill and decode come later
+PREFILL_ROLE: Final = "prefill"  # config/disagg.py
+DECODE_ROLE: Final = "decode"
+NODE_ROLES: Final = (HYBRID, ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)
+SECRET_ROLES: Final = (ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)  # fail closed without it
 DEFAULT_AGENT_PORT: Final = 19000
 REPLICAS_HINT: Final = ("name each replica by its agent address, separated by commas: "
                         "host:port, or a host alone for port 19000, e.g. "
@@ -53,14 +60,14 @@ def parse_role(flag: str | None, table: Mapping[str, Any],
     else:
         value = table.get("node_role", HYBRID)
         what = f"{where}: 'serve.node_role'"
-    if value == ROUTER_ROLE:
-        return ROUTER_ROLE, what
-    if value == HYBRID:
-        return HYBRID, what
+    for role in NODE_ROLES:
+        if value == role:
+            return role, what
     raise ConfigError(f"{what}: {value!r} is not a node role; the roles are "
                       f"{', '.join(NODE_ROLES)}",
                       hint="hybrid (the default) runs the model here; router spreads "
-                      "requests over --replicas")
+                      "requests over --replicas (or --prefill-peers and --decode-peers); "
+                      "prefill and decode serve a router's disaggregation")
 
 
 def parse_replica_list(flag: str | None, table: Mapping[str, Any],
@@ -85,9 +92,10 @@ def parse_replica_list(flag: str | None, table: Mapping[str, Any],
 
 
 def check_role(role: NodeRole, role_from: str, replicas: tuple[str, ...],
-               replicas_from: str) -> None:
-    """The first two rules of the module docstring."""
-    if role == ROUTER_ROLE and not replicas:
+               replicas_from: str, *, pools: bool = False) -> None:
+    """The first two rules of the module docstring (``pools``: the router has
+    ``prefill_peers`` and ``decode_peers``, which stand for ``replicas``)."""
+    if role == ROUTER_ROLE and not replicas and not pools:
         raise ConfigError(f"{role_from} router needs --replicas ([serve] replicas): the "
                           "agent addresses of the hybrid nodes to route to",
                           hint=f"for example --replicas studio-2.local,studio-3.local "
@@ -102,8 +110,9 @@ def check_role(role: NodeRole, role_from: str, replicas: tuple[str, ...],
 def check_no_pipeline(role: NodeRole, pipeline: str | None) -> None:
     """A router takes no pipeline: ``pipeline`` names the pipeline setting in force
     (``--pp-auto`` ...), if any."""
-    if role == ROUTER_ROLE and pipeline is not None:
-        raise ConfigError(f"node_role router (--node-role) excludes {pipeline}: a router "
-                          "over replicas runs no pipeline of its own",
+    if role != HYBRID and pipeline is not None:
+        who = "router over replicas" if role == ROUTER_ROLE else f"{role} node"
+        raise ConfigError(f"node_role {role} (--node-role) excludes {pipeline}: a {who} "
+                          "runs no pipeline of its own",
                           hint="drop one of them; a replica may itself be a pipeline's "
                           "coordinator")

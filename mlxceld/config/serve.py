@@ -19,8 +19,12 @@
                                     # pong to our heartbeat) this long is silent
     serving_port = 0                # with a cluster secret: the serving listener's port
                                     # (0: ephemeral), on the agent listener's host
-    node_role = "hybrid"            # hybrid | router: see mlxceld/config/replicas.py
+    node_role = "hybrid"            # hybrid | router | prefill | decode: see
+                                    # mlxceld/config/replicas.py and disagg.py
     replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
+    prefill_peers = ["10.0.0.21"]   # a router's (or decode node's) prefill nodes (disagg.py)
+    decode_peers = ["10.0.0.22"]    # a router's decode nodes (disagg.py)
+    kv_compression = "none"         # a router's KV handoff: none|int8|int4, +lz4 (disagg.py)
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -69,6 +73,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
+from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
 from mlxceld.config.replicas import (
     HYBRID,
     NodeRole,
@@ -79,6 +84,7 @@ from mlxceld.config.replicas import (
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import (
+    HandoffOptions,
     PipelineOptions,
     ReplicasOptions,
     RouterOptions,
@@ -94,7 +100,8 @@ log = logging.getLogger(__name__)
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
-              "max_tokens", "serving_port", "node_role", "replicas"}
+              "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
+              "decode_peers", "kv_compression"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,9 @@ class ServeConfig:
     serving_port: int = 0  # the serving listener's port, with a secret (0: ephemeral)
     node_role: NodeRole = HYBRID  # config/replicas.py
     replicas: tuple[str, ...] = ()  # a router's replicas' agent addresses, normalized
+    prefill_peers: tuple[str, ...] = ()  # config/disagg.py: agent addresses, normalized
+    decode_peers: tuple[str, ...] = ()
+    kv_compression: str = "none"
 
     @property
     def served_name(self) -> str:
@@ -164,8 +174,13 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     )
     role, role_from = parse_role(flags.node_role, table, where)
     replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
-    check_role(role, role_from, replicas, replicas_from)
-    cfg = replace(cfg, node_role=role, replicas=replicas)
+    prefill, prefill_from = parse_peer_list("prefill_peers", flags.prefill_peers, table, where)
+    decode, decode_from = parse_peer_list("decode_peers", flags.decode_peers, table, where)
+    check_pools(role, role_from, prefill, prefill_from, decode, decode_from, replicas)
+    check_role(role, role_from, replicas, replicas_from, pools=bool(prefill and decode))
+    cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill,
+                  decode_peers=decode,
+                  kv_compression=parse_compression(flags.kv_compression, table, where))
     model = flags.model or _typed(table, "model", str, where)
     if model:
         origin = "--model" if flags.model else f"{where}: 'serve.model'"
@@ -264,14 +279,15 @@ def _port(port: int, what: str) -> int:
 
 def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                    serving: ServingOptions | None = None,
-                   replicas: ReplicasOptions | None = None) -> RouterOptions:
+                   replicas: ReplicasOptions | None = None,
+                   handoff: HandoffOptions | None = None) -> RouterOptions:
     """The router worker's options: ``cfg``'s model, locally or over ``pipeline``, and its
     serving listener's (``serving``: None without a cluster secret); or, on a router node,
     over ``replicas``."""
     assert cfg.model is not None
     return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
-                         pipeline=pipeline, replicas=replicas,
+                         pipeline=pipeline, replicas=replicas, handoff=handoff,
                          max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,

@@ -16,7 +16,7 @@ error   agent → asker    ``reason`` (an agent that does not serve the type)
 ======= ================ =====================================================
 
 - ``role``: the node role of the agent's daemon (``config/replicas.py``):
-  ``"hybrid"`` or ``"router"``.
+  ``"hybrid"``, ``"router"``, ``"prefill"`` or ``"decode"``.
 - ``port``: the TCP port of its serving listener, from its router worker's stats
   (``serving``), an integer in 1-65535; ``null`` while none listens (no model,
   the worker loading or restarting, or a router).
@@ -57,7 +57,7 @@ from mlxceld.wire.address import format_address, parse_address
 SERVING: Final = "serving"
 ANSWER_SPECS: Final = {SERVING: MessageSpec(), "error": MessageSpec()}
 KEYS: Final = frozenset({"t", "role", "port", "model"})
-ROLES: Final = frozenset({"hybrid", "router"})
+ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
 CONNECT_BUDGET_S: Final = 5.0
 ANSWER_TIMEOUT_S: Final = 5.0
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -157,8 +157,11 @@ class ServingFinder:
     ``ServingNotFound`` says what it is instead."""
 
     def __init__(self, agent: str, *, origin: str, keyring: SecretStore,
-                 model_identity: str) -> None:
+                 model_identity: str, role: str = "hybrid") -> None:
+        """``role``: what the node must be (a router's pool: hybrid for ``--replicas``,
+        prefill or decode for ``--prefill-peers`` / ``--decode-peers``)."""
         self.agent = agent
+        self.role = role
         self._host = parse_address(agent).host  # a name stays a name: resolved at the dial
         self._origin = origin
         self._keyring = keyring
@@ -166,9 +169,11 @@ class ServingFinder:
 
     async def __call__(self) -> str:
         answer = await ask_serving(self._origin, self.agent, keyring=self._keyring)
-        if answer["role"] != "hybrid":
-            raise ServingNotFound(f"it is a {answer['role']}, not a hybrid node serving the "
-                                  "model: list only hybrid nodes in --replicas")
+        if answer["role"] != self.role:
+            where = {"hybrid": "--replicas", "prefill": "--prefill-peers",
+                     "decode": "--decode-peers"}.get(self.role, self.role)
+            raise ServingNotFound(f"it is a {answer['role']}, not a {self.role} node serving "
+                                  f"the model: list only {self.role} nodes in {where}")
         if answer["model"] is None:
             raise ServingNotFound("it serves no model (yet)")
         if answer["model"] != self._identity:

@@ -40,6 +40,7 @@ from mlxceld.engine.base import (
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer, Matching
 from mlxceld.engine.handoff import (
     DEFAULT_PREFILL_STEP,
+    CacheLayout,
     check_handoff,
     prefill,
     resume_sampling,
@@ -142,6 +143,10 @@ class LocalEngine:
         async with contextlib.aclosing(self._stream(seq)) as outputs:
             async for item in outputs:
                 yield item
+
+    def cache_layout(self) -> CacheLayout:
+        """What this model's cache looks like: what a handed-off one is checked against."""
+        return CacheLayout.of(self._gen.model)
 
     async def prefill(self, request: GenerationRequest) -> tuple[TokenOutput, list[Any]]:
         """``request``'s first token and its prompt's cache, for another host to decode on

@@ -67,15 +67,48 @@ sequence that was sent over that same connection. So a sequence's tokens can onl
 come from the node it was sent to; a ``token`` for a ``seq`` not in flight on that
 connection is dropped.
 
-Room left for disaggregation (not built yet; the names are reserved): ``prefill``
-router → prefill node, a ``generate`` with a ``decode_target`` (the decode node's
-serving address): the prefill node runs the prompt, then sends ``handoff`` prefill
-node → decode node (dialed by the prefill node as itself) with the KV cache as
-tensor blobs (``engine/handoff.py``'s encoding) and the first sampled token; the
-decode node answers the router, over the router's own connection to it, with the
-sequence's ``token``s. The result-frame rule above stays: the router reads tokens
-only from the connection it dialed to the decode node, having told it the ``seq``
-beforehand (``expect``), never from the prefill node's.
+Prefill/decode disaggregation (``handoffs.py``: the nodes' side; ``disagg.py``: the
+router's ``DisaggEngine``). A prefill node runs prompts and hands their KV cache to a
+decode node, which decodes on and streams the tokens to the router:
+
+========== ================ ===================================================
+type       direction        fields, tensors, answer
+========== ================ ===================================================
+expect     router → decode  ``seq``, ``params``, ``prefill`` (the prefill node's
+                            serving address: the identity its ``handoff`` must
+                            come from); tensor ``prompt`` as ``generate``'s; the
+                            decode node waits ``HANDOFF_TIMEOUT_S`` for the
+                            handoff, then answers as for ``generate`` (``token``s
+                            and at most one ``error``) on this connection
+prefill    router → prefill ``seq``, ``params``, ``decode_target`` (the decode
+                            node's serving address, from the router's registry),
+                            ``compression`` (``engine/handoff.py``'s ``Mode``:
+                            "none", "int8", "int4", each with "+lz4"); tensor
+                            ``prompt``; answered by ``prefilled`` {``seq``,
+                            ``bytes``, ``encode_ms``, ``send_ms``} once the
+                            cache is sent, or ``error``
+handoff    prefill → decode ``seq``, ``part``, ``parts`` (the cache's layers in
+                            ``parts`` frames, each under ``HANDOFF_FRAME_BYTES``);
+                            part 0 also ``first`` {``token``, ``logprob``,
+                            ``top``, ``finish_reason``} and ``cache`` (the
+                            header of ``encode_cache``); tensors: the cache's
+                            blobs (``u8``), never JSON numbers; no answer
+========== ================ ===================================================
+
+Error codes of disaggregation: ``unsupported`` (this model's cache cannot be handed
+off, ``check_handoff``: the router answers HTTP 500 naming the family: serve it on
+hybrid nodes), ``forbidden`` (``decode_target`` is outside the prefill node's
+``MLXCEL_DECODE_ALLOWLIST``: nothing was prefilled or sent), ``bad_handoff`` (the
+decode node read a cache that does not fit its model, or none came within
+``HANDOFF_TIMEOUT_S``: to the router, for the expected ``seq``).
+
+Trust: a prefill node dials the decode node as its own serving address (``connect_as``:
+the identity is the handshake's); the decode node takes a ``handoff`` only from an
+identity among its configured prefill peers that is the ``prefill`` of a pending
+``expect`` for that ``seq``; anything else is dropped with a rate-limited warning
+(``net/securitylog.py``, class ``router_drop``) and changes nothing. The result-frame
+rule above stays: the router reads tokens only from the connection it dialed to the
+decode node, never from the prefill node's.
 """
 
 from __future__ import annotations
@@ -89,6 +122,9 @@ from mlxceld.wire import MessageSpec, TensorSpec
 MAX_PROMPT_TOKENS: Final = 1 << 20  # tokens one ``generate`` may carry (and the context)
 MAX_SEQUENCES: Final = 256  # sequences in flight on one connection
 LOAD_EVERY_S: Final = 1.0  # how often a node says its load (when it changed)
+HANDOFF_TIMEOUT_S: Final = 330.0  # an ``expect`` waits this long for its ``handoff`` (past
+# the router's own bound on a prefill, ``disagg.PREFILL_TIMEOUT_S``: the router ends it first)
+HANDOFF_FRAME_BYTES: Final = 64 << 20  # a ``handoff`` frame's blobs, at most (MXCL: 256 MiB)
 
 ERR_BUSY: Final = "busy"
 ERR_UNAVAILABLE: Final = "unavailable"
@@ -98,6 +134,9 @@ ERR_INTERNAL: Final = "internal"
 ERR_BAD_MESSAGE: Final = "bad_message"
 ERR_MODEL_MISMATCH: Final = "model_mismatch"
 ERR_CLUSTER_MISMATCH: Final = "cluster_mismatch"
+ERR_UNSUPPORTED: Final = "unsupported"
+ERR_FORBIDDEN: Final = "forbidden"
+ERR_BAD_HANDOFF: Final = "bad_handoff"
 
 FINISH_REASONS: Final = ("stop", "length")
 
@@ -107,6 +146,10 @@ NODE_SPECS: Final = {
     "generate": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
                                                   ((1, 1), (1, MAX_PROMPT_TOKENS)))}),
     "cancel": MessageSpec(),
+    "expect": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
+                                                ((1, 1), (1, MAX_PROMPT_TOKENS)))}),
+    "prefill": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
+                                                 ((1, 1), (1, MAX_PROMPT_TOKENS)))}),
 }
 
 # What a router accepts from a node.
@@ -114,12 +157,15 @@ ROUTER_SPECS: Final = {
     "attached": MessageSpec(),
     "error": MessageSpec(),
     "load": MessageSpec(),
+    "prefilled": MessageSpec(),
     "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
 }
 
-__all__ = ["ERR_BAD_MESSAGE", "ERR_BAD_REQUEST", "ERR_BUSY", "ERR_CLUSTER_MISMATCH",
-           "ERR_DRAINING", "ERR_INTERNAL", "ERR_MODEL_MISMATCH", "ERR_UNAVAILABLE",
-           "LOAD_EVERY_S", "MAX_PROMPT_TOKENS", "MAX_SEQUENCES", "NODE_SPECS", "ROUTER_SPECS",
+__all__ = ["ERR_BAD_HANDOFF", "ERR_BAD_MESSAGE", "ERR_BAD_REQUEST", "ERR_BUSY",
+           "ERR_CLUSTER_MISMATCH", "ERR_DRAINING", "ERR_FORBIDDEN", "ERR_INTERNAL",
+           "ERR_MODEL_MISMATCH", "ERR_UNAVAILABLE", "ERR_UNSUPPORTED", "HANDOFF_FRAME_BYTES",
+           "HANDOFF_TIMEOUT_S", "LOAD_EVERY_S", "MAX_PROMPT_TOKENS", "MAX_SEQUENCES",
+           "NODE_SPECS", "ROUTER_SPECS",
            "SEQ_ID", "ProtocolViolation", "error_header", "finish_of", "token_header"]
 
 

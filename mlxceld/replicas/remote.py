@@ -63,6 +63,7 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 from mlxceld.engine.constraints import ConstraintError
+from mlxceld.engine.handoff import HandoffUnsupported
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
 from mlxceld.net.liveness import read_watched
@@ -102,14 +103,15 @@ class _LinkFailed(Exception):
 
 
 class RemoteEngine:
-    role = "hybrid"
-
     def __init__(self, node_id: str, resolve: Callable[[], Awaitable[str]], *,
                  keyring: SecretStore, origin: str, model_identity: str, cluster: str,
-                 silence_s: float, dial_budget_s: float = DIAL_BUDGET_S) -> None:
+                 silence_s: float, dial_budget_s: float = DIAL_BUDGET_S,
+                 role: str = "hybrid") -> None:
         """``context_length`` and ``max_batch`` are the node's, from its ``attached``
-        (0 until the first attach)."""
+        (0 until the first attach); ``role``: what the node must say it is in its
+        ``attached`` (a node of another role is not attached: listed in the wrong pool)."""
         self.node_id = node_id
+        self.role = role
         self.address = ""
         self.model_id = model_identity
         self.context_length = 0
@@ -240,6 +242,10 @@ class RemoteEngine:
             await stream.close()
             raise _LinkFailed(f"{name} refused to attach ({header.get('code')}): "
                               f"{str(header.get('message', env.type))[:1000]}")
+        if header.get("role") != self.role:
+            await stream.close()
+            raise _LinkFailed(f"{name} is a {str(header.get('role'))[:20]} node, listed here "
+                              f"as a {self.role} node: list it in the right pool")
         context, batch = header.get("context_length"), header.get("max_batch")
         if type(context) is not int or type(batch) is not int or context < 1 or batch < 1:
             await stream.close()
@@ -313,26 +319,102 @@ class RemoteEngine:
     # -- sequences ----------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        seq, sequence = self._open_seq(uuid.uuid4().hex)
+        tokens = self._tokens(seq, sequence, request)
+        try:
+            await self._send(seq, sequence, {"t": "generate"}, request)
+        except BaseException:
+            await tokens.aclose()
+            raise
+        async with contextlib.aclosing(tokens):
+            async for out in tokens:
+                yield out
+
+    async def expect(self, seq: str, request: GenerationRequest, prefill: str
+                     ) -> AsyncGenerator[TokenOutput, None]:
+        """Tell this (decode) node that ``seq``'s cache comes from ``prefill`` (that node's
+        serving address); the sequence's tokens, as ``generate``'s, once it came. The
+        ``expect`` is sent before this returns."""
+        seq, sequence = self._open_seq(seq)
+        tokens = self._tokens(seq, sequence, request)
+        try:
+            await self._send(seq, sequence, {"t": "expect", "prefill": prefill}, request)
+        except BaseException:
+            await tokens.aclose()
+            raise
+        return tokens
+
+    async def prefill(self, seq: str, request: GenerationRequest, *, decode_target: str,
+                      compression: str, within_s: float) -> dict[str, object]:
+        """Have this (prefill) node prefill ``request`` and hand its cache to
+        ``decode_target``; its ``prefilled`` header (bytes, encode_ms, send_ms), or the
+        node's refusal raised as ``generate``'s are; ``EngineUnavailable`` when no answer
+        comes within ``within_s``."""
+        seq, sequence = self._open_seq(seq)
+        answered = False
+        try:
+            await self._send(seq, sequence, {"t": "prefill", "decode_target": decode_target,
+                                             "compression": compression}, request)
+            try:
+                async with asyncio.timeout(within_s):
+                    item = await sequence.inbox.get()
+            except TimeoutError:
+                raise EngineUnavailable(f"node {self.node_id} did not prefill within "
+                                        f"{within_s:g} s", retry_after_s=1) from None
+            answered = True
+            if isinstance(item, BaseException):
+                raise item
+            if item.type == "error":
+                raise self._refusal(item.header)
+            if item.type != "prefilled":
+                raise EngineError(f"node {self.node_id} sent '{item.type}' for a prefill")
+            return dict(item.header)
+        finally:
+            if not answered and self._seqs.get(seq) is sequence:
+                self.forget(seq)  # the node stops the prefill: nothing is handed off
+            else:
+                self._seqs.pop(seq, None)
+                self._finish_if_done(sequence.stream)
+
+    def forget(self, seq: str) -> None:
+        """End ``seq`` here and on the node (``cancel``) if it is still in flight: for an
+        ``expect`` whose tokens were never read (an unstarted generator's ``aclose`` runs
+        none of its code)."""
+        sequence = self._seqs.pop(seq, None)
+        if sequence is not None and not sequence.stream.closed:
+            self._spawn(self._cancel(sequence.stream, seq))
+
+    def _open_seq(self, seq: str) -> tuple[str, _Seq]:
         stream = self._stream
         if self._closing:
             raise EngineError("the engine is closed")
         if self._state != "up" or stream is None or stream.closed:
             raise EngineUnavailable(self._error or f"node {self.node_id} is not connected "
                                     "yet", retry_after_s=self.retry_after_s)
-        seq = uuid.uuid4().hex
+        if seq in self._seqs:
+            raise EngineError(f"sequence {seq} is already in flight to node {self.node_id}")
         sequence = _Seq(stream)
         self._seqs[seq] = sequence
+        return seq, sequence
+
+    async def _send(self, seq: str, sequence: _Seq, header: dict[str, object],
+                    request: GenerationRequest) -> None:
         prompt = list(request.prompt_tokens)
+        try:
+            await sequence.stream.send(encode_envelope(
+                {**header, "seq": seq, "params": params_to_wire(request.params)},
+                [("prompt", "i32", (1, len(prompt)), struct.pack(f"<{len(prompt)}i",
+                                                                 *prompt))]))
+        except ConnectionClosed as exc:
+            self._seqs.pop(seq, None)
+            raise EngineUnavailable(f"node {self.node_id}: sending failed ({exc.kind})",
+                                    retry_after_s=self.retry_after_s) from exc
+
+    async def _tokens(self, seq: str, sequence: _Seq, request: GenerationRequest
+                      ) -> AsyncGenerator[TokenOutput, None]:
+        stream = sequence.stream
         finished = False
         try:
-            try:
-                await stream.send(encode_envelope(
-                    {"t": "generate", "seq": seq, "params": params_to_wire(request.params)},
-                    [("prompt", "i32", (1, len(prompt)), struct.pack(f"<{len(prompt)}i",
-                                                                     *prompt))]))
-            except ConnectionClosed as exc:
-                raise EngineUnavailable(f"node {self.node_id}: sending failed ({exc.kind})",
-                                        retry_after_s=self.retry_after_s) from exc
             while not finished:
                 item = await sequence.inbox.get()
                 if isinstance(item, BaseException):
@@ -341,11 +423,12 @@ class RemoteEngine:
                 finished = out.finish_reason is not None
                 yield out
         finally:
-            self._seqs.pop(seq, None)
-            if not finished and not stream.closed:
-                self._spawn(self._cancel(stream, seq))
-            else:
-                self._finish_if_done(stream)
+            if self._seqs.get(seq) is sequence:
+                self._seqs.pop(seq, None)
+                if not finished and not stream.closed:
+                    self._spawn(self._cancel(stream, seq))
+                else:
+                    self._finish_if_done(stream)
 
     async def _cancel(self, stream: MxclStream, seq: str) -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -371,6 +454,17 @@ class RemoteEngine:
         name = f"node {self.node_id}"
         if code == p.ERR_BAD_REQUEST:
             return RequestRefused(f"{name}: {message}")
+        if code == p.ERR_UNSUPPORTED:
+            return HandoffUnsupported(f"{name}: {message}")
+        if code == p.ERR_FORBIDDEN:
+            log.warning("%s refused a prefill: %s", name, message)
+            return EngineError(f"{name} refused to send the KV cache to the decode node "
+                               "chosen (not in its MLXCEL_DECODE_ALLOWLIST); see the "
+                               "router's log")
+        if code == p.ERR_BAD_HANDOFF:
+            log.warning("%s: %s", name, message)
+            return EngineUnavailable(f"{name}: the KV cache handoff failed; retry",
+                                     retry_after_s=1)
         if code == p.ERR_BUSY:
             return EngineUnavailable(f"{name} is busy: {message}", retry_after_s=1)
         if code == p.ERR_DRAINING:

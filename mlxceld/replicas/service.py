@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from mlxceld.engine.base import (
     EngineError,
     EngineUnavailable,
     GenerationRequest,
+    TokenOutput,
 )
 from mlxceld.engine.constraints import ConstraintError
 from mlxceld.net import ConnectionClosed, Listener, MxclStream
@@ -53,7 +55,14 @@ from mlxceld.net.liveness import watch
 from mlxceld.pipeline.protocol import params_from_wire, seq_of
 from mlxceld.replicas import protocol as p
 from mlxceld.tasks import cancelling_group
-from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
+from mlxceld.wire import (
+    Envelope,
+    EnvelopeError,
+    MessageSpec,
+    SecretStore,
+    encode_envelope,
+    parse_envelope,
+)
 from mlxceld.wire.address import parse_address
 
 log = logging.getLogger(__name__)
@@ -86,11 +95,14 @@ class ServingService:
         self._cluster = cluster
         self._silence_s = silence_s
         self._vocab_size = vocab_size
+        self._keyring = keyring
         limit = engine.max_batch if max_sequences is None else max_sequences
         self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
         self.draining = False
         self._held = 0  # sequences in flight over all connections
         self._ended = asyncio.Event()  # set as each sequence ends (``drain`` waits on it)
+        self._specs: dict[str, MessageSpec] = dict(p.NODE_SPECS)
+        self._unattached: frozenset[str] = frozenset()  # types a peer sends unattached
         self._listener = Listener(where.host, where.port, keyring=keyring,
                                   identity_of_server=address, channels={1},
                                   handler=self._handle, name=f"serving listener of {node_id}")
@@ -160,7 +172,7 @@ class ServingService:
             except ConnectionClosed as exc:
                 return str(exc)
             try:
-                env = parse_envelope(payload, p.NODE_SPECS)
+                env = parse_envelope(payload, self._specs)
             except EnvelopeError as exc:
                 await self._refuse(link, None, p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}")
                 continue
@@ -172,6 +184,8 @@ class ServingService:
                     if not link.reporting:
                         link.reporting = True
                         tg.create_task(self._report_load(link))
+                elif env.type in self._unattached:
+                    await self._other(link, env, tg)
                 elif not link.attached:
                     raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
                                               "send 'attach' before any other message")
@@ -181,8 +195,15 @@ class ServingService:
                     task = link.seqs.get(seq_of(env.header))
                     if task is not None:
                         task.cancel()
+                else:
+                    await self._other(link, env, tg)
             except p.ProtocolViolation as exc:
                 await self._refuse(link, seq, exc.code, exc.message)
+
+    async def _other(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+        """A message this node's role does not take (a subclass's role may)."""
+        raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"node {self.node_id} is a {self.role} "
+                                  f"node: it takes no '{env.type}'")
 
     async def _report_load(self, link: _Link) -> None:
         """``load`` now, then every ``LOAD_EVERY_S`` while it changed (see above)."""
@@ -230,6 +251,11 @@ class ServingService:
         return True
 
     def _generate(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+        seq, request = self._admit(link, env)
+        link.seqs[seq] = tg.create_task(self._run(link, seq, request))
+
+    def _admit(self, link: _Link, env: Envelope) -> tuple[str, GenerationRequest]:
+        """A ``generate``-like message's sequence, checked against this node's bounds."""
         seq = seq_of(env.header)
         if seq in link.seqs:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already running "
@@ -255,16 +281,19 @@ class ServingService:
                 < self._vocab_size:
             raise p.ProtocolViolation(p.ERR_BAD_REQUEST, "prompt token ids must be in [0, "
                                       f"{self._vocab_size}) (node {self.node_id}'s model)")
-        request = GenerationRequest(f"replica-{seq}", tokens, params)
-        link.seqs[seq] = tg.create_task(self._run(link, seq, request))
+        return seq, GenerationRequest(f"replica-{seq}", tokens, params)
 
-    async def _run(self, link: _Link, seq: str, request: GenerationRequest) -> None:
+    async def _run(self, link: _Link, seq: str, request: GenerationRequest,
+                   tokens_of: Callable[[], AsyncGenerator[TokenOutput, None]] | None = None
+                   ) -> None:
         """One sequence: its tokens to its router, or one ``error``; cancelled with its
-        connection or by ``cancel``."""
+        connection or by ``cancel``. ``tokens_of``: where its tokens come from (default:
+        the engine's ``generate``)."""
         self._held += 1
         stream = link.stream
         try:
-            async with contextlib.aclosing(self.engine.generate(request)) as tokens:
+            source = self.engine.generate(request) if tokens_of is None else tokens_of()
+            async with contextlib.aclosing(source) as tokens:
                 async for out in tokens:
                     await stream.send(encode_envelope(
                         p.token_header(seq, out, request.params.logprobs),

@@ -131,11 +131,38 @@ class ReplicasOptions:
     agents: tuple[str, ...]  # each replica's agent address (config/replicas.py)
     origin: str  # our agent listener's address: the identity we dial with
     cluster: str
+    # Prefill/decode disaggregation (config/disagg.py): both pools or neither.
+    prefill_agents: tuple[str, ...] = ()
+    decode_agents: tuple[str, ...] = ()
+    kv_compression: str = "none"
 
     def __post_init__(self) -> None:
-        _check(len(self.agents) >= 1, "agents", "name at least one replica", self.agents)
-        for agent in self.agents:
-            _check_address("agents", agent)
+        _check(len(self.agents) >= 1 or bool(self.prefill_agents and self.decode_agents),
+               "agents", "name at least one replica (or prefill and decode nodes)",
+               self.agents)
+        _check(bool(self.prefill_agents) == bool(self.decode_agents), "decode_agents",
+               "be given with prefill_agents", self.decode_agents)
+        for name in ("agents", "prefill_agents", "decode_agents"):
+            for agent in getattr(self, name):
+                _check_address(name, agent)
+        _check_address("origin", self.origin)
+
+
+@dataclass(frozen=True)
+class HandoffOptions:
+    """A prefill or decode node's router worker (``--node-role prefill|decode``): no
+    OpenAI port, its engine on the serving listener only (``workers/handoff_node.py``)."""
+
+    role: str  # "prefill" or "decode"
+    origin: str  # our agent listener's address: the identity we ask agents with
+    prefill_agents: tuple[str, ...] = ()  # a decode node's prefill peers, by agent address
+
+    def __post_init__(self) -> None:
+        _check(self.role in ("prefill", "decode"), "role", "be prefill or decode", self.role)
+        _check(self.role == "prefill" or len(self.prefill_agents) >= 1, "prefill_agents",
+               "name at least one prefill peer", self.prefill_agents)
+        for agent in self.prefill_agents:
+            _check_address("prefill_agents", agent)
         _check_address("origin", self.origin)
 
 
@@ -170,6 +197,8 @@ class RouterOptions:
     pipeline: PipelineOptions | None = None  # None: the model runs in this process
     # With --node-role router: the replicas to spread requests over (no model here).
     replicas: ReplicasOptions | None = None
+    # With --node-role prefill|decode: no OpenAI port; the engine on the serving listener.
+    handoff: HandoffOptions | None = None
     # The OpenAI port's connections (control/connections.py says what each bounds).
     max_connections: int = 1024
     header_timeout_s: float = 10.0
@@ -189,6 +218,9 @@ class RouterOptions:
                "come with a pipeline (replica 0)", self.replica_pipelines)
         _check(self.pipeline is None or self.replicas is None, "replicas",
                "be null with a pipeline", self.replicas)
+        _check(self.handoff is None or (self.pipeline is None and self.replicas is None
+                                        and self.serving is not None), "handoff",
+               "come with serving, and without a pipeline or replicas", self.handoff)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "be >= 1",
                self.max_tokens)
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)

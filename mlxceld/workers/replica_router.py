@@ -26,6 +26,8 @@ from mlxceld.roles.options import ReplicasOptions, RouterOptions
 from mlxceld.workers.runtime import WorkerContext
 
 NODE_PREFIX = "replica-"
+PREFILL_PREFIX = "prefill-"  # a router's prefill nodes, by their index in --prefill-peers
+DECODE_PREFIX = "decode-"
 
 
 def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
@@ -46,24 +48,49 @@ def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
     identity = model_identity(path)
-    members = []
-    for i, agent in enumerate(replicas.agents):
-        find = ServingFinder(agent, origin=replicas.origin, keyring=ctx.keyring,
-                             model_identity=identity)
-        member = RemoteEngine(  # the keyring is changed in place (supervisor/keys.py)
-            f"{NODE_PREFIX}{i}", find, keyring=ctx.keyring, origin=replicas.origin,
-            model_identity=identity, cluster=replicas.cluster, silence_s=o.stage_silence_s)
-        member.max_batch = member.max_batch or o.max_batch  # its own once attached
-        members.append(member)
+    keyring = ctx.keyring
+
+    def members(agents: tuple[str, ...], prefix: str, role: str) -> list[RemoteEngine]:
+        found = []
+        for i, agent in enumerate(agents):
+            find = ServingFinder(agent, origin=replicas.origin, keyring=keyring,
+                                 model_identity=identity, role=role)
+            member = RemoteEngine(  # the keyring is changed in place (supervisor/keys.py)
+                f"{prefix}{i}", find, keyring=keyring, origin=replicas.origin,
+                model_identity=identity, cluster=replicas.cluster,
+                silence_s=o.stage_silence_s, role=role)
+            member.max_batch = member.max_batch or o.max_batch  # its own once attached
+            found.append(member)
+        return found
+
     context = int(config.get("max_position_embeddings") or 4096)
-    return ReplicaEngine(members, model_id=o.model_name, context_length=context), tokenizer
+    pool = (ReplicaEngine(members(replicas.agents, NODE_PREFIX, "hybrid"),
+                          model_id=o.model_name, context_length=context)
+            if replicas.agents else None)
+    if not replicas.prefill_agents:
+        return pool, tokenizer
+    from mlxceld.engine.handoff import Mode
+    from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
+
+    quant, _, lz4 = replicas.kv_compression.partition("+")
+    disagg = DisaggEngine(members(replicas.prefill_agents, PREFILL_PREFIX, "prefill"),
+                          members(replicas.decode_agents, DECODE_PREFIX, "decode"),
+                          model_id=o.model_name, context_length=context,
+                          mode=Mode(quant, bool(lz4)))  # type: ignore[arg-type]  # config checked it
+    return (disagg if pool is None else DisaggOrReplicas(disagg, pool)), tokenizer
 
 
-def replica_links(engine: Any, agents: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Each replica's state for the worker's stats (``mlxctl status``, on the operator's
-    socket: with its agent address): node id, agent, state, last error."""
-    nodes = engine.stats(verbose=True)["nodes"]
-    return [{"replica": n["id"], "agent": agent, "state": n["state"],
+def replica_links(engine: Any, replicas: ReplicasOptions) -> list[dict[str, Any]]:
+    """Each replica's (and prefill and decode node's) state for the worker's stats
+    (``mlxctl status``, on the operator's socket: with its agent address): node id,
+    agent, state, last error."""
+    stats = engine.stats(verbose=True)
+    nodes = list(stats["nodes"]) + list(stats.get("replicas", {}).get("nodes", []))
+    agents = dict(zip((f"{NODE_PREFIX}{i}" for i in range(len(replicas.agents))),
+                      replicas.agents, strict=True))
+    for prefix, pool in ((PREFILL_PREFIX, replicas.prefill_agents),
+                         (DECODE_PREFIX, replicas.decode_agents)):
+        agents.update((f"{prefix}{i}", agent) for i, agent in enumerate(pool))
+    return [{"replica": n["id"], "agent": agents.get(n["id"], ""), "state": n["state"],
              "connected": n["state"] == "up", "error": n.get("last_error"),
-             "dispatched": n.get("dispatched", 0)}
-            for n, agent in zip(nodes, agents, strict=True)]
+             "dispatched": n.get("dispatched", 0)} for n in nodes]

@@ -40,6 +40,10 @@ in the background from the start, ``GET /ready`` is 503 while no replica is up,
 ``replicas`` (each one's node id, agent address, state and last error) for
 ``mlxctl status``.
 
+On a prefill or decode node (``handoff``: ``HandoffOptions``, ``--node-role
+prefill|decode``) it loads the model as above, binds no OpenAI port, and serves the
+engine on the serving listener only (``workers/handoff_node.py``).
+
 Its control channel's ``pipeline`` op (``pipeline_op``) moves it to another plan's
 stages without a restart (``pipeline/switch.py``: new requests go to the new stages,
 running ones end on the old); the daemon uses it when a drain's re-plan serves
@@ -83,6 +87,7 @@ from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import format_address, parse_address
+from mlxceld.workers.handoff_node import run_handoff_node
 from mlxceld.workers.replica_router import replica_engine, replica_links
 from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
@@ -232,7 +237,7 @@ def drain_op(draining: Draining, request: JSON) -> JSON:
 async def run(ctx: WorkerContext[RouterOptions]) -> int:
     o = ctx.options
     raise_file_limit()
-    sock = listen(o.host, o.port)
+    sock = listen(o.host, o.port) if o.handoff is None else socket.socket()  # none bound
     loop = asyncio.get_running_loop()
     broken: list[BaseException] = []
 
@@ -266,6 +271,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     except Exception as exc:
         sock.close()
         raise RuntimeError(f"cannot load model {o.model!r}: {exc}") from exc
+    if o.handoff is not None:  # a prefill or decode node: no OpenAI port
+        sock.close()
+        return await run_handoff_node(ctx, engine, path, o.handoff, broken,
+                                      stats_every_s=STATS_EVERY_S, graceful_s=GRACEFUL_S)
     pipeline = o.pipeline is not None
     pool = o.replicas is not None
     linked = pipeline or pool  # an engine with links to keep up
@@ -309,7 +318,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                     ctx.stats.update(tokens=engine.tokens, tokens_per_s=None if rate is None
                                      else round(rate, 2))
                 if o.replicas is not None:
-                    ctx.stats["replicas"] = replica_links(engine, o.replicas.agents)
+                    ctx.stats["replicas"] = replica_links(engine, o.replicas)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()

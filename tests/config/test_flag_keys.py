@@ -47,6 +47,11 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--stage-ports": ("19100-19199", "19100-19199", ()),
     "--node-role": ("router", "router", ("--replicas", "10.0.0.2")),
     "--replicas": ("10.0.0.2,mac-3", ["10.0.0.2", "mac-3:19000"], ("--node-role", "router")),
+    "--prefill-peers": ("10.0.0.3", ["10.0.0.3:19000"],
+                        ("--node-role", "router", "--decode-peers", "10.0.0.4")),
+    "--decode-peers": ("10.0.0.4:19001", ["10.0.0.4:19001"],
+                       ("--node-role", "router", "--prefill-peers", "10.0.0.3")),
+    "--kv-compression": ("int8+lz4", "int8+lz4", ()),
     # A group that exists here; a group's socket may not be inside the state dir.
     "--socket-group": (GROUP, GROUP, ("--socket", "/run/mlxceld-flag-keys/ctl.sock")),
 }

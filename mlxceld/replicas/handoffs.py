@@ -1,0 +1,460 @@
+"""Prefill and decode nodes: a serving node's side of disaggregation (``protocol.py``).
+
+``HandoffService`` is a ``ServingService`` whose engine can hand a KV cache off
+(``HandoffEngine``: the local engine's ``prefill``, ``generate_from`` and
+``cache_layout``), in one of two roles:
+
+- ``prefill``: takes ``prefill`` from routers. Before any work it checks the
+  ``decode_target`` against the allowlist (``decode_allowlist``: refused with
+  ``forbidden``, nothing prefilled, nothing sent) and the compression; the engine's
+  ``prefill`` then refuses a model whose cache cannot travel (``unsupported``, per
+  request: the node serves on). The cache is encoded off the event loop, sent to the
+  decode target over a link this node dials as its own serving address (one per
+  target, kept while it works; dialed within ``DIAL_BUDGET_S``), in ``handoff``
+  frames of whole layers, each under ``HANDOFF_FRAME_BYTES``; then ``prefilled``
+  {bytes, encode_ms, send_ms} to the router.
+- ``decode``: takes ``expect`` from routers and ``handoff`` from prefill nodes. An
+  ``expect`` holds a sequence (it counts against the router's bound as a ``generate``)
+  for at most ``handoff_timeout_s``; its ``handoff`` must come from an identity in
+  ``prefill_peers()`` (the handshake's, never a field) that is the expect's
+  ``prefill``, else it is dropped (a rate-limited ``router_drop`` warning) and
+  changes nothing. Bounds: the frames' blobs may not add up to more than the cache of
+  the expected prompt would be uncompressed (``handoff_bytes``), nor come in more
+  parts than the model has layers; the whole is checked (``decode_cache``) before
+  decoding. A cache that does not fit, or none in time, ends the sequence with
+  ``bad_handoff`` to the router.
+
+The allowlist (``MLXCEL_DECODE_ALLOWLIST``): comma-separated numeric ``ip:port``
+serving addresses a prefill node may send caches to; an entry that is a host name or
+malformed is skipped with a warning; unset or empty: any target (one warning at start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from mlxceld.engine.base import Engine, EngineError, GenerationRequest, TokenOutput
+from mlxceld.engine.constraints import ConstraintError
+from mlxceld.engine.handoff import (
+    QUANTS,
+    CacheLayout,
+    HandoffError,
+    HandoffUnsupported,
+    Mode,
+    decode_cache,
+    encode_cache,
+    handoff_specs,
+)
+from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net.securitylog import SecurityLog
+from mlxceld.replicas import protocol as p
+from mlxceld.replicas.service import ServingService, _Link
+from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
+from mlxceld.wire.address import parse_address
+
+log = logging.getLogger(__name__)
+
+ALLOWLIST_ENV: Final = "MLXCEL_DECODE_ALLOWLIST"
+DIAL_BUDGET_S: Final = 5.0  # a prefill node dialing a decode target
+ROLES: Final = ("prefill", "decode")
+
+
+class HandoffEngine(Engine, Protocol):
+    """An engine that can prefill for a handoff and decode from one (``LocalEngine``)."""
+
+    vocab_size: int
+
+    async def prefill(self, request: GenerationRequest) -> tuple[TokenOutput, list[Any]]: ...
+
+    def generate_from(self, request: GenerationRequest, first: TokenOutput,
+                      cache: Sequence[Any]) -> AsyncGenerator[TokenOutput, None]: ...
+
+    def cache_layout(self) -> CacheLayout: ...
+
+
+def decode_allowlist(text: str | None) -> frozenset[str] | None:
+    """The decode targets ``text`` (the variable's value) allows; None: any (it is unset
+    or empty: warned once). A host name or malformed entry is skipped with a warning."""
+    if text is None or not text.strip():
+        log.warning("%s is not set: this prefill node sends KV caches to any decode target "
+                    "a router names; set it to the decode nodes' serving ip:port list",
+                    ALLOWLIST_ENV)
+        return None
+    allowed = set()
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        try:
+            where = parse_address(entry)
+        except ValueError as exc:
+            log.warning("%s: skipped %r: %s", ALLOWLIST_ENV, entry, exc)
+            continue
+        if where.ip is None:
+            log.warning("%s: skipped %r: give a numeric ip:port (a name may resolve "
+                        "elsewhere)", ALLOWLIST_ENV, entry)
+            continue
+        allowed.add(where.canonical())
+    return frozenset(allowed)
+
+
+def parse_mode(text: object) -> Mode:
+    """``"int8+lz4"`` as a ``Mode``; ``ValueError`` naming what is allowed."""
+    if not isinstance(text, str):
+        raise ValueError("'compression' must be a string such as 'none' or 'int8+lz4'")
+    quant, plus, rest = text.partition("+")
+    if quant not in QUANTS or (plus and rest != "lz4"):
+        raise ValueError(f"compression {text[:40]!r} is not one of none, int8, int4, each "
+                         "optionally with +lz4")
+    return Mode(quant, bool(plus))
+
+
+def handoff_bytes(layout: CacheLayout, tokens: int) -> int:
+    """The most a cache of ``tokens`` tokens may take on the wire, in any mode."""
+    return max(sum(t.dims[0][1] for t in handoff_specs(layout, tokens, Mode(q, True))
+                   .tensors.values()) for q in QUANTS)
+
+
+def _union_spec(layout: CacheLayout, max_tokens: int) -> MessageSpec:
+    """Any subset of any mode's blobs, each within its largest bound: one ``handoff``."""
+    bounds: dict[str, int] = {}
+    for quant in QUANTS:
+        for name, tspec in handoff_specs(layout, max_tokens, Mode(quant, True)).tensors.items():
+            bounds[name] = max(bounds.get(name, 0), tspec.dims[0][1])
+    return MessageSpec({name: TensorSpec(frozenset({"u8"}), ((0, bound),), required=False)
+                        for name, bound in bounds.items()})
+
+
+@dataclass
+class _Expected:
+    """A decode node's pending ``expect``: what its ``handoff`` must match."""
+
+    link: _Link
+    request: GenerationRequest
+    prefill: str  # the identity the handoff must come from
+    parts: int = 0  # 0 until part 0 came
+    got: int = 0
+    header: dict[str, Any] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    size: int = 0
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
+                                       .create_future())
+
+
+@dataclass
+class HandoffStats:
+    """What a prefill node sent (or a decode node took)."""
+
+    handoffs: int = 0
+    bytes: int = 0
+    refused: int = 0
+    dropped: int = 0
+
+
+class HandoffService(ServingService):
+    def __init__(self, engine: HandoffEngine, *, role: str,
+                 prefill_peers: Callable[[], Collection[str]] = frozenset,
+                 allowlist: frozenset[str] | None = None,
+                 handoff_timeout_s: float = p.HANDOFF_TIMEOUT_S, **options: Any) -> None:
+        """``role``: "prefill" or "decode"; ``prefill_peers``: (decode) the serving
+        addresses a handoff may come from, asked at each one; ``allowlist``: (prefill)
+        the decode targets allowed (``decode_allowlist``; None: any). The rest is
+        ``ServingService``'s."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        super().__init__(engine, role=role, **options)
+        self.handoff_engine = engine
+        self._layout = engine.cache_layout()
+        self._prefill_peers = prefill_peers
+        self._allowlist = allowlist
+        self._handoff_timeout_s = handoff_timeout_s
+        self._expected: dict[str, _Expected] = {}
+        self._targets: dict[str, MxclStream] = {}
+        self._dialing = asyncio.Lock()
+        self._readers: set[asyncio.Task[None]] = set()
+        self._security = SecurityLog(logger=log)
+        self.stats = HandoffStats()
+        if role == "prefill":
+            self._specs.pop("generate")
+            self._specs.pop("expect")
+        else:
+            self._specs.pop("generate")
+            self._specs.pop("prefill")
+            self._specs["handoff"] = _union_spec(self._layout, engine.context_length)
+            self._unattached = frozenset({"handoff"})
+
+    @property
+    def origin(self) -> str:
+        """This node's serving address as it dials: its identity to decode nodes."""
+        return f"{self.host}:{self.port}"
+
+    async def aclose(self) -> None:
+        for stream in list(self._targets.values()):
+            await stream.close("prefill node stopping")
+        self._targets.clear()
+        for task in list(self._readers):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._security.flush(f"node {self.node_id}: ")
+        await super().aclose()
+
+    async def _other(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+        if env.type == "prefill" and self.role == "prefill":
+            self._prefill(link, env, tg)
+        elif env.type == "expect" and self.role == "decode":
+            self._expect(link, env, tg)
+        elif env.type == "handoff" and self.role == "decode":
+            self._handoff(link, env)
+        else:
+            await super()._other(link, env, tg)
+
+    async def _failed(self, link: _Link, seq: str, exc: Exception) -> None:
+        code = (p.ERR_UNSUPPORTED if isinstance(exc, HandoffUnsupported)
+                else p.ERR_BAD_HANDOFF if isinstance(exc, HandoffError) else None)
+        if code is None:
+            await super()._failed(link, seq, exc)
+            return
+        log.warning("node %s: sequence %s of router %s: %s", self.node_id, seq,
+                    link.stream.peer, exc)
+        with contextlib.suppress(ConnectionClosed):
+            await link.stream.send(encode_envelope(p.error_header(code, str(exc), seq)))
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def _prefill(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+        target = env.header.get("decode_target")
+        try:
+            where = parse_address(target) if isinstance(target, str) else None
+        except ValueError:
+            where = None
+        if where is None:
+            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, "'decode_target' must be the decode "
+                                      "node's serving host:port")
+        if self._allowlist is not None and where.canonical() not in self._allowlist:
+            self.stats.refused += 1
+            raise p.ProtocolViolation(p.ERR_FORBIDDEN, f"decode target {target} is not in "
+                                      f"node {self.node_id}'s {ALLOWLIST_ENV}: add it there "
+                                      "if it is one of the cluster's decode nodes")
+        try:
+            mode = parse_mode(env.header.get("compression"))
+        except ValueError as exc:
+            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, str(exc)) from None
+        seq, request = self._admit(link, env)
+        link.seqs[seq] = tg.create_task(self._run_prefill(link, seq, request, str(target),
+                                                          mode))
+
+    async def _run_prefill(self, link: _Link, seq: str, request: GenerationRequest,
+                           target: str, mode: Mode) -> None:
+        self._held += 1
+        try:
+            first, cache = await self.handoff_engine.prefill(request)
+            started = time.perf_counter()
+            header, blobs = await asyncio.to_thread(encode_cache, cache, mode)
+            del cache
+            encoded = time.perf_counter()
+            size = await self._send_handoff(target, seq, first, header, blobs)
+            sent = time.perf_counter()
+            self.stats.handoffs += 1
+            self.stats.bytes += size
+            await link.stream.send(encode_envelope({
+                "t": "prefilled", "seq": seq, "bytes": size,
+                "encode_ms": round((encoded - started) * 1000, 3),
+                "send_ms": round((sent - encoded) * 1000, 3)}))
+        except ConnectionClosed:
+            pass  # the router is gone: the connection's end cancels the rest
+        except (ConstraintError, EngineError) as exc:
+            await self._failed(link, seq, exc)
+        except ValueError as exc:  # the prompt or parameters, as handoff.prefill says
+            with contextlib.suppress(ConnectionClosed):
+                await link.stream.send(encode_envelope(
+                    p.error_header(p.ERR_BAD_REQUEST, str(exc), seq)))
+        finally:
+            self._held -= 1
+            self._ended.set()
+            link.seqs.pop(seq, None)
+
+    async def _send_handoff(self, target: str, seq: str, first: TokenOutput,
+                            header: dict[str, Any], blobs: dict[str, bytes]) -> int:
+        """Send the cache to ``target`` in frames of whole layers; its byte count."""
+        groups: list[list[tuple[str, bytes]]] = [[]]
+        room = p.HANDOFF_FRAME_BYTES
+        for i in range(header["layers"]):
+            layer = [(name, blobs[name]) for name in (f"k{i}", f"k{i}.s", f"v{i}", f"v{i}.s")
+                     if name in blobs]
+            need = sum(len(b) for _, b in layer)
+            if groups[-1] and need > room:
+                groups.append([])
+                room = p.HANDOFF_FRAME_BYTES
+            groups[-1].extend(layer)
+            room -= need
+        stream = await self._target(target)
+        for part, group in enumerate(groups):
+            message: dict[str, Any] = {"t": "handoff", "seq": seq, "part": part,
+                                       "parts": len(groups)}
+            if part == 0:
+                message["first"] = {"token": first.token, "logprob": first.logprob,
+                                    "top": [list(t) for t in first.top],
+                                    "finish_reason": first.finish_reason}
+                message["cache"] = header
+            try:
+                await stream.send(encode_envelope(message, [(name, "u8", (len(data),), data)
+                                                            for name, data in group]))
+            except ConnectionClosed:
+                self._targets.pop(target, None)
+                raise HandoffError("sending the KV cache to the decode node failed: the "
+                                   "connection ended") from None
+        return sum(len(b) for b in blobs.values())
+
+    async def _target(self, target: str) -> MxclStream:
+        """The link to ``target``, dialed as this node's serving address if need be."""
+        async with self._dialing:
+            stream = self._targets.get(target)
+            if stream is not None and not stream.closed:
+                return stream
+            try:
+                stream = await connect_as(self.origin, target, keyring=self._keyring,
+                                          channel=1, budget_s=DIAL_BUDGET_S)
+            except (HandshakeFailed, ValueError) as exc:
+                log.info("node %s: dialing decode target %s failed: %s", self.node_id,
+                         target, exc)
+                raise HandoffError("the decode node is unreachable from the prefill node "
+                                   f"{self.node_id} (tried for {DIAL_BUDGET_S:g} s)") from None
+            self._targets[target] = stream
+            # The decode node never sends on this link but pongs; read them so they drain.
+            self._spawn_reader(stream)
+            return stream
+
+    def _spawn_reader(self, stream: MxclStream) -> None:
+        async def drain() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    await stream.recv()
+
+        task = asyncio.ensure_future(drain())
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+
+    # -- decode -------------------------------------------------------------------------
+
+    def _expect(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+        prefill = env.header.get("prefill")
+        if not isinstance(prefill, str) or not prefill:
+            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, "'prefill' must be the prefill "
+                                      "node's serving host:port")
+        seq, request = self._admit(link, env)
+        if seq in self._expected:
+            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already "
+                                      "expected on this node")
+        expected = _Expected(link, request, prefill)
+        self._expected[seq] = expected
+        link.seqs[seq] = tg.create_task(self._run(link, seq, request,
+                                                  lambda: self._decode(seq, expected)))
+
+    async def _decode(self, seq: str, expected: _Expected
+                      ) -> AsyncGenerator[TokenOutput, None]:
+        """The expected sequence's tokens, once its handoff came whole (see above)."""
+        try:
+            try:
+                async with asyncio.timeout(self._handoff_timeout_s):
+                    await expected.done
+            except TimeoutError:
+                raise HandoffError(f"no KV cache came from the prefill node within "
+                                   f"{self._handoff_timeout_s:g} s") from None
+        finally:
+            self._expected.pop(seq, None)
+        first = _first_of(expected.header.get("first"), self.handoff_engine.vocab_size)
+        cache = await asyncio.to_thread(decode_cache, expected.header.get("cache", {}),
+                                        expected.blobs, expect=self._layout,
+                                        max_tokens=len(expected.request.prompt_tokens))
+        expected.blobs.clear()
+        self.stats.handoffs += 1
+        self.stats.bytes += expected.size
+        try:
+            source = self.handoff_engine.generate_from(expected.request, first, cache)
+        except ValueError as exc:
+            raise HandoffError(str(exc)) from None
+        async with contextlib.aclosing(source) as tokens:
+            async for out in tokens:
+                yield out
+
+    def _handoff(self, link: _Link, env: Envelope) -> None:
+        peer = link.stream.peer_identity
+        seq = env.header.get("seq")
+        expected = self._expected.get(seq) if isinstance(seq, str) else None
+        why = None
+        if peer not in self._prefill_peers():
+            why = "it is not one of this node's prefill peers"
+        elif expected is None:
+            why = "no router expects that sequence here"
+        elif expected.prefill != peer:
+            why = "the router expects it from another prefill node"
+        elif expected.done.done():
+            why = "that sequence's handoff is already complete"
+        if why is not None:
+            self.stats.dropped += 1
+            self._security.warn("router_drop", "node %s dropped a handoff from %s: %s",
+                                self.node_id, peer, why, kind="handoff dropped")
+            return
+        assert expected is not None
+        try:
+            self._take_part(expected, env)
+        except HandoffError as exc:
+            expected.blobs.clear()
+            expected.done.set_exception(exc)
+
+    def _take_part(self, expected: _Expected, env: Envelope) -> None:
+        header = env.header
+        part, parts = header.get("part"), header.get("parts")
+        layers = self._layout.layers
+        if type(part) is not int or type(parts) is not int or not 0 <= part < parts <= layers:
+            raise HandoffError(f"'part' and 'parts' must be 0 <= part < parts <= {layers}")
+        if part != expected.got or (expected.parts and parts != expected.parts):
+            raise HandoffError(f"handoff part {part} of {parts} came out of order")
+        if part == 0:
+            if not isinstance(header.get("cache"), dict) or not isinstance(
+                    header.get("first"), dict):
+                raise HandoffError("handoff part 0 carries no 'cache' header or 'first'")
+            expected.header = {"cache": header["cache"], "first": header["first"]}
+            expected.parts = parts
+        limit = handoff_bytes(self._layout, len(expected.request.prompt_tokens))
+        for name, tensor in env.tensors.items():
+            if name in expected.blobs:
+                raise HandoffError(f"blob {name!r} came twice")
+            expected.size += len(tensor.data)
+            if expected.size > limit:
+                raise HandoffError(f"the handoff exceeds {limit} bytes, the most a cache of "
+                                   f"{len(expected.request.prompt_tokens)} tokens takes")
+            expected.blobs[name] = bytes(tensor.data)
+        expected.got += 1
+        if expected.got == expected.parts:
+            expected.done.set_result(None)
+
+
+def _first_of(first: object, vocab_size: int) -> TokenOutput:
+    """Part 0's ``first`` as a ``TokenOutput``; ``HandoffError`` naming the field."""
+    if not isinstance(first, dict):
+        raise HandoffError("'first' must be an object")
+    token, logprob, top = first.get("token"), first.get("logprob"), first.get("top", [])
+    reason = first.get("finish_reason")
+    if type(token) is not int or not 0 <= token < vocab_size:
+        raise HandoffError(f"'first.token' must be a token id below {vocab_size}")
+    if logprob is not None and type(logprob) not in (int, float):
+        raise HandoffError("'first.logprob' must be a number")
+    if reason not in (None, "stop", "length"):
+        raise HandoffError("'first.finish_reason' must be stop, length or null")
+    if not isinstance(top, list) or len(top) > 20 or not all(
+            isinstance(t, list) and len(t) == 2 and type(t[0]) is int
+            and type(t[1]) in (int, float) for t in top):
+        raise HandoffError("'first.top' must be at most 20 [id, logprob] pairs")
+    return TokenOutput(token, reason, None if logprob is None else float(logprob),
+                       tuple((int(t), float(lp)) for t, lp in top))
+
+
+__all__ = ["ALLOWLIST_ENV", "HandoffEngine", "HandoffService", "HandoffStats",
+           "decode_allowlist", "handoff_bytes", "parse_mode"]

@@ -1,0 +1,156 @@
+"""The router worker of a prefill or decode node (``--node-role prefill|decode``).
+
+It loads the model as a hybrid's router worker does, binds no OpenAI port, and serves
+the engine on its serving listener only (``replicas/handoffs.py``: ``HandoffService``,
+at ``RouterOptions.serving``'s address; the cluster secret arrives on the bootstrap
+pipe). Its stats carry ``serving`` (the bound address) and ``node_role`` for ``mlxctl
+status``.
+
+- A prefill node reads ``MLXCEL_DECODE_ALLOWLIST`` once at start
+  (``handoffs.decode_allowlist``): the decode targets it may send caches to.
+- A decode node takes handoffs from its ``--prefill-peers`` only
+  (``HandoffOptions.prefill_agents``): their serving addresses are asked of their agents
+  (``discovery/serving.py``'s ``ask_serving``) at start and every ``PEERS_EVERY_S``; a
+  peer that is not a prefill node serving our model is left out, with a warning naming
+  it, until it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Final
+
+from mlxceld.discovery.serving import ServingNotFound, ask_serving
+from mlxceld.roles.options import HandoffOptions, RouterOptions
+from mlxceld.wire import SecretStore
+from mlxceld.wire.address import format_address, parse_address
+from mlxceld.workers.runtime import WorkerContext
+
+log = logging.getLogger(__name__)
+
+PEERS_EVERY_S: Final = 5.0  # how often a decode node asks its prefill peers' agents
+
+
+class PrefillPeers:
+    """A decode node's prefill peers' serving addresses, as their agents last said."""
+
+    def __init__(self, agents: tuple[str, ...], *, origin: str, keyring: SecretStore,
+                 model_identity: str) -> None:
+        self._agents = agents
+        self._origin = origin
+        self._keyring = keyring
+        self._identity = model_identity
+        self._known: dict[str, str] = {}  # agent -> serving address
+        self._said: dict[str, str] = {}  # agent -> the last problem warned about
+
+    def __call__(self) -> frozenset[str]:
+        return frozenset(self._known.values())
+
+    async def keep(self) -> None:
+        """Ask every peer's agent now and every ``PEERS_EVERY_S``, until cancelled."""
+        while True:
+            await asyncio.gather(*(self._ask(agent) for agent in self._agents))
+            await asyncio.sleep(PEERS_EVERY_S)
+
+    async def _ask(self, agent: str) -> None:
+        problem = None
+        try:
+            answer = await ask_serving(self._origin, agent, keyring=self._keyring)
+        except ServingNotFound as exc:
+            problem = exc.message
+        else:
+            if answer["role"] != "prefill":
+                problem = (f"it is a {answer['role']} node: list only prefill nodes in "
+                           "--prefill-peers")
+            elif answer["model"] != self._identity:
+                problem = "it serves another model (or none yet)"
+            elif answer["port"] is None:
+                problem = "it has no serving listener yet"
+            else:
+                host = parse_address(agent).host
+                self._known[agent] = format_address(host, answer["port"])
+                self._said.pop(agent, None)
+                return
+        self._known.pop(agent, None)
+        if self._said.get(agent) != problem:
+            log.warning("prefill peer %s: %s; its handoffs are not taken until it is one",
+                        agent, problem)
+            self._said[agent] = problem
+
+
+async def handoff_service(ctx: WorkerContext[RouterOptions], engine: Any, identity: str,
+                          handoff: HandoffOptions) -> tuple[Any, PrefillPeers | None]:
+    """The bound ``HandoffService`` over ``engine``, and a decode node's peers (to keep)."""
+    from mlxceld.replicas.handoffs import ALLOWLIST_ENV, HandoffService, decode_allowlist
+
+    o = ctx.options
+    if o.serving is None or ctx.keyring is None:
+        raise RuntimeError(f"a {handoff.role} node needs the cluster secret and has none")
+    peers = None
+    extra: dict[str, Any] = {}
+    if handoff.role == "prefill":
+        extra["allowlist"] = decode_allowlist(os.environ.get(ALLOWLIST_ENV))
+    else:
+        peers = PrefillPeers(handoff.prefill_agents, origin=handoff.origin,
+                             keyring=ctx.keyring, model_identity=identity)
+        extra["prefill_peers"] = peers
+    service = HandoffService(  # the keyring is changed in place by the daemon
+        engine, role=handoff.role, node_id=o.serving.node_id, model_identity=identity,
+        cluster=o.serving.cluster, keyring=ctx.keyring, address=o.serving.address,
+        silence_s=o.stage_silence_s, vocab_size=engine.vocab_size, **extra)
+    try:
+        await service.start()
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {o.serving.address} for the serving listener: "
+                           f"{exc.strerror}; pick another port with --serving-port or [serve] "
+                           "serving_port") from None
+    return service, peers
+
+
+async def run_handoff_node(ctx: WorkerContext[RouterOptions], engine: Any, path: str,
+                           handoff: HandoffOptions, broken: list[BaseException], *,
+                           stats_every_s: float, graceful_s: float) -> int:
+    """Serve ``engine`` (loaded from ``path``) as a prefill or decode node until the
+    worker stops; the engine is closed at the end."""
+    from mlxceld.models.identity import model_identity
+
+    service = None
+    try:
+        identity = await asyncio.to_thread(model_identity, Path(path))
+        service, peers = await handoff_service(ctx, engine, identity, handoff)
+        await serve_handoffs(ctx, service, peers, stats_every_s, graceful_s)
+    finally:
+        if service is not None:
+            await service.aclose()
+        await engine.aclose()
+    if broken:  # exit non-zero: the supervisor restarts us with a fresh engine
+        raise RuntimeError(f"the engine failed: {broken[0]!r}") from broken[0]
+    return 0
+
+
+async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
+                         peers: PrefillPeers | None, stats_every_s: float,
+                         graceful_s: float) -> None:
+    """Serve until the worker stops; then drain for ``graceful_s`` and close."""
+    async with asyncio.TaskGroup() as tg:
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        tg.create_task(service.serve(started))
+        keeping = tg.create_task(peers.keep()) if peers is not None else None
+        await started
+        ctx.stats.update(serving=format_address(service.host, service.port),
+                         node_role=service.role)
+        ctx.ready()
+        while not ctx.stopping.is_set():
+            stats = service.stats
+            ctx.stats["handoffs"] = {"handoffs": stats.handoffs, "bytes": stats.bytes,
+                                     "refused": stats.refused, "dropped": stats.dropped}
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ctx.stopping.wait(), stats_every_s)
+        if keeping is not None:
+            keeping.cancel()
+        await service.drain(graceful_s)
+        await service.aclose()
