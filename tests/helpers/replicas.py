@@ -1,12 +1,23 @@
 """A replica pool's member over any engine in this process: our own fake of the ``Member``
-seam (``mlxceld.replicas.pool``), whose state a test sets."""
+seam (``mlxceld.replicas.pool``), whose state a test sets; an engine with its links kept
+up for a block (``linked``); a request and its outputs in one call (``request``,
+``tokens``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from mlxceld.engine import Engine, EngineUnavailable, GenerationRequest, TokenOutput
+from mlxceld.engine import (
+    Engine,
+    EngineUnavailable,
+    GenerationRequest,
+    SamplingParams,
+    TokenOutput,
+)
 
 
 @dataclass
@@ -73,3 +84,28 @@ class EngineMember:
 
     async def aclose(self) -> None:
         await self.engine.aclose()
+
+
+@contextlib.asynccontextmanager
+async def linked(engine: Any) -> AsyncIterator[Any]:
+    """``engine`` (a pool, a ``RemoteEngine``, a disaggregated router) with its links kept
+    up (``keep_linked``) while the block runs; then the keeper cancelled and the engine
+    closed."""
+    linking = asyncio.create_task(engine.keep_linked())
+    try:
+        yield engine
+    finally:
+        linking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await linking
+        await engine.aclose()
+
+
+def request(prompt: Sequence[int], n: int, **params: Any) -> GenerationRequest:
+    """A request for ``n`` tokens after ``prompt`` with ``params`` (``SamplingParams``)."""
+    return GenerationRequest("r", prompt, SamplingParams(max_tokens=n, **params))
+
+
+async def tokens(engine: Any, req: GenerationRequest) -> list[Any]:
+    """Every output of ``req`` on ``engine``."""
+    return [out async for out in engine.generate(req)]

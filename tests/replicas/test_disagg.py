@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 from mlxceld.engine.handoff import HandoffUnsupported, Mode
 from mlxceld.engine.local import LocalEngine, load_local_engine
 from mlxceld.net import connect_as
@@ -28,6 +28,7 @@ from mlxceld.wire import encode_envelope
 
 from helpers.keys import keyring
 from helpers.mxcl import CLIENT_ID, SECRET, accepting, run
+from helpers.replicas import linked, request, tokens
 from helpers.waiting import until
 
 MODEL = "ab" * 32
@@ -105,24 +106,10 @@ async def cluster(engine: Any, *, prefill_engine: Any = None, allowlist: bool = 
         members = [remote(prefill), *(remote(d) for d in decodes)]
         router = DisaggEngine(members[:1], members[1:], model_id=MODEL,
                               context_length=engine.context_length, mode=mode)
-        linking = asyncio.create_task(router.keep_linked())
-        try:
+        async with linked(router):
             await until(lambda: router.readiness() is None and all(
                 m.state() == "up" for m in members), "every node up", WAIT_S)
             yield router, prefill, decodes
-        finally:
-            linking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await linking
-            await router.aclose()
-
-
-def request(prompt: list[int], n: int, **params: Any) -> GenerationRequest:
-    return GenerationRequest("r", prompt, SamplingParams(max_tokens=n, **params))
-
-
-async def tokens(engine: Any, req: GenerationRequest) -> list[Any]:
-    return [out async for out in engine.generate(req)]
 
 
 def test_greedy_tokens_equal_one_hosts_and_both_decode_nodes_serve(
@@ -184,18 +171,12 @@ def test_a_decode_target_outside_the_allowlist_is_refused_before_any_work(
     async def main() -> None:
         async with cluster(engine) as (router, prefill, decodes):
             forger = remote(prefill)
-            linking = asyncio.create_task(forger.keep_linked())
-            try:
+            async with linked(forger):
                 await until(lambda: forger.state() == "up", "the forger attached", WAIT_S)
                 with pytest.raises(EngineError, match="MLXCEL_DECODE_ALLOWLIST"):
                     await forger.prefill("forged-1", request(ids, 4, temperature=0),
                                          decode_target="127.0.0.1:9", compression="none",
                                          within_s=WAIT_S)
-            finally:
-                linking.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await linking
-                await forger.aclose()
             assert prefill.stats.refused == 1 and prefill.stats.handoffs == 0
             assert sum(d.stats.dropped + d.stats.handoffs for d in decodes) == 0
             assert len(await tokens(router, request(ids, 4, temperature=0))) == 4
@@ -302,8 +283,7 @@ def test_with_replicas_too_a_request_goes_to_them_without_a_pair(
             pool = ReplicaEngine([replica], model_id=MODEL,
                                  context_length=engine.context_length)
             both = DisaggOrReplicas(router, pool)
-            linking = asyncio.create_task(pool.keep_linked())
-            try:
+            async with linked(pool):
                 await until(lambda: replica.state() == "up", "the replica up", WAIT_S)
                 assert await tokens(both, request(ids, 6, temperature=0)) == local
                 assert router.stats(verbose=False)["handoff"]["handoffs"] == 1
@@ -316,11 +296,6 @@ def test_with_replicas_too_a_request_goes_to_them_without_a_pair(
                 assert both.readiness() is None
                 assert await tokens(both, request(ids, 6, temperature=0)) == local
                 assert pool.stats(verbose=False)["completed"] == 2
-            finally:
-                linking.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await linking
-                await pool.aclose()
 
     run(main())
 

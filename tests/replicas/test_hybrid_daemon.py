@@ -6,7 +6,6 @@ tokens mlx-lm gives, as its own OpenAI port gives their text."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 import openai
@@ -21,6 +20,7 @@ from helpers.keys import keyring
 from helpers.models import PROMPT, expected, greedy_reference
 from helpers.mxcl import CLIENT_ID, SECRET
 from helpers.ports import free_port
+from helpers.replicas import linked
 from helpers.waiting import until
 
 N = 8
@@ -52,16 +52,10 @@ def test_a_hybrid_daemon_serves_its_engine_to_routers(daemons: Daemons,
         remote = RemoteEngine("hybrid", resolve, keyring=keyring(SECRET), origin=CLIENT_ID,
                               model_identity=model_identity(model),
                               cluster="mlxcel-cluster", silence_s=3.0)
-        linking = asyncio.create_task(remote.keep_linked())
-        try:
+        async with linked(remote):
             await until(lambda: remote.state() == "up", "the hybrid attached", WAIT_S)
             request = GenerationRequest("r", ids, SamplingParams(max_tokens=N, temperature=0))
             return [out.token async for out in remote.generate(request)]
-        finally:
-            linking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await linking
-            await remote.aclose()
 
     got = asyncio.run(remote_tokens())
     assert got == reference[:len(got)] and len(got) >= 1

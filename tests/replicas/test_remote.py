@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.engine import EngineUnavailable, SamplingParams
 from mlxceld.engine.base import Constraint
 from mlxceld.engine.local import LocalEngine, load_local_engine
 from mlxceld.net import MxclStream, connect, streams_under
@@ -28,6 +28,8 @@ from mlxceld.wire import encode_envelope, key_id, parse_envelope
 from helpers.keys import keyring
 from helpers.mxcl import CLIENT_ID, OTHER_SECRET, SECRET, accepting, run
 from helpers.mxcl import serving as mxcl_serving
+from helpers.replicas import linked as kept_linked
+from helpers.replicas import request, tokens
 from helpers.waiting import until
 
 MODEL = "ab" * 32  # the model identity both sides name
@@ -56,7 +58,8 @@ async def serving(engine: Any, **changes: Any) -> AsyncIterator[ServingService]:
 
 
 @contextlib.asynccontextmanager
-async def linked(port: int, *, up: bool = True, **changes: Any) -> AsyncIterator[RemoteEngine]:
+async def remote_to(port: int, *, up: bool = True, **changes: Any
+                    ) -> AsyncIterator[RemoteEngine]:
     async def resolve() -> str:
         return f"127.0.0.1:{port}"
 
@@ -64,25 +67,11 @@ async def linked(port: int, *, up: bool = True, **changes: Any) -> AsyncIterator
                                    model_identity=MODEL, cluster=CLUSTER, silence_s=SILENCE_S,
                                    dial_budget_s=1.0)
     remote = RemoteEngine("node-a", resolve, **{**options, **changes})
-    linking = asyncio.create_task(remote.keep_linked())
-    try:
+    async with kept_linked(remote):
         await until(lambda: remote.state() != "connecting", "the first attempt", WAIT_S)
         if up:
             assert remote.state() == "up", remote.last_error()
         yield remote
-    finally:
-        linking.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await linking
-        await remote.aclose()
-
-
-def request(prompt: list[int], n: int, **params: Any) -> GenerationRequest:
-    return GenerationRequest("r", prompt, SamplingParams(max_tokens=n, **params))
-
-
-async def tokens(engine: Any, req: GenerationRequest) -> list[Any]:
-    return [out async for out in engine.generate(req)]
 
 
 def endless(tokenizer: Any) -> dict[str, Any]:
@@ -100,7 +89,7 @@ def test_remote_tokens_equal_the_engines_own(node: tuple[LocalEngine, Any]) -> N
     async def main() -> None:
         local = [await tokens(engine, request(ids, 24, temperature=0, logprobs=2))
                  for ids in prompts]
-        async with serving(engine) as service, linked(service.port) as remote:
+        async with serving(engine) as service, remote_to(service.port) as remote:
             assert (remote.context_length, remote.max_batch) == (engine.context_length, 4)
             alone = [await tokens(remote, request(ids, 24, temperature=0, logprobs=2))
                      for ids in prompts]
@@ -122,7 +111,7 @@ def test_cancel_and_a_dropped_router_free_the_nodes_sequences(
 
     async def main() -> None:
         async with serving(engine) as service:
-            async with linked(service.port) as remote:
+            async with remote_to(service.port) as remote:
                 stream = remote.generate(request(ids, 5000, **endless(tokenizer)))
                 for _ in range(3):
                     await anext(stream)
@@ -149,7 +138,7 @@ def test_wrong_secret_and_wrong_model_are_refused_and_named(
 
     async def main() -> None:
         async with serving(engine) as service:
-            async with linked(service.port, up=False, keyring=keyring(OTHER_SECRET)) as remote:
+            async with remote_to(service.port, up=False, keyring=keyring(OTHER_SECRET)) as remote:
                 assert remote.state() == "down"
                 error = remote.last_error() or ""
                 assert "node node-a refused the handshake" in error, error
@@ -157,12 +146,12 @@ def test_wrong_secret_and_wrong_model_are_refused_and_named(
                 assert OTHER_SECRET.decode() not in error and "127.0.0.1" not in error
                 with pytest.raises(EngineUnavailable, match="node node-a"):
                     await tokens(remote, request([1, 2], 2))
-            async with linked(service.port, up=False, model_identity="cd" * 32) as remote:
+            async with remote_to(service.port, up=False, model_identity="cd" * 32) as remote:
                 assert remote.state() == "down"
                 error = remote.last_error() or ""
                 assert "node node-a refused to attach (model_mismatch)" in error, error
                 assert MODEL in error and "cd" * 32 in error
-            async with linked(service.port, up=False, cluster="another") as remote:
+            async with remote_to(service.port, up=False, cluster="another") as remote:
                 assert "(cluster_mismatch)" in (remote.last_error() or "")
             assert service.sequences == 0
 
@@ -175,7 +164,7 @@ def test_busy_and_bad_request_reach_the_caller(node: tuple[LocalEngine, Any]) ->
 
     async def main() -> None:
         async with serving(engine, max_sequences=1) as service, \
-                linked(service.port) as remote:
+                remote_to(service.port) as remote:
             held = remote.generate(request(ids, 5000, **endless(tokenizer)))
             await anext(held)
             with pytest.raises(EngineUnavailable, match="node node-a is busy") as busy:
@@ -210,7 +199,7 @@ async def _attached_then_silent(stream: MxclStream) -> None:
 def test_a_silent_node_is_down_and_its_sequence_ends() -> None:
     async def main() -> None:
         async with mxcl_serving(_attached_then_silent, channels={1}) as listener, \
-                linked(listener.port) as remote:
+                remote_to(listener.port) as remote:
             begun = time.monotonic()
             with pytest.raises(EngineUnavailable, match="node node-a is silent"):
                 await tokens(remote, request([1, 2, 3], 4))
@@ -288,7 +277,7 @@ def test_rekey_hands_over_without_cutting_a_sequence(node: tuple[LocalEngine, An
 
     async def main() -> None:
         async with serving(engine, keyring=keyring(SECRET, NEW_SECRET)) as service, \
-                linked(service.port, keyring=ring) as remote:
+                remote_to(service.port, keyring=ring) as remote:
             held = remote.generate(request(ids, 5000, **endless(tokenizer)))
             await anext(held)
             ring.add(NEW_SECRET, primary=True)
@@ -338,7 +327,7 @@ def test_tokens_are_taken_only_from_the_connection_the_sequence_went_over() -> N
     async def main() -> None:
         async with mxcl_serving(forging, channels={1},
                                 keyring=keyring(SECRET, NEW_SECRET)) as listener, \
-                linked(listener.port, keyring=ring) as remote:
+                remote_to(listener.port, keyring=ring) as remote:
             held = remote.generate(request([1, 2], 1))  # keeps the first connection open
             waiting = asyncio.create_task(anext(held))
             ring.add(NEW_SECRET, primary=True)

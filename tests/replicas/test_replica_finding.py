@@ -4,8 +4,6 @@ the real ``ServingFinder`` (discovery/serving.py) over a real agent on 127.0.0.1
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import secrets
 
 from mlxceld.discovery.serving import ServingFinder, serve_serving
@@ -15,6 +13,7 @@ from mlxceld.types import JSON
 
 from helpers import keys
 from helpers.mxcl import CLIENT_ID, run, running
+from helpers.replicas import linked
 from helpers.waiting import until
 
 OURS = "a" * 64
@@ -40,8 +39,7 @@ def test_a_replica_serving_another_model_is_named_and_asked_again() -> None:
                                  model_identity=OURS)
             remote = RemoteEngine("replica-0", find, keyring=ring, origin=CLIENT_ID,
                                   model_identity=OURS, cluster="c", silence_s=1.0)
-            linking = asyncio.create_task(remote.keep_linked())
-            try:
+            async with linked(remote):
                 await until(lambda: remote.state() == "down", "replica-0 down", WAIT_S)
                 error = remote.last_error()
                 assert error is not None and error.startswith(
@@ -51,10 +49,5 @@ def test_a_replica_serving_another_model_is_named_and_asked_again() -> None:
                 await until(lambda: "has no serving listener" in (remote.last_error() or ""),
                             "asked again at the next dial", WAIT_S)
                 assert remote.state() == "down" and len(asked) >= 2
-            finally:
-                linking.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await linking
-                await remote.aclose()
 
     run(main())
