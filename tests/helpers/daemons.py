@@ -198,6 +198,14 @@ class Daemons:
             if w["pid"]:
                 self.pids.add(w["pid"])
 
+    def end(self) -> None:
+        """``cleanup`` after noting the workers of every daemon still running (asked over
+        its socket): a module's cluster that outlives the ``daemons`` fixture ends so."""
+        for d in self.started:
+            if d.proc is not None and d.proc.poll() is None:
+                self.note(d)
+        self.cleanup()
+
     def cleanup(self) -> None:
         for d in self.started:
             self.pids |= d.recorded_pids()

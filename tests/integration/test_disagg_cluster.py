@@ -120,10 +120,7 @@ def cluster(fixture_dir: Path) -> Iterator[Cluster]:
             wait_for(lambda r=r: c.stats(r)["up"] == 3, 60, "the prefill and decode nodes up")
         yield c
     finally:
-        for d in daemons.started:
-            if d.proc is not None and d.proc.poll() is None:
-                daemons.note(d)
-        daemons.cleanup()
+        daemons.end()
 
 
 def test_outputs_equal_one_hosts_and_both_decode_nodes_serve(cluster: Cluster) -> None:

@@ -134,10 +134,7 @@ def cluster(fixture_dir: Path) -> Iterator[Cluster]:
                  "both replicas up behind the second router")
         yield c
     finally:
-        for d in daemons.started:
-            if d.proc is not None and d.proc.poll() is None:
-                daemons.note(d)
-        daemons.cleanup()
+        daemons.end()
 
 
 def test_outputs_through_the_router_equal_a_single_hosts(cluster: Cluster) -> None:
