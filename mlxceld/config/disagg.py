@@ -21,9 +21,10 @@
   names each request's decode node, checked against ``MLXCEL_DECODE_ALLOWLIST``.
 - ``kv_compression`` is a router's: carried in each ``prefill``.
 
-List peers by numeric address: a prefill node's handoff identity is its serving
-listener's address as it knows it, which a decode node and a router compare as
-written.
+A prefill node's handoff identity is its serving listener's IP and port (the
+handshake binds IPs): a router resolves a prefill or decode peer's host name to an IP
+(``discovery/serving.py``: ``ServingFinder``), and a decode node takes a handoff from
+any IP its prefill peer's name resolves to (``workers/handoff_node.py``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from mlxceld.discovery.inventory import AGENT_CHANNEL
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.agent import AgentService
+from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.types import JSON
 from mlxceld.wire import (
     Envelope,
@@ -52,7 +53,7 @@ from mlxceld.wire import (
     encode_envelope,
     parse_envelope,
 )
-from mlxceld.wire.address import format_address, parse_address
+from mlxceld.wire.address import canonical_address, format_address, parse_address
 
 SERVING: Final = "serving"
 ANSWER_SPECS: Final = {SERVING: MessageSpec(), "error": MessageSpec()}
@@ -150,6 +151,17 @@ async def ask_serving(origin: str, agent: str, *, keyring: SecretStore) -> dict[
         await stream.close()
 
 
+async def numeric_address(host: str, port: int) -> str:
+    """``host:port`` with a host name replaced by its first IP (IPv4 first, then in order);
+    ``ServingNotFound`` when it does not resolve (``net/resolve.py``'s bound)."""
+    try:
+        ips = await resolve(host)
+    except ResolveError as exc:
+        raise ServingNotFound(exc.message) from None
+    ip = min(ips, key=lambda a: (a.version, str(a)))
+    return canonical_address(format_address(str(ip), port))
+
+
 class ServingFinder:
     """The ``resolve`` of a ``RemoteEngine``: the serving address of the replica whose
     agent is at ``agent``, asked anew at every call (a restarted replica may listen on
@@ -162,7 +174,7 @@ class ServingFinder:
         prefill or decode for ``--prefill-peers`` / ``--decode-peers``)."""
         self.agent = agent
         self.role = role
-        self._host = parse_address(agent).host  # a name stays a name: resolved at the dial
+        self._host = parse_address(agent).host
         self._origin = origin
         self._keyring = keyring
         self._identity = model_identity
@@ -184,4 +196,9 @@ class ServingFinder:
         if answer["port"] is None:
             raise ServingNotFound("it has no serving listener (yet): its router is starting, "
                                   "or it runs without the cluster secret")
-        return format_address(self._host, answer["port"])
+        if self.role == "hybrid":  # dialed only: a name stays a name, resolved at the dial
+            return format_address(self._host, answer["port"])
+        # A prefill or decode node's address is also an identity (the prefill node a decode
+        # node expects a handoff from, the decode target a prefill node checks against
+        # MLXCEL_DECODE_ALLOWLIST), which handshakes bind to IPs: a name is resolved here.
+        return await numeric_address(self._host, answer["port"])

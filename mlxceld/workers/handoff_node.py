@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
+from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.roles.options import HandoffOptions, RouterOptions
 from mlxceld.wire import SecretStore
-from mlxceld.wire.address import format_address, parse_address
+from mlxceld.wire.address import canonical_address, format_address, parse_address
 from mlxceld.workers.runtime import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,13 @@ class PrefillPeers:
         self._origin = origin
         self._keyring = keyring
         self._identity = model_identity
-        self._known: dict[str, str] = {}  # agent -> serving address
+        self._known: dict[str, frozenset[str]] = {}  # agent -> its serving identities
         self._said: dict[str, str] = {}  # agent -> the last problem warned about
 
     def __call__(self) -> frozenset[str]:
-        return frozenset(self._known.values())
+        """The identities a handoff may come from: each peer's serving port at each IP its
+        agent's host resolves to (a name may have several)."""
+        return frozenset().union(*self._known.values())
 
     async def keep(self) -> None:
         """Ask every peer's agent now and every ``PEERS_EVERY_S``, until cancelled."""
@@ -72,9 +75,16 @@ class PrefillPeers:
                 problem = "it has no serving listener yet"
             else:
                 host = parse_address(agent).host
-                self._known[agent] = format_address(host, answer["port"])
-                self._said.pop(agent, None)
-                return
+                try:  # handshakes bind IPs: a name stands for each of its addresses
+                    ips = await resolve(host)
+                except ResolveError as exc:
+                    problem = exc.message
+                else:
+                    ids = frozenset(canonical_address(format_address(str(ip), answer["port"]))
+                                    for ip in ips)
+                    self._known[agent] = ids
+                    self._said.pop(agent, None)
+                    return
         self._known.pop(agent, None)
         if self._said.get(agent) != problem:
             log.warning("prefill peer %s: %s; its handoffs are not taken until it is one",

@@ -30,7 +30,7 @@ ORIGIN = "127.0.0.1:19999"
 
 
 async def find(answer: JSON, *, agent_keyring: Any = None,
-               host: str = "127.0.0.1") -> str:
+               host: str = "127.0.0.1", role: str = "hybrid") -> str:
     """What a ``ServingFinder`` says of an agent answering ``answer``."""
     ring = keys.keyring(secrets.token_bytes(32))
     agent = AgentService(("127.0.0.1", 0), agent_keyring or ring)
@@ -42,7 +42,7 @@ async def find(answer: JSON, *, agent_keyring: Any = None,
     async with running(agent):
         port = agent.address.rsplit(":", 1)[1]
         finder = ServingFinder(f"{host}:{port}", origin=ORIGIN, keyring=ring,
-                               model_identity=OURS)
+                               model_identity=OURS, role=role)
         return await finder()
 
 
@@ -50,6 +50,16 @@ def test_a_hybrid_serving_our_model_is_dialed_at_its_agents_host() -> None:
     answer = {"role": "hybrid", "port": 40123, "model": OURS}
     assert run(find(answer)) == "127.0.0.1:40123"
     assert run(find(answer, host="localhost")) == "localhost:40123"  # a name stays a name
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_prefill_or_decode_node_named_by_a_host_name_is_found_at_an_ip(role: str) -> None:
+    """Its address is an identity (a handoff's sender, an allowlisted decode target), and
+    handshakes bind IPs: a name is resolved (IPv4 first). Before, "localhost:40123" went
+    on the wire, matched no handshake and no allowlist, and every request failed."""
+    answer = {"role": role, "port": 40123, "model": OURS}
+    assert run(find(answer, host="localhost", role=role)) == "127.0.0.1:40123"
+    assert run(find(answer, role=role)) == "127.0.0.1:40123"
 
 
 @pytest.mark.parametrize(("answer", "words"), [
