@@ -66,6 +66,8 @@ from mlxceld.cluster.clusterfile.placement import (
     STAGE_WORKER,
     Placement,
     place,
+    serving_cluster,
+    serving_config,
 )
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
@@ -136,6 +138,7 @@ class Daemon:
     serving: Serving
 
     def __init__(self, config: Config, flags: Overrides, terminal: Terminal) -> None:
+        config = serving_config(config, flags)  # a serving cluster file's node: its flags
         self.config = config
         self._flags = flags
         self._terminal = terminal
@@ -180,10 +183,11 @@ class Daemon:
         self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
                                    self.events, on_install=self._secret_installed)
         self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
+        served = serving_cluster(config)  # a serving cluster's node has no placement
         self.placement = (place(config.distributed_config, config.node_id or "",
                                 config.serve.model)  # --model or [serve] model wins
-                          if config.distributed_config else None)
-        self.keys.adopt(config, self.placement)
+                          if config.distributed_config and served is None else None)
+        self.keys.adopt(config, self.placement, served.secret_source() if served else None)
         self._stand_ins = StandIns(self.keys.keyring, self.node.node_id)
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
@@ -192,6 +196,15 @@ class Daemon:
                           router=config.serve.node_role == ROUTER_ROLE,
                           handoff_role=config.serve.node_role
                           if config.serve.node_role in HANDOFF_ROLES else None)
+        if served is not None and not len(self.keys.keyring):  # a hybrid placed by it too
+            raise ConfigError(
+                f"{served.path}: node {config.node_id!r} ({config.serve.node_role}) needs the "
+                "cluster secret: its routers reach it only over the authenticated wire; "
+                "none was found in the file's secret_file, --cluster-secret-file, "
+                "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] "
+                f"cluster_secret_file or the keyring in {self.keys.dir}",
+                hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
+                "600, the same on every host) or pass --cluster-secret-file FILE")
         if config.pp_auto is not None and self.serving.serve.model is None:
             raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
                               hint="the same checkpoint must be on every host")
@@ -529,7 +542,7 @@ class Daemon:
             if isinstance(handler, logging.FileHandler):
                 handler.close()  # reopened on the next record
         try:
-            new = load_config(self._flags)
+            new = serving_config(load_config(self._flags), self._flags)
         except ConfigError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config
-from mlxceld.config.secrets import ENV_VALUE, resolve_secret
+from mlxceld.config.secrets import ENV_VALUE, TomlSecretFile, resolve_secret
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.errors import ConfigError
 from mlxceld.state import EventLog, KeyStore, parse_key_id
@@ -62,9 +62,12 @@ class KeyringService:
 
     # -- at start ---------------------------------------------------------------------------
 
-    def adopt(self, config: Config, placement: Placement | None) -> None:
-        """Resolve the cluster secret; one from a flag, variable or file becomes the primary."""
-        toml = placement.cluster.secret_source() if placement else None
+    def adopt(self, config: Config, placement: Placement | None,
+              toml: TomlSecretFile | None = None) -> None:
+        """Resolve the cluster secret; one from a flag, variable or file becomes the primary
+        (``toml``: a serving cluster file's ``secret_file``, which has no placement)."""
+        if placement is not None:
+            toml = placement.cluster.secret_source()
         from_flag = config.cluster_secret_origin == SECRET_FLAG
         resolved = resolve_secret(flag_file=config.cluster_secret_file if from_flag else None,
                                   config_file=None if from_flag else config.cluster_secret_file,

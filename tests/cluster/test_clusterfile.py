@@ -345,12 +345,12 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
     "identity too long": (lambda d: node(d, 1).update(address=("a" * 60 + ".") * 5 + "b:1"),
                           r"is longer than 255 bytes"),
     # roles
-    "unsupported role": (lambda d: node(d, 1).update(role="prefill"),
-                         r"node 'stage-0': role 'prefill' is not supported in a cluster TOML "
+    "unsupported role": (lambda d: node(d, 1).update(role="tp"),
+                         r"node 'stage-0': role 'tp' is not supported in a cluster TOML "
                          r"yet"),
     "unknown role": (lambda d: node(d, 1).update(role="worker"),
                      r"node 'stage-0': 'role' 'worker' is not one of coordinator, "
-                     r"pipeline_stage"),
+                     r"pipeline_stage, router, hybrid, prefill, decode"),
     "missing role": (lambda d: node(d, 1).pop("role"), r"node 'stage-0': 'role' is missing"),
     "two coordinators": (
         lambda d: node(d, 2).update(role="coordinator", rank=None, layers=None) and None,
@@ -466,7 +466,7 @@ def test_unknown_key_hint_lists_the_known_keys(tmp_path: Path) -> None:
     err = refused(tmp_path, data, "cluster.size")
     assert err.hint == ("known keys here: cluster.name, cluster.pipeline_parallel_size, "
                         "cluster.replicas, "
-                        "cluster.secret_file, cluster.model")
+                        "cluster.secret_file, cluster.model, cluster.kv_compression")
 
 
 def test_boundaries_accepted(tmp_path: Path) -> None:

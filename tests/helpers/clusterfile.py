@@ -18,3 +18,60 @@ def write_cluster_toml(tmp_path: Path, model: Path | None,
     path.write_text(dump_cluster(pipeline_cluster("c", model, ("coord", "127.0.0.1:19000"),
                                                   stages, path=path)))
     return path
+
+
+# A serving cluster's files (routers over hybrids; prefill and decode pools), written
+# by hand: the tests of their rules and of their placement read them.
+ROUTER_FILE = """
+[cluster]
+name = "serve-1"
+model = "model"
+secret_file = "secret"
+{extra}
+[[nodes]]
+id = "router"
+address = "10.0.0.10:19000"
+role = "router"
+{router_extra}
+[[nodes]]
+id = "h1"
+address = "studio-2.local"
+role = "hybrid"
+
+[[nodes]]
+id = "h2"
+address = "[fd00::13]:19001"
+role = "hybrid"
+"""
+
+POOLS_FILE = """
+[cluster]
+model = "model"
+kv_compression = "int8+lz4"
+
+[[nodes]]
+id = "router"
+address = "10.0.0.10"
+role = "router"
+
+[[nodes]]
+id = "p1"
+address = "10.0.0.21"
+role = "prefill"
+
+[[nodes]]
+id = "d1"
+address = "10.0.0.22:19001"
+role = "decode"
+
+[[nodes]]
+id = "d2"
+address = "10.0.0.23"
+role = "decode"
+"""
+
+
+def router_file(extra: str = "", router_extra: str = "") -> str:
+    """``ROUTER_FILE``: a router over two hybrids, ``extra`` under [cluster] and
+    ``router_extra`` in the router's table."""
+    return ROUTER_FILE.format(extra=extra, router_extra=router_extra)

@@ -15,27 +15,36 @@ from mlxceld.cluster.clusterfile.model import (
     COORDINATOR,
     PIPELINE_STAGE,
     ROLES,
+    SERVING_ROLES,
     ClusterConfig,
     NodeConfig,
     Role,
 )
+from mlxceld.config.disagg import QUANTS
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
+from mlxceld.config.peers import parse_peers
+from mlxceld.config.replicas import DEFAULT_AGENT_PORT
 from mlxceld.errors import ConfigError
 from mlxceld.types import MAX_REPLICAS
 from mlxceld.wire.address import parse_address
 
 TOP_KEYS: Final = ("cluster", "nodes")
-CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model")
+CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model",
+                       "kv_compression")
 NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resources")
 RESOURCE_KEYS: Final = ("memory_bytes",)
 # Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
 # TOML does not describe yet: refused as "not supported yet", not as typos.
-LATER_ROLES: Final = frozenset({"hybrid", "prefill", "decode", "tensor_parallel_rank", "tp",
-                                "pipeline_tensor_parallel", "pp_tp", "2d"})
+LATER_ROLES: Final = frozenset({"tensor_parallel_rank", "tp", "pipeline_tensor_parallel",
+                                "pp_tp", "2d"})
 ID_HINT = 'give every node a unique id of 1-128 printable characters, e.g. id = "stage-0"'
 REPLICA_HINT = ("with [cluster] replicas = R, every pipeline_stage names its group: "
                 "replica = 0 .. R-1")
 ADDRESS_HINT = "write host:port, e.g. 192.168.1.10:19100, or [fd00::10]:19100 for IPv6"
+AGENT_HINT = ("a router's, hybrid's, prefill or decode node's address is its agent address "
+              "(--agent-addr): host:port, or a host alone for port 19000, e.g. "
+              "studio-2.local or 192.168.1.12:19000")
+COMPRESSION_HINT = 'one of none, int8, int4, each optionally with +lz4: e.g. "int8+lz4"'
 LAYERS_HINT = "for example layers = [0, 14]: layers 0 to 13 (the end is excluded)"
 
 
@@ -54,6 +63,16 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
         raise ConfigError(f"{where}: 'cluster.name' {problem}",
                           hint=f'use 1-{MAX_NAME} printable characters, e.g. name = '
                           f'"{DEFAULT_CLUSTER_NAME}"')
+    raw_nodes = data.get("nodes")
+    serving = isinstance(raw_nodes, list) and any(
+        isinstance(n, Mapping) and n.get("role") in SERVING_ROLES for n in raw_nodes)
+    if serving:
+        assert isinstance(raw_nodes, list)
+        return _serving_cluster(cluster, raw_nodes, name, path)
+    if "kv_compression" in cluster:
+        raise ConfigError(f"{where}: 'cluster.kv_compression' is for a cluster of routers, "
+                          "hybrids, prefill and decode nodes; this one is a pipeline's",
+                          hint="remove it: a pipeline hands no KV cache over")
     size = _int(cluster, "pipeline_parallel_size", where, "cluster.", minimum=1)
     if size is None:
         raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is missing",
@@ -83,6 +102,57 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
     )
 
 
+def _serving_cluster(cluster: Mapping[str, Any], nodes: list[Any], name: str,
+                     path: Path) -> ClusterConfig:
+    """A serving cluster: routers over hybrids (replicas) and prefill and decode pools.
+    It has no pipeline: no pipeline_parallel_size, no replicas (its hybrids are those)."""
+    where = str(path)
+    for key in ("pipeline_parallel_size", "replicas"):
+        if key in cluster:
+            raise ConfigError(f"{where}: 'cluster.{key}' is for a pipeline's cluster; this one "
+                              f"has {', '.join(SERVING_ROLES)} nodes",
+                              hint=f"remove {key}: a router's replicas are its hybrid nodes")
+    if not all(isinstance(n, Mapping) for n in nodes):
+        raise ConfigError(f"{where}: 'nodes' must be an array of tables",
+                          hint="write each node as a [[nodes]] table")
+    compression = cluster.get("kv_compression")
+    if compression is not None:
+        quant, plus, rest = (compression.partition("+") if isinstance(compression, str)
+                             else ("", "", ""))
+        if quant not in QUANTS or (plus and rest != "lz4"):
+            raise ConfigError(f"{where}: 'cluster.kv_compression' {shown(compression)} is not "
+                              "a KV compression", hint=COMPRESSION_HINT)
+    return ClusterConfig(
+        name=name, pipeline_parallel_size=0,
+        secret_file=_path_str(cluster, "secret_file", where),
+        model=_path_str(cluster, "model", where),
+        nodes=tuple(_node(raw, i, where, 1) for i, raw in enumerate(nodes)),
+        path=path, kv_compression=compression)
+
+
+def _serving_node(raw: Mapping[str, Any], node_id: str, role: Role, at: str) -> NodeConfig:
+    """A router's, hybrid's, prefill or decode node's: its agent address (normalized as
+    --replicas normalizes it), and none of a stage's keys."""
+    for key in ("rank", "layers", "replica"):
+        if key in raw:
+            raise ConfigError(f"{at}: a {role} node has no '{key}'",
+                              hint="remove it: rank, layers and replica are a pipeline "
+                              "stage's; a hybrid, prefill or decode node holds the whole model")
+    address = raw.get("address")
+    if not isinstance(address, str) or not address.strip():
+        what = ("is missing" if address is None
+                else f"must be a host or host:port, not {shown(address)}")
+        raise ConfigError(f"{at}: 'address' {what}", hint=AGENT_HINT)
+    (normal,) = parse_peers([address], f"{at}: 'address'", default_port=DEFAULT_AGENT_PORT,
+                            hint=AGENT_HINT)
+    addr = parse_address(normal)
+    if addr.is_wildcard:
+        raise ConfigError(f"{at}: 'address' {address!r} is a wildcard, which names no host "
+                          "to dial", hint=AGENT_HINT)
+    return NodeConfig(id=node_id, address=normal, host=addr.host, port=addr.port, role=role,
+                      memory_bytes=_resources(raw, at))
+
+
 def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConfig:
     node_id = raw.get("id")
     problem = "is missing" if node_id is None else name_problem(node_id)
@@ -91,6 +161,8 @@ def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConf
     if problem:
         raise ConfigError(f"{at}: 'id' {problem}", hint=ID_HINT)
     node_id = str(node_id)
+    if raw.get("role") in SERVING_ROLES:
+        return _serving_node(raw, node_id, _role(raw, at), at)
     address = raw.get("address")
     if not isinstance(address, str):
         what = "is missing" if address is None else f"must be a string, not {shown(address)}"
@@ -141,11 +213,11 @@ def _replica(replica: int | None, replicas: int, at: str) -> int:
 
 def _role(raw: Mapping[str, Any], at: str) -> Role:
     role = raw.get("role")
-    hint = f'set role = "{COORDINATOR}" or role = "{PIPELINE_STAGE}"'
-    if role == COORDINATOR:
-        return COORDINATOR
-    if role == PIPELINE_STAGE:
-        return PIPELINE_STAGE
+    hint = (f'set role = "{COORDINATOR}" or role = "{PIPELINE_STAGE}" (a pipeline), or '
+            'role = "router", "hybrid", "prefill" or "decode" (replicas and pools)')
+    for known in ROLES:
+        if role == known:
+            return known
     if role is None:
         raise ConfigError(f"{at}: 'role' is missing", hint=hint)
     if role in LATER_ROLES:

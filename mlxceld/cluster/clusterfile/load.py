@@ -25,6 +25,18 @@
     [nodes.resources]
     memory_bytes = 68719476736       # optional
 
+A serving cluster instead (no pipeline_parallel_size, no replicas)::
+
+    [cluster]
+    model = "models/qwen3"           # every node's model (a router: its tokenizer)
+    secret_file = "secret"
+    kv_compression = "int8+lz4"      # optional: the routers' KV handoffs
+
+    [[nodes]]
+    id = "router"
+    address = "10.0.0.10:19000"      # its agent address (a host alone: port 19000)
+    role = "router"                  # or hybrid, prefill, decode
+
 ``load_cluster`` checks everything that needs no model; ``validate_layers``
 checks the stages against the model's layer count once it is known. The
 format and its rules are documented in man/mlxcel-cluster.toml.5.
@@ -81,7 +93,10 @@ def parse_cluster_text(text: str, path: Path) -> ClusterConfig:
 
 def needs_secret(cfg: ClusterConfig) -> bool:
     """Whether the cluster needs a cluster secret: with two stages or more, or nodes on
-    more than one host. Fails closed: only one stage on the coordinator's host does not."""
+    more than one host, and always for routers, hybrids, prefill and decode nodes. Fails
+    closed: only one stage on the coordinator's host does not."""
+    if cfg.serving:
+        return True
     hosts = {parse_address(n.address).key()[0] for n in cfg.nodes}
     return len(cfg.stages) > 1 or len(hosts) > 1
 
@@ -89,8 +104,11 @@ def needs_secret(cfg: ClusterConfig) -> bool:
 def dump_cluster(cfg: ClusterConfig) -> str:
     """TOML text that ``load_cluster`` reads back to ``cfg`` (at the same path)."""
     lines = ["# A cluster of mlxceld nodes; see mlxcel-cluster.toml(5).", "[cluster]",
-             f"name = {_string(cfg.name)}",
-             f"pipeline_parallel_size = {cfg.pipeline_parallel_size}"]
+             f"name = {_string(cfg.name)}"]
+    if not cfg.serving:
+        lines.append(f"pipeline_parallel_size = {cfg.pipeline_parallel_size}")
+    if cfg.kv_compression is not None:
+        lines.append(f"kv_compression = {_string(cfg.kv_compression)}")
     if cfg.replicas > 1:
         lines.append(f"replicas = {cfg.replicas}")
     if cfg.secret_file is not None:

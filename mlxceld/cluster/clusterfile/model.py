@@ -23,8 +23,15 @@ from mlxceld.wire.address import parse_address
 
 COORDINATOR: Final = "coordinator"
 PIPELINE_STAGE: Final = "pipeline_stage"
-ROLES: Final = (COORDINATOR, PIPELINE_STAGE)
-Role = Literal["coordinator", "pipeline_stage"]
+# A serving cluster's roles (``--node-role``, config/replicas.py): routers over hybrid
+# replicas and/or prefill and decode pools. Their ``address`` is the node's agent address.
+ROUTER: Final = "router"
+HYBRID: Final = "hybrid"
+PREFILL: Final = "prefill"
+DECODE: Final = "decode"
+SERVING_ROLES: Final = (ROUTER, HYBRID, PREFILL, DECODE)
+ROLES: Final = (COORDINATOR, PIPELINE_STAGE, *SERVING_ROLES)
+Role = Literal["coordinator", "pipeline_stage", "router", "hybrid", "prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,11 @@ class NodeConfig:
     @property
     def is_stage(self) -> bool:
         return self.role == PIPELINE_STAGE
+
+    @property
+    def is_serving(self) -> bool:
+        """A router, hybrid, prefill or decode node (of a serving cluster)."""
+        return self.role in SERVING_ROLES
 
     def describe(self) -> str:
         """``node 'stage-1' (rank 1, layers [14, 28])`` for messages (``replica 1, rank
@@ -69,6 +81,17 @@ class ClusterConfig:
     nodes: tuple[NodeConfig, ...]
     path: Path
     replicas: int = 1  # groups of pipeline_parallel_size stages, each a whole model
+    kv_compression: str | None = None  # a serving cluster's routers' (config/disagg.py)
+
+    @property
+    def serving(self) -> bool:
+        """A serving cluster (routers over hybrids, prefill and decode nodes), not a
+        pipeline (``pipeline_parallel_size`` is 0 there)."""
+        return any(n.is_serving for n in self.nodes)
+
+    def with_role(self, role: str) -> tuple[NodeConfig, ...]:
+        """The nodes of ``role``, in file order."""
+        return tuple(n for n in self.nodes if n.role == role)
 
     @property
     def stages(self) -> tuple[NodeConfig, ...]:

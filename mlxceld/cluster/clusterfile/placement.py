@@ -8,11 +8,19 @@ the stages' layer ranges against the model's layer count and computes the model
 identity, all before anything starts. A coordinator runs the router
 with the pipeline engine; a pipeline stage runs the ``stage`` worker. The
 worker options built here are all the worker knows of the cluster.
+
+A serving cluster's node (role router, hybrid, prefill or decode) has no placement:
+``placed_config`` turns the file into the ``Config`` the equivalent flags give
+(``--node-role``, ``--replicas``, ``--prefill-peers``, ``--decode-peers``,
+``--kv-compression``, ``--model``; the file's ``name`` as ``--cluster-name``; its
+``address`` as ``--agent-addr`` unless that is given), and from there the daemon runs
+as with those flags. A flag or ``[serve]`` key that says otherwise is refused naming
+both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -24,6 +32,9 @@ from mlxceld.cluster.clusterfile.load import (
     select_node,
     validate_layers,
 )
+from mlxceld.cluster.clusterfile.model import DECODE, HYBRID, PREFILL, ROUTER
+from mlxceld.config.daemon import DEFAULT_AGENT_ADDR, Config, Overrides
+from mlxceld.config.serve import ServeConfig, resolve_model
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import check_family
 from mlxceld.models.fetch import is_repo_id, local_model
@@ -120,3 +131,90 @@ def group_options(p: Placement, replica: int) -> PipelineOptions:
                                     layers=s.layers))
     return PipelineOptions(stages=tuple(stages), coordinator=p.node.address,
                            model_identity=p.model_identity, cluster=p.cluster.name)
+
+
+def placed_config(config: Config, cfg: ClusterConfig, node: NodeConfig,
+                  flags: Overrides) -> Config:
+    """``config`` with the ``[serve]`` values (and cluster name and agent address) that the
+    serving cluster ``cfg`` gives its ``node``: what the equivalent flags would give."""
+    assert node.is_serving
+    where = f"{cfg.path}: node {node.id!r}"
+    serve = config.serve
+    own = _serve_values(cfg, node)
+    _refuse_contradictions(serve, own, flags, where)
+    model = serve.model
+    if model is None:
+        source = cfg.model_source()
+        if source is None:
+            raise ConfigError(f"{cfg.path}: [cluster] has no 'model' and --model was not "
+                              "given", hint="set model = \"DIR\" under [cluster] (relative "
+                              "to the file) or pass --model DIR")
+        model = resolve_model(source, cfg.path.parent, f"{cfg.path}: 'cluster.model'")
+    serve = replace(serve, model=model, **own)
+    if flags.cluster_name is not None and flags.cluster_name != cfg.name:
+        raise ConfigError(f"--cluster-name {flags.cluster_name!r} contradicts {cfg.path}'s "
+                          f"name {cfg.name!r}", hint="drop --cluster-name: the file names "
+                          "the cluster")
+    agent = node.address if config.agent_addr == DEFAULT_AGENT_ADDR else config.agent_addr
+    return replace(config, serve=serve, cluster_name=cfg.name, agent_addr=agent)
+
+
+def _serve_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
+    """``[serve]``'s node_role, replicas, prefill_peers, decode_peers and kv_compression of
+    ``node``, as config/replicas.py and config/disagg.py would read them."""
+    addresses = {role: tuple(n.address for n in cfg.with_role(role))
+                 for role in (HYBRID, PREFILL, DECODE)}
+    values: dict[str, Any] = {"node_role": node.role, "replicas": (), "prefill_peers": (),
+                              "decode_peers": (), "kv_compression": "none"}
+    if node.role == ROUTER:
+        values.update(replicas=addresses[HYBRID], prefill_peers=addresses[PREFILL],
+                      decode_peers=addresses[DECODE],
+                      kv_compression=cfg.kv_compression or "none")
+    elif node.role == DECODE:
+        values.update(prefill_peers=addresses[PREFILL])
+    return values
+
+
+_FLAGS: Final = {"node_role": "--node-role", "replicas": "--replicas",
+                 "prefill_peers": "--prefill-peers", "decode_peers": "--decode-peers",
+                 "kv_compression": "--kv-compression"}
+
+
+def _refuse_contradictions(serve: ServeConfig, own: dict[str, Any], flags: Overrides,
+                           where: str) -> None:
+    """A flag or [serve] key among ``_FLAGS`` beside the file: refused unless it says what
+    the file says (the file places the node; two sources would drift apart)."""
+    defaults = ServeConfig()
+    for key, flag in _FLAGS.items():
+        given = getattr(flags, key) is not None
+        value = getattr(serve, key)
+        if not given and value == getattr(defaults, key):
+            continue  # neither the flag nor the [serve] key said anything
+        if value != own[key]:
+            said = flag if given else f"[serve] {key}"
+            raise ConfigError(f"{said} ({_shown(value)}) contradicts --distributed-config: "
+                              f"{where} says {key} = {_shown(own[key])}",
+                              hint=f"drop {said}: the cluster TOML places this node")
+
+
+def _shown(value: object) -> str:
+    return ", ".join(value) or "none" if isinstance(value, tuple) else str(value)
+
+
+
+def serving_cluster(config: Config) -> ClusterConfig | None:
+    """The serving cluster (routers, hybrids, prefill and decode nodes) that
+    ``--distributed-config`` names, or None (no file, or a pipeline's: ``place``'s)."""
+    if config.distributed_config is None:
+        return None
+    cfg = load_cluster(config.distributed_config)
+    return cfg if cfg.serving else None
+
+
+def serving_config(config: Config, flags: Overrides) -> Config:
+    """``config`` as ``placed_config`` makes it when ``--distributed-config`` names a
+    serving cluster's node; else ``config`` unchanged."""
+    cfg = serving_cluster(config)
+    if cfg is None:
+        return config
+    return placed_config(config, cfg, select_node(cfg, config.node_id or ""), flags)

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxceld.cluster.clusterfile.model import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.cluster.clusterfile.model import (
+    COORDINATOR,
+    DECODE,
+    HYBRID,
+    PIPELINE_STAGE,
+    PREFILL,
+    ROUTER,
+    ClusterConfig,
+    NodeConfig,
+)
 from mlxceld.errors import ConfigError
 from mlxceld.wire.address import parse_address
 
@@ -22,6 +31,9 @@ def check_cluster(cfg: ClusterConfig) -> None:
     where = str(cfg.path)
     _unique_ids(cfg.nodes, where)
     _unique_addresses(cfg.nodes, where)
+    if cfg.serving:
+        _serving(cfg, where)
+        return
     _one_coordinator(cfg.nodes, where)
     stages = [n for n in cfg.nodes if n.is_stage]
     if not stages:
@@ -45,6 +57,36 @@ def check_cluster(cfg: ClusterConfig) -> None:
                 f"{i} on each), or change pipeline_parallel_size or replicas")
         _ranks(group, where)
         _contiguous(group, where)
+
+
+def _serving(cfg: ClusterConfig, where: str) -> None:
+    """A serving cluster: only its four roles; at least one router, each over the file's
+    hybrids, or its prefill and decode nodes (both or neither), or all three. Several
+    routers serve the same pools (behind a load balancer or DNS)."""
+    other = next((n for n in cfg.nodes if not n.is_serving), None)
+    if other is not None:
+        raise ConfigError(f"{where}: node {other.id!r} has role {other.role!r}, but the file "
+                          "has router, hybrid, prefill or decode nodes too: a file describes "
+                          "either a pipeline or routers over replicas and pools, not both",
+                          hint="write a cluster TOML for each; a hybrid replica that is "
+                          "itself a pipeline's coordinator is placed by the pipeline's file")
+    if not cfg.with_role(ROUTER):
+        raise ConfigError(f"{where}: no node has role {ROUTER!r}",
+                          hint='add a [[nodes]] table with role = "router": it serves the '
+                          "OpenAI port over the hybrids (and prefill and decode nodes)")
+    prefill, decode = cfg.with_role(PREFILL), cfg.with_role(DECODE)
+    if bool(prefill) != bool(decode):
+        have, lack = (PREFILL, DECODE) if prefill else (DECODE, PREFILL)
+        ids = ", ".join(repr(n.id) for n in (prefill or decode))
+        raise ConfigError(f"{where}: the file has {have} node(s) ({ids}) but no {lack} node: "
+                          "a router disaggregates over both pools or neither",
+                          hint=f'add a [[nodes]] table with role = "{lack}", or remove the '
+                          f"{have} nodes")
+    if not prefill and not cfg.with_role(HYBRID):
+        raise ConfigError(f"{where}: a router needs hybrid nodes (its replicas), or prefill "
+                          "and decode nodes, and the file has none",
+                          hint='add [[nodes]] tables with role = "hybrid" (or "prefill" and '
+                          '"decode")')
 
 
 def validate_layers(cfg: ClusterConfig, num_layers: int) -> None:
