@@ -1,0 +1,102 @@
+"""A router over replicas placed by one cluster TOML, as a fleet is deployed: every daemon
+(a router on 127.0.0.1, hybrids on 127.0.0.2 and 127.0.0.3) started with only
+``--distributed-config FILE --node-id ID`` beside its own ports; the model and the secret
+come from the file. Greedy output through the router equals a hybrid's own, and
+concurrent requests reach both hybrids (``/router/stats``). Every process is ended by
+pid at the end."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
+from helpers.keys import secret_file
+from helpers.ports import free_port
+from helpers.router import client
+from helpers.waiting import wait_for
+
+SECRET = b"the cluster file's replica secret, 40 byte"
+MODEL = "llama"
+PROMPTS = ["The quick brown fox", "Once upon a time", "Call me", "Hello"]
+
+
+@dataclass
+class Fleet:
+    router: str  # the OpenAI URLs: the router's, and each hybrid's own
+    hybrids: list[str]
+
+    def stats(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{self.router}/router/stats", timeout=10).json()
+        return body
+
+
+def complete(url: str, prompt: str, n: int = 8) -> str:
+    with client(f"{url}/v1") as c:
+        text: str = c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                         temperature=0).choices[0].text
+        return text
+
+
+def stream(url: str, prompt: str, together: threading.Barrier) -> str:
+    """A greedy stream whose first chunk is read before ``together`` is passed, so that
+    every stream of the barrier is in flight at once."""
+    with client(f"{url}/v1") as c:
+        chunks = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                           temperature=0, stream=True))
+        first = next(chunks)
+        together.wait(60)
+        return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)
+
+
+@pytest.fixture(scope="module")
+def fleet(fixture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("fleet")
+    secret_file(root, SECRET)
+    ips = {"router": "127.0.0.1", "h1": "127.0.0.2", "h2": "127.0.0.3"}
+    agents = {node: f"{ip}:{free_port(ip)}" for node, ip in ips.items()}
+    roles = {"router": "router", "h1": "hybrid", "h2": "hybrid"}
+    nodes = "".join(f'\n[[nodes]]\nid = "{n}"\naddress = "{agents[n]}"\nrole = "{roles[n]}"\n'
+                    for n in ips)
+    path = root / "serve.toml"
+    path.write_text(f'[cluster]\nname = "fleet"\nmodel = "{fixture_dir / MODEL}"\n'
+                    f'secret_file = "cluster.secret"\n{nodes}')
+    daemons = Daemons()
+    try:
+        urls: dict[str, str] = {}
+        procs: list[DaemonProc] = []
+        for node, ip in ips.items():
+            port = free_port(ip)
+            d = daemons.make(FAST_POLICY, name=f"f{node}")
+            # --agent-addr as the file says: the test helper otherwise binds 127.0.0.1:0
+            d.start("--distributed-config", str(path), "--node-id", node,
+                    "--agent-addr", agents[node], "--host", ip, "--port", str(port))
+            urls[node], procs = f"http://{ip}:{port}", [*procs, d]
+        for d in procs:
+            d.wait_worker("router", READY_S, state="running")
+            daemons.note(d)
+        f = Fleet(urls["router"], [urls["h1"], urls["h2"]])
+        wait_for(lambda: f.stats()["up"] == 2, 60, "both hybrids up behind the router")
+        yield f
+    finally:
+        daemons.end()
+
+
+def test_a_router_placed_by_the_file_serves_as_its_hybrids_do(fleet: Fleet) -> None:
+    for prompt in PROMPTS[:2]:
+        assert complete(fleet.router, prompt) == complete(fleet.hybrids[0], prompt), prompt
+    before = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
+    together = threading.Barrier(len(PROMPTS))  # all in flight at once
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = list(pool.map(lambda p: stream(fleet.router, p, together), PROMPTS))
+    assert all(texts), texts
+    after = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
+    spread = {k: after[k] - before.get(k, 0) for k in after}
+    assert len(spread) == 2 and all(v > 0 for v in spread.values()), spread
