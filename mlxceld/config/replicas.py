@@ -22,7 +22,9 @@
 Rules, checked here (exit 2 at start, naming both sides): ``router`` needs
 ``replicas`` (or ``prefill_peers`` and ``decode_peers``); ``replicas`` needs
 ``router``; a router (or prefill or decode node) takes no pipeline of its own
-(``--pp-auto``, ``--pp-peer``, ``--distributed-config``). The router role needs the
+(``--pp-auto``, ``--pp-peer``, ``--distributed-config``; a cluster TOML of routers
+and replicas places a router instead of these flags: ``clusterfile/placement.py``'s
+``placed_config``, checked against them there). The router role needs the
 cluster secret too, checked once the daemon has read every source of it
 (``cluster/keyring.py``: ``KeyringService.require``). Finding replicas by discovery
 instead of listing them is not there yet.
