@@ -128,6 +128,9 @@ class Serving:
         configured = host.config.serve.model
         if configured is not None:
             origin = ("--model" if self._flags.model else
+                      f"the cluster TOML {host.config.distributed_config} (or [serve] "
+                      "model)"
+                      if host.config.distributed_config is not None else
                       f"[serve] model in {host.config.config_file}")
             raise UnserveRefused(f"the model {configured} comes from {origin}: a restart would "
                                  "serve it again, so it is not unserved",
