@@ -100,3 +100,23 @@ def test_a_router_placed_by_the_file_serves_as_its_hybrids_do(fleet: Fleet) -> N
     after = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
     spread = {k: after[k] - before.get(k, 0) for k in after}
     assert len(spread) == 2 and all(v > 0 for v in spread.values()), spread
+
+
+def test_a_node_of_the_file_is_refused_without_the_secret_or_beside_a_contradicting_flag(
+        daemons: Daemons, fixture_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text(f'[cluster]\nmodel = "{fixture_dir / MODEL}"\n'
+                    '[[nodes]]\nid = "r"\naddress = "127.0.0.1:19000"\nrole = "router"\n'
+                    '[[nodes]]\nid = "h"\naddress = "127.0.0.2:19000"\nrole = "hybrid"\n')
+    d = daemons.make(FAST_POLICY, name="fno")
+    for flags, said in (
+            (("--node-id", "h"), f"{path}: node 'h' (hybrid) needs the cluster secret"),
+            (("--node-id", "h", "--kv-compression", "int8"),
+             f"--kv-compression (int8) contradicts --distributed-config: {path}: node 'h' "
+             "says kv_compression = none")):
+        seen = len(d.stderr())
+        d.start("--distributed-config", str(path), *flags, wait=False)
+        assert d.proc is not None
+        assert d.proc.wait(timeout=60) == 2, d.stderr()[seen:]
+        out = d.stderr()[seen:]
+        assert said in out and "Traceback" not in out, out
