@@ -18,8 +18,8 @@ import typer
 
 from mlxceld.cli import app as mlxceld_app
 from mlxceld.cluster.clusterfile.load import load_cluster
-from mlxceld.cluster.clusterfile.placement import place
-from mlxceld.config.daemon import Overrides, load_config
+from mlxceld.cluster.clusterfile.placement import place, placed_config
+from mlxceld.config.daemon import Overrides, build_config, load_config
 from mlxceld.models import preset, write_fixture
 from mlxctl.app import app as mlxctl_app
 
@@ -28,7 +28,10 @@ CONTRIB = ROOT / "contrib"
 UNIT = CONTRIB / "systemd" / "mlxceld.service"
 FORMULA = ROOT / "packaging" / "homebrew" / "mlxceld.rb"
 PLISTS = sorted((CONTRIB / "launchd").glob("*/*.plist"))
-CLUSTER_EXAMPLES = sorted((CONTRIB / "cluster").glob("*.toml"))
+CLUSTER_EXAMPLES = sorted(p for p in (CONTRIB / "cluster").glob("*.toml")
+                          if not load_cluster(p).serving)  # pipelines
+SERVING_EXAMPLES = sorted(p for p in (CONTRIB / "cluster").glob("*.toml")
+                          if load_cluster(p).serving)  # routers over replicas and pools
 TOOL_TIMEOUT_S = 60
 # mlxctl as its console script runs it: the program name is what completion binds to.
 MLXCTL = [sys.executable, "-c", "from mlxctl.app import app; app(prog_name='mlxctl')"]
@@ -58,7 +61,7 @@ def test_example_config_loads_with_the_real_loader(monkeypatch: pytest.MonkeyPat
 
 
 def test_there_are_cluster_examples() -> None:
-    assert len(CLUSTER_EXAMPLES) >= 2
+    assert len(CLUSTER_EXAMPLES) >= 2 and SERVING_EXAMPLES
 
 
 @pytest.mark.parametrize("example", CLUSTER_EXAMPLES, ids=lambda p: p.name)
@@ -78,6 +81,18 @@ def test_cluster_example_places_every_node_on_a_fixture_model(example: Path,
     write_fixture(short, preset("tiny", family="qwen3", layers=layers - 1))
     with pytest.raises(Exception, match="layer"):
         place(example, cfg.stages[0].id, str(short))
+
+
+@pytest.mark.parametrize("example", SERVING_EXAMPLES, ids=lambda p: p.name)
+def test_serving_example_places_every_node(example: Path, tmp_path: Path) -> None:
+    cfg = load_cluster(example)
+    model = tmp_path / "model"
+    model.mkdir()
+    base = build_config({"daemon": {"state_dir": str(tmp_path)}}, None,
+                        Overrides(model=str(model)))
+    roles = {node.id: placed_config(base, cfg, node, Overrides()).serve.node_role
+             for node in cfg.nodes}
+    assert roles == {n.id: n.role for n in cfg.nodes}
 
 
 # -- launchd -------------------------------------------------------------------------------
