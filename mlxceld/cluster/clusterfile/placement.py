@@ -201,7 +201,6 @@ def _shown(value: object) -> str:
     return ", ".join(value) or "none" if isinstance(value, tuple) else str(value)
 
 
-
 def serving_cluster(config: Config) -> ClusterConfig | None:
     """The serving cluster (routers, hybrids, prefill and decode nodes) that
     ``--distributed-config`` names, or None (no file, or a pipeline's: ``place``'s)."""
