@@ -38,7 +38,10 @@ the cluster secret arrives on the bootstrap pipe, the links to the replicas are 
 in the background from the start, ``GET /ready`` is 503 while no replica is up,
 ``GET /router/stats`` answers the pool's stats, and the worker's stats carry
 ``replicas`` (each one's node id, agent address, state and last error) for
-``mlxctl status``.
+``mlxctl status``. A router finding its replicas by discovery (``ReplicasOptions.discover``)
+starts with none; its control channel's ``replicas`` op takes the daemon's candidates
+(``replica_peers.py``; ``Discovered`` adds and retires members) and its admission
+follows the pool's ``max_batch``.
 
 On a prefill or decode node (``handoff``: ``HandoffOptions``, ``--node-role
 prefill|decode``) it loads the model as above, binds no OpenAI port, and serves the
