@@ -217,7 +217,8 @@ class ReplicaEngine:
         nodes: list[dict[str, Any]] = []
         totals = dict.fromkeys(("in_flight", "outstanding_tokens", "dispatched", "completed",
                                 "cancelled", "failed", "retried"), 0)
-        for member in [*self._members, *self._retiring.values()]:
+        retiring = [m for m in self._retiring.values() if m.node_id not in self._by_id]
+        for member in [*self._members, *retiring]:  # one account per node id
             account = self._routing.nodes[member.node_id]
             error = member.last_error() or account.last_error
             node: dict[str, Any] = {
