@@ -41,7 +41,8 @@ in the background from the start, ``GET /ready`` is 503 while no replica is up,
 ``mlxctl status``. A router finding its replicas by discovery (``ReplicasOptions.discover``)
 starts with none; its control channel's ``replicas`` op takes the daemon's candidates
 (``replica_peers.py``; ``Discovered`` adds and retires members) and its admission
-follows the pool's ``max_batch``.
+follows the pool's ``max_batch``; its stats' ``replicas_discovered`` (how many members
+discovery made) tells ``mlxctl status`` to name "none found yet" a problem.
 
 On a prefill or decode node (``handoff``: ``HandoffOptions``, ``--node-role
 prefill|decode``) it loads the model as above, binds no OpenAI port, and serves the
@@ -327,6 +328,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                 if o.replicas is not None:
                     ctx.stats["replicas"] = replica_links(
                         engine, o.replicas, None if discovered is None else discovered.agents)
+                    if discovered is not None:  # how many members discovery made
+                        ctx.stats["replicas_discovered"] = len(discovered.agents)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()
