@@ -123,7 +123,8 @@ def run(
         "need the cluster secret. Default: hybrid.")] = None,
     replicas: Annotated[str | None, typer.Option(
         "--replicas", help="With --node-role router: the replicas' agent addresses, "
-        "host:port,... (a host alone: port 19000; [v6] for IPv6).")] = None,
+        "host:port,... (a host alone: port 19000; [v6] for IPv6); none: found by "
+        "discovery (--cluster-peers or mdns).")] = None,
     prefill_peers: Annotated[str | None, typer.Option(
         "--prefill-peers", help="With --node-role router or decode: the prefill nodes' "
         "agent addresses, as --replicas (numeric addresses).")] = None,

@@ -72,7 +72,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
+from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE, discovers
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
@@ -94,6 +94,7 @@ from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.net import retire_streams
 from mlxceld.pipeline.standin import StandIns
+from mlxceld.replica_peers import ReplicaPeers
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import Serving
@@ -224,6 +225,8 @@ class Daemon:
             finished=self._worker_finished, changed=self._worker_changed)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._draining = Draining(self, DrainsTable(self._db), self.events)
+        self._replica_peers = ReplicaPeers(self.candidates, self.supervisor,
+                                           self._finds_replicas)
 
     def _fetch_metadata(self, model: str, config: Config) -> None:
         """A model named by its Hugging Face repo id: its config, index and tokenizer, once,
@@ -446,6 +449,7 @@ class Daemon:
                 await srv_started
                 tg.create_task(self._keeper.run())
                 tg.create_task(self._draining.service.run())
+                tg.create_task(self._replica_peers.run())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -469,6 +473,13 @@ class Daemon:
             self._release()
         log.info("mlxceld stopped")
         return code
+
+    def _finds_replicas(self) -> bool:
+        """A router node with no --replicas (nor prefill and decode pools): its router
+        is told discovery's candidates (``replica_peers.py``)."""
+        serve = self.config.serve
+        return discovers(serve.node_role, serve.replicas,
+                         pools=bool(serve.prefill_peers and serve.decode_peers))
 
     async def _router_node_linked(self) -> None:
         """A router (or decode) node's router waits for the agent listener (its address is
@@ -522,6 +533,7 @@ class Daemon:
         self._stand_ins.close()
         self._keeper.close()
         self._draining.service.close()
+        self._replica_peers.close()
         self._server.request_shutdown()
         self.supervisor.close()
         self._notify.close()

@@ -107,7 +107,9 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                        cluster=c.cluster_name,
                                        prefill_agents=s.serve.prefill_peers,
                                        decode_agents=s.serve.decode_peers,
-                                       kv_compression=s.serve.kv_compression)
+                                       kv_compression=s.serve.kv_compression,
+                                       discover=not s.serve.replicas
+                                       and not s.serve.prefill_peers)
             specs.append(WorkerSpec(ROUTER, c.state_dir, router_options(s.serve,
                                                                         replicas=replicas),
                                     policy, api_key=s.api_key, secret=s.secret,

@@ -342,6 +342,8 @@ def replica_links(workers: list[dict[str, Any]]) -> list[str]:
     for w in workers:
         replicas = (w.get("stats") or {}).get("replicas")
         if not replicas:
+            if (w.get("stats") or {}).get("replicas_discovered") is not None:
+                out += ["", f"replicas of {w['name']}: none found by discovery yet"]
             continue
         rows, colors, errors = [], [], []
         for r in replicas:

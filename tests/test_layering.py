@@ -30,6 +30,7 @@ STACK = [
     "roster",  # which workers run: the daemon's rule over roles, placements and [serve]
     "serving",  # what the daemon's router serves: `mlxctl serve|unserve`, held back or not
     "draining",  # the daemon's `mlxctl drain|undrain` over drain/, with the nodes it knows
+    "replica_peers",  # a router's replicas by discovery: the candidates told its worker
     "daemon", "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}

@@ -6,6 +6,12 @@ Past ``max_queued`` waiters a request is refused at once with 503 and
 ``Retry-After``, rather than left to time out in a queue that cannot drain.
 A waiter that goes away (client gone) leaves the queue; one cancelled just as
 it was handed a slot hands the slot on.
+
+``capacity`` (an engine whose ``max_batch`` changes: a router's pool of replicas found
+by discovery, ``replicas/pool.py``'s ``add`` and ``retire``) is read at each request:
+``max_active`` becomes it (at least 1: a pool with no member answers 503 itself), a
+larger one handing the new slots to the waiters at once, a smaller one taking effect as
+sequences end.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from mlxceld.api.errors import ApiError
 
@@ -24,14 +30,29 @@ RETRY_AFTER_S = 1
 
 
 class Admission:
-    def __init__(self, max_active: int, max_queued: int) -> None:
+    def __init__(self, max_active: int, max_queued: int, *,
+                 capacity: Callable[[], int] | None = None) -> None:
+        if capacity is not None:
+            max_active = max(capacity(), 1)
         if max_active < 1 or max_queued < 0:
             raise ValueError(f"admission needs max_active >= 1 and max_queued >= 0, not "
                              f"{max_active} and {max_queued}")
         self.max_active = max_active
         self.max_queued = max_queued
         self.active = 0
+        self._capacity = capacity
         self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def _follow(self) -> None:
+        """``max_active`` as ``capacity`` says now; new slots go to the waiters."""
+        if self._capacity is None:
+            return
+        self.max_active = max(self._capacity(), 1)
+        while self.active < self.max_active and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                self.active += 1
 
     @property
     def queued(self) -> int:
@@ -48,6 +69,7 @@ class Admission:
             self._release()
 
     async def _acquire(self) -> None:
+        self._follow()
         if self.active < self.max_active and not self._waiters:
             self.active += 1
             return
@@ -71,6 +93,9 @@ class Admission:
             raise
 
     def _release(self) -> None:
+        if self.active > self.max_active:  # the capacity shrank: this slot goes
+            self.active -= 1
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

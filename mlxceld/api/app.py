@@ -96,6 +96,7 @@ def build_router_app(
     draining: Draining | None = None,
     stage_links: StageLinks | None = None,
     router_stats: Callable[[bool], Any] | None = None,
+    elastic: bool = False,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -107,12 +108,14 @@ def build_router_app(
     (``api/draining.py``); ``stage_links``: over a pipeline, each stage link's stats
     (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``); ``router_stats``:
     over a replica pool, its stats as JSON given whether to show addresses
-    (``ReplicaEngine.stats``), served on ``/router/stats``."""
+    (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
+    ``max_batch`` changes (replicas found by discovery), admission follows it."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
     is_ready = ready or (lambda: True)
-    admission = Admission(engine.max_batch, max_queued)
+    admission = Admission(engine.max_batch, max_queued,
+                          capacity=(lambda: engine.max_batch) if elastic else None)
     metrics = Metrics(queue_depth=lambda: admission.queued,
                       active_sequences=lambda: admission.active, model_id=model_id,
                       context_length=engine.context_length, stage_links=stage_links)

@@ -67,7 +67,7 @@ from mlxceld.config.healing import heal_after
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
-from mlxceld.config.replicas import check_no_pipeline
+from mlxceld.config.replicas import check_discoverable, check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
@@ -365,6 +365,11 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                       else "pp_peer (--pp-peer)" if config.pp_peer
                       else "distributed_config (--distributed-config)"
                       if config.distributed_config is not None else None)
+    check_discoverable(serve.node_role, "--node-role" if flags.node_role is not None
+                       else f"{where}: 'serve.node_role'", serve.replicas,
+                       pools=bool(serve.prefill_peers and serve.decode_peers),
+                       cluster_peers=config.cluster_peers,
+                       discovery=config.cluster_discovery)
     return config
 
 

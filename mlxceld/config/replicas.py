@@ -19,15 +19,21 @@
 - ``prefill`` and ``decode``: prefill/decode disaggregation's nodes
   (``config/disagg.py``: their keys and rules).
 
-Rules, checked here (exit 2 at start, naming both sides): ``router`` needs
-``replicas`` (or ``prefill_peers`` and ``decode_peers``); ``replicas`` needs
+Rules, checked here (exit 2 at start, naming both sides): ``router`` without
+``replicas`` (and without ``prefill_peers`` and ``decode_peers``) finds its replicas by
+discovery, so it needs something to discover: ``--cluster-peers`` or
+``--cluster-discovery mdns`` (``check_discoverable``); ``replicas`` needs
 ``router``; a router (or prefill or decode node) takes no pipeline of its own
 (``--pp-auto``, ``--pp-peer``, ``--distributed-config``; a cluster TOML of routers
 and replicas places a router instead of these flags: ``clusterfile/placement.py``'s
 ``placed_config``, checked against them there). The router role needs the
 cluster secret too, checked once the daemon has read every source of it
-(``cluster/keyring.py``: ``KeyringService.require``). Finding replicas by discovery
-instead of listing them is not there yet.
+(``cluster/keyring.py``: ``KeyringService.require``).
+
+Replicas found by discovery (a router with no ``replicas``): every peer in the daemon's
+candidate table (``--cluster-peers``, or mDNS) whose last poll was answered and whose
+agent says it is a hybrid node serving the router's model (``discovery/serving.py``);
+``workers/replica_router.py``'s ``Discovered`` says how often each is asked.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ DEFAULT_AGENT_PORT: Final = 19000
 REPLICAS_HINT: Final = ("name each replica by its agent address, separated by commas: "
                         "host:port, or a host alone for port 19000, e.g. "
                         "studio-2.local,192.168.1.12:19001,[fd00::13]")
-DISCOVERY_LATER: Final = ("finding replicas by discovery is not supported yet: list them")
+DISCOVER_HINT: Final = ("list the replicas (--replicas studio-2.local,studio-3.local), or "
+                        "let the router find them: --cluster-peers naming the hybrid nodes' "
+                        "agents, or --cluster-discovery mdns")
 
 
 def parse_role(flag: str | None, table: Mapping[str, Any],
@@ -94,19 +102,29 @@ def parse_replica_list(flag: str | None, table: Mapping[str, Any],
 
 
 def check_role(role: NodeRole, role_from: str, replicas: tuple[str, ...],
-               replicas_from: str, *, pools: bool = False) -> None:
-    """The first two rules of the module docstring (``pools``: the router has
-    ``prefill_peers`` and ``decode_peers``, which stand for ``replicas``)."""
-    if role == ROUTER_ROLE and not replicas and not pools:
-        raise ConfigError(f"{role_from} router needs --replicas ([serve] replicas): the "
-                          "agent addresses of the hybrid nodes to route to",
-                          hint=f"for example --replicas studio-2.local,studio-3.local "
-                          f"({DISCOVERY_LATER})")
+               replicas_from: str) -> None:
+    """``replicas`` only on a router (the second rule of the module docstring)."""
     if replicas and role != ROUTER_ROLE:
         raise ConfigError(f"{replicas_from} is for --node-role router ([serve] node_role = "
                           f"\"router\") only; this node's role is {role}",
                           hint="add --node-role router, or drop --replicas ([serve] "
                           "replicas) to run the model here")
+
+
+def discovers(role: NodeRole, replicas: tuple[str, ...], *, pools: bool) -> bool:
+    """Whether this router finds its replicas by discovery (none listed, no pools)."""
+    return role == ROUTER_ROLE and not replicas and not pools
+
+
+def check_discoverable(role: NodeRole, role_from: str, replicas: tuple[str, ...], *,
+                       pools: bool, cluster_peers: tuple[str, ...], discovery: str) -> None:
+    """A router finding its replicas by discovery has something to discover (the first
+    rule of the module docstring)."""
+    if discovers(role, replicas, pools=pools) and not cluster_peers and discovery != "mdns":
+        raise ConfigError(f"{role_from} router without --replicas ([serve] replicas) finds "
+                          "its replicas by discovery, and this daemon discovers nothing "
+                          "(--cluster-discovery static with no --cluster-peers)",
+                          hint=DISCOVER_HINT)
 
 
 def check_no_pipeline(role: NodeRole, pipeline: str | None) -> None:

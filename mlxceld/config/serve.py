@@ -177,7 +177,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     prefill, prefill_from = parse_peer_list("prefill_peers", flags.prefill_peers, table, where)
     decode, decode_from = parse_peer_list("decode_peers", flags.decode_peers, table, where)
     check_pools(role, role_from, prefill, prefill_from, decode, decode_from, replicas)
-    check_role(role, role_from, replicas, replicas_from, pools=bool(prefill and decode))
+    check_role(role, role_from, replicas, replicas_from)
     cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill,
                   decode_peers=decode,
                   kv_compression=parse_compression(flags.kv_compression, table, where))

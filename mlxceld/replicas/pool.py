@@ -20,6 +20,14 @@ A member fails its own in-flight sequences when its link breaks or falls silent
 (``RemoteEngine``'s ``silence_s``): the pool adds no deadline of its own to a
 sequence, whose length only the client bounds (``max_tokens``).
 
+Membership changes (a router finding its replicas by discovery). ``add`` puts a new
+member in the pool (its keeper started if ``keep_linked`` runs); ``retire`` takes one
+out: it gets no new request and leaves the stats once the sequences it holds end
+(they finish, or fail as a down member's do: the pool adds no deadline to them), and
+then it is closed. ``max_batch`` follows both. A node id is a member's for good: adding
+one that is a member is refused; adding back a retired one (the same node, returned)
+continues its account.
+
 Addresses. A member's address is shown only in ``stats(verbose=True)``. Every error
 the pool raises, and each member's ``last_error`` in the redacted stats, has
 addresses replaced by ``<address>`` (``redaction.py``), the rest of the message kept.
@@ -72,9 +80,9 @@ class ReplicaEngine:
     def __init__(self, members: Sequence[Member], *, model_id: str,
                  context_length: int) -> None:
         ids = [m.node_id for m in members]
-        if not members or len(set(ids)) != len(ids):
-            raise ValueError(f"a replica pool needs one or more members with distinct node "
-                             f"ids, not {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a replica pool needs members with distinct node ids, not "
+                             f"{ids}")
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = sum(m.max_batch for m in members)
@@ -84,6 +92,62 @@ class ReplicaEngine:
         self._sequences = itertools.count()
         self._refused = 0
         self._refusing = False
+        self._retiring: dict[str, Member] = {}  # out of the pool, sequences still in flight
+        self._closing: set[asyncio.Task[None]] = set()
+        self._keepers: dict[str, asyncio.Task[None]] = {}
+        self._group: asyncio.TaskGroup | None = None
+
+    # -- membership -------------------------------------------------------------------
+
+    def members(self) -> list[Member]:
+        return list(self._members)
+
+    def add(self, member: Member) -> None:
+        """``member`` joins the pool (``ValueError`` if its node id is a member)."""
+        if member.node_id in self._by_id:
+            raise ValueError(f"{member.node_id} is a member of the pool already")
+        self._members.append(member)
+        self._by_id[member.node_id] = member
+        self._routing.add(member.node_id, member.max_batch)
+        self.max_batch += member.max_batch
+        if self._group is not None:
+            self._keep(self._group, member)
+        log.info("replica %s joined the pool", member.node_id)
+
+    def retire(self, node_id: str) -> None:
+        """``node_id`` leaves the pool: no new request; closed once its sequences end."""
+        member = self._by_id.pop(node_id, None)
+        if member is None:
+            return
+        self._members.remove(member)
+        self.max_batch -= member.max_batch
+        keeper = self._keepers.pop(node_id, None)
+        if keeper is not None:
+            keeper.cancel()
+        self._retiring[node_id] = member
+        log.info("replica %s retired from the pool (%d sequences in flight there)", node_id,
+                 self._routing.nodes[node_id].in_flight)
+        self._settle(node_id)
+
+    def _settle(self, node_id: str) -> None:
+        """A retired member with nothing in flight is closed and forgotten."""
+        member = self._retiring.get(node_id)
+        account = self._routing.nodes.get(node_id)
+        if member is None or (account is not None and account.in_flight):
+            return
+        del self._retiring[node_id]
+        if node_id not in self._by_id:  # not added back meanwhile
+            self._routing.drop(node_id)
+        task = asyncio.get_running_loop().create_task(self._close_member(member))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _keep(self, group: asyncio.TaskGroup, member: Member) -> None:
+        """Start ``member``'s keeper in ``group`` (cancelling one ends it alone)."""
+        run = getattr(member, "keep_linked", None)
+        if callable(run):
+            keeper = cast(Callable[[], Coroutine[Any, Any, None]], run)
+            self._keepers[member.node_id] = group.create_task(keeper())
 
     # -- Engine -----------------------------------------------------------------------
 
@@ -120,11 +184,16 @@ class ReplicaEngine:
         finally:
             self._routing.end(seq, outcome, error)
             await self._close(stream)
+            self._settle(node)
 
     async def aclose(self) -> None:
         """Close every member, at once, each within ``CLOSE_S`` (one that does not is
         logged and left)."""
-        await asyncio.gather(*(self._close_member(m) for m in self._members))
+        await asyncio.gather(*(self._close_member(m)
+                               for m in [*self._members, *self._retiring.values()]))
+        self._retiring.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def _close_member(self, member: Member) -> None:
         try:
@@ -148,7 +217,8 @@ class ReplicaEngine:
         nodes: list[dict[str, Any]] = []
         totals = dict.fromkeys(("in_flight", "outstanding_tokens", "dispatched", "completed",
                                 "cancelled", "failed", "retried"), 0)
-        for member in self._members:
+        retiring = [m for m in self._retiring.values() if m.node_id not in self._by_id]
+        for member in [*self._members, *retiring]:  # one account per node id
             account = self._routing.nodes[member.node_id]
             error = member.last_error() or account.last_error
             node: dict[str, Any] = {
@@ -161,6 +231,8 @@ class ReplicaEngine:
                 "affinity_tokens": account.affinity_tokens,
                 "last_error": error if verbose or error is None else self._scrub(error),
             }
+            if member.node_id in self._retiring:
+                node["retired"] = True  # out of the pool, its sequences still running
             if verbose:
                 node["address"] = member.address
             nodes.append(node)
@@ -173,24 +245,32 @@ class ReplicaEngine:
     async def keep_linked(self) -> None:
         """Each member's ``keep_linked()`` (those that have one), until cancelled. One
         that fails (a bug: a keeper outlives its link's errors) ends the others and
-        raises, for the worker to exit and its supervisor to restart it."""
-        runners = [cast(Callable[[], Coroutine[Any, Any, None]], run) for m in self._members
-                   if callable(run := getattr(m, "keep_linked", None))]
-        async with asyncio.TaskGroup() as group:
-            for run in runners:
-                group.create_task(run())
-            await asyncio.Event().wait()  # until cancelled
+        raises, for the worker to exit and its supervisor to restart it. A member added
+        meanwhile has its keeper started; a retired one's is cancelled."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                for member in self._members:
+                    self._keep(group, member)
+                await asyncio.Event().wait()  # until cancelled
+        finally:
+            self._group = None
+            self._keepers.clear()
 
     def readiness(self) -> dict[str, Any] | None:
         """None while a member is up; else what is wrong (for ``/ready``'s 503)."""
         if any(m.state() == "up" for m in self._members):
             return None
+        if not self._members:
+            return {"message": "no replica is up: none is known yet (a router finding its "
+                    "replicas by discovery adds each once its agent says it serves the "
+                    "model)", "nodes": []}
         return {"message": f"no replica is up: {self._why_not({})}",
                 "nodes": [{"id": m.node_id, "state": m.state()} for m in self._members]}
 
     def rekey(self) -> None:
         """Each member's ``rekey()`` (those that have one): the cluster secret changed."""
-        for member in self._members:
+        for member in [*self._members, *self._retiring.values()]:
             rekey = getattr(member, "rekey", None)
             if callable(rekey):
                 rekey()
@@ -223,6 +303,7 @@ class ReplicaEngine:
                 await self._close(stream)
                 refused[member.node_id] = exc
                 self._routing.end(seq, "retried", str(exc))
+                self._settle(member.node_id)
                 log.info("replica %s refused request %s before its first token (%s); "
                          "trying another", member.node_id, request.request_id,
                          self._scrub(str(exc)))
@@ -234,6 +315,7 @@ class ReplicaEngine:
                 failed = isinstance(exc, Exception)
                 self._routing.end(seq, "failed" if failed else "cancelled",
                                   str(exc) if isinstance(exc, EngineError) else None)
+                self._settle(member.node_id)
                 raise
             if self._refusing:
                 self._refusing = False
@@ -252,6 +334,8 @@ class ReplicaEngine:
                                  f"{retry} s", retry_after_s=retry)
 
     def _why_not(self, refused: dict[str, EngineUnavailable]) -> str:
+        if not self._members:
+            return "none is known yet"
         parts = []
         for member in self._members:
             if member.node_id in refused:
@@ -274,7 +358,7 @@ class ReplicaEngine:
         return EngineError(message)
 
     def _scrub(self, text: str) -> str:
-        return scrub(text, (m.address for m in self._members))
+        return scrub(text, (m.address for m in [*self._members, *self._retiring.values()]))
 
     @staticmethod
     async def _close(stream: AsyncGenerator[TokenOutput, None]) -> None:

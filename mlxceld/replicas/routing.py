@@ -158,12 +158,27 @@ class Routing:
     def __init__(self, capacities: Mapping[str, int], *,
                  shadow_sequences: int = SHADOW_SEQUENCES,
                  block: int = BLOCK_TOKENS) -> None:
-        if not capacities:
-            raise ValueError("a pool needs at least one member")
         self.block = block
+        self._shadow_sequences = shadow_sequences
         self.nodes = {node: NodeAccount(capacity, PrefixShadow(shadow_sequences, block))
                       for node, capacity in capacities.items()}
         self._flights: dict[int, _Flight] = {}
+
+    def add(self, node: str, capacity: int) -> None:
+        """A member joins (a new account; one still held for ``node``'s sequences in
+        flight is kept, its capacity updated)."""
+        account = self.nodes.get(node)
+        if account is None:
+            self.nodes[node] = NodeAccount(capacity,
+                                           PrefixShadow(self._shadow_sequences, self.block))
+        else:
+            account.capacity = capacity
+
+    def drop(self, node: str) -> None:
+        """``node``'s account leaves (its member was retired and has nothing in flight)."""
+        account = self.nodes.get(node)
+        if account is not None and account.in_flight == 0:
+            del self.nodes[node]
 
     def hashes(self, prompt: Sequence[int]) -> tuple[int, ...]:
         return block_hashes(prompt, self.block)

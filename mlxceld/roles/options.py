@@ -135,11 +135,17 @@ class ReplicasOptions:
     prefill_agents: tuple[str, ...] = ()
     decode_agents: tuple[str, ...] = ()
     kv_compression: str = "none"
+    # No agents: the replicas are found by discovery (the daemon tells the worker its
+    # candidates: replica_peers.py).
+    discover: bool = False
 
     def __post_init__(self) -> None:
-        _check(len(self.agents) >= 1 or bool(self.prefill_agents and self.decode_agents),
-               "agents", "name at least one replica (or prefill and decode nodes)",
+        _check(len(self.agents) >= 1 or bool(self.prefill_agents and self.decode_agents)
+               or self.discover, "agents",
+               "name at least one replica (or prefill and decode nodes, or discover)",
                self.agents)
+        _check(not (self.discover and (self.agents or self.prefill_agents)), "discover",
+               "be without agents and pools", self.discover)
         _check(bool(self.prefill_agents) == bool(self.decode_agents), "decode_agents",
                "be given with prefill_agents", self.decode_agents)
         for name in ("agents", "prefill_agents", "decode_agents"):

@@ -31,7 +31,16 @@ def problems(workers: list[JSON]) -> list[JSON]:
 
 
 def _replica_links(w: JSON) -> list[JSON]:
-    """A router node's replicas that are down (from its stats, when asked)."""
+    """A router node's replicas that are down (from its stats, when asked); one finding
+    them by discovery that has found none yet."""
+    stats = w.get("stats") or {}
+    if stats.get("replicas_discovered") is not None and not stats.get("replicas"):
+        return [_problem(w["name"], f"worker {w['name']} has found no replica by discovery "
+                         "yet: no peer of this daemon says it is a hybrid node serving "
+                         "the router's model",
+                         "mlxctl cluster nodes (are the replicas' agents there, reachable?); "
+                         "on each replica: mlxctl status (same model files, same cluster "
+                         f"secret, node role hybrid); mlxctl logs {w['name']}")]
     return [_problem(r["replica"], f"worker {w['name']} cannot use replica {r['replica']} "
                      f"(agent {r['agent']}): {r['error']}",
                      f"on the replica's host (agent {r['agent']}): mlxctl status; it is used "

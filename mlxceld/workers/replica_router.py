@@ -11,6 +11,19 @@ stable across restarts, and no address in what a client sees); before every dial
 serving address is asked of its agent (``discovery/serving.py``'s ``ServingFinder``);
 its heartbeat bound is ``[serve] stage_silence_s``.
 
+Replicas found by discovery (``ReplicasOptions.discover``: no ``--replicas``). The
+pool starts empty; the daemon sends the worker its discovery's candidates every few
+seconds (control op ``replicas``: ``replica_peers.py``), and ``Discovered`` asks each
+new candidate's agent what it serves (``ServingFinder``: a hybrid node serving this
+model), at most once per ``ASK_AGAIN_S`` for one that is not (a coordinator, a
+``--pp-peer`` without a model, a prefill or decode node, another model, an agent that
+does not answer: a debug log line, asked again later). One that is becomes a member
+``replica-<its node id>`` (stable, never another node's; its agent in ``mlxctl
+status``), a ``RemoteEngine`` as above. A member whose candidate is no longer sent, or
+is sent at another agent address, is retired (``ReplicaEngine.retire``: its sequences
+in flight finish or fail as a down member's, it gets no new ones); one at a new address
+joins again under the same id.
+
 ``[serve] max_batch`` on a router node is what it expects each replica to run at once
 (set it to the replicas' own): a member's capacity in the routing until its node says
 its own at attach, and the router admits that many sequences per replica (the rest
@@ -19,11 +32,22 @@ queue, up to ``max_queued``; then 503).
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
-from mlxceld.discovery.serving import ServingFinder
+from mlxceld.discovery.serving import ServingFinder, ServingNotFound
 from mlxceld.roles.options import ReplicasOptions, RouterOptions
+from mlxceld.types import JSON
+from mlxceld.wire.address import canonical_address
 from mlxceld.workers.runtime import WorkerContext
+
+log = logging.getLogger(__name__)
+
+ASK_AGAIN_S: Final = 30.0  # a candidate found not serving the model is asked again after
+MAX_CANDIDATES: Final = 1024  # in one ``replicas`` op
 
 NODE_PREFIX = "replica-"
 PREFILL_PREFIX = "prefill-"  # a router's prefill nodes, by their index in --prefill-peers
@@ -31,8 +55,9 @@ DECODE_PREFIX = "decode-"
 
 
 def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
-                   ) -> tuple[Any, Any]:
-    """The ``ReplicaEngine`` over ``replicas``, and the tokenizer (blocking: a thread)."""
+                   ) -> tuple[Any, Any, Discovered | None]:
+    """The ``ReplicaEngine`` over ``replicas``, the tokenizer, and with
+    ``replicas.discover`` what fills the pool (blocking: a thread)."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxceld.models.fetch import local_model
@@ -50,25 +75,31 @@ def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
     identity = model_identity(path)
     keyring = ctx.keyring
 
+    def finder(agent: str, role: str = "hybrid") -> ServingFinder:
+        return ServingFinder(agent, origin=replicas.origin, keyring=keyring,
+                             model_identity=identity, role=role)
+
+    def member(node_id: str, find: ServingFinder, role: str = "hybrid") -> RemoteEngine:
+        remote = RemoteEngine(  # the keyring is changed in place (supervisor/keys.py)
+            node_id, find, keyring=keyring, origin=replicas.origin,
+            model_identity=identity, cluster=replicas.cluster,
+            silence_s=o.stage_silence_s, role=role)
+        remote.max_batch = remote.max_batch or o.max_batch  # its own once attached
+        return remote
+
     def members(agents: tuple[str, ...], prefix: str, role: str) -> list[RemoteEngine]:
-        found = []
-        for i, agent in enumerate(agents):
-            find = ServingFinder(agent, origin=replicas.origin, keyring=keyring,
-                                 model_identity=identity, role=role)
-            member = RemoteEngine(  # the keyring is changed in place (supervisor/keys.py)
-                f"{prefix}{i}", find, keyring=keyring, origin=replicas.origin,
-                model_identity=identity, cluster=replicas.cluster,
-                silence_s=o.stage_silence_s, role=role)
-            member.max_batch = member.max_batch or o.max_batch  # its own once attached
-            found.append(member)
-        return found
+        return [member(f"{prefix}{i}", finder(agent, role), role)
+                for i, agent in enumerate(agents)]
 
     context = int(config.get("max_position_embeddings") or 4096)
+    if replicas.discover:
+        found = ReplicaEngine([], model_id=o.model_name, context_length=context)
+        return found, tokenizer, Discovered(found, finder, member)
     pool = (ReplicaEngine(members(replicas.agents, NODE_PREFIX, "hybrid"),
                           model_id=o.model_name, context_length=context)
             if replicas.agents else None)
     if not replicas.prefill_agents:
-        return pool, tokenizer
+        return pool, tokenizer, None
     from mlxceld.engine.handoff import Mode
     from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
 
@@ -77,10 +108,104 @@ def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
                           members(replicas.decode_agents, DECODE_PREFIX, "decode"),
                           model_id=o.model_name, context_length=context,
                           mode=Mode(quant, bool(lz4)))  # type: ignore[arg-type]  # config checked it
-    return (disagg if pool is None else DisaggOrReplicas(disagg, pool)), tokenizer
+    return (disagg if pool is None else DisaggOrReplicas(disagg, pool)), tokenizer, None
 
 
-def replica_links(engine: Any, replicas: ReplicasOptions) -> list[dict[str, Any]]:
+class Discovered:
+    """Fills ``pool`` from the daemon's candidates (the module docstring):
+    ``finder(agent)`` asks an agent what it serves; ``member(node_id, finder)`` is the
+    ``RemoteEngine`` of one that serves the model."""
+
+    def __init__(self, pool: Any, finder: Callable[[str], Any],
+                 member: Callable[[str, Any], Any], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._finder = finder
+        self._member = member
+        self._clock = clock
+        self.agents: dict[str, str] = {}  # member id -> its agent address
+        self._asked: dict[tuple[str, str], float] = {}  # (node id, agent) -> when, not serving
+        self._asking: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+    def op(self, request: JSON) -> JSON:
+        """The control channel's ``replicas``: ``{"candidates": [{"node_id", "agent"},
+        ...]}``, every candidate now; answers the members' ids."""
+        try:
+            candidates = self._parse(request.get("candidates"))
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
+        self.update(candidates)
+        return {"ok": True, "members": sorted(self.agents)}
+
+    @staticmethod
+    def _parse(raw: object) -> dict[str, str]:
+        if not isinstance(raw, list) or len(raw) > MAX_CANDIDATES:
+            raise ValueError(f"'candidates' must be a list of at most {MAX_CANDIDATES}")
+        found: dict[str, str] = {}
+        for item in raw:
+            node = item.get("node_id") if isinstance(item, dict) else None
+            agent = item.get("agent") if isinstance(item, dict) else None
+            if not (isinstance(node, str) and 0 < len(node) <= 128 and node.isprintable()
+                    and isinstance(agent, str)):
+                raise ValueError("each candidate must be {\"node_id\": str, \"agent\": "
+                                 "\"host:port\"}")
+            try:
+                found[node] = canonical_address(agent)
+            except ValueError:
+                raise ValueError(f"candidate {node!r}: agent is not host:port") from None
+        return found
+
+    def update(self, candidates: Mapping[str, str]) -> None:
+        """Retire the members whose candidate is gone or moved; ask the new ones."""
+        for node_id, agent in list(self.agents.items()):
+            if candidates.get(node_id.removeprefix(NODE_PREFIX)) != agent:
+                del self.agents[node_id]
+                self._pool.retire(node_id)
+        now = self._clock()
+        for node, agent in candidates.items():
+            key = (node, agent)
+            if (f"{NODE_PREFIX}{node}" in self.agents or key in self._asking
+                    or now - self._asked.get(key, -ASK_AGAIN_S) < ASK_AGAIN_S):
+                continue
+            task = asyncio.get_running_loop().create_task(self._ask(node, agent))
+            self._asking[key] = task
+            task.add_done_callback(self._asked_done(key))
+        for key in [k for k in self._asked if k not in candidates.items()]:
+            del self._asked[key]
+
+    def _asked_done(self, key: tuple[str, str]) -> Callable[[asyncio.Task[None]], None]:
+        def done(_: asyncio.Task[None]) -> None:
+            self._asking.pop(key, None)
+        return done
+
+    async def _ask(self, node: str, agent: str) -> None:
+        find = self._finder(agent)
+        try:
+            await find()  # bounded: ask_serving's budget
+        except ServingNotFound as exc:
+            self._asked[(node, agent)] = self._clock()
+            log.debug("candidate %s is not a replica of this model (%s); asked again in "
+                      "%g s", node, exc.message, ASK_AGAIN_S)
+            return
+        except Exception as exc:  # never ends the worker: asked again later
+            self._asked[(node, agent)] = self._clock()
+            log.warning("candidate %s could not be asked what it serves: %r", node, exc)
+            return
+        node_id = f"{NODE_PREFIX}{node}"
+        if node_id in self.agents:
+            return
+        self.agents[node_id] = agent
+        self._pool.add(self._member(node_id, find))
+        log.info("replica %s found by discovery", node_id)
+
+    async def aclose(self) -> None:
+        for task in list(self._asking.values()):
+            task.cancel()
+        await asyncio.gather(*self._asking.values(), return_exceptions=True)
+
+
+def replica_links(engine: Any, replicas: ReplicasOptions,
+                  discovered: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Each replica's (and prefill and decode node's) state for the worker's stats
     (``mlxctl status``, on the operator's socket: with its agent address): node id,
     agent, state, last error."""
@@ -91,6 +216,7 @@ def replica_links(engine: Any, replicas: ReplicasOptions) -> list[dict[str, Any]
     for prefix, pool in ((PREFILL_PREFIX, replicas.prefill_agents),
                          (DECODE_PREFIX, replicas.decode_agents)):
         agents.update((f"{prefix}{i}", agent) for i, agent in enumerate(pool))
+    agents.update(discovered or {})
     return [{"replica": n["id"], "agent": agents.get(n["id"], ""), "state": n["state"],
              "connected": n["state"] == "up", "error": n.get("last_error"),
              "dispatched": n.get("dispatched", 0)} for n in nodes]

@@ -38,7 +38,11 @@ the cluster secret arrives on the bootstrap pipe, the links to the replicas are 
 in the background from the start, ``GET /ready`` is 503 while no replica is up,
 ``GET /router/stats`` answers the pool's stats, and the worker's stats carry
 ``replicas`` (each one's node id, agent address, state and last error) for
-``mlxctl status``.
+``mlxctl status``. A router finding its replicas by discovery (``ReplicasOptions.discover``)
+starts with none; its control channel's ``replicas`` op takes the daemon's candidates
+(``replica_peers.py``; ``Discovered`` adds and retires members) and its admission
+follows the pool's ``max_batch``; its stats' ``replicas_discovered`` (how many members
+discovery made) tells ``mlxctl status`` to name "none found yet" a problem.
 
 On a prefill or decode node (``handoff``: ``HandoffOptions``, ``--node-role
 prefill|decode``) it loads the model as above, binds no OpenAI port, and serves the
@@ -88,7 +92,7 @@ from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.workers.handoff_node import run_handoff_node
-from mlxceld.workers.replica_router import replica_engine, replica_links
+from mlxceld.workers.replica_router import Discovered, replica_engine, replica_links
 from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
 
@@ -246,12 +250,14 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         loop.call_soon_threadsafe(ctx.stop)
 
     engine: Any
+    discovered: Discovered | None = None
     path = o.model
     try:
         if o.pipeline is None and o.replicas is None:  # those routers hold no weights
             set_wired_limit()
         if o.replicas is not None:
-            engine, tokenizer = await asyncio.to_thread(replica_engine, ctx, o.replicas)
+            engine, tokenizer, discovered = await asyncio.to_thread(replica_engine, ctx,
+                                                                     o.replicas)
         elif o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
@@ -280,6 +286,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     linked = pipeline or pool  # an engine with links to keep up
     draining = Draining()
     ctx.ops["drain"] = lambda request: drain_op(draining, request)
+    if discovered is not None:
+        ctx.ops["replicas"] = discovered.op
     if linked:
         ctx.rekeyed.append(engine.rekey)
     if pipeline:
@@ -291,7 +299,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            readiness=engine.readiness if linked else None,
                            router_stats=(lambda verbose: engine.stats(verbose=verbose))
                            if pool or o.replica_pipelines else None,
-                           draining=draining,
+                           draining=draining, elastic=discovered is not None,
                            stage_links=engine.stages if pipeline else None)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
@@ -318,7 +326,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                     ctx.stats.update(tokens=engine.tokens, tokens_per_s=None if rate is None
                                      else round(rate, 2))
                 if o.replicas is not None:
-                    ctx.stats["replicas"] = replica_links(engine, o.replicas)
+                    ctx.stats["replicas"] = replica_links(
+                        engine, o.replicas, None if discovered is None else discovered.agents)
+                    if discovered is not None:  # how many members discovery made
+                        ctx.stats["replicas_discovered"] = len(discovered.agents)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
             server.request_shutdown()
@@ -330,6 +341,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     finally:
         if service is not None:
             await service.aclose()
+        if discovered is not None:
+            await discovered.aclose()
         await engine.aclose()
     if broken:  # exit non-zero: the supervisor restarts us with a fresh engine
         raise RuntimeError(f"the engine failed: {broken[0]!r}") from broken[0]

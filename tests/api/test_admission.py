@@ -93,3 +93,37 @@ def test_a_waiter_cancelled_as_it_is_handed_a_slot_passes_it_on() -> None:
 def test_bad_limits_are_refused() -> None:
     with pytest.raises(ValueError):
         Admission(max_active=0, max_queued=1)
+
+
+def test_capacity_is_followed_growing_hands_slots_to_waiters_shrinking_as_they_end() -> None:
+    async def main() -> None:
+        cap = [0]
+        admission = Admission(1, 4, capacity=lambda: cap[0])
+        assert admission.max_active == 1  # none yet: one admitted, the engine answers
+        gate = asyncio.Event()
+        entered: list[str] = []
+
+        async def hold(name: str) -> None:
+            async with admission.slot():
+                entered.append(name)
+                await gate.wait()
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(hold("a"))
+            await asyncio.sleep(0)
+            tg.create_task(hold("b"))
+            await asyncio.sleep(0)
+            assert (entered, admission.queued) == (["a"], 1)
+            cap[0] = 3  # a member joined: the next request hands "b" its slot too
+            tg.create_task(hold("c"))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert sorted(entered) == ["a", "b", "c"] and admission.active == 3
+            cap[0] = 1  # retired: the slots go as sequences end
+            tg.create_task(hold("d"))
+            await asyncio.sleep(0)
+            assert admission.queued == 1 and admission.max_active == 1
+            gate.set()
+        assert entered[-1] == "d" and (admission.active, admission.queued) == (0, 0)
+
+    asyncio.run(main())

@@ -48,9 +48,10 @@ def test_replicas_are_agent_addresses_a_host_alone_on_the_default_port(tmp_path:
 
 @pytest.mark.parametrize(("args", "serve", "message"), [
     (["--node-role", "router"], {},
-     r"^--node-role router needs --replicas \(\[serve\] replicas\)"),
+     r"^--node-role router without --replicas \(\[serve\] replicas\) finds its replicas "
+     r"by discovery, and this daemon discovers nothing"),
     ([], {"node_role": "router"},
-     r"'serve\.node_role' router needs --replicas \(\[serve\] replicas\)"),
+     r"'serve\.node_role' router without --replicas .* discovers nothing"),
     (["--replicas", "10.0.0.2"], {},
      r"^--replicas is for --node-role router \(\[serve\] node_role = \"router\"\) only"),
     ([], {"replicas": ["10.0.0.2"]}, r"'serve\.replicas' is for --node-role router"),
@@ -74,10 +75,18 @@ def test_refusals_name_what_is_wrong(tmp_path: Path, args: list[str],
     assert err.value.hint
 
 
-def test_router_needs_replicas_says_discovery_is_later(tmp_path: Path) -> None:
+def test_router_without_replicas_says_how_to_be_found(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         config(tmp_path, ["--node-role", "router"])
-    assert "discovery is not supported yet" in err.value.hint
+    assert "--cluster-peers" in err.value.hint and "--replicas" in err.value.hint
+
+
+@pytest.mark.parametrize("args", [["--cluster-peers", "10.0.0.2:19000"],
+                                  ["--cluster-discovery", "mdns"]])
+def test_router_without_replicas_finds_them_by_discovery(tmp_path: Path,
+                                                         args: list[str]) -> None:
+    cfg = config(tmp_path, ["--node-role", "router", *args])
+    assert cfg.serve.node_role == "router" and cfg.serve.replicas == ()
 
 
 @pytest.mark.parametrize(("args", "daemon", "named"), [

@@ -163,3 +163,77 @@ def test_the_same_long_prompt_goes_back_to_the_member_that_holds_it(loaded: Load
         assert node["affinity_tokens"] == len(second) // BLOCK_TOKENS * BLOCK_TOKENS
 
     asyncio.run(run())
+
+
+@dataclass
+class Borrowed(EngineMember):
+    """A member over the module's shared engine: closing it leaves the engine open."""
+
+    closed: bool = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_a_member_added_while_a_request_runs_takes_the_next(loaded: Loaded) -> None:
+    async def run() -> None:
+        first = Borrowed(loaded.engines[0], "replica-a", address="10.9.8.1:19100")
+        pool = ReplicaEngine([first], model_id="tiny", context_length=2048)
+        prompt = loaded.prompt(PROMPTS[1])
+        expected = await tokens(loaded.engines[1], request("ref", prompt))
+        stream = pool.generate(request("long", prompt, n=400, logit_bias=loaded.no_eos()))
+        async with asyncio.timeout(60):
+            await anext(stream)
+            second = Borrowed(loaded.engines[1], "replica-b", address="10.9.8.2:19100")
+            pool.add(second)
+            assert pool.max_batch == 8
+            with pytest.raises(ValueError, match="replica-b is a member"):
+                pool.add(Borrowed(loaded.engines[1], "replica-b"))
+            assert await tokens(pool, request("next", prompt)) == expected
+            assert second.requests == ["next"] and first.requests == ["long"]
+            stats = pool.stats(verbose=False)
+            assert [(n["id"], n["in_flight"]) for n in stats["nodes"]] == [
+                ("replica-a", 1), ("replica-b", 0)]
+            assert stats["up"] == 2 and stats["completed"] == 1
+            await stream.aclose()
+        assert pool.active_sequences() == 0
+        await pool.aclose()
+        assert first.closed and second.closed
+
+    asyncio.run(run())
+
+
+def test_a_retired_member_finishes_its_sequence_then_leaves(loaded: Loaded) -> None:
+    async def run() -> None:
+        members = [Borrowed(engine, f"replica-{i}", address=f"10.9.8.{i + 1}:19100")
+                   for i, engine in enumerate(loaded.engines)]
+        pool = ReplicaEngine(members, model_id="tiny", context_length=2048)
+        prompt = loaded.prompt(PROMPTS[0])
+        got = []
+        stream = pool.generate(request("long", prompt, n=40, logit_bias=loaded.no_eos()))
+        async with asyncio.timeout(60):
+            got.append((await anext(stream)).token)
+            [holder] = [m for m in members if m.requests == ["long"]]
+            other = next(m for m in members if m is not holder)
+            pool.retire(holder.node_id)
+            assert pool.max_batch == 4 and not holder.closed
+            node = next(n for n in pool.stats(verbose=False)["nodes"]
+                        if n["id"] == holder.node_id)
+            assert node["retired"] and node["in_flight"] == 1
+            for i in range(2):  # nothing new goes to it
+                await tokens(pool, request(f"after{i}", prompt))
+            assert holder.requests == ["long"] and other.requests == ["after0", "after1"]
+            got += [out.token async for out in stream]  # it runs to its end
+        assert len(got) == 40
+        await asyncio.sleep(0.05)  # its close, scheduled once its last sequence ended
+        assert holder.closed and not other.closed
+        assert [n["id"] for n in pool.stats(verbose=False)["nodes"]] == [other.node_id]
+        pool.retire(other.node_id)  # nothing in flight: closed at once
+        await asyncio.sleep(0.05)
+        assert other.closed and pool.max_batch == 0
+        assert "none is known yet" in pool.readiness()["message"]  # type: ignore[index]
+        with pytest.raises(EngineUnavailable, match="none is known yet"):
+            await tokens(pool, request("none", prompt))
+        await pool.aclose()
+
+    asyncio.run(run())

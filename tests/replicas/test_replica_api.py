@@ -215,5 +215,34 @@ def test_keep_linked_rekey_and_close_reach_every_member() -> None:
     asyncio.run(run())
     with pytest.raises(ValueError, match="distinct node ids"):
         ReplicaEngine([members[0], members[0]], model_id=MODEL, context_length=256)
-    with pytest.raises(ValueError, match="one or more members"):
-        ReplicaEngine([], model_id=MODEL, context_length=256)
+    empty = ReplicaEngine([], model_id=MODEL, context_length=256)  # discovery fills it
+    assert empty.max_batch == 0
+    assert "none is known yet" in empty.readiness()["message"]  # type: ignore[index]
+
+
+def test_members_added_and_retired_while_linked_have_their_keepers_started_and_ended(
+        ) -> None:
+    async def run() -> None:
+        engine = ReplicaEngine([], model_id=MODEL, context_length=256)
+        Linked.started = Linked.stopped = 0
+        task = asyncio.create_task(engine.keep_linked())
+        await asyncio.sleep(0.05)
+        added = [Linked(FakeEngine(), "replica-a"), Linked(FakeEngine(), "replica-b")]
+        for member in added:
+            engine.add(member)
+        await asyncio.sleep(0.05)
+        assert (Linked.started, Linked.stopped) == (2, 0)
+        assert engine.max_batch == sum(m.max_batch for m in added)
+        engine.retire("replica-a")  # nothing in flight: its keeper ends, it is closed
+        await asyncio.sleep(0.05)
+        assert (Linked.started, Linked.stopped) == (2, 1) and not task.done()
+        fake = added[0].engine
+        assert isinstance(fake, FakeEngine) and fake.closed
+        assert [n["id"] for n in engine.stats(verbose=False)["nodes"]] == ["replica-b"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert Linked.stopped == 2
+        await engine.aclose()
+
+    asyncio.run(run())

@@ -72,3 +72,11 @@ def test_a_router_nodes_replica_that_is_down_is_a_problem_naming_it_and_why() ->
                                  "model",
                       "next": "on the replica's host (agent 10.0.0.3:19000): mlxctl status; "
                               "it is used again by itself once it serves; mlxctl logs router"}]
+
+
+def test_a_router_finding_replicas_by_discovery_with_none_yet_is_a_problem() -> None:
+    found = problems([{**router(None), "stats": {"replicas": [], "replicas_discovered": 0}}])
+    assert [p["subject"] for p in found] == ["router"]
+    assert found[0]["message"].startswith("worker router has found no replica by discovery")
+    assert "mlxctl cluster nodes" in found[0]["next"]
+    assert problems([{**router(None), "stats": {"replicas": []}}]) == []
