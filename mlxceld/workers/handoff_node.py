@@ -92,6 +92,17 @@ class PrefillPeers:
             self._said[agent] = problem
 
 
+async def bind_serving(service: Any, address: str) -> None:
+    """Bind a node's serving listener (``ServingService.start``) at ``address``; a port in
+    use is a ``RuntimeError`` naming it and the setting that picks another."""
+    try:
+        await service.start()
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {address} for the serving listener: "
+                           f"{exc.strerror}; pick another port with --serving-port or [serve] "
+                           "serving_port") from None
+
+
 async def handoff_service(ctx: WorkerContext[RouterOptions], engine: Any, identity: str,
                           handoff: HandoffOptions) -> tuple[Any, PrefillPeers | None]:
     """The bound ``HandoffService`` over ``engine``, and a decode node's peers (to keep)."""
@@ -112,12 +123,7 @@ async def handoff_service(ctx: WorkerContext[RouterOptions], engine: Any, identi
         engine, role=handoff.role, node_id=o.serving.node_id, model_identity=identity,
         cluster=o.serving.cluster, keyring=ctx.keyring, address=o.serving.address,
         silence_s=o.stage_silence_s, vocab_size=engine.vocab_size, **extra)
-    try:
-        await service.start()
-    except OSError as exc:
-        raise RuntimeError(f"cannot listen on {o.serving.address} for the serving listener: "
-                           f"{exc.strerror}; pick another port with --serving-port or [serve] "
-                           "serving_port") from None
+    await bind_serving(service, o.serving.address)
     return service, peers
 
 

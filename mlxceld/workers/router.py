@@ -91,7 +91,7 @@ from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import format_address, parse_address
-from mlxceld.workers.handoff_node import run_handoff_node
+from mlxceld.workers.handoff_node import bind_serving, run_handoff_node
 from mlxceld.workers.replica_router import Discovered, replica_engine, replica_links
 from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
@@ -210,12 +210,7 @@ async def serving_service(ctx: WorkerContext[RouterOptions], engine: Any,
         cluster=o.serving.cluster, keyring=ctx.keyring, address=o.serving.address,
         silence_s=o.stage_silence_s,
         vocab_size=None if o.pipeline is not None else engine.vocab_size)  # stage 0 checks
-    try:
-        await service.start()
-    except OSError as exc:
-        raise RuntimeError(f"cannot listen on {o.serving.address} for the serving listener: "
-                           f"{exc.strerror}; pick another port with --serving-port or [serve] "
-                           "serving_port") from None
+    await bind_serving(service, o.serving.address)
     return service
 
 
