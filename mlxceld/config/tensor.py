@@ -21,7 +21,9 @@ reload (the running config is kept) — ``check_tp_setting``:
   (tensor parallelism inside a pipeline stage is not built);
 - a model of a family mlx-lm cannot shard, or whose attention heads, KV heads or MLP
   sizes N does not divide (``models/tensor.py``): checked from config.json when the
-  model is a local directory (``check_tp_model``).
+  model is a local directory (``check_tp_model``); a Hugging Face repo id is checked the
+  same way once its config is fetched (at start), else by the router when it loads.
+  ``mlxctl serve`` of such a model is refused too, changing nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ it does not split."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,12 @@ from mlxceld.config.serve import router_options
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_config, preset
 from mlxceld.roles.options import RouterOptions, parse_options
+
+from helpers.daemons import Daemons
+from helpers.hub import hub_cache
+from helpers.waiting import wait_for
+
+EVENT_S = 30.0  # a reload's event; generous on a loaded machine
 
 
 def config(tmp_path: Path, args: list[str], serve: dict[str, object] | None = None,
@@ -130,3 +140,47 @@ def test_the_router_options_bound_it() -> None:
     for bad in (0, 17):
         with pytest.raises(ConfigError, match=r"'router\.tp_size' must be 1-16"):
             parse_options("router", {**base, "tp_size": bad}, "router")
+
+
+def hub_env(cache: Path) -> dict[str, str]:
+    """A Hugging Face cache of our own, read offline (tests/helpers/hub.py)."""
+    return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
+
+
+def test_a_daemon_started_with_a_repo_it_does_not_split_exits_2_naming_it(
+        tmp_path: Path, daemons: Daemons) -> None:
+    # A repo id is judged once its config is fetched, at the daemon's start.
+    d = daemons.make()
+    snap = hub_cache(tmp_path / "hf", "acme/tiny-llama", checkpoint(tmp_path / "m", "llama"))
+    out = subprocess.run([sys.executable, "-m", "mlxceld", "--config", str(d.config),
+                          "--state-dir", str(d.state_dir), "--socket", str(d.socket),
+                          "--model", "acme/tiny-llama", "--tp-size", "4"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **hub_env(tmp_path / "hf")})
+    assert out.returncode == 2, out.stderr
+    assert (f"mlxceld: error: the model acme/tiny-llama (with tp_size 4): "
+            f"{snap / 'config.json'}: tp_size 4 does not divide num_key_value_heads 2"
+            in out.stderr)
+    assert "tp sizes that split this model: 1, 2;" in out.stderr
+
+
+def test_mlxctl_serve_and_a_reload_are_refused_changing_nothing(
+        tmp_path: Path, daemons: Daemons) -> None:
+    llama, gemma = checkpoint(tmp_path / "llama", "llama"), checkpoint(tmp_path / "g", "gemma3")
+    snap = hub_cache(tmp_path / "hf", "acme/tiny-gemma", gemma)
+    d = daemons.make("[serve]\ntp_size = 2\n").start(env=hub_env(tmp_path / "hf"))
+    for model, config in ((str(gemma), gemma / "config.json"),
+                          ("acme/tiny-gemma", snap / "config.json")):
+        refused = d.ctl("serve", model)
+        assert refused.returncode == 1
+        assert (f"mlxctl serve {model} (with tp_size 2): {config} says model_type 'gemma3'"
+                in refused.stderr)
+    assert d.status()["serving"] is None  # no model: no router, as before
+    assert not [e for e in d.events() if e["kind"] == "serve.changed"]
+    d.config.write_text(f'[serve]\ntp_size = 4\nmodel = "{llama}"\n')
+    os.kill(d.pid, signal.SIGHUP)
+    failed = wait_for(lambda: [e for e in d.events() if e["kind"] == "daemon.reload_failed"],
+                      EVENT_S, "the reload's refusal")
+    assert "'serve.model': " in failed[0]["message"]
+    assert "tp_size 4 does not divide num_key_value_heads 2" in failed[0]["message"]
+    assert d.status()["serving"] is None and not d.status()["workers"]
