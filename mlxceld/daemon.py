@@ -556,6 +556,7 @@ class Daemon:
                 handler.close()  # reopened on the next record
         try:
             new = serving_config(load_config(self._flags), self._flags)
+            self.serving.check_reload(new.serve)  # --tp-size over what it would serve
         except ConfigError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")

@@ -120,17 +120,13 @@ class Serving:
         a repo id judged by its fetched config). Refused (``ConfigError``, exit 2) when it
         is ``configured`` (the flags, the config file, a cluster TOML); one `mlxctl serve`
         chose before is only warned of (its router refuses it as it loads)."""
-        model, tp_size = self.serve.model, self.serve.tp_size
-        if model is None or tp_size == 1:
-            return
         try:
-            local = str(local_model(model)) if names_a_repo(model) else model
-            check_tp_model(local, tp_size, f"the model {model} (with tp_size {tp_size})")
+            split_check(self.serve)
         except ConfigError as exc:
-            if model == configured:
+            if self.serve.model == configured:
                 raise
-            log.warning("the model mlxctl serve chose, %s: %s (%s)", model, exc.message,
-                        exc.hint)
+            log.warning("the model mlxctl serve chose, %s: %s (%s)", self.serve.model,
+                        exc.message, exc.hint)
             self._host.events.append("serve.unsplittable", ROUTER,
                                      f"{exc.message} ({exc.hint})")
 
@@ -200,6 +196,12 @@ class Serving:
         self.hold_router = True
         await self._host.supervisor.reconcile(self._host.specs(self._host.config))
 
+    def check_reload(self, configured: ServeConfig) -> None:
+        """On a reload: the model the new ``[serve]`` serves (what `mlxctl serve` chose
+        included) splits over its ``tp_size``; else ``ConfigError``, and the reload keeps
+        the running config."""
+        split_check(self.effective(configured))
+
     def describe(self) -> JSON | None:
         """What the router serves, and where; None where the roster runs no router (no
         model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
@@ -209,3 +211,13 @@ class Serving:
             return None
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
+
+
+def split_check(serve: ServeConfig) -> None:
+    """``serve``'s model splits over its ``tp_size`` ranks (a repo id judged by its fetched
+    config.json); else ``ConfigError`` naming why (``config/tensor.py``)."""
+    model, tp_size = serve.model, serve.tp_size
+    if model is None or tp_size == 1:
+        return
+    local = str(local_model(model)) if names_a_repo(model) else model
+    check_tp_model(local, tp_size, f"the model {model} (with tp_size {tp_size})")
