@@ -119,7 +119,7 @@ class Serving:
         """At start: the model to serve splits over ``tp_size`` ranks (``config/tensor.py``;
         a repo id judged by its fetched config). Refused (``ConfigError``, exit 2) when it
         is ``configured`` (the flags, the config file, a cluster TOML); one `mlxctl serve`
-        chose before is only warned of (its router refuses it as it loads)."""
+        chose before is only warned of (its router fails as it loads)."""
         try:
             split_check(self.serve)
         except ConfigError as exc:

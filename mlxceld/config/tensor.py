@@ -22,7 +22,7 @@ reload (the running config is kept) — ``check_tp_setting``:
 - a model of a family mlx-lm cannot shard, or whose attention heads, KV heads or MLP
   sizes N does not divide (``models/tensor.py``): checked from config.json when the
   model is a local directory (``check_tp_model``); a Hugging Face repo id is checked the
-  same way once its config is fetched (at start), else by the router when it loads.
+  same way once the daemon has fetched its config (at start).
   ``mlxctl serve`` of such a model is refused too, changing nothing.
 """
 
