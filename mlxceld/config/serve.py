@@ -127,7 +127,7 @@ class ServeConfig:
     prefill_peers: tuple[str, ...] = ()  # config/disagg.py: agent addresses, normalized
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
-    tp_size: int = 1  # config/tensor.py: ranks of this host's tensor-parallel group
+    tp_size: int = 1  # tensor-parallel ranks on this host (models/tensor.py); 1: none
 
     @property
     def served_name(self) -> str:
