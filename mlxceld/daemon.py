@@ -557,6 +557,7 @@ class Daemon:
         try:
             new = serving_config(load_config(self._flags), self._flags)
             self.serving.check_reload(new.serve)  # --tp-size over what it would serve
+            self.member.check_reload(new)  # ... or over a pipeline it coordinates
         except ConfigError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")

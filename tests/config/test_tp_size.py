@@ -23,6 +23,7 @@ from mlxceld.roles.options import RouterOptions, parse_options
 
 from helpers.daemons import Daemons
 from helpers.hub import hub_cache
+from helpers.keys import secret_file
 from helpers.waiting import wait_for
 
 EVENT_S = 30.0  # a reload's event; generous on a loaded machine
@@ -164,11 +165,13 @@ def test_a_daemon_started_with_a_repo_it_does_not_split_exits_2_naming_it(
     assert "tp sizes that split this model: 1, 2;" in out.stderr
 
 
-def test_mlxctl_serve_and_a_reload_are_refused_changing_nothing(
+def test_mlxctl_serve_activate_and_a_reload_are_refused_changing_nothing(
         tmp_path: Path, daemons: Daemons) -> None:
     llama, gemma = checkpoint(tmp_path / "llama", "llama"), checkpoint(tmp_path / "g", "gemma3")
     snap = hub_cache(tmp_path / "hf", "acme/tiny-gemma", gemma)
-    d = daemons.make("[serve]\ntp_size = 2\n").start(env=hub_env(tmp_path / "hf"))
+    secret = secret_file(tmp_path, b"s" * 32)
+    d = daemons.make(f'[daemon]\ncluster_secret_file = "{secret}"\n[serve]\ntp_size = 2\n')
+    d.start(env=hub_env(tmp_path / "hf"))
     for model, config in ((str(gemma), gemma / "config.json"),
                           ("acme/tiny-gemma", snap / "config.json")):
         refused = d.ctl("serve", model)
@@ -177,6 +180,10 @@ def test_mlxctl_serve_and_a_reload_are_refused_changing_nothing(
                 in refused.stderr)
     assert d.status()["serving"] is None  # no model: no router, as before
     assert not [e for e in d.events() if e["kind"] == "serve.changed"]
+    pipeline = d.ctl("cluster", "activate", "--model", str(llama), "--stages", "2")
+    assert pipeline.returncode != 0
+    assert "this daemon runs with tp_size 2 (--tp-size, [serve] tp_size): tensor " \
+        "parallelism inside a pipeline is not built yet" in pipeline.stderr
     d.config.write_text(f'[serve]\ntp_size = 4\nmodel = "{llama}"\n')
     os.kill(d.pid, signal.SIGHUP)
     failed = wait_for(lambda: [e for e in d.events() if e["kind"] == "daemon.reload_failed"],
