@@ -241,6 +241,12 @@ class ClusterMember:
                               "which no plan of its own placed",
                               hint=f"start it without --distributed-config to {command} a "
                               "plan; a written cluster stops with its daemons")
+        if config.serve.tp_size > 1:
+            raise ConfigError(f"this daemon runs with tp_size {config.serve.tp_size} "
+                              "(--tp-size, [serve] tp_size): tensor parallelism inside a "
+                              "pipeline is not built yet",
+                              hint=f"run mlxctl cluster {command} on a daemon without "
+                              "--tp-size, or drop it here and reload (SIGHUP)")
         return coordinator
 
     def _coordinating(self) -> Coordinator:
@@ -279,8 +285,20 @@ class ClusterMember:
     # -- plans of our own ---------------------------------------------------------------------
 
     def may_coordinate(self) -> bool:
-        """A peer or a node of a written cluster never resumes a plan of its own."""
-        return not self._slot.config.pp_peer and self._slot.config.distributed_config is None
+        """A peer, a node of a written cluster or a host of a tensor-parallel group
+        (``tp_size`` above 1: no pipeline is built over one) never resumes a plan of its
+        own."""
+        c = self._slot.config
+        return not c.pp_peer and c.distributed_config is None and c.serve.tp_size == 1
+
+    def check_reload(self, new: Config) -> None:
+        """A reload to ``tp_size`` above 1 while this daemon coordinates a plan it keeps up:
+        refused (``ConfigError``; the running config stays)."""
+        if new.serve.tp_size > 1 and self._plan_peers():
+            raise ConfigError(f"tp_size {new.serve.tp_size} (--tp-size, [serve] tp_size) "
+                              "while this daemon coordinates a pipeline plan: tensor "
+                              "parallelism inside a pipeline is not built yet",
+                              hint="mlxctl cluster deactivate first, then reload")
 
     def resumes_a_plan(self) -> bool:
         """Whether a plan is to be resumed at start (``Plans.resumable``)."""
@@ -289,9 +307,10 @@ class ClusterMember:
             return False
         if self.may_coordinate():
             return True
+        c = self._slot.config
         log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
-                    last.decision,
-                    "pp_peer" if self._slot.config.pp_peer else "distributed_config")
+                    last.decision, "pp_peer" if c.pp_peer else "distributed_config"
+                    if c.distributed_config is not None else f"tp_size {c.serve.tp_size}")
         return False
 
     def _peer_asked(self, epoch: int, decision: str) -> None:

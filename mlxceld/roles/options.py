@@ -217,9 +217,11 @@ class RouterOptions:
     # Replica groups past the first (``pipeline`` is replica 0): each a whole pipeline;
     # the router pools them (replicas/groups.py). Empty: one pipeline, as before.
     replica_pipelines: tuple[PipelineOptions, ...] = ()
+    tp_size: int = 1  # ranks of this host's tensor-parallel group (config/tensor.py)
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(1 <= self.tp_size <= 16, "tp_size", "be 1-16", self.tp_size)
         _check(not self.replica_pipelines or self.pipeline is not None, "replica_pipelines",
                "come with a pipeline (replica 0)", self.replica_pipelines)
         _check(self.pipeline is None or self.replicas is None, "replicas",
