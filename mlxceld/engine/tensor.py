@@ -34,26 +34,37 @@ While rank 0 has no sequence it shares an empty op log every ``engine.local.IDLE
 so its worker exits and the daemon restarts the group. When rank 0 closes, it shares
 ``close`` and every follower returns.
 
+A peer lost in the middle of a step is not always raised: mlx then fails the step's
+pending work on its stream's thread and the next wait on that stream never ends. So each
+share but the first has a deadline, ``SHARE_DEADLINE_S``, kept by a watchdog thread: past it the rank
+writes why to stderr (its worker's log) and ends its process at once
+(``EXIT_RING_BROKEN``); nothing in it can go on. The daemon restarts the whole group as
+soon as any rank exits, so this is only the bound for a rank whose peers all still run
+(a peer stopped with SIGSTOP, or hung).
+
 Not under tensor parallelism: the KV handoff of prefill/decode disaggregation
 (``LocalEngine.prefill`` and ``generate_from`` refuse).
 
 Ring (``join_ring``): ``MLX_RANK`` and ``MLX_HOSTFILE`` name this rank and a JSON file of
 every rank's ``host:port``, written 0600 in a private temporary directory and removed
 once the ring is joined. mlx's ``init`` waits for every rank without a deadline; here it
-gets ``RING_DEADLINE_S``.
+gets ``RING_DEADLINE_S``, after which the process exits (status 1).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 import mlx.core as mx
 import numpy as np
@@ -65,6 +76,9 @@ from mlxceld.models.reading import Progress, model_layers, read_weights
 log = logging.getLogger(__name__)
 
 RING_DEADLINE_S: Final = 60.0  # join_ring: for every rank to join (they load first)
+# A share waits for the slowest rank to finish the step they all take: this long at most.
+SHARE_DEADLINE_S: Final = 60.0
+EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
 BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
 
 # An op of the log: ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid),
@@ -72,16 +86,25 @@ BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl
 Op = tuple[Any, ...]
 
 
-def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADLINE_S
-              ) -> Any:
+def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADLINE_S,
+              stream: TextIO | None = None) -> Any:
     """Join the ``mx.distributed`` ring of ``len(hosts)`` ranks as ``rank``; ``hosts``:
-    each rank's ``host:port``, rank 0 first. Raises ``EngineError`` when the others have
-    not all joined within ``deadline_s`` (the waiting thread is left behind: the caller
-    exits)."""
+    each rank's ``host:port``, rank 0 first.
+
+    mlx's init waits for every rank without a deadline, and holds the GIL while it does
+    (no other thread of this process runs). So the deadline is kept by faulthandler's own
+    watchdog thread, which needs no GIL: when the others have not all joined within
+    ``deadline_s``, it writes every thread's stack and a line naming the ranks to
+    ``stream`` (stderr: the worker's log) and ends the process with status 1."""
     if not 0 <= rank < len(hosts) or len(hosts) < 2:
         raise ValueError(f"rank {rank} of {len(hosts)} ranks: a ring needs at least 2 "
                          "ranks and a rank among them")
-    done: dict[str, Any] = {}
+    out = stream or sys.stderr
+    others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(hosts) if r != rank)
+    print(f"rank {rank} joins the tensor-parallel ring at {hosts[rank]}; if {others} "
+          f"have not all joined within {deadline_s:g} s this process exits with status 1 "
+          "(each rank is a worker of this daemon: mlxctl workers; mlxctl logs tp-1)",
+          file=out, flush=True)
     with tempfile.TemporaryDirectory(prefix="mlxceld-ring-") as tmp:
         hostfile = Path(tmp) / "hosts.json"
         fd = os.open(hostfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -89,27 +112,16 @@ def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADL
             json.dump([[h] for h in hosts], f)
         os.environ["MLX_RANK"] = str(rank)
         os.environ["MLX_HOSTFILE"] = str(hostfile)
-
-        def init() -> None:
-            try:
-                done["group"] = mx.distributed.init(strict=True, backend=BACKEND)
-            except BaseException as exc:  # reported to the joining thread below
-                done["error"] = exc
-
-        thread = threading.Thread(target=init, name="mlxceld-ring-join", daemon=True)
-        thread.start()
-        thread.join(deadline_s)
-        for name in ("MLX_RANK", "MLX_HOSTFILE"):
-            os.environ.pop(name, None)
-    if "error" in done:
-        raise EngineError(f"rank {rank} could not join the tensor-parallel ring at "
-                          f"{hosts[rank]}: {done['error']}")
-    if "group" not in done:
-        others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(hosts) if r != rank)
-        raise EngineError(f"rank {rank} waited {deadline_s:g} s for the other ranks of the "
-                          f"tensor-parallel ring and not all came: {others}; each is a "
-                          "worker of this daemon (mlxctl workers; mlxctl logs tp-1)")
-    group = done["group"]
+        faulthandler.dump_traceback_later(deadline_s, exit=True, file=out)
+        try:
+            group = mx.distributed.init(strict=True, backend=BACKEND)
+        except RuntimeError as exc:
+            raise EngineError(f"rank {rank} could not join the tensor-parallel ring at "
+                              f"{hosts[rank]}: {exc}") from exc
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            for name in ("MLX_RANK", "MLX_HOSTFILE"):
+                os.environ.pop(name, None)
     if group.size() != len(hosts) or group.rank() != rank:
         raise EngineError(f"the ring says rank {group.rank()} of {group.size()}; this "
                           f"worker is rank {rank} of {len(hosts)}")
@@ -141,10 +153,14 @@ def barrier(group: Any) -> None:
 class Mirror:
     """One rank's side of the op log and of the sampled tokens (the module docstring)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, *, deadline_s: float = SHARE_DEADLINE_S) -> None:
         self.group = group
         self.rank: int = group.rank()
         self.size: int = group.size()
+        self._deadline_s = deadline_s
+        self._since: float | None = None  # when the share under way began
+        self._armed = False  # whether shares have a deadline yet (from the second on)
+        self._watchdog: threading.Thread | None = None
         # The last token share (the chain); made on the step thread, where its stream is.
         self._last: mx.array | None = None
         self._greedy: Sampler = self._lead(greedy) if self.leader else self._follow()
@@ -157,6 +173,33 @@ class Mirror:
         """Rank 0: send ``ops``; a follower: receive rank 0's (its own ``ops`` unused).
         Call on the generator's stream (``with mx.stream(gen.stream)``), so that it is
         queued after the last step's token shares."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name="mlxceld-ring-watchdog")
+            self._watchdog.start()
+        # The first share has no deadline: rank 0 builds its engine (tokenizer, constraint
+        # tables) after the load's barrier while the followers wait in it.
+        self._since = time.monotonic() if self._armed else None
+        try:
+            shared = self._share(ops)
+        finally:
+            self._since = None
+        self._armed = True
+        return shared
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self._deadline_s / 4))
+            since = self._since
+            if since is not None and time.monotonic() - since > self._deadline_s:
+                print(f"tensor-parallel rank {self.rank} of {self.size} waited "
+                      f"{self._deadline_s:g} s for the other ranks to take a step with it: "
+                      "a rank is gone or stopped; this rank exits (status "
+                      f"{EXIT_RING_BROKEN}) and the daemon restarts the group",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_RING_BROKEN)
+
+    def _share(self, ops: list[Op]) -> list[Op]:
         g = self.group
         if self.leader:
             data = pickle.dumps(ops) if ops else b""
@@ -211,14 +254,15 @@ class Mirror:
 
 def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
                         progress: Progress | None = None,
-                        ready: Callable[[], None] | None = None) -> None:
+                        ready: Callable[[], None] | None = None,
+                        share_deadline_s: float = SHARE_DEADLINE_S) -> None:
     """Rank ``group.rank()`` (≥ 1) of a tensor-parallel engine: load this rank's slices
     of ``path``, say ``ready()``, then take rank 0's steps until it closes the group.
     Raises ``EngineError`` when the ring breaks (rank 0 or another rank gone)."""
     from mlxceld.engine.local import Follower
 
     model, _ = load_shard(path, group, progress)
-    follower = Follower(model, Mirror(group), max_batch=max_batch)
+    follower = Follower(model, Mirror(group, deadline_s=share_deadline_s), max_batch=max_batch)
     if ready is not None:
         ready()
     try:
@@ -230,7 +274,8 @@ def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
 def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                        max_batch: int = 8,
                        on_failure: Callable[[BaseException], None] | None = None,
-                       progress: Progress | None = None) -> tuple[Any, Any]:
+                       progress: Progress | None = None,
+                       share_deadline_s: float = SHARE_DEADLINE_S) -> tuple[Any, Any]:
     """Rank 0 of a tensor-parallel engine: ``engine.local.load_local_engine``'s engine and
     tokenizer, with the model split over ``group``; the engine drives the followers."""
     from mlx_lm.utils import load_tokenizer
@@ -241,6 +286,7 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
     tokenizer = load_tokenizer(Path(path),  # type: ignore[no-untyped-call]
                                eos_token_ids=config.get("eos_token_id", None))
     engine = engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
-                        max_batch=max_batch, on_failure=on_failure, mirror=Mirror(group))
+                        max_batch=max_batch, on_failure=on_failure,
+                        mirror=Mirror(group, deadline_s=share_deadline_s))
     return engine, tokenizer
 

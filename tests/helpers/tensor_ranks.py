@@ -3,9 +3,13 @@
 ``python tests/helpers/tensor_ranks.py SPEC_JSON`` runs one rank. The spec: ``rank``,
 ``hosts`` (each rank's ``127.0.0.1:port``), ``model`` (a checkpoint directory),
 ``max_batch``, and for rank 0 ``requests`` (each ``{"prompt": [ids], "max_tokens": n}``
-plus any ``SamplingParams`` field) and ``out`` (a file: every request's tokens and
-log-probabilities as JSON, all requests run at once, batched), then ``rounds`` more times
-the same (the prompt cache in play). Rank 0 closes the group when done; the others return.
+plus any ``SamplingParams`` field, and ``cancel_after``: close its stream after that many
+tokens) and ``out`` (a file: every request's tokens and log-probabilities as JSON, all
+requests run at once, batched), ``rounds`` times (the prompt cache in play from the
+second); ``OUT.started`` is made at the first token. With ``idle_s`` it then makes
+``OUT.idle``, idles that long and runs the first request once more. With ``handoff`` it
+then tries a KV-handoff prefill and writes its refusal. ``share_deadline_s``: the ranks'.
+Rank 0 closes the group when done; the others return.
 
 ``start_ranks`` starts them all and ``finish`` waits for them (each ended by pid).
 """
@@ -38,12 +42,16 @@ def free_ports(n: int) -> list[int]:
 
 
 def start_ranks(model: Path, size: int, requests: list[dict[str, Any]], out: Path, *,
-                max_batch: int = 4, rounds: int = 1) -> list[subprocess.Popen[bytes]]:
+                max_batch: int = 4, rounds: int = 1, handoff: bool = False,
+                **more: Any) -> list[subprocess.Popen[bytes]]:
+    """Every rank of a group of ``size`` (the spec in the module docstring; ``more``: its
+    other keys, ``idle_s``, ``share_deadline_s``)."""
     hosts = [f"127.0.0.1:{p}" for p in free_ports(size)]
     procs = []
     for rank in range(size):
         spec = {"rank": rank, "hosts": hosts, "model": str(model), "max_batch": max_batch,
-                "requests": requests, "out": str(out), "rounds": rounds}
+                "requests": requests, "out": str(out), "rounds": rounds,
+                "handoff": handoff, **more}
         procs.append(subprocess.Popen([sys.executable, str(HERE), json.dumps(spec)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return procs
@@ -67,32 +75,57 @@ def finish(procs: list[subprocess.Popen[bytes]], deadline_s: float = DEADLINE_S
     return results
 
 
-def _main(spec: dict[str, Any]) -> int:
+async def generated(engine: Any, i: int, r: dict[str, Any], started: Path | None = None
+                    ) -> dict[str, Any]:
+    """Request ``r`` on ``engine``: its tokens and log-probabilities."""
     from mlxceld.engine.base import GenerationRequest, SamplingParams
+
+    fields = {k: v for k, v in r.items() if k not in ("prompt", "cancel_after")}
+    if "logit_bias" in fields:
+        fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields["logit_bias"])
+    req = GenerationRequest(f"r{i}", r["prompt"], SamplingParams(**fields))
+    tokens, logprobs = [], []
+    async for out in engine.generate(req):
+        tokens.append(out.token)
+        logprobs.append(out.logprob)
+        if started is not None:
+            started.touch()
+        if len(tokens) == r.get("cancel_after"):
+            break
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def _main(spec: dict[str, Any]) -> int:
+    from mlxceld.engine.base import EngineError, GenerationRequest, SamplingParams
     from mlxceld.engine.tensor import join_ring, load_tensor_engine, run_tensor_follower
 
     group = join_ring(spec["rank"], spec["hosts"])
     if spec["rank"] > 0:
-        run_tensor_follower(spec["model"], group, max_batch=spec["max_batch"])
+        run_tensor_follower(spec["model"], group, max_batch=spec["max_batch"],
+                            share_deadline_s=spec.get("share_deadline_s", 60.0))
         return 0
-    engine, _ = load_tensor_engine(spec["model"], group, max_batch=spec["max_batch"])
+    engine, _ = load_tensor_engine(spec["model"], group, max_batch=spec["max_batch"],
+                                   share_deadline_s=spec.get("share_deadline_s", 60.0))
 
-    async def one(i: int, r: dict[str, Any]) -> dict[str, Any]:
-        fields = {k: v for k, v in r.items() if k != "prompt"}
-        req = GenerationRequest(f"r{i}", r["prompt"], SamplingParams(**fields))
-        tokens, logprobs = [], []
-        async for out in engine.generate(req):
-            tokens.append(out.token)
-            logprobs.append(out.logprob)
-        return {"tokens": tokens, "logprobs": logprobs}
+    started = Path(spec["out"] + ".started")
 
-    async def run() -> list[list[dict[str, Any]]]:
+    async def run() -> dict[str, Any]:
         rounds = []
         for _ in range(spec["rounds"]):
             rounds.append(list(await asyncio.gather(
-                *(one(i, r) for i, r in enumerate(spec["requests"])))))
+                *(generated(engine, i, r, started) for i, r in enumerate(spec["requests"])))))
+        if spec.get("idle_s"):  # then one more request: whether the engine still serves
+            Path(spec["out"] + ".idle").touch()
+            await asyncio.sleep(spec["idle_s"])
+            rounds.append([await generated(engine, 0, spec["requests"][0])])
+        refused = None
+        if spec.get("handoff"):
+            try:
+                await engine.prefill(GenerationRequest("h", [1, 2], SamplingParams(4)))
+            except EngineError as exc:
+                refused = str(exc)
         await engine.aclose()
-        return rounds
+        return {"rounds": rounds, "handoff": refused}
 
     results = asyncio.run(run())
     Path(spec["out"]).write_text(json.dumps(results))
