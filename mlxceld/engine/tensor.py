@@ -35,9 +35,9 @@ so its worker exits and the daemon restarts the group. When rank 0 closes, it sh
 ``close`` and every follower returns.
 
 A peer lost in the middle of a step is not always raised: mlx then fails the step's
-pending work on its stream's thread and the next wait on that stream never ends. So each
-share but the first has a deadline, ``SHARE_DEADLINE_S``, kept by a watchdog thread: past it the rank
-writes why to stderr (its worker's log) and ends its process at once
+pending work on its stream's thread and the next wait on that stream never ends. So
+each share but the first has a deadline, ``SHARE_DEADLINE_S``, kept by a watchdog
+thread: past it the rank writes why to stderr (its worker's log) and ends its process at once
 (``EXIT_RING_BROKEN``); nothing in it can go on. The daemon restarts the whole group as
 soon as any rank exits, so this is only the bound for a rank whose peers all still run
 (a peer stopped with SIGSTOP, or hung).
