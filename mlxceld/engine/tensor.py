@@ -101,8 +101,9 @@ def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADL
                          "ranks and a rank among them")
     out = stream or sys.stderr
     others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(hosts) if r != rank)
-    print(f"rank {rank} joins the tensor-parallel ring at {hosts[rank]}; if {others} "
-          f"have not all joined within {deadline_s:g} s this process exits with status 1 "
+    print(f"rank {rank} joins the tensor-parallel ring at {hosts[rank]}; if the other "
+          f"ranks ({others}) have not all joined within {deadline_s:g} s, this process "
+          "exits with status 1 "
           "(each rank is a worker of this daemon: mlxctl workers; mlxctl logs tp-1)",
           file=out, flush=True)
     with tempfile.TemporaryDirectory(prefix="mlxceld-ring-") as tmp:
