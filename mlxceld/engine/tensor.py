@@ -1,0 +1,293 @@
+"""Tensor parallelism inside one host: the model's layers split over the ranks of an
+``mlx.distributed`` group, driven by rank 0's engine.
+
+Every rank loads the model lazily, lets mlx-lm split it (``model.shard(group)``: each
+attention and MLP projection sharded by heads or rows, their outputs summed over the
+group), and then reads only its own slices. A rank holds about 1/N of the layers'
+weights, plus the embedding and the head, which stay whole.
+
+Rank 0 is a ``LocalEngine`` with a ``Mirror``; ranks 1..N-1 run ``run_tensor_follower``.
+Every rank has its own mlx-lm ``BatchGenerator`` and prompt cache, and all of them must
+take the same batch steps in the same order, since each step's collectives pair up
+across the ranks. So, on rank 0's step thread, before each step:
+
+- rank 0 shares its *op log* since the last step with the followers: each sequence
+  inserted (its prompt tokens, ``max_tokens``, how many prompt tokens its prompt cache
+  spared, whether it samples greedily) and each removed (cancelled). The log is pickled
+  and sent with two ``all_sum``s (its size, then its bytes), as mlx-lm's own server does.
+  The followers apply the same ops to their generators, so that the ranks' batches,
+  uids and prompt caches stay equal; a follower whose prompt cache would spare another
+  count than rank 0's, or whose generator hands out another uid, stops with an
+  ``EngineError`` (a bug, never an input: the group restarts).
+- every rank then runs ``BatchGenerator.next()``. The model's collectives make the
+  logits the same on every rank. Rank 0 alone applies the requests' logits processors,
+  constraints and samplers; its sampled tokens go to the followers with one ``all_sum``
+  per sampler call (followers add zeros), so every rank feeds the same tokens into the
+  next step and ends each sequence on the same step. The sampler calls are made in the
+  same pattern on every rank: one call for a batch whose sequences all sample greedily,
+  else one per row (see ``Mirror.sampler``), and each call's ``all_sum`` is chained to
+  the previous one, so the ranks' collectives are queued in one order.
+
+While rank 0 has no sequence it shares an empty op log every ``engine.local.IDLE_WAIT_S``
+(0.5 s): a heartbeat, through which a rank that died is seen (mlx raises ``RuntimeError:
+[ring] connection to a peer was lost`` from the next collective) and the engine fails,
+so its worker exits and the daemon restarts the group. When rank 0 closes, it shares
+``close`` and every follower returns.
+
+A peer lost in the middle of a step is not always raised: mlx then fails the step's
+pending work on its stream's thread and the next wait on that stream never ends. So
+each share but the first has a deadline, ``SHARE_DEADLINE_S``, kept by a watchdog
+thread: past it the rank writes why to stderr (its worker's log) and ends its process at once
+(``EXIT_RING_BROKEN``); nothing in it can go on. The daemon restarts the whole group as
+soon as any rank exits, so this is only the bound for a rank whose peers all still run
+(a peer stopped with SIGSTOP, or hung).
+
+Not under tensor parallelism: the KV handoff of prefill/decode disaggregation
+(``LocalEngine.prefill`` and ``generate_from`` refuse).
+
+Ring (``join_ring``): ``MLX_RANK`` and ``MLX_HOSTFILE`` name this rank and a JSON file of
+every rank's ``host:port``, written 0600 in a private temporary directory and removed
+once the ring is joined. mlx's ``init`` waits for every rank without a deadline; here it
+gets ``RING_DEADLINE_S``, after which the process exits (status 1).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import mlx.core as mx
+import numpy as np
+
+from mlxceld.engine.base import EngineError
+from mlxceld.engine.sampling import Sampler, greedy
+from mlxceld.models.reading import Progress, model_layers, read_weights
+
+log = logging.getLogger(__name__)
+
+RING_DEADLINE_S: Final = 60.0  # join_ring: for every rank to join (they load first)
+# A share waits for the slowest rank to finish the step they all take: this long at most.
+SHARE_DEADLINE_S: Final = 60.0
+EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
+BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
+
+# An op of the log: ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid),
+# ("close",).
+Op = tuple[Any, ...]
+
+
+def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADLINE_S,
+              stream: TextIO | None = None) -> Any:
+    """Join the ``mx.distributed`` ring of ``len(hosts)`` ranks as ``rank``; ``hosts``:
+    each rank's ``host:port``, rank 0 first.
+
+    mlx's init waits for every rank without a deadline, and holds the GIL while it does
+    (no other thread of this process runs). So the deadline is kept by faulthandler's own
+    watchdog thread, which needs no GIL: when the others have not all joined within
+    ``deadline_s``, it writes every thread's stack and a line naming the ranks to
+    ``stream`` (stderr: the worker's log) and ends the process with status 1."""
+    if not 0 <= rank < len(hosts) or len(hosts) < 2:
+        raise ValueError(f"rank {rank} of {len(hosts)} ranks: a ring needs at least 2 "
+                         "ranks and a rank among them")
+    out = stream or sys.stderr
+    others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(hosts) if r != rank)
+    print(f"rank {rank} joins the tensor-parallel ring at {hosts[rank]}; if the other "
+          f"ranks ({others}) have not all joined within {deadline_s:g} s, this process "
+          "exits with status 1 "
+          "(each rank is a worker of this daemon: mlxctl workers; mlxctl logs tp-1)",
+          file=out, flush=True)
+    with tempfile.TemporaryDirectory(prefix="mlxceld-ring-") as tmp:
+        hostfile = Path(tmp) / "hosts.json"
+        fd = os.open(hostfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump([[h] for h in hosts], f)
+        os.environ["MLX_RANK"] = str(rank)
+        os.environ["MLX_HOSTFILE"] = str(hostfile)
+        faulthandler.dump_traceback_later(deadline_s, exit=True, file=out)
+        try:
+            group = mx.distributed.init(strict=True, backend=BACKEND)
+        except RuntimeError as exc:
+            raise EngineError(f"rank {rank} could not join the tensor-parallel ring at "
+                              f"{hosts[rank]}: {exc}") from exc
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            for name in ("MLX_RANK", "MLX_HOSTFILE"):
+                os.environ.pop(name, None)
+    if group.size() != len(hosts) or group.rank() != rank:
+        raise EngineError(f"the ring says rank {group.rank()} of {group.size()}; this "
+                          f"worker is rank {rank} of {len(hosts)}")
+    return group
+
+
+def load_shard(path: str, group: Any, progress: Progress | None = None
+               ) -> tuple[Any, dict[str, Any]]:
+    """The model at ``path`` split over ``group`` (mlx-lm's ``shard``), with only this
+    rank's slices read; and its config. Every rank of the group must call it."""
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(path), lazy=True)
+    if not hasattr(model, "shard"):
+        raise EngineError(f"mlx-lm has no tensor-parallel split for model type "
+                          f"{config.get('model_type')!r} ({path}); serve it with tp_size 1")
+    model.shard(group)
+    read_weights(model_layers(model), model, progress)
+    barrier(group)
+    return model, config
+
+
+def barrier(group: Any) -> None:
+    """Return once every rank of ``group`` has come here."""
+    mx.eval(mx.distributed.all_sum(mx.array([1], dtype=mx.int32), group=group,
+                                   stream=mx.cpu))
+
+
+class Mirror:
+    """One rank's side of the op log and of the sampled tokens (the module docstring)."""
+
+    def __init__(self, group: Any, *, deadline_s: float = SHARE_DEADLINE_S) -> None:
+        self.group = group
+        self.rank: int = group.rank()
+        self.size: int = group.size()
+        self._deadline_s = deadline_s
+        self._since: float | None = None  # when the share under way began
+        self._armed = False  # whether shares have a deadline yet (from the second on)
+        self._watchdog: threading.Thread | None = None
+        # The last token share (the chain); made on the step thread, where its stream is.
+        self._last: mx.array | None = None
+        self._greedy: Sampler = self._lead(greedy) if self.leader else self._follow()
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, ops: list[Op]) -> list[Op]:
+        """Rank 0: send ``ops``; a follower: receive rank 0's (its own ``ops`` unused).
+        Call on the generator's stream (``with mx.stream(gen.stream)``), so that it is
+        queued after the last step's token shares."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name="mlxceld-ring-watchdog")
+            self._watchdog.start()
+        # The first share has no deadline: rank 0 builds its engine (tokenizer, constraint
+        # tables) after the load's barrier while the followers wait in it.
+        self._since = time.monotonic() if self._armed else None
+        try:
+            shared = self._share(ops)
+        finally:
+            self._since = None
+        self._armed = True
+        return shared
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self._deadline_s / 4))
+            since = self._since
+            if since is not None and time.monotonic() - since > self._deadline_s:
+                print(f"tensor-parallel rank {self.rank} of {self.size} waited "
+                      f"{self._deadline_s:g} s for the other ranks to take a step with it: "
+                      "a rank is gone or stopped; this rank exits (status "
+                      f"{EXIT_RING_BROKEN}) and the daemon restarts the group",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_RING_BROKEN)
+
+    def _share(self, ops: list[Op]) -> list[Op]:
+        g = self.group
+        if self.leader:
+            data = pickle.dumps(ops) if ops else b""
+            mx.eval(mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=g))
+            if data:
+                mx.eval(mx.distributed.all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)),
+                                               group=g))
+            return ops
+        size = np.array(mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=g))
+        if int(size[0]) == 0:
+            return []
+        got = mx.distributed.all_sum(mx.zeros((int(size[0]),), dtype=mx.uint8), group=g)
+        shared: list[Op] = pickle.loads(np.array(got).tobytes())  # rank 0's, in the ring
+        return shared
+
+    def sampler(self, own: Sampler | None) -> tuple[Sampler, bool]:
+        """A sequence's sampler on this rank, and whether it is the shared greedy one.
+        Rank 0: ``own`` (the request's), its tokens shared; the shared ``greedy`` becomes
+        one shared sampler, so a batch of greedy sequences samples in one call as on one
+        process. A follower (``own`` None): takes rank 0's tokens; pass ``follower_greedy``
+        (the op's flag) to ``follower`` instead."""
+        if own is greedy:
+            return self._greedy, True
+        assert own is not None and self.leader
+        return self._lead(own), False
+
+    def follower(self, shared_greedy: bool) -> Sampler:
+        """A follower's sampler for a sequence rank 0 samples with ``sampler``: the one
+        shared receiver for greedy ones, else a receiver of its own (so that the
+        follower's generator calls samplers in rank 0's pattern)."""
+        return self._greedy if shared_greedy else self._follow()
+
+    def _lead(self, own: Sampler) -> Sampler:
+        def lead(logprobs: mx.array) -> mx.array:
+            return self._chained(own(logprobs).astype(mx.int32))
+        return lead
+
+    def _follow(self) -> Sampler:
+        def follow(logprobs: mx.array) -> mx.array:
+            # Zeros that depend on the logits: queued after this step's model collectives.
+            return self._chained((mx.argmax(logprobs, axis=-1) * 0).astype(mx.int32))
+        return follow
+
+    def _chained(self, tokens: mx.array) -> mx.array:
+        """``tokens`` summed over the group (rank 0's, plus the followers' zeros), after
+        the previous share (a data dependency: the collectives stay in one order)."""
+        after = tokens if self._last is None \
+            else tokens + (self._last.sum() * 0).astype(mx.int32)
+        self._last = mx.distributed.all_sum(after, group=self.group)
+        return self._last
+
+
+def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
+                        progress: Progress | None = None,
+                        ready: Callable[[], None] | None = None,
+                        share_deadline_s: float = SHARE_DEADLINE_S) -> None:
+    """Rank ``group.rank()`` (≥ 1) of a tensor-parallel engine: load this rank's slices
+    of ``path``, say ``ready()``, then take rank 0's steps until it closes the group.
+    Raises ``EngineError`` when the ring breaks (rank 0 or another rank gone)."""
+    from mlxceld.engine.local import Follower
+
+    model, _ = load_shard(path, group, progress)
+    follower = Follower(model, Mirror(group, deadline_s=share_deadline_s), max_batch=max_batch)
+    if ready is not None:
+        ready()
+    try:
+        follower.run()
+    except RuntimeError as exc:  # mlx's: "[ring] connection to a peer was lost"
+        raise EngineError(f"tensor-parallel rank {group.rank()} lost the ring: {exc}") from exc
+
+
+def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
+                       max_batch: int = 8,
+                       on_failure: Callable[[BaseException], None] | None = None,
+                       progress: Progress | None = None,
+                       share_deadline_s: float = SHARE_DEADLINE_S) -> tuple[Any, Any]:
+    """Rank 0 of a tensor-parallel engine: ``engine.local.load_local_engine``'s engine and
+    tokenizer, with the model split over ``group``; the engine drives the followers."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxceld.engine.local import engine_for
+
+    model, config = load_shard(path, group, progress)
+    tokenizer = load_tokenizer(Path(path),  # type: ignore[no-untyped-call]
+                               eos_token_ids=config.get("eos_token_id", None))
+    engine = engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
+                        max_batch=max_batch, on_failure=on_failure,
+                        mirror=Mirror(group, deadline_s=share_deadline_s))
+    return engine, tokenizer
+

@@ -1,0 +1,152 @@
+"""Tensor parallelism (engine/tensor.py) with real rank processes on loopback: each rank a
+process of its own (``helpers.tensor_ranks``), joined in an ``mx.distributed`` ring.
+
+Greedy output at tp 2 is token-identical to one process for the llama and qwen3 fixtures,
+batched, with the prompt cache in play, a cancelled sequence, penalties, logit bias and a
+seed; log-probabilities agree within ``LOGPROB_TOLERANCE`` (the ranks' sums of partial
+projections round differently from one process's whole ones). A rank whose peer dies
+fails at its next collective, and a ring whose ranks do not all come fails at its
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxceld.engine.local import load_local_engine
+
+from helpers.models import FAMILIES, write_tiny_checkpoints
+from helpers.tensor_ranks import HERE, finish, free_ports, generated, start_ranks
+from helpers.waiting import wait_for
+
+LOGPROB_TOLERANCE = 1e-4  # measured: at most 2.2e-6 on the tiny fixtures
+LONG = [3 + (i * 7) % 240 for i in range(600)]  # more than one prefill chunk (512)
+REQUESTS: list[dict[str, Any]] = [
+    {"prompt": [5, 6, 7, 8, 9], "max_tokens": 12, "temperature": 0},
+    {"prompt": [5, 6, 7, 8, 9, 1], "max_tokens": 9, "temperature": 0, "logprobs": 2},
+    {"prompt": [10, 11, 12], "max_tokens": 10, "temperature": 0.8, "seed": 3},
+    {"prompt": [20, 21, 22, 23], "max_tokens": 10, "temperature": 0,
+     "repetition_penalty": 1.3, "logit_bias": [[40, 2.0]]},
+    {"prompt": LONG, "max_tokens": 6, "temperature": 0},
+    {"prompt": [30, 31, 32], "max_tokens": 40, "temperature": 0, "cancel_after": 3},
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("tp-models"))
+
+
+def one_process(model: Path, rounds: int) -> list[list[dict[str, Any]]]:
+    """``REQUESTS`` on one process's engine, as the ranks run them."""
+    engine, _ = load_local_engine(str(model), max_batch=4)
+
+    async def run() -> list[list[dict[str, Any]]]:
+        out = []
+        try:
+            for _ in range(rounds):
+                out.append(list(await asyncio.gather(
+                    *(generated(engine, i, r) for i, r in enumerate(REQUESTS)))))
+        finally:
+            await engine.aclose()
+        return out
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_generate_what_one_process_does(models: Path, family: str,
+                                                  tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    procs = start_ranks(models / family, 2, REQUESTS, out, rounds=2, handoff=True)
+    results = finish(procs)
+    for rank, (code, text) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{text[-3000:]}"
+    got = json.loads(out.read_text())
+    want = one_process(models / family, rounds=2)
+    for r, (tp_round, one_round) in enumerate(zip(got["rounds"], want, strict=True)):
+        for i, (tp, one) in enumerate(zip(tp_round, one_round, strict=True)):
+            assert tp["tokens"] == one["tokens"], f"round {r}, request {i}"
+            if REQUESTS[i].get("logprobs") is not None:
+                assert max(abs(a - b) for a, b in zip(tp["logprobs"], one["logprobs"],
+                                                      strict=True)) < LOGPROB_TOLERANCE
+    assert len(got["rounds"][0][5]["tokens"]) == 3  # cancelled; the others went on
+    assert "tensor-parallel" in got["handoff"] and "tp_size 1" in got["handoff"]
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_an_idle_rank_whose_peer_dies_fails_at_its_next_heartbeat(models: Path,
+                                                                  tmp_path: Path,
+                                                                  lost: int) -> None:
+    """kill -9 of one rank while rank 0 idles: the other fails, naming the lost peer (at
+    its next heartbeat) or at its share deadline; rank 0's next request is refused,
+    never hung."""
+    out = tmp_path / "out.json"
+    procs = start_ranks(models / "llama", 2,
+                        [{"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}], out,
+                        idle_s=6.0, share_deadline_s=5.0)
+    try:
+        wait_for(lambda: Path(f"{out}.idle").exists() or any(
+            p.poll() is not None for p in procs), timeout=120.0, what="rank 0 to idle")
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        procs[lost].kill()
+        other = procs[1 - lost]
+        wait_for(lambda: other.poll() is not None, timeout=30.0,
+                 what=f"rank {1 - lost} to fail once rank {lost} is gone")
+    finally:
+        results = finish(procs, deadline_s=10.0)
+    code, text = results[1 - lost]
+    assert code != 0
+    assert ("connection to a peer was lost" in text
+            or "a rank is gone or stopped" in text), text[-2000:]
+    if lost == 1:  # at its heartbeat; then its next request is refused
+        assert "connection to a peer was lost" in text, text[-2000:]
+        assert "the engine is not running" in text, text[-2000:]
+
+
+def test_a_rank_whose_peer_dies_mid_step_exits_at_the_share_deadline(models: Path,
+                                                                    tmp_path: Path) -> None:
+    """kill -9 of rank 1 while rank 0 generates: mlx may leave rank 0 waiting on its
+    stream for good; its share deadline ends it (status 1), saying why."""
+    out = tmp_path / "out.json"
+    procs = start_ranks(models / "llama", 2,
+                        [{"prompt": [5, 6, 7], "max_tokens": 100_000, "temperature": 0}],
+                        out, share_deadline_s=3.0)
+    try:
+        wait_for(lambda: Path(f"{out}.started").exists() or any(
+            p.poll() is not None for p in procs), timeout=120.0, what="the first token")
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        procs[1].kill()
+        wait_for(lambda: procs[0].poll() is not None, timeout=30.0,
+                 what="rank 0 to end once rank 1 is gone")
+    finally:
+        results = finish(procs, deadline_s=10.0)
+    code, text = results[0]
+    assert code != 0
+    assert ("a rank is gone or stopped" in text
+            or "connection to a peer was lost" in text), text[-2000:]
+
+
+def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:
+    """mlx waits for every rank without end: the process exits at the deadline, its log
+    naming the rank that did not come."""
+    hosts = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    root = str(HERE.parent.parent.parent)
+    code = (f"import sys; sys.path.insert(0, {root!r})\n"
+            "from mlxceld.engine.tensor import join_ring\n"
+            f"join_ring(0, {hosts!r}, deadline_s=1.0)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"rank 1 ({hosts[1]})" in done.stderr and "within 1 s" in done.stderr
+    assert "Timeout" in done.stderr  # faulthandler's: where it waited
+    assert time.monotonic() - t0 < 30
