@@ -78,9 +78,12 @@ def _worker(spec: dict[str, Any]) -> None:
     held: list[int] = []
     if rank > 0:
         group = join_ring(rank, spec["hosts"])
+        loaded: dict[str, int] = {}
         run_tensor_follower(spec["model"], group, max_batch=spec["streams"],
-                            ready=lambda: None)
-        print(json.dumps({"rank": rank, "base": base, **_memory()}), flush=True)
+                            ready=lambda: loaded.update(_memory()))
+        # Its RSS with the model loaded (it is freed once the group closes), its peak now.
+        print(json.dumps({"rank": rank, "base": base, "rss": loaded["rss"],
+                          "peak": _memory()["peak"]}), flush=True)
         return
     if rank == 0:
         group = join_ring(0, spec["hosts"])
