@@ -141,6 +141,7 @@ def load_shard(path: str, group: Any, progress: Progress | None = None
                           f"{config.get('model_type')!r} ({path}); serve it with tp_size 1")
     model.shard(group)
     read_weights(model_layers(model), model, progress)
+    mx.clear_cache()  # the whole tensors read before slicing: back to the system
     barrier(group)
     return model, config
 
