@@ -51,6 +51,9 @@ class WorkerSpec:
     accepted: tuple[bytes, ...] = field(default=(), repr=False)  # the others it accepts
     api_key: str | None = field(default=None, repr=False)
     log_format: LogFormat = "text"  # its log lines (logformat.py), as the daemon's
+    # The workers that live and die together (a tensor-parallel group's ranks): one's
+    # failure restarts them all (supervisor/groups.py). None: on its own.
+    group: str | None = None
 
     @property
     def role(self) -> str:
@@ -71,7 +74,8 @@ class WorkerSpec:
     def describe(self) -> dict[str, Any]:
         """The spec as stored in SQLite: no secret, only whether there is one."""
         return {"name": self.name, "role": self.role, "options": options_json(self.options),
-                "has_secret": self.secret is not None, "has_api_key": self.api_key is not None}
+                "has_secret": self.secret is not None, "has_api_key": self.api_key is not None,
+                "group": self.group}
 
     def bootstrap(self) -> WorkerBootstrap:
         boot: WorkerBootstrap = {

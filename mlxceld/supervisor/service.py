@@ -22,6 +22,7 @@ import psutil
 from mlxceld.errors import ChannelError, WorkerError
 from mlxceld.state import EventLog, WorkerRow, WorkersTable
 from mlxceld.supervisor import channel, logfiles, process
+from mlxceld.supervisor.groups import UP, group_rule
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import (
@@ -173,13 +174,23 @@ class Supervisor:
         self._tell(runner.spec, None, "removed")
 
     def restart(self, name: str) -> None:
-        """Stop (if running) and start again; also the way out of FAILED."""
+        """Stop (if running) and start again; also the way out of FAILED. A member of a
+        group (``WorkerSpec.group``) restarts with all its group (``groups.py``)."""
+        group = self._runners[name].spec.group
+        for member in self._members(group) if group is not None else [name]:
+            self._restart(member, f"restart of {name} requested")
+
+    def _restart(self, name: str, reason: str = "") -> None:
         runner = self._runners[name]
         self._table.update(name, desired="running")
-        if runner.machine.state in (WorkerState.RUNNING, WorkerState.STARTING):
-            runner.post(StopRequested())
-        runner.post(StartRequested())
-        self._events.append("worker.restart_requested", name, f"restart of {name} requested")
+        if runner.machine.state in UP:
+            runner.post(StopRequested(reason))
+        runner.post(StartRequested(reason))
+        self._events.append("worker.restart_requested", name,
+                            reason or f"restart of {name} requested")
+
+    def _members(self, group: str) -> list[str]:
+        return [n for n, r in sorted(self._runners.items()) if r.spec.group == group]
 
     def longest_stop_timeout(self) -> float:
         return max((r.spec.policy.stop_timeout_s for r in self._runners.values()), default=0.0)
@@ -261,10 +272,33 @@ class Supervisor:
                             cause=m.last_cause.kind if m.last_cause else None)
         self._tell(runner.spec, change.new, change.reason or "")
 
+        if runner.spec.group is not None:
+            self._group_rule(runner, change)
         if (self._finished is not None and change.new is WorkerState.EXITED
                 and change.old in (WorkerState.RUNNING, WorkerState.STARTING)
                 and m.last_cause is not None and m.last_cause.clean):
             self._finished(runner.name)
+
+    def _group_rule(self, runner: WorkerRunner, change: Transitioned) -> None:
+        """The rest of ``runner``'s group restarted or stopped, as its transition asks
+        (``groups.py``): each member that is RUNNING or STARTING."""
+        group, m = runner.spec.group, runner.machine
+        assert group is not None
+        action = group_rule(group, runner.name, change.old, change.new, change.reason,
+                            exit_summary=m.last_cause.summary if m.last_cause else None,
+                            failing=m.failing)
+        if action is None:
+            return
+        others = [n for n in self._members(group)
+                  if n != runner.name and self._runners[n].machine.state in UP]
+        log.warning("%s (%s)", action.reason, ", ".join(others) or "no other member is up")
+        self._events.append(f"worker.group_{action.kind}", runner.name, action.reason,
+                            group=group, members=others)
+        for name in others:
+            if action.kind == "restart":
+                self._restart(name, action.reason)
+            else:
+                self._runners[name].post(StopRequested(action.reason))
 
     def _tell(self, spec: WorkerSpec, state: WorkerState | None, reason: str) -> None:
         """``changed``, whose failure is logged: it never stops a worker's lifecycle."""
@@ -290,7 +324,8 @@ class Supervisor:
             row = self._table.get(name)
             m = r.machine
             out.append({
-                "name": name, "role": r.spec.role, "state": m.state.value, "pid": r.pid,
+                "name": name, "role": r.spec.role, "group": r.spec.group,
+                "state": m.state.value, "pid": r.pid,
                 "healthy": m.healthy if m.state is WorkerState.RUNNING else None,
                 "reason": m.reason, "restarts": m.restarts,
                 "last_exit": m.last_cause.summary if m.last_cause else (row.last_exit if row

@@ -105,12 +105,18 @@ class ExitCause:
 
 @dataclass(frozen=True)
 class StartRequested:
-    """The user or the daemon wants the worker running."""
+    """The user or the daemon wants the worker running; ``reason``, if given, is the
+    STARTING state's (e.g. a worker group's restart: ``supervisor/groups.py``)."""
+
+    reason: str = ""
 
 
 @dataclass(frozen=True)
 class StopRequested:
-    """The user or the daemon wants the worker down, and to stay down."""
+    """The user or the daemon wants the worker down, and to stay down; ``reason``, if
+    given, is the STOPPING state's."""
+
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -254,7 +260,15 @@ class Lifecycle:
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
         self._doomed_kind = ""  # ... and of this kind (else the exit's own)
         self._start_pending = False  # a start was requested while STOPPING
+        self._start_reason = ""  # ... and its reason
+        self._stop_reason = ""  # why a requested stop was requested, if said
         self._load_advanced = False  # the start timer was re-armed by a load's progress
+
+    @property
+    def failing(self) -> str:
+        """Why the coming exit is a failure (a STOPPING worker the health probes or the
+        watchdog stopped, or a start that timed out); "" when it is not."""
+        return self._doomed
 
     def __repr__(self) -> str:
         return f"<Lifecycle {self.name!r} {self.state} pid={self.pid} reason={self.reason!r}>"
@@ -287,6 +301,7 @@ class Lifecycle:
         self._timer = None  # every timer belongs to the state it was armed in
         self._doomed, self._doomed_kind = "", ""
         self._start_pending, self._probe_failures = False, 0
+        self._stop_reason = ""
         self._load_advanced = False
         return [Transitioned(old, new, reason)]
 
@@ -335,7 +350,7 @@ class Lifecycle:
     def _on_start(self, event: StartRequested, now: float) -> list[Action]:
         if self.state is WorkerState.FAILED:  # a manual start gives it a fresh chance
             self._exits, self._streak = [], 0
-        return self._spawn(now, "start requested")
+        return self._spawn(now, event.reason or "start requested")
 
     def _on_adopted(self, event: AdoptedRunning, now: float) -> list[Action]:
         self.pid = event.pid
@@ -410,7 +425,9 @@ class Lifecycle:
         return self._enter(WorkerState.EXITED, f"finished: {event.cause.summary}")
 
     def _on_stop(self, event: StopRequested, now: float) -> list[Action]:
-        return self._stop(now, "stop requested")
+        actions = self._stop(now, event.reason or "stop requested")
+        self._stop_reason = event.reason
+        return actions
 
     def _on_stop_while_stopping(self, event: StopRequested, now: float) -> list[Action]:
         self._doomed, self._doomed_kind = "", ""  # down it is: no restart after the exit
@@ -418,7 +435,7 @@ class Lifecycle:
         return []
 
     def _on_start_while_stopping(self, event: StartRequested, now: float) -> list[Action]:
-        self._start_pending = True
+        self._start_pending, self._start_reason = True, event.reason
         return []
 
     def _on_stop_timeout(self, event: _StopTimedOut, now: float) -> list[Action]:
@@ -429,8 +446,9 @@ class Lifecycle:
             return self._fail(self._doomed_cause(event.cause), now)
         self._reap(event.cause)
         if self._start_pending:
-            return self._spawn(now, "restart requested")
-        return self._enter(WorkerState.EXITED, "stopped")
+            return self._spawn(now, self._start_reason or "restart requested")
+        return self._enter(WorkerState.EXITED, "stopped" + (f": {self._stop_reason}"
+                                                            if self._stop_reason else ""))
 
     def _on_stop_in_backoff(self, event: StopRequested, now: float) -> list[Action]:
         return self._enter(WorkerState.EXITED, "stopped during backoff")
