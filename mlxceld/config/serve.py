@@ -124,6 +124,7 @@ class ServeConfig:
     prefill_peers: tuple[str, ...] = ()  # config/disagg.py: agent addresses, normalized
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
+    tp_size: int = 1  # tensor-parallel ranks on this host (models/tensor.py); 1: none
 
     @property
     def served_name(self) -> str:
@@ -292,4 +293,4 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
-                         serving=serving)
+                         serving=serving, tp_size=cfg.tp_size)
