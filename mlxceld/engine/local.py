@@ -12,6 +12,10 @@ off the step thread (``engine/constraints.py``), as one more logits processor.
 ``prefill`` prefills a prompt for a handoff on the step thread, between batch steps;
 ``generate_from`` continues a sequence another host prefilled (``engine/handoff.py``): its
 cache joins the batch with the first token as its only prompt token.
+
+With a ``Mirror`` (``engine/tensor.py``) the engine is rank 0 of a tensor-parallel group:
+before each step the step thread shares what changed in the batch with the other ranks
+(``Follower``, below, on each of them), and its sampled tokens go to them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
@@ -47,6 +52,7 @@ from mlxceld.engine.handoff import (
 )
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.sampling import make_sampler, read_logprobs
+from mlxceld.engine.tensor import Mirror, Op
 from mlxceld.models.reading import Progress, model_layers, read_weights
 
 log = logging.getLogger(__name__)
@@ -75,9 +81,11 @@ class LocalEngine:
                  eos_token_ids: set[int], vocab_size: int, max_batch: int = 8,
                  prefill_step: int = DEFAULT_PREFILL_STEP,
                  on_failure: Callable[[BaseException], None] | None = None,
-                 constraints: ConstraintTokenizer | ConstraintError | None = None) -> None:
+                 constraints: ConstraintTokenizer | ConstraintError | None = None,
+                 mirror: Mirror | None = None) -> None:
         """``constraints``: what builds a constrained request's matcher, or why this model
-        has none (such a request is refused with that ``ConstraintError``)."""
+        has none (such a request is refused with that ``ConstraintError``); ``mirror``:
+        this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -86,11 +94,11 @@ class LocalEngine:
         self._eos_token_ids = eos_token_ids
         self._prefill_step = prefill_step
         self._constraints = constraints
-        self._gen: Any = BatchGenerator(  # mlx-lm is untyped here
-            model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
-            completion_batch_size=max_batch, prefill_batch_size=max_batch,
-            prefill_step_size=prefill_step,
-        )
+        self._gen: Any = generator(model, eos_token_ids, max_batch, prefill_step)
+        self._mirror = mirror
+        # What changed in the batch since the last step, for the other ranks (with a mirror).
+        self._ops: list[Op] = [] if mirror is None else [
+            ("setup", sorted(eos_token_ids), max_batch, prefill_step)]
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_uid: dict[int, _Sequence] = {}
         # KV caches of finished sequences, by their tokens: a new prompt that shares a
@@ -108,6 +116,11 @@ class LocalEngine:
     def active_sequences(self) -> int:
         return self._active
 
+    @property
+    def tensor_parallel(self) -> int:
+        """How many ranks the model is split over (1: this process holds it whole)."""
+        return 1 if self._mirror is None else self._mirror.size
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         seq = await self._sequence(request)
         async with contextlib.aclosing(self._stream(seq)) as outputs:
@@ -121,6 +134,7 @@ class LocalEngine:
         ``KVCache`` per layer: ``handoff.decode_cache``'s), batched with every other
         sequence. From a lossless (``none``) cache, greedy tokens are the one-host tokens
         (the module docstring of ``engine/handoff.py`` says what seeded sampling gives)."""
+        self._check_handoff_here()
         layers = len(self._gen.model.layers)
         if len(cache) != layers:
             raise ValueError(f"the handed-off cache has {len(cache)} layers; this model "
@@ -153,6 +167,7 @@ class LocalEngine:
         (``handoff.prefill`` on the step thread, between batch steps: the batch waits for
         it as for any prompt). A model whose cache cannot be handed off is refused first
         (``HandoffUnsupported``), before any work; the engine keeps serving."""
+        self._check_handoff_here()
         check_handoff(self._gen.model, str(getattr(self._gen.model, "model_type", "")
                                             or self.model_id))
         seq = await self._sequence(request)
@@ -160,6 +175,12 @@ class LocalEngine:
             concurrent.futures.Future()
         self._inbox.put(("prefill", (seq, done)))
         return await asyncio.wrap_future(done)
+
+    def _check_handoff_here(self) -> None:
+        if self._mirror is not None:
+            raise EngineError(f"this engine splits its model over {self._mirror.size} "
+                              "tensor-parallel ranks; a KV handoff (prefill/decode "
+                              "disaggregation) needs tp_size 1")
 
     async def _sequence(self, request: GenerationRequest) -> _Sequence:
         if self._failure is not None or self._closed.is_set():
@@ -207,8 +228,13 @@ class LocalEngine:
         try:
             while not self._closed.is_set():
                 self._drain_inbox(block=not self._by_uid)
+                if self._mirror is not None:  # the other ranks take the same step
+                    self._share()
                 if self._by_uid:
                     self._step()
+            if self._mirror is not None:
+                self._ops.append(("close",))
+                self._share()
         except BaseException as exc:  # the engine is broken: fail every waiting request
             log.exception("engine step thread failed")
             self._failure = exc
@@ -220,6 +246,12 @@ class LocalEngine:
         finally:
             self._gen.close()
             self._fail_prefills()
+
+    def _share(self) -> None:
+        assert self._mirror is not None
+        ops, self._ops = self._ops, []
+        with mx.stream(self._gen.stream):
+            self._mirror.share(ops)
 
     def _fail_prefills(self) -> None:
         """Answer the prefills still queued when the step thread ends (their callers wait)."""
@@ -247,6 +279,8 @@ class LocalEngine:
             elif command == "cancel" and seq.uid is not None \
                     and self._by_uid.pop(seq.uid, None) is not None:
                 self._gen.remove([seq.uid])
+                if self._mirror is not None:
+                    self._ops.append(("remove", seq.uid))
             try:
                 command, seq = self._inbox.get_nowait()
             except queue.Empty:
@@ -266,14 +300,20 @@ class LocalEngine:
                     all_tokens=[tokens], samplers=[sampler], logits_processors=[processors])
             else:
                 sampler = make_sampler(req.params, self._vocab_size)
+                shared = False
+                if self._mirror is not None:
+                    sampler, shared = self._mirror.sampler(sampler)
                 processors = make_logits_processors(req.params)
-                cache, rest = self._cached_prefix(tokens)
+                cache, rest = cached_prefix(self._prompt_cache, tokens)
                 [uid] = self._gen.insert(
                     [rest], max_tokens=[req.params.max_tokens], caches=[cache],
                     all_tokens=[tokens[: len(tokens) - len(rest)]],
                     samplers=[sampler],
                     logits_processors=[processors + constraint_processors(seq.matching)],
                 )
+                if self._mirror is not None:
+                    self._ops.append(("insert", uid, tokens, req.params.max_tokens,
+                                      len(tokens) - len(rest), shared))
         except (ValueError, TypeError) as exc:  # a bad parameter fails its request only
             # (empty prompt, max_tokens, a seed mlx refuses: caught above us normally)
             self._deliver(seq, exc)
@@ -295,18 +335,6 @@ class LocalEngine:
             done.set_exception(EngineError(f"prefill failed: {exc}"))
             raise
 
-    def _cached_prefix(self, tokens: list[int]) -> tuple[Any, list[int]]:
-        """The KV cache of the longest known prefix, and the tokens still to prefill."""
-        if not tokens:
-            return None, tokens
-        cache, rest = self._prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
-        if cache is not None and not rest:  # an exact hit: recompute the last token
-            if not can_trim_prompt_cache(cache):
-                return None, tokens
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
-        return cache, list(rest)
-
     def _step(self) -> None:
         _, generated = self._gen.next()
         batch: list[tuple[_Sequence, TokenOutput]] = []
@@ -321,9 +349,8 @@ class LocalEngine:
             if reason is not None:
                 del self._by_uid[r.uid]
                 # A handed-off cache may be lossy (int8, int4): not for other requests.
-                if r.prompt_cache is not None and r.all_tokens and seq.handoff is None:
-                    self._prompt_cache.insert_cache(MODEL_KEY, list(r.all_tokens),
-                                                    r.prompt_cache)
+                if seq.handoff is None:
+                    keep_cache(self._prompt_cache, r)
         # One wake-up of the event loop per step, not one per sequence: each wake-up
         # costs the step thread a GIL hand-over.
         loops = {seq.loop for seq, _ in batch}
@@ -336,6 +363,102 @@ class LocalEngine:
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
+
+
+class Follower:
+    """Rank 1..N-1 of a tensor-parallel engine: rank 0's steps on this rank's slices of
+    the model (``engine/tensor.py``: ``run_tensor_follower``). Its generator is built as
+    rank 0's from rank 0's ``setup`` op, so they batch, chunk and stop alike."""
+
+    def __init__(self, model: Any, mirror: Mirror, *, max_batch: int) -> None:
+        self._model = model
+        self._mirror = mirror
+        self._max_batch = max_batch
+        self._prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, PROMPT_CACHE_BYTES)
+        self._live: set[int] = set()
+
+    def run(self) -> None:
+        """Follow until rank 0 shares ``close``; mlx raises ``RuntimeError`` when the
+        ring breaks, ``EngineError`` where this rank cannot follow (a bug)."""
+        from mlx_lm.generate import generation_stream
+        gen: Any = None
+        try:
+            while True:
+                with mx.stream(generation_stream if gen is None else gen.stream):
+                    ops = self._mirror.share([])
+                for op in ops:
+                    if op[0] == "close":
+                        return
+                    gen = self._apply(gen, op)
+                if self._live:
+                    self._step(gen)
+        finally:
+            if gen is not None:
+                gen.close()
+
+    def _apply(self, gen: Any, op: Op) -> Any:
+        if op[0] == "setup":
+            eos, max_batch, prefill_step = op[1], op[2], op[3]
+            if max_batch != self._max_batch:
+                raise EngineError(f"rank 0 batches {max_batch} sequences and this rank "
+                                  f"{self._max_batch}: every rank needs the same max_batch")
+            return generator(self._model, set(eos), max_batch, prefill_step)
+        if gen is None:
+            raise EngineError(f"rank 0 sent {op[0]!r} before setup")
+        if op[0] == "insert":
+            _, uid, tokens, max_tokens, spared, shared = op
+            cache, rest = cached_prefix(self._prompt_cache, tokens)
+            if len(tokens) - len(rest) != spared:
+                raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
+                                  f"tokens of sequence {uid}'s prompt, rank 0's {spared}")
+            [got] = gen.insert([rest], max_tokens=[max_tokens], caches=[cache],
+                               all_tokens=[tokens[: len(tokens) - len(rest)]],
+                               samplers=[self._mirror.follower(shared)])
+            if got != uid:
+                raise EngineError(f"this rank numbered a sequence {got}, rank 0 {uid}")
+            self._live.add(uid)
+        elif op[0] == "remove":
+            gen.remove([op[1]])
+            self._live.discard(op[1])
+        else:
+            raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
+        return gen
+
+    def _step(self, gen: Any) -> None:
+        _, generated = gen.next()
+        for r in generated:
+            if r.finish_reason is not None:
+                self._live.discard(r.uid)
+                keep_cache(self._prompt_cache, r)
+
+
+def generator(model: Any, eos_token_ids: set[int], max_batch: int, prefill_step: int) -> Any:
+    """The engine's mlx-lm ``BatchGenerator`` (every rank of a group builds it so)."""
+    return BatchGenerator(  # mlx-lm is untyped here
+        model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
+        completion_batch_size=max_batch, prefill_batch_size=max_batch,
+        prefill_step_size=prefill_step,
+    )
+
+
+def cached_prefix(prompt_cache: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+    """The KV cache of the longest prefix of ``tokens`` in ``prompt_cache``, and the tokens
+    still to prefill."""
+    if not tokens:
+        return None, tokens
+    cache, rest = prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
+    if cache is not None and not rest:  # an exact hit: recompute the last token
+        if not can_trim_prompt_cache(cache):
+            return None, tokens
+        trim_prompt_cache(cache, 1)
+        rest = tokens[-1:]
+    return cache, list(rest)
+
+
+def keep_cache(prompt_cache: Any, r: Any) -> None:
+    """A finished sequence's KV cache into ``prompt_cache``, by its tokens."""
+    if r.prompt_cache is not None and r.all_tokens:
+        prompt_cache.insert_cache(MODEL_KEY, list(r.all_tokens), r.prompt_cache)
 
 
 def _output(params: SamplingParams, r: Any, reason: FinishReason | None) -> TokenOutput:
@@ -379,15 +502,23 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
 
     loaded: Any = load(path, lazy=True, return_config=True)
     model, tokenizer, config = loaded
+    read_weights(model_layers(model), model, progress)
+    return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
+                      max_batch=max_batch, on_failure=on_failure), tokenizer
+
+
+def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: str,
+               max_batch: int, on_failure: Callable[[BaseException], None] | None = None,
+               mirror: Mirror | None = None) -> LocalEngine:
+    """The engine over a loaded ``model`` (its weights read), with mlx-lm's tokenizer and
+    the model's config."""
     context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     vocab = int(config.get("vocab_size") or model.args.vocab_size)
-    read_weights(model_layers(model), model, progress)
     eos = set(tokenizer.eos_token_ids)
-    engine = LocalEngine(model, model_id=model_id or Path(path).name, context_length=context,
-                         eos_token_ids=eos, vocab_size=vocab, max_batch=max_batch,
-                         on_failure=on_failure,
-                         constraints=constraint_tokenizer(tokenizer, vocab, eos))
-    return engine, tokenizer
+    return LocalEngine(model, model_id=model_id, context_length=context,
+                       eos_token_ids=eos, vocab_size=vocab, max_batch=max_batch,
+                       on_failure=on_failure, mirror=mirror,
+                       constraints=constraint_tokenizer(tokenizer, vocab, eos))
 
 
 def constraint_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]

@@ -13,7 +13,7 @@ from mlx_lm import generate, load
 from mlx_lm.generate import generate_step
 
 from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
-from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.engine.local import LocalEngine, cached_prefix, load_local_engine
 
 from helpers.waiting import until
 
@@ -122,7 +122,7 @@ def test_prompt_cache_reuses_a_prefix_without_changing_tokens(fixture_dir: Path)
             cold = await engine_tokens(engine, base + tokenizer.encode(" one"), 16,
                                        temperature=0)
             assert len(engine._prompt_cache) == 1  # the finished sequence's KV cache is kept
-            cache, rest = engine._cached_prefix(base + tokenizer.encode(" one"))
+            cache, rest = cached_prefix(engine._prompt_cache, base + tokenizer.encode(" one"))
             assert cache is not None and len(rest) == 1  # everything but the last token
             warm = await engine_tokens(engine, base + tokenizer.encode(" one"), 16,
                                        temperature=0)
