@@ -16,7 +16,13 @@ member's transitions (``group_rule``; ``Supervisor.transitioned`` carries it out
   or went FAILED: a refused option, or too many exits) stops the others: the
   group stays down as one worker would (``mlxctl restart`` of any member starts
   them all again);
-- ``Supervisor.restart`` of a member restarts the whole group.
+- ``Supervisor.restart`` of a member restarts the whole group (each stopped as asked:
+  SIGTERM, its stop timeout).
+
+The rule's stops are kills (SIGKILL at once, not SIGTERM and the stop timeout): each
+rank's work waits on every other rank's collectives, so once one member is gone or
+hung the others can finish nothing, and a member the health probes or the watchdog
+stopped is hung (it would sit out its stop timeout).
 
 The backoff and flap rules stay per worker (``states.py``). This module is pure:
 the decision from a transition, no IO.

@@ -17,7 +17,7 @@ import psutil
 
 from mlxceld.errors import WorkerError
 from mlxceld.logformat import LogFormat
-from mlxceld.roles import ROUTER, STAGE
+from mlxceld.roles import ROUTER, STAGE, TP
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
 from mlxceld.supervisor.states import RestartPolicy
@@ -30,10 +30,11 @@ SECRET_ENV = re.compile(r"SECRET|API_KEY|PASSWORD|TOKEN", re.IGNORECASE)
 SERVICE_MANAGER_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
 # The Hugging Face token (the daemon's HF_TOKEN or HUGGING_FACE_HUB_TOKEN), for the
 # workers that may download a model named by its repo id (a stage its shards, a router
-# mlx-lm's whole model; models/fetch.py) and no others: in their bootstrap, on stdin, as
-# the cluster secret travels; never in a child's environment.
+# and its tensor-parallel ranks mlx-lm's whole model; models/fetch.py) and no others: in
+# their bootstrap, on stdin, as the cluster secret travels; never in a child's
+# environment.
 DOWNLOAD_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-DOWNLOADERS = frozenset({ROUTER, STAGE})
+DOWNLOADERS = frozenset({ROUTER, STAGE, TP})
 CREATE_TIME_TOLERANCE_S = 0.05
 
 

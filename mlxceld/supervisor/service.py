@@ -26,6 +26,7 @@ from mlxceld.supervisor.groups import UP, group_rule
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import (
+    KillRequested,
     Lifecycle,
     LoadAdvanced,
     StartRequested,
@@ -180,11 +181,11 @@ class Supervisor:
         for member in self._members(group) if group is not None else [name]:
             self._restart(member, f"restart of {name} requested")
 
-    def _restart(self, name: str, reason: str = "") -> None:
+    def _restart(self, name: str, reason: str = "", *, at_once: bool = False) -> None:
         runner = self._runners[name]
         self._table.update(name, desired="running")
         if runner.machine.state in UP:
-            runner.post(StopRequested(reason))
+            runner.post(StopRequested(reason, at_once=at_once))
         runner.post(StartRequested(reason))
         self._events.append("worker.restart_requested", name,
                             reason or f"restart of {name} requested")
@@ -294,11 +295,13 @@ class Supervisor:
         log.warning("%s (%s)", action.reason, ", ".join(others) or "no other member is up")
         self._events.append(f"worker.group_{action.kind}", runner.name, action.reason,
                             group=group, members=others)
-        for name in others:
+        if change.new is WorkerState.STOPPING:  # failed probes or the watchdog: hung
+            runner.post(KillRequested())
+        for name in others:  # their collectives wait on it: nothing of theirs can drain
             if action.kind == "restart":
-                self._restart(name, action.reason)
+                self._restart(name, action.reason, at_once=True)
             else:
-                self._runners[name].post(StopRequested(action.reason))
+                self._runners[name].post(StopRequested(action.reason, at_once=True))
 
     def _tell(self, spec: WorkerSpec, state: WorkerState | None, reason: str) -> None:
         """``changed``, whose failure is logged: it never stops a worker's lifecycle."""

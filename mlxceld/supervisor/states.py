@@ -14,6 +14,8 @@ Every state change returns exactly one ``Transitioned``, first in the list.
     STARTING/RUNNING --failed exit--> FAILED           (too many exits in the flap window)
     STARTING/RUNNING --fatal exit--> FAILED            (kind "config": a restart cannot help)
     STARTING/RUNNING --stop--> STOPPING --exit--> EXITED (or STARTING if a start came meanwhile)
+               (SIGTERM; SIGKILL at once when the stop says so, or on KillRequested:
+               a worker group's restart, supervisor/groups.py)
     RUNNING --too many failed probes--> STOPPING --exit--> BACKOFF (a failure)
     RUNNING --busy, no step for stall_timeout_s--> STOPPING --exit--> BACKOFF (the watchdog)
 
@@ -114,9 +116,17 @@ class StartRequested:
 @dataclass(frozen=True)
 class StopRequested:
     """The user or the daemon wants the worker down, and to stay down; ``reason``, if
-    given, is the STOPPING state's."""
+    given, is the STOPPING state's. ``at_once``: SIGKILL, not SIGTERM (a worker group's
+    member whose peer failed: its work waits on that peer and cannot drain)."""
 
     reason: str = ""
+    at_once: bool = False
+
+
+@dataclass(frozen=True)
+class KillRequested:
+    """A STOPPING worker is to be killed now, not at its stop timeout (a group's member
+    stopped for failed health probes: hung, it would not act on SIGTERM)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,7 @@ class ProcessExited:
 Event = (
     StartRequested
     | StopRequested
+    | KillRequested
     | AdoptedRunning
     | Spawned
     | SpawnFailed
@@ -427,6 +438,8 @@ class Lifecycle:
     def _on_stop(self, event: StopRequested, now: float) -> list[Action]:
         actions = self._stop(now, event.reason or "stop requested")
         self._stop_reason = event.reason
+        if event.at_once:
+            actions[-1] = SendSignal("KILL")
         return actions
 
     def _on_stop_while_stopping(self, event: StopRequested, now: float) -> list[Action]:
@@ -438,7 +451,8 @@ class Lifecycle:
         self._start_pending, self._start_reason = True, event.reason
         return []
 
-    def _on_stop_timeout(self, event: _StopTimedOut, now: float) -> list[Action]:
+    def _on_stop_timeout(self, event: _StopTimedOut | KillRequested, now: float
+                         ) -> list[Action]:
         return [SendSignal("KILL")]
 
     def _on_stopped(self, event: ProcessExited, now: float) -> list[Action]:
@@ -483,6 +497,7 @@ _TRANSITIONS: dict[tuple[WorkerState, type[object]], _Handler] = {
     (_S.STOPPING, StartRequested): Lifecycle._on_start_while_stopping,  # restart after the exit
     (_S.STOPPING, StopRequested): Lifecycle._on_stop_while_stopping,  # cancels any restart
     (_S.STOPPING, _StopTimedOut): Lifecycle._on_stop_timeout,  # KILL, once
+    (_S.STOPPING, KillRequested): Lifecycle._on_stop_timeout,  # KILL now
     (_S.STOPPING, ProcessExited): Lifecycle._on_stopped,  # -> EXITED | STARTING | BACKOFF
     (_S.BACKOFF, _BackoffElapsed): Lifecycle._on_retry,  # -> STARTING, restarts += 1
     (_S.BACKOFF, StopRequested): Lifecycle._on_stop_in_backoff,  # -> EXITED

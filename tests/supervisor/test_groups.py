@@ -140,3 +140,38 @@ def test_the_rule_by_hand() -> None:
     assert rule(S.STOPPING, S.BACKOFF, summary="failed 6 consecutive health probes") is None
     assert rule(S.STOPPING, S.STARTING, "restart requested") is None
     assert rule(S.BACKOFF, S.STARTING) is None and rule(S.STARTING, S.RUNNING) is None
+
+
+def test_a_groups_stops_kill_at_once_and_carry_their_reason() -> None:
+    import random
+
+    from mlxceld.supervisor.states import (
+        BecameReady,
+        KillRequested,
+        Lifecycle,
+        ProcessExited,
+        SendSignal,
+        Spawned,
+        StartRequested,
+        StopRequested,
+        Transitioned,
+    )
+    from mlxceld.supervisor.states import ExitCause as Cause
+
+    m = Lifecycle("router", QUICK, random.random)
+    m.handle(StartRequested(), 0.0)
+    m.handle(Spawned(7), 0.1)
+    m.handle(BecameReady(), 0.2)
+    why = "group tp: tp-1 exited (killed by SIGKILL); its group restarts together"
+    assert m.handle(StopRequested(why, at_once=True), 1.0) == [
+        Transitioned(S.RUNNING, S.STOPPING, why), SendSignal("KILL")]
+    assert m.handle(StartRequested(why), 1.1) == []  # after the exit
+    [moved, _] = m.handle(ProcessExited(Cause("signal", "killed by SIGKILL")), 1.2)
+    assert moved == Transitioned(S.STOPPING, S.STARTING, why)
+    # A stop as asked by hand: SIGTERM, and KillRequested kills it now.
+    m.handle(Spawned(8), 1.3)
+    m.handle(BecameReady(), 1.4)
+    assert m.handle(StopRequested(), 2.0)[-1] == SendSignal("TERM")
+    assert m.handle(KillRequested(), 2.1) == [SendSignal("KILL")]
+    [stopped] = m.handle(ProcessExited(Cause("signal", "killed by SIGKILL")), 2.2)
+    assert stopped == Transitioned(S.STOPPING, S.EXITED, "stopped")
