@@ -135,6 +135,11 @@ def run(
         "--kv-compression", help="With --node-role router and --prefill-peers: how KV caches "
         "travel from prefill to decode nodes: none, int8 or int4, each optionally +lz4. "
         "Default: none.")] = None,
+    tp_size: Annotated[int | None, typer.Option(
+        "--tp-size", help="Split the model over N processes of this host (tensor "
+        "parallelism, 1-16): the router is rank 0, workers tp-1 .. tp-N-1 the others, "
+        "restarted together. The model's family must have mlx-lm shard support and N "
+        "must divide its heads and KV heads. Default: 1.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

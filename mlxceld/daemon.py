@@ -215,6 +215,7 @@ class Daemon:
         planned = self.serving.serve.model
         if planned is not None and names_a_repo(planned):
             self._fetch_metadata(planned, config)
+        self.serving.check_split(config.serve.model)  # --tp-size over it (exit 2)
         if config.pp_auto is not None and planned is not None and Path(planned).is_dir():
             # A family that is not split is refused here (exit 2), not after the wait for
             # peers; a model that is not a local directory is the coordinator's to refuse.
@@ -572,6 +573,7 @@ class Daemon:
                 handler.close()  # reopened on the next record
         try:
             new = serving_config(load_config(self._flags), self._flags)
+            self.serving.check_reload(new.serve)  # --tp-size over what it would serve
         except ConfigError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")

@@ -6,7 +6,8 @@ settings table; a cluster coordinator serves its cluster's model) and whether th
 router is held back (``hold_router``: ``pp_auto`` waiting for its plan, a plan to
 resume at start, or after `mlxctl cluster deactivate`, until `mlxctl serve`).
 
-`mlxctl serve` (``serve_model``) validates the model, remembers it and (re)starts the
+`mlxctl serve` (``serve_model``) validates the model (with ``--tp-size`` above 1: that
+it splits over the ranks, ``config/tensor.py``), remembers it and (re)starts the
 router on it; `mlxctl unserve` (``unserve``) stops the single-host router and forgets
 that choice, refused (changing nothing) where a restart would serve again anyway or
 where the router is a cluster's. ``describe`` is what `mlxctl status` shows as
@@ -34,6 +35,7 @@ from typing import Protocol
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
+from mlxceld.config.tensor import check_tp_model
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
@@ -95,8 +97,11 @@ class Serving:
                 hint="change [cluster] model in that file on every node, then restart them")
         try:
             resolved = resolve_model(model, Path("/"), "mlxctl serve")
+            local = resolved
             if names_a_repo(resolved):  # its config, index, tokenizer (models/fetch.py)
-                await asyncio.to_thread(local_model, resolved)
+                local = str(await asyncio.to_thread(local_model, resolved))
+            check_tp_model(local, self.serve.tp_size, f"mlxctl serve {model} (with tp_size "
+                           f"{self.serve.tp_size})")
         except ConfigError as exc:
             raise ModelRefused(exc.message, hint=exc.hint) from exc
         self.serve = self.serve.with_model(resolved, name)
@@ -109,6 +114,21 @@ class Serving:
         host.events.append("serve.changed", ROUTER,
                            f"now serving {self.serve.served_name} from {resolved}")
         return self.describe()
+
+    def check_split(self, configured: str | None) -> None:
+        """At start: the model to serve splits over ``tp_size`` ranks (``config/tensor.py``;
+        a repo id judged by its fetched config). Refused (``ConfigError``, exit 2) when it
+        is ``configured`` (the flags, the config file, a cluster TOML); one `mlxctl serve`
+        chose before is only warned of (its router fails as it loads)."""
+        try:
+            split_check(self.serve)
+        except ConfigError as exc:
+            if self.serve.model == configured:
+                raise
+            log.warning("the model mlxctl serve chose, %s: %s (%s)", self.serve.model,
+                        exc.message, exc.hint)
+            self._host.events.append("serve.unsplittable", ROUTER,
+                                     f"{exc.message} ({exc.hint})")
 
     async def unserve(self) -> JSON:
         """`mlxctl unserve`: stop the single-host router and forget what `mlxctl serve`
@@ -176,6 +196,12 @@ class Serving:
         self.hold_router = True
         await self._host.supervisor.reconcile(self._host.specs(self._host.config))
 
+    def check_reload(self, configured: ServeConfig) -> None:
+        """On a reload: the model the new ``[serve]`` serves (what `mlxctl serve` chose
+        included) splits over its ``tp_size``; else ``ConfigError``, and the reload keeps
+        the running config."""
+        split_check(self.effective(configured))
+
     def describe(self) -> JSON | None:
         """What the router serves, and where; None where the roster runs no router (no
         model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
@@ -185,3 +211,13 @@ class Serving:
             return None
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
+
+
+def split_check(serve: ServeConfig) -> None:
+    """``serve``'s model splits over its ``tp_size`` ranks (a repo id judged by its fetched
+    config.json); else ``ConfigError`` naming why (``config/tensor.py``)."""
+    model, tp_size = serve.model, serve.tp_size
+    if model is None or tp_size == 1:
+        return
+    local = str(local_model(model)) if names_a_repo(model) else model
+    check_tp_model(local, tp_size, f"the model {model} (with tp_size {tp_size})")

@@ -71,6 +71,7 @@ from mlxceld.config.replicas import check_discoverable, check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
+from mlxceld.config.tensor import check_tp_model, check_tp_setting, tp_origin
 from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
 from mlxceld.logformat import LOG_FORMATS, LogFormat
@@ -102,7 +103,7 @@ FLAG_KEYS: dict[str, str] = {
     "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
     "--node-role": "serve.node_role", "--replicas": "serve.replicas",
     "--prefill-peers": "serve.prefill_peers", "--decode-peers": "serve.decode_peers",
-    "--kv-compression": "serve.kv_compression",
+    "--kv-compression": "serve.kv_compression", "--tp-size": "serve.tp_size",
 }
 # ... and the flags that have none, with the reason.
 FLAG_ONLY: dict[str, str] = {
@@ -194,6 +195,7 @@ class Overrides:
     prefill_peers: str | None = None  # comma-separated, as given (config/disagg.py)
     decode_peers: str | None = None  # ditto
     kv_compression: str | None = None  # as given
+    tp_size: int | None = None  # config/tensor.py
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -360,11 +362,15 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         workers=workers,
         serve=serve,
     )
-    check_no_pipeline(serve.node_role,
-                      "pp_auto (--pp-auto)" if config.pp_auto is not None
-                      else "pp_peer (--pp-peer)" if config.pp_peer
-                      else "distributed_config (--distributed-config)"
-                      if config.distributed_config is not None else None)
+    pipeline = ("pp_auto (--pp-auto)" if config.pp_auto is not None
+                else "pp_peer (--pp-peer)" if config.pp_peer else None)
+    check_no_pipeline(serve.node_role, pipeline or (
+        "distributed_config (--distributed-config)"
+        if config.distributed_config is not None else None))
+    check_tp_setting(serve.tp_size, tp_origin(flags.tp_size, where),
+                     node_role=serve.node_role, pipeline=pipeline)
+    check_tp_model(serve.model, serve.tp_size,
+                   "--model" if flags.model else f"{where}: 'serve.model'")
     check_discoverable(serve.node_role, "--node-role" if flags.node_role is not None
                        else f"{where}: 'serve.node_role'", serve.replicas,
                        pools=bool(serve.prefill_peers and serve.decode_peers),

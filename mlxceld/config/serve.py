@@ -25,6 +25,8 @@
     prefill_peers = ["10.0.0.21"]   # a router's (or decode node's) prefill nodes (disagg.py)
     decode_peers = ["10.0.0.22"]    # a router's decode nodes (disagg.py)
     kv_compression = "none"         # a router's KV handoff: none|int8|int4, +lz4 (disagg.py)
+    tp_size = 1                     # ranks splitting each layer on this host, 1-16
+                                    # (mlxceld/config/tensor.py)
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -81,6 +83,7 @@ from mlxceld.config.replicas import (
     parse_replica_list,
     parse_role,
 )
+from mlxceld.config.tensor import parse_tp_size
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import (
@@ -101,7 +104,7 @@ ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
-              "decode_peers", "kv_compression"}
+              "decode_peers", "kv_compression", "tp_size"}
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
         max_tokens=_max_tokens(flags.max_tokens, table, where),
         serving_port=_serving_port(flags.serving_port, table, where),
+        tp_size=parse_tp_size(flags.tp_size, table, where),
     )
     role, role_from = parse_role(flags.node_role, table, where)
     replicas, replicas_from = parse_replica_list(flags.replicas, table, where)

@@ -11,9 +11,9 @@ split only when its family's mlx-lm class has ``shard`` (``TENSOR_FAMILIES``) an
 weight file is opened). Both raise ``TensorParallelRefused``, whose message names the
 model (``source``), the reason (the family, or the key and its number) and what to do
 (the supported families, or the tp sizes that would work). ``tp_size`` 1 always passes:
-no group, nothing split. The daemon's config check calls ``check_model_dir`` at startup
-for a model that is a local directory; a repo id not fetched yet is checked the same way
-by the engine when it loads.
+no group, nothing split. The daemon calls ``check_model_dir`` (``config/tensor.py``) at
+start and on a reload for a local directory, and for a Hugging Face repo id once it has
+fetched its config.json; and on `mlxctl serve`.
 
 Importing this module does not import mlx: the daemon calls it.
 """

@@ -418,8 +418,8 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
     "layers not an array": (lambda d: node(d, 1).update(layers="0-14"),
                             r"'layers' must be \[start, end\] with two integers, not '0-14'"),
     # keys and tables
-    "unknown cluster key": (lambda d: d["cluster"].update(tensor_parallel_size=1),
-                            r": unknown key 'cluster.tensor_parallel_size'"),
+    "unknown cluster key": (lambda d: d["cluster"].update(data_parallel_size=1),
+                            r": unknown key 'cluster.data_parallel_size'"),
     "unknown node key": (lambda d: node(d, 1).update(weight=2),
                          r"node 'stage-0': unknown key 'weight'"),
     "unknown key on a bad id": (lambda d: node(d, 1).update(id="", weight=2),
@@ -466,7 +466,8 @@ def test_unknown_key_hint_lists_the_known_keys(tmp_path: Path) -> None:
     err = refused(tmp_path, data, "cluster.size")
     assert err.hint == ("known keys here: cluster.name, cluster.pipeline_parallel_size, "
                         "cluster.replicas, "
-                        "cluster.secret_file, cluster.model, cluster.kv_compression")
+                        "cluster.secret_file, cluster.model, cluster.kv_compression, "
+                        "cluster.tensor_parallel_size")
 
 
 def test_boundaries_accepted(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--decode-peers": ("10.0.0.4:19001", ["10.0.0.4:19001"],
                        ("--node-role", "router", "--prefill-peers", "10.0.0.3")),
     "--kv-compression": ("int8+lz4", "int8+lz4", ()),
+    "--tp-size": ("2", 2, ()),
     # A group that exists here; a group's socket may not be inside the state dir.
     "--socket-group": (GROUP, GROUP, ("--socket", "/run/mlxceld-flag-keys/ctl.sock")),
 }

@@ -13,7 +13,9 @@ from typing import Any, Final
 
 from mlxceld.cluster.clusterfile.model import (
     COORDINATOR,
+    DECODE,
     PIPELINE_STAGE,
+    PREFILL,
     ROLES,
     SERVING_ROLES,
     ClusterConfig,
@@ -25,12 +27,13 @@ from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, s
 from mlxceld.config.peers import parse_peers
 from mlxceld.config.replicas import DEFAULT_AGENT_PORT
 from mlxceld.errors import ConfigError
+from mlxceld.models.tensor import MAX_TP_SIZE
 from mlxceld.types import MAX_REPLICAS
 from mlxceld.wire.address import parse_address
 
 TOP_KEYS: Final = ("cluster", "nodes")
 CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model",
-                       "kv_compression")
+                       "kv_compression", "tensor_parallel_size")
 NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resources")
 RESOURCE_KEYS: Final = ("memory_bytes",)
 # Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
@@ -77,6 +80,14 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
     if size is None:
         raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is missing",
                           hint="set it to the number of stages in each replica")
+    tp = _tensor_parallel_size(cluster, where)
+    if tp > 1:
+        raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp} in a pipeline's "
+                          f"cluster TOML ('cluster.pipeline_parallel_size' is {size}): "
+                          "tensor parallelism inside a pipeline stage is not built yet",
+                          hint="remove tensor_parallel_size (or set it to 1); tensor "
+                          "parallelism runs on the hybrid nodes of a serving cluster TOML "
+                          "(routers over hybrids)")
     replicas = _int(cluster, "replicas", where, "cluster.", minimum=1)
     replicas = 1 if replicas is None else replicas
     if replicas > MAX_REPLICAS:
@@ -122,12 +133,30 @@ def _serving_cluster(cluster: Mapping[str, Any], nodes: list[Any], name: str,
         if quant not in QUANTS or (plus and rest != "lz4"):
             raise ConfigError(f"{where}: 'cluster.kv_compression' {shown(compression)} is not "
                               "a KV compression", hint=COMPRESSION_HINT)
+    parsed = tuple(_node(raw, i, where, 1) for i, raw in enumerate(nodes))
+    tp = _tensor_parallel_size(cluster, where)
+    pools = [n for n in parsed if n.role in (PREFILL, DECODE)]
+    if tp > 1 and pools:
+        raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp}, and node "
+                          f"{pools[0].id!r} is a {pools[0].role} node: tensor parallelism on "
+                          "prefill and decode nodes is not built yet",
+                          hint="set tensor_parallel_size = 1, or give it a file of routers "
+                          "over hybrid nodes only (tensor parallelism runs on the hybrids)")
     return ClusterConfig(
         name=name, pipeline_parallel_size=0,
         secret_file=_path_str(cluster, "secret_file", where),
         model=_path_str(cluster, "model", where),
-        nodes=tuple(_node(raw, i, where, 1) for i, raw in enumerate(nodes)),
-        path=path, kv_compression=compression)
+        nodes=parsed, path=path, kv_compression=compression, tensor_parallel_size=tp)
+
+
+def _tensor_parallel_size(cluster: Mapping[str, Any], where: str) -> int:
+    """``[cluster] tensor_parallel_size``: 1 (the default) .. MAX_TP_SIZE."""
+    tp = _int(cluster, "tensor_parallel_size", where, "cluster.", minimum=1)
+    if tp is not None and tp > MAX_TP_SIZE:
+        raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp}, more than the "
+                          f"{MAX_TP_SIZE} ranks a host's group may have",
+                          hint=f"set tensor_parallel_size = 1 .. {MAX_TP_SIZE}")
+    return 1 if tp is None else tp
 
 
 def _serving_node(raw: Mapping[str, Any], node_id: str, role: Role, at: str) -> NodeConfig:

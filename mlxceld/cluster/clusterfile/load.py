@@ -31,6 +31,8 @@ A serving cluster instead (no pipeline_parallel_size, no replicas)::
     model = "models/qwen3"           # every node's model (a router: its tokenizer)
     secret_file = "secret"
     kv_compression = "int8+lz4"      # optional: the routers' KV handoffs
+    tensor_parallel_size = 2         # optional, 1-16: each hybrid's --tp-size (none
+                                     # with prefill or decode nodes; 1 in a pipeline)
 
     [[nodes]]
     id = "router"
@@ -109,6 +111,8 @@ def dump_cluster(cfg: ClusterConfig) -> str:
         lines.append(f"pipeline_parallel_size = {cfg.pipeline_parallel_size}")
     if cfg.kv_compression is not None:
         lines.append(f"kv_compression = {_string(cfg.kv_compression)}")
+    if cfg.tensor_parallel_size != 1:
+        lines.append(f"tensor_parallel_size = {cfg.tensor_parallel_size}")
     if cfg.replicas > 1:
         lines.append(f"replicas = {cfg.replicas}")
     if cfg.secret_file is not None:

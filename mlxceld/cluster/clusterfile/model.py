@@ -82,6 +82,8 @@ class ClusterConfig:
     path: Path
     replicas: int = 1  # groups of pipeline_parallel_size stages, each a whole model
     kv_compression: str | None = None  # a serving cluster's routers' (config/disagg.py)
+    # A serving cluster's hybrids' tp_size (config/tensor.py); a pipeline's is always 1.
+    tensor_parallel_size: int = 1
 
     @property
     def serving(self) -> bool:

@@ -13,9 +13,12 @@ A serving cluster's node (role router, hybrid, prefill or decode) has no placeme
 ``placed_config`` turns the file into the ``Config`` the equivalent flags give
 (``--node-role``, ``--replicas``, ``--prefill-peers``, ``--decode-peers``,
 ``--kv-compression``, ``--model``; the file's ``name`` as ``--cluster-name``; its
-``address`` as ``--agent-addr`` unless that is given), and from there the daemon runs
-as with those flags. A flag or ``[serve]`` key that says otherwise is refused naming
-both.
+``address`` as ``--agent-addr`` unless that is given; on a hybrid node, the file's
+``tensor_parallel_size`` as ``--tp-size``), and from there the daemon runs as with those
+flags. A flag or ``[serve]`` key that says otherwise is refused naming both. A router
+holds no model: ``--tp-size`` above 1 there is refused naming the node. A pipeline's
+file takes no ``--tp-size`` above 1 (``serving_config``: tensor parallelism inside a
+stage is not built).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from mlxceld.cluster.clusterfile.load import (
 from mlxceld.cluster.clusterfile.model import DECODE, HYBRID, PREFILL, ROUTER
 from mlxceld.config.daemon import DEFAULT_AGENT_ADDR, Config, Overrides
 from mlxceld.config.serve import ServeConfig, resolve_model
+from mlxceld.config.tensor import TP_HINT, check_tp_model, tp_origin
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import check_family
 from mlxceld.models.fetch import is_repo_id, local_model
@@ -151,6 +155,8 @@ def placed_config(config: Config, cfg: ClusterConfig, node: NodeConfig,
                               "to the file) or pass --model DIR")
         model = resolve_model(source, cfg.path.parent, f"{cfg.path}: 'cluster.model'")
     serve = replace(serve, model=model, **own)
+    check_tp_model(model, serve.tp_size, f"{cfg.path}: 'cluster.model' with "
+                   f"'cluster.tensor_parallel_size' {serve.tp_size}")
     if flags.cluster_name is not None and flags.cluster_name != cfg.name:
         raise ConfigError(f"--cluster-name {flags.cluster_name!r} contradicts {cfg.path}'s "
                           f"name {cfg.name!r}", hint="drop --cluster-name: the file names "
@@ -165,7 +171,9 @@ def _serve_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
     addresses = {role: tuple(n.address for n in cfg.with_role(role))
                  for role in (HYBRID, PREFILL, DECODE)}
     values: dict[str, Any] = {"node_role": node.role, "replicas": (), "prefill_peers": (),
-                              "decode_peers": (), "kv_compression": "none"}
+                              "decode_peers": (), "kv_compression": "none",
+                              "tp_size": cfg.tensor_parallel_size if node.role == HYBRID
+                              else 1}
     if node.role == ROUTER:
         values.update(replicas=addresses[HYBRID], prefill_peers=addresses[PREFILL],
                       decode_peers=addresses[DECODE],
@@ -177,7 +185,7 @@ def _serve_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
 
 _FLAGS: Final = {"node_role": "--node-role", "replicas": "--replicas",
                  "prefill_peers": "--prefill-peers", "decode_peers": "--decode-peers",
-                 "kv_compression": "--kv-compression"}
+                 "kv_compression": "--kv-compression", "tp_size": "--tp-size"}
 
 
 def _refuse_contradictions(serve: ServeConfig, own: dict[str, Any], flags: Overrides,
@@ -192,9 +200,24 @@ def _refuse_contradictions(serve: ServeConfig, own: dict[str, Any], flags: Overr
             continue  # neither the flag nor the [serve] key said anything
         if value != own[key]:
             said = flag if given else f"[serve] {key}"
+            if key == "tp_size":
+                _refuse_tp(said, value, own, where)
             raise ConfigError(f"{said} ({_shown(value)}) contradicts --distributed-config: "
                               f"{where} says {key} = {_shown(own[key])}",
                               hint=f"drop {said}: the cluster TOML places this node")
+
+
+def _refuse_tp(said: str, tp_size: int, own: dict[str, Any], where: str) -> None:
+    """``--tp-size`` (``said``: or [serve] tp_size) beside a serving cluster's file that
+    gives this node another: refused, naming why."""
+    role = own["node_role"]
+    why = (f"{where} is a hybrid node, and the file's 'cluster.tensor_parallel_size' is "
+           f"{own['tp_size']}" if role == HYBRID else
+           f"{where} is a router, which holds no model to split over ranks" if role == ROUTER
+           else f"{where} is a {role} node, where tensor parallelism is not built yet")
+    raise ConfigError(f"{said} {tp_size} contradicts --distributed-config: {why}",
+                      hint=f"drop {said}: the cluster TOML's tensor_parallel_size (under "
+                      "[cluster]) sets it on its hybrid nodes")
 
 
 def _shown(value: object) -> str:
@@ -215,5 +238,11 @@ def serving_config(config: Config, flags: Overrides) -> Config:
     serving cluster's node; else ``config`` unchanged."""
     cfg = serving_cluster(config)
     if cfg is None:
+        if config.distributed_config is not None and config.serve.tp_size > 1:
+            said = tp_origin(flags.tp_size, str(config.config_file or "config"))
+            raise ConfigError(f"{said} {config.serve.tp_size} with distributed_config "
+                              f"(--distributed-config) {config.distributed_config}, a "
+                              "pipeline's cluster TOML: tensor parallelism inside a pipeline "
+                              "stage is not built yet", hint=TP_HINT)
         return config
     return placed_config(config, cfg, select_node(cfg, config.node_id or ""), flags)
