@@ -148,7 +148,10 @@ def tensor_ranks(router: RouterOptions, state_dir: Path, policy: RestartPolicy,
                  log_format: LogFormat) -> list[WorkerSpec]:
     """The ``tp`` workers of ``router``'s tensor-parallel group: ranks 1..tp_size-1, each
     ``tp-<rank>``, with the router's model and batch size (the ring's ranks must agree),
-    and no secret or API key: they serve nothing but the ring."""
+    and no secret or API key: they serve nothing but the ring. None while the ring has no
+    port per rank (the daemon could bind none: the router refuses that, naming it)."""
+    if len(router.tp_hosts) != router.tp_size:
+        return []
     return [WorkerSpec(f"{TP_GROUP}-{rank}", state_dir,
                        TensorOptions(model=router.model, model_name=router.model_name,
                                      rank=rank, tp_hosts=router.tp_hosts,

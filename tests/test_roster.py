@@ -233,3 +233,9 @@ def test_tp_size_adds_no_rank_where_no_router_runs_the_model_here() -> None:
     # A pipeline's coordinator: tp inside a pipeline is not built (refused at startup).
     coordinator = only(draw_roster(tensor(situation(placement=placed("coordinator")))))
     assert coordinator.group is None
+
+
+def test_a_ring_without_ports_runs_the_router_alone_to_refuse_it() -> None:
+    s = dataclasses.replace(tensor(situation(), 2), tp_hosts=())  # none could be bound
+    router = only(draw_roster(s))
+    assert isinstance(router.options, RouterOptions) and router.options.tp_hosts == ()
