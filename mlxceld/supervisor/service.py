@@ -292,7 +292,9 @@ class Supervisor:
             return
         others = [n for n in self._members(group)
                   if n != runner.name and self._runners[n].machine.state in UP]
-        log.warning("%s (%s)", action.reason, ", ".join(others) or "no other member is up")
+        if not others:  # the rest is down or going (a stop of all, as at unserve): as asked
+            return
+        log.warning("%s (%s)", action.reason, ", ".join(others))
         self._events.append(f"worker.group_{action.kind}", runner.name, action.reason,
                             group=group, members=others)
         if change.new is WorkerState.STOPPING:  # failed probes or the watchdog: hung

@@ -91,6 +91,8 @@ def test_restart_of_a_member_restarts_the_group(state_dir: Path) -> None:
                 asked = [e.message for e in events.since(0, 500)
                          if e.kind == "worker.restart_requested"]
                 assert sorted(asked) == ["restart of b requested"] * 2
+                await supervisor.reconcile([])  # all stopped as asked (unserve, shutdown)
+                assert group_events(events) == []
             finally:
                 await supervisor.reconcile([])
     asyncio.run(main())
