@@ -17,7 +17,11 @@ member's transitions (``group_rule``; ``Supervisor.transitioned`` carries it out
   group stays down as one worker would (``mlxctl restart`` of any member starts
   them all again);
 - ``Supervisor.restart`` of a member restarts the whole group (each stopped as asked:
-  SIGTERM, its stop timeout).
+  SIGTERM, its stop timeout);
+- a reconcile that adds members to a group or removes some (a reload's new
+  ``tp_size``) restarts the members it keeps, which would otherwise wait on a ring of
+  the old size (other changes of a member's spec take effect at its next start, as
+  for any worker; the group's next restart starts them all on the new specs).
 
 The rule's stops are kills (SIGKILL at once, not SIGTERM and the stop timeout): each
 rank's work waits on every other rank's collectives, so once one member is gone or

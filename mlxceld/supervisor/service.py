@@ -100,6 +100,7 @@ class Supervisor:
     async def reconcile(self, specs: list[WorkerSpec]) -> None:
         """Make the running set match ``specs``: adopt survivors, start the rest, stop leftovers."""
         wanted = {s.name: s for s in specs}
+        before = {name: r.spec.group for name, r in self._runners.items()}
         for row in self._table.all():
             if row.name not in wanted and row.name not in self._runners:
                 await self._retire_leftover(row)
@@ -120,6 +121,25 @@ class Supervisor:
                 self._table.update(spec.name, role=spec.role, spec=spec.describe())
                 self._events.append("worker.config_changed", spec.name,
                                     f"worker {spec.name}: new spec takes effect at its next start")
+        self._regroup(before, specs)
+
+    def _regroup(self, before: dict[str, str | None], specs: list[WorkerSpec]) -> None:
+        """A group whose members changed (a reload's new ``tp_size``) restarts the members
+        that were there before: their ring no longer matches its ranks (``groups.py``).
+        Added members start as any; removed ones were stopped."""
+        for group in {g for g in (*before.values(), *(s.group for s in specs)) if g}:
+            old = {n for n, g in before.items() if g == group}
+            new = {s.name for s in specs if s.group == group}
+            kept = sorted(old & new)
+            if old == new or not kept:
+                continue
+            reason = (f"group {group}: its members changed (now {', '.join(sorted(new))}); "
+                      "its group restarts together")
+            log.info("%s", reason)
+            self._events.append("worker.group_restart", group, reason, group=group,
+                                members=kept)
+            for name in kept:
+                self._restart(name, reason)
 
     async def _add(self, spec: WorkerSpec) -> None:
         row = self._table.get(spec.name)

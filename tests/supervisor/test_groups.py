@@ -177,3 +177,26 @@ def test_a_groups_stops_kill_at_once_and_carry_their_reason() -> None:
     assert m.handle(KillRequested(), 2.1) == [SendSignal("KILL")]
     [stopped] = m.handle(ProcessExited(Cause("signal", "killed by SIGKILL")), 2.2)
     assert stopped == Transitioned(S.STOPPING, S.EXITED, "stopped")
+
+
+def test_a_group_whose_members_change_restarts_the_members_it_keeps(state_dir: Path) -> None:
+    async def main() -> None:
+        async with running_supervisor(state_dir) as (supervisor, events):
+            try:
+                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b")])
+                before = await all_running(supervisor, "a and b running")
+                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
+                                            spec(state_dir, "c")])  # a reload: tp_size 3
+                await until(lambda: (p := pids(supervisor)) and all(p.values())
+                            and p["a"] != before["a"] and p["b"] != before["b"],
+                            "a and b restarted, c started", timeout=DEADLINE_S)
+                assert group_events(events) == [(
+                    "worker.group_restart", "g", "group g: its members changed (now a, b, "
+                    "c); its group restarts together")]
+                again = pids(supervisor)
+                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
+                                            spec(state_dir, "c")])  # the same: nothing
+                assert pids(supervisor) == again and len(group_events(events)) == 1
+            finally:
+                await supervisor.reconcile([])
+    asyncio.run(main())
