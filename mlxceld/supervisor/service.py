@@ -124,17 +124,20 @@ class Supervisor:
         self._regroup(before, specs)
 
     def _regroup(self, before: dict[str, str | None], specs: list[WorkerSpec]) -> None:
-        """A group whose members changed (a reload's new ``tp_size``) restarts the members
-        that were there before: their ring no longer matches its ranks (``groups.py``).
-        Added members start as any; removed ones were stopped."""
+        """A group whose members changed (a reload's new ``tp_size``) restarts the workers
+        that were there before and still are, in it before or now (the router leaving
+        or joining a group): their ring no longer matches its ranks (``groups.py``).
+        Added workers start as any; removed ones were stopped."""
+        still = set(before) & {s.name for s in specs}
         for group in {g for g in (*before.values(), *(s.group for s in specs)) if g}:
             old = {n for n, g in before.items() if g == group}
             new = {s.name for s in specs if s.group == group}
-            kept = sorted(old & new)
+            kept = sorted((old | new) & still)
             if old == new or not kept:
                 continue
-            reason = (f"group {group}: its members changed (now {', '.join(sorted(new))}); "
-                      "its group restarts together")
+            now = ", ".join(sorted(new)) or "none"
+            reason = (f"group {group}: its members changed (now {now}); its group restarts "
+                      "together")
             log.info("%s", reason)
             self._events.append("worker.group_restart", group, reason, group=group,
                                 members=kept)

@@ -197,6 +197,14 @@ def test_a_group_whose_members_change_restarts_the_members_it_keeps(state_dir: P
                 await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
                                             spec(state_dir, "c")])  # the same: nothing
                 assert pids(supervisor) == again and len(group_events(events)) == 1
+                # A worker joining a group (tp_size 1 -> 2: the router) restarts too.
+                await supervisor.reconcile([spec(state_dir, "a", group=None),
+                                            spec(state_dir, "b", group=None)])
+                joined = await all_running(supervisor, "a and b on their own")
+                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "d")])
+                await until(lambda: (p := pids(supervisor)) and all(p.values())
+                            and p["a"] != joined["a"], "a restarted into the group",
+                            timeout=DEADLINE_S)
             finally:
                 await supervisor.reconcile([])
     asyncio.run(main())
