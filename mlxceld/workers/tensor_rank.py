@@ -9,8 +9,12 @@ Start-up: a model named by its Hugging Face repo id is fetched first (``download
 in its stats, as the router's); the model is checked for the split
 (``models.tensor.check_model_dir``: a family mlx-lm cannot shard, or a ``tp_size`` that
 does not divide its heads, is refused as ``ConfigError``: exit 2, not restarted); then
-it joins the ring (``engine.tensor.join_ring``: within its ``RING_DEADLINE_S``, every
-rank must join, or it exits non-zero naming the ranks it waited for), and follows rank
+it joins the ring (``engine.tensor.join_ring``: meant to end within its
+``RING_DEADLINE_S``, naming the ranks it waited for; but mlx 0.32's
+``mx.distributed.init`` holds the GIL while it waits for a peer, so meanwhile the
+worker answers no probe and takes no SIGTERM, and that deadline cannot fire: a rank
+whose peer never comes is ended by the supervisor, by the group rule's SIGKILL when the
+peer exits or fails (``supervisor/groups.py``), else by its start timeout), and follows rank
 0 in a thread (``engine.tensor.run_tensor_follower``: reads its slice of the weights,
 with ``loading`` in its stats as the router's, reports ready, then runs each step rank 0
 shares) while the worker's loop keeps answering health probes and stats
@@ -109,7 +113,11 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     from mlxceld.workers.wired import set_wired_limit
 
     set_wired_limit()
-    group = await join_group(o.rank, o.tp_hosts)
+    joining = asyncio.ensure_future(join_group(o.rank, o.tp_hosts))
+    if not await _first(ctx, joining):  # told to stop while it waits for the ring
+        log.info("tp rank %d stopping before its ring formed", o.rank)
+        return 0
+    group = joining.result()
     log.info("tp rank %d of %d joined the ring at %s", o.rank, size, o.tp_hosts[o.rank])
     loop = asyncio.get_running_loop()
     loaded = load_reporter(ctx, time.time())
@@ -120,10 +128,7 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     following = asyncio.ensure_future(in_thread(
         f"tp rank {o.rank}", lambda: run_tensor_follower(path, group, max_batch=o.max_batch,
                                                          progress=loaded, ready=ready)))
-    stopping = asyncio.ensure_future(ctx.stopping.wait())
-    await asyncio.wait({following, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not following.done():  # told to stop: its thread stays blocked in the ring
+    if not await _first(ctx, following):  # told to stop: its thread stays in the ring
         log.info("tp rank %d of model %s stopping", o.rank, o.model_name)
         return 0
     error = following.exception()
@@ -131,6 +136,15 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
         raise RuntimeError(f"tp rank {o.rank} of {size} left the group: {error}") from error
     log.info("tp rank %d: rank 0 closed the group", o.rank)
     return 0
+
+
+async def _first(ctx: WorkerContext[TensorOptions], work: asyncio.Future[Any]) -> bool:
+    """Wait for ``work`` or the worker's stop, whichever comes first: True when ``work``
+    is done (its thread is left where it is otherwise: the worker exits at once)."""
+    stopping = asyncio.ensure_future(ctx.stopping.wait())
+    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    return work.done()
 
 
 def _loaded(ctx: WorkerContext[TensorOptions]) -> None:
