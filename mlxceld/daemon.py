@@ -84,6 +84,7 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.inventory import free_ports
 from mlxceld.draining import Draining
 from mlxceld.errors import (
     AlreadyRunning,
@@ -121,6 +122,7 @@ from mlxceld.types import JSON, WorkerState
 log = logging.getLogger(__name__)
 
 HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
+TP_RING_HOST = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
 
 SHUTDOWN_SLACK_S = 5.0
 STAGE_BACK_S = 1.0  # a stage of the active plan that exited cleanly on its own restarts after
@@ -193,6 +195,7 @@ class Daemon:
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
         self.serving = Serving(self, self._flags, config.serve)  # what the router serves
+        self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
         self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
                           router=config.serve.node_role == ROUTER_ROLE,
                           handoff_role=config.serve.node_role
@@ -401,7 +404,21 @@ class Daemon:
             secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
             accepted=tuple(self.keys.keyring.others()),
             api_key=self._api_key, node_id=self.node.node_id,
-            agent_address=self.member.agent_address()))
+            agent_address=self.member.agent_address(),
+            tp_hosts=self._tp_ring(self.serving.serve.tp_size)))
+
+    def _tp_ring(self, tp_size: int) -> tuple[str, ...]:
+        """The tensor-parallel group's ring, ``host:port`` per rank: ``tp_size`` ports free on
+        127.0.0.1, picked when a tp size first needs them and kept while it stays the same
+        (a restarted group meets at the same ports: the ring's ranks bind them again at
+        once); () with tp_size 1, or when none could be bound (the router refuses that,
+        naming it)."""
+        if tp_size <= 1:
+            self._tp_hosts = ()
+        elif len(self._tp_hosts) != tp_size:
+            self._tp_hosts = tuple(f"{TP_RING_HOST}:{port}"
+                                   for port in free_ports(TP_RING_HOST, tp_size))
+        return self._tp_hosts
 
     def _worker_finished(self, name: str) -> None:
         """A worker exited cleanly on its own. The stage of an active plan comes back after

@@ -26,7 +26,11 @@ prepared or activated, a deactivation). The rules, in order:
   `mlxctl cluster deactivate`, until `mlxctl serve`). Whenever the daemon holds the
   cluster secret the router gets it too, with ``serving`` (``ServingOptions``): it
   serves its engine to the cluster's routers on the agent listener's host and
-  ``[serve] serving_port`` (``replicas/service.py``).
+  ``[serve] serving_port`` (``replicas/service.py``). With ``[serve] tp_size`` N > 1
+  (tensor parallelism, on the model alone: no placement) it is rank 0 of a group
+  ``tp`` with N-1 ``tp`` workers ``tp-1`` ... ``tp-{N-1}`` (ranks 1..N-1: the model's
+  policy, no secret, no API key), meeting in a ring at ``Situation.tp_hosts``; the
+  supervisor restarts the group together (``supervisor/groups.py``).
 
 It lives beside ``daemon.py``, not in ``supervisor/``: the supervisor runs any
 spec it is given and knows no roles, while this is the daemon's policy over
@@ -36,6 +40,7 @@ roles, placements and ``[serve]``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Final
 
 from mlxceld.cluster.clusterfile.placement import (
@@ -48,11 +53,13 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.config.daemon import Config
 from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
+from mlxceld.logformat import LogFormat
 from mlxceld.roles.options import (
     HandoffOptions,
     ReplicasOptions,
     RouterOptions,
     ServingOptions,
+    TensorOptions,
 )
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
@@ -62,6 +69,7 @@ from mlxceld.wire.address import format_address, parse_address
 # and a stage's sequences (pipeline.stage.DRAIN_S: 15 s).
 MODEL_START_TIMEOUT_S: Final = 600.0  # after its load last advanced (supervisor/states.py)
 MODEL_STOP_TIMEOUT_S: Final = 20.0
+TP_GROUP: Final = "tp"  # the router and its tensor-parallel ranks' WorkerSpec.group
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,10 @@ class Situation:
     api_key: str | None = field(default=None, repr=False)  # the router's, from its file
     node_id: str | None = None  # this daemon's node id (its serving listener names it)
     agent_address: str | None = None  # the agent listener's, once bound
+    # The tensor-parallel ring, host:port per rank (rank 0, the router, first), when
+    # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``daemon.py``), kept
+    # while tp_size stays the same so a restarted group meets at the same ports.
+    tp_hosts: tuple[str, ...] = ()
 
 
 def draw_roster(s: Situation) -> list[WorkerSpec]:
@@ -120,11 +132,32 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
         if p is not None and p.cluster.replicas > 1:  # the groups past the first
             options = replace(options, replica_pipelines=replica_pipelines(p))
         keyed = p is not None or options.serving is not None
+        tensor = p is None and s.serve.tp_size > 1
+        if tensor:
+            options = replace(options, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts)
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
                                 secret=s.secret if keyed else None,
                                 accepted=s.accepted if keyed else (),
-                                log_format=c.log_format))
+                                log_format=c.log_format, group=TP_GROUP if tensor else None))
+        if tensor:
+            specs += tensor_ranks(options, c.state_dir, policy, c.log_format)
     return specs
+
+
+def tensor_ranks(router: RouterOptions, state_dir: Path, policy: RestartPolicy,
+                 log_format: LogFormat) -> list[WorkerSpec]:
+    """The ``tp`` workers of ``router``'s tensor-parallel group: ranks 1..tp_size-1, each
+    ``tp-<rank>``, with the router's model and batch size (the ring's ranks must agree),
+    and no secret or API key: they serve nothing but the ring. None while the ring has no
+    port per rank (the daemon could bind none: the router refuses that, naming it)."""
+    if len(router.tp_hosts) != router.tp_size:
+        return []
+    return [WorkerSpec(f"{TP_GROUP}-{rank}", state_dir,
+                       TensorOptions(model=router.model, model_name=router.model_name,
+                                     rank=rank, tp_hosts=router.tp_hosts,
+                                     max_batch=router.max_batch),
+                       policy, log_format=log_format, group=TP_GROUP)
+            for rank in range(1, router.tp_size)]
 
 
 def serving_options(s: Situation) -> ServingOptions | None:

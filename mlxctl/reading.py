@@ -23,7 +23,8 @@ def status(path: Path, as_json: bool) -> None:
 
 def workers(path: Path, as_json: bool) -> None:
     body = call_blocking(path, as_json, lambda c: c.workers())
-    emit(as_json, "workers", body, lambda: render.workers_table(body["workers"]))
+    emit(as_json, "workers", body, lambda: "\n".join(
+        [render.workers_table(body["workers"]), *render.worker_groups(body["workers"])]))
 
 
 def logs(path: Path, worker: str, lines: int, follow: bool, as_json: bool) -> None:

@@ -102,6 +102,50 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
     return table(headers, rows, colors)
 
 
+def worker_groups(workers: list[dict[str, Any]]) -> list[str]:
+    """Each worker group (``group``: a tensor-parallel group's ranks, restarted together):
+    a line saying its ranks and whether all run, and each rank's worker, state, pid, RSS."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for w in workers:
+        if w.get("group"):
+            groups.setdefault(w["group"], []).append(w)
+    out: list[str] = []
+    for name, members in groups.items():
+        members = sorted(members, key=_rank)
+        tensor = any(w["role"] == "tp" for w in members)
+        kind = f"tensor group {name}: {len(members)} ranks" if tensor else \
+            f"group {name}: {len(members)} workers"
+        who = ", ".join(f"{w['name']} = rank {_rank(w)}" if i == 0 else w["name"]
+                        for i, w in enumerate(members)) if tensor else \
+            ", ".join(w["name"] for w in members)
+        down = [w for w in members if w["state"] != WorkerState.RUNNING]
+        if not down:
+            how = "all running"
+        else:
+            how = (f"{len(members) - len(down)} of {len(members)} running ("
+                   + ", ".join(f"{w['name']} {w['state']}" for w in down)
+                   + "): it serves once every member runs; a member's failure restarts "
+                   "them all")
+        rank = ["RANK"] if tensor else []
+        rows = [[*([str(_rank(w))] if tensor else []), w["name"], w["state"],
+                 str(w["pid"] or "-"), size(w.get("rss_bytes"))] for w in members]
+        colors = [[*_blank(rank), None, STATE_COLORS.get(w["state"]), None, None]
+                  for w in members]
+        out += ["", f"{kind} ({who}), {how}",
+                table([*rank, "WORKER", "STATE", "PID", "RSS"], rows, colors)]
+    return out
+
+
+def _rank(w: dict[str, Any]) -> int:
+    """A tensor-parallel member's rank: its stats' (``tensor``), else its role's and name's
+    (the router is rank 0, ``tp-N`` rank N)."""
+    tensor = (w.get("stats") or {}).get("tensor") or {}
+    if isinstance(tensor.get("rank"), int):
+        return int(tensor["rank"])
+    tail = w["name"].rsplit("-", 1)[-1]
+    return int(tail) if w["role"] == "tp" and tail.isdigit() else 0
+
+
 def cluster_nodes(body: dict[str, Any]) -> str:
     """The candidate peers of ``GET /v1/cluster/nodes`` as a table, with discovery's line."""
     d = body["discovery"]
@@ -208,8 +252,8 @@ def status(body: dict[str, Any]) -> str:
                      + (f": {healing['summary']}" if healing.get("summary") else ""))
     view = body.get("pipeline")
     links = (pipeline(view) if view else stage_links(workers)) + replica_links(workers)
-    return "\n".join([*lines, "", workers_table(workers), *loading(workers), *links, "",
-                      health(body["problems"])])
+    return "\n".join([*lines, "", workers_table(workers), *worker_groups(workers),
+                      *loading(workers), *links, "", health(body["problems"])])
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:

@@ -190,3 +190,52 @@ def test_a_router_node_runs_its_router_over_the_replicas_once_its_agent_is_bound
         cluster="mlxcel-cluster")
     assert draw_roster(replace(s, agent_address="0.0.0.0:19000", serve=replace(
         s.serve, model=None))) == []  # no model: no tokenizer to serve with
+
+
+RING = ("127.0.0.1:29500", "127.0.0.1:29501", "127.0.0.1:29502")
+
+
+def tensor(s: Situation, tp_size: int = 3) -> Situation:
+    return dataclasses.replace(s, serve=dataclasses.replace(s.serve, tp_size=tp_size),
+                               tp_hosts=RING[:tp_size])
+
+
+def test_tp_size_runs_the_router_as_rank_0_and_a_tp_worker_per_other_rank() -> None:
+    from mlxceld.roles.options import TensorOptions
+
+    specs = draw_roster(tensor(situation()))
+    assert [s.name for s in specs] == ["router", "tp-1", "tp-2"]
+    assert {s.group for s in specs} == {"tp"}
+    router, *ranks = specs
+    assert isinstance(router.options, RouterOptions)
+    assert (router.options.tp_size, router.options.tp_hosts) == (3, RING)
+    assert router.api_key == KEY  # the OpenAI port stays the router's
+    for rank, spec in enumerate(ranks, start=1):
+        assert spec.options == TensorOptions(model=MODEL, model_name="tiny", rank=rank,
+                                             tp_hosts=RING, max_batch=8)
+        assert spec.role == "tp" and spec.secret is None and spec.api_key is None
+        assert spec.policy == router.policy  # the model's: a rank loads its slice too
+    # tp_size 1: the router alone, as before.
+    assert only(draw_roster(tensor(situation(), 1))).group is None
+
+
+def test_a_hybrid_replicas_router_keeps_its_serving_listener_and_its_ranks_no_secret() -> None:
+    s = dataclasses.replace(tensor(situation(), 2), node_id="node-a")
+    router, rank = draw_roster(s)
+    assert isinstance(router.options, RouterOptions) and router.options.serving is not None
+    assert router.secret == SECRET and router.group == "tp"
+    assert rank.name == "tp-1" and rank.secret is None and rank.accepted == ()
+
+
+def test_tp_size_adds_no_rank_where_no_router_runs_the_model_here() -> None:
+    assert draw_roster(tensor(situation(hold_router=True))) == []
+    assert draw_roster(tensor(situation(model=None))) == []
+    # A pipeline's coordinator: tp inside a pipeline is not built (refused at startup).
+    coordinator = only(draw_roster(tensor(situation(placement=placed("coordinator")))))
+    assert coordinator.group is None
+
+
+def test_a_ring_without_ports_runs_the_router_alone_to_refuse_it() -> None:
+    s = dataclasses.replace(tensor(situation(), 2), tp_hosts=())  # none could be bound
+    router = only(draw_roster(s))
+    assert isinstance(router.options, RouterOptions) and router.options.tp_hosts == ()

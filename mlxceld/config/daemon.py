@@ -76,7 +76,7 @@ from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
 from mlxceld.logformat import LOG_FORMATS, LogFormat
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
-from mlxceld.roles import ROLES, STAGE
+from mlxceld.roles import ROLES, STAGE, TP
 from mlxceld.roles.options import WorkerOptions, parse_options
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import MAX_PIPELINE_STAGES
@@ -523,13 +523,19 @@ def _workers(
         if name == STAGE:
             raise ConfigError(f"{where}: worker name {name!r} is reserved for a pipeline stage",
                               hint="stages come from a cluster TOML (--distributed-config)")
+        if re.fullmatch(r"tp-[0-9]+", name):
+            raise ConfigError(f"{where}: worker name {name!r} is reserved for a "
+                              "tensor-parallel rank",
+                              hint="ranks come from [serve] tp_size; name this worker "
+                              "otherwise")
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: 'workers.{name}' must be a table",
                               hint=f"write it as [workers.{name}]")
         _check_keys(spec, {"role", "options", *POLICY_FIELDS}, where, prefix)
         role = _str(spec, "role", where, prefix)
-        # The router comes from [serve] only, a stage from a cluster TOML only.
-        roles = sorted(set(ROLES) - {ROUTER, STAGE})
+        # The router comes from [serve] only (and its tensor-parallel ranks with it), a
+        # stage from a cluster TOML only.
+        roles = sorted(set(ROLES) - {ROUTER, STAGE, TP})
         if role is None or role not in roles:
             raise ConfigError(
                 f"{where}: '{prefix}role' must be one of {', '.join(roles)}, not {role!r}",

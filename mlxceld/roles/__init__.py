@@ -11,10 +11,12 @@ from typing import Final
 ECHO: Final = "echo"  # a test worker (workers/echo.py)
 ROUTER: Final = "router"  # the OpenAI port: only from [serve] or a plan, never from [workers]
 STAGE: Final = "stage"  # a pipeline stage: only from a cluster TOML, never from [workers]
+TP: Final = "tp"  # a tensor-parallel rank >= 1: only from [serve] tp_size, never from [workers]
 
 # role -> module with ``async def run(ctx: WorkerContext[ITS_OPTIONS]) -> int``
 ROLES: dict[str, str] = {
     ECHO: "mlxceld.workers.echo",
     ROUTER: "mlxceld.workers.router",
     STAGE: "mlxceld.workers.stage",
+    TP: "mlxceld.workers.tensor_rank",
 }

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Final, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from mlxceld.errors import ConfigError
-from mlxceld.roles import ECHO, ROUTER, STAGE
+from mlxceld.roles import ECHO, ROUTER, STAGE, TP
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire.address import parse_address
 
 T = TypeVar("T")
 
+MAX_TP_SIZE: Final = 16  # models/tensor.py's bound (this module imports nothing of models/)
 EXIT_CONFIG: Final = 2  # a worker whose options are refused exits so (as mlxceld does)
 
 
@@ -48,6 +49,14 @@ def _check_layers(key: str, layers: tuple[int, int]) -> None:
 
 def _check_port(key: str, port: int) -> None:
     _check(1 <= port <= 65535, key, "be a port in 1-65535", port)
+
+
+def _check_tp_hosts(key: str, hosts: tuple[str, ...], size: int) -> None:
+    """A tensor-parallel group's ring: one distinct ``host:port`` per rank, rank 0 first."""
+    _check(len(hosts) == size, key, f"name one host:port per rank ({size})", hosts)
+    for host in hosts:
+        _check_address(key, host)
+    _check(len(set(hosts)) == len(hosts), key, "name each host:port once", hosts)
 
 
 def _check_address(key: str, address: str | None) -> None:
@@ -217,11 +226,23 @@ class RouterOptions:
     # Replica groups past the first (``pipeline`` is replica 0): each a whole pipeline;
     # the router pools them (replicas/groups.py). Empty: one pipeline, as before.
     replica_pipelines: tuple[PipelineOptions, ...] = ()
-    tp_size: int = 1  # ranks of this host's tensor-parallel group (config/tensor.py)
+    # Tensor parallelism (issue 20): this router is rank 0 of a group of ``tp_size`` ranks
+    # on this host (the others: the ``tp`` workers, TensorOptions), meeting in an
+    # mlx.distributed ring at ``tp_hosts`` (host:port per rank, rank 0 first; empty when
+    # tp_size is 1). Only with the model here: no pipeline, replicas or handoff.
+    tp_size: int = 1
+    tp_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
-        _check(1 <= self.tp_size <= 16, "tp_size", "be 1-16", self.tp_size)
+        _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", f"be in 1-{MAX_TP_SIZE}",
+               self.tp_size)
+        # Empty with tp_size > 1 until the roster picks the ring's ports (the router
+        # worker refuses it so, and tp with a pipeline, replicas or handoff).
+        if self.tp_size > 1 and self.tp_hosts:
+            _check_tp_hosts("tp_hosts", self.tp_hosts, self.tp_size)
+        _check(self.tp_size > 1 or not self.tp_hosts, "tp_hosts", "be empty with tp_size 1",
+               self.tp_hosts)
         _check(not self.replica_pipelines or self.pipeline is not None, "replica_pipelines",
                "come with a pipeline (replica 0)", self.replica_pipelines)
         _check(self.pipeline is None or self.replicas is None, "replicas",
@@ -269,9 +290,32 @@ class StageOptions:
             _check_address(key, getattr(self, key))
 
 
-WorkerOptions = EchoOptions | RouterOptions | StageOptions
+@dataclass(frozen=True)
+class TensorOptions:
+    """The ``tp`` role (``workers/tensor_rank.py``): rank ``rank`` >= 1 of the router's
+    tensor-parallel group; it loads its slice of ``model`` and follows rank 0's steps
+    over the ring at ``tp_hosts``. No port of its own besides its ring's."""
+
+    role: ClassVar[str] = TP
+
+    model: str  # as the router's: a local directory or a Hugging Face repo id
+    model_name: str  # the id clients see (its log lines name it)
+    rank: int
+    tp_hosts: tuple[str, ...]  # the ring: host:port per rank, rank 0 (the router) first
+    max_batch: int  # the router's: both sides of the ring must be given the same
+
+    def __post_init__(self) -> None:
+        _check(2 <= len(self.tp_hosts) <= MAX_TP_SIZE, "tp_hosts",
+               f"name 2-{MAX_TP_SIZE} ranks' host:port", self.tp_hosts)
+        _check_tp_hosts("tp_hosts", self.tp_hosts, len(self.tp_hosts))
+        _check(1 <= self.rank < len(self.tp_hosts), "rank",
+               f"be in 1-{len(self.tp_hosts) - 1} (rank 0 is the router)", self.rank)
+        _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
+
+
+WorkerOptions = EchoOptions | RouterOptions | StageOptions | TensorOptions
 OPTIONS: Final[dict[str, type[WorkerOptions]]] = {
-    c.role: c for c in (EchoOptions, RouterOptions, StageOptions)}
+    c.role: c for c in (EchoOptions, RouterOptions, StageOptions, TensorOptions)}
 
 
 def options_json(options: WorkerOptions) -> dict[str, object]:

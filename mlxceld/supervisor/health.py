@@ -6,6 +6,8 @@ import time
 
 from mlxceld.types import JSON, WorkerState
 
+DOWN = frozenset({WorkerState.FAILED, WorkerState.BACKOFF, WorkerState.EXITED})
+
 
 def problems(workers: list[JSON]) -> list[JSON]:
     """``workers`` as ``Supervisor.snapshot`` gives them."""
@@ -13,7 +15,9 @@ def problems(workers: list[JSON]) -> list[JSON]:
     for w in workers:
         name, state = w["name"], WorkerState(w["state"])
         logs = f"mlxctl logs {name}"
-        if state is WorkerState.FAILED:
+        if w.get("group") and state in DOWN:
+            out.append(_group_member(w, state))
+        elif state is WorkerState.FAILED:
             out.append(_problem(name, f"worker {name} failed: {w['reason']}",
                                 f"{logs}; then: mlxctl restart {name}"))
         elif state is WorkerState.BACKOFF:
@@ -28,6 +32,26 @@ def problems(workers: list[JSON]) -> list[JSON]:
         out += _stage_links(w)
         out += _replica_links(w)
     return out
+
+
+def _group_member(w: JSON, state: WorkerState) -> JSON:
+    """A member of a worker group (a tensor-parallel rank: ``supervisor/groups.py``) that
+    is not running: the group serves nothing without it; what happens next."""
+    name, group = w["name"], w["group"]
+    tail = name.rsplit("-", 1)[-1]
+    rank = int(tail) if w["role"] == "tp" and tail.isdigit() else 0
+    who = (f"worker {name} (rank {rank} of tensor group {group})"
+           if w["role"] in ("tp", "router") else f"worker {name} (group {group})")
+    logs = f"mlxctl logs {name}"
+    if state is WorkerState.BACKOFF:
+        return _problem(name, f"{who} is restarting: {w['reason']}; the group serves once "
+                        "every rank runs again (its members restart together)", logs)
+    if state is WorkerState.FAILED:
+        return _problem(name, f"{who} failed: {w['reason']}; the group is stopped with it",
+                        f"{logs}; then: mlxctl restart {name} (restarts the whole group)")
+    why = w["last_exit"] or w["reason"] or "stopped"
+    return _problem(name, f"{who} is not running ({why}); the group serves nothing without "
+                    "it", f"mlxctl restart {name} (restarts the whole group)")
 
 
 def _replica_links(w: JSON) -> list[JSON]:

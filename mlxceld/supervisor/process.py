@@ -17,7 +17,7 @@ import psutil
 
 from mlxceld.errors import WorkerError
 from mlxceld.logformat import LogFormat
-from mlxceld.roles import ROUTER, STAGE
+from mlxceld.roles import ROUTER, STAGE, TP
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
 from mlxceld.supervisor.states import RestartPolicy
@@ -30,10 +30,11 @@ SECRET_ENV = re.compile(r"SECRET|API_KEY|PASSWORD|TOKEN", re.IGNORECASE)
 SERVICE_MANAGER_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
 # The Hugging Face token (the daemon's HF_TOKEN or HUGGING_FACE_HUB_TOKEN), for the
 # workers that may download a model named by its repo id (a stage its shards, a router
-# mlx-lm's whole model; models/fetch.py) and no others: in their bootstrap, on stdin, as
-# the cluster secret travels; never in a child's environment.
+# and its tensor-parallel ranks mlx-lm's whole model; models/fetch.py) and no others: in
+# their bootstrap, on stdin, as the cluster secret travels; never in a child's
+# environment.
 DOWNLOAD_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-DOWNLOADERS = frozenset({ROUTER, STAGE})
+DOWNLOADERS = frozenset({ROUTER, STAGE, TP})
 CREATE_TIME_TOLERANCE_S = 0.05
 
 
@@ -51,6 +52,9 @@ class WorkerSpec:
     accepted: tuple[bytes, ...] = field(default=(), repr=False)  # the others it accepts
     api_key: str | None = field(default=None, repr=False)
     log_format: LogFormat = "text"  # its log lines (logformat.py), as the daemon's
+    # The workers that live and die together (a tensor-parallel group's ranks): one's
+    # failure restarts them all (supervisor/groups.py). None: on its own.
+    group: str | None = None
 
     @property
     def role(self) -> str:
@@ -71,7 +75,8 @@ class WorkerSpec:
     def describe(self) -> dict[str, Any]:
         """The spec as stored in SQLite: no secret, only whether there is one."""
         return {"name": self.name, "role": self.role, "options": options_json(self.options),
-                "has_secret": self.secret is not None, "has_api_key": self.api_key is not None}
+                "has_secret": self.secret is not None, "has_api_key": self.api_key is not None,
+                "group": self.group}
 
     def bootstrap(self) -> WorkerBootstrap:
         boot: WorkerBootstrap = {

@@ -33,6 +33,7 @@ from mlxceld.supervisor.states import (
     BecameReady,
     ExitCause,
     HealthProbed,
+    KillRequested,
     Lifecycle,
     LoadAdvanced,
     ProcessExited,
@@ -53,8 +54,9 @@ READY_POLL_S = 0.1
 LIVENESS_TIMEOUT_S = 2.0
 ADOPTED_POLL_S = 0.5
 LOG_TAIL_LINES = 40
-Event = (StartRequested | StopRequested | AdoptedRunning | Spawned | SpawnFailed | BecameReady
-         | HealthProbed | LoadAdvanced | ProgressReported | ProcessExited)
+Event = (StartRequested | StopRequested | KillRequested | AdoptedRunning | Spawned
+         | SpawnFailed | BecameReady | HealthProbed | LoadAdvanced | ProgressReported
+         | ProcessExited)
 
 
 class Observer(Protocol):

@@ -22,9 +22,11 @@ import psutil
 from mlxceld.errors import ChannelError, WorkerError
 from mlxceld.state import EventLog, WorkerRow, WorkersTable
 from mlxceld.supervisor import channel, logfiles, process
+from mlxceld.supervisor.groups import UP, group_rule
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import (
+    KillRequested,
     Lifecycle,
     LoadAdvanced,
     StartRequested,
@@ -98,6 +100,7 @@ class Supervisor:
     async def reconcile(self, specs: list[WorkerSpec]) -> None:
         """Make the running set match ``specs``: adopt survivors, start the rest, stop leftovers."""
         wanted = {s.name: s for s in specs}
+        before = {name: r.spec.group for name, r in self._runners.items()}
         for row in self._table.all():
             if row.name not in wanted and row.name not in self._runners:
                 await self._retire_leftover(row)
@@ -118,6 +121,28 @@ class Supervisor:
                 self._table.update(spec.name, role=spec.role, spec=spec.describe())
                 self._events.append("worker.config_changed", spec.name,
                                     f"worker {spec.name}: new spec takes effect at its next start")
+        self._regroup(before, specs)
+
+    def _regroup(self, before: dict[str, str | None], specs: list[WorkerSpec]) -> None:
+        """A group whose members changed (a reload's new ``tp_size``) restarts the workers
+        that were there before and still are, in it before or now (the router leaving
+        or joining a group): their ring no longer matches its ranks (``groups.py``).
+        Added workers start as any; removed ones were stopped."""
+        still = set(before) & {s.name for s in specs}
+        for group in {g for g in (*before.values(), *(s.group for s in specs)) if g}:
+            old = {n for n, g in before.items() if g == group}
+            new = {s.name for s in specs if s.group == group}
+            kept = sorted((old | new) & still)
+            if old == new or not kept:
+                continue
+            now = ", ".join(sorted(new)) or "none"
+            reason = (f"group {group}: its members changed (now {now}); its group restarts "
+                      "together")
+            log.info("%s", reason)
+            self._events.append("worker.group_restart", group, reason, group=group,
+                                members=kept)
+            for name in kept:
+                self._restart(name, reason)
 
     async def _add(self, spec: WorkerSpec) -> None:
         row = self._table.get(spec.name)
@@ -173,13 +198,23 @@ class Supervisor:
         self._tell(runner.spec, None, "removed")
 
     def restart(self, name: str) -> None:
-        """Stop (if running) and start again; also the way out of FAILED."""
+        """Stop (if running) and start again; also the way out of FAILED. A member of a
+        group (``WorkerSpec.group``) restarts with all its group (``groups.py``)."""
+        group = self._runners[name].spec.group
+        for member in self._members(group) if group is not None else [name]:
+            self._restart(member, f"restart of {name} requested")
+
+    def _restart(self, name: str, reason: str = "", *, at_once: bool = False) -> None:
         runner = self._runners[name]
         self._table.update(name, desired="running")
-        if runner.machine.state in (WorkerState.RUNNING, WorkerState.STARTING):
-            runner.post(StopRequested())
-        runner.post(StartRequested())
-        self._events.append("worker.restart_requested", name, f"restart of {name} requested")
+        if runner.machine.state in UP:
+            runner.post(StopRequested(reason, at_once=at_once))
+        runner.post(StartRequested(reason))
+        self._events.append("worker.restart_requested", name,
+                            reason or f"restart of {name} requested")
+
+    def _members(self, group: str) -> list[str]:
+        return [n for n, r in sorted(self._runners.items()) if r.spec.group == group]
 
     def longest_stop_timeout(self) -> float:
         return max((r.spec.policy.stop_timeout_s for r in self._runners.values()), default=0.0)
@@ -261,10 +296,37 @@ class Supervisor:
                             cause=m.last_cause.kind if m.last_cause else None)
         self._tell(runner.spec, change.new, change.reason or "")
 
+        if runner.spec.group is not None:
+            self._group_rule(runner, change)
         if (self._finished is not None and change.new is WorkerState.EXITED
                 and change.old in (WorkerState.RUNNING, WorkerState.STARTING)
                 and m.last_cause is not None and m.last_cause.clean):
             self._finished(runner.name)
+
+    def _group_rule(self, runner: WorkerRunner, change: Transitioned) -> None:
+        """The rest of ``runner``'s group restarted or stopped, as its transition asks
+        (``groups.py``): each member that is RUNNING or STARTING."""
+        group, m = runner.spec.group, runner.machine
+        assert group is not None
+        action = group_rule(group, runner.name, change.old, change.new, change.reason,
+                            exit_summary=m.last_cause.summary if m.last_cause else None,
+                            failing=m.failing)
+        if action is None:
+            return
+        others = [n for n in self._members(group)
+                  if n != runner.name and self._runners[n].machine.state in UP]
+        if not others:  # the rest is down or going (a stop of all, as at unserve): as asked
+            return
+        log.warning("%s (%s)", action.reason, ", ".join(others))
+        self._events.append(f"worker.group_{action.kind}", runner.name, action.reason,
+                            group=group, members=others)
+        if change.new is WorkerState.STOPPING:  # failed probes or the watchdog: hung
+            runner.post(KillRequested())
+        for name in others:  # their collectives wait on it: nothing of theirs can drain
+            if action.kind == "restart":
+                self._restart(name, action.reason, at_once=True)
+            else:
+                self._runners[name].post(StopRequested(action.reason, at_once=True))
 
     def _tell(self, spec: WorkerSpec, state: WorkerState | None, reason: str) -> None:
         """``changed``, whose failure is logged: it never stops a worker's lifecycle."""
@@ -290,7 +352,8 @@ class Supervisor:
             row = self._table.get(name)
             m = r.machine
             out.append({
-                "name": name, "role": r.spec.role, "state": m.state.value, "pid": r.pid,
+                "name": name, "role": r.spec.role, "group": r.spec.group,
+                "state": m.state.value, "pid": r.pid,
                 "healthy": m.healthy if m.state is WorkerState.RUNNING else None,
                 "reason": m.reason, "restarts": m.restarts,
                 "last_exit": m.last_cause.summary if m.last_cause else (row.last_exit if row

@@ -14,6 +14,8 @@ Every state change returns exactly one ``Transitioned``, first in the list.
     STARTING/RUNNING --failed exit--> FAILED           (too many exits in the flap window)
     STARTING/RUNNING --fatal exit--> FAILED            (kind "config": a restart cannot help)
     STARTING/RUNNING --stop--> STOPPING --exit--> EXITED (or STARTING if a start came meanwhile)
+               (SIGTERM; SIGKILL at once when the stop says so, or on KillRequested:
+               a worker group's restart, supervisor/groups.py)
     RUNNING --too many failed probes--> STOPPING --exit--> BACKOFF (a failure)
     RUNNING --busy, no step for stall_timeout_s--> STOPPING --exit--> BACKOFF (the watchdog)
 
@@ -105,12 +107,26 @@ class ExitCause:
 
 @dataclass(frozen=True)
 class StartRequested:
-    """The user or the daemon wants the worker running."""
+    """The user or the daemon wants the worker running; ``reason``, if given, is the
+    STARTING state's (e.g. a worker group's restart: ``supervisor/groups.py``)."""
+
+    reason: str = ""
 
 
 @dataclass(frozen=True)
 class StopRequested:
-    """The user or the daemon wants the worker down, and to stay down."""
+    """The user or the daemon wants the worker down, and to stay down; ``reason``, if
+    given, is the STOPPING state's. ``at_once``: SIGKILL, not SIGTERM (a worker group's
+    member whose peer failed: its work waits on that peer and cannot drain)."""
+
+    reason: str = ""
+    at_once: bool = False
+
+
+@dataclass(frozen=True)
+class KillRequested:
+    """A STOPPING worker is to be killed now, not at its stop timeout (a group's member
+    stopped for failed health probes: hung, it would not act on SIGTERM)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,7 @@ class ProcessExited:
 Event = (
     StartRequested
     | StopRequested
+    | KillRequested
     | AdoptedRunning
     | Spawned
     | SpawnFailed
@@ -254,7 +271,15 @@ class Lifecycle:
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
         self._doomed_kind = ""  # ... and of this kind (else the exit's own)
         self._start_pending = False  # a start was requested while STOPPING
+        self._start_reason = ""  # ... and its reason
+        self._stop_reason = ""  # why a requested stop was requested, if said
         self._load_advanced = False  # the start timer was re-armed by a load's progress
+
+    @property
+    def failing(self) -> str:
+        """Why the coming exit is a failure (a STOPPING worker the health probes or the
+        watchdog stopped, or a start that timed out); "" when it is not."""
+        return self._doomed
 
     def __repr__(self) -> str:
         return f"<Lifecycle {self.name!r} {self.state} pid={self.pid} reason={self.reason!r}>"
@@ -287,6 +312,7 @@ class Lifecycle:
         self._timer = None  # every timer belongs to the state it was armed in
         self._doomed, self._doomed_kind = "", ""
         self._start_pending, self._probe_failures = False, 0
+        self._stop_reason = ""
         self._load_advanced = False
         return [Transitioned(old, new, reason)]
 
@@ -335,7 +361,7 @@ class Lifecycle:
     def _on_start(self, event: StartRequested, now: float) -> list[Action]:
         if self.state is WorkerState.FAILED:  # a manual start gives it a fresh chance
             self._exits, self._streak = [], 0
-        return self._spawn(now, "start requested")
+        return self._spawn(now, event.reason or "start requested")
 
     def _on_adopted(self, event: AdoptedRunning, now: float) -> list[Action]:
         self.pid = event.pid
@@ -410,7 +436,11 @@ class Lifecycle:
         return self._enter(WorkerState.EXITED, f"finished: {event.cause.summary}")
 
     def _on_stop(self, event: StopRequested, now: float) -> list[Action]:
-        return self._stop(now, "stop requested")
+        actions = self._stop(now, event.reason or "stop requested")
+        self._stop_reason = event.reason
+        if event.at_once:
+            actions[-1] = SendSignal("KILL")
+        return actions
 
     def _on_stop_while_stopping(self, event: StopRequested, now: float) -> list[Action]:
         self._doomed, self._doomed_kind = "", ""  # down it is: no restart after the exit
@@ -418,10 +448,11 @@ class Lifecycle:
         return []
 
     def _on_start_while_stopping(self, event: StartRequested, now: float) -> list[Action]:
-        self._start_pending = True
+        self._start_pending, self._start_reason = True, event.reason
         return []
 
-    def _on_stop_timeout(self, event: _StopTimedOut, now: float) -> list[Action]:
+    def _on_stop_timeout(self, event: _StopTimedOut | KillRequested, now: float
+                         ) -> list[Action]:
         return [SendSignal("KILL")]
 
     def _on_stopped(self, event: ProcessExited, now: float) -> list[Action]:
@@ -429,8 +460,9 @@ class Lifecycle:
             return self._fail(self._doomed_cause(event.cause), now)
         self._reap(event.cause)
         if self._start_pending:
-            return self._spawn(now, "restart requested")
-        return self._enter(WorkerState.EXITED, "stopped")
+            return self._spawn(now, self._start_reason or "restart requested")
+        return self._enter(WorkerState.EXITED, "stopped" + (f": {self._stop_reason}"
+                                                            if self._stop_reason else ""))
 
     def _on_stop_in_backoff(self, event: StopRequested, now: float) -> list[Action]:
         return self._enter(WorkerState.EXITED, "stopped during backoff")
@@ -465,6 +497,7 @@ _TRANSITIONS: dict[tuple[WorkerState, type[object]], _Handler] = {
     (_S.STOPPING, StartRequested): Lifecycle._on_start_while_stopping,  # restart after the exit
     (_S.STOPPING, StopRequested): Lifecycle._on_stop_while_stopping,  # cancels any restart
     (_S.STOPPING, _StopTimedOut): Lifecycle._on_stop_timeout,  # KILL, once
+    (_S.STOPPING, KillRequested): Lifecycle._on_stop_timeout,  # KILL now
     (_S.STOPPING, ProcessExited): Lifecycle._on_stopped,  # -> EXITED | STARTING | BACKOFF
     (_S.BACKOFF, _BackoffElapsed): Lifecycle._on_retry,  # -> STARTING, restarts += 1
     (_S.BACKOFF, StopRequested): Lifecycle._on_stop_in_backoff,  # -> EXITED

@@ -73,8 +73,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,8 @@ from mlxceld.workers.handoff_node import bind_serving, run_handoff_node
 from mlxceld.workers.replica_router import Discovered, replica_engine, replica_links
 from mlxceld.workers.runtime import WorkerContext, load_reporter
 from mlxceld.workers.wired import set_wired_limit
+
+log = logging.getLogger(__name__)
 
 GRACEFUL_S = 10.0  # open streams get this long to finish when the router stops
 STATS_EVERY_S = 1.0
@@ -233,8 +237,50 @@ def drain_op(draining: Draining, request: JSON) -> JSON:
             "finished": draining.finished, "ended": draining.ended}
 
 
+def check_tensor_options(o: RouterOptions) -> None:
+    """Tensor parallelism (``tp_size`` > 1) runs the whole model on this host, the router
+    its rank 0: refused (``ConfigError``: exit 2, naming it) over a pipeline, replicas or
+    as a prefill/decode node (not built), or without its ring's ports."""
+    if o.tp_size <= 1:
+        return
+    for key, what in (("pipeline", "a pipeline stage's router"),
+                      ("replicas", "a router over replicas (--node-role router)"),
+                      ("handoff", "a prefill or decode node")):
+        if getattr(o, key) is not None:
+            raise ConfigError(f"tensor parallelism (tp_size {o.tp_size}) is not built for "
+                              f"{what}: options.{key} must be null with tp_size > 1",
+                              hint="set [serve] tp_size (--tp-size) to 1 there")
+    if len(o.tp_hosts) != o.tp_size:
+        raise ConfigError(f"options.tp_hosts names {len(o.tp_hosts)} ring addresses for "
+                          f"tp_size {o.tp_size}: the daemon could not pick the ring's ports",
+                          hint="check that 127.0.0.1 takes new TCP listeners; mlxctl logs "
+                          "router")
+
+
+async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
+                        engine_broke: Callable[[BaseException], None],
+                        loaded: Callable[[int, int], None]) -> tuple[Any, Any]:
+    """Rank 0 of the tensor-parallel group: the model checked for the split, the ring
+    joined (``engine.tensor.join_ring``: every rank within its ``RING_DEADLINE_S``), then
+    this rank's slice loaded while the others load theirs (``load_tensor_engine``: the
+    engine drives the group)."""
+    from mlxceld.engine.tensor import load_tensor_engine
+    from mlxceld.workers.tensor_rank import check_split, join_group
+
+    o = ctx.options
+    check_split(path, o.model, o.tp_size)
+    ctx.skip_teardown = True  # its ring's threads: mlx may abort the teardown (runtime.py)
+    ctx.stats["tensor"] = {"rank": 0, "size": o.tp_size}
+    group = await join_group(0, o.tp_hosts)
+    log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
+    return await asyncio.to_thread(
+        load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
+        on_failure=engine_broke, progress=loaded)
+
+
 async def run(ctx: WorkerContext[RouterOptions]) -> int:
     o = ctx.options
+    check_tensor_options(o)
     raise_file_limit()
     sock = listen(o.host, o.port) if o.handoff is None else socket.socket()  # none bound
     loop = asyncio.get_running_loop()
@@ -261,9 +307,12 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                 path = str(await asyncio.to_thread(fetch_whole, o.model, fetched))
             # Its reports are queued before the thread ends, so they land before the pop.
             loaded = load_reporter(ctx, time.time(), failpoints.ROUTER_LAYER_S)
-            engine, tokenizer = await asyncio.to_thread(
-                load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
-                on_failure=engine_broke, progress=loaded)
+            if o.tp_size > 1:
+                engine, tokenizer = await tensor_engine(ctx, path, engine_broke, loaded)
+            else:
+                engine, tokenizer = await asyncio.to_thread(
+                    load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
+                    on_failure=engine_broke, progress=loaded)
             ctx.stats.pop("loading", None)
     except ConfigError as exc:  # a repo id's weights it cannot fetch: restarts cannot help
         sock.close()

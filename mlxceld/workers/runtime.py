@@ -97,6 +97,10 @@ class WorkerContext(Generic[Opts]):
     # Called (on the worker's loop) when the ``keyring`` op changed the primary: the role
     # hands its outgoing streams over to the new key (pipeline/links.py, stage.py).
     rekeyed: list[Callable[[], None]] = field(default_factory=list)
+    # A role that may leave a native thread blocked (a tensor-parallel rank's ring, told
+    # to stop while it waits on a peer) sets this: the worker then exits at once after its
+    # exit record (``exit_at_once``), since mlx would abort the interpreter's teardown.
+    skip_teardown: bool = False
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
@@ -273,7 +277,9 @@ def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> N
         path.write_text(json.dumps(record))
 
 
-async def run_worker(boot: WorkerBootstrap, options: WorkerOptions) -> int:
+async def run_worker(boot: WorkerBootstrap, options: WorkerOptions,
+                     made: list[WorkerContext[WorkerOptions]] | None = None) -> int:
+    """Run the role of ``boot`` with ``options``; ``made`` is given the context."""
     if "hf_token" in boot:  # huggingface_hub reads it at each call; no child inherits it
         os.environ["HF_TOKEN"] = boot["hf_token"]
     keyring = None
@@ -283,6 +289,8 @@ async def run_worker(boot: WorkerBootstrap, options: WorkerOptions) -> int:
                             [bytes.fromhex(h) for h in boot.get("accepted_hex", [])])
     ctx = WorkerContext(boot["name"], boot["role"], options, Path(boot["state_dir"]), keyring,
                         boot.get("api_key"))
+    if made is not None:
+        made.append(ctx)
     module = importlib.import_module(ROLES[boot["role"]])
     role_main: RoleMain = module.run
     loop = asyncio.get_running_loop()
@@ -323,8 +331,9 @@ def main(argv: list[str]) -> int:
         log.error("worker %s %s (%s)", boot["name"], summary, exc.hint)
         write_exit_record(exit_record, EXIT_CONFIG, "config", summary)
         return EXIT_CONFIG
+    made: list[WorkerContext[WorkerOptions]] = []
     try:
-        code = asyncio.run(run_worker(boot, options))
+        code = asyncio.run(run_worker(boot, options, made))
     except ConfigError as exc:  # e.g. a stage's model it cannot load: a restart cannot help
         said = exc.message + (f"; {exc.hint}" if exc.hint else "")
         summary = " ".join(said.split())[:MAX_SUMMARY]  # one line, as a status shows it
@@ -335,8 +344,12 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         last = traceback.format_exception_only(exc)[-1].strip()
         write_exit_record(exit_record, 1, "exception", f"Python exception: {last}")
+        if made and made[0].skip_teardown:
+            exit_at_once(1)
         return 1
     kind = "clean" if code == 0 else "status"
     write_exit_record(exit_record, code, kind, "exited cleanly" if code == 0
                       else f"exited with status {code}")
+    if made and made[0].skip_teardown:
+        exit_at_once(code)
     return code

@@ -432,3 +432,10 @@ def test_the_max_tokens_bound_reaches_the_router(tmp_path: Path) -> None:
 def test_bad_connection_bounds_are_refused_by_name(key: str, value: object, says: str) -> None:
     error = refusal({"serve": {key: value}})
     assert f"'serve.{key}' {says}" in str(error)
+
+
+def test_a_tp_rank_is_no_workers_role_and_its_names_are_reserved() -> None:
+    error = refusal({"workers": {"tp-1": {"role": "echo"}}})
+    assert "worker name 'tp-1' is reserved for a tensor-parallel rank" in str(error)
+    error = refusal({"workers": {"w1": {"role": "tp"}}})
+    assert "'workers.w1.role' must be one of echo, not 'tp'" in str(error)

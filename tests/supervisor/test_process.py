@@ -28,7 +28,7 @@ def test_describe_and_repr_do_not_carry_the_secret(tmp_path: Path) -> None:
                                            "exit_code": 0, "ignore_term": False,
                                            "freeze_after_s": None, "hog_mib": 0,
                                            "busy": False, "stall_after_s": None},
-                               "has_secret": True, "has_api_key": False}
+                               "has_secret": True, "has_api_key": False, "group": None}
 
 
 def test_the_api_key_travels_on_the_bootstrap_only(tmp_path: Path) -> None:

@@ -153,3 +153,43 @@ def test_a_worker_refuses_bad_options_before_its_role_runs(state_dir: Path) -> N
     assert cause is not None and (cause.kind, cause.returncode) == ("config", EXIT_CONFIG)
     assert said in cause.summary
     assert not spec.control_socket.exists()  # it never got as far as its channel
+
+
+TP_RING = ["127.0.0.1:29500", "127.0.0.1:29501"]
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({"rank": 0}, "option 'options.rank' must be in 1-1 (rank 0 is the router)"),
+    ({"rank": 2}, "option 'options.rank' must be in 1-1"),
+    ({"tp_hosts": TP_RING[:1]}, "option 'options.tp_hosts' must name 2-16 ranks' host:port"),
+    ({"tp_hosts": [TP_RING[0]] * 2}, "option 'options.tp_hosts' must name each host:port once"),
+    ({"tp_hosts": ["127.0.0.1", TP_RING[1]]}, "option 'options.tp_hosts' must be host:port"),
+    ({"max_batch": 0}, "option 'options.max_batch' must be >= 1"),
+])
+def test_a_tp_ranks_options_are_checked_naming_the_field(raw: dict[str, Any],
+                                                         named: str) -> None:
+    good = {"model": "/m", "model_name": "m", "rank": 1, "tp_hosts": TP_RING, "max_batch": 4}
+    parse_options("tp", good)
+    with pytest.raises(ConfigError) as err:
+        parse_options("tp", {**good, **raw})
+    assert err.value.message.startswith(named), err.value.message
+
+
+def test_a_routers_ring_names_one_address_per_rank_and_none_without_tp() -> None:
+    base = {"model": "/m", "model_name": "m", "host": "127.0.0.1", "port": 8080,
+            "max_batch": 4, "max_queued": 8}
+    assert parse_options("router", {**base, "tp_size": 2, "tp_hosts": TP_RING})
+    for raw, named in (({"tp_size": 3, "tp_hosts": TP_RING}, "options.tp_hosts' must name "
+                        "one host:port per rank (3)"),
+                       ({"tp_hosts": TP_RING}, "options.tp_hosts' must be empty with "
+                        "tp_size 1"),
+                       ({"tp_size": 17}, "options.tp_size' must be in 1-16")):
+        with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            parse_options("router", {**base, **raw})
+
+
+def test_the_tp_size_bound_is_the_tensor_checks() -> None:
+    from mlxceld.models import tensor
+    from mlxceld.roles import options
+
+    assert options.MAX_TP_SIZE == tensor.MAX_TP_SIZE

@@ -1,0 +1,152 @@
+"""The ``tp`` role: one rank >= 1 of a router's tensor-parallel group (issue 20).
+
+Options (``TensorOptions``, from ``[serve] tp_size``: ``roster.py``): model, model_name,
+rank, tp_hosts (the ring: ``host:port`` per rank, rank 0 the router), max_batch (the
+router's: every rank's ``BatchGenerator`` must be built alike). No cluster secret, no
+API key, no port of its own besides its ring's.
+
+Start-up: a model named by its Hugging Face repo id is fetched first (``downloading``
+in its stats, as the router's); the model is checked for the split
+(``models.tensor.check_model_dir``: a family mlx-lm cannot shard, or a ``tp_size`` that
+does not divide its heads, is refused as ``ConfigError``: exit 2, not restarted); then
+it joins the ring (``engine.tensor.join_ring``: meant to end within its
+``RING_DEADLINE_S``, naming the ranks it waited for; but mlx 0.32's
+``mx.distributed.init`` holds the GIL while it waits for a peer, so meanwhile the
+worker answers no probe and takes no SIGTERM, and that deadline cannot fire: a rank
+whose peer never comes is ended by the supervisor, by the group rule's SIGKILL when the
+peer exits or fails (``supervisor/groups.py``), else by its start timeout), and follows rank
+0 in a thread (``engine.tensor.run_tensor_follower``: reads its slice of the weights,
+with ``loading`` in its stats as the router's, reports ready, then runs each step rank 0
+shares) while the worker's loop keeps answering health probes and stats
+(``tensor``: its rank and the group's size).
+
+It ends when rank 0 closes the group (exit 0), when the ring breaks (a peer died: it
+exits non-zero, the log line naming why; the supervisor then restarts the whole group:
+``supervisor/groups.py``), or when told to stop (exit 0: its thread, blocked in the
+ring, is left to the process's end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlxceld.errors import ConfigError
+from mlxceld.models.fetch import fetch_whole, names_a_repo
+from mlxceld.models.tensor import TensorParallelRefused, check_model_dir
+from mlxceld.roles.options import TensorOptions
+from mlxceld.workers.runtime import WorkerContext, load_reporter
+
+log = logging.getLogger(__name__)
+
+
+def check_split(path: str, model: str, tp_size: int) -> None:
+    """``models.tensor.check_model_dir`` as ``ConfigError`` (exit 2, not restarted): the
+    same start would be refused the same way. Shared with the router (rank 0)."""
+    try:
+        check_model_dir(Path(path), tp_size)
+    except TensorParallelRefused as exc:
+        raise ConfigError(f"tensor parallelism over {tp_size} ranks refused: {exc}",
+                          hint="set [serve] tp_size (--tp-size) to a size the model allows, "
+                          "or 1") from None
+    except FileNotFoundError:
+        raise ConfigError(f"model {model!r} has no config.json at {path}",
+                          hint="point [serve] model at an mlx-lm model directory") from None
+
+
+async def fetched_path(ctx: WorkerContext[Any], model: str) -> str:
+    """``model``'s local directory: a repo id's files fetched first, with progress."""
+    if not names_a_repo(model):
+        return model
+    fetched = load_reporter(ctx, time.time(), step="downloading")
+    return str(await asyncio.to_thread(fetch_whole, model, fetched))
+
+
+async def join_group(rank: int, hosts: tuple[str, ...]) -> Any:
+    """This rank's ``mx.distributed`` group: ``engine.tensor.join_ring`` on a thread of
+    its own (its deadline, ``RING_DEADLINE_S``, bounds it: ``EngineError`` naming the
+    ranks it waited for)."""
+    from mlxceld.engine.tensor import join_ring
+
+    return await in_thread(f"ring rank {rank}", lambda: join_ring(rank, hosts))
+
+
+async def in_thread(name: str, call: Callable[[], Any]) -> Any:
+    """``call()`` on a daemon thread, awaited: unlike ``asyncio.to_thread``'s pool (joined
+    at the loop's close), a thread left blocked in the ring never holds up an exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def body() -> None:
+        try:
+            result = call()
+        except BaseException as exc:  # handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return await done
+
+
+async def run(ctx: WorkerContext[TensorOptions]) -> int:
+    o = ctx.options
+    ctx.skip_teardown = True  # its ring's threads: mlx may abort the teardown (runtime.py)
+    size = len(o.tp_hosts)
+    ctx.stats["tensor"] = {"rank": o.rank, "size": size}
+    path = await fetched_path(ctx, o.model)
+    check_split(path, o.model, size)
+    from mlxceld.engine.tensor import run_tensor_follower
+    from mlxceld.workers.wired import set_wired_limit
+
+    set_wired_limit()
+    joining = asyncio.ensure_future(join_group(o.rank, o.tp_hosts))
+    if not await _first(ctx, joining):  # told to stop while it waits for the ring
+        log.info("tp rank %d stopping before its ring formed", o.rank)
+        return 0
+    group = joining.result()
+    log.info("tp rank %d of %d joined the ring at %s", o.rank, size, o.tp_hosts[o.rank])
+    loop = asyncio.get_running_loop()
+    loaded = load_reporter(ctx, time.time())
+
+    def ready() -> None:  # on the follower's thread, once its slice is loaded
+        loop.call_soon_threadsafe(_loaded, ctx)
+
+    following = asyncio.ensure_future(in_thread(
+        f"tp rank {o.rank}", lambda: run_tensor_follower(path, group, max_batch=o.max_batch,
+                                                         progress=loaded, ready=ready)))
+    if not await _first(ctx, following):  # told to stop: its thread stays in the ring
+        log.info("tp rank %d of model %s stopping", o.rank, o.model_name)
+        return 0
+    error = following.exception()
+    if error is not None:  # the ring broke: the supervisor restarts the group
+        raise RuntimeError(f"tp rank {o.rank} of {size} left the group: {error}") from error
+    log.info("tp rank %d: rank 0 closed the group", o.rank)
+    return 0
+
+
+async def _first(ctx: WorkerContext[TensorOptions], work: asyncio.Future[Any]) -> bool:
+    """Wait for ``work`` or the worker's stop, whichever comes first: True when ``work``
+    is done (its thread is left where it is otherwise: the worker exits at once)."""
+    stopping = asyncio.ensure_future(ctx.stopping.wait())
+    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    return work.done()
+
+
+def _loaded(ctx: WorkerContext[TensorOptions]) -> None:
+    ctx.stats.pop("loading", None)
+    ctx.ready()
