@@ -235,6 +235,7 @@ class LocalEngine:
             if self._mirror is not None:
                 self._ops.append(("close",))
                 self._share()
+                self._mirror.close()
         except BaseException as exc:  # the engine is broken: fail every waiting request
             log.exception("engine step thread failed")
             self._failure = exc
@@ -388,6 +389,7 @@ class Follower:
                     ops = self._mirror.share([])
                 for op in ops:
                     if op[0] == "close":
+                        self._mirror.close()
                         return
                     gen = self._apply(gen, op)
                 if self._live:

@@ -13,8 +13,13 @@ across the ranks. So, on rank 0's step thread, before each step:
 
 - rank 0 shares its *op log* since the last step with the followers: each sequence
   inserted (its prompt tokens, ``max_tokens``, how many prompt tokens its prompt cache
-  spared, whether it samples greedily) and each removed (cancelled). The log is pickled
-  and sent with two ``all_sum``s (its size, then its bytes), as mlx-lm's own server does.
+  spared, whether it samples greedily) and each removed (cancelled). The first log goes
+  over the ring (two ``all_sum``s: its size, then its pickled bytes, as mlx-lm's own
+  server does) and says where rank 0 takes the *op links*, a TCP connection from each
+  follower to rank 0 on 127.0.0.1 (the follower proves itself with a token from that
+  first log); every log after it is a length-prefixed pickle on those links. mlx's ring
+  busy-polls a core while a rank waits in a collective: a follower waiting on its link
+  for rank 0's next step waits in the kernel instead, so an idle group costs no CPU.
   The followers apply the same ops to their generators, so that the ranks' batches,
   uids and prompt caches stay equal; a follower whose prompt cache would spare another
   count than rank 0's, or whose generator hands out another uid, stops with an
@@ -29,10 +34,10 @@ across the ranks. So, on rank 0's step thread, before each step:
   the previous one, so the ranks' collectives are queued in one order.
 
 While rank 0 has no sequence it shares an empty op log every ``engine.local.IDLE_WAIT_S``
-(0.5 s): a heartbeat, through which a rank that died is seen (mlx raises ``RuntimeError:
-[ring] connection to a peer was lost`` from the next collective) and the engine fails,
-so its worker exits and the daemon restarts the group. When rank 0 closes, it shares
-``close`` and every follower returns.
+(0.5 s): a heartbeat, through which a rank that died is seen (its link fails) and the
+engine fails, so its worker exits and the daemon restarts the group; a follower whose
+link ends (rank 0 gone) fails at once. When rank 0 closes, it shares ``close`` and every
+follower returns.
 
 A peer lost in the middle of a step is not always raised: mlx then fails the step's
 pending work on its stream's thread and the next wait on that stream never ends. So
@@ -58,6 +63,9 @@ import json
 import logging
 import os
 import pickle
+import secrets
+import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -163,6 +171,7 @@ class Mirror:
         self._since: float | None = None  # when the share under way began
         self._armed = False  # whether shares have a deadline yet (from the second on)
         self._watchdog: threading.Thread | None = None
+        self._links: dict[int, socket.socket] | None = None  # the op links, by peer rank
         # The last token share (the chain); made on the step thread, where its stream is.
         self._last: mx.array | None = None
         self._greedy: Sampler = self._lead(greedy) if self.leader else self._follow()
@@ -202,6 +211,74 @@ class Mirror:
                 os._exit(EXIT_RING_BROKEN)
 
     def _share(self, ops: list[Op]) -> list[Op]:
+        if self._links is None:
+            return self._first(ops)
+        if self.leader:
+            data = pickle.dumps(ops)
+            frame = struct.pack(">I", len(data)) + data
+            for rank, link in self._links.items():
+                try:
+                    link.sendall(frame)
+                except OSError as exc:
+                    raise EngineError(f"tensor-parallel rank {rank} is gone: its op link "
+                                      f"failed ({exc})") from exc
+            return ops
+        [link] = self._links.values()
+        try:
+            (size,) = struct.unpack(">I", _read(link, 4))
+            shared: list[Op] = pickle.loads(_read(link, size))  # rank 0's, a checked peer
+        except (OSError, EOFError) as exc:
+            raise EngineError(f"tensor-parallel rank {self.rank} lost rank 0: its op link "
+                              f"ended ({exc or 'closed'})") from exc
+        return shared
+
+    def _first(self, ops: list[Op]) -> list[Op]:
+        """The first share, over the ring: ``ops`` and where rank 0 takes the op links
+        (a port on 127.0.0.1 and a token each follower proves itself with); every share
+        after it goes over those links, which wait in the kernel (mlx's ring busy-polls
+        a core while it waits for a peer: an idle group would keep a core per follower
+        busy)."""
+        if self.leader:
+            server = socket.create_server(("127.0.0.1", 0))
+            server.settimeout(self._deadline_s)
+            token = secrets.token_hex(16)
+            self._ring_share([*ops, ("link", server.getsockname()[1], token)])
+            links: dict[int, socket.socket] = {}
+            with server:
+                while len(links) < self.size - 1:
+                    try:
+                        link, _ = server.accept()
+                    except TimeoutError as exc:
+                        raise EngineError(f"the tensor-parallel ranks did not all link to "
+                                          f"rank 0 within {self._deadline_s:g} s") from exc
+                    link.settimeout(self._deadline_s)
+                    try:
+                        hello = _read(link, 36).decode("ascii", "replace")
+                    except (OSError, EOFError):
+                        link.close()
+                        continue
+                    rank = int(hello[32:]) if hello[32:].isdigit() else 0
+                    if not secrets.compare_digest(hello[:32], token) \
+                            or not 0 < rank < self.size or rank in links:
+                        link.close()  # not one of ours
+                        continue
+                    links[rank] = link
+            self._links = links
+            return ops
+        got = self._ring_share([])
+        link_op = next(op for op in got if op[0] == "link")
+        link = socket.create_connection(("127.0.0.1", link_op[1]), timeout=self._deadline_s)
+        link.sendall(link_op[2].encode("ascii") + b"%04d" % self.rank)
+        link.settimeout(self._deadline_s)
+        self._links = {0: link}
+        return [op for op in got if op[0] != "link"]
+
+    def close(self) -> None:
+        """Close the op links (after the last share)."""
+        for link in (self._links or {}).values():
+            link.close()
+
+    def _ring_share(self, ops: list[Op]) -> list[Op]:
         g = self.group
         if self.leader:
             data = pickle.dumps(ops) if ops else b""
@@ -252,6 +329,17 @@ class Mirror:
             else tokens + (self._last.sum() * 0).astype(mx.int32)
         self._last = mx.distributed.all_sum(after, group=self.group)
         return self._last
+
+
+def _read(link: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``link``; ``EOFError`` when it ends first."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = link.recv(n - len(out))
+        if not chunk:
+            raise EOFError("the peer closed the link")
+        out += chunk
+    return bytes(out)
 
 
 def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
