@@ -231,7 +231,11 @@ class LocalEngine:
                 if self._mirror is not None:  # the other ranks take the same step
                     self._share()
                 if self._by_uid:
-                    self._step()
+                    if self._mirror is None:
+                        self._step()
+                    else:
+                        with self._mirror.stepping():
+                            self._step()
             if self._mirror is not None:
                 self._ops.append(("close",))
                 self._share()
@@ -393,7 +397,8 @@ class Follower:
                         return
                     gen = self._apply(gen, op)
                 if self._live:
-                    self._step(gen)
+                    with self._mirror.stepping():
+                        self._step(gen)
         finally:
             if gen is not None:
                 gen.close()

@@ -40,12 +40,13 @@ link ends (rank 0 gone) fails at once. When rank 0 closes, it shares ``close`` a
 follower returns.
 
 A peer lost in the middle of a step is not always raised: mlx then fails the step's
-pending work on its stream's thread and the next wait on that stream never ends. So
-each share but the first has a deadline, ``SHARE_DEADLINE_S``, kept by a watchdog
-thread: past it the rank writes why to stderr (its worker's log) and ends its process at once
-(``EXIT_RING_BROKEN``); nothing in it can go on. The daemon restarts the whole group as
-soon as any rank exits, so this is only the bound for a rank whose peers all still run
-(a peer stopped with SIGSTOP, or hung).
+pending work on its stream's thread and the next wait on that stream never ends. So a
+watchdog thread ends the rank's process at once (``EXIT_RING_BROKEN``, why written to
+stderr: its worker's log; nothing in it can go on) when rank 0 sees a follower's op link
+close (looked at every ``LINK_POLL_S``), when a share but the first takes longer than
+``SHARE_DEADLINE_S``, or a step longer than ``STEP_DEADLINE_S``. The daemon restarts the
+whole group as soon as any rank exits, so the deadlines are only the bound for a rank
+whose peers all still run (a peer stopped with SIGSTOP, or hung).
 
 Not under tensor parallelism: the KV handoff of prefill/decode disaggregation
 (``LocalEngine.prefill`` and ``generate_from`` refuse).
@@ -58,19 +59,21 @@ gets ``RING_DEADLINE_S``, after which the process exits (status 1).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
 import os
 import pickle
 import secrets
+import select
 import socket
 import struct
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -86,6 +89,9 @@ log = logging.getLogger(__name__)
 RING_DEADLINE_S: Final = 60.0  # join_ring: for every rank to join (they load first)
 # A share waits for the slowest rank to finish the step they all take: this long at most.
 SHARE_DEADLINE_S: Final = 60.0
+# One batch step (a prefill chunk of every new prompt, one decode step): this long at most.
+STEP_DEADLINE_S: Final = 600.0
+LINK_POLL_S: Final = 0.5  # how often rank 0 looks whether a follower's op link ended
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
 BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
 
@@ -168,7 +174,8 @@ class Mirror:
         self.rank: int = group.rank()
         self.size: int = group.size()
         self._deadline_s = deadline_s
-        self._since: float | None = None  # when the share under way began
+        self._since: float | None = None  # when the share or step under way began
+        self._limit = deadline_s  # how long that one may take
         self._armed = False  # whether shares have a deadline yet (from the second on)
         self._watchdog: threading.Thread | None = None
         self._links: dict[int, socket.socket] | None = None  # the op links, by peer rank
@@ -190,6 +197,7 @@ class Mirror:
             self._watchdog.start()
         # The first share has no deadline: rank 0 builds its engine (tokenizer, constraint
         # tables) after the load's barrier while the followers wait in it.
+        self._limit = self._deadline_s
         self._since = time.monotonic() if self._armed else None
         try:
             shared = self._share(ops)
@@ -198,17 +206,48 @@ class Mirror:
         self._armed = True
         return shared
 
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around a batch step: the watchdog gives it ``STEP_DEADLINE_S``."""
+        self._limit, self._since = STEP_DEADLINE_S, time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
     def _watch(self) -> None:
         while True:
-            time.sleep(min(1.0, self._deadline_s / 4))
-            since = self._since
-            if since is not None and time.monotonic() - since > self._deadline_s:
-                print(f"tensor-parallel rank {self.rank} of {self.size} waited "
-                      f"{self._deadline_s:g} s for the other ranks to take a step with it: "
-                      "a rank is gone or stopped; this rank exits (status "
-                      f"{EXIT_RING_BROKEN}) and the daemon restarts the group",
-                      file=sys.stderr, flush=True)
-                os._exit(EXIT_RING_BROKEN)
+            time.sleep(min(LINK_POLL_S, self._deadline_s / 4))
+            since, limit = self._since, self._limit
+            if since is not None and time.monotonic() - since > limit:
+                self._broken(f"it waited {limit:g} s for the other ranks to take a step "
+                             "with it: a rank is gone or stopped")
+            gone = self._gone_follower()
+            if gone is not None:
+                self._broken(f"tensor-parallel rank {gone} is gone: its op link closed")
+
+    def _gone_follower(self) -> int | None:
+        """Rank 0: a follower whose op link ended (a follower never writes on it after
+        its hello: a readable link is one that closed); None while all are there."""
+        links = self._links
+        if not self.leader or not links:
+            return None
+        readable, _, _ = select.select(list(links.values()), [], [], 0)
+        for rank, link in links.items():
+            if link in readable:
+                try:
+                    if not link.recv(1, socket.MSG_PEEK):
+                        return rank
+                except OSError:
+                    return rank
+        return None
+
+    def _broken(self, why: str) -> None:
+        """End this process: a rank whose group broke cannot go on (the module docstring)."""
+        print(f"tensor-parallel rank {self.rank} of {self.size}: {why}; this rank exits "
+              f"(status {EXIT_RING_BROKEN}) and the daemon restarts the group",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_RING_BROKEN)
 
     def _share(self, ops: list[Op]) -> list[Op]:
         if self._links is None:

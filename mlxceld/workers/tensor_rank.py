@@ -9,12 +9,12 @@ Start-up: a model named by its Hugging Face repo id is fetched first (``download
 in its stats, as the router's); the model is checked for the split
 (``models.tensor.check_model_dir``: a family mlx-lm cannot shard, or a ``tp_size`` that
 does not divide its heads, is refused as ``ConfigError``: exit 2, not restarted); then
-it joins the ring (``engine.tensor.join_ring``: meant to end within its
-``RING_DEADLINE_S``, naming the ranks it waited for; but mlx 0.32's
-``mx.distributed.init`` holds the GIL while it waits for a peer, so meanwhile the
-worker answers no probe and takes no SIGTERM, and that deadline cannot fire: a rank
-whose peer never comes is ended by the supervisor, by the group rule's SIGKILL when the
-peer exits or fails (``supervisor/groups.py``), else by its start timeout), and follows rank
+it joins the ring (``engine.tensor.join_ring``: mlx 0.32's ``mx.distributed.init``
+holds the GIL while it waits for a peer, so meanwhile the worker answers no probe and
+takes no SIGTERM; its deadline, ``RING_DEADLINE_S`` (60 s), is kept by faulthandler's
+watchdog thread, which needs no GIL: past it the process exits with status 1, its log
+naming the ranks it waited for; the group rule's SIGKILL ends it sooner when a peer
+exits or fails, ``supervisor/groups.py``), and follows rank
 0 in a thread (``engine.tensor.run_tensor_follower``: reads its slice of the weights,
 with ``loading`` in its stats as the router's, reports ready, then runs each step rank 0
 shares) while the worker's loop keeps answering health probes and stats
@@ -69,8 +69,8 @@ async def fetched_path(ctx: WorkerContext[Any], model: str) -> str:
 
 async def join_group(rank: int, hosts: tuple[str, ...]) -> Any:
     """This rank's ``mx.distributed`` group: ``engine.tensor.join_ring`` on a thread of
-    its own (its deadline, ``RING_DEADLINE_S``, bounds it: ``EngineError`` naming the
-    ranks it waited for)."""
+    its own (its deadline, ``RING_DEADLINE_S``, ends the process: the module
+    docstring)."""
     from mlxceld.engine.tensor import join_ring
 
     return await in_thread(f"ring rank {rank}", lambda: join_ring(rank, hosts))

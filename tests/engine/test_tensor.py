@@ -5,8 +5,7 @@ Greedy output at tp 2 is token-identical to one process for the llama and qwen3 
 batched, with the prompt cache in play, a cancelled sequence, penalties, logit bias and a
 seed; log-probabilities agree within ``LOGPROB_TOLERANCE`` (the ranks' sums of partial
 projections round differently from one process's whole ones). A rank whose peer dies
-fails at its next collective, and a ring whose ranks do not all come fails at its
-deadline.
+ends at once, naming it, and a ring whose ranks do not all come fails at its deadline.
 """
 
 from __future__ import annotations
@@ -86,9 +85,9 @@ def test_two_ranks_generate_what_one_process_does(models: Path, family: str,
 def test_an_idle_rank_whose_peer_dies_fails_at_its_next_heartbeat(models: Path,
                                                                   tmp_path: Path,
                                                                   lost: int) -> None:
-    """kill -9 of one rank while rank 0 idles: the other fails at once, naming the lost
-    peer (rank 0 at its next heartbeat, then its next request is refused, never hung; a
-    follower as its op link ends)."""
+    """kill -9 of one rank while rank 0 idles: the other ends at once, naming the lost
+    peer (rank 0 as the follower's op link closes, or at its next heartbeat; a follower
+    as its op link ends)."""
     out = tmp_path / "out.json"
     procs = start_ranks(models / "llama", 2,
                         [{"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}], out,
@@ -105,17 +104,16 @@ def test_an_idle_rank_whose_peer_dies_fails_at_its_next_heartbeat(models: Path,
         results = finish(procs, deadline_s=10.0)
     code, text = results[1 - lost]
     assert code != 0
-    if lost == 1:  # at its heartbeat; then its next request is refused
+    if lost == 1:
         assert "tensor-parallel rank 1 is gone" in text, text[-2000:]
-        assert "the engine is not running" in text, text[-2000:]
     else:  # its op link ended
         assert "tensor-parallel rank 1 lost rank 0" in text, text[-2000:]
 
 
-def test_a_rank_whose_peer_dies_mid_step_exits_at_the_share_deadline(models: Path,
-                                                                    tmp_path: Path) -> None:
+def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path) -> None:
     """kill -9 of rank 1 while rank 0 generates: mlx may leave rank 0 waiting on its
-    stream for good; its share deadline ends it (status 1), saying why."""
+    stream for good; its watchdog sees the op link close and ends it (status 1), saying
+    why."""
     out = tmp_path / "out.json"
     procs = start_ranks(models / "llama", 2,
                         [{"prompt": [5, 6, 7], "max_tokens": 100_000, "temperature": 0}],
@@ -130,9 +128,8 @@ def test_a_rank_whose_peer_dies_mid_step_exits_at_the_share_deadline(models: Pat
     finally:
         results = finish(procs, deadline_s=10.0)
     code, text = results[0]
-    assert code != 0
-    assert ("a rank is gone or stopped" in text or "connection to a peer was lost" in text
-            or "rank 1 is gone" in text), text[-2000:]
+    assert code == 1
+    assert "tensor-parallel rank 1 is gone: its op link closed" in text, text[-2000:]
 
 
 def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:
