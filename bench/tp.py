@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,19 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxceld.discovery.inventory import free_ports
+
 HERE = Path(__file__).resolve()
 DEADLINE_S = 1800.0  # one setup's processes, loads included
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _memory() -> dict[str, int]:
@@ -125,7 +115,7 @@ def _worker(spec: dict[str, Any]) -> None:
 def _setup(model: Path, tp: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run one setup (tp 1: the model whole in one process) to its end; each process's
     report, rank 0 (or the only one) first."""
-    hosts = [f"127.0.0.1:{p}" for p in _free_ports(tp)] if tp > 1 else []
+    hosts = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", tp)] if tp > 1 else []
     ranks = range(tp) if tp > 1 else [-1]
     procs = []
     for rank in ranks:

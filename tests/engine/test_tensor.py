@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from mlxceld.discovery.inventory import free_ports
 from mlxceld.engine.local import load_local_engine
 
 from helpers.models import FAMILIES, write_tiny_checkpoints
-from helpers.tensor_ranks import HERE, finish, free_ports, generated, start_ranks
+from helpers.tensor_ranks import HERE, finish, generated, start_ranks
 from helpers.waiting import wait_for
 
 LOGPROB_TOLERANCE = 1e-4  # measured: at most 2.2e-6 on the tiny fixtures
@@ -135,7 +136,7 @@ def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path)
 def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:
     """mlx waits for every rank without end: the process exits at the deadline, its log
     naming the rank that did not come."""
-    hosts = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    hosts = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
     root = str(HERE.parent.parent.parent)
     code = (f"import sys; sys.path.insert(0, {root!r})\n"
             "from mlxceld.engine.tensor import join_ring\n"

@@ -19,26 +19,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from mlxceld.discovery.inventory import free_ports
+
 HERE = Path(__file__).resolve()
 DEADLINE_S = 240.0  # a rank's whole run, loads included, on a loaded 2-core machine
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def start_ranks(model: Path, size: int, requests: list[dict[str, Any]], out: Path, *,
@@ -46,7 +36,7 @@ def start_ranks(model: Path, size: int, requests: list[dict[str, Any]], out: Pat
                 **more: Any) -> list[subprocess.Popen[bytes]]:
     """Every rank of a group of ``size`` (the spec in the module docstring; ``more``: its
     other keys, ``idle_s``, ``share_deadline_s``)."""
-    hosts = [f"127.0.0.1:{p}" for p in free_ports(size)]
+    hosts = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", size)]
     procs = []
     for rank in range(size):
         spec = {"rank": rank, "hosts": hosts, "model": str(model), "max_batch": max_batch,
