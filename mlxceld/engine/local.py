@@ -96,6 +96,8 @@ class LocalEngine:
         self._constraints = constraints
         self._gen: Any = generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
+        if mirror is not None:
+            mirror.on_broken = self._group_broke
         # What changed in the batch since the last step, for the other ranks (with a mirror).
         self._ops: list[Op] = [] if mirror is None else [
             ("setup", sorted(eos_token_ids), max_batch, prefill_step)]
@@ -251,6 +253,17 @@ class LocalEngine:
         finally:
             self._gen.close()
             self._fail_prefills()
+
+    def _group_broke(self, why: str) -> None:
+        """The tensor-parallel group broke (told on the mirror's watchdog thread, while the
+        step thread waits for good): every waiting request fails, naming why, and the
+        engine is failed (``on_failure``)."""
+        exc = EngineError(f"the tensor-parallel group broke: {why}")
+        self._failure = exc
+        for seq in list(self._by_uid.values()):
+            self._deliver(seq, exc)
+        if self._on_failure is not None:
+            self._on_failure(exc)
 
     def _share(self) -> None:
         assert self._mirror is not None

@@ -44,7 +44,8 @@ pending work on its stream's thread and the next wait on that stream never ends.
 watchdog thread ends the rank's process at once (``EXIT_RING_BROKEN``, why written to
 stderr: its worker's log; nothing in it can go on) when rank 0 sees a follower's op link
 close (looked at every ``LINK_POLL_S``), when a share but the first takes longer than
-``SHARE_DEADLINE_S``, or a step longer than ``STEP_DEADLINE_S``. The daemon restarts the
+``SHARE_DEADLINE_S``, or a step longer than ``STEP_DEADLINE_S``; rank 0's requests are
+failed first, naming why, and get ``BROKEN_GRACE_S`` to be answered. The daemon restarts the
 whole group as soon as any rank exits, so the deadlines are only the bound for a rank
 whose peers all still run (a peer stopped with SIGSTOP, or hung).
 
@@ -92,6 +93,7 @@ SHARE_DEADLINE_S: Final = 60.0
 # One batch step (a prefill chunk of every new prompt, one decode step): this long at most.
 STEP_DEADLINE_S: Final = 600.0
 LINK_POLL_S: Final = 0.5  # how often rank 0 looks whether a follower's op link ended
+BROKEN_GRACE_S: Final = 1.0  # for rank 0's requests to hear why, before its process ends
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
 BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
 
@@ -179,6 +181,8 @@ class Mirror:
         self._armed = False  # whether shares have a deadline yet (from the second on)
         self._watchdog: threading.Thread | None = None
         self._links: dict[int, socket.socket] | None = None  # the op links, by peer rank
+        # Told (on the watchdog's thread) why the group broke, before this process ends.
+        self.on_broken: Callable[[str], None] | None = None
         # The last token share (the chain); made on the step thread, where its stream is.
         self._last: mx.array | None = None
         self._greedy: Sampler = self._lead(greedy) if self.leader else self._follow()
@@ -243,10 +247,18 @@ class Mirror:
         return None
 
     def _broken(self, why: str) -> None:
-        """End this process: a rank whose group broke cannot go on (the module docstring)."""
+        """End this process: a rank whose group broke cannot go on (the module docstring).
+        ``on_broken`` (rank 0's engine: its requests fail, naming ``why``) is told first,
+        and gets ``BROKEN_GRACE_S`` to answer them."""
         print(f"tensor-parallel rank {self.rank} of {self.size}: {why}; this rank exits "
               f"(status {EXIT_RING_BROKEN}) and the daemon restarts the group",
               file=sys.stderr, flush=True)
+        if self.on_broken is not None:
+            try:
+                self.on_broken(why)
+                time.sleep(BROKEN_GRACE_S)
+            except Exception as exc:  # nothing may keep this process from ending
+                print(f"telling the engine failed: {exc!r}", file=sys.stderr, flush=True)
         os._exit(EXIT_RING_BROKEN)
 
     def _share(self, ops: list[Op]) -> list[Op]:

@@ -113,8 +113,8 @@ def test_an_idle_rank_whose_peer_dies_fails_at_its_next_heartbeat(models: Path,
 
 def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path) -> None:
     """kill -9 of rank 1 while rank 0 generates: mlx may leave rank 0 waiting on its
-    stream for good; its watchdog sees the op link close and ends it (status 1), saying
-    why."""
+    stream for good; its watchdog sees the op link close, fails the request in flight
+    naming why, and ends it (status 1)."""
     out = tmp_path / "out.json"
     procs = start_ranks(models / "llama", 2,
                         [{"prompt": [5, 6, 7], "max_tokens": 100_000, "temperature": 0}],
@@ -131,6 +131,8 @@ def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path)
     code, text = results[0]
     assert code == 1
     assert "tensor-parallel rank 1 is gone: its op link closed" in text, text[-2000:]
+    assert ("generation failed: the tensor-parallel group broke: tensor-parallel rank 1 is "
+            "gone") in text, text[-2000:]  # the request heard why
 
 
 def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:
