@@ -112,9 +112,9 @@ def test_an_idle_rank_whose_peer_dies_fails_at_its_next_heartbeat(models: Path,
 
 
 def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path) -> None:
-    """kill -9 of rank 1 while rank 0 generates: mlx may leave rank 0 waiting on its
-    stream for good; its watchdog sees the op link close, fails the request in flight
-    naming why, and ends it (status 1)."""
+    """kill -9 of rank 1 while rank 0 generates: mlx raises in rank 0's step, or leaves it
+    waiting on its stream for good, when its watchdog sees the op link close, fails the
+    request in flight naming why, and ends it (status 1)."""
     out = tmp_path / "out.json"
     procs = start_ranks(models / "llama", 2,
                         [{"prompt": [5, 6, 7], "max_tokens": 100_000, "temperature": 0}],
@@ -129,10 +129,11 @@ def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path)
     finally:
         results = finish(procs, deadline_s=10.0)
     code, text = results[0]
-    assert code == 1
-    assert "tensor-parallel rank 1 is gone: its op link closed" in text, text[-2000:]
+    assert code != 0  # 1 from the watchdog; mlx may abort the teardown after it raised
+    # The request in flight heard why: from the watchdog, or from mlx when it does raise.
     assert ("generation failed: the tensor-parallel group broke: tensor-parallel rank 1 is "
-            "gone") in text, text[-2000:]  # the request heard why
+            "gone: its op link closed" in text
+            or "generation failed: [ring] connection to a peer was lost" in text), text[-2000:]
 
 
 def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:

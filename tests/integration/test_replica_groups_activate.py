@@ -87,8 +87,12 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     nodes = {n["id"]: n for n in router_stats(port)["nodes"]}
     assert set(nodes) == {"replica-0", "replica-1"}
     assert all(n["dispatched"] >= 1 and n["failed"] == 0 for n in nodes.values()), nodes
-    shown = coord.ctl("status").stdout
-    assert "REPLICA" in shown and "stages of router: 2 of 2 attached" in shown, shown
+    # Both groups' stages attached, as status shows them. (Once, on CI's loaded machine,
+    # status showed a router just restarted, its stages still connecting: wait for them.)
+    shown = wait_for(lambda: (out := coord.ctl("status").stdout)
+                     and "stages of router: 2 of 2 attached" in out and out,
+                     READY_S, "status to show both groups' stages attached", every=0.5)
+    assert "REPLICA" in shown, shown
 
     # kill -9 the host of the group a long stream runs on (daemon and stage worker): the
     # stream ends with an error naming that group; new requests go to the other group.
