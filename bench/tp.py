@@ -9,7 +9,7 @@ ids, ``--new`` tokens each; the prompt differs per round, so no prompt cache hel
 reports per round the time to the first token and the decode rate (tokens after the first,
 over the time after the first). Every process then reports its resident set (RSS, and
 its peak), what of it is above its baseline (its RSS with mlx and mlx-lm imported, before
-the model: about 130 MiB here, which every rank pays), and the bytes of weights it
+the model: about 90 MiB here, which every rank pays), and the bytes of weights it
 holds. The setups alternate ``--repeat`` times; medians are printed, with the ratios
 tp / one.
 
