@@ -15,7 +15,7 @@ cache joins the batch with the first token as its only prompt token.
 
 With a ``Mirror`` (``engine/tensor.py``) the engine is rank 0 of a tensor-parallel group:
 before each step the step thread shares what changed in the batch with the other ranks
-(``Follower``, below, on each of them), and its sampled tokens go to them.
+(``engine/follower.py``'s ``Follower`` on each of them), and its sampled tokens go to them.
 """
 
 from __future__ import annotations
@@ -381,75 +381,6 @@ class LocalEngine:
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
-
-
-class Follower:
-    """Rank 1..N-1 of a tensor-parallel engine: rank 0's steps on this rank's slices of
-    the model (``engine/tensor.py``: ``run_tensor_follower``). Its generator is built as
-    rank 0's from rank 0's ``setup`` op, so they batch, chunk and stop alike."""
-
-    def __init__(self, model: Any, mirror: Mirror, *, max_batch: int) -> None:
-        self._model = model
-        self._mirror = mirror
-        self._max_batch = max_batch
-        self._prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, PROMPT_CACHE_BYTES)
-        self._live: set[int] = set()
-
-    def run(self) -> None:
-        """Follow until rank 0 shares ``close``; mlx raises ``RuntimeError`` when the
-        ring breaks, ``EngineError`` where this rank cannot follow (a bug)."""
-        from mlx_lm.generate import generation_stream
-        gen: Any = None
-        try:
-            while True:
-                with mx.stream(generation_stream if gen is None else gen.stream):
-                    ops = self._mirror.share([])
-                for op in ops:
-                    if op[0] == "close":
-                        self._mirror.close()
-                        return
-                    gen = self._apply(gen, op)
-                if self._live:
-                    with self._mirror.stepping():
-                        self._step(gen)
-        finally:
-            if gen is not None:
-                gen.close()
-
-    def _apply(self, gen: Any, op: Op) -> Any:
-        if op[0] == "setup":
-            eos, max_batch, prefill_step = op[1], op[2], op[3]
-            if max_batch != self._max_batch:
-                raise EngineError(f"rank 0 batches {max_batch} sequences and this rank "
-                                  f"{self._max_batch}: every rank needs the same max_batch")
-            return generator(self._model, set(eos), max_batch, prefill_step)
-        if gen is None:
-            raise EngineError(f"rank 0 sent {op[0]!r} before setup")
-        if op[0] == "insert":
-            _, uid, tokens, max_tokens, spared, shared = op
-            cache, rest = cached_prefix(self._prompt_cache, tokens)
-            if len(tokens) - len(rest) != spared:
-                raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
-                                  f"tokens of sequence {uid}'s prompt, rank 0's {spared}")
-            [got] = gen.insert([rest], max_tokens=[max_tokens], caches=[cache],
-                               all_tokens=[tokens[: len(tokens) - len(rest)]],
-                               samplers=[self._mirror.follower(shared)])
-            if got != uid:
-                raise EngineError(f"this rank numbered a sequence {got}, rank 0 {uid}")
-            self._live.add(uid)
-        elif op[0] == "remove":
-            gen.remove([op[1]])
-            self._live.discard(op[1])
-        else:
-            raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
-        return gen
-
-    def _step(self, gen: Any) -> None:
-        _, generated = gen.next()
-        for r in generated:
-            if r.finish_reason is not None:
-                self._live.discard(r.uid)
-                keep_cache(self._prompt_cache, r)
 
 
 def generator(model: Any, eos_token_ids: set[int], max_batch: int, prefill_step: int) -> Any:

@@ -400,7 +400,7 @@ def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
     """Rank ``group.rank()`` (≥ 1) of a tensor-parallel engine: load this rank's slices
     of ``path``, say ``ready()``, then take rank 0's steps until it closes the group.
     Raises ``EngineError`` when the ring breaks (rank 0 or another rank gone)."""
-    from mlxceld.engine.local import Follower
+    from mlxceld.engine.follower import Follower
 
     model, _ = load_shard(path, group, progress)
     follower = Follower(model, Mirror(group, deadline_s=share_deadline_s), max_batch=max_batch)

@@ -1,0 +1,90 @@
+"""A tensor-parallel follower: rank 1..N-1 of a group whose rank 0 is a ``LocalEngine``
+(``engine/tensor.py``: ``run_tensor_follower``). It takes rank 0's batch steps on its own
+slices of the model, with its own ``BatchGenerator`` and prompt cache built as rank 0's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache
+
+from mlxceld.engine.base import EngineError
+from mlxceld.engine.local import (
+    PROMPT_CACHE_BYTES,
+    PROMPT_CACHE_ENTRIES,
+    cached_prefix,
+    generator,
+    keep_cache,
+)
+from mlxceld.engine.tensor import Mirror, Op
+
+
+class Follower:
+    """Rank 1..N-1 of a tensor-parallel engine: rank 0's steps on this rank's slices of
+    the model (``engine/tensor.py``: ``run_tensor_follower``). Its generator is built as
+    rank 0's from rank 0's ``setup`` op, so they batch, chunk and stop alike."""
+
+    def __init__(self, model: Any, mirror: Mirror, *, max_batch: int) -> None:
+        self._model = model
+        self._mirror = mirror
+        self._max_batch = max_batch
+        self._prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, PROMPT_CACHE_BYTES)
+        self._live: set[int] = set()
+
+    def run(self) -> None:
+        """Follow until rank 0 shares ``close``; mlx raises ``RuntimeError`` when the
+        ring breaks, ``EngineError`` where this rank cannot follow (a bug)."""
+        from mlx_lm.generate import generation_stream
+        gen: Any = None
+        try:
+            while True:
+                with mx.stream(generation_stream if gen is None else gen.stream):
+                    ops = self._mirror.share([])
+                for op in ops:
+                    if op[0] == "close":
+                        self._mirror.close()
+                        return
+                    gen = self._apply(gen, op)
+                if self._live:
+                    with self._mirror.stepping():
+                        self._step(gen)
+        finally:
+            if gen is not None:
+                gen.close()
+
+    def _apply(self, gen: Any, op: Op) -> Any:
+        if op[0] == "setup":
+            eos, max_batch, prefill_step = op[1], op[2], op[3]
+            if max_batch != self._max_batch:
+                raise EngineError(f"rank 0 batches {max_batch} sequences and this rank "
+                                  f"{self._max_batch}: every rank needs the same max_batch")
+            return generator(self._model, set(eos), max_batch, prefill_step)
+        if gen is None:
+            raise EngineError(f"rank 0 sent {op[0]!r} before setup")
+        if op[0] == "insert":
+            _, uid, tokens, max_tokens, spared, shared = op
+            cache, rest = cached_prefix(self._prompt_cache, tokens)
+            if len(tokens) - len(rest) != spared:
+                raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
+                                  f"tokens of sequence {uid}'s prompt, rank 0's {spared}")
+            [got] = gen.insert([rest], max_tokens=[max_tokens], caches=[cache],
+                               all_tokens=[tokens[: len(tokens) - len(rest)]],
+                               samplers=[self._mirror.follower(shared)])
+            if got != uid:
+                raise EngineError(f"this rank numbered a sequence {got}, rank 0 {uid}")
+            self._live.add(uid)
+        elif op[0] == "remove":
+            gen.remove([op[1]])
+            self._live.discard(op[1])
+        else:
+            raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
+        return gen
+
+    def _step(self, gen: Any) -> None:
+        _, generated = gen.next()
+        for r in generated:
+            if r.finish_reason is not None:
+                self._live.discard(r.uid)
+                keep_cache(self._prompt_cache, r)
