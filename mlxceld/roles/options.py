@@ -84,12 +84,14 @@ class EchoOptions:
     hog_mib: int = 0  # once ready, fill this much memory (an out-of-memory kill under a limit)
     busy: bool = False  # report having work (its ticks are its steps): the watchdog watches
     stall_after_s: float | None = None  # stop ticking after this long, channel still answering
+    drain_s: float = 0.0  # told to stop, go on answering (stopping) this long
+    teardown_s: float = 0.0  # its role returned, take this long to exit (a slow teardown)
 
     def __post_init__(self) -> None:
         _check(self.interval_s > 0, "interval_s", "be > 0", self.interval_s)
         _check(0 <= self.hog_mib <= 1 << 20, "hog_mib", "be in 0-1048576", self.hog_mib)
         for key in ("ready_after_s", "crash_after_s", "exit_after_s", "freeze_after_s",
-                    "stall_after_s"):
+                    "stall_after_s", "drain_s", "teardown_s"):
             value = getattr(self, key)
             _check(value is None or value >= 0, key, "be >= 0", value)
         _check(0 <= self.exit_code <= 255, "exit_code", "be in 0-255", self.exit_code)

@@ -186,13 +186,15 @@ class WorkerRunner:
             try:
                 reply = await channel.call(self.spec.control_socket, "health",
                                            timeout_s=LIVENESS_TIMEOUT_S)
-            except WorkerError as exc:
-                self.post(HealthProbed(False, exc.message))
+            except WorkerError as exc:  # its exit record written: its role is done, it exits
+                exiting = exits.read_exit_record(self.spec.exit_record, pid) is not None
+                self.post(HealthProbed(False, exc.message, stopping=exiting))
             else:
                 if self.pid == pid:  # it answered after the count: no OOM kill of it before
                     self._oom_mark = (pid, oom_kills)
-                if not self.machine.healthy:
-                    self.post(HealthProbed(True))
+                stopping = reply.get("state") == WorkerHealth.STOPPING
+                if not self.machine.healthy or stopping:
+                    self.post(HealthProbed(True, stopping=stopping))
                 progress = progress_of(reply)
                 if progress is not None and self.pid == pid:
                     self.post(progress)

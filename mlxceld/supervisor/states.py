@@ -17,6 +17,8 @@ Every state change returns exactly one ``Transitioned``, first in the list.
                (SIGTERM; SIGKILL at once when the stop says so, or on KillRequested:
                a worker group's restart, supervisor/groups.py)
     RUNNING --too many failed probes--> STOPPING --exit--> BACKOFF (a failure)
+               (not counted for stop_timeout_s once a worker on its way out goes quiet:
+               it said it is stopping, or it wrote its exit record and tears down)
     RUNNING --busy, no step for stall_timeout_s--> STOPPING --exit--> BACKOFF (the watchdog)
 
 A failed exit is any exit that is not clean, a spawn failure, or any exit
@@ -157,10 +159,13 @@ class BecameReady:
 
 @dataclass(frozen=True)
 class HealthProbed:
-    """A periodic liveness probe while RUNNING."""
+    """A periodic liveness probe while RUNNING; ``stopping``: the worker is on its way out,
+    not by our doing: it answered that it is stopping (as after an outside SIGTERM), or,
+    not answering, it has written its exit record (its role is done; it tears down)."""
 
     ok: bool
     reason: str = ""
+    stopping: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,8 @@ class Lifecycle:
         self._exits: list[float] = []  # times of recent failed exits (flap detection)
         self._streak = 0  # failed exits since the last stable period: the backoff exponent
         self._probe_failures = 0  # consecutive failed health probes
+        self._said_stopping = False  # a probe's answer said the worker is stopping
+        self._quiet_since: float | None = None  # ... and since then, probes fail
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
         self._doomed_kind = ""  # ... and of this kind (else the exit's own)
         self._start_pending = False  # a start was requested while STOPPING
@@ -312,6 +319,7 @@ class Lifecycle:
         self._timer = None  # every timer belongs to the state it was armed in
         self._doomed, self._doomed_kind = "", ""
         self._start_pending, self._probe_failures = False, 0
+        self._said_stopping, self._quiet_since = False, None
         self._stop_reason = ""
         self._load_advanced = False
         return [Transitioned(old, new, reason)]
@@ -398,18 +406,40 @@ class Lifecycle:
         return []
 
     def _on_probe(self, event: HealthProbed, now: float) -> list[Action]:
+        self._said_stopping = self._said_stopping or event.stopping
         if event.ok:
             if not self.healthy:
                 self.reason = "health probe ok again"
             self._probe_failures, self.healthy = 0, True
+            self._quiet_since = None
             return []
-        self._probe_failures += 1
         self.healthy = False
+        if self._said_stopping:  # it closed its channel on its way out: let it exit
+            return self._on_quiet_while_stopping(event, now)
+        self._probe_failures += 1
         n, limit, last = self._probe_failures, self.policy.liveness_failures, event.reason
         if n < limit:
             self.reason = f"health probe failed ({n}/{limit}): {last}"
             return []
         doomed = f"failed {n} consecutive health probes (last: {last})"
+        actions = self._stop(now, f"restarting: {doomed}")
+        self._doomed = doomed
+        return actions
+
+    def _on_quiet_while_stopping(self, event: HealthProbed, now: float) -> list[Action]:
+        """A worker on its way out (``HealthProbed.stopping``) answers no more: its exit
+        is coming (the interpreter's teardown), and a clean one must read as finished,
+        not as failed probes. It gets ``stop_timeout_s`` from the first failed probe, as
+        a stop of ours would; then it is killed, a failure."""
+        if self._quiet_since is None:
+            self._quiet_since = now
+        waited, limit = now - self._quiet_since, self.policy.stop_timeout_s
+        if waited < limit:
+            self.reason = (f"stopping on its own; its health probe fails ({event.reason}), "
+                           f"so it has {limit:g} s (stop_timeout_s) to exit")
+            return []
+        doomed = (f"it was on its way out, then answered no health probe for {waited:.0f} s "
+                  f"without exiting (stop_timeout_s {limit:g}; last: {event.reason})")
         actions = self._stop(now, f"restarting: {doomed}")
         self._doomed = doomed
         return actions

@@ -17,12 +17,17 @@ supervisor's handling of each can be tested against a real process:
                     answer says busy, so the supervisor's watchdog watches it
     stall_after_s   stop ticking after this long while the control channel still answers
                     (with ``busy``: alive, with work, no progress; the watchdog restarts it)
+    drain_s         once told to stop, go on answering (health: stopping) this long
+                    before returning (a stage draining its sequences)
+    teardown_s      once its role returned (its control channel closed, its exit record
+                    written), take this long to exit (a slow interpreter teardown)
     interval_s      tick period (default 1.0)
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import signal
 import time
@@ -65,6 +70,9 @@ async def run(ctx: WorkerContext[EchoOptions]) -> int:
         ctx.stats["ticks"] += 1
         last_tick = time.monotonic()
     log.info("echo worker %s stopping after %d ticks", ctx.name, ctx.stats["ticks"])
+    await asyncio.sleep(o.drain_s)
+    if o.teardown_s:
+        atexit.register(time.sleep, o.teardown_s)  # after the exit record, as teardown is
     return 0
 
 

@@ -70,9 +70,9 @@ def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
                     and w["pid"] != victim["pid"] and w, READY_S, "the stage to come back",
                     every=0.1)
     daemons.pids.add(back["pid"])
-    exits = [e for e in stage.events(400) if e["kind"] == "worker.exited"
-             and e["subject"] == "stage"]
-    assert exits and exits[-1]["data"]["cause"] == "clean", exits
+    seen = [e for e in stage.events(400) if e["subject"] == "stage"]
+    exits = [e for e in seen if e["kind"] == "worker.exited"]
+    assert exits and exits[-1]["data"]["cause"] == "clean", [e["message"] for e in seen]
 
     # The daemon's SIGTERM stops its stage the same way: the stream in flight completes.
     with client(pipe.url) as c:

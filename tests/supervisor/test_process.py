@@ -27,7 +27,8 @@ def test_describe_and_repr_do_not_carry_the_secret(tmp_path: Path) -> None:
                                            "crash_after_s": None, "exit_after_s": None,
                                            "exit_code": 0, "ignore_term": False,
                                            "freeze_after_s": None, "hog_mib": 0,
-                                           "busy": False, "stall_after_s": None},
+                                           "busy": False, "stall_after_s": None,
+                                           "drain_s": 0.0, "teardown_s": 0.0},
                                "has_secret": True, "has_api_key": False, "group": None}
 
 

@@ -573,6 +573,58 @@ def test_stop_during_liveness_restart_stays_down() -> None:
     assert crash(lc, 2.0) == [Transitioned(S.STOPPING, S.EXITED, "stopped")]
 
 
+def test_a_worker_that_said_it_is_stopping_gets_stop_timeout_to_exit_cleanly() -> None:
+    # Drained by an outside SIGTERM: it answers "stopping", then its channel closes
+    # while the interpreter tears down. Its clean exit reads as finished, not failed.
+    lc = make(liveness_failures=2, stop_timeout_s=3.0)
+    running(lc)
+    assert lc.handle(HealthProbed(ok=True, stopping=True), 1.0) == []
+    for t in (2.0, 3.0, 4.5):  # 2.5 s quiet: within stop_timeout_s, not counted
+        assert lc.handle(HealthProbed(ok=False, reason="connection refused"), t) == []
+    assert lc.state is S.RUNNING and not lc.healthy
+    assert "stopping on its own" in lc.reason and "stop_timeout_s" in lc.reason
+    assert crash(lc, 4.8, CLEAN) == [
+        Transitioned(S.RUNNING, S.EXITED, "finished: exited with status 0")]
+
+
+def test_a_worker_that_said_it_is_stopping_and_hangs_is_restarted() -> None:
+    lc = make(liveness_failures=2, stop_timeout_s=3.0)
+    running(lc)
+    lc.handle(HealthProbed(ok=True, stopping=True), 1.0)
+    lc.handle(HealthProbed(ok=False, reason="timed out"), 2.0)
+    lc.handle(HealthProbed(ok=True, stopping=True), 3.0)  # an answer starts the wait again
+    assert lc.handle(HealthProbed(ok=False, reason="timed out"), 4.0) == []
+    assert lc.handle(HealthProbed(ok=False, reason="timed out"), 6.5) == []
+    actions = lc.handle(HealthProbed(ok=False, reason="timed out"), 7.0)
+    why = ("it was on its way out, then answered no health probe for 3 s without "
+           "exiting (stop_timeout_s 3; last: timed out)")
+    assert actions == [Transitioned(S.RUNNING, S.STOPPING, f"restarting: {why}"),
+                       SendSignal("TERM")]
+    assert crash(lc, 7.5, CLEAN)[0] == Transitioned(
+        S.STOPPING, S.BACKOFF, f"restarting in 1.0 s after: {why}")
+
+
+def test_a_quiet_worker_that_wrote_its_exit_record_gets_stop_timeout() -> None:
+    lc = make(liveness_failures=1, stop_timeout_s=3.0)
+    running(lc)
+    assert lc.handle(HealthProbed(ok=False, reason="refused", stopping=True), 1.0) == []
+    assert lc.handle(HealthProbed(ok=False, reason="refused"), 3.5) == []
+    assert lc.handle(HealthProbed(ok=False, reason="refused"), 4.0)[1] == SendSignal("TERM")
+
+
+def test_the_stopping_word_is_forgotten_at_the_next_start() -> None:
+    lc = make(liveness_failures=1)
+    running(lc)
+    lc.handle(HealthProbed(ok=True, stopping=True), 1.0)
+    crash(lc, 2.0)
+    lc.handle_timer(3.0)
+    lc.handle(BecameReady(), 3.0)
+    actions = lc.handle(HealthProbed(ok=False, reason="wedged"), 4.0)
+    assert actions[0] == Transitioned(
+        S.RUNNING, S.STOPPING,
+        "restarting: failed 1 consecutive health probes (last: wedged)")
+
+
 # -- The watchdog: progress reported by a running worker ---------------------------
 
 
