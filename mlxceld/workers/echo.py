@@ -72,7 +72,8 @@ async def run(ctx: WorkerContext[EchoOptions]) -> int:
     log.info("echo worker %s stopping after %d ticks", ctx.name, ctx.stats["ticks"])
     await asyncio.sleep(o.drain_s)
     if o.teardown_s:
-        atexit.register(time.sleep, o.teardown_s)  # after the exit record, as teardown is
+        ctx.skip_teardown = False  # a real teardown, then ...
+        atexit.register(time.sleep, o.teardown_s)  # ... this, after the exit record
     return 0
 
 

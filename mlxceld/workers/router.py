@@ -269,7 +269,6 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
 
     o = ctx.options
     check_split(path, o.model, o.tp_size)
-    ctx.skip_teardown = True  # its ring's threads: mlx may abort the teardown (runtime.py)
     ctx.stats["tensor"] = {"rank": 0, "size": o.tp_size}
     group = await join_group(0, o.tp_hosts)
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])

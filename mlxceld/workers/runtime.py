@@ -97,10 +97,10 @@ class WorkerContext(Generic[Opts]):
     # Called (on the worker's loop) when the ``keyring`` op changed the primary: the role
     # hands its outgoing streams over to the new key (pipeline/links.py, stage.py).
     rekeyed: list[Callable[[], None]] = field(default_factory=list)
-    # A role that may leave a native thread blocked (a tensor-parallel rank's ring, told
-    # to stop while it waits on a peer) sets this: the worker then exits at once after its
-    # exit record (``exit_at_once``), since mlx would abort the interpreter's teardown.
-    skip_teardown: bool = False
+    # The worker exits at once after its exit record (``exit_at_once``), without the
+    # interpreter's teardown: mlx's native threads may abort it (SIGABRT). Only the echo
+    # role, acting out a slow teardown, turns it off.
+    skip_teardown: bool = True
 
     def ready(self) -> None:
         """Tell the supervisor (through health probes) that the role can do its work."""
@@ -303,10 +303,13 @@ async def run_worker(boot: WorkerBootstrap, options: WorkerOptions,
 
 
 def exit_at_once(code: int) -> NoReturn:
-    """Exit with ``code`` without the interpreter's teardown. After a model failed to load,
-    mlx may still hold a native thread whose destruction aborts the process at teardown
-    ("terminate called without an active exception": SIGABRT, 1 run in 3 here), and the
-    supervisor would read a crash, not this exit and its record."""
+    """Exit with ``code`` without the interpreter's teardown, once the exit record is
+    written: nothing a worker holds outlives it (its state is the daemon's), and mlx may
+    still hold a native thread whose destruction aborts the process at teardown
+    ("terminate called without an active exception": SIGABRT). Seen after a model failed
+    to load (1 run in 3 here), with a tensor-parallel rank's ring, and after a stage's
+    drain (1 run in 6 of test_stage_drain.py); the supervisor would read a crash, not
+    this exit and its record."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

@@ -104,7 +104,6 @@ async def in_thread(name: str, call: Callable[[], Any]) -> Any:
 
 async def run(ctx: WorkerContext[TensorOptions]) -> int:
     o = ctx.options
-    ctx.skip_teardown = True  # its ring's threads: mlx may abort the teardown (runtime.py)
     size = len(o.tp_hosts)
     ctx.stats["tensor"] = {"rank": o.rank, "size": size}
     path = await fetched_path(ctx, o.model)
