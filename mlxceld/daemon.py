@@ -27,16 +27,9 @@ SIGTERM/SIGINT while shutting down forces (``_force``): SIGKILL to every worker
 group, ``_release``, exit 1. After a dry run nothing is
 drained: it goes straight to the closing.
 
-A worker that exits cleanly on its own stays down (the supervisor restarts failures
-only; `mlxctl restart` starts it), except the stage of an active plan: sent SIGTERM
-from outside, it drains and exits 0, and comes back after ``STAGE_BACK_S`` (1 s), since
-the pipeline stalls without it and the roster still wants it. `mlxctl cluster
-deactivate` (or a new plan without this host) and the daemon's own stop end a stage
-for good.
-
-A stage worker that failed (it could not load, and is not restarted) leaves its port to
-a stand-in (``pipeline/standin.py``) that tells routers dialing it that the stage failed,
-where and why, until the worker starts again or is removed.
+A worker that exits cleanly on its own stays down, except the stage of an active plan,
+which comes back; a failed stage worker's port is answered by a stand-in: both are the
+``StageWatch``'s (``stage_watch.py``).
 
 Signal handlers only enqueue (SIGTERM, SIGINT: stop; SIGHUP: reload, which also binds
 the control socket again if its file was deleted; ``control/keeper.py`` checks that file
@@ -58,7 +51,6 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Protocol
 
 from mlxceld import __version__
@@ -84,21 +76,18 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.discovery.inventory import free_ports
 from mlxceld.draining import Draining
 from mlxceld.errors import (
     AlreadyRunning,
     ConfigError,
     MlxceldError,
 )
-from mlxceld.models.families import require_splittable
-from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.net import retire_streams
-from mlxceld.pipeline.standin import StandIns
 from mlxceld.replica_peers import ReplicaPeers
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.serving import Serving
+from mlxceld.stage_watch import StageWatch
 from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
@@ -117,15 +106,13 @@ from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON, WorkerState
+from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
 HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
-TP_RING_HOST = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
 
 SHUTDOWN_SLACK_S = 5.0
-STAGE_BACK_S = 1.0  # a stage of the active plan that exited cleanly on its own restarts after
 
 
 class Terminal(Protocol):
@@ -191,58 +178,26 @@ class Daemon:
                                 config.serve.model)  # --model or [serve] model wins
                           if config.distributed_config and served is None else None)
         self.keys.adopt(config, self.placement, served.secret_source() if served else None)
-        self._stand_ins = StandIns(self.keys.keyring, self.node.node_id)
+        self._stage = StageWatch(self, self.keys.keyring, self.node.node_id)
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
         self.serving = Serving(self, self._flags, config.serve)  # what the router serves
-        self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
+        role = config.serve.node_role
         self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
-                          router=config.serve.node_role == ROUTER_ROLE,
-                          handoff_role=config.serve.node_role
-                          if config.serve.node_role in HANDOFF_ROLES else None)
-        if served is not None and not len(self.keys.keyring):  # a hybrid placed by it too
-            raise ConfigError(
-                f"{served.path}: node {config.node_id!r} ({config.serve.node_role}) needs the "
-                "cluster secret: its routers reach it only over the authenticated wire; "
-                "none was found in the file's secret_file, --cluster-secret-file, "
-                "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] "
-                f"cluster_secret_file or the keyring in {self.keys.dir}",
-                hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
-                "600, the same on every host) or pass --cluster-secret-file FILE")
-        if config.pp_auto is not None and self.serving.serve.model is None:
-            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
-                              hint="the same checkpoint must be on every host")
-        planned = self.serving.serve.model
-        if planned is not None and names_a_repo(planned):
-            self._fetch_metadata(planned, config)
-        self.serving.check_split(config.serve.model)  # --tp-size over it (exit 2)
-        if config.pp_auto is not None and planned is not None and Path(planned).is_dir():
-            # A family that is not split is refused here (exit 2), not after the wait for
-            # peers; a model that is not a local directory is the coordinator's to refuse.
-            require_splittable(Path(planned), "--pp-auto --model")
-        elif config.pp_auto is not None and planned is not None and names_a_repo(planned):
-            require_splittable(local_model(planned), "--pp-auto --model")
+                          router=role == ROUTER_ROLE,
+                          handoff_role=role if role in HANDOFF_ROLES else None,
+                          served=f"{served.path}: node {config.node_id!r} ({role})"
+                          if served is not None else None)
+        self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
         self.supervisor = Supervisor(
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,
             log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
-            finished=self._worker_finished, changed=self._worker_changed)
+            finished=self._stage.finished, changed=self._stage.changed)
         self._sock = bind_control_socket(config.socket, config.socket_group)
         self._draining = Draining(self, DrainsTable(self._db), self.events)
         self._replica_peers = ReplicaPeers(self.candidates, self.supervisor,
                                            self._finds_replicas)
-
-    def _fetch_metadata(self, model: str, config: Config) -> None:
-        """A model named by its Hugging Face repo id: its config, index and tokenizer, once,
-        before anything asks for its identity (``models/fetch.py``). Refused at start-up
-        (exit 2) when the flags or the config file name it; a model `mlxctl serve` chose
-        before is only warned of (its router and inventory say what is wrong)."""
-        try:
-            local_model(model)
-        except ConfigError as exc:
-            if config.serve.model == model:
-                raise
-            log.warning("model %s cannot be fetched: %s (%s)", model, exc.message, exc.hint)
 
     # -- DaemonView (the control API's window on us) --------------------------------------
 
@@ -405,45 +360,11 @@ class Daemon:
             accepted=tuple(self.keys.keyring.others()),
             api_key=self._api_key, node_id=self.node.node_id,
             agent_address=self.member.agent_address(),
-            tp_hosts=self._tp_ring(self.serving.serve.tp_size)))
+            tp_hosts=self.serving.tp_ring()))
 
-    def _tp_ring(self, tp_size: int) -> tuple[str, ...]:
-        """The tensor-parallel group's ring, ``host:port`` per rank: ``tp_size`` ports free on
-        127.0.0.1, picked when a tp size first needs them and kept while it stays the same
-        (a restarted group meets at the same ports: the ring's ranks bind them again at
-        once); () with tp_size 1, or when none could be bound (the router refuses that,
-        naming it)."""
-        if tp_size <= 1:
-            self._tp_hosts = ()
-        elif len(self._tp_hosts) != tp_size:
-            self._tp_hosts = tuple(f"{TP_RING_HOST}:{port}"
-                                   for port in free_ports(TP_RING_HOST, tp_size))
-        return self._tp_hosts
-
-    def _worker_finished(self, name: str) -> None:
-        """A worker exited cleanly on its own. The stage of an active plan comes back after
-        ``STAGE_BACK_S`` (an outside SIGTERM drained it: the pipeline needs it, and the
-        roster still wants it); any other worker stays down (`mlxctl restart` starts it)."""
-        if name == STAGE_WORKER and self._stage_wanted():
-            log.info("worker %s exited cleanly, but it is a stage of the active plan: "
-                     "starting it again in %g s", name, STAGE_BACK_S)
-            asyncio.get_running_loop().call_later(STAGE_BACK_S, self._stage_back)
-
-    def _worker_changed(self, spec: WorkerSpec, state: WorkerState | None,
-                        reason: str) -> None:
-        """A failed stage worker's port answers that it failed (``pipeline/standin.py``)."""
-        if self._stopping and state is WorkerState.FAILED:
-            return  # shutting down: no port is taken over now
-        self._stand_ins.worker_changed(spec, state, reason)
-
-    def _stage_wanted(self) -> bool:
+    def stage_wanted(self) -> bool:
         return (not self._stopping and self.placement is not None and not self._standby
                 and any(s.name == STAGE_WORKER for s in self.specs(self.config)))
-
-    def _stage_back(self) -> None:
-        now = self.supervisor.state(STAGE_WORKER)
-        if now is not None and now[0] is WorkerState.EXITED and self._stage_wanted():
-            self.supervisor.restart(STAGE_WORKER)
 
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         return await self.serving.serve_model(model, name)
@@ -459,7 +380,7 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 sup_started: asyncio.Future[None] = loop.create_future()
-                tg.create_task(self._stand_ins.run())
+                tg.create_task(self._stage.run())
                 tg.create_task(self.supervisor.run(sup_started))
                 await sup_started
                 srv_started: asyncio.Future[None] = loop.create_future()
@@ -548,7 +469,7 @@ class Daemon:
                 self.events.append("daemon.stopped", "daemon", "mlxceld stopped cleanly")
         # The services: the cluster's, the control API, the supervisor's tasks, the notifier.
         await self.member.aclose()
-        self._stand_ins.close()
+        self._stage.close()
         self._keeper.close()
         self._draining.service.close()
         self._replica_peers.close()

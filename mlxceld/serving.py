@@ -30,13 +30,15 @@ import asyncio
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.config.tensor import check_tp_model
+from mlxceld.discovery.inventory import free_ports
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
+from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
@@ -45,6 +47,8 @@ from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
+
+TP_RING_HOST: Final = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
 
 
 class ServingHost(Protocol):
@@ -70,6 +74,7 @@ class Serving:
         self._flags = flags
         self.serve = self.effective(configured)
         self.hold_router = False  # no single-host router while a pipeline is to come
+        self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
 
     def effective(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.
@@ -81,6 +86,20 @@ class Serving:
         if configured.model is None and saved is not None:
             return configured.with_model(saved["model"], saved.get("model_name"))
         return configured
+
+    def tp_ring(self) -> tuple[str, ...]:
+        """The tensor-parallel group's ring, ``host:port`` per rank: ``tp_size`` ports free on
+        127.0.0.1, picked when a tp size first needs them and kept while it stays the same
+        (a restarted group meets at the same ports: the ring's ranks bind them again at
+        once); () with tp_size 1, or when none could be bound (the router refuses that,
+        naming it)."""
+        tp_size = self.serve.tp_size
+        if tp_size <= 1:
+            self._tp_hosts = ()
+        elif len(self._tp_hosts) != tp_size:
+            self._tp_hosts = tuple(f"{TP_RING_HOST}:{port}"
+                                   for port in free_ports(TP_RING_HOST, tp_size))
+        return self._tp_hosts
 
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
@@ -114,6 +133,40 @@ class Serving:
         host.events.append("serve.changed", ROUTER,
                            f"now serving {self.serve.served_name} from {resolved}")
         return self.describe()
+
+    def check_start(self, config: Config) -> None:
+        """At start, before anything runs, the model to serve (refused with exit 2 where
+        the flags or the config file name it): fetched first if it is a repo id, split over
+        ``tp_size`` ranks (``check_split``), and with --pp-auto of a family that splits,
+        refused here rather than after the wait for peers (a model that is neither a local
+        directory nor a repo id is the coordinator's to refuse)."""
+        planned = self.serve.model
+        if config.pp_auto is not None and planned is None:
+            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                              hint="the same checkpoint must be on every host")
+        if planned is not None and names_a_repo(planned):
+            self._fetch_metadata(planned, config.serve.model)
+        self.check_split(config.serve.model)
+        if config.pp_auto is None or planned is None:
+            return
+        if Path(planned).is_dir():
+            require_splittable(Path(planned), "--pp-auto --model")
+        elif names_a_repo(planned):
+            require_splittable(local_model(planned), "--pp-auto --model")
+
+    @staticmethod
+    def _fetch_metadata(model: str, configured: str | None) -> None:
+        """A model named by its Hugging Face repo id: its config, index and tokenizer, once,
+        before anything asks for its identity (``models/fetch.py``). Refused at start-up
+        (exit 2) when it is ``configured`` (the flags or the config file); a model `mlxctl
+        serve` chose before is only warned of (its router and inventory say what is
+        wrong)."""
+        try:
+            local_model(model)
+        except ConfigError as exc:
+            if configured == model:
+                raise
+            log.warning("model %s cannot be fetched: %s (%s)", model, exc.message, exc.hint)
 
     def check_split(self, configured: str | None) -> None:
         """At start: the model to serve splits over ``tp_size`` ranks (``config/tensor.py``;

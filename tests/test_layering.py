@@ -31,6 +31,7 @@ STACK = [
     "serving",  # what the daemon's router serves: `mlxctl serve|unserve`, held back or not
     "draining",  # the daemon's `mlxctl drain|undrain` over drain/, with the nodes it knows
     "replica_peers",  # a router's replicas by discovery: the candidates told its worker
+    "stage_watch",  # the daemon's stage worker: back after a SIGTERM, a stand-in if failed
     "daemon", "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}

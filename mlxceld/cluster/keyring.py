@@ -116,10 +116,20 @@ class KeyringService:
         return True
 
     def require(self, *, pp_auto: bool, placement: Placement | None,
-                router: bool = False, handoff_role: str | None = None) -> None:
+                router: bool = False, handoff_role: str | None = None,
+                served: str | None = None) -> None:
         """Fail closed: --pp-auto, --node-role router, prefill or decode
-        (``handoff_role``), or a cluster config of two or more stages (or hosts), never
-        runs without the cluster secret."""
+        (``handoff_role``), a node of a serving cluster's TOML (``served``: "FILE: node
+        'ID' (ROLE)"), or a cluster config of two or more stages (or hosts), never runs
+        without the cluster secret."""
+        if served is not None and not len(self.keyring):  # a hybrid placed by it too
+            raise ConfigError(
+                f"{served} needs the cluster secret: its routers reach it only over the "
+                "authenticated wire; none was found in the file's secret_file, "
+                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
+                f"[daemon] cluster_secret_file or the keyring in {self.dir}",
+                hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
+                "600, the same on every host) or pass --cluster-secret-file FILE")
         if handoff_role is not None and not len(self.keyring):
             raise ConfigError(
                 f"--node-role {handoff_role} needs the cluster secret to serve a router and "

@@ -193,8 +193,9 @@ class Mirror:
 
     def share(self, ops: list[Op]) -> list[Op]:
         """Rank 0: send ``ops``; a follower: receive rank 0's (its own ``ops`` unused).
-        Call on the generator's stream (``with mx.stream(gen.stream)``), so that it is
-        queued after the last step's token shares."""
+        The first share goes over the ring: call it on the generator's stream (``with
+        mx.stream(gen.stream)``), so that its collective queues in the same order on every
+        rank; the later ones go over the op links, outside mlx."""
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                               name="mlxceld-ring-watchdog")

@@ -123,6 +123,5 @@ def _main(spec: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent.parent.parent))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(_main(json.loads(sys.argv[1])))

@@ -65,7 +65,7 @@ def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
     wait_for(lambda: not alive(victim["pid"]), 10, "the drained stage worker to exit")
     stage = pipe.stages[1]
     # A clean exit of another worker stays down, but this is the stage of the running
-    # pipeline: its daemon starts it again by itself (daemon.STAGE_BACK_S), same port.
+    # pipeline: its daemon starts it again by itself (stage_watch.STAGE_BACK_S), same port.
     back = wait_for(lambda: (w := stage.worker("stage"))["state"] == "running"
                     and w["pid"] != victim["pid"] and w, READY_S, "the stage to come back",
                     every=0.1)
