@@ -13,8 +13,9 @@ from mlxceld.supervisor.service import Supervisor
 
 @contextlib.asynccontextmanager
 async def running_supervisor(state_dir: Path) -> AsyncIterator[tuple[Supervisor, EventLog]]:
-    """The supervisor (and its event log) of ``state_dir``, started; closed when the block
-    ends, which ends its run. What the block started, it stops itself first."""
+    """The supervisor (and its event log) of ``state_dir``, started; when the block ends
+    (or fails), every worker still running is stopped (``reconcile([])``) and the
+    supervisor closed, which ends its run."""
     db = open_db(state_dir / "state.db")
     events = EventLog(db)
     supervisor = Supervisor(WorkersTable(db), events, health_interval_s=5.0,
@@ -26,4 +27,7 @@ async def running_supervisor(state_dir: Path) -> AsyncIterator[tuple[Supervisor,
         try:
             yield supervisor, events
         finally:
-            supervisor.close()
+            try:
+                await supervisor.reconcile([])
+            finally:
+                supervisor.close()

@@ -51,69 +51,60 @@ def group_events(events: EventLog) -> list[tuple[str, str, str]]:
 def test_a_killed_member_restarts_its_group_and_no_one_else(state_dir: Path) -> None:
     async def main() -> None:
         async with running_supervisor(state_dir) as (supervisor, events):
-            try:
-                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
-                                            spec(state_dir, "solo", group=None)])
-                before = await all_running(supervisor, "a, b and solo running")
-                assert {w["name"]: w["group"] for w in supervisor.snapshot()} == {
-                    "a": "g", "b": "g", "solo": None}
-                assert before["a"] is not None
-                os.kill(before["a"], signal.SIGKILL)
-                after = await until(
-                    lambda: (p := pids(supervisor)) and all(p.values())
-                    and p["a"] != before["a"] and p["b"] != before["b"] and p,
-                    "a and b both running as new processes", timeout=DEADLINE_S)
-                assert after["solo"] == before["solo"]  # outside the group: untouched
-                [(kind, subject, message)] = group_events(events)
-                assert (kind, subject) == ("worker.group_restart", "a")
-                assert message == ("group g: a exited (killed by SIGKILL); its group "
-                                   "restarts together")
-                # The restarted member says why in its events.
-                b_starts = [e.message for e in events.since(0, 500) if e.subject == "b"
-                            and e.kind == "worker.starting"]
-                assert b_starts[-1].endswith(message)
-            finally:
-                await supervisor.reconcile([])
+            await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
+                                        spec(state_dir, "solo", group=None)])
+            before = await all_running(supervisor, "a, b and solo running")
+            assert {w["name"]: w["group"] for w in supervisor.snapshot()} == {
+                "a": "g", "b": "g", "solo": None}
+            assert before["a"] is not None
+            os.kill(before["a"], signal.SIGKILL)
+            after = await until(
+                lambda: (p := pids(supervisor)) and all(p.values())
+                and p["a"] != before["a"] and p["b"] != before["b"] and p,
+                "a and b both running as new processes", timeout=DEADLINE_S)
+            assert after["solo"] == before["solo"]  # outside the group: untouched
+            [(kind, subject, message)] = group_events(events)
+            assert (kind, subject) == ("worker.group_restart", "a")
+            assert message == ("group g: a exited (killed by SIGKILL); its group "
+                               "restarts together")
+            # The restarted member says why in its events.
+            b_starts = [e.message for e in events.since(0, 500) if e.subject == "b"
+                        and e.kind == "worker.starting"]
+            assert b_starts[-1].endswith(message)
     asyncio.run(main())
 
 
 def test_restart_of_a_member_restarts_the_group(state_dir: Path) -> None:
     async def main() -> None:
         async with running_supervisor(state_dir) as (supervisor, events):
-            try:
-                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b")])
-                before = await all_running(supervisor, "a and b running")
-                supervisor.restart("b")
-                await until(lambda: (p := pids(supervisor)) and all(p.values())
-                            and p["a"] != before["a"] and p["b"] != before["b"],
-                            "a and b both restarted", timeout=DEADLINE_S)
-                assert group_events(events) == []  # asked for: not a failure
-                asked = [e.message for e in events.since(0, 500)
-                         if e.kind == "worker.restart_requested"]
-                assert sorted(asked) == ["restart of b requested"] * 2
-                await supervisor.reconcile([])  # all stopped as asked (unserve, shutdown)
-                assert group_events(events) == []
-            finally:
-                await supervisor.reconcile([])
+            await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b")])
+            before = await all_running(supervisor, "a and b running")
+            supervisor.restart("b")
+            await until(lambda: (p := pids(supervisor)) and all(p.values())
+                        and p["a"] != before["a"] and p["b"] != before["b"],
+                        "a and b both restarted", timeout=DEADLINE_S)
+            assert group_events(events) == []  # asked for: not a failure
+            asked = [e.message for e in events.since(0, 500)
+                     if e.kind == "worker.restart_requested"]
+            assert sorted(asked) == ["restart of b requested"] * 2
+            await supervisor.reconcile([])  # all stopped as asked (unserve, shutdown)
+            assert group_events(events) == []
     asyncio.run(main())
 
 
 def test_a_member_that_exits_cleanly_stops_its_group(state_dir: Path) -> None:
     async def main() -> None:
         async with running_supervisor(state_dir) as (supervisor, events):
-            try:
-                ending = EchoOptions(interval_s=0.1, exit_after_s=0.5, exit_code=0)
-                await supervisor.reconcile([spec(state_dir, "a", options=ending),
-                                            spec(state_dir, "b")])
-                await until(lambda: group_events(events) and all(
-                    (supervisor.state(n) or (None,))[0] is S.EXITED for n in ("a", "b")),
-                            "a and b both exited", timeout=DEADLINE_S)
-                _, reason = supervisor.state("b") or (None, "")
-                assert reason == ("stopped: group g: a exited (exited cleanly); its group is "
-                                  "stopped with it: mlxctl restart a starts them all")
-                assert [k for k, _, _ in group_events(events)] == ["worker.group_stop"]
-            finally:
-                await supervisor.reconcile([])
+            ending = EchoOptions(interval_s=0.1, exit_after_s=0.5, exit_code=0)
+            await supervisor.reconcile([spec(state_dir, "a", options=ending),
+                                        spec(state_dir, "b")])
+            await until(lambda: group_events(events) and all(
+                (supervisor.state(n) or (None,))[0] is S.EXITED for n in ("a", "b")),
+                        "a and b both exited", timeout=DEADLINE_S)
+            _, reason = supervisor.state("b") or (None, "")
+            assert reason == ("stopped: group g: a exited (exited cleanly); its group is "
+                              "stopped with it: mlxctl restart a starts them all")
+            assert [k for k, _, _ in group_events(events)] == ["worker.group_stop"]
     asyncio.run(main())
 
 
@@ -182,29 +173,26 @@ def test_a_groups_stops_kill_at_once_and_carry_their_reason() -> None:
 def test_a_group_whose_members_change_restarts_the_members_it_keeps(state_dir: Path) -> None:
     async def main() -> None:
         async with running_supervisor(state_dir) as (supervisor, events):
-            try:
-                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b")])
-                before = await all_running(supervisor, "a and b running")
-                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
-                                            spec(state_dir, "c")])  # a reload: tp_size 3
-                await until(lambda: (p := pids(supervisor)) and all(p.values())
-                            and p["a"] != before["a"] and p["b"] != before["b"],
-                            "a and b restarted, c started", timeout=DEADLINE_S)
-                assert group_events(events) == [(
-                    "worker.group_restart", "g", "group g: its members changed (now a, b, "
-                    "c); its group restarts together")]
-                again = pids(supervisor)
-                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
-                                            spec(state_dir, "c")])  # the same: nothing
-                assert pids(supervisor) == again and len(group_events(events)) == 1
-                # A worker joining a group (tp_size 1 -> 2: the router) restarts too.
-                await supervisor.reconcile([spec(state_dir, "a", group=None),
-                                            spec(state_dir, "b", group=None)])
-                joined = await all_running(supervisor, "a and b on their own")
-                await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "d")])
-                await until(lambda: (p := pids(supervisor)) and all(p.values())
-                            and p["a"] != joined["a"], "a restarted into the group",
-                            timeout=DEADLINE_S)
-            finally:
-                await supervisor.reconcile([])
+            await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b")])
+            before = await all_running(supervisor, "a and b running")
+            await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
+                                        spec(state_dir, "c")])  # a reload: tp_size 3
+            await until(lambda: (p := pids(supervisor)) and all(p.values())
+                        and p["a"] != before["a"] and p["b"] != before["b"],
+                        "a and b restarted, c started", timeout=DEADLINE_S)
+            assert group_events(events) == [(
+                "worker.group_restart", "g", "group g: its members changed (now a, b, "
+                "c); its group restarts together")]
+            again = pids(supervisor)
+            await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
+                                        spec(state_dir, "c")])  # the same: nothing
+            assert pids(supervisor) == again and len(group_events(events)) == 1
+            # A worker joining a group (tp_size 1 -> 2: the router) restarts too.
+            await supervisor.reconcile([spec(state_dir, "a", group=None),
+                                        spec(state_dir, "b", group=None)])
+            joined = await all_running(supervisor, "a and b on their own")
+            await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "d")])
+            await until(lambda: (p := pids(supervisor)) and all(p.values())
+                        and p["a"] != joined["a"], "a restarted into the group",
+                        timeout=DEADLINE_S)
     asyncio.run(main())

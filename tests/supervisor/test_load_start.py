@@ -40,18 +40,15 @@ async def start_router(state_dir: Path, model: Path
     seen: list[str] = []
     async with running_supervisor(state_dir) as (supervisor, _):
         begun = time.monotonic()
-        try:
-            await supervisor.reconcile([spec])
-            async with asyncio.timeout(DEADLINE_S):
-                while (supervisor.state("router") or (None,))[0] not in ENDED:
-                    for w in supervisor.snapshot():
-                        if w.get("loading"):
-                            seen.append(str(w["loading"]))
-                    await asyncio.sleep(0.2)
-            took = time.monotonic() - begun
-            state, reason = supervisor.state("router") or (WorkerState.EXITED, "gone")
-        finally:
-            await supervisor.reconcile([])
+        await supervisor.reconcile([spec])
+        async with asyncio.timeout(DEADLINE_S):
+            while (supervisor.state("router") or (None,))[0] not in ENDED:
+                for w in supervisor.snapshot():
+                    if w.get("loading"):
+                        seen.append(str(w["loading"]))
+                await asyncio.sleep(0.2)
+        took = time.monotonic() - begun
+        state, reason = supervisor.state("router") or (WorkerState.EXITED, "gone")
     return state, reason, took, seen
 
 
