@@ -186,7 +186,8 @@ class WorkerRunner:
             try:
                 reply = await channel.call(self.spec.control_socket, "health",
                                            timeout_s=LIVENESS_TIMEOUT_S)
-            except WorkerError as exc:  # its exit record written: its role is done, it exits
+            except WorkerError as exc:
+                # Its exit record is written: its role is done, and it is exiting.
                 exiting = exits.read_exit_record(self.spec.exit_record, pid) is not None
                 self.post(HealthProbed(False, exc.message, stopping=exiting))
             else:

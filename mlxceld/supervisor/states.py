@@ -273,7 +273,7 @@ class Lifecycle:
         self._exits: list[float] = []  # times of recent failed exits (flap detection)
         self._streak = 0  # failed exits since the last stable period: the backoff exponent
         self._probe_failures = 0  # consecutive failed health probes
-        self._said_stopping = False  # a probe's answer said the worker is stopping
+        self._said_stopping = False  # a probe found it on its way out (HealthProbed.stopping)
         self._quiet_since: float | None = None  # ... and since then, probes fail
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
         self._doomed_kind = ""  # ... and of this kind (else the exit's own)
@@ -414,7 +414,7 @@ class Lifecycle:
             self._quiet_since = None
             return []
         self.healthy = False
-        if self._said_stopping:  # it closed its channel on its way out: let it exit
+        if self._said_stopping:  # quiet on its way out: let it exit
             return self._on_quiet_while_stopping(event, now)
         self._probe_failures += 1
         n, limit, last = self._probe_failures, self.policy.liveness_failures, event.reason
