@@ -9,14 +9,19 @@ ids, ``--new`` tokens each; the prompt differs per round, so no prompt cache hel
 reports per round the time to the first token and the decode rate (tokens after the first,
 over the time after the first). Every process then reports its resident set (RSS, and
 its peak), what of it is above its baseline (its RSS with mlx and mlx-lm imported, before
-the model: about 90 MiB here, which every rank pays), and the bytes of weights it
-holds. The setups alternate ``--repeat`` times; medians are printed, with the ratios
-tp / one.
+the model: about 90 MiB here, which every rank pays), anonymous and file-backed, what
+joining the ring added (mlx's ring backend's buffers: about 32 MiB a rank here, whatever
+the model), mlx's own account (its live arrays, the freed buffers it keeps, its peak), and
+the bytes of weights it holds. The setups alternate ``--repeat`` times; medians are
+printed, with the ratios tp / one.
 
-On a 2-core machine no speed-up is expected (two ranks share the two cores with each
-other and the collectives: 2 ``all_sum``s per layer per step, each ~0.6 ms over loopback);
-what tensor parallelism buys here is memory: each rank holds 1/N of the layers' weights
-(the embedding and the head stay whole on every rank).
+On a 2-core machine no decode speed-up is expected (two ranks share the two cores with
+each other and the collectives: 2 ``all_sum``s per layer per step, each ~0.6 ms over
+loopback); the prefill, one large matmul per weight, does gain from two processes on two
+cores. What tensor parallelism buys is memory: each rank holds 1/N of the layers' weights
+(the embedding and the head stay whole on every rank), and pays the ring's fixed buffers,
+which on this 49 MiB fixture eat most of that saving and on a model of gigabytes are
+noise.
 
     .venv/bin/python bench/tp.py [--tp 2] [--preset small] [--prompt 256] [--new 64]
                                  [--streams 1] [--rounds 3] [--repeat 2]
@@ -42,14 +47,21 @@ DEADLINE_S = 1800.0  # one setup's processes, loads included
 
 
 def _memory() -> dict[str, int]:
-    """This process's RSS and peak RSS (Linux: VmHWM), in bytes."""
+    """This process's RSS and peak RSS (Linux: VmHWM), and mlx's own account: the bytes
+    of its live arrays (``active``), the freed buffers it keeps for reuse (``cache``) and
+    its peak of live arrays (``mlx_peak``)."""
+    import mlx.core as mx
     import psutil
-    out = {"rss": psutil.Process().memory_info().rss, "peak": 0}
+    out = {"rss": psutil.Process().memory_info().rss, "peak": 0,
+           "active": mx.get_active_memory(), "cache": mx.get_cache_memory(),
+           "mlx_peak": mx.get_peak_memory()}
     status = Path("/proc/self/status")
     if status.exists():
         for line in status.read_text().splitlines():
             if line.startswith("VmHWM:"):
                 out["peak"] = int(line.split()[1]) * 1024
+            elif line.startswith(("RssAnon:", "RssFile:")):
+                out[line.split(":")[0].lower()] = int(line.split()[1]) * 1024
     return out
 
 
@@ -64,19 +76,23 @@ def _worker(spec: dict[str, Any]) -> None:
     from mlxceld.models.reading import parameter_bytes
 
     rank = spec["rank"]
-    base = _memory()["rss"]  # the interpreter, mlx and mlx-lm imported: no model yet
+    before = _memory()  # the interpreter, mlx and mlx-lm imported: no model yet
+    base = before["rss"]
+    bases = {"base_anon": before.get("rssanon", 0), "base_file": before.get("rssfile", 0)}
     held: list[int] = []
     if rank > 0:
         group = join_ring(rank, spec["hosts"])
+        bases["ring"] = _memory()["rss"] - base  # the ring's buffers, before any weight
         loaded: dict[str, int] = {}
         run_tensor_follower(spec["model"], group, max_batch=spec["streams"],
                             ready=lambda: loaded.update(_memory()))
         # Its RSS with the model loaded (it is freed once the group closes), its peak now.
-        print(json.dumps({"rank": rank, "base": base, "rss": loaded["rss"],
+        print(json.dumps({**loaded, **bases, "rank": rank, "base": base,
                           "peak": _memory()["peak"]}), flush=True)
         return
     if rank == 0:
         group = join_ring(0, spec["hosts"])
+        bases["ring"] = _memory()["rss"] - base
         engine, _ = load_tensor_engine(spec["model"], group, max_batch=spec["streams"])
     else:
         engine, _ = load_local_engine(spec["model"], max_batch=spec["streams"])
@@ -105,8 +121,8 @@ def _worker(spec: dict[str, Any]) -> None:
         memory = _memory()
         await engine.aclose()
         memory["peak"] = max(memory["peak"], _memory()["peak"])
-        print(json.dumps({"rank": rank, "rounds": rounds, "weights": held[0], "base": base,
-                          **memory}), flush=True)
+        print(json.dumps({**bases, "rank": rank, "rounds": rounds, "weights": held[0],
+                          "base": base, **memory}), flush=True)
         return rounds
 
     asyncio.run(run())
@@ -151,8 +167,11 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
+        from mlxceld.workers.runtime import exit_at_once
         _worker(json.loads(args.worker))
-        return
+        # as a worker does: mlx's native threads can abort the interpreter's teardown
+        # ("terminate called without an active exception"), after the report was printed
+        exit_at_once(0)
 
     from mlxceld.models import fixture_cache, preset
     model = fixture_cache(preset(args.preset))
@@ -174,23 +193,34 @@ def main() -> None:
 
     mib = 1 << 20
     print("\n| setup | TTFT ms (median) | decode tok/s (median) | per process: RSS MiB "
-          "(peak), above its baseline | weights MiB |")
-    print("|---|---|---|---|---|")
+          "(peak), above its baseline (anonymous, file-backed; joining the ring) "
+          "| per process: mlx active / cache / peak MiB | weights MiB |")
+    print("|---|---|---|---|---|---|")
     for tp in (1, args.tp):
+        def who(r: dict[str, Any], tp: int = tp) -> str:
+            return f"rank {r['rank']}" if tp > 1 else "one process"
+
         procs = "; ".join(
-            f"{'rank ' + str(r['rank']) if tp > 1 else 'one process'} "
-            f"{r['rss'] / mib:.0f} ({r['peak'] / mib:.0f}), +{(r['rss'] - r['base']) / mib:.0f}"
+            f"{who(r)} {r['rss'] / mib:.0f} ({r['peak'] / mib:.0f}), "
+            f"+{(r['rss'] - r['base']) / mib:.0f} (anon "
+            f"+{(r.get('rssanon', 0) - r['base_anon']) / mib:.0f}, file "
+            f"+{(r.get('rssfile', 0) - r['base_file']) / mib:.0f}"
+            + (f"; its ring +{r['ring'] / mib:.0f}" if "ring" in r else "") + ")"
             for r in memory[tp])
+        mlx = "; ".join(f"{who(r)} {r['active'] / mib:.0f} / {r['cache'] / mib:.0f} / "
+                        f"{r['mlx_peak'] / mib:.0f}" for r in memory[tp])
         print(f"| {'one process' if tp == 1 else f'tp {tp}'} "
               f"| {statistics.median(ttft[tp]) * 1000:.0f} "
-              f"| {statistics.median(rate[tp]):.1f} | {procs} "
+              f"| {statistics.median(rate[tp]):.1f} | {procs} | {mlx} "
               f"| {memory[tp][0]['weights'] / mib:.1f} |")
     one_rss = memory[1][0]["rss"] - memory[1][0]["base"]
     above = ", ".join(f"{(r['rss'] - r['base']) / one_rss:.2f}" for r in memory[args.tp])
+    less_ring = ", ".join(f"{(r['rss'] - r['base'] - r['ring']) / one_rss:.2f}"
+                          for r in memory[args.tp])
     print(f"\nratios tp {args.tp} / one process: TTFT "
           f"{statistics.median(ttft[args.tp]) / statistics.median(ttft[1]):.2f}, decode "
           f"{statistics.median(rate[args.tp]) / statistics.median(rate[1]):.2f}, RSS above the "
-          f"baseline per rank {above}, weights per rank "
+          f"baseline per rank {above} (less its ring's buffers {less_ring}), weights per rank "
           f"{memory[args.tp][0]['weights'] / memory[1][0]['weights']:.2f}")
 
 
