@@ -17,7 +17,9 @@ reads its weights, its stats carry ``loading`` (``types.LoadProgress``: paramete
 read of those to read, layer by layer, ``models/reading.py``), which ``mlxctl status``,
 systemd's STATUS line and ``mlxctl serve`` show. A model named by its Hugging Face repo
 id is fetched first (``models/fetch.py``: ``fetch_whole``, the weight files the cache
-lacks), its bytes in the same stat with step ``downloading``.
+lacks), its bytes in the same stat with step ``downloading``. Told to stop while it
+loads (SIGTERM: the daemon stopping, ``mlxctl unserve``), it exits 0 at once, the load
+left unfinished (``runtime.unless_stopped``).
 
 Over a pipeline the engine keeps its stage links up in the background from the
 start; ``GET /ready`` is 503 naming the stages not attached (completions are
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -95,7 +98,7 @@ from mlxceld.types import JSON
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.workers.handoff_node import bind_serving, run_handoff_node
 from mlxceld.workers.replica_router import Discovered, replica_engine, replica_links
-from mlxceld.workers.runtime import WorkerContext, load_reporter
+from mlxceld.workers.runtime import Stopped, WorkerContext, load_reporter, unless_stopped
 from mlxceld.workers.wired import set_wired_limit
 
 log = logging.getLogger(__name__)
@@ -272,9 +275,10 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
     ctx.stats["tensor"] = {"rank": 0, "size": o.tp_size}
     group = await join_group(0, o.tp_hosts)
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
-    return await asyncio.to_thread(
+    loaded_engine: tuple[Any, Any] = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
-        on_failure=engine_broke, progress=loaded)
+        on_failure=engine_broke, progress=loaded))
+    return loaded_engine
 
 
 async def run(ctx: WorkerContext[RouterOptions]) -> int:
@@ -303,16 +307,20 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         else:
             if names_a_repo(o.model):  # its weights fetched first, with progress
                 fetched = load_reporter(ctx, time.time(), step="downloading")
-                path = str(await asyncio.to_thread(fetch_whole, o.model, fetched))
+                path = str(await unless_stopped(ctx, "download", lambda: fetch_whole(
+                    o.model, fetched)))
             # Its reports are queued before the thread ends, so they land before the pop.
             loaded = load_reporter(ctx, time.time(), failpoints.ROUTER_LAYER_S)
             if o.tp_size > 1:
                 engine, tokenizer = await tensor_engine(ctx, path, engine_broke, loaded)
             else:
-                engine, tokenizer = await asyncio.to_thread(
+                engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
                     load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
-                    on_failure=engine_broke, progress=loaded)
+                    on_failure=engine_broke, progress=loaded))
             ctx.stats.pop("loading", None)
+    except Stopped:  # the worker exits 0 (runtime.run_worker)
+        sock.close()
+        raise
     except ConfigError as exc:  # a repo id's weights it cannot fetch: restarts cannot help
         sock.close()
         raise ConfigError(f"cannot load model {o.model!r}: {exc.message}",

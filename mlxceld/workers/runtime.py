@@ -21,6 +21,10 @@ it does not split, a missing shard, a bad config.json) exits the same way, its
 message and hint in the record, at once (``exit_at_once``: no interpreter teardown,
 where mlx may abort): the supervisor does not restart a ``config`` exit
 (``supervisor/states.py``), since the same start would fail the same way.
+
+A role waits for a long call (a model's download or load) with ``unless_stopped``:
+told to stop meanwhile (SIGTERM, the ``stop`` op), it raises ``Stopped`` and the worker
+exits 0 at once, the call's thread left unfinished, rather than at the call's end.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -270,6 +275,59 @@ def load_reporter(ctx: WorkerContext[Any], since: float, slow_s: float | None = 
     return loaded
 
 
+async def in_thread(name: str, call: Callable[[], Any]) -> Any:
+    """``call()`` on a daemon thread, awaited: unlike ``asyncio.to_thread``'s pool (joined
+    at the loop's close), a thread left blocked (in a tensor-parallel ring, in a model's
+    load) never holds up the worker's exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def body() -> None:
+        try:
+            result: Any = call()
+            error: BaseException | None = None
+        except BaseException as exc:  # handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: the worker is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return await done
+
+
+async def before_stop(ctx: WorkerContext[Any], work: asyncio.Future[Any]) -> bool:
+    """Wait for ``work`` or the worker's stop, whichever comes first: True when ``work``
+    is done. Told to stop first, the role returns and the worker exits at once
+    (``exit_at_once``), leaving the thread behind ``work`` (``in_thread``) where it is: a
+    model half read, a ring not yet formed."""
+    stopping = asyncio.ensure_future(ctx.stopping.wait())
+    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    return work.done()
+
+
+class Stopped(Exception):
+    """The worker was told to stop while it waited for ``unless_stopped``'s call (named
+    by the exception's text). A role lets it through: the worker exits 0 (``run_worker``)."""
+
+
+async def unless_stopped(ctx: WorkerContext[Any], name: str, call: Callable[[], Any]) -> Any:
+    """``call()`` on a thread of its own (``in_thread``, named ``name``), awaited; raises
+    ``Stopped`` if the worker is told to stop first (the thread is left as it is)."""
+    work = asyncio.ensure_future(in_thread(name, call))
+    if not await before_stop(ctx, work):
+        raise Stopped(name)
+    return work.result()
+
+
 def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> None:
     record: ExitRecord = {"pid": os.getpid(), "returncode": returncode, "kind": kind,
                           "summary": summary}
@@ -298,6 +356,10 @@ async def run_worker(boot: WorkerBootstrap, options: WorkerOptions,
     server = await serve_channel(ctx, Path(boot["control_socket"]))
     try:
         return await role_main(ctx)
+    except Stopped as stopped:  # told to stop while it loaded: nothing to finish
+        log.info("worker %s told to stop during its %s: it exits without finishing it",
+                 ctx.name, stopped)
+        return 0
     finally:
         server.close()
 

@@ -35,7 +35,10 @@ Stopping (SIGTERM, from the daemon or anyone): the stage drains first
 answers 503 naming the stage, with Retry-After), the sequences it holds run to
 their end, for at most ``pipeline.stage.DRAIN_S`` (15 s, under the model
 workers' 20 s stop timeout); then the listener and the links close and the
-worker exits 0.
+worker exits 0. Told to stop before its model is loaded (a two-phase assignment
+aborted while it prepared, the daemon stopping), it exits 0 at once, its load left
+unfinished (``runtime.unless_stopped``), rather than at the end of a load that may take
+minutes.
 """
 
 from __future__ import annotations
@@ -54,7 +57,12 @@ from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
 from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
-from mlxceld.workers.runtime import WorkerContext, load_reporter, progress_report
+from mlxceld.workers.runtime import (
+    WorkerContext,
+    load_reporter,
+    progress_report,
+    unless_stopped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +117,12 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         fetched = load_reporter(ctx, time.time(), step="downloading")
         # Its reports are queued before the thread ends, so they all land before this pop.
         try:
-            path = await asyncio.to_thread(fetch_stage, Path(o.model), place.layers, fetched)
+            path = await unless_stopped(ctx, "download", lambda: fetch_stage(
+                Path(o.model), place.layers, fetched))
             since = time.time()
-            loaded = load_reporter(ctx, since, failpoints.STAGE_LAYER_S)  # tests: a slow disk
-            model = await asyncio.to_thread(load_stage, path, *place.layers, loaded)
+            loaded = load_reporter(ctx, since, failpoints.STAGE_LAYER_S)  # tests: slow disk
+            model = await unless_stopped(ctx, "load", lambda: load_stage(
+                path, *place.layers, loaded))
         except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
             raise ConfigError(f"stage {place.node_id} failed to load layers "
                               f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",

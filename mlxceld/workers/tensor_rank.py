@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,13 @@ from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import fetch_whole, names_a_repo
 from mlxceld.models.tensor import TensorParallelRefused, check_model_dir
 from mlxceld.roles.options import TensorOptions
-from mlxceld.workers.runtime import WorkerContext, load_reporter
+from mlxceld.workers.runtime import (
+    WorkerContext,
+    before_stop,
+    in_thread,
+    load_reporter,
+    unless_stopped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ async def fetched_path(ctx: WorkerContext[Any], model: str) -> str:
     if not names_a_repo(model):
         return model
     fetched = load_reporter(ctx, time.time(), step="downloading")
-    return str(await asyncio.to_thread(fetch_whole, model, fetched))
+    return str(await unless_stopped(ctx, "download", lambda: fetch_whole(model, fetched)))
 
 
 async def join_group(rank: int, hosts: tuple[str, ...]) -> Any:
@@ -74,32 +78,6 @@ async def join_group(rank: int, hosts: tuple[str, ...]) -> Any:
     from mlxceld.engine.tensor import join_ring
 
     return await in_thread(f"ring rank {rank}", lambda: join_ring(rank, hosts))
-
-
-async def in_thread(name: str, call: Callable[[], Any]) -> Any:
-    """``call()`` on a daemon thread, awaited: unlike ``asyncio.to_thread``'s pool (joined
-    at the loop's close), a thread left blocked in the ring never holds up an exit."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if done.done():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
-
-    def body() -> None:
-        try:
-            result = call()
-        except BaseException as exc:  # handed to the awaiting task
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=body, name=name, daemon=True).start()
-    return await done
 
 
 async def run(ctx: WorkerContext[TensorOptions]) -> int:
@@ -113,7 +91,7 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
 
     set_wired_limit()
     joining = asyncio.ensure_future(join_group(o.rank, o.tp_hosts))
-    if not await _first(ctx, joining):  # told to stop while it waits for the ring
+    if not await before_stop(ctx, joining):  # told to stop while it waits for the ring
         log.info("tp rank %d stopping before its ring formed", o.rank)
         return 0
     group = joining.result()
@@ -127,7 +105,7 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     following = asyncio.ensure_future(in_thread(
         f"tp rank {o.rank}", lambda: run_tensor_follower(path, group, max_batch=o.max_batch,
                                                          progress=loaded, ready=ready)))
-    if not await _first(ctx, following):  # told to stop: its thread stays in the ring
+    if not await before_stop(ctx, following):  # told to stop: its thread stays in the ring
         log.info("tp rank %d of model %s stopping", o.rank, o.model_name)
         return 0
     error = following.exception()
@@ -135,15 +113,6 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
         raise RuntimeError(f"tp rank {o.rank} of {size} left the group: {error}") from error
     log.info("tp rank %d: rank 0 closed the group", o.rank)
     return 0
-
-
-async def _first(ctx: WorkerContext[TensorOptions], work: asyncio.Future[Any]) -> bool:
-    """Wait for ``work`` or the worker's stop, whichever comes first: True when ``work``
-    is done (its thread is left where it is otherwise: the worker exits at once)."""
-    stopping = asyncio.ensure_future(ctx.stopping.wait())
-    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    return work.done()
 
 
 def _loaded(ctx: WorkerContext[TensorOptions]) -> None:
