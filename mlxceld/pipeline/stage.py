@@ -23,9 +23,10 @@ over the old one, after all the sequence's messages there, and the rest over the
 The last stage continues each sequence it samples for: it sends the token to
 the owner and, unless the token ends the sequence or ``max_tokens`` are reached,
 to the first stage as the next step (``next``), so decode steps go round the
-stages without the coordinator. A constrained sequence (``params.constraint``) gets a
-matcher on the last stage, whose tokenizer it reads from the model's directory at its
-first such ``prepare``; a constraint it cannot use is refused (``bad_constraint``).
+stages without the coordinator (the connections onward: ``onward.py``). A constrained
+sequence (``params.constraint``) gets a matcher on the last stage (``matching.py``),
+whose tokenizer it reads from the model's directory at its first such ``prepare``; a
+constraint it cannot use is refused (``bad_constraint``).
 
 Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
 and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
@@ -33,7 +34,7 @@ stage whose compute hangs, or whose forwarding waits on a stalled next stage,
 stays busy with no new step.
 
 Bounds: ``MAX_SEQUENCES`` prepared at once; the next stage (and, from the last
-stage, the first) is dialed within ``DOWNSTREAM_DIAL_S``, or the owner is told
+stage, the first) is dialed within ``onward.DOWNSTREAM_DIAL_S``, or the owner is told
 ``downstream_unreachable``. The connections to them have a heartbeat
 (``silence_s``, ``mlxceld.net.liveness``): one whose stage sends nothing for that
 long (asleep, off the network) is dropped and dialed afresh at the next send, and a
@@ -56,17 +57,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from mlxceld.engine.base import SamplingParams
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
-from mlxceld.net.errors import NetError
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
@@ -78,6 +77,8 @@ from mlxceld.pipeline.compute import (
     plan,
     run_group,
 )
+from mlxceld.pipeline.matching import StageMatching
+from mlxceld.pipeline.onward import Onward
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
@@ -87,14 +88,10 @@ from mlxceld.wire import (
     encode_envelope,
     parse_envelope,
 )
-from mlxceld.wire.address import HostPort, bound_identity, parse_address
-
-if TYPE_CHECKING:  # llguidance and mlx: imported only once serving
-    from mlxceld.engine.constraints import ConstraintTokenizer, Matching
+from mlxceld.wire.address import bound_identity, parse_address
 
 log = logging.getLogger(__name__)
 
-DOWNSTREAM_DIAL_S: Final = 5.0
 # What other stages send: the tensor it carries, and the refusal when the sender is not
 # the one stage allowed to send it (act: the upstream stage; next: the last stage).
 _FROM_STAGES: Final = {
@@ -157,16 +154,14 @@ class StageService:
         """``tokenizer_path``: the model's directory, whose tokenizer the last stage reads
         to decode under a constraint (None: a constrained ``prepare`` is refused)."""
         self._model = model
-        self._tokenizer_path = tokenizer_path
-        self._constraints: ConstraintTokenizer | None = None
+        self._matching = StageMatching(place.node_id, tokenizer_path, model.vocab_size)
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, _Sequence] = {}
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
-        me = parse_address(place.address)
-        self._down = _redialer(place.downstream, keyring, me, "next stage", silence_s)
-        self._ring = _redialer(place.first, keyring, me, "first stage", silence_s)
+        self._onward = Onward(place.node_id, keyring, parse_address(place.address),
+                              place.downstream, place.first, silence_s)
         self._silence_s = silence_s
         self._resolver = Resolver()  # the configured peers' host names
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
@@ -176,7 +171,6 @@ class StageService:
         self.busy_since: float | None = None  # time.monotonic() when _pending left 0
         self.draining = False  # stopping: no new sequence (``drain``)
         self._released = asyncio.Event()  # set when a sequence is forgotten (``drain``)
-        self._rekeyed = asyncio.Event()  # the keyring's primary changed (``rekey``)
 
     def activate(self) -> None:
         """Leave standby: the weights are loaded already, so this is only a switch."""
@@ -211,24 +205,9 @@ class StageService:
         return left
 
     def rekey(self) -> None:
-        """The keyring's primary changed: hand the streams to the next and the first stage
-        over to streams under it (``Redialer.hand_over``), in the background."""
-        self._rekeyed.set()
-
-    async def _hand_over(self) -> None:
-        """Run each ``rekey``'s handovers; one that cannot dial leaves the old stream in use
-        (until its key is removed: then the next send dials under the primary)."""
-        while True:
-            await self._rekeyed.wait()
-            self._rekeyed.clear()
-            for dialer in (self._down, self._ring):
-                if dialer.target is None:
-                    continue
-                try:
-                    await dialer.hand_over()
-                except NetError as exc:
-                    log.warning("stage %s: the %s stays on its old key for now: %s",
-                                self._place.node_id, dialer.what, exc)
+        """The keyring's primary changed: the connections to the next and the first stage
+        are handed over to streams under it, in the background (``Onward.rekey``)."""
+        self._onward.rekey()
 
     def _forget(self, seq_id: str) -> None:
         """The sequence's cache is freed (released, failed, its owner gone)."""
@@ -361,7 +340,7 @@ class StageService:
                                  params.logprobs)
             eos = p.eos_of(env.header)
             if last:
-                state.matching = await self._matching(params, eos)
+                state.matching = await self._matching.matching(params, eos)
             self._seqs[seq_id] = _Sequence(who, stream, state, params, eos)
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":
@@ -377,37 +356,6 @@ class StageService:
                                           f"sequence {seq_id} is not prepared here")
             self._enqueue(seq_id, current, p.step_of(env.header), p.sample_of(env.header),
                           env.tensors["tokens"])
-
-    async def _matching(self, params: SamplingParams, eos: frozenset[int]) -> Matching | None:
-        """The sequence's matcher when its output is constrained (the last stage's). The
-        model's tokenizer is read from its directory at the first such ``prepare``, then
-        kept; compiling runs in a thread (a large grammar takes up to about a second)."""
-        if params.constraint is None:
-            return None
-        from mlxceld.engine.constraints import ConstraintError
-
-        try:
-            if self._constraints is None or self._constraints.eos_token_ids != sorted(eos):
-                self._constraints = await asyncio.to_thread(self._constraint_tokenizer, eos)
-            return await asyncio.to_thread(self._constraints.matcher, params.constraint)
-        except ConstraintError as exc:
-            raise p.ProtocolViolation(p.ERR_BAD_CONSTRAINT, str(exc)) from None
-
-    def _constraint_tokenizer(self, eos: frozenset[int]) -> ConstraintTokenizer:
-        from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer
-
-        if self._tokenizer_path is None:
-            raise ConstraintError(f"stage {self._place.node_id} has no tokenizer to decode "
-                                  "under a constraint")
-        from mlx_lm.utils import load_tokenizer
-
-        try:
-            wrapper: Any = load_tokenizer(self._tokenizer_path)  # type: ignore[no-untyped-call]
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' words
-            raise ConstraintError(f"stage {self._place.node_id} cannot read the model's "
-                                  f"tokenizer in {self._tokenizer_path}: {exc}") from exc
-        return ConstraintTokenizer(wrapper._tokenizer, vocab_size=self._model.vocab_size,
-                                   eos_token_ids=eos)
 
     def _from_stage(self, env: Envelope, tensor: str) -> None:
         """An activation (``act``) or a continuation (``next``) from another stage."""
@@ -438,9 +386,7 @@ class StageService:
         cancelled."""
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._down.run())
-                tg.create_task(self._ring.run())
-                tg.create_task(self._hand_over())
+                tg.create_task(self._onward.run())
                 await self._take_and_run()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -501,7 +447,7 @@ class StageService:
 
     async def _forward(self, work: _Work, out: Any) -> None:
         if not self._model.last:
-            await self._send_on(self._down, work, encode_envelope(
+            await self._send_on(self._onward.down, work, encode_envelope(
                 {"t": "act", "seq": work.seq_id, "step": work.step, "sample": work.sample},
                 [out]))
             return
@@ -528,47 +474,25 @@ class StageService:
             self._enqueue(work.seq_id, seq, work.step + 1, True,
                           Tensor("tokens", "i32", (1, 1), memoryview(blob)))
             return
-        await self._send_on(self._ring, work, encode_envelope(
+        await self._send_on(self._onward.ring, work, encode_envelope(
             {"t": "next", "seq": work.seq_id, "step": work.step + 1},
             [("tokens", "i32", (1, 1), blob)]))
 
     async def _send_on(self, dialer: Redialer, work: _Work, message: bytes) -> None:
-        try:
-            await dialer.send(message)
-        except (ConnectionClosed, NetError) as exc:
-            dialer.forget()
+        failure = await self._onward.send(dialer, message)
+        if failure is not None:
             self._forget(work.seq_id)
             await self._tell_owner(work, p.ERR_DOWNSTREAM,
-                                   f"stage {self._place.node_id} cannot reach the "
-                                   f"{dialer.what} at {_addr(dialer.target)}: {exc}")
+                                   f"stage {self._place.node_id} {failure}")
 
     async def _tell_owner(self, work: _Work, code: str, message: str) -> None:
         await _send_quietly(work.seq.stream, encode_envelope(
             p.error_header(code, message, work.seq_id, work.step)))
 
     async def aclose(self) -> None:
-        await self._down.aclose("stage stopping")
-        await self._ring.aclose("stage stopping")
+        await self._onward.aclose("stage stopping")
         self._seqs.clear()
         self._released.set()
-
-
-def _redialer(target: tuple[str, int] | None, keyring: Keyring, me: HostPort,
-              what: str, silence_s: float) -> Redialer:
-    """The connection to the next (or the first) stage, dialed as ``me``, our listener."""
-    return Redialer(target, keyring=keyring, origin=me, channel=1, what=what,
-                    budget_s=DOWNSTREAM_DIAL_S, on_message=functools.partial(_unexpected, what),
-                    silence_s=silence_s)
-
-
-def _unexpected(what: str, payload: bytes) -> None:
-    """What the next (or first) stage sends us: it answers nothing, only refuses."""
-    log.warning("the %s sent %d unexpected bytes (%r...)", what, len(payload),
-                bytes(payload[:120]))
-
-
-def _addr(hp: tuple[str, int] | None) -> str:
-    return "-" if hp is None else f"{hp[0]}:{hp[1]}"
 
 
 async def _send_quietly(stream: MxclStream, payload: bytes) -> None:
