@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import openai
 
 from helpers.models import PROMPT
@@ -19,3 +21,25 @@ def complete(port: int, model: str, n: int = 8) -> str:
         text: str = c.completions.create(model=model, prompt=PROMPT, max_tokens=n,
                                          temperature=0).choices[0].text
         return text
+
+
+def greedy(url: str, prompt: str, n: int = 8, *, model: str) -> str:
+    """The greedy completion of ``prompt``, ``n`` tokens at most, from the API at ``url``
+    (``http://HOST:PORT``)."""
+    with client(f"{url}/v1") as c:
+        text: str = c.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                         temperature=0).choices[0].text
+        return text
+
+
+def greedy_stream(url: str, prompt: str, n: int = 16, *, model: str,
+                  together: threading.Barrier | None = None) -> str:
+    """The same, streamed. With ``together``, its first chunk is read before the barrier
+    is passed, so that every stream of the barrier is in flight at once."""
+    with client(f"{url}/v1") as c:
+        chunks = iter(c.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                           temperature=0, stream=True))
+        first = next(chunks)
+        if together is not None:
+            together.wait(60)
+        return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)

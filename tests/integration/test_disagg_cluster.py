@@ -10,6 +10,7 @@ module; every process is ended by pid at the end."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
 from helpers.keys import keyring
 from helpers.ports import free_port
-from helpers.router import client
+from helpers.router import greedy_stream
 from helpers.waiting import wait_for
 
 SECRET = b"the disaggregation tests' secret, 44 bytes."
@@ -74,15 +75,7 @@ def agent(host: Host) -> str:
     return str(host.daemon_keys["agent_addr"])
 
 
-def complete(url: str, prompt: str, n: int = 8,
-             together: threading.Barrier | None = None) -> str:
-    with client(f"{url}/v1") as c:
-        chunks = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                           temperature=0, stream=True))
-        first = next(chunks)
-        if together is not None:
-            together.wait(60)
-        return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)
+complete = functools.partial(greedy_stream, model=MODEL, n=8)  # streamed
 
 
 @pytest.fixture(scope="module")

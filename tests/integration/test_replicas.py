@@ -15,6 +15,7 @@ pid at the end."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
 from helpers.deploy import Host
 from helpers.keys import secret_file
 from helpers.ports import free_port
-from helpers.router import client
+from helpers.router import client, greedy, greedy_stream
 from helpers.waiting import wait_for
 
 SECRET = b"the replica tests' cluster secret, 44 bytes"
@@ -84,24 +85,8 @@ def processes(host: Host) -> list[int]:
     return [host.d.pid, *(w["pid"] for w in host.d.status()["workers"] if w["pid"])]
 
 
-def complete(url: str, prompt: str, n: int = 8) -> str:
-    with client(f"{url}/v1") as c:
-        text: str = c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                         temperature=0).choices[0].text
-        return text
-
-
-def stream(url: str, prompt: str, n: int = 16,
-           together: threading.Barrier | None = None) -> str:
-    """A streamed greedy completion; with ``together``, its first chunk is read before the
-    barrier is passed, so that every stream of the barrier is in flight at once."""
-    with client(f"{url}/v1") as c:
-        chunks = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                           temperature=0, stream=True))
-        first = next(chunks)
-        if together is not None:
-            together.wait(60)
-        return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)
+complete = functools.partial(greedy, model=MODEL)
+stream = functools.partial(greedy_stream, model=MODEL)
 
 
 def both_up(c: Cluster, url: str | None = None) -> bool:

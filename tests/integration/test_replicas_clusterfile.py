@@ -7,6 +7,7 @@ pid at the end."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ import pytest
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.ports import free_port
-from helpers.router import client
+from helpers.router import greedy, greedy_stream
 from helpers.waiting import wait_for
 
 SECRET = b"the cluster file's replica secret, 40 byte"
@@ -38,22 +39,8 @@ class Fleet:
         return body
 
 
-def complete(url: str, prompt: str, n: int = 8) -> str:
-    with client(f"{url}/v1") as c:
-        text: str = c.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                         temperature=0).choices[0].text
-        return text
-
-
-def stream(url: str, prompt: str, together: threading.Barrier) -> str:
-    """A greedy stream whose first chunk is read before ``together`` is passed, so that
-    every stream of the barrier is in flight at once."""
-    with client(f"{url}/v1") as c:
-        chunks = iter(c.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
-                                           temperature=0, stream=True))
-        first = next(chunks)
-        together.wait(60)
-        return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)
+complete = functools.partial(greedy, model=MODEL)
+stream = functools.partial(greedy_stream, model=MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +82,7 @@ def test_a_router_placed_by_the_file_serves_as_its_hybrids_do(fleet: Fleet) -> N
     before = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
     together = threading.Barrier(len(PROMPTS))  # all in flight at once
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        texts = list(pool.map(lambda p: stream(fleet.router, p, together), PROMPTS))
+        texts = list(pool.map(lambda p: stream(fleet.router, p, together=together), PROMPTS))
     assert all(texts), texts
     after = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
     spread = {k: after[k] - before.get(k, 0) for k in after}
