@@ -122,48 +122,46 @@ class KeyringService:
         (``handoff_role``), a node of a serving cluster's TOML (``served``: "FILE: node
         'ID' (ROLE)"), or a cluster config of two or more stages (or hosts), never runs
         without the cluster secret."""
-        if served is not None and not len(self.keyring):  # a hybrid placed by it too
+        if len(self.keyring):
+            return
+
+        def where(first: str | None = None, last: str | None = None) -> str:
+            """Every place a secret is looked for, in order (``first``, ``last``: the
+            places of a cluster TOML, where one names the secret)."""
+            places = ["--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE",
+                      "MLXCEL_CLUSTER_SECRET", "[daemon] cluster_secret_file"]
+            places = [p for p in (first, *places, last) if p is not None]
+            return f"none was found in {', '.join(places)} or the keyring in {self.dir}"
+
+        everyone = ("mlxctl secret generate FILE, copy FILE (chmod 600) to each host, then "
+                    "pass --cluster-secret-file FILE")
+        if served is not None:  # a hybrid placed by it too
             raise ConfigError(
                 f"{served} needs the cluster secret: its routers reach it only over the "
-                "authenticated wire; none was found in the file's secret_file, "
-                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
-                f"[daemon] cluster_secret_file or the keyring in {self.dir}",
+                "authenticated wire; " + where(first="the file's secret_file"),
                 hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
                 "600, the same on every host) or pass --cluster-secret-file FILE")
-        if handoff_role is not None and not len(self.keyring):
+        if handoff_role is not None:
             raise ConfigError(
                 f"--node-role {handoff_role} needs the cluster secret to serve a router and "
-                "hand KV caches over; none was found in --cluster-secret-file, "
-                "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] "
-                f"cluster_secret_file or the keyring in {self.dir}",
-                hint="give the router and every prefill and decode node the same secret: "
-                "mlxctl secret generate FILE, copy FILE (chmod 600) to each host, then "
-                "pass --cluster-secret-file FILE")
-        if router and not len(self.keyring):
+                f"hand KV caches over; {where()}",
+                hint=f"give the router and every prefill and decode node the same secret: "
+                f"{everyone}")
+        if router:
             raise ConfigError(
-                "--node-role router needs the cluster secret to reach its replicas; none was "
-                "found in --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, "
-                "MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file or the keyring in "
-                f"{self.dir}",
-                hint="give the router and every replica the same secret: mlxctl secret "
-                "generate FILE, copy FILE (chmod 600) to each host, then pass "
-                "--cluster-secret-file FILE")
-        if pp_auto and not len(self.keyring):
+                f"--node-role router needs the cluster secret to reach its replicas; {where()}",
+                hint=f"give the router and every replica the same secret: {everyone}")
+        if pp_auto:
             raise ConfigError(
-                "--pp-auto needs the cluster secret to reach its peers; none was found in "
-                "--cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, "
-                f"[daemon] cluster_secret_file or the keyring in {self.dir}",
+                f"--pp-auto needs the cluster secret to reach its peers; {where()}",
                 hint="give every node the same secret file with --cluster-secret-file")
         p = placement
-        if p is None or not p.needs_secret or len(self.keyring):
+        if p is None or not p.needs_secret:
             return
         raise ConfigError(
             f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
-            "cluster secret; none was found in --cluster-secret-file, "
-            "MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET, [daemon] cluster_secret_file, "
-            f"[cluster] secret_file or the keyring in {self.dir}",
-            hint="give every node the same secret: mlxctl secret generate FILE, copy FILE "
-            "(chmod 600) to each host, then pass --cluster-secret-file FILE")
+            f"cluster secret; {where(last='[cluster] secret_file')}",
+            hint=f"give every node the same secret: {everyone}")
 
     # -- mlxctl secret ----------------------------------------------------------------------
 

@@ -273,7 +273,7 @@ class Lifecycle:
         self._exits: list[float] = []  # times of recent failed exits (flap detection)
         self._streak = 0  # failed exits since the last stable period: the backoff exponent
         self._probe_failures = 0  # consecutive failed health probes
-        self._said_stopping = False  # a probe found it on its way out (HealthProbed.stopping)
+        self._leaving = False  # a probe found it on its way out (HealthProbed.stopping)
         self._quiet_since: float | None = None  # ... and since then, probes fail
         self._doomed = ""  # if set, the coming exit is a failure, for this reason
         self._doomed_kind = ""  # ... and of this kind (else the exit's own)
@@ -319,7 +319,7 @@ class Lifecycle:
         self._timer = None  # every timer belongs to the state it was armed in
         self._doomed, self._doomed_kind = "", ""
         self._start_pending, self._probe_failures = False, 0
-        self._said_stopping, self._quiet_since = False, None
+        self._leaving, self._quiet_since = False, None
         self._stop_reason = ""
         self._load_advanced = False
         return [Transitioned(old, new, reason)]
@@ -406,7 +406,7 @@ class Lifecycle:
         return []
 
     def _on_probe(self, event: HealthProbed, now: float) -> list[Action]:
-        self._said_stopping = self._said_stopping or event.stopping
+        self._leaving = self._leaving or event.stopping
         if event.ok:
             if not self.healthy:
                 self.reason = "health probe ok again"
@@ -414,7 +414,7 @@ class Lifecycle:
             self._quiet_since = None
             return []
         self.healthy = False
-        if self._said_stopping:  # quiet on its way out: let it exit
+        if self._leaving:  # quiet on its way out: let it exit
             return self._on_quiet_while_stopping(event, now)
         self._probe_failures += 1
         n, limit, last = self._probe_failures, self.policy.liveness_failures, event.reason
