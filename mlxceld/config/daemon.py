@@ -36,7 +36,7 @@ File format (TOML, every table and key optional)::
     log_max_bytes = 10485760
     log_backups = 3
 
-    [workers.NAME]                     # one table per supervised worker
+    [workers.NAME]                     # one table per supervised worker (workers.py)
     role = "echo"
     options = { interval_s = 1.0 }     # the role's (mlxceld/roles/options.py), checked here
     stop_timeout_s = 20.0              # any RestartPolicy field overrides [supervisor]
@@ -53,9 +53,6 @@ Every flag of ``mlxceld`` has a key here (``FLAG_KEYS``) except those of
 
 from __future__ import annotations
 
-import dataclasses
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,23 +66,21 @@ from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
 from mlxceld.config.replicas import check_discoverable, check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
-from mlxceld.config.serve import ROUTER, ServeConfig, parse_serve
+from mlxceld.config.serve import ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
+from mlxceld.config.tables import check_keys, number, path_of, read_toml, string, table_of
 from mlxceld.config.tensor import check_tp_model, check_tp_setting, tp_origin
+from mlxceld.config.workers import POLICY_FIELDS, WorkerConfig, restart_policy, worker_configs
 from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
 from mlxceld.logformat import LOG_FORMATS, LogFormat
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
-from mlxceld.roles import ROLES, STAGE, TP
-from mlxceld.roles.options import WorkerOptions, parse_options
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import MAX_PIPELINE_STAGES
 from mlxceld.wire.address import parse_address
 
 DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-POLICY_FIELDS = {f.name: f.type for f in dataclasses.fields(RestartPolicy)}
 # Each flag of `mlxceld` and its key in the config file ...
 FLAG_KEYS: dict[str, str] = {
     "--state-dir": "daemon.state_dir", "--socket": "daemon.socket",
@@ -113,17 +108,6 @@ FLAG_ONLY: dict[str, str] = {
     "service setting",
     "--version": "it prints the version and exits",
 }
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    name: str
-    options: WorkerOptions  # its role's, which say the role
-    policy: RestartPolicy = field(default_factory=RestartPolicy)
-
-    @property
-    def role(self) -> str:
-        return self.options.role
 
 
 @dataclass(frozen=True)
@@ -201,8 +185,8 @@ class Overrides:
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
                     where: str) -> dict[str, Any]:
     """``--distributed-config`` and ``--node-id`` (or their [daemon] keys): both or neither."""
-    path = flags.distributed_config or _path(daemon, "distributed_config", base, where)
-    node = flags.node_id or _str(daemon, "node_id", where, "daemon.")
+    path = flags.distributed_config or path_of(daemon, "distributed_config", base, where)
+    node = flags.node_id or string(daemon, "node_id", where, "daemon.")
     if (path is None) != (node is None):
         given, missing = (("--distributed-config", "--node-id") if node is None
                           else ("--node-id", "--distributed-config"))
@@ -235,7 +219,7 @@ def _pp_auto_choice(daemon: Mapping[str, Any], flags: Overrides, cluster: Mappin
                               "(--distributed-config) exclude each other",
                               hint="--pp-auto plans the cluster itself; --distributed-config "
                               "runs a written one: drop one from the flags or the config file")
-    out = flags.cluster_config_out or _path(daemon, "cluster_config_out", base, where)
+    out = flags.cluster_config_out or path_of(daemon, "cluster_config_out", base, where)
     return {"pp_auto": n, "dry_run": flags.dry_run,
             "cluster_config_out": out.expanduser().absolute() if out else None}
 
@@ -264,7 +248,7 @@ def _secret_and_ports(daemon: Mapping[str, Any], flags: Overrides, base: Path,
     ``[daemon] stage_ports``."""
     secret, origin = flags.cluster_secret_file, SECRET_FLAG
     if secret is None:
-        secret = _path(daemon, "cluster_secret_file", base, where)
+        secret = path_of(daemon, "cluster_secret_file", base, where)
         origin = f"{where}: 'daemon.cluster_secret_file'"
     if flags.stage_ports is not None:
         ports = parse_stage_ports(flags.stage_ports, "--stage-ports")
@@ -291,51 +275,51 @@ def load_config(flags: Overrides) -> Config:
     path = flags.config_file
     data: dict[str, Any] = {}
     if path is not None:
-        data = _read_toml(path, required=True)
+        data = read_toml(path, required=True)
     else:
         default = default_config_file()
         if default.exists():
             path = default
-            data = _read_toml(default, required=False)
+            data = read_toml(default, required=False)
     return build_config(data, path, flags)
 
 
 def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -> Config:
     where = str(path) if path else "config"
-    _check_keys(data, {"daemon", "supervisor", "workers", "serve"}, where, "")
+    check_keys(data, {"daemon", "supervisor", "workers", "serve"}, where, "")
     base = path.parent if path else Path.cwd()
-    daemon = _table(data, "daemon", where)
+    daemon = table_of(data, "daemon", where)
     _refuse_flag_only(daemon, where)
-    _check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
+    check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
                          "log_format",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
                          *LIVENESS_KEYS, HEAL_KEY},
                 where, "daemon.")
-    sup = _table(data, "supervisor", where)
-    _check_keys(
+    sup = table_of(data, "supervisor", where)
+    check_keys(
         sup, {*POLICY_FIELDS, "health_interval_s", "log_max_bytes", "log_backups"}, where,
         "supervisor.",
     )
 
-    state_dir = flags.state_dir or _path(daemon, "state_dir", base, where) or default_state_dir()
+    state_dir = flags.state_dir or path_of(daemon, "state_dir", base, where) or default_state_dir()
     state_dir = state_dir.expanduser().absolute()
-    socket = flags.socket or _path(daemon, "socket", base, where) or default_socket(state_dir)
-    log_level = flags.log_level or _str(daemon, "log_level", where, "daemon.") or "info"
+    socket = flags.socket or path_of(daemon, "socket", base, where) or default_socket(state_dir)
+    log_level = flags.log_level or string(daemon, "log_level", where, "daemon.") or "info"
     if log_level not in LOG_LEVELS:
         raise ConfigError(
             f"{where}: log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}",
             hint="set --log-level or [daemon] log_level to one of those",
         )
-    log_format = flags.log_format or _str(daemon, "log_format", where, "daemon.") or "text"
+    log_format = flags.log_format or string(daemon, "log_format", where, "daemon.") or "text"
     if log_format not in LOG_FORMATS:
         raise ConfigError(
             f"{where}: log format {log_format!r} is not one of {', '.join(LOG_FORMATS)}",
             hint="set --log-format or [daemon] log_format to one of those",
         )
-    policy = _policy(sup, RestartPolicy(), where, "supervisor.")
-    workers = _workers(_table(data, "workers", where), policy, where)
-    serve = parse_serve(_table(data, "serve", where), flags, base, where)
+    policy = restart_policy(sup, RestartPolicy(), where, "supervisor.")
+    workers = worker_configs(table_of(data, "workers", where), policy, where)
+    serve = parse_serve(table_of(data, "serve", where), flags, base, where)
     socket = socket.expanduser().absolute()
     config = Config(
         state_dir=state_dir,
@@ -344,7 +328,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         config_file=path,
         reset_state=flags.reset_state,
         log_level=log_level,
-        log_file=flags.log_file or _path(daemon, "log_file", base, where),
+        log_file=flags.log_file or path_of(daemon, "log_file", base, where),
         log_format="json" if log_format == "json" else "text",
         agent_addr=_agent_addr(daemon, flags, where),
         **(choice := _cluster_choice(daemon, flags, base, where)),
@@ -356,9 +340,9 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         liveness=liveness_settings(daemon, where),
         heal_after_s=heal_after(daemon, where),
         policy=policy,
-        health_interval_s=_number(sup, "health_interval_s", where, "supervisor.", 5.0),
-        log_max_bytes=int(_number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),
-        log_backups=int(_number(sup, "log_backups", where, "supervisor.", 3, allow_zero=True)),
+        health_interval_s=number(sup, "health_interval_s", where, "supervisor.", 5.0),
+        log_max_bytes=int(number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),
+        log_backups=int(number(sup, "log_backups", where, "supervisor.", 3, allow_zero=True)),
         workers=workers,
         serve=serve,
     )
@@ -386,7 +370,7 @@ def _socket_group(daemon: Mapping[str, Any], flags: Overrides, socket: Path, sta
     name = flags.socket_group
     source = f"--socket-group {name}"
     if name is None:
-        name = _str(daemon, "socket_group", where, "daemon.")
+        name = string(daemon, "socket_group", where, "daemon.")
         source = f"{where}: 'daemon.socket_group' = {name!r}"
     if name is None:
         return None
@@ -408,7 +392,7 @@ def _agent_addr(daemon: Mapping[str, Any], flags: Overrides, where: str) -> str:
     """``--agent-addr`` / ``[daemon] agent_addr``: ``host:port``, ``[v6]:port``, a wildcard
     (every interface) or a host name (the addresses it resolves to); port 0 lets the
     system choose (tests). Checked here, before the daemon takes its lock and socket."""
-    value = flags.agent_addr or _str(daemon, "agent_addr", where, "daemon.")
+    value = flags.agent_addr or string(daemon, "agent_addr", where, "daemon.")
     if value is None:
         return DEFAULT_AGENT_ADDR
     what = "--agent-addr" if flags.agent_addr else f"{where}: 'daemon.agent_addr'"
@@ -419,135 +403,3 @@ def _agent_addr(daemon: Mapping[str, Any], flags: Overrides, where: str) -> str:
                           hint=f"for example {DEFAULT_AGENT_ADDR}, or [::]:19000 for IPv6"
                           ) from None
     return value
-
-
-def _read_toml(path: Path, *, required: bool) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError as exc:
-        raise ConfigError(
-            f"config file {path} does not exist",
-            hint="create it, or drop --config to use the defaults",
-        ) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}",
-                          hint="fix the line it names") from exc
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}",
-                          hint="check its permissions") from exc
-
-
-def _check_keys(table: Mapping[str, Any], known: set[str], where: str, prefix: str) -> None:
-    for key in table:
-        if key not in known:
-            raise ConfigError(
-                f"{where}: unknown key '{prefix}{key}'",
-                hint=f"known keys here: {', '.join(sorted(prefix + k for k in known))}",
-            )
-
-
-def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: '{key}' must be a table, not {type(value).__name__}",
-                          hint=f"write it as [{key}]")
-    return value
-
-
-def _str(table: Mapping[str, Any], key: str, where: str, prefix: str) -> str | None:
-    value = table.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: '{prefix}{key}' must be a non-empty string",
-                          hint=f'write it as {key} = "..."')
-    return value
-
-
-def _path(table: Mapping[str, Any], key: str, base: Path, where: str,
-          prefix: str = "daemon.") -> Path | None:
-    value = _str(table, key, where, prefix)
-    if value is None:
-        return None
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else base / p
-
-
-def _number(table: Mapping[str, Any], key: str, where: str, prefix: str, default: float,
-            *, allow_zero: bool = False) -> float:
-    value = table.get(key, default)
-    if (isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            or (value == 0 and not allow_zero)):
-        kind = "non-negative" if allow_zero else "positive"
-        raise ConfigError(f"{where}: '{prefix}{key}' must be a {kind} number, not {value!r}",
-                          hint=f"for example {key} = {default}")
-    return float(value)
-
-
-def _policy(
-    table: Mapping[str, Any], base: RestartPolicy, where: str, prefix: str
-) -> RestartPolicy:
-    changes: dict[str, Any] = {}
-    for key in POLICY_FIELDS:
-        if key in table:
-            value = _number(table, key, where, prefix, getattr(base, key),
-                            allow_zero=key == "backoff_jitter")  # 0: no jitter
-            is_int = isinstance(getattr(base, key), int)
-            if is_int and value != int(value):
-                raise ConfigError(f"{where}: '{prefix}{key}' must be a whole number",
-                                  hint=f"for example {key} = {getattr(base, key)}")
-            changes[key] = int(value) if is_int else value
-    try:
-        return dataclasses.replace(base, **changes)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: [{prefix.rstrip('.')}] {exc}",
-                          hint="see mlxceld(8) for the allowed ranges") from exc
-
-
-def _workers(
-    table: Mapping[str, Any], policy: RestartPolicy, where: str
-) -> tuple[WorkerConfig, ...]:
-    workers = []
-    for name, spec in table.items():
-        prefix = f"workers.{name}."
-        if not WORKER_NAME.match(name):
-            raise ConfigError(
-                f"{where}: worker name {name!r} is not allowed",
-                hint="use 1-63 characters of a-z, 0-9, '.', '_' and '-', starting with a letter "
-                "or digit",
-            )
-        if name == ROUTER:
-            raise ConfigError(f"{where}: worker name {name!r} is reserved for the model server",
-                              hint="configure it under [serve] instead")
-        if name == STAGE:
-            raise ConfigError(f"{where}: worker name {name!r} is reserved for a pipeline stage",
-                              hint="stages come from a cluster TOML (--distributed-config)")
-        if re.fullmatch(r"tp-[0-9]+", name):
-            raise ConfigError(f"{where}: worker name {name!r} is reserved for a "
-                              "tensor-parallel rank",
-                              hint="ranks come from [serve] tp_size; name this worker "
-                              "otherwise")
-        if not isinstance(spec, Mapping):
-            raise ConfigError(f"{where}: 'workers.{name}' must be a table",
-                              hint=f"write it as [workers.{name}]")
-        _check_keys(spec, {"role", "options", *POLICY_FIELDS}, where, prefix)
-        role = _str(spec, "role", where, prefix)
-        # The router comes from [serve] only (and its tensor-parallel ranks with it), a
-        # stage from a cluster TOML only.
-        roles = sorted(set(ROLES) - {ROUTER, STAGE, TP})
-        if role is None or role not in roles:
-            raise ConfigError(
-                f"{where}: '{prefix}role' must be one of {', '.join(roles)}, not {role!r}",
-                hint=f'set role = "..." under [workers.{name}]',
-            )
-        options = spec.get("options", {})
-        if not isinstance(options, Mapping):
-            raise ConfigError(f"{where}: '{prefix}options' must be a table",
-                              hint="write it as options = { key = value }")
-        try:
-            parsed = parse_options(role, dict(options), f"{prefix}options")
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}", hint=exc.hint) from None
-        workers.append(WorkerConfig(name, parsed, _policy(spec, policy, where, prefix)))
-    return tuple(workers)
