@@ -29,7 +29,7 @@ class StageMatching:
         self._vocab_size = vocab_size
         self._tokenizer: ConstraintTokenizer | None = None
 
-    async def matching(self, params: SamplingParams, eos: frozenset[int]) -> Matching | None:
+    async def matcher(self, params: SamplingParams, eos: frozenset[int]) -> Matching | None:
         """The sequence's matcher, or None when its output is not constrained."""
         if params.constraint is None:
             return None

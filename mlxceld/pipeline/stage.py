@@ -340,7 +340,7 @@ class StageService:
                                  params.logprobs)
             eos = p.eos_of(env.header)
             if last:
-                state.matching = await self._matching.matching(params, eos)
+                state.matching = await self._matching.matcher(params, eos)
             self._seqs[seq_id] = _Sequence(who, stream, state, params, eos)
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
         elif env.type == "release":

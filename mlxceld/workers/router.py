@@ -91,14 +91,19 @@ from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.local import load_local_engine
 from mlxceld.errors import ConfigError
-from mlxceld.models.fetch import fetch_whole, names_a_repo
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.workers.handoff_node import bind_serving, run_handoff_node
 from mlxceld.workers.replica_router import Discovered, replica_engine, replica_links
-from mlxceld.workers.runtime import Stopped, WorkerContext, load_reporter, unless_stopped
+from mlxceld.workers.runtime import (
+    Stopped,
+    WorkerContext,
+    fetched_path,
+    load_reporter,
+    unless_stopped,
+)
 from mlxceld.workers.wired import set_wired_limit
 
 log = logging.getLogger(__name__)
@@ -273,7 +278,7 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
     o = ctx.options
     check_split(path, o.model, o.tp_size)
     ctx.stats["tensor"] = {"rank": 0, "size": o.tp_size}
-    group = await join_group(0, o.tp_hosts)
+    group = await join_group(ctx, 0, o.tp_hosts)
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
     loaded_engine: tuple[Any, Any] = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
@@ -305,10 +310,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
         elif o.pipeline is not None:
             engine, tokenizer = await asyncio.to_thread(pipeline_engine, ctx, o.pipeline)
         else:
-            if names_a_repo(o.model):  # its weights fetched first, with progress
-                fetched = load_reporter(ctx, time.time(), step="downloading")
-                path = str(await unless_stopped(ctx, "download", lambda: fetch_whole(
-                    o.model, fetched)))
+            path = await fetched_path(ctx, o.model)  # a repo id's weights, with progress
             # Its reports are queued before the thread ends, so they land before the pop.
             loaded = load_reporter(ctx, time.time(), failpoints.ROUTER_LAYER_S)
             if o.tp_size > 1:

@@ -275,20 +275,26 @@ def load_reporter(ctx: WorkerContext[Any], since: float, slow_s: float | None = 
     return loaded
 
 
-async def in_thread(name: str, call: Callable[[], Any]) -> Any:
-    """``call()`` on a daemon thread, awaited: unlike ``asyncio.to_thread``'s pool (joined
-    at the loop's close), a thread left blocked (in a tensor-parallel ring, in a model's
-    load) never holds up the worker's exit."""
+class Stopped(Exception):
+    """The worker was told to stop while it waited for ``unless_stopped``'s call (named
+    by the exception's text). A role lets it through: the worker exits 0 (``run_worker``)."""
+
+
+async def unless_stopped(ctx: WorkerContext[Any], name: str, call: Callable[[], Any]) -> Any:
+    """``call()`` on a daemon thread of its own (named ``name``), awaited; raises
+    ``Stopped`` if the worker is told to stop first. Unlike ``asyncio.to_thread``'s pool
+    (joined at the loop's close), a thread left behind (a model half read, a ring not yet
+    formed) never holds up the worker's exit (``exit_at_once``)."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
+    work: asyncio.Future[Any] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
-        if done.done():
+        if work.done():
             return
         if error is not None:
-            done.set_exception(error)
+            work.set_exception(error)
         else:
-            done.set_result(result)
+            work.set_result(result)
 
     def body() -> None:
         try:
@@ -300,32 +306,23 @@ async def in_thread(name: str, call: Callable[[], Any]) -> Any:
             loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=body, name=name, daemon=True).start()
-    return await done
-
-
-async def before_stop(ctx: WorkerContext[Any], work: asyncio.Future[Any]) -> bool:
-    """Wait for ``work`` or the worker's stop, whichever comes first: True when ``work``
-    is done. Told to stop first, the role returns and the worker exits at once
-    (``exit_at_once``), leaving the thread behind ``work`` (``in_thread``) where it is: a
-    model half read, a ring not yet formed."""
     stopping = asyncio.ensure_future(ctx.stopping.wait())
     await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
-    return work.done()
-
-
-class Stopped(Exception):
-    """The worker was told to stop while it waited for ``unless_stopped``'s call (named
-    by the exception's text). A role lets it through: the worker exits 0 (``run_worker``)."""
-
-
-async def unless_stopped(ctx: WorkerContext[Any], name: str, call: Callable[[], Any]) -> Any:
-    """``call()`` on a thread of its own (``in_thread``, named ``name``), awaited; raises
-    ``Stopped`` if the worker is told to stop first (the thread is left as it is)."""
-    work = asyncio.ensure_future(in_thread(name, call))
-    if not await before_stop(ctx, work):
+    if not work.done():
         raise Stopped(name)
     return work.result()
+
+
+async def fetched_path(ctx: WorkerContext[Any], model: str) -> str:
+    """``model``'s local directory: a repo id's files fetched first, with progress
+    (``downloading`` in its stats)."""
+    from mlxceld.models.fetch import fetch_whole, names_a_repo
+
+    if not names_a_repo(model):
+        return model
+    fetched = load_reporter(ctx, time.time(), step="downloading")
+    return str(await unless_stopped(ctx, "download", lambda: fetch_whole(model, fetched)))
 
 
 def write_exit_record(path: Path, returncode: int, kind: str, summary: str) -> None:

@@ -35,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.errors import ConfigError
-from mlxceld.models.fetch import fetch_whole, names_a_repo
 from mlxceld.models.tensor import TensorParallelRefused, check_model_dir
 from mlxceld.roles.options import TensorOptions
 from mlxceld.workers.runtime import (
+    Stopped,
     WorkerContext,
-    before_stop,
-    in_thread,
+    fetched_path,
     load_reporter,
     unless_stopped,
 )
@@ -63,21 +62,13 @@ def check_split(path: str, model: str, tp_size: int) -> None:
                           hint="point [serve] model at an mlx-lm model directory") from None
 
 
-async def fetched_path(ctx: WorkerContext[Any], model: str) -> str:
-    """``model``'s local directory: a repo id's files fetched first, with progress."""
-    if not names_a_repo(model):
-        return model
-    fetched = load_reporter(ctx, time.time(), step="downloading")
-    return str(await unless_stopped(ctx, "download", lambda: fetch_whole(model, fetched)))
-
-
-async def join_group(rank: int, hosts: tuple[str, ...]) -> Any:
+async def join_group(ctx: WorkerContext[Any], rank: int, hosts: tuple[str, ...]) -> Any:
     """This rank's ``mx.distributed`` group: ``engine.tensor.join_ring`` on a thread of
     its own (its deadline, ``RING_DEADLINE_S``, ends the process: the module
     docstring)."""
     from mlxceld.engine.tensor import join_ring
 
-    return await in_thread(f"ring rank {rank}", lambda: join_ring(rank, hosts))
+    return await unless_stopped(ctx, "ring join", lambda: join_ring(rank, hosts))
 
 
 async def run(ctx: WorkerContext[TensorOptions]) -> int:
@@ -90,11 +81,7 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     from mlxceld.workers.wired import set_wired_limit
 
     set_wired_limit()
-    joining = asyncio.ensure_future(join_group(o.rank, o.tp_hosts))
-    if not await before_stop(ctx, joining):  # told to stop while it waits for the ring
-        log.info("tp rank %d stopping before its ring formed", o.rank)
-        return 0
-    group = joining.result()
+    group = await join_group(ctx, o.rank, o.tp_hosts)  # told to stop first: Stopped
     log.info("tp rank %d of %d joined the ring at %s", o.rank, size, o.tp_hosts[o.rank])
     loop = asyncio.get_running_loop()
     loaded = load_reporter(ctx, time.time())
@@ -102,14 +89,12 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     def ready() -> None:  # on the follower's thread, once its slice is loaded
         loop.call_soon_threadsafe(_loaded, ctx)
 
-    following = asyncio.ensure_future(in_thread(
-        f"tp rank {o.rank}", lambda: run_tensor_follower(path, group, max_batch=o.max_batch,
-                                                         progress=loaded, ready=ready)))
-    if not await before_stop(ctx, following):  # told to stop: its thread stays in the ring
-        log.info("tp rank %d of model %s stopping", o.rank, o.model_name)
-        return 0
-    error = following.exception()
-    if error is not None:  # the ring broke: the supervisor restarts the group
+    try:  # told to stop: Stopped, its thread left in the ring
+        await unless_stopped(ctx, "follower steps", lambda: run_tensor_follower(
+            path, group, max_batch=o.max_batch, progress=loaded, ready=ready))
+    except Stopped:
+        raise
+    except Exception as error:  # the ring broke: the supervisor restarts the group
         raise RuntimeError(f"tp rank {o.rank} of {size} left the group: {error}") from error
     log.info("tp rank %d: rank 0 closed the group", o.rank)
     return 0
