@@ -33,8 +33,6 @@ class WorkerConfig:
         return self.options.role
 
 
-
-
 def restart_policy(
     table: Mapping[str, Any], base: RestartPolicy, where: str, prefix: str
 ) -> RestartPolicy:
@@ -42,7 +40,7 @@ def restart_policy(
     for key in POLICY_FIELDS:
         if key in table:
             value = number(table, key, where, prefix, getattr(base, key),
-                            allow_zero=key == "backoff_jitter")  # 0: no jitter
+                           allow_zero=key == "backoff_jitter")  # 0: no jitter
             is_int = isinstance(getattr(base, key), int)
             if is_int and value != int(value):
                 raise ConfigError(f"{where}: '{prefix}{key}' must be a whole number",

@@ -17,10 +17,7 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 def complete(port: int, model: str, n: int = 8) -> str:
     """The greedy completion of PROMPT, ``n`` tokens at most, from the router on
     ``127.0.0.1:port``."""
-    with client(f"http://127.0.0.1:{port}/v1") as c:
-        text: str = c.completions.create(model=model, prompt=PROMPT, max_tokens=n,
-                                         temperature=0).choices[0].text
-        return text
+    return greedy(f"http://127.0.0.1:{port}", PROMPT, n, model=model)
 
 
 def greedy(url: str, prompt: str, n: int = 8, *, model: str) -> str:
