@@ -4,8 +4,13 @@ Steps that wait in a stage's queue at the same moment are grouped: the first
 one-token step (a decode step) of each of up to ``MAX_BATCH`` sequences runs as
 one batch through the stage's layers, their KV caches merged for the step
 (mlx-lm's batch caches, left-padded) and split again after it. Everything else
-(prefill chunks, a second step of a sequence already in the batch) runs alone
-afterwards, in arrival order, so each sequence's steps keep their order.
+(prefill chunks, a second step of a sequence already in the batch) runs alone, in
+arrival order, so each sequence's steps keep their order: one of them after each
+batch (``next_groups``), then the queue is read again, so that the sequences
+decoding wait for one prefill chunk at a time, not for a whole long prompt.
+
+A sequence that starts from a prompt-cache entry (``SeqState.reuse``, ``kvstore.py``)
+gets its own copy of the entry's caches at its first step, on the compute side.
 
 Batching is what lets a stage serve several sequences for little more than the
 price of one on a machine whose step time is dominated by reading the weights.
@@ -31,8 +36,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
+from mlxceld.pipeline.kvstore import cloned
 from mlxceld.wire import Tensor
 from mlxceld.wire.mx_tensors import from_blob, to_blob
 
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
     from mlxceld.engine.constraints import Matching
 
 MAX_BATCH: Final = 16
+S = TypeVar("S", bound="Step")
 
 
 class StageModelLike(Protocol):
@@ -69,6 +76,9 @@ class SeqState:
     history: list[int] = field(default_factory=list)
     logprobs: int | None = None
     matching: Matching | None = None  # the last stage's, when the output is constrained
+    # A prompt-cache entry's caches and how many of their tokens to start from: the
+    # sequence's own copy of them (``kvstore.cloned``) is made at its first step.
+    reuse: tuple[list[Any], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,11 +103,27 @@ class Step:
         return self.x.shape[1]
 
 
-def plan(steps: Sequence[Step]) -> list[list[Step]]:
+def plan(steps: Sequence[S]) -> list[list[S]]:
     """Groups to run in order: one batch of first-in-line decode steps, then the rest
     one by one in arrival order."""
-    batch: list[Step] = []
-    rest: list[Step] = []
+    batch, rest = _split(steps)
+    groups = [batch] if batch else []
+    return groups + [[s] for s in rest]
+
+
+def next_groups(steps: Sequence[S]) -> tuple[list[list[S]], list[S]]:
+    """What to run now, and what waits for the next round (with what arrives meanwhile):
+    the batch of first-in-line decode steps and the first of the other steps (a prefill
+    chunk, in arrival order), so that neither decoding nor a long prompt waits for the
+    other for longer than one step."""
+    batch, rest = _split(steps)
+    groups = ([batch] if batch else []) + [[s] for s in rest[:1]]
+    return groups, rest[1:]
+
+
+def _split(steps: Sequence[S]) -> tuple[list[S], list[S]]:
+    batch: list[S] = []
+    rest: list[S] = []
     seen: set[str] = set()
     for s in steps:
         if s.tokens == 1 and s.seq_id not in seen and len(batch) < MAX_BATCH:
@@ -105,8 +131,7 @@ def plan(steps: Sequence[Step]) -> list[list[Step]]:
         else:
             rest.append(s)
         seen.add(s.seq_id)
-    groups = [batch] if batch else []
-    return groups + [[s] for s in rest]
+    return batch, rest
 
 
 def run_group(model: StageModelLike, group: Sequence[Step], *,
@@ -118,6 +143,10 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
 
     if model.first:
         check_token_ids(group, model.vocab_size)
+    for s in group:
+        if s.state.reuse is not None:  # its first step: from a prompt-cache entry
+            s.state.cache = cloned(*s.state.reuse)
+            s.state.reuse = None
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
     if len(group) == 1:

@@ -55,7 +55,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
@@ -69,6 +69,7 @@ from mlxceld.engine.base import (
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
+from mlxceld.pipeline.prefixes import PrefixIndex
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
@@ -79,6 +80,11 @@ PREPARE_TIMEOUT_S: Final = 5.0
 STEP_TIMEOUT_S: Final = 10.0
 PER_TOKEN_S: Final = 0.05
 DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then restarts
+# A prompt whose part beyond the prefix it starts from is at least this long is kept by the
+# stages once prefilled (``keep_prompt``: other chats sharing it start from it); shorter
+# ones add little to the entry they started from.
+KEEP_PROMPT_MIN_NEW: Final = 32
+MIN_CHUNK: Final = 64  # the least tokens in a prefill chunk (``chunks``)
 # A stage's refusals whose words name no address (they name the stage, a sequence, a
 # field): passed on to the client; any other's words go to the router's log.
 _CLIENT_WORDS: Final = frozenset({p.ERR_TOO_MANY, p.ERR_UNKNOWN_SEQ, p.ERR_BAD_MESSAGE,
@@ -94,11 +100,14 @@ class PipelineEngine:
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
                  dial_budget_s: float = DIAL_BUDGET_S,
-                 silence_s: float = DEFAULT_SILENCE_S) -> None:
+                 silence_s: float = DEFAULT_SILENCE_S,
+                 prompt_cache_bytes: int | None = None) -> None:
         """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
         long one dial may retry a refused connection (smaller in tests); ``origin``: the
         coordinator's address in the cluster TOML, whose identity the links claim;
-        ``silence_s``: how long an attached stage may send nothing before it is silent."""
+        ``silence_s``: how long an attached stage may send nothing before it is silent;
+        ``prompt_cache_bytes``: each stage's prompt cache bound (0: no prompt cache; None:
+        each stage's default, ``kvstore.py``)."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
@@ -110,13 +119,23 @@ class PipelineEngine:
         self._step_timeout = step_timeout_s
         self._inboxes: dict[str, Inbox] = {}
         me = parse_address(origin, port_zero=True)
+        # The prompt cache (prefixes.py): this engine's epoch, so that stages drop what an
+        # earlier engine (another plan, a restarted router) had them keep.
+        cache: dict[str, Any] = {"cache": uuid.uuid4().hex[:16]}
+        if prompt_cache_bytes is not None:
+            cache["cache_bytes"] = prompt_cache_bytes
         self._links = [StageLink(s, keyring=keyring, origin=me,
                                  model_identity=model_identity, cluster=cluster,
                                  inboxes=self._inboxes.get, dial_budget_s=dial_budget_s,
                                  connectivity=Connectivity(initial_s=retry_s[0],
                                                            max_s=retry_s[1]),
-                                 silence_s=silence_s)
+                                 silence_s=silence_s, attach_fields=cache,
+                                 on_cache=self._cache_said, on_attached=self._attached)
                        for s in sorted(stages, key=lambda s: s.rank)]
+        self._prefixes = None if prompt_cache_bytes == 0 else PrefixIndex(
+            link.stage.rank for link in self._links)
+        self._held: dict[int, tuple[int, int]] = {}  # rank -> its cache's (bytes, entries)
+        self._attached_once: set[int] = set()
         self._last_rank = self._links[-1].stage.rank
         self.tokens = 0  # generated and handed to requests (end-of-sequence ones too)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -177,56 +196,137 @@ class PipelineEngine:
         self._inboxes[seq] = inbox
         for link in self._links:
             link.track(seq)
+        prompt = list(request.prompt_tokens)
+        produced: list[int] = []  # the tokens sampled so far
+        kept = False  # the stages' caches are whole for prompt + produced[:-1]
         try:
-            await self._prepare(seq, request, inbox)
-            prompt = list(request.prompt_tokens)
-            step = 0
-            for start in range(0, len(prompt), p.PREFILL_CHUNK):
-                chunk = prompt[start:start + p.PREFILL_CHUNK]
-                last_chunk = start + p.PREFILL_CHUNK >= len(prompt)
-                await self._run(seq, step, chunk, sample=last_chunk)
+            start = await self._prepare(seq, request, inbox)
+            step = size = 0
+            for size in chunks(len(prompt) - start, len(self._links)):
+                await self._run(seq, step, prompt[start:start + size],
+                                sample=start + size == len(prompt))
+                start += size
                 step += 1
             for link in self._links:  # a handover may move it now (links.py)
                 await link.decoding(seq)
-            produced = 0
-            pending = len(prompt[-p.PREFILL_CHUNK:])
+            pending = size
             while True:  # the stages run step, step + 1, ... on their own (see above)
-                out = await self._token(seq, step - 1 + produced, inbox, pending,
+                out = await self._token(seq, step - 1 + len(produced), inbox, pending,
                                         request.params.logprobs)
-                produced += 1
+                produced.append(out.token)
+                kept = True
                 self.tokens += 1
                 if out.token in self._eos:
                     yield replace(out, finish_reason="stop")
                     return
-                if produced >= request.params.max_tokens:
+                if len(produced) >= request.params.max_tokens:
                     yield replace(out, finish_reason="length")
                     return
                 yield out
                 pending = 1
+        except Exception:
+            kept = False  # a stage failed, stalled or refused: its caches may be anything
+            raise
         finally:
             del self._inboxes[seq]
             for link in self._links:
                 link.untrack(seq)
-            self._spawn(self._release(seq))
+            self._spawn(self._release(seq, prompt + produced[:-1] if kept else None))
 
-    async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> None:
+    async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> int:
+        """Prepare the sequence on every stage, from the longest prefix of its prompt the
+        stages keep (``prefixes.py``); how many of its tokens they start with."""
+        prompt = request.prompt_tokens
         header: dict[str, Any] = {"t": "prepare", "seq": seq,
                                   "params": p.params_to_wire(request.params),
                                   "eos": sorted(self._eos)[:p.MAX_EOS]}
         if request.params.repetition_penalty != 1:  # what the last stage's penalty sees
-            header["history"] = list(request.prompt_tokens)[-REPETITION_CONTEXT:]
+            header["history"] = list(prompt)[-REPETITION_CONTEXT:]
+        reuse = self._prefixes.lookup(prompt) if self._prefixes is not None else None
+        start = 0 if reuse is None else reuse.tokens
+        if self._prefixes is not None and len(prompt) - start >= KEEP_PROMPT_MIN_NEW:
+            header["keep_prompt"] = self._added(prompt)  # for other chats of this prefix
+        if reuse is not None:
+            header["reuse"] = {"entry": reuse.entry, "tokens": reuse.tokens}
+        reused = await self._prepared(header, inbox)
+        if reuse is None:
+            return 0
+        assert self._prefixes is not None
+        if any(n != reuse.tokens for n in reused):  # a stage no longer holds it
+            log.info("a stage no longer holds prompt-cache entry %s: prefilling all %d "
+                     "tokens", reuse.entry, len(prompt))
+            self._forget(self._prefixes.missed(reuse))
+            del header["reuse"]
+            await self._prepared(header, inbox)
+            return 0
+        self._prefixes.started(reuse)
+        return start
+
+    async def _prepared(self, header: dict[str, Any], inbox: Inbox) -> list[int]:
+        """Send ``prepare`` to every stage; each one's ``reused``."""
         await asyncio.gather(*(link.send(header) for link in self._links))
         waiting = {link.stage.rank: link.stage.node_id for link in self._links}
+        reused = []
         try:
             async with asyncio.timeout(PREPARE_TIMEOUT_S):
                 while waiting:
                     rank, env = self._checked(await inbox.get())
-                    if env.type == "prepared":
-                        waiting.pop(rank, None)
+                    if env.type == "prepared" and waiting.pop(rank, None) is not None:
                         self._draining.pop(rank, None)
+                        n = env.header.get("reused", 0)
+                        reused.append(n if type(n) is int else -1)
         except TimeoutError:
             raise EngineUnavailable(f"stages {sorted(waiting.values())} did not prepare the "
                                     f"sequence within {PREPARE_TIMEOUT_S:g} s") from None
+        return reused
+
+    # -- the prompt cache (prefixes.py: what to keep, reuse and forget) ------------------
+
+    def _added(self, tokens: Sequence[int]) -> str:
+        assert self._prefixes is not None
+        entry, gone = self._prefixes.add(tokens)
+        self._forget(gone)
+        return entry
+
+    def _forget(self, entries: list[str]) -> None:
+        """Every stage drops ``entries`` (no answer is waited for)."""
+        for at in range(0, len(entries), p.MAX_FORGET):
+            header = {"t": "forget", "entries": entries[at:at + p.MAX_FORGET]}
+            for link in self._links:
+                if link.up:
+                    self._spawn(self._send_quietly(link, header))
+
+    def _cache_said(self, rank: int, env: Envelope) -> None:
+        """A stage's ``cache``: what it kept or not, what it evicted, what it holds."""
+        h = env.header
+        size, entries = h.get("bytes"), h.get("entries")
+        if type(size) is int and type(entries) is int:
+            self._held[rank] = (size, entries)
+        if self._prefixes is None:
+            return
+        entry = h.get("entry") if isinstance(h.get("entry"), str) else None
+        evicted = [e for e in h.get("evicted", ()) if isinstance(e, str)] \
+            if isinstance(h.get("evicted"), list) else []
+        self._forget(self._prefixes.kept(rank, entry, h.get("kept") is True,
+                                         h.get("trimmable") is True, evicted))
+
+    def _attached(self, rank: int) -> None:
+        """A stage attached. Again: it may have restarted (holding nothing) or hold what
+        we may have dropped meanwhile; the whole index goes, and every stage forgets."""
+        if rank in self._attached_once and self._prefixes is not None:
+            self._forget(self._prefixes.clear())
+        self._attached_once.add(rank)
+
+    def prompt_cache(self) -> dict[str, Any]:
+        """The prompt cache, for the router's stats: the index's counts, each stage's
+        bytes and entries held as it last said."""
+        if self._prefixes is None:
+            return {"enabled": False}
+        stats = self._prefixes.stats
+        return {"enabled": True, "lookups": stats.lookups, "hits": stats.hits,
+                "misses": stats.misses, "tokens_reused": stats.tokens_reused,
+                "entries": self._prefixes.entries, "pending": self._prefixes.pending,
+                "bytes": sum(b for b, _ in self._held.values())}
 
     async def _run(self, seq: str, step: int, tokens: list[int], *, sample: bool) -> None:
         blob = ("tokens", "i32", (1, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens))
@@ -302,11 +402,25 @@ class PipelineEngine:
         return (f"stage {here} cannot reach stage {after}: is {after}'s host up and on the "
                 "network? retry shortly")
 
-    async def _release(self, seq: str) -> None:
+    def _release(self, seq: str, keep: list[int] | None = None
+                 ) -> Coroutine[Any, Any, None]:
+        """Free the sequence on every stage, or have them keep its caches for the tokens
+        ``keep`` (the prompt and the tokens run after it), as a prompt-cache entry (named
+        in the index at once, so the next request knows of it)."""
+        header: dict[str, Any] = {"t": "release", "seq": seq}
+        if keep and self._prefixes is not None:
+            header["keep"] = {"entry": self._added(keep), "tokens": len(keep)}
+        return self._release_sent(header)
+
+    async def _release_sent(self, header: dict[str, Any]) -> None:
         for link in self._links:
             if link.up:
-                with contextlib.suppress(EngineError):
-                    await link.send({"t": "release", "seq": seq})
+                await self._send_quietly(link, header)
+
+    @staticmethod
+    async def _send_quietly(link: StageLink, header: dict[str, Any]) -> None:
+        with contextlib.suppress(EngineError):
+            await link.send(header)
 
     def _spawn(self, coro: Any) -> None:
         # Not a task group: a release outlives its request, and the engine has no scope of
@@ -322,3 +436,18 @@ class PipelineEngine:
                 await asyncio.wait_for(task, 1.0)
         for link in self._links:
             await link.aclose()
+
+
+def chunks(n: int, stages: int) -> list[int]:
+    """The sizes of the prefill chunks of ``n`` tokens through ``stages`` stages: so that
+    the stages overlap (stage 0 runs chunk 2 while stage 1 runs chunk 1), about 2 chunks
+    per stage, each at least ``MIN_CHUNK`` tokens (a smaller step costs more per token
+    than overlapping saves) and at most ``p.PREFILL_CHUNK``; one stage: as large as
+    allowed."""
+    if n <= 0:
+        return []
+    size = p.PREFILL_CHUNK if stages < 2 else \
+        max(MIN_CHUNK, min(p.PREFILL_CHUNK, -(-n // (2 * stages))))
+    count = -(-n // size)
+    base, extra = divmod(n, count)
+    return [base + 1] * extra + [base] * (count - extra)

@@ -126,9 +126,18 @@ class StageLink:
                  inboxes: Callable[[str], Inbox | None],
                  connectivity: Connectivity | None = None,
                  dial_budget_s: float = DIAL_BUDGET_S,
-                 silence_s: float = DEFAULT_SILENCE_S) -> None:
-        """``silence_s``: how long the attached stage may send nothing before it is silent."""
+                 silence_s: float = DEFAULT_SILENCE_S,
+                 attach_fields: dict[str, Any] | None = None,
+                 on_cache: Callable[[int, Envelope], None] | None = None,
+                 on_attached: Callable[[int], None] | None = None) -> None:
+        """``silence_s``: how long the attached stage may send nothing before it is silent;
+        ``attach_fields``: more of ``attach`` (the prompt cache's epoch and bound);
+        ``on_cache``: told what the stage says of its prompt cache (``cache``, no
+        sequence's); ``on_attached``: told each time a dial attaches (not a handover)."""
         self.stage = stage
+        self._attach_fields = attach_fields or {}
+        self._on_cache = on_cache
+        self._on_attached = on_attached
         self.silence_s = silence_s
         self._keyring = keyring
         self._origin = origin  # the coordinator's address: what we claim, where we dial from
@@ -148,6 +157,7 @@ class StageLink:
         self._handover_failing = False  # the last handover could not attach (logged once)
         self._closing = False
         self.conn = connectivity or Connectivity()
+        self.cache_budget: int | None = None  # the stage's prompt cache bound, as it said
 
     @property
     def up(self) -> bool:
@@ -315,6 +325,8 @@ class StageLink:
         old = self.conn.state
         since = self.conn.since
         self.conn.attached(time.time())
+        if self._on_attached is not None:
+            self._on_attached(self.stage.rank)
         log.info("attached %s, layers %s%s", self.stage.where(), list(self.stage.layers),
                  (f" after {time.time() - since:.1f} s" if since else "") + f" (was {old})"
                  if old != "connecting" else "")
@@ -346,7 +358,8 @@ class StageLink:
         try:
             async with asyncio.timeout(ATTACH_TIMEOUT_S):
                 await stream.send(encode_envelope(
-                    {"t": "attach", "model": self._model_identity, "cluster": self._cluster}))
+                    {"t": "attach", "model": self._model_identity, "cluster": self._cluster,
+                     **self._attach_fields}))
                 env = parse_envelope(await stream.recv(), p.ENGINE_SPECS)
         except (TimeoutError, NetError, EnvelopeError) as exc:
             await stream.abort()
@@ -376,6 +389,8 @@ class StageLink:
                               f"{stage.name()} serves layers {env.header.get('layers')}, the "
                               f"cluster config says {list(stage.layers)}: restart it with the "
                               "same config")
+        budget = env.header.get("cache_bytes")
+        self.cache_budget = budget if type(budget) is int else None
         return stream
 
     def _fail(self, failure: Failure, message: str,
@@ -444,6 +459,10 @@ class StageLink:
             log.warning("%s sent a bad message: %s", self.stage.where(), exc.reason)
             return
         seq = env.header.get("seq")
+        if env.type == "cache":
+            if self._on_cache is not None:
+                self._on_cache(self.stage.rank, env)
+            return
         if isinstance(seq, str):
             if env.type == "adopted":
                 self._adopted(seq, stream)

@@ -18,9 +18,14 @@ of ``[A-Za-z0-9_.-]``, ``step`` an integer in ``[0, 2**31)``):
 ========== ================ ===================================================
 type       direction        fields, tensors, answer
 ========== ================ ===================================================
-attach     coord → stage    ``model`` (identity hex), ``cluster``; answered by
-                            ``attached`` {``stage``, ``rank``, ``layers``,
-                            ``model``} or ``error`` code ``model_mismatch``
+attach     coord → stage    ``model`` (identity hex), ``cluster``, and for the
+                            prompt cache (``kvstore.py``) ``cache`` (the
+                            router's epoch, an id: the stage drops entries
+                            of another epoch) and ``cache_bytes`` (its bound
+                            in bytes; absent: the stage's default); answered
+                            by ``attached`` {``stage``, ``rank``, ``layers``,
+                            ``model``, ``cache_bytes``} or ``error`` code
+                            ``model_mismatch``
                             (then the stage closes the connection), or
                             ``standby`` while its assignment is not active,
                             or ``stage_failed`` from a failed stage's
@@ -42,8 +47,16 @@ prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             ``REPETITION_CONTEXT`` token ids, when the
                             repetition penalty is on: the last stage's
                             processors look back that far; else absent or
-                            empty); a fresh KV cache, owned by the
-                            sender's identity; answered by ``prepared`` {seq},
+                            empty); ``reuse`` {``entry``, ``tokens``}: start
+                            from that prompt-cache entry's first ``tokens``
+                            tokens instead of an empty KV cache;
+                            ``keep_prompt`` (an entry id): keep a copy of
+                            the cache once the prompt is prefilled (after
+                            the sequence's first step that samples); owned
+                            by the sender's identity; answered by
+                            ``prepared`` {seq, ``reused``: the tokens taken
+                            from the entry, 0 when it is not held here (the
+                            router then prepares afresh without it)},
                             or ``error`` code ``draining`` while the stage is
                             stopping (it finishes its sequences, takes no new
                             one), or code ``bad_constraint`` from the last
@@ -65,7 +78,16 @@ next       last → stage 0   ``seq``, ``step``; tensor ``tokens`` i32 ``[1, 1]`
                             step unless it is an ``eos`` id or the sequence
                             has produced ``max_tokens`` (one stage: no message,
                             the stage continues itself)
-release    coord → stage    ``seq``; frees its cache; no answer
+release    coord → stage    ``seq``; frees its cache, or with ``keep``
+                            {``entry``, ``tokens``} keeps it (trimmed to
+                            ``tokens``) as that prompt-cache entry, answered
+                            by ``cache``; no answer otherwise
+forget     coord → stage    ``entries`` (at most ``MAX_FORGET`` ids): drop
+                            those prompt-cache entries; answered by ``cache``
+cache      stage → coord    what the stage's prompt cache did and holds:
+                            ``entry`` and ``kept`` (bool) and ``trimmable``
+                            after a keep (``why`` when not kept), ``evicted``
+                            (ids dropped for room), ``bytes``, ``entries``
 adopt      coord → stage    ``seq``, sent over another connection of the
                             sequence's owner (a handover to a new key): the
                             stage answers ``adopted`` {seq} over the
@@ -108,6 +130,7 @@ MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in c
 PREFILL_CHUNK: Final = 512
 MAX_SEQUENCES: Final = 256  # prepared sequences one stage keeps at once
 MAX_EOS: Final = 64  # end-of-sequence token ids in one ``prepare``
+MAX_FORGET: Final = 256  # prompt-cache entries one ``forget`` names
 MAX_TEMPERATURE: Final = 100.0
 MAX_PENALTY: Final = 100.0  # |presence|, |frequency|, repetition (the API allows less)
 MAX_BIAS: Final = 100.0  # |logit_bias| values
@@ -141,7 +164,7 @@ class ProtocolViolation(Exception):
 def stage_specs(hidden_size: int, wire_dtype: str, *, first: bool) -> dict[str, MessageSpec]:
     """What a stage accepts: tokens on the first stage, hidden states elsewhere."""
     specs = {"attach": MessageSpec(), "prepare": MessageSpec(), "release": MessageSpec(),
-             "adopt": MessageSpec()}
+             "adopt": MessageSpec(), "forget": MessageSpec()}
     if first:
         specs["run"] = MessageSpec({"tokens": TensorSpec(
             frozenset({"i32"}), ((1, 1), (1, MAX_STEP_TOKENS)))})
@@ -159,6 +182,7 @@ ENGINE_SPECS: Final = {
     "prepared": MessageSpec(),
     "adopted": MessageSpec(),
     "error": MessageSpec(),
+    "cache": MessageSpec(),
     "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
 }
 
@@ -169,6 +193,49 @@ def seq_of(header: Mapping[str, Any]) -> str:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'seq' must be 1-64 characters of "
                                 "[A-Za-z0-9_.-]")
     return seq
+
+
+def entry_of(header: Mapping[str, Any], key: str) -> str | None:
+    """A prompt-cache entry id (the ``seq`` alphabet), or None when ``key`` is absent."""
+    value = header.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not SEQ_ID.match(value):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be 1-64 characters of "
+                                "[A-Za-z0-9_.-]")
+    return value
+
+
+def span_of(header: Mapping[str, Any], key: str) -> tuple[str, int] | None:
+    """``reuse`` or ``keep``: {entry, tokens} (tokens >= 1), or None when absent."""
+    value = header.get(key)
+    if value is None:
+        return None
+    tokens = value.get("tokens") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or set(value) != {"entry", "tokens"} \
+            or type(tokens) is not int or not 1 <= tokens < 2**31:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be {{entry, tokens}} with "
+                                "tokens >= 1")
+    entry = entry_of(value, "entry")
+    assert entry is not None
+    return entry, tokens
+
+
+def entries_of(header: Mapping[str, Any]) -> list[str]:
+    """``forget``'s entry ids."""
+    value = header.get("entries")
+    if not isinstance(value, list) or len(value) > MAX_FORGET or any(
+            not isinstance(v, str) or not SEQ_ID.match(v) for v in value):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'entries' must be a list of at most "
+                                f"{MAX_FORGET} entry ids")
+    return list(value)
+
+
+def bytes_of(header: Mapping[str, Any], key: str) -> int | None:
+    value = header.get(key)
+    if value is not None and (type(value) is not int or not 0 <= value < 2**63):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be a number of bytes >= 0")
+    return value
 
 
 def step_of(header: Mapping[str, Any]) -> int:

@@ -74,9 +74,10 @@ from mlxceld.pipeline.compute import (
     SeqState,
     StageModelLike,
     Step,
-    plan,
+    next_groups,
     run_group,
 )
+from mlxceld.pipeline.kvstore import KvStore, Stored, cloned, held_tokens
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.onward import Onward
 from mlxceld.types import DEFAULT_SILENCE_S
@@ -129,6 +130,17 @@ class _Sequence:
     eos: frozenset[int] = frozenset()  # the last stage stops the sequence at one of these
     next_step: int = 0
     produced: int = 0  # tokens sampled (on the last stage)
+    snapshot: str | None = None  # keep_prompt: the entry its prefilled prompt is kept as
+
+
+@dataclass(frozen=True)
+class _Keep:
+    """A released sequence's caches to keep as a prompt-cache entry (``release`` with
+    ``keep``): done between steps, after any step of it still running."""
+
+    seq: _Sequence
+    entry: str
+    tokens: int
 
 
 @dataclass
@@ -150,15 +162,18 @@ class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
                  wire_dtype: str, *, standby: bool = False,
                  silence_s: float = DEFAULT_SILENCE_S,
-                 tokenizer_path: Path | None = None) -> None:
+                 tokenizer_path: Path | None = None, cache_bytes: int = 0) -> None:
         """``tokenizer_path``: the model's directory, whose tokenizer the last stage reads
-        to decode under a constraint (None: a constrained ``prepare`` is refused)."""
+        to decode under a constraint (None: a constrained ``prepare`` is refused);
+        ``cache_bytes``: the prompt cache's bound unless the router names one."""
         self._model = model
         self._matching = StageMatching(place.node_id, tokenizer_path, model.vocab_size)
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, _Sequence] = {}
-        self._queue: asyncio.Queue[_Work] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Work | _Keep] = asyncio.Queue()
+        self.store = KvStore(cache_bytes)  # the prompt cache (kvstore.py)
+        self._default_cache_bytes = cache_bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._onward = Onward(place.node_id, keyring, parse_address(place.address),
                               place.downstream, place.first, silence_s)
@@ -305,13 +320,20 @@ class StageService:
                 p.ERR_MODEL_MISMATCH, message)))
             await stream.close("model mismatch")
             return False
+        epoch, budget = p.entry_of(env.header, "cache"), p.bytes_of(env.header, "cache_bytes")
+        self.store.attach(epoch)
+        self.store.budget = self._default_cache_bytes if budget is None else budget
         await stream.send(encode_envelope({
             "t": "attached", "stage": place.node_id, "rank": place.rank,
             "layers": list(place.layers), "model": place.model_identity,
-            "cluster": place.cluster}))
+            "cluster": place.cluster, "cache_bytes": self.store.budget}))
         return True
 
     async def _command(self, stream: MxclStream, who: str, env: Envelope) -> None:
+        if env.type == "forget":
+            self.store.forget(p.entries_of(env.header))
+            await stream.send(encode_envelope(self._cache_header()))
+            return
         seq_id = p.seq_of(env.header)
         current = self._seqs.get(seq_id)
         if current is not None and current.owner != who:
@@ -326,6 +348,8 @@ class StageService:
             params = p.params_from_wire(env.header.get("params"),
                                         self._model.vocab_size if last else None)
             history = p.history_of(env.header)
+            reuse, snapshot = p.span_of(env.header, "reuse"), p.entry_of(env.header,
+                                                                         "keep_prompt")
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
@@ -341,9 +365,17 @@ class StageService:
             eos = p.eos_of(env.header)
             if last:
                 state.matching = await self._matching.matcher(params, eos)
-            self._seqs[seq_id] = _Sequence(who, stream, state, params, eos)
-            await stream.send(encode_envelope({"t": "prepared", "seq": seq_id}))
+            source = None if reuse is None else self.store.reuse(*reuse)
+            if source is not None and reuse is not None:
+                state.reuse = (source, reuse[1])  # its copy is made on the compute side
+            self._seqs[seq_id] = _Sequence(who, stream, state, params, eos,
+                                           snapshot=snapshot)
+            await stream.send(encode_envelope({"t": "prepared", "seq": seq_id, "reused":
+                                               0 if state.reuse is None else state.reuse[1]}))
         elif env.type == "release":
+            keep = p.span_of(env.header, "keep")
+            if keep is not None and current is not None:
+                self._queue.put_nowait(_Keep(current, *keep))
             self._forget(seq_id)
         elif env.type == "adopt":
             if current is not None and current.stream is not stream:
@@ -392,17 +424,47 @@ class StageService:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _take_and_run(self) -> None:
+        """Each round: the caches of released sequences kept, then a batch of decode steps
+        and one other step (a prefill chunk), then what arrived meanwhile: so decoding
+        sequences wait at most one prefill chunk for their next step, however long the
+        prompt being prefilled, and the prompt's chunks still go one after the other."""
         loop = asyncio.get_running_loop()
+        queued: list[_Work] = []
         while True:
-            queued = [await self._queue.get()]
+            taken = [] if queued else [await self._queue.get()]
             while not self._queue.empty():
-                queued.append(self._queue.get_nowait())
-            for group in plan(queued):
+                taken.append(self._queue.get_nowait())
+            for item in taken:
+                if isinstance(item, _Keep):
+                    await self._keep(item)
+                else:
+                    queued.append(item)
+            groups, queued = next_groups(queued)
+            for group in groups:
                 live = [w for w in group if isinstance(w, _Work)
                         and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
                 if live:
                     await self._run_group(loop, live)
                 self._done(len(group))
+
+    async def _keep(self, keep: _Keep) -> None:
+        """A released sequence's caches into the prompt cache, as the router named them."""
+        stored = self.store.put(keep.entry, keep.seq.state.cache, keep.tokens)
+        await self._tell_cache(keep.seq.stream, keep.entry, stored)
+
+    async def _tell_cache(self, stream: MxclStream, entry: str, stored: Stored) -> None:
+        header = self._cache_header()
+        header.update(entry=entry, kept=stored.kept, evicted=list(stored.evicted),
+                      trimmable=stored.trimmable)
+        if stored.why is not None:
+            header["why"] = stored.why
+            log.info("stage %s did not keep prompt-cache entry %s: %s", self._place.node_id,
+                     entry, stored.why)
+        await _send_quietly(stream, encode_envelope(header))
+
+    def _cache_header(self) -> dict[str, Any]:
+        return {"t": "cache", "bytes": self.store.nbytes, "entries": self.store.entries,
+                "evicted": []}
 
     def _done(self, n: int) -> None:
         """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
@@ -415,9 +477,10 @@ class StageService:
             decode = all(w.tokens == 1 for w in group)
             if decode and self._inline:
                 self.stats.inline += 1
-                outs = self._compute(group, False)
+                outs, kept = self._compute(group, False)
             else:
-                outs = await loop.run_in_executor(self._pool, self._compute, group, True)
+                outs, kept = await loop.run_in_executor(self._pool, self._compute, group,
+                                                        True)
         except Exception as exc:
             self.stats.last_step_at = time.monotonic()  # ended, if badly: not a stall
             log.exception("a step of sequences %s failed", [w.seq_id for w in group])
@@ -428,17 +491,28 @@ class StageService:
             return
         self.stats.steps += 1
         self.stats.last_step_at = time.monotonic()
+        for work, caches in kept:  # its prompt is prefilled: kept once, as the router named
+            entry, work.seq.snapshot = work.seq.snapshot, None
+            assert entry is not None
+            await self._tell_cache(work.seq.stream, entry, self.store.put(
+                entry, caches, held_tokens(caches)))
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)
 
-    def _compute(self, group: list[_Work], overlap: bool) -> list[Any]:
-        """One group's step, timed (on the compute thread, or inline: see above). Steps
-        long enough for the compute thread overlap building a layer's graph with running
-        the one before (``StageModel.forward``); short ones gain nothing by it."""
+    def _compute(self, group: list[_Work], overlap: bool
+                 ) -> tuple[list[Any], list[tuple[_Work, list[Any]]]]:
+        """One group's step, timed (on the compute thread, or inline: see above), and the
+        copies of the caches of the sequences whose prompt it finished and whose router
+        asked to keep it (``keep_prompt``). Steps long enough for the compute thread
+        overlap building a layer's graph with running the one before
+        (``StageModel.forward``); short ones gain nothing by it."""
         start = time.perf_counter()
         try:
-            return run_group(self._model, group, overlap=overlap)
+            outs = run_group(self._model, group, overlap=overlap)
+            kept = [(w, cloned(w.state.cache, held_tokens(w.state.cache))) for w in group
+                    if w.sample and w.seq.snapshot is not None]
+            return outs, kept
         finally:
             took = time.perf_counter() - start
             self.stats.compute_s += took
@@ -492,6 +566,7 @@ class StageService:
     async def aclose(self) -> None:
         await self._onward.aclose("stage stopping")
         self._seqs.clear()
+        self.store.clear()
         self._released.set()
 
 

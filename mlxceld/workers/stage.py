@@ -53,6 +53,7 @@ from typing import Any
 from mlxceld import failpoints
 from mlxceld.errors import ConfigError
 from mlxceld.net import Listener
+from mlxceld.pipeline.kvstore import KvStore
 from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
 from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
@@ -67,6 +68,24 @@ from mlxceld.workers.runtime import (
 log = logging.getLogger(__name__)
 
 STATS_EVERY_S = 1.0
+CACHE_SHARE = 0.25  # of the memory available after loading: the prompt cache's default
+
+
+def default_cache_bytes() -> int:
+    """The prompt cache's bound when the router names none: a quarter of the memory this
+    host has available once the stage's weights are loaded (what the plan left it: its
+    headroom, which running sequences' caches share)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available * CACHE_SHARE)
+
+
+def cache_stats(store: KvStore) -> JSON:
+    """The prompt cache for ``mlxctl status``: what it holds, and how it was used."""
+    s = store.stats
+    return {"bytes": store.nbytes, "entries": store.entries, "budget": store.budget,
+            "hits": s.hits, "misses": s.misses, "tokens_reused": s.tokens_reused,
+            "kept": s.kept, "evicted": s.evicted}
 
 
 def place_of(o: StageOptions) -> StagePlace:
@@ -135,7 +154,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             raise RuntimeError(f"stage {place.node_id}: activations of dtype {model.dtype} "
                                "cannot travel on the wire")
         service = StageService(model, place, keyring, wire, standby=o.standby,
-                               silence_s=o.silence_s, tokenizer_path=path)
+                               silence_s=o.silence_s, tokenizer_path=path,
+                               cache_bytes=default_cache_bytes())
         active = service
 
         def activate(request: JSON) -> JSON:
@@ -162,7 +182,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                 ctx.stats.update(sequences=service.sequences, steps=service.stats.steps,
                                  tokens=service.stats.tokens, refused=service.stats.refused,
                                  compute_s=round(service.stats.compute_s, 6),
-                                 inline=service.stats.inline)
+                                 inline=service.stats.inline,
+                                 prompt_cache=cache_stats(service.store))
             ctx.stats.update(draining=True)
             await service.drain(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()

@@ -1,0 +1,192 @@
+"""A stage's prompt cache: the KV of its layers for token prefixes its router named.
+
+The router decides what every stage keeps and reuses (``prefixes.py``); a stage only
+holds what it was told to, under the router's entry ids, and answers truthfully when it
+no longer holds something. An entry is the caches of this stage's layers (one mlx-lm
+cache per layer, of the kind the family makes: ``KVCache``, ``RotatingKVCache`` for a
+window's layers, a quantized one with ``kv_bits``) and how many tokens they hold.
+
+- ``put``: a released sequence's caches (``release`` with ``keep``), or a running
+  one's after its prompt was prefilled (``prepare`` with ``keep_prompt``, a copy made by
+  ``cloned``), trimmed to the tokens the router named. An entry that cannot be trimmed
+  there (a window's cache that has wrapped: mlx-lm's ``can_trim_prompt_cache``) is not
+  kept, and the router hears so.
+- ``reuse``: a new sequence starts from an entry's caches trimmed to ``n`` tokens
+  (``cloned``: its arrays shared with the entry, copied by mlx on the first write, so the
+  entry itself never changes).
+- The store is bounded in bytes (``budget``): past it, the entries least recently put or
+  reused go first, and ``put`` reports which, so that the router drops them everywhere.
+- ``attach`` with another engine's epoch clears it: a new plan, a live switch, a
+  restarted router name other entries.
+
+Runs on the stage's event loop, between compute steps (``put`` of a released sequence)
+or with what a step returned (``cloned`` runs on the compute side): nothing here computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    caches: list[Any]  # one mlx-lm cache per own layer
+    tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What ``put`` did: kept or not (and why not), and the entries evicted for room."""
+
+    kept: bool
+    evicted: tuple[str, ...] = ()
+    why: str | None = None
+    trimmable: bool = False  # the entry kept can be trimmed to a shorter prefix
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0  # sequences that started from an entry
+    misses: int = 0  # reuses asked of an entry this stage no longer held (or could not trim)
+    tokens_reused: int = 0
+    kept: int = 0
+    evicted: int = 0
+
+
+@dataclass
+class KvStore:
+    budget: int  # bytes; 0 keeps nothing
+    epoch: str | None = None
+    stats: StoreStats = field(default_factory=StoreStats)
+    _entries: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
+    _nbytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def attach(self, epoch: str | None) -> None:
+        """A router attached naming its cache ``epoch``: another one's entries go."""
+        if epoch is None or epoch == self.epoch:
+            return
+        if self._entries:
+            log.info("prompt cache: %d entries (%d bytes) of an earlier router dropped",
+                     len(self._entries), self._nbytes)
+        self.clear()
+        self.epoch = epoch
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._nbytes = 0
+
+    def reuse(self, entry_id: str, n: int) -> list[Any] | None:
+        """The entry's caches if they can give the first ``n`` tokens (``cloned`` makes
+        the sequence's own copy); None when this stage no longer holds them, or holds
+        more that it cannot trim away."""
+        entry = self._entries.get(entry_id)
+        if entry is None or n > entry.tokens or (n < entry.tokens
+                                                 and not trimmable(entry.caches)):
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(entry_id)
+        self.stats.hits += 1
+        self.stats.tokens_reused += n
+        return entry.caches
+
+    def put(self, entry_id: str, caches: list[Any], n: int) -> Stored:
+        """Keep ``caches`` (owned by the store from now on) as ``entry_id``, trimmed to
+        ``n`` tokens; evict the least recently used entries past the budget."""
+        self.forget([entry_id])
+        held = held_tokens(caches)
+        if held < n:
+            return Stored(False, why=f"holds {held} tokens, not {n}")
+        if held > n and not trim(caches, held - n):
+            return Stored(False, why="its caches cannot be trimmed (a window that wrapped)")
+        size = cache_bytes(caches)
+        if size > self.budget:
+            return Stored(False, why=f"{size} bytes, over the prompt cache's {self.budget}")
+        self._entries[entry_id] = Entry(caches, n, size)
+        self._nbytes += size
+        self.stats.kept += 1
+        evicted = []
+        while self._nbytes > self.budget:
+            old, entry = self._entries.popitem(last=False)
+            self._nbytes -= entry.nbytes
+            evicted.append(old)
+        self.stats.evicted += len(evicted)
+        return Stored(entry_id in self._entries, tuple(e for e in evicted if e != entry_id),
+                      trimmable=trimmable(caches))
+
+    def forget(self, entry_ids: Iterable[str]) -> None:
+        for entry_id in entry_ids:
+            entry = self._entries.pop(entry_id, None)
+            if entry is not None:
+                self._nbytes -= entry.nbytes
+
+
+def held_tokens(caches: list[Any]) -> int:
+    """How many tokens a sequence's caches hold (every layer holds as many)."""
+    return int(getattr(caches[0], "offset", 0)) if caches else 0
+
+
+def trimmable(caches: list[Any]) -> bool:
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    return bool(can_trim_prompt_cache(caches))
+
+
+def trim(caches: list[Any], n: int) -> bool:
+    """Drop the last ``n`` tokens of every layer's cache, if mlx-lm can."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    if n == 0:
+        return True
+    if not trimmable(caches):
+        return False
+    trim_prompt_cache(caches, n)
+    return True
+
+
+def cloned(caches: list[Any], n: int) -> list[Any]:
+    """A copy of ``caches`` holding their first ``n`` tokens, whose arrays are new views
+    of the same data: writing into the copy leaves the original as it was (mlx copies a
+    buffer that another array still refers to before it writes), so nothing is copied
+    until the copy grows. The caller checked that ``caches`` can be trimmed to ``n``."""
+    out = [_clone(c) for c in caches]
+    held = held_tokens(out)
+    if held > n and not trim(out, held - n):
+        raise ValueError(f"a cache of {held} tokens cannot be trimmed to {n}")
+    return out
+
+
+def _clone(value: Any) -> Any:
+    """``value`` with every mlx array in it (a cache's, a tuple's: a quantized cache's
+    keys are three arrays; a cache list's caches) a new view of the same data."""
+    import mlx.core as mx
+
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, tuple | list):
+        return type(value)(_clone(v) for v in value)
+    if callable(getattr(value, "is_trimmable", None)):  # an mlx-lm cache
+        twin = copy.copy(value)
+        for name, attr in vars(value).items():
+            setattr(twin, name, _clone(attr))
+        return twin
+    return value
+
+
+def cache_bytes(caches: list[Any]) -> int:
+    return sum(int(c.nbytes) for c in caches)
