@@ -23,7 +23,7 @@ def test_common_prefix() -> None:
     assert common_prefix([9], [1]) == 0
     assert common_prefix((), [1]) == 0
     long = list(range(5000))
-    assert common_prefix(long, long[:4321] + [-1] + long[4322:]) == 4321
+    assert common_prefix(long, [*long[:4321], -1, *long[4322:]]) == 4321
 
 
 def test_an_entry_is_named_only_once_every_stage_kept_it() -> None:

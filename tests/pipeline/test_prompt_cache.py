@@ -33,10 +33,10 @@ async def chat(engine: PipelineEngine, chat_id: int, turns: int, answer: int = 6
     for turn in range(turns):
         if turn and between is not None:
             await between()
-        history += user_turn(chat_id, turn) + [3, 4]  # an end-of-turn and an assistant tag
+        history += [*user_turn(chat_id, turn), 3, 4]  # an end-of-turn, an assistant tag
         out = await tokens_of(engine, history, answer)
         answers.append(out)
-        history += out + [2]
+        history += [*out, 2]
     return answers
 
 
