@@ -128,6 +128,28 @@ class StageLinkView(TypedDict):
     address: str | None  # the stage's MXCL address (the operator's view; clients never see it)
     rtt_ms: float | None  # the latest heartbeat ping's round trip; None: none yet, or down
     error: str | None  # why it is not attached
+    prompt_cache: StageCacheView | None  # what the stage's prompt cache holds; None: off
+
+
+class StageCacheView(TypedDict):
+    """A stage's prompt cache as it last told the router (``pipeline/kvstore.py``)."""
+
+    bytes: int
+    entries: int
+    budget: int | None  # its bound in bytes; None: not said yet
+
+
+class PromptCacheView(TypedDict):
+    """A router's prompt cache (``pipeline/prefixes.py`` over stages, or the local engine's):
+    how it was used since the router started, and what it holds."""
+
+    enabled: bool
+    lookups: int
+    hits: int  # requests that started from a kept prefix
+    misses: int  # a kept prefix named that a stage no longer held: prefilled afresh
+    tokens_reused: int
+    entries: int
+    bytes: int
 
 
 class PeerView(TypedDict):
@@ -168,6 +190,7 @@ class PipelineRouter(TypedDict):
     tokens: int | None  # generated since the router started
     tokens_per_s: float | None  # over the last 10 s; None: not measured yet
     throughput_of: str  # "pipeline": tokens as the router hands them to clients
+    prompt_cache: PromptCacheView | None  # None: no prompt cache (or not said yet)
 
 
 class PipelineView(TypedDict):

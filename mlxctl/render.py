@@ -253,7 +253,8 @@ def status(body: dict[str, Any]) -> str:
     view = body.get("pipeline")
     links = (pipeline(view) if view else stage_links(workers)) + replica_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *worker_groups(workers),
-                      *loading(workers), *links, "", health(body["problems"])])
+                      *loading(workers), *stage_caches(workers), *links, "",
+                      health(body["problems"])])
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
@@ -303,22 +304,25 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
         rows.append([*group, s.get("stage") or "-", s.get("node_id") or "-", layers,
                      (link.get("state") or "-").replace("_", " "), since, rtt,
                      link.get("address") or "-", peer.get("state") or "-",
-                     _since(peer.get("since"), now), peer.get("key_id") or "-"])
+                     _since(peer.get("since"), now), peer.get("key_id") or "-",
+                     _held(link.get("prompt_cache"))])
         colors.append([*_blank(group), None, None, None,
                        LINK_COLORS.get(link.get("state") or ""), None, None,
                        None, LIVENESS_COLORS.get(peer.get("state") or ""), None,
-                       "red" if peer.get("key_stale") else None])
+                       "red" if peer.get("key_stale") else None, None])
         if link.get("error"):
             errors.append(f"  {s.get('stage')}: {link['error']}")
         if peer.get("state") in ("suspect", "dead") and peer.get("reason"):
             errors.append(f"  {s.get('stage')} ({s.get('node_id') or s.get('address')}): "
                           f"{peer['state']}: {peer['reason']}")
     out = ["", "cluster: " + " · ".join(head), f"  {serving}"]
+    if r and r.get("prompt_cache"):
+        out.append("  " + cache_line(r["prompt_cache"], len(stages)))
     if stages:
         out += [f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} "
                 "attached", table([*_group({"replica": "REPLICA"}, stages), "STAGE", "NODE",
                                    "LAYERS", "LINK", "FOR", "RTT", "ADDRESS", "PEER",
-                                   "PEER SINCE", "KEY"], rows, colors), *errors]
+                                   "PEER SINCE", "KEY", "CACHE"], rows, colors), *errors]
     for p in view.get("other_peers") or []:
         out.append(f"peer {p.get('node_id') or '-'} ({p['address']}, no stage): "
                    f"{p.get('state') or 'not watched'} since {_since(p.get('since'), now)}, "
@@ -332,6 +336,27 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
                    f"({len(rot.get('members') or [])} member(s), since "
                    f"{_since(rot.get('started_at'), now)})")
     return out
+
+
+def cache_line(c: dict[str, Any], stages: int | None = None) -> str:
+    """A prompt cache: what it holds (over how many stages), and how it was used."""
+    held = f"{c['entries']} entries, {size(c['bytes'])}" + (
+        f" over {stages} stages" if stages else "") + (
+        f" of {size(c['budget'])}" if c.get("budget") is not None else "")
+    return (f"prompt cache: {held} · {c['hits']} hits, {c['tokens_reused']} tokens "
+            f"reused, {c['misses']} misses")
+
+
+def _held(c: dict[str, Any] | None) -> str:
+    """A stage's prompt cache in a cell: its bytes and entries."""
+    return "-" if not c else f"{size(c['bytes'])}/{c['entries']}"
+
+
+def stage_caches(workers: list[dict[str, Any]]) -> list[str]:
+    """A stage worker's prompt cache (on its host's status): ``stage-1: prompt cache ...``."""
+    return [f"{w['name']}: " + cache_line(w["stats"]["prompt_cache"]) for w in workers
+            if w.get("role") == "stage" and isinstance(w.get("stats"), dict)
+            and isinstance(w["stats"].get("prompt_cache"), dict)]
 
 
 def drain_line(d: dict[str, Any], now: float) -> str:

@@ -99,6 +99,12 @@ class Snapshot(Collector):
         rtt = GaugeMetricFamily(
             "mlxceld_stage_link_rtt_seconds", "Round trip of the latest heartbeat ping a "
             "stage answered on its attached link", labels=["stage", "layers"])
+        held = GaugeMetricFamily(
+            "mlxceld_stage_prompt_cache_bytes", "KV bytes each pipeline stage's prompt cache "
+            "holds, as the stage last said", labels=["stage", "layers"])
+        entries = GaugeMetricFamily(
+            "mlxceld_stage_prompt_cache_entries", "Prefixes each pipeline stage's prompt "
+            "cache holds, as the stage last said", labels=["stage", "layers"])
         for link in links:
             start, end = link["layers"]
             names = [str(link["stage"]), f"{start}-{end}"]
@@ -106,8 +112,13 @@ class Snapshot(Collector):
                 state.add_metric([*names, name], 1 if link["state"] == name else 0)
             if link.get("rtt_ms") is not None:
                 rtt.add_metric(names, link["rtt_ms"] / 1000)
+            if link.get("prompt_cache"):
+                held.add_metric(names, link["prompt_cache"]["bytes"])
+                entries.add_metric(names, link["prompt_cache"]["entries"])
         yield state
         yield rtt
+        yield held
+        yield entries
 
 
 class Metrics:

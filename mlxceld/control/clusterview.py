@@ -24,13 +24,14 @@ that failed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from mlxceld.types import (
     JSON,
     ClusterPeer,
     PeerView,
     PipelineRouter,
+    PromptCacheView,
     PipelineStage,
     PipelineView,
     StageLinkView,
@@ -104,14 +105,22 @@ def _link(s: JSON | None) -> StageLinkView | None:
     if s is None:
         return None
     return {"state": s["state"], "since": s.get("since"), "address": s.get("address"),
-            "rtt_ms": s.get("rtt_ms"), "error": s.get("error")}
+            "rtt_ms": s.get("rtt_ms"), "error": s.get("error"),
+            "prompt_cache": s.get("prompt_cache")}
 
 
 def _router(w: JSON, stats: JSON, serving: JSON) -> PipelineRouter:
     return {"worker": w["name"], "state": w["state"],
             "url": stats.get("url") or serving.get("url"),
             "tokens": stats.get("tokens"), "tokens_per_s": stats.get("tokens_per_s"),
-            "throughput_of": "pipeline"}
+            "throughput_of": "pipeline", "prompt_cache": _prompt_cache(stats)}
+
+
+def _prompt_cache(stats: JSON) -> PromptCacheView | None:
+    cache = stats.get("prompt_cache")
+    if not isinstance(cache, dict) or not cache.get("enabled"):
+        return None
+    return cast(PromptCacheView, cache)  # the router's stats, as engine.prompt_cache says
 
 
 def _members(nodes: JSON) -> dict[str, PeerView]:

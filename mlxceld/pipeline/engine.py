@@ -146,9 +146,17 @@ class PipelineEngine:
         return len(self._inboxes)
 
     def stages(self) -> list[dict[str, Any]]:
-        """Each stage, where it is, and whether it is attached (else its state and error):
-        the router's stats, for the operator."""
-        return [link.stats() for link in self._links]
+        """Each stage, where it is, and whether it is attached (else its state and error),
+        and its prompt cache as it last said (bytes, entries, its bound): the router's
+        stats, for the operator."""
+        return [{**link.stats(), "prompt_cache": self._stage_cache(link)}
+                for link in self._links]
+
+    def _stage_cache(self, link: StageLink) -> dict[str, Any] | None:
+        if self._prefixes is None:
+            return None
+        size, entries = self._held.get(link.stage.rank, (0, 0))
+        return {"bytes": size, "entries": entries, "budget": link.cache_budget}
 
     def readiness(self) -> dict[str, Any] | None:
         """None when every stage is attached; else what ``GET /ready`` answers with 503

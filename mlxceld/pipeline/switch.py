@@ -78,6 +78,11 @@ class PipelineSwitch:
     def stages(self) -> list[dict[str, Any]]:
         return self._current.stages()
 
+    def prompt_cache(self) -> dict[str, Any]:
+        """The current engine's: a new plan's engine starts with an empty one, and its
+        stages drop what the old one had them keep (``prefixes.py``)."""
+        return self._current.prompt_cache()
+
     async def keep_linked(self) -> None:
         """The current engine's links kept up; after a switch, the new one's too, and each
         replaced engine retired in the background. Until cancelled."""

@@ -94,3 +94,11 @@ class GroupedPipelines(ReplicaEngine):
     def stages(self) -> list[dict[str, Any]]:
         """Every group's stages, group by group, each with its ``replica``."""
         return [s for g in self.groups for s in g.stages()]
+
+    def prompt_cache(self) -> dict[str, Any]:
+        """Every group's prompt cache, summed (each group keeps its own)."""
+        each = [g.engine.prompt_cache() for g in self.groups]
+        if not all(c["enabled"] for c in each):
+            return {"enabled": False}
+        return {"enabled": True, **{key: sum(c[key] for c in each) for key in (
+            "lookups", "hits", "misses", "tokens_reused", "entries", "pending", "bytes")}}

@@ -374,6 +374,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             while not ctx.stopping.is_set():
                 if pipeline:
                     ctx.stats["stages"] = engine.stages()
+                    ctx.stats["prompt_cache"] = engine.prompt_cache()
                     throughput.sample(engine.tokens, loop.time())
                     rate = throughput.rate()
                     ctx.stats.update(tokens=engine.tokens, tokens_per_s=None if rate is None

@@ -15,8 +15,10 @@ from helpers.api import http_client, make_app
 from helpers.metrics import Samples, parse_samples, sample
 
 LINKS: list[dict[str, Any]] = [
-    {"stage": "stage-0", "layers": [0, 2], "state": "attached", "rtt_ms": 1.5},
-    {"stage": "stage-1", "layers": [2, 4], "state": "silent", "rtt_ms": None},
+    {"stage": "stage-0", "layers": [0, 2], "state": "attached", "rtt_ms": 1.5,
+     "prompt_cache": {"bytes": 65536, "entries": 3, "budget": 1 << 30}},
+    {"stage": "stage-1", "layers": [2, 4], "state": "silent", "rtt_ms": None,
+     "prompt_cache": None},
 ]
 
 
@@ -50,3 +52,13 @@ def test_each_link_has_one_gauge_per_state_and_its_rtt_when_known() -> None:
                   layers="0-2") == 0.0015
     assert sample(metrics, "mlxceld_stage_link_rtt_seconds", stage="stage-1",
                   layers="2-4") is None
+
+
+def test_each_stage_says_what_its_prompt_cache_holds() -> None:
+    metrics = scrape_app(stage_links=lambda: LINKS)
+    assert sample(metrics, "mlxceld_stage_prompt_cache_bytes", stage="stage-0",
+                  layers="0-2") == 65536
+    assert sample(metrics, "mlxceld_stage_prompt_cache_entries", stage="stage-0",
+                  layers="0-2") == 3
+    assert sample(metrics, "mlxceld_stage_prompt_cache_bytes", stage="stage-1",
+                  layers="2-4") is None  # not said (or no prompt cache)

@@ -17,16 +17,20 @@ VIEW_KEYS = {"epoch", "model", "state", "router", "stages", "other_peers", "key_
              "healing", "rotation"}
 STAGE_KEYS = {"stage", "rank", "node_id", "address", "layers", "assignment", "link", "peer",
               "drain"}
-LINK_KEYS = {"state", "since", "address", "rtt_ms", "error"}
+LINK_KEYS = {"state", "since", "address", "rtt_ms", "error", "prompt_cache"}
 PEER_KEYS = {"state", "since", "reason", "last_answer", "key_id", "key_stale"}
-ROUTER_KEYS = {"worker", "state", "url", "tokens", "tokens_per_s", "throughput_of"}
+ROUTER_KEYS = {"worker", "state", "url", "tokens", "tokens_per_s", "throughput_of",
+               "prompt_cache"}
+CACHE = {"enabled": True, "lookups": 4, "hits": 3, "misses": 0, "tokens_reused": 300,
+         "entries": 2, "pending": 0, "bytes": 4096}
 
 
 def status() -> dict[str, Any]:
     """A coordinator serving plan 7 over two peers; stage-1's host is asleep."""
     link = {"stage": "stage-0", "layers": [0, 2], "connected": True, "state": "attached",
             "error": None, "since": NOW - 60, "failures": 0, "address": "127.0.0.2:4000",
-            "silence_s": 3.0, "rtt_ms": 0.42}
+            "silence_s": 3.0, "rtt_ms": 0.42,
+            "prompt_cache": {"bytes": 2048, "entries": 2, "budget": 1 << 30}}
     silent = {**link, "stage": "stage-1", "layers": [2, 4], "connected": False,
               "state": "silent", "error": "stage stage-1 is silent: nothing heard for 3.0 s",
               "since": NOW - 20, "address": "127.0.0.3:4000", "rtt_ms": None}
@@ -41,7 +45,8 @@ def status() -> dict[str, Any]:
         "healing": {"state": "waiting", "summary": "mac-c dead", "heal_after_s": 60},
         "workers": [{"name": "router", "role": "router", "state": "running",
                      "stats": {"url": "http://127.0.0.1:8080/v1", "stages": [link, silent],
-                               "tokens": 480, "tokens_per_s": 12.5}}],
+                               "tokens": 480, "tokens_per_s": 12.5,
+                               "prompt_cache": CACHE}}],
     }
 
 
@@ -78,13 +83,15 @@ def test_the_view_of_a_coordinator_names_each_stage_its_node_link_and_peer() -> 
     assert (view["epoch"], view["model"], view["state"]) == (7, "/m/llama", "active")
     assert view["router"] == {"worker": "router", "state": "running",
                               "url": "http://127.0.0.1:8080/v1", "tokens": 480,
-                              "tokens_per_s": 12.5, "throughput_of": "pipeline"}
+                              "tokens_per_s": 12.5, "throughput_of": "pipeline",
+                              "prompt_cache": CACHE}
     s0, s1 = view["stages"]
     assert all(set(s) == STAGE_KEYS for s in view["stages"])
     assert (s0["stage"], s0["rank"], s0["node_id"], s0["address"], s0["layers"],
             s0["assignment"]) == ("stage-0", 0, "mac-b", B, [0, 2], "active")
     assert s0["link"] == {"state": "attached", "since": NOW - 60,
-                          "address": "127.0.0.2:4000", "rtt_ms": 0.42, "error": None}
+                          "address": "127.0.0.2:4000", "rtt_ms": 0.42, "error": None,
+                          "prompt_cache": {"bytes": 2048, "entries": 2, "budget": 1 << 30}}
     assert s0["peer"] == {"state": "alive", "since": NOW - 300, "reason": "answered a ping",
                           "last_answer": NOW - 0.2, "key_id": OURS, "key_stale": False}
     assert s0["drain"] == DRAIN and s1["drain"] is None

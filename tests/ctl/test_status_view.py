@@ -27,11 +27,15 @@ def view() -> dict[str, Any]:
     return {
         "epoch": 7, "model": "/m/llama", "state": "active",
         "router": {"worker": "router", "state": "running", "url": "http://127.0.0.1:8080/v1",
-                   "tokens": 480, "tokens_per_s": 12.5, "throughput_of": "pipeline"},
+                   "tokens": 480, "tokens_per_s": 12.5, "throughput_of": "pipeline",
+                   "prompt_cache": {"enabled": True, "lookups": 6, "hits": 5, "misses": 1,
+                                    "tokens_reused": 1234, "entries": 3, "pending": 0,
+                                    "bytes": 12 << 20}},
         "stages": [
             {"stage": "stage-0", "rank": 0, "node_id": "mac-b", "address": "127.0.0.2:19000",
-             "layers": [0, 2], "assignment": "active", "link": link, "peer": peer,
-             "drain": None},
+             "layers": [0, 2], "assignment": "active", "peer": peer, "drain": None,
+             "link": {**link, "prompt_cache": {"bytes": 6 << 20, "entries": 3,
+                                               "budget": 1 << 30}}},
             {"stage": "stage-1", "rank": 1, "node_id": "mac-c", "address": "127.0.0.3:19000",
              "layers": [2, 4], "assignment": "active",
              "link": {**link, "state": "silent", "since": NOW - 20, "rtt_ms": None,
@@ -57,20 +61,24 @@ def view() -> dict[str, Any]:
 
 def test_the_view_shows_plan_router_throughput_and_each_stage() -> None:
     lines = shown(view())
-    assert lines[:4] == [
+    assert lines[:5] == [
         "", "cluster: plan 7 (active) · model /m/llama",
         "  router http://127.0.0.1:8080/v1 (running) · 12.5 tokens/s (the pipeline's, last "
         "10 s)",
+        "  prompt cache: 3 entries, 12.0 MiB over 2 stages · 5 hits, 1234 tokens reused, 1 "
+        "misses",
         "stages of router: 1 of 2 attached"]
-    head, s0, s1 = lines[4:7]
+    head, s0, s1 = lines[5:8]
     assert head.split() == ["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS",
-                            "PEER", "PEER", "SINCE", "KEY"]
+                            "PEER", "PEER", "SINCE", "KEY", "CACHE"]
+    assert s0.endswith("00112233aabbccdd  6.0 MiB/3")
     assert s0.split()[:9] == ["stage-0", "mac-b", "[0,", "2)", "attached", "1m00s", "0.4",
                               "ms", "127.0.0.2:4000"]
     assert f"alive  {clock(NOW - 300)} (5m00s ago)  00112233aabbccdd" in s0
     assert s1.split()[:7] == ["stage-1", "mac-c", "[2,", "4)", "silent", "20s", "-"]
     assert f"dead   {clock(NOW - 15)} (15s ago)    ffeeddcc99887766" in s1
-    assert lines[7:] == [
+    assert s1.split()[-1] == "-"  # no cache said
+    assert lines[8:] == [
         "  stage-1: stage stage-1 is silent: nothing heard for 3.0 s",
         "  stage-1 (mac-c): dead: no answer to pings for 10 s",
         f"peer mac-d (127.0.0.4:19000, no stage): alive since {clock(NOW - 300)} (5m00s "
@@ -144,3 +152,13 @@ def test_a_router_nodes_replicas_show_with_their_state_and_why_one_is_down() -> 
     assert "replicas of router: 1 of 2 up" in lines
     assert "replica-1: node replica-1 is unreachable" in lines
     assert "10.0.0.3:19000" in lines and "localhost:19000" in lines
+
+
+def test_a_stage_hosts_status_says_what_its_prompt_cache_holds_and_did() -> None:
+    stage = {"name": "stage", "role": "stage", "state": "running",
+             "stats": {"stage": "stage-1", "prompt_cache": {
+                 "bytes": 3 << 20, "entries": 2, "budget": 1 << 30, "hits": 7, "misses": 1,
+                 "tokens_reused": 900, "kept": 9, "evicted": 4}}}
+    assert render.stage_caches([stage, {"name": "router", "role": "router", "stats": {}}]) == [
+        "stage: prompt cache: 2 entries, 3.0 MiB of 1.0 GiB · 7 hits, 900 tokens reused, 1 "
+        "misses"]
