@@ -31,9 +31,9 @@ from mlxceld.types import (
     ClusterPeer,
     PeerView,
     PipelineRouter,
-    PromptCacheView,
     PipelineStage,
     PipelineView,
+    PromptCacheView,
     StageLinkView,
 )
 
