@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 
 from mlxceld.engine.sampling import greedy
 from mlxceld.models.slicing import StageModel, load_stage
-from mlxceld.pipeline.compute import MAX_BATCH, SeqState, Step, plan, run_group
+from mlxceld.pipeline.compute import MAX_BATCH, SeqState, Step, next_groups, plan, run_group
 from mlxceld.wire import Tensor
 
 from helpers.models import FAMILIES
@@ -40,6 +40,19 @@ def test_plan_batches_first_decode_steps_and_keeps_each_sequences_order() -> Non
     assert ids(plan([step("x", 3)])) == [[("x", 0)]]
     many = plan([step(f"s{i}", 1) for i in range(MAX_BATCH + 2)])
     assert [len(g) for g in many] == [MAX_BATCH, 1, 1]
+
+
+def test_decoding_sequences_wait_for_one_prefill_chunk_not_a_whole_prompt() -> None:
+    # A long prompt's four chunks are queued, and two sequences decode.
+    queued = [step("long", 64, i) for i in range(4)] + [step("a", 1), step("b", 1)]
+    groups, left = next_groups(queued)
+    assert ids(groups) == [[("a", 0), ("b", 0)], [("long", 0)]]
+    # Their next steps arrive while the first chunk runs: they go before the second.
+    groups, left = next_groups([*left, step("a", 1, 1), step("b", 1, 1)])
+    assert ids(groups) == [[("a", 1), ("b", 1)], [("long", 1)]]
+    groups, left = next_groups(left)  # nothing decoding now: the next chunk alone
+    assert ids(groups) == [[("long", 2)]] and ids([left]) == [[("long", 3)]]
+    assert next_groups([]) == ([], [])
 
 
 def run_groups(stages: list[StageModel], inputs: dict[int, list[int]],
