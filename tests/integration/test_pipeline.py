@@ -53,6 +53,37 @@ def test_greedy_output_equals_mlx_lm(daemons: Daemons, split_fixture_dir: Path, 
             f"[{splits[0][0]}, {splits[0][1]}))") in shown
 
 
+def test_a_conversation_reuses_the_stages_prompt_cache_and_answers_as_mlx_lm(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """Each turn the whole conversation again, as a chat UI sends it: every answer is
+    mlx-lm's for that prompt, and the stages start each turn from the last one's KV."""
+    model = split_fixture_dir / "qwen3"
+    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    prompt = PROMPT
+    with client(pipe.url) as c:
+        for turn in range(4):
+            text = c.completions.create(model="qwen3", prompt=prompt, max_tokens=12,
+                                        temperature=0).choices[0].text
+            assert text == expected(model, prompt, 12), turn
+            prompt += text + f" and then {turn}"
+    def said() -> dict[str, Any] | None:  # the router's stats, published every second
+        router = pipe.coordinator.worker("router")
+        cache = router["stats"].get("prompt_cache") or {}
+        return cache if cache.get("lookups") == 4 else None
+
+    hits = wait_for(said, 10, "the router's prompt cache stats", every=0.2)
+    assert hits["enabled"] and hits["hits"] == 3 and hits["misses"] == 0, hits
+    assert hits["tokens_reused"] > 3 * 10
+    view = pipe.coordinator.ctl("status").stdout
+    assert "prompt cache: " in view and "3 hits" in view, view
+    stage = wait_for(lambda: (w := pipe.stages[1].worker("stage")) and (
+        w["stats"].get("prompt_cache") or {}).get("hits") == 3 and w, 10,
+        "stage-1's prompt cache stats", every=0.2)
+    assert stage["stats"]["prompt_cache"]["bytes"] > 0
+    assert (sample(scrape(pipe.url), "mlxceld_stage_prompt_cache_bytes", stage="stage-1",
+                   layers="2-4") or 0) > 0
+
+
 def test_four_concurrent_streams_are_all_correct(daemons: Daemons,
                                                  bf16_split_fixture_dir: Path) -> None:
     """In bfloat16, where rounding shows: batched on the stages, each stream still gets
