@@ -83,6 +83,19 @@ class WorkerProgress(TypedDict):
     stalled_s: float  # how long it has had work without a step (0 when not busy)
 
 
+class PromptCacheStats(TypedDict):
+    """An engine's prompt (prefix) cache (``engine/prompt_cache.py``), in a router worker's
+    ``stats`` (``prompt_cache``) for ``mlxctl status`` and on ``/metrics``: lookups that
+    reused a prefix (``hits``) or none (``misses``), the prompt tokens not prefilled again
+    (``tokens_reused``), since the engine started; the caches held now and their bytes."""
+
+    hits: int
+    misses: int
+    tokens_reused: int
+    entries: int
+    bytes: int
+
+
 class LoadProgress(TypedDict):
     """A stage loading its weights, in its ``stats`` (``loading``) until it has loaded them:
     parameter bytes read of those to read, since when (wall clock). The peer's assignment
