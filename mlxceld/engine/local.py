@@ -58,6 +58,7 @@ from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.prompt_cache import DEFAULT_BYTES, PromptCache
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.engine.tensor import Mirror, Op
+from mlxceld.models.context import served_context
 from mlxceld.models.reading import Progress, model_layers, read_weights
 from mlxceld.types import PromptCacheStats
 
@@ -446,11 +447,12 @@ def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], Token
 
 def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8,
                       on_failure: Callable[[BaseException], None] | None = None,
-                      progress: Progress | None = None,
+                      progress: Progress | None = None, context_length: int | None = None,
                       prompt_cache_bytes: int | None = None) -> tuple[LocalEngine, Any]:
     """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper.
     mlx-lm builds the model lazily; its weights are then read layer by layer, each step
     told to ``progress(done, total)`` in parameter bytes (``models/reading.py``).
+    ``context_length``: a cap on the model's context (``models/context.py``);
     ``prompt_cache_bytes``: the prompt cache's bound (``LocalEngine``)."""
     from mlx_lm import load
 
@@ -459,16 +461,17 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
     read_weights(model_layers(model), model, progress)
     return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                       max_batch=max_batch, on_failure=on_failure,
+                      context_length=context_length,
                       prompt_cache_bytes=prompt_cache_bytes), tokenizer
 
 
 def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: str,
                max_batch: int, on_failure: Callable[[BaseException], None] | None = None,
-               mirror: Mirror | None = None, prompt_cache_bytes: int | None = None
-               ) -> LocalEngine:
+               mirror: Mirror | None = None, context_length: int | None = None,
+               prompt_cache_bytes: int | None = None) -> LocalEngine:
     """The engine over a loaded ``model`` (its weights read), with mlx-lm's tokenizer and
-    the model's config."""
-    context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    the model's config; its context the model's, capped at ``context_length``."""
+    context = served_context(config, context_length, model_id)
     vocab = int(config.get("vocab_size") or model.args.vocab_size)
     eos = set(tokenizer.eos_token_ids)
     return LocalEngine(model, model_id=model_id, context_length=context,

@@ -1,10 +1,11 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
-model_name, host, port, max_batch, max_queued, max_tokens, and the port's connection bounds
-max_connections, header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline
-stage's heartbeat bound) (``config/serve.py``). The API key,
-if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
+model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
+model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
+cache), and the port's connection bounds max_connections, header_timeout_s,
+body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
+(``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
 cluster config: stages, coordinator, model_identity, cluster) the engine drives remote
 stages and only the tokenizer is loaded here; the cluster secret then arrives on the
 bootstrap pipe too.
@@ -131,6 +132,7 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     ``pipeline`` op moves it to another plan's stages), and the tokenizer."""
     from mlx_lm.utils import load_tokenizer
 
+    from mlxceld.models.context import served_context
     from mlxceld.models.identity import layer_count, read_model_config
     from mlxceld.pipeline.switch import PipelineSwitch
 
@@ -139,7 +141,7 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     layer_count(config)
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
-    context = int(config.get("max_position_embeddings") or 4096)
+    context = served_context(config, ctx.options.context_length, ctx.options.model_name)
     eos = set(tokenizer.eos_token_ids)
     if ctx.options.replica_pipelines:
         return grouped_engine(ctx, (pipe, *ctx.options.replica_pipelines), context, eos), \
@@ -282,7 +284,8 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
     loaded_engine: tuple[Any, Any] = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
-        on_failure=engine_broke, progress=loaded))
+        on_failure=engine_broke, progress=loaded, context_length=o.context_length,
+        prompt_cache_bytes=o.prompt_cache_bytes))
     return loaded_engine
 
 
@@ -318,7 +321,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             else:
                 engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
                     load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
-                    on_failure=engine_broke, progress=loaded))
+                    on_failure=engine_broke, progress=loaded, context_length=o.context_length,
+                    prompt_cache_bytes=o.prompt_cache_bytes))
             ctx.stats.pop("loading", None)
     except Stopped:  # the worker exits 0 (runtime.run_worker)
         sock.close()
@@ -336,7 +340,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                                       stats_every_s=STATS_EVERY_S, graceful_s=GRACEFUL_S)
     pipeline = o.pipeline is not None
     pool = o.replicas is not None
-    linked = pipeline or pool  # an engine with links to keep up
+    linked = pipeline or pool  # an engine with links to keep up; else a LocalEngine
     draining = Draining()
     ctx.ops["drain"] = lambda request: drain_op(draining, request)
     if discovered is not None:
