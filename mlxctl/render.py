@@ -217,8 +217,13 @@ def status(body: dict[str, Any]) -> str:
     # A prefill or decode node's router worker says its role (workers/handoff_node.py).
     role = next((w["stats"]["node_role"] for w in workers
                  if isinstance(w.get("stats"), dict) and w["stats"].get("node_role")), None)
+    router: dict[str, Any] = next((w["stats"] for w in workers if w.get("name") == "router"
+                                   and isinstance(w.get("stats"), dict)), {})
     if serving and not role:
-        lines.append(f"serving {serving['model_name']} at {serving['url']}"
+        context = router.get("context_length")  # the router's, once it has loaded the model
+        lines.append(f"serving {serving['model_name']}"
+                     + (f" (context {context} tokens)" if isinstance(context, int) else "")
+                     + f" at {serving['url']}"
                      + (" (API key required)" if serving.get("api_key") else ""))
     listener = next((w["stats"]["serving"] for w in workers
                      if isinstance(w.get("stats"), dict) and w["stats"].get("serving")), None)
@@ -227,6 +232,8 @@ def status(body: dict[str, Any]) -> str:
                      "routers; no OpenAI port)")
     elif listener:  # the router's serving listener (workers/router.py): routers send it work
         lines.append(f"serving listener at {listener} (for the cluster's routers)")
+    if isinstance(router.get("prompt_cache"), dict):
+        lines.append(prompt_cache(router["prompt_cache"]))
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"
@@ -254,6 +261,18 @@ def status(body: dict[str, Any]) -> str:
     links = (pipeline(view) if view else stage_links(workers)) + replica_links(workers)
     return "\n".join([*lines, "", workers_table(workers), *worker_groups(workers),
                       *loading(workers), *links, "", health(body["problems"])])
+
+
+def prompt_cache(stats: dict[str, Any]) -> str:
+    """A local engine's prompt cache (``types.PromptCacheStats``): ``prompt cache: 3 hits,
+    1 miss, 1200 tokens reused; holds 2 caches, 12.0 MiB``."""
+    def count(n: Any, one: str, many: str) -> str:
+        return f"{n} {one if n == 1 else many}"
+
+    return (f"prompt cache: {count(stats.get('hits'), 'hit', 'hits')}, "
+            f"{count(stats.get('misses'), 'miss', 'misses')}, "
+            f"{count(stats.get('tokens_reused'), 'token', 'tokens')} reused; holds "
+            f"{count(stats.get('entries'), 'cache', 'caches')}, {size(stats.get('bytes'))}")
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:

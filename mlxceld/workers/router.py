@@ -5,10 +5,12 @@ model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap
 model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
 cache), and the port's connection bounds max_connections, header_timeout_s,
 body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
-(``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
-cluster config: stages, coordinator, model_identity, cluster) the engine drives remote
-stages and only the tokenizer is loaded here; the cluster secret then arrives on the
-bootstrap pipe too.
+(``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With
+``pipeline`` (``PipelineOptions``, from a cluster config: stages, coordinator,
+model_identity, cluster) the engine drives remote stages and only the tokenizer is
+loaded here; the cluster secret then arrives on the bootstrap pipe too. Its stats carry
+``context_length`` (the context served) and, over a local engine, ``prompt_cache``
+(``types.PromptCacheStats``) for ``mlxctl status``.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready. It
@@ -357,7 +359,9 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            router_stats=(lambda verbose: engine.stats(verbose=verbose))
                            if pool or o.replica_pipelines else None,
                            draining=draining, elastic=discovered is not None,
-                           stage_links=engine.stages if pipeline else None)
+                           stage_links=engine.stages if pipeline else None,
+                           prompt_caches=None if linked
+                           else lambda: [({}, engine.prompt_cache_stats())])
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
@@ -373,9 +377,12 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             if service is not None:
                 tg.create_task(service.serve())
                 ctx.stats["serving"] = format_address(service.host, service.port)
-            ctx.stats.update(url=f"http://{o.host}:{o.port}/v1", model=o.model_name)
+            ctx.stats.update(url=f"http://{o.host}:{o.port}/v1", model=o.model_name,
+                             context_length=engine.context_length)
             ctx.ready()
             while not ctx.stopping.is_set():
+                if not linked:
+                    ctx.stats["prompt_cache"] = engine.prompt_cache_stats()
                 if pipeline:
                     ctx.stats["stages"] = engine.stages()
                     throughput.sample(engine.tokens, loop.time())

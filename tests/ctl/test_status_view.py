@@ -144,3 +144,39 @@ def test_a_router_nodes_replicas_show_with_their_state_and_why_one_is_down() -> 
     assert "replicas of router: 1 of 2 up" in lines
     assert "replica-1: node replica-1 is unreachable" in lines
     assert "10.0.0.3:19000" in lines and "localhost:19000" in lines
+
+
+def test_the_served_context_and_the_prompt_cache_show_beside_the_model() -> None:
+    """A single-host router's stats: the context it serves (``[serve] context_length``
+    caps the model's) beside the model, and its engine's prompt cache."""
+    router = {"name": "router", "role": "router", "state": "running", "pid": 10, "restarts": 0,
+              "stats": {"url": "http://127.0.0.1:8080/v1", "model": "tiny",
+                        "context_length": 2048,
+                        "prompt_cache": {"hits": 3, "misses": 1, "tokens_reused": 1200,
+                                         "entries": 2, "bytes": 12 * 2**20}}}
+    body = {"daemon": {"version": "1", "state": "running", "node_id": "mac-a", "pid": 9,
+                       "uptime_s": 5},
+            "workers": [router],
+            "serving": {"model_name": "tiny", "url": "http://127.0.0.1:8080/v1",
+                        "api_key": True},
+            "cluster": None, "assignment": None, "bringup": None, "healing": None,
+            "pipeline": None, "problems": []}
+    lines = render.status(body).split("\n")
+    assert lines[1:3] == [
+        "serving tiny (context 2048 tokens) at http://127.0.0.1:8080/v1 (API key required)",
+        "prompt cache: 3 hits, 1 miss, 1200 tokens reused; holds 2 caches, 12.0 MiB"]
+    router["stats"] = {"prompt_cache": {"hits": 1, "misses": 0, "tokens_reused": 1,
+                                        "entries": 1, "bytes": 0}}  # still loading: no context
+    lines = render.status(body).split("\n")
+    assert lines[1:3] == [
+        "serving tiny at http://127.0.0.1:8080/v1 (API key required)",
+        "prompt cache: 1 hit, 0 misses, 1 token reused; holds 1 cache, 0 B"]
+    # a prefill node: no OpenAI port, its prompt cache all the same
+    router["stats"] = {"serving": "10.0.0.3:19200", "node_role": "prefill",
+                       "prompt_cache": {"hits": 0, "misses": 2, "tokens_reused": 0,
+                                        "entries": 2, "bytes": 3 * 2**30}}
+    lines = render.status(body).split("\n")
+    assert lines[1:3] == [
+        "prefill node: serving listener at 10.0.0.3:19200 (for the cluster's routers; no "
+        "OpenAI port)", "prompt cache: 0 hits, 2 misses, 0 tokens reused; holds 2 caches, "
+        "3.0 GiB"]
