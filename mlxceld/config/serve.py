@@ -61,7 +61,7 @@ model's own is taken, with a warning, as the model's: it is a ceiling, and one c
 its own.
 
 ``prompt_cache_bytes``: the KV caches a single-host engine (a hybrid, prefill or decode
-node's; each rank of a tensor-parallel group its own share) keeps after a sequence ends
+node's; a tensor-parallel group's ranks 1/N each, of their slices) keeps after a sequence ends
 (a prefill node: after it prefills), by their tokens, so that a prompt sharing a prefix
 with one (a chat's earlier turns, a repeated system prompt) prefills only the rest;
 at most 16 caches and this many bytes, the least recently used dropped first (default

@@ -92,7 +92,8 @@ class LocalEngine:
         has none (such a request is refused with that ``ConstraintError``); ``mirror``:
         this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``);
         ``prompt_cache_bytes``: its prompt cache's bound (0: none kept; None:
-        ``prompt_cache.DEFAULT_BYTES``)."""
+        ``prompt_cache.DEFAULT_BYTES``), the whole group's with a mirror: each of its N
+        ranks holds a slice of every cache, and keeps at most 1/N of the bytes."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -107,8 +108,8 @@ class LocalEngine:
             mirror.on_broken = self._group_broke
         # KV caches of finished sequences, by their tokens: a new prompt that shares a
         # prefix (a chat's earlier turns, a repeated system prompt) skips that prefill.
-        self._prompt_cache = PromptCache(DEFAULT_BYTES if prompt_cache_bytes is None
-                                         else prompt_cache_bytes)
+        self._prompt_cache = PromptCache((DEFAULT_BYTES if prompt_cache_bytes is None
+                                          else prompt_cache_bytes) // self.tensor_parallel)
         # What changed in the batch since the last step, for the other ranks (with a mirror:
         # each builds its prompt cache as ours, so that they reuse alike).
         self._ops: list[Op] = [] if mirror is None else [
@@ -129,8 +130,11 @@ class LocalEngine:
         return self._active
 
     def prompt_cache_stats(self) -> PromptCacheStats:
-        """What the prompt cache saved so far and holds now (read from any thread)."""
-        return self._prompt_cache.stats()
+        """What the prompt cache saved so far and holds now (read from any thread); with a
+        mirror, the bytes of every rank's slices (each holds as many as this one)."""
+        stats = self._prompt_cache.stats()
+        stats["bytes"] *= self.tensor_parallel
+        return stats
 
     @property
     def tensor_parallel(self) -> int:
