@@ -70,6 +70,10 @@ def run(
         "--max-tokens", help="The most tokens one completion generates; a request without "
         "max_tokens gets this many or what is left of the context, one asking for more is "
         "refused. Default: no bound but the context.")] = None,
+    context_length: Annotated[int | None, typer.Option(
+        "--context-length", help="Cap the model's context (prompt and completion tokens "
+        "together) to this; a cap above the model's own serves the model's. Default: the "
+        "model's own.")] = None,
     cluster_secret_file: Annotated[Path | None, typer.Option(
         "--cluster-secret-file", help="The cluster secret (at least 16 bytes; one trailing "
         "newline is trimmed). Wins over MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET and "

@@ -83,6 +83,29 @@ class WorkerProgress(TypedDict):
     stalled_s: float  # how long it has had work without a step (0 when not busy)
 
 
+class PromptCacheStats(TypedDict):
+    """An engine's prompt (prefix) cache (``engine/prompt_cache.py``), in a router worker's
+    ``stats`` (``prompt_cache``) for ``mlxctl status`` and on ``/metrics``: lookups that
+    reused a prefix (``hits``) or none (``misses``), the prompt tokens not prefilled again
+    (``tokens_reused``), since the engine started; the caches held now and their bytes."""
+
+    hits: int
+    misses: int
+    tokens_reused: int
+    entries: int
+    bytes: int
+
+
+class PipelineCacheStats(PromptCacheStats):
+    """A pipeline router's prompt cache (``pipeline/prefixes.py`` over its stages' stores):
+    ``entries`` those every stage holds, ``bytes`` the stages' all told; ``lost``: requests
+    whose named prefix a stage no longer held (prefilled whole), ``pending``: entries not
+    every stage has said it holds yet."""
+
+    lost: int
+    pending: int
+
+
 class LoadProgress(TypedDict):
     """A stage loading its weights, in its ``stats`` (``loading``) until it has loaded them:
     parameter bytes read of those to read, since when (wall clock). The peer's assignment
@@ -139,19 +162,6 @@ class StageCacheView(TypedDict):
     budget: int | None  # its bound in bytes; None: not said yet
 
 
-class PromptCacheView(TypedDict):
-    """A router's prompt cache (``pipeline/prefixes.py`` over stages, or the local engine's):
-    how it was used since the router started, and what it holds."""
-
-    enabled: bool
-    lookups: int
-    hits: int  # requests that started from a kept prefix
-    misses: int  # a kept prefix named that a stage no longer held: prefilled afresh
-    tokens_reused: int
-    entries: int
-    bytes: int
-
-
 class PeerView(TypedDict):
     """A peer as this coordinator's failure detector and discovery know it."""
 
@@ -190,7 +200,6 @@ class PipelineRouter(TypedDict):
     tokens: int | None  # generated since the router started
     tokens_per_s: float | None  # over the last 10 s; None: not measured yet
     throughput_of: str  # "pipeline": tokens as the router hands them to clients
-    prompt_cache: PromptCacheView | None  # None: no prompt cache (or not said yet)
 
 
 class PipelineView(TypedDict):

@@ -217,8 +217,13 @@ def status(body: dict[str, Any]) -> str:
     # A prefill or decode node's router worker says its role (workers/handoff_node.py).
     role = next((w["stats"]["node_role"] for w in workers
                  if isinstance(w.get("stats"), dict) and w["stats"].get("node_role")), None)
+    router: dict[str, Any] = next((w["stats"] for w in workers if w.get("name") == "router"
+                                   and isinstance(w.get("stats"), dict)), {})
     if serving and not role:
-        lines.append(f"serving {serving['model_name']} at {serving['url']}"
+        context = router.get("context_length")  # the router's, once it has loaded the model
+        lines.append(f"serving {serving['model_name']}"
+                     + (f" (context {context} tokens)" if isinstance(context, int) else "")
+                     + f" at {serving['url']}"
                      + (" (API key required)" if serving.get("api_key") else ""))
     listener = next((w["stats"]["serving"] for w in workers
                      if isinstance(w.get("stats"), dict) and w["stats"].get("serving")), None)
@@ -227,6 +232,8 @@ def status(body: dict[str, Any]) -> str:
                      "routers; no OpenAI port)")
     elif listener:  # the router's serving listener (workers/router.py): routers send it work
         lines.append(f"serving listener at {listener} (for the cluster's routers)")
+    if isinstance(router.get("prompt_cache"), dict):
+        lines.append(prompt_cache(router["prompt_cache"]))
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"
@@ -255,6 +262,23 @@ def status(body: dict[str, Any]) -> str:
     return "\n".join([*lines, "", workers_table(workers), *worker_groups(workers),
                       *loading(workers), *stage_caches(workers), *links, "",
                       health(body["problems"])])
+
+
+def prompt_cache(stats: dict[str, Any]) -> str:
+    """An engine's prompt cache (``types.PromptCacheStats``; a pipeline's, a stage's):
+    ``prompt cache: 3 hits, 1 miss, 1200 tokens reused; holds 2 caches, 12.0 MiB``, and
+    a stage's bound (``of 1.0 GiB``), the prefixes a stage had lost (``1 lost``)."""
+    def count(n: Any, one: str, many: str) -> str:
+        return f"{n} {one if n == 1 else many}"
+
+    budget = stats.get("budget")
+    return (f"prompt cache: {count(stats.get('hits'), 'hit', 'hits')}, "
+            f"{count(stats.get('misses'), 'miss', 'misses')}, "
+            f"{count(stats.get('tokens_reused'), 'token', 'tokens')} reused; holds "
+            f"{count(stats.get('entries'), 'cache', 'caches')}, {size(stats.get('bytes'))}"
+            + (f" of {size(budget)}" if isinstance(budget, int) else "")
+            + (f"; {stats['lost']} lost by a stage (prefilled whole)" if stats.get("lost")
+               else ""))
 
 
 def loading(workers: list[dict[str, Any]], now: float | None = None) -> list[str]:
@@ -316,8 +340,6 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
             errors.append(f"  {s.get('stage')} ({s.get('node_id') or s.get('address')}): "
                           f"{peer['state']}: {peer['reason']}")
     out = ["", "cluster: " + " · ".join(head), f"  {serving}"]
-    if r and r.get("prompt_cache"):
-        out.append("  " + cache_line(r["prompt_cache"], len(stages)))
     if stages:
         out += [f"stages of {r['worker'] if r else 'router'}: {attached} of {len(stages)} "
                 "attached", table([*_group({"replica": "REPLICA"}, stages), "STAGE", "NODE",
@@ -338,15 +360,6 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
     return out
 
 
-def cache_line(c: dict[str, Any], stages: int | None = None) -> str:
-    """A prompt cache: what it holds (over how many stages), and how it was used."""
-    held = f"{c['entries']} entries, {size(c['bytes'])}" + (
-        f" over {stages} stages" if stages else "") + (
-        f" of {size(c['budget'])}" if c.get("budget") is not None else "")
-    return (f"prompt cache: {held} · {c['hits']} hits, {c['tokens_reused']} tokens "
-            f"reused, {c['misses']} misses")
-
-
 def _held(c: dict[str, Any] | None) -> str:
     """A stage's prompt cache in a cell: its bytes and entries."""
     return "-" if not c else f"{size(c['bytes'])}/{c['entries']}"
@@ -354,7 +367,7 @@ def _held(c: dict[str, Any] | None) -> str:
 
 def stage_caches(workers: list[dict[str, Any]]) -> list[str]:
     """A stage worker's prompt cache (on its host's status): ``stage-1: prompt cache ...``."""
-    return [f"{w['name']}: " + cache_line(w["stats"]["prompt_cache"]) for w in workers
+    return [f"{w['name']}: " + prompt_cache(w["stats"]["prompt_cache"]) for w in workers
             if w.get("role") == "stage" and isinstance(w.get("stats"), dict)
             and isinstance(w["stats"].get("prompt_cache"), dict)]
 

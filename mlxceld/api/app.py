@@ -1,6 +1,7 @@
 """The router's OpenAI-compatible HTTP app, over any engine.
 
-    GET  /v1/models, /v1/models/{id}   the one model served
+    GET  /v1/models, /v1/models/{id}   the one model served, with its ``context_length``
+                                       (the engine's: ``[serve] context_length`` caps it)
     POST /v1/chat/completions          chat, whole or streamed (SSE)
     POST /v1/completions               text completion, whole or streamed
     GET  /health                       liveness: always 200, never needs the key
@@ -51,7 +52,13 @@ from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response, invalid
 from mlxceld.api.formats import ChatFormat, Format, TextFormat
 from mlxceld.api.generation import Sequencer
-from mlxceld.api.metrics import CONTENT_TYPE, Metrics, StageLinks, count_requests
+from mlxceld.api.metrics import (
+    CONTENT_TYPE,
+    Metrics,
+    PromptCaches,
+    StageLinks,
+    count_requests,
+)
 from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
     ChatRequest,
@@ -97,6 +104,7 @@ def build_router_app(
     stage_links: StageLinks | None = None,
     router_stats: Callable[[bool], Any] | None = None,
     elastic: bool = False,
+    prompt_caches: PromptCaches | None = None,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -109,7 +117,9 @@ def build_router_app(
     (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``); ``router_stats``:
     over a replica pool, its stats as JSON given whether to show addresses
     (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
-    ``max_batch`` changes (replicas found by discovery), admission follows it."""
+    ``max_batch`` changes (replicas found by discovery), admission follows it;
+    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``. Prompts and
+    completions are bounded by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -118,12 +128,13 @@ def build_router_app(
                           capacity=(lambda: engine.max_batch) if elastic else None)
     metrics = Metrics(queue_depth=lambda: admission.queued,
                       active_sequences=lambda: admission.active, model_id=model_id,
-                      context_length=engine.context_length, stage_links=stage_links)
+                      context_length=engine.context_length, stage_links=stage_links,
+                      prompt_caches=prompt_caches)
     drains = draining or Draining()
     sequencer = Sequencer(engine, codec, admission, metrics, drains)
     tokenizer = PromptTokenizer(codec)
     card: ModelCard = {"id": model_id, "object": "model", "created": int(time.time()),
-                       "owned_by": "mlxceld"}
+                       "owned_by": "mlxceld", "context_length": engine.context_length}
 
     async def models(request: Request) -> Response:
         body: ModelList = {"object": "list", "data": [card]}

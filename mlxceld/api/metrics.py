@@ -10,7 +10,14 @@ Besides the requests' own counts, each scrape reads (``Snapshot``):
   ``process_open_fds``, ``process_start_time_seconds`` (Unix time);
 - ``mlxceld_build_info{version, python, mlx, mlx_lm} 1`` (a package not installed
   reads "none");
-- ``mlxceld_model_info{model, context_length} 1``: the model served, by its id;
+- ``mlxceld_model_info{model, context_length} 1``: the model served, by its id, and the
+  context it is served with (``[serve] context_length`` caps the model's);
+- an engine's prompt (prefix) cache (``engine/prompt_cache.py``), each with the labels
+  its reading names (none for the local engine's): ``mlxceld_prompt_cache_hits_total``
+  and ``mlxceld_prompt_cache_misses_total`` (lookups that reused a prefix, or none),
+  ``mlxceld_prompt_cache_tokens_reused_total`` (prompt tokens not prefilled again),
+  ``mlxceld_prompt_cache_entries`` and ``mlxceld_prompt_cache_bytes`` (held now); left
+  out where the engine keeps none here (a pipeline's or a replica pool's router);
 - over a pipeline, for each stage link (labels ``stage``: its node id, ``layers``:
   ``START-END``): ``mlxceld_stage_link_state{stage, layers, state}``, 1 for the state
   it is in and 0 for every other (``pipeline/connectivity.py``'s ``LinkState``), and
@@ -25,7 +32,7 @@ import platform
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -36,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
 from mlxceld.pipeline.connectivity import LinkState
+from mlxceld.types import PromptCacheStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OTHER_ENDPOINT = "other"
@@ -44,6 +52,17 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 LINK_STATES: tuple[str, ...] = get_args(LinkState)
 StageLinks = Callable[[], Sequence[Mapping[str, Any]]]  # PipelineEngine.stages
+# Each prompt cache's labels (one set of names for all) and stats: LocalEngine's, ({}, ...).
+PromptCaches = Callable[[], Sequence[tuple[Mapping[str, str], PromptCacheStats]]]
+# The prompt cache's metrics, mlxceld_prompt_cache_KEY: (its stats' KEY, counter?, help).
+_PROMPT_CACHE: tuple[tuple[Literal["hits", "misses", "tokens_reused", "entries", "bytes"],
+                           bool, str], ...] = (
+    ("hits", True, "Prompt cache lookups that reused a cached prefix"),
+    ("misses", True, "Prompt cache lookups that found no prefix to reuse"),
+    ("tokens_reused", True, "Prompt tokens taken from the prompt cache, not prefilled"),
+    ("entries", False, "KV caches the prompt cache holds"),
+    ("bytes", False, "Bytes of the KV caches the prompt cache holds"),
+)
 
 
 def _version(package: str) -> str:
@@ -60,6 +79,7 @@ class Snapshot(Collector):
     model_id: str
     context_length: int
     stage_links: StageLinks | None = None
+    prompt_caches: PromptCaches | None = None
 
     def collect(self) -> Iterator[Metric]:
         yield from self._process()
@@ -74,6 +94,8 @@ class Snapshot(Collector):
         yield model
         if self.stage_links is not None:
             yield from self._links(self.stage_links())
+        if self.prompt_caches is not None:
+            yield from self._prompt_caches(self.prompt_caches())
 
     @staticmethod
     def _process() -> Iterator[Metric]:
@@ -90,6 +112,17 @@ class Snapshot(Collector):
         yield GaugeMetricFamily("process_open_fds", "Open file descriptors", value=fds)
         yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process "
                                 "since the Unix epoch", value=started)
+
+    @staticmethod
+    def _prompt_caches(readings: Sequence[tuple[Mapping[str, str], PromptCacheStats]]
+                       ) -> Iterator[Metric]:
+        names = list(readings[0][0]) if readings else []
+        for key, counter, text in _PROMPT_CACHE:
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            family = kind(f"mlxceld_prompt_cache_{key}", text, labels=names)
+            for labels, stats in readings:
+                family.add_metric([labels[n] for n in names], stats[key])
+            yield family
 
     @staticmethod
     def _links(links: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -124,9 +157,11 @@ class Snapshot(Collector):
 class Metrics:
     def __init__(self, *, queue_depth: Callable[[], float],
                  active_sequences: Callable[[], float], model_id: str = "",
-                 context_length: int = 0, stage_links: StageLinks | None = None) -> None:
+                 context_length: int = 0, stage_links: StageLinks | None = None,
+                 prompt_caches: PromptCaches | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(Snapshot(model_id, context_length, stage_links))
+        self.registry.register(Snapshot(model_id, context_length, stage_links,
+                                        prompt_caches))
         self.requests = Counter(
             "mlxceld_http_requests", "HTTP requests by endpoint and status (499: the client "
             "went away before any response)", ["endpoint", "status"], registry=self.registry)

@@ -2,7 +2,8 @@
 
 Field for field what OpenAI's API reference shows, so that its clients parse
 them: ``logprobs`` is null unless the request asked for them, ``usage`` is null on the
-chunks of a stream except the last one when the client asked for usage.
+chunks of a stream except the last one when the client asked for usage. A model card adds
+``context_length``, which OpenAI's clients ignore.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ class ModelCard(TypedDict):
     object: Literal["model"]
     created: int
     owned_by: str
+    # Not OpenAI's (its model object has no context): the most tokens a sequence holds,
+    # prompt and completion together, as served ([serve] context_length caps the model's).
+    # OpenRouter's /models says it so; vLLM's ``max_model_len``, llama.cpp's ``n_ctx``.
+    context_length: int
 
 
 class ModelList(TypedDict):

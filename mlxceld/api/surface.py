@@ -104,9 +104,11 @@ CHAT_FIELDS: Final[dict[str, Rule]] = {
                                  "instead; leave 'reasoning_effort' out"),
     "verbosity": _refused("the model's verbosity cannot be set; leave 'verbosity' out"),
     "moderation": _refused("this server does not moderate; leave 'moderation' out"),
-    "prompt_cache_retention": _refused("this server keeps no prompt cache across requests; "
+    "prompt_cache_retention": _refused("this server's prompt cache is the operator's "
+                                       "([serve] prompt_cache_bytes), not a request's; "
                                        "leave 'prompt_cache_retention' out"),
-    "prompt_cache_options": _refused("this server keeps no prompt cache across requests; "
+    "prompt_cache_options": _refused("this server's prompt cache is the operator's "
+                                     "([serve] prompt_cache_bytes), not a request's; "
                                      "leave 'prompt_cache_options' out"),
 }
 

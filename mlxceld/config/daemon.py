@@ -89,7 +89,8 @@ FLAG_KEYS: dict[str, str] = {
     "--log-format": "daemon.log_format",
     "--model": "serve.model", "--model-name": "serve.model_name", "--host": "serve.host",
     "--port": "serve.port", "--api-key-file": "serve.api_key_file",
-    "--max-tokens": "serve.max_tokens", "--serving-port": "serve.serving_port",
+    "--max-tokens": "serve.max_tokens", "--context-length": "serve.context_length",
+    "--serving-port": "serve.serving_port",
     "--cluster-secret-file": "daemon.cluster_secret_file",
     "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
     "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
@@ -160,6 +161,7 @@ class Overrides:
     port: int | None = None
     api_key_file: Path | None = None
     max_tokens: int | None = None
+    context_length: int | None = None
     serving_port: int | None = None
     cluster_secret_file: Path | None = None  # read at start only (mlxceld.cluster)
     agent_addr: str | None = None

@@ -12,6 +12,9 @@
     max_queued = 64                 # requests waiting beyond that; more get 503
     max_tokens = 4096               # the most tokens one completion generates (default:
                                     # none but the model's context)
+    context_length = 32768          # cap the model's context (prompt + completion) to this
+                                    # (default: the model's own)
+    prompt_cache_bytes = 2147483648 # the engine's prompt (prefix) cache, in bytes; 0: off
     max_connections = 1024          # open connections; past it the longest idle goes
     header_timeout_s = 10.0         # a request's head must be whole this soon
     body_timeout_s = 60.0           # and its body this soon after the head
@@ -44,6 +47,26 @@ response on it), or a body not whole ``body_timeout_s`` after its head, is answe
 does, or this many if fewer; one asking for more than this is refused (400 naming the
 field), as one asking for more than the context is. Unset, only the context bounds a
 completion.
+
+``context_length`` (also ``--context-length``): the most tokens a sequence holds, prompt
+and completion together, at most the model's own context (its config's
+``max_position_embeddings``; ``models/context.py``). A prompt of more is refused (400
+naming ``messages`` or ``prompt``), and a request that leaves ``max_tokens`` out gets what
+is left of this, so a model of a 128k context cannot be asked to grow a KV cache past a
+Mac's memory by default. ``/v1/models`` (``context_length``), ``/metrics``
+(``mlxceld_model_info``) and ``mlxctl status`` show the context served. A cap above the
+model's own is taken, with a warning, as the model's: it is a ceiling, and one config file
+(or ``mlxctl serve``) serves models of several contexts. A router node (``node_role =
+"router"``) bounds its requests by its own setting; each replica, prefill or decode node by
+its own.
+
+``prompt_cache_bytes``: the KV caches a single-host engine (a hybrid, prefill or decode
+node's; a tensor-parallel group's ranks 1/N each, of their slices) keeps after a sequence ends
+(a prefill node: after it prefills), by their tokens, so that a prompt sharing a prefix
+with one (a chat's earlier turns, a repeated system prompt) prefills only the rest;
+at most 16 caches and this many bytes, the least recently used dropped first (default
+2 GiB; 0 keeps none). ``/metrics`` and ``mlxctl status`` show its hits and tokens reused
+(``engine/prompt_cache.py``).
 
 ``stage_silence_s`` (``mlxceld/net/liveness.py``): over a pipeline, every stage link
 has a heartbeat, and a stage that sends nothing for this long (its host sleeps or
@@ -104,7 +127,8 @@ ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
-              "decode_peers", "kv_compression", "tp_size"}
+              "decode_peers", "kv_compression", "tp_size", "context_length",
+              "prompt_cache_bytes"}
 
 
 @dataclass(frozen=True)
@@ -128,6 +152,8 @@ class ServeConfig:
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
     tp_size: int = 1  # tensor-parallel ranks on this host (models/tensor.py); 1: none
+    context_length: int | None = None  # a cap on the model's context; None: the model's
+    prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
 
     @property
     def served_name(self) -> str:
@@ -174,6 +200,8 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         body_timeout_s=_seconds(table, "body_timeout_s", 60.0, where),
         stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
         max_tokens=_max_tokens(flags.max_tokens, table, where),
+        context_length=_context_length(flags.context_length, table, where),
+        prompt_cache_bytes=_prompt_cache_bytes(table, where),
         serving_port=_serving_port(flags.serving_port, table, where),
         tp_size=parse_tp_size(flags.tp_size, table, where),
     )
@@ -257,6 +285,28 @@ def _max_tokens(flag: int | None, table: Mapping[str, Any], where: str) -> int |
     return _positive(table, "max_tokens", 4096, where)
 
 
+def _context_length(flag: int | None, table: Mapping[str, Any], where: str) -> int | None:
+    if flag is not None:
+        if flag < 1:
+            raise ConfigError(f"--context-length must be at least 1, not {flag}",
+                              hint="leave it out to serve the model's own context")
+        return flag
+    if table.get("context_length") is None:
+        return None
+    return _positive(table, "context_length", 32768, where)
+
+
+def _prompt_cache_bytes(table: Mapping[str, Any], where: str) -> int | None:
+    value = _typed(table, "prompt_cache_bytes", int, where)
+    if value is None:
+        return None
+    if value < 0:
+        raise ConfigError(f"{where}: 'serve.prompt_cache_bytes' must be 0 or more, not "
+                          f"{value}", hint="a number of bytes, e.g. 2147483648 (2 GiB); "
+                          "0 turns the prompt cache off")
+    return int(value)
+
+
 def _seconds(table: Mapping[str, Any], key: str, default: float, where: str) -> float:
     value = table.get(key)
     if value is None:
@@ -297,4 +347,6 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
-                         serving=serving, tp_size=cfg.tp_size)
+                         serving=serving, tp_size=cfg.tp_size,
+                         context_length=cfg.context_length,
+                         prompt_cache_bytes=cfg.prompt_cache_bytes)

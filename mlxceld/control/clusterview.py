@@ -24,7 +24,7 @@ that failed.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from mlxceld.types import (
     JSON,
@@ -33,7 +33,6 @@ from mlxceld.types import (
     PipelineRouter,
     PipelineStage,
     PipelineView,
-    PromptCacheView,
     StageLinkView,
 )
 
@@ -113,14 +112,7 @@ def _router(w: JSON, stats: JSON, serving: JSON) -> PipelineRouter:
     return {"worker": w["name"], "state": w["state"],
             "url": stats.get("url") or serving.get("url"),
             "tokens": stats.get("tokens"), "tokens_per_s": stats.get("tokens_per_s"),
-            "throughput_of": "pipeline", "prompt_cache": _prompt_cache(stats)}
-
-
-def _prompt_cache(stats: JSON) -> PromptCacheView | None:
-    cache = stats.get("prompt_cache")
-    if not isinstance(cache, dict) or not cache.get("enabled"):
-        return None
-    return cast(PromptCacheView, cache)  # the router's stats, as engine.prompt_cache says
+            "throughput_of": "pipeline"}
 
 
 def _members(nodes: JSON) -> dict[str, PeerView]:

@@ -8,29 +8,25 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache
 
 from mlxceld.engine.base import EngineError
-from mlxceld.engine.local import (
-    PROMPT_CACHE_BYTES,
-    PROMPT_CACHE_ENTRIES,
-    cached_prefix,
-    generator,
-    keep_cache,
-)
+from mlxceld.engine.local import generator
+from mlxceld.engine.prompt_cache import PromptCache
 from mlxceld.engine.tensor import Mirror, Op
 
 
 class Follower:
     """Rank 1..N-1 of a tensor-parallel engine: rank 0's steps on this rank's slices of
     the model (``engine/tensor.py``: ``run_tensor_follower``). Its generator is built as
-    rank 0's from rank 0's ``setup`` op, so they batch, chunk and stop alike."""
+    rank 0's from rank 0's ``setup`` op, so they batch, chunk, stop and keep prompt caches
+    alike (each rank's caches are its slices': the same bytes as rank 0's, so the same
+    ones are dropped)."""
 
     def __init__(self, model: Any, mirror: Mirror, *, max_batch: int) -> None:
         self._model = model
         self._mirror = mirror
         self._max_batch = max_batch
-        self._prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, PROMPT_CACHE_BYTES)
+        self._prompt_cache = PromptCache()  # rank 0's setup sets its bound
         self._live: set[int] = set()
 
     def run(self) -> None:
@@ -56,16 +52,17 @@ class Follower:
 
     def _apply(self, gen: Any, op: Op) -> Any:
         if op[0] == "setup":
-            eos, max_batch, prefill_step = op[1], op[2], op[3]
+            eos, max_batch, prefill_step, cache_bytes = op[1], op[2], op[3], op[4]
             if max_batch != self._max_batch:
                 raise EngineError(f"rank 0 batches {max_batch} sequences and this rank "
                                   f"{self._max_batch}: every rank needs the same max_batch")
+            self._prompt_cache = PromptCache(cache_bytes)
             return generator(self._model, set(eos), max_batch, prefill_step)
         if gen is None:
             raise EngineError(f"rank 0 sent {op[0]!r} before setup")
         if op[0] == "insert":
             _, uid, tokens, max_tokens, spared, shared = op
-            cache, rest = cached_prefix(self._prompt_cache, tokens)
+            cache, rest = self._prompt_cache.fetch(tokens)
             if len(tokens) - len(rest) != spared:
                 raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
                                   f"tokens of sequence {uid}'s prompt, rank 0's {spared}")
@@ -87,4 +84,5 @@ class Follower:
         for r in generated:
             if r.finish_reason is not None:
                 self._live.discard(r.uid)
-                keep_cache(self._prompt_cache, r)
+                if r.prompt_cache is not None:
+                    self._prompt_cache.keep(r.all_tokens, r.prompt_cache)

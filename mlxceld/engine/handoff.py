@@ -6,7 +6,8 @@
   chunked or composite caches are refused with ``HandoffUnsupported``: such a model is
   served whole on hybrid nodes. Cheap (no arrays are made): call it per request.
 - ``prefill(model, prompt, params, ...)``: the prompt through the model in chunks of
-  ``prefill_step`` into a fresh cache, and its first token sampled as the local engine
+  ``prefill_step`` into a fresh cache (or on from a cached prefix's: the local engine's
+  prompt cache, ``LocalEngine.prefill``), and its first token sampled as the local engine
   samples it (the same processors, constraint mask, sampler and log-probabilities, the
   prompt's last token run alone as ``BatchGenerator`` runs it): greedy gives the local
   engine's first token.
@@ -141,11 +142,9 @@ def check_handoff(model: Any, family: str) -> None:
 
 # -- prefill --------------------------------------------------------------------------------
 
-def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_size: int,
-            eos_token_ids: set[int], matching: Matching | None = None,
-            prefill_step: int = DEFAULT_PREFILL_STEP) -> tuple[TokenOutput, list[Any]]:
-    """``prompt``'s cache and its first token (see the module docstring). ``matching``: the
-    request's fresh constraint matcher, if it has one. Call ``check_handoff`` first."""
+def check_prefill(prompt: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
+    """``ValueError`` naming what keeps ``prompt`` and ``params`` from a prefill: an empty
+    prompt, ``max_tokens`` below 1, a token id outside the vocabulary."""
     if not prompt:
         raise ValueError("the prompt is empty: there is nothing to prefill")
     if params.max_tokens < 1:
@@ -156,8 +155,23 @@ def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_
         if outside:
             raise ValueError(f"{what} token {outside[0]}, outside this model's vocabulary "
                              f"of {vocab_size} tokens")
-    cache = [_layer() for _ in model.layers]
-    head = mx.array([list(prompt[:-1])], dtype=mx.int32)
+
+
+def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_size: int,
+            eos_token_ids: set[int], matching: Matching | None = None,
+            prefill_step: int = DEFAULT_PREFILL_STEP, cache: list[Any] | None = None
+            ) -> tuple[TokenOutput, list[Any]]:
+    """``prompt``'s cache and its first token (see the module docstring). ``matching``: the
+    request's fresh constraint matcher, if it has one; ``cache``: the KV of a prefix of
+    ``prompt`` shorter than it (its ``offset`` tokens: a prompt cache's), prefilled on
+    from there and returned; None: a fresh one. Call ``check_handoff`` first."""
+    check_prefill(prompt, params, vocab_size)
+    if cache is None:
+        cache = [_layer() for _ in model.layers]
+    elif not 0 <= cache[0].offset < len(prompt):
+        raise ValueError(f"the cached prefix holds {cache[0].offset} tokens; the prompt has "
+                         f"{len(prompt)}")
+    head = mx.array([list(prompt[cache[0].offset:-1])], dtype=mx.int32)
     while head.shape[1] > 0:
         model(head[:, :prefill_step], cache=cache)
         mx.eval([c.state for c in cache])
@@ -180,6 +194,21 @@ def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_
         return TokenOutput(token, reason), cache
     logprob, top = read_logprobs(logprobs[0], token, params.logprobs)
     return TokenOutput(token, reason, logprob, top), cache
+
+
+def snapshot(cache: Sequence[Any]) -> list[Any]:
+    """A copy of ``cache`` (every layer a ``KVCache``, as ``check_handoff`` checks) that
+    costs no memory: new ``KVCache`` objects over views of the same arrays, trimmed to
+    their tokens. Extending either in place (``update_and_fetch``) leaves the other as it
+    was: mlx copies an array's buffer on write while another array views it."""
+    copies = []
+    for layer in cache:
+        view = _layer()
+        if layer.keys is not None:
+            tokens = layer.offset
+            view.state = (layer.keys[..., :tokens, :], layer.values[..., :tokens, :], tokens)
+        copies.append(view)
+    return copies
 
 
 def resume_sampling(params: SamplingParams, prompt: Sequence[int], vocab_size: int,
@@ -438,4 +467,5 @@ def handoff_specs(expect: CacheLayout, max_tokens: int, mode: Mode) -> MessageSp
 
 
 __all__ = ["CacheLayout", "HandoffError", "HandoffUnsupported", "Mode", "check_handoff",
-           "decode_cache", "encode_cache", "handoff_specs", "prefill", "resume_sampling"]
+           "check_prefill", "decode_cache", "encode_cache", "handoff_specs", "prefill",
+           "resume_sampling", "snapshot"]

@@ -9,9 +9,12 @@ therefore share each decode step. The asyncio side never touches mlx.
 A request with a constraint (``SamplingParams.constraint``) gets its own matcher, built
 off the step thread (``engine/constraints.py``), as one more logits processor.
 
-``prefill`` prefills a prompt for a handoff on the step thread, between batch steps;
-``generate_from`` continues a sequence another host prefilled (``engine/handoff.py``): its
-cache joins the batch with the first token as its only prompt token.
+``prefill`` prefills a prompt for a handoff on the step thread, between batch steps, on
+from the longest prefix its prompt cache holds (a copy of the prompt's cache is kept
+there: the next turn of a chat prefills only its new part); ``generate_from`` continues
+a sequence another host prefilled (``engine/handoff.py``): its cache joins the batch with
+the first token as its only prompt token. ``prompt_cache_stats`` says what the prompt
+cache (``engine/prompt_cache.py``) saved.
 
 With a ``Mirror`` (``engine/tensor.py``) the engine is rank 0 of a tensor-parallel group:
 before each step the step thread shares what changed in the batch with the other ranks
@@ -33,7 +36,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import (
     EngineError,
@@ -47,20 +49,22 @@ from mlxceld.engine.handoff import (
     DEFAULT_PREFILL_STEP,
     CacheLayout,
     check_handoff,
+    check_prefill,
     prefill,
     resume_sampling,
+    snapshot,
 )
 from mlxceld.engine.processors import make_logits_processors
+from mlxceld.engine.prompt_cache import DEFAULT_BYTES, PromptCache
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.engine.tensor import Mirror, Op
+from mlxceld.models.context import served_context
 from mlxceld.models.reading import Progress, model_layers, read_weights
+from mlxceld.types import PromptCacheStats
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps before re-checking for shutdown
-PROMPT_CACHE_ENTRIES = 16
-PROMPT_CACHE_BYTES = 2 << 30
-MODEL_KEY = "model"  # one model per engine: the prompt cache needs a key, any will do
 
 
 @dataclass
@@ -82,10 +86,14 @@ class LocalEngine:
                  prefill_step: int = DEFAULT_PREFILL_STEP,
                  on_failure: Callable[[BaseException], None] | None = None,
                  constraints: ConstraintTokenizer | ConstraintError | None = None,
-                 mirror: Mirror | None = None) -> None:
+                 mirror: Mirror | None = None, prompt_cache_bytes: int | None = None
+                 ) -> None:
         """``constraints``: what builds a constrained request's matcher, or why this model
         has none (such a request is refused with that ``ConstraintError``); ``mirror``:
-        this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``)."""
+        this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``);
+        ``prompt_cache_bytes``: its prompt cache's bound (0: none kept; None:
+        ``prompt_cache.DEFAULT_BYTES``), the whole group's with a mirror: each of its N
+        ranks holds a slice of every cache, and keeps at most 1/N of the bytes."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -98,14 +106,17 @@ class LocalEngine:
         self._mirror = mirror
         if mirror is not None:
             mirror.on_broken = self._group_broke
-        # What changed in the batch since the last step, for the other ranks (with a mirror).
-        self._ops: list[Op] = [] if mirror is None else [
-            ("setup", sorted(eos_token_ids), max_batch, prefill_step)]
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._by_uid: dict[int, _Sequence] = {}
         # KV caches of finished sequences, by their tokens: a new prompt that shares a
         # prefix (a chat's earlier turns, a repeated system prompt) skips that prefill.
-        self._prompt_cache = LRUPromptCache(PROMPT_CACHE_ENTRIES, PROMPT_CACHE_BYTES)
+        self._prompt_cache = PromptCache((DEFAULT_BYTES if prompt_cache_bytes is None
+                                          else prompt_cache_bytes) // self.tensor_parallel)
+        # What changed in the batch since the last step, for the other ranks (with a mirror:
+        # each builds its prompt cache as ours, so that they reuse alike).
+        self._ops: list[Op] = [] if mirror is None else [
+            ("setup", sorted(eos_token_ids), max_batch, prefill_step,
+             self._prompt_cache.max_bytes)]
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._by_uid: dict[int, _Sequence] = {}
         self._active = 0
         self._closed = threading.Event()
         self._failure: BaseException | None = None
@@ -117,6 +128,13 @@ class LocalEngine:
 
     def active_sequences(self) -> int:
         return self._active
+
+    def prompt_cache_stats(self) -> PromptCacheStats:
+        """What the prompt cache saved so far and holds now (read from any thread); with a
+        mirror, the bytes of every rank's slices (each holds as many as this one)."""
+        stats = self._prompt_cache.stats()
+        stats["bytes"] *= self.tensor_parallel
+        return stats
 
     @property
     def tensor_parallel(self) -> int:
@@ -167,8 +185,10 @@ class LocalEngine:
     async def prefill(self, request: GenerationRequest) -> tuple[TokenOutput, list[Any]]:
         """``request``'s first token and its prompt's cache, for another host to decode on
         (``handoff.prefill`` on the step thread, between batch steps: the batch waits for
-        it as for any prompt). A model whose cache cannot be handed off is refused first
-        (``HandoffUnsupported``), before any work; the engine keeps serving."""
+        it as for any prompt), on from the longest prefix the prompt cache holds; a copy
+        of the prompt's cache is kept there (the caller may extend or drop its own). A
+        model whose cache cannot be handed off is refused first (``HandoffUnsupported``),
+        before any work; the engine keeps serving."""
         self._check_handoff_here()
         check_handoff(self._gen.model, str(getattr(self._gen.model, "model_type", "")
                                             or self.model_id))
@@ -322,7 +342,7 @@ class LocalEngine:
                 if self._mirror is not None:
                     sampler, shared = self._mirror.sampler(sampler)
                 processors = make_logits_processors(req.params)
-                cache, rest = cached_prefix(self._prompt_cache, tokens)
+                cache, rest = self._prompt_cache.fetch(tokens)
                 [uid] = self._gen.insert(
                     [rest], max_tokens=[req.params.max_tokens], caches=[cache],
                     all_tokens=[tokens[: len(tokens) - len(rest)]],
@@ -343,10 +363,16 @@ class LocalEngine:
                  done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]]) -> None:
         req = seq.request
         try:
-            done.set_result(prefill(self._gen.model, req.prompt_tokens, req.params,
-                                    vocab_size=self._vocab_size,
-                                    eos_token_ids=self._eos_token_ids,
-                                    matching=seq.matching, prefill_step=self._prefill_step))
+            check_prefill(req.prompt_tokens, req.params, self._vocab_size)
+            cached, _ = self._prompt_cache.fetch(req.prompt_tokens)
+            first, cache = prefill(self._gen.model, req.prompt_tokens, req.params,
+                                   vocab_size=self._vocab_size,
+                                   eos_token_ids=self._eos_token_ids, matching=seq.matching,
+                                   prefill_step=self._prefill_step, cache=cached)
+            # A copy (a view: no bytes copied): the handed-off cache is the caller's, who
+            # may extend it in place.
+            self._prompt_cache.keep(req.prompt_tokens, snapshot(cache))
+            done.set_result((first, cache))
         except (ValueError, TypeError) as exc:  # a bad request fails alone, as in _insert
             done.set_exception(exc)
         except BaseException as exc:  # the engine is broken: this waiter hears it too
@@ -367,8 +393,8 @@ class LocalEngine:
             if reason is not None:
                 del self._by_uid[r.uid]
                 # A handed-off cache may be lossy (int8, int4): not for other requests.
-                if seq.handoff is None:
-                    keep_cache(self._prompt_cache, r)
+                if seq.handoff is None and r.prompt_cache is not None:
+                    self._prompt_cache.keep(r.all_tokens, r.prompt_cache)
         # One wake-up of the event loop per step, not one per sequence: each wake-up
         # costs the step thread a GIL hand-over.
         loops = {seq.loop for seq, _ in batch}
@@ -390,26 +416,6 @@ def generator(model: Any, eos_token_ids: set[int], max_batch: int, prefill_step:
         completion_batch_size=max_batch, prefill_batch_size=max_batch,
         prefill_step_size=prefill_step,
     )
-
-
-def cached_prefix(prompt_cache: Any, tokens: list[int]) -> tuple[Any, list[int]]:
-    """The KV cache of the longest prefix of ``tokens`` in ``prompt_cache``, and the tokens
-    still to prefill."""
-    if not tokens:
-        return None, tokens
-    cache, rest = prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
-    if cache is not None and not rest:  # an exact hit: recompute the last token
-        if not can_trim_prompt_cache(cache):
-            return None, tokens
-        trim_prompt_cache(cache, 1)
-        rest = tokens[-1:]
-    return cache, list(rest)
-
-
-def keep_cache(prompt_cache: Any, r: Any) -> None:
-    """A finished sequence's KV cache into ``prompt_cache``, by its tokens."""
-    if r.prompt_cache is not None and r.all_tokens:
-        prompt_cache.insert_cache(MODEL_KEY, list(r.all_tokens), r.prompt_cache)
 
 
 def _output(params: SamplingParams, r: Any, reason: FinishReason | None) -> TokenOutput:
@@ -445,31 +451,38 @@ def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], Token
 
 def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8,
                       on_failure: Callable[[BaseException], None] | None = None,
-                      progress: Progress | None = None) -> tuple[LocalEngine, Any]:
+                      progress: Progress | None = None, context_length: int | None = None,
+                      prompt_cache_bytes: int | None = None) -> tuple[LocalEngine, Any]:
     """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper.
     mlx-lm builds the model lazily; its weights are then read layer by layer, each step
-    told to ``progress(done, total)`` in parameter bytes (``models/reading.py``)."""
+    told to ``progress(done, total)`` in parameter bytes (``models/reading.py``).
+    ``context_length``: a cap on the model's context (``models/context.py``);
+    ``prompt_cache_bytes``: the prompt cache's bound (``LocalEngine``)."""
     from mlx_lm import load
 
     loaded: Any = load(path, lazy=True, return_config=True)
     model, tokenizer, config = loaded
     read_weights(model_layers(model), model, progress)
     return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
-                      max_batch=max_batch, on_failure=on_failure), tokenizer
+                      max_batch=max_batch, on_failure=on_failure,
+                      context_length=context_length,
+                      prompt_cache_bytes=prompt_cache_bytes), tokenizer
 
 
 def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: str,
                max_batch: int, on_failure: Callable[[BaseException], None] | None = None,
-               mirror: Mirror | None = None) -> LocalEngine:
+               mirror: Mirror | None = None, context_length: int | None = None,
+               prompt_cache_bytes: int | None = None) -> LocalEngine:
     """The engine over a loaded ``model`` (its weights read), with mlx-lm's tokenizer and
-    the model's config."""
-    context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    the model's config; its context the model's, capped at ``context_length``."""
+    context = served_context(config, context_length, model_id)
     vocab = int(config.get("vocab_size") or model.args.vocab_size)
     eos = set(tokenizer.eos_token_ids)
     return LocalEngine(model, model_id=model_id, context_length=context,
                        eos_token_ids=eos, vocab_size=vocab, max_batch=max_batch,
                        on_failure=on_failure, mirror=mirror,
-                       constraints=constraint_tokenizer(tokenizer, vocab, eos))
+                       constraints=constraint_tokenizer(tokenizer, vocab, eos),
+                       prompt_cache_bytes=prompt_cache_bytes)
 
 
 def constraint_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]

@@ -417,9 +417,12 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                        max_batch: int = 8,
                        on_failure: Callable[[BaseException], None] | None = None,
                        progress: Progress | None = None,
-                       share_deadline_s: float = SHARE_DEADLINE_S) -> tuple[Any, Any]:
+                       share_deadline_s: float = SHARE_DEADLINE_S,
+                       context_length: int | None = None,
+                       prompt_cache_bytes: int | None = None) -> tuple[Any, Any]:
     """Rank 0 of a tensor-parallel engine: ``engine.local.load_local_engine``'s engine and
-    tokenizer, with the model split over ``group``; the engine drives the followers."""
+    tokenizer (``context_length`` and ``prompt_cache_bytes`` as there), with the model
+    split over ``group``; the engine drives the followers."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxceld.engine.local import engine_for
@@ -429,6 +432,7 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                                eos_token_ids=config.get("eos_token_id", None))
     engine = engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                         max_batch=max_batch, on_failure=on_failure,
-                        mirror=Mirror(group, deadline_s=share_deadline_s))
+                        mirror=Mirror(group, deadline_s=share_deadline_s),
+                        context_length=context_length, prompt_cache_bytes=prompt_cache_bytes)
     return engine, tokenizer
 

@@ -70,7 +70,7 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
 from mlxceld.pipeline.prefixes import PrefixIndex
-from mlxceld.types import DEFAULT_SILENCE_S
+from mlxceld.types import DEFAULT_SILENCE_S, PipelineCacheStats
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
 
@@ -325,16 +325,21 @@ class PipelineEngine:
             self._forget(self._prefixes.clear())
         self._attached_once.add(rank)
 
-    def prompt_cache(self) -> dict[str, Any]:
-        """The prompt cache, for the router's stats: the index's counts, each stage's
-        bytes and entries held as it last said."""
+    def prompt_cache_stats(self) -> PipelineCacheStats:
+        """The prompt cache, for the router's stats and ``/metrics`` (all zeros when it is
+        off): the requests that started from a kept prefix (``hits``) or from nothing
+        (``misses``), the prompt tokens not prefilled again, the entries every stage holds
+        and the bytes they hold all told, as each last said; and ``lost``: a prefix named
+        that a stage no longer held (prefilled whole), ``pending``: entries not every stage
+        has said it holds yet."""
         if self._prefixes is None:
-            return {"enabled": False}
+            return {"hits": 0, "misses": 0, "tokens_reused": 0, "entries": 0, "bytes": 0,
+                    "lost": 0, "pending": 0}
         stats = self._prefixes.stats
-        return {"enabled": True, "lookups": stats.lookups, "hits": stats.hits,
-                "misses": stats.misses, "tokens_reused": stats.tokens_reused,
-                "entries": self._prefixes.entries, "pending": self._prefixes.pending,
-                "bytes": sum(b for b, _ in self._held.values())}
+        return {"hits": stats.hits, "misses": stats.lookups - stats.hits,
+                "tokens_reused": stats.tokens_reused, "entries": self._prefixes.entries,
+                "bytes": sum(b for b, _ in self._held.values()), "lost": stats.lost,
+                "pending": self._prefixes.pending}
 
     async def _run(self, seq: str, step: int, tokens: list[int], *, sample: bool) -> None:
         blob = ("tokens", "i32", (1, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens))

@@ -52,7 +52,7 @@ class IndexStats:
     lookups: int = 0
     hits: int = 0  # requests that started from a kept prefix
     tokens_reused: int = 0
-    misses: int = 0  # a stage no longer held what was named: prepared afresh
+    lost: int = 0  # a stage no longer held what was named: prepared afresh
     kept: int = 0  # entries every stage holds, since the start
     dropped: int = 0  # entries dropped (evicted, not kept, replaced, forgotten)
 
@@ -103,7 +103,7 @@ class PrefixIndex:
 
     def missed(self, reuse: Reuse) -> list[str]:
         """A stage no longer held ``reuse``'s entry: it goes everywhere."""
-        self.stats.misses += 1
+        self.stats.lost += 1
         return self._drop([reuse.entry])
 
     def add(self, tokens: Sequence[int]) -> tuple[str, list[str]]:

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 from mlxceld.engine.base import GenerationRequest, TokenOutput
 from mlxceld.pipeline.engine import PipelineEngine
+from mlxceld.types import PipelineCacheStats
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,10 @@ class PipelineSwitch:
     def stages(self) -> list[dict[str, Any]]:
         return self._current.stages()
 
-    def prompt_cache(self) -> dict[str, Any]:
+    def prompt_cache_stats(self) -> PipelineCacheStats:
         """The current engine's: a new plan's engine starts with an empty one, and its
         stages drop what the old one had them keep (``prefixes.py``)."""
-        return self._current.prompt_cache()
+        return self._current.prompt_cache_stats()
 
     async def keep_linked(self) -> None:
         """The current engine's links kept up; after a switch, the new one's too, and each

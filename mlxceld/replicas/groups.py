@@ -26,6 +26,7 @@ from typing import Any, Final
 from mlxceld.engine import GenerationRequest, TokenOutput
 from mlxceld.pipeline.switch import PipelineSwitch
 from mlxceld.replicas.pool import ReplicaEngine
+from mlxceld.types import PipelineCacheStats
 
 ROLE: Final = "pipeline"  # a group's role in /router/stats: a pipeline of stages
 FIRST_DIAL: Final = frozenset({"connecting"})  # a stage never attached yet
@@ -95,10 +96,12 @@ class GroupedPipelines(ReplicaEngine):
         """Every group's stages, group by group, each with its ``replica``."""
         return [s for g in self.groups for s in g.stages()]
 
-    def prompt_cache(self) -> dict[str, Any]:
+    def prompt_cache_stats(self) -> PipelineCacheStats:
         """Every group's prompt cache, summed (each group keeps its own)."""
-        each = [g.engine.prompt_cache() for g in self.groups]
-        if not all(c["enabled"] for c in each):
-            return {"enabled": False}
-        return {"enabled": True, **{key: sum(c[key] for c in each) for key in (
-            "lookups", "hits", "misses", "tokens_reused", "entries", "pending", "bytes")}}
+        each = [g.engine.prompt_cache_stats() for g in self.groups]
+        return {"hits": sum(c["hits"] for c in each),
+                "misses": sum(c["misses"] for c in each),
+                "tokens_reused": sum(c["tokens_reused"] for c in each),
+                "entries": sum(c["entries"] for c in each),
+                "bytes": sum(c["bytes"] for c in each), "lost": sum(c["lost"] for c in each),
+                "pending": sum(c["pending"] for c in each)}

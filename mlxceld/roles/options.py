@@ -234,6 +234,13 @@ class RouterOptions:
     # tp_size is 1). Only with the model here: no pipeline, replicas or handoff.
     tp_size: int = 1
     tp_hosts: tuple[str, ...] = ()
+    # A cap on the model's context (``[serve] context_length``): the engine serves the
+    # lesser of the two (``models/context.py``). None: the model's own.
+    context_length: int | None = None
+    # The byte bound of each engine's prompt (prefix) cache (``[serve] prompt_cache_bytes``):
+    # the local engine's (``engine/prompt_cache.py``), a pipeline stage's. 0: no cache;
+    # None: the default (``prompt_cache.DEFAULT_BYTES``).
+    prompt_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -256,6 +263,10 @@ class RouterOptions:
                self.max_tokens)
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
         _check(self.max_queued >= 1, "max_queued", "be >= 1", self.max_queued)
+        _check(self.context_length is None or self.context_length >= 1, "context_length",
+               "be >= 1", self.context_length)
+        _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0,
+               "prompt_cache_bytes", "be >= 0", self.prompt_cache_bytes)
         _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)
         for key in ("header_timeout_s", "body_timeout_s", "stage_silence_s"):
             _check(getattr(self, key) > 0, key, "be > 0", getattr(self, key))

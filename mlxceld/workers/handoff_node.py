@@ -3,8 +3,9 @@
 It loads the model as a hybrid's router worker does, binds no OpenAI port, and serves
 the engine on its serving listener only (``replicas/handoffs.py``: ``HandoffService``,
 at ``RouterOptions.serving``'s address; the cluster secret arrives on the bootstrap
-pipe). Its stats carry ``serving`` (the bound address) and ``node_role`` for ``mlxctl
-status``.
+pipe). Its stats carry ``serving`` (the bound address), ``node_role``, ``handoffs`` and
+its engine's ``prompt_cache`` (a prefill node prefills on from the longest prefix it holds:
+``LocalEngine.prefill``) for ``mlxctl status``.
 
 - A prefill node reads ``MLXCEL_DECODE_ALLOWLIST`` once at start
   (``handoffs.decode_allowlist``): the decode targets it may send caches to.
@@ -21,12 +22,14 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
 from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.roles.options import HandoffOptions, RouterOptions
+from mlxceld.types import PromptCacheStats
 from mlxceld.wire import SecretStore
 from mlxceld.wire.address import canonical_address, format_address, parse_address
 from mlxceld.workers.runtime import WorkerContext
@@ -138,7 +141,8 @@ async def run_handoff_node(ctx: WorkerContext[RouterOptions], engine: Any, path:
     try:
         identity = await asyncio.to_thread(model_identity, Path(path))
         service, peers = await handoff_service(ctx, engine, identity, handoff)
-        await serve_handoffs(ctx, service, peers, stats_every_s, graceful_s)
+        await serve_handoffs(ctx, service, peers, stats_every_s, graceful_s,
+                             prompt_cache=engine.prompt_cache_stats)
     finally:
         if service is not None:
             await service.aclose()
@@ -150,8 +154,10 @@ async def run_handoff_node(ctx: WorkerContext[RouterOptions], engine: Any, path:
 
 async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
                          peers: PrefillPeers | None, stats_every_s: float,
-                         graceful_s: float) -> None:
-    """Serve until the worker stops; then drain for ``graceful_s`` and close."""
+                         graceful_s: float, *,
+                         prompt_cache: Callable[[], PromptCacheStats]) -> None:
+    """Serve until the worker stops; then drain for ``graceful_s`` and close.
+    ``prompt_cache``: the engine's prompt cache stats, for the worker's stats."""
     async with asyncio.TaskGroup() as tg:
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         tg.create_task(service.serve(started))
@@ -164,6 +170,7 @@ async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
             stats = service.stats
             ctx.stats["handoffs"] = {"handoffs": stats.handoffs, "bytes": stats.bytes,
                                      "refused": stats.refused, "dropped": stats.dropped}
+            ctx.stats["prompt_cache"] = prompt_cache()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ctx.stopping.wait(), stats_every_s)
         if keeping is not None:

@@ -60,6 +60,7 @@ def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
     ``replicas.discover`` what fills the pool (blocking: a thread)."""
     from mlx_lm.utils import load_tokenizer
 
+    from mlxceld.models.context import served_context
     from mlxceld.models.fetch import local_model
     from mlxceld.models.identity import model_identity, read_model_config
     from mlxceld.replicas.pool import ReplicaEngine
@@ -91,7 +92,7 @@ def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
         return [member(f"{prefix}{i}", finder(agent, role), role)
                 for i, agent in enumerate(agents)]
 
-    context = int(config.get("max_position_embeddings") or 4096)
+    context = served_context(config, o.context_length, o.model_name)
     if replicas.discover:
         found = ReplicaEngine([], model_id=o.model_name, context_length=context)
         return found, tokenizer, Discovered(found, finder, member)

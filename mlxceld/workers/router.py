@@ -1,13 +1,16 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
-model_name, host, port, max_batch, max_queued, max_tokens, and the port's connection bounds
-max_connections, header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline
-stage's heartbeat bound) (``config/serve.py``). The API key,
-if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
-cluster config: stages, coordinator, model_identity, cluster) the engine drives remote
-stages and only the tokenizer is loaded here; the cluster secret then arrives on the
-bootstrap pipe too.
+model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
+model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
+cache), and the port's connection bounds max_connections, header_timeout_s,
+body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
+(``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With
+``pipeline`` (``PipelineOptions``, from a cluster config: stages, coordinator,
+model_identity, cluster) the engine drives remote stages and only the tokenizer is
+loaded here; the cluster secret then arrives on the bootstrap pipe too. Its stats carry
+``context_length`` (the context served) and, over a local engine, ``prompt_cache``
+(``types.PromptCacheStats``) for ``mlxctl status``.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready. It
@@ -131,6 +134,7 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     ``pipeline`` op moves it to another plan's stages), and the tokenizer."""
     from mlx_lm.utils import load_tokenizer
 
+    from mlxceld.models.context import served_context
     from mlxceld.models.identity import layer_count, read_model_config
     from mlxceld.pipeline.switch import PipelineSwitch
 
@@ -139,7 +143,7 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     layer_count(config)
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
-    context = int(config.get("max_position_embeddings") or 4096)
+    context = served_context(config, ctx.options.context_length, ctx.options.model_name)
     eos = set(tokenizer.eos_token_ids)
     if ctx.options.replica_pipelines:
         return grouped_engine(ctx, (pipe, *ctx.options.replica_pipelines), context, eos), \
@@ -282,7 +286,8 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
     loaded_engine: tuple[Any, Any] = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
-        on_failure=engine_broke, progress=loaded))
+        on_failure=engine_broke, progress=loaded, context_length=o.context_length,
+        prompt_cache_bytes=o.prompt_cache_bytes))
     return loaded_engine
 
 
@@ -318,7 +323,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             else:
                 engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
                     load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
-                    on_failure=engine_broke, progress=loaded))
+                    on_failure=engine_broke, progress=loaded, context_length=o.context_length,
+                    prompt_cache_bytes=o.prompt_cache_bytes))
             ctx.stats.pop("loading", None)
     except Stopped:  # the worker exits 0 (runtime.run_worker)
         sock.close()
@@ -336,7 +342,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                                       stats_every_s=STATS_EVERY_S, graceful_s=GRACEFUL_S)
     pipeline = o.pipeline is not None
     pool = o.replicas is not None
-    linked = pipeline or pool  # an engine with links to keep up
+    linked = pipeline or pool  # an engine with links to keep up; else a LocalEngine
     draining = Draining()
     ctx.ops["drain"] = lambda request: drain_op(draining, request)
     if discovered is not None:
@@ -353,7 +359,9 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            router_stats=(lambda verbose: engine.stats(verbose=verbose))
                            if pool or o.replica_pipelines else None,
                            draining=draining, elastic=discovered is not None,
-                           stage_links=engine.stages if pipeline else None)
+                           stage_links=engine.stages if pipeline else None,
+                           prompt_caches=None if pool
+                           else lambda: [({}, engine.prompt_cache_stats())])
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
@@ -369,12 +377,14 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             if service is not None:
                 tg.create_task(service.serve())
                 ctx.stats["serving"] = format_address(service.host, service.port)
-            ctx.stats.update(url=f"http://{o.host}:{o.port}/v1", model=o.model_name)
+            ctx.stats.update(url=f"http://{o.host}:{o.port}/v1", model=o.model_name,
+                             context_length=engine.context_length)
             ctx.ready()
             while not ctx.stopping.is_set():
+                if not pool:  # a local engine's, or the pipeline's (its stages')
+                    ctx.stats["prompt_cache"] = engine.prompt_cache_stats()
                 if pipeline:
                     ctx.stats["stages"] = engine.stages()
-                    ctx.stats["prompt_cache"] = engine.prompt_cache()
                     throughput.sample(engine.tokens, loop.time())
                     rate = throughput.rate()
                     ctx.stats.update(tokens=engine.tokens, tokens_per_s=None if rate is None

@@ -1,5 +1,6 @@
 """``/metrics``' per-scrape part (``api/metrics.py`` ``Snapshot``), in process: the process,
-the build, the model, and stage links fed through the app's ``stage_links`` seam."""
+the build, the model, stage links fed through the app's ``stage_links`` seam and prompt
+caches through its ``prompt_caches``."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_the_process_build_and_model_without_links() -> None:
     assert sample(metrics, "process_start_time_seconds") == me.create_time()
     assert (sample(metrics, "process_resident_memory_bytes") or 0) > 1 << 20
     assert sample(metrics, "mlxceld_model_info", model="fake-model", context_length="256") == 1
-    assert not [n for n, _ in metrics if n.startswith("mlxceld_stage_link")]
+    assert not [n for n, _ in metrics if n.startswith(("mlxceld_stage_link",
+                                                        "mlxceld_prompt_cache"))]
 
 
 def test_each_link_has_one_gauge_per_state_and_its_rtt_when_known() -> None:
@@ -62,3 +64,17 @@ def test_each_stage_says_what_its_prompt_cache_holds() -> None:
                   layers="0-2") == 3
     assert sample(metrics, "mlxceld_stage_prompt_cache_bytes", stage="stage-1",
                   layers="2-4") is None  # not said (or no prompt cache)
+
+
+def test_a_prompt_cache_has_its_counters_and_gauges_with_its_labels() -> None:
+    stats = {"hits": 3, "misses": 1, "tokens_reused": 1200, "entries": 2, "bytes": 4096}
+    metrics = scrape_app(prompt_caches=lambda: [({}, stats)])  # the local engine's
+    assert [sample(metrics, f"mlxceld_prompt_cache_{name}") for name in (
+        "hits_total", "misses_total", "tokens_reused_total", "entries", "bytes")] == \
+        [3, 1, 1200, 2, 4096]
+    # room for labels: each cache of several (a pipeline's stages) by its own
+    other = {**stats, "hits": 5}
+    metrics = scrape_app(prompt_caches=lambda: [({"stage": "stage-0"}, stats),
+                                                ({"stage": "stage-1"}, other)])
+    assert sample(metrics, "mlxceld_prompt_cache_hits_total", stage="stage-1") == 5
+    assert sample(metrics, "mlxceld_prompt_cache_bytes", stage="stage-0") == 4096

@@ -20,7 +20,11 @@ def test_models() -> None:
         async with openai_client(make_app()) as client:
             models = await client.models.list()
             assert [m.id for m in models.data] == [MODEL]
-            assert (await client.models.retrieve(MODEL)).owned_by == "mlxceld"
+            one = await client.models.retrieve(MODEL)
+            assert one.owned_by == "mlxceld"
+            # the context served (the engine's: [serve] context_length caps the model's)
+            assert models.data[0].to_dict()["context_length"] == 256
+            assert one.to_dict()["context_length"] == 256
             with pytest.raises(openai.NotFoundError):
                 await client.models.retrieve("nope")
 

@@ -32,6 +32,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--port": ("9090", 9090, ()),
     "--api-key-file": ("/srv/mx/key", "/srv/mx/key", ()),
     "--max-tokens": ("2048", 2048, ()),
+    "--context-length": ("8192", 8192, ()),
     "--serving-port": ("19200", 19200, ()),
     "--cluster-secret-file": ("/srv/mx/secret", "/srv/mx/secret", ()),
     "--agent-addr": ("10.0.0.1:19001", "10.0.0.1:19001", ()),

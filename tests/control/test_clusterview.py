@@ -19,8 +19,7 @@ STAGE_KEYS = {"stage", "rank", "node_id", "address", "layers", "assignment", "li
               "drain"}
 LINK_KEYS = {"state", "since", "address", "rtt_ms", "error", "prompt_cache"}
 PEER_KEYS = {"state", "since", "reason", "last_answer", "key_id", "key_stale"}
-ROUTER_KEYS = {"worker", "state", "url", "tokens", "tokens_per_s", "throughput_of",
-               "prompt_cache"}
+ROUTER_KEYS = {"worker", "state", "url", "tokens", "tokens_per_s", "throughput_of"}
 CACHE = {"enabled": True, "lookups": 4, "hits": 3, "misses": 0, "tokens_reused": 300,
          "entries": 2, "pending": 0, "bytes": 4096}
 
@@ -83,8 +82,7 @@ def test_the_view_of_a_coordinator_names_each_stage_its_node_link_and_peer() -> 
     assert (view["epoch"], view["model"], view["state"]) == (7, "/m/llama", "active")
     assert view["router"] == {"worker": "router", "state": "running",
                               "url": "http://127.0.0.1:8080/v1", "tokens": 480,
-                              "tokens_per_s": 12.5, "throughput_of": "pipeline",
-                              "prompt_cache": CACHE}
+                              "tokens_per_s": 12.5, "throughput_of": "pipeline"}
     s0, s1 = view["stages"]
     assert all(set(s) == STAGE_KEYS for s in view["stages"])
     assert (s0["stage"], s0["rank"], s0["node_id"], s0["address"], s0["layers"],

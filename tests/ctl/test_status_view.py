@@ -27,10 +27,7 @@ def view() -> dict[str, Any]:
     return {
         "epoch": 7, "model": "/m/llama", "state": "active",
         "router": {"worker": "router", "state": "running", "url": "http://127.0.0.1:8080/v1",
-                   "tokens": 480, "tokens_per_s": 12.5, "throughput_of": "pipeline",
-                   "prompt_cache": {"enabled": True, "lookups": 6, "hits": 5, "misses": 1,
-                                    "tokens_reused": 1234, "entries": 3, "pending": 0,
-                                    "bytes": 12 << 20}},
+                   "tokens": 480, "tokens_per_s": 12.5, "throughput_of": "pipeline"},
         "stages": [
             {"stage": "stage-0", "rank": 0, "node_id": "mac-b", "address": "127.0.0.2:19000",
              "layers": [0, 2], "assignment": "active", "peer": peer, "drain": None,
@@ -61,14 +58,12 @@ def view() -> dict[str, Any]:
 
 def test_the_view_shows_plan_router_throughput_and_each_stage() -> None:
     lines = shown(view())
-    assert lines[:5] == [
+    assert lines[:4] == [
         "", "cluster: plan 7 (active) · model /m/llama",
         "  router http://127.0.0.1:8080/v1 (running) · 12.5 tokens/s (the pipeline's, last "
         "10 s)",
-        "  prompt cache: 3 entries, 12.0 MiB over 2 stages · 5 hits, 1234 tokens reused, 1 "
-        "misses",
         "stages of router: 1 of 2 attached"]
-    head, s0, s1 = lines[5:8]
+    head, s0, s1 = lines[4:7]
     assert head.split() == ["STAGE", "NODE", "LAYERS", "LINK", "FOR", "RTT", "ADDRESS",
                             "PEER", "PEER", "SINCE", "KEY", "CACHE"]
     assert s0.endswith("00112233aabbccdd  6.0 MiB/3")
@@ -78,7 +73,7 @@ def test_the_view_shows_plan_router_throughput_and_each_stage() -> None:
     assert s1.split()[:7] == ["stage-1", "mac-c", "[2,", "4)", "silent", "20s", "-"]
     assert f"dead   {clock(NOW - 15)} (15s ago)    ffeeddcc99887766" in s1
     assert s1.split()[-1] == "-"  # no cache said
-    assert lines[8:] == [
+    assert lines[7:] == [
         "  stage-1: stage stage-1 is silent: nothing heard for 3.0 s",
         "  stage-1 (mac-c): dead: no answer to pings for 10 s",
         f"peer mac-d (127.0.0.4:19000, no stage): alive since {clock(NOW - 300)} (5m00s "
@@ -160,5 +155,46 @@ def test_a_stage_hosts_status_says_what_its_prompt_cache_holds_and_did() -> None
                  "bytes": 3 << 20, "entries": 2, "budget": 1 << 30, "hits": 7, "misses": 1,
                  "tokens_reused": 900, "kept": 9, "evicted": 4}}}
     assert render.stage_caches([stage, {"name": "router", "role": "router", "stats": {}}]) == [
-        "stage: prompt cache: 2 entries, 3.0 MiB of 1.0 GiB · 7 hits, 900 tokens reused, 1 "
-        "misses"]
+        "stage: prompt cache: 7 hits, 1 miss, 900 tokens reused; holds 2 caches, 3.0 MiB of "
+        "1.0 GiB"]
+    pipeline = {"hits": 4, "misses": 2, "tokens_reused": 300, "entries": 1, "bytes": 2048,
+                "lost": 1, "pending": 0}  # a pipeline router's
+    assert render.prompt_cache(pipeline) == (
+        "prompt cache: 4 hits, 2 misses, 300 tokens reused; holds 1 cache, 2 KiB; 1 lost by "
+        "a stage (prefilled whole)")
+
+
+def test_the_served_context_and_the_prompt_cache_show_beside_the_model() -> None:
+    """A single-host router's stats: the context it serves (``[serve] context_length``
+    caps the model's) beside the model, and its engine's prompt cache."""
+    router = {"name": "router", "role": "router", "state": "running", "pid": 10, "restarts": 0,
+              "stats": {"url": "http://127.0.0.1:8080/v1", "model": "tiny",
+                        "context_length": 2048,
+                        "prompt_cache": {"hits": 3, "misses": 1, "tokens_reused": 1200,
+                                         "entries": 2, "bytes": 12 * 2**20}}}
+    body = {"daemon": {"version": "1", "state": "running", "node_id": "mac-a", "pid": 9,
+                       "uptime_s": 5},
+            "workers": [router],
+            "serving": {"model_name": "tiny", "url": "http://127.0.0.1:8080/v1",
+                        "api_key": True},
+            "cluster": None, "assignment": None, "bringup": None, "healing": None,
+            "pipeline": None, "problems": []}
+    lines = render.status(body).split("\n")
+    assert lines[1:3] == [
+        "serving tiny (context 2048 tokens) at http://127.0.0.1:8080/v1 (API key required)",
+        "prompt cache: 3 hits, 1 miss, 1200 tokens reused; holds 2 caches, 12.0 MiB"]
+    router["stats"] = {"prompt_cache": {"hits": 1, "misses": 0, "tokens_reused": 1,
+                                        "entries": 1, "bytes": 0}}  # still loading: no context
+    lines = render.status(body).split("\n")
+    assert lines[1:3] == [
+        "serving tiny at http://127.0.0.1:8080/v1 (API key required)",
+        "prompt cache: 1 hit, 0 misses, 1 token reused; holds 1 cache, 0 B"]
+    # a prefill node: no OpenAI port, its prompt cache all the same
+    router["stats"] = {"serving": "10.0.0.3:19200", "node_role": "prefill",
+                       "prompt_cache": {"hits": 0, "misses": 2, "tokens_reused": 0,
+                                        "entries": 2, "bytes": 3 * 2**30}}
+    lines = render.status(body).split("\n")
+    assert lines[1:3] == [
+        "prefill node: serving listener at 10.0.0.3:19200 (for the cluster's routers; no "
+        "OpenAI port)", "prompt cache: 0 hits, 2 misses, 0 tokens reused; holds 2 caches, "
+        "3.0 GiB"]

@@ -162,6 +162,47 @@ def test_seeded_sampling_continues_the_seed_and_cancelling_frees(loaded: Loaded)
     asyncio.run(run())
 
 
+def test_a_prefill_reuses_a_cached_prefix_and_gives_the_cold_tokens(loaded: Loaded) -> None:
+    """A chat's second turn on a prefill node: the first turn's prompt is prefilled once,
+    then only the new part; handed off, its greedy tokens are those of a cold prefill."""
+    turn1, turn2 = loaded.prompt[:200], loaded.prompt  # turn 2: turn 1 and 100 tokens more
+    req = request_for(turn2)
+
+    async def run() -> None:
+        local = await collect(loaded.engine.generate(req))  # the one host's, for reference
+        cold_first, cold = loaded.prefill(req.params)  # a fresh cache, no prompt cache
+        engine = LocalEngine(loaded.model, model_id="prefill", context_length=2048,
+                             eos_token_ids=loaded.eos, vocab_size=loaded.vocab, max_batch=4,
+                             prefill_step=STEP)
+        try:
+            await asyncio.wait_for(engine.prefill(request_for(turn1)), TIMEOUT_S)
+            stats = engine.prompt_cache_stats()
+            assert (stats["hits"], stats["misses"], stats["entries"]) == (0, 1, 1)
+            first, cache = await asyncio.wait_for(engine.prefill(req), TIMEOUT_S)
+            stats = engine.prompt_cache_stats()
+            assert (stats["hits"], stats["misses"], stats["tokens_reused"]) == (1, 1, 200)
+            assert stats["entries"] == 1 and stats["bytes"] > 0  # turn 2's replaced turn 1's
+            assert first == cold_first and cache[0].offset == PROMPT_TOKENS
+            for got in (cache, cold):
+                assert await collect(loaded.engine.generate_from(
+                    req, first, handed_off(loaded, got, Mode()))) == local
+            # The kept cache is a copy: extending the handed-off one in place leaves it
+            # whole for the next prefill (an exact hit: all but the last token reused).
+            for token in local[:3]:
+                loaded.model(mx.array([[token]]), cache=cache)
+            mx.eval([c.state for c in cache])
+            assert cache[0].offset == PROMPT_TOKENS + 3
+            again, cache = await asyncio.wait_for(engine.prefill(req), TIMEOUT_S)
+            assert engine.prompt_cache_stats()["tokens_reused"] == 200 + PROMPT_TOKENS - 1
+            assert again == first
+            assert await collect(loaded.engine.generate_from(
+                req, again, handed_off(loaded, cache, Mode()))) == local
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_cache_is_within_half_a_group_scale(loaded: Loaded, quant: str) -> None:
     req = request_for(loaded.prompt)

@@ -13,7 +13,7 @@ from mlx_lm import generate, load
 from mlx_lm.generate import generate_step
 
 from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
-from mlxceld.engine.local import LocalEngine, cached_prefix, load_local_engine
+from mlxceld.engine.local import LocalEngine, load_local_engine
 
 from helpers.waiting import until
 
@@ -119,14 +119,34 @@ def test_prompt_cache_reuses_a_prefix_without_changing_tokens(fixture_dir: Path)
         engine, tokenizer = load_local_engine(str(fixture_dir / "qwen3"), max_batch=2)
         try:
             base = tokenizer.encode("A long shared system prompt, then a question")
-            cold = await engine_tokens(engine, base + tokenizer.encode(" one"), 16,
-                                       temperature=0)
-            assert len(engine._prompt_cache) == 1  # the finished sequence's KV cache is kept
-            cache, rest = cached_prefix(engine._prompt_cache, base + tokenizer.encode(" one"))
-            assert cache is not None and len(rest) == 1  # everything but the last token
-            warm = await engine_tokens(engine, base + tokenizer.encode(" one"), 16,
-                                       temperature=0)
+            prompt = base + tokenizer.encode(" one")
+            cold = await engine_tokens(engine, prompt, 16, temperature=0)
+            stats = engine.prompt_cache_stats()  # the finished sequence's KV cache is kept
+            assert (stats["hits"], stats["misses"], stats["tokens_reused"],
+                    stats["entries"]) == (0, 1, 0, 1)
+            assert stats["bytes"] > 0
+            warm = await engine_tokens(engine, prompt, 16, temperature=0)
             assert warm == cold
+            stats = engine.prompt_cache_stats()  # everything but the last token was reused
+            assert (stats["hits"], stats["misses"], stats["tokens_reused"]) == (
+                1, 1, len(prompt) - 1)
+            assert stats["entries"] == 1 and stats["bytes"] > 0
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_prompt_cache_of_zero_bytes_keeps_nothing(fixture_dir: Path) -> None:
+    async def run() -> None:
+        engine, tokenizer = load_local_engine(str(fixture_dir / "qwen3"), max_batch=2,
+                                              prompt_cache_bytes=0)
+        try:
+            prompt = tokenizer.encode("A long shared system prompt, then a question")
+            first = await engine_tokens(engine, prompt, 8, temperature=0)
+            assert await engine_tokens(engine, prompt, 8, temperature=0) == first
+            assert engine.prompt_cache_stats() == {"hits": 0, "misses": 2, "tokens_reused": 0,
+                                                   "entries": 0, "bytes": 0}
         finally:
             await engine.aclose()
 

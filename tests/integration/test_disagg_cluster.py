@@ -137,6 +137,34 @@ def test_outputs_equal_one_hosts_and_both_decode_nodes_serve(cluster: Cluster) -
     assert "no OpenAI port" in out
 
 
+def test_a_chats_next_turn_prefills_only_its_new_part_on_the_prefill_node(
+        cluster: Cluster) -> None:
+    """The prefill node keeps each prompt it prefilled (``LocalEngine.prefill``): a prompt
+    that extends one prefills only the rest, its greedy text still the one host's; its
+    prompt cache in ``mlxctl status``."""
+    def cache(more_than: int) -> dict[str, Any]:
+        def read() -> dict[str, Any] | None:
+            stats = (cluster.prefill.d.worker("router").get("stats") or {}).get("prompt_cache")
+            return stats if stats and stats["hits"] + stats["misses"] > more_than else None
+        found: dict[str, Any] = wait_for(read, 10, "the prefill node's prompt cache stats")
+        return found
+
+    turn1 = "The knight rode north through the long winter, looking for"
+    turn2 = turn1 + " the dragon that had burned his village, and he found"
+    before = cache(-1)
+    assert complete(cluster.url(cluster.router), turn1) == \
+        complete(cluster.url(cluster.hybrid), turn1)
+    first = cache(before["hits"] + before["misses"])
+    assert complete(cluster.url(cluster.router), turn2) == \
+        complete(cluster.url(cluster.hybrid), turn2)
+    second = cache(first["hits"] + first["misses"])
+    assert second["hits"] == first["hits"] + 1
+    assert second["tokens_reused"] - first["tokens_reused"] > 8  # turn 1's tokens, about
+    assert second["entries"] >= 1 and second["bytes"] > 0
+    out = cluster.prefill.d.ctl("status").stdout
+    assert "prompt cache: " in out and " tokens reused; holds " in out, out
+
+
 def test_int8_keeps_the_greedy_text_here_and_verbose_stats_name_addresses(
         cluster: Cluster) -> None:
     """int8 on this fixture keeps every greedy token (its error is within half a group's

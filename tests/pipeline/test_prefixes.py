@@ -80,14 +80,14 @@ def test_a_stage_that_evicts_or_cannot_keep_makes_every_stage_forget() -> None:
     assert index.stats.dropped == 2
 
 
-def test_a_miss_drops_the_entry_and_is_counted() -> None:
+def test_a_prefix_a_stage_lost_drops_the_entry_and_is_counted() -> None:
     index = PrefixIndex(RANKS)
     a = kept_by_all(index, [4, 5, 6])
     reuse = index.lookup([4, 5, 6, 7])
     assert reuse == Reuse(a, 3)
     assert index.missed(reuse) == [a]
     assert index.lookup([4, 5, 6, 7]) is None
-    assert (index.stats.misses, index.stats.hits) == (1, 0)
+    assert (index.stats.lost, index.stats.hits) == (1, 0)
     b = kept_by_all(index, [4, 5, 6])
     reuse = index.lookup([4, 5, 6, 7])
     assert reuse is not None and reuse.entry == b

@@ -43,7 +43,7 @@ async def chat(engine: PipelineEngine, chat_id: int, turns: int, answer: int = 6
 async def settled(c: Cluster, engine: PipelineEngine) -> None:
     """The stages' last ``cache`` answers are in: every entry the router named is held by
     every stage (or dropped)."""
-    await until(lambda: engine.prompt_cache()["pending"] == 0 and engine.prompt_cache()[
+    await until(lambda: engine.prompt_cache_stats()["pending"] == 0 and engine.prompt_cache_stats()[
         "entries"] == min(s.store.entries for s in c.services), "the stages' cache answers",
         timeout=10)
 
@@ -53,7 +53,9 @@ async def without_cache(path: Path, work: Any) -> Any:
         engine = c.engine(path, prompt_cache_bytes=0)
         try:
             result = await work(engine)
-            assert engine.prompt_cache() == {"enabled": False}
+            assert engine.prompt_cache_stats() == {
+                "hits": 0, "misses": 0, "tokens_reused": 0, "entries": 0, "bytes": 0,
+                "lost": 0, "pending": 0}
             assert all(s.store.entries == 0 for s in c.services)
             return result
         finally:
@@ -70,14 +72,14 @@ def test_a_chat_turn_by_turn_reuses_its_history_and_gets_the_same_tokens(
             try:
                 answers = await chat(engine, 1, 5, between=lambda: settled(c, engine))
                 await settled(c, engine)
-                return answers, engine.prompt_cache(), [s.store.stats.hits
+                return answers, engine.prompt_cache_stats(), [s.store.stats.hits
                                                         for s in c.services]
             finally:
                 await engine.aclose()
 
     answers, stats, stage_hits = asyncio.run(go())
     assert answers == asyncio.run(without_cache(path, lambda e: chat(e, 1, 5)))
-    assert stats["hits"] == 4 and stats["misses"] == 0  # every turn after the first
+    assert (stats["hits"], stats["misses"], stats["lost"]) == (4, 1, 0)  # all but the 1st
     # Each turn starts from all of the last one but its answer's last token (never run):
     # 47 tokens of a user turn, 6 answered and an end-of-turn.
     assert stats["tokens_reused"] == sum(47 * k + 7 * (k - 1) + 5 for k in range(1, 5))
@@ -96,7 +98,7 @@ def test_chats_at_once_share_a_system_prompt(split_fixture_dir: Path) -> None:
         async with cluster(path, SPLITS) as c:
             engine = c.engine(path)
             try:
-                return await work(engine), engine.prompt_cache()
+                return await work(engine), engine.prompt_cache_stats()
             finally:
                 await engine.aclose()
 
@@ -120,7 +122,7 @@ def test_a_stage_that_no_longer_holds_an_entry_means_a_full_prefill(
                 await settled(c, engine)
                 c.services[1].store.clear()  # behind the router's back
                 again = await tokens_of(engine, prompt + first + [9, 9, 9], 5)
-                return first, again, engine.prompt_cache()
+                return first, again, engine.prompt_cache_stats()
             finally:
                 await engine.aclose()
 
@@ -129,7 +131,7 @@ def test_a_stage_that_no_longer_holds_an_entry_means_a_full_prefill(
     want = asyncio.run(without_cache(path, lambda e: asyncio.gather(
         tokens_of(e, prompt, 5), tokens_of(e, prompt + first + [9, 9, 9], 5))))
     assert [first, again] == list(want)
-    assert (stats["hits"], stats["misses"]) == (0, 1)
+    assert (stats["hits"], stats["misses"], stats["lost"]) == (0, 2, 1)
 
 
 def test_a_small_bound_evicts_alike_everywhere_and_changes_no_token(
@@ -154,7 +156,7 @@ def test_a_small_bound_evicts_alike_everywhere_and_changes_no_token(
                     s.store.budget = 2 * s.store.nbytes + 1
                 outs += (await work(engine))[1:]
                 await settled(c, engine)
-                return (outs, engine.prompt_cache(), [s.store.entries for s in c.services],
+                return (outs, engine.prompt_cache_stats(), [s.store.entries for s in c.services],
                         [s.store.stats.evicted for s in c.services])
             finally:
                 await engine.aclose()
@@ -183,13 +185,13 @@ def test_a_new_engine_or_a_reattached_stage_starts_from_nothing(
             new = c.engine(path)  # a new plan, a live switch, a restarted router
             try:
                 outs.append(await tokens_of(new, prompt, 5))
-                stats.append(new.prompt_cache())
+                stats.append(new.prompt_cache_stats())
                 await settled(c, new)
                 # The stage's connection drops and comes back: it may have restarted.
                 await c.stop_stage(1)
                 await c.restart_stage(1)
                 outs.append(await tokens_of(new, prompt, 5))
-                stats.append(new.prompt_cache())
+                stats.append(new.prompt_cache_stats())
             finally:
                 await new.aclose()
             return outs, stats, held
