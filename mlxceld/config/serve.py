@@ -66,7 +66,10 @@ node's; a tensor-parallel group's ranks 1/N each, of their slices) keeps after a
 with one (a chat's earlier turns, a repeated system prompt) prefills only the rest;
 at most 16 caches and this many bytes, the least recently used dropped first (default
 2 GiB; 0 keeps none). ``/metrics`` and ``mlxctl status`` show its hits and tokens reused
-(``engine/prompt_cache.py``).
+(``engine/prompt_cache.py``). On a pipeline's coordinator it bounds each stage's prompt
+cache instead (``pipeline/kvstore.py``: every stage keeps the KV of its layers, as the
+router decides, ``pipeline/prefixes.py``); unset, each stage takes a quarter of the memory
+its host has available once its weights are loaded; 0: no stage keeps any.
 
 ``stage_silence_s`` (``mlxceld/net/liveness.py``): over a pipeline, every stage link
 has a heartbeat, and a stage that sends nothing for this long (its host sleeps or

@@ -29,8 +29,8 @@ Bounds (every wait has a deadline):
   (links.py), then HTTP 503 naming the stage; in the background, attempts are
   ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` apart (connectivity.py);
 - ``prepared`` from every stage: ``PREPARE_TIMEOUT_S``;
-- each token: ``STEP_TIMEOUT_S`` plus ``PER_TOKEN_S`` for every prompt token in
-  the step; a stage that dies is noticed at once (its connection ends), one that
+- each token: ``STEP_TIMEOUT_S``, the first one plus ``PER_TOKEN_S`` for every prompt
+  token prefilled (all but the prefix the stages keep); a stage that dies is noticed at once (its connection ends), one that
   goes silent within ``silence_s`` (the heartbeat, ``DEFAULT_SILENCE_S``: 3 s),
   one that stalls within this bound. Either way the request fails with
   ``EngineUnavailable`` (503 before the first token, an SSE error event after).
@@ -208,8 +208,8 @@ class PipelineEngine:
         produced: list[int] = []  # the tokens sampled so far
         kept = False  # the stages' caches are whole for prompt + produced[:-1]
         try:
-            start = await self._prepare(seq, request, inbox)
-            step = size = 0
+            start = reused = await self._prepare(seq, request, inbox)
+            step = 0
             for size in chunks(len(prompt) - start, len(self._links)):
                 await self._run(seq, step, prompt[start:start + size],
                                 sample=start + size == len(prompt))
@@ -217,7 +217,8 @@ class PipelineEngine:
                 step += 1
             for link in self._links:  # a handover may move it now (links.py)
                 await link.decoding(seq)
-            pending = size
+            # The first token's bound covers every token prefilled: sent at once, run in turn.
+            pending = len(prompt) - reused
             while True:  # the stages run step, step + 1, ... on their own (see above)
                 out = await self._token(seq, step - 1 + len(produced), inbox, pending,
                                         request.params.logprobs)

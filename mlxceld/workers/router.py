@@ -3,14 +3,15 @@
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
 model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
 model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
-cache), and the port's connection bounds max_connections, header_timeout_s,
+cache, or each pipeline stage's), and the port's connection bounds max_connections, header_timeout_s,
 body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
 (``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With
 ``pipeline`` (``PipelineOptions``, from a cluster config: stages, coordinator,
 model_identity, cluster) the engine drives remote stages and only the tokenizer is
 loaded here; the cluster secret then arrives on the bootstrap pipe too. Its stats carry
-``context_length`` (the context served) and, over a local engine, ``prompt_cache``
-(``types.PromptCacheStats``) for ``mlxctl status``.
+``context_length`` (the context served) and, over a local engine or a pipeline,
+``prompt_cache`` (``types.PromptCacheStats``; a pipeline's: ``PipelineCacheStats``) for
+``mlxctl status``.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready. It
@@ -181,7 +182,7 @@ def stages_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions, cont
         stages, keyring=ctx.keyring, origin=pipe.coordinator,
         model_identity=pipe.model_identity, cluster=pipe.cluster, model_id=o.model_name,
         context_length=context, eos_token_ids=eos, max_batch=o.max_batch,
-        silence_s=o.stage_silence_s)
+        silence_s=o.stage_silence_s, prompt_cache_bytes=o.prompt_cache_bytes)
 
 
 def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
