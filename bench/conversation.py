@@ -42,9 +42,12 @@ template; written once per machine by our generator, as bench/pipeline.py does),
    non-empty text, as the servers do). Printed: 2-stage / mlx-lm TTFT for each (goals
    <= 0.6 both).
 
-Everything started (the daemons and their workers, mlx_lm.server) is ended by pid at the
-end, on an error and on Ctrl-C. On a machine with few CPUs the stages, the routers, the
-client and mlx-lm share them: read the ratios as what this machine gives.
+A turn a server refuses or breaks off (a 503, an error event) is a finding, not the end of
+the run: that target's chat stops there, the table says "failed" and why, the others go on,
+and a goal it leaves unmeasured is not met. Everything started (the daemons and their
+workers, mlx_lm.server) is ended by pid at the end, on an error and on Ctrl-C. On a
+machine with few CPUs the stages, the routers, the client and mlx-lm share them: read the
+ratios as what this machine gives.
 
 ``--quick``: the ``tiny`` qwen2 fixture (2 layers, hidden 64, float32; split [0, 1) +
 [1, 2)), 3 turns of 64 tokens, answers of 8 tokens, a 256-token history: a smoke run of
@@ -82,6 +85,7 @@ WORDS = ("river", "mill", "harbour", "lantern", "orchard", "winter", "market", "
 SECTIONS = ("conversation", "history")
 TARGETS = ("ours 2-stage", "ours single host", "mlx_lm.server")
 GOALS = {"last_turn": 1.0, "history": 0.6}
+HISTORY_ROWS = ("cold", "the turn after it")
 WARMUP_PROMPT = "The quick brown fox"  # raw: no chat template, so no prefix of any chat
 
 
@@ -150,6 +154,10 @@ class Turn:
 Messages = list[dict[str, str]]
 
 
+class TurnFailed(Exception):
+    """A server refused or broke off a turn (its status and message)."""
+
+
 @dataclass
 class Endpoint:
     """An OpenAI-compatible server: its chat turns through the ``openai`` client."""
@@ -171,20 +179,25 @@ class Endpoint:
                                        max_tokens=4, temperature=0)
 
     def turn(self, messages: Messages, max_tokens: int) -> Turn:
+        import openai
+
         start = time.perf_counter()
         first = 0.0
         pieces: list[str] = []
         usage = None
-        stream = self.client.chat.completions.create(
-            model=self.model_id, messages=messages, max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
-        with stream:
-            for chunk in stream:
-                usage = chunk.usage or usage
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        first = first or time.perf_counter()
-                        pieces.append(choice.delta.content)
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.model_id, messages=messages, max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+            with stream:
+                for chunk in stream:
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        if choice.delta.content:
+                            first = first or time.perf_counter()
+                            pieces.append(choice.delta.content)
+        except openai.APIError as exc:  # a status, an error event, a broken connection
+            raise TurnFailed(f"{exc} (after {time.perf_counter() - start:.1f} s)") from exc
         end = time.perf_counter()
         details = getattr(usage, "prompt_tokens_details", None) if usage else None
         return Turn((first or end) - start, "".join(pieces),
@@ -271,40 +284,33 @@ def say(what: str) -> None:
     print(what, flush=True)
 
 
-def conversation(targets: list[Target], texts: list[str], max_tokens: int
-                 ) -> dict[str, list[Turn]]:
-    """Each target's own chat of ``texts``, turn by turn in turn; each answer appended."""
+def converse(targets: list[Target], texts: list[str], max_tokens: int, first: int,
+             labels: list[str]) -> tuple[dict[str, list[Turn]], dict[str, str]]:
+    """Each target's own chat of ``texts``, turn by turn in turn, each answer appended; the
+    first turn opens with ``opening(first + k)`` for the k-th target. A target whose turn
+    fails chats no more: what it did, and why it stopped ("turn N: ...")."""
     chats: dict[str, Messages] = {t.name: [] for t in targets}
     turns: dict[str, list[Turn]] = {t.name: [] for t in targets}
-    for i, text in enumerate(texts):
+    failed: dict[str, str] = {}
+    for i, (text, label) in enumerate(zip(texts, labels, strict=True)):
         for k, target in enumerate(targets):
+            if target.name in failed:
+                continue
             chat = chats[target.name]
-            chat.append({"role": "user", "content": f"{opening(k)}\n{text}" if i == 0 else text})
-            turn = target.turn(chat, max_tokens)
+            chat.append({"role": "user",
+                         "content": f"{opening(first + k)}\n{text}" if i == 0 else text})
+            try:
+                turn = target.turn(chat, max_tokens)
+            except TurnFailed as exc:
+                failed[target.name] = f"{label}: {exc}"
+                say(f"  {target.name} failed at {failed[target.name]}")
+                continue
             chat.append({"role": "assistant", "content": turn.answer})
             turns[target.name].append(turn)
-        say(f"  turn {i + 1}: " + ", ".join(
-            f"{name} {t[-1].ttft:.2f} s ({t[-1].prompt_tokens} tokens)"
-            for name, t in turns.items()))
-    return turns
-
-
-def cached_history(targets: list[Target], history: str, text: str, max_tokens: int
-                   ) -> dict[str, tuple[Turn, Turn]]:
-    """Each target's chat of two turns: ``history`` cold, then the history, its answer and
-    ``text``; the colds first, then the cached turns."""
-    chats = {t.name: [{"role": "user", "content": f"{opening(len(TARGETS) + k)}\n{history}"}]
-             for k, t in enumerate(targets)}
-    cold = {t.name: t.turn(chats[t.name], max_tokens) for t in targets}
-    say("  cold: " + ", ".join(f"{n} {t.ttft:.2f} s ({t.prompt_tokens} tokens)"
-                               for n, t in cold.items()))
-    for t in targets:
-        chats[t.name] += [{"role": "assistant", "content": cold[t.name].answer},
-                          {"role": "user", "content": text}]
-    cached = {t.name: t.turn(chats[t.name], max_tokens) for t in targets}
-    say("  after the history: " + ", ".join(f"{n} {t.ttft:.2f} s ({t.prompt_tokens} tokens)"
-                                            for n, t in cached.items()))
-    return {name: (cold[name], cached[name]) for name in cold}
+        say(f"  {label}: " + ", ".join(
+            f"{name} {t[i].ttft:.2f} s ({t[i].prompt_tokens} tokens)"
+            for name, t in turns.items() if len(t) > i))
+    return turns, failed
 
 
 # -- a run ---------------------------------------------------------------------------------
@@ -315,9 +321,11 @@ class Result:
     fixture: str = ""
     user_tokens: list[int] = field(default_factory=list)  # each chat turn's text alone
     chat: dict[str, list[Turn]] = field(default_factory=dict)  # target -> its turns
+    chat_failed: dict[str, str] = field(default_factory=dict)  # target -> why it stopped
     history_tokens: int = 0  # the history's text alone
     turn_tokens: int = 0  # the turn after it, alone
-    history: dict[str, tuple[Turn, Turn]] = field(default_factory=dict)  # (cold, cached)
+    history: dict[str, list[Turn]] = field(default_factory=dict)  # target -> cold, cached
+    history_failed: dict[str, str] = field(default_factory=dict)
 
 
 def describe(model: Path) -> str:
@@ -366,7 +374,9 @@ def run(settings: Settings, root: Path) -> Result:
                 f"{', '.join(map(str, res.user_tokens))} tokens")
             for e in endpoints:
                 e.warm_up()
-            res.chat = conversation(list(endpoints), texts, settings.max_tokens)
+            res.chat, res.chat_failed = converse(
+                list(endpoints), texts, settings.max_tokens, 0,
+                [f"turn {i + 1}" for i in range(len(texts))])
             for e in endpoints[1:]:
                 e.close()
             del endpoints[1:]
@@ -383,7 +393,9 @@ def run(settings: Settings, root: Path) -> Result:
                 f"{res.turn_tokens}; loading mlx-lm in this process")
             mlx = InProcess(model)
             mlx.warm_up()
-            res.history = cached_history([pipeline, mlx], history, turn, settings.max_tokens)
+            res.history, res.history_failed = converse(
+                [pipeline, mlx], [history, turn], settings.max_tokens, len(TARGETS),
+                list(HISTORY_ROWS))
     finally:
         for e in endpoints:
             e.close()
@@ -415,60 +427,84 @@ def growth(turns: list[Turn]) -> float:
 
 
 def chat_table(res: Result, settings: Settings) -> list[str]:
-    names = list(res.chat)
-    lines = ["", f"conversation: {len(res.user_tokens)} turns, each chat new; user turns of "
+    names, n = list(res.chat), len(res.user_tokens)
+    lines = ["", f"conversation: {n} turns, each chat new; user turns of "
              f"{', '.join(map(str, res.user_tokens))} tokens; answers of at most "
              f"{settings.max_tokens} tokens, temperature 0, appended as streamed",
              "TTFT: seconds from the request to the first chunk with content; prompt and "
              "cached: the server's usage (cached: prompt tokens it reused; -: not reported)",
-             "     " + "".join(f"{n:>26}" for n in names),
+             "     " + "".join(f"{name:>26}" for name in names),
              "turn " + "".join(f"{'prompt':>10}{'cached':>8}{'TTFT s':>8}" for _ in names)]
-    for i in range(len(res.user_tokens)):
-        lines.append(f"{i + 1:>4} " + "".join(
-            f"{cell(res.chat[n][i].prompt_tokens, 10)}{cell(res.chat[n][i].cached_tokens, 8)}"
-            f"{ttft(res.chat[n][i], 7)}" for n in names))
-    lines.append("growth (last turn's TTFT / the first's)"
-                 + "".join(f"  {n} {growth(res.chat[n]):.2f}" for n in names))
+    for i in range(n):
+        row = f"{i + 1:>4} "
+        for name in names:
+            turns = res.chat[name]
+            if i < len(turns):
+                t = turns[i]
+                row += f"{cell(t.prompt_tokens, 10)}{cell(t.cached_tokens, 8)}{ttft(t, 7)}"
+            else:
+                row += f"{'failed' if i == len(turns) else '':>26}"
+        lines.append(row)
+    lines.append("growth (last turn's TTFT / the first's)" + "".join(
+        f"  {name} {growth(t):.2f}" for name, t in res.chat.items() if len(t) == n))
     if any(t.no_content for turns in res.chat.values() for t in turns):
         lines.append("*: no content came (an EOS first): the time to the end of the stream")
+    lines += [f"{name} failed at {why}" for name, why in res.chat_failed.items()]
     return lines
 
 
 def history_table(res: Result) -> list[str]:
-    (ours, base) = res.history.values()
+    ours, base = (res.history[name] for name in res.history)
     lines = ["", f"cached history: a {res.history_tokens}-token user message cold, then it, "
              f"its answer and a {res.turn_tokens}-token turn; TTFT s",
-             f"{'':34}{'prompt':>8}{'cached':>8}{'2-stage':>9}{'mlx-lm':>8}{'ratio':>7}"]
-    for i, label in enumerate(("cold", f"a {res.turn_tokens}-token turn after it")):
-        o, b = ours[i], base[i]
-        lines.append(f"  {label:32}{cell(o.prompt_tokens, 8)}{cell(o.cached_tokens, 8)}"
-                     f"{ttft(o, 8)}{ttft(b, 7)}{o.ttft / b.ttft:7.2f}")
-    lines.append("(prompt, cached: the pipeline's usage; mlx-lm in this process, its prompt "
-                 "cache reused "
-                 f"{base[1].cached_tokens} of {base[1].prompt_tokens} tokens for the turn)")
+             f"{'':26}{'prompt':>8}{'cached':>8}{'2-stage':>9}{'mlx-lm':>8}{'ratio':>7}"]
+    for i, label in enumerate(HISTORY_ROWS):
+        row = f"  {label:24}"
+        if i < len(ours):
+            o = ours[i]
+            row += f"{cell(o.prompt_tokens, 8)}{cell(o.cached_tokens, 8)}{ttft(o, 8)}"
+        else:
+            row += f"{'':16}{'failed' if i == len(ours) else '':>8} "
+        row += ttft(base[i], 7) if i < len(base) else f"{'failed' if i == len(base) else '':>7} "
+        if i < len(ours) and i < len(base):
+            row += f"{ours[i].ttft / base[i].ttft:7.2f}"
+        lines.append(row)
+    if len(base) == len(HISTORY_ROWS):
+        lines.append(f"(prompt, cached: the pipeline's usage; mlx-lm in this process reused "
+                     f"{base[1].cached_tokens} of {base[1].prompt_tokens} tokens for the turn)")
+    lines += [f"{name} failed at {why}" for name, why in res.history_failed.items()]
     return lines
+
+
+def ratio_goal(what: str, ours: list[Turn], base: list[Turn], i: int, goal: float) -> str:
+    """``what``: ours[i] / base[i] against ``goal``, or why it was not measured."""
+    if len(ours) <= i or len(base) <= i:
+        return f"  {what}: not measured (a target failed): NOT met"
+    r = ours[i].ttft / base[i].ttft
+    return f"  {what}: {r:.2f} <= {goal}: {met(r <= goal)}"
 
 
 def goals(res: Result) -> list[str]:
     lines = ["", "goals (issue 28)"]
     if res.chat:
-        ours, base = res.chat[TARGETS[0]], res.chat[TARGETS[2]]
-        n = len(ours)
-        r = ours[-1].ttft / base[-1].ttft
-        lines.append(f"  ours 2-stage / mlx_lm.server TTFT at turn {n}: {r:.2f} <= "
-                     f"{GOALS['last_turn']}: {met(r <= GOALS['last_turn'])}")
-        g, gb = growth(ours), growth(base)
-        lines.append(f"  ours 2-stage growth {g:.2f} <= mlx_lm.server's {gb:.2f}: "
-                     f"{met(g <= gb)}")
-        single = res.chat[TARGETS[1]]
-        lines.append(f"  (ours single host / mlx_lm.server TTFT at turn {n}: "
-                     f"{single[-1].ttft / base[-1].ttft:.2f}; growth {growth(single):.2f})")
+        n = len(res.user_tokens)
+        ours, single, base = (res.chat[name] for name in TARGETS)
+        lines.append(ratio_goal(f"ours 2-stage / mlx_lm.server TTFT at turn {n}", ours, base,
+                                n - 1, GOALS["last_turn"]))
+        if len(ours) == len(base) == n:
+            g, gb = growth(ours), growth(base)
+            lines.append(f"  ours 2-stage growth {g:.2f} <= mlx_lm.server's {gb:.2f}: "
+                         f"{met(g <= gb)}")
+        else:
+            lines.append("  ours 2-stage growth: not measured (a target failed): NOT met")
+        if len(single) == len(base) == n:
+            lines.append(f"  (ours single host / mlx_lm.server TTFT at turn {n}: "
+                         f"{single[-1].ttft / base[-1].ttft:.2f}; growth {growth(single):.2f})")
     if res.history:
-        (ours_h, base_h) = res.history.values()
+        ours_h, base_h = (res.history[name] for name in res.history)
         for i, label in enumerate(("cold", "turn after a cached history")):
-            r = ours_h[i].ttft / base_h[i].ttft
-            lines.append(f"  2-stage / mlx-lm TTFT, {label}: {r:.2f} <= {GOALS['history']}: "
-                         f"{met(r <= GOALS['history'])}")
+            lines.append(ratio_goal(f"2-stage / mlx-lm TTFT, {label}", ours_h, base_h, i,
+                                    GOALS["history"]))
     return lines
 
 
