@@ -43,6 +43,7 @@ def test_the_quick_run_chats_with_all_three_and_prints_the_goals(
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
     assert list(res.chat) == list(conversation.TARGETS)
+    assert res.chat_failed == {} and res.history_failed == {}
     assert len(res.user_tokens) == 3 and all(50 <= n <= 64 for n in res.user_tokens)
     for turns in res.chat.values():
         assert len(turns) == 3 and all(t.ttft > 0 for t in turns)
@@ -64,3 +65,25 @@ def test_the_quick_run_chats_with_all_three_and_prints_the_goals(
     assert "ours 2-stage growth " in text
     assert "2-stage / mlx-lm TTFT, cold: " in text
     assert "2-stage / mlx-lm TTFT, turn after a cached history: " in text
+
+
+def test_a_failed_turn_is_reported_and_its_goals_not_met(conversation: ModuleType) -> None:
+    def turns(*ttfts: float) -> list[object]:
+        return [conversation.Turn(t, "answer", 100 * (i + 1), None, 8)
+                for i, t in enumerate(ttfts)]
+
+    res = conversation.Result(
+        "fixture", [60, 60, 60],
+        {"ours 2-stage": turns(1.0, 2.0), "ours single host": turns(1.0, 1.5, 2.0),
+         "mlx_lm.server": turns(1.0, 1.2, 1.4)},
+        {"ours 2-stage": "turn 3: Error code: 503 - a stage is stalled (after 36.0 s)"},
+        250, 60, {"ours 2-stage": [], "mlx-lm": turns(3.0, 0.5)},
+        {"ours 2-stage": "cold: Error code: 503 - a stage is stalled (after 36.0 s)"})
+    text = conversation.report(res, conversation.Settings.quick_run())
+    assert "ours 2-stage failed at turn 3: Error code: 503" in text
+    assert "ours 2-stage failed at cold: Error code: 503" in text
+    assert "ours 2-stage / mlx_lm.server TTFT at turn 3: not measured (a target failed): " \
+           "NOT met" in text
+    assert "ours 2-stage growth: not measured (a target failed): NOT met" in text
+    assert "(ours single host / mlx_lm.server TTFT at turn 3: 1.43; growth 2.00)" in text
+    assert "2-stage / mlx-lm TTFT, cold: not measured (a target failed): NOT met" in text
