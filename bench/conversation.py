@@ -26,7 +26,8 @@ template; written once per machine by our generator, as bench/pipeline.py does),
    warm-up (one raw /v1/completions request per target before the chat). TTFT is the time
    from sending the request to the first streamed chunk with content: our router opens a
    chat stream with an empty role chunk, mlx_lm.server does not, so the empty chunks are
-   skipped for all; a token that is not yet whole text is held back by both servers alike.
+   skipped for all; a token that is not yet whole text is held back by both servers alike
+   (bench/chats.py times a turn, through a server or in process).
    Prompt tokens and reused ("cached") tokens are the servers' own usage (mlx_lm.server
    reports ``prompt_tokens_details.cached_tokens``; "-" where a server says nothing).
    Printed: TTFT and prompt tokens per turn per target; ours 2-stage / mlx_lm.server TTFT
@@ -71,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chats import Endpoint, InProcess, Messages, Turn, TurnFailed
 from loopback import Cluster, interruptible, start_cluster, start_single, stop_all
 from mlxlm import Server, end_tree, start_server, wait_ready
 
@@ -86,7 +88,6 @@ SECTIONS = ("conversation", "history")
 TARGETS = ("ours 2-stage", "ours single host", "mlx_lm.server")
 GOALS = {"last_turn": 1.0, "history": 0.6}
 HISTORY_ROWS = ("cold", "the turn after it")
-WARMUP_PROMPT = "The quick brown fox"  # raw: no chat template, so no prefix of any chat
 
 
 @dataclass(frozen=True)
@@ -135,153 +136,14 @@ def opening(index: int) -> str:
     return f"Chat {chr(ord('A') + index)}."
 
 
-# -- one turn ------------------------------------------------------------------------------
-
-
-@dataclass
-class Turn:
-    """One request of a chat: seconds to its first content, what it answered, and the
-    prompt tokens (and those reused from a cache) as the target reported them."""
-
-    ttft: float
-    answer: str
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    completion_tokens: int | None
-    no_content: bool = False  # nothing but empty chunks: ttft is the stream's end
-
-
-Messages = list[dict[str, str]]
-
-
-class TurnFailed(Exception):
-    """A server refused or broke off a turn (its status and message)."""
-
-
-@dataclass
-class Endpoint:
-    """An OpenAI-compatible server: its chat turns through the ``openai`` client."""
-
-    name: str
-    url: str
-    model_id: str
-    # openai.OpenAI, made once: a timed request must not pay for building one
-    client: Any = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        import openai
-
-        self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0,
-                                    timeout=600)
-
-    def warm_up(self) -> None:
-        self.client.completions.create(model=self.model_id, prompt=WARMUP_PROMPT,
-                                       max_tokens=4, temperature=0)
-
-    def turn(self, messages: Messages, max_tokens: int) -> Turn:
-        import openai
-
-        start = time.perf_counter()
-        first = 0.0
-        pieces: list[str] = []
-        usage = None
-        try:
-            stream = self.client.chat.completions.create(
-                model=self.model_id, messages=messages, max_tokens=max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True})
-            with stream:
-                for chunk in stream:
-                    usage = chunk.usage or usage
-                    for choice in chunk.choices:
-                        if choice.delta.content:
-                            first = first or time.perf_counter()
-                            pieces.append(choice.delta.content)
-        except openai.APIError as exc:  # a status, an error event, a broken connection
-            raise TurnFailed(f"{exc} (after {time.perf_counter() - start:.1f} s)") from exc
-        end = time.perf_counter()
-        details = getattr(usage, "prompt_tokens_details", None) if usage else None
-        return Turn((first or end) - start, "".join(pieces),
-                    usage.prompt_tokens if usage else None,
-                    getattr(details, "cached_tokens", None) if details else None,
-                    usage.completion_tokens if usage else None, no_content=not first)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class InProcess:
-    """mlx-lm in this process, greedy, one prompt cache kept from a turn to the next and
-    trimmed to the prefix the next shares with what it holds (a one-entry version of
-    mlx_lm.server's prompt cache)."""
-
-    name = "mlx-lm"
-
-    def __init__(self, model: Path) -> None:
-        import mlx_lm
-
-        loaded: tuple[Any, ...] = mlx_lm.load(str(model))
-        self.model, self.tokenizer = loaded[0], loaded[1]
-        self.cache: list[Any] = []
-        self.held: list[int] = []  # the tokens whose KV the cache holds
-        self.forget()
-
-    def forget(self) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.cache, self.held = make_prompt_cache(self.model), []
-
-    def warm_up(self) -> None:
-        self.turn([{"role": "user", "content": WARMUP_PROMPT}], 4)
-        self.forget()
-
-    def turn(self, messages: Messages, max_tokens: int) -> Turn:
-        from mlx_lm.generate import stream_generate
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        start = time.perf_counter()
-        ids: list[int] = self.tokenizer.apply_chat_template(messages,
-                                                            add_generation_prompt=True)
-        reused = 0
-        for a, b in zip(self.held, ids[:-1], strict=False):  # at least one token to feed
-            if a != b:
-                break
-            reused += 1
-        trim_prompt_cache(self.cache, len(self.held) - reused)
-        first = 0.0
-        pieces: list[str] = []
-        generated: list[int] = []
-        for r in stream_generate(self.model, self.tokenizer, ids[reused:],
-                                 max_tokens=max_tokens, prompt_cache=self.cache):
-            if r.text:
-                first = first or time.perf_counter()
-                pieces.append(r.text)
-            if r.finish_reason == "stop":  # the EOS: not a generated token
-                break
-            generated.append(int(r.token))
-        end = time.perf_counter()
-        known = ids + generated
-        offset = int(self.cache[0].offset)
-        if offset > len(known):  # fed a token we did not keep (the EOS): not ours to reuse
-            trim_prompt_cache(self.cache, offset - len(known))
-        self.held = known[:offset]
-        return Turn((first or end) - start, "".join(pieces), len(ids), reused, len(generated),
-                    no_content=not first)
-
-    def close(self) -> None:
-        import mlx.core as mx
-
-        del self.model, self.cache
-        mx.clear_cache()
-
-
-Target = Endpoint | InProcess
-
-
 # -- the two sections ----------------------------------------------------------------------
 
 
 def say(what: str) -> None:
     print(what, flush=True)
+
+
+Target = Endpoint | InProcess
 
 
 def converse(targets: list[Target], texts: list[str], max_tokens: int, first: int,
@@ -336,6 +198,35 @@ def describe(model: Path) -> str:
             f"{c['hidden_size']}, {c['torch_dtype']}, vocab {c['vocab_size']}")
 
 
+@dataclass
+class Started:
+    """What a run started: ``stop`` closes the clients and ends every process by pid."""
+
+    clusters: list[Cluster] = field(default_factory=list)  # ours, daemons and workers
+    servers: list[Server] = field(default_factory=list)
+    endpoints: list[Endpoint] = field(default_factory=list)
+    mlx: InProcess | None = None
+
+    def stop_target(self, endpoint: Endpoint, process: Cluster | Server) -> None:
+        endpoint.close()
+        self.endpoints.remove(endpoint)
+        if isinstance(process, Cluster):
+            process.stop()
+            self.clusters.remove(process)
+        else:
+            end_tree(process.proc)
+            self.servers.remove(process)
+
+    def stop(self) -> None:
+        for e in self.endpoints:
+            e.close()
+        if self.mlx is not None:
+            self.mlx.close()
+        stop_all(self.clusters)
+        for s in self.servers:
+            end_tree(s.proc)
+
+
 def run(settings: Settings, root: Path) -> Result:
     """Both sections (those of ``settings.sections``); every process started is ended by
     pid before this returns or raises (an interrupt too)."""
@@ -349,62 +240,58 @@ def run(settings: Settings, root: Path) -> Result:
     tokenizer = load_tokenizer(model)
     res = Result(describe(model))
     say(f"fixture {res.fixture}")
-    clusters: list[Cluster] = []
-    servers: list[Server] = []
-    endpoints: list[Endpoint] = []
-    mlx: InProcess | None = None
+    started = Started()
     try:
         server = None
-        if "conversation" in settings.sections:
-            servers.append(server := start_server(model, root / "mlx_lm.server.log"))
+        if "conversation" in settings.sections:  # loads while our daemons start
+            started.servers.append(server := start_server(model, root / "mlx_lm.server.log"))
         say("starting our 2-stage pipeline (3 daemons on 127.0.0.1-3)")
         two = start_cluster(root / "two", model, [(0, layers // 2), (layers // 2, layers)],
-                            ["127.0.0.2", "127.0.0.3"], clusters)
-        endpoints.append(pipeline := Endpoint(TARGETS[0], two.url, two.model_id))
+                            ["127.0.0.2", "127.0.0.3"], started.clusters)
+        started.endpoints.append(pipeline := Endpoint(TARGETS[0], two.url, two.model_id))
         if server is not None:
-            say("starting our single host")
-            single = start_single(root / "single", model, clusters)
-            endpoints.append(Endpoint(TARGETS[1], single.url, single.model_id))
-            wait_ready(server.url, server.proc, "mlx_lm.server")
-            endpoints.append(Endpoint(TARGETS[2], server.url, server.model_id))
-            texts = [user_text(tokenizer, turn, settings.turn_tokens)
-                     for turn in range(settings.turns)]
-            res.user_tokens = [len(tokenizer.encode(t)) for t in texts]
-            say(f"conversation: {settings.turns} turns, user turns of "
-                f"{', '.join(map(str, res.user_tokens))} tokens")
-            for e in endpoints:
-                e.warm_up()
-            res.chat, res.chat_failed = converse(
-                list(endpoints), texts, settings.max_tokens, 0,
-                [f"turn {i + 1}" for i in range(len(texts))])
-            for e in endpoints[1:]:
-                e.close()
-            del endpoints[1:]
-            end_tree(server.proc)
-            servers.remove(server)
-            single.stop()
-            clusters.remove(single)
+            chat_section(res, settings, tokenizer, model, root, started, server)
         if "history" in settings.sections:
-            history = user_text(tokenizer, 1000, settings.history_tokens)
-            turn = user_text(tokenizer, 1001, settings.turn_tokens)
-            res.history_tokens, res.turn_tokens = (len(tokenizer.encode(t))
-                                                   for t in (history, turn))
-            say(f"cached history: {res.history_tokens} tokens, then a turn of "
-                f"{res.turn_tokens}; loading mlx-lm in this process")
-            mlx = InProcess(model)
-            mlx.warm_up()
-            res.history, res.history_failed = converse(
-                [pipeline, mlx], [history, turn], settings.max_tokens, len(TARGETS),
-                list(HISTORY_ROWS))
+            history_section(res, settings, tokenizer, model, started, pipeline)
     finally:
-        for e in endpoints:
-            e.close()
-        if mlx is not None:
-            mlx.close()
-        stop_all(clusters)
-        for s in servers:
-            end_tree(s.proc)
+        started.stop()
     return res
+
+
+def chat_section(res: Result, settings: Settings, tokenizer: Any, model: Path, root: Path,
+                 started: Started, server: Server) -> None:
+    """The conversation through the pipeline (started), our single host (started here) and
+    ``server``; the single host and the server are stopped after it."""
+    say("starting our single host")
+    single = start_single(root / "single", model, started.clusters)
+    started.endpoints.append(ours := Endpoint(TARGETS[1], single.url, single.model_id))
+    wait_ready(server.url, server.proc, "mlx_lm.server")
+    started.endpoints.append(base := Endpoint(TARGETS[2], server.url, server.model_id))
+    texts = [user_text(tokenizer, turn, settings.turn_tokens) for turn in range(settings.turns)]
+    res.user_tokens = [len(tokenizer.encode(t)) for t in texts]
+    say(f"conversation: {settings.turns} turns, user turns of "
+        f"{', '.join(map(str, res.user_tokens))} tokens")
+    for e in started.endpoints:
+        e.warm_up()
+    res.chat, res.chat_failed = converse(list(started.endpoints), texts, settings.max_tokens,
+                                         0, [f"turn {i + 1}" for i in range(len(texts))])
+    started.stop_target(ours, single)  # the CPUs to the next section's two
+    started.stop_target(base, server)
+
+
+def history_section(res: Result, settings: Settings, tokenizer: Any, model: Path,
+                    started: Started, pipeline: Endpoint) -> None:
+    """The cached history through ``pipeline`` and mlx-lm in this process."""
+    history = user_text(tokenizer, 1000, settings.history_tokens)
+    turn = user_text(tokenizer, 1001, settings.turn_tokens)
+    res.history_tokens, res.turn_tokens = (len(tokenizer.encode(t)) for t in (history, turn))
+    say(f"cached history: {res.history_tokens} tokens, then a turn of {res.turn_tokens}; "
+        "loading mlx-lm in this process")
+    started.mlx = InProcess(model)
+    started.mlx.warm_up()
+    res.history, res.history_failed = converse(
+        [pipeline, started.mlx], [history, turn], settings.max_tokens, len(TARGETS),
+        list(HISTORY_ROWS))
 
 
 # -- the report ----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ BENCH = Path(__file__).parents[2] / "bench"
 
 @pytest.fixture(scope="module")
 def conversation() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # its own imports: loopback, mlxlm, streams
+    sys.path.insert(0, str(BENCH))  # its own imports: chats, loopback, mlxlm, streams
     try:
         spec = importlib.util.spec_from_file_location("bench_conversation",
                                                       BENCH / "conversation.py")
