@@ -1,13 +1,17 @@
-"""Our daemons on loopback, as a benchmark starts them (bench/pipeline.py, bench/families.py).
+"""Our daemons on loopback, as a benchmark starts them (bench/pipeline.py, bench/families.py,
+bench/conversation.py).
 
 ``start_cluster`` writes a cluster TOML (a coordinator on 127.0.0.1, one stage
 per given 127.0.0.x, free ports, a fresh cluster secret), starts one daemon per
 node with ``--distributed-config`` (each its own state dir, socket and log under
 ``root``), and waits, ``READY_S`` at most, for the stage workers and the router
 to run and for one streamed completion to come back (``wait_answering``: 60 s of
-503s at most). ``Cluster.stop`` ends every daemon, then whatever worker is left,
-by pid. ``interruptible`` turns the first SIGINT or SIGTERM into a
-``KeyboardInterrupt`` so that the callers' ``finally`` clauses run.
+503s at most). ``start_single`` starts one daemon that serves the whole model
+itself (``mlxceld --model DIR``: its router worker holds the model) and waits
+the same way; it is a ``Cluster`` without stages. ``Cluster.stop`` ends every
+daemon, then whatever worker is left, by pid. ``interruptible`` turns the first
+SIGINT or SIGTERM into a ``KeyboardInterrupt`` so that the callers' ``finally``
+clauses run.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def free_port(host: str) -> int:
 
 @dataclass
 class Cluster:
-    """One coordinator and its stages, each a daemon with its own state dir and socket."""
+    """One coordinator and its stages, each a daemon with its own state dir and socket (or
+    one daemon serving the model itself, without stages: ``start_single``)."""
 
     root: Path
     stages: list[tuple[str, int]]  # the stages' listeners, in rank order
@@ -97,7 +102,6 @@ def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
     """Start the daemons (registered in ``clusters`` at once, for cleanup) and wait for
     the stage workers and the router to run and answer one completion."""
     root.mkdir(mode=0o700)
-    (root / "empty.toml").write_text("")
     toml, stages = write_cluster(root, model, splits, stage_hosts)
     cluster = Cluster(root, stages)
     clusters.append(cluster)
@@ -106,21 +110,53 @@ def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
         (f"stage-{r}", h, ()) for r, h in enumerate(stage_hosts)]
     nodes.append(("coordinator", "127.0.0.1", ("--port", str(router_port))))
     for node, host, extra in nodes:
-        with (root / f"{node}.log").open("ab") as log:
-            cluster.daemons.append(subprocess.Popen(
-                [sys.executable, "-m", "mlxceld", "--config", str(root / "empty.toml"),
-                 "--state-dir", str(root / node), "--socket", str(root / f"{node}.sock"),
-                 "--agent-addr", f"{host}:0", "--log-level", "warning",
-                 "--distributed-config", str(toml), "--node-id", node, *extra],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+        launch(cluster, node, "--agent-addr", f"{host}:0", "--distributed-config", str(toml),
+               "--node-id", node, *extra)
     for (node, _, _), proc in zip(nodes, cluster.daemons, strict=True):
         role = "router" if node == "coordinator" else "stage"
         cluster.workers.append(worker := wait_worker(root, node, role, proc))
         cluster.ready_rss.append(worker.memory_info().rss)  # a stage: its model loaded
-    cluster.url = f"http://127.0.0.1:{router_port}/v1"
+    serving(cluster, router_port)
+    return cluster
+
+
+def start_single(root: Path, model: Path, clusters: list[Cluster]) -> Cluster:
+    """One daemon on 127.0.0.1 serving ``model`` in its own router worker (``mlxceld
+    --model DIR``, no cluster), registered in ``clusters`` at once, for cleanup; waits as
+    ``start_cluster`` does."""
+    root.mkdir(mode=0o700)
+    cluster = Cluster(root, [])
+    clusters.append(cluster)
+    port = free_port("127.0.0.1")
+    proc = launch(cluster, "single", "--agent-addr", "127.0.0.1:0", "--model", str(model),
+                  "--port", str(port))
+    cluster.workers.append(worker := wait_worker(root, "single", "router", proc))
+    cluster.ready_rss.append(worker.memory_info().rss)
+    serving(cluster, port)
+    return cluster
+
+
+def launch(cluster: Cluster, node: str, *args: str) -> subprocess.Popen[bytes]:
+    """Start ``node``'s daemon (no config file of the machine's; its state dir, socket and
+    log under the cluster's root) and register it in ``cluster`` for cleanup."""
+    root = cluster.root
+    empty = root / "empty.toml"
+    if not empty.exists():
+        empty.write_text("")
+    with (root / f"{node}.log").open("ab") as log:
+        cluster.daemons.append(proc := subprocess.Popen(
+            [sys.executable, "-m", "mlxceld", "--config", str(empty),
+             "--state-dir", str(root / node), "--socket", str(root / f"{node}.sock"),
+             "--log-level", "warning", *args],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+    return proc
+
+
+def serving(cluster: Cluster, port: int) -> None:
+    """The router at ``port`` of 127.0.0.1: its model id, and one completion answered."""
+    cluster.url = f"http://127.0.0.1:{port}/v1"
     cluster.model_id = cluster.http.get(f"{cluster.url}/models").json()["data"][0]["id"]
     wait_answering(cluster)
-    return cluster
 
 
 def listening(path: Path) -> bool:

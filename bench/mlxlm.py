@@ -13,6 +13,10 @@ evenly, rank 1 the first layers, rank 0 the last; both keep the embeddings, the
 final norm and the head), a warm-up, then the timed runs; each rank writes what it
 measured to ``rank{N}.json``. The launcher and both ranks are ended by pid when it
 returns, times out (``timeout_s``) or is interrupted.
+
+``start_server`` starts ``mlx_lm.server`` on a free port of 127.0.0.1 (what bench/serve.py
+and bench/conversation.py measure our router against), ``wait_ready`` waits for a server's
+``/health`` (mlx_lm.server's and our router's answer 200 once the model is loaded).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+from loopback import free_port
 from streams import Stream
 
 INDEX = "model.safetensors.index.json"
@@ -89,6 +95,49 @@ def pipeline_problem(path: Path) -> str | None:
     if not (path / INDEX).exists():
         return f"the checkpoint has no {INDEX} for sharded_load to pick shards from"
     return None
+
+
+# -- mlx_lm.server --------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """An ``mlx_lm.server`` process and its OpenAI base URL (it serves its ``--model`` as
+    ``default_model``)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    model_id: str = "default_model"
+
+
+def start_server(model: Path, log: Path | None, *flags: str) -> Server:
+    """``mlx_lm.server --model MODEL`` on a free port of 127.0.0.1 with ``flags``, its output
+    to ``log`` (None: discarded). It is not ready yet: ``wait_ready``."""
+    port = free_port("127.0.0.1")
+    with contextlib.ExitStack() as files:
+        out = (files.enter_context(log.open("ab")) if log is not None
+               else subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model),
+                                 "--port", str(port), "--log-level", "WARNING", *flags],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    return Server(proc, f"http://127.0.0.1:{port}/v1")
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> None:
+    """Wait for ``url``'s server to answer ``/health`` with 200: both mlx_lm.server and our
+    router do only once the model is loaded."""
+    health = url.removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(health, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not up yet
+        time.sleep(0.5)
+    raise SystemExit(f"{what} not ready after {timeout} s")
 
 
 # -- the two ranks --------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from loopback import free_port
+from mlxlm import start_server, wait_ready
 from streams import Stream, timed
 
 PROMPT = "Once upon a time in a small village by the sea, there lived"
@@ -42,31 +43,6 @@ TOOLS = [{"type": "function", "function": {
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string"}},
           "required": ["story"], "additionalProperties": False}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
-
-
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 600) -> None:
-    """Both servers answer /health only once the model is loaded."""
-    health = url.removesuffix("/v1") + "/health"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            if httpx.get(health, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass  # not up yet
-        time.sleep(0.5)
-    raise SystemExit(f"{what} not ready after {timeout} s")
 
 
 def stream_once(url: str, model: str, max_tokens: int, prompt: str = PROMPT,
@@ -162,24 +138,22 @@ def main() -> None:
 
         model = fixture_cache(preset("small", chat_template="tools"))
     root = Path(tempfile.mkdtemp(prefix="mxbench", dir="/tmp"))
-    base_port, our_port = free_port(), free_port()
+    our_port = free_port("127.0.0.1")
+    base = start_server(model, None, "--decode-concurrency", str(args.streams))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model),
-                          "--port", str(base_port), "--log-level", "WARNING",
-                          "--decode-concurrency", str(args.streams)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        base.proc,
         subprocess.Popen([sys.executable, "-m", "mlxceld", "--state-dir", str(root / "state"),
                           "--socket", str(root / "ctl.sock"), "--model", str(model),
                           "--port", str(our_port), "--log-level", "warning"],
                          stdout=subprocess.DEVNULL),
     ]
     try:
-        urls = {"mlx_lm.server": f"http://127.0.0.1:{base_port}/v1",
+        urls = {"mlx_lm.server": base.url,
                 "mlxceld": f"http://127.0.0.1:{our_port}/v1"}
         for (name, url), p in zip(urls.items(), procs, strict=True):
             wait_ready(url, p, name)
         # mlx_lm.server calls its --model "default_model"; ours serves the directory's name.
-        ids = {"mlx_lm.server": "default_model", "mlxceld": Path(model).name}
+        ids = {"mlx_lm.server": base.model_id, "mlxceld": Path(model).name}
         print(f"model: {model}  max_tokens: {args.max_tokens}  streams: {args.streams}")
         res = {name: measure(urls[name], ids[name], args.max_tokens, args.runs, args.streams)
                for name in urls}
