@@ -7,6 +7,7 @@ this package does not import mlx.
 
 from mlxceld.pipeline.engine import PipelineEngine
 from mlxceld.pipeline.links import StageAddress
-from mlxceld.pipeline.stage import StagePlace, StageService
+from mlxceld.pipeline.sequences import StagePlace
+from mlxceld.pipeline.stage import StageService
 
 __all__ = ["PipelineEngine", "StageAddress", "StagePlace", "StageService"]

@@ -30,10 +30,11 @@ Bounds (every wait has a deadline):
   ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` apart (connectivity.py);
 - ``prepared`` from every stage: ``PREPARE_TIMEOUT_S``;
 - each token: ``STEP_TIMEOUT_S``, the first one plus ``PER_TOKEN_S`` for every prompt
-  token prefilled (all but the prefix the stages keep); a stage that dies is noticed at once (its connection ends), one that
-  goes silent within ``silence_s`` (the heartbeat, ``DEFAULT_SILENCE_S``: 3 s),
-  one that stalls within this bound. Either way the request fails with
-  ``EngineUnavailable`` (503 before the first token, an SSE error event after).
+  token prefilled (all but the prefix the stages keep); a stage that dies is noticed
+  at once (its connection ends), one that goes silent within ``silence_s`` (the
+  heartbeat, ``DEFAULT_SILENCE_S``: 3 s), one that stalls within this bound. Either
+  way the request fails with ``EngineUnavailable`` (503 before the first token, an SSE
+  error event after).
 
 A stage that is stopping refuses new sequences (``draining``, stage.py): the
 request is refused with ``EngineUnavailable`` (503, ``Retry-After:

@@ -19,6 +19,10 @@ window's layers, a quantized one with ``kv_bits``) and how many tokens they hold
 - ``attach`` with another engine's epoch clears it: a new plan, a live switch, a
   restarted router name other entries.
 
+``StageCache`` is the store as the stage protocol speaks of it (``protocol.py``):
+``attach``'s epoch and bound, ``prepare``'s ``reuse``, ``forget``, and the ``cache``
+answers that tell the router what was kept, evicted and is held.
+
 Runs on the stage's event loop, between compute steps (``put`` of a released sequence)
 or with what a step returned (``cloned`` runs on the compute side): nothing here computes.
 """
@@ -31,6 +35,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from mlxceld.pipeline import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +140,54 @@ class KvStore:
             entry = self._entries.pop(entry_id, None)
             if entry is not None:
                 self._nbytes -= entry.nbytes
+
+
+class StageCache:
+    """A stage's ``KvStore`` and what the stage protocol says of it."""
+
+    def __init__(self, node_id: str, default_bytes: int) -> None:
+        """``default_bytes``: the bound unless the router names one in ``attach``."""
+        self.store = KvStore(default_bytes)
+        self._node_id = node_id
+        self._default = default_bytes
+
+    def attached(self, header: dict[str, Any]) -> int:
+        """An ``attach``: its router's epoch and bound (``ProtocolViolation`` if malformed);
+        the bound in force, for ``attached``."""
+        epoch, budget = p.entry_of(header, "cache"), p.bytes_of(header, "cache_bytes")
+        self.store.attach(epoch)
+        self.store.budget = self._default if budget is None else budget
+        return self.store.budget
+
+    def reuse(self, header: dict[str, Any]) -> tuple[list[Any], int] | None:
+        """A ``prepare``'s ``reuse``: the entry's caches and how many tokens to start from,
+        or None when it names none, or one this stage cannot give."""
+        reuse = p.span_of(header, "reuse")
+        source = None if reuse is None else self.store.reuse(*reuse)
+        return None if source is None or reuse is None else (source, reuse[1])
+
+    def forget(self, header: dict[str, Any]) -> dict[str, Any]:
+        """A ``forget``: drop its entries; the ``cache`` answer."""
+        self.store.forget(p.entries_of(header))
+        return self.said()
+
+    def put(self, entry: str, caches: list[Any], n: int) -> dict[str, Any]:
+        """Keep ``caches`` as ``entry`` (``KvStore.put``); the ``cache`` answer."""
+        stored = self.store.put(entry, caches, n)
+        if stored.why is not None:
+            log.info("stage %s did not keep prompt-cache entry %s: %s", self._node_id, entry,
+                     stored.why)
+        header = self.said()
+        header.update(entry=entry, kept=stored.kept, evicted=list(stored.evicted),
+                      trimmable=stored.trimmable)
+        if stored.why is not None:
+            header["why"] = stored.why
+        return header
+
+    def said(self) -> dict[str, Any]:
+        """A ``cache`` message: what the store holds now."""
+        return {"t": "cache", "bytes": self.store.nbytes, "entries": self.store.entries,
+                "evicted": []}
 
 
 def held_tokens(caches: list[Any]) -> int:

@@ -28,6 +28,9 @@ sequence (``params.constraint``) gets a matcher on the last stage (``matching.py
 whose tokenizer it reads from the model's directory at its first such ``prepare``; a
 constraint it cannot use is refused (``bad_constraint``).
 
+The prompt cache (``kvstore.py``; the router decides, ``prefixes.py``): ``release`` with
+``keep`` and ``prepare`` with ``keep_prompt`` or ``reuse``, kept between steps.
+
 Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
 and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
 stage whose compute hangs, or whose forwarding waits on a stalled next stage,
@@ -60,11 +63,9 @@ import contextlib
 import logging
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.engine.base import SamplingParams
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
@@ -73,13 +74,13 @@ from mlxceld.pipeline.compute import (
     Sampled,
     SeqState,
     StageModelLike,
-    Step,
     next_groups,
     run_group,
 )
-from mlxceld.pipeline.kvstore import KvStore, Stored, cloned, held_tokens
+from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.onward import Onward
+from mlxceld.pipeline.sequences import Keep, StagePlace, StageSequence, StageStats, Work
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
@@ -104,60 +105,6 @@ INLINE_STEP_S: Final = 0.02  # a decode step shorter than this runs the next one
 DRAIN_S: Final = 15.0  # how long a stopping stage serves the sequences it holds (see above)
 
 
-@dataclass(frozen=True)
-class StagePlace:
-    """Where this stage sits in its cluster (from the cluster config)."""
-
-    node_id: str
-    rank: int
-    layers: tuple[int, int]
-    address: str  # our own listener address: the identity we dial downstream with
-    coordinator: str  # the coordinator's address: commands come only from it
-    upstream: str | None  # the previous stage's address (None on the first stage)
-    downstream: tuple[str, int] | None  # the next stage's listener (None on the last)
-    model_identity: str
-    cluster: str
-    first: tuple[str, int] | None  # on the last of 2+ stages: the first stage's listener
-    last: str | None  # on the first of 2+ stages: the last stage's address (sends ``next``)
-
-
-@dataclass
-class _Sequence:
-    owner: str  # the bound identity that prepared it
-    stream: MxclStream  # the owner's connection: replies go there
-    state: SeqState  # its caches and sampler, used on the compute thread
-    params: SamplingParams
-    eos: frozenset[int] = frozenset()  # the last stage stops the sequence at one of these
-    next_step: int = 0
-    produced: int = 0  # tokens sampled (on the last stage)
-    snapshot: str | None = None  # keep_prompt: the entry its prefilled prompt is kept as
-
-
-@dataclass(frozen=True)
-class _Keep:
-    """A released sequence's caches to keep as a prompt-cache entry (``release`` with
-    ``keep``): done between steps, after any step of it still running."""
-
-    seq: _Sequence
-    entry: str
-    tokens: int
-
-
-@dataclass
-class _Work(Step):
-    seq: _Sequence
-
-
-@dataclass
-class StageStats:
-    steps: int = 0  # forward passes (a batch is one)
-    tokens: int = 0
-    refused: int = 0
-    compute_s: float = 0.0  # time in the stage's layers
-    inline: int = 0  # steps run on the event loop's thread (short decode steps)
-    last_step_at: float | None = None  # time.monotonic() when the last step ended
-
-
 class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
                  wire_dtype: str, *, standby: bool = False,
@@ -170,10 +117,9 @@ class StageService:
         self._matching = StageMatching(place.node_id, tokenizer_path, model.vocab_size)
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
-        self._seqs: dict[str, _Sequence] = {}
-        self._queue: asyncio.Queue[_Work | _Keep] = asyncio.Queue()
-        self.store = KvStore(cache_bytes)  # the prompt cache (kvstore.py)
-        self._default_cache_bytes = cache_bytes
+        self._seqs: dict[str, StageSequence] = {}
+        self._queue: asyncio.Queue[Work | Keep] = asyncio.Queue()
+        self.cache = StageCache(place.node_id, cache_bytes)  # the prompt cache (kvstore.py)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._onward = Onward(place.node_id, keyring, parse_address(place.address),
                               place.downstream, place.first, silence_s)
@@ -320,19 +266,16 @@ class StageService:
                 p.ERR_MODEL_MISMATCH, message)))
             await stream.close("model mismatch")
             return False
-        epoch, budget = p.entry_of(env.header, "cache"), p.bytes_of(env.header, "cache_bytes")
-        self.store.attach(epoch)
-        self.store.budget = self._default_cache_bytes if budget is None else budget
+        budget = self.cache.attached(env.header)
         await stream.send(encode_envelope({
             "t": "attached", "stage": place.node_id, "rank": place.rank,
             "layers": list(place.layers), "model": place.model_identity,
-            "cluster": place.cluster, "cache_bytes": self.store.budget}))
+            "cluster": place.cluster, "cache_bytes": budget}))
         return True
 
     async def _command(self, stream: MxclStream, who: str, env: Envelope) -> None:
         if env.type == "forget":
-            self.store.forget(p.entries_of(env.header))
-            await stream.send(encode_envelope(self._cache_header()))
+            await stream.send(encode_envelope(self.cache.forget(env.header)))
             return
         seq_id = p.seq_of(env.header)
         current = self._seqs.get(seq_id)
@@ -348,8 +291,7 @@ class StageService:
             params = p.params_from_wire(env.header.get("params"),
                                         self._model.vocab_size if last else None)
             history = p.history_of(env.header)
-            reuse, snapshot = p.span_of(env.header, "reuse"), p.entry_of(env.header,
-                                                                         "keep_prompt")
+            snapshot = p.entry_of(env.header, "keep_prompt")
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
@@ -365,17 +307,15 @@ class StageService:
             eos = p.eos_of(env.header)
             if last:
                 state.matching = await self._matching.matcher(params, eos)
-            source = None if reuse is None else self.store.reuse(*reuse)
-            if source is not None and reuse is not None:
-                state.reuse = (source, reuse[1])  # its copy is made on the compute side
-            self._seqs[seq_id] = _Sequence(who, stream, state, params, eos,
+            state.reuse = self.cache.reuse(env.header)  # copied on the compute side
+            self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
                                            snapshot=snapshot)
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id, "reused":
                                                0 if state.reuse is None else state.reuse[1]}))
         elif env.type == "release":
             keep = p.span_of(env.header, "keep")
             if keep is not None and current is not None:
-                self._queue.put_nowait(_Keep(current, *keep))
+                self._queue.put_nowait(Keep(current, *keep))
             self._forget(seq_id)
         elif env.type == "adopt":
             if current is not None and current.stream is not stream:
@@ -399,7 +339,7 @@ class StageService:
         self._enqueue(seq_id, seq, p.step_of(env.header), p.sample_of(env.header),
                       env.tensors[tensor])
 
-    def _enqueue(self, seq_id: str, seq: _Sequence, step: int, sample: bool,
+    def _enqueue(self, seq_id: str, seq: StageSequence, step: int, sample: bool,
                  tensor: Tensor) -> None:
         if step != seq.next_step:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
@@ -408,7 +348,7 @@ class StageService:
         if self._pending == 0:
             self.busy_since = time.monotonic()
         self._pending += 1
-        self._queue.put_nowait(_Work(seq_id, seq.state, step, sample, tensor, seq))
+        self._queue.put_nowait(Work(seq_id, seq.state, step, sample, tensor, seq))
 
     # -- compute ------------------------------------------------------------------------
 
@@ -429,42 +369,28 @@ class StageService:
         sequences wait at most one prefill chunk for their next step, however long the
         prompt being prefilled, and the prompt's chunks still go one after the other."""
         loop = asyncio.get_running_loop()
-        queued: list[_Work] = []
+        queued: list[Work] = []
         while True:
             taken = [] if queued else [await self._queue.get()]
             while not self._queue.empty():
                 taken.append(self._queue.get_nowait())
             for item in taken:
-                if isinstance(item, _Keep):
+                if isinstance(item, Keep):
                     await self._keep(item)
                 else:
                     queued.append(item)
             groups, queued = next_groups(queued)
             for group in groups:
-                live = [w for w in group if isinstance(w, _Work)
+                live = [w for w in group if isinstance(w, Work)
                         and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
                 if live:
                     await self._run_group(loop, live)
                 self._done(len(group))
 
-    async def _keep(self, keep: _Keep) -> None:
+    async def _keep(self, keep: Keep) -> None:
         """A released sequence's caches into the prompt cache, as the router named them."""
-        stored = self.store.put(keep.entry, keep.seq.state.cache, keep.tokens)
-        await self._tell_cache(keep.seq.stream, keep.entry, stored)
-
-    async def _tell_cache(self, stream: MxclStream, entry: str, stored: Stored) -> None:
-        header = self._cache_header()
-        header.update(entry=entry, kept=stored.kept, evicted=list(stored.evicted),
-                      trimmable=stored.trimmable)
-        if stored.why is not None:
-            header["why"] = stored.why
-            log.info("stage %s did not keep prompt-cache entry %s: %s", self._place.node_id,
-                     entry, stored.why)
-        await _send_quietly(stream, encode_envelope(header))
-
-    def _cache_header(self) -> dict[str, Any]:
-        return {"t": "cache", "bytes": self.store.nbytes, "entries": self.store.entries,
-                "evicted": []}
+        await _send_quietly(keep.seq.stream, encode_envelope(self.cache.put(
+            keep.entry, keep.seq.state.cache, keep.tokens)))
 
     def _done(self, n: int) -> None:
         """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
@@ -472,7 +398,7 @@ class StageService:
         if self._pending == 0:
             self.busy_since = None
 
-    async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[_Work]) -> None:
+    async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[Work]) -> None:
         try:
             decode = all(w.tokens == 1 for w in group)
             if decode and self._inline:
@@ -494,14 +420,14 @@ class StageService:
         for work, caches in kept:  # its prompt is prefilled: kept once, as the router named
             entry, work.seq.snapshot = work.seq.snapshot, None
             assert entry is not None
-            await self._tell_cache(work.seq.stream, entry, self.store.put(
-                entry, caches, held_tokens(caches)))
+            await _send_quietly(work.seq.stream, encode_envelope(self.cache.put(
+                entry, caches, held_tokens(caches))))
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)
 
-    def _compute(self, group: list[_Work], overlap: bool
-                 ) -> tuple[list[Any], list[tuple[_Work, list[Any]]]]:
+    def _compute(self, group: list[Work], overlap: bool
+                 ) -> tuple[list[Any], list[tuple[Work, list[Any]]]]:
         """One group's step, timed (on the compute thread, or inline: see above), and the
         copies of the caches of the sequences whose prompt it finished and whose router
         asked to keep it (``keep_prompt``). Steps long enough for the compute thread
@@ -519,7 +445,7 @@ class StageService:
             if all(w.tokens == 1 for w in group):
                 self._inline = took < INLINE_STEP_S
 
-    async def _forward(self, work: _Work, out: Any) -> None:
+    async def _forward(self, work: Work, out: Any) -> None:
         if not self._model.last:
             await self._send_on(self._onward.down, work, encode_envelope(
                 {"t": "act", "seq": work.seq_id, "step": work.step, "sample": work.sample},
@@ -535,7 +461,7 @@ class StageService:
         await _send_quietly(work.seq.stream, encode_envelope(
             header, [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
 
-    async def _continue(self, work: _Work, token: int) -> None:
+    async def _continue(self, work: Work, token: int) -> None:
         """Run ``token`` as the sequence's next step, unless it ends the sequence: on the
         first stage, by a ``next`` message or (a one-stage pipeline) here."""
         seq = work.seq
@@ -552,21 +478,21 @@ class StageService:
             {"t": "next", "seq": work.seq_id, "step": work.step + 1},
             [("tokens", "i32", (1, 1), blob)]))
 
-    async def _send_on(self, dialer: Redialer, work: _Work, message: bytes) -> None:
+    async def _send_on(self, dialer: Redialer, work: Work, message: bytes) -> None:
         failure = await self._onward.send(dialer, message)
         if failure is not None:
             self._forget(work.seq_id)
             await self._tell_owner(work, p.ERR_DOWNSTREAM,
                                    f"stage {self._place.node_id} {failure}")
 
-    async def _tell_owner(self, work: _Work, code: str, message: str) -> None:
+    async def _tell_owner(self, work: Work, code: str, message: str) -> None:
         await _send_quietly(work.seq.stream, encode_envelope(
             p.error_header(code, message, work.seq_id, work.step)))
 
     async def aclose(self) -> None:
         await self._onward.aclose("stage stopping")
         self._seqs.clear()
-        self.store.clear()
+        self.cache.store.clear()
         self._released.set()
 
 

@@ -3,8 +3,8 @@
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
 model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
 model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
-cache, or each pipeline stage's), and the port's connection bounds max_connections, header_timeout_s,
-body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
+cache, or each pipeline stage's), and the port's connection bounds max_connections,
+header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
 (``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With
 ``pipeline`` (``PipelineOptions``, from a cluster config: stages, coordinator,
 model_identity, cluster) the engine drives remote stages and only the tokenizer is

@@ -54,7 +54,8 @@ from mlxceld import failpoints
 from mlxceld.errors import ConfigError
 from mlxceld.net import Listener
 from mlxceld.pipeline.kvstore import KvStore
-from mlxceld.pipeline.stage import DRAIN_S, StagePlace, StageService
+from mlxceld.pipeline.sequences import StagePlace
+from mlxceld.pipeline.stage import DRAIN_S, StageService
 from mlxceld.roles.options import StageOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
@@ -183,7 +184,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  tokens=service.stats.tokens, refused=service.stats.refused,
                                  compute_s=round(service.stats.compute_s, 6),
                                  inline=service.stats.inline,
-                                 prompt_cache=cache_stats(service.store))
+                                 prompt_cache=cache_stats(service.cache.store))
             ctx.stats.update(draining=True)
             await service.drain(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()

@@ -44,7 +44,7 @@ async def settled(c: Cluster, engine: PipelineEngine) -> None:
     """The stages' last ``cache`` answers are in: every entry the router named is held by
     every stage (or dropped)."""
     await until(lambda: engine.prompt_cache_stats()["pending"] == 0 and engine.prompt_cache_stats()[
-        "entries"] == min(s.store.entries for s in c.services), "the stages' cache answers",
+        "entries"] == min(s.cache.store.entries for s in c.services), "the stages' cache answers",
         timeout=10)
 
 
@@ -56,7 +56,7 @@ async def without_cache(path: Path, work: Any) -> Any:
             assert engine.prompt_cache_stats() == {
                 "hits": 0, "misses": 0, "tokens_reused": 0, "entries": 0, "bytes": 0,
                 "lost": 0, "pending": 0}
-            assert all(s.store.entries == 0 for s in c.services)
+            assert all(s.cache.store.entries == 0 for s in c.services)
             return result
         finally:
             await engine.aclose()
@@ -72,7 +72,7 @@ def test_a_chat_turn_by_turn_reuses_its_history_and_gets_the_same_tokens(
             try:
                 answers = await chat(engine, 1, 5, between=lambda: settled(c, engine))
                 await settled(c, engine)
-                return answers, engine.prompt_cache_stats(), [s.store.stats.hits
+                return answers, engine.prompt_cache_stats(), [s.cache.store.stats.hits
                                                         for s in c.services]
             finally:
                 await engine.aclose()
@@ -120,7 +120,7 @@ def test_a_stage_that_no_longer_holds_an_entry_means_a_full_prefill(
                 prompt = user_turn(5, 0)
                 first = await tokens_of(engine, prompt, 5)
                 await settled(c, engine)
-                c.services[1].store.clear()  # behind the router's back
+                c.services[1].cache.store.clear()  # behind the router's back
                 again = await tokens_of(engine, prompt + first + [9, 9, 9], 5)
                 return first, again, engine.prompt_cache_stats()
             finally:
@@ -152,12 +152,13 @@ def test_a_small_bound_evicts_alike_everywhere_and_changes_no_token(
                 outs = [await tokens_of(engine, prompts[0], 4)]
                 await settled(c, engine)
                 for s in c.services:  # room for two entries like that one, no more
-                    assert s.store.entries == 1
-                    s.store.budget = 2 * s.store.nbytes + 1
+                    assert s.cache.store.entries == 1
+                    s.cache.store.budget = 2 * s.cache.store.nbytes + 1
                 outs += (await work(engine))[1:]
                 await settled(c, engine)
-                return (outs, engine.prompt_cache_stats(), [s.store.entries for s in c.services],
-                        [s.store.stats.evicted for s in c.services])
+                stores = [s.cache.store for s in c.services]
+                return (outs, engine.prompt_cache_stats(), [s.entries for s in stores],
+                        [s.stats.evicted for s in stores])
             finally:
                 await engine.aclose()
 
@@ -179,7 +180,7 @@ def test_a_new_engine_or_a_reattached_stage_starts_from_nothing(
             try:
                 outs.append(await tokens_of(old, prompt, 5))
                 await settled(c, old)
-                held.append(min(s.store.entries for s in c.services))
+                held.append(min(s.cache.store.entries for s in c.services))
             finally:
                 await old.aclose()
             new = c.engine(path)  # a new plan, a live switch, a restarted router
