@@ -16,6 +16,12 @@ cache joins the batch with the first token as its only prompt token.
 With a ``Mirror`` (``engine/tensor.py``) the engine is rank 0 of a tensor-parallel group:
 before each step the step thread shares what changed in the batch with the other ranks
 (``engine/follower.py``'s ``Follower`` on each of them), and its sampled tokens go to them.
+
+With ``kv_quant`` (``[serve] kv_bits``) every sequence's cache is ``engine/kvquant.py``'s
+``QuantizingKVCache`` per layer, batched as any other (a prefix from the prompt cache
+included; a handed-off cache is quantized from its next step): greedy tokens are mlx-lm's
+``generate_step`` with the same ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start``
+(that module says exactly when). ``engine_for`` refuses a model that cannot keep one.
 """
 
 from __future__ import annotations
@@ -50,10 +56,14 @@ from mlxceld.engine.handoff import (
     prefill,
     resume_sampling,
 )
+from mlxceld.engine.kvquant import kv_refusal, quantizing, quantizing_caches
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.sampling import make_sampler, read_logprobs
 from mlxceld.engine.tensor import Mirror, Op
+from mlxceld.errors import ConfigError
+from mlxceld.models.kvquant import KV_HINT, check_kv_quant
 from mlxceld.models.reading import Progress, model_layers, read_weights
+from mlxceld.roles.options import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +92,11 @@ class LocalEngine:
                  prefill_step: int = DEFAULT_PREFILL_STEP,
                  on_failure: Callable[[BaseException], None] | None = None,
                  constraints: ConstraintTokenizer | ConstraintError | None = None,
-                 mirror: Mirror | None = None) -> None:
+                 mirror: Mirror | None = None, kv_quant: KVQuant | None = None) -> None:
         """``constraints``: what builds a constrained request's matcher, or why this model
         has none (such a request is refused with that ``ConstraintError``); ``mirror``:
-        this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``)."""
+        this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``);
+        ``kv_quant``: a quantized KV cache (the model checked for it: ``engine_for``)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -94,13 +105,14 @@ class LocalEngine:
         self._eos_token_ids = eos_token_ids
         self._prefill_step = prefill_step
         self._constraints = constraints
+        self.kv_quant = kv_quant
         self._gen: Any = generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
         if mirror is not None:
             mirror.on_broken = self._group_broke
         # What changed in the batch since the last step, for the other ranks (with a mirror).
         self._ops: list[Op] = [] if mirror is None else [
-            ("setup", sorted(eos_token_ids), max_batch, prefill_step)]
+            ("setup", sorted(eos_token_ids), max_batch, prefill_step, kv_quant)]
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_uid: dict[int, _Sequence] = {}
         # KV caches of finished sequences, by their tokens: a new prompt that shares a
@@ -314,7 +326,9 @@ class LocalEngine:
                 sampler, processors = resume_sampling(req.params, tokens, self._vocab_size,
                                                       seq.matching)
                 [uid] = self._gen.insert(
-                    [[first]], max_tokens=[req.params.max_tokens - 1], caches=[list(cache)],
+                    [[first]], max_tokens=[req.params.max_tokens - 1],
+                    caches=[list(cache) if self.kv_quant is None
+                            else quantizing(cache, self.kv_quant)],
                     all_tokens=[tokens], samplers=[sampler], logits_processors=[processors])
             else:
                 sampler = make_sampler(req.params, self._vocab_size)
@@ -322,9 +336,11 @@ class LocalEngine:
                 if self._mirror is not None:
                     sampler, shared = self._mirror.sampler(sampler)
                 processors = make_logits_processors(req.params)
-                cache, rest = cached_prefix(self._prompt_cache, tokens)
+                prefix, rest = cached_prefix(self._prompt_cache, tokens)
+                if prefix is None:
+                    prefix = fresh_cache(self._gen.model, self.kv_quant)
                 [uid] = self._gen.insert(
-                    [rest], max_tokens=[req.params.max_tokens], caches=[cache],
+                    [rest], max_tokens=[req.params.max_tokens], caches=[prefix],
                     all_tokens=[tokens[: len(tokens) - len(rest)]],
                     samplers=[sampler],
                     logits_processors=[processors + constraint_processors(seq.matching)],
@@ -392,6 +408,27 @@ def generator(model: Any, eos_token_ids: set[int], max_batch: int, prefill_step:
     )
 
 
+def fresh_cache(model: Any, kv_quant: KVQuant | None) -> list[Any] | None:
+    """A new sequence's cache: quantizing with ``kv_quant``, else None (``BatchGenerator``
+    makes mlx-lm's own)."""
+    return None if kv_quant is None else quantizing_caches(model, kv_quant)
+
+
+def check_kv(model: Any, config: dict[str, Any], kv_quant: KVQuant | None,
+             source: str) -> None:
+    """Refuse (``ConfigError`` naming ``serve.kv_bits`` and the family) a quantized KV cache
+    that ``model`` (its config.json: ``config``; ``source`` names it) cannot keep: from
+    config.json (``models/kvquant.py``), then the loaded model itself (``kv_refusal``)."""
+    if kv_quant is None:
+        return
+    check_kv_quant(config, kv_quant, source=source)
+    why = kv_refusal(model, kv_quant)
+    if why is not None:
+        family = config.get("model_type") or getattr(model, "model_type", "?")
+        raise ConfigError(f"serve.kv_bits = {kv_quant.bits}: {source}: model family "
+                          f"{family!r} cannot keep a quantized KV cache: {why}", hint=KV_HINT)
+
+
 def cached_prefix(prompt_cache: Any, tokens: list[int]) -> tuple[Any, list[int]]:
     """The KV cache of the longest prefix of ``tokens`` in ``prompt_cache``, and the tokens
     still to prefill."""
@@ -445,30 +482,33 @@ def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], Token
 
 def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int = 8,
                       on_failure: Callable[[BaseException], None] | None = None,
-                      progress: Progress | None = None) -> tuple[LocalEngine, Any]:
+                      progress: Progress | None = None,
+                      kv_quant: KVQuant | None = None) -> tuple[LocalEngine, Any]:
     """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper.
     mlx-lm builds the model lazily; its weights are then read layer by layer, each step
-    told to ``progress(done, total)`` in parameter bytes (``models/reading.py``)."""
+    told to ``progress(done, total)`` in parameter bytes (``models/reading.py``). A model
+    that cannot keep ``kv_quant``'s cache is refused before its weights are read."""
     from mlx_lm import load
 
     loaded: Any = load(path, lazy=True, return_config=True)
     model, tokenizer, config = loaded
+    check_kv(model, config, kv_quant, str(Path(path) / "config.json"))
     read_weights(model_layers(model), model, progress)
     return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
-                      max_batch=max_batch, on_failure=on_failure), tokenizer
+                      max_batch=max_batch, on_failure=on_failure, kv_quant=kv_quant), tokenizer
 
 
 def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: str,
                max_batch: int, on_failure: Callable[[BaseException], None] | None = None,
-               mirror: Mirror | None = None) -> LocalEngine:
+               mirror: Mirror | None = None, kv_quant: KVQuant | None = None) -> LocalEngine:
     """The engine over a loaded ``model`` (its weights read), with mlx-lm's tokenizer and
-    the model's config."""
+    the model's config; with ``kv_quant``, the model was checked for it (``check_kv``)."""
     context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     vocab = int(config.get("vocab_size") or model.args.vocab_size)
     eos = set(tokenizer.eos_token_ids)
     return LocalEngine(model, model_id=model_id, context_length=context,
                        eos_token_ids=eos, vocab_size=vocab, max_batch=max_batch,
-                       on_failure=on_failure, mirror=mirror,
+                       on_failure=on_failure, mirror=mirror, kv_quant=kv_quant,
                        constraints=constraint_tokenizer(tokenizer, vocab, eos))
 
 
