@@ -69,6 +69,7 @@ from mlxceld.engine.base import (
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
+from mlxceld.roles.options import KVQuant
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
@@ -94,16 +95,20 @@ class PipelineEngine:
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
                  dial_budget_s: float = DIAL_BUDGET_S,
-                 silence_s: float = DEFAULT_SILENCE_S) -> None:
+                 silence_s: float = DEFAULT_SILENCE_S,
+                 kv_quant: KVQuant | None = None) -> None:
         """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
         long one dial may retry a refused connection (smaller in tests); ``origin``: the
         coordinator's address in the cluster TOML, whose identity the links claim;
-        ``silence_s``: how long an attached stage may send nothing before it is silent."""
+        ``silence_s``: how long an attached stage may send nothing before it is silent;
+        ``kv_quant``: every sequence's caches quantized so on every stage (``prepare``'s
+        ``kv``; the router checked the model for it)."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
+        self.kv_quant = kv_quant
         self._eos = frozenset(eos_token_ids)
         self._model_identity = model_identity
         self._cluster = cluster
@@ -181,10 +186,9 @@ class PipelineEngine:
             await self._prepare(seq, request, inbox)
             prompt = list(request.prompt_tokens)
             step = 0
-            for start in range(0, len(prompt), p.PREFILL_CHUNK):
-                chunk = prompt[start:start + p.PREFILL_CHUNK]
-                last_chunk = start + p.PREFILL_CHUNK >= len(prompt)
-                await self._run(seq, step, chunk, sample=last_chunk)
+            chunks = prefill_chunks(prompt, self.kv_quant)
+            for chunk in chunks:
+                await self._run(seq, step, chunk, sample=step == len(chunks) - 1)
                 step += 1
             for link in self._links:  # a handover may move it now (links.py)
                 await link.decoding(seq)
@@ -215,6 +219,8 @@ class PipelineEngine:
                                   "eos": sorted(self._eos)[:p.MAX_EOS]}
         if request.params.repetition_penalty != 1:  # what the last stage's penalty sees
             header["history"] = list(request.prompt_tokens)[-REPETITION_CONTEXT:]
+        if self.kv_quant is not None:
+            header["kv"] = p.kv_to_wire(self.kv_quant)
         await asyncio.gather(*(link.send(header) for link in self._links))
         waiting = {link.stage.rank: link.stage.node_id for link in self._links}
         try:
@@ -322,3 +328,14 @@ class PipelineEngine:
                 await asyncio.wait_for(task, 1.0)
         for link in self._links:
             await link.aclose()
+
+
+def prefill_chunks(prompt: list[int], kv_quant: KVQuant | None) -> list[list[int]]:
+    """The prompt's prefill steps: chunks of ``PREFILL_CHUNK`` tokens; with a quantized KV
+    cache that starts after some tokens (``kv_quant.start`` above 0), the last token as a
+    step of its own, as mlx-lm's ``generate_step`` and ``BatchGenerator`` take it, so that
+    each layer's cache is quantized at the step it would be there (``engine/kvquant.py``)."""
+    split = kv_quant is not None and kv_quant.start > 0 and len(prompt) > 1
+    head = prompt[:-1] if split else prompt
+    chunks = [head[i:i + p.PREFILL_CHUNK] for i in range(0, len(head), p.PREFILL_CHUNK)]
+    return [*chunks, prompt[-1:]] if split else chunks

@@ -79,6 +79,7 @@ from mlxceld.pipeline.compute import (
 )
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.onward import Onward
+from mlxceld.roles.options import KVQuant
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
@@ -329,7 +330,8 @@ class StageService:
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
-            state = SeqState(self._model.make_cache(), None)
+            state = SeqState(stage_cache(self._model, p.kv_of(env.header),
+                                         self._place.node_id), None)
             if last:
                 # mlx: only once serving
                 from mlxceld.engine.processors import make_logits_processors
@@ -493,6 +495,22 @@ class StageService:
         await self._onward.aclose("stage stopping")
         self._seqs.clear()
         self._released.set()
+
+
+def stage_cache(model: StageModelLike, kv: KVQuant | None, node_id: str) -> list[Any]:
+    """A new sequence's cache of the stage's layers: each layer's own kind, or with ``kv``
+    (the ``prepare``'s) quantizing (``engine/kvquant.py``); a layer whose kind cannot be
+    quantized refuses the ``prepare`` (the router refuses such a family at its start)."""
+    caches = model.make_cache()
+    if kv is None:
+        return caches
+    from mlxceld.engine.kvquant import quantizing  # mlx: only once serving
+
+    try:
+        return list(quantizing(caches, kv))
+    except ValueError as exc:
+        raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"'kv': stage {node_id} cannot keep a "
+                                  f"quantized KV cache: its {exc}") from None
 
 
 async def _send_quietly(stream: MxclStream, payload: bytes) -> None:

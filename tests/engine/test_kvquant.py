@@ -19,12 +19,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
     LRUPromptCache,
     QuantizedKVCache,
     can_trim_prompt_cache,
-    make_prompt_cache,
     trim_prompt_cache,
 )
 
@@ -36,6 +34,8 @@ from mlxceld.errors import ConfigError
 from mlxceld.models import preset, write_fixture
 from mlxceld.roles.options import KVQuant
 
+from helpers.models import quantized_greedy
+
 N = 24
 LONG = [3 + (i * 7) % 240 for i in range(600)]  # two prefill chunks (512 + 88)
 PROMPTS = [[5, 6, 7], [(i * 37 + 11) % 500 + 1 for i in range(40)], LONG]
@@ -43,22 +43,7 @@ PROMPTS = [[5, 6, 7], [(i * 37 + 11) % 500 + 1 for i in range(40)], LONG]
 
 def mlx_lm_run(model: Any, prompt: list[int], n: int, kv: KVQuant | None, eos: set[int],
                cache: list[Any] | None = None) -> tuple[list[int], list[float]]:
-    """mlx-lm's greedy tokens with ``kv`` (see the module docstring) and each one's
-    log-probability; ``cache``: its prompt cache, filled in place."""
-    if cache is None:
-        cache = ([QuantizedKVCache(kv.group_size, kv.bits) for _ in model.layers]
-                 if kv is not None and kv.start == 0 else make_prompt_cache(model))
-    knobs: dict[str, Any] = {} if kv is None else {
-        "kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": kv.start}
-    out: list[int] = []
-    logprobs: list[float] = []
-    for token, lp in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache,
-                                   prefill_step_size=DEFAULT_PREFILL_STEP, **knobs):
-        out.append(int(token))
-        logprobs.append(float(lp[int(token)]))
-        if int(token) in eos:
-            break
-    return out, logprobs
+    return quantized_greedy(model, prompt, n, kv, eos, cache, prefill_step=DEFAULT_PREFILL_STEP)
 
 
 def mlx_lm_tokens(model: Any, prompt: list[int], n: int, kv: KVQuant | None,
