@@ -3,9 +3,12 @@
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
 model_name, host, port, max_batch, max_queued, max_tokens, and the port's connection bounds
 max_connections, header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline
-stage's heartbeat bound) (``config/serve.py``). The API key,
-if any, arrives on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a
-cluster config: stages, coordinator, model_identity, cluster) the engine drives remote
+stage's heartbeat bound), and kv_quant (a quantized KV cache: the local engine's, its
+tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
+is refused at start, exit 2, naming ``serve.kv_bits`` and its family)
+(``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With
+``pipeline`` (``PipelineOptions``, from a cluster config: stages, coordinator,
+model_identity, cluster) the engine drives remote
 stages and only the tokenizer is loaded here; the cluster secret then arrives on the
 bootstrap pipe too.
 
@@ -132,11 +135,14 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
     from mlx_lm.utils import load_tokenizer
 
     from mlxceld.models.identity import layer_count, read_model_config
+    from mlxceld.models.kvquant import check_kv_quant
     from mlxceld.pipeline.switch import PipelineSwitch
 
     path = Path(ctx.options.model)
     config = read_model_config(path)
     layer_count(config)
+    # The stages make each sequence's caches as prepare says: refused here, for them all.
+    check_kv_quant(config, ctx.options.kv_quant, source=str(path / "config.json"))
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
     context = int(config.get("max_position_embeddings") or 4096)
@@ -177,7 +183,7 @@ def stages_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions, cont
         stages, keyring=ctx.keyring, origin=pipe.coordinator,
         model_identity=pipe.model_identity, cluster=pipe.cluster, model_id=o.model_name,
         context_length=context, eos_token_ids=eos, max_batch=o.max_batch,
-        silence_s=o.stage_silence_s)
+        silence_s=o.stage_silence_s, kv_quant=o.kv_quant)
 
 
 def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
@@ -273,16 +279,20 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
     this rank's slice loaded while the others load theirs (``load_tensor_engine``: the
     engine drives the group)."""
     from mlxceld.engine.tensor import load_tensor_engine
+    from mlxceld.models.identity import read_model_config
+    from mlxceld.models.kvquant import check_kv_quant
     from mlxceld.workers.tensor_rank import check_split, join_group
 
     o = ctx.options
     check_split(path, o.model, o.tp_size)
+    check_kv_quant(read_model_config(Path(path)), o.kv_quant,  # before the ranks load
+                   source=str(Path(path) / "config.json"))
     ctx.stats["tensor"] = {"rank": 0, "size": o.tp_size}
     group = await join_group(ctx, 0, o.tp_hosts)
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
     loaded_engine: tuple[Any, Any] = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
-        on_failure=engine_broke, progress=loaded))
+        on_failure=engine_broke, progress=loaded, kv_quant=o.kv_quant))
     return loaded_engine
 
 
@@ -318,7 +328,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
             else:
                 engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
                     load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
-                    on_failure=engine_broke, progress=loaded))
+                    on_failure=engine_broke, progress=loaded, kv_quant=o.kv_quant))
             ctx.stats.pop("loading", None)
     except Stopped:  # the worker exits 0 (runtime.run_worker)
         sock.close()
