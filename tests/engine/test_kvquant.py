@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxceld.engine import GenerationRequest, SamplingParams
-from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP
+from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP, prefill
 from mlxceld.engine.kvquant import QuantizingKVCache, quantizing_caches
 from mlxceld.engine.local import LocalEngine, cached_prefix, load_local_engine
 from mlxceld.errors import ConfigError
@@ -179,6 +179,37 @@ def test_a_quantizing_cache_is_what_mlx_lm_prompt_caches_take(kv_fixture_dir: Pa
     a = model(mx.array([[11]]), cache=cache)
     b = model(mx.array([[11]]), cache=twin)
     assert mx.array_equal(a, b)
+
+
+def test_a_decode_node_quantizes_a_handed_off_cache_from_its_next_step(
+        kv_fixture_dir: Path) -> None:
+    """A prompt prefilled at full precision elsewhere (``handoff.prefill``) joins the batch
+    quantized from its first decode step: mlx-lm's run over that cache made a
+    ``QuantizedKVCache`` (``to_quantized``) first."""
+    path = kv_fixture_dir / "llama"
+    kv = KVQuant(4, 64, 0)
+    model, tokenizer = load(str(path))
+    eos = set(tokenizer.eos_token_ids)
+    prompt = PROMPTS[1]
+    req = GenerationRequest("h", prompt, SamplingParams(max_tokens=N, temperature=0))
+
+    def prefilled() -> tuple[Any, list[Any]]:
+        return prefill(model, prompt, req.params, vocab_size=model.args.vocab_size,
+                       eos_token_ids=eos)
+
+    async def run() -> list[int]:
+        engine, _ = load_local_engine(str(path), max_batch=2, kv_quant=kv)
+        try:
+            first, cache = prefilled()
+            return [t.token async for t in engine.generate_from(req, first, cache)]
+        finally:
+            await engine.aclose()
+
+    got = asyncio.run(run())
+    first, cache = prefilled()
+    quantized = [c.to_quantized(group_size=kv.group_size, bits=kv.bits) for c in cache]
+    assert got == [first.token, *mlx_lm_tokens(model, [first.token], N - 1, kv, eos,
+                                               quantized)]
 
 
 def test_a_model_that_cannot_keep_a_quantized_cache_is_refused_by_name(
