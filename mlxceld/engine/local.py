@@ -106,6 +106,8 @@ class LocalEngine:
         self._prefill_step = prefill_step
         self._constraints = constraints
         self.kv_quant = kv_quant
+        if kv_quant is not None:
+            log.info("engine for %s: %s", model_id, kv_quant)
         self._gen: Any = generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
         if mirror is not None:

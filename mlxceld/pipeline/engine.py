@@ -109,6 +109,8 @@ class PipelineEngine:
         self.context_length = context_length
         self.max_batch = max_batch
         self.kv_quant = kv_quant
+        if kv_quant is not None:
+            log.info("pipeline engine for %s: every stage's %s", model_id, kv_quant)
         self._eos = frozenset(eos_token_ids)
         self._model_identity = model_identity
         self._cluster = cluster

@@ -125,7 +125,8 @@ class KVQuant:
         _check(self.start >= 0, "start", "be >= 0", self.start)
 
     def __str__(self) -> str:
-        return f"{self.bits}-bit KV (groups of {self.group_size}, from token {self.start})"
+        return (f"quantized KV cache: {self.bits} bits, groups of {self.group_size}, from "
+                f"token {self.start}")
 
 
 @dataclass(frozen=True)
