@@ -33,8 +33,9 @@ A batch's layer cache is one kind for all its rows: it is quantized as soon as o
 would be (merging or extending quantized rows with full-precision ones quantizes these; a
 step stores quantized once any row holds ``start`` tokens), and it never goes back. So with
 a ``start`` above 0, a sequence batched with a longer one may be quantized before it holds
-``start`` tokens (it then gets other tokens than alone); with ``start`` 0 every row is
-quantized from its first token and batching changes nothing.
+``start`` tokens (its tokens may then differ from its tokens alone); with ``start`` 0 every
+row is quantized from its first token and batching changes nothing (on mlx's CPU backend,
+bit for bit: tests/engine/test_kvquant.py).
 
 A pipeline stage runs one step of a sequence as one or two model calls (the last stage runs
 a prompt chunk's last token apart): ``one_step`` holds every cache of a step to the kind it
