@@ -144,6 +144,17 @@ def run(
         "parallelism, 1-16): the router is rank 0, workers tp-1 .. tp-N-1 the others, "
         "restarted together. The model's family must have mlx-lm shard support and N "
         "must divide its heads and KV heads. Default: 1.")] = None,
+    kv_bits: Annotated[int | None, typer.Option(
+        "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (about 0.28 or 0.53 of a "
+        "16-bit cache's memory), on the local engine, tensor-parallel ranks and pipeline "
+        "stages. Default: none (full precision).")] = None,
+    kv_group_size: Annotated[int | None, typer.Option(
+        "--kv-group-size", help="With --kv-bits: elements per scale and bias, 32, 64 or "
+        "128. Default: 64.")] = None,
+    quantized_kv_start: Annotated[int | None, typer.Option(
+        "--quantized-kv-start", help="With --kv-bits: a layer's cache is quantized once it "
+        "holds this many tokens (mlx-lm's meaning). Default: 0, from the first token.")
+    ] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

@@ -34,6 +34,7 @@ from typing import Final, Protocol
 
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, Overrides
+from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.config.tensor import check_tp_model
 from mlxceld.discovery.inventory import free_ports
@@ -121,6 +122,7 @@ class Serving:
                 local = str(await asyncio.to_thread(local_model, resolved))
             check_tp_model(local, self.serve.tp_size, f"mlxctl serve {model} (with tp_size "
                            f"{self.serve.tp_size})")
+            check_kv_model(local, self.serve.kv_quant, "serve.kv_bits")
         except ConfigError as exc:
             raise ModelRefused(exc.message, hint=exc.hint) from exc
         self.serve = self.serve.with_model(resolved, name)

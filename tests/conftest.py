@@ -65,6 +65,16 @@ def split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def kv_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4-layer tiny checkpoints (``llama/``, ``qwen3/``) whose heads have 64 elements: what a
+    quantized KV cache (``[serve] kv_bits``, groups of 64) needs."""
+    from helpers.models import write_tiny_checkpoints
+
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("kv-fixtures"), layers=4,
+                                  head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def bf16_split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``split_fixture_dir``'s checkpoints in bfloat16: where rounding shows (a token that
     float32 keeps apart from the next best, bfloat16 may tie with it)."""

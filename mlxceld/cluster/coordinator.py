@@ -68,7 +68,9 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model
-from mlxceld.models.identity import model_identity
+from mlxceld.models.identity import model_identity, read_model_config
+from mlxceld.models.kvquant import check_kv_quant
+from mlxceld.roles.options import KVQuant
 from mlxceld.state import EventLog
 from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
 from mlxceld.state.plans import PlanRow, Plans, superseded
@@ -108,7 +110,11 @@ class Coordinator:
     def __init__(self, slot: CoordinatorSlot, tasks: asyncio.TaskGroup, *, cluster: str,
                  state_dir: Path, config_out: Path | None, plans: Plans, keyring: Keyring,
                  discovery: DiscoveryService, identity: str, events: EventLog,
-                 drained: Callable[[], frozenset[str]] = frozenset) -> None:
+                 drained: Callable[[], frozenset[str]] = frozenset,
+                 kv_quant: Callable[[], KVQuant | None] = lambda: None) -> None:
+        """``kv_quant``: the router's ``[serve] kv_bits`` now (a reload may change it):
+        plans price the KV cache at its width, and a family that cannot keep it is
+        refused before any peer is asked."""
         self._slot = slot
         self._tasks = tasks  # the daemon's: a bring-up runs there
         self._cluster = cluster
@@ -120,6 +126,7 @@ class Coordinator:
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
         self._drained = drained  # node ids `mlxctl drain` left out of every plan
+        self.kv_quant = kv_quant
         self._bringup = BringUp(events)  # the last bring-up, for `mlxctl status`
         self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
@@ -151,11 +158,14 @@ class Coordinator:
         drained (the plan's notes say which are)."""
         path = await asyncio.to_thread(model_dir, model, what)  # a repo id: may fetch
         require_splittable(path, what)  # before any peer is asked
+        kv = self.kv_quant()
+        check_kv_quant(read_model_config(path), kv, source=f"{what}: {path / 'config.json'}")
         candidates = await self._discovery.refresh()
         # In a thread: a repo id's shards this host lacks are priced from the Hub's headers.
         return await asyncio.to_thread(
             make_plan, candidates, path, stages, cluster=self._cluster,
-            coordinator=self._identity, drained=self._drained(), replicas=replicas)
+            coordinator=self._identity, drained=self._drained(), replicas=replicas,
+            kv_quant=kv)
 
     def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
         """At the daemon's start, in the background: resume the latest plan if it is

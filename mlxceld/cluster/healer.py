@@ -296,7 +296,8 @@ class Healer:
         stages = max(1, min(len(served.peers), len(candidates)))
         return await asyncio.to_thread(make_plan, candidates, Path(served.model), stages,
                                        cluster=self._cluster, coordinator=self._identity,
-                                       drained=frozenset(self._drained().values()))
+                                       drained=frozenset(self._drained().values()),
+                                       kv_quant=self._coordinator.kv_quant())
 
     # -- one re-plan around a drained host ----------------------------------------------
 

@@ -383,7 +383,7 @@ class ClusterMember:
                 slot, tg, cluster=c.cluster_name, state_dir=c.state_dir,
                 config_out=c.cluster_config_out, plans=self._plans, keyring=self._keyring,
                 discovery=self._discovery, identity=agent.address, events=self._events,
-                drained=slot.drained_nodes)
+                drained=slot.drained_nodes, kv_quant=lambda: slot.config.serve.kv_quant)
             self._assignee = assignee
             tg.create_task(assignee.run())
             self._rotator = Rotator(self._rotations, self._keyring, slot, self._events,

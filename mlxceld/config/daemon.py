@@ -61,6 +61,7 @@ from typing import Any
 from mlxceld.config.cluster import KEYS, cluster_settings
 from mlxceld.config.healing import KEY as HEAL_KEY
 from mlxceld.config.healing import heal_after
+from mlxceld.config.kvquant import check_kv_model, check_kv_setting, kv_origin
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
@@ -100,6 +101,8 @@ FLAG_KEYS: dict[str, str] = {
     "--node-role": "serve.node_role", "--replicas": "serve.replicas",
     "--prefill-peers": "serve.prefill_peers", "--decode-peers": "serve.decode_peers",
     "--kv-compression": "serve.kv_compression", "--tp-size": "serve.tp_size",
+    "--kv-bits": "serve.kv_bits", "--kv-group-size": "serve.kv_group_size",
+    "--quantized-kv-start": "serve.quantized_kv_start",
 }
 # ... and the flags that have none, with the reason.
 FLAG_ONLY: dict[str, str] = {
@@ -182,6 +185,9 @@ class Overrides:
     decode_peers: str | None = None  # ditto
     kv_compression: str | None = None  # as given
     tp_size: int | None = None  # config/tensor.py
+    kv_bits: int | None = None  # config/kvquant.py
+    kv_group_size: int | None = None
+    quantized_kv_start: int | None = None
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -357,6 +363,9 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                      node_role=serve.node_role, pipeline=pipeline)
     check_tp_model(serve.model, serve.tp_size,
                    "--model" if flags.model else f"{where}: 'serve.model'")
+    kv_said = kv_origin(flags.kv_bits, where)
+    check_kv_setting(serve.kv_quant, kv_said, node_role=serve.node_role)
+    check_kv_model(serve.model, serve.kv_quant, kv_said)
     check_discoverable(serve.node_role, "--node-role" if flags.node_role is not None
                        else f"{where}: 'serve.node_role'", serve.replicas,
                        pools=bool(serve.prefill_peers and serve.decode_peers),

@@ -30,6 +30,10 @@
     kv_compression = "none"         # a router's KV handoff: none|int8|int4, +lz4 (disagg.py)
     tp_size = 1                     # ranks splitting each layer on this host, 1-16
                                     # (mlxceld/config/tensor.py)
+    kv_bits = 8                     # a quantized KV cache: 4 or 8 bits (default: none,
+                                    # full precision; mlxceld/config/kvquant.py)
+    kv_group_size = 64              # elements per scale and bias: 32, 64, 128
+    quantized_kv_start = 0          # tokens a layer holds before it is quantized
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -102,6 +106,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
+from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.replicas import (
     HYBRID,
     NodeRole,
@@ -114,6 +119,7 @@ from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import (
     HandoffOptions,
+    KVQuant,
     PipelineOptions,
     ReplicasOptions,
     RouterOptions,
@@ -131,7 +137,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "decode_peers", "kv_compression", "tp_size", "context_length",
-              "prompt_cache_bytes"}
+              "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start"}
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,7 @@ class ServeConfig:
     tp_size: int = 1  # tensor-parallel ranks on this host (models/tensor.py); 1: none
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
+    kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
 
     @property
     def served_name(self) -> str:
@@ -207,6 +214,9 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         prompt_cache_bytes=_prompt_cache_bytes(table, where),
         serving_port=_serving_port(flags.serving_port, table, where),
         tp_size=parse_tp_size(flags.tp_size, table, where),
+        kv_quant=parse_kv_quant({"kv_bits": flags.kv_bits,
+                                 "kv_group_size": flags.kv_group_size,
+                                 "quantized_kv_start": flags.quantized_kv_start}, table, where),
     )
     role, role_from = parse_role(flags.node_role, table, where)
     replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
@@ -352,4 +362,4 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
                          serving=serving, tp_size=cfg.tp_size,
                          context_length=cfg.context_length,
-                         prompt_cache_bytes=cfg.prompt_cache_bytes)
+                         prompt_cache_bytes=cfg.prompt_cache_bytes, kv_quant=cfg.kv_quant)

@@ -10,17 +10,18 @@ from typing import Any
 import mlx.core as mx
 
 from mlxceld.engine.base import EngineError
-from mlxceld.engine.local import generator
+from mlxceld.engine.local import fresh_cache, generator
 from mlxceld.engine.prompt_cache import PromptCache
 from mlxceld.engine.tensor import Mirror, Op
+from mlxceld.roles.options import KVQuant
 
 
 class Follower:
     """Rank 1..N-1 of a tensor-parallel engine: rank 0's steps on this rank's slices of
     the model (``engine/tensor.py``: ``run_tensor_follower``). Its generator is built as
-    rank 0's from rank 0's ``setup`` op, so they batch, chunk, stop and keep prompt caches
-    alike (each rank's caches are its slices': the same bytes as rank 0's, so the same
-    ones are dropped)."""
+    rank 0's from rank 0's ``setup`` op, so they batch, chunk, stop, keep prompt caches
+    (each rank's caches are its slices': the same bytes as rank 0's, so the same ones are
+    dropped) and quantize their KV caches (``kv_quant``) alike."""
 
     def __init__(self, model: Any, mirror: Mirror, *, max_batch: int) -> None:
         self._model = model
@@ -28,6 +29,7 @@ class Follower:
         self._max_batch = max_batch
         self._prompt_cache = PromptCache()  # rank 0's setup sets its bound
         self._live: set[int] = set()
+        self._kv_quant: KVQuant | None = None  # rank 0's, from its setup op
 
     def run(self) -> None:
         """Follow until rank 0 shares ``close``; mlx raises ``RuntimeError`` when the
@@ -52,7 +54,7 @@ class Follower:
 
     def _apply(self, gen: Any, op: Op) -> Any:
         if op[0] == "setup":
-            eos, max_batch, prefill_step, cache_bytes = op[1], op[2], op[3], op[4]
+            eos, max_batch, prefill_step, cache_bytes, self._kv_quant = op[1:6]
             if max_batch != self._max_batch:
                 raise EngineError(f"rank 0 batches {max_batch} sequences and this rank "
                                   f"{self._max_batch}: every rank needs the same max_batch")
@@ -63,6 +65,8 @@ class Follower:
         if op[0] == "insert":
             _, uid, tokens, max_tokens, spared, shared = op
             cache, rest = self._prompt_cache.fetch(tokens)
+            if cache is None:
+                cache = fresh_cache(self._model, self._kv_quant)
             if len(tokens) - len(rest) != spared:
                 raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
                                   f"tokens of sequence {uid}'s prompt, rank 0's {spared}")

@@ -84,6 +84,7 @@ import numpy as np
 from mlxceld.engine.base import EngineError
 from mlxceld.engine.sampling import Sampler, greedy
 from mlxceld.models.reading import Progress, model_layers, read_weights
+from mlxceld.roles.options import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,8 @@ BROKEN_GRACE_S: Final = 1.0  # for rank 0's requests to hear why, before its pro
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
 BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
 
-# An op of the log: ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid),
-# ("close",).
+# An op of the log: ("setup", eos, max_batch, prefill_step, kv_quant) first, then
+# ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid), ("close",).
 Op = tuple[Any, ...]
 
 
@@ -419,19 +420,23 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                        progress: Progress | None = None,
                        share_deadline_s: float = SHARE_DEADLINE_S,
                        context_length: int | None = None,
-                       prompt_cache_bytes: int | None = None) -> tuple[Any, Any]:
+                       prompt_cache_bytes: int | None = None,
+                       kv_quant: KVQuant | None = None) -> tuple[Any, Any]:
     """Rank 0 of a tensor-parallel engine: ``engine.local.load_local_engine``'s engine and
     tokenizer (``context_length`` and ``prompt_cache_bytes`` as there), with the model
-    split over ``group``; the engine drives the followers."""
+    split over ``group``; the engine drives the followers, its ``setup`` op carrying
+    ``kv_quant`` (refused, ``ConfigError``, for a model that cannot keep one:
+    ``engine.local.check_kv``), so every rank quantizes alike."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxceld.engine.local import engine_for
+    from mlxceld.engine.local import check_kv, engine_for
 
     model, config = load_shard(path, group, progress)
+    check_kv(model, config, kv_quant, str(Path(path) / "config.json"))
     tokenizer = load_tokenizer(Path(path),  # type: ignore[no-untyped-call]
                                eos_token_ids=config.get("eos_token_id", None))
     engine = engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
-                        max_batch=max_batch, on_failure=on_failure,
+                        max_batch=max_batch, on_failure=on_failure, kv_quant=kv_quant,
                         mirror=Mirror(group, deadline_s=share_deadline_s),
                         context_length=context_length, prompt_cache_bytes=prompt_cache_bytes)
     return engine, tokenizer

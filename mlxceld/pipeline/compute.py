@@ -1,12 +1,13 @@
 """A stage's compute: which queued steps run together, and running them.
 
 Steps that wait in a stage's queue at the same moment are grouped: the first
-one-token step (a decode step) of each of up to ``MAX_BATCH`` sequences runs as
-one batch through the stage's layers, their KV caches merged for the step
-(mlx-lm's batch caches, left-padded) and split again after it. Everything else
-(prefill chunks, a second step of a sequence already in the batch) runs alone, in
-arrival order, so each sequence's steps keep their order: one of them after each
-batch (``next_groups``), then the queue is read again, so that the sequences
+one-token step (a decode step) of each of up to ``MAX_BATCH`` sequences whose caches
+are of one kind runs as one batch through the stage's layers, their KV caches merged
+for the step (mlx-lm's batch caches, left-padded; quantized ones: ``engine/kvquant.py``,
+whose ``one_step`` keeps each step's caches of one kind) and split again after it.
+Everything else (prefill chunks, a second step of a sequence already in the batch) runs
+alone, in arrival order, so each sequence's steps keep their order: one of them after
+each batch (``next_groups``), then the queue is read again, so that the sequences
 decoding wait for one prefill chunk at a time, not for a whole long prompt.
 
 A sequence that starts from a prompt-cache entry (``SeqState.reuse``, ``kvstore.py``)
@@ -126,12 +127,18 @@ def _split(steps: Sequence[S]) -> tuple[list[S], list[S]]:
     rest: list[S] = []
     seen: set[str] = set()
     for s in steps:
-        if s.tokens == 1 and s.seq_id not in seen and len(batch) < MAX_BATCH:
+        if s.tokens == 1 and s.seq_id not in seen and len(batch) < MAX_BATCH \
+                and (not batch or _kinds(s) == _kinds(batch[0])):
             batch.append(s)
         else:
             rest.append(s)
         seen.add(s.seq_id)
     return batch, rest
+
+
+def _kinds(step: Step) -> tuple[type, ...]:
+    """Its caches' kinds: only caches of one kind merge (quantizing ones or not)."""
+    return tuple(type(c) for c in step.state.cache)
 
 
 def run_group(model: StageModelLike, group: Sequence[Step], *,
@@ -140,6 +147,8 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
     stage, or on the last stage what was sampled (``Sampled``; ``None`` where not sampled).
     ``overlap``: see ``StageModel.forward`` (for long steps)."""
     import mlx.core as mx
+
+    from mlxceld.engine.kvquant import one_step
 
     if model.first:
         check_token_ids(group, model.vocab_size)
@@ -150,12 +159,14 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
     if len(group) == 1:
-        out = model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last)
+        with one_step(group[0].state.cache):
+            out = model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last)
     else:
         layers = len(group[0].state.cache)
         merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
                   for i in range(layers)]
-        out = model.forward(x, merged, overlap=overlap, raw=model.last)
+        with one_step(merged):
+            out = model.forward(x, merged, overlap=overlap, raw=model.last)
         for j, s in enumerate(group):
             s.state.cache = [c.extract(j) for c in merged]
         mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])

@@ -71,6 +71,7 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
 from mlxceld.pipeline.prefixes import PrefixIndex
+from mlxceld.roles.options import KVQuant
 from mlxceld.types import DEFAULT_SILENCE_S, PipelineCacheStats
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
@@ -102,18 +103,24 @@ class PipelineEngine:
                  retry_s: tuple[float, float] = (RETRY_INITIAL_S, RETRY_MAX_S),
                  dial_budget_s: float = DIAL_BUDGET_S,
                  silence_s: float = DEFAULT_SILENCE_S,
-                 prompt_cache_bytes: int | None = None) -> None:
+                 prompt_cache_bytes: int | None = None,
+                 kv_quant: KVQuant | None = None) -> None:
         """``retry_s``: the background re-dial backoff (first, most); ``dial_budget_s``: how
         long one dial may retry a refused connection (smaller in tests); ``origin``: the
         coordinator's address in the cluster TOML, whose identity the links claim;
         ``silence_s``: how long an attached stage may send nothing before it is silent;
         ``prompt_cache_bytes``: each stage's prompt cache bound (0: no prompt cache; None:
-        each stage's default, ``kvstore.py``)."""
+        each stage's default, ``kvstore.py``); ``kv_quant``: every sequence's caches
+        quantized so on every stage (``prepare``'s ``kv``; the router checked the model for
+        it)."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
+        self.kv_quant = kv_quant
+        if kv_quant is not None:
+            log.info("pipeline engine for %s: every stage's %s", model_id, kv_quant)
         self._eos = frozenset(eos_token_ids)
         self._model_identity = model_identity
         self._cluster = cluster
@@ -211,7 +218,7 @@ class PipelineEngine:
         try:
             start = reused = await self._prepare(seq, request, inbox)
             step = 0
-            for size in chunks(len(prompt) - start, len(self._links)):
+            for size in chunks(len(prompt) - start, len(self._links), self.kv_quant):
                 await self._run(seq, step, prompt[start:start + size],
                                 sample=start + size == len(prompt))
                 start += size
@@ -252,6 +259,8 @@ class PipelineEngine:
                                   "eos": sorted(self._eos)[:p.MAX_EOS]}
         if request.params.repetition_penalty != 1:  # what the last stage's penalty sees
             header["history"] = list(prompt)[-REPETITION_CONTEXT:]
+        if self.kv_quant is not None:
+            header["kv"] = p.kv_to_wire(self.kv_quant)
         reuse = self._prefixes.lookup(prompt) if self._prefixes is not None else None
         start = 0 if reuse is None else reuse.tokens
         if self._prefixes is not None and len(prompt) - start >= KEEP_PROMPT_MIN_NEW:
@@ -453,14 +462,20 @@ class PipelineEngine:
             await link.aclose()
 
 
-def chunks(n: int, stages: int) -> list[int]:
+def chunks(n: int, stages: int, kv_quant: KVQuant | None = None) -> list[int]:
     """The sizes of the prefill chunks of ``n`` tokens through ``stages`` stages: so that
     the stages overlap (stage 0 runs chunk 2 while stage 1 runs chunk 1), about 2 chunks
     per stage, each at least ``MIN_CHUNK`` tokens (a smaller step costs more per token
     than overlapping saves) and at most ``p.PREFILL_CHUNK``; one stage: as large as
-    allowed."""
+    allowed. With a quantized KV cache that starts after some tokens (``kv_quant.start``
+    above 0): mlx-lm's own steps instead, chunks of ``p.PREFILL_CHUNK`` and the last token
+    a step of its own, as its ``generate_step`` and ``BatchGenerator`` take them, so that
+    each layer's cache is quantized at the step it would be there (``engine/kvquant.py``)."""
     if n <= 0:
         return []
+    if kv_quant is not None and kv_quant.start > 0 and n > 1:
+        return [min(p.PREFILL_CHUNK, n - 1 - at) for at in range(0, n - 1, p.PREFILL_CHUNK)] \
+            + [1]
     size = p.PREFILL_CHUNK if stages < 2 else \
         max(MIN_CHUNK, min(p.PREFILL_CHUNK, -(-n // (2 * stages))))
     count = -(-n // size)

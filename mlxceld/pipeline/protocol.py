@@ -47,9 +47,14 @@ prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             ``REPETITION_CONTEXT`` token ids, when the
                             repetition penalty is on: the last stage's
                             processors look back that far; else absent or
-                            empty); ``reuse`` {``entry``, ``tokens``}: start
-                            from that prompt-cache entry's first ``tokens``
-                            tokens instead of an empty KV cache;
+                            empty), ``kv`` (optional: a quantized KV cache,
+                            {bits: 4 or 8, group_size: 32, 64 or 128,
+                            start: tokens, 0 to 2**31 - 1}, as
+                            ``roles.options.KVQuant`` and
+                            ``engine/kvquant.py``; absent or null: full
+                            precision); ``reuse`` {``entry``, ``tokens``}:
+                            start from that prompt-cache entry's first
+                            ``tokens`` tokens instead of an empty KV cache;
                             ``keep_prompt`` (an entry id): keep a copy of
                             the cache once the prompt is prefilled (after
                             the sequence's first step that samples); owned
@@ -124,6 +129,7 @@ from mlxceld.engine.base import (
     Constraint,
     SamplingParams,
 )
+from mlxceld.roles.options import InvalidOption, KVQuant
 from mlxceld.wire import MessageSpec, TensorSpec
 
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in chunks of 512
@@ -334,6 +340,30 @@ def history_of(header: Mapping[str, Any]) -> tuple[int, ...]:
         raise ProtocolViolation(ERR_BAD_MESSAGE, f"'history' must be a list of at most "
                                 f"{REPETITION_CONTEXT} token ids")
     return tuple(history)
+
+
+KV_KEYS: Final = frozenset({"bits", "group_size", "start"})
+
+
+def kv_to_wire(kv: KVQuant) -> dict[str, int]:
+    """A ``prepare``'s ``kv``."""
+    return {"bits": kv.bits, "group_size": kv.group_size, "start": kv.start}
+
+
+def kv_of(header: Mapping[str, Any]) -> KVQuant | None:
+    """The ``prepare``'s quantized KV cache (None: full precision), each field checked."""
+    value = header.get("kv")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != KV_KEYS or any(
+            type(v) is not int or not 0 <= v < 2**31 for v in value.values()):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'kv' must hold exactly bits, group_size "
+                                "and start, each an integer in [0, 2**31)")
+    try:
+        return KVQuant(value["bits"], value["group_size"], value["start"])
+    except InvalidOption as exc:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'kv.{exc.key}' must {exc.rule}, not "
+                                f"{exc.value!r}") from None
 
 
 def logprobs_of(header: Mapping[str, Any], wanted: int | None

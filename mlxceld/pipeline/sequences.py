@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mlxceld.engine.base import SamplingParams
 from mlxceld.net import MxclStream
-from mlxceld.pipeline.compute import SeqState, Step
+from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.compute import SeqState, StageModelLike, Step
+from mlxceld.roles.options import KVQuant
 
 
 @dataclass(frozen=True)
@@ -68,3 +71,19 @@ class StageStats:
     compute_s: float = 0.0  # time in the stage's layers
     inline: int = 0  # steps run on the event loop's thread (short decode steps)
     last_step_at: float | None = None  # time.monotonic() when the last step ended
+
+
+def stage_cache(model: StageModelLike, kv: KVQuant | None, node_id: str) -> list[Any]:
+    """A new sequence's cache of the stage's layers: each layer's own kind, or with ``kv``
+    (the ``prepare``'s) quantizing (``engine/kvquant.py``); a layer whose kind cannot be
+    quantized refuses the ``prepare`` (the router refuses such a family at its start)."""
+    caches = model.make_cache()
+    if kv is None:
+        return caches
+    from mlxceld.engine.kvquant import quantizing  # mlx: only once serving
+
+    try:
+        return list(quantizing(caches, kv))
+    except ValueError as exc:
+        raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"'kv': stage {node_id} cannot keep a "
+                                  f"quantized KV cache: its {exc}") from None

@@ -80,7 +80,14 @@ from mlxceld.pipeline.compute import (
 from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.onward import Onward
-from mlxceld.pipeline.sequences import Keep, StagePlace, StageSequence, StageStats, Work
+from mlxceld.pipeline.sequences import (
+    Keep,
+    StagePlace,
+    StageSequence,
+    StageStats,
+    Work,
+    stage_cache,
+)
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
@@ -295,7 +302,8 @@ class StageService:
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
-            state = SeqState(self._model.make_cache(), None)
+            state = SeqState(stage_cache(self._model, p.kv_of(env.header),
+                                         self._place.node_id), None)
             if last:
                 # mlx: only once serving
                 from mlxceld.engine.processors import make_logits_processors
@@ -309,7 +317,7 @@ class StageService:
                 state.matching = await self._matching.matcher(params, eos)
             state.reuse = self.cache.reuse(env.header)  # copied on the compute side
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
-                                           snapshot=snapshot)
+                                               snapshot=snapshot)
             await stream.send(encode_envelope({"t": "prepared", "seq": seq_id, "reused":
                                                0 if state.reuse is None else state.reuse[1]}))
         elif env.type == "release":

@@ -28,6 +28,9 @@ T = TypeVar("T")
 
 MAX_TP_SIZE: Final = 16  # models/tensor.py's bound (this module imports nothing of models/)
 EXIT_CONFIG: Final = 2  # a worker whose options are refused exits so (as mlxceld does)
+KV_BITS: Final = (4, 8)  # [serve] kv_bits: what a quantized KV cache stores per element
+KV_GROUP_SIZES: Final = (32, 64, 128)  # mlx's quantization group sizes
+DEFAULT_KV_GROUP_SIZE: Final = 64  # mlx-lm's
 
 
 class InvalidOption(ValueError):
@@ -101,6 +104,29 @@ class EchoOptions:
         """Whether something is due at a time (then it ticks finely to catch it)."""
         return any(t is not None for t in (self.crash_after_s, self.exit_after_s,
                                            self.freeze_after_s, self.stall_after_s))
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """A quantized KV cache (``[serve] kv_bits``, ``kv_group_size``, ``quantized_kv_start``;
+    ``config/serve.py`` says what each means): each key and value row stored as ``bits``-bit
+    integers with a scale and a bias per ``group_size`` elements, in every layer that holds
+    at least ``start`` tokens (``engine/kvquant.py``)."""
+
+    bits: int
+    group_size: int = DEFAULT_KV_GROUP_SIZE
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.bits in KV_BITS, "bits", f"be one of {', '.join(map(str, KV_BITS))}",
+               self.bits)
+        _check(self.group_size in KV_GROUP_SIZES, "group_size",
+               f"be one of {', '.join(map(str, KV_GROUP_SIZES))}", self.group_size)
+        _check(self.start >= 0, "start", "be >= 0", self.start)
+
+    def __str__(self) -> str:
+        return (f"quantized KV cache: {self.bits} bits, groups of {self.group_size}, from "
+                f"token {self.start}")
 
 
 @dataclass(frozen=True)
@@ -241,6 +267,10 @@ class RouterOptions:
     # the local engine's (``engine/prompt_cache.py``), a pipeline stage's. 0: no cache;
     # None: the default (``prompt_cache.DEFAULT_BYTES``).
     prompt_cache_bytes: int | None = None
+    # A quantized KV cache (issue 28) for the local engine, every tensor-parallel rank (rank
+    # 0's setup op carries it) and every pipeline stage (each ``prepare`` carries it);
+    # None: full precision, as the model computes it.
+    kv_quant: KVQuant | None = None
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

@@ -3,15 +3,17 @@
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
 model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
 model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
-cache, or each pipeline stage's), and the port's connection bounds max_connections,
-header_timeout_s, body_timeout_s, and stage_silence_s (a pipeline stage's heartbeat bound)
-(``config/serve.py``). The API key, if any, arrives on the bootstrap pipe. With
-``pipeline`` (``PipelineOptions``, from a cluster config: stages, coordinator,
-model_identity, cluster) the engine drives remote stages and only the tokenizer is
-loaded here; the cluster secret then arrives on the bootstrap pipe too. Its stats carry
-``context_length`` (the context served) and, over a local engine or a pipeline,
-``prompt_cache`` (``types.PromptCacheStats``; a pipeline's: ``PipelineCacheStats``) for
-``mlxctl status``.
+cache, or each pipeline stage's), kv_quant (a quantized KV cache: the local engine's, its
+tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
+is refused at start, exit 2, naming ``serve.kv_bits`` and its family), and the port's
+connection bounds max_connections, header_timeout_s, body_timeout_s, and stage_silence_s
+(a pipeline stage's heartbeat bound) (``config/serve.py``). The API key, if any, arrives
+on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config:
+stages, coordinator, model_identity, cluster) the engine drives remote stages and only the
+tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too. Its
+stats carry ``context_length`` (the context served) and, over a local engine or a
+pipeline, ``prompt_cache`` (``types.PromptCacheStats``; a pipeline's:
+``PipelineCacheStats``) for ``mlxctl status``.
 
 Start-up binds the port first (a port in use fails at once, named), then loads the
 model (the supervisor's start timeout covers it), then serves and reports ready. It
@@ -137,11 +139,14 @@ def pipeline_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions
 
     from mlxceld.models.context import served_context
     from mlxceld.models.identity import layer_count, read_model_config
+    from mlxceld.models.kvquant import check_kv_quant
     from mlxceld.pipeline.switch import PipelineSwitch
 
     path = Path(ctx.options.model)
     config = read_model_config(path)
     layer_count(config)
+    # The stages make each sequence's caches as prepare says: refused here, for them all.
+    check_kv_quant(config, ctx.options.kv_quant, source=str(path / "config.json"))
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
     context = served_context(config, ctx.options.context_length, ctx.options.model_name)
@@ -182,7 +187,8 @@ def stages_engine(ctx: WorkerContext[RouterOptions], pipe: PipelineOptions, cont
         stages, keyring=ctx.keyring, origin=pipe.coordinator,
         model_identity=pipe.model_identity, cluster=pipe.cluster, model_id=o.model_name,
         context_length=context, eos_token_ids=eos, max_batch=o.max_batch,
-        silence_s=o.stage_silence_s, prompt_cache_bytes=o.prompt_cache_bytes)
+        silence_s=o.stage_silence_s, prompt_cache_bytes=o.prompt_cache_bytes,
+        kv_quant=o.kv_quant)
 
 
 def pipeline_op(ctx: WorkerContext[RouterOptions], switch: Any, eos: set[int],
@@ -278,17 +284,21 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], path: str,
     this rank's slice loaded while the others load theirs (``load_tensor_engine``: the
     engine drives the group)."""
     from mlxceld.engine.tensor import load_tensor_engine
+    from mlxceld.models.identity import read_model_config
+    from mlxceld.models.kvquant import check_kv_quant
     from mlxceld.workers.tensor_rank import check_split, join_group
 
     o = ctx.options
     check_split(path, o.model, o.tp_size)
+    check_kv_quant(read_model_config(Path(path)), o.kv_quant,  # before the ranks load
+                   source=str(Path(path) / "config.json"))
     ctx.stats["tensor"] = {"rank": 0, "size": o.tp_size}
     group = await join_group(ctx, 0, o.tp_hosts)
     log.info("router joined the ring of %d ranks at %s as rank 0", o.tp_size, o.tp_hosts[0])
     loaded_engine: tuple[Any, Any] = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
         on_failure=engine_broke, progress=loaded, context_length=o.context_length,
-        prompt_cache_bytes=o.prompt_cache_bytes))
+        prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant))
     return loaded_engine
 
 
@@ -325,7 +335,7 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                 engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
                     load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
                     on_failure=engine_broke, progress=loaded, context_length=o.context_length,
-                    prompt_cache_bytes=o.prompt_cache_bytes))
+                    prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant))
             ctx.stats.pop("loading", None)
     except Stopped:  # the worker exits 0 (runtime.run_worker)
         sock.close()

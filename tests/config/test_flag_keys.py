@@ -54,6 +54,9 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
                        ("--node-role", "router", "--prefill-peers", "10.0.0.3")),
     "--kv-compression": ("int8+lz4", "int8+lz4", ()),
     "--tp-size": ("2", 2, ()),
+    "--kv-bits": ("8", 8, ()),
+    "--kv-group-size": ("32", 32, ("--kv-bits", "8")),
+    "--quantized-kv-start": ("100", 100, ("--kv-bits", "4")),
     # A group that exists here; a group's socket may not be inside the state dir.
     "--socket-group": (GROUP, GROUP, ("--socket", "/run/mlxceld-flag-keys/ctl.sock")),
 }

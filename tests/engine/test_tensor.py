@@ -22,6 +22,7 @@ import pytest
 
 from mlxceld.discovery.inventory import free_ports
 from mlxceld.engine.local import load_local_engine
+from mlxceld.roles.options import KVQuant
 
 from helpers.models import FAMILIES, write_tiny_checkpoints
 from helpers.tensor_ranks import HERE, finish, generated, start_ranks
@@ -45,9 +46,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoints(tmp_path_factory.mktemp("tp-models"))
 
 
-def one_process(model: Path, rounds: int) -> list[list[dict[str, Any]]]:
+def one_process(model: Path, rounds: int, kv: KVQuant | None = None
+                ) -> list[list[dict[str, Any]]]:
     """``REQUESTS`` on one process's engine, as the ranks run them."""
-    engine, _ = load_local_engine(str(model), max_batch=4)
+    engine, _ = load_local_engine(str(model), max_batch=4, kv_quant=kv)
 
     async def run() -> list[list[dict[str, Any]]]:
         out = []
@@ -80,6 +82,28 @@ def test_two_ranks_generate_what_one_process_does(models: Path, family: str,
                                                       strict=True)) < LOGPROB_TOLERANCE
     assert len(got["rounds"][0][5]["tokens"]) == 3  # cancelled; the others went on
     assert "tensor-parallel" in got["handoff"] and "tp_size 1" in got["handoff"]
+
+
+def test_two_ranks_with_a_quantized_kv_cache_generate_what_one_process_does(
+        kv_fixture_dir: Path, tmp_path: Path) -> None:
+    """``kv_quant`` on rank 0 only: its setup op tells rank 1, whose caches quantize alike
+    (else their steps' shapes would differ and the ring would break); greedy tokens are one
+    process's with the same cache, batched, the prompt cache in play in the second round.
+    At 4 bits, where full precision gives other tokens."""
+    kv = KVQuant(4, 64, 0)
+    out = tmp_path / "out.json"
+    procs = start_ranks(kv_fixture_dir / "qwen3", 2, REQUESTS, out, rounds=2,
+                        kv={"bits": kv.bits, "group_size": kv.group_size, "start": kv.start})
+    results = finish(procs)
+    for rank, (code, text) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{text[-3000:]}"
+    got = json.loads(out.read_text())
+    want = one_process(kv_fixture_dir / "qwen3", rounds=2, kv=kv)
+    for r, (tp_round, one_round) in enumerate(zip(got["rounds"], want, strict=True)):
+        for i, (tp, one) in enumerate(zip(tp_round, one_round, strict=True)):
+            assert tp["tokens"] == one["tokens"], f"round {r}, request {i}"
+    full = one_process(kv_fixture_dir / "qwen3", rounds=1)
+    assert [one["tokens"] for one in full[0]] != [one["tokens"] for one in want[0]]
 
 
 @pytest.mark.parametrize("lost", [1, 0])

@@ -9,8 +9,10 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from mlxceld.models import preset, write_fixture
+from mlxceld.roles.options import KVQuant
 
 FAMILIES = ("llama", "qwen3")
 PROMPT = "The quick brown fox"
@@ -54,4 +56,31 @@ def chained_greedy(stages: list[Any], prompt: list[int], n: int) -> tuple[list[i
         tokens.append(token)
         logprobs.append(h[0])
         x = mx.array([[token]], dtype=mx.int32)
+    return tokens, logprobs
+
+
+def quantized_greedy(model: Any, prompt: list[int], n: int, kv: KVQuant | None,
+                     eos: set[int], cache: list[Any] | None = None, *,
+                     prefill_step: int = 512) -> tuple[list[int], list[float]]:
+    """mlx-lm's own greedy run with a quantized KV cache (``kv``; None: full precision):
+    ``generate_step`` with the same ``kv_bits``, ``kv_group_size`` and
+    ``quantized_kv_start``, prefilling in ``prefill_step`` chunks (the engines' 512), until
+    ``n`` tokens or one of ``eos``; the tokens and each one's log-probability. With start 0
+    it is handed ``QuantizedKVCache``s to begin with: mlx-lm quantizes only after a step,
+    so its own start 0 leaves the first prefill step at full precision, where ours
+    quantizes from the first token (``mlxceld/engine/kvquant.py``). ``cache``: its prompt
+    cache, filled in place (a later turn goes on from it)."""
+    if cache is None:
+        cache = ([QuantizedKVCache(kv.group_size, kv.bits) for _ in model.layers]
+                 if kv is not None and kv.start == 0 else make_prompt_cache(model))
+    knobs: dict[str, Any] = {} if kv is None else {
+        "kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": kv.start}
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for token, lp in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache,
+                                   prefill_step_size=prefill_step, **knobs):
+        tokens.append(int(token))
+        logprobs.append(float(lp[int(token)]))
+        if int(token) in eos:
+            break
     return tokens, logprobs

@@ -9,6 +9,8 @@ requests run at once, batched), ``rounds`` times (the prompt cache in play from 
 second); ``OUT.started`` is made at the first token. With ``idle_s`` it then makes
 ``OUT.idle``, idles that long and runs the first request once more. With ``handoff`` it
 then tries a KV-handoff prefill and writes its refusal. ``share_deadline_s``: the ranks'.
+``kv`` (rank 0's only: its setup op tells the others): a quantized KV cache,
+``{"bits", "group_size", "start"}`` (``roles.options.KVQuant``).
 Rank 0 closes the group when done; the others return.
 
 ``start_ranks`` starts them all and ``finish`` waits for them (each ended by pid).
@@ -94,8 +96,12 @@ def _main(spec: dict[str, Any]) -> int:
         run_tensor_follower(spec["model"], group, max_batch=spec["max_batch"],
                             share_deadline_s=spec.get("share_deadline_s", 60.0))
         return 0
+    from mlxceld.roles.options import KVQuant
+
+    kv = spec.get("kv")
     engine, _ = load_tensor_engine(spec["model"], group, max_batch=spec["max_batch"],
-                                   share_deadline_s=spec.get("share_deadline_s", 60.0))
+                                   share_deadline_s=spec.get("share_deadline_s", 60.0),
+                                   kv_quant=None if kv is None else KVQuant(**kv))
 
     started = Path(spec["out"] + ".started")
 

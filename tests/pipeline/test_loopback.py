@@ -15,13 +15,17 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load
 
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.models import preset, write_fixture
 from mlxceld.models.identity import model_identity
+from mlxceld.models.slicing import load_stage
 from mlxceld.net import connect, streams_under
-from mlxceld.pipeline import PipelineEngine
+from mlxceld.pipeline import PipelineEngine, sequences
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
+from mlxceld.roles.options import KVQuant
 from mlxceld.roster import MODEL_STOP_TIMEOUT_S
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
@@ -29,6 +33,7 @@ from mlxceld.wire.secret import key_id
 from mlxceld.workers.runtime import progress_report
 
 from helpers.keys import keyring
+from helpers.models import quantized_greedy
 from helpers.stages import COORD, SECRET, Cluster, cluster, reference, tokens_of
 from helpers.waiting import until
 
@@ -98,6 +103,91 @@ def test_bf16_requests_under_load_get_what_each_gets_alone(
     alone, together = asyncio.run(go())
     assert together == alone
     assert alone == [reference(path, pr, 24) for pr in prompts]
+
+
+KV_PROMPTS = [PROMPT, [(i * 37 + 11) % 500 + 1 for i in range(40)],
+              [3 + (i * 7) % 240 for i in range(p.PREFILL_CHUNK + 88)]]  # two chunks
+
+
+@pytest.mark.parametrize("start", [0, 20])
+def test_a_quantized_kv_cache_gives_mlx_lms_quantized_tokens(kv_fixture_dir: Path,
+                                                             start: int) -> None:
+    """``kv_quant`` (``[serve] kv_bits``) travels in each ``prepare`` and every stage
+    quantizes its layers' caches: greedy tokens are mlx-lm's ``generate_step`` with the
+    same kv_bits, group size and start (``helpers.models.quantized_greedy``), each prompt
+    alone and (start 0: a batch is one kind) all at once, decode steps batched on the
+    stages. With start 20 the prompt's last token is a step of its own, as mlx-lm's. At 4
+    bits, where full precision gives other tokens for some of the prompts."""
+    path = kv_fixture_dir / "qwen3"
+    kv = KVQuant(4, 64, start)
+    model, tokenizer = load(str(path))
+    eos = set(tokenizer.eos_token_ids)
+    n = 16
+
+    async def go() -> tuple[list[list[int]], list[list[int]], int, int]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            engine = c.engine(path, eos=eos, kv_quant=kv)
+            try:
+                alone = [await tokens_of(engine, pr, n) for pr in KV_PROMPTS]
+                steps = c.services[1].stats.steps
+                together = [] if start else list(await asyncio.gather(*(
+                    tokens_of(engine, pr, n) for pr in KV_PROMPTS)))
+                return alone, together, steps, c.services[1].stats.steps - steps
+            finally:
+                await engine.aclose()
+
+    alone, together, alone_steps, together_steps = asyncio.run(go())
+    for pr, got in zip(KV_PROMPTS, alone, strict=True):
+        assert got == quantized_greedy(model, pr, n, kv, eos)[0], len(pr)
+    assert alone != [quantized_greedy(model, pr, n, None, eos)[0] for pr in KV_PROMPTS]
+    if not start:
+        assert together == alone
+        assert together_steps < alone_steps  # their decode steps were batched
+
+
+def test_a_bad_kv_in_prepare_is_refused_by_name(kv_fixture_dir: Path) -> None:
+    path = kv_fixture_dir / "llama"
+    params = p.params_to_wire(SamplingParams(3, temperature=0))
+    bad = [{"bits": 6, "group_size": 64, "start": 0}, {"bits": 8, "group_size": 16, "start": 0},
+           {"bits": 8, "group_size": 64, "start": -1}, {"bits": 8, "group_size": 64},
+           {"bits": 8.0, "group_size": 64, "start": 0}, [8, 64, 0]]
+
+    async def go() -> list[dict[str, Any]]:
+        async with cluster(path, [(0, 4)]) as c:
+            st = c.stages[0]
+            stream = await connect(st.host, st.port, keyring=c.ring, identity=COORD,
+                                   channel=1, local_addr=("127.0.0.1", 0))
+            answers = []
+            async with stream:
+                await stream.send(encode_envelope({"t": "attach", "cluster": "test",
+                                                   "model": model_identity(path)}))
+                await asyncio.wait_for(stream.recv(), 5)
+                for i, kv in enumerate([*bad, p.kv_to_wire(KVQuant(4, 32, 7))]):
+                    await stream.send(encode_envelope({"t": "prepare", "seq": f"k{i}",
+                                                       "params": params, "kv": kv}))
+                    answers.append(parse_envelope(await asyncio.wait_for(stream.recv(), 5),
+                                                  p.ENGINE_SPECS).header)
+            return answers
+
+    *refused, prepared = asyncio.run(go())
+    assert [a["code"] for a in refused] == [p.ERR_BAD_MESSAGE] * len(bad)
+    assert [a["message"].split(" must")[0] for a in refused] == [
+        "'kv.bits'", "'kv.group_size'", "'kv'", "'kv'", "'kv'", "'kv'"]
+    assert prepared == {"t": "prepared", "seq": f"k{len(bad)}"}
+
+
+def test_a_stage_whose_layers_cannot_be_quantized_refuses_kv(tmp_path: Path) -> None:
+    """gemma3's window layers keep a RotatingKVCache: its stage refuses a ``prepare`` with
+    ``kv``, naming the layer and the kind (its router refuses the family at start)."""
+    write_fixture(tmp_path / "g", preset("tiny", family="gemma3_text", head_dim=64))
+    model = load_stage(tmp_path / "g", 0, 2)
+    with pytest.raises(p.ProtocolViolation) as err:
+        sequences.stage_cache(model, KVQuant(8), "stage-0")
+    assert err.value.code == p.ERR_BAD_MESSAGE
+    assert err.value.message == ("'kv': stage stage-0 cannot keep a quantized KV cache: its "
+                                 "layer 0 keeps a RotatingKVCache, which mlx-lm cannot "
+                                 "quantize")
+    assert len(sequences.stage_cache(model, None, "stage-0")) == 2
 
 
 @pytest.mark.parametrize("splits", [[(0, 2), (2, 4)], [(0, 4)]])

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from mlxceld.cluster.clusterfile.load import dump_cluster
-from mlxceld.cluster.plan.model import Plan, PlanNode, usable_memory
+from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve, usable_memory
 from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
 from mlxceld.cluster.plan.solver import plan_replicas
 from mlxceld.errors import PlanRefused
 from mlxceld.models.fetch import model_name
 from mlxceld.models.identity import model_identity
 from mlxceld.models.profile import layer_profile
+from mlxceld.roles.options import KVQuant
 from mlxceld.state.peers import PeerRow
 
 
@@ -85,14 +86,16 @@ class Proposal:
 
 def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluster: str,
               coordinator: str, drained: frozenset[str] = frozenset(),
-              replicas: int = 1) -> Proposal:
+              replicas: int = 1, kv_quant: KVQuant | None = None) -> Proposal:
     """The plan over ``candidates`` but the ``drained`` node ids (``replicas`` groups of
-    ``stages`` stages), with its table, its cluster TOML and notes; raises
+    ``stages`` stages), its KV reserve priced at ``kv_quant``'s width (``[serve] kv_bits``;
+    None: the model's dtype), with its table, its cluster TOML and notes; raises
     ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
     identity = model_identity(model)
     nodes, notes = plan_nodes(candidates, identity, drained)
     try:
-        plan = plan_replicas(layer_profile(model), stages, replicas, nodes)
+        plan = plan_replicas(layer_profile(model), stages, replicas, nodes,
+                             reserve=Reserve(kv_quant=kv_quant))
     except PlanRefused as exc:
         if not notes:
             raise

@@ -13,7 +13,10 @@ to apply before: pass ``min(available, cap)``.
 
 The reserve is what a stage needs beyond its weights (``Reserve``): the KV
 cache of ``context_tokens`` tokens in each of its layers (``context_tokens`` *
-the profile's KV bytes per token and layer * its layers) and a fixed
+the profile's KV bytes per token and layer * its layers; with ``[serve] kv_bits``,
+``kv_quant``, those bytes at that width: ``kv_bits / 8`` a key or value element plus
+a scale and a bias in the model's dtype per ``kv_group_size`` elements,
+``models/kvquant.py``'s ``kv_bytes``) and a fixed
 ``activation_bytes`` for the activations of one forward step, the logits and
 the runtime's buffers. The defaults are 8192 tokens (one sequence at a long
 context, or several at a short one) and 512 MiB: twice the MLP activations of
@@ -31,7 +34,9 @@ from typing import Final
 
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.cluster.clusterfile.model import ClusterConfig, StageEntry, pipeline_cluster
+from mlxceld.models.kvquant import kv_bytes
 from mlxceld.models.profile import LayerProfile
+from mlxceld.roles.options import KVQuant
 from mlxceld.wire.address import canonical_address, parse_address
 
 MIB: Final = 1 << 20
@@ -75,14 +80,22 @@ class Reserve:
 
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
     activation_bytes: int = DEFAULT_ACTIVATION_BYTES
+    kv_quant: KVQuant | None = None  # the KV cache's width: None, the model's dtype
 
     def __post_init__(self) -> None:
         if self.context_tokens < 0 or self.activation_bytes < 0:
             raise ValueError(f"reserve {self} is negative")
 
+    def token_bytes(self, profile: LayerProfile) -> int:
+        """One token's keys and values in one layer, at the cache's width."""
+        if self.kv_quant is None or not profile.dtype_bytes:
+            return profile.kv_bytes_per_token
+        elements = profile.kv_bytes_per_token // profile.dtype_bytes
+        return kv_bytes(elements, profile.dtype_bytes, self.kv_quant)
+
     def layer_bytes(self, profile: LayerProfile) -> int:
         """The KV cache one layer holds."""
-        return self.context_tokens * profile.kv_bytes_per_token
+        return self.context_tokens * self.token_bytes(profile)
 
     def stage_bytes(self, profile: LayerProfile, layers: int) -> int:
         return layers * self.layer_bytes(profile) + self.activation_bytes

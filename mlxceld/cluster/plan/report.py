@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final, Literal, NotRequired, TypedDict
 
-from mlxceld.cluster.plan.model import Plan, PlanNode
+from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve
 
 SCHEMA: Final = "mlxctl.cluster.plan/1"
 HEADERS: Final = ("STAGE", "NODE", "ADDRESS", "LAYERS", "BYTES", "RESERVE", "USABLE",
@@ -39,6 +39,8 @@ class SpareNodeJSON(TypedDict):
 class ReserveJSON(TypedDict):
     context_tokens: int
     activation_bytes: int
+    kv_bits: int | None  # the KV cache priced at [serve] kv_bits; None: the model's dtype
+    kv_group_size: int | None
 
 
 class PlanJSON(TypedDict):
@@ -83,11 +85,20 @@ def render_plan_table(plan: Plan) -> str:
         lines.append(f"{plan.replicas} replicas of {plan.stages_per_replica} stage(s), each "
                      "a whole copy of the model")
     lines.append(f"{len(plan.stages)} stage(s), {plan.num_layers} layers; reserve per stage: "
-                 f"KV cache for {r.context_tokens} tokens + "
+                 f"KV cache for {r.context_tokens} tokens {kv_width(r)} + "
                  f"{human_bytes(r.activation_bytes)} activations")
     if plan.spare:
         lines.append("not used: " + ", ".join(_spare(n) for n in plan.spare))
     return "\n".join(lines)
+
+
+def kv_width(reserve: Reserve) -> str:
+    """How the reserve prices the KV cache: at the model's dtype, or ``[serve] kv_bits``'s
+    width."""
+    kv = reserve.kv_quant
+    if kv is None:
+        return "at full precision"
+    return f"at {kv.bits} bits (kv_bits; groups of {kv.group_size})"
 
 
 def layer_runs(layer_bytes: tuple[int, ...], most: int = 6) -> str:
@@ -124,7 +135,11 @@ def _plan_json(plan: Plan) -> PlanJSON:
         "num_layers": plan.num_layers,
         "layer_bytes": list(plan.layer_bytes),
         "reserve": {"context_tokens": plan.reserve.context_tokens,
-                    "activation_bytes": plan.reserve.activation_bytes},
+                    "activation_bytes": plan.reserve.activation_bytes,
+                    "kv_bits": None if plan.reserve.kv_quant is None
+                    else plan.reserve.kv_quant.bits,
+                    "kv_group_size": None if plan.reserve.kv_quant is None
+                    else plan.reserve.kv_quant.group_size},
         "stages": [{"stage": s.stage_id, "rank": s.rank, "node_id": s.node.node_id,
                     "node_address": s.node.key, "address": s.address,
                     "layers": list(s.layers), "weight_bytes": s.weight_bytes,
