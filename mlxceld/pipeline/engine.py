@@ -1,9 +1,9 @@
 """The pipeline engine: the router's ``Engine`` over stages on other hosts.
 
 For each request: prepare a sequence on every stage (each answers ``prepared``),
-send the prompt to the first stage in chunks of ``PREFILL_CHUNK`` tokens; the
-first stage forwards activations down the pipeline and the last stage samples
-with the request's parameters. From then on the stages decode by themselves:
+send the prompt (past the prefix the stages keep: ``prefixes.py``) to the first stage in
+chunks (``chunks``); the first stage forwards activations down the pipeline and the last
+stage samples with the request's parameters. From then on the stages decode by themselves:
 the last stage sends each token id here and to the first stage as the next
 step, until an end-of-sequence id or ``max_tokens``; this engine only reads
 the tokens and releases the sequence when its request ends (a stop string, a
@@ -86,7 +86,18 @@ DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then 
 # stages once prefilled (``keep_prompt``: other chats sharing it start from it); shorter
 # ones add little to the entry they started from.
 KEEP_PROMPT_MIN_NEW: Final = 32
-MIN_CHUNK: Final = 64  # the least tokens in a prefill chunk (``chunks``)
+# A prompt's prefill chunks (``chunks``): about CHUNKS_PER_STAGE per stage, each of
+# MIN_CHUNK to MAX_CHUNK tokens. Measured (bench/conversation.py --sections history, small
+# qwen2 fixture, 2 stages, 2 CPUs; time to first token against mlx-lm in one process):
+# a 2,018-token prompt cold took 37.5 s in chunks of ~505 (0.73x), 24.9 s in ~337 (0.55x),
+# 21.6 s in 256 (0.52x), 19.8 s in ~253 (0.49x), 19.7 s in 192, 18.2 s in 64; a 352-token
+# turn after that history 6.0 s in 2 chunks (0.75x), 5.75 s in 4 (0.66x), 4.96 s in 6 of
+# ~59 (0.64x), 4.83 s in 8 of 44 (0.62x). Smaller chunks let the stages overlap more, and
+# on the CPU a chunk's attention over a long context costs more per token the longer the
+# chunk; a floor keeps a GPU's step from being only weight reads.
+CHUNKS_PER_STAGE: Final = 4
+MIN_CHUNK: Final = 64
+MAX_CHUNK: Final = 256
 # A stage's refusals whose words name no address (they name the stage, a sequence, a
 # field): passed on to the client; any other's words go to the router's log.
 _CLIENT_WORDS: Final = frozenset({p.ERR_TOO_MANY, p.ERR_UNKNOWN_SEQ, p.ERR_BAD_MESSAGE,
@@ -464,12 +475,12 @@ class PipelineEngine:
 
 def chunks(n: int, stages: int, kv_quant: KVQuant | None = None) -> list[int]:
     """The sizes of the prefill chunks of ``n`` tokens through ``stages`` stages: so that
-    the stages overlap (stage 0 runs chunk 2 while stage 1 runs chunk 1), about 2 chunks
-    per stage, each at least ``MIN_CHUNK`` tokens (a smaller step costs more per token
-    than overlapping saves) and at most ``p.PREFILL_CHUNK``; one stage: as large as
-    allowed. With a quantized KV cache that starts after some tokens (``kv_quant.start``
-    above 0): mlx-lm's own steps instead, chunks of ``p.PREFILL_CHUNK`` and the last token
-    a step of its own, as its ``generate_step`` and ``BatchGenerator`` take them, so that
+    the stages overlap (stage 0 runs chunk 2 while stage 1 runs chunk 1), about
+    ``CHUNKS_PER_STAGE`` chunks per stage, each ``MIN_CHUNK`` to ``MAX_CHUNK`` tokens (as
+    measured, above); one stage: ``p.PREFILL_CHUNK`` (nothing to overlap). With a
+    quantized KV cache that starts after some tokens (``kv_quant.start`` above 0):
+    mlx-lm's own steps instead, chunks of ``p.PREFILL_CHUNK`` and the last token a step
+    of its own, as its ``generate_step`` and ``BatchGenerator`` take them, so that
     each layer's cache is quantized at the step it would be there (``engine/kvquant.py``)."""
     if n <= 0:
         return []
@@ -477,7 +488,7 @@ def chunks(n: int, stages: int, kv_quant: KVQuant | None = None) -> list[int]:
         return [min(p.PREFILL_CHUNK, n - 1 - at) for at in range(0, n - 1, p.PREFILL_CHUNK)] \
             + [1]
     size = p.PREFILL_CHUNK if stages < 2 else \
-        max(MIN_CHUNK, min(p.PREFILL_CHUNK, -(-n // (2 * stages))))
+        max(MIN_CHUNK, min(MAX_CHUNK, -(-n // (CHUNKS_PER_STAGE * stages))))
     count = -(-n // size)
     base, extra = divmod(n, count)
     return [base + 1] * extra + [base] * (count - extra)

@@ -132,8 +132,8 @@ from mlxceld.engine.base import (
 from mlxceld.roles.options import InvalidOption, KVQuant
 from mlxceld.wire import MessageSpec, TensorSpec
 
-MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act; the engine prefills in chunks of 512
-PREFILL_CHUNK: Final = 512
+MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act (the engine's chunks: engine.chunks)
+PREFILL_CHUNK: Final = 512  # a one-stage pipeline's chunk, and mlx-lm's own (kv start > 0)
 MAX_SEQUENCES: Final = 256  # prepared sequences one stage keeps at once
 MAX_EOS: Final = 64  # end-of-sequence token ids in one ``prepare``
 MAX_FORGET: Final = 256  # prompt-cache entries one ``forget`` names

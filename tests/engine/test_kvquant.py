@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
 from mlxceld.engine import GenerationRequest, SamplingParams
 from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP, prefill
 from mlxceld.engine.kvquant import QuantizingKVCache, quantizing_caches
-from mlxceld.engine.local import LocalEngine, cached_prefix, load_local_engine
+from mlxceld.engine.local import LocalEngine, load_local_engine
 from mlxceld.errors import ConfigError
 from mlxceld.models import preset, write_fixture
 from mlxceld.roles.options import KVQuant
@@ -138,7 +138,7 @@ def test_a_prefix_from_the_prompt_cache_gives_mlx_lms_next_turn(kv_fixture_dir: 
         try:
             one = await engine_tokens(engine, first, N)
             second = first + one + later
-            cache, rest = cached_prefix(engine._prompt_cache, second)
+            cache, rest = engine._prompt_cache.fetch(second)
             assert cache is not None and all(isinstance(c, QuantizingKVCache) and c.quantized
                                              for c in cache)
             two = await engine_tokens(engine, second, N)

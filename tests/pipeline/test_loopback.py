@@ -173,7 +173,7 @@ def test_a_bad_kv_in_prepare_is_refused_by_name(kv_fixture_dir: Path) -> None:
     assert [a["code"] for a in refused] == [p.ERR_BAD_MESSAGE] * len(bad)
     assert [a["message"].split(" must")[0] for a in refused] == [
         "'kv.bits'", "'kv.group_size'", "'kv'", "'kv'", "'kv'", "'kv'"]
-    assert prepared == {"t": "prepared", "seq": f"k{len(bad)}"}
+    assert prepared == {"t": "prepared", "seq": f"k{len(bad)}", "reused": 0}
 
 
 def test_a_stage_whose_layers_cannot_be_quantized_refuses_kv(tmp_path: Path) -> None:
