@@ -37,9 +37,14 @@ Chunk = ChatCompletionChunk | TextCompletion
 
 
 def usage_of(finished: Finished) -> Usage:
-    return {"prompt_tokens": finished.prompt_tokens,
-            "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` where the engine said how
+    many prompt tokens its prompt cache gave (a local engine's, a pipeline's)."""
+    usage: Usage = {"prompt_tokens": finished.prompt_tokens,
+                    "completion_tokens": finished.completion_tokens,
+                    "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+    if finished.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": finished.cached_tokens}
+    return usage
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Finished:
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # of the prompt's, from a prompt cache (None: unsaid)
 
 
 Event = TextPiece | Called | Finished
@@ -78,6 +79,7 @@ class Sequencer:
         tracker = (LogprobTracker(self.codec.token_bytes)
                    if request.params.logprobs is not None else None)
         count = 0
+        cached: int | None = None
         reason: FinishReason | None = None
         async with self.admission.slot():
             self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -94,6 +96,8 @@ class Sequencer:
                         self.metrics.time_to_first_token
                     latency.observe(now - last)
                     last = now
+                    if not count:
+                        cached = output.cached
                     count += 1
                     self.metrics.completion_tokens.inc()
                     if output.finish_reason == "stop" or output.token in self.codec.eos_token_ids:
@@ -134,7 +138,7 @@ class Sequencer:
                 yield piece
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
-        yield Finished(reason, prompt_tokens, count)
+        yield Finished(reason, prompt_tokens, count, cached)
 
 
 def _read(text: str | None, reply: ChatReply | None,

@@ -53,10 +53,15 @@ class TextLogprobs(TypedDict):
     text_offset: list[int]
 
 
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int  # of the prompt's tokens, those a prompt cache gave
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: NotRequired[PromptTokensDetails]
 
 
 class FunctionCall(TypedDict):

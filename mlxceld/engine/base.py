@@ -88,6 +88,9 @@ class TokenOutput:
     # ``LOGPROB_FLOOR``) and the top alternatives, most likely first (ties by id).
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    # On a sequence's first output: how many of its prompt's tokens the engine took from a
+    # prompt cache rather than prefilling them (None: the engine does not say).
+    cached: int | None = None
 
 
 class EngineError(Exception):

@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class _Sequence:
     matching: Matching | None = None  # the request's constraint, if it has one
     # A handed-off sequence: its first token (sampled elsewhere) and its prompt's cache.
     handoff: tuple[int, Sequence[Any]] | None = None
+    cached: int | None = None  # prompt tokens from the prompt cache, until the first output
 
 
 class LocalEngine:
@@ -359,6 +360,7 @@ class LocalEngine:
                     sampler, shared = self._mirror.sampler(sampler)
                 processors = make_logits_processors(req.params)
                 prefix, rest = self._prompt_cache.fetch(tokens)
+                seq.cached = len(tokens) - len(rest)
                 if prefix is None:
                     prefix = fresh_cache(self._gen.model, self.kv_quant)
                 [uid] = self._gen.insert(
@@ -407,7 +409,10 @@ class LocalEngine:
             reason = r.finish_reason if r.finish_reason in ("stop", "length") else None
             if r.finish_reason is not None and reason is None:
                 reason = "length"  # anything else that ends a sequence ends it for length
-            batch.append((seq, _output(seq.request.params, r, reason)))
+            out = _output(seq.request.params, r, reason)
+            if seq.cached is not None:  # its first output says what the prompt cache gave
+                out, seq.cached = replace(out, cached=seq.cached), None
+            batch.append((seq, out))
             if reason is not None:
                 del self._by_uid[r.uid]
                 # A handed-off cache may be lossy (int8, int4): not for other requests.

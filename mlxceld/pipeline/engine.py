@@ -241,6 +241,8 @@ class PipelineEngine:
             while True:  # the stages run step, step + 1, ... on their own (see above)
                 out = await self._token(seq, step - 1 + len(produced), inbox, pending,
                                         request.params.logprobs)
+                if not produced:  # the first: what the stages' prompt cache gave
+                    out = replace(out, cached=reused)
                 produced.append(out.token)
                 kept = True
                 self.tokens += 1

@@ -80,6 +80,10 @@ def test_the_cap_bounds_every_request_and_shows_where_the_model_does(
         again = c.completions.create(model="llama", prompt=PROMPT, temperature=0,
                                      max_tokens=8)
         assert again.choices[0].text == comp.choices[0].text[:len(again.choices[0].text)]
+        # The usage says so, as OpenAI's does: all of the prompt but its last token.
+        assert comp.usage.to_dict()["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     metrics = scrape(url)
     assert sample(metrics, "mlxceld_model_info", model="llama", context_length=str(CAP)) == 1
     assert sample(metrics, "mlxceld_prompt_cache_hits_total") == 1

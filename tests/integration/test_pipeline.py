@@ -60,12 +60,17 @@ def test_a_conversation_reuses_the_stages_prompt_cache_and_answers_as_mlx_lm(
     model = split_fixture_dir / "qwen3"
     pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
     prompt = PROMPT
+    cached = []
     with client(pipe.url) as c:
         for turn in range(4):
-            text = c.completions.create(model="qwen3", prompt=prompt, max_tokens=12,
-                                        temperature=0).choices[0].text
+            answer = c.completions.create(model="qwen3", prompt=prompt, max_tokens=12,
+                                          temperature=0)
+            text = answer.choices[0].text
             assert text == expected(model, prompt, 12), turn
+            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
             prompt += text + f" and then {turn}"
+    assert cached[0] == 0 and all(n > 10 for n in cached[1:]), cached
     def said() -> dict[str, Any] | None:  # the router's stats, published every second
         router = pipe.coordinator.worker("router")
         cache = router["stats"].get("prompt_cache") or {}
