@@ -204,7 +204,7 @@ class StageModel:
                           ((1, 1), (1, max_tokens), (self.hidden_size, self.hidden_size)))
 
     def forward(self, x: Any, cache: list[Any], *, overlap: bool = False,
-                raw: bool = False) -> Any:
+                raw: bool = False, caches_only: bool = False) -> Any:
         """Run this stage's layers over ``x`` with ``cache`` (from ``make_cache``).
 
         First stage: ``x`` is int32 token ids [b, n]; else hidden [b, n, hidden_size].
@@ -212,6 +212,8 @@ class StageModel:
         the last position [b, vocab_size] (mlx-lm's, in the model's dtype, as float32);
         evaluated. ``raw``: the last stage's logits instead, in the model's dtype (what
         logits processors act on; ``log_softmax`` then gives the log-probabilities).
+        ``caches_only``: None, only the caches evaluated (the last stage's prefill chunk
+        that samples nothing: no head, nor the last layer's output).
 
         ``overlap``: hand each layer to mlx as soon as its graph is built
         (``mx.async_eval``), so that building the next layer's graph in Python overlaps
@@ -222,6 +224,10 @@ class StageModel:
         """
         self._check_input(x, cache)
         inner = self._text.model
+        if caches_only:  # only the caches of ``x`` (a prefill chunk no token is sampled at)
+            self._layers(x, cache, overlap)
+            mx.eval([c.state for c in cache])
+            return None
         if self.last and x.shape[1] > 1:
             # Only the caches are needed of all positions but the last: evaluating just
             # them (as mlx-lm's prefill does) skips the last layer's attention output and

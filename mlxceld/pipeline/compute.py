@@ -61,7 +61,7 @@ class StageModelLike(Protocol):
     def make_cache(self) -> list[Any]: ...
 
     def forward(self, x: Any, cache: list[Any], *, overlap: bool = False,
-                raw: bool = False) -> Any: ...
+                raw: bool = False, caches_only: bool = False) -> Any: ...
 
 
 @dataclass
@@ -158,18 +158,24 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
             s.state.reuse = None
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
+    # The last stage's prefill chunks that sample nothing want only their caches.
+    only = model.last and not any(s.sample for s in group)
     if len(group) == 1:
         with one_step(group[0].state.cache):
-            out = model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last)
+            out = model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last,
+                                caches_only=only)
     else:
         layers = len(group[0].state.cache)
         merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
                   for i in range(layers)]
         with one_step(merged):
-            out = model.forward(x, merged, overlap=overlap, raw=model.last)
+            out = model.forward(x, merged, overlap=overlap, raw=model.last,
+                                caches_only=only)
         for j, s in enumerate(group):
             s.state.cache = [c.extract(j) for c in merged]
         mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])
+    if only:
+        return [None] * len(group)
     if not model.last:
         return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
     return sample_group(group, out)

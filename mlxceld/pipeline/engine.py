@@ -90,13 +90,15 @@ KEEP_PROMPT_MIN_NEW: Final = 32
 # MIN_CHUNK to MAX_CHUNK tokens. Measured (bench/conversation.py --sections history, small
 # qwen2 fixture, 2 stages, 2 CPUs; time to first token against mlx-lm in one process):
 # a 2,018-token prompt cold took 37.5 s in chunks of ~505 (0.73x), 24.9 s in ~337 (0.55x),
-# 21.6 s in 256 (0.52x), 19.8 s in ~253 (0.49x), 19.7 s in 192, 18.2 s in 64; a 352-token
-# turn after that history 6.0 s in 2 chunks (0.75x), 5.75 s in 4 (0.66x), 4.96 s in 6 of
-# ~59 (0.64x), 4.83 s in 8 of 44 (0.62x). Smaller chunks let the stages overlap more, and
-# on the CPU a chunk's attention over a long context costs more per token the longer the
-# chunk; a floor keeps a GPU's step from being only weight reads.
-CHUNKS_PER_STAGE: Final = 4
-MIN_CHUNK: Final = 64
+# 21.6 s in 256 (0.52x), 19.8 s in ~253 (0.49x), 19.2-22.2 s in ~169 (0.46-0.49x); a
+# 352-token turn after that history 6.0 s in 2 chunks (0.75x), 5.75 s in 4 (0.66x), 4.96 s
+# in 6 of ~59 (0.64x), 4.82-5.32 s in 11 of 32 (0.60-0.62x). Smaller chunks let the stages
+# overlap more (k chunks through 2 stages take (k + 1) / 2k of one process's time, at
+# best), and on the CPU a chunk's attention over a long context costs more per token the
+# longer the chunk; the floor keeps a chunk's compute above the reading of its stage's
+# weights (on a GPU too, for a large model).
+CHUNKS_PER_STAGE: Final = 6
+MIN_CHUNK: Final = 32
 MAX_CHUNK: Final = 256
 # A stage's refusals whose words name no address (they name the stage, a sequence, a
 # field): passed on to the client; any other's words go to the router's log.
@@ -489,8 +491,10 @@ def chunks(n: int, stages: int, kv_quant: KVQuant | None = None) -> list[int]:
     if kv_quant is not None and kv_quant.start > 0 and n > 1:
         return [min(p.PREFILL_CHUNK, n - 1 - at) for at in range(0, n - 1, p.PREFILL_CHUNK)] \
             + [1]
-    size = p.PREFILL_CHUNK if stages < 2 else \
-        max(MIN_CHUNK, min(MAX_CHUNK, -(-n // (CHUNKS_PER_STAGE * stages))))
-    count = -(-n // size)
+    if stages < 2:
+        count = -(-n // p.PREFILL_CHUNK)
+    else:  # as many as make chunks of the size wanted, none past the largest
+        size = max(MIN_CHUNK, -(-n // (CHUNKS_PER_STAGE * stages)))
+        count = max(1, n // size, -(-n // MAX_CHUNK))
     base, extra = divmod(n, count)
     return [base + 1] * extra + [base] * (count - extra)
