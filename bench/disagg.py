@@ -44,7 +44,7 @@ from typing import Any
 
 from mlxceld.engine import GenerationRequest, SamplingParams
 from mlxceld.engine.handoff import Mode
-from mlxceld.engine.local import load_local_engine
+from mlxceld.engine.loading import load_local_engine
 from mlxceld.models import fixture_cache, preset
 from mlxceld.replicas.disagg import DisaggEngine
 from mlxceld.replicas.handoffs import HandoffService

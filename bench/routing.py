@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.engine import Engine, GenerationRequest, SamplingParams, TokenOutput
-from mlxceld.engine.local import load_local_engine
+from mlxceld.engine.loading import load_local_engine
 from mlxceld.models import preset, write_fixture
 from mlxceld.replicas.pool import ReplicaEngine
 from mlxceld.replicas.routing import SHADOW_SEQUENCES, Routing

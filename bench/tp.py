@@ -71,7 +71,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import mlx_lm  # noqa: F401  (imported before the baseline is measured)
 
     from mlxceld.engine.base import GenerationRequest, SamplingParams
-    from mlxceld.engine.local import load_local_engine
+    from mlxceld.engine.loading import load_local_engine
     from mlxceld.engine.tensor import join_ring, load_tensor_engine, run_tensor_follower
     from mlxceld.models.reading import parameter_bytes
 

@@ -11,7 +11,7 @@ Token ids cross this seam, never text: the pipeline's last stage returns ids.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
@@ -89,8 +89,9 @@ class TokenOutput:
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
     # On a sequence's first output: how many of its prompt's tokens the engine took from a
-    # prompt cache rather than prefilling them (None: the engine does not say).
-    cached: int | None = None
+    # prompt cache rather than prefilling them (None: the engine does not say). What the
+    # engine says of the prompt, not of the token: outputs equal without it.
+    cached: int | None = field(default=None, compare=False)
 
 
 class EngineError(Exception):

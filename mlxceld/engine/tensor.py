@@ -422,14 +422,14 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                        context_length: int | None = None,
                        prompt_cache_bytes: int | None = None,
                        kv_quant: KVQuant | None = None) -> tuple[Any, Any]:
-    """Rank 0 of a tensor-parallel engine: ``engine.local.load_local_engine``'s engine and
+    """Rank 0 of a tensor-parallel engine: ``engine.loading.load_local_engine``'s engine and
     tokenizer (``context_length`` and ``prompt_cache_bytes`` as there), with the model
     split over ``group``; the engine drives the followers, its ``setup`` op carrying
     ``kv_quant`` (refused, ``ConfigError``, for a model that cannot keep one:
     ``engine.local.check_kv``), so every rank quantizes alike."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxceld.engine.local import check_kv, engine_for
+    from mlxceld.engine.loading import check_kv, engine_for
 
     model, config = load_shard(path, group, progress)
     check_kv(model, config, kv_quant, str(Path(path) / "config.json"))

@@ -5,8 +5,8 @@ A model split by layer range over stage workers on several hosts; the router's
 this package does not import mlx.
 """
 
+from mlxceld.pipeline.attaching import StageAddress
 from mlxceld.pipeline.engine import PipelineEngine
-from mlxceld.pipeline.links import StageAddress
 from mlxceld.pipeline.sequences import StagePlace
 from mlxceld.pipeline.stage import StageService
 

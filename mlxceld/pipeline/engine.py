@@ -68,8 +68,9 @@ from mlxceld.engine.base import (
     TokenOutput,
 )
 from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.attaching import DIAL_BUDGET_S, StageAddress
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
-from mlxceld.pipeline.links import DIAL_BUDGET_S, Inbox, StageAddress, StageLink
+from mlxceld.pipeline.links import Inbox, StageLink
 from mlxceld.pipeline.prefixes import PrefixIndex
 from mlxceld.roles.options import KVQuant
 from mlxceld.types import DEFAULT_SILENCE_S, PipelineCacheStats

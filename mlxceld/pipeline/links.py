@@ -8,9 +8,8 @@ the link gets ``EngineUnavailable`` naming the stage.
 A link is kept up in the background (``keep_up``): dialed and attached at
 start, re-dialed at once when its connection ends, then every
 ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` (connectivity.py) while it
-fails. Each attempt is bounded by ``DIAL_BUDGET_S`` (TCP connect and handshake,
-retried within it while refused) plus ``ATTACH_TIMEOUT_S`` (the stage's answer
-to ``attach``). A request that finds the link down dials it itself (``ensure``)
+fails. Each attempt (``attaching.py``: dial, then ``attach``) is bounded by
+``DIAL_BUDGET_S`` plus ``ATTACH_TIMEOUT_S``. A request that finds the link down dials it itself (``ensure``)
 rather than waiting for the backoff; if an attempt is already in flight it
 shares that attempt's outcome instead of starting another, so it waits at most
 one attempt's bound. Each change of state (attached, lost, unreachable,
@@ -59,13 +58,19 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
 from mlxceld.engine.base import EngineUnavailable
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect
+from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.attaching import (
+    DIAL_BUDGET_S,
+    OpenFailed,
+    StageAddress,
+    open_stream,
+    why_ended,
+)
 from mlxceld.pipeline.connectivity import Connectivity, Failure, LinkState, Transition
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, EnvelopeError, Keyring, encode_envelope, parse_envelope
@@ -73,51 +78,9 @@ from mlxceld.wire.address import HostPort
 
 log = logging.getLogger(__name__)
 
-DIAL_BUDGET_S: Final = 5.0  # a stage that does not answer within this is unavailable
-ATTACH_TIMEOUT_S: Final = 5.0
-# Handshake failures that say nothing about the stage refusing us: retried, then unreachable.
-UNREACHABLE_KINDS: Final = frozenset({"unreachable", "at_capacity", "abort", "handshake_timeout"})
-# What a failed dial says about the stage, in words that name no address.
-_DIAL_WORDS: Final = {
-    "unreachable": "nothing accepts connections on its port",
-    "handshake_timeout": "it accepted the connection but did not answer the handshake",
-    "at_capacity": "it holds its maximum of connections",
-    "abort": "it dropped the connection during the handshake",
-}
-
 _HANDED_OVER: Final = "handed over to a stream under the new primary key"
 
-# Why a stage refused ``attach``, in words that name no address (the stage's own name
-# its coordinator's and ours: they go to the log).
-_ATTACH_WORDS: Final = {
-    p.ERR_NOT_COORDINATOR: "it takes commands only from the coordinator its cluster config "
-    "names, and this router is not that one: start the stage and the router from the same "
-    "cluster config",
-    p.ERR_BAD_MESSAGE: "it did not understand the attach (another version of mlxceld?)",
-}
-
 Inbox = asyncio.Queue[tuple[int, Envelope] | BaseException]  # (the stage's rank, message)
-
-
-@dataclass(frozen=True)
-class StageAddress:
-    node_id: str
-    host: str
-    port: int
-    rank: int
-    layers: tuple[int, int]
-
-    @property
-    def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    def name(self) -> str:
-        """The stage as clients read it: its node id, never its address."""
-        return f"stage {self.node_id}"
-
-    def where(self) -> str:
-        """The stage as the operator's log reads it: node id and address."""
-        return f"stage {self.node_id} ({self.address})"
 
 
 class StageLink:
@@ -254,8 +217,8 @@ class StageLink:
             if old is None or not self.stale:
                 return
             try:
-                new = await self._open()
-            except _OpenFailed as exc:  # logged once, then at debug level until it works
+                new, _ = await self._open()
+            except OpenFailed as exc:  # logged once, then at debug level until it works
                 log.log(logging.DEBUG if self._handover_failing else logging.WARNING,
                         "%s stays on key %s for now (retrying in the background): %s%s",
                         self.stage.where(), old.key_id.hex(), exc.message,
@@ -318,8 +281,8 @@ class StageLink:
         if self._closing:
             raise EngineUnavailable(f"{self.stage.name()}: the engine is closing")
         try:
-            stream = await self._open()
-        except _OpenFailed as exc:
+            stream, self.cache_budget = await self._open()
+        except OpenFailed as exc:
             self._fail(exc.failure, exc.message, exc.__cause__)
         self._install(stream)
         old = self.conn.state
@@ -340,58 +303,13 @@ class StageLink:
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
 
-    async def _open(self) -> MxclStream:
-        """A new stream to the stage, attached; ``_OpenFailed`` saying why not."""
-        stage = self.stage
-        try:
-            stream = await connect(
-                stage.host, stage.port, keyring=self._keyring, identity=self._origin.claim(),
-                channel=1, budget_s=self._dial_budget, local_addr=self._origin.local_addr())
-        except HandshakeFailed as exc:
-            if exc.kind in UNREACHABLE_KINDS:
-                raise _OpenFailed("unreachable", f"{stage.name()} is unreachable: "
-                                  f"{_DIAL_WORDS[exc.kind]} (tried for "
-                                  f"{self._dial_budget:g} s)") from exc
-            raise _OpenFailed("refused", f"{stage.name()} refused the handshake "
-                              f"({exc.kind.replace('_', ' ')})"
-                              + (f": {exc.hint}" if exc.hint else "")) from exc
-        try:
-            async with asyncio.timeout(ATTACH_TIMEOUT_S):
-                await stream.send(encode_envelope(
-                    {"t": "attach", "model": self._model_identity, "cluster": self._cluster,
-                     **self._attach_fields}))
-                env = parse_envelope(await stream.recv(), p.ENGINE_SPECS)
-        except (TimeoutError, NetError, EnvelopeError) as exc:
-            await stream.abort()
-            why = (f"no answer within {ATTACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
-                   else _why(exc) if isinstance(exc, ConnectionClosed) else str(exc))
-            raise _OpenFailed("unreachable", f"{stage.name()} did not attach: {why}") from exc
-        if env.type != "attached":
-            await stream.close()
-            message = env.header.get("message", env.type)
-            code = env.header.get("code")
-            if code == p.ERR_STANDBY:
-                raise _OpenFailed("standby", f"{stage.name()} is in standby: {message}")
-            if code == p.ERR_STAGE_FAILED:  # its host's stand-in: the stage, node, reason
-                said = str(message)[:1000]
-                raise _OpenFailed("failed", said if said.startswith(f"{stage.name()} ")
-                                  else f"{stage.name()} failed on its host: {said}")
-            if code == p.ERR_MODEL_MISMATCH:  # its words name the two models, no address
-                raise _OpenFailed("model_mismatch",
-                                  f"{stage.name()} refused to attach: {message}")
-            # Other refusals name addresses (its coordinator's, ours): the log has them.
-            log.warning("%s refused to attach: %s (%s)", stage.where(), message, code)
-            raise _OpenFailed("refused", f"{stage.name()} refused to attach ({code}): "
-                              + _ATTACH_WORDS.get(str(code), "see the router's log"))
-        if tuple(env.header.get("layers", ())) != stage.layers:
-            await stream.close()
-            raise _OpenFailed("layers_mismatch",
-                              f"{stage.name()} serves layers {env.header.get('layers')}, the "
-                              f"cluster config says {list(stage.layers)}: restart it with the "
-                              "same config")
-        budget = env.header.get("cache_bytes")
-        self.cache_budget = budget if type(budget) is int else None
-        return stream
+    async def _open(self) -> tuple[MxclStream, int | None]:
+        """A new stream to the stage, attached, and the prompt cache bound it said
+        (``attaching.open_stream``); ``OpenFailed`` saying why not."""
+        return await open_stream(self.stage, keyring=self._keyring, origin=self._origin,
+                                 dial_budget_s=self._dial_budget, attach={
+                                     "t": "attach", "model": self._model_identity,
+                                     "cluster": self._cluster, **self._attach_fields})
 
     def _fail(self, failure: Failure, message: str,
               cause: BaseException | None = None) -> NoReturn:
@@ -424,7 +342,7 @@ class StageLink:
         try:
             await stream.send(encode_envelope(header, tensors or ()))
         except ConnectionClosed as exc:
-            raise EngineUnavailable(f"{self.stage.name()}: sending failed: {_why(exc)}",
+            raise EngineUnavailable(f"{self.stage.name()}: sending failed: {why_ended(exc)}",
                                     retry_after_s=self.retry_after_s) from exc
 
     def track(self, seq: str) -> None:
@@ -486,7 +404,7 @@ class StageLink:
         elif silent:
             message = f"{self.stage.name()} is silent: {ended.reason}"
         else:
-            message = f"{self.stage.name()} is unavailable: {_why(ended)}"
+            message = f"{self.stage.name()} is unavailable: {why_ended(ended)}"
         failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
         lost = {q for q, s in self._pinned.items() if s is stream}
         lost |= {q for q, s in self._adopting.items() if s is stream}  # were moving here
@@ -513,22 +431,3 @@ class StageLink:
                 await reader
         for stream in streams.values():
             await stream.close("coordinator stopping")
-
-
-class _OpenFailed(Exception):
-    """A stream could not be opened and attached: the ``Failure`` and the client's words."""
-
-    def __init__(self, failure: Failure, message: str) -> None:
-        super().__init__(message)
-        self.failure = failure
-        self.message = message
-
-
-def _why(exc: ConnectionClosed) -> str:
-    """Why a stream ended, in words that name no address (a failed write's do)."""
-    if exc.kind == "abort":
-        return "the connection was reset"
-    if exc.kind == "closed":
-        return f"it closed the connection ({exc.reason})" if exc.reason \
-            else "it closed the connection"
-    return exc.reason or exc.kind.replace("_", " ")

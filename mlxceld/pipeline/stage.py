@@ -2,8 +2,8 @@
 
 Runs in the ``stage`` worker behind an MXCL listener on channel 1 (see
 ``protocol`` for the messages and the authorization rules). The stage's layers
-run one step at a time in arrival order; the asyncio side parses, authorizes
-and forwards. A step runs on the compute thread, except a decode step (one
+run one group of steps at a time (``compute.next_groups``); the asyncio side parses,
+authorizes and forwards. A step runs on the compute thread, except a decode step (one
 token per sequence) while the last one took under ``INLINE_STEP_S``: that runs
 on the event loop's own thread, since handing it to the compute thread and
 back costs two thread wake-ups, a large share of a short step (bench: +24%
@@ -29,23 +29,16 @@ whose tokenizer it reads from the model's directory at its first such ``prepare`
 constraint it cannot use is refused (``bad_constraint``).
 
 The prompt cache (``kvstore.py``; the router decides, ``prefixes.py``): ``release`` with
-``keep`` and ``prepare`` with ``keep_prompt`` or ``reuse``, kept between steps.
+``keep``, ``prepare`` with ``keep_prompt`` or ``reuse``.
 
-Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at``
-and ``busy_since`` (set while steps are enqueued and not yet run or dropped). A
-stage whose compute hangs, or whose forwarding waits on a stalled next stage,
-stays busy with no new step.
+Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at`` and
+``busy_since`` (while steps are queued): a hung compute, or a forward stuck on a stalled
+next stage, stays busy with no new step.
 
-Bounds: ``MAX_SEQUENCES`` prepared at once; the next stage (and, from the last
-stage, the first) is dialed within ``onward.DOWNSTREAM_DIAL_S``, or the owner is told
-``downstream_unreachable``. The connections to them have a heartbeat
-(``silence_s``, ``mlxceld.net.liveness``): one whose stage sends nothing for that
-long (asleep, off the network) is dropped and dialed afresh at the next send, and a
-send the stage does not take within ``mlxceld.net.stream.WRITE_TIMEOUT_S`` fails
-(the owner is told ``downstream_unreachable``) instead of holding this stage's loop.
-When the keyring's primary changes (a secret rotation's ``use``: ``rekey``), both
-connections are handed over to streams under the new primary without losing a message
-(``Redialer.hand_over``), so the rotation's removal of the old key cuts nothing here.
+Bounds: ``MAX_SEQUENCES`` prepared at once; the connections to the next and the first
+stage are dialed, watched by a heartbeat and bounded in each send, and handed over to
+the new primary key on a ``rekey``, as ``onward.py`` says: a send that fails tells the
+sequence's owner ``downstream_unreachable`` instead of holding this stage's loop.
 
 Draining (``drain``, when the worker is told to stop: SIGTERM): the stage refuses
 every new ``prepare`` with ``draining`` (the router answers 503 naming the stage)

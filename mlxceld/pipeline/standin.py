@@ -30,7 +30,7 @@ cannot bind (someone else took it) is logged and left alone.
 How soon the router knows: a request dials a link that is down itself, and the stand-in
 answers within a network round trip; in the background the link is re-dialed at most
 ``connectivity.RETRY_MAX_S`` (5 s) apart, after the attempt then in flight (at most
-``links.DIAL_BUDGET_S`` + ``links.ATTACH_TIMEOUT_S``, 10 s; one waiting on the loading
+``attaching.DIAL_BUDGET_S`` + ``attaching.ATTACH_TIMEOUT_S``, 10 s; one waiting on the loading
 worker's port ends when the worker exits), so ``GET /ready`` names the failure within
 15 s of it, usually within 5 s. Once the worker serves again, the same bound holds for
 the router's attaching it.

@@ -95,7 +95,7 @@ from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
 from mlxceld.api.draining import Draining, NodeDrain
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
-from mlxceld.engine.local import load_local_engine
+from mlxceld.engine.loading import load_local_engine
 from mlxceld.errors import ConfigError
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxceld.engine import Constraint, GenerationRequest, SamplingParams
 from mlxceld.engine.constraints import MAX_CONSTRAINT_BYTES, ConstraintError, compile_grammar
-from mlxceld.engine.local import LocalEngine, constraint_tokenizer, load_local_engine
+from mlxceld.engine.loading import constraint_tokenizer, load_local_engine
+from mlxceld.engine.local import LocalEngine
 
 
 class Colour(BaseModel):

@@ -29,7 +29,8 @@ from mlxceld.engine.handoff import (
     handoff_specs,
     prefill,
 )
-from mlxceld.engine.local import LocalEngine, constraint_tokenizer
+from mlxceld.engine.loading import constraint_tokenizer
+from mlxceld.engine.local import LocalEngine
 from mlxceld.models import preset, write_fixture
 from mlxceld.wire import encode_envelope, parse_envelope
 

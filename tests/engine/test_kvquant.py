@@ -29,7 +29,8 @@ from mlx_lm.models.cache import (
 from mlxceld.engine import GenerationRequest, SamplingParams
 from mlxceld.engine.handoff import DEFAULT_PREFILL_STEP, prefill
 from mlxceld.engine.kvquant import QuantizingKVCache, quantizing_caches
-from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.engine.loading import load_local_engine
+from mlxceld.engine.local import LocalEngine
 from mlxceld.errors import ConfigError
 from mlxceld.models import preset, write_fixture
 from mlxceld.roles.options import KVQuant

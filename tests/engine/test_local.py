@@ -13,7 +13,8 @@ from mlx_lm import generate, load
 from mlx_lm.generate import generate_step
 
 from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
-from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.engine.loading import load_local_engine
+from mlxceld.engine.local import LocalEngine
 
 from helpers.waiting import until
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from mlxceld.discovery.inventory import free_ports
-from mlxceld.engine.local import load_local_engine
+from mlxceld.engine.loading import load_local_engine
 from mlxceld.roles.options import KVQuant
 
 from helpers.models import FAMILIES, write_tiny_checkpoints

@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from mlxceld.models import preset, write_fixture
+from mlxceld.pipeline.attaching import ATTACH_TIMEOUT_S, DIAL_BUDGET_S
 from mlxceld.pipeline.connectivity import RETRY_MAX_S
-from mlxceld.pipeline.links import ATTACH_TIMEOUT_S, DIAL_BUDGET_S
 
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.models import PROMPT, expected

@@ -14,8 +14,9 @@ import pytest
 from mlxceld.engine import EngineUnavailable
 from mlxceld.net import connect
 from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.attaching import StageAddress
 from mlxceld.pipeline.connectivity import Connectivity
-from mlxceld.pipeline.links import StageAddress, StageLink
+from mlxceld.pipeline.links import StageLink
 from mlxceld.pipeline.standin import MAX_REASON, StandIns, failure_message
 from mlxceld.roles.options import EchoOptions, StageOptions
 from mlxceld.supervisor.process import WorkerSpec

@@ -16,7 +16,8 @@ import pytest
 
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 from mlxceld.engine.handoff import HandoffUnsupported, Mode
-from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.engine.loading import load_local_engine
+from mlxceld.engine.local import LocalEngine
 from mlxceld.net import connect_as
 from mlxceld.replicas import disagg
 from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
-from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.engine.loading import load_local_engine
+from mlxceld.engine.local import LocalEngine
 from mlxceld.replicas.pool import ReplicaEngine
 from mlxceld.replicas.routing import BLOCK_TOKENS
 

@@ -17,7 +17,8 @@ import pytest
 
 from mlxceld.engine import EngineUnavailable, SamplingParams
 from mlxceld.engine.base import Constraint
-from mlxceld.engine.local import LocalEngine, load_local_engine
+from mlxceld.engine.loading import load_local_engine
+from mlxceld.engine.local import LocalEngine
 from mlxceld.net import MxclStream, connect, streams_under
 from mlxceld.pipeline.protocol import params_to_wire
 from mlxceld.replicas import protocol as p
