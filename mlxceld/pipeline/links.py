@@ -9,8 +9,8 @@ A link is kept up in the background (``keep_up``): dialed and attached at
 start, re-dialed at once when its connection ends, then every
 ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` (connectivity.py) while it
 fails. Each attempt (``attaching.py``: dial, then ``attach``) is bounded by
-``DIAL_BUDGET_S`` plus ``ATTACH_TIMEOUT_S``. A request that finds the link down dials it itself (``ensure``)
-rather than waiting for the backoff; if an attempt is already in flight it
+``DIAL_BUDGET_S`` plus ``ATTACH_TIMEOUT_S``. A request that finds the link down dials
+it itself (``ensure``) rather than waiting for the backoff; if an attempt is already in flight it
 shares that attempt's outcome instead of starting another, so it waits at most
 one attempt's bound. Each change of state (attached, lost, unreachable,
 refused, standby, mismatch, silent) is logged once, not every retry.
