@@ -63,9 +63,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from chats import Endpoint, InProcess, Messages, Turn, TurnFailed
-from loopback import Cluster, interruptible, start_cluster, start_single, stop_all
+from loopback import Cluster, in_scratch, start_cluster, start_single, stop_all
 from mlxlm import Server, end_tree, start_server, wait_ready
 
 WORDS = ("river", "mill", "harbour", "lantern", "orchard", "winter", "market", "bridge",
@@ -440,20 +437,13 @@ def main() -> None:
     say(f"{os.cpu_count()} CPUs, load average at the start "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     started = time.monotonic()
-    interrupted = False
-    with interruptible():
-        root = Path(tempfile.mkdtemp(prefix="mxconv", dir="/tmp"))
-        try:
-            res = run(settings, root)
-            print(report(res, settings))
-            print(f"({time.monotonic() - started:.0f} s)")
-        except KeyboardInterrupt:
-            print("interrupted; everything started is stopped", file=sys.stderr)
-            interrupted = True
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-    if interrupted:
-        sys.exit(130)
+
+    def work(root: Path) -> None:
+        res = run(settings, root)
+        print(report(res, settings))
+        print(f"({time.monotonic() - started:.0f} s)")
+
+    in_scratch("mxconv", work)
 
 
 if __name__ == "__main__":

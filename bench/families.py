@@ -67,13 +67,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loopback import Cluster, interruptible, start_cluster, stop_all, stream_once
+from loopback import Cluster, in_scratch, start_cluster, stop_all, stream_once
 from mlxlm import (
     PipelineFailed,
     Rank,
@@ -477,21 +476,14 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, load average at the start "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     started = time.monotonic()
-    interrupted = False
-    with interruptible():
-        root = Path(tempfile.mkdtemp(prefix="mxfam", dir="/tmp"))
-        try:
-            bare = Bare.measure(settings.timeout_s)
-            results = run(families, settings, root)
-            print(report(results, settings, bare))
-            print(f"({time.monotonic() - started:.0f} s)")
-        except KeyboardInterrupt:
-            print("interrupted; everything started is stopped", file=sys.stderr)
-            interrupted = True
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-    if interrupted:
-        sys.exit(130)
+
+    def work(root: Path) -> None:
+        bare = Bare.measure(settings.timeout_s)
+        results = run(families, settings, root)
+        print(report(results, settings, bare))
+        print(f"({time.monotonic() - started:.0f} s)")
+
+    in_scratch("mxfam", work)
 
 
 if __name__ == "__main__":

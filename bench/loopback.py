@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +233,23 @@ def interruptible() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def in_scratch(prefix: str, work: Callable[[Path], None]) -> None:
+    """``work`` given a scratch folder (removed after), ``interruptible``: interrupted, it
+    says so and the process exits 130 once everything started is stopped."""
+    interrupted = False
+    with interruptible():
+        root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        try:
+            work(root)
+        except KeyboardInterrupt:
+            print("interrupted; everything started is stopped", file=sys.stderr)
+            interrupted = True
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    if interrupted:
+        sys.exit(130)
 
 
 def stop_all(clusters: list[Cluster]) -> None:

@@ -288,25 +288,27 @@ def _positive(table: Mapping[str, Any], key: str, default: int, where: str) -> i
 
 
 def _max_tokens(flag: int | None, table: Mapping[str, Any], where: str) -> int | None:
-    if flag is not None:
-        if flag < 1:
-            raise ConfigError(f"--max-tokens must be at least 1, not {flag}",
-                              hint="leave it out to bound a completion by the context only")
-        return flag
-    if table.get("max_tokens") is None:
-        return None
-    return _positive(table, "max_tokens", 4096, where)
+    return _optional_positive(flag, table, "max_tokens", 4096, where,
+                              "leave it out to bound a completion by the context only")
 
 
 def _context_length(flag: int | None, table: Mapping[str, Any], where: str) -> int | None:
+    return _optional_positive(flag, table, "context_length", 32768, where,
+                              "leave it out to serve the model's own context")
+
+
+def _optional_positive(flag: int | None, table: Mapping[str, Any], key: str, example: int,
+                       where: str, unset: str) -> int | None:
+    """``--KEY`` (winning) or ``serve.KEY``: an integer at least 1, or None when neither is
+    given (``unset``: what leaving it out does, the flag's hint)."""
     if flag is not None:
         if flag < 1:
-            raise ConfigError(f"--context-length must be at least 1, not {flag}",
-                              hint="leave it out to serve the model's own context")
+            raise ConfigError(f"--{key.replace('_', '-')} must be at least 1, not {flag}",
+                              hint=unset)
         return flag
-    if table.get("context_length") is None:
+    if table.get(key) is None:
         return None
-    return _positive(table, "context_length", 32768, where)
+    return _positive(table, key, example, where)
 
 
 def _prompt_cache_bytes(table: Mapping[str, Any], where: str) -> int | None:

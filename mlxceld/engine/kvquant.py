@@ -100,7 +100,27 @@ def _quantize(x: mx.array, kv: KVQuant) -> tuple[mx.array, mx.array, mx.array]:
     return q, scales, biases
 
 
-class QuantizingKVCache:
+class _Width:
+    """``bits`` and ``group_size``, only once quantized: the model's attention asks
+    ``hasattr(cache, "bits")`` to take its quantized path."""
+
+    kv: KVQuant
+
+    def _width(self, name: str) -> int:
+        if not getattr(self, "quantized"):  # noqa: B009  # a property here, a field there
+            raise AttributeError(name)
+        return int(getattr(self.kv, name))
+
+    @property
+    def bits(self) -> int:
+        return self._width("bits")
+
+    @property
+    def group_size(self) -> int:
+        return self._width("group_size")
+
+
+class QuantizingKVCache(_Width):
     """One sequence's cache of one layer: mlx-lm's ``KVCache``, then (holding ``kv.start``
     tokens as a step begins) its ``QuantizedKVCache`` (see the module docstring)."""
 
@@ -114,19 +134,6 @@ class QuantizingKVCache:
     @property
     def quantized(self) -> bool:
         return isinstance(self.inner, QuantizedKVCache)
-
-    @property
-    def bits(self) -> int:
-        """Only once quantized: the model's attention asks ``hasattr(cache, "bits")``."""
-        if not self.quantized:
-            raise AttributeError("bits")
-        return self.kv.bits
-
-    @property
-    def group_size(self) -> int:
-        if not self.quantized:
-            raise AttributeError("group_size")
-        return self.kv.group_size
 
     @property
     def offset(self) -> int:
@@ -205,7 +212,7 @@ class QuantizingKVCache:
         return BatchQuantizingKVCache.merge(caches)
 
 
-class BatchQuantizingKVCache:
+class BatchQuantizingKVCache(_Width):
     """Several sequences' caches of one layer, left-padded to one length, for a batched
     step: mlx-lm's ``BatchKVCache``, its keys and values full-precision arrays or quantized
     triples (see the module docstring)."""
@@ -221,18 +228,6 @@ class BatchQuantizingKVCache:
         self._right_padding: mx.array | None = None
         self.quantized = quantized or kv.start == 0
         self.held = False
-
-    @property
-    def bits(self) -> int:
-        if not self.quantized:
-            raise AttributeError("bits")
-        return self.kv.bits
-
-    @property
-    def group_size(self) -> int:
-        if not self.quantized:
-            raise AttributeError("group_size")
-        return self.kv.group_size
 
     def due(self) -> bool:
         """Any row holds ``kv.start`` tokens as a step begins (and the batch is not yet
