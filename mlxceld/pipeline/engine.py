@@ -290,7 +290,7 @@ class PipelineEngine:
         if any(n != reuse.tokens for n in reused):  # a stage no longer holds it
             log.info("a stage no longer holds prompt-cache entry %s: prefilling all %d "
                      "tokens", reuse.entry, len(prompt))
-            self._forget(self._prefixes.missed(reuse))
+            self._forget(self._prefixes.lost(reuse))
             del header["reuse"]
             await self._prepared(header, inbox)
             return 0

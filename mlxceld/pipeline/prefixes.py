@@ -101,7 +101,7 @@ class PrefixIndex:
         self.stats.hits += 1
         self.stats.tokens_reused += reuse.tokens
 
-    def missed(self, reuse: Reuse) -> list[str]:
+    def lost(self, reuse: Reuse) -> list[str]:
         """A stage no longer held ``reuse``'s entry: it goes everywhere."""
         self.stats.lost += 1
         return self._drop([reuse.entry])
@@ -138,10 +138,14 @@ class PrefixIndex:
 
     def _redundant(self, entry_id: str, entry: _Entry) -> list[str]:
         """What a newly kept entry makes redundant: the entries that are a prefix of one
-        that every stage holds and can trim (itself, when one holds more of it)."""
+        that every stage holds and can trim (itself, when one holds more of it), and one
+        of the same tokens."""
         gone = []
         for other_id, other in self._entries.items():
             if other_id == entry_id:
+                continue
+            if other.tokens == entry.tokens:  # the same prefix twice: the older goes
+                gone.append(other_id)
                 continue
             shorter, longer = (other, entry) if len(other.tokens) < len(entry.tokens) \
                 else (entry, other)

@@ -85,7 +85,7 @@ def test_a_prefix_a_stage_lost_drops_the_entry_and_is_counted() -> None:
     a = kept_by_all(index, [4, 5, 6])
     reuse = index.lookup([4, 5, 6, 7])
     assert reuse == Reuse(a, 3)
-    assert index.missed(reuse) == [a]
+    assert index.lost(reuse) == [a]
     assert index.lookup([4, 5, 6, 7]) is None
     assert (index.stats.lost, index.stats.hits) == (1, 0)
     b = kept_by_all(index, [4, 5, 6])
@@ -111,3 +111,12 @@ def test_an_entry_unknown_here_is_forgotten_by_the_stage_that_kept_it() -> None:
     assert index.kept(0, "p99", True, True, []) == ["p99"]
     assert index.kept(0, "p98", False, False, []) == []
     assert index.kept(0, None, False, False, ["p97"]) == []  # a forget's answer
+
+
+def test_the_same_tokens_kept_twice_leave_one_entry() -> None:
+    index = PrefixIndex(RANKS)
+    first = kept_by_all(index, [5, 6, 7])  # a prompt kept once prefilled
+    second, _ = index.add([5, 6, 7])  # its sequence ended at once (max_tokens 1)
+    index.kept(0, second, True, False, [])
+    assert index.kept(1, second, True, False, []) == [first]
+    assert index.lookup([5, 6, 7, 8]) == Reuse(second, 3) and index.entries == 1
