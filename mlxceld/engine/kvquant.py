@@ -107,7 +107,7 @@ class _Width:
     kv: KVQuant
 
     def _width(self, name: str) -> int:
-        if not getattr(self, "quantized"):  # a property of one kind, a field of the other
+        if not getattr(self, "quantized"):  # noqa: B009  # a property here, a field there
             raise AttributeError(name)
         return int(getattr(self.kv, name))
 
