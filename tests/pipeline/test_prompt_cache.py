@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.pipeline import PipelineEngine
+from mlxceld.roles.options import KVQuant
 
 from helpers.stages import Cluster, cluster, tokens_of
 from helpers.waiting import until
@@ -201,3 +202,24 @@ def test_a_new_engine_or_a_reattached_stage_starts_from_nothing(
     assert outs == [outs[0]] * 3
     assert held == [1]  # the old engine's entry, dropped when the new one attached
     assert [s["hits"] for s in stats] == [0, 0]
+
+
+def test_a_quantized_kv_cache_is_kept_and_reused_alike(kv_fixture_dir: Path) -> None:
+    """With ``[serve] kv_bits`` the stages keep and reuse quantized caches: a chat's turns
+    get the tokens a pipeline that keeps nothing gets with the same quantized cache."""
+    path = kv_fixture_dir / "qwen3"
+    kv = KVQuant(8, 64, 0)
+
+    async def go(cache: bool) -> tuple[list[list[int]], dict[str, Any]]:
+        async with cluster(path, SPLITS) as c:
+            engine = c.engine(path, kv_quant=kv, prompt_cache_bytes=None if cache else 0)
+            try:
+                answers = await chat(engine, 3, 3, between=lambda: settled(c, engine))
+                return answers, dict(engine.prompt_cache_stats())
+            finally:
+                await engine.aclose()
+
+    cached, stats = asyncio.run(go(True))
+    plain, _ = asyncio.run(go(False))
+    assert cached == plain
+    assert stats["hits"] == 2 and stats["lost"] == 0
