@@ -82,3 +82,16 @@ def bf16_split_fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return write_tiny_checkpoints(tmp_path_factory.mktemp("bf16-split-fixtures"), layers=4,
                                   dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def small_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama checkpoint of a small context (``helpers.models.SMALL_CONTEXT``): running
+    to its end stays fast (~2 s)."""
+    from mlxceld.models import preset, write_fixture
+
+    from helpers.models import SMALL_CONTEXT
+
+    path = tmp_path_factory.mktemp("small-context") / "llama"
+    write_fixture(path, preset("tiny", family="llama", context=SMALL_CONTEXT))
+    return path

@@ -5,23 +5,19 @@ active. It asserts the outcome, not the time (bench/bringup.py prints that)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from helpers.benches import bench_module
+
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    path = Path(__file__).parents[2] / "bench" / "bringup.py"
-    spec = importlib.util.spec_from_file_location("bench_bringup", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def bench() -> Iterator[ModuleType]:
+    with bench_module("bringup") as module:
+        yield module
 
 
 def test_the_simulated_push_ends_with_every_stage_active(bench: ModuleType,

@@ -7,8 +7,6 @@ that)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,22 +14,13 @@ from types import ModuleType
 import psutil
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
+from helpers.benches import bench_module
 
 
 @pytest.fixture(scope="module")
 def conversation() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # its own imports: chats, loopback, mlxlm, streams
-    try:
-        spec = importlib.util.spec_from_file_location("bench_conversation",
-                                                      BENCH / "conversation.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
+    with bench_module("conversation") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.mark.timeout(300)

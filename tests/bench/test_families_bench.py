@@ -6,8 +6,6 @@ speed (bench/families.py prints that)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -15,21 +13,13 @@ from types import ModuleType
 import psutil
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
+from helpers.benches import bench_module
 
 
 @pytest.fixture(scope="module")
 def families() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # its own imports: loopback, mlxlm, streams
-    try:
-        spec = importlib.util.spec_from_file_location("bench_families", BENCH / "families.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
+    with bench_module("families") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_the_quick_run_measures_all_three_with_the_same_tokens(

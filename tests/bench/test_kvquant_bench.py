@@ -5,21 +5,18 @@ numbers (the bench prints those for the ``small`` fixture)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench" / "kvquant.py"
+from helpers.benches import bench_module
 
 
 def test_the_report_measures_each_cache_against_full_precision(
         kv_fixture_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_kvquant", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.report(kv_fixture_dir / "llama", 600, 64)
+    with bench_module("kvquant") as bench:
+        reported = bench.report(kv_fixture_dir / "llama", 600, 64)
+    assert reported
     out = capsys.readouterr().out
     assert "one sequence of 600 tokens" in out
     rows = {line[:22].strip(): line[22:].split() for line in out.splitlines()

@@ -15,6 +15,7 @@ from mlxceld.models import preset, write_fixture
 from mlxceld.roles.options import KVQuant
 
 FAMILIES = ("llama", "qwen3")
+SMALL_CONTEXT = 600  # conftest's small_context: a model whose context ends quickly
 PROMPT = "The quick brown fox"
 
 

@@ -18,26 +18,18 @@ import mlxceld
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.metrics import sample, scrape
+from helpers.models import SMALL_CONTEXT
 from helpers.ports import free_port
 from helpers.router import client
 from helpers.waiting import wait_for
 
-CONTEXT = 600  # a small context, so that running to its end stays fast (~2 s)
+CONTEXT = SMALL_CONTEXT  # conftest's small_context: running to its end stays fast
 # Greedy from this prompt, the fixture (context 600) runs past 512 tokens without an EOS
 # (checked against mlx-lm's generate_step): it stops at the context's end.
 LONG_PROMPT = "Once upon a time"
 LOG_WAIT_S = 30.0  # a line is written as the response ends; generous on a loaded machine
 KEY = "sk-access-log-secret"
 BASE = {"time", "level", "logger", "message"}
-
-
-@pytest.fixture(scope="module")
-def small_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxceld.models import preset, write_fixture
-
-    path = tmp_path_factory.mktemp("small-context") / "llama"
-    write_fixture(path, preset("tiny", family="llama", context=CONTEXT))
-    return path
 
 
 def start(daemons: Daemons, model: Path, *extra: str) -> tuple[DaemonProc, str]:

@@ -13,25 +13,18 @@ import pytest
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.metrics import sample, scrape
+from helpers.models import SMALL_CONTEXT
 from helpers.ports import free_port
 from helpers.router import client
 from helpers.waiting import wait_for
 
-CONTEXT = 600  # the model's own
+CONTEXT = SMALL_CONTEXT  # the model's own (conftest's small_context)
 CAP = 64
 # Greedy from this prompt the fixture runs past 512 tokens without an EOS
 # (tests/integration/test_api_ops.py): a completion left unbounded fills the context.
 PROMPT = "Once upon a time"
 STATS_S = 10.0  # the router's stats reach the daemon within a few health probes
 
-
-@pytest.fixture(scope="module")
-def small_context(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxceld.models import preset, write_fixture
-
-    path = tmp_path_factory.mktemp("context-cap") / "llama"
-    write_fixture(path, preset("tiny", family="llama", context=CONTEXT))
-    return path
 
 
 def start(daemons: Daemons, serve: str, *flags: str) -> tuple[DaemonProc, str]:

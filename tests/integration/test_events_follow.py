@@ -32,10 +32,16 @@ class Follower:
     """``mlxctl events -f --json`` as a subprocess, its lines read on a thread."""
 
     def __init__(self, d: DaemonProc, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxctl", "--socket", str(d.socket), "events", "-f",
-             "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "NO_COLOR": "1"})
+        # As from a terminal, ^C not ignored: a suite run as a background job of a script
+        # ignores SIGINT, and a child inherits that (an exec resets only a handler).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxctl", "--socket", str(d.socket), "events", "-f",
+                 "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "NO_COLOR": "1"})
+        finally:
+            signal.signal(signal.SIGINT, previous)
         self.lines: list[tuple[float, str]] = []
         assert self.proc.stdout is not None
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,),
