@@ -28,9 +28,6 @@ case), read once when the app is built; the body says which
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import os
 import time
 import uuid
@@ -47,10 +44,11 @@ from starlette.types import ASGIApp
 from mlxceld.api.access import log_access
 from mlxceld.api.admission import Admission
 from mlxceld.api.auth import require_api_key
-from mlxceld.api.codec import ChatTemplateError, TextCodec
+from mlxceld.api.chatting import Chats
+from mlxceld.api.codec import TextCodec
 from mlxceld.api.draining import Draining
-from mlxceld.api.errors import ApiError, error_response, invalid
-from mlxceld.api.formats import ChatFormat, Format, TextFormat
+from mlxceld.api.errors import ApiError, error_response
+from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.metrics import (
     CONTENT_TYPE,
@@ -59,23 +57,17 @@ from mlxceld.api.metrics import (
     StageLinks,
     count_requests,
 )
-from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
-    ChatRequest,
-    Options,
     check_constraint,
     check_prompt_bytes,
     parse_chat,
     parse_completion,
     read_body,
-    sampling_params,
 )
 from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
-from mlxceld.api.toolcalls import parse_calls
-from mlxceld.api.toolgrammar import after_thinking, forced_constraint, json_object_calls
-from mlxceld.engine import Constraint, Engine, GenerationRequest
+from mlxceld.engine import Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
@@ -132,7 +124,6 @@ def build_router_app(
                       prompt_caches=prompt_caches)
     drains = draining or Draining()
     sequencer = Sequencer(engine, codec, admission, metrics, drains)
-    tokenizer = PromptTokenizer(codec)
     card: ModelCard = {"id": model_id, "object": "model", "created": int(time.time()),
                        "owned_by": "mlxceld", "context_length": engine.context_length}
 
@@ -171,69 +162,32 @@ def build_router_app(
         assert router_stats is not None
         return JSONResponse(router_stats(verbose))
 
-    def check_ready() -> float:
-        arrived = time.monotonic()
-        if not is_ready():
-            raise ApiError(503, "the model is still loading; retry shortly", "server_error",
-                           code="not_ready", headers={"Retry-After": "1"})
-        drains.check()
-        return arrived
-
-    def respond(prompt: list[int], options: Options, fmt: Format, prompt_param: str,
-                arrived: float, reply: ChatReply | None = None,
-                constraint: Constraint | None = None) -> Response:
-        params = sampling_params(options, prompt_tokens=len(prompt),
-                                 context_length=engine.context_length,
-                                 max_tokens_bound=max_tokens,
-                                 prompt_param=prompt_param, vocab_size=codec.vocab_size)
-        if constraint is not None:
-            if params.constraint is not None:  # response_format's: one grammar at a time
-                raise invalid("a forced 'tool_choice' and a 'response_format' cannot both "
-                              "constrain the answer; drop one of them", "tool_choice")
-            params = dataclasses.replace(params, constraint=constraint)
-        return CompletionResponse(sequencer, GenerationRequest(fmt.id, prompt, params),
-                                  options.stop, fmt, stream=options.stream, arrived=arrived,
-                                  reply=reply)
+    chats = Chats(engine, codec, sequencer, PromptTokenizer(codec), model_id, max_tokens,
+                  max_body_bytes, is_ready, drains)
 
     async def chat(request: Request) -> Response:
-        arrived = check_ready()
+        arrived = chats.check_ready()
         parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
-        tools = _template_tools(parsed, codec, model_id)
-        size = sum(m.size for m in parsed.messages) + \
-            sum(len(json.dumps(t)) for t in tools)
-        check_prompt_bytes(size, context_length=engine.context_length, prompt_param="messages")
-        options = parsed.options
-        await check_constraint(options)
-        try:
-            prompt = await tokenizer.chat(list(parsed.messages), size, tools=tools or None,
-                                          template_kwargs=dict(parsed.template_kwargs))
-        except ChatTemplateError as exc:
-            raise invalid(str(exc), "messages") from None
-        thinking = codec.opens_thinking(prompt)
-        if thinking and options.constraint is not None:  # the JSON is content, not reasoning
-            options = dataclasses.replace(
-                options, constraint=after_thinking(options.constraint, codec.features))
-        use = parsed.tools
-        forced = None
-        if tools and use is not None and use.forced:
-            forced = await forced_constraint(use.offered, codec.features,
-                                             parallel=use.parallel, close_thinking=thinking)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
-                         options.include_usage, options.logprobs is not None)
-        return respond(prompt, options, fmt, "messages", arrived,
-                       _reply(parsed, codec, tools, thinking, fmt.id), forced)
+                         parsed.options.include_usage, parsed.options.logprobs is not None)
+        prepared = await chats.prepare(parsed, fmt.id)
+        return CompletionResponse(sequencer, prepared.request, prepared.stops, fmt,
+                                  stream=prepared.options.stream, arrived=arrived,
+                                  reply=prepared.reply)
 
     async def completions(request: Request) -> Response:
-        arrived = check_ready()
+        arrived = chats.check_ready()
         parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         options = parsed.options
         await check_constraint(options)
-        prompt = await tokenizer.prompt(parsed.prompt, size)
+        prompt = await chats.tokenizer.prompt(parsed.prompt, size)
         fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
                          options.include_usage, options.logprobs is not None)
-        return respond(prompt, options, fmt, "prompt", arrived)
+        return CompletionResponse(sequencer, GenerationRequest(
+            fmt.id, prompt, chats.params(prompt, options, "prompt")), options.stop, fmt,
+            stream=options.stream, arrived=arrived)
 
     app = Starlette(
         routes=[
@@ -252,41 +206,6 @@ def build_router_app(
     guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
                                                                     open_paths=OPEN_PATHS)
     return log_access(count_requests(guarded, metrics, ENDPOINTS))
-
-
-def _template_tools(parsed: ChatRequest, codec: TextCodec, model_id: str) -> list[Any]:
-    """The tools the chat template is given, checked against what the model offers."""
-    use = parsed.tools
-    if use is None or not use.offered:
-        return []
-    features = codec.features
-    if features.tool_call is None:
-        raise invalid(f"the model {model_id!r} does not support tool calling: its chat "
-                      "template and tokenizer have no tool-call format; leave out 'tools' "
-                      "(or set 'tool_choice' to \"none\")", "tools", "tools_not_supported")
-    if use.forced and not json_object_calls(features):
-        raise invalid(f"'tool_choice' {use.choice!r} cannot be forced for the model "
-                      f"{model_id!r}: its tool calls are not <tool_call>{{\"name\", "
-                      "\"arguments\"}</tool_call> objects; use \"auto\"",
-                      "tool_choice", "tool_choice_not_supported")
-    return [t.template_dict() for t in use.offered]
-
-
-def _reply(parsed: ChatRequest, codec: TextCodec, tools: list[Any], thinking: bool,
-           request_id: str) -> ChatReply | None:
-    """How the answer is read: its reasoning and tool calls apart from its content. None
-    when the model has neither (all of it is content, as before)."""
-    features = codec.features
-    if not tools and features.think is None:
-        return None
-    parallel = parsed.tools is None or parsed.tools.parallel
-    splitter = ReplySplitter(features, tools=bool(tools), thinking=thinking,
-                             max_calls=None if parallel else 1)
-    parser = features.parse_tool_call
-    if parser is None:
-        return ChatReply(splitter, features, lambda text: None)
-    return ChatReply(splitter, features, functools.partial(parse_calls, parser=parser,
-                                                           tools=tools, request_id=request_id))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
