@@ -4,6 +4,8 @@
                                        (the engine's: ``[serve] context_length`` caps it)
     POST /v1/chat/completions          chat, whole or streamed (SSE)
     POST /v1/completions               text completion, whole or streamed
+    POST /v1/responses, /responses     OpenAI's Responses API, stateless, whole or streamed
+                                       (``responses.py``, ``responses_serving.py``)
     GET  /health                       liveness: always 200, never needs the key
     GET  /ready                        200 once ``ready()`` says so and ``readiness()``
                                        names nothing wrong, else 503
@@ -64,6 +66,7 @@ from mlxceld.api.requests import (
     parse_completion,
     read_body,
 )
+from mlxceld.api.responses_serving import responses_route
 from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
@@ -71,7 +74,7 @@ from mlxceld.engine import Engine, GenerationRequest
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
-                       "/ready", "/metrics", "/router/stats"})
+                       "/ready", "/metrics", "/router/stats", "/v1/responses", "/responses"})
 STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 
@@ -195,6 +198,8 @@ def build_router_app(
             Route("/v1/models/{name:path}", model),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses_route(chats), methods=["POST"]),
+            Route("/responses", responses_route(chats), methods=["POST"]),
             Route("/health", health),
             Route("/ready", ready_route),
             Route("/metrics", metrics_text),
