@@ -105,6 +105,9 @@ def parse_responses(body: bytes, *, model_id: str) -> ResponsesRequest:
     if function is not None and function not in {t.name for t in tools}:
         raise invalid(f"'tool_choice' names the function {function!r}, which is not among "
                       f"'tools' ({', '.join(t.name for t in tools)})", "tool_choice.name")
+    if constraint is not None and tools and choice in ("required", "function"):
+        raise invalid("a forced 'tool_choice' and a 'text.format' cannot both constrain the "
+                      "answer; drop one of them", "tool_choice")
     options = Options(
         model=model_id,
         max_tokens=fields.integer("max_output_tokens", 1),
@@ -307,6 +310,8 @@ def _text(fields: Fields) -> tuple[dict[str, Any], Constraint | None]:
         return {"format": {"type": "text"}}, None
     inner = Fields(spec, "text.format")
     kind_ = inner.string("type")
+    if kind_ in ("text", "json_object"):
+        check_fields(spec, {"type": HONOURED}, "text.format")
     if kind_ == "text":
         return {"format": {"type": "text"}}, None
     if kind_ == "json_object":

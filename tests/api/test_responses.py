@@ -247,6 +247,15 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "low", "mode": "pro"}}, "reasoning.mode"),
+    ({"text": {"format": {"type": "text", "strict": True}}}, "text.format.strict"),
+    ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x",
+                 "name": "f"}]}, "input[0].name"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
+     "input[0].encrypted_content"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
 ]
 
 
