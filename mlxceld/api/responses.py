@@ -31,8 +31,8 @@ way (OpenAI would store the response; this server never does). Every field is in
 - ``include``: only ``reasoning.encrypted_content`` (Codex asks for it): accepted, and a
   no-op since reasoning is returned in the clear; other values are refused.
 - ``truncation``: only "disabled" (a prompt too long for the context is refused).
-- ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``: opaque labels,
-  ``metadata`` echoed back.
+- ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``, ``client_metadata``
+  (the Codex CLI's): opaque labels, ``metadata`` echoed back.
 """
 
 from __future__ import annotations
@@ -348,8 +348,8 @@ def _reasoning(fields: Fields) -> tuple[dict[str, Any] | None, tuple[tuple[str, 
         raise invalid(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}, not "
                       f"{show(effort)}", "reasoning.effort")
     summary = inner.string("summary") or inner.string("generate_summary")
-    if summary is not None and summary not in ("auto", "concise", "detailed"):
-        raise invalid(f"'reasoning.summary' must be auto, concise or detailed, not "
+    if summary is not None and summary not in ("auto", "concise", "detailed", "none"):
+        raise invalid(f"'reasoning.summary' must be auto, concise, detailed or none, not "
                       f"{show(summary)}", "reasoning.summary")
     kwargs: tuple[tuple[str, Any], ...] = ()
     if effort is not None:

@@ -40,6 +40,7 @@ RESPONSES_FIELDS: Final[dict[str, Rule]] = {
     "user": Rule("opaque", shape=str),
     "safety_identifier": Rule("opaque", shape=str),
     "prompt_cache_key": Rule("opaque", shape=str),
+    "client_metadata": Rule("opaque", shape=dict),  # the Codex CLI's
     "store": _refused(STATELESS + "as 'input' with store false (or leave 'store' out)",
                       lambda v: v is False),
     "previous_response_id": _refused(STATELESS + "as 'input' instead of "

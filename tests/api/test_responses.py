@@ -312,3 +312,59 @@ def test_an_engine_failure_mid_stream_is_response_failed() -> None:
         assert "broke down" in final.error.message and final.output_text == "abc"
 
     asyncio.run(main())
+
+
+# The Codex CLI's request, as codex-rs builds it (codex-api/src/common.rs,
+# ResponsesApiRequest: instructions, developer and user messages of input_text parts,
+# flat function tools, tool_choice "auto", store false, stream true, include
+# reasoning.encrypted_content, prompt_cache_key, client_metadata), and its second turn
+# (the reasoning, the call and its output sent back).
+CODEX: dict[str, Any] = {
+    "model": MODEL, "instructions": "You are Codex.",
+    "input": [{"type": "message", "role": "developer",
+               "content": [{"type": "input_text", "text": "<permissions>"}]},
+              {"type": "message", "role": "user",
+               "content": [{"type": "input_text", "text": "weather in Paris?"}]}],
+    "tools": [{**WEATHER, "strict": False}], "tool_choice": "auto",
+    "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
+    "store": False, "stream": True, "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "0199a1b2-c3d4", "client_metadata": {"x-codex-turn": "1"}}
+
+
+def test_the_codex_clis_requests() -> None:
+    async def main() -> None:
+        engine, codec = FakeEngine(context_length=4096, reply=REPLY.encode()), ToolByteCodec()
+        async with http_client(make_app(engine, codec)) as client:
+            first = await client.post("/v1/responses", json=CODEX)
+            events = sse_named(first.text)
+            final = events[-1]["response"]
+            turn = [item for item in final["output"] if item["type"] != "message"]
+            engine.reply = b"</think>Sunny."
+            second = await client.post("/v1/responses", json={**CODEX, "input": [
+                *CODEX["input"], *turn,
+                {"type": "function_call_output", "call_id": turn[1]["call_id"],
+                 "output": "sunny"}]})
+        assert first.status_code == 200 and first.headers["content-type"].startswith(
+            "text/event-stream")
+        assert [i["type"] for i in final["output"]] == ["reasoning", "message",
+                                                       "function_call"]
+        messages, _, kwargs = codec.templated[-1]
+        assert kwargs == {"reasoning_effort": "medium"}
+        assert [m.role for m in messages] == ["system", "system", "user", "assistant", "tool"]
+        assert messages[3].reasoning == "look it up" and messages[3].tool_calls
+        assert sse_named(second.text)[-1]["response"]["output"][-1]["content"][0]["text"] \
+            == "Sunny."
+
+    asyncio.run(main())
+
+
+def sse_named(text: str) -> list[Any]:
+    """Each event's data, checked to be named by its type; no [DONE] (OpenAI sends none)."""
+    events = []
+    for block in text.split("\n\n")[:-1]:
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(event)
+    assert text.endswith("\n\n") and "[DONE]" not in text
+    return events
