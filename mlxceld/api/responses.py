@@ -28,8 +28,11 @@ way (OpenAI would store the response; this server never does). Every field is in
   (Qwen3-style templates); a model that does not reason answers as usual.
   ``reasoning.summary`` (and its old name ``generate_summary``) is accepted: the full
   reasoning comes back as the reasoning item's ``content``, no summary is made.
-- ``include``: only ``reasoning.encrypted_content`` (Codex asks for it): accepted, and a
-  no-op since reasoning is returned in the clear; other values are refused.
+- ``include``: ``message.output_text.logprobs`` (each ``output_text`` carries its tokens'
+  log-probabilities, in its deltas and whole, with ``top_logprobs`` 0 to 20 alternatives
+  each: the tokens of the message's text; a reasoning's or a tool call's are not shown)
+  and ``reasoning.encrypted_content`` (Codex asks for it: a no-op, since reasoning is
+  returned in the clear); other values are refused.
 - ``truncation``: only "disabled" (a prompt too long for the context is refused).
 - ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``, ``client_metadata``
   (the Codex CLI's): opaque labels, ``metadata`` echoed back.
@@ -52,6 +55,7 @@ from mlxceld.api.responses_surface import (
     FUNCTION_TOOL_FIELDS,
     HONOURED,
     INCLUDABLE,
+    LOGPROBS,
     MESSAGE_ITEM_FIELDS,
     NO_THINKING,
     OUTPUT_ITEM_FIELDS,
@@ -66,7 +70,7 @@ from mlxceld.api.responses_surface import (
 )
 from mlxceld.api.surface import check_fields
 from mlxceld.api.tools import MAX_TOOLS, NAME, ChoiceKind, Tool, ToolUse
-from mlxceld.engine import Constraint
+from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ def parse_responses(body: bytes, *, model_id: str) -> ResponsesRequest:
     if fields.get("truncation") not in (None, "disabled"):
         raise invalid("'truncation' must be \"disabled\": a prompt too long for the context "
                       "is refused, never cut", "truncation", "unsupported_parameter")
-    _include(fields)
+    logprobs = _logprobs(fields)
     text, constraint = _text(fields)
     reasoning, template_kwargs = _reasoning(fields)
     tools, echo_tools = _tools(fields)
@@ -114,6 +118,7 @@ def parse_responses(body: bytes, *, model_id: str) -> ResponsesRequest:
         temperature=fields.number("temperature", 1.0, 0.0, 2.0),
         top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
         stream=fields.boolean("stream", False),
+        logprobs=logprobs,
         max_tokens_param="max_output_tokens",
         constraint=constraint)
     use = ToolUse(tools, choice, function, parallel) if tools else None
@@ -123,7 +128,8 @@ def parse_responses(body: bytes, *, model_id: str) -> ResponsesRequest:
             "tools": echo_tools, "tool_choice": _echo_choice(choice, function),
             "parallel_tool_calls": parallel, "text": text, "reasoning": reasoning,
             "metadata": fields.get("metadata") or {}, "user": fields.get("user"),
-            "truncation": "disabled", "store": False, "top_logprobs": 0,
+            "truncation": "disabled", "store": False,
+            "top_logprobs": logprobs or 0,
             "previous_response_id": None, "background": False, "service_tier": "default"}
     return ResponsesRequest(chat, echo)
 
@@ -290,13 +296,22 @@ def _reasoning_text(fields: Fields) -> str:
     return ""
 
 
-def _include(fields: Fields) -> None:
+def _logprobs(fields: Fields) -> int | None:
+    """``include`` checked; None, or how many alternatives each token's logprob carries
+    (``top_logprobs``) when ``include`` asks for the message's logprobs."""
     value = fields.array("include", "an array of strings")
     for j, name in enumerate(value or []):
         if name not in INCLUDABLE:
             raise invalid(f"'include[{j}]' {show(name)} is not served; only "
-                          "\"reasoning.encrypted_content\" is accepted (a no-op: reasoning "
-                          "comes back in the clear)", f"include[{j}]", "unsupported_parameter")
+                          f"{' and '.join(map(show, sorted(INCLUDABLE)))} are (the second a "
+                          "no-op: reasoning comes back in the clear)", f"include[{j}]",
+                          "unsupported_parameter")
+    top = fields.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if LOGPROBS in (value or []):
+        return top or 0
+    if top:
+        raise invalid(f"'top_logprobs' needs 'include': [\"{LOGPROBS}\"]", "top_logprobs")
+    return None
 
 
 def _text(fields: Fields) -> tuple[dict[str, Any], Constraint | None]:

@@ -24,12 +24,15 @@ message item (as chat's ``content`` is null then).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlxceld.api.errors import ApiError
 from mlxceld.api.generation import Finished
+from mlxceld.api.logprobs import TokenLogprob, chat_logprobs
 from mlxceld.api.replies import PartKind
+from mlxceld.api.shapes import ChatTokenLogprob
 from mlxceld.api.toolcalls import ToolCall
 
 Json = dict[str, Any]
@@ -48,6 +51,7 @@ class _Open:
     item: Json
     index: int
     text: str = ""
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)  # a message's, if asked
 
 
 @dataclass
@@ -62,6 +66,7 @@ class ResponseBuilder:
     _sequence: int = 0
     _open: _Open | None = None
     _pending: str = ""  # whitespace content not yet shown: it may precede a call
+    _pending_logprobs: list[ChatTokenLogprob] = field(default_factory=list)  # its logprobs
 
     def response(self, status: Status, usage: Json | None = None,
                  incomplete: str | None = None, error: Json | None = None) -> Json:
@@ -76,28 +81,36 @@ class ResponseBuilder:
         return [self._event("response.created", response=created),
                 self._event("response.in_progress", response=created)]
 
-    def piece(self, text: str, kind: PartKind) -> list[Json]:
-        if not text:
-            return []
+    def piece(self, text: str, kind: PartKind,
+              entries: Sequence[TokenLogprob] = ()) -> list[Json]:
+        """``entries``: the logprobs of the tokens ``text`` completes (asked for): shown
+        with a message's text; a reasoning's are not."""
+        logprobs: list[ChatTokenLogprob] = \
+            chat_logprobs(entries)["content"] if kind == "content" else []
         if kind == "content" and (self._open is None or self._open.kind != "content"):
+            self._pending_logprobs += logprobs
             if not (self._pending + text).strip():
                 self._pending += text
                 return []
             text, self._pending = self._pending + text, ""
+            logprobs, self._pending_logprobs = self._pending_logprobs, []
+        elif not text and not logprobs:
+            return []
         events = [] if self._open is not None and self._open.kind == kind else \
             self._close() + self._start(kind)
         assert self._open is not None
         self._open.text += text
+        self._open.logprobs += logprobs
         delta = "response.output_text.delta" if kind == "content" else \
             "response.reasoning_text.delta"
-        extra: Json = {"logprobs": []} if kind == "content" else {}
+        extra: Json = {"logprobs": logprobs} if kind == "content" else {}
         events.append(self._event(delta, item_id=self._open.item["id"],
                                   output_index=self._open.index, content_index=0, delta=text,
                                   **extra))
         return events
 
     def called(self, call: ToolCall) -> list[Json]:
-        self._pending = ""
+        self._pending, self._pending_logprobs = "", []
         events = self._close()
         item: Json = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
                       "call_id": call.id, "name": call.name, "arguments": ""}
@@ -124,6 +137,7 @@ class ResponseBuilder:
             events += self._close() + self._start("content")
             assert self._open is not None
             self._open.text, self._pending = self._pending, ""
+            self._open.logprobs, self._pending_logprobs = self._pending_logprobs, []
         events += self._close("incomplete" if incomplete else "completed")
         usage = usage_of(finished, reasoning_tokens)
         if incomplete:
@@ -165,8 +179,9 @@ class ResponseBuilder:
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if current.kind == "content":
             part: Json = {"type": "output_text", "text": text, "annotations": [],
-                          "logprobs": []}
-            done = self._event("response.output_text.done", text=text, logprobs=[], **ids)
+                          "logprobs": current.logprobs}
+            done = self._event("response.output_text.done", text=text,
+                               logprobs=current.logprobs, **ids)
         else:
             part = {"type": "reasoning_text", "text": text}
             done = self._event("response.reasoning_text.done", text=text, **ids)

@@ -104,7 +104,7 @@ class ResponsesResponse(Response):
         assert isinstance(event, TextPiece)
         if event.kind == "reasoning":
             self._reasoning += event.text
-        return self._builder.piece(event.text, event.kind)
+        return self._builder.piece(event.text, event.kind, event.logprobs)
 
     async def _send_whole(self, first: Event, events: AsyncIterator[Event], scope: Scope,
                           receive: Receive, send: Send) -> None:

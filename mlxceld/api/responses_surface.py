@@ -13,7 +13,8 @@ from mlxceld.api.surface import Rule
 HONOURED = Rule("honoured")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 NO_THINKING = ("none", "minimal")
-INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = frozenset({"reasoning.encrypted_content", LOGPROBS})
 STATELESS = "this server is stateless and stores no responses; send the whole conversation "
 
 
@@ -35,7 +36,7 @@ RESPONSES_FIELDS: Final[dict[str, Rule]] = {
     "reasoning": HONOURED,
     "stream": HONOURED,
     "truncation": HONOURED,  # "disabled" only
-    "include": HONOURED,  # reasoning.encrypted_content only: a no-op
+    "include": HONOURED,  # logprobs; reasoning.encrypted_content: a no-op
     "metadata": Rule("opaque", shape=dict),
     "user": Rule("opaque", shape=str),
     "safety_identifier": Rule("opaque", shape=str),
@@ -53,9 +54,7 @@ RESPONSES_FIELDS: Final[dict[str, Rule]] = {
     "max_tool_calls": _refused("the number of tool calls cannot be bounded, but "
                                "'parallel_tool_calls' false allows one; leave "
                                "'max_tool_calls' out"),
-    "top_logprobs": _refused("log-probabilities are not served by this endpoint (use "
-                             "/v1/chat/completions); leave 'top_logprobs' out or 0",
-                             lambda v: v == 0 and not isinstance(v, bool)),
+    "top_logprobs": HONOURED,  # with include message.output_text.logprobs
     "stream_options": _refused("streams are never obfuscated here; leave 'stream_options' "
                                "out or send {\"include_obfuscation\": false}",
                                lambda v: v == {"include_obfuscation": False} or v == {}),

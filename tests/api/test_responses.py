@@ -240,7 +240,8 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+    ({"include": ["web_search_call.results"]}, "include[0]"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
@@ -269,6 +270,33 @@ def test_refused_by_name(extra: dict[str, Any], param: str) -> None:
         error = reply.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error"
         assert param.split("[")[0].split(".")[0] in error["message"]
+
+    asyncio.run(main())
+
+
+def test_logprobs_of_the_message_whole_and_streamed() -> None:
+    async def main() -> None:
+        engine = FakeEngine(reply=b"abc")
+        async with openai_client(make_app(engine)) as client:
+            answer = await client.responses.create(
+                model=MODEL, input="hi", include=["message.output_text.logprobs"],
+                top_logprobs=2)
+            stream = await client.responses.create(
+                model=MODEL, input="hi", include=["message.output_text.logprobs"],
+                stream=True)
+            events = [e async for e in stream]
+        assert engine.requests[0].params.logprobs == 2 and answer.top_logprobs == 2
+        [part] = answer.output[0].content  # type: ignore[union-attr]
+        assert part.type == "output_text" and part.logprobs is not None
+        assert [(p.token, p.logprob) for p in part.logprobs] == \
+            [("a", -0.097), ("b", -0.098), ("c", -0.099)]
+        assert [t.token for t in part.logprobs[0].top_logprobs] == ["a", "b"]
+        streamed = [(lp.token, lp.logprob) for e in events
+                    if e.type == "response.output_text.delta" for lp in e.logprobs]
+        [done] = [e for e in events if e.type == "response.output_text.done"]
+        assert streamed == [(lp.token, lp.logprob) for lp in done.logprobs] == \
+            [("a", -0.097), ("b", -0.098), ("c", -0.099)]
+        assert engine.requests[1].params.logprobs == 0
 
     asyncio.run(main())
 
