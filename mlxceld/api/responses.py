@@ -4,7 +4,7 @@ the ``ChatRequest`` every chat-shaped endpoint shares (``chatting.py``).
 Stateless: nothing is stored, so ``previous_response_id``, ``conversation``, item
 references and ``store: true`` are refused by name; ``store`` left out is served the same
 way (OpenAI would store the response; this server never does). Every field is in
-``RESPONSES_FIELDS`` (``surface.py``'s states); a field it does not know is refused.
+``responses_surface.py`` (``surface.py``'s states); a field no table there knows is refused.
 
 - ``input``: a string (one user message) or a list of items: messages (``role`` user,
   assistant, system or developer, read as system; ``content`` a string or ``input_text`` /
