@@ -85,3 +85,21 @@ def test_a_bad_flag_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError) as err:
         build_config({"serve": MODEL}, FILE, Overrides(generation_config="off"))
     assert err.value.message.startswith("--generation-config must be auto or none")
+
+
+def test_mlxctl_serves_names_as_the_file_does(tmp_path: Path) -> None:
+    """`mlxctl serve DIR --name a,b` keeps its names as one string (config/serve.py)."""
+    cfg = build_config({"serve": {}}, FILE, Overrides()).serve.with_model(str(tmp_path), "a,b")
+    assert (cfg.served_name, cfg.served_names) == ("a", ("a", "b"))
+    assert cfg.with_model(str(tmp_path / "qwen3")).served_names == ("qwen3",)
+
+
+def test_the_router_reads_the_models_defaults_unless_told_none(tmp_path: Path) -> None:
+    from mlxceld.models.generation import SamplingDefaults
+    from mlxceld.workers.router import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20}')
+    auto = serve_options({"model": str(tmp_path)})
+    none = serve_options({"model": str(tmp_path), "generation_config": "none"})
+    assert sampling_defaults(auto, str(tmp_path)) == SamplingDefaults(temperature=0.6, top_k=20)
+    assert sampling_defaults(none, str(tmp_path)) == SamplingDefaults()
