@@ -271,9 +271,17 @@ class RouterOptions:
     # 0's setup op carries it) and every pipeline stage (each ``prepare`` carries it);
     # None: full precision, as the model computes it.
     kv_quant: KVQuant | None = None
+    # The model's other names: a request may name it by any (``[serve] model_name``).
+    model_aliases: tuple[str, ...] = ()
+    # CORS on the OpenAI port (``api/cors.py``): exact origins, or ("*",); (): none.
+    allowed_origins: tuple[str, ...] = ()
+    # "auto": sampling defaults from the model's generation_config.json; "none": OpenAI's.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(self.generation_config in ("auto", "none"), "generation_config",
+               "be auto or none", self.generation_config)
         _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", f"be in 1-{MAX_TP_SIZE}",
                self.tp_size)
         # Empty with tp_size > 1 until the roster picks the ring's ports (the router
