@@ -7,8 +7,7 @@
 ``api_error``, 503 and 529 ``overloaded_error``). A 503 stays a 503 (the router's
 "full", "loading" and "draining" answers, with their ``Retry-After``): the ``anthropic``
 package retries it as it retries Anthropic's 529. The field at fault, which OpenAI's
-shape carries as ``param``, is named in the message, as Anthropic does
-(``messages.0.content: ...``).
+shape carries as ``param``, is named in the message, as Anthropic's messages name it.
 
 Every refusal on those paths takes this shape: the app's exception handlers and the
 API key's guard ask ``speaks_anthropic`` which one a path gets.
