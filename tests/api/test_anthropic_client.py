@@ -221,6 +221,9 @@ def test_x_api_key_bearer_and_a_wrong_key() -> None:
                 models = await http.get("/v1/models", headers={"x-api-key": KEY})
                 missing = await http.post("/v1/messages/count_tokens", json={})
                 openai_401 = await http.get("/v1/models", headers={"x-api-key": "nope"})
+                near = [await http.post("/v1/messages/count_tokens", headers={"x-api-key": k},
+                                        json={"model": MODEL, "messages": USER})
+                        for k in (KEY + "x", KEY[:-1], KEY.upper(), "")]
         assert good.content[0].text == "ok"  # type: ignore[union-attr]
         assert refused.value.status_code == 401
         assert refused.value.body == {"type": "error", "error": {
@@ -230,6 +233,7 @@ def test_x_api_key_bearer_and_a_wrong_key() -> None:
         assert missing.json()["error"]["type"] == "authentication_error"
         assert "x-api-key" in missing.json()["error"]["message"]
         assert openai_401.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape there
+        assert [r.status_code for r in near] == [401] * 4
 
     run(main)
 
@@ -268,6 +272,19 @@ def test_refusals_in_anthropics_shape() -> None:
         assert no_max.status_code == 400 and "max_tokens" in no_max.json()["error"]["message"]
         assert wrong_method.status_code == 405
         assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+    run(main)
+
+
+def test_a_model_still_loading_is_overloaded_and_retried_later() -> None:
+    async def main() -> None:
+        async with serving(make_app(ready=lambda: False)) as url, \
+                httpx.AsyncClient(base_url=url) as http:
+            response = await http.post("/v1/messages", json={"model": MODEL, "max_tokens": 5,
+                                                             "messages": USER})
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json() == {"type": "error", "error": {
+            "type": "overloaded_error", "message": "the model is still loading; retry shortly"}}
 
     run(main)
 
