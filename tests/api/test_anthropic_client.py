@@ -15,6 +15,7 @@ import pytest
 from starlette.types import ASGIApp
 
 from helpers.api import KEY, MODEL, make_app, serving
+from helpers.claude_code import claude_code_request, sse
 from helpers.fakes import FakeEngine, ToolByteCodec
 
 USER: Any = [{"role": "user", "content": "hi"}]
@@ -34,17 +35,6 @@ async def anthropic_client(app: ASGIApp, key: str = KEY
 
 def run(main: Any) -> None:
     asyncio.run(main())
-
-
-def sse(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """Each event's name and data, checking every event has both."""
-    assert text.endswith("\n\n") and "[DONE]" not in text, text[-80:]
-    events = []
-    for block in text.split("\n\n")[:-1]:
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: "), block
-        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return events
 
 
 def test_whole_text_with_a_system_prompt_and_turns() -> None:
@@ -323,38 +313,6 @@ def test_count_tokens_is_the_rendered_prompt() -> None:
     run(main)
 
 
-# The shape of a Claude Code request: its billing line and system prompt as text blocks
-# with cache_control, custom tools (input_schema with $schema and additionalProperties as
-# it writes them), metadata.user_id, thinking with context_management, stream true, the
-# beta query (?beta=true) and headers. Source: Claude Code 2.x requests as recorded in
-# llama.cpp pull request #20623 (the system blocks) and vibeproxy issue #509 (the
-# context_management edit); the rest is the anthropic SDK's MessageCreateParams.
-CLAUDE_CODE: Any = {
-    "model": MODEL, "max_tokens": 32000, "stream": True, "temperature": 1,
-    "system": [
-        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.0d9; "
-                                 "cc_entrypoint=cli; cch=fa690;"},
-        {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
-         "cache_control": {"type": "ephemeral"}},
-        {"type": "text", "text": "Be concise.", "cache_control": {"type": "ephemeral"}}],
-    "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "<system-reminder>context</system-reminder>"},
-        {"type": "text", "text": "list the files", "cache_control": {"type": "ephemeral"}}]}],
-    "tools": [{"name": "Bash", "description": "Runs a command",
-               "input_schema": {"type": "object", "additionalProperties": False,
-                                "$schema": "http://json-schema.org/draft-07/schema#",
-                                "properties": {"command": {"type": "string"}},
-                                "required": ["command"]}}],
-    "metadata": {"user_id": "user_abc_account__session_123"},
-    "thinking": {"type": "enabled", "budget_tokens": 31999},
-    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
-}
-HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": KEY, "x-app": "cli",
-           "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
-                             "context-management-2025-06-27",
-           "user-agent": "claude-cli/2.1.37 (external, cli)"}
-
-
 def test_a_claude_code_request() -> None:
     async def main() -> None:
         codec = ToolByteCodec()
@@ -362,8 +320,8 @@ def test_a_claude_code_request() -> None:
                                   b'{"command": "ls"}}</tool_call>', context_length=2048)
         async with serving(make_app(engine, codec, api_key=KEY)) as url, \
                 httpx.AsyncClient(base_url=url) as http:
-            response = await http.post("/v1/messages?beta=true", json=CLAUDE_CODE,
-                                       headers=HEADERS)
+            body, headers = claude_code_request(MODEL, KEY)
+            response = await http.post("/v1/messages?beta=true", json=body, headers=headers)
         assert response.status_code == 200, response.text
         events = sse(response.text)
         starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]

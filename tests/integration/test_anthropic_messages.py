@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import pytest
 
 from mlxceld.models import preset, write_fixture
 
+from helpers.claude_code import claude_code_request, sse
 from helpers.daemons import READY_S, Daemons
 from helpers.pipeline import start_pipeline
 from helpers.ports import free_port
@@ -135,6 +137,23 @@ def test_messages_with_an_api_key(local: str) -> None:
         c.messages.create(model=MODEL, max_tokens=4, messages=USER,
                           extra_body={"frobnicate": True})
     assert "frobnicate" in str(unknown.value.body)
+
+
+def test_a_claude_code_request(local: str) -> None:
+    """Its body and headers as Claude Code sends them (``helpers/claude_code.py``): a
+    stream of Anthropic's events, the reasoning first (its thinking is enabled)."""
+    body, headers = claude_code_request(MODEL, KEY)
+    response = httpx.post(f"{local}/v1/messages?beta=true", json=body, headers=headers,
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    events = sse(response.text)
+    names = [name for name, _ in events]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-2:] == ["message_delta", "message_stop"]
+    assert events[2][1]["content_block"]["type"] == "thinking"
+    # max_tokens 32000 is more than the context leaves: it leaves what it has.
+    assert events[-2][1]["delta"]["stop_reason"] in ("model_context_window_exceeded",
+                                                     "end_turn", "tool_use")
 
 
 def test_messages_over_a_pipeline(tools_model: Path) -> None:
