@@ -13,7 +13,7 @@ refused by name too (``FIELDS``, ``COUNT_FIELDS``). What each becomes:
 - ``system``: a string or text blocks, the first system message. A text block that is
   Claude Code's per-request billing line (``x-anthropic-billing-header: ...``) is left
   out: it is no instruction, and it changes every request, so the prompt cache would
-  never see the same prefix twice (llama.cpp drops it too).
+  never see the same prefix twice (llama.cpp pull request 20623 drops it the same way).
 - ``messages`` (read by ``message_blocks.py``): user, assistant (and system) turns;
   content a string or blocks. Text
   blocks are joined with newlines. A user's ``tool_result`` block is a ``tool`` message
