@@ -8,6 +8,9 @@
     POST /v1/completions               text completion, whole or streamed
     POST /v1/responses, /responses     OpenAI's Responses API, stateless, whole or streamed
                                        (``responses.py``, ``responses_serving.py``)
+    POST /v1/messages                  Anthropic's Messages API, whole or streamed (its
+                                       events), errors in its shape (``messages*.py``)
+    POST /v1/messages/count_tokens     the prompt's tokens, as the Messages API counts
     GET  /health                       liveness: always 200, never needs the key
     GET  /ready                        200 once ``ready()`` says so and ``readiness()``
                                        names nothing wrong, else 503
@@ -55,6 +58,7 @@ from starlette.types import ASGIApp
 
 from mlxceld.api.access import log_access
 from mlxceld.api.admission import Admission
+from mlxceld.api.anthropic_errors import anthropic_response, speaks_anthropic
 from mlxceld.api.auth import require_api_key
 from mlxceld.api.chatting import Chats
 from mlxceld.api.codec import TextCodec
@@ -63,6 +67,7 @@ from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.generation import Sequencer
+from mlxceld.api.messages_serving import Messages
 from mlxceld.api.metrics import (
     CONTENT_TYPE,
     Metrics,
@@ -87,7 +92,8 @@ from mlxceld.models.generation import SamplingDefaults
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
-                       "/ready", "/metrics", "/router/stats", "/v1/responses"})
+                       "/ready", "/metrics", "/router/stats", "/v1/responses",
+                       "/v1/messages", "/v1/messages/count_tokens"})
 # The paths without /v1 (vLLM's and llama.cpp's servers answer both): counted as these.
 UNVERSIONED = {"/models": "/v1/models", "/chat/completions": "/v1/chat/completions",
                "/completions": "/v1/completions", "/responses": "/v1/responses"}
@@ -221,6 +227,7 @@ def build_router_app(
             fmt.id, prompt, chats.params(prompt, options, "prompt")), options.stop, fmt,
             stream=options.stream, arrived=arrived)
 
+    messages = Messages(chats)
     app = Starlette(
         routes=[
             Route("/v1/models", models),
@@ -229,6 +236,8 @@ def build_router_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/responses", responses_route(chats), methods=["POST"]),
             Route("/responses", responses_route(chats), methods=["POST"]),
+            Route("/v1/messages", messages.create, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/health", health),
             Route("/ready", ready_route),
             Route("/metrics", metrics_text),
@@ -248,9 +257,16 @@ def build_router_app(
                                      canonical=UNVERSIONED))
 
 
+def _refusal(request: Request, error: ApiError) -> Response:
+    """OpenAI's error shape, or Anthropic's on the Messages API's paths."""
+    if speaks_anthropic(request.url.path):
+        return anthropic_response(error)
+    return error_response(error)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return _refusal(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -263,10 +279,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                          headers=exc.headers)
     else:
         error = ApiError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers)
-    return error_response(error)
+    return _refusal(request, error)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     # starlette re-raises the exception after this answer, for the server to log.
-    return error_response(ApiError(500, "internal server error; see the server's log",
-                                   "server_error", code="internal_error"))
+    return _refusal(request, ApiError(500, "internal server error; see the server's log",
+                                      "server_error", code="internal_error"))

@@ -18,6 +18,7 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the leftmost; the first given)
 
     def feed(self, text: str) -> str:
         """Take the next piece of text; return what may be shown now. Once a stop
@@ -27,9 +28,11 @@ class StopMatcher:
         if not self._stops:
             return text
         buffer = self._held + text
-        cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, n) for n, s in enumerate(self._stops) if (i := buffer.find(s)) >= 0]
+        if found:
+            cut, which = min(found)
             self.stopped = True
+            self.matched = self._stops[which]
             self._held = ""
             return buffer[:cut]
         keep = self._partial_suffix(buffer)

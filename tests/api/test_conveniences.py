@@ -218,3 +218,24 @@ def test_the_responses_api_takes_aliases_and_the_sampling_defaults() -> None:
     assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p,
             left_out.repetition_penalty) == (0.0, 0.8, 20, 0.05, 1.1)
     assert (asked.temperature, asked.top_k) == (0.5, 20)
+
+
+def test_the_messages_api_takes_aliases_and_the_sampling_defaults() -> None:
+    engine = FakeEngine()
+    defaults = SamplingDefaults(temperature=0.0, top_p=0.8, top_k=20, min_p=0.05,
+                                repetition_penalty=1.1)
+    app = make_app(engine, model_aliases=["claude-sonnet-4-5"], sampling_defaults=defaults)
+    body = {"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    aliased, given, unknown = run(
+        app,
+        ("POST", "/v1/messages", {"json": {**body, "model": "claude-sonnet-4-5"}}),
+        ("POST", "/v1/messages", {"json": {**body, "model": MODEL, "top_k": 0,
+                                           "temperature": 0.5}}),
+        ("POST", "/v1/messages", {"json": {**body, "model": "claude-opus-4-1"}}))
+    assert aliased.json()["model"] == "claude-sonnet-4-5"
+    assert given.json()["model"] == MODEL
+    assert (unknown.status_code, unknown.json()["error"]["type"]) == (404, "not_found_error")
+    left_out, asked = (r.params for r in engine.requests)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p,
+            left_out.repetition_penalty) == (0.0, 0.8, 20, 0.05, 1.1)
+    assert (asked.temperature, asked.top_k) == (0.5, 0)
