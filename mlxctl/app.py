@@ -113,6 +113,41 @@ def events(
     call(socket_path(ctx, socket), as_json, job)
 
 
+@app.command(epilog="Exit codes: 0 the chat ended (/exit, Ctrl-D, the end of piped "
+             "input); 1 the router does not answer, refuses the API key, or the daemon "
+             "serves nothing; 2 usage; 3 daemon not running; 4 permission denied; 130 "
+             "Ctrl-C at the prompt of piped input.")
+def chat(
+    ctx: typer.Context,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="A system prompt, sent first with every question.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="The model id to ask (default: the one the router serves).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", min=1, help="The most tokens of each answer (default: the "
+        "router's).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", min=0.0, max=2.0, help="Sampling temperature (default: the "
+        "router's).")] = None,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="The router's OpenAI URL, ending in /v1 (default: what the daemon "
+        "serves, from mlxctl status; with --url the daemon is not asked).")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="A file holding the router's API key (default: the "
+        "daemon's [serve] api_key_file, when it has one and this user can read it).")
+    ] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Chat with the router in the terminal: answers stream as they come, the history is
+    kept (/reset clears it, /exit or Ctrl-D ends), Ctrl-C stops an answer, a reasoning
+    model's thinking is shown apart. Piped input is read a line a turn."""
+    from mlxctl import chat as chatting  # httpx: only for this command
+
+    raise typer.Exit(chatting.start(
+        socket_path(ctx, socket), url, api_key_file, model,
+        chatting.Conversation(system), chatting.Sampling(max_tokens, temperature)))
+
+
 @app.command()
 def restart(
     ctx: typer.Context,
