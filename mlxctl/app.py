@@ -23,7 +23,8 @@ from rich.console import Console
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
-from mlxctl import reading, render
+from mlxctl import reading, render, verdict
+from mlxctl import watch as watching
 from mlxctl.cluster import cluster_app
 from mlxctl.drain import drain, undrain
 from mlxctl.edge import EXIT_FAILURE, call, emit
@@ -31,6 +32,7 @@ from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.progress import LoadView
 from mlxctl.secret import secret_app
 from mlxctl.serving import Served, serve_and_wait
+from mlxctl.watch import DEFAULT_INTERVAL_S
 
 STOP_WAIT_S = 120.0
 
@@ -51,10 +53,35 @@ def main_options(ctx: typer.Context, socket: SocketOpt = None) -> None:
     ctx.obj = socket
 
 
-@app.command()
-def status(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+@app.command(epilog="With --check, exit codes: 0 healthy; 1 degraded (each finding "
+             "printed on a line); 2 usage; 3 the daemon cannot be reached; 4 permission "
+             "denied. With --watch: 0 on Ctrl-C.")
+def status(
+    ctx: typer.Context,
+    watch: Annotated[bool, typer.Option(
+        "--watch", "-w", help="Show it again every --interval seconds, like top (drawn "
+        "in place on a terminal), until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(
+        "--interval", min=0.2, help="Seconds between two --watch snapshots.")
+    ] = DEFAULT_INTERVAL_S,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Exit 0 if all is healthy, else 1 and what is not, a line each "
+        "(for scripts; see mlxctl(1)).")] = False,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
     """Show the daemon, its workers, and what is unhealthy (with the next command to run)."""
-    reading.status(socket_path(ctx, socket), as_json)
+    path = socket_path(ctx, socket)
+    if watch and check:
+        raise typer.BadParameter("--check asks once; leave out --watch (or --check)",
+                                 param_hint="'--check'")
+    given = ctx.get_parameter_source("interval")
+    if given is not None and given.name == "COMMANDLINE" and not watch:
+        raise typer.BadParameter("--interval is for --watch", param_hint="'--interval'")
+    if check:
+        raise typer.Exit(verdict.check(path, as_json))
+    if watch:
+        raise typer.Exit(watching.watch(path, interval, as_json))
+    reading.status(path, as_json)
 
 
 @app.command()

@@ -35,8 +35,11 @@ from mlxceld.types import JSON
 
 
 class BlockingClient:
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, timeout: float = REQUEST_TIMEOUT_S) -> None:
+        """``timeout``: the deadline of each request's answer (``mlxctl status --watch``
+        asks sooner than the default, to show a daemon that does not answer)."""
         self.socket_path = socket_path
+        self.timeout = timeout
 
     def __enter__(self) -> BlockingClient:
         return self
@@ -63,7 +66,7 @@ class BlockingClient:
             yield from items.feed(b"")
 
     def _get(self, path: str) -> JSON:
-        with _Connection(self.socket_path, path, REQUEST_TIMEOUT_S) as conn:
+        with _Connection(self.socket_path, path, self.timeout) as conn:
             return decode(self.socket_path, path, conn.status, conn.read())
 
 
