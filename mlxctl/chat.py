@@ -279,3 +279,5 @@ def start(socket: Path, url: str | None, key_file: Path | None, model: str | Non
         except RouterError as exc:
             session.error(exc)
             return EXIT_FAILURE
+        except KeyboardInterrupt:  # before the first prompt, or between two turns
+            return EXIT_INTERRUPTED

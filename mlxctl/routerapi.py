@@ -223,4 +223,5 @@ def _transport(exc: httpx.TransportError, url: str) -> RouterError:
                            "it may be overloaded or stuck; see: mlxctl status, mlxctl logs "
                            "router", dead=isinstance(exc, httpx.ConnectTimeout))
     return RouterError(f"the router at {url} does not answer ({exc or exc.__class__.__name__})",
-                       "is it running? see: mlxctl status, mlxctl logs router", dead=True)
+                       "is it running (or still loading its model)? see: mlxctl status, mlxctl "
+                       "logs router", dead=True)

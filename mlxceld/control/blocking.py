@@ -35,11 +35,12 @@ from mlxceld.types import JSON
 
 
 class BlockingClient:
-    def __init__(self, socket_path: Path, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        """``timeout``: the deadline of each request's answer (``mlxctl status --watch``
-        asks sooner than the default, to show a daemon that does not answer)."""
+    def __init__(self, socket_path: Path, timeout: float | None = None) -> None:
+        """``timeout``: the deadline of each request's answer, ``REQUEST_TIMEOUT_S`` if
+        None (``mlxctl status --watch`` asks sooner, to show a daemon that does not
+        answer)."""
         self.socket_path = socket_path
-        self.timeout = timeout
+        self.timeout = REQUEST_TIMEOUT_S if timeout is None else timeout
 
     def __enter__(self) -> BlockingClient:
         return self
