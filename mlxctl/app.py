@@ -161,7 +161,8 @@ def chat(
         "serves, from mlxctl status; with --url the daemon is not asked).")] = None,
     api_key_file: Annotated[Path | None, typer.Option(
         "--api-key-file", help="A file holding the router's API key (default: the "
-        "daemon's [serve] api_key_file, when it has one and this user can read it).")
+        "daemon's key file, serve.api_key_file, when it has one and this user can read "
+        "it).")
     ] = None,
     socket: SocketOpt = None,
 ) -> None:
