@@ -267,7 +267,9 @@ class Serving:
         if s.model is None or not any(spec.name == ROUTER for spec in host.specs(host.config)):
             return None
         return {"model": s.model, "model_name": s.served_name,
-                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
+                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None,
+                # where the key is (never the key): mlxctl chat reads it when it may
+                "api_key_file": str(s.api_key_file) if s.api_key_file else None}
 
 
 def split_check(serve: ServeConfig) -> None:
