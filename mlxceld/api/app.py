@@ -50,6 +50,7 @@ from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.generation import Sequencer
+from mlxceld.api.ignoring import IgnoredFields, UnknownFields, announce_ignored
 from mlxceld.api.metrics import (
     CONTENT_TYPE,
     Metrics,
@@ -57,6 +58,7 @@ from mlxceld.api.metrics import (
     StageLinks,
     count_requests,
 )
+from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.requests import (
     check_constraint,
     check_prompt_bytes,
@@ -97,6 +99,8 @@ def build_router_app(
     router_stats: Callable[[bool], Any] | None = None,
     elastic: bool = False,
     prompt_caches: PromptCaches | None = None,
+    reasoning_field: ReasoningField = "reasoning_content",
+    unknown_fields: UnknownFields = "refuse",
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -110,7 +114,10 @@ def build_router_app(
     over a replica pool, its stats as JSON given whether to show addresses
     (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
     ``max_batch`` changes (replicas found by discovery), admission follows it;
-    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``. Prompts and
+    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``;
+    ``reasoning_field``: the key of a chat answer's reasoning (``[serve] reasoning_field``,
+    ``reasoning.py``); ``unknown_fields``: refuse a request's unknown fields, or ignore
+    them, saying so (``[serve] unknown_fields``, ``ignoring.py``). Prompts and
     completions are bounded by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
@@ -165,11 +172,25 @@ def build_router_app(
     chats = Chats(engine, codec, sequencer, PromptTokenizer(codec), model_id, max_tokens,
                   max_body_bytes, is_ready, drains)
 
+    ignoring = IgnoredFields()
+
+    def lenient() -> list[str] | None:
+        """Where a request's ignored fields go (None: unknown fields are refused)."""
+        return [] if unknown_fields == "warn" else None
+
+    def noted(request: Request, ignored: list[str] | None) -> None:
+        if ignored:
+            ignoring.note(request.scope, ignored)
+
     async def chat(request: Request) -> Response:
         arrived = chats.check_ready()
-        parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
+        ignored = lenient()
+        parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id,
+                            ignored=ignored)
+        noted(request, ignored)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
-                         parsed.options.include_usage, parsed.options.logprobs is not None)
+                         parsed.options.include_usage, parsed.options.logprobs is not None,
+                         reasoning_field)
         prepared = await chats.prepare(parsed, fmt.id)
         return CompletionResponse(sequencer, prepared.request, prepared.stops, fmt,
                                   stream=prepared.options.stream, arrived=arrived,
@@ -177,7 +198,10 @@ def build_router_app(
 
     async def completions(request: Request) -> Response:
         arrived = chats.check_ready()
-        parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
+        ignored = lenient()
+        parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id,
+                                  ignored=ignored)
+        noted(request, ignored)
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         options = parsed.options
@@ -203,8 +227,9 @@ def build_router_app(
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error},
     )
-    guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
-                                                                    open_paths=OPEN_PATHS)
+    told = announce_ignored(app)
+    guarded: ASGIApp = told if api_key is None else require_api_key(told, api_key,
+                                                                     open_paths=OPEN_PATHS)
     return log_access(count_requests(guarded, metrics, ENDPOINTS))
 
 
