@@ -174,3 +174,17 @@ def test_message_fields_are_honoured_or_refused_by_name() -> None:
         error = refusal({**CHAT, "messages": [message]})
         assert (error.status, error.param, error.code) == (400, param, code), error.message
         assert param in error.message
+
+
+def test_the_documented_table_is_the_codes() -> None:
+    """docs/api-fields.md is generated from the tables (``python -m mlxceld.api.fielddoc``):
+    it fails here when one changed without the other; regenerate it."""
+    from pathlib import Path
+
+    from mlxceld.api.fielddoc import markdown
+
+    doc = Path(__file__).parents[2] / "docs" / "api-fields.md"
+    assert doc.read_text() == markdown(), "regenerate: python -m mlxceld.api.fielddoc " \
+        "> docs/api-fields.md"
+    for name in ("cache_prompt", "num_ctx", "min_tokens", "reasoning_effort", "n_predict"):
+        assert f"| `{name}` |" in doc.read_text()
