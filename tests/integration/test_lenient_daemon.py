@@ -6,7 +6,6 @@ clients' lenient shapes are answered, and the reasoning comes under both keys.""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
