@@ -2,8 +2,9 @@
 
 Bytes in, a frozen request out, or an ``ApiError`` (400, 404, 413) that names
 the field. Nothing is silently ignored: ``surface.py`` holds the table of every field
-each endpoint knows (honoured, opaque, pending another part of issue 18, or refused),
-and a field it does not know is refused by name. Here:
+each endpoint knows (honoured, opaque, another server's hint accepted as a no-op, or
+refused), and a field it does not know is refused by name (or, with ``[serve]
+unknown_fields = "warn"``, listed in ``ignored`` and not read). Here:
 
 - ``n`` other than 1: refused (400, param "n"); one choice per request.
 - sampling controls, each checked and honoured (``engine/processors.py`` says how):
