@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from mlxceld.cluster.clusterfile.placement import Placement
+from mlxceld.config.clients import parse_model_names
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
@@ -117,6 +118,7 @@ class Serving:
                 hint="change [cluster] model in that file on every node, then restart them")
         try:
             resolved = resolve_model(model, Path("/"), "mlxctl serve")
+            name = parse_model_names(name, "mlxctl serve's model name")  # a,b: aliases
             local = resolved
             if names_a_repo(resolved):  # its config, index, tokenizer (models/fetch.py)
                 local = str(await asyncio.to_thread(local_model, resolved))

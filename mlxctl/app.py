@@ -132,7 +132,8 @@ def serve(
     model: Annotated[str, typer.Argument(
         help="A local mlx-lm model directory, or a Hugging Face repo id.")],
     name: Annotated[str | None, typer.Option(
-        "--name", help="The model id clients see (default: the directory name).")] = None,
+        "--name", help="The model id clients see (default: the directory name); a,b,...: "
+        "the first is the id, the others aliases a request may name it by.")] = None,
     wait: Annotated[bool, typer.Option(
         "--wait/--no-wait", help="Wait until the model is loaded and served, showing how "
         "far it has loaded (a bar on a terminal, else a line per tenth).")] = True,

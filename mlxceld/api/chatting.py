@@ -20,7 +20,7 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxceld.api.codec import ChatTemplateError, TextCodec
@@ -40,6 +40,7 @@ from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.api.toolcalls import parse_calls
 from mlxceld.api.toolgrammar import after_thinking, forced_constraint, json_object_calls
 from mlxceld.engine import Constraint, Engine, GenerationRequest, SamplingParams
+from mlxceld.models.generation import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class Chats:
     max_body_bytes: int
     is_ready: Callable[[], bool]
     draining: Draining
+    names: tuple[str, ...] = ()  # every name a request may call the model by, id first
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # of sampling
 
     def check_ready(self) -> float:
         """Refuse (503) while the model loads or a node it needs drains; else the

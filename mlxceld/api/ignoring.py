@@ -7,7 +7,8 @@ one warning per distinct field name (not per request: the names logged are remem
 up to ``MAX_REMEMBERED``, a message's index left out: ``messages[].x``), and the answer
 carries ``x-mlxceld-ignored-fields: a, b`` naming what was ignored, streams too (their
 headers go before the body). Known fields are checked as always: a refused one is still
-a 400.
+a 400. It covers ``/v1/chat/completions`` and ``/v1/completions``; the Responses API
+keeps its own table (``responses_surface.py``) and refuses what it does not know.
 """
 
 from __future__ import annotations

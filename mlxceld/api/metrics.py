@@ -189,15 +189,18 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def count_requests(app: ASGIApp, metrics: Metrics, endpoints: Collection[str]) -> ASGIApp:
+def count_requests(app: ASGIApp, metrics: Metrics, endpoints: Collection[str], *,
+                   canonical: Mapping[str, str] | None = None) -> ASGIApp:
     """Count every HTTP request by endpoint (a known path, else "other", so that
-    random paths cannot grow the label set) and by the status it was answered."""
+    random paths cannot grow the label set; ``canonical``: another name of a path, such
+    as ``/models`` for ``/v1/models``) and by the status it was answered."""
+    other_names = canonical or {}
 
     async def counted(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        path = scope["path"]
+        path = other_names.get(scope["path"], scope["path"])
         endpoint = path if path in endpoints else OTHER_ENDPOINT
         status = CLIENT_GONE
 

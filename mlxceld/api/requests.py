@@ -43,7 +43,11 @@ unknown_fields = "warn"``, listed in ``ignored`` and not read). Here:
   implement, an unknown ``format``, a remote ``$ref``, over ``MAX_CONSTRAINT_BYTES``), is
   refused (400, param "response_format..."), checked before the request is admitted
   (``check_constraint``). JSON comes out compact (no whitespace between tokens).
-- ``model`` may be left out: a router serves one model.
+- ``model`` may be left out: a router serves one model. It may name the model by any of
+  its names (``[serve] model_name = "a,b"``: ``aliases``), and the answer's ``model``
+  echoes the name asked (the primary one when left out).
+- sampling fields left out take ``defaults`` (the model's ``generation_config.json``,
+  ``models/generation.py``), else OpenAI's.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
   newer name). Left out: what is left of the context (OpenAI's behaviour), or the
   operator's ``[serve] max_tokens`` if that is fewer; asking for more than is left,
@@ -70,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +96,7 @@ from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from mlxceld.engine.base import MAX_LOGIT_BIAS
 from mlxceld.engine.constraints import ConstraintError, compile_grammar
+from mlxceld.models.generation import SamplingDefaults
 
 # No tokenizer packs more text in a token, over a whole prompt: English runs at about 4
 # bytes a token, code at 3, a long run of one repeated character at the longest token.
@@ -161,27 +167,34 @@ async def read_body(request: Request, limit: int) -> bytes:
         went_away=invalid("the client went away before sending the whole body"))
 
 
-def parse_chat(body: bytes, *, model_id: str, ignored: list[str] | None = None
-               ) -> ChatRequest:
-    """``ignored``: unknown fields are ignored, their paths put there, rather than refused
+OPENAI_DEFAULTS = SamplingDefaults()
+
+
+def parse_chat(body: bytes, *, model_id: str, aliases: Collection[str] = (),
+               defaults: SamplingDefaults = OPENAI_DEFAULTS,
+               ignored: list[str] | None = None) -> ChatRequest:
+    """``aliases``: the model's other names; ``defaults``: of the sampling fields;
+    ``ignored``: unknown fields are ignored, their paths put there, rather than refused
     (``[serve] unknown_fields = "warn"``)."""
     obj = parse_object(body)
     check_fields(obj, CHAT_FIELDS, ignored=ignored)
     fields = Fields(obj)
     return ChatRequest(messages=_messages(fields, ignored),
-                       options=_options(fields, model_id, _chat_logprobs(fields)),
+                       options=_options(fields, model_id, _chat_logprobs(fields), aliases,
+                                        defaults),
                        tools=parse_tool_use(fields), template_kwargs=_template_kwargs(fields),
                        reasoning_effort=parse_effort(fields, ignored))
 
 
-def parse_completion(body: bytes, *, model_id: str, ignored: list[str] | None = None
-                     ) -> CompletionRequest:
+def parse_completion(body: bytes, *, model_id: str, aliases: Collection[str] = (),
+                     defaults: SamplingDefaults = OPENAI_DEFAULTS,
+                     ignored: list[str] | None = None) -> CompletionRequest:
     obj = parse_object(body)
     check_fields(obj, COMPLETION_FIELDS, ignored=ignored)
     fields = Fields(obj)
     logprobs = fields.integer("logprobs", 0, MAX_COMPLETION_LOGPROBS)
     return CompletionRequest(prompt=_prompt(fields),
-                             options=_options(fields, model_id, logprobs))
+                             options=_options(fields, model_id, logprobs, aliases, defaults))
 
 
 def _chat_logprobs(fields: Fields) -> int | None:
@@ -267,9 +280,11 @@ def constraint_refused(exc: ConstraintError) -> ApiError:
                    "invalid_response_format")
 
 
-def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
+def _options(fields: Fields, model_id: str, logprobs: int | None,
+             aliases: Collection[str] = (), defaults: SamplingDefaults = OPENAI_DEFAULTS
+             ) -> Options:
     model = fields.string("model")
-    if model is not None and model != model_id:
+    if model is not None and model != model_id and model not in aliases:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                        f"{model_id!r} (see GET /v1/models)", param="model",
                        code="model_not_found")
@@ -290,16 +305,16 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
         raise invalid(f"{name!r} cannot be honoured with a constrained answer (its grammar "
                       "may admit nothing but the end); leave out one of them", name)
     return Options(
-        model=model_id,
+        model=model or model_id,
         max_tokens=max_tokens,
-        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
-        top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_top_k(fields),
+        temperature=fields.number("temperature", defaults.temperature, 0.0, 2.0),
+        top_p=fields.number("top_p", defaults.top_p, 0.0, 1.0, low_open=True),
+        top_k=_top_k(fields, defaults.top_k),
         seed=fields.integer("seed", *SEED_RANGE),
-        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        min_p=fields.number("min_p", defaults.min_p, 0.0, 1.0),
         presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0,
+        repetition_penalty=fields.number("repetition_penalty", defaults.repetition_penalty, 0.0,
                                          MAX_REPETITION_PENALTY, low_open=True),
         logit_bias=_logit_bias(fields),
         logprobs=logprobs,
@@ -313,13 +328,14 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
     )
 
 
-def _top_k(fields: Fields) -> int:
-    """``top_k``: 0 (and -1, vLLM's way to say it) is off."""
+def _top_k(fields: Fields, default: int) -> int:
+    """``top_k``: 0 (and -1, vLLM's way to say it) is off; absent: ``default``."""
     value = fields.get("top_k")
     if isinstance(value, int) and not isinstance(value, bool) and value < -1:
         raise invalid(f"'top_k' must be an integer >= 0 (0 or -1: off), not {show(value)}",
                       "top_k")
-    return max(fields.integer("top_k", -1) or 0, 0)
+    got = fields.integer("top_k", -1)
+    return default if got is None else max(got, 0)
 
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:

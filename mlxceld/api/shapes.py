@@ -169,6 +169,7 @@ class ModelCard(TypedDict):
     # prompt and completion together, as served ([serve] context_length caps the model's).
     # OpenRouter's /models says it so; vLLM's ``max_model_len``, llama.cpp's ``n_ctx``.
     context_length: int
+    max_model_len: int  # the same, by vLLM's name (clients written for vLLM read it)
 
 
 class ModelList(TypedDict):

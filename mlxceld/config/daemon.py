@@ -92,6 +92,7 @@ FLAG_KEYS: dict[str, str] = {
     "--port": "serve.port", "--api-key-file": "serve.api_key_file",
     "--max-tokens": "serve.max_tokens", "--context-length": "serve.context_length",
     "--serving-port": "serve.serving_port",
+    "--allowed-origins": "serve.allowed_origins", "--generation-config": "serve.generation_config",
     "--cluster-secret-file": "daemon.cluster_secret_file",
     "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
     "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
@@ -188,6 +189,8 @@ class Overrides:
     kv_bits: int | None = None  # config/kvquant.py
     kv_group_size: int | None = None
     quantized_kv_start: int | None = None
+    allowed_origins: str | None = None  # comma-separated, as given (config/clients.py)
+    generation_config: str | None = None  # as given
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,

@@ -4,7 +4,10 @@
 
     [serve]
     model = "~/models/qwen3-0.6b"   # a local mlx-lm directory, or a Hugging Face repo id
-    model_name = "qwen3"            # the id clients see in /v1/models (default: dir name)
+    model_name = "qwen3"            # the id clients see in /v1/models (default: dir name);
+                                    # "a,b" or ["a", "b"]: aliases (config/clients.py)
+    allowed_origins = ["http://localhost:3000"]   # CORS (default: none; config/clients.py)
+    generation_config = "auto"      # the model's sampling defaults, or none (ditto)
     host = "127.0.0.1"              # the OpenAI port's address (0.0.0.0 only when asked)
     port = 8080
     api_key_file = "/etc/mlxceld/api-key"   # or MLXCEL_API_KEY_FILE; 0600, one line
@@ -121,6 +124,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
+from mlxceld.config.clients import (
+    GenerationConfig,
+    parse_generation_config,
+    parse_model_names,
+    parse_origins,
+)
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.replicas import (
@@ -156,13 +165,14 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "decode_peers", "kv_compression", "tp_size", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
-              "reasoning_field", "unknown_fields"}
+              "allowed_origins", "generation_config", "reasoning_field",
+              "unknown_fields"}
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str | None = None  # absolute local path or a Hugging Face repo id; None: idle
-    model_name: str | None = None
+    model_name: str | None = None  # the names, the primary first, joined by commas
     host: str = "127.0.0.1"
     port: int = 8080
     api_key_file: Path | None = None
@@ -185,12 +195,20 @@ class ServeConfig:
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
     reasoning_field: str = REASONING_FIELDS[0]  # api/reasoning.py
     unknown_fields: str = UNKNOWN_FIELDS[0]  # api/ignoring.py
+    allowed_origins: tuple[str, ...] = ()  # CORS (config/clients.py); (): none
+    generation_config: GenerationConfig = "auto"
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The model's names: the id clients see, then its aliases."""
+        assert self.model is not None
+        names = tuple(n for n in (self.model_name or "").split(",") if n)
+        # A repo id's (or its cache snapshot's) name, else the directory's.
+        return names or (model_name(Path(self.model.rstrip("/"))).split("/")[-1],)
 
     @property
     def served_name(self) -> str:
-        assert self.model is not None
-        # A repo id's (or its cache snapshot's) name, else the directory's.
-        return self.model_name or model_name(Path(self.model.rstrip("/"))).split("/")[-1]
+        return self.served_names[0]
 
     def with_model(self, model: str, name: str | None = None) -> ServeConfig:
         return replace(self, model=model, model_name=name)
@@ -223,7 +241,9 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     cfg = ServeConfig(
         host=_typed(table, "host", str, where) or "127.0.0.1",
         port=_port(_typed(table, "port", int, where) or 8080, f"{where}: 'serve.port'"),
-        model_name=_typed(table, "model_name", str, where),
+        model_name=parse_model_names(table.get("model_name"), f"{where}: 'serve.model_name'"),
+        allowed_origins=parse_origins(flags.allowed_origins, table, where),
+        generation_config=parse_generation_config(flags.generation_config, table, where),
         max_batch=_positive(table, "max_batch", 8, where),
         max_queued=_positive(table, "max_queued", 64, where),
         max_connections=_positive(table, "max_connections", 1024, where),
@@ -261,7 +281,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         cfg = replace(cfg, api_key_file=p if p.is_absolute() or flags.api_key_file
                       else base / p)
     if flags.model_name:
-        cfg = replace(cfg, model_name=flags.model_name)
+        cfg = replace(cfg, model_name=parse_model_names(flags.model_name, "--model-name"))
     if flags.host:
         cfg = replace(cfg, host=flags.host)
     if flags.port is not None:
@@ -389,7 +409,8 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
     serving listener's (``serving``: None without a cluster secret); or, on a router node,
     over ``replicas``."""
     assert cfg.model is not None
-    return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
+    return RouterOptions(model=cfg.model, model_name=cfg.served_name,
+                         model_aliases=cfg.served_names[1:], host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
                          pipeline=pipeline, replicas=replicas, handoff=handoff,
                          max_connections=cfg.max_connections,
@@ -399,5 +420,7 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          serving=serving, tp_size=cfg.tp_size,
                          context_length=cfg.context_length,
                          prompt_cache_bytes=cfg.prompt_cache_bytes, kv_quant=cfg.kv_quant,
+                         allowed_origins=cfg.allowed_origins,
+                         generation_config=cfg.generation_config,
                          reasoning_field=cfg.reasoning_field,
                          unknown_fields=cfg.unknown_fields)

@@ -274,6 +274,12 @@ class RouterOptions:
     # 0's setup op carries it) and every pipeline stage (each ``prepare`` carries it);
     # None: full precision, as the model computes it.
     kv_quant: KVQuant | None = None
+    # The model's other names: a request may name it by any (``[serve] model_name``).
+    model_aliases: tuple[str, ...] = ()
+    # CORS on the OpenAI port (``api/cors.py``): exact origins, or ("*",); (): none.
+    allowed_origins: tuple[str, ...] = ()
+    # "auto": sampling defaults from the model's generation_config.json; "none": OpenAI's.
+    generation_config: str = "auto"
     # The key of a chat answer's reasoning (``[serve] reasoning_field``, api/reasoning.py).
     reasoning_field: str = REASONING_FIELDS[0]
     # A request's unknown fields: refused, or ignored and named (``[serve] unknown_fields``).
@@ -281,6 +287,8 @@ class RouterOptions:
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(self.generation_config in ("auto", "none"), "generation_config",
+               "be auto or none", self.generation_config)
         _check(self.reasoning_field in REASONING_FIELDS, "reasoning_field",
                f"be one of {', '.join(REASONING_FIELDS)}", self.reasoning_field)
         _check(self.unknown_fields in UNKNOWN_FIELDS, "unknown_fields",

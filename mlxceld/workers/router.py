@@ -1,7 +1,9 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
-model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
+model_name (and model_aliases), host, port, max_batch, max_queued, max_tokens,
+allowed_origins (CORS), generation_config (whether the model's generation_config.json
+gives a request's sampling defaults: ``models/generation.py``), context_length (a cap on the
 model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
 cache, or each pipeline stage's), kv_quant (a quantized KV cache: the local engine's, its
 tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
@@ -100,6 +102,7 @@ from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.errors import ConfigError
+from mlxceld.models.generation import SamplingDefaults, read_sampling_defaults
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
@@ -240,6 +243,21 @@ async def serving_service(ctx: WorkerContext[RouterOptions], engine: Any,
     return service
 
 
+def sampling_defaults(o: RouterOptions, path: str) -> SamplingDefaults:
+    """The defaults of a request's sampling fields: with ``generation_config`` "auto", the
+    model's ``generation_config.json``'s (``path``: its local directory, or its repo id
+    over a pipeline or replicas, whose metadata the router has fetched), else OpenAI's."""
+    if o.generation_config != "auto":
+        return SamplingDefaults()
+    from mlxceld.models.fetch import local_model
+
+    defaults = read_sampling_defaults(local_model(path))
+    if defaults.changed():
+        log.info("sampling defaults from %s's generation_config.json: %s", o.model_name,
+                 " ".join(f"{k}={v}" for k, v in defaults.changed().items()))
+    return defaults
+
+
 def drain_op(draining: Draining, request: JSON) -> JSON:
     """The control channel's ``drain``: ``{"drains": [{"node": ID, "deadline": UNIX-S or
     null}, ...]}``, every drain in force (``[]``: none); answers the counts."""
@@ -366,7 +384,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     if pipeline:
         eos = set(tokenizer.eos_token_ids)
         ctx.ops["pipeline"] = lambda request: pipeline_op(ctx, engine, eos, request)
+    defaults = await asyncio.to_thread(sampling_defaults, o, path)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
+                           model_aliases=o.model_aliases, sampling_defaults=defaults,
+                           allowed_origins=o.allowed_origins,
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            max_tokens=o.max_tokens,
                            readiness=engine.readiness if linked else None,
