@@ -2,10 +2,7 @@
 answers through the app, reasoning effort reaches the chat template, the reasoning comes
 back under the key the operator picked, and unknown fields may be ignored and named.
 
-The client shapes are those issue 29 reports each client sending, reproduced here:
-Continue's 6 stops (its chat templates' stop lists), Open WebUI's ``reasoning`` object and
-``cache_control`` on content parts, LiteLLM's ``reasoning_effort`` (aider, LangChain),
-an assistant turn carrying vLLM's ``reasoning``, and vLLM's ``top_k: -1``.
+The client shapes are ``helpers/clientshapes.py``'s.
 """
 
 from __future__ import annotations
@@ -22,24 +19,10 @@ from mlxceld.api import MlxTextCodec
 from mlxceld.api.ignoring import HEADER, MAX_NAMED, header_value
 
 from helpers.api import MODEL, http_client, make_app, sse_events
+from helpers.clientshapes import CLIENT_SHAPES
 from helpers.fakes import FakeEngine, ToolByteCodec
 
 USER = [{"role": "user", "content": "hi"}]
-CONTINUE_STOPS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>",
-                  "\n\nUser:"]
-CLIENT_SHAPES: dict[str, dict[str, Any]] = {
-    "continue": {"messages": USER, "stop": CONTINUE_STOPS, "max_tokens": 16, "stream": False},
-    "open-webui": {"messages": [
-        {"role": "system", "content": [{"type": "text", "text": "be brief",
-                                        "cache_control": {"type": "ephemeral"}}]},
-        {"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}}],
-        "reasoning": {"effort": "low"}, "max_tokens": 16},
-    "litellm": {"messages": USER, "reasoning_effort": "low", "max_tokens": 16},
-    "assistant-reasoning": {"messages": [
-        *USER, {"role": "assistant", "content": "hello", "reasoning": "greet back"},
-        {"role": "user", "content": "again"}], "max_tokens": 16},
-    "vllm-top-k": {"messages": USER, "top_k": -1, "temperature": 0.7, "max_tokens": 16},
-}
 
 
 async def post(client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:

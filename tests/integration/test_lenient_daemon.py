@@ -1,7 +1,8 @@
 """``[serve] unknown_fields = "warn"`` and ``reasoning_field = "both"`` from a real TOML
 config file, through a real daemon's router worker serving the Qwen3-style tools fixture
 (its template opens ``<think>``): an unknown field is ignored and named in a header, the
-clients' lenient shapes are answered, and the reasoning comes under both keys."""
+clients' request shapes (``helpers/clientshapes.py``) are answered, and the reasoning
+comes under both keys."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 from mlxceld.api.ignoring import HEADER
 from mlxceld.models import preset, write_fixture
 
+from helpers.clientshapes import CLIENT_SHAPES
 from helpers.daemons import READY_S, Daemons
 from helpers.ports import free_port
+from helpers.router import client
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +61,22 @@ def test_effort_none_answers_without_reasoning(url: str) -> None:
     message = response.json()["choices"][0]["message"]
     assert "reasoning" not in message and "reasoning_content" not in message, message
     assert HEADER not in response.headers
+
+
+@pytest.mark.parametrize("name", sorted(CLIENT_SHAPES))
+def test_each_clients_request_shape_is_answered_by_the_daemon(url: str, name: str) -> None:
+    """Through the ``openai`` client (the fields it does not know as ``extra_body``), whole
+    and streamed."""
+    body = dict(CLIENT_SHAPES[name])
+    messages, max_tokens = body.pop("messages"), body.pop("max_tokens")
+    body.pop("stream", None)
+    with client(url) as c:
+        answer = c.chat.completions.create(model="qwen3", messages=messages,
+                                           max_tokens=max_tokens, extra_body=body)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        extra = answer.choices[0].message.model_extra or {}
+        assert answer.choices[0].message.content or extra.get("reasoning_content"), answer
+        chunks = list(c.chat.completions.create(model="qwen3", messages=messages,
+                                                max_tokens=max_tokens, extra_body=body,
+                                                stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
