@@ -67,6 +67,7 @@ from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.generation import Sequencer
+from mlxceld.api.ignoring import IgnoredFields, UnknownFields, announce_ignored
 from mlxceld.api.messages_serving import Messages
 from mlxceld.api.metrics import (
     CONTENT_TYPE,
@@ -75,6 +76,7 @@ from mlxceld.api.metrics import (
     StageLinks,
     count_requests,
 )
+from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.requestid import tag_requests
 from mlxceld.api.requests import (
     check_constraint,
@@ -125,6 +127,8 @@ def build_router_app(
     model_aliases: Sequence[str] = (),
     sampling_defaults: SamplingDefaults | None = None,
     allowed_origins: Sequence[str] = (),
+    reasoning_field: ReasoningField = "reasoning_content",
+    unknown_fields: UnknownFields = "refuse",
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -141,8 +145,10 @@ def build_router_app(
     ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``;
     ``model_aliases``: the model's names besides ``model_id``; ``sampling_defaults``: what
     a request's left-out sampling fields are (None: OpenAI's); ``allowed_origins``: CORS's
-    (``cors.py``; none: no CORS). Prompts and completions are bounded by
-    ``engine.context_length``."""
+    (``cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
+    (``[serve] reasoning_field``, ``reasoning.py``); ``unknown_fields``: refuse a request's
+    unknown fields, or ignore them, saying so (``[serve] unknown_fields``, ``ignoring.py``).
+    Prompts and completions are bounded by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -201,12 +207,25 @@ def build_router_app(
     chats = Chats(engine, codec, sequencer, PromptTokenizer(codec), model_id, max_tokens,
                   max_body_bytes, is_ready, drains, names, defaults)
 
+    ignoring = IgnoredFields()
+
+    def lenient() -> list[str] | None:
+        """Where a request's ignored fields go (None: unknown fields are refused)."""
+        return [] if unknown_fields == "warn" else None
+
+    def noted(request: Request, ignored: list[str] | None) -> None:
+        if ignored:
+            ignoring.note(request.scope, ignored)
+
     async def chat(request: Request) -> Response:
         arrived = chats.check_ready()
+        ignored = lenient()
         parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id,
-                            aliases=names, defaults=defaults)
+                            aliases=names, defaults=defaults, ignored=ignored)
+        noted(request, ignored)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), parsed.options.model,
-                         parsed.options.include_usage, parsed.options.logprobs is not None)
+                         parsed.options.include_usage, parsed.options.logprobs is not None,
+                         reasoning_field)
         prepared = await chats.prepare(parsed, fmt.id)
         return CompletionResponse(sequencer, prepared.request, prepared.stops, fmt,
                                   stream=prepared.options.stream, arrived=arrived,
@@ -214,8 +233,10 @@ def build_router_app(
 
     async def completions(request: Request) -> Response:
         arrived = chats.check_ready()
+        ignored = lenient()
         parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id,
-                                  aliases=names, defaults=defaults)
+                                  aliases=names, defaults=defaults, ignored=ignored)
+        noted(request, ignored)
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         options = parsed.options
@@ -250,8 +271,9 @@ def build_router_app(
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error},
     )
-    guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
-                                                                    open_paths=OPEN_PATHS)
+    told = announce_ignored(app)
+    guarded: ASGIApp = told if api_key is None else require_api_key(told, api_key,
+                                                                     open_paths=OPEN_PATHS)
     served = allow_origins(guarded, allowed_origins) if allowed_origins else guarded
     return log_access(count_requests(tag_requests(served), metrics, ENDPOINTS,
                                      canonical=UNVERSIONED))

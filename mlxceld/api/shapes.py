@@ -83,6 +83,7 @@ class AssistantMessage(TypedDict):
     role: Literal["assistant"]
     content: str | None
     reasoning_content: NotRequired[str]
+    reasoning: NotRequired[str]  # the same, by vLLM's newer name ([serve] reasoning_field)
     tool_calls: NotRequired[list[ToolCallShape]]
 
 
@@ -121,6 +122,7 @@ class Delta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
     reasoning_content: NotRequired[str]
+    reasoning: NotRequired[str]
     tool_calls: NotRequired[list[ToolCallDelta]]
 
 

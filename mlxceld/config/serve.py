@@ -37,6 +37,10 @@
                                     # full precision; mlxceld/config/kvquant.py)
     kv_group_size = 64              # elements per scale and bias: 32, 64, 128
     quantized_kv_start = 0          # tokens a layer holds before it is quantized
+    reasoning_field = "reasoning_content"  # a chat answer's reasoning under this key:
+                                    # reasoning_content | reasoning | both
+    unknown_fields = "refuse"       # a request's unknown fields: refuse (400) | warn
+                                    # (ignored, logged once per name, named in a header)
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -77,6 +81,18 @@ at most 16 caches and this many bytes, the least recently used dropped first (de
 cache instead (``pipeline/kvstore.py``: every stage keeps the KV of its layers, as the
 router decides, ``pipeline/prefixes.py``); unset, each stage takes a quarter of the memory
 its host has available once its weights are loaded; 0: no stage keeps any.
+
+``reasoning_field``: the key a chat answer's reasoning goes under, whole
+(``choices[0].message``) and streamed (``delta``): ``reasoning_content`` (the default: what
+DeepSeek, mlx-lm's server and vLLM before 0.10 send, and what the clients that show
+reasoning read), ``reasoning`` (vLLM's newer key, OpenRouter's) or ``both``
+(``mlxceld/api/reasoning.py``). Either is read back from an assistant message in history.
+
+``unknown_fields``: a request field the router does not know is refused (``refuse``, the
+default: 400 naming it, so that a typo is never silently ignored), or, with ``warn``,
+ignored: logged once per field name, and named in the answer's
+``x-mlxceld-ignored-fields`` header (``mlxceld/api/ignoring.py``). Fields it knows are
+honoured or refused as docs/api-fields.md says, either way.
 
 ``stage_silence_s`` (``mlxceld/net/liveness.py``): over a pipeline, every stage link
 has a heartbeat, and a stage that sends nothing for this long (its host sleeps or
@@ -127,6 +143,8 @@ from mlxceld.config.tensor import parse_tp_size
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import (
+    REASONING_FIELDS,
+    UNKNOWN_FIELDS,
     HandoffOptions,
     KVQuant,
     PipelineOptions,
@@ -147,7 +165,8 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "decode_peers", "kv_compression", "tp_size", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
-              "allowed_origins", "generation_config"}
+              "allowed_origins", "generation_config", "reasoning_field",
+              "unknown_fields"}
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,8 @@ class ServeConfig:
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
+    reasoning_field: str = REASONING_FIELDS[0]  # api/reasoning.py
+    unknown_fields: str = UNKNOWN_FIELDS[0]  # api/ignoring.py
     allowed_origins: tuple[str, ...] = ()  # CORS (config/clients.py); (): none
     generation_config: GenerationConfig = "auto"
 
@@ -237,6 +258,8 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         kv_quant=parse_kv_quant({"kv_bits": flags.kv_bits,
                                  "kv_group_size": flags.kv_group_size,
                                  "quantized_kv_start": flags.quantized_kv_start}, table, where),
+        reasoning_field=_choice(table, "reasoning_field", REASONING_FIELDS, where),
+        unknown_fields=_choice(table, "unknown_fields", UNKNOWN_FIELDS, where),
     )
     role, role_from = parse_role(flags.node_role, table, where)
     replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
@@ -295,6 +318,17 @@ def _typed(table: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
                           f"not {value!r}",
                           hint=f"see the [serve] example in {__name__.replace('.', '/')}.py")
     return value
+
+
+def _choice(table: Mapping[str, Any], key: str, choices: tuple[str, ...], where: str) -> str:
+    """One of ``choices`` (the first when absent)."""
+    value = _typed(table, key, str, where)
+    if value is None:
+        return choices[0]
+    if value not in choices:
+        raise ConfigError(f"{where}: 'serve.{key}' must be one of {', '.join(choices)}, not "
+                          f"{value!r}", hint=f"for example {key} = {choices[0]!r}")
+    return str(value)
 
 
 def _positive(table: Mapping[str, Any], key: str, default: int, where: str) -> int:
@@ -387,4 +421,6 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          context_length=cfg.context_length,
                          prompt_cache_bytes=cfg.prompt_cache_bytes, kv_quant=cfg.kv_quant,
                          allowed_origins=cfg.allowed_origins,
-                         generation_config=cfg.generation_config)
+                         generation_config=cfg.generation_config,
+                         reasoning_field=cfg.reasoning_field,
+                         unknown_fields=cfg.unknown_fields)

@@ -297,16 +297,15 @@ class StageService:
                                           f"already holds {p.MAX_SEQUENCES} sequences")
             state = SeqState(stage_cache(self._model, p.kv_of(env.header),
                                          self._place.node_id), None)
+            eos = p.eos_of(env.header)
             if last:
                 # mlx: only once serving
                 from mlxceld.engine.processors import make_logits_processors
                 from mlxceld.engine.sampling import make_sampler
 
                 state = SeqState(state.cache, make_sampler(params, self._model.vocab_size),
-                                 make_logits_processors(params), list(history),
+                                 make_logits_processors(params, eos), list(history),
                                  params.logprobs)
-            eos = p.eos_of(env.header)
-            if last:
                 state.matching = await self._matching.matcher(params, eos)
             state.reuse = self.cache.reuse(env.header)  # copied on the compute side
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,

@@ -9,7 +9,8 @@ cache, or each pipeline stage's), kv_quant (a quantized KV cache: the local engi
 tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
 is refused at start, exit 2, naming ``serve.kv_bits`` and its family), and the port's
 connection bounds max_connections, header_timeout_s, body_timeout_s, and stage_silence_s
-(a pipeline stage's heartbeat bound) (``config/serve.py``). The API key, if any, arrives
+(a pipeline stage's heartbeat bound), reasoning_field and unknown_fields (the app's:
+``api/reasoning.py``, ``api/ignoring.py``) (``config/serve.py``). The API key, if any, arrives
 on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config:
 stages, coordinator, model_identity, cluster) the engine drives remote stages and only the
 tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too. Its
@@ -90,11 +91,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlxceld import failpoints
 from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
 from mlxceld.api.draining import Draining, NodeDrain
+from mlxceld.api.ignoring import UnknownFields
+from mlxceld.api.reasoning import ReasoningField
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.loading import load_local_engine
@@ -393,7 +396,9 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            draining=draining, elastic=discovered is not None,
                            stage_links=engine.stages if pipeline else None,
                            prompt_caches=None if pool
-                           else lambda: [({}, engine.prompt_cache_stats())])
+                           else lambda: [({}, engine.prompt_cache_stats())],
+                           reasoning_field=cast(ReasoningField, o.reasoning_field),
+                           unknown_fields=cast(UnknownFields, o.unknown_fields))
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
