@@ -23,7 +23,8 @@ app does not own the engine: whoever built it closes it.
 ``/router/stats`` shows replicas by node id; their addresses only when the
 environment variable ``MLXCEL_ROUTER_STATS_VERBOSE`` is 1, true, yes or on (any
 case), read once when the app is built; the body says which
-(``addresses_redacted``). It needs the API key, as every route but ``/health``.
+(``addresses_redacted``). It needs the API key, as every route but ``/health`` (and
+``/metrics`` when ``metrics_open``: ``[serve] metrics_require_key = false``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def build_router_app(
     router_stats: Callable[[bool], Any] | None = None,
     elastic: bool = False,
     prompt_caches: PromptCaches | None = None,
+    metrics_open: bool = False,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -110,8 +112,9 @@ def build_router_app(
     over a replica pool, its stats as JSON given whether to show addresses
     (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
     ``max_batch`` changes (replicas found by discovery), admission follows it;
-    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``. Prompts and
-    completions are bounded by ``engine.context_length``."""
+    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``;
+    ``metrics_open``: ``/metrics`` needs no API key. Prompts and completions are bounded
+    by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -203,8 +206,9 @@ def build_router_app(
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error},
     )
+    open_paths = OPEN_PATHS | ({"/metrics"} if metrics_open else set())
     guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
-                                                                    open_paths=OPEN_PATHS)
+                                                                    open_paths=open_paths)
     return log_access(count_requests(guarded, metrics, ENDPOINTS))
 
 

@@ -271,6 +271,9 @@ class RouterOptions:
     # 0's setup op carries it) and every pipeline stage (each ``prepare`` carries it);
     # None: full precision, as the model computes it.
     kv_quant: KVQuant | None = None
+    # ``GET /metrics`` open to callers without the API key (``[serve] metrics_require_key``
+    # false); without a key it is open anyway.
+    metrics_open: bool = False
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

@@ -372,7 +372,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            draining=draining, elastic=discovered is not None,
                            stage_links=engine.stages if pipeline else None,
                            prompt_caches=None if pool
-                           else lambda: [({}, engine.prompt_cache_stats())])
+                           else lambda: [({}, engine.prompt_cache_stats())],
+                           metrics_open=o.metrics_open)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
