@@ -7,7 +7,8 @@ cache, or each pipeline stage's), kv_quant (a quantized KV cache: the local engi
 tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
 is refused at start, exit 2, naming ``serve.kv_bits`` and its family), and the port's
 connection bounds max_connections, header_timeout_s, body_timeout_s, and stage_silence_s
-(a pipeline stage's heartbeat bound) (``config/serve.py``). The API key, if any, arrives
+(a pipeline stage's heartbeat bound) (``config/serve.py``), and metrics_open (``/metrics``
+without the API key: ``[serve] metrics_require_key = false``). The API key, if any, arrives
 on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config:
 stages, coordinator, model_identity, cluster) the engine drives remote stages and only the
 tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too. Its
