@@ -18,6 +18,7 @@ connections to ``LIMITS`` (``control/connections.py``).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -104,8 +105,8 @@ def bind_metrics(address: HostPort) -> socket.socket:
         family, _, _, _, sockaddr = infos[0]
         sock = socket.create_server(sockaddr, family=family, backlog=64)
     except OSError as exc:
-        raise DaemonError(f"cannot serve /metrics on {address} ({what}): "
-                          f"{exc.strerror or exc}",
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise DaemonError(f"cannot serve /metrics on {address} ({what}): {why}",
                           hint="pick a free port, or leave metrics_listen unset") from None
     sock.setblocking(False)
     return sock

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -182,3 +183,15 @@ def test_a_stage_hosts_daemon_shows_its_stage_moving(daemons: Daemons,
                                         "stage-0", "0-2", link="next") or None, 30,
                    "stage-0's round trip to stage-1", every=0.3)
     assert rtt > 0
+
+
+def test_a_port_in_use_fails_the_start_naming_the_setting(daemons: Daemons) -> None:
+    address, _ = listen("127.0.0.1")
+    host, port = address.rsplit(":", 1)
+    with socket.create_server((host, int(port))):
+        d = daemons.make(with_daemon_keys(WORKERS, metrics_listen=address))
+        d.start(wait=False)
+        assert d.proc is not None and d.proc.wait(timeout=60) == 1
+    said = d.stderr()
+    assert f"cannot serve /metrics on {address} ([daemon] metrics_listen" in said, said
+    assert "Address already in use" in said and "pick a free port" in said
