@@ -11,8 +11,8 @@ their stats every second, so a count may be up to a second old.
 With an API key (``[serve] api_key_file``) and ``[serve] metrics_require_key`` (the
 default), a scrape needs ``Authorization: Bearer <key>`` (``api/auth.py``: compared in
 constant time, answered 401 in OpenAI's error shape); the setting is read at each
-request, so a reload changes it. Every other path is 404. The listener holds its
-connections to ``LIMITS`` (``control/connections.py``).
+request, so a reload changes it. Every other path is 404, another method 405. The
+listener holds its connections to ``LIMITS`` (``control/connections.py``).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def metrics_app(view: DaemonView, api_key: str | None,
 
 async def _missing(request: Request, exc: Exception) -> Response:
     return PlainTextResponse(f"{request.method} {request.url.path}: this listener serves "
-                             "GET /metrics only\n", status_code=404)
+                             "GET /metrics only\n",
+                             status_code=getattr(exc, "status_code", 404))
 
 
 def bind_metrics(address: HostPort) -> socket.socket:

@@ -59,13 +59,13 @@ def worker(name: str, role: str, state: str = "running", **more: Any) -> dict[st
 
 
 def get(view: Any, path: str = "/metrics", key: str | None = None,
-        require: bool = True) -> httpx.Response:
+        require: bool = True, method: str = "GET") -> httpx.Response:
     async def main() -> httpx.Response:
         app = metrics_app(view, KEY if key is not None else None, lambda: require)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://test") as client:
-            return await client.get(path, headers=headers)
+            return await client.request(method, path, headers=headers)
 
     return asyncio.run(main())
 
@@ -171,3 +171,4 @@ def test_the_key_is_needed_unless_the_setting_opens_metrics() -> None:
     assert get(view, key=KEY).status_code == 200
     assert get(view, key="", require=False).status_code == 200  # metrics_require_key false
     assert get(view, "/other", key=KEY).status_code == 404
+    assert get(view, "/metrics", key=KEY, method="POST").status_code == 405
