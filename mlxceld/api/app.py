@@ -38,7 +38,8 @@ app does not own the engine: whoever built it closes it.
 ``/router/stats`` shows replicas by node id; their addresses only when the
 environment variable ``MLXCEL_ROUTER_STATS_VERBOSE`` is 1, true, yes or on (any
 case), read once when the app is built; the body says which
-(``addresses_redacted``). It needs the API key, as every route but ``/health``.
+(``addresses_redacted``). It needs the API key, as every route but ``/health`` (and
+``/metrics`` when ``metrics_open``: ``[serve] metrics_require_key = false``).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def build_router_app(
     allowed_origins: Sequence[str] = (),
     reasoning_field: ReasoningField = "reasoning_content",
     unknown_fields: UnknownFields = "refuse",
+    metrics_open: bool = False,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -148,7 +150,8 @@ def build_router_app(
     (``cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
     (``[serve] reasoning_field``, ``reasoning.py``); ``unknown_fields``: refuse a request's
     unknown fields, or ignore them, saying so (``[serve] unknown_fields``, ``ignoring.py``).
-    Prompts and completions are bounded by ``engine.context_length``."""
+    ``metrics_open``: ``/metrics`` needs no API key. Prompts and completions are bounded
+    by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -272,8 +275,9 @@ def build_router_app(
                             Exception: _internal_error},
     )
     told = announce_ignored(app)
+    open_paths = OPEN_PATHS | ({"/metrics"} if metrics_open else set())
     guarded: ASGIApp = told if api_key is None else require_api_key(told, api_key,
-                                                                     open_paths=OPEN_PATHS)
+                                                                     open_paths=open_paths)
     served = allow_origins(guarded, allowed_origins) if allowed_origins else guarded
     return log_access(count_requests(tag_requests(served), metrics, ENDPOINTS,
                                      canonical=UNVERSIONED))

@@ -11,6 +11,8 @@
     host = "127.0.0.1"              # the OpenAI port's address (0.0.0.0 only when asked)
     port = 8080
     api_key_file = "/etc/mlxceld/api-key"   # or MLXCEL_API_KEY_FILE; 0600, one line
+    metrics_require_key = true      # /metrics needs that key (here and on the daemon's
+                                    # metrics_listen); false: open (config/metrics.py)
     max_batch = 8                   # sequences decoded together
     max_queued = 64                 # requests waiting beyond that; more get 503
     max_tokens = 4096               # the most tokens one completion generates (default:
@@ -132,6 +134,7 @@ from mlxceld.config.clients import (
 )
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
 from mlxceld.config.kvquant import parse_kv_quant
+from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import (
     HYBRID,
     NodeRole,
@@ -166,7 +169,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "decode_peers", "kv_compression", "tp_size", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
               "allowed_origins", "generation_config", "reasoning_field",
-              "unknown_fields"}
+              "unknown_fields", "metrics_require_key"}
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ class ServeConfig:
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
+    metrics_require_key: bool = True  # /metrics needs the API key, when there is one
     reasoning_field: str = REASONING_FIELDS[0]  # api/reasoning.py
     unknown_fields: str = UNKNOWN_FIELDS[0]  # api/ignoring.py
     allowed_origins: tuple[str, ...] = ()  # CORS (config/clients.py); (): none
@@ -254,6 +258,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         context_length=_context_length(flags.context_length, table, where),
         prompt_cache_bytes=_prompt_cache_bytes(table, where),
         serving_port=_serving_port(flags.serving_port, table, where),
+        metrics_require_key=metrics_require_key(table, where),
         tp_size=parse_tp_size(flags.tp_size, table, where),
         kv_quant=parse_kv_quant({"kv_bits": flags.kv_bits,
                                  "kv_group_size": flags.kv_group_size,
@@ -423,4 +428,5 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          allowed_origins=cfg.allowed_origins,
                          generation_config=cfg.generation_config,
                          reasoning_field=cfg.reasoning_field,
-                         unknown_fields=cfg.unknown_fields)
+                         unknown_fields=cfg.unknown_fields,
+                         metrics_open=not cfg.metrics_require_key)

@@ -143,6 +143,15 @@ class StageService:
     def sequences(self) -> int:
         return len(self._seqs)
 
+    @property
+    def queued(self) -> int:
+        """Steps enqueued and not yet run: the stage's queue depth."""
+        return self._pending
+
+    def links_rtt_ms(self) -> dict[str, float | None]:
+        """Its connections onward and their latest round trips (``Onward.rtts_ms``)."""
+        return self._onward.rtts_ms()
+
     async def drain(self, deadline: float) -> int:
         """Refuse new sequences and wait until those held are released, at the latest
         until ``deadline`` (the loop's clock); the number still held then."""

@@ -284,6 +284,9 @@ class RouterOptions:
     reasoning_field: str = REASONING_FIELDS[0]
     # A request's unknown fields: refused, or ignored and named (``[serve] unknown_fields``).
     unknown_fields: str = UNKNOWN_FIELDS[0]
+    # ``GET /metrics`` open to callers without the API key (``[serve] metrics_require_key``
+    # false); without a key it is open anyway.
+    metrics_open: bool = False
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

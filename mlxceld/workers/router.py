@@ -10,7 +10,8 @@ tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot
 is refused at start, exit 2, naming ``serve.kv_bits`` and its family), and the port's
 connection bounds max_connections, header_timeout_s, body_timeout_s, and stage_silence_s
 (a pipeline stage's heartbeat bound), reasoning_field and unknown_fields (the app's:
-``api/reasoning.py``, ``api/ignoring.py``) (``config/serve.py``). The API key, if any, arrives
+``api/reasoning.py``, ``api/ignoring.py``) (``config/serve.py``), and metrics_open (``/metrics``
+without the API key: ``[serve] metrics_require_key = false``). The API key, if any, arrives
 on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config:
 stages, coordinator, model_identity, cluster) the engine drives remote stages and only the
 tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too. Its
@@ -398,7 +399,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            prompt_caches=None if pool
                            else lambda: [({}, engine.prompt_cache_stats())],
                            reasoning_field=cast(ReasoningField, o.reasoning_field),
-                           unknown_fields=cast(UnknownFields, o.unknown_fields))
+                           unknown_fields=cast(UnknownFields, o.unknown_fields),
+                           metrics_open=o.metrics_open)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
