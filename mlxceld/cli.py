@@ -155,12 +155,18 @@ def run(
         "--quantized-kv-start", help="With --kv-bits: a layer's cache is quantized once it "
         "holds this many tokens (mlx-lm's meaning). Default: 0, from the first token.")
     ] = None,
+    check_config: Annotated[bool, typer.Option(
+        "--check-config", help="Check the config file and the flags as a start would "
+        "(keys, values, files, the model, the secret's source) and exit: 0 and \"config OK\", "
+        "or 2 and the first error. Starts nothing, writes nothing.")] = False,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     """Run the mlxceld daemon in the foreground."""
     flags = overrides(ctx.params)
+    if check_config:
+        check(flags)
     try:
         cfg = load_config(flags)
         setup_logging(cfg.log_level, cfg.log_file, cfg.log_format)
@@ -177,8 +183,24 @@ def run(
 def overrides(params: Mapping[str, Any]) -> Overrides:
     """The parsed flags, by parameter name, as ``Overrides`` (``--config`` is ``config_file``;
     ``--version`` has exited before)."""
-    values = {k: v for k, v in params.items() if k not in ("config", "version")}
+    values = {k: v for k, v in params.items()
+              if k not in ("config", "version", "check_config")}
     return Overrides(config_file=params.get("config"), **values)
+
+
+def check(flags: Overrides) -> None:
+    """``--check-config``: the start-up's checks that change nothing (``preflight``); its
+    warnings (a secret file others may read) on stderr. Exits 0 or 2."""
+    setup_logging("warning", None)
+    from mlxceld.preflight import check_config
+
+    try:
+        cfg = check_config(flags)
+    except MlxceldError as exc:  # whatever a start would refuse, it refuses with exit 2
+        fail(exc, 2)
+    source = cfg.config_file or "no config file (flags and defaults)"
+    typer.echo(f"config OK: {source}")
+    raise typer.Exit(0)
 
 
 class Terminal:

@@ -111,6 +111,7 @@ FLAG_ONLY: dict[str, str] = {
     "--reset-state": "it is a one-shot repair (a damaged state database moved aside), not a "
     "service setting",
     "--version": "it prints the version and exits",
+    "--check-config": "it is a one-shot command (check, print, exit), not a service setting",
 }
 
 
