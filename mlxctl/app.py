@@ -29,6 +29,8 @@ from mlxctl.drain import drain, undrain
 from mlxctl.edge import EXIT_FAILURE, call, emit
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.progress import LoadView
+from mlxctl.reloading import EPILOG as RELOAD_EPILOG
+from mlxctl.reloading import reload
 from mlxctl.secret import secret_app
 from mlxctl.serving import Served, serve_and_wait
 
@@ -44,6 +46,7 @@ app.command(epilog="Exit codes: 0 drained (with --detach: the drain is recorded)
             "drained in time, or refused; 2 usage; 3 daemon not running; 4 permission "
             "denied.")(drain)
 app.command()(undrain)
+app.command(epilog=RELOAD_EPILOG)(reload)
 
 
 @app.callback()
