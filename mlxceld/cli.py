@@ -20,7 +20,7 @@ from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, DamagedState, MlxceldError
 from mlxceld.logformat import LogFormat, formatter
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 

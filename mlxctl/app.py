@@ -38,6 +38,7 @@ STOP_WAIT_S = 120.0
 
 # add_completion: --show-completion SHELL is what Homebrew's completion helper runs.
 app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
+                  rich_markup_mode=None,  # help shows [serve], [v6] as written
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Control the local mlxceld daemon.")
 app.add_typer(secret_app, name="secret")
@@ -234,7 +235,7 @@ def _alive(pid: int) -> bool:
 
 
 model_app = typer.Typer(help="Model files on this machine (no daemon needed).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 
 

@@ -51,7 +51,7 @@ ROUTER_WAIT_S: Final = 180.0  # the router loads the tokenizer and attaches to t
 SETTLED: Final = frozenset({WorkerState.RUNNING, WorkerState.FAILED})
 
 cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery, plans, "
-                          "bring-up.", no_args_is_help=True)
+                          "bring-up.", no_args_is_help=True, rich_markup_mode=None)
 
 
 ReplicasOpt = Annotated[int, typer.Option(

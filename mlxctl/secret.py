@@ -27,7 +27,7 @@ GENERATED_BYTES = 32
 
 secret_app = typer.Typer(help="The cluster secret keyring: generate, install, list, use, remove, "
                          "rotate.",
-                         no_args_is_help=True)
+                         no_args_is_help=True, rich_markup_mode=None)
 
 KeyIdArg = Annotated[str, typer.Argument(help="A key id (16 hex digits; see `mlxctl secret "
                                                "list`).")]
