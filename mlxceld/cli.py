@@ -18,7 +18,7 @@ import typer
 from mlxceld import __version__
 from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, DamagedState, MlxceldError
-from mlxceld.logformat import LogFormat, formatter
+from mlxceld.logformat import LogFormat, formatter, stderr_is_journal
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -229,7 +229,8 @@ def setup_logging(level: str, log_file: Path | None, log_format: LogFormat = "te
         raise ConfigError(f"log file {log_file} cannot be opened: {exc.strerror}",
                           hint="create its directory (writable by this user), or change "
                           "--log-file / [daemon] log_file") from None
-    handler.setFormatter(formatter(log_format))
+    handler.setFormatter(formatter(log_format, journal=log_file is None
+                                   and stderr_is_journal(sys.stderr)))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

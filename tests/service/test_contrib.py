@@ -156,6 +156,9 @@ def test_unit_has_the_service_settings() -> None:
     # One flag, the unit's own business (its group and RuntimeDirectory=); the rest is the
     # config file's.
     assert s["ExecStart"] == ["/usr/local/bin/mlxceld --socket-group mlxceld"]
+    # A reload checks the file first (the same flags), then sends SIGHUP.
+    assert s["ExecReload"] == ["/usr/local/bin/mlxceld --check-config --socket-group mlxceld",
+                               "/bin/kill -HUP $MAINPID"]
 
 
 def test_the_units_group_is_the_one_sysusers_makes() -> None:
@@ -178,6 +181,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     binary = shutil.which("mlxceld") or "/bin/true"
     text = UNIT.read_text()
     copy = tmp_path / "mlxceld.service"
+    text = re.sub(r"(?m)^ExecReload=/usr/local/bin/mlxceld .*$", f"ExecReload={binary}", text)
     copy.write_text(re.sub(r"(?m)^ExecStart=.*$", f"ExecStart={binary}", text))
     env = {**os.environ, "SYSTEMD_LOG_LEVEL": "warning"}
     man = "no"
