@@ -19,6 +19,7 @@ from mlxceld import __version__
 from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, DamagedState, MlxceldError
 from mlxceld.logformat import LogFormat, formatter, stderr_is_journal
+from mlxceld.supervisor.logfiles import RotatingLog
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -169,7 +170,8 @@ def run(
         check(flags)
     try:
         cfg = load_config(flags)
-        setup_logging(cfg.log_level, cfg.log_file, cfg.log_format)
+        setup_logging(cfg.log_level, cfg.log_file, cfg.log_format,
+                      cfg.log_file_max_bytes, cfg.log_file_backups)
         from mlxceld.daemon import serve  # after logging: importing it pulls uvicorn in
 
         code = asyncio.run(serve(cfg, flags, Terminal()))
@@ -221,9 +223,12 @@ def fail(exc: MlxceldError, code: int) -> None:
     raise typer.Exit(code)
 
 
-def setup_logging(level: str, log_file: Path | None, log_format: LogFormat = "text") -> None:
+def setup_logging(level: str, log_file: Path | None, log_format: LogFormat = "text",
+                  max_bytes: int = 0, backups: int = 0) -> None:
+    """The daemon's one handler: ``log_file`` (rotated at ``max_bytes``, ``backups`` kept;
+    ``supervisor/logfiles.py``) or stderr (the journal's format where it is the journal)."""
     try:
-        handler: logging.Handler = (logging.FileHandler(log_file) if log_file
+        handler: logging.Handler = (RotatingLog(log_file, max_bytes, backups) if log_file
                                     else logging.StreamHandler(sys.stderr))
     except OSError as exc:
         raise ConfigError(f"log file {log_file} cannot be opened: {exc.strerror}",

@@ -18,7 +18,11 @@ from mlxceld.config.daemon import Config
 from mlxceld.control.access import OperatorGroup
 
 # Read at start only: a reload that changes them says so, and they take effect at the next.
-AT_NEXT_START: Final = ("daemon.state_dir", "daemon.socket", "daemon.socket_group")
+AT_NEXT_START: Final = ("daemon.state_dir", "daemon.socket", "daemon.socket_group",
+                        "daemon.log_file", "daemon.log_format", "daemon.log_max_bytes",
+                        "daemon.log_backups")
+# The fields named after their [daemon] key rather than their own.
+_RENAMED: Final = {"log_file_max_bytes": "log_max_bytes", "log_file_backups": "log_backups"}
 # The fields named after their [supervisor] key rather than their own.
 _SUPERVISOR: Final = ("health_interval_s", "log_max_bytes", "log_backups")
 _DAEMON_SKIP: Final = ("config_file", "dry_run", "reset_state", "cluster_secret_origin")
@@ -45,7 +49,8 @@ def config_changes(old: Config, new: Config) -> list[Change]:
             found += _nested(f.name, a, b)
         else:
             table = "supervisor" if f.name in _SUPERVISOR else "daemon"
-            found.append(Change(key=f"{table}.{f.name}", old=plain(a), new=plain(b)))
+            name = _RENAMED.get(f.name, f.name)
+            found.append(Change(key=f"{table}.{name}", old=plain(a), new=plain(b)))
     return found
 
 
