@@ -47,9 +47,10 @@ File format (TOML, every table and key optional)::
     model = "~/models/tiny"            # see mlxceld/config/serve.py for every key
 
 Every flag of ``mlxceld`` has a key here (``FLAG_KEYS``) except those of
-``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run`` and
-``--reset-state`` (one-shot commands, not service settings: ``dry_run`` or
-``reset_state`` in the file is refused, naming the flag) and ``--version``.
+``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run``, ``--reset-state`` and
+``--check-config`` (one-shot commands, not service settings: ``dry_run``,
+``reset_state`` or ``check_config`` in the file is refused, naming the flag) and
+``--version``.
 ``tests/config/test_flag_keys.py`` holds the two lists to the CLI.
 """
 
