@@ -71,6 +71,8 @@ def test_the_default_config_file_is_found(tmp_path: Path) -> None:
     ('[serve]\nnode_role = "router"\nreplicas = ["10.0.0.2"]\n', "needs the cluster secret"),
     ('[daemon]\nlog_file = "no-dir/daemon.log"\n', "log file"),
     ('[daemon]\ncheck_config = true\n', "--check-config is a flag only"),
+    ('[daemon]\npp_auto = 2\n', "--pp-auto needs the model to plan"),
+    ('[daemon]\ndistributed_config = "nope.toml"\nnode_id = "stage-0"\n', "nope.toml"),
 ])
 def test_a_bad_file_names_its_fault(tmp_path: Path, toml: str, names: str) -> None:
     write(tmp_path / "short", "12345").chmod(0o600)
