@@ -18,9 +18,10 @@ import typer
 from mlxceld import __version__
 from mlxceld.config.daemon import LOG_LEVELS, Overrides, load_config
 from mlxceld.errors import ConfigError, DamagedState, MlxceldError
-from mlxceld.logformat import LogFormat, formatter
+from mlxceld.logformat import LogFormat, formatter, stderr_is_journal
+from mlxceld.supervisor.logfiles import RotatingLog
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 
@@ -165,15 +166,22 @@ def run(
         "--generation-config", help="auto: sampling fields a request leaves out take the "
         "model's generation_config.json values (as vLLM does); none: OpenAI's defaults. "
         "Default: auto.")] = None,
+    check_config: Annotated[bool, typer.Option(
+        "--check-config", help="Check the config file and the flags as a start would "
+        "(keys, values, files, the model, the secret's source) and exit: 0 and \"config OK\", "
+        "or 2 and the first error. Starts nothing, writes nothing.")] = False,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     """Run the mlxceld daemon in the foreground."""
     flags = overrides(ctx.params)
+    if check_config:
+        check(flags)
     try:
         cfg = load_config(flags)
-        setup_logging(cfg.log_level, cfg.log_file, cfg.log_format)
+        setup_logging(cfg.log_level, cfg.log_file, cfg.log_format,
+                      cfg.log_file_max_bytes, cfg.log_file_backups)
         from mlxceld.daemon import serve  # after logging: importing it pulls uvicorn in
 
         code = asyncio.run(serve(cfg, flags, Terminal()))
@@ -187,8 +195,24 @@ def run(
 def overrides(params: Mapping[str, Any]) -> Overrides:
     """The parsed flags, by parameter name, as ``Overrides`` (``--config`` is ``config_file``;
     ``--version`` has exited before)."""
-    values = {k: v for k, v in params.items() if k not in ("config", "version")}
+    values = {k: v for k, v in params.items()
+              if k not in ("config", "version", "check_config")}
     return Overrides(config_file=params.get("config"), **values)
+
+
+def check(flags: Overrides) -> None:
+    """``--check-config``: the start-up's checks that change nothing (``preflight``); its
+    warnings (a secret file others may read) on stderr. Exits 0 or 2."""
+    setup_logging("warning", None)
+    from mlxceld.preflight import check_config
+
+    try:
+        cfg = check_config(flags)
+    except MlxceldError as exc:  # whatever a start would refuse, it refuses with exit 2
+        fail(exc, 2)
+    source = cfg.config_file or "no config file (flags and defaults)"
+    typer.echo(f"config OK: {source}")
+    raise typer.Exit(0)
 
 
 class Terminal:
@@ -209,15 +233,19 @@ def fail(exc: MlxceldError, code: int) -> None:
     raise typer.Exit(code)
 
 
-def setup_logging(level: str, log_file: Path | None, log_format: LogFormat = "text") -> None:
+def setup_logging(level: str, log_file: Path | None, log_format: LogFormat = "text",
+                  max_bytes: int = 0, backups: int = 0) -> None:
+    """The daemon's one handler: ``log_file`` (rotated at ``max_bytes``, ``backups`` kept;
+    ``supervisor/logfiles.py``) or stderr (the journal's format where it is the journal)."""
     try:
-        handler: logging.Handler = (logging.FileHandler(log_file) if log_file
+        handler: logging.Handler = (RotatingLog(log_file, max_bytes, backups) if log_file
                                     else logging.StreamHandler(sys.stderr))
     except OSError as exc:
         raise ConfigError(f"log file {log_file} cannot be opened: {exc.strerror}",
                           hint="create its directory (writable by this user), or change "
                           "--log-file / [daemon] log_file") from None
-    handler.setFormatter(formatter(log_format))
+    handler.setFormatter(formatter(log_format, journal=log_file is None
+                                   and stderr_is_journal(sys.stderr)))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -63,6 +63,7 @@ from mlxceld.cluster.clusterfile.placement import (
 )
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
+from mlxceld.config.changes import AT_NEXT_START, config_changes
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE, discovers
 from mlxceld.config.serve import read_api_key
@@ -133,7 +134,7 @@ class Daemon:
         self.config = config
         self._flags = flags
         self._terminal = terminal
-        self._commands: asyncio.Queue[str] = asyncio.Queue()
+        self._commands: asyncio.Queue[str | asyncio.Future[JSON]] = asyncio.Queue()
         self._stopping = False
         self._started_at = time.time()
         self._notify = Notifier.from_environment()  # systemd's NOTIFY_SOCKET; else a no-op
@@ -220,6 +221,7 @@ class Daemon:
                 "state_dir": str(self.config.state_dir), "socket": str(self.config.socket),
                 "socket_group": self._socket_group.name if self._socket_group else None,
                 "config_file": str(self.config.config_file) if self.config.config_file else None,
+                "log_level": self.config.log_level,
                 "schema_version": SCHEMA_VERSION,
             },
             "serving": self.serving.describe(),
@@ -306,6 +308,13 @@ class Daemon:
 
     def request_stop(self) -> None:
         self._commands.put_nowait("stop")
+
+    async def reload(self) -> JSON:
+        """`mlxctl reload`: SIGHUP's reload, queued as SIGHUP queues it; what it changed,
+        or the ``ConfigError`` that kept the running config."""
+        answer: asyncio.Future[JSON] = asyncio.get_running_loop().create_future()
+        self._commands.put_nowait(answer)
+        return await answer
 
     def secrets(self) -> list[JSON]:
         return self.keys.list()
@@ -435,9 +444,10 @@ class Daemon:
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:
         while True:
             command = await self._commands.get()
-            if command == "reload":
+            if command == "reload" or isinstance(command, asyncio.Future):
                 self._notify.reloading()
-                await self._reload()
+                await self._reload("SIGHUP" if command == "reload" else "mlxctl reload",
+                                   None if isinstance(command, str) else command)
                 self._notify.ready(status_line(self.status()))
                 continue
             if command == "agent":
@@ -493,10 +503,11 @@ class Daemon:
         self._release()
         os._exit(1)
 
-    async def _reload(self) -> None:
-        """SIGHUP: bind the control socket again if its file is gone, re-read the config
-        file and reopen log files; never restart workers."""
-        await self._keeper.restore("SIGHUP")
+    async def _reload(self, trigger: str, answer: asyncio.Future[JSON] | None) -> None:
+        """SIGHUP or `mlxctl reload` (``answer``: told what changed, or the error): bind the
+        control socket again if its file is gone, re-read the config file and reopen log
+        files; never restart workers."""
+        await self._keeper.restore(trigger)
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
                 handler.close()  # reopened on the next record
@@ -506,17 +517,27 @@ class Daemon:
             self.member.check_reload(new)  # ... or over a pipeline it coordinates
         except ConfigError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
-            self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")
+            self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}",
+                               trigger=trigger)
+            if answer is not None and not answer.done():
+                answer.set_exception(exc)
             return
-        for field in ("state_dir", "socket", "socket_group", "metrics_listen"):
-            if getattr(new, field) != getattr(self.config, field):
-                log.warning("reload: %s changed; it takes effect at the next start", field)
+        changes = config_changes(self.config, new)
+        later = [c["key"] for c in changes if c["key"] in AT_NEXT_START]
+        for key in later:
+            log.warning("reload: %s changed; it takes effect at the next start", key)
         logging.getLogger().setLevel(new.log_level.upper())
         self.config = new
         self.serving.serve = self.serving.effective(new.serve)
-        self.events.append("daemon.reloaded", "daemon", "configuration reloaded")
-        log.info("configuration reloaded")
+        self.events.append("daemon.reloaded", "daemon", "configuration reloaded: "
+                           + (", ".join(c["key"] for c in changes) or "nothing changed"),
+                           trigger=trigger)
+        log.info("configuration reloaded (%s): %s", trigger,
+                 ", ".join(c["key"] for c in changes) or "nothing changed")
         await self.supervisor.reconcile(self.specs(new))
+        if answer is not None and not answer.done():
+            answer.set_result({"config_file": str(new.config_file) if new.config_file else None,
+                               "changed": changes, "at_next_start": later})
 
     def _socket_event(self, kind: str, message: str, trigger: str) -> None:
         self.events.append(f"daemon.socket_{kind}", "daemon", message, trigger=trigger)

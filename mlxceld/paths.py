@@ -14,6 +14,9 @@ from pathlib import Path
 
 APP = "mlxceld"
 SYSTEM_SOCKET = Path("/run/mlxceld/mlxceld.sock")  # the systemd unit's RuntimeDirectory=
+# The launchd system daemon's (contrib/launchd/system): beside its state dir, in a directory
+# of the operator group's.
+MACOS_SYSTEM_SOCKET = Path("/Library/Application Support/mlxceld/run/mlxceld.sock")
 BREW_PREFIXES = (Path("/opt/homebrew"), Path("/usr/local"))  # Apple silicon, Intel
 
 
@@ -62,12 +65,14 @@ def default_socket(state_dir: Path, environ: Mapping[str, str] | None = None) ->
 
 
 def socket_candidates(environ: Mapping[str, str] | None = None, platform: str = sys.platform,
-                      *, system_socket: Path = SYSTEM_SOCKET,
+                      *, system_socket: Path | None = None,
                       brew_prefixes: Sequence[Path] = BREW_PREFIXES) -> tuple[Path, ...]:
     """Where mlxctl looks, in order, when neither ``--socket`` nor ``MLXCELD_SOCKET`` says:
 
     1. the per-user daemon's default (``default_socket`` of ``default_state_dir``);
-    2. on Linux, the system daemon's (``/run/mlxceld/mlxceld.sock``, the systemd unit's);
+    2. the system daemon's: on Linux ``/run/mlxceld/mlxceld.sock`` (the systemd unit's),
+       on macOS ``/Library/Application Support/mlxceld/run/mlxceld.sock`` (the launchd
+       system plist's);
     3. Homebrew's service: ``<prefix>/var/run/mlxceld/mlxceld.sock``, the prefix from
        ``HOMEBREW_PREFIX`` (``brew shellenv`` sets it), else on macOS ``/opt/homebrew``
        and ``/usr/local``.
@@ -75,7 +80,9 @@ def socket_candidates(environ: Mapping[str, str] | None = None, platform: str = 
     environ = os.environ if environ is None else environ
     found = [default_socket(default_state_dir(environ, platform), environ)]
     if platform.startswith("linux"):
-        found.append(system_socket)
+        found.append(system_socket or SYSTEM_SOCKET)
+    elif platform == "darwin":
+        found.append(system_socket or MACOS_SYSTEM_SOCKET)
     brew = environ.get("HOMEBREW_PREFIX")
     prefixes = [Path(brew)] if brew else list(brew_prefixes) if platform == "darwin" else []
     found += [prefix / "var" / "run" / APP / f"{APP}.sock" for prefix in prefixes]

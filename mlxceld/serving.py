@@ -145,18 +145,10 @@ class Serving:
         refused here rather than after the wait for peers (a model that is neither a local
         directory nor a repo id is the coordinator's to refuse)."""
         planned = self.serve.model
-        if config.pp_auto is not None and planned is None:
-            raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
-                              hint="the same checkpoint must be on every host")
         if planned is not None and names_a_repo(planned):
             self._fetch_metadata(planned, config.serve.model)
         self.check_split(config.serve.model)
-        if config.pp_auto is None or planned is None:
-            return
-        if Path(planned).is_dir():
-            require_splittable(Path(planned), "--pp-auto --model")
-        elif names_a_repo(planned):
-            require_splittable(local_model(planned), "--pp-auto --model")
+        check_planned(config, planned)
 
     @staticmethod
     def _fetch_metadata(model: str, configured: str | None) -> None:
@@ -270,6 +262,21 @@ class Serving:
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None,
                 # where the key is (never the key): mlxctl chat reads it when it may
                 "api_key_file": str(s.api_key_file) if s.api_key_file else None}
+
+
+def check_planned(config: Config, planned: str | None) -> None:
+    """With --pp-auto: a model to plan (``planned``), of a family that splits into stages;
+    else ``ConfigError`` (a model that is neither a local directory nor a repo id is the
+    coordinator's to refuse)."""
+    if config.pp_auto is None:
+        return
+    if planned is None:
+        raise ConfigError("--pp-auto needs the model to plan: pass --model DIR",
+                          hint="the same checkpoint must be on every host")
+    if Path(planned).is_dir():
+        require_splittable(Path(planned), "--pp-auto --model")
+    elif names_a_repo(planned):
+        require_splittable(local_model(planned), "--pp-auto --model")
 
 
 def split_check(serve: ServeConfig) -> None:

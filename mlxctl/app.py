@@ -30,6 +30,8 @@ from mlxctl.drain import drain, undrain
 from mlxctl.edge import EXIT_FAILURE, call, emit
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.progress import LoadView
+from mlxctl.reloading import EPILOG as RELOAD_EPILOG
+from mlxctl.reloading import reload
 from mlxctl.secret import secret_app
 from mlxctl.serving import Served, serve_and_wait
 from mlxctl.watch import DEFAULT_INTERVAL_S
@@ -38,6 +40,7 @@ STOP_WAIT_S = 120.0
 
 # add_completion: --show-completion SHELL is what Homebrew's completion helper runs.
 app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
+                  rich_markup_mode=None,  # help shows [serve], [v6] as written
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Control the local mlxceld daemon.")
 app.add_typer(secret_app, name="secret")
@@ -46,6 +49,7 @@ app.command(epilog="Exit codes: 0 drained (with --detach: the drain is recorded)
             "drained in time, or refused; 2 usage; 3 daemon not running; 4 permission "
             "denied.")(drain)
 app.command()(undrain)
+app.command(epilog=RELOAD_EPILOG)(reload)
 
 
 @app.callback()
@@ -295,7 +299,7 @@ def _alive(pid: int) -> bool:
 
 
 model_app = typer.Typer(help="Model files on this machine (no daemon needed).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 
 

@@ -51,7 +51,7 @@ ROUTER_WAIT_S: Final = 180.0  # the router loads the tokenizer and attaches to t
 SETTLED: Final = frozenset({WorkerState.RUNNING, WorkerState.FAILED})
 
 cluster_app = typer.Typer(help="The cluster: candidate peers found by discovery, plans, "
-                          "bring-up.", no_args_is_help=True)
+                          "bring-up.", no_args_is_help=True, rich_markup_mode=None)
 
 
 ReplicasOpt = Annotated[int, typer.Option(
@@ -64,7 +64,7 @@ def nodes(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False
     """List candidate peers: node id, address, version, key id, memory, state, last seen,
     and the failure detector's liveness (alive, suspect, dead) since when."""
     body = call(socket_path(ctx, socket), as_json, lambda c: c.cluster_nodes())
-    emit(as_json, "cluster-nodes", body, lambda: render.cluster_nodes(body))
+    emit(as_json, "cluster_nodes", body, lambda: render.cluster_nodes(body))
 
 
 @cluster_app.command()
@@ -88,7 +88,7 @@ def plan(ctx: typer.Context,
                 lambda c: c.plan_cluster(resolved, stages, replicas))
     if cluster_config_out is not None:
         cluster_config_out.write_text(body["toml"])
-    emit(as_json, "cluster-plan", body, lambda: render.cluster_plan(body))
+    emit(as_json, "cluster_plan", body, lambda: render.cluster_plan(body))
 
 
 @cluster_app.command(epilog="Exit codes: 0 every stage is active and the router serves; "
@@ -122,7 +122,7 @@ def activate(ctx: typer.Context,
     bringup, router = outcome["bringup"], outcome["router"]
     ok = bringup.get("state") == "active" and router.get("state") == WorkerState.RUNNING
     if as_json:
-        typer.echo(json.dumps({"schema": "mlxctl.cluster-activate/1", "ok": ok,
+        typer.echo(json.dumps({"schema": "mlxctl.cluster_activate/1", "ok": ok,
                                "bringup": bringup, "router": router,
                                "serving": outcome["serving"]}, indent=2))
     elif ok:
@@ -162,7 +162,7 @@ def deactivate(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = 
     state = body["bringup"]
     ok = all(p["state"] == "deactivated" for p in state.get("peers") or [])
     if as_json:
-        typer.echo(json.dumps({**body, "schema": "mlxctl.cluster-deactivate/1", "ok": ok},
+        typer.echo(json.dumps({**body, "schema": "mlxctl.cluster_deactivate/1", "ok": ok},
                               indent=2))
     else:
         for p in state.get("peers") or []:

@@ -27,7 +27,7 @@ GENERATED_BYTES = 32
 
 secret_app = typer.Typer(help="The cluster secret keyring: generate, install, list, use, remove, "
                          "rotate.",
-                         no_args_is_help=True)
+                         no_args_is_help=True, rich_markup_mode=None)
 
 KeyIdArg = Annotated[str, typer.Argument(help="A key id (16 hex digits; see `mlxctl secret "
                                                "list`).")]
@@ -52,7 +52,7 @@ def generate(
         typer.echo("mlxctl: warning: this is a cluster secret; keep it out of shell history, "
                    "logs and chat (write it to a file instead: mlxctl secret generate FILE)",
                    err=True)
-        emit(as_json, "secret-generate", {"key_id": kid, "file": None, "secret": text},
+        emit(as_json, "secret_generate", {"key_id": kid, "file": None, "secret": text},
              lambda: text)
         return
     try:
@@ -63,7 +63,7 @@ def generate(
     except OSError as exc:
         fail(as_json, EXIT_FAILURE, "io", f"cannot write {file}: {exc.strerror or exc}",
              "check the directory and its permissions")
-    emit(as_json, "secret-generate", {"key_id": kid, "file": str(file.absolute())},
+    emit(as_json, "secret_generate", {"key_id": kid, "file": str(file.absolute())},
          lambda: f"wrote a new cluster secret to {file} (key id {kid}, mode 0600)\n"
          f"  next: mlxctl secret install {file} --primary")
 
@@ -90,7 +90,7 @@ def install(
     body = call(socket_path(ctx, socket), as_json,
                 lambda c: c.install_secret(secret, primary=primary, source=source))
     key = body["key"]
-    emit(as_json, "secret-install", body,
+    emit(as_json, "secret_install", body,
          lambda: f"installed cluster secret {key['key_id']} ({key['state']})")
 
 
@@ -99,7 +99,7 @@ def use(ctx: typer.Context, kid: KeyIdArg, socket: SocketOpt = None,
         as_json: JsonOpt = False) -> None:
     """Make KEYID the primary: the secret this node uses when it connects."""
     body = call(socket_path(ctx, socket), as_json, lambda c: c.use_secret(kid))
-    emit(as_json, "secret-use", body,
+    emit(as_json, "secret_use", body,
          lambda: f"cluster secret {body['key']['key_id']} is now the primary")
 
 
@@ -108,7 +108,7 @@ def remove(ctx: typer.Context, kid: KeyIdArg, socket: SocketOpt = None,
            as_json: JsonOpt = False) -> None:
     """Remove KEYID from the keyring (never the primary: `use` another first)."""
     body = call(socket_path(ctx, socket), as_json, lambda c: c.remove_secret(kid))
-    emit(as_json, "secret-remove", body,
+    emit(as_json, "secret_remove", body,
          lambda: f"removed cluster secret {body['key']['key_id']}")
 
 
@@ -133,7 +133,7 @@ def rotate(
         secret = _read_secret(new_secret_file, as_json, private=True)
     body = call(socket_path(ctx, socket), as_json, lambda c: c.rotate_secret(secret))
     rot = body["rotation"]
-    emit(as_json, "secret-rotate", body,
+    emit(as_json, "secret_rotate", body,
          lambda: f"rotated the cluster secret from key {rot['old_key_id']} to "
          f"{rot['new_key_id']} on {len(rot['members'])} member(s): "
          + ", ".join(rot["members"]))

@@ -33,6 +33,7 @@ STACK = [
     "replica_peers",  # a router's replicas by discovery: the candidates told its worker
     "stage_watch",  # the daemon's stage worker: back after a SIGTERM, a stand-in if failed
     "observe",  # the daemon's /metrics: its own and its workers', read at each scrape
+    "preflight",  # `mlxceld --check-config`: the start-up's checks that change nothing
     "daemon", "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}

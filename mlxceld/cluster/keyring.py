@@ -32,7 +32,7 @@ from pathlib import Path
 
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config
-from mlxceld.config.secrets import ENV_VALUE, TomlSecretFile, resolve_secret
+from mlxceld.config.secrets import ENV_VALUE, ResolvedSecret, TomlSecretFile, resolve_secret
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.errors import ConfigError
 from mlxceld.state import EventLog, KeyStore, parse_key_id
@@ -66,12 +66,7 @@ class KeyringService:
               toml: TomlSecretFile | None = None) -> None:
         """Resolve the cluster secret; one from a flag, variable or file becomes the primary
         (``toml``: a serving cluster file's ``secret_file``, which has no placement)."""
-        if placement is not None:
-            toml = placement.cluster.secret_source()
-        from_flag = config.cluster_secret_origin == SECRET_FLAG
-        resolved = resolve_secret(flag_file=config.cluster_secret_file if from_flag else None,
-                                  config_file=None if from_flag else config.cluster_secret_file,
-                                  toml=toml, keyring=self.keyring, keyring_where=str(self.dir))
+        resolved = configured_secret(config, placement, toml, self.keyring, self.dir)
         if os.environ.pop(ENV_VALUE, None) is not None:
             log.warning("%s is set: its value stays readable to root and to this user in "
                         "this daemon's initial environment (/proc/%d/environ on Linux) for as "
@@ -122,46 +117,9 @@ class KeyringService:
         (``handoff_role``), a node of a serving cluster's TOML (``served``: "FILE: node
         'ID' (ROLE)"), or a cluster config of two or more stages (or hosts), never runs
         without the cluster secret."""
-        if len(self.keyring):
-            return
-
-        def where(first: str | None = None, last: str | None = None) -> str:
-            """Every place a secret is looked for, in order (``first``, ``last``: the
-            places of a cluster TOML, where one names the secret)."""
-            places = ["--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE",
-                      "MLXCEL_CLUSTER_SECRET", "[daemon] cluster_secret_file"]
-            places = [p for p in (first, *places, last) if p is not None]
-            return f"none was found in {', '.join(places)} or the keyring in {self.dir}"
-
-        everyone = ("mlxctl secret generate FILE, copy FILE (chmod 600) to each host, then "
-                    "pass --cluster-secret-file FILE")
-        if served is not None:  # a hybrid placed by it too
-            raise ConfigError(
-                f"{served} needs the cluster secret: its routers reach it only over the "
-                "authenticated wire; " + where(first="the file's secret_file"),
-                hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
-                "600, the same on every host) or pass --cluster-secret-file FILE")
-        if handoff_role is not None:
-            raise ConfigError(
-                f"--node-role {handoff_role} needs the cluster secret to serve a router and "
-                f"hand KV caches over; {where()}",
-                hint=f"give the router and every prefill and decode node the same secret: "
-                f"{everyone}")
-        if router:
-            raise ConfigError(
-                f"--node-role router needs the cluster secret to reach its replicas; {where()}",
-                hint=f"give the router and every replica the same secret: {everyone}")
-        if pp_auto:
-            raise ConfigError(
-                f"--pp-auto needs the cluster secret to reach its peers; {where()}",
-                hint="give every node the same secret file with --cluster-secret-file")
-        p = placement
-        if p is None or not p.needs_secret:
-            return
-        raise ConfigError(
-            f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
-            f"cluster secret; {where(last='[cluster] secret_file')}",
-            hint=f"give every node the same secret: {everyone}")
+        require_secret(bool(len(self.keyring)), self.dir, pp_auto=pp_auto,
+                       placement=placement, router=router, handoff_role=handoff_role,
+                       served=served)
 
     # -- mlxctl secret ----------------------------------------------------------------------
 
@@ -188,3 +146,63 @@ class KeyringService:
         self._events.append("secret.removed", "keyring",
                             f"cluster secret {info.key_id} removed", key_id=info.key_id)
         return info.to_json()
+
+
+def configured_secret(config: Config, placement: Placement | None,
+                      toml: TomlSecretFile | None, keyring: Keyring | None,
+                      keys_dir: Path) -> ResolvedSecret | None:
+    """The secret the flags, variables and files name (``resolve_secret``; a placement's
+    cluster TOML is the ``[cluster] secret_file`` source), else ``keyring``'s primary."""
+    if placement is not None:
+        toml = placement.cluster.secret_source()
+    from_flag = config.cluster_secret_origin == SECRET_FLAG
+    return resolve_secret(flag_file=config.cluster_secret_file if from_flag else None,
+                          config_file=None if from_flag else config.cluster_secret_file,
+                          toml=toml, keyring=keyring, keyring_where=str(keys_dir))
+
+
+def require_secret(has_secret: bool, keys_dir: Path, *, pp_auto: bool,
+                   placement: Placement | None, router: bool = False,
+                   handoff_role: str | None = None, served: str | None = None) -> None:
+    """``KeyringService.require``'s rule, for a node whose keyring (in ``keys_dir``) holds a
+    secret or not (``has_secret``); `mlxceld --check-config` asks it too."""
+    if has_secret:
+        return
+
+    def where(first: str | None = None, last: str | None = None) -> str:
+        """Every place a secret is looked for, in order (``first``, ``last``: the
+        places of a cluster TOML, where one names the secret)."""
+        places = ["--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE",
+                  "MLXCEL_CLUSTER_SECRET", "[daemon] cluster_secret_file"]
+        places = [p for p in (first, *places, last) if p is not None]
+        return f"none was found in {', '.join(places)} or the keyring in {keys_dir}"
+
+    everyone = ("mlxctl secret generate FILE, copy FILE (chmod 600) to each host, then "
+                "pass --cluster-secret-file FILE")
+    if served is not None:  # a hybrid placed by it too
+        raise ConfigError(
+            f"{served} needs the cluster secret: its routers reach it only over the "
+            "authenticated wire; " + where(first="the file's secret_file"),
+            hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
+            "600, the same on every host) or pass --cluster-secret-file FILE")
+    if handoff_role is not None:
+        raise ConfigError(
+            f"--node-role {handoff_role} needs the cluster secret to serve a router and "
+            f"hand KV caches over; {where()}",
+            hint=f"give the router and every prefill and decode node the same secret: "
+            f"{everyone}")
+    if router:
+        raise ConfigError(
+            f"--node-role router needs the cluster secret to reach its replicas; {where()}",
+            hint=f"give the router and every replica the same secret: {everyone}")
+    if pp_auto:
+        raise ConfigError(
+            f"--pp-auto needs the cluster secret to reach its peers; {where()}",
+            hint="give every node the same secret file with --cluster-secret-file")
+    p = placement
+    if p is None or not p.needs_secret:
+        return
+    raise ConfigError(
+        f"cluster config {p.cluster.path} has {len(p.cluster.stages)} stages and needs the "
+        f"cluster secret; {where(last='[cluster] secret_file')}",
+        hint=f"give every node the same secret: {everyone}")

@@ -9,6 +9,8 @@ File format (TOML, every table and key optional)::
     socket_group = "mlxceld"           # members may use the socket: 0660, its dir 0750
     log_level = "info"                 # debug | info | warning | error
     log_file = "/var/log/mlxceld.log"  # default: stderr
+    log_max_bytes = 10485760           # the log file is rotated (copied to .1, truncated)
+    log_backups = 3                    # at this size, this many kept; 0 bytes: never
     log_format = "text"                # text | json: one object a line, the daemon's
                                        # and its workers' (mlxceld/logformat.py)
     agent_addr = "0.0.0.0:19000"       # MXCL agent listener (with a cluster secret)
@@ -47,9 +49,10 @@ File format (TOML, every table and key optional)::
     model = "~/models/tiny"            # see mlxceld/config/serve.py for every key
 
 Every flag of ``mlxceld`` has a key here (``FLAG_KEYS``) except those of
-``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run`` and
-``--reset-state`` (one-shot commands, not service settings: ``dry_run`` or
-``reset_state`` in the file is refused, naming the flag) and ``--version``.
+``FLAG_ONLY``: ``--config`` (it names this file), ``--dry-run``, ``--reset-state`` and
+``--check-config`` (one-shot commands, not service settings: ``dry_run``,
+``reset_state`` or ``check_config`` in the file is refused, naming the flag) and
+``--version``.
 ``tests/config/test_flag_keys.py`` holds the two lists to the CLI.
 """
 
@@ -116,6 +119,7 @@ FLAG_ONLY: dict[str, str] = {
     "--reset-state": "it is a one-shot repair (a damaged state database moved aside), not a "
     "service setting",
     "--version": "it prints the version and exits",
+    "--check-config": "it is a one-shot command (check, print, exit), not a service setting",
 }
 
 
@@ -128,6 +132,8 @@ class Config:
     log_level: str = "info"
     log_file: Path | None = None
     log_format: LogFormat = "text"  # the daemon's and its workers' lines (logformat.py)
+    log_file_max_bytes: int = 10 * 1024 * 1024  # [daemon] log_max_bytes; 0: never rotated
+    log_file_backups: int = 3  # [daemon] log_backups
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     health_interval_s: float = 5.0
     log_max_bytes: int = 10 * 1024 * 1024
@@ -307,7 +313,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     daemon = table_of(data, "daemon", where)
     _refuse_flag_only(daemon, where)
     check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
-                         "log_format",
+                         "log_format", "log_max_bytes", "log_backups",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
                          *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY},
@@ -346,6 +352,10 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         log_level=log_level,
         log_file=flags.log_file or path_of(daemon, "log_file", base, where),
         log_format="json" if log_format == "json" else "text",
+        log_file_max_bytes=int(number(daemon, "log_max_bytes", where, "daemon.",
+                                      10 * 1024 * 1024, allow_zero=True)),
+        log_file_backups=int(number(daemon, "log_backups", where, "daemon.", 3,
+                                    allow_zero=True)),
         agent_addr=_agent_addr(daemon, flags, where),
         **(choice := _cluster_choice(daemon, flags, base, where)),
         **(auto := _pp_auto_choice(daemon, flags, choice, base, where)),

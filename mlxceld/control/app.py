@@ -8,7 +8,7 @@ line as a heartbeat (``streams.py``), so a client can put a deadline on every re
     GET    /v1/version, /v1/status, /v1/workers, /v1/cluster/nodes, /v1/secrets, /v1/drains
     GET    /v1/workers/{name}/logs    ?lines=N&follow=1
     GET    /v1/events                 ?after=ID&limit=N&subject=S&follow=1
-    POST   /v1/workers/{name}/restart, /v1/serve, /v1/unserve, /v1/stop
+    POST   /v1/workers/{name}/restart, /v1/serve, /v1/unserve, /v1/reload, /v1/stop
     POST   /v1/cluster/plan, /v1/cluster/activate, /v1/cluster/deactivate
     POST   /v1/secrets, /v1/secrets/{kid}/primary, /v1/secrets/rotate
     POST   /v1/drain, /v1/undrain     {"node", "deadline_s", "force"}
@@ -54,6 +54,7 @@ def build_app(daemon: DaemonView) -> ASGIApp:
             Route("/v1/drains", e.drains),
             Route("/v1/drain", e.drain, methods=["POST"]),
             Route("/v1/undrain", e.undrain, methods=["POST"]),
+            Route("/v1/reload", e.reload, methods=["POST"]),
             Route("/v1/stop", e.stop, methods=["POST"]),
         ],
         middleware=[Middleware(InternalErrors)],

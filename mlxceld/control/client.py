@@ -38,6 +38,9 @@ DEACTIVATE_TIMEOUT_S = 60.0
 # A rotation: its probe (20 s), five steps of at most 50 s each, the removal's handover
 # (cluster/rotation.py HANDOVER_S: 30 s) and some slack.
 ROTATE_TIMEOUT_S = 340.0
+# A reload: the config file, a model's metadata (a repo id: fetched) and the workers'
+# reconcile (an added one started, a removed one stopped within its stop timeout).
+RELOAD_TIMEOUT_S = 120.0
 UNSERVE_TIMEOUT_S = 40.0  # the router's stop: open streams get 10 s, SIGKILL after 20 s
 
 
@@ -127,6 +130,10 @@ class ControlClient:
 
     async def undrain(self, node: str | None) -> JSON:
         return await self._request("POST", "/v1/undrain", body={"node": node})
+
+    async def reload(self) -> JSON:
+        """Re-read the daemon's config file, as SIGHUP does; a bad one is a ControlError."""
+        return await self._request("POST", "/v1/reload", timeout=RELOAD_TIMEOUT_S)
 
     async def stop(self) -> JSON:
         return await self._request("POST", "/v1/stop")

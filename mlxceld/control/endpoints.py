@@ -106,6 +106,12 @@ class Endpoints:
         self._admitting()
         return answer("unserve", **await self.daemon.unserve())
 
+    async def reload(self, request: Request) -> Response:
+        """Re-read the config file as SIGHUP does: what changed, or the error (a 400 naming
+        the file and key) with the running config kept."""
+        self._admitting()
+        return answer("reload", **await self.daemon.reload())
+
     async def stop(self, request: Request) -> Response:
         self.daemon.request_stop()
         return answer("stop", stopping=True, pid=self.daemon.status()["daemon"]["pid"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from mlxceld.errors import AlreadyRunning, DaemonError
@@ -71,13 +72,22 @@ def _holder(content: bytes) -> tuple[int | None, Path | None]:
 def prepare_state_dir(path: Path) -> None:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-        if st.st_uid != os.geteuid():
-            raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us "
-                              f"(uid {os.geteuid()})",
-                              hint="run mlxceld as its owner, or pick another --state-dir")
+        check_state_dir(path)
         os.chmod(path, 0o700)
     except OSError as exc:
         raise DaemonError(f"state dir {path} cannot be used: {exc.strerror}",
                           hint="check the path and its permissions, or pick another --state-dir"
                           ) from exc
+
+
+def check_state_dir(path: Path) -> None:
+    """An existing state dir is a directory of ours (`mlxceld --check-config` asks too,
+    changing nothing); OSError where it cannot be looked at."""
+    st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise DaemonError(f"state dir {path} is not a directory",
+                          hint="pick another --state-dir (or [daemon] state_dir)")
+    if st.st_uid != os.geteuid():
+        raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us "
+                          f"(uid {os.geteuid()})",
+                          hint="run mlxceld as its owner, or pick another --state-dir")

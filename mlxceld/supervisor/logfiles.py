@@ -5,6 +5,10 @@ pipe through the daemon, so a worker keeps logging while the daemon restarts.
 Rotation is copy-then-truncate: the worker's descriptor stays valid and its
 next write lands at the new end. Lines written between the copy and the
 truncate can be lost; that window is a few milliseconds per rotation.
+
+The daemon's own ``--log-file`` (``[daemon] log_file``) is rotated the same way, by
+``RotatingLog``: launchd's ``StandardErrorPath`` and Homebrew's ``log_path`` name the same
+file and hold a descriptor on it, which a rename would leave writing to the old copy.
 """
 
 from __future__ import annotations
@@ -51,6 +55,26 @@ def rotate_if_needed(path: Path, max_bytes: int, backups: int) -> bool:
     with path.open("r+b") as f:
         f.truncate(0)
     return True
+
+
+class RotatingLog(logging.FileHandler):
+    """The daemon's log file (O_APPEND), rotated by copy-then-truncate once a record leaves it
+    over ``max_bytes`` (0: never), keeping ``backups`` old copies (``FILE.1`` newest). Closed
+    on SIGHUP and reopened by the next record, as a ``FileHandler`` is."""
+
+    def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
+        super().__init__(path, mode="a")
+        self._max_bytes, self._backups = max_bytes, backups
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if self._max_bytes <= 0 or self.stream is None:
+            return
+        try:
+            if os.fstat(self.stream.fileno()).st_size > self._max_bytes:
+                rotate_if_needed(Path(self.baseFilename), self._max_bytes, self._backups)
+        except (OSError, ValueError):
+            self.handleError(record)
 
 
 def tail(path: Path, lines: int) -> tuple[str, int]:

@@ -303,7 +303,7 @@ def test_table_and_json() -> None:
     assert table[1].split()[:4] == ["stage-0", "mac-studio", "10.0.0.1:19100", "[0,"]
     assert "KV cache for 8192 tokens at full precision + 512.0 MiB activations" in table[-1]
     body = plan_json(plan)
-    assert body["schema"] == "mlxctl.cluster.plan/1"
+    assert body["schema"] == "mlxctl.plan/1"
     assert json.loads(json.dumps(body)) == body
     s0 = body["stages"][0]
     assert (s0["stage"], s0["node_id"], s0["node_address"], s0["address"]) == \

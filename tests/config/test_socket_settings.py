@@ -69,12 +69,13 @@ def test_the_order_on_linux(tmp_path: Path) -> None:
 def test_the_order_on_macos(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path)}
     user = tmp_path / "Library" / "Application Support" / "mlxceld" / "mlxceld.sock"
+    system = Path("/Library/Application Support/mlxceld/run/mlxceld.sock")  # the plist's
     assert socket_candidates(env, "darwin") == (
-        user, Path("/opt/homebrew/var/run/mlxceld/mlxceld.sock"),
+        user, system, Path("/opt/homebrew/var/run/mlxceld/mlxceld.sock"),
         Path("/usr/local/var/run/mlxceld/mlxceld.sock"))
     env["HOMEBREW_PREFIX"] = "/opt/brew"
     assert socket_candidates(env, "darwin") == (
-        user, Path("/opt/brew/var/run/mlxceld/mlxceld.sock"))
+        user, system, Path("/opt/brew/var/run/mlxceld/mlxceld.sock"))
 
 
 def test_the_first_socket_present_wins(tmp_path: Path) -> None:

@@ -132,7 +132,7 @@ def test_activate_names_the_peer_that_failed(daemons: Daemons,
                       timeout=ACTIVATE_S)
     assert again.returncode == 1, again.stderr
     doc = json.loads(again.stdout)
-    assert doc["schema"] == "mlxctl.cluster-activate/1" and doc["ok"] is False
+    assert doc["schema"] == "mlxctl.cluster_activate/1" and doc["ok"] is False
     assert doc["bringup"]["epoch"] > bringup["epoch"]
     assert [(p["address"], p["state"]) for p in doc["bringup"]["peers"]] == [
         (agent(good), "aborted"), (agent(lazy), "failed")], doc

@@ -18,7 +18,7 @@ def nodes_json(d: DaemonProc) -> dict[str, Any]:
     out = d.ctl("cluster", "nodes", "--json")
     assert out.returncode == 0, out.stderr
     body: dict[str, Any] = json.loads(out.stdout)
-    assert body["schema"] == "mlxctl.cluster-nodes/1"
+    assert body["schema"] == "mlxctl.cluster_nodes/1"
     return body
 
 

@@ -34,7 +34,7 @@ def test_plan_then_run_the_planned_pipeline(daemons: Daemons, split_fixture_dir:
                     timeout=60)
     assert out.returncode == 0, out.stderr + out.stdout
     body = json.loads(out.stdout)
-    assert body["schema"] == "mlxctl.cluster-plan/1"
+    assert body["schema"] == "mlxctl.cluster_plan/1"
     stages = body["plan"]["stages"]
     assert [s["stage"] for s in stages] == ["stage-0", "stage-1"]
     cfg = load_cluster(tmp_path / "cluster.toml")

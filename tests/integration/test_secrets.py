@@ -63,7 +63,7 @@ def test_generate_install_list_use_remove(daemons: Daemons, tmp_path: Path) -> N
     assert keys(d) == {}
     first, second = tmp_path / "first.key", tmp_path / "second.key"
     gen = ctl_json(d, "secret", "generate", str(first))
-    assert gen["schema"] == "mlxctl.secret-generate/1" and "secret" not in gen
+    assert gen["schema"] == "mlxctl.secret_generate/1" and "secret" not in gen
     assert stat.S_IMODE(first.stat().st_mode) == 0o600
     s1 = trim_secret_file(first.read_bytes())
     assert len(s1) == 64 and gen["key_id"] == key_id(s1).hex()
@@ -75,7 +75,7 @@ def test_generate_install_list_use_remove(daemons: Daemons, tmp_path: Path) -> N
     k1, k2 = key_id(s1).hex(), key_id(s2).hex()
 
     inst = ctl_json(d, "secret", "install", str(first), "--primary")
-    assert inst["schema"] == "mlxctl.secret-install/1"
+    assert inst["schema"] == "mlxctl.secret_install/1"
     listed = ctl_json(d, "secret", "list")
     assert listed["schema"] == "mlxctl.secrets/1"
     assert [(k["key_id"], k["state"]) for k in listed["keys"]] == [(k1, "primary")]  # type: ignore
@@ -93,9 +93,9 @@ def test_generate_install_list_use_remove(daemons: Daemons, tmp_path: Path) -> N
     with pytest.raises(ControlError, match="'nothex' is not a key id"):
         d.api(lambda c: c.use_secret("nothex"))
 
-    assert ctl_json(d, "secret", "use", k2)["schema"] == "mlxctl.secret-use/1"
+    assert ctl_json(d, "secret", "use", k2)["schema"] == "mlxctl.secret_use/1"
     assert keys(d) == {k1: "installed", k2: "primary"}
-    assert ctl_json(d, "secret", "remove", k1)["schema"] == "mlxctl.secret-remove/1"
+    assert ctl_json(d, "secret", "remove", k1)["schema"] == "mlxctl.secret_remove/1"
     text = d.ctl("secret", "list")
     assert text.returncode == 0 and k2 in text.stdout and "primary" in text.stdout
     assert k1 not in text.stdout

@@ -21,6 +21,7 @@ from mlxceld.cluster.clusterfile.load import load_cluster
 from mlxceld.cluster.clusterfile.placement import place, placed_config
 from mlxceld.config.daemon import Overrides, build_config, load_config
 from mlxceld.models import preset, write_fixture
+from mlxceld.paths import MACOS_SYSTEM_SOCKET
 from mlxctl.app import app as mlxctl_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,11 +118,19 @@ def test_plist_parses_and_has_the_required_keys(path: Path) -> None:
     assert Path(program).name == "mlxceld"
     flags = {a for a in args if a.startswith("-")}
     assert flags <= mlxceld_flags(), "the plist passes a flag mlxceld does not have"
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    # The daemon writes and rotates the file launchd sends its early stderr to.
+    assert given["--log-file"] == plist["StandardErrorPath"]
     if path.parent.name == "system":
         assert plist["UserName"] == "_mlxceld"
         assert "--state-dir" in args
+        # The socket where mlxctl looks for the system daemon, open to the operator group.
+        assert Path(given["--socket"]) == MACOS_SYSTEM_SOCKET
+        assert given["--socket-group"] == plist["GroupName"] == "_mlxceld"
+        assert Path(given["--log-file"]).parent.name == "mlxceld"  # a directory it owns
     else:
-        assert args == [], "the per-user agent runs with the defaults mlxctl also uses"
+        assert set(given) == {"--log-file"}, \
+            "the per-user agent runs with the defaults mlxctl also uses"
         assert "UserName" not in plist
 
 
@@ -156,6 +165,9 @@ def test_unit_has_the_service_settings() -> None:
     # One flag, the unit's own business (its group and RuntimeDirectory=); the rest is the
     # config file's.
     assert s["ExecStart"] == ["/usr/local/bin/mlxceld --socket-group mlxceld"]
+    # A reload checks the file first (the same flags), then sends SIGHUP.
+    assert s["ExecReload"] == ["/usr/local/bin/mlxceld --check-config --socket-group mlxceld",
+                               "/bin/kill -HUP $MAINPID"]
 
 
 def test_the_units_group_is_the_one_sysusers_makes() -> None:
@@ -178,6 +190,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     binary = shutil.which("mlxceld") or "/bin/true"
     text = UNIT.read_text()
     copy = tmp_path / "mlxceld.service"
+    text = re.sub(r"(?m)^ExecReload=/usr/local/bin/mlxceld .*$", f"ExecReload={binary}", text)
     copy.write_text(re.sub(r"(?m)^ExecStart=.*$", f"ExecStart={binary}", text))
     env = {**os.environ, "SYSTEMD_LOG_LEVEL": "warning"}
     man = "no"

@@ -2,7 +2,7 @@
 
 What ``mlxctl cluster plan --model M --stages N [--json]`` and
 ``mlxceld --pp-auto N --dry-run`` print. The table is plain text (mlxctl may
-colour it); the JSON is ``mlxctl.cluster.plan/1``, all sizes in bytes.
+colour it); the JSON is ``mlxctl.plan/1``, all sizes in bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Final, Literal, NotRequired, TypedDict
 
 from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve
 
-SCHEMA: Final = "mlxctl.cluster.plan/1"
+SCHEMA: Final = "mlxctl.plan/1"
 HEADERS: Final = ("STAGE", "NODE", "ADDRESS", "LAYERS", "BYTES", "RESERVE", "USABLE",
                   "HEADROOM")
 
@@ -44,7 +44,7 @@ class ReserveJSON(TypedDict):
 
 
 class PlanJSON(TypedDict):
-    schema: Literal["mlxctl.cluster.plan/1"]
+    schema: Literal["mlxctl.plan/1"]
     num_layers: int
     layer_bytes: list[int]  # each layer's weights, as priced from the safetensors headers
     reserve: ReserveJSON
@@ -119,7 +119,7 @@ def layer_runs(layer_bytes: tuple[int, ...], most: int = 6) -> str:
 
 
 def plan_json(plan: Plan) -> PlanJSON:
-    """The plan as ``mlxctl.cluster.plan/1`` (with ``replicas``, and each stage's
+    """The plan as ``mlxctl.plan/1`` (with ``replicas``, and each stage's
     ``replica``, when it has 2 replicas or more)."""
     out = _plan_json(plan)
     if plan.replicas > 1:
