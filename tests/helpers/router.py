@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import openai
 
@@ -40,3 +41,40 @@ def greedy_stream(url: str, prompt: str, n: int = 16, *, model: str,
         if together is not None:
             together.wait(60)
         return "".join(ch.choices[0].text for ch in (first, *chunks) if ch.choices)
+
+
+INSTRUCTIONS = "Be brief."
+QUESTION = "Say hello"
+
+
+def check_responses_api(url: str, model: str, n: int = 8) -> Any:
+    """``POST /v1/responses`` at ``url`` (``http://HOST:PORT``), asked with the real
+    ``openai`` client's ``responses.create``, whole and then streamed, greedy, for at most
+    ``n`` tokens: both are the text (not empty) and usage that ``/v1/chat/completions``
+    gives at ``url`` for the same conversation (instructions as its system message), and
+    the stream's deltas joined are that text. The whole Response is returned (its
+    ``usage.input_tokens_details.cached_tokens`` for a caller that knows the engine)."""
+    messages: Any = [{"role": "system", "content": INSTRUCTIONS},
+                     {"role": "user", "content": QUESTION}]
+    asked: Any = {"model": model, "instructions": INSTRUCTIONS, "input": QUESTION,
+                  "max_output_tokens": n, "temperature": 0}
+    with client(f"{url}/v1") as c:
+        chat = c.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                         temperature=0)
+        whole = c.responses.create(**asked)
+        events = list(c.responses.create(**asked, stream=True))
+    text = chat.choices[0].message.content
+    assert text and whole.output_text == text, (whole.output_text, text)
+    assert (whole.status == "incomplete") == (chat.choices[0].finish_reason == "length")
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    done = "response.completed" if whole.status == "completed" else "response.incomplete"
+    assert events[-1].type == done, [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response  # type: ignore[union-attr]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == text
+    for usage in (whole.usage, final.usage):
+        assert usage is not None and chat.usage is not None
+        assert usage.input_tokens == chat.usage.prompt_tokens
+        assert usage.output_tokens == chat.usage.completion_tokens
+    return whole
