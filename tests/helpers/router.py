@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -45,6 +46,8 @@ def greedy_stream(url: str, prompt: str, n: int = 16, *, model: str,
 
 INSTRUCTIONS = "Be brief."
 QUESTION = "Say hello"
+DIGIT: Any = {"type": "object", "additionalProperties": False, "required": ["a"],
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}
 
 
 def check_responses_api(url: str, model: str, n: int = 8) -> Any:
@@ -52,7 +55,8 @@ def check_responses_api(url: str, model: str, n: int = 8) -> Any:
     ``openai`` client's ``responses.create``, whole and then streamed, greedy, for at most
     ``n`` tokens: both are the text (not empty) and usage that ``/v1/chat/completions``
     gives at ``url`` for the same conversation (instructions as its system message), and
-    the stream's deltas joined are that text. The whole Response is returned (its
+    the stream's deltas joined are that text. Then ``text.format`` json_schema (the
+    constraint carried to wherever the engine samples). The whole Response is returned (its
     ``usage.input_tokens_details.cached_tokens`` for a caller that knows the engine)."""
     messages: Any = [{"role": "system", "content": INSTRUCTIONS},
                      {"role": "user", "content": QUESTION}]
@@ -63,6 +67,9 @@ def check_responses_api(url: str, model: str, n: int = 8) -> Any:
                                          temperature=0)
         whole = c.responses.create(**asked)
         events = list(c.responses.create(**asked, stream=True))
+        shaped = c.responses.create(**{**asked, "max_output_tokens": 20}, text={"format": {
+            "type": "json_schema", "name": "digit", "schema": DIGIT, "strict": True}})
+    assert json.loads(shaped.output_text)["a"] in range(10)
     text = chat.choices[0].message.content
     assert text and whole.output_text == text, (whole.output_text, text)
     assert (whole.status == "incomplete") == (chat.choices[0].finish_reason == "length")
