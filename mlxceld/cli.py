@@ -58,7 +58,9 @@ def run(
         "--model", help="Serve this model: a local mlx-lm directory or a Hugging Face repo id "
         "(overrides [serve] model).")] = None,
     model_name: Annotated[str | None, typer.Option(
-        "--model-name", help="The model id clients see (default: the directory name).")] = None,
+        "--model-name", help="The model id clients see (default: the directory name); "
+        "a,b,...: the first is the id, the others aliases a request may name it by.")
+    ] = None,
     host: Annotated[str | None, typer.Option(
         "--host", help="Address of the OpenAI-compatible port. Default: 127.0.0.1.")] = None,
     port: Annotated[int | None, typer.Option(
@@ -155,6 +157,14 @@ def run(
         "--quantized-kv-start", help="With --kv-bits: a layer's cache is quantized once it "
         "holds this many tokens (mlx-lm's meaning). Default: 0, from the first token.")
     ] = None,
+    allowed_origins: Annotated[str | None, typer.Option(
+        "--allowed-origins", help="CORS on the OpenAI port: the origins whose pages may call "
+        "it, scheme://host[:port],... or * for any. Default: none (no CORS headers).")
+    ] = None,
+    generation_config: Annotated[str | None, typer.Option(
+        "--generation-config", help="auto: sampling fields a request leaves out take the "
+        "model's generation_config.json values (as vLLM does); none: OpenAI's defaults. "
+        "Default: auto.")] = None,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,

@@ -83,6 +83,7 @@ from mlxceld.errors import (
     MlxceldError,
 )
 from mlxceld.net import retire_streams
+from mlxceld.observe import MetricsServer
 from mlxceld.replica_peers import ReplicaPeers
 from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
@@ -189,6 +190,9 @@ class Daemon:
                           served=f"{served.path}: node {config.node_id!r} ({role})"
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
+        self._metrics = None if config.metrics_listen is None else MetricsServer(
+            self, config.metrics_listen, self._api_key,
+            lambda: self.config.serve.metrics_require_key)  # observe/: [daemon] metrics_listen
         self.supervisor = Supervisor(
             WorkersTable(self._db), self.events,
             health_interval_s=config.health_interval_s,
@@ -389,6 +393,8 @@ class Daemon:
                 tg.create_task(self._keeper.run())
                 tg.create_task(self._draining.service.run())
                 tg.create_task(self._replica_peers.run())
+                if self._metrics is not None:
+                    tg.create_task(self._metrics.serve())
                 specs = self.specs(self.config)
                 await self.supervisor.reconcile(specs)
                 self.events.append("daemon.started", "daemon",
@@ -474,6 +480,8 @@ class Daemon:
         self._draining.service.close()
         self._replica_peers.close()
         self._server.request_shutdown()
+        if self._metrics is not None:
+            self._metrics.close()
         self.supervisor.close()
         self._notify.close()
         return code
@@ -500,7 +508,7 @@ class Daemon:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}")
             return
-        for field in ("state_dir", "socket", "socket_group"):
+        for field in ("state_dir", "socket", "socket_group", "metrics_listen"):
             if getattr(new, field) != getattr(self.config, field):
                 log.warning("reload: %s changed; it takes effect at the next start", field)
         logging.getLogger().setLevel(new.log_level.upper())

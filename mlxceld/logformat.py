@@ -8,8 +8,8 @@ and every worker's (``workers/runtime.py``, told on its bootstrap pipe) use it.
 ``json``: one object per line, ``{"time": "2026-01-02T03:04:05.678Z", "level": "INFO",
 "logger": "mlxceld.api.access", "message": "POST /v1/... 200 ..."}``, and a record's
 structured fields beside them (a logging call's ``extra={"fields": {...}}``: the access
-log's method, path, status, tokens, duration_ms, request_id), and ``exc`` with the
-traceback when there is one. A field never replaces one of the four.
+log's method, path, status, tokens, duration_ms, request_id, completion_id), and ``exc``
+with the traceback when there is one. A field never replaces one of the four.
 """
 
 from __future__ import annotations

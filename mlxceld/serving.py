@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from mlxceld.cluster.clusterfile.placement import Placement
+from mlxceld.config.clients import parse_model_names
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
@@ -117,6 +118,7 @@ class Serving:
                 hint="change [cluster] model in that file on every node, then restart them")
         try:
             resolved = resolve_model(model, Path("/"), "mlxctl serve")
+            name = parse_model_names(name, "mlxctl serve's model name")  # a,b: aliases
             local = resolved
             if names_a_repo(resolved):  # its config, index, tokenizer (models/fetch.py)
                 local = str(await asyncio.to_thread(local_model, resolved))
@@ -265,7 +267,9 @@ class Serving:
         if s.model is None or not any(spec.name == ROUTER for spec in host.specs(host.config)):
             return None
         return {"model": s.model, "model_name": s.served_name,
-                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None}
+                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None,
+                # where the key is (never the key): mlxctl chat reads it when it may
+                "api_key_file": str(s.api_key_file) if s.api_key_file else None}
 
 
 def split_check(serve: ServeConfig) -> None:

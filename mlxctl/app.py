@@ -23,7 +23,8 @@ from rich.console import Console
 from mlxceld import __version__
 from mlxceld.control.client import ControlClient
 from mlxceld.errors import ControlError
-from mlxctl import reading, render
+from mlxctl import reading, render, verdict
+from mlxctl import watch as watching
 from mlxctl.cluster import cluster_app
 from mlxctl.drain import drain, undrain
 from mlxctl.edge import EXIT_FAILURE, call, emit
@@ -31,6 +32,7 @@ from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.progress import LoadView
 from mlxctl.secret import secret_app
 from mlxctl.serving import Served, serve_and_wait
+from mlxctl.watch import DEFAULT_INTERVAL_S
 
 STOP_WAIT_S = 120.0
 
@@ -51,10 +53,35 @@ def main_options(ctx: typer.Context, socket: SocketOpt = None) -> None:
     ctx.obj = socket
 
 
-@app.command()
-def status(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+@app.command(epilog="With --check, exit codes: 0 healthy; 1 degraded (each finding "
+             "printed on a line); 2 usage; 3 the daemon cannot be reached; 4 permission "
+             "denied. With --watch: 0 on Ctrl-C.")
+def status(
+    ctx: typer.Context,
+    watch: Annotated[bool, typer.Option(
+        "--watch", "-w", help="Show it again every --interval seconds, like top (drawn "
+        "in place on a terminal), until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(
+        "--interval", min=0.2, help="Seconds between two --watch snapshots.")
+    ] = DEFAULT_INTERVAL_S,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Exit 0 if all is healthy, else 1 and what is not, a line each "
+        "(for scripts; see mlxctl(1)).")] = False,
+    socket: SocketOpt = None, as_json: JsonOpt = False,
+) -> None:
     """Show the daemon, its workers, and what is unhealthy (with the next command to run)."""
-    reading.status(socket_path(ctx, socket), as_json)
+    path = socket_path(ctx, socket)
+    if watch and check:
+        raise typer.BadParameter("--check asks once; leave out --watch (or --check)",
+                                 param_hint="'--check'")
+    given = ctx.get_parameter_source("interval")
+    if given is not None and given.name == "COMMANDLINE" and not watch:
+        raise typer.BadParameter("--interval is for --watch", param_hint="'--interval'")
+    if check:
+        raise typer.Exit(verdict.check(path, as_json))
+    if watch:
+        raise typer.Exit(watching.watch(path, interval, as_json))
+    reading.status(path, as_json)
 
 
 @app.command()
@@ -113,6 +140,42 @@ def events(
     call(socket_path(ctx, socket), as_json, job)
 
 
+@app.command(epilog="Exit codes: 0 the chat ended (/exit, Ctrl-D, the end of piped "
+             "input); 1 the router does not answer, refuses the API key, or the daemon "
+             "serves nothing; 2 usage; 3 daemon not running; 4 permission denied; 130 "
+             "Ctrl-C at the prompt of piped input.")
+def chat(
+    ctx: typer.Context,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="A system prompt, sent first with every question.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="The model id to ask (default: the one the router serves).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", min=1, help="The most tokens of each answer (default: the "
+        "router's).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", min=0.0, max=2.0, help="Sampling temperature (default: the "
+        "router's).")] = None,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="The router's OpenAI URL, ending in /v1 (default: what the daemon "
+        "serves, from mlxctl status; with --url the daemon is not asked).")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        "--api-key-file", help="A file holding the router's API key (default: the "
+        "daemon's key file, serve.api_key_file, when it has one and this user can read "
+        "it).")
+    ] = None,
+    socket: SocketOpt = None,
+) -> None:
+    """Chat with the router in the terminal: answers stream as they come, the history is
+    kept (/reset clears it, /exit or Ctrl-D ends), Ctrl-C stops an answer, a reasoning
+    model's thinking is shown apart. Piped input is read a line a turn."""
+    from mlxctl import chat as chatting  # httpx: only for this command
+
+    raise typer.Exit(chatting.start(
+        socket_path(ctx, socket), url, api_key_file, model,
+        chatting.Conversation(system), chatting.Sampling(max_tokens, temperature)))
+
+
 @app.command()
 def restart(
     ctx: typer.Context,
@@ -132,7 +195,8 @@ def serve(
     model: Annotated[str, typer.Argument(
         help="A local mlx-lm model directory, or a Hugging Face repo id.")],
     name: Annotated[str | None, typer.Option(
-        "--name", help="The model id clients see (default: the directory name).")] = None,
+        "--name", help="The model id clients see (default: the directory name); a,b,...: "
+        "the first is the id, the others aliases a request may name it by.")] = None,
     wait: Annotated[bool, typer.Option(
         "--wait/--no-wait", help="Wait until the model is loaded and served, showing how "
         "far it has loaded (a bar on a terminal, else a line per tenth).")] = True,

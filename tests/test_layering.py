@@ -32,6 +32,7 @@ STACK = [
     "draining",  # the daemon's `mlxctl drain|undrain` over drain/, with the nodes it knows
     "replica_peers",  # a router's replicas by discovery: the candidates told its worker
     "stage_watch",  # the daemon's stage worker: back after a SIGTERM, a stand-in if failed
+    "observe",  # the daemon's /metrics: its own and its workers', read at each scrape
     "daemon", "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}

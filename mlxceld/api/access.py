@@ -4,11 +4,13 @@ Logged by ``mlxceld.api.access`` at INFO, in the router worker's log
 (``<state-dir>/logs/router.log``; ``mlxctl logs router``)::
 
     POST /v1/chat/completions 200 prompt_tokens=12 completion_tokens=8 duration_ms=35.2
-    request_id=chatcmpl-...   (one line)
+    request_id=4bf9... completion_id=chatcmpl-...   (one line)
 
 and with ``--log-format json`` the same as fields of the line's object (``method``,
 ``path``, ``status``, ``prompt_tokens``, ``completion_tokens``, ``duration_ms``,
-``request_id``; the tokens and the id null when the request had none).
+``request_id``, ``completion_id``; the tokens and the completion's id null when the
+request had none). ``request_id`` is the answer's ``x-request-id`` (the client's, or
+one made for it: ``requestid.py``), ``completion_id`` the completion's ``id``.
 
 ``GET /health``, ``/ready`` and ``/metrics`` (``PROBE_PATHS``: what load balancers,
 supervisors and Prometheus poll every few seconds) are logged at DEBUG, everything
@@ -43,7 +45,8 @@ SCOPE_KEY = "mlxceld.access"  # where a request's ``Usage`` waits in its ASGI sc
 class Usage:
     """What the handler learns of a request, for its access line (``noted``)."""
 
-    request_id: str | None = None
+    request_id: str | None = None  # x-request-id (requestid.py)
+    completion_id: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
@@ -89,12 +92,13 @@ def _write(method: str, path: str, status: int, usage: Usage, duration_ms: float
     fields = {"method": method, "path": path, "status": status,
               "prompt_tokens": usage.prompt_tokens,
               "completion_tokens": usage.completion_tokens,
-              "duration_ms": round(duration_ms, 1), "request_id": usage.request_id}
+              "duration_ms": round(duration_ms, 1), "request_id": usage.request_id,
+              "completion_id": usage.completion_id}
     level = logging.DEBUG if method == "GET" and path in PROBE_PATHS else logging.INFO
-    log.log(level, "%s %s %d prompt_tokens=%s completion_tokens=%s duration_ms=%.1f request_id=%s",
-             method, path, status, _shown(usage.prompt_tokens),
-             _shown(usage.completion_tokens), duration_ms, _shown(usage.request_id),
-             extra={"fields": fields})
+    log.log(level, "%s %s %d prompt_tokens=%s completion_tokens=%s duration_ms=%.1f "
+            "request_id=%s completion_id=%s", method, path, status,
+            _shown(usage.prompt_tokens), _shown(usage.completion_tokens), duration_ms,
+            _shown(usage.request_id), _shown(usage.completion_id), extra={"fields": fields})
 
 
 def _clean(path: str) -> str:

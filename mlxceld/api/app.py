@@ -1,17 +1,30 @@
 """The router's OpenAI-compatible HTTP app, over any engine.
 
-    GET  /v1/models, /v1/models/{id}   the one model served, with its ``context_length``
+    GET  /v1/models, /v1/models/{id}   the one model served, a card per name (``[serve]
+                                       model_name``'s aliases), with its ``context_length``
                                        (the engine's: ``[serve] context_length`` caps it)
+                                       and the same as vLLM's ``max_model_len``
     POST /v1/chat/completions          chat, whole or streamed (SSE)
     POST /v1/completions               text completion, whole or streamed
     POST /v1/responses, /responses     OpenAI's Responses API, stateless, whole or streamed
                                        (``responses.py``, ``responses_serving.py``)
+    POST /v1/messages                  Anthropic's Messages API, whole or streamed (its
+                                       events), errors in its shape (``messages*.py``)
+    POST /v1/messages/count_tokens     the prompt's tokens, as the Messages API counts
     GET  /health                       liveness: always 200, never needs the key
     GET  /ready                        200 once ``ready()`` says so and ``readiness()``
                                        names nothing wrong, else 503
     GET  /metrics                      Prometheus text
     GET  /router/stats                 over a replica pool: each replica's load, health
                                        and counts (only when ``router_stats`` is given)
+
+``/chat/completions``, ``/completions``, ``/models`` and ``/models/{id}`` are the same
+endpoints without ``/v1`` (as vLLM and llama.cpp's server answer them), counted in
+``/metrics`` under their ``/v1`` names. A request's ``model`` may name the model by any
+of its names (``model_aliases``), and the answer's ``model`` echoes the one asked.
+Sampling fields a request leaves out take ``sampling_defaults`` (the model's
+``generation_config.json``: ``models/generation.py``). Every answer carries an
+``x-request-id`` (``requestid.py``); with ``allowed_origins``, CORS (``cors.py``).
 
 Completions are refused with 503 (code "not_ready") until ``ready()`` is true, and
 with 503 (code "draining") while a node they need drains (``draining.py``; ``/ready``
@@ -25,7 +38,8 @@ app does not own the engine: whoever built it closes it.
 ``/router/stats`` shows replicas by node id; their addresses only when the
 environment variable ``MLXCEL_ROUTER_STATS_VERBOSE`` is 1, true, yes or on (any
 case), read once when the app is built; the body says which
-(``addresses_redacted``). It needs the API key, as every route but ``/health``.
+(``addresses_redacted``). It needs the API key, as every route but ``/health`` (and
+``/metrics`` when ``metrics_open``: ``[serve] metrics_require_key = false``).
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -45,13 +59,17 @@ from starlette.types import ASGIApp
 
 from mlxceld.api.access import log_access
 from mlxceld.api.admission import Admission
+from mlxceld.api.anthropic_errors import anthropic_response, speaks_anthropic
 from mlxceld.api.auth import require_api_key
 from mlxceld.api.chatting import Chats
 from mlxceld.api.codec import TextCodec
+from mlxceld.api.cors import allow_origins
 from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.generation import Sequencer
+from mlxceld.api.ignoring import IgnoredFields, UnknownFields, announce_ignored
+from mlxceld.api.messages_serving import Messages
 from mlxceld.api.metrics import (
     CONTENT_TYPE,
     Metrics,
@@ -59,6 +77,8 @@ from mlxceld.api.metrics import (
     StageLinks,
     count_requests,
 )
+from mlxceld.api.reasoning import ReasoningField
+from mlxceld.api.requestid import tag_requests
 from mlxceld.api.requests import (
     check_constraint,
     check_prompt_bytes,
@@ -71,10 +91,15 @@ from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.engine import Engine, GenerationRequest
+from mlxceld.models.generation import SamplingDefaults
 
 OPEN_PATHS = frozenset({"/health"})
 ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
-                       "/ready", "/metrics", "/router/stats", "/v1/responses", "/responses"})
+                       "/ready", "/metrics", "/router/stats", "/v1/responses",
+                       "/v1/messages", "/v1/messages/count_tokens"})
+# The paths without /v1 (vLLM's and llama.cpp's servers answer both): counted as these.
+UNVERSIONED = {"/models": "/v1/models", "/chat/completions": "/v1/chat/completions",
+               "/completions": "/v1/completions", "/responses": "/v1/responses"}
 STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 
@@ -100,6 +125,12 @@ def build_router_app(
     router_stats: Callable[[bool], Any] | None = None,
     elastic: bool = False,
     prompt_caches: PromptCaches | None = None,
+    model_aliases: Sequence[str] = (),
+    sampling_defaults: SamplingDefaults | None = None,
+    allowed_origins: Sequence[str] = (),
+    reasoning_field: ReasoningField = "reasoning_content",
+    unknown_fields: UnknownFields = "refuse",
+    metrics_open: bool = False,
 ) -> ASGIApp:
     """``max_tokens``: the most tokens one completion may generate (the operator's
     ``[serve] max_tokens``; None: what is left of the context); a request that leaves
@@ -113,8 +144,14 @@ def build_router_app(
     over a replica pool, its stats as JSON given whether to show addresses
     (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
     ``max_batch`` changes (replicas found by discovery), admission follows it;
-    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``. Prompts and
-    completions are bounded by ``engine.context_length``."""
+    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``;
+    ``model_aliases``: the model's names besides ``model_id``; ``sampling_defaults``: what
+    a request's left-out sampling fields are (None: OpenAI's); ``allowed_origins``: CORS's
+    (``cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
+    (``[serve] reasoning_field``, ``reasoning.py``); ``unknown_fields``: refuse a request's
+    unknown fields, or ignore them, saying so (``[serve] unknown_fields``, ``ignoring.py``).
+    ``metrics_open``: ``/metrics`` needs no API key. Prompts and completions are bounded
+    by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -127,19 +164,24 @@ def build_router_app(
                       prompt_caches=prompt_caches)
     drains = draining or Draining()
     sequencer = Sequencer(engine, codec, admission, metrics, drains)
-    card: ModelCard = {"id": model_id, "object": "model", "created": int(time.time()),
-                       "owned_by": "mlxceld", "context_length": engine.context_length}
+    names = (model_id, *(a for a in dict.fromkeys(model_aliases) if a != model_id))
+    defaults = sampling_defaults or SamplingDefaults()
+    created = int(time.time())
+    cards: dict[str, ModelCard] = {
+        name: {"id": name, "object": "model", "created": created, "owned_by": "mlxceld",
+               "context_length": engine.context_length,
+               "max_model_len": engine.context_length} for name in names}
 
     async def models(request: Request) -> Response:
-        body: ModelList = {"object": "list", "data": [card]}
+        body: ModelList = {"object": "list", "data": list(cards.values())}
         return JSONResponse(body)
 
     async def model(request: Request) -> Response:
         name = request.path_params["name"]
-        if name != model_id:
+        if name not in cards:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                            f"{model_id!r}", param="model", code="model_not_found")
-        return JSONResponse(card)
+        return JSONResponse(cards[name])
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -166,13 +208,27 @@ def build_router_app(
         return JSONResponse(router_stats(verbose))
 
     chats = Chats(engine, codec, sequencer, PromptTokenizer(codec), model_id, max_tokens,
-                  max_body_bytes, is_ready, drains)
+                  max_body_bytes, is_ready, drains, names, defaults)
+
+    ignoring = IgnoredFields()
+
+    def lenient() -> list[str] | None:
+        """Where a request's ignored fields go (None: unknown fields are refused)."""
+        return [] if unknown_fields == "warn" else None
+
+    def noted(request: Request, ignored: list[str] | None) -> None:
+        if ignored:
+            ignoring.note(request.scope, ignored)
 
     async def chat(request: Request) -> Response:
         arrived = chats.check_ready()
-        parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
-                         parsed.options.include_usage, parsed.options.logprobs is not None)
+        ignored = lenient()
+        parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id,
+                            aliases=names, defaults=defaults, ignored=ignored)
+        noted(request, ignored)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), parsed.options.model,
+                         parsed.options.include_usage, parsed.options.logprobs is not None,
+                         reasoning_field)
         prepared = await chats.prepare(parsed, fmt.id)
         return CompletionResponse(sequencer, prepared.request, prepared.stops, fmt,
                                   stream=prepared.options.stream, arrived=arrived,
@@ -180,18 +236,22 @@ def build_router_app(
 
     async def completions(request: Request) -> Response:
         arrived = chats.check_ready()
-        parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id)
+        ignored = lenient()
+        parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id,
+                                  aliases=names, defaults=defaults, ignored=ignored)
+        noted(request, ignored)
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         options = parsed.options
         await check_constraint(options)
         prompt = await chats.tokenizer.prompt(parsed.prompt, size)
-        fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_id,
+        fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), options.model,
                          options.include_usage, options.logprobs is not None)
         return CompletionResponse(sequencer, GenerationRequest(
             fmt.id, prompt, chats.params(prompt, options, "prompt")), options.stop, fmt,
             stream=options.stream, arrived=arrived)
 
+    messages = Messages(chats)
     app = Starlette(
         routes=[
             Route("/v1/models", models),
@@ -200,22 +260,39 @@ def build_router_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/responses", responses_route(chats), methods=["POST"]),
             Route("/responses", responses_route(chats), methods=["POST"]),
+            Route("/v1/messages", messages.create, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/health", health),
             Route("/ready", ready_route),
             Route("/metrics", metrics_text),
             *([Route("/router/stats", router_stats_route)] if router_stats is not None else []),
+            Route("/models", models),
+            Route("/models/{name:path}", model),
+            Route("/chat/completions", chat, methods=["POST"]),
+            Route("/completions", completions, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error},
     )
-    guarded: ASGIApp = app if api_key is None else require_api_key(app, api_key,
-                                                                    open_paths=OPEN_PATHS)
-    return log_access(count_requests(guarded, metrics, ENDPOINTS))
+    told = announce_ignored(app)
+    open_paths = OPEN_PATHS | ({"/metrics"} if metrics_open else set())
+    guarded: ASGIApp = told if api_key is None else require_api_key(told, api_key,
+                                                                     open_paths=open_paths)
+    served = allow_origins(guarded, allowed_origins) if allowed_origins else guarded
+    return log_access(count_requests(tag_requests(served), metrics, ENDPOINTS,
+                                     canonical=UNVERSIONED))
+
+
+def _refusal(request: Request, error: ApiError) -> Response:
+    """OpenAI's error shape, or Anthropic's on the Messages API's paths."""
+    if speaks_anthropic(request.url.path):
+        return anthropic_response(error)
+    return error_response(error)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return _refusal(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -228,10 +305,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                          headers=exc.headers)
     else:
         error = ApiError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers)
-    return error_response(error)
+    return _refusal(request, error)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     # starlette re-raises the exception after this answer, for the server to log.
-    return error_response(ApiError(500, "internal server error; see the server's log",
-                                   "server_error", code="internal_error"))
+    return _refusal(request, ApiError(500, "internal server error; see the server's log",
+                                      "server_error", code="internal_error"))

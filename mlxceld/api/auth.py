@@ -1,7 +1,10 @@
-"""The optional API key: ``Authorization: Bearer <key>`` on every path but ``/health``.
+"""The optional API key: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+(Anthropic's header, which its SDK and Claude Code send) on every path but ``/health``.
 
 Compared in constant time; neither the expected nor the offered key is ever
-logged or echoed in an answer.
+logged or echoed in an answer. A request that offers the key both ways is let in when
+either is the key. The refusal is a 401 in OpenAI's error shape, or Anthropic's
+(``authentication_error``) on the Messages API's paths.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Collection
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mlxceld.api.anthropic_errors import anthropic_response, speaks_anthropic
 from mlxceld.api.errors import ApiError, error_response
 
 
@@ -21,22 +25,31 @@ def require_api_key(app: ASGIApp, api_key: str, *, open_paths: Collection[str]) 
         if scope["type"] != "http" or scope["path"] in open_paths:
             await app(scope, receive, send)
             return
-        offered = _bearer_token(scope)
-        if offered is not None and hmac.compare_digest(offered, expected):
+        offered = _offered_keys(scope)
+        # Every offered key is compared (no early exit), each in constant time.
+        matches = [hmac.compare_digest(key, expected) for key in offered]
+        if any(matches):
             await app(scope, receive, send)
             return
-        message = ("missing API key: send it as 'Authorization: Bearer <key>'" if offered is None
-                   else "invalid API key")
+        message = ("missing API key: send it as 'Authorization: Bearer <key>' or "
+                   "'x-api-key: <key>'" if not offered else "invalid API key")
         refusal = ApiError(401, message, "invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-        await error_response(refusal)(scope, receive, send)
+        render = anthropic_response if speaks_anthropic(scope["path"]) else error_response
+        await render(refusal)(scope, receive, send)
 
     return guarded
 
 
-def _bearer_token(scope: Scope) -> bytes | None:
+def _offered_keys(scope: Scope) -> list[bytes]:
+    """The keys the request offers: the bearer token (b"" for another scheme) and the
+    ``x-api-key`` header's value, where present."""
+    keys: list[bytes] = []
     for name, value in scope["headers"]:
-        if name.lower() == b"authorization":
+        lowered = name.lower()
+        if lowered == b"authorization":
             scheme, _, token = bytes(value).strip().partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else b""
-    return None
+            keys.append(token.strip() if scheme.lower() == b"bearer" else b"")
+        elif lowered == b"x-api-key":
+            keys.append(bytes(value).strip())
+    return keys

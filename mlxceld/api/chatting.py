@@ -5,8 +5,9 @@ for the ``Sequencer`` out.
 endpoints that hold a conversation (OpenAI's Responses API, Anthropic's Messages API)
 translate their own bodies into the same ``ChatRequest`` and come here for the rest:
 the tools checked against what the model offers, the prompt measured and rendered
-through the chat template (in a thread), the constraint of ``response_format`` moved
-past an opened reasoning block, a forced ``tool_choice``'s grammar, the sampling
+through the chat template (in a thread; with the reasoning effort asked,
+``reasoning.py``), the constraint of ``response_format`` moved past an opened reasoning
+block, a forced ``tool_choice``'s grammar, the sampling
 parameters once the prompt's length is known, and how the answer is read (its
 reasoning and tool calls apart from its content: ``ChatReply``). Each endpoint then
 writes the ``Sequencer``'s events in its own format.
@@ -19,13 +20,14 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxceld.api.codec import ChatTemplateError, TextCodec
 from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.generation import Sequencer
+from mlxceld.api.reasoning import template_kwargs
 from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
     ChatRequest,
@@ -38,6 +40,7 @@ from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.api.toolcalls import parse_calls
 from mlxceld.api.toolgrammar import after_thinking, forced_constraint, json_object_calls
 from mlxceld.engine import Constraint, Engine, GenerationRequest, SamplingParams
+from mlxceld.models.generation import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class Chats:
     max_body_bytes: int
     is_ready: Callable[[], bool]
     draining: Draining
+    names: tuple[str, ...] = ()  # every name a request may call the model by, id first
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # of sampling
 
     def check_ready(self) -> float:
         """Refuse (503) while the model loads or a node it needs drains; else the
@@ -88,6 +93,9 @@ class Chats:
             if params.constraint is not None:  # response_format's: one grammar at a time
                 raise invalid("a forced 'tool_choice' and a 'response_format' cannot both "
                               "constrain the answer; drop one of them", "tool_choice")
+            if params.min_tokens or params.ignore_eos:  # the grammar may end the answer
+                raise invalid("a forced 'tool_choice' cannot be honoured with 'min_tokens' "
+                              "or 'ignore_eos'; drop one of them", "tool_choice")
             params = dataclasses.replace(params, constraint=constraint)
         return params
 
@@ -104,7 +112,9 @@ class Chats:
         try:
             prompt = await self.tokenizer.chat(list(parsed.messages), size,
                                                tools=tools or None,
-                                               template_kwargs=dict(parsed.template_kwargs))
+                                               template_kwargs=template_kwargs(
+                                                   dict(parsed.template_kwargs),
+                                                   parsed.reasoning_effort))
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from None
         thinking = self.codec.opens_thinking(prompt)

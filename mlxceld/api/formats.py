@@ -3,7 +3,8 @@
 A stream of chat chunks opens with a ``{"role": "assistant"}`` delta, carries
 the text in content deltas, and closes with an empty delta and the finish
 reason; text completion chunks carry the text in ``choices[0].text``. A chat answer's
-reasoning goes in ``reasoning_content`` deltas, each tool call in two chunks (its index,
+reasoning goes in ``reasoning_content`` deltas (``reasoning``, or both keys, as
+``[serve] reasoning_field`` says: ``reasoning.py``), each tool call in two chunks (its index,
 id, type and name with arguments "", then its arguments), and a chat answer that called
 tools finishes with "tool_calls". With
 ``stream_options.include_usage`` every chunk has ``"usage": null`` and a last
@@ -20,6 +21,7 @@ from typing import Protocol
 
 from mlxceld.api.generation import Finished
 from mlxceld.api.logprobs import TokenLogprob, chat_logprobs, text_logprobs
+from mlxceld.api.reasoning import ReasoningField, reasoning_keys
 from mlxceld.api.replies import PartKind
 from mlxceld.api.shapes import (
     AssistantMessage,
@@ -82,13 +84,18 @@ class ChatFormat:
     model: str
     include_usage: bool = False
     logprobs: bool = False  # asked for: every choice carries them
+    reasoning_field: ReasoningField = "reasoning_content"  # the key(s) of its reasoning
 
     def whole(self, answer: Answer, finished: Finished) -> ChatCompletion:
         message: AssistantMessage = {
             "role": "assistant",
             "content": None if answer.calls and not answer.content.strip() else answer.content}
         if answer.reasoning:
-            message["reasoning_content"] = answer.reasoning
+            keys = reasoning_keys(self.reasoning_field)
+            if "reasoning_content" in keys:
+                message["reasoning_content"] = answer.reasoning
+            if "reasoning" in keys:
+                message["reasoning"] = answer.reasoning
         if answer.calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -106,8 +113,13 @@ class ChatFormat:
 
     def piece(self, text: str, kind: PartKind = "content",
               entries: Sequence[TokenLogprob] = ()) -> Chunk:
-        chunk = self._chunk({"reasoning_content": text} if kind == "reasoning"
-                            else {"content": text}, None)
+        delta: Delta = {"content": text}
+        if kind == "reasoning":
+            keys = reasoning_keys(self.reasoning_field)
+            delta = {"reasoning_content": text} if "reasoning_content" in keys else {}
+            if "reasoning" in keys:
+                delta["reasoning"] = text
+        chunk = self._chunk(delta, None)
         if self.logprobs:
             chunk["choices"][0]["logprobs"] = chat_logprobs(entries)
         return chunk

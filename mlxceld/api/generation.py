@@ -52,6 +52,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None  # of the prompt's, from a prompt cache (None: unsaid)
+    stop_sequence: str | None = None  # the request's stop string that ended it, if one did
 
 
 Event = TextPiece | Called | Finished
@@ -138,7 +139,7 @@ class Sequencer:
                 yield piece
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
-        yield Finished(reason, prompt_tokens, count, cached)
+        yield Finished(reason, prompt_tokens, count, cached, matcher.matched)
 
 
 def _read(text: str | None, reply: ChatReply | None,

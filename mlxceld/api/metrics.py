@@ -72,6 +72,33 @@ def _version(package: str) -> str:
         return "none"
 
 
+def process_metrics() -> Iterator[Metric]:
+    """This process's memory, CPU time, open files and start time, read now (psutil:
+    prometheus-client's own collector reads Linux's /proc only)."""
+    proc = psutil.Process()
+    with proc.oneshot():
+        rss = proc.memory_info().rss
+        cpu = proc.cpu_times()
+        fds = proc.num_fds()
+        started = proc.create_time()
+    yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size",
+                            value=rss)
+    yield CounterMetricFamily("process_cpu_seconds", "User and system CPU time spent",
+                              value=cpu.user + cpu.system)
+    yield GaugeMetricFamily("process_open_fds", "Open file descriptors", value=fds)
+    yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process "
+                            "since the Unix epoch", value=started)
+
+
+def build_info(text: str) -> Metric:
+    """``mlxceld_build_info{version, python, mlx, mlx_lm} 1``, with its help ``text``."""
+    build = GaugeMetricFamily("mlxceld_build_info", text,
+                              labels=["version", "python", "mlx", "mlx_lm"])
+    build.add_metric([__version__, platform.python_version(), _version("mlx"),
+                      _version("mlx-lm")], 1)
+    return build
+
+
 @dataclass(frozen=True)
 class Snapshot(Collector):
     """What each scrape reads afresh: the process, the build, the model, the links."""
@@ -82,12 +109,8 @@ class Snapshot(Collector):
     prompt_caches: PromptCaches | None = None
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._process()
-        build = GaugeMetricFamily("mlxceld_build_info", "The versions this router runs",
-                                  labels=["version", "python", "mlx", "mlx_lm"])
-        build.add_metric([__version__, platform.python_version(), _version("mlx"),
-                          _version("mlx-lm")], 1)
-        yield build
+        yield from process_metrics()
+        yield build_info("The versions this router runs")
         model = GaugeMetricFamily("mlxceld_model_info", "The model served, by its id",
                                   labels=["model", "context_length"])
         model.add_metric([self.model_id, str(self.context_length)], 1)
@@ -96,22 +119,6 @@ class Snapshot(Collector):
             yield from self._links(self.stage_links())
         if self.prompt_caches is not None:
             yield from self._prompt_caches(self.prompt_caches())
-
-    @staticmethod
-    def _process() -> Iterator[Metric]:
-        proc = psutil.Process()
-        with proc.oneshot():
-            rss = proc.memory_info().rss
-            cpu = proc.cpu_times()
-            fds = proc.num_fds()
-            started = proc.create_time()
-        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size",
-                                value=rss)
-        yield CounterMetricFamily("process_cpu_seconds", "User and system CPU time spent",
-                                  value=cpu.user + cpu.system)
-        yield GaugeMetricFamily("process_open_fds", "Open file descriptors", value=fds)
-        yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process "
-                                "since the Unix epoch", value=started)
 
     @staticmethod
     def _prompt_caches(readings: Sequence[tuple[Mapping[str, str], PromptCacheStats]]
@@ -189,15 +196,18 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def count_requests(app: ASGIApp, metrics: Metrics, endpoints: Collection[str]) -> ASGIApp:
+def count_requests(app: ASGIApp, metrics: Metrics, endpoints: Collection[str], *,
+                   canonical: Mapping[str, str] | None = None) -> ASGIApp:
     """Count every HTTP request by endpoint (a known path, else "other", so that
-    random paths cannot grow the label set) and by the status it was answered."""
+    random paths cannot grow the label set; ``canonical``: another name of a path, such
+    as ``/models`` for ``/v1/models``) and by the status it was answered."""
+    other_names = canonical or {}
 
     async def counted(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        path = scope["path"]
+        path = other_names.get(scope["path"], scope["path"])
         endpoint = path if path in endpoints else OTHER_ENDPOINT
         status = CLIENT_GONE
 

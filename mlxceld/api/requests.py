@@ -2,8 +2,9 @@
 
 Bytes in, a frozen request out, or an ``ApiError`` (400, 404, 413) that names
 the field. Nothing is silently ignored: ``surface.py`` holds the table of every field
-each endpoint knows (honoured, opaque, pending another part of issue 18, or refused),
-and a field it does not know is refused by name. Here:
+each endpoint knows (honoured, opaque, another server's hint accepted as a no-op, or
+refused), and a field it does not know is refused by name (or, with ``[serve]
+unknown_fields = "warn"``, listed in ``ignored`` and not read). Here:
 
 - ``n`` other than 1: refused (400, param "n"); one choice per request.
 - sampling controls, each checked and honoured (``engine/processors.py`` says how):
@@ -11,7 +12,17 @@ and a field it does not know is refused by name. Here:
   generated tokens), ``repetition_penalty`` in (0, ``MAX_REPETITION_PENALTY``] (vLLM's
   and mlx-lm's; 1 is off), ``logit_bias`` (an object of at most ``MAX_LOGIT_BIAS`` token
   ids, as decimal strings, each in the tokenizer's vocabulary, to numbers in
-  [-100, 100]), ``min_p`` in [0, 1], ``top_k`` >= 0 (0 is off), ``seed``.
+  [-100, 100]), ``min_p`` in [0, 1], ``top_k`` >= 0 (0 is off; -1 too, as vLLM's
+  "off"), ``seed``; vLLM's ``min_tokens`` (0 to ``max_tokens``: no end-of-sequence token
+  before that many were generated) and ``ignore_eos`` (none at all: the answer runs to
+  ``max_tokens`` or a stop string), both refused with a constraint (a grammar that is
+  complete admits only the end-of-sequence token).
+- ``stop``: a string or up to ``MAX_STOPS`` strings (Continue sends 6), each 1 to
+  ``MAX_STOP_CHARS`` characters.
+- ``reasoning_effort`` (OpenAI's: none, minimal, low, medium or high) and OpenRouter's
+  ``reasoning`` object (``{"effort": ...}``, Open WebUI's shape; ``{"enabled": false}``
+  is effort none): the same setting, two values of it refused (400). It reaches the model
+  through the chat template (``reasoning.py``).
 - ``logprobs``: chat: a boolean, with ``top_logprobs`` 0 to 20 (which needs
   ``logprobs`` true); completions: an integer 0 to 5, the alternatives per token.
 - ``user`` (and chat's ``safety_identifier``, ``prompt_cache_key``, ``metadata``):
@@ -26,12 +37,17 @@ and a field it does not know is refused by name. Here:
   ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema",
   "json_schema": {"name", "schema", "strict", "description"}}``: the output is
   constrained token by token to match (``engine/constraints.py``), strict or not
+  (vLLM's ``guided_json``, a schema, is the same as a ``json_schema`` of it; not both)
   (``strict`` is checked to be a boolean; the schema is always enforced). ``schema`` is
   required. Anything else, or a schema llguidance cannot honour (a keyword it does not
   implement, an unknown ``format``, a remote ``$ref``, over ``MAX_CONSTRAINT_BYTES``), is
   refused (400, param "response_format..."), checked before the request is admitted
   (``check_constraint``). JSON comes out compact (no whitespace between tokens).
-- ``model`` may be left out: a router serves one model.
+- ``model`` may be left out: a router serves one model. It may name the model by any of
+  its names (``[serve] model_name = "a,b"``: ``aliases``), and the answer's ``model``
+  echoes the name asked (the primary one when left out).
+- sampling fields left out take ``defaults`` (the model's ``generation_config.json``,
+  ``models/generation.py``), else OpenAI's.
 - both ``max_completion_tokens`` and ``max_tokens``: the first wins (OpenAI's
   newer name). Left out: what is left of the context (OpenAI's behaviour), or the
   operator's ``[serve] max_tokens`` if that is fewer; asking for more than is left,
@@ -40,7 +56,9 @@ and a field it does not know is refused by name. Here:
   newlines; other part types (images, audio) are refused. Role "developer" is
   read as "system". An assistant message may have null content. A message's own
   fields are those of its role (``surface.ROLE_FIELDS``): ``name`` and an assistant's
-  ``reasoning_content`` go to the template, the rest are refused by their path.
+  ``reasoning_content`` (or ``reasoning``, vLLM's newer name for it: both, different,
+  are refused) go to the template, ``cache_control`` (on a message or a text part) is a
+  hint (the prompt cache is automatic), the rest are refused by their path.
 - ``prompt`` is a string or a list of one string; token ids are refused (the
   router could not check them against the vocabulary).
 - ``stream_options`` is read only when ``stream`` is true.
@@ -56,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +83,7 @@ from starlette.requests import Request
 from mlxceld.api.codec import ChatMessage, Role
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, member, parse_object, show
+from mlxceld.api.reasoning import parse_effort, parse_history_reasoning
 from mlxceld.api.surface import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -76,11 +96,12 @@ from mlxceld.control.bodies import read_bounded
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from mlxceld.engine.base import MAX_LOGIT_BIAS
 from mlxceld.engine.constraints import ConstraintError, compile_grammar
+from mlxceld.models.generation import SamplingDefaults
 
 # No tokenizer packs more text in a token, over a whole prompt: English runs at about 4
 # bytes a token, code at 3, a long run of one repeated character at the longest token.
 PROMPT_BYTES_PER_TOKEN = 32
-MAX_STOPS = 4
+MAX_STOPS = 16  # Continue's templates send 6; StopMatcher scans each for every piece
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_REPETITION_PENALTY = 10.0
@@ -118,6 +139,8 @@ class Options:
     include_usage: bool = False
     max_tokens_param: str = "max_tokens"  # which name the request gave it by
     constraint: Constraint | None = None  # from response_format; None: free text
+    min_tokens: int = 0  # no end-of-sequence token before this many (vLLM's)
+    ignore_eos: bool = False  # no end-of-sequence token at all (vLLM's, llama.cpp's)
 
 
 @dataclass(frozen=True)
@@ -126,6 +149,7 @@ class ChatRequest:
     options: Options
     tools: ToolUse | None = None
     template_kwargs: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs, in order
+    reasoning_effort: str | None = None  # reasoning.EFFORTS; None: the template's default
 
 
 @dataclass(frozen=True)
@@ -143,22 +167,34 @@ async def read_body(request: Request, limit: int) -> bytes:
         went_away=invalid("the client went away before sending the whole body"))
 
 
-def parse_chat(body: bytes, *, model_id: str) -> ChatRequest:
+OPENAI_DEFAULTS = SamplingDefaults()
+
+
+def parse_chat(body: bytes, *, model_id: str, aliases: Collection[str] = (),
+               defaults: SamplingDefaults = OPENAI_DEFAULTS,
+               ignored: list[str] | None = None) -> ChatRequest:
+    """``aliases``: the model's other names; ``defaults``: of the sampling fields;
+    ``ignored``: unknown fields are ignored, their paths put there, rather than refused
+    (``[serve] unknown_fields = "warn"``)."""
     obj = parse_object(body)
-    check_fields(obj, CHAT_FIELDS)
+    check_fields(obj, CHAT_FIELDS, ignored=ignored)
     fields = Fields(obj)
-    return ChatRequest(messages=_messages(fields),
-                       options=_options(fields, model_id, _chat_logprobs(fields)),
-                       tools=parse_tool_use(fields), template_kwargs=_template_kwargs(fields))
+    return ChatRequest(messages=_messages(fields, ignored),
+                       options=_options(fields, model_id, _chat_logprobs(fields), aliases,
+                                        defaults),
+                       tools=parse_tool_use(fields), template_kwargs=_template_kwargs(fields),
+                       reasoning_effort=parse_effort(fields, ignored))
 
 
-def parse_completion(body: bytes, *, model_id: str) -> CompletionRequest:
+def parse_completion(body: bytes, *, model_id: str, aliases: Collection[str] = (),
+                     defaults: SamplingDefaults = OPENAI_DEFAULTS,
+                     ignored: list[str] | None = None) -> CompletionRequest:
     obj = parse_object(body)
-    check_fields(obj, COMPLETION_FIELDS)
+    check_fields(obj, COMPLETION_FIELDS, ignored=ignored)
     fields = Fields(obj)
     logprobs = fields.integer("logprobs", 0, MAX_COMPLETION_LOGPROBS)
     return CompletionRequest(prompt=_prompt(fields),
-                             options=_options(fields, model_id, logprobs))
+                             options=_options(fields, model_id, logprobs, aliases, defaults))
 
 
 def _chat_logprobs(fields: Fields) -> int | None:
@@ -212,6 +248,10 @@ def sampling_params(options: Options, *, prompt_tokens: int, context_length: int
                       f"completion, but {max_tokens} were asked for; lower "
                       f"{options.max_tokens_param}", options.max_tokens_param,
                       "context_length_exceeded")
+    if options.min_tokens > max_tokens:
+        raise invalid(f"'min_tokens' is {options.min_tokens}, more than the {max_tokens} "
+                      f"tokens the completion may have; lower 'min_tokens' (or raise "
+                      f"{options.max_tokens_param})", "min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature,
                           top_p=options.top_p, top_k=options.top_k,
                           seed=None if options.seed is None else options.seed % 2**64,
@@ -219,7 +259,8 @@ def sampling_params(options: Options, *, prompt_tokens: int, context_length: int
                           frequency_penalty=options.frequency_penalty,
                           repetition_penalty=options.repetition_penalty,
                           logit_bias=options.logit_bias, logprobs=options.logprobs,
-                          constraint=options.constraint)
+                          constraint=options.constraint, min_tokens=options.min_tokens,
+                          ignore_eos=options.ignore_eos)
 
 
 async def check_constraint(options: Options) -> None:
@@ -239,9 +280,11 @@ def constraint_refused(exc: ConstraintError) -> ApiError:
                    "invalid_response_format")
 
 
-def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
+def _options(fields: Fields, model_id: str, logprobs: int | None,
+             aliases: Collection[str] = (), defaults: SamplingDefaults = OPENAI_DEFAULTS
+             ) -> Options:
     model = fields.string("model")
-    if model is not None and model != model_id:
+    if model is not None and model != model_id and model not in aliases:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                        f"{model_id!r} (see GET /v1/models)", param="model",
                        code="model_not_found")
@@ -254,17 +297,24 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
         max_tokens_param = "max_tokens"
         max_tokens = fields.integer(max_tokens_param, 1)
     stream = fields.boolean("stream", False)
+    constraint = _response_format(fields)
+    min_tokens = fields.integer("min_tokens", 0) or 0
+    ignore_eos = fields.boolean("ignore_eos", False)
+    if constraint is not None and (min_tokens or ignore_eos):
+        name = "ignore_eos" if ignore_eos else "min_tokens"
+        raise invalid(f"{name!r} cannot be honoured with a constrained answer (its grammar "
+                      "may admit nothing but the end); leave out one of them", name)
     return Options(
-        model=model_id,
+        model=model or model_id,
         max_tokens=max_tokens,
-        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
-        top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=fields.integer("top_k", 0) or 0,
+        temperature=fields.number("temperature", defaults.temperature, 0.0, 2.0),
+        top_p=fields.number("top_p", defaults.top_p, 0.0, 1.0, low_open=True),
+        top_k=_top_k(fields, defaults.top_k),
         seed=fields.integer("seed", *SEED_RANGE),
-        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        min_p=fields.number("min_p", defaults.min_p, 0.0, 1.0),
         presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0,
+        repetition_penalty=fields.number("repetition_penalty", defaults.repetition_penalty, 0.0,
                                          MAX_REPETITION_PENALTY, low_open=True),
         logit_bias=_logit_bias(fields),
         logprobs=logprobs,
@@ -272,8 +322,20 @@ def _options(fields: Fields, model_id: str, logprobs: int | None) -> Options:
         stream=stream,
         include_usage=stream and _include_usage(fields),
         max_tokens_param=max_tokens_param,
-        constraint=_response_format(fields),
+        constraint=constraint,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
     )
+
+
+def _top_k(fields: Fields, default: int) -> int:
+    """``top_k``: 0 (and -1, vLLM's way to say it) is off; absent: ``default``."""
+    value = fields.get("top_k")
+    if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+        raise invalid(f"'top_k' must be an integer >= 0 (0 or -1: off), not {show(value)}",
+                      "top_k")
+    got = fields.integer("top_k", -1)
+    return default if got is None else max(got, 0)
 
 
 def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
@@ -294,7 +356,13 @@ def _logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
 
 
 def _response_format(fields: Fields) -> Constraint | None:
+    guided = fields.object("guided_json", "an object (a JSON schema)")
     value = fields.object("response_format")
+    if guided is not None and value is not None:
+        raise invalid("'guided_json' and 'response_format' both constrain the answer; send "
+                      "one of them", "guided_json")
+    if guided is not None:
+        return Constraint("json_schema", json.dumps(guided, ensure_ascii=False))
     if value is None:
         return None
     inner = Fields(value, "response_format")
@@ -370,13 +438,13 @@ def _prompt(fields: Fields) -> str:
     raise fields.wrong("prompt", "a string")
 
 
-def _messages(fields: Fields) -> tuple[ChatMessage, ...]:
+def _messages(fields: Fields, ignored: list[str] | None) -> tuple[ChatMessage, ...]:
     value = fields.array("messages", "an array of messages")
     if value is None:
         raise invalid("'messages' is required", "messages")
     if not value:
         raise invalid("'messages' is empty; send at least one message", "messages")
-    return tuple(_message(item, f"messages[{i}]") for i, item in enumerate(value))
+    return tuple(_message(item, f"messages[{i}]", ignored) for i, item in enumerate(value))
 
 
 def _template_kwargs(fields: Fields) -> tuple[tuple[str, Any], ...]:
@@ -391,7 +459,7 @@ def _template_kwargs(fields: Fields) -> tuple[tuple[str, Any], ...]:
     return tuple(value.items())
 
 
-def _message(item: Any, path: str) -> ChatMessage:
+def _message(item: Any, path: str, ignored: list[str] | None) -> ChatMessage:
     fields = member(item, path)
     name = fields.string("role")
     if name is None:
@@ -400,25 +468,25 @@ def _message(item: Any, path: str) -> ChatMessage:
     if role is None:
         raise invalid(f"'{path}.role' must be one of {', '.join(ROLES)}, not {show(name)}",
                       f"{path}.role")
-    check_fields(item, ROLE_FIELDS[role], path)
+    check_fields(item, ROLE_FIELDS[role], path, ignored)
     calls = parse_called_tools(fields) if role == "assistant" else ()
     call_id = fields.string("tool_call_id") if role == "tool" else None
     sender = fields.string("name")
-    reasoning = fields.string("reasoning_content") if role == "assistant" else None
+    reasoning = parse_history_reasoning(fields) if role == "assistant" else None
     content = fields.get("content")
     if content is None and role == "assistant":
         text = ""
     elif isinstance(content, str):
         text = check_text(content, f"{path}.content")
     elif isinstance(content, list):
-        text = "\n".join(_text_part(part, f"{path}.content[{j}]")
+        text = "\n".join(_text_part(part, f"{path}.content[{j}]", ignored)
                          for j, part in enumerate(content))
     else:
         raise fields.wrong("content", "a string or an array of content parts")
     return ChatMessage(role, text, calls, call_id, sender, reasoning)
 
 
-def _text_part(part: Any, path: str) -> str:
+def _text_part(part: Any, path: str, ignored: list[str] | None) -> str:
     fields = member(part, path)
     part_type = fields.string("type")
     if part_type != "text":
@@ -427,5 +495,5 @@ def _text_part(part: Any, path: str) -> str:
     text = fields.string("text")
     if text is None:
         raise invalid(f"'{path}.text' is required", f"{path}.text")
-    check_fields(part, TEXT_PART_FIELDS, path)
+    check_fields(part, TEXT_PART_FIELDS, path, ignored)
     return text

@@ -41,13 +41,14 @@ way (OpenAI would store the response; this server never does). Every field is in
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlxceld.api.codec import CalledTool, ChatMessage
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, kind, member, parse_object, show
-from mlxceld.api.requests import SCHEMA_NAME_CHARS, ChatRequest, Options
+from mlxceld.api.requests import OPENAI_DEFAULTS, SCHEMA_NAME_CHARS, ChatRequest, Options
 from mlxceld.api.responses_surface import (
     CALL_ITEM_FIELDS,
     EFFORTS,
@@ -71,6 +72,7 @@ from mlxceld.api.responses_surface import (
 from mlxceld.api.surface import check_fields
 from mlxceld.api.tools import MAX_TOOLS, NAME, ChoiceKind, Tool, ToolUse
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint
+from mlxceld.models.generation import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,18 @@ class ResponsesRequest:
     echo: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_responses(body: bytes, *, model_id: str) -> ResponsesRequest:
-    """A Responses body as a ``ChatRequest``; raises ``ApiError`` naming what is wrong."""
+def parse_responses(body: bytes, *, model_id: str, aliases: Collection[str] = (),
+                    defaults: SamplingDefaults = OPENAI_DEFAULTS) -> ResponsesRequest:
+    """A Responses body as a ``ChatRequest``; raises ``ApiError`` naming what is wrong.
+    ``aliases``: the model's other names (the answer's ``model`` is the one asked);
+    ``defaults``: the sampling the request leaves out (the model's
+    ``generation_config.json``; the Responses API has no ``top_k``, ``min_p`` or
+    ``repetition_penalty``, so those are always the defaults)."""
     obj = parse_object(body)
     check_fields(obj, RESPONSES_FIELDS)
     fields = Fields(obj)
     model = fields.string("model")
-    if model is not None and model != model_id:
+    if model is not None and model != model_id and model not in aliases:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                        f"{model_id!r} (see GET /v1/models)", param="model",
                        code="model_not_found")
@@ -113,10 +120,13 @@ def parse_responses(body: bytes, *, model_id: str) -> ResponsesRequest:
         raise invalid("a forced 'tool_choice' and a 'text.format' cannot both constrain the "
                       "answer; drop one of them", "tool_choice")
     options = Options(
-        model=model_id,
+        model=model or model_id,
         max_tokens=fields.integer("max_output_tokens", 1),
-        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
-        top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
+        temperature=fields.number("temperature", defaults.temperature, 0.0, 2.0),
+        top_p=fields.number("top_p", defaults.top_p, 0.0, 1.0, low_open=True),
+        top_k=defaults.top_k,
+        min_p=defaults.min_p,
+        repetition_penalty=defaults.repetition_penalty,
         stream=fields.boolean("stream", False),
         logprobs=logprobs,
         max_tokens_param="max_output_tokens",

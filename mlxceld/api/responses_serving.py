@@ -163,7 +163,8 @@ def responses_route(chats: Chats) -> Callable[[Request], Awaitable[Response]]:
     async def respond(request: Request) -> Response:
         arrived = chats.check_ready()
         parsed = parse_responses(await read_body(request, chats.max_body_bytes),
-                                 model_id=chats.model_id)
+                                 model_id=chats.model_id, aliases=chats.names,
+                                 defaults=chats.defaults)
         options = parsed.chat.options
         try:
             await check_constraint(options)
@@ -171,7 +172,7 @@ def responses_route(chats: Chats) -> Callable[[Request], Awaitable[Response]]:
             raise invalid(exc.message.replace("'response_format'", "'text.format'"),
                           "text.format", exc.code) from None
         builder = ResponseBuilder(f"resp_{uuid.uuid4().hex}", int(time.time()),
-                                  chats.model_id, parsed.echo)
+                                  options.model, parsed.echo)
         prepared = await chats.prepare(parsed.chat, builder.id)
         return ResponsesResponse(chats.sequencer, prepared, builder, arrived=arrived,
                                  count_tokens=count_tokens)

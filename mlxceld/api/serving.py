@@ -63,7 +63,7 @@ class CompletionResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._usage = noted(scope)
-        self._usage.request_id = self._request.request_id
+        self._usage.completion_id = self._request.request_id
         self._usage.prompt_tokens = len(self._request.prompt_tokens)
         try:
             gone = await until_disconnect(receive, self._serve(scope, receive, send))

@@ -83,6 +83,7 @@ class AssistantMessage(TypedDict):
     role: Literal["assistant"]
     content: str | None
     reasoning_content: NotRequired[str]
+    reasoning: NotRequired[str]  # the same, by vLLM's newer name ([serve] reasoning_field)
     tool_calls: NotRequired[list[ToolCallShape]]
 
 
@@ -121,6 +122,7 @@ class Delta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
     reasoning_content: NotRequired[str]
+    reasoning: NotRequired[str]
     tool_calls: NotRequired[list[ToolCallDelta]]
 
 
@@ -167,6 +169,7 @@ class ModelCard(TypedDict):
     # prompt and completion together, as served ([serve] context_length caps the model's).
     # OpenRouter's /models says it so; vLLM's ``max_model_len``, llama.cpp's ``n_ctx``.
     context_length: int
+    max_model_len: int  # the same, by vLLM's name (clients written for vLLM read it)
 
 
 class ModelList(TypedDict):

@@ -1,23 +1,31 @@
 """Every field a chat or completion request may hold, and what the router does with it.
 
-One table per endpoint, each field in one of four states:
+One table per endpoint, each field in one of five states:
 
-- ``honoured``: it does what OpenAI documents (``requests.py`` reads it; ``n`` only as 1).
+- ``honoured``: it does what OpenAI (or, for an extension, the server it comes from:
+  vLLM, llama.cpp, OpenRouter) documents (``requests.py`` reads it; ``n`` only as 1).
 - ``opaque``: an identifier or a label for the caller's own books (``user``,
-  ``safety_identifier``, ``prompt_cache_key``: strings; ``metadata``: an object):
-  accepted once its type is checked, and by its nature nothing for a server that
-  stores nothing to do.
-- ``pending``: another part of issue 18 honours it; until it lands it behaves as it
-  always did (checked where ``requests.py`` checks it, else accepted unread). The
-  comment on each line names the part; that part turns it ``honoured`` in one line.
+  ``safety_identifier``, ``prompt_cache_key``, ``request_id``: strings; ``metadata``: an
+  object): accepted once its type is checked, and by its nature nothing for a server
+  that stores nothing to do.
+- ``hint``: a hint other servers take, which changes nothing here (``cache_control``,
+  ``cache_prompt``: the prompt cache is automatic; ``keep_alive``: the model stays
+  loaded): accepted once its type is checked, and documented as doing nothing.
 - ``refused``: a 400 (code ``unsupported_parameter``) naming the field and what to do,
-  unless its value asks nothing this server does not do (``ALLOWED``: ``n`` 1,
-  ``modalities`` ``["text"]``, ``store`` false, ``echo`` false, ``best_of`` 1, ...).
+  unless its value asks nothing this server does not do (``allowed``: ``n`` 1,
+  ``modalities`` ``["text"]``, ``store`` false, ``echo`` false, ``best_of`` 1, a
+  sampler's neutral value, ...).
 
-Each chat message has its own table by role (``ROLE_FIELDS``), read the same way.
-A field in neither table is refused (400, code ``unknown_parameter``) naming every
-such field. ``null`` counts as absent, here as in ``fields.py``: some clients send
-every optional field, unset ones as null.
+Each chat message has its own table by role (``ROLE_FIELDS``), read the same way, and so
+do a text content part and the ``reasoning`` object.
+A field in no table is refused (400, code ``unknown_parameter``) naming every such field,
+unless the operator set ``[serve] unknown_fields = "warn"``: then it is ignored, and the
+caller's list ``ignored`` gets its path (``ignoring.py`` logs it once and names it in the
+answer's ``x-mlxceld-ignored-fields`` header). ``null`` counts as absent, here as in
+``fields.py``: some clients send every optional field, unset ones as null.
+
+``python -m mlxceld.api.fielddoc`` writes these tables as docs/api-fields.md holds them (a
+test checks that the two agree).
 """
 
 from __future__ import annotations
@@ -29,28 +37,45 @@ from typing import Any, Final, Literal
 from mlxceld.api.errors import invalid
 from mlxceld.api.fields import kind, show
 
-State = Literal["honoured", "opaque", "pending", "refused"]
+State = Literal["honoured", "opaque", "hint", "refused"]
+Shape = type | tuple[type, ...]
 MAX_NAMED = 5  # unknown fields named in one error; the rest are counted
+NUMBER: Final = (int, float)
+SHAPE_WORDS: Final[dict[Any, str]] = {str: "a string", dict: "an object", bool: "a boolean",
+                                      int: "an integer", NUMBER: "a number",
+                                      (str, int, float): "a string or a number"}
 
 
 @dataclass(frozen=True)
 class Rule:
     state: State
-    note: str = ""  # refused: why, and what to do; pending: the part that will honour it
+    note: str = ""  # refused: why, and what to do; honoured, hint: what is done
     allowed: Callable[[Any], bool] | None = None  # refused: values that ask for nothing
-    shape: type | None = None  # opaque: the JSON type its value must have (str or dict)
+    shape: Shape | None = None  # opaque, hint: the JSON type its value must have
+    allowed_doc: str = ""  # the allowed values, as the docs show them
 
 
-def _honoured() -> Rule:
-    return Rule("honoured")
+def _honoured(note: str = "") -> Rule:
+    return Rule("honoured", note)
 
 
-def _pending(part: str) -> Rule:
-    return Rule("pending", f"issue 18 part '{part}'")
+def _hint(note: str, shape: Shape) -> Rule:
+    return Rule("hint", note, shape=shape)
 
 
-def _refused(note: str, allowed: Callable[[Any], bool] | None = None) -> Rule:
-    return Rule("refused", note, allowed)
+def _refused(note: str, allowed: Callable[[Any], bool] | None = None,
+             allowed_doc: str = "") -> Rule:
+    return Rule("refused", note, allowed, allowed_doc=allowed_doc)
+
+
+def _neutral(name: str, value: float, note: str) -> Rule:
+    """A sampler this server does not have: refused unless its neutral ``value``."""
+    return _refused(f"{note}; leave {name!r} out or {value:g}",
+                    lambda v: not isinstance(v, bool) and v == value, f"{value:g}")
+
+
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v is value
 
 
 SHARED: Final[dict[str, Rule]] = {
@@ -59,24 +84,74 @@ SHARED: Final[dict[str, Rule]] = {
     "max_completion_tokens": _honoured(),
     "temperature": _honoured(),
     "top_p": _honoured(),
-    "top_k": _honoured(),  # an extension (vLLM, mlx_lm.server)
+    "top_k": _honoured("an extension (vLLM, mlx_lm.server); 0 or -1 (vLLM's) is off"),
     "seed": _honoured(),
-    "stop": _honoured(),
+    "stop": _honoured("up to 16 strings"),
     "stream": _honoured(),
     "stream_options": _honoured(),
-    "n": _honoured(),  # 1 only: requests.py refuses any other
+    "n": _honoured("1 only"),
     "user": Rule("opaque", shape=str),
     "presence_penalty": _honoured(),
     "frequency_penalty": _honoured(),
-    "repetition_penalty": _honoured(),
-    "min_p": _honoured(),
+    "repetition_penalty": _honoured("vLLM's, mlx-lm's"),
+    "min_p": _honoured("vLLM's, llama.cpp's"),
     "logit_bias": _honoured(),
     "logprobs": _honoured(),
-    "response_format": _honoured(),  # completions too, as vLLM
+    "response_format": _honoured("completions too, as vLLM"),
+}
+
+# Other servers' extras (vLLM, llama.cpp, Ollama), on both endpoints.
+EXTRAS: Final[dict[str, Rule]] = {
+    "min_tokens": _honoured("vLLM's: end-of-sequence tokens are masked until this many "
+                            "tokens were generated (stop strings still apply)"),
+    "ignore_eos": _honoured("vLLM's, llama.cpp's: end-of-sequence tokens are masked; the "
+                            "answer runs to max_tokens or a stop string"),
+    "guided_json": _honoured("vLLM's: as response_format json_schema with this schema"),
+    "request_id": Rule("opaque", shape=str),
+    "cache_prompt": _hint("llama.cpp's: the prompt (prefix) cache is automatic here", bool),
+    "keep_alive": _hint("Ollama's: the model stays loaded while the daemon serves it",
+                        (str, int, float)),
+    "num_ctx": _hint("Ollama's: the context is the operator's ([serve] context_length); "
+                     "a prompt that does not fit is refused", int),
+    "spaces_between_special_tokens": _hint("vLLM's: special tokens are never shown, so "
+                                           "there is nothing to space", bool),
+    "mirostat_tau": _hint("llama.cpp's: read only with mirostat, which is refused "
+                          "unless 0", NUMBER),
+    "mirostat_eta": _hint("llama.cpp's: read only with mirostat, which is refused "
+                          "unless 0", NUMBER),
+    "n_predict": _refused("llama.cpp's native name; send 'max_tokens' instead"),
+    "typical_p": _neutral("typical_p", 1.0, "locally typical sampling is not served"),
+    "tfs_z": _neutral("tfs_z", 1.0, "tail-free sampling is not served"),
+    "mirostat": _neutral("mirostat", 0, "mirostat sampling is not served"),
+    "options": _refused("Ollama's 'options' object is not read; send its fields "
+                        "(temperature, top_p, top_k, seed, stop, ...) at the top level"),
+    "skip_special_tokens": _refused("special tokens are always skipped; send true or leave "
+                                    "'skip_special_tokens' out", _is(True), "true"),
+    "include_stop_str_in_output": _refused("the stop string is never part of the output; "
+                                           "send false or leave "
+                                           "'include_stop_str_in_output' out",
+                                           _is(False), "false"),
+    "use_beam_search": _refused("beam search is not served; send false or leave "
+                                "'use_beam_search' out", _is(False), "false"),
+    "length_penalty": _neutral("length_penalty", 1.0, "beam search is not served"),
+    "stop_token_ids": _refused("stop tokens by id are not served; send their text as "
+                               "'stop'", lambda v: v == [], "[]"),
+    "return_tokens_as_token_ids": _refused("tokens are returned as text; send false or "
+                                           "leave 'return_tokens_as_token_ids' out",
+                                           _is(False), "false"),
+    "guided_regex": _refused("regular-expression output is not served; send "
+                             "'response_format' (a JSON schema) instead"),
+    "guided_choice": _refused("a choice of strings is not served; send 'response_format' "
+                              "(a JSON schema with an enum) instead"),
+    "guided_grammar": _refused("a grammar is not served; send 'response_format' (a JSON "
+                               "schema) instead"),
+    "priority": _refused("requests are served first come, first served; send 0 or leave "
+                         "'priority' out", lambda v: v == 0 and not isinstance(v, bool), "0"),
 }
 
 CHAT_FIELDS: Final[dict[str, Rule]] = {
     **SHARED,
+    **EXTRAS,
     "messages": _honoured(),
     "safety_identifier": Rule("opaque", shape=str),
     "prompt_cache_key": Rule("opaque", shape=str),
@@ -85,10 +160,15 @@ CHAT_FIELDS: Final[dict[str, Rule]] = {
     "tools": _honoured(),
     "tool_choice": _honoured(),
     "parallel_tool_calls": _honoured(),
-    "chat_template_kwargs": _honoured(),
+    "chat_template_kwargs": _honoured("vLLM's: variables for the chat template"),
+    "reasoning_effort": _honoured("none, minimal, low, medium or high: the chat template "
+                                  "gets it as reasoning_effort, and none or minimal as "
+                                  "enable_thinking false"),
+    "reasoning": _honoured("OpenRouter's and Open WebUI's {\"effort\": ...} (and "
+                           "\"enabled\": false, as effort none)"),
     "audio": _refused("audio output is not served; leave 'audio' out"),
     "modalities": _refused('only text is served; send ["text"] or leave \'modalities\' out',
-                           lambda v: v == ["text"]),
+                           lambda v: v == ["text"], '["text"]'),
     "prediction": _refused("predicted outputs are not served; leave 'prediction' out"),
     "web_search_options": _refused("web search is not served; leave 'web_search_options' "
                                    "out"),
@@ -96,12 +176,9 @@ CHAT_FIELDS: Final[dict[str, Rule]] = {
     "function_call": _refused("the legacy 'function_call' is not served; send "
                               "'tool_choice' instead"),
     "service_tier": _refused('one tier is served; send "auto" or leave \'service_tier\' out',
-                             lambda v: v in ("auto", "default")),
+                             lambda v: v in ("auto", "default"), '"auto", "default"'),
     "store": _refused("this server stores no completions; send false or leave 'store' out",
-                      lambda v: v is False),
-    "reasoning_effort": _refused("set a reasoning model's thinking through "
-                                 "'chat_template_kwargs' (e.g. {\"enable_thinking\": false}) "
-                                 "instead; leave 'reasoning_effort' out"),
+                      _is(False), "false"),
     "verbosity": _refused("the model's verbosity cannot be set; leave 'verbosity' out"),
     "moderation": _refused("this server does not moderate; leave 'moderation' out"),
     "prompt_cache_retention": _refused("this server's prompt cache is the operator's "
@@ -110,30 +187,54 @@ CHAT_FIELDS: Final[dict[str, Rule]] = {
     "prompt_cache_options": _refused("this server's prompt cache is the operator's "
                                      "([serve] prompt_cache_bytes), not a request's; "
                                      "leave 'prompt_cache_options' out"),
+    "echo": _refused("echoing the prompt is not served on chat; leave 'echo' out or false",
+                     _is(False), "false"),
+    "best_of": _refused("one candidate is generated per request; leave 'best_of' out or 1",
+                        lambda v: v == 1 and not isinstance(v, bool), "1"),
+    "add_generation_prompt": _refused("the assistant's turn is always opened; send true or "
+                                      "leave 'add_generation_prompt' out", _is(True), "true"),
+    "continue_final_message": _refused("a final assistant message is not continued; send "
+                                       "false or leave 'continue_final_message' out",
+                                       _is(False), "false"),
 }
 
 COMPLETION_FIELDS: Final[dict[str, Rule]] = {
     **SHARED,
+    **EXTRAS,
     "prompt": _honoured(),
     "echo": _refused("echoing the prompt is not served; leave 'echo' out or false",
-                     lambda v: v is False),
+                     _is(False), "false"),
     "best_of": _refused("one candidate is generated per request; leave 'best_of' out or 1",
-                        lambda v: v == 1 and not isinstance(v, bool)),
+                        lambda v: v == 1 and not isinstance(v, bool), "1"),
     "suffix": _refused("insertion (a suffix after the completion) is not served; leave "
-                       "'suffix' out", lambda v: v == ""),
+                       "'suffix' out", lambda v: v == "", '""'),
 }
 
+# The ``reasoning`` object of a chat request (OpenRouter's; Open WebUI sends its effort).
+REASONING_FIELDS: Final[dict[str, Rule]] = {
+    "effort": _honoured("as reasoning_effort"),
+    "enabled": _honoured("false: as effort none"),
+    "max_tokens": _refused("a reasoning budget in tokens is not served; send 'effort' "
+                           "instead"),
+    "exclude": _refused("the reasoning is always returned apart from the content; send "
+                        "false or leave 'reasoning.exclude' out", _is(False), "false"),
+}
+
+CACHE_CONTROL = _hint("Anthropic's and OpenRouter's: the prompt (prefix) cache is "
+                      "automatic here", dict)
 
 # A chat message's fields, by its role (``requests.py`` reads them; ``name`` and an
-# assistant's ``reasoning_content`` go to the chat template, whose messages carry them).
+# assistant's reasoning go to the chat template, whose messages carry them).
 MESSAGE_FIELDS: Final[dict[str, Rule]] = {
     "role": _honoured(),
     "content": _honoured(),
     "name": _honoured(),
+    "cache_control": CACHE_CONTROL,
 }
 
 # A text part of a message's content (the only part type served).
-TEXT_PART_FIELDS: Final[dict[str, Rule]] = {"type": _honoured(), "text": _honoured()}
+TEXT_PART_FIELDS: Final[dict[str, Rule]] = {"type": _honoured(), "text": _honoured(),
+                                            "cache_control": CACHE_CONTROL}
 
 ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
     "system": MESSAGE_FIELDS,
@@ -141,7 +242,8 @@ ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
     "assistant": {
         **MESSAGE_FIELDS,
         "tool_calls": _honoured(),
-        "reasoning_content": _honoured(),  # an earlier answer's, as this server returns it
+        "reasoning_content": _honoured("an earlier answer's reasoning, to the template"),
+        "reasoning": _honoured("the same as reasoning_content (vLLM's newer name)"),
         "refusal": _refused("a refusal is not read back into the chat; send its text as "
                             "'content' instead"),
         "audio": _refused("audio is not served; leave an assistant message's 'audio' out"),
@@ -152,28 +254,38 @@ ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
 }
 
 
-def check_fields(body: Mapping[str, Any], table: Mapping[str, Rule], prefix: str = "") -> None:
+def check_fields(body: Mapping[str, Any], table: Mapping[str, Rule], prefix: str = "",
+                 ignored: list[str] | None = None) -> None:
     """Refuse ``body`` (a request's top-level object, or one of its messages: ``prefix``
     is then its path, ``messages[2]``) if it holds a refused field with a value that asks
-    for something, or fields ``table`` does not know (each named)."""
+    for something, or fields ``table`` does not know (each named). ``ignored``: the
+    operator's ``unknown_fields = "warn"``: unknown fields' paths go there instead, and
+    nothing reads them."""
     def path(name: str) -> str:
         return f"{prefix}.{name}" if prefix else name
 
     unknown = [name for name, value in body.items() if value is not None and name not in table]
-    if unknown:
+    if unknown and ignored is not None:
+        ignored.extend(path(n) for n in unknown)
+    elif unknown:
         names = ", ".join(show(path(n)) for n in unknown[:MAX_NAMED])
         more = f" and {len(unknown) - MAX_NAMED} more" if len(unknown) > MAX_NAMED else ""
         raise invalid(f"unknown field{'s' if len(unknown) > 1 else ''} {names}{more}: this "
-                      "server honours OpenAI's fields and top_k, and refuses what it does not "
-                      "know rather than ignore it; remove "
+                      "server honours OpenAI's fields and the extensions of docs/api-fields.md, "
+                      "and refuses what it does not know rather than ignore it; remove "
                       f"{'them' if len(unknown) > 1 else 'it'}", path(unknown[0])[:200],
                       "unknown_parameter")
     for name, value in body.items():
-        rule = table[name] if value is not None else None
+        rule = table.get(name) if value is not None else None
         if rule is not None and rule.state == "refused" and not (
                 rule.allowed is not None and rule.allowed(value)):
             raise invalid(f"{path(name)!r} is not supported by this server: {rule.note}",
                           path(name), "unsupported_parameter")
-        if rule is not None and rule.shape is not None and not isinstance(value, rule.shape):
-            wanted = "a string" if rule.shape is str else "an object"
-            raise invalid(f"{path(name)!r} must be {wanted}, not {kind(value)}", path(name))
+        if rule is not None and rule.shape is not None and not _fits(value, rule.shape):
+            raise invalid(f"{path(name)!r} must be {SHAPE_WORDS[rule.shape]}, not "
+                          f"{kind(value)}", path(name))
+
+
+def _fits(value: Any, shape: Shape) -> bool:
+    """``value`` is of ``shape``'s JSON type (a boolean is no number here)."""
+    return isinstance(value, shape) and (shape is bool or not isinstance(value, bool))

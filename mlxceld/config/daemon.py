@@ -29,6 +29,8 @@ File format (TOML, every table and key optional)::
     peer_dead_after_s = 10.0           # dead after this long (mlxceld/config/liveness.py)
     heal_after_s = 60.0                # a plan's peer dead this long: plan again around
                                        # it; 0: off (mlxceld/config/healing.py)
+    metrics_listen = "0.0.0.0:9464"    # serve the daemon's and its workers' /metrics
+                                       # here; off unless set (mlxceld/config/metrics.py)
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -64,6 +66,8 @@ from mlxceld.config.healing import heal_after
 from mlxceld.config.kvquant import check_kv_model, check_kv_setting, kv_origin
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
+from mlxceld.config.metrics import LISTEN_KEY as METRICS_KEY
+from mlxceld.config.metrics import metrics_listen
 from mlxceld.config.names import DEFAULT_CLUSTER_NAME
 from mlxceld.config.replicas import check_discoverable, check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
@@ -78,7 +82,7 @@ from mlxceld.logformat import LOG_FORMATS, LogFormat
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import MAX_PIPELINE_STAGES
-from mlxceld.wire.address import parse_address
+from mlxceld.wire.address import HostPort, parse_address
 
 DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -92,6 +96,7 @@ FLAG_KEYS: dict[str, str] = {
     "--port": "serve.port", "--api-key-file": "serve.api_key_file",
     "--max-tokens": "serve.max_tokens", "--context-length": "serve.context_length",
     "--serving-port": "serve.serving_port",
+    "--allowed-origins": "serve.allowed_origins", "--generation-config": "serve.generation_config",
     "--cluster-secret-file": "daemon.cluster_secret_file",
     "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
     "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
@@ -145,6 +150,7 @@ class Config:
     cluster_discovery: str = "static"  # static | mdns
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # failure detector
     heal_after_s: float = 60.0  # a plan's peer dead this long is healed around; 0: off
+    metrics_listen: HostPort | None = None  # where /metrics is served (observe/); None: off
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,8 @@ class Overrides:
     kv_bits: int | None = None  # config/kvquant.py
     kv_group_size: int | None = None
     quantized_kv_start: int | None = None
+    allowed_origins: str | None = None  # comma-separated, as given (config/clients.py)
+    generation_config: str | None = None  # as given
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -302,7 +310,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                          "log_format",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
-                         *LIVENESS_KEYS, HEAL_KEY},
+                         *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY},
                 where, "daemon.")
     sup = table_of(data, "supervisor", where)
     check_keys(
@@ -347,6 +355,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                            discovery=flags.cluster_discovery),
         liveness=liveness_settings(daemon, where),
         heal_after_s=heal_after(daemon, where),
+        metrics_listen=metrics_listen(daemon, where),
         policy=policy,
         health_interval_s=number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

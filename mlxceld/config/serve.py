@@ -4,10 +4,15 @@
 
     [serve]
     model = "~/models/qwen3-0.6b"   # a local mlx-lm directory, or a Hugging Face repo id
-    model_name = "qwen3"            # the id clients see in /v1/models (default: dir name)
+    model_name = "qwen3"            # the id clients see in /v1/models (default: dir name);
+                                    # "a,b" or ["a", "b"]: aliases (config/clients.py)
+    allowed_origins = ["http://localhost:3000"]   # CORS (default: none; config/clients.py)
+    generation_config = "auto"      # the model's sampling defaults, or none (ditto)
     host = "127.0.0.1"              # the OpenAI port's address (0.0.0.0 only when asked)
     port = 8080
     api_key_file = "/etc/mlxceld/api-key"   # or MLXCEL_API_KEY_FILE; 0600, one line
+    metrics_require_key = true      # /metrics needs that key (here and on the daemon's
+                                    # metrics_listen); false: open (config/metrics.py)
     max_batch = 8                   # sequences decoded together
     max_queued = 64                 # requests waiting beyond that; more get 503
     max_tokens = 4096               # the most tokens one completion generates (default:
@@ -34,6 +39,10 @@
                                     # full precision; mlxceld/config/kvquant.py)
     kv_group_size = 64              # elements per scale and bias: 32, 64, 128
     quantized_kv_start = 0          # tokens a layer holds before it is quantized
+    reasoning_field = "reasoning_content"  # a chat answer's reasoning under this key:
+                                    # reasoning_content | reasoning | both
+    unknown_fields = "refuse"       # a request's unknown fields: refuse (400) | warn
+                                    # (ignored, logged once per name, named in a header)
 
 The connection bounds (``mlxceld/control/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
@@ -75,6 +84,18 @@ cache instead (``pipeline/kvstore.py``: every stage keeps the KV of its layers, 
 router decides, ``pipeline/prefixes.py``); unset, each stage takes a quarter of the memory
 its host has available once its weights are loaded; 0: no stage keeps any.
 
+``reasoning_field``: the key a chat answer's reasoning goes under, whole
+(``choices[0].message``) and streamed (``delta``): ``reasoning_content`` (the default: what
+DeepSeek, mlx-lm's server and vLLM before 0.10 send, and what the clients that show
+reasoning read), ``reasoning`` (vLLM's newer key, OpenRouter's) or ``both``
+(``mlxceld/api/reasoning.py``). Either is read back from an assistant message in history.
+
+``unknown_fields``: a request field the router does not know is refused (``refuse``, the
+default: 400 naming it, so that a typo is never silently ignored), or, with ``warn``,
+ignored: logged once per field name, and named in the answer's
+``x-mlxceld-ignored-fields`` header (``mlxceld/api/ignoring.py``). Fields it knows are
+honoured or refused as docs/api-fields.md says, either way.
+
 ``stage_silence_s`` (``mlxceld/net/liveness.py``): over a pipeline, every stage link
 has a heartbeat, and a stage that sends nothing for this long (its host sleeps or
 lost its network: no RST ever comes) is *silent*: requests on it end with a 503 naming
@@ -105,8 +126,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld import roles
+from mlxceld.config.clients import (
+    GenerationConfig,
+    parse_generation_config,
+    parse_model_names,
+    parse_origins,
+)
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
 from mlxceld.config.kvquant import parse_kv_quant
+from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import (
     HYBRID,
     NodeRole,
@@ -118,6 +146,8 @@ from mlxceld.config.tensor import parse_tp_size
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import (
+    REASONING_FIELDS,
+    UNKNOWN_FIELDS,
     HandoffOptions,
     KVQuant,
     PipelineOptions,
@@ -137,13 +167,15 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "decode_peers", "kv_compression", "tp_size", "context_length",
-              "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start"}
+              "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
+              "allowed_origins", "generation_config", "reasoning_field",
+              "unknown_fields", "metrics_require_key"}
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str | None = None  # absolute local path or a Hugging Face repo id; None: idle
-    model_name: str | None = None
+    model_name: str | None = None  # the names, the primary first, joined by commas
     host: str = "127.0.0.1"
     port: int = 8080
     api_key_file: Path | None = None
@@ -164,12 +196,23 @@ class ServeConfig:
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
+    metrics_require_key: bool = True  # /metrics needs the API key, when there is one
+    reasoning_field: str = REASONING_FIELDS[0]  # api/reasoning.py
+    unknown_fields: str = UNKNOWN_FIELDS[0]  # api/ignoring.py
+    allowed_origins: tuple[str, ...] = ()  # CORS (config/clients.py); (): none
+    generation_config: GenerationConfig = "auto"
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The model's names: the id clients see, then its aliases."""
+        assert self.model is not None
+        names = tuple(n for n in (self.model_name or "").split(",") if n)
+        # A repo id's (or its cache snapshot's) name, else the directory's.
+        return names or (model_name(Path(self.model.rstrip("/"))).split("/")[-1],)
 
     @property
     def served_name(self) -> str:
-        assert self.model is not None
-        # A repo id's (or its cache snapshot's) name, else the directory's.
-        return self.model_name or model_name(Path(self.model.rstrip("/"))).split("/")[-1]
+        return self.served_names[0]
 
     def with_model(self, model: str, name: str | None = None) -> ServeConfig:
         return replace(self, model=model, model_name=name)
@@ -202,7 +245,9 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     cfg = ServeConfig(
         host=_typed(table, "host", str, where) or "127.0.0.1",
         port=_port(_typed(table, "port", int, where) or 8080, f"{where}: 'serve.port'"),
-        model_name=_typed(table, "model_name", str, where),
+        model_name=parse_model_names(table.get("model_name"), f"{where}: 'serve.model_name'"),
+        allowed_origins=parse_origins(flags.allowed_origins, table, where),
+        generation_config=parse_generation_config(flags.generation_config, table, where),
         max_batch=_positive(table, "max_batch", 8, where),
         max_queued=_positive(table, "max_queued", 64, where),
         max_connections=_positive(table, "max_connections", 1024, where),
@@ -213,10 +258,13 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         context_length=_context_length(flags.context_length, table, where),
         prompt_cache_bytes=_prompt_cache_bytes(table, where),
         serving_port=_serving_port(flags.serving_port, table, where),
+        metrics_require_key=metrics_require_key(table, where),
         tp_size=parse_tp_size(flags.tp_size, table, where),
         kv_quant=parse_kv_quant({"kv_bits": flags.kv_bits,
                                  "kv_group_size": flags.kv_group_size,
                                  "quantized_kv_start": flags.quantized_kv_start}, table, where),
+        reasoning_field=_choice(table, "reasoning_field", REASONING_FIELDS, where),
+        unknown_fields=_choice(table, "unknown_fields", UNKNOWN_FIELDS, where),
     )
     role, role_from = parse_role(flags.node_role, table, where)
     replicas, replicas_from = parse_replica_list(flags.replicas, table, where)
@@ -238,7 +286,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         cfg = replace(cfg, api_key_file=p if p.is_absolute() or flags.api_key_file
                       else base / p)
     if flags.model_name:
-        cfg = replace(cfg, model_name=flags.model_name)
+        cfg = replace(cfg, model_name=parse_model_names(flags.model_name, "--model-name"))
     if flags.host:
         cfg = replace(cfg, host=flags.host)
     if flags.port is not None:
@@ -275,6 +323,17 @@ def _typed(table: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
                           f"not {value!r}",
                           hint=f"see the [serve] example in {__name__.replace('.', '/')}.py")
     return value
+
+
+def _choice(table: Mapping[str, Any], key: str, choices: tuple[str, ...], where: str) -> str:
+    """One of ``choices`` (the first when absent)."""
+    value = _typed(table, key, str, where)
+    if value is None:
+        return choices[0]
+    if value not in choices:
+        raise ConfigError(f"{where}: 'serve.{key}' must be one of {', '.join(choices)}, not "
+                          f"{value!r}", hint=f"for example {key} = {choices[0]!r}")
+    return str(value)
 
 
 def _positive(table: Mapping[str, Any], key: str, default: int, where: str) -> int:
@@ -355,7 +414,8 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
     serving listener's (``serving``: None without a cluster secret); or, on a router node,
     over ``replicas``."""
     assert cfg.model is not None
-    return RouterOptions(model=cfg.model, model_name=cfg.served_name, host=cfg.host,
+    return RouterOptions(model=cfg.model, model_name=cfg.served_name,
+                         model_aliases=cfg.served_names[1:], host=cfg.host,
                          port=cfg.port, max_batch=cfg.max_batch, max_queued=cfg.max_queued,
                          pipeline=pipeline, replicas=replicas, handoff=handoff,
                          max_connections=cfg.max_connections,
@@ -364,4 +424,9 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
                          serving=serving, tp_size=cfg.tp_size,
                          context_length=cfg.context_length,
-                         prompt_cache_bytes=cfg.prompt_cache_bytes, kv_quant=cfg.kv_quant)
+                         prompt_cache_bytes=cfg.prompt_cache_bytes, kv_quant=cfg.kv_quant,
+                         allowed_origins=cfg.allowed_origins,
+                         generation_config=cfg.generation_config,
+                         reasoning_field=cfg.reasoning_field,
+                         unknown_fields=cfg.unknown_fields,
+                         metrics_open=not cfg.metrics_require_key)

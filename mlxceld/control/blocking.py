@@ -35,8 +35,12 @@ from mlxceld.types import JSON
 
 
 class BlockingClient:
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, timeout: float | None = None) -> None:
+        """``timeout``: the deadline of each request's answer, ``REQUEST_TIMEOUT_S`` if
+        None (``mlxctl status --watch`` asks sooner, to show a daemon that does not
+        answer)."""
         self.socket_path = socket_path
+        self.timeout = REQUEST_TIMEOUT_S if timeout is None else timeout
 
     def __enter__(self) -> BlockingClient:
         return self
@@ -63,7 +67,7 @@ class BlockingClient:
             yield from items.feed(b"")
 
     def _get(self, path: str) -> JSON:
-        with _Connection(self.socket_path, path, REQUEST_TIMEOUT_S) as conn:
+        with _Connection(self.socket_path, path, self.timeout) as conn:
             return decode(self.socket_path, path, conn.status, conn.read())
 
 

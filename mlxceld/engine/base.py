@@ -46,7 +46,10 @@ class SamplingParams:
     ``min_p`` (0: off). ``logprobs``: None, or how many top alternatives each
     ``TokenOutput`` carries besides the chosen token's own log-probability (0 to
     ``MAX_TOP_LOGPROBS``). ``constraint``: the output must match it (None: free text);
-    its mask acts after the other processors."""
+    its mask acts after the other processors. ``min_tokens``: no end-of-sequence token
+    is sampled before that many tokens were generated (vLLM's); ``ignore_eos``: none at
+    all (llama.cpp's, vLLM's): the engine's processors mask them, so the sequence runs to
+    ``max_tokens`` (or the router's stop strings)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -60,6 +63,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     constraint: Constraint | None = None
+    min_tokens: int = 0  # 0: end-of-sequence tokens from the first token on
+    ignore_eos: bool = False
 
     @property
     def penalized(self) -> bool:

@@ -30,6 +30,12 @@ class Follower:
         self._prompt_cache = PromptCache()  # rank 0's setup sets its bound
         self._live: set[int] = set()
         self._kv_quant: KVQuant | None = None  # rank 0's, from its setup op
+        self.steps = 0  # batch steps taken (read from another thread: for the worker's stats)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in this rank's batch now."""
+        return len(self._live)
 
     def run(self) -> None:
         """Follow until rank 0 shares ``close``; mlx raises ``RuntimeError`` when the
@@ -48,6 +54,7 @@ class Follower:
                 if self._live:
                     with self._mirror.stepping():
                         self._step(gen)
+                    self.steps += 1
         finally:
             if gen is not None:
                 gen.close()

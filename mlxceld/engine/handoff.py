@@ -16,9 +16,9 @@
   ``int4``, each optionally lz4-compressed). The receiver checks every header field against
   the model it serves (``CacheLayout.of(model)``) and every blob's size against the header
   before it allocates: a peer's bytes are untrusted input. ``HandoffError`` names the field.
-- ``resume_sampling(params, prompt, vocab_size, matching)``: the decoding host's sampler
-  and processors advanced past the first token, as if it had sampled that token itself;
-  ``LocalEngine.generate_from`` continues the sequence with them.
+- ``resume_sampling(params, prompt, vocab_size, matching, eos_token_ids)``: the decoding
+  host's sampler and processors advanced past the first token, as if it had sampled that
+  token itself; ``LocalEngine.generate_from`` continues the sequence with them.
 
 Blob layout (``handoff_specs`` gives the MXCL allow-list): for layer ``i``, ``k{i}`` and
 ``v{i}`` hold the keys and values trimmed to the cache's length, C order, shape
@@ -47,7 +47,7 @@ quantized cache or a different batch changes the logits they are drawn from.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
@@ -177,7 +177,8 @@ def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_
         mx.eval([c.state for c in cache])
         head = head[:, prefill_step:]
     logits = model(mx.array([[prompt[-1]]], dtype=mx.int32), cache=cache)[:, -1, :]
-    processors = make_logits_processors(params) + ([] if matching is None else [matching])
+    processors = make_logits_processors(params, eos_token_ids) + \
+        ([] if matching is None else [matching])
     context = mx.array(list(prompt), dtype=mx.int32)
     for processor in processors:
         logits = processor(context, logits)
@@ -212,13 +213,16 @@ def snapshot(cache: Sequence[Any]) -> list[Any]:
 
 
 def resume_sampling(params: SamplingParams, prompt: Sequence[int], vocab_size: int,
-                    matching: Matching | None) -> tuple[Sampler, list[LogitsProcessor]]:
+                    matching: Matching | None, eos_token_ids: Iterable[int]
+                    ) -> tuple[Sampler, list[LogitsProcessor]]:
     """The sampler and processors of a sequence whose first token another host sampled,
     each called once as that host called them (on the prompt), so that the next call sees
     the prompt and first token as on one host: the penalties count the first token, a
-    constraint's fresh ``matching`` consumes it, a seeded sampler's key is split past it."""
+    constraint's fresh ``matching`` consumes it, a seeded sampler's key is split past it,
+    ``min_tokens`` counts it (``eos_token_ids``: the model's)."""
     sampler = make_sampler(params, vocab_size)
-    processors = make_logits_processors(params) + ([] if matching is None else [matching])
+    processors = make_logits_processors(params, eos_token_ids) + \
+        ([] if matching is None else [matching])
     context = mx.array(list(prompt), dtype=mx.int32)
     blank = mx.zeros((1, vocab_size), dtype=mx.float32)
     for processor in processors:

@@ -343,7 +343,7 @@ class LocalEngine:
             if seq.handoff is not None:  # the first token was sampled by the prefill host
                 first, cache = seq.handoff
                 sampler, processors = resume_sampling(req.params, tokens, self._vocab_size,
-                                                      seq.matching)
+                                                      seq.matching, self._eos_token_ids)
                 [uid] = self._gen.insert(
                     [[first]], max_tokens=[req.params.max_tokens - 1],
                     caches=[list(cache) if self.kv_quant is None
@@ -354,7 +354,7 @@ class LocalEngine:
                 shared = False
                 if self._mirror is not None:
                     sampler, shared = self._mirror.sampler(sampler)
-                processors = make_logits_processors(req.params)
+                processors = make_logits_processors(req.params, self._eos_token_ids)
                 prefix, rest = self._prompt_cache.fetch(tokens)
                 seq.cached = len(tokens) - len(rest)
                 if prefix is None:

@@ -398,14 +398,19 @@ def _read(link: socket.socket, n: int) -> bytes:
 def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
                         progress: Progress | None = None,
                         ready: Callable[[], None] | None = None,
-                        share_deadline_s: float = SHARE_DEADLINE_S) -> None:
+                        share_deadline_s: float = SHARE_DEADLINE_S,
+                        made: Callable[[Any], None] | None = None) -> None:
     """Rank ``group.rank()`` (≥ 1) of a tensor-parallel engine: load this rank's slices
     of ``path``, say ``ready()``, then take rank 0's steps until it closes the group.
-    Raises ``EngineError`` when the ring breaks (rank 0 or another rank gone)."""
+    ``made``: given the ``Follower`` (its ``steps`` and ``sequences``, for the worker's
+    stats) before ``ready``. Raises ``EngineError`` when the ring breaks (rank 0 or
+    another rank gone)."""
     from mlxceld.engine.follower import Follower
 
     model, _ = load_shard(path, group, progress)
     follower = Follower(model, Mirror(group, deadline_s=share_deadline_s), max_batch=max_batch)
+    if made is not None:
+        made(follower)
     if ready is not None:
         ready()
     try:

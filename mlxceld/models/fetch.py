@@ -36,9 +36,9 @@ Files land in huggingface_hub's cache: ``HF_HUB_CACHE``, by default
 ``$HF_HOME/hub`` (``~/.cache/huggingface/hub``); a file already there is not
 fetched again. With ``HF_HUB_OFFLINE=1`` only the cache is read: a repo it does
 not hold is refused naming it, and a stage whose shards it lacks fails naming
-them, each with the ``huggingface-cli download`` line that fetches them. A
+them, each with the ``hf download`` line that fetches them. A
 private or gated repo needs a token: huggingface_hub's own token file
-(``huggingface-cli login``) or ``HF_TOKEN`` in the daemon's environment, which
+(``hf auth login``) or ``HF_TOKEN`` in the daemon's environment, which
 reaches only the workers that download, on their stdin (``supervisor/process.py``:
 ``DOWNLOAD_ENV``), and is never written to argv, a child's environment, a log, an
 event, the database or an error.
@@ -191,7 +191,7 @@ def fetch_stage(path: Path, layers: tuple[int, int] | None,
             f"{where} need{'s' if layers is None else ''} {len(lacking)} file(s) that this "
             f"host's Hugging Face cache ({path}) lacks: {_some(lacking)}; HF_HUB_OFFLINE is "
             "set, so none is fetched",
-            hint=f"download them first: huggingface-cli download {repo} "
+            hint=f"download them first: hf download {repo} "
             f"{' '.join(lacking)} --revision {commit} (or unset HF_HUB_OFFLINE)")
     log.info("%s: fetching %d weight file(s): %s", where, len(lacking), _some(lacking))
     subject = "its weights" if layers is None else "its shards"
@@ -241,7 +241,7 @@ def hub_headers(repo: str, commit: str, files: Sequence[str],
             raise ConfigError(
                 f"model {repo}: pricing its layers needs the headers of {len(files)} shard(s) "
                 f"this host's Hugging Face cache lacks ({_some(files)}), and HF_HUB_OFFLINE "
-                "is set", hint=f"download them first: huggingface-cli download {repo} "
+                "is set", hint=f"download them first: hf download {repo} "
                 f"{' '.join(files)} --revision {commit} (or unset HF_HUB_OFFLINE: the "
                 "Hub's headers price them)")
         try:
@@ -253,7 +253,7 @@ def hub_headers(repo: str, commit: str, files: Sequence[str],
             raise ConfigError(f"model {repo}: the safetensors headers of its shards cannot be "
                               f"read from Hugging Face: {what}",
                               hint="check this host's network, or fetch every shard on the "
-                              f"host that plans: huggingface-cli download {repo}") from exc
+                              f"host that plans: hf download {repo}") from exc
         with _lock:
             _headers[(repo, commit)] = known
     return {f: known[f] for f in files if f in known}
@@ -286,14 +286,14 @@ def _fetch(get: Download, name: str, patterns: Sequence[str], *, revision: str |
         if offline() or kinds & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"}:
             raise ConfigError(
                 f"{subject} this host's Hugging Face cache does not hold it ({what})",
-                hint=f"download it first with `huggingface-cli download {name}` and pass "
+                hint=f"download it first with `hf download {name}` and pass "
                 "the path it prints, or unset HF_HUB_OFFLINE on a host that can reach "
                 "huggingface.co") from exc
         if kinds & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
             raise ConfigError(
                 f"{subject} Hugging Face has no such repo this host may read ({what})",
                 hint="check the repo id; a private or gated repo needs a token "
-                "(`huggingface-cli login`, or HF_TOKEN in the daemon's environment)"
+                "(`hf auth login`, or HF_TOKEN in the daemon's environment)"
                 ) from exc
         raise ConfigError(f"{subject} cannot be fetched from Hugging Face: {what}",
                           hint="check the repo id and this host's network (offline, give a "

@@ -136,6 +136,13 @@ class Redialer:
         log.info("handed the %s over to a stream under key %s", self.what, new.key_id.hex())
         return True
 
+    @property
+    def rtt_s(self) -> float | None:
+        """The round trip of the open stream's latest heartbeat ping answered (None: no
+        stream open, or no ping answered on it yet)."""
+        s = self._stream
+        return s.rtt_s if s is not None and not s.closed else None
+
     def forget(self) -> None:
         """Drop the stream (not closed here): the next ``stream()`` dials a new one."""
         self._stream = None

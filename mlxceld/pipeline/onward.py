@@ -73,6 +73,13 @@ class Onward:
                     log.warning("stage %s: the %s stays on its old key for now: %s",
                                 self._node_id, dialer.what, exc)
 
+    def rtts_ms(self) -> dict[str, float | None]:
+        """Each connection that has a neighbour (``next``: the next stage, ``first``: the
+        first stage, from the last): its latest heartbeat's round trip in ms, or None."""
+        return {name: None if d.rtt_s is None else round(d.rtt_s * 1000, 3)
+                for name, d in (("next", self.down), ("first", self.ring))
+                if d.target is not None}
+
     async def aclose(self, why: str) -> None:
         await self.down.aclose(why)
         await self.ring.aclose(why)

@@ -41,7 +41,10 @@ prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
                             0 to ``MAX_TOP_LOGPROBS``, and ``constraint``
                             {kind, text} when the output must match one
                             (``engine/constraints.py``; its text at most
-                            ``MAX_CONSTRAINT_BYTES`` as a JSON string)},
+                            ``MAX_CONSTRAINT_BYTES`` as a JSON string),
+                            ``min_tokens`` (1 to max_tokens) and
+                            ``ignore_eos`` (true) when set (absent: 0,
+                            false)},
                             ``eos`` (at most ``MAX_EOS`` token ids),
                             ``history`` (the prompt's last
                             ``REPETITION_CONTEXT`` token ids, when the
@@ -263,8 +266,12 @@ PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "s
                                "repetition_penalty", "logit_bias", "logprobs"})
 
 
+OPTIONAL_PARAM_KEYS: Final = frozenset({"constraint", "min_tokens", "ignore_eos"})
+
+
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """``constraint`` only when there is one."""
+    """``constraint``, ``min_tokens`` and ``ignore_eos`` only when set (a stage of an
+    older version refuses them rather than ignore them)."""
     wire: dict[str, Any] = {
         "max_tokens": params.max_tokens, "temperature": params.temperature,
         "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
@@ -275,6 +282,10 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
         "logprobs": params.logprobs}
     if params.constraint is not None:
         wire["constraint"] = {"kind": params.constraint.kind, "text": params.constraint.text}
+    if params.min_tokens:
+        wire["min_tokens"] = params.min_tokens
+    if params.ignore_eos:
+        wire["ignore_eos"] = True
     return wire
 
 
@@ -288,9 +299,10 @@ def _number(value: Any, name: str, low: float, high: float, *, low_open: bool = 
 def params_from_wire(value: object, vocab_size: int | None = None) -> SamplingParams:
     """The request's sampling parameters, each checked (the last stage samples with them;
     ``vocab_size``: its model's, which every ``logit_bias`` id must be below)."""
-    if not isinstance(value, dict) or set(value) - {"constraint"} != PARAM_KEYS:
+    if not isinstance(value, dict) or set(value) - OPTIONAL_PARAM_KEYS != PARAM_KEYS:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params' must hold exactly "
-                                f"{', '.join(sorted(PARAM_KEYS))}, and may hold constraint")
+                                f"{', '.join(sorted(PARAM_KEYS))}, and may hold "
+                                f"{', '.join(sorted(OPTIONAL_PARAM_KEYS))}")
     max_tokens, top_k, seed = value["max_tokens"], value["top_k"], value["seed"]
     if type(max_tokens) is not int or not 1 <= max_tokens < 2**31:
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.max_tokens' out of range")
@@ -302,8 +314,13 @@ def params_from_wire(value: object, vocab_size: int | None = None) -> SamplingPa
     if logprobs is not None and (type(logprobs) is not int
                                  or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.logprobs' out of range")
+    min_tokens, ignore_eos = value.get("min_tokens", 0), value.get("ignore_eos", False)
+    if type(min_tokens) is not int or not 0 <= min_tokens <= max_tokens:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.min_tokens' out of range")
+    if type(ignore_eos) is not bool:
+        raise ProtocolViolation(ERR_BAD_MESSAGE, "'params.ignore_eos' must be true or false")
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
         temperature=_number(value["temperature"], "temperature", 0, MAX_TEMPERATURE),
         top_p=_number(value["top_p"], "top_p", 0, 1, low_open=True),
         top_k=top_k, seed=seed,

@@ -143,6 +143,15 @@ class StageService:
     def sequences(self) -> int:
         return len(self._seqs)
 
+    @property
+    def queued(self) -> int:
+        """Steps enqueued and not yet run: the stage's queue depth."""
+        return self._pending
+
+    def links_rtt_ms(self) -> dict[str, float | None]:
+        """Its connections onward and their latest round trips (``Onward.rtts_ms``)."""
+        return self._onward.rtts_ms()
+
     async def drain(self, deadline: float) -> int:
         """Refuse new sequences and wait until those held are released, at the latest
         until ``deadline`` (the loop's clock); the number still held then."""
@@ -297,16 +306,15 @@ class StageService:
                                           f"already holds {p.MAX_SEQUENCES} sequences")
             state = SeqState(stage_cache(self._model, p.kv_of(env.header),
                                          self._place.node_id), None)
+            eos = p.eos_of(env.header)
             if last:
                 # mlx: only once serving
                 from mlxceld.engine.processors import make_logits_processors
                 from mlxceld.engine.sampling import make_sampler
 
                 state = SeqState(state.cache, make_sampler(params, self._model.vocab_size),
-                                 make_logits_processors(params), list(history),
+                                 make_logits_processors(params, eos), list(history),
                                  params.logprobs)
-            eos = p.eos_of(env.header)
-            if last:
                 state.matching = await self._matching.matcher(params, eos)
             state.reuse = self.cache.reuse(env.header)  # copied on the compute side
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,

@@ -154,6 +154,8 @@ class HandoffStats:
     bytes: int = 0
     refused: int = 0
     dropped: int = 0
+    # Time in the handoffs: a prefill node's encoding and sending, a decode node's decoding.
+    seconds: float = 0.0
 
 
 class HandoffService(ServingService):
@@ -262,6 +264,7 @@ class HandoffService(ServingService):
             sent = time.perf_counter()
             self.stats.handoffs += 1
             self.stats.bytes += size
+            self.stats.seconds += sent - started
             await link.stream.send(encode_envelope({
                 "t": "prefilled", "seq": seq, "bytes": size,
                 "encode_ms": round((encoded - started) * 1000, 3),
@@ -369,12 +372,14 @@ class HandoffService(ServingService):
         finally:
             self._expected.pop(seq, None)
         first = _first_of(expected.header.get("first"), self.handoff_engine.vocab_size)
+        started = time.perf_counter()
         cache = await asyncio.to_thread(decode_cache, expected.header.get("cache", {}),
                                         expected.blobs, expect=self._layout,
                                         max_tokens=len(expected.request.prompt_tokens))
         expected.blobs.clear()
         self.stats.handoffs += 1
         self.stats.bytes += expected.size
+        self.stats.seconds += time.perf_counter() - started
         try:
             source = self.handoff_engine.generate_from(expected.request, first, cache)
         except ValueError as exc:

@@ -31,6 +31,9 @@ EXIT_CONFIG: Final = 2  # a worker whose options are refused exits so (as mlxcel
 KV_BITS: Final = (4, 8)  # [serve] kv_bits: what a quantized KV cache stores per element
 KV_GROUP_SIZES: Final = (32, 64, 128)  # mlx's quantization group sizes
 DEFAULT_KV_GROUP_SIZE: Final = 64  # mlx-lm's
+# [serve] reasoning_field and unknown_fields (api/reasoning.py, api/ignoring.py), default first.
+REASONING_FIELDS: Final = ("reasoning_content", "reasoning", "both")
+UNKNOWN_FIELDS: Final = ("refuse", "warn")
 
 
 class InvalidOption(ValueError):
@@ -271,9 +274,28 @@ class RouterOptions:
     # 0's setup op carries it) and every pipeline stage (each ``prepare`` carries it);
     # None: full precision, as the model computes it.
     kv_quant: KVQuant | None = None
+    # The model's other names: a request may name it by any (``[serve] model_name``).
+    model_aliases: tuple[str, ...] = ()
+    # CORS on the OpenAI port (``api/cors.py``): exact origins, or ("*",); (): none.
+    allowed_origins: tuple[str, ...] = ()
+    # "auto": sampling defaults from the model's generation_config.json; "none": OpenAI's.
+    generation_config: str = "auto"
+    # The key of a chat answer's reasoning (``[serve] reasoning_field``, api/reasoning.py).
+    reasoning_field: str = REASONING_FIELDS[0]
+    # A request's unknown fields: refused, or ignored and named (``[serve] unknown_fields``).
+    unknown_fields: str = UNKNOWN_FIELDS[0]
+    # ``GET /metrics`` open to callers without the API key (``[serve] metrics_require_key``
+    # false); without a key it is open anyway.
+    metrics_open: bool = False
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check(self.generation_config in ("auto", "none"), "generation_config",
+               "be auto or none", self.generation_config)
+        _check(self.reasoning_field in REASONING_FIELDS, "reasoning_field",
+               f"be one of {', '.join(REASONING_FIELDS)}", self.reasoning_field)
+        _check(self.unknown_fields in UNKNOWN_FIELDS, "unknown_fields",
+               f"be one of {', '.join(UNKNOWN_FIELDS)}", self.unknown_fields)
         _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", f"be in 1-{MAX_TP_SIZE}",
                self.tp_size)
         # Empty with tp_size > 1 until the roster picks the ring's ports (the router

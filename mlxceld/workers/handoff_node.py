@@ -169,7 +169,8 @@ async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
         while not ctx.stopping.is_set():
             stats = service.stats
             ctx.stats["handoffs"] = {"handoffs": stats.handoffs, "bytes": stats.bytes,
-                                     "refused": stats.refused, "dropped": stats.dropped}
+                                     "refused": stats.refused, "dropped": stats.dropped,
+                                     "seconds": round(stats.seconds, 6)}
             ctx.stats["prompt_cache"] = prompt_cache()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ctx.stopping.wait(), stats_every_s)

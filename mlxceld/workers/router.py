@@ -1,13 +1,17 @@
 """The ``router`` role: the OpenAI-compatible HTTP port in front of an engine.
 
 Options (``RouterOptions``, from ``[serve]`` / ``--model`` / ``mlxctl serve``): model,
-model_name, host, port, max_batch, max_queued, max_tokens, context_length (a cap on the
+model_name (and model_aliases), host, port, max_batch, max_queued, max_tokens,
+allowed_origins (CORS), generation_config (whether the model's generation_config.json
+gives a request's sampling defaults: ``models/generation.py``), context_length (a cap on the
 model's context: ``models/context.py``), prompt_cache_bytes (the local engine's prompt
 cache, or each pipeline stage's), kv_quant (a quantized KV cache: the local engine's, its
 tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
 is refused at start, exit 2, naming ``serve.kv_bits`` and its family), and the port's
 connection bounds max_connections, header_timeout_s, body_timeout_s, and stage_silence_s
-(a pipeline stage's heartbeat bound) (``config/serve.py``). The API key, if any, arrives
+(a pipeline stage's heartbeat bound), reasoning_field and unknown_fields (the app's:
+``api/reasoning.py``, ``api/ignoring.py``) (``config/serve.py``), and metrics_open (``/metrics``
+without the API key: ``[serve] metrics_require_key = false``). The API key, if any, arrives
 on the bootstrap pipe. With ``pipeline`` (``PipelineOptions``, from a cluster config:
 stages, coordinator, model_identity, cluster) the engine drives remote stages and only the
 tokenizer is loaded here; the cluster secret then arrives on the bootstrap pipe too. Its
@@ -88,15 +92,18 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlxceld import failpoints
 from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
 from mlxceld.api.draining import Draining, NodeDrain
+from mlxceld.api.ignoring import UnknownFields
+from mlxceld.api.reasoning import ReasoningField
 from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.errors import ConfigError
+from mlxceld.models.generation import SamplingDefaults, read_sampling_defaults
 from mlxceld.pipeline.throughput import Throughput
 from mlxceld.roles.options import PipelineOptions, RouterOptions
 from mlxceld.types import JSON
@@ -237,6 +244,21 @@ async def serving_service(ctx: WorkerContext[RouterOptions], engine: Any,
     return service
 
 
+def sampling_defaults(o: RouterOptions, path: str) -> SamplingDefaults:
+    """The defaults of a request's sampling fields: with ``generation_config`` "auto", the
+    model's ``generation_config.json``'s (``path``: its local directory, or its repo id
+    over a pipeline or replicas, whose metadata the router has fetched), else OpenAI's."""
+    if o.generation_config != "auto":
+        return SamplingDefaults()
+    from mlxceld.models.fetch import local_model
+
+    defaults = read_sampling_defaults(local_model(path))
+    if defaults.changed():
+        log.info("sampling defaults from %s's generation_config.json: %s", o.model_name,
+                 " ".join(f"{k}={v}" for k, v in defaults.changed().items()))
+    return defaults
+
+
 def drain_op(draining: Draining, request: JSON) -> JSON:
     """The control channel's ``drain``: ``{"drains": [{"node": ID, "deadline": UNIX-S or
     null}, ...]}``, every drain in force (``[]``: none); answers the counts."""
@@ -363,7 +385,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     if pipeline:
         eos = set(tokenizer.eos_token_ids)
         ctx.ops["pipeline"] = lambda request: pipeline_op(ctx, engine, eos, request)
+    defaults = await asyncio.to_thread(sampling_defaults, o, path)
     app = build_router_app(engine, MlxTextCodec(tokenizer), model_id=o.model_name,
+                           model_aliases=o.model_aliases, sampling_defaults=defaults,
+                           allowed_origins=o.allowed_origins,
                            api_key=ctx.api_key, max_queued=o.max_queued,
                            max_tokens=o.max_tokens,
                            readiness=engine.readiness if linked else None,
@@ -372,7 +397,10 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
                            draining=draining, elastic=discovered is not None,
                            stage_links=engine.stages if pipeline else None,
                            prompt_caches=None if pool
-                           else lambda: [({}, engine.prompt_cache_stats())])
+                           else lambda: [({}, engine.prompt_cache_stats())],
+                           reasoning_field=cast(ReasoningField, o.reasoning_field),
+                           unknown_fields=cast(UnknownFields, o.unknown_fields),
+                           metrics_open=o.metrics_open)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)

@@ -97,6 +97,9 @@ class WorkerContext(Generic[Opts]):
     # Role-specific control-channel operations (e.g. a standby stage's "activate", the
     # router's "drain"), each handed the request's JSON object.
     ops: dict[str, Callable[[JSON], JSON]] = field(default_factory=dict)
+    # Called before each ``stats`` answer, to bring ``stats`` up to date with counts kept
+    # elsewhere (a tensor rank's follower counts its steps on a thread of its own).
+    stats_hooks: list[Callable[[], None]] = field(default_factory=list)
     # A role that does steps of work: its progress, for the supervisor's watchdog.
     progress: Callable[[], WorkerProgress] | None = None
     # Called (on the worker's loop) when the ``keyring`` op changed the primary: the role
@@ -188,6 +191,8 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
     if op == STREAMS_OP:
         return _streams(ctx, request)
     if op == "stats":
+        for hook in ctx.stats_hooks:
+            hook()
         return {"ok": True, "stats": dict(ctx.stats)}
     if op == "stop":
         ctx.stop()

@@ -180,7 +180,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             while not ctx.stopping.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ctx.stopping.wait(), STATS_EVERY_S)
-                ctx.stats.update(sequences=service.sequences, steps=service.stats.steps,
+                ctx.stats.update(sequences=service.sequences, queued=service.queued,
+                                 rtt_ms=service.links_rtt_ms(), steps=service.stats.steps,
                                  tokens=service.stats.tokens, refused=service.stats.refused,
                                  compute_s=round(service.stats.compute_s, 6),
                                  inline=service.stats.inline,

@@ -18,7 +18,8 @@ exits or fails, ``supervisor/groups.py``), and follows rank
 0 in a thread (``engine.tensor.run_tensor_follower``: reads its slice of the weights,
 with ``loading`` in its stats as the router's, reports ready, then runs each step rank 0
 shares) while the worker's loop keeps answering health probes and stats
-(``tensor``: its rank and the group's size).
+(``tensor``: its rank and the group's size; once it follows, the batch steps it took
+and the sequences in its batch).
 
 It ends when rank 0 closes the group (exit 0), when the ring breaks (a peer died: it
 exits non-zero, the log line naming why; the supervisor then restarts the whole group:
@@ -89,9 +90,18 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     def ready() -> None:  # on the follower's thread, once its slice is loaded
         loop.call_soon_threadsafe(_loaded, ctx)
 
+    followers: list[Any] = []  # the Follower, once made on its thread
+
+    def counted() -> None:  # before each stats answer
+        if followers:
+            ctx.stats["tensor"] = {"rank": o.rank, "size": size, "steps": followers[0].steps,
+                                   "sequences": followers[0].sequences}
+
+    ctx.stats_hooks.append(counted)
     try:  # told to stop: Stopped, its thread left in the ring
         await unless_stopped(ctx, "follower steps", lambda: run_tensor_follower(
-            path, group, max_batch=o.max_batch, progress=loaded, ready=ready))
+            path, group, max_batch=o.max_batch, progress=loaded, ready=ready,
+            made=followers.append))
     except Stopped:
         raise
     except Exception as error:  # the ring broke: the supervisor restarts the group

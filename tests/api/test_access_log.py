@@ -18,9 +18,13 @@ ACCESS = "mlxceld.api.access"
 
 def test_a_refused_request_and_a_forged_path_each_log_one_line(
         caplog: pytest.LogCaptureFixture) -> None:
+    answered: list[str] = []
+
     async def main() -> None:
         async with http_client(make_app(api_key=KEY)) as client:
-            assert (await client.get("/v1/models")).status_code == 401
+            refused = await client.get("/v1/models")
+            assert refused.status_code == 401
+            answered.append(refused.headers["x-request-id"])
             await client.get("/nope%0A2026-01-01 INFO mlxceld.api.access: GET /x 200")
 
     with caplog.at_level(logging.INFO, ACCESS):
@@ -30,7 +34,8 @@ def test_a_refused_request_and_a_forged_path_each_log_one_line(
     fields = [r.fields for r in records]  # type: ignore[attr-defined]
     assert (fields[0]["method"], fields[0]["path"], fields[0]["status"]) == \
         ("GET", "/v1/models", 401)
-    assert fields[0]["request_id"] is None and fields[0]["duration_ms"] >= 0
+    assert fields[0]["completion_id"] is None and fields[0]["duration_ms"] >= 0
+    assert fields[0]["request_id"] == answered[0]  # the answer's x-request-id
     forged = records[1].getMessage()
     assert "\n" not in forged and "\\n2026" in forged
     assert KEY not in "".join(r.getMessage() for r in records)

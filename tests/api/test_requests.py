@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from mlxceld.api import ApiError, ChatMessage
 from mlxceld.api.requests import Options, parse_chat, parse_completion, sampling_params
+from mlxceld.engine import Constraint
 
 MODEL = "m"
 CHAT: dict[str, Any] = {
@@ -128,10 +129,30 @@ def test_completion_prompts() -> None:
     (chat(temperature=-0.1), 400, "temperature", "[0, 2]"),
     (chat(temperature="hot"), 400, "temperature", "a number, not a string"),
     (chat(top_p=0), 400, "top_p", "(0, 1]"),
-    (chat(top_k=-1), 400, "top_k", ">= 0"),
+    (chat(top_k=-2), 400, "top_k", ">= 0 (0 or -1: off)"),
+    (chat(top_k=1.5), 400, "top_k", "an integer"),
+    (chat(min_tokens=-1), 400, "min_tokens", ">= 0"),
+    (chat(ignore_eos=1), 400, "ignore_eos", "a boolean"),
+    (chat(min_tokens=2, response_format={"type": "json_object"}), 400, "min_tokens",
+     "constrained"),
+    (chat(ignore_eos=True, guided_json={"type": "object"}), 400, "ignore_eos", "constrained"),
+    (chat(guided_json={"type": "object"}, response_format={"type": "json_object"}), 400,
+     "guided_json", "one of them"),
+    (chat(guided_json="x"), 400, "guided_json", "an object"),
+    (chat(reasoning_effort="max"), 400, "reasoning_effort", "none, minimal, low"),
+    (chat(reasoning={"effort": "huge"}), 400, "reasoning.effort", "none, minimal, low"),
+    (chat(reasoning={"effort": "low", "max_tokens": 100}), 400, "reasoning.max_tokens",
+     "budget"),
+    (chat(reasoning={"effort": "low", "summary": "auto"}), 400, "reasoning.summary",
+     "unknown field"),
+    (chat(reasoning={"enabled": False, "effort": "high"}), 400, "reasoning.enabled",
+     "one of them"),
+    (chat(reasoning_effort="low", reasoning={"effort": "high"}), 400, "reasoning",
+     "one of them"),
+    (chat(reasoning="low"), 400, "reasoning", "an object"),
     (chat(seed=2**64), 400, "seed", "between"),
     (chat(n=2), 400, "n", "must be 1"),
-    (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4"),
+    (chat(stop=[str(i) for i in range(17)]), 400, "stop", "at most 16"),
     (chat(stop=[""]), 400, "stop", "1 to"),
     (chat(stop=[1]), 400, "stop", "a string or an array of strings"),
     (chat(stream="yes"), 400, "stream", "a boolean"),
@@ -194,6 +215,66 @@ def test_context_length_checks() -> None:
         sampling_params(Options(model=MODEL, max_tokens=50), prompt_tokens=60, context_length=100,
                         max_tokens_bound=512, prompt_param="prompt")
     assert caught.value.param == "max_tokens" and "leaves 40" in caught.value.message
+
+
+def test_other_servers_extras_reach_the_engine() -> None:
+    """vLLM's ``top_k: -1`` (off), ``min_tokens``, ``ignore_eos`` and ``guided_json``;
+    reasoning effort by either name; an assistant's ``reasoning`` as its
+    ``reasoning_content``; Continue's 6 stops."""
+    stops = ["<|im_end|>", "<|endoftext|>", "```", "\n\n\n", "<|fim_pad|>", "</s>"]
+    request = parse_chat(chat(top_k=-1, min_tokens=3, ignore_eos=True, stop=stops),
+                         model_id=MODEL)
+    options = request.options
+    assert (options.top_k, options.min_tokens, options.ignore_eos) == (0, 3, True)
+    assert options.stop == tuple(stops)
+    params = sampling_params(options, prompt_tokens=1, context_length=100,
+                             max_tokens_bound=None, prompt_param="messages")
+    assert (params.top_k, params.min_tokens, params.ignore_eos, params.max_tokens) == \
+        (0, 3, True, 5)
+    with pytest.raises(ApiError) as caught:
+        sampling_params(replace(options, min_tokens=6), prompt_tokens=1, context_length=100,
+                        max_tokens_bound=None, prompt_param="messages")
+    assert caught.value.param == "min_tokens" and "lower 'min_tokens'" in caught.value.message
+    guided = parse_chat(chat(guided_json={"type": "object"}), model_id=MODEL).options
+    assert guided.constraint == Constraint("json_schema", '{"type": "object"}')
+    assert parse_chat(chat(reasoning_effort="low"), model_id=MODEL).reasoning_effort == "low"
+    for reasoning, effort in (({"effort": "high"}, "high"), ({"enabled": False}, "none"),
+                              ({"enabled": True}, None), ({"exclude": False}, None)):
+        parsed = parse_chat(chat(reasoning=reasoning), model_id=MODEL)
+        assert parsed.reasoning_effort == effort, reasoning
+    assert parse_chat(chat(reasoning_effort="low", reasoning={"effort": "low"}),
+                      model_id=MODEL).reasoning_effort == "low"
+    history = [{"role": "user", "content": "q"},
+               {"role": "assistant", "content": "a", "reasoning": "thought"},
+               {"role": "assistant", "content": "b", "reasoning": "same",
+                "reasoning_content": "same"}]
+    messages = parse_chat(chat(messages=history), model_id=MODEL).messages
+    assert [m.reasoning for m in messages] == [None, "thought", "same"]
+    history[2]["reasoning_content"] = "other"
+    error = refusal(chat(messages=history))
+    assert (error.status, error.param) == (400, "messages[2].reasoning")
+    assert "differ" in error.message
+
+
+def test_unknown_fields_may_be_ignored_and_listed() -> None:
+    """``[serve] unknown_fields = "warn"``: the parser lists what it did not read, paths and
+    all; known fields are still checked."""
+    ignored: list[str] = []
+    body = chat(frobnicate=1, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi", "x_part": 1}], "x_msg": True}],
+                reasoning={"effort": "low", "x_r": 2})
+    parsed = parse_chat(body, model_id=MODEL, ignored=ignored)
+    assert parsed.messages[0].content == "hi" and parsed.reasoning_effort == "low"
+    assert sorted(ignored) == ["frobnicate", "messages[0].content[0].x_part",
+                               "messages[0].x_msg", "reasoning.x_r"]
+    assert refusal(chat(frobnicate=1)).param == "frobnicate"
+    with pytest.raises(ApiError) as caught:
+        parse_chat(chat(frobnicate=1, audio={"voice": "x"}), model_id=MODEL, ignored=[])
+    assert caught.value.param == "audio"
+    listed: list[str] = []
+    parse_completion(json.dumps({**COMPLETION, "zz": 1}).encode(), model_id=MODEL,
+                     ignored=listed)
+    assert listed == ["zz"]
 
 
 def test_the_operators_bound_refuses_more_by_the_name_asked() -> None:

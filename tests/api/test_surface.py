@@ -21,19 +21,39 @@ CHAT: dict[str, Any] = {"model": MODEL, "messages": USER}
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "once"}
 
 # A value of each refused field that asks for something this server does not do.
+# Other servers' extras (vLLM, llama.cpp, Ollama) refused on both endpoints.
+REFUSED_EXTRAS: dict[str, Any] = {
+    "n_predict": 5, "typical_p": 0.9, "tfs_z": 0.5, "mirostat": 2,
+    "options": {"num_ctx": 4096}, "skip_special_tokens": False,
+    "include_stop_str_in_output": True, "use_beam_search": True, "length_penalty": 0.8,
+    "stop_token_ids": [7], "return_tokens_as_token_ids": True, "guided_regex": "a+",
+    "guided_choice": ["a", "b"], "guided_grammar": "start: x", "priority": 3}
 REFUSED_CHAT: dict[str, Any] = {
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto",
-    "service_tier": "flex", "store": True, "reasoning_effort": "low", "verbosity": "low",
+    "service_tier": "flex", "store": True, "verbosity": "low",
     "moderation": True, "prompt_cache_retention": "24h", "prompt_cache_options": {},
+    "echo": True, "best_of": 2, "add_generation_prompt": False,
+    "continue_final_message": True, **REFUSED_EXTRAS,
 }
-REFUSED_COMPLETION: dict[str, Any] = {"echo": True, "best_of": 2, "suffix": "}"}
-# Values of refused fields that ask for nothing more than is served: accepted.
+REFUSED_COMPLETION: dict[str, Any] = {"echo": True, "best_of": 2, "suffix": "}",
+                                      **REFUSED_EXTRAS}
+# Values of refused fields that ask for nothing more than is served, and hints: accepted.
+ALLOWED_EXTRAS: dict[str, Any] = {
+    "typical_p": 1.0, "tfs_z": 1, "mirostat": 0, "skip_special_tokens": True,
+    "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1.0,
+    "stop_token_ids": [], "return_tokens_as_token_ids": False, "priority": 0,
+    "cache_prompt": True, "keep_alive": "5m", "num_ctx": 8192,
+    "spaces_between_special_tokens": False, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+    "request_id": "r-1"}
 ALLOWED_CHAT: dict[str, Any] = {"modalities": ["text"], "service_tier": "auto",
                                 "store": False, "user": "u-1", "safety_identifier": "s",
-                                "prompt_cache_key": "k", "metadata": {"a": "b"}}
-ALLOWED_COMPLETION: dict[str, Any] = {"echo": False, "best_of": 1, "suffix": "", "user": "u"}
+                                "prompt_cache_key": "k", "metadata": {"a": "b"},
+                                "echo": False, "best_of": 1, "add_generation_prompt": True,
+                                "continue_final_message": False, **ALLOWED_EXTRAS}
+ALLOWED_COMPLETION: dict[str, Any] = {"echo": False, "best_of": 1, "suffix": "", "user": "u",
+                                      **ALLOWED_EXTRAS}
 
 
 def refusal(body: dict[str, Any], parse: Any = parse_chat) -> ApiError:
@@ -74,6 +94,12 @@ def test_opaque_fields_are_checked_for_their_type() -> None:
     assert (error.status, error.param) == (400, "user")
     assert "'user' must be a string, not an integer" in error.message
     assert refusal({**CHAT, "metadata": "x"}).param == "metadata"
+    for name, value, words in (("cache_prompt", 1, "a boolean"), ("num_ctx", "4k", "an integer"),
+                               ("keep_alive", True, "a string or a number"),
+                               ("mirostat_tau", "5", "a number"), ("request_id", 3, "a string")):
+        error = refusal({**CHAT, name: value})
+        assert (error.status, error.param) == (400, name)
+        assert f"{name!r} must be {words}" in error.message, error.message
 
 
 def test_unknown_fields_are_each_named() -> None:
@@ -138,11 +164,27 @@ def test_message_fields_are_honoured_or_refused_by_name() -> None:
              "messages[0].tool_calls", "unknown_parameter"),
             ({"role": "user", "content": "x", "reasoning_content": "r"},
              "messages[0].reasoning_content", "unknown_parameter"),
-            ({"role": "user", "content": "x", "cache_control": {"type": "ephemeral"}},
-             "messages[0].cache_control", "unknown_parameter"),
+            ({"role": "user", "content": "x", "cache_control": "ephemeral"},
+             "messages[0].cache_control", None),
             ({"role": "user", "content": [{"type": "text", "text": "x",
-                                           "cache_control": {"type": "ephemeral"}}]},
-             "messages[0].content[0].cache_control", "unknown_parameter")):
+                                           "cache_control": ["ephemeral"]}]},
+             "messages[0].content[0].cache_control", None),
+            ({"role": "user", "content": "x", "reasoning": "r"},
+             "messages[0].reasoning", "unknown_parameter")):
         error = refusal({**CHAT, "messages": [message]})
         assert (error.status, error.param, error.code) == (400, param, code), error.message
         assert param in error.message
+
+
+def test_the_documented_table_is_the_codes() -> None:
+    """docs/api-fields.md is generated from the tables (``python -m mlxceld.api.fielddoc``):
+    it fails here when one changed without the other; regenerate it."""
+    from pathlib import Path
+
+    from mlxceld.api.fielddoc import markdown
+
+    doc = Path(__file__).parents[2] / "docs" / "api-fields.md"
+    assert doc.read_text() == markdown(), "regenerate: python -m mlxceld.api.fielddoc " \
+        "> docs/api-fields.md"
+    for name in ("cache_prompt", "num_ctx", "min_tokens", "reasoning_effort", "n_predict"):
+        assert f"| `{name}` |" in doc.read_text()

@@ -28,6 +28,9 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--log-format": ("json", "json", ()),
     "--model": ("MODEL", "MODEL", ()),  # a real directory, below
     "--model-name": ("tiny", "tiny", ()),
+    "--allowed-origins": ("http://a.example,https://B.example:8443",
+                          ["http://a.example", "https://b.example:8443"], ()),
+    "--generation-config": ("none", "none", ()),
     "--host": ("0.0.0.0", "0.0.0.0", ()),
     "--port": ("9090", 9090, ()),
     "--api-key-file": ("/srv/mx/key", "/srv/mx/key", ()),

@@ -138,6 +138,28 @@ def test_penalties_logprobs_and_a_constraint_see_the_one_host_history(loaded: Lo
     asyncio.run(run())
 
 
+def test_min_tokens_and_ignore_eos_count_the_handed_off_first_token(loaded: Loaded) -> None:
+    """An EOS made likely (+100) is held back for ``min_tokens`` tokens (the prefill host's
+    first one counted) or, with ``ignore_eos``, to max_tokens, as on one host."""
+    eos = sorted(loaded.eos)[0]
+
+    async def run() -> None:
+        engine = loaded.engine
+        for params, length, reason in (({}, 1, "stop"), ({"min_tokens": 5}, 6, "stop"),
+                                       ({"ignore_eos": True}, 8, "length")):
+            req = request_for(loaded.prompt, max_tokens=8, logit_bias=((eos, 100.0),),
+                              **params)
+            local = [t async for t in engine.generate(req)]
+            assert (len(local), local[-1].finish_reason) == (length, reason), params
+            assert all(t.token != eos for t in local[:-1])
+            first, cache = loaded.prefill(req.params)
+            got = [t async for t in engine.generate_from(req, first, cache)] \
+                if first.finish_reason is None else [first]
+            assert got == local, params
+
+    asyncio.run(run())
+
+
 def test_seeded_sampling_continues_the_seed_and_cancelling_frees(loaded: Loaded) -> None:
     async def run() -> None:
         engine = loaded.engine

@@ -44,11 +44,12 @@ def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
 
 def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
                    coordinator_serve: dict[str, Value] | None = None, *,
-                   stage_models: dict[int, Path] | None = None) -> Pipeline:
+                   stage_models: dict[int, Path] | None = None,
+                   stage_daemon: dict[int, dict[str, Value]] | None = None) -> Pipeline:
     """The cluster TOML's daemons, each from its config file (``coordinator_serve``: more
     [serve] keys for the coordinator's; ``stage_models``: by rank, the model directory that
     stage's host has instead of ``model`` (its [serve] model), whose stage worker is not
-    waited for: it may fail to load)."""
+    waited for: it may fail to load; ``stage_daemon``: by rank, more [daemon] keys)."""
     port = free_port("127.0.0.1")
     coord = Host(daemons, "co", secret=None, serve={"port": port, **(coordinator_serve or {})})
     toml = write_cluster(coord.d.root, model, splits)
@@ -56,7 +57,8 @@ def start_pipeline(daemons: Daemons, model: Path, splits: list[tuple[int, int]],
     coord.write()
     own = stage_models or {}
     hosts = [Host(daemons, f"s{rank}", secret=None,
-                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}"},
+                  daemon={"distributed_config": str(toml), "node_id": f"stage-{rank}",
+                          **(stage_daemon or {}).get(rank, {})},
                   serve={"model": str(own[rank])} if rank in own else None).start()
              for rank in range(len(splits))]
     coord.start()

@@ -56,7 +56,7 @@ def access_lines(d: DaemonProc, count: int, parse: Any) -> list[Any]:
 TEXT_LINE = re.compile(r" INFO mlxceld\.api\.access: (?P<method>\S+) (?P<path>\S+) "
                        r"(?P<status>\d+) prompt_tokens=(?P<prompt>\S+) "
                        r"completion_tokens=(?P<completion>\S+) duration_ms=(?P<ms>[\d.]+) "
-                       r"request_id=(?P<id>\S+)$")
+                       r"request_id=(?P<rid>[0-9a-f]{32}) completion_id=(?P<id>\S+)$")
 
 
 def test_without_max_tokens_a_completion_runs_to_the_contexts_end(daemons: Daemons,
@@ -120,10 +120,11 @@ def test_the_operators_max_tokens_bounds_a_completion(daemons: Daemons,
     first = lines[0]
     assert {"time", "level", "logger", "message", "duration_ms"} <= first.keys()
     assert (first["level"], first["logger"]) == ("INFO", "mlxceld.api.access")
-    assert (first["prompt_tokens"], first["completion_tokens"], first["request_id"]) == \
+    assert (first["prompt_tokens"], first["completion_tokens"], first["completion_id"]) == \
         (comp.usage.prompt_tokens, 20, comp.id)
+    assert len({x["request_id"] for x in lines}) == 3  # each its own x-request-id
     assert first["duration_ms"] > 0
-    assert (lines[2]["completion_tokens"], lines[2]["request_id"]) == (None, None)
+    assert (lines[2]["completion_tokens"], lines[2]["completion_id"]) == (None, None)
     metrics = scrape(url, KEY)
     router_pid = d.worker("router")["pid"]
     proc = psutil.Process(router_pid)

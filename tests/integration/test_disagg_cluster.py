@@ -30,6 +30,7 @@ from mlxceld.wire import encode_envelope
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
 from helpers.keys import keyring
+from helpers.metrics import sample, scrape_checked
 from helpers.ports import free_port
 from helpers.router import check_responses_api, greedy_stream
 from helpers.waiting import wait_for
@@ -62,8 +63,16 @@ def node(daemons: Daemons, name: str, model: Path, ip: str, **serve: Any) -> Hos
                        "port": free_port("127.0.0.1"), "max_batch": 4,
                        "serving_port": free_port(ip), **serve})
     host.daemon_keys["agent_addr"] = f"{ip}:{host.agent_port}"
+    host.daemon_keys["metrics_listen"] = f"{ip}:{free_port(ip)}"
     host.write()
     return host
+
+
+def handoffs(host: Host, role: str) -> dict[str, float]:
+    """The node's handoff counters on its daemon's /metrics ([daemon] metrics_listen)."""
+    m = scrape_checked(f"http://{host.daemon_keys['metrics_listen']}/metrics")
+    return {name: sample(m, f"mlxceld_{name}_total", worker="router", node_role=role) or 0
+            for name in ("kv_handoffs", "kv_handoff_bytes", "kv_handoff_seconds")}
 
 
 def serving(host: Host) -> str:
@@ -132,6 +141,11 @@ def test_outputs_equal_one_hosts_and_both_decode_nodes_serve(cluster: Cluster) -
     by_id = {n["id"]: n for n in stats["nodes"]}
     assert by_id["decode-0"]["completed"] >= 1 and by_id["decode-1"]["completed"] >= 1
     assert stats["handoff"]["handoffs"] == len(PROMPTS) and stats["handoff"]["bytes"] > 0
+    sent = wait_for(lambda: (h := handoffs(cluster.prefill, "prefill"))["kv_handoffs"]
+                    >= len(PROMPTS) and h, 30, "the prefill node's handoffs on /metrics")
+    assert sent["kv_handoff_bytes"] > 0 and sent["kv_handoff_seconds"] > 0, sent
+    wait_for(lambda: sum(handoffs(d, "decode")["kv_handoffs"] for d in cluster.decodes)
+             >= len(PROMPTS), 30, "the decode nodes' handoffs on /metrics")
     out = cluster.prefill.d.ctl("status").stdout
     assert f"prefill node: serving listener at {serving(cluster.prefill)}" in out, out
     assert "no OpenAI port" in out

@@ -138,7 +138,7 @@ def test_a_repo_id_not_in_the_cache_offline_is_refused_at_start(daemons: Daemons
     assert out.returncode == 2, out.stderr[-2000:]
     assert "model 'owner/absent' is not a local directory, and this host's Hugging Face " \
            "cache does not hold it" in out.stderr, out.stderr[-2000:]
-    assert "huggingface-cli download owner/absent" in out.stderr
+    assert "hf download owner/absent" in out.stderr
     assert "hf_do_not_show_me" not in out.stderr
 
 

@@ -58,7 +58,8 @@ def reference(model: Path, prompt: str, n: int, **params: Any
     """mlx-lm's greedy tokens and log-probabilities on the whole model, through our
     processors for ``params``."""
     m, tok = mlx_lm.load(str(model))[:2]
-    processors = make_logits_processors(SamplingParams(max_tokens=n, **params))
+    processors = make_logits_processors(SamplingParams(max_tokens=n, **params),
+                                        tok.eos_token_ids)
     steps = list(generate_step(mx.array(tok.encode(prompt)), m, max_tokens=n,
                                logits_processors=processors))
     return [int(t) for t, _ in steps], [lp for _, lp in steps]
@@ -129,6 +130,35 @@ def test_penalties_and_logit_bias(served: tuple[str, Path]) -> None:
     assert lp is not None and lp.token_logprobs is not None
     assert lp.tokens == [token_name(forced)] * 5
     assert all(v > -1e-3 for v in lp.token_logprobs)
+
+
+def test_min_tokens_and_ignore_eos_hold_back_an_eos_made_likely(
+        served: tuple[str, Path]) -> None:
+    """+100 on the end-of-sequence token ends a greedy answer at once; vLLM's ``min_tokens``
+    holds it back until that many tokens were generated, ``ignore_eos`` to max_tokens."""
+    url, model = served
+    [eos, *_] = sorted(mlx_lm.load(str(model))[1].eos_token_ids)
+
+    def finish(**extra: Any) -> tuple[str | None, int]:
+        with client(url) as c:
+            answer = c.completions.create(model=FAMILY, prompt=PROMPT, max_tokens=8,
+                                          temperature=0, logit_bias={str(eos): 100},
+                                          extra_body=extra)
+        assert answer.usage is not None
+        return answer.choices[0].finish_reason, answer.usage.completion_tokens
+
+    assert finish() == ("stop", 1)  # usage counts the end-of-sequence token
+    assert finish(min_tokens=5) == ("stop", 6)
+    assert finish(min_tokens=8) == ("length", 8)
+    assert finish(ignore_eos=True) == ("length", 8)
+    with client(url) as c:
+        chunks = list(c.chat.completions.create(
+            model=FAMILY, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+            temperature=0, logit_bias={str(eos): 100}, stream=True,
+            stream_options={"include_usage": True}, extra_body={"min_tokens": 3}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 4
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
 
 
 def test_seeded_sampling_alone_and_in_a_batch(served: tuple[str, Path]) -> None:

@@ -163,12 +163,14 @@ def test_mlxctl_serve_switches_the_model(daemons: Daemons, fixture_dir: Path) ->
     port = free_port()
     d = daemons.make(FAST_POLICY + f"\n[serve]\nport = {port}\n").start()
     assert d.status()["serving"] is None
-    out = d.ctl("serve", str(fixture_dir / "qwen3"), "--name", "q", timeout=READY_S)
+    out = d.ctl("serve", str(fixture_dir / "qwen3"), "--name", "q,q-alias", timeout=READY_S)
     assert out.returncode == 0, out.stderr
     assert f"serving q at http://127.0.0.1:{port}/v1" in out.stdout
     daemons.note(d)
     with client(f"http://127.0.0.1:{port}/v1") as c:
-        assert [m.id for m in c.models.list().data] == ["q"]
+        assert [m.id for m in c.models.list().data] == ["q", "q-alias"]
+    twice = d.ctl("serve", str(fixture_dir / "qwen3"), "--name", "q,q")
+    assert twice.returncode == 1 and "names a model twice: q, q" in twice.stderr
     missing = d.ctl("serve", "/nonexistent/model-dir")
     assert missing.returncode == 1
     assert "model directory /nonexistent/model-dir does not exist" in missing.stderr

@@ -20,6 +20,7 @@ import pytest
 
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
+from helpers.metrics import sample, scrape_checked
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
 from helpers.router import check_responses_api, client
@@ -43,6 +44,7 @@ class Group:
     daemons: Daemons
     url: str
     model: Path
+    metrics: str  # the daemon's /metrics ([daemon] metrics_listen)
 
     def pids(self) -> dict[str, int | None]:
         """Each member's pid while it runs, else None."""
@@ -85,15 +87,17 @@ class Group:
 def group(fixture_dir: Path) -> Iterator[Group]:
     daemons = Daemons()
     try:
-        port = free_port("127.0.0.1")
+        port, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
         host = Host(daemons, "tp", secret=None,
+                    daemon={"metrics_listen": f"127.0.0.1:{metrics}"},
                     serve={"model": str(fixture_dir / "llama"), "port": port, "tp_size": 2})
         text = host.d.config.read_text()
         host.d.config.write_text(text.replace(
             "health_interval_s = 0.5", f"health_interval_s = 0.5\nliveness_failures = "
             f"{LIVENESS_FAILURES}", 1))
         host.start()
-        g = Group(host, daemons, f"http://127.0.0.1:{port}/v1", fixture_dir / "llama")
+        g = Group(host, daemons, f"http://127.0.0.1:{port}/v1", fixture_dir / "llama",
+                  f"http://127.0.0.1:{metrics}/metrics")
         g.running()
         yield g
     finally:
@@ -136,8 +140,14 @@ def test_status_and_workers_show_the_group_and_each_rank(group: Group) -> None:
         assert ["0", "router", "running", str(pids["router"])] in [r[:4] for r in rows]
         assert ["1", "tp-1", "running", str(pids["tp-1"])] in [r[:4] for r in rows]
     stats = {w["name"]: w.get("stats") or {} for w in group.host.d.status()["workers"]}
-    assert stats["tp-1"].get("tensor") == {"rank": 1, "size": 2}
+    rank = stats["tp-1"].get("tensor") or {}
+    assert (rank.get("rank"), rank.get("size")) == (1, 2), rank
+    assert rank.get("steps", 0) > 0 and rank.get("sequences") == 0, rank  # it followed
     assert stats["router"].get("tensor") == {"rank": 0, "size": 2}
+    scraped = scrape_checked(group.metrics)
+    assert (sample(scraped, "mlxceld_tensor_rank_steps_total", worker="tp-1", rank="1")
+            or 0) >= rank["steps"]
+    assert sample(scraped, "mlxceld_worker_up", worker="tp-1", role="tp") == 1
 
 
 def test_a_killed_rank_restarts_the_group_and_the_next_request_succeeds(

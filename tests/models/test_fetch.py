@@ -145,7 +145,7 @@ def test_an_unknown_repo_offline_is_refused_naming_it(offline_cache: Path) -> No
     with pytest.raises(ConfigError, match=r"model 'owner/absent' is not a local directory, "
                        r"and this host's Hugging Face cache does not hold it") as info:
         local_model("owner/absent")
-    assert "huggingface-cli download owner/absent" in info.value.hint
+    assert "hf download owner/absent" in info.value.hint
 
 
 def test_a_stage_fetches_only_the_shards_it_lacks(hub: Path, tmp_path: Path,
@@ -215,7 +215,7 @@ def test_a_stage_offline_without_one_of_its_shards_names_it(hub: Path,
                        rf"that this host's Hugging Face cache .* lacks: {needed[0]}; "
                        "HF_HUB_OFFLINE is set") as info:
         fetch_stage(snap, (1, 3))
-    assert f"huggingface-cli download {REPO} {needed[0]} --revision {COMMIT}" in info.value.hint
+    assert f"hf download {REPO} {needed[0]} --revision {COMMIT}" in info.value.hint
     assert snapshot_dir(offline_cache, REPO) == snap
 
 

@@ -215,7 +215,7 @@ def test_a_repo_ids_missing_shards_are_priced_from_the_hubs_headers(
     with pytest.raises(ConfigError, match=r"model owner/other: pricing its layers needs the "
                        r"headers of 13 shard\(s\) .* HF_HUB_OFFLINE is set") as info:
         layer_profile(other, headers)
-    assert "huggingface-cli download owner/other" in info.value.hint
+    assert "hf download owner/other" in info.value.hint
 
 
 def test_layer_without_tensors(copy: Path) -> None:

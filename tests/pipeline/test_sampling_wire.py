@@ -18,6 +18,13 @@ PARAMS = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed
 def test_params_round_trip() -> None:
     assert p.params_from_wire(p.params_to_wire(PARAMS), vocab_size=8) == PARAMS
     assert p.params_from_wire(p.params_to_wire(SamplingParams(1))) == SamplingParams(1)
+    held = SamplingParams(max_tokens=9, min_tokens=9, ignore_eos=True)
+    wire = p.params_to_wire(held)
+    assert (wire["min_tokens"], wire["ignore_eos"]) == (9, True)
+    assert p.params_from_wire(wire) == held
+    # unset, they are not sent: a stage of an older version takes the params as before
+    assert "min_tokens" not in p.params_to_wire(PARAMS)
+    assert "ignore_eos" not in p.params_to_wire(PARAMS)
 
 
 @pytest.mark.parametrize(("change", "words"), [
@@ -32,6 +39,10 @@ def test_params_round_trip() -> None:
     ({"logit_bias": [[1, 1]] * (p.MAX_LOGIT_BIAS + 1)}, "logit_bias"),
     ({"seed": -1}, "seed"),
     ({"extra": 1}, "exactly"),
+    ({"min_tokens": 10}, "min_tokens"),  # past max_tokens
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": True}, "min_tokens"),
+    ({"ignore_eos": 1}, "ignore_eos"),
 ])
 def test_params_refused(change: dict[str, Any], words: str) -> None:
     wire = {**p.params_to_wire(PARAMS), **change}
