@@ -32,7 +32,7 @@ from helpers.deploy import Host
 from helpers.keys import keyring
 from helpers.metrics import sample, scrape_checked
 from helpers.ports import free_port
-from helpers.router import check_responses_api, greedy_stream
+from helpers.router import check_messages_api, check_responses_api, greedy_stream
 from helpers.waiting import wait_for
 
 SECRET = b"the disaggregation tests' secret, 44 bytes."
@@ -202,6 +202,12 @@ def test_the_responses_api_through_prefill_and_decode_nodes_is_one_hosts(
     router's: this longer prompt would skew those."""
     ours = check_responses_api(cluster.url(cluster.router), MODEL)
     assert ours.output_text == check_responses_api(cluster.url(cluster.hybrid), MODEL).output_text
+
+
+def test_the_messages_api_through_prefill_and_decode_nodes_is_one_hosts(
+        cluster: Cluster) -> None:
+    ours = check_messages_api(cluster.url(cluster.router), MODEL)
+    assert ours.content == check_messages_api(cluster.url(cluster.hybrid), MODEL).content
 
 
 def test_a_forged_decode_target_is_refused_and_nothing_is_sent(cluster: Cluster) -> None:
