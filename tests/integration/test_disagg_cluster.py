@@ -32,7 +32,7 @@ from helpers.deploy import Host
 from helpers.keys import keyring
 from helpers.metrics import sample, scrape_checked
 from helpers.ports import free_port
-from helpers.router import greedy_stream
+from helpers.router import check_messages_api, check_responses_api, greedy_stream
 from helpers.waiting import wait_for
 
 SECRET = b"the disaggregation tests' secret, 44 bytes."
@@ -194,6 +194,20 @@ def test_int8_keeps_the_greedy_text_here_and_verbose_stats_name_addresses(
     plain = cluster.stats()["handoff"]
     per_plain = plain["bytes"] / plain["handoffs"]
     assert 0 < stats["handoff"]["bytes"] / stats["handoff"]["handoffs"] < per_plain
+
+
+def test_the_responses_api_through_prefill_and_decode_nodes_is_one_hosts(
+        cluster: Cluster) -> None:
+    """Run after the int8 test, which compares its bytes per handoff with the plain
+    router's: this longer prompt would skew those."""
+    ours = check_responses_api(cluster.url(cluster.router), MODEL)
+    assert ours.output_text == check_responses_api(cluster.url(cluster.hybrid), MODEL).output_text
+
+
+def test_the_messages_api_through_prefill_and_decode_nodes_is_one_hosts(
+        cluster: Cluster) -> None:
+    ours = check_messages_api(cluster.url(cluster.router), MODEL)
+    assert ours.content == check_messages_api(cluster.url(cluster.hybrid), MODEL).content
 
 
 def test_a_forged_decode_target_is_refused_and_nothing_is_sent(cluster: Cluster) -> None:

@@ -35,7 +35,7 @@ from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
 from helpers.deploy import Host
 from helpers.keys import secret_file
 from helpers.ports import free_port
-from helpers.router import client, greedy, greedy_stream
+from helpers.router import check_messages_api, check_responses_api, client, greedy, greedy_stream
 from helpers.waiting import wait_for
 
 SECRET = b"the replica tests' cluster secret, 44 bytes"
@@ -136,6 +136,20 @@ def test_outputs_through_the_router_equal_a_single_hosts(cluster: Cluster) -> No
         assert ours.usage is not None and theirs.usage is not None
         assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
     assert [m.id for m in client(f"{cluster.url}/v1").models.list()] == [MODEL]
+
+
+def test_the_responses_api_through_the_router_is_a_single_hosts(cluster: Cluster) -> None:
+    """Its usage's cached_tokens is 0 through the router even where the replica's prompt
+    cache gave some: the MXCL token frame carries no count (``TokenOutput.cached``)."""
+    a_url = f"http://127.0.0.1:{cluster.a.serve_keys['port']}"
+    ours = check_responses_api(cluster.url, MODEL)
+    assert ours.output_text == check_responses_api(a_url, MODEL).output_text
+
+
+def test_the_messages_api_through_the_router_is_a_single_hosts(cluster: Cluster) -> None:
+    a_url = f"http://127.0.0.1:{cluster.a.serve_keys['port']}"
+    ours = check_messages_api(cluster.url, MODEL)
+    assert ours.content == check_messages_api(a_url, MODEL).content
 
 
 def test_concurrent_streams_spread_over_both_replicas(cluster: Cluster) -> None:

@@ -23,7 +23,7 @@ from helpers.deploy import Host
 from helpers.metrics import sample, scrape_checked
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
-from helpers.router import client
+from helpers.router import check_messages_api, check_responses_api, client
 from helpers.waiting import wait_for
 
 # A restarted group serves again within this: backoff (0.2 s), two processes' imports,
@@ -121,6 +121,17 @@ def test_four_streams_at_once_are_batched_and_each_is_its_own_greedy_text(
 
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(stream, prompts)) == alone
+
+
+def test_the_responses_api_is_served_by_the_group(group: Group) -> None:
+    whole = check_responses_api(group.url.removesuffix("/v1"), "llama")
+    # rank 0's prompt cache kept the chat's prompt, asked just before: its usage says so
+    assert whole.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_the_messages_api_is_served_by_the_group(group: Group) -> None:
+    whole = check_messages_api(group.url.removesuffix("/v1"), "llama")
+    assert whole.usage.cache_read_input_tokens > 0  # as above
 
 
 def test_status_and_workers_show_the_group_and_each_rank(group: Group) -> None:
