@@ -30,7 +30,10 @@ token      node → router    ``seq``; tensor ``tokens`` i32 ``[1]``; with
                             ``params.logprobs``: ``logprob`` and ``top``
                             [[id, logprob], ...] as the pipeline's ``token``;
                             ``finish_reason`` ("stop" / "length") on the
-                            sequence's last one
+                            sequence's last one; ``cached`` (an int, 0 to
+                            ``MAX_PROMPT_TOKENS``) on its first where the
+                            node's engine says how many prompt tokens its
+                            prompt cache gave (usage's ``cached_tokens``)
 cancel     router → node    ``seq``: the node stops the sequence and frees it;
                             no answer (an unknown ``seq`` is ignored)
 load       node → router    ``sequences`` (all its engine runs: its own OpenAI
@@ -166,7 +169,8 @@ __all__ = ["ERR_BAD_HANDOFF", "ERR_BAD_MESSAGE", "ERR_BAD_REQUEST", "ERR_BUSY",
            "ERR_MODEL_MISMATCH", "ERR_UNAVAILABLE", "ERR_UNSUPPORTED", "HANDOFF_FRAME_BYTES",
            "HANDOFF_TIMEOUT_S", "LOAD_EVERY_S", "MAX_PROMPT_TOKENS", "MAX_SEQUENCES",
            "NODE_SPECS", "ROUTER_SPECS",
-           "SEQ_ID", "ProtocolViolation", "error_header", "finish_of", "token_header"]
+           "SEQ_ID", "ProtocolViolation", "cached_of", "error_header", "finish_of",
+           "token_header"]
 
 
 def token_header(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:
@@ -177,7 +181,20 @@ def token_header(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, 
         header["top"] = [[t, lp] for t, lp in out.top]
     if out.finish_reason is not None:
         header["finish_reason"] = out.finish_reason
+    if out.cached is not None:
+        header["cached"] = out.cached
     return header
+
+
+def cached_of(header: dict[str, Any]) -> int | None:
+    """A ``token``'s ``cached``: None (not said), or the prompt tokens the node's prompt
+    cache gave."""
+    cached = header.get("cached")
+    if cached is not None and (isinstance(cached, bool) or not isinstance(cached, int)
+                               or not 0 <= cached <= MAX_PROMPT_TOKENS):
+        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'cached' must be an integer from 0 to "
+                                f"{MAX_PROMPT_TOKENS}")
+    return cached
 
 
 def finish_of(header: dict[str, Any]) -> Any:

@@ -444,10 +444,11 @@ class RemoteEngine:
         try:
             logprob, top = logprobs_of(header, logprobs)
             reason = p.finish_of(header)
+            cached = p.cached_of(header)
         except ProtocolViolation as exc:
             raise EngineError(f"node {self.node_id} sent a bad token: {exc.message}") from None
         (token,) = struct.unpack("<i", env.tensors["tokens"].data)
-        return TokenOutput(token, reason, logprob, top)
+        return TokenOutput(token, reason, logprob, top, cached=cached)
 
     def _refusal(self, header: dict[str, object]) -> Exception:
         code, message = header.get("code"), str(header.get("message", ""))[:1000]

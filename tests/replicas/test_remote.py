@@ -101,6 +101,10 @@ def test_remote_tokens_equal_the_engines_own(node: tuple[LocalEngine, Any]) -> N
         assert alone == local
         assert list(together) == local
         assert any(out.finish_reason == "length" for out in local[0])
+        # The node's prompt cache held each prompt (asked locally first); the count of its
+        # tokens it gave comes over the wire on the first output (usage's cached_tokens).
+        said = [outs[0].cached for outs in alone]
+        assert None not in said and any(n > 0 for n in said if n is not None), said
 
     run(main())
 
