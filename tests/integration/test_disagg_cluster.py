@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
 from mlxceld.net import connect_as
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.wire import encode_envelope
+from mlxceld.workers.router import STATS_EVERY_S
 
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
@@ -156,19 +158,28 @@ def test_a_chats_next_turn_prefills_only_its_new_part_on_the_prefill_node(
     """The prefill node keeps each prompt it prefilled (``LocalEngine.prefill``): a prompt
     that extends one prefills only the rest, its greedy text still the one host's; its
     prompt cache in ``mlxctl status``."""
+    def read() -> dict[str, Any] | None:
+        stats = (cluster.prefill.d.worker("router").get("stats") or {}).get("prompt_cache")
+        return dict(stats) if stats else None
+
     def cache(more_than: int) -> dict[str, Any]:
-        def read() -> dict[str, Any] | None:
-            stats = (cluster.prefill.d.worker("router").get("stats") or {}).get("prompt_cache")
-            return stats if stats and stats["hits"] + stats["misses"] > more_than else None
-        found: dict[str, Any] = wait_for(read, 10, "the prefill node's prompt cache stats")
+        """The stats once they count more than ``more_than`` lookups and have settled: the
+        worker refreshes them every second (``STATS_EVERY_S``), so a read may be a second
+        old; unchanged over two refreshes, they count every lookup made before."""
+        def settled() -> dict[str, Any] | None:
+            now = read()
+            if now is None or now["hits"] + now["misses"] <= more_than:
+                return None
+            time.sleep(2 * STATS_EVERY_S + 0.5)
+            return now if read() == now else None
+        found: dict[str, Any] = wait_for(settled, 30, "the prefill node's prompt cache stats")
         return found
 
     turn1 = "The knight rode north through the long winter, looking for"
     turn2 = turn1 + " the dragon that had burned his village, and he found"
-    before = cache(-1)
     assert complete(cluster.url(cluster.router), turn1) == \
         complete(cluster.url(cluster.hybrid), turn1)
-    first = cache(before["hits"] + before["misses"])
+    first = cache(0)
     assert complete(cluster.url(cluster.router), turn2) == \
         complete(cluster.url(cluster.hybrid), turn2)
     second = cache(first["hits"] + first["misses"])
