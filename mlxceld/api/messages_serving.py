@@ -29,7 +29,6 @@ from mlxceld.api.generation import Finished, Sequencer, TextPiece
 from mlxceld.api.messages import parse_messages
 from mlxceld.api.messages_format import LimitReason, MessageFormat, MessageStream, tool_use
 from mlxceld.api.replies import Called, ChatReply
-from mlxceld.api.requests import read_body
 from mlxceld.api.serving import SequenceResponse
 from mlxceld.engine import GenerationRequest
 
@@ -43,9 +42,9 @@ class Messages:
     async def create(self, request: Request) -> Response:
         chats = self.chats
         arrived = chats.check_ready()
-        parsed = parse_messages(await read_body(request, chats.max_body_bytes),
-                                model_id=chats.model_id, aliases=chats.names,
-                                defaults=chats.defaults)
+        parsed = await chats.read(request, lambda body, ignored: parse_messages(
+            body, model_id=chats.model_id, aliases=chats.names, defaults=chats.defaults,
+            ignored=ignored))
         message_id = f"msg_{uuid.uuid4().hex}"
         prepared = await chats.prepare(parsed.chat, message_id)
         params = prepared.request.params
@@ -62,8 +61,9 @@ class Messages:
 
     async def count_tokens(self, request: Request) -> Response:
         chats = self.chats
-        parsed = parse_messages(await read_body(request, chats.max_body_bytes),
-                                model_id=chats.model_id, count=True, aliases=chats.names)
+        parsed = await chats.read(request, lambda body, ignored: parse_messages(
+            body, model_id=chats.model_id, count=True, aliases=chats.names,
+            ignored=ignored))
         prepared = await chats.prepare(parsed.chat, f"count_{uuid.uuid4().hex}")
         return JSONResponse({"input_tokens": len(prepared.request.prompt_tokens)})
 

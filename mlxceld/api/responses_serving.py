@@ -22,7 +22,7 @@ from mlxceld.api.chatting import Chats, PreparedChat
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.generation import Finished, TextPiece
 from mlxceld.api.replies import Called
-from mlxceld.api.requests import check_constraint, read_body
+from mlxceld.api.requests import check_constraint
 from mlxceld.api.responses import parse_responses
 from mlxceld.api.responses_output import ResponseBuilder
 from mlxceld.api.serving import SequenceResponse
@@ -88,9 +88,9 @@ def responses_route(chats: Chats) -> Callable[[Request], Awaitable[Response]]:
 
     async def respond(request: Request) -> Response:
         arrived = chats.check_ready()
-        parsed = parse_responses(await read_body(request, chats.max_body_bytes),
-                                 model_id=chats.model_id, aliases=chats.names,
-                                 defaults=chats.defaults)
+        parsed = await chats.read(request, lambda body, ignored: parse_responses(
+            body, model_id=chats.model_id, aliases=chats.names, defaults=chats.defaults,
+            ignored=ignored))
         options = parsed.chat.options
         try:
             await check_constraint(options)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from mlxceld.api.reasoning import ABOVE_HIGH
+from mlxceld.api.reasoning import EFFORTS as CHAT_EFFORTS
 from mlxceld.api.surface import Rule
 
+EFFORTS = (*CHAT_EFFORTS, *ABOVE_HIGH)
+
 HONOURED = Rule("honoured")
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-NO_THINKING = ("none", "minimal")
 LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = frozenset({"reasoning.encrypted_content", LOGPROBS})
 STATELESS = "this server is stateless and stores no responses; send the whole conversation "
