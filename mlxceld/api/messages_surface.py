@@ -22,8 +22,9 @@ _SHARED: Final[dict[str, Rule]] = {
                        "billing line left out)"),
     "tools": honoured("custom tools; Anthropic's server tools are refused by type"),
     "tool_choice": HONOURED,
-    "thinking": honoured("the template's enable_thinking; budget_tokens as "
-                         "reasoning_effort"),
+    "thinking": honoured("enabled or adaptive: the template's enable_thinking true; "
+                         "disabled or absent: false (Anthropic's rule; chat leaves the "
+                         "template's default); budget_tokens as the effort"),
     "cache_control": CACHE_CONTROL,
     "context_management": honoured("clear_thinking_20251015 edits only"),
     "output_config": honoured("effort only"),
