@@ -1,6 +1,8 @@
 """What every chat-shaped endpoint shares: a parsed ``ChatRequest`` in, a sequence ready
 for the ``Sequencer`` out.
 
+Every endpoint reads its body through ``Chats.read`` (bounded, and its unknown fields
+refused or, under ``[serve] unknown_fields = "warn"``, ignored and named: ``ignoring.py``).
 ``/v1/chat/completions`` parses OpenAI's chat body into a ``ChatRequest``; other
 endpoints that hold a conversation (OpenAI's Responses API, Anthropic's Messages API)
 translate their own bodies into the same ``ChatRequest`` and come here for the rest:

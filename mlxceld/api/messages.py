@@ -76,7 +76,7 @@ from mlxceld.api.messages_surface import (
 from mlxceld.api.reasoning import ABOVE_HIGH, read_effort
 from mlxceld.api.requests import MAX_STOP_CHARS, OPENAI_DEFAULTS, ChatRequest, Options
 from mlxceld.api.surface import check_fields
-from mlxceld.api.tools import ChoiceKind, Tool, ToolUse
+from mlxceld.api.tools import ChoiceKind, Tool, ToolUse, parse_tools
 from mlxceld.models.generation import SamplingDefaults
 
 MAX_STOP_SEQUENCES = 16
@@ -142,15 +142,9 @@ def parse_messages(body: bytes, *, model_id: str, count: bool = False,
 
 
 def _tool_use(fields: Fields, ignored: list[str] | None) -> ToolUse | None:
-    value = fields.array("tools", "an array of tools")
-    tools = tuple(_tool(item, f"tools[{i}]", ignored) for i, item in enumerate(value or []))
-    if len(tools) > MAX_TOOLS:
-        raise invalid(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS} are allowed",
-                      "tools")
+    tools = parse_tools(fields, lambda item, path: _tool(item, path, ignored), "name",
+                        MAX_TOOLS)
     names = [t.name for t in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise invalid(f"'tools[{i}].name' {name!r} is declared twice", f"tools[{i}].name")
     choice: ChoiceKind = "auto"
     function = None
     parallel = True

@@ -104,15 +104,16 @@ def tool_use(fields: Fields, tools: tuple[Tool, ...], choice: ChoiceKind, functi
     return ToolUse(tools, choice, function, parallel)
 
 
-def parse_tools(fields: Fields, read: Callable[[Any, str], Tool],
-                name_key: str) -> tuple[Tool, ...]:
+def parse_tools(fields: Fields, read: Callable[[Any, str], Tool], name_key: str,
+                limit: int = MAX_TOOLS) -> tuple[Tool, ...]:
     """The request's ``tools``, each read by ``read`` (the API's tool shape), at most
-    ``MAX_TOOLS`` and each name once (``name_key``: where a tool holds its name)."""
+    ``limit`` (the API's) and each name once (``name_key``: where a tool holds its name).
+    OpenAI's chat and Responses APIs and Anthropic's Messages API read their tools so."""
     value = fields.array("tools", "an array of tools")
     if value is None:
         return ()
-    if len(value) > MAX_TOOLS:
-        raise invalid(f"'tools' holds {len(value)} tools; at most {MAX_TOOLS} are allowed",
+    if len(value) > limit:
+        raise invalid(f"'tools' holds {len(value)} tools; at most {limit} are allowed",
                       "tools")
     tools = tuple(read(item, f"tools[{i}]") for i, item in enumerate(value))
     seen: set[str] = set()
