@@ -84,7 +84,6 @@ from mlxceld.api.requests import (
     check_prompt_bytes,
     parse_chat,
     parse_completion,
-    read_body,
 )
 from mlxceld.api.responses_serving import responses_route
 from mlxceld.api.serving import CompletionResponse
@@ -208,24 +207,13 @@ def build_router_app(
         return JSONResponse(router_stats(verbose))
 
     chats = Chats(engine, codec, sequencer, PromptTokenizer(codec), model_id, max_tokens,
-                  max_body_bytes, is_ready, drains, names, defaults)
-
-    ignoring = IgnoredFields()
-
-    def lenient() -> list[str] | None:
-        """Where a request's ignored fields go (None: unknown fields are refused)."""
-        return [] if unknown_fields == "warn" else None
-
-    def noted(request: Request, ignored: list[str] | None) -> None:
-        if ignored:
-            ignoring.note(request.scope, ignored)
+                  max_body_bytes, is_ready, drains, names, defaults,
+                  IgnoredFields(unknown_fields))
 
     async def chat(request: Request) -> Response:
         arrived = chats.check_ready()
-        ignored = lenient()
-        parsed = parse_chat(await read_body(request, max_body_bytes), model_id=model_id,
-                            aliases=names, defaults=defaults, ignored=ignored)
-        noted(request, ignored)
+        parsed = await chats.read(request, lambda body, ignored: parse_chat(
+            body, model_id=model_id, aliases=names, defaults=defaults, ignored=ignored))
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), parsed.options.model,
                          parsed.options.include_usage, parsed.options.logprobs is not None,
                          reasoning_field)
@@ -236,10 +224,8 @@ def build_router_app(
 
     async def completions(request: Request) -> Response:
         arrived = chats.check_ready()
-        ignored = lenient()
-        parsed = parse_completion(await read_body(request, max_body_bytes), model_id=model_id,
-                                  aliases=names, defaults=defaults, ignored=ignored)
-        noted(request, ignored)
+        parsed = await chats.read(request, lambda body, ignored: parse_completion(
+            body, model_id=model_id, aliases=names, defaults=defaults, ignored=ignored))
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         options = parsed.options

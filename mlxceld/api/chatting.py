@@ -1,6 +1,8 @@
 """What every chat-shaped endpoint shares: a parsed ``ChatRequest`` in, a sequence ready
 for the ``Sequencer`` out.
 
+Every endpoint reads its body through ``Chats.read`` (bounded, and its unknown fields
+refused or, under ``[serve] unknown_fields = "warn"``, ignored and named: ``ignoring.py``).
 ``/v1/chat/completions`` parses OpenAI's chat body into a ``ChatRequest``; other
 endpoints that hold a conversation (OpenAI's Responses API, Anthropic's Messages API)
 translate their own bodies into the same ``ChatRequest`` and come here for the rest:
@@ -21,12 +23,15 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from starlette.requests import Request
 
 from mlxceld.api.codec import ChatTemplateError, TextCodec
 from mlxceld.api.draining import Draining
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.generation import Sequencer
+from mlxceld.api.ignoring import IgnoredFields
 from mlxceld.api.reasoning import template_kwargs
 from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
@@ -34,6 +39,7 @@ from mlxceld.api.requests import (
     Options,
     check_constraint,
     check_prompt_bytes,
+    read_body,
     sampling_params,
 )
 from mlxceld.api.tokenizing import PromptTokenizer
@@ -41,6 +47,8 @@ from mlxceld.api.toolcalls import parse_calls
 from mlxceld.api.toolgrammar import after_thinking, forced_constraint, json_object_calls
 from mlxceld.engine import Constraint, Engine, GenerationRequest, SamplingParams
 from mlxceld.models.generation import SamplingDefaults
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,16 @@ class Chats:
     draining: Draining
     names: tuple[str, ...] = ()  # every name a request may call the model by, id first
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # of sampling
+    ignoring: IgnoredFields = field(default_factory=IgnoredFields)  # [serve] unknown_fields
+
+    async def read(self, request: Request, parse: Callable[[bytes, list[str] | None], T]) -> T:
+        """The request's body (at most ``max_body_bytes``), parsed by ``parse``, which is
+        given where unknown fields go (None: it refuses them; ``ignoring.py``); those it
+        ignored are logged and named in the answer's header. Every endpoint reads so."""
+        ignored = self.ignoring.collector()
+        parsed = parse(await read_body(request, self.max_body_bytes), ignored)
+        self.ignoring.note(request.scope, ignored)
+        return parsed
 
     def check_ready(self) -> float:
         """Refuse (503) while the model loads or a node it needs drains; else the

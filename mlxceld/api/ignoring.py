@@ -7,8 +7,10 @@ one warning per distinct field name (not per request: the names logged are remem
 up to ``MAX_REMEMBERED``, a message's index left out: ``messages[].x``), and the answer
 carries ``x-mlxceld-ignored-fields: a, b`` naming what was ignored, streams too (their
 headers go before the body). Known fields are checked as always: a refused one is still
-a 400. It covers ``/v1/chat/completions`` and ``/v1/completions``; the Responses API
-keeps its own table (``responses_surface.py``) and refuses what it does not know.
+a 400. It covers every endpoint that reads a body (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/responses``, ``/v1/messages`` and its ``count_tokens``): each
+reads it through ``chatting.Chats.read``, which hands the parser ``collector()``'s list
+(``surface.check_fields`` puts the unknown paths there) and ``note``s it.
 """
 
 from __future__ import annotations
@@ -33,14 +35,23 @@ _INDEX = re.compile(r"\[\d+\]")
 
 
 class IgnoredFields:
-    """The names ignored so far (to log each once) and the requests' header."""
+    """The operator's choice, the names ignored so far (to log each once) and the
+    requests' header."""
 
-    def __init__(self) -> None:
+    def __init__(self, unknown_fields: UnknownFields = "refuse") -> None:
+        self.unknown_fields = unknown_fields
         self._logged: set[str] = set()
 
-    def note(self, scope: Scope, paths: Sequence[str]) -> None:
+    def collector(self) -> list[str] | None:
+        """Where a parser puts a request's unknown fields: a list under ``warn``; None
+        (``refuse``): the parser refuses them."""
+        return [] if self.unknown_fields == "warn" else None
+
+    def note(self, scope: Scope, paths: Sequence[str] | None) -> None:
         """``paths`` were ignored in the request of ``scope``: log the new names, and
         have its answer name them."""
+        if not paths:
+            return
         names = list(dict.fromkeys(_INDEX.sub("[]", p) for p in paths))
         for name in names:
             if name not in self._logged and len(self._logged) < MAX_REMEMBERED:

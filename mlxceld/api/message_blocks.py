@@ -1,51 +1,36 @@
 """The Messages API's turns (``system`` and ``messages``), their content blocks read
 into the chat messages a template renders (``messages.py`` says what each block becomes).
 
-Each block's fields are checked by name: one this table does not list is refused
-(``BLOCK_FIELDS``); images, documents and server tools' blocks are refused by type.
+Each turn's and block's fields are checked by name against ``messages_surface.py``'s
+tables (``surface.check_fields``: one no table lists is refused, or ignored and named
+under ``[serve] unknown_fields = "warn"``); images, documents and server tools' blocks are
+refused by type.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any
 
 from mlxceld.api.codec import CalledTool, ChatMessage
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, member, show
+from mlxceld.api.messages_surface import BLOCK_FIELDS, TURN_FIELDS
+from mlxceld.api.surface import check_fields
 
 BILLING_LINE = "x-anthropic-billing-header:"  # Claude Code's per-request line, left out
-BLOCK_FIELDS = {
-    "text": {"type", "text", "cache_control", "citations"},
-    "tool_use": {"type", "id", "name", "input", "cache_control", "caller"},
-    "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
-    "thinking": {"type", "thinking", "signature"},
-    "redacted_thinking": {"type", "data"},
-}
+Ignored = list[str] | None  # unknown fields' paths (``[serve] unknown_fields = "warn"``)
 
 
-def _block_fields(block: Mapping[str, Any], allowed: set[str], path: str) -> None:
-    extra = [n for n, v in block.items() if v is not None and n not in allowed]
-    if extra:
-        raise invalid(f"'{path}.{extra[0]}': Extra inputs are not permitted (a "
-                      f"{show(block.get('type'))} block has {', '.join(sorted(allowed))})",
-                      f"{path}.{extra[0]}", "unknown_parameter")
-    citations = block.get("citations")
-    if citations not in (None, []):
-        raise invalid(f"'{path}.citations' is not supported: citations are not served",
-                      f"{path}.citations", "unsupported_parameter")
-
-
-def system_messages(fields: Fields) -> list[ChatMessage]:
+def system_messages(fields: Fields, ignored: Ignored = None) -> list[ChatMessage]:
     value = fields.get("system")
     if value is None:
         return []
-    text = _text_content(value, "system")
+    text = _text_content(value, "system", ignored)
     return [ChatMessage("system", text)] if text else []
 
 
-def _text_content(value: Any, path: str) -> str:
+def _text_content(value: Any, path: str, ignored: Ignored) -> str:
     """A string, or text blocks joined with newlines (Claude Code's billing line left
     out of a system prompt)."""
     if isinstance(value, str):
@@ -54,18 +39,18 @@ def _text_content(value: Any, path: str) -> str:
         raise invalid(f"{path!r} must be a string or an array of text blocks", path)
     texts = []
     for i, item in enumerate(value):
-        text = _text_block(item, f"{path}[{i}]")
+        text = _text_block(item, f"{path}[{i}]", ignored)
         if not (path == "system" and text.startswith(BILLING_LINE)):
             texts.append(text)
     return "\n".join(texts)
 
 
-def _text_block(item: Any, path: str) -> str:
+def _text_block(item: Any, path: str, ignored: Ignored) -> str:
     block = member(item, path)
     kind = block.string("type")
     if kind != "text":
         raise _not_text(kind, path)
-    _block_fields(item, BLOCK_FIELDS["text"], path)
+    check_fields(item, BLOCK_FIELDS["text"], path, ignored)
     text = block.string("text")
     if text is None:
         raise invalid(f"'{path}.text' is required", f"{path}.text")
@@ -80,7 +65,7 @@ def _not_text(kind: str | None, path: str) -> ApiError:
     return invalid(f"'{path}.type' must be \"text\" here, not {show(kind)}", f"{path}.type")
 
 
-def turn_messages(fields: Fields) -> list[ChatMessage]:
+def turn_messages(fields: Fields, ignored: Ignored = None) -> list[ChatMessage]:
     value = fields.array("messages", "an array of messages")
     if value is None:
         raise invalid("'messages' is required", "messages")
@@ -90,31 +75,29 @@ def turn_messages(fields: Fields) -> list[ChatMessage]:
     for i, item in enumerate(value):
         path = f"messages[{i}]"
         message = member(item, path)
-        extra = sorted(set(item) - {"role", "content"})
-        if extra:
-            raise invalid(f"'{path}.{extra[0]}': Extra inputs are not permitted (a message "
-                          "has role and content)", f"{path}.{extra[0]}", "unknown_parameter")
+        check_fields(item, TURN_FIELDS, path, ignored)
         role = message.string("role")
         content = message.get("content")
         if content is None:
             raise invalid(f"'{path}.content' is required", f"{path}.content")
         if role == "user":
-            out.extend(_user(content, path))
+            out.extend(_user(content, path, ignored))
         elif role == "assistant":
             if i == len(value) - 1:
                 raise invalid(f"'{path}' is an assistant message last (a prefill): this "
                               "server always opens a new answer; end with a user message",
                               f"{path}.role")
-            out.append(_assistant(content, path))
+            out.append(_assistant(content, path, ignored))
         elif role == "system":
-            out.append(ChatMessage("system", _text_content(content, f"{path}.content")))
+            out.append(ChatMessage("system", _text_content(content, f"{path}.content",
+                                                           ignored)))
         else:
             raise invalid(f"'{path}.role' must be \"user\" or \"assistant\", not {show(role)}",
                           f"{path}.role")
     return out
 
 
-def _user(content: Any, path: str) -> list[ChatMessage]:
+def _user(content: Any, path: str, ignored: Ignored) -> list[ChatMessage]:
     """A user turn: its text runs as user messages, each tool result a tool message."""
     if isinstance(content, str):
         return [ChatMessage("user", check_text(content, f"{path}.content"))]
@@ -130,28 +113,28 @@ def _user(content: Any, path: str) -> list[ChatMessage]:
             if texts:
                 out.append(ChatMessage("user", "\n".join(texts)))
                 texts = []
-            out.append(_tool_result(item, where))
+            out.append(_tool_result(item, where, ignored))
         else:
-            texts.append(_text_block(item, where))
+            texts.append(_text_block(item, where, ignored))
     if texts or not out:
         out.append(ChatMessage("user", "\n".join(texts)))
     return out
 
 
-def _tool_result(item: dict[str, Any], path: str) -> ChatMessage:
-    _block_fields(item, BLOCK_FIELDS["tool_result"], path)
+def _tool_result(item: dict[str, Any], path: str, ignored: Ignored) -> ChatMessage:
+    check_fields(item, BLOCK_FIELDS["tool_result"], path, ignored)
     block = Fields(item, path)
     call_id = block.string("tool_use_id")
     if call_id is None:
         raise invalid(f"'{path}.tool_use_id' is required", f"{path}.tool_use_id")
     content = item.get("content")
-    text = "" if content is None else _text_content(content, f"{path}.content")
+    text = "" if content is None else _text_content(content, f"{path}.content", ignored)
     if block.boolean("is_error", False):
         text = f"Error: {text}"
     return ChatMessage("tool", text, tool_call_id=call_id)
 
 
-def _assistant(content: Any, path: str) -> ChatMessage:
+def _assistant(content: Any, path: str, ignored: Ignored) -> ChatMessage:
     if isinstance(content, str):
         return ChatMessage("assistant", check_text(content, f"{path}.content"))
     if not isinstance(content, list):
@@ -165,15 +148,14 @@ def _assistant(content: Any, path: str) -> ChatMessage:
         block = member(item, where)
         kind = block.string("type")
         if kind == "text":
-            texts.append(_text_block(item, where))
+            texts.append(_text_block(item, where, ignored))
         elif kind == "tool_use":
-            calls.append(_tool_use_block(item, where))
+            calls.append(_tool_use_block(item, where, ignored))
         elif kind == "thinking":
-            _block_fields(item, BLOCK_FIELDS["thinking"], where)
-            block.string("signature")
+            check_fields(item, BLOCK_FIELDS["thinking"], where, ignored)
             thoughts.append(block.string("thinking") or "")
         elif kind == "redacted_thinking":
-            _block_fields(item, BLOCK_FIELDS["redacted_thinking"], where)
+            check_fields(item, BLOCK_FIELDS["redacted_thinking"], where, ignored)
         else:
             raise _not_assistant(kind, where)
     return ChatMessage("assistant", "\n".join(texts), tuple(calls),
@@ -188,8 +170,8 @@ def _not_assistant(kind: str | None, path: str) -> ApiError:
                    "(Anthropic's server tools are not run here)", f"{path}.type")
 
 
-def _tool_use_block(item: dict[str, Any], path: str) -> CalledTool:
-    _block_fields(item, BLOCK_FIELDS["tool_use"], path)
+def _tool_use_block(item: dict[str, Any], path: str, ignored: Ignored) -> CalledTool:
+    check_fields(item, BLOCK_FIELDS["tool_use"], path, ignored)
     block = Fields(item, path)
     caller = block.object("caller")
     if caller is not None and caller.get("type") != "direct":

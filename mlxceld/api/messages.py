@@ -3,8 +3,9 @@ API), read, checked and translated into the ``ChatRequest`` every chat endpoint 
 (``chatting.py``).
 
 Each field is honoured, accepted as what it is (an opaque label, a cache hint), or
-refused by name (400 ``invalid_request_error``); a field this table does not know is
-refused by name too (``FIELDS``, ``COUNT_FIELDS``). What each becomes:
+refused by name (400 ``invalid_request_error``); a field no table of
+``messages_surface.py`` knows is refused by name too, or, with ``[serve] unknown_fields =
+"warn"``, ignored and named (``ignoring.py``), as on every endpoint. What each becomes:
 
 - ``model``: required; the served model's id, else 404 ``not_found_error``.
 - ``max_tokens``: required, >= 1. A bound, as Anthropic's newer models take it: what is
@@ -34,11 +35,13 @@ refused by name too (``FIELDS``, ``COUNT_FIELDS``). What each becomes:
   one), none; ``disable_parallel_tool_use`` ends the answer after its first call.
 - ``thinking``: ``enabled`` or ``adaptive`` render the template with
   ``enable_thinking`` true, ``disabled`` (or none) with false (Qwen3-style templates read
-  it; others answer as they always do). ``budget_tokens`` becomes ``reasoning_effort``
-  for templates that read one (under 4096 low, under 16384 medium, else high; gpt-oss's):
-  no template bounds reasoning in tokens, and the reasoning counts against ``max_tokens``
-  as Anthropic's does. ``display`` "omitted" sends thinking blocks with empty text.
-  ``output_config.effort`` sets ``reasoning_effort`` itself (xhigh and max read as high).
+  it; others answer as they always do). ``budget_tokens`` becomes the effort (under 4096
+  low, under 16384 medium, else high): no template bounds reasoning in tokens, and the
+  reasoning counts against ``max_tokens`` as Anthropic's does. ``display`` "omitted"
+  sends thinking blocks with empty text. ``output_config.effort`` sets the effort itself
+  (xhigh and max read as high). The effort reaches the template as every chat's does
+  (``reasoning.template_kwargs``: as ``reasoning_effort``); the one difference from chat,
+  Anthropic's: thinking is off unless the request turns it on, and this switch wins.
 - ``context_management``: ``clear_thinking_20251015`` edits are honoured (``keep`` "all",
   or ``{"type": "thinking_turns", "value": N}``: the reasoning of all but the last N
   assistant turns is dropped); other edits are refused.
@@ -52,7 +55,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,44 +63,27 @@ from mlxceld.api.codec import ChatMessage
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, member, parse_object, show
 from mlxceld.api.message_blocks import system_messages, turn_messages
+from mlxceld.api.messages_surface import (
+    CONTEXT_MANAGEMENT_FIELDS,
+    COUNT_FIELDS,
+    MESSAGES_FIELDS,
+    METADATA_FIELDS,
+    OUTPUT_CONFIG_FIELDS,
+    THINKING_FIELDS,
+    TOOL_CHOICE_FIELDS,
+    TOOL_FIELDS,
+)
+from mlxceld.api.reasoning import ABOVE_HIGH, read_effort
 from mlxceld.api.requests import MAX_STOP_CHARS, OPENAI_DEFAULTS, ChatRequest, Options
-from mlxceld.api.tools import ChoiceKind, Tool, ToolUse
+from mlxceld.api.surface import check_fields
+from mlxceld.api.tools import ChoiceKind, Tool, ToolUse, parse_tools
 from mlxceld.models.generation import SamplingDefaults
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOOLS = 256
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # Anthropic's rule for a tool's name
-EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
-MAX_NAMED = 5
-
-Check = Callable[[Any], bool] | None  # None: accepted as is; else the values accepted
-OK: Check = None
-_SHARED: dict[str, tuple[Check, str]] = {
-    "model": (OK, ""), "messages": (OK, ""), "system": (OK, ""), "tools": (OK, ""),
-    "tool_choice": (OK, ""), "thinking": (OK, ""), "cache_control": (OK, ""),
-    "context_management": (OK, ""), "output_config": (OK, ""),
-    "speed": (lambda v: v == "standard", "one speed is served; send \"standard\" or "
-              "leave it out"),
-    "mcp_servers": (lambda v: v == [], "MCP servers are not called by this server; "
-                    "leave it out"),
-}
-FIELDS: dict[str, tuple[Check, str]] = {
-    **_SHARED, "max_tokens": (OK, ""), "stop_sequences": (OK, ""), "temperature": (OK, ""),
-    "top_p": (OK, ""), "top_k": (OK, ""), "stream": (OK, ""), "metadata": (OK, ""),
-    "service_tier": (lambda v: v in ("auto", "standard_only"),
-                     "one tier is served; send \"auto\" or \"standard_only\""),
-    "user_profile_id": (lambda v: isinstance(v, str), "it must be a string (a label)"),
-    "workspace_id": (lambda v: isinstance(v, str), "it must be a string (a label)"),
-    "container": (lambda v: False, "code execution containers are not served"),
-    "diagnostics": (lambda v: False, "prompt-cache diagnostics are not served"),
-    "inference_geo": (lambda v: False, "inference runs where this server runs"),
-    "compaction": (lambda v: False, "server-side compaction is not served"),
-    "fallbacks": (lambda v: False, "this server serves one model"),
-    "thread": (lambda v: False, "threads are not stored by this server"),
-}
-COUNT_FIELDS: dict[str, tuple[Check, str]] = dict(_SHARED)
-TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control", "strict",
-               "eager_input_streaming"}
+BUDGET_EFFORTS = ((4096, "low"), (16384, "medium"))  # thinking.budget_tokens under each
+EFFORTS = ("low", "medium", "high", *ABOVE_HIGH)  # output_config.effort's
 
 
 @dataclass(frozen=True)
@@ -113,13 +99,16 @@ class MessagesRequest:
 
 def parse_messages(body: bytes, *, model_id: str, count: bool = False,
                    aliases: Collection[str] = (),
-                   defaults: SamplingDefaults = OPENAI_DEFAULTS) -> MessagesRequest:
+                   defaults: SamplingDefaults = OPENAI_DEFAULTS,
+                   ignored: list[str] | None = None) -> MessagesRequest:
     """A ``/v1/messages`` body (``count``: a ``count_tokens`` body, which has no
     ``max_tokens`` and no sampling). ``aliases``: the model's other names (the answer's
     ``model`` is the one asked); ``defaults``: the sampling a request leaves out (the
-    model's ``generation_config.json``). Raises ``ApiError`` naming the field at fault."""
+    model's ``generation_config.json``); ``ignored``: unknown fields are ignored, their
+    paths put there, rather than refused (``[serve] unknown_fields = "warn"``). Raises
+    ``ApiError`` naming the field at fault."""
     obj = parse_object(body)
-    _check_fields(obj, COUNT_FIELDS if count else FIELDS)
+    check_fields(obj, COUNT_FIELDS if count else MESSAGES_FIELDS, ignored=ignored)
     fields = Fields(obj)
     model = fields.string("model")
     if model is None:
@@ -133,12 +122,12 @@ def parse_messages(body: bytes, *, model_id: str, count: bool = False,
     if max_tokens is None:
         raise invalid("'max_tokens' is required: the most tokens the answer may have",
                       "max_tokens")
-    messages = [*system_messages(fields), *turn_messages(fields)]
-    template, show_thinking, keep = _thinking(fields)
-    messages = _clear_thinking(messages, keep)
+    messages = [*system_messages(fields, ignored), *turn_messages(fields, ignored)]
+    thinking, effort, show_thinking = _thinking(fields, ignored)
+    messages = _clear_thinking(messages, _keep_thinking(fields, ignored))
     stream = False if count else fields.boolean("stream", False)
     if not count:
-        _metadata(fields)
+        _metadata(fields, ignored)
     options = Options(model=model, max_tokens=None,
                       temperature=fields.number("temperature", defaults.temperature, 0.0,
                                                 1.0),
@@ -147,47 +136,22 @@ def parse_messages(body: bytes, *, model_id: str, count: bool = False,
                       top_k=_or(fields.integer("top_k", 0), defaults.top_k),
                       min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
                       stop=_stops(fields), stream=stream)
-    chat = ChatRequest(tuple(messages), options, _tool_use(fields), tuple(template.items()))
+    chat = ChatRequest(tuple(messages), options, _tool_use(fields, ignored),
+                       (("enable_thinking", thinking),), effort)
     return MessagesRequest(chat, max_tokens, show_thinking)
 
 
-def _check_fields(obj: Mapping[str, Any], table: Mapping[str, tuple[Check, str]]) -> None:
-    unknown = [n for n, v in obj.items() if v is not None and n not in table]
-    if unknown:
-        names = ", ".join(show(n) for n in unknown[:MAX_NAMED])
-        more = f" and {len(unknown) - MAX_NAMED} more" if len(unknown) > MAX_NAMED else ""
-        raise invalid(f"{names}{more}: Extra inputs are not permitted (this server honours "
-                      "the Messages API's fields it lists in mlxceld(8), and refuses what it "
-                      "does not know rather than ignore it); remove "
-                      f"{'them' if len(unknown) > 1 else 'it'}", unknown[0][:200],
-                      "unknown_parameter")
-    for name, value in obj.items():
-        check, note = table.get(name, (OK, ""))
-        if value is not None and check is not None and not check(value):
-            raise invalid(f"{name!r} is not supported by this server: {note}", name,
-                          "unsupported_parameter")
-
-
-def _tool_use(fields: Fields) -> ToolUse | None:
-    value = fields.array("tools", "an array of tools")
-    tools = tuple(_tool(item, f"tools[{i}]") for i, item in enumerate(value or []))
-    if len(tools) > MAX_TOOLS:
-        raise invalid(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS} are allowed",
-                      "tools")
+def _tool_use(fields: Fields, ignored: list[str] | None) -> ToolUse | None:
+    tools = parse_tools(fields, lambda item, path: _tool(item, path, ignored), "name",
+                        MAX_TOOLS)
     names = [t.name for t in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise invalid(f"'tools[{i}].name' {name!r} is declared twice", f"tools[{i}].name")
     choice: ChoiceKind = "auto"
     function = None
     parallel = True
     spec = fields.object("tool_choice")
     if spec is not None:
+        check_fields(spec, TOOL_CHOICE_FIELDS, "tool_choice", ignored)
         inner = Fields(spec, "tool_choice")
-        extra = sorted(set(spec) - {"type", "name", "disable_parallel_tool_use"})
-        if extra:
-            raise invalid(f"'tool_choice.{extra[0]}': Extra inputs are not permitted",
-                          f"tool_choice.{extra[0]}", "unknown_parameter")
         kind = inner.string("type")
         kinds: dict[str | None, ChoiceKind] = {"auto": "auto", "any": "required",
                                                "tool": "function", "none": "none"}
@@ -209,18 +173,14 @@ def _tool_use(fields: Fields) -> ToolUse | None:
     return ToolUse(tools, choice, function, parallel)
 
 
-def _tool(item: Any, path: str) -> Tool:
+def _tool(item: Any, path: str, ignored: list[str] | None) -> Tool:
     fields = member(item, path)
     kind = fields.string("type")
     if kind not in (None, "custom"):
         raise invalid(f"'{path}.type' {kind!r} is one of Anthropic's server tools, which "
                       "this server does not run; send custom tools (name, description, "
                       "input_schema)", f"{path}.type", "unsupported_tool")
-    extra = sorted(n for n, v in item.items() if v is not None and n not in TOOL_FIELDS)
-    if extra:
-        raise invalid(f"'{path}.{extra[0]}' is not supported on a tool here (a tool has "
-                      f"{', '.join(sorted(TOOL_FIELDS))})", f"{path}.{extra[0]}",
-                      "unsupported_parameter")
+    check_fields(item, TOOL_FIELDS, path, ignored)
     name = fields.string("name")
     if name is None or not NAME.match(name):
         raise invalid(f"'{path}.name' must be 1 to 128 letters, digits, '_' or '-', not "
@@ -233,32 +193,26 @@ def _tool(item: Any, path: str) -> Tool:
     return Tool(name, fields.string("description"), json.dumps(schema, ensure_ascii=False))
 
 
-def _thinking(fields: Fields) -> tuple[dict[str, Any], bool, int | None]:
-    """The template's variables, whether thinking is shown, and how many assistant turns
-    keep their reasoning (None: all)."""
-    template: dict[str, Any] = {"enable_thinking": False}
-    show_thinking = True
+def _thinking(fields: Fields, ignored: list[str] | None) -> tuple[bool, str | None, bool]:
+    """Anthropic's thinking switch (the template's ``enable_thinking``: off unless asked),
+    the effort (``thinking.budget_tokens``, or ``output_config.effort``, which wins), and
+    whether thinking is shown."""
+    on, effort, show_thinking = False, None, True
     spec = fields.object("thinking")
     if spec is not None:
         inner = Fields(spec, "thinking")
         kind = inner.string("type")
-        if kind not in ("enabled", "adaptive", "disabled"):
+        if kind not in THINKING_FIELDS:
             raise invalid("'thinking.type' must be enabled, adaptive or disabled, not "
                           f"{show(kind)}", "thinking.type")
-        allowed = {"type"} | ({"budget_tokens", "display"} if kind == "enabled" else
-                              {"display"} if kind == "adaptive" else set())
-        extra = sorted(n for n, v in spec.items() if v is not None and n not in allowed)
-        if extra:
-            raise invalid(f"'thinking.{extra[0]}': Extra inputs are not permitted",
-                          f"thinking.{extra[0]}", "unknown_parameter")
-        template["enable_thinking"] = kind != "disabled"
+        check_fields(spec, THINKING_FIELDS[kind], "thinking", ignored)
+        on = kind != "disabled"
         if kind == "enabled":
             budget = inner.integer("budget_tokens", 1)
             if budget is None:
                 raise invalid("'thinking.budget_tokens' is required when thinking is "
                               "enabled", "thinking.budget_tokens")
-            template["reasoning_effort"] = ("low" if budget < 4096 else
-                                            "medium" if budget < 16384 else "high")
+            effort = next((e for bound, e in BUDGET_EFFORTS if budget < bound), "high")
         display = inner.string("display")
         if display not in (None, "summarized", "omitted"):
             raise invalid("'thinking.display' must be summarized or omitted",
@@ -266,30 +220,22 @@ def _thinking(fields: Fields) -> tuple[dict[str, Any], bool, int | None]:
         show_thinking = display != "omitted"
     config = fields.object("output_config")
     if config is not None:
-        inner = Fields(config, "output_config")
-        extra = sorted(n for n, v in config.items() if v is not None and n != "effort")
-        if extra:
-            raise invalid(f"'output_config.{extra[0]}' is not supported by this server (only "
-                          "'effort' is); for a JSON schema, use /v1/chat/completions' "
-                          "response_format", f"output_config.{extra[0]}",
-                          "unsupported_parameter")
-        effort = inner.string("effort")
-        if effort is not None:
-            if effort not in EFFORTS:
+        check_fields(config, OUTPUT_CONFIG_FIELDS, "output_config", ignored)
+        asked = Fields(config, "output_config").string("effort")
+        if asked is not None:
+            if asked not in EFFORTS:
                 raise invalid(f"'output_config.effort' must be one of {', '.join(EFFORTS)}",
                               "output_config.effort")
-            template["reasoning_effort"] = EFFORTS[effort]
-    return template, show_thinking, _keep_thinking(fields)
+            effort = read_effort(asked)
+    return on, effort, show_thinking
 
 
-def _keep_thinking(fields: Fields) -> int | None:
+def _keep_thinking(fields: Fields, ignored: list[str] | None) -> int | None:
+    """How many assistant turns keep their reasoning (None: all)."""
     spec = fields.object("context_management")
     if spec is None:
         return None
-    extra = sorted(set(spec) - {"edits"})
-    if extra:
-        raise invalid(f"'context_management.{extra[0]}': Extra inputs are not permitted",
-                      f"context_management.{extra[0]}", "unknown_parameter")
+    check_fields(spec, CONTEXT_MANAGEMENT_FIELDS, "context_management", ignored)
     keep: int | None = None
     for i, edit in enumerate(Fields(spec, "context_management").array("edits") or []):
         path = f"context_management.edits[{i}]"
@@ -320,15 +266,10 @@ def _clear_thinking(messages: list[ChatMessage], keep: int | None) -> list[ChatM
             if i in dropped else m for i, m in enumerate(messages)]
 
 
-def _metadata(fields: Fields) -> None:
+def _metadata(fields: Fields, ignored: list[str] | None) -> None:
     value = fields.object("metadata")
-    if value is None:
-        return
-    extra = sorted(n for n in value if n != "user_id")
-    if extra:
-        raise invalid(f"'metadata.{extra[0]}': Extra inputs are not permitted (metadata has "
-                      "user_id)", f"metadata.{extra[0]}", "unknown_parameter")
-    Fields(value, "metadata").string("user_id")  # the caller's own label; nothing stored
+    if value is not None:  # user_id: the caller's own label; nothing stored
+        check_fields(value, METADATA_FIELDS, "metadata", ignored)
 
 
 def _stops(fields: Fields) -> tuple[str, ...]:

@@ -35,15 +35,10 @@ from mlxceld.api.anthropic_errors import anthropic_body
 from mlxceld.api.errors import ApiError
 from mlxceld.api.generation import Finished
 from mlxceld.api.replies import PartKind
+from mlxceld.api.streaming import named_event
 from mlxceld.api.toolcalls import ToolCall
 
 LimitReason = Literal["max_tokens", "model_context_window_exceeded"]
-
-
-def sse(name: str, data: dict[str, Any]) -> bytes:
-    """One server-sent event with its name, as Anthropic's API sends them."""
-    return (f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode()
-            + b"\n\n")
 
 
 def tool_id(call: ToolCall) -> str:
@@ -111,8 +106,8 @@ class MessageStream:
             "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
-        return [sse("message_start", {"type": "message_start", "message": message}),
-                sse("ping", {"type": "ping"})]
+        return [named_event("message_start", {"type": "message_start", "message": message}),
+                named_event("ping", {"type": "ping"})]
 
     def piece(self, text: str, kind: PartKind) -> list[bytes]:
         out: list[bytes] = []
@@ -157,31 +152,31 @@ class MessageStream:
         stop_sequence = finished.stop_sequence if finished.reason == "stop" and \
             not self.called else None
         usage = self.format.usage(finished)
-        out.append(sse("message_delta", {
+        out.append(named_event("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": self.format.stop_reason(finished, self.called),
                       "stop_sequence": stop_sequence},
             "usage": {k: usage[k] for k in ("input_tokens", "output_tokens",
                                             "cache_creation_input_tokens",
                                             "cache_read_input_tokens")}}))
-        out.append(sse("message_stop", {"type": "message_stop"}))
+        out.append(named_event("message_stop", {"type": "message_stop"}))
         return out
 
     @staticmethod
     def error(error: ApiError) -> bytes:
-        return sse("error", anthropic_body(error))
+        return named_event("error", anthropic_body(error))
 
     def _begin(self, out: list[bytes], block: dict[str, Any]) -> None:
-        out.append(sse("content_block_start", {"type": "content_block_start",
-                                               "index": self.index, "content_block": block}))
+        out.append(named_event("content_block_start", {
+            "type": "content_block_start", "index": self.index, "content_block": block}))
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                           "delta": delta})
+        return named_event("content_block_delta", {
+            "type": "content_block_delta", "index": self.index, "delta": delta})
 
     def _stop(self, out: list[bytes]) -> None:
-        out.append(sse("content_block_stop", {"type": "content_block_stop",
-                                              "index": self.index}))
+        out.append(named_event("content_block_stop", {
+            "type": "content_block_stop", "index": self.index}))
         self.index += 1
 
     def _close(self, out: list[bytes]) -> None:

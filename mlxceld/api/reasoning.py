@@ -11,6 +11,15 @@ Three names for one thing, in each direction:
   Qwen3-style templates. A model that does not reason reads neither and answers as
   always. The client's own ``chat_template_kwargs`` win over both: they name the model's
   variables themselves, so a client that sets ``enable_thinking`` there keeps it.
+  The Responses API's ``reasoning.effort`` and the Messages API's ``output_config.effort``
+  (or ``thinking.budget_tokens``, ``messages.py``) come here too: each endpoint puts the
+  effort on its ``ChatRequest`` and ``chatting.py`` calls ``template_kwargs``, one rule
+  for all. Their newer names above high (``xhigh``, ``max``) read as high
+  (``read_effort``): templates know none above it. One documented difference: the
+  Messages API's ``thinking`` is Anthropic's switch, so its request carries
+  ``enable_thinking`` itself (true for enabled or adaptive, false when disabled or
+  absent, as Anthropic's models do not think unless asked), and, like a client's
+  ``chat_template_kwargs``, it wins.
 - Sent back in history: an assistant message's ``reasoning_content`` (DeepSeek's,
   vLLM's older name, this server's answers by default) or ``reasoning`` (vLLM's newer
   one); both, different, are refused.
@@ -31,6 +40,7 @@ from mlxceld.api.surface import REASONING_FIELDS, check_fields
 
 EFFORTS: Final = ("none", "minimal", "low", "medium", "high")
 QUIET_EFFORTS: Final = frozenset({"none", "minimal"})  # enable_thinking false
+ABOVE_HIGH: Final = ("xhigh", "max")  # the Responses and Messages APIs' names, read as high
 ReasoningField = Literal["reasoning_content", "reasoning", "both"]
 REASONING_KEYS: Final[tuple[str, ...]] = get_args(ReasoningField)
 
@@ -78,6 +88,11 @@ def parse_history_reasoning(fields: Fields) -> str | None:
                       "are the same field (vLLM's and DeepSeek's names): send one",
                       fields.path("reasoning"))
     return content if content is not None else plain
+
+
+def read_effort(effort: str) -> str:
+    """An effort as the template gets it: ``ABOVE_HIGH`` as high, the rest as they are."""
+    return "high" if effort in ABOVE_HIGH else effort
 
 
 def template_kwargs(client: Mapping[str, Any], effort: str | None) -> dict[str, Any]:

@@ -1,9 +1,16 @@
-"""Serving one completion: admit, generate, answer whole or as a stream.
+"""Serving one generation: admit, generate, answer whole or as a stream, in an API's format.
 
-Nothing is sent before the sequence's first event (its first text, or its end):
-a full queue (503), an engine that fails at once (500), or a client that
-leaves while queued is answered, or not, without a half-open stream. Once the
-stream has started, an engine failure is an SSE error event, then ``[DONE]``.
+``SequenceResponse`` is what every generating endpoint shares: the sequence runs while the
+answer is sent, and a client that leaves cancels it (``until_disconnect``); a drain waits
+for it (``draining.track``). Nothing is sent before the sequence's first event (its first
+text, or its end): a full queue (503), an engine that fails at once (500), or a client
+that leaves while queued is answered, or not, without a half-open stream; that answer is
+``failure``'s error in the API's error shape (``refusal``). Once a stream has started, a
+failure is the API's error event and the stream ends. Each endpoint's subclass supplies
+only its format: ``take`` (an event into the whole answer) and ``whole``; ``opening``,
+``chunks`` (an event's stream events), ``failed`` and ``closing``; ``END`` (OpenAI's
+chat and completions end with ``[DONE]``, the Responses and Messages APIs with nothing).
+``CompletionResponse`` is chat's and completions' (``formats.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from typing import Any, ClassVar
 
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -22,7 +30,14 @@ from mlxceld.api.formats import Answer, Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
 from mlxceld.api.replies import Called, ChatReply
 from mlxceld.api.requests import constraint_refused
-from mlxceld.api.streaming import end_events, event, send_event, start_events, until_disconnect
+from mlxceld.api.streaming import (
+    DONE,
+    end_events,
+    event,
+    send_event,
+    start_events,
+    until_disconnect,
+)
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 from mlxceld.engine.constraints import ConstraintError
 
@@ -45,22 +60,51 @@ def failure(exc: Exception) -> ApiError:
                     "server_error", code="internal_error")
 
 
-class CompletionResponse(Response):
-    """An ASGI response that runs the sequence while it is sent, cancelled with it."""
+class SequenceResponse(Response):
+    """An ASGI response that runs the sequence while it is sent, cancelled with it; the
+    subclass writes the API's format (the module's docstring lists its hooks)."""
+
+    END: ClassVar[bytes] = b""  # the stream's last bytes, after its closing events
 
     def __init__(self, sequencer: Sequencer, request: GenerationRequest, stops: Sequence[str],
-                 fmt: Format, *, stream: bool, arrived: float,
-                 reply: ChatReply | None = None) -> None:
+                 *, stream: bool, arrived: float, reply: ChatReply | None = None) -> None:
         self._sequencer = sequencer
-        self._reply = reply
         self._request = request
         self._stops = tuple(stops)
-        self._format = fmt
         self._stream = stream
         self._arrived = arrived
+        self._reply = reply
         self._usage = Usage()  # the access log's, once called (api/access.py)
         self.background = None
 
+    # The format's hooks.
+    def refusal(self, error: ApiError) -> Response:
+        """The answer to a request refused before anything was sent."""
+        return error_response(error)
+
+    def take(self, event: TextPiece | Called) -> None:
+        """An event into the whole answer."""
+
+    async def whole(self, finished: Finished) -> Any:
+        """The whole answer's JSON, every event taken."""
+        raise NotImplementedError
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def chunks(self, event: TextPiece | Called) -> list[bytes]:
+        """An event's stream events."""
+        raise NotImplementedError
+
+    def failed(self, error: ApiError) -> list[bytes]:
+        """The events of a stream the engine failed after it started."""
+        raise NotImplementedError
+
+    async def closing(self, finished: Finished) -> list[bytes]:
+        """The stream's last events, before ``END``."""
+        raise NotImplementedError
+
+    # The plumbing every format shares.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._usage = noted(scope)
         self._usage.completion_id = self._request.request_id
@@ -88,67 +132,99 @@ class CompletionResponse(Response):
                 await self._send_whole(first, events, scope, receive, send)
 
     async def _refuse(self, exc: Exception, scope: Scope, receive: Receive, send: Send) -> None:
-        error = failure(exc)
         if isinstance(exc, EngineError):
             log.warning("request %s: the engine failed: %s", self._request.request_id, exc)
         elif not isinstance(exc, ApiError | ConstraintError):
             log.exception("request %s failed", self._request.request_id)
-        await error_response(error)(scope, receive, send)
+        await self.refusal(failure(exc))(scope, receive, send)
 
     async def _send_whole(self, first: Event, events: AsyncIterator[Event], scope: Scope,
                           receive: Receive, send: Send) -> None:
-        answer = Answer()
         current = first
         try:
             while not isinstance(current, Finished):
-                if isinstance(current, Called):
-                    answer.calls.extend(current.calls)
-                else:
-                    answer.logprobs += current.logprobs
-                    if current.kind == "reasoning":
-                        answer.reasoning += current.text
-                    else:
-                        answer.content += current.text
+                self.take(current)
                 current = await anext(events)
         except Exception as exc:
             await self._refuse(exc, scope, receive, send)
             return
         self._log_finished(current)
-        await JSONResponse(self._format.whole(answer, current))(scope, receive, send)
+        await JSONResponse(await self.whole(current))(scope, receive, send)
 
     async def _send_stream(self, first: Event, events: AsyncIterator[Event], send: Send) -> None:
         await start_events(send)
-        for chunk in self._format.opening():
-            await send_event(send, event(chunk))
+        for chunk in self.opening():
+            await send_event(send, chunk)
         current = first
-        calls = 0
         try:
-            while isinstance(current, TextPiece | Called):
-                if isinstance(current, Called):
-                    for call in current.calls:
-                        for chunk in self._format.called(calls, call):
-                            await send_event(send, event(chunk))
-                        calls += 1
-                else:
-                    await send_event(send, event(self._format.piece(
-                        current.text, current.kind, current.logprobs)))
+            while not isinstance(current, Finished):
+                for chunk in self.chunks(current):
+                    await send_event(send, chunk)
                 current = await anext(events)
         except Exception as exc:
-            error = failure(exc)
             log.warning("request %s failed mid-stream: %s", self._request.request_id, exc,
                         exc_info=not isinstance(exc, EngineError))
-            await send_event(send, event(error.body()))
-            await end_events(send)
+            for chunk in self.failed(failure(exc)):
+                await send_event(send, chunk)
+            await end_events(send, self.END)
             return
         self._log_finished(current)
-        reason = "tool_calls" if calls and current.reason == "stop" else current.reason
-        await send_event(send, event(self._format.closing(reason)))
-        if self._format.include_usage:
-            await send_event(send, event(self._format.usage(current)))
-        await end_events(send)
+        for chunk in await self.closing(current):
+            await send_event(send, chunk)
+        await end_events(send, self.END)
 
     def _log_finished(self, finished: Finished) -> None:
         self._usage.completion_tokens = finished.completion_tokens
         log.debug("request %s finished (%s): %d prompt tokens, %d completion tokens, %.3f s",
                   self._request.request_id, finished.reason, finished.prompt_tokens,
                   finished.completion_tokens, time.monotonic() - self._arrived)
+
+
+class CompletionResponse(SequenceResponse):
+    """A chat completion or a completion, in OpenAI's format (``formats.Format``): a
+    stream's events unnamed, ended by ``[DONE]``; a failure mid-stream the error's body."""
+
+    END = DONE
+
+    def __init__(self, sequencer: Sequencer, request: GenerationRequest, stops: Sequence[str],
+                 fmt: Format, *, stream: bool, arrived: float,
+                 reply: ChatReply | None = None) -> None:
+        super().__init__(sequencer, request, stops, stream=stream, arrived=arrived, reply=reply)
+        self._format = fmt
+        self._answer = Answer()
+        self._calls = 0  # the tool calls streamed so far
+
+    def take(self, event: TextPiece | Called) -> None:
+        if isinstance(event, Called):
+            self._answer.calls.extend(event.calls)
+            return
+        self._answer.logprobs += event.logprobs
+        if event.kind == "reasoning":
+            self._answer.reasoning += event.text
+        else:
+            self._answer.content += event.text
+
+    async def whole(self, finished: Finished) -> Any:
+        return self._format.whole(self._answer, finished)
+
+    def opening(self) -> list[bytes]:
+        return [event(chunk) for chunk in self._format.opening()]
+
+    def chunks(self, piece: TextPiece | Called) -> list[bytes]:
+        if isinstance(piece, TextPiece):
+            return [event(self._format.piece(piece.text, piece.kind, piece.logprobs))]
+        out = []
+        for call in piece.calls:
+            out += [event(chunk) for chunk in self._format.called(self._calls, call)]
+            self._calls += 1
+        return out
+
+    def failed(self, error: ApiError) -> list[bytes]:
+        return [event(error.body())]
+
+    async def closing(self, finished: Finished) -> list[bytes]:
+        reason = "tool_calls" if self._calls and finished.reason == "stop" else finished.reason
+        out = [event(self._format.closing(reason))]
+        if self._format.include_usage:
+            out.append(event(self._format.usage(finished)))
+        return out

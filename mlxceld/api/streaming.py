@@ -1,7 +1,9 @@
 """Server-sent events, and serving a response only as long as the client is there.
 
-Each event is one ``data: <json>`` line and a blank line; a stream ends with
-``data: [DONE]``. ``until_disconnect`` runs the work of a response beside a
+OpenAI's chat and completions streams: each event is one ``data: <json>`` line and a
+blank line (``event``); the stream ends with ``data: [DONE]`` (``DONE``). The Responses
+and Messages APIs name each event (``named_event``: ``event: NAME`` before its data) and
+end without ``[DONE]``. ``until_disconnect`` runs the work of a response beside a
 watch on the ASGI ``receive`` channel, and cancels the work when the client
 goes away, whether the response is streamed or not, sending or waiting.
 """
@@ -24,7 +26,13 @@ HEADERS = [
 
 
 def event(data: Mapping[str, Any]) -> bytes:
+    """One unnamed event, as OpenAI's chat and completions streams send them."""
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+def named_event(name: str, data: Mapping[str, Any]) -> bytes:
+    """One event with its name, as the Responses and Messages APIs send them."""
+    return f"event: {name}\n".encode() + event(data)
 
 
 async def start_events(send: Send) -> None:
@@ -35,8 +43,9 @@ async def send_event(send: Send, data: bytes) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
-async def end_events(send: Send) -> None:
-    await send({"type": "http.response.body", "body": DONE, "more_body": False})
+async def end_events(send: Send, last: bytes = DONE) -> None:
+    """The stream's ``last`` bytes (OpenAI's ``[DONE]``, or nothing), and its end."""
+    await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:

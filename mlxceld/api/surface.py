@@ -55,22 +55,22 @@ class Rule:
     allowed_doc: str = ""  # the allowed values, as the docs show them
 
 
-def _honoured(note: str = "") -> Rule:
+def honoured(note: str = "") -> Rule:
     return Rule("honoured", note)
 
 
-def _hint(note: str, shape: Shape) -> Rule:
+def hint(note: str, shape: Shape) -> Rule:
     return Rule("hint", note, shape=shape)
 
 
-def _refused(note: str, allowed: Callable[[Any], bool] | None = None,
+def refused(note: str, allowed: Callable[[Any], bool] | None = None,
              allowed_doc: str = "") -> Rule:
     return Rule("refused", note, allowed, allowed_doc=allowed_doc)
 
 
 def _neutral(name: str, value: float, note: str) -> Rule:
     """A sampler this server does not have: refused unless its neutral ``value``."""
-    return _refused(f"{note}; leave {name!r} out or {value:g}",
+    return refused(f"{note}; leave {name!r} out or {value:g}",
                     lambda v: not isinstance(v, bool) and v == value, f"{value:g}")
 
 
@@ -79,121 +79,121 @@ def _is(value: Any) -> Callable[[Any], bool]:
 
 
 SHARED: Final[dict[str, Rule]] = {
-    "model": _honoured(),
-    "max_tokens": _honoured(),
-    "max_completion_tokens": _honoured(),
-    "temperature": _honoured(),
-    "top_p": _honoured(),
-    "top_k": _honoured("an extension (vLLM, mlx_lm.server); 0 or -1 (vLLM's) is off"),
-    "seed": _honoured(),
-    "stop": _honoured("up to 16 strings"),
-    "stream": _honoured(),
-    "stream_options": _honoured(),
-    "n": _honoured("1 only"),
+    "model": honoured(),
+    "max_tokens": honoured(),
+    "max_completion_tokens": honoured(),
+    "temperature": honoured(),
+    "top_p": honoured(),
+    "top_k": honoured("an extension (vLLM, mlx_lm.server); 0 or -1 (vLLM's) is off"),
+    "seed": honoured(),
+    "stop": honoured("up to 16 strings"),
+    "stream": honoured(),
+    "stream_options": honoured(),
+    "n": honoured("1 only"),
     "user": Rule("opaque", shape=str),
-    "presence_penalty": _honoured(),
-    "frequency_penalty": _honoured(),
-    "repetition_penalty": _honoured("vLLM's, mlx-lm's"),
-    "min_p": _honoured("vLLM's, llama.cpp's"),
-    "logit_bias": _honoured(),
-    "logprobs": _honoured(),
-    "response_format": _honoured("completions too, as vLLM"),
+    "presence_penalty": honoured(),
+    "frequency_penalty": honoured(),
+    "repetition_penalty": honoured("vLLM's, mlx-lm's"),
+    "min_p": honoured("vLLM's, llama.cpp's"),
+    "logit_bias": honoured(),
+    "logprobs": honoured(),
+    "response_format": honoured("completions too, as vLLM"),
 }
 
 # Other servers' extras (vLLM, llama.cpp, Ollama), on both endpoints.
 EXTRAS: Final[dict[str, Rule]] = {
-    "min_tokens": _honoured("vLLM's: end-of-sequence tokens are masked until this many "
+    "min_tokens": honoured("vLLM's: end-of-sequence tokens are masked until this many "
                             "tokens were generated (stop strings still apply)"),
-    "ignore_eos": _honoured("vLLM's, llama.cpp's: end-of-sequence tokens are masked; the "
+    "ignore_eos": honoured("vLLM's, llama.cpp's: end-of-sequence tokens are masked; the "
                             "answer runs to max_tokens or a stop string"),
-    "guided_json": _honoured("vLLM's: as response_format json_schema with this schema"),
+    "guided_json": honoured("vLLM's: as response_format json_schema with this schema"),
     "request_id": Rule("opaque", shape=str),
-    "cache_prompt": _hint("llama.cpp's: the prompt (prefix) cache is automatic here", bool),
-    "keep_alive": _hint("Ollama's: the model stays loaded while the daemon serves it",
+    "cache_prompt": hint("llama.cpp's: the prompt (prefix) cache is automatic here", bool),
+    "keep_alive": hint("Ollama's: the model stays loaded while the daemon serves it",
                         (str, int, float)),
-    "num_ctx": _hint("Ollama's: the context is the operator's ([serve] context_length); "
+    "num_ctx": hint("Ollama's: the context is the operator's ([serve] context_length); "
                      "a prompt that does not fit is refused", int),
-    "spaces_between_special_tokens": _hint("vLLM's: special tokens are never shown, so "
+    "spaces_between_special_tokens": hint("vLLM's: special tokens are never shown, so "
                                            "there is nothing to space", bool),
-    "mirostat_tau": _hint("llama.cpp's: read only with mirostat, which is refused "
+    "mirostat_tau": hint("llama.cpp's: read only with mirostat, which is refused "
                           "unless 0", NUMBER),
-    "mirostat_eta": _hint("llama.cpp's: read only with mirostat, which is refused "
+    "mirostat_eta": hint("llama.cpp's: read only with mirostat, which is refused "
                           "unless 0", NUMBER),
-    "n_predict": _refused("llama.cpp's native name; send 'max_tokens' instead"),
+    "n_predict": refused("llama.cpp's native name; send 'max_tokens' instead"),
     "typical_p": _neutral("typical_p", 1.0, "locally typical sampling is not served"),
     "tfs_z": _neutral("tfs_z", 1.0, "tail-free sampling is not served"),
     "mirostat": _neutral("mirostat", 0, "mirostat sampling is not served"),
-    "options": _refused("Ollama's 'options' object is not read; send its fields "
+    "options": refused("Ollama's 'options' object is not read; send its fields "
                         "(temperature, top_p, top_k, seed, stop, ...) at the top level"),
-    "skip_special_tokens": _refused("special tokens are always skipped; send true or leave "
+    "skip_special_tokens": refused("special tokens are always skipped; send true or leave "
                                     "'skip_special_tokens' out", _is(True), "true"),
-    "include_stop_str_in_output": _refused("the stop string is never part of the output; "
+    "include_stop_str_in_output": refused("the stop string is never part of the output; "
                                            "send false or leave "
                                            "'include_stop_str_in_output' out",
                                            _is(False), "false"),
-    "use_beam_search": _refused("beam search is not served; send false or leave "
+    "use_beam_search": refused("beam search is not served; send false or leave "
                                 "'use_beam_search' out", _is(False), "false"),
     "length_penalty": _neutral("length_penalty", 1.0, "beam search is not served"),
-    "stop_token_ids": _refused("stop tokens by id are not served; send their text as "
+    "stop_token_ids": refused("stop tokens by id are not served; send their text as "
                                "'stop'", lambda v: v == [], "[]"),
-    "return_tokens_as_token_ids": _refused("tokens are returned as text; send false or "
+    "return_tokens_as_token_ids": refused("tokens are returned as text; send false or "
                                            "leave 'return_tokens_as_token_ids' out",
                                            _is(False), "false"),
-    "guided_regex": _refused("regular-expression output is not served; send "
+    "guided_regex": refused("regular-expression output is not served; send "
                              "'response_format' (a JSON schema) instead"),
-    "guided_choice": _refused("a choice of strings is not served; send 'response_format' "
+    "guided_choice": refused("a choice of strings is not served; send 'response_format' "
                               "(a JSON schema with an enum) instead"),
-    "guided_grammar": _refused("a grammar is not served; send 'response_format' (a JSON "
+    "guided_grammar": refused("a grammar is not served; send 'response_format' (a JSON "
                                "schema) instead"),
-    "priority": _refused("requests are served first come, first served; send 0 or leave "
+    "priority": refused("requests are served first come, first served; send 0 or leave "
                          "'priority' out", lambda v: v == 0 and not isinstance(v, bool), "0"),
 }
 
 CHAT_FIELDS: Final[dict[str, Rule]] = {
     **SHARED,
     **EXTRAS,
-    "messages": _honoured(),
+    "messages": honoured(),
     "safety_identifier": Rule("opaque", shape=str),
     "prompt_cache_key": Rule("opaque", shape=str),
     "metadata": Rule("opaque", shape=dict),
-    "top_logprobs": _honoured(),
-    "tools": _honoured(),
-    "tool_choice": _honoured(),
-    "parallel_tool_calls": _honoured(),
-    "chat_template_kwargs": _honoured("vLLM's: variables for the chat template"),
-    "reasoning_effort": _honoured("none, minimal, low, medium or high: the chat template "
+    "top_logprobs": honoured(),
+    "tools": honoured(),
+    "tool_choice": honoured(),
+    "parallel_tool_calls": honoured(),
+    "chat_template_kwargs": honoured("vLLM's: variables for the chat template"),
+    "reasoning_effort": honoured("none, minimal, low, medium or high: the chat template "
                                   "gets it as reasoning_effort, and none or minimal as "
                                   "enable_thinking false"),
-    "reasoning": _honoured("OpenRouter's and Open WebUI's {\"effort\": ...} (and "
+    "reasoning": honoured("OpenRouter's and Open WebUI's {\"effort\": ...} (and "
                            "\"enabled\": false, as effort none)"),
-    "audio": _refused("audio output is not served; leave 'audio' out"),
-    "modalities": _refused('only text is served; send ["text"] or leave \'modalities\' out',
+    "audio": refused("audio output is not served; leave 'audio' out"),
+    "modalities": refused('only text is served; send ["text"] or leave \'modalities\' out',
                            lambda v: v == ["text"], '["text"]'),
-    "prediction": _refused("predicted outputs are not served; leave 'prediction' out"),
-    "web_search_options": _refused("web search is not served; leave 'web_search_options' "
+    "prediction": refused("predicted outputs are not served; leave 'prediction' out"),
+    "web_search_options": refused("web search is not served; leave 'web_search_options' "
                                    "out"),
-    "functions": _refused("the legacy 'functions' is not served; send 'tools' instead"),
-    "function_call": _refused("the legacy 'function_call' is not served; send "
+    "functions": refused("the legacy 'functions' is not served; send 'tools' instead"),
+    "function_call": refused("the legacy 'function_call' is not served; send "
                               "'tool_choice' instead"),
-    "service_tier": _refused('one tier is served; send "auto" or leave \'service_tier\' out',
+    "service_tier": refused('one tier is served; send "auto" or leave \'service_tier\' out',
                              lambda v: v in ("auto", "default"), '"auto", "default"'),
-    "store": _refused("this server stores no completions; send false or leave 'store' out",
+    "store": refused("this server stores no completions; send false or leave 'store' out",
                       _is(False), "false"),
-    "verbosity": _refused("the model's verbosity cannot be set; leave 'verbosity' out"),
-    "moderation": _refused("this server does not moderate; leave 'moderation' out"),
-    "prompt_cache_retention": _refused("this server's prompt cache is the operator's "
+    "verbosity": refused("the model's verbosity cannot be set; leave 'verbosity' out"),
+    "moderation": refused("this server does not moderate; leave 'moderation' out"),
+    "prompt_cache_retention": refused("this server's prompt cache is the operator's "
                                        "([serve] prompt_cache_bytes), not a request's; "
                                        "leave 'prompt_cache_retention' out"),
-    "prompt_cache_options": _refused("this server's prompt cache is the operator's "
+    "prompt_cache_options": refused("this server's prompt cache is the operator's "
                                      "([serve] prompt_cache_bytes), not a request's; "
                                      "leave 'prompt_cache_options' out"),
-    "echo": _refused("echoing the prompt is not served on chat; leave 'echo' out or false",
+    "echo": refused("echoing the prompt is not served on chat; leave 'echo' out or false",
                      _is(False), "false"),
-    "best_of": _refused("one candidate is generated per request; leave 'best_of' out or 1",
+    "best_of": refused("one candidate is generated per request; leave 'best_of' out or 1",
                         lambda v: v == 1 and not isinstance(v, bool), "1"),
-    "add_generation_prompt": _refused("the assistant's turn is always opened; send true or "
+    "add_generation_prompt": refused("the assistant's turn is always opened; send true or "
                                       "leave 'add_generation_prompt' out", _is(True), "true"),
-    "continue_final_message": _refused("a final assistant message is not continued; send "
+    "continue_final_message": refused("a final assistant message is not continued; send "
                                        "false or leave 'continue_final_message' out",
                                        _is(False), "false"),
 }
@@ -201,39 +201,39 @@ CHAT_FIELDS: Final[dict[str, Rule]] = {
 COMPLETION_FIELDS: Final[dict[str, Rule]] = {
     **SHARED,
     **EXTRAS,
-    "prompt": _honoured(),
-    "echo": _refused("echoing the prompt is not served; leave 'echo' out or false",
+    "prompt": honoured(),
+    "echo": refused("echoing the prompt is not served; leave 'echo' out or false",
                      _is(False), "false"),
-    "best_of": _refused("one candidate is generated per request; leave 'best_of' out or 1",
+    "best_of": refused("one candidate is generated per request; leave 'best_of' out or 1",
                         lambda v: v == 1 and not isinstance(v, bool), "1"),
-    "suffix": _refused("insertion (a suffix after the completion) is not served; leave "
+    "suffix": refused("insertion (a suffix after the completion) is not served; leave "
                        "'suffix' out", lambda v: v == "", '""'),
 }
 
 # The ``reasoning`` object of a chat request (OpenRouter's; Open WebUI sends its effort).
 REASONING_FIELDS: Final[dict[str, Rule]] = {
-    "effort": _honoured("as reasoning_effort"),
-    "enabled": _honoured("false: as effort none"),
-    "max_tokens": _refused("a reasoning budget in tokens is not served; send 'effort' "
+    "effort": honoured("as reasoning_effort"),
+    "enabled": honoured("false: as effort none"),
+    "max_tokens": refused("a reasoning budget in tokens is not served; send 'effort' "
                            "instead"),
-    "exclude": _refused("the reasoning is always returned apart from the content; send "
+    "exclude": refused("the reasoning is always returned apart from the content; send "
                         "false or leave 'reasoning.exclude' out", _is(False), "false"),
 }
 
-CACHE_CONTROL = _hint("Anthropic's and OpenRouter's: the prompt (prefix) cache is "
+CACHE_CONTROL = hint("Anthropic's and OpenRouter's: the prompt (prefix) cache is "
                       "automatic here", dict)
 
 # A chat message's fields, by its role (``requests.py`` reads them; ``name`` and an
 # assistant's reasoning go to the chat template, whose messages carry them).
 MESSAGE_FIELDS: Final[dict[str, Rule]] = {
-    "role": _honoured(),
-    "content": _honoured(),
-    "name": _honoured(),
+    "role": honoured(),
+    "content": honoured(),
+    "name": honoured(),
     "cache_control": CACHE_CONTROL,
 }
 
 # A text part of a message's content (the only part type served).
-TEXT_PART_FIELDS: Final[dict[str, Rule]] = {"type": _honoured(), "text": _honoured(),
+TEXT_PART_FIELDS: Final[dict[str, Rule]] = {"type": honoured(), "text": honoured(),
                                             "cache_control": CACHE_CONTROL}
 
 ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
@@ -241,16 +241,16 @@ ROLE_FIELDS: Final[dict[str, dict[str, Rule]]] = {
     "user": MESSAGE_FIELDS,
     "assistant": {
         **MESSAGE_FIELDS,
-        "tool_calls": _honoured(),
-        "reasoning_content": _honoured("an earlier answer's reasoning, to the template"),
-        "reasoning": _honoured("the same as reasoning_content (vLLM's newer name)"),
-        "refusal": _refused("a refusal is not read back into the chat; send its text as "
+        "tool_calls": honoured(),
+        "reasoning_content": honoured("an earlier answer's reasoning, to the template"),
+        "reasoning": honoured("the same as reasoning_content (vLLM's newer name)"),
+        "refusal": refused("a refusal is not read back into the chat; send its text as "
                             "'content' instead"),
-        "audio": _refused("audio is not served; leave an assistant message's 'audio' out"),
-        "function_call": _refused("the legacy 'function_call' is not served; send "
+        "audio": refused("audio is not served; leave an assistant message's 'audio' out"),
+        "function_call": refused("the legacy 'function_call' is not served; send "
                                   "'tool_calls' instead"),
     },
-    "tool": {**MESSAGE_FIELDS, "tool_call_id": _honoured()},
+    "tool": {**MESSAGE_FIELDS, "tool_call_id": honoured()},
 }
 
 
@@ -271,8 +271,9 @@ def check_fields(body: Mapping[str, Any], table: Mapping[str, Rule], prefix: str
         names = ", ".join(show(path(n)) for n in unknown[:MAX_NAMED])
         more = f" and {len(unknown) - MAX_NAMED} more" if len(unknown) > MAX_NAMED else ""
         raise invalid(f"unknown field{'s' if len(unknown) > 1 else ''} {names}{more}: this "
-                      "server honours OpenAI's fields and the extensions of docs/api-fields.md, "
-                      "and refuses what it does not know rather than ignore it; remove "
+                      "server honours the fields docs/api-fields.md lists (each API's own, and "
+                      "other servers' extensions), and refuses what it does not know rather "
+                      "than ignore it; remove "
                       f"{'them' if len(unknown) > 1 else 'it'}", path(unknown[0])[:200],
                       "unknown_parameter")
     for name, value in body.items():

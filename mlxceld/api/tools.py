@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -80,8 +81,16 @@ class ToolUse:
 
 def parse_tool_use(fields: Fields) -> ToolUse | None:
     """The request's tools, None when it has none (and ``tool_choice`` allows that)."""
-    tools = _tools(fields)
+    tools = parse_tools(fields, _tool, "function.name")
     choice, function = _choice(fields)
+    return tool_use(fields, tools, choice, function, "tool_choice.function.name")
+
+
+def tool_use(fields: Fields, tools: tuple[Tool, ...], choice: ChoiceKind, function: str | None,
+             function_param: str) -> ToolUse | None:
+    """The tools and the choice among them, checked together (OpenAI's chat and Responses
+    APIs alike; ``function_param``: where the request names the chosen function), with
+    ``parallel_tool_calls``; None when there are no tools and the choice allows that."""
     parallel = fields.boolean("parallel_tool_calls", True)
     if not tools:
         if choice in ("required", "function"):
@@ -91,24 +100,27 @@ def parse_tool_use(fields: Fields) -> ToolUse | None:
         return None
     if function is not None and function not in {t.name for t in tools}:
         raise invalid(f"'tool_choice' names the function {function!r}, which is not among "
-                      f"'tools' ({', '.join(t.name for t in tools)})",
-                      "tool_choice.function.name")
+                      f"'tools' ({', '.join(t.name for t in tools)})", function_param)
     return ToolUse(tools, choice, function, parallel)
 
 
-def _tools(fields: Fields) -> tuple[Tool, ...]:
+def parse_tools(fields: Fields, read: Callable[[Any, str], Tool], name_key: str,
+                limit: int = MAX_TOOLS) -> tuple[Tool, ...]:
+    """The request's ``tools``, each read by ``read`` (the API's tool shape), at most
+    ``limit`` (the API's) and each name once (``name_key``: where a tool holds its name).
+    OpenAI's chat and Responses APIs and Anthropic's Messages API read their tools so."""
     value = fields.array("tools", "an array of tools")
     if value is None:
         return ()
-    if len(value) > MAX_TOOLS:
-        raise invalid(f"'tools' holds {len(value)} tools; at most {MAX_TOOLS} are allowed",
+    if len(value) > limit:
+        raise invalid(f"'tools' holds {len(value)} tools; at most {limit} are allowed",
                       "tools")
-    tools = tuple(_tool(item, f"tools[{i}]") for i, item in enumerate(value))
+    tools = tuple(read(item, f"tools[{i}]") for i, item in enumerate(value))
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.name in seen:
-            raise invalid(f"'tools[{i}].function.name' {tool.name!r} is declared twice; "
-                          "give each tool its own name", f"tools[{i}].function.name")
+            raise invalid(f"'tools[{i}].{name_key}' {tool.name!r} is declared twice; "
+                          "give each tool its own name", f"tools[{i}].{name_key}")
         seen.add(tool.name)
     return tools
 
@@ -120,7 +132,7 @@ def _tool(item: Any, path: str) -> Tool:
         raise invalid(f"'{path}.type' must be \"function\" (only function tools are "
                       f"served), not {show(tool_type)}", f"{path}.type")
     inner = _function(fields)
-    name = _name(inner)
+    name = function_name(inner)
     description = inner.string("description")
     parameters = inner.get("parameters")
     if parameters is None:
@@ -131,7 +143,8 @@ def _tool(item: Any, path: str) -> Tool:
     return Tool(name, description, json.dumps(parameters, ensure_ascii=False))
 
 
-def _name(fields: Fields) -> str:
+def function_name(fields: Fields) -> str:
+    """A tool's or a call's required ``name``, as OpenAI allows names (``NAME``)."""
     name = fields.string("name")
     if name is None:
         raise invalid(f"'{fields.path('name')}' is required", fields.path("name"))
@@ -157,7 +170,7 @@ def _choice(fields: Fields) -> tuple[ChoiceKind, str | None]:
         function = value.get("function")
         if not isinstance(function, dict):
             raise choice.wrong("function", "an object with the function's name")
-        return "function", _name(Fields(function, "tool_choice.function"))
+        return "function", function_name(Fields(function, "tool_choice.function"))
     raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or "
                   "{\"type\": \"function\", \"function\": {\"name\": ...}}, not "
                   f"{show(value)}", "tool_choice")
@@ -190,19 +203,25 @@ def _called(item: Any, path: str) -> CalledTool:
         raise invalid(f"'{path}.type' must be \"function\", not {show(call_type)}",
                       f"{path}.type")
     inner = _function(fields)
-    name = _name(inner)
+    name = function_name(inner)
     arguments = inner.get("arguments")
     if isinstance(arguments, dict):  # some clients send the object itself
         return CalledTool(call_id, name, json.dumps(arguments, ensure_ascii=False))
-    text = inner.string("arguments")
+    return CalledTool(call_id, name, call_arguments(inner))
+
+
+def call_arguments(fields: Fields) -> str:
+    """An earlier call's required ``arguments``: a JSON object's text, as the model gave
+    it (OpenAI's chat and Responses APIs alike), re-serialized."""
+    where = fields.path("arguments")
+    text = fields.string("arguments")
     if text is None:
-        raise invalid(f"'{path}.function.arguments' is required", f"{path}.function.arguments")
+        raise invalid(f"'{where}' is required", where)
     try:
         parsed = json.loads(text or "{}")
     except (ValueError, RecursionError) as exc:
-        raise invalid(f"'{path}.function.arguments' is not valid JSON ({exc}); send the "
-                      "arguments as the model gave them", f"{path}.function.arguments") from None
+        raise invalid(f"'{where}' is not valid JSON ({exc}); send the arguments as the "
+                      "model gave them", where) from None
     if not isinstance(parsed, dict):
-        raise invalid(f"'{path}.function.arguments' must hold a JSON object, not "
-                      f"{kind(parsed)}", f"{path}.function.arguments")
-    return CalledTool(call_id, name, json.dumps(parsed, ensure_ascii=False))
+        raise invalid(f"'{where}' must hold a JSON object, not {kind(parsed)}", where)
+    return json.dumps(parsed, ensure_ascii=False)

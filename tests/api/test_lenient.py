@@ -155,3 +155,53 @@ def test_the_header_is_ascii_and_bounded() -> None:
     value = header_value(names)
     value.encode("ascii")
     assert value.startswith("na\\u00efve, f0") and value.endswith("and 4 more")
+
+
+def test_warn_covers_the_responses_and_messages_apis(caplog: pytest.LogCaptureFixture) -> None:
+    """The same setting, header and once-per-name log on every endpoint that reads a body:
+    unknown fields at the top and inside items, blocks and options are ignored and named,
+    whole and streamed; a known field refused is still refused."""
+    responses_body: Any = {"model": MODEL, "max_output_tokens": 8, "x_custom": 1,
+                           "reasoning": {"effort": "low", "x_knob": True}, "input": [
+                               {"role": "user", "content": "hi", "x_item": 1}]}
+    messages_body: Any = {"model": MODEL, "max_tokens": 8, "x_custom": 1,
+                          "thinking": {"type": "disabled", "x_knob": 1}, "messages": [
+                              {"role": "user", "content": [
+                                  {"type": "text", "text": "hi", "x_block": 1}]}]}
+
+    async def main() -> list[httpx.Response]:
+        app = make_app(FakeEngine(reply=b"fine"), unknown_fields="warn")
+        async with http_client(app) as client:
+            return [await client.post("/v1/responses", json=responses_body),
+                    await client.post("/v1/responses", json={**responses_body,
+                                                             "stream": True}),
+                    await client.post("/v1/messages", json=messages_body),
+                    await client.post("/v1/messages", json={**messages_body, "stream": True}),
+                    await client.post("/v1/messages/count_tokens", json={
+                        k: v for k, v in messages_body.items() if k != "max_tokens"}),
+                    await client.post("/v1/responses", json={**responses_body,
+                                                             "store": True}),
+                    await client.post("/v1/messages", json={**messages_body,
+                                                            "container": "c"})]
+
+    with caplog.at_level(logging.WARNING, logger="mlxceld.api.ignoring"):
+        answers = asyncio.run(main())
+    whole, streamed, message, message_stream, count, refused, refused_message = answers
+    for response in (whole, streamed):
+        assert response.status_code == 200, response.text
+        assert response.headers[HEADER] == "x_custom, input[].x_item, reasoning.x_knob"
+    assert whole.json()["output"][-1]["content"][0]["text"] == "fine"
+    assert "event: response.completed" in streamed.text
+    for response in (message, message_stream, count):
+        assert response.status_code == 200, response.text
+        assert response.headers[HEADER] == \
+            "x_custom, messages[].content[].x_block, thinking.x_knob"
+    assert message.json()["content"] == [{"type": "text", "text": "fine"}]
+    assert "event: message_stop" in message_stream.text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+    assert refused_message.status_code == 400 and HEADER not in refused_message.headers
+    assert "'container'" in refused_message.json()["error"]["message"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "mlxceld.api.ignoring"]
+    assert sorted(n.split('"')[1] for n in logged) == sorted(
+        ["x_custom", "input[].x_item", "reasoning.x_knob", "messages[].content[].x_block",
+         "thinking.x_knob"]), logged

@@ -10,6 +10,7 @@ import pytest
 
 from mlxceld.api.errors import ApiError
 from mlxceld.api.messages import parse_messages
+from mlxceld.api.reasoning import template_kwargs
 
 MODEL = "m"
 USER: Any = [{"role": "user", "content": "hi"}]
@@ -22,6 +23,11 @@ def parse(count: bool = False, **body: Any) -> Any:
     if not count:
         body.setdefault("max_tokens", 10)
     return parse_messages(json.dumps(body).encode(), model_id=MODEL, count=count)
+
+
+def template(parsed: Any) -> dict[str, Any]:
+    """What the chat template is given (``chatting.py`` applies the one effort rule)."""
+    return template_kwargs(dict(parsed.chat.template_kwargs), parsed.chat.reasoning_effort)
 
 
 def refused(status: int = 400, **body: Any) -> str:
@@ -55,7 +61,7 @@ def test_turns_tool_results_and_thinking_history() -> None:
         [("toolu_1", "f", {"a": 1})]
     assert parsed.chat.messages[3].tool_call_id == "toolu_1"
     assert parsed.max_tokens == 10 and parsed.chat.options.max_tokens is None
-    assert dict(parsed.chat.template_kwargs) == {"enable_thinking": False}
+    assert template(parsed) == {"enable_thinking": False}
 
 
 def test_tool_choice_thinking_and_effort() -> None:
@@ -66,13 +72,13 @@ def test_tool_choice_thinking_and_effort() -> None:
     assert (named.chat.tools.choice, named.chat.tools.function) == ("function", "f")
     assert parse(tools=[TOOL], tool_choice={"type": "none"}).chat.tools.offered == ()
     thinking = parse(thinking={"type": "enabled", "budget_tokens": 20000, "display": "omitted"})
-    assert dict(thinking.chat.template_kwargs) == {"enable_thinking": True,
+    assert template(thinking) == {"enable_thinking": True,
                                                    "reasoning_effort": "high"}
     assert thinking.show_thinking is False
     effort = parse(thinking={"type": "adaptive"}, output_config={"effort": "max"})
-    assert dict(effort.chat.template_kwargs) == {"enable_thinking": True,
+    assert template(effort) == {"enable_thinking": True,
                                                  "reasoning_effort": "high"}
-    assert dict(parse(thinking={"type": "disabled"}).chat.template_kwargs) == \
+    assert template(parse(thinking={"type": "disabled"})) == \
         {"enable_thinking": False}
 
 

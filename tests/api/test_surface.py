@@ -177,8 +177,9 @@ def test_message_fields_are_honoured_or_refused_by_name() -> None:
 
 
 def test_the_documented_table_is_the_codes() -> None:
-    """docs/api-fields.md is generated from the tables (``python -m mlxceld.api.fielddoc``):
-    it fails here when one changed without the other; regenerate it."""
+    """docs/api-fields.md is generated from every endpoint's tables (``python -m
+    mlxceld.api.fielddoc``): it fails here when one changed without the other; regenerate
+    it. Each API's section is there, with fields only that API has."""
     from pathlib import Path
 
     from mlxceld.api.fielddoc import markdown
@@ -186,5 +187,11 @@ def test_the_documented_table_is_the_codes() -> None:
     doc = Path(__file__).parents[2] / "docs" / "api-fields.md"
     assert doc.read_text() == markdown(), "regenerate: python -m mlxceld.api.fielddoc " \
         "> docs/api-fields.md"
-    for name in ("cache_prompt", "num_ctx", "min_tokens", "reasoning_effort", "n_predict"):
-        assert f"| `{name}` |" in doc.read_text()
+    text = doc.read_text()
+    for name in ("cache_prompt", "num_ctx", "min_tokens", "reasoning_effort", "n_predict",
+                 "max_output_tokens", "previous_response_id", "call_id",  # Responses
+                 "stop_sequences", "budget_tokens", "tool_use_id", "mcp_servers"):  # Messages
+        assert f"| `{name}` |" in text, name
+    for heading in ("## Responses API", "## Messages API", "### A `function_call` item",
+                    "### A `tool_result` block", "### `output_config`"):
+        assert heading in text, heading

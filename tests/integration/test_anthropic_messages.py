@@ -16,12 +16,11 @@ import anthropic
 import httpx
 import pytest
 
-from mlxceld.models import preset, write_fixture
-
+from helpers import served
 from helpers.claude_code import claude_code_request, sse
-from helpers.daemons import READY_S, Daemons
+from helpers.daemons import Daemons
 from helpers.pipeline import start_pipeline
-from helpers.ports import free_port
+from helpers.served import serving_daemon
 
 KEY = "sk-test-anthropic"
 MODEL = "qwen3"
@@ -38,24 +37,13 @@ THINKING: Any = {"type": "enabled", "budget_tokens": 1024}
 
 @pytest.fixture(scope="module")
 def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_fixture(tmp_path_factory.mktemp("tools-fixture") / "qwen3",
-                         preset("tiny", layers=4, chat_template="tools"))
+    return served.tools_model(tmp_path_factory, MODEL)
 
 
 @pytest.fixture(scope="module")
 def local(tools_model: Path) -> Iterator[str]:
-    daemons = Daemons()
-    try:
-        key_file = Path(daemons.make(name="keyed").root) / "api-key"
-        key_file.write_text(KEY + "\n")
-        key_file.chmod(0o600)
-        port = free_port()
-        d = daemons.make().start("--model", str(tools_model), "--port", str(port),
-                                 "--api-key-file", str(key_file))
-        daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        daemons.cleanup()
+    with serving_daemon(tools_model, api_key=KEY) as base:
+        yield base
 
 
 def client(url: str, key: str = KEY) -> anthropic.Anthropic:

@@ -14,38 +14,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from mlxceld.models import preset, write_fixture
-
-from helpers.daemons import READY_S, Daemons
-from helpers.ports import free_port
+from helpers.served import serving_daemon, tools_model
 
 MODEL = "qwen3"
 
 
 @pytest.fixture(scope="module")
-def reasoning_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_fixture(tmp_path_factory.mktemp("clients-fixture") / MODEL,
-                         preset("tiny", layers=4, chat_template="tools"))
-
-
-@pytest.fixture(scope="module")
-def base(reasoning_model: Path) -> Iterator[str]:
-    """``http://127.0.0.1:PORT`` of a daemon serving the fixture, started as a user would
-    (``--model``, ``--port``, the default listen address)."""
-    daemons = Daemons()
-    try:
-        port = free_port()
-        d = daemons.make().start("--model", str(reasoning_model), "--port", str(port))
-        daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        daemons.cleanup()
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a daemon serving the tools fixture, started as a user
+    would (``--model``, ``--port``, the default listen address)."""
+    with serving_daemon(tools_model(tmp_path_factory, MODEL)) as url:
+        yield url
 
 
 def streamed(base: str, path: str, body: dict[str, Any]) -> tuple[str, str, list[Any]]:

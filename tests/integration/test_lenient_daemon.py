@@ -1,8 +1,8 @@
 """``[serve] unknown_fields = "warn"`` and ``reasoning_field = "both"`` from a real TOML
 config file, through a real daemon's router worker serving the Qwen3-style tools fixture
-(its template opens ``<think>``): an unknown field is ignored and named in a header, the
-clients' request shapes (``helpers/clientshapes.py``) are answered, and the reasoning
-comes under both keys."""
+(its template opens ``<think>``): an unknown field is ignored and named in a header (chat,
+Responses and Messages APIs alike), the clients' request shapes
+(``helpers/clientshapes.py``) are answered, and the reasoning comes under both keys."""
 
 from __future__ import annotations
 
@@ -61,6 +61,21 @@ def test_effort_none_answers_without_reasoning(url: str) -> None:
     message = response.json()["choices"][0]["message"]
     assert "reasoning" not in message and "reasoning_content" not in message, message
     assert HEADER not in response.headers
+
+
+def test_the_responses_and_messages_apis_ignore_and_name_too(url: str) -> None:
+    """The one setting covers OpenAI's Responses API and Anthropic's Messages API."""
+    responses = httpx.post(f"{url}/responses", timeout=60, json={
+        "model": "qwen3", "input": "hi", "max_output_tokens": 4, "x_client_trace": 1})
+    messages = httpx.post(f"{url}/messages", timeout=60, json={
+        "model": "qwen3", "max_tokens": 4, "x_client_trace": 1,
+        "messages": [{"role": "user", "content": "hi", "x_turn": 1}]})
+    for response in (responses, messages):
+        assert response.status_code == 200, response.text
+    assert responses.headers[HEADER] == "x_client_trace"
+    assert responses.json()["object"] == "response"
+    assert messages.headers[HEADER] == "x_client_trace, messages[].x_turn"
+    assert messages.json()["type"] == "message"
 
 
 @pytest.mark.parametrize("name", sorted(CLIENT_SHAPES))

@@ -17,12 +17,11 @@ from typing import Any
 import openai
 import pytest
 
-from mlxceld.models import preset, write_fixture
-
-from helpers.daemons import READY_S, Daemons
+from helpers import served
+from helpers.daemons import Daemons
 from helpers.pipeline import start_pipeline
-from helpers.ports import free_port
 from helpers.router import client
+from helpers.served import serving_daemon
 
 MODEL = "qwen3"
 QUESTION = "What is the weather in Paris?"
@@ -38,20 +37,13 @@ DIGIT: Any = {"type": "object", "additionalProperties": False, "required": ["a"]
 
 @pytest.fixture(scope="module")
 def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_fixture(tmp_path_factory.mktemp("tools-fixture") / MODEL,
-                         preset("tiny", layers=4, chat_template="tools"))
+    return served.tools_model(tmp_path_factory, MODEL)
 
 
 @pytest.fixture(scope="module")
 def local(tools_model: Path) -> Iterator[str]:
-    daemons = Daemons()
-    try:
-        port = free_port()
-        d = daemons.make().start("--model", str(tools_model), "--port", str(port))
-        daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        daemons.cleanup()
+    with serving_daemon(tools_model) as base:
+        yield base + "/v1"
 
 
 def check_text_and_stream(url: str) -> None:

@@ -18,12 +18,11 @@ from typing import Any
 import openai
 import pytest
 
-from mlxceld.models import preset, write_fixture
-
-from helpers.daemons import READY_S, Daemons
+from helpers import served
+from helpers.daemons import Daemons
 from helpers.pipeline import start_pipeline
-from helpers.ports import free_port
 from helpers.router import client
+from helpers.served import serving_daemon
 
 USER: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER: Any = {"type": "function", "function": {
@@ -46,20 +45,13 @@ NO_THINKING: Any = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_fixture(tmp_path_factory.mktemp("tools-fixture") / "qwen3",
-                         preset("tiny", layers=4, chat_template="tools"))
+    return served.tools_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def local(tools_model: Path) -> Iterator[str]:
-    daemons = Daemons()
-    try:
-        port = free_port()
-        d = daemons.make().start("--model", str(tools_model), "--port", str(port))
-        daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        daemons.cleanup()
+    with serving_daemon(tools_model) as base:
+        yield base + "/v1"
 
 
 def arguments(call: Any) -> dict[str, Any]:
@@ -155,16 +147,12 @@ def test_reasoning_forced_calls_a_round_trip_and_a_refusal_in_a_pipeline(
         url = start_pipeline(daemons, tools_model, [(0, 2), (2, 4)]).url
         check_reasoning_and_round_trip(url)
         check_forced_calls(url)  # the last stage masks under the tools' grammar
-        # A model whose template has no tool calling refuses tools, naming the model.
-        port = free_port()
-        d = daemons.make(name="plain").start("--model", str(split_fixture_dir / "qwen3"),
-                                             "--port", str(port))
-        daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
-        with client(f"http://127.0.0.1:{port}/v1") as c, \
-                pytest.raises(openai.BadRequestError) as caught:
-            c.chat.completions.create(model="qwen3", messages=USER, tools=[WEATHER])
     finally:
         daemons.cleanup()
+    # A model whose template has no tool calling refuses tools, naming the model.
+    with serving_daemon(split_fixture_dir / "qwen3") as base, client(base + "/v1") as c, \
+            pytest.raises(openai.BadRequestError) as caught:
+        c.chat.completions.create(model="qwen3", messages=USER, tools=[WEATHER])
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "tools"
     assert error["code"] == "tools_not_supported"
