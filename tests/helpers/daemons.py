@@ -38,6 +38,16 @@ stable_after_s = 30.0
 stop_timeout_s = 3.0
 health_interval_s = 0.5
 """
+# Two echo workers under FAST_POLICY: a daemon with workers and no model.
+TWO_ECHOS = FAST_POLICY + """
+[workers.alpha]
+role = "echo"
+options = { interval_s = 0.2 }
+
+[workers.beta]
+role = "echo"
+options = { interval_s = 0.2 }
+"""
 
 
 def alive(pid: int) -> bool:

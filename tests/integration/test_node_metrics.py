@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from helpers.daemons import FAST_POLICY, Daemons
+from helpers.daemons import TWO_ECHOS, Daemons
 from helpers.metrics import Samples, sample, scrape_checked
 from helpers.pipeline import start_pipeline
 from helpers.ports import free_port
@@ -23,15 +23,6 @@ from helpers.router import client
 from helpers.waiting import wait_for
 
 KEY = "sk-metrics-test"
-WORKERS = FAST_POLICY + """
-[workers.alpha]
-role = "echo"
-options = { interval_s = 0.2 }
-
-[workers.beta]
-role = "echo"
-options = { interval_s = 0.2 }
-"""
 
 
 def listen(name: str = "localhost") -> tuple[str, str]:
@@ -50,7 +41,7 @@ def with_daemon_keys(text: str, **keys: str | bool) -> str:
 def test_workers_are_shown_and_a_stopped_one_does_not_hang_the_scrape(
         daemons: Daemons) -> None:
     address, url = listen()
-    d = daemons.make(with_daemon_keys(WORKERS, metrics_listen=address)).start()
+    d = daemons.make(with_daemon_keys(TWO_ECHOS, metrics_listen=address)).start()
     beta = d.wait_worker("beta", state="running")["pid"]
     daemons.pids.add(beta)
     d.wait_worker("alpha", state="running")
@@ -86,7 +77,7 @@ def test_the_key_guards_metrics_until_a_reload_opens_them(daemons: Daemons) -> N
     key_file = d.root / "api-key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
-    config = with_daemon_keys(WORKERS, metrics_listen=address) + \
+    config = with_daemon_keys(TWO_ECHOS, metrics_listen=address) + \
         f'\n[serve]\napi_key_file = "{key_file}"\n'
     d.config.write_text(config)
     d.start()
@@ -173,8 +164,9 @@ def test_a_stage_hosts_daemon_shows_its_stage_moving(daemons: Daemons,
         wait_for(lambda: stage_sample(urls[0], "mlxceld_stage_steps_total", "stage-0",
                                       "0-2") > before, 30, "stage-0's steps moved",
                  every=0.3)
-        assert stage_sample(urls[1], "mlxceld_stage_tokens_total", "stage-1",
-                            "2-4") > 0
+        # Each worker refreshes its stats every second, each on its own clock.
+        wait_for(lambda: stage_sample(urls[1], "mlxceld_stage_tokens_total", "stage-1",
+                                      "2-4") > 0, 30, "stage-1's tokens counted", every=0.3)
         c.completions.create(model="qwen3", prompt=prompt + text + " and then",
                              max_tokens=4, temperature=0)
     hits = wait_for(lambda: (sample(m := scrape_checked(urls[1]),
@@ -191,7 +183,7 @@ def test_a_port_in_use_fails_the_start_naming_the_setting(daemons: Daemons) -> N
     address, _ = listen("127.0.0.1")
     host, port = address.rsplit(":", 1)
     with socket.create_server((host, int(port))):
-        d = daemons.make(with_daemon_keys(WORKERS, metrics_listen=address))
+        d = daemons.make(with_daemon_keys(TWO_ECHOS, metrics_listen=address))
         d.start(wait=False)
         assert d.proc is not None and d.proc.wait(timeout=60) == 1
     said = d.stderr()

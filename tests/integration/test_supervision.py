@@ -12,18 +12,8 @@ import pytest
 
 from mlxceld.daemon import SHUTDOWN_SLACK_S
 
-from helpers.daemons import FAST_POLICY, DaemonProc, Daemons, alive
+from helpers.daemons import FAST_POLICY, TWO_ECHOS, DaemonProc, Daemons, alive
 from helpers.waiting import wait_for
-
-TWO_ECHOS = FAST_POLICY + """
-[workers.alpha]
-role = "echo"
-options = { interval_s = 0.2 }
-
-[workers.beta]
-role = "echo"
-options = { interval_s = 0.2 }
-"""
 
 
 def test_status_shows_daemon_and_workers(daemons: Daemons) -> None:
