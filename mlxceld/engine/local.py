@@ -380,11 +380,13 @@ class LocalEngine:
         req = seq.request
         try:
             check_prefill(req.prompt_tokens, req.params, self._vocab_size)
-            cached, _ = self._prompt_cache.fetch(req.prompt_tokens)
+            cached, rest = self._prompt_cache.fetch(req.prompt_tokens)
             first, cache = prefill(self._gen.model, req.prompt_tokens, req.params,
                                    vocab_size=self._vocab_size,
                                    eos_token_ids=self._eos_token_ids, matching=seq.matching,
                                    prefill_step=self._prefill_step, cache=cached)
+            # What the prompt cache gave: the first token says it, to the decode node.
+            first = replace(first, cached=len(req.prompt_tokens) - len(rest))
             # A copy (a view: no bytes copied): the handed-off cache is the caller's, who
             # may extend it in place.
             self._prompt_cache.keep(req.prompt_tokens, snapshot(cache))

@@ -304,6 +304,8 @@ class HandoffService(ServingService):
                 message["first"] = {"token": first.token, "logprob": first.logprob,
                                     "top": [list(t) for t in first.top],
                                     "finish_reason": first.finish_reason}
+                if first.cached is not None:  # the prefill node's prompt cache gave these
+                    message["first"]["cached"] = first.cached
                 message["cache"] = header
             try:
                 await stream.send(encode_envelope(message, [(name, "u8", (len(data),), data)
@@ -446,19 +448,23 @@ def _first_of(first: object, vocab_size: int) -> TokenOutput:
     if not isinstance(first, dict):
         raise HandoffError("'first' must be an object")
     token, logprob, top = first.get("token"), first.get("logprob"), first.get("top", [])
-    reason = first.get("finish_reason")
+    reason, cached = first.get("finish_reason"), first.get("cached")
     if type(token) is not int or not 0 <= token < vocab_size:
         raise HandoffError(f"'first.token' must be a token id below {vocab_size}")
     if logprob is not None and type(logprob) not in (int, float):
         raise HandoffError("'first.logprob' must be a number")
     if reason not in (None, "stop", "length"):
         raise HandoffError("'first.finish_reason' must be stop, length or null")
+    if cached is not None and (type(cached) is not int
+                               or not 0 <= cached <= p.MAX_PROMPT_TOKENS):
+        raise HandoffError(f"'first.cached' must be an integer from 0 to "
+                           f"{p.MAX_PROMPT_TOKENS}")
     if not isinstance(top, list) or len(top) > 20 or not all(
             isinstance(t, list) and len(t) == 2 and type(t[0]) is int
             and type(t[1]) in (int, float) for t in top):
         raise HandoffError("'first.top' must be at most 20 [id, logprob] pairs")
     return TokenOutput(token, reason, None if logprob is None else float(logprob),
-                       tuple((int(t), float(lp)) for t, lp in top))
+                       tuple((int(t), float(lp)) for t, lp in top), cached=cached)
 
 
 __all__ = ["ALLOWLIST_ENV", "HandoffEngine", "HandoffService", "HandoffStats",

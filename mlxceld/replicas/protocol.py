@@ -93,7 +93,9 @@ prefill    router → prefill ``seq``, ``params``, ``decode_target`` (the decode
 handoff    prefill → decode ``seq``, ``part``, ``parts`` (the cache's layers in
                             ``parts`` frames, each under ``HANDOFF_FRAME_BYTES``);
                             part 0 also ``first`` {``token``, ``logprob``,
-                            ``top``, ``finish_reason``} and ``cache`` (the
+                            ``top``, ``finish_reason``, and ``cached``: the
+                            prompt tokens the prefill node's prompt cache
+                            gave, when it says} and ``cache`` (the
                             header of ``encode_cache``); tensors: the cache's
                             blobs (``u8``), never JSON numbers; no answer
 ========== ================ ===================================================

@@ -210,8 +210,11 @@ def test_int8_keeps_the_greedy_text_here_and_verbose_stats_name_addresses(
 def test_the_responses_api_through_prefill_and_decode_nodes_is_one_hosts(
         cluster: Cluster) -> None:
     """Run after the int8 test, which compares its bytes per handoff with the plain
-    router's: this longer prompt would skew those."""
+    router's: this longer prompt would skew those. The prefill node's prompt cache held
+    the conversation (asked as a chat first): its count comes with the handoff's first
+    token, through the decode node, to the usage."""
     ours = check_responses_api(cluster.url(cluster.router), MODEL)
+    assert ours.usage.input_tokens_details.cached_tokens > 0
     assert ours.output_text == check_responses_api(cluster.url(cluster.hybrid), MODEL).output_text
 
 

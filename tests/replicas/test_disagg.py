@@ -320,3 +320,14 @@ def test_a_prefill_node_the_decode_node_does_not_list_fails_the_request_in_bound
                         "the decode node frees the expected sequence", WAIT_S)
 
     run(main())
+
+
+@pytest.mark.parametrize("cached", [-1, True, 1.5, "3", 2**40])
+def test_a_handoffs_first_token_with_a_bad_cached_count_is_refused(cached: object) -> None:
+    """``first.cached`` (the prefill node's prompt-cache count) is an integer in bounds, or
+    the handoff is refused naming it; a good one comes out on the first token."""
+    from mlxceld.replicas.handoffs import HandoffError, _first_of
+
+    assert _first_of({"token": 3, "cached": 7}, 10).cached == 7
+    with pytest.raises(HandoffError, match=r"first\.cached"):
+        _first_of({"token": 3, "cached": cached}, 10)
