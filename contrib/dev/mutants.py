@@ -80,6 +80,14 @@ MUTANTS = (
            "key=lambda n: (-n.memory_usable_bytes, n.key))",
            "key=lambda n: (-n.memory_usable_bytes, n.node_id))",
            ("tests/cluster/test_planner.py",)),
+    Mutant("temperature multiplying the logits", "mlxceld/engine/sampling.py",
+           "scaled = logprobs * (1.0 / temp)", "scaled = logprobs * temp",
+           ("tests/engine/test_definitions.py",)),
+    Mutant("presence and frequency penalties counting the prompt's tokens",
+           "mlxceld/engine/processors.py",
+           "generated = tokens[len(tokens) - calls:] if calls else tokens[:0]",
+           "generated = tokens",
+           ("tests/engine/test_definitions.py",)),
 )
 
 
