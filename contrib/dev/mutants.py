@@ -88,6 +88,11 @@ MUTANTS = (
            "generated = tokens[len(tokens) - calls:] if calls else tokens[:0]",
            "generated = tokens",
            ("tests/engine/test_definitions.py",)),
+    Mutant("a bare IPv4 address without a port left unredacted",
+           "mlxceld/replicas/redaction.py",
+           r'r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b",',
+           r'r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})\b",',
+           ("tests/replicas/test_routing.py",)),
 )
 
 

@@ -201,6 +201,7 @@ def test_the_account_returns_to_zero_when_every_sequence_ends(
 
 @pytest.mark.parametrize(("text", "addresses", "expected"), [
     ("the link to 10.1.2.3:19100 broke", (), "the link to <address> broke"),
+    ("no route to host 10.1.2.3", (), "no route to host <address>"),  # no port, unknown
     ("no answer from [fd00::12]:19000 in 5 s", (), "no answer from <address> in 5 s"),
     ("refused by fd00::12", (), "refused by <address>"),
     ("dial studio.local:19000 failed", (), "dial <address> failed"),
