@@ -93,6 +93,10 @@ MUTANTS = (
            r'r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b",',
            r'r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})\b",',
            ("tests/replicas/test_routing.py",)),
+    Mutant("two drains at once arming the latest deadline", "mlxceld/api/draining.py",
+           "first = min(deadlines, key=lambda d: d.deadline or 0.0)",
+           "first = max(deadlines, key=lambda d: d.deadline or 0.0)",
+           ("tests/api/test_draining.py",)),
 )
 
 

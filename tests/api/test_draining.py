@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator
 
 import pytest
 
 from mlxceld.api.draining import RETRY_AFTER_S, Draining, NodeDrain
+from mlxceld.api.errors import ApiError
 
 from helpers.api import MODEL, http_client, make_app
 from helpers.fakes import FakeEngine
@@ -77,5 +79,24 @@ def test_the_deadline_ends_what_still_runs_with_a_clear_error(stream: bool) -> N
             assert "deadline" in error["message"]
             await until(lambda: engine.cancelled, "the engine's sequence to end")
             assert (draining.in_flight, draining.finished, draining.ended) == (0, 0, 1)
+
+    asyncio.run(main())
+
+
+def test_two_drains_at_once_arm_the_earliest_deadline() -> None:
+    """Node a's deadline comes first (0.3 s), node b's in an hour: a request still
+    waiting is ended at a's, naming a."""
+    async def never() -> AsyncGenerator[int, None]:
+        await asyncio.Event().wait()
+        yield 0
+
+    async def main() -> None:
+        draining = Draining()
+        now = time.time()
+        draining.set([NodeDrain("node-b", now + 3600), NodeDrain("node-a", now + 0.3)])
+        with pytest.raises(ApiError) as caught:
+            await asyncio.wait_for(draining.next_output(never()), 20)
+        assert caught.value.code == "drain_deadline"
+        assert "node node-a" in caught.value.message
 
     asyncio.run(main())
