@@ -97,6 +97,9 @@ MUTANTS = (
            "first = min(deadlines, key=lambda d: d.deadline or 0.0)",
            "first = max(deadlines, key=lambda d: d.deadline or 0.0)",
            ("tests/api/test_draining.py",)),
+    Mutant("one unreadable tool call dropped silently from a list", "mlxceld/api/toolcalls.py",
+           "if not calls or len(calls) != len(items):", "if not calls:",
+           ("tests/api/test_replies.py",)),
 )
 
 

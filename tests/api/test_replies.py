@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from itertools import pairwise
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -86,3 +87,15 @@ def test_calls_are_read_or_shown_as_content(caplog: pytest.LogCaptureFixture) ->
     # A name missing, arguments that are not an object: content too.
     assert read('{"arguments": {}}') is None and read('{"name": "f", "arguments": 3}') is None
     assert read('{"name": "f", "arguments": "{\\"y\\": 2}"}') is not None
+
+
+def test_a_list_with_one_unreadable_call_is_content_not_fewer_calls() -> None:
+    """Of two calls the parser read, one has no name: the text goes back as content, whole,
+    rather than one call of two being dropped without a word."""
+    def parser(text: str, tools: Any) -> Any:
+        return [{"name": "get_time", "arguments": {}}, {"arguments": {"city": "Oslo"}}]
+
+    assert parse_calls("two calls", parser, None, request_id="r") is None
+    (call,) = parse_calls("one call", lambda text, tools: [{"name": "get_time"}], None,
+                          request_id="r") or []
+    assert (call.name, call.arguments) == ("get_time", "{}")
