@@ -213,7 +213,8 @@ def build_router_app(
     async def chat(request: Request) -> Response:
         arrived = chats.check_ready()
         parsed = await chats.read(request, lambda body, ignored: parse_chat(
-            body, model_id=model_id, aliases=names, defaults=defaults, ignored=ignored))
+            body, model_id=model_id, aliases=chats.names, defaults=chats.defaults,
+            ignored=ignored))
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), parsed.options.model,
                          parsed.options.include_usage, parsed.options.logprobs is not None,
                          reasoning_field)
@@ -225,7 +226,8 @@ def build_router_app(
     async def completions(request: Request) -> Response:
         arrived = chats.check_ready()
         parsed = await chats.read(request, lambda body, ignored: parse_completion(
-            body, model_id=model_id, aliases=names, defaults=defaults, ignored=ignored))
+            body, model_id=model_id, aliases=chats.names, defaults=chats.defaults,
+            ignored=ignored))
         size = len(parsed.prompt.encode())
         check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
         options = parsed.options
@@ -238,25 +240,25 @@ def build_router_app(
             stream=options.stream, arrived=arrived)
 
     messages = Messages(chats)
+    routes = [
+        Route("/v1/models", models),
+        Route("/v1/models/{name:path}", model),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses_route(chats), methods=["POST"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/health", health),
+        Route("/ready", ready_route),
+        Route("/metrics", metrics_text),
+        *([Route("/router/stats", router_stats_route)] if router_stats is not None else []),
+    ]
+    versioned = {r.path: r for r in routes}
+    routes += [Route(short, versioned[full].endpoint, methods=versioned[full].methods)
+               for short, full in UNVERSIONED.items()]
+    routes.append(Route("/models/{name:path}", model))
     app = Starlette(
-        routes=[
-            Route("/v1/models", models),
-            Route("/v1/models/{name:path}", model),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/responses", responses_route(chats), methods=["POST"]),
-            Route("/responses", responses_route(chats), methods=["POST"]),
-            Route("/v1/messages", messages.create, methods=["POST"]),
-            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-            Route("/health", health),
-            Route("/ready", ready_route),
-            Route("/metrics", metrics_text),
-            *([Route("/router/stats", router_stats_route)] if router_stats is not None else []),
-            Route("/models", models),
-            Route("/models/{name:path}", model),
-            Route("/chat/completions", chat, methods=["POST"]),
-            Route("/completions", completions, methods=["POST"]),
-        ],
+        routes=routes,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                             Exception: _internal_error},
     )
