@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx_lm
 import openai
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlxceld.wire.secret import key_id
 
@@ -37,8 +39,10 @@ LONG_PROMPT = "Once upon a time"
 # One stream begun before the rotation, read to its end after it. Its reader stops after
 # the first chunk, but the router writes the rest into the socket's buffers and ends the
 # sequence as fast as the stages decode: it must outlast the rotation (about 2 s) at the
-# tiny pipeline's speed under load (200 tokens ended before it once: CI, 2026-12-01).
-LONG_TOKENS = 600
+# tiny pipeline's speed under load. Its end-of-sequence tokens are banned (logit_bias),
+# so that it runs all LONG_TOKENS: the fixture's greedy text ends by itself after about
+# 145 tokens, which ended before the rotation twice (CI, 2026-12-01 and 2026-12-06).
+LONG_TOKENS = 1500
 BEFORE_S = 1.5  # load before the rotation starts
 AFTER_S = 2.0  # load after it is done, over the links made under the new key
 ROTATE_S = 120.0  # the CLI's own deadline is longer; a healthy rotation takes seconds
@@ -65,20 +69,23 @@ class Load:
             while not self.stop.is_set():
                 self.texts_append(self.one(c, PROMPT, TOKENS))
 
-    def run_long(self) -> None:
+    def run_long(self, banned: list[int]) -> None:
         with client(self.url) as c:
-            text = self.one(c, LONG_PROMPT, LONG_TOKENS, self.long_began)
+            text = self.one(c, LONG_PROMPT, LONG_TOKENS, self.long_began,
+                            {str(t): BAN for t in banned})
         if text is not None:
             self.long.append(text)
 
     def one(self, c: openai.OpenAI, prompt: str, tokens: int,
-            began: threading.Event | None = None) -> str | None:
+            began: threading.Event | None = None,
+            bias: dict[str, int] | None = None) -> str | None:
         """One streamed completion's text; None (and the failure noted) if it failed."""
         with self.lock:
             self.sent += 1
         try:
             stream = c.completions.create(model="llama", prompt=prompt, stream=True,
-                                          max_tokens=tokens, temperature=0)
+                                          max_tokens=tokens, temperature=0,
+                                          logit_bias=bias or {})
             parts, finish = [], None
             for chunk in stream:
                 parts.append(chunk.choices[0].text)
@@ -101,6 +108,21 @@ class Load:
                 self.texts.append(text)
 
 
+BAN = -100  # OpenAI's logit_bias floor: the token is never chosen
+
+
+def endless(model: Path, prompt: str, n: int) -> tuple[str, list[int]]:
+    """mlx-lm's greedy text for ``prompt`` with the end-of-sequence tokens banned (``n``
+    tokens exactly), and those tokens: logit_bias is additive, as in OpenAI's definition."""
+    m, tok = mlx_lm.load(str(model))[:2]
+    banned = sorted(tok.eos_token_ids)
+    processors = make_logits_processors(logit_bias={t: BAN for t in banned})
+    parts = list(mlx_lm.stream_generate(m, tok, prompt, max_tokens=n,
+                                        logits_processors=processors))
+    assert parts[-1].generation_tokens == n, parts[-1]  # no end of sequence came
+    return "".join(p.text for p in parts), banned
+
+
 def keys(d: DaemonProc) -> dict[str, str]:
     return {k["key_id"]: k["state"] for k in d.api(lambda c: c.secrets())["keys"]}
 
@@ -121,11 +143,11 @@ def test_rotation_under_load_fails_no_request(daemons: Daemons,
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
     daemons.pids.add(coord.worker("router")["pid"])
     greedy = expected(model, PROMPT, TOKENS)
-    long_greedy = expected(model, LONG_PROMPT, LONG_TOKENS)
+    long_greedy, banned = endless(model, LONG_PROMPT, LONG_TOKENS)
 
     load = Load(f"http://127.0.0.1:{port}/v1")
     threads = [threading.Thread(target=load.run) for _ in range(CLIENTS)]
-    threads.append(threading.Thread(target=load.run_long))
+    threads.append(threading.Thread(target=load.run_long, args=(banned,)))
     for t in threads:
         t.start()
     try:
