@@ -35,6 +35,7 @@ class Mutant:
 
 
 SUPERVISION = "tests/integration/test_supervision.py"
+DRAIN_SERVICE = "tests/drain/test_drain_service.py"
 MUTANTS = (
     Mutant("the commit decision sent before it is saved",
            "mlxceld/cluster/assignment/coordinator_round.py",
@@ -100,6 +101,13 @@ MUTANTS = (
     Mutant("one unreadable tool call dropped silently from a list", "mlxceld/api/toolcalls.py",
            "if not calls or len(calls) != len(items):", "if not calls:",
            ("tests/api/test_replies.py",)),
+    Mutant("a second drain of a draining node not saved", "mlxceld/drain/service.py",
+           'self._table.put(row)\n            self._events.append("drain.changed"',
+           'self._events.append("drain.changed"', (DRAIN_SERVICE,)),
+    Mutant("a second drain of a draining node keeping the old deadline and --force",
+           "mlxceld/drain/service.py",
+           "row = replace(old, deadline=deadline, force=force, updated_at=now,",
+           "row = replace(old, updated_at=now,", (DRAIN_SERVICE,)),
 )
 
 

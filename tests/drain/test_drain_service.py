@@ -1,15 +1,17 @@
 """``DrainService`` (``drain/service.py``) over a real state database and a fake router
 (our own seam, ``call_router``): the started hook hears the node and ``--force``, a drain
-held for a re-plan is not said to the router (until its deadline), and ``list`` gives
-each drain's counts."""
+held for a re-plan is not said to the router (until its deadline), ``list`` gives each
+drain's counts, and a second drain of a draining node (a new deadline, ``--force``) is
+saved and said to the router."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from mlxceld.drain import DrainService
-from mlxceld.state import DrainsTable
+from mlxceld.state import DrainRow, DrainsTable
 from mlxceld.state.startup import start_state
 from mlxceld.types import JSON
 
@@ -58,3 +60,49 @@ def test_held_drains_wait_and_each_drain_reports_its_counts(tmp_path: Path) -> N
     asyncio.run(go())
     kinds = [e.kind for e in state.events.since(0, 100)]
     assert kinds.count("drain.started") == 3 and kinds.count("drain.drained") == 2, kinds
+
+
+def test_a_second_drain_of_a_draining_node_is_saved_and_said_to_the_router(
+        tmp_path: Path) -> None:
+    """`mlxctl drain` again of a node already draining changes its drain, as the command
+    says: the new deadline (``deadline_s`` from the second request), then ``--force``
+    (the deadline is now), is what the state database holds (what a restarted daemon
+    reads) and what the router is told."""
+    state = start_state(tmp_path / "state.db", reset=False)
+    told: list[JSON] = []
+
+    async def router(args: JSON) -> JSON:
+        told.append(args)
+        return {"ok": True, "in_flight": 1, "finished": 0, "ended": 0}
+
+    service = DrainService(DrainsTable(state.db), state.events,
+                           needs=lambda: frozenset({"a"}), call_router=router)
+
+    def saved() -> DrainRow:
+        row = DrainsTable(state.db).get("a")  # a reader of its own, as after a restart
+        assert row is not None and row.state == "draining"
+        return row
+
+    async def go() -> None:
+        service.drain("a", None, False)  # no deadline
+        await service.push()
+        assert told[-1]["drains"] == [{"node": "a", "deadline": None}]
+        before = time.time()
+        service.drain("a", 60.0, False)  # again: a deadline a minute from now
+        after = time.time()
+        row = saved()
+        assert row.deadline is not None and before + 60.0 <= row.deadline <= after + 60.0
+        assert not row.force
+        await service.push()
+        assert told[-1]["drains"] == [{"node": "a", "deadline": row.deadline}]
+        before = time.time()
+        service.drain("a", None, True)  # again: --force, the deadline is now
+        after = time.time()
+        row = saved()
+        assert row.force and row.deadline is not None and before <= row.deadline <= after
+        await service.push()
+        assert told[-1]["drains"] == [{"node": "a", "deadline": row.deadline}]
+
+    asyncio.run(go())
+    kinds = [e.kind for e in state.events.since(0, 100)]
+    assert kinds.count("drain.started") == 1 and kinds.count("drain.changed") == 2, kinds
