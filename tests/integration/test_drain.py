@@ -2,7 +2,7 @@
 client: under a continuous load of streaming requests a drain with a generous deadline
 fails none of them (new ones are refused 503 "draining", with Retry-After, until the
 undrain); `--force` ends running streams with a clear error; the drain survives a
-restart of the daemon."""
+restart of the daemon; a drain of a node nobody knows is refused naming it."""
 
 from __future__ import annotations
 
@@ -159,3 +159,26 @@ def test_force_ends_running_streams_and_the_drain_survives_a_restart(
         wait_for(refused, 10, "the restarted router to refuse: the node is drained")
         assert d.ctl("undrain").returncode == 0
         wait_for(lambda: not refused(), 10, "the router to admit again")
+
+
+def test_a_drain_of_a_node_nobody_knows_is_refused_naming_it(daemons: Daemons) -> None:
+    """`mlxctl drain` of a node this daemon does not know (not its own, none its router
+    needs, no peer of its cluster) is refused: exit 1, ``unknown_node``, naming the node
+    and the nodes it knows; nothing is recorded, so it is never said to be drained. Its
+    own node, named the same way, is drained (no router runs here: at once)."""
+    d = daemons.make().start()
+    node = d.status()["daemon"]["node_id"]
+    refused = d.ctl("drain", "ghost", "--json")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    error = json.loads(refused.stdout)["error"]
+    assert error["code"] == "unknown_node"
+    assert "'ghost'" in error["message"] and node in error["message"], error
+    said = d.ctl("drain", "ghost")
+    assert said.returncode == 1 and "no node 'ghost' is known here" in said.stderr
+    assert "drained" not in said.stdout + said.stderr
+    assert d.ctl("undrain", "ghost").returncode == 1  # nor undrained: it was never drained
+    assert d.api(lambda c: c.drains())["drains"] == []
+    assert [e["kind"] for e in d.events() if e["kind"].startswith("drain.")] == []
+    own = d.ctl("drain", node, "--json")
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert json.loads(own.stdout)["drain"]["state"] == "drained"
