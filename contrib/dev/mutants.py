@@ -114,6 +114,12 @@ MUTANTS = (
            "return self.service.drain(node or self._local_node(), deadline_s, force)",
            ("tests/integration/test_drain.py::test_a_drain_of_a_node_nobody_knows_is_refused_"
             "naming_it",)),
+    Mutant("a heal planning one stage per host alive", "mlxceld/cluster/healer.py",
+           "stages = stage_count(len(served.peers), len(candidates))",
+           "stages = len(candidates)", ("tests/cluster/test_healer.py",)),
+    Mutant("a heal's stage count the hosts alive, not the plan's", "mlxceld/cluster/healing.py",
+           "return max(1, min(served, hosts))", "return max(1, hosts)",
+           ("tests/cluster/test_healing.py",)),
 )
 
 

@@ -9,7 +9,7 @@ candidates, and carries out the decision (``healing.py``). A stage host dead for
    host's poll would take its 10 s), then the same planner as ``mlxctl cluster plan``
    plans the plan's model over them (spares included), in as many stages as before, or
    as many as there are hosts alive if fewer (one host of two left: the whole model on
-   it, if it fits).
+   it, if it fits; ``healing.stage_count``).
 2. It does not fit (``heal.refused``, its message naming each stage's missing memory, and
    a problem in `mlxctl status`): nothing is pushed, the plan stays as it is, and the
    heal is tried again when the hosts alive change.
@@ -86,6 +86,7 @@ from mlxceld.cluster.healing import (
     Replan,
     View,
     Waiting,
+    stage_count,
 )
 from mlxceld.cluster.plan.candidates import Proposal, make_plan
 from mlxceld.discovery.service import DiscoveryService
@@ -293,7 +294,7 @@ class Healer:
             raise PlanRefused("no host is alive to plan over",
                               hint="bring a host back or start another peer")
         candidates = await self._discovery.refresh(set(heal.alive))
-        stages = max(1, min(len(served.peers), len(candidates)))
+        stages = stage_count(len(served.peers), len(candidates))
         return await asyncio.to_thread(make_plan, candidates, Path(served.model), stages,
                                        cluster=self._cluster, coordinator=self._identity,
                                        drained=frozenset(self._drained().values()),

@@ -1,6 +1,6 @@
 """Self-healing's decisions, sans-IO: when a served plan is healed around a dead host or
-re-planned around a drained one, when a heal that could not be done is tried again, and
-which superseded hosts are fenced.
+re-planned around a drained one, in how many stages, when a heal that could not be done
+is tried again, and which superseded hosts are fenced.
 
 No IO and no clock of its own (as ``discovery/detector.py``): the shell (``healer.py``)
 hands each look a ``View`` (the plan this coordinator serves, the failure detector's
@@ -48,6 +48,13 @@ from mlxceld.state.liveness import LivenessState
 FENCE_RETRY_S: Final = 1.0  # the wait after a fence's first failure, doubled at each next
 FENCE_RETRY_MAX_S: Final = 30.0  # the longest wait between two tries of a fence
 REPLAN_RETRY_S = 60.0  # a drain's re-plan whose push failed, with heal_after_s = 0: again after
+
+
+def stage_count(served: int, hosts: int) -> int:
+    """The stages of a heal's (or a drain's re-plan's) plan: as many as the ``served``
+    plan has, or as many as there are ``hosts`` to plan over if fewer (one host of two
+    left: the whole model on it, if it fits); a spare never adds a stage."""
+    return max(1, min(served, hosts))
 
 
 @dataclass(frozen=True)

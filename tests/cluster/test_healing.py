@@ -1,6 +1,7 @@
 """Self-healing's decisions (``cluster/healing.py``), sans-IO: the grace, the operator
 first, a refusal held until the hosts alive change, a failure retried, fencing; a drained
-host re-planned around at once (healing on or off), never planned over."""
+host re-planned around at once (healing on or off), never planned over; the stages a
+heal plans."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mlxceld.cluster.healing import (
     Replan,
     View,
     Waiting,
+    stage_count,
 )
 from mlxceld.state.liveness import LivenessState
 
@@ -165,3 +167,13 @@ def test_a_failed_replan_waits_even_with_healing_off() -> None:
     h.failed(first, "plan 8: peer D aborted", 100.0)
     assert isinstance(h.decide(view(UP, drained=frozenset({C})), 159.0), Held)
     assert isinstance(h.decide(view(UP, drained=frozenset({C})), 160.0), Replan)
+
+
+def test_a_heal_plans_as_many_stages_as_before_or_as_many_hosts_as_are_left() -> None:
+    """As healer.py says: in as many stages as the plan had, or as many as there are hosts
+    alive if fewer. A spare takes a dead host's stage; it never adds one."""
+    assert stage_count(2, 2) == 2  # one of two dead, a spare alive: still two stages
+    assert stage_count(2, 3) == 2  # two spares alive: still two
+    assert stage_count(3, 5) == 3
+    assert stage_count(3, 2) == 2  # one of three dead, no spare: two stages
+    assert stage_count(2, 1) == 1  # one host of two left: the whole model on it
