@@ -120,6 +120,11 @@ MUTANTS = (
     Mutant("a heal's stage count the hosts alive, not the plan's", "mlxceld/cluster/healing.py",
            "return max(1, min(served, hosts))", "return max(1, hosts)",
            ("tests/cluster/test_healing.py",)),
+    Mutant("a decode node checking each handoff blob against the bound alone",
+           "mlxceld/replicas/handoffs.py",
+           "expected.size += len(tensor.data)", "expected.size = len(tensor.data)",
+           ("tests/replicas/test_disagg.py::test_a_handoff_whose_blobs_add_up_past_the_bound_"
+            "is_refused_at_once",)),
 )
 
 

@@ -373,7 +373,7 @@ class HandoffService(ServingService):
                                    f"{self._handoff_timeout_s:g} s") from None
         finally:
             self._expected.pop(seq, None)
-        first = _first_of(expected.header.get("first"), self.handoff_engine.vocab_size)
+        first = parse_first(expected.header.get("first"), self.handoff_engine.vocab_size)
         started = time.perf_counter()
         cache = await asyncio.to_thread(decode_cache, expected.header.get("cache", {}),
                                         expected.blobs, expect=self._layout,
@@ -443,7 +443,7 @@ class HandoffService(ServingService):
             expected.done.set_result(None)
 
 
-def _first_of(first: object, vocab_size: int) -> TokenOutput:
+def parse_first(first: object, vocab_size: int) -> TokenOutput:
     """Part 0's ``first`` as a ``TokenOutput``; ``HandoffError`` naming the field."""
     if not isinstance(first, dict):
         raise HandoffError("'first' must be an object")
@@ -468,4 +468,4 @@ def _first_of(first: object, vocab_size: int) -> TokenOutput:
 
 
 __all__ = ["ALLOWLIST_ENV", "HandoffEngine", "HandoffService", "HandoffStats",
-           "decode_allowlist", "handoff_bytes", "parse_mode"]
+           "decode_allowlist", "handoff_bytes", "parse_first", "parse_mode"]

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation in one process: a real local engine (the tiny fixture,
 loaded once for the module) served by a real prefill node and two real decode nodes
 (``HandoffService`` on 127.0.0.1), a router's ``DisaggEngine`` over ``RemoteEngine``s
-with real keys, and test-side MXCL clients holding the secret for what a forger sends."""
+with real keys, and test-side MXCL clients holding the secret for what a forger (or a
+prefill peer gone wrong) sends."""
 
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ from typing import Any
 import pytest
 
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
-from mlxceld.engine.handoff import HandoffUnsupported, Mode
+from mlxceld.engine.handoff import HandoffError, HandoffUnsupported, Mode
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
 from mlxceld.net import connect_as
 from mlxceld.replicas import disagg
 from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
-from mlxceld.replicas.handoffs import HandoffService, decode_allowlist
+from mlxceld.replicas.handoffs import (
+    HandoffService,
+    decode_allowlist,
+    handoff_bytes,
+    parse_first,
+)
 from mlxceld.replicas.pool import ReplicaEngine
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.service import ServingService
@@ -326,8 +332,47 @@ def test_a_prefill_node_the_decode_node_does_not_list_fails_the_request_in_bound
 def test_a_handoffs_first_token_with_a_bad_cached_count_is_refused(cached: object) -> None:
     """``first.cached`` (the prefill node's prompt-cache count) is an integer in bounds, or
     the handoff is refused naming it; a good one comes out on the first token."""
-    from mlxceld.replicas.handoffs import HandoffError, _first_of
-
-    assert _first_of({"token": 3, "cached": 7}, 10).cached == 7
+    assert parse_first({"token": 3, "cached": 7}, 10).cached == 7
     with pytest.raises(HandoffError, match=r"first\.cached"):
-        _first_of({"token": 3, "cached": cached}, 10)
+        parse_first({"token": 3, "cached": cached}, 10)
+
+
+def test_a_handoff_whose_blobs_add_up_past_the_bound_is_refused_at_once(
+        node: tuple[LocalEngine, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """The frames' blobs may not add up to more than the expected prompt's cache takes
+    (``handoff_bytes``): two blobs each just over half of it, in the first part of two,
+    end the sequence with ``bad_handoff`` at once, naming the bound; the decode node does
+    not wait for the second part (its ``handoff_timeout_s`` is far off)."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[2])
+    limit = handoff_bytes(engine.cache_layout(), len(ids))
+    blob = bytes(limit // 2 + 1)  # each under the bound, the two together over it
+    sender = "127.0.0.1:19201"  # a prefill peer of the decode node, as the router says
+
+    async def main() -> None:
+        async with node_service(engine, "decode-a", "decode", prefill_peers=lambda: {sender},
+                                handoff_timeout_s=300.0) as decode:
+            router = remote(decode)
+            async with linked(router):
+                await until(lambda: router.state() == "up", "the decode node up", WAIT_S)
+                stream = await router.expect("seq-1", request(ids, 4, temperature=0), sender)
+                prefill = await connect_as(sender, decode.origin, keyring=keyring(SECRET),
+                                           channel=1, budget_s=WAIT_S)
+                try:
+                    await prefill.send(encode_envelope(
+                        {"t": "handoff", "seq": "seq-1", "part": 0, "parts": 2,
+                         "first": {"token": 1}, "cache": {}},
+                        [(name, "u8", (len(blob),), blob) for name in ("k0", "v0")]))
+                    with pytest.raises(EngineUnavailable, match="the KV cache handoff failed"):
+                        async with asyncio.timeout(WAIT_S):
+                            await anext(stream)
+                finally:
+                    await stream.aclose()
+                    await prefill.close()
+            await until(lambda: decode.sequences == 0, "the sequence freed", WAIT_S)
+            assert decode.stats.dropped == decode.stats.handoffs == 0
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    assert any(f"the handoff exceeds {limit} bytes" in r.getMessage()
+               for r in caplog.records), caplog.text
