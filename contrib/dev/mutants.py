@@ -125,6 +125,12 @@ MUTANTS = (
            "expected.size += len(tensor.data)", "expected.size = len(tensor.data)",
            ("tests/replicas/test_disagg.py::test_a_handoff_whose_blobs_add_up_past_the_bound_"
             "is_refused_at_once",)),
+    Mutant("a prefill/decode pair's refusal (a node busy or draining) failing the request, "
+           "not falling back to a replica", "mlxceld/replicas/disagg.py",
+           "except (HandoffUnsupported, EngineUnavailable) as exc:",
+           "except HandoffUnsupported as exc:",
+           ("tests/replicas/test_disagg.py::test_a_pair_that_refuses_before_the_first_token_"
+            "falls_back_to_a_replica",)),
 )
 
 

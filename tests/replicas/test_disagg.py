@@ -307,6 +307,41 @@ def test_with_replicas_too_a_request_goes_to_them_without_a_pair(
     run(main())
 
 
+@pytest.mark.parametrize("refusing", ["prefill", "decode"])
+def test_a_pair_that_refuses_before_the_first_token_falls_back_to_a_replica(
+        node: tuple[LocalEngine, Any], refusing: str) -> None:
+    """Both pools up and a replica: a pair whose node refuses the request before its first
+    token (it is draining: ``EngineUnavailable``) does not fail it; the replica answers
+    it, with the one host's tokens."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[1])
+
+    async def main() -> None:
+        local = await tokens(engine, request(ids, 6, temperature=0))
+        hybrid = ServingService(engine, node_id="hybrid-a", role="hybrid",
+                                model_identity=MODEL, cluster=CLUSTER, keyring=keyring(SECRET),
+                                address="127.0.0.1:0", silence_s=SILENCE_S)
+        await hybrid.start()
+        async with cluster(engine) as (router, prefill, decodes), \
+                accepting(hybrid.serve, hybrid.aclose):
+            replica = remote(hybrid)
+            pool = ReplicaEngine([replica], model_id=MODEL,
+                                 context_length=engine.context_length)
+            both = DisaggOrReplicas(router, pool)
+            async with linked(pool):
+                await until(lambda: replica.state() == "up", "the replica up", WAIT_S)
+                for n in [prefill] if refusing == "prefill" else decodes:
+                    assert await n.drain(0.0) == 0
+                assert router.readiness() is None  # the pair is up: it is tried first
+                assert await tokens(both, request(ids, 6, temperature=0)) == local
+                assert pool.stats(verbose=False)["completed"] == 1
+                tried = [n for n in router.stats(verbose=False)["nodes"]
+                         if n["role"] == refusing]
+                assert sum(n["failed"] for n in tried) == 1  # the pair refused it first
+
+    run(main())
+
+
 def test_a_prefill_node_the_decode_node_does_not_list_fails_the_request_in_bound(
         node: tuple[LocalEngine, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode node whose prefill peers lack the prefill node drops its handoff; the
