@@ -14,9 +14,9 @@ import sqlite_utils
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.serve import ServeConfig
+from mlxceld.daemon.serving import Serving
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_config, preset
-from mlxceld.serving import Serving
 from mlxceld.state import EventLog, Settings
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor

@@ -76,8 +76,12 @@ from mlxceld.control.server import (
     peer_guard,
     remove_socket_file,
 )
+from mlxceld.daemon.draining import Draining
+from mlxceld.daemon.replica_peers import ReplicaPeers
+from mlxceld.daemon.roster import Situation, draw_roster
+from mlxceld.daemon.serving import Serving
+from mlxceld.daemon.stage_watch import StageWatch
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.draining import Draining
 from mlxceld.errors import (
     AlreadyRunning,
     ConfigError,
@@ -85,11 +89,7 @@ from mlxceld.errors import (
 )
 from mlxceld.net import retire_streams
 from mlxceld.observe import MetricsServer
-from mlxceld.replica_peers import ReplicaPeers
-from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
-from mlxceld.serving import Serving
-from mlxceld.stage_watch import StageWatch
 from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
@@ -110,7 +110,7 @@ from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mlxceld.daemon")  # the room's name, as journal lines have read it
 
 HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
 

@@ -19,7 +19,7 @@ re-plan), moved to the new plan's stages by its ``pipeline`` op (``workers/route
 ``pipeline/switch.py``) and restarted only if it refuses or does not answer. Once the
 plan is deactivated, the router is held back (``hold``).
 
-It lives beside ``daemon.py`` (the composition root, its only user), above ``roster``:
+It lives in the daemon room beside ``root.py`` (the composition root, its only user):
 the daemon is its ``ServingHost``, the window on the config, the placement, the
 supervisor and the roster.
 """

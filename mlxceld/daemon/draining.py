@@ -11,7 +11,7 @@ service tells the running router (its ``drain`` op), and on a coordinator the cl
 member re-plans around a drained stage host (``ClusterMember.drain_started``), the
 drain held from the router meanwhile (``drain_held``).
 
-It lives beside ``daemon.py`` (the composition root, its only user), above ``roster``:
+It lives in the daemon room beside ``root.py`` (the composition root, its only user):
 the daemon is its ``DrainingHost``.
 """
 
@@ -23,8 +23,8 @@ from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ROUTER
+from mlxceld.daemon.roster import router_needs
 from mlxceld.drain import DrainService, known_node
-from mlxceld.roster import router_needs
 from mlxceld.state import DrainsTable, EventLog
 from mlxceld.state.node import Node
 from mlxceld.supervisor.process import WorkerSpec

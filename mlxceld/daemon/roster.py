@@ -32,8 +32,8 @@ prepared or activated, a deactivation). The rules, in order:
   policy, no secret, no API key), meeting in a ring at ``Situation.tp_hosts``; the
   supervisor restarts the group together (``supervisor/groups.py``).
 
-It lives beside ``daemon.py``, not in ``supervisor/``: the supervisor runs any
-spec it is given and knows no roles, while this is the daemon's policy over
+It lives in the daemon room, beside ``root.py``, not in ``supervisor/``: the supervisor
+runs any spec it is given and knows no roles, while this is the daemon's policy over
 roles, placements and ``[serve]``.
 """
 
@@ -87,7 +87,7 @@ class Situation:
     node_id: str | None = None  # this daemon's node id (its serving listener names it)
     agent_address: str | None = None  # the agent listener's, once bound
     # The tensor-parallel ring, host:port per rank (rank 0, the router, first), when
-    # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``daemon.py``), kept
+    # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``serving.py``), kept
     # while tp_size stays the same so a restarted group meets at the same ports.
     tp_hosts: tuple[str, ...] = ()
 
