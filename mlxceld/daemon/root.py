@@ -55,7 +55,6 @@ from typing import Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.clusterfile.placement import (
-    STAGE_WORKER,
     Placement,
     place,
     serving_cluster,
@@ -76,11 +75,11 @@ from mlxceld.control.server import (
     peer_guard,
     remove_socket_file,
 )
-from mlxceld.daemon.draining import Draining
+from mlxceld.daemon.draining import DrainParts, DrainWindow
 from mlxceld.daemon.replica_peers import ReplicaPeers
-from mlxceld.daemon.roster import Situation, draw_roster
-from mlxceld.daemon.serving import Serving
-from mlxceld.daemon.stage_watch import StageWatch
+from mlxceld.daemon.roster import Roster
+from mlxceld.daemon.serving import ServingParts, ServingWindow
+from mlxceld.daemon.stage_watch import StageWatch, StageWatchParts
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.errors import (
     AlreadyRunning,
@@ -106,7 +105,6 @@ from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
-from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
@@ -127,11 +125,11 @@ class Terminal(Protocol):
 
 class Daemon:
     supervisor: Supervisor  # made by _start, under the lock
-    serving: Serving
+    roster: Roster
+    serving: ServingWindow
 
     def __init__(self, config: Config, flags: Overrides, terminal: Terminal) -> None:
         config = serving_config(config, flags)  # a serving cluster file's node: its flags
-        self.config = config
         self._flags = flags
         self._terminal = terminal
         self._commands: asyncio.Queue[str | asyncio.Future[JSON]] = asyncio.Queue()
@@ -162,10 +160,22 @@ class Daemon:
                                     plans=Plans(self._db), assignments=Assignments(self._db),
                                     liveness=LivenessTable(self._db),
                                     rotations=RotationsTable(self._db))
-        self._standby = False  # the stage worker starts in standby (a prepared assignment)
+        self._draining = DrainWindow(DrainParts(self.roster, self.node.node_id, self.supervisor,
+                                                self.member),
+                                     DrainsTable(self._db), self.events)
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
-        self.serving.hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+        self.roster.hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+
+    @property
+    def config(self) -> Config:
+        """The config now (a reload replaces it): the roster's."""
+        return self.roster.config
+
+    @property
+    def placement(self) -> Placement | None:
+        """This daemon's node of a cluster, if any: the roster's."""
+        return self.roster.placement
 
     def _start(self, config: Config) -> None:
         """The start-up under the lock: state, keyring, supervisor, the control socket."""
@@ -176,16 +186,26 @@ class Daemon:
                                    self.events, on_install=self._secret_installed)
         self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
         served = serving_cluster(config)  # a serving cluster's node has no placement
-        self.placement = (place(config.distributed_config, config.node_id or "",
-                                config.serve.model)  # --model or [serve] model wins
-                          if config.distributed_config and served is None else None)
-        self.keys.adopt(config, self.placement, served.secret_source() if served else None)
-        self._stage = StageWatch(self, self.keys.keyring, self.node.node_id)
+        placement = (place(config.distributed_config, config.node_id or "",
+                           config.serve.model)  # --model or [serve] model wins
+                     if config.distributed_config and served is None else None)
+        self.keys.adopt(config, placement, served.secret_source() if served else None)
+        self._stage = StageWatch(self.keys.keyring, self.node.node_id)
         self._api_key = (read_api_key(config.serve.api_key_file)
                          if config.serve.api_key_file else None)
-        self.serving = Serving(self, self._flags, config.serve)  # what the router serves
+        self.supervisor = Supervisor(  # nothing runs before its run(): made here, idle
+            WorkersTable(self._db), self.events,
+            health_interval_s=config.health_interval_s,
+            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
+            finished=self._stage.finished, changed=self._stage.changed)
+        self.roster = Roster(config, self.supervisor, self.keys.keyring, placement=placement,
+                             node_id=self.node.node_id, api_key=self._api_key,
+                             agent_address=lambda: self.member.agent_address())
+        self._stage.watch(StageWatchParts(self.supervisor, self.roster, lambda: self._stopping))
+        self.serving = ServingWindow(ServingParts(self.roster, self.supervisor, self.settings,
+                                                  self.events, self._flags), config.serve)
         role = config.serve.node_role
-        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
+        self.keys.require(pp_auto=config.pp_auto is not None, placement=placement,
                           router=role == ROUTER_ROLE,
                           handoff_role=role if role in HANDOFF_ROLES else None,
                           served=f"{served.path}: node {config.node_id!r} ({role})"
@@ -194,13 +214,7 @@ class Daemon:
         self._metrics = None if config.metrics_listen is None else MetricsServer(
             self, config.metrics_listen, self._api_key,
             lambda: self.config.serve.metrics_require_key)  # observe/: [daemon] metrics_listen
-        self.supervisor = Supervisor(
-            WorkersTable(self._db), self.events,
-            health_interval_s=config.health_interval_s,
-            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
-            finished=self._stage.finished, changed=self._stage.changed)
         self._sock = bind_control_socket(config.socket, config.socket_group)
-        self._draining = Draining(self, DrainsTable(self._db), self.events)
         self._replica_peers = ReplicaPeers(self.candidates, self.supervisor,
                                            self._finds_replicas)
 
@@ -261,7 +275,7 @@ class Daemon:
     # -- the member's, the coordinator's and the stage host's window on us -----------------
 
     def served_model(self) -> str | None:
-        return self.serving.serve.model
+        return self.roster.serve.model
 
     async def _dry_run(self) -> int:
         """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal (exit
@@ -277,25 +291,19 @@ class Daemon:
         return 0
 
     def router_held(self) -> bool:
-        return self.serving.hold_router and self.placement is None
+        return self.roster.router_held()
 
     async def stop_pipeline(self) -> None:
-        """The plan is deactivated: no placement, no router (not even a single-host one on
-        the configured model) until `mlxctl serve`, an activate, or a restart."""
-        self.placement = None
-        await self.serving.hold()
+        await self.serving.stop_pipeline()
 
     async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
-        """Run the router over the pushed plan (``Serving.serve_pipeline``; ``live``: moved
-        to the plan's stages without a restart, if it can)."""
-        self.placement = placement
         await self.serving.serve_pipeline(placement, live=live)
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
-        self.placement, self._standby = placement, standby
+        self.roster.placement, self.roster.standby = placement, standby
 
     async def reconcile(self) -> None:
-        await self.supervisor.reconcile(self.specs(self.config))
+        await self.roster.reconcile()
 
     def log_path(self, name: str) -> str | None:
         return self.supervisor.log_path(name)
@@ -364,21 +372,6 @@ class Daemon:
 
     # -- lifetime -------------------------------------------------------------------------
 
-    def specs(self, config: Config) -> list[WorkerSpec]:
-        """The workers to run now: ``roster.draw_roster`` of ``config`` and our state."""
-        return draw_roster(Situation(
-            config, self.serving.serve, self.placement, standby=self._standby,
-            hold_router=self.serving.hold_router,
-            secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
-            accepted=tuple(self.keys.keyring.others()),
-            api_key=self._api_key, node_id=self.node.node_id,
-            agent_address=self.member.agent_address(),
-            tp_hosts=self.serving.tp_ring()))
-
-    def stage_wanted(self) -> bool:
-        return (not self._stopping and self.placement is not None and not self._standby
-                and any(s.name == STAGE_WORKER for s in self.specs(self.config)))
-
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         return await self.serving.serve_model(model, name)
 
@@ -404,8 +397,7 @@ class Daemon:
                 tg.create_task(self._replica_peers.run())
                 if self._metrics is not None:
                     tg.create_task(self._metrics.serve())
-                specs = self.specs(self.config)
-                await self.supervisor.reconcile(specs)
+                specs = await self.roster.reconcile()
                 self.events.append("daemon.started", "daemon",
                                    f"mlxceld {__version__} started (pid {os.getpid()})",
                                    pid=os.getpid())
@@ -439,7 +431,7 @@ class Daemon:
         """A router (or decode) node's router waits for the agent listener (its address is
         the identity it dials replicas and asks agents with: ``roster``): it starts now."""
         if self.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_ROLES):
-            await self.supervisor.reconcile(self.specs(self.config))
+            await self.roster.reconcile()
 
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:
         while True:
@@ -527,14 +519,14 @@ class Daemon:
         for key in later:
             log.warning("reload: %s changed; it takes effect at the next start", key)
         logging.getLogger().setLevel(new.log_level.upper())
-        self.config = new
-        self.serving.serve = self.serving.effective(new.serve)
+        self.roster.config = new
+        self.roster.serve = self.serving.effective(new.serve)
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded: "
                            + (", ".join(c["key"] for c in changes) or "nothing changed"),
                            trigger=trigger)
         log.info("configuration reloaded (%s): %s", trigger,
                  ", ".join(c["key"] for c in changes) or "nothing changed")
-        await self.supervisor.reconcile(self.specs(new))
+        await self.roster.reconcile()
         if answer is not None and not answer.done():
             answer.set_result({"config_file": str(new.config_file) if new.config_file else None,
                                "changed": changes, "at_next_start": later})
