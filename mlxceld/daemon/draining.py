@@ -60,9 +60,6 @@ class DrainWindow:
             self._known_node(target)
         return self.service.undrain(target)
 
-    def drained_nodes(self) -> frozenset[str]:
-        return frozenset(d["node_id"] for d in self.service.list())
-
     def _local_node(self) -> str:
         placement = self._parts.roster.placement
         return placement.node.id if placement is not None else self._parts.node_id
@@ -87,3 +84,8 @@ class DrainWindow:
 
     async def _call_router(self, args: JSON) -> JSON | None:
         return await self._parts.supervisor.call_running(ROUTER, "drain", args)
+
+
+def drained_nodes(table: DrainsTable) -> frozenset[str]:
+    """The node ids `mlxctl drain` holds drained or draining (left out of plans)."""
+    return frozenset(row.node_id for row in table.all())
