@@ -26,9 +26,9 @@ from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.server import check_socket_path
+from mlxceld.daemon.serving import check_planned, split_check
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.models.fetch import local_model, names_a_repo
-from mlxceld.serving import check_planned, split_check
 from mlxceld.state.lock import check_state_dir
 
 

@@ -27,14 +27,12 @@ STACK = [
     "api",
     "workers",
     "cluster",
-    "roster",  # which workers run: the daemon's rule over roles, placements and [serve]
-    "serving",  # what the daemon's router serves: `mlxctl serve|unserve`, held back or not
-    "draining",  # the daemon's `mlxctl drain|undrain` over drain/, with the nodes it knows
-    "replica_peers",  # a router's replicas by discovery: the candidates told its worker
-    "stage_watch",  # the daemon's stage worker: back after a SIGTERM, a stand-in if failed
     "observe",  # the daemon's /metrics: its own and its workers', read at each scrape
+    # the composition root and its windows: roster, serving, draining, stage watch, replica
+    # peers (each the daemon's side of one concern)
+    "daemon",
     "preflight",  # `mlxceld --check-config`: the start-up's checks that change nothing
-    "daemon", "cli", "__main__",
+    "cli", "__main__",
 ]
 RANK = {room: i for i, room in enumerate(STACK)}
 # What mlxctl may use: the control client and what it needs; never the daemon's insides

@@ -11,13 +11,13 @@ from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config, WorkerConfig
 from mlxceld.config.serve import ServeConfig
-from mlxceld.roles.options import EchoOptions, RouterOptions, StageOptions
-from mlxceld.roster import (
+from mlxceld.daemon.roster import (
     MODEL_START_TIMEOUT_S,
     MODEL_STOP_TIMEOUT_S,
     Situation,
     draw_roster,
 )
+from mlxceld.roles.options import EchoOptions, RouterOptions, StageOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import RestartPolicy
 

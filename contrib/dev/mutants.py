@@ -55,10 +55,10 @@ MUTANTS = (
            "secret = self._keyring.primary if head.key_id == self._keyring.primary_id "
            "else None",
            ("tests/wire/test_connection.py", "tests/integration/test_agent.py")),
-    Mutant("a second SIGTERM/SIGINT no longer forcing shutdown", "mlxceld/daemon.py",
+    Mutant("a second SIGTERM/SIGINT no longer forcing shutdown", "mlxceld/daemon/root.py",
            "loop.add_signal_handler(sig, self._force)",
            "loop.add_signal_handler(sig, lambda: None)", (SUPERVISION,)),
-    Mutant("no shutdown deadline", "mlxceld/daemon.py",
+    Mutant("no shutdown deadline", "mlxceld/daemon/root.py",
            "async with asyncio.timeout(deadline_s):", "async with asyncio.timeout(None):",
            (SUPERVISION,)),
     Mutant("the restart count reset by a daemon restart", "mlxceld/supervisor/service.py",

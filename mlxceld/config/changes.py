@@ -1,5 +1,5 @@
 """What a reload changes: two ``Config``s compared setting by setting, for `mlxctl reload`'s
-answer and the daemon's log (``daemon.py``'s ``_reload``).
+answer and the daemon's log (``daemon/root.py``'s ``_reload``).
 
 A setting is named as the config file names it where the two agree (``serve.port``,
 ``daemon.log_level``, ``supervisor.health_interval_s``, ``workers.NAME``) and by its field

@@ -30,8 +30,8 @@ from mlxceld.control.view import DaemonView
 from mlxceld.errors import MlxceldError
 
 
-def build_app(daemon: DaemonView) -> ASGIApp:
-    e = Endpoints(daemon)
+def build_app(view: DaemonView) -> ASGIApp:
+    e = Endpoints(view)
     app = Starlette(
         routes=[
             Route("/v1/version", e.version),

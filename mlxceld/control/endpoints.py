@@ -1,4 +1,5 @@
-"""The control API's endpoints: one method each, over the daemon's ``DaemonView``.
+"""The control API's endpoints: one method each, over the parts of the daemon its
+``DaemonView`` holds.
 
 An endpoint reads its request (``requests.py``), asks the daemon, and shapes
 the answer ``{"schema": "mlxceld.NAME/1", "version": V, ...}``. It answers no
@@ -41,8 +42,8 @@ def answer(schema: str, status: int = 200, **fields: Any) -> JSONResponse:
 
 
 class Endpoints:
-    def __init__(self, daemon: DaemonView) -> None:
-        self.daemon = daemon
+    def __init__(self, view: DaemonView) -> None:
+        self.view = view
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -50,42 +51,45 @@ class Endpoints:
         return answer("version", api=API_VERSION)
 
     async def status(self, request: Request) -> Response:
-        current = self.daemon.status()
+        view = self.view
+        current = view.daemon.status()
         # the daemon's problems are its workers' (recomputed below with their stats: the
         # stage links) followed by the cluster's (the failure detector, self-healing)
         cluster = current["problems"][len(health.problems(current["workers"])):]
-        stats = await self.daemon.worker_stats()  # bounded: supervisor.STATS_TIMEOUT_S
+        stats = await view.workers.stats()  # bounded: supervisor.STATS_TIMEOUT_S
         for w in current["workers"]:
             w["stats"] = stats.get(w["name"])
-        view = (clusterview.pipeline_view(current, self.daemon.cluster_nodes(),
-                                          self.daemon.drains(), self.daemon.rotation())
-                if clusterview.serves_pipeline(current) else None)  # in memory: no peer asked
-        current["pipeline"] = view
+        pipeline = (clusterview.pipeline_view(current, view.cluster.nodes(), view.drains.list(),
+                                              view.cluster.rotation())
+                    if clusterview.serves_pipeline(current) else None)  # in memory: no peer asked
+        current["pipeline"] = pipeline
         current["problems"] = clusterview.name_nodes(
-            health.problems(current["workers"]) + cluster + clusterview.problems(view), view)
+            health.problems(current["workers"]) + cluster + clusterview.problems(pipeline),
+            pipeline)
         return answer("status", **current)
 
     async def workers(self, request: Request) -> Response:
-        return answer("workers", workers=self.daemon.workers())
+        return answer("workers", workers=self.view.workers.snapshot())
 
     async def cluster_nodes(self, request: Request) -> Response:
-        return answer("cluster_nodes", **self.daemon.cluster_nodes())
+        return answer("cluster_nodes", **self.view.cluster.nodes())
 
     async def logs(self, request: Request) -> Response:
         path = self._log_path(request.path_params["name"])
         lines = int_param(request, "lines", 50, 0, MAX_LINES)
         follow = flag_param(request, "follow")
-        return StreamingResponse(log_lines(self.daemon, path, lines, follow), media_type=NDJSON)
+        return StreamingResponse(log_lines(self.view.daemon.stopping, path, lines, follow),
+                                 media_type=NDJSON)
 
     async def events(self, request: Request) -> Response:
         after = int_param(request, "after", -20, -MAX_EVENTS, 2**62)
         limit = int_param(request, "limit", 100, 1, MAX_EVENTS)
         subject = text_param(request, "subject")
         if not flag_param(request, "follow"):
-            items = [e.to_json() for e in self.daemon.events.since(after, limit, subject)]
+            items = [e.to_json() for e in self.view.events.since(after, limit, subject)]
             return answer("events", events=items)
-        return StreamingResponse(event_lines(self.daemon, after, limit, subject),
-                                 media_type=NDJSON)
+        return StreamingResponse(event_lines(self.view.events, self.view.daemon.stopping, after,
+                                             limit, subject), media_type=NDJSON)
 
     # -- workers and serving ---------------------------------------------------------------
 
@@ -93,34 +97,34 @@ class Endpoints:
         name = request.path_params["name"]
         self._admitting()
         self._log_path(name)
-        self.daemon.restart_worker(name)
+        self.view.workers.restart(name)
         return answer("restart", worker=name, restarting=True)
 
     async def serve(self, request: Request) -> Response:
         self._admitting()
         asked = await ServeRequest.read(request)
-        return answer("serve", serving=await self.daemon.serve_model(asked.model,
-                                                                     asked.model_name))
+        return answer("serve", serving=await self.view.serving.serve_model(asked.model,
+                                                                           asked.model_name))
 
     async def unserve(self, request: Request) -> Response:
         self._admitting()
-        return answer("unserve", **await self.daemon.unserve())
+        return answer("unserve", **await self.view.serving.unserve())
 
     async def reload(self, request: Request) -> Response:
         """Re-read the config file as SIGHUP does: what changed, or the error (a 400 naming
         the file and key) with the running config kept."""
         self._admitting()
-        return answer("reload", **await self.daemon.reload())
+        return answer("reload", **await self.view.daemon.reload())
 
     async def stop(self, request: Request) -> Response:
-        self.daemon.request_stop()
-        return answer("stop", stopping=True, pid=self.daemon.status()["daemon"]["pid"])
+        self.view.daemon.request_stop()
+        return answer("stop", stopping=True, pid=self.view.daemon.status()["daemon"]["pid"])
 
     # -- the cluster -----------------------------------------------------------------------
 
     async def plan(self, request: Request) -> Response:
         asked = await PlanRequest.read(request, "plan")
-        return answer("cluster_plan", **await self.daemon.plan_cluster(
+        return answer("cluster_plan", **await self.view.cluster.plan(
             asked.model, asked.stages, asked.replicas))
 
     async def activate(self, request: Request) -> Response:
@@ -128,34 +132,35 @@ class Endpoints:
         `GET /v1/status` shows its progress as ``bringup``."""
         self._admitting()
         asked = await PlanRequest.read(request, "activate")
-        state = await self.daemon.activate_cluster(asked.model, asked.stages, asked.replicas)
+        state = await self.view.cluster.activate(asked.model, asked.stages, asked.replicas)
         return answer("cluster_activate", 202, bringup=state)
 
     async def deactivate(self, request: Request) -> Response:
         """End the plan on every peer and stop the router (at most ``deactivation`` bounds:
         a dial and an answer per peer, in parallel, and the router's stop)."""
         self._admitting()
-        return answer("cluster_deactivate", bringup=await self.daemon.deactivate_cluster())
+        return answer("cluster_deactivate", bringup=await self.view.cluster.deactivate())
 
     # -- drains ----------------------------------------------------------------------------
 
     async def drains(self, request: Request) -> Response:
-        return answer("drains", drains=self.daemon.drains())
+        return answer("drains", drains=self.view.drains.list())
 
     async def drain(self, request: Request) -> Response:
         self._admitting()
         asked = await DrainRequest.read(request, "drain")
-        return answer("drain", drain=self.daemon.drain(asked.node, asked.deadline_s,
-                                                       asked.force))
+        return answer("drain", drain=self.view.drains.drain(asked.node, asked.deadline_s,
+                                                            asked.force))
 
     async def undrain(self, request: Request) -> Response:
         asked = await DrainRequest.read(request, "undrain")
-        return answer("undrain", **self.daemon.undrain(asked.node))
+        return answer("undrain", **self.view.drains.undrain(asked.node))
 
     # -- cluster secrets -------------------------------------------------------------------
 
     async def secrets(self, request: Request) -> Response:
-        return answer("secrets", keys=self.daemon.secrets(), rotation=self.daemon.rotation())
+        return answer("secrets", keys=self.view.secrets.list(),
+                      rotation=self.view.cluster.rotation())
 
     async def rotate_secret(self, request: Request) -> Response:
         """The rotation's row once done. Without a secret: the latest rotation taken up
@@ -163,29 +168,31 @@ class Endpoints:
         generate` makes one; ``cluster/rotation.py``)."""
         self._admitting()
         asked = await RotateRequest.read(request)
-        return answer("rotation", rotation=await self.daemon.rotate_secret(asked.secret))
+        return answer("rotation", rotation=await self.view.cluster.rotate(asked.secret))
 
     async def install_secret(self, request: Request) -> Response:
         asked = await SecretRequest.read(request)
-        return answer("secret", key=await self.daemon.install_secret(asked.secret, asked.primary,
-                                                               asked.source))
+        return answer("secret", key=await self.view.secrets.install_secret(
+            asked.secret, asked.primary, asked.source))
 
     async def use_secret(self, request: Request) -> Response:
-        return answer("secret", key=await self.daemon.use_secret(request.path_params["kid"]))
+        return answer("secret",
+                      key=await self.view.secrets.use_secret(request.path_params["kid"]))
 
     async def remove_secret(self, request: Request) -> Response:
-        return answer("secret", key=await self.daemon.remove_secret(request.path_params["kid"]),
+        return answer("secret",
+                      key=await self.view.secrets.remove_secret(request.path_params["kid"]),
                       removed=True)
 
     # -- checks ----------------------------------------------------------------------------
 
     def _admitting(self) -> None:
-        if self.daemon.stopping:
+        if self.view.daemon.stopping():
             raise ShuttingDown("the daemon is shutting down and admits no new work",
                                hint="wait for it to stop, then start it again")
 
     def _log_path(self, name: str) -> Path:
-        path = self.daemon.log_path(name)
+        path = self.view.workers.log_path(name)
         if path is None:
             raise UnknownWorker(f"no worker named {name!r}",
                                 hint="see `mlxctl workers` for the names")

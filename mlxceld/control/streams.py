@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Final
 
-from mlxceld.control.view import DaemonView
+from mlxceld.state import EventLog
 from mlxceld.supervisor import logfiles
 from mlxceld.types import JSON
 
@@ -40,14 +40,15 @@ def line(obj: JSON) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
-async def log_lines(daemon: DaemonView, path: Path, lines: int,
+async def log_lines(stopping: Callable[[], bool], path: Path, lines: int,
                     follow: bool) -> AsyncIterator[bytes]:
-    """The last ``lines`` lines of a worker's log, then (``follow``) what it appends."""
+    """The last ``lines`` lines of a worker's log, then (``follow``) what it appends, until
+    the daemon is ``stopping()``."""
     text, offset = logfiles.tail(path, lines)
     if text:
         yield line({"data": text})
     idle = 0.0
-    while follow and not daemon.stopping:
+    while follow and not stopping():
         await asyncio.sleep(LOG_POLL_S)
         data, offset = logfiles.read_from(path, offset)
         if data:
@@ -60,19 +61,20 @@ async def log_lines(daemon: DaemonView, path: Path, lines: int,
                 yield b"\n"
 
 
-async def event_lines(daemon: DaemonView, after: int, limit: int,
+async def event_lines(events: EventLog, stopping: Callable[[], bool], after: int, limit: int,
                       subject: str | None) -> AsyncIterator[bytes]:
-    """Events after ``after`` (of ``subject``), in batches of ``limit``, as they come;
-    ``after=-N``: the last N first (all N, whatever ``limit``), then every later one."""
+    """Events after ``after`` (of ``subject``), in batches of ``limit``, as they come, until
+    the daemon is ``stopping()``; ``after=-N``: the last N first (all N, whatever
+    ``limit``), then every later one."""
     if after < 0:  # a position, once: what is appended later is never "the last N"
-        past = daemon.events.since(after, -after, subject)
-        after = past[0].id - 1 if past else daemon.events.last_id()
-    while not daemon.stopping:
-        batch = daemon.events.since(after, limit, subject)
+        past = events.since(after, -after, subject)
+        after = past[0].id - 1 if past else events.last_id()
+    while not stopping():
+        batch = events.since(after, limit, subject)
         for event in batch:
             after = event.id
             yield line(event.to_json())
         if not batch:
-            await daemon.events.wait(HEARTBEAT_S)
-            if not daemon.events.since(after, 1, subject):
+            await events.wait(HEARTBEAT_S)
+            if not events.since(after, 1, subject):
                 yield b"\n"

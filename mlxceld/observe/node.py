@@ -25,9 +25,9 @@ PEER_STATES = ("alive", "suspect", "dead", "unknown")
 
 @dataclass(frozen=True)
 class Reading:
-    """What one scrape read: the daemon's status (``DaemonView.status``), the stats of the
-    workers that answered in time (by name), its cluster nodes (``cluster_nodes``), its
-    drains and its latest rotation."""
+    """What one scrape read: the daemon's status (``DaemonView.daemon.status``), the stats
+    of the workers that answered in time (by name), its cluster nodes (the member's
+    ``nodes``), its drains and its latest rotation."""
 
     status: Mapping[str, Any]
     stats: Mapping[str, JSON]

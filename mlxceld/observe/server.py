@@ -61,9 +61,10 @@ class _Families(Collector):
 async def scrape(view: DaemonView) -> bytes:
     """One scrape's text: the daemon's status first (which workers it asks), then every
     asked worker's stats, each bounded (see the module docstring)."""
-    status = view.status()
-    stats = await view.worker_stats()
-    reading = Reading(status, stats, view.cluster_nodes(), view.drains(), view.rotation())
+    status = view.daemon.status()
+    stats = await view.workers.stats()
+    reading = Reading(status, stats, view.cluster.nodes(), view.drains.list(),
+                      view.cluster.rotation())
     families = [*process_metrics(), build_info("The versions this daemon runs"),
                 *daemon_families(reading), *worker_families(stats)]
     registry = CollectorRegistry(auto_describe=False)

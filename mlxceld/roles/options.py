@@ -176,7 +176,7 @@ class ReplicasOptions:
     decode_agents: tuple[str, ...] = ()
     kv_compression: str = "none"
     # No agents: the replicas are found by discovery (the daemon tells the worker its
-    # candidates: replica_peers.py).
+    # candidates: daemon/replica_peers.py).
     discover: bool = False
 
     def __post_init__(self) -> None:

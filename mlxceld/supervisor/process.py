@@ -40,7 +40,7 @@ CREATE_TIME_TOLERANCE_S = 0.05
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything needed to start one worker; built by the daemon (``mlxceld.roster``).
+    """Everything needed to start one worker; built by the daemon (``mlxceld.daemon.roster``).
     The role is the options' (``workers/options.py``): one cannot be given without the
     other."""
 

@@ -13,7 +13,7 @@ its heartbeat bound is ``[serve] stage_silence_s``.
 
 Replicas found by discovery (``ReplicasOptions.discover``: no ``--replicas``). The
 pool starts empty; the daemon sends the worker its discovery's candidates every few
-seconds (control op ``replicas``: ``replica_peers.py``), and ``Discovered`` asks each
+seconds (control op ``replicas``: ``daemon/replica_peers.py``), and ``Discovered`` asks each
 new candidate's agent what it serves (``ServingFinder``: a hybrid node serving this
 model), at most once per ``ASK_AGAIN_S`` for one that is not (a coordinator, a
 ``--pp-peer`` without a model, a prefill or decode node, another model, an agent that

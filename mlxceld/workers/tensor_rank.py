@@ -1,6 +1,6 @@
 """The ``tp`` role: one rank >= 1 of a router's tensor-parallel group (issue 20).
 
-Options (``TensorOptions``, from ``[serve] tp_size``: ``roster.py``): model, model_name,
+Options (``TensorOptions``, from ``[serve] tp_size``: ``daemon/roster.py``): model, model_name,
 rank, tp_hosts (the ring: ``host:port`` per rank, rank 0 the router), max_batch (the
 router's: every rank's ``BatchGenerator`` must be built alike). No cluster secret, no
 API key, no port of its own besides its ring's.

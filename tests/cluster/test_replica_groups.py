@@ -25,9 +25,9 @@ from mlxceld.cluster.clusterfile.placement import (
 )
 from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ServeConfig
+from mlxceld.daemon.roster import Situation, draw_roster, router_needs
 from mlxceld.errors import ConfigError
 from mlxceld.roles.options import RouterOptions
-from mlxceld.roster import Situation, draw_roster, router_needs
 
 Node = dict[str, object]
 

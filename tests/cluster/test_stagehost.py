@@ -22,8 +22,8 @@ from mlxceld.cluster.assignment.stagehost import LocalStageHost
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ServeConfig
+from mlxceld.daemon.roster import Situation, draw_roster
 from mlxceld.errors import DaemonError
-from mlxceld.roster import Situation, draw_roster
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import JSON

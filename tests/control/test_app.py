@@ -41,12 +41,15 @@ from mlxceld.state import EventLog
 from mlxceld.state.db import open_db
 from mlxceld.types import JSON
 
+from helpers.views import view_of
+
 PLAN = {"model": "/models/m", "stages": 2}
 KID = "00112233445566ff"
 
 
 class FakeDaemon:
-    """A DaemonView with one worker, ``alpha``; every call raises ``fail`` when it is set."""
+    """The daemon, flat (``helpers.views.view_of`` makes its parts), with one worker,
+    ``alpha``; every call raises ``fail`` when it is set."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.db = open_db(tmp_path / "state.db")
@@ -132,7 +135,7 @@ def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
 
 def call(daemon: FakeDaemon, method: str, path: str, **kwargs: Any) -> httpx.Response:
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=build_app(daemon))
+        transport = httpx.ASGITransport(app=build_app(view_of(daemon)))
         async with httpx.AsyncClient(transport=transport, base_url="http://control") as c:
             return await c.request(method, path, **kwargs)
 

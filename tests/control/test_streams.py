@@ -13,7 +13,7 @@ from mlxceld.state import EventLog
 
 
 class View:
-    """The part of ``DaemonView`` a stream reads."""
+    """What a stream reads: the event log, and whether the daemon stops."""
 
     def __init__(self, events: EventLog) -> None:
         self.events = events
@@ -37,7 +37,8 @@ def test_the_last_n_come_first_whatever_the_batch_limit(db: sqlite_utils.Databas
         log = EventLog(db)
         for i in range(250):
             log.append("test.made", "t", f"event {i}")
-        lines = event_lines(View(log), -150, 100, None)
+        view = View(log)
+        lines = event_lines(view.events, lambda: view.stopping, -150, 100, None)
         got = await take(lines, 150)
         await lines.aclose()
         return got
@@ -52,7 +53,7 @@ def test_a_burst_after_an_empty_start_is_streamed_whole(db: sqlite_utils.Databas
     async def go() -> list[int]:
         log = EventLog(db)
         view = View(log)
-        lines = event_lines(view, -20, 100, "alpha")
+        lines = event_lines(view.events, lambda: view.stopping, -20, 100, "alpha")
         first = asyncio.ensure_future(take(lines, 60))
         await asyncio.sleep(0.05)  # the stream is waiting for news
         for i in range(60):

@@ -8,7 +8,7 @@ import secrets
 import time
 from pathlib import Path
 
-from mlxceld.roster import MODEL_STOP_TIMEOUT_S
+from mlxceld.daemon.roster import MODEL_STOP_TIMEOUT_S
 
 from helpers.cluster import agent, start
 from helpers.daemons import READY_S, Daemons

@@ -14,6 +14,7 @@ from mlxceld.observe import metrics_app
 from mlxceld.observe.catalog import BY_NAME, PROCESS
 
 from helpers.metrics import Samples, check_exposition, sample
+from helpers.views import view_of
 
 KEY = "sk-metrics"
 STAGE_STATS = {
@@ -24,7 +25,7 @@ STAGE_STATS = {
 
 
 class View:
-    """What ``scrape`` asks of the daemon (``control.view.DaemonView``'s reading part)."""
+    """What ``scrape`` asks of the daemon, flat (``helpers.views.view_of`` makes its parts)."""
 
     def __init__(self, workers: list[dict[str, Any]], stats: dict[str, Any], **status: Any):
         self._status = {"daemon": {"node_id": "n1", "hostname": "h1", "started_at": 1000.0},
@@ -61,7 +62,7 @@ def worker(name: str, role: str, state: str = "running", **more: Any) -> dict[st
 def get(view: Any, path: str = "/metrics", key: str | None = None,
         require: bool = True, method: str = "GET") -> httpx.Response:
     async def main() -> httpx.Response:
-        app = metrics_app(view, KEY if key is not None else None, lambda: require)
+        app = metrics_app(view_of(view), KEY if key is not None else None, lambda: require)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://test") as client:

@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from mlxceld.daemon.roster import MODEL_STOP_TIMEOUT_S
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.models import preset, write_fixture
 from mlxceld.models.identity import model_identity
@@ -26,7 +27,6 @@ from mlxceld.pipeline import PipelineEngine, sequences
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
 from mlxceld.roles.options import KVQuant
-from mlxceld.roster import MODEL_STOP_TIMEOUT_S
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
 from mlxceld.wire.secret import key_id

@@ -186,7 +186,7 @@ def test_exit_codes_are_documented() -> None:
 
 
 def test_every_signal_the_daemon_handles_is_documented() -> None:
-    handled = set(re.findall(r"signal\.(SIG[A-Z]+)", (ROOT / "mlxceld/daemon.py").read_text()))
+    handled = set(re.findall(r"signal\.(SIG[A-Z]+)", (ROOT / "mlxceld/daemon/root.py").read_text()))
     assert {"SIGTERM", "SIGINT", "SIGHUP"} <= handled
     text = section_text(MAN / "mlxceld.8", "SIGNALS")
     assert not sorted(s for s in handled if s not in text)

@@ -32,13 +32,19 @@ prepared or activated, a deactivation). The rules, in order:
   policy, no secret, no API key), meeting in a ring at ``Situation.tp_hosts``; the
   supervisor restarts the group together (``supervisor/groups.py``).
 
-It lives beside ``daemon.py``, not in ``supervisor/``: the supervisor runs any
-spec it is given and knows no roles, while this is the daemon's policy over
+``Roster`` holds those inputs as they change (the config at a reload, what the router
+serves, the placement and its standby, the ring's ports, ...) and is the one place that
+draws the roster and hands it to the supervisor (``reconcile``): whoever changes an input
+calls it.
+
+It lives in the daemon room, beside ``root.py``, not in ``supervisor/``: the supervisor
+runs any spec it is given and knows no roles, while this is the daemon's policy over
 roles, placements and ``[serve]``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -53,6 +59,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.config.daemon import Config
 from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
+from mlxceld.discovery.inventory import free_ports
 from mlxceld.logformat import LogFormat
 from mlxceld.roles.options import (
     HandoffOptions,
@@ -62,14 +69,17 @@ from mlxceld.roles.options import (
     TensorOptions,
 )
 from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.wire.address import format_address, parse_address
+from mlxceld.wire.secret import Keyring
 
 # A model takes a while to load; stopping waits for open streams (router.GRACEFUL_S: 10 s)
 # and a stage's sequences (pipeline.stage.DRAIN_S: 15 s).
 MODEL_START_TIMEOUT_S: Final = 600.0  # after its load last advanced (supervisor/states.py)
 MODEL_STOP_TIMEOUT_S: Final = 20.0
 TP_GROUP: Final = "tp"  # the router and its tensor-parallel ranks' WorkerSpec.group
+TP_RING_HOST: Final = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class Situation:
     node_id: str | None = None  # this daemon's node id (its serving listener names it)
     agent_address: str | None = None  # the agent listener's, once bound
     # The tensor-parallel ring, host:port per rank (rank 0, the router, first), when
-    # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``daemon.py``), kept
+    # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``Roster.tp_ring``), kept
     # while tp_size stays the same so a restarted group meets at the same ports.
     tp_hosts: tuple[str, ...] = ()
 
@@ -188,3 +198,67 @@ def router_needs(specs: list[WorkerSpec], own: set[str]) -> frozenset[str] | Non
             and not spec.options.replica_pipelines):
         own = own | {s.node_id for s in spec.options.pipeline.stages}
     return frozenset(own)
+
+
+class Roster:
+    """The roster's inputs now, and the one reconcile: ``draw_roster`` of them handed to
+    the supervisor. ``serve`` and ``hold_router`` are the serving window's to set,
+    ``placement`` and ``standby`` the cluster member's (through the daemon's side of it),
+    ``config`` the reload's."""
+
+    def __init__(self, config: Config, supervisor: Supervisor, keyring: Keyring, *,
+                 placement: Placement | None, node_id: str, api_key: str | None,
+                 agent_address: Callable[[], str | None]) -> None:
+        self.config = config
+        self.serve = config.serve  # what the router serves: the serving window's
+        self.hold_router = False  # no single-host router while a pipeline is to come
+        self.placement = placement
+        self.standby = False  # the stage worker starts in standby (a prepared assignment)
+        self._supervisor = supervisor
+        self._keyring = keyring
+        self._node_id = node_id
+        self._api_key = api_key
+        self._agent_address = agent_address  # the agent listener's, once bound
+        self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
+
+    def specs(self) -> list[WorkerSpec]:
+        """The workers to run now: ``draw_roster`` of the inputs."""
+        ring = self._keyring
+        return draw_roster(Situation(
+            self.config, self.serve, self.placement, standby=self.standby,
+            hold_router=self.hold_router, secret=ring.primary if len(ring) else None,
+            accepted=tuple(ring.others()), api_key=self._api_key, node_id=self._node_id,
+            agent_address=self._agent_address(), tp_hosts=self.tp_ring()))
+
+    async def reconcile(self) -> list[WorkerSpec]:
+        """Make the running workers match ``specs()``; the specs it drew."""
+        specs = self.specs()
+        await self._supervisor.reconcile(specs)
+        return specs
+
+    def spec(self, name: str) -> WorkerSpec | None:
+        """The worker ``name`` as the roster draws it now; None where it runs no such one."""
+        return next((s for s in self.specs() if s.name == name), None)
+
+    def stage_wanted(self) -> bool:
+        """Whether the active plan (not in standby) wants this host's stage worker."""
+        return (self.placement is not None and not self.standby
+                and self.spec(STAGE_WORKER) is not None)
+
+    def router_held(self) -> bool:
+        """Whether the router waits for a pipeline (pp_auto, a plan to resume)."""
+        return self.hold_router and self.placement is None
+
+    def tp_ring(self) -> tuple[str, ...]:
+        """The tensor-parallel group's ring, ``host:port`` per rank: ``tp_size`` ports free on
+        127.0.0.1, picked when a tp size first needs them and kept while it stays the same
+        (a restarted group meets at the same ports: the ring's ranks bind them again at
+        once); () with tp_size 1, or when none could be bound (the router refuses that,
+        naming it)."""
+        tp_size = self.serve.tp_size
+        if tp_size <= 1:
+            self._tp_hosts = ()
+        elif len(self._tp_hosts) != tp_size:
+            self._tp_hosts = tuple(f"{TP_RING_HOST}:{port}"
+                                   for port in free_ports(TP_RING_HOST, tp_size))
+        return self._tp_hosts

@@ -37,10 +37,18 @@ every few seconds as well).
 
 With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the agent
 listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
-plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; the
-daemon is their window on its placement and supervisor (``serve_pipeline``,
-``set_stage``, ``reconcile``). What the router serves, with `mlxctl serve|unserve`, is
-``Serving``'s (``serving.py``); `mlxctl drain|undrain` are ``Draining``'s (``draining.py``).
+plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; their
+way back into this daemon is ``MemberSide`` (``member_side.py``). Which workers run is
+the ``Roster``'s (``roster.py``: its inputs and the one reconcile); what the router
+serves, with `mlxctl serve|unserve`, is the ``ServingWindow``'s (``serving.py``);
+`mlxctl drain|undrain` are the ``DrainWindow``'s (``draining.py``); `mlxctl secret` the
+``KeyWindow``'s (``keys.py``).
+
+Each part is handed a record of the parts it uses, never the daemon (as uvicorn hands
+its protocols a ``ServerState`` and the config, never its ``Server``): the control API
+and /metrics a ``control.view.DaemonView``. Where two parts call each other (the cluster
+member and the roster, the key window or the supervisor's stage watch), the later one
+is reached through a function made here.
 """
 
 from __future__ import annotations
@@ -54,13 +62,7 @@ import time
 from typing import Protocol
 
 from mlxceld import __version__
-from mlxceld.cluster.clusterfile.placement import (
-    STAGE_WORKER,
-    Placement,
-    place,
-    serving_cluster,
-    serving_config,
-)
+from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.changes import AT_NEXT_START, config_changes
@@ -76,20 +78,22 @@ from mlxceld.control.server import (
     peer_guard,
     remove_socket_file,
 )
+from mlxceld.control.view import DaemonView, Lifetime
+from mlxceld.daemon.draining import DrainParts, DrainWindow
+from mlxceld.daemon.keys import KeyWindow
+from mlxceld.daemon.member_side import MemberSide
+from mlxceld.daemon.replica_peers import ReplicaPeers
+from mlxceld.daemon.roster import Roster
+from mlxceld.daemon.serving import ServingParts, ServingWindow
+from mlxceld.daemon.stage_watch import StageWatch, StageWatchParts
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.draining import Draining
 from mlxceld.errors import (
     AlreadyRunning,
     ConfigError,
     MlxceldError,
 )
-from mlxceld.net import retire_streams
 from mlxceld.observe import MetricsServer
-from mlxceld.replica_peers import ReplicaPeers
-from mlxceld.roster import Situation, draw_roster
 from mlxceld.sdnotify import Notifier, status_line
-from mlxceld.serving import Serving
-from mlxceld.stage_watch import StageWatch
 from mlxceld.state import (
     SCHEMA_VERSION,
     STATE_DB,
@@ -106,11 +110,10 @@ from mlxceld.state.lock import StateLock, acquire, prepare_state_dir
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
-from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mlxceld.daemon")  # the room's name, as journal lines have read it
 
 HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
 
@@ -126,12 +129,11 @@ class Terminal(Protocol):
 
 
 class Daemon:
-    supervisor: Supervisor  # made by _start, under the lock
-    serving: Serving
+    """The composition root: it makes the parts, hands each a record of the others it uses
+    (never itself), and owns the signals, the commands and the one shutdown order."""
 
     def __init__(self, config: Config, flags: Overrides, terminal: Terminal) -> None:
         config = serving_config(config, flags)  # a serving cluster file's node: its flags
-        self.config = config
         self._flags = flags
         self._terminal = terminal
         self._commands: asyncio.Queue[str | asyncio.Future[JSON]] = asyncio.Queue()
@@ -153,115 +155,111 @@ class Daemon:
             self._lock.release()
             raise
         self._socket_group = config.socket_group  # a reload changes it at the next start
-        self._server = ControlServer(peer_guard(build_app(self), config.socket_group,
+        self._server = ControlServer(peer_guard(build_app(self._view), config.socket_group,
                                                 config.socket), self._sock)
         self._keeper = SocketKeeper(self._server, config.socket, config.socket_group,
                                     self._socket_event)
-        self.member = ClusterMember(self, self.supervisor, self.events, self.keys.keyring,
-                                    node_id=self.node.node_id, candidates=self.candidates,
-                                    plans=Plans(self._db), assignments=Assignments(self._db),
-                                    liveness=LivenessTable(self._db),
-                                    rotations=RotationsTable(self._db))
-        self._standby = False  # the stage worker starts in standby (a prepared assignment)
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
-        self.serving.hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+        self.roster.hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
 
     def _start(self, config: Config) -> None:
         """The start-up under the lock: state, keyring, supervisor, the control socket."""
         state = start_state(config.state_dir / STATE_DB, reset=config.reset_state)
         self._db, self.node, self.events = state.db, state.node, state.events
-        self.settings = Settings(self._db)
         self.keys = KeyringService(KeyStore(self._db, config.state_dir / "keys"),
                                    self.events, on_install=self._secret_installed)
-        self.candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
         served = serving_cluster(config)  # a serving cluster's node has no placement
-        self.placement = (place(config.distributed_config, config.node_id or "",
-                                config.serve.model)  # --model or [serve] model wins
-                          if config.distributed_config and served is None else None)
-        self.keys.adopt(config, self.placement, served.secret_source() if served else None)
-        self._stage = StageWatch(self, self.keys.keyring, self.node.node_id)
-        self._api_key = (read_api_key(config.serve.api_key_file)
-                         if config.serve.api_key_file else None)
-        self.serving = Serving(self, self._flags, config.serve)  # what the router serves
+        placement = (place(config.distributed_config, config.node_id or "",
+                           config.serve.model)  # --model or [serve] model wins
+                     if config.distributed_config and served is None else None)
+        self.keys.adopt(config, placement, served.secret_source() if served else None)
+        self._stage = StageWatch(self.keys.keyring, self.node.node_id)
+        api_key = read_api_key(config.serve.api_key_file) if config.serve.api_key_file else None
+        self.supervisor = Supervisor(  # nothing runs before its run(): made here, idle
+            WorkersTable(self._db), self.events,
+            health_interval_s=config.health_interval_s,
+            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
+            finished=self._stage.finished, changed=self._stage.changed)
+        self.roster = Roster(config, self.supervisor, self.keys.keyring, placement=placement,
+                             node_id=self.node.node_id, api_key=api_key,
+                             agent_address=lambda: self.member.agent_address())
+        self._stage.watch(StageWatchParts(self.supervisor, self.roster, lambda: self._stopping))
+        self.serving = ServingWindow(ServingParts(self.roster, self.supervisor,
+                                                  Settings(self._db), self.events, self._flags),
+                                     config.serve)  # what the router serves
         role = config.serve.node_role
-        self.keys.require(pp_auto=config.pp_auto is not None, placement=self.placement,
+        self.keys.require(pp_auto=config.pp_auto is not None, placement=placement,
                           router=role == ROUTER_ROLE,
                           handoff_role=role if role in HANDOFF_ROLES else None,
                           served=f"{served.path}: node {config.node_id!r} ({role})"
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
+        self._make_parts()
         self._metrics = None if config.metrics_listen is None else MetricsServer(
-            self, config.metrics_listen, self._api_key,
-            lambda: self.config.serve.metrics_require_key)  # observe/: [daemon] metrics_listen
-        self.supervisor = Supervisor(
-            WorkersTable(self._db), self.events,
-            health_interval_s=config.health_interval_s,
-            log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
-            finished=self._stage.finished, changed=self._stage.changed)
+            self._view, config.metrics_listen, api_key,
+            lambda: self.roster.config.serve.metrics_require_key)  # [daemon] metrics_listen
         self._sock = bind_control_socket(config.socket, config.socket_group)
-        self._draining = Draining(self, DrainsTable(self._db), self.events)
-        self._replica_peers = ReplicaPeers(self.candidates, self.supervisor,
-                                           self._finds_replicas)
 
-    # -- DaemonView (the control API's window on us) --------------------------------------
+    def _make_parts(self) -> None:
+        """The cluster member, the key and drain windows, the replica peers, and the record
+        of parts the control API and /metrics are handed (``control.view.DaemonView``)."""
+        candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
+        drains = DrainsTable(self._db)
+        keys = KeyWindow(self.keys, self.supervisor, self.events,
+                         keyring_changed=lambda: self.member.keyring_changed())
+        self.member = ClusterMember(
+            MemberSide(self.roster, self.serving, keys, drains, lambda: self._stopping),
+            self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
+            candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
+            liveness=LivenessTable(self._db), rotations=RotationsTable(self._db))
+        self._draining = DrainWindow(DrainParts(self.roster, self.node.node_id, self.supervisor,
+                                                self.member), drains, self.events)
+        self._replica_peers = ReplicaPeers(candidates, self.supervisor, self._finds_replicas)
+        self._view = DaemonView(
+            self.events, Lifetime(lambda: self._stopping, self.status, self.request_stop,
+                                  self.reload),
+            self.supervisor, self.member, keys, self.serving, self._draining)
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
+    # -- the daemon's own, in the control API's view (``Lifetime``) ------------------------
 
     def status(self) -> JSON:
         workers = self.supervisor.snapshot()
+        config, placement = self.roster.config, self.roster.placement
         return {
             "daemon": {
                 "pid": os.getpid(), "version": __version__, "node_id": self.node.node_id,
                 "hostname": self.node.hostname, "started_at": self._started_at,
                 "uptime_s": round(time.time() - self._started_at, 3),
                 "state": "stopping" if self._stopping else "running",
-                "state_dir": str(self.config.state_dir), "socket": str(self.config.socket),
+                "state_dir": str(config.state_dir), "socket": str(config.socket),
                 "socket_group": self._socket_group.name if self._socket_group else None,
-                "config_file": str(self.config.config_file) if self.config.config_file else None,
-                "log_level": self.config.log_level,
+                "config_file": str(config.config_file) if config.config_file else None,
+                "log_level": config.log_level,
                 "schema_version": SCHEMA_VERSION,
             },
             "serving": self.serving.describe(),
-            "cluster": self.placement.describe() if self.placement else None,
+            "cluster": placement.describe() if placement else None,
             **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
             "problems": health.problems(workers) + self.member.problems(),
         }
 
-    def workers(self) -> list[JSON]:
-        return self.supervisor.snapshot()
+    def request_stop(self) -> None:
+        self._commands.put_nowait("stop")
 
-    def cluster_nodes(self) -> JSON:
-        return self.member.nodes()
+    async def reload(self) -> JSON:
+        """`mlxctl reload`: SIGHUP's reload, queued as SIGHUP queues it; what it changed,
+        or the ``ConfigError`` that kept the running config."""
+        answer: asyncio.Future[JSON] = asyncio.get_running_loop().create_future()
+        self._commands.put_nowait(answer)
+        return await answer
 
-    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
-        return await self.member.plan(model, stages, replicas)
+    def _secret_installed(self) -> None:
+        if self.member.agent is None:
+            self._commands.put_nowait("agent")  # the first secret: start the agent listener
 
-    async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
-        return await self.member.activate(model, stages, replicas)
-
-    async def deactivate_cluster(self) -> JSON:
-        return await self.member.deactivate()
-
-    def drains(self) -> list[JSON]:
-        return self._draining.list()
-
-    def drain(self, node: str | None, deadline_s: float | None, force: bool) -> JSON:
-        return self._draining.drain(node, deadline_s, force)
-
-    def undrain(self, node: str | None) -> JSON:
-        return self._draining.undrain(node)
-
-    def drained_nodes(self) -> frozenset[str]:
-        return self._draining.drained_nodes()
-
-    # -- the member's, the coordinator's and the stage host's window on us -----------------
-
-    def served_model(self) -> str | None:
-        return self.serving.serve.model
+    # -- lifetime -------------------------------------------------------------------------
 
     async def _dry_run(self) -> int:
         """``--pp-auto N --dry-run``: the plan, or why there is none, on the terminal (exit
@@ -275,115 +273,6 @@ class Daemon:
             self._terminal.error(exc)
             return 1
         return 0
-
-    def router_held(self) -> bool:
-        return self.serving.hold_router and self.placement is None
-
-    async def stop_pipeline(self) -> None:
-        """The plan is deactivated: no placement, no router (not even a single-host one on
-        the configured model) until `mlxctl serve`, an activate, or a restart."""
-        self.placement = None
-        await self.serving.hold()
-
-    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
-        """Run the router over the pushed plan (``Serving.serve_pipeline``; ``live``: moved
-        to the plan's stages without a restart, if it can)."""
-        self.placement = placement
-        await self.serving.serve_pipeline(placement, live=live)
-
-    def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
-        self.placement, self._standby = placement, standby
-
-    async def reconcile(self) -> None:
-        await self.supervisor.reconcile(self.specs(self.config))
-
-    def log_path(self, name: str) -> str | None:
-        return self.supervisor.log_path(name)
-
-    async def worker_stats(self) -> dict[str, JSON]:
-        return await self.supervisor.stats()
-
-    def restart_worker(self, name: str) -> None:
-        self.supervisor.restart(name)
-
-    def request_stop(self) -> None:
-        self._commands.put_nowait("stop")
-
-    async def reload(self) -> JSON:
-        """`mlxctl reload`: SIGHUP's reload, queued as SIGHUP queues it; what it changed,
-        or the ``ConfigError`` that kept the running config."""
-        answer: asyncio.Future[JSON] = asyncio.get_running_loop().create_future()
-        self._commands.put_nowait(answer)
-        return await answer
-
-    def secrets(self) -> list[JSON]:
-        return self.keys.list()
-
-    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
-        key = self.keys.install(secret, primary, source)
-        return {**key, "workers": await self.push_keyring()}
-
-    async def use_secret(self, kid: str) -> JSON:
-        key = self.keys.use(kid)
-        return {**key, "workers": await self.push_keyring()}
-
-    async def remove_secret(self, kid: str) -> JSON:
-        key = self.keys.remove(kid)
-        return {**key, "workers": await self.push_keyring()}
-
-    async def streams_under(self, kid: str) -> dict[str, int]:
-        """Workers with open MXCL streams under key id ``kid``: how many (a rotation
-        removes the old key once there are none, ``cluster/rotation.py``)."""
-        return await self.supervisor.streams_under(kid)
-
-    async def rotate_secret(self, secret: bytes | None) -> JSON:
-        return await self.member.rotate(secret)
-
-    def rotation(self) -> JSON | None:
-        return self.member.rotation()
-
-    async def push_keyring(self) -> JSON:
-        """The keyring changed: this process's streams under a removed key end (their
-        owners re-dial under the primary), and every worker holding the cluster secret
-        takes the new keyring at once, without a restart (``supervisor/keys.py``). What
-        each worker failed, by name ({} when all took it)."""
-        ring = self.keys.keyring
-        retire_streams(ring)
-        self.member.keyring_changed()
-        if not len(ring):
-            return {}
-        failed = await self.supervisor.push_keyring(ring.primary, ring.others())
-        for name, why in failed.items():
-            log.warning("%s", why)
-            self.events.append("secret.worker_failed", name, why)
-        return {"failed": failed}
-
-    def _secret_installed(self) -> None:
-        if self.member.agent is None:
-            self._commands.put_nowait("agent")  # the first secret: start the agent listener
-
-    # -- lifetime -------------------------------------------------------------------------
-
-    def specs(self, config: Config) -> list[WorkerSpec]:
-        """The workers to run now: ``roster.draw_roster`` of ``config`` and our state."""
-        return draw_roster(Situation(
-            config, self.serving.serve, self.placement, standby=self._standby,
-            hold_router=self.serving.hold_router,
-            secret=self.keys.keyring.primary if len(self.keys.keyring) else None,
-            accepted=tuple(self.keys.keyring.others()),
-            api_key=self._api_key, node_id=self.node.node_id,
-            agent_address=self.member.agent_address(),
-            tp_hosts=self.serving.tp_ring()))
-
-    def stage_wanted(self) -> bool:
-        return (not self._stopping and self.placement is not None and not self._standby
-                and any(s.name == STAGE_WORKER for s in self.specs(self.config)))
-
-    async def serve_model(self, model: str, name: str | None) -> JSON | None:
-        return await self.serving.serve_model(model, name)
-
-    async def unserve(self) -> JSON:
-        return await self.serving.unserve()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -404,19 +293,18 @@ class Daemon:
                 tg.create_task(self._replica_peers.run())
                 if self._metrics is not None:
                     tg.create_task(self._metrics.serve())
-                specs = self.specs(self.config)
-                await self.supervisor.reconcile(specs)
+                specs = await self.roster.reconcile()
                 self.events.append("daemon.started", "daemon",
                                    f"mlxceld {__version__} started (pid {os.getpid()})",
                                    pid=os.getpid())
                 log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
-                         __version__, self.node.node_id, self.config.socket, len(specs))
+                         __version__, self.node.node_id, self.roster.config.socket, len(specs))
                 if len(self.keys.keyring):
                     await self.member.start(tg)
                     await self._router_node_linked()
                 self._notify.ready(status_line(self.status()))
                 tg.create_task(self._notify.run(lambda: status_line(self.status())))
-                if self.config.dry_run:
+                if self.roster.config.dry_run:
                     code = await self._shutdown(dry_run=await self._dry_run())
                 else:
                     await self._serve_commands(tg)  # until told to stop
@@ -431,15 +319,15 @@ class Daemon:
     def _finds_replicas(self) -> bool:
         """A router node with no --replicas (nor prefill and decode pools): its router
         is told discovery's candidates (``replica_peers.py``)."""
-        serve = self.config.serve
+        serve = self.roster.config.serve
         return discovers(serve.node_role, serve.replicas,
                          pools=bool(serve.prefill_peers and serve.decode_peers))
 
     async def _router_node_linked(self) -> None:
         """A router (or decode) node's router waits for the agent listener (its address is
         the identity it dials replicas and asks agents with: ``roster``): it starts now."""
-        if self.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_ROLES):
-            await self.supervisor.reconcile(self.specs(self.config))
+        if self.roster.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_ROLES):
+            await self.roster.reconcile()
 
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:
         while True:
@@ -522,19 +410,19 @@ class Daemon:
             if answer is not None and not answer.done():
                 answer.set_exception(exc)
             return
-        changes = config_changes(self.config, new)
+        changes = config_changes(self.roster.config, new)
         later = [c["key"] for c in changes if c["key"] in AT_NEXT_START]
         for key in later:
             log.warning("reload: %s changed; it takes effect at the next start", key)
         logging.getLogger().setLevel(new.log_level.upper())
-        self.config = new
-        self.serving.serve = self.serving.effective(new.serve)
+        self.roster.config = new
+        self.roster.serve = self.serving.effective(new.serve)
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded: "
                            + (", ".join(c["key"] for c in changes) or "nothing changed"),
                            trigger=trigger)
         log.info("configuration reloaded (%s): %s", trigger,
                  ", ".join(c["key"] for c in changes) or "nothing changed")
-        await self.supervisor.reconcile(self.specs(new))
+        await self.roster.reconcile()
         if answer is not None and not answer.done():
             answer.set_result({"config_file": str(new.config_file) if new.config_file else None,
                                "changed": changes, "at_next_start": later})
@@ -544,7 +432,7 @@ class Daemon:
 
     def _release(self) -> None:
         """The shutdown's last step: remove the socket, close the database, release the lock."""
-        remove_socket_file(self.config.socket)
+        remove_socket_file(self.roster.config.socket)
         with contextlib.suppress(Exception):
             self._sock.close()
         with contextlib.suppress(Exception):

@@ -1,8 +1,8 @@
 """The daemon's serving window: what its router serves, and the commands that change it.
 
-``Serving`` holds the ``[serve]`` the roster draws the router from (``serve``: the
-flags and the config file, else what `mlxctl serve` chose last time, kept in the
-settings table; a cluster coordinator serves its cluster's model) and whether the
+``ServingWindow`` sets the roster's ``[serve]``, which it draws the router from
+(``serve``: the flags and the config file, else what `mlxctl serve` chose last time, kept
+in the settings table; a cluster coordinator serves its cluster's model) and whether the
 router is held back (``hold_router``: ``pp_auto`` waiting for its plan, a plan to
 resume at start, or after `mlxctl cluster deactivate`, until `mlxctl serve`).
 
@@ -17,20 +17,18 @@ Over a pipeline this daemon coordinates, the router serves the pushed plan's mod
 (``serve_pipeline``): a running router is restarted on it, or, ``live`` (a drain's
 re-plan), moved to the new plan's stages by its ``pipeline`` op (``workers/router.py``,
 ``pipeline/switch.py``) and restarted only if it refuses or does not answer. Once the
-plan is deactivated, the router is held back (``hold``).
+plan is deactivated, the router is held back (``stop_pipeline``).
 
-It lives beside ``daemon.py`` (the composition root, its only user), above ``roster``:
-the daemon is its ``ServingHost``, the window on the config, the placement, the
-supervisor and the roster.
+It lives in the daemon room beside ``root.py`` (the composition root, its only user),
+which hands it ``ServingParts``: the parts it uses, never the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Final, Protocol
 
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.clients import parse_model_names
@@ -38,83 +36,66 @@ from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.config.tensor import check_tp_model
-from mlxceld.discovery.inventory import free_ports
+from mlxceld.daemon.roster import Roster
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
 from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
-from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
-TP_RING_HOST: Final = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
+
+@dataclass(frozen=True)
+class ServingParts:
+    """What the serving window uses, never the daemon: the roster (whose ``serve`` and
+    ``hold_router`` it sets, and whose one reconcile it calls), the supervisor (the
+    router's restart and its ``pipeline`` op), the settings (what `mlxctl serve` chose
+    last), the event log, and the flags (where a configured model came from)."""
+
+    roster: Roster
+    supervisor: Supervisor
+    settings: Settings
+    events: EventLog
+    flags: Overrides
 
 
-class ServingHost(Protocol):
-    """The daemon's side: its config now, its placement, its supervisor and roster."""
+class ServingWindow:
+    def __init__(self, parts: ServingParts, configured: ServeConfig) -> None:
+        self._parts = parts
+        self._roster = parts.roster
+        self._roster.serve = self.effective(configured)
 
     @property
-    def config(self) -> Config: ...
-    @property
-    def placement(self) -> Placement | None: ...
-    @property
-    def supervisor(self) -> Supervisor: ...
-    @property
-    def events(self) -> EventLog: ...
-    @property
-    def settings(self) -> Settings: ...
-    def specs(self, config: Config) -> list[WorkerSpec]:
-        """The workers to run now (``roster.draw_roster``)."""
-
-
-class Serving:
-    def __init__(self, host: ServingHost, flags: Overrides, configured: ServeConfig) -> None:
-        self._host = host
-        self._flags = flags
-        self.serve = self.effective(configured)
-        self.hold_router = False  # no single-host router while a pipeline is to come
-        self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
+    def serve(self) -> ServeConfig:
+        """What the router serves now (the roster's input)."""
+        return self._roster.serve
 
     def effective(self, configured: ServeConfig) -> ServeConfig:
         """Flags and the config file win; else what `mlxctl serve` chose last time.
         A cluster coordinator serves its cluster's model."""
-        placement = self._host.placement
+        placement = self._roster.placement
         if placement is not None:
             return configured.with_model(str(placement.model), configured.model_name)
-        saved = self._host.settings.get("serve")
+        saved = self._parts.settings.get("serve")
         if configured.model is None and saved is not None:
             return configured.with_model(saved["model"], saved.get("model_name"))
         return configured
 
-    def tp_ring(self) -> tuple[str, ...]:
-        """The tensor-parallel group's ring, ``host:port`` per rank: ``tp_size`` ports free on
-        127.0.0.1, picked when a tp size first needs them and kept while it stays the same
-        (a restarted group meets at the same ports: the ring's ranks bind them again at
-        once); () with tp_size 1, or when none could be bound (the router refuses that,
-        naming it)."""
-        tp_size = self.serve.tp_size
-        if tp_size <= 1:
-            self._tp_hosts = ()
-        elif len(self._tp_hosts) != tp_size:
-            self._tp_hosts = tuple(f"{TP_RING_HOST}:{port}"
-                                   for port in free_ports(TP_RING_HOST, tp_size))
-        return self._tp_hosts
-
     async def serve_model(self, model: str, name: str | None) -> JSON | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
-        host = self._host
-        if host.config.pp_peer:
+        parts, roster = self._parts, self._roster
+        if roster.config.pp_peer:
             raise ModelRefused("this daemon is a --pp-peer: it takes a pipeline stage from a "
                                "coordinator and runs no router",
                                hint="serve on the coordinator (mlxctl cluster activate), or "
                                "run this daemon without --pp-peer ([daemon] pp_peer)")
-        if host.placement is not None:
+        if roster.placement is not None:
             raise ModelRefused(
-                f"this daemon is node {host.placement.node.id!r} of cluster config "
-                f"{host.placement.cluster.path}; it serves that cluster's model",
+                f"this daemon is node {roster.placement.node.id!r} of cluster config "
+                f"{roster.placement.cluster.path}; it serves that cluster's model",
                 hint="change [cluster] model in that file on every node, then restart them")
         try:
             resolved = resolve_model(model, Path("/"), "mlxctl serve")
@@ -127,14 +108,14 @@ class Serving:
             check_kv_model(local, self.serve.kv_quant, "serve.kv_bits")
         except ConfigError as exc:
             raise ModelRefused(exc.message, hint=exc.hint) from exc
-        self.serve = self.serve.with_model(resolved, name)
-        self.hold_router = False  # told to serve: also after a deactivate
-        host.settings.put("serve", {"model": resolved, "model_name": name})
-        existed = ROUTER in host.supervisor.names()
-        await host.supervisor.reconcile(host.specs(host.config))
+        roster.serve = self.serve.with_model(resolved, name)
+        roster.hold_router = False  # told to serve: also after a deactivate
+        parts.settings.put("serve", {"model": resolved, "model_name": name})
+        existed = ROUTER in parts.supervisor.names()
+        await roster.reconcile()
         if existed:
-            host.supervisor.restart(ROUTER)
-        host.events.append("serve.changed", ROUTER,
+            parts.supervisor.restart(ROUTER)
+        parts.events.append("serve.changed", ROUTER,
                            f"now serving {self.serve.served_name} from {resolved}")
         return self.describe()
 
@@ -176,7 +157,7 @@ class Serving:
                 raise
             log.warning("the model mlxctl serve chose, %s: %s (%s)", self.serve.model,
                         exc.message, exc.hint)
-            self._host.events.append("serve.unsplittable", ROUTER,
+            self._parts.events.append("serve.unsplittable", ROUTER,
                                      f"{exc.message} ({exc.hint})")
 
     async def unserve(self) -> JSON:
@@ -184,66 +165,69 @@ class Serving:
         chose, so that a restart does not serve it again. Refused, changing nothing, where
         a restart would serve again anyway (a model from the flags or the config file) or
         where the router is a cluster's."""
-        host = self._host
-        p = host.placement
+        parts, roster = self._parts, self._roster
+        p = roster.placement
         if p is not None and p.is_coordinator:
             raise UnserveRefused("this daemon's router serves a pipeline",
                                  hint="mlxctl cluster deactivate ends the plan and stops its "
-                                 "router" if host.config.distributed_config is None else
+                                 "router" if roster.config.distributed_config is None else
                                  f"it runs the cluster config {p.cluster.path}; stop the daemon")
         if p is not None:
             raise UnserveRefused(f"this daemon runs {p.node.id} of a cluster and no router",
                                  hint="on the coordinator: mlxctl cluster deactivate")
-        configured = host.config.serve.model
+        config = roster.config
+        configured = config.serve.model
         if configured is not None:
-            origin = ("--model" if self._flags.model else
-                      f"the cluster TOML {host.config.distributed_config} (or [serve] "
+            origin = ("--model" if parts.flags.model else
+                      f"the cluster TOML {config.distributed_config} (or [serve] "
                       "model)"
-                      if host.config.distributed_config is not None else
-                      f"[serve] model in {host.config.config_file}")
+                      if config.distributed_config is not None else
+                      f"[serve] model in {config.config_file}")
             raise UnserveRefused(f"the model {configured} comes from {origin}: a restart would "
                                  "serve it again, so it is not unserved",
                                  hint="remove it there, then reload (systemctl reload mlxceld, "
                                  "or SIGHUP) or restart; then mlxctl unserve forgets what "
                                  "mlxctl serve chose, if anything")
         was = self.describe()
-        host.settings.delete("serve")
-        self.serve = replace(self.serve, model=None, model_name=None)
-        await host.supervisor.reconcile(host.specs(host.config))
+        parts.settings.delete("serve")
+        roster.serve = replace(self.serve, model=None, model_name=None)
+        await roster.reconcile()
         if was is not None:
-            host.events.append("serve.stopped", ROUTER,
+            parts.events.append("serve.stopped", ROUTER,
                                f"no longer serving {was['model_name']} ({was['model']})")
             log.info("no longer serving %s (mlxctl unserve)", was["model"])
         return {"unserved": was}
 
-    async def serve_pipeline(self, placement: Placement, *, live: bool) -> None:
-        """Run the router over the pushed plan ``placement`` (the host's now): on its model,
+    async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
+        """Run the router over the pushed plan ``placement`` (the roster's now): on its model,
         restarted if it was serving; ``live``: a running router is moved to the plan's
         stages by its ``pipeline`` op, and restarted only if it refuses or does not answer."""
-        host = self._host
+        parts, roster = self._parts, self._roster
+        roster.placement = placement
         model = str(placement.model)
         if self.serve.model != model:
-            self.serve = self.serve.with_model(model)
-        existed = ROUTER in host.supervisor.names()
-        await host.supervisor.reconcile(host.specs(host.config))
+            roster.serve = self.serve.with_model(model)
+        existed = ROUTER in parts.supervisor.names()
+        await roster.reconcile()
         if not existed:
             return
-        spec = next((s for s in host.specs(host.config) if s.name == ROUTER), None)
+        spec = roster.spec(ROUTER)
         if live and spec is not None:
-            reply = await host.supervisor.call_running(
+            reply = await parts.supervisor.call_running(
                 ROUTER, "pipeline", {"options": options_json(spec.options)})
             if reply is not None and reply.get("ok"):
                 log.info("router moved to the new plan's stages without a restart")
                 return
             log.info("router not moved live (%s): restarting it",
                      "no answer" if reply is None else reply.get("error"))
-        host.supervisor.restart(ROUTER)
+        parts.supervisor.restart(ROUTER)
 
-    async def hold(self) -> None:
-        """No router (not even a single-host one on the configured model) until `mlxctl
-        serve`, an activate, or a restart: the host's plan is deactivated."""
-        self.hold_router = True
-        await self._host.supervisor.reconcile(self._host.specs(self._host.config))
+    async def stop_pipeline(self) -> None:
+        """The plan is deactivated: no placement, and no router (not even a single-host one
+        on the configured model) until `mlxctl serve`, an activate, or a restart."""
+        self._roster.placement = None
+        self._roster.hold_router = True
+        await self._roster.reconcile()
 
     def check_reload(self, configured: ServeConfig) -> None:
         """On a reload: the model the new ``[serve]`` serves (what `mlxctl serve` chose
@@ -255,8 +239,7 @@ class Serving:
         """What the router serves, and where; None where the roster runs no router (no
         model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
         s = self.serve
-        host = self._host
-        if s.model is None or not any(spec.name == ROUTER for spec in host.specs(host.config)):
+        if s.model is None or self._roster.spec(ROUTER) is None:
             return None
         return {"model": s.model, "model_name": s.served_name,
                 "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None,

@@ -11,52 +11,42 @@ service tells the running router (its ``drain`` op), and on a coordinator the cl
 member re-plans around a drained stage host (``ClusterMember.drain_started``), the
 drain held from the router meanwhile (``drain_held``).
 
-It lives beside ``daemon.py`` (the composition root, its only user), above ``roster``:
-the daemon is its ``DrainingHost``.
+It lives in the daemon room beside ``root.py`` (the composition root, its only user),
+which hands it ``DrainParts``: the parts it uses, never the daemon.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
-from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.cluster.member import ClusterMember
-from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ROUTER
+from mlxceld.daemon.roster import Roster, router_needs
 from mlxceld.drain import DrainService, known_node
-from mlxceld.roster import router_needs
 from mlxceld.state import DrainsTable, EventLog
-from mlxceld.state.node import Node
-from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
 
-class DrainingHost(Protocol):
-    """The daemon's side: its node, placement, config, roster, supervisor and member."""
+@dataclass(frozen=True)
+class DrainParts:
+    """What the drain window uses, never the daemon: the roster (the placement, the
+    router's spec), this daemon's node id, the supervisor (the router's ``drain`` op) and
+    the cluster member (the nodes it knows, a drained stage host re-planned around)."""
 
-    @property
-    def config(self) -> Config: ...
-    @property
-    def node(self) -> Node: ...
-    @property
-    def placement(self) -> Placement | None: ...
-    @property
-    def supervisor(self) -> Supervisor: ...
-    @property
-    def member(self) -> ClusterMember: ...
-    def specs(self, config: Config) -> list[WorkerSpec]:
-        """The workers to run now (``roster.draw_roster``)."""
+    roster: Roster
+    node_id: str
+    supervisor: Supervisor
+    member: ClusterMember
 
 
-class Draining:
-    def __init__(self, host: DrainingHost, table: DrainsTable, events: EventLog) -> None:
-        self._host = host
+class DrainWindow:
+    def __init__(self, parts: DrainParts, table: DrainsTable, events: EventLog) -> None:
+        self._parts = parts
+        member = parts.member
         self.service = DrainService(table, events, needs=self.router_needs,
                                     call_router=self._call_router,
-                                    started=lambda node, force: host.member.drain_started(
-                                        node, force),
-                                    held=lambda: host.member.drain_held())
+                                    started=member.drain_started, held=member.drain_held)
 
     def list(self) -> list[JSON]:
         return self.service.list()
@@ -70,30 +60,32 @@ class Draining:
             self._known_node(target)
         return self.service.undrain(target)
 
-    def drained_nodes(self) -> frozenset[str]:
-        return frozenset(d["node_id"] for d in self.service.list())
-
     def _local_node(self) -> str:
-        host = self._host
-        return host.placement.node.id if host.placement is not None else host.node.node_id
+        placement = self._parts.roster.placement
+        return placement.node.id if placement is not None else self._parts.node_id
 
     def _known_node(self, node: str | None) -> str:
-        host = self._host
-        known = {self._local_node(), host.node.node_id, *(self.router_needs() or ())}
-        if host.placement is not None:  # over replica groups the router needs none of them
-            known |= {n.id for n in host.placement.cluster.stages}
-        known |= {n["node_id"] for n in host.member.nodes()["nodes"] if n.get("node_id")}
+        parts, placement = self._parts, self._parts.roster.placement
+        known = {self._local_node(), parts.node_id, *(self.router_needs() or ())}
+        if placement is not None:  # over replica groups the router needs none of them
+            known |= {n.id for n in placement.cluster.stages}
+        known |= {n["node_id"] for n in parts.member.nodes()["nodes"] if n.get("node_id")}
         return known_node(node or self._local_node(), known)
 
     def router_needs(self) -> frozenset[str] | None:
         """This node, and over a pipeline its stages: by the cluster TOML's stage ids and,
         for a plan coordinated here, by its hosts' node ids. Over replica groups only this
         node: a drained stage host is not held from the router (``roster.router_needs``)."""
-        host = self._host
-        needs = router_needs(host.specs(host.config), {host.node.node_id, self._local_node()})
-        if needs is None or host.placement is None or host.placement.cluster.replicas > 1:
+        parts, placement = self._parts, self._parts.roster.placement
+        needs = router_needs(parts.roster.specs(), {parts.node_id, self._local_node()})
+        if needs is None or placement is None or placement.cluster.replicas > 1:
             return needs
-        return needs | host.member.plan_node_ids()
+        return needs | parts.member.plan_node_ids()
 
     async def _call_router(self, args: JSON) -> JSON | None:
-        return await self._host.supervisor.call_running(ROUTER, "drain", args)
+        return await self._parts.supervisor.call_running(ROUTER, "drain", args)
+
+
+def drained_nodes(table: DrainsTable) -> frozenset[str]:
+    """The node ids `mlxctl drain` holds drained or draining (left out of plans)."""
+    return frozenset(row.node_id for row in table.all())
