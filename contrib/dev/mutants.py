@@ -109,7 +109,7 @@ MUTANTS = (
            "row = replace(old, deadline=deadline, force=force, updated_at=now,",
            "row = replace(old, updated_at=now,", (DRAIN_SERVICE,)),
     Mutant("a drain of a node nobody knows recorded (and soon drained)",
-           "mlxceld/draining.py",
+           "mlxceld/daemon/draining.py",
            "return self.service.drain(self._known_node(node), deadline_s, force)",
            "return self.service.drain(node or self._local_node(), deadline_s, force)",
            ("tests/integration/test_drain.py::test_a_drain_of_a_node_nobody_knows_is_refused_"
