@@ -73,6 +73,7 @@ from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connecti
 from mlxceld.pipeline.links import Inbox, StageLink
 from mlxceld.pipeline.promptcache import PromptCache
 from mlxceld.roles.options import KVQuant
+from mlxceld.tasks import Background
 from mlxceld.types import DEFAULT_SILENCE_S, PipelineCacheStats
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
@@ -82,6 +83,7 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S: Final = 5.0
 STEP_TIMEOUT_S: Final = 10.0
 PER_TOKEN_S: Final = 0.05
+CLOSE_S: Final = 1.0  # how long aclose waits for releases under way before it cancels them
 DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then restarts
 # A prompt whose part beyond the prefix it starts from is at least this long is kept by the
 # stages once prefilled (``keep_prompt``: other chats sharing it start from it); shorter
@@ -155,7 +157,9 @@ class PipelineEngine:
                        for s in stages]
         self._last_rank = self._links[-1].stage.rank
         self.tokens = 0  # generated and handed to requests (end-of-sequence ones too)
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Releases and forgets: a release outlives its request, and the engine has no
+        # scope of its own (requests run without keep_linked too); aclose ends them.
+        self._tasks = Background(f"the pipeline engine for {model_id}")
         self._closed = False
         self._draining: dict[int, float] = {}  # rank -> when it last refused: draining
 
@@ -254,7 +258,7 @@ class PipelineEngine:
             del self._inboxes[seq]
             for link in self._links:
                 link.untrack(seq)
-            self._spawn(self._release(seq, prompt + produced[:-1] if kept else None))
+            self._tasks.spawn(self._release(seq, prompt + produced[:-1] if kept else None))
 
     async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> int:
         """Prepare the sequence on every stage, from the longest prefix of its prompt the
@@ -310,7 +314,7 @@ class PipelineEngine:
             header = {"t": "forget", "entries": entries[at:at + p.MAX_FORGET]}
             for link in self._links:
                 if link.up:
-                    self._spawn(self._send_quietly(link, header))
+                    self._tasks.spawn(self._send_quietly(link, header))
 
     def prompt_cache_stats(self) -> PipelineCacheStats:
         """The prompt cache's counts (``PromptCache.stats``)."""
@@ -410,20 +414,12 @@ class PipelineEngine:
         with contextlib.suppress(EngineError):
             await link.send(header)
 
-    def _spawn(self, coro: Any) -> None:
-        # Not a task group: a release outlives its request, and the engine has no scope of
-        # its own (requests run without keep_linked too); aclose waits for these.
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def aclose(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 1.0)
+        await self._tasks.aclose(within_s=CLOSE_S)
         for link in self._links:
             await link.aclose()
+        await self._tasks.aclose()  # a forget its links' readers asked for meanwhile
 
 
 def chunks(n: int, stages: int, kv_quant: KVQuant | None = None) -> list[int]:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -72,6 +73,7 @@ from mlxceld.pipeline.sequences import (
     stage_cache,
 )
 from mlxceld.pipeline.steps import StageSteps, send_quietly
+from mlxceld.tasks import scoped_group
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
@@ -92,6 +94,16 @@ _FROM_STAGES: Final = {
     "next": ("tokens", p.ERR_NOT_LAST, "'next' is accepted only from the last stage"),
 }
 DRAIN_S: Final = 15.0  # how long a stopping stage serves the sequences it holds (see above)
+
+
+@dataclass(frozen=True)
+class _Sender:
+    """Who is at the other end of a connection, and which of the stage's peers it is."""
+
+    who: str
+    coordinator: bool
+    upstream: bool
+    last: bool
 
 
 class StageService:
@@ -180,56 +192,54 @@ class StageService:
     async def handle(self, stream: MxclStream) -> None:
         """Serve one authenticated connection (the listener's handler)."""
         bound = bound_identity(stream.peer_identity, stream.peer)
-        who = str(bound)
         is_node = self._resolver.is_node
-        from_coordinator = await is_node(self._place.coordinator, bound)
-        from_upstream = await is_node(self._place.upstream, bound)
-        from_last = await is_node(self._place.last, bound)
-        attached = False
-        # Not a task group: the loop below is the handler; the heartbeat ends the stream of
-        # a silent peer (recv then raises) and is cancelled with it.
-        heartbeat = asyncio.ensure_future(watch(stream, self._silence_s,
-                                                f"stage {self._place.node_id}'s peer {who}"))
+        sender = _Sender(str(bound), await is_node(self._place.coordinator, bound),
+                         await is_node(self._place.upstream, bound),
+                         await is_node(self._place.last, bound))
         ended = "connection ended"
         try:
-            while True:
-                payload = await stream.recv()
-                try:
-                    env = parse_envelope(payload, self._specs)
-                except EnvelopeError as exc:
-                    await self._refuse(stream, p.ProtocolViolation(
-                        p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}"), None)
-                    continue
-                try:
-                    if env.type in _FROM_STAGES:
-                        tensor, code, what = _FROM_STAGES[env.type]
-                        allowed = from_upstream if env.type == "act" else from_last
-                        if not allowed:
-                            sender = (self._place.upstream if env.type == "act"
-                                      else self._place.last)
-                            raise p.ProtocolViolation(code, f"{what} {sender}; you are {who}")
-                        self._from_stage(env, tensor)
-                        continue
-                    if not from_coordinator:
-                        raise p.ProtocolViolation(
-                            p.ERR_NOT_COORDINATOR, f"commands are accepted only from the "
-                            f"coordinator {self._place.coordinator}; you are {who}")
-                    if env.type == "attach":
-                        if not await self._attach(stream, env):
-                            return
-                        attached = True
-                    elif not attached:
-                        raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
-                                                  "send 'attach' before any other command")
-                    else:
-                        await self._command(stream, who, env)
-                except p.ProtocolViolation as exc:
-                    await self._refuse(stream, exc, env)
+            async with scoped_group() as tg:
+                # The heartbeat ends the stream of a silent peer (recv then raises); it
+                # ends with the connection.
+                tg.create_task(watch(stream, self._silence_s,
+                                     f"stage {self._place.node_id}'s peer {sender.who}"))
+                await self._serve(stream, sender)
         except ConnectionClosed as exc:
             ended = str(exc)  # "connection closed (silent): nothing heard for ..."
         finally:
-            heartbeat.cancel()
             self._forget_connection(stream, ended)
+
+    async def _serve(self, stream: MxclStream, sender: _Sender) -> None:
+        """Read the connection's messages and act on each, until it ends (or a refused
+        ``attach`` ends it)."""
+        attached = False
+        while True:
+            payload = await stream.recv()
+            try:
+                env = parse_envelope(payload, self._specs)
+            except EnvelopeError as exc:
+                await self._refuse(stream, p.ProtocolViolation(
+                    p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}"), None)
+                continue
+            try:
+                if env.type in _FROM_STAGES:
+                    self._from_stage(env, sender)
+                    continue
+                if not sender.coordinator:
+                    raise p.ProtocolViolation(
+                        p.ERR_NOT_COORDINATOR, f"commands are accepted only from the "
+                        f"coordinator {self._place.coordinator}; you are {sender.who}")
+                if env.type == "attach":
+                    if not await self._attach(stream, env):
+                        return
+                    attached = True
+                elif not attached:
+                    raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
+                                              "send 'attach' before any other command")
+                else:
+                    await self._command(stream, sender.who, env)
+            except p.ProtocolViolation as exc:
+                await self._refuse(stream, exc, env)
 
     async def _refuse(self, stream: MxclStream, exc: p.ProtocolViolation,
                       env: Envelope | None) -> None:
@@ -326,18 +336,23 @@ class StageService:
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
                                           f"sequence {seq_id} is not prepared here")
-            self._steps.enqueue(seq_id, current, p.step_of(env.header), p.sample_of(env.header),
-                          env.tensors["tokens"])
+            self._steps.enqueue(seq_id, current, p.step_of(env.header),
+                                p.sample_of(env.header), env.tensors["tokens"])
 
-    def _from_stage(self, env: Envelope, tensor: str) -> None:
-        """An activation (``act``) or a continuation (``next``) from another stage."""
+    def _from_stage(self, env: Envelope, sender: _Sender) -> None:
+        """An activation (``act``) or a continuation (``next``) from another stage, if
+        ``sender`` is the one stage that may send it."""
+        tensor, code, what = _FROM_STAGES[env.type]
+        if not (sender.upstream if env.type == "act" else sender.last):
+            expected = self._place.upstream if env.type == "act" else self._place.last
+            raise p.ProtocolViolation(code, f"{what} {expected}; you are {sender.who}")
         seq_id = p.seq_of(env.header)
         seq = self._seqs.get(seq_id)
         if seq is None:  # released meanwhile, or never prepared: nothing to correlate
             log.debug("dropped %s for unknown sequence %s", env.type, seq_id)
             return
         self._steps.enqueue(seq_id, seq, p.step_of(env.header), p.sample_of(env.header),
-                      env.tensors[tensor])
+                            env.tensors[tensor])
 
     async def run(self) -> None:
         """Run the queued steps (``steps.py``); meanwhile read the connections to the next

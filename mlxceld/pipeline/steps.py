@@ -197,7 +197,7 @@ class StageSteps:
         blob = struct.pack("<i", token)
         if self._model.first:
             self.enqueue(work.seq_id, seq, work.step + 1, True,
-                          Tensor("tokens", "i32", (1, 1), memoryview(blob)))
+                         Tensor("tokens", "i32", (1, 1), memoryview(blob)))
             return
         await self._send_on(self._onward.ring, work, encode_envelope(
             {"t": "next", "seq": work.seq_id, "step": work.step + 1},
