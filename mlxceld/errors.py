@@ -1,38 +1,87 @@
-"""The one exception tree of mlxceld.
+"""The one exception tree of mlxceld, drawn whole: every exception class the package
+defines, under its base, with the module of each one defined elsewhere.
 
-    MlxceldError                    root: everything we raise on purpose
-    ├── BadRequest                  a control API request is malformed (names the parameter
-    │   │                           or body field; the caller's to fix)
-    │   └── RequestTooLarge         its body is larger than the control API takes
-    ├── UnknownNode                 `mlxctl drain` names a node this daemon does not know
-    ├── ConfigError                 a flag, config file or spec is wrong (the user's to fix)
-    │   ├── SecretSourceError       no usable cluster secret where the sources point
-    │   ├── PlanRefused             no pipeline plan fits the nodes (names each shortfall)
-    │   ├── ModelRefused            `mlxctl serve` names a model this daemon cannot serve
-    │   ├── UnsupportedFamily       a model family mlxceld cannot split into pipeline stages
-    │   │                           (names it and the families it splits)
-    │   └── UnserveRefused          `mlxctl unserve` would not last, or the router is a cluster's
-    ├── StateError                  the SQLite state could not be read or written
-    │   └── DamagedState            the state database is damaged (exit 2; --reset-state
-    │                               moves it aside)
-    ├── KeyringError                a cluster secret cannot be installed, used or removed
-    │   ├── UnknownKey              no installed secret has that key id
-    │   ├── PrimaryKeyRemoval       the primary secret cannot be removed
-    │   ├── RotationRefused         `mlxctl secret rotate` cannot start (names each member
-    │   │                           unreachable, or the rotation already running)
-    │   └── RotationFailed          a member failed a rotation's step (names every one)
-    ├── DaemonError                 the daemon cannot start or run as asked
-    │   ├── AlreadyRunning          another daemon holds the state dir lock
-    │   ├── SocketError             the control socket cannot be created
-    │   ├── BringUpInProgress       a pipeline bring-up runs already (names its plan)
-    │   ├── NoActivePlan            `mlxctl cluster deactivate` with no plan to end
-    │   └── ShuttingDown            the daemon is stopping and admits no new work
-    ├── WorkerError                 a worker cannot be spawned, reached or stopped
-    │   ├── UnknownWorker           no worker has that name
-    │   └── ChannelError            a worker's control channel failed or timed out
-    └── ControlError                the control API answered with an error (client side)
-        ├── DaemonNotRunning        nothing listens on the control socket
-        └── PermissionDenied        the socket or the daemon refused us
+    Exception
+    ├── MlxceldError                root: everything we raise on purpose
+    │   ├── BadRequest              a control API request is malformed (names the parameter
+    │   │   │                       or body field; the caller's to fix)
+    │   │   └── RequestTooLarge     its body is larger than the control API takes
+    │   ├── UnknownNode             `mlxctl drain` names a node this daemon does not know
+    │   ├── ConfigError             a flag, config file or spec is wrong (the user's to fix)
+    │   │   ├── SecretSourceError   no usable cluster secret where the sources point
+    │   │   ├── PlanRefused         no pipeline plan fits the nodes (names each shortfall)
+    │   │   ├── ModelRefused        `mlxctl serve` names a model this daemon cannot serve
+    │   │   ├── UnsupportedFamily   a model family mlxceld cannot split into pipeline stages
+    │   │   │                       (names it and the families it splits)
+    │   │   └── UnserveRefused      `mlxctl unserve` would not last, or the router is a
+    │   │                           cluster's
+    │   ├── StateError              the SQLite state could not be read or written
+    │   │   └── DamagedState        the state database is damaged (exit 2; --reset-state
+    │   │                           moves it aside)
+    │   ├── KeyringError            a cluster secret cannot be installed, used or removed
+    │   │   ├── UnknownKey          no installed secret has that key id
+    │   │   ├── PrimaryKeyRemoval   the primary secret cannot be removed
+    │   │   ├── RotationRefused     `mlxctl secret rotate` cannot start (names each member
+    │   │   │                       unreachable, or the rotation already running)
+    │   │   └── RotationFailed      a member failed a rotation's step (names every one)
+    │   ├── DaemonError             the daemon cannot start or run as asked
+    │   │   ├── AlreadyRunning      another daemon holds the state dir lock
+    │   │   ├── SocketError         the control socket cannot be created
+    │   │   ├── BringUpInProgress   a pipeline bring-up runs already (names its plan)
+    │   │   ├── NoActivePlan        `mlxctl cluster deactivate` with no plan to end
+    │   │   └── ShuttingDown        the daemon is stopping and admits no new work
+    │   ├── WorkerError             a worker cannot be spawned, reached or stopped
+    │   │   ├── UnknownWorker       no worker has that name
+    │   │   └── ChannelError        a worker's control channel failed or timed out
+    │   ├── ControlError            the control API answered with an error (client side)
+    │   │   ├── DaemonNotRunning    nothing listens on the control socket
+    │   │   └── PermissionDenied    the socket or the daemon refused us
+    │   ├── NetError                net/errors.py: the MXCL network shell failed
+    │   │   ├── ConnectionClosed    net/errors.py: the stream is over (the peer's reason)
+    │   │   ├── HandshakeFailed     net/errors.py: a handshake made no connection
+    │   │   └── ResolveError        net/resolve.py: a peer's host name did not resolve
+    │   ├── ServingNotFound         discovery/serving.py: no serving listener to dial at a
+    │   │                           replica (which of the reasons, said)
+    │   └── InventoryError          discovery/inventory.py: an inventory answer out of bounds
+    ├── EngineError                 engine/base.py: the engine could not serve a request
+    │   │                           (the server's fault; answered as an HTTP error)
+    │   ├── EngineUnavailable       engine/base.py: a part (a stage) is unreachable: 503
+    │   ├── HandoffUnsupported      engine/handoff.py: this model's cache cannot be handed off
+    │   └── HandoffError            engine/handoff.py: a handed-off cache that does not fit
+    ├── WireError                   wire/errors.py: the sans-IO core's root (it imports
+    │   │                           nothing of ours, this module included)
+    │   ├── LocalProtocolError      wire/errors.py: we used the connection wrongly (our bug)
+    │   └── RemoteProtocolError     wire/errors.py: the peer broke the protocol; close
+    │       ├── EnvelopeError       wire/errors.py: a payload that breaks the envelope rules
+    │       └── BeaconError         wire/errors.py: a discovery record to ignore
+    ├── ApiError                    api/errors.py: a request the router refuses (HTTP status
+    │                               and OpenAI's error fields)
+    ├── ChatTemplateError           api/codec.py: the chat template refused the messages (400)
+    ├── ProtocolViolation           pipeline/protocol.py: breaks the stage protocol (its
+    │                               code is sent to the peer)
+    ├── OpenFailed                  pipeline/attaching.py: a stage's stream not opened or
+    │                               attached (the failure, and the client's words)
+    ├── AskFailed                   cluster/rotation.py: a member did not do as asked
+    ├── RoundError                  cluster/rotation_round.py: the shell broke the round's
+    │                               rules (our bug)
+    ├── Stopped                     workers/runtime.py: a worker told to stop while it waited
+    ├── _LinkFailed                 replicas/remote.py: one attempt at a node's link failed
+    └── _BodyDone                   tasks.py: a cancelling_group's body ended (never escapes)
+    ValueError
+    ├── ConstraintError             engine/constraints.py: a constraint llguidance cannot
+    │   │                           honour (the client's: 400)
+    │   └── RequestRefused          replicas/remote.py: a node refused a request as the
+    │                               client's (400)
+    ├── TensorParallelRefused       models/tensor.py: the model cannot be split over the ranks
+    ├── InvalidOption               roles/options.py: a worker option that breaks its rule
+    ├── KeyringRequestError         supervisor/keys.py: a `keyring` request that is not one
+    └── SecretError                 wire/secret.py: a secret is unusable (never in the message)
+
+The classes outside ``MlxceldError`` keep their base because each is caught at one seam
+and turned into something else there (an engine's failure into an HTTP answer, a wire
+error into a close with a reason, a ``ValueError`` of a value's rule into the caller's
+own error), or never leaves its module. ``tests/test_errors_tree.py`` checks that this
+drawing names every class and its real base.
 
 Every error carries a message that says what failed, on which object, and a
 hint that says what to do next. Foreign exceptions (sqlite3.Error, OSError,

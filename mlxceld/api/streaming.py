@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.types import Receive, Send
 
+from mlxceld.tasks import scoped_group
+
 DONE = b"data: [DONE]\n\n"
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -51,21 +53,12 @@ async def end_events(send: Send, last: bytes = DONE) -> None:
 async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:
     """Run ``work`` (the request's body already read) until it ends or the client
     disconnects; return True if the client went away and ``work`` was cancelled.
-    An exception of ``work`` propagates."""
-    # Not a task group: both tasks end in this scope, and a group would wrap work's
-    # exception (the caller catches its OSError) in an ExceptionGroup.
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_disconnected(receive))
-    try:
+    An exception of ``work`` propagates as itself (the caller catches its OSError)."""
+    async with scoped_group() as tg:  # both end here: the one left is cancelled
+        work_task = tg.create_task(work)
+        watch_task = tg.create_task(_disconnected(receive))
         await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (watch_task, work_task):
-            task.cancel()  # a no-op on a finished task
-        await asyncio.wait((work_task, watch_task))
-    if work_task.cancelled():
-        return True
-    work_task.result()
-    return False
+    return work_task.cancelled()
 
 
 async def _disconnected(receive: Receive) -> None:

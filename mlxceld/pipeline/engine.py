@@ -1,13 +1,13 @@
 """The pipeline engine: the router's ``Engine`` over stages on other hosts.
 
 For each request: prepare a sequence on every stage (each answers ``prepared``),
-send the prompt (past the prefix the stages keep: ``prefixes.py``) to the first stage in
-chunks (``chunks``); the first stage forwards activations down the pipeline and the last
-stage samples with the request's parameters. From then on the stages decode by themselves:
-the last stage sends each token id here and to the first stage as the next
-step, until an end-of-sequence id or ``max_tokens``; this engine only reads
-the tokens and releases the sequence when its request ends (a stop string, a
-client gone), so the coordinator is never on the decode loop's critical path.
+send the prompt (past the prefix the stages keep: ``prefixes.py``, held by
+``promptcache.py``) to the first stage in chunks (``chunks``); the first stage forwards
+activations down the pipeline and the last stage samples with the request's parameters.
+From then on the stages decode by themselves: the last stage sends each token id here
+and to the first stage as the next step, until an end-of-sequence id or ``max_tokens``;
+this engine only reads the tokens and releases the sequence when its request ends (a
+stop string, a client gone), so the coordinator is never on the decode loop's critical path.
 Sequences of concurrent requests are in flight at once, so while one stage
 works on one sequence the others work on others.
 
@@ -71,8 +71,9 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.attaching import DIAL_BUDGET_S, StageAddress
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import Inbox, StageLink
-from mlxceld.pipeline.prefixes import PrefixIndex
+from mlxceld.pipeline.promptcache import PromptCache
 from mlxceld.roles.options import KVQuant
+from mlxceld.tasks import Background
 from mlxceld.types import DEFAULT_SILENCE_S, PipelineCacheStats
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
@@ -82,6 +83,7 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S: Final = 5.0
 STEP_TIMEOUT_S: Final = 10.0
 PER_TOKEN_S: Final = 0.05
+CLOSE_S: Final = 1.0  # how long aclose waits for releases under way before it cancels them
 DRAINING_RETRY_S: Final = 5  # Retry-After for a draining stage: it stops, then restarts
 # A prompt whose part beyond the prefix it starts from is at least this long is kept by the
 # stages once prefilled (``keep_prompt``: other chats sharing it start from it); shorter
@@ -141,26 +143,23 @@ class PipelineEngine:
         self._step_timeout = step_timeout_s
         self._inboxes: dict[str, Inbox] = {}
         me = parse_address(origin, port_zero=True)
-        # The prompt cache (prefixes.py): this engine's epoch, so that stages drop what an
-        # earlier engine (another plan, a restarted router) had them keep.
-        cache: dict[str, Any] = {"cache": uuid.uuid4().hex[:16]}
-        if prompt_cache_bytes is not None:
-            cache["cache_bytes"] = prompt_cache_bytes
+        stages = sorted(stages, key=lambda s: s.rank)
+        self._cache = PromptCache((s.rank for s in stages), prompt_cache_bytes, self._forget)
         self._links = [StageLink(s, keyring=keyring, origin=me,
                                  model_identity=model_identity, cluster=cluster,
                                  inboxes=self._inboxes.get, dial_budget_s=dial_budget_s,
                                  connectivity=Connectivity(initial_s=retry_s[0],
                                                            max_s=retry_s[1]),
-                                 silence_s=silence_s, attach_fields=cache,
-                                 on_cache=self._cache_said, on_attached=self._attached)
-                       for s in sorted(stages, key=lambda s: s.rank)]
-        self._prefixes = None if prompt_cache_bytes == 0 else PrefixIndex(
-            link.stage.rank for link in self._links)
-        self._held: dict[int, tuple[int, int]] = {}  # rank -> its cache's (bytes, entries)
-        self._attached_once: set[int] = set()
+                                 silence_s=silence_s,
+                                 attach_fields=self._cache.attach_fields,
+                                 on_cache=self._cache.said,
+                                 on_attached=self._cache.attached)
+                       for s in stages]
         self._last_rank = self._links[-1].stage.rank
         self.tokens = 0  # generated and handed to requests (end-of-sequence ones too)
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Releases and forgets: a release outlives its request, and the engine has no
+        # scope of its own (requests run without keep_linked too); aclose ends them.
+        self._tasks = Background(f"the pipeline engine for {model_id}")
         self._closed = False
         self._draining: dict[int, float] = {}  # rank -> when it last refused: draining
 
@@ -171,14 +170,9 @@ class PipelineEngine:
         """Each stage, where it is, and whether it is attached (else its state and error),
         and its prompt cache as it last said (bytes, entries, its bound): the router's
         stats, for the operator."""
-        return [{**link.stats(), "prompt_cache": self._stage_cache(link)}
+        return [{**link.stats(),
+                 "prompt_cache": self._cache.of_stage(link.stage.rank, link.cache_budget)}
                 for link in self._links]
-
-    def _stage_cache(self, link: StageLink) -> dict[str, Any] | None:
-        if self._prefixes is None:
-            return None
-        size, entries = self._held.get(link.stage.rank, (0, 0))
-        return {"bytes": size, "entries": entries, "budget": link.cache_budget}
 
     def readiness(self) -> dict[str, Any] | None:
         """None when every stage is attached; else what ``GET /ready`` answers with 503
@@ -264,7 +258,7 @@ class PipelineEngine:
             del self._inboxes[seq]
             for link in self._links:
                 link.untrack(seq)
-            self._spawn(self._release(seq, prompt + produced[:-1] if kept else None))
+            self._tasks.spawn(self._release(seq, prompt + produced[:-1] if kept else None))
 
     async def _prepare(self, seq: str, request: GenerationRequest, inbox: Inbox) -> int:
         """Prepare the sequence on every stage, from the longest prefix of its prompt the
@@ -277,24 +271,23 @@ class PipelineEngine:
             header["history"] = list(prompt)[-REPETITION_CONTEXT:]
         if self.kv_quant is not None:
             header["kv"] = p.kv_to_wire(self.kv_quant)
-        reuse = self._prefixes.lookup(prompt) if self._prefixes is not None else None
+        reuse = self._cache.lookup(prompt)
         start = 0 if reuse is None else reuse.tokens
-        if self._prefixes is not None and len(prompt) - start >= KEEP_PROMPT_MIN_NEW:
-            header["keep_prompt"] = self._added(prompt)  # for other chats of this prefix
+        if self._cache.on and len(prompt) - start >= KEEP_PROMPT_MIN_NEW:
+            header["keep_prompt"] = self._cache.added(prompt)  # for other chats of this prefix
         if reuse is not None:
             header["reuse"] = {"entry": reuse.entry, "tokens": reuse.tokens}
         reused = await self._prepared(header, inbox)
         if reuse is None:
             return 0
-        assert self._prefixes is not None
         if any(n != reuse.tokens for n in reused):  # a stage no longer holds it
             log.info("a stage no longer holds prompt-cache entry %s: prefilling all %d "
                      "tokens", reuse.entry, len(prompt))
-            self._forget(self._prefixes.lost(reuse))
+            self._cache.lost(reuse)
             del header["reuse"]
             await self._prepared(header, inbox)
             return 0
-        self._prefixes.started(reuse)
+        self._cache.started(reuse)
         return start
 
     async def _prepared(self, header: dict[str, Any], inbox: Inbox) -> list[int]:
@@ -315,58 +308,17 @@ class PipelineEngine:
                                     f"sequence within {PREPARE_TIMEOUT_S:g} s") from None
         return reused
 
-    # -- the prompt cache (prefixes.py: what to keep, reuse and forget) ------------------
-
-    def _added(self, tokens: Sequence[int]) -> str:
-        assert self._prefixes is not None
-        entry, gone = self._prefixes.add(tokens)
-        self._forget(gone)
-        return entry
-
     def _forget(self, entries: list[str]) -> None:
-        """Every stage drops ``entries`` (no answer is waited for)."""
+        """Every stage drops ``entries`` of the prompt cache (no answer is waited for)."""
         for at in range(0, len(entries), p.MAX_FORGET):
             header = {"t": "forget", "entries": entries[at:at + p.MAX_FORGET]}
             for link in self._links:
                 if link.up:
-                    self._spawn(self._send_quietly(link, header))
-
-    def _cache_said(self, rank: int, env: Envelope) -> None:
-        """A stage's ``cache``: what it kept or not, what it evicted, what it holds."""
-        h = env.header
-        size, entries = h.get("bytes"), h.get("entries")
-        if type(size) is int and type(entries) is int:
-            self._held[rank] = (size, entries)
-        if self._prefixes is None:
-            return
-        entry = h.get("entry") if isinstance(h.get("entry"), str) else None
-        evicted = [e for e in h.get("evicted", ()) if isinstance(e, str)] \
-            if isinstance(h.get("evicted"), list) else []
-        self._forget(self._prefixes.kept(rank, entry, h.get("kept") is True,
-                                         h.get("trimmable") is True, evicted))
-
-    def _attached(self, rank: int) -> None:
-        """A stage attached. Again: it may have restarted (holding nothing) or hold what
-        we may have dropped meanwhile; the whole index goes, and every stage forgets."""
-        if rank in self._attached_once and self._prefixes is not None:
-            self._forget(self._prefixes.clear())
-        self._attached_once.add(rank)
+                    self._tasks.spawn(self._send_quietly(link, header))
 
     def prompt_cache_stats(self) -> PipelineCacheStats:
-        """The prompt cache, for the router's stats and ``/metrics`` (all zeros when it is
-        off): the requests that started from a kept prefix (``hits``) or from nothing
-        (``misses``), the prompt tokens not prefilled again, the entries every stage holds
-        and the bytes they hold all told, as each last said; and ``lost``: a prefix named
-        that a stage no longer held (prefilled whole), ``pending``: entries not every stage
-        has said it holds yet."""
-        if self._prefixes is None:
-            return {"hits": 0, "misses": 0, "tokens_reused": 0, "entries": 0, "bytes": 0,
-                    "lost": 0, "pending": 0}
-        stats = self._prefixes.stats
-        return {"hits": stats.hits, "misses": stats.lookups - stats.hits,
-                "tokens_reused": stats.tokens_reused, "entries": self._prefixes.entries,
-                "bytes": sum(b for b, _ in self._held.values()), "lost": stats.lost,
-                "pending": self._prefixes.pending}
+        """The prompt cache's counts (``PromptCache.stats``)."""
+        return self._cache.stats()
 
     async def _run(self, seq: str, step: int, tokens: list[int], *, sample: bool) -> None:
         blob = ("tokens", "i32", (1, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens))
@@ -448,8 +400,8 @@ class PipelineEngine:
         ``keep`` (the prompt and the tokens run after it), as a prompt-cache entry (named
         in the index at once, so the next request knows of it)."""
         header: dict[str, Any] = {"t": "release", "seq": seq}
-        if keep and self._prefixes is not None:
-            header["keep"] = {"entry": self._added(keep), "tokens": len(keep)}
+        if keep and self._cache.on:
+            header["keep"] = {"entry": self._cache.added(keep), "tokens": len(keep)}
         return self._release_sent(header)
 
     async def _release_sent(self, header: dict[str, Any]) -> None:
@@ -462,20 +414,12 @@ class PipelineEngine:
         with contextlib.suppress(EngineError):
             await link.send(header)
 
-    def _spawn(self, coro: Any) -> None:
-        # Not a task group: a release outlives its request, and the engine has no scope of
-        # its own (requests run without keep_linked too); aclose waits for these.
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def aclose(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 1.0)
+        await self._tasks.aclose(within_s=CLOSE_S)
         for link in self._links:
             await link.aclose()
+        await self._tasks.aclose()  # a forget its links' readers asked for meanwhile
 
 
 def chunks(n: int, stages: int, kv_quant: KVQuant | None = None) -> list[int]:

@@ -53,7 +53,6 @@ the operator, give both (``StageAddress.where``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -72,6 +71,7 @@ from mlxceld.pipeline.attaching import (
     why_ended,
 )
 from mlxceld.pipeline.connectivity import Connectivity, Failure, LinkState, Transition
+from mlxceld.tasks import Background
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, EnvelopeError, Keyring, encode_envelope, parse_envelope
 from mlxceld.wire.address import HostPort
@@ -110,7 +110,9 @@ class StageLink:
         self._inboxes = inboxes  # seq -> its inbox, or None when nobody waits for it
         self._stream: MxclStream | None = None  # the stream new sequences go over
         self._wake = asyncio.Event()  # for keep_up: the stream ended, or the key changed
-        self._readers: set[asyncio.Task[None]] = set()  # one per stream, old ones included
+        # One reader per stream, old ones included: they outlive the request (or keep_up)
+        # that attached the link, and the link has no scope of its own; aclose ends them.
+        self._readers = Background(f"the link to stage {stage.node_id}")
         self._lock = asyncio.Lock()  # one attempt at a time
         self._attempts = 0  # attempts finished, so a waiter knows it may share an outcome
         self._pinned: dict[str, MxclStream] = {}  # sequence -> the stream it is on
@@ -297,11 +299,7 @@ class StageLink:
     def _install(self, stream: MxclStream) -> None:
         """``stream`` is the one new sequences go over; read it until it ends."""
         self._stream = stream
-        # Not a task group: the reader outlives the request (or keep_up) that attached the
-        # link, and the engine has no scope of its own; aclose cancels and awaits it.
-        reader = asyncio.ensure_future(self._read(stream))
-        self._readers.add(reader)
-        reader.add_done_callback(self._readers.discard)
+        self._readers.spawn(self._read(stream))
 
     async def _open(self) -> tuple[MxclStream, int | None]:
         """A new stream to the stage, attached, and the prompt cache bound it said
@@ -425,9 +423,6 @@ class StageLink:
     async def aclose(self) -> None:
         self._closing = True
         streams = {id(s): s for s in (self._stream, *self._pinned.values()) if s is not None}
-        for reader in list(self._readers):
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+        await self._readers.aclose()
         for stream in streams.values():
             await stream.close("coordinator stopping")

@@ -2,14 +2,14 @@
 
 Runs in the ``stage`` worker behind an MXCL listener on channel 1 (see
 ``protocol`` for the messages and the authorization rules). The stage's layers
-run one group of steps at a time (``compute.next_groups``); the asyncio side parses,
-authorizes and forwards. A step runs on the compute thread, except a decode step (one
-token per sequence) while the last one took under ``INLINE_STEP_S``: that runs
-on the event loop's own thread, since handing it to the compute thread and
-back costs two thread wake-ups, a large share of a short step (bench: +24%
-tok/s on the tiny fixture, no change on small), and holding the loop for so
-short a time delays nothing that matters. Prefill chunks always go to the
-compute thread, so the loop keeps answering while a long prompt runs.
+run one group of steps at a time (``compute.next_groups``, run by ``steps.py``, which
+also sends each result on); the asyncio side here parses, authorizes and enqueues. A
+step runs on the compute thread, except a decode step (one token per sequence) while the
+last one took under ``steps.INLINE_STEP_S``: that runs on the event loop's own thread,
+since handing it to the compute thread and back costs two thread wake-ups, a large share
+of a short step (bench: +24% tok/s on the tiny fixture, no change on small), and holding
+the loop for so short a time delays nothing that matters. Prefill chunks always go to
+the compute thread, so the loop keeps answering while a long prompt runs.
 
 Each sequence keeps its own KV cache until it is released, its owner's
 connection closes, or the stage stops. Every accepted connection has a heartbeat
@@ -51,26 +51,18 @@ the supervisor's SIGKILL never cuts a drain short.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import struct
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
-from mlxceld.net import ConnectionClosed, MxclStream, Redialer
+from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.compute import (
-    Sampled,
-    SeqState,
-    StageModelLike,
-    next_groups,
-    run_group,
-)
-from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
+from mlxceld.pipeline.compute import SeqState, StageModelLike
+from mlxceld.pipeline.kvstore import StageCache
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.onward import Onward
 from mlxceld.pipeline.sequences import (
@@ -78,15 +70,15 @@ from mlxceld.pipeline.sequences import (
     StagePlace,
     StageSequence,
     StageStats,
-    Work,
     stage_cache,
 )
+from mlxceld.pipeline.steps import StageSteps, send_quietly
+from mlxceld.tasks import scoped_group
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
     Envelope,
     EnvelopeError,
     Keyring,
-    Tensor,
     encode_envelope,
     parse_envelope,
 )
@@ -101,8 +93,17 @@ _FROM_STAGES: Final = {
             "stage"),
     "next": ("tokens", p.ERR_NOT_LAST, "'next' is accepted only from the last stage"),
 }
-INLINE_STEP_S: Final = 0.02  # a decode step shorter than this runs the next one inline
 DRAIN_S: Final = 15.0  # how long a stopping stage serves the sequences it holds (see above)
+
+
+@dataclass(frozen=True)
+class _Sender:
+    """Who is at the other end of a connection, and which of the stage's peers it is."""
+
+    who: str
+    coordinator: bool
+    upstream: bool
+    last: bool
 
 
 class StageService:
@@ -118,18 +119,15 @@ class StageService:
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, StageSequence] = {}
-        self._queue: asyncio.Queue[Work | Keep] = asyncio.Queue()
         self.cache = StageCache(place.node_id, cache_bytes)  # the prompt cache (kvstore.py)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._onward = Onward(place.node_id, keyring, parse_address(place.address),
                               place.downstream, place.first, silence_s)
         self._silence_s = silence_s
         self._resolver = Resolver()  # the configured peers' host names
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
-        self._inline = False  # the last decode step was short: run the next one inline
         self.stats = StageStats()
-        self._pending = 0  # steps enqueued and not yet run (or dropped)
-        self.busy_since: float | None = None  # time.monotonic() when _pending left 0
+        self._steps = StageSteps(model, place.node_id, self._seqs, self.cache, self._onward,
+                                 self.stats, self._forget)
         self.draining = False  # stopping: no new sequence (``drain``)
         self._released = asyncio.Event()  # set when a sequence is forgotten (``drain``)
 
@@ -146,7 +144,12 @@ class StageService:
     @property
     def queued(self) -> int:
         """Steps enqueued and not yet run: the stage's queue depth."""
-        return self._pending
+        return self._steps.queued
+
+    @property
+    def busy_since(self) -> float | None:
+        """``time.monotonic()`` when steps were last queued after none; None while idle."""
+        return self._steps.busy_since
 
     def links_rtt_ms(self) -> dict[str, float | None]:
         """Its connections onward and their latest round trips (``Onward.rtts_ms``)."""
@@ -189,56 +192,54 @@ class StageService:
     async def handle(self, stream: MxclStream) -> None:
         """Serve one authenticated connection (the listener's handler)."""
         bound = bound_identity(stream.peer_identity, stream.peer)
-        who = str(bound)
         is_node = self._resolver.is_node
-        from_coordinator = await is_node(self._place.coordinator, bound)
-        from_upstream = await is_node(self._place.upstream, bound)
-        from_last = await is_node(self._place.last, bound)
-        attached = False
-        # Not a task group: the loop below is the handler; the heartbeat ends the stream of
-        # a silent peer (recv then raises) and is cancelled with it.
-        heartbeat = asyncio.ensure_future(watch(stream, self._silence_s,
-                                                f"stage {self._place.node_id}'s peer {who}"))
+        sender = _Sender(str(bound), await is_node(self._place.coordinator, bound),
+                         await is_node(self._place.upstream, bound),
+                         await is_node(self._place.last, bound))
         ended = "connection ended"
         try:
-            while True:
-                payload = await stream.recv()
-                try:
-                    env = parse_envelope(payload, self._specs)
-                except EnvelopeError as exc:
-                    await self._refuse(stream, p.ProtocolViolation(
-                        p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}"), None)
-                    continue
-                try:
-                    if env.type in _FROM_STAGES:
-                        tensor, code, what = _FROM_STAGES[env.type]
-                        allowed = from_upstream if env.type == "act" else from_last
-                        if not allowed:
-                            sender = (self._place.upstream if env.type == "act"
-                                      else self._place.last)
-                            raise p.ProtocolViolation(code, f"{what} {sender}; you are {who}")
-                        self._from_stage(env, tensor)
-                        continue
-                    if not from_coordinator:
-                        raise p.ProtocolViolation(
-                            p.ERR_NOT_COORDINATOR, f"commands are accepted only from the "
-                            f"coordinator {self._place.coordinator}; you are {who}")
-                    if env.type == "attach":
-                        if not await self._attach(stream, env):
-                            return
-                        attached = True
-                    elif not attached:
-                        raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
-                                                  "send 'attach' before any other command")
-                    else:
-                        await self._command(stream, who, env)
-                except p.ProtocolViolation as exc:
-                    await self._refuse(stream, exc, env)
+            async with scoped_group() as tg:
+                # The heartbeat ends the stream of a silent peer (recv then raises); it
+                # ends with the connection.
+                tg.create_task(watch(stream, self._silence_s,
+                                     f"stage {self._place.node_id}'s peer {sender.who}"))
+                await self._serve(stream, sender)
         except ConnectionClosed as exc:
             ended = str(exc)  # "connection closed (silent): nothing heard for ..."
         finally:
-            heartbeat.cancel()
             self._forget_connection(stream, ended)
+
+    async def _serve(self, stream: MxclStream, sender: _Sender) -> None:
+        """Read the connection's messages and act on each, until it ends (or a refused
+        ``attach`` ends it)."""
+        attached = False
+        while True:
+            payload = await stream.recv()
+            try:
+                env = parse_envelope(payload, self._specs)
+            except EnvelopeError as exc:
+                await self._refuse(stream, p.ProtocolViolation(
+                    p.ERR_BAD_MESSAGE, f"bad message: {exc.reason}"), None)
+                continue
+            try:
+                if env.type in _FROM_STAGES:
+                    self._from_stage(env, sender)
+                    continue
+                if not sender.coordinator:
+                    raise p.ProtocolViolation(
+                        p.ERR_NOT_COORDINATOR, f"commands are accepted only from the "
+                        f"coordinator {self._place.coordinator}; you are {sender.who}")
+                if env.type == "attach":
+                    if not await self._attach(stream, env):
+                        return
+                    attached = True
+                elif not attached:
+                    raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
+                                              "send 'attach' before any other command")
+                else:
+                    await self._command(stream, sender.who, env)
+            except p.ProtocolViolation as exc:
+                await self._refuse(stream, exc, env)
 
     async def _refuse(self, stream: MxclStream, exc: p.ProtocolViolation,
                       env: Envelope | None) -> None:
@@ -248,7 +249,7 @@ class StageService:
         step = header.get("step") if type(header.get("step")) is int else None
         log.warning("refused %s from %s: %s", env.type if env else "a message", stream.peer,
                     exc.message)
-        await _send_quietly(stream, encode_envelope(p.error_header(exc.code, exc.message,
+        await send_quietly(stream, encode_envelope(p.error_header(exc.code, exc.message,
                                                                    seq, step)))
 
     def _forget_connection(self, stream: MxclStream, why: str) -> None:
@@ -271,7 +272,7 @@ class StageService:
             message = (f"stage {place.node_id} serves model {place.model_identity}, the "
                        f"coordinator asked for model {theirs}: give both the same checkpoint")
             log.error("%s (coordinator %s)", message, stream.peer)
-            await _send_quietly(stream, encode_envelope(p.error_header(
+            await send_quietly(stream, encode_envelope(p.error_header(
                 p.ERR_MODEL_MISMATCH, message)))
             await stream.close("model mismatch")
             return False
@@ -324,187 +325,44 @@ class StageService:
         elif env.type == "release":
             keep = p.span_of(env.header, "keep")
             if keep is not None and current is not None:
-                self._queue.put_nowait(Keep(current, *keep))
+                self._steps.keep(Keep(current, *keep))
             self._forget(seq_id)
         elif env.type == "adopt":
             if current is not None and current.stream is not stream:
-                await _send_quietly(current.stream, encode_envelope(
+                await send_quietly(current.stream, encode_envelope(
                     {"t": "adopted", "seq": seq_id}))
                 current.stream = stream  # what it sends from now on goes here
         elif env.type == "run":
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
                                           f"sequence {seq_id} is not prepared here")
-            self._enqueue(seq_id, current, p.step_of(env.header), p.sample_of(env.header),
-                          env.tensors["tokens"])
+            self._steps.enqueue(seq_id, current, p.step_of(env.header),
+                                p.sample_of(env.header), env.tensors["tokens"])
 
-    def _from_stage(self, env: Envelope, tensor: str) -> None:
-        """An activation (``act``) or a continuation (``next``) from another stage."""
+    def _from_stage(self, env: Envelope, sender: _Sender) -> None:
+        """An activation (``act``) or a continuation (``next``) from another stage, if
+        ``sender`` is the one stage that may send it."""
+        tensor, code, what = _FROM_STAGES[env.type]
+        if not (sender.upstream if env.type == "act" else sender.last):
+            expected = self._place.upstream if env.type == "act" else self._place.last
+            raise p.ProtocolViolation(code, f"{what} {expected}; you are {sender.who}")
         seq_id = p.seq_of(env.header)
         seq = self._seqs.get(seq_id)
         if seq is None:  # released meanwhile, or never prepared: nothing to correlate
             log.debug("dropped %s for unknown sequence %s", env.type, seq_id)
             return
-        self._enqueue(seq_id, seq, p.step_of(env.header), p.sample_of(env.header),
-                      env.tensors[tensor])
-
-    def _enqueue(self, seq_id: str, seq: StageSequence, step: int, sample: bool,
-                 tensor: Tensor) -> None:
-        if step != seq.next_step:
-            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
-                                      f"arrived, step {seq.next_step} was expected")
-        seq.next_step += 1
-        if self._pending == 0:
-            self.busy_since = time.monotonic()
-        self._pending += 1
-        self._queue.put_nowait(Work(seq_id, seq.state, step, sample, tensor, seq))
-
-    # -- compute ------------------------------------------------------------------------
+        self._steps.enqueue(seq_id, seq, p.step_of(env.header), p.sample_of(env.header),
+                            env.tensors[tensor])
 
     async def run(self) -> None:
-        """Take what is queued, run it in groups (``compute.plan``), forward each result;
-        meanwhile read the connections to the next and the first stage. Runs until
-        cancelled."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._onward.run())
-                await self._take_and_run()
-        finally:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _take_and_run(self) -> None:
-        """Each round: the caches of released sequences kept, then a batch of decode steps
-        and one other step (a prefill chunk), then what arrived meanwhile: so decoding
-        sequences wait at most one prefill chunk for their next step, however long the
-        prompt being prefilled, and the prompt's chunks still go one after the other."""
-        loop = asyncio.get_running_loop()
-        queued: list[Work] = []
-        while True:
-            taken = [] if queued else [await self._queue.get()]
-            while not self._queue.empty():
-                taken.append(self._queue.get_nowait())
-            for item in taken:
-                if isinstance(item, Keep):
-                    await self._keep(item)
-                else:
-                    queued.append(item)
-            groups, queued = next_groups(queued)
-            for group in groups:
-                live = [w for w in group if isinstance(w, Work)
-                        and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
-                if live:
-                    await self._run_group(loop, live)
-                self._done(len(group))
-
-    async def _keep(self, keep: Keep) -> None:
-        """A released sequence's caches into the prompt cache, as the router named them."""
-        await _send_quietly(keep.seq.stream, encode_envelope(self.cache.put(
-            keep.entry, keep.seq.state.cache, keep.tokens)))
-
-    def _done(self, n: int) -> None:
-        """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
-        self._pending = max(0, self._pending - n)
-        if self._pending == 0:
-            self.busy_since = None
-
-    async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[Work]) -> None:
-        try:
-            decode = all(w.tokens == 1 for w in group)
-            if decode and self._inline:
-                self.stats.inline += 1
-                outs, kept = self._compute(group, False)
-            else:
-                outs, kept = await loop.run_in_executor(self._pool, self._compute, group,
-                                                        True)
-        except Exception as exc:
-            self.stats.last_step_at = time.monotonic()  # ended, if badly: not a stall
-            log.exception("a step of sequences %s failed", [w.seq_id for w in group])
-            for work in group:
-                self._forget(work.seq_id)
-                await self._tell_owner(work, p.ERR_STAGE_FAILED,
-                                       f"stage {self._place.node_id} failed: {exc}")
-            return
-        self.stats.steps += 1
-        self.stats.last_step_at = time.monotonic()
-        for work, caches in kept:  # its prompt is prefilled: kept once, as the router named
-            entry, work.seq.snapshot = work.seq.snapshot, None
-            assert entry is not None
-            await _send_quietly(work.seq.stream, encode_envelope(self.cache.put(
-                entry, caches, held_tokens(caches))))
-        for work, out in zip(group, outs, strict=True):
-            self.stats.tokens += work.tokens
-            await self._forward(work, out)
-
-    def _compute(self, group: list[Work], overlap: bool
-                 ) -> tuple[list[Any], list[tuple[Work, list[Any]]]]:
-        """One group's step, timed (on the compute thread, or inline: see above), and the
-        copies of the caches of the sequences whose prompt it finished and whose router
-        asked to keep it (``keep_prompt``). Steps long enough for the compute thread
-        overlap building a layer's graph with running the one before
-        (``StageModel.forward``); short ones gain nothing by it."""
-        start = time.perf_counter()
-        try:
-            outs = run_group(self._model, group, overlap=overlap)
-            kept = [(w, cloned(w.state.cache, held_tokens(w.state.cache))) for w in group
-                    if w.sample and w.seq.snapshot is not None]
-            return outs, kept
-        finally:
-            took = time.perf_counter() - start
-            self.stats.compute_s += took
-            if all(w.tokens == 1 for w in group):
-                self._inline = took < INLINE_STEP_S
-
-    async def _forward(self, work: Work, out: Any) -> None:
-        if not self._model.last:
-            await self._send_on(self._onward.down, work, encode_envelope(
-                {"t": "act", "seq": work.seq_id, "step": work.step, "sample": work.sample},
-                [out]))
-            return
-        if out is None:
-            return
-        assert isinstance(out, Sampled)
-        await self._continue(work, out.token)
-        header: dict[str, Any] = {"t": "token", "seq": work.seq_id, "step": work.step}
-        if out.logprob is not None:
-            header.update(logprob=out.logprob, top=[list(pair) for pair in out.top])
-        await _send_quietly(work.seq.stream, encode_envelope(
-            header, [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
-
-    async def _continue(self, work: Work, token: int) -> None:
-        """Run ``token`` as the sequence's next step, unless it ends the sequence: on the
-        first stage, by a ``next`` message or (a one-stage pipeline) here."""
-        seq = work.seq
-        seq.produced += 1
-        if (token in seq.eos or seq.produced >= seq.params.max_tokens
-                or self._seqs.get(work.seq_id) is not seq):
-            return
-        blob = struct.pack("<i", token)
-        if self._model.first:
-            self._enqueue(work.seq_id, seq, work.step + 1, True,
-                          Tensor("tokens", "i32", (1, 1), memoryview(blob)))
-            return
-        await self._send_on(self._onward.ring, work, encode_envelope(
-            {"t": "next", "seq": work.seq_id, "step": work.step + 1},
-            [("tokens", "i32", (1, 1), blob)]))
-
-    async def _send_on(self, dialer: Redialer, work: Work, message: bytes) -> None:
-        failure = await self._onward.send(dialer, message)
-        if failure is not None:
-            self._forget(work.seq_id)
-            await self._tell_owner(work, p.ERR_DOWNSTREAM,
-                                   f"stage {self._place.node_id} {failure}")
-
-    async def _tell_owner(self, work: Work, code: str, message: str) -> None:
-        await _send_quietly(work.seq.stream, encode_envelope(
-            p.error_header(code, message, work.seq_id, work.step)))
+        """Run the queued steps (``steps.py``); meanwhile read the connections to the next
+        and the first stage. Runs until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._onward.run())
+            await self._steps.run()
 
     async def aclose(self) -> None:
         await self._onward.aclose("stage stopping")
         self._seqs.clear()
         self.cache.store.clear()
         self._released.set()
-
-
-async def _send_quietly(stream: MxclStream, payload: bytes) -> None:
-    with contextlib.suppress(ConnectionClosed):
-        await stream.send(payload)

@@ -50,8 +50,8 @@ from typing import Final
 from mlxceld.net import ConnectionClosed, Listener, MxclStream
 from mlxceld.pipeline import protocol as p
 from mlxceld.roles.options import StageOptions
+from mlxceld.supervisor.events import NOT_RESTARTED
 from mlxceld.supervisor.process import WorkerSpec
-from mlxceld.supervisor.states import NOT_RESTARTED
 from mlxceld.types import WorkerState
 from mlxceld.wire import SecretStore, encode_envelope
 from mlxceld.wire.address import parse_address

@@ -55,6 +55,7 @@ from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_a
 from mlxceld.net.securitylog import SecurityLog
 from mlxceld.replicas import protocol as p
 from mlxceld.replicas.service import ServingService, _Link
+from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
 from mlxceld.wire.address import parse_address
 
@@ -178,7 +179,9 @@ class HandoffService(ServingService):
         self._expected: dict[str, _Expected] = {}
         self._targets: dict[str, MxclStream] = {}
         self._dialing = asyncio.Lock()
-        self._readers: set[asyncio.Task[None]] = set()
+        # The readers of the links to decode nodes: a link outlives the prefill that dialed
+        # it, and the node has no scope for them beside its connections'; aclose ends them.
+        self._readers = Background(f"node {self.node_id}'s links to decode nodes")
         self._security = SecurityLog(logger=log)
         self.stats = HandoffStats()
         if role == "prefill":
@@ -199,10 +202,7 @@ class HandoffService(ServingService):
         for stream in list(self._targets.values()):
             await stream.close("prefill node stopping")
         self._targets.clear()
-        for task in list(self._readers):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._readers.aclose()
         self._security.flush(f"node {self.node_id}: ")
         await super().aclose()
 
@@ -341,9 +341,7 @@ class HandoffService(ServingService):
                 while True:
                     await stream.recv()
 
-        task = asyncio.ensure_future(drain())
-        self._readers.add(task)
-        task.add_done_callback(self._readers.discard)
+        self._readers.spawn(drain())
 
     # -- decode -------------------------------------------------------------------------
 

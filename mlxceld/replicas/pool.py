@@ -51,6 +51,7 @@ from mlxceld.engine import (
 )
 from mlxceld.replicas.redaction import scrub
 from mlxceld.replicas.routing import Outcome, Routing
+from mlxceld.tasks import Background
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,9 @@ class ReplicaEngine:
         self._refused = 0
         self._refusing = False
         self._retiring: dict[str, Member] = {}  # out of the pool, sequences still in flight
-        self._closing: set[asyncio.Task[None]] = set()
+        # Retired members being closed: a close outlives the request that settled it, and
+        # the pool has no scope of its own (it serves without keep_linked too).
+        self._closing = Background(f"the replica pool of {model_id}")
         self._keepers: dict[str, asyncio.Task[None]] = {}
         self._group: asyncio.TaskGroup | None = None
 
@@ -138,9 +141,7 @@ class ReplicaEngine:
         del self._retiring[node_id]
         if node_id not in self._by_id:  # not added back meanwhile
             self._routing.drop(node_id)
-        task = asyncio.get_running_loop().create_task(self._close_member(member))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing.spawn(self._close_member(member))
 
     def _keep(self, group: asyncio.TaskGroup, member: Member) -> None:
         """Start ``member``'s keeper in ``group`` (cancelling one ends it alone)."""
@@ -192,8 +193,7 @@ class ReplicaEngine:
         await asyncio.gather(*(self._close_member(m)
                                for m in [*self._members, *self._retiring.values()]))
         self._retiring.clear()
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._closing.aclose(within_s=None)  # each close is bounded by CLOSE_S
 
     async def _close_member(self, member: Member) -> None:
         try:

@@ -70,6 +70,7 @@ from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
 from mlxceld.pipeline.protocol import ProtocolViolation, logprobs_of, params_to_wire
 from mlxceld.replicas import protocol as p
+from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,9 @@ class RemoteEngine:
         self._error: str | None = None
         self._seqs: dict[str, _Seq] = {}
         self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()  # readers and cancels
+        # Readers and cancels: they outlive the request (or keep_linked) that started
+        # them, and the engine has no scope of its own; aclose ends them.
+        self._tasks = Background(f"the engine of node {node_id}")
         self._closing = False
         self.node_sequences: int | None = None  # the node's last ``load`` (see above)
 
@@ -186,8 +189,7 @@ class RemoteEngine:
             log.info("attached node %s (%s): context %d, max_batch %d", self.node_id,
                      self.address, self.context_length, self.max_batch)
         self._state, self._error = "up", None
-        # Not a task group: a reader outlives the call that attached it; aclose ends it.
-        self._spawn(self._read(stream))
+        self._tasks.spawn(self._read(stream))
         if old is not None:
             log.info("node %s handed over to key %s", self.node_id, stream.key_id.hex())
             self._finish_if_done(old)
@@ -311,11 +313,6 @@ class RemoteEngine:
             return
         stream.finish("handed over to a stream under the new primary key")
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # -- sequences ----------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
@@ -382,7 +379,7 @@ class RemoteEngine:
         none of its code)."""
         sequence = self._seqs.pop(seq, None)
         if sequence is not None and not sequence.stream.closed:
-            self._spawn(self._cancel(sequence.stream, seq))
+            self._tasks.spawn(self._cancel(sequence.stream, seq))
 
     def _open_seq(self, seq: str) -> tuple[str, _Seq]:
         stream = self._stream
@@ -426,7 +423,7 @@ class RemoteEngine:
             if self._seqs.get(seq) is sequence:
                 self._seqs.pop(seq, None)
                 if not finished and not stream.closed:
-                    self._spawn(self._cancel(stream, seq))
+                    self._tasks.spawn(self._cancel(stream, seq))
                 else:
                     self._finish_if_done(stream)
 
@@ -484,9 +481,6 @@ class RemoteEngine:
         self._closing = True
         self._wake.set()
         streams = list(self._streams)  # a handed-over one finishing included
-        for task in list(self._tasks):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         for stream in streams:
             await stream.close("router stopping")

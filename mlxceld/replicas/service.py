@@ -149,16 +149,15 @@ class ServingService:
 
     async def _handle(self, stream: MxclStream) -> None:
         link = _Link(stream)
-        # Not in the task group: the heartbeat ends the stream of a silent router (recv
-        # then raises), and is cancelled with the connection.
-        heartbeat = asyncio.ensure_future(watch(stream, self._silence_s,
-                                                f"router {stream.peer} of {self.node_id}"))
         ended = "connection ended"
         try:
             async with cancelling_group() as tg:
+                # The heartbeat ends the stream of a silent router (recv then raises); it
+                # ends with the connection, as its sequences do.
+                tg.create_task(watch(stream, self._silence_s,
+                                     f"router {stream.peer} of {self.node_id}"))
                 ended = await self._serve_link(link, tg)
         finally:
-            heartbeat.cancel()
             if link.seqs:
                 log.info("cancelled %d sequence(s) of router %s (%s)", len(link.seqs),
                          stream.peer, ended)

@@ -1,8 +1,9 @@
-"""Worker supervision: the sans-IO lifecycle state machine (``states``, exported here), the
-runner that carries out its actions (``runner``), processes, health, logs, and the
-``Supervisor`` over them all (``service``)."""
+"""Worker supervision: the sans-IO lifecycle state machine (``states``) and the events it
+takes and actions it gives (``events``), both exported here; the runner that carries out
+its actions (``runner``), processes, health, logs, and the ``Supervisor`` over them all
+(``service``)."""
 
-from mlxceld.supervisor.states import (
+from mlxceld.supervisor.events import (
     Action,
     AdoptedRunning,
     BecameReady,
@@ -10,11 +11,9 @@ from mlxceld.supervisor.states import (
     ExitCause,
     HealthProbed,
     KillRequested,
-    Lifecycle,
     LoadAdvanced,
     ProcessExited,
     ProgressReported,
-    RestartPolicy,
     SendSignal,
     Spawned,
     SpawnFailed,
@@ -23,6 +22,7 @@ from mlxceld.supervisor.states import (
     StopRequested,
     Transitioned,
 )
+from mlxceld.supervisor.states import Lifecycle, RestartPolicy
 from mlxceld.types import WorkerState
 
 __all__ = [

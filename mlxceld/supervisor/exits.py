@@ -20,7 +20,7 @@ import re
 import signal
 from pathlib import Path
 
-from mlxceld.supervisor.states import ExitCause
+from mlxceld.supervisor.events import ExitCause
 
 TRACEBACK = "Traceback (most recent call last):"
 

@@ -20,21 +20,12 @@ from typing import Protocol
 from mlxceld import failpoints
 from mlxceld.errors import WorkerError
 from mlxceld.supervisor import channel, exits, logfiles, process
-from mlxceld.supervisor.keys import (
-    KEYRING_OP,
-    STREAMS_OP,
-    keyring_request,
-    keys_of,
-    reported_keys,
-)
-from mlxceld.supervisor.process import WorkerSpec
-from mlxceld.supervisor.states import (
+from mlxceld.supervisor.events import (
     AdoptedRunning,
     BecameReady,
     ExitCause,
     HealthProbed,
     KillRequested,
-    Lifecycle,
     LoadAdvanced,
     ProcessExited,
     ProgressReported,
@@ -46,6 +37,15 @@ from mlxceld.supervisor.states import (
     StopRequested,
     Transitioned,
 )
+from mlxceld.supervisor.keys import (
+    KEYRING_OP,
+    STREAMS_OP,
+    keyring_request,
+    keys_of,
+    reported_keys,
+)
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.states import Lifecycle
 from mlxceld.types import WorkerHealth, WorkerKeys, WorkerState
 
 log = logging.getLogger(__name__)

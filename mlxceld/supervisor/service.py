@@ -22,17 +22,17 @@ import psutil
 from mlxceld.errors import ChannelError, WorkerError
 from mlxceld.state import EventLog, WorkerRow, WorkersTable
 from mlxceld.supervisor import channel, logfiles, process
-from mlxceld.supervisor.groups import UP, group_rule
-from mlxceld.supervisor.process import WorkerSpec
-from mlxceld.supervisor.runner import WorkerRunner
-from mlxceld.supervisor.states import (
+from mlxceld.supervisor.events import (
     KillRequested,
-    Lifecycle,
     LoadAdvanced,
     StartRequested,
     StopRequested,
     Transitioned,
 )
+from mlxceld.supervisor.groups import UP, group_rule
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.runner import WorkerRunner
+from mlxceld.supervisor.states import Lifecycle
 from mlxceld.tasks import cancelling_group
 from mlxceld.types import JSON, LoadProgress, WorkerKeys, WorkerState, load_progress
 

@@ -26,6 +26,7 @@ from mlxceld.net import connect, streams_under
 from mlxceld.pipeline import PipelineEngine, sequences
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline import stage as stage_module
+from mlxceld.pipeline import steps as steps_module
 from mlxceld.roles.options import KVQuant
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.mx_tensors import to_blob
@@ -517,13 +518,13 @@ def test_token_ids_outside_the_vocabulary_fail_the_request_not_the_stage(
     assert after == reference(path, PROMPT, 3)
 
 
-@pytest.mark.parametrize("inline_below_s", [stage_module.INLINE_STEP_S, 0.0])
+@pytest.mark.parametrize("inline_below_s", [steps_module.INLINE_STEP_S, 0.0])
 def test_short_decode_steps_run_inline_and_long_ones_on_the_compute_thread(
         split_fixture_dir: Path, monkeypatch: pytest.MonkeyPatch,
         inline_below_s: float) -> None:
     """Either way the tokens are mlx-lm's; with a bound of 0 no step is short enough, so
     every step runs on the compute thread with its layers overlapped."""
-    monkeypatch.setattr(stage_module, "INLINE_STEP_S", inline_below_s)
+    monkeypatch.setattr(steps_module, "INLINE_STEP_S", inline_below_s)
     path = split_fixture_dir / "llama"
     long_prompt = [(i * 5) % 300 + 1 for i in range(p.PREFILL_CHUNK + 40)]  # two chunks
 
@@ -555,14 +556,14 @@ def test_a_stage_reports_work_in_hand_and_its_steps_for_the_watchdog(
     released, it steps, and with the sequence done it has no work left."""
     path = split_fixture_dir / "llama"
     gate = threading.Event()
-    real = stage_module.run_group
+    real = steps_module.run_group
 
     def held(model: Any, group: Any, *, overlap: bool = False) -> list[Any]:
         if model.last:
             gate.wait(30)
         return real(model, group, overlap=overlap)
 
-    monkeypatch.setattr(stage_module, "run_group", held)
+    monkeypatch.setattr(steps_module, "run_group", held)
 
     async def go() -> list[int]:
         async with cluster(path, [(0, 2), (2, 4)]) as c:

@@ -19,8 +19,8 @@ from mlxceld.pipeline.connectivity import Connectivity
 from mlxceld.pipeline.links import StageLink
 from mlxceld.pipeline.standin import MAX_REASON, StandIns, failure_message
 from mlxceld.roles.options import EchoOptions, StageOptions
+from mlxceld.supervisor.events import NOT_RESTARTED
 from mlxceld.supervisor.process import WorkerSpec
-from mlxceld.supervisor.states import NOT_RESTARTED
 from mlxceld.types import WorkerState
 from mlxceld.wire import encode_envelope, parse_envelope
 from mlxceld.wire.address import parse_address

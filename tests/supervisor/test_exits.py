@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.supervisor.events import ExitCause
 from mlxceld.supervisor.exits import classify, last_exception, oom_kill_count, read_exit_record
-from mlxceld.supervisor.states import ExitCause
 
 CHAINED = """\
 === 2025-01-01T00:00:00+0000 mlxceld: starting worker w1 (role echo) ===

@@ -138,10 +138,9 @@ def test_the_rule_by_hand() -> None:
 def test_a_groups_stops_kill_at_once_and_carry_their_reason() -> None:
     import random
 
-    from mlxceld.supervisor.states import (
+    from mlxceld.supervisor.events import (
         BecameReady,
         KillRequested,
-        Lifecycle,
         ProcessExited,
         SendSignal,
         Spawned,
@@ -149,7 +148,8 @@ def test_a_groups_stops_kill_at_once_and_carry_their_reason() -> None:
         StopRequested,
         Transitioned,
     )
-    from mlxceld.supervisor.states import ExitCause as Cause
+    from mlxceld.supervisor.events import ExitCause as Cause
+    from mlxceld.supervisor.states import Lifecycle
 
     m = Lifecycle("router", QUICK, random.random)
     m.handle(StartRequested(), 0.0)

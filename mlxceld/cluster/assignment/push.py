@@ -86,6 +86,7 @@ from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_a
 from mlxceld.net.agent import AgentService
 from mlxceld.net.liveness import watch
 from mlxceld.state.plans import Plans
+from mlxceld.tasks import scoped_group
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
 from mlxceld.wire.envelope import parse_envelope
@@ -210,10 +211,17 @@ async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: s
 async def _drive(round_: CoordinatorRound, first: Mapping[str, bytes], *, plans: Plans,
                  keyring: Keyring, identity: str, watch: Watch | None = None) -> Finished:
     """One connection per peer at a time (``first`` goes out on the first; ``_Links``), a
-    reader each feeding the round, its actions carried out in order, until it finishes."""
+    reader each feeding the round, its actions carried out in order, until it finishes.
+    The readers are the round's tasks: none outlives it, and one that fails ends it."""
+    async with scoped_group() as tg:
+        links = _Links(round_.epoch, identity, keyring, tg)
+        return await _driven(round_, first, links, plans=plans, watch=watch)
+
+
+async def _driven(round_: CoordinatorRound, first: Mapping[str, bytes], links: _Links, *,
+                  plans: Plans, watch: Watch | None) -> Finished:
     loop = asyncio.get_running_loop()
     epoch = round_.epoch
-    links = _Links(epoch, identity, keyring)
 
     async def execute(actions: Sequence[object]) -> Finished | None:
         for a in actions:
@@ -282,7 +290,10 @@ class _Links:
     and nothing went out to it. A ``send`` to a peer whose connection is lost is
     dropped: the round hears of the loss, and re-dials it or not."""
 
-    def __init__(self, epoch: int, identity: str, keyring: Keyring) -> None:
+    def __init__(self, epoch: int, identity: str, keyring: Keyring,
+                 tg: asyncio.TaskGroup) -> None:
+        """``tg``: the round's, where each link's reader runs."""
+        self._tg = tg
         self.inbox: asyncio.Queue[tuple[str, str, Mapping[str, Any], _Link]] = asyncio.Queue()
         self._epoch = epoch
         self._identity = identity
@@ -299,9 +310,7 @@ class _Links:
         self._all = [k for k in self._all if not (k.lost and k.task is not None
                                                    and k.task.done())]
         link = _Link()
-        # Not a task group: the readers end in aclose, and a group would wrap the round's
-        # own errors (the MlxceldError the coordinator catches) in an ExceptionGroup.
-        link.task = asyncio.create_task(self._run(peer, first, link, again))
+        link.task = self._tg.create_task(self._run(peer, first, link, again))
         self._by_peer[peer] = link
         self._all.append(link)
 
@@ -361,21 +370,19 @@ class _Links:
         link.stream = stream
         if again:
             log.info("plan %d: connected to %s again", self._epoch, peer)
-        # The heartbeat ends the stream of a peer silent for SILENCE_S (the recv below then
-        # raises); cancelled with this reader.
-        heartbeat = asyncio.ensure_future(watch(stream, SILENCE_S, f"plan {self._epoch}'s "
-                                                f"peer {peer}"))
         try:
-            await stream.send(first)
-            while True:
-                env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
-                if epoch_of(env.header) == self._epoch or env.type == "error":
-                    await self.inbox.put((peer, env.type, env.header, link))
+            async with scoped_group() as tg:
+                # The heartbeat ends the stream of a peer silent for SILENCE_S (the recv
+                # below then raises); it ends with this reader.
+                tg.create_task(watch(stream, SILENCE_S, f"plan {self._epoch}'s peer {peer}"))
+                await stream.send(first)
+                while True:
+                    env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
+                    if epoch_of(env.header) == self._epoch or env.type == "error":
+                        await self.inbox.put((peer, env.type, env.header, link))
         except (ConnectionClosed, EnvelopeError) as exc:
             await self.inbox.put((peer, "lost", {"reason": f"connection lost: {exc}"}, link))
             await stream.close("connection lost")
-        finally:
-            heartbeat.cancel()
 
 
 def peer_load(header: Mapping[str, Any]) -> PeerLoad | None:

@@ -1,0 +1,220 @@
+"""A pipeline stage's steps: queued by its service (``stage.py``), run a group at a time,
+and their results sent on.
+
+The service enqueues each step it accepts (``enqueue``: a ``run`` from the coordinator, an
+``act`` from the upstream stage, a ``next`` from the last) and each released sequence's
+caches to keep (``keep``). ``run`` takes them in rounds (``compute.next_groups``): a batch
+of decode steps, then one prefill chunk. A step runs on the compute thread, except a
+decode step while the last one took under ``INLINE_STEP_S``: that runs on the event
+loop's own thread (see ``stage.py``). A step's result goes on: a stage's activations to
+the next stage (``act``), the last stage's token to the sequence's owner and, unless it
+ends the sequence, to the first stage as its next step (``next``; a one-stage pipeline
+enqueues it here). A step that fails, or a send onward that fails, forgets its sequence
+and tells its owner.
+
+Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at`` and
+``busy_since`` (while steps are queued).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from mlxceld.net import ConnectionClosed, MxclStream, Redialer
+from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.compute import Sampled, StageModelLike, next_groups, run_group
+from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
+from mlxceld.pipeline.onward import Onward
+from mlxceld.pipeline.sequences import Keep, StageSequence, StageStats, Work
+from mlxceld.wire import Tensor, encode_envelope
+
+log = logging.getLogger(__name__)
+
+INLINE_STEP_S: Final = 0.02  # a decode step shorter than this runs the next one inline
+
+
+class StageSteps:
+    """The queue of one stage's steps, the loop that runs them, and where results go."""
+
+    def __init__(self, model: StageModelLike, node_id: str, seqs: dict[str, StageSequence],
+                 cache: StageCache, onward: Onward, stats: StageStats,
+                 forget: Callable[[str], None]) -> None:
+        """``seqs``: the service's sequences (read here: a step of one released meanwhile
+        is dropped); ``forget``: the service's, for a sequence whose step or send failed."""
+        self._model = model
+        self._node_id = node_id
+        self._seqs = seqs
+        self._cache = cache
+        self._onward = onward
+        self.stats = stats
+        self._forget = forget
+        self._queue: asyncio.Queue[Work | Keep] = asyncio.Queue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self._inline = False  # the last decode step was short: run the next one inline
+        self._pending = 0  # steps enqueued and not yet run (or dropped)
+        self.busy_since: float | None = None  # time.monotonic() when _pending left 0
+
+    @property
+    def queued(self) -> int:
+        """Steps enqueued and not yet run: the stage's queue depth."""
+        return self._pending
+
+    def keep(self, keep: Keep) -> None:
+        """A released sequence's caches, to go into the prompt cache in turn."""
+        self._queue.put_nowait(keep)
+
+    def enqueue(self, seq_id: str, seq: StageSequence, step: int, sample: bool,
+                 tensor: Tensor) -> None:
+        if step != seq.next_step:
+            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
+                                      f"arrived, step {seq.next_step} was expected")
+        seq.next_step += 1
+        if self._pending == 0:
+            self.busy_since = time.monotonic()
+        self._pending += 1
+        self._queue.put_nowait(Work(seq_id, seq.state, step, sample, tensor, seq))
+
+    async def run(self) -> None:
+        """Take what is queued, run it in groups, send each result on; until cancelled."""
+        try:
+            await self._take_and_run()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _take_and_run(self) -> None:
+        """Each round: the caches of released sequences kept, then a batch of decode steps
+        and one other step (a prefill chunk), then what arrived meanwhile: so decoding
+        sequences wait at most one prefill chunk for their next step, however long the
+        prompt being prefilled, and the prompt's chunks still go one after the other."""
+        loop = asyncio.get_running_loop()
+        queued: list[Work] = []
+        while True:
+            taken = [] if queued else [await self._queue.get()]
+            while not self._queue.empty():
+                taken.append(self._queue.get_nowait())
+            for item in taken:
+                if isinstance(item, Keep):
+                    await self._keep(item)
+                else:
+                    queued.append(item)
+            groups, queued = next_groups(queued)
+            for group in groups:
+                live = [w for w in group if isinstance(w, Work)
+                        and self._seqs.get(w.seq_id) is w.seq]  # not released meanwhile
+                if live:
+                    await self._run_group(loop, live)
+                self._done(len(group))
+
+    async def _keep(self, keep: Keep) -> None:
+        """A released sequence's caches into the prompt cache, as the router named them."""
+        await send_quietly(keep.seq.stream, encode_envelope(self._cache.put(
+            keep.entry, keep.seq.state.cache, keep.tokens)))
+
+    def _done(self, n: int) -> None:
+        """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
+        self._pending = max(0, self._pending - n)
+        if self._pending == 0:
+            self.busy_since = None
+
+    async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[Work]) -> None:
+        try:
+            decode = all(w.tokens == 1 for w in group)
+            if decode and self._inline:
+                self.stats.inline += 1
+                outs, kept = self._compute(group, False)
+            else:
+                outs, kept = await loop.run_in_executor(self._pool, self._compute, group,
+                                                        True)
+        except Exception as exc:
+            self.stats.last_step_at = time.monotonic()  # ended, if badly: not a stall
+            log.exception("a step of sequences %s failed", [w.seq_id for w in group])
+            for work in group:
+                self._forget(work.seq_id)
+                await self._tell_owner(work, p.ERR_STAGE_FAILED,
+                                       f"stage {self._node_id} failed: {exc}")
+            return
+        self.stats.steps += 1
+        self.stats.last_step_at = time.monotonic()
+        for work, caches in kept:  # its prompt is prefilled: kept once, as the router named
+            entry, work.seq.snapshot = work.seq.snapshot, None
+            assert entry is not None
+            await send_quietly(work.seq.stream, encode_envelope(self._cache.put(
+                entry, caches, held_tokens(caches))))
+        for work, out in zip(group, outs, strict=True):
+            self.stats.tokens += work.tokens
+            await self._forward(work, out)
+
+    def _compute(self, group: list[Work], overlap: bool
+                 ) -> tuple[list[Any], list[tuple[Work, list[Any]]]]:
+        """One group's step, timed (on the compute thread, or inline: see above), and the
+        copies of the caches of the sequences whose prompt it finished and whose router
+        asked to keep it (``keep_prompt``). Steps long enough for the compute thread
+        overlap building a layer's graph with running the one before
+        (``StageModel.forward``); short ones gain nothing by it."""
+        start = time.perf_counter()
+        try:
+            outs = run_group(self._model, group, overlap=overlap)
+            kept = [(w, cloned(w.state.cache, held_tokens(w.state.cache))) for w in group
+                    if w.sample and w.seq.snapshot is not None]
+            return outs, kept
+        finally:
+            took = time.perf_counter() - start
+            self.stats.compute_s += took
+            if all(w.tokens == 1 for w in group):
+                self._inline = took < INLINE_STEP_S
+
+    async def _forward(self, work: Work, out: Any) -> None:
+        if not self._model.last:
+            await self._send_on(self._onward.down, work, encode_envelope(
+                {"t": "act", "seq": work.seq_id, "step": work.step, "sample": work.sample},
+                [out]))
+            return
+        if out is None:
+            return
+        assert isinstance(out, Sampled)
+        await self._continue(work, out.token)
+        header: dict[str, Any] = {"t": "token", "seq": work.seq_id, "step": work.step}
+        if out.logprob is not None:
+            header.update(logprob=out.logprob, top=[list(pair) for pair in out.top])
+        await send_quietly(work.seq.stream, encode_envelope(
+            header, [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
+
+    async def _continue(self, work: Work, token: int) -> None:
+        """Run ``token`` as the sequence's next step, unless it ends the sequence: on the
+        first stage, by a ``next`` message or (a one-stage pipeline) here."""
+        seq = work.seq
+        seq.produced += 1
+        if (token in seq.eos or seq.produced >= seq.params.max_tokens
+                or self._seqs.get(work.seq_id) is not seq):
+            return
+        blob = struct.pack("<i", token)
+        if self._model.first:
+            self.enqueue(work.seq_id, seq, work.step + 1, True,
+                         Tensor("tokens", "i32", (1, 1), memoryview(blob)))
+            return
+        await self._send_on(self._onward.ring, work, encode_envelope(
+            {"t": "next", "seq": work.seq_id, "step": work.step + 1},
+            [("tokens", "i32", (1, 1), blob)]))
+
+    async def _send_on(self, dialer: Redialer, work: Work, message: bytes) -> None:
+        failure = await self._onward.send(dialer, message)
+        if failure is not None:
+            self._forget(work.seq_id)
+            await self._tell_owner(work, p.ERR_DOWNSTREAM,
+                                   f"stage {self._node_id} {failure}")
+
+    async def _tell_owner(self, work: Work, code: str, message: str) -> None:
+        await send_quietly(work.seq.stream, encode_envelope(
+            p.error_header(code, message, work.seq_id, work.step)))
+
+
+async def send_quietly(stream: MxclStream, payload: bytes) -> None:
+    with contextlib.suppress(ConnectionClosed):
+        await stream.send(payload)
