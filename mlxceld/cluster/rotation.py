@@ -68,12 +68,13 @@ from typing import Any, Final, Protocol
 from mlxceld import failpoints
 from mlxceld.cluster.rotation_round import RotationRound, Step, failed_step
 from mlxceld.errors import MlxceldError, RotationFailed, RotationRefused, UnknownKey
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
+from mlxceld.net import MxclStream
+from mlxceld.net.agent import AgentService, ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.state.events import EventLog
 from mlxceld.state.rotations import RotationRow, RotationsTable
 from mlxceld.types import JSON
-from mlxceld.wire import Envelope, EnvelopeError, MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire import Envelope, MessageSpec, encode_envelope
 from mlxceld.wire.secret import Keyring, key_id
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class KeyOps(Protocol):
     async def streams_under(self, kid: str) -> dict[str, int]: ...
 
 
-class AskFailed(Exception):
+class MemberFailed(Exception):
     """A member did not do what it was asked; the message says why (no secret in it)."""
 
 
@@ -175,34 +176,31 @@ def key_state(keyring: Keyring) -> dict[str, Any]:
 # -- the rotator's side -------------------------------------------------------------------
 
 
-async def ask(identity: str, keyring: Keyring, address: str, message: dict[str, Any]
-              ) -> dict[str, Any]:
-    """Send ``message`` to the member at ``address``; its ``key_state``. ``AskFailed``
-    saying why otherwise, within ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S``."""
-    try:
-        stream = await connect_as(identity, address, keyring=keyring, channel=AGENT_CHANNEL,
-                                  budget_s=CONNECT_BUDGET_S)
-    except HandshakeFailed as exc:
-        raise AskFailed(f"{exc.kind}: {exc.message}") from exc
+async def ask_member(identity: str, keyring: Keyring, address: str,
+                     message: dict[str, Any]) -> dict[str, Any]:
+    """Send ``message`` to the member at ``address``; its ``key_state``. ``MemberFailed``
+    saying why otherwise, within ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S`` (plus
+    ``HANDOVER_S`` for ``key_remove``)."""
     timeout = ANSWER_TIMEOUT_S + (HANDOVER_S if message.get("t") == "key_remove" else 0.0)
     try:
-        async with asyncio.timeout(timeout):
-            await stream.send(encode_envelope(message))
-            got = parse_envelope(await stream.recv(), ANSWERS)
-    except TimeoutError:
-        raise AskFailed(f"no answer within {timeout:g} s") from None
-    except ConnectionClosed as exc:
-        raise AskFailed(f"closed: {exc.message}") from exc
-    except EnvelopeError as exc:
-        raise AskFailed(f"bad answer: {exc}") from exc
-    finally:
-        await stream.close()
-    if got.type == "error":
-        raise AskFailed(str(got.header.get("reason"))[:500])
+        got = await ask(identity, address, message, keyring=keyring, channel=AGENT_CHANNEL,
+                        answers=ANSWERS, connect_s=CONNECT_BUDGET_S, answer_s=timeout)
+    except AskFailed as exc:
+        raise MemberFailed(_why(exc)) from exc
     primary, ids = got.header.get("primary"), got.header.get("ids")
     if not (primary is None or isinstance(primary, str)) or not isinstance(ids, list):
-        raise AskFailed("bad answer: key_state needs 'primary' and 'ids'")
+        raise MemberFailed("bad answer: key_state needs 'primary' and 'ids'")
     return {"primary": primary, "ids": [str(i) for i in ids]}
+
+
+def _why(exc: AskFailed) -> str:
+    if exc.kind == "connect":
+        return f"{exc.detail}: {exc.message}"
+    if exc.kind == "closed":
+        return f"closed: {exc.message}"
+    if exc.kind == "bad_answer":
+        return f"bad answer: {exc.message}"
+    return exc.message  # address, timeout ("no answer within ..."), error (its reason)
 
 
 class Rotator:
@@ -289,8 +287,8 @@ class Rotator:
     async def _probe(self, peers: tuple[str, ...]) -> None:
         async def one(address: str) -> str | None:
             try:
-                await ask(self._identity, self._keyring, address, {"t": "key_report"})
-            except AskFailed as exc:
+                await ask_member(self._identity, self._keyring, address, {"t": "key_report"})
+            except MemberFailed as exc:
                 return str(exc)
             return None
 
@@ -356,7 +354,7 @@ class Rotator:
             try:
                 await self._once(member, rnd.step, rnd.new_kid, rnd.old_kid)
                 return None
-            except (AskFailed, MlxceldError) as exc:
+            except (MemberFailed, MlxceldError) as exc:
                 why = str(exc)
             if loop.time() + RETRY_S >= deadline:
                 return why
@@ -366,15 +364,15 @@ class Rotator:
         if member == self._identity:
             state = await self._local(step, new, old)
         else:
-            state = await ask(self._identity, self._keyring, member,
-                              self._message(step, new, old))
+            state = await ask_member(self._identity, self._keyring, member,
+                                     self._message(step, new, old))
         _verify(step, state, new, old)
 
     def _message(self, step: Step, new: str, old: str) -> dict[str, Any]:
         if step == Step.INSTALLING:
             secret = self._keyring.get(bytes.fromhex(new))
             if secret is None:
-                raise AskFailed(f"key {new} is no longer in this daemon's keyring")
+                raise MemberFailed(f"key {new} is no longer in this daemon's keyring")
             return {"t": "key_install", "secret_hex": secret.hex()}
         if step == Step.USING:
             return {"t": "key_use", "kid": new}
@@ -384,7 +382,7 @@ class Rotator:
 
     async def _local(self, step: Step, new: str, old: str) -> dict[str, Any]:
         if step == Step.INSTALLING and bytes.fromhex(new) not in self._keyring:
-            raise AskFailed(f"key {new} is no longer in this daemon's keyring")
+            raise MemberFailed(f"key {new} is no longer in this daemon's keyring")
         if step == Step.USING:
             await self._ops.use_secret(new)
         elif step == Step.REMOVING and bytes.fromhex(old) in self._keyring:
@@ -394,11 +392,11 @@ class Rotator:
 
 
 def _verify(step: Step, state: dict[str, Any], new: str, old: str) -> None:
-    """``AskFailed`` if a member's key state does not show ``step`` done."""
+    """``MemberFailed`` if a member's key state does not show ``step`` done."""
     ids = state["ids"]
     if step in (Step.INSTALLING, Step.VERIFYING_INSTALL) and new not in ids:
-        raise AskFailed(f"key {new} is not installed there (it has {', '.join(ids)})")
+        raise MemberFailed(f"key {new} is not installed there (it has {', '.join(ids)})")
     if step in (Step.USING, Step.VERIFYING_USE) and state["primary"] != new:
-        raise AskFailed(f"its primary is {state['primary']}, not {new}")
+        raise MemberFailed(f"its primary is {state['primary']}, not {new}")
     if step == Step.REMOVING and old in ids:
-        raise AskFailed(f"key {old} is still installed there")
+        raise MemberFailed(f"key {old} is still installed there")

@@ -34,25 +34,18 @@ message names no address (a member's error reaches clients' 503s and the redacte
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 from mlxceld.discovery.inventory import AGENT_CHANNEL
 from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
+from mlxceld.net import MxclStream
+from mlxceld.net.agent import AgentService, ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.types import JSON
-from mlxceld.wire import (
-    Envelope,
-    EnvelopeError,
-    MessageSpec,
-    SecretStore,
-    encode_envelope,
-    parse_envelope,
-)
+from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
 from mlxceld.wire.address import canonical_address, format_address, parse_address
 
 SERVING: Final = "serving"
@@ -128,27 +121,26 @@ async def ask_serving(origin: str, agent: str, *, keyring: SecretStore) -> dict[
     the checked answer, or ``ServingNotFound`` saying why there is none. At most
     ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S``."""
     try:
-        stream = await connect_as(origin, agent, keyring=keyring, channel=AGENT_CHANNEL,
-                                  budget_s=CONNECT_BUDGET_S)
-    except HandshakeFailed as exc:
-        raise ServingNotFound(f"its agent cannot be reached ({exc.kind}): is its daemon "
-                              "up, with the same cluster secret?") from None
-    try:
-        async with asyncio.timeout(ANSWER_TIMEOUT_S):
-            await stream.send(encode_envelope(request()))
-            answer = parse_envelope(await stream.recv(), ANSWER_SPECS)
-        if answer.type == "error":
-            raise ServingNotFound("its agent does not answer 'serving' (an older mlxceld?)")
-        return parse_serving(answer.header)
-    except TimeoutError:
-        raise ServingNotFound(f"its agent did not answer 'serving' within "
-                              f"{ANSWER_TIMEOUT_S:g} s") from None
-    except ConnectionClosed as exc:
-        raise ServingNotFound(f"its agent closed the stream ({exc.kind})") from None
-    except EnvelopeError as exc:
-        raise ServingNotFound(f"its agent answered out of bounds: {exc.reason}") from None
-    finally:
-        await stream.close()
+        answer = await ask(origin, agent, request(), keyring=keyring, channel=AGENT_CHANNEL,
+                           answers=ANSWER_SPECS, connect_s=CONNECT_BUDGET_S,
+                           answer_s=ANSWER_TIMEOUT_S)
+    except AskFailed as exc:
+        raise ServingNotFound(_why(exc)) from None
+    return parse_serving(answer.header)
+
+
+def _why(exc: AskFailed) -> str:
+    """Why an agent's ``serving`` could not be had, naming no address."""
+    if exc.kind in ("connect", "address"):
+        return (f"its agent cannot be reached ({exc.detail or exc.kind}): is its daemon up, "
+                "with the same cluster secret?")
+    if exc.kind == "error":
+        return "its agent does not answer 'serving' (an older mlxceld?)"
+    if exc.kind == "timeout":
+        return f"its agent did not answer 'serving' within {ANSWER_TIMEOUT_S:g} s"
+    if exc.kind == "closed":
+        return f"its agent closed the stream ({exc.detail})"
+    return f"its agent answered out of bounds: {exc.message}"
 
 
 async def numeric_address(host: str, port: int) -> str:

@@ -74,11 +74,13 @@ from mlxceld.cluster.assignment.push import (
     HEARTBEAT_S,
     PEER_SPECS,
     epoch_of,
+    header,
     message,
 )
 from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
+from mlxceld.net import ConnectionClosed, MxclStream
+from mlxceld.net.agent import AgentService, ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
@@ -86,8 +88,6 @@ from mlxceld.tasks import cancelling_group
 from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
-from mlxceld.wire.envelope import parse_envelope
-from mlxceld.wire.errors import EnvelopeError
 
 log = logging.getLogger(__name__)
 
@@ -456,25 +456,21 @@ class Assignee:
         """The coordinator's decision for ``epoch``, or None and why it could not be asked
         (``CONNECT_S`` to connect, then ``FRAME_S`` for the answer)."""
         try:
-            stream = await connect_as(self._identity(), coordinator, keyring=self._keyring,
-                                      channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
-        except ValueError as exc:  # not host:port: nothing to dial
-            return None, f"coordinator address {coordinator!r} {exc}"
-        except HandshakeFailed as exc:
-            log.warning("stage assignment %d: cannot ask coordinator %s: %s", epoch,
-                        coordinator, exc.message)
-            return None, exc.message
-        try:
-            async with asyncio.timeout(FRAME_S):
-                await stream.send(message("query", epoch))
-                env = parse_envelope(await stream.recv(), PEER_SPECS)
-            return str(env.header.get("decision")), ""
-        except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
+            answer = await ask(self._identity(), coordinator, header("query", epoch),
+                               keyring=self._keyring, channel=ASSIGNMENT_CHANNEL,
+                               answers=PEER_SPECS, connect_s=CONNECT_S, answer_s=FRAME_S,
+                               close_reason="query answered")
+        except AskFailed as exc:
+            if exc.kind == "address":  # not host:port: nothing to dial
+                return None, f"coordinator address {coordinator!r} {exc.message}"
+            if exc.kind == "connect":
+                log.warning("stage assignment %d: cannot ask coordinator %s: %s", epoch,
+                            coordinator, exc.message)
+                return None, exc.message
             log.warning("stage assignment %d: coordinator %s did not answer: %s", epoch,
-                        coordinator, exc)
-            return None, f"no answer: {exc}"
-        finally:
-            await stream.close("query answered")
+                        coordinator, exc.message)
+            return None, f"no answer: {exc.message}"
+        return str(answer.header.get("decision")), ""
 
     async def _stage_loaded(self) -> None:
         """Wait for a stage still loading (a restarted round's: the coordinator's activate

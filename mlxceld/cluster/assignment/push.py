@@ -116,8 +116,12 @@ COORDINATOR_SPECS: Final = {t: MessageSpec() for t in FROM_PEER}  # what a coord
 PEER_SPECS: Final = {t: MessageSpec() for t in (*FROM_COORDINATOR, "decision")}
 
 
+def header(kind: str, epoch: int, **fields: Any) -> dict[str, Any]:
+    return {"t": kind, "epoch": epoch, **fields}
+
+
 def message(kind: str, epoch: int, **fields: Any) -> bytes:
-    return encode_envelope({"t": kind, "epoch": epoch, **fields})
+    return encode_envelope(header(kind, epoch, **fields))
 
 
 def epoch_of(header: Mapping[str, Any]) -> int | None:
