@@ -14,8 +14,9 @@ One ``mlxceld.net.agent.ask``:
    identity is our own agent address; when that names a specific IP the socket
    is bound to it, so the peer sees the source IP the identity claims (an
    unspecified ``0.0.0.0`` identity is replaced by the source IP on the peer).
-2. Send ``{"t": "inventory"}``, wait ``ANSWER_TIMEOUT_S`` (5 s) for the answer,
-   check it (``mlxceld.discovery.inventory.parse_inventory``), close the stream.
+2. Send ``InventoryRequest`` (``{"t": "inventory"}``), wait ``ANSWER_TIMEOUT_S`` (5 s)
+   for the answer, close the stream, check the answer
+   (``mlxceld.discovery.inventory.parse_inventory``).
 
 Outcomes: ``reachable`` with the inventory; ``refused`` when the handshake was
 refused (``REFUSED_KINDS``: another secret shows as ``unknown_key_id`` or
@@ -40,12 +41,12 @@ from mlxceld.discovery.inventory import (
     ANSWER_SPECS,
     InventoryError,
     parse_inventory,
-    request,
 )
 from mlxceld.net.agent import ask
 from mlxceld.net.errors import AskFailed
 from mlxceld.state.peers import PeerState
 from mlxceld.wire import SecretStore
+from mlxceld.wire.agent_messages import InventoryRequest
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class InventoryPoller:
     async def poll(self, address: str) -> None:
         """Ask ``address`` for its inventory and record the outcome in the table."""
         try:
-            answer = await ask(self._origin, address, request(), keyring=self._keyring,
+            answer = await ask(self._origin, address, InventoryRequest(), keyring=self._keyring,
                                channel=AGENT_CHANNEL, answers=ANSWER_SPECS,
                                connect_s=CONNECT_BUDGET_S, answer_s=ANSWER_TIMEOUT_S)
             inventory = parse_inventory(answer.header)
@@ -121,7 +122,8 @@ class InventoryPoller:
         except InventoryError as exc:
             self._table.failed(address, "unreachable", f"bad_inventory: {exc}", self._clock())
         else:
-            self._table.answered(address, inventory, answer.key_id.hex(), self._clock())
+            self._table.answered(address, inventory.to_wire(), answer.key_id.hex(),
+                                 self._clock())
 
 
 def _failure(exc: AskFailed) -> tuple[PeerState, str]:

@@ -6,7 +6,7 @@ by handlers registered per channel and type with ``add_handler`` before the
 listener runs (the daemon registers ``inventory`` on channel 3; assignment adds
 its types on channel 2). A handler gets the stream and the parsed envelope and
 sends its own answers. A type with no handler on the stream's channel, or a
-malformed envelope, gets ``{"t": "error", "reason": ...}`` and the stream stays
+malformed envelope, gets an ``Error`` (``{"t": "error", "reason": ...}``) and the stream stays
 open.
 
 Liveness: every accepted stream has a heartbeat (``net/liveness.watch``) with the bound
@@ -48,6 +48,7 @@ from mlxceld.wire import Keyring, SecretStore
 from mlxceld.wire.address import format_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
+from mlxceld.wire.messages import Error, Message
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,8 @@ class AgentService:
                 try:
                     message = parse_envelope(payload, self._specs[stream.channel])
                 except EnvelopeError as exc:
-                    await stream.send(encode_envelope({"t": "error",
-                                                       "reason": f"bad envelope: {exc.reason}"}))
+                    await stream.send(encode_envelope(
+                        Error(f"bad envelope: {exc.reason}").to_wire()))
                     continue
                 await self._handlers[(stream.channel, message.type)](stream, message)
         except ConnectionClosed:
@@ -145,16 +146,17 @@ class Answer:
     key_id: bytes
 
 
-async def ask(origin: str, address: str, question: Mapping[str, Any], *,
+async def ask(origin: str, address: str, question: Message | Mapping[str, Any], *,
               keyring: SecretStore, channel: int, answers: Mapping[str, MessageSpec],
               connect_s: float, answer_s: float,
               wanted: Callable[[Envelope], bool] | None = None,
               close_reason: str = "") -> Answer:
     """Ask the agent at ``address`` (``host:port``) one question as the node whose agent is
     ``origin`` (``connect_as``): dial it on ``channel`` within ``connect_s`` (the dialer's
-    retries included), send ``question`` (an envelope header), read its answer within
-    ``answer_s`` (the first one ``wanted`` takes, when given: the others are skipped,
-    within the same deadline) and close the stream. At most ``connect_s + answer_s``.
+    retries included), send ``question`` (a typed message, or its header), read its
+    answer within ``answer_s`` (the first one ``wanted`` takes, when given: the others are
+    skipped, within the same deadline) and close the stream. At most
+    ``connect_s + answer_s``.
 
     ``answers``: the types the answer may have (an ``error`` answer is ``AskFailed`` of
     kind ``error`` whether listed or not). Any failure is ``AskFailed``; its ``kind``
@@ -169,7 +171,8 @@ async def ask(origin: str, address: str, question: Mapping[str, Any], *,
     specs = {"error": MessageSpec(), **answers}
     try:
         async with asyncio.timeout(answer_s):
-            await stream.send(encode_envelope(question))
+            header = question if isinstance(question, Mapping) else question.to_wire()
+            await stream.send(encode_envelope(header))
             while True:
                 got = parse_envelope(await stream.recv(), specs)
                 if got.type == "error" or wanted is None or wanted(got):
