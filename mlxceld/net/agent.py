@@ -6,8 +6,8 @@ by handlers registered per channel and type with ``add_handler`` before the
 listener runs (the daemon registers ``inventory`` on channel 3; assignment adds
 its types on channel 2). A handler gets the stream and the parsed envelope and
 sends its own answers. A type with no handler on the stream's channel, or a
-malformed envelope, gets an ``Error`` (``{"t": "error", "reason": ...}``) and the stream stays
-open.
+malformed envelope, gets an ``Error`` (``wire/messages.py``: ``{"t": "error", "reason":
+...}``) and the stream stays open.
 
 Liveness: every accepted stream has a heartbeat (``net/liveness.watch``) with the bound
 ``silence_s`` (the daemon passes ``[daemon] peer_suspect_after_s``, default 3 s): the
@@ -146,14 +146,14 @@ class Answer:
     key_id: bytes
 
 
-async def ask(origin: str, address: str, question: Message | Mapping[str, Any], *,
+async def ask(origin: str, address: str, question: Message, *,
               keyring: SecretStore, channel: int, answers: Mapping[str, MessageSpec],
               connect_s: float, answer_s: float,
               wanted: Callable[[Envelope], bool] | None = None,
               close_reason: str = "") -> Answer:
     """Ask the agent at ``address`` (``host:port``) one question as the node whose agent is
     ``origin`` (``connect_as``): dial it on ``channel`` within ``connect_s`` (the dialer's
-    retries included), send ``question`` (a typed message, or its header), read its
+    retries included), send ``question`` (a typed message, ``wire/*messages.py``), read its
     answer within ``answer_s`` (the first one ``wanted`` takes, when given: the others are
     skipped, within the same deadline) and close the stream. At most
     ``connect_s + answer_s``.
@@ -168,14 +168,13 @@ async def ask(origin: str, address: str, question: Message | Mapping[str, Any], 
         raise AskFailed("address", str(exc), peer=address) from None
     except HandshakeFailed as exc:
         raise AskFailed("connect", exc.message, peer=address, detail=exc.kind) from exc
-    specs = {"error": MessageSpec(), **answers}
+    specs = {Error.T: MessageSpec(), **answers}
     try:
         async with asyncio.timeout(answer_s):
-            header = question if isinstance(question, Mapping) else question.to_wire()
-            await stream.send(encode_envelope(header))
+            await stream.send(encode_envelope(question.to_wire()))
             while True:
                 got = parse_envelope(await stream.recv(), specs)
-                if got.type == "error" or wanted is None or wanted(got):
+                if got.type == Error.T or wanted is None or wanted(got):
                     break
     except TimeoutError:
         raise AskFailed("timeout", f"no answer within {answer_s:g} s", peer=address) from None
@@ -185,7 +184,7 @@ async def ask(origin: str, address: str, question: Message | Mapping[str, Any], 
         raise AskFailed("bad_answer", str(exc), peer=address) from exc
     finally:
         await stream.close(close_reason)
-    if got.type == "error":
-        reason = str(got.header.get("reason"))[:500]
+    if got.type == Error.T:
+        reason = Error.from_wire(got.header).reason[:500]
         raise AskFailed("error", reason, peer=address, detail=reason)
     return Answer(got.type, got.header, stream.key_id)

@@ -23,9 +23,9 @@ from mlxceld.wire.errors import EnvelopeError
 T = TypeVar("T")
 
 
-class MessageError(EnvelopeError):
+class MessageError(EnvelopeError, ValueError):
     """A message header whose field ``field`` is missing or out of bounds; ``reason`` says
-    which and why."""
+    which and why. A ``ValueError`` too: a bad value."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(reason)

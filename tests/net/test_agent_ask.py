@@ -4,6 +4,8 @@ says at which step it failed. Real agents on 127.0.0.1, real MXCL."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,16 @@ from helpers.ports import free_port
 ANSWERS = {"echo": MessageSpec()}
 
 
+@dataclass(frozen=True)
+class Raw:
+    """A message of any type, as its header."""
+
+    header: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.header
+
+
 async def asked(question: dict[str, object], *, ring: object = None, answer_s: float = 2.0,
                 stall: bool = False) -> object:
     agent = AgentService(("127.0.0.1", 0), keys.keyring(SECRET))
@@ -30,7 +42,7 @@ async def asked(question: dict[str, object], *, ring: object = None, answer_s: f
 
     agent.add_handler(3, "question", echo)
     async with running(agent):
-        return await ask(CLIENT_ID, agent.address, question,
+        return await ask(CLIENT_ID, agent.address, Raw(question),
                          keyring=ring or keys.keyring(SECRET), channel=3, answers=ANSWERS,
                          connect_s=0.5, answer_s=answer_s)
 
@@ -60,10 +72,10 @@ def test_each_failure_is_one_type_whose_kind_names_the_step(kwargs: dict[str, ob
 def test_nobody_listening_or_no_address_fails_before_any_answer() -> None:
     nobody = f"127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(AskFailed) as err:
-        run(ask(CLIENT_ID, nobody, {"t": "question"}, keyring=keys.keyring(SECRET),
+        run(ask(CLIENT_ID, nobody, Raw({"t": "question"}), keyring=keys.keyring(SECRET),
                 channel=3, answers=ANSWERS, connect_s=0.3, answer_s=1.0))
     assert err.value.kind == "connect"  # unreachable (or refused, should another take it)
     with pytest.raises(AskFailed) as err:
-        run(ask(CLIENT_ID, "no port", {"t": "question"}, keyring=keys.keyring(SECRET),
+        run(ask(CLIENT_ID, "no port", Raw({"t": "question"}), keyring=keys.keyring(SECRET),
                 channel=3, answers=ANSWERS, connect_s=0.3, answer_s=1.0))
     assert err.value.kind == "address"

@@ -22,6 +22,18 @@ from mlxceld.wire.agent_messages import (
     Serving,
     ServingRequest,
 )
+from mlxceld.wire.assignment_messages import (
+    Abort,
+    Accepted,
+    Activate,
+    Commit,
+    Deactivate,
+    Deactivated,
+    Decision,
+    DecisionQuery,
+    Preparing,
+    Refused,
+)
 from mlxceld.wire.messages import Error, MessageError, Ping, Pong, decode
 
 INVENTORY = {"t": "inventory", "node": "host-a", "version": "1.0",
@@ -45,6 +57,23 @@ SAME_BYTES: list[tuple[Any, dict[str, Any]]] = [
     (KeyState("00" * 8, ("00" * 8, "11" * 8)), {"t": "key_state", "primary": "00" * 8,
                                                "ids": ["00" * 8, "11" * 8]}),
     (Inventory.from_wire(INVENTORY), INVENTORY),
+    (Commit(3), {"t": "commit", "epoch": 3}),
+    (Activate(3), {"t": "activate", "epoch": 3}),
+    (DecisionQuery(3), {"t": "query", "epoch": 3}),
+    (Abort(3, "peer x: gone"), {"t": "abort", "epoch": 3, "summary": "peer x: gone"}),
+    (Abort(3), {"t": "abort", "epoch": 3}),  # re-sent over a new connection
+    (Accepted(3), {"t": "accepted", "epoch": 3}),
+    (Deactivated(3, "the stage is stopped"), {"t": "deactivated", "epoch": 3,
+                                              "reason": "the stage is stopped"}),
+    (Deactivate(3, "ended"), {"t": "deactivate", "epoch": 3, "reason": "ended"}),
+    (Decision(3, "commit"), {"t": "decision", "epoch": 3, "decision": "commit"}),
+    (Refused(3, "busy", "plan 2 is committed here", final=False),
+     {"t": "refused", "epoch": 3, "code": "busy", "final": False,
+      "reason": "plan 2 is committed here"}),
+    (Preparing(3), {"t": "preparing", "epoch": 3}),
+    (Preparing(3, "", 5, 10, 1.5, "loading"), {"t": "preparing", "epoch": 3, "done": 5,
+                                               "total": 10, "elapsed_s": 1.5,
+                                               "step": "loading"}),
 ]
 
 

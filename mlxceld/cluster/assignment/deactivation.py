@@ -37,11 +37,12 @@ from mlxceld.cluster.assignment.push import (
     CONNECT_S,
     COORDINATOR_SPECS,
     epoch_of,
-    header,
 )
 from mlxceld.net.agent import ask
 from mlxceld.net.errors import AskFailed
 from mlxceld.wire import Keyring
+from mlxceld.wire.assignment_messages import Deactivate, Deactivated, Refused
+from mlxceld.wire.messages import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +85,11 @@ async def chase(epoch: int, peers: Sequence[str], told: Told, *, keyring: Keyrin
 async def _tell(epoch: int, agent: str, keyring: Keyring, identity: str,
                 reason: str) -> Outcome:
     try:
-        answer = await ask(identity, agent, header("deactivate", epoch, reason=reason),
+        answer = await ask(identity, agent, Deactivate(epoch, reason),
                            keyring=keyring, channel=ASSIGNMENT_CHANNEL,
                            answers=COORDINATOR_SPECS, connect_s=CONNECT_S, answer_s=ANSWER_S,
                            wanted=lambda env: epoch_of(env.header) == epoch
-                           and env.type in ("deactivated", "refused"),
+                           and env.type in (Deactivated.T, Refused.T),
                            close_reason="deactivation over")
     except AskFailed as exc:
         if exc.kind in ("connect", "address"):
@@ -98,6 +99,10 @@ async def _tell(epoch: int, agent: str, keyring: Keyring, identity: str,
         if exc.kind == "timeout":
             return "unreachable", f"no answer within {ANSWER_S:g} s"
         return "unreachable", f"connection lost: {exc.message}"
-    if answer.type == "deactivated":
-        return "deactivated", str(answer.header.get("reason") or "")
-    return "refused", f"{answer.header.get('code')}: {answer.header.get('reason')}"
+    try:
+        if answer.type == Deactivated.T:
+            return "deactivated", Deactivated.from_wire(answer.header).reason
+        refused = Refused.from_wire(answer.header)
+    except MessageError as exc:
+        return "unreachable", f"bad answer: {exc}"
+    return "refused", f"{refused.code}: {refused.reason}"

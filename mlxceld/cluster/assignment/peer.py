@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from mlxceld import failpoints
-from mlxceld.cluster.assignment.offers import Offer, PeerFacts, Refusal, judge, parse_offer
+from mlxceld.cluster.assignment.offers import PeerFacts, Refusal, judge
 from mlxceld.cluster.assignment.peer_round import (
     FRAME_S,
     HOLDS_A_STAGE,
@@ -72,10 +72,8 @@ from mlxceld.cluster.assignment.push import (
     ASSIGNMENT_CHANNEL,
     CONNECT_S,
     HEARTBEAT_S,
-    PEER_SPECS,
     epoch_of,
-    header,
-    message,
+    sent,
 )
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, MxclStream
@@ -88,6 +86,20 @@ from mlxceld.tasks import cancelling_group
 from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
+from mlxceld.wire.assignment_messages import (
+    REPLIES,
+    Abort,
+    Activate,
+    Commit,
+    Deactivated,
+    Decision,
+    DecisionQuery,
+    Offer,
+    Preparing,
+    Refused,
+)
+from mlxceld.wire.envelope import MessageSpec
+from mlxceld.wire.messages import Message, MessageError
 
 log = logging.getLogger(__name__)
 
@@ -222,15 +234,14 @@ class Assignee:
     async def _on_offer(self, stream: MxclStream, env: Envelope) -> None:
         epoch = epoch_of(env.header) or 0
         if not self._enabled:
-            await stream.send(message("refused", epoch, code="not_a_peer", final=False,
-                                      reason="this daemon does not take stage assignments; "
-                                      "start it with --pp-peer"))
+            await stream.send(sent(Refused(epoch, "not_a_peer", "this daemon does not take "
+                                           "stage assignments; start it with --pp-peer",
+                                           final=False)))
             return
         try:
-            offer = parse_offer(env.header)
-        except ValueError as exc:
-            await stream.send(message("refused", epoch, code="bad_offer", final=False,
-                                      reason=str(exc)))
+            offer = Offer.from_wire(env.header)
+        except MessageError as exc:
+            await stream.send(sent(Refused(epoch, "bad_offer", exc.reason, final=False)))
             return
         newest = self._assignments.newest_epoch()  # SQLite stays on the loop's thread
         bound = bound_identity(stream.peer_identity, stream.peer)
@@ -243,8 +254,8 @@ class Assignee:
         if isinstance(verdict, Refusal) and verdict.code == "stale_epoch":
             log.warning("offer %d from %s refused: %s", offer.epoch, offer.coordinator,
                         verdict.reason)
-            await stream.send(message("refused", offer.epoch, code=verdict.code, final=False,
-                                      reason=verdict.reason))
+            await stream.send(sent(Refused(offer.epoch, verdict.code, verdict.reason,
+                                           final=False)))
             return
         if not await self._make_way(offer, stream, verdict):
             return
@@ -289,8 +300,7 @@ class Assignee:
                                            f"plan {cur.round.epoch}, in progress here")
         log.warning("offer %d from %s refused: %s: %s", offer.epoch, offer.coordinator, code,
                     reason)
-        await stream.send(message("refused", offer.epoch, code=code, final=False,
-                                  reason=reason))
+        await stream.send(sent(Refused(offer.epoch, code, reason, final=False)))
         return False
 
     def _judge(self, offer: Offer, bound: HostPort, newest: int) -> Any:
@@ -302,16 +312,21 @@ class Assignee:
         cur = self._current
         if cur is None or epoch_of(env.header) != cur.round.epoch:
             return  # another epoch's: ignored
+        try:
+            decision = _DECISIONS[env.type].from_wire(env.header)
+        except MessageError as exc:
+            log.warning("stage assignment %d: %s ignored: %s", cur.round.epoch, env.type, exc)
+            return
         cur.stream = stream
         now = asyncio.get_running_loop().time()
-        if env.type == "activate" and cur.round.state is PeerState.COMMITTED:
+        if isinstance(decision, Activate) and cur.round.state is PeerState.COMMITTED:
             failpoints.crash("peer-after-committed")
-        if env.type == "commit":
+        if isinstance(decision, Commit):
             actions = cur.round.on_commit(now)
-        elif env.type == "activate":
+        elif isinstance(decision, Activate):
             actions = cur.round.on_activate()
         else:
-            actions = cur.round.on_abort(str(env.header.get("summary", "")))
+            actions = cur.round.on_abort(decision.summary or "")
         self._wake.set()
         await self._execute(actions)
 
@@ -319,16 +334,14 @@ class Assignee:
         epoch = epoch_of(env.header) or 0
         row = self._assignments.get(epoch)
         if row is None:
-            await stream.send(message("deactivated", epoch,
-                                      reason=f"plan {epoch} never ran here"))
+            await stream.send(sent(Deactivated(epoch, f"plan {epoch} never ran here")))
             return
         bound = bound_identity(stream.peer_identity, stream.peer)
         if not await self._resolver.is_node(row.coordinator, bound):
             log.warning("deactivate %d from %s refused: plan %d came from %s", epoch, bound,
                         epoch, row.coordinator)
-            await stream.send(message("refused", epoch, code="coordinator", final=True,
-                                      reason=f"plan {epoch} came from {row.coordinator}, not "
-                                      f"from {bound}"))
+            await stream.send(sent(Refused(epoch, "coordinator", f"plan {epoch} came from "
+                                           f"{row.coordinator}, not from {bound}", final=True)))
             return
         reason = f"deactivated by coordinator {row.coordinator}"
         cur = self._current
@@ -350,7 +363,7 @@ class Assignee:
                                      row.toml, reason)
             self._recorded(epoch, row.coordinator, row.stage, "deactivated", reason)
             log.info("stage assignment %d: %s (%s)", epoch, reason, done)
-        await stream.send(message("deactivated", epoch, reason=done))
+        await stream.send(sent(Deactivated(epoch, done)))
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -390,29 +403,36 @@ class Assignee:
             reason=reason)
 
     async def _reply(self, cur: _Current, a: Reply) -> None:
-        fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
-        load = self._host.loading() if a.kind == "preparing" else None
-        if load is not None:
-            fields.update(done=load["done"], total=load["total"],
-                          elapsed_s=round(max(0.0, time.time() - load["since"]), 1),
-                          step=load.get("step", "loading"))
-        if a.kind == "refused":
-            r = cur.refusal
-            fields.update(code=r.code if r else "prepare", final=r.final if r else False,
-                          reason=a.reason)
+        said = self._said(cur, a)
         if cur.stream is None:
             return
         if a.kind == "active":
             await self._stage_loaded()  # a restarted round's stage runs before it says so
             failpoints.crash("peer-after-active")
         try:
-            await cur.stream.send(message(a.kind, cur.round.epoch, **fields))
+            await cur.stream.send(sent(said))
         except ConnectionClosed:
             log.info("stage assignment %d: the coordinator's connection is gone (%s not "
                      "sent)", cur.round.epoch, a.kind)
             return
         if a.kind == "accepted":
             failpoints.crash("peer-after-accepted")
+
+    def _said(self, cur: _Current, a: Reply) -> Message:
+        """The message of the round's ``Reply``."""
+        epoch = cur.round.epoch
+        if a.kind == Refused.T:
+            r = cur.refusal
+            return Refused(epoch, r.code if r else "prepare", a.reason,
+                           final=r.final if r else False)
+        if a.kind != Preparing.T:
+            return REPLIES[a.kind](epoch, a.reason)
+        load = self._host.loading()
+        if load is None:
+            return Preparing(epoch, a.reason)
+        return Preparing(epoch, a.reason, load["done"], load["total"],
+                         round(max(0.0, time.time() - load["since"]), 1),
+                         load.get("step", "loading"))
 
     async def _prepare(self, cur: _Current) -> None:
         """Load the stage in standby; an offer's (the round is preparing) says ``preparing``
@@ -456,10 +476,15 @@ class Assignee:
         """The coordinator's decision for ``epoch``, or None and why it could not be asked
         (``CONNECT_S`` to connect, then ``FRAME_S`` for the answer)."""
         try:
-            answer = await ask(self._identity(), coordinator, header("query", epoch),
+            answer = await ask(self._identity(), coordinator, DecisionQuery(epoch),
                                keyring=self._keyring, channel=ASSIGNMENT_CHANNEL,
-                               answers=PEER_SPECS, connect_s=CONNECT_S, answer_s=FRAME_S,
-                               close_reason="query answered")
+                               answers={Decision.T: MessageSpec()}, connect_s=CONNECT_S,
+                               answer_s=FRAME_S, close_reason="query answered")
+            decided = Decision.from_wire(answer.header)
+        except MessageError as exc:
+            log.warning("stage assignment %d: coordinator %s answered out of bounds: %s",
+                        epoch, coordinator, exc)
+            return None, f"no answer: {exc}"
         except AskFailed as exc:
             if exc.kind == "address":  # not host:port: nothing to dial
                 return None, f"coordinator address {coordinator!r} {exc.message}"
@@ -470,7 +495,7 @@ class Assignee:
             log.warning("stage assignment %d: coordinator %s did not answer: %s", epoch,
                         coordinator, exc.message)
             return None, f"no answer: {exc.message}"
-        return str(answer.header.get("decision")), ""
+        return decided.decision, ""
 
     async def _stage_loaded(self) -> None:
         """Wait for a stage still loading (a restarted round's: the coordinator's activate
@@ -494,6 +519,9 @@ class Assignee:
             coro.close()
             return None
         return self._tg.create_task(coro)
+
+
+_DECISIONS: Final = {kind.T: kind for kind in (Commit, Activate, Abort)}
 
 
 def _dialable(offer: Offer, bound: HostPort) -> str:
