@@ -23,7 +23,7 @@ import time
 from typing import Protocol
 
 from mlxceld.cluster.assignment.peer import Assignee
-from mlxceld.cluster.assignment.push import serve_queries
+from mlxceld.cluster.assignment.query import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
 from mlxceld.cluster.healer import TICK_S, Healer

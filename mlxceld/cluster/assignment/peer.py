@@ -7,14 +7,14 @@ is not a peer (no ``--pp-peer``) refuses every offer with code ``not_a_peer``
 
 The offer's listener port: the inventory proposes free ports afresh on every
 answer and keeps no record of them, so a peer accepts any offered port that it
-can bind on its agent host when the offer arrives (``port_is_free``).
+can bind on its agent host when the offer arrives (``stagehost.port_is_free``).
 
 Each ``Record`` is written to the ``assignments`` table before the ``Reply``
 after it goes out. An offer of another plan while a round is on is settled by
 ``PeerRound.on_other_offer`` (stale, busy, or a newer plan superseding an
 undecided round). Preparing (loading the stage in standby) runs as a task and
 sends ``preparing`` every ``HEARTBEAT_S`` until it ends; the daemon's
-``StageHost`` bounds it by its progress (``stagehost.LOAD_STALL_S`` without a
+``AssignedStage`` bounds it by its progress (``stagehost.LOAD_STALL_S`` without a
 byte read), and each heartbeat moves the round's own deadline
 (``PREPARE_S`` past it: ``PeerRound.on_still_loading``). One timer task calls
 ``handle_timer`` at the round's deadline (``PHASE_S`` between phases: 60 s,
@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -57,7 +56,6 @@ from typing import Any, Final, Protocol
 from mlxceld import failpoints
 from mlxceld.cluster.assignment.offers import PeerFacts, Refusal, judge
 from mlxceld.cluster.assignment.peer_round import (
-    FRAME_S,
     HOLDS_A_STAGE,
     PEER_PHASE_S,
     PeerAction,
@@ -70,15 +68,14 @@ from mlxceld.cluster.assignment.peer_round import (
 )
 from mlxceld.cluster.assignment.push import (
     ASSIGNMENT_CHANNEL,
-    CONNECT_S,
     HEARTBEAT_S,
     epoch_of,
     sent,
 )
+from mlxceld.cluster.assignment.query import ask_decision
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, MxclStream
-from mlxceld.net.agent import AgentService, ask
-from mlxceld.net.errors import AskFailed
+from mlxceld.net.agent import AgentService
 from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
@@ -92,13 +89,10 @@ from mlxceld.wire.assignment_messages import (
     Activate,
     Commit,
     Deactivated,
-    Decision,
-    DecisionQuery,
     Offer,
     Preparing,
     Refused,
 )
-from mlxceld.wire.envelope import MessageSpec
 from mlxceld.wire.messages import Message, MessageError
 
 log = logging.getLogger(__name__)
@@ -109,8 +103,9 @@ PHASE_S: Final = failpoints.PEER_WAIT_S or PEER_PHASE_S
 JUDGE_S: Final = 10.0  # judging an offer, host name look-ups included
 
 
-class StageHost(Protocol):
-    """What the daemon does for a round."""
+class AssignedStage(Protocol):
+    """The stage worker a round prepares, activates and stops: what the daemon does for
+    a round (``stagehost.LocalStageHost``)."""
 
     def facts(self, port: int) -> PeerFacts: ...
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
@@ -120,16 +115,6 @@ class StageHost(Protocol):
     def loading(self) -> LoadProgress | None:
         """How far the stage being prepared has loaded, when it has said (for the
         ``preparing`` heartbeat)."""
-
-
-def port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -145,7 +130,7 @@ class _Current:
 
 
 class Assignee:
-    def __init__(self, assignments: Assignments, host: StageHost, keyring: Keyring, *,
+    def __init__(self, assignments: Assignments, host: AssignedStage, keyring: Keyring, *,
                  identity: Callable[[], str], state_dir: Path, enabled: bool,
                  events: EventLog) -> None:
         self._assignments = assignments
@@ -193,7 +178,8 @@ class Assignee:
         if row is not None and row.state == "active" and self._enabled:
             log.info("stage assignment %d is active: asking coordinator %s before resuming",
                      row.epoch, row.coordinator)
-            decision, why = await self._ask(row.coordinator, row.epoch)
+            decision, why = await ask_decision(self._identity(), row.coordinator, row.epoch,
+                                               keyring=self._keyring)
             if decision == "deactivated":
                 reason = "the coordinator deactivated the plan while this daemon was down"
                 self._assignments.record(row.epoch, row.coordinator, row.stage, "deactivated",
@@ -205,8 +191,8 @@ class Assignee:
                 log.info("stage assignment %d: resuming without word from coordinator %s "
                          "(%s)", row.epoch, row.coordinator, why)
         if self._enabled and row is not None:
-            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time(), PHASE_S,
-                                          row.reason)
+            r, actions = PeerRound.resume(row.epoch, PeerState.recorded(row.state),
+                                          loop.time(), PHASE_S, row.reason)
             self._current = _Current(r, row.coordinator, row.stage, row.toml)
             if actions:
                 log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
@@ -462,7 +448,8 @@ class Assignee:
             self._wake.set()
 
     async def _query(self, cur: _Current) -> None:
-        decision, why = await self._ask(cur.coordinator, cur.round.epoch)
+        decision, why = await ask_decision(self._identity(), cur.coordinator, cur.round.epoch,
+                                           keyring=self._keyring)
         if cur is not self._current:
             return
         if decision is None:
@@ -472,34 +459,9 @@ class Assignee:
                 decision, asyncio.get_running_loop().time()))
         self._wake.set()
 
-    async def _ask(self, coordinator: str, epoch: int) -> tuple[str | None, str]:
-        """The coordinator's decision for ``epoch``, or None and why it could not be asked
-        (``CONNECT_S`` to connect, then ``FRAME_S`` for the answer)."""
-        try:
-            answer = await ask(self._identity(), coordinator, DecisionQuery(epoch),
-                               keyring=self._keyring, channel=ASSIGNMENT_CHANNEL,
-                               answers={Decision.T: MessageSpec()}, connect_s=CONNECT_S,
-                               answer_s=FRAME_S, close_reason="query answered")
-            decided = Decision.from_wire(answer.header)
-        except MessageError as exc:
-            log.warning("stage assignment %d: coordinator %s answered out of bounds: %s",
-                        epoch, coordinator, exc)
-            return None, f"no answer: {exc}"
-        except AskFailed as exc:
-            if exc.kind == "address":  # not host:port: nothing to dial
-                return None, f"coordinator address {coordinator!r} {exc.message}"
-            if exc.kind == "connect":
-                log.warning("stage assignment %d: cannot ask coordinator %s: %s", epoch,
-                            coordinator, exc.message)
-                return None, exc.message
-            log.warning("stage assignment %d: coordinator %s did not answer: %s", epoch,
-                        coordinator, exc.message)
-            return None, f"no answer: {exc.message}"
-        return decided.decision, ""
-
     async def _stage_loaded(self) -> None:
         """Wait for a stage still loading (a restarted round's: the coordinator's activate
-        may come before it runs); ``StageHost.prepare_stage`` bounds it (by progress)."""
+        may come before it runs); ``AssignedStage.prepare_stage`` bounds it (by progress)."""
         task = self._preparing
         if task is not None and not task.done() and task is not asyncio.current_task():
             await asyncio.wait({task})
@@ -532,9 +494,3 @@ def _dialable(offer: Offer, bound: HostPort) -> str:
     except ValueError:
         return str(bound)
     return str(bound) if named.is_wildcard else offer.coordinator
-
-
-def _state(state: str) -> PeerState:
-    known = ("preparing", "accepted", "committed", "active", "aborted", "refused",
-             "deactivated")
-    return PeerState(state) if state in known else PeerState.ABORTED

@@ -84,11 +84,10 @@ from mlxceld.cluster.assignment.coordinator_round import (
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
 from mlxceld.net.liveness import watch
 from mlxceld.state.plans import Plans
 from mlxceld.types import DEFAULT_SILENCE_S
-from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
+from mlxceld.wire import Keyring, MessageSpec, encode_envelope
 from mlxceld.wire.assignment_messages import (
     FROM_COORDINATOR,
     FROM_PEER,
@@ -111,7 +110,6 @@ from mlxceld.wire.messages import Error, Message, decode
 log = logging.getLogger(__name__)
 
 Watch = Callable[[CoordinatorRound], None]  # sees the round after every step (progress)
-Asked = Callable[[int, str], None]  # a peer asked about plan epoch, and heard this decision
 
 ASSIGNMENT_CHANNEL: Final = 2
 CONNECT_S: Final = 5.0  # one dial and handshake
@@ -444,18 +442,3 @@ def _feed(r: CoordinatorRound, peer: str, heard: Heard, now: float) -> list[Any]
     if isinstance(heard, Aborted):
         return r.on_failed(peer, f"aborted: {heard.reason}" if heard.reason else "aborted")
     return []
-
-
-def serve_queries(agent: AgentService, plans: Plans, asked: Asked | None = None) -> None:
-    """Answer a peer's ``query`` from the plans table (an undecided plan reads as abort);
-    ``asked`` then hears the epoch and the answer (``Coordinator.peer_asked``)."""
-
-    async def answer(stream: MxclStream, env: Envelope) -> None:
-        epoch = epoch_of(env.header)
-        row = plans.get(epoch) if epoch is not None else None
-        decision = "unknown" if row is None else (row.decision or "abort")
-        await stream.send(sent(Decision(epoch or 0, decision)))
-        if asked is not None and row is not None:
-            asked(row.epoch, decision)
-
-    agent.add_handler(ASSIGNMENT_CHANNEL, "query", answer)

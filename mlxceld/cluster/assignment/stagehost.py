@@ -1,4 +1,5 @@
-"""A peer daemon's ``StageHost``: what a two-phase round does to its stage worker.
+"""A peer daemon's ``AssignedStage`` (``peer.py``): what a two-phase round does to its stage
+worker.
 
 ``prepare_stage`` writes the offered cluster TOML to ``<state-dir>/cluster-E.toml``,
 places this node in it and starts the stage worker in standby (weights loaded,
@@ -21,13 +22,13 @@ so the daemon's side is a ``StageSlot``: set the placement, reconcile.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import PeerFacts
-from mlxceld.cluster.assignment.peer import port_is_free
 from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import DaemonError, WorkerError
@@ -58,8 +59,18 @@ class StageSlot(Protocol):
         """Make the running workers match the placement."""
 
 
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class LocalStageHost:
-    """The ``peer.StageHost`` of a daemon: its stage worker under its supervisor."""
+    """The ``peer.AssignedStage`` of a daemon: its stage worker under its supervisor."""
 
     def __init__(self, slot: StageSlot, supervisor: Supervisor, events: EventLog, *,
                  cluster: str, state_dir: Path, model: Callable[[], str | None],
