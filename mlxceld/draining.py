@@ -27,6 +27,7 @@ from mlxceld.drain import DrainService, known_node
 from mlxceld.roster import router_needs
 from mlxceld.state import DrainsTable, EventLog
 from mlxceld.state.node import Node
+from mlxceld.supervisor.ops import Drain
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -96,4 +97,4 @@ class Draining:
         return needs | host.member.plan_node_ids()
 
     async def _call_router(self, args: JSON) -> JSON | None:
-        return await self._host.supervisor.call_running(ROUTER, "drain", args)
+        return await self._host.supervisor.call_running(ROUTER, Drain(tuple(args["drains"])))

@@ -37,6 +37,7 @@ from mlxceld.models.fetch import local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
+from mlxceld.supervisor.ops import Activate, Stats
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import LoadProgress, WorkerState, load_progress
 
@@ -153,7 +154,7 @@ class LocalStageHost:
         if sock is None:
             return None
         try:
-            reply = await channel.call(sock, "stats", timeout_s=ASK_S)
+            reply = await channel.call(sock, Stats(), timeout_s=ASK_S)
         except WorkerError:
             return None
         self._loading = load_progress((reply.get("stats") or {}).get("loading"))
@@ -170,7 +171,7 @@ class LocalStageHost:
         if sock is None:
             raise DaemonError("no stage worker to activate (it was stopped after prepare)",
                               hint="see: mlxctl events")
-        await channel.call(sock, "activate")
+        await channel.call(sock, Activate())
         self._slot.set_stage(self._placement, standby=False)
         await self._slot.reconcile()  # a restart comes back active
         self._events.append("stage.active", STAGE_WORKER, "the assigned stage is active")
