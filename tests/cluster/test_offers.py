@@ -82,7 +82,7 @@ def test_a_family_not_split_is_refused_naming_it_and_the_supported_ones() -> Non
     assert "'mamba'" in got.reason and all(f in got.reason for f in SUPPORTED), got
 
 
-def test_parse_offer_names_the_bad_field() -> None:
+def test_an_offer_from_the_wire_names_the_bad_field() -> None:
     bad = OFFER.to_wire() | {"stage": "one"}
     with pytest.raises(ValueError, match="'stage'"):
         Offer.from_wire(bad)

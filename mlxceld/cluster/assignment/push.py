@@ -7,7 +7,7 @@ frozen dataclass in ``wire/assignment_messages.py``:
 =========== ================ ===================================================
 type        direction        fields
 =========== ================ ===================================================
-offer       coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
+offer       coord → peer     ``Offer`` (judged in ``offers.py``): the stage, its
                              layers, port, node id and the cluster TOML
 preparing   peer → coord     a heartbeat every ``HEARTBEAT_S`` while the
                              peer loads its stage in standby; ``done``,
