@@ -23,7 +23,7 @@ import time
 from typing import Protocol
 
 from mlxceld.cluster.assignment.peer import Assignee
-from mlxceld.cluster.assignment.push import serve_queries
+from mlxceld.cluster.assignment.query import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
 from mlxceld.cluster.healer import TICK_S, Healer
@@ -43,6 +43,7 @@ from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
+from mlxceld.wire.agent_messages import Serving
 from mlxceld.wire.secret import Keyring
 
 log = logging.getLogger(__name__)
@@ -404,15 +405,15 @@ class ClusterMember:
                 self._coordinator.start(c.pp_auto, slot.served_model(),
                                         configured_model=c.serve.model)
 
-    async def _serving(self) -> JSON:
+    async def _serving(self) -> Serving:
         """The ``serving`` answer (``discovery/serving.py``): our node role, the port of our
         router's serving listener (its stats), the identity of the model it serves."""
         stats = await self._supervisor.stats()
         router = stats.get(ROUTER)
         entry = await asyncio.to_thread(model_entry, self._slot.served_model())
-        return {"role": self._slot.config.serve.node_role,
-                "port": port_of(router if isinstance(router, dict) else None),
-                "model": entry["identity"] if entry else None}
+        return Serving(role=self._slot.config.serve.node_role,
+                       port=port_of(router if isinstance(router, dict) else None),
+                       model=entry["identity"] if entry else None)
 
     def _healing(self, heal_after_s: float) -> Healing:
         """Self-healing's decisions, with the hosts of the plans the latest one superseded

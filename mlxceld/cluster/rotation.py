@@ -5,9 +5,10 @@ Members: this daemon and every candidate peer of discovery (``--cluster-peers`` 
 mDNS records; ``mlxctl cluster nodes``) when the rotation starts; the list is written
 with the rotation and kept for its whole life, a restart included.
 
-Messages, on MXCL channel 3 (agent), over the same authenticated and encrypted agent
-connections as the inventory; the new secret travels nowhere else (never in argv, a
-log line, an error, an event or the database):
+Messages (``wire/agent_messages.py``: ``KeyInstall``, ``KeyUse``, ``KeyRemove``,
+``KeyReport``, ``KeyState``), on MXCL channel 3 (agent), over the same authenticated and
+encrypted agent connections as the inventory; the new secret travels nowhere else (never
+in argv, a log line, an error, an event or the database):
 
 =========== ============== ===========================================================
 type        direction      fields
@@ -63,17 +64,27 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from mlxceld import failpoints
 from mlxceld.cluster.rotation_round import RotationRound, Step, failed_step
 from mlxceld.errors import MlxceldError, RotationFailed, RotationRefused, UnknownKey
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
+from mlxceld.net import MxclStream
+from mlxceld.net.agent import AgentService, ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.state.events import EventLog
 from mlxceld.state.rotations import RotationRow, RotationsTable
 from mlxceld.types import JSON
-from mlxceld.wire import Envelope, EnvelopeError, MessageSpec, encode_envelope, parse_envelope
+from mlxceld.wire import Envelope, MessageSpec, encode_envelope
+from mlxceld.wire.agent_messages import (
+    KeyInstall,
+    KeyOp,
+    KeyRemove,
+    KeyReport,
+    KeyState,
+    KeyUse,
+)
+from mlxceld.wire.messages import Error, Message, MessageError, decode, vocabulary
 from mlxceld.wire.secret import Keyring, key_id
 
 log = logging.getLogger(__name__)
@@ -85,8 +96,8 @@ RETRY_S: Final = 1.0
 STEP_S: Final = 30.0
 HANDOVER_S: Final = 30.0  # a key's streams may take this long to hand over (see above)
 HANDOVER_POLL_S: Final = 0.2
-ANSWERS: Final = {"key_state": MessageSpec(), "error": MessageSpec()}
-MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
+ANSWERS: Final = {KeyState.T: MessageSpec(), Error.T: MessageSpec()}
+KEY_OPS: Final = vocabulary(KeyInstall, KeyUse, KeyRemove, KeyReport)
 GENERATED_SECRET_BYTES: Final = 32  # as `mlxctl secret generate`: the secret is their hex
 #: The crash point after each step with an action (``failpoints.py``): every member did
 #: it, the next step is not written yet.
@@ -104,7 +115,7 @@ class KeyOps(Protocol):
     async def streams_under(self, kid: str) -> dict[str, int]: ...
 
 
-class AskFailed(Exception):
+class MemberFailed(Exception):
     """A member did not do what it was asked; the message says why (no secret in it)."""
 
 
@@ -116,39 +127,30 @@ def serve_key_ops(agent: AgentService, ops: KeyOps, keyring: Keyring) -> None:
 
     async def answer(stream: MxclStream, message: Envelope) -> None:
         try:
-            await _apply(ops, message)
-        except MlxceldError as exc:  # the message names a key id at most, never a secret
-            await stream.send(encode_envelope({"t": "error", "reason": exc.message[:500]}))
+            await _apply(ops, decode(message.header, KEY_OPS))
+        except MessageError as exc:  # the reason names a field, never a secret
+            await stream.send(encode_envelope(Error(exc.reason[:500]).to_wire()))
             return
-        await stream.send(encode_envelope({"t": "key_state", **key_state(keyring)}))
+        except MlxceldError as exc:  # the message names a key id at most, never a secret
+            await stream.send(encode_envelope(Error(exc.message[:500]).to_wire()))
+            return
+        await stream.send(encode_envelope(key_state(keyring).to_wire()))
 
-    for kind in ("key_install", "key_use", "key_remove", "key_report"):
+    for kind in KEY_OPS:
         agent.add_handler(AGENT_CHANNEL, kind, answer)
 
 
-async def _apply(ops: KeyOps, message: Envelope) -> None:
-    header = message.header
-    if message.type == "key_install":
-        text = header.get("secret_hex")
-        if not isinstance(text, str) or len(text) > MAX_SECRET_HEX:
-            raise RotationRefused("key_install needs 'secret_hex', the secret as hex")
-        try:
-            secret = bytes.fromhex(text)
-        except ValueError:
-            raise RotationRefused("key_install's 'secret_hex' is not hex") from None
-        await ops.install_secret(secret, False, "mlxctl secret rotate (from a peer)")
-    elif message.type in ("key_use", "key_remove"):
-        kid = header.get("kid")
-        if not isinstance(kid, str):
-            raise RotationRefused(f"{message.type} needs 'kid', a key id")
-        if message.type == "key_use":
-            if failpoints.on("member-refuses-key-use"):
-                raise RotationRefused("fail point member-refuses-key-use: key_use refused")
-            await ops.use_secret(kid)
-        else:
-            await handed_over(ops, kid)
-            with contextlib.suppress(UnknownKey):  # removed already: what was asked is true
-                await ops.remove_secret(kid)
+async def _apply(ops: KeyOps, op: Message) -> None:
+    if isinstance(op, KeyInstall):
+        await ops.install_secret(op.secret(), False, "mlxctl secret rotate (from a peer)")
+    elif isinstance(op, KeyUse):
+        if failpoints.on("member-refuses-key-use"):
+            raise RotationRefused("fail point member-refuses-key-use: key_use refused")
+        await ops.use_secret(op.kid)
+    elif isinstance(op, KeyRemove):
+        await handed_over(ops, op.kid)
+        with contextlib.suppress(UnknownKey):  # removed already: what was asked is true
+            await ops.remove_secret(op.kid)
 
 
 async def handed_over(ops: KeyOps, kid: str) -> dict[str, int]:
@@ -166,43 +168,40 @@ async def handed_over(ops: KeyOps, kid: str) -> dict[str, int]:
     return left
 
 
-def key_state(keyring: Keyring) -> dict[str, Any]:
+def key_state(keyring: Keyring) -> KeyState:
     primary = keyring.primary_id
-    return {"primary": primary.hex() if primary else None,
-            "ids": sorted(k.hex() for k in keyring.ids())}
+    return KeyState(primary.hex() if primary else None,
+                    tuple(sorted(k.hex() for k in keyring.ids())))
 
 
 # -- the rotator's side -------------------------------------------------------------------
 
 
-async def ask(identity: str, keyring: Keyring, address: str, message: dict[str, Any]
-              ) -> dict[str, Any]:
-    """Send ``message`` to the member at ``address``; its ``key_state``. ``AskFailed``
-    saying why otherwise, within ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S``."""
+async def ask_member(identity: str, keyring: Keyring, address: str,
+                     message: KeyOp) -> KeyState:
+    """Send ``message`` to the member at ``address``; its ``key_state``. ``MemberFailed``
+    saying why otherwise, within ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S`` (plus
+    ``HANDOVER_S`` for ``key_remove``)."""
+    timeout = ANSWER_TIMEOUT_S + (HANDOVER_S if isinstance(message, KeyRemove) else 0.0)
     try:
-        stream = await connect_as(identity, address, keyring=keyring, channel=AGENT_CHANNEL,
-                                  budget_s=CONNECT_BUDGET_S)
-    except HandshakeFailed as exc:
-        raise AskFailed(f"{exc.kind}: {exc.message}") from exc
-    timeout = ANSWER_TIMEOUT_S + (HANDOVER_S if message.get("t") == "key_remove" else 0.0)
+        got = await ask(identity, address, message, keyring=keyring, channel=AGENT_CHANNEL,
+                        answers=ANSWERS, connect_s=CONNECT_BUDGET_S, answer_s=timeout)
+    except AskFailed as exc:
+        raise MemberFailed(_why(exc)) from exc
     try:
-        async with asyncio.timeout(timeout):
-            await stream.send(encode_envelope(message))
-            got = parse_envelope(await stream.recv(), ANSWERS)
-    except TimeoutError:
-        raise AskFailed(f"no answer within {timeout:g} s") from None
-    except ConnectionClosed as exc:
-        raise AskFailed(f"closed: {exc.message}") from exc
-    except EnvelopeError as exc:
-        raise AskFailed(f"bad answer: {exc}") from exc
-    finally:
-        await stream.close()
-    if got.type == "error":
-        raise AskFailed(str(got.header.get("reason"))[:500])
-    primary, ids = got.header.get("primary"), got.header.get("ids")
-    if not (primary is None or isinstance(primary, str)) or not isinstance(ids, list):
-        raise AskFailed("bad answer: key_state needs 'primary' and 'ids'")
-    return {"primary": primary, "ids": [str(i) for i in ids]}
+        return KeyState.from_wire(got.header)
+    except MessageError as exc:
+        raise MemberFailed(f"bad answer: {exc.reason}") from None
+
+
+def _why(exc: AskFailed) -> str:
+    if exc.kind == "connect":
+        return f"{exc.detail}: {exc.message}"
+    if exc.kind == "closed":
+        return f"closed: {exc.message}"
+    if exc.kind == "bad_answer":
+        return f"bad answer: {exc.message}"
+    return exc.message  # address, timeout ("no answer within ..."), error (its reason)
 
 
 class Rotator:
@@ -289,8 +288,8 @@ class Rotator:
     async def _probe(self, peers: tuple[str, ...]) -> None:
         async def one(address: str) -> str | None:
             try:
-                await ask(self._identity, self._keyring, address, {"t": "key_report"})
-            except AskFailed as exc:
+                await ask_member(self._identity, self._keyring, address, KeyReport())
+            except MemberFailed as exc:
                 return str(exc)
             return None
 
@@ -356,7 +355,7 @@ class Rotator:
             try:
                 await self._once(member, rnd.step, rnd.new_kid, rnd.old_kid)
                 return None
-            except (AskFailed, MlxceldError) as exc:
+            except (MemberFailed, MlxceldError) as exc:
                 why = str(exc)
             if loop.time() + RETRY_S >= deadline:
                 return why
@@ -366,25 +365,25 @@ class Rotator:
         if member == self._identity:
             state = await self._local(step, new, old)
         else:
-            state = await ask(self._identity, self._keyring, member,
-                              self._message(step, new, old))
+            state = await ask_member(self._identity, self._keyring, member,
+                                     self._message(step, new, old))
         _verify(step, state, new, old)
 
-    def _message(self, step: Step, new: str, old: str) -> dict[str, Any]:
+    def _message(self, step: Step, new: str, old: str) -> KeyOp:
         if step == Step.INSTALLING:
             secret = self._keyring.get(bytes.fromhex(new))
             if secret is None:
-                raise AskFailed(f"key {new} is no longer in this daemon's keyring")
-            return {"t": "key_install", "secret_hex": secret.hex()}
+                raise MemberFailed(f"key {new} is no longer in this daemon's keyring")
+            return KeyInstall(secret.hex())
         if step == Step.USING:
-            return {"t": "key_use", "kid": new}
+            return KeyUse(new)
         if step == Step.REMOVING:
-            return {"t": "key_remove", "kid": old}
-        return {"t": "key_report"}
+            return KeyRemove(old)
+        return KeyReport()
 
-    async def _local(self, step: Step, new: str, old: str) -> dict[str, Any]:
+    async def _local(self, step: Step, new: str, old: str) -> KeyState:
         if step == Step.INSTALLING and bytes.fromhex(new) not in self._keyring:
-            raise AskFailed(f"key {new} is no longer in this daemon's keyring")
+            raise MemberFailed(f"key {new} is no longer in this daemon's keyring")
         if step == Step.USING:
             await self._ops.use_secret(new)
         elif step == Step.REMOVING and bytes.fromhex(old) in self._keyring:
@@ -393,12 +392,12 @@ class Rotator:
         return key_state(self._keyring)
 
 
-def _verify(step: Step, state: dict[str, Any], new: str, old: str) -> None:
-    """``AskFailed`` if a member's key state does not show ``step`` done."""
-    ids = state["ids"]
+def _verify(step: Step, state: KeyState, new: str, old: str) -> None:
+    """``MemberFailed`` if a member's key state does not show ``step`` done."""
+    ids = state.ids
     if step in (Step.INSTALLING, Step.VERIFYING_INSTALL) and new not in ids:
-        raise AskFailed(f"key {new} is not installed there (it has {', '.join(ids)})")
-    if step in (Step.USING, Step.VERIFYING_USE) and state["primary"] != new:
-        raise AskFailed(f"its primary is {state['primary']}, not {new}")
+        raise MemberFailed(f"key {new} is not installed there (it has {', '.join(ids)})")
+    if step in (Step.USING, Step.VERIFYING_USE) and state.primary != new:
+        raise MemberFailed(f"its primary is {state.primary}, not {new}")
     if step == Step.REMOVING and old in ids:
-        raise AskFailed(f"key {old} is still installed there")
+        raise MemberFailed(f"key {old} is still installed there")

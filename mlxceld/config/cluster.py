@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem
 from mlxceld.config.peers import PEERS_HINT, parse_peers
 from mlxceld.errors import ConfigError
+from mlxceld.wire.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem
 
 DISCOVERY_MODES: Final = ("static", "mdns")
 MAX_NAME_BYTES: Final = 240  # "cluster=" + name within a TXT string's 255 bytes

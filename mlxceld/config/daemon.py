@@ -71,7 +71,6 @@ from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
 from mlxceld.config.metrics import LISTEN_KEY as METRICS_KEY
 from mlxceld.config.metrics import metrics_listen
-from mlxceld.config.names import DEFAULT_CLUSTER_NAME
 from mlxceld.config.replicas import check_discoverable, check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ServeConfig, parse_serve
@@ -86,6 +85,7 @@ from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import MAX_PIPELINE_STAGES
 from mlxceld.wire.address import HostPort, parse_address
+from mlxceld.wire.names import DEFAULT_CLUSTER_NAME
 
 DEFAULT_AGENT_ADDR = "0.0.0.0:19000"
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -24,6 +24,7 @@ from mlxceld.config.serve import ROUTER
 from mlxceld.daemon.roster import Roster, router_needs
 from mlxceld.drain import DrainService, known_node
 from mlxceld.state import DrainsTable, EventLog
+from mlxceld.supervisor.ops import Drain
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
@@ -83,7 +84,7 @@ class DrainWindow:
         return needs | parts.member.plan_node_ids()
 
     async def _call_router(self, args: JSON) -> JSON | None:
-        return await self._parts.supervisor.call_running(ROUTER, "drain", args)
+        return await self._parts.supervisor.call_running(ROUTER, Drain(tuple(args["drains"])))
 
 
 def drained_nodes(table: DrainsTable) -> frozenset[str]:

@@ -25,13 +25,13 @@ from typing import Final
 
 from mlxceld.config.serve import ROUTER
 from mlxceld.discovery.candidates import FAILED_STATES, CandidateTable
+from mlxceld.supervisor.ops import Replicas
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
 PUSH_EVERY_S: Final = 3.0
-OP: Final = "replicas"
 
 
 def candidates_of(table: CandidateTable) -> list[JSON]:
@@ -55,8 +55,8 @@ class ReplicaPeers:
     async def push(self) -> JSON | None:
         if not self._wanted():
             return None
-        return await self._supervisor.call_running(ROUTER, OP,
-                                                   {"candidates": candidates_of(self._table)})
+        return await self._supervisor.call_running(
+            ROUTER, Replicas(tuple(candidates_of(self._table))))
 
     async def run(self) -> None:
         """Push every ``PUSH_EVERY_S`` until ``close``."""

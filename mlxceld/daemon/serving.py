@@ -42,6 +42,7 @@ from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
+from mlxceld.supervisor.ops import Pipeline
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 
@@ -214,7 +215,7 @@ class ServingWindow:
         spec = roster.spec(ROUTER)
         if live and spec is not None:
             reply = await parts.supervisor.call_running(
-                ROUTER, "pipeline", {"options": options_json(spec.options)})
+                ROUTER, Pipeline(options_json(spec.options)))
             if reply is not None and reply.get("ok"):
                 log.info("router moved to the new plan's stages without a restart")
                 return

@@ -44,10 +44,11 @@ from mlxceld.state.liveness import LivenessRow, LivenessTable
 from mlxceld.types import JSON
 from mlxceld.wire import EnvelopeError, SecretStore, encode_envelope, parse_envelope
 from mlxceld.wire.envelope import MessageSpec
+from mlxceld.wire.messages import Error, Ping, Pong
 
 log = logging.getLogger(__name__)
 
-_PONG: Final = {"pong": MessageSpec(), "error": MessageSpec()}
+_PONG: Final = {Pong.T: MessageSpec(), Error.T: MessageSpec()}
 
 
 class Heartbeats:
@@ -200,7 +201,7 @@ class Heartbeats:
                 ident += 1
                 sent = loop.time()
                 async with asyncio.timeout(t.suspect_after_s):
-                    await stream.send(encode_envelope({"t": "ping", "id": ident}))
+                    await stream.send(encode_envelope(Ping(ident).to_wire()))
                     await pongs.wait(ident)
                 self._answered(address)
                 await asyncio.sleep(max(sent + t.ping_interval_s - loop.time(), 0.0))
@@ -230,8 +231,8 @@ class _Pongs:
         try:
             while True:
                 answer = parse_envelope(await stream.recv(), _PONG)
-                if answer.type == "error":
-                    raise ValueError(str(answer.header.get("reason"))[:200])
+                if answer.type == Error.T:
+                    raise ValueError(Error.from_wire(answer.header).reason[:200])
                 ident = answer.header.get("id")
                 if type(ident) is int:
                     self.latest = max(self.latest, ident)

@@ -14,7 +14,8 @@ error     agent → asker    ``reason`` (a message type this agent does not serv
                            on this channel, or a malformed envelope)
 ========= ================ ====================================================
 
-The answer's fields and bounds (``parse_inventory`` checks every one; the
+The messages are ``InventoryRequest`` and ``Inventory`` (``wire/agent_messages.py``).
+The answer's fields and bounds (``Inventory.from_wire`` checks every one; the
 asker treats a violation as a bad answer, never as a partial inventory):
 
 - ``node``: the agent's node id, 1-128 characters without control characters.
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import platform
-import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -57,7 +57,6 @@ from typing import Any, Final
 import psutil
 
 from mlxceld import __version__, failpoints
-from mlxceld.config.names import name_problem
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import MlxceldError
 from mlxceld.models.fetch import local_model
@@ -65,17 +64,13 @@ from mlxceld.models.identity import model_identity
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService
 from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
+from mlxceld.wire.agent_messages import Inventory
+from mlxceld.wire.messages import MessageError
 
 AGENT_CHANNEL: Final = 3
-INVENTORY: Final = "inventory"
+INVENTORY: Final = Inventory.T
 ANSWER_SPECS: Final = {INVENTORY: MessageSpec(), "error": MessageSpec()}  # what the asker does
-MAX_PORTS: Final = 8
 FREE_PORTS: Final = 3  # proposed per answer
-MAX_MEMORY: Final = 2**63
-KEYS: Final = frozenset({"t", "node", "version", "platform", "memory_total",
-                         "memory_available", "model", "ports", "agent", "key_id"})
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class InventoryError(MlxceldError):
@@ -84,25 +79,21 @@ class InventoryError(MlxceldError):
     code = "bad_inventory"
 
 
-def request() -> dict[str, Any]:
-    return {"t": INVENTORY}
-
-
 def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None,
                     stage_ports: StagePorts | None = None, *,
-                    key_id: str | None = None) -> dict[str, Any]:
+                    key_id: str | None = None) -> Inventory:
     """This daemon's answer (psutil, the platform, free ports on ``agent_host``, the key id
     of its primary secret)."""
     memory = psutil.virtual_memory()
     available = int(memory.available)
     if failpoints.MEMORY_AVAILABLE is not None:  # tests only: a plan that does not fit
         available = min(available, failpoints.MEMORY_AVAILABLE)
-    return {"t": INVENTORY, "node": node_id, "version": __version__,
-            "platform": {"system": sys.platform, "machine": platform.machine()[:64]},
-            "memory_total": int(memory.total), "memory_available": available,
-            "model": model_entry(model),
-            "ports": free_ports(agent_host, FREE_PORTS, stage_ports),
-            "agent": agent, "key_id": key_id}
+    return Inventory(node=node_id, version=__version__,
+                     platform={"system": sys.platform, "machine": platform.machine()[:64]},
+                     memory_total=int(memory.total), memory_available=available,
+                     model=model_entry(model),
+                     ports=tuple(free_ports(agent_host, FREE_PORTS, stage_ports)),
+                     agent=agent, key_id=key_id)
 
 
 def model_entry(model: str | None) -> dict[str, Any] | None:
@@ -150,56 +141,13 @@ def _free_in(host: str, family: socket.AddressFamily, count: int,
     return found
 
 
-def parse_inventory(header: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked answer; ``InventoryError`` names the first field out of bounds."""
-    if set(header) != KEYS:
-        raise InventoryError(f"inventory has keys {sorted(header)}, expected {sorted(KEYS)}")
-    problem = name_problem(header["node"])
-    if problem:
-        raise InventoryError(f"inventory 'node' {problem}")
-    _string(header, "version", 1, 64)
-    plat = header["platform"]
-    if not isinstance(plat, dict) or set(plat) != {"system", "machine"}:
-        raise InventoryError("inventory 'platform' must be {system, machine}")
-    for key in ("system", "machine"):
-        _string(plat, key, 0, 64)
-    for key in ("memory_total", "memory_available"):
-        value = header[key]
-        if type(value) is not int or not 0 <= value < MAX_MEMORY:
-            raise InventoryError(f"inventory {key!r} must be an integer in [0, 2**63)")
-    if header["memory_available"] > header["memory_total"]:
-        raise InventoryError("inventory 'memory_available' is above 'memory_total'")
-    _model(header["model"])
-    ports = header["ports"]
-    if (not isinstance(ports, list) or len(ports) > MAX_PORTS or len(set(ports)) != len(ports)
-            or not all(type(p) is int and 1 <= p <= 65535 for p in ports)):
-        raise InventoryError(f"inventory 'ports' must be at most {MAX_PORTS} distinct ports")
-    _string(header, "agent", 3, 255)
-    kid = header["key_id"]
-    if kid is not None and (not isinstance(kid, str) or not _HEX16.fullmatch(kid)):
-        raise InventoryError("inventory 'key_id' must be 16 lowercase hex digits or null")
-    return dict(header)
-
-
-def _model(model: Any) -> None:
-    if model is None:
-        return
-    if not isinstance(model, dict) or set(model) != {"path", "identity", "error"}:
-        raise InventoryError("inventory 'model' must be null or {path, identity, error}")
-    _string(model, "path", 1, 4096)
-    identity, error = model["identity"], model["error"]
-    if identity is not None and not (isinstance(identity, str) and _HEX64.fullmatch(identity)):
-        raise InventoryError("inventory 'model.identity' must be 64 lowercase hex digits")
-    if error is not None:
-        _string(model, "error", 0, 1024)
-    if (identity is None) == (error is None):
-        raise InventoryError("inventory 'model' needs exactly one of identity and error")
-
-
-def _string(table: Mapping[str, Any], key: str, low: int, high: int) -> None:
-    value = table[key]
-    if not isinstance(value, str) or not low <= len(value) <= high:
-        raise InventoryError(f"inventory {key!r} must be a string of {low}-{high} characters")
+def parse_inventory(header: Mapping[str, Any]) -> Inventory:
+    """The checked answer (``Inventory.from_wire``); ``InventoryError`` names the first field
+    out of bounds."""
+    try:
+        return Inventory.from_wire(header)
+    except MessageError as exc:
+        raise InventoryError(exc.reason) from None
 
 
 def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str | None],
@@ -214,6 +162,6 @@ def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str |
         inventory = await asyncio.to_thread(local_inventory, node_id, agent.address, agent.host,
                                             model(), stage_ports,
                                             key_id=kid.hex() if kid else None)
-        await stream.send(encode_envelope(inventory))
+        await stream.send(encode_envelope(inventory.to_wire()))
 
     agent.add_handler(AGENT_CHANNEL, INVENTORY, answer)

@@ -7,13 +7,16 @@ happens at least every ``POLL_INTERVAL_S`` whichever discovery runs.
 
 One poll, with its deadlines:
 
+One ``mlxceld.net.agent.ask``:
+
 1. ``mlxceld.net.connect_as`` to the candidate's agent address on channel 3 within
    ``CONNECT_BUDGET_S`` (5 s, the dialer's retries with backoff included). Our
    identity is our own agent address; when that names a specific IP the socket
    is bound to it, so the peer sees the source IP the identity claims (an
    unspecified ``0.0.0.0`` identity is replaced by the source IP on the peer).
-2. Send ``{"t": "inventory"}``, wait ``ANSWER_TIMEOUT_S`` (5 s) for the answer,
-   check it (``mlxceld.discovery.inventory.parse_inventory``), close the stream.
+2. Send ``InventoryRequest`` (``{"t": "inventory"}``), wait ``ANSWER_TIMEOUT_S`` (5 s)
+   for the answer, close the stream, check the answer
+   (``mlxceld.discovery.inventory.parse_inventory``).
 
 Outcomes: ``reachable`` with the inventory; ``refused`` when the handshake was
 refused (``REFUSED_KINDS``: another secret shows as ``unknown_key_id`` or
@@ -38,11 +41,12 @@ from mlxceld.discovery.inventory import (
     ANSWER_SPECS,
     InventoryError,
     parse_inventory,
-    request,
 )
-from mlxceld.net import ConnectionClosed, HandshakeFailed, connect_as
+from mlxceld.net.agent import ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.state.peers import PeerState
-from mlxceld.wire import EnvelopeError, SecretStore, encode_envelope, parse_envelope
+from mlxceld.wire import SecretStore
+from mlxceld.wire.agent_messages import InventoryRequest
 
 log = logging.getLogger(__name__)
 
@@ -108,28 +112,32 @@ class InventoryPoller:
     async def poll(self, address: str) -> None:
         """Ask ``address`` for its inventory and record the outcome in the table."""
         try:
-            stream = await connect_as(self._origin, address, keyring=self._keyring,
-                                      channel=AGENT_CHANNEL, budget_s=CONNECT_BUDGET_S)
-        except HandshakeFailed as exc:
-            state: PeerState = "refused" if exc.kind in REFUSED_KINDS else "unreachable"
-            self._table.failed(address, state, f"{exc.kind}: {exc.message}", self._clock())
-            return
-        try:
-            async with asyncio.timeout(ANSWER_TIMEOUT_S):
-                await stream.send(encode_envelope(request()))
-                answer = parse_envelope(await stream.recv(), ANSWER_SPECS)
-            if answer.type == "error":
-                raise InventoryError(f"the peer answered with an error: "
-                                     f"{str(answer.header.get('reason'))[:200]}")
+            answer = await ask(self._origin, address, InventoryRequest(), keyring=self._keyring,
+                               channel=AGENT_CHANNEL, answers=ANSWER_SPECS,
+                               connect_s=CONNECT_BUDGET_S, answer_s=ANSWER_TIMEOUT_S)
             inventory = parse_inventory(answer.header)
-        except TimeoutError:
-            self._table.failed(address, "unreachable", f"no_answer: no inventory answer within "
-                               f"{ANSWER_TIMEOUT_S:g} s", self._clock())
-        except ConnectionClosed as exc:
-            self._table.failed(address, "unreachable", f"closed: {exc.message}", self._clock())
-        except (EnvelopeError, InventoryError) as exc:
+        except AskFailed as exc:
+            state, error = _failure(exc)
+            self._table.failed(address, state, error, self._clock())
+        except InventoryError as exc:
             self._table.failed(address, "unreachable", f"bad_inventory: {exc}", self._clock())
         else:
-            self._table.answered(address, inventory, stream.key_id.hex(), self._clock())
-        finally:
-            await stream.close()
+            self._table.answered(address, inventory.to_wire(), answer.key_id.hex(),
+                                 self._clock())
+
+
+def _failure(exc: AskFailed) -> tuple[PeerState, str]:
+    """The candidate's state and ``error`` when its inventory could not be had."""
+    if exc.kind == "connect":
+        refused = exc.detail in REFUSED_KINDS
+        return ("refused" if refused else "unreachable"), f"{exc.detail}: {exc.message}"
+    if exc.kind == "timeout":
+        return "unreachable", f"no_answer: no inventory answer within {ANSWER_TIMEOUT_S:g} s"
+    if exc.kind == "closed":
+        return "unreachable", f"closed: {exc.message}"
+    if exc.kind == "error":
+        return "unreachable", ("bad_inventory: the peer answered with an error: "
+                               f"{exc.detail[:200]}")
+    if exc.kind == "bad_answer":
+        return "unreachable", f"bad_inventory: {exc.message}"
+    return "unreachable", f"{exc.kind}: {exc.message}"  # address: not host:port

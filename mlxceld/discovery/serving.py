@@ -5,7 +5,8 @@ address; before every dial of a replica it asks that agent where its serving
 listener is (``replicas/service.py``'s, run by the replica's router worker), and
 dials the agent's host at that port.
 
-Messages (the envelope of PROTOCOL.md section 4, header only, no tensors):
+Messages (the envelope of PROTOCOL.md section 4, header only, no tensors;
+``ServingRequest`` and ``Serving`` in ``wire/agent_messages.py``):
 
 ======= ================ =====================================================
 type    direction        fields
@@ -34,34 +35,24 @@ message names no address (a member's error reaches clients' 503s and the redacte
 
 from __future__ import annotations
 
-import asyncio
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 from mlxceld.discovery.inventory import AGENT_CHANNEL
 from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
+from mlxceld.net import MxclStream
+from mlxceld.net.agent import AgentService, ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.net.resolve import ResolveError, resolve
-from mlxceld.types import JSON
-from mlxceld.wire import (
-    Envelope,
-    EnvelopeError,
-    MessageSpec,
-    SecretStore,
-    encode_envelope,
-    parse_envelope,
-)
+from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
 from mlxceld.wire.address import canonical_address, format_address, parse_address
+from mlxceld.wire.agent_messages import Serving, ServingRequest
+from mlxceld.wire.messages import MessageError
 
-SERVING: Final = "serving"
+SERVING: Final = Serving.T
 ANSWER_SPECS: Final = {SERVING: MessageSpec(), "error": MessageSpec()}
-KEYS: Final = frozenset({"t", "role", "port", "model"})
-ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
 CONNECT_BUDGET_S: Final = 5.0
 ANSWER_TIMEOUT_S: Final = 5.0
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class ServingNotFound(MlxceldError):
@@ -71,30 +62,13 @@ class ServingNotFound(MlxceldError):
     code = "serving_not_found"
 
 
-def request() -> dict[str, Any]:
-    return {"t": SERVING}
-
-
-def serving_answer(role: str, port: int | None, model: str | None) -> dict[str, Any]:
-    return {"t": SERVING, "role": role, "port": port, "model": model}
-
-
-def parse_serving(header: Mapping[str, Any]) -> dict[str, Any]:
-    """The checked answer; ``ServingNotFound`` names the first field out of bounds."""
-    if set(header) != KEYS:
-        raise ServingNotFound(f"its agent answered 'serving' with keys {sorted(header)}, "
-                              f"expected {sorted(KEYS)}")
-    if header["role"] not in ROLES:
-        raise ServingNotFound(f"its agent answered 'serving' with role "
-                              f"{str(header['role'])[:40]!r}")
-    port = header["port"]
-    if port is not None and (type(port) is not int or not 1 <= port <= 65535):
-        raise ServingNotFound("its agent answered 'serving' with a port outside 1-65535")
-    model = header["model"]
-    if model is not None and not (isinstance(model, str) and _HEX64.fullmatch(model)):
-        raise ServingNotFound("its agent answered 'serving' with a model that is not an "
-                              "identity (64 lowercase hex digits)")
-    return dict(header)
+def parse_serving(header: Mapping[str, Any]) -> Serving:
+    """The checked answer (``Serving.from_wire``); ``ServingNotFound`` names the first field
+    out of bounds."""
+    try:
+        return Serving.from_wire(header)
+    except MessageError as exc:
+        raise ServingNotFound(f"its agent answered {exc.reason}") from None
 
 
 def port_of(stats: Mapping[str, Any] | None) -> int | None:
@@ -113,42 +87,40 @@ def port_of(stats: Mapping[str, Any] | None) -> int | None:
     return None
 
 
-def serve_serving(agent: AgentService, answer: Callable[[], Awaitable[JSON]]) -> None:
-    """Answer ``serving`` on the agent channel with what ``answer`` says now
-    (``{role, port, model}``)."""
+def serve_serving(agent: AgentService, answer: Callable[[], Awaitable[Serving]]) -> None:
+    """Answer ``serving`` on the agent channel with what ``answer`` says now."""
 
     async def handle(stream: MxclStream, message: Envelope) -> None:
-        await stream.send(encode_envelope({"t": SERVING, **await answer()}))
+        await stream.send(encode_envelope((await answer()).to_wire()))
 
     agent.add_handler(AGENT_CHANNEL, SERVING, handle)
 
 
-async def ask_serving(origin: str, agent: str, *, keyring: SecretStore) -> dict[str, Any]:
+async def ask_serving(origin: str, agent: str, *, keyring: SecretStore) -> Serving:
     """Ask the agent at ``agent`` (``host:port``) as the node whose agent is ``origin``;
     the checked answer, or ``ServingNotFound`` saying why there is none. At most
     ``CONNECT_BUDGET_S + ANSWER_TIMEOUT_S``."""
     try:
-        stream = await connect_as(origin, agent, keyring=keyring, channel=AGENT_CHANNEL,
-                                  budget_s=CONNECT_BUDGET_S)
-    except HandshakeFailed as exc:
-        raise ServingNotFound(f"its agent cannot be reached ({exc.kind}): is its daemon "
-                              "up, with the same cluster secret?") from None
-    try:
-        async with asyncio.timeout(ANSWER_TIMEOUT_S):
-            await stream.send(encode_envelope(request()))
-            answer = parse_envelope(await stream.recv(), ANSWER_SPECS)
-        if answer.type == "error":
-            raise ServingNotFound("its agent does not answer 'serving' (an older mlxceld?)")
-        return parse_serving(answer.header)
-    except TimeoutError:
-        raise ServingNotFound(f"its agent did not answer 'serving' within "
-                              f"{ANSWER_TIMEOUT_S:g} s") from None
-    except ConnectionClosed as exc:
-        raise ServingNotFound(f"its agent closed the stream ({exc.kind})") from None
-    except EnvelopeError as exc:
-        raise ServingNotFound(f"its agent answered out of bounds: {exc.reason}") from None
-    finally:
-        await stream.close()
+        answer = await ask(origin, agent, ServingRequest(), keyring=keyring, channel=AGENT_CHANNEL,
+                           answers=ANSWER_SPECS, connect_s=CONNECT_BUDGET_S,
+                           answer_s=ANSWER_TIMEOUT_S)
+    except AskFailed as exc:
+        raise ServingNotFound(_why(exc)) from None
+    return parse_serving(answer.header)
+
+
+def _why(exc: AskFailed) -> str:
+    """Why an agent's ``serving`` could not be had, naming no address."""
+    if exc.kind in ("connect", "address"):
+        return (f"its agent cannot be reached ({exc.detail or exc.kind}): is its daemon up, "
+                "with the same cluster secret?")
+    if exc.kind == "error":
+        return "its agent does not answer 'serving' (an older mlxceld?)"
+    if exc.kind == "timeout":
+        return f"its agent did not answer 'serving' within {ANSWER_TIMEOUT_S:g} s"
+    if exc.kind == "closed":
+        return f"its agent closed the stream ({exc.detail})"
+    return f"its agent answered out of bounds: {exc.message}"
 
 
 async def numeric_address(host: str, port: int) -> str:
@@ -181,24 +153,24 @@ class ServingFinder:
 
     async def __call__(self) -> str:
         answer = await ask_serving(self._origin, self.agent, keyring=self._keyring)
-        if answer["role"] != self.role:
+        if answer.role != self.role:
             where = {"hybrid": "--replicas", "prefill": "--prefill-peers",
                      "decode": "--decode-peers"}.get(self.role, self.role)
-            raise ServingNotFound(f"it is a {answer['role']}, not a {self.role} node serving "
+            raise ServingNotFound(f"it is a {answer.role}, not a {self.role} node serving "
                                   f"the model: list only {self.role} nodes in {where}")
-        if answer["model"] is None:
+        if answer.model is None:
             raise ServingNotFound("it serves no model (yet)")
-        if answer["model"] != self._identity:
+        if answer.model != self._identity:
             raise ServingNotFound(
                 f"it serves another model (identity "
-                f"{answer['model'][:12]}…, ours {self._identity[:12]}…): give every replica "
+                f"{answer.model[:12]}…, ours {self._identity[:12]}…): give every replica "
                 "the same model files as the router")
-        if answer["port"] is None:
+        if answer.port is None:
             raise ServingNotFound("it has no serving listener (yet): its router is starting, "
                                   "or it runs without the cluster secret")
         if self.role == "hybrid":  # dialed only: a name stays a name, resolved at the dial
-            return format_address(self._host, answer["port"])
+            return format_address(self._host, answer.port)
         # A prefill or decode node's address is also an identity (the prefill node a decode
         # node expects a handoff from, the decode target a prefill node checks against
         # MLXCEL_DECODE_ALLOWLIST), which handshakes bind to IPs: a name is resolved here.
-        return await numeric_address(self._host, answer["port"])
+        return await numeric_address(self._host, answer.port)

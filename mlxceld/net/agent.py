@@ -6,8 +6,8 @@ by handlers registered per channel and type with ``add_handler`` before the
 listener runs (the daemon registers ``inventory`` on channel 3; assignment adds
 its types on channel 2). A handler gets the stream and the parsed envelope and
 sends its own answers. A type with no handler on the stream's channel, or a
-malformed envelope, gets ``{"t": "error", "reason": ...}`` and the stream stays
-open.
+malformed envelope, gets an ``Error`` (``wire/messages.py``: ``{"t": "error", "reason":
+...}``) and the stream stays open.
 
 Liveness: every accepted stream has a heartbeat (``net/liveness.watch``) with the bound
 ``silence_s`` (the daemon passes ``[daemon] peer_suspect_after_s``, default 3 s): the
@@ -23,23 +23,32 @@ dropped as silent if that lasts ``silence_s`` (our own dialers ask one at a time
 
 Refusals go to the security log, rate-limited per class, never one line per socket
 (see ``mlxceld.net.listener``).
+
+The asker's side: ``ask`` dials an agent, sends one message, reads one answer and
+closes; every daemon part that asks an agent one question (inventory, serving, a key
+op, a coordinator's decision, a deactivation) calls it, under that part's own two
+deadlines, and handles one failure type (``AskFailed``, its ``kind`` the step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Final
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
 
-from mlxceld.net import ConnectionClosed, Listener, MxclStream, SecurityLog
+from mlxceld.net import ConnectionClosed, HandshakeFailed, Listener, MxclStream, SecurityLog
+from mlxceld.net.dialer import connect_as
+from mlxceld.net.errors import AskFailed
 from mlxceld.net.liveness import watch
 from mlxceld.tasks import cancelling_group
 from mlxceld.types import DEFAULT_SILENCE_S
-from mlxceld.wire import Keyring
+from mlxceld.wire import Keyring, SecretStore
 from mlxceld.wire.address import format_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
+from mlxceld.wire.messages import Error, Message
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +119,8 @@ class AgentService:
                 try:
                     message = parse_envelope(payload, self._specs[stream.channel])
                 except EnvelopeError as exc:
-                    await stream.send(encode_envelope({"t": "error",
-                                                       "reason": f"bad envelope: {exc.reason}"}))
+                    await stream.send(encode_envelope(
+                        Error(f"bad envelope: {exc.reason}").to_wire()))
                     continue
                 await self._handlers[(stream.channel, message.type)](stream, message)
         except ConnectionClosed:
@@ -125,3 +134,57 @@ async def _read_ahead(stream: MxclStream, inbox: asyncio.Queue[bytes | None]) ->
             await inbox.put(await stream.recv())
     except ConnectionClosed:
         await inbox.put(None)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What an agent answered ``ask``: the envelope's type and header, and the key id of
+    the secret the stream was made under (our primary when we dialled)."""
+
+    type: str
+    header: dict[str, Any]
+    key_id: bytes
+
+
+async def ask(origin: str, address: str, question: Message, *,
+              keyring: SecretStore, channel: int, answers: Mapping[str, MessageSpec],
+              connect_s: float, answer_s: float,
+              wanted: Callable[[Envelope], bool] | None = None,
+              close_reason: str = "") -> Answer:
+    """Ask the agent at ``address`` (``host:port``) one question as the node whose agent is
+    ``origin`` (``connect_as``): dial it on ``channel`` within ``connect_s`` (the dialer's
+    retries included), send ``question`` (a typed message, ``wire/*messages.py``), read its
+    answer within ``answer_s`` (the first one ``wanted`` takes, when given: the others are
+    skipped, within the same deadline) and close the stream. At most
+    ``connect_s + answer_s``.
+
+    ``answers``: the types the answer may have (an ``error`` answer is ``AskFailed`` of
+    kind ``error`` whether listed or not). Any failure is ``AskFailed``; its ``kind``
+    says at which step (``mlxceld.net.errors.ASK_KINDS``)."""
+    try:
+        stream = await connect_as(origin, address, keyring=keyring, channel=channel,
+                                  budget_s=connect_s)
+    except ValueError as exc:
+        raise AskFailed("address", str(exc), peer=address) from None
+    except HandshakeFailed as exc:
+        raise AskFailed("connect", exc.message, peer=address, detail=exc.kind) from exc
+    specs = {Error.T: MessageSpec(), **answers}
+    try:
+        async with asyncio.timeout(answer_s):
+            await stream.send(encode_envelope(question.to_wire()))
+            while True:
+                got = parse_envelope(await stream.recv(), specs)
+                if got.type == Error.T or wanted is None or wanted(got):
+                    break
+    except TimeoutError:
+        raise AskFailed("timeout", f"no answer within {answer_s:g} s", peer=address) from None
+    except ConnectionClosed as exc:
+        raise AskFailed("closed", exc.message, peer=address, detail=exc.kind) from exc
+    except EnvelopeError as exc:
+        raise AskFailed("bad_answer", str(exc), peer=address) from exc
+    finally:
+        await stream.close(close_reason)
+    if got.type == Error.T:
+        reason = Error.from_wire(got.header).reason[:500]
+        raise AskFailed("error", reason, peer=address, detail=reason)
+    return Answer(got.type, got.header, stream.key_id)

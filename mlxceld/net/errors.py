@@ -3,7 +3,9 @@
     MlxceldError
     └── NetError                  something on an MXCL v1 connection failed
         ├── ConnectionClosed      the stream ended: a close frame, an abort or a protocol error
-        └── HandshakeFailed       the handshake was refused or failed; ``kind`` says why
+        ├── HandshakeFailed       the handshake was refused or failed; ``kind`` says why
+        └── AskFailed             one question to an agent (``net.agent.ask``) got no answer
+                                  to use; ``kind`` says at which step
 
 ``kind`` is the wire core's tag (``mlxceld.wire.errors.KINDS``), or ``"closed"`` for a
 clean close frame from the peer and ``"local"`` for a stream we closed ourselves.
@@ -35,6 +37,31 @@ class HandshakeFailed(NetError):
         super().__init__(message, hint=_HINTS.get(kind, ""))
         self.kind = kind
         self.peer = peer
+
+
+class AskFailed(NetError):
+    """Asking the agent at ``peer`` one question (``mlxceld.net.agent.ask``) brought no
+    answer to use. ``kind`` is the step (``ASK_KINDS``); ``detail`` the handshake's kind
+    (``connect``), the close's kind (``closed``) or the agent's reason (``error``); the
+    message says what went wrong, in the underlying error's words."""
+
+    code = "ask_failed"
+
+    def __init__(self, kind: str, message: str, *, peer: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.peer = peer
+        self.detail = detail
+
+
+ASK_KINDS = {
+    "address": "the agent's address is not host:port (nothing was dialled)",
+    "connect": "no authenticated stream within the connect deadline",
+    "timeout": "no answer within the answer deadline",
+    "closed": "the stream ended before the answer",
+    "bad_answer": "the answer breaks the envelope or is of a type not expected",
+    "error": "the agent answered ``error`` (a type it does not serve, or a refusal)",
+}
 
 
 _HINTS = {

@@ -43,14 +43,15 @@ from mlxceld.wire import (
     parse_envelope,
 )
 from mlxceld.wire.crypto import Buffer
+from mlxceld.wire.messages import Ping, Pong
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK: Final = 1024 * 1024  # a read takes what is buffered, up to this
 FLUSH_TIMEOUT_S: Final = 1.0  # bound on writing a last answer (reject, close) to a peer
-_PING_SPECS: Final = {"ping": MessageSpec()}
+_PING_SPECS: Final = {Ping.T: MessageSpec()}
 _PING_MAX: Final = 256  # a ping envelope is tiny; larger payloads skip the JSON check
-_PONG_SPECS: Final = {"pong": MessageSpec()}
+_PONG_SPECS: Final = {Pong.T: MessageSpec()}
 WRITE_TIMEOUT_S: Final = 10.0  # a write the peer takes nothing of for this long ends the stream
 HEARTBEAT_IDS: Final = 1 << 48  # heartbeat pings count up from here (others stay below)
 # Kinds of an end we decided (nothing the peer sends after it is delivered); "rekey": the
@@ -168,12 +169,12 @@ async def close_writer(writer: asyncio.StreamWriter) -> None:
 
 def ping_id(payload: bytes) -> int | None:
     """The ``id`` of a ping envelope, or ``None`` if ``payload`` is anything else."""
-    return _small_id(payload, "ping", _PING_SPECS)
+    return _small_id(payload, Ping.T, _PING_SPECS)
 
 
 def pong_id(payload: bytes) -> int | None:
     """The ``id`` of a pong envelope, or ``None`` if ``payload`` is anything else."""
-    return _small_id(payload, "pong", _PONG_SPECS)
+    return _small_id(payload, Pong.T, _PONG_SPECS)
 
 
 def _small_id(payload: bytes, kind: str, specs: dict[str, MessageSpec]) -> int | None:
@@ -244,7 +245,7 @@ class MxclStream:
         self._pings += 1
         try:
             self._conn.send_message(encode_envelope(
-                {"t": "ping", "id": HEARTBEAT_IDS + self._pings}))
+                Ping(HEARTBEAT_IDS + self._pings).to_wire()))
         except LocalProtocolError:  # closing: the stream ends by itself
             return
         self._last_ping = (HEARTBEAT_IDS + self._pings, asyncio.get_running_loop().time())
@@ -317,7 +318,7 @@ class MxclStream:
 
     async def _pong(self, ident: int) -> None:
         with contextlib.suppress(ConnectionClosed):
-            await self.send(encode_envelope({"t": "pong", "id": ident}))
+            await self.send(encode_envelope(Pong(ident).to_wire()))
 
     def _our_pong(self, payload: bytes) -> bool:
         ident = pong_id(payload)

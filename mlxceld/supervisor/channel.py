@@ -5,28 +5,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 from mlxceld.errors import ChannelError
+from mlxceld.supervisor.ops import WorkerRequest
 from mlxceld.types import JSON
 
 MAX_REPLY = 1 << 20
 DEFAULT_TIMEOUT_S = 2.0
 
 
-async def call(path: Path, op: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-               args: Mapping[str, object] | None = None) -> JSON:
-    """Send ``{"op": op, **args}`` to the worker listening on ``path``; ChannelError on any
+async def call(path: Path, request: WorkerRequest, *,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> JSON:
+    """Send ``request`` (``ops.py``) to the worker listening on ``path``; ChannelError on any
     failure, naming the op, never the arguments (a keyring update carries secrets).
 
     The whole exchange (connect, write, read) has one deadline of ``timeout_s``.
     """
+    op = request.OP
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_REPLY)
-            writer.write(json.dumps({**(args or {}), "op": op}).encode() + b"\n")
+            writer.write(json.dumps(request.to_wire()).encode() + b"\n")
             await writer.drain()
             line = await reader.readline()
         reply: JSON = json.loads(line)

@@ -4,7 +4,8 @@ A worker that speaks MXCL (router over a pipeline, stage) starts with the daemon
 keyring on its bootstrap pipe (``secret_hex``: the primary, ``accepted_hex``: the
 others). When the daemon's keyring changes (`mlxctl secret install|use|remove`, a
 rotation), the daemon sends the new one over the worker's control channel (a 0600
-Unix socket in the 0700 state dir, as private as the bootstrap pipe)::
+Unix socket in the 0700 state dir, as private as the bootstrap pipe), a
+``ops.KeyringUpdate``::
 
     {"op": "keyring", "primary_hex": HEX, "accepted_hex": [HEX, ...]}
 
@@ -15,7 +16,7 @@ worker's ``keys`` (``types.WorkerKeys``: key ids only), which the supervisor com
 with what it last sent: a worker that differs (one adopted after a restart, one that
 missed an update while starting) is sent its keyring again at the next health probe.
 A worker whose primary changed hands its outgoing streams over to the new one
-(``WorkerContext.rekeyed``). The ``streams`` op::
+(``WorkerContext.rekeyed``). The ``streams`` op (``ops.StreamsUnder``)::
 
     {"op": "streams", "kid": HEX}   ->   {"ok": true, "streams": N}
 
@@ -26,33 +27,9 @@ no worker has one left (``Supervisor.streams_under``), so removing it cuts nothi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 from mlxceld.types import WorkerKeys
-from mlxceld.wire.secret import MIN_SECRET_BYTES, key_id
-
-KEYRING_OP: Final = "keyring"
-STREAMS_OP: Final = "streams"
-MAX_KEYS: Final = 16  # a keyring holds a primary and a rotation's overlap: a few keys
-
-
-class KeyringRequestError(ValueError):
-    """A ``keyring`` request that is not one; the message never carries a secret."""
-
-
-def keyring_request(primary: bytes, accepted: Sequence[bytes]) -> dict[str, object]:
-    """The ``keyring`` op's arguments (the daemon's side)."""
-    return {"primary_hex": primary.hex(), "accepted_hex": [s.hex() for s in accepted]}
-
-
-def parse_keyring_request(request: Mapping[str, object]) -> tuple[bytes, list[bytes]]:
-    """The primary and the accepted secrets of a ``keyring`` request (the worker's side)."""
-    primary = _secret(request.get("primary_hex"), "primary_hex")
-    accepted = request.get("accepted_hex", [])
-    if not isinstance(accepted, list) or len(accepted) > MAX_KEYS:
-        raise KeyringRequestError(f"'accepted_hex' must be a list of at most {MAX_KEYS} "
-                                  "hex secrets")
-    return primary, [_secret(a, "accepted_hex") for a in accepted]
+from mlxceld.wire.secret import key_id
 
 
 def keys_of(primary: bytes, accepted: Sequence[bytes]) -> WorkerKeys:
@@ -71,14 +48,3 @@ def reported_keys(reply: Mapping[str, object]) -> WorkerKeys | None:
             or not all(isinstance(i, str) for i in ids):
         return None
     return {"primary": primary, "ids": sorted(ids)}
-
-
-def _secret(value: object, name: str) -> bytes:
-    try:
-        secret = bytes.fromhex(value) if isinstance(value, str) else b""
-    except ValueError:
-        secret = b""
-    if len(secret) < MIN_SECRET_BYTES:
-        raise KeyringRequestError(f"{name!r} must hold secrets as hex, each at least "
-                                  f"{MIN_SECRET_BYTES} bytes")
-    return secret

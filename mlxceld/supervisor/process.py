@@ -20,6 +20,7 @@ from mlxceld.logformat import LogFormat
 from mlxceld.roles import ROUTER, STAGE, TP
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
+from mlxceld.supervisor.ops import Health
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import WorkerBootstrap
 
@@ -155,7 +156,7 @@ async def confirm_adoptable(spec: WorkerSpec, pid: int, recorded_create_time: fl
     if not is_same_process(pid, recorded_create_time):
         return False
     try:
-        reply = await channel.call(spec.control_socket, "health")
+        reply = await channel.call(spec.control_socket, Health())
     except WorkerError:
         return False
     return reply.get("pid") == pid and reply.get("name") == spec.name

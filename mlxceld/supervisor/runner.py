@@ -38,12 +38,10 @@ from mlxceld.supervisor.events import (
     Transitioned,
 )
 from mlxceld.supervisor.keys import (
-    KEYRING_OP,
-    STREAMS_OP,
-    keyring_request,
     keys_of,
     reported_keys,
 )
+from mlxceld.supervisor.ops import Health, KeyringUpdate, StreamsUnder
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import Lifecycle
 from mlxceld.types import WorkerHealth, WorkerKeys, WorkerState
@@ -170,7 +168,7 @@ class WorkerRunner:
         """Ask the new worker for health until it says ready, it exits, or the machine moves on."""
         while self.pid == pid and self.machine.state is WorkerState.STARTING:
             with contextlib.suppress(WorkerError):
-                reply = await channel.call(self.spec.control_socket, "health", timeout_s=1.0)
+                reply = await channel.call(self.spec.control_socket, Health(), timeout_s=1.0)
                 if reply.get("pid") == pid and reply.get("state") == WorkerHealth.READY:
                     self.post(BecameReady())
                     return
@@ -184,7 +182,7 @@ class WorkerRunner:
                 continue
             oom_kills = exits.oom_kill_count()
             try:
-                reply = await channel.call(self.spec.control_socket, "health",
+                reply = await channel.call(self.spec.control_socket, Health(),
                                            timeout_s=LIVENESS_TIMEOUT_S)
             except WorkerError as exc:
                 # Its exit record is written: its role is done, and it is exiting.
@@ -209,9 +207,8 @@ class WorkerRunner:
         if s.secret is None or self.pid is None:
             return None
         try:
-            reply = await channel.call(s.control_socket, KEYRING_OP,
-                                       timeout_s=LIVENESS_TIMEOUT_S,
-                                       args=keyring_request(s.secret, s.accepted))
+            reply = await channel.call(s.control_socket, KeyringUpdate.of(s.secret, s.accepted),
+                                       timeout_s=LIVENESS_TIMEOUT_S)
         except WorkerError as exc:
             raise WorkerError(f"worker {s.name!r} did not take the new keyring: {exc.message}",
                               hint=f"see mlxctl logs {s.name}; it is sent again at its next "
@@ -224,8 +221,8 @@ class WorkerRunner:
         secret); ``WorkerError`` when it does not answer within ``LIVENESS_TIMEOUT_S``."""
         if self.spec.secret is None or self.pid is None:
             return 0
-        reply = await channel.call(self.spec.control_socket, STREAMS_OP,
-                                   timeout_s=LIVENESS_TIMEOUT_S, args={"kid": kid})
+        reply = await channel.call(self.spec.control_socket, StreamsUnder(kid),
+                                   timeout_s=LIVENESS_TIMEOUT_S)
         count = reply.get("streams")
         return count if type(count) is int else 0
 

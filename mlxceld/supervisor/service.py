@@ -30,6 +30,7 @@ from mlxceld.supervisor.events import (
     Transitioned,
 )
 from mlxceld.supervisor.groups import UP, group_rule
+from mlxceld.supervisor.ops import Stats, WorkerRequest
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import Lifecycle
@@ -389,7 +390,7 @@ class Supervisor:
 
         async def ask(runner: WorkerRunner) -> JSON | None:
             try:
-                reply = await channel.call(runner.spec.control_socket, "stats",
+                reply = await channel.call(runner.spec.control_socket, Stats(),
                                            timeout_s=STATS_TIMEOUT_S)
             except WorkerError:
                 return None
@@ -412,16 +413,16 @@ class Supervisor:
         r = self._runners.get(name)
         return r.spec.control_socket if r else None
 
-    async def call_running(self, name: str, op: str, args: JSON) -> JSON | None:
-        """Worker ``name``'s control-channel ``op`` with ``args``, if it is running; None if
+    async def call_running(self, name: str, request: WorkerRequest) -> JSON | None:
+        """Worker ``name``'s answer to ``request`` (``ops.py``), if it is running; None if
         it is not, or did not answer within the channel's deadline (logged at debug)."""
         r = self._runners.get(name)
         if r is None or r.machine.state is not WorkerState.RUNNING:
             return None
         try:
-            return await channel.call(r.spec.control_socket, op, args=args)
+            return await channel.call(r.spec.control_socket, request)
         except ChannelError as exc:
-            log.debug("worker %s did not take %s: %s", name, op, exc)
+            log.debug("worker %s did not take %s: %s", name, request.OP, exc)
             return None
 
     async def _watch_loads(self) -> None:

@@ -69,12 +69,12 @@ class PrefillPeers:
         except ServingNotFound as exc:
             problem = exc.message
         else:
-            if answer["role"] != "prefill":
-                problem = (f"it is a {answer['role']} node: list only prefill nodes in "
+            if answer.role != "prefill":
+                problem = (f"it is a {answer.role} node: list only prefill nodes in "
                            "--prefill-peers")
-            elif answer["model"] != self._identity:
+            elif answer.model != self._identity:
                 problem = "it serves another model (or none yet)"
-            elif answer["port"] is None:
+            elif answer.port is None:
                 problem = "it has no serving listener yet"
             else:
                 host = parse_address(agent).host
@@ -83,7 +83,7 @@ class PrefillPeers:
                 except ResolveError as exc:
                     problem = exc.message
                 else:
-                    ids = frozenset(canonical_address(format_address(str(ip), answer["port"]))
+                    ids = frozenset(canonical_address(format_address(str(ip), answer.port))
                                     for ip in ips)
                     self._known[agent] = ids
                     self._said.pop(agent, None)

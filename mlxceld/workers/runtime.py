@@ -50,12 +50,7 @@ from mlxceld.logformat import formatter
 from mlxceld.net import retire_streams, streams_under
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
-from mlxceld.supervisor.keys import (
-    KEYRING_OP,
-    STREAMS_OP,
-    KeyringRequestError,
-    parse_keyring_request,
-)
+from mlxceld.supervisor.ops import Health, KeyringUpdate, OpError, Stats, Stop, StreamsUnder
 from mlxceld.types import (
     JSON,
     ExitRecord,
@@ -178,7 +173,7 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
             raise TypeError(request)
     except (ValueError, KeyError, TypeError):
         return {"ok": False, "error": "request must be a JSON object with an 'op'"}
-    if op == "health":
+    if op == Health.OP:
         answer: JSON = {"ok": True, "name": ctx.name, "role": ctx.role, "pid": os.getpid(),
                         "state": ctx.state, "started_at": ctx.started_at}
         if ctx.progress is not None:
@@ -186,15 +181,15 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
         if ctx.keyring is not None:
             answer["keys"] = _keys(ctx.keyring)
         return answer
-    if op == KEYRING_OP:
+    if op == KeyringUpdate.OP:
         return _take_keyring(ctx, request)
-    if op == STREAMS_OP:
+    if op == StreamsUnder.OP:
         return _streams(ctx, request)
-    if op == "stats":
+    if op == Stats.OP:
         for hook in ctx.stats_hooks:
             hook()
         return {"ok": True, "stats": dict(ctx.stats)}
-    if op == "stop":
+    if op == Stop.OP:
         ctx.stop()
         return {"ok": True}
     if op in ctx.ops:
@@ -213,8 +208,8 @@ def _take_keyring(ctx: WorkerContext[WorkerOptions], request: dict[str, object])
     if ctx.keyring is None:
         return {"ok": False, "error": f"worker {ctx.name} speaks no MXCL and holds no keyring"}
     try:
-        primary, accepted = parse_keyring_request(request)
-    except KeyringRequestError as exc:
+        primary, accepted = KeyringUpdate.from_wire(request).secrets()
+    except OpError as exc:
         return {"ok": False, "error": f"keyring: {exc}"}
     was = ctx.keyring.primary_id
     dropped = ctx.keyring.replace_all(primary, accepted)
@@ -231,14 +226,11 @@ def _take_keyring(ctx: WorkerContext[WorkerOptions], request: dict[str, object])
 def _streams(ctx: WorkerContext[WorkerOptions], request: dict[str, object]) -> JSON:
     """The ``streams`` op: how many open MXCL streams of this worker are under key id
     ``kid`` (hex), so that a rotation removes a key only once nothing uses it."""
-    kid = request.get("kid")
     try:
-        raw = bytes.fromhex(kid) if isinstance(kid, str) else b""
-    except ValueError:
-        raw = b""
-    if not raw:
-        return {"ok": False, "error": "streams: 'kid' must be a key id in hex"}
-    return {"ok": True, "streams": streams_under(raw)}
+        kid = StreamsUnder.from_wire(request).kid
+    except OpError as exc:
+        return {"ok": False, "error": f"streams: {exc}"}
+    return {"ok": True, "streams": streams_under(bytes.fromhex(kid))}
 
 
 def progress_report(steps: int, last_step: float | None,

@@ -57,6 +57,7 @@ from mlxceld.pipeline.kvstore import KvStore
 from mlxceld.pipeline.sequences import StagePlace
 from mlxceld.pipeline.stage import DRAIN_S, StageService
 from mlxceld.roles.options import StageOptions
+from mlxceld.supervisor.ops import Activate
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
 from mlxceld.workers.runtime import (
@@ -164,7 +165,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             ctx.stats.update(standby=False)
             return {"ok": True}
 
-        ctx.ops["activate"] = activate
+        ctx.ops[Activate.OP] = activate
         ctx.rekeyed.append(service.rekey)
         ctx.progress = lambda: progress_report(active.stats.steps, active.stats.last_step_at,
                                                active.busy_since)

@@ -16,13 +16,14 @@ from typing import Any
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer, PeerFacts
 from mlxceld.cluster.assignment.peer import Assignee
-from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, decided, sent
 from mlxceld.net import MxclStream, connect
 from mlxceld.net.agent import AgentService
 from mlxceld.state.db import open_db
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
 from mlxceld.wire import Keyring
+from mlxceld.wire.assignment_messages import Deactivate
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
 from helpers import keys
@@ -54,7 +55,7 @@ def offer(epoch: int, **change: Any) -> bytes:
     o = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION, package_version=__version__,
               cluster="c1", model_identity=MODEL, stage=0, layers=(0, 4), node_id="stage-0",
               port=19100, coordinator=COORDINATOR, toml=TOML)
-    return encode_envelope(replace(o, **change).header())
+    return encode_envelope(replace(o, **change).to_wire())
 
 
 @dataclass
@@ -165,13 +166,13 @@ async def scenario(peer: Peer) -> None:
     assert row is not None and (row.epoch, row.state) == (11, "accepted")  # 12 unrecorded
 
     # Committed, plan 11 is decided: a newer offer is busy until it ends.
-    await new.send(message("commit", 11))
+    await new.send(sent(decided("commit", 11)))
     assert (await answer(new))["t"] == "committed"
     busy = await peer.dial()
     await busy.send(offer(13))
     got = await answer(busy)
     assert (got["t"], got["code"]) == ("refused", "busy") and "plan 11" in got["reason"], got
-    await new.send(message("activate", 11))
+    await new.send(sent(decided("activate", 11)))
     assert (await answer(new))["t"] == "active"
     assert peer.stage.calls[-1] == "activate"
     for s in (old, new, late, bad, busy):
@@ -186,26 +187,26 @@ def test_deactivate_stops_the_stage_and_comes_only_from_the_coordinator(tmp_path
             peer.stage.gate(20).set()
             assert (await answer(push))["t"] == "accepted"
             for ask, reply in (("commit", "committed"), ("activate", "active")):
-                await push.send(message(ask, 20))
+                await push.send(sent(decided(ask, 20)))
                 assert (await answer(push))["t"] == reply
 
             stranger = await peer.dial("127.0.0.1:19001")
-            await stranger.send(message("deactivate", 20, reason="x"))
+            await stranger.send(sent(Deactivate(20, "x")))
             got = await answer(stranger)
             assert (got["t"], got["code"]) == ("refused", "coordinator"), got
             assert got["reason"] == f"plan 20 came from {COORDINATOR}, not from 127.0.0.1:19001"
             assert "stop" not in peer.stage.calls
 
             told = await peer.dial()
-            await told.send(message("deactivate", 20, reason="mlxctl cluster deactivate"))
+            await told.send(sent(Deactivate(20, "mlxctl cluster deactivate")))
             assert (await answer(told))["t"] == "deactivated"
             assert peer.stage.calls.count("stop") == 1
             row = peer.assignments.latest()
             assert row is not None and (row.epoch, row.state) == (20, "deactivated")
             assert row.reason == f"deactivated by coordinator {COORDINATOR}"
-            await told.send(message("deactivate", 20, reason="again"))
+            await told.send(sent(Deactivate(20, "again")))
             assert (await answer(told))["t"] == "deactivated"  # answered again, stopped once
-            await told.send(message("deactivate", 99, reason="?"))
+            await told.send(sent(Deactivate(99, "?")))
             got = await answer(told)
             assert (got["t"], got["reason"]) == ("deactivated", "plan 99 never ran here")
             assert peer.stage.calls.count("stop") == 1

@@ -24,13 +24,14 @@ from mlxceld.cluster.assignment.push import (
     PushPlan,
     StageOffer,
     epoch_of,
-    message,
     push,
+    sent,
 )
 from mlxceld.net import ConnectionClosed, Listener, MxclStream
 from mlxceld.state.db import open_db
 from mlxceld.state.plans import Plans
 from mlxceld.wire import Keyring
+from mlxceld.wire.assignment_messages import Refused
 from mlxceld.wire.envelope import parse_envelope
 
 from helpers import keys
@@ -54,8 +55,8 @@ class FakePeer:
                 env = parse_envelope(await stream.recv(), PEER_SPECS)
                 self.got.append((env.type, epoch_of(env.header)))
                 if env.type == "offer" and self.refuses:
-                    await stream.send(message("refused", env.header["epoch"], code="model",
-                                              reason="this node has another model", final=True))
+                    await stream.send(sent(Refused(env.header["epoch"], "model",
+                                                   "this node has another model", final=True)))
         except ConnectionClosed:
             self.closed.set()
 

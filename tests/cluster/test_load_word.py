@@ -8,8 +8,14 @@ from typing import Any
 import pytest
 
 from mlxceld.cluster.assignment.coordinator_round import PeerLoad
-from mlxceld.cluster.assignment.push import peer_load
+from mlxceld.cluster.assignment.push import peer_load as load_of
+from mlxceld.wire.assignment_messages import Preparing
 from mlxctl import render
+
+
+def peer_load(header: dict[str, Any]) -> PeerLoad | None:
+    """The load of a ``preparing`` heartbeat carrying ``header``'s fields."""
+    return load_of(Preparing.from_wire({"t": "preparing", "epoch": 1, **header}))
 
 
 def test_a_heartbeat_with_a_load() -> None:

@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
-from mlxceld.cluster.assignment.offers import Refusal, parse_offer
+from mlxceld.cluster.assignment.offers import Refusal
 from mlxceld.cluster.clusterfile.load import ClusterConfig
 from mlxceld.models.families import SUPPORTED
+from mlxceld.wire.assignment_messages import Offer
 
 from helpers.offers import BOUND, ME, OFFER, TOML, verdict
 
@@ -16,7 +17,7 @@ from helpers.offers import BOUND, ME, OFFER, TOML, verdict
 def test_a_good_offer_gives_the_cluster_to_run() -> None:
     cfg = verdict()
     assert isinstance(cfg, ClusterConfig) and cfg.stages[1].layers == (3, 4)
-    assert parse_offer(OFFER.header()) == OFFER
+    assert Offer.from_wire(OFFER.to_wire()) == OFFER
 
 
 @pytest.mark.parametrize(("change", "me_change", "bound", "code", "final"), [
@@ -81,9 +82,9 @@ def test_a_family_not_split_is_refused_naming_it_and_the_supported_ones() -> Non
     assert "'mamba'" in got.reason and all(f in got.reason for f in SUPPORTED), got
 
 
-def test_parse_offer_names_the_bad_field() -> None:
-    bad = OFFER.header() | {"stage": "one"}
+def test_an_offer_from_the_wire_names_the_bad_field() -> None:
+    bad = OFFER.to_wire() | {"stage": "one"}
     with pytest.raises(ValueError, match="'stage'"):
-        parse_offer(bad)
+        Offer.from_wire(bad)
     with pytest.raises(ValueError, match="'layers'"):
-        parse_offer(OFFER.header() | {"layers": [1]})
+        Offer.from_wire(OFFER.to_wire() | {"layers": [1]})

@@ -439,7 +439,7 @@ def test_the_wait_between_phases_is_separate_from_loading() -> None:
 
 def test_a_load_that_goes_on_is_waited_for_past_prepare_s() -> None:
     """A big stage loads for minutes: each sign that it still loads (the shell's heartbeat,
-    while the StageHost sees its bytes advance) moves the deadline; silence does not."""
+    while the AssignedStage sees its bytes advance) moves the deadline; silence does not."""
     p = PeerRound(6, prepare_s=10.0)
     p.on_offer_accepted(0)
     for now in range(5, 100, 5):

@@ -37,15 +37,16 @@ def model_dir(root: Path) -> Path:
 
 
 def test_local_inventory_is_within_its_own_bounds(tmp_path: Path) -> None:
-    inv = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", None)
-    assert parse_inventory(inv) == inv
+    inv = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", None).to_wire()
+    assert parse_inventory(inv).to_wire() == inv
     assert inv["version"] == __version__ and inv["model"] is None and len(inv["ports"]) == 3
     model = model_dir(tmp_path / "m")
-    inv = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", str(model))
+    inv = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", str(model)).to_wire()
     assert inv["model"] == {"path": str(model), "identity": model_identity(model), "error": None}
-    missing = local_inventory("host-a", "0.0.0.0:19000", "0.0.0.0", str(tmp_path / "nope"))
+    missing = local_inventory("host-a", "0.0.0.0:19000", "0.0.0.0",
+                              str(tmp_path / "nope")).to_wire()
     assert missing["model"]["identity"] is None and "nope" in missing["model"]["error"]
-    assert parse_inventory(missing) == missing
+    assert parse_inventory(missing).to_wire() == missing
 
 
 def test_free_ports_are_distinct_and_bindable() -> None:
@@ -54,7 +55,7 @@ def test_free_ports_are_distinct_and_bindable() -> None:
     assert free_ports("192.0.2.1", 3) == []  # not an address of this host: nothing to offer
 
 
-GOOD = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", None)
+GOOD = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", None).to_wire()
 
 
 @pytest.mark.parametrize(("change", "words"), [

@@ -5,6 +5,7 @@ agents on 127.0.0.1, real MXCL."""
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -15,10 +16,10 @@ from mlxceld.discovery.serving import (
     parse_serving,
     port_of,
     serve_serving,
-    serving_answer,
 )
 from mlxceld.net.agent import AgentService
 from mlxceld.types import JSON
+from mlxceld.wire.agent_messages import Serving
 
 from helpers import keys
 from helpers.mxcl import run, running
@@ -29,14 +30,24 @@ THEIRS = "b" * 64
 ORIGIN = "127.0.0.1:19999"
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A ``serving`` answer as an agent sends it, within bounds or not."""
+
+    header: JSON
+
+    def to_wire(self) -> JSON:
+        return {"t": "serving", **self.header}
+
+
 async def find(answer: JSON, *, agent_keyring: Any = None,
                host: str = "127.0.0.1", role: str = "hybrid") -> str:
     """What a ``ServingFinder`` says of an agent answering ``answer``."""
     ring = keys.keyring(secrets.token_bytes(32))
     agent = AgentService(("127.0.0.1", 0), agent_keyring or ring)
 
-    async def serving() -> JSON:
-        return answer
+    async def serving() -> Sent:
+        return Sent(answer)
 
     serve_serving(agent, serving)
     async with running(agent):
@@ -108,4 +119,4 @@ def test_the_port_is_read_from_the_router_stats_in_any_of_its_shapes() -> None:
     for stats in (None, {}, {"serving": None}, {"serving": 0}, {"serving": "nonsense"},
                   {"serving": True}):
         assert port_of(stats) is None
-    assert parse_serving(serving_answer("hybrid", None, None))["port"] is None
+    assert parse_serving(Serving("hybrid", None, None).to_wire()).port is None

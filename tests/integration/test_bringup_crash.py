@@ -24,8 +24,9 @@ from typing import Any
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
-from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, message
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, sent
 from mlxceld.net import connect
+from mlxceld.wire.assignment_messages import DecisionQuery
 from mlxceld.wire.envelope import encode_envelope, parse_envelope
 
 from helpers import keys
@@ -157,7 +158,7 @@ def peer_row(d: DaemonProc, address: str) -> dict[str, Any]:
 
 def decision(coordinator: str, secret: bytes, epoch: int) -> str:
     """The coordinator's decision for ``epoch``, asked as a peer asks (``query``)."""
-    return str(over_mxcl(coordinator, secret, message("query", epoch))["decision"])
+    return str(over_mxcl(coordinator, secret, sent(DecisionQuery(epoch)))["decision"])
 
 
 def serves(sc: Scene) -> None:
@@ -486,7 +487,7 @@ def offer_by_hand(peer: str, secret: bytes, epoch: int) -> dict[str, Any]:
     offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
                   package_version=__version__, cluster="mlxcel-cluster", model_identity="ab" * 32,
                   stage=0, layers=(0, 4), node_id="stage-0", port=1, coordinator=me, toml="")
-    return over_mxcl(peer, secret, encode_envelope(offer.header()), me)
+    return over_mxcl(peer, secret, encode_envelope(offer.to_wire()), me)
 
 
 def test_a_stale_epoch_offer_is_refused_naming_both_epochs(daemons: Daemons) -> None:

@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxceld.config.names import DEFAULT_CLUSTER_NAME
 from mlxceld.engine import EngineError, GenerationRequest, SamplingParams
 from mlxceld.net import connect_as
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.wire import encode_envelope
+from mlxceld.wire.names import DEFAULT_CLUSTER_NAME
 from mlxceld.workers.router import STATS_EVERY_S
 
 from helpers.daemons import READY_S, Daemons

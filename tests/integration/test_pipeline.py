@@ -193,8 +193,9 @@ def test_a_layer_gap_is_refused_at_startup(daemons: Daemons, split_fixture_dir: 
 
 def stage_stats(d: DaemonProc) -> dict[str, object]:
     from mlxceld.supervisor.channel import call
+    from mlxceld.supervisor.ops import Stats
 
-    reply = asyncio.run(call(d.state_dir / "workers" / "stage.sock", "stats"))
+    reply = asyncio.run(call(d.state_dir / "workers" / "stage.sock", Stats()))
     stats: dict[str, object] = reply["stats"]
     return stats
 

@@ -31,6 +31,7 @@ from mlxceld.types import JSON
 
 from helpers.ports import free_port
 from helpers.waiting import wait_for
+from helpers.workerops import Op
 
 SECRET = b"stage-silence-test-secret-0123456789"
 SILENCE_S = 1.0
@@ -98,7 +99,7 @@ class StageWorker:
 
     def call(self, op: str) -> JSON:
         try:
-            return asyncio.run(channel.call(self.spec.control_socket, op, timeout_s=2.0))
+            return asyncio.run(channel.call(self.spec.control_socket, Op(op), timeout_s=2.0))
         except Exception:  # not up yet
             return {}
 

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from mlxceld.supervisor.keys import (
-    KeyringRequestError,
-    keyring_request,
-    keys_of,
-    parse_keyring_request,
-    reported_keys,
-)
+from mlxceld.supervisor.keys import keys_of, reported_keys
+from mlxceld.supervisor.ops import KeyringUpdate, OpError
 from mlxceld.wire.secret import Keyring, key_id
 
 A, B = b"a" * 32, b"b" * 32
 
 
 def test_a_request_round_trips_and_reports_key_ids_only() -> None:
-    primary, accepted = parse_keyring_request(keyring_request(B, [A]))
+    primary, accepted = KeyringUpdate.from_wire(KeyringUpdate.of(B, [A]).to_wire()).secrets()
     assert (primary, accepted) == (B, [A])
     keys = keys_of(B, [A])
     assert keys == {"primary": key_id(B).hex(), "ids": sorted([key_id(A).hex(),
@@ -33,8 +28,8 @@ def test_a_request_round_trips_and_reports_key_ids_only() -> None:
     {"primary_hex": A.hex(), "accepted_hex": [B.hex()[:-2] + "zz"]},
 ])
 def test_bad_requests_are_named_without_the_secret(request_: dict[str, object]) -> None:
-    with pytest.raises(KeyringRequestError) as err:
-        parse_keyring_request(request_)
+    with pytest.raises(OpError) as err:
+        KeyringUpdate.from_wire(request_)
     assert A.hex() not in str(err.value) and B.hex() not in str(err.value)
 
 

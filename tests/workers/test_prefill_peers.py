@@ -9,6 +9,7 @@ import secrets
 from mlxceld.discovery.serving import serve_serving
 from mlxceld.net.agent import AgentService
 from mlxceld.types import JSON
+from mlxceld.wire.agent_messages import Serving
 from mlxceld.workers.handoff_node import PrefillPeers
 
 from helpers import keys
@@ -22,8 +23,8 @@ async def peers_of(answer: JSON, host: str) -> frozenset[str]:
     ring = keys.keyring(secrets.token_bytes(32))
     agent = AgentService(("127.0.0.1", 0), ring)
 
-    async def serving() -> JSON:
-        return answer
+    async def serving() -> Serving:
+        return Serving(**answer)
 
     serve_serving(agent, serving)
     async with running(agent):

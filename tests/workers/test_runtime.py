@@ -24,6 +24,8 @@ from mlxceld.supervisor.logfiles import tail
 from mlxceld.supervisor.process import WorkerSpec, child_environment
 from mlxceld.types import JSON
 
+from helpers.workerops import Op
+
 READY_TIMEOUT_S = 15.0
 EXIT_TIMEOUT_S = 5.0
 
@@ -51,7 +53,7 @@ class Worker:
         return self.proc.pid
 
     def call(self, op: str, timeout_s: float = 2.0) -> JSON:
-        return asyncio.run(channel.call(self.spec.control_socket, op, timeout_s=timeout_s))
+        return asyncio.run(channel.call(self.spec.control_socket, Op(op), timeout_s=timeout_s))
 
     def log(self) -> str:
         return self.spec.log_path.read_text(errors="replace")
@@ -125,7 +127,7 @@ def test_health_stats_unknown_op_and_stop(start: Any) -> None:
 
 def _refuses(path: Path) -> bool:
     try:
-        asyncio.run(channel.call(path, "health", timeout_s=0.5))
+        asyncio.run(channel.call(path, Op("health"), timeout_s=0.5))
     except ChannelError:
         return True
     return False
@@ -189,7 +191,7 @@ def test_stale_exit_record_is_removed_at_start(start: Any, state_dir: Path) -> N
 def test_call_where_nothing_listens_fails_fast(state_dir: Path) -> None:
     start = time.monotonic()
     with pytest.raises(ChannelError, match="failed on 'health'") as info:
-        asyncio.run(channel.call(state_dir / "nobody.sock", "health", timeout_s=5.0))
+        asyncio.run(channel.call(state_dir / "nobody.sock", Op("health"), timeout_s=5.0))
     assert time.monotonic() - start < 1.0
     assert info.value.hint
 
@@ -200,7 +202,7 @@ def test_call_to_a_closed_socket_file_fails_fast(state_dir: Path) -> None:
         sock.bind(str(path))  # a socket file left behind by a dead worker
     start = time.monotonic()
     with pytest.raises(ChannelError, match="failed on 'health'"):
-        asyncio.run(channel.call(path, "health", timeout_s=5.0))
+        asyncio.run(channel.call(path, Op("health"), timeout_s=5.0))
     assert time.monotonic() - start < 1.0
 
 
@@ -211,7 +213,7 @@ def test_call_to_a_silent_listener_times_out(state_dir: Path) -> None:
         sock.listen(1)
         start = time.monotonic()
         with pytest.raises(ChannelError, match=r"did not answer 'health' within 0\.3 s"):
-            asyncio.run(channel.call(path, "health", timeout_s=0.3))
+            asyncio.run(channel.call(path, Op("health"), timeout_s=0.3))
         elapsed = time.monotonic() - start
     assert 0.25 <= elapsed < 2.0
 
@@ -232,7 +234,7 @@ def test_call_to_a_listener_that_hangs_up_or_answers_junk(state_dir: Path) -> No
         async with server:
             for _ in range(4):
                 with pytest.raises(ChannelError) as info:
-                    await channel.call(path, "health", timeout_s=2.0)
+                    await channel.call(path, Op("health"), timeout_s=2.0)
                 errors.append(str(info.value))
         return errors
 

@@ -37,12 +37,12 @@ from mlxceld.cluster.assignment.push import (
     CONNECT_S,
     COORDINATOR_SPECS,
     epoch_of,
-    message,
 )
-from mlxceld.net import ConnectionClosed, HandshakeFailed, connect_as
+from mlxceld.net.agent import ask
+from mlxceld.net.errors import AskFailed
 from mlxceld.wire import Keyring
-from mlxceld.wire.envelope import parse_envelope
-from mlxceld.wire.errors import EnvelopeError
+from mlxceld.wire.assignment_messages import Deactivate, Deactivated, Refused
+from mlxceld.wire.messages import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -85,26 +85,24 @@ async def chase(epoch: int, peers: Sequence[str], told: Told, *, keyring: Keyrin
 async def _tell(epoch: int, agent: str, keyring: Keyring, identity: str,
                 reason: str) -> Outcome:
     try:
-        stream = await connect_as(identity, agent, keyring=keyring,
-                                  channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
-    except HandshakeFailed as exc:
-        return "unreachable", f"cannot connect: {exc.message}"
+        answer = await ask(identity, agent, Deactivate(epoch, reason),
+                           keyring=keyring, channel=ASSIGNMENT_CHANNEL,
+                           answers=COORDINATOR_SPECS, connect_s=CONNECT_S, answer_s=ANSWER_S,
+                           wanted=lambda env: epoch_of(env.header) == epoch
+                           and env.type in (Deactivated.T, Refused.T),
+                           close_reason="deactivation over")
+    except AskFailed as exc:
+        if exc.kind in ("connect", "address"):
+            return "unreachable", f"cannot connect: {exc.message}"
+        if exc.kind == "error":
+            return "refused", f"protocol error: {exc.detail}"
+        if exc.kind == "timeout":
+            return "unreachable", f"no answer within {ANSWER_S:g} s"
+        return "unreachable", f"connection lost: {exc.message}"
     try:
-        async with asyncio.timeout(ANSWER_S):
-            await stream.send(message("deactivate", epoch, reason=reason))
-            while True:
-                env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
-                if env.type == "error":
-                    return "refused", f"protocol error: {env.header.get('reason')}"
-                if epoch_of(env.header) != epoch:
-                    continue
-                if env.type == "deactivated":
-                    return "deactivated", str(env.header.get("reason") or "")
-                if env.type == "refused":
-                    return "refused", f"{env.header.get('code')}: {env.header.get('reason')}"
-    except TimeoutError:
-        return "unreachable", f"no answer within {ANSWER_S:g} s"
-    except (ConnectionClosed, EnvelopeError) as exc:
-        return "unreachable", f"connection lost: {exc}"
-    finally:
-        await stream.close("deactivation over")
+        if answer.type == Deactivated.T:
+            return "deactivated", Deactivated.from_wire(answer.header).reason
+        refused = Refused.from_wire(answer.header)
+    except MessageError as exc:
+        return "unreachable", f"bad answer: {exc}"
+    return "refused", f"{refused.code}: {refused.reason}"

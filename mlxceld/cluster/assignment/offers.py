@@ -1,7 +1,7 @@
 """Stage offers of the two-phase assignment (channel 2) and how a peer judges one.
 
-An offer tells a peer which stage of which plan it is to run. The peer checks,
-in this order, and refuses at the first problem:
+An offer (``wire/assignment_messages.py``'s ``Offer``) tells a peer which stage of which
+plan it is to run. The peer checks, in this order, and refuses at the first problem:
 
 1. the assignment protocol version (``ASSIGNMENT_VERSION``)     final
 2. the package version (both ends run the same release)         final
@@ -38,10 +38,9 @@ succeed); any other sends it back to waiting for a better offer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from mlxceld.cluster.clusterfile.load import ClusterConfig, parse_cluster_text, validate_layers
 from mlxceld.config.stage_ports import StagePorts
@@ -49,31 +48,9 @@ from mlxceld.errors import ConfigError
 from mlxceld.models.families import family_problem
 from mlxceld.net.resolve import ResolveError, is_local_ip, matches_blocking, resolve_blocking
 from mlxceld.wire.address import HostPort, ip_or_none, parse_address
+from mlxceld.wire.assignment_messages import Offer
 
 ASSIGNMENT_VERSION: Final = 2
-MAX_TOML: Final = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Offer:
-    epoch: int
-    assignment_version: int
-    package_version: str
-    cluster: str
-    model_identity: str
-    stage: int
-    layers: tuple[int, int]
-    node_id: str
-    port: int
-    coordinator: str
-    toml: str
-
-    def header(self) -> dict[str, Any]:
-        return {"t": "offer", "epoch": self.epoch, "av": self.assignment_version,
-                "version": self.package_version, "cluster": self.cluster,
-                "model": self.model_identity, "stage": self.stage,
-                "layers": list(self.layers), "node": self.node_id, "port": self.port,
-                "coordinator": self.coordinator, "toml": self.toml}
 
 
 @dataclass(frozen=True)
@@ -96,28 +73,6 @@ class PeerFacts:
     stage_ports: StagePorts | None = None  # the range its stage ports must be in, if any
     # its checkpoint's family (config.json's model_type; None: none there, or no model)
     model_family: str | None = None
-
-
-def parse_offer(header: Mapping[str, Any]) -> Offer:
-    """The offer in ``header``; ``ValueError`` naming the bad field."""
-    def get(key: str, kind: type) -> Any:
-        value = header.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ValueError(f"offer field {key!r} is missing or not a {kind.__name__}")
-        return value
-
-    layers = header.get("layers")
-    if (not isinstance(layers, list) or len(layers) != 2
-            or not all(type(n) is int for n in layers)):
-        raise ValueError("offer field 'layers' must be [start, end]")
-    toml = get("toml", str)
-    if len(toml) > MAX_TOML:
-        raise ValueError(f"offer field 'toml' is longer than {MAX_TOML} characters")
-    return Offer(epoch=get("epoch", int), assignment_version=get("av", int),
-                 package_version=get("version", str), cluster=get("cluster", str),
-                 model_identity=get("model", str), stage=get("stage", int),
-                 layers=(layers[0], layers[1]), node_id=get("node", str),
-                 port=get("port", int), coordinator=get("coordinator", str), toml=toml)
 
 
 def judge(offer: Offer, me: PeerFacts, *, bound_identity: HostPort, newest_epoch: int,

@@ -7,14 +7,14 @@ is not a peer (no ``--pp-peer``) refuses every offer with code ``not_a_peer``
 
 The offer's listener port: the inventory proposes free ports afresh on every
 answer and keeps no record of them, so a peer accepts any offered port that it
-can bind on its agent host when the offer arrives (``port_is_free``).
+can bind on its agent host when the offer arrives (``stagehost.port_is_free``).
 
 Each ``Record`` is written to the ``assignments`` table before the ``Reply``
 after it goes out. An offer of another plan while a round is on is settled by
 ``PeerRound.on_other_offer`` (stale, busy, or a newer plan superseding an
 undecided round). Preparing (loading the stage in standby) runs as a task and
 sends ``preparing`` every ``HEARTBEAT_S`` until it ends; the daemon's
-``StageHost`` bounds it by its progress (``stagehost.LOAD_STALL_S`` without a
+``AssignedStage`` bounds it by its progress (``stagehost.LOAD_STALL_S`` without a
 byte read), and each heartbeat moves the round's own deadline
 (``PREPARE_S`` past it: ``PeerRound.on_still_loading``). One timer task calls
 ``handle_timer`` at the round's deadline (``PHASE_S`` between phases: 60 s,
@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -55,9 +54,8 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from mlxceld import failpoints
-from mlxceld.cluster.assignment.offers import Offer, PeerFacts, Refusal, judge, parse_offer
+from mlxceld.cluster.assignment.offers import PeerFacts, Refusal, judge
 from mlxceld.cluster.assignment.peer_round import (
-    FRAME_S,
     HOLDS_A_STAGE,
     PEER_PHASE_S,
     PeerAction,
@@ -70,14 +68,13 @@ from mlxceld.cluster.assignment.peer_round import (
 )
 from mlxceld.cluster.assignment.push import (
     ASSIGNMENT_CHANNEL,
-    CONNECT_S,
     HEARTBEAT_S,
-    PEER_SPECS,
     epoch_of,
-    message,
+    sent,
 )
+from mlxceld.cluster.assignment.query import ask_decision
 from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.agent import AgentService
 from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
@@ -86,8 +83,17 @@ from mlxceld.tasks import cancelling_group
 from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
-from mlxceld.wire.envelope import parse_envelope
-from mlxceld.wire.errors import EnvelopeError
+from mlxceld.wire.assignment_messages import (
+    REPLIES,
+    Abort,
+    Activate,
+    Commit,
+    Deactivated,
+    Offer,
+    Preparing,
+    Refused,
+)
+from mlxceld.wire.messages import Message, MessageError
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +103,9 @@ PHASE_S: Final = failpoints.PEER_WAIT_S or PEER_PHASE_S
 JUDGE_S: Final = 10.0  # judging an offer, host name look-ups included
 
 
-class StageHost(Protocol):
-    """What the daemon does for a round."""
+class AssignedStage(Protocol):
+    """The stage worker a round prepares, activates and stops: what the daemon does for
+    a round (``stagehost.LocalStageHost``)."""
 
     def facts(self, port: int) -> PeerFacts: ...
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
@@ -108,16 +115,6 @@ class StageHost(Protocol):
     def loading(self) -> LoadProgress | None:
         """How far the stage being prepared has loaded, when it has said (for the
         ``preparing`` heartbeat)."""
-
-
-def port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -133,7 +130,7 @@ class _Current:
 
 
 class Assignee:
-    def __init__(self, assignments: Assignments, host: StageHost, keyring: Keyring, *,
+    def __init__(self, assignments: Assignments, host: AssignedStage, keyring: Keyring, *,
                  identity: Callable[[], str], state_dir: Path, enabled: bool,
                  events: EventLog) -> None:
         self._assignments = assignments
@@ -181,7 +178,8 @@ class Assignee:
         if row is not None and row.state == "active" and self._enabled:
             log.info("stage assignment %d is active: asking coordinator %s before resuming",
                      row.epoch, row.coordinator)
-            decision, why = await self._ask(row.coordinator, row.epoch)
+            decision, why = await ask_decision(self._identity(), row.coordinator, row.epoch,
+                                               keyring=self._keyring)
             if decision == "deactivated":
                 reason = "the coordinator deactivated the plan while this daemon was down"
                 self._assignments.record(row.epoch, row.coordinator, row.stage, "deactivated",
@@ -193,8 +191,8 @@ class Assignee:
                 log.info("stage assignment %d: resuming without word from coordinator %s "
                          "(%s)", row.epoch, row.coordinator, why)
         if self._enabled and row is not None:
-            r, actions = PeerRound.resume(row.epoch, _state(row.state), loop.time(), PHASE_S,
-                                          row.reason)
+            r, actions = PeerRound.resume(row.epoch, PeerState.recorded(row.state),
+                                          loop.time(), PHASE_S, row.reason)
             self._current = _Current(r, row.coordinator, row.stage, row.toml)
             if actions:
                 log.info("resuming stage assignment %d (%s)", row.epoch, row.state)
@@ -222,15 +220,14 @@ class Assignee:
     async def _on_offer(self, stream: MxclStream, env: Envelope) -> None:
         epoch = epoch_of(env.header) or 0
         if not self._enabled:
-            await stream.send(message("refused", epoch, code="not_a_peer", final=False,
-                                      reason="this daemon does not take stage assignments; "
-                                      "start it with --pp-peer"))
+            await stream.send(sent(Refused(epoch, "not_a_peer", "this daemon does not take "
+                                           "stage assignments; start it with --pp-peer",
+                                           final=False)))
             return
         try:
-            offer = parse_offer(env.header)
-        except ValueError as exc:
-            await stream.send(message("refused", epoch, code="bad_offer", final=False,
-                                      reason=str(exc)))
+            offer = Offer.from_wire(env.header)
+        except MessageError as exc:
+            await stream.send(sent(Refused(epoch, "bad_offer", exc.reason, final=False)))
             return
         newest = self._assignments.newest_epoch()  # SQLite stays on the loop's thread
         bound = bound_identity(stream.peer_identity, stream.peer)
@@ -243,8 +240,8 @@ class Assignee:
         if isinstance(verdict, Refusal) and verdict.code == "stale_epoch":
             log.warning("offer %d from %s refused: %s", offer.epoch, offer.coordinator,
                         verdict.reason)
-            await stream.send(message("refused", offer.epoch, code=verdict.code, final=False,
-                                      reason=verdict.reason))
+            await stream.send(sent(Refused(offer.epoch, verdict.code, verdict.reason,
+                                           final=False)))
             return
         if not await self._make_way(offer, stream, verdict):
             return
@@ -289,8 +286,7 @@ class Assignee:
                                            f"plan {cur.round.epoch}, in progress here")
         log.warning("offer %d from %s refused: %s: %s", offer.epoch, offer.coordinator, code,
                     reason)
-        await stream.send(message("refused", offer.epoch, code=code, final=False,
-                                  reason=reason))
+        await stream.send(sent(Refused(offer.epoch, code, reason, final=False)))
         return False
 
     def _judge(self, offer: Offer, bound: HostPort, newest: int) -> Any:
@@ -302,16 +298,21 @@ class Assignee:
         cur = self._current
         if cur is None or epoch_of(env.header) != cur.round.epoch:
             return  # another epoch's: ignored
+        try:
+            decision = _DECISIONS[env.type].from_wire(env.header)
+        except MessageError as exc:
+            log.warning("stage assignment %d: %s ignored: %s", cur.round.epoch, env.type, exc)
+            return
         cur.stream = stream
         now = asyncio.get_running_loop().time()
-        if env.type == "activate" and cur.round.state is PeerState.COMMITTED:
+        if isinstance(decision, Activate) and cur.round.state is PeerState.COMMITTED:
             failpoints.crash("peer-after-committed")
-        if env.type == "commit":
+        if isinstance(decision, Commit):
             actions = cur.round.on_commit(now)
-        elif env.type == "activate":
+        elif isinstance(decision, Activate):
             actions = cur.round.on_activate()
         else:
-            actions = cur.round.on_abort(str(env.header.get("summary", "")))
+            actions = cur.round.on_abort(decision.summary or "")
         self._wake.set()
         await self._execute(actions)
 
@@ -319,16 +320,14 @@ class Assignee:
         epoch = epoch_of(env.header) or 0
         row = self._assignments.get(epoch)
         if row is None:
-            await stream.send(message("deactivated", epoch,
-                                      reason=f"plan {epoch} never ran here"))
+            await stream.send(sent(Deactivated(epoch, f"plan {epoch} never ran here")))
             return
         bound = bound_identity(stream.peer_identity, stream.peer)
         if not await self._resolver.is_node(row.coordinator, bound):
             log.warning("deactivate %d from %s refused: plan %d came from %s", epoch, bound,
                         epoch, row.coordinator)
-            await stream.send(message("refused", epoch, code="coordinator", final=True,
-                                      reason=f"plan {epoch} came from {row.coordinator}, not "
-                                      f"from {bound}"))
+            await stream.send(sent(Refused(epoch, "coordinator", f"plan {epoch} came from "
+                                           f"{row.coordinator}, not from {bound}", final=True)))
             return
         reason = f"deactivated by coordinator {row.coordinator}"
         cur = self._current
@@ -350,7 +349,7 @@ class Assignee:
                                      row.toml, reason)
             self._recorded(epoch, row.coordinator, row.stage, "deactivated", reason)
             log.info("stage assignment %d: %s (%s)", epoch, reason, done)
-        await stream.send(message("deactivated", epoch, reason=done))
+        await stream.send(sent(Deactivated(epoch, done)))
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -390,29 +389,36 @@ class Assignee:
             reason=reason)
 
     async def _reply(self, cur: _Current, a: Reply) -> None:
-        fields: dict[str, Any] = {"reason": a.reason} if a.reason else {}
-        load = self._host.loading() if a.kind == "preparing" else None
-        if load is not None:
-            fields.update(done=load["done"], total=load["total"],
-                          elapsed_s=round(max(0.0, time.time() - load["since"]), 1),
-                          step=load.get("step", "loading"))
-        if a.kind == "refused":
-            r = cur.refusal
-            fields.update(code=r.code if r else "prepare", final=r.final if r else False,
-                          reason=a.reason)
+        said = self._said(cur, a)
         if cur.stream is None:
             return
         if a.kind == "active":
             await self._stage_loaded()  # a restarted round's stage runs before it says so
             failpoints.crash("peer-after-active")
         try:
-            await cur.stream.send(message(a.kind, cur.round.epoch, **fields))
+            await cur.stream.send(sent(said))
         except ConnectionClosed:
             log.info("stage assignment %d: the coordinator's connection is gone (%s not "
                      "sent)", cur.round.epoch, a.kind)
             return
         if a.kind == "accepted":
             failpoints.crash("peer-after-accepted")
+
+    def _said(self, cur: _Current, a: Reply) -> Message:
+        """The message of the round's ``Reply``."""
+        epoch = cur.round.epoch
+        if a.kind == Refused.T:
+            r = cur.refusal
+            return Refused(epoch, r.code if r else "prepare", a.reason,
+                           final=r.final if r else False)
+        if a.kind != Preparing.T:
+            return REPLIES[a.kind](epoch, a.reason)
+        load = self._host.loading()
+        if load is None:
+            return Preparing(epoch, a.reason)
+        return Preparing(epoch, a.reason, load["done"], load["total"],
+                         round(max(0.0, time.time() - load["since"]), 1),
+                         load.get("step", "loading"))
 
     async def _prepare(self, cur: _Current) -> None:
         """Load the stage in standby; an offer's (the round is preparing) says ``preparing``
@@ -442,7 +448,8 @@ class Assignee:
             self._wake.set()
 
     async def _query(self, cur: _Current) -> None:
-        decision, why = await self._ask(cur.coordinator, cur.round.epoch)
+        decision, why = await ask_decision(self._identity(), cur.coordinator, cur.round.epoch,
+                                           keyring=self._keyring)
         if cur is not self._current:
             return
         if decision is None:
@@ -452,33 +459,9 @@ class Assignee:
                 decision, asyncio.get_running_loop().time()))
         self._wake.set()
 
-    async def _ask(self, coordinator: str, epoch: int) -> tuple[str | None, str]:
-        """The coordinator's decision for ``epoch``, or None and why it could not be asked
-        (``CONNECT_S`` to connect, then ``FRAME_S`` for the answer)."""
-        try:
-            stream = await connect_as(self._identity(), coordinator, keyring=self._keyring,
-                                      channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
-        except ValueError as exc:  # not host:port: nothing to dial
-            return None, f"coordinator address {coordinator!r} {exc}"
-        except HandshakeFailed as exc:
-            log.warning("stage assignment %d: cannot ask coordinator %s: %s", epoch,
-                        coordinator, exc.message)
-            return None, exc.message
-        try:
-            async with asyncio.timeout(FRAME_S):
-                await stream.send(message("query", epoch))
-                env = parse_envelope(await stream.recv(), PEER_SPECS)
-            return str(env.header.get("decision")), ""
-        except (TimeoutError, ConnectionClosed, EnvelopeError) as exc:
-            log.warning("stage assignment %d: coordinator %s did not answer: %s", epoch,
-                        coordinator, exc)
-            return None, f"no answer: {exc}"
-        finally:
-            await stream.close("query answered")
-
     async def _stage_loaded(self) -> None:
         """Wait for a stage still loading (a restarted round's: the coordinator's activate
-        may come before it runs); ``StageHost.prepare_stage`` bounds it (by progress)."""
+        may come before it runs); ``AssignedStage.prepare_stage`` bounds it (by progress)."""
         task = self._preparing
         if task is not None and not task.done() and task is not asyncio.current_task():
             await asyncio.wait({task})
@@ -500,6 +483,9 @@ class Assignee:
         return self._tg.create_task(coro)
 
 
+_DECISIONS: Final = {kind.T: kind for kind in (Commit, Activate, Abort)}
+
+
 def _dialable(offer: Offer, bound: HostPort) -> str:
     """Where to ask the coordinator (``Query``): the address it names itself by, or, when
     that is a wildcard, the address it reached us from (the judge checked they agree)."""
@@ -508,9 +494,3 @@ def _dialable(offer: Offer, bound: HostPort) -> str:
     except ValueError:
         return str(bound)
     return str(bound) if named.is_wildcard else offer.coordinator
-
-
-def _state(state: str) -> PeerState:
-    known = ("preparing", "accepted", "committed", "active", "aborted", "refused",
-             "deactivated")
-    return PeerState(state) if state in known else PeerState.ABORTED

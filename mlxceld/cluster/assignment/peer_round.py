@@ -66,6 +66,12 @@ class PeerState(StrEnum):
     REFUSED = "refused"
     DEACTIVATED = "deactivated"
 
+    @classmethod
+    def recorded(cls, state: str) -> PeerState:
+        """The state an ``assignments`` row records (one not known reads as aborted)."""
+        known = {s.value for s in cls} - {cls.WAITING.value}
+        return cls(state) if state in known else cls.ABORTED
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -120,7 +126,7 @@ class StagePrepared(_At):
 
 class StillLoading(_At):
     """The stage is still loading (the shell's heartbeat while ``prepare`` runs; the
-    ``StageHost`` ends a load that stops advancing, ``stagehost.LOAD_STALL_S``)."""
+    ``AssignedStage`` ends a load that stops advancing, ``stagehost.LOAD_STALL_S``)."""
 
 
 class CommitReceived(_At): ...

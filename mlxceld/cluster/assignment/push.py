@@ -1,12 +1,13 @@
 """The two-phase stage assignment on MXCL channel 2: its messages and the coordinator's push.
 
 Messages (the envelope of PROTOCOL.md section 4, header only, no tensors; every
-one carries ``epoch``, the plan's; anything about another epoch is ignored):
+one carries ``epoch``, the plan's; anything about another epoch is ignored), each a
+frozen dataclass in ``wire/assignment_messages.py``:
 
 =========== ================ ===================================================
 type        direction        fields
 =========== ================ ===================================================
-offer       coord → peer     ``Offer.header()`` (``offers.py``): the stage, its
+offer       coord → peer     ``Offer`` (judged in ``offers.py``): the stage, its
                              layers, port, node id and the cluster TOML
 preparing   peer → coord     a heartbeat every ``HEARTBEAT_S`` while the
                              peer loads its stage in standby; ``done``,
@@ -80,22 +81,36 @@ from mlxceld.cluster.assignment.coordinator_round import (
     Redial,
     Send,
 )
-from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
+from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
-from mlxceld.net.agent import AgentService
 from mlxceld.net.liveness import watch
 from mlxceld.state.plans import Plans
 from mlxceld.tasks import scoped_group
 from mlxceld.types import DEFAULT_SILENCE_S
-from mlxceld.wire import Envelope, Keyring, MessageSpec, encode_envelope
+from mlxceld.wire import Keyring, MessageSpec, encode_envelope
+from mlxceld.wire.assignment_messages import (
+    FROM_COORDINATOR,
+    FROM_PEER,
+    Abort,
+    Aborted,
+    Accepted,
+    Activate,
+    Active,
+    Commit,
+    Committed,
+    Decision,
+    Offer,
+    Preparing,
+    Refused,
+)
 from mlxceld.wire.envelope import parse_envelope
 from mlxceld.wire.errors import EnvelopeError
+from mlxceld.wire.messages import Error, Message, decode
 
 log = logging.getLogger(__name__)
 
 Watch = Callable[[CoordinatorRound], None]  # sees the round after every step (progress)
-Asked = Callable[[int, str], None]  # a peer asked about plan epoch, and heard this decision
 
 ASSIGNMENT_CHANNEL: Final = 2
 CONNECT_S: Final = 5.0  # one dial and handshake
@@ -110,15 +125,19 @@ SILENCE_S: Final = DEFAULT_SILENCE_S
 # After activate is written, how long a push keeps at a peer that is not active:
 # ACTIVATE_FOR_S; tests shorten it (MLXCELD_TEST_ACTIVATE_FOR_S).
 ACTIVATING_S: Final = failpoints.ACTIVATE_FOR_S or ACTIVATE_FOR_S
-FROM_PEER: Final = ("preparing", "accepted", "refused", "committed", "active", "aborted",
-                    "decision", "deactivated", "error")
-FROM_COORDINATOR: Final = ("offer", "commit", "activate", "abort", "query", "deactivate")
 COORDINATOR_SPECS: Final = {t: MessageSpec() for t in FROM_PEER}  # what a coordinator reads
-PEER_SPECS: Final = {t: MessageSpec() for t in (*FROM_COORDINATOR, "decision")}
+PEER_SPECS: Final = {t: MessageSpec() for t in (*FROM_COORDINATOR, Decision.T)}
 
 
-def message(kind: str, epoch: int, **fields: Any) -> bytes:
-    return encode_envelope({"t": kind, "epoch": epoch, **fields})
+def decided(kind: str, epoch: int, summary: str | None = None) -> Commit | Activate | Abort:
+    """The message of a coordinator's decision (``Send.kind``, ``Redial.kind``)."""
+    if kind == Abort.T:
+        return Abort(epoch, summary)
+    return Commit(epoch) if kind == Commit.T else Activate(epoch)
+
+
+def sent(message: Message) -> bytes:
+    return encode_envelope(message.to_wire())
 
 
 def epoch_of(header: Mapping[str, Any]) -> int | None:
@@ -187,8 +206,7 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
                               activate_for_s=ACTIVATING_S)
     log.info("plan %d: offering %d stage(s) to %s", epoch, len(peers), ", ".join(peers))
     round_.start()  # the offers go out as each connection is up
-    first = {s.agent: encode_envelope(offer_for(plan, s, epoch, identity).header())
-             for s in plan.stages}
+    first = {s.agent: sent(offer_for(plan, s, epoch, identity)) for s in plan.stages}
     return epoch, await _drive(round_, first, plans=plans, keyring=keyring, identity=identity,
                                watch=watch)
 
@@ -203,7 +221,7 @@ async def resume_push(epoch: int, *, plans: Plans, keyring: Keyring, identity: s
     round_, actions = CoordinatorRound.resume(epoch, row.peers, row.decision,  # type: ignore[arg-type]
                                               asyncio.get_running_loop().time(), ACTIVATING_S)
     log.info("plan %d: resuming the push, %s (%s)", epoch, why, row.decision)
-    first = {a.peer: message(a.kind, epoch) for a in actions if isinstance(a, Send)}
+    first = {a.peer: sent(decided(a.kind, epoch)) for a in actions if isinstance(a, Send)}
     return await _drive(round_, first, plans=plans, keyring=keyring, identity=identity,
                         watch=watch)
 
@@ -233,9 +251,8 @@ async def _driven(round_: CoordinatorRound, first: Mapping[str, bytes], links: _
             elif isinstance(a, Send | Redial):
                 if a.kind in ("commit", "activate", "abort"):
                     failpoints.crash(f"coordinator-after-{a.kind}-decision")
-                fields = ({"summary": a.summary} if isinstance(a, Send) and a.kind == "abort"
-                          else {})
-                payload = message(a.kind, epoch, **fields)
+                summary = a.summary if isinstance(a, Send) and a.kind == Abort.T else None
+                payload = sent(decided(a.kind, epoch, summary))
                 await (links.redial if isinstance(a, Redial) else links.send)(a.peer, payload)
             elif isinstance(a, Finished):
                 if a.ok:
@@ -252,13 +269,13 @@ async def _driven(round_: CoordinatorRound, first: Mapping[str, bytes], links: _
             deadline = round_.next_deadline()
             try:
                 async with asyncio.timeout_at(deadline):
-                    peer, kind, header, link = await links.inbox.get()
+                    peer, heard, link = await links.inbox.get()
             except TimeoutError:
                 actions = round_.handle_timer(loop.time())
             else:
-                if kind == "lost" and not links.lose(peer, link):
+                if isinstance(heard, Lost) and not links.lose(peer, link):
                     continue  # that connection's loss was heard already
-                actions = _feed(round_, peer, kind, header, loop.time())
+                actions = _feed(round_, peer, heard, loop.time())
             done = await execute(actions)
             if watch is not None:
                 watch(round_)
@@ -266,6 +283,16 @@ async def _driven(round_: CoordinatorRound, first: Mapping[str, bytes], links: _
                 return done
     finally:
         await links.aclose()
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A push's connection to a peer is lost (or could not be dialled): why."""
+
+    reason: str
+
+
+Heard = Message | Lost  # what a push's reader hands the round
 
 
 @dataclass(eq=False)
@@ -294,7 +321,7 @@ class _Links:
                  tg: asyncio.TaskGroup) -> None:
         """``tg``: the round's, where each link's reader runs."""
         self._tg = tg
-        self.inbox: asyncio.Queue[tuple[str, str, Mapping[str, Any], _Link]] = asyncio.Queue()
+        self.inbox: asyncio.Queue[tuple[str, Heard, _Link]] = asyncio.Queue()
         self._epoch = epoch
         self._identity = identity
         self._keyring = keyring
@@ -333,7 +360,7 @@ class _Links:
         try:
             await link.stream.send(payload)
         except ConnectionClosed as exc:
-            await self.inbox.put((peer, "lost", {"reason": f"connection lost: {exc}"}, link))
+            await self.inbox.put((peer, Lost(f"connection lost: {exc}"), link))
 
     async def redial(self, peer: str, payload: bytes) -> None:
         """``payload`` over a new connection if the peer's is lost; over its connection if
@@ -364,8 +391,7 @@ class _Links:
             stream = await connect_as(self._identity, peer, keyring=self._keyring,
                                       channel=ASSIGNMENT_CHANNEL, budget_s=CONNECT_S)
         except HandshakeFailed as exc:
-            await self.inbox.put((peer, "lost", {"reason": f"cannot connect: {exc.message}"},
-                                  link))
+            await self.inbox.put((peer, Lost(f"cannot connect: {exc.message}"), link))
             return
         link.stream = stream
         if again:
@@ -378,24 +404,24 @@ class _Links:
                 await stream.send(first)
                 while True:
                     env = parse_envelope(await stream.recv(), COORDINATOR_SPECS)
-                    if epoch_of(env.header) == self._epoch or env.type == "error":
-                        await self.inbox.put((peer, env.type, env.header, link))
-        except (ConnectionClosed, EnvelopeError) as exc:
-            await self.inbox.put((peer, "lost", {"reason": f"connection lost: {exc}"}, link))
+                    if epoch_of(env.header) == self._epoch or env.type == Error.T:
+                        await self.inbox.put((peer, decode(env.header, FROM_PEER), link))
+        except (ConnectionClosed, EnvelopeError) as exc:  # a MessageError is one
+            await self.inbox.put((peer, Lost(f"connection lost: {exc}"), link))
             await stream.close("connection lost")
 
 
-def peer_load(header: Mapping[str, Any]) -> PeerLoad | None:
+def peer_load(heard: Preparing) -> PeerLoad | None:
     """A ``preparing`` heartbeat's load (``done``, ``total``, ``elapsed_s``); None when it
     has none, or one that does not add up (ignored: it is for the operator's eyes only)."""
-    done, total, elapsed = header.get("done"), header.get("total"), header.get("elapsed_s")
+    done, total, elapsed = heard.done, heard.total, heard.elapsed_s
     if not (isinstance(done, int) and isinstance(total, int)
             and isinstance(elapsed, int | float)) or any(
                 isinstance(v, bool) for v in (done, total, elapsed)):
         return None
     if not (0 <= done <= total and 0 <= elapsed < 1e9):
         return None
-    step = "downloading" if header.get("step") == "downloading" else "loading"
+    step = "downloading" if heard.step == "downloading" else "loading"
     return PeerLoad(done, total, float(elapsed), step)
 
 
@@ -405,39 +431,21 @@ async def _send_late(stream: MxclStream, payload: bytes) -> None:
             await stream.send(payload)
 
 
-def _feed(r: CoordinatorRound, peer: str, kind: str, header: Mapping[str, Any],
-          now: float) -> list[Any]:
-    if kind == "preparing":
-        return r.on_preparing(peer, now, peer_load(header))
-    if kind == "accepted":
+def _feed(r: CoordinatorRound, peer: str, heard: Heard, now: float) -> list[Any]:
+    if isinstance(heard, Preparing):
+        return r.on_preparing(peer, now, peer_load(heard))
+    if isinstance(heard, Accepted):
         return r.on_accepted(peer, now)
-    if kind == "committed":
+    if isinstance(heard, Committed):
         return r.on_committed(peer, now)
-    if kind == "active":
+    if isinstance(heard, Active):
         return r.on_active(peer, now)
-    if kind == "refused":
-        code, reason = header.get("code"), header.get("reason")
-        return r.on_refused(peer, f"{code}: {reason}")
-    if kind == "lost":
-        return r.on_lost(peer, str(header.get("reason")))
-    if kind == "error":
-        return r.on_failed(peer, f"protocol error: {header.get('reason')}")
-    if kind == "aborted":
-        reason = header.get("reason")
-        return r.on_failed(peer, f"aborted: {reason}" if reason else "aborted")
+    if isinstance(heard, Refused):
+        return r.on_refused(peer, f"{heard.code}: {heard.reason}")
+    if isinstance(heard, Lost):
+        return r.on_lost(peer, heard.reason)
+    if isinstance(heard, Error):
+        return r.on_failed(peer, f"protocol error: {heard.reason}")
+    if isinstance(heard, Aborted):
+        return r.on_failed(peer, f"aborted: {heard.reason}" if heard.reason else "aborted")
     return []
-
-
-def serve_queries(agent: AgentService, plans: Plans, asked: Asked | None = None) -> None:
-    """Answer a peer's ``query`` from the plans table (an undecided plan reads as abort);
-    ``asked`` then hears the epoch and the answer (``Coordinator.peer_asked``)."""
-
-    async def answer(stream: MxclStream, env: Envelope) -> None:
-        epoch = epoch_of(env.header)
-        row = plans.get(epoch) if epoch is not None else None
-        decision = "unknown" if row is None else (row.decision or "abort")
-        await stream.send(message("decision", epoch or 0, decision=decision))
-        if asked is not None and row is not None:
-            asked(row.epoch, decision)
-
-    agent.add_handler(ASSIGNMENT_CHANNEL, "query", answer)

@@ -1,4 +1,5 @@
-"""A peer daemon's ``StageHost``: what a two-phase round does to its stage worker.
+"""A peer daemon's ``AssignedStage`` (``peer.py``): what a two-phase round does to its stage
+worker.
 
 ``prepare_stage`` writes the offered cluster TOML to ``<state-dir>/cluster-E.toml``,
 places this node in it and starts the stage worker in standby (weights loaded,
@@ -21,13 +22,13 @@ so the daemon's side is a ``StageSlot``: set the placement, reconcile.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import PeerFacts
-from mlxceld.cluster.assignment.peer import port_is_free
 from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import DaemonError, WorkerError
@@ -36,6 +37,7 @@ from mlxceld.models.fetch import local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
+from mlxceld.supervisor.ops import Activate, Stats
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import LoadProgress, WorkerState, load_progress
 
@@ -58,8 +60,18 @@ class StageSlot(Protocol):
         """Make the running workers match the placement."""
 
 
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class LocalStageHost:
-    """The ``peer.StageHost`` of a daemon: its stage worker under its supervisor."""
+    """The ``peer.AssignedStage`` of a daemon: its stage worker under its supervisor."""
 
     def __init__(self, slot: StageSlot, supervisor: Supervisor, events: EventLog, *,
                  cluster: str, state_dir: Path, model: Callable[[], str | None],
@@ -142,7 +154,7 @@ class LocalStageHost:
         if sock is None:
             return None
         try:
-            reply = await channel.call(sock, "stats", timeout_s=ASK_S)
+            reply = await channel.call(sock, Stats(), timeout_s=ASK_S)
         except WorkerError:
             return None
         self._loading = load_progress((reply.get("stats") or {}).get("loading"))
@@ -159,7 +171,7 @@ class LocalStageHost:
         if sock is None:
             raise DaemonError("no stage worker to activate (it was stopped after prepare)",
                               hint="see: mlxctl events")
-        await channel.call(sock, "activate")
+        await channel.call(sock, Activate())
         self._slot.set_stage(self._placement, standby=False)
         await self._slot.reconcile()  # a restart comes back active
         self._events.append("stage.active", STAGE_WORKER, "the assigned stage is active")

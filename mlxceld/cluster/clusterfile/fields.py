@@ -23,13 +23,13 @@ from mlxceld.cluster.clusterfile.model import (
     Role,
 )
 from mlxceld.config.disagg import QUANTS
-from mlxceld.config.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 from mlxceld.config.peers import parse_peers
 from mlxceld.config.replicas import DEFAULT_AGENT_PORT
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE
 from mlxceld.types import MAX_REPLICAS
 from mlxceld.wire.address import parse_address
+from mlxceld.wire.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 
 TOP_KEYS: Final = ("cluster", "nodes")
 CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model",

@@ -1,0 +1,277 @@
+"""MXCL channel 3 (agent): the messages of the daemon-to-daemon control exchanges.
+
+Each exchange is one question and one answer (``mlxceld.net.agent.ask``); the
+exchanges, their deadlines and what the fields mean are described where they are
+served: ``discovery/inventory.py`` (``inventory``), ``discovery/serving.py``
+(``serving``), ``cluster/rotation.py`` (``key_*``). A question and its answer may
+share a type (``inventory``, ``serving``): ``ASKED`` and ``ANSWERED`` are the two
+vocabularies, by direction. ``error`` (``messages.Error``) may answer any of them.
+
+``from_wire`` checks every field (``Inventory`` and ``Serving`` against the bounds
+their exchanges document) and raises ``MessageError`` naming the first one out of
+bounds; ``to_wire`` gives the header as it has always gone out, key for key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Self
+
+from mlxceld.wire.messages import Error, MessageError, exact_keys, vocabulary
+from mlxceld.wire.names import name_problem
+
+MAX_PORTS: Final = 8
+MAX_MEMORY: Final = 2**63
+MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
+INVENTORY_KEYS: Final = frozenset({"t", "node", "version", "platform", "memory_total",
+                                   "memory_available", "model", "ports", "agent", "key_id"})
+SERVING_KEYS: Final = frozenset({"t", "role", "port", "model"})
+ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class InventoryRequest:
+    """What a peer offers a plan (``discovery/inventory.py``)."""
+
+    T: ClassVar[str] = "inventory"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The answer: the agent's node, memory, model, free ports, listener and key id."""
+
+    T: ClassVar[str] = "inventory"
+    node: str
+    version: str
+    platform: dict[str, str]  # {"system", "machine"}
+    memory_total: int
+    memory_available: int
+    model: dict[str, Any] | None  # {"path", "identity", "error"}
+    ports: tuple[int, ...]
+    agent: str
+    key_id: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "node": self.node, "version": self.version,
+                "platform": self.platform, "memory_total": self.memory_total,
+                "memory_available": self.memory_available, "model": self.model,
+                "ports": list(self.ports), "agent": self.agent, "key_id": self.key_id}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        exact_keys(header, INVENTORY_KEYS, "inventory")
+        problem = name_problem(header["node"])
+        if problem:
+            raise MessageError("node", f"inventory 'node' {problem}")
+        _string(header, "version", 1, 64)
+        plat = header["platform"]
+        if not isinstance(plat, dict) or set(plat) != {"system", "machine"}:
+            raise MessageError("platform", "inventory 'platform' must be {system, machine}")
+        for key in ("system", "machine"):
+            _string(plat, key, 0, 64)
+        for key in ("memory_total", "memory_available"):
+            value = header[key]
+            if type(value) is not int or not 0 <= value < MAX_MEMORY:
+                raise MessageError(key, f"inventory {key!r} must be an integer in [0, 2**63)")
+        if header["memory_available"] > header["memory_total"]:
+            raise MessageError("memory_available",
+                               "inventory 'memory_available' is above 'memory_total'")
+        _model(header["model"])
+        ports = header["ports"]
+        if (not isinstance(ports, list) or len(ports) > MAX_PORTS
+                or len(set(ports)) != len(ports)
+                or not all(type(p) is int and 1 <= p <= 65535 for p in ports)):
+            raise MessageError("ports",
+                               f"inventory 'ports' must be at most {MAX_PORTS} distinct ports")
+        _string(header, "agent", 3, 255)
+        kid = header["key_id"]
+        if kid is not None and (not isinstance(kid, str) or not _HEX16.fullmatch(kid)):
+            raise MessageError("key_id",
+                               "inventory 'key_id' must be 16 lowercase hex digits or null")
+        return cls(header["node"], header["version"], dict(plat), header["memory_total"],
+                   header["memory_available"], header["model"], tuple(ports), header["agent"],
+                   kid)
+
+
+def _model(model: Any) -> None:
+    if model is None:
+        return
+    if not isinstance(model, dict) or set(model) != {"path", "identity", "error"}:
+        raise MessageError("model", "inventory 'model' must be null or {path, identity, error}")
+    _string(model, "path", 1, 4096)
+    identity, error = model["identity"], model["error"]
+    if identity is not None and not (isinstance(identity, str) and _HEX64.fullmatch(identity)):
+        raise MessageError("model.identity",
+                           "inventory 'model.identity' must be 64 lowercase hex digits")
+    if error is not None:
+        _string(model, "error", 0, 1024)
+    if (identity is None) == (error is None):
+        raise MessageError("model", "inventory 'model' needs exactly one of identity and error")
+
+
+def _string(table: Mapping[str, Any], key: str, low: int, high: int) -> None:
+    value = table[key]
+    if not isinstance(value, str) or not low <= len(value) <= high:
+        raise MessageError(key, f"inventory {key!r} must be a string of {low}-{high} "
+                                "characters")
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    """Where a node serves requests (``discovery/serving.py``)."""
+
+    T: ClassVar[str] = "serving"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The answer: the node's role, its serving listener's port and its model identity.
+    ``from_wire``'s reasons read after "answered" (``'serving' with ...``)."""
+
+    T: ClassVar[str] = "serving"
+    role: str
+    port: int | None
+    model: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "role": self.role, "port": self.port, "model": self.model}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        if set(header) != SERVING_KEYS:
+            raise MessageError("t", f"'serving' with keys {sorted(header)}, expected "
+                                    f"{sorted(SERVING_KEYS)}")
+        if header["role"] not in ROLES:
+            raise MessageError("role", f"'serving' with role {str(header['role'])[:40]!r}")
+        port = header["port"]
+        if port is not None and (type(port) is not int or not 1 <= port <= 65535):
+            raise MessageError("port", "'serving' with a port outside 1-65535")
+        model = header["model"]
+        if model is not None and not (isinstance(model, str) and _HEX64.fullmatch(model)):
+            raise MessageError("model", "'serving' with a model that is not an identity "
+                                        "(64 lowercase hex digits)")
+        return cls(header["role"], port, model)
+
+
+@dataclass(frozen=True)
+class KeyInstall:
+    """Install a secret, not as the primary (``cluster/rotation.py``)."""
+
+    T: ClassVar[str] = "key_install"
+    secret_hex: str
+
+    def __repr__(self) -> str:  # never the secret, not even in a traceback
+        return "KeyInstall(secret_hex=<hidden>)"
+
+    def secret(self) -> bytes:
+        return bytes.fromhex(self.secret_hex)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "secret_hex": self.secret_hex}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        text = header.get("secret_hex")
+        if not isinstance(text, str) or len(text) > MAX_SECRET_HEX:
+            raise MessageError("secret_hex", "key_install needs 'secret_hex', the secret as hex")
+        try:
+            bytes.fromhex(text)
+        except ValueError:
+            raise MessageError("secret_hex", "key_install's 'secret_hex' is not hex") from None
+        return cls(text)
+
+
+@dataclass(frozen=True)
+class KeyUse:
+    """Make the key ``kid`` the primary."""
+
+    T: ClassVar[str] = "key_use"
+    kid: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "kid": self.kid}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls(_kid(header, cls.T))
+
+
+@dataclass(frozen=True)
+class KeyRemove:
+    """Remove the key ``kid`` (one already gone is no error)."""
+
+    T: ClassVar[str] = "key_remove"
+    kid: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "kid": self.kid}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls(_kid(header, cls.T))
+
+
+def _kid(header: Mapping[str, Any], what: str) -> str:
+    kid = header.get("kid")
+    if not isinstance(kid, str):
+        raise MessageError("kid", f"{what} needs 'kid', a key id")
+    return kid
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    """Say the key state, change nothing."""
+
+    T: ClassVar[str] = "key_report"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+KeyOp = KeyInstall | KeyUse | KeyRemove | KeyReport
+
+
+@dataclass(frozen=True)
+class KeyState:
+    """The answer to every key op: the primary key id (or None) and every installed one."""
+
+    T: ClassVar[str] = "key_state"
+    primary: str | None
+    ids: tuple[str, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "primary": self.primary, "ids": list(self.ids)}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        primary, ids = header.get("primary"), header.get("ids")
+        if not (primary is None or isinstance(primary, str)) or not isinstance(ids, list):
+            raise MessageError("ids", "key_state needs 'primary' and 'ids'")
+        return cls(primary, tuple(str(i) for i in ids))
+
+
+ASKED: Final = vocabulary(InventoryRequest, ServingRequest, KeyInstall, KeyUse, KeyRemove,
+                          KeyReport)
+ANSWERED: Final = vocabulary(Inventory, Serving, KeyState, Error)

@@ -1,0 +1,114 @@
+"""Typed MXCL messages (wire/messages.py, wire/agent_messages.py): each one's header is the
+dict that has always gone out, byte for byte once encoded, and ``from_wire`` names the
+field it refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlxceld.wire import encode_envelope
+from mlxceld.wire.agent_messages import (
+    ANSWERED,
+    ASKED,
+    Inventory,
+    InventoryRequest,
+    KeyInstall,
+    KeyRemove,
+    KeyReport,
+    KeyState,
+    KeyUse,
+    Serving,
+    ServingRequest,
+)
+from mlxceld.wire.assignment_messages import (
+    Abort,
+    Accepted,
+    Activate,
+    Commit,
+    Deactivate,
+    Deactivated,
+    Decision,
+    DecisionQuery,
+    Preparing,
+    Refused,
+)
+from mlxceld.wire.messages import Error, MessageError, Ping, Pong, decode
+
+INVENTORY = {"t": "inventory", "node": "host-a", "version": "1.0",
+             "platform": {"system": "darwin", "machine": "arm64"}, "memory_total": 64,
+             "memory_available": 32, "model": None, "ports": [40001, 40002], "agent":
+             "127.0.0.1:19000", "key_id": "00112233445566ff"}
+
+# Each message and the literal it replaced, as the code wrote it before.
+SAME_BYTES: list[tuple[Any, dict[str, Any]]] = [
+    (Ping(7), {"t": "ping", "id": 7}),
+    (Pong(7), {"t": "pong", "id": 7}),
+    (Error("bad envelope: x"), {"t": "error", "reason": "bad envelope: x"}),
+    (InventoryRequest(), {"t": "inventory"}),
+    (ServingRequest(), {"t": "serving"}),
+    (Serving("hybrid", 4000, "a" * 64), {"t": "serving", "role": "hybrid", "port": 4000,
+                                         "model": "a" * 64}),
+    (KeyInstall("ab" * 16), {"t": "key_install", "secret_hex": "ab" * 16}),
+    (KeyUse("00" * 8), {"t": "key_use", "kid": "00" * 8}),
+    (KeyRemove("00" * 8), {"t": "key_remove", "kid": "00" * 8}),
+    (KeyReport(), {"t": "key_report"}),
+    (KeyState("00" * 8, ("00" * 8, "11" * 8)), {"t": "key_state", "primary": "00" * 8,
+                                               "ids": ["00" * 8, "11" * 8]}),
+    (Inventory.from_wire(INVENTORY), INVENTORY),
+    (Commit(3), {"t": "commit", "epoch": 3}),
+    (Activate(3), {"t": "activate", "epoch": 3}),
+    (DecisionQuery(3), {"t": "query", "epoch": 3}),
+    (Abort(3, "peer x: gone"), {"t": "abort", "epoch": 3, "summary": "peer x: gone"}),
+    (Abort(3), {"t": "abort", "epoch": 3}),  # re-sent over a new connection
+    (Accepted(3), {"t": "accepted", "epoch": 3}),
+    (Deactivated(3, "the stage is stopped"), {"t": "deactivated", "epoch": 3,
+                                              "reason": "the stage is stopped"}),
+    (Deactivate(3, "ended"), {"t": "deactivate", "epoch": 3, "reason": "ended"}),
+    (Decision(3, "commit"), {"t": "decision", "epoch": 3, "decision": "commit"}),
+    (Refused(3, "busy", "plan 2 is committed here", final=False),
+     {"t": "refused", "epoch": 3, "code": "busy", "final": False,
+      "reason": "plan 2 is committed here"}),
+    (Preparing(3), {"t": "preparing", "epoch": 3}),
+    (Preparing(3, "", 5, 10, 1.5, "loading"), {"t": "preparing", "epoch": 3, "done": 5,
+                                               "total": 10, "elapsed_s": 1.5,
+                                               "step": "loading"}),
+]
+
+
+@pytest.mark.parametrize(("message", "literal"), SAME_BYTES)
+def test_a_message_goes_out_as_the_literal_it_replaced(message: Any,
+                                                      literal: dict[str, Any]) -> None:
+    assert encode_envelope(message.to_wire()) == encode_envelope(literal)
+    assert type(message).from_wire(literal) == message
+
+
+def test_decode_picks_the_class_by_type_and_direction() -> None:
+    assert decode({"t": "inventory"}, ASKED) == InventoryRequest()
+    assert decode(INVENTORY, ANSWERED) == Inventory.from_wire(INVENTORY)
+    assert decode({"t": "error", "reason": "no"}, ANSWERED) == Error("no")
+    with pytest.raises(MessageError, match="unexpected message type 'offer'") as err:
+        decode({"t": "offer"}, ASKED)
+    assert err.value.field == "t"
+
+
+@pytest.mark.parametrize(("kind", "header", "field"), [
+    (KeyUse, {"t": "key_use"}, "kid"),
+    (KeyInstall, {"t": "key_install", "secret_hex": "zz"}, "secret_hex"),
+    (KeyState, {"t": "key_state", "primary": None}, "ids"),
+    (Serving, {"t": "serving", "role": "hybrid", "port": 0, "model": None}, "port"),
+    (Inventory, {**INVENTORY, "memory_available": 65}, "memory_available"),
+    (Inventory, {**INVENTORY, "node": ""}, "node"),
+    (Ping, {"t": "ping", "id": True}, "id"),
+])
+def test_from_wire_names_the_field_it_refuses(kind: Any, header: dict[str, Any],
+                                               field: str) -> None:
+    with pytest.raises(MessageError) as err:
+        kind.from_wire(header)
+    assert err.value.field == field
+    assert err.value.kind == "bad_envelope"  # a peer's fault, as any envelope's
+
+
+def test_a_key_install_never_shows_its_secret() -> None:
+    assert "ab" * 16 not in repr(KeyInstall("ab" * 16))
