@@ -37,6 +37,8 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │   ├── DaemonNotRunning    nothing listens on the control socket
     │   │   └── PermissionDenied    the socket or the daemon refused us
     │   ├── NetError                net/errors.py: the MXCL network shell failed
+    │   │   ├── AskFailed           net/errors.py: one question to an agent got no answer
+    │   │   │                       (its kind: the step that failed)
     │   │   ├── ConnectionClosed    net/errors.py: the stream is over (the peer's reason)
     │   │   ├── HandshakeFailed     net/errors.py: a handshake made no connection
     │   │   └── ResolveError        net/resolve.py: a peer's host name did not resolve
@@ -53,6 +55,8 @@ defines, under its base, with the module of each one defined elsewhere.
     │   ├── LocalProtocolError      wire/errors.py: we used the connection wrongly (our bug)
     │   └── RemoteProtocolError     wire/errors.py: the peer broke the protocol; close
     │       ├── EnvelopeError       wire/errors.py: a payload that breaks the envelope rules
+    │       │   └── MessageError    wire/messages.py: a message whose field is wrong (names
+    │       │                       it; a ValueError too)
     │       └── BeaconError         wire/errors.py: a discovery record to ignore
     ├── ApiError                    api/errors.py: a request the router refuses (HTTP status
     │                               and OpenAI's error fields)
@@ -61,7 +65,7 @@ defines, under its base, with the module of each one defined elsewhere.
     │                               code is sent to the peer)
     ├── OpenFailed                  pipeline/attaching.py: a stage's stream not opened or
     │                               attached (the failure, and the client's words)
-    ├── AskFailed                   cluster/rotation.py: a member did not do as asked
+    ├── MemberFailed                cluster/rotation.py: a member did not do as asked
     ├── RoundError                  cluster/rotation_round.py: the shell broke the round's
     │                               rules (our bug)
     ├── Stopped                     workers/runtime.py: a worker told to stop while it waited
@@ -74,7 +78,8 @@ defines, under its base, with the module of each one defined elsewhere.
     │                               client's (400)
     ├── TensorParallelRefused       models/tensor.py: the model cannot be split over the ranks
     ├── InvalidOption               roles/options.py: a worker option that breaks its rule
-    ├── KeyringRequestError         supervisor/keys.py: a `keyring` request that is not one
+    ├── OpError                     supervisor/ops.py: a worker control request that is not
+    │                               one (names the field, never a secret)
     └── SecretError                 wire/secret.py: a secret is unusable (never in the message)
 
 The classes outside ``MlxceldError`` keep their base because each is caught at one seam

@@ -40,7 +40,9 @@ def drawn() -> dict[str, str]:
 
 
 def defined() -> dict[str, str]:
-    """Every exception class defined at the top of a module of mlxceld -> its base's name."""
+    """Every exception class defined at the top of a module of mlxceld -> its first base's
+    name (a class with a second base, e.g. ``ValueError``, is drawn under its first and
+    says the second in its description)."""
     found: dict[str, str] = {}
     for info in pkgutil.walk_packages(mlxceld.__path__, "mlxceld."):
         if info.name.endswith("__main__"):  # runs the program when imported
@@ -49,7 +51,6 @@ def defined() -> dict[str, str]:
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and issubclass(obj, BaseException) \
                     and obj.__module__ == module.__name__:
-                assert len(obj.__bases__) == 1, f"{module.__name__}.{name}: one base"
                 assert name not in found, f"two exception classes named {name}"
                 found[name] = obj.__bases__[0].__name__
     return found
