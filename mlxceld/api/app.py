@@ -70,7 +70,6 @@ from mlxceld.api.messages_serving import Messages
 from mlxceld.api.metrics import Metrics, PromptCaches, StageLinks, count_requests
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.requestid import tag_requests
-from mlxceld.api.responses_serving import responses_route
 from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.engine import Engine
 from mlxceld.models.generation import SamplingDefaults
@@ -171,7 +170,7 @@ def route_table(e: Endpoints, messages: Messages) -> list[Route]:
         Route("/v1/models/{name:path}", e.model),
         Route("/v1/chat/completions", e.chat, methods=["POST"]),
         Route("/v1/completions", e.completions, methods=["POST"]),
-        Route("/v1/responses", responses_route(e.chats), methods=["POST"]),
+        Route("/v1/responses", e.responses, methods=["POST"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/health", e.health),

@@ -22,6 +22,7 @@ from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.metrics import CONTENT_TYPE, Metrics
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.requests import check_constraint, check_prompt_bytes, parse_chat, parse_completion
+from mlxceld.api.responses_serving import respond
 from mlxceld.api.serving import CompletionResponse
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.engine import GenerationRequest
@@ -125,3 +126,6 @@ class Endpoints:
         return CompletionResponse(chats.sequencer, GenerationRequest(
             fmt.id, prompt, chats.params(prompt, options, "prompt")), options.stop, fmt,
             stream=options.stream, arrived=arrived)
+
+    async def responses(self, request: Request) -> Response:
+        return await respond(self.chats, request)

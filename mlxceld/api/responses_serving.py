@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -72,24 +71,19 @@ class ResponsesResponse(SequenceResponse):
         return self._builder.closing(finished, finished.reasoning_tokens)
 
 
-def responses_route(chats: Chats) -> Callable[[Request], Awaitable[Response]]:
-    """The ``POST /v1/responses`` endpoint over ``chats`` (the app's shared chat path)."""
-
-    async def respond(request: Request) -> Response:
-        arrived = chats.check_ready()
-        parsed = await chats.read(request, lambda body, ignored: parse_responses(
-            body, model_id=chats.model_id, aliases=chats.names, defaults=chats.defaults,
-            ignored=ignored))
-        options = parsed.chat.options
-        try:
-            await check_constraint(options)
-        except ApiError as exc:  # named as this endpoint names it
-            raise invalid(exc.message.replace("'response_format'", "'text.format'"),
-                          "text.format", exc.code) from None
-        builder = ResponseBuilder(f"resp_{uuid.uuid4().hex}", int(time.time()),
-                                  options.model, parsed.echo)
-        prepared = await chats.prepare(parsed.chat, builder.id)
-        return ResponsesResponse(chats, prepared, builder, arrived=arrived)
-
-    return respond
-
+async def respond(chats: Chats, request: Request) -> Response:
+    """``POST /v1/responses`` over ``chats`` (the app's shared chat path)."""
+    arrived = chats.check_ready()
+    parsed = await chats.read(request, lambda body, ignored: parse_responses(
+        body, model_id=chats.model_id, aliases=chats.names, defaults=chats.defaults,
+        ignored=ignored))
+    options = parsed.chat.options
+    try:
+        await check_constraint(options)
+    except ApiError as exc:  # named as this endpoint names it
+        raise invalid(exc.message.replace("'response_format'", "'text.format'"),
+                      "text.format", exc.code) from None
+    builder = ResponseBuilder(f"resp_{uuid.uuid4().hex}", int(time.time()),
+                              options.model, parsed.echo)
+    prepared = await chats.prepare(parsed.chat, builder.id)
+    return ResponsesResponse(chats, prepared, builder, arrived=arrived)
