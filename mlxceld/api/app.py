@@ -45,15 +45,12 @@ case), read once when the app is built; the body says which
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
@@ -65,31 +62,16 @@ from mlxceld.api.chatting import Chats
 from mlxceld.api.codec import TextCodec
 from mlxceld.api.cors import allow_origins
 from mlxceld.api.draining import Draining
+from mlxceld.api.endpoints import Endpoints, Readiness, RouterStats
 from mlxceld.api.errors import ApiError, error_response
-from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.ignoring import IgnoredFields, UnknownFields, announce_ignored
 from mlxceld.api.messages_serving import Messages
-from mlxceld.api.metrics import (
-    CONTENT_TYPE,
-    Metrics,
-    PromptCaches,
-    StageLinks,
-    count_requests,
-)
+from mlxceld.api.metrics import Metrics, PromptCaches, StageLinks, count_requests
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.requestid import tag_requests
-from mlxceld.api.requests import (
-    check_constraint,
-    check_prompt_bytes,
-    parse_chat,
-    parse_completion,
-)
-from mlxceld.api.responses_serving import responses_route
-from mlxceld.api.serving import CompletionResponse
-from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.api.tokenizing import PromptTokenizer
-from mlxceld.engine import Engine, GenerationRequest
+from mlxceld.engine import Engine
 from mlxceld.models.generation import SamplingDefaults
 
 OPEN_PATHS = frozenset({"/health"})
@@ -118,10 +100,10 @@ def build_router_app(
     max_body_bytes: int = 4 << 20,
     max_tokens: int | None = None,
     ready: Callable[[], bool] | None = None,
-    readiness: Callable[[], Mapping[str, Any] | None] | None = None,
+    readiness: Readiness | None = None,
     draining: Draining | None = None,
     stage_links: StageLinks | None = None,
-    router_stats: Callable[[bool], Any] | None = None,
+    router_stats: RouterStats | None = None,
     elastic: bool = False,
     prompt_caches: PromptCaches | None = None,
     model_aliases: Sequence[str] = (),
@@ -154,7 +136,6 @@ def build_router_app(
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
-    is_ready = ready or (lambda: True)
     admission = Admission(engine.max_batch, max_queued,
                           capacity=(lambda: engine.max_batch) if elastic else None)
     metrics = Metrics(queue_depth=lambda: admission.queued,
@@ -162,106 +143,16 @@ def build_router_app(
                       context_length=engine.context_length, stage_links=stage_links,
                       prompt_caches=prompt_caches)
     drains = draining or Draining()
-    sequencer = Sequencer(engine, codec, admission, metrics, drains)
     names = (model_id, *(a for a in dict.fromkeys(model_aliases) if a != model_id))
-    defaults = sampling_defaults or SamplingDefaults()
-    created = int(time.time())
-    cards: dict[str, ModelCard] = {
-        name: {"id": name, "object": "model", "created": created, "owned_by": "mlxceld",
-               "context_length": engine.context_length,
-               "max_model_len": engine.context_length} for name in names}
-
-    async def models(request: Request) -> Response:
-        body: ModelList = {"object": "list", "data": list(cards.values())}
-        return JSONResponse(body)
-
-    async def model(request: Request) -> Response:
-        name = request.path_params["name"]
-        if name not in cards:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{model_id!r}", param="model", code="model_not_found")
-        return JSONResponse(cards[name])
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def ready_route(request: Request) -> Response:
-        if not is_ready():
-            return JSONResponse({"status": "starting"}, status_code=503)
-        problem = readiness() if readiness is not None else None
-        if problem is not None:
-            return JSONResponse({"status": "degraded", **problem}, status_code=503)
-        if drains.active:
-            return JSONResponse({"status": "draining", "nodes": drains.nodes(),
-                                 "message": f"draining {', '.join(drains.nodes())}: new "
-                                 "requests are not admitted"}, status_code=503)
-        return JSONResponse({"status": "ready"})
-
-    async def metrics_text(request: Request) -> Response:
-        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
-
-    verbose = stats_verbose()
-
-    async def router_stats_route(request: Request) -> Response:
-        assert router_stats is not None
-        return JSONResponse(router_stats(verbose))
-
-    chats = Chats(engine, codec, sequencer, PromptTokenizer(codec), model_id, max_tokens,
-                  max_body_bytes, is_ready, drains, names, defaults,
-                  IgnoredFields(unknown_fields))
-
-    async def chat(request: Request) -> Response:
-        arrived = chats.check_ready()
-        parsed = await chats.read(request, lambda body, ignored: parse_chat(
-            body, model_id=model_id, aliases=chats.names, defaults=chats.defaults,
-            ignored=ignored))
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), parsed.options.model,
-                         parsed.options.include_usage, parsed.options.logprobs is not None,
-                         reasoning_field)
-        prepared = await chats.prepare(parsed, fmt.id)
-        return CompletionResponse(sequencer, prepared.request, prepared.stops, fmt,
-                                  stream=prepared.options.stream, arrived=arrived,
-                                  reply=prepared.reply)
-
-    async def completions(request: Request) -> Response:
-        arrived = chats.check_ready()
-        parsed = await chats.read(request, lambda body, ignored: parse_completion(
-            body, model_id=model_id, aliases=chats.names, defaults=chats.defaults,
-            ignored=ignored))
-        size = len(parsed.prompt.encode())
-        check_prompt_bytes(size, context_length=engine.context_length, prompt_param="prompt")
-        options = parsed.options
-        await check_constraint(options)
-        prompt = await chats.tokenizer.prompt(parsed.prompt, size)
-        fmt = TextFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), options.model,
-                         options.include_usage, options.logprobs is not None)
-        return CompletionResponse(sequencer, GenerationRequest(
-            fmt.id, prompt, chats.params(prompt, options, "prompt")), options.stop, fmt,
-            stream=options.stream, arrived=arrived)
-
-    messages = Messages(chats)
-    routes = [
-        Route("/v1/models", models),
-        Route("/v1/models/{name:path}", model),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", responses_route(chats), methods=["POST"]),
-        Route("/v1/messages", messages.create, methods=["POST"]),
-        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-        Route("/health", health),
-        Route("/ready", ready_route),
-        Route("/metrics", metrics_text),
-        *([Route("/router/stats", router_stats_route)] if router_stats is not None else []),
-    ]
-    versioned = {r.path: r for r in routes}
-    routes += [Route(short, versioned[full].endpoint, methods=versioned[full].methods)
-               for short, full in UNVERSIONED.items()]
-    routes.append(Route("/models/{name:path}", model))
-    app = Starlette(
-        routes=routes,
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error,
-                            Exception: _internal_error},
-    )
+    chats = Chats(engine, codec, Sequencer(engine, codec, admission, metrics, drains),
+                  PromptTokenizer(codec), model_id, max_tokens, max_body_bytes,
+                  ready or (lambda: True), drains, names,
+                  sampling_defaults or SamplingDefaults(), IgnoredFields(unknown_fields))
+    endpoints = Endpoints(chats, metrics, readiness=readiness, router_stats=router_stats,
+                          verbose=stats_verbose(), reasoning_field=reasoning_field)
+    app = Starlette(routes=route_table(endpoints, Messages(chats)),
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                                        Exception: _internal_error})
     told = announce_ignored(app)
     open_paths = OPEN_PATHS | ({"/metrics"} if metrics_open else set())
     guarded: ASGIApp = told if api_key is None else require_api_key(told, api_key,
@@ -269,6 +160,29 @@ def build_router_app(
     served = allow_origins(guarded, allowed_origins) if allowed_origins else guarded
     return log_access(count_requests(tag_requests(served), metrics, ENDPOINTS,
                                      canonical=UNVERSIONED))
+
+
+def route_table(e: Endpoints, messages: Messages) -> list[Route]:
+    """Every route: the ``/v1`` ones, ``/router/stats`` over a replica pool, and the
+    ``UNVERSIONED`` paths to the same endpoints."""
+    routes = [
+        Route("/v1/models", e.models),
+        Route("/v1/models/{name:path}", e.model),
+        Route("/v1/chat/completions", e.chat, methods=["POST"]),
+        Route("/v1/completions", e.completions, methods=["POST"]),
+        Route("/v1/responses", e.responses, methods=["POST"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/health", e.health),
+        Route("/ready", e.ready),
+        Route("/metrics", e.metrics_text),
+        *([Route("/router/stats", e.router_stats)] if e.has_router_stats else []),
+    ]
+    versioned = {r.path: r for r in routes}
+    routes += [Route(short, versioned[full].endpoint, methods=versioned[full].methods)
+               for short, full in UNVERSIONED.items()]
+    routes.append(Route("/models/{name:path}", e.model))
+    return routes
 
 
 def _refusal(request: Request, error: ApiError) -> Response:

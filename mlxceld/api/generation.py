@@ -19,7 +19,8 @@ string cut it, or it was a tool call's); the last piece carries those a stop str
 A chat answer is read by its ``ChatReply`` (``replies.py``) after the stop strings: its
 text pieces come out as content or reasoning, its tool calls as ``Called``; once the reply
 is done (``parallel_tool_calls`` false, one call made) the sequence ends as at a stop
-string.
+string. ``Finished.reasoning_tokens`` counts the generated tokens whose text lies inside
+the reasoning (``TokenPlaces``: each token's place in the text), its markers not.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from mlxceld.api.codec import TextCodec
 from mlxceld.api.draining import Draining
 from mlxceld.api.logprobs import LogprobTracker, TokenLogprob
 from mlxceld.api.metrics import Metrics
-from mlxceld.api.replies import Called, ChatReply, PartKind, Said
+from mlxceld.api.replies import Called, ChatReply, PartKind, Said, TokenPlaces
 from mlxceld.api.stops import StopMatcher
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
 
@@ -53,6 +54,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int | None = None  # of the prompt's, from a prompt cache (None: unsaid)
     stop_sequence: str | None = None  # the request's stop string that ended it, if one did
+    reasoning_tokens: int = 0  # of the completion's, those inside the answer's reasoning
 
 
 Event = TextPiece | Called | Finished
@@ -79,6 +81,7 @@ class Sequencer:
         matcher = StopMatcher(stops)
         tracker = (LogprobTracker(self.codec.token_bytes)
                    if request.params.logprobs is not None else None)
+        places = TokenPlaces()  # for the reasoning's count
         count = 0
         cached: int | None = None
         reason: FinishReason | None = None
@@ -106,6 +109,7 @@ class Sequencer:
                         break
                     made = (decoder.add(output.token) if decoder.incremental
                             else await asyncio.to_thread(decoder.add, output.token))
+                    places.add(made)
                     text = matcher.feed(made)
                     entries: tuple[TokenLogprob, ...] = ()
                     if tracker is not None:
@@ -139,7 +143,8 @@ class Sequencer:
                 yield piece
         if reason is None:  # the engine ended the sequence without saying why
             reason = "length" if count >= max_tokens else "stop"
-        yield Finished(reason, prompt_tokens, count, cached, matcher.matched)
+        reasoning = 0 if reply is None else places.within(reply.reasoning)
+        yield Finished(reason, prompt_tokens, count, cached, matcher.matched, reasoning)
 
 
 def _read(text: str | None, reply: ChatReply | None,

@@ -68,6 +68,11 @@ class ReplySplitter:
         self._call = ""
         self._max_calls = max_calls
         self._trim = False  # reasoning just ended: the whitespace after it is not content
+        self._fed = 0  # the characters fed so far
+        # Where the reasoning lies in the text fed: [start, end) each, the last one's end
+        # None while it is open.
+        self.reasoning: list[tuple[int, int | None]] = \
+            [(0, None)] if self._state == "reasoning" else []
         self.calls = 0
         self.done = False
 
@@ -75,6 +80,8 @@ class ReplySplitter:
         """Take the next piece; return the parts it completes, in order."""
         parts: list[Part] = []
         buffer = self._held + text
+        at_buffer = self._fed - len(self._held)  # where ``buffer`` starts in the text fed
+        self._fed += len(text)
         self._held = ""
         while buffer and not self.done:
             markers = self._markers()
@@ -86,7 +93,12 @@ class ReplySplitter:
                 break
             at, marker, state = min(found)
             self._emit(buffer[:at], parts)
+            if state == "reasoning":
+                self.reasoning.append((at_buffer + at + len(marker), None))
+            elif self._state == "reasoning":
+                self.reasoning[-1] = (self.reasoning[-1][0], at_buffer + at)
             buffer = buffer[at + len(marker):]
+            at_buffer += at + len(marker)
             self._switch(state, parts)
         return parts
 
@@ -181,6 +193,12 @@ class ChatReply:
         """Whether the answer is complete (its one allowed call made): end the sequence."""
         return self._splitter.done
 
+    @property
+    def reasoning(self) -> list[tuple[int, int | None]]:
+        """Where the reasoning lies in the text fed: ``[start, end)`` each (None: to the
+        end)."""
+        return self._splitter.reasoning
+
     def feed(self, text: str) -> list[Reading]:
         return self._readings(self._splitter.feed(text))
 
@@ -200,3 +218,29 @@ class ChatReply:
                 self.called = True
                 out.append(Called(tuple(calls)))
         return out
+
+
+class TokenPlaces:
+    """Where each generated token's text lies in an answer's text, to count the tokens by
+    the part they made (``reasoning_tokens``: those inside the reasoning, its markers
+    not). A token whose text is held back (an unfinished character, a lone space) takes
+    its place where its text starts."""
+
+    def __init__(self) -> None:
+        self._places: list[tuple[int, int]] = []
+        self._at = 0
+
+    def add(self, made: str) -> None:
+        """The next token made ``made`` (the decoder's text, before the stop strings)."""
+        self._places.append((self._at, self._at + len(made)))
+        self._at += len(made)
+
+    def within(self, spans: list[tuple[int, int | None]]) -> int:
+        """How many tokens lie wholly inside ``spans`` (``[start, end)``; end None: to the
+        end of the text); a token with no text, where its place is."""
+        count = 0
+        for start, end in spans:
+            stop = self._at + 1 if end is None else end
+            count += sum(1 for a, b in self._places
+                         if start <= a and (b <= stop if b > a else a < stop))
+        return count

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -28,8 +27,6 @@ from mlxceld.api.responses_output import ResponseBuilder
 from mlxceld.api.serving import SequenceResponse
 from mlxceld.api.streaming import named_event
 
-TokenCounter = Callable[[str], Awaitable[int]]
-
 
 def _named(events: list[dict[str, Any]]) -> list[bytes]:
     """The builder's events as sent: each named by its ``type``."""
@@ -37,23 +34,21 @@ def _named(events: list[dict[str, Any]]) -> list[bytes]:
 
 
 class ResponsesResponse(SequenceResponse):
-    """A Response, whole or streamed (``ResponseBuilder`` makes its events).
-    ``count_tokens``: how many tokens a text is (the reasoning's, for its usage)."""
+    """A Response, whole or streamed (``ResponseBuilder`` makes its events); its usage's
+    ``reasoning_tokens`` are the sequencer's count (``Finished.reasoning_tokens``)."""
 
     def __init__(self, chats: Chats, prepared: PreparedChat, builder: ResponseBuilder,
-                 *, arrived: float, count_tokens: TokenCounter) -> None:
+                 *, arrived: float) -> None:
         super().__init__(chats.sequencer, prepared.request, prepared.stops,
                          stream=prepared.options.stream, arrived=arrived,
                          reply=prepared.reply)
         self._builder = builder
-        self._count = count_tokens
-        self._reasoning = ""
 
     def take(self, event: TextPiece | Called) -> None:
         self._events(event)
 
     async def whole(self, finished: Finished) -> Any:
-        return (await self._closing(finished))[-1]["response"]
+        return self._closing(finished)[-1]["response"]
 
     def opening(self) -> list[bytes]:
         return _named(self._builder.opening())
@@ -65,47 +60,30 @@ class ResponsesResponse(SequenceResponse):
         return _named(self._builder.failed(error))
 
     async def closing(self, finished: Finished) -> list[bytes]:
-        return _named(await self._closing(finished))
+        return _named(self._closing(finished))
 
     def _events(self, event: TextPiece | Called) -> list[dict[str, Any]]:
         if isinstance(event, Called):
             return [e for call in event.calls for e in self._builder.called(call)]
-        if event.kind == "reasoning":
-            self._reasoning += event.text
         return self._builder.piece(event.text, event.kind, event.logprobs)
 
-    async def _closing(self, finished: Finished) -> list[dict[str, Any]]:
-        reasoning = await self._count(self._reasoning) if self._reasoning else 0
-        return self._builder.closing(finished, min(reasoning, finished.completion_tokens))
+    def _closing(self, finished: Finished) -> list[dict[str, Any]]:
+        return self._builder.closing(finished, finished.reasoning_tokens)
 
 
-def responses_route(chats: Chats) -> Callable[[Request], Awaitable[Response]]:
-    """The ``POST /v1/responses`` endpoint over ``chats`` (the app's shared chat path)."""
-
-    async def count_tokens(text: str) -> int:
-        size = len(text.encode())
-        return max(len(await chats.tokenizer.prompt(text, size)) - len(_overhead(chats)), 0)
-
-    async def respond(request: Request) -> Response:
-        arrived = chats.check_ready()
-        parsed = await chats.read(request, lambda body, ignored: parse_responses(
-            body, model_id=chats.model_id, aliases=chats.names, defaults=chats.defaults,
-            ignored=ignored))
-        options = parsed.chat.options
-        try:
-            await check_constraint(options)
-        except ApiError as exc:  # named as this endpoint names it
-            raise invalid(exc.message.replace("'response_format'", "'text.format'"),
-                          "text.format", exc.code) from None
-        builder = ResponseBuilder(f"resp_{uuid.uuid4().hex}", int(time.time()),
-                                  options.model, parsed.echo)
-        prepared = await chats.prepare(parsed.chat, builder.id)
-        return ResponsesResponse(chats, prepared, builder, arrived=arrived,
-                                 count_tokens=count_tokens)
-
-    return respond
-
-
-def _overhead(chats: Chats) -> list[int]:
-    """The tokens the tokenizer adds to any text (a BOS), not counted as the text's."""
-    return chats.codec.encode_prompt("")
+async def respond(chats: Chats, request: Request) -> Response:
+    """``POST /v1/responses`` over ``chats`` (the app's shared chat path)."""
+    arrived = chats.check_ready()
+    parsed = await chats.read(request, lambda body, ignored: parse_responses(
+        body, model_id=chats.model_id, aliases=chats.names, defaults=chats.defaults,
+        ignored=ignored))
+    options = parsed.chat.options
+    try:
+        await check_constraint(options)
+    except ApiError as exc:  # named as this endpoint names it
+        raise invalid(exc.message.replace("'response_format'", "'text.format'"),
+                      "text.format", exc.code) from None
+    builder = ResponseBuilder(f"resp_{uuid.uuid4().hex}", int(time.time()),
+                              options.model, parsed.echo)
+    prepared = await chats.prepare(parsed.chat, builder.id)
+    return ResponsesResponse(chats, prepared, builder, arrived=arrived)

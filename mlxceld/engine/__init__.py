@@ -11,10 +11,12 @@ from mlxceld.engine.base import (
     EngineUnavailable,
     FinishReason,
     GenerationRequest,
+    LinkedEngine,
+    PoolEngine,
     SamplingParams,
     TokenOutput,
 )
 
 __all__ = ["LOGPROB_FLOOR", "MAX_TOP_LOGPROBS", "Constraint", "ConstraintKind", "Engine",
            "EngineError", "EngineUnavailable", "FinishReason", "GenerationRequest",
-           "SamplingParams", "TokenOutput"]
+           "LinkedEngine", "PoolEngine", "SamplingParams", "TokenOutput"]

@@ -1,9 +1,11 @@
 """The engine seam: what the shared router layer (mlxceld/api) asks of any engine.
 
 Local (the model in-process), pipeline (stages over MXCL) and disaggregated
-engines all implement ``Engine``. Above it, shared by all: OpenAI parsing,
-chat templates, tokenization, detokenization, stop strings, streaming,
-admission and metrics. Below it: prefill, batched decode, sampling, caches.
+engines all implement ``Engine``; those over links to other nodes (pipeline stages,
+replicas, prefill and decode nodes) ``LinkedEngine`` too, and a pool of them
+``PoolEngine`` (the router worker keeps their links up: ``workers/engines.py``). Above
+it, shared by all: OpenAI parsing, chat templates, tokenization, detokenization, stop
+strings, streaming, admission and metrics. Below it: prefill, batched decode, sampling, caches.
 
 Token ids cross this seam, never text: the pipeline's last stage returns ids.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
 ConstraintKind = Literal["json_schema", "json_object", "lark"]
@@ -118,12 +120,37 @@ class Engine(Protocol):
     frees its cache. At most ``max_batch`` sequences are handed to it at once: the
     admission queue above it holds the rest."""
 
-    model_id: str
-    context_length: int
-    max_batch: int
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int: ...
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]: ...
 
     def active_sequences(self) -> int: ...
 
     async def aclose(self) -> None: ...
+
+
+class LinkedEngine(Engine, Protocol):
+    """An engine over links to other nodes: ``keep_linked`` keeps them up (runs until
+    cancelled), ``rekey`` hands them the keyring's new keys, and ``readiness`` names what
+    keeps it from serving well now (a JSON object with a ``message``; None: nothing)."""
+
+    async def keep_linked(self) -> None: ...
+
+    def rekey(self) -> None: ...
+
+    def readiness(self) -> dict[str, Any] | None: ...
+
+
+class PoolEngine(LinkedEngine, Protocol):
+    """A pool of linked members (replicas, pipeline groups, prefill and decode nodes):
+    ``stats`` is each member's load, health and counts, with their addresses only when
+    ``verbose``."""
+
+    def stats(self, *, verbose: bool) -> dict[str, Any]: ...

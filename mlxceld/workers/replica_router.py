@@ -1,5 +1,6 @@
-"""The router worker's engine on a router node (``--node-role router``): a
-``ReplicaEngine`` over one ``RemoteEngine`` per replica, and the tokenizer.
+"""The router worker's engine on a router node (``--node-role router``):
+``ReplicasRouter``, a ``ReplicaEngine`` over one ``RemoteEngine`` per replica (or a
+``DisaggEngine`` over prefill and decode nodes), and the tokenizer.
 
 Model-free: of ``RouterOptions.model`` (a local directory, or a Hugging Face repo id
 of which only the config, index and tokenizer are fetched: ``models/fetch.py``'s
@@ -36,13 +37,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld.discovery.serving import ServingFinder, ServingNotFound
+from mlxceld.engine import PoolEngine
 from mlxceld.roles.options import ReplicasOptions, RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import canonical_address
+from mlxceld.workers.modes import DisaggMode, DiscoveredMode, ReplicasMode
+from mlxceld.workers.router_engine import AppHooks, RouterEngine
 from mlxceld.workers.runtime import WorkerContext
+
+if TYPE_CHECKING:
+    from mlxceld.replicas.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +61,54 @@ PREFILL_PREFIX = "prefill-"  # a router's prefill nodes, by their index in --pre
 DECODE_PREFIX = "decode-"
 
 
-def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
-                   ) -> tuple[Any, Any, Discovered | None]:
-    """The ``ReplicaEngine`` over ``replicas``, the tokenizer, and with
-    ``replicas.discover`` what fills the pool (blocking: a thread)."""
+class ReplicasRouter(RouterEngine):
+    """A router node's engine: a pool of replicas (listed, or found by discovery:
+    ``discovered``), or of prefill and decode nodes. Its stats carry ``replicas`` (and
+    ``replicas_discovered``: how many members discovery made)."""
+
+    engine: PoolEngine
+
+    def __init__(self, engine: PoolEngine, tokenizer: Any, path: str,
+                 replicas: ReplicasOptions, discovered: Discovered | None = None) -> None:
+        super().__init__(engine, tokenizer, path)
+        self.replicas = replicas
+        self.discovered = discovered
+
+    def hooks(self) -> AppHooks:
+        return AppHooks(readiness=self.engine.readiness,
+                        router_stats=lambda verbose: self.engine.stats(verbose=verbose),
+                        elastic=self.discovered is not None)
+
+    def attach(self, ctx: WorkerContext[RouterOptions]) -> None:
+        if self.discovered is not None:
+            ctx.ops["replicas"] = self.discovered.op
+        ctx.rekeyed.append(self.engine.rekey)
+
+    async def keep_linked(self) -> None:
+        await self.engine.keep_linked()
+
+    def refresh(self, stats: dict[str, Any], now: float) -> None:
+        found = self.discovered
+        stats["replicas"] = replica_links(self.engine, self.replicas,
+                                          None if found is None else found.agents)
+        if found is not None:  # how many members discovery made
+            stats["replicas_discovered"] = len(found.agents)
+
+    async def aclose(self) -> None:
+        if self.discovered is not None:
+            await self.discovered.aclose()
+        await self.engine.aclose()
+
+
+def load_replicas(ctx: WorkerContext[RouterOptions], mode: ReplicasMode | DiscoveredMode
+                  | DisaggMode) -> ReplicasRouter:
+    """The pool ``mode`` names, and the tokenizer (blocking: a thread)."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxceld.models.context import served_context
     from mlxceld.models.fetch import local_model
     from mlxceld.models.identity import model_identity, read_model_config
     from mlxceld.replicas.pool import ReplicaEngine
-    from mlxceld.replicas.remote import RemoteEngine
 
     o = ctx.options
     if ctx.keyring is None:
@@ -73,43 +117,61 @@ def replica_engine(ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions
     config = read_model_config(path)
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         path, eos_token_ids=config.get("eos_token_id"))
-    identity = model_identity(path)
-    keyring = ctx.keyring
-
-    def finder(agent: str, role: str = "hybrid") -> ServingFinder:
-        return ServingFinder(agent, origin=replicas.origin, keyring=keyring,
-                             model_identity=identity, role=role)
-
-    def member(node_id: str, find: ServingFinder, role: str = "hybrid") -> RemoteEngine:
-        remote = RemoteEngine(  # the keyring is changed in place (supervisor/keys.py)
-            node_id, find, keyring=keyring, origin=replicas.origin,
-            model_identity=identity, cluster=replicas.cluster,
-            silence_s=o.stage_silence_s, role=role)
-        remote.max_batch = remote.max_batch or o.max_batch  # its own once attached
-        return remote
-
-    def members(agents: tuple[str, ...], prefix: str, role: str) -> list[RemoteEngine]:
-        return [member(f"{prefix}{i}", finder(agent, role), role)
-                for i, agent in enumerate(agents)]
-
+    members = Members(ctx, mode.replicas, model_identity(path))
     context = served_context(config, o.context_length, o.model_name)
-    if replicas.discover:
+    replicas = mode.replicas
+    if isinstance(mode, DiscoveredMode):
         found = ReplicaEngine([], model_id=o.model_name, context_length=context)
-        return found, tokenizer, Discovered(found, finder, member)
-    pool = (ReplicaEngine(members(replicas.agents, NODE_PREFIX, "hybrid"),
+        return ReplicasRouter(found, tokenizer, o.model, replicas,
+                              Discovered(found, members.finder, members.member))
+    pool = (ReplicaEngine(members.listed(replicas.agents, NODE_PREFIX, "hybrid"),
                           model_id=o.model_name, context_length=context)
             if replicas.agents else None)
-    if not replicas.prefill_agents:
-        return pool, tokenizer, None
+    if isinstance(mode, ReplicasMode):
+        assert pool is not None  # ReplicasOptions checked it
+        return ReplicasRouter(pool, tokenizer, o.model, replicas)
     from mlxceld.engine.handoff import Mode
     from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
 
     quant, _, lz4 = replicas.kv_compression.partition("+")
-    disagg = DisaggEngine(members(replicas.prefill_agents, PREFILL_PREFIX, "prefill"),
-                          members(replicas.decode_agents, DECODE_PREFIX, "decode"),
+    disagg = DisaggEngine(members.listed(replicas.prefill_agents, PREFILL_PREFIX, "prefill"),
+                          members.listed(replicas.decode_agents, DECODE_PREFIX, "decode"),
                           model_id=o.model_name, context_length=context,
                           mode=Mode(quant, bool(lz4)))  # type: ignore[arg-type]  # config checked it
-    return (disagg if pool is None else DisaggOrReplicas(disagg, pool)), tokenizer, None
+    return ReplicasRouter(disagg if pool is None else DisaggOrReplicas(disagg, pool),
+                          tokenizer, o.model, replicas)
+
+
+class Members:
+    """How a router node names, finds and links to its replicas (and prefill and decode
+    nodes): a ``ServingFinder`` per agent, a ``RemoteEngine`` per member."""
+
+    def __init__(self, ctx: WorkerContext[RouterOptions], replicas: ReplicasOptions,
+                 identity: str) -> None:
+        assert ctx.keyring is not None
+        self._keyring = ctx.keyring
+        self._replicas = replicas
+        self._identity = identity
+        self._silence_s = ctx.options.stage_silence_s
+        self._max_batch = ctx.options.max_batch
+
+    def finder(self, agent: str, role: str = "hybrid") -> ServingFinder:
+        return ServingFinder(agent, origin=self._replicas.origin, keyring=self._keyring,
+                             model_identity=self._identity, role=role)
+
+    def member(self, node_id: str, find: ServingFinder, role: str = "hybrid") -> RemoteEngine:
+        from mlxceld.replicas.remote import RemoteEngine
+
+        remote = RemoteEngine(  # the keyring is changed in place (supervisor/keys.py)
+            node_id, find, keyring=self._keyring, origin=self._replicas.origin,
+            model_identity=self._identity, cluster=self._replicas.cluster,
+            silence_s=self._silence_s, role=role)
+        remote.max_batch = remote.max_batch or self._max_batch  # its own once attached
+        return remote
+
+    def listed(self, agents: tuple[str, ...], prefix: str, role: str) -> list[RemoteEngine]:
+        return [self.member(f"{prefix}{i}", self.finder(agent, role), role)
+                for i, agent in enumerate(agents)]
 
 
 class Discovered:
@@ -205,7 +267,7 @@ class Discovered:
         await asyncio.gather(*self._asking.values(), return_exceptions=True)
 
 
-def replica_links(engine: Any, replicas: ReplicasOptions,
+def replica_links(engine: PoolEngine, replicas: ReplicasOptions,
                   discovered: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Each replica's (and prefill and decode node's) state for the worker's stats
     (``mlxctl status``, on the operator's socket: with its agent address): node id,

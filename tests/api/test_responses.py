@@ -396,3 +396,43 @@ def sse_named(text: str) -> list[Any]:
         events.append(event)
     assert text.endswith("\n\n") and "[DONE]" not in text
     return events
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["template-opens", "model-opens"])
+def test_reasoning_tokens_are_the_ids_between_the_markers(tmp_path: Any, opened: bool) -> None:
+    """The count is of the generated ids, not of the reasoning's text re-tokenized: the
+    expectation comes from mlx-lm's tokenizer (the markers' ids found in the ids sent),
+    over a thought whose characters span several tokens (an emoji, accents, lone
+    spaces)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxceld.api import MlxTextCodec
+    from mlxceld.models import preset, write_fixture
+
+    tokenizer = load_tokenizer(write_fixture(tmp_path / "qwen3",
+                                             preset("tiny", chat_template="tools")))
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    thought = ids(" Hmm,  3 \u00d7 4 = 12 🙂 — café, naïve  ok ")
+    sent = [*([] if opened else [*ids("So"), start]), *thought, end, *ids("\n\nTwelve.")]
+    expected = sent.index(end) - (0 if opened else sent.index(start) + 1)
+    assert expected == len(thought)  # the ids between the markers, as sent
+    engine = FakeEngine(context_length=4096, reply=sent)  # type: ignore[arg-type]  # ids
+
+    async def main() -> tuple[Any, list[Any]]:
+        async with openai_client(make_app(engine, MlxTextCodec(tokenizer))) as client:
+            effort: Any = openai.NOT_GIVEN if opened else {"effort": "none"}
+            answer = await client.responses.create(model=MODEL, input="3 \u00d7 4?",
+                                                   reasoning=effort)
+            stream = await client.responses.create(model=MODEL, input="3 \u00d7 4?",
+                                                   reasoning=effort, stream=True)
+            return answer, [e async for e in stream]
+
+    answer, events = asyncio.run(main())
+    assert answer.output_text.endswith("Twelve.")
+    for usage in (answer.usage, events[-1].response.usage):
+        assert usage is not None and usage.output_tokens == len(sent) + 1  # and the EOS
+        assert usage.output_tokens_details.reasoning_tokens == expected

@@ -1,7 +1,7 @@
 """The routers that hold no weights take their context from the model's config and
 ``[serve] context_length`` as the local engine does (``models/context.py``): over a
-pipeline (``pipeline_engine``) and over replicas or prefill and decode pools
-(``replica_engine``). Built, never dialled."""
+pipeline (``PipelineMode``) and over replicas or prefill and decode pools
+(``DisaggMode``), each built by ``make_engine``. Built, never dialled."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from mlxceld.roles.options import (
     ReplicasOptions,
     RouterOptions,
 )
-from mlxceld.workers.replica_router import replica_engine
-from mlxceld.workers.router import pipeline_engine
+from mlxceld.workers.engines import make_engine
+from mlxceld.workers.modes import engine_mode
 from mlxceld.workers.runtime import WorkerContext
 
 from helpers.keys import keyring
@@ -39,15 +39,11 @@ def context(model: Path, cap: int | None, **where: Any) -> int:
     ctx = WorkerContext("router", ROUTER, options, model, keyring=keyring(SECRET))
 
     async def build() -> int:
-        if options.pipeline is not None:
-            engine, _ = pipeline_engine(ctx, options.pipeline)
-        else:
-            assert options.replicas is not None
-            engine, _, _ = replica_engine(ctx, options.replicas)
+        built = await make_engine(engine_mode(options), ctx, lambda exc: None)
         try:
-            return int(engine.context_length)
+            return int(built.engine.context_length)
         finally:
-            await engine.aclose()
+            await built.aclose()
 
     return asyncio.run(build())
 
