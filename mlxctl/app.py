@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 
 from mlxceld import __version__
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import ControlError
 from mlxctl import reading, render, verdict
 from mlxctl import watch as watching

@@ -33,7 +33,7 @@ import typer
 from rich.console import Console
 
 from mlxceld.cluster.assignment.coordinator_round import PUSH_S
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import ControlError
 from mlxceld.types import MAX_REPLICAS, WorkerState
 from mlxctl import render

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxctl.edge import EXIT_FAILURE, EXIT_USAGE, call, echo, emit
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
 

@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from mlxceld.control.blocking import BlockingClient
+from mlxceld.control.clients.blocking import BlockingClient
 from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
 
 if TYPE_CHECKING:
-    from mlxceld.control.client import ControlClient
+    from mlxceld.control.clients.typed import ControlClient
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_DENIED = 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
@@ -50,7 +50,7 @@ def call(path: Path, as_json: bool, job: Callable[[ControlClient], Awaitable[T]]
     """Run one client job at the CLI's edge; map our errors to exit codes and messages."""
     import asyncio
 
-    from mlxceld.control.client import ControlClient
+    from mlxceld.control.clients.typed import ControlClient
 
     async def go() -> T:
         async with ControlClient(path) as client:

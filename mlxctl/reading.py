@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from mlxceld.control.blocking import BlockingClient
+from mlxceld.control.clients.blocking import BlockingClient
 from mlxctl import render
 from mlxctl.edge import call_blocking, echo, emit
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.types import WorkerState
 from mlxctl import render
 from mlxctl.progress import LoadView

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.control.blocking import BlockingClient
+from mlxceld.control.clients.blocking import BlockingClient
 from mlxceld.errors import ControlError, PermissionDenied
 from mlxceld.types import WorkerState
 from mlxctl import render

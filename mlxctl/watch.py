@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from mlxceld.control.blocking import BlockingClient
+from mlxceld.control.clients.blocking import BlockingClient
 from mlxceld.errors import ControlError
 from mlxctl import render
 

@@ -19,6 +19,7 @@ STACK = [
     "errors", "types", "paths", "privatefile", "failpoints", "roles", "sdnotify", "tasks",
     "logformat",
     "state", "models", "net",
+    "guard",  # what every HTTP listener lets a connection hold (control socket, OpenAI port)
     "supervisor", "control",
     "config",
     "drain",  # the drain state (state/drains.py) and the router told of it
@@ -89,6 +90,52 @@ def test_imports_point_down_the_stack() -> None:
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: {here} imports {name} "
                              f"({there} is above {here})")
     assert not wrong, "imports up the stack:\n" + "\n".join(wrong)
+
+
+# The inner rooms of the two flat rooms that grew most: what each may import of its own
+# room's other inner rooms. A module directly in the room (api/chatting.py) is its core;
+# the core may use the low inner rooms (``LOW``) but not the high ones, which only the
+# room's entry points (``ENTRIES``: the app and the field tables) assemble.
+INNER: dict[str, dict[str, set[str]]] = {
+    "api": {"tools": set(), "edge": set(), "responses": {"tools"}, "anthropic": {"tools"}},
+    "control": {"clients": set()},
+}
+LOW = {"api": {"tools", "edge"}, "control": set()}
+ENTRIES = {"api": {"app", "endpoints", "fielddoc", "__init__"}, "control": {"__init__"}}
+
+
+def inner_of(room: str, parts: tuple[str, ...]) -> str | None:
+    """The inner room of ``room`` that ``parts`` (a module's path below it) lies in."""
+    return parts[0] if len(parts) > 1 and parts[0] in INNER[room] else None
+
+
+def test_inner_rooms_import_only_what_they_may() -> None:
+    wrong = []
+    for room, allowed in INNER.items():
+        for path in (PACKAGE / room).rglob("*.py"):
+            parts = path.relative_to(PACKAGE / room).with_suffix("").parts
+            here = inner_of(room, parts)
+            for line, name in imports(path):
+                names = name.split(".")
+                if names[:2] != ["mlxceld", room] or len(names) < 4:
+                    continue
+                there = inner_of(room, tuple(names[2:]))
+                if there is None or there == here:
+                    continue
+                if here is None:
+                    ok = there in LOW[room] or parts[0] in ENTRIES[room]
+                else:
+                    ok = there in allowed[here]
+                if not ok:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not wrong, "imports across inner rooms:\n" + "\n".join(wrong)
+
+
+def test_every_inner_room_is_named() -> None:
+    for room, inner in INNER.items():
+        found = {p.name for p in (PACKAGE / room).iterdir()
+                 if p.is_dir() and (p / "__init__.py").exists()}
+        assert found == set(inner), (room, found)
 
 
 def test_the_wire_imports_nothing_of_ours() -> None:

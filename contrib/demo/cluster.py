@@ -46,7 +46,7 @@ import httpx
 from pipeline import CONFIG, LOOPBACK_ONLY, Daemons, descendants, stage_hosts, stop, tail
 from rich.console import Console
 
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import ControlError
 from mlxceld.models import preset, write_fixture
 from mlxceld.privatefile import write_private

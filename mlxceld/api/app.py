@@ -7,7 +7,7 @@
     POST /v1/chat/completions          chat, whole or streamed (SSE)
     POST /v1/completions               text completion, whole or streamed
     POST /v1/responses, /responses     OpenAI's Responses API, stateless, whole or streamed
-                                       (``responses.py``, ``responses_serving.py``)
+                                       (``responses.py``, ``responses/serving.py``)
     POST /v1/messages                  Anthropic's Messages API, whole or streamed (its
                                        events), errors in its shape (``messages*.py``)
     POST /v1/messages/count_tokens     the prompt's tokens, as the Messages API counts
@@ -24,7 +24,7 @@ endpoints without ``/v1`` (as vLLM and llama.cpp's server answer them), counted 
 of its names (``model_aliases``), and the answer's ``model`` echoes the one asked.
 Sampling fields a request leaves out take ``sampling_defaults`` (the model's
 ``generation_config.json``: ``models/generation.py``). Every answer carries an
-``x-request-id`` (``requestid.py``); with ``allowed_origins``, CORS (``cors.py``).
+``x-request-id`` (``edge/requestid.py``); with ``allowed_origins``, CORS (``edge/cors.py``).
 
 Completions are refused with 503 (code "not_ready") until ``ready()`` is true, and
 with 503 (code "draining") while a node they need drains (``draining.py``; ``/ready``
@@ -32,7 +32,7 @@ is 503 "draining" then too);
 ``readiness()`` (a pipeline's stages not attached) only shows on ``/ready``:
 completions still try, and fail with the engine's own 503 naming what is down.
 Every error, unknown paths and methods included, is OpenAI's error JSON. Every
-request gets a line in the access log (``access.py``) when its response ends. The
+request gets a line in the access log (``edge/access.py``) when its response ends. The
 app does not own the engine: whoever built it closes it.
 
 ``/router/stats`` shows replicas by node id; their addresses only when the
@@ -54,22 +54,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from mlxceld.api.access import log_access
-from mlxceld.api.admission import Admission
+from mlxceld.api.anthropic.serving import Messages
 from mlxceld.api.anthropic_errors import anthropic_response, speaks_anthropic
-from mlxceld.api.auth import require_api_key
 from mlxceld.api.chatting import Chats
 from mlxceld.api.codec import TextCodec
-from mlxceld.api.cors import allow_origins
-from mlxceld.api.draining import Draining
+from mlxceld.api.edge.access import log_access
+from mlxceld.api.edge.admission import Admission
+from mlxceld.api.edge.auth import require_api_key
+from mlxceld.api.edge.cors import allow_origins
+from mlxceld.api.edge.draining import Draining
+from mlxceld.api.edge.metrics import Metrics, PromptCaches, StageLinks, count_requests
+from mlxceld.api.edge.requestid import tag_requests
 from mlxceld.api.endpoints import Endpoints, Readiness, RouterStats
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.ignoring import IgnoredFields, UnknownFields, announce_ignored
-from mlxceld.api.messages_serving import Messages
-from mlxceld.api.metrics import Metrics, PromptCaches, StageLinks, count_requests
 from mlxceld.api.reasoning import ReasoningField
-from mlxceld.api.requestid import tag_requests
 from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.engine import Engine
 from mlxceld.models.generation import SamplingDefaults
@@ -120,15 +120,15 @@ def build_router_app(
     yet (None: it always does); ``readiness``: what keeps it from serving well now (a
     JSON object with a ``message`` for ``/ready``'s 503 body), or None when nothing
     does; ``draining``: the nodes draining, set by the worker as its daemon says
-    (``api/draining.py``); ``stage_links``: over a pipeline, each stage link's stats
-    (``PipelineEngine.stages``), for ``/metrics`` (``api/metrics.py``); ``router_stats``:
+    (``api/edge/draining.py``); ``stage_links``: over a pipeline, each stage link's stats
+    (``PipelineEngine.stages``), for ``/metrics`` (``api/edge/metrics.py``); ``router_stats``:
     over a replica pool, its stats as JSON given whether to show addresses
     (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
     ``max_batch`` changes (replicas found by discovery), admission follows it;
     ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``;
     ``model_aliases``: the model's names besides ``model_id``; ``sampling_defaults``: what
     a request's left-out sampling fields are (None: OpenAI's); ``allowed_origins``: CORS's
-    (``cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
+    (``edge/cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
     (``[serve] reasoning_field``, ``reasoning.py``); ``unknown_fields``: refuse a request's
     unknown fields, or ignore them, saying so (``[serve] unknown_fields``, ``ignoring.py``).
     ``metrics_open``: ``/metrics`` needs no API key. Prompts and completions are bounded

@@ -28,12 +28,11 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from mlxceld.api.codec import ChatTemplateError, TextCodec
-from mlxceld.api.draining import Draining
+from mlxceld.api.edge.draining import Draining
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.ignoring import IgnoredFields
 from mlxceld.api.reasoning import template_kwargs
-from mlxceld.api.replies import ChatReply, ReplySplitter
 from mlxceld.api.requests import (
     ChatRequest,
     Options,
@@ -43,8 +42,9 @@ from mlxceld.api.requests import (
     sampling_params,
 )
 from mlxceld.api.tokenizing import PromptTokenizer
-from mlxceld.api.toolcalls import parse_calls
-from mlxceld.api.toolgrammar import after_thinking, forced_constraint, json_object_calls
+from mlxceld.api.tools.calls import parse_calls
+from mlxceld.api.tools.grammar import after_thinking, forced_constraint, json_object_calls
+from mlxceld.api.tools.replies import ChatReply, ReplySplitter
 from mlxceld.engine import Constraint, Engine, GenerationRequest, SamplingParams
 from mlxceld.models.generation import SamplingDefaults
 

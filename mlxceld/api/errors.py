@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from starlette.responses import JSONResponse
 
 from mlxceld.api.shapes import ErrorBody, ErrorType
-from mlxceld.control.connections import Refusal
+from mlxceld.guard.connections import Refusal
 
 
 class ApiError(Exception):

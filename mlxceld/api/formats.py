@@ -22,7 +22,6 @@ from typing import Protocol
 from mlxceld.api.generation import Finished
 from mlxceld.api.logprobs import TokenLogprob, chat_logprobs, text_logprobs
 from mlxceld.api.reasoning import ReasoningField, reasoning_keys
-from mlxceld.api.replies import PartKind
 from mlxceld.api.shapes import (
     AssistantMessage,
     ChatCompletion,
@@ -32,7 +31,8 @@ from mlxceld.api.shapes import (
     TextCompletion,
     Usage,
 )
-from mlxceld.api.toolcalls import ToolCall
+from mlxceld.api.tools.calls import ToolCall
+from mlxceld.api.tools.replies import PartKind
 from mlxceld.engine import FinishReason
 
 Chunk = ChatCompletionChunk | TextCompletion

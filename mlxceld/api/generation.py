@@ -16,7 +16,7 @@ With ``logprobs`` asked, each token's entry goes with the text it completes
 ``TextPiece`` of its own with no text where the text made none (held back, a stop
 string cut it, or it was a tool call's); the last piece carries those a stop string cut.
 
-A chat answer is read by its ``ChatReply`` (``replies.py``) after the stop strings: its
+A chat answer is read by its ``ChatReply`` (``tools/replies.py``) after the stop strings: its
 text pieces come out as content or reasoning, its tool calls as ``Called``; once the reply
 is done (``parallel_tool_calls`` false, one call made) the sequence ends as at a stop
 string. ``Finished.reasoning_tokens`` counts the generated tokens whose text lies inside
@@ -30,13 +30,13 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from mlxceld.api.admission import Admission
 from mlxceld.api.codec import TextCodec
-from mlxceld.api.draining import Draining
+from mlxceld.api.edge.admission import Admission
+from mlxceld.api.edge.draining import Draining
+from mlxceld.api.edge.metrics import Metrics
 from mlxceld.api.logprobs import LogprobTracker, TokenLogprob
-from mlxceld.api.metrics import Metrics
-from mlxceld.api.replies import Called, ChatReply, PartKind, Said, TokenPlaces
 from mlxceld.api.stops import StopMatcher
+from mlxceld.api.tools.replies import Called, ChatReply, PartKind, Said, TokenPlaces
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
 
 

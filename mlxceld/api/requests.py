@@ -28,7 +28,7 @@ unknown_fields = "warn"``, listed in ``ignored`` and not read). Here:
 - ``user`` (and chat's ``safety_identifier``, ``prompt_cache_key``, ``metadata``):
   accepted as the caller's opaque labels; nothing is stored, so nothing uses them.
 - ``tools``, ``tool_choice``, ``parallel_tool_calls`` and an assistant message's
-  ``tool_calls``: see ``tools.py``; a ``role: "tool"`` message's ``tool_call_id`` goes
+  ``tool_calls``: see ``tools/choice.py``; a ``role: "tool"`` message's ``tool_call_id`` goes
   to the template (left out, as templates that ignore it allow).
 - ``chat_template_kwargs``: an object of extra variables for the chat template (such as
   ``{"enable_thinking": false}``); names the router itself gives the template
@@ -91,11 +91,11 @@ from mlxceld.api.surface import (
     TEXT_PART_FIELDS,
     check_fields,
 )
-from mlxceld.api.tools import ToolUse, parse_called_tools, parse_tool_use
-from mlxceld.control.bodies import read_bounded
+from mlxceld.api.tools.choice import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from mlxceld.engine.base import MAX_LOGIT_BIAS
 from mlxceld.engine.constraints import ConstraintError, compile_grammar
+from mlxceld.guard.bodies import read_bounded
 from mlxceld.models.generation import SamplingDefaults
 
 # No tokenizer packs more text in a token, over a whole prompt: English runs at about 4

@@ -24,11 +24,10 @@ from typing import Any, ClassVar
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from mlxceld.api.access import Usage, noted
+from mlxceld.api.edge.access import Usage, noted
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import Answer, Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
-from mlxceld.api.replies import Called, ChatReply
 from mlxceld.api.requests import constraint_refused
 from mlxceld.api.streaming import (
     DONE,
@@ -38,6 +37,7 @@ from mlxceld.api.streaming import (
     start_events,
     until_disconnect,
 )
+from mlxceld.api.tools.replies import Called, ChatReply
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 from mlxceld.engine.constraints import ConstraintError
 
@@ -74,7 +74,7 @@ class SequenceResponse(Response):
         self._stream = stream
         self._arrived = arrived
         self._reply = reply
-        self._usage = Usage()  # the access log's, once called (api/access.py)
+        self._usage = Usage()  # the access log's, once called (api/edge/access.py)
         self.background = None
 
     # The format's hooks.

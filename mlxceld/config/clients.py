@@ -6,7 +6,7 @@ and whether the model's ``generation_config.json`` gives the sampling defaults.
     model_name = ["qwen3", "gpt-4o-mini"]   # or "qwen3,gpt-4o-mini" (--model-name a,b):
                                             # the first is the id, the others aliases
     allowed_origins = ["http://localhost:3000"]   # or "*" (--allowed-origins); default
-                                                  # none: no CORS (api/cors.py)
+                                                  # none: no CORS (api/edge/cors.py)
     generation_config = "auto"              # auto: the model's sampling defaults; none:
                                             # OpenAI's (--generation-config)
 

@@ -44,7 +44,7 @@
     unknown_fields = "refuse"       # a request's unknown fields: refuse (400) | warn
                                     # (ignored, logged once per name, named in a header)
 
-The connection bounds (``mlxceld/control/connections.py`` has the whole story):
+The connection bounds (``mlxceld/guard/connections.py`` has the whole story):
 past ``max_connections`` the connection that has waited longest for a request of
 its own is closed (a request in progress never is); the cap is lowered to keep
 128 descriptors of the router's file limit free, and 128 more for the connections

@@ -15,8 +15,8 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
-from mlxceld.control.bodies import read_bounded
 from mlxceld.errors import BadRequest, RequestTooLarge
+from mlxceld.guard.bodies import read_bounded
 from mlxceld.types import MAX_DRAIN_DEADLINE_S, MAX_PIPELINE_STAGES, MAX_REPLICAS
 
 QUERY_HINT: Final = "check the query parameters"

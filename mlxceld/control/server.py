@@ -42,17 +42,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxceld import failpoints
 from mlxceld.control.access import DEFAULT_DENIED_HINT, OperatorGroup, join_hint
-from mlxceld.control.bursts import Burst
-from mlxceld.control.connections import (
+from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
+from mlxceld.errors import SocketError
+from mlxceld.guard.bursts import Burst
+from mlxceld.guard.connections import (
     ACCEPT_BATCH,
     ConnectionLimits,
     Guard,
     Render,
     connection_cap,
 )
-from mlxceld.control.guarded import GuardedH11Protocol, json_refusal
-from mlxceld.control.peercred import PeerCredentials, is_authorized, peer_credentials
-from mlxceld.errors import SocketError
+from mlxceld.guard.guarded import GuardedH11Protocol, json_refusal
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 deadline, or the drain's start with ``--force``) before anything else, so that it
 survives a restart of the daemon. Then, every ``PUSH_EVERY_S`` (and at once after a
 change), the router worker is told every drain in force of the nodes its requests
-need (its control channel's ``drain`` op; ``api/draining.py`` says what it does
+need (its control channel's ``drain`` op; ``api/edge/draining.py`` says what it does
 with them: 503 "draining" for new requests, the running ones finish, the deadline
 ends the rest), and answers how many requests are still in flight. A draining node
 whose router has none left is ``drained``; its row keeps the counts (finished,

@@ -4,7 +4,7 @@ One table: the families are made from it (``new``), so a name served is a name l
 and mlxceld(8)'s METRICS section and the Grafana dashboard (contrib/grafana) are checked
 against it (tests/observe). A counter's samples end in ``_total`` (``exported``), as
 prometheus-client writes them. ``vllm``: the name vLLM gives the same measure, where it
-has one. The router's own families (on its OpenAI port) are ``api/metrics.py``'s; the
+has one. The router's own families (on its OpenAI port) are ``api/edge/metrics.py``'s; the
 prompt cache's names are the same here and there, with the labels each one names.
 """
 
@@ -124,7 +124,7 @@ FAMILIES: Final = (
        ("worker", "rank")),
 )
 BY_NAME: Final = {f.name: f for f in FAMILIES}
-# What every process serves besides, read by api/metrics.py's ``process_metrics``.
+# What every process serves besides, read by api/edge/metrics.py's ``process_metrics``.
 PROCESS: Final = ("process_resident_memory_bytes", "process_cpu_seconds_total",
                   "process_open_fds", "process_start_time_seconds")
 

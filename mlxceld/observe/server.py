@@ -9,10 +9,10 @@ time (stopped, stuck) is left out of the workers' lines and reads
 their stats every second, so a count may be up to a second old.
 
 With an API key (``[serve] api_key_file``) and ``[serve] metrics_require_key`` (the
-default), a scrape needs ``Authorization: Bearer <key>`` (``api/auth.py``: compared in
+default), a scrape needs ``Authorization: Bearer <key>`` (``api/edge/auth.py``: compared in
 constant time, answered 401 in OpenAI's error shape); the setting is read at each
 request, so a reload changes it. Every other path is 404, another method 405. The
-listener holds its connections to ``LIMITS`` (``control/connections.py``).
+listener holds its connections to ``LIMITS`` (``guard/connections.py``).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mlxceld.api.auth import require_api_key
+from mlxceld.api.edge.auth import require_api_key
+from mlxceld.api.edge.metrics import CONTENT_TYPE, build_info, process_metrics
 from mlxceld.api.errors import refusal_body
-from mlxceld.api.metrics import CONTENT_TYPE, build_info, process_metrics
-from mlxceld.control.connections import ConnectionLimits
 from mlxceld.control.server import SocketServer
 from mlxceld.control.view import DaemonView
 from mlxceld.errors import DaemonError
+from mlxceld.guard.connections import ConnectionLimits
 from mlxceld.observe.node import Reading, daemon_families
 from mlxceld.observe.workers import worker_families
 from mlxceld.wire.address import HostPort

@@ -6,7 +6,7 @@ Read by what the stats hold, not by role, since a prefill or decode node's worke
 ``steps``, ...), a prefill or decode node's (``workers/handoff_node.py``: ``handoffs``),
 a tensor rank's (``workers/tensor_rank.py``: ``tensor``), and a prompt cache where one
 says so (``prompt_cache``). A router with an OpenAI port (its stats carry ``url``) serves
-its engine's metrics there (``api/metrics.py``); here it has only the daemon's lines.
+its engine's metrics there (``api/edge/metrics.py``); here it has only the daemon's lines.
 """
 
 from __future__ import annotations

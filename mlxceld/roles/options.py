@@ -245,7 +245,7 @@ class RouterOptions:
     replicas: ReplicasOptions | None = None
     # With --node-role prefill|decode: no OpenAI port; the engine on the serving listener.
     handoff: HandoffOptions | None = None
-    # The OpenAI port's connections (control/connections.py says what each bounds).
+    # The OpenAI port's connections (guard/connections.py says what each bounds).
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -276,7 +276,7 @@ class RouterOptions:
     kv_quant: KVQuant | None = None
     # The model's other names: a request may name it by any (``[serve] model_name``).
     model_aliases: tuple[str, ...] = ()
-    # CORS on the OpenAI port (``api/cors.py``): exact origins, or ("*",); (): none.
+    # CORS on the OpenAI port (``api/edge/cors.py``): exact origins, or ("*",); (): none.
     allowed_origins: tuple[str, ...] = ()
     # "auto": sampling defaults from the model's generation_config.json; "none": OpenAI's.
     generation_config: str = "auto"

@@ -80,7 +80,7 @@ the listener takes no new sequence (``draining``) and its sequences get ``GRACEF
 finish, as the OpenAI port's streams do.
 
 Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
-nodes its requests need are draining (``api/draining.py``: 503 "draining" for new
+nodes its requests need are draining (``api/edge/draining.py``: 503 "draining" for new
 requests, in-flight ones finish, the rest end at the deadline); the daemon says it
 again every ``drain/service.py`` ``PUSH_EVERY_S``, so a restarted router learns it.
 """
@@ -94,12 +94,12 @@ import socket
 from typing import cast
 
 from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
-from mlxceld.api.draining import Draining, NodeDrain
+from mlxceld.api.edge.draining import Draining, NodeDrain
 from mlxceld.api.ignoring import UnknownFields
 from mlxceld.api.reasoning import ReasoningField
-from mlxceld.control.connections import ConnectionLimits, raise_file_limit
 from mlxceld.control.server import SocketServer
 from mlxceld.errors import ConfigError
+from mlxceld.guard.connections import ConnectionLimits, raise_file_limit
 from mlxceld.models.generation import SamplingDefaults, read_sampling_defaults
 from mlxceld.replicas.service import ServingService
 from mlxceld.roles.options import RouterOptions

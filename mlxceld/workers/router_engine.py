@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxceld.api.metrics import PromptCaches, StageLinks
+from mlxceld.api.edge.metrics import PromptCaches, StageLinks
 from mlxceld.engine import Engine
 from mlxceld.roles.options import RouterOptions
 from mlxceld.workers.runtime import WorkerContext

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from mlxceld.api import ApiError
-from mlxceld.api.admission import Admission
+from mlxceld.api.edge.admission import Admission
 
 
 async def hold(admission: Admission, name: str, order: list[str], release: asyncio.Event) -> None:

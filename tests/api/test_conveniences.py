@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxceld.api.requestid import MAX_CHARS
+from mlxceld.api.edge.requestid import MAX_CHARS
 from mlxceld.models.generation import SamplingDefaults
 
 from helpers.api import KEY, MODEL, http_client, make_app, metric, sse_events

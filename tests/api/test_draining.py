@@ -1,4 +1,4 @@
-"""The router's side of a drain (``api/draining.py``), over a fake engine in process: new
+"""The router's side of a drain (``api/edge/draining.py``), over a fake engine in process: new
 requests get 503 + Retry-After + "draining" naming the node, a request admitted before
 runs to completion, the deadline ends what still runs with a clear error, an undrain
 admits again."""
@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from mlxceld.api.draining import RETRY_AFTER_S, Draining, NodeDrain
+from mlxceld.api.edge.draining import RETRY_AFTER_S, Draining, NodeDrain
 from mlxceld.api.errors import ApiError
 
 from helpers.api import MODEL, http_client, make_app

@@ -1,4 +1,4 @@
-"""A Messages API body read into a chat (``api/messages.py``): what each field becomes,
+"""A Messages API body read into a chat (``api/anthropic/request.py``): what each field becomes,
 and every refusal naming its field."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from mlxceld.api.anthropic.request import parse_messages
 from mlxceld.api.errors import ApiError
-from mlxceld.api.messages import parse_messages
 from mlxceld.api.reasoning import template_kwargs
 
 MODEL = "m"

@@ -1,4 +1,4 @@
-"""``/metrics``' per-scrape part (``api/metrics.py`` ``Snapshot``), in process: the process,
+"""``/metrics``' per-scrape part (``api/edge/metrics.py`` ``Snapshot``), in process: the process,
 the build, the model, stage links fed through the app's ``stage_links`` seam and prompt
 caches through its ``prompt_caches``."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import psutil
 
-from mlxceld.api.metrics import LINK_STATES
+from mlxceld.api.edge.metrics import LINK_STATES
 
 from helpers.api import http_client, make_app
 from helpers.metrics import Samples, parse_samples, sample

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxceld.api.replies import CallText, ChatReply, Part, ReplySplitter, Said
-from mlxceld.api.toolcalls import ToolCall, parse_calls
+from mlxceld.api.tools.calls import ToolCall, parse_calls
+from mlxceld.api.tools.replies import CallText, ChatReply, Part, ReplySplitter, Said
 
 from helpers.fakes import TOOL_FEATURES
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from mlxceld.api.fields import Fields
-from mlxceld.api.tools import ToolUse, parse_tool_use
+from mlxceld.api.tools.choice import ToolUse, parse_tool_use
 
 from helpers.api import MODEL, make_app, openai_client
 from helpers.fakes import FakeEngine, ToolByteCodec

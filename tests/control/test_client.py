@@ -18,10 +18,11 @@ from typing import Any
 import h11
 import pytest
 
-from mlxceld.control import blocking, client
-from mlxceld.control.blocking import BlockingClient
-from mlxceld.control.client import ControlClient
-from mlxceld.control.exchange import Exchange, Lines
+from mlxceld.control.clients import blocking
+from mlxceld.control.clients import typed as client
+from mlxceld.control.clients.blocking import BlockingClient
+from mlxceld.control.clients.exchange import Exchange, Lines
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import ControlError, DaemonNotRunning, PermissionDenied
 
 KINDS = ("blocking", "asyncio")

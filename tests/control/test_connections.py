@@ -25,13 +25,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from mlxceld.control.connections import (
+from mlxceld.control.server import CONTROL_LIMITS, ControlServer, SocketServer, peer_guard
+from mlxceld.guard.connections import (
     MAX_HEADER_LINE_BYTES,
     MAX_HEADERS,
     RESERVED_FDS,
     ConnectionLimits,
 )
-from mlxceld.control.server import CONTROL_LIMITS, ControlServer, SocketServer, peer_guard
 
 from helpers.waiting import until
 
@@ -341,7 +341,7 @@ def test_the_file_limit_is_raised_and_the_cap_kept_below_it() -> None:
     script = """
 import logging, resource, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-from mlxceld.control.connections import connection_cap, raise_file_limit
+from mlxceld.guard.connections import connection_cap, raise_file_limit
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 print("cap", connection_cap(1024, "the port"))

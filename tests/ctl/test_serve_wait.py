@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxctl import serving
 from mlxctl.progress import LoadView
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import DaemonNotRunning
 
 from helpers.waiting import wait_for

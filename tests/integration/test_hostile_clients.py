@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from mlxceld.control.connections import ACCEPT_BATCH, MAX_HEADER_LINE_BYTES, MAX_HEADERS
+from mlxceld.guard.connections import ACCEPT_BATCH, MAX_HEADER_LINE_BYTES, MAX_HEADERS
 from mlxceld.models import preset, write_fixture
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons

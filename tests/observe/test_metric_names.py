@@ -1,6 +1,6 @@
 """Every metric name people are shown is one we serve: the Grafana dashboard's queries
 (contrib/grafana/mlxceld.json) and mlxceld(8)'s METRICS section, against the names the
-code serves: the daemon's (``observe/catalog.py``) and the router's (``api/metrics.py``,
+code serves: the daemon's (``observe/catalog.py``) and the router's (``api/edge/metrics.py``,
 read from a real ``Metrics`` with stage links and a prompt cache)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mlxceld.api.metrics import Metrics
+from mlxceld.api.edge.metrics import Metrics
 from mlxceld.observe.catalog import FAMILIES, PROCESS
 
 ROOT = Path(__file__).resolve().parents[2]

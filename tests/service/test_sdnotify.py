@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from mlxceld.control.client import ControlClient
+from mlxceld.control.clients.typed import ControlClient
 from mlxceld.sdnotify import Notifier, notify_address, status_line, watchdog_interval
 
 from helpers.daemons import FAST_POLICY, Daemons, alive

@@ -4,18 +4,18 @@ API), read, checked and translated into the ``ChatRequest`` every chat endpoint 
 
 Each field is honoured, accepted as what it is (an opaque label, a cache hint), or
 refused by name (400 ``invalid_request_error``); a field no table of
-``messages_surface.py`` knows is refused by name too, or, with ``[serve] unknown_fields =
+``anthropic/surface.py`` knows is refused by name too, or, with ``[serve] unknown_fields =
 "warn"``, ignored and named (``ignoring.py``), as on every endpoint. What each becomes:
 
 - ``model``: required; the served model's id, else 404 ``not_found_error``.
 - ``max_tokens``: required, >= 1. A bound, as Anthropic's newer models take it: what is
   left of the context (or the operator's ``[serve] max_tokens``) when fewer; an answer cut
-  by the context ends with ``model_context_window_exceeded`` (``messages_format.py``).
+  by the context ends with ``model_context_window_exceeded`` (``anthropic/format.py``).
 - ``system``: a string or text blocks, the first system message. A text block that is
   Claude Code's per-request billing line (``x-anthropic-billing-header: ...``) is left
   out: it is no instruction, and it changes every request, so the prompt cache would
   never see the same prefix twice (llama.cpp pull request 20623 drops it the same way).
-- ``messages`` (read by ``message_blocks.py``): user, assistant (and system) turns;
+- ``messages`` (read by ``anthropic/blocks.py``): user, assistant (and system) turns;
   content a string or blocks. Text
   blocks are joined with newlines. A user's ``tool_result`` block is a ``tool`` message
   (its content a string or text blocks; ``is_error`` true puts "Error: " before it); an
@@ -59,11 +59,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from mlxceld.api.codec import ChatMessage
-from mlxceld.api.errors import ApiError, invalid
-from mlxceld.api.fields import Fields, check_text, member, parse_object, show
-from mlxceld.api.message_blocks import system_messages, turn_messages
-from mlxceld.api.messages_surface import (
+from mlxceld.api.anthropic.blocks import system_messages, turn_messages
+from mlxceld.api.anthropic.surface import (
     CONTEXT_MANAGEMENT_FIELDS,
     COUNT_FIELDS,
     MESSAGES_FIELDS,
@@ -73,10 +70,13 @@ from mlxceld.api.messages_surface import (
     TOOL_CHOICE_FIELDS,
     TOOL_FIELDS,
 )
+from mlxceld.api.codec import ChatMessage
+from mlxceld.api.errors import ApiError, invalid
+from mlxceld.api.fields import Fields, check_text, member, parse_object, show
 from mlxceld.api.reasoning import ABOVE_HIGH, read_effort
 from mlxceld.api.requests import MAX_STOP_CHARS, OPENAI_DEFAULTS, ChatRequest, Options
 from mlxceld.api.surface import check_fields
-from mlxceld.api.tools import ChoiceKind, Tool, ToolUse, parse_tools
+from mlxceld.api.tools.choice import ChoiceKind, Tool, ToolUse, parse_tools
 from mlxceld.models.generation import SamplingDefaults
 
 MAX_STOP_SEQUENCES = 16

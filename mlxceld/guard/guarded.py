@@ -41,7 +41,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from uvicorn.server import ServerState
 
-from mlxceld.control.connections import (
+from mlxceld.guard.connections import (
     MAX_HEAD_BYTES,
     Guard,
     Refusal,

@@ -20,7 +20,7 @@ from typing import Final
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mlxceld.api.access import noted
+from mlxceld.api.edge.access import noted
 
 HEADER: Final = "x-request-id"
 MAX_CHARS: Final = 128

@@ -1,7 +1,7 @@
 """The Messages API's turns (``system`` and ``messages``), their content blocks read
 into the chat messages a template renders (``messages.py`` says what each block becomes).
 
-Each turn's and block's fields are checked by name against ``messages_surface.py``'s
+Each turn's and block's fields are checked by name against ``anthropic/surface.py``'s
 tables (``surface.check_fields``: one no table lists is refused, or ignored and named
 under ``[serve] unknown_fields = "warn"``); images, documents and server tools' blocks are
 refused by type.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxceld.api.anthropic.surface import BLOCK_FIELDS, TURN_FIELDS
 from mlxceld.api.codec import CalledTool, ChatMessage
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, member, show
-from mlxceld.api.messages_surface import BLOCK_FIELDS, TURN_FIELDS
 from mlxceld.api.surface import check_fields
 
 BILLING_LINE = "x-anthropic-billing-header:"  # Claude Code's per-request line, left out

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from mlxceld.api.codec import ChatFeatures
 from mlxceld.api.errors import invalid
-from mlxceld.api.tools import Tool
+from mlxceld.api.tools.choice import Tool
 from mlxceld.engine import Constraint
 from mlxceld.engine.constraints import ConstraintError, compile_grammar
 

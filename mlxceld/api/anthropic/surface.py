@@ -1,6 +1,6 @@
 """Every field of a ``POST /v1/messages`` body (and a ``count_tokens`` one), of its
 turns, content blocks, tools and options, and what the router does with each
-(``surface.py``'s states). ``messages.py`` and ``message_blocks.py`` read them through
+(``surface.py``'s states). ``messages.py`` and ``anthropic/blocks.py`` read them through
 ``surface.check_fields``: a refused field is a 400 naming it, and a field no table knows
 is refused by name too, or, with ``[serve] unknown_fields = "warn"``, ignored and named
 (``ignoring.py``), as on every endpoint. ``fielddoc.py`` publishes the tables.

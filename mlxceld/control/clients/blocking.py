@@ -16,7 +16,7 @@ from types import TracebackType
 
 import h11
 
-from mlxceld.control.exchange import (
+from mlxceld.control.clients.exchange import (
     READ_SIZE,
     REQUEST_TIMEOUT_S,
     STREAM_READ_TIMEOUT_S,

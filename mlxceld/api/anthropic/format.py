@@ -34,9 +34,9 @@ from typing import Any, Literal
 from mlxceld.api.anthropic_errors import anthropic_body
 from mlxceld.api.errors import ApiError
 from mlxceld.api.generation import Finished
-from mlxceld.api.replies import PartKind
 from mlxceld.api.streaming import named_event
-from mlxceld.api.toolcalls import ToolCall
+from mlxceld.api.tools.calls import ToolCall
+from mlxceld.api.tools.replies import PartKind
 
 LimitReason = Literal["max_tokens", "model_context_window_exceeded"]
 

@@ -47,7 +47,7 @@ from typing import Final, Protocol
 
 import h11
 
-from mlxceld.control.bursts import Burst
+from mlxceld.guard.bursts import Burst
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ markers (``codec.ChatFeatures``) switch between three states:
 - reasoning, until the reasoning end marker; an answer starts in it when its prompt ended
   inside a reasoning block (``TextCodec.opens_thinking``);
 - a tool call, until its end marker: the text between is one ``CallText``, parsed above
-  (``toolcalls.py``).
+  (``tools/calls.py``).
 
 The whitespace that follows a reasoning block's end (templates write ``</think>\n\n``) is
 not content: content starts at its first other character.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mlxceld.api.codec import ChatFeatures
-from mlxceld.api.toolcalls import ToolCall
+from mlxceld.api.tools.calls import ToolCall
 
 PartKind = Literal["content", "reasoning"]
 

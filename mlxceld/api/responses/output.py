@@ -31,9 +31,9 @@ from typing import Any, Literal
 from mlxceld.api.errors import ApiError
 from mlxceld.api.generation import Finished
 from mlxceld.api.logprobs import TokenLogprob, chat_logprobs
-from mlxceld.api.replies import PartKind
 from mlxceld.api.shapes import ChatTokenLogprob
-from mlxceld.api.toolcalls import ToolCall
+from mlxceld.api.tools.calls import ToolCall
+from mlxceld.api.tools.replies import PartKind
 
 Json = dict[str, Any]
 Status = Literal["in_progress", "completed", "incomplete", "failed"]

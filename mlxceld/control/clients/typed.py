@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from mlxceld.control.exchange import (
+from mlxceld.control.clients.exchange import (
     PLAN_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
     STREAM_READ_TIMEOUT_S,
@@ -27,7 +27,7 @@ from mlxceld.control.exchange import (
     target,
     timed_out,
 )
-from mlxceld.control.transport import Connection
+from mlxceld.control.clients.transport import Connection
 from mlxceld.types import JSON
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """Every field of a ``POST /v1/responses`` body and of its input items, and what the
 router does with each (``surface.py``'s states: honoured, opaque, refused with a note
-saying what to do). ``responses.py`` and ``responses_input.py`` read them; a field no
+saying what to do). ``responses.py`` and ``responses/items.py`` read them; a field no
 table knows is refused by name (``surface.check_fields``), or, with ``[serve]
 unknown_fields = "warn"``, ignored and named (``ignoring.py``). ``fielddoc.py`` publishes
 the tables.

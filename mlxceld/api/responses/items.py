@@ -6,9 +6,9 @@ string or text parts, joined with newlines); ``function_call`` items, joined to 
 assistant message before them (consecutive calls are one message); a
 ``function_call_output`` item, a tool message for its ``call_id``; a ``reasoning`` item,
 its ``content`` text (else its summary's) given to the next assistant message as its
-reasoning. Each item's fields are checked against ``responses_surface.py``'s tables
+reasoning. Each item's fields are checked against ``responses/surface.py``'s tables
 (``surface.check_fields``, ``ignored`` under ``[serve] unknown_fields = "warn"``); a
-call's name and arguments as chat's (``tools.py``).
+call's name and arguments as chat's (``tools/choice.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from mlxceld.api.codec import CalledTool, ChatMessage
 from mlxceld.api.errors import invalid
 from mlxceld.api.fields import Fields, check_text, member, show
-from mlxceld.api.responses_surface import (
+from mlxceld.api.responses.surface import (
     CALL_ITEM_FIELDS,
     MESSAGE_ITEM_FIELDS,
     OUTPUT_ITEM_FIELDS,
@@ -29,7 +29,7 @@ from mlxceld.api.responses_surface import (
     TEXT_PARTS,
 )
 from mlxceld.api.surface import check_fields
-from mlxceld.api.tools import call_arguments, function_name
+from mlxceld.api.tools.choice import call_arguments, function_name
 
 Ignored = list[str] | None  # unknown fields' paths (``[serve] unknown_fields = "warn"``)
 

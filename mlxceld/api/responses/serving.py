@@ -20,12 +20,12 @@ from starlette.responses import Response
 from mlxceld.api.chatting import Chats, PreparedChat
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.generation import Finished, TextPiece
-from mlxceld.api.replies import Called
 from mlxceld.api.requests import check_constraint
-from mlxceld.api.responses import parse_responses
-from mlxceld.api.responses_output import ResponseBuilder
+from mlxceld.api.responses.output import ResponseBuilder
+from mlxceld.api.responses.request import parse_responses
 from mlxceld.api.serving import SequenceResponse
 from mlxceld.api.streaming import named_event
+from mlxceld.api.tools.replies import Called
 
 
 def _named(events: list[dict[str, Any]]) -> list[bytes]:

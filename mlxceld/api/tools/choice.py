@@ -9,7 +9,7 @@ checked, and the earlier tool calls its assistant messages carry.
   tools: the model answers in text), "required" (at least one call), or
   ``{"type": "function", "function": {"name": ...}}`` (that one, and only it is given to
   the template). "required" and a named function are forced by a grammar
-  (``toolgrammar.py``; the local engine enforces it); "required" or a named function
+  (``tools/grammar.py``; the local engine enforces it); "required" or a named function
   without tools is refused.
 - ``parallel_tool_calls`` (default true): false is honoured by ending the answer after its
   first tool call.

@@ -1,6 +1,6 @@
 """The router's access log: one line per HTTP request, once its response has ended.
 
-Logged by ``mlxceld.api.access`` at INFO, in the router worker's log
+Logged by ``mlxceld.api.edge.access`` at INFO, in the router worker's log
 (``<state-dir>/logs/router.log``; ``mlxctl logs router``)::
 
     POST /v1/chat/completions 200 prompt_tokens=12 completion_tokens=8 duration_ms=35.2
@@ -10,7 +10,7 @@ and with ``--log-format json`` the same as fields of the line's object (``method
 ``path``, ``status``, ``prompt_tokens``, ``completion_tokens``, ``duration_ms``,
 ``request_id``, ``completion_id``; the tokens and the completion's id null when the
 request had none). ``request_id`` is the answer's ``x-request-id`` (the client's, or
-one made for it: ``requestid.py``), ``completion_id`` the completion's ``id``.
+one made for it: ``edge/requestid.py``), ``completion_id`` the completion's ``id``.
 
 ``GET /health``, ``/ready`` and ``/metrics`` (``PROBE_PATHS``: what load balancers,
 supervisors and Prometheus poll every few seconds) are logged at DEBUG, everything
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mlxceld.api.metrics import CLIENT_GONE
+from mlxceld.api.edge.metrics import CLIENT_GONE
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mlxceld.api.access")  # the name mlxceld(8) documents
 MAX_PATH = 256  # characters of a path logged; a longer one is cut
 # Polled by load balancers, supervisors and Prometheus, every few seconds: at DEBUG, so
 # that a day of probes does not bury the requests (``--log-level debug`` shows them).
@@ -45,7 +45,7 @@ SCOPE_KEY = "mlxceld.access"  # where a request's ``Usage`` waits in its ASGI sc
 class Usage:
     """What the handler learns of a request, for its access line (``noted``)."""
 
-    request_id: str | None = None  # x-request-id (requestid.py)
+    request_id: str | None = None  # x-request-id (edge/requestid.py)
     completion_id: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None

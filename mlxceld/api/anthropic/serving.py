@@ -3,7 +3,7 @@ Messages API) over the shared chat path (``chatting.py``).
 
 A body is read and translated (``messages.py``), prepared as every chat is (template,
 tokens, tools, constraints), and run by the ``Sequencer``; its events are written as a
-message or Anthropic's events (``messages_format.py``) by ``serving.SequenceResponse``:
+message or Anthropic's events (``anthropic/format.py``) by ``serving.SequenceResponse``:
 nothing is sent before the sequence's first event, so a full queue, an engine that fails
 at once or a client gone while queued gets a plain answer (Anthropic's error shape: the
 app renders every refusal on these paths so, ``anthropic_errors.py``); once a stream has
@@ -22,14 +22,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mlxceld.api.anthropic.format import LimitReason, MessageFormat, MessageStream, tool_use
+from mlxceld.api.anthropic.request import parse_messages
 from mlxceld.api.anthropic_errors import anthropic_response
 from mlxceld.api.chatting import Chats
 from mlxceld.api.errors import ApiError
 from mlxceld.api.generation import Finished, Sequencer, TextPiece
-from mlxceld.api.messages import parse_messages
-from mlxceld.api.messages_format import LimitReason, MessageFormat, MessageStream, tool_use
-from mlxceld.api.replies import Called, ChatReply
 from mlxceld.api.serving import SequenceResponse
+from mlxceld.api.tools.replies import Called, ChatReply
 from mlxceld.engine import GenerationRequest
 
 
@@ -69,7 +69,7 @@ class Messages:
 
 
 class MessagesResponse(SequenceResponse):
-    """A message, whole or as Anthropic's events (``messages_format.py``); a refusal
+    """A message, whole or as Anthropic's events (``anthropic/format.py``); a refusal
     before anything was sent in Anthropic's error shape."""
 
     def __init__(self, sequencer: Sequencer, request: GenerationRequest, stops: tuple[str, ...],

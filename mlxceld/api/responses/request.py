@@ -4,10 +4,10 @@ the ``ChatRequest`` every chat-shaped endpoint shares (``chatting.py``).
 Stateless: nothing is stored, so ``previous_response_id``, ``conversation``, item
 references and ``store: true`` are refused by name; ``store`` left out is served the same
 way (OpenAI would store the response; this server never does). Every field is in
-``responses_surface.py`` (``surface.py``'s states); a field no table there knows is refused
+``responses/surface.py`` (``surface.py``'s states); a field no table there knows is refused
 (or, with ``[serve] unknown_fields = "warn"``, ignored and named: ``ignoring.py``).
 
-- ``input`` (read by ``responses_input.py``): a string (one user message) or a list of
+- ``input`` (read by ``responses/items.py``): a string (one user message) or a list of
   items: messages (``role`` user,
   assistant, system or developer, read as system; ``content`` a string or ``input_text`` /
   ``output_text`` parts, joined with newlines), ``function_call`` items (an assistant's
@@ -21,7 +21,7 @@ way (OpenAI would store the response; this server never does). Every field is in
 - ``tools``: function tools in the flat Responses shape (``{"type": "function", "name",
   "description", "parameters", "strict"}``); any other tool type (web search, file search,
   ...) is refused naming it. ``tool_choice`` "auto", "none", "required" or ``{"type":
-  "function", "name"}``; ``parallel_tool_calls``: as chat's (``tools.py``).
+  "function", "name"}``; ``parallel_tool_calls``: as chat's (``tools/choice.py``).
 - ``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``,
   ``strict``, ``description``), through the same constrained decoding as chat's
   ``response_format``; ``text.verbosity`` only "medium" (the default).
@@ -53,8 +53,8 @@ from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, member, parse_object, show
 from mlxceld.api.reasoning import read_effort
 from mlxceld.api.requests import OPENAI_DEFAULTS, SCHEMA_NAME_CHARS, ChatRequest, Options
-from mlxceld.api.responses_input import Ignored, input_messages, required
-from mlxceld.api.responses_surface import (
+from mlxceld.api.responses.items import Ignored, input_messages, required
+from mlxceld.api.responses.surface import (
     EFFORTS,
     FORMAT_FIELDS,
     FUNCTION_TOOL_FIELDS,
@@ -66,7 +66,7 @@ from mlxceld.api.responses_surface import (
     TEXT_FIELDS,
 )
 from mlxceld.api.surface import check_fields
-from mlxceld.api.tools import ChoiceKind, Tool, function_name, parse_tools, tool_use
+from mlxceld.api.tools.choice import ChoiceKind, Tool, function_name, parse_tools, tool_use
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint
 from mlxceld.models.generation import SamplingDefaults
 

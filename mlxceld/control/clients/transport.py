@@ -13,7 +13,7 @@ from pathlib import Path
 
 import h11
 
-from mlxceld.control.exchange import READ_SIZE, Event, Exchange, connect_error, lost
+from mlxceld.control.clients.exchange import READ_SIZE, Event, Exchange, connect_error, lost
 
 
 class Connection:
