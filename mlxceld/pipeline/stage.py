@@ -40,7 +40,7 @@ stage are dialed, watched by a heartbeat and bounded in each send, and handed ov
 the new primary key on a ``rekey``, as ``onward.py`` says: a send that fails tells the
 sequence's owner ``downstream_unreachable`` instead of holding this stage's loop.
 
-Draining (``drain``, when the worker is told to stop: SIGTERM): the stage refuses
+Draining (``finish_held``, when the worker is told to stop: SIGTERM): the stage refuses
 every new ``prepare`` with ``draining`` (the router answers 503 naming the stage)
 and keeps serving the sequences it holds, until each is released (or its owner's
 connection ends), for at most ``DRAIN_S``; then the worker closes. ``DRAIN_S`` stays
@@ -128,8 +128,8 @@ class StageService:
         self.stats = StageStats()
         self._steps = StageSteps(model, place.node_id, self._seqs, self.cache, self._onward,
                                  self.stats, self._forget)
-        self.draining = False  # stopping: no new sequence (``drain``)
-        self._released = asyncio.Event()  # set when a sequence is forgotten (``drain``)
+        self.draining = False  # stopping: no new sequence (``finish_held``)
+        self._released = asyncio.Event()  # set when a sequence is forgotten (``finish_held``)
 
     def activate(self) -> None:
         """Leave standby: the weights are loaded already, so this is only a switch."""
@@ -155,7 +155,7 @@ class StageService:
         """Its connections onward and their latest round trips (``Onward.rtts_ms``)."""
         return self._onward.rtts_ms()
 
-    async def drain(self, deadline: float) -> int:
+    async def finish_held(self, deadline: float) -> int:
         """Refuse new sequences and wait until those held are released, at the latest
         until ``deadline`` (the loop's clock); the number still held then."""
         self.draining = True

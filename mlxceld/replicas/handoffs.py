@@ -336,12 +336,12 @@ class HandoffService(ServingService):
             return stream
 
     def _spawn_reader(self, stream: MxclStream) -> None:
-        async def drain() -> None:
+        async def read_to_end() -> None:
             with contextlib.suppress(ConnectionClosed):
                 while True:
                     await stream.recv()
 
-        self._readers.spawn(drain())
+        self._readers.spawn(read_to_end())
 
     # -- decode -------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
   engine at most ``max_batch`` running plus as many again waiting: beyond either,
   ``busy`` (the router tries another node). A prompt over the engine's context
   length is ``bad_request``, as is a token id outside the model's vocabulary
-  (``vocab_size``: checked before the engine sees it). While draining (``drain``, as
+  (``vocab_size``: checked before the engine sees it). While draining (``finish_held``, as
   the node stops) every ``generate`` is refused with ``draining`` and the sequences
   held run to their end, for a bound the caller gives.
 - Engine failures map to codes: a constraint it cannot use (``ConstraintError``) is
@@ -100,7 +100,7 @@ class ServingService:
         self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
         self.draining = False
         self._held = 0  # sequences in flight over all connections
-        self._ended = asyncio.Event()  # set as each sequence ends (``drain`` waits on it)
+        self._ended = asyncio.Event()  # set as each sequence ends (``finish_held`` waits on it)
         self._specs: dict[str, MessageSpec] = dict(p.NODE_SPECS)
         self._unattached: frozenset[str] = frozenset()  # types a peer sends unattached
         self._listener = Listener(where.host, where.port, keyring=keyring,
@@ -130,7 +130,7 @@ class ServingService:
                  self.role, self.host, self.port)
         await self._listener.serve(started)
 
-    async def drain(self, within_s: float) -> int:
+    async def finish_held(self, within_s: float) -> int:
         """Take no new sequence (``draining``) and wait for those held to end, at most
         ``within_s``; how many are still held then (``aclose`` cancels them)."""
         self.draining = True

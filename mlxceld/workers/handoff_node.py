@@ -176,5 +176,5 @@ async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
                 await asyncio.wait_for(ctx.stopping.wait(), stats_every_s)
         if keeping is not None:
             keeping.cancel()
-        await service.drain(graceful_s)
+        await service.finish_held(graceful_s)
         await service.aclose()

@@ -258,7 +258,7 @@ async def serve(ctx: WorkerContext[RouterOptions], built: RouterEngine,
             await report(ctx, built)
             server.request_shutdown()
             if service is not None:  # as the OpenAI port: its streams get GRACEFUL_S
-                await service.drain(GRACEFUL_S)
+                await service.finish_held(GRACEFUL_S)
                 await service.aclose()
             linking.cancel()
     finally:

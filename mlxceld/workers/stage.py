@@ -188,7 +188,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  inline=service.stats.inline,
                                  prompt_cache=cache_stats(service.cache.store))
             ctx.stats.update(draining=True)
-            await service.drain(asyncio.get_running_loop().time() + DRAIN_S)
+            await service.finish_held(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()
             await service.aclose()
             compute.cancel()

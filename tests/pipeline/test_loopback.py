@@ -611,7 +611,7 @@ def test_a_draining_stage_finishes_its_sequences_and_refuses_new_ones(
                 outs = engine.generate(req)
                 got = [(await anext(outs)).token]  # in flight on both stages
                 loop = asyncio.get_running_loop()
-                drain = asyncio.ensure_future(c.services[1].drain(loop.time() + 30))
+                drain = asyncio.ensure_future(c.services[1].finish_held(loop.time() + 30))
                 await until(lambda: c.services[1].draining, "the stage drains")
                 with pytest.raises(EngineUnavailable) as refused:
                     await tokens_of(engine, PROMPT, 2)
@@ -622,7 +622,7 @@ def test_a_draining_stage_finishes_its_sequences_and_refuses_new_ones(
                 held = engine.generate(req)
                 await anext(held)
                 start = loop.time()
-                dropped = await c.services[1].drain(start + 0.5)
+                dropped = await c.services[1].finish_held(start + 0.5)
                 took = loop.time() - start
                 await held.aclose()
                 return got, refused.value, left, dropped, took

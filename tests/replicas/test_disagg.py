@@ -331,7 +331,7 @@ def test_a_pair_that_refuses_before_the_first_token_falls_back_to_a_replica(
             async with linked(pool):
                 await until(lambda: replica.state() == "up", "the replica up", WAIT_S)
                 for n in [prefill] if refusing == "prefill" else decodes:
-                    assert await n.drain(0.0) == 0
+                    assert await n.finish_held(0.0) == 0
                 assert router.readiness() is None  # the pair is up: it is tried first
                 assert await tokens(both, request(ids, 6, temperature=0)) == local
                 assert pool.stats(verbose=False)["completed"] == 1

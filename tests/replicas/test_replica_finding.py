@@ -9,7 +9,7 @@ import secrets
 from mlxceld.discovery.serving import ServingFinder, serve_serving
 from mlxceld.net.agent import AgentService
 from mlxceld.replicas.remote import RemoteEngine
-from mlxceld.types import JSON
+from mlxceld.wire.agent_messages import Serving
 
 from helpers import keys
 from helpers.mxcl import CLIENT_ID, run, running
@@ -22,14 +22,14 @@ WAIT_S = 10.0  # generous: a loaded machine; nothing here is about time
 
 
 def test_a_replica_serving_another_model_is_named_and_asked_again() -> None:
-    answers: list[JSON] = [{"role": "hybrid", "port": 40123, "model": THEIRS}]
+    answers: list[Serving] = [Serving("hybrid", 40123, THEIRS)]
     asked: list[int] = []
 
     async def main() -> None:
         ring = keys.keyring(secrets.token_bytes(32))
         agent = AgentService(("127.0.0.1", 0), ring)
 
-        async def serving() -> JSON:
+        async def serving() -> Serving:
             asked.append(1)
             return answers[-1]
 
@@ -45,7 +45,7 @@ def test_a_replica_serving_another_model_is_named_and_asked_again() -> None:
                 assert error is not None and error.startswith(
                     "node replica-0: its serving address is not known: it serves another "
                     "model (identity bbbbbbbbbbbb…, ours aaaaaaaaaaaa…)"), error
-                answers.append({"role": "hybrid", "port": None, "model": OURS})
+                answers.append(Serving("hybrid", None, OURS))
                 await until(lambda: "has no serving listener" in (remote.last_error() or ""),
                             "asked again at the next dial", WAIT_S)
                 assert remote.state() == "down" and len(asked) >= 2
