@@ -67,6 +67,9 @@ class AbortYields:
     def __init__(self, stream: MxclStream, aborting: asyncio.Event) -> None:
         self.stream, self.aborting = stream, aborting
 
+    def __getattr__(self, name: str) -> Any:  # the rest as the stream's (heard_at, ...)
+        return getattr(self.stream, name)
+
     async def send(self, payload: bytes) -> None:
         if parse_envelope(payload, PEER_SPECS).type == "abort":
             self.aborting.set()
