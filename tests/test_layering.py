@@ -165,3 +165,14 @@ def test_the_check_sees_each_kind_of_import(source: str, room: str | None,
     path.write_text(source + "\n")
     (line, name), = imports(path)
     assert line == 1 and room_of(name) == room
+
+
+def test_architecture_names_every_room_once() -> None:
+    """ARCHITECTURE.md's rooms table has a row naming each room of the stack (a new room
+    gets its line there), and no row for a room that is gone."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    table = text[text.index("| room | what lives there |"):text.index("### Where to look")]
+    named = [name.strip("`/") for row in table.splitlines()[2:] if row.startswith("| ")
+             for name in row.split(" | ")[0][2:].split(", ")]
+    assert sorted(named) == sorted(STACK), (sorted(set(STACK) - set(named)),
+                                            sorted(set(named) - set(STACK)))
