@@ -22,7 +22,7 @@ error       peer → rotator ``reason`` (e.g. the primary cannot be removed)
 =========== ============== ===========================================================
 
 A member applies each change as `mlxctl secret install|use|remove` would on it (its
-keyring, its event, its workers told at once: ``Daemon.push_keyring``). Whoever holds
+keyring, its event, its workers told at once: ``KeyWindow.push_keyring``). Whoever holds
 the cluster secret may ask: the key ops are what the secret already grants.
 
 Deadlines: an ask is ``CONNECT_BUDGET_S`` (5 s) to connect and authenticate, then
@@ -107,7 +107,7 @@ CRASH_AFTER: Final = {Step.INSTALLING: "rotator-after-installing",
 
 
 class KeyOps(Protocol):
-    """The daemon's keyring changes, each pushed to its workers (``daemon.py``)."""
+    """The daemon's keyring changes, each pushed to its workers (``daemon/keys.py``)."""
 
     async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
     async def use_secret(self, kid: str) -> JSON: ...

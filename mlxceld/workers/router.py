@@ -56,7 +56,7 @@ in the background from the start, ``GET /ready`` is 503 while no replica is up,
 ``replicas`` (each one's node id, agent address, state and last error) for
 ``mlxctl status``. A router finding its replicas by discovery (``ReplicasOptions.discover``)
 starts with none; its control channel's ``replicas`` op takes the daemon's candidates
-(``replica_peers.py``; ``Discovered`` adds and retires members) and its admission
+(``daemon/replica_peers.py``; ``Discovered`` adds and retires members) and its admission
 follows the pool's ``max_batch``; its stats' ``replicas_discovered`` (how many members
 discovery made) tells ``mlxctl status`` to name "none found yet" a problem.
 
