@@ -27,7 +27,7 @@ from helpers.waiting import wait_for
 
 T = TypeVar("T")
 
-STARTUP_TIMEOUT_S = 20.0
+STARTUP_TIMEOUT_S = 60.0  # a daemon's socket answering: ~1 s alone, more beside parallel tests
 READY_S = 120.0  # a router or stage worker loading its model, on a busy CPU
 
 FAST_POLICY = """

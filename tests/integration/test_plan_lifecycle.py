@@ -41,6 +41,7 @@ def restarted_idle(h: Host) -> None:
     wait_for(lambda: d.status()["agent"]["address"], AGENT_UP_S, f"{d.root}'s agent listener")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
         daemons: Daemons, split_fixture_dir: Path) -> None:

@@ -58,6 +58,7 @@ async def start_router(state_dir: Path, model: Path
     return state, reason, took, seen
 
 
+@pytest.mark.slow
 def test_a_load_longer_than_the_start_timeout_runs_while_it_advances(
         state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = write_fixture(tmp_path / "m", preset("tiny", family="llama", layers=LAYERS))
