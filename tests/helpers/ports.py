@@ -19,7 +19,7 @@ that a real daemon on this machine may hold.
 from __future__ import annotations
 
 import os
-import random
+import secrets
 import socket
 from pathlib import Path
 
@@ -78,7 +78,7 @@ class _Ports:
 
     def __init__(self) -> None:
         self.block = _block()
-        self.next = random.randrange(len(self.block)) if self.block else 0
+        self.next = secrets.randbelow(len(self.block)) if self.block else 0
 
     def take(self, count: int, host: str) -> int:
         """The first of ``count`` consecutive ports, each bindable on 0.0.0.0 and ``host``."""

@@ -29,8 +29,10 @@ from mlxceld.types import WorkerState
 from helpers.ports import free_port
 from helpers.supervisor import running_supervisor
 
-START_TIMEOUT_S = 6.0  # above a worker's imports on a busy machine; below the slowed load
-LAYERS = 6  # 8 steps of 1.5 s: 12 s of load
+# Above a worker's imports on a busy machine (6 s was not, beside parallel tests: killed
+# before its first progress report); below the slowed load.
+START_TIMEOUT_S = 10.0
+LAYERS = 10  # 12 steps of 1.5 s: 18 s of load
 DEADLINE_S = 90.0
 ENDED = (WorkerState.RUNNING, WorkerState.BACKOFF, WorkerState.FAILED)  # killed: BACKOFF
 
