@@ -4,13 +4,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEMO   := .demo
 PYTEST_ARGS ?= --durations=20  # the slowest tests listed at the end: where the suite's time goes
+# The suite's workers (pytest-xdist -n): most tests wait on daemons in other processes, so
+# one more worker than a 2-core machine's cores keeps both busy; TEST_JOBS=0 runs serially.
+TEST_JOBS ?= 3
 MODEL ?=
 MODEL_NAME ?=
 PORT  ?= 8080
 RUN_MODEL = $(if $(MODEL),$(MODEL),$(DEMO)/model)
 RUN_NAME  = $(if $(MODEL),$(notdir $(patsubst %/,%,$(MODEL))),tiny-qwen3)
 
-.PHONY: run run-single run-pipeline test install lint typecheck dist formula clean
+.PHONY: run run-single run-pipeline test test-fast install lint typecheck dist formula clean
 
 $(BIN)/python:
 	@echo "creating a virtual environment in $(VENV) ($(PYTHON) -m venv)..."
@@ -72,8 +75,13 @@ run-pipeline: install
 	exec $(BIN)/python contrib/demo/pipeline.py --model $(RUN_MODEL) --model-name $(RUN_NAME) \
 		--port $(PORT) --dir $(DEMO)/pipeline
 
+# Every test, TEST_JOBS at a time (each file whole on one worker: pyproject.toml's addopts).
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) $(PYTEST_ARGS)
+
+# The quick loop while working: the same, less the tests marked slow (over ~8 s each).
+test-fast: install
+	$(BIN)/python -m pytest -n $(TEST_JOBS) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check mlxceld mlxctl tests bench contrib packaging

@@ -18,6 +18,23 @@ pytest.register_assert_rewrite("helpers")
 from helpers.daemons import Daemons  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with the most ``slow`` tests first, then the other integration tests, then
+    the rest, each file's tests together and in their order: xdist (``--dist loadfile``)
+    hands out whole files in this order, so a parallel run starts on its longest files and
+    ends on short ones, instead of one worker running a long file while the others idle."""
+    slow: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+
+    def weight(item: pytest.Item) -> tuple[int, bool]:
+        path = item.nodeid.split("::", 1)[0]
+        return -slow[path], not path.startswith("tests/integration/")
+
+    items.sort(key=weight)
+
+
 @pytest.fixture
 def daemons() -> Iterator[Daemons]:
     d = Daemons()

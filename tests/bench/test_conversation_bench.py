@@ -23,6 +23,7 @@ def conversation() -> Iterator[ModuleType]:
         yield module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_quick_run_chats_with_all_three_and_prints_the_goals(
         conversation: ModuleType, state_dir: Path) -> None:

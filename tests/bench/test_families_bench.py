@@ -22,6 +22,7 @@ def families() -> Iterator[ModuleType]:
         yield module
 
 
+@pytest.mark.slow
 def test_the_quick_run_measures_all_three_with_the_same_tokens(
         families: ModuleType, state_dir: Path) -> None:
     """qwen2 through all three (one family: each is a cluster of three daemons to start,

@@ -12,6 +12,7 @@ import pytest
 from helpers.benches import bench_module
 
 
+@pytest.mark.slow
 def test_the_report_measures_each_cache_against_full_precision(
         kv_fixture_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with bench_module("kvquant") as bench:

@@ -89,6 +89,7 @@ options = { interval_s = 0.2 }
 """
 
 
+@pytest.mark.slow
 def test_real_outputs_validate(daemons: Daemons, tmp_path: Path) -> None:
     d = daemons.make(ECHO).start()
     d.wait_worker("alpha", state="running")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ from helpers.waiting import wait_for
 
 T = TypeVar("T")
 
-STARTUP_TIMEOUT_S = 20.0
+STARTUP_TIMEOUT_S = 60.0  # a daemon's socket answering: ~1 s alone, more beside parallel tests
+STOP_S = 20.0  # a daemon's exit after SIGTERM at the end of a test, before SIGKILL
 READY_S = 120.0  # a router or stage worker loading its model, on a busy CPU
 
 FAST_POLICY = """
@@ -217,15 +219,22 @@ class Daemons:
         self.cleanup()
 
     def cleanup(self) -> None:
+        """SIGTERM to every daemon still running at once (a cluster stops in the time of its
+        slowest daemon, not the sum), 20 s each to exit before SIGKILL; then every process
+        they made, by pid."""
+        stopping: list[subprocess.Popen[bytes]] = []
         for d in self.started:
             self.pids |= d.recorded_pids()
             if d.proc is not None and d.proc.poll() is None:
                 d.proc.send_signal(signal.SIGTERM)
-                try:
-                    d.proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait()
+                stopping.append(d.proc)
+        deadline = time.monotonic() + STOP_S
+        for proc in stopping:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         for pid in self.pids - {None}:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):

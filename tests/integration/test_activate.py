@@ -33,6 +33,7 @@ def no_stage_or_router_runs(d: DaemonProc) -> bool:
                 and w["state"] in ("starting", "running")]
 
 
+@pytest.mark.slow
 def test_activate_brings_up_and_serves(daemons: Daemons, split_fixture_dir: Path) -> None:
     """... and prints how far each peer has loaded its stage: each layer takes 1.5 s here
     (MLXCELD_TEST_STAGE_LAYER_S), so that a preparing heartbeat (every 2 s) says so."""

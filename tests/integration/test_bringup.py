@@ -8,6 +8,8 @@ import secrets
 import time
 from pathlib import Path
 
+import pytest
+
 from mlxceld.daemon.roster import MODEL_STOP_TIMEOUT_S
 
 from helpers.cluster import agent, start
@@ -19,6 +21,7 @@ from helpers.router import complete
 from helpers.waiting import wait_for
 
 
+@pytest.mark.slow
 def test_pp_auto_brings_up_a_two_stage_pipeline(daemons: Daemons, split_fixture_dir: Path,
                                                 tmp_path: Path) -> None:
     model = split_fixture_dir / "llama"

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer
 from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, sent
@@ -170,6 +172,7 @@ def serves(sc: Scene) -> None:
     assert complete(sc.port, "llama") == expected(sc.model, PROMPT, 8)
 
 
+@pytest.mark.slow
 def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """The peer's record says ``preparing`` (its stage loaded, no vote); the coordinator
@@ -202,6 +205,7 @@ def test_a_peer_killed_while_preparing_and_the_coordinator_after_aborting_agree(
     wait_for(lambda: not any(alive(pid) for pid in orphans), 20, "the orphan stage gone")
 
 
+@pytest.mark.slow
 def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     sc = scene(daemons, split_fixture_dir, "peer-after-accepted", wait_s=PEER_WAIT_S)
@@ -242,6 +246,7 @@ def test_a_peer_killed_between_accepted_and_commit_aborts_everywhere(
     wait_for(lambda: not any(alive(pid) for pid in orphans), 20, "the orphan stage gone")
 
 
+@pytest.mark.slow
 def test_the_coordinator_killed_before_deciding_leaves_peers_to_abort_by_deadline(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     sc = scene(daemons, split_fixture_dir, wait_s=PEER_WAIT_S)
@@ -264,6 +269,7 @@ def test_the_coordinator_killed_before_deciding_leaves_peers_to_abort_by_deadlin
         no_stage_or_router(p)
 
 
+@pytest.mark.slow
 def test_the_coordinator_killed_at_commit_then_at_activate_and_a_committed_peer_end_active(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """Three deaths in one bring-up: the coordinator right after writing commit (it must
@@ -314,6 +320,7 @@ def test_the_coordinator_killed_at_commit_then_at_activate_and_a_committed_peer_
              agreed, time.monotonic() - back)
 
 
+@pytest.mark.slow
 def test_a_peer_killed_once_active_and_the_coordinator_once_active_end_active(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """The peer records active and switches its stage on, then its host dies (daemon and
@@ -360,6 +367,7 @@ def plan_decision(d: DaemonProc, epoch: int) -> str | None:
     return None if row[0] is None else str(row[0])
 
 
+@pytest.mark.slow
 def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """The coordinator decides activate; a peer's host dies (daemon and workers) as the
@@ -428,6 +436,7 @@ def test_a_push_stalled_on_a_lost_peer_is_pushed_on_by_its_query_when_it_is_back
              "asks after %g s)", epoch, agreed, ASK_AFTER_S)
 
 
+@pytest.mark.slow
 def test_a_deactivation_ends_a_push_that_re_dials_a_lost_peer(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """A peer's host dies as the activate reaches it, and the push re-dials it (for

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from helpers.daemons import alive
 from helpers.models import PROMPT, expected
@@ -42,6 +43,7 @@ def recorded_pids(root: Path) -> set[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_demo_serves_and_ctrl_c_stops_every_process(split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "qwen3"
     root = Path(tempfile.mkdtemp(prefix="mxdemo", dir="/tmp"))  # short socket paths

@@ -6,6 +6,8 @@ import json
 import secrets
 from typing import Any
 
+import pytest
+
 from mlxceld import __version__
 from mlxceld.wire import key_id
 
@@ -22,6 +24,7 @@ def nodes_json(d: DaemonProc) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.slow
 def test_static_peers_are_polled_for_their_inventory(daemons: Daemons) -> None:
     secret = secrets.token_hex(16).encode()
     b = start(daemons, "127.0.0.2", secret, name="b")
@@ -64,6 +67,7 @@ def test_static_peers_are_polled_for_their_inventory(daemons: Daemons) -> None:
     assert secret.decode() not in a.stderr() + b.stderr() + stranger.stderr()
 
 
+@pytest.mark.slow
 def test_candidates_survive_a_restart(daemons: Daemons) -> None:
     secret = secrets.token_hex(16).encode()
     b = start(daemons, "127.0.0.2", secret, name="b")

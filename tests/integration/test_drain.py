@@ -84,6 +84,7 @@ class Load:
                     "failed": len(self.failed)}
 
 
+@pytest.mark.slow
 def test_a_drain_under_streaming_load_fails_no_request(daemons: Daemons,
                                                        fixture_dir: Path) -> None:
     port = free_port()

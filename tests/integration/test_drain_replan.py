@@ -130,6 +130,7 @@ def active_after(coord: DaemonProc, epoch: int) -> dict[str, Any] | None:
     return b if b["epoch"] > epoch and b["state"] == "active" else None
 
 
+@pytest.mark.slow
 def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"

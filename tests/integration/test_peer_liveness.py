@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
+
 from helpers.cluster import agent, by_address, start, stop
 from helpers.daemons import DaemonProc, Daemons
 from helpers.keys import secret_file
@@ -58,6 +60,7 @@ def stopped(d: DaemonProc) -> Iterator[float]:
         os.kill(d.pid, signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_a_stopped_peer_is_suspect_then_dead_then_alive_again(daemons: Daemons) -> None:
     secret = secrets.token_hex(16).encode()
     b = start(daemons, "127.0.0.2", secret, name="b")

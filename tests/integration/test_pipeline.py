@@ -156,6 +156,7 @@ def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
     assert text == expected(model, PROMPT, 8)
 
 
+@pytest.mark.slow
 def test_request_while_a_stage_is_down_is_503_naming_it(daemons: Daemons,
                                                         split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
@@ -293,6 +294,7 @@ def status_saying(d: DaemonProc, text: str) -> str | None:
     return shown if text in shown else None
 
 
+@pytest.mark.slow
 def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     """The router attaches its stages at start and re-attaches one that comes back by

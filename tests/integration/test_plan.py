@@ -7,6 +7,8 @@ import json
 import secrets
 from pathlib import Path
 
+import pytest
+
 from mlxceld.cluster.clusterfile.load import load_cluster, validate_layers
 from mlxceld.models import layer_count, read_model_config
 
@@ -19,6 +21,7 @@ from helpers.router import complete
 from helpers.waiting import wait_for
 
 
+@pytest.mark.slow
 def test_plan_then_run_the_planned_pipeline(daemons: Daemons, split_fixture_dir: Path,
                                             tmp_path: Path) -> None:
     model = split_fixture_dir / "llama"

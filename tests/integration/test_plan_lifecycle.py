@@ -7,7 +7,6 @@ the coordinator names its peers 127.0.0.2 and 127.0.0.3."""
 
 from __future__ import annotations
 
-import random
 import secrets
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, settled, stop
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
 from helpers.deploy import Host
 from helpers.models import PROMPT, expected
-from helpers.ports import free_port
+from helpers.ports import free_port, free_ports
 from helpers.router import complete
 from helpers.waiting import wait_for
 
@@ -42,13 +41,13 @@ def restarted_idle(h: Host) -> None:
     wait_for(lambda: d.status()["agent"]["address"], AGENT_UP_S, f"{d.root}'s agent listener")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
     secret = secrets.token_hex(16).encode()
-    first = random.randrange(20000, 29000)  # below the ephemeral range
-    ports = range(first, first + 16)
+    ports = free_ports(16)  # below the ephemeral range, this worker's own
     hosts = [Host(daemons, f"p{i}", secret=secret, serve={"model": str(model)},
                   daemon={"pp_peer": True, "stage_ports": f"{ports[0]}-{ports[-1]}"}).start()
              for i in (2, 3)]

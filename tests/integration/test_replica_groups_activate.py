@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from helpers.cluster import ACTIVATE_S, POLL_WAIT_S, agent, settled, start
 from helpers.daemons import READY_S, Daemons
@@ -44,6 +45,7 @@ def router_stats(port: int) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.slow
 def test_two_replicas_serve_share_and_outlive_a_killed_host(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"

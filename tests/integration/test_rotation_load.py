@@ -127,6 +127,7 @@ def keys(d: DaemonProc) -> dict[str, str]:
     return {k["key_id"]: k["state"] for k in d.api(lambda c: c.secrets())["keys"]}
 
 
+@pytest.mark.slow
 def test_rotation_under_load_fails_no_request(daemons: Daemons,
                                                split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"

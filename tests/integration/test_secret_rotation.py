@@ -12,6 +12,8 @@ import json
 import secrets
 from typing import Any
 
+import pytest
+
 from mlxceld.wire.secret import key_id
 
 from helpers.cluster import POLL_WAIT_S, agent, by_address, start
@@ -33,6 +35,7 @@ def rotation(d: DaemonProc) -> dict[str, Any] | None:
     return found
 
 
+@pytest.mark.slow
 def test_refused_while_a_member_is_down_then_done_everywhere(daemons: Daemons) -> None:
     old = secrets.token_hex(16).encode()
     old_id = key_id(old).hex()

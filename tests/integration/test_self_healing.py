@@ -89,6 +89,7 @@ def serves(port: int, model: Path) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_dead_stage_host_is_healed_onto_the_spare_and_not_pulled_back(
         daemons: Daemons, split_fixture_dir: Path) -> None:
@@ -145,6 +146,7 @@ def test_a_dead_stage_host_is_healed_onto_the_spare_and_not_pulled_back(
     assert not [p for p in coord.status()["problems"] if p["subject"] == "healing"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_heal_that_does_not_fit_names_the_memory_missing_and_waits(
         daemons: Daemons, split_fixture_dir: Path) -> None:

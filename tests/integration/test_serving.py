@@ -186,6 +186,7 @@ def test_missing_model_path_is_refused_at_startup(daemons: Daemons) -> None:
     assert "--model: model directory /no/such/model does not exist" in out.stderr
 
 
+@pytest.mark.slow
 def test_unserve_stops_the_router_and_a_restart_serves_nothing(daemons: Daemons,
                                                                tiny_llama: Path) -> None:
     port = free_port()

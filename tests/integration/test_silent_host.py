@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from helpers.daemons import Daemons
 from helpers.models import PROMPT, expected
@@ -54,6 +55,7 @@ def stream_until_error(http: httpx.Client, pipe: Pipeline, pids: list[int],
     raise AssertionError("the stream ended without an error event")
 
 
+@pytest.mark.slow
 def test_a_silent_stage_host_is_noticed_refused_by_name_and_reattached(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from helpers.daemons import READY_S, Daemons, alive
 from helpers.models import PROMPT, expected
@@ -25,6 +26,7 @@ LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence f
 TOKENS = 300  # long enough to outlast the refused request, short enough for the drain
 
 
+@pytest.mark.slow
 def test_sigterm_of_a_stage_drains_its_stream_and_refuses_new_requests(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"

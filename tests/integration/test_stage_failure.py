@@ -62,6 +62,7 @@ def stage_starts(d: DaemonProc) -> int:
                 and e["subject"] == "stage"])
 
 
+@pytest.mark.slow
 def test_a_stage_that_cannot_load_is_named_by_the_router_and_status(
         daemons: Daemons, tmp_path: Path) -> None:
     good, broken, lost = sharded(tmp_path)

@@ -172,6 +172,7 @@ def test_a_killed_router_restarts_its_rank_too(group: Group) -> None:
     assert group.serves(BACK_S) == expected(group.model, PROMPT, 8)
 
 
+@pytest.mark.slow
 def test_a_hung_rank_restarts_the_group_within_the_probes_bound(group: Group) -> None:
     before = group.running()
     began = time.monotonic()

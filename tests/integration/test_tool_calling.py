@@ -140,6 +140,7 @@ def test_reasoning_kwargs_and_a_round_trip_local(local: str) -> None:
     check_reasoning_and_round_trip(local)
 
 
+@pytest.mark.slow
 def test_reasoning_forced_calls_a_round_trip_and_a_refusal_in_a_pipeline(
         tools_model: Path, split_fixture_dir: Path) -> None:
     daemons = Daemons()

@@ -126,6 +126,7 @@ def processes() -> Iterator[list[subprocess.Popen[Any]]]:
                 proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_a_silent_router_loses_its_sequences_and_prepares_again(
         split_fixture_dir: Path, state_dir: Path, processes: list[subprocess.Popen[Any]]
 ) -> None:
