@@ -303,6 +303,7 @@ async def unless_stopped(ctx: WorkerContext[Any], name: str, call: Callable[[], 
             loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=body, name=name, daemon=True).start()
+    # Not a task group: a wait for whichever comes first, the loser cancelled at once below.
     stopping = asyncio.ensure_future(ctx.stopping.wait())
     await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

@@ -3,6 +3,7 @@ generates from one (the text a daemon must serve)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,17 @@ def write_tiny_checkpoints(root: Path, **changes: Any) -> Path:
     for family in FAMILIES:
         write_fixture(root / family, preset("tiny", family=family, **changes))
     return root
+
+
+def eos_ids(model: Path) -> list[int]:
+    """The model's end-of-sequence token ids, as its config and generation config name them
+    (an int or a list in either)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+        ids |= set(value if isinstance(value, list) else [] if value is None else [value])
+    return sorted(ids)
 
 
 def expected(model: Path, prompt: str, n: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import anthropic
@@ -34,12 +35,16 @@ def greedy(url: str, prompt: str, n: int = 8, *, model: str) -> str:
 
 
 def greedy_stream(url: str, prompt: str, n: int = 16, *, model: str,
-                  together: threading.Barrier | None = None) -> str:
+                  together: threading.Barrier | None = None,
+                  banned: Sequence[int] = ()) -> str:
     """The same, streamed. With ``together``, its first chunk is read before the barrier
-    is passed, so that every stream of the barrier is in flight at once."""
+    is passed, so that every stream of the barrier is in flight at once. ``banned``: token
+    ids never chosen (logit_bias -100), e.g. the end-of-sequence ids, so that it runs all
+    ``n`` tokens."""
     with client(f"{url}/v1") as c:
         chunks = iter(c.completions.create(model=model, prompt=prompt, max_tokens=n,
-                                           temperature=0, stream=True))
+                                           temperature=0, stream=True,
+                                           logit_bias={str(t): -100 for t in banned}))
         first = next(chunks)
         if together is not None:
             together.wait(60)

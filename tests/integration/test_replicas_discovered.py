@@ -25,6 +25,7 @@ import pytest
 
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
+from helpers.models import eos_ids
 from helpers.ports import free_port
 from helpers.router import greedy, greedy_stream
 from helpers.waiting import wait_for
@@ -66,7 +67,11 @@ def hybrid(daemons: Daemons, name: str, model: Path, ip: str) -> Host:
 
 
 complete = functools.partial(greedy, model=MODEL, n=6)
-stream = functools.partial(greedy_stream, model=MODEL, n=12)
+# Long enough that the four streams overlap at the router however loaded the machine is
+# (12 tokens each ended before the next was routed once, all four on one replica): the
+# end-of-sequence ids are banned, so each runs all LONG tokens.
+LONG = 300
+stream = functools.partial(greedy_stream, model=MODEL, n=LONG)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +98,12 @@ def cluster(fixture_dir: Path) -> Iterator[Cluster]:
         daemons.end()
 
 
-def test_discovered_replicas_both_serve_and_show_in_status(cluster: Cluster) -> None:
-    together = threading.Barrier(len(PROMPTS))
+def test_discovered_replicas_both_serve_and_show_in_status(cluster: Cluster,
+                                                          fixture_dir: Path) -> None:
+    together, banned = threading.Barrier(len(PROMPTS)), eos_ids(fixture_dir / MODEL)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        texts = list(pool.map(lambda p: stream(cluster.url, p, together=together), PROMPTS))
+        texts = list(pool.map(lambda p: stream(cluster.url, p, together=together,
+                                               banned=banned), PROMPTS))
     assert all(texts), texts
     # a try a replica refused before its first token was retried on the other: not taken
     took = {n["id"]: n["dispatched"] - n["retried"] for n in cluster.stats()["nodes"]}
