@@ -26,7 +26,7 @@ from mlxceld.wire.secret import key_id
 
 from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
-from helpers.models import PROMPT, expected
+from helpers.models import PROMPT, eos_ids, expected
 from helpers.ports import free_port
 from helpers.router import client
 from helpers.waiting import wait_for
@@ -115,7 +115,7 @@ def endless(model: Path, prompt: str, n: int) -> tuple[str, list[int]]:
     """mlx-lm's greedy text for ``prompt`` with the end-of-sequence tokens banned (``n``
     tokens exactly), and those tokens: logit_bias is additive, as in OpenAI's definition."""
     m, tok = mlx_lm.load(str(model))[:2]
-    banned = sorted(tok.eos_token_ids)
+    banned = eos_ids(model)
     processors = make_logits_processors(logit_bias={t: BAN for t in banned})
     parts = list(mlx_lm.stream_generate(m, tok, prompt, max_tokens=n,
                                         logits_processors=processors))
