@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -60,3 +61,29 @@ class HealthProbe:
         assert not self.failed, self.failed
         assert len(self.took) >= at_least, self.took
         assert max(self.took) < within, f"/health took up to {max(self.took):.3f} s"
+
+
+LISTEN, SYN_RECV = "0A", "03"  # the states of include/net/tcp_states.h, as /proc shows them
+
+
+def waiting_to_be_accepted(port: int) -> int | None:
+    """Connections to ``port`` the kernel holds that its server has not accepted yet: the
+    listener's accept queue (its ``rx_queue`` in /proc/net/tcp) plus the handshakes still
+    half done (``SYN_RECV``), which join that queue when their ACK is retried. None where
+    /proc/net/tcp is not (not Linux). While the accept queue is full, a new client's SYN
+    is dropped and retried only after the kernel's 1 s retransmission timeout."""
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not tables[0].exists():
+        return None
+    waiting = 0
+    for table in tables:
+        with contextlib.suppress(OSError):
+            for line in table.read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) != port:
+                    continue
+                if fields[3] == LISTEN:
+                    waiting += int(fields[4].split(":")[1], 16)
+                elif fields[3] == SYN_RECV:
+                    waiting += 1
+    return waiting
