@@ -7,6 +7,11 @@ PYTEST_ARGS ?= --durations=20  # the slowest tests listed at the end: where the 
 # The suite's workers (pytest-xdist -n): most tests wait on daemons in other processes, so
 # one more worker than a 2-core machine's cores keeps both busy; TEST_JOBS=0 runs serially.
 TEST_JOBS ?= 3
+# Bytecode is cached (__pycache__/) even where the environment asks Python not to write it
+# (PYTHONDONTWRITEBYTECODE, set on some CI images): every daemon, worker and mlxctl that the
+# demo or a test starts imports mlxceld, and compiling its modules from source again each
+# time was a quarter of a daemon's start (pytest's rewritten test modules are cached too).
+export PYTHONDONTWRITEBYTECODE :=
 MODEL ?=
 MODEL_NAME ?=
 PORT  ?= 8080
