@@ -120,12 +120,10 @@ specs before any blob is copied.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any, Final
 
 from mlxceld.engine.base import (
-    LOGPROB_FLOOR,
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     REPETITION_CONTEXT,
@@ -134,6 +132,7 @@ from mlxceld.engine.base import (
 )
 from mlxceld.roles.options import InvalidOption, KVQuant
 from mlxceld.wire import MessageSpec, TensorSpec
+from mlxceld.wire.transport_messages import LOGPROB_FLOOR, SEQ_ID
 
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act (the engine's chunks: engine.chunks)
 PREFILL_CHUNK: Final = 512  # a one-stage pipeline's chunk, and mlx-lm's own (kv start > 0)
@@ -143,7 +142,6 @@ MAX_FORGET: Final = 256  # prompt-cache entries one ``forget`` names
 MAX_TEMPERATURE: Final = 100.0
 MAX_PENALTY: Final = 100.0  # |presence|, |frequency|, repetition (the API allows less)
 MAX_BIAS: Final = 100.0  # |logit_bias| values
-SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 ERR_NOT_COORDINATOR: Final = "not_coordinator"
 ERR_NOT_UPSTREAM: Final = "not_upstream"

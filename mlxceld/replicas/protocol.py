@@ -121,8 +121,9 @@ from __future__ import annotations
 from typing import Any, Final
 
 from mlxceld.engine.base import TokenOutput
-from mlxceld.pipeline.protocol import SEQ_ID, ProtocolViolation, error_header
+from mlxceld.pipeline.protocol import ProtocolViolation, error_header
 from mlxceld.wire import MessageSpec, TensorSpec
+from mlxceld.wire.transport_messages import FINISH_REASONS, SEQ_ID
 
 MAX_PROMPT_TOKENS: Final = 1 << 20  # tokens one ``generate`` may carry (and the context)
 MAX_SEQUENCES: Final = 256  # sequences in flight on one connection
@@ -143,7 +144,6 @@ ERR_UNSUPPORTED: Final = "unsupported"
 ERR_FORBIDDEN: Final = "forbidden"
 ERR_BAD_HANDOFF: Final = "bad_handoff"
 
-FINISH_REASONS: Final = ("stop", "length")
 
 # What a node accepts from a router.
 NODE_SPECS: Final = {
