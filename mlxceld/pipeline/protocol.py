@@ -202,63 +202,6 @@ def seq_of(header: Mapping[str, Any]) -> str:
     return seq
 
 
-def entry_of(header: Mapping[str, Any], key: str) -> str | None:
-    """A prompt-cache entry id (the ``seq`` alphabet), or None when ``key`` is absent."""
-    value = header.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not SEQ_ID.match(value):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be 1-64 characters of "
-                                "[A-Za-z0-9_.-]")
-    return value
-
-
-def span_of(header: Mapping[str, Any], key: str) -> tuple[str, int] | None:
-    """``reuse`` or ``keep``: {entry, tokens} (tokens >= 1), or None when absent."""
-    value = header.get(key)
-    if value is None:
-        return None
-    tokens = value.get("tokens") if isinstance(value, dict) else None
-    if not isinstance(value, dict) or set(value) != {"entry", "tokens"} \
-            or type(tokens) is not int or not 1 <= tokens < 2**31:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be {{entry, tokens}} with "
-                                "tokens >= 1")
-    entry = entry_of(value, "entry")
-    assert entry is not None
-    return entry, tokens
-
-
-def entries_of(header: Mapping[str, Any]) -> list[str]:
-    """``forget``'s entry ids."""
-    value = header.get("entries")
-    if not isinstance(value, list) or len(value) > MAX_FORGET or any(
-            not isinstance(v, str) or not SEQ_ID.match(v) for v in value):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'entries' must be a list of at most "
-                                f"{MAX_FORGET} entry ids")
-    return list(value)
-
-
-def bytes_of(header: Mapping[str, Any], key: str) -> int | None:
-    value = header.get(key)
-    if value is not None and (type(value) is not int or not 0 <= value < 2**63):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be a number of bytes >= 0")
-    return value
-
-
-def step_of(header: Mapping[str, Any]) -> int:
-    step = header.get("step")
-    if type(step) is not int or not 0 <= step < 2**31:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'step' must be an integer in [0, 2**31)")
-    return step
-
-
-def sample_of(header: Mapping[str, Any]) -> bool:
-    sample = header.get("sample", True)
-    if type(sample) is not bool:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'sample' must be true or false")
-    return sample
-
-
 PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
                                "presence_penalty", "frequency_penalty",
                                "repetition_penalty", "logit_bias", "logprobs"})

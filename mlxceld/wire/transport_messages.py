@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Self
+from typing import Any, ClassVar, Final, Literal, Self
 
+from mlxceld.wire.envelope import Envelope
 from mlxceld.wire.messages import MessageError, field, optional
 
 SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -29,6 +30,7 @@ MAX_ERROR_MESSAGE: Final = 1000  # characters of an error's message that go out
 MAX_STEP: Final = 2**31  # a step is an integer in [0, MAX_STEP)
 MAX_TOKEN_ID: Final = 2**31
 MAX_BYTES: Final = 2**63
+FinishReason = Literal["stop", "length"]
 FINISH_REASONS: Final = ("stop", "length")  # a replica's token's finish_reason
 LOGPROB_FLOOR: Final = -9999.0  # what a token the processors ruled out (-inf) reads as,
 # as OpenAI's: every logprob on the wire is in [LOGPROB_FLOOR, 0]
@@ -126,7 +128,7 @@ class Token:
     step: int | None = None
     logprob: float | None = None
     top: Top | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     cached: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
@@ -201,3 +203,15 @@ class CodedError:
         return cls(field(header, "code", str, cls.T), field(header, "message", str, cls.T),
                    optional(header, "seq", str, cls.T), optional(header, "step", int, cls.T),
                    after)
+
+
+def error_in(env: Envelope) -> CodedError:
+    """What a peer refused with, read leniently (the reader only says it): its ``error``,
+    or for another message in its place that message's type, code "" (none); an ``error``
+    that does not read says so, code "" too."""
+    if env.type != CodedError.T:
+        return CodedError("", env.type)
+    try:
+        return CodedError.from_wire(env.header)
+    except MessageError as exc:
+        return CodedError("", f"a bad error ({exc.reason})")
