@@ -106,6 +106,10 @@ error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
                             the error concerns one
 ========== ================ ===================================================
 
+The messages are typed: ``attach``, ``token`` and ``error`` are the words this protocol
+shares with the replicas' (``wire/transport_messages.py``), the others are
+``messages.py``'s; the checks of ``prepare``'s fields are here.
+
 Authorization on a stage (the identity is the handshake's, never a field):
 commands only from the coordinator of the stage's cluster config; ``run`` only
 on the first stage; ``act`` only from the upstream stage; ``next`` only from
@@ -132,7 +136,6 @@ from mlxceld.engine.base import (
 )
 from mlxceld.roles.options import InvalidOption, KVQuant
 from mlxceld.wire import MessageSpec, TensorSpec
-from mlxceld.wire.transport_messages import LOGPROB_FLOOR, SEQ_ID
 
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act (the engine's chunks: engine.chunks)
 PREFILL_CHUNK: Final = 512  # a one-stage pipeline's chunk, and mlx-lm's own (kv start > 0)
@@ -192,14 +195,6 @@ ENGINE_SPECS: Final = {
     "cache": MessageSpec(),
     "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
 }
-
-
-def seq_of(header: Mapping[str, Any]) -> str:
-    seq = header.get("seq")
-    if not isinstance(seq, str) or not SEQ_ID.match(seq):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'seq' must be 1-64 characters of "
-                                "[A-Za-z0-9_.-]")
-    return seq
 
 
 PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
@@ -324,26 +319,6 @@ def kv_of(header: Mapping[str, Any]) -> KVQuant | None:
                                 f"{exc.value!r}") from None
 
 
-def logprobs_of(header: Mapping[str, Any], wanted: int | None
-                ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
-    """A ``token`` message's log-probabilities: None and () when ``wanted`` is None (none
-    asked), else the token's and ``wanted`` alternatives, each checked."""
-    if wanted is None:
-        return None, ()
-    logprob, top = header.get("logprob"), header.get("top")
-    if not _is_logprob(logprob) or not isinstance(top, list) or len(top) > wanted or any(
-            not isinstance(p, list) or len(p) != 2 or type(p[0]) is not int
-            or not 0 <= p[0] < 2**31 or not _is_logprob(p[1]) for p in top):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"a token's 'logprob' and 'top' (at most "
-                                f"{wanted} alternatives) are missing or malformed")
-    assert isinstance(logprob, int | float)
-    return float(logprob), tuple((p[0], float(p[1])) for p in top)
-
-
-def _is_logprob(value: Any) -> bool:
-    return type(value) in (int, float) and LOGPROB_FLOOR <= value <= 0
-
-
 def constraint_of(value: object) -> Constraint | None:
     """``params.constraint``: its kind and its text, bounded (compiled on the last stage)."""
     from mlxceld.engine.constraints import MAX_CONSTRAINT_BYTES, wire_size
@@ -371,13 +346,3 @@ def eos_of(header: Mapping[str, Any]) -> frozenset[int]:
         raise ProtocolViolation(ERR_BAD_MESSAGE, f"'eos' must be a list of at most {MAX_EOS} "
                                 "token ids")
     return frozenset(eos)
-
-
-def error_header(code: str, message: str, seq: str | None = None,
-                 step: int | None = None) -> dict[str, Any]:
-    header: dict[str, Any] = {"t": "error", "code": code, "message": message[:1000]}
-    if seq is not None:
-        header["seq"] = seq
-    if step is not None:
-        header["step"] = step
-    return header
