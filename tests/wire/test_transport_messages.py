@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
-from mlxceld.wire import encode_envelope
+from mlxceld.wire import Envelope, encode_envelope
 from mlxceld.wire.messages import MessageError
 from mlxceld.wire.transport_messages import (
     LOGPROB_FLOOR,
     Attach,
     CodedError,
     Token,
+    error_in,
     seq_field,
 )
 
@@ -134,3 +135,13 @@ def test_a_token_gives_its_logprobs_only_as_asked() -> None:
         with pytest.raises(MessageError, match=f"at most {wanted} alternatives") as err:
             bad.logprobs(wanted)
         assert err.value.field == "logprob"
+
+
+def test_a_refusal_is_read_leniently_where_it_is_only_said() -> None:
+    """``error_in``: an error as sent; another message in its place as its type; an error
+    that does not read as one says so; no code but a real one."""
+    said = {"t": "error", "code": "standby", "message": "not active yet"}
+    assert error_in(Envelope("error", said, {})) == CodedError("standby", "not active yet")
+    assert error_in(Envelope("prepared", {"t": "prepared"}, {})) == CodedError("", "prepared")
+    bad = error_in(Envelope("error", {"t": "error", "code": 3}, {}))
+    assert bad.code == "" and "'code'" in bad.message
