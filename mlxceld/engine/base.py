@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from mlxceld.wire.transport_messages import LOGPROB_FLOOR as LOGPROB_FLOOR  # -inf reads so
+
 FinishReason = Literal["stop", "length"]
 ConstraintKind = Literal["json_schema", "json_object", "lark"]
 
@@ -33,7 +35,6 @@ class Constraint:
 REPETITION_CONTEXT = 20  # tokens the repetition penalty looks back (mlx-lm's default)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
 MAX_TOP_LOGPROBS = 20  # alternatives one token may carry (OpenAI's top_logprobs bound)
-LOGPROB_FLOOR = -9999.0  # what a token the processors ruled out (-inf) reads as, as OpenAI's
 
 
 @dataclass(frozen=True)

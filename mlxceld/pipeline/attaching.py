@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.connectivity import Failure
+from mlxceld.pipeline.messages import Attached
 from mlxceld.wire import EnvelopeError, Keyring, encode_envelope, parse_envelope
 from mlxceld.wire.address import HostPort
+from mlxceld.wire.messages import MessageError
+from mlxceld.wire.transport_messages import Attach, error_in
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ class StageAddress:
 
 
 async def open_stream(stage: StageAddress, *, keyring: Keyring, origin: HostPort,
-                      dial_budget_s: float, attach: dict[str, Any]
+                      dial_budget_s: float, attach: Attach
                       ) -> tuple[MxclStream, int | None]:
     """A new stream to ``stage`` from ``origin`` (the identity it claims), ``attach`` sent
     and answered ``attached``; with the prompt cache bound the stage said (None: none
@@ -85,7 +88,7 @@ async def open_stream(stage: StageAddress, *, keyring: Keyring, origin: HostPort
                           + (f": {exc.hint}" if exc.hint else "")) from exc
     try:
         async with asyncio.timeout(ATTACH_TIMEOUT_S):
-            await stream.send(encode_envelope(attach))
+            await stream.send(encode_envelope(attach.to_wire()))
             env = parse_envelope(await stream.recv(), p.ENGINE_SPECS)
     except (TimeoutError, NetError, EnvelopeError) as exc:
         await stream.abort()
@@ -94,8 +97,8 @@ async def open_stream(stage: StageAddress, *, keyring: Keyring, origin: HostPort
         raise OpenFailed("unreachable", f"{stage.name()} did not attach: {why}") from exc
     if env.type != "attached":
         await stream.close()
-        message = env.header.get("message", env.type)
-        code = env.header.get("code")
+        error = error_in(env)
+        message, code = error.message, error.code or None
         if code == p.ERR_STANDBY:
             raise OpenFailed("standby", f"{stage.name()} is in standby: {message}")
         if code == p.ERR_STAGE_FAILED:  # its host's stand-in: the stage, node, reason
@@ -109,14 +112,20 @@ async def open_stream(stage: StageAddress, *, keyring: Keyring, origin: HostPort
         log.warning("%s refused to attach: %s (%s)", stage.where(), message, code)
         raise OpenFailed("refused", f"{stage.name()} refused to attach ({code}): "
                           + ATTACH_WORDS.get(str(code), "see the router's log"))
-    if tuple(env.header.get("layers", ())) != stage.layers:
+    try:
+        attached = Attached.from_wire(env.header)
+    except MessageError as exc:
+        await stream.close()
+        raise OpenFailed("refused", f"{stage.name()} answered with a bad 'attached': "
+                          f"{exc.reason}") from None
+    if attached.layers != stage.layers:
         await stream.close()
         raise OpenFailed("layers_mismatch",
-                          f"{stage.name()} serves layers {env.header.get('layers')}, the "
+                          f"{stage.name()} serves layers {list(attached.layers)}, the "
                           f"cluster config says {list(stage.layers)}: restart it with the "
                           "same config")
-    budget = env.header.get("cache_bytes")
-    return stream, budget if type(budget) is int else None
+    return stream, attached.cache_bytes
+
 
 
 class OpenFailed(Exception):

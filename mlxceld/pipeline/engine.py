@@ -71,12 +71,15 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.attaching import DIAL_BUDGET_S, StageAddress
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
 from mlxceld.pipeline.links import Inbox, StageLink
+from mlxceld.pipeline.messages import Forget, Prepare, Prepared, Release, Run
 from mlxceld.pipeline.promptcache import PromptCache
 from mlxceld.roles.options import KVQuant
 from mlxceld.tasks import Background
 from mlxceld.types import DEFAULT_SILENCE_S, PipelineCacheStats
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import parse_address
+from mlxceld.wire.messages import Message, MessageError
+from mlxceld.wire.transport_messages import CodedError, Token
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,7 @@ class PipelineEngine:
                                  connectivity=Connectivity(initial_s=retry_s[0],
                                                            max_s=retry_s[1]),
                                  silence_s=silence_s,
-                                 attach_fields=self._cache.attach_fields,
+                                 cache=self._cache.attach,
                                  on_cache=self._cache.said,
                                  on_attached=self._cache.attached)
                        for s in stages]
@@ -264,35 +267,32 @@ class PipelineEngine:
         """Prepare the sequence on every stage, from the longest prefix of its prompt the
         stages keep (``prefixes.py``); how many of its tokens they start with."""
         prompt = request.prompt_tokens
-        header: dict[str, Any] = {"t": "prepare", "seq": seq,
-                                  "params": p.params_to_wire(request.params),
-                                  "eos": sorted(self._eos)[:p.MAX_EOS]}
-        if request.params.repetition_penalty != 1:  # what the last stage's penalty sees
-            header["history"] = list(prompt)[-REPETITION_CONTEXT:]
-        if self.kv_quant is not None:
-            header["kv"] = p.kv_to_wire(self.kv_quant)
         reuse = self._cache.lookup(prompt)
         start = 0 if reuse is None else reuse.tokens
-        if self._cache.on and len(prompt) - start >= KEEP_PROMPT_MIN_NEW:
-            header["keep_prompt"] = self._cache.added(prompt)  # for other chats of this prefix
-        if reuse is not None:
-            header["reuse"] = {"entry": reuse.entry, "tokens": reuse.tokens}
-        reused = await self._prepared(header, inbox)
+        prepare = Prepare(
+            seq, request.params, tuple(sorted(self._eos)[:p.MAX_EOS]),
+            # what the last stage's penalty sees
+            tuple(prompt[-REPETITION_CONTEXT:]) if request.params.repetition_penalty != 1
+            else None, self.kv_quant,
+            # for other chats of this prefix
+            self._cache.added(prompt) if self._cache.on
+            and len(prompt) - start >= KEEP_PROMPT_MIN_NEW else None,
+            None if reuse is None else (reuse.entry, reuse.tokens))
+        reused = await self._prepared(prepare, inbox)
         if reuse is None:
             return 0
         if any(n != reuse.tokens for n in reused):  # a stage no longer holds it
             log.info("a stage no longer holds prompt-cache entry %s: prefilling all %d "
                      "tokens", reuse.entry, len(prompt))
             self._cache.lost(reuse)
-            del header["reuse"]
-            await self._prepared(header, inbox)
+            await self._prepared(replace(prepare, reuse=None), inbox)
             return 0
         self._cache.started(reuse)
         return start
 
-    async def _prepared(self, header: dict[str, Any], inbox: Inbox) -> list[int]:
-        """Send ``prepare`` to every stage; each one's ``reused``."""
-        await asyncio.gather(*(link.send(header) for link in self._links))
+    async def _prepared(self, prepare: Prepare, inbox: Inbox) -> list[int]:
+        """Send ``prepare`` to every stage; each one's ``reused`` (-1: unreadable)."""
+        await asyncio.gather(*(link.send(prepare) for link in self._links))
         waiting = {link.stage.rank: link.stage.node_id for link in self._links}
         reused = []
         try:
@@ -301,8 +301,10 @@ class PipelineEngine:
                     rank, env = self._checked(await inbox.get())
                     if env.type == "prepared" and waiting.pop(rank, None) is not None:
                         self._draining.pop(rank, None)
-                        n = env.header.get("reused", 0)
-                        reused.append(n if type(n) is int else -1)
+                        try:
+                            reused.append(Prepared.from_wire(env.header).reused)
+                        except MessageError:
+                            reused.append(-1)
         except TimeoutError:
             raise EngineUnavailable(f"stages {sorted(waiting.values())} did not prepare the "
                                     f"sequence within {PREPARE_TIMEOUT_S:g} s") from None
@@ -311,10 +313,10 @@ class PipelineEngine:
     def _forget(self, entries: list[str]) -> None:
         """Every stage drops ``entries`` of the prompt cache (no answer is waited for)."""
         for at in range(0, len(entries), p.MAX_FORGET):
-            header = {"t": "forget", "entries": entries[at:at + p.MAX_FORGET]}
+            forget = Forget(tuple(entries[at:at + p.MAX_FORGET]))
             for link in self._links:
                 if link.up:
-                    self._tasks.spawn(self._send_quietly(link, header))
+                    self._tasks.spawn(self._send_quietly(link, forget))
 
     def prompt_cache_stats(self) -> PipelineCacheStats:
         """The prompt cache's counts (``PromptCache.stats``)."""
@@ -322,8 +324,7 @@ class PipelineEngine:
 
     async def _run(self, seq: str, step: int, tokens: list[int], *, sample: bool) -> None:
         blob = ("tokens", "i32", (1, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens))
-        await self._links[0].send({"t": "run", "seq": seq, "step": step, "sample": sample},
-                                  [blob])
+        await self._links[0].send(Run(seq, step, sample), [blob])
 
     async def _token(self, seq: str, step: int, inbox: Inbox, prompt_tokens: int,
                      logprobs: int | None) -> TokenOutput:
@@ -333,16 +334,18 @@ class PipelineEngine:
             async with asyncio.timeout(bound):
                 while True:
                     rank, env = self._checked(await inbox.get())
-                    if env.type == "token" and rank == self._last_rank \
-                            and env.header.get("step") == step:
-                        token = int.from_bytes(env.tensors["tokens"].data, "little",
-                                               signed=True)
+                    if env.type == "token" and rank == self._last_rank:
                         try:
-                            logprob, top = p.logprobs_of(env.header, logprobs)
-                        except p.ProtocolViolation as exc:
+                            said = Token.from_wire(env.header)
+                            logprob, top = said.logprobs(logprobs) if said.step == step \
+                                else (None, ())
+                        except MessageError as exc:
                             raise EngineError(f"stage {self._node_of(rank)} sent a bad "
-                                              f"token: {exc.message}") from None
-                        return TokenOutput(token, None, logprob, top)
+                                              f"token: {exc.reason}") from None
+                        if said.step == step:
+                            token = int.from_bytes(env.tensors["tokens"].data, "little",
+                                                   signed=True)
+                            return TokenOutput(token, None, logprob, top)
                     log.debug("sequence %s: ignored %s for step %s", seq, env.type,
                               env.header.get("step"))
         except TimeoutError:
@@ -355,8 +358,12 @@ class PipelineEngine:
             raise item
         rank, env = item
         if env.type == "error":
-            message = str(env.header.get("message", "unknown error"))
-            code = env.header.get("code")
+            try:
+                error = CodedError.from_wire(env.header)
+            except MessageError as exc:
+                raise EngineError(f"stage {self._node_of(rank)} sent a bad error: "
+                                  f"{exc.reason}") from None
+            message, code = error.message, error.code
             if code == p.ERR_DOWNSTREAM:  # the stage's words name an address: log them
                 log.warning("stage of rank %s: %s", rank, message)
                 raise EngineUnavailable(self._downstream_message(rank))
@@ -399,20 +406,19 @@ class PipelineEngine:
         """Free the sequence on every stage, or have them keep its caches for the tokens
         ``keep`` (the prompt and the tokens run after it), as a prompt-cache entry (named
         in the index at once, so the next request knows of it)."""
-        header: dict[str, Any] = {"t": "release", "seq": seq}
-        if keep and self._cache.on:
-            header["keep"] = {"entry": self._cache.added(keep), "tokens": len(keep)}
-        return self._release_sent(header)
+        release = Release(seq, (self._cache.added(keep), len(keep)) if keep and self._cache.on
+                          else None)
+        return self._release_sent(release)
 
-    async def _release_sent(self, header: dict[str, Any]) -> None:
+    async def _release_sent(self, release: Release) -> None:
         for link in self._links:
             if link.up:
-                await self._send_quietly(link, header)
+                await self._send_quietly(link, release)
 
     @staticmethod
-    async def _send_quietly(link: StageLink, header: dict[str, Any]) -> None:
+    async def _send_quietly(link: StageLink, message: Message) -> None:
         with contextlib.suppress(EngineError):
-            await link.send(header)
+            await link.send(message)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -33,10 +33,11 @@ import copy
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mlxceld.pipeline import protocol as p
+from mlxceld.pipeline.messages import Cache, Forget, Span
+from mlxceld.wire.transport_messages import Attach
 
 log = logging.getLogger(__name__)
 
@@ -151,43 +152,36 @@ class StageCache:
         self._node_id = node_id
         self._default = default_bytes
 
-    def attached(self, header: dict[str, Any]) -> int:
-        """An ``attach``: its router's epoch and bound (``ProtocolViolation`` if malformed);
-        the bound in force, for ``attached``."""
-        epoch, budget = p.entry_of(header, "cache"), p.bytes_of(header, "cache_bytes")
-        self.store.attach(epoch)
-        self.store.budget = self._default if budget is None else budget
+    def attached(self, attach: Attach) -> int:
+        """An ``attach``: its router's epoch and bound; the bound in force, for
+        ``attached``."""
+        self.store.attach(attach.cache)
+        self.store.budget = self._default if attach.cache_bytes is None else attach.cache_bytes
         return self.store.budget
 
-    def reuse(self, header: dict[str, Any]) -> tuple[list[Any], int] | None:
+    def reuse(self, reuse: Span | None) -> tuple[list[Any], int] | None:
         """A ``prepare``'s ``reuse``: the entry's caches and how many tokens to start from,
         or None when it names none, or one this stage cannot give."""
-        reuse = p.span_of(header, "reuse")
         source = None if reuse is None else self.store.reuse(*reuse)
         return None if source is None or reuse is None else (source, reuse[1])
 
-    def forget(self, header: dict[str, Any]) -> dict[str, Any]:
+    def forget(self, forget: Forget) -> Cache:
         """A ``forget``: drop its entries; the ``cache`` answer."""
-        self.store.forget(p.entries_of(header))
+        self.store.forget(list(forget.entries))
         return self.said()
 
-    def put(self, entry: str, caches: list[Any], n: int) -> dict[str, Any]:
+    def put(self, entry: str, caches: list[Any], n: int) -> Cache:
         """Keep ``caches`` as ``entry`` (``KvStore.put``); the ``cache`` answer."""
         stored = self.store.put(entry, caches, n)
         if stored.why is not None:
             log.info("stage %s did not keep prompt-cache entry %s: %s", self._node_id, entry,
                      stored.why)
-        header = self.said()
-        header.update(entry=entry, kept=stored.kept, evicted=list(stored.evicted),
-                      trimmable=stored.trimmable)
-        if stored.why is not None:
-            header["why"] = stored.why
-        return header
+        return replace(self.said(), evicted=tuple(stored.evicted), entry=entry,
+                       kept=stored.kept, trimmable=stored.trimmable, why=stored.why)
 
-    def said(self) -> dict[str, Any]:
+    def said(self) -> Cache:
         """A ``cache`` message: what the store holds now."""
-        return {"t": "cache", "bytes": self.store.nbytes, "entries": self.store.entries,
-                "evicted": []}
+        return Cache(self.store.nbytes, self.store.entries)
 
 
 def held_tokens(caches: list[Any]) -> int:

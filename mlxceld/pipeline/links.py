@@ -71,10 +71,13 @@ from mlxceld.pipeline.attaching import (
     why_ended,
 )
 from mlxceld.pipeline.connectivity import Connectivity, Failure, LinkState, Transition
+from mlxceld.pipeline.messages import Adopt, Adopted, Cache
 from mlxceld.tasks import Background
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Envelope, EnvelopeError, Keyring, encode_envelope, parse_envelope
 from mlxceld.wire.address import HostPort
+from mlxceld.wire.messages import Message, MessageError
+from mlxceld.wire.transport_messages import Attach, error_in
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +93,15 @@ class StageLink:
                  connectivity: Connectivity | None = None,
                  dial_budget_s: float = DIAL_BUDGET_S,
                  silence_s: float = DEFAULT_SILENCE_S,
-                 attach_fields: dict[str, Any] | None = None,
-                 on_cache: Callable[[int, Envelope], None] | None = None,
+                 cache: tuple[str | None, int | None] = (None, None),
+                 on_cache: Callable[[int, Cache], None] | None = None,
                  on_attached: Callable[[int], None] | None = None) -> None:
         """``silence_s``: how long the attached stage may send nothing before it is silent;
-        ``attach_fields``: more of ``attach`` (the prompt cache's epoch and bound);
+        ``cache``: the prompt cache's epoch and bound, for ``attach``;
         ``on_cache``: told what the stage says of its prompt cache (``cache``, no
         sequence's); ``on_attached``: told each time a dial attaches (not a handover)."""
         self.stage = stage
-        self._attach_fields = attach_fields or {}
+        self._cache = cache
         self._on_cache = on_cache
         self._on_attached = on_attached
         self.silence_s = silence_s
@@ -252,7 +255,7 @@ class StageLink:
             return
         self._adopting[seq] = new
         try:
-            await new.send(encode_envelope({"t": "adopt", "seq": seq}))
+            await new.send(encode_envelope(Adopt(seq).to_wire()))
         except ConnectionClosed:
             self._adopting.pop(seq, None)
 
@@ -305,9 +308,8 @@ class StageLink:
         """A new stream to the stage, attached, and the prompt cache bound it said
         (``attaching.open_stream``); ``OpenFailed`` saying why not."""
         return await open_stream(self.stage, keyring=self._keyring, origin=self._origin,
-                                 dial_budget_s=self._dial_budget, attach={
-                                     "t": "attach", "model": self._model_identity,
-                                     "cluster": self._cluster, **self._attach_fields})
+                                 dial_budget_s=self._dial_budget, attach=Attach(
+                                     self._model_identity, self._cluster, *self._cache))
 
     def _fail(self, failure: Failure, message: str,
               cause: BaseException | None = None) -> NoReturn:
@@ -329,8 +331,10 @@ class StageLink:
                         self.stage.where(), change.new.replace("_", " "), change.old,
                         change.reason, detail)
 
-    async def send(self, header: dict[str, Any], tensors: list[Any] | None = None) -> None:
-        """Send over the stream the header's sequence is pinned to, else the current one."""
+    async def send(self, message: Message, tensors: list[Any] | None = None) -> None:
+        """Send over the stream the message's sequence is pinned to, else the current
+        one."""
+        header = message.to_wire()
         seq = header.get("seq")
         stream = self._pinned.get(seq, self._stream) if isinstance(seq, str) else self._stream
         if stream is None or stream.closed:
@@ -375,22 +379,25 @@ class StageLink:
             log.warning("%s sent a bad message: %s", self.stage.where(), exc.reason)
             return
         seq = env.header.get("seq")
-        if env.type == "cache":
-            if self._on_cache is not None:
-                self._on_cache(self.stage.rank, env)
-            return
-        if isinstance(seq, str):
+        try:
+            if env.type == "cache":
+                if self._on_cache is not None:
+                    self._on_cache(self.stage.rank, Cache.from_wire(env.header))
+                return
             if env.type == "adopted":
-                self._adopted(seq, stream)
+                self._adopted(Adopted.from_wire(env.header).seq, stream)
                 return
-            if self._adopting.get(seq) is stream:  # moving here: after ``adopted``
-                self._held.setdefault(seq, []).append(env)
-                return
+        except MessageError as exc:
+            log.warning("%s sent a bad %s: %s", self.stage.where(), env.type, exc.reason)
+            return
+        if isinstance(seq, str) and self._adopting.get(seq) is stream:  # moving here
+            self._held.setdefault(seq, []).append(env)  # after ``adopted``
+            return
         inbox = self._inboxes(seq) if isinstance(seq, str) else None
         if inbox is None:
             if env.type == "error":
-                log.warning("%s: %s (%s)", self.stage.where(),
-                            env.header.get("message"), env.header.get("code"))
+                error = error_in(env)
+                log.warning("%s: %s (%s)", self.stage.where(), error.message, error.code)
             return
         inbox.put_nowait((self.stage.rank, env))
 

@@ -2,7 +2,7 @@
 
 The index of what every stage keeps is ``prefixes.py`` (sans-IO); the stages' stores are
 ``kvstore.py``. This is what the engine holds between them: the index (None when the
-cache is off: a bound of 0), this engine's epoch (``attach_fields``: stages drop what an
+cache is off: a bound of 0), this engine's epoch (``attach``: stages drop what an
 earlier engine had them keep), each stage's holdings as it last said (``cache``), and the
 ``forget`` of every entry the index lets go, sent to every stage through ``forget`` (the
 engine's, unanswered). A stage attached again may have restarted, holding nothing, or
@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from mlxceld.pipeline.messages import Cache
 from mlxceld.pipeline.prefixes import PrefixIndex, Reuse
 from mlxceld.types import PipelineCacheStats
-from mlxceld.wire import Envelope
 
 
 class PromptCache:
@@ -27,9 +27,7 @@ class PromptCache:
                  forget: Callable[[list[str]], None]) -> None:
         """``budget_bytes``: each stage's bound (0: no prompt cache; None: each stage's
         default); ``forget``: have every stage drop these entries."""
-        self.attach_fields: dict[str, Any] = {"cache": uuid.uuid4().hex[:16]}
-        if budget_bytes is not None:
-            self.attach_fields["cache_bytes"] = budget_bytes
+        self.attach: tuple[str | None, int | None] = (uuid.uuid4().hex[:16], budget_bytes)
         self._prefixes = None if budget_bytes == 0 else PrefixIndex(ranks)
         self._forget = forget
         self._held: dict[int, tuple[int, int]] = {}  # rank -> its cache's (bytes, entries)
@@ -59,19 +57,13 @@ class PromptCache:
         self._forget(gone)
         return entry
 
-    def said(self, rank: int, env: Envelope) -> None:
+    def said(self, rank: int, cache: Cache) -> None:
         """A stage's ``cache``: what it kept or not, what it evicted, what it holds."""
-        h = env.header
-        size, entries = h.get("bytes"), h.get("entries")
-        if type(size) is int and type(entries) is int:
-            self._held[rank] = (size, entries)
+        self._held[rank] = (cache.bytes, cache.entries)
         if self._prefixes is None:
             return
-        entry = h.get("entry") if isinstance(h.get("entry"), str) else None
-        evicted = [e for e in h.get("evicted", ()) if isinstance(e, str)] \
-            if isinstance(h.get("evicted"), list) else []
-        self._forget(self._prefixes.kept(rank, entry, h.get("kept") is True,
-                                         h.get("trimmable") is True, evicted))
+        self._forget(self._prefixes.kept(rank, cache.entry, cache.kept, cache.trimmable,
+                                         list(cache.evicted)))
 
     def attached(self, rank: int) -> None:
         """A stage attached. Again: it may have restarted (holding nothing) or hold what

@@ -106,6 +106,10 @@ error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
                             the error concerns one
 ========== ================ ===================================================
 
+The messages are typed: ``attach``, ``token`` and ``error`` are the words this protocol
+shares with the replicas' (``wire/transport_messages.py``), the others are
+``messages.py``'s; the checks of ``prepare``'s fields are here.
+
 Authorization on a stage (the identity is the handshake's, never a field):
 commands only from the coordinator of the stage's cluster config; ``run`` only
 on the first stage; ``act`` only from the upstream stage; ``next`` only from
@@ -120,12 +124,10 @@ specs before any blob is copied.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any, Final
 
 from mlxceld.engine.base import (
-    LOGPROB_FLOOR,
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     REPETITION_CONTEXT,
@@ -143,7 +145,6 @@ MAX_FORGET: Final = 256  # prompt-cache entries one ``forget`` names
 MAX_TEMPERATURE: Final = 100.0
 MAX_PENALTY: Final = 100.0  # |presence|, |frequency|, repetition (the API allows less)
 MAX_BIAS: Final = 100.0  # |logit_bias| values
-SEQ_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 ERR_NOT_COORDINATOR: Final = "not_coordinator"
 ERR_NOT_UPSTREAM: Final = "not_upstream"
@@ -194,71 +195,6 @@ ENGINE_SPECS: Final = {
     "cache": MessageSpec(),
     "token": MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1),))}),
 }
-
-
-def seq_of(header: Mapping[str, Any]) -> str:
-    seq = header.get("seq")
-    if not isinstance(seq, str) or not SEQ_ID.match(seq):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'seq' must be 1-64 characters of "
-                                "[A-Za-z0-9_.-]")
-    return seq
-
-
-def entry_of(header: Mapping[str, Any], key: str) -> str | None:
-    """A prompt-cache entry id (the ``seq`` alphabet), or None when ``key`` is absent."""
-    value = header.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not SEQ_ID.match(value):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be 1-64 characters of "
-                                "[A-Za-z0-9_.-]")
-    return value
-
-
-def span_of(header: Mapping[str, Any], key: str) -> tuple[str, int] | None:
-    """``reuse`` or ``keep``: {entry, tokens} (tokens >= 1), or None when absent."""
-    value = header.get(key)
-    if value is None:
-        return None
-    tokens = value.get("tokens") if isinstance(value, dict) else None
-    if not isinstance(value, dict) or set(value) != {"entry", "tokens"} \
-            or type(tokens) is not int or not 1 <= tokens < 2**31:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be {{entry, tokens}} with "
-                                "tokens >= 1")
-    entry = entry_of(value, "entry")
-    assert entry is not None
-    return entry, tokens
-
-
-def entries_of(header: Mapping[str, Any]) -> list[str]:
-    """``forget``'s entry ids."""
-    value = header.get("entries")
-    if not isinstance(value, list) or len(value) > MAX_FORGET or any(
-            not isinstance(v, str) or not SEQ_ID.match(v) for v in value):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'entries' must be a list of at most "
-                                f"{MAX_FORGET} entry ids")
-    return list(value)
-
-
-def bytes_of(header: Mapping[str, Any], key: str) -> int | None:
-    value = header.get(key)
-    if value is not None and (type(value) is not int or not 0 <= value < 2**63):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'{key}' must be a number of bytes >= 0")
-    return value
-
-
-def step_of(header: Mapping[str, Any]) -> int:
-    step = header.get("step")
-    if type(step) is not int or not 0 <= step < 2**31:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'step' must be an integer in [0, 2**31)")
-    return step
-
-
-def sample_of(header: Mapping[str, Any]) -> bool:
-    sample = header.get("sample", True)
-    if type(sample) is not bool:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'sample' must be true or false")
-    return sample
 
 
 PARAM_KEYS: Final = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
@@ -383,26 +319,6 @@ def kv_of(header: Mapping[str, Any]) -> KVQuant | None:
                                 f"{exc.value!r}") from None
 
 
-def logprobs_of(header: Mapping[str, Any], wanted: int | None
-                ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
-    """A ``token`` message's log-probabilities: None and () when ``wanted`` is None (none
-    asked), else the token's and ``wanted`` alternatives, each checked."""
-    if wanted is None:
-        return None, ()
-    logprob, top = header.get("logprob"), header.get("top")
-    if not _is_logprob(logprob) or not isinstance(top, list) or len(top) > wanted or any(
-            not isinstance(p, list) or len(p) != 2 or type(p[0]) is not int
-            or not 0 <= p[0] < 2**31 or not _is_logprob(p[1]) for p in top):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"a token's 'logprob' and 'top' (at most "
-                                f"{wanted} alternatives) are missing or malformed")
-    assert isinstance(logprob, int | float)
-    return float(logprob), tuple((p[0], float(p[1])) for p in top)
-
-
-def _is_logprob(value: Any) -> bool:
-    return type(value) in (int, float) and LOGPROB_FLOOR <= value <= 0
-
-
 def constraint_of(value: object) -> Constraint | None:
     """``params.constraint``: its kind and its text, bounded (compiled on the last stage)."""
     from mlxceld.engine.constraints import MAX_CONSTRAINT_BYTES, wire_size
@@ -430,13 +346,3 @@ def eos_of(header: Mapping[str, Any]) -> frozenset[int]:
         raise ProtocolViolation(ERR_BAD_MESSAGE, f"'eos' must be a list of at most {MAX_EOS} "
                                 "token ids")
     return frozenset(eos)
-
-
-def error_header(code: str, message: str, seq: str | None = None,
-                 step: int | None = None) -> dict[str, Any]:
-    header: dict[str, Any] = {"t": "error", "code": code, "message": message[:1000]}
-    if seq is not None:
-        header["seq"] = seq
-    if step is not None:
-        header["step"] = step
-    return header

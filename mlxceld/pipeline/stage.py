@@ -64,6 +64,17 @@ from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.compute import SeqState, StageModelLike
 from mlxceld.pipeline.kvstore import StageCache
 from mlxceld.pipeline.matching import StageMatching
+from mlxceld.pipeline.messages import (
+    Act,
+    Adopted,
+    Attached,
+    Forget,
+    Next,
+    Prepare,
+    Prepared,
+    Release,
+    Run,
+)
 from mlxceld.pipeline.onward import Onward
 from mlxceld.pipeline.sequences import (
     Keep,
@@ -83,6 +94,8 @@ from mlxceld.wire import (
     parse_envelope,
 )
 from mlxceld.wire.address import bound_identity, parse_address
+from mlxceld.wire.messages import MessageError
+from mlxceld.wire.transport_messages import Attach, CodedError, seq_field
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +253,9 @@ class StageService:
                     await self._command(stream, sender.who, env)
             except p.ProtocolViolation as exc:
                 await self._refuse(stream, exc, env)
+            except MessageError as exc:  # the stage protocol's words for a bad field
+                await self._refuse(stream, p.ProtocolViolation(p.ERR_BAD_MESSAGE, exc.reason),
+                                   env)
 
     async def _refuse(self, stream: MxclStream, exc: p.ProtocolViolation,
                       env: Envelope | None) -> None:
@@ -249,8 +265,8 @@ class StageService:
         step = header.get("step") if type(header.get("step")) is int else None
         log.warning("refused %s from %s: %s", env.type if env else "a message", stream.peer,
                     exc.message)
-        await send_quietly(stream, encode_envelope(p.error_header(exc.code, exc.message,
-                                                                   seq, step)))
+        await send_quietly(stream, encode_envelope(
+            CodedError(exc.code, exc.message, seq, step).to_wire()))
 
     def _forget_connection(self, stream: MxclStream, why: str) -> None:
         """Sequences whose owner's connection ended are released: nobody can use them."""
@@ -267,27 +283,28 @@ class StageService:
         if self.standby:
             raise p.ProtocolViolation(p.ERR_STANDBY, f"stage {place.node_id} is prepared but "
                                       "not active yet (its assignment has not been activated)")
-        theirs = env.header.get("model")
+        attach = Attach.from_wire(env.header)
+        theirs = attach.model
         if theirs != place.model_identity:
             message = (f"stage {place.node_id} serves model {place.model_identity}, the "
                        f"coordinator asked for model {theirs}: give both the same checkpoint")
             log.error("%s (coordinator %s)", message, stream.peer)
-            await send_quietly(stream, encode_envelope(p.error_header(
-                p.ERR_MODEL_MISMATCH, message)))
+            await send_quietly(stream, encode_envelope(
+                CodedError(p.ERR_MODEL_MISMATCH, message).to_wire()))
             await stream.close("model mismatch")
             return False
-        budget = self.cache.attached(env.header)
-        await stream.send(encode_envelope({
-            "t": "attached", "stage": place.node_id, "rank": place.rank,
-            "layers": list(place.layers), "model": place.model_identity,
-            "cluster": place.cluster, "cache_bytes": budget}))
+        budget = self.cache.attached(attach)
+        await stream.send(encode_envelope(Attached(
+            place.node_id, place.rank, place.layers, place.model_identity, place.cluster,
+            budget).to_wire()))
         return True
 
     async def _command(self, stream: MxclStream, who: str, env: Envelope) -> None:
         if env.type == "forget":
-            await stream.send(encode_envelope(self.cache.forget(env.header)))
+            await stream.send(encode_envelope(
+                self.cache.forget(Forget.from_wire(env.header)).to_wire()))
             return
-        seq_id = p.seq_of(env.header)
+        seq_id = seq_field(env.header)
         current = self._seqs.get(seq_id)
         if current is not None and current.owner != who:
             raise p.ProtocolViolation(p.ERR_NOT_OWNER,
@@ -298,46 +315,42 @@ class StageService:
                                           "stopping: it finishes its sequences and takes no "
                                           "new one; retry in a few seconds")
             last = self._model.last
-            params = p.params_from_wire(env.header.get("params"),
-                                        self._model.vocab_size if last else None)
-            history = p.history_of(env.header)
-            snapshot = p.entry_of(env.header, "keep_prompt")
+            prepare = Prepare.from_wire(env.header, self._model.vocab_size if last else None)
+            params, eos = prepare.params, frozenset(prepare.eos)
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
-            state = SeqState(stage_cache(self._model, p.kv_of(env.header),
-                                         self._place.node_id), None)
-            eos = p.eos_of(env.header)
+            state = SeqState(stage_cache(self._model, prepare.kv, self._place.node_id), None)
             if last:
                 # mlx: only once serving
                 from mlxceld.engine.processors import make_logits_processors
                 from mlxceld.engine.sampling import make_sampler
 
                 state = SeqState(state.cache, make_sampler(params, self._model.vocab_size),
-                                 make_logits_processors(params, eos), list(history),
-                                 params.logprobs)
+                                 make_logits_processors(params, eos),
+                                 list(prepare.history or ()), params.logprobs)
                 state.matching = await self._matching.matcher(params, eos)
-            state.reuse = self.cache.reuse(env.header)  # copied on the compute side
+            state.reuse = self.cache.reuse(prepare.reuse)  # copied on the compute side
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
-                                               snapshot=snapshot)
-            await stream.send(encode_envelope({"t": "prepared", "seq": seq_id, "reused":
-                                               0 if state.reuse is None else state.reuse[1]}))
+                                               snapshot=prepare.keep_prompt)
+            await stream.send(encode_envelope(Prepared(
+                seq_id, 0 if state.reuse is None else state.reuse[1]).to_wire()))
         elif env.type == "release":
-            keep = p.span_of(env.header, "keep")
+            keep = Release.from_wire(env.header).keep
             if keep is not None and current is not None:
                 self._steps.keep(Keep(current, *keep))
             self._forget(seq_id)
         elif env.type == "adopt":
             if current is not None and current.stream is not stream:
                 await send_quietly(current.stream, encode_envelope(
-                    {"t": "adopted", "seq": seq_id}))
+                    Adopted(seq_id).to_wire()))
                 current.stream = stream  # what it sends from now on goes here
         elif env.type == "run":
             if current is None:
                 raise p.ProtocolViolation(p.ERR_UNKNOWN_SEQ,
                                           f"sequence {seq_id} is not prepared here")
-            self._steps.enqueue(seq_id, current, p.step_of(env.header),
-                                p.sample_of(env.header), env.tensors["tokens"])
+            run = Run.from_wire(env.header)
+            self._steps.enqueue(seq_id, current, run.step, run.sample, env.tensors["tokens"])
 
     def _from_stage(self, env: Envelope, sender: _Sender) -> None:
         """An activation (``act``) or a continuation (``next``) from another stage, if
@@ -346,13 +359,17 @@ class StageService:
         if not (sender.upstream if env.type == "act" else sender.last):
             expected = self._place.upstream if env.type == "act" else self._place.last
             raise p.ProtocolViolation(code, f"{what} {expected}; you are {sender.who}")
-        seq_id = p.seq_of(env.header)
+        seq_id = seq_field(env.header)
         seq = self._seqs.get(seq_id)
         if seq is None:  # released meanwhile, or never prepared: nothing to correlate
             log.debug("dropped %s for unknown sequence %s", env.type, seq_id)
             return
-        self._steps.enqueue(seq_id, seq, p.step_of(env.header), p.sample_of(env.header),
-                            env.tensors[tensor])
+        if env.type == "act":
+            act = Act.from_wire(env.header)
+            step, sample = act.step, act.sample
+        else:
+            step, sample = Next.from_wire(env.header).step, True
+        self._steps.enqueue(seq_id, seq, step, sample, env.tensors[tensor])
 
     async def run(self) -> None:
         """Run the queued steps (``steps.py``); meanwhile read the connections to the next

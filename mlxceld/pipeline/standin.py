@@ -55,6 +55,7 @@ from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.types import WorkerState
 from mlxceld.wire import SecretStore, encode_envelope
 from mlxceld.wire.address import parse_address
+from mlxceld.wire.transport_messages import CodedError
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,8 @@ class StageStandIn:
         with contextlib.suppress(TimeoutError, ConnectionClosed):
             async with asyncio.timeout(ANSWER_S):
                 await stream.recv()  # whatever it asks, the answer is the failure
-            await stream.send(encode_envelope(p.error_header(p.ERR_STAGE_FAILED,
-                                                             self.message)))
+            await stream.send(encode_envelope(CodedError(p.ERR_STAGE_FAILED,
+                                                         self.message).to_wire()))
         await stream.close("stage failed")
 
 

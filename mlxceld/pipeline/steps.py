@@ -31,9 +31,11 @@ from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.compute import Sampled, StageModelLike, next_groups, run_group
 from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
+from mlxceld.pipeline.messages import Act, Next
 from mlxceld.pipeline.onward import Onward
 from mlxceld.pipeline.sequences import Keep, StageSequence, StageStats, Work
 from mlxceld.wire import Tensor, encode_envelope
+from mlxceld.wire.transport_messages import CodedError, Token
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class StageSteps:
     async def _keep(self, keep: Keep) -> None:
         """A released sequence's caches into the prompt cache, as the router named them."""
         await send_quietly(keep.seq.stream, encode_envelope(self._cache.put(
-            keep.entry, keep.seq.state.cache, keep.tokens)))
+            keep.entry, keep.seq.state.cache, keep.tokens).to_wire()))
 
     def _done(self, n: int) -> None:
         """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
@@ -146,7 +148,7 @@ class StageSteps:
             entry, work.seq.snapshot = work.seq.snapshot, None
             assert entry is not None
             await send_quietly(work.seq.stream, encode_envelope(self._cache.put(
-                entry, caches, held_tokens(caches))))
+                entry, caches, held_tokens(caches)).to_wire()))
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)
@@ -173,18 +175,16 @@ class StageSteps:
     async def _forward(self, work: Work, out: Any) -> None:
         if not self._model.last:
             await self._send_on(self._onward.down, work, encode_envelope(
-                {"t": "act", "seq": work.seq_id, "step": work.step, "sample": work.sample},
-                [out]))
+                Act(work.seq_id, work.step, work.sample).to_wire(), [out]))
             return
         if out is None:
             return
         assert isinstance(out, Sampled)
         await self._continue(work, out.token)
-        header: dict[str, Any] = {"t": "token", "seq": work.seq_id, "step": work.step}
-        if out.logprob is not None:
-            header.update(logprob=out.logprob, top=[list(pair) for pair in out.top])
+        token = Token(work.seq_id, work.step) if out.logprob is None \
+            else Token(work.seq_id, work.step, out.logprob, tuple(out.top))
         await send_quietly(work.seq.stream, encode_envelope(
-            header, [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
+            token.to_wire(), [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
 
     async def _continue(self, work: Work, token: int) -> None:
         """Run ``token`` as the sequence's next step, unless it ends the sequence: on the
@@ -200,8 +200,7 @@ class StageSteps:
                          Tensor("tokens", "i32", (1, 1), memoryview(blob)))
             return
         await self._send_on(self._onward.ring, work, encode_envelope(
-            {"t": "next", "seq": work.seq_id, "step": work.step + 1},
-            [("tokens", "i32", (1, 1), blob)]))
+            Next(work.seq_id, work.step + 1).to_wire(), [("tokens", "i32", (1, 1), blob)]))
 
     async def _send_on(self, dialer: Redialer, work: Work, message: bytes) -> None:
         failure = await self._onward.send(dialer, message)
@@ -212,7 +211,7 @@ class StageSteps:
 
     async def _tell_owner(self, work: Work, code: str, message: str) -> None:
         await send_quietly(work.seq.stream, encode_envelope(
-            p.error_header(code, message, work.seq_id, work.step)))
+            CodedError(code, message, work.seq_id, work.step).to_wire()))
 
 
 async def send_quietly(stream: MxclStream, payload: bytes) -> None:

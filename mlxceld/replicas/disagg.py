@@ -39,6 +39,7 @@ from typing import Any, Final
 
 from mlxceld.engine.base import EngineError, EngineUnavailable, GenerationRequest, TokenOutput
 from mlxceld.engine.handoff import HandoffUnsupported, Mode
+from mlxceld.replicas.messages import Prefilled
 from mlxceld.replicas.redaction import scrub
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.routing import Choice, Outcome, Routing
@@ -58,20 +59,15 @@ class HandoffAccount:
     encode_ms: float = 0.0
     send_ms: float = 0.0
 
-    def add(self, prefilled: dict[str, object]) -> None:
-        size, encode, send = (prefilled.get(k) for k in ("bytes", "encode_ms", "send_ms"))
+    def add(self, prefilled: Prefilled) -> None:
         self.handoffs += 1
-        self.bytes += size if type(size) is int and size >= 0 else 0
-        self.encode_ms += _ms(encode)
-        self.send_ms += _ms(send)
+        self.bytes += prefilled.bytes
+        self.encode_ms += prefilled.encode_ms
+        self.send_ms += prefilled.send_ms
 
     def view(self) -> dict[str, Any]:
         return {"handoffs": self.handoffs, "bytes": self.bytes,
                 "encode_ms": round(self.encode_ms, 3), "send_ms": round(self.send_ms, 3)}
-
-
-def _ms(value: object) -> float:
-    return float(value) if isinstance(value, int | float) and 0 <= value < 1e9 else 0.0
 
 
 class DisaggEngine:

@@ -54,10 +54,13 @@ from mlxceld.engine.handoff import (
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.securitylog import SecurityLog
 from mlxceld.replicas import protocol as p
+from mlxceld.replicas.messages import Expect, Handoff, Prefill, Prefilled
 from mlxceld.replicas.service import ServingService, _Link
 from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
 from mlxceld.wire.address import parse_address
+from mlxceld.wire.messages import MessageError
+from mlxceld.wire.transport_messages import CodedError
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +107,6 @@ def decode_allowlist(text: str | None) -> frozenset[str] | None:
     return frozenset(allowed)
 
 
-def parse_mode(text: object) -> Mode:
-    """``"int8+lz4"`` as a ``Mode``; ``ValueError`` naming what is allowed."""
-    if not isinstance(text, str):
-        raise ValueError("'compression' must be a string such as 'none' or 'int8+lz4'")
-    quant, plus, rest = text.partition("+")
-    if quant not in QUANTS or (plus and rest != "lz4"):
-        raise ValueError(f"compression {text[:40]!r} is not one of none, int8, int4, each "
-                         "optionally with +lz4")
-    return Mode(quant, bool(plus))
-
-
 def handoff_bytes(layout: CacheLayout, tokens: int) -> int:
     """The most a cache of ``tokens`` tokens may take on the wire, in any mode."""
     return max(sum(t.dims[0][1] for t in handoff_specs(layout, tokens, Mode(q, True))
@@ -140,7 +132,8 @@ class _Expected:
     prefill: str  # the identity the handoff must come from
     parts: int = 0  # 0 until part 0 came
     got: int = 0
-    header: dict[str, Any] = field(default_factory=dict)
+    first: TokenOutput | None = None  # part 0's
+    cache: dict[str, Any] = field(default_factory=dict)  # part 0's: encode_cache's header
     blobs: dict[str, bytes] = field(default_factory=dict)
     size: int = 0
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
@@ -225,31 +218,22 @@ class HandoffService(ServingService):
         log.warning("node %s: sequence %s of router %s: %s", self.node_id, seq,
                     link.stream.peer, exc)
         with contextlib.suppress(ConnectionClosed):
-            await link.stream.send(encode_envelope(p.error_header(code, str(exc), seq)))
+            await link.stream.send(encode_envelope(CodedError(code, str(exc), seq).to_wire()))
 
     # -- prefill ------------------------------------------------------------------------
 
     def _prefill(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
-        target = env.header.get("decode_target")
-        try:
-            where = parse_address(target) if isinstance(target, str) else None
-        except ValueError:
-            where = None
-        if where is None:
-            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, "'decode_target' must be the decode "
-                                      "node's serving host:port")
-        if self._allowlist is not None and where.canonical() not in self._allowlist:
+        prefill = Prefill.from_wire(env.header)
+        target = prefill.decode_target
+        if self._allowlist is not None \
+                and parse_address(target).canonical() not in self._allowlist:
             self.stats.refused += 1
             raise p.ProtocolViolation(p.ERR_FORBIDDEN, f"decode target {target} is not in "
                                       f"node {self.node_id}'s {ALLOWLIST_ENV}: add it there "
                                       "if it is one of the cluster's decode nodes")
-        try:
-            mode = parse_mode(env.header.get("compression"))
-        except ValueError as exc:
-            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, str(exc)) from None
-        seq, request = self._admit(link, env)
-        link.seqs[seq] = tg.create_task(self._run_prefill(link, seq, request, str(target),
-                                                          mode))
+        seq, request = self._admit(link, prefill, env)
+        link.seqs[seq] = tg.create_task(self._run_prefill(link, seq, request, target,
+                                                          prefill.compression))
 
     async def _run_prefill(self, link: _Link, seq: str, request: GenerationRequest,
                            target: str, mode: Mode) -> None:
@@ -265,10 +249,9 @@ class HandoffService(ServingService):
             self.stats.handoffs += 1
             self.stats.bytes += size
             self.stats.seconds += sent - started
-            await link.stream.send(encode_envelope({
-                "t": "prefilled", "seq": seq, "bytes": size,
-                "encode_ms": round((encoded - started) * 1000, 3),
-                "send_ms": round((sent - encoded) * 1000, 3)}))
+            await link.stream.send(encode_envelope(Prefilled(
+                seq, size, round((encoded - started) * 1000, 3),
+                round((sent - encoded) * 1000, 3)).to_wire()))
         except ConnectionClosed:
             pass  # the router is gone: the connection's end cancels the rest
         except (ConstraintError, EngineError) as exc:
@@ -276,7 +259,7 @@ class HandoffService(ServingService):
         except ValueError as exc:  # the prompt or parameters, as handoff.prefill says
             with contextlib.suppress(ConnectionClosed):
                 await link.stream.send(encode_envelope(
-                    p.error_header(p.ERR_BAD_REQUEST, str(exc), seq)))
+                    CodedError(p.ERR_BAD_REQUEST, str(exc), seq).to_wire()))
         finally:
             self._held -= 1
             self._ended.set()
@@ -298,18 +281,12 @@ class HandoffService(ServingService):
             room -= need
         stream = await self._target(target)
         for part, group in enumerate(groups):
-            message: dict[str, Any] = {"t": "handoff", "seq": seq, "part": part,
-                                       "parts": len(groups)}
-            if part == 0:
-                message["first"] = {"token": first.token, "logprob": first.logprob,
-                                    "top": [list(t) for t in first.top],
-                                    "finish_reason": first.finish_reason}
-                if first.cached is not None:  # the prefill node's prompt cache gave these
-                    message["first"]["cached"] = first.cached
-                message["cache"] = header
+            message = Handoff(seq, part, len(groups), *((first, header) if part == 0
+                                                        else (None, None)))
             try:
-                await stream.send(encode_envelope(message, [(name, "u8", (len(data),), data)
-                                                            for name, data in group]))
+                await stream.send(encode_envelope(message.to_wire(),
+                                                  [(name, "u8", (len(data),), data)
+                                                   for name, data in group]))
             except ConnectionClosed:
                 self._targets.pop(target, None)
                 raise HandoffError("sending the KV cache to the decode node failed: the "
@@ -346,11 +323,9 @@ class HandoffService(ServingService):
     # -- decode -------------------------------------------------------------------------
 
     def _expect(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
-        prefill = env.header.get("prefill")
-        if not isinstance(prefill, str) or not prefill:
-            raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, "'prefill' must be the prefill "
-                                      "node's serving host:port")
-        seq, request = self._admit(link, env)
+        expect = Expect.from_wire(env.header)
+        prefill = expect.prefill
+        seq, request = self._admit(link, expect, env)
         if seq in self._expected:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already "
                                       "expected on this node")
@@ -371,9 +346,10 @@ class HandoffService(ServingService):
                                    f"{self._handoff_timeout_s:g} s") from None
         finally:
             self._expected.pop(seq, None)
-        first = parse_first(expected.header.get("first"), self.handoff_engine.vocab_size)
+        assert expected.first is not None  # part 0 came, with its first token
+        first = checked_first(expected.first, self.handoff_engine.vocab_size)
         started = time.perf_counter()
-        cache = await asyncio.to_thread(decode_cache, expected.header.get("cache", {}),
+        cache = await asyncio.to_thread(decode_cache, expected.cache,
                                         expected.blobs, expect=self._layout,
                                         max_tokens=len(expected.request.prompt_tokens))
         expected.blobs.clear()
@@ -414,18 +390,19 @@ class HandoffService(ServingService):
             expected.done.set_exception(exc)
 
     def _take_part(self, expected: _Expected, env: Envelope) -> None:
-        header = env.header
-        part, parts = header.get("part"), header.get("parts")
         layers = self._layout.layers
-        if type(part) is not int or type(parts) is not int or not 0 <= part < parts <= layers:
+        try:
+            handoff = Handoff.from_wire(env.header)
+        except MessageError as exc:
+            raise HandoffError(f"'part' and 'parts' must be 0 <= part < parts <= {layers}"
+                               if exc.field == "part" else exc.reason) from None
+        part, parts = handoff.part, handoff.parts
+        if parts > layers:
             raise HandoffError(f"'part' and 'parts' must be 0 <= part < parts <= {layers}")
         if part != expected.got or (expected.parts and parts != expected.parts):
             raise HandoffError(f"handoff part {part} of {parts} came out of order")
         if part == 0:
-            if not isinstance(header.get("cache"), dict) or not isinstance(
-                    header.get("first"), dict):
-                raise HandoffError("handoff part 0 carries no 'cache' header or 'first'")
-            expected.header = {"cache": header["cache"], "first": header["first"]}
+            expected.first, expected.cache = handoff.first, dict(handoff.cache or {})
             expected.parts = parts
         limit = handoff_bytes(self._layout, len(expected.request.prompt_tokens))
         for name, tensor in env.tensors.items():
@@ -441,29 +418,12 @@ class HandoffService(ServingService):
             expected.done.set_result(None)
 
 
-def parse_first(first: object, vocab_size: int) -> TokenOutput:
-    """Part 0's ``first`` as a ``TokenOutput``; ``HandoffError`` naming the field."""
-    if not isinstance(first, dict):
-        raise HandoffError("'first' must be an object")
-    token, logprob, top = first.get("token"), first.get("logprob"), first.get("top", [])
-    reason, cached = first.get("finish_reason"), first.get("cached")
-    if type(token) is not int or not 0 <= token < vocab_size:
+def checked_first(first: TokenOutput, vocab_size: int) -> TokenOutput:
+    """``first``, whose token must be in this node's vocabulary."""
+    if not first.token < vocab_size:
         raise HandoffError(f"'first.token' must be a token id below {vocab_size}")
-    if logprob is not None and type(logprob) not in (int, float):
-        raise HandoffError("'first.logprob' must be a number")
-    if reason not in (None, "stop", "length"):
-        raise HandoffError("'first.finish_reason' must be stop, length or null")
-    if cached is not None and (type(cached) is not int
-                               or not 0 <= cached <= p.MAX_PROMPT_TOKENS):
-        raise HandoffError(f"'first.cached' must be an integer from 0 to "
-                           f"{p.MAX_PROMPT_TOKENS}")
-    if not isinstance(top, list) or len(top) > 20 or not all(
-            isinstance(t, list) and len(t) == 2 and type(t[0]) is int
-            and type(t[1]) in (int, float) for t in top):
-        raise HandoffError("'first.top' must be at most 20 [id, logprob] pairs")
-    return TokenOutput(token, reason, None if logprob is None else float(logprob),
-                       tuple((int(t), float(lp)) for t, lp in top), cached=cached)
+    return first
 
 
 __all__ = ["ALLOWLIST_ENV", "HandoffEngine", "HandoffService", "HandoffStats",
-           "decode_allowlist", "handoff_bytes", "parse_first", "parse_mode"]
+           "checked_first", "decode_allowlist", "handoff_bytes"]

@@ -64,6 +64,10 @@ the connection that sent its ``generate``: its ``token``s and its ``error`` go o
 that connection only, a ``cancel`` for it from any other connection is ignored, and
 the node forgets it (cancelled in its engine) when that connection ends.
 
+The messages are typed: ``attach``, ``token`` and ``error`` are the words this protocol
+shares with the stages' (``wire/transport_messages.py``), the others are
+``messages.py``'s.
+
 The result-frame rule, on the router's side: a node's ``token`` frames are read only
 from the connection the router dialed to that node, and each is delivered only to a
 sequence that was sent over that same connection. So a sequence's tokens can only
@@ -118,10 +122,9 @@ decode node, never from the prefill node's.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
-from mlxceld.engine.base import TokenOutput
-from mlxceld.pipeline.protocol import SEQ_ID, ProtocolViolation, error_header
+from mlxceld.pipeline.protocol import ProtocolViolation
 from mlxceld.wire import MessageSpec, TensorSpec
 
 MAX_PROMPT_TOKENS: Final = 1 << 20  # tokens one ``generate`` may carry (and the context)
@@ -143,7 +146,6 @@ ERR_UNSUPPORTED: Final = "unsupported"
 ERR_FORBIDDEN: Final = "forbidden"
 ERR_BAD_HANDOFF: Final = "bad_handoff"
 
-FINISH_REASONS: Final = ("stop", "length")
 
 # What a node accepts from a router.
 NODE_SPECS: Final = {
@@ -170,38 +172,5 @@ __all__ = ["ERR_BAD_HANDOFF", "ERR_BAD_MESSAGE", "ERR_BAD_REQUEST", "ERR_BUSY",
            "ERR_CLUSTER_MISMATCH", "ERR_DRAINING", "ERR_FORBIDDEN", "ERR_INTERNAL",
            "ERR_MODEL_MISMATCH", "ERR_UNAVAILABLE", "ERR_UNSUPPORTED", "HANDOFF_FRAME_BYTES",
            "HANDOFF_TIMEOUT_S", "LOAD_EVERY_S", "MAX_PROMPT_TOKENS", "MAX_SEQUENCES",
-           "NODE_SPECS", "ROUTER_SPECS",
-           "SEQ_ID", "ProtocolViolation", "cached_of", "error_header", "finish_of",
-           "token_header"]
+           "NODE_SPECS", "ROUTER_SPECS", "ProtocolViolation"]
 
-
-def token_header(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:
-    """A ``token`` message's header for ``out`` (its tensor carries the token id)."""
-    header: dict[str, Any] = {"t": "token", "seq": seq}
-    if logprobs is not None:
-        header["logprob"] = out.logprob
-        header["top"] = [[t, lp] for t, lp in out.top]
-    if out.finish_reason is not None:
-        header["finish_reason"] = out.finish_reason
-    if out.cached is not None:
-        header["cached"] = out.cached
-    return header
-
-
-def cached_of(header: dict[str, Any]) -> int | None:
-    """A ``token``'s ``cached``: None (not said), or the prompt tokens the node's prompt
-    cache gave."""
-    cached = header.get("cached")
-    if cached is not None and (isinstance(cached, bool) or not isinstance(cached, int)
-                               or not 0 <= cached <= MAX_PROMPT_TOKENS):
-        raise ProtocolViolation(ERR_BAD_MESSAGE, f"'cached' must be an integer from 0 to "
-                                f"{MAX_PROMPT_TOKENS}")
-    return cached
-
-
-def finish_of(header: dict[str, Any]) -> Any:
-    """A ``token``'s ``finish_reason``: None, "stop" or "length"."""
-    reason = header.get("finish_reason")
-    if reason is not None and reason not in FINISH_REASONS:
-        raise ProtocolViolation(ERR_BAD_MESSAGE, "'finish_reason' must be stop or length")
-    return reason

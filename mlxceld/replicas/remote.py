@@ -68,10 +68,12 @@ from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
 from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
-from mlxceld.pipeline.protocol import ProtocolViolation, logprobs_of, params_to_wire
+from mlxceld.replicas import messages as m
 from mlxceld.replicas import protocol as p
 from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
+from mlxceld.wire.messages import MessageError
+from mlxceld.wire.transport_messages import Attach, CodedError, Token, error_in
 
 log = logging.getLogger(__name__)
 
@@ -232,28 +234,31 @@ class RemoteEngine:
         try:
             async with asyncio.timeout(ATTACH_TIMEOUT_S):
                 await stream.send(encode_envelope(
-                    {"t": "attach", "model": self._model_identity, "cluster": self._cluster}))
+                    Attach(self._model_identity, self._cluster).to_wire()))
                 env = parse_envelope(await stream.recv(), p.ROUTER_SPECS)
         except (TimeoutError, NetError, EnvelopeError) as exc:
             await stream.abort()
             why = (f"no answer within {ATTACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
                    else "the connection ended" if isinstance(exc, NetError) else str(exc))
             raise _LinkFailed(f"{name} did not attach: {why}") from exc
-        header = env.header
         if env.type != "attached":
             await stream.close()
-            raise _LinkFailed(f"{name} refused to attach ({header.get('code')}): "
-                              f"{str(header.get('message', env.type))[:1000]}")
-        if header.get("role") != self.role:
+            error = error_in(env)
+            raise _LinkFailed(f"{name} refused to attach ({error.code or None}): "
+                              f"{error.message[:1000]}")
+        try:
+            attached = m.Attached.from_wire(env.header)
+        except MessageError as exc:
             await stream.close()
-            raise _LinkFailed(f"{name} is a {str(header.get('role'))[:20]} node, listed here "
+            raise _LinkFailed(
+                f"{name} sent an 'attached' without its context_length and max_batch "
+                "(another version of mlxceld?)" if exc.field in ("context_length", "max_batch")
+                else f"{name} sent a bad 'attached': {exc.reason}") from None
+        if attached.role != self.role:
+            await stream.close()
+            raise _LinkFailed(f"{name} is a {attached.role[:20]} node, listed here "
                               f"as a {self.role} node: list it in the right pool")
-        context, batch = header.get("context_length"), header.get("max_batch")
-        if type(context) is not int or type(batch) is not int or context < 1 or batch < 1:
-            await stream.close()
-            raise _LinkFailed(f"{name} sent an 'attached' without its context_length and "
-                              "max_batch (another version of mlxceld?)")
-        self.context_length, self.max_batch = context, batch
+        self.context_length, self.max_batch = attached.context_length, attached.max_batch
         return stream
 
     async def _read(self, stream: MxclStream) -> None:
@@ -274,18 +279,19 @@ class RemoteEngine:
             log.warning("node %s sent a bad message: %s", self.node_id, exc.reason)
             return
         if env.type == "load":
-            self._load(stream, env.header.get("sequences"))
+            with contextlib.suppress(MessageError):  # a load that does not add up: unsaid
+                self._load(stream, m.Load.from_wire(env.header).sequences)
             return
         seq = env.header.get("seq")
         sequence = self._seqs.get(seq) if isinstance(seq, str) else None
         if sequence is not None and sequence.stream is stream:
             sequence.inbox.put_nowait(env)
         elif env.type == "error":
-            log.warning("node %s: %s (%s)", self.node_id, env.header.get("message"),
-                        env.header.get("code"))
+            error = error_in(env)
+            log.warning("node %s: %s (%s)", self.node_id, error.message, error.code or None)
 
-    def _load(self, stream: MxclStream, sequences: object) -> None:
-        if stream is self._stream and type(sequences) is int and 0 <= sequences < 2**31:
+    def _load(self, stream: MxclStream, sequences: int) -> None:
+        if stream is self._stream:
             self.node_sequences = sequences
 
     def _ended(self, stream: MxclStream, ended: ConnectionClosed | None) -> None:
@@ -319,7 +325,7 @@ class RemoteEngine:
         seq, sequence = self._open_seq(uuid.uuid4().hex)
         tokens = self._tokens(seq, sequence, request)
         try:
-            await self._send(seq, sequence, {"t": "generate"}, request)
+            await self._send(sequence, m.Generate(seq, request.params), request)
         except BaseException:
             await tokens.aclose()
             raise
@@ -335,23 +341,23 @@ class RemoteEngine:
         seq, sequence = self._open_seq(seq)
         tokens = self._tokens(seq, sequence, request)
         try:
-            await self._send(seq, sequence, {"t": "expect", "prefill": prefill}, request)
+            await self._send(sequence, m.Expect(seq, request.params, prefill), request)
         except BaseException:
             await tokens.aclose()
             raise
         return tokens
 
     async def prefill(self, seq: str, request: GenerationRequest, *, decode_target: str,
-                      compression: str, within_s: float) -> dict[str, object]:
+                      compression: str, within_s: float) -> m.Prefilled:
         """Have this (prefill) node prefill ``request`` and hand its cache to
-        ``decode_target``; its ``prefilled`` header (bytes, encode_ms, send_ms), or the
+        ``decode_target``; its ``prefilled`` (bytes, encode_ms, send_ms), or the
         node's refusal raised as ``generate``'s are; ``EngineUnavailable`` when no answer
         comes within ``within_s``."""
         seq, sequence = self._open_seq(seq)
         answered = False
         try:
-            await self._send(seq, sequence, {"t": "prefill", "decode_target": decode_target,
-                                             "compression": compression}, request)
+            await self._send(sequence, m.Prefill(seq, request.params, decode_target,
+                                                 m.parse_mode(compression)), request)
             try:
                 async with asyncio.timeout(within_s):
                     item = await sequence.inbox.get()
@@ -362,10 +368,14 @@ class RemoteEngine:
             if isinstance(item, BaseException):
                 raise item
             if item.type == "error":
-                raise self._refusal(item.header)
+                raise self._refusal(error_in(item))
             if item.type != "prefilled":
                 raise EngineError(f"node {self.node_id} sent '{item.type}' for a prefill")
-            return dict(item.header)
+            try:
+                return m.Prefilled.from_wire(item.header)
+            except MessageError as exc:
+                raise EngineError(f"node {self.node_id} sent a bad 'prefilled': "
+                                  f"{exc.reason}") from None
         finally:
             if not answered and self._seqs.get(seq) is sequence:
                 self.forget(seq)  # the node stops the prefill: nothing is handed off
@@ -394,16 +404,16 @@ class RemoteEngine:
         self._seqs[seq] = sequence
         return seq, sequence
 
-    async def _send(self, seq: str, sequence: _Seq, header: dict[str, object],
+    async def _send(self, sequence: _Seq, message: m.Sequence,
                     request: GenerationRequest) -> None:
         prompt = list(request.prompt_tokens)
         try:
             await sequence.stream.send(encode_envelope(
-                {**header, "seq": seq, "params": params_to_wire(request.params)},
+                message.to_wire(),
                 [("prompt", "i32", (1, len(prompt)), struct.pack(f"<{len(prompt)}i",
                                                                  *prompt))]))
         except ConnectionClosed as exc:
-            self._seqs.pop(seq, None)
+            self._seqs.pop(message.seq, None)
             raise EngineUnavailable(f"node {self.node_id}: sending failed ({exc.kind})",
                                     retry_after_s=self.retry_after_s) from exc
 
@@ -429,26 +439,27 @@ class RemoteEngine:
 
     async def _cancel(self, stream: MxclStream, seq: str) -> None:
         with contextlib.suppress(ConnectionClosed):
-            await stream.send(encode_envelope({"t": "cancel", "seq": seq}))
+            await stream.send(encode_envelope(m.Cancel(seq).to_wire()))
         self._finish_if_done(stream)
 
     def _output(self, env: Envelope, logprobs: int | None) -> TokenOutput:
-        header = env.header
         if env.type == "error":
-            raise self._refusal(header)
+            raise self._refusal(error_in(env))
         if env.type != "token":
             raise EngineError(f"node {self.node_id} sent '{env.type}' for a sequence")
         try:
-            logprob, top = logprobs_of(header, logprobs)
-            reason = p.finish_of(header)
-            cached = p.cached_of(header)
-        except ProtocolViolation as exc:
-            raise EngineError(f"node {self.node_id} sent a bad token: {exc.message}") from None
+            said = Token.from_wire(env.header)
+            logprob, top = said.logprobs(logprobs)
+            if said.cached is not None and said.cached > p.MAX_PROMPT_TOKENS:
+                raise MessageError("cached", f"'cached' must be an integer from 0 to "
+                                             f"{p.MAX_PROMPT_TOKENS}")
+        except MessageError as exc:
+            raise EngineError(f"node {self.node_id} sent a bad token: {exc.reason}") from None
         (token,) = struct.unpack("<i", env.tensors["tokens"].data)
-        return TokenOutput(token, reason, logprob, top, cached=cached)
+        return TokenOutput(token, said.finish_reason, logprob, top, cached=said.cached)
 
-    def _refusal(self, header: dict[str, object]) -> Exception:
-        code, message = header.get("code"), str(header.get("message", ""))[:1000]
+    def _refusal(self, error: CodedError) -> Exception:
+        code, message = error.code or None, error.message[:1000]
         name = f"node {self.node_id}"
         if code == p.ERR_BAD_REQUEST:
             return RequestRefused(f"{name}: {message}")
@@ -470,7 +481,7 @@ class RemoteEngine:
                                      "no new request; retry shortly",
                                      retry_after_s=DRAINING_RETRY_S)
         if code == p.ERR_UNAVAILABLE:
-            after = header.get("retry_after_s")
+            after = error.retry_after_s
             return EngineUnavailable(f"{name} is unavailable: {message}",
                                      retry_after_s=after if type(after) is int and 0 < after
                                      <= 3600 else 1)
@@ -484,3 +495,4 @@ class RemoteEngine:
         await self._tasks.aclose()
         for stream in streams:
             await stream.close("router stopping")
+

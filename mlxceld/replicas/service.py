@@ -52,8 +52,8 @@ from mlxceld.engine.base import (
 from mlxceld.engine.constraints import ConstraintError
 from mlxceld.net import ConnectionClosed, Listener, MxclStream
 from mlxceld.net.liveness import watch
-from mlxceld.pipeline.protocol import params_from_wire, seq_of
 from mlxceld.replicas import protocol as p
+from mlxceld.replicas.messages import Attached, Cancel, Generate, Load, Sequence
 from mlxceld.tasks import cancelling_group
 from mlxceld.wire import (
     Envelope,
@@ -64,6 +64,8 @@ from mlxceld.wire import (
     parse_envelope,
 )
 from mlxceld.wire.address import parse_address
+from mlxceld.wire.messages import MessageError
+from mlxceld.wire.transport_messages import Attach, CodedError, Token
 
 log = logging.getLogger(__name__)
 
@@ -191,13 +193,15 @@ class ServingService:
                 elif env.type == "generate":
                     self._generate(link, env, tg)
                 elif env.type == "cancel":
-                    task = link.seqs.get(seq_of(env.header))
+                    task = link.seqs.get(Cancel.from_wire(env.header).seq)
                     if task is not None:
                         task.cancel()
                 else:
                     await self._other(link, env, tg)
             except p.ProtocolViolation as exc:
                 await self._refuse(link, seq, exc.code, exc.message)
+            except MessageError as exc:  # the replica protocol's words for a bad field
+                await self._refuse(link, seq, p.ERR_BAD_MESSAGE, exc.reason)
 
     async def _other(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
         """A message this node's role does not take (a subclass's role may)."""
@@ -211,8 +215,7 @@ class ServingService:
             while True:
                 load = (self.engine.active_sequences(), self.engine.max_batch)
                 if load != said:
-                    await link.stream.send(encode_envelope(
-                        {"t": "load", "sequences": load[0], "max_batch": load[1]}))
+                    await link.stream.send(encode_envelope(Load(*load).to_wire()))
                     said = load
                 await asyncio.sleep(p.LOAD_EVERY_S)
 
@@ -220,10 +223,11 @@ class ServingService:
         log.warning("refused a message of router %s: %s (%s)", link.stream.peer, message,
                     code)
         with contextlib.suppress(ConnectionClosed):
-            await link.stream.send(encode_envelope(p.error_header(code, message, seq)))
+            await link.stream.send(encode_envelope(CodedError(code, message, seq).to_wire()))
 
     async def _attach(self, link: _Link, env: Envelope) -> bool:
-        model, cluster = env.header.get("model"), env.header.get("cluster")
+        attach = Attach.from_wire(env.header)
+        model, cluster = attach.model, attach.cluster
         code, message = None, ""
         if model != self._model_identity:
             code = p.ERR_MODEL_MISMATCH
@@ -236,30 +240,30 @@ class ServingService:
         if code is not None:
             log.error("%s (router %s)", message, link.stream.peer)
             with contextlib.suppress(ConnectionClosed):
-                await link.stream.send(encode_envelope(p.error_header(code, message)))
+                await link.stream.send(encode_envelope(CodedError(code, message).to_wire()))
             await link.stream.close(code.replace("_", " "))
             return False
         engine = self.engine
-        await link.stream.send(encode_envelope({
-            "t": "attached", "node": self.node_id, "role": self.role,
-            "model": self._model_identity, "context_length": engine.context_length,
-            "max_batch": engine.max_batch}))
+        await link.stream.send(encode_envelope(Attached(
+            self.node_id, self.role, self._model_identity, engine.context_length,
+            engine.max_batch).to_wire()))
         if not link.attached:
             log.info("router %s attached to node %s", link.stream.peer, self.node_id)
         link.attached = True
         return True
 
     def _generate(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
-        seq, request = self._admit(link, env)
+        seq, request = self._admit(link, Generate.from_wire(env.header), env)
         link.seqs[seq] = tg.create_task(self._run(link, seq, request))
 
-    def _admit(self, link: _Link, env: Envelope) -> tuple[str, GenerationRequest]:
-        """A ``generate``-like message's sequence, checked against this node's bounds."""
-        seq = seq_of(env.header)
+    def _admit(self, link: _Link, message: Sequence, env: Envelope
+               ) -> tuple[str, GenerationRequest]:
+        """A ``generate``-like message's sequence (its prompt: ``env``'s tensor), checked
+        against this node's bounds."""
+        seq, params = message.seq, message.params
         if seq in link.seqs:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already running "
                                       "on this connection")
-        params = params_from_wire(env.header.get("params"))
         prompt = env.tensors["prompt"]
         n = prompt.shape[1]
         engine = self.engine
@@ -295,7 +299,7 @@ class ServingService:
             async with contextlib.aclosing(source) as tokens:
                 async for out in tokens:
                     await stream.send(encode_envelope(
-                        p.token_header(seq, out, request.params.logprobs),
+                        _token(seq, out, request.params.logprobs),
                         [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
         except ConnectionClosed:
             pass  # the connection's end cancels the rest
@@ -315,8 +319,15 @@ class ServingService:
             code = p.ERR_INTERNAL
             log.warning("node %s: sequence %s of router %s failed: %s", self.node_id, seq,
                         link.stream.peer, exc)
-        header: dict[str, Any] = p.error_header(code, str(exc), seq)
-        if isinstance(exc, EngineUnavailable):
-            header["retry_after_s"] = exc.retry_after_s
+        error = CodedError(code, str(exc), seq, retry_after_s=exc.retry_after_s
+                           if isinstance(exc, EngineUnavailable) else None)
         with contextlib.suppress(ConnectionClosed):
-            await link.stream.send(encode_envelope(header))
+            await link.stream.send(encode_envelope(error.to_wire()))
+
+
+def _token(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:
+    """A ``token`` message's header for ``out`` (its tensor carries the token id): with
+    its log-probabilities when the request asked for them."""
+    asked = logprobs is not None
+    return Token(seq, None, out.logprob if asked else None, tuple(out.top) if asked else None,
+                 out.finish_reason, out.cached).to_wire()

@@ -3,9 +3,10 @@
 No asyncio, no sockets, no clock, no randomness of its own, and nothing else of
 ours is imported here: the shell in mlxceld/net drives it. ``mx_tensors`` (mlx
 arrays to blobs) is not imported here, so importing the wire never imports mlx.
-The typed messages of the agent listener's channels are ``messages`` (their shape,
-ping, pong, error), ``agent_messages`` (channel 3) and ``assignment_messages``
-(channel 2), imported from their modules.
+The typed messages are ``messages`` (their shape, ping, pong, error),
+``agent_messages`` (channel 3), ``assignment_messages`` (channel 2) and
+``transport_messages`` (channel 1: the words the pipeline's and the replicas' protocols
+share), imported from their modules.
 """
 
 from mlxceld.wire.beacon import beacon_key, beacon_mac, build_record, canonical, verify_record

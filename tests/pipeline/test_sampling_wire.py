@@ -8,6 +8,8 @@ import pytest
 
 from mlxceld.engine import SamplingParams
 from mlxceld.pipeline import protocol as p
+from mlxceld.wire.messages import MessageError
+from mlxceld.wire.transport_messages import LOGPROB_FLOOR, Token
 
 PARAMS = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1,
                         min_p=0.05, presence_penalty=-1.5, frequency_penalty=2.0,
@@ -55,11 +57,11 @@ def test_history_and_token_logprobs() -> None:
     assert p.history_of({}) == () and p.history_of({"history": [1, 2]}) == (1, 2)
     with pytest.raises(p.ProtocolViolation):
         p.history_of({"history": list(range(p.REPETITION_CONTEXT + 1))})
-    header = {"logprob": -0.25, "top": [[4, -0.25], [9, -3]]}
-    assert p.logprobs_of(header, None) == (None, ())
-    assert p.logprobs_of(header, 2) == (-0.25, ((4, -0.25), (9, -3.0)))
+    header = {"t": "token", "seq": "s", "logprob": -0.25, "top": [[4, -0.25], [9, -3]]}
+    assert Token.from_wire(header).logprobs(None) == (None, ())
+    assert Token.from_wire(header).logprobs(2) == (-0.25, ((4, -0.25), (9, -3.0)))
     for bad in ({"logprob": 0.5, "top": []}, {"logprob": -1, "top": [[4, -1]] * 3},
                 {"top": []}, {"logprob": -1, "top": [[-4, -1]]},
-                {"logprob": p.LOGPROB_FLOOR - 1, "top": []}):
-        with pytest.raises(p.ProtocolViolation):
-            p.logprobs_of(bad, 2)
+                {"logprob": LOGPROB_FLOOR - 1, "top": []}):
+        with pytest.raises(MessageError):
+            Token.from_wire({"t": "token", "seq": "s", **bad}).logprobs(2)

@@ -16,22 +16,19 @@ from typing import Any
 import pytest
 
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
-from mlxceld.engine.handoff import HandoffError, HandoffUnsupported, Mode
+from mlxceld.engine.handoff import HandoffUnsupported, Mode
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
 from mlxceld.net import connect_as
 from mlxceld.replicas import disagg
 from mlxceld.replicas.disagg import DisaggEngine, DisaggOrReplicas
-from mlxceld.replicas.handoffs import (
-    HandoffService,
-    decode_allowlist,
-    handoff_bytes,
-    parse_first,
-)
+from mlxceld.replicas.handoffs import HandoffService, decode_allowlist, handoff_bytes
+from mlxceld.replicas.messages import first_field
 from mlxceld.replicas.pool import ReplicaEngine
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.service import ServingService
 from mlxceld.wire import encode_envelope
+from mlxceld.wire.messages import MessageError
 
 from helpers.keys import keyring
 from helpers.mxcl import CLIENT_ID, SECRET, accepting, run
@@ -367,9 +364,9 @@ def test_a_prefill_node_the_decode_node_does_not_list_fails_the_request_in_bound
 def test_a_handoffs_first_token_with_a_bad_cached_count_is_refused(cached: object) -> None:
     """``first.cached`` (the prefill node's prompt-cache count) is an integer in bounds, or
     the handoff is refused naming it; a good one comes out on the first token."""
-    assert parse_first({"token": 3, "cached": 7}, 10).cached == 7
-    with pytest.raises(HandoffError, match=r"first\.cached"):
-        parse_first({"token": 3, "cached": cached}, 10)
+    assert first_field({"token": 3, "cached": 7}).cached == 7
+    with pytest.raises(MessageError, match=r"first\.cached"):
+        first_field({"token": 3, "cached": cached})
 
 
 def test_a_handoff_whose_blobs_add_up_past_the_bound_is_refused_at_once(
