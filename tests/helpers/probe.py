@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PROBE = """
 import http.client, sys, time
