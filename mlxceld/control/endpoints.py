@@ -69,7 +69,7 @@ class Endpoints:
         return answer("status", **current)
 
     async def workers(self, request: Request) -> Response:
-        return answer("workers", workers=self.view.workers.snapshot())
+        return answer("workers", workers=[w.to_json() for w in self.view.workers.snapshot()])
 
     async def cluster_nodes(self, request: Request) -> Response:
         return answer("cluster_nodes", **self.view.cluster.nodes())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mlxceld.state import EventLog
+from mlxceld.supervisor.views import WorkerView
 from mlxceld.types import JSON
 
 
@@ -31,7 +32,7 @@ class Lifetime:
 class Workers(Protocol):
     """The supervisor: its workers, their stats (each bounded), logs and restarts."""
 
-    def snapshot(self) -> list[JSON]: ...
+    def snapshot(self) -> list[WorkerView]: ...
     async def stats(self) -> dict[str, JSON]: ...
     def log_path(self, name: str) -> str | None: ...
     def restart(self, name: str) -> None: ...

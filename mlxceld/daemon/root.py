@@ -224,7 +224,7 @@ class Daemon:
     # -- the daemon's own, in the control API's view (``Lifetime``) ------------------------
 
     def status(self) -> JSON:
-        workers = self.supervisor.snapshot()
+        workers = [w.to_json() for w in self.supervisor.snapshot()]
         config, placement = self.roster.config, self.roster.placement
         return {
             "daemon": {
