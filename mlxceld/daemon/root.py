@@ -225,6 +225,7 @@ class Daemon:
 
     def status(self) -> JSON:
         workers = [w.to_json() for w in self.supervisor.snapshot()]
+        served = self.serving.describe()
         config, placement = self.roster.config, self.roster.placement
         return {
             "daemon": {
@@ -238,7 +239,7 @@ class Daemon:
                 "log_level": config.log_level,
                 "schema_version": SCHEMA_VERSION,
             },
-            "serving": self.serving.describe(),
+            "serving": served.to_json() if served else None,
             "cluster": placement.describe() if placement else None,
             **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
