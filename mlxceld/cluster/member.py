@@ -40,9 +40,8 @@ from mlxceld.discovery.serving import port_of, serve_serving
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.net.agent import AgentService
 from mlxceld.roles import ROUTER
-from mlxceld.state import EventLog, LivenessTable, RotationsTable
+from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
-from mlxceld.state.rotations import RotationRow
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address

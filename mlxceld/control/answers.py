@@ -7,8 +7,8 @@ schemas: ``mlxctl/schemas.py``). The parts above this room build them (``cluster
 ``drain/``, ``daemon/``); the endpoints (``endpoints.py``) write them. Answers built
 below this room live where they are built: a worker (``supervisor/views.py``), a drain's
 row (``state/drains.py``), a rotation's (``state/rotations.py``), a key's
-(``state/keys.py``: ``KeyInfo``); a plan is typed with
-the plan, above this room (``Written``).
+(``state/keys.py``: ``KeyInfo``); a plan is typed with the plan, above this room
+(``Written``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mlxceld.state.drains import DrainRow
-from mlxceld.state.keys import KeyInfo
+from mlxceld.state import DrainRow, KeyInfo
 from mlxceld.types import JSON
 
 
@@ -27,6 +26,21 @@ class Written(Protocol):
     (``cluster/plan/candidates.py``: ``Proposal``, whose ``to_json`` is ``ProposalJSON``)."""
 
     def to_json(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """`mlxctl reload` (and SIGHUP): the config file read again, every setting it changed
+    (``config/changes.py``: ``Change``, its key, old and new value), and those of them
+    that take effect only at the next start."""
+
+    config_file: str | None
+    changed: list[Mapping[str, Any]]
+    at_next_start: list[str]
+
+    def to_json(self) -> JSON:
+        return {"config_file": self.config_file, "changed": self.changed,
+                "at_next_start": self.at_next_start}
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class Endpoints:
         """Re-read the config file as SIGHUP does: what changed, or the error (a 400 naming
         the file and key) with the running config kept."""
         self._admitting()
-        return answer("reload", **await self.view.daemon.reload())
+        return answer("reload", **(await self.view.daemon.reload()).to_json())
 
     async def stop(self, request: Request) -> Response:
         self.view.daemon.request_stop()

@@ -4,8 +4,9 @@ The seam of this room. As uvicorn hands its protocols a ``ServerState`` and the 
 never its ``Server``, the daemon hands its endpoints this record, never itself: each field
 is one part, typed here by what the endpoints (and ``observe/``'s scrape) call of it. The
 daemon room fills it with its parts (the supervisor, the cluster member, its key, serving
-and drain windows); tests put small fakes under the real app. Their methods raise
-``MlxceldError``s naming what is wrong; the app answers them.
+and drain windows); tests put small fakes under the real app. Their methods return typed
+answers (``answers.py``: frozen dataclasses, each written once by its ``to_json``), or
+raise ``MlxceldError``s naming what is wrong; the app answers them.
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ from mlxceld.control.answers import (
     ClusterNodes,
     DrainView,
     KeyChange,
+    Reloaded,
     ServedModel,
     Undrained,
     Unserved,
     Written,
 )
-from mlxceld.state import EventLog
-from mlxceld.state.drains import DrainRow
-from mlxceld.state.keys import KeyInfo
-from mlxceld.state.rotations import RotationRow
+from mlxceld.state import DrainRow, EventLog, KeyInfo, RotationRow
 from mlxceld.supervisor.views import WorkerView
 from mlxceld.types import JSON
 
@@ -38,7 +37,7 @@ class Lifetime:
     stopping: Callable[[], bool]
     status: Callable[[], JSON]
     request_stop: Callable[[], None]
-    reload: Callable[[], Awaitable[JSON]]
+    reload: Callable[[], Awaitable[Reloaded]]
 
 
 class Workers(Protocol):

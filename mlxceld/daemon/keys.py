@@ -20,8 +20,7 @@ from collections.abc import Callable
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.control.answers import KeyChange
 from mlxceld.net import retire_streams
-from mlxceld.state import EventLog
-from mlxceld.state.keys import KeyInfo
+from mlxceld.state import EventLog, KeyInfo
 from mlxceld.supervisor.service import Supervisor
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from mlxceld.control.answers import (
     Detector,
     DrainView,
     KeyChange,
+    Reloaded,
     ServedModel,
     Undrained,
     Unserved,
@@ -177,3 +178,13 @@ def test_an_undrain_names_the_node_and_its_drain_as_it_was() -> None:
     conforms(Undrained("mac-b", drain_row()).to_json(), schema)
     conforms(Undrained("mac-b", None).to_json(), schema)
     assert Undrained("mac-b", None).to_json() == {"node": "mac-b", "was": None}
+
+
+def test_a_reload_says_the_file_what_changed_and_what_waits_for_a_start() -> None:
+    schema = field_schema_of("reload")
+    changed = [{"key": "daemon.log_level", "old": "info", "new": "debug"},
+               {"key": "daemon.socket", "old": "/run/a.sock", "new": "/run/b.sock"}]
+    doc = Reloaded("/etc/mlxceld/mlxceld.toml", changed, ["daemon.socket"]).to_json()
+    assert list(doc) == list(schema["properties"])
+    conforms(doc, schema)
+    conforms(Reloaded(None, [], []).to_json(), schema)  # flags only: no file to name
