@@ -147,10 +147,6 @@ class Coordinator:
         """A bring-up (an operator's, a resume, a heal) or a deactivation runs."""
         return self._busy
 
-    async def plan(self, model: str, stages: int, replicas: int = 1) -> JSON:
-        """`mlxctl cluster plan`: ``propose``, shown. Assigns nothing."""
-        return dict((await self.propose(model, stages, replicas=replicas)).to_json())
-
     async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan",
                       *, replicas: int = 1) -> Proposal:
         """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local

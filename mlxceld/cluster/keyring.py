@@ -35,8 +35,7 @@ from mlxceld.config.daemon import Config
 from mlxceld.config.secrets import ENV_VALUE, ResolvedSecret, TomlSecretFile, resolve_secret
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.errors import ConfigError
-from mlxceld.state import EventLog, KeyStore, parse_key_id
-from mlxceld.types import JSON
+from mlxceld.state import EventLog, KeyInfo, KeyStore, parse_key_id
 from mlxceld.wire.secret import Keyring, SecretError, key_id
 
 log = logging.getLogger(__name__)
@@ -123,29 +122,29 @@ class KeyringService:
 
     # -- mlxctl secret ----------------------------------------------------------------------
 
-    def list(self) -> list[JSON]:
-        return [k.to_json() for k in self._store.list()]
+    def list(self) -> list[KeyInfo]:
+        return self._store.list()
 
-    def install(self, secret: bytes, primary: bool, source: str) -> JSON:
+    def install(self, secret: bytes, primary: bool, source: str) -> KeyInfo:
         info = self._store.install(secret, source=source, primary=primary)
         self._events.append("secret.installed", "keyring",
                             f"cluster secret {info.key_id} installed ({info.state})",
                             key_id=info.key_id)
         self._on_install()
-        return info.to_json()
+        return info
 
-    def use(self, kid: str) -> JSON:
+    def use(self, kid: str) -> KeyInfo:
         info = self._store.set_primary(parse_key_id(kid))
         self._events.append("secret.primary", "keyring",
                             f"cluster secret {info.key_id} is now the primary",
                             key_id=info.key_id)
-        return info.to_json()
+        return info
 
-    def remove(self, kid: str) -> JSON:
+    def remove(self, kid: str) -> KeyInfo:
         info = self._store.remove(parse_key_id(kid))
         self._events.append("secret.removed", "keyring",
                             f"cluster secret {info.key_id} removed", key_id=info.key_id)
-        return info.to_json()
+        return info
 
 
 def configured_secret(config: Config, placement: Placement | None,

@@ -28,8 +28,10 @@ from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
+from mlxceld.cluster.plan.candidates import Proposal
 from mlxceld.cluster.rotation import KeyOps, Rotator, serve_key_ops
 from mlxceld.config.daemon import Config
+from mlxceld.control.answers import ClusterNodes, Detector
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.heartbeat import Heartbeats
 from mlxceld.discovery.inventory import model_entry, serve_inventory
@@ -38,7 +40,7 @@ from mlxceld.discovery.serving import port_of, serve_serving
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.net.agent import AgentService
 from mlxceld.roles import ROUTER
-from mlxceld.state import EventLog, LivenessTable, RotationsTable
+from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -111,7 +113,7 @@ class ClusterMember:
         """The agent listener's address once bound (its port resolved), else None."""
         return self.agent.address if self.agent is not None and self._agent_bound else None
 
-    def nodes(self) -> JSON:
+    def nodes(self) -> ClusterNodes:
         c = self._slot.config
         discovery = (self._discovery.describe() if self._discovery else
                      {"mode": c.cluster_discovery, "running": False, "address": None,
@@ -124,13 +126,10 @@ class ClusterMember:
         nodes = [{**n, "liveness": rows.get(n["address"]),
                   "key_stale": bool(ours and n.get("key_id") and n["key_id"] != ours)}
                  for n in self._candidates.snapshot()]
-        return {"cluster": c.cluster_name, "node_id": self._node_id, "key_id": ours,
-                "discovery": discovery, "nodes": nodes,
-                "detector": {"running": self._heartbeats is not None,
-                             "ping_interval_s": c.liveness.ping_interval_s,
-                             "suspect_after_s": c.liveness.suspect_after_s,
-                             "dead_after_s": c.liveness.dead_after_s},
-                "liveness": [rows[a] for a in sorted(rows)]}
+        detector = Detector(self._heartbeats is not None, c.liveness.ping_interval_s,
+                            c.liveness.suspect_after_s, c.liveness.dead_after_s)
+        return ClusterNodes(c.cluster_name, self._node_id, ours, discovery, nodes, detector,
+                            [rows[a] for a in sorted(rows)])
 
     def drain_started(self, node: str, force: bool) -> None:
         """`mlxctl drain NODE` was recorded: on a coordinator, re-plan around it if it
@@ -202,9 +201,9 @@ class ClusterMember:
 
     # -- mlxctl cluster plan|activate|deactivate, --dry-run ---------------------------------
 
-    async def plan(self, model: str, stages: int, replicas: int = 1) -> JSON:
-        """`mlxctl cluster plan` (``Coordinator.plan``). Assigns nothing."""
-        return await self._coordinating().plan(model, stages, replicas)
+    async def plan(self, model: str, stages: int, replicas: int = 1) -> Proposal:
+        """`mlxctl cluster plan` (``Coordinator.propose``). Assigns nothing."""
+        return await self._coordinating().propose(model, stages, replicas=replicas)
 
     async def activate(self, model: str, stages: int, replicas: int = 1) -> JSON:
         """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
@@ -269,7 +268,7 @@ class ClusterMember:
 
     # -- mlxctl secret rotate -----------------------------------------------------------------
 
-    async def rotate(self, secret: bytes | None) -> JSON:
+    async def rotate(self, secret: bytes | None) -> RotationRow:
         """`mlxctl secret rotate` (``cluster/rotation.py``) over this daemon and its
         candidates; refused without the agent listener (it carries the new secret)."""
         if self._rotator is None:
@@ -278,10 +277,9 @@ class ClusterMember:
                               hint="install one: mlxctl secret install FILE --primary")
         return await self._rotator.rotate(secret)
 
-    def rotation(self) -> JSON | None:
+    def rotation(self) -> RotationRow | None:
         """The latest rotation (its step, members, failures), None before the first."""
-        row = self._rotations.latest()
-        return row.to_json() if row else None
+        return self._rotations.latest()
 
     # -- plans of our own ---------------------------------------------------------------------
 

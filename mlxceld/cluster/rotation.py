@@ -68,6 +68,7 @@ from typing import Final, Protocol
 
 from mlxceld import failpoints
 from mlxceld.cluster.rotation_round import RotationRound, Step, failed_step
+from mlxceld.control.answers import KeyChange
 from mlxceld.errors import MlxceldError, RotationFailed, RotationRefused, UnknownKey
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService, ask
@@ -109,9 +110,9 @@ CRASH_AFTER: Final = {Step.INSTALLING: "rotator-after-installing",
 class KeyOps(Protocol):
     """The daemon's keyring changes, each pushed to its workers (``daemon/keys.py``)."""
 
-    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON: ...
-    async def use_secret(self, kid: str) -> JSON: ...
-    async def remove_secret(self, kid: str) -> JSON: ...
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> KeyChange: ...
+    async def use_secret(self, kid: str) -> KeyChange: ...
+    async def remove_secret(self, kid: str) -> KeyChange: ...
     async def streams_under(self, kid: str) -> dict[str, int]: ...
 
 
@@ -235,7 +236,7 @@ class Rotator:
                             rotation=row.id)
         self._start(row)
 
-    async def rotate(self, secret: bytes | None) -> JSON:
+    async def rotate(self, secret: bytes | None) -> RotationRow:
         """A new rotation to ``secret`` over this daemon and its candidates; its row once
         done. Without ``secret``, the latest rotation if it failed (``retry``), else one
         to a generated secret. ``RotationRefused`` (nothing changed) or
@@ -270,7 +271,7 @@ class Rotator:
         done = await asyncio.shield(self._start(row))
         return self._outcome(done)
 
-    async def retry(self, row: RotationRow, step: Step) -> JSON:
+    async def retry(self, row: RotationRow, step: Step) -> RotationRow:
         """Take the failed rotation ``row`` up again at ``step``, the one it failed, over
         the same members, once every one of them answers (else ``RotationRefused``)."""
         await self._probe(tuple(m for m in row.members if m != self._identity))
@@ -308,7 +309,7 @@ class Rotator:
         self._running = self._tg.create_task(self._run(rnd))
         return self._running
 
-    def _outcome(self, rnd: RotationRound) -> JSON:
+    def _outcome(self, rnd: RotationRound) -> RotationRow:
         row = self._table.get(rnd.rotation_id)
         assert row is not None
         if rnd.step == Step.FAILED:
@@ -318,7 +319,7 @@ class Rotator:
                 hint="bring those members back and run `mlxctl secret rotate` again (without "
                 "--new-secret-file: it takes this rotation up again at the step that failed); "
                 "mlxctl cluster nodes names a member left on another key")
-        return row.to_json()
+        return row
 
     async def _run(self, rnd: RotationRound) -> RotationRound:
         while not rnd.finished:

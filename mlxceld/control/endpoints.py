@@ -30,6 +30,7 @@ from mlxceld.control.streams import NDJSON, event_lines, log_lines
 from mlxceld.control.view import DaemonView
 from mlxceld.errors import ShuttingDown, UnknownWorker
 from mlxceld.supervisor import health
+from mlxceld.types import JSON, PipelineView
 
 API_VERSION: Final = 1
 MAX_LINES: Final = 10_000
@@ -59,9 +60,8 @@ class Endpoints:
         stats = await view.workers.stats()  # bounded: supervisor.STATS_TIMEOUT_S
         for w in current["workers"]:
             w["stats"] = stats.get(w["name"])
-        pipeline = (clusterview.pipeline_view(current, view.cluster.nodes(), view.drains.list(),
-                                              view.cluster.rotation())
-                    if clusterview.serves_pipeline(current) else None)  # in memory: no peer asked
+        pipeline = (self._pipeline(current) if clusterview.serves_pipeline(current)
+                    else None)
         current["pipeline"] = pipeline
         current["problems"] = clusterview.name_nodes(
             health.problems(current["workers"]) + cluster + clusterview.problems(pipeline),
@@ -69,10 +69,10 @@ class Endpoints:
         return answer("status", **current)
 
     async def workers(self, request: Request) -> Response:
-        return answer("workers", workers=self.view.workers.snapshot())
+        return answer("workers", workers=[w.to_json() for w in self.view.workers.snapshot()])
 
     async def cluster_nodes(self, request: Request) -> Response:
-        return answer("cluster_nodes", **self.view.cluster.nodes())
+        return answer("cluster_nodes", **self.view.cluster.nodes().to_json())
 
     async def logs(self, request: Request) -> Response:
         path = self._log_path(request.path_params["name"])
@@ -103,18 +103,18 @@ class Endpoints:
     async def serve(self, request: Request) -> Response:
         self._admitting()
         asked = await ServeRequest.read(request)
-        return answer("serve", serving=await self.view.serving.serve_model(asked.model,
-                                                                           asked.model_name))
+        served = await self.view.serving.serve_model(asked.model, asked.model_name)
+        return answer("serve", serving=served.to_json() if served else None)
 
     async def unserve(self, request: Request) -> Response:
         self._admitting()
-        return answer("unserve", **await self.view.serving.unserve())
+        return answer("unserve", **(await self.view.serving.unserve()).to_json())
 
     async def reload(self, request: Request) -> Response:
         """Re-read the config file as SIGHUP does: what changed, or the error (a 400 naming
         the file and key) with the running config kept."""
         self._admitting()
-        return answer("reload", **await self.view.daemon.reload())
+        return answer("reload", **(await self.view.daemon.reload()).to_json())
 
     async def stop(self, request: Request) -> Response:
         self.view.daemon.request_stop()
@@ -124,8 +124,8 @@ class Endpoints:
 
     async def plan(self, request: Request) -> Response:
         asked = await PlanRequest.read(request, "plan")
-        return answer("cluster_plan", **await self.view.cluster.plan(
-            asked.model, asked.stages, asked.replicas))
+        proposal = await self.view.cluster.plan(asked.model, asked.stages, asked.replicas)
+        return answer("cluster_plan", **proposal.to_json())
 
     async def activate(self, request: Request) -> Response:
         """Plan now, push and serve in the background: 202 with the bring-up (its epoch);
@@ -144,23 +144,24 @@ class Endpoints:
     # -- drains ----------------------------------------------------------------------------
 
     async def drains(self, request: Request) -> Response:
-        return answer("drains", drains=self.view.drains.list())
+        return answer("drains", drains=[d.to_json() for d in self.view.drains.list()])
 
     async def drain(self, request: Request) -> Response:
         self._admitting()
         asked = await DrainRequest.read(request, "drain")
-        return answer("drain", drain=self.view.drains.drain(asked.node, asked.deadline_s,
-                                                            asked.force))
+        row = self.view.drains.drain(asked.node, asked.deadline_s, asked.force)
+        return answer("drain", drain=row.to_json())
 
     async def undrain(self, request: Request) -> Response:
         asked = await DrainRequest.read(request, "undrain")
-        return answer("undrain", **self.view.drains.undrain(asked.node))
+        return answer("undrain", **self.view.drains.undrain(asked.node).to_json())
 
     # -- cluster secrets -------------------------------------------------------------------
 
     async def secrets(self, request: Request) -> Response:
-        return answer("secrets", keys=self.view.secrets.list(),
-                      rotation=self.view.cluster.rotation())
+        rotation = self.view.cluster.rotation()
+        return answer("secrets", keys=[k.to_json() for k in self.view.secrets.list()],
+                      rotation=rotation.to_json() if rotation else None)
 
     async def rotate_secret(self, request: Request) -> Response:
         """The rotation's row once done. Without a secret: the latest rotation taken up
@@ -168,23 +169,32 @@ class Endpoints:
         generate` makes one; ``cluster/rotation.py``)."""
         self._admitting()
         asked = await RotateRequest.read(request)
-        return answer("rotation", rotation=await self.view.cluster.rotate(asked.secret))
+        rotation = await self.view.cluster.rotate(asked.secret)
+        return answer("rotation", rotation=rotation.to_json())
 
     async def install_secret(self, request: Request) -> Response:
         asked = await SecretRequest.read(request)
-        return answer("secret", key=await self.view.secrets.install_secret(
-            asked.secret, asked.primary, asked.source))
+        key = await self.view.secrets.install_secret(asked.secret, asked.primary, asked.source)
+        return answer("secret", key=key.to_json())
 
     async def use_secret(self, request: Request) -> Response:
-        return answer("secret",
-                      key=await self.view.secrets.use_secret(request.path_params["kid"]))
+        key = await self.view.secrets.use_secret(request.path_params["kid"])
+        return answer("secret", key=key.to_json())
 
     async def remove_secret(self, request: Request) -> Response:
-        return answer("secret",
-                      key=await self.view.secrets.remove_secret(request.path_params["kid"]),
-                      removed=True)
+        key = await self.view.secrets.remove_secret(request.path_params["kid"])
+        return answer("secret", key=key.to_json(), removed=True)
 
     # -- checks ----------------------------------------------------------------------------
+
+    def _pipeline(self, current: JSON) -> PipelineView | None:
+        """The cluster view of ``current`` (the status): in memory, no peer asked."""
+        view = self.view
+        nodes = view.cluster.nodes().to_json()
+        drains = [d.to_json() for d in view.drains.list()]
+        rotation = view.cluster.rotation()
+        return clusterview.pipeline_view(current, nodes, drains,
+                                         rotation.to_json() if rotation else None)
 
     def _admitting(self) -> None:
         if self.view.daemon.stopping():

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.serve import ROUTER
+from mlxceld.control.answers import DrainView, Undrained
 from mlxceld.daemon.roster import Roster, router_needs
 from mlxceld.drain import DrainService, known_node
-from mlxceld.state import DrainsTable, EventLog
+from mlxceld.state import DrainRow, DrainsTable, EventLog
 from mlxceld.supervisor.ops import Drain
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -49,15 +50,15 @@ class DrainWindow:
                                     call_router=self._call_router,
                                     started=member.drain_started, held=member.drain_held)
 
-    def list(self) -> list[JSON]:
+    def list(self) -> list[DrainView]:
         return self.service.list()
 
-    def drain(self, node: str | None, deadline_s: float | None, force: bool) -> JSON:
+    def drain(self, node: str | None, deadline_s: float | None, force: bool) -> DrainRow:
         return self.service.drain(self._known_node(node), deadline_s, force)
 
-    def undrain(self, node: str | None) -> JSON:
+    def undrain(self, node: str | None) -> Undrained:
         target = node or self._local_node()
-        if target not in {d["node_id"] for d in self.service.list()}:
+        if target not in {d.row.node_id for d in self.service.list()}:
             self._known_node(target)
         return self.service.undrain(target)
 
@@ -70,7 +71,7 @@ class DrainWindow:
         known = {self._local_node(), parts.node_id, *(self.router_needs() or ())}
         if placement is not None:  # over replica groups the router needs none of them
             known |= {n.id for n in placement.cluster.stages}
-        known |= {n["node_id"] for n in parts.member.nodes()["nodes"] if n.get("node_id")}
+        known |= {n["node_id"] for n in parts.member.nodes().nodes if n.get("node_id")}
         return known_node(node or self._local_node(), known)
 
     def router_needs(self) -> frozenset[str] | None:

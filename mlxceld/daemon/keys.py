@@ -18,10 +18,10 @@ import logging
 from collections.abc import Callable
 
 from mlxceld.cluster.keyring import KeyringService
+from mlxceld.control.answers import KeyChange
 from mlxceld.net import retire_streams
-from mlxceld.state import EventLog
+from mlxceld.state import EventLog, KeyInfo
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
@@ -34,36 +34,36 @@ class KeyWindow:
         self._events = events
         self._keyring_changed = keyring_changed  # the cluster member's
 
-    def list(self) -> list[JSON]:
+    def list(self) -> list[KeyInfo]:
         return self._keys.list()
 
-    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> KeyChange:
         key = self._keys.install(secret, primary, source)
-        return {**key, "workers": await self.push_keyring()}
+        return KeyChange(key, await self.push_keyring())
 
-    async def use_secret(self, kid: str) -> JSON:
+    async def use_secret(self, kid: str) -> KeyChange:
         key = self._keys.use(kid)
-        return {**key, "workers": await self.push_keyring()}
+        return KeyChange(key, await self.push_keyring())
 
-    async def remove_secret(self, kid: str) -> JSON:
+    async def remove_secret(self, kid: str) -> KeyChange:
         key = self._keys.remove(kid)
-        return {**key, "workers": await self.push_keyring()}
+        return KeyChange(key, await self.push_keyring())
 
     async def streams_under(self, kid: str) -> dict[str, int]:
         """Workers with open MXCL streams under key id ``kid``: how many (a rotation
         removes the old key once there are none, ``cluster/rotation.py``)."""
         return await self._supervisor.streams_under(kid)
 
-    async def push_keyring(self) -> JSON:
+    async def push_keyring(self) -> dict[str, str] | None:
         """The keyring changed: see the module docstring. What each worker failed, by name
-        ({} when all took it)."""
+        ({} when all took it); None: the keyring is empty, nothing is pushed."""
         ring = self._keys.keyring
         retire_streams(ring)
         self._keyring_changed()
         if not len(ring):
-            return {}
+            return None
         failed = await self._supervisor.push_keyring(ring.primary, ring.others())
         for name, why in failed.items():
             log.warning("%s", why)
             self._events.append("secret.worker_failed", name, why)
-        return {"failed": failed}
+        return failed

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config
+from mlxceld.control.answers import KeyChange
 from mlxceld.daemon.draining import drained_nodes
 from mlxceld.daemon.keys import KeyWindow
 from mlxceld.daemon.roster import Roster
 from mlxceld.daemon.serving import ServingWindow
 from mlxceld.state import DrainsTable
-from mlxceld.types import JSON
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,13 @@ class MemberSide:
     async def reconcile(self) -> None:
         await self.roster.reconcile()
 
-    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> KeyChange:
         return await self.keys.install_secret(secret, primary, source)
 
-    async def use_secret(self, kid: str) -> JSON:
+    async def use_secret(self, kid: str) -> KeyChange:
         return await self.keys.use_secret(kid)
 
-    async def remove_secret(self, kid: str) -> JSON:
+    async def remove_secret(self, kid: str) -> KeyChange:
         return await self.keys.remove_secret(kid)
 
     async def streams_under(self, kid: str) -> dict[str, int]:

@@ -69,6 +69,7 @@ from mlxceld.config.changes import AT_NEXT_START, config_changes
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE, discovers
 from mlxceld.config.serve import read_api_key
+from mlxceld.control.answers import Reloaded
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
 from mlxceld.control.server import (
@@ -136,7 +137,7 @@ class Daemon:
         config = serving_config(config, flags)  # a serving cluster file's node: its flags
         self._flags = flags
         self._terminal = terminal
-        self._commands: asyncio.Queue[str | asyncio.Future[JSON]] = asyncio.Queue()
+        self._commands: asyncio.Queue[str | asyncio.Future[Reloaded]] = asyncio.Queue()
         self._stopping = False
         self._started_at = time.time()
         self._notify = Notifier.from_environment()  # systemd's NOTIFY_SOCKET; else a no-op
@@ -224,7 +225,8 @@ class Daemon:
     # -- the daemon's own, in the control API's view (``Lifetime``) ------------------------
 
     def status(self) -> JSON:
-        workers = self.supervisor.snapshot()
+        workers = [w.to_json() for w in self.supervisor.snapshot()]
+        served = self.serving.describe()
         config, placement = self.roster.config, self.roster.placement
         return {
             "daemon": {
@@ -238,7 +240,7 @@ class Daemon:
                 "log_level": config.log_level,
                 "schema_version": SCHEMA_VERSION,
             },
-            "serving": self.serving.describe(),
+            "serving": served.to_json() if served else None,
             "cluster": placement.describe() if placement else None,
             **self.member.describe(),  # assignment, bringup, agent
             "workers": workers,
@@ -248,10 +250,10 @@ class Daemon:
     def request_stop(self) -> None:
         self._commands.put_nowait("stop")
 
-    async def reload(self) -> JSON:
+    async def reload(self) -> Reloaded:
         """`mlxctl reload`: SIGHUP's reload, queued as SIGHUP queues it; what it changed,
         or the ``ConfigError`` that kept the running config."""
-        answer: asyncio.Future[JSON] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[Reloaded] = asyncio.get_running_loop().create_future()
         self._commands.put_nowait(answer)
         return await answer
 
@@ -391,7 +393,7 @@ class Daemon:
         self._release()
         os._exit(1)
 
-    async def _reload(self, trigger: str, answer: asyncio.Future[JSON] | None) -> None:
+    async def _reload(self, trigger: str, answer: asyncio.Future[Reloaded] | None) -> None:
         """SIGHUP or `mlxctl reload` (``answer``: told what changed, or the error): bind the
         control socket again if its file is gone, re-read the config file and reopen log
         files; never restart workers."""
@@ -424,8 +426,8 @@ class Daemon:
                  ", ".join(c["key"] for c in changes) or "nothing changed")
         await self.roster.reconcile()
         if answer is not None and not answer.done():
-            answer.set_result({"config_file": str(new.config_file) if new.config_file else None,
-                               "changed": changes, "at_next_start": later})
+            answer.set_result(Reloaded(str(new.config_file) if new.config_file else None,
+                                       list(changes), later))
 
     def _socket_event(self, kind: str, message: str, trigger: str) -> None:
         self.events.append(f"daemon.socket_{kind}", "daemon", message, trigger=trigger)

@@ -36,6 +36,7 @@ from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.config.tensor import check_tp_model
+from mlxceld.control.answers import ServedModel, Unserved
 from mlxceld.daemon.roster import Roster
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
 from mlxceld.models.families import require_splittable
@@ -44,7 +45,6 @@ from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
 from mlxceld.supervisor.ops import Pipeline
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ServingWindow:
             return configured.with_model(saved["model"], saved.get("model_name"))
         return configured
 
-    async def serve_model(self, model: str, name: str | None) -> JSON | None:
+    async def serve_model(self, model: str, name: str | None) -> ServedModel | None:
         """`mlxctl serve`: validate, remember, and (re)start the router on the new model."""
         parts, roster = self._parts, self._roster
         if roster.config.pp_peer:
@@ -161,7 +161,7 @@ class ServingWindow:
             self._parts.events.append("serve.unsplittable", ROUTER,
                                      f"{exc.message} ({exc.hint})")
 
-    async def unserve(self) -> JSON:
+    async def unserve(self) -> Unserved:
         """`mlxctl unserve`: stop the single-host router and forget what `mlxctl serve`
         chose, so that a restart does not serve it again. Refused, changing nothing, where
         a restart would serve again anyway (a model from the flags or the config file) or
@@ -195,9 +195,9 @@ class ServingWindow:
         await roster.reconcile()
         if was is not None:
             parts.events.append("serve.stopped", ROUTER,
-                               f"no longer serving {was['model_name']} ({was['model']})")
-            log.info("no longer serving %s (mlxctl unserve)", was["model"])
-        return {"unserved": was}
+                               f"no longer serving {was.model_name} ({was.model})")
+            log.info("no longer serving %s (mlxctl unserve)", was.model)
+        return Unserved(was)
 
     async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
         """Run the router over the pushed plan ``placement`` (the roster's now): on its model,
@@ -236,16 +236,15 @@ class ServingWindow:
         the running config."""
         split_check(self.effective(configured))
 
-    def describe(self) -> JSON | None:
+    def describe(self) -> ServedModel | None:
         """What the router serves, and where; None where the roster runs no router (no
         model, a router held back, a --pp-peer or a stage node: nothing listens there)."""
         s = self.serve
         if s.model is None or self._roster.spec(ROUTER) is None:
             return None
-        return {"model": s.model, "model_name": s.served_name,
-                "url": f"http://{s.host}:{s.port}/v1", "api_key": s.api_key_file is not None,
-                # where the key is (never the key): mlxctl chat reads it when it may
-                "api_key_file": str(s.api_key_file) if s.api_key_file else None}
+        return ServedModel(s.model, s.served_name, f"http://{s.host}:{s.port}/v1",
+                           s.api_key_file is not None,
+                           str(s.api_key_file) if s.api_key_file else None)
 
 
 def check_planned(config: Config, planned: str | None) -> None:

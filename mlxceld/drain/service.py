@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Final
 
+from mlxceld.control.answers import DrainView, Undrained
 from mlxceld.errors import UnknownNode
 from mlxceld.state import DrainRow, DrainsTable, EventLog
 from mlxceld.types import JSON
@@ -70,7 +71,7 @@ class DrainService:
 
     # -- commands -------------------------------------------------------------------------
 
-    def list(self) -> list[JSON]:
+    def list(self) -> list[DrainView]:
         """Every drain's row, with ``replanning`` (its drain waits for a re-plan around the
         node) and, while it drains, the router's last counts: ``in_flight`` (None: not
         known, or not said to the router yet), ``finished`` and ``ended`` so far."""
@@ -78,17 +79,17 @@ class DrainService:
         told = {d["node"] for d in self._pushed or []}
         out = []
         for r in self._table.all():
-            row = {**r.to_json(), "replanning": r.node_id in held, "in_flight": 0}
+            in_flight: int | None = 0
             if r.state == "draining":
                 live = r.node_id in told and bool(self._counts)
-                row["in_flight"] = self._counts.get("in_flight") if live else None
+                in_flight = self._counts.get("in_flight") if live else None
                 if live:
-                    row["finished"] = int(self._counts.get("finished") or 0)
-                    row["ended"] = int(self._counts.get("ended") or 0)
-            out.append(row)
+                    r = replace(r, finished=int(self._counts.get("finished") or 0),
+                                ended=int(self._counts.get("ended") or 0))
+            out.append(DrainView(r, r.node_id in held, in_flight))
         return out
 
-    def drain(self, node: str, deadline_s: float | None, force: bool) -> JSON:
+    def drain(self, node: str, deadline_s: float | None, force: bool) -> DrainRow:
         """Start draining ``node`` (or change the deadline of its drain): ``deadline_s``
         from now (None: none), or now with ``force``."""
         now = time.time()
@@ -113,9 +114,9 @@ class DrainService:
                                 deadline=deadline, force=force)
             log.info("drain of node %s changed: %s", node, said)
         self._wake.set()
-        return row.to_json()
+        return row
 
-    def undrain(self, node: str) -> JSON:
+    def undrain(self, node: str) -> Undrained:
         """End ``node``'s drain: requests that need it are admitted again."""
         old = self._table.get(node)
         if old is not None:
@@ -124,7 +125,7 @@ class DrainService:
                                 "that need it are admitted again", was=old.state)
             log.info("node %s undrained (was %s)", node, old.state)
             self._wake.set()
-        return {"node": node, "was": None if old is None else old.to_json()}
+        return Undrained(node, old)
 
     # -- the router -----------------------------------------------------------------------
 

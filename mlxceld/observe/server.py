@@ -63,8 +63,10 @@ async def scrape(view: DaemonView) -> bytes:
     asked worker's stats, each bounded (see the module docstring)."""
     status = view.daemon.status()
     stats = await view.workers.stats()
-    reading = Reading(status, stats, view.cluster.nodes(), view.drains.list(),
-                      view.cluster.rotation())
+    nodes = view.cluster.nodes().to_json()
+    drains = [d.to_json() for d in view.drains.list()]
+    rotation = view.cluster.rotation()
+    reading = Reading(status, stats, nodes, drains, rotation.to_json() if rotation else None)
     families = [*process_metrics(), build_info("The versions this daemon runs"),
                 *daemon_families(reading), *worker_families(stats)]
     registry = CollectorRegistry(auto_describe=False)

@@ -10,7 +10,7 @@ DOWN = frozenset({WorkerState.FAILED, WorkerState.BACKOFF, WorkerState.EXITED})
 
 
 def problems(workers: list[JSON]) -> list[JSON]:
-    """``workers`` as ``Supervisor.snapshot`` gives them."""
+    """``workers`` as ``Supervisor.snapshot`` gives them, written (``WorkerView.to_json``)."""
     out: list[JSON] = []
     for w in workers:
         name, state = w["name"], WorkerState(w["state"])

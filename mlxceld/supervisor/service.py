@@ -34,6 +34,7 @@ from mlxceld.supervisor.ops import Stats, WorkerRequest
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
 from mlxceld.supervisor.states import Lifecycle
+from mlxceld.supervisor.views import WorkerView
 from mlxceld.tasks import cancelling_group
 from mlxceld.types import JSON, LoadProgress, WorkerKeys, WorkerState, load_progress
 
@@ -346,26 +347,22 @@ class Supervisor:
 
     # -- views ----------------------------------------------------------------------------
 
-    def snapshot(self) -> list[JSON]:
+    def snapshot(self) -> list[WorkerView]:
         out = []
         for name in sorted(self._runners):
             r = self._runners[name]
             row = self._table.get(name)
             m = r.machine
-            out.append({
-                "name": name, "role": r.spec.role, "group": r.spec.group,
-                "state": m.state.value, "pid": r.pid,
-                "healthy": m.healthy if m.state is WorkerState.RUNNING else None,
-                "reason": m.reason, "restarts": m.restarts,
-                "last_exit": m.last_cause.summary if m.last_cause else (row.last_exit if row
-                                                                        else ""),
-                "started_at": row.started_at if row else None,
-                "rss_bytes": _rss(r.pid), "log": str(r.spec.log_path),
-                "keys": dict(r.keys) if r.keys is not None else None,
-            })
             loading = self._loading.get(name)
-            if loading is not None and m.state is WorkerState.STARTING:
-                out[-1]["loading"] = dict(loading)
+            out.append(WorkerView(
+                name=name, role=r.spec.role, group=r.spec.group, state=m.state, pid=r.pid,
+                healthy=m.healthy if m.state is WorkerState.RUNNING else None,
+                reason=m.reason, restarts=m.restarts,
+                last_exit=m.last_cause.summary if m.last_cause else (row.last_exit if row
+                                                                     else ""),
+                started_at=row.started_at if row else None, rss_bytes=_rss(r.pid),
+                log=str(r.spec.log_path), keys=r.keys,
+                loading=loading if m.state is WorkerState.STARTING else None))
         return out
 
     def note_loading(self, name: str, progress: LoadProgress | None) -> None:

@@ -80,12 +80,12 @@ def placement(tmp_path: Path, stages: int, secret_file: str | None = None) -> Pl
 def test_install_use_remove_each_with_its_event(svc: Service) -> None:
     k1, k2 = key_id(S1).hex(), key_id(S2).hex()
     first = svc.keys.install(S1, False, "test")
-    assert (first["key_id"], first["state"], first["source"]) == (k1, "primary", "test")
-    assert svc.keys.install(S2, False, "test")["state"] == "installed"
-    assert svc.keys.use(k2)["state"] == "primary"
+    assert (first.key_id, first.state, first.source) == (k1, "primary", "test")
+    assert svc.keys.install(S2, False, "test").state == "installed"
+    assert svc.keys.use(k2).state == "primary"
     assert svc.keys.keyring.primary_id == key_id(S2)
-    assert svc.keys.remove(k1)["key_id"] == k1
-    assert [k["key_id"] for k in svc.keys.list()] == [k2]
+    assert svc.keys.remove(k1).key_id == k1
+    assert [k.key_id for k in svc.keys.list()] == [k2]
     assert svc.kinds() == [("secret.installed", "keyring", k1),
                            ("secret.installed", "keyring", k2),
                            ("secret.primary", "keyring", k2),
@@ -117,7 +117,7 @@ def test_refusals_change_nothing(svc: Service) -> None:
         svc.keys.remove("nope")
     with pytest.raises(KeyringError, match="unusable"):
         svc.keys.install(b"short", False, "test")
-    assert [k["key_id"] for k in svc.keys.list()] == [key_id(S1).hex()]
+    assert [k.key_id for k in svc.keys.list()] == [key_id(S1).hex()]
     assert [kind for kind, _, _ in svc.kinds()] == ["secret.installed"]
     assert svc.installs == 1
 

@@ -56,7 +56,7 @@ def test_a_plans_suspect_or_dead_peer_is_a_problem(db: sqlite_utils.Database,
         f"node mac-b ({B}) of the active plan is dead since {clock}: no answer to pings "
         "for 10 s; its last answer was at ")
     assert B in problem["next"] and "mlxctl cluster nodes" in problem["next"]
-    nodes = m.nodes()  # the detector's rows also where it does not run (no secret here)
+    nodes = m.nodes().to_json()  # the detector's rows also where it does not run (no secret here)
     assert nodes["detector"]["running"] is False and nodes["detector"]["dead_after_s"] == 10
     assert [r["address"] for r in nodes["liveness"]] == [B, C, D]
     plans.decide(7, "deactivated")

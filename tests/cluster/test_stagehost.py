@@ -129,7 +129,7 @@ async def prepare_with_a_slow_disk(state_dir: Path, model: Path
 
         async def watch() -> None:
             while True:
-                seen.extend(w["loading"] for w in supervisor.snapshot() if "loading" in w)
+                seen.extend(w.loading for w in supervisor.snapshot() if w.loading is not None)
                 await asyncio.sleep(0.1)
 
         watching = asyncio.create_task(watch())

@@ -41,7 +41,7 @@ from mlxceld.state import EventLog
 from mlxceld.state.db import open_db
 from mlxceld.types import JSON
 
-from helpers.views import view_of
+from helpers.views import Answer, view_of
 
 PLAN = {"model": "/models/m", "stages": 2}
 KID = "00112233445566ff"
@@ -76,13 +76,13 @@ class FakeDaemon:
     async def worker_stats(self) -> dict[str, JSON]:
         return {}
 
-    def cluster_nodes(self) -> JSON:
+    def cluster_nodes(self) -> Answer:
         self._called("cluster_nodes")
-        return {"nodes": []}
+        return Answer({"nodes": []})
 
-    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
+    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> Answer:
         self._called("plan_cluster")
-        return {"model": model, "stages": stages}
+        return Answer({"model": model, "stages": stages})
 
     async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
         self._called("activate_cluster")
@@ -98,32 +98,32 @@ class FakeDaemon:
     def restart_worker(self, name: str) -> None:
         self._called("restart_worker")
 
-    async def serve_model(self, model: str, name: str | None) -> JSON | None:
+    async def serve_model(self, model: str, name: str | None) -> Answer | None:
         self._called("serve_model")
-        return {"model": model, "model_name": name}
+        return Answer({"model": model, "model_name": name})
 
-    async def unserve(self) -> JSON:
+    async def unserve(self) -> Answer:
         self._called("unserve")
-        return {"unserved": None}
+        return Answer({"unserved": None})
 
     def request_stop(self) -> None:
         self._called("request_stop")
 
-    def secrets(self) -> list[JSON]:
+    def secrets(self) -> list[Answer]:
         self._called("secrets")
         return []
 
-    async def install_secret(self, secret: bytes, primary: bool, source: str) -> JSON:
+    async def install_secret(self, secret: bytes, primary: bool, source: str) -> Answer:
         self._called("install_secret")
-        return {"key_id": KID}
+        return Answer({"key_id": KID})
 
-    async def use_secret(self, kid: str) -> JSON:
+    async def use_secret(self, kid: str) -> Answer:
         self._called("use_secret")
-        return {"key_id": kid}
+        return Answer({"key_id": kid})
 
-    async def remove_secret(self, kid: str) -> JSON:
+    async def remove_secret(self, kid: str) -> Answer:
         self._called("remove_secret")
-        return {"key_id": kid}
+        return Answer({"key_id": kid})
 
 
 @pytest.fixture
@@ -336,17 +336,17 @@ class Coordinating(FakeDaemon):
                                        "since": 1.0, "address": "10.0.0.2:4000",
                                        "rtt_ms": 0.5}]}}
 
-    def cluster_nodes(self) -> JSON:
+    def cluster_nodes(self) -> Answer:
         self._called("cluster_nodes")
-        return {"key_id": KID, "liveness": [], "nodes": [
+        return Answer({"key_id": KID, "liveness": [], "nodes": [
             {"address": "10.0.0.2:19000", "node_id": "mac-b", "key_id": "ab" * 8,
-             "key_stale": True, "liveness": None}]}
+             "key_stale": True, "liveness": None}]})
 
-    def drains(self) -> list[JSON]:
+    def drains(self) -> list[Answer]:
         self._called("drains")
         return []
 
-    def rotation(self) -> JSON | None:
+    def rotation(self) -> Answer | None:
         self._called("rotation")
         return None
 

@@ -38,7 +38,7 @@ def test_held_drains_wait_and_each_drain_reports_its_counts(tmp_path: Path) -> N
         assert started == [("a", True), ("b", False)]
         await service.push()
         assert [d["node"] for d in told[-1]["drains"]] == ["a"]  # b waits for its re-plan
-        rows = {r["node_id"]: r for r in service.list()}
+        rows = {r["node_id"]: r for r in (d.to_json() for d in service.list())}
         assert (rows["a"]["in_flight"], rows["a"]["finished"], rows["a"]["replanning"]) == \
             (2, 1, False)
         assert (rows["b"]["in_flight"], rows["b"]["replanning"], rows["b"]["state"]) == \
@@ -47,7 +47,7 @@ def test_held_drains_wait_and_each_drain_reports_its_counts(tmp_path: Path) -> N
         answer.update(in_flight=0, finished=3)
         await service.push()
         assert [d["node"] for d in told[-1]["drains"]] == ["a", "b"]
-        rows = {r["node_id"]: r for r in service.list()}
+        rows = {r["node_id"]: r for r in (d.to_json() for d in service.list())}
         assert all((r["state"], r["in_flight"], r["finished"]) == ("drained", 0, 3)
                    for r in rows.values()), rows
         # A drain is held for its re-plan up to its deadline, not past it.

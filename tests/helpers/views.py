@@ -5,9 +5,26 @@ does not ask (asked anyway, it fails as an attribute error would)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from mlxceld.control.view import DaemonView, Lifetime
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A fake's typed answer (``control/answers.py`` and the records it names): only what
+    it writes, ``json``, which is all the endpoints read of one."""
+
+    json: Any
+
+    def to_json(self) -> Any:
+        return self.json
+
+
+def answer(json: Any) -> Answer | None:
+    """``json`` as a typed answer; None stays None (no rotation yet, nothing served)."""
+    return None if json is None else Answer(json)
 
 
 class Part:

@@ -14,7 +14,7 @@ from mlxceld.observe import metrics_app
 from mlxceld.observe.catalog import BY_NAME, PROCESS
 
 from helpers.metrics import Samples, check_exposition, sample
-from helpers.views import view_of
+from helpers.views import Answer, answer, view_of
 
 KEY = "sk-metrics"
 STAGE_STATS = {
@@ -42,15 +42,15 @@ class View:
     async def worker_stats(self) -> dict[str, Any]:
         return self._stats
 
-    def cluster_nodes(self) -> dict[str, Any]:
-        return {"nodes": [{"address": r["address"]} for r in self.liveness],
-                "liveness": self.liveness}
+    def cluster_nodes(self) -> Answer:
+        return Answer({"nodes": [{"address": r["address"]} for r in self.liveness],
+                       "liveness": self.liveness})
 
-    def drains(self) -> list[dict[str, Any]]:
-        return self.drain_rows
+    def drains(self) -> list[Answer]:
+        return [Answer(r) for r in self.drain_rows]
 
-    def rotation(self) -> dict[str, Any] | None:
-        return self.latest
+    def rotation(self) -> Answer | None:
+        return answer(self.latest)
 
 
 def worker(name: str, role: str, state: str = "running", **more: Any) -> dict[str, Any]:

@@ -34,8 +34,7 @@ def spec(state_dir: Path, name: str, group: str | None = "g",
 
 
 def pids(supervisor: Supervisor) -> dict[str, int | None]:
-    return {w["name"]: w["pid"] if w["state"] == "running" else None
-            for w in supervisor.snapshot()}
+    return {w.name: w.pid if w.state == "running" else None for w in supervisor.snapshot()}
 
 
 async def all_running(supervisor: Supervisor, what: str) -> dict[str, int | None]:
@@ -54,7 +53,7 @@ def test_a_killed_member_restarts_its_group_and_no_one_else(state_dir: Path) -> 
             await supervisor.reconcile([spec(state_dir, "a"), spec(state_dir, "b"),
                                         spec(state_dir, "solo", group=None)])
             before = await all_running(supervisor, "a, b and solo running")
-            assert {w["name"]: w["group"] for w in supervisor.snapshot()} == {
+            assert {w.name: w.group for w in supervisor.snapshot()} == {
                 "a": "g", "b": "g", "solo": None}
             assert before["a"] is not None
             os.kill(before["a"], signal.SIGKILL)

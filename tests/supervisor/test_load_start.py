@@ -52,8 +52,8 @@ async def start_router(state_dir: Path, model: Path
         async with asyncio.timeout(DEADLINE_S):
             while (supervisor.state("router") or (None,))[0] not in ENDED:
                 for w in supervisor.snapshot():
-                    if w.get("loading"):
-                        seen.append(str(w["loading"]))
+                    if w.loading:
+                        seen.append(str(w.loading))
                 await asyncio.sleep(0.2)
         took = time.monotonic() - begun
         state, reason = supervisor.state("router") or (WorkerState.EXITED, "gone")
@@ -76,7 +76,7 @@ async def stop_while_loading(state_dir: Path, spec: WorkerSpec) -> int:
     async with running_supervisor(state_dir) as (supervisor, _):
         await supervisor.reconcile([spec])
         async with asyncio.timeout(DEADLINE_S):
-            while not (w := next(iter(supervisor.snapshot()), {})).get("loading"):
+            while not (w := next((v.to_json() for v in supervisor.snapshot()), {})).get("loading"):
                 assert w.get("state") not in ("running", "backoff", "failed"), (
                     w, spec.log_path.read_text(errors="replace")[-3000:])
                 await asyncio.sleep(0.1)
