@@ -51,6 +51,7 @@ from mlxceld.net import retire_streams, streams_under
 from mlxceld.roles import ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
 from mlxceld.supervisor.ops import Health, KeyringUpdate, OpError, Stats, Stop, StreamsUnder
+from mlxceld.tasks import scoped_group
 from mlxceld.types import (
     JSON,
     ExitRecord,
@@ -303,10 +304,9 @@ async def unless_stopped(ctx: WorkerContext[Any], name: str, call: Callable[[], 
             loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=body, name=name, daemon=True).start()
-    # Not a task group: a wait for whichever comes first, the loser cancelled at once below.
-    stopping = asyncio.ensure_future(ctx.stopping.wait())
-    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
+    async with scoped_group() as tg:  # whichever comes first; the wait for a stop ends here
+        stopping = tg.create_task(ctx.stopping.wait())
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not work.done():
         raise Stopped(name)
     return work.result()
