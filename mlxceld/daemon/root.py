@@ -67,7 +67,7 @@ from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.changes import AT_NEXT_START, config_changes
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE, discovers
+from mlxceld.config.replicas import discovers
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
@@ -111,11 +111,10 @@ from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
+from mlxceld.types import HANDOFF_SIDES, JSON, ROUTER_ROLE
 
 log = logging.getLogger("mlxceld.daemon")  # the room's name, as journal lines have read it
 
-HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
 
 SHUTDOWN_SLACK_S = 5.0
 
@@ -191,7 +190,7 @@ class Daemon:
         role = config.serve.node_role
         self.keys.require(pp_auto=config.pp_auto is not None, placement=placement,
                           router=role == ROUTER_ROLE,
-                          handoff_role=role if role in HANDOFF_ROLES else None,
+                          handoff_side=role if role in HANDOFF_SIDES else None,
                           served=f"{served.path}: node {config.node_id!r} ({role})"
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
@@ -326,7 +325,7 @@ class Daemon:
     async def _router_node_linked(self) -> None:
         """A router (or decode) node's router waits for the agent listener (its address is
         the identity it dials replicas and asks agents with: ``roster``): it starts now."""
-        if self.roster.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_ROLES):
+        if self.roster.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_SIDES):
             await self.roster.reconcile()
 
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:

@@ -57,7 +57,6 @@ from mlxceld.cluster.clusterfile.placement import (
     stage_options,
 )
 from mlxceld.config.daemon import Config
-from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
 from mlxceld.discovery.inventory import free_ports
 from mlxceld.logformat import LogFormat
@@ -71,6 +70,7 @@ from mlxceld.roles.options import (
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.wire.secret import Keyring
 
@@ -114,7 +114,7 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                               silence_s=s.serve.stage_silence_s),
                                 policy, secret=s.secret, accepted=s.accepted,
                                 log_format=c.log_format))
-    elif s.serve.node_role in (PREFILL_ROLE, DECODE_ROLE):
+    elif s.serve.node_role in HANDOFF_SIDES:
         serving = serving_options(s)
         if s.serve.model is not None and s.agent_address is not None and serving is not None:
             handoff = HandoffOptions(s.serve.node_role, s.agent_address,

@@ -48,7 +48,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 from mlxceld.errors import ConfigError
 from mlxceld.logformat import formatter
 from mlxceld.net import retire_streams, streams_under
-from mlxceld.roles import ROLES
+from mlxceld.roles import WORKER_ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
 from mlxceld.supervisor.ops import Health, KeyringUpdate, OpError, Stats, Stop, StreamsUnder
 from mlxceld.tasks import scoped_group
@@ -344,7 +344,7 @@ async def run_worker(boot: WorkerBootstrap, options: WorkerOptions,
                         boot.get("api_key"))
     if made is not None:
         made.append(ctx)
-    module = importlib.import_module(ROLES[boot["role"]])
+    module = importlib.import_module(WORKER_ROLES[boot["role"]])
     role_main: RoleMain = module.run
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, ctx.stop)
