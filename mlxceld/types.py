@@ -13,7 +13,7 @@ MAX_PIPELINE_STAGES: Final = 64  # --pp-auto, [daemon] pp_auto, `mlxctl cluster 
 MAX_REPLICAS: Final = 8  # replica groups: `mlxctl cluster plan|activate --replicas`, TOML's
 MAX_DRAIN_DEADLINE_S: Final = 7 * 24 * 3600.0  # the longest `mlxctl drain --deadline`
 
-# A node's role in a replica cluster (``--node-role``, [serve] node_role, a cluster TOML's
+# A node's role in a serving cluster (``--node-role``, [serve] node_role, a cluster TOML's
 # serving nodes; checked in config/replicas.py). The wire's copy: wire/agent_messages.py.
 NodeRole = Literal["hybrid", "router", "prefill", "decode"]
 HYBRID: Final = "hybrid"
