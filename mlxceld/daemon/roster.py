@@ -203,7 +203,7 @@ def router_needs(specs: list[WorkerSpec], own: set[str]) -> frozenset[str] | Non
 class Roster:
     """The roster's inputs now, and the one reconcile: ``draw_roster`` of them handed to
     the supervisor. ``serve`` and ``hold_router`` are the serving window's to set,
-    ``placement`` and ``standby`` the cluster member's (through the daemon's side of it),
+    ``placement`` and ``standby`` the cluster member's (its stage host's ``set_stage``),
     ``config`` the reload's."""
 
     def __init__(self, config: Config, supervisor: Supervisor, keyring: Keyring, *,
@@ -235,6 +235,12 @@ class Roster:
         specs = self.specs()
         await self._supervisor.reconcile(specs)
         return specs
+
+    def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
+        """Run ``placement``'s stage (in standby: loaded, not serving), or none (the
+        cluster member's stage host: ``cluster/assignment/stagehost.py``'s ``StageSlot``);
+        the next ``reconcile`` makes it so."""
+        self.placement, self.standby = placement, standby
 
     def spec(self, name: str) -> WorkerSpec | None:
         """The worker ``name`` as the roster draws it now; None where it runs no such one."""
