@@ -34,7 +34,7 @@ from typing import Any, Final
 
 from mlxceld.config.peers import parse_peers
 from mlxceld.errors import ConfigError
-from mlxceld.types import DECODE_ROLE
+from mlxceld.types import DECODE_ROLE, ROUTER_ROLE
 
 QUANTS: Final = ("none", "int8", "int4")  # engine/handoff.py's (a room above this one)
 DEFAULT_AGENT_PORT: Final = 19000
@@ -72,7 +72,7 @@ def parse_compression(flag: str | None, table: Mapping[str, Any], where: str) ->
 def check_pools(role: str, role_from: str, prefill: tuple[str, ...], prefill_from: str,
                 decode: tuple[str, ...], decode_from: str, replicas: tuple[str, ...]) -> None:
     """The rules of the module docstring, each refusal naming the flags at fault."""
-    if role == "router":
+    if role == ROUTER_ROLE:
         if bool(prefill) != bool(decode):
             given, missing = ((prefill_from, "--decode-peers") if prefill
                               else (decode_from, "--prefill-peers"))
