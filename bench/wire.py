@@ -34,7 +34,7 @@ from mlxceld.wire.connection import Connection
 from mlxceld.wire.crypto import Suite
 from mlxceld.wire.events import HandshakeComplete
 from mlxceld.wire.frames import FrameLimits, FrameReceiver, FrameSender, Kind
-from mlxceld.wire.handshake import Role
+from mlxceld.wire.handshake import ConnectionRole
 from mlxceld.wire.schedule import Channel
 
 SIZES = [8 << 10, 64 << 10, 1 << 20, 16 << 20]
@@ -140,7 +140,8 @@ async def handshake_p50(n: int) -> float:
 
     async def server_side(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer_ip = writer.get_extra_info("peername")[0]
-        conn = Connection(Role.SERVER, keyring=keyring, random=os.urandom, now=loop.time(),
+        conn = Connection(ConnectionRole.SERVER, keyring=keyring, random=os.urandom,
+                          now=loop.time(),
                           peer_ip=peer_ip)
         while not conn.established:
             conn.receive_data(await reader.read(4096), loop.time())
@@ -154,7 +155,8 @@ async def handshake_p50(n: int) -> float:
     for _ in range(n):
         t0 = time.perf_counter()
         r, w = await asyncio.open_connection("127.0.0.1", port)
-        conn = Connection(Role.CLIENT, keyring=keyring, random=os.urandom, now=loop.time(),
+        conn = Connection(ConnectionRole.CLIENT, keyring=keyring, random=os.urandom,
+                          now=loop.time(),
                           channel=Channel.TRANSPORT, identity="127.0.0.1:19100")
         w.write(conn.data_to_send())
         done = False

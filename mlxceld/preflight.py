@@ -23,13 +23,13 @@ from pathlib import Path
 from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
 from mlxceld.cluster.keyring import configured_secret, require_secret
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.server import check_socket_path
 from mlxceld.daemon.serving import check_planned, split_check
 from mlxceld.errors import ConfigError, DaemonError
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.state.lock import check_state_dir
+from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE
 
 
 def check_config(flags: Overrides) -> Config:
@@ -64,7 +64,7 @@ def check_config(flags: Overrides) -> Config:
     require_secret(resolved is not None or _keyring_holds(keys_dir), keys_dir,
                    pp_auto=config.pp_auto is not None, placement=placement,
                    router=role == ROUTER_ROLE,
-                   handoff_role=role if role in (PREFILL_ROLE, DECODE_ROLE) else None,
+                   handoff_side=role if role in HANDOFF_SIDES else None,
                    served=f"{served.path}: node {config.node_id!r} ({role})"
                    if served is not None else None)
     return config

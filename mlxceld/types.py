@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Final, NotRequired, TypedDict
+from typing import Any, Final, Literal, NotRequired, TypedDict
 
 JSON = dict[str, Any]
 # A peer that sends nothing (not even a pong) for this long is silent: net/liveness.py,
@@ -12,6 +12,19 @@ DEFAULT_SILENCE_S: Final = 3.0
 MAX_PIPELINE_STAGES: Final = 64  # --pp-auto, [daemon] pp_auto, `mlxctl cluster plan|activate`
 MAX_REPLICAS: Final = 8  # replica groups: `mlxctl cluster plan|activate --replicas`, TOML's
 MAX_DRAIN_DEADLINE_S: Final = 7 * 24 * 3600.0  # the longest `mlxctl drain --deadline`
+
+# A node's role in a serving cluster (``--node-role``, [serve] node_role, a cluster TOML's
+# serving nodes; checked in config/replicas.py). The wire's copy: wire/agent_messages.py.
+NodeRole = Literal["hybrid", "router", "prefill", "decode"]
+HYBRID: Final = "hybrid"
+ROUTER_ROLE: Final = "router"
+PREFILL_ROLE: Final = "prefill"
+DECODE_ROLE: Final = "decode"
+NODE_ROLES: Final[tuple[NodeRole, ...]] = (HYBRID, ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)
+# A prefill/decode handoff's two sides: the node roles that take part in one
+# (replicas/handoffs.py); a node of either role is that side of each handoff.
+HandoffSide = Literal["prefill", "decode"]
+HANDOFF_SIDES: Final[tuple[HandoffSide, ...]] = (PREFILL_ROLE, DECODE_ROLE)
 
 
 class WorkerState(StrEnum):

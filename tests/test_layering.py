@@ -157,7 +157,7 @@ def test_mlxctl_talks_to_the_daemon_only_through_its_client() -> None:
     ("from mlxceld.cluster.coordinator import Coordinator", "cluster"),
     ("from mlxceld import __version__", None),
     ("import mlxceld.wire.address", "wire"),
-    ("from mlxceld.roles import ROLES", "roles"),
+    ("from mlxceld.roles import WORKER_ROLES", "roles"),
 ])
 def test_the_check_sees_each_kind_of_import(source: str, room: str | None,
                                             tmp_path: Path) -> None:

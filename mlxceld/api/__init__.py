@@ -16,9 +16,9 @@ if TYPE_CHECKING:
         CalledTool,
         ChatFeatures,
         ChatMessage,
+        ChatRole,
         ChatTemplateError,
         MlxTextCodec,
-        Role,
         StreamDecoder,
         TextCodec,
     )
@@ -27,13 +27,26 @@ if TYPE_CHECKING:
 
 _HOMES = {"build_router_app": "app", "CalledTool": "codec", "ChatFeatures": "codec",
           "ChatMessage": "codec", "ChatTemplateError": "codec", "MlxTextCodec": "codec",
-          "Role": "codec", "StreamDecoder": "codec", "TextCodec": "codec",
+          "ChatRole": "codec", "StreamDecoder": "codec", "TextCodec": "codec",
           "ApiError": "errors", "refusal_body": "errors", "ChatRequest": "requests",
           "CompletionRequest": "requests", "Options": "requests"}
 
-__all__ = ["ApiError", "CalledTool", "ChatFeatures", "ChatMessage", "ChatRequest",
-           "ChatTemplateError", "CompletionRequest", "MlxTextCodec", "Options", "Role",
-           "StreamDecoder", "TextCodec", "build_router_app", "refusal_body"]
+__all__ = [
+    "ApiError",
+    "CalledTool",
+    "ChatFeatures",
+    "ChatMessage",
+    "ChatRequest",
+    "ChatRole",
+    "ChatTemplateError",
+    "CompletionRequest",
+    "MlxTextCodec",
+    "Options",
+    "StreamDecoder",
+    "TextCodec",
+    "build_router_app",
+    "refusal_body",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,9 +7,9 @@
     POST /v1/chat/completions          chat, whole or streamed (SSE)
     POST /v1/completions               text completion, whole or streamed
     POST /v1/responses, /responses     OpenAI's Responses API, stateless, whole or streamed
-                                       (``responses.py``, ``responses/serving.py``)
+                                       (``responses/request.py``, ``responses/endpoint.py``)
     POST /v1/messages                  Anthropic's Messages API, whole or streamed (its
-                                       events), errors in its shape (``messages*.py``)
+                                       events), errors in its shape (``anthropic/``)
     POST /v1/messages/count_tokens     the prompt's tokens, as the Messages API counts
     GET  /health                       liveness: always 200, never needs the key
     GET  /ready                        200 once ``ready()`` says so and ``readiness()``
@@ -54,7 +54,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from mlxceld.api.anthropic.serving import Messages
+from mlxceld.api.anthropic.endpoint import Messages
 from mlxceld.api.anthropic_errors import anthropic_response, speaks_anthropic
 from mlxceld.api.chatting import Chats
 from mlxceld.api.codec import TextCodec

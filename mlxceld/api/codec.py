@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 import jinja2
 
-Role = Literal["system", "user", "assistant", "tool"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
 # A generation prompt that opens a reasoning block does so in its last few tokens.
 THINK_TAIL_TOKENS = 64
 
@@ -37,7 +37,7 @@ class ChatMessage:
     an assistant's ``tool_calls``, a tool result's ``tool_call_id``, the sender's ``name``,
     an earlier answer's ``reasoning``."""
 
-    role: Role
+    role: ChatRole
     content: str
     tool_calls: tuple[CalledTool, ...] = ()
     tool_call_id: str | None = None

@@ -16,14 +16,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from mlxceld.api.answering import CompletionResponse
 from mlxceld.api.chatting import Chats
 from mlxceld.api.edge.metrics import CONTENT_TYPE, Metrics
 from mlxceld.api.errors import ApiError
 from mlxceld.api.formats import ChatFormat, TextFormat
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.requests import check_constraint, check_prompt_bytes, parse_chat, parse_completion
-from mlxceld.api.responses.serving import respond
-from mlxceld.api.serving import CompletionResponse
+from mlxceld.api.responses.endpoint import respond
 from mlxceld.api.shapes import ModelCard, ModelList
 from mlxceld.engine import GenerationRequest
 

@@ -80,7 +80,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from mlxceld.api.codec import ChatMessage, Role
+from mlxceld.api.codec import ChatMessage, ChatRole
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.fields import Fields, check_text, member, parse_object, show
 from mlxceld.api.reasoning import parse_effort, parse_history_reasoning
@@ -114,7 +114,7 @@ TEMPLATE_OWN_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "chat_template"})
 SCHEMA_NAME_CHARS = 64  # OpenAI's limit on response_format.json_schema.name
-ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user",
+CHAT_ROLES: dict[str, ChatRole] = {"system": "system", "developer": "system", "user": "user",
                           "assistant": "assistant", "tool": "tool"}
 
 
@@ -464,9 +464,9 @@ def _message(item: Any, path: str, ignored: list[str] | None) -> ChatMessage:
     name = fields.string("role")
     if name is None:
         raise invalid(f"'{path}.role' is required", f"{path}.role")
-    role = ROLES.get(name)
+    role = CHAT_ROLES.get(name)
     if role is None:
-        raise invalid(f"'{path}.role' must be one of {', '.join(ROLES)}, not {show(name)}",
+        raise invalid(f"'{path}.role' must be one of {', '.join(CHAT_ROLES)}, not {show(name)}",
                       f"{path}.role")
     check_fields(item, ROLE_FIELDS[role], path, ignored)
     calls = parse_called_tools(fields) if role == "assistant" else ()

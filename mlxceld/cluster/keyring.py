@@ -110,14 +110,14 @@ class KeyringService:
         return True
 
     def require(self, *, pp_auto: bool, placement: Placement | None,
-                router: bool = False, handoff_role: str | None = None,
+                router: bool = False, handoff_side: str | None = None,
                 served: str | None = None) -> None:
         """Fail closed: --pp-auto, --node-role router, prefill or decode
-        (``handoff_role``), a node of a serving cluster's TOML (``served``: "FILE: node
+        (``handoff_side``), a node of a serving cluster's TOML (``served``: "FILE: node
         'ID' (ROLE)"), or a cluster config of two or more stages (or hosts), never runs
         without the cluster secret."""
         require_secret(bool(len(self.keyring)), self.dir, pp_auto=pp_auto,
-                       placement=placement, router=router, handoff_role=handoff_role,
+                       placement=placement, router=router, handoff_side=handoff_side,
                        served=served)
 
     # -- mlxctl secret ----------------------------------------------------------------------
@@ -162,7 +162,7 @@ def configured_secret(config: Config, placement: Placement | None,
 
 def require_secret(has_secret: bool, keys_dir: Path, *, pp_auto: bool,
                    placement: Placement | None, router: bool = False,
-                   handoff_role: str | None = None, served: str | None = None) -> None:
+                   handoff_side: str | None = None, served: str | None = None) -> None:
     """``KeyringService.require``'s rule, for a node whose keyring (in ``keys_dir``) holds a
     secret or not (``has_secret``); `mlxceld --check-config` asks it too."""
     if has_secret:
@@ -184,9 +184,9 @@ def require_secret(has_secret: bool, keys_dir: Path, *, pp_auto: bool,
             "authenticated wire; " + where(first="the file's secret_file"),
             hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
             "600, the same on every host) or pass --cluster-secret-file FILE")
-    if handoff_role is not None:
+    if handoff_side is not None:
         raise ConfigError(
-            f"--node-role {handoff_role} needs the cluster secret to serve a router and "
+            f"--node-role {handoff_side} needs the cluster secret to serve a router and "
             f"hand KV caches over; {where()}",
             hint=f"give the router and every prefill and decode node the same secret: "
             f"{everyone}")

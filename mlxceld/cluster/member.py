@@ -10,9 +10,10 @@ The heartbeats watch every candidate peer and, on a coordinator, every peer of i
 active plan (``discovery/heartbeat.py``); a plan's peer that is suspect or dead is a
 problem in `mlxctl status`, with what to do.
 
-The daemon is the member's ``DaemonSlot``: its configuration (replaced on a reload),
-its placement, the model it serves, and the window the coordinator and the stage host
-have on its supervisor (``serve_pipeline``, ``set_stage``, ``reconcile``).
+The daemon hands the member ``MemberParts``, a record of what it uses, never the daemon:
+its configuration (replaced on a reload), whether it stops, the model it serves, and the
+parts the coordinator, the stage host and the key ops work on (the serving window's
+``serve_pipeline``, the roster's ``set_stage`` and ``reconcile``, the key window).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.query import serve_queries
@@ -51,27 +53,26 @@ from mlxceld.wire.secret import Keyring
 log = logging.getLogger(__name__)
 
 
-class DaemonSlot(CoordinatorSlot, StageSlot, KeyOps, Protocol):
-    """The daemon's side of its membership."""
+@dataclass(frozen=True)
+class MemberParts:
+    """What the member uses of its daemon (``daemon/root.py`` makes it)."""
 
-    @property
-    def config(self) -> Config: ...
-    @property
-    def stopping(self) -> bool: ...
-    def served_model(self) -> str | None:
-        """The model the router serves or would serve (what the inventory reports)."""
-    def router_held(self) -> bool:
-        """Whether the router waits for a pipeline (pp_auto, a plan to resume)."""
-    def drained_nodes(self) -> frozenset[str]:
-        """The node ids `mlxctl drain` holds drained or draining (left out of plans)."""
+    config: Callable[[], Config]  # now: a reload replaces it
+    stopping: Callable[[], bool]
+    served_model: Callable[[], str | None]  # what the router serves or would (inventory)
+    router_held: Callable[[], bool]  # the router waits for a pipeline (pp_auto, a resume)
+    drained_nodes: Callable[[], frozenset[str]]  # `mlxctl drain`'s: left out of plans
+    pipeline: CoordinatorSlot  # the router over a pushed plan (the serving window)
+    stage: StageSlot  # the placement and standby, and the reconcile (the roster)
+    keys: KeyOps  # the keyring's changes, each pushed to the workers (the key window)
 
 
 class ClusterMember:
-    def __init__(self, slot: DaemonSlot, supervisor: Supervisor, events: EventLog,
+    def __init__(self, parts: MemberParts, supervisor: Supervisor, events: EventLog,
                  keyring: Keyring, *, node_id: str, candidates: CandidateTable, plans: Plans,
                  assignments: Assignments, liveness: LivenessTable,
                  rotations: RotationsTable) -> None:
-        self._slot = slot
+        self._parts = parts
         self._supervisor = supervisor
         self._events = events
         self._keyring = keyring
@@ -83,7 +84,7 @@ class ClusterMember:
         self._rotations = rotations
         self._rotator: Rotator | None = None
         self._heartbeats: Heartbeats | None = None
-        agent = parse_address(slot.config.agent_addr, port_zero=True)  # checked by the config
+        agent = parse_address(parts.config().agent_addr, port_zero=True)  # the config checked it
         self._agent_addr = (agent.host, agent.port)
         self.agent: AgentService | None = None
         self._agent_bound = False
@@ -114,7 +115,7 @@ class ClusterMember:
         return self.agent.address if self.agent is not None and self._agent_bound else None
 
     def nodes(self) -> ClusterNodes:
-        c = self._slot.config
+        c = self._parts.config()
         discovery = (self._discovery.describe() if self._discovery else
                      {"mode": c.cluster_discovery, "running": False, "address": None,
                       "advertised": None, "error": None if len(self._keyring) else
@@ -149,7 +150,7 @@ class ClusterMember:
 
     def _drained_addresses(self) -> dict[str, str]:
         """Agent address -> node id of the candidates that are drained."""
-        drained = self._slot.drained_nodes()
+        drained = self._parts.drained_nodes()
         return {r["address"]: r["node_id"] for r in self._candidates.snapshot()
                 if r.get("node_id") in drained} if drained else {}
 
@@ -209,7 +210,7 @@ class ClusterMember:
         """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
         serves in our task group; the answer carries the plan's epoch."""
         coordinator = self._pushing_plans("activate")
-        if self._slot.stopping or self._tg is None:
+        if self._parts.stopping() or self._tg is None:
             raise DaemonError("the daemon is shutting down and starts no bring-up",
                               hint="start it again, then activate")
         return await coordinator.activate(model, stages, replicas)
@@ -218,7 +219,7 @@ class ClusterMember:
         """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
         peer and stop our router; the daemon stays up."""
         state = await self._pushing_plans("deactivate").deactivate()
-        pp_auto = self._slot.config.pp_auto
+        pp_auto = self._parts.config().pp_auto
         if pp_auto is not None:
             state = {**state, "note": f"pp_auto {pp_auto} is set: the next start "
                      "of this daemon plans and pushes a new plan; remove pp_auto (--pp-auto, "
@@ -229,7 +230,7 @@ class ClusterMember:
         """The coordinator, for `mlxctl cluster activate|deactivate`: refused on a daemon
         that takes stages (--pp-peer) or runs a written cluster (--distributed-config)."""
         coordinator = self._coordinating()
-        config = self._slot.config
+        config = self._parts.config()
         if config.pp_peer:
             raise ConfigError("this daemon runs with --pp-peer: it takes stages, it does not "
                               "push plans",
@@ -259,12 +260,12 @@ class ClusterMember:
     async def dry_run(self) -> str:
         """``--pp-auto N --dry-run``: the plan's report for the terminal; ``ConfigError``
         without a cluster secret or a model, or what ``Coordinator.dry_run`` raises."""
-        model = self._slot.served_model()
+        model = self._parts.served_model()
         if self._coordinator is None or model is None:
             raise ConfigError("--pp-auto needs a cluster secret and --model DIR",
                               hint="give the cluster secret (--cluster-secret-file) and "
                               "the model to plan")
-        return await self._coordinator.dry_run(self._slot.config.pp_auto or 0, model)
+        return await self._coordinator.dry_run(self._parts.config().pp_auto or 0, model)
 
     # -- mlxctl secret rotate -----------------------------------------------------------------
 
@@ -287,7 +288,7 @@ class ClusterMember:
         """A peer, a node of a written cluster or a host of a tensor-parallel group
         (``tp_size`` above 1: no pipeline is built over one) never resumes a plan of its
         own."""
-        c = self._slot.config
+        c = self._parts.config()
         return not c.pp_peer and c.distributed_config is None and c.serve.tp_size == 1
 
     def check_reload(self, new: Config) -> None:
@@ -306,7 +307,7 @@ class ClusterMember:
             return False
         if self.may_coordinate():
             return True
-        c = self._slot.config
+        c = self._parts.config()
         log.warning("plan %d (%s) is not resumed: this daemon now runs with %s", last.epoch,
                     last.decision, "pp_peer" if c.pp_peer else "distributed_config"
                     if c.distributed_config is not None else f"tp_size {c.serve.tp_size}")
@@ -323,25 +324,25 @@ class ClusterMember:
         it in ``tg``; a bind failure is reported (log, event, status) and leaves the daemon
         running single-host."""
         self._tg = tg
-        if self.agent is not None or self._slot.stopping:
+        if self.agent is not None or self._parts.stopping():
             return
-        slot = self._slot
+        parts = self._parts
         # A connected peer silent for the detector's suspect bound is dropped (net/agent.py).
         agent = AgentService(self._agent_addr, self._keyring,
-                             silence_s=slot.config.liveness.suspect_after_s)
-        serve_inventory(agent, self._node_id, slot.served_model, slot.config.stage_ports,
+                             silence_s=parts.config().liveness.suspect_after_s)
+        serve_inventory(agent, self._node_id, parts.served_model, parts.config().stage_ports,
                         keyring=self._keyring)
         serve_serving(agent, self._serving)
         serve_queries(agent, self._plans, asked=self._peer_asked)
-        c = slot.config
-        stages = LocalStageHost(slot, self._supervisor, self._events, cluster=c.cluster_name,
-                                state_dir=c.state_dir, model=slot.served_model,
+        c = parts.config()
+        stages = LocalStageHost(parts.stage, self._supervisor, self._events, cluster=c.cluster_name,
+                                state_dir=c.state_dir, model=parts.served_model,
                                 agent_host=lambda: agent.host, stage_ports=c.stage_ports)
         assignee = Assignee(self._assignments, stages, self._keyring,
                             identity=lambda: agent.address, state_dir=c.state_dir,
                             enabled=c.pp_peer, events=self._events)
         assignee.register(agent)
-        serve_key_ops(agent, slot, self._keyring)
+        serve_key_ops(agent, parts.keys, self._keyring)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def run() -> None:
@@ -350,7 +351,7 @@ class ClusterMember:
             except OSError as exc:
                 self._agent_error = (f"cannot listen on {self._agent_addr[0]}:"
                                      f"{self._agent_addr[1]}: {exc.strerror}")
-                if slot.router_held():
+                if parts.router_held():
                     self._agent_error += ("; no pipeline is brought up or resumed without it "
                                           "(restart the daemon once the address is free)")
                 log.error("agent listener: %s", self._agent_error)
@@ -379,13 +380,13 @@ class ClusterMember:
                 node_of=lambda a: row.node_id if (row := candidates.get(a)) else None)
             tg.create_task(self._heartbeats.run())
             self._coordinator = Coordinator(
-                slot, tg, cluster=c.cluster_name, state_dir=c.state_dir,
+                parts.pipeline, tg, cluster=c.cluster_name, state_dir=c.state_dir,
                 config_out=c.cluster_config_out, plans=self._plans, keyring=self._keyring,
                 discovery=self._discovery, identity=agent.address, events=self._events,
-                drained=slot.drained_nodes, kv_quant=lambda: slot.config.serve.kv_quant)
+                drained=parts.drained_nodes, kv_quant=lambda: parts.config().serve.kv_quant)
             self._assignee = assignee
             tg.create_task(assignee.run())
-            self._rotator = Rotator(self._rotations, self._keyring, slot, self._events,
+            self._rotator = Rotator(self._rotations, self._keyring, parts.keys, self._events,
                                     identity=agent.address, peers=candidates.addresses, tg=tg)
             self._rotator.resume()
             if self.may_coordinate():
@@ -400,7 +401,7 @@ class ClusterMember:
                     drained=self._drained_addresses)
                 tg.create_task(self._healer.run())
             if not c.dry_run and self.may_coordinate():
-                self._coordinator.start(c.pp_auto, slot.served_model(),
+                self._coordinator.start(c.pp_auto, parts.served_model(),
                                         configured_model=c.serve.model)
 
     async def _serving(self) -> Serving:
@@ -408,8 +409,8 @@ class ClusterMember:
         router's serving listener (its stats), the identity of the model it serves."""
         stats = await self._supervisor.stats()
         router = stats.get(ROUTER)
-        entry = await asyncio.to_thread(model_entry, self._slot.served_model())
-        return Serving(role=self._slot.config.serve.node_role,
+        entry = await asyncio.to_thread(model_entry, self._parts.served_model())
+        return Serving(role=self._parts.config().serve.node_role,
                        port=port_of(router if isinstance(router, dict) else None),
                        model=entry["identity"] if entry else None)
 

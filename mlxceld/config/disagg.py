@@ -34,14 +34,13 @@ from typing import Any, Final
 
 from mlxceld.config.peers import parse_peers
 from mlxceld.errors import ConfigError
+from mlxceld.types import DECODE_ROLE, ROUTER_ROLE
 
 QUANTS: Final = ("none", "int8", "int4")  # engine/handoff.py's (a room above this one)
 DEFAULT_AGENT_PORT: Final = 19000
 PEERS_HINT: Final = ("name each node by its agent address, separated by commas: host:port, "
                      "or a host alone for port 19000, e.g. 10.0.0.21,10.0.0.22:19001")
 COMPRESSION_HINT: Final = "one of none, int8, int4, each optionally with +lz4: e.g. int8+lz4"
-PREFILL: Final = "prefill"
-DECODE: Final = "decode"
 
 
 def parse_peer_list(key: str, flag: str | None, table: Mapping[str, Any],
@@ -73,7 +72,7 @@ def parse_compression(flag: str | None, table: Mapping[str, Any], where: str) ->
 def check_pools(role: str, role_from: str, prefill: tuple[str, ...], prefill_from: str,
                 decode: tuple[str, ...], decode_from: str, replicas: tuple[str, ...]) -> None:
     """The rules of the module docstring, each refusal naming the flags at fault."""
-    if role == "router":
+    if role == ROUTER_ROLE:
         if bool(prefill) != bool(decode):
             given, missing = ((prefill_from, "--decode-peers") if prefill
                               else (decode_from, "--prefill-peers"))
@@ -82,7 +81,7 @@ def check_pools(role: str, role_from: str, prefill: tuple[str, ...], prefill_fro
                               hint="give --prefill-peers and --decode-peers, or --replicas "
                               "alone")
         return
-    if role == DECODE:
+    if role == DECODE_ROLE:
         if decode or replicas:
             raise ConfigError(f"{role_from} decode takes no --decode-peers or --replicas: a "
                               "decode node decodes what its --prefill-peers hand it",

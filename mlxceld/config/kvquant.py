@@ -49,6 +49,7 @@ from mlxceld.errors import ConfigError
 from mlxceld.models.identity import read_model_config
 from mlxceld.models.kvquant import check_kv_quant
 from mlxceld.roles.options import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES, KVQuant
+from mlxceld.types import ROUTER_ROLE
 
 KEYS: Final = ("kv_bits", "kv_group_size", "quantized_kv_start")
 FLAGS: Final = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size",
@@ -103,7 +104,7 @@ def _check(key: str, value: object, what: str) -> None:
 
 def check_kv_setting(kv: KVQuant | None, origin: str, *, node_role: str) -> None:
     """``kv_bits`` only where a model runs: not on a router over replicas."""
-    if kv is not None and node_role == "router":
+    if kv is not None and node_role == ROUTER_ROLE:
         raise ConfigError(f"{origin} {kv.bits} with node_role router (--node-role): a router "
                           "over replicas holds no model, and so no KV cache",
                           hint="set kv_bits on the replicas that hold the model")

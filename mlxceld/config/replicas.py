@@ -39,18 +39,13 @@ agent says it is a hybrid node serving the router's model (``discovery/serving.p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from mlxceld.config.peers import parse_peers
 from mlxceld.errors import ConfigError
+from mlxceld.types import DECODE_ROLE, HYBRID, NODE_ROLES, PREFILL_ROLE, ROUTER_ROLE, NodeRole
 from mlxceld.wire.address import parse_address
 
-NodeRole = Literal["hybrid", "router", "prefill", "decode"]
-HYBRID: Final = "hybrid"
-ROUTER_ROLE: Final = "router"
-PREFILL_ROLE: Final = "prefill"  # config/disagg.py
-DECODE_ROLE: Final = "decode"
-NODE_ROLES: Final = (HYBRID, ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)
 SECRET_ROLES: Final = (ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)  # fail closed without it
 DEFAULT_AGENT_PORT: Final = 19000
 REPLICAS_HINT: Final = ("name each replica by its agent address, separated by commas: "

@@ -135,13 +135,7 @@ from mlxceld.config.clients import (
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
-from mlxceld.config.replicas import (
-    HYBRID,
-    NodeRole,
-    check_role,
-    parse_replica_list,
-    parse_role,
-)
+from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
 from mlxceld.config.tensor import parse_tp_size
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
@@ -155,7 +149,7 @@ from mlxceld.roles.options import (
     RouterOptions,
     ServingOptions,
 )
-from mlxceld.types import DEFAULT_SILENCE_S
+from mlxceld.types import DEFAULT_SILENCE_S, HYBRID, NodeRole
 
 if TYPE_CHECKING:
     from mlxceld.config.daemon import Overrides

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE, TensorParallelRefused, check_model_dir
+from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE
 
 FLAG: Final = "--tp-size"
 KEY: Final = "tp_size"
@@ -65,12 +66,12 @@ def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
     if tp_size == 1:
         return
     said = f"{origin} {tp_size}"
-    if node_role == "router":
+    if node_role == ROUTER_ROLE:
         raise ConfigError(f"{said} with node_role router (--node-role): a router over "
                           "replicas holds no model here to split",
                           hint="set tp_size on the hybrid nodes that hold the model; "
                           + TP_HINT)
-    if node_role in ("prefill", "decode"):
+    if node_role in HANDOFF_SIDES:
         raise ConfigError(f"{said} with node_role {node_role} (--node-role): tensor "
                           f"parallelism on a {node_role} node is not built yet",
                           hint=TP_HINT)

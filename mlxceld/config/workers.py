@@ -14,7 +14,7 @@ from typing import Any
 from mlxceld.config.serve import ROUTER
 from mlxceld.config.tables import check_keys, number, string
 from mlxceld.errors import ConfigError
-from mlxceld.roles import ROLES, STAGE, TP
+from mlxceld.roles import STAGE, TP, WORKER_ROLES
 from mlxceld.roles.options import WorkerOptions, parse_options
 from mlxceld.supervisor.states import RestartPolicy
 
@@ -83,7 +83,7 @@ def worker_configs(
         role = string(spec, "role", where, prefix)
         # The router comes from [serve] only (and its tensor-parallel ranks with it), a
         # stage from a cluster TOML only.
-        roles = sorted(set(ROLES) - {ROUTER, STAGE, TP})
+        roles = sorted(set(WORKER_ROLES) - {ROUTER, STAGE, TP})
         if role is None or role not in roles:
             raise ConfigError(
                 f"{where}: '{prefix}role' must be one of {', '.join(roles)}, not {role!r}",

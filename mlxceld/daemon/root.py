@@ -37,8 +37,8 @@ every few seconds as well).
 
 With a cluster secret the ``ClusterMember`` (``cluster/member.py``) runs the agent
 listener, and with it discovery, the ``Coordinator`` (`mlxctl cluster
-plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; their
-way back into this daemon is ``MemberSide`` (``member_side.py``). Which workers run is
+plan|activate`, ``--pp-auto``) and the ``Assignee`` over a ``LocalStageHost``; what they use
+of this daemon is handed to it as ``MemberParts``. Which workers run is
 the ``Roster``'s (``roster.py``: its inputs and the one reconcile); what the router
 serves, with `mlxctl serve|unserve`, is the ``ServingWindow``'s (``serving.py``);
 `mlxctl drain|undrain` are the ``DrainWindow``'s (``draining.py``); `mlxctl secret` the
@@ -64,10 +64,10 @@ from typing import Protocol
 from mlxceld import __version__
 from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
 from mlxceld.cluster.keyring import KeyringService
-from mlxceld.cluster.member import ClusterMember
+from mlxceld.cluster.member import ClusterMember, MemberParts
 from mlxceld.config.changes import AT_NEXT_START, config_changes
 from mlxceld.config.daemon import Config, Overrides, load_config
-from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE, discovers
+from mlxceld.config.replicas import discovers
 from mlxceld.config.serve import read_api_key
 from mlxceld.control.answers import Reloaded
 from mlxceld.control.app import build_app
@@ -80,9 +80,8 @@ from mlxceld.control.server import (
     remove_socket_file,
 )
 from mlxceld.control.view import DaemonView, Lifetime
-from mlxceld.daemon.draining import DrainParts, DrainWindow
+from mlxceld.daemon.draining import DrainParts, DrainWindow, drained_nodes
 from mlxceld.daemon.keys import KeyWindow
-from mlxceld.daemon.member_side import MemberSide
 from mlxceld.daemon.replica_peers import ReplicaPeers
 from mlxceld.daemon.roster import Roster
 from mlxceld.daemon.serving import ServingParts, ServingWindow
@@ -112,11 +111,10 @@ from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.startup import start_state
 from mlxceld.supervisor import health
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
+from mlxceld.types import HANDOFF_SIDES, JSON, ROUTER_ROLE
 
 log = logging.getLogger("mlxceld.daemon")  # the room's name, as journal lines have read it
 
-HANDOFF_ROLES = (PREFILL_ROLE, DECODE_ROLE)
 
 SHUTDOWN_SLACK_S = 5.0
 
@@ -192,7 +190,7 @@ class Daemon:
         role = config.serve.node_role
         self.keys.require(pp_auto=config.pp_auto is not None, placement=placement,
                           router=role == ROUTER_ROLE,
-                          handoff_role=role if role in HANDOFF_ROLES else None,
+                          handoff_side=role if role in HANDOFF_SIDES else None,
                           served=f"{served.path}: node {config.node_id!r} ({role})"
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
@@ -210,7 +208,11 @@ class Daemon:
         keys = KeyWindow(self.keys, self.supervisor, self.events,
                          keyring_changed=lambda: self.member.keyring_changed())
         self.member = ClusterMember(
-            MemberSide(self.roster, self.serving, keys, drains, lambda: self._stopping),
+            MemberParts(config=lambda: self.roster.config, stopping=lambda: self._stopping,
+                        served_model=lambda: self.roster.serve.model,
+                        router_held=self.roster.router_held,
+                        drained_nodes=lambda: drained_nodes(drains), pipeline=self.serving,
+                        stage=self.roster, keys=keys),
             self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
             candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
             liveness=LivenessTable(self._db), rotations=RotationsTable(self._db))
@@ -328,7 +330,7 @@ class Daemon:
     async def _router_node_linked(self) -> None:
         """A router (or decode) node's router waits for the agent listener (its address is
         the identity it dials replicas and asks agents with: ``roster``): it starts now."""
-        if self.roster.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_ROLES):
+        if self.roster.config.serve.node_role in (ROUTER_ROLE, *HANDOFF_SIDES):
             await self.roster.reconcile()
 
     async def _serve_commands(self, tg: asyncio.TaskGroup) -> None:

@@ -57,7 +57,6 @@ from mlxceld.cluster.clusterfile.placement import (
     stage_options,
 )
 from mlxceld.config.daemon import Config
-from mlxceld.config.replicas import DECODE_ROLE, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
 from mlxceld.discovery.inventory import free_ports
 from mlxceld.logformat import LogFormat
@@ -71,6 +70,7 @@ from mlxceld.roles.options import (
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
+from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.wire.secret import Keyring
 
@@ -114,7 +114,7 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                               silence_s=s.serve.stage_silence_s),
                                 policy, secret=s.secret, accepted=s.accepted,
                                 log_format=c.log_format))
-    elif s.serve.node_role in (PREFILL_ROLE, DECODE_ROLE):
+    elif s.serve.node_role in HANDOFF_SIDES:
         serving = serving_options(s)
         if s.serve.model is not None and s.agent_address is not None and serving is not None:
             handoff = HandoffOptions(s.serve.node_role, s.agent_address,
@@ -203,7 +203,7 @@ def router_needs(specs: list[WorkerSpec], own: set[str]) -> frozenset[str] | Non
 class Roster:
     """The roster's inputs now, and the one reconcile: ``draw_roster`` of them handed to
     the supervisor. ``serve`` and ``hold_router`` are the serving window's to set,
-    ``placement`` and ``standby`` the cluster member's (through the daemon's side of it),
+    ``placement`` and ``standby`` the cluster member's (its stage host's ``set_stage``),
     ``config`` the reload's."""
 
     def __init__(self, config: Config, supervisor: Supervisor, keyring: Keyring, *,
@@ -235,6 +235,12 @@ class Roster:
         specs = self.specs()
         await self._supervisor.reconcile(specs)
         return specs
+
+    def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
+        """Run ``placement``'s stage (in standby: loaded, not serving), or none (the
+        cluster member's stage host: ``cluster/assignment/stagehost.py``'s ``StageSlot``);
+        the next ``reconcile`` makes it so."""
+        self.placement, self.standby = placement, standby
 
     def spec(self, name: str) -> WorkerSpec | None:
         """The worker ``name`` as the roster draws it now; None where it runs no such one."""

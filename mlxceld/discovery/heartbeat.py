@@ -41,6 +41,7 @@ from mlxceld.discovery.inventory import AGENT_CHANNEL
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.state.events import EventLog
 from mlxceld.state.liveness import LivenessRow, LivenessTable
+from mlxceld.tasks import scoped_group
 from mlxceld.types import JSON
 from mlxceld.wire import EnvelopeError, SecretStore, encode_envelope, parse_envelope
 from mlxceld.wire.envelope import MessageSpec
@@ -192,19 +193,20 @@ class Heartbeats:
             return
         loop = asyncio.get_running_loop()
         pongs = _Pongs()
-        # Not a task group: it would wrap the reader's ConnectionClosed in an ExceptionGroup;
-        # the reader hands its end to ``pongs`` and is cancelled below.
-        reader = asyncio.ensure_future(pongs.read(stream))
         try:
-            ident = 0
-            while True:
-                ident += 1
-                sent = loop.time()
-                async with asyncio.timeout(t.suspect_after_s):
-                    await stream.send(encode_envelope(Ping(ident).to_wire()))
-                    await pongs.wait(ident)
-                self._answered(address)
-                await asyncio.sleep(max(sent + t.ping_interval_s - loop.time(), 0.0))
+            # The reader hands the stream's end to ``pongs``; it ends with the pings, and
+            # whatever ends them comes out of the group as itself.
+            async with scoped_group() as tg:
+                tg.create_task(pongs.read(stream))
+                ident = 0
+                while True:
+                    ident += 1
+                    sent = loop.time()
+                    async with asyncio.timeout(t.suspect_after_s):
+                        await stream.send(encode_envelope(Ping(ident).to_wire()))
+                        await pongs.wait(ident)
+                    self._answered(address)
+                    await asyncio.sleep(max(sent + t.ping_interval_s - loop.time(), 0.0))
         except TimeoutError:
             self._failed(address, f"no pong within {t.suspect_after_s:g} s")
         except ConnectionClosed as exc:
@@ -212,9 +214,7 @@ class Heartbeats:
         except (EnvelopeError, ValueError) as exc:
             self._failed(address, f"bad answer to a ping: {exc}")
         finally:
-            reader.cancel()
             await stream.abort()
-            await asyncio.wait({reader})
 
 
 class _Pongs:

@@ -44,6 +44,7 @@ from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService, ask
 from mlxceld.net.errors import AskFailed
 from mlxceld.net.resolve import ResolveError, resolve
+from mlxceld.types import HYBRID
 from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
 from mlxceld.wire.address import canonical_address, format_address, parse_address
 from mlxceld.wire.agent_messages import Serving, ServingRequest
@@ -168,7 +169,7 @@ class ServingFinder:
         if answer.port is None:
             raise ServingNotFound("it has no serving listener (yet): its router is starting, "
                                   "or it runs without the cluster secret")
-        if self.role == "hybrid":  # dialed only: a name stays a name, resolved at the dial
+        if self.role == HYBRID:  # dialed only: a name stays a name, resolved at the dial
             return format_address(self._host, answer.port)
         # A prefill or decode node's address is also an identity (the prefill node a decode
         # node expects a handoff from, the decode target a prefill node checks against

@@ -22,10 +22,10 @@ from mlxceld.net.stream import MxclStream, close_writer, handshake
 from mlxceld.wire import (
     Channel,
     Connection,
+    ConnectionRole,
     FrameLimits,
     HandshakeComplete,
     RemoteProtocolError,
-    Role,
     SecretStore,
     Suite,
 )
@@ -48,7 +48,7 @@ async def _attempt(host: str, port: int, *, keyring: SecretStore, identity: str,
     reader, writer = await asyncio.open_connection(host, port, local_addr=local_addr)
     keep_alive_socket(writer.get_extra_info("socket"))
     try:
-        conn = Connection(Role.CLIENT, keyring=keyring, random=random,
+        conn = Connection(ConnectionRole.CLIENT, keyring=keyring, random=random,
                           now=asyncio.get_running_loop().time(), channel=channel,
                           identity=identity, suite=suite, limits=limits)
         done = await handshake(conn, reader, writer)

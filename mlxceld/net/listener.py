@@ -58,10 +58,10 @@ from mlxceld.tasks import cancelling_group
 from mlxceld.wire import (
     HANDSHAKE_TIMEOUT_S,
     Connection,
+    ConnectionRole,
     FrameLimits,
     HandshakeRefused,
     RemoteProtocolError,
-    Role,
     SecretStore,
     Suite,
 )
@@ -273,7 +273,7 @@ class Listener:
 
         try:
             try:
-                conn = Connection(Role.SERVER, keyring=self._keyring, random=self._random,
+                conn = Connection(ConnectionRole.SERVER, keyring=self._keyring, random=self._random,
                                   now=asyncio.get_running_loop().time(), suite=self._suite,
                                   peer_ip=str(normalize_ip(ip)), capacity_ok=capacity_ok,
                                   limits=self._limits, handshake_timeout=self._handshake_timeout,

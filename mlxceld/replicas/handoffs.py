@@ -57,6 +57,7 @@ from mlxceld.replicas import protocol as p
 from mlxceld.replicas.messages import Expect, Handoff, Prefill, Prefilled
 from mlxceld.replicas.service import ServingService, _Link
 from mlxceld.tasks import Background
+from mlxceld.types import HANDOFF_SIDES
 from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
 from mlxceld.wire.address import parse_address
 from mlxceld.wire.messages import MessageError
@@ -66,7 +67,6 @@ log = logging.getLogger(__name__)
 
 ALLOWLIST_ENV: Final = "MLXCEL_DECODE_ALLOWLIST"
 DIAL_BUDGET_S: Final = 5.0  # a prefill node dialing a decode target
-ROLES: Final = ("prefill", "decode")
 
 
 class HandoffEngine(Engine, Protocol):
@@ -161,8 +161,8 @@ class HandoffService(ServingService):
         addresses a handoff may come from, asked at each one; ``allowlist``: (prefill)
         the decode targets allowed (``decode_allowlist``; None: any). The rest is
         ``ServingService``'s."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if role not in HANDOFF_SIDES:
+            raise ValueError(f"role must be one of {', '.join(HANDOFF_SIDES)}, not {role!r}")
         super().__init__(engine, role=role, **options)
         self.handoff_engine = engine
         self._layout = engine.cache_layout()

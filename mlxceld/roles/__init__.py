@@ -14,7 +14,7 @@ STAGE: Final = "stage"  # a pipeline stage: only from a cluster TOML, never from
 TP: Final = "tp"  # a tensor-parallel rank >= 1: only from [serve] tp_size, never from [workers]
 
 # role -> module with ``async def run(ctx: WorkerContext[ITS_OPTIONS]) -> int``
-ROLES: dict[str, str] = {
+WORKER_ROLES: dict[str, str] = {
     ECHO: "mlxceld.workers.echo",
     ROUTER: "mlxceld.workers.router",
     STAGE: "mlxceld.workers.stage",

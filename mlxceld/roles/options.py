@@ -21,7 +21,7 @@ from typing import ClassVar, Final, TypeVar, Union, get_args, get_origin, get_ty
 
 from mlxceld.errors import ConfigError
 from mlxceld.roles import ECHO, ROUTER, STAGE, TP
-from mlxceld.types import DEFAULT_SILENCE_S
+from mlxceld.types import DEFAULT_SILENCE_S, HANDOFF_SIDES, PREFILL_ROLE
 from mlxceld.wire.address import parse_address
 
 T = TypeVar("T")
@@ -204,8 +204,8 @@ class HandoffOptions:
     prefill_agents: tuple[str, ...] = ()  # a decode node's prefill peers, by agent address
 
     def __post_init__(self) -> None:
-        _check(self.role in ("prefill", "decode"), "role", "be prefill or decode", self.role)
-        _check(self.role == "prefill" or len(self.prefill_agents) >= 1, "prefill_agents",
+        _check(self.role in HANDOFF_SIDES, "role", "be prefill or decode", self.role)
+        _check(self.role == PREFILL_ROLE or len(self.prefill_agents) >= 1, "prefill_agents",
                "name at least one prefill peer", self.prefill_agents)
         for agent in self.prefill_agents:
             _check_address("prefill_agents", agent)

@@ -37,7 +37,7 @@ from mlxceld.wire.events import (
     PeerClosed,
 )
 from mlxceld.wire.frames import Frame, FrameLimits, FrameReceiver, FrameSender, Kind
-from mlxceld.wire.handshake import Handshake, HandshakeResult, Role, SecretStore
+from mlxceld.wire.handshake import ConnectionRole, Handshake, HandshakeResult, SecretStore
 from mlxceld.wire.schedule import Channel
 from mlxceld.wire.secret import (
     MIN_SECRET_BYTES,
@@ -49,12 +49,46 @@ from mlxceld.wire.secret import (
 )
 
 __all__ = [
-    "HANDSHAKE_TIMEOUT_S", "ITEMSIZE", "MIN_SECRET_BYTES", "BeaconError", "Channel",
-    "Connection", "Envelope", "EnvelopeError", "Event", "Frame", "FrameLimits",
-    "FrameReceiver", "FrameSender", "Handshake", "HandshakeComplete", "HandshakeRefused",
-    "HandshakeResult", "KeyUpdated", "Keyring", "Kind", "LocalProtocolError",
-    "MessageReceived", "MessageSpec", "PeerClosed", "RemoteProtocolError", "Role",
-    "SecretError", "SecretStore", "Suite", "Tensor", "TensorSpec", "WireError",
-    "beacon_key", "beacon_mac", "build_record", "canonical", "check_secret",
-    "encode_envelope", "key_id", "parse_envelope", "trim_secret_file", "verify_record",
+    "HANDSHAKE_TIMEOUT_S",
+    "ITEMSIZE",
+    "MIN_SECRET_BYTES",
+    "BeaconError",
+    "Channel",
+    "Connection",
+    "ConnectionRole",
+    "Envelope",
+    "EnvelopeError",
+    "Event",
+    "Frame",
+    "FrameLimits",
+    "FrameReceiver",
+    "FrameSender",
+    "Handshake",
+    "HandshakeComplete",
+    "HandshakeRefused",
+    "HandshakeResult",
+    "KeyUpdated",
+    "Keyring",
+    "Kind",
+    "LocalProtocolError",
+    "MessageReceived",
+    "MessageSpec",
+    "PeerClosed",
+    "RemoteProtocolError",
+    "SecretError",
+    "SecretStore",
+    "Suite",
+    "Tensor",
+    "TensorSpec",
+    "WireError",
+    "beacon_key",
+    "beacon_mac",
+    "build_record",
+    "canonical",
+    "check_secret",
+    "encode_envelope",
+    "key_id",
+    "parse_envelope",
+    "trim_secret_file",
+    "verify_record",
 ]

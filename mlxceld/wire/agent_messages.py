@@ -28,7 +28,9 @@ MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
 INVENTORY_KEYS: Final = frozenset({"t", "node", "version", "platform", "memory_total",
                                    "memory_available", "model", "ports", "agent", "key_id"})
 SERVING_KEYS: Final = frozenset({"t", "role", "port", "model"})
-ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
+# A node role (NODE_ROLES of mlxceld/types.py; the wire imports nothing of ours, and
+# tests/config/test_node_role.py holds the two the same)
+NODE_ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -159,7 +161,7 @@ class Serving:
         if set(header) != SERVING_KEYS:
             raise MessageError("t", f"'serving' with keys {sorted(header)}, expected "
                                     f"{sorted(SERVING_KEYS)}")
-        if header["role"] not in ROLES:
+        if header["role"] not in NODE_ROLES:
             raise MessageError("role", f"'serving' with role {str(header['role'])[:40]!r}")
         port = header["port"]
         if port is not None and (type(port) is not int or not 1 <= port <= 65535):

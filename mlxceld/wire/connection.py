@@ -1,6 +1,6 @@
 """One MXCL v1 connection, sans IO (h11 style): bytes and time in, events and bytes out.
 
-    conn = Connection(Role.CLIENT, keyring=kr, random=os.urandom, now=t,
+    conn = Connection(ConnectionRole.CLIENT, keyring=kr, random=os.urandom, now=t,
                       channel=Channel.TRANSPORT, identity="10.0.0.2:19100")
     conn.receive_data(data, now)    # b"" is end of stream; raises RemoteProtocolError
     conn.next_event()               # HandshakeComplete | MessageReceived | ... | None
@@ -43,7 +43,7 @@ from mlxceld.wire.frames import (
     FrameSender,
     Kind,
 )
-from mlxceld.wire.handshake import Handshake, Random, Role, SecretStore
+from mlxceld.wire.handshake import ConnectionRole, Handshake, Random, SecretStore
 from mlxceld.wire.hello import VERDICT_ACCEPTED
 from mlxceld.wire.schedule import Channel
 
@@ -51,7 +51,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class Connection:
-    def __init__(self, role: Role, *, keyring: SecretStore, random: Random, now: float,
+    def __init__(self, role: ConnectionRole, *, keyring: SecretStore, random: Random, now: float,
                  channel: Channel | None = None, identity: str | None = None,
                  suite: Suite = Suite.AES_256_GCM, peer_ip: str | None = None,
                  capacity_ok: Callable[[], bool] = lambda: True,
@@ -67,7 +67,7 @@ class Connection:
         self._limits = limits
         self._deadline: float | None = now + handshake_timeout
         self._hello_deadline: float | None = None
-        if hello_timeout is not None and role is Role.SERVER:
+        if hello_timeout is not None and role is ConnectionRole.SERVER:
             self._hello_deadline = now + hello_timeout
         self._events: deque[Event] = deque()
         self._out: list[bytes | bytearray] = []
@@ -76,7 +76,7 @@ class Connection:
         self._broken = False
         self._our_closed = False
         self._their_closed = False
-        if role is Role.CLIENT:
+        if role is ConnectionRole.CLIENT:
             if channel is None or identity is None:
                 raise LocalProtocolError("a client connection needs a channel and an identity")
             self._hs: Handshake | None = Handshake.client(

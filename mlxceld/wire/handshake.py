@@ -47,7 +47,7 @@ class SecretStore(Protocol):
     def get(self, kid: bytes) -> bytes | None: ...
 
 
-class Role(Enum):
+class ConnectionRole(Enum):
     CLIENT = "client"  # opened the TCP connection
     SERVER = "server"
 
@@ -92,7 +92,8 @@ class HandshakeResult:
 class Handshake:
     """One side of one handshake. Build with ``client()`` or ``server()``."""
 
-    def __init__(self, role: Role, suite: Suite, keyring: SecretStore, random: Random) -> None:
+    def __init__(self, role: ConnectionRole, suite: Suite, keyring: SecretStore,
+                 random: Random) -> None:
         self.role = role
         self.suite = suite
         self._keyring = keyring
@@ -123,7 +124,7 @@ class Handshake:
                random: Random) -> Handshake:
         if suite not in NEGOTIABLE_SUITES:
             raise LocalProtocolError(f"suite {suite!r} cannot be negotiated")
-        hs = cls(Role.CLIENT, suite, keyring, random)
+        hs = cls(ConnectionRole.CLIENT, suite, keyring, random)
         hs._channel = Channel(channel)
         hs._secret, kid = keyring.primary, keyring.primary_id
         if kid is None:
@@ -142,7 +143,7 @@ class Handshake:
                capacity_ok: Callable[[], bool] = lambda: True) -> Handshake:
         if suite not in NEGOTIABLE_SUITES:
             raise LocalProtocolError(f"suite {suite!r} cannot be negotiated")
-        hs = cls(Role.SERVER, suite, keyring, random)
+        hs = cls(ConnectionRole.SERVER, suite, keyring, random)
         hs._source_ip = source_ip
         hs._capacity_ok = capacity_ok
         hs.state = S.SERVER_AWAIT_HELLO
@@ -163,7 +164,7 @@ class Handshake:
         self._received += len(data)
         try:
             while self.state in TABLE:
-                if self.role is Role.SERVER and self._received > self._pre_auth_limit():
+                if self.role is ConnectionRole.SERVER and self._received > self._pre_auth_limit():
                     raise msg.noise("more bytes than a hello and its ClientAuth")
                 wanted, step, after = TABLE[self.state]
                 if wanted is None:
@@ -212,7 +213,7 @@ class Handshake:
         th = schedule.transcript_hash(self._client_hello, self._server_hello,
                                       self._client_auth, verdict_message)
         c2s, s2c = schedule.traffic_secrets(self._prk, self._channel, th)
-        client = self.role is Role.CLIENT
+        client = self.role is ConnectionRole.CLIENT
         self.result = HandshakeResult(
             channel=self._channel, suite=self.suite, key_id=self._key_id,
             verdict=verdict_message[0], peer_identity=self._identity,

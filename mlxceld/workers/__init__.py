@@ -1,5 +1,5 @@
 """Worker subprocess entry points, one module per role."""
 
-from mlxceld.roles import ROLES
+from mlxceld.roles import WORKER_ROLES
 
-__all__ = ["ROLES"]
+__all__ = ["WORKER_ROLES"]

@@ -29,7 +29,7 @@ from typing import Any, Final
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
 from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.roles.options import HandoffOptions, RouterOptions
-from mlxceld.types import PromptCacheStats
+from mlxceld.types import PREFILL_ROLE, PromptCacheStats
 from mlxceld.wire import SecretStore
 from mlxceld.wire.address import canonical_address, format_address, parse_address
 from mlxceld.workers.runtime import WorkerContext
@@ -69,7 +69,7 @@ class PrefillPeers:
         except ServingNotFound as exc:
             problem = exc.message
         else:
-            if answer.role != "prefill":
+            if answer.role != PREFILL_ROLE:
                 problem = (f"it is a {answer.role} node: list only prefill nodes in "
                            "--prefill-peers")
             elif answer.model != self._identity:
@@ -116,7 +116,7 @@ async def handoff_service(ctx: WorkerContext[RouterOptions], engine: Any, identi
         raise RuntimeError(f"a {handoff.role} node needs the cluster secret and has none")
     peers = None
     extra: dict[str, Any] = {}
-    if handoff.role == "prefill":
+    if handoff.role == PREFILL_ROLE:
         extra["allowlist"] = decode_allowlist(os.environ.get(ALLOWLIST_ENV))
     else:
         peers = PrefillPeers(handoff.prefill_agents, origin=handoff.origin,

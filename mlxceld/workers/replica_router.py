@@ -33,7 +33,6 @@ queue, up to ``max_queued``; then 503).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 from mlxceld.discovery.serving import ServingFinder, ServingNotFound
 from mlxceld.engine import PoolEngine
 from mlxceld.roles.options import ReplicasOptions, RouterOptions
+from mlxceld.tasks import Background
 from mlxceld.types import JSON
 from mlxceld.wire.address import canonical_address
 from mlxceld.workers.modes import DisaggMode, DiscoveredMode, ReplicasMode
@@ -188,7 +188,8 @@ class Discovered:
         self._clock = clock
         self.agents: dict[str, str] = {}  # member id -> its agent address
         self._asked: dict[tuple[str, str], float] = {}  # (node id, agent) -> when, not serving
-        self._asking: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._asking: set[tuple[str, str]] = set()  # (node id, agent) being asked
+        self._tasks = Background("replica discovery")  # the askings, until aclose
 
     def op(self, request: JSON) -> JSON:
         """The control channel's ``replicas``: ``{"candidates": [{"node_id", "agent"},
@@ -230,18 +231,18 @@ class Discovered:
             if (f"{NODE_PREFIX}{node}" in self.agents or key in self._asking
                     or now - self._asked.get(key, -ASK_AGAIN_S) < ASK_AGAIN_S):
                 continue
-            task = asyncio.get_running_loop().create_task(self._ask(node, agent))
-            self._asking[key] = task
-            task.add_done_callback(self._asked_done(key))
+            self._asking.add(key)
+            self._tasks.spawn(self._ask(node, agent))
         for key in [k for k in self._asked if k not in candidates.items()]:
             del self._asked[key]
 
-    def _asked_done(self, key: tuple[str, str]) -> Callable[[asyncio.Task[None]], None]:
-        def done(_: asyncio.Task[None]) -> None:
-            self._asking.pop(key, None)
-        return done
-
     async def _ask(self, node: str, agent: str) -> None:
+        try:
+            await self._ask_once(node, agent)
+        finally:
+            self._asking.discard((node, agent))
+
+    async def _ask_once(self, node: str, agent: str) -> None:
         find = self._finder(agent)
         try:
             await find()  # bounded: ask_serving's budget
@@ -262,9 +263,7 @@ class Discovered:
         log.info("replica %s found by discovery", node_id)
 
     async def aclose(self) -> None:
-        for task in list(self._asking.values()):
-            task.cancel()
-        await asyncio.gather(*self._asking.values(), return_exceptions=True)
+        await self._tasks.aclose()
 
 
 def replica_links(engine: PoolEngine, replicas: ReplicasOptions,

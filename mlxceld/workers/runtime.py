@@ -48,9 +48,10 @@ from typing import Any, Generic, NoReturn, TypeVar
 from mlxceld.errors import ConfigError
 from mlxceld.logformat import formatter
 from mlxceld.net import retire_streams, streams_under
-from mlxceld.roles import ROLES
+from mlxceld.roles import WORKER_ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
 from mlxceld.supervisor.ops import Health, KeyringUpdate, OpError, Stats, Stop, StreamsUnder
+from mlxceld.tasks import scoped_group
 from mlxceld.types import (
     JSON,
     ExitRecord,
@@ -303,10 +304,9 @@ async def unless_stopped(ctx: WorkerContext[Any], name: str, call: Callable[[], 
             loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=body, name=name, daemon=True).start()
-    # Not a task group: a wait for whichever comes first, the loser cancelled at once below.
-    stopping = asyncio.ensure_future(ctx.stopping.wait())
-    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
+    async with scoped_group() as tg:  # whichever comes first; the wait for a stop ends here
+        stopping = tg.create_task(ctx.stopping.wait())
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not work.done():
         raise Stopped(name)
     return work.result()
@@ -344,7 +344,7 @@ async def run_worker(boot: WorkerBootstrap, options: WorkerOptions,
                         boot.get("api_key"))
     if made is not None:
         made.append(ctx)
-    module = importlib.import_module(ROLES[boot["role"]])
+    module = importlib.import_module(WORKER_ROLES[boot["role"]])
     role_main: RoleMain = module.run
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, ctx.stop)

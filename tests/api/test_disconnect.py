@@ -34,7 +34,7 @@ def _messages_text(event: Any) -> str | None:
     return delta.get("text") if event["type"] == "content_block_delta" else None
 
 
-# The chat-shaped endpoints, which share the plumbing (serving.SequenceResponse): a body,
+# The chat-shaped endpoints, which share the plumbing (answering.SequenceResponse): a body,
 # and what text an event of its stream carries.
 ENDPOINTS: Any = {
     "/v1/chat/completions": (CHAT, _chat_text),

@@ -1,18 +1,17 @@
 """A coordinator's `mlxctl status` problems from the failure detector: each peer of its
 active plan that is suspect or dead, since when, why and what to do; nothing for other
 peers, other plans, or a daemon that does not coordinate. Real SQLite; the daemon's side
-is a fake of our own seam (``DaemonSlot``)."""
+is a record of fakes (``MemberParts``)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import sqlite_utils
 
-from mlxceld.cluster.member import ClusterMember
-from mlxceld.config.daemon import Config, Overrides, build_config
+from mlxceld.cluster.member import ClusterMember, MemberParts
+from mlxceld.config.daemon import Overrides, build_config
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.state import EventLog, LivenessRow, LivenessTable, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
@@ -21,16 +20,12 @@ from mlxceld.wire import Keyring
 B, C, D = "127.0.0.2:19000", "127.0.0.3:19000", "127.0.0.4:19000"
 
 
-@dataclass
-class Slot:
-    config: Config
-    stopping: bool = False
-
-
 def member(db: sqlite_utils.Database, tmp_path: Path, **daemon: object) -> ClusterMember:
     config = build_config({"daemon": {"state_dir": str(tmp_path / "s"), **daemon}},
                           tmp_path / "mlxceld.toml", Overrides())
-    return ClusterMember(Slot(config), None, EventLog(db), Keyring(),  # type: ignore[arg-type]
+    parts = MemberParts(lambda: config, lambda: False, lambda: None, lambda: False, frozenset,
+                        None, None, None)  # type: ignore[arg-type]
+    return ClusterMember(parts, None, EventLog(db), Keyring(),  # type: ignore[arg-type]
                          node_id="me", candidates=CandidateTable(), plans=Plans(db),
                          assignments=Assignments(db), liveness=LivenessTable(db),
                          rotations=RotationsTable(db))

@@ -102,3 +102,12 @@ def test_a_router_takes_no_pipeline(tmp_path: Path, args: list[str],
                daemon=daemon)
     assert err.value.message == (f"node_role router (--node-role) excludes {named}: a router "
                                  "over replicas runs no pipeline of its own")
+
+
+def test_the_wire_knows_the_node_roles_the_config_does() -> None:
+    """The wire imports nothing of ours: its copy of the node roles (the ``serving``
+    answer's) is held to the one in mlxceld/types.py here."""
+    from mlxceld.types import NODE_ROLES
+    from mlxceld.wire import agent_messages
+
+    assert frozenset(NODE_ROLES) == agent_messages.NODE_ROLES

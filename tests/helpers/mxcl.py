@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from mlxceld.net import Listener, MxclStream
 from mlxceld.net.agent import AgentService
-from mlxceld.wire import Channel, Connection, Role, key_id
+from mlxceld.wire import Channel, Connection, ConnectionRole, key_id
 
 from helpers import keys
 
@@ -125,7 +125,8 @@ async def raw_client(port: int, *, keyring: Any = None, identity: str = CLIENT_I
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         loop = asyncio.get_running_loop()
-        conn = Connection(Role.CLIENT, keyring=keyring or keys.keyring(SECRET), random=os.urandom,
+        conn = Connection(ConnectionRole.CLIENT, keyring=keyring or keys.keyring(SECRET),
+                          random=os.urandom,
                           now=loop.time(), channel=Channel.TRANSPORT, identity=identity)
         writer.write(conn.data_to_send())
         sent_hello = True

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from mlxceld.wire import (
     Channel,
     Connection,
+    ConnectionRole,
     Event,
     FrameLimits,
-    Role,
     Suite,
 )
 from mlxceld.wire.frames import DEFAULT_LIMITS
@@ -72,10 +72,12 @@ def make_pair(*, channel: Channel = Channel.TRANSPORT, suite: Suite = Suite.AES_
               randoms: tuple[Callable[[int], bytes], Callable[[int], bytes]] | None = None,
               now: float = 0.0) -> tuple[Connection, Connection]:
     crand, srand = randoms or (os.urandom, os.urandom)
-    client = Connection(Role.CLIENT, keyring=client_keyring or keyring(SECRET), random=crand,
+    client = Connection(ConnectionRole.CLIENT, keyring=client_keyring or keyring(SECRET),
+                        random=crand,
                         now=now, channel=channel, identity=identity, suite=suite,
                         limits=client_limits or limits)
-    server = Connection(Role.SERVER, keyring=server_keyring or keyring(SECRET), random=srand,
+    server = Connection(ConnectionRole.SERVER, keyring=server_keyring or keyring(SECRET),
+                        random=srand,
                         now=now, peer_ip=peer_ip, suite=server_suite or suite,
                         capacity_ok=capacity_ok, limits=server_limits or limits)
     return client, server

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from mlxceld.net.pending import Pending, PendingPool
-from mlxceld.wire import Channel, Connection, Role
+from mlxceld.wire import Channel, Connection, ConnectionRole
 
 from helpers.keys import keyring
 from helpers.mxcl import SECRET
@@ -18,9 +18,11 @@ def entry(source: str, n: int, *, hello: bool = False) -> Pending:
     """A pending socket from ``source`` (its ``n``th); ``hello``: its ClientHello arrived."""
     e = Pending(source, f"{source}:{40000 + n}", writer=None)  # type: ignore[arg-type]
     if hello:
-        client = Connection(Role.CLIENT, keyring=keyring(SECRET), random=os.urandom, now=0.0,
+        client = Connection(ConnectionRole.CLIENT, keyring=keyring(SECRET), random=os.urandom,
+                            now=0.0,
                             channel=Channel.TRANSPORT, identity=f"{source}:19100")
-        e.conn = Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=0.0,
+        e.conn = Connection(ConnectionRole.SERVER, keyring=keyring(SECRET), random=os.urandom,
+                            now=0.0,
                             peer_ip=source, hello_timeout=1.0)
         e.conn.receive_data(client.data_to_send(), 0.0)
         assert not e.conn.awaiting_hello

@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from mlxceld.wire import (
     Channel,
     Connection,
+    ConnectionRole,
     FrameLimits,
     HandshakeComplete,
     KeyUpdated,
@@ -19,7 +20,6 @@ from mlxceld.wire import (
     MessageReceived,
     PeerClosed,
     RemoteProtocolError,
-    Role,
     Suite,
     key_id,
 )
@@ -184,7 +184,7 @@ def _hello(**changes: Any) -> bytes:
 
 def _server(peer_ip: str = "127.0.0.2", suite: Suite = Suite.AES_256_GCM) -> Connection:
     import os
-    return Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=0,
+    return Connection(ConnectionRole.SERVER, keyring=keyring(SECRET), random=os.urandom, now=0,
                       peer_ip=peer_ip, suite=suite)
 
 
@@ -280,7 +280,8 @@ def test_hello_deadline_on_a_server() -> None:
     hello = client.data_to_send()
 
     def server() -> Connection:
-        return Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=100.0,
+        return Connection(ConnectionRole.SERVER, keyring=keyring(SECRET), random=os.urandom,
+                          now=100.0,
                           peer_ip=SOURCE_IP, hello_timeout=1.0)
 
     silent = server()
@@ -300,7 +301,7 @@ def test_hello_deadline_on_a_server() -> None:
     prompt.handle_timer(104.0)  # past the hello deadline: no longer its concern
     with refused("handshake_timeout"):
         prompt.handle_timer(105.0)
-    short = Connection(Role.SERVER, keyring=keyring(SECRET), random=os.urandom, now=100.0,
+    short = Connection(ConnectionRole.SERVER, keyring=keyring(SECRET), random=os.urandom, now=100.0,
                        peer_ip=SOURCE_IP, hello_timeout=9.0)
     assert short.next_deadline() == 105.0  # the whole handshake's bound comes first
     with refused("handshake_timeout"):
@@ -455,9 +456,10 @@ def test_local_misuse() -> None:
     with pytest.raises(LocalProtocolError):
         client.close()
     with pytest.raises(LocalProtocolError):
-        Connection(Role.CLIENT, keyring=keyring(SECRET), random=bytes, now=0)
+        Connection(ConnectionRole.CLIENT, keyring=keyring(SECRET), random=bytes, now=0)
     with pytest.raises(LocalProtocolError):
-        Connection(Role.SERVER, keyring=keyring(SECRET), random=bytes, now=0, peer_ip="::1",
+        Connection(ConnectionRole.SERVER, keyring=keyring(SECRET), random=bytes, now=0,
+                   peer_ip="::1",
                    suite=Suite.UNPROTECTED)
     client, _server = connected()
     with pytest.raises(LocalProtocolError):

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from mlxceld.wire import (
     Channel,
     Connection,
+    ConnectionRole,
     EnvelopeError,
     Event,
     FrameReceiver,
@@ -34,7 +35,6 @@ from mlxceld.wire import (
     MessageSpec,
     PeerClosed,
     RemoteProtocolError,
-    Role,
     Suite,
     TensorSpec,
     encode_envelope,
@@ -58,13 +58,14 @@ FRAME_REFUSALS = {"frame_auth_failed", "oversized_frame", "malformed_frame", "ab
 
 
 def _server() -> Connection:
-    return Connection(Role.SERVER, keyring=keyring(SECRET), random=random.Random(1).randbytes,
+    return Connection(ConnectionRole.SERVER, keyring=keyring(SECRET),
+                      random=random.Random(1).randbytes,
                       now=0, peer_ip="127.0.0.2")
 
 
 def _client() -> Connection:
     """A client whose hello has gone out."""
-    client = Connection(Role.CLIENT, keyring=keyring(SECRET),
+    client = Connection(ConnectionRole.CLIENT, keyring=keyring(SECRET),
                         random=random.Random(2).randbytes, now=0, channel=Channel.TRANSPORT,
                         identity=IDENTITY)
     assert client.data_to_send().startswith(b"MXCL")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from mlxceld.errors import ConfigError
-from mlxceld.roles import ROLES
+from mlxceld.roles import WORKER_ROLES
 from mlxceld.roles.options import (
     EXIT_CONFIG,
     OPTIONS,
@@ -45,7 +45,7 @@ STAGE = StageOptions(model="/models/tiny", layers=(2, 4), node_id="stage-1", ran
 
 
 def test_every_role_has_its_options() -> None:
-    assert set(OPTIONS) == set(ROLES)
+    assert set(OPTIONS) == set(WORKER_ROLES)
 
 
 @pytest.mark.parametrize("options", [

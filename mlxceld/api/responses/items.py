@@ -21,10 +21,10 @@ from mlxceld.api.fields import Fields, check_text, member, show
 from mlxceld.api.responses.surface import (
     CALL_ITEM_FIELDS,
     MESSAGE_ITEM_FIELDS,
+    MESSAGE_ITEM_ROLES,
     OUTPUT_ITEM_FIELDS,
     PART_FIELDS,
     REASONING_ITEM_FIELDS,
-    ROLES,
     STATELESS,
     TEXT_PARTS,
 )
@@ -95,10 +95,10 @@ class _Items:
     def _message(self, item: Any, fields: Fields, path: str) -> None:
         check_fields(item, MESSAGE_ITEM_FIELDS, path, self.ignored)
         name = fields.string("role")
-        role = ROLES.get(name or "")
+        role = MESSAGE_ITEM_ROLES.get(name or "")
         if role is None:
-            raise invalid(f"'{path}.role' must be one of {', '.join(ROLES)}, not {show(name)}",
-                          f"{path}.role")
+            raise invalid(f"'{path}.role' must be one of {', '.join(MESSAGE_ITEM_ROLES)}, "
+                          f"not {show(name)}", f"{path}.role")
         text = _content(fields, path, self.ignored)
         if role == "assistant":
             self.messages.append(ChatMessage("assistant", text, reasoning=self.reasoning))

@@ -104,6 +104,6 @@ REASONING_ITEM_FIELDS: Final[dict[str, Rule]] = {
                                   "another's; leave 'encrypted_content' out")}
 PART_FIELDS: Final[dict[str, Rule]] = {
     "type": HONOURED, "text": HONOURED, "annotations": HONOURED, "logprobs": HONOURED}
-ROLES = {"user": "user", "assistant": "assistant", "system": "system",
+MESSAGE_ITEM_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
          "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")

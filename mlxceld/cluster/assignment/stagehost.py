@@ -56,8 +56,8 @@ class StageSlot(Protocol):
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         """Run ``placement``'s stage (in standby: loaded, not serving), or none."""
-    async def reconcile(self) -> None:
-        """Make the running workers match the placement."""
+    async def reconcile(self) -> object:
+        """Make the running workers match the placement (what it returns is not used)."""
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -12,22 +12,20 @@ from pathlib import Path
 from typing import Any, Final
 
 from mlxceld.cluster.clusterfile.model import (
+    CLUSTER_ROLES,
     COORDINATOR,
-    DECODE,
     PIPELINE_STAGE,
-    PREFILL,
-    ROLES,
     SERVING_ROLES,
     ClusterConfig,
+    ClusterRole,
     NodeConfig,
-    Role,
 )
 from mlxceld.config.disagg import QUANTS
 from mlxceld.config.peers import parse_peers
 from mlxceld.config.replicas import DEFAULT_AGENT_PORT
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE
-from mlxceld.types import MAX_REPLICAS
+from mlxceld.types import DECODE_ROLE, MAX_REPLICAS, PREFILL_ROLE
 from mlxceld.wire.address import parse_address
 from mlxceld.wire.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 
@@ -135,7 +133,7 @@ def _serving_cluster(cluster: Mapping[str, Any], nodes: list[Any], name: str,
                               "a KV compression", hint=COMPRESSION_HINT)
     parsed = tuple(_node(raw, i, where, 1) for i, raw in enumerate(nodes))
     tp = _tensor_parallel_size(cluster, where)
-    pools = [n for n in parsed if n.role in (PREFILL, DECODE)]
+    pools = [n for n in parsed if n.role in (PREFILL_ROLE, DECODE_ROLE)]
     if tp > 1 and pools:
         raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp}, and node "
                           f"{pools[0].id!r} is a {pools[0].role} node: tensor parallelism on "
@@ -159,7 +157,7 @@ def _tensor_parallel_size(cluster: Mapping[str, Any], where: str) -> int:
     return 1 if tp is None else tp
 
 
-def _serving_node(raw: Mapping[str, Any], node_id: str, role: Role, at: str) -> NodeConfig:
+def _serving_node(raw: Mapping[str, Any], node_id: str, role: ClusterRole, at: str) -> NodeConfig:
     """A router's, hybrid's, prefill or decode node's: its agent address (normalized as
     --replicas normalizes it), and none of a stage's keys."""
     for key in ("rank", "layers", "replica"):
@@ -240,19 +238,20 @@ def _replica(replica: int | None, replicas: int, at: str) -> int:
     return replica
 
 
-def _role(raw: Mapping[str, Any], at: str) -> Role:
+def _role(raw: Mapping[str, Any], at: str) -> ClusterRole:
     role = raw.get("role")
     hint = (f'set role = "{COORDINATOR}" or role = "{PIPELINE_STAGE}" (a pipeline), or '
             'role = "router", "hybrid", "prefill" or "decode" (replicas and pools)')
-    for known in ROLES:
+    for known in CLUSTER_ROLES:
         if role == known:
             return known
     if role is None:
         raise ConfigError(f"{at}: 'role' is missing", hint=hint)
     if role in LATER_ROLES:
         raise ConfigError(f"{at}: role {role!r} is not supported in a cluster TOML yet",
-                          hint=f"roles here: {', '.join(ROLES)}")
-    raise ConfigError(f"{at}: 'role' {shown(role)} is not one of {', '.join(ROLES)}", hint=hint)
+                          hint=f"roles here: {', '.join(CLUSTER_ROLES)}")
+    raise ConfigError(f"{at}: 'role' {shown(role)} is not one of {', '.join(CLUSTER_ROLES)}",
+                      hint=hint)
 
 
 def _layers(raw: Mapping[str, Any], at: str) -> tuple[int, int] | None:

@@ -19,19 +19,17 @@ from typing import Final, Literal, NamedTuple
 from mlxceld.config.secrets import TomlSecretFile
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id
+from mlxceld.types import DECODE_ROLE, HYBRID, PREFILL_ROLE, ROUTER_ROLE, NodeRole
 from mlxceld.wire.address import parse_address
 
 COORDINATOR: Final = "coordinator"
 PIPELINE_STAGE: Final = "pipeline_stage"
-# A serving cluster's roles (``--node-role``, config/replicas.py): routers over hybrid
-# replicas and/or prefill and decode pools. Their ``address`` is the node's agent address.
-ROUTER: Final = "router"
-HYBRID: Final = "hybrid"
-PREFILL: Final = "prefill"
-DECODE: Final = "decode"
-SERVING_ROLES: Final = (ROUTER, HYBRID, PREFILL, DECODE)
-ROLES: Final = (COORDINATOR, PIPELINE_STAGE, *SERVING_ROLES)
-Role = Literal["coordinator", "pipeline_stage", "router", "hybrid", "prefill", "decode"]
+# A serving cluster's roles are node roles (``--node-role``, config/replicas.py): routers
+# over hybrid replicas and/or prefill and decode pools, in the order this file names them.
+# Their ``address`` is the node's agent address.
+SERVING_ROLES: Final[tuple[NodeRole, ...]] = (ROUTER_ROLE, HYBRID, PREFILL_ROLE, DECODE_ROLE)
+ClusterRole = Literal["coordinator", "pipeline_stage"] | NodeRole  # a [[nodes]] table's
+CLUSTER_ROLES: Final[tuple[ClusterRole, ...]] = (COORDINATOR, PIPELINE_STAGE, *SERVING_ROLES)
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ class NodeConfig:
     address: str
     host: str
     port: int
-    role: Role
+    role: ClusterRole
     rank: int | None = None
     layers: tuple[int, int] | None = None
     memory_bytes: int | None = None

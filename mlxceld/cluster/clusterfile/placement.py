@@ -35,7 +35,6 @@ from mlxceld.cluster.clusterfile.load import (
     select_node,
     validate_layers,
 )
-from mlxceld.cluster.clusterfile.model import DECODE, HYBRID, PREFILL, ROUTER
 from mlxceld.config.daemon import DEFAULT_AGENT_ADDR, Config, Overrides
 from mlxceld.config.serve import ServeConfig, resolve_model
 from mlxceld.config.tensor import TP_HINT, check_tp_model, tp_origin
@@ -45,7 +44,7 @@ from mlxceld.models.fetch import is_repo_id, local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
 from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
-from mlxceld.types import DEFAULT_SILENCE_S
+from mlxceld.types import DECODE_ROLE, DEFAULT_SILENCE_S, HYBRID, PREFILL_ROLE, ROUTER_ROLE
 
 STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
 
@@ -169,17 +168,17 @@ def _serve_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
     """``[serve]``'s node_role, replicas, prefill_peers, decode_peers and kv_compression of
     ``node``, as config/replicas.py and config/disagg.py would read them."""
     addresses = {role: tuple(n.address for n in cfg.with_role(role))
-                 for role in (HYBRID, PREFILL, DECODE)}
+                 for role in (HYBRID, PREFILL_ROLE, DECODE_ROLE)}
     values: dict[str, Any] = {"node_role": node.role, "replicas": (), "prefill_peers": (),
                               "decode_peers": (), "kv_compression": "none",
                               "tp_size": cfg.tensor_parallel_size if node.role == HYBRID
                               else 1}
-    if node.role == ROUTER:
-        values.update(replicas=addresses[HYBRID], prefill_peers=addresses[PREFILL],
-                      decode_peers=addresses[DECODE],
+    if node.role == ROUTER_ROLE:
+        values.update(replicas=addresses[HYBRID], prefill_peers=addresses[PREFILL_ROLE],
+                      decode_peers=addresses[DECODE_ROLE],
                       kv_compression=cfg.kv_compression or "none")
-    elif node.role == DECODE:
-        values.update(prefill_peers=addresses[PREFILL])
+    elif node.role == DECODE_ROLE:
+        values.update(prefill_peers=addresses[PREFILL_ROLE])
     return values
 
 
@@ -213,7 +212,7 @@ def _refuse_tp(said: str, tp_size: int, own: dict[str, Any], where: str) -> None
     role = own["node_role"]
     why = (f"{where} is a hybrid node, and the file's 'cluster.tensor_parallel_size' is "
            f"{own['tp_size']}" if role == HYBRID else
-           f"{where} is a router, which holds no model to split over ranks" if role == ROUTER
+           f"{where} is a router, which holds no model to split over ranks" if role == ROUTER_ROLE
            else f"{where} is a {role} node, where tensor parallelism is not built yet")
     raise ConfigError(f"{said} {tp_size} contradicts --distributed-config: {why}",
                       hint=f"drop {said}: the cluster TOML's tensor_parallel_size (under "

@@ -11,17 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxceld.cluster.clusterfile.model import (
-    COORDINATOR,
-    DECODE,
-    HYBRID,
-    PIPELINE_STAGE,
-    PREFILL,
-    ROUTER,
-    ClusterConfig,
-    NodeConfig,
-)
+from mlxceld.cluster.clusterfile.model import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
 from mlxceld.errors import ConfigError
+from mlxceld.types import DECODE_ROLE, HYBRID, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.wire.address import parse_address
 
 RANK_HINT = "stages have ranks 0, 1, ..., N-1, one each, in pipeline order"
@@ -70,13 +62,13 @@ def _serving(cfg: ClusterConfig, where: str) -> None:
                           "either a pipeline or routers over replicas and pools, not both",
                           hint="write a cluster TOML for each; a hybrid replica that is "
                           "itself a pipeline's coordinator is placed by the pipeline's file")
-    if not cfg.with_role(ROUTER):
-        raise ConfigError(f"{where}: no node has role {ROUTER!r}",
+    if not cfg.with_role(ROUTER_ROLE):
+        raise ConfigError(f"{where}: no node has role {ROUTER_ROLE!r}",
                           hint='add a [[nodes]] table with role = "router": it serves the '
                           "OpenAI port over the hybrids (and prefill and decode nodes)")
-    prefill, decode = cfg.with_role(PREFILL), cfg.with_role(DECODE)
+    prefill, decode = cfg.with_role(PREFILL_ROLE), cfg.with_role(DECODE_ROLE)
     if bool(prefill) != bool(decode):
-        have, lack = (PREFILL, DECODE) if prefill else (DECODE, PREFILL)
+        have, lack = (PREFILL_ROLE, DECODE_ROLE) if prefill else (DECODE_ROLE, PREFILL_ROLE)
         ids = ", ".join(repr(n.id) for n in (prefill or decode))
         raise ConfigError(f"{where}: the file has {have} node(s) ({ids}) but no {lack} node: "
                           "a router disaggregates over both pools or neither",

@@ -1,6 +1,6 @@
-"""Serving one Response: generate, answer whole or as OpenAI's Responses event stream.
+"""The Responses endpoint: generate, answer whole or as OpenAI's Responses event stream.
 
-``serving.SequenceResponse`` runs the sequence: nothing is sent before its first event, so
+``answering.SequenceResponse`` runs the sequence: nothing is sent before its first event, so
 a full queue (503), an engine that fails at once (500) or a client that leaves while
 queued is answered (or not) with OpenAI's error JSON, never a half-open stream. Once the
 stream has started, an engine failure is a ``response.failed`` event, which ends it. Each
@@ -17,13 +17,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mlxceld.api.answering import SequenceResponse
 from mlxceld.api.chatting import Chats, PreparedChat
 from mlxceld.api.errors import ApiError, invalid
 from mlxceld.api.generation import Finished, TextPiece
 from mlxceld.api.requests import check_constraint
 from mlxceld.api.responses.output import ResponseBuilder
 from mlxceld.api.responses.request import parse_responses
-from mlxceld.api.serving import SequenceResponse
 from mlxceld.api.streaming import named_event
 from mlxceld.api.tools.replies import Called
 

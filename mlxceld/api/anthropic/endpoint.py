@@ -1,15 +1,15 @@
-"""Serving ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's
+"""The endpoint of ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's
 Messages API) over the shared chat path (``chatting.py``).
 
-A body is read and translated (``messages.py``), prepared as every chat is (template,
+A body is read and translated (``request.py``), prepared as every chat is (template,
 tokens, tools, constraints), and run by the ``Sequencer``; its events are written as a
-message or Anthropic's events (``anthropic/format.py``) by ``serving.SequenceResponse``:
+message or Anthropic's events (``anthropic/format.py``) by ``answering.SequenceResponse``:
 nothing is sent before the sequence's first event, so a full queue, an engine that fails
 at once or a client gone while queued gets a plain answer (Anthropic's error shape: the
 app renders every refusal on these paths so, ``anthropic_errors.py``); once a stream has
 started, a failure is an ``error`` event; a client that leaves cancels the sequence.
 
-``max_tokens`` bounds the answer (``messages.py``): the engine is asked for the least of
+``max_tokens`` bounds the answer (``request.py``): the engine is asked for the least of
 it, what is left of the context and the operator's ``[serve] max_tokens``.
 """
 
@@ -22,13 +22,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mlxceld.api.answering import SequenceResponse
 from mlxceld.api.anthropic.format import LimitReason, MessageFormat, MessageStream, tool_use
 from mlxceld.api.anthropic.request import parse_messages
 from mlxceld.api.anthropic_errors import anthropic_response
 from mlxceld.api.chatting import Chats
 from mlxceld.api.errors import ApiError
 from mlxceld.api.generation import Finished, Sequencer, TextPiece
-from mlxceld.api.serving import SequenceResponse
 from mlxceld.api.tools.replies import Called, ChatReply
 from mlxceld.engine import GenerationRequest
 

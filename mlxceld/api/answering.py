@@ -1,4 +1,5 @@
-"""Serving one generation: admit, generate, answer whole or as a stream, in an API's format.
+"""Answering one generation: admit, generate, answer whole or as a stream, in an API's
+format.
 
 ``SequenceResponse`` is what every generating endpoint shares: the sequence runs while the
 answer is sent, and a client that leaves cancels it (``until_disconnect``); a drain waits
