@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -12,7 +14,7 @@ from mlxceld.wire import key_id
 from mlxceld.wire.envelope import MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 
-from helpers.daemons import Daemons
+from helpers.daemons import DaemonProc, Daemons
 from helpers.keys import keyring, secret_file
 from helpers.waiting import wait_for
 
@@ -31,15 +33,35 @@ def reply_type(payload: bytes) -> str:
         return f"unparseable: {exc}"
 
 
+@dataclass
+class Keyed:
+    """A daemon started with ``secret`` in its --cluster-secret-file."""
+
+    d: DaemonProc
+    secret: bytes
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[Keyed]:
+    """One daemon with a secret, so an agent, for the two tests below that talk to it (the
+    one that installs a second key removes it again)."""
+    secret = secrets.token_hex(16).encode()
+    owner = Daemons()
+    try:
+        d = owner.make()
+        d.start("--cluster-secret-file", str(secret_file(d.root, secret)))
+        yield Keyed(d, secret)
+    finally:
+        owner.end()
+
+
 def test_no_secret_no_agent_listener(daemons: Daemons) -> None:
     d = daemons.make().start()
     assert d.status()["agent"] == {"address": None, "error": None, "keys": 0}
 
 
-def test_agent_answers_ping_and_refuses_strangers(daemons: Daemons) -> None:
-    secret = secrets.token_hex(16).encode()
-    d = daemons.make()
-    d.start("--cluster-secret-file", str(secret_file(d.root, secret)))
+def test_agent_answers_ping_and_refuses_strangers(keyed: Keyed) -> None:
+    d, secret = keyed.d, keyed.secret
     host, port = address(d.status())
 
     async def talk() -> None:
@@ -96,11 +118,9 @@ def test_installing_a_first_secret_starts_the_agent(daemons: Daemons) -> None:
     asyncio.run(talk())
 
 
-def test_a_second_installed_key_is_accepted(daemons: Daemons) -> None:
+def test_a_second_installed_key_is_accepted(keyed: Keyed) -> None:
     """A peer still on a key installed beside the primary (a rotation under way) gets in."""
-    primary, second = secrets.token_bytes(32), secrets.token_bytes(32)
-    d = daemons.make()
-    d.start("--cluster-secret-file", str(secret_file(d.root, primary)))
+    d, second = keyed.d, secrets.token_bytes(32)
     d.api(lambda c: c.install_secret(second, primary=False))
     host, port = address(d.status())
 
@@ -112,4 +132,7 @@ def test_a_second_installed_key_is_accepted(daemons: Daemons) -> None:
         assert reply_type(await stream.recv()) == "pong"
         await stream.close()
 
-    asyncio.run(talk())
+    try:
+        asyncio.run(talk())
+    finally:  # the shared daemon's keys as they were: its primary alone
+        d.api(lambda c: c.remove_secret(key_id(second).hex()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import stat
@@ -10,12 +11,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers.daemons import FAST_POLICY, Daemons
+from helpers.daemons import FAST_POLICY, DaemonProc, Daemons
 from helpers.waiting import wait_for
 
 ONE_ECHO = FAST_POLICY + """
@@ -23,6 +25,45 @@ ONE_ECHO = FAST_POLICY + """
 role = "echo"
 options = { interval_s = 0.1 }
 """
+
+
+@pytest.fixture(scope="module")
+def echo() -> Iterator[DaemonProc]:
+    """One daemon with worker alpha for the tests below that read it or restart alpha
+    (which comes back by itself); each waits for alpha running. The two restarts leave 14
+    events in all: ``daemon.started`` stays among the last 20 that ``mlxctl events`` shows.
+    The test that starts a daemon with a secret in its environment keeps its own."""
+    owner = Daemons()
+    try:
+        yield owner.make(ONE_ECHO).start()
+    finally:
+        owner.end()
+
+
+@pytest.fixture(scope="module")
+def bare() -> Iterator[DaemonProc]:
+    """One daemon without workers for the tests below that only ask it (the two that
+    loosen its files' modes put them back)."""
+    owner = Daemons()
+    try:
+        yield owner.make().start()
+    finally:
+        owner.end()
+
+
+@contextlib.contextmanager
+def loosened(d: DaemonProc) -> Iterator[None]:
+    """Its socket, the socket's directory and its root open to others, as the test asks;
+    their modes back as they were afterwards, so that the shared daemon is left as found."""
+    paths = (d.root, d.socket.parent, d.socket)
+    before = [mode(p) for p in paths]
+    try:
+        for p, m in zip(paths, (0o711, 0o711, 0o666), strict=True):
+            os.chmod(p, m)
+        yield
+    finally:
+        for p, m in zip(paths, before, strict=True):
+            os.chmod(p, m)
 
 
 def mode(path: Path) -> int:
@@ -38,8 +79,8 @@ def raw_get(sock: Path, path: str, headers: dict[str, str] | None = None) -> htt
     return asyncio.run(go())
 
 
-def test_socket_and_state_files_are_private(daemons: Daemons) -> None:
-    d = daemons.make(ONE_ECHO).start()
+def test_socket_and_state_files_are_private(echo: DaemonProc) -> None:
+    d = echo
     d.wait_worker("alpha", state="running")
     assert stat.S_ISSOCK(d.socket.stat().st_mode)
     assert mode(d.socket) == 0o600
@@ -50,8 +91,8 @@ def test_socket_and_state_files_are_private(daemons: Daemons) -> None:
     assert mode(d.state_dir / "logs") == 0o700
 
 
-def test_second_daemon_on_the_same_state_dir_is_refused(daemons: Daemons) -> None:
-    d = daemons.make(ONE_ECHO).start()
+def test_second_daemon_on_the_same_state_dir_is_refused(echo: DaemonProc) -> None:
+    d = echo
     other = subprocess.run(
         [sys.executable, "-m", "mlxceld", "--config", str(d.config), "--state-dir",
          str(d.state_dir), "--socket", str(d.root / "run" / "other.sock")],
@@ -71,8 +112,8 @@ def test_mlxctl_without_a_daemon_exits_3_with_a_hint(daemons: Daemons) -> None:
     assert as_json["schema"] == "mlxctl.error/1" and as_json["error"]["code"] == "not_running"
 
 
-def test_browser_headers_are_refused(daemons: Daemons) -> None:
-    d = daemons.make().start()
+def test_browser_headers_are_refused(bare: DaemonProc) -> None:
+    d = bare
     for header in ({"Origin": "http://evil.example"}, {"Referer": "http://evil.example/x"}):
         r = raw_get(d.socket, "/v1/status", header)
         assert r.status_code == 403
@@ -80,8 +121,8 @@ def test_browser_headers_are_refused(daemons: Daemons) -> None:
     assert raw_get(d.socket, "/v1/status").status_code == 200
 
 
-def test_every_response_carries_the_version_and_errors_have_one_shape(daemons: Daemons) -> None:
-    d = daemons.make().start()
+def test_every_response_carries_the_version_and_errors_have_one_shape(bare: DaemonProc) -> None:
+    d = bare
     version = d.api(lambda c: c.version())["version"]
     for path, code in (("/v1/status", 200), ("/v1/nope", 404),
                        ("/v1/workers/ghost/logs", 404), ("/v1/events?after=x", 400)):
@@ -94,8 +135,8 @@ def test_every_response_carries_the_version_and_errors_have_one_shape(daemons: D
 
 
 def test_a_body_nested_too_deeply_is_refused_and_the_daemon_unaffected(
-        daemons: Daemons) -> None:
-    d = daemons.make().start()
+        bare: DaemonProc) -> None:
+    d = bare
 
     async def post(content: bytes) -> httpx.Response:
         transport = httpx.AsyncHTTPTransport(uds=str(d.socket))
@@ -112,12 +153,8 @@ def test_a_body_nested_too_deeply_is_refused_and_the_daemon_unaffected(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
-def test_a_process_of_another_uid_is_refused(daemons: Daemons) -> None:
-    d = daemons.make().start()
-    # Loosen the modes on purpose: the credential check must still refuse.
-    os.chmod(d.root, 0o711)
-    os.chmod(d.socket.parent, 0o711)
-    os.chmod(d.socket, 0o666)
+def test_a_process_of_another_uid_is_refused(bare: DaemonProc) -> None:
+    d = bare
     code = textwrap.dedent(f"""
         import os, socket
         os.setgid(65534); os.setuid(65534)
@@ -129,8 +166,10 @@ def test_a_process_of_another_uid_is_refused(daemons: Daemons) -> None:
             data += chunk
         print(data.decode())
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30)
+    # Loosen the modes on purpose: the credential check must still refuse.
+    with loosened(d):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("HTTP/1.1 403")
     body = json.loads(out.stdout.split("\n\n", 1)[1])  # text mode turned CRLF into LF
@@ -138,8 +177,8 @@ def test_a_process_of_another_uid_is_refused(daemons: Daemons) -> None:
     assert "uid 65534" in body["error"]["message"]
 
 
-def test_every_command_speaks_json_with_a_schema(daemons: Daemons) -> None:
-    d = daemons.make(ONE_ECHO).start()
+def test_every_command_speaks_json_with_a_schema(echo: DaemonProc) -> None:
+    d = echo
     d.wait_worker("alpha", state="running")
     for args, schema in ((["status"], "status"), (["workers"], "workers"),
                          (["events"], "events"), (["version"], "version"),
@@ -151,8 +190,8 @@ def test_every_command_speaks_json_with_a_schema(daemons: Daemons) -> None:
     assert lines and all(json.loads(x)["schema"] == "mlxctl.log/1" for x in lines)
 
 
-def test_logs_and_events_show_what_happened(daemons: Daemons) -> None:
-    d = daemons.make(ONE_ECHO).start()
+def test_logs_and_events_show_what_happened(echo: DaemonProc) -> None:
+    d = echo
     d.wait_worker("alpha", state="running")
     logs = d.ctl("logs", "alpha", "-n", "5")
     assert logs.returncode == 0
@@ -163,8 +202,8 @@ def test_logs_and_events_show_what_happened(daemons: Daemons) -> None:
     assert missing.returncode == 1 and "no worker named 'ghost'" in missing.stderr
 
 
-def test_follow_streams_new_events(daemons: Daemons) -> None:
-    d = daemons.make(ONE_ECHO).start()
+def test_follow_streams_new_events(echo: DaemonProc) -> None:
+    d = echo
     d.wait_worker("alpha", state="running")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlxctl", "--socket", str(d.socket), "events", "-f", "-n", "1"],
@@ -215,8 +254,8 @@ def test_startup_errors_name_what_is_wrong(daemons: Daemons) -> None:
     assert not (d.state_dir / "state.db").exists()  # refused before touching anything
 
 
-def test_idle_daemon_without_workers(daemons: Daemons) -> None:
-    d = daemons.make().start()
+def test_idle_daemon_without_workers(bare: DaemonProc) -> None:
+    d = bare
     out = d.ctl("status")
     assert out.returncode == 0
     assert "no workers configured" in out.stdout and "health: ok" in out.stdout
@@ -224,8 +263,8 @@ def test_idle_daemon_without_workers(daemons: Daemons) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
-def test_mlxctl_as_another_uid_exits_4(daemons: Daemons) -> None:
-    d = daemons.make().start()
+def test_mlxctl_as_another_uid_exits_4(bare: DaemonProc) -> None:
+    d = bare
     # The interpreter lives under /root, which nobody cannot read: run mlxctl once as root
     # (so every module it needs is loaded), then drop to nobody and run it again.
     code = textwrap.dedent(f"""
@@ -242,9 +281,7 @@ def test_mlxctl_as_another_uid_exits_4(daemons: Daemons) -> None:
     blocked = run()  # the 0700 directory stops it before the daemon sees it
     assert blocked.returncode == 4, blocked.stderr
     assert "permission denied" in blocked.stderr
-    os.chmod(d.root, 0o711)
-    os.chmod(d.socket.parent, 0o711)
-    os.chmod(d.socket, 0o666)
-    refused = run()  # the daemon's credential check refuses it
+    with loosened(d):
+        refused = run()  # the daemon's credential check refuses it
     assert refused.returncode == 4, refused.stderr
     assert "uid 65534 is not allowed" in refused.stderr

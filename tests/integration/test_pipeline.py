@@ -10,6 +10,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,36 @@ from helpers.router import client
 from helpers.waiting import wait_for
 
 LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
+LLAMA_SPLITS = [(0, 2), (2, 4)]
+
+
+@dataclass
+class Shared:
+    """The module's llama pipeline and the owner that ends its processes, by pid."""
+
+    pipe: Pipeline
+    owner: Daemons
+
+
+@pytest.fixture(scope="module")
+def shared(split_fixture_dir: Path) -> Iterator[Shared]:
+    """One two-stage llama pipeline for the tests below that leave it whole: each either
+    only reads and serves, or stops a stage and brings it back (saying so). Every other
+    test (another model, split or coordinator) brings up its own."""
+    owner = Daemons()
+    try:
+        yield Shared(start_pipeline(owner, split_fixture_dir / "llama", LLAMA_SPLITS), owner)
+    finally:
+        owner.end()
+
+
+@pytest.fixture
+def llama(shared: Shared) -> Shared:
+    """The shared pipeline once whole: /ready 200, both stages attached (a test before may
+    have just brought one back)."""
+    wait_for(lambda: ready(shared.pipe).status_code == 200, READY_S,
+             "the shared pipeline's /ready 200 with both stages", every=0.2)
+    return shared
 
 
 @pytest.mark.parametrize("family,splits", [
@@ -112,10 +144,11 @@ def test_four_concurrent_streams_are_all_correct(daemons: Daemons,
     assert results == {pr: expected(model, pr, 24) for pr in prompts}
 
 
-def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
+def test_kill9_of_a_stage_fails_the_stream_then_recovers(llama: Shared,
                                                          split_fixture_dir: Path) -> None:
+    """On the shared pipeline: it ends whole again (stage-1's daemon runs a new worker)."""
     model = split_fixture_dir / "llama"
-    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    pipe = llama.pipe
     victim = pipe.stages[1].worker("stage")
     with client(pipe.url) as c:
         stream = c.completions.create(model="llama", prompt=LONG_PROMPT, max_tokens=1500,
@@ -142,7 +175,7 @@ def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
             return w if w["state"] == "running" and w["pid"] != victim["pid"] else None
 
         w = wait_for(restarted, READY_S, "the stage's daemon to run a new stage worker")
-        daemons.pids.add(w["pid"])
+        llama.owner.pids.add(w["pid"])
 
         def answered() -> str | None:
             try:
@@ -157,18 +190,21 @@ def test_kill9_of_a_stage_fails_the_stream_then_recovers(daemons: Daemons,
 
 
 @pytest.mark.slow
-def test_request_while_a_stage_is_down_is_503_naming_it(daemons: Daemons,
-                                                        split_fixture_dir: Path) -> None:
-    model = split_fixture_dir / "llama"
-    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+def test_request_while_a_stage_is_down_is_503_naming_it(llama: Shared) -> None:
+    """On the shared pipeline: stage-1's daemon is stopped, then started again whatever
+    the outcome, so that the pipeline is left whole."""
+    pipe = llama.pipe
     stage = pipe.stages[1]
     assert stage.proc is not None
     stage.proc.send_signal(signal.SIGTERM)
     stage.proc.wait(30)
-    with client(pipe.url) as c, pytest.raises(openai.APIStatusError) as info:
-        c.completions.create(model="llama", prompt=PROMPT, max_tokens=4, temperature=0)
-    assert info.value.status_code == 503
-    assert "stage-1" in str(info.value)
+    try:
+        with client(pipe.url) as c, pytest.raises(openai.APIStatusError) as info:
+            c.completions.create(model="llama", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert info.value.status_code == 503
+        assert "stage-1" in str(info.value)
+    finally:
+        bring_back(llama, 1)
 
 
 def test_a_pipeline_without_the_secret_refuses_to_start(daemons: Daemons,
@@ -192,6 +228,14 @@ def test_a_layer_gap_is_refused_at_startup(daemons: Daemons, split_fixture_dir: 
     assert "stage-1" in d.stderr() and "layers" in d.stderr()
 
 
+def bring_back(shared: Shared, rank: int) -> None:
+    """Start the shared pipeline's stopped stage ``rank`` again, its worker running (its
+    pid noted for the owner's cleanup)."""
+    shared.pipe.hosts[rank].start()
+    stage = shared.pipe.stages[rank]
+    shared.owner.pids.add(stage.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+
+
 def stage_stats(d: DaemonProc) -> dict[str, object]:
     from mlxceld.supervisor.channel import call
     from mlxceld.supervisor.ops import Stats
@@ -201,10 +245,8 @@ def stage_stats(d: DaemonProc) -> dict[str, object]:
     return stats
 
 
-def test_a_client_that_leaves_frees_its_sequence_on_every_stage(
-        daemons: Daemons, split_fixture_dir: Path) -> None:
-    model = split_fixture_dir / "llama"
-    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+def test_a_client_that_leaves_frees_its_sequence_on_every_stage(llama: Shared) -> None:
+    pipe = llama.pipe
     with httpx.Client(timeout=60) as http, http.stream(
             "POST", f"{pipe.url}/completions",
             json={"model": "llama", "prompt": LONG_PROMPT, "max_tokens": 1500,
@@ -234,7 +276,7 @@ def test_a_coordinator_with_another_model_is_refused_naming_both(
     assert model_identity(stages_model) in message and model_identity(other) in message
 
 
-def test_stages_refuse_other_secret_holders(daemons: Daemons, split_fixture_dir: Path) -> None:
+def test_stages_refuse_other_secret_holders(llama: Shared, split_fixture_dir: Path) -> None:
     """Another holder of the secret on 127.0.0.5 may connect, but a stage takes no command
     from it (only the coordinator's) and no activation (only the upstream stage's)."""
     from mlxceld.models import model_identity
@@ -243,7 +285,7 @@ def test_stages_refuse_other_secret_holders(daemons: Daemons, split_fixture_dir:
     from mlxceld.wire import encode_envelope, parse_envelope
 
     model = split_fixture_dir / "llama"
-    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    pipe = llama.pipe
     text = pipe.toml.read_text()
     addrs = [line.split('"')[1] for line in text.splitlines() if line.startswith("address")]
     keyring = keys.keyring(SECRET.encode())
@@ -296,11 +338,12 @@ def status_saying(d: DaemonProc, text: str) -> str | None:
 
 @pytest.mark.slow
 def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
-        daemons: Daemons, split_fixture_dir: Path) -> None:
+        llama: Shared, split_fixture_dir: Path) -> None:
     """The router attaches its stages at start and re-attaches one that comes back by
-    itself: no completion is sent until /ready says 200 again."""
+    itself: no completion is sent until /ready says 200 again. On the shared pipeline:
+    the test itself brings stage-1 back, as its last step."""
     model = split_fixture_dir / "llama"
-    pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
+    pipe = llama.pipe
     wait_for(lambda: ready(pipe).status_code == 200, 30, "/ready 200 with both stages")
     shown = wait_for(lambda: status_saying(pipe.coordinator, "stages of router: 2 of 2 attached"),
                      10, "mlxctl status showing both stages attached")
@@ -318,27 +361,27 @@ def test_ready_names_a_stopped_stage_and_recovers_without_a_request(
     assert stage.proc is not None
     stage.proc.send_signal(signal.SIGTERM)
     stage.proc.wait(30)
-    down = wait_for(lambda: (r := ready(pipe)).status_code == 503 and r.json(), 10,
-                    "/ready 503 once stage-1 is gone")
-    assert down["status"] == "degraded" and "stage-1" in down["message"], down
-    assert [s["stage"] for s in down["stages"]] == ["stage-1"]
-    assert down["stages"][0]["state"] in ("disconnected", "unreachable")
-    links = wait_for(lambda: (ls := router_links(pipe.coordinator)) and
-                     ls[1]["state"] == "unreachable" and ls, 20,
-                     "the router's stats showing stage-1 unreachable")
-    assert links[0]["connected"] is True and links[1]["connected"] is False
-    assert "stage-1" in str(links[1]["error"])
-    shown = pipe.coordinator.ctl("status").stdout
-    assert "stages of router: 1 of 2 attached" in shown and "unreachable" in shown, shown
-    assert "worker router cannot reach stage stage-1 (unreachable)" in shown, shown
-    down_metrics = scrape(pipe.url)
-    assert sample(down_metrics, STATE, stage="stage-1", layers="2-4", state="unreachable") == 1
-    assert sample(down_metrics, STATE, stage="stage-1", layers="2-4", state="attached") == 0
-    assert sample(down_metrics, RTT, stage="stage-1", layers="2-4") is None
-    assert sample(down_metrics, STATE, stage="stage-0", layers="0-2", state="attached") == 1
-
-    pipe.hosts[1].start()
-    daemons.pids.add(stage.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+    try:
+        down = wait_for(lambda: (r := ready(pipe)).status_code == 503 and r.json(), 10,
+                        "/ready 503 once stage-1 is gone")
+        assert down["status"] == "degraded" and "stage-1" in down["message"], down
+        assert [s["stage"] for s in down["stages"]] == ["stage-1"]
+        assert down["stages"][0]["state"] in ("disconnected", "unreachable")
+        links = wait_for(lambda: (ls := router_links(pipe.coordinator)) and
+                         ls[1]["state"] == "unreachable" and ls, 20,
+                         "the router's stats showing stage-1 unreachable")
+        assert links[0]["connected"] is True and links[1]["connected"] is False
+        assert "stage-1" in str(links[1]["error"])
+        shown = pipe.coordinator.ctl("status").stdout
+        assert "stages of router: 1 of 2 attached" in shown and "unreachable" in shown, shown
+        assert "worker router cannot reach stage stage-1 (unreachable)" in shown, shown
+        down_metrics = scrape(pipe.url)
+        assert sample(down_metrics, STATE, stage="stage-1", layers="2-4", state="unreachable") == 1
+        assert sample(down_metrics, STATE, stage="stage-1", layers="2-4", state="attached") == 0
+        assert sample(down_metrics, RTT, stage="stage-1", layers="2-4") is None
+        assert sample(down_metrics, STATE, stage="stage-0", layers="0-2", state="attached") == 1
+    finally:  # the test's next step, and the shared pipeline whole again if it failed
+        bring_back(llama, 1)
     wait_for(lambda: ready(pipe).status_code == 200, 60,
              "/ready 200 again once stage-1 is back, with no request sent")
     wait_for(lambda: [s["connected"] for s in router_links(pipe.coordinator)] == [True, True],

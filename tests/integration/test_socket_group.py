@@ -69,10 +69,22 @@ def start(d: DaemonProc, group: str) -> DaemonProc:
     return d.start("--socket-group", group)
 
 
-@root_only
-def test_the_socket_and_its_directory_belong_to_the_group(daemons: Daemons) -> None:
+@pytest.fixture(scope="module")
+def grouped() -> Iterator[tuple[DaemonProc, str]]:
+    """One daemon whose socket belongs to a group nobody is not in, and that group, for
+    the two tests below (the one that opens the modes wide puts them back)."""
     group = foreign_group()
-    d = start(daemons.make(), group)
+    owner = Daemons()
+    try:
+        yield start(owner.make(), group), group
+    finally:
+        owner.end()
+
+
+@root_only
+def test_the_socket_and_its_directory_belong_to_the_group(
+        grouped: tuple[DaemonProc, str]) -> None:
+    d, group = grouped
     gid = grp.getgrnam(group).gr_gid
     for path, mode in ((d.socket, 0o660), (d.socket.parent, 0o750)):
         st = path.stat()
@@ -81,9 +93,9 @@ def test_the_socket_and_its_directory_belong_to_the_group(daemons: Daemons) -> N
 
 
 @root_only
-def test_a_user_outside_the_group_is_told_which_group_to_join(daemons: Daemons) -> None:
-    group = foreign_group()
-    d = start(daemons.make(), group)
+def test_a_user_outside_the_group_is_told_which_group_to_join(
+        grouped: tuple[DaemonProc, str]) -> None:
+    d, group = grouped
     out = as_nobody(d.socket, "status")
     assert out.returncode == 4, out.stderr
     assert f"permission denied on the control socket {d.socket}" in out.stderr
@@ -93,9 +105,14 @@ def test_a_user_outside_the_group_is_told_which_group_to_join(daemons: Daemons) 
     assert as_json["error"]["code"] == "permission_denied"
     assert f"group '{group}'" in as_json["error"]["hint"]
     # With the modes opened wide, the daemon's own check refuses, and says the same.
+    before = stat.S_IMODE(d.socket.parent.stat().st_mode), stat.S_IMODE(d.socket.stat().st_mode)
     os.chmod(d.socket.parent, 0o755)
     os.chmod(d.socket, 0o666)
-    refused = as_nobody(d.socket, "status")
+    try:
+        refused = as_nobody(d.socket, "status")
+    finally:  # the shared daemon's modes as they were
+        os.chmod(d.socket.parent, before[0])
+        os.chmod(d.socket, before[1])
     assert refused.returncode == 4, refused.stderr
     assert (f"uid {NOBODY} is not allowed to use the control socket {d.socket} (only root, "
             f"uid 0 and members of group '{group}' are)") in refused.stderr

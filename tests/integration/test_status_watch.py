@@ -123,11 +123,16 @@ class Watcher:
             self.proc.communicate()
 
 
-@pytest.fixture
-def echo_daemon(daemons: Daemons) -> Iterator[DaemonProc]:
-    d = daemons.make(ONE_ECHO).start()
-    daemons.pids.add(d.wait_worker("alpha", state="running")["pid"])
-    yield d
+@pytest.fixture(scope="module")
+def echo_daemon() -> Iterator[DaemonProc]:
+    """One daemon for the two watch tests: the one that stops it (SIGSTOP) resumes it."""
+    owner = Daemons()
+    try:
+        d = owner.make(ONE_ECHO).start()
+        owner.pids.add(d.wait_worker("alpha", state="running")["pid"])
+        yield d
+    finally:
+        owner.end()
 
 
 def test_watch_prints_snapshots_survives_a_silent_daemon_and_ends_on_ctrl_c(

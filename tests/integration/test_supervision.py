@@ -7,6 +7,7 @@ import os
 import signal
 import sqlite3
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,8 +17,19 @@ from helpers.daemons import FAST_POLICY, TWO_ECHOS, DaemonProc, Daemons, alive
 from helpers.waiting import wait_for
 
 
-def test_status_shows_daemon_and_workers(daemons: Daemons) -> None:
-    d = daemons.make(TWO_ECHOS).start()
+@pytest.fixture(scope="module")
+def two_echos() -> Iterator[DaemonProc]:
+    """One daemon with workers alpha and beta for the tests below that leave both running,
+    never restarted (a reload of the same config; a broken config file, put back)."""
+    owner = Daemons()
+    try:
+        yield owner.make(TWO_ECHOS).start()
+    finally:
+        owner.end()
+
+
+def test_status_shows_daemon_and_workers(two_echos: DaemonProc) -> None:
+    d = two_echos
     d.wait_worker("alpha", state="running")
     d.wait_worker("beta", state="running")
     body = json.loads(d.ctl("status", "--json").stdout)
@@ -141,8 +153,8 @@ def test_a_daemon_restart_keeps_a_workers_restart_count_and_uptime(daemons: Daem
     assert again["started_at"] > w["started_at"]
 
 
-def test_sighup_reloads_without_restarting_workers(daemons: Daemons) -> None:
-    d = daemons.make(TWO_ECHOS).start()
+def test_sighup_reloads_without_restarting_workers(two_echos: DaemonProc) -> None:
+    d = two_echos
     before = {w["name"]: w["pid"] for w in (d.wait_worker(n, state="running")
                                           for n in ("alpha", "beta"))}
     os.kill(d.pid, signal.SIGHUP)
@@ -152,13 +164,18 @@ def test_sighup_reloads_without_restarting_workers(daemons: Daemons) -> None:
     assert all(w["restarts"] == 0 for w in d.status()["workers"])
 
 
-def test_sighup_with_a_broken_config_keeps_running(daemons: Daemons) -> None:
-    d = daemons.make(TWO_ECHOS).start()
+def test_sighup_with_a_broken_config_keeps_running(two_echos: DaemonProc) -> None:
+    d = two_echos
     d.wait_worker("alpha", state="running")
+    good = d.config.read_text()
     d.config.write_text("[daemon\n")
-    os.kill(d.pid, signal.SIGHUP)
-    failed = wait_for(lambda: [e for e in d.events() if e["kind"] == "daemon.reload_failed"],
-                      10, "reload failure event")
+    try:
+        os.kill(d.pid, signal.SIGHUP)
+        failed = wait_for(lambda: [e for e in d.events()
+                                   if e["kind"] == "daemon.reload_failed"],
+                          10, "reload failure event")
+    finally:  # the shared daemon's file as it was (the daemon kept its config anyway)
+        d.config.write_text(good)
     assert "not valid TOML" in failed[0]["message"]
     assert d.worker("alpha")["state"] == "running"
 
