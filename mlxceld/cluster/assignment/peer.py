@@ -79,7 +79,7 @@ from mlxceld.net.agent import AgentService
 from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
-from mlxceld.tasks import cancelling_group, scoped_group
+from mlxceld.tasks import cancelling_group
 from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
@@ -424,20 +424,26 @@ class Assignee:
         """Load the stage in standby; an offer's (the round is preparing) says ``preparing``
         every ``HEARTBEAT_S`` meanwhile, a restarted round's loads it back quietly."""
         heartbeat = cur.round.state is PeerState.PREPARING
+        # Not a task group (tasks.scoped_group included): awaited here between heartbeats
+        # and only cancelled below, so an abort while the stage loads goes on at once. A
+        # group would wait out the load's cancellation, and raise what the cancelled load
+        # raised meanwhile out of the peer's round: with one, a good peer's daemon exited
+        # instead of aborting once in CI (test_bringup_crash, a peer killed after accepted).
+        task = asyncio.ensure_future(self._host.prepare_stage(
+            cur.round.epoch, f"stage-{cur.stage}", cur.toml))
         try:
-            async with scoped_group() as tg:  # its MlxceldError comes out as itself
-                task = tg.create_task(self._host.prepare_stage(
-                    cur.round.epoch, f"stage-{cur.stage}", cur.toml))
-                while heartbeat and not task.done():
-                    await asyncio.wait({task}, timeout=HEARTBEAT_S)
-                    if not task.done():
-                        cur.round.on_still_loading(asyncio.get_running_loop().time())
-                        await self._reply(cur, Reply("preparing"))
-                await task
+            while heartbeat and not task.done():
+                await asyncio.wait({task}, timeout=HEARTBEAT_S)
+                if not task.done():
+                    cur.round.on_still_loading(asyncio.get_running_loop().time())
+                    await self._reply(cur, Reply("preparing"))
+            await task
         except MlxceldError as exc:
             if cur is self._current:
                 await self._execute(cur.round.on_prepare_failed(exc.message))
             return
+        finally:
+            task.cancel()
         if cur.round.state is PeerState.PREPARING:
             failpoints.crash("peer-after-preparing")
         if cur is self._current:
