@@ -176,7 +176,14 @@ class DrainService:
                 self._drained(r, "no request that needs it is running", finished, ended)
 
     def _drained(self, row: DrainRow, why: str, finished: int, ended: int) -> None:
-        now = time.time()
+        """Mark ``row``'s drain drained, unless an operator changed it since ``row`` was
+        read (``push`` awaits the router in between): an undrain, or a drain started
+        anew, is later and wins; a new deadline is kept."""
+        current = self._table.get(row.node_id)
+        if (current is None or current.state != "draining"
+                or current.started_at != row.started_at):
+            return
+        row, now = current, time.time()
         self._table.put(replace(row, state="drained", updated_at=now, reason=why,
                                 finished=finished, ended=ended))
         took = now - row.started_at

@@ -106,3 +106,39 @@ def test_a_second_drain_of_a_draining_node_is_saved_and_said_to_the_router(
     asyncio.run(go())
     kinds = [e.kind for e in state.events.since(0, 100)]
     assert kinds.count("drain.started") == 1 and kinds.count("drain.changed") == 2, kinds
+
+
+def test_an_undrain_while_the_router_is_asked_is_not_undone(tmp_path: Path) -> None:
+    """``push`` reads the drains, then awaits the router: an undrain (or a drain started
+    anew) that lands meanwhile is the later operator action and wins. The push's answer
+    (nothing in flight) neither brings the undrained row back nor marks the new drain
+    drained before the router was told it."""
+    state = start_state(tmp_path / "state.db", reset=False)
+    table = DrainsTable(state.db)
+    asked = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def router(args: JSON) -> JSON:
+        asked.set()
+        await answer.wait()
+        return {"ok": True, "in_flight": 0, "finished": 0, "ended": 0}
+
+    service = DrainService(table, state.events, needs=lambda: frozenset({"a", "b"}),
+                           call_router=router)
+
+    async def go() -> None:
+        service.drain("a", None, False)
+        service.drain("b", None, False)
+        pushing = asyncio.create_task(service.push())
+        await asyncio.wait_for(asked.wait(), 5)
+        service.undrain("a")  # while the router is asked
+        service.undrain("b")
+        time.sleep(0.002)  # a drain started anew has a later start
+        service.drain("b", None, False)
+        answer.set()
+        await asyncio.wait_for(pushing, 5)
+
+    asyncio.run(go())
+    assert table.get("a") is None
+    b = table.get("b")
+    assert b is not None and b.state == "draining", b

@@ -6,6 +6,7 @@ restart of the daemon; a drain of a node nobody knows is refused naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from mlxceld.control.clients.typed import ControlClient
 
 from helpers.daemons import READY_S, Daemons
 from helpers.models import PROMPT
@@ -160,6 +163,37 @@ def test_force_ends_running_streams_and_the_drain_survives_a_restart(
         wait_for(refused, 10, "the restarted router to refuse: the node is drained")
         assert d.ctl("undrain").returncode == 0
         wait_for(lambda: not refused(), 10, "the router to admit again")
+
+
+PAIRS = 200
+
+
+def test_an_undrain_right_after_a_drain_always_wins(daemons: Daemons,
+                                                    fixture_dir: Path) -> None:
+    """``POST /v1/drain`` then ``POST /v1/undrain`` back to back, ``PAIRS`` times: the
+    undrain is the later operator action, so the node ends undrained every time (no row
+    shortly after; before the fix, the drain's push brought the row back as drained in
+    most pairs), and the router admits at the end."""
+    port = free_port()
+    d = daemons.make().start("--model", str(fixture_dir / "llama"), "--port", str(port))
+    daemons.pids.add(d.wait_worker("router", timeout=READY_S, state="running")["pid"])
+
+    async def pairs(c: ControlClient) -> list[int]:
+        left = []
+        for i in range(PAIRS):
+            await c.drain(None)
+            await c.undrain(None)
+            await asyncio.sleep(0.03)  # the push that was asking the router has answered
+            if (await c.drains())["drains"]:
+                left.append(i)
+        return left
+
+    assert d.api(pairs) == []
+    time.sleep(1.0)  # two pushes (PUSH_EVERY_S)
+    assert d.api(lambda c: c.drains())["drains"] == []
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        done = c.completions.create(model="llama", prompt=PROMPT, max_tokens=2)
+    assert done.choices[0].text is not None
 
 
 def test_a_drain_of_a_node_nobody_knows_is_refused_naming_it(daemons: Daemons) -> None:
