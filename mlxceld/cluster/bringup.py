@@ -34,6 +34,8 @@ from mlxceld.cluster.assignment.coordinator_round import CoordinatorRound
 from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.plan.model import Plan
 from mlxceld.errors import MlxceldError
+from mlxceld.models.fetch import local_model
+from mlxceld.models.identity import model_identity
 from mlxceld.state import EventLog
 from mlxceld.state.plans import PlanRow
 from mlxceld.types import JSON
@@ -152,3 +154,23 @@ def resumed_rows(plan: PlanRow) -> list[dict[str, Any]]:
     return [{"stage": n.id, "node_id": None, "address": address,
              "layers": list(n.layers) if n.layers else None, "state": "", "reason": "",
              "steps": []} for address, n in zip(plan.peers, stages, strict=True)]
+
+
+def config_differences(plan: PlanRow, n: int | None, configured: str | None,
+                       configured_identity: str | None) -> str:
+    """How the start-up config differs from the plan resumed (empty: it does not)."""
+    parts = []
+    if configured is not None and configured_identity != plan.model_identity:
+        parts.append(f"the config names model {configured} ({configured_identity}), the plan "
+                     f"serves model {plan.model_identity}")
+    if n is not None and n != len(plan.peers):
+        parts.append(f"pp_auto is {n}, the plan has {len(plan.peers)} stage(s)")
+    return "; ".join(parts)
+
+
+def identity_or_error(model: str) -> str:
+    try:
+        return model_identity(local_model(model))
+    except MlxceldError as exc:
+        return f"unreadable: {exc.message}"
+

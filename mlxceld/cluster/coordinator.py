@@ -59,7 +59,12 @@ from typing import Final, Protocol
 
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
-from mlxceld.cluster.bringup import BringUp, resumed_rows
+from mlxceld.cluster.bringup import (
+    BringUp,
+    config_differences,
+    identity_or_error,
+    resumed_rows,
+)
 from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.plan.candidates import Proposal, make_plan
@@ -68,8 +73,9 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
 from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model
-from mlxceld.models.identity import model_identity, read_model_config
+from mlxceld.models.identity import read_model_config
 from mlxceld.models.kvquant import check_kv_quant
+from mlxceld.pipeline.switch import RETIRE_S
 from mlxceld.roles.options import KVQuant
 from mlxceld.state import EventLog
 from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
@@ -82,6 +88,8 @@ log = logging.getLogger(__name__)
 DRY_RUN_WAIT_S: Final = 30.0  # --pp-auto --dry-run waits this long for enough reachable peers
 PP_AUTO_WAIT_S: Final = 60.0  # --pp-auto (assigning) waits this long for enough reachable peers
 POLL_S: Final = 1.0  # between two polls of the candidates while waiting for peers
+# A live move's old engine closes within RETIRE_S; past this the old plan is over anyway.
+RETIRED_WAIT_S: Final = RETIRE_S + 5.0
 RESUMABLE: Final = PLAN_RESUMABLE  # a plan decided so is resumed at start (Plans.resumable)
 
 
@@ -104,6 +112,9 @@ class CoordinatorSlot(Protocol):
 
     async def stop_pipeline(self) -> None:
         """Drop the placement and stop the router; serve nothing until told again."""
+
+    async def old_plan_retired(self, within_s: float) -> bool:
+        """Whether the router, moved live, closed the old plan's engine within it."""
 
 
 class Coordinator:
@@ -279,7 +290,10 @@ class Coordinator:
             self._busy = False
 
     async def _push_and_serve(self, epoch: int, proposal: Proposal, model: str) -> None:
-        """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up."""
+        """Offer, commit, activate (or abort everywhere), then serve; ends the bring-up. A
+        plan served before is replaced make before break, as a heal's: the router moved
+        live, then the old plan's hosts told it is over (``_retire``)."""
+        old = self.serving
         try:
             epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
                                      keyring=self._keyring, identity=self._identity,
@@ -287,7 +301,12 @@ class Coordinator:
             if not done.ok:
                 self._bringup.failed(done.summary + "".join(f"; {n}" for n in proposal.notes))
                 return
-            await self._serve(epoch, proposal.toml, model, done.summary)
+            if old is not None:
+                self._plans.decide(old.epoch, "deactivated",
+                                   superseded(epoch, "mlxctl cluster activate"))
+            await self._serve(epoch, proposal.toml, model, done.summary, live=old is not None)
+            if old is not None:
+                self._tasks.create_task(self._retire(old, epoch))
         except MlxceldError as exc:
             self._bringup.failed(f"plan {epoch}: {exc.message}")
         except OSError as exc:  # writing cluster-E.toml or --cluster-config-out
@@ -305,7 +324,7 @@ class Coordinator:
             model = parse_cluster_text(last.toml, self._state_dir / f"cluster-{epoch}.toml"
                                        ).model_source()
             configured_identity = (None if configured is None else
-                                   await asyncio.to_thread(_identity_or_error, configured))
+                                   await asyncio.to_thread(identity_or_error, configured))
             if configured is not None and configured_identity == last.model_identity:
                 model = configured
             self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
@@ -442,30 +461,28 @@ class Coordinator:
 
 
 
+    async def old_plan_retired(self) -> bool:
+        """After a live move (``heal(live=True)``): whether the router closed the old
+        plan's engine, its sequences ended on the old stages, within ``RETIRED_WAIT_S``."""
+        return await self._slot.old_plan_retired(RETIRED_WAIT_S)
+
+    async def _retire(self, old: Served, epoch: int) -> None:
+        """Once the router's engine of ``old`` closed, each of its hosts hears that it is
+        over (once: one that does not answer asks when its daemon restarts): the stage it
+        kept serving while plan ``epoch`` came up stops, or its stage of ``old``."""
+        await self.old_plan_retired()
+        told = await deactivation.tell(old.epoch, old.peers, keyring=self._keyring,
+                                       identity=self._identity,
+                                       reason=f"plan {epoch} serves in its place")
+        log.info("plan %d, superseded by plan %d: its hosts told it is over (%s)", old.epoch,
+                 epoch, ", ".join(f"{a}: {o[0]}" for a, o in sorted(told.items())))
+
+
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
     """What the push offers: each stage to the agent of the node it was planned on."""
     return PushPlan(cluster, proposal.model_identity, proposal.toml,
                     tuple(StageOffer(s.node.key, s.index, s.layers, s.stage_id,
                                      s.node.stage_port) for s in proposal.plan.stages))
-
-
-def config_differences(plan: PlanRow, n: int | None, configured: str | None,
-                       configured_identity: str | None) -> str:
-    """How the start-up config differs from the plan resumed (empty: it does not)."""
-    parts = []
-    if configured is not None and configured_identity != plan.model_identity:
-        parts.append(f"the config names model {configured} ({configured_identity}), the plan "
-                     f"serves model {plan.model_identity}")
-    if n is not None and n != len(plan.peers):
-        parts.append(f"pp_auto is {n}, the plan has {len(plan.peers)} stage(s)")
-    return "; ".join(parts)
-
-
-def _identity_or_error(model: str) -> str:
-    try:
-        return model_identity(local_model(model))
-    except MlxceldError as exc:
-        return f"unreadable: {exc.message}"
 
 
 def model_dir(model: str, what: str) -> Path:

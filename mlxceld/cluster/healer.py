@@ -270,18 +270,19 @@ class Healer:
                   + ", ".join(f"{s.stage_id} {s.node.key} layers [{s.layers[0]}, "
                               f"{s.layers[1]})" for s in stages), "heal.planned",
                   epoch=heal.epoch, peers=[s.node.key for s in stages])
-        ok, summary = await self._coordinator.heal(proposal, served, why)
+        ok, summary = await self._coordinator.heal(proposal, served, why, live=True)
         new = self._coordinator.serving
         if not ok or new is None or new.epoch == served.epoch:
             self._healing.failed(heal, summary, time.time())
             self._set("failed", f"plan {heal.epoch} not healed: {summary}", "heal.failed",
                       epoch=heal.epoch)
             return
-        self._healing.healed(served.epoch, served.peers, new.peers)
+        self._healing.healed(served.epoch, served.peers, new.peers)  # fenced after this job
         self._last = None
         self._set("healed", f"plan {new.epoch} replaces plan {served.epoch}, {why}: "
                   f"{summary}", "heal.active", epoch=new.epoch, old_epoch=served.epoch,
                   peers=list(new.peers), fenced_later=sorted(self._healing.unfenced()))
+        await self._retire(served, new, "heal.retired", "cluster")
 
     async def _propose(self, heal: Heal | Replan, served: Served) -> Proposal:
         if served.replicas > 1:
@@ -343,8 +344,7 @@ class Healer:
             self._events.append("drain.replan_failed", subject, self.state["summary"],
                                 epoch=replan.epoch)
             return
-        self._healing.healed(served.epoch, served.peers, new.peers)
-        self._holding.difference_update(nodes)
+        self._healing.healed(served.epoch, served.peers, new.peers)  # fenced after this job
         self._last = None
         took = time.monotonic() - began
         self._set("replanned", f"plan {new.epoch} replaces plan {served.epoch}, {why} in "
@@ -352,6 +352,27 @@ class Healer:
         self._events.append("drain.replanned", subject, self.state["summary"],
                             epoch=new.epoch, old_epoch=served.epoch, peers=list(new.peers),
                             took_s=round(took, 3))
+        await self._retire(served, new, "drain.retired", subject)
+        self._holding.difference_update(nodes)  # drained once its requests are done
+
+    async def _retire(self, old: Served, new: Served, kind: str, subject: str) -> None:
+        """Make before break, its end: once the router's engine of ``old`` closed (its
+        sequences ended on ``old``'s stages), the hosts of ``old`` that ``new`` kept are
+        told ``old`` is over, so the stage each kept serving meanwhile stops
+        (``stagehost.py``); the hosts left out are fenced after this (``healed``)."""
+        closed = await self._coordinator.old_plan_retired()
+        kept = [p for p in old.peers if p in new.peers]
+        told = await deactivation.tell(old.epoch, kept, keyring=self._keyring,
+                                       identity=self._identity,
+                                       reason=f"plan {new.epoch} serves in its place") \
+            if kept else {}
+        said = ", ".join(f"{a}: {state}" for a, (state, _) in sorted(told.items()))
+        message = (f"plan {old.epoch}'s engine at the router "
+                   f"{'closed' if closed else 'was given up on'}; the hosts plan {new.epoch} "
+                   f"kept were told plan {old.epoch} is over ({said or 'none'})")
+        log.info("self-healing: %s", message)
+        self._events.append(kind, subject, message, epoch=old.epoch, new_epoch=new.epoch,
+                            told=sorted(told), closed=closed)
 
     async def _fence(self, address: str, epoch: int) -> None:
         try:

@@ -32,6 +32,10 @@ prepared or activated, a deactivation). The rules, in order:
   policy, no secret, no API key), meeting in a ring at ``Situation.tp_hosts``; the
   supervisor restarts the group together (``supervisor/groups.py``).
 
+Beside those, ``Roster.retiring``: a stage host's stage that the next plan replaces runs
+on, renamed ``stage-retiring``, until that plan serves (``cluster/assignment/
+stagehost.py``: make before break).
+
 ``Roster`` holds those inputs as they change (the config at a reload, what the router
 serves, the placement and its standby, the ring's ports, ...) and is the one place that
 draws the roster and hands it to the supervisor (``reconcile``): whoever changes an input
@@ -214,6 +218,7 @@ class Roster:
         self.hold_router = False  # no single-host router while a pipeline is to come
         self.placement = placement
         self.standby = False  # the stage worker starts in standby (a prepared assignment)
+        self.retiring: WorkerSpec | None = None  # a replaced stage kept serving (stagehost)
         self._supervisor = supervisor
         self._keyring = keyring
         self._node_id = node_id
@@ -224,11 +229,15 @@ class Roster:
     def specs(self) -> list[WorkerSpec]:
         """The workers to run now: ``draw_roster`` of the inputs."""
         ring = self._keyring
-        return draw_roster(Situation(
+        secret = ring.primary if len(ring) else None
+        specs = draw_roster(Situation(
             self.config, self.serve, self.placement, standby=self.standby,
-            hold_router=self.hold_router, secret=ring.primary if len(ring) else None,
+            hold_router=self.hold_router, secret=secret,
             accepted=tuple(ring.others()), api_key=self._api_key, node_id=self._node_id,
             agent_address=self._agent_address(), tp_hosts=self.tp_ring()))
+        if self.retiring is not None:  # with the keyring of now, as every worker's
+            specs.append(replace(self.retiring, secret=secret, accepted=tuple(ring.others())))
+        return specs
 
     async def reconcile(self) -> list[WorkerSpec]:
         """Make the running workers match ``specs()``; the specs it drew."""
@@ -241,6 +250,11 @@ class Roster:
         cluster member's stage host: ``cluster/assignment/stagehost.py``'s ``StageSlot``);
         the next ``reconcile`` makes it so."""
         self.placement, self.standby = placement, standby
+
+    def keep_retiring(self, spec: WorkerSpec | None) -> None:
+        """Run ``spec`` (a stage the next plan replaces, renamed) beside the placement's
+        workers until it is None again (``stagehost.StageSlot``)."""
+        self.retiring = spec
 
     def spec(self, name: str) -> WorkerSpec | None:
         """The worker ``name`` as the roster draws it now; None where it runs no such one."""

@@ -43,10 +43,12 @@ from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
 from mlxceld.state import EventLog, Settings
-from mlxceld.supervisor.ops import Pipeline
+from mlxceld.supervisor.ops import Pipeline, Retiring
 from mlxceld.supervisor.service import Supervisor
 
 log = logging.getLogger(__name__)
+
+RETIRED_POLL_S = 0.2  # between two asks whether the router's old engines closed
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,19 @@ class ServingWindow:
             log.info("router not moved live (%s): restarting it",
                      "no answer" if reply is None else reply.get("error"))
         parts.supervisor.restart(ROUTER)
+
+    async def old_plan_retired(self, within_s: float) -> bool:
+        """Whether the router, moved live, closed the engines of the plans before (their
+        sequences ended on the old stages: ``pipeline/switch.py``, ``RETIRE_S`` at most)
+        within ``within_s``; a router that does not answer has none (it restarted)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + within_s
+        while loop.time() < until:
+            reply = await self._parts.supervisor.call_running(ROUTER, Retiring())
+            if reply is None or not reply.get("retiring"):
+                return True
+            await asyncio.sleep(RETIRED_POLL_S)
+        return False
 
     async def stop_pipeline(self) -> None:
         """The plan is deactivated: no placement, and no router (not even a single-host one

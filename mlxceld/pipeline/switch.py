@@ -8,9 +8,12 @@ after ``RETIRE_S`` at most (its stages' own drains end within
 ``pipeline.stage.DRAIN_S``, 15 s). Its links are kept up meanwhile, the new engine's are
 brought up at once (``keep_linked``).
 
-``readiness`` and ``stages`` (what `/ready` and `mlxctl status` show) are the current
-engine's; ``active_sequences`` counts the retiring engines' sequences too, and ``tokens``
-every engine's since the router started (a count that never goes back, for tokens/s).
+``retiring`` counts the replaced engines not closed yet: a coordinator asks it (the
+``retiring`` op) and tells the old plan's hosts it kept that the plan is over once it is 0
+(``cluster/healer.py``: make before break). ``readiness`` and ``stages`` (what `/ready`
+and `mlxctl status` show) are the current engine's; ``active_sequences`` counts the
+retiring engines' sequences too, and ``tokens`` every engine's since the router started (a
+count that never goes back, for tokens/s).
 A keyring change (``rekey``) reaches the retiring engines as well as the current one.
 """
 
@@ -57,6 +60,10 @@ class PipelineSwitch:
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         return self._current.generate(request)
+
+    def retiring(self) -> int:
+        """Replaced engines not closed yet (their sequences still run on the old stages)."""
+        return len(self._retiring)
 
     def active_sequences(self) -> int:
         return self._current.active_sequences() + sum(e.active_sequences()

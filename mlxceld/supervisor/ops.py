@@ -18,9 +18,10 @@ streams   the runner, for a rotation      ``kid``: answers ``streams`` under tha
 drain     the daemon's drains             ``drains``: ``[{"node", "deadline"}, ...]``
 replicas  a router's discovered replicas  ``candidates``: ``[{"node_id", "agent"}, ...]``
 pipeline  a plan's router moved live      ``options``: the router's new options
+retiring  a coordinator, after a switch     none; answers ``retiring``: old engines left
 ========= =============================== ===============================================
 
-``drain``, ``replicas`` and ``pipeline`` are the router worker's own ops
+``drain``, ``replicas``, ``pipeline`` and ``retiring`` are the router worker's own ops
 (``WorkerContext.ops``), which check what they read themselves.
 """
 
@@ -169,6 +170,10 @@ class Replicas:
 
     def to_wire(self) -> dict[str, Any]:
         return {"candidates": list(self.candidates), "op": self.OP}
+
+
+class Retiring(_Bare):
+    OP = "retiring"
 
 
 @dataclass(frozen=True)

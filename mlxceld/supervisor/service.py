@@ -8,7 +8,9 @@ killed comes back to the same desired state and can re-adopt what still runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import random
 import signal
 import time
@@ -198,6 +200,32 @@ class Supervisor:
         self._table.delete(name)
         self._events.append("worker.removed", name, f"worker {name} removed from the config")
         self._tell(runner.spec, None, "removed")
+
+    def rename(self, name: str, to: str) -> WorkerSpec:
+        """Worker ``name``'s process goes on as ``to`` (no worker has that name), and
+        ``name`` is free for another: a stage the next plan replaces, kept serving until
+        that plan serves, or named back if it does not (``cluster/assignment/
+        stagehost.py``). Its control socket and log file move with it (the process keeps
+        them open). Returns its spec under the new name."""
+        runner = self._runners.pop(name)
+        old, new = runner.spec, replace(runner.spec, name=to)
+        for a, b in ((old.control_socket, new.control_socket), (old.log_path, new.log_path)):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(a, b)
+        runner.spec = new
+        self._runners[to] = runner
+        self._loading.pop(name, None)
+        row = self._table.get(name)
+        self._table.delete(name)
+        m = runner.machine
+        self._table.put(to, role=new.role, spec=new.describe(), desired="running",
+                        state=m.state.value, restarts=m.restarts, pid=runner.pid,
+                        create_time=runner.create_time,
+                        started_at=row.started_at if row else None)
+        self._events.append("worker.renamed", to, f"worker {name} (pid {runner.pid}) goes on "
+                            f"as {to}", was=name, pid=runner.pid)
+        log.info("worker %s (pid %s) goes on as %s", name, runner.pid, to)
+        return new
 
     def restart(self, name: str) -> None:
         """Stop (if running) and start again; also the way out of FAILED. A member of a

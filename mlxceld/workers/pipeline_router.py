@@ -92,6 +92,10 @@ class PipelineRouter(_Staged):
         return AppHooks(readiness=self.engine.readiness, stage_links=self.engine.stages,
                         prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())])
 
+    def attach(self, ctx: WorkerContext[RouterOptions]) -> None:
+        super().attach(ctx)
+        ctx.ops["retiring"] = lambda request: {"ok": True, "retiring": self.engine.retiring()}
+
     def switch(self, ctx: WorkerContext[RouterOptions], pipeline: PipelineOptions) -> None:
         eos = set(self.tokenizer.eos_token_ids)
         self.engine.switch(stages_engine(ctx, pipeline, self.engine.context_length, eos))

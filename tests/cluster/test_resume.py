@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from mlxceld.cluster.bringup import config_differences
 from mlxceld.cluster.clusterfile.placement import Placement
-from mlxceld.cluster.coordinator import Coordinator, config_differences
+from mlxceld.cluster.coordinator import Coordinator
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.models import model_identity

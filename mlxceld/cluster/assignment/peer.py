@@ -51,10 +51,10 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from mlxceld import failpoints
-from mlxceld.cluster.assignment.offers import PeerFacts, Refusal, judge
+from mlxceld.cluster.assignment.offers import Refusal, judge
 from mlxceld.cluster.assignment.peer_round import (
     HOLDS_A_STAGE,
     PEER_PHASE_S,
@@ -73,6 +73,7 @@ from mlxceld.cluster.assignment.push import (
     sent,
 )
 from mlxceld.cluster.assignment.query import ask_decision
+from mlxceld.cluster.assignment.stagehost import AssignedStage
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.agent import AgentService
@@ -80,7 +81,6 @@ from mlxceld.net.resolve import Resolver
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
 from mlxceld.tasks import cancelling_group
-from mlxceld.types import LoadProgress
 from mlxceld.wire import Envelope, Keyring
 from mlxceld.wire.address import HostPort, bound_identity, parse_address
 from mlxceld.wire.assignment_messages import (
@@ -101,20 +101,6 @@ PREPARE_S: Final = PEER_PHASE_S  # loading the stage in standby: past its last h
 # A peer's wait between phases: PEER_PHASE_S; tests shorten it (MLXCELD_TEST_PEER_WAIT_S).
 PHASE_S: Final = failpoints.PEER_WAIT_S or PEER_PHASE_S
 JUDGE_S: Final = 10.0  # judging an offer, host name look-ups included
-
-
-class AssignedStage(Protocol):
-    """The stage worker a round prepares, activates and stops: what the daemon does for
-    a round (``stagehost.LocalStageHost``)."""
-
-    def facts(self, port: int) -> PeerFacts: ...
-    async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
-        """Start the stage in standby; returns once it runs, or raises MlxceldError."""
-    async def activate_stage(self) -> None: ...
-    async def stop_stage(self) -> None: ...
-    def loading(self) -> LoadProgress | None:
-        """How far the stage being prepared has loaded, when it has said (for the
-        ``preparing`` heartbeat)."""
 
 
 @dataclass
@@ -344,6 +330,8 @@ class Assignee:
             if row.state in HOLDS_A_STAGE:
                 await self._host.stop_stage()
                 done = "the stage is stopped"
+        else:  # its stage kept serving while the plan after it came up (stagehost.py)
+            done = await self._host.end_epoch(epoch) or done
         if row.state != "deactivated":
             self._assignments.record(epoch, row.coordinator, row.stage, "deactivated",
                                      row.toml, reason)

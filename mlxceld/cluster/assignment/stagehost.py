@@ -17,6 +17,22 @@ a worker that fails (``GAVE_UP``) ends the wait at once;
 ``activate_stage`` switches it to serving over the worker's control socket;
 ``stop_stage`` removes it. Which workers run follows the daemon's placement,
 so the daemon's side is a ``StageSlot``: set the placement, reconcile.
+
+Make before break: a stage that serves when the next plan's offer is prepared here (a
+heal, a drain's re-plan, an operator's re-activate) is not stopped first. It goes on
+serving as worker ``stage-retiring`` (``RETIRING``; its process, port, control socket and
+log file are kept: ``Supervisor.rename``) beside the new stage while that one loads and
+until the new plan serves: the router moves to the new stages live and its running
+sequences end on the old ones. The plan the new stage served did
+not need more memory than the host had free with the old stage loaded (the inventory
+the plan was made from counted it as used). The kept stage stops (SIGTERM: the stage's
+own drain) when its coordinator says its plan is over (``end_epoch``: the coordinator
+tells the hosts it kept once its router's old engine retired), when a later plan is
+prepared, or ``RETIRING_MAX_S`` after the new stage activated, said or not (a
+coordinator gone for good). When the new plan does not come to serve here (aborted, or
+stopped before it activated) the kept stage is ``stage`` again and serves on
+(``stop_stage``), so a failed re-plan leaves the old plan whole. A daemon restarted
+meanwhile stops a kept stage (it is no worker of its roster).
 """
 
 from __future__ import annotations
@@ -38,6 +54,7 @@ from mlxceld.models.identity import layer_count, model_identity, read_model_conf
 from mlxceld.state import EventLog
 from mlxceld.supervisor import channel
 from mlxceld.supervisor.ops import Activate, Stats
+from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import LoadProgress, WorkerState, load_progress
 
@@ -49,6 +66,24 @@ LOAD_STALL_S: Final = 60.0  # a load that reads no more bytes for this long has 
 _STEPS: Final = ("downloading", "loading")  # a loading stage's steps, in their order
 # A loading stage in one of these has failed: a restart is due (BACKOFF), or none (FAILED).
 GAVE_UP: Final = frozenset({WorkerState.BACKOFF, WorkerState.FAILED})
+RETIRING: Final = "stage-retiring"  # a stage the next plan replaces, while that plan comes up
+RETIRING_MAX_S: Final = 120.0  # after its successor activated, a kept stage stops by then
+
+
+class AssignedStage(Protocol):
+    """The stage worker a round prepares, activates and stops: what the daemon does for
+    a round (``stagehost.LocalStageHost``)."""
+
+    def facts(self, port: int) -> PeerFacts: ...
+    async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
+        """Start the stage in standby; returns once it runs, or raises MlxceldError."""
+    async def activate_stage(self) -> None: ...
+    async def stop_stage(self) -> None: ...
+    async def end_epoch(self, epoch: int) -> str | None:
+        """Plan ``epoch``, superseded here, is over: its stage stops if it still runs."""
+    def loading(self) -> LoadProgress | None:
+        """How far the stage being prepared has loaded, when it has said (for the
+        ``preparing`` heartbeat)."""
 
 
 class StageSlot(Protocol):
@@ -56,6 +91,8 @@ class StageSlot(Protocol):
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         """Run ``placement``'s stage (in standby: loaded, not serving), or none."""
+    def keep_retiring(self, spec: WorkerSpec | None) -> None:
+        """Run ``spec`` (the renamed stage a new plan replaces) beside it, or none."""
     async def reconcile(self) -> object:
         """Make the running workers match the placement (what it returns is not used)."""
 
@@ -71,7 +108,7 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 class LocalStageHost:
-    """The ``peer.AssignedStage`` of a daemon: its stage worker under its supervisor."""
+    """The ``AssignedStage`` of a daemon: its stage worker under its supervisor."""
 
     def __init__(self, slot: StageSlot, supervisor: Supervisor, events: EventLog, *,
                  cluster: str, state_dir: Path, model: Callable[[], str | None],
@@ -87,6 +124,10 @@ class LocalStageHost:
         self._stage_ports = stage_ports
         self._placement: Placement | None = None
         self._loading: LoadProgress | None = None  # what the loading stage last said
+        self._epoch: int | None = None  # the plan of the stage worker's stage
+        self._active = False  # that stage serves (activated)
+        self._kept: tuple[int, Placement] | None = None  # RETIRING's plan and placement
+        self._kept_timer: asyncio.Task[None] | None = None
 
     def facts(self, port: int) -> PeerFacts:
         model = self._model()
@@ -104,9 +145,9 @@ class LocalStageHost:
     async def prepare_stage(self, epoch: int, node_id: str, toml: str) -> None:
         path = self._state_dir / f"cluster-{epoch}.toml"
         path.write_text(toml)
-        if STAGE_WORKER in self._supervisor.names():
-            await self._supervisor.remove(STAGE_WORKER)
+        await self._clear(epoch)
         self._placement = await asyncio.to_thread(place, path, node_id, self._model())
+        self._epoch, self._active = epoch, False
         self._slot.set_stage(self._placement, standby=True)
         await self._slot.reconcile()
         await self._wait_loaded()
@@ -174,10 +215,77 @@ class LocalStageHost:
         await channel.call(sock, Activate())
         self._slot.set_stage(self._placement, standby=False)
         await self._slot.reconcile()  # a restart comes back active
+        self._active = True
         self._events.append("stage.active", STAGE_WORKER, "the assigned stage is active")
+        if self._kept is not None and self._kept_timer is None:
+            self._kept_timer = asyncio.create_task(self._end_kept_later())
 
     async def stop_stage(self) -> None:
-        self._placement = None
+        """The round's stage stops. A stage kept while it came up (``RETIRING``) serves on
+        as ``stage`` when the new one never served; else it stops too."""
+        served = self._active
+        self._placement, self._active = None, False
         self._slot.set_stage(None, standby=False)
         if STAGE_WORKER in self._supervisor.names():
             await self._supervisor.remove(STAGE_WORKER)
+        if served or self._kept is None:
+            await self._end_kept()
+            return
+        epoch, placement = self._kept
+        self._drop_kept()
+        if RETIRING in self._supervisor.names():
+            self._supervisor.rename(RETIRING, STAGE_WORKER)
+        self._placement, self._epoch, self._active = placement, epoch, True
+        self._slot.set_stage(placement, standby=False)
+        await self._slot.reconcile()  # one that died meanwhile starts again, active
+        self._events.append("stage.kept", STAGE_WORKER, f"the next plan did not serve here: "
+                            f"the stage of plan {epoch} serves on", epoch=epoch)
+
+    async def end_epoch(self, epoch: int) -> str | None:
+        """Plan ``epoch`` is over, as its coordinator says: its stage stops if it runs
+        here (kept while the next plan came up, or again ``stage``); what stopped."""
+        if self._kept is not None and self._kept[0] == epoch:
+            await self._end_kept()
+            return "its stage, kept serving while the next plan came up, is stopped"
+        if self._epoch == epoch and self._active and STAGE_WORKER in self._supervisor.names():
+            await self.stop_stage()
+            return "the stage is stopped"
+        return None
+
+    async def _clear(self, epoch: int) -> None:
+        """Before plan ``epoch``'s stage loads: the stage that serves is kept serving
+        (``RETIRING``), any other stage worker removed."""
+        if STAGE_WORKER not in self._supervisor.names():
+            return
+        now = self._supervisor.state(STAGE_WORKER)
+        if (not self._active or self._epoch is None or self._placement is None
+                or now is None or now[0] is not WorkerState.RUNNING):
+            await self._supervisor.remove(STAGE_WORKER)
+            return
+        await self._end_kept()  # one kept from an older plan stops first
+        self._slot.keep_retiring(self._supervisor.rename(STAGE_WORKER, RETIRING))
+        self._kept = (self._epoch, self._placement)
+        self._events.append("stage.retiring", RETIRING, f"the stage of plan {self._epoch} "
+                            f"serves on as {RETIRING} while plan {epoch}'s loads",
+                            epoch=self._epoch, next_epoch=epoch)
+
+    def _drop_kept(self) -> None:
+        self._kept = None
+        self._slot.keep_retiring(None)
+        timer, self._kept_timer = self._kept_timer, None
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
+
+    async def _end_kept(self) -> None:
+        if self._kept is None:
+            return
+        epoch = self._kept[0]
+        self._drop_kept()
+        if RETIRING in self._supervisor.names():
+            await self._supervisor.remove(RETIRING)  # SIGTERM: the stage's own drain
+        self._events.append("stage.retired", RETIRING, f"the stage of plan {epoch}, kept "
+                            "while the next plan came up, stopped", epoch=epoch)
+
+    async def _end_kept_later(self) -> None:
+        await asyncio.sleep(RETIRING_MAX_S)
+        await self._end_kept()
