@@ -19,16 +19,24 @@ use the defaults):
 
 How PROTOCOL.md section 2 is read here. "A socket beyond either bound is closed at
 accept": the pool never holds more than 64 sockets, nor more than 8 from a source;
-when a bound is reached the socket closed at accept is the oldest *silent* one
-(no complete ClientHello yet; of the newcomer's source when that source is full,
-else of the source holding the most), and the newcomer takes its slot; with no
-silent socket to close the newcomer itself is closed. Either way a socket is closed
-with nothing sent, which is all a peer can see of "closed at accept", and both
-bounds hold at every instant. "5 s for the whole handshake" is an upper bound;
-requiring the hello, the first flight, within 2 s of the 5 s is within it. Together
-they keep silent sockets from starving a keyed peer: a flood can fill the pool, but
-each new socket replaces a flooder's oldest silent one, and a keyed peer is silent
-for one network trip at most.
+when a bound is reached one socket is closed to make room and the newcomer takes
+its slot. Which one (``mlxceld.net.pending``): of the newcomer's source when that
+source is full, else of the source holding the most pending sockets; within it the
+oldest *silent* socket (no complete ClientHello yet), else the oldest that sent its
+hello and has not finished the handshake; never the newcomer's source's only socket.
+Only when nothing is left to close under that rule is the newcomer itself closed.
+Either way the socket closed gets nothing more (a silent one nothing at all), which
+is all a peer can see of "closed at accept", and both bounds hold at every instant.
+"5 s for the whole handshake" is an upper bound; requiring the hello, the first
+flight, within 2 s of the 5 s is within it, and so is closing a socket early to make
+room.
+
+Pre-authentication is fair between sources, and a key id buys nothing: the key id is
+public, so a complete hello that then stalls costs its sender no more than silence,
+and the pool does not spare it. A flood fills the pool only by holding several
+sockets per source (or, from 64 sources and more, by sockets older than a peer's),
+so each socket it opens replaces one of its own, while a keyed peer holds one
+socket per dial for one network trip and finishes its handshake under the flood.
 
 Refusals (closed at accept, evicted, timed out, refused by the handshake) are never
 logged one by one: each goes to the listener's ``SecurityLog`` (class by kind: see
@@ -255,7 +263,8 @@ class Listener:
             victim.writer.close()
             if victim.task is not None:
                 victim.task.cancel()
-            self._refused("evicted", victim.peer, "silent, closed to make room in the "
+            state = "silent" if victim.silent else "its handshake unfinished"
+            self._refused("evicted", victim.peer, f"{state}, closed to make room in the "
                                                   "pending pool")
         entry.task = self._tg.create_task(self._serve_one(reader, entry, ip))
 

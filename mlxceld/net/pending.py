@@ -3,21 +3,29 @@
 PROTOCOL.md section 2 bounds it: ``max_total`` (64) in flight, ``max_per_source``
 (8) from one source (an IPv4 address or an IPv6 /64). ``admit`` keeps both bounds
 for every socket accepted, and decides which socket is closed at accept when a
-bound is reached:
+bound is reached. The rule: what a source does before authenticating costs that
+source, never another one.
 
-- A socket still *silent* (its ClientHello not complete) is the one to go: the
-  oldest silent socket of the newcomer's source when that source is at its bound,
-  else (the pool at its bound) the oldest silent socket of the source holding the
-  most pending sockets. The newcomer takes its slot.
-- When no pending socket is silent (every one has sent its hello: a peer holding
-  the cluster's key id, or a client mid-handshake), the newcomer is refused.
+- The newcomer's source is at its bound: it gives up its own oldest socket, a
+  *silent* one (its ClientHello not complete) if it has one, else its oldest one
+  that sent a hello and has not finished the handshake. The newcomer takes its slot.
+- The pool is at its bound: the socket closed is taken from the source holding the
+  most pending sockets (a tie: the source holding the oldest socket), its oldest
+  silent one if any, else its oldest; never the only socket of the newcomer's own
+  source (a peer's second dial does not end its first).
+- With nothing to close under that rule (a bound of 1), the newcomer is refused.
 
-So silent sockets cannot starve a keyed peer: its socket sends the hello as it
-connects and is silent for one network trip at most; until then, an eviction
-takes a flooding source's older sockets before it (a source of its own holds one
-pending socket, a flooding source up to 8), and from then on it is no longer
-silent. This module does no IO and reads no clock: the listener closes what is
-evicted or refused.
+Whether a socket has sent its hello does not protect it: the cluster's key id is
+public (in every hello and in the mDNS record), so a complete hello that then
+stalls is as cheap to send as silence, and would hold its slot for the whole
+handshake bound (5 s). What protects a keyed peer is that it holds one pending
+socket per dial, for one network trip, while a flood must hold many to fill the
+pool: with fewer than 64 sources some flooding source holds more than one socket
+and gives up its own first, refills included; with 64 sources or more, sources
+holding one socket each lose the oldest first, and the peer's is the newest. Either
+way the flood's sockets go before the peer's, and the peer finishes its handshake.
+This module does no IO and reads
+no clock: the listener closes what is evicted or refused.
 """
 
 from __future__ import annotations
@@ -69,19 +77,18 @@ class PendingPool:
         return self._counts[bucket]
 
     def admit(self, entry: Pending) -> Admission:
-        """Take ``entry`` in, evicting a silent socket if a bound is reached (see above)."""
+        """Take ``entry`` in, closing another socket if a bound is reached (see above)."""
         victim: Pending | None = None
         if self._counts[entry.bucket] >= self.max_per_source:
-            victim = next((e for e in self._entries if e.bucket == entry.bucket and e.silent),
-                          None)
+            victim = self._oldest_of(entry.bucket) if self._counts[entry.bucket] > 1 else None
             if victim is None:
                 return Admission(False, refusal=f"pending pool full for source {entry.bucket} "
-                                                f"({self.max_per_source}), none of them silent")
+                                                f"({self.max_per_source})")
         elif len(self._entries) >= self.max_total:
-            victim = self._busiest_oldest_silent()
+            busiest = self._busiest(sparing=entry.bucket)
+            victim = None if busiest is None else self._oldest_of(busiest)
             if victim is None:
-                return Admission(False, refusal=f"pending pool full ({self.max_total}), "
-                                                "none of them silent")
+                return Admission(False, refusal=f"pending pool full ({self.max_total})")
         if victim is not None:
             self.release(victim)
         self._entries[entry] = None
@@ -96,9 +103,23 @@ class PendingPool:
             if self._counts[entry.bucket] <= 0:
                 del self._counts[entry.bucket]
 
-    def _busiest_oldest_silent(self) -> Pending | None:
-        best: Pending | None = None
+    def _busiest(self, sparing: str) -> str | None:
+        """The source holding the most pending sockets (a tie: the one holding the oldest),
+        ``sparing``'s lone socket left out."""
+        best: str | None = None
         for e in self._entries:  # oldest first: a tie keeps the older one
-            if e.silent and (best is None or self._counts[e.bucket] > self._counts[best.bucket]):
-                best = e
+            if e.bucket == sparing and self._counts[sparing] < 2:
+                continue
+            if best is None or self._counts[e.bucket] > self._counts[best]:
+                best = e.bucket
         return best
+
+    def _oldest_of(self, bucket: str) -> Pending | None:
+        """``bucket``'s oldest silent socket, else its oldest."""
+        oldest: Pending | None = None
+        for e in self._entries:
+            if e.bucket == bucket:
+                if e.silent:
+                    return e
+                oldest = oldest or e
+        return oldest

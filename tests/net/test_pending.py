@@ -56,19 +56,63 @@ def test_a_source_at_its_bound_gives_up_its_own_oldest_silent_socket() -> None:
     assert pool.count("10.0.0.1") == 2 and len(pool) == 2
 
 
-def test_sockets_that_sent_their_hello_are_never_closed_for_a_newcomer() -> None:
-    pool = PendingPool(max_total=3, max_per_source=2)
-    talking = [entry("10.0.0.1", 0, hello=True), entry("10.0.0.1", 1, hello=True)]
-    silent = entry("10.0.0.2", 0)
-    for e in (*talking, silent):
+def test_a_source_at_its_bound_with_only_stalled_hellos_gives_up_its_oldest() -> None:
+    pool = PendingPool(max_total=64, max_per_source=3)
+    stalled = [entry("10.0.0.1", i, hello=True) for i in range(3)]
+    peer = entry("10.0.0.9", 0, hello=True)
+    for e in (stalled[0], peer, stalled[1], stalled[2]):
         assert pool.admit(e).admitted
-    got = pool.admit(entry("10.0.0.3", 0, hello=True))  # its hello comes as it connects
-    assert got.evicted is silent  # the only silent one, though its source holds fewer
-    refused = pool.admit(entry("10.0.0.4", 0))
+    got = pool.admit(entry("10.0.0.1", 3, hello=True))
+    assert got.admitted and got.evicted is stalled[0]  # its own, though it sent a hello
+    silent = entry("10.0.0.1", 4)
+    assert pool.admit(silent).evicted is stalled[1]
+    got = pool.admit(entry("10.0.0.1", 5, hello=True))
+    assert got.evicted is silent  # silent before stalled, within the source
+    assert pool.count("10.0.0.1") == 3 and pool.count("10.0.0.9") == 1 and len(pool) == 4
+
+
+def test_a_pool_full_of_stalled_hellos_closes_the_busiest_sources_oldest() -> None:
+    pool = PendingPool(max_total=6, max_per_source=3)
+    a = [entry("10.0.0.1", i, hello=True) for i in range(3)]
+    b = [entry("10.0.0.2", i, hello=True) for i in range(2)]
+    peer = entry("10.0.0.9", 0, hello=True)  # the oldest socket, mid-handshake
+    for e in (peer, b[0], a[0], a[1], b[1], a[2]):
+        assert pool.admit(e).admitted
+    got = pool.admit(entry("10.0.0.3", 0, hello=True))
+    assert got.admitted and got.evicted is a[0]  # 10.0.0.1 holds the most
+    got = pool.admit(entry("10.0.0.2", 2, hello=True))  # a flooder refilling: 2 + 1 < 3
+    assert got.evicted is b[0]  # a tie (2 and 2): the source holding the older socket
+    for n in range(3):  # more refills: each falls on a source holding 2, never on the peer
+        got = pool.admit(entry("10.0.0.4", n, hello=True))
+        assert got.admitted and got.evicted is not peer
+    assert pool.count("10.0.0.9") == 1 and len(pool) == 6
+
+
+def test_within_the_busiest_source_a_silent_socket_goes_before_a_stalled_hello() -> None:
+    pool = PendingPool(max_total=4, max_per_source=4)
+    stalled, silent = entry("10.0.0.1", 0, hello=True), entry("10.0.0.1", 1)
+    lone_silent = entry("10.0.0.2", 0)
+    for e in (stalled, silent, lone_silent, entry("10.0.0.1", 2, hello=True)):
+        assert pool.admit(e).admitted
+    got = pool.admit(entry("10.0.0.3", 0))
+    assert got.evicted is silent  # the busiest source's silent one, not the lone source's
+
+
+def test_a_newcomers_own_lone_socket_is_never_closed_for_it() -> None:
+    pool = PendingPool(max_total=2, max_per_source=8)
+    first, other = entry("10.0.0.1", 0, hello=True), entry("10.0.0.2", 0, hello=True)
+    assert pool.admit(first).admitted and pool.admit(other).admitted
+    got = pool.admit(entry("10.0.0.1", 1, hello=True))  # a peer's second dial
+    assert got.admitted and got.evicted is other  # not its first, though that is older
+    assert pool.count("10.0.0.1") == 2
+    tight = PendingPool(max_total=64, max_per_source=1)
+    lone = entry("10.0.0.1", 0)
+    assert tight.admit(lone).admitted
+    refused = tight.admit(entry("10.0.0.1", 1))
     assert not refused.admitted and refused.evicted is None
-    assert refused.refusal == "pending pool full (3), none of them silent"
-    same = pool.admit(entry("10.0.0.1", 2))
-    assert not same.admitted and "for source 10.0.0.1 (2)" in same.refusal
-    assert len(pool) == 3
-    pool.release(talking[0])
-    assert pool.admit(entry("10.0.0.5", 0)).admitted
+    assert refused.refusal == "pending pool full for source 10.0.0.1 (1)"
+    assert tight.count("10.0.0.1") == 1
+    solo = PendingPool(max_total=1, max_per_source=8)
+    assert solo.admit(entry("10.0.0.1", 0)).admitted
+    refused = solo.admit(entry("10.0.0.1", 1))
+    assert not refused.admitted and refused.refusal == "pending pool full (1)"
