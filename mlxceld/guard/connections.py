@@ -25,9 +25,10 @@ A peer can stall us in four ways, and each has its bound (``ConnectionLimits``):
   431; ``Content-Length`` with ``Transfer-Encoding`` (a smuggling vector, RFC 9112
   section 6.3): 400;
 - **a reader that takes nothing** (``write_stall_s``; off unless a listener sets it,
-  as the control socket and the OpenAI port, ``[serve] write_timeout_s``, do): a response the peer takes nothing of for this long,
-  the transport's buffers full (its reader stopped: a suspended ``mlxctl events -f``),
-  has its connection aborted and logged once per burst. Its request is in the app,
+  as the control socket and the OpenAI port, ``[serve] write_timeout_s``, do): a
+  response the peer takes nothing of for this long, the transport's buffers full (its
+  reader stopped: a suspended ``mlxctl events -f``), has its connection aborted and
+  logged once per burst. Its request is in the app,
   so the cap would never close it: without this bound, stopped followers would hold
   the listener's connections for ever. A reader that is slow but reads resumes the
   writes now and then, and is never closed for it.
