@@ -100,7 +100,7 @@ from mlxceld.api.ignoring import UnknownFields
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.control.server import SocketServer
 from mlxceld.errors import ConfigError
-from mlxceld.guard.connections import ConnectionLimits, raise_file_limit
+from mlxceld.guard.connections import SEND_BUFFER_BYTES, ConnectionLimits, raise_file_limit
 from mlxceld.models.generation import SamplingDefaults, read_sampling_defaults
 from mlxceld.replicas.service import ServingService
 from mlxceld.roles.options import RouterOptions
@@ -240,7 +240,8 @@ async def serve(ctx: WorkerContext[RouterOptions], built: RouterEngine,
                            unknown_fields=cast(UnknownFields, o.unknown_fields),
                            metrics_open=o.metrics_open)
     limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s,
-                              write_stall_s=o.write_timeout_s)
+                              write_stall_s=o.write_timeout_s,
+                              send_buffer_bytes=SEND_BUFFER_BYTES)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
     started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
