@@ -7,10 +7,14 @@ for it (``draining.track``). Nothing is sent before the sequence's first event (
 text, or its end): a full queue (503), an engine that fails at once (500), or a client
 that leaves while queued is answered, or not, without a half-open stream; that answer is
 ``failure``'s error in the API's error shape (``refusal``). Once a stream has started, a
-failure is the API's error event and the stream ends. Each endpoint's subclass supplies
-only its format: ``take`` (an event into the whole answer) and ``whole``; ``opening``,
-``chunks`` (an event's stream events), ``failed`` and ``closing``; ``END`` (OpenAI's
-chat and completions end with ``[DONE]``, the Responses and Messages APIs with nothing).
+failure is the API's error event and the stream ends. A stream's sequence never waits for
+its client: a pump puts its events into a bounded outbox while the response writes it out
+(``outbox.py``); a client too far behind has its sequence ended at once (``slow_reader``),
+as has one that took nothing until the write deadline closed its connection. Each
+endpoint's subclass supplies only its format: ``take`` (an event into the whole answer)
+and ``whole``; ``opening``, ``chunks`` (an event's stream events), ``failed`` and
+``closing``; ``END`` (OpenAI's chat and completions end with ``[DONE]``, the Responses
+and Messages APIs with nothing).
 ``CompletionResponse`` is chat's and completions' (``formats.py``).
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any, ClassVar
 
@@ -29,6 +33,7 @@ from mlxceld.api.edge.access import Usage, noted
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.formats import Answer, Format
 from mlxceld.api.generation import Event, Finished, Sequencer, TextPiece
+from mlxceld.api.outbox import Outbox, slow_reader_error, stalled
 from mlxceld.api.requests import constraint_refused
 from mlxceld.api.streaming import (
     DONE,
@@ -41,6 +46,7 @@ from mlxceld.api.streaming import (
 from mlxceld.api.tools.replies import Called, ChatReply
 from mlxceld.engine import EngineError, EngineUnavailable, GenerationRequest
 from mlxceld.engine.constraints import ConstraintError
+from mlxceld.tasks import scoped_group
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,7 @@ class SequenceResponse(Response):
         self._arrived = arrived
         self._reply = reply
         self._usage = Usage()  # the access log's, once called (api/edge/access.py)
+        self._pumping = False  # a stream's sequence is running (``_pump``)
         self.background = None
 
     # The format's hooks.
@@ -114,7 +121,10 @@ class SequenceResponse(Response):
             gone = await until_disconnect(receive, self._serve(scope, receive, send))
         except OSError:  # a server that raises on sending to a closed connection
             gone = True
-        if gone:
+        if gone and self._pumping and stalled(scope):
+            self._sequencer.slow_readers.cut(self._request.request_id,
+                                             "it took nothing until the write deadline")
+        elif gone:
             log.debug("request %s: the client went away; sequence cancelled",
                       self._request.request_id)
 
@@ -152,27 +162,49 @@ class SequenceResponse(Response):
         self._log_finished(current)
         await JSONResponse(await self.whole(current))(scope, receive, send)
 
-    async def _send_stream(self, first: Event, events: AsyncIterator[Event], send: Send) -> None:
-        await start_events(send)
-        for chunk in self.opening():
-            await send_event(send, chunk)
+    async def _send_stream(self, first: Event, events: AsyncGenerator[Event, None],
+                           send: Send) -> None:
+        """The pump fills the stream's outbox as the sequence goes, never waiting for the
+        client; this task writes it out (``outbox.py``)."""
+        outbox = Outbox()
+        async with scoped_group() as tg:  # a writer gone (client gone) takes the pump along
+            tg.create_task(self._pump(first, events, outbox))
+            await start_events(send)
+            while (data := await outbox.take()) is not None:
+                await send_event(send, data)
+            await end_events(send, b"")
+
+    async def _pump(self, first: Event, events: AsyncGenerator[Event, None],
+                    outbox: Outbox) -> None:
+        """The sequence's events into ``outbox``; ``_pumping`` while the sequence runs (a
+        pump cancelled, its client gone, leaves it set)."""
+        self._pumping = True
+        outbox.put(self.opening())
         current = first
         try:
             while not isinstance(current, Finished):
-                for chunk in self.chunks(current):
-                    await send_event(send, chunk)
+                if not outbox.put(self.chunks(current)):
+                    self._pumping = False
+                    await self._cut(events, outbox)
+                    return
                 current = await anext(events)
         except Exception as exc:
+            self._pumping = False
             log.warning("request %s failed mid-stream: %s", self._request.request_id, exc,
                         exc_info=not isinstance(exc, EngineError))
-            for chunk in self.failed(failure(exc)):
-                await send_event(send, chunk)
-            await end_events(send, self.END)
+            outbox.close([*self.failed(failure(exc)), self.END])
             return
+        self._pumping = False
         self._log_finished(current)
-        for chunk in await self.closing(current):
-            await send_event(send, chunk)
-        await end_events(send, self.END)
+        outbox.close([*await self.closing(current), self.END])
+
+    async def _cut(self, events: AsyncGenerator[Event, None], outbox: Outbox) -> None:
+        """The client lags ``outbox.limit`` behind: end the sequence (its slot freed), and
+        the stream with an error event after what is held."""
+        await events.aclose()
+        self._sequencer.slow_readers.cut(self._request.request_id,
+                                         f"{outbox.size} bytes of its stream unread")
+        outbox.close([*self.failed(failure(slow_reader_error(outbox.limit))), self.END])
 
     def _log_finished(self, finished: Finished) -> None:
         self._usage.completion_tokens = finished.completion_tokens

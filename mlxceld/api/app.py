@@ -69,6 +69,7 @@ from mlxceld.api.endpoints import Endpoints, Readiness, RouterStats
 from mlxceld.api.errors import ApiError, error_response
 from mlxceld.api.generation import Sequencer
 from mlxceld.api.ignoring import IgnoredFields, UnknownFields, announce_ignored
+from mlxceld.api.outbox import SlowReaders
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.api.tokenizing import PromptTokenizer
 from mlxceld.engine import Engine
@@ -144,7 +145,9 @@ def build_router_app(
                       prompt_caches=prompt_caches)
     drains = draining or Draining()
     names = (model_id, *(a for a in dict.fromkeys(model_aliases) if a != model_id))
-    chats = Chats(engine, codec, Sequencer(engine, codec, admission, metrics, drains),
+    sequencer = Sequencer(engine, codec, admission, metrics, drains,
+                          SlowReaders(metrics.slow_readers_cut))
+    chats = Chats(engine, codec, sequencer,
                   PromptTokenizer(codec), model_id, max_tokens, max_body_bytes,
                   ready or (lambda: True), drains, names,
                   sampling_defaults or SamplingDefaults(), IgnoredFields(unknown_fields))

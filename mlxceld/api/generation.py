@@ -4,7 +4,9 @@
 through the codec's decoder and the stop strings, and yields text pieces, then
 one ``Finished``. Closing it early (client gone) closes the engine's iterator,
 which cancels the sequence, and frees the slot. By the time ``Finished`` is
-yielded, the engine's iterator is closed and the slot is free.
+yielded, the engine's iterator is closed and the slot is free. A stream's consumer (its
+pump, ``answering.py``) never waits on the client between two events, so the slot is held
+no longer than the engine takes (``outbox.py``).
 
 Counting: ``completion_tokens`` counts every token the engine generated for
 the sequence, the end-of-sequence token included (it was sampled and counts
@@ -35,6 +37,7 @@ from mlxceld.api.edge.admission import Admission
 from mlxceld.api.edge.draining import Draining
 from mlxceld.api.edge.metrics import Metrics
 from mlxceld.api.logprobs import LogprobTracker, TokenLogprob
+from mlxceld.api.outbox import SlowReaders
 from mlxceld.api.stops import StopMatcher
 from mlxceld.api.tools.replies import Called, ChatReply, PartKind, Said, TokenPlaces
 from mlxceld.engine import Engine, FinishReason, GenerationRequest
@@ -69,6 +72,7 @@ class Sequencer:
     admission: Admission
     metrics: Metrics
     draining: Draining  # a drain's deadline ends the sequence (``next_output``)
+    slow_readers: SlowReaders  # sequences cut for a client that stopped reading
 
     async def generate_text(self, request: GenerationRequest, stops: Sequence[str], *,
                             arrived: float, reply: ChatReply | None = None

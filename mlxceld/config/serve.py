@@ -23,6 +23,8 @@
     max_connections = 1024          # open connections; past it the longest idle goes
     header_timeout_s = 10.0         # a request's head must be whole this soon
     body_timeout_s = 60.0           # and its body this soon after the head
+    write_timeout_s = 20.0          # a client that takes nothing of its answer this long
+                                    # is cut: its sequence ends, its connection closes
     stage_silence_s = 3.0           # a pipeline stage that sends nothing (not even a
                                     # pong to our heartbeat) this long is silent
     serving_port = 0                # with a cluster secret: the serving listener's port
@@ -53,7 +55,11 @@ the hard one to 4096 as it is imported). The kernel queues 1024 connections not 
 accepted (``workers/router.py``'s ``BACKLOG``). A head not
 whole ``header_timeout_s`` after the connection opened (or after the previous
 response on it), or a body not whole ``body_timeout_s`` after its head, is answered
-408 and closed.
+408 and closed. A client that takes nothing of its answer for ``write_timeout_s`` (the
+router's buffers for it full: it stopped reading) has its connection closed; a stream's
+sequence never waits for its client: it ends (its slot freed) as soon as its client lags
+a bounded buffer behind (``mlxceld/api/outbox.py``), and what was buffered is still
+written until this deadline.
 
 ``max_tokens`` (also ``--max-tokens``): a request that leaves ``max_tokens`` (and
 ``max_completion_tokens``) out gets what is left of the model's context, as OpenAI
@@ -158,7 +164,8 @@ log = logging.getLogger(__name__)
 
 ROUTER: Final = roles.ROUTER  # the worker's name and role
 SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch", "max_queued",
-              "max_connections", "header_timeout_s", "body_timeout_s", "stage_silence_s",
+              "max_connections", "header_timeout_s", "body_timeout_s", "write_timeout_s",
+              "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "decode_peers", "kv_compression", "tp_size", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
@@ -178,6 +185,7 @@ class ServeConfig:
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    write_timeout_s: float = 20.0
     stage_silence_s: float = DEFAULT_SILENCE_S
     max_tokens: int | None = None  # None: a completion is bounded by the context only
     serving_port: int = 0  # the serving listener's port, with a secret (0: ephemeral)
@@ -247,6 +255,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         max_connections=_positive(table, "max_connections", 1024, where),
         header_timeout_s=_seconds(table, "header_timeout_s", 10.0, where),
         body_timeout_s=_seconds(table, "body_timeout_s", 60.0, where),
+        write_timeout_s=_seconds(table, "write_timeout_s", 20.0, where),
         stage_silence_s=_seconds(table, "stage_silence_s", DEFAULT_SILENCE_S, where),
         max_tokens=_max_tokens(flags.max_tokens, table, where),
         context_length=_context_length(flags.context_length, table, where),
@@ -415,6 +424,7 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          max_connections=cfg.max_connections,
                          header_timeout_s=cfg.header_timeout_s,
                          body_timeout_s=cfg.body_timeout_s,
+                         write_timeout_s=cfg.write_timeout_s,
                          stage_silence_s=cfg.stage_silence_s, max_tokens=cfg.max_tokens,
                          serving=serving, tp_size=cfg.tp_size,
                          context_length=cfg.context_length,

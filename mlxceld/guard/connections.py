@@ -25,12 +25,18 @@ A peer can stall us in four ways, and each has its bound (``ConnectionLimits``):
   431; ``Content-Length`` with ``Transfer-Encoding`` (a smuggling vector, RFC 9112
   section 6.3): 400;
 - **a reader that takes nothing** (``write_stall_s``; off unless a listener sets it,
-  as the control socket does): a response the peer takes nothing of for this long,
-  the transport's buffers full (its reader stopped: a suspended ``mlxctl events -f``),
-  has its connection aborted and logged once per burst. Its request is in the app,
+  as the control socket and the OpenAI port, ``[serve] write_timeout_s``, do): a
+  response the peer takes nothing of for this long, the transport's buffers full (its
+  reader stopped: a suspended ``mlxctl events -f``), has its connection aborted and
+  logged once per burst. Its request is in the app,
   so the cap would never close it: without this bound, stopped followers would hold
   the listener's connections for ever. A reader that is slow but reads resumes the
   writes now and then, and is never closed for it.
+  The app learns of it: the request's ASGI scope gains the extension ``WRITE_STALLED``
+  before the app's ``receive`` says the client is gone. Where the kernel's send buffer
+  grows on its own (Linux's reaches 4 MB on loopback), a reader that stopped would be
+  noticed only MBs later: ``send_buffer_bytes`` bounds it, and the transport's
+  (``SEND_BUFFER_BYTES`` on the OpenAI port, whose streams are small and steady).
 
 Refusals are written by the protocol (``guarded.py``) in the server's own error
 shape (``Refusal`` rendered by the server's ``render``), and logged once per burst
@@ -58,6 +64,11 @@ RESERVED_FDS: Final = 128  # descriptors a process keeps for itself beyond its c
 ACCEPT_BATCH: Final = 128  # connections asyncio accepts in one turn, before the cap sees any
 MIN_CONNECTIONS: Final = 8
 OPEN_MAX: Final = 10240  # macOS: the most a soft limit may be when the hard one is unlimited
+# The OpenAI port's send_buffer_bytes: a stream's tokens need little (16 KiB is 330 KB/s at a
+# 50 ms round trip), and a client that stops reading is noticed after ~50 KB, not MBs.
+SEND_BUFFER_BYTES: Final = 16 * 1024
+# An ASGI scope extension: the guard closed the request's connection at the write deadline.
+WRITE_STALLED: Final = "mlxceld.write_stalled"
 
 
 @dataclass(frozen=True)
@@ -66,10 +77,14 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     write_stall_s: float | None = None  # None: a reader may take nothing for ever
+    # The bytes a reader may leave unread in the kernel's send buffer (SO_SNDBUF) and as
+    # many in the transport's before our writes pause; None: the OS's and asyncio's.
+    send_buffer_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if (self.max_connections < 1 or self.header_timeout_s <= 0 or self.body_timeout_s <= 0
-                or (self.write_stall_s is not None and self.write_stall_s <= 0)):
+                or (self.write_stall_s is not None and self.write_stall_s <= 0)
+                or (self.send_buffer_bytes is not None and self.send_buffer_bytes < 1)):
             raise ValueError(f"connection limits must be positive, not {self}")
 
 

@@ -43,6 +43,7 @@ from uvicorn.server import ServerState
 
 from mlxceld.guard.connections import (
     MAX_HEAD_BYTES,
+    WRITE_STALLED,
     Guard,
     Refusal,
     head_refusal,
@@ -97,6 +98,18 @@ def no_delay(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def bound_sends(transport: asyncio.Transport, size: int | None) -> None:
+    """At most ``size`` bytes unread in the kernel's send buffer (Linux doubles it) and
+    ``size`` in the transport's before it pauses our writes (None: as they are)."""
+    if size is None:
+        return
+    transport.set_write_buffer_limits(high=size)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # the peer already gone
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+
 class GuardedH11Protocol(H11Protocol):
     """One connection; ``guard`` is the listener's (``SocketServer`` binds it)."""
 
@@ -115,6 +128,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         no_delay(transport)
+        bound_sends(transport, self.guard.limits.send_buffer_bytes)
         super().connection_made(transport)
         self.guard.opened(self)
         self._follow()
@@ -256,13 +270,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def _write_stalled(self) -> None:
         """The reader took nothing for ``write_stall_s``: abort (nothing more can reach it;
-        the app's stream sees the client gone and ends)."""
+        the app's stream sees the client gone and ends, and ``WRITE_STALLED`` in its
+        scope says why)."""
         self._stalled = None
         self.guard.late.note("%s closed a connection that took nothing of its response for "
                              "%.0f s: its reader stopped reading (%s)", self.guard.what,
                              self.guard.limits.write_stall_s or 0.0, self._peer())
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
+            cycle.scope.setdefault("extensions", {})[WRITE_STALLED] = {}
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.abort()

@@ -249,6 +249,7 @@ class RouterOptions:
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    write_timeout_s: float = 20.0
     # How long a pipeline stage may send nothing before it is silent (net/liveness.py).
     stage_silence_s: float = DEFAULT_SILENCE_S
     # The most tokens one completion generates (None: what is left of the context).
@@ -320,7 +321,8 @@ class RouterOptions:
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0,
                "prompt_cache_bytes", "be >= 0", self.prompt_cache_bytes)
         _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)
-        for key in ("header_timeout_s", "body_timeout_s", "stage_silence_s"):
+        for key in ("header_timeout_s", "body_timeout_s", "write_timeout_s",
+                    "stage_silence_s"):
             _check(getattr(self, key) > 0, key, "be > 0", getattr(self, key))
 
 

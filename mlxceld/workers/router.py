@@ -12,7 +12,8 @@ model's context: ``models/context.py``), prompt_cache_bytes (the local engine's 
 cache, or each pipeline stage's), kv_quant (a quantized KV cache: the local engine's, its
 tensor-parallel ranks', or each stage's through ``prepare``; a model that cannot keep one
 is refused at start, exit 2, naming ``serve.kv_bits`` and its family), and the port's
-connection bounds max_connections, header_timeout_s, body_timeout_s, and stage_silence_s
+connection bounds max_connections, header_timeout_s, body_timeout_s, write_timeout_s (the
+write deadline: ``guard/connections.py``'s ``write_stall_s``), and stage_silence_s
 (a pipeline stage's heartbeat bound), reasoning_field and unknown_fields (the app's:
 ``api/reasoning.py``, ``api/ignoring.py``) (``config/serve.py``), and metrics_open (``/metrics``
 without the API key: ``[serve] metrics_require_key = false``). The API key, if any, arrives
@@ -99,7 +100,7 @@ from mlxceld.api.ignoring import UnknownFields
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.control.server import SocketServer
 from mlxceld.errors import ConfigError
-from mlxceld.guard.connections import ConnectionLimits, raise_file_limit
+from mlxceld.guard.connections import SEND_BUFFER_BYTES, ConnectionLimits, raise_file_limit
 from mlxceld.models.generation import SamplingDefaults, read_sampling_defaults
 from mlxceld.replicas.service import ServingService
 from mlxceld.roles.options import RouterOptions
@@ -238,7 +239,9 @@ async def serve(ctx: WorkerContext[RouterOptions], built: RouterEngine,
                            reasoning_field=cast(ReasoningField, o.reasoning_field),
                            unknown_fields=cast(UnknownFields, o.unknown_fields),
                            metrics_open=o.metrics_open)
-    limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s)
+    limits = ConnectionLimits(o.max_connections, o.header_timeout_s, o.body_timeout_s,
+                              write_stall_s=o.write_timeout_s,
+                              send_buffer_bytes=SEND_BUFFER_BYTES)
     server = SocketServer(app, sock, graceful_timeout_s=GRACEFUL_S, limits=limits,
                           render=refusal_body, what="the OpenAI port", backlog=BACKLOG)
     started: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -381,13 +381,13 @@ def test_the_openai_ports_connection_bounds_are_read(tmp_path: Path) -> None:
     from mlxceld.config.serve import router_options
 
     default = build_config({}, None, Overrides()).serve
-    assert (default.max_connections, default.header_timeout_s, default.body_timeout_s) == \
-        (1024, 10.0, 60.0)
+    assert (default.max_connections, default.header_timeout_s, default.body_timeout_s,
+            default.write_timeout_s) == (1024, 10.0, 60.0, 20.0)
     data = {"serve": {"model": "org/model", "max_connections": 64, "header_timeout_s": 2,
-                      "body_timeout_s": 0.5}}
+                      "body_timeout_s": 0.5, "write_timeout_s": 3}}
     options = router_options(build_config(data, tmp_path / "mlxceld.toml", Overrides()).serve)
-    assert (options.max_connections, options.header_timeout_s, options.body_timeout_s) == \
-        (64, 2.0, 0.5)
+    assert (options.max_connections, options.header_timeout_s, options.body_timeout_s,
+            options.write_timeout_s) == (64, 2.0, 0.5, 3.0)
 
 
 def test_the_stage_silence_bound_reaches_the_router_and_the_stage(tmp_path: Path) -> None:
@@ -426,6 +426,8 @@ def test_the_max_tokens_bound_reaches_the_router(tmp_path: Path) -> None:
     ("header_timeout_s", True, "must be a number of seconds above 0, not True"),
     ("body_timeout_s", float("inf"), "must be a number of seconds above 0, not inf"),
     ("body_timeout_s", "60", "must be a number of seconds above 0, not '60'"),
+    ("write_timeout_s", 0, "must be a number of seconds above 0, not 0"),
+    ("write_timeout_s", "20", "must be a number of seconds above 0, not '20'"),
     ("stage_silence_s", 0, "must be a number of seconds above 0, not 0"),
     ("stage_silence_s", -1.5, "must be a number of seconds above 0, not -1.5"),
 ])

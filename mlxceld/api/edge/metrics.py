@@ -185,6 +185,9 @@ class Metrics:
         self.inter_token_latency = Histogram(
             "mlxceld_inter_token_latency_seconds", "Between two tokens of one sequence",
             buckets=ITL_BUCKETS, registry=self.registry)
+        self.slow_readers_cut = Counter(
+            "mlxceld_slow_readers_cut", "Sequences ended because their client stopped "
+            "reading its stream (api/outbox.py)", registry=self.registry)
         queue = Gauge("mlxceld_queue_depth", "Requests waiting for a slot in the engine",
                       registry=self.registry)
         queue.set_function(queue_depth)
