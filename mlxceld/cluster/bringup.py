@@ -174,3 +174,13 @@ def identity_or_error(model: str) -> str:
     except MlxceldError as exc:
         return f"unreadable: {exc.message}"
 
+
+def resumed_model(plan: PlanRow, path: Path, configured: str | None) -> tuple[str, str | None]:
+    """The model plan ``plan`` (its TOML to be at ``path``) is served on when resumed: the
+    configured one when it is the plan's (by identity), else the plan's own; and the
+    configured one's identity (None: none configured)."""
+    model = parse_cluster_text(plan.toml, path).model_source()
+    identity = None if configured is None else identity_or_error(configured)
+    if configured is not None and identity == plan.model_identity:
+        model = configured
+    return str(model), identity

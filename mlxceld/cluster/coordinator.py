@@ -62,10 +62,9 @@ from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_p
 from mlxceld.cluster.bringup import (
     BringUp,
     config_differences,
-    identity_or_error,
+    resumed_model,
     resumed_rows,
 )
-from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.plan.candidates import Proposal, make_plan
 from mlxceld.config.serve import resolve_model
@@ -321,12 +320,8 @@ class Coordinator:
         The caller has claimed the bring-up (``_claim``): this ends it."""
         epoch = last.epoch
         try:
-            model = parse_cluster_text(last.toml, self._state_dir / f"cluster-{epoch}.toml"
-                                       ).model_source()
-            configured_identity = (None if configured is None else
-                                   await asyncio.to_thread(identity_or_error, configured))
-            if configured is not None and configured_identity == last.model_identity:
-                model = configured
+            model, configured_identity = await asyncio.to_thread(
+                resumed_model, last, self._state_dir / f"cluster-{epoch}.toml", configured)
             self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
                           "stages": len(last.peers), "summary": "",
                           "peers": resumed_rows(last)}

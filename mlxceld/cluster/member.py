@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.query import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
+from mlxceld.cluster.bringup import resumed_model
+from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
@@ -39,7 +41,7 @@ from mlxceld.discovery.heartbeat import Heartbeats
 from mlxceld.discovery.inventory import model_entry, serve_inventory
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.discovery.serving import port_of, serve_serving
-from mlxceld.errors import ConfigError, DaemonError
+from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.net.agent import AgentService
 from mlxceld.roles import ROUTER
 from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable
@@ -312,6 +314,22 @@ class ClusterMember:
                     last.decision, "pp_peer" if c.pp_peer else "distributed_config"
                     if c.distributed_config is not None else f"tp_size {c.serve.tp_size}")
         return False
+
+    def resumed_placement(self) -> Placement | None:
+        """The placement of an active plan to be resumed at start, on the model it will be
+        served on (``bringup.resumed_model``), so that the router still running from before
+        a restart is re-adopted rather than started again; None if there is none, or it
+        cannot be read (the resume says why)."""
+        last = self._plans.resumable()
+        if last is None or last.decision != "active" or not self.may_coordinate():
+            return None
+        c = self._parts.config()
+        path = c.state_dir / f"cluster-{last.epoch}.toml"
+        try:
+            model, _ = resumed_model(last, path, c.serve.model)
+            return place(path, "coordinator", model)
+        except (MlxceldError, OSError):
+            return None
 
     def _peer_asked(self, epoch: int, decision: str) -> None:
         if self._coordinator is not None and self.may_coordinate():

@@ -161,6 +161,9 @@ class Daemon:
         # No single-host router while a pipeline is to come (pp_auto, or a plan to resume at
         # start), or after `mlxctl cluster deactivate`, until `mlxctl serve` says otherwise.
         self.roster.hold_router = config.pp_auto is not None or self.member.resumes_a_plan()
+        resumed = self.member.resumed_placement() if self.roster.placement is None else None
+        if resumed is not None:  # its router, if it still runs, is re-adopted
+            self.serving.resume_placement(resumed)
 
     def _start(self, config: Config) -> None:
         """The start-up under the lock: state, keyring, supervisor, the control socket."""

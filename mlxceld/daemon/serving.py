@@ -201,20 +201,30 @@ class ServingWindow:
             log.info("no longer serving %s (mlxctl unserve)", was.model)
         return Unserved(was)
 
+    def resume_placement(self, placement: Placement) -> None:
+        """At start, before the first reconcile: the plan to resume, as ``serve_pipeline``
+        will serve it, so that its router, left running by the daemon before, is re-adopted
+        (``Supervisor.reconcile``) and not started again."""
+        self._roster.placement = placement
+        if self.serve.model != str(placement.model):
+            self._roster.serve = self.serve.with_model(str(placement.model))
+
     async def serve_pipeline(self, placement: Placement, *, live: bool = False) -> None:
         """Run the router over the pushed plan ``placement`` (the roster's now): on its model,
-        restarted if it was serving; ``live``: a running router is moved to the plan's
-        stages by its ``pipeline`` op, and restarted only if it refuses or does not answer."""
+        restarted if it was serving another (as it was: left as it is, a resume's);
+        ``live``: a running router is moved to the plan's stages by its ``pipeline`` op,
+        and restarted only if it refuses or does not answer."""
         parts, roster = self._parts, self._roster
+        before = roster.spec(ROUTER)
         roster.placement = placement
         model = str(placement.model)
         if self.serve.model != model:
             roster.serve = self.serve.with_model(model)
         existed = ROUTER in parts.supervisor.names()
         await roster.reconcile()
-        if not existed:
-            return
         spec = roster.spec(ROUTER)
+        if not existed or spec == before:
+            return
         if live and spec is not None:
             reply = await parts.supervisor.call_running(
                 ROUTER, Pipeline(options_json(spec.options)))

@@ -42,24 +42,27 @@ LAYER_S = "0.5"  # each layer a stage loads takes this long (a slow disk): a pus
 WAIT_S = 120.0  # generous waits on a loaded machine
 
 
-def cluster(daemons: Daemons, model: Path) -> tuple[list[DaemonProc], DaemonProc, int]:
-    """Two peers and a coordinator (`make run`'s shape), a 2-stage plan served."""
+def cluster(daemons: Daemons, model: Path
+            ) -> tuple[list[DaemonProc], DaemonProc, int, tuple[str, ...]]:
+    """Two peers and a coordinator (`make run`'s shape), a 2-stage plan served; the
+    coordinator's flags last (a restart starts it with them)."""
     secret = secrets.token_hex(16).encode()
     slow = {"MLXCELD_TEST_STAGE_LAYER_S": LAYER_S}
     peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}",
                    env=slow) for ip in ("127.0.0.2", "127.0.0.3")]
     port = free_port("127.0.0.1")
     coord = daemons.make(name="c")
-    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
-                "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
-                "--cluster-peers", ",".join(agent(p) for p in peers))
+    flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
+             "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
+             "--cluster-peers", ",".join(agent(p) for p in peers))
+    coord.start(*flags)
     want = {agent(p): "reachable" for p in peers}
     wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
     activate(coord, model, 2)
     daemons.pids.add(coord.worker("router")["pid"])
     for p in peers:
         daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
-    return peers, coord, port
+    return peers, coord, port, flags
 
 
 def served(coord: DaemonProc) -> dict[str, Any]:
@@ -74,7 +77,7 @@ def kinds(d: DaemonProc, after: int, prefix: str) -> list[str]:
 def test_a_reactivate_whose_push_fails_leaves_the_old_plan_serving(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
-    peers, coord, port = cluster(daemons, model)
+    peers, coord, port, _ = cluster(daemons, model)
     first = served(coord)
     old = {p.root: p.worker("stage")["pid"] for p in peers}
     marks = {p.root: max(e["id"] for e in p.events(1)) for p in peers}
@@ -118,7 +121,7 @@ def test_a_reactivate_whose_push_fails_leaves_the_old_plan_serving(
 def test_a_drain_of_a_stage_host_moves_to_the_other_peer_and_fails_nothing(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
-    peers, coord, port = cluster(daemons, model)
+    peers, coord, port, _ = cluster(daemons, model)
     first = served(coord)
     node_of = {p.root: p.status()["daemon"]["node_id"] for p in peers}
     victim, survivor = peers
@@ -148,3 +151,32 @@ def test_a_drain_of_a_stage_host_moves_to_the_other_peer_and_fails_nothing(
                          "drain.replanned", "drain.retired"], steps
     wait_for(lambda: not alive(stale), 60, "the drained host's stage to stop")
     daemons.pids.add(survivor.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+
+
+def test_a_coordinator_killed_and_restarted_adopts_its_router(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """kill -9 of the coordinator's daemon (a crash, an OS update's reboot of the daemon
+    alone): its router worker serves on; the restarted daemon resumes the plan and adopts
+    that very router (before: it stopped and started it again, refusing connections for
+    a second), so the clients see nothing."""
+    model = split_fixture_dir / "llama"
+    _, coord, port, flags = cluster(daemons, model)
+    first = served(coord)
+    router = coord.worker("router")["pid"]
+    with StreamingLoad(f"http://127.0.0.1:{port}/v1", clients=CLIENTS) as load:
+        time.sleep(WARM_S)
+        assert coord.proc is not None
+        coord.proc.kill()
+        coord.proc.wait(10)
+        coord.start(*flags)
+        wait_for(lambda: (b := served(coord))["state"] == "active"
+                 and b["epoch"] == first["epoch"], WAIT_S, "the plan resumed", every=0.2)
+        time.sleep(WARM_S)
+    counts = load.counts()
+    print(f"\ncoordinator killed and restarted under load ({CLIENTS} streaming clients): "
+          f"{counts}; refused: {load.refused[:3]}")
+    assert coord.worker("router")["pid"] == router
+    assert (counts["refused"], counts["failed"]) == (0, 0), (load.refused[:3], load.failed[:3])
+    assert counts["completed"] > 0
+    adopted = [e for e in coord.events(300) if e["kind"] == "worker.adopted"]
+    assert [e["subject"] for e in adopted] == ["router"], adopted
