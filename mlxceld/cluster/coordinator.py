@@ -465,10 +465,14 @@ class Coordinator:
         """Once the router's engine of ``old`` closed, each of its hosts hears that it is
         over (once: one that does not answer asks when its daemon restarts): the stage it
         kept serving while plan ``epoch`` came up stops, or its stage of ``old``."""
-        await self.old_plan_retired()
-        told = await deactivation.tell(old.epoch, old.peers, keyring=self._keyring,
-                                       identity=self._identity,
-                                       reason=f"plan {epoch} serves in its place")
+        try:
+            await self.old_plan_retired()
+            told = await deactivation.tell(old.epoch, old.peers, keyring=self._keyring,
+                                           identity=self._identity,
+                                           reason=f"plan {epoch} serves in its place")
+        except Exception:  # a bug: logged; never ends the daemon's task group
+            log.exception("plan %d: telling its hosts it is over failed", old.epoch)
+            return
         log.info("plan %d, superseded by plan %d: its hosts told it is over (%s)", old.epoch,
                  epoch, ", ".join(f"{a}: {o[0]}" for a, o in sorted(told.items())))
 
