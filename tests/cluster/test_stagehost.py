@@ -24,6 +24,7 @@ from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ServeConfig
 from mlxceld.daemon.roster import Situation, draw_roster
 from mlxceld.errors import DaemonError
+from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import JSON
@@ -43,14 +44,18 @@ class RosterSlot:
     secret: bytes
     placement: Placement | None = None
     standby: bool = False
+    retiring: WorkerSpec | None = None
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self.standby = placement, standby
 
+    def keep_retiring(self, spec: WorkerSpec | None) -> None:
+        self.retiring = spec
+
     async def reconcile(self) -> None:
         await self.supervisor.reconcile(draw_roster(Situation(
             self.config, ServeConfig(), self.placement, standby=self.standby,
-            secret=self.secret)))
+            secret=self.secret)) + ([self.retiring] if self.retiring else []))
 
 
 def cluster_toml(port: int) -> str:
@@ -174,3 +179,54 @@ def test_a_load_that_stalls_fails_naming_where(state_dir: Path, fixture_dir: Pat
     assert error is not None
     assert error.message == "stage worker's load made no progress for 0.6 s (at 0 bytes)"
     assert "mlxctl logs stage" in error.hint
+
+
+async def replace_a_serving_stage(state_dir: Path, model: Path) -> dict[str, object]:
+    """Plan 1's stage serves; plan 2's is prepared (plan 1's kept serving as
+    ``stage-retiring``, the same process), then stopped before it served (plan 1's is
+    ``stage`` again); plan 3's is prepared and activated, and plan 1 said to be over
+    (``end_epoch``): the kept stage stops. What was seen at each step."""
+    config = Config(state_dir=state_dir, socket=state_dir / "ctl.sock", pp_peer=True)
+    seen: dict[str, object] = {}
+    async with running_supervisor(state_dir) as (supervisor, events):
+        slot = RosterSlot(supervisor, config, secrets.token_bytes(32))
+        host = LocalStageHost(slot, supervisor, events, cluster="c1", state_dir=state_dir,
+                              model=lambda: str(model), agent_host=lambda: "127.0.0.1")
+
+        def pids() -> dict[str, int | None]:
+            return {w.name: w.pid for w in supervisor.snapshot()}
+
+        async with asyncio.timeout(PROMPT_S * 4):
+            await host.prepare_stage(1, "stage-0", cluster_toml(free_port("127.0.0.1")))
+            await host.activate_stage()
+            first = pids()["stage"]
+            await host.prepare_stage(2, "stage-0", cluster_toml(free_port("127.0.0.1")))
+            seen["loaded beside"] = pids()
+            await host.stop_stage()  # aborted before it served
+            seen["set back"] = pids()
+            await host.prepare_stage(3, "stage-0", cluster_toml(free_port("127.0.0.1")))
+            await host.activate_stage()
+            seen["before the end"] = pids()
+            seen["said"] = await host.end_epoch(1)
+            seen["after the end"] = pids()
+            seen["first"] = first
+        await host.stop_stage()
+        seen["events"] = [e.kind for e in events.since(0, 500) if e.kind.startswith("stage.")]
+    return seen
+
+
+def test_a_serving_stage_serves_on_beside_its_successor_until_its_plan_is_over(
+        state_dir: Path, fixture_dir: Path) -> None:
+    seen = asyncio.run(replace_a_serving_stage(state_dir, fixture_dir / "llama"))
+    first = seen["first"]
+    beside = seen["loaded beside"]
+    assert isinstance(beside, dict) and beside["stage-retiring"] == first, seen
+    assert beside["stage"] not in (None, first), seen
+    assert seen["set back"] == {"stage": first}, seen
+    before = seen["before the end"]
+    assert isinstance(before, dict) and before["stage-retiring"] == first, seen
+    assert seen["said"] == "its stage, kept serving while the next plan came up, is stopped"
+    after = seen["after the end"]
+    assert isinstance(after, dict) and set(after) == {"stage"} and after["stage"] != first
+    assert seen["events"] == ["stage.active", "stage.retiring", "stage.kept", "stage.retiring",
+                              "stage.active", "stage.retired"], seen
