@@ -113,9 +113,13 @@ class Supervisor:
             runner = self._runners.get(spec.name)
             if runner is None:
                 await self._add(spec)
-            elif replace(spec, secret=runner.spec.secret,
-                         accepted=runner.spec.accepted) == runner.spec:
-                runner.spec = spec  # at most the keyring: push_keyring carries that live
+            elif replace(spec, secret=runner.spec.secret, accepted=runner.spec.accepted,
+                         api_key=runner.spec.api_key) == runner.spec:
+                # At most the keyring (push_keyring carries that live) or the API key.
+                new_key = spec.api_key != runner.spec.api_key
+                runner.spec = spec
+                if new_key:
+                    await self._new_api_key(runner)
             elif spec != runner.spec:
                 # Never a restart on reload: the new spec and policy apply from the next start.
                 runner.spec = spec
@@ -124,6 +128,15 @@ class Supervisor:
                 self._events.append("worker.config_changed", spec.name,
                                     f"worker {spec.name}: new spec takes effect at its next start")
         self._regroup(before, specs)
+
+    async def _new_api_key(self, runner: WorkerRunner) -> None:
+        """A reload read a new API key: the worker takes it now, live (or at its next
+        health probe, where this fails), and at its next start from its spec."""
+        self._table.update(runner.name, role=runner.spec.role, spec=runner.spec.describe())
+        try:
+            await runner.push_api_key()
+        except WorkerError as exc:
+            log.warning("%s", exc.message)
 
     def _regroup(self, before: dict[str, str | None], specs: list[WorkerSpec]) -> None:
         """A group whose members changed (a reload's new ``tp_size``) restarts the workers
