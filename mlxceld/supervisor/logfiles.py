@@ -18,9 +18,11 @@ import logging
 import os
 import shutil
 import time
+from io import TextIOWrapper
 from pathlib import Path
 
 from mlxceld.logformat import JsonFormatter, LogFormat
+from mlxceld.privatefile import private_opener
 
 READ_CHUNK = 64 * 1024
 
@@ -60,11 +62,17 @@ def rotate_if_needed(path: Path, max_bytes: int, backups: int) -> bool:
 class RotatingLog(logging.FileHandler):
     """The daemon's log file (O_APPEND), rotated by copy-then-truncate once a record leaves it
     over ``max_bytes`` (0: never), keeping ``backups`` old copies (``FILE.1`` newest). Closed
-    on SIGHUP and reopened by the next record, as a ``FileHandler`` is."""
+    on SIGHUP and reopened by the next record, as a ``FileHandler`` is. A file it creates is
+    0600, as every copy is."""
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         super().__init__(path, mode="a")
         self._max_bytes, self._backups = max_bytes, backups
+
+    def _open(self) -> TextIOWrapper:
+        """``FileHandler``'s open (at start, and after a SIGHUP closed it), 0600 if new."""
+        return open(self.baseFilename, "a", encoding=self.encoding, errors=self.errors,
+                    opener=private_opener)
 
     def emit(self, record: logging.LogRecord) -> None:
         super().emit(record)
