@@ -74,6 +74,8 @@ defines, under its base, with the module of each one defined elsewhere.
     ValueError
     ├── ConstraintError             engine/constraints.py: a constraint llguidance cannot
     │   │                           honour (the client's: 400)
+    │   ├── EndlessSchema           engine/constraints.py: a JSON schema no finite value
+    │   │                           matches (400 naming the schema's field)
     │   └── RequestRefused          replicas/remote.py: a node refused a request as the
     │                               client's (400)
     ├── TensorParallelRefused       models/tensor.py: the model cannot be split over the ranks

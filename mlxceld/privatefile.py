@@ -1,4 +1,5 @@
-"""Files only their owner may read (secrets): 0600 from the first byte, replaced atomically."""
+"""Files only their owner may read (secrets, logs): 0600 from the first byte; a secret's
+replaced atomically."""
 
 from __future__ import annotations
 
@@ -30,3 +31,10 @@ def write_private(path: Path, content: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def private_opener(path: str, flags: int) -> int:
+    """An ``opener`` for ``open()``: a file it creates is 0600 from the first byte, whatever
+    the umask (the daemon's ``--log-file`` is opened before the daemon sets its own); an
+    existing file keeps the mode its owner gave it."""
+    return os.open(path, flags, 0o600)

@@ -258,7 +258,9 @@ def status(body: dict[str, Any]) -> str:
         lines.append(f"self-healing: {healing['state']}"
                      + (f": {healing['summary']}" if healing.get("summary") else ""))
     view = body.get("pipeline")
-    links = (pipeline(view) if view else stage_links(workers)) + replica_links(workers)
+    # Without a cluster view (a single node, a peer, a replica) its drains come here.
+    links = ((pipeline(view) if view else stage_links(workers)) + replica_links(workers)
+             + ([] if view else drain_lines(body.get("drains") or [])))
     return "\n".join([*lines, "", workers_table(workers), *worker_groups(workers),
                       *loading(workers), *stage_caches(workers), *links, "",
                       health(body["problems"])])
@@ -370,6 +372,13 @@ def stage_caches(workers: list[dict[str, Any]]) -> list[str]:
     return [f"{w['name']}: " + prompt_cache(w["stats"]["prompt_cache"]) for w in workers
             if w.get("role") == "stage" and isinstance(w.get("stats"), dict)
             and isinstance(w["stats"].get("prompt_cache"), dict)]
+
+
+def drain_lines(drains: list[dict[str, Any]], now: float | None = None) -> list[str]:
+    """The drains in force on a node with no cluster view (``mlxctl.status/1``'s
+    ``drains``): a blank line, then one line each."""
+    now = time.time() if now is None else now
+    return ["", *(drain_line(d, now) for d in drains)] if drains else []
 
 
 def drain_line(d: dict[str, Any], now: float) -> str:

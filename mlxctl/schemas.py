@@ -102,7 +102,8 @@ OUTPUTS: Final[dict[str, dict[str, Schema]]] = {
     "status": {"version": VERSION, "daemon": DAEMON, "serving": SERVING,
                "cluster": ANY_OBJ_N, "assignment": ANY_OBJ_N, "bringup": ANY_OBJ_N,
                "healing": ANY_OBJ_N, "agent": ANY_OBJ_N, "workers": items(STATUS_WORKER),
-               "problems": items(ANY_OBJ), "pipeline": ANY_OBJ_N},
+               "problems": items(ANY_OBJ), "drains": items(DRAIN),
+               "pipeline": ANY_OBJ_N},
     "workers": {"version": VERSION, "workers": items(WORKER)},
     "events": {"version": VERSION, "events": items(EVENT)},
     "event": EVENT["properties"],  # one line of `events -f --json`

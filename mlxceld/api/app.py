@@ -96,7 +96,7 @@ def build_router_app(
     codec: TextCodec,
     *,
     model_id: str,
-    api_key: str | None = None,
+    api_key: str | Callable[[], str | None] | None = None,
     max_queued: int = 64,
     max_body_bytes: int = 4 << 20,
     max_tokens: int | None = None,
@@ -132,8 +132,10 @@ def build_router_app(
     (``edge/cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
     (``[serve] reasoning_field``, ``reasoning.py``); ``unknown_fields``: refuse a request's
     unknown fields, or ignore them, saying so (``[serve] unknown_fields``, ``ignoring.py``).
-    ``metrics_open``: ``/metrics`` needs no API key. Prompts and completions are bounded
-    by ``engine.context_length``."""
+    ``api_key``: the key every request but ``/health``'s must offer, or a function asked
+    for it at each request (the worker's, which its daemon replaces on a reload;
+    ``edge/auth.py``). ``metrics_open``: ``/metrics`` needs no API key. Prompts and
+    completions are bounded by ``engine.context_length``."""
     if (max_tokens is not None and max_tokens < 1) or max_body_bytes < 1:
         raise ValueError(f"max_tokens and max_body_bytes must be >= 1, not "
                          f"{max_tokens} and {max_body_bytes}")
@@ -158,11 +160,16 @@ def build_router_app(
                                         Exception: _internal_error})
     told = announce_ignored(app)
     open_paths = OPEN_PATHS | ({"/metrics"} if metrics_open else set())
-    guarded: ASGIApp = told if api_key is None else require_api_key(told, api_key,
-                                                                     open_paths=open_paths)
+    key = api_key if api_key is None or callable(api_key) else _fixed(api_key)
+    guarded: ASGIApp = told if key is None else require_api_key(told, key,
+                                                                 open_paths=open_paths)
     served = allow_origins(guarded, allowed_origins) if allowed_origins else guarded
     return log_access(count_requests(tag_requests(served), metrics, ENDPOINTS,
                                      canonical=UNVERSIONED))
+
+
+def _fixed(key: str) -> Callable[[], str | None]:
+    return lambda: key
 
 
 def route_table(e: Endpoints, messages: Messages) -> list[Route]:

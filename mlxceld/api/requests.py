@@ -33,16 +33,15 @@ unknown_fields = "warn"``, listed in ``ignored`` and not read). Here:
 - ``chat_template_kwargs``: an object of extra variables for the chat template (such as
   ``{"enable_thinking": false}``); names the router itself gives the template
   (``TEMPLATE_OWN_KWARGS``) are refused.
-- ``response_format``: ``{"type": "text"}`` (free text, as if absent),
-  ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema",
-  "json_schema": {"name", "schema", "strict", "description"}}``: the output is
-  constrained token by token to match (``engine/constraints.py``), strict or not
-  (vLLM's ``guided_json``, a schema, is the same as a ``json_schema`` of it; not both)
-  (``strict`` is checked to be a boolean; the schema is always enforced). ``schema`` is
-  required. Anything else, or a schema llguidance cannot honour (a keyword it does not
-  implement, an unknown ``format``, a remote ``$ref``, over ``MAX_CONSTRAINT_BYTES``), is
-  refused (400, param "response_format..."), checked before the request is admitted
-  (``check_constraint``). JSON comes out compact (no whitespace between tokens).
+- ``response_format``: ``{"type": "text"}`` (free text, as if absent), ``{"type":
+  "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema": {"name",
+  "schema" (required), "strict", "description"}}``: the output is constrained token by
+  token to match (``engine/constraints.py``; ``strict`` is checked to be a boolean, the
+  schema is always enforced); vLLM's ``guided_json`` (a schema) is the same, not with it.
+  Anything else, or a schema llguidance cannot honour (a keyword it does not implement,
+  an unknown ``format``, a remote ``$ref``, over ``MAX_CONSTRAINT_BYTES``), is refused
+  (400, param "response_format..."; a schema no finite value matches names its own field)
+  before the request is admitted (``check_constraint``). JSON comes out compact.
 - ``model`` may be left out: a router serves one model. It may name the model by any of
   its names (``[serve] model_name = "a,b"``: ``aliases``), and the answer's ``model``
   echoes the name asked (the primary one when left out).
@@ -94,7 +93,7 @@ from mlxceld.api.surface import (
 from mlxceld.api.tools.choice import ToolUse, parse_called_tools, parse_tool_use
 from mlxceld.engine import MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from mlxceld.engine.base import MAX_LOGIT_BIAS
-from mlxceld.engine.constraints import ConstraintError, compile_grammar
+from mlxceld.engine.constraints import ConstraintError, EndlessSchema, compile_grammar
 from mlxceld.guard.bodies import read_bounded
 from mlxceld.models.generation import SamplingDefaults
 
@@ -139,6 +138,7 @@ class Options:
     include_usage: bool = False
     max_tokens_param: str = "max_tokens"  # which name the request gave it by
     constraint: Constraint | None = None  # from response_format; None: free text
+    schema_param: str = "response_format.json_schema.schema"  # where its schema came from
     min_tokens: int = 0  # no end-of-sequence token before this many (vLLM's)
     ignore_eos: bool = False  # no end-of-sequence token at all (vLLM's, llama.cpp's)
 
@@ -271,13 +271,13 @@ async def check_constraint(options: Options) -> None:
     try:
         await asyncio.to_thread(compile_grammar, options.constraint)
     except ConstraintError as exc:
-        raise constraint_refused(exc) from None
+        raise constraint_refused(exc, options.schema_param) from None
 
 
-def constraint_refused(exc: ConstraintError) -> ApiError:
-    """A constraint the engine cannot honour, as the client's fault."""
-    return invalid(f"'response_format' cannot be honoured: {exc}", "response_format",
-                   "invalid_response_format")
+def constraint_refused(exc: ConstraintError, schema: str = "response_format") -> ApiError:
+    """A constraint the engine cannot honour, as the client's fault (see the docstring)."""
+    param = schema if isinstance(exc, EndlessSchema) else "response_format"
+    return invalid(f"{param!r} cannot be honoured: {exc}", param, "invalid_response_format")
 
 
 def _options(fields: Fields, model_id: str, logprobs: int | None,
@@ -323,6 +323,7 @@ def _options(fields: Fields, model_id: str, logprobs: int | None,
         include_usage=stream and _include_usage(fields),
         max_tokens_param=max_tokens_param,
         constraint=constraint,
+        schema_param="guided_json" if fields.get("guided_json") else Options.schema_param,
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
     )

@@ -5,7 +5,9 @@ A setting is named as the config file names it where the two agree (``serve.port
 ``daemon.log_level``, ``supervisor.health_interval_s``, ``workers.NAME``) and by its field
 otherwise (``policy.backoff_max_s``, ``liveness.ping_interval_s``). A value is shown as
 JSON can carry it: a path as its text, a tuple as a list, the socket group by name, a
-worker's table as its role. Nothing here holds a secret: the config names files.
+worker's table as its role. Nothing here holds a secret: the config names files; the API
+key read from its file is ``serve.api_key`` when it changed, its values ``HIDDEN`` (None
+where there is no key).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mlxceld.control.access import OperatorGroup
 AT_NEXT_START: Final = ("daemon.state_dir", "daemon.socket", "daemon.socket_group",
                         "daemon.log_file", "daemon.log_format", "daemon.log_max_bytes",
                         "daemon.log_backups", "daemon.metrics_listen")
+HIDDEN: Final = "(hidden)"  # what a changed API key shows instead of the key
 # The fields named after their [daemon] key rather than their own.
 _RENAMED: Final = {"log_file_max_bytes": "log_max_bytes", "log_file_backups": "log_backups"}
 # The fields named after their [supervisor] key rather than their own.
@@ -52,6 +55,14 @@ def config_changes(old: Config, new: Config) -> list[Change]:
             name = _RENAMED.get(f.name, f.name)
             found.append(Change(key=f"{table}.{name}", old=plain(a), new=plain(b)))
     return found
+
+
+def api_key_change(old: str | None, new: str | None) -> list[Change]:
+    """``serve.api_key`` where the key read from ``[serve] api_key_file`` changed."""
+    if old == new:
+        return []
+    return [Change(key="serve.api_key", old=None if old is None else HIDDEN,
+                   new=None if new is None else HIDDEN)]
 
 
 def _nested(prefix: str, a: Any, b: Any) -> list[Change]:

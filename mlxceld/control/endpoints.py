@@ -63,6 +63,9 @@ class Endpoints:
         pipeline = (self._pipeline(current) if clusterview.serves_pipeline(current)
                     else None)
         current["pipeline"] = pipeline
+        # The drains in force here, whatever this node serves (a single node's own too).
+        current["drains"] = (pipeline["drains"] if pipeline is not None
+                             else [d.to_json() for d in view.drains.list()])
         current["problems"] = clusterview.name_nodes(
             health.problems(current["workers"]) + cluster + clusterview.problems(pipeline),
             pipeline)

@@ -65,7 +65,7 @@ from mlxceld import __version__
 from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember, MemberParts
-from mlxceld.config.changes import AT_NEXT_START, config_changes
+from mlxceld.config.changes import AT_NEXT_START, api_key_change, config_changes
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.replicas import discovers
 from mlxceld.config.serve import read_api_key
@@ -199,7 +199,7 @@ class Daemon:
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
         self._make_parts()
         self._metrics = None if config.metrics_listen is None else MetricsServer(
-            self._view, config.metrics_listen, api_key,
+            self._view, config.metrics_listen, lambda: self.roster.api_key,
             lambda: self.roster.config.serve.metrics_require_key)  # [daemon] metrics_listen
         self._sock = bind_control_socket(config.socket, config.socket_group)
 
@@ -400,8 +400,9 @@ class Daemon:
 
     async def _reload(self, trigger: str, answer: asyncio.Future[Reloaded] | None) -> None:
         """SIGHUP or `mlxctl reload` (``answer``: told what changed, or the error): bind the
-        control socket again if its file is gone, re-read the config file and reopen log
-        files; never restart workers."""
+        control socket again if its file is gone, re-read the config file and the API key
+        file (a new key goes to the router live, and /metrics asks it at once) and reopen
+        log files; never restart workers."""
         await self._keeper.restore(trigger)
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
@@ -410,6 +411,7 @@ class Daemon:
             new = serving_config(load_config(self._flags), self._flags)
             self.serving.check_reload(new.serve)  # --tp-size over what it would serve
             self.member.check_reload(new)  # ... or over a pipeline it coordinates
+            api_key = read_api_key(new.serve.api_key_file) if new.serve.api_key_file else None
         except ConfigError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
             self.events.append("daemon.reload_failed", "daemon", f"reload failed: {exc}",
@@ -417,12 +419,13 @@ class Daemon:
             if answer is not None and not answer.done():
                 answer.set_exception(exc)
             return
-        changes = config_changes(self.roster.config, new)
+        changes = [*config_changes(self.roster.config, new),
+                   *api_key_change(self.roster.api_key, api_key)]
         later = [c["key"] for c in changes if c["key"] in AT_NEXT_START]
         for key in later:
             log.warning("reload: %s changed; it takes effect at the next start", key)
         logging.getLogger().setLevel(new.log_level.upper())
-        self.roster.config = new
+        self.roster.config, self.roster.api_key = new, api_key  # the router, /metrics: at once
         self.roster.serve = self.serving.effective(new.serve)
         self.events.append("daemon.reloaded", "daemon", "configuration reloaded: "
                            + (", ".join(c["key"] for c in changes) or "nothing changed"),

@@ -208,7 +208,7 @@ class Roster:
     """The roster's inputs now, and the one reconcile: ``draw_roster`` of them handed to
     the supervisor. ``serve`` and ``hold_router`` are the serving window's to set,
     ``placement`` and ``standby`` the cluster member's (its stage host's ``set_stage``),
-    ``config`` the reload's."""
+    ``config`` and ``api_key`` the reload's."""
 
     def __init__(self, config: Config, supervisor: Supervisor, keyring: Keyring, *,
                  placement: Placement | None, node_id: str, api_key: str | None,
@@ -222,7 +222,7 @@ class Roster:
         self._supervisor = supervisor
         self._keyring = keyring
         self._node_id = node_id
-        self._api_key = api_key
+        self.api_key = api_key  # the router's, from its file: the reload's to replace
         self._agent_address = agent_address  # the agent listener's, once bound
         self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
 
@@ -233,7 +233,7 @@ class Roster:
         specs = draw_roster(Situation(
             self.config, self.serve, self.placement, standby=self.standby,
             hold_router=self.hold_router, secret=secret,
-            accepted=tuple(ring.others()), api_key=self._api_key, node_id=self._node_id,
+            accepted=tuple(ring.others()), api_key=self.api_key, node_id=self._node_id,
             agent_address=self._agent_address(), tp_hosts=self.tp_ring()))
         if self.retiring is not None:  # with the keyring of now, as every worker's
             specs.append(replace(self.retiring, secret=secret, accepted=tuple(ring.others())))

@@ -4,7 +4,10 @@ or a Lark grammar, because each step's logits are masked to the tokens the gramm
 - ``compile_grammar(constraint)``: the constraint as llguidance's grammar, checked. One it
   cannot honour (not JSON, a schema keyword llguidance does not implement, a Lark syntax
   error, over the size or complexity limits) raises ``ConstraintError``, which the API
-  answers with a 400 naming ``response_format``. It needs no tokenizer, so the router
+  answers with a 400 naming ``response_format``; a schema that compiles but that no finite
+  value matches (its ``$ref``s loop with no way out: ``finiteness.py``) raises
+  ``EndlessSchema``, a 400 naming the schema's own field, where llguidance would let the
+  sequence end at once with nothing, or never close its JSON. It needs no tokenizer, so the router
   checks a request before admitting it, whichever engine serves it.
 - ``ConstraintTokenizer``: llguidance's view of the model's vocabulary, built once per
   engine from the Hugging Face tokenizer, sized to the model's head (which may hold more
@@ -47,6 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxceld.engine.base import Constraint
+from mlxceld.engine.finiteness import endless
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,11 @@ MAX_ERROR_CHARS = 300  # llguidance's reason, as quoted in a refusal
 
 class ConstraintError(ValueError):
     """A constraint llguidance cannot honour; the message says what is wrong with it."""
+
+
+class EndlessSchema(ConstraintError):
+    """A JSON schema that compiles but that no finite value matches (``finiteness.py``):
+    its references loop with no way out. The API names the schema's own field."""
 
 
 @functools.lru_cache(maxsize=CACHED_GRAMMARS)
@@ -81,6 +90,9 @@ def compile_grammar(constraint: Constraint) -> str:
             raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise ConstraintError("the JSON schema must be an object")
+        why = endless(schema)
+        if why is not None:
+            raise EndlessSchema(f"the JSON schema admits no finite value: {why}")
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.text,
                                                                      defaults=JSON_OPTIONS)

@@ -10,8 +10,9 @@ their stats every second, so a count may be up to a second old.
 
 With an API key (``[serve] api_key_file``) and ``[serve] metrics_require_key`` (the
 default), a scrape needs ``Authorization: Bearer <key>`` (``api/edge/auth.py``: compared in
-constant time, answered 401 in OpenAI's error shape); the setting is read at each
-request, so a reload changes it. Every other path is 404, another method 405. The
+constant time, answered 401 in OpenAI's error shape); the setting and the key are read
+at each request, so a reload changes them (a rewritten key file: the old key refused at
+once). Every other path is 404, another method 405. The
 listener holds its connections to ``LIMITS`` (``guard/connections.py``).
 """
 
@@ -74,17 +75,16 @@ async def scrape(view: DaemonView) -> bytes:
     return generate_latest(registry)
 
 
-def metrics_app(view: DaemonView, api_key: str | None,
+def metrics_app(view: DaemonView, api_key: Callable[[], str | None],
                 require_key: Callable[[], bool]) -> ASGIApp:
-    """``GET /metrics`` over ``view``; with ``api_key``, guarded while ``require_key()``."""
+    """``GET /metrics`` over ``view``; guarded while ``require_key()`` and ``api_key()``
+    is a key (both asked at each request: a reload may change them)."""
 
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(await scrape(view), media_type=CONTENT_TYPE)
 
     app = Starlette(routes=[Route("/metrics", metrics)],
                     exception_handlers={404: _missing, 405: _missing})
-    if api_key is None:
-        return app
     keyed = require_api_key(app, api_key, open_paths=())
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,7 +120,7 @@ class MetricsServer:
     """The listener: bound at once (``bind_metrics``), serving from ``serve`` until
     ``close``."""
 
-    def __init__(self, view: DaemonView, address: HostPort, api_key: str | None,
+    def __init__(self, view: DaemonView, address: HostPort, api_key: Callable[[], str | None],
                  require_key: Callable[[], bool]) -> None:
         self.sock = bind_metrics(address)
         host, port = self.sock.getsockname()[:2]

@@ -26,7 +26,8 @@
 
 The allowlist (``MLXCEL_DECODE_ALLOWLIST``): comma-separated numeric ``ip:port``
 serving addresses a prefill node may send caches to; an entry that is a host name or
-malformed is skipped with a warning; unset or empty: any target (one warning at start).
+malformed is skipped with a warning; unset or empty, or every entry skipped: any target
+(one warning at start, naming the skipped entries).
 """
 
 from __future__ import annotations
@@ -84,26 +85,36 @@ class HandoffEngine(Engine, Protocol):
 
 def decode_allowlist(text: str | None) -> frozenset[str] | None:
     """The decode targets ``text`` (the variable's value) allows; None: any (it is unset
-    or empty: warned once). A host name or malformed entry is skipped with a warning."""
+    or empty: warned once). A host name or malformed entry is skipped with a warning; when
+    every entry is skipped, any target is allowed, as unset, with one warning naming them
+    all (never a list that refuses every target)."""
     if text is None or not text.strip():
         log.warning("%s is not set: this prefill node sends KV caches to any decode target "
                     "a router names; set it to the decode nodes' serving ip:port list",
                     ALLOWLIST_ENV)
         return None
-    allowed = set()
+    allowed, skipped = set(), []
     for entry in (e.strip() for e in text.split(",")):
         if not entry:
             continue
         try:
             where = parse_address(entry)
         except ValueError as exc:
-            log.warning("%s: skipped %r: %s", ALLOWLIST_ENV, entry, exc)
+            skipped.append((entry, str(exc)))
             continue
         if where.ip is None:
-            log.warning("%s: skipped %r: give a numeric ip:port (a name may resolve "
-                        "elsewhere)", ALLOWLIST_ENV, entry)
+            skipped.append((entry, "give a numeric ip:port (a name may resolve elsewhere)"))
             continue
         allowed.add(where.canonical())
+    if not allowed:
+        log.warning("%s holds no usable entry (%s): this prefill node sends KV caches to any "
+                    "decode target a router names, as if it were unset; give the decode "
+                    "nodes' serving addresses as numeric ip:port", ALLOWLIST_ENV,
+                    "; ".join(f"skipped {entry!r}: {why}" for entry, why in skipped)
+                    or "only commas")
+        return None
+    for entry, why in skipped:
+        log.warning("%s: skipped %r: %s", ALLOWLIST_ENV, entry, why)
     return frozenset(allowed)
 
 

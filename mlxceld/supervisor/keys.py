@@ -22,10 +22,24 @@ A worker whose primary changed hands its outgoing streams over to the new one
 
 counts the worker's open streams under a key id: a rotation removes the old key once
 no worker has one left (``Supervisor.streams_under``), so removing it cuts nothing.
+
+The OpenAI port's API key (``[serve] api_key_file``) goes the same way: on the bootstrap
+pipe (``api_key``), then, when a reload read a new one, an ``ops.ApiKeyUpdate``::
+
+    {"op": "api_key", "api_key": KEY}        (null: no key asked of clients)
+
+which the worker swaps in at once (the next request is checked against it; a request
+already let in runs on). A worker that asks the key of its clients (the router) reports
+in every ``health`` answer ``api_key``: a random salt of its own and the HMAC-SHA256 of
+its key under it (``api_key_tag``), never the key; the supervisor compares that with its
+spec's key under the same salt and sends the key again where they differ (a router
+adopted after the daemon's restart, one that started while a reload changed the key).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Mapping, Sequence
 
 from mlxceld.types import WorkerKeys
@@ -48,3 +62,24 @@ def reported_keys(reply: Mapping[str, object]) -> WorkerKeys | None:
             or not all(isinstance(i, str) for i in ids):
         return None
     return {"primary": primary, "ids": sorted(ids)}
+
+
+def api_key_tag(key: str | None, salt: bytes) -> str:
+    """What a worker holding ``key`` (None: no key) reports of it under ``salt``."""
+    held = b"none" if key is None else b"key:" + key.encode()
+    return hmac.new(salt, held, hashlib.sha256).hexdigest()
+
+
+def reported_api_key(reply: Mapping[str, object]) -> tuple[bytes, str] | None:
+    """The salt and tag of a health answer's ``api_key``; None where it has none (a
+    worker that asks no key of clients) or a malformed one."""
+    held = reply.get("api_key")
+    if not isinstance(held, dict):
+        return None
+    salt, tag = held.get("salt"), held.get("tag")
+    if not isinstance(salt, str) or not isinstance(tag, str):
+        return None
+    try:
+        return bytes.fromhex(salt), tag
+    except ValueError:
+        return None

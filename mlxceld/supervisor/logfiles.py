@@ -13,14 +13,18 @@ file and hold a descriptor on it, which a rename would leave writing to the old 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
+from io import TextIOWrapper
 from pathlib import Path
 
 from mlxceld.logformat import JsonFormatter, LogFormat
+from mlxceld.privatefile import private_opener
 
 READ_CHUNK = 64 * 1024
 
@@ -60,11 +64,17 @@ def rotate_if_needed(path: Path, max_bytes: int, backups: int) -> bool:
 class RotatingLog(logging.FileHandler):
     """The daemon's log file (O_APPEND), rotated by copy-then-truncate once a record leaves it
     over ``max_bytes`` (0: never), keeping ``backups`` old copies (``FILE.1`` newest). Closed
-    on SIGHUP and reopened by the next record, as a ``FileHandler`` is."""
+    on SIGHUP and reopened by the next record, as a ``FileHandler`` is. A file it creates is
+    0600, as every copy is."""
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         super().__init__(path, mode="a")
         self._max_bytes, self._backups = max_bytes, backups
+
+    def _open(self) -> TextIOWrapper:
+        """``FileHandler``'s open (at start, and after a SIGHUP closed it), 0600 if new."""
+        return open(self.baseFilename, "a", encoding=self.encoding, errors=self.errors,
+                    opener=private_opener)
 
     def emit(self, record: logging.LogRecord) -> None:
         super().emit(record)
@@ -104,3 +114,21 @@ def read_from(path: Path, offset: int) -> tuple[bytes, int]:
         data = f.read(min(end - offset, 1 << 20))
         return data, offset + len(data)
     return b"", 0
+
+
+ROTATE_EVERY_S = 5.0  # between two looks at the workers' log sizes
+log = logging.getLogger(__name__)
+
+
+async def rotate_forever(logs: Callable[[], list[tuple[str, Path]]], max_bytes: int,
+                         backups: int) -> None:
+    """Every ``ROTATE_EVERY_S``, each of ``logs()`` (a worker's name, its log file) rotated
+    once past ``max_bytes`` (``rotate_if_needed``); a failure is logged, never raised."""
+    while True:
+        await asyncio.sleep(ROTATE_EVERY_S)
+        for name, path in logs():
+            try:
+                if rotate_if_needed(path, max_bytes, backups):
+                    log.info("worker %s: log rotated", name)
+            except OSError as exc:
+                log.warning("worker %s: log rotation failed: %s", name, exc)

@@ -14,6 +14,7 @@ stats     the supervisor, a stage host    none; answers ``stats``
 stop      (tests; a worker stops itself)  none
 activate  a stage host (a standby stage)  none
 keyring   the runner, at every change     ``primary_hex``, ``accepted_hex`` (``keys.py``)
+api_key   the runner, at every change     ``api_key``: the OpenAI port's key, or null
 streams   the runner, for a rotation      ``kid``: answers ``streams`` under that key
 drain     the daemon's drains             ``drains``: ``[{"node", "deadline"}, ...]``
 replicas  a router's discovered replicas  ``candidates``: ``[{"node_id", "agent"}, ...]``
@@ -35,6 +36,7 @@ from mlxceld.types import JSON
 from mlxceld.wire.secret import MIN_SECRET_BYTES
 
 MAX_KEYS: Final = 16  # a keyring holds a primary and a rotation's overlap: a few keys
+MIN_API_KEY: Final = 8  # as config/serve.py's read_api_key asks of the file
 
 
 class OpError(ValueError):
@@ -113,6 +115,29 @@ class KeyringUpdate:
             raise OpError("accepted_hex", f"'accepted_hex' must be a list of at most "
                                           f"{MAX_KEYS} hex secrets")
         return cls(primary, tuple(_secret_hex(a, "accepted_hex") for a in accepted))
+
+
+@dataclass(frozen=True)
+class ApiKeyUpdate:
+    """The OpenAI port's new API key (``keys.py``), or None: no key asked of clients."""
+
+    OP: ClassVar[str] = "api_key"
+    api_key: str | None
+
+    def __repr__(self) -> str:  # never the key, not even in a traceback
+        return f"ApiKeyUpdate(<{'a key' if self.api_key is not None else 'no key'}>)"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"api_key": self.api_key, "op": self.OP}
+
+    @classmethod
+    def from_wire(cls, request: Mapping[str, Any]) -> Self:
+        key = request.get("api_key")
+        if key is not None and (not isinstance(key, str) or len(key) < MIN_API_KEY
+                                or any(c.isspace() for c in key)):
+            raise OpError("api_key", f"'api_key' must be null or one key of at least "
+                                     f"{MIN_API_KEY} characters without spaces")
+        return cls(key)
 
 
 def _secret_hex(value: object, name: str) -> str:

@@ -166,3 +166,12 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
     """Signal the worker's whole process group (it leads its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None

@@ -38,10 +38,12 @@ from mlxceld.supervisor.events import (
     Transitioned,
 )
 from mlxceld.supervisor.keys import (
+    api_key_tag,
     keys_of,
+    reported_api_key,
     reported_keys,
 )
-from mlxceld.supervisor.ops import Health, KeyringUpdate, StreamsUnder
+from mlxceld.supervisor.ops import ApiKeyUpdate, Health, KeyringUpdate, StreamsUnder
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.states import Lifecycle
 from mlxceld.types import WorkerHealth, WorkerKeys, WorkerState
@@ -198,6 +200,7 @@ class WorkerRunner:
                 if progress is not None and self.pid == pid:
                     self.post(progress)
                 await self._converge_keys(reply)
+                await self._converge_api_key(reply)
 
     async def push_keys(self) -> WorkerKeys | None:
         """Send the worker its spec's keyring (``supervisor/keys.py``) and return the key
@@ -237,6 +240,34 @@ class WorkerRunner:
                  self.keys)
         try:
             await self.push_keys()
+        except WorkerError as exc:
+            log.warning("%s", exc.message)
+
+    async def push_api_key(self) -> None:
+        """Send the worker its spec's API key (``supervisor/keys.py``); nothing without a
+        process. Raises ``WorkerError`` (naming the worker, never the key) when it does not
+        take it."""
+        s = self.spec
+        if self.pid is None:
+            return
+        try:
+            await channel.call(s.control_socket, ApiKeyUpdate(s.api_key),
+                                       timeout_s=LIVENESS_TIMEOUT_S)
+        except WorkerError as exc:
+            raise WorkerError(f"worker {s.name!r} did not take the new API key: "
+                              f"{exc.message}", hint=f"see mlxctl logs {s.name}; it is sent "
+                              "again at its next health probe") from exc
+        log.info("worker %s: sent its new API key", s.name)
+
+    async def _converge_api_key(self, reply: dict[str, object]) -> None:
+        """A worker whose API key is not its spec's (adopted after a restart, or started
+        while a reload changed it) is sent its spec's again."""
+        held = reported_api_key(reply)
+        if held is None or api_key_tag(self.spec.api_key, held[0]) == held[1]:
+            return
+        log.info("worker %s holds another API key than its spec's: sending it", self.name)
+        try:
+            await self.push_api_key()
         except WorkerError as exc:
             log.warning("%s", exc.message)
 

@@ -19,8 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from mlxceld.errors import ChannelError, WorkerError
 from mlxceld.state import EventLog, WorkerRow, WorkersTable
 from mlxceld.supervisor import channel, logfiles, process
@@ -42,7 +40,6 @@ from mlxceld.types import JSON, LoadProgress, WorkerKeys, WorkerState, load_prog
 
 log = logging.getLogger(__name__)
 
-ROTATE_EVERY_S = 5.0
 REMOVED_STOP_TIMEOUT_S = 10.0
 ASKED_STATS = frozenset({WorkerState.RUNNING, WorkerState.STARTING})  # by stats()
 STARTING = frozenset({WorkerState.STARTING})
@@ -86,7 +83,9 @@ class Supervisor:
         resolves once tasks can be made."""
         async with cancelling_group() as tg:
             self._tg = tg
-            self._spawn_task(self._rotate_logs())
+            self._spawn_task(logfiles.rotate_forever(
+                lambda: [(r.name, r.spec.log_path) for r in list(self._runners.values())],
+                self._log_max_bytes, self._log_backups))
             self._spawn_task(self._watch_loads())
             started.set_result(None)
             await self._closing.wait()
@@ -115,9 +114,13 @@ class Supervisor:
             runner = self._runners.get(spec.name)
             if runner is None:
                 await self._add(spec)
-            elif replace(spec, secret=runner.spec.secret,
-                         accepted=runner.spec.accepted) == runner.spec:
-                runner.spec = spec  # at most the keyring: push_keyring carries that live
+            elif replace(spec, secret=runner.spec.secret, accepted=runner.spec.accepted,
+                         api_key=runner.spec.api_key) == runner.spec:
+                # At most the keyring (push_keyring carries that live) or the API key.
+                new_key = spec.api_key != runner.spec.api_key
+                runner.spec = spec
+                if new_key:
+                    await self._new_api_key(runner)
             elif spec != runner.spec:
                 # Never a restart on reload: the new spec and policy apply from the next start.
                 runner.spec = spec
@@ -126,6 +129,15 @@ class Supervisor:
                 self._events.append("worker.config_changed", spec.name,
                                     f"worker {spec.name}: new spec takes effect at its next start")
         self._regroup(before, specs)
+
+    async def _new_api_key(self, runner: WorkerRunner) -> None:
+        """A reload read a new API key: the worker takes it now, live (or at its next
+        health probe, where this fails), and at its next start from its spec."""
+        self._table.update(runner.name, role=runner.spec.role, spec=runner.spec.describe())
+        try:
+            await runner.push_api_key()
+        except WorkerError as exc:
+            log.warning("%s", exc.message)
 
     def _regroup(self, before: dict[str, str | None], specs: list[WorkerSpec]) -> None:
         """A group whose members changed (a reload's new ``tp_size``) restarts the workers
@@ -388,7 +400,7 @@ class Supervisor:
                 reason=m.reason, restarts=m.restarts,
                 last_exit=m.last_cause.summary if m.last_cause else (row.last_exit if row
                                                                      else ""),
-                started_at=row.started_at if row else None, rss_bytes=_rss(r.pid),
+                started_at=row.started_at if row else None, rss_bytes=process.rss_bytes(r.pid),
                 log=str(r.spec.log_path), keys=r.keys,
                 loading=loading if m.state is WorkerState.STARTING else None))
         return out
@@ -467,27 +479,7 @@ class Supervisor:
             for name, answer in stats.items():  # one that did not answer keeps its last
                 self.note_loading(name, load_progress(answer.get("loading")))
 
-    async def _rotate_logs(self) -> None:
-        while True:
-            await asyncio.sleep(ROTATE_EVERY_S)
-            for r in list(self._runners.values()):
-                try:
-                    if logfiles.rotate_if_needed(r.spec.log_path, self._log_max_bytes,
-                                                 self._log_backups):
-                        log.info("worker %s: log rotated", r.name)
-                except OSError as exc:
-                    log.warning("worker %s: log rotation failed: %s", r.name, exc)
-
 
 def _reach(p: LoadProgress) -> tuple[int, int]:
     """How far a load has come, in the order it goes: downloading, then loading; bytes."""
     return int(p.get("step") != "downloading"), p["done"]
-
-
-def _rss(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        return int(psutil.Process(pid).memory_info().rss)
-    except psutil.Error:
-        return None

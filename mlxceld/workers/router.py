@@ -229,9 +229,11 @@ async def serve(ctx: WorkerContext[RouterOptions], built: RouterEngine,
     built.attach(ctx)
     defaults = await asyncio.to_thread(sampling_defaults, o, built.path)
     hooks = built.hooks()
+    ctx.guards_api_key = True
     app = build_router_app(built.engine, MlxTextCodec(built.tokenizer), model_id=o.model_name,
                            model_aliases=o.model_aliases, sampling_defaults=defaults,
-                           allowed_origins=o.allowed_origins, api_key=ctx.api_key,
+                           allowed_origins=o.allowed_origins,
+                           api_key=lambda: ctx.api_key,  # the api_key op replaces it
                            max_queued=o.max_queued, max_tokens=o.max_tokens,
                            readiness=hooks.readiness, router_stats=hooks.router_stats,
                            draining=draining, elastic=hooks.elastic,

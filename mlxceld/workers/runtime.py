@@ -5,13 +5,14 @@ session, with stdout and stderr on the worker's log file and a bootstrap JSON
 document (``WorkerBootstrap``) on stdin; it logs there in the daemon's format (the
 bootstrap's ``log_format``, ``logformat.py``). The runtime reads the bootstrap, serves the
 worker's control channel (a Unix socket, newline-delimited JSON: ``health``,
-``stats``, ``stop``, ``keyring`` and ``streams``: ``supervisor/keys.py``, and the
-role's own ``ops``, which get the request's object), runs the role, and leaves an exit
-record for a daemon that may have adopted it after a restart. A role that does
+``stats``, ``stop``, ``keyring``, ``streams`` and ``api_key``: ``supervisor/keys.py``,
+and the role's own ``ops``, which get the request's object), runs the role, and leaves an
+exit record for a daemon that may have adopted it after a restart. A role that does
 steps of work sets ``WorkerContext.progress``; its ``health`` answer then carries
 ``progress`` (``types.WorkerProgress``, made by ``progress_report``), which the
 supervisor's watchdog reads; a worker with the cluster keyring carries ``keys``
-(``types.WorkerKeys``: key ids only).
+(``types.WorkerKeys``: key ids only), one with an API key (or that asks one of its
+clients) its tag (``api_key``: a salt and an HMAC, never the key).
 
 The role's options are read once, here, into their typed spec
 (``workers/options.py``): a bad one is named in the log and the exit record
@@ -50,7 +51,16 @@ from mlxceld.logformat import formatter
 from mlxceld.net import retire_streams, streams_under
 from mlxceld.roles import WORKER_ROLES
 from mlxceld.roles.options import EXIT_CONFIG, WorkerOptions, parse_options
-from mlxceld.supervisor.ops import Health, KeyringUpdate, OpError, Stats, Stop, StreamsUnder
+from mlxceld.supervisor.keys import api_key_tag
+from mlxceld.supervisor.ops import (
+    ApiKeyUpdate,
+    Health,
+    KeyringUpdate,
+    OpError,
+    Stats,
+    Stop,
+    StreamsUnder,
+)
 from mlxceld.tasks import scoped_group
 from mlxceld.types import (
     JSON,
@@ -85,7 +95,13 @@ class WorkerContext(Generic[Opts]):
     # in place by the control channel's ``keyring`` op (supervisor/keys.py); a role hands
     # this very object to its listeners and dialers.
     keyring: Keyring | None = field(default=None, repr=False)
+    # The OpenAI port's API key (the bootstrap's api_key), or None: replaced by the control
+    # channel's ``api_key`` op (supervisor/keys.py); a role that asks it of its clients
+    # reads it at each request and sets ``guards_api_key``, and its health answers then
+    # carry its tag under ``key_salt``.
     api_key: str | None = field(default=None, repr=False)
+    guards_api_key: bool = False
+    key_salt: bytes = field(default_factory=lambda: os.urandom(16), repr=False)
     started_at: float = field(default_factory=time.time)
     state: WorkerHealth = WorkerHealth.STARTING
     stats: dict[str, Any] = field(default_factory=dict)
@@ -181,9 +197,13 @@ def _answer(ctx: WorkerContext[WorkerOptions], line: bytes) -> JSON:
             answer["progress"] = ctx.progress()
         if ctx.keyring is not None:
             answer["keys"] = _keys(ctx.keyring)
+        if ctx.guards_api_key or ctx.api_key is not None:
+            answer["api_key"] = _api_key(ctx)
         return answer
     if op == KeyringUpdate.OP:
         return _take_keyring(ctx, request)
+    if op == ApiKeyUpdate.OP:
+        return _take_api_key(ctx, request)
     if op == StreamsUnder.OP:
         return _streams(ctx, request)
     if op == Stats.OP:
@@ -222,6 +242,24 @@ def _take_keyring(ctx: WorkerContext[WorkerOptions], request: dict[str, object])
         for hand_over in ctx.rekeyed:
             hand_over()
     return {"ok": True, "keys": keys, "ended": ended}
+
+
+def _api_key(ctx: WorkerContext[WorkerOptions]) -> JSON:
+    return {"salt": ctx.key_salt.hex(), "tag": api_key_tag(ctx.api_key, ctx.key_salt)}
+
+
+def _take_api_key(ctx: WorkerContext[WorkerOptions], request: dict[str, object]) -> JSON:
+    """The ``api_key`` op: the OpenAI port's key replaced; the next request is checked
+    against the new one. Never logs the key."""
+    try:
+        key = ApiKeyUpdate.from_wire(request).api_key
+    except OpError as exc:
+        return {"ok": False, "error": f"api_key: {exc}"}
+    if key != ctx.api_key:
+        ctx.api_key = key
+        log.info("worker %s: API key %s", ctx.name,
+                 "replaced" if key is not None else "removed: clients need none")
+    return {"ok": True, "api_key": _api_key(ctx)}
 
 
 def _streams(ctx: WorkerContext[WorkerOptions], request: dict[str, object]) -> JSON:

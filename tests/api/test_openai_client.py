@@ -184,6 +184,25 @@ def test_api_key_guards_every_path_but_health() -> None:
     asyncio.run(main())
 
 
+def test_a_replaced_key_is_asked_at_each_request() -> None:
+    # The router worker's key is a function of its context, which a reload's api_key op
+    # changes: the next request is checked against the new key; None lets every one in.
+    held: list[str | None] = [KEY]
+
+    async def main() -> None:
+        app = make_app(FakeEngine(reply=b"ok"), api_key=lambda: held[0])
+        async with http_client(app) as client:
+            def models(key: str) -> Any:
+                return client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert [(await models(k)).status_code for k in (KEY, "sk-next-key")] == [200, 401]
+            held[0] = "sk-next-key"
+            assert [(await models(k)).status_code for k in (KEY, "sk-next-key")] == [401, 200]
+            held[0] = None
+            assert (await client.get("/v1/models")).status_code == 200
+
+    asyncio.run(main())
+
+
 # Keys that are nearly the real one: each must be refused like any wrong key, so a comparison
 # that accepts a prefix, a longer key or another case cannot pass.
 NEAR_KEYS = [

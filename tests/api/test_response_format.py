@@ -59,3 +59,34 @@ def test_a_refused_response_format_never_reaches_the_engine() -> None:
 
     asyncio.run(main())
     assert engine.requests == []
+
+
+ENDLESS = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": ENDLESS}}},
+     "response_format.json_schema.schema"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": ENDLESS}, "guided_json"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": ENDLESS}}}, "text.format.schema"),
+])
+def test_a_schema_no_finite_value_matches_is_refused_naming_its_field(
+        path: str, body: dict[str, Any], param: str) -> None:
+    # It compiles, but llguidance would end the answer at once, empty, with finish_reason
+    # "stop" (or never close the object): refused before the engine, naming the schema.
+    engine = FakeEngine(reply=b"{}")
+
+    async def main() -> None:
+        async with http_client(make_app(engine)) as http:
+            answer = await http.post(path, json={"model": MODEL, **body})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_response_format")
+        assert "admits no finite value" in error["message"]
+        assert "'$ref' '#' at #/properties/a" in error["message"]
+
+    asyncio.run(main())
+    assert engine.requests == []

@@ -198,3 +198,23 @@ def test_the_served_context_and_the_prompt_cache_show_beside_the_model() -> None
         "prefill node: serving listener at 10.0.0.3:19200 (for the cluster's routers; no "
         "OpenAI port)", "prompt cache: 0 hits, 2 misses, 0 tokens reused; holds 2 caches, "
         "3.0 GiB"]
+
+
+def test_a_node_without_a_cluster_view_shows_its_drains() -> None:
+    """A single node (or a peer, a replica) has no ``pipeline`` view: its drains, the
+    status's ``drains``, are shown after its workers; none, no line."""
+    body = {"daemon": {"version": "1", "state": "running", "node_id": "solo", "pid": 9,
+                       "uptime_s": 5},
+            "workers": [], "serving": None, "cluster": None, "assignment": None,
+            "bringup": None, "healing": None, "pipeline": None, "problems": [],
+            "drains": [{"node_id": "solo", "state": "drained", "started_at": time.time() - 3,
+                        "deadline": None, "finished": 2, "ended": 0}]}
+    lines = render.status(body).split("\n")
+    drains = [line for line in lines if line.startswith("drain:")]
+    assert len(drains) == 1 and drains[0].startswith("drain: node solo drained since ")
+    assert drains[0].endswith("ago), no deadline: 2 finished, 0 ended")
+    assert lines.index(drains[0]) < lines.index("health: ok")
+    body["drains"] = []
+    assert "drain" not in render.status(body)
+    del body["drains"]  # an older daemon's status
+    assert "drain" not in render.status(body)

@@ -129,6 +129,12 @@ REFUSED: list[tuple[Any, str, str]] = [
      "response_format.json_schema.schema", "required"),
     ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}},
      "response_format.json_schema.name", "letters"),
+    # compiles, but admits no finite value: was 200 with empty content and "stop"
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},
+     "response_format.json_schema.schema", "admits no finite value"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}}},
+     "response_format.json_schema.schema", "its references loop with no way out"),
     ({"type": "yaml"}, "response_format.type", "yaml"),
     ("json", "response_format", "an object"),
 ]

@@ -62,7 +62,8 @@ def worker(name: str, role: str, state: str = "running", **more: Any) -> dict[st
 def get(view: Any, path: str = "/metrics", key: str | None = None,
         require: bool = True, method: str = "GET") -> httpx.Response:
     async def main() -> httpx.Response:
-        app = metrics_app(view_of(view), KEY if key is not None else None, lambda: require)
+        app = metrics_app(view_of(view), lambda: KEY if key is not None else None,
+                          lambda: require)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://test") as client:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,22 @@ def test_a_daemon_rotates_its_log_file(daemons: Daemons) -> None:
     assert rotated == ["mlxceld.log", "mlxceld.log.1", "mlxceld.log.2"]
     assert log.stat().st_size <= 1000 + 500
     assert "mlxceld stopped" in log.read_text()  # written after the rotations
+
+
+def test_the_daemons_log_file_is_created_0600(daemons: Daemons) -> None:
+    # Opened before the daemon sets its private umask: under the usual 022 it was 0644,
+    # readable by every local user.
+    d = daemons.make("")
+    log = d.root / "logs" / "mlxceld.log"
+    log.parent.mkdir()
+    was = os.umask(0o022)
+    try:
+        d.start("--log-file", str(log))
+    finally:
+        os.umask(was)
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    log.unlink()  # moved away by another tool: the SIGHUP's reopen creates it 0600 too
+    os.kill(d.pid, signal.SIGHUP)
+    wait_for(log.exists, 30, "the log file created again after the SIGHUP")
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert d.terminate() == 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxceld.supervisor.keys import keys_of, reported_keys
-from mlxceld.supervisor.ops import KeyringUpdate, OpError
+from mlxceld.supervisor.keys import api_key_tag, keys_of, reported_api_key, reported_keys
+from mlxceld.supervisor.ops import ApiKeyUpdate, KeyringUpdate, OpError
 from mlxceld.wire.secret import Keyring, key_id
 
 A, B = b"a" * 32, b"b" * 32
@@ -40,3 +40,28 @@ def test_replace_all_swaps_in_place_and_names_what_it_dropped() -> None:
     assert ring.primary_id == key_id(A) and key_id(B) in ring and ring.others() == [B]
     assert ring.replace_all(B) == [key_id(A)]
     assert ring.primary == B and key_id(A) not in ring and ring.others() == []
+
+
+def test_the_api_key_op_round_trips_and_never_shows_the_key() -> None:
+    key = "sk-secret-123456"
+    update = ApiKeyUpdate(key)
+    assert ApiKeyUpdate.from_wire(update.to_wire()) == update
+    assert ApiKeyUpdate.from_wire({"op": "api_key", "api_key": None}).api_key is None
+    assert key not in repr(update)
+    for bad in ("short", "two words here", 12345):
+        with pytest.raises(OpError) as err:
+            ApiKeyUpdate.from_wire({"op": "api_key", "api_key": bad})
+        assert err.value.field == "api_key" and str(bad) not in str(err.value)
+
+
+def test_a_worker_reports_its_api_key_as_a_salted_tag() -> None:
+    salt, other = b"s" * 16, b"t" * 16
+    tag = api_key_tag("sk-secret-123456", salt)
+    assert "sk-secret" not in tag and len(tag) == 64
+    assert tag == api_key_tag("sk-secret-123456", salt)  # what the supervisor compares
+    assert tag not in (api_key_tag("sk-secret-123457", salt),
+                       api_key_tag("sk-secret-123456", other), api_key_tag(None, salt))
+    assert reported_api_key({"api_key": {"salt": salt.hex(), "tag": tag}}) == (salt, tag)
+    for malformed in ({}, {"api_key": "x"}, {"api_key": {"salt": "zz", "tag": tag}}):
+        assert reported_api_key(malformed) is None
+

@@ -20,7 +20,9 @@ from mlxceld.errors import ChannelError
 from mlxceld.roles.options import EchoOptions
 from mlxceld.supervisor import channel
 from mlxceld.supervisor.exits import classify, read_exit_record
+from mlxceld.supervisor.keys import api_key_tag, reported_api_key
 from mlxceld.supervisor.logfiles import tail
+from mlxceld.supervisor.ops import ApiKeyUpdate
 from mlxceld.supervisor.process import WorkerSpec, child_environment
 from mlxceld.types import JSON
 
@@ -123,6 +125,26 @@ def test_health_stats_unknown_op_and_stop(start: Any) -> None:
     assert cause is not None and cause.kind == "clean"
     assert "echo worker t1 stopping after" in worker.log()
     assert not worker.spec.control_socket.exists() or _refuses(worker.spec.control_socket)
+
+
+def test_the_api_key_op_swaps_the_key_and_health_shows_only_its_tag(state_dir: Path) -> None:
+    # A worker given a key on its bootstrap pipe reports a salted tag of it; the api_key
+    # op replaces it (the supervisor's push after a reload), and the tag follows.
+    spec = WorkerSpec("keyed", state_dir, EchoOptions(), api_key="sk-first-1234")
+    worker = Worker(spec)
+    try:
+        held = reported_api_key(worker.wait_ready())
+        assert held is not None and held[1] == api_key_tag("sk-first-1234", held[0])
+        reply = asyncio.run(channel.call(spec.control_socket, ApiKeyUpdate("sk-second-5678")))
+        assert reported_api_key(reply) == (held[0], api_key_tag("sk-second-5678", held[0]))
+        with pytest.raises(ChannelError, match="api_key"):
+            asyncio.run(channel.call(spec.control_socket, ApiKeyUpdate("short")))
+        health = worker.call("health")
+        assert reported_api_key(health) == (held[0], api_key_tag("sk-second-5678", held[0]))
+        assert "sk-first" not in worker.log() and "sk-second" not in worker.log()
+        assert "API key replaced" in worker.log()
+    finally:
+        worker.kill()
 
 
 def _refuses(path: Path) -> bool:

@@ -5,12 +5,16 @@ Compared in constant time; neither the expected nor the offered key is ever
 logged or echoed in an answer. A request that offers the key both ways is let in when
 either is the key. The refusal is a 401 in OpenAI's error shape, or Anthropic's
 (``authentication_error``) on the Messages API's paths.
+
+The key is asked of ``api_key`` at every request, so that a new one takes effect at once:
+the router worker's is its daemon's, pushed on a reload (the control channel's
+``api_key`` op, ``supervisor/keys.py``); while it returns None every request is let in.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -18,16 +22,17 @@ from mlxceld.api.anthropic_errors import anthropic_response, speaks_anthropic
 from mlxceld.api.errors import ApiError, error_response
 
 
-def require_api_key(app: ASGIApp, api_key: str, *, open_paths: Collection[str]) -> ASGIApp:
-    expected = api_key.encode()
-
+def require_api_key(app: ASGIApp, api_key: Callable[[], str | None], *,
+                    open_paths: Collection[str]) -> ASGIApp:
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in open_paths:
+        key = api_key()
+        if scope["type"] != "http" or scope["path"] in open_paths or key is None:
             await app(scope, receive, send)
             return
+        expected = key.encode()
         offered = _offered_keys(scope)
         # Every offered key is compared (no early exit), each in constant time.
-        matches = [hmac.compare_digest(key, expected) for key in offered]
+        matches = [hmac.compare_digest(offer, expected) for offer in offered]
         if any(matches):
             await app(scope, receive, send)
             return

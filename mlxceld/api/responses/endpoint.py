@@ -80,9 +80,10 @@ async def respond(chats: Chats, request: Request) -> Response:
     options = parsed.chat.options
     try:
         await check_constraint(options)
-    except ApiError as exc:  # named as this endpoint names it
+    except ApiError as exc:  # named as this endpoint names it (the schema: its own field)
+        param = exc.param if exc.param == options.schema_param else "text.format"
         raise invalid(exc.message.replace("'response_format'", "'text.format'"),
-                      "text.format", exc.code) from None
+                      param, exc.code) from None
     builder = ResponseBuilder(f"resp_{uuid.uuid4().hex}", int(time.time()),
                               options.model, parsed.echo)
     prepared = await chats.prepare(parsed.chat, builder.id)

@@ -123,7 +123,7 @@ def parse_responses(body: bytes, *, model_id: str, aliases: Collection[str] = ()
         stream=fields.boolean("stream", False),
         logprobs=logprobs,
         max_tokens_param="max_output_tokens",
-        constraint=constraint)
+        constraint=constraint, schema_param="text.format.schema")
     parallel = use.parallel if use is not None else fields.boolean("parallel_tool_calls", True)
     chat = ChatRequest(tuple(messages), options, use, reasoning_effort=effort)
     echo = {"instructions": instructions, "max_output_tokens": options.max_tokens,
