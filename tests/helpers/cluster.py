@@ -10,6 +10,8 @@ from typing import Any
 
 from helpers.daemons import DaemonProc, Daemons
 from helpers.keys import secret_file
+from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 POLL_WAIT_S = 30.0  # a first poll starts at once and takes at most 5 s + 5 s
 ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well inside
@@ -46,6 +48,22 @@ def settled(d: DaemonProc, expected: dict[str, str]) -> dict[str, dict[str, Any]
     rows = by_address(d)
     ok = all(rows.get(a, {}).get("state") == s for a, s in expected.items())
     return rows if ok else None
+
+
+def coordinator(daemons: Daemons, secret: bytes, peers: list[DaemonProc]
+                ) -> tuple[DaemonProc, int, tuple[str, ...]]:
+    """A coordinator on 127.0.0.1 over ``peers`` (``--cluster-peers``: their agents),
+    started and seeing each of them reachable; its router's port, and its flags (a restart
+    starts it with them)."""
+    port = free_port("127.0.0.1")
+    coord = daemons.make(name="c")
+    flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
+             "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
+             "--cluster-peers", ",".join(agent(p) for p in peers))
+    coord.start(*flags)
+    want = {agent(p): "reachable" for p in peers}
+    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+    return coord, port, flags
 
 
 def activate(coord: DaemonProc, model: Path, stages: int) -> str:

@@ -29,12 +29,10 @@ from typing import Any
 import openai
 import pytest
 
-from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
+from helpers.cluster import activate, agent, coordinator, start
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
-from helpers.keys import secret_file
 from helpers.memory import two_stages_but_not_one
 from helpers.models import PROMPT, expected
-from helpers.ports import free_port
 from helpers.router import client, complete
 from helpers.waiting import wait_for
 
@@ -141,14 +139,7 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     memory = {"MLXCELD_TEST_MEMORY_AVAILABLE": str(two_stages_but_not_one(model))}
     peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}",
                    env=memory) for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
-    port = free_port("127.0.0.1")
-    coord = daemons.make(name="c")
-    flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
-             "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
-             "--cluster-peers", ",".join(agent(p) for p in peers))
-    coord.start(*flags)
-    want = {agent(p): "reachable" for p in peers}
-    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+    coord, port, flags = coordinator(daemons, secret, peers)
     activate(coord, model, 2)
     first, staged = plan_peers(coord)
     by_agent = {agent(p): p for p in peers}

@@ -27,11 +27,9 @@ from typing import Any
 
 import pytest
 
-from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
+from helpers.cluster import activate, agent, coordinator, start
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
-from helpers.keys import secret_file
 from helpers.load import StreamingLoad
-from helpers.ports import free_port
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -50,14 +48,7 @@ def cluster(daemons: Daemons, model: Path
     slow = {"MLXCELD_TEST_STAGE_LAYER_S": LAYER_S}
     peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}",
                    env=slow) for ip in ("127.0.0.2", "127.0.0.3")]
-    port = free_port("127.0.0.1")
-    coord = daemons.make(name="c")
-    flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
-             "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
-             "--cluster-peers", ",".join(agent(p) for p in peers))
-    coord.start(*flags)
-    want = {agent(p): "reachable" for p in peers}
-    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+    coord, port, flags = coordinator(daemons, secret, peers)
     activate(coord, model, 2)
     daemons.pids.add(coord.worker("router")["pid"])
     for p in peers:
@@ -66,7 +57,8 @@ def cluster(daemons: Daemons, model: Path
 
 
 def served(coord: DaemonProc) -> dict[str, Any]:
-    b: dict[str, Any] = coord.status()["bringup"]
+    """The coordinator's bring-up ({} while a restarted one has not begun its resume)."""
+    b: dict[str, Any] = coord.status()["bringup"] or {}
     return b
 
 
@@ -169,7 +161,7 @@ def test_a_coordinator_killed_and_restarted_adopts_its_router(
         coord.proc.kill()
         coord.proc.wait(10)
         coord.start(*flags)
-        wait_for(lambda: (b := served(coord))["state"] == "active"
+        wait_for(lambda: (b := served(coord)).get("state") == "active"
                  and b["epoch"] == first["epoch"], WAIT_S, "the plan resumed", every=0.2)
         time.sleep(WARM_S)
     counts = load.counts()
