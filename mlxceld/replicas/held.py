@@ -7,10 +7,11 @@ prefill node that just restarted serves at a new address that the decode node le
 from its agent only at its next ask (``workers/handoff_node.py``'s ``PrefillPeers``).
 Either way the frames are held here instead of dropped:
 
-- an *early* handoff (from a prefill peer, no ``expect`` yet) waits for its ``expect``;
+- an *early* handoff (no ``expect`` yet) waits for its ``expect``;
 - a handoff from an address that is not a prefill peer *yet*, for a sequence whose
   ``expect`` names that address, waits for the decode node to ask its peers' agents
-  again (at once, not at the next ``PEERS_EVERY_S``).
+  again (at once, not at the next ``PEERS_EVERY_S``); still no peer then, its sequence
+  ends at once (``fail``), as does an ``expect`` whose frames were let go before it.
 
 Bounds: a sequence's frames are held at most ``HOLD_S`` from its first one; at most
 ``SEQUENCES`` sequences are held at once, their frames ``BYTES`` together; a frame past
@@ -204,10 +205,15 @@ class EarlyHandoffs:
         for seq in self.rule.expired(asyncio.get_running_loop().time()):
             held = self.rule.get(seq)
             assert held is not None
-            why = self.rule.drop(seq, (
-                f"held {hold_s:g} s, and the agents of this node's prefill peers do not "
-                "name that address" if self._expects(seq) else
-                f"held {hold_s:g} s, and no router's expect for it came"))
+            if self._expects(seq):
+                why = (f"held {hold_s:g} s, and the agents of this node's prefill peers "
+                       "did not name that address")
+            elif self._known(held.peer):
+                why = f"held {hold_s:g} s, and no router's expect for it came"
+            else:
+                why = (f"it is not one of this node's prefill peers (held {hold_s:g} s: no "
+                       "router's expect for it came)")
+            self.rule.drop(seq, why)
             self._fail(seq, why)
             self._dropped(held.peer, why)
         self._arm()
