@@ -182,6 +182,16 @@ def parse_router_layer(environ: Mapping[str, str]) -> float | None:
     return _seconds(environ, ROUTER_LAYER_ENV, "a router that loads at its disk's pace")
 
 
+def parse_expect_delay(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_EXPECT_DELAY_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, EXPECT_DELAY_ENV, "a decode node that takes an expect as it comes")
+
+
+def parse_peers_every(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_PEERS_EVERY_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, PEERS_EVERY_ENV, "the documented 5 s")
+
+
 def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_ROTATION_STEP_S`` as seconds, None when unset; ``ConfigError`` if
     bad."""
@@ -221,8 +231,8 @@ MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 STAGE_LAYER_S: Final = parse_stage_layer(os.environ)
 ROUTER_LAYER_S: Final = parse_router_layer(os.environ)
-EXPECT_DELAY_S: Final = _seconds(os.environ, EXPECT_DELAY_ENV, "an expect taken as it comes")
-PEERS_EVERY_S: Final = _seconds(os.environ, PEERS_EVERY_ENV, "the documented 5 s")
+EXPECT_DELAY_S: Final = parse_expect_delay(os.environ)
+PEERS_EVERY_S: Final = parse_peers_every(os.environ)
 
 
 def on(name: str) -> bool:

@@ -51,13 +51,10 @@ SIGTERM for it: ``supervisor/groups.py``). The daemon restarts the whole group a
 as any rank exits, so the deadlines are only the bound for a rank whose peers all
 still run.
 
-A follower stopped with SIGSTOP, or hung, neither exits nor closes its link: each
-follower beats on its op link and rank 0's watchdog names one silent after
-``heartbeats.SILENCE_S`` (3 s, a pipeline's bound for a silent stage). Rank 0 then fails
-its requests in flight and refuses new ones with a 503 naming the rank, and its
-``/ready`` is 503 naming it, while the rank stays silent (``on_silent``; its step waits
-in the ring); the daemon's health probes of the rank's worker restart the group, and a
-rank that beats again before that is served on.
+A follower stopped (SIGSTOP) or hung neither exits nor closes its link, so each one
+beats on it and rank 0's watchdog names one silent after ``heartbeats.SILENCE_S`` (3 s,
+a pipeline's bound): ``on_silent`` (rank 0's requests fail, 503 naming the rank, while
+it is silent); its worker's failed health probes then restart the group.
 
 Not under tensor parallelism: the KV handoff of prefill/decode disaggregation
 (``LocalEngine.prefill`` and ``generate_from`` refuse).
@@ -105,6 +102,7 @@ SHARE_DEADLINE_S: Final = 60.0
 # One batch step (a prefill chunk of every new prompt, one decode step): this long at most.
 STEP_DEADLINE_S: Final = 600.0
 LINK_POLL_S: Final = 0.1  # how often rank 0 reads its followers' op links (beats, or an end)
+CLOSE_DRAIN_S: Final = 5.0  # rank 0 closing: for each follower to close its op link first
 BROKEN_GRACE_S: Final = 1.0  # for rank 0's requests to hear why, before its process ends
 GROUP_RETRY_S: Final = 5  # Retry-After of a request a broken or stalled group refuses
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
@@ -368,9 +366,18 @@ class Mirror:
         return [op for op in got if op[0] != "link"]
 
     def close(self) -> None:
-        """Close the op links (after the last share)."""
+        """Close the op links (after the last share). Rank 0 first reads each follower's
+        last beats until it closes its end (at most ``CLOSE_DRAIN_S``): a link closed
+        with bytes unread is reset, and the reset could cost the follower the ``close``
+        op still on its way."""
         self._closing = True
         for link in (self._links or {}).values():
+            if self.leader:
+                with contextlib.suppress(OSError):
+                    link.shutdown(socket.SHUT_WR)
+                    link.settimeout(CLOSE_DRAIN_S)
+                    while link.recv(4096):
+                        pass
             link.close()
 
     def _ring_share(self, ops: list[Op]) -> list[Op]:

@@ -25,7 +25,7 @@ is the node's asyncio shell around it (its timer, its asks of the peers' agents)
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -33,6 +33,8 @@ from typing import Any, Final
 
 from mlxceld.replicas.protocol import HANDOFF_FRAME_BYTES
 from mlxceld.wire import Envelope
+
+log = logging.getLogger(__name__)
 
 HOLD_S: Final = 3.0  # a sequence's frames wait this long, from the first, at most
 SEQUENCES: Final = 16  # sequences held at once
@@ -234,9 +236,13 @@ class EarlyHandoffs:
             try:
                 while self._asked < self.rule.asks:
                     upto = self.rule.asks
-                    with contextlib.suppress(TimeoutError):
+                    try:
                         async with asyncio.timeout(self.rule.hold_s):
                             await recheck()
+                    except TimeoutError:
+                        pass  # as answered: what is known now is all there is
+                    except Exception as exc:  # the same, and said
+                        log.warning("asking the prefill peers' agents again failed: %r", exc)
                     self._asked = upto
                     for seq in self.rule.seqs():
                         self._release(seq)
