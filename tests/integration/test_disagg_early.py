@@ -127,6 +127,7 @@ def test_a_handoff_that_beats_its_expect_is_held_and_the_request_succeeds(
     assert got["dropped"] == 0, got
 
 
+@pytest.mark.slow
 def test_right_after_a_prefill_nodes_restart_on_a_new_port_the_request_succeeds(
         cluster: Cluster) -> None:
     """The decode node still knows the old port (its next ask is minutes away): the
