@@ -98,6 +98,12 @@ would, so that a test of the assignment's wait on load progress
 single-host router worker's model (``workers/router.py``), so that a test of
 ``mlxctl serve``'s progress sees the load go on for seconds.
 
+``MLXCELD_TEST_EXPECT_DELAY_S`` (seconds, > 0; test only too) makes a decode node take
+each router's ``expect`` this long after it came (``replicas/handoffs.py``), so that the
+prefill node's handoff comes first; ``MLXCELD_TEST_PEERS_EVERY_S`` replaces
+``workers/handoff_node.PEERS_EVERY_S`` (5 s), how often a decode node asks its prefill
+peers' agents, so that a prefill node's restart on a new port comes between two asks.
+
 ``MLXCELD_TEST_MEMORY_AVAILABLE`` (bytes, > 0; test only too) caps the memory this
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
 the planner find a plan that does not fit (the fixtures are tiny). Anything but a
@@ -126,6 +132,8 @@ MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
 STAGE_LAYER_ENV: Final = "MLXCELD_TEST_STAGE_LAYER_S"
 ROUTER_LAYER_ENV: Final = "MLXCELD_TEST_ROUTER_LAYER_S"
+EXPECT_DELAY_ENV: Final = "MLXCELD_TEST_EXPECT_DELAY_S"
+PEERS_EVERY_ENV: Final = "MLXCELD_TEST_PEERS_EVERY_S"
 CRASH_POINTS: Final = frozenset({
     "peer-after-preparing", "peer-after-accepted", "peer-after-committed", "peer-after-active",
     "coordinator-before-decision", "coordinator-after-commit-decision",
@@ -174,6 +182,16 @@ def parse_router_layer(environ: Mapping[str, str]) -> float | None:
     return _seconds(environ, ROUTER_LAYER_ENV, "a router that loads at its disk's pace")
 
 
+def parse_expect_delay(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_EXPECT_DELAY_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, EXPECT_DELAY_ENV, "a decode node that takes an expect as it comes")
+
+
+def parse_peers_every(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_PEERS_EVERY_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, PEERS_EVERY_ENV, "the documented 5 s")
+
+
 def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_ROTATION_STEP_S`` as seconds, None when unset; ``ConfigError`` if
     bad."""
@@ -213,6 +231,8 @@ MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 STAGE_LAYER_S: Final = parse_stage_layer(os.environ)
 ROUTER_LAYER_S: Final = parse_router_layer(os.environ)
+EXPECT_DELAY_S: Final = parse_expect_delay(os.environ)
+PEERS_EVERY_S: Final = parse_peers_every(os.environ)
 
 
 def on(name: str) -> bool:

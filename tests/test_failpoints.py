@@ -58,6 +58,15 @@ def test_the_layer_pauses_must_be_positive_seconds() -> None:
     assert "a router that loads at its disk's pace" in info.value.hint
 
 
+def test_the_handoff_knobs_must_be_positive_seconds() -> None:
+    assert failpoints.parse_expect_delay({}) is None
+    assert failpoints.parse_expect_delay({failpoints.EXPECT_DELAY_ENV: "1"}) == 1.0
+    assert failpoints.parse_peers_every({failpoints.PEERS_EVERY_ENV: "600"}) == 600.0
+    with pytest.raises(ConfigError, match="MLXCELD_TEST_PEERS_EVERY_S='0' is not") as info:
+        failpoints.parse_peers_every({failpoints.PEERS_EVERY_ENV: "0"})
+    assert "the documented 5 s" in info.value.hint
+
+
 def test_the_memory_cap_must_be_positive_bytes() -> None:
     assert failpoints.parse_memory({}) is None
     assert failpoints.parse_memory({failpoints.MEMORY_ENV: " 604000000 "}) == 604_000_000

@@ -45,6 +45,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxceld.engine.base import (
     EngineError,
+    EngineUnavailable,
     FinishReason,
     GenerationRequest,
     SamplingParams,
@@ -64,7 +65,7 @@ from mlxceld.engine.kvquant import quantizing, quantizing_caches
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.prompt_cache import DEFAULT_BYTES, PromptCache
 from mlxceld.engine.sampling import make_sampler, read_logprobs
-from mlxceld.engine.tensor import Mirror, Op
+from mlxceld.engine.tensor import GROUP_RETRY_S, Mirror, Op
 from mlxceld.roles.options import KVQuant
 from mlxceld.types import PromptCacheStats
 
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long the idle step thread sleeps before re-checking for shutdown
 
 
-@dataclass
+@dataclass(eq=False)  # each one itself (kept in a set)
 class _Sequence:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
@@ -116,7 +117,9 @@ class LocalEngine:
         self._gen: Any = generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
         if mirror is not None:
-            mirror.on_broken = self._group_broke
+            mirror.on_broken, mirror.on_silent = self._group_broke, self._group_silent
+        self.stalled: EngineUnavailable | None = None  # while a tensor-parallel rank is silent
+        self._live: set[_Sequence] = set()  # the sequences whose requests wait
         # KV caches of finished sequences, by their tokens: a new prompt that shares a
         # prefix (a chat's earlier turns, a repeated system prompt) skips that prefill.
         self._prompt_cache = PromptCache((DEFAULT_BYTES if prompt_cache_bytes is None
@@ -216,6 +219,9 @@ class LocalEngine:
                               "disaggregation) needs tp_size 1")
 
     async def _sequence(self, request: GenerationRequest) -> _Sequence:
+        refusal = self._failure or self.stalled
+        if isinstance(refusal, EngineUnavailable):  # the tensor-parallel group's: 503
+            raise refusal
         if self._failure is not None or self._closed.is_set():
             raise EngineError(f"the engine is not running: {self._failure or 'closed'}")
         seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())
@@ -226,11 +232,14 @@ class LocalEngine:
     async def _stream(self, seq: _Sequence) -> AsyncGenerator[TokenOutput, None]:
         """``seq``'s tokens from the step thread; closing early cancels it there."""
         self._active += 1
+        self._live.add(seq)
         self._inbox.put(("insert", seq))
         finished = False
         try:
             while True:
                 item = await seq.out.get()
+                if isinstance(item, EngineUnavailable):
+                    raise item  # the tensor-parallel group's: 503 naming the rank
                 if isinstance(item, BaseException):
                     raise EngineError(f"generation failed: {item}") from item
                 finished = item.finish_reason is not None
@@ -239,6 +248,7 @@ class LocalEngine:
                     return
         finally:
             self._active -= 1
+            self._live.discard(seq)
             if not finished:
                 self._inbox.put(("cancel", seq))
 
@@ -275,9 +285,9 @@ class LocalEngine:
                 self._mirror.close()
         except BaseException as exc:  # the engine is broken: fail every waiting request
             log.exception("engine step thread failed")
-            self._failure = exc
+            self._failure = exc if self._mirror is None else broke(str(exc))  # a lost rank
             for seq in self._by_uid.values():
-                self._deliver(seq, exc)
+                self._deliver(seq, self._failure)
             self._by_uid.clear()
             if self._on_failure is not None:
                 self._on_failure(exc)
@@ -286,15 +296,22 @@ class LocalEngine:
             self._fail_prefills()
 
     def _group_broke(self, why: str) -> None:
-        """The tensor-parallel group broke (told on the mirror's watchdog thread, while the
-        step thread waits for good): every waiting request fails, naming why, and the
-        engine is failed (``on_failure``)."""
-        exc = EngineError(f"the tensor-parallel group broke: {why}")
-        self._failure = exc
-        for seq in list(self._by_uid.values()):
+        """The tensor-parallel group broke (told on the watchdog's thread, the step thread
+        waiting for good): the waiting requests fail (``broke``), the engine is failed."""
+        self._failure = exc = broke(why)
+        for seq in list(self._live):
             self._deliver(seq, exc)
         if self._on_failure is not None:
             self._on_failure(exc)
+
+    def _group_silent(self, why: str | None) -> None:
+        """A rank went silent (``why``): requests fail, 503 naming it, until None."""
+        stalled = None if why is None else EngineUnavailable(why, retry_after_s=GROUP_RETRY_S)
+        self.stalled = stalled
+        log.warning("%s", why or "every tensor-parallel rank is heard again")
+        if stalled is not None:
+            for seq in list(self._live):
+                self._deliver(seq, stalled)
 
     def _share(self) -> None:
         assert self._mirror is not None
@@ -428,6 +445,12 @@ class LocalEngine:
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
+
+
+def broke(why: str) -> EngineUnavailable:
+    """What a request is told of a broken tensor-parallel group: 503 naming why."""
+    return EngineUnavailable(f"the tensor-parallel group broke: {why}; the daemon restarts "
+                             "it", retry_after_s=GROUP_RETRY_S)
 
 
 def generator(model: Any, eos_token_ids: set[int], max_batch: int, prefill_step: int) -> Any:

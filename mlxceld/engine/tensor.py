@@ -45,9 +45,16 @@ watchdog thread ends the rank's process at once (``EXIT_RING_BROKEN``, why writt
 stderr: its worker's log; nothing in it can go on) when rank 0 sees a follower's op link
 close (looked at every ``LINK_POLL_S``), when a share but the first takes longer than
 ``SHARE_DEADLINE_S``, or a step longer than ``STEP_DEADLINE_S``; rank 0's requests are
-failed first, naming why, and get ``BROKEN_GRACE_S`` to be answered. The daemon restarts the
-whole group as soon as any rank exits, so the deadlines are only the bound for a rank
-whose peers all still run (a peer stopped with SIGSTOP, or hung).
+failed first, naming why (``EngineUnavailable``: 503 naming the rank), and get
+``BROKEN_GRACE_S`` to be answered (a group's restart gives each member a moment after
+SIGTERM for it: ``supervisor/groups.py``). The daemon restarts the whole group as soon
+as any rank exits, so the deadlines are only the bound for a rank whose peers all
+still run.
+
+A follower stopped (SIGSTOP) or hung neither exits nor closes its link, so each one
+beats on it and rank 0's watchdog names one silent after ``heartbeats.SILENCE_S`` (3 s,
+a pipeline's bound): ``on_silent`` (rank 0's requests fail, 503 naming the rank, while
+it is silent); its worker's failed health probes then restart the group.
 
 Not under tensor parallelism: the KV handoff of prefill/decode disaggregation
 (``LocalEngine.prefill`` and ``generate_from`` refuse).
@@ -82,6 +89,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxceld.engine.base import EngineError
+from mlxceld.engine.heartbeats import RankSilence, beat
 from mlxceld.engine.sampling import Sampler, greedy
 from mlxceld.models.reading import Progress, model_layers, read_weights
 from mlxceld.roles.options import KVQuant
@@ -93,8 +101,10 @@ RING_DEADLINE_S: Final = 60.0  # join_ring: for every rank to join (they load fi
 SHARE_DEADLINE_S: Final = 60.0
 # One batch step (a prefill chunk of every new prompt, one decode step): this long at most.
 STEP_DEADLINE_S: Final = 600.0
-LINK_POLL_S: Final = 0.5  # how often rank 0 looks whether a follower's op link ended
+LINK_POLL_S: Final = 0.1  # how often rank 0 reads its followers' op links (beats, or an end)
+CLOSE_DRAIN_S: Final = 5.0  # rank 0 closing: for each follower to close its op link first
 BROKEN_GRACE_S: Final = 1.0  # for rank 0's requests to hear why, before its process ends
+GROUP_RETRY_S: Final = 5  # Retry-After of a request a broken or stalled group refuses
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
 BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
 
@@ -184,6 +194,11 @@ class Mirror:
         self._links: dict[int, socket.socket] | None = None  # the op links, by peer rank
         # Told (on the watchdog's thread) why the group broke, before this process ends.
         self.on_broken: Callable[[str], None] | None = None
+        # Rank 0: told (on the watchdog's thread) that a rank went silent, and why; None
+        # once every rank is heard again (``heartbeats.py``).
+        self.on_silent: Callable[[str | None], None] | None = None
+        self._silence: RankSilence | None = None  # rank 0's, once the op links are up
+        self._closing = False  # rank 0 shared "close": the followers' links end now
         # The last token share (the chain); made on the step thread, where its stream is.
         self._last: mx.array | None = None
         self._greedy: Sampler = self._lead(greedy) if self.leader else self._follow()
@@ -222,31 +237,51 @@ class Mirror:
             self._since = None
 
     def _watch(self) -> None:
-        while True:
+        while not self._closing:
             time.sleep(min(LINK_POLL_S, self._deadline_s / 4))
             since, limit = self._since, self._limit
             if since is not None and time.monotonic() - since > limit:
                 self._broken(f"it waited {limit:g} s for the other ranks to take a step "
                              "with it: a rank is gone or stopped")
             gone = self._gone_follower()
-            if gone is not None:
-                self._broken(f"tensor-parallel rank {gone} is gone: its op link closed")
+            if gone is not None and not self._closing:
+                self._broken(f"tensor-parallel rank {gone} (worker tp-{gone}) is gone: its "
+                             "op link closed")
+            self._judge()
 
     def _gone_follower(self) -> int | None:
-        """Rank 0: a follower whose op link ended (a follower never writes on it after
-        its hello: a readable link is one that closed); None while all are there."""
-        links = self._links
-        if not self.leader or not links:
+        """Rank 0: a follower whose op link ended, None while all are there; the beats
+        its followers sent meanwhile are read (a follower writes nothing else after its
+        hello) and counted heard."""
+        links, silence = self._links, self._silence
+        if not self.leader or not links or silence is None:
             return None
         readable, _, _ = select.select(list(links.values()), [], [], 0)
+        now = time.monotonic()
         for rank, link in links.items():
             if link in readable:
                 try:
-                    if not link.recv(1, socket.MSG_PEEK):
+                    if not link.recv(4096, socket.MSG_DONTWAIT):
                         return rank
+                except BlockingIOError:
+                    continue
                 except OSError:
                     return rank
+                silence.heard(rank, now)
         return None
+
+    def _judge(self) -> None:
+        """Rank 0: tell ``on_silent`` of a follower gone silent, or of all heard again."""
+        silence, told = self._silence, self.on_silent
+        if silence is None or told is None:
+            return
+        went, back = silence.check(time.monotonic())
+        for rank in went:
+            told(f"tensor-parallel rank {rank} (worker tp-{rank}) is silent: nothing heard "
+                 f"from it for {silence.silence_s:g} s (stopped or hung); the daemon "
+                 "restarts the group if it stays so")
+        if back and not silence.any_silent:
+            told(None)
 
     def _broken(self, why: str) -> None:
         """End this process: a rank whose group broke cannot go on (the module docstring).
@@ -267,6 +302,7 @@ class Mirror:
         if self._links is None:
             return self._first(ops)
         if self.leader:
+            self._closing = self._closing or ("close",) in ops  # their links end next
             data = pickle.dumps(ops)
             frame = struct.pack(">I", len(data)) + data
             for rank, link in self._links.items():
@@ -316,6 +352,7 @@ class Mirror:
                         link.close()  # not one of ours
                         continue
                     links[rank] = link
+            self._silence = RankSilence(links, time.monotonic())
             self._links = links
             return ops
         got = self._ring_share([])
@@ -324,11 +361,23 @@ class Mirror:
         link.sendall(link_op[2].encode("ascii") + b"%04d" % self.rank)
         link.settimeout(self._deadline_s)
         self._links = {0: link}
+        threading.Thread(target=beat, args=(link,), daemon=True,
+                         name="mlxceld-rank-beat").start()
         return [op for op in got if op[0] != "link"]
 
     def close(self) -> None:
-        """Close the op links (after the last share)."""
+        """Close the op links (after the last share). Rank 0 first reads each follower's
+        last beats until it closes its end (at most ``CLOSE_DRAIN_S``): a link closed
+        with bytes unread is reset, and the reset could cost the follower the ``close``
+        op still on its way."""
+        self._closing = True
         for link in (self._links or {}).values():
+            if self.leader:
+                with contextlib.suppress(OSError):
+                    link.shutdown(socket.SHUT_WR)
+                    link.settimeout(CLOSE_DRAIN_S)
+                    while link.recv(4096):
+                        pass
             link.close()
 
     def _ring_share(self, ops: list[Op]) -> list[Op]:

@@ -16,9 +16,12 @@ no decode node up the request is refused with ``EngineUnavailable`` (HTTP 503 wi
 Retry-After) naming which pool has none. Bounds: a prefill is answered within
 ``PREFILL_TIMEOUT_S`` (the prompt's prefill and the handoff's send), else the request
 fails with 503; the decode node's first token must follow the prefill node's
-``prefilled`` within ``FIRST_TOKEN_S`` (a handoff the decode node dropped, e.g. from a
-prefill node missing from its ``--prefill-peers``, would otherwise hold the request
-for the decode node's own bound, ``protocol.HANDOFF_TIMEOUT_S``), else 503.
+``prefilled`` within ``FIRST_TOKEN_S``, else 503 (a decode node that is stuck, or drops
+a handoff without ending the sequence, would otherwise hold the request for its own
+bound, ``protocol.HANDOFF_TIMEOUT_S``). A handoff the decode node cannot take (its
+sender not among its ``--prefill-peers``, even asked again; bounds) ends the sequence
+at once with ``bad_handoff``: 503 with Retry-After 1, not a wait; a handoff that came
+before its ``expect`` is held for it (``held.py``).
 
 Errors: a model whose cache cannot travel (``HandoffUnsupported`` from the prefill
 node) is HTTP 500 naming the family: the deployment is wrong (serve it on hybrid
@@ -149,8 +152,8 @@ class DisaggEngine:
                 except TimeoutError:
                     raise EngineUnavailable(
                         f"node {decode.node_id} sent no token within {FIRST_TOKEN_S:g} s of "
-                        f"node {prefill.node_id}'s handoff (is the prefill node among its "
-                        "--prefill-peers?)", retry_after_s=1) from None
+                        f"node {prefill.node_id}'s handoff (its log names a handoff it "
+                        "dropped: mlxctl logs router, on that node)", retry_after_s=1) from None
                 except StopAsyncIteration:
                     raise EngineError(f"node {decode.node_id} ended the sequence without a "
                                       "token") from None

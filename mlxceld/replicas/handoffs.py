@@ -18,7 +18,13 @@
   for at most ``handoff_timeout_s``; its ``handoff`` must come from an identity in
   ``prefill_peers()`` (the handshake's, never a field) that is the expect's
   ``prefill``, else it is dropped (a rate-limited ``router_drop`` warning) and
-  changes nothing. Bounds: the frames' blobs may not add up to more than the cache of
+  changes nothing. Two cases are held for a moment instead (``held.py``, bounded in
+  time, count and bytes): a peer's handoff that came before its ``expect`` waits for
+  it, and a handoff from the address an ``expect`` names that is not a peer yet (a
+  prefill node restarted on a new port) waits while ``recheck_peers`` asks the peers'
+  agents again; if it is still no peer, the sequence ends with ``bad_handoff`` at once.
+  A handoff let go so (past ``held.HOLD_S``, or past the bounds) is dropped with the
+  same warning, saying why. Bounds: the frames' blobs may not add up to more than the cache of
   the expected prompt would be uncompressed (``handoff_bytes``), nor come in more
   parts than the model has layers; the whole is checked (``decode_cache``) before
   decoding. A cache that does not fit, or none in time, ends the sequence with
@@ -36,10 +42,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from mlxceld import failpoints
 from mlxceld.engine.base import Engine, EngineError, GenerationRequest, TokenOutput
 from mlxceld.engine.constraints import ConstraintError
 from mlxceld.engine.handoff import (
@@ -55,6 +62,7 @@ from mlxceld.engine.handoff import (
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.securitylog import SecurityLog
 from mlxceld.replicas import protocol as p
+from mlxceld.replicas.held import EarlyHandoffs, HeldHandoffs
 from mlxceld.replicas.messages import Expect, Handoff, Prefill, Prefilled
 from mlxceld.replicas.service import ServingService, _Link
 from mlxceld.tasks import Background
@@ -159,6 +167,7 @@ class HandoffStats:
     bytes: int = 0
     refused: int = 0
     dropped: int = 0
+    held: int = 0  # (decode) handoffs held for their expect or a peers' ask (``held.py``)
     # Time in the handoffs: a prefill node's encoding and sending, a decode node's decoding.
     seconds: float = 0.0
 
@@ -166,12 +175,17 @@ class HandoffStats:
 class HandoffService(ServingService):
     def __init__(self, engine: HandoffEngine, *, role: str,
                  prefill_peers: Callable[[], Collection[str]] = frozenset,
+                 recheck_peers: Callable[[], Awaitable[None]] | None = None,
                  allowlist: frozenset[str] | None = None,
-                 handoff_timeout_s: float = p.HANDOFF_TIMEOUT_S, **options: Any) -> None:
+                 handoff_timeout_s: float = p.HANDOFF_TIMEOUT_S,
+                 early: HeldHandoffs | None = None, **options: Any) -> None:
         """``role``: "prefill" or "decode"; ``prefill_peers``: (decode) the serving
-        addresses a handoff may come from, asked at each one; ``allowlist``: (prefill)
-        the decode targets allowed (``decode_allowlist``; None: any). The rest is
-        ``ServingService``'s."""
+        addresses a handoff may come from, asked at each one; ``recheck_peers``: (decode)
+        asks the peers' agents again now, for a handoff from an address not among them
+        (None: none is asked, such a handoff is dropped once held); ``allowlist``:
+        (prefill) the decode targets allowed (``decode_allowlist``; None: any);
+        ``early``: (decode) where early handoffs are held (default ``held.py``'s bounds).
+        The rest is ``ServingService``'s."""
         if role not in HANDOFF_SIDES:
             raise ValueError(f"role must be one of {', '.join(HANDOFF_SIDES)}, not {role!r}")
         super().__init__(engine, role=role, **options)
@@ -186,6 +200,12 @@ class HandoffService(ServingService):
         # The readers of the links to decode nodes: a link outlives the prefill that dialed
         # it, and the node has no scope for them beside its connections'; aclose ends them.
         self._readers = Background(f"node {self.node_id}'s links to decode nodes")
+        self._early = EarlyHandoffs(
+            early if early is not None else HeldHandoffs(),
+            known=lambda peer: peer in self._prefill_peers(),
+            expects=self._expected.__contains__, deliver=self._deliver,
+            fail=self._fail_expected, dropped=self._drop, recheck=recheck_peers,
+            spawn=self._readers.spawn)
         self._security = SecurityLog(logger=log)
         self.stats = HandoffStats()
         if role == "prefill":
@@ -203,6 +223,7 @@ class HandoffService(ServingService):
         return f"{self.host}:{self.port}"
 
     async def aclose(self) -> None:
+        self._early.close()
         for stream in list(self._targets.values()):
             await stream.close("prefill node stopping")
         self._targets.clear()
@@ -214,6 +235,8 @@ class HandoffService(ServingService):
         if env.type == "prefill" and self.role == "prefill":
             self._prefill(link, env, tg)
         elif env.type == "expect" and self.role == "decode":
+            if failpoints.EXPECT_DELAY_S:  # tests only: the handoff comes first
+                await asyncio.sleep(failpoints.EXPECT_DELAY_S)
             self._expect(link, env, tg)
         elif env.type == "handoff" and self.role == "decode":
             self._handoff(link, env)
@@ -344,6 +367,7 @@ class HandoffService(ServingService):
         self._expected[seq] = expected
         link.seqs[seq] = tg.create_task(self._run(link, seq, request,
                                                   lambda: self._decode(seq, expected)))
+        self._early.expected(seq)
 
     async def _decode(self, seq: str, expected: _Expected
                       ) -> AsyncGenerator[TokenOutput, None]:
@@ -357,6 +381,8 @@ class HandoffService(ServingService):
                                    f"{self._handoff_timeout_s:g} s") from None
         finally:
             self._expected.pop(seq, None)
+            if not expected.done.done():  # its frames still to come are dropped at once
+                self._early.rule.drop(seq, "its sequence ended before its KV cache came")
         assert expected.first is not None  # part 0 came, with its first token
         first = checked_first(expected.first, self.handoff_engine.vocab_size)
         started = time.perf_counter()
@@ -378,20 +404,41 @@ class HandoffService(ServingService):
     def _handoff(self, link: _Link, env: Envelope) -> None:
         peer = link.stream.peer_identity
         seq = env.header.get("seq")
-        expected = self._expected.get(seq) if isinstance(seq, str) else None
+        if peer is None or not isinstance(seq, str):
+            self._drop(str(link.stream.peer), "no router expects that sequence here")
+            return
+        expected = self._expected.get(seq)
+        known = peer in self._prefill_peers()
+        if seq in self._early:
+            self._early.hold(seq, peer, env)  # behind its sequence's frames held before
+        elif expected is None or (not known and expected.prefill == peer):
+            # Early (its expect may be on its way), or from a prefill node that restarted
+            # on a new port, maybe (its agent is asked again).
+            self.stats.held += 1
+            self._early.hold(seq, peer, env)
+        else:
+            self._deliver(seq, peer, env, known)
+
+    def _deliver(self, seq: str, peer: str, env: Envelope, known: bool) -> None:
+        """Take ``env`` into its expected sequence, or drop it saying why (see above)."""
+        expected = self._expected.get(seq)
         why = None
-        if peer not in self._prefill_peers():
+        if not known:
             why = "it is not one of this node's prefill peers"
+            if expected is not None and expected.prefill == peer and not expected.done.done():
+                # The router sent the cache here from that node: end the wait at once.
+                expected.done.set_exception(HandoffError(
+                    f"the KV cache came from {peer}, which is not one of decode node "
+                    f"{self.node_id}'s prefill peers, as their agents answered when asked "
+                    "again (see its log and its --prefill-peers)"))
         elif expected is None:
-            why = "no router expects that sequence here"
+            why = self._early.rule.gone(seq) or "no router expects that sequence here"
         elif expected.prefill != peer:
             why = "the router expects it from another prefill node"
         elif expected.done.done():
             why = "that sequence's handoff is already complete"
         if why is not None:
-            self.stats.dropped += 1
-            self._security.warn("router_drop", "node %s dropped a handoff from %s: %s",
-                                self.node_id, peer, why, kind="handoff dropped")
+            self._drop(peer, why)
             return
         assert expected is not None
         try:
@@ -399,6 +446,16 @@ class HandoffService(ServingService):
         except HandoffError as exc:
             expected.blobs.clear()
             expected.done.set_exception(exc)
+
+    def _drop(self, peer: str, why: str) -> None:
+        self.stats.dropped += 1
+        self._security.warn("router_drop", "node %s dropped a handoff from %s: %s",
+                            self.node_id, peer, why, kind="handoff dropped")
+
+    def _fail_expected(self, seq: str, why: str) -> None:
+        expected = self._expected.get(seq)
+        if expected is not None and not expected.done.done():
+            expected.done.set_exception(HandoffError(f"its KV cache was dropped: {why}"))
 
     def _take_part(self, expected: _Expected, env: Envelope) -> None:
         layers = self._layout.layers

@@ -50,11 +50,14 @@ class StartRequested:
 @dataclass(frozen=True)
 class StopRequested:
     """The user or the daemon wants the worker down, and to stay down; ``reason``, if
-    given, is the STOPPING state's. ``at_once``: SIGKILL, not SIGTERM (a worker group's
-    member whose peer failed: its work waits on that peer and cannot drain)."""
+    given, is the STOPPING state's. ``at_once``: SIGKILL, not SIGTERM; ``within_s``:
+    SIGTERM, and SIGKILL after this long rather than the stop timeout (a worker group's
+    member whose peer failed: its work waits on that peer and cannot drain, but it may
+    answer its requests first)."""
 
     reason: str = ""
     at_once: bool = False
+    within_s: float | None = None
 
 
 @dataclass(frozen=True)

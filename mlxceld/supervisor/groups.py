@@ -23,10 +23,13 @@ member's transitions (``group_rule``; ``Supervisor.transitioned`` carries it out
   the old size (other changes of a member's spec take effect at its next start, as
   for any worker; the group's next restart starts them all on the new specs).
 
-The rule's stops are kills (SIGKILL at once, not SIGTERM and the stop timeout): each
-rank's work waits on every other rank's collectives, so once one member is gone or
-hung the others can finish nothing, and a member the health probes or the watchdog
-stopped is hung (it would sit out its stop timeout).
+The rule's stops are short (SIGTERM, then SIGKILL after ``GROUP_STOP_S``, not the stop
+timeout): each rank's work waits on every other rank's collectives, so once one member
+is gone or hung the others can finish nothing, but the router (rank 0) gets the moment
+it needs to answer its requests in flight with the group's error
+(``engine/tensor.py``) rather than have their connections cut; a member the health
+probes or the watchdog stopped is hung and is killed at once (it would sit out its
+stop timeout).
 
 The backoff and flap rules stay per worker (``states.py``). This module is pure:
 the decision from a transition, no IO.
@@ -35,11 +38,12 @@ the decision from a transition, no IO.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from mlxceld.types import WorkerState
 
 UP = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
+GROUP_STOP_S: Final = 2.0  # a member stopped by the rule: SIGKILL this long after SIGTERM
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from mlxceld.supervisor.events import (
     StopRequested,
     Transitioned,
 )
-from mlxceld.supervisor.groups import UP, group_rule
+from mlxceld.supervisor.groups import GROUP_STOP_S, UP, group_rule
 from mlxceld.supervisor.ops import Stats, WorkerRequest
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.runner import WorkerRunner
@@ -246,11 +246,11 @@ class Supervisor:
         for member in self._members(group) if group is not None else [name]:
             self._restart(member, f"restart of {name} requested")
 
-    def _restart(self, name: str, reason: str = "", *, at_once: bool = False) -> None:
+    def _restart(self, name: str, reason: str = "", *, within_s: float | None = None) -> None:
         runner = self._runners[name]
         self._table.update(name, desired="running")
         if runner.machine.state in UP:
-            runner.post(StopRequested(reason, at_once=at_once))
+            runner.post(StopRequested(reason, within_s=within_s))
         runner.post(StartRequested(reason))
         self._events.append("worker.restart_requested", name,
                             reason or f"restart of {name} requested")
@@ -366,9 +366,9 @@ class Supervisor:
             runner.post(KillRequested())
         for name in others:  # their collectives wait on it: nothing of theirs can drain
             if action.kind == "restart":
-                self._restart(name, action.reason, at_once=True)
+                self._restart(name, action.reason, within_s=GROUP_STOP_S)
             else:
-                self._runners[name].post(StopRequested(action.reason, at_once=True))
+                self._runners[name].post(StopRequested(action.reason, within_s=GROUP_STOP_S))
 
     def _tell(self, spec: WorkerSpec, state: WorkerState | None, reason: str) -> None:
         """``changed``, whose failure is logged: it never stops a worker's lifecycle."""

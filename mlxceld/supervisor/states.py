@@ -339,6 +339,8 @@ class Lifecycle:
         self._stop_reason = event.reason
         if event.at_once:
             actions[-1] = SendSignal("KILL")
+        elif event.within_s is not None:
+            self._timer = (now + event.within_s, _StopTimedOut())
         return actions
 
     def _on_stop_while_stopping(self, event: StopRequested, now: float) -> list[Action]:

@@ -15,6 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,7 +64,15 @@ class LocalRouter(RouterEngine):
 
 
 class TensorRouter(LocalRouter):
-    """Rank 0 of the tensor-parallel group: the engine drives the other ranks."""
+    """Rank 0 of the tensor-parallel group: the engine drives the other ranks; ``/ready``
+    is 503 naming a rank that went silent, while it is (``engine/heartbeats.py``)."""
+
+    def hooks(self) -> AppHooks:
+        return replace(super().hooks(), readiness=self.readiness)
+
+    def readiness(self) -> dict[str, Any] | None:
+        stalled = self.engine.stalled
+        return None if stalled is None else {"reason": str(stalled)}
 
 
 async def make_engine(mode: EngineMode, ctx: WorkerContext[RouterOptions],

@@ -11,9 +11,10 @@ its engine's ``prompt_cache`` (a prefill node prefills on from the longest prefi
   (``handoffs.decode_allowlist``): the decode targets it may send caches to.
 - A decode node takes handoffs from its ``--prefill-peers`` only
   (``HandoffOptions.prefill_agents``): their serving addresses are asked of their agents
-  (``discovery/serving.py``'s ``ask_serving``) at start and every ``PEERS_EVERY_S``; a
-  peer that is not a prefill node serving our model is left out, with a warning naming
-  it, until it is.
+  (``discovery/serving.py``'s ``ask_serving``) at start and every ``PEERS_EVERY_S``, and
+  at once for a handoff from an address an ``expect`` names that is not among them (a
+  prefill node restarted on a new port: ``replicas/held.py``); a peer that is not a
+  prefill node serving our model is left out, with a warning naming it, until it is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from mlxceld import failpoints
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
 from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.roles.options import HandoffOptions, RouterOptions
@@ -59,8 +61,13 @@ class PrefillPeers:
     async def keep(self) -> None:
         """Ask every peer's agent now and every ``PEERS_EVERY_S``, until cancelled."""
         while True:
-            await asyncio.gather(*(self._ask(agent) for agent in self._agents))
-            await asyncio.sleep(PEERS_EVERY_S)
+            await self.ask_now()
+            await asyncio.sleep(failpoints.PEERS_EVERY_S or PEERS_EVERY_S)
+
+    async def ask_now(self) -> None:
+        """Ask every peer's agent now (also for a handoff from an address not known yet:
+        ``replicas/held.py``)."""
+        await asyncio.gather(*(self._ask(agent) for agent in self._agents))
 
     async def _ask(self, agent: str) -> None:
         problem = None
@@ -122,6 +129,7 @@ async def handoff_service(ctx: WorkerContext[RouterOptions], engine: Any, identi
         peers = PrefillPeers(handoff.prefill_agents, origin=handoff.origin,
                              keyring=ctx.keyring, model_identity=identity)
         extra["prefill_peers"] = peers
+        extra["recheck_peers"] = peers.ask_now
     service = HandoffService(  # the keyring is changed in place by the daemon
         engine, role=handoff.role, node_id=o.serving.node_id, model_identity=identity,
         cluster=o.serving.cluster, keyring=ctx.keyring, address=o.serving.address,
@@ -170,6 +178,7 @@ async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
             stats = service.stats
             ctx.stats["handoffs"] = {"handoffs": stats.handoffs, "bytes": stats.bytes,
                                      "refused": stats.refused, "dropped": stats.dropped,
+                                     "held": stats.held,
                                      "seconds": round(stats.seconds, 6)}
             ctx.stats["prompt_cache"] = prompt_cache()
             with contextlib.suppress(TimeoutError):

@@ -154,10 +154,45 @@ def test_rank_0_ends_when_a_follower_dies_mid_step(models: Path, tmp_path: Path)
         results = finish(procs, deadline_s=10.0)
     code, text = results[0]
     assert code != 0  # 1 from the watchdog; mlx may abort the teardown after it raised
-    # The request in flight heard why: from the watchdog, or from mlx when it does raise.
-    assert ("generation failed: the tensor-parallel group broke: tensor-parallel rank 1 is "
-            "gone: its op link closed" in text
-            or "generation failed: [ring] connection to a peer was lost" in text), text[-2000:]
+    # The request in flight heard why, as a 503 (EngineUnavailable): from the watchdog, or
+    # from mlx when it does raise.
+    assert "EngineUnavailable: the tensor-parallel group broke: " in text, text[-2000:]
+    assert ("broke: tensor-parallel rank 1 (worker tp-1) is gone: its op link closed; the "
+            "daemon restarts it" in text
+            or "broke: [ring] connection to a peer was lost" in text), text[-2000:]
+
+
+def test_rank_0_names_a_stopped_follower_silent_within_the_bound(
+        models: Path, tmp_path: Path) -> None:
+    """SIGSTOP of rank 1 while rank 0 generates: no link ends and rank 0's step waits in
+    the ring, but rank 1's heartbeats stop: rank 0 fails the request in flight within
+    ``heartbeats.SILENCE_S`` (3 s; asserted with room for a loaded machine), a 503 naming
+    the rank. Rank 1 is continued and killed by pid at the end."""
+    import os
+    import signal
+
+    out = tmp_path / "out.json"
+    procs = start_ranks(models / "llama", 2,
+                        [{"prompt": [5, 6, 7], "max_tokens": 100_000, "temperature": 0}],
+                        out)
+    try:
+        wait_for(lambda: Path(f"{out}.started").exists() or any(
+            p.poll() is not None for p in procs), timeout=120.0, what="the first token")
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: procs[0].poll() is not None, timeout=30.0,
+                 what="rank 0's request to fail once rank 1 is silent")
+        took = time.monotonic() - stopped
+    finally:
+        if procs[1].poll() is None:
+            os.kill(procs[1].pid, signal.SIGCONT)
+            procs[1].kill()
+        results = finish(procs, deadline_s=10.0)
+    text = results[0][1]
+    assert ("EngineUnavailable: tensor-parallel rank 1 (worker tp-1) is silent: nothing "
+            "heard from it for 3 s (stopped or hung)" in text), text[-2000:]
+    assert took < 3.0 + 3.0, took  # the bound, and a loaded machine's slack
 
 
 def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:

@@ -32,8 +32,8 @@ BACK_S = 90.0
 # A hung rank (SIGSTOP) is found by its failed health probes: LIVENESS_FAILURES probes, each
 # every health_interval_s (0.5 s, helpers.daemons.FAST_POLICY) and up to the runner's
 # LIVENESS_TIMEOUT_S (2 s) unanswered: ~7.5 s here (with the defaults, 6 probes every 5 s:
-# ~42 s). The group is then killed at once (supervisor/groups.py), not left to its stop
-# timeouts.
+# ~42 s). The group is then stopped at once (supervisor/groups.py: the hung rank killed,
+# the others given GROUP_STOP_S), not left to its stop timeouts.
 LIVENESS_FAILURES = 3
 HUNG_BOUND_S = LIVENESS_FAILURES * (0.5 + 2.0) + BACK_S
 

@@ -1,4 +1,5 @@
-"""Worker groups (supervisor/groups.py): a member's failure restarts the others at once,
+"""Worker groups (supervisor/groups.py): a member's failure restarts the others at once
+(SIGTERM, SIGKILL after ``GROUP_STOP_S``),
 ``restart`` of one restarts all, a member that stops for good on its own stops the rest;
 a worker outside the group is left alone. Real ``echo`` worker processes under a real
 supervisor; the rule itself also by hand, for the cases a process cannot show quickly
@@ -167,6 +168,35 @@ def test_a_groups_stops_kill_at_once_and_carry_their_reason() -> None:
     assert m.handle(KillRequested(), 2.1) == [SendSignal("KILL")]
     [stopped] = m.handle(ProcessExited(Cause("signal", "killed by SIGKILL")), 2.2)
     assert stopped == Transitioned(S.STOPPING, S.EXITED, "stopped")
+
+
+def test_a_groups_rule_stops_its_members_with_sigterm_and_kills_them_shortly() -> None:
+    """The rule's stops (``GROUP_STOP_S``): SIGTERM, so that a router answers its requests
+    with the group's error, and SIGKILL once that short bound passes, not the worker's
+    stop timeout."""
+    import random
+
+    from mlxceld.supervisor.events import (
+        BecameReady,
+        SendSignal,
+        Spawned,
+        StartRequested,
+        StopRequested,
+        Transitioned,
+    )
+    from mlxceld.supervisor.groups import GROUP_STOP_S
+    from mlxceld.supervisor.states import Lifecycle
+
+    assert QUICK.stop_timeout_s > GROUP_STOP_S
+    m = Lifecycle("router", QUICK, random.random)
+    m.handle(StartRequested(), 0.0)
+    m.handle(Spawned(7), 0.1)
+    m.handle(BecameReady(), 0.2)
+    why = "group tp: tp-1 exited (killed by SIGKILL); its group restarts together"
+    assert m.handle(StopRequested(why, within_s=GROUP_STOP_S), 1.0) == [
+        Transitioned(S.RUNNING, S.STOPPING, why), SendSignal("TERM")]
+    assert m.next_deadline() == 1.0 + GROUP_STOP_S
+    assert m.handle_timer(1.0 + GROUP_STOP_S) == [SendSignal("KILL")]
 
 
 def test_a_group_whose_members_change_restarts_the_members_it_keeps(state_dir: Path) -> None:
