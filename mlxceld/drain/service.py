@@ -8,7 +8,10 @@ need (its control channel's ``drain`` op; ``api/edge/draining.py`` says what it 
 with them: 503 "draining" for new requests, the running ones finish, the deadline
 ends the rest), and answers how many requests are still in flight. A draining node
 whose router has none left is ``drained``; its row keeps the counts (finished,
-ended at the deadline). A node no request of this daemon's router needs (a peer
+ended at the deadline). On a node that serves routers too (a replica or hybrid node's
+serving listener, a prefill or decode node: their worker's ``drain`` op drains that
+listener as well), the count is its own clients' and the routers' sequences together,
+and ``senders`` names who still sends work. A node no request of this daemon's router needs (a peer
 outside the plan, a daemon that runs no router) is drained at once. `mlxctl
 undrain NODE` deletes the row; the next push lets the router admit again.
 
@@ -65,7 +68,8 @@ class DrainService:
         self._held = held  # draining nodes not to be said to the router yet (a re-plan)
         self._wake = asyncio.Event()
         self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
-        self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended
+        self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended,
+        #                          senders
         self._replanned: set[str] = set()  # draining nodes that were held for a re-plan
         self._closing = False
 
@@ -74,19 +78,23 @@ class DrainService:
     def list(self) -> list[DrainView]:
         """Every drain's row, with ``replanning`` (its drain waits for a re-plan around the
         node) and, while it drains, the router's last counts: ``in_flight`` (None: not
-        known, or not said to the router yet), ``finished`` and ``ended`` so far."""
+        known, or not said to the router yet), ``finished`` and ``ended`` so far, and
+        ``senders``: who still sends work (this node's OpenAI clients, each router with
+        sequences on its serving listener, with their counts; None: not known)."""
         held = self._held()
         told = {d["node"] for d in self._pushed or []}
         out = []
         for r in self._table.all():
             in_flight: int | None = 0
+            senders: list[JSON] | None = []
             if r.state == "draining":
                 live = r.node_id in told and bool(self._counts)
                 in_flight = self._counts.get("in_flight") if live else None
+                senders = list(self._counts.get("senders") or []) if live else None
                 if live:
                     r = replace(r, finished=int(self._counts.get("finished") or 0),
                                 ended=int(self._counts.get("ended") or 0))
-            out.append(DrainView(r, r.node_id in held, in_flight))
+            out.append(DrainView(r, r.node_id in held, in_flight, senders))
         return out
 
     def drain(self, node: str, deadline_s: float | None, force: bool) -> DrainRow:
@@ -167,7 +175,8 @@ class DrainService:
             self._pushed, self._counts = None, {}  # unknown: say it again next time
             return
         self._pushed = drains
-        self._counts = {k: reply.get(k) for k in ("in_flight", "finished", "ended")}
+        self._counts = {k: reply.get(k) for k in ("in_flight", "finished", "ended",
+                                                  "senders")}
         if reply.get("in_flight") != 0:
             return
         finished, ended = int(reply.get("finished") or 0), int(reply.get("ended") or 0)
