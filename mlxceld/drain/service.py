@@ -27,6 +27,10 @@ so requests go on being admitted on the old plan; once the new plan serves, the
 router's requests no longer need the node and it is ``drained``; if the model does not
 fit without it (``drain.no_fit``), the drain goes on as above.
 
+A stage host's own daemon refuses to drain its node (``refuse_stage_host``:
+``DrainRefused``, nothing recorded): its coordinator sends it the work, and only the
+coordinator can re-plan around it (`mlxctl drain NODE` there).
+
 Every change is an event: ``drain.started``, ``drain.changed`` (a new deadline),
 ``drain.drained``, ``drain.ended`` (undrained).
 """
@@ -42,7 +46,7 @@ from dataclasses import replace
 from typing import Final
 
 from mlxceld.control.answers import DrainView, Undrained
-from mlxceld.errors import UnknownNode
+from mlxceld.errors import DrainRefused, UnknownNode
 from mlxceld.state import DrainRow, DrainsTable, EventLog
 from mlxceld.types import JSON
 
@@ -202,6 +206,23 @@ class DrainService:
                             finished=finished, ended=ended, took_s=round(took, 3))
         log.info("node %s drained in %.1f s: %s (%d finished, %d ended at the deadline)",
                  row.node_id, took, why, finished, ended)
+
+
+def refuse_stage_host(target: str, own: set[str], stage: str | None,
+                      coordinator: tuple[str, str] | None) -> None:
+    """``DrainRefused`` when ``target`` is this node (one of ``own``) and it holds
+    ``stage`` of a pipeline whose ``coordinator`` (its node id and address) sends it the
+    work: only that daemon can re-plan around it, and this one would say "drained" while
+    the work goes on coming. Nothing is recorded."""
+    if stage is None or coordinator is None or target not in own:
+        return
+    node, address = coordinator
+    raise DrainRefused(
+        f"node {target} holds stage {stage} of the pipeline coordinated by node {node} "
+        f"({address}): its work comes from that coordinator, and this daemon cannot move "
+        "it elsewhere; nothing changed here",
+        hint=f"drain it on the coordinator's host: `mlxctl drain {stage}` there re-plans "
+        "the pipeline around this node")
 
 
 def known_node(target: str, known: set[str]) -> str:
