@@ -286,17 +286,25 @@ def disagg(fixture_dir: Path) -> Iterator[Disagg]:
 def test_a_prefill_or_decode_node_drains_under_load(disagg: Disagg, role: str) -> None:
     """The drain of one prefill (or decode) node on its own daemon, under 4 streaming
     clients of the router: none fails (the router tries the other node of that pool), the
-    command exits 0 saying "drained", and the undrain admits again."""
+    command exits 0 saying "drained", no request completes on the node while it is
+    drained, and the undrain admits again."""
     r = disagg.router
     host = (disagg.prefills if role == "prefill" else disagg.decodes)[0]
+    drained, other = f"{role}-0", f"{role}-1"  # the router's names, by --*-peers order
     with Load(f"{url(r)}/v1") as load:
         wait_for(lambda: load.counts()["ok"] >= CLIENTS, 120, "the load under way")
         before = load.counts()
         done, row, _ = drain_watched(host)
+        wait_for(lambda: nodes(r)[drained]["in_flight"] == 0, 5,
+                 "the router's account of the node's last requests closed")
+        at_drained = nodes(r)
         time.sleep(LOAD_S)
+        while_drained = nodes(r)
         during = load.counts()
         assert host.d.ctl("undrain").returncode == 0
-        time.sleep(LOAD_S)
+        wait_for(lambda: nodes(r)[drained]["completed"]
+                 > while_drained[drained]["completed"], 60,
+                 "the node serving the router's requests again after the undrain")
     after = load.counts()
     print(f"\n{role} node drain through a router ({CLIENTS} streaming clients): before "
           f"{before}, while drained {during}, at the end {after}; exit {done.returncode}: "
@@ -304,7 +312,9 @@ def test_a_prefill_or_decode_node_drains_under_load(disagg: Disagg, role: str) -
     assert done.returncode == 0, done.stdout + done.stderr
     assert row["state"] == "drained" and row["ended"] == 0, row
     assert load.failed == [], load.failed[:3]
-    assert during["ok"] > before["ok"]  # the other node of the pool served meanwhile
+    assert during["ok"] > before["ok"]
+    assert while_drained[drained]["completed"] == at_drained[drained]["completed"]
+    assert while_drained[other]["completed"] > at_drained[other]["completed"]
 
 
 # -- a stage host's own daemon ----------------------------------------------------------
