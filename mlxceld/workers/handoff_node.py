@@ -14,6 +14,12 @@ its engine's ``prompt_cache`` (a prefill node prefills on from the longest prefi
   (``discovery/serving.py``'s ``ask_serving``) at start and every ``PEERS_EVERY_S``; a
   peer that is not a prefill node serving our model is left out, with a warning naming
   it, until it is.
+
+Its control channel's ``drain`` op (``handoff_drain_op``: the router worker's request and
+answer) is how the daemon's drain of this node reaches it: the serving listener refuses
+new ``prefill`` / ``expect`` with ``draining`` (the router tries the other node of that
+pool), the held ones run (a prefill hands its cache off, a decode node's expected
+sequence takes its handoff and decodes), the deadline ends the rest; ``[]`` undrains.
 """
 
 from __future__ import annotations

@@ -82,7 +82,10 @@ finish, as the OpenAI port's streams do.
 Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
 nodes its requests need are draining (``api/edge/draining.py``: 503 "draining" for new
 requests, in-flight ones finish, the rest end at the deadline); the daemon says it
-again every ``drain/service.py`` ``PUSH_EVERY_S``, so a restarted router learns it.
+again every ``drain/service.py`` ``PUSH_EVERY_S``, so a restarted router learns it. With
+the serving listener, a drain in force drains it too (``handoff_node.drain_serving``):
+the routers' new sequences are refused with ``draining``, theirs are counted in flight
+with the OpenAI port's, and the answer's ``senders`` says who still sends work.
 """
 
 from __future__ import annotations
