@@ -235,7 +235,11 @@ class ServingService:
     def _spawn(self, link: _Link, seq: str, work: Coroutine[Any, Any, None],
                tg: asyncio.TaskGroup) -> None:
         """Run ``seq``'s ``work`` in the connection's group, as one of ``link``'s."""
-        link.seqs[seq] = tg.create_task(self._cuttable(link, seq, work))
+        task = tg.create_task(self._cuttable(link, seq, work))
+        # A task cancelled before its first step (its connection ended at once) never
+        # awaits ``work``: close it then, as the task's own coroutine would be.
+        task.add_done_callback(lambda _: work.close())
+        link.seqs[seq] = task
 
     # -- one connection -----------------------------------------------------------------
 
