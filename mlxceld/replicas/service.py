@@ -236,9 +236,16 @@ class ServingService:
                tg: asyncio.TaskGroup) -> None:
         """Run ``seq``'s ``work`` in the connection's group, as one of ``link``'s."""
         task = tg.create_task(self._cuttable(link, seq, work))
-        # A task cancelled before its first step (its connection ended at once) never
-        # awaits ``work``: close it then, as the task's own coroutine would be.
-        task.add_done_callback(lambda _: work.close())
+
+        def done(_: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step (a ``cancel`` right behind its
+            # ``generate``, its connection ended at once) never runs ``work``: close it,
+            # and let the sequence go from the link's, as ``work`` would have.
+            work.close()
+            if link.seqs.get(seq) is task:
+                del link.seqs[seq]
+
+        task.add_done_callback(done)
         link.seqs[seq] = task
 
     # -- one connection -----------------------------------------------------------------

@@ -9,6 +9,7 @@ held with ``draining``, and ``undrain`` admits again."""
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,15 @@ from typing import Any
 
 import pytest
 
-from mlxceld.engine import EngineUnavailable
+from mlxceld.engine import EngineUnavailable, SamplingParams
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
+from mlxceld.net import connect_as
+from mlxceld.replicas.messages import Cancel, Generate
 from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.service import ServingService
+from mlxceld.wire import encode_envelope
+from mlxceld.wire.transport_messages import Attach
 
 from helpers.keys import keyring
 from helpers.mxcl import CLIENT_ID, SECRET, accepting, run
@@ -107,5 +112,35 @@ def test_the_drains_deadline_ends_what_is_still_held_with_draining(
             state = service.drain_state()
             assert (state["finished"], state["ended"]) == (0, 1), state
             assert engine.active_sequences() == 0  # the engine's sequence ended too
+
+    run(main())
+
+
+def test_a_sequence_cancelled_right_behind_its_generate_is_not_left_held(
+        node: tuple[LocalEngine, Any]) -> None:
+    """A router's ``generate`` and its ``cancel`` in one write: the node may take both
+    before the sequence's task first runs. It is not left among the held ones (its drain
+    would wait for it for ever), and the router's next sequences run."""
+    engine, tokenizer = node
+    ids = tokenizer.encode("Once upon a time")
+
+    async def main() -> None:
+        service = service_of(engine)
+        await service.start()
+        async with accepting(service.serve, service.aclose):
+            stream = await connect_as(CLIENT_ID, f"{service.host}:{service.port}",
+                                      keyring=keyring(SECRET), channel=1)
+            await stream.send(encode_envelope(Attach(MODEL, CLUSTER).to_wire()))
+            prompt = [("prompt", "i32", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids))]
+            for i in range(20):  # some are cancelled before their task runs, some after
+                seq = f"s{i}"
+                await stream.send(encode_envelope(
+                    Generate(seq, SamplingParams(max_tokens=50)).to_wire(), prompt))
+                await stream.send(encode_envelope(Cancel(seq).to_wire()))
+            service.drain(None)
+            await until(lambda: service.drain_state()["in_flight"] == 0,
+                        "no cancelled sequence held", WAIT_S)
+            assert service.drain_state()["senders"] == []
+            await stream.close("done")
 
     run(main())
