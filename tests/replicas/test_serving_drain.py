@@ -132,9 +132,12 @@ def test_a_sequence_cancelled_right_behind_its_generate_is_not_left_held(
                                       keyring=keyring(SECRET), channel=1)
             await stream.send(encode_envelope(Attach(MODEL, CLUSTER).to_wire()))
             prompt = [("prompt", "i32", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids))]
-            for i in range(20):  # some are cancelled before their task runs, some after
+            for i in range(20):
                 seq = f"s{i}"
-                await stream.send(encode_envelope(
+                # Both in one write (a forger's use of the connection's sans-IO core: the
+                # generate sealed, not written, then the cancel's send writes both), so the
+                # node reads them in one chunk and cancels before the sequence's task runs.
+                stream._conn.send_message(encode_envelope(
                     Generate(seq, SamplingParams(max_tokens=50)).to_wire(), prompt))
                 await stream.send(encode_envelope(Cancel(seq).to_wire()))
             service.drain(None)
