@@ -15,13 +15,13 @@ replicas are (send errors, silence). Only up nodes are chosen; with no prefill n
 no decode node up the request is refused with ``EngineUnavailable`` (HTTP 503 with
 Retry-After) naming which pool has none. A node that refuses a request as ``draining``
 (`mlxctl drain` of it, or it stops) before its first token has the request tried on
-another pair without it, each draining node at most once, and is passed over while
-``RemoteEngine.draining()`` says so (a last resort then). Bounds: a prefill is answered within
-``PREFILL_TIMEOUT_S`` (the prompt's prefill and the handoff's send), else the request
-fails with 503; the decode node's first token must follow the prefill node's
-``prefilled`` within ``FIRST_TOKEN_S`` (a handoff the decode node dropped, e.g. from a
-prefill node missing from its ``--prefill-peers``, would otherwise hold the request
-for the decode node's own bound, ``protocol.HANDOFF_TIMEOUT_S``), else 503.
+another pair without it, each draining node at most once, and is passed over until
+its ``RemoteEngine.draining_until`` (a last resort meanwhile). Bounds: a prefill is
+answered within ``PREFILL_TIMEOUT_S`` (the prompt's prefill and the handoff's send),
+else the request fails with 503; the decode node's first token must follow the prefill
+node's ``prefilled`` within ``FIRST_TOKEN_S`` (a handoff the decode node dropped, e.g.
+from a prefill node missing from its ``--prefill-peers``, would otherwise hold the
+request for the decode node's own bound, ``protocol.HANDOFF_TIMEOUT_S``), else 503.
 
 Errors: a model whose cache cannot travel (``HandoffUnsupported`` from the prefill
 node) is HTTP 500 naming the family: the deployment is wrong (serve it on hybrid
@@ -116,7 +116,8 @@ class DisaggEngine:
         for account, node in ((routing.nodes[i], n) for i, n in pool.items()):
             account.capacity = max(node.max_batch, 1)
         up = [i for i, n in pool.items() if n.state() == "up" and i not in avoid]
-        ready = [i for i in up if not pool[i].draining()]  # a draining one: the last resort
+        now = asyncio.get_running_loop().time()  # a draining one: the last resort
+        ready = [i for i in up if pool[i].draining_until <= now]
         choice = routing.choose(prompt, ready or up, hashes=())  # no affinity: see above
         if choice is None:
             errors = "; ".join(e for e in (n.last_error() for n in pool.values()) if e)
@@ -145,9 +146,10 @@ class DisaggEngine:
                 first = await anext(source)
             except EngineUnavailable as exc:
                 await source.aclose()
+                now = asyncio.get_running_loop().time()
                 draining = {n for n, pool in ((p_choice.node_id, self._prefill),
                                               (d_choice.node_id, self._decode))
-                            if pool[n].draining()} - avoid
+                            if pool[n].draining_until > now} - avoid
                 if not draining:
                     raise
                 log.info("node %s refused a request as draining before its first token; "

@@ -9,8 +9,8 @@ the sequence there).
 Members down. Only a member whose ``state()`` is "up" gets a new request. A member
 that raises ``EngineUnavailable`` before its first token (it went down, or refused
 as busy) has the request tried on the next best up member, each member at most
-once; a member that refused as draining a moment ago (its ``draining()``, if it has
-one: `mlxctl drain` of that node) is chosen only when no other is up. After tokens were
+once; a member that refused as draining a moment ago (``_draining``: `mlxctl drain` of
+that node) is chosen only when no other is up. After tokens were
 streamed nothing is retried (the client has part of an
 answer): the member's error passes on as ``EngineUnavailable`` (or ``EngineError``)
 naming the member by node id. When no member is up, or every one refused, the
@@ -370,7 +370,7 @@ class ReplicaEngine:
 
 
 def _draining(member: Member) -> bool:
-    """Whether ``member`` says it refused a request as draining a moment ago
-    (``RemoteEngine.draining``; a member without it never does)."""
-    said = getattr(member, "draining", None)
-    return bool(said()) if callable(said) else False
+    """Whether ``member`` refused a request as draining a moment ago (a ``RemoteEngine``'s
+    ``draining_until``, on the loop's clock; a member without one never does)."""
+    until = getattr(member, "draining_until", 0.0)
+    return isinstance(until, float) and asyncio.get_running_loop().time() < until

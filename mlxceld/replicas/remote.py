@@ -23,12 +23,12 @@ A sequence (``generate``) is sent over the current stream and its answers are re
 from that stream only (``protocol.py``'s result-frame rule): a ``token`` for a ``seq``
 that was not sent over the stream it came on is dropped. An ``error`` ends it:
 ``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable`` naming the node
-(the pool tries another; after a ``draining`` one, ``draining()`` is true for
-``DRAINING_RETRY_S``), ``bad_request`` as ``RequestRefused`` (a
-``ConstraintError``: the API answers 400, as for a pipeline stage's
-``bad_constraint``), anything else as ``EngineError``. The stream ending ends every
-sequence on it with ``EngineUnavailable`` naming the node, at once. Closing the
-generator early sends ``cancel`` (the node frees the sequence).
+(the pool tries another; after ``draining`` it passes the node over until
+``draining_until``), ``bad_request`` as ``RequestRefused`` (a ``ConstraintError``: the
+API answers 400, as for a pipeline stage's ``bad_constraint``), anything else as
+``EngineError``. The stream ending ends every sequence on it with ``EngineUnavailable``
+naming the node, at once. Closing the generator early sends ``cancel`` (the node frees
+the sequence).
 
 The node's load (``node_sequences``: every sequence its engine runs, its own OpenAI
 clients' included, from its latest ``load``; None before one came): what this router
@@ -52,7 +52,6 @@ import contextlib
 import logging
 import math
 import struct
-import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -139,7 +138,7 @@ class RemoteEngine:
         self._tasks = Background(f"the engine of node {node_id}")
         self._closing = False
         self.node_sequences: int | None = None  # the node's last ``load`` (see above)
-        self._draining_until = 0.0  # loop clock: a ``draining`` refusal's Retry-After
+        self.draining_until = 0.0  # loop clock: a ``draining`` refusal's + DRAINING_RETRY_S
 
     # -- the member's face --------------------------------------------------------------
 
@@ -151,12 +150,6 @@ class RemoteEngine:
 
     def active_sequences(self) -> int:
         return len(self._seqs)
-
-    def draining(self) -> bool:
-        """Whether the node refused a sequence as ``draining`` within the last
-        ``DRAINING_RETRY_S`` (it stops, or `mlxctl drain` drains it): a pool prefers
-        other nodes meanwhile."""
-        return time.monotonic() < self._draining_until
 
     @property
     def retry_after_s(self) -> int:
@@ -486,10 +479,9 @@ class RemoteEngine:
         if code == p.ERR_BUSY:
             return EngineUnavailable(f"{name} is busy: {message}", retry_after_s=1)
         if code == p.ERR_DRAINING:
-            self._draining_until = time.monotonic() + DRAINING_RETRY_S
-            return EngineUnavailable(f"{name} is draining (stopping or restarting): it takes "
-                                     "no new request; retry shortly",
-                                     retry_after_s=DRAINING_RETRY_S)
+            self.draining_until = asyncio.get_running_loop().time() + DRAINING_RETRY_S
+            return EngineUnavailable(f"{name} is draining: it takes no new request; retry "
+                                     "shortly", retry_after_s=DRAINING_RETRY_S)
         if code == p.ERR_UNAVAILABLE:
             after = error.retry_after_s
             return EngineUnavailable(f"{name} is unavailable: {message}",

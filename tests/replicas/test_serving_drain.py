@@ -1,10 +1,10 @@
 """An operator's drain of a serving listener (``ServingService.drain``), in one process: a
 real local engine (the tiny llama fixture: no end of sequence within 1500 greedy tokens
 of "Once upon a time") served by a real hybrid ``ServingService`` on 127.0.0.1, a
-router's ``RemoteEngine`` with real keys. New sequences are refused with
-``draining`` (the router's member then says ``draining()``), the one held runs to its
-end, ``drain_state`` names the router while it runs, the deadline ends what is still
-held with ``draining``, and ``undrain`` admits again."""
+router's ``RemoteEngine`` with real keys. New sequences are refused with ``draining``
+(the router's member then says so: ``draining_until``), the one held runs to its end,
+``drain_state`` names the router while it runs, the deadline ends what is still held
+with ``draining``, and ``undrain`` admits again."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def test_a_drained_listener_refuses_new_sequences_finishes_held_ones_and_admits_
             assert state["senders"] == [{"router": CLIENT_ID, "sequences": 1}]
             with pytest.raises(EngineUnavailable, match="hybrid-a is draining"):
                 await tokens(r, request(ids, 4, temperature=0))
-            assert r.draining()  # the router's member says so: a pool passes it over
+            # the router's member says so: a pool passes it over meanwhile
+            assert r.draining_until > asyncio.get_running_loop().time()
             rest = [out async for out in held]  # the held sequence runs to its end
             assert 1 + len(rest) == 40 and rest[-1].finish_reason == "length", first
             await until(lambda: service.drain_state()["in_flight"] == 0, "held one ended",
