@@ -7,6 +7,8 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │   │                       or body field; the caller's to fix)
     │   │   └── RequestTooLarge     its body is larger than the control API takes
     │   ├── UnknownNode             `mlxctl drain` names a node this daemon does not know
+    │   ├── DrainRefused            `mlxctl drain` of a node only another daemon can drain
+    │   │                           (a stage host: names its coordinator)
     │   ├── ConfigError             a flag, config file or spec is wrong (the user's to fix)
     │   │   ├── SecretSourceError   no usable cluster secret where the sources point
     │   │   ├── PlanRefused         no pipeline plan fits the nodes (names each shortfall)
@@ -134,6 +136,13 @@ class UnknownNode(MlxceldError):
     knows (nor, for undrain, one it drains)."""
 
     code = "unknown_node"
+
+
+class DrainRefused(MlxceldError):
+    """`mlxctl drain` of a node whose work comes from a daemon this one cannot tell (a
+    stage host's own daemon: its coordinator re-plans around it); nothing is recorded."""
+
+    code = "drain_refused"
 
 
 class ConfigError(MlxceldError):

@@ -96,7 +96,10 @@ def describe(row: dict[str, Any]) -> str:
     if row["state"] == "draining":
         until = ("no deadline" if row["deadline"] is None
                  else f"deadline {time.strftime('%H:%M:%S', time.localtime(row['deadline']))}")
-        return f"node {node} is draining ({until}); see: mlxctl drain {node} (waits)"
+        senders = ", ".join(f"{s.get('sequences')} from {s.get('sender')}"
+                            for s in row.get("senders") or [] if isinstance(s, dict))
+        still = f"; still running: {senders}" if senders else ""
+        return f"node {node} is draining ({until}{still}); see: mlxctl drain {node} (waits)"
     return f"node {node}: {row['state']}"
 
 

@@ -386,8 +386,11 @@ def drain_line(d: dict[str, Any], now: float) -> str:
     deadline = ("no deadline" if d.get("deadline") is None else
                 "deadline passed" if d["deadline"] <= now else
                 f"deadline in {duration(d['deadline'] - now)}")
+    senders = "".join(f"; {s.get('sequences')} from {s.get('sender')}"
+                      for s in d.get("senders") or [] if isinstance(s, dict))
     return (f"drain: node {d['node_id']} {d['state']} since {_since(d['started_at'], now)}, "
-            f"{deadline}: {d.get('finished', 0)} finished, {d.get('ended', 0)} ended")
+            f"{deadline}: {d.get('finished', 0)} finished, {d.get('ended', 0)} ended"
+            f"{senders}")
 
 
 def _group(s: Any, stages: list[Any]) -> list[str]:

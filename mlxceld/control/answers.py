@@ -118,16 +118,20 @@ class Unserved:
 @dataclass(frozen=True)
 class DrainView:
     """`mlxctl drains`: a drain's row (while it drains, with the router's last counts of
-    ``finished`` and ``ended``), whether it waits for a re-plan around its node, and the
-    requests in flight that need the node (None: not known, or not said to the router)."""
+    ``finished`` and ``ended``), whether it waits for a re-plan around its node, the
+    requests in flight that need the node (None: not known, or not said to the router),
+    and who still sends them (``senders``: ``{"sender", "sequences"}`` each, the node's
+    OpenAI clients and every router with sequences on its serving listener; None: not
+    known)."""
 
     row: DrainRow
     replanning: bool
     in_flight: int | None
+    senders: list[JSON] | None = None
 
     def to_json(self) -> JSON:
         return {**self.row.to_json(), "replanning": self.replanning,
-                "in_flight": self.in_flight}
+                "in_flight": self.in_flight, "senders": self.senders}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ the ``supported`` ones):
     404     UnknownKey (unknown_key)                no installed secret has that key id
     404     UnknownNode (unknown_node)              `mlxctl drain` of a node not known here
     409     PlanRefused (plan_refused)              no plan fits the reachable nodes
+    409     DrainRefused (drain_refused)            `mlxctl drain` on a stage host's daemon
     409     UnserveRefused (config)                 a restart would serve the model again
     409     PrimaryKeyRemoval (key_is_primary)      the primary secret cannot be removed
     409     BringUpInProgress (bringup_in_progress) one bring-up at a time
@@ -45,6 +46,7 @@ from mlxceld.errors import (
     BringUpInProgress,
     ConfigError,
     DaemonError,
+    DrainRefused,
     KeyringError,
     MlxceldError,
     NoActivePlan,
@@ -74,6 +76,7 @@ STATUS: Final[Mapping[type[MlxceldError], int]] = {
     UnknownKey: 404,
     UnknownNode: 404,
     PlanRefused: 409,
+    DrainRefused: 409,
     UnserveRefused: 409,
     PrimaryKeyRemoval: 409,
     BringUpInProgress: 409,

@@ -3,7 +3,9 @@
 
 A command names a node by the cluster TOML's id or a daemon's node id, this node's when
 it names none; one this daemon does not know (this node, the nodes its router needs,
-the nodes its cluster member knows) is refused, naming those (``drain.known_node``). An
+the nodes its cluster member knows) is refused, naming those (``drain.known_node``); so
+is, on a stage host, a drain of its own node (``drain.refuse_stage_host``: its
+coordinator sends it the work and re-plans around it; the error names it). An
 undrain of a node that is drained is never refused. ``router_needs`` is what the drain
 service asks: this node, and over a pipeline its stages, by the cluster TOML's stage ids
 and, for a plan coordinated here, by its hosts' node ids (``roster.router_needs``). The
@@ -23,7 +25,7 @@ from mlxceld.cluster.member import ClusterMember
 from mlxceld.config.serve import ROUTER
 from mlxceld.control.answers import DrainView, Undrained
 from mlxceld.daemon.roster import Roster, router_needs
-from mlxceld.drain import DrainService, known_node
+from mlxceld.drain import DrainService, known_node, refuse_stage_host
 from mlxceld.state import DrainRow, DrainsTable, EventLog
 from mlxceld.supervisor.ops import Drain
 from mlxceld.supervisor.service import Supervisor
@@ -54,7 +56,13 @@ class DrainWindow:
         return self.service.list()
 
     def drain(self, node: str | None, deadline_s: float | None, force: bool) -> DrainRow:
-        return self.service.drain(self._known_node(node), deadline_s, force)
+        target = self._known_node(node)
+        placement = self._parts.roster.placement
+        if placement is not None and not placement.is_coordinator:  # a stage host
+            coordinator = placement.cluster.coordinator
+            refuse_stage_host(target, {self._local_node(), self._parts.node_id},
+                              placement.node.id, (coordinator.id, coordinator.address))
+        return self.service.drain(target, deadline_s, force)
 
     def undrain(self, node: str | None) -> Undrained:
         target = node or self._local_node()

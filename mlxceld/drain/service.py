@@ -8,7 +8,10 @@ need (its control channel's ``drain`` op; ``api/edge/draining.py`` says what it 
 with them: 503 "draining" for new requests, the running ones finish, the deadline
 ends the rest), and answers how many requests are still in flight. A draining node
 whose router has none left is ``drained``; its row keeps the counts (finished,
-ended at the deadline). A node no request of this daemon's router needs (a peer
+ended at the deadline). On a node that serves routers too (a replica or hybrid node's
+serving listener, a prefill or decode node: their worker's ``drain`` op drains that
+listener as well), the count is its own clients' and the routers' sequences together,
+and ``senders`` names who still sends work. A node no request of this daemon's router needs (a peer
 outside the plan, a daemon that runs no router) is drained at once. `mlxctl
 undrain NODE` deletes the row; the next push lets the router admit again.
 
@@ -23,6 +26,10 @@ drain's deadline, the drain is not said to the router and the row stays ``draini
 so requests go on being admitted on the old plan; once the new plan serves, the
 router's requests no longer need the node and it is ``drained``; if the model does not
 fit without it (``drain.no_fit``), the drain goes on as above.
+
+A stage host's own daemon refuses to drain its node (``refuse_stage_host``:
+``DrainRefused``, nothing recorded): its coordinator sends it the work, and only the
+coordinator can re-plan around it (`mlxctl drain NODE` there).
 
 Every change is an event: ``drain.started``, ``drain.changed`` (a new deadline),
 ``drain.drained``, ``drain.ended`` (undrained).
@@ -39,7 +46,7 @@ from dataclasses import replace
 from typing import Final
 
 from mlxceld.control.answers import DrainView, Undrained
-from mlxceld.errors import UnknownNode
+from mlxceld.errors import DrainRefused, UnknownNode
 from mlxceld.state import DrainRow, DrainsTable, EventLog
 from mlxceld.types import JSON
 
@@ -65,7 +72,8 @@ class DrainService:
         self._held = held  # draining nodes not to be said to the router yet (a re-plan)
         self._wake = asyncio.Event()
         self._pushed: list[JSON] | None = None  # what the router was told last (None: unknown)
-        self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended
+        self._counts: JSON = {}  # the router's last answer: in_flight, finished, ended,
+        #                          senders
         self._replanned: set[str] = set()  # draining nodes that were held for a re-plan
         self._closing = False
 
@@ -74,19 +82,23 @@ class DrainService:
     def list(self) -> list[DrainView]:
         """Every drain's row, with ``replanning`` (its drain waits for a re-plan around the
         node) and, while it drains, the router's last counts: ``in_flight`` (None: not
-        known, or not said to the router yet), ``finished`` and ``ended`` so far."""
+        known, or not said to the router yet), ``finished`` and ``ended`` so far, and
+        ``senders``: who still sends work (this node's OpenAI clients, each router with
+        sequences on its serving listener, with their counts; None: not known)."""
         held = self._held()
         told = {d["node"] for d in self._pushed or []}
         out = []
         for r in self._table.all():
             in_flight: int | None = 0
+            senders: list[JSON] | None = []
             if r.state == "draining":
                 live = r.node_id in told and bool(self._counts)
                 in_flight = self._counts.get("in_flight") if live else None
+                senders = list(self._counts.get("senders") or []) if live else None
                 if live:
                     r = replace(r, finished=int(self._counts.get("finished") or 0),
                                 ended=int(self._counts.get("ended") or 0))
-            out.append(DrainView(r, r.node_id in held, in_flight))
+            out.append(DrainView(r, r.node_id in held, in_flight, senders))
         return out
 
     def drain(self, node: str, deadline_s: float | None, force: bool) -> DrainRow:
@@ -167,7 +179,8 @@ class DrainService:
             self._pushed, self._counts = None, {}  # unknown: say it again next time
             return
         self._pushed = drains
-        self._counts = {k: reply.get(k) for k in ("in_flight", "finished", "ended")}
+        self._counts = {k: reply.get(k) for k in ("in_flight", "finished", "ended",
+                                                  "senders")}
         if reply.get("in_flight") != 0:
             return
         finished, ended = int(reply.get("finished") or 0), int(reply.get("ended") or 0)
@@ -193,6 +206,23 @@ class DrainService:
                             finished=finished, ended=ended, took_s=round(took, 3))
         log.info("node %s drained in %.1f s: %s (%d finished, %d ended at the deadline)",
                  row.node_id, took, why, finished, ended)
+
+
+def refuse_stage_host(target: str, own: set[str], stage: str | None,
+                      coordinator: tuple[str, str] | None) -> None:
+    """``DrainRefused`` when ``target`` is this node (one of ``own``) and it holds
+    ``stage`` of a pipeline whose ``coordinator`` (its node id and address) sends it the
+    work: only that daemon can re-plan around it, and this one would say "drained" while
+    the work goes on coming. Nothing is recorded."""
+    if stage is None or coordinator is None or target not in own:
+        return
+    node, address = coordinator
+    raise DrainRefused(
+        f"node {target} holds stage {stage} of the pipeline coordinated by node {node} "
+        f"({address}): its work comes from that coordinator, and this daemon cannot move "
+        "it elsewhere; nothing changed here",
+        hint=f"drain it on the coordinator's host: `mlxctl drain {stage}` there re-plans "
+        "the pipeline around this node")
 
 
 def known_node(target: str, known: set[str]) -> str:

@@ -13,15 +13,19 @@ the stats; its refusal ends the request (the decode node's sequence is cancelled
 Nodes are ``RemoteEngine``s of role ``prefill`` / ``decode``: up, connecting or down as
 replicas are (send errors, silence). Only up nodes are chosen; with no prefill node or
 no decode node up the request is refused with ``EngineUnavailable`` (HTTP 503 with
-Retry-After) naming which pool has none. Bounds: a prefill is answered within
-``PREFILL_TIMEOUT_S`` (the prompt's prefill and the handoff's send), else the request
-fails with 503; the decode node's first token must follow the prefill node's
-``prefilled`` within ``FIRST_TOKEN_S``, else 503 (a decode node that is stuck, or drops
-a handoff without ending the sequence, would otherwise hold the request for its own
-bound, ``protocol.HANDOFF_TIMEOUT_S``). A handoff the decode node cannot take (its
-sender not among its ``--prefill-peers``, even asked again; bounds) ends the sequence
-at once with ``bad_handoff``: 503 with Retry-After 1, not a wait; a handoff that came
-before its ``expect`` is held for it (``held.py``).
+Retry-After) naming which pool has none. A node that refuses a request as ``draining``
+(`mlxctl drain` of it, or it stops) before its first token has the request tried on
+another pair without it, each draining node at most once, and is passed over until
+its ``RemoteEngine.draining_until`` (a last resort meanwhile). Bounds: a prefill is
+answered within ``PREFILL_TIMEOUT_S`` (the prompt's prefill and the handoff's send),
+else the request fails with 503; the decode node's first token must follow the prefill
+node's ``prefilled`` within ``FIRST_TOKEN_S`` (a handoff the decode node dropped, e.g.
+from a prefill node missing from its ``--prefill-peers``, would otherwise hold the
+request for the decode node's own bound, ``protocol.HANDOFF_TIMEOUT_S``), else 503.
+A handoff the decode node cannot take (its sender not among its ``--prefill-peers``,
+even asked again; bounds) ends the sequence at once with ``bad_handoff``: 503 with
+Retry-After 1, not a wait; a handoff that came before its ``expect`` is held for it
+(``held.py``).
 
 Errors: a model whose cache cannot travel (``HandoffUnsupported`` from the prefill
 node) is HTTP 500 naming the family: the deployment is wrong (serve it on hybrid
@@ -36,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -112,11 +116,13 @@ class DisaggEngine:
         return [*self._prefill.values(), *self._decode.values()]
 
     def _choose(self, pool: dict[str, RemoteEngine], routing: Routing,
-                prompt: Sequence[int], what: str) -> Choice:
+                prompt: Sequence[int], what: str, avoid: Collection[str] = ()) -> Choice:
         for account, node in ((routing.nodes[i], n) for i, n in pool.items()):
             account.capacity = max(node.max_batch, 1)
-        up = [i for i, n in pool.items() if n.state() == "up"]
-        choice = routing.choose(prompt, up, hashes=())  # no affinity: see the docstring
+        up = [i for i, n in pool.items() if n.state() == "up" and i not in avoid]
+        now = asyncio.get_running_loop().time()  # a draining one: the last resort
+        ready = [i for i in up if pool[i].draining_until <= now]
+        choice = routing.choose(prompt, ready or up, hashes=())  # no affinity: see above
         if choice is None:
             errors = "; ".join(e for e in (n.last_error() for n in pool.values()) if e)
             retry = max((n.retry_after_s for n in pool.values()), default=1)
@@ -127,8 +133,44 @@ class DisaggEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         prompt = list(request.prompt_tokens)
-        p_choice = self._choose(self._prefill, self._prefill_routing, prompt, "prefill")
-        d_choice = self._choose(self._decode, self._decode_routing, [], "decode")
+        avoid: set[str] = set()  # nodes that refused it as draining
+        refusal: EngineUnavailable | None = None  # the latest such refusal
+        while True:
+            try:
+                p_choice = self._choose(self._prefill, self._prefill_routing, prompt,
+                                        "prefill", avoid)
+                d_choice = self._choose(self._decode, self._decode_routing, [], "decode",
+                                        avoid)
+            except EngineUnavailable:
+                if refusal is None:
+                    raise
+                raise refusal from None
+            source = self._pair(request, p_choice, d_choice)
+            try:
+                first = await anext(source)
+            except EngineUnavailable as exc:
+                await source.aclose()
+                now = asyncio.get_running_loop().time()
+                draining = {n for n, pool in ((p_choice.node_id, self._prefill),
+                                              (d_choice.node_id, self._decode))
+                            if pool[n].draining_until > now} - avoid
+                if not draining:
+                    raise
+                log.info("node %s refused a request as draining before its first token; "
+                         "it goes to another pair", ", ".join(sorted(draining)))
+                avoid |= draining
+                refusal = exc
+                continue
+            async with contextlib.aclosing(source):
+                yield first
+                async for out in source:
+                    yield out
+            return
+
+    async def _pair(self, request: GenerationRequest, p_choice: Choice, d_choice: Choice
+                    ) -> AsyncGenerator[TokenOutput, None]:
+        """``request`` on one pair: its tokens, as ``generate``'s."""
+        prompt = list(request.prompt_tokens)
         prefill, decode = self._prefill[p_choice.node_id], self._decode[d_choice.node_id]
         seq = uuid.uuid4().hex
         self._next += 1

@@ -266,8 +266,8 @@ class HandoffService(ServingService):
                                       f"node {self.node_id}'s {ALLOWLIST_ENV}: add it there "
                                       "if it is one of the cluster's decode nodes")
         seq, request = self._admit(link, prefill, env)
-        link.seqs[seq] = tg.create_task(self._run_prefill(link, seq, request, target,
-                                                          prefill.compression))
+        self._spawn(link, seq, self._run_prefill(link, seq, request, target,
+                                                 prefill.compression), tg)
 
     async def _run_prefill(self, link: _Link, seq: str, request: GenerationRequest,
                            target: str, mode: Mode) -> None:
@@ -365,8 +365,8 @@ class HandoffService(ServingService):
                                       "expected on this node")
         expected = _Expected(link, request, prefill)
         self._expected[seq] = expected
-        link.seqs[seq] = tg.create_task(self._run(link, seq, request,
-                                                  lambda: self._decode(seq, expected)))
+        self._spawn(link, seq, self._run(link, seq, request,
+                                         lambda: self._decode(seq, expected)), tg)
         self._early.expected(seq)
 
     async def _decode(self, seq: str, expected: _Expected

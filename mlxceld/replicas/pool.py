@@ -9,7 +9,9 @@ the sequence there).
 Members down. Only a member whose ``state()`` is "up" gets a new request. A member
 that raises ``EngineUnavailable`` before its first token (it went down, or refused
 as busy) has the request tried on the next best up member, each member at most
-once. After tokens were streamed nothing is retried (the client has part of an
+once; a member that refused as draining a moment ago (``_draining``: `mlxctl drain` of
+that node) is chosen only when no other is up. After tokens were
+streamed nothing is retried (the client has part of an
 answer): the member's error passes on as ``EngineUnavailable`` (or ``EngineError``)
 naming the member by node id. When no member is up, or every one refused, the
 request fails with ``EngineUnavailable`` naming each member and why, with
@@ -291,7 +293,8 @@ class ReplicaEngine:
                     self._routing.nodes[member.node_id].shadow.clear()  # its cache may be gone
                 elif member.node_id not in refused:
                     up.append(member.node_id)
-            choice = self._routing.choose(prompt, up, hashes)
+            ready = [i for i in up if not _draining(self._by_id[i])]
+            choice = self._routing.choose(prompt, ready or up, hashes)
             if choice is None:
                 raise self._unavailable(refused)
             member = self._by_id[choice.node_id]
@@ -364,3 +367,10 @@ class ReplicaEngine:
     async def _close(stream: AsyncGenerator[TokenOutput, None]) -> None:
         with contextlib.suppress(Exception):  # it failed already: its error was told
             await stream.aclose()
+
+
+def _draining(member: Member) -> bool:
+    """Whether ``member`` refused a request as draining a moment ago (a ``RemoteEngine``'s
+    ``draining_until``, on the loop's clock; a member without one never does)."""
+    until = getattr(member, "draining_until", 0.0)
+    return isinstance(until, float) and asyncio.get_running_loop().time() < until

@@ -23,11 +23,12 @@ A sequence (``generate``) is sent over the current stream and its answers are re
 from that stream only (``protocol.py``'s result-frame rule): a ``token`` for a ``seq``
 that was not sent over the stream it came on is dropped. An ``error`` ends it:
 ``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable`` naming the node
-(the pool tries another), ``bad_request`` as ``RequestRefused`` (a
-``ConstraintError``: the API answers 400, as for a pipeline stage's
-``bad_constraint``), anything else as ``EngineError``. The stream ending ends every
-sequence on it with ``EngineUnavailable`` naming the node, at once. Closing the
-generator early sends ``cancel`` (the node frees the sequence).
+(the pool tries another; after ``draining`` it passes the node over until
+``draining_until``), ``bad_request`` as ``RequestRefused`` (a ``ConstraintError``: the
+API answers 400, as for a pipeline stage's ``bad_constraint``), anything else as
+``EngineError``. The stream ending ends every sequence on it with ``EngineUnavailable``
+naming the node, at once. Closing the generator early sends ``cancel`` (the node frees
+the sequence).
 
 The node's load (``node_sequences``: every sequence its engine runs, its own OpenAI
 clients' included, from its latest ``load``; None before one came): what this router
@@ -137,6 +138,7 @@ class RemoteEngine:
         self._tasks = Background(f"the engine of node {node_id}")
         self._closing = False
         self.node_sequences: int | None = None  # the node's last ``load`` (see above)
+        self.draining_until = 0.0  # loop clock: a ``draining`` refusal's + DRAINING_RETRY_S
 
     # -- the member's face --------------------------------------------------------------
 
@@ -477,9 +479,9 @@ class RemoteEngine:
         if code == p.ERR_BUSY:
             return EngineUnavailable(f"{name} is busy: {message}", retry_after_s=1)
         if code == p.ERR_DRAINING:
-            return EngineUnavailable(f"{name} is draining (stopping or restarting): it takes "
-                                     "no new request; retry shortly",
-                                     retry_after_s=DRAINING_RETRY_S)
+            self.draining_until = asyncio.get_running_loop().time() + DRAINING_RETRY_S
+            return EngineUnavailable(f"{name} is draining: it takes no new request; retry "
+                                     "shortly", retry_after_s=DRAINING_RETRY_S)
         if code == p.ERR_UNAVAILABLE:
             after = error.retry_after_s
             return EngineUnavailable(f"{name} is unavailable: {message}",

@@ -22,6 +22,13 @@ port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
   (``vocab_size``: checked before the engine sees it). While draining (``finish_held``, as
   the node stops) every ``generate`` is refused with ``draining`` and the sequences
   held run to their end, for a bound the caller gives.
+- An operator's drain (``drain``: `mlxctl drain` of this node, said by the daemon through
+  the worker's ``drain`` op) refuses every new sequence with ``draining`` too (a router
+  tries another member before the first token), lets the held ones run, and at its
+  deadline ends the rest, each with an ``error`` ``draining`` (its router's client gets
+  the error); ``undrain`` admits again. ``drain_state`` says what it holds: sequences in
+  flight, finished and ended since the drain began, and who still sends work (each
+  attached router with sequences in flight: its identity and count).
 - Engine failures map to codes: a constraint it cannot use (``ConstraintError``) is
   ``bad_request``; ``EngineUnavailable`` (a stage of the node's own pipeline down)
   is ``unavailable``; any other ``EngineError`` is ``internal``.
@@ -38,7 +45,8 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import AsyncGenerator, Callable
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +78,7 @@ from mlxceld.wire.transport_messages import Attach, CodedError, Token
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: the service's set of links
 class _Link:
     """One router's connection: its sequences by ``seq``, each a task."""
 
@@ -100,7 +108,10 @@ class ServingService:
         self._keyring = keyring
         limit = engine.max_batch if max_sequences is None else max_sequences
         self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
-        self.draining = False
+        self.draining = False  # stopping (``finish_held``): no new sequence, for good
+        self._drain = _OperatorDrain()  # `mlxctl drain` of this node (``drain``)
+        self._links: set[_Link] = set()  # every connection's, while it lasts
+        self._cut: set[asyncio.Task[Any]] = set()  # sequences the drain's deadline cancelled
         self._held = 0  # sequences in flight over all connections
         self._ended = asyncio.Event()  # set as each sequence ends (``finish_held`` waits on it)
         self._specs: dict[str, MessageSpec] = dict(p.NODE_SPECS)
@@ -145,13 +156,104 @@ class ServingService:
 
     async def aclose(self) -> None:
         """Stop accepting; every connection ends and its sequences are cancelled."""
+        self._drain.disarm()
         await self._listener.aclose()
+
+    # -- an operator's drain ------------------------------------------------------------
+
+    def drain(self, deadline: float | None) -> None:
+        """Refuse new sequences (``draining``) until ``undrain``; at ``deadline`` (unix s;
+        None: none) end those still held. Said again with the same deadline: nothing
+        changes; with another: the timer follows it."""
+        d = self._drain
+        if not d.active:
+            d.active, d.left, d.ended = True, 0, 0
+            log.info("node %s is draining: its serving listener takes no new sequence",
+                     self.node_id)
+        if d.deadline == deadline and (d.timer is not None or deadline is None
+                                       or d.expired):
+            return
+        d.disarm()
+        d.deadline, d.expired = deadline, False
+        if deadline is not None:
+            delay = max(0.0, deadline - time.time())
+            d.timer = asyncio.get_running_loop().call_later(delay, self._deadline)
+
+    def undrain(self) -> None:
+        """Admit new sequences again (unless the node stops)."""
+        if self._drain.active:
+            log.info("node %s undrained: its serving listener admits again", self.node_id)
+        d = self._drain
+        d.disarm()
+        d.active, d.deadline, d.expired = False, None, False
+
+    def drain_state(self) -> dict[str, Any]:
+        """``in_flight`` (sequences held), ``finished`` and ``ended`` (at the deadline)
+        since the drain began, and ``senders``: each router with sequences held here."""
+        d = self._drain
+        senders = sorted(({"router": link.stream.peer_identity, "sequences": len(link.seqs)}
+                          for link in self._links if link.seqs),
+                         key=lambda s: str(s["router"]))
+        admitted = sum(len(link.seqs) for link in self._links)  # some not started yet
+        return {"in_flight": max(self._held, admitted), "finished": d.left - d.ended,
+                "ended": d.ended, "senders": senders}
+
+    def _deadline(self) -> None:
+        """The drain's deadline: every sequence still held ends with ``draining``."""
+        d = self._drain
+        d.timer, d.expired = None, True
+        held = [task for link in self._links for task in link.seqs.values()]
+        if held:
+            log.warning("drain of node %s reached its deadline: ending %d sequence(s) of "
+                        "routers", self.node_id, len(held))
+        for task in held:
+            self._cut.add(task)
+            task.cancel()
+
+    async def _cuttable(self, link: _Link, seq: str, work: Awaitable[None]) -> None:
+        """Run one sequence's ``work``; cancelled by the drain's deadline, tell its router
+        (``draining``) and end quietly; any other cancellation goes on."""
+        d = self._drain
+        task = asyncio.current_task()
+        try:
+            await work
+        except asyncio.CancelledError:
+            if task is None or task not in self._cut or task.uncancel() != 0:
+                raise
+            d.ended += 1
+            message = (f"node {self.node_id} is draining and its drain reached its deadline "
+                       "before the sequence finished")
+            with contextlib.suppress(ConnectionClosed):
+                await link.stream.send(encode_envelope(
+                    CodedError(p.ERR_DRAINING, message, seq).to_wire()))
+        finally:
+            if task is not None:
+                self._cut.discard(task)
+            if d.active:
+                d.left += 1
+
+    def _spawn(self, link: _Link, seq: str, work: Coroutine[Any, Any, None],
+               tg: asyncio.TaskGroup) -> None:
+        """Run ``seq``'s ``work`` in the connection's group, as one of ``link``'s."""
+        task = tg.create_task(self._cuttable(link, seq, work))
+
+        def done(_: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step (a ``cancel`` right behind its
+            # ``generate``, its connection ended at once) never runs ``work``: close it,
+            # and let the sequence go from the link's, as ``work`` would have.
+            work.close()
+            if link.seqs.get(seq) is task:
+                del link.seqs[seq]
+
+        task.add_done_callback(done)
+        link.seqs[seq] = task
 
     # -- one connection -----------------------------------------------------------------
 
     async def _handle(self, stream: MxclStream) -> None:
         link = _Link(stream)
         ended = "connection ended"
+        self._links.add(link)
         try:
             async with cancelling_group() as tg:
                 # The heartbeat ends the stream of a silent router (recv then raises); it
@@ -160,6 +262,7 @@ class ServingService:
                                      f"router {stream.peer} of {self.node_id}"))
                 ended = await self._serve_link(link, tg)
         finally:
+            self._links.discard(link)
             if link.seqs:
                 log.info("cancelled %d sequence(s) of router %s (%s)", len(link.seqs),
                          stream.peer, ended)
@@ -254,7 +357,7 @@ class ServingService:
 
     def _generate(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
         seq, request = self._admit(link, Generate.from_wire(env.header), env)
-        link.seqs[seq] = tg.create_task(self._run(link, seq, request))
+        self._spawn(link, seq, self._run(link, seq, request), tg)
 
     def _admit(self, link: _Link, message: Sequence, env: Envelope
                ) -> tuple[str, GenerationRequest]:
@@ -270,8 +373,9 @@ class ServingService:
         if n > engine.context_length:
             raise p.ProtocolViolation(p.ERR_BAD_REQUEST, f"the prompt is {n} tokens; node "
                                       f"{self.node_id}'s context is {engine.context_length}")
-        if self.draining:
-            raise p.ProtocolViolation(p.ERR_DRAINING, f"node {self.node_id} is stopping: it "
+        if self.draining or self._drain.active:
+            why = "stopping" if self.draining else "draining (mlxctl drain)"
+            raise p.ProtocolViolation(p.ERR_DRAINING, f"node {self.node_id} is {why}: it "
                                       "finishes its sequences and takes no new one")
         if len(link.seqs) >= self.max_sequences:
             raise p.ProtocolViolation(p.ERR_BUSY, f"node {self.node_id} holds this router's "
@@ -323,6 +427,23 @@ class ServingService:
                            if isinstance(exc, EngineUnavailable) else None)
         with contextlib.suppress(ConnectionClosed):
             await link.stream.send(encode_envelope(error.to_wire()))
+
+
+@dataclass
+class _OperatorDrain:
+    """An operator's drain of the serving listener (``ServingService.drain``)."""
+
+    active: bool = False
+    deadline: float | None = None
+    timer: asyncio.TimerHandle | None = None
+    expired: bool = False  # the deadline passed
+    left: int = 0  # sequences that ended while it drained
+    ended: int = 0  # of which ended by its deadline
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def _token(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:

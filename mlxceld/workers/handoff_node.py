@@ -15,6 +15,12 @@ its engine's ``prompt_cache`` (a prefill node prefills on from the longest prefi
   at once for a handoff from an address an ``expect`` names that is not among them (a
   prefill node restarted on a new port: ``replicas/held.py``); a peer that is not a
   prefill node serving our model is left out, with a warning naming it, until it is.
+
+Its control channel's ``drain`` op (``handoff_drain_op``: the router worker's request and
+answer) is how the daemon's drain of this node reaches it: the serving listener refuses
+new ``prefill`` / ``expect`` with ``draining`` (the router tries the other node of that
+pool), the held ones run (a prefill hands its cache off, a decode node's expected
+sequence takes its handoff and decodes), the deadline ends the rest; ``[]`` undrains.
 """
 
 from __future__ import annotations
@@ -23,15 +29,16 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from mlxceld import failpoints
+from mlxceld.api.edge.draining import NodeDrain, first_deadline, parse_drains
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
 from mlxceld.net.resolve import ResolveError, resolve
 from mlxceld.roles.options import HandoffOptions, RouterOptions
-from mlxceld.types import PREFILL_ROLE, PromptCacheStats
+from mlxceld.types import JSON, PREFILL_ROLE, PromptCacheStats
 from mlxceld.wire import SecretStore
 from mlxceld.wire.address import canonical_address, format_address, parse_address
 from mlxceld.workers.runtime import WorkerContext
@@ -113,6 +120,33 @@ async def bind_serving(service: Any, address: str) -> None:
                            "serving_port") from None
 
 
+def drain_serving(service: Any, drains: Sequence[NodeDrain]) -> JSON:
+    """Say ``drains`` (every drain in force of the nodes this worker's requests need; on a
+    serving node, this node) to ``service``'s serving listener (``ServingService.drain``:
+    new sequences refused with ``draining``, the held ones run, the earliest deadline ends
+    the rest; none: ``undrain``); its counts, ``senders`` naming each router with
+    sequences held here."""
+    if drains:
+        service.drain(first_deadline(drains))
+    else:
+        service.undrain()
+    state = service.drain_state()
+    senders = [{"sender": f"router {s['router']}", "sequences": s["sequences"]}
+               for s in state["senders"]]
+    return {"in_flight": state["in_flight"], "finished": state["finished"],
+            "ended": state["ended"], "senders": senders}
+
+
+def handoff_drain_op(service: Any, request: JSON) -> JSON:
+    """A prefill or decode node's control channel ``drain``: the router's (same request,
+    same answer: ``workers/router.py``'s ``drain_op``), said to its serving listener."""
+    try:
+        drains = parse_drains(request)
+    except ValueError as exc:
+        return {"ok": False, "error": str(exc)}
+    return {"ok": True, "nodes": [d.node for d in drains], **drain_serving(service, drains)}
+
+
 async def handoff_service(ctx: WorkerContext[RouterOptions], engine: Any, identity: str,
                           handoff: HandoffOptions) -> tuple[Any, PrefillPeers | None]:
     """The bound ``HandoffService`` over ``engine``, and a decode node's peers (to keep)."""
@@ -173,6 +207,7 @@ async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
         await started
         ctx.stats.update(serving=format_address(service.host, service.port),
                          node_role=service.role)
+        ctx.ops["drain"] = lambda request: handoff_drain_op(service, request)
         ctx.ready()
         while not ctx.stopping.is_set():
             stats = service.stats

@@ -83,7 +83,10 @@ finish, as the OpenAI port's streams do.
 Its control channel's ``drain`` op (``drain_op``) is how the daemon tells it which
 nodes its requests need are draining (``api/edge/draining.py``: 503 "draining" for new
 requests, in-flight ones finish, the rest end at the deadline); the daemon says it
-again every ``drain/service.py`` ``PUSH_EVERY_S``, so a restarted router learns it.
+again every ``drain/service.py`` ``PUSH_EVERY_S``, so a restarted router learns it. With
+the serving listener, a drain in force drains it too (``handoff_node.drain_serving``):
+the routers' new sequences are refused with ``draining``, theirs are counted in flight
+with the OpenAI port's, and the answer's ``senders`` says who still sends work.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ import socket
 from typing import cast
 
 from mlxceld.api import MlxTextCodec, build_router_app, refusal_body
-from mlxceld.api.edge.draining import Draining, NodeDrain
+from mlxceld.api.edge.draining import Draining, parse_drains
 from mlxceld.api.ignoring import UnknownFields
 from mlxceld.api.reasoning import ReasoningField
 from mlxceld.control.server import SocketServer
@@ -107,7 +110,7 @@ from mlxceld.roles.options import RouterOptions
 from mlxceld.types import JSON
 from mlxceld.wire.address import format_address
 from mlxceld.workers.engines import make_engine
-from mlxceld.workers.handoff_node import bind_serving, run_handoff_node
+from mlxceld.workers.handoff_node import bind_serving, drain_serving, run_handoff_node
 from mlxceld.workers.modes import HandoffMode, engine_mode
 from mlxceld.workers.router_engine import RouterEngine
 from mlxceld.workers.runtime import Stopped, WorkerContext
@@ -162,23 +165,25 @@ def sampling_defaults(o: RouterOptions, path: str) -> SamplingDefaults:
     return defaults
 
 
-def drain_op(draining: Draining, request: JSON) -> JSON:
+def drain_op(draining: Draining, request: JSON,
+             service: ServingService | None = None) -> JSON:
     """The control channel's ``drain``: ``{"drains": [{"node": ID, "deadline": UNIX-S or
-    null}, ...]}``, every drain in force (``[]``: none); answers the counts."""
-    raw = request.get("drains")
-    drains = []
-    if not isinstance(raw, list):
-        return {"ok": False, "error": "'drains' must be a list"}
-    for item in raw:
-        node = item.get("node") if isinstance(item, dict) else None
-        deadline = item.get("deadline") if isinstance(item, dict) else None
-        if not isinstance(node, str) or not (deadline is None or isinstance(deadline, float | int)):
-            return {"ok": False, "error": "each drain must be {'node': ID, 'deadline': "
-                    "UNIX-S or null}"}
-        drains.append(NodeDrain(node, None if deadline is None else float(deadline)))
+    null}, ...]}``, every drain in force (``[]``: none); answers the counts. With the
+    serving listener (a hybrid node) it drains too (``drain_serving``): the counts are the
+    OpenAI port's and the routers' together, and ``senders`` says who still sends work."""
+    try:
+        drains = parse_drains(request)
+    except ValueError as exc:
+        return {"ok": False, "error": str(exc)}
     draining.set(drains)
-    return {"ok": True, "nodes": draining.nodes(), "in_flight": draining.in_flight,
-            "finished": draining.finished, "ended": draining.ended}
+    answer: JSON = {"ok": True, "nodes": draining.nodes(), "in_flight": draining.in_flight,
+                    "finished": draining.finished, "ended": draining.ended}
+    clients = [{"sender": "clients of the OpenAI port", "sequences": draining.in_flight}]
+    if service is None:
+        return {**answer, "senders": clients if draining.in_flight else []}
+    routers = drain_serving(service, drains)
+    return {**answer, **{k: answer[k] + routers[k] for k in ("in_flight", "finished", "ended")},
+            "senders": (clients if draining.in_flight else []) + routers["senders"]}
 
 
 async def run(ctx: WorkerContext[RouterOptions]) -> int:
@@ -250,6 +255,8 @@ async def serve(ctx: WorkerContext[RouterOptions], built: RouterEngine,
     service = None
     try:
         service = await serving_service(ctx, built)
+        if service is not None:  # a drain of this node drains the serving listener too
+            ctx.ops["drain"] = lambda request: drain_op(draining, request, service)
         async with asyncio.TaskGroup() as tg:
             linking = tg.create_task(built.keep_linked())
             tg.create_task(server.serve(started))

@@ -163,14 +163,18 @@ def test_a_drain_has_every_key_of_the_drain_schema() -> None:
 
 
 def test_a_listed_drain_is_its_row_then_replanning_and_in_flight() -> None:
-    """mlxctl(1), `mlxctl drains`: whether it waits for a re-plan, requests in flight."""
+    """mlxctl(1), `mlxctl drains`: whether it waits for a re-plan, requests in flight,
+    and who still sends them."""
     schema = field_schema("drain", "drain")  # the row of `mlxctl drains` is a drain's
-    view = DrainView(drain_row(finished=4, ended=1), True, 2).to_json()
+    senders = [{"sender": "router 127.0.0.1:7001", "sequences": 2}]
+    view = DrainView(drain_row(finished=4, ended=1), True, 2, senders).to_json()
     conforms(view, schema)
-    assert list(view)[-2:] == ["replanning", "in_flight"]
+    assert list(view)[-3:] == ["replanning", "in_flight", "senders"]
     assert (view["finished"], view["ended"], view["replanning"], view["in_flight"]) == (
         4, 1, True, 2)
-    assert DrainView(drain_row(), False, None).to_json()["in_flight"] is None
+    assert view["senders"] == senders
+    unknown = DrainView(drain_row(), False, None).to_json()
+    assert unknown["in_flight"] is None and unknown["senders"] is None
 
 
 def test_an_undrain_names_the_node_and_its_drain_as_it_was() -> None:

@@ -218,3 +218,17 @@ def test_a_node_without_a_cluster_view_shows_its_drains() -> None:
     assert "drain" not in render.status(body)
     del body["drains"]  # an older daemon's status
     assert "drain" not in render.status(body)
+
+
+def test_a_drain_line_names_who_still_sends_work() -> None:
+    """A serving node's drain (``senders``: its OpenAI clients, each router with sequences
+    on it) says who is still running there; one without says nothing more."""
+    drain = {"node_id": "hyb-a", "state": "draining", "started_at": NOW - 2,
+             "deadline": NOW + 58, "finished": 1, "ended": 0,
+             "senders": [{"sender": "clients of the OpenAI port", "sequences": 1},
+                         {"sender": "router 127.0.0.1:19000", "sequences": 3}]}
+    assert render.drain_line(drain, NOW) == (
+        f"drain: node hyb-a draining since {clock(NOW - 2)} (2s ago), deadline in 58s: 1 "
+        "finished, 0 ended; 1 from clients of the OpenAI port; 3 from router "
+        "127.0.0.1:19000")
+    assert render.drain_line({**drain, "senders": None}, NOW).endswith("1 finished, 0 ended")

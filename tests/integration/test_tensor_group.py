@@ -7,6 +7,7 @@ order, each leaving the group running."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -153,6 +154,32 @@ def test_status_and_workers_show_the_group_and_each_rank(group: Group) -> None:
     assert (sample(scraped, "mlxceld_tensor_rank_steps_total", worker="tp-1", rank="1")
             or 0) >= rank["steps"]
     assert sample(scraped, "mlxceld_worker_up", worker="tp-1", role="tp") == 1
+
+
+def test_a_drain_drains_the_group_as_one(group: Group) -> None:
+    """`mlxctl drain` of the group's node, with a stream running: a new request is refused
+    503 "draining" (rank 0, the router, admits for the group), the stream finishes, the
+    command exits 0 saying "drained" with it counted, and neither rank restarted; the
+    undrain admits again."""
+    pids = group.running()
+    with client(group.url) as c:
+        stream = c.completions.create(model="llama", prompt="Once upon a time",
+                                      max_tokens=600, temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks)  # it runs on the group
+        drained = group.host.d.ctl("drain", "--deadline", "60s", "--detach")
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        with pytest.raises(openai.APIStatusError) as refused:
+            wait_for(lambda: group.complete() and None, 10, "a request refused", every=0.2)
+        assert refused.value.status_code == 503 and "draining" in refused.value.message
+        assert list(chunks)[-1].choices[0].finish_reason == "length"
+    waited = group.host.d.ctl("drain", "--deadline", "60s", "--json", timeout=120)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    row = json.loads(waited.stdout)["drain"]
+    assert row["state"] == "drained" and row["finished"] >= 1 and row["ended"] == 0, row
+    assert group.running() == pids  # the group drained as one, nothing restarted
+    assert group.host.d.ctl("undrain").returncode == 0
+    assert group.serves(10) == expected(group.model, PROMPT, 8)
 
 
 def test_a_killed_rank_restarts_the_group_and_the_next_request_succeeds(

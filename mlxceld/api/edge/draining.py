@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,6 +41,27 @@ T = TypeVar("T")
 class NodeDrain:
     node: str  # the node id, as `mlxctl cluster nodes` names it
     deadline: float | None  # unix s; None: no deadline (until undrained)
+
+
+def parse_drains(request: Mapping[str, Any]) -> list[NodeDrain]:
+    """A worker's ``drain`` op's ``{"drains": [{"node": ID, "deadline": UNIX-S or null},
+    ...]}``, every drain in force (``[]``: none); ``ValueError`` saying what is wrong."""
+    raw = request.get("drains")
+    if not isinstance(raw, list):
+        raise ValueError("'drains' must be a list")
+    drains = []
+    for item in raw:
+        node = item.get("node") if isinstance(item, dict) else None
+        deadline = item.get("deadline") if isinstance(item, dict) else None
+        if not isinstance(node, str) or not (deadline is None or isinstance(deadline, float | int)):
+            raise ValueError("each drain must be {'node': ID, 'deadline': UNIX-S or null}")
+        drains.append(NodeDrain(node, None if deadline is None else float(deadline)))
+    return drains
+
+
+def first_deadline(drains: Sequence[NodeDrain]) -> float | None:
+    """The earliest of ``drains``' deadlines (None: none has one)."""
+    return min((d.deadline for d in drains if d.deadline is not None), default=None)
 
 
 class Draining:
@@ -86,10 +107,10 @@ class Draining:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        deadlines = [d for d in new if d.deadline is not None]
-        if deadlines:
-            first = min(deadlines, key=lambda d: d.deadline or 0.0)
-            delay = max(0.0, (first.deadline or 0.0) - time.time())
+        deadline = first_deadline(new)
+        if deadline is not None:
+            first = next(d for d in new if d.deadline == deadline)
+            delay = max(0.0, deadline - time.time())
             self._timer = asyncio.get_running_loop().call_later(delay, self._deadline,
                                                                 first.node)
 
