@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
+from helpers.load import StreamingLoad
 from helpers.pipeline import start_pipeline
 from helpers.ports import free_port
-from helpers.router import client
 from helpers.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,65 +44,6 @@ TOKENS = 160  # each stream: long enough to be running when the drain starts
 LONG_PROMPT = "Once upon a time"  # the tiny fixture: no EOS within 1500 greedy tokens
 LOAD_S = 3.0  # load while drained, before the undrain
 DRAIN_S = 120  # the command's own bound (its deadline is 60 s: never reached here)
-
-
-@dataclass
-class Load:
-    """``CLIENTS`` threads streaming completions back to back through ``url`` until
-    ``stop``. A router's client sees no drain: anything but a completed stream is a
-    failure (a 503 "draining" is counted as ``refused`` too)."""
-
-    url: str
-    stop: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    threads: list[threading.Thread] = field(default_factory=list)
-    sent: int = 0
-    completed: int = 0
-    refused: int = 0
-    failed: list[str] = field(default_factory=list)
-
-    def __enter__(self) -> Load:
-        self.threads = [threading.Thread(target=self.run) for _ in range(CLIENTS)]
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(90)
-
-    def run(self) -> None:
-        with client(self.url) as c:
-            while not self.stop.is_set():
-                with self.lock:
-                    self.sent += 1
-                outcome = self.one(c)
-                with self.lock:
-                    if outcome == "completed":
-                        self.completed += 1
-                    else:
-                        self.refused += outcome.startswith("refused")
-                        self.failed.append(outcome)
-
-    def one(self, c: openai.OpenAI) -> str:
-        try:
-            stream = c.completions.create(model=MODEL, prompt=LONG_PROMPT, stream=True,
-                                          max_tokens=TOKENS, temperature=0)
-            finish = None
-            for chunk in stream:
-                finish = chunk.choices[0].finish_reason or finish
-            return "completed" if finish else "failed: no finish_reason"
-        except openai.APIStatusError as exc:
-            return ("refused: " if exc.status_code == 503 and "draining" in exc.message
-                    else "failed: ") + str(exc)
-        except openai.APIError as exc:
-            return f"failed: {exc}"
-
-    def counts(self) -> dict[str, int]:
-        with self.lock:
-            return {"sent": self.sent, "ok": self.completed, "refused": self.refused,
-                    "failed": len(self.failed)}
 
 
 def node(daemons: Daemons, name: str, model: Path, ip: str, **serve: Any) -> Host:
@@ -213,7 +153,8 @@ def test_a_replica_drains_under_load_through_a_router_node(replicas: Replicas) -
     sequences ran; "drained" (exit 0) only once they ended (``finished`` > 0, none at the
     deadline) and A got no sequence after that until the undrain, which admits again."""
     r, a = replicas.router, replicas.a
-    with Load(f"{url(r)}/v1") as load:
+    with StreamingLoad(f"{url(r)}/v1", clients=CLIENTS, max_tokens=TOKENS,
+                       prompt=LONG_PROMPT, model=MODEL) as load:
         wait_for(lambda: nodes(r)["replica-0"]["in_flight"] > 0, 60,
                  "replica A running sequences of the router")
         before = load.counts()
@@ -234,7 +175,7 @@ def test_a_replica_drains_under_load_through_a_router_node(replicas: Replicas) -
     assert done.returncode == 0, done.stdout + done.stderr
     assert row["state"] == "drained" and row["ended"] == 0, row
     assert row["finished"] > 0, row  # it waited for the sequences A held
-    assert load.failed == [], load.failed[:3]
+    assert (load.refused, load.failed) == ([], []), (load.refused[:3], load.failed[:3])
     assert any(s["sender"].startswith("router ") and s["sequences"] > 0
                for s in watch.senders), watch.senders
     # nothing ran on A while it was drained: a try it refused counts as dispatched and
@@ -242,7 +183,7 @@ def test_a_replica_drains_under_load_through_a_router_node(replicas: Replicas) -
     taken = [n["dispatched"] - n["retried"] for n in (at_drained, while_drained)]
     assert taken[0] == taken[1], (at_drained, while_drained)
     assert while_drained["completed"] == at_drained["completed"], (at_drained, while_drained)
-    assert during["ok"] > before["ok"]  # the other replica served meanwhile
+    assert during["completed"] > before["completed"]  # the other replica served meanwhile
 
 
 # -- prefill and decode nodes behind a disaggregating router ----------------------------
@@ -291,8 +232,9 @@ def test_a_prefill_or_decode_node_drains_under_load(disagg: Disagg, role: str) -
     r = disagg.router
     host = (disagg.prefills if role == "prefill" else disagg.decodes)[0]
     drained, other = f"{role}-0", f"{role}-1"  # the router's names, by --*-peers order
-    with Load(f"{url(r)}/v1") as load:
-        wait_for(lambda: load.counts()["ok"] >= CLIENTS, 120, "the load under way")
+    with StreamingLoad(f"{url(r)}/v1", clients=CLIENTS, max_tokens=TOKENS,
+                       prompt=LONG_PROMPT, model=MODEL) as load:
+        wait_for(lambda: load.counts()["completed"] >= CLIENTS, 120, "the load under way")
         before = load.counts()
         done, row, _ = drain_watched(host)
         wait_for(lambda: nodes(r)[drained]["in_flight"] == 0, 5,
@@ -311,8 +253,8 @@ def test_a_prefill_or_decode_node_drains_under_load(disagg: Disagg, role: str) -
           f"{describe(done)}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert row["state"] == "drained" and row["ended"] == 0, row
-    assert load.failed == [], load.failed[:3]
-    assert during["ok"] > before["ok"]
+    assert (load.refused, load.failed) == ([], []), (load.refused[:3], load.failed[:3])
+    assert during["completed"] > before["completed"]
     assert while_drained[drained]["completed"] == at_drained[drained]["completed"]
     assert while_drained[other]["completed"] > at_drained[other]["completed"]
 
