@@ -20,6 +20,7 @@ import pytest
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
+from helpers.models import eos_ids
 from helpers.ports import free_port
 from helpers.router import greedy, greedy_stream
 from helpers.waiting import wait_for
@@ -41,6 +42,7 @@ class Fleet:
 
 complete = functools.partial(greedy, model=MODEL)
 stream = functools.partial(greedy_stream, model=MODEL)
+LONG = 96  # tokens of each of the concurrent streams
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +78,18 @@ def fleet(fixture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         daemons.end()
 
 
-def test_a_router_placed_by_the_file_serves_as_its_hybrids_do(fleet: Fleet) -> None:
+def test_a_router_placed_by_the_file_serves_as_its_hybrids_do(fleet: Fleet,
+                                                               fixture_dir: Path) -> None:
     for prompt in PROMPTS[:2]:
         assert complete(fleet.router, prompt) == complete(fleet.hybrids[0], prompt), prompt
     before = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
-    together = threading.Barrier(len(PROMPTS))  # all in flight at once
+    # All in flight at once: each runs its LONG tokens (no end-of-sequence), so that its
+    # sequence still runs on its replica when the next one is routed (a stream's sequence
+    # no longer waits for its client to read: api/outbox.py).
+    together, banned = threading.Barrier(len(PROMPTS)), eos_ids(fixture_dir / MODEL)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        texts = list(pool.map(lambda p: stream(fleet.router, p, together=together), PROMPTS))
+        texts = list(pool.map(lambda p: stream(fleet.router, p, LONG, together=together,
+                                               banned=banned), PROMPTS))
     assert all(texts), texts
     after = {n["id"]: n["dispatched"] for n in fleet.stats()["nodes"]}
     spread = {k: after[k] - before.get(k, 0) for k in after}
