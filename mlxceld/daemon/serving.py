@@ -202,9 +202,10 @@ class ServingWindow:
         return Unserved(was)
 
     def resume_placement(self, placement: Placement) -> None:
-        """At start, before the first reconcile: the plan to resume, as ``serve_pipeline``
-        will serve it, so that its router, left running by the daemon before, is re-adopted
-        (``Supervisor.reconcile``) and not started again."""
+        """The roster over ``placement``, on its model, not yet reconciled: at start, the
+        plan to resume, so that its router, left running by the daemon before, is
+        re-adopted (``Supervisor.reconcile``) and not started again; ``serve_pipeline``'s
+        first step."""
         self._roster.placement = placement
         if self.serve.model != str(placement.model):
             self._roster.serve = self.serve.with_model(str(placement.model))
@@ -216,10 +217,7 @@ class ServingWindow:
         and restarted only if it refuses or does not answer."""
         parts, roster = self._parts, self._roster
         before = roster.spec(ROUTER)
-        roster.placement = placement
-        model = str(placement.model)
-        if self.serve.model != model:
-            roster.serve = self.serve.with_model(model)
+        self.resume_placement(placement)
         existed = ROUTER in parts.supervisor.names()
         await roster.reconcile()
         spec = roster.spec(ROUTER)
