@@ -70,7 +70,7 @@ from mlxceld.engine.base import (
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.attaching import DIAL_BUDGET_S, StageAddress
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
-from mlxceld.pipeline.links import Inbox, StageLink
+from mlxceld.pipeline.links import Inbox, StageLink, StageLost
 from mlxceld.pipeline.messages import Forget, Prepare, Prepared, Release, Run
 from mlxceld.pipeline.promptcache import PromptCache
 from mlxceld.roles.options import KVQuant
@@ -366,7 +366,7 @@ class PipelineEngine:
             message, code = error.message, error.code
             if code == p.ERR_DOWNSTREAM:  # the stage's words name an address: log them
                 log.warning("stage of rank %s: %s", rank, message)
-                raise EngineUnavailable(self._downstream_message(rank))
+                raise StageLost(self._downstream_message(rank))
             if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
             if code == p.ERR_DRAINING:  # stopping: its sequences finish, no new one
