@@ -34,7 +34,8 @@ Bounds (every wait has a deadline):
   at once (its connection ends), one that goes silent within ``silence_s`` (the
   heartbeat, ``DEFAULT_SILENCE_S``: 3 s), one that stalls within this bound. Either
   way the request fails with ``EngineUnavailable`` (503 before the first token, an SSE
-  error event after).
+  error event after); a lost stage's is ``StageLost``, which a router whose switch
+  holds (``replay.py``) replays on a working plan instead.
 
 A stage that is stopping refuses new sequences (``draining``, stage.py): the
 request is refused with ``EngineUnavailable`` (503, ``Retry-After:
