@@ -208,4 +208,4 @@ def test_the_remainder_prefills_what_was_sent() -> None:
     assert list(again.prompt_tokens) == [1, 2, 7, 8, 9]
     assert (again.params.max_tokens, again.params.min_tokens) == (7, 1)
     assert remainder(request, []) is request
-    assert hold_for(10.0, 60.0) == 90.0 and hold_for(10.0, 0.0) == 0.0
+    assert hold_for(10.0, 60.0) == 130.0 and hold_for(10.0, 0.0) == 0.0
