@@ -8,9 +8,11 @@ and ``heal_after_s = 2``, under ``CLIENTS`` streaming `openai` clients with retr
   sequences that were running on the silent host, and those that arrived meanwhile, are
   held and replayed there (``pipeline/replay.py``). No request fails or is refused, and
   at least one was in flight on the silent host when it stopped (the router's log says
-  it replayed a sequence that had sent tokens).
+  it replayed a sequence that had sent tokens); one more client's long greedy stream,
+  begun before the stop, reads mlx-lm's greedy text whole (nothing repeated or lost).
 - A stage worker SIGKILLed: its daemon restarts it (the host is alive: no heal); the
-  sequences it ran are held and replayed on the same plan once it attached again.
+  sequences it ran are held and replayed on the same plan once it attached again; the
+  long greedy stream reads mlx-lm's text whole here too.
 
 The counts are printed (``pytest -s``)."""
 
@@ -20,6 +22,7 @@ import os
 import re
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +32,9 @@ from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.load import StreamingLoad
+from helpers.models import expected
 from helpers.ports import free_port
+from helpers.router import client
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -46,6 +51,8 @@ CLIENTS = 4
 MAX_TOKENS = 64  # long streams: several are running on the host when it stops
 WARM_S = 2.0  # load before the fault, and after the plan serves again
 WAIT_S = 90.0  # generous waits on a loaded machine
+TRACKED = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
+TRACKED_TOKENS = 200
 REPLAYED = re.compile(r"replayed on (the new plan's engine|its stages back) after (\d+) token")
 
 
@@ -76,6 +83,33 @@ def staged(coord: DaemonProc, peers: list[DaemonProc]) -> list[DaemonProc]:
     return [by_agent[r["address"]] for r in coord.status()["bringup"]["peers"]]
 
 
+class Tracked(threading.Thread):
+    """One more client: a long greedy stream of ``TRACKED``, its text kept; ``begun`` once
+    its first tokens came, so the fault hits it in flight."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.begun = threading.Event()
+        self.text = ""
+        self.finish: str | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with client(self.url) as c:
+                for chunk in c.completions.create(model="llama", prompt=TRACKED, stream=True,
+                                                  max_tokens=TRACKED_TOKENS, temperature=0):
+                    self.text += chunk.choices[0].text
+                    self.finish = chunk.choices[0].finish_reason or self.finish
+                    if len(self.text) > 8:
+                        self.begun.set()
+        except Exception as exc:  # asserted by the test
+            self.error = exc
+        finally:
+            self.begun.set()
+
+
 def replays(coord: DaemonProc) -> list[tuple[str, int]]:
     """What the router's log says it replayed: (on what, tokens sent before)."""
     log = (coord.state_dir / "logs" / "router.log").read_text(errors="replace")
@@ -88,9 +122,13 @@ def test_a_heal_under_load_loses_nothing(daemons: Daemons, split_fixture_dir: Pa
     first = coord.status()["bringup"]
     victim = staged(coord, peers)[1]
     pids = [victim.pid, victim.worker("stage")["pid"]]
+    want = expected(model, TRACKED, TRACKED_TOKENS)
+    tracked = Tracked(port)
     with StreamingLoad(f"http://127.0.0.1:{port}/v1", clients=CLIENTS,
                        max_tokens=MAX_TOKENS) as load:
         time.sleep(WARM_S)
+        tracked.start()
+        assert tracked.begun.wait(WAIT_S) and tracked.is_alive(), tracked.error
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -99,6 +137,7 @@ def test_a_heal_under_load_loses_nothing(daemons: Daemons, split_fixture_dir: Pa
                               and b["state"] == "active" and b, WAIT_S, "the heal", every=0.1)
             healed_s = time.monotonic() - stopped
             time.sleep(WARM_S)
+            tracked.join(WAIT_S)
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
@@ -115,6 +154,9 @@ def test_a_heal_under_load_loses_nothing(daemons: Daemons, split_fixture_dir: Pa
     assert victim.root not in {p.root for p in staged(coord, peers)}, healed
     # in flight on the silent host when it stopped: tokens sent, then replayed on the new plan
     assert any(on == "the new plan's engine" and sent > 0 for on, sent in done), done
+    # the tracked stream, stopped in flight: one stream, an unbroken run's greedy text
+    assert tracked.error is None and tracked.finish == "length", tracked.error
+    assert tracked.text == want
 
 
 def test_a_stage_worker_killed_under_load_loses_nothing(
@@ -123,15 +165,20 @@ def test_a_stage_worker_killed_under_load_loses_nothing(
     peers, coord, port = cluster(daemons, model)
     victim = staged(coord, peers)[1]
     killed = victim.worker("stage")["pid"]
+    want = expected(model, TRACKED, TRACKED_TOKENS)
+    tracked = Tracked(port)
     with StreamingLoad(f"http://127.0.0.1:{port}/v1", clients=CLIENTS,
                        max_tokens=MAX_TOKENS) as load:
         time.sleep(WARM_S)
+        tracked.start()
+        assert tracked.begun.wait(WAIT_S) and tracked.is_alive(), tracked.error
         os.kill(killed, signal.SIGKILL)
         again = wait_for(lambda: (w := victim.worker("stage"))["pid"] not in (None, killed)
                          and w["state"] == "running" and w, WAIT_S, "the stage restarted",
                          every=0.1)
         daemons.pids.add(again["pid"])
         time.sleep(WARM_S)
+        tracked.join(WAIT_S)
     counts = load.counts()
     done = replays(coord)
     print(f"\nSIGKILL of a stage worker under load ({CLIENTS} streaming clients, "
@@ -142,3 +189,5 @@ def test_a_stage_worker_killed_under_load_loses_nothing(
     assert (counts["refused"], counts["failed"]) == (0, 0), (load.refused[:3], load.failed[:3])
     assert counts["completed"] > 0
     assert any(sent > 0 for _, sent in done), done
+    assert tracked.error is None and tracked.finish == "length", tracked.error
+    assert tracked.text == want
