@@ -78,7 +78,7 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │                           honour (the client's: 400)
     │   ├── EndlessSchema           engine/constraints.py: a JSON schema no finite value
     │   │                           matches (400 naming the schema's field)
-    │   └── RequestRefused          replicas/remote.py: a node refused a request as the
+    │   └── RequestRefused          replicas/answers.py: a node refused a request as the
     │                               client's (400)
     ├── TensorParallelRefused       models/tensor.py: the model cannot be split over the ranks
     ├── InvalidOption               roles/options.py: a worker option that breaks its rule

@@ -21,12 +21,10 @@ and a resolver's ``MlxceldError`` message, which names no address (a router node
 
 A sequence (``generate``) is sent over the current stream and its answers are read
 from that stream only (``protocol.py``'s result-frame rule): a ``token`` for a ``seq``
-that was not sent over the stream it came on is dropped. An ``error`` ends it:
-``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable`` naming the node
-(the pool tries another; after ``draining`` it passes the node over until
-``draining_until``), ``bad_request`` as ``RequestRefused`` (a ``ConstraintError``: the
-API answers 400, as for a pipeline stage's ``bad_constraint``), anything else as
-``EngineError``. The stream ending ends every sequence on it with ``EngineUnavailable``
+that was not sent over the stream it came on is dropped. An ``error`` ends it, raised as
+``answers.py`` says (``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable``
+naming the node: the pool tries another, and after ``draining`` it passes the node over
+until ``draining_until``). The stream ending ends every sequence on it with ``EngineUnavailable``
 naming the node, at once. Closing the generator early sends ``cancel`` (the node frees
 the sequence).
 
@@ -63,18 +61,17 @@ from mlxceld.engine.base import (
     GenerationRequest,
     TokenOutput,
 )
-from mlxceld.engine.constraints import ConstraintError
-from mlxceld.engine.handoff import HandoffUnsupported
 from mlxceld.errors import MlxceldError
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
 from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
 from mlxceld.replicas import messages as m
 from mlxceld.replicas import protocol as p
+from mlxceld.replicas.answers import DRAINING_RETRY_S, refusal, token_output
 from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
 from mlxceld.wire.messages import MessageError
-from mlxceld.wire.transport_messages import Attach, CodedError, Token, error_in
+from mlxceld.wire.transport_messages import Attach, CodedError, error_in
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +80,12 @@ log = logging.getLogger(__name__)
 RESOLVE_S: Final = 10.0
 DIAL_BUDGET_S: Final = 5.0  # TCP connect and handshake, retried within it
 ATTACH_TIMEOUT_S: Final = 5.0  # the node's answer to ``attach``
-DRAINING_RETRY_S: Final = 5  # Retry-After for a draining node: it stops, then restarts
 _DIAL_WORDS: Final = {
     "unreachable": "nothing accepts connections on its serving port",
     "handshake_timeout": "it accepted the connection but did not answer the handshake",
     "at_capacity": "it holds its maximum of connections",
     "abort": "it dropped the connection during the handshake",
 }
-
-
-class RequestRefused(ConstraintError):
-    """The node refused a request as the client's (``bad_request``): HTTP 400."""
 
 
 @dataclass
@@ -370,7 +362,7 @@ class RemoteEngine:
             if isinstance(item, BaseException):
                 raise item
             if item.type == "error":
-                raise self._refusal(error_in(item))
+                raise self._refused(error_in(item))
             if item.type != "prefilled":
                 raise EngineError(f"node {self.node_id} sent '{item.type}' for a prefill")
             try:
@@ -428,7 +420,9 @@ class RemoteEngine:
                 item = await sequence.inbox.get()
                 if isinstance(item, BaseException):
                     raise item
-                out = self._output(item, request.params.logprobs)
+                if item.type == "error":
+                    raise self._refused(error_in(item))
+                out = token_output(self.node_id, item, request.params.logprobs)
                 finished = out.finish_reason is not None
                 yield out
         finally:
@@ -444,51 +438,12 @@ class RemoteEngine:
             await stream.send(encode_envelope(m.Cancel(seq).to_wire()))
         self._finish_if_done(stream)
 
-    def _output(self, env: Envelope, logprobs: int | None) -> TokenOutput:
-        if env.type == "error":
-            raise self._refusal(error_in(env))
-        if env.type != "token":
-            raise EngineError(f"node {self.node_id} sent '{env.type}' for a sequence")
-        try:
-            said = Token.from_wire(env.header)
-            logprob, top = said.logprobs(logprobs)
-            if said.cached is not None and said.cached > p.MAX_PROMPT_TOKENS:
-                raise MessageError("cached", f"'cached' must be an integer from 0 to "
-                                             f"{p.MAX_PROMPT_TOKENS}")
-        except MessageError as exc:
-            raise EngineError(f"node {self.node_id} sent a bad token: {exc.reason}") from None
-        (token,) = struct.unpack("<i", env.tensors["tokens"].data)
-        return TokenOutput(token, said.finish_reason, logprob, top, cached=said.cached)
-
-    def _refusal(self, error: CodedError) -> Exception:
-        code, message = error.code or None, error.message[:1000]
-        name = f"node {self.node_id}"
-        if code == p.ERR_BAD_REQUEST:
-            return RequestRefused(f"{name}: {message}")
-        if code == p.ERR_UNSUPPORTED:
-            return HandoffUnsupported(f"{name}: {message}")
-        if code == p.ERR_FORBIDDEN:
-            log.warning("%s refused a prefill: %s", name, message)
-            return EngineError(f"{name} refused to send the KV cache to the decode node "
-                               "chosen (not in its MLXCEL_DECODE_ALLOWLIST); see the "
-                               "router's log")
-        if code == p.ERR_BAD_HANDOFF:
-            log.warning("%s: %s", name, message)
-            return EngineUnavailable(f"{name}: the KV cache handoff failed; retry",
-                                     retry_after_s=1)
-        if code == p.ERR_BUSY:
-            return EngineUnavailable(f"{name} is busy: {message}", retry_after_s=1)
-        if code == p.ERR_DRAINING:
+    def _refused(self, error: CodedError) -> Exception:
+        """The node's ``error`` as ``answers.refusal`` says; a ``draining`` one also passes
+        the node over until ``draining_until``."""
+        if error.code == p.ERR_DRAINING:
             self.draining_until = asyncio.get_running_loop().time() + DRAINING_RETRY_S
-            return EngineUnavailable(f"{name} is draining: it takes no new request; retry "
-                                     "shortly", retry_after_s=DRAINING_RETRY_S)
-        if code == p.ERR_UNAVAILABLE:
-            after = error.retry_after_s
-            return EngineUnavailable(f"{name} is unavailable: {message}",
-                                     retry_after_s=after if type(after) is int and 0 < after
-                                     <= 3600 else 1)
-        log.warning("%s refused a request: %s (%s)", name, message, code)
-        return EngineError(f"{name} failed the request ({code}); see the router's log")
+        return refusal(self.node_id, error)
 
     async def aclose(self) -> None:
         self._closing = True

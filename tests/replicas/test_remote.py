@@ -22,7 +22,8 @@ from mlxceld.engine.local import LocalEngine
 from mlxceld.net import MxclStream, connect, streams_under
 from mlxceld.pipeline.protocol import params_to_wire
 from mlxceld.replicas import protocol as p
-from mlxceld.replicas.remote import RemoteEngine, RequestRefused
+from mlxceld.replicas.answers import RequestRefused
+from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.service import ServingService
 from mlxceld.wire import encode_envelope, key_id, parse_envelope
 
