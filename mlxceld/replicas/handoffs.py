@@ -64,7 +64,7 @@ from mlxceld.net.securitylog import SecurityLog
 from mlxceld.replicas import protocol as p
 from mlxceld.replicas.held import EarlyHandoffs, HeldHandoffs
 from mlxceld.replicas.messages import Expect, Handoff, Prefill, Prefilled
-from mlxceld.replicas.service import ServingService, _Link
+from mlxceld.replicas.service import ServingService, _forget, _Link, _Sequence
 from mlxceld.tasks import Background
 from mlxceld.types import HANDOFF_SIDES
 from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
@@ -146,7 +146,6 @@ def _union_spec(layout: CacheLayout, max_tokens: int) -> MessageSpec:
 class _Expected:
     """A decode node's pending ``expect``: what its ``handoff`` must match."""
 
-    link: _Link
     request: GenerationRequest
     prefill: str  # the identity the handoff must come from
     parts: int = 0  # 0 until part 0 came
@@ -231,17 +230,17 @@ class HandoffService(ServingService):
         self._security.flush(f"node {self.node_id}: ")
         await super().aclose()
 
-    async def _other(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    async def _other(self, link: _Link, env: Envelope) -> None:
         if env.type == "prefill" and self.role == "prefill":
-            self._prefill(link, env, tg)
+            self._prefill(link, env)
         elif env.type == "expect" and self.role == "decode":
             if failpoints.EXPECT_DELAY_S:  # tests only: the handoff comes first
                 await asyncio.sleep(failpoints.EXPECT_DELAY_S)
-            self._expect(link, env, tg)
+            self._expect(link, env)
         elif env.type == "handoff" and self.role == "decode":
             self._handoff(link, env)
         else:
-            await super()._other(link, env, tg)
+            await super()._other(link, env)
 
     async def _failed(self, link: _Link, seq: str, exc: Exception) -> None:
         code = (p.ERR_UNSUPPORTED if isinstance(exc, HandoffUnsupported)
@@ -256,7 +255,7 @@ class HandoffService(ServingService):
 
     # -- prefill ------------------------------------------------------------------------
 
-    def _prefill(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    def _prefill(self, link: _Link, env: Envelope) -> None:
         prefill = Prefill.from_wire(env.header)
         target = prefill.decode_target
         if self._allowlist is not None \
@@ -266,10 +265,10 @@ class HandoffService(ServingService):
                                       f"node {self.node_id}'s {ALLOWLIST_ENV}: add it there "
                                       "if it is one of the cluster's decode nodes")
         seq, request = self._admit(link, prefill, env)
-        self._spawn(link, seq, self._run_prefill(link, seq, request, target,
-                                                 prefill.compression), tg)
+        self._spawn(link, seq, lambda sequence: self._run_prefill(
+            sequence, seq, request, target, prefill.compression))
 
-    async def _run_prefill(self, link: _Link, seq: str, request: GenerationRequest,
+    async def _run_prefill(self, sequence: _Sequence, seq: str, request: GenerationRequest,
                            target: str, mode: Mode) -> None:
         self._held += 1
         try:
@@ -283,21 +282,21 @@ class HandoffService(ServingService):
             self.stats.handoffs += 1
             self.stats.bytes += size
             self.stats.seconds += sent - started
-            await link.stream.send(encode_envelope(Prefilled(
+            await sequence.link.stream.send(encode_envelope(Prefilled(
                 seq, size, round((encoded - started) * 1000, 3),
                 round((sent - encoded) * 1000, 3)).to_wire()))
         except ConnectionClosed:
             pass  # the router is gone: the connection's end cancels the rest
         except (ConstraintError, EngineError) as exc:
-            await self._failed(link, seq, exc)
+            await self._failed(sequence.link, seq, exc)
         except ValueError as exc:  # the prompt or parameters, as handoff.prefill says
             with contextlib.suppress(ConnectionClosed):
-                await link.stream.send(encode_envelope(
+                await sequence.link.stream.send(encode_envelope(
                     CodedError(p.ERR_BAD_REQUEST, str(exc), seq).to_wire()))
         finally:
             self._held -= 1
             self._ended.set()
-            link.seqs.pop(seq, None)
+            _forget(sequence, seq)
 
     async def _send_handoff(self, target: str, seq: str, first: TokenOutput,
                             header: dict[str, Any], blobs: dict[str, bytes]) -> int:
@@ -356,17 +355,17 @@ class HandoffService(ServingService):
 
     # -- decode -------------------------------------------------------------------------
 
-    def _expect(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    def _expect(self, link: _Link, env: Envelope) -> None:
         expect = Expect.from_wire(env.header)
         prefill = expect.prefill
         seq, request = self._admit(link, expect, env)
         if seq in self._expected:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already "
                                       "expected on this node")
-        expected = _Expected(link, request, prefill)
+        expected = _Expected(request, prefill)
         self._expected[seq] = expected
-        self._spawn(link, seq, self._run(link, seq, request,
-                                         lambda: self._decode(seq, expected)), tg)
+        self._spawn(link, seq, lambda sequence: self._run(
+            sequence, seq, request, lambda: self._decode(seq, expected)))
         self._early.expected(seq)
 
     async def _decode(self, seq: str, expected: _Expected
