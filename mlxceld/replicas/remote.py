@@ -7,8 +7,8 @@ A router's pool (``replicas/pool.py``) holds one per node; it is a pool member:
 The link (``keep_linked``, run until cancelled): ``resolve()`` (the node's serving
 listener ``host:port``, asked again before every dial, within ``RESOLVE_S``), dial
 it as ``origin`` (``connect_as``, channel 1, within ``DIAL_BUDGET_S``), ``attach``
-(answered within ``ATTACH_TIMEOUT_S``); on any failure wait ``RETRY_INITIAL_S``
-doubling to ``RETRY_MAX_S`` and try again. The attached link has a heartbeat
+(answered within ``ATTACH_TIMEOUT_S``), each as ``attaching.py`` says; on any failure
+wait ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` and try again. The attached link has a heartbeat
 (``net/liveness.watch``, ``silence_s``): a node that sends nothing, not even a pong,
 that long (stopped, asleep, off the network: no RST comes) is dropped.
 
@@ -53,7 +53,6 @@ import struct
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Final
 
 from mlxceld.engine.base import (
     EngineError,
@@ -61,13 +60,13 @@ from mlxceld.engine.base import (
     GenerationRequest,
     TokenOutput,
 )
-from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
+from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
 from mlxceld.replicas import messages as m
 from mlxceld.replicas import protocol as p
 from mlxceld.replicas.answers import DRAINING_RETRY_S, refusal, token_output
+from mlxceld.replicas.attaching import DIAL_BUDGET_S, LinkFailed, attach, dial, resolved
 from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
 from mlxceld.wire.messages import MessageError
@@ -75,27 +74,10 @@ from mlxceld.wire.transport_messages import Attach, CodedError, error_in
 
 log = logging.getLogger(__name__)
 
-# Finding the node's serving address: a router node's resolve asks the node's agent,
-# 5 s to connect and 5 s for the answer (discovery/serving.py).
-RESOLVE_S: Final = 10.0
-DIAL_BUDGET_S: Final = 5.0  # TCP connect and handshake, retried within it
-ATTACH_TIMEOUT_S: Final = 5.0  # the node's answer to ``attach``
-_DIAL_WORDS: Final = {
-    "unreachable": "nothing accepts connections on its serving port",
-    "handshake_timeout": "it accepted the connection but did not answer the handshake",
-    "at_capacity": "it holds its maximum of connections",
-    "abort": "it dropped the connection during the handshake",
-}
-
-
 @dataclass
 class _Seq:
     stream: MxclStream  # the stream it was sent over: its answers come from there only
     inbox: asyncio.Queue[Envelope | BaseException] = field(default_factory=asyncio.Queue)
-
-
-class _LinkFailed(Exception):
-    """An attempt failed; the message names the node, never its address."""
 
 
 class RemoteEngine:
@@ -167,7 +149,7 @@ class RemoteEngine:
                 continue
             try:
                 stream = await self._open()
-            except _LinkFailed as exc:
+            except LinkFailed as exc:
                 if self._state == "up":  # a handover that failed: the old stream serves on
                     log.warning("node %s stays on its old key for now: %s", self.node_id, exc)
                 else:
@@ -196,62 +178,13 @@ class RemoteEngine:
         self._state, self._error = "down", message
 
     async def _open(self) -> MxclStream:
-        """Resolve, dial and attach; ``_LinkFailed`` saying why not."""
+        """Resolve, dial and attach (``attaching.py``); ``LinkFailed`` saying why not."""
         name = f"node {self.node_id}"
-        try:
-            async with asyncio.timeout(RESOLVE_S):
-                self.address = await self._resolve()
-        except MlxceldError as exc:  # the resolver says why (discovery/serving.py)
-            log.info("%s: finding its serving address failed: %s", name, exc.message)
-            raise _LinkFailed(f"{name}: its serving address is not known: "
-                              f"{exc.message}") from exc
-        except Exception as exc:  # the resolver's own failure, whatever it is
-            log.info("%s: finding its serving address failed: %s", name, exc)
-            raise _LinkFailed(f"{name}: its serving address is not known "
-                              f"({type(exc).__name__}); is its daemon up?") from exc
-        try:
-            stream = await connect_as(self._origin, self.address, keyring=self._keyring,
-                                      channel=1, budget_s=self._dial_budget_s)
-        except ValueError as exc:
-            raise _LinkFailed(f"{name}: its serving address is not host:port") from exc
-        except HandshakeFailed as exc:
-            log.info("%s (%s): %s", name, self.address, exc)
-            words = _DIAL_WORDS.get(exc.kind)
-            if words is not None:
-                raise _LinkFailed(f"{name} is unreachable: {words} (tried for "
-                                  f"{self._dial_budget_s:g} s)") from exc
-            raise _LinkFailed(f"{name} refused the handshake ({exc.kind.replace('_', ' ')}): "
-                              "do both hosts hold the same cluster secret?") from exc
-        return await self._attach(stream, name)
-
-    async def _attach(self, stream: MxclStream, name: str) -> MxclStream:
-        try:
-            async with asyncio.timeout(ATTACH_TIMEOUT_S):
-                await stream.send(encode_envelope(
-                    Attach(self._model_identity, self._cluster).to_wire()))
-                env = parse_envelope(await stream.recv(), p.ROUTER_SPECS)
-        except (TimeoutError, NetError, EnvelopeError) as exc:
-            await stream.abort()
-            why = (f"no answer within {ATTACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
-                   else "the connection ended" if isinstance(exc, NetError) else str(exc))
-            raise _LinkFailed(f"{name} did not attach: {why}") from exc
-        if env.type != "attached":
-            await stream.close()
-            error = error_in(env)
-            raise _LinkFailed(f"{name} refused to attach ({error.code or None}): "
-                              f"{error.message[:1000]}")
-        try:
-            attached = m.Attached.from_wire(env.header)
-        except MessageError as exc:
-            await stream.close()
-            raise _LinkFailed(
-                f"{name} sent an 'attached' without its context_length and max_batch "
-                "(another version of mlxceld?)" if exc.field in ("context_length", "max_batch")
-                else f"{name} sent a bad 'attached': {exc.reason}") from None
-        if attached.role != self.role:
-            await stream.close()
-            raise _LinkFailed(f"{name} is a {attached.role[:20]} node, listed here "
-                              f"as a {self.role} node: list it in the right pool")
+        self.address = await resolved(name, self._resolve)
+        stream = await dial(name, self.address, origin=self._origin, keyring=self._keyring,
+                            budget_s=self._dial_budget_s)
+        attached = await attach(stream, name, Attach(self._model_identity, self._cluster),
+                                self.role)
         self.context_length, self.max_batch = attached.context_length, attached.max_batch
         return stream
 
