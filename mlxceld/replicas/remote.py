@@ -8,9 +8,9 @@ The link (``keep_linked``, run until cancelled): ``resolve()`` (the node's servi
 listener ``host:port``, asked again before every dial, within ``RESOLVE_S``), dial
 it as ``origin`` (``connect_as``, channel 1, within ``DIAL_BUDGET_S``), ``attach``
 (answered within ``ATTACH_TIMEOUT_S``), each as ``attaching.py`` says; on any failure
-wait ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` and try again. The attached link has a heartbeat
-(``net/liveness.watch``, ``silence_s``): a node that sends nothing, not even a pong,
-that long (stopped, asleep, off the network: no RST comes) is dropped.
+wait ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` and try again. The attached link
+has a heartbeat (``net/liveness.watch``, ``silence_s``): a node that sends nothing, not
+even a pong, that long (stopped, asleep, off the network: no RST comes) is dropped.
 
 States: ``connecting`` until the first attempt ends; ``up`` while attached (only then
 does ``generate`` send anything); ``down`` once an attempt failed or the link ended,
@@ -35,12 +35,17 @@ cannot see. A pool that routes by least outstanding work may weigh a member by
 ``max(active_sequences(), node_sequences)``.
 
 Rekey (``rekey``: the keyring's primary changed, a secret rotation's ``use``):
-``keep_linked`` dials and attaches a second stream under the new primary; new
-sequences go over it, those running stay on the old one until they end, and the old
-stream is then finished (our close frame). No sequence moves between streams: a
-rotation that removes the old key while a sequence still runs on it ends that
-sequence with ``EngineUnavailable``, as any lost link does. A handover that cannot
-attach leaves the old stream in use and is retried with the backoff.
+``keep_linked`` dials and attaches a second stream under the new primary; new sequences
+go over it, and every sequence running on the old one moves there, however long it runs
+(``adopt`` over the new stream; the node answers ``adopted`` over the old one after all
+it sent there, and what the new stream brings for the sequence before that is held
+back, so its tokens stay in order). A sequence the node had not answered yet is asked
+again at its first answer (its ``generate`` and the ``adopt`` went over two
+connections, so the node may have had the ``adopt`` first and ignored it). The old
+stream is finished (our close frame) once no sequence is left on it, so when the
+rotation removes the old key no stream of ours is under it and nothing is cut. A
+stream that ends fails the sequences on it and those moving to it. A handover that
+cannot attach leaves the old stream in use and is retried with the backoff.
 """
 
 from __future__ import annotations
@@ -76,8 +81,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Seq:
-    stream: MxclStream  # the stream it was sent over: its answers come from there only
+    stream: MxclStream  # the stream it was sent over, or moved to: its answers come from there
     inbox: asyncio.Queue[Envelope | BaseException] = field(default_factory=asyncio.Queue)
+    moving: MxclStream | None = None  # the stream it moves to (``adopt`` sent) until ``adopted``
+    held: list[Envelope] = field(default_factory=list)  # what ``moving`` brought meanwhile
+    answered: bool = False  # the node said something for it over ``stream``
+    again: bool = False  # ``adopt`` went before any answer: said again at the first one
 
 
 class RemoteEngine:
@@ -158,9 +167,12 @@ class RemoteEngine:
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
             delay = RETRY_INITIAL_S
-            self._install(stream)
+            old = self._install(stream)
+            if old is not None:
+                await self._hand_over(old)
 
-    def _install(self, stream: MxclStream) -> None:
+    def _install(self, stream: MxclStream) -> MxclStream | None:
+        """``stream`` is the one new sequences go over; the one that was, if any."""
         old, self._stream = self._stream, stream
         self._streams.add(stream)
         if self._state != "up":
@@ -168,9 +180,48 @@ class RemoteEngine:
                      self.address, self.context_length, self.max_batch)
         self._state, self._error = "up", None
         self._tasks.spawn(self._read(stream))
-        if old is not None:
-            log.info("node %s handed over to key %s", self.node_id, stream.key_id.hex())
-            self._finish_if_done(old)
+        return old
+
+    async def _hand_over(self, old: MxclStream) -> None:
+        """Move every sequence on ``old`` to the current stream (``adopt``); ``old`` is
+        finished once none is left on it."""
+        moving = [(q, s) for q, s in self._seqs.items() if s.stream is old]
+        log.info("node %s handed over to key %s; %d sequence(s) move over from key %s",
+                 self.node_id, self._stream.key_id.hex() if self._stream else None,
+                 len(moving), old.key_id.hex())
+        for seq, sequence in moving:
+            await self._adopt(seq, sequence)
+        self._finish_if_done(old)
+
+    async def _adopt(self, seq: str, sequence: _Seq) -> None:
+        """Ask the node to answer ``seq`` over the current stream from now on; a send that
+        fails leaves it where it is."""
+        new = self._stream
+        if new is None or new is sequence.stream or sequence.moving is not None:
+            return
+        sequence.moving, sequence.again = new, not sequence.answered
+        await self._say_adopt(seq, sequence, new)
+
+    async def _say_adopt(self, seq: str, sequence: _Seq, new: MxclStream) -> None:
+        try:
+            await new.send(encode_envelope(m.Adopt(seq).to_wire()))
+        except ConnectionClosed:
+            if sequence.moving is new:
+                sequence.moving, sequence.held = None, []
+
+    def _adopted(self, seq: str, old: MxclStream) -> None:
+        """The node sent ``seq``'s last message over ``old``: what the new stream brought
+        meanwhile is delivered, and ``old`` finished if that was its last sequence."""
+        sequence = self._seqs.get(seq)
+        if sequence is None or sequence.stream is not old or sequence.moving is None:
+            return
+        held, sequence.held = sequence.held, []
+        sequence.stream, sequence.moving = sequence.moving, None
+        for env in held:
+            sequence.inbox.put_nowait(env)
+        self._finish_if_done(old)
+        if sequence.stream is not self._stream:  # handed over again meanwhile: on it goes
+            self._tasks.spawn(self._adopt(seq, sequence))
 
     def _down(self, message: str) -> None:
         if self._state != "down" or self._error != message:
@@ -198,8 +249,9 @@ class RemoteEngine:
             self._ended(stream, ended)
 
     def _deliver(self, stream: MxclStream, payload: bytes) -> None:
-        """Hand a message to its sequence, if that was sent over ``stream`` (the
-        result-frame rule); else drop it."""
+        """Hand a message to its sequence, if that was sent over ``stream`` or moved there
+        (the result-frame rule; held back until ``adopted`` while it moves); else drop
+        it."""
         try:
             env = parse_envelope(payload, p.ROUTER_SPECS)
         except EnvelopeError as exc:
@@ -210,9 +262,18 @@ class RemoteEngine:
                 self._load(stream, m.Load.from_wire(env.header).sequences)
             return
         seq = env.header.get("seq")
+        if env.type == "adopted" and isinstance(seq, str):
+            self._adopted(seq, stream)
+            return
         sequence = self._seqs.get(seq) if isinstance(seq, str) else None
         if sequence is not None and sequence.stream is stream:
+            sequence.answered = True
+            if sequence.again and sequence.moving is not None:  # the node knows it now
+                sequence.again = False
+                self._tasks.spawn(self._say_adopt(str(seq), sequence, sequence.moving))
             sequence.inbox.put_nowait(env)
+        elif sequence is not None and sequence.moving is stream:
+            sequence.held.append(env)
         elif env.type == "error":
             error = error_in(env)
             log.warning("node %s: %s (%s)", self.node_id, error.message, error.code or None)
@@ -231,7 +292,7 @@ class RemoteEngine:
         failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
         self._streams.discard(stream)
         for sequence in self._seqs.values():
-            if sequence.stream is stream:
+            if stream in (sequence.stream, sequence.moving):  # moving: what came is unsure
                 sequence.inbox.put_nowait(failure)
         if self._stream is stream:
             self._stream = None
@@ -242,7 +303,7 @@ class RemoteEngine:
     def _finish_if_done(self, stream: MxclStream) -> None:
         """Finish a handed-over stream no sequence uses any more."""
         if stream is self._stream or stream.closed or stream.finishing \
-                or any(s.stream is stream for s in self._seqs.values()):
+                or any(stream in (s.stream, s.moving) for s in self._seqs.values()):
             return
         stream.finish("handed over to a stream under the new primary key")
 
@@ -303,20 +364,31 @@ class RemoteEngine:
             except MessageError as exc:
                 raise EngineError(f"node {self.node_id} sent a bad 'prefilled': "
                                   f"{exc.reason}") from None
-        finally:
-            if not answered and self._seqs.get(seq) is sequence:
-                self.forget(seq)  # the node stops the prefill: nothing is handed off
-            else:
-                self._seqs.pop(seq, None)
-                self._finish_if_done(sequence.stream)
+        finally:  # unanswered, the node stops the prefill: nothing is handed off
+            self._end(seq, sequence, cancel=not answered)
 
     def forget(self, seq: str) -> None:
         """End ``seq`` here and on the node (``cancel``) if it is still in flight: for an
         ``expect`` whose tokens were never read (an unstarted generator's ``aclose`` runs
         none of its code)."""
-        sequence = self._seqs.pop(seq, None)
-        if sequence is not None and not sequence.stream.closed:
-            self._tasks.spawn(self._cancel(sequence.stream, seq))
+        sequence = self._seqs.get(seq)
+        if sequence is not None:
+            self._end(seq, sequence, cancel=True)
+
+    def _end(self, seq: str, sequence: _Seq, *, cancel: bool) -> None:
+        """``seq`` is over here, if it still is ours: ``cancel`` it on the node too, over
+        each stream it may belong to there (one moving has two); a handed-over stream it
+        was the last on is finished."""
+        if self._seqs.get(seq) is not sequence:
+            return
+        del self._seqs[seq]
+        for stream in (sequence.stream, sequence.moving):
+            if stream is None:
+                continue
+            if cancel and not stream.closed:
+                self._tasks.spawn(self._cancel(stream, seq))
+            else:
+                self._finish_if_done(stream)
 
     def _open_seq(self, seq: str) -> tuple[str, _Seq]:
         stream = self._stream
@@ -346,7 +418,6 @@ class RemoteEngine:
 
     async def _tokens(self, seq: str, sequence: _Seq, request: GenerationRequest
                       ) -> AsyncGenerator[TokenOutput, None]:
-        stream = sequence.stream
         finished = False
         try:
             while not finished:
@@ -359,12 +430,7 @@ class RemoteEngine:
                 finished = out.finish_reason is not None
                 yield out
         finally:
-            if self._seqs.get(seq) is sequence:
-                self._seqs.pop(seq, None)
-                if not finished and not stream.closed:
-                    self._tasks.spawn(self._cancel(stream, seq))
-                else:
-                    self._finish_if_done(stream)
+            self._end(seq, sequence, cancel=not finished)
 
     async def _cancel(self, stream: MxclStream, seq: str) -> None:
         with contextlib.suppress(ConnectionClosed):
