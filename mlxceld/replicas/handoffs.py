@@ -9,8 +9,8 @@
   ``forbidden``, nothing prefilled, nothing sent) and the compression; the engine's
   ``prefill`` then refuses a model whose cache cannot travel (``unsupported``, per
   request: the node serves on). The cache is encoded off the event loop, sent to the
-  decode target over a link this node dials as its own serving address (one per
-  target, kept while it works; dialed within ``DIAL_BUDGET_S``), in ``handoff``
+  decode target over a link this node dials as its own serving address (``targets.py``:
+  one per target, kept while it works, handed over to a new key), in ``handoff``
   frames of whole layers, each under ``HANDOFF_FRAME_BYTES``; then ``prefilled``
   {bytes, encode_ms, send_ms} to the router.
 - ``decode``: takes ``expect`` from routers and ``handoff`` from prefill nodes. An
@@ -59,12 +59,13 @@ from mlxceld.engine.handoff import (
     encode_cache,
     handoff_specs,
 )
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net import ConnectionClosed
 from mlxceld.net.securitylog import SecurityLog
 from mlxceld.replicas import protocol as p
 from mlxceld.replicas.held import EarlyHandoffs, HeldHandoffs
 from mlxceld.replicas.messages import Expect, Handoff, Prefill, Prefilled
 from mlxceld.replicas.service import ServingService, _forget, _Link, _Sequence
+from mlxceld.replicas.targets import DecodeTargets
 from mlxceld.tasks import Background
 from mlxceld.types import HANDOFF_SIDES
 from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
@@ -75,7 +76,6 @@ from mlxceld.wire.transport_messages import CodedError
 log = logging.getLogger(__name__)
 
 ALLOWLIST_ENV: Final = "MLXCEL_DECODE_ALLOWLIST"
-DIAL_BUDGET_S: Final = 5.0  # a prefill node dialing a decode target
 
 
 class HandoffEngine(Engine, Protocol):
@@ -194,11 +194,11 @@ class HandoffService(ServingService):
         self._allowlist = allowlist
         self._handoff_timeout_s = handoff_timeout_s
         self._expected: dict[str, _Expected] = {}
-        self._targets: dict[str, MxclStream] = {}
-        self._dialing = asyncio.Lock()
-        # The readers of the links to decode nodes: a link outlives the prefill that dialed
-        # it, and the node has no scope for them beside its connections'; aclose ends them.
-        self._readers = Background(f"node {self.node_id}'s links to decode nodes")
+        self._targets = DecodeTargets(self.node_id, origin=lambda: self.origin,
+                                      keyring=self._keyring)
+        # The early handoffs' rechecks: they outlive the handoff that started them, and
+        # the node has no scope for them beside its connections'; aclose ends them.
+        self._readers = Background(f"node {self.node_id}'s held handoffs")
         self._early = EarlyHandoffs(
             early if early is not None else HeldHandoffs(),
             known=lambda peer: peer in self._prefill_peers(),
@@ -223,9 +223,7 @@ class HandoffService(ServingService):
 
     async def aclose(self) -> None:
         self._early.close()
-        for stream in list(self._targets.values()):
-            await stream.close("prefill node stopping")
-        self._targets.clear()
+        await self._targets.aclose()
         await self._readers.aclose()
         self._security.flush(f"node {self.node_id}: ")
         await super().aclose()
@@ -312,46 +310,18 @@ class HandoffService(ServingService):
                 room = p.HANDOFF_FRAME_BYTES
             groups[-1].extend(layer)
             room -= need
-        stream = await self._target(target)
-        for part, group in enumerate(groups):
-            message = Handoff(seq, part, len(groups), *((first, header) if part == 0
-                                                        else (None, None)))
-            try:
-                await stream.send(encode_envelope(message.to_wire(),
-                                                  [(name, "u8", (len(data),), data)
-                                                   for name, data in group]))
-            except ConnectionClosed:
-                self._targets.pop(target, None)
-                raise HandoffError("sending the KV cache to the decode node failed: the "
-                                   "connection ended") from None
+        frames = (encode_envelope(
+            Handoff(seq, part, len(groups),
+                    *((first, header) if part == 0 else (None, None))).to_wire(),
+            [(name, "u8", (len(data),), data) for name, data in group])
+            for part, group in enumerate(groups))
+        await self._targets.send(target, frames)
         return sum(len(b) for b in blobs.values())
 
-    async def _target(self, target: str) -> MxclStream:
-        """The link to ``target``, dialed as this node's serving address if need be."""
-        async with self._dialing:
-            stream = self._targets.get(target)
-            if stream is not None and not stream.closed:
-                return stream
-            try:
-                stream = await connect_as(self.origin, target, keyring=self._keyring,
-                                          channel=1, budget_s=DIAL_BUDGET_S)
-            except (HandshakeFailed, ValueError) as exc:
-                log.info("node %s: dialing decode target %s failed: %s", self.node_id,
-                         target, exc)
-                raise HandoffError("the decode node is unreachable from the prefill node "
-                                   f"{self.node_id} (tried for {DIAL_BUDGET_S:g} s)") from None
-            self._targets[target] = stream
-            # The decode node never sends on this link but pongs; read them so they drain.
-            self._spawn_reader(stream)
-            return stream
-
-    def _spawn_reader(self, stream: MxclStream) -> None:
-        async def read_to_end() -> None:
-            with contextlib.suppress(ConnectionClosed):
-                while True:
-                    await stream.recv()
-
-        self._readers.spawn(read_to_end())
+    def rekey(self) -> None:
+        """The keyring's primary changed: (prefill) the links to decode targets are
+        handed over (``targets.py``); routers hand their own links over (``adopt``)."""
+        self._targets.rekey()
 
     # -- decode -------------------------------------------------------------------------
 
