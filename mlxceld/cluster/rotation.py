@@ -158,14 +158,15 @@ async def handed_over(ops: KeyOps, kid: str) -> dict[str, int]:
     """Wait until no worker has a stream under ``kid``, at most ``HANDOVER_S``; what is
     left then (by worker, logged: removing the key cuts those streams)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + HANDOVER_S
+    within = failpoints.HANDOVER_S or HANDOVER_S  # tests only: a shorter wait
+    deadline = loop.time() + within
     while (left := await ops.streams_under(kid)) and loop.time() < deadline:
         await asyncio.sleep(HANDOVER_POLL_S)
     if left:
         log.warning("key %s is removed while %s still use it after %g s: those streams "
                     "end, and the sequences on them fail", kid,
                     ", ".join(f"worker {w} ({n} stream(s))" for w, n in sorted(left.items())),
-                    HANDOVER_S)
+                    within)
     return left
 
 
