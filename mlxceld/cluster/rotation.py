@@ -47,8 +47,10 @@ Nothing in flight is lost (issue 16: rotation under load): at ``use`` every work
 hands its outgoing streams over to the new primary (``pipeline/links.py``: the router's
 links send new sequences over a new stream, move the running ones there as soon as
 their prompt is sent, and finish the old stream once none is left on it;
-``net/redialer.py``: stage-to-stage streams, at once, in order), however long the
-sequences run. Before a member removes the old key (``key_remove``, and the rotator's
+``net/redialer.py``: stage-to-stage streams, at once, in order; ``replicas/remote.py``:
+a router's links to replicas, prefill and decode nodes, their running sequences moved
+at once; ``replicas/targets.py``: a prefill node's links to decode nodes), however long
+the sequences run. Before a member removes the old key (``key_remove``, and the rotator's
 own removal) it waits until none of its workers has a stream left under it
 (``KeyOps.streams_under``, polled every ``HANDOVER_POLL_S``), at most ``HANDOVER_S``
 (30 s: a prompt being sent at ``use``, a handover that has to dial again); what is
