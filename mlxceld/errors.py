@@ -71,7 +71,7 @@ defines, under its base, with the module of each one defined elsewhere.
     ├── RoundError                  cluster/rotation_round.py: the shell broke the round's
     │                               rules (our bug)
     ├── Stopped                     workers/runtime.py: a worker told to stop while it waited
-    ├── _LinkFailed                 replicas/remote.py: one attempt at a node's link failed
+    ├── LinkFailed                  replicas/attaching.py: one attempt at a node's link failed
     └── _BodyDone                   tasks.py: a cancelling_group's body ended (never escapes)
     ValueError
     ├── ConstraintError             engine/constraints.py: a constraint llguidance cannot
