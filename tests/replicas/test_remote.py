@@ -421,3 +421,58 @@ def test_tokens_are_taken_only_from_the_connection_the_sequence_went_over() -> N
             await held.aclose()
 
     run(main())
+
+
+def test_an_adopt_that_beat_its_sequence_is_said_again_at_its_first_answer() -> None:
+    """The sequence's ``generate`` and the ``adopt`` go over two connections, so a node may
+    read the ``adopt`` first and ignore it (a node of our own that does so): the router
+    says it again once the node answered the sequence over the old connection; the node
+    then moves it (``adopted`` over the old one), and its tokens come in order."""
+    streams: list[MxclStream] = []
+    adopts: list[str] = []
+    heard = asyncio.Event()
+
+    def token(seq: str, value: int, finish: str | None = None) -> bytes:
+        header = {"t": "token", "seq": seq, **({"finish_reason": finish} if finish else {})}
+        return bytes(encode_envelope(header, [("tokens", "i32", (1,),
+                                                struct.pack("<i", value))]))
+
+    async def racing(stream: MxclStream) -> None:
+        streams.append(stream)
+        while True:
+            env = parse_envelope(await stream.recv(), p.NODE_SPECS)
+            if env.type == "attach":
+                await stream.send(encode_envelope({
+                    "t": "attached", "node": "node-a", "role": "hybrid", "model": MODEL,
+                    "context_length": 64, "max_batch": 2}))
+            elif env.type == "generate":
+                heard.set()
+            elif env.type == "adopt":
+                adopts.append(env.header["seq"])
+                if len(adopts) == 1:  # ignored, as if it came before the generate
+                    await streams[0].send(token(env.header["seq"], 5))
+                else:
+                    await streams[0].send(encode_envelope(
+                        {"t": "adopted", "seq": env.header["seq"]}))
+                    await stream.send(token(env.header["seq"], 6, "length"))
+
+    ring = keyring(SECRET)
+
+    async def main() -> None:
+        async with mxcl_serving(racing, channels={1},
+                                keyring=keyring(SECRET, NEW_SECRET)) as listener, \
+                remote_to(listener.port, keyring=ring) as remote:
+            held = remote.generate(request([1, 2], 2))
+            first = asyncio.create_task(anext(held))
+            await asyncio.wait_for(heard.wait(), WAIT_S)
+            ring.add(NEW_SECRET, primary=True)
+            remote.rekey()
+            assert (await asyncio.wait_for(first, WAIT_S)).token == 5
+            out = await asyncio.wait_for(anext(held), WAIT_S)
+            assert (out.token, out.finish_reason) == (6, "length")
+            assert len(adopts) == 2 and len(set(adopts)) == 1, adopts
+            await held.aclose()
+            await until(lambda: streams_under(key_id(SECRET)) == 0,
+                        "the old stream finished", WAIT_S)
+
+    run(main())
