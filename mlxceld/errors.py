@@ -71,14 +71,14 @@ defines, under its base, with the module of each one defined elsewhere.
     ├── RoundError                  cluster/rotation_round.py: the shell broke the round's
     │                               rules (our bug)
     ├── Stopped                     workers/runtime.py: a worker told to stop while it waited
-    ├── _LinkFailed                 replicas/remote.py: one attempt at a node's link failed
+    ├── LinkFailed                  replicas/attaching.py: one attempt at a node's link failed
     └── _BodyDone                   tasks.py: a cancelling_group's body ended (never escapes)
     ValueError
     ├── ConstraintError             engine/constraints.py: a constraint llguidance cannot
     │   │                           honour (the client's: 400)
     │   ├── EndlessSchema           engine/constraints.py: a JSON schema no finite value
     │   │                           matches (400 naming the schema's field)
-    │   └── RequestRefused          replicas/remote.py: a node refused a request as the
+    │   └── RequestRefused          replicas/answers.py: a node refused a request as the
     │                               client's (400)
     ├── TensorParallelRefused       models/tensor.py: the model cannot be split over the ranks
     ├── InvalidOption               roles/options.py: a worker option that breaks its rule

@@ -89,6 +89,11 @@ ends in seconds; refused at start as the two above when it is not a positive num
 ``rotation.STEP_S``, how long a rotation's step asks a member that fails it again (30 s),
 so that a test of a member failing a step ends in seconds.
 
+``MLXCELD_TEST_HANDOVER_S`` (seconds, > 0; test only too) replaces ``rotation.HANDOVER_S``,
+how long a member waits for its workers' streams under the old key to be handed over
+before it removes the key (30 s), so that a test of a sequence that outlasts that wait
+ends in seconds.
+
 ``MLXCELD_TEST_STAGE_LAYER_S`` (seconds, > 0; test only too) makes a stage worker
 sleep this long after each layer it loads (``workers/stage.py``), as a slow disk
 would, so that a test of the assignment's wait on load progress
@@ -128,6 +133,7 @@ ENV: Final = "MLXCELD_FAILPOINT"
 WAIT_ENV: Final = "MLXCELD_TEST_PEER_WAIT_S"
 ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
 ROTATION_STEP_ENV: Final = "MLXCELD_TEST_ROTATION_STEP_S"
+HANDOVER_ENV: Final = "MLXCELD_TEST_HANDOVER_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
 STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
 STAGE_LAYER_ENV: Final = "MLXCELD_TEST_STAGE_LAYER_S"
@@ -192,6 +198,11 @@ def parse_peers_every(environ: Mapping[str, str]) -> float | None:
     return _seconds(environ, PEERS_EVERY_ENV, "the documented 5 s")
 
 
+def parse_handover(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_HANDOVER_S`` as seconds, None when unset; ``ConfigError`` if bad."""
+    return _seconds(environ, HANDOVER_ENV, "the documented 30 s of a rotation's handover")
+
+
 def parse_rotation_step(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_ROTATION_STEP_S`` as seconds, None when unset; ``ConfigError`` if
     bad."""
@@ -227,6 +238,7 @@ ACTIVE: Final = parse(os.environ)
 PEER_WAIT_S: Final = parse_wait(os.environ)
 ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
 ROTATION_STEP_S: Final = parse_rotation_step(os.environ)
+HANDOVER_S: Final = parse_handover(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 STAGE_LAYER_S: Final = parse_stage_layer(os.environ)

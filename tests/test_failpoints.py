@@ -67,6 +67,14 @@ def test_the_handoff_knobs_must_be_positive_seconds() -> None:
     assert "the documented 5 s" in info.value.hint
 
 
+def test_the_handover_wait_must_be_positive_seconds() -> None:
+    assert failpoints.parse_handover({}) is None
+    assert failpoints.parse_handover({failpoints.HANDOVER_ENV: "0.5"}) == 0.5
+    with pytest.raises(ConfigError, match="MLXCELD_TEST_HANDOVER_S='x' is not") as info:
+        failpoints.parse_handover({failpoints.HANDOVER_ENV: "x"})
+    assert "the documented 30 s of a rotation's handover" in info.value.hint
+
+
 def test_the_memory_cap_must_be_positive_bytes() -> None:
     assert failpoints.parse_memory({}) is None
     assert failpoints.parse_memory({failpoints.MEMORY_ENV: " 604000000 "}) == 604_000_000

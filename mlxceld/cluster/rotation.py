@@ -47,8 +47,10 @@ Nothing in flight is lost (issue 16: rotation under load): at ``use`` every work
 hands its outgoing streams over to the new primary (``pipeline/links.py``: the router's
 links send new sequences over a new stream, move the running ones there as soon as
 their prompt is sent, and finish the old stream once none is left on it;
-``net/redialer.py``: stage-to-stage streams, at once, in order), however long the
-sequences run. Before a member removes the old key (``key_remove``, and the rotator's
+``net/redialer.py``: stage-to-stage streams, at once, in order; ``replicas/remote.py``:
+a router's links to replicas, prefill and decode nodes, their running sequences moved
+at once; ``replicas/targets.py``: a prefill node's links to decode nodes), however long
+the sequences run. Before a member removes the old key (``key_remove``, and the rotator's
 own removal) it waits until none of its workers has a stream left under it
 (``KeyOps.streams_under``, polled every ``HANDOVER_POLL_S``), at most ``HANDOVER_S``
 (30 s: a prompt being sent at ``use``, a handover that has to dial again); what is
@@ -158,14 +160,15 @@ async def handed_over(ops: KeyOps, kid: str) -> dict[str, int]:
     """Wait until no worker has a stream under ``kid``, at most ``HANDOVER_S``; what is
     left then (by worker, logged: removing the key cuts those streams)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + HANDOVER_S
+    within = failpoints.HANDOVER_S or HANDOVER_S  # tests only: a shorter wait
+    deadline = loop.time() + within
     while (left := await ops.streams_under(kid)) and loop.time() < deadline:
         await asyncio.sleep(HANDOVER_POLL_S)
     if left:
         log.warning("key %s is removed while %s still use it after %g s: those streams "
                     "end, and the sequences on them fail", kid,
                     ", ".join(f"worker {w} ({n} stream(s))" for w, n in sorted(left.items())),
-                    HANDOVER_S)
+                    within)
     return left
 
 

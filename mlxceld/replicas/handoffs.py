@@ -9,8 +9,8 @@
   ``forbidden``, nothing prefilled, nothing sent) and the compression; the engine's
   ``prefill`` then refuses a model whose cache cannot travel (``unsupported``, per
   request: the node serves on). The cache is encoded off the event loop, sent to the
-  decode target over a link this node dials as its own serving address (one per
-  target, kept while it works; dialed within ``DIAL_BUDGET_S``), in ``handoff``
+  decode target over a link this node dials as its own serving address (``targets.py``:
+  one per target, kept while it works, handed over to a new key), in ``handoff``
   frames of whole layers, each under ``HANDOFF_FRAME_BYTES``; then ``prefilled``
   {bytes, encode_ms, send_ms} to the router.
 - ``decode``: takes ``expect`` from routers and ``handoff`` from prefill nodes. An
@@ -59,12 +59,13 @@ from mlxceld.engine.handoff import (
     encode_cache,
     handoff_specs,
 )
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
+from mlxceld.net import ConnectionClosed
 from mlxceld.net.securitylog import SecurityLog
 from mlxceld.replicas import protocol as p
 from mlxceld.replicas.held import EarlyHandoffs, HeldHandoffs
 from mlxceld.replicas.messages import Expect, Handoff, Prefill, Prefilled
-from mlxceld.replicas.service import ServingService, _Link
+from mlxceld.replicas.service import ServingService, _forget, _Link, _Sequence
+from mlxceld.replicas.targets import DecodeTargets
 from mlxceld.tasks import Background
 from mlxceld.types import HANDOFF_SIDES
 from mlxceld.wire import Envelope, MessageSpec, TensorSpec, encode_envelope
@@ -75,7 +76,6 @@ from mlxceld.wire.transport_messages import CodedError
 log = logging.getLogger(__name__)
 
 ALLOWLIST_ENV: Final = "MLXCEL_DECODE_ALLOWLIST"
-DIAL_BUDGET_S: Final = 5.0  # a prefill node dialing a decode target
 
 
 class HandoffEngine(Engine, Protocol):
@@ -146,7 +146,6 @@ def _union_spec(layout: CacheLayout, max_tokens: int) -> MessageSpec:
 class _Expected:
     """A decode node's pending ``expect``: what its ``handoff`` must match."""
 
-    link: _Link
     request: GenerationRequest
     prefill: str  # the identity the handoff must come from
     parts: int = 0  # 0 until part 0 came
@@ -195,11 +194,11 @@ class HandoffService(ServingService):
         self._allowlist = allowlist
         self._handoff_timeout_s = handoff_timeout_s
         self._expected: dict[str, _Expected] = {}
-        self._targets: dict[str, MxclStream] = {}
-        self._dialing = asyncio.Lock()
-        # The readers of the links to decode nodes: a link outlives the prefill that dialed
-        # it, and the node has no scope for them beside its connections'; aclose ends them.
-        self._readers = Background(f"node {self.node_id}'s links to decode nodes")
+        self._targets = DecodeTargets(self.node_id, origin=lambda: self.origin,
+                                      keyring=self._keyring)
+        # The early handoffs' rechecks: they outlive the handoff that started them, and
+        # the node has no scope for them beside its connections'; aclose ends them.
+        self._readers = Background(f"node {self.node_id}'s held handoffs")
         self._early = EarlyHandoffs(
             early if early is not None else HeldHandoffs(),
             known=lambda peer: peer in self._prefill_peers(),
@@ -224,24 +223,22 @@ class HandoffService(ServingService):
 
     async def aclose(self) -> None:
         self._early.close()
-        for stream in list(self._targets.values()):
-            await stream.close("prefill node stopping")
-        self._targets.clear()
+        await self._targets.aclose()
         await self._readers.aclose()
         self._security.flush(f"node {self.node_id}: ")
         await super().aclose()
 
-    async def _other(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    async def _other(self, link: _Link, env: Envelope) -> None:
         if env.type == "prefill" and self.role == "prefill":
-            self._prefill(link, env, tg)
+            self._prefill(link, env)
         elif env.type == "expect" and self.role == "decode":
             if failpoints.EXPECT_DELAY_S:  # tests only: the handoff comes first
                 await asyncio.sleep(failpoints.EXPECT_DELAY_S)
-            self._expect(link, env, tg)
+            self._expect(link, env)
         elif env.type == "handoff" and self.role == "decode":
             self._handoff(link, env)
         else:
-            await super()._other(link, env, tg)
+            await super()._other(link, env)
 
     async def _failed(self, link: _Link, seq: str, exc: Exception) -> None:
         code = (p.ERR_UNSUPPORTED if isinstance(exc, HandoffUnsupported)
@@ -256,7 +253,7 @@ class HandoffService(ServingService):
 
     # -- prefill ------------------------------------------------------------------------
 
-    def _prefill(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    def _prefill(self, link: _Link, env: Envelope) -> None:
         prefill = Prefill.from_wire(env.header)
         target = prefill.decode_target
         if self._allowlist is not None \
@@ -266,10 +263,10 @@ class HandoffService(ServingService):
                                       f"node {self.node_id}'s {ALLOWLIST_ENV}: add it there "
                                       "if it is one of the cluster's decode nodes")
         seq, request = self._admit(link, prefill, env)
-        self._spawn(link, seq, self._run_prefill(link, seq, request, target,
-                                                 prefill.compression), tg)
+        self._spawn(link, seq, lambda sequence: self._run_prefill(
+            sequence, seq, request, target, prefill.compression))
 
-    async def _run_prefill(self, link: _Link, seq: str, request: GenerationRequest,
+    async def _run_prefill(self, sequence: _Sequence, seq: str, request: GenerationRequest,
                            target: str, mode: Mode) -> None:
         self._held += 1
         try:
@@ -283,21 +280,21 @@ class HandoffService(ServingService):
             self.stats.handoffs += 1
             self.stats.bytes += size
             self.stats.seconds += sent - started
-            await link.stream.send(encode_envelope(Prefilled(
+            await sequence.link.stream.send(encode_envelope(Prefilled(
                 seq, size, round((encoded - started) * 1000, 3),
                 round((sent - encoded) * 1000, 3)).to_wire()))
         except ConnectionClosed:
             pass  # the router is gone: the connection's end cancels the rest
         except (ConstraintError, EngineError) as exc:
-            await self._failed(link, seq, exc)
+            await self._failed(sequence.link, seq, exc)
         except ValueError as exc:  # the prompt or parameters, as handoff.prefill says
             with contextlib.suppress(ConnectionClosed):
-                await link.stream.send(encode_envelope(
+                await sequence.link.stream.send(encode_envelope(
                     CodedError(p.ERR_BAD_REQUEST, str(exc), seq).to_wire()))
         finally:
             self._held -= 1
             self._ended.set()
-            link.seqs.pop(seq, None)
+            _forget(sequence, seq)
 
     async def _send_handoff(self, target: str, seq: str, first: TokenOutput,
                             header: dict[str, Any], blobs: dict[str, bytes]) -> int:
@@ -313,60 +310,32 @@ class HandoffService(ServingService):
                 room = p.HANDOFF_FRAME_BYTES
             groups[-1].extend(layer)
             room -= need
-        stream = await self._target(target)
-        for part, group in enumerate(groups):
-            message = Handoff(seq, part, len(groups), *((first, header) if part == 0
-                                                        else (None, None)))
-            try:
-                await stream.send(encode_envelope(message.to_wire(),
-                                                  [(name, "u8", (len(data),), data)
-                                                   for name, data in group]))
-            except ConnectionClosed:
-                self._targets.pop(target, None)
-                raise HandoffError("sending the KV cache to the decode node failed: the "
-                                   "connection ended") from None
+        frames = (encode_envelope(
+            Handoff(seq, part, len(groups),
+                    *((first, header) if part == 0 else (None, None))).to_wire(),
+            [(name, "u8", (len(data),), data) for name, data in group])
+            for part, group in enumerate(groups))
+        await self._targets.send(target, frames)
         return sum(len(b) for b in blobs.values())
 
-    async def _target(self, target: str) -> MxclStream:
-        """The link to ``target``, dialed as this node's serving address if need be."""
-        async with self._dialing:
-            stream = self._targets.get(target)
-            if stream is not None and not stream.closed:
-                return stream
-            try:
-                stream = await connect_as(self.origin, target, keyring=self._keyring,
-                                          channel=1, budget_s=DIAL_BUDGET_S)
-            except (HandshakeFailed, ValueError) as exc:
-                log.info("node %s: dialing decode target %s failed: %s", self.node_id,
-                         target, exc)
-                raise HandoffError("the decode node is unreachable from the prefill node "
-                                   f"{self.node_id} (tried for {DIAL_BUDGET_S:g} s)") from None
-            self._targets[target] = stream
-            # The decode node never sends on this link but pongs; read them so they drain.
-            self._spawn_reader(stream)
-            return stream
-
-    def _spawn_reader(self, stream: MxclStream) -> None:
-        async def read_to_end() -> None:
-            with contextlib.suppress(ConnectionClosed):
-                while True:
-                    await stream.recv()
-
-        self._readers.spawn(read_to_end())
+    def rekey(self) -> None:
+        """The keyring's primary changed: (prefill) the links to decode targets are
+        handed over (``targets.py``); routers hand their own links over (``adopt``)."""
+        self._targets.rekey()
 
     # -- decode -------------------------------------------------------------------------
 
-    def _expect(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    def _expect(self, link: _Link, env: Envelope) -> None:
         expect = Expect.from_wire(env.header)
         prefill = expect.prefill
         seq, request = self._admit(link, expect, env)
         if seq in self._expected:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq} is already "
                                       "expected on this node")
-        expected = _Expected(link, request, prefill)
+        expected = _Expected(request, prefill)
         self._expected[seq] = expected
-        self._spawn(link, seq, self._run(link, seq, request,
-                                         lambda: self._decode(seq, expected)), tg)
+        self._spawn(link, seq, lambda sequence: self._run(
+            sequence, seq, request, lambda: self._decode(seq, expected)))
         self._early.expected(seq)
 
     async def _decode(self, seq: str, expected: _Expected

@@ -7,6 +7,8 @@ raises ``MessageError`` naming the first one out of bounds, which a node answers
 ``error`` code ``bad_message``. Here rather than in ``wire/``: ``generate``, ``expect`` and
 ``prefill`` carry the sampling parameters (the engine's type, checked as the pipeline's
 ``prepare`` checks them), and ``handoff`` the first token as the engine's ``TokenOutput``.
+``adopt`` and ``adopted`` (a handover to a new key) are the stage protocol's own words and
+types (``pipeline/messages.py``), said the same way here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, ClassVar, Final, Self
 
 from mlxceld.engine.base import MAX_TOP_LOGPROBS, SamplingParams, TokenOutput
 from mlxceld.engine.handoff import QUANTS, Mode
-from mlxceld.pipeline.messages import params_field
+from mlxceld.pipeline.messages import Adopt, Adopted, params_field
 from mlxceld.pipeline.protocol import params_to_wire
 from mlxceld.replicas.protocol import MAX_PROMPT_TOKENS
 from mlxceld.wire.address import parse_address
@@ -275,5 +277,5 @@ class Attached:
                    field(header, "model", str, cls.T), context, batch)
 
 
-__all__: Final = ["Attached", "Cancel", "Expect", "Generate", "Handoff", "Load", "Prefill",
-                  "Prefilled", "Sequence", "first_field", "parse_mode"]
+__all__: Final = ["Adopt", "Adopted", "Attached", "Cancel", "Expect", "Generate", "Handoff",
+                  "Load", "Prefill", "Prefilled", "Sequence", "first_field", "parse_mode"]

@@ -40,6 +40,17 @@ load       node → router    ``sequences`` (all its engine runs: its own OpenAI
                             clients' and every router's), ``max_batch``; sent
                             once attached, then every ``LOAD_EVERY_S`` while it
                             changed; no answer
+adopt      router → node    ``seq``, sent over another connection of the
+                            same identity as the one the sequence was sent
+                            over (a handover to a new key): the node answers
+                            ``adopted`` {``seq``} over the connection the
+                            sequence used so far, after all it sent there,
+                            and sends it everything from then on over this
+                            one (the sequence belongs to this connection
+                            now: its ``cancel`` comes here, and it ends with
+                            this connection, not the old one); an unknown
+                            ``seq``, or one already on this connection, is
+                            ignored
 error      node → router    ``code``, ``message``, and ``seq`` when it concerns
                             one (it ends that sequence)
 ========== ================ ===================================================
@@ -55,24 +66,29 @@ is not started), ``model_mismatch`` and ``cluster_mismatch`` (answers to
 
 Bounds: ``MAX_PROMPT_TOKENS`` per prompt (and the node's context length);
 ``MAX_SEQUENCES`` sequences in flight per connection (the service's
-``max_sequences`` may lower it), beyond that ``busy``. Every tensor's dtype and
-shape is checked against these specs before any blob is copied.
+``max_sequences`` may lower it), beyond that ``busy`` (a sequence adopted from another
+connection counts on the one that adopted it, and is never refused for it). Every
+tensor's dtype and shape is checked against these specs before any blob is copied.
 
 Authorization (the identity is the handshake's, never a field): any identity that
 completed the handshake under the cluster secret may attach. A sequence belongs to
-the connection that sent its ``generate``: its ``token``s and its ``error`` go over
-that connection only, a ``cancel`` for it from any other connection is ignored, and
-the node forgets it (cancelled in its engine) when that connection ends.
+the connection that sent its ``generate`` until another connection of the same identity
+adopts it (``adopt``): its ``token``s and its ``error`` go over the connection it
+belongs to only, a ``cancel`` for it from any other connection is ignored, and the node
+forgets it (cancelled in its engine) when that connection ends. An ``adopt`` from
+another identity changes nothing.
 
 The messages are typed: ``attach``, ``token`` and ``error`` are the words this protocol
-shares with the stages' (``wire/transport_messages.py``), the others are
-``messages.py``'s.
+shares with the stages' (``wire/transport_messages.py``), ``adopt`` and ``adopted`` the
+stages' own (``pipeline/messages.py``), the others are ``messages.py``'s.
 
 The result-frame rule, on the router's side: a node's ``token`` frames are read only
-from the connection the router dialed to that node, and each is delivered only to a
-sequence that was sent over that same connection. So a sequence's tokens can only
-come from the node it was sent to; a ``token`` for a ``seq`` not in flight on that
-connection is dropped.
+from the connections the router dialed to that node, and each is delivered only to a
+sequence that was sent over that same connection, or that the router moved there
+(``adopt``, once the node said ``adopted`` over the old one; what the new connection
+brings for it before that is held back, so its tokens stay in order). So a sequence's
+tokens can only come from the node it was sent to; a ``token`` for a ``seq`` not in
+flight on that connection is dropped.
 
 Prefill/decode disaggregation (``handoffs.py``: the nodes' side; ``disagg.py``: the
 router's ``DisaggEngine``). A prefill node runs prompts and hands their KV cache to a
@@ -153,6 +169,7 @@ NODE_SPECS: Final = {
     "generate": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
                                                   ((1, 1), (1, MAX_PROMPT_TOKENS)))}),
     "cancel": MessageSpec(),
+    "adopt": MessageSpec(),
     "expect": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
                                                 ((1, 1), (1, MAX_PROMPT_TOKENS)))}),
     "prefill": MessageSpec({"prompt": TensorSpec(frozenset({"i32"}),
@@ -161,6 +178,7 @@ NODE_SPECS: Final = {
 
 # What a router accepts from a node.
 ROUTER_SPECS: Final = {
+    "adopted": MessageSpec(),
     "attached": MessageSpec(),
     "error": MessageSpec(),
     "load": MessageSpec(),

@@ -7,10 +7,10 @@ A router's pool (``replicas/pool.py``) holds one per node; it is a pool member:
 The link (``keep_linked``, run until cancelled): ``resolve()`` (the node's serving
 listener ``host:port``, asked again before every dial, within ``RESOLVE_S``), dial
 it as ``origin`` (``connect_as``, channel 1, within ``DIAL_BUDGET_S``), ``attach``
-(answered within ``ATTACH_TIMEOUT_S``); on any failure wait ``RETRY_INITIAL_S``
-doubling to ``RETRY_MAX_S`` and try again. The attached link has a heartbeat
-(``net/liveness.watch``, ``silence_s``): a node that sends nothing, not even a pong,
-that long (stopped, asleep, off the network: no RST comes) is dropped.
+(answered within ``ATTACH_TIMEOUT_S``), each as ``attaching.py`` says; on any failure
+wait ``RETRY_INITIAL_S`` doubling to ``RETRY_MAX_S`` and try again. The attached link
+has a heartbeat (``net/liveness.watch``, ``silence_s``): a node that sends nothing, not
+even a pong, that long (stopped, asleep, off the network: no RST comes) is dropped.
 
 States: ``connecting`` until the first attempt ends; ``up`` while attached (only then
 does ``generate`` send anything); ``down`` once an attempt failed or the link ended,
@@ -21,12 +21,10 @@ and a resolver's ``MlxceldError`` message, which names no address (a router node
 
 A sequence (``generate``) is sent over the current stream and its answers are read
 from that stream only (``protocol.py``'s result-frame rule): a ``token`` for a ``seq``
-that was not sent over the stream it came on is dropped. An ``error`` ends it:
-``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable`` naming the node
-(the pool tries another; after ``draining`` it passes the node over until
-``draining_until``), ``bad_request`` as ``RequestRefused`` (a ``ConstraintError``: the
-API answers 400, as for a pipeline stage's ``bad_constraint``), anything else as
-``EngineError``. The stream ending ends every sequence on it with ``EngineUnavailable``
+that was not sent over the stream it came on is dropped. An ``error`` ends it, raised as
+``answers.py`` says (``busy``, ``unavailable`` and ``draining`` as ``EngineUnavailable``
+naming the node: the pool tries another, and after ``draining`` it passes the node over
+until ``draining_until``). The stream ending ends every sequence on it with ``EngineUnavailable``
 naming the node, at once. Closing the generator early sends ``cancel`` (the node frees
 the sequence).
 
@@ -37,12 +35,17 @@ cannot see. A pool that routes by least outstanding work may weigh a member by
 ``max(active_sequences(), node_sequences)``.
 
 Rekey (``rekey``: the keyring's primary changed, a secret rotation's ``use``):
-``keep_linked`` dials and attaches a second stream under the new primary; new
-sequences go over it, those running stay on the old one until they end, and the old
-stream is then finished (our close frame). No sequence moves between streams: a
-rotation that removes the old key while a sequence still runs on it ends that
-sequence with ``EngineUnavailable``, as any lost link does. A handover that cannot
-attach leaves the old stream in use and is retried with the backoff.
+``keep_linked`` dials and attaches a second stream under the new primary; new sequences
+go over it, and every sequence running on the old one moves there, however long it runs
+(``adopt`` over the new stream; the node answers ``adopted`` over the old one after all
+it sent there, and what the new stream brings for the sequence before that is held
+back, so its tokens stay in order). A sequence the node had not answered yet is asked
+again at its first answer (its ``generate`` and the ``adopt`` went over two
+connections, so the node may have had the ``adopt`` first and ignored it). The old
+stream is finished (our close frame) once no sequence is left on it, so when the
+rotation removes the old key no stream of ours is under it and nothing is cut. A
+stream that ends fails the sequences on it and those moving to it. A handover that
+cannot attach leaves the old stream in use and is retried with the backoff.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ import struct
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Final
 
 from mlxceld.engine.base import (
     EngineError,
@@ -63,47 +65,28 @@ from mlxceld.engine.base import (
     GenerationRequest,
     TokenOutput,
 )
-from mlxceld.engine.constraints import ConstraintError
-from mlxceld.engine.handoff import HandoffUnsupported
-from mlxceld.errors import MlxceldError
-from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, NetError, connect_as
+from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import read_watched
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S
 from mlxceld.replicas import messages as m
 from mlxceld.replicas import protocol as p
+from mlxceld.replicas.answers import DRAINING_RETRY_S, refusal, token_output
+from mlxceld.replicas.attaching import DIAL_BUDGET_S, LinkFailed, attach, dial, resolved
 from mlxceld.tasks import Background
 from mlxceld.wire import Envelope, EnvelopeError, SecretStore, encode_envelope, parse_envelope
 from mlxceld.wire.messages import MessageError
-from mlxceld.wire.transport_messages import Attach, CodedError, Token, error_in
+from mlxceld.wire.transport_messages import Attach, CodedError, error_in
 
 log = logging.getLogger(__name__)
 
-# Finding the node's serving address: a router node's resolve asks the node's agent,
-# 5 s to connect and 5 s for the answer (discovery/serving.py).
-RESOLVE_S: Final = 10.0
-DIAL_BUDGET_S: Final = 5.0  # TCP connect and handshake, retried within it
-ATTACH_TIMEOUT_S: Final = 5.0  # the node's answer to ``attach``
-DRAINING_RETRY_S: Final = 5  # Retry-After for a draining node: it stops, then restarts
-_DIAL_WORDS: Final = {
-    "unreachable": "nothing accepts connections on its serving port",
-    "handshake_timeout": "it accepted the connection but did not answer the handshake",
-    "at_capacity": "it holds its maximum of connections",
-    "abort": "it dropped the connection during the handshake",
-}
-
-
-class RequestRefused(ConstraintError):
-    """The node refused a request as the client's (``bad_request``): HTTP 400."""
-
-
 @dataclass
 class _Seq:
-    stream: MxclStream  # the stream it was sent over: its answers come from there only
+    stream: MxclStream  # the stream it was sent over, or moved to: its answers come from there
     inbox: asyncio.Queue[Envelope | BaseException] = field(default_factory=asyncio.Queue)
-
-
-class _LinkFailed(Exception):
-    """An attempt failed; the message names the node, never its address."""
+    moving: MxclStream | None = None  # the stream it moves to (``adopt`` sent) until ``adopted``
+    held: list[Envelope] = field(default_factory=list)  # what ``moving`` brought meanwhile
+    answered: bool = False  # the node said something for it over ``stream``
+    again: bool = False  # ``adopt`` went before any answer: said again at the first one
 
 
 class RemoteEngine:
@@ -175,7 +158,7 @@ class RemoteEngine:
                 continue
             try:
                 stream = await self._open()
-            except _LinkFailed as exc:
+            except LinkFailed as exc:
                 if self._state == "up":  # a handover that failed: the old stream serves on
                     log.warning("node %s stays on its old key for now: %s", self.node_id, exc)
                 else:
@@ -184,9 +167,12 @@ class RemoteEngine:
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
             delay = RETRY_INITIAL_S
-            self._install(stream)
+            old = self._install(stream)
+            if old is not None:
+                await self._hand_over(old)
 
-    def _install(self, stream: MxclStream) -> None:
+    def _install(self, stream: MxclStream) -> MxclStream | None:
+        """``stream`` is the one new sequences go over; the one that was, if any."""
         old, self._stream = self._stream, stream
         self._streams.add(stream)
         if self._state != "up":
@@ -194,9 +180,48 @@ class RemoteEngine:
                      self.address, self.context_length, self.max_batch)
         self._state, self._error = "up", None
         self._tasks.spawn(self._read(stream))
-        if old is not None:
-            log.info("node %s handed over to key %s", self.node_id, stream.key_id.hex())
-            self._finish_if_done(old)
+        return old
+
+    async def _hand_over(self, old: MxclStream) -> None:
+        """Move every sequence on ``old`` to the current stream (``adopt``); ``old`` is
+        finished once none is left on it."""
+        moving = [(q, s) for q, s in self._seqs.items() if s.stream is old]
+        log.info("node %s handed over to key %s; %d sequence(s) move over from key %s",
+                 self.node_id, self._stream.key_id.hex() if self._stream else None,
+                 len(moving), old.key_id.hex())
+        for seq, sequence in moving:
+            await self._adopt(seq, sequence)
+        self._finish_if_done(old)
+
+    async def _adopt(self, seq: str, sequence: _Seq) -> None:
+        """Ask the node to answer ``seq`` over the current stream from now on; a send that
+        fails leaves it where it is."""
+        new = self._stream
+        if new is None or new is sequence.stream or sequence.moving is not None:
+            return
+        sequence.moving, sequence.again = new, not sequence.answered
+        await self._say_adopt(seq, sequence, new)
+
+    async def _say_adopt(self, seq: str, sequence: _Seq, new: MxclStream) -> None:
+        try:
+            await new.send(encode_envelope(m.Adopt(seq).to_wire()))
+        except ConnectionClosed:
+            if sequence.moving is new:
+                sequence.moving, sequence.held = None, []
+
+    def _adopted(self, seq: str, old: MxclStream) -> None:
+        """The node sent ``seq``'s last message over ``old``: what the new stream brought
+        meanwhile is delivered, and ``old`` finished if that was its last sequence."""
+        sequence = self._seqs.get(seq)
+        if sequence is None or sequence.stream is not old or sequence.moving is None:
+            return
+        held, sequence.held = sequence.held, []
+        sequence.stream, sequence.moving = sequence.moving, None
+        for env in held:
+            sequence.inbox.put_nowait(env)
+        self._finish_if_done(old)
+        if sequence.stream is not self._stream:  # handed over again meanwhile: on it goes
+            self._tasks.spawn(self._adopt(seq, sequence))
 
     def _down(self, message: str) -> None:
         if self._state != "down" or self._error != message:
@@ -204,62 +229,13 @@ class RemoteEngine:
         self._state, self._error = "down", message
 
     async def _open(self) -> MxclStream:
-        """Resolve, dial and attach; ``_LinkFailed`` saying why not."""
+        """Resolve, dial and attach (``attaching.py``); ``LinkFailed`` saying why not."""
         name = f"node {self.node_id}"
-        try:
-            async with asyncio.timeout(RESOLVE_S):
-                self.address = await self._resolve()
-        except MlxceldError as exc:  # the resolver says why (discovery/serving.py)
-            log.info("%s: finding its serving address failed: %s", name, exc.message)
-            raise _LinkFailed(f"{name}: its serving address is not known: "
-                              f"{exc.message}") from exc
-        except Exception as exc:  # the resolver's own failure, whatever it is
-            log.info("%s: finding its serving address failed: %s", name, exc)
-            raise _LinkFailed(f"{name}: its serving address is not known "
-                              f"({type(exc).__name__}); is its daemon up?") from exc
-        try:
-            stream = await connect_as(self._origin, self.address, keyring=self._keyring,
-                                      channel=1, budget_s=self._dial_budget_s)
-        except ValueError as exc:
-            raise _LinkFailed(f"{name}: its serving address is not host:port") from exc
-        except HandshakeFailed as exc:
-            log.info("%s (%s): %s", name, self.address, exc)
-            words = _DIAL_WORDS.get(exc.kind)
-            if words is not None:
-                raise _LinkFailed(f"{name} is unreachable: {words} (tried for "
-                                  f"{self._dial_budget_s:g} s)") from exc
-            raise _LinkFailed(f"{name} refused the handshake ({exc.kind.replace('_', ' ')}): "
-                              "do both hosts hold the same cluster secret?") from exc
-        return await self._attach(stream, name)
-
-    async def _attach(self, stream: MxclStream, name: str) -> MxclStream:
-        try:
-            async with asyncio.timeout(ATTACH_TIMEOUT_S):
-                await stream.send(encode_envelope(
-                    Attach(self._model_identity, self._cluster).to_wire()))
-                env = parse_envelope(await stream.recv(), p.ROUTER_SPECS)
-        except (TimeoutError, NetError, EnvelopeError) as exc:
-            await stream.abort()
-            why = (f"no answer within {ATTACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
-                   else "the connection ended" if isinstance(exc, NetError) else str(exc))
-            raise _LinkFailed(f"{name} did not attach: {why}") from exc
-        if env.type != "attached":
-            await stream.close()
-            error = error_in(env)
-            raise _LinkFailed(f"{name} refused to attach ({error.code or None}): "
-                              f"{error.message[:1000]}")
-        try:
-            attached = m.Attached.from_wire(env.header)
-        except MessageError as exc:
-            await stream.close()
-            raise _LinkFailed(
-                f"{name} sent an 'attached' without its context_length and max_batch "
-                "(another version of mlxceld?)" if exc.field in ("context_length", "max_batch")
-                else f"{name} sent a bad 'attached': {exc.reason}") from None
-        if attached.role != self.role:
-            await stream.close()
-            raise _LinkFailed(f"{name} is a {attached.role[:20]} node, listed here "
-                              f"as a {self.role} node: list it in the right pool")
+        self.address = await resolved(name, self._resolve)
+        stream = await dial(name, self.address, origin=self._origin, keyring=self._keyring,
+                            budget_s=self._dial_budget_s)
+        attached = await attach(stream, name, Attach(self._model_identity, self._cluster),
+                                self.role)
         self.context_length, self.max_batch = attached.context_length, attached.max_batch
         return stream
 
@@ -273,8 +249,9 @@ class RemoteEngine:
             self._ended(stream, ended)
 
     def _deliver(self, stream: MxclStream, payload: bytes) -> None:
-        """Hand a message to its sequence, if that was sent over ``stream`` (the
-        result-frame rule); else drop it."""
+        """Hand a message to its sequence, if that was sent over ``stream`` or moved there
+        (the result-frame rule; held back until ``adopted`` while it moves); else drop
+        it."""
         try:
             env = parse_envelope(payload, p.ROUTER_SPECS)
         except EnvelopeError as exc:
@@ -285,9 +262,18 @@ class RemoteEngine:
                 self._load(stream, m.Load.from_wire(env.header).sequences)
             return
         seq = env.header.get("seq")
+        if env.type == "adopted" and isinstance(seq, str):
+            self._adopted(seq, stream)
+            return
         sequence = self._seqs.get(seq) if isinstance(seq, str) else None
         if sequence is not None and sequence.stream is stream:
+            sequence.answered = True
+            if sequence.again and sequence.moving is not None:  # the node knows it now
+                sequence.again = False
+                self._tasks.spawn(self._say_adopt(str(seq), sequence, sequence.moving))
             sequence.inbox.put_nowait(env)
+        elif sequence is not None and sequence.moving is stream:
+            sequence.held.append(env)
         elif env.type == "error":
             error = error_in(env)
             log.warning("node %s: %s (%s)", self.node_id, error.message, error.code or None)
@@ -306,7 +292,7 @@ class RemoteEngine:
         failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
         self._streams.discard(stream)
         for sequence in self._seqs.values():
-            if sequence.stream is stream:
+            if stream in (sequence.stream, sequence.moving):  # moving: what came is unsure
                 sequence.inbox.put_nowait(failure)
         if self._stream is stream:
             self._stream = None
@@ -317,7 +303,7 @@ class RemoteEngine:
     def _finish_if_done(self, stream: MxclStream) -> None:
         """Finish a handed-over stream no sequence uses any more."""
         if stream is self._stream or stream.closed or stream.finishing \
-                or any(s.stream is stream for s in self._seqs.values()):
+                or any(stream in (s.stream, s.moving) for s in self._seqs.values()):
             return
         stream.finish("handed over to a stream under the new primary key")
 
@@ -370,7 +356,7 @@ class RemoteEngine:
             if isinstance(item, BaseException):
                 raise item
             if item.type == "error":
-                raise self._refusal(error_in(item))
+                raise self._refused(error_in(item))
             if item.type != "prefilled":
                 raise EngineError(f"node {self.node_id} sent '{item.type}' for a prefill")
             try:
@@ -378,20 +364,31 @@ class RemoteEngine:
             except MessageError as exc:
                 raise EngineError(f"node {self.node_id} sent a bad 'prefilled': "
                                   f"{exc.reason}") from None
-        finally:
-            if not answered and self._seqs.get(seq) is sequence:
-                self.forget(seq)  # the node stops the prefill: nothing is handed off
-            else:
-                self._seqs.pop(seq, None)
-                self._finish_if_done(sequence.stream)
+        finally:  # unanswered, the node stops the prefill: nothing is handed off
+            self._end(seq, sequence, cancel=not answered)
 
     def forget(self, seq: str) -> None:
         """End ``seq`` here and on the node (``cancel``) if it is still in flight: for an
         ``expect`` whose tokens were never read (an unstarted generator's ``aclose`` runs
         none of its code)."""
-        sequence = self._seqs.pop(seq, None)
-        if sequence is not None and not sequence.stream.closed:
-            self._tasks.spawn(self._cancel(sequence.stream, seq))
+        sequence = self._seqs.get(seq)
+        if sequence is not None:
+            self._end(seq, sequence, cancel=True)
+
+    def _end(self, seq: str, sequence: _Seq, *, cancel: bool) -> None:
+        """``seq`` is over here, if it still is ours: ``cancel`` it on the node too, over
+        each stream it may belong to there (one moving has two); a handed-over stream it
+        was the last on is finished."""
+        if self._seqs.get(seq) is not sequence:
+            return
+        del self._seqs[seq]
+        for stream in (sequence.stream, sequence.moving):
+            if stream is None:
+                continue
+            if cancel and not stream.closed:
+                self._tasks.spawn(self._cancel(stream, seq))
+            else:
+                self._finish_if_done(stream)
 
     def _open_seq(self, seq: str) -> tuple[str, _Seq]:
         stream = self._stream
@@ -421,74 +418,31 @@ class RemoteEngine:
 
     async def _tokens(self, seq: str, sequence: _Seq, request: GenerationRequest
                       ) -> AsyncGenerator[TokenOutput, None]:
-        stream = sequence.stream
         finished = False
         try:
             while not finished:
                 item = await sequence.inbox.get()
                 if isinstance(item, BaseException):
                     raise item
-                out = self._output(item, request.params.logprobs)
+                if item.type == "error":
+                    raise self._refused(error_in(item))
+                out = token_output(self.node_id, item, request.params.logprobs)
                 finished = out.finish_reason is not None
                 yield out
         finally:
-            if self._seqs.get(seq) is sequence:
-                self._seqs.pop(seq, None)
-                if not finished and not stream.closed:
-                    self._tasks.spawn(self._cancel(stream, seq))
-                else:
-                    self._finish_if_done(stream)
+            self._end(seq, sequence, cancel=not finished)
 
     async def _cancel(self, stream: MxclStream, seq: str) -> None:
         with contextlib.suppress(ConnectionClosed):
             await stream.send(encode_envelope(m.Cancel(seq).to_wire()))
         self._finish_if_done(stream)
 
-    def _output(self, env: Envelope, logprobs: int | None) -> TokenOutput:
-        if env.type == "error":
-            raise self._refusal(error_in(env))
-        if env.type != "token":
-            raise EngineError(f"node {self.node_id} sent '{env.type}' for a sequence")
-        try:
-            said = Token.from_wire(env.header)
-            logprob, top = said.logprobs(logprobs)
-            if said.cached is not None and said.cached > p.MAX_PROMPT_TOKENS:
-                raise MessageError("cached", f"'cached' must be an integer from 0 to "
-                                             f"{p.MAX_PROMPT_TOKENS}")
-        except MessageError as exc:
-            raise EngineError(f"node {self.node_id} sent a bad token: {exc.reason}") from None
-        (token,) = struct.unpack("<i", env.tensors["tokens"].data)
-        return TokenOutput(token, said.finish_reason, logprob, top, cached=said.cached)
-
-    def _refusal(self, error: CodedError) -> Exception:
-        code, message = error.code or None, error.message[:1000]
-        name = f"node {self.node_id}"
-        if code == p.ERR_BAD_REQUEST:
-            return RequestRefused(f"{name}: {message}")
-        if code == p.ERR_UNSUPPORTED:
-            return HandoffUnsupported(f"{name}: {message}")
-        if code == p.ERR_FORBIDDEN:
-            log.warning("%s refused a prefill: %s", name, message)
-            return EngineError(f"{name} refused to send the KV cache to the decode node "
-                               "chosen (not in its MLXCEL_DECODE_ALLOWLIST); see the "
-                               "router's log")
-        if code == p.ERR_BAD_HANDOFF:
-            log.warning("%s: %s", name, message)
-            return EngineUnavailable(f"{name}: the KV cache handoff failed; retry",
-                                     retry_after_s=1)
-        if code == p.ERR_BUSY:
-            return EngineUnavailable(f"{name} is busy: {message}", retry_after_s=1)
-        if code == p.ERR_DRAINING:
+    def _refused(self, error: CodedError) -> Exception:
+        """The node's ``error`` as ``answers.refusal`` says; a ``draining`` one also passes
+        the node over until ``draining_until``."""
+        if error.code == p.ERR_DRAINING:
             self.draining_until = asyncio.get_running_loop().time() + DRAINING_RETRY_S
-            return EngineUnavailable(f"{name} is draining: it takes no new request; retry "
-                                     "shortly", retry_after_s=DRAINING_RETRY_S)
-        if code == p.ERR_UNAVAILABLE:
-            after = error.retry_after_s
-            return EngineUnavailable(f"{name} is unavailable: {message}",
-                                     retry_after_s=after if type(after) is int and 0 < after
-                                     <= 3600 else 1)
-        log.warning("%s refused a request: %s (%s)", name, message, code)
-        return EngineError(f"{name} failed the request ({code}); see the router's log")
+        return refusal(self.node_id, error)
 
     async def aclose(self) -> None:
         self._closing = True

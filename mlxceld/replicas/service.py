@@ -8,12 +8,16 @@ port, ``port`` once bound). The messages and their rules are ``protocol.py``'s.
   ``attach`` must name this node's model identity and cluster, else ``error``
   ``model_mismatch`` / ``cluster_mismatch`` and the connection is closed.
 - Each ``generate`` runs on the engine as an ordinary sequence, batched with the
-  node's own OpenAI clients' sequences, in a task of its connection's task group;
-  its tokens go back over that connection as they come. A sequence belongs to its
-  connection (``protocol.py``): a ``cancel`` from another is ignored.
+  node's own OpenAI clients' sequences, in a task of the service's; its tokens go back
+  over its connection as they come. A sequence belongs to its connection
+  (``protocol.py``): a ``cancel`` from another is ignored.
+- Handover (``adopt``, a router's secret rotation): another connection of the same
+  router adopts a sequence; ``adopted`` goes over the old connection after everything
+  the sequence sent there, and its next tokens over the new one, so a sequence of any
+  length leaves the old key's connection, which its router then finishes.
 - A connection that ends (closed, reset, or silent: nothing heard for
-  ``silence_s``, its heartbeat ``net/liveness.py``) has its sequences cancelled in
-  the engine at once: nothing keeps running for a router that is gone.
+  ``silence_s``, its heartbeat ``net/liveness.py``) has the sequences that belong to it
+  cancelled in the engine at once: nothing keeps running for a router that is gone.
 - Bounds: at most ``max_sequences`` sequences in flight on one connection (default
   the engine's ``max_batch``, at most ``protocol.MAX_SEQUENCES``), and the node's
   engine at most ``max_batch`` running plus as many again waiting: beyond either,
@@ -45,7 +49,6 @@ import asyncio
 import contextlib
 import logging
 import struct
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,8 +64,9 @@ from mlxceld.engine.constraints import ConstraintError
 from mlxceld.net import ConnectionClosed, Listener, MxclStream
 from mlxceld.net.liveness import watch
 from mlxceld.replicas import protocol as p
-from mlxceld.replicas.messages import Attached, Cancel, Generate, Load, Sequence
-from mlxceld.tasks import cancelling_group
+from mlxceld.replicas.messages import Adopt, Adopted, Attached, Cancel, Generate, Load, Sequence
+from mlxceld.replicas.serving_drain import OperatorDrain
+from mlxceld.tasks import Background, cancelling_group
 from mlxceld.wire import (
     Envelope,
     EnvelopeError,
@@ -80,12 +84,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)  # hashable by identity: the service's set of links
 class _Link:
-    """One router's connection: its sequences by ``seq``, each a task."""
+    """One router's connection: the sequences that belong to it, by ``seq``."""
 
     stream: MxclStream
     attached: bool = False
     reporting: bool = False  # its ``load`` task runs
-    seqs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    seqs: dict[str, _Sequence] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One sequence of a router: the connection it belongs to (the one that sent it, or
+    the one that adopted it since: its answers go there) and its task."""
+
+    link: _Link
+    task: asyncio.Task[None] = field(init=False)
 
 
 class ServingService:
@@ -109,8 +122,11 @@ class ServingService:
         limit = engine.max_batch if max_sequences is None else max_sequences
         self.max_sequences = max(1, min(limit, p.MAX_SEQUENCES))
         self.draining = False  # stopping (``finish_held``): no new sequence, for good
-        self._drain = _OperatorDrain()  # `mlxctl drain` of this node (``drain``)
+        self._drain = OperatorDrain(node_id)  # `mlxctl drain` of this node (``drain``)
         self._links: set[_Link] = set()  # every connection's, while it lasts
+        # The sequences' tasks: each ends with the connection it belongs to, which may be
+        # another than the one that started it (``adopt``); aclose ends any left.
+        self._sequences = Background(f"the sequences of node {node_id}")
         self._cut: set[asyncio.Task[Any]] = set()  # sequences the drain's deadline cancelled
         self._held = 0  # sequences in flight over all connections
         self._ended = asyncio.Event()  # set as each sequence ends (``finish_held`` waits on it)
@@ -158,6 +174,7 @@ class ServingService:
         """Stop accepting; every connection ends and its sequences are cancelled."""
         self._drain.disarm()
         await self._listener.aclose()
+        await self._sequences.aclose()
 
     # -- an operator's drain ------------------------------------------------------------
 
@@ -165,27 +182,11 @@ class ServingService:
         """Refuse new sequences (``draining``) until ``undrain``; at ``deadline`` (unix s;
         None: none) end those still held. Said again with the same deadline: nothing
         changes; with another: the timer follows it."""
-        d = self._drain
-        if not d.active:
-            d.active, d.left, d.ended = True, 0, 0
-            log.info("node %s is draining: its serving listener takes no new sequence",
-                     self.node_id)
-        if d.deadline == deadline and (d.timer is not None or deadline is None
-                                       or d.expired):
-            return
-        d.disarm()
-        d.deadline, d.expired = deadline, False
-        if deadline is not None:
-            delay = max(0.0, deadline - time.time())
-            d.timer = asyncio.get_running_loop().call_later(delay, self._deadline)
+        self._drain.begin(deadline, self._deadline)
 
     def undrain(self) -> None:
         """Admit new sequences again (unless the node stops)."""
-        if self._drain.active:
-            log.info("node %s undrained: its serving listener admits again", self.node_id)
-        d = self._drain
-        d.disarm()
-        d.active, d.deadline, d.expired = False, None, False
+        self._drain.end()
 
     def drain_state(self) -> dict[str, Any]:
         """``in_flight`` (sequences held), ``finished`` and ``ended`` (at the deadline)
@@ -200,9 +201,7 @@ class ServingService:
 
     def _deadline(self) -> None:
         """The drain's deadline: every sequence still held ends with ``draining``."""
-        d = self._drain
-        d.timer, d.expired = None, True
-        held = [task for link in self._links for task in link.seqs.values()]
+        held = [s.task for link in self._links for s in link.seqs.values()]
         if held:
             log.warning("drain of node %s reached its deadline: ending %d sequence(s) of "
                         "routers", self.node_id, len(held))
@@ -210,7 +209,7 @@ class ServingService:
             self._cut.add(task)
             task.cancel()
 
-    async def _cuttable(self, link: _Link, seq: str, work: Awaitable[None]) -> None:
+    async def _cuttable(self, sequence: _Sequence, seq: str, work: Awaitable[None]) -> None:
         """Run one sequence's ``work``; cancelled by the drain's deadline, tell its router
         (``draining``) and end quietly; any other cancellation goes on."""
         d = self._drain
@@ -224,7 +223,7 @@ class ServingService:
             message = (f"node {self.node_id} is draining and its drain reached its deadline "
                        "before the sequence finished")
             with contextlib.suppress(ConnectionClosed):
-                await link.stream.send(encode_envelope(
+                await sequence.link.stream.send(encode_envelope(
                     CodedError(p.ERR_DRAINING, message, seq).to_wire()))
         finally:
             if task is not None:
@@ -232,21 +231,43 @@ class ServingService:
             if d.active:
                 d.left += 1
 
-    def _spawn(self, link: _Link, seq: str, work: Coroutine[Any, Any, None],
-               tg: asyncio.TaskGroup) -> None:
-        """Run ``seq``'s ``work`` in the connection's group, as one of ``link``'s."""
-        task = tg.create_task(self._cuttable(link, seq, work))
+    def _spawn(self, link: _Link, seq: str,
+               work_of: Callable[[_Sequence], Coroutine[Any, Any, None]]) -> None:
+        """Run ``seq``'s work (``work_of`` it) in a task of the service's, as one of
+        ``link``'s sequences: it ends with the connection it belongs to then."""
+        sequence = _Sequence(link)
+        work = work_of(sequence)
+        task = self._sequences.spawn(self._cuttable(sequence, seq, work))
 
         def done(_: asyncio.Task[None]) -> None:
             # A task cancelled before its first step (a ``cancel`` right behind its
             # ``generate``, its connection ended at once) never runs ``work``: close it,
-            # and let the sequence go from the link's, as ``work`` would have.
+            # and let the sequence go from its link's, as ``work`` would have.
             work.close()
-            if link.seqs.get(seq) is task:
-                del link.seqs[seq]
+            _forget(sequence, seq)
 
         task.add_done_callback(done)
-        link.seqs[seq] = task
+        sequence.task = task
+        link.seqs[seq] = sequence
+
+    async def _adopt(self, link: _Link, seq: str) -> None:
+        """``seq`` belongs to ``link`` from now on, if it belongs to another connection of
+        the same router (its identity, the handshake's); ``adopted`` goes over that one,
+        after all the sequence sent there (a message is sealed in order as ``send`` is
+        called), and the sequence's next answers go over ``link``."""
+        router = link.stream.peer_identity
+        old = next((other for other in self._links if other is not link and router
+                    is not None and other.stream.peer_identity == router
+                    and seq in other.seqs), None)
+        if old is None or seq in link.seqs:
+            return  # ended meanwhile, another router's, or here already: nothing moves
+        sequence = old.seqs.pop(seq)
+        sequence.link = link
+        link.seqs[seq] = sequence
+        log.debug("node %s: sequence %s of router %s moved to its connection under key %s",
+                  self.node_id, seq, router, link.stream.key_id.hex())
+        with contextlib.suppress(ConnectionClosed):
+            await old.stream.send(encode_envelope(Adopted(seq).to_wire()))
 
     # -- one connection -----------------------------------------------------------------
 
@@ -257,7 +278,7 @@ class ServingService:
         try:
             async with cancelling_group() as tg:
                 # The heartbeat ends the stream of a silent router (recv then raises); it
-                # ends with the connection, as its sequences do.
+                # ends with the connection, as the sequences that belong to it do.
                 tg.create_task(watch(stream, self._silence_s,
                                      f"router {stream.peer} of {self.node_id}"))
                 ended = await self._serve_link(link, tg)
@@ -266,6 +287,10 @@ class ServingService:
             if link.seqs:
                 log.info("cancelled %d sequence(s) of router %s (%s)", len(link.seqs),
                          stream.peer, ended)
+                tasks = [s.task for s in link.seqs.values()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks)
 
     async def _serve_link(self, link: _Link, tg: asyncio.TaskGroup) -> str:
         """Read the router's messages until its connection ends; why it ended."""
@@ -289,24 +314,26 @@ class ServingService:
                         link.reporting = True
                         tg.create_task(self._report_load(link))
                 elif env.type in self._unattached:
-                    await self._other(link, env, tg)
+                    await self._other(link, env)
                 elif not link.attached:
                     raise p.ProtocolViolation(p.ERR_BAD_MESSAGE,
                                               "send 'attach' before any other message")
                 elif env.type == "generate":
-                    self._generate(link, env, tg)
+                    self._generate(link, env)
                 elif env.type == "cancel":
-                    task = link.seqs.get(Cancel.from_wire(env.header).seq)
-                    if task is not None:
-                        task.cancel()
+                    sequence = link.seqs.get(Cancel.from_wire(env.header).seq)
+                    if sequence is not None:
+                        sequence.task.cancel()
+                elif env.type == "adopt":
+                    await self._adopt(link, Adopt.from_wire(env.header).seq)
                 else:
-                    await self._other(link, env, tg)
+                    await self._other(link, env)
             except p.ProtocolViolation as exc:
                 await self._refuse(link, seq, exc.code, exc.message)
             except MessageError as exc:  # the replica protocol's words for a bad field
                 await self._refuse(link, seq, p.ERR_BAD_MESSAGE, exc.reason)
 
-    async def _other(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    async def _other(self, link: _Link, env: Envelope) -> None:
         """A message this node's role does not take (a subclass's role may)."""
         raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"node {self.node_id} is a {self.role} "
                                   f"node: it takes no '{env.type}'")
@@ -355,9 +382,9 @@ class ServingService:
         link.attached = True
         return True
 
-    def _generate(self, link: _Link, env: Envelope, tg: asyncio.TaskGroup) -> None:
+    def _generate(self, link: _Link, env: Envelope) -> None:
         seq, request = self._admit(link, Generate.from_wire(env.header), env)
-        self._spawn(link, seq, self._run(link, seq, request), tg)
+        self._spawn(link, seq, lambda sequence: self._run(sequence, seq, request))
 
     def _admit(self, link: _Link, message: Sequence, env: Envelope
                ) -> tuple[str, GenerationRequest]:
@@ -390,29 +417,28 @@ class ServingService:
                                       f"{self._vocab_size}) (node {self.node_id}'s model)")
         return seq, GenerationRequest(f"replica-{seq}", tokens, params)
 
-    async def _run(self, link: _Link, seq: str, request: GenerationRequest,
+    async def _run(self, sequence: _Sequence, seq: str, request: GenerationRequest,
                    tokens_of: Callable[[], AsyncGenerator[TokenOutput, None]] | None = None
                    ) -> None:
-        """One sequence: its tokens to its router, or one ``error``; cancelled with its
-        connection or by ``cancel``. ``tokens_of``: where its tokens come from (default:
-        the engine's ``generate``)."""
+        """One sequence: its tokens to its router (over the connection it belongs to as
+        each is sent), or one ``error``; cancelled with that connection or by ``cancel``.
+        ``tokens_of``: where its tokens come from (default: the engine's ``generate``)."""
         self._held += 1
-        stream = link.stream
         try:
             source = self.engine.generate(request) if tokens_of is None else tokens_of()
             async with contextlib.aclosing(source) as tokens:
                 async for out in tokens:
-                    await stream.send(encode_envelope(
+                    await sequence.link.stream.send(encode_envelope(
                         _token(seq, out, request.params.logprobs),
                         [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
         except ConnectionClosed:
             pass  # the connection's end cancels the rest
         except (ConstraintError, EngineError) as exc:
-            await self._failed(link, seq, exc)
+            await self._failed(sequence.link, seq, exc)
         finally:
             self._held -= 1
             self._ended.set()
-            link.seqs.pop(seq, None)
+            _forget(sequence, seq)
 
     async def _failed(self, link: _Link, seq: str, exc: Exception) -> None:
         if isinstance(exc, ConstraintError):
@@ -429,21 +455,10 @@ class ServingService:
             await link.stream.send(encode_envelope(error.to_wire()))
 
 
-@dataclass
-class _OperatorDrain:
-    """An operator's drain of the serving listener (``ServingService.drain``)."""
-
-    active: bool = False
-    deadline: float | None = None
-    timer: asyncio.TimerHandle | None = None
-    expired: bool = False  # the deadline passed
-    left: int = 0  # sequences that ended while it drained
-    ended: int = 0  # of which ended by its deadline
-
-    def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+def _forget(sequence: _Sequence, seq: str) -> None:
+    """``seq`` ended: it belongs to no connection any more."""
+    if sequence.link.seqs.get(seq) is sequence:
+        del sequence.link.seqs[seq]
 
 
 def _token(seq: str, out: TokenOutput, logprobs: int | None) -> dict[str, Any]:

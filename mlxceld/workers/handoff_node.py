@@ -8,7 +8,10 @@ its engine's ``prompt_cache`` (a prefill node prefills on from the longest prefi
 ``LocalEngine.prefill``) for ``mlxctl status``.
 
 - A prefill node reads ``MLXCEL_DECODE_ALLOWLIST`` once at start
-  (``handoffs.decode_allowlist``): the decode targets it may send caches to.
+  (``handoffs.decode_allowlist``): the decode targets it may send caches to. When the
+  keyring's primary changes (a secret rotation's ``use``) its links to decode nodes are
+  handed over to the new key (``replicas/targets.py``); the routers move their own
+  sequences (``adopt``).
 - A decode node takes handoffs from its ``--prefill-peers`` only
   (``HandoffOptions.prefill_agents``): their serving addresses are asked of their agents
   (``discovery/serving.py``'s ``ask_serving``) at start and every ``PEERS_EVERY_S``, and
@@ -208,6 +211,7 @@ async def serve_handoffs(ctx: WorkerContext[RouterOptions], service: Any,
         ctx.stats.update(serving=format_address(service.host, service.port),
                          node_role=service.role)
         ctx.ops["drain"] = lambda request: handoff_drain_op(service, request)
+        ctx.rekeyed.append(service.rekey)  # a prefill node's links to decode nodes
         ctx.ready()
         while not ctx.stopping.is_set():
             stats = service.stats

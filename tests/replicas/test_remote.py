@@ -22,7 +22,8 @@ from mlxceld.engine.local import LocalEngine
 from mlxceld.net import MxclStream, connect, streams_under
 from mlxceld.pipeline.protocol import params_to_wire
 from mlxceld.replicas import protocol as p
-from mlxceld.replicas.remote import RemoteEngine, RequestRefused
+from mlxceld.replicas.answers import RequestRefused
+from mlxceld.replicas.remote import RemoteEngine
 from mlxceld.replicas.service import ServingService
 from mlxceld.wire import encode_envelope, key_id, parse_envelope
 
@@ -273,32 +274,103 @@ def test_a_sequence_belongs_to_its_connection(node: tuple[LocalEngine, Any]) -> 
 NEW_SECRET = b"the rotation's new cluster secret, 40 b."
 
 
-def test_rekey_hands_over_without_cutting_a_sequence(node: tuple[LocalEngine, Any]) -> None:
+def test_rekey_moves_a_running_sequence_to_the_new_key(node: tuple[LocalEngine, Any]) -> None:
     """A secret rotation's ``use``: the link attaches a stream under the new primary for new
-    sequences; the one running finishes on the old stream, which is then closed."""
+    sequences, and the one running moves there (``adopt``): the old key's streams (ours
+    and the node's) are finished while it still runs, and its tokens are the engine's
+    own greedy ones, none lost, repeated or out of order."""
     engine, tokenizer = node
     ids = tokenizer.encode(PROMPTS[2])
     ring = keyring(SECRET)
+    got: list[int] = []
 
     async def main() -> None:
         async with serving(engine, keyring=keyring(SECRET, NEW_SECRET)) as service, \
                 remote_to(service.port, keyring=ring) as remote:
             held = remote.generate(request(ids, 5000, **endless(tokenizer)))
-            await anext(held)
+            got.extend([(await anext(held)).token for _ in range(3)])
             ring.add(NEW_SECRET, primary=True)
             remote.rekey()
-            await until(lambda: streams_under(key_id(NEW_SECRET)) == 2,  # ours and the node's
-                        "a stream under the new key", WAIT_S)
-            assert len(await tokens(remote, request(ids, 3, temperature=0))) == 3
-            for _ in range(3):
-                await anext(held)  # the old stream still carries the running sequence
-            assert streams_under(key_id(SECRET)) == 2
-            await held.aclose()
             await until(lambda: streams_under(key_id(SECRET)) == 0,
-                        "the old stream finished once its last sequence ended", WAIT_S)
-            assert remote.state() == "up" and service.sequences == 0
+                        "the old key's streams finished while the sequence runs", WAIT_S)
+            assert streams_under(key_id(NEW_SECRET)) == 2  # ours and the node's
+            assert service.sequences == 1  # still running, on the new stream
+            assert len(await tokens(remote, request(ids, 3, temperature=0))) == 3
+            for _ in range(40):
+                got.append((await anext(held)).token)
+            await held.aclose()
+            await until(lambda: service.sequences == 0, "the node freed it", WAIT_S)
+            assert remote.state() == "up" and remote.active_sequences() == 0
 
     run(main())
+    local = [out.token for out in run(tokens(engine, request(ids, len(got),
+                                                             **endless(tokenizer))))]
+    assert got == local
+
+
+def test_a_sequence_is_adopted_only_by_its_own_routers_other_connection(
+        node: tuple[LocalEngine, Any]) -> None:
+    """The node's side of ``adopt``: from another router's connection it changes nothing
+    (the tokens go on over the first); from another connection of the same router,
+    ``adopted`` comes over the first after every token sent there, and the rest over the
+    second: together the engine's greedy tokens, in order; a ``cancel`` over the first
+    is ignored then, over the second it ends the sequence."""
+    engine, tokenizer = node
+    ids = tokenizer.encode(PROMPTS[3])
+    prompt = [("prompt", "i32", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids))]
+    attach = encode_envelope({"t": "attach", "model": MODEL, "cluster": CLUSTER})
+    params = params_to_wire(SamplingParams(max_tokens=5000, **endless(tokenizer)))
+    got: list[int] = []
+
+    async def dial(identity: str) -> MxclStream:
+        stream = await connect("127.0.0.1", port, keyring=keyring(SECRET), identity=identity,
+                               channel=1, local_addr=("127.0.0.1", 0))
+        await stream.send(attach)
+        assert parse_envelope(await stream.recv(), p.ROUTER_SPECS).type == "attached"
+        return stream
+
+    async def answer(stream: MxclStream) -> Any:
+        """The next message but ``load`` (which the node sends on its own)."""
+        while (env := parse_envelope(await stream.recv(), p.ROUTER_SPECS)).type == "load":
+            pass
+        return env
+
+    async def main() -> None:
+        nonlocal port
+        async with serving(engine) as service:
+            port = service.port
+            a, other, b = (await dial(CLIENT_ID), await dial("127.0.0.1:19101"),
+                           await dial(CLIENT_ID))
+            try:
+                await a.send(encode_envelope({"t": "generate", "seq": "s1",
+                                              "params": params}, prompt))
+                got.append(struct.unpack("<i", (await answer(a)).tensors["tokens"].data)[0])
+                await other.send(encode_envelope({"t": "adopt", "seq": "s1"}))
+                for _ in range(3):  # still over a: the other router's adopt changed nothing
+                    env = await answer(a)
+                    assert env.type == "token", env.header
+                    got.append(struct.unpack("<i", env.tensors["tokens"].data)[0])
+                await b.send(encode_envelope({"t": "adopt", "seq": "s1"}))
+                while (env := await answer(a)).type == "token":
+                    got.append(struct.unpack("<i", env.tensors["tokens"].data)[0])
+                assert (env.type, env.header["seq"]) == ("adopted", "s1"), env.header
+                await a.send(encode_envelope({"t": "cancel", "seq": "s1"}))  # not a's now
+                for _ in range(20):
+                    env = await answer(b)
+                    assert env.type == "token" and env.header["seq"] == "s1", env.header
+                    got.append(struct.unpack("<i", env.tensors["tokens"].data)[0])
+                assert service.sequences == 1
+                await b.send(encode_envelope({"t": "cancel", "seq": "s1"}))
+                await until(lambda: service.sequences == 0, "b's cancel ended it", WAIT_S)
+            finally:
+                for stream in (a, other, b):
+                    await stream.close()
+
+    port = 0
+    run(main())
+    local = [out.token for out in run(tokens(engine, request(ids, len(got),
+                                                             **endless(tokenizer))))]
+    assert got == local
 
 
 def test_tokens_are_taken_only_from_the_connection_the_sequence_went_over() -> None:
@@ -347,5 +419,60 @@ def test_tokens_are_taken_only_from_the_connection_the_sequence_went_over() -> N
             with contextlib.suppress(asyncio.CancelledError):
                 await waiting
             await held.aclose()
+
+    run(main())
+
+
+def test_an_adopt_that_beat_its_sequence_is_said_again_at_its_first_answer() -> None:
+    """The sequence's ``generate`` and the ``adopt`` go over two connections, so a node may
+    read the ``adopt`` first and ignore it (a node of our own that does so): the router
+    says it again once the node answered the sequence over the old connection; the node
+    then moves it (``adopted`` over the old one), and its tokens come in order."""
+    streams: list[MxclStream] = []
+    adopts: list[str] = []
+    heard = asyncio.Event()
+
+    def token(seq: str, value: int, finish: str | None = None) -> bytes:
+        header = {"t": "token", "seq": seq, **({"finish_reason": finish} if finish else {})}
+        return bytes(encode_envelope(header, [("tokens", "i32", (1,),
+                                                struct.pack("<i", value))]))
+
+    async def racing(stream: MxclStream) -> None:
+        streams.append(stream)
+        while True:
+            env = parse_envelope(await stream.recv(), p.NODE_SPECS)
+            if env.type == "attach":
+                await stream.send(encode_envelope({
+                    "t": "attached", "node": "node-a", "role": "hybrid", "model": MODEL,
+                    "context_length": 64, "max_batch": 2}))
+            elif env.type == "generate":
+                heard.set()
+            elif env.type == "adopt":
+                adopts.append(env.header["seq"])
+                if len(adopts) == 1:  # ignored, as if it came before the generate
+                    await streams[0].send(token(env.header["seq"], 5))
+                else:
+                    await streams[0].send(encode_envelope(
+                        {"t": "adopted", "seq": env.header["seq"]}))
+                    await stream.send(token(env.header["seq"], 6, "length"))
+
+    ring = keyring(SECRET)
+
+    async def main() -> None:
+        async with mxcl_serving(racing, channels={1},
+                                keyring=keyring(SECRET, NEW_SECRET)) as listener, \
+                remote_to(listener.port, keyring=ring) as remote:
+            held = remote.generate(request([1, 2], 2))
+            first = asyncio.create_task(anext(held))
+            await asyncio.wait_for(heard.wait(), WAIT_S)
+            ring.add(NEW_SECRET, primary=True)
+            remote.rekey()
+            assert (await asyncio.wait_for(first, WAIT_S)).token == 5
+            out = await asyncio.wait_for(anext(held), WAIT_S)
+            assert (out.token, out.finish_reason) == (6, "length")
+            assert len(adopts) == 2 and len(set(adopts)) == 1, adopts
+            await held.aclose()
+            await until(lambda: streams_under(key_id(SECRET)) == 0,
+                        "the old stream finished", WAIT_S)
 
     run(main())
