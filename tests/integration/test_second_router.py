@@ -1,0 +1,97 @@
+"""A second router in front of a pipeline, between real daemons on 127.0.0.x: a coordinator
+(.1) serving a 2-stage plan over two peers (.2, .3), and a router (.5, ``--node-role router
+--pipeline-coordinator``) that asks the coordinator for the plan and drives the same stages.
+
+The coordinator's host holds no stage (its daemon runs the router only). Under a bounded
+load of streaming completions through the real `openai` client with retries off, on
+both routers, kill -9 the coordinator's host (its daemon and every worker, by pid): the
+second router's requests keep succeeding (none refused, none failed), the stage hosts
+keep their stages, the router's status says the coordinator is unreachable; the load on
+the coordinator's own port is counted (it fails: the single front this removes). The
+counts are printed (``pytest -s``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.cluster import activate, agent, coordinator, start
+from helpers.daemons import READY_S, DaemonProc, Daemons, alive
+from helpers.load import StreamingLoad
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import greedy
+from helpers.waiting import wait_for
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+WARM_S = 3.0  # load on both routers before the kill
+AFTER_S = 8.0  # load on the second router after it
+FOLLOW_WAIT_S = 120.0  # the router learns the plan (1 s polls) and loads its tokenizer
+LOAD_BOUND_S = 90.0
+
+
+def second_router(daemons: Daemons, secret: bytes, coord: DaemonProc, model: Path
+                  ) -> tuple[DaemonProc, int]:
+    port = free_port("127.0.0.5")
+    router = start(daemons, "127.0.0.5", secret, "--node-role", "router",
+                   "--pipeline-coordinator", agent(coord), "--model", str(model),
+                   "--host", "127.0.0.5", "--port", str(port), name="r")
+    return router, port
+
+
+def serves(url: str, model: Path) -> bool:
+    try:
+        return greedy(url, PROMPT, 8, model="llama") == expected(model, PROMPT, 8)
+    except Exception:  # the router loading, or not yet attached: not yet
+        return False
+
+
+def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    secret = os.urandom(16).hex().encode()
+    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
+             for ip in ("127.0.0.2", "127.0.0.3")]
+    coord, coord_port, _ = coordinator(daemons, secret, peers)
+    activate(coord, model, 2)
+    router, port = second_router(daemons, secret, coord, model)
+    url = f"http://127.0.0.5:{port}"
+    wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
+             every=0.5)
+    front = router.status()["front"]
+    assert front["state"] == "following" and front["coordinator"] == agent(coord), front
+    assert front["epoch"] == coord.status()["bringup"]["epoch"]
+    assert len(front["stages"]) == 2
+    stage_pids = [p.wait_worker("stage", timeout=READY_S, state="running")["pid"]
+                  for p in peers]
+    daemons.pids.update(stage_pids)
+    host_pids = [coord.pid, *(w["pid"] for w in coord.status()["workers"] if w["pid"])]
+    daemons.pids.update(host_pids)
+
+    with StreamingLoad(f"{url}/v1", clients=4, bound_s=LOAD_BOUND_S) as load, \
+            StreamingLoad(f"http://127.0.0.1:{coord_port}/v1", clients=2,
+                          bound_s=LOAD_BOUND_S) as before:
+        time.sleep(WARM_S)
+        at_kill = load.counts()
+        for pid in host_pids:  # the coordinator's host goes: its daemon and its workers
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(AFTER_S)
+    counts, lost = load.counts(), before.counts()
+    print(f"\nkill -9 of the coordinator's host under load: second router {counts} "
+          f"({at_kill['completed']} completed before the kill); the coordinator's own "
+          f"port {lost}")
+    assert load.refused == [] and load.failed == [], (load.refused[:3], load.failed[:3])
+    assert counts["completed"] > at_kill["completed"] + 2, (at_kill, counts)
+    assert all(not alive(pid) for pid in host_pids)
+    assert lost["refused"] + lost["failed"] > 0, lost  # the single front it replaces
+    # The stage hosts keep their stages; the router says its coordinator is gone.
+    assert [p.worker("stage")["pid"] for p in peers] == stage_pids
+    front = wait_for(lambda: (f := router.status()["front"])["state"] == "unreachable"
+                     and f, 15, "the router to see its coordinator gone", every=0.2)
+    assert front["epoch"] is not None and len(front["stages"]) == 2, front
+    assert serves(url, model)
