@@ -95,3 +95,48 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
                      and f, 15, "the router to see its coordinator gone", every=0.2)
     assert front["epoch"] is not None and len(front["stages"]) == 2, front
     assert serves(url, model)
+
+
+def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
+                                                        split_fixture_dir: Path) -> None:
+    """A drain of a stage node re-plans onto the spare: the second router learns the new
+    plan within a few seconds and moves to it live, its load neither refused nor failed."""
+    model = split_fixture_dir / "llama"
+    secret = os.urandom(16).hex().encode()
+    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
+             for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
+    coord, _, _ = coordinator(daemons, secret, peers)
+    activate(coord, model, 2)
+    first = coord.status()["bringup"]
+    router, port = second_router(daemons, secret, coord, model)
+    url = f"http://127.0.0.5:{port}"
+    wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
+             every=0.5)
+    router_pid = router.worker("router")["pid"]
+    daemons.pids.add(router_pid)
+    victim = first["peers"][1]["node_id"]  # the host of stage-1
+    with StreamingLoad(f"{url}/v1", clients=4, bound_s=LOAD_BOUND_S) as load:
+        time.sleep(WARM_S)
+        drained = coord.ctl("drain", victim, "--deadline", "120s", timeout=180)
+        assert drained.returncode == 0, (drained.stdout, drained.stderr)
+        try:
+            front = wait_for(lambda: (f := router.status()["front"])["epoch"]
+                             != first["epoch"] and f, 30, "the second router on the new plan",
+                             every=0.2)
+        except BaseException:
+            print(drained.stdout, router.status()["front"], coord.status()["bringup"],
+                  [(e["kind"], e["message"]) for e in coord.events(60)],
+                  [(e["kind"], e["message"]) for e in router.events(30)])
+            raise
+        time.sleep(WARM_S)
+    counts = load.counts()
+    print(f"\ndrain of {victim} under load on the second router: {counts}; it follows "
+          f"plan {front['epoch']} ({front['stages']})")
+    assert load.refused == [] and load.failed == [], (load.refused[:3], load.failed[:3])
+    assert counts["completed"] > 0
+    new = coord.status()["bringup"]
+    assert front["epoch"] == new["epoch"] and front["state"] == "following", (front, new)
+    assert victim not in [p["node_id"] for p in new["peers"]], new
+    assert router.worker("router")["pid"] == router_pid  # moved live, not restarted
+    kinds = [e["kind"] for e in router.events(100)]
+    assert kinds.count("front.followed") == 2, kinds
