@@ -21,8 +21,13 @@ exchange's budget (3 s to connect, 3 s to answer), and:
   serving the plan it follows, whose stages serve every router of the plan on their own
   (``pipeline/protocol.py``); the status says since when the coordinator is unreachable.
 
-A restarted router daemon serves nothing until it has asked the coordinator once: the
-plan is not kept in its database.
+The plan followed is kept in the settings table (``front.plan``, with the coordinator it
+came from, the model and our identity then): a router daemon restarted while its
+coordinator is down serves that plan at once (``restore``, before its first reconcile, so
+that its router worker left running is re-adopted; state ``unreachable``) and follows the
+coordinator's again as soon as it answers.
+A plan that changed meanwhile is learnt then; until then, a stage of the kept plan that is
+gone fails its requests as any lost stage does.
 
 ``describe`` is ``mlxctl status``'s ``front``. It lives in the daemon room beside
 ``root.py``, which makes it and runs it; it changes the roster and asks the supervisor.
@@ -43,28 +48,32 @@ from mlxceld.config.serve import ROUTER
 from mlxceld.daemon.roster import Roster
 from mlxceld.models.identity import model_identity
 from mlxceld.roles.options import PipelineOptions, options_json
-from mlxceld.state import EventLog
+from mlxceld.state import EventLog, Settings
 from mlxceld.supervisor.ops import Pipeline
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 from mlxceld.wire.agent_messages import Plan
+from mlxceld.wire.messages import MessageError
 from mlxceld.wire.secret import Keyring
 
 log = logging.getLogger(__name__)
 
 FOLLOW_S: Final = 1.0  # between two asks of the coordinator's plan
 NONE_FOR_S: Final = 10.0  # "no plan" said this long in a row stops the router
+KEPT: Final = "front.plan"  # the settings key of the plan followed
 
 
 class PlanFollower:
     def __init__(self, roster: Roster, supervisor: Supervisor, events: EventLog,
-                 keyring: Keyring, *, origin: Callable[[], str | None]) -> None:
+                 keyring: Keyring, settings: Settings, *,
+                 origin: Callable[[], str | None]) -> None:
         """``origin``: our agent listener's address once bound (the identity we ask and
         dial the stages with)."""
         self._roster = roster
         self._supervisor = supervisor
         self._events = events
         self._keyring = keyring
+        self._settings = settings
         self._origin = origin
         self._closing = asyncio.Event()
         self._identity: tuple[str, str] | None = None  # (model path, its identity)
@@ -102,6 +111,27 @@ class PlanFollower:
     def close(self) -> None:
         self._closing.set()
 
+    def restore(self) -> None:
+        """Before the daemon's first reconcile: the plan kept before a restart, if it came
+        from our coordinator for our model, is the roster's again (a router worker left
+        running is re-adopted, not stopped); ``run`` then asks for the current one."""
+        kept = self._settings.get(KEPT)
+        if (self.coordinator is None or not isinstance(kept, dict)
+                or kept.get("coordinator") != self.coordinator
+                or kept.get("model") != self._roster.serve.model
+                or not isinstance(kept.get("origin"), str)):
+            return
+        try:
+            plan = Plan.from_wire(kept.get("plan") or {})
+        except MessageError:
+            return
+        self._roster.followed = pipeline_of(plan, str(kept["origin"]))
+        if self._roster.followed is not None:
+            log.info("serving plan %s kept before the restart until coordinator %s answers",
+                     plan.epoch, self.coordinator)
+            self.epoch = plan.epoch
+            self._set("unreachable", "not asked yet since the restart")
+
     async def follow_once(self) -> None:
         """One ask, and what its answer changes (the module docstring)."""
         coordinator, origin = self.coordinator, self._origin()
@@ -138,6 +168,7 @@ class PlanFollower:
         self._events.append("front.stopped", "front", f"coordinator {self.coordinator} serves "
                             "no pipeline plan: the router stops")
         self._roster.followed, self.epoch = None, None
+        self._settings.delete(KEPT)
         await self._roster.reconcile()
         self._set("stopped", None)
 
@@ -146,6 +177,9 @@ class PlanFollower:
         restarted)."""
         existed = ROUTER in self._supervisor.names()
         self._roster.followed = wanted
+        self._settings.put(KEPT, {"coordinator": self.coordinator, "plan": plan.to_wire(),
+                                  "model": self._roster.serve.model,
+                                  "origin": wanted.coordinator if wanted else None})
         await self._roster.reconcile()
         spec = self._roster.spec(ROUTER)
         nodes = [s.node_id for s in plan.stages]

@@ -225,7 +225,7 @@ class Daemon:
                                                 self.member), drains, self.events)
         self._replica_peers = ReplicaPeers(candidates, self.supervisor, self._finds_replicas)
         self._front = PlanFollower(self.roster, self.supervisor, self.events, self.keys.keyring,
-                                   origin=self.member.agent_address)
+                                   Settings(self._db), origin=self.member.agent_address)
         self._view = DaemonView(
             self.events, Lifetime(lambda: self._stopping, self.status, self.request_stop,
                                   self.reload),
@@ -306,6 +306,7 @@ class Daemon:
                 tg.create_task(self._front.run())
                 if self._metrics is not None:
                     tg.create_task(self._metrics.serve())
+                self._front.restore()  # a router in front of a pipeline: its kept plan
                 specs = await self.roster.reconcile()
                 self.events.append("daemon.started", "daemon",
                                    f"mlxceld {__version__} started (pid {os.getpid()})",

@@ -21,6 +21,7 @@ import pytest
 
 from helpers.cluster import activate, agent, coordinator, start
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
+from helpers.keys import secret_file
 from helpers.load import StreamingLoad
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
@@ -36,12 +37,17 @@ LOAD_BOUND_S = 90.0
 
 
 def second_router(daemons: Daemons, secret: bytes, coord: DaemonProc, model: Path
-                  ) -> tuple[DaemonProc, int]:
+                  ) -> tuple[DaemonProc, int, tuple[str, ...]]:
+    """The router on 127.0.0.5 in front of ``coord``'s pipeline; its OpenAI port, and its
+    flags (a restart starts it with them)."""
     port = free_port("127.0.0.5")
-    router = start(daemons, "127.0.0.5", secret, "--node-role", "router",
-                   "--pipeline-coordinator", agent(coord), "--model", str(model),
-                   "--host", "127.0.0.5", "--port", str(port), name="r")
-    return router, port
+    router = daemons.make(name="r")
+    flags = ("--cluster-secret-file", str(secret_file(router.root, secret)),
+             "--agent-addr", f"127.0.0.5:{free_port('127.0.0.5')}", "--node-role", "router",
+             "--pipeline-coordinator", agent(coord), "--model", str(model),
+             "--host", "127.0.0.5", "--port", str(port))
+    router.start(*flags)
+    return router, port, flags
 
 
 def serves(url: str, model: Path) -> bool:
@@ -57,9 +63,9 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
     secret = os.urandom(16).hex().encode()
     peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
              for ip in ("127.0.0.2", "127.0.0.3")]
-    coord, coord_port, _ = coordinator(daemons, secret, peers)
+    coord, coord_port, coord_flags = coordinator(daemons, secret, peers)
     activate(coord, model, 2)
-    router, port = second_router(daemons, secret, coord, model)
+    router, port, router_flags = second_router(daemons, secret, coord, model)
     url = f"http://127.0.0.5:{port}"
     wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
              every=0.5)
@@ -80,6 +86,7 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
         at_kill = load.counts()
         for pid in host_pids:  # the coordinator's host goes: its daemon and its workers
             os.kill(pid, signal.SIGKILL)
+        assert coord.proc is not None and coord.proc.wait(10) == -signal.SIGKILL
         time.sleep(AFTER_S)
     counts, lost = load.counts(), before.counts()
     print(f"\nkill -9 of the coordinator's host under load: second router {counts} "
@@ -96,6 +103,25 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
     assert front["epoch"] is not None and len(front["stages"]) == 2, front
     assert serves(url, model)
 
+    # The router's daemon killed and restarted while the coordinator is down: it serves
+    # the plan it kept, its worker re-adopted; the coordinator back, it follows it again.
+    worker = router.worker("router")["pid"]
+    daemons.pids.add(worker)
+    with StreamingLoad(f"{url}/v1", clients=2, bound_s=LOAD_BOUND_S) as again:
+        assert router.proc is not None
+        router.proc.kill()
+        router.proc.wait(10)
+        router.start(*router_flags)
+        assert router.status()["front"]["state"] == "unreachable"
+        assert router.worker("router")["pid"] == worker  # re-adopted, not restarted
+        coord.start(*coord_flags)
+        wait_for(lambda: router.status()["front"]["state"] == "following", FOLLOW_WAIT_S,
+                 "the router following the restarted coordinator", every=0.5)
+        time.sleep(WARM_S)
+    print(f"the router's daemon restarted, then the coordinator: {again.counts()}")
+    assert again.refused == [] and again.failed == [], (again.refused[:3], again.failed[:3])
+    assert again.counts()["completed"] > 0
+
 
 def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
                                                         split_fixture_dir: Path) -> None:
@@ -108,7 +134,7 @@ def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
     coord, _, _ = coordinator(daemons, secret, peers)
     activate(coord, model, 2)
     first = coord.status()["bringup"]
-    router, port = second_router(daemons, secret, coord, model)
+    router, port, _ = second_router(daemons, secret, coord, model)
     url = f"http://127.0.0.5:{port}"
     wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
              every=0.5)
