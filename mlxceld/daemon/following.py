@@ -92,9 +92,23 @@ class PlanFollower:
         if self.coordinator is None:
             return None
         followed = self._roster.followed
+        stages = [s.node_id for s in followed.stages] if followed else []
         return {"coordinator": self.coordinator, "state": self.state, "since": self.since,
-                "epoch": self.epoch, "stages": [s.node_id for s in followed.stages]
-                if followed else [], "error": self.error}
+                "epoch": self.epoch, "stages": stages, "error": self.error,
+                "summary": self._summary(len(stages))}
+
+    def _summary(self, stages: int) -> str:
+        """One line for ``mlxctl status``: whom it follows, and since when it cannot."""
+        plan = f"plan {self.epoch} ({stages} stages)" if stages else "no plan yet"
+        when = time.strftime("%H:%M:%S", time.localtime(self.since))
+        if self.state == "following":
+            return f"following coordinator {self.coordinator}: {plan}"
+        if self.state == "unreachable":
+            return (f"coordinator {self.coordinator} unreachable since {when} "
+                    f"({self.error}); serving on with {plan}")
+        if self.state == "refused":
+            return f"not following coordinator {self.coordinator}: {self.error}"
+        return f"coordinator {self.coordinator}: {self.state} since {when}; {plan}"
 
     async def run(self) -> None:
         """Ask and follow every ``FOLLOW_S`` until ``close``."""

@@ -72,6 +72,8 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
     front = router.status()["front"]
     assert front["state"] == "following" and front["coordinator"] == agent(coord), front
     assert front["epoch"] == coord.status()["bringup"]["epoch"]
+    said = router.ctl("status").stdout
+    assert f"front: following coordinator {agent(coord)}: plan {front['epoch']}" in said, said
     assert len(front["stages"]) == 2
     stage_pids = [p.wait_worker("stage", timeout=READY_S, state="running")["pid"]
                   for p in peers]
@@ -102,6 +104,8 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
                      and f, 15, "the router to see its coordinator gone", every=0.2)
     assert front["epoch"] is not None and len(front["stages"]) == 2, front
     assert serves(url, model)
+    said = router.ctl("status").stdout
+    assert f"front: coordinator {front['coordinator']} unreachable since" in said, said
 
     # The router's daemon killed and restarted while the coordinator is down: it serves
     # the plan it kept, its worker re-adopted; the coordinator back, it follows it again.
