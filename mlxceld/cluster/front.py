@@ -24,14 +24,20 @@ error  agent → asker    ``reason`` (an agent that does not serve the type)
 ====== ================ ======================================================
 
 The stages are those its router drives now: after a live switch (a drain's re-plan, a
-heal), the new plan's. The asker's budget: ``CONNECT_BUDGET_S`` (3 s) to connect and
-authenticate, then ``ANSWER_TIMEOUT_S`` (3 s) for the answer; ``PlanNotFound`` says why
-there is none. Any holder of the cluster secret may ask: the stages' addresses are no
-secret from those who may drive them (``pipeline/protocol.py``'s authorization).
+heal), the new plan's. The coordinator remembers who asked and when (``Fronts``): make
+before break's end (``daemon/serving.py``'s ``old_plan_retired``) waits, besides for its
+own router, for every router that asked within ``ACTIVE_S`` to have asked again since the
+switch (so it drives the new stages) before the old plan's stages stop.
+
+The asker's budget: ``CONNECT_BUDGET_S`` (3 s) to connect and authenticate, then
+``ANSWER_TIMEOUT_S`` (3 s) for the answer; ``PlanNotFound`` says why there is none. Any
+holder of the cluster secret may ask: the stages' addresses are no secret from those who
+may drive them (``pipeline/protocol.py``'s authorization).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Final
 
@@ -42,6 +48,7 @@ from mlxceld.net.agent import AgentService, ask
 from mlxceld.net.errors import AskFailed
 from mlxceld.roles.options import PipelineOptions, PipelineStage
 from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
+from mlxceld.wire.address import bound_identity
 from mlxceld.wire.agent_messages import Plan, PlanRequest, PlanStage
 from mlxceld.wire.messages import MessageError
 
@@ -49,6 +56,7 @@ ANSWER_SPECS: Final = {Plan.T: MessageSpec(), "error": MessageSpec()}
 CONNECT_BUDGET_S: Final = 3.0
 ANSWER_TIMEOUT_S: Final = 3.0
 NO_PLAN: Final = Plan(None, None, None, ())
+ACTIVE_S: Final = 10.0  # a router that asked this recently is one to wait for (Fronts)
 
 
 class PlanNotFound(MlxceldError):
@@ -77,11 +85,34 @@ def pipeline_of(plan: Plan, origin: str) -> PipelineOptions | None:
         coordinator=origin, model_identity=plan.model, cluster=plan.cluster)
 
 
-def serve_plan(agent: AgentService, answer: Callable[[], Plan]) -> None:
-    """Answer ``plan`` on the agent channel with what ``answer`` says now."""
+class Fronts:
+    """The routers in front of this coordinator's pipeline: who asked for the plan, when
+    (``time.monotonic()``)."""
+
+    def __init__(self) -> None:
+        self._asked: dict[str, float] = {}
+
+    def asked(self, who: str, now: float) -> None:
+        self._asked[who] = now
+        for old in [w for w, t in self._asked.items() if now - t > ACTIVE_S]:
+            del self._asked[old]
+
+    def behind(self, since: float, now: float) -> list[str]:
+        """The routers that asked within ``ACTIVE_S`` of ``now``, but not since ``since``
+        (they may still send new sequences to the stages of the plan before)."""
+        return sorted(w for w, t in self._asked.items() if now - t <= ACTIVE_S and t < since)
+
+
+def serve_plan(agent: AgentService, answer: Callable[[], Plan],
+               fronts: Fronts | None = None) -> None:
+    """Answer ``plan`` on the agent channel with what ``answer`` says now; who asked is
+    told to ``fronts``."""
 
     async def handle(stream: MxclStream, message: Envelope) -> None:
         await stream.send(encode_envelope(answer().to_wire()))
+        if fronts is not None:
+            who = bound_identity(stream.peer_identity, stream.peer)
+            fronts.asked(str(who), time.monotonic())
 
     agent.add_handler(AGENT_CHANNEL, Plan.T, handle)
 

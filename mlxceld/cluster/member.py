@@ -30,7 +30,7 @@ from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.bringup import resumed_model
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
-from mlxceld.cluster.front import plan_of, serve_plan
+from mlxceld.cluster.front import Fronts, plan_of, serve_plan
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
 from mlxceld.cluster.plan.candidates import Proposal
@@ -71,6 +71,7 @@ class MemberParts:
     keys: KeyOps  # the keyring's changes, each pushed to the workers (the key window)
     # The pipeline our router drives now (the ``plan`` answer, cluster/front.py)
     served_pipeline: Callable[[], PipelineOptions | None] = lambda: None
+    fronts: Fronts | None = None  # who asked for it (the serving window waits for them)
 
 
 class ClusterMember:
@@ -357,7 +358,7 @@ class ClusterMember:
         serve_serving(agent, self._serving)
         serve_plan(agent, lambda: plan_of(parts.served_pipeline(), self._coordinator.serving.epoch
                                           if self._coordinator and self._coordinator.serving
-                                          else None))
+                                          else None), parts.fronts)
         serve_queries(agent, self._plans, asked=self._peer_asked)
         c = parts.config()
         stages = LocalStageHost(parts.stage, self._supervisor, self._events, cluster=c.cluster_name,

@@ -217,7 +217,8 @@ class Daemon:
                         router_held=self.roster.router_held,
                         drained_nodes=lambda: drained_nodes(drains), pipeline=self.serving,
                         stage=self.roster, keys=keys,
-                        served_pipeline=self.roster.served_pipeline),
+                        served_pipeline=self.roster.served_pipeline,
+                        fronts=self.serving.fronts),
             self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
             candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
             liveness=LivenessTable(self._db), rotations=RotationsTable(self._db))

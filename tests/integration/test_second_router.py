@@ -130,7 +130,8 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
 def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
                                                         split_fixture_dir: Path) -> None:
     """A drain of a stage node re-plans onto the spare: the second router learns the new
-    plan within a few seconds and moves to it live, its load neither refused nor failed."""
+    plan within a few seconds and moves to it live, its load neither refused nor failed;
+    the old plan's stages stop only once it asked for the new plan (``Fronts``)."""
     model = split_fixture_dir / "llama"
     secret = os.urandom(16).hex().encode()
     peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
@@ -170,3 +171,7 @@ def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
     assert router.worker("router")["pid"] == router_pid  # moved live, not restarted
     kinds = [e["kind"] for e in router.events(100)]
     assert kinds.count("front.followed") == 2, kinds
+    # Make before break's end waited for this router to ask for the new plan too.
+    retired = wait_for(lambda: [e for e in coord.events(100) if e["kind"] == "drain.retired"],
+                       60, "the old plan retired", every=0.2)
+    assert retired[0]["data"]["closed"], retired
