@@ -132,6 +132,10 @@ def run(
         "--replicas", help="With --node-role router: the replicas' agent addresses, "
         "host:port,... (a host alone: port 19000; [v6] for IPv6); none: found by "
         "discovery (--cluster-peers or mdns).")] = None,
+    pipeline_coordinator: Annotated[str | None, typer.Option(
+        "--pipeline-coordinator", help="With --node-role router: serve the pipeline that "
+        "coordinator serves (its agent address, host:port or a host alone for port 19000), "
+        "as a second front; the plan is asked of it and followed.")] = None,
     prefill_peers: Annotated[str | None, typer.Option(
         "--prefill-peers", help="With --node-role router or decode: the prefill nodes' "
         "agent addresses, as --replicas (numeric addresses).")] = None,

@@ -234,6 +234,8 @@ def status(body: dict[str, Any]) -> str:
         lines.append(f"serving listener at {listener} (for the cluster's routers)")
     if isinstance(router.get("prompt_cache"), dict):
         lines.append(prompt_cache(router["prompt_cache"]))
+    if front := body.get("front"):  # a router in front of a pipeline (daemon/following.py)
+        lines.append(f"front: {front['summary']}")
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"

@@ -192,6 +192,25 @@ def test_a_router_node_runs_its_router_over_the_replicas_once_its_agent_is_bound
         s.serve, model=None))) == []  # no model: no tokenizer to serve with
 
 
+def test_a_router_in_front_of_a_pipeline_runs_over_the_plan_it_follows_only() -> None:
+    """``[serve] pipeline_coordinator``: no router before a plan is learnt; then one over
+    that plan's stages, with the secret and the API key (daemon/following.py)."""
+    from dataclasses import replace
+
+    from mlxceld.cluster.clusterfile.placement import pipeline_options
+
+    s = situation()
+    s = replace(s, agent_address="127.0.0.5:19000", serve=replace(
+        s.serve, node_role="router", pipeline_coordinator="127.0.0.1:19000"))
+    assert draw_roster(s) == []  # nothing learnt from the coordinator yet
+    followed = replace(pipeline_options(placed("coordinator")), coordinator="127.0.0.5:19000")
+    spec = only(draw_roster(replace(s, followed=followed)))
+    assert spec.name == "router" and spec.secret == SECRET and spec.api_key == KEY
+    assert isinstance(spec.options, RouterOptions) and spec.options.pipeline == followed
+    assert spec.options.replicas is None
+    assert draw_roster(replace(s, followed=followed, serve=replace(s.serve, model=None))) == []
+
+
 RING = ("127.0.0.1:29500", "127.0.0.1:29501", "127.0.0.1:29502")
 
 

@@ -30,6 +30,7 @@ from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.bringup import resumed_model
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
+from mlxceld.cluster.front import Fronts, plan_of, serve_plan
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
 from mlxceld.cluster.plan.candidates import Proposal
@@ -44,6 +45,7 @@ from mlxceld.discovery.serving import port_of, serve_serving
 from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.net.agent import AgentService
 from mlxceld.roles import ROUTER
+from mlxceld.roles.options import PipelineOptions
 from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
@@ -67,6 +69,9 @@ class MemberParts:
     pipeline: CoordinatorSlot  # the router over a pushed plan (the serving window)
     stage: StageSlot  # the placement and standby, and the reconcile (the roster)
     keys: KeyOps  # the keyring's changes, each pushed to the workers (the key window)
+    # The pipeline our router drives now (the ``plan`` answer, cluster/front.py)
+    served_pipeline: Callable[[], PipelineOptions | None] = lambda: None
+    fronts: Fronts | None = None  # who asked for it (the serving window waits for them)
 
 
 class ClusterMember:
@@ -351,6 +356,9 @@ class ClusterMember:
         serve_inventory(agent, self._node_id, parts.served_model, parts.config().stage_ports,
                         keyring=self._keyring)
         serve_serving(agent, self._serving)
+        serve_plan(agent, lambda: plan_of(parts.served_pipeline(), self._coordinator.serving.epoch
+                                          if self._coordinator and self._coordinator.serving
+                                          else None), parts.fronts)
         serve_queries(agent, self._plans, asked=self._peer_asked)
         c = parts.config()
         stages = LocalStageHost(parts.stage, self._supervisor, self._events, cluster=c.cluster_name,

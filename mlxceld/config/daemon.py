@@ -107,6 +107,7 @@ FLAG_KEYS: dict[str, str] = {
     "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer",
     "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
     "--node-role": "serve.node_role", "--replicas": "serve.replicas",
+    "--pipeline-coordinator": "serve.pipeline_coordinator",
     "--prefill-peers": "serve.prefill_peers", "--decode-peers": "serve.decode_peers",
     "--kv-compression": "serve.kv_compression", "--tp-size": "serve.tp_size",
     "--kv-bits": "serve.kv_bits", "--kv-group-size": "serve.kv_group_size",
@@ -193,6 +194,7 @@ class Overrides:
     stage_ports: str | None = None  # as given
     node_role: str | None = None  # as given (config/replicas.py)
     replicas: str | None = None  # comma-separated, as given
+    pipeline_coordinator: str | None = None  # as given (config/front.py)
     prefill_peers: str | None = None  # comma-separated, as given (config/disagg.py)
     decode_peers: str | None = None  # ditto
     kv_compression: str | None = None  # as given
@@ -389,7 +391,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                        else f"{where}: 'serve.node_role'", serve.replicas,
                        pools=bool(serve.prefill_peers and serve.decode_peers),
                        cluster_peers=config.cluster_peers,
-                       discovery=config.cluster_discovery)
+                       discovery=config.cluster_discovery,
+                       front=serve.pipeline_coordinator is not None)
     return config
 
 

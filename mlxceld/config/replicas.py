@@ -106,16 +106,20 @@ def check_role(role: NodeRole, role_from: str, replicas: tuple[str, ...],
                           "replicas) to run the model here")
 
 
-def discovers(role: NodeRole, replicas: tuple[str, ...], *, pools: bool) -> bool:
-    """Whether this router finds its replicas by discovery (none listed, no pools)."""
-    return role == ROUTER_ROLE and not replicas and not pools
+def discovers(role: NodeRole, replicas: tuple[str, ...], *, pools: bool,
+              front: bool = False) -> bool:
+    """Whether this router finds its replicas by discovery (none listed, no pools, not in
+    front of a pipeline: ``front``, ``config/front.py``)."""
+    return role == ROUTER_ROLE and not replicas and not pools and not front
 
 
 def check_discoverable(role: NodeRole, role_from: str, replicas: tuple[str, ...], *,
-                       pools: bool, cluster_peers: tuple[str, ...], discovery: str) -> None:
+                       pools: bool, cluster_peers: tuple[str, ...], discovery: str,
+                       front: bool = False) -> None:
     """A router finding its replicas by discovery has something to discover (the first
     rule of the module docstring)."""
-    if discovers(role, replicas, pools=pools) and not cluster_peers and discovery != "mdns":
+    if (discovers(role, replicas, pools=pools, front=front) and not cluster_peers
+            and discovery != "mdns"):
         raise ConfigError(f"{role_from} router without --replicas ([serve] replicas) finds "
                           "its replicas by discovery, and this daemon discovers nothing "
                           "(--cluster-discovery static with no --cluster-peers)",

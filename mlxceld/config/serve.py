@@ -32,6 +32,8 @@
     node_role = "hybrid"            # hybrid | router | prefill | decode: see
                                     # mlxceld/config/replicas.py and disagg.py
     replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
+    pipeline_coordinator = "studio-1.local"  # a router in front of that coordinator's
+                                    # pipeline, by agent address: config/front.py
     prefill_peers = ["10.0.0.21"]   # a router's (or decode node's) prefill nodes (disagg.py)
     decode_peers = ["10.0.0.22"]    # a router's decode nodes (disagg.py)
     kv_compression = "none"         # a router's KV handoff: none|int8|int4, +lz4 (disagg.py)
@@ -139,6 +141,7 @@ from mlxceld.config.clients import (
     parse_origins,
 )
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
+from mlxceld.config.front import check_front, parse_pipeline_coordinator
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
@@ -167,6 +170,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_connections", "header_timeout_s", "body_timeout_s", "write_timeout_s",
               "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
+              "pipeline_coordinator",
               "decode_peers", "kv_compression", "tp_size", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
               "allowed_origins", "generation_config", "reasoning_field",
@@ -191,6 +195,7 @@ class ServeConfig:
     serving_port: int = 0  # the serving listener's port, with a secret (0: ephemeral)
     node_role: NodeRole = HYBRID  # config/replicas.py
     replicas: tuple[str, ...] = ()  # a router's replicas' agent addresses, normalized
+    pipeline_coordinator: str | None = None  # config/front.py: a pipeline's second router
     prefill_peers: tuple[str, ...] = ()  # config/disagg.py: agent addresses, normalized
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
@@ -275,7 +280,10 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     decode, decode_from = parse_peer_list("decode_peers", flags.decode_peers, table, where)
     check_pools(role, role_from, prefill, prefill_from, decode, decode_from, replicas)
     check_role(role, role_from, replicas, replicas_from)
+    front, front_from = parse_pipeline_coordinator(flags.pipeline_coordinator, table, where)
+    check_front(front, front_from, role, replicas + prefill + decode)
     cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill,
+                  pipeline_coordinator=front,
                   decode_peers=decode,
                   kv_compression=parse_compression(flags.kv_compression, table, where))
     model = flags.model or _typed(table, "model", str, where)

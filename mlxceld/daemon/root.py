@@ -81,6 +81,7 @@ from mlxceld.control.server import (
 )
 from mlxceld.control.view import DaemonView, Lifetime
 from mlxceld.daemon.draining import DrainParts, DrainWindow, drained_nodes
+from mlxceld.daemon.following import PlanFollower
 from mlxceld.daemon.keys import KeyWindow
 from mlxceld.daemon.replica_peers import ReplicaPeers
 from mlxceld.daemon.roster import Roster
@@ -215,13 +216,17 @@ class Daemon:
                         served_model=lambda: self.roster.serve.model,
                         router_held=self.roster.router_held,
                         drained_nodes=lambda: drained_nodes(drains), pipeline=self.serving,
-                        stage=self.roster, keys=keys),
+                        stage=self.roster, keys=keys,
+                        served_pipeline=self.roster.served_pipeline,
+                        fronts=self.serving.fronts),
             self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
             candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
             liveness=LivenessTable(self._db), rotations=RotationsTable(self._db))
         self._draining = DrainWindow(DrainParts(self.roster, self.node.node_id, self.supervisor,
                                                 self.member), drains, self.events)
         self._replica_peers = ReplicaPeers(candidates, self.supervisor, self._finds_replicas)
+        self._front = PlanFollower(self.roster, self.supervisor, self.events, self.keys.keyring,
+                                   Settings(self._db), origin=self.member.agent_address)
         self._view = DaemonView(
             self.events, Lifetime(lambda: self._stopping, self.status, self.request_stop,
                                   self.reload),
@@ -248,6 +253,7 @@ class Daemon:
             "serving": served.to_json() if served else None,
             "cluster": placement.describe() if placement else None,
             **self.member.describe(),  # assignment, bringup, agent
+            "front": self._front.describe(),  # a router in front of a pipeline: following.py
             "workers": workers,
             "problems": health.problems(workers) + self.member.problems(),
         }
@@ -298,8 +304,10 @@ class Daemon:
                 tg.create_task(self._keeper.run())
                 tg.create_task(self._draining.service.run())
                 tg.create_task(self._replica_peers.run())
+                tg.create_task(self._front.run())
                 if self._metrics is not None:
                     tg.create_task(self._metrics.serve())
+                self._front.restore()  # a router in front of a pipeline: its kept plan
                 specs = await self.roster.reconcile()
                 self.events.append("daemon.started", "daemon",
                                    f"mlxceld {__version__} started (pid {os.getpid()})",
@@ -328,7 +336,8 @@ class Daemon:
         is told discovery's candidates (``replica_peers.py``)."""
         serve = self.roster.config.serve
         return discovers(serve.node_role, serve.replicas,
-                         pools=bool(serve.prefill_peers and serve.decode_peers))
+                         pools=bool(serve.prefill_peers and serve.decode_peers),
+                         front=serve.pipeline_coordinator is not None)
 
     async def _router_node_linked(self) -> None:
         """A router (or decode) node's router waits for the agent listener (its address is
@@ -384,6 +393,7 @@ class Daemon:
         self._keeper.close()
         self._draining.service.close()
         self._replica_peers.close()
+        self._front.close()
         self._server.request_shutdown()
         if self._metrics is not None:
             self._metrics.close()

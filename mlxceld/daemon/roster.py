@@ -14,6 +14,10 @@ prepared or activated, a deactivation). The rules, in order:
   with ``handoff`` options (no OpenAI port: its engine on the serving listener
   only) with the cluster secret, once its agent listener is bound, when there is
   a model to serve;
+- a router in front of a pipeline (``--node-role router`` with ``[serve]
+  pipeline_coordinator``, ``config/front.py``) runs the ``router`` over the stages it last
+  learnt from that coordinator (``followed``, ``daemon/following.py``), with the cluster
+  secret, when there is a model to serve (its tokenizer), and none before it learnt any;
 - a router node (``--node-role router``) runs the ``router`` over its
   ``replicas`` (and its prefill and decode pools) with the cluster secret,
   once its agent listener is bound (its address is the identity the router
@@ -67,6 +71,7 @@ from mlxceld.logformat import LogFormat
 from mlxceld.pipeline.replay import hold_for
 from mlxceld.roles.options import (
     HandoffOptions,
+    PipelineOptions,
     ReplicasOptions,
     RouterOptions,
     ServingOptions,
@@ -105,6 +110,9 @@ class Situation:
     # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``Roster.tp_ring``), kept
     # while tp_size stays the same so a restarted group meets at the same ports.
     tp_hosts: tuple[str, ...] = ()
+    # A router in front of a pipeline ([serve] pipeline_coordinator): the stages it drives,
+    # as last learnt from the coordinator (daemon/following.py); None: none learnt yet.
+    followed: PipelineOptions | None = None
 
 
 def draw_roster(s: Situation) -> list[WorkerSpec]:
@@ -128,6 +136,11 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                     router_options(s.serve, serving=serving, handoff=handoff),
                                     policy, secret=s.secret, accepted=s.accepted,
                                     log_format=c.log_format))
+    elif s.serve.node_role == ROUTER_ROLE and s.serve.pipeline_coordinator is not None:
+        if s.serve.model is not None and s.followed is not None:
+            specs.append(WorkerSpec(ROUTER, c.state_dir, router_options(s.serve, s.followed),
+                                    policy, api_key=s.api_key, secret=s.secret,
+                                    accepted=s.accepted, log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE:
         if s.serve.model is not None and s.agent_address is not None:
             replicas = ReplicasOptions(agents=s.serve.replicas, origin=s.agent_address,
@@ -229,6 +242,7 @@ class Roster:
         self.api_key = api_key  # the router's, from its file: the reload's to replace
         self._agent_address = agent_address  # the agent listener's, once bound
         self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
+        self.followed: PipelineOptions | None = None  # a front's plan (daemon/following.py)
 
     def specs(self) -> list[WorkerSpec]:
         """The workers to run now: ``draw_roster`` of the inputs."""
@@ -238,7 +252,8 @@ class Roster:
             self.config, self.serve, self.placement, standby=self.standby,
             hold_router=self.hold_router, secret=secret,
             accepted=tuple(ring.others()), api_key=self.api_key, node_id=self._node_id,
-            agent_address=self._agent_address(), tp_hosts=self.tp_ring()))
+            agent_address=self._agent_address(), tp_hosts=self.tp_ring(),
+            followed=self.followed))
         if self.retiring is not None:  # with the keyring of now, as every worker's
             specs.append(replace(self.retiring, secret=secret, accepted=tuple(ring.others())))
         return specs
@@ -263,6 +278,15 @@ class Roster:
     def spec(self, name: str) -> WorkerSpec | None:
         """The worker ``name`` as the roster draws it now; None where it runs no such one."""
         return next((s for s in self.specs() if s.name == name), None)
+
+    def served_pipeline(self) -> PipelineOptions | None:
+        """The pipeline this coordinator's router drives (the ``plan`` answer,
+        ``cluster/front.py``); None on any other daemon, and over replica groups."""
+        p = self.placement
+        spec = self.spec(ROUTER) if p is not None and p.is_coordinator else None
+        if spec is None or not isinstance(spec.options, RouterOptions):
+            return None
+        return None if spec.options.replica_pipelines else spec.options.pipeline
 
     def stage_wanted(self) -> bool:
         """Whether the active plan (not in standby) wants this host's stage worker."""

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlxceld.cluster.clusterfile.placement import Placement
+from mlxceld.cluster.front import Fronts
 from mlxceld.config.clients import parse_model_names
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
@@ -63,13 +65,20 @@ class ServingParts:
     settings: Settings
     events: EventLog
     flags: Overrides
+    fronts: Fronts = field(default_factory=Fronts)  # routers in front (cluster/front.py)
 
 
 class ServingWindow:
     def __init__(self, parts: ServingParts, configured: ServeConfig) -> None:
         self._parts = parts
         self._roster = parts.roster
+        self._switched_at = 0.0  # time.monotonic() of the last live move (old_plan_retired)
         self._roster.serve = self.effective(configured)
+
+    @property
+    def fronts(self) -> Fronts:
+        """The routers in front of our pipeline (the cluster member tells it who asked)."""
+        return self._parts.fronts
 
     @property
     def serve(self) -> ServeConfig:
@@ -219,6 +228,7 @@ class ServingWindow:
         before = roster.spec(ROUTER)
         self.resume_placement(placement)
         existed = ROUTER in parts.supervisor.names()
+        self._switched_at = time.monotonic()  # the plan answered from now on is the new one
         await roster.reconcile()
         spec = roster.spec(ROUTER)
         if not existed or spec == before:
@@ -236,12 +246,15 @@ class ServingWindow:
     async def old_plan_retired(self, within_s: float) -> bool:
         """Whether the router, moved live, closed the engines of the plans before (their
         sequences ended on the old stages: ``pipeline/switch.py``, ``RETIRE_S`` at most)
-        within ``within_s``; a router that does not answer has none (it restarted)."""
+        within ``within_s``; a router that does not answer has none (it restarted). The
+        routers in front of the pipeline (``cluster/front.py``'s ``Fronts``) are waited for
+        too: each that asked lately has asked for the new plan since the move."""
         loop = asyncio.get_running_loop()
         until = loop.time() + within_s
         while loop.time() < until:
             reply = await self._parts.supervisor.call_running(ROUTER, Retiring())
-            if reply is None or not reply.get("retiring"):
+            fronts = self._parts.fronts.behind(self._switched_at, time.monotonic())
+            if (reply is None or not reply.get("retiring")) and not fronts:
                 return True
             await asyncio.sleep(RETIRED_POLL_S)
         return False

@@ -40,9 +40,8 @@ DIAL_WORDS: Final = {
 # Why a stage refused ``attach``, in words that name no address (the stage's own name
 # its coordinator's and ours: they go to the log).
 ATTACH_WORDS: Final = {
-    p.ERR_NOT_COORDINATOR: "it takes commands only from the coordinator its cluster config "
-    "names, and this router is not that one: start the stage and the router from the same "
-    "cluster config",
+    p.ERR_NOT_COORDINATOR: "it takes commands only from routers, and this router dials "
+    "with the identity of one of its neighbour stages: give the router its own address",
     p.ERR_BAD_MESSAGE: "it did not understand the attach (another version of mlxceld?)",
 }
 

@@ -17,7 +17,8 @@ window's layers, a quantized one with ``kv_bits``) and how many tokens they hold
 - The store is bounded in bytes (``budget``): past it, the entries least recently put or
   reused go first, and ``put`` reports which, so that the router drops them everywhere.
 - ``attach`` with another engine's epoch clears it: a new plan, a live switch, a
-  restarted router name other entries.
+  restarted router name other entries. Each router has a store of its own
+  (``StageCache``): another router's ``attach`` clears nothing of it.
 
 ``StageCache`` is the store as the stage protocol speaks of it (``protocol.py``):
 ``attach``'s epoch and bound, ``prepare``'s ``reuse``, ``forget``, and the ``cache``
@@ -143,45 +144,86 @@ class KvStore:
                 self._nbytes -= entry.nbytes
 
 
+MAX_OWNERS = 8  # routers whose entries one stage keeps at once (past it: the stalest go)
+
+
 class StageCache:
-    """A stage's ``KvStore`` and what the stage protocol says of it."""
+    """A stage's ``KvStore`` per router, and what the stage protocol says of it.
+
+    Every router of a pipeline (its coordinator and any other, ``protocol.py``) names its
+    own entries with ids of its own (``prefixes.py``), and its own epoch: the stores are
+    kept apart by the router's identity (the handshake's, the sequence's owner), so that
+    two routers' ids never meet and one router's ``attach`` never clears another's. Each
+    store is bounded by what its router named (or the stage's default); at most
+    ``MAX_OWNERS`` routers' stores are kept, the one attached longest ago dropped first.
+    """
 
     def __init__(self, node_id: str, default_bytes: int) -> None:
         """``default_bytes``: the bound unless the router names one in ``attach``."""
-        self.store = KvStore(default_bytes)
+        self.stores: OrderedDict[str, KvStore] = OrderedDict()  # owner -> its entries
         self._node_id = node_id
         self._default = default_bytes
 
-    def attached(self, attach: Attach) -> int:
-        """An ``attach``: its router's epoch and bound; the bound in force, for
+    def store(self, owner: str) -> KvStore:
+        """``owner``'s store (a new, empty one under the default bound if it has none)."""
+        store = self.stores.get(owner)
+        if store is None:
+            store = self.stores[owner] = KvStore(self._default)
+            while len(self.stores) > MAX_OWNERS:
+                gone, old = self.stores.popitem(last=False)
+                log.info("prompt cache: router %s's %d entries dropped (%d routers kept)",
+                         gone, old.entries, MAX_OWNERS)
+        return store
+
+    def attached(self, owner: str, attach: Attach) -> int:
+        """An ``attach`` from ``owner``: its epoch and bound; the bound in force, for
         ``attached``."""
-        self.store.attach(attach.cache)
-        self.store.budget = self._default if attach.cache_bytes is None else attach.cache_bytes
-        return self.store.budget
+        store = self.store(owner)
+        self.stores.move_to_end(owner)
+        store.attach(attach.cache)
+        store.budget = self._default if attach.cache_bytes is None else attach.cache_bytes
+        return store.budget
 
-    def reuse(self, reuse: Span | None) -> tuple[list[Any], int] | None:
+    def reuse(self, owner: str, reuse: Span | None) -> tuple[list[Any], int] | None:
         """A ``prepare``'s ``reuse``: the entry's caches and how many tokens to start from,
-        or None when it names none, or one this stage cannot give."""
-        source = None if reuse is None else self.store.reuse(*reuse)
-        return None if source is None or reuse is None else (source, reuse[1])
+        or None when it names none, or one this stage cannot give ``owner``."""
+        if reuse is None or owner not in self.stores:
+            return None
+        source = self.stores[owner].reuse(*reuse)
+        return None if source is None else (source, reuse[1])
 
-    def forget(self, forget: Forget) -> Cache:
-        """A ``forget``: drop its entries; the ``cache`` answer."""
-        self.store.forget(list(forget.entries))
-        return self.said()
+    def forget(self, owner: str, forget: Forget) -> Cache:
+        """A ``forget`` from ``owner``: drop those of its entries; the ``cache`` answer."""
+        self.store(owner).forget(list(forget.entries))
+        return self.said(owner)
 
-    def put(self, entry: str, caches: list[Any], n: int) -> Cache:
-        """Keep ``caches`` as ``entry`` (``KvStore.put``); the ``cache`` answer."""
-        stored = self.store.put(entry, caches, n)
+    def put(self, owner: str, entry: str, caches: list[Any], n: int) -> Cache:
+        """Keep ``caches`` as ``owner``'s ``entry`` (``KvStore.put``); the ``cache``
+        answer."""
+        stored = self.store(owner).put(entry, caches, n)
         if stored.why is not None:
             log.info("stage %s did not keep prompt-cache entry %s: %s", self._node_id, entry,
                      stored.why)
-        return replace(self.said(), evicted=tuple(stored.evicted), entry=entry,
+        return replace(self.said(owner), evicted=tuple(stored.evicted), entry=entry,
                        kept=stored.kept, trimmable=stored.trimmable, why=stored.why)
 
-    def said(self) -> Cache:
-        """A ``cache`` message: what the store holds now."""
-        return Cache(self.store.nbytes, self.store.entries)
+    def said(self, owner: str) -> Cache:
+        """A ``cache`` message: what ``owner``'s store holds now."""
+        store = self.store(owner)
+        return Cache(store.nbytes, store.entries)
+
+    def clear(self) -> None:
+        self.stores.clear()
+
+    def totals(self) -> tuple[int, int, int, StoreStats]:
+        """Bytes and entries held, the bounds and the counts, over every router's store."""
+        stats = StoreStats()
+        for s in self.stores.values():
+            for name in ("hits", "misses", "tokens_reused", "kept", "evicted"):
+                setattr(stats, name, getattr(stats, name) + getattr(s.stats, name))
+        stores = self.stores.values()
+        budget = sum(s.budget for s in stores) if self.stores else self._default
+        return (sum(s.nbytes for s in stores), sum(s.entries for s in stores), budget, stats)
 
 
 def held_tokens(caches: list[Any]) -> int:

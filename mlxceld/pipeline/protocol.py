@@ -4,7 +4,8 @@ Connections, each an authenticated MXCL stream whose handshake bound the
 dialer's identity (``host:port``, its IP checked against the TCP source):
 
 - the coordinator (the router's pipeline engine) dials every stage and sends
-  commands; the stage answers on that same connection;
+  commands; the stage answers on that same connection; every other router of the
+  pipeline (``coord`` below is any router) does the same with its own sequences;
 - stage *i* dials stage *i + 1* and sends activations; nothing but pongs comes
   back on it;
 - the last stage dials the first (when they differ) and sends it each sampled
@@ -111,10 +112,21 @@ shares with the replicas' (``wire/transport_messages.py``), the others are
 ``messages.py``'s; the checks of ``prepare``'s fields are here.
 
 Authorization on a stage (the identity is the handshake's, never a field):
-commands only from the coordinator of the stage's cluster config; ``run`` only
-on the first stage; ``act`` only from the upstream stage; ``next`` only from
-the last stage; a sequence belongs to the identity that prepared it, and a
-command on it from another identity is refused and changes nothing. Replies
+commands (``attach`` ... ``adopt``, the rows "coord → stage" above) from every
+router of the pipeline: any identity whose handshake passed under the cluster's
+keyring, the stage's own neighbours excepted (its upstream and its last stage send
+only ``act`` and ``next``; a command from one is refused ``not_coordinator``). The
+routers are the plan's coordinator and any daemon with ``--node-role router`` that
+follows its plan (``cluster/front.py``); the cluster secret is what authorises
+them, as it authorises a plan's offer on channel 2, so a list of routers on the
+stage would protect nothing the secret does not. ``run`` only on the first stage;
+``act`` only from the upstream stage; ``next`` only from the last stage; a
+sequence belongs to the identity that prepared it, and a command on it from
+another identity is refused (``not_owner``) and changes nothing. Each router's
+prompt-cache entries are its own (``attach``'s epoch, ``keep``'s and ``reuse``'s
+entry ids, ``forget``: all of the sender's store only, ``kvstore.StageCache``),
+so two routers' ids never collide and one's ``attach`` clears nothing of the
+other's. Replies
 go over the connection they answer, or,
 for ``token`` and errors from the activation path, over the owner's own
 connection; an activation for a sequence nobody prepared is dropped (nothing

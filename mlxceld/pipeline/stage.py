@@ -11,6 +11,11 @@ of a short step (bench: +24% tok/s on the tiny fixture, no change on small), and
 the loop for so short a time delays nothing that matters. Prefill chunks always go to
 the compute thread, so the loop keeps answering while a long prompt runs.
 
+Every router of the pipeline (its coordinator, and any other daemon with the cluster
+secret that follows its plan: ``protocol.py``'s authorization) prepares and runs
+sequences of its own; each owns what it prepared and keeps its own prompt-cache entries
+(``kvstore.StageCache``, by the router's identity).
+
 Each sequence keeps its own KV cache until it is released, its owner's
 connection closes, or the stage stops. Every accepted connection has a heartbeat
 (``silence_s``, ``mlxceld.net.liveness.watch``): a router (or upstream stage) that
@@ -114,9 +119,14 @@ class _Sender:
     """Who is at the other end of a connection, and which of the stage's peers it is."""
 
     who: str
-    coordinator: bool
     upstream: bool
     last: bool
+
+    @property
+    def router(self) -> bool:
+        """Whether it may send commands: any identity the handshake bound under the
+        cluster's keyring but this stage's own neighbours (``protocol.py``)."""
+        return not (self.upstream or self.last)
 
 
 class StageService:
@@ -206,8 +216,7 @@ class StageService:
         """Serve one authenticated connection (the listener's handler)."""
         bound = bound_identity(stream.peer_identity, stream.peer)
         is_node = self._resolver.is_node
-        sender = _Sender(str(bound), await is_node(self._place.coordinator, bound),
-                         await is_node(self._place.upstream, bound),
+        sender = _Sender(str(bound), await is_node(self._place.upstream, bound),
                          await is_node(self._place.last, bound))
         ended = "connection ended"
         try:
@@ -238,12 +247,12 @@ class StageService:
                 if env.type in _FROM_STAGES:
                     self._from_stage(env, sender)
                     continue
-                if not sender.coordinator:
+                if not sender.router:
                     raise p.ProtocolViolation(
-                        p.ERR_NOT_COORDINATOR, f"commands are accepted only from the "
-                        f"coordinator {self._place.coordinator}; you are {sender.who}")
+                        p.ERR_NOT_COORDINATOR, f"commands are accepted only from routers; "
+                        f"you are {sender.who}, a stage of this pipeline")
                 if env.type == "attach":
-                    if not await self._attach(stream, env):
+                    if not await self._attach(stream, sender.who, env):
                         return
                     attached = True
                 elif not attached:
@@ -278,7 +287,7 @@ class StageService:
 
     # -- commands -----------------------------------------------------------------------
 
-    async def _attach(self, stream: MxclStream, env: Envelope) -> bool:
+    async def _attach(self, stream: MxclStream, who: str, env: Envelope) -> bool:
         place = self._place
         if self.standby:
             raise p.ProtocolViolation(p.ERR_STANDBY, f"stage {place.node_id} is prepared but "
@@ -287,13 +296,13 @@ class StageService:
         theirs = attach.model
         if theirs != place.model_identity:
             message = (f"stage {place.node_id} serves model {place.model_identity}, the "
-                       f"coordinator asked for model {theirs}: give both the same checkpoint")
-            log.error("%s (coordinator %s)", message, stream.peer)
+                       f"router {who} asked for model {theirs}: give both the same checkpoint")
+            log.error("%s (router %s)", message, stream.peer)
             await send_quietly(stream, encode_envelope(
                 CodedError(p.ERR_MODEL_MISMATCH, message).to_wire()))
             await stream.close("model mismatch")
             return False
-        budget = self.cache.attached(attach)
+        budget = self.cache.attached(who, attach)
         await stream.send(encode_envelope(Attached(
             place.node_id, place.rank, place.layers, place.model_identity, place.cluster,
             budget).to_wire()))
@@ -302,7 +311,7 @@ class StageService:
     async def _command(self, stream: MxclStream, who: str, env: Envelope) -> None:
         if env.type == "forget":
             await stream.send(encode_envelope(
-                self.cache.forget(Forget.from_wire(env.header)).to_wire()))
+                self.cache.forget(who, Forget.from_wire(env.header)).to_wire()))
             return
         seq_id = seq_field(env.header)
         current = self._seqs.get(seq_id)
@@ -330,7 +339,7 @@ class StageService:
                                  make_logits_processors(params, eos),
                                  list(prepare.history or ()), params.logprobs)
                 state.matching = await self._matching.matcher(params, eos)
-            state.reuse = self.cache.reuse(prepare.reuse)  # copied on the compute side
+            state.reuse = self.cache.reuse(who, prepare.reuse)  # copied on the compute side
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
                                                snapshot=prepare.keep_prompt)
             await stream.send(encode_envelope(Prepared(
@@ -381,5 +390,5 @@ class StageService:
     async def aclose(self) -> None:
         await self._onward.aclose("stage stopping")
         self._seqs.clear()
-        self.cache.store.clear()
+        self.cache.clear()
         self._released.set()

@@ -117,7 +117,7 @@ class StageSteps:
     async def _keep(self, keep: Keep) -> None:
         """A released sequence's caches into the prompt cache, as the router named them."""
         await send_quietly(keep.seq.stream, encode_envelope(self._cache.put(
-            keep.entry, keep.seq.state.cache, keep.tokens).to_wire()))
+            keep.seq.owner, keep.entry, keep.seq.state.cache, keep.tokens).to_wire()))
 
     def _done(self, n: int) -> None:
         """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
@@ -148,7 +148,7 @@ class StageSteps:
             entry, work.seq.snapshot = work.seq.snapshot, None
             assert entry is not None
             await send_quietly(work.seq.stream, encode_envelope(self._cache.put(
-                entry, caches, held_tokens(caches)).to_wire()))
+                work.seq.owner, entry, caches, held_tokens(caches)).to_wire()))
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             await self._forward(work, out)

@@ -3,7 +3,8 @@
 Each exchange is one question and one answer (``mlxceld.net.agent.ask``); the
 exchanges, their deadlines and what the fields mean are described where they are
 served: ``discovery/inventory.py`` (``inventory``), ``discovery/serving.py``
-(``serving``), ``cluster/rotation.py`` (``key_*``). A question and its answer may
+(``serving``), ``cluster/rotation.py`` (``key_*``), ``cluster/front.py``
+(``plan``). A question and its answer may
 share a type (``inventory``, ``serving``): ``ASKED`` and ``ANSWERED`` are the two
 vocabularies, by direction. ``error`` (``messages.Error``) may answer any of them.
 
@@ -28,6 +29,8 @@ MAX_SECRET_HEX: Final = 2048  # 1 KiB of secret, far above any sane one
 INVENTORY_KEYS: Final = frozenset({"t", "node", "version", "platform", "memory_total",
                                    "memory_available", "model", "ports", "agent", "key_id"})
 SERVING_KEYS: Final = frozenset({"t", "role", "port", "model"})
+PLAN_KEYS: Final = frozenset({"t", "epoch", "cluster", "model", "stages"})
+MAX_PLAN_STAGES: Final = 64
 # A node role (NODE_ROLES of mlxceld/types.py; the wire imports nothing of ours, and
 # tests/config/test_node_role.py holds the two the same)
 NODE_ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
@@ -274,6 +277,87 @@ class KeyState:
         return cls(primary, tuple(str(i) for i in ids))
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """The pipeline plan a coordinator's router serves (``cluster/front.py``)."""
+
+    T: ClassVar[str] = "plan"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True)
+class PlanStage:
+    """One stage of a ``Plan``: its node id, listener address, rank and layers."""
+
+    node_id: str
+    address: str
+    rank: int
+    layers: tuple[int, int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node": self.node_id, "address": self.address, "rank": self.rank,
+                "layers": list(self.layers)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer: the plan's ``epoch``, ``cluster`` name, ``model`` identity and its
+    ``stages`` in rank order; ``stages`` empty (and the rest null) when the agent's router
+    serves no pipeline plan. ``from_wire``'s reasons read after "answered"."""
+
+    T: ClassVar[str] = "plan"
+    epoch: int | None
+    cluster: str | None
+    model: str | None
+    stages: tuple[PlanStage, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "epoch": self.epoch, "cluster": self.cluster, "model": self.model,
+                "stages": [s.to_wire() for s in self.stages]}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        exact_keys(header, PLAN_KEYS, "'plan'")
+        epoch, cluster, model, stages = (header["epoch"], header["cluster"], header["model"],
+                                         header["stages"])
+        if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 2**63):
+            raise MessageError("epoch", "'plan' with an epoch that is not a count")
+        if cluster is not None and not (isinstance(cluster, str) and 0 < len(cluster) <= 64):
+            raise MessageError("cluster", "'plan' with a cluster that is not a name")
+        if model is not None and not (isinstance(model, str) and _HEX64.fullmatch(model)):
+            raise MessageError("model", "'plan' with a model that is not an identity")
+        if not isinstance(stages, list) or len(stages) > MAX_PLAN_STAGES:
+            raise MessageError("stages", f"'plan' with stages that are not a list of at most "
+                               f"{MAX_PLAN_STAGES}")
+        parsed = tuple(_plan_stage(s) for s in stages)
+        if [s.rank for s in parsed] != list(range(len(parsed))):
+            raise MessageError("stages", "'plan' with stages out of rank order")
+        if parsed and (model is None or cluster is None):
+            raise MessageError("model", "'plan' with stages but no model or cluster")
+        return cls(epoch, cluster, model, parsed)
+
+
+def _plan_stage(entry: Any) -> PlanStage:
+    if not isinstance(entry, dict) or set(entry) != {"node", "address", "rank", "layers"}:
+        raise MessageError("stages", "'plan' with a stage that is not {node, address, rank, "
+                           "layers}")
+    node, address, rank, layers = entry["node"], entry["address"], entry["rank"], entry["layers"]
+    if not (isinstance(node, str) and 0 < len(node) <= 64 and isinstance(address, str)
+            and 0 < len(address) <= 300):
+        raise MessageError("stages", "'plan' with a stage's node or address out of bounds")
+    if type(rank) is not int or not (isinstance(layers, list) and len(layers) == 2
+                                     and all(type(n) is int and 0 <= n < 2**20
+                                             for n in layers) and layers[0] < layers[1]):
+        raise MessageError("stages", "'plan' with a stage's rank or layers out of bounds")
+    return PlanStage(node, address, rank, (layers[0], layers[1]))
+
+
 ASKED: Final = vocabulary(InventoryRequest, ServingRequest, KeyInstall, KeyUse, KeyRemove,
-                          KeyReport)
-ANSWERED: Final = vocabulary(Inventory, Serving, KeyState, Error)
+                          KeyReport, PlanRequest)
+ANSWERED: Final = vocabulary(Inventory, Serving, KeyState, Plan, Error)

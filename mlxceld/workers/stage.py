@@ -53,7 +53,7 @@ from typing import Any
 from mlxceld import failpoints
 from mlxceld.errors import ConfigError
 from mlxceld.net import Listener
-from mlxceld.pipeline.kvstore import KvStore
+from mlxceld.pipeline.kvstore import StageCache
 from mlxceld.pipeline.sequences import StagePlace
 from mlxceld.pipeline.stage import DRAIN_S, StageService
 from mlxceld.roles.options import StageOptions
@@ -82,10 +82,11 @@ def default_cache_bytes() -> int:
     return int(psutil.virtual_memory().available * CACHE_SHARE)
 
 
-def cache_stats(store: KvStore) -> JSON:
-    """The prompt cache for ``mlxctl status``: what it holds, and how it was used."""
-    s = store.stats
-    return {"bytes": store.nbytes, "entries": store.entries, "budget": store.budget,
+def cache_stats(cache: StageCache) -> JSON:
+    """The prompt cache for ``mlxctl status``: what it holds, and how it was used, over
+    every router's entries (``kvstore.StageCache``)."""
+    nbytes, entries, budget, s = cache.totals()
+    return {"bytes": nbytes, "entries": entries, "budget": budget,
             "hits": s.hits, "misses": s.misses, "tokens_reused": s.tokens_reused,
             "kept": s.kept, "evicted": s.evicted}
 
@@ -186,7 +187,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  tokens=service.stats.tokens, refused=service.stats.refused,
                                  compute_s=round(service.stats.compute_s, 6),
                                  inline=service.stats.inline,
-                                 prompt_cache=cache_stats(service.cache.store))
+                                 prompt_cache=cache_stats(service.cache))
             ctx.stats.update(draining=True)
             await service.finish_held(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()

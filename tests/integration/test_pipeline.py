@@ -276,9 +276,11 @@ def test_a_coordinator_with_another_model_is_refused_naming_both(
     assert model_identity(stages_model) in message and model_identity(other) in message
 
 
-def test_stages_refuse_other_secret_holders(llama: Shared, split_fixture_dir: Path) -> None:
-    """Another holder of the secret on 127.0.0.5 may connect, but a stage takes no command
-    from it (only the coordinator's) and no activation (only the upstream stage's)."""
+def test_stages_serve_other_routers_but_no_command_from_a_stage(llama: Shared,
+                                                                split_fixture_dir: Path) -> None:
+    """Another holder of the secret on 127.0.0.5 (a second router) may connect and attach;
+    a stage takes no command from its upstream stage's identity (pipeline/protocol.py) and
+    no activation but the upstream stage's."""
     from mlxceld.models import model_identity
     from mlxceld.net import connect
     from mlxceld.pipeline import protocol as p
@@ -291,25 +293,27 @@ def test_stages_refuse_other_secret_holders(llama: Shared, split_fixture_dir: Pa
     keyring = keys.keyring(SECRET.encode())
 
     async def intrude(address: str, header: dict[str, object],
-                      tensors: list[tuple[str, str, tuple[int, ...], bytes]]) -> dict[str, object]:
+                      tensors: list[tuple[str, str, tuple[int, ...], bytes]],
+                      identity: str = "127.0.0.5:4000") -> dict[str, object]:
         host, port = address.rsplit(":", 1)
-        stream = await connect(host, int(port), keyring=keyring, identity="127.0.0.5:4000",
-                               channel=1, local_addr=("127.0.0.5", 0))
+        stream = await connect(host, int(port), keyring=keyring, identity=identity,
+                               channel=1, local_addr=(identity.rsplit(":", 1)[0], 0))
         async with stream:
             await stream.send(encode_envelope(header, tensors))
             reply = parse_envelope(await asyncio.wait_for(stream.recv(), 10), p.ENGINE_SPECS)
             return reply.header
 
     attach = {"t": "attach", "model": model_identity(model), "cluster": "test-cluster"}
-    refused = asyncio.run(intrude(addrs[1], attach, []))
-    assert refused["code"] == p.ERR_NOT_COORDINATOR and "127.0.0.5:4000" in str(
-        refused["message"])
+    served = asyncio.run(intrude(addrs[1], attach, []))
+    assert served["t"] == "attached", served  # a router's command: any secret holder
+    refused = asyncio.run(intrude(addrs[2], attach, [], identity=addrs[1]))
+    assert refused["code"] == p.ERR_NOT_COORDINATOR and addrs[1] in str(refused["message"])
     hidden = ("hidden", "f32", (1, 1, 64), bytes(4 * 64))
     act = {"t": "act", "seq": "intruder", "step": 0, "sample": True}
     refused = asyncio.run(intrude(addrs[2], act, [hidden]))
     assert refused["code"] == p.ERR_NOT_UPSTREAM
-    wait_for(lambda: stage_stats(pipe.stages[1]).get("refused") == 1, 5,
-             "the refusal counted in the stage's stats")
+    wait_for(lambda: stage_stats(pipe.stages[1]).get("refused") == 2, 5,
+             "the refusals counted in the stage's stats")
     with client(pipe.url) as c:  # the pipeline still serves its coordinator
         text_out = c.completions.create(model="llama", prompt=PROMPT, max_tokens=6,
                                         temperature=0).choices[0].text

@@ -12,7 +12,16 @@ import pytest
 
 from mlxceld.models import preset, write_fixture
 from mlxceld.models.slicing import StageModel, load_stage
-from mlxceld.pipeline.kvstore import KvStore, cache_bytes, cloned, held_tokens
+from mlxceld.pipeline.kvstore import (
+    MAX_OWNERS,
+    KvStore,
+    StageCache,
+    cache_bytes,
+    cloned,
+    held_tokens,
+)
+from mlxceld.pipeline.messages import Forget
+from mlxceld.wire.transport_messages import Attach
 
 
 def filled(stage: StageModel, tokens: list[int]) -> list[Any]:
@@ -89,6 +98,36 @@ def test_another_routers_epoch_clears_it(stage: StageModel) -> None:
     assert store.entries == 1
     store.attach("e2")
     assert store.entries == 0 and store.nbytes == 0 and store.epoch == "e2"
+
+
+def test_two_routers_entries_are_kept_apart_by_their_identity(stage: StageModel) -> None:
+    """Two routers of one pipeline name their entries with ids of their own: the same id
+    is two entries, one's ``attach`` (a new epoch) and ``forget`` leave the other's."""
+    cache = StageCache("stage-0", 1 << 30)
+    a, b = "127.0.0.1:19000", "127.0.0.9:19000"
+    assert cache.attached(a, Attach("m", "c", cache="ea")) == 1 << 30
+    assert cache.attached(b, Attach("m", "c", cache="eb", cache_bytes=1 << 20)) == 1 << 20
+    assert cache.put(a, "0", filled(stage, [1, 2, 3, 4]), 4).kept
+    assert cache.put(b, "0", filled(stage, [9, 8]), 2).kept
+    taken = cache.reuse(a, ("0", 4))
+    assert taken is not None and held_tokens(taken[0]) == 4  # a's, not b's 2 tokens
+    assert cache.reuse(b, ("0", 4)) is None  # b's "0" holds 2
+    assert cache.reuse("127.0.0.7:1", ("0", 2)) is None  # a third router holds nothing
+    cache.attached(a, Attach("m", "c", cache="ea2"))  # a restarted: its entries go
+    assert cache.said(a).entries == 0 and cache.said(b).entries == 1
+    assert cache.forget(a, Forget(("0",))).entries == 0 and cache.said(b).entries == 1
+    nbytes, entries, budget, stats = cache.totals()
+    assert entries == 1 and nbytes == cache.said(b).bytes > 0
+    assert budget == (1 << 30) + (1 << 20) and stats.kept == 2 and stats.hits == 1
+
+
+def test_a_stage_keeps_at_most_max_owners_routers_stores(stage: StageModel) -> None:
+    cache = StageCache("stage-0", 1 << 30)
+    for n in range(MAX_OWNERS + 2):
+        cache.attached(f"127.0.0.{n + 1}:1", Attach("m", "c", cache=f"e{n}"))
+    assert len(cache.stores) == MAX_OWNERS
+    assert "127.0.0.1:1" not in cache.stores and "127.0.0.2:1" not in cache.stores
+    assert f"127.0.0.{MAX_OWNERS + 2}:1" in cache.stores
 
 
 def test_a_window_that_wrapped_cannot_be_trimmed(tmp_path: Path) -> None:

@@ -245,10 +245,11 @@ def test_wrong_model_is_refused_with_both_identities(split_fixture_dir: Path) ->
 
 
 async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], list[Any]]],
-                    ip: str = "127.0.0.5") -> list[dict[str, Any]]:
-    """Dial stage ``rank`` as another secret holder; send ``messages``; collect answers."""
+                    ip: str = "127.0.0.5", port: int = 4000) -> list[dict[str, Any]]:
+    """Dial stage ``rank`` as another secret holder (``ip:port``); send ``messages``;
+    collect answers."""
     st = c.stages[rank]
-    stream = await connect(st.host, st.port, keyring=keyring(SECRET), identity=f"{ip}:4000",
+    stream = await connect(st.host, st.port, keyring=keyring(SECRET), identity=f"{ip}:{port}",
                            channel=1, local_addr=(ip, 0))
     answers = []
     async with stream:
@@ -261,18 +262,25 @@ async def _intruder(c: Cluster, rank: int, messages: list[tuple[dict[str, Any], 
     return answers
 
 
-def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
+def test_commands_from_any_router_never_from_a_neighbour_acts_from_upstream_next_from_last(
         split_fixture_dir: Path) -> None:
+    """Another secret holder (a second router) is served commands; the stage's upstream
+    stage is not (it sends only activations); ``act`` and ``next`` only from their one
+    stage; a sequence is its preparer's."""
     path = split_fixture_dir / "llama"
 
-    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]],
                             list[dict[str, Any]], int, list[int]]:
         async with cluster(path, [(0, 2), (2, 4)]) as c:
             ident = model_identity(path)
-            commands = await _intruder(c, 0, [
+            attach_prepare = [
                 ({"t": "attach", "model": ident, "cluster": "test"}, []),
                 ({"t": "prepare", "seq": "x1",
-                  "params": p.params_to_wire(SamplingParams(3, temperature=0))}, [])])
+                  "params": p.params_to_wire(SamplingParams(3, temperature=0))}, [])]
+            commands = await _intruder(c, 0, attach_prepare)  # a router: served
+            upstream = c.stages[0]
+            neighbour = await _intruder(c, 1, attach_prepare, ip=upstream.host,
+                                        port=upstream.port)
             nexts = await _intruder(c, 0, [
                 ({"t": "next", "seq": "x1", "step": 1},
                  [("tokens", "i32", (1, 1), (5).to_bytes(4, "little"))])])
@@ -280,17 +288,18 @@ def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
                 ({"t": "act", "seq": "x1", "step": 0, "sample": True},
                  [to_blob("hidden", mx.zeros((1, 1, c.services[1]._model.hidden_size),
                                              dtype=c.services[1]._model.dtype))])])
-            seqs = sum(s.sequences for s in c.services)
+            seqs = sum(s.sequences for s in c.services)  # each intruder's closed: freed
             engine = c.engine(path)
-            try:  # the real coordinator is still served
+            try:  # the coordinator is still served
                 after = await tokens_of(engine, PROMPT, 3)
             finally:
                 await engine.aclose()
-            return commands, nexts, acts, seqs, after
+            return commands, neighbour, nexts, acts, seqs, after
 
-    commands, nexts, acts, seqs, after = asyncio.run(go())
-    assert [a["code"] for a in commands] == [p.ERR_NOT_COORDINATOR] * 2
-    assert "127.0.0.5:4000" in commands[0]["message"]
+    commands, neighbour, nexts, acts, seqs, after = asyncio.run(go())
+    assert [a["t"] for a in commands] == ["attached", "prepared"], commands
+    assert [a["code"] for a in neighbour] == [p.ERR_NOT_COORDINATOR] * 2
+    assert "a stage of this pipeline" in neighbour[0]["message"]
     assert [a["code"] for a in acts] == [p.ERR_NOT_UPSTREAM]
     assert [a["code"] for a in nexts] == [p.ERR_NOT_LAST]
     assert "127.0.0.5:4000" in nexts[0]["message"]
@@ -298,32 +307,70 @@ def test_commands_only_from_the_coordinator_acts_from_upstream_next_from_last(
     assert after == reference(path, PROMPT, 3)
 
 
+def test_two_routers_drive_the_same_stages_at_once_each_owning_its_sequences(
+        split_fixture_dir: Path) -> None:
+    """A second router (another identity with the secret) and the coordinator generate on
+    the same stages concurrently, each getting mlx-lm's tokens, each its prompt cache's
+    hits (the entries kept apart by identity on the stages); a sequence nobody prepared
+    is refused to a third."""
+    path = split_fixture_dir / "llama"
+    second = "127.0.0.6:19997"
+
+    async def go() -> tuple[list[list[int]], list[int], int, list[dict[str, Any]]]:
+        async with cluster(path, [(0, 2), (2, 4)]) as c:
+            one = c.engine(path)
+            two = PipelineEngine(c.stages, keyring=c.ring, origin=second,
+                                 model_identity=model_identity(path), cluster="test",
+                                 model_id="m", context_length=4096, eos_token_ids=set())
+            try:
+                got = await asyncio.gather(*(tokens_of(e, PROMPT, 4)
+                                             for e in (one, two, one, two)))
+                again = await tokens_of(two, PROMPT, 4)  # from its own kept prefix
+                hits = one.prompt_cache_stats()["hits"] + two.prompt_cache_stats()["hits"]
+                stolen = await _intruder(c, 0, [
+                    ({"t": "attach", "model": model_identity(path), "cluster": "test"}, []),
+                    ({"t": "run", "seq": "nobody", "step": 0, "sample": True},
+                     [("tokens", "i32", (1, 1), (5).to_bytes(4, "little"))])])
+                return got, again, hits, stolen
+            finally:
+                await one.aclose()
+                await two.aclose()
+
+    got, again, hits, stolen = asyncio.run(asyncio.wait_for(go(), 120))
+    want = reference(path, PROMPT, 4)
+    assert got == [want] * 4 and again == want
+    assert hits >= 1
+    assert [a.get("code") for a in stolen][1:] == [p.ERR_UNKNOWN_SEQ]
+
+
 def test_a_router_its_stages_refuse_is_told_so_by_node_never_by_address(
         split_fixture_dir: Path) -> None:
-    """A router that is not the stages' coordinator (another cluster config): the stages
-    refuse its attach naming addresses; the client's error and ``/ready`` name the node."""
+    """A router that dials with a neighbour stage's identity (the last stage's, to stage
+    0): stage 0 refuses its attach naming addresses; the client's error and ``/ready``
+    name the node."""
     path = split_fixture_dir / "llama"
-    stranger = "127.0.0.1:19998"
 
-    async def go() -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
+    async def go() -> tuple[str, dict[str, Any] | None, list[dict[str, Any]], str]:
         async with cluster(path, [(0, 2), (2, 4)]) as c:
+            last = c.stages[-1]
+            stranger = f"{last.host}:{last.port}"
             engine = PipelineEngine(c.stages, keyring=keyring(SECRET), origin=stranger,
                                     model_identity=model_identity(path), cluster="test",
                                     model_id="m", context_length=4096, eos_token_ids=set())
             try:
                 with pytest.raises(EngineUnavailable) as info:
                     await tokens_of(engine, PROMPT, 2)
-                return str(info.value), engine.readiness(), engine.stages()
+                return str(info.value), engine.readiness(), engine.stages(), stranger
             finally:
                 await engine.aclose()
 
-    message, ready, stats = asyncio.run(asyncio.wait_for(go(), 60))
-    assert message.startswith("stage stage-") and "refused to attach (not_coordinator)" \
+    message, ready, stats, stranger = asyncio.run(asyncio.wait_for(go(), 60))
+    assert message.startswith("stage stage-0") and "refused to attach (not_coordinator)" \
         in message, message
     assert ready is not None and "refused to attach" in ready["message"]
     said = f"{message} {ready}"
     assert "127.0.0." not in said and COORD not in said and stranger not in said, said
-    assert {s["state"] for s in stats} == {"refused"}
+    assert stats[0]["state"] == "refused", stats
     assert all(s["address"].startswith("127.0.0.") for s in stats)  # the operator's view
 
 

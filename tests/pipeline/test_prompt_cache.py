@@ -13,7 +13,7 @@ from typing import Any
 from mlxceld.pipeline import PipelineEngine
 from mlxceld.roles.options import KVQuant
 
-from helpers.stages import Cluster, cluster, tokens_of
+from helpers.stages import COORD, Cluster, cluster, tokens_of
 from helpers.waiting import until
 
 SPLITS = [(0, 2), (2, 4)]
@@ -44,9 +44,10 @@ async def chat(engine: PipelineEngine, chat_id: int, turns: int, answer: int = 6
 async def settled(c: Cluster, engine: PipelineEngine) -> None:
     """The stages' last ``cache`` answers are in: every entry the router named is held by
     every stage (or dropped)."""
-    await until(lambda: engine.prompt_cache_stats()["pending"] == 0 and engine.prompt_cache_stats()[
-        "entries"] == min(s.cache.store.entries for s in c.services), "the stages' cache answers",
-        timeout=10)
+    await until(lambda: engine.prompt_cache_stats()["pending"] == 0
+                and engine.prompt_cache_stats()["entries"]
+                == min(s.cache.store(COORD).entries for s in c.services),
+                "the stages' cache answers", timeout=10)
 
 
 async def without_cache(path: Path, work: Any) -> Any:
@@ -57,7 +58,7 @@ async def without_cache(path: Path, work: Any) -> Any:
             assert engine.prompt_cache_stats() == {
                 "hits": 0, "misses": 0, "tokens_reused": 0, "entries": 0, "bytes": 0,
                 "lost": 0, "pending": 0}
-            assert all(s.cache.store.entries == 0 for s in c.services)
+            assert all(s.cache.store(COORD).entries == 0 for s in c.services)
             return result
         finally:
             await engine.aclose()
@@ -73,7 +74,7 @@ def test_a_chat_turn_by_turn_reuses_its_history_and_gets_the_same_tokens(
             try:
                 answers = await chat(engine, 1, 5, between=lambda: settled(c, engine))
                 await settled(c, engine)
-                return answers, engine.prompt_cache_stats(), [s.cache.store.stats.hits
+                return answers, engine.prompt_cache_stats(), [s.cache.store(COORD).stats.hits
                                                         for s in c.services]
             finally:
                 await engine.aclose()
@@ -121,7 +122,7 @@ def test_a_stage_that_no_longer_holds_an_entry_means_a_full_prefill(
                 prompt = user_turn(5, 0)
                 first = await tokens_of(engine, prompt, 5)
                 await settled(c, engine)
-                c.services[1].cache.store.clear()  # behind the router's back
+                c.services[1].cache.store(COORD).clear()  # behind the router's back
                 again = await tokens_of(engine, prompt + first + [9, 9, 9], 5)
                 return first, again, engine.prompt_cache_stats()
             finally:
@@ -153,11 +154,11 @@ def test_a_small_bound_evicts_alike_everywhere_and_changes_no_token(
                 outs = [await tokens_of(engine, prompts[0], 4)]
                 await settled(c, engine)
                 for s in c.services:  # room for two entries like that one, no more
-                    assert s.cache.store.entries == 1
-                    s.cache.store.budget = 2 * s.cache.store.nbytes + 1
+                    assert s.cache.store(COORD).entries == 1
+                    s.cache.store(COORD).budget = 2 * s.cache.store(COORD).nbytes + 1
                 outs += (await work(engine))[1:]
                 await settled(c, engine)
-                stores = [s.cache.store for s in c.services]
+                stores = [s.cache.store(COORD) for s in c.services]
                 return (outs, engine.prompt_cache_stats(), [s.entries for s in stores],
                         [s.stats.evicted for s in stores])
             finally:
@@ -181,7 +182,7 @@ def test_a_new_engine_or_a_reattached_stage_starts_from_nothing(
             try:
                 outs.append(await tokens_of(old, prompt, 5))
                 await settled(c, old)
-                held.append(min(s.cache.store.entries for s in c.services))
+                held.append(min(s.cache.store(COORD).entries for s in c.services))
             finally:
                 await old.aclose()
             new = c.engine(path)  # a new plan, a live switch, a restarted router

@@ -19,6 +19,9 @@ from mlxceld.wire.agent_messages import (
     KeyReport,
     KeyState,
     KeyUse,
+    Plan,
+    PlanRequest,
+    PlanStage,
     Serving,
     ServingRequest,
 )
@@ -112,3 +115,33 @@ def test_from_wire_names_the_field_it_refuses(kind: Any, header: dict[str, Any],
 
 def test_a_key_install_never_shows_its_secret() -> None:
     assert "ab" * 16 not in repr(KeyInstall("ab" * 16))
+
+
+PLAN = {"t": "plan", "epoch": 4, "cluster": "lab", "model": "b" * 64,
+        "stages": [{"node": "s0", "address": "10.0.0.2:4000", "rank": 0, "layers": [0, 2]},
+                   {"node": "s1", "address": "10.0.0.3:4000", "rank": 1, "layers": [2, 4]}]}
+
+
+def test_a_plan_answer_round_trips_and_no_plan_is_empty() -> None:
+    plan = Plan.from_wire(PLAN)
+    assert plan.to_wire() == PLAN and plan.stages[1] == PlanStage("s1", "10.0.0.3:4000", 1,
+                                                                  (2, 4))
+    assert decode({"t": "plan"}, ASKED) == PlanRequest()
+    assert decode(PLAN, ANSWERED) == plan
+    none = {"t": "plan", "epoch": None, "cluster": None, "model": None, "stages": []}
+    assert Plan.from_wire(none).stages == ()
+
+
+@pytest.mark.parametrize(("header", "field"), [
+    ({**PLAN, "stages": PLAN["stages"][::-1]}, "stages"),  # out of rank order
+    ({**PLAN, "model": None}, "model"),  # stages of no model
+    ({**PLAN, "epoch": -1}, "epoch"),
+    ({**PLAN, "stages": [{**PLAN["stages"][0], "layers": [2, 2]}]}, "stages"),
+    ({**PLAN, "stages": [{"node": "s0"}]}, "stages"),
+    ({**PLAN, "extra": 1}, "t"),
+])
+def test_a_plan_out_of_bounds_is_refused_naming_the_field(header: dict[str, Any],
+                                                         field: str) -> None:
+    with pytest.raises(MessageError) as err:
+        Plan.from_wire(header)
+    assert err.value.field == field

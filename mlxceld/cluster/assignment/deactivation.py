@@ -18,7 +18,9 @@ A peer that was not told learns it later, whichever comes first:
 - `mlxctl cluster deactivate` again tells every peer of the plan again.
 
 Until then its stage worker keeps its memory but serves nobody: it takes
-requests only from the coordinator's router, which no longer runs.
+requests only from the plan's routers, and the coordinator's no longer runs (a router
+in front of the pipeline stops once the coordinator has said "no plan" for 10 s:
+``daemon/following.py``).
 
 Bounds: ``CONNECT_S`` per dial and handshake; ``ANSWER_S`` for the answer, as
 the peer stops its stage worker first (its stop timeout is at most 20 s unless

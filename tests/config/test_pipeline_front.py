@@ -1,0 +1,51 @@
+"""``--pipeline-coordinator`` ([serve] pipeline_coordinator): a router in front of a
+pipeline names its coordinator's agent address; refused by name where it does not go
+(config/front.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+
+from mlxceld.cli import app, overrides
+from mlxceld.config.daemon import Config, build_config
+from mlxceld.errors import ConfigError
+
+
+def config(tmp_path: Path, args: list[str], serve: dict[str, object] | None = None) -> Config:
+    command = typer.main.get_command(app)
+    with command.make_context("mlxceld", args) as ctx:
+        flags = overrides(ctx.params)
+    data = {"daemon": {"state_dir": str(tmp_path / "s")}, "serve": serve or {}}
+    return build_config(data, tmp_path / "m.toml", flags)
+
+
+def test_a_host_alone_is_the_default_agent_port_and_discovery_is_not_needed(
+        tmp_path: Path) -> None:
+    cfg = config(tmp_path, ["--node-role", "router", "--pipeline-coordinator", "Studio-1.local"])
+    assert cfg.serve.pipeline_coordinator == "studio-1.local:19000"
+    assert cfg.serve.replicas == ()  # no --cluster-peers: a front discovers no replicas
+    by_key = config(tmp_path, ["--node-role", "router"],
+                    serve={"pipeline_coordinator": "10.0.0.1:19001"})
+    assert by_key.serve.pipeline_coordinator == "10.0.0.1:19001"
+    assert config(tmp_path, []).serve.pipeline_coordinator is None
+
+
+@pytest.mark.parametrize("args,serve,said", [
+    (["--pipeline-coordinator", "10.0.0.1"], {}, "is for --node-role router"),
+    (["--node-role", "router", "--pipeline-coordinator", "10.0.0.1", "--replicas",
+      "10.0.0.2"], {}, "excludes --replicas"),
+    (["--node-role", "router", "--pipeline-coordinator", "0.0.0.0:19000"], {}, "wildcard"),
+    (["--node-role", "router", "--pipeline-coordinator", "a,b"], {}, "one agent address"),
+    (["--node-role", "router"], {"pipeline_coordinator": 19000}, "one agent address"),
+])
+def test_it_is_refused_by_name_where_it_does_not_go(tmp_path: Path, args: list[str],
+                                                    serve: dict[str, object],
+                                                    said: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config(tmp_path, args, serve=serve)
+    assert said in err.value.message
+    assert "pipeline_coordinator" in err.value.message or "--pipeline-coordinator" in \
+        err.value.message
