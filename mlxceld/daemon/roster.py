@@ -89,6 +89,7 @@ from mlxceld.wire.secret import Keyring
 MODEL_START_TIMEOUT_S: Final = 600.0  # after its load last advanced (supervisor/states.py)
 MODEL_STOP_TIMEOUT_S: Final = 20.0
 TP_GROUP: Final = "tp"  # the router and its tensor-parallel ranks' WorkerSpec.group
+FRONT_ASK_S: Final = 2.0  # a router in front of a pipeline: its ask of the plan, and slack
 TP_RING_HOST: Final = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
 
 
@@ -138,7 +139,13 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                     log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE and s.serve.pipeline_coordinator is not None:
         if s.serve.model is not None and s.followed is not None:
-            specs.append(WorkerSpec(ROUTER, c.state_dir, router_options(s.serve, s.followed),
+            # Its coordinator heals the plan; this router moves to the healed one at its
+            # next ask (``following.FOLLOW_S``, 1 s): a sequence that lost a stage is held
+            # for the heal's bound and that ask, then replayed (``pipeline/replay.py``).
+            hold = hold_for(c.liveness.dead_after_s, c.heal_after_s) + FRONT_ASK_S
+            specs.append(WorkerSpec(ROUTER, c.state_dir,
+                                    replace(router_options(s.serve, s.followed),
+                                            replay_hold_s=hold),
                                     policy, api_key=s.api_key, secret=s.secret,
                                     accepted=s.accepted, log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE:
