@@ -75,6 +75,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from mlxceld.cluster import retiring
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.cluster.coordinator import Coordinator, Served
 from mlxceld.cluster.healing import (
@@ -356,23 +357,20 @@ class Healer:
         self._holding.difference_update(nodes)  # drained once its requests are done
 
     async def _retire(self, old: Served, new: Served, kind: str, subject: str) -> None:
-        """Make before break, its end: once the router's engine of ``old`` closed (its
-        sequences ended on ``old``'s stages), the hosts of ``old`` that ``new`` kept are
-        told ``old`` is over, so the stage each kept serving meanwhile stops
-        (``stagehost.py``); the hosts left out are fenced after this (``healed``)."""
-        closed = await self._coordinator.old_plan_retired()
+        """Make before break, its end (``retiring.py``): the hosts of ``old`` that ``new``
+        kept are told ``old`` is over once the router's engine of it closed; the hosts
+        left out are fenced after this (``healed``)."""
         kept = [p for p in old.peers if p in new.peers]
-        told = await deactivation.tell(old.epoch, kept, keyring=self._keyring,
-                                       identity=self._identity,
-                                       reason=f"plan {new.epoch} serves in its place") \
-            if kept else {}
-        said = ", ".join(f"{a}: {state}" for a, (state, _) in sorted(told.items()))
+        done = await retiring.retire(old.epoch, kept, new.epoch,
+                                     closed=self._coordinator.old_plan_retired,
+                                     keyring=self._keyring, identity=self._identity)
         message = (f"plan {old.epoch}'s engine at the router "
-                   f"{'closed' if closed else 'was given up on'}; the hosts plan {new.epoch} "
-                   f"kept were told plan {old.epoch} is over ({said or 'none'})")
+                   f"{'closed' if done.closed else 'was given up on'}; the hosts plan "
+                   f"{new.epoch} kept were told plan {old.epoch} is over "
+                   f"({done.said() or 'none'})")
         log.info("self-healing: %s", message)
         self._events.append(kind, subject, message, epoch=old.epoch, new_epoch=new.epoch,
-                            told=sorted(told), closed=closed)
+                            told=sorted(done.told), closed=done.closed)
 
     async def _fence(self, address: str, epoch: int) -> None:
         try:
