@@ -100,7 +100,7 @@ class Served:
     epoch: int
     model: str
     peers: tuple[str, ...]  # agent addresses, in rank order (group by group)
-    replicas: int = 1  # replica groups (healer.py heals and re-plans only 1)
+    replicas: int = 1  # replica groups, ``peers`` group by group (healer.py re-plans each)
 
 
 class CoordinatorSlot(Protocol):
