@@ -168,9 +168,13 @@ def test_a_silent_group_host_is_healed_onto_the_spare(
             for pid in asleep:
                 os.kill(pid, signal.SIGSTOP)
             stopped = time.monotonic()
-            healed = wait_for(g.replaced, WAIT_S, "the heal", every=0.1)
-            healed_s = time.monotonic() - stopped
-            wait_for(lambda: g.stats()["up"] == 2, READY_S, "both groups up again")
+            try:
+                healed = wait_for(g.replaced, WAIT_S, "the heal", every=0.1)
+                healed_s = time.monotonic() - stopped
+                wait_for(lambda: g.stats()["up"] == 2, READY_S, "both groups up again")
+            finally:  # the counts until then, healed or not
+                print(f"\nuntil healed or given up ({time.monotonic() - stopped:.1f} s): "
+                      f"{load.counts()}")
         during = load.counts()
         with StreamingLoad(url, clients=CLIENTS) as after:
             time.sleep(2 * WARM_S)
