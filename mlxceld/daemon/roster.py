@@ -64,6 +64,7 @@ from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
 from mlxceld.discovery.inventory import free_ports
 from mlxceld.logformat import LogFormat
+from mlxceld.pipeline.replay import hold_for
 from mlxceld.roles.options import (
     HandoffOptions,
     ReplicasOptions,
@@ -145,6 +146,9 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                  serving_options(s))
         if p is not None and p.cluster.replicas > 1:  # the groups past the first
             options = replace(options, replica_pipelines=replica_pipelines(p))
+        elif p is not None and c.distributed_config is None:  # a plan its coordinator heals
+            options = replace(options, replay_hold_s=hold_for(c.liveness.dead_after_s,
+                                                              c.heal_after_s))
         keyed = p is not None or options.serving is not None
         tensor = p is None and s.serve.tp_size > 1
         if tensor:

@@ -34,7 +34,8 @@ Bounds (every wait has a deadline):
   at once (its connection ends), one that goes silent within ``silence_s`` (the
   heartbeat, ``DEFAULT_SILENCE_S``: 3 s), one that stalls within this bound. Either
   way the request fails with ``EngineUnavailable`` (503 before the first token, an SSE
-  error event after).
+  error event after); a lost stage's is ``StageLost``, which a router whose switch
+  holds (``replay.py``) replays on a working plan instead.
 
 A stage that is stopping refuses new sequences (``draining``, stage.py): the
 request is refused with ``EngineUnavailable`` (503, ``Retry-After:
@@ -70,7 +71,7 @@ from mlxceld.engine.base import (
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.attaching import DIAL_BUDGET_S, StageAddress
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
-from mlxceld.pipeline.links import Inbox, StageLink
+from mlxceld.pipeline.links import Inbox, StageLink, StageLost
 from mlxceld.pipeline.messages import Forget, Prepare, Prepared, Release, Run
 from mlxceld.pipeline.promptcache import PromptCache
 from mlxceld.roles.options import KVQuant
@@ -366,7 +367,7 @@ class PipelineEngine:
             message, code = error.message, error.code
             if code == p.ERR_DOWNSTREAM:  # the stage's words name an address: log them
                 log.warning("stage of rank %s: %s", rank, message)
-                raise EngineUnavailable(self._downstream_message(rank))
+                raise StageLost(self._downstream_message(rank))
             if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
             if code == p.ERR_DRAINING:  # stopping: its sequences finish, no new one

@@ -86,6 +86,12 @@ _HANDED_OVER: Final = "handed over to a stream under the new primary key"
 Inbox = asyncio.Queue[tuple[int, Envelope] | BaseException]  # (the stage's rank, message)
 
 
+class StageLost(EngineUnavailable):
+    """A stage this sequence ran on is gone: its connection ended or went silent, or the
+    stage before it cannot reach it. A router that holds such sequences replays them on a
+    working plan (``replay.py``); otherwise it is the 503 it always was."""
+
+
 class StageLink:
     def __init__(self, stage: StageAddress, *, keyring: Keyring, origin: HostPort,
                  model_identity: str, cluster: str,
@@ -171,7 +177,7 @@ class StageLink:
         if self.conn.admits:
             return
         quiet = time.time() - (self.conn.since or time.time())
-        raise EngineUnavailable(
+        raise StageLost(
             f"{self.stage.name()} is silent (for {quiet:.0f} s): it answers nothing, its "
             "host may be asleep or off the network; requests are served again as soon as "
             f"it answers (retry in {self.retry_after_s} s)", retry_after_s=self.retry_after_s)
@@ -410,7 +416,8 @@ class StageLink:
             message = f"{self.stage.name()} is silent: {ended.reason}"
         else:
             message = f"{self.stage.name()} is unavailable: {why_ended(ended)}"
-        failure = EngineUnavailable(message, retry_after_s=self.retry_after_s)
+        failure = (EngineUnavailable if ended is None else StageLost)(
+            message, retry_after_s=self.retry_after_s)
         lost = {q for q, s in self._pinned.items() if s is stream}
         lost |= {q for q, s in self._adopting.items() if s is stream}  # were moving here
         for seq in lost:

@@ -15,6 +15,11 @@ and `mlxctl status` show) are the current engine's; ``active_sequences`` counts 
 retiring engines' sequences too, and ``tokens`` every engine's since the router started (a
 count that never goes back, for tokens/s).
 A keyring change (``rekey``) reaches the retiring engines as well as the current one.
+
+With ``hold_s`` above 0 (the router's ``replay_hold_s``: a plan the coordinator heals), a
+sequence whose stage is lost is held and replayed on a working engine rather than failed
+(``replay.py``); ``working`` is that wait: until a switch brings another engine, or the
+failed one has every stage attached again, ``hold_s`` at most.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 from mlxceld.engine.base import GenerationRequest, TokenOutput
 from mlxceld.pipeline.engine import PipelineEngine
+from mlxceld.pipeline.replay import replayed
 from mlxceld.types import PipelineCacheStats
 
 log = logging.getLogger(__name__)
@@ -36,11 +43,15 @@ POLL_S: Final = 0.1  # between two looks at a retiring engine's sequences
 
 
 class PipelineSwitch:
-    def __init__(self, engine: PipelineEngine) -> None:
+    def __init__(self, engine: PipelineEngine, *, hold_s: float = 0.0) -> None:
+        """``hold_s``: how long a sequence whose stage is lost is held for a working
+        engine (0: it fails at once)."""
         self._current = engine
+        self.hold_s = hold_s
         self._retiring: list[PipelineEngine] = []
         self._retired_tokens = 0  # the tokens of the engines closed since
         self._changed = asyncio.Event()
+        self._switched = asyncio.Event()  # set at each switch, for ``working``'s waits
         self.model_id = engine.model_id
         self.context_length = engine.context_length
         self.max_batch = engine.max_batch
@@ -54,12 +65,31 @@ class PipelineSwitch:
         self._retiring.append(self._current)
         self._current = engine
         self._changed.set()
+        self._switched.set()
+        self._switched = asyncio.Event()
         log.info("pipeline: new sequences go to the new plan's stages; the old engine "
                  "retires once its %d sequence(s) end (%g s at most)",
                  self._retiring[-1].active_sequences(), RETIRE_S)
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        if self.hold_s > 0:
+            return replayed(self, request, self.hold_s)
         return self._current.generate(request)
+
+    async def working(self, failed: PipelineEngine, until: float) -> PipelineEngine | None:
+        """The engine to replay a sequence on that ``failed`` lost a stage of: the current
+        one once a switch replaced ``failed``, or ``failed`` once every stage of it is
+        attached again; None if neither by ``until`` (``time.monotonic()``)."""
+        while True:
+            current = self._current
+            if current is not failed or failed.readiness() is None:
+                return current
+            left = until - time.monotonic()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, POLL_S)):
+                    await self._switched.wait()
 
     def retiring(self) -> int:
         """Replaced engines not closed yet (their sequences still run on the old stages)."""

@@ -254,6 +254,10 @@ class RouterOptions:
     stage_silence_s: float = DEFAULT_SILENCE_S
     # The most tokens one completion generates (None: what is left of the context).
     max_tokens: int | None = None
+    # How long a pipeline sequence whose stage is lost is held for a working plan and then
+    # replayed (pipeline/replay.py); 0: it fails at once. The coordinator's daemon sets it
+    # to its heal's bound (``replay.hold_for``) for a plan it heals.
+    replay_hold_s: float = 0.0
     serving: ServingOptions | None = None  # None: no serving listener (no cluster secret)
     # Replica groups past the first (``pipeline`` is replica 0): each a whole pipeline;
     # the router pools them (replicas/groups.py). Empty: one pipeline, as before.
@@ -321,6 +325,7 @@ class RouterOptions:
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0,
                "prompt_cache_bytes", "be >= 0", self.prompt_cache_bytes)
         _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)
+        _check(self.replay_hold_s >= 0, "replay_hold_s", "be >= 0", self.replay_hold_s)
         for key in ("header_timeout_s", "body_timeout_s", "write_timeout_s",
                     "stage_silence_s"):
             _check(getattr(self, key) > 0, key, "be > 0", getattr(self, key))

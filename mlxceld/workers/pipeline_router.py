@@ -160,7 +160,8 @@ def load_pipeline(ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptio
     if len(groups) > 1:
         return GroupsRouter(grouped_engine(ctx, groups, context, eos), tokenizer, o.model,
                             groups[0])
-    return PipelineRouter(PipelineSwitch(stages_engine(ctx, groups[0], context, eos)),
+    return PipelineRouter(PipelineSwitch(stages_engine(ctx, groups[0], context, eos),
+                                         hold_s=o.replay_hold_s),
                           tokenizer, o.model, groups[0])
 
 

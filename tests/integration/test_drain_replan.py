@@ -6,8 +6,8 @@ Under a bounded load of streaming completions (``CLIENTS`` `openai` clients for 
 epoch, the spare in its place), serves it, stops the drained node's stage, and neither
 fails nor refuses a request: make before break, the surviving host's old stage serves on
 beside its new one until the router moved to the new plan live and its old engine closed
-(``drain.retired``); a 503 or a refused connection is counted (``refused``,
-``unavailable``) and must not happen. The counts and the time to the new plan are
+(``drain.retired``); the clients retry nothing, and a 503 or a refused connection is
+counted as refused and must not happen. The counts and the time to the new plan are
 printed (``pytest -s``). Undrained, the node is a candidate again and not
 pulled into the running plan. ``--force`` on a stage node ends the streams on it with the
 drain's error, then re-plans (over the undrained node). The coordinator's restart serves
@@ -22,7 +22,6 @@ import json
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import pytest
 
 from helpers.cluster import activate, agent, coordinator, start
 from helpers.daemons import READY_S, DaemonProc, Daemons, alive
+from helpers.load import StreamingLoad
 from helpers.memory import two_stages_but_not_one
 from helpers.models import PROMPT, expected
 from helpers.router import client, complete
@@ -42,71 +42,8 @@ CLIENTS = 4
 LOAD_S = 30.0  # the load's bound: it is stopped at the latest then
 WARM_S = 2.0  # load before the drain, and on the new plan after it
 TOKENS = 24  # per request of the load
-RETRY_PAUSE_S = 0.2  # the client's wait before retrying a refusal (not Retry-After's 5 s)
-RETRY_FOR_S = 60.0  # one request's retries, at most
 WAIT_S = 120.0  # generous waits on a loaded machine; the times are printed
 LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
-
-
-@dataclass
-class Load:
-    """``CLIENTS`` threads streaming completions back to back until ``stop``; a request
-    refused before its stream began (503 with Retry-After, or the port closed while the
-    router restarts) is counted, then retried within ``RETRY_FOR_S`` so that the load
-    goes on (the test asserts there were none: a user's client would have failed)."""
-
-    url: str
-    stop: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sent: int = 0
-    completed: int = 0
-    refused: int = 0  # 503 with Retry-After before the stream began (asserted none)
-    unavailable: int = 0  # the port refused the connection (asserted none)
-    failed: list[str] = field(default_factory=list)
-
-    def run(self) -> None:
-        with client(self.url) as c:
-            while not self.stop.is_set():
-                with self.lock:
-                    self.sent += 1
-                outcome = self.one(c)
-                with self.lock:
-                    if outcome == "completed":
-                        self.completed += 1
-                    else:
-                        self.failed.append(outcome)
-
-    def one(self, c: openai.OpenAI) -> str:
-        give_up = time.monotonic() + RETRY_FOR_S
-        while True:
-            try:
-                stream = c.completions.create(model="llama", prompt=PROMPT, stream=True,
-                                              max_tokens=TOKENS, temperature=0)
-            except openai.APIStatusError as exc:
-                if exc.status_code != 503 or not exc.response.headers.get("retry-after"):
-                    return f"failed: {exc}"
-                with self.lock:
-                    self.refused += 1
-            except openai.APIConnectionError:
-                with self.lock:
-                    self.unavailable += 1
-            else:
-                try:
-                    text, finish = "", None
-                    for chunk in stream:
-                        text += chunk.choices[0].text
-                        finish = chunk.choices[0].finish_reason or finish
-                except openai.APIError as exc:
-                    return f"failed mid-stream: {exc}"
-                return "completed" if finish else "failed: no finish_reason"
-            if time.monotonic() > give_up:
-                return f"failed: still refused after {RETRY_FOR_S:g} s"
-            time.sleep(RETRY_PAUSE_S)
-
-    def counts(self) -> dict[str, int]:
-        with self.lock:
-            return {"sent": self.sent, "completed": self.completed, "refused": self.refused,
-                    "unavailable": self.unavailable, "failed": len(self.failed)}
 
 
 def events_after(d: DaemonProc, after: int, prefix: str) -> list[dict[str, Any]]:
@@ -152,14 +89,9 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
     daemons.pids.add(stale_stage)
 
     # 1. Under load, drain a stage node: the plan moves to the spare; nothing fails.
-    load = Load(f"http://127.0.0.1:{port}/v1")
-    threads = [threading.Thread(target=load.run) for _ in range(CLIENTS)]
     before = max(e["id"] for e in coord.events(1))
-    bound = threading.Timer(LOAD_S, load.stop.set)  # the load ends by then in any case
-    bound.start()
-    for t in threads:
-        t.start()
-    try:
+    with StreamingLoad(f"http://127.0.0.1:{port}/v1", clients=CLIENTS, max_tokens=TOKENS,
+                       bound_s=LOAD_S) as load:
         time.sleep(WARM_S)
         began = time.monotonic()
         drained = coord.ctl("drain", node_of[victim], "--deadline", "120s", "--json",
@@ -168,11 +100,6 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
         assert drained.returncode == 0, (drained.stdout, drained.stderr)
         new = wait_for(lambda: active_after(coord, first), WAIT_S, "the new plan", every=0.2)
         time.sleep(WARM_S)  # serving goes on, on the new plan
-    finally:
-        load.stop.set()
-        bound.cancel()
-        for t in threads:
-            t.join(RETRY_FOR_S + 30)
     counts = load.counts()
     replanned = events_after(coord, before, "drain.replanned")
     took = replanned[0]["data"]["took_s"] if replanned else None
@@ -180,8 +107,8 @@ def test_a_drain_replans_around_a_stage_node_and_fails_no_request(
           f"{TOKENS} tokens each): {counts}; the new plan served {took} s after the drain "
           f"began; `mlxctl drain` returned after {drain_s:.1f} s")
     assert load.failed == [], load.failed[:3]
+    assert load.refused == [], load.refused[:3]
     assert counts["completed"] > 0
-    assert (counts["refused"], counts["unavailable"]) == (0, 0), counts
     row = json.loads(drained.stdout)["drain"]
     assert row["node_id"] == node_of[victim] and row["state"] == "drained", row
     assert row["reason"].startswith("re-planned around"), row

@@ -5,6 +5,7 @@ has none left (or after ``RETIRE_S``). Fake engines of our own seam, no sockets.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -166,3 +167,27 @@ async def counted() -> None:
     with pytest.raises(asyncio.CancelledError):
         await linking
     await sw.aclose()
+
+
+def test_a_held_sequence_waits_for_a_switch_or_its_stages_back_within_its_bound() -> None:
+    """``working`` (``replay.py``'s wait): the new engine once switched; None at the bound
+    while the failed engine is still the current one and not ready."""
+    async def go() -> tuple[object, object, float, object]:
+        old, new = FakeEngine("old"), FakeEngine("new")
+        sw = PipelineSwitch(old, hold_s=5.0)  # type: ignore[arg-type]
+        began = time.monotonic()
+        none = await sw.working(old, began + 0.3)  # type: ignore[arg-type]
+        waited = time.monotonic() - began
+        waiting = asyncio.create_task(sw.working(old, time.monotonic() + 30))  # type: ignore[arg-type]
+        await settle()
+        assert not waiting.done()
+        sw.switch(new)  # type: ignore[arg-type]
+        got = await asyncio.wait_for(waiting, 5)
+        ready = FakeEngine("ready")
+        ready.readiness = lambda: None  # type: ignore[method-assign]
+        back = await PipelineSwitch(ready).working(ready, time.monotonic())  # type: ignore[arg-type]
+        return none, got is new, waited, back is ready
+
+    none, switched_to_new, waited, back = asyncio.run(go())
+    assert none is None and 0.3 <= waited < 3, waited
+    assert switched_to_new and back

@@ -1,0 +1,144 @@
+"""A sequence whose stage is lost, held and replayed on a working plan: a heal loses nothing.
+
+When a stage host of a healed plan goes silent or its stage dies (``StageLost``,
+``links.py``), the coordinator heals around it: the detector's ``peer_dead_after_s``,
+the grace ``heal_after_s``, then a plan, a push and the new stages' load; then the
+router's ``PipelineSwitch`` serves the new plan's engine (``cluster/healer.py``). A
+request running on the lost stage would fail meanwhile; instead the router holds it
+(``replayed``): it waits on the switch (``PipelineSwitch.working``) for an engine that
+works, a new plan's or the same one whose stages are all attached again (a stage worker
+restarted on its host), and replays the sequence there: the prompt plus the tokens
+already sent to the client prefilled as one prompt, then decoding on. The client reads
+one stream, no token repeated or lost; greedy output is an unbroken run's. A request
+that arrives while the engine has a stage gone is held the same way (nothing sent yet:
+it is simply started on the working engine).
+
+The bound: the router's ``replay_hold_s`` (``RouterOptions``), which the coordinator's
+daemon sets to its heal's own time, ``hold_for``: ``peer_dead_after_s + heal_after_s +
+HEAL_WORK_S`` (130 s with the defaults); 0 where nothing heals the plan (self-healing
+off, a cluster TOML's fixed plan, replica groups), where a lost stage fails its
+requests at once as before. Past the bound (counted from the loss; a replay that made
+progress and lost a stage again starts a new one) the request ends with the error the
+stage's loss gave: a 503 naming the stage before the first token, an SSE error event
+after.
+
+What a replayed sequence keeps of its sampling: what depends only on the text so far is
+exact: greedy (temperature 0), unseeded sampling (a draw from the same distribution),
+``logit_bias``, top-k/top-p/min-p, the repetition penalty (its window is the last
+``REPETITION_CONTEXT`` tokens of prompt and completion, which the replayed prompt
+carries), log-probabilities (each token's from the engine that produced it),
+``ignore_eos``, ``max_tokens`` and ``min_tokens`` (less the tokens sent). What the last
+stage keeps of the tokens it generated cannot be given back to a new stage: the
+presence and frequency penalties (counted over the generated tokens only), a
+constraint's matcher state (a JSON schema, a grammar) and a seeded sampler's random
+stream. A sequence with any of these that has sent tokens is therefore not replayed: it
+fails as before (``replayable``); before its first token it is replayed like any other,
+since nothing is lost yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Final, Protocol
+
+from mlxceld.engine.base import EngineUnavailable, GenerationRequest, SamplingParams, TokenOutput
+from mlxceld.pipeline.engine import PipelineEngine
+from mlxceld.pipeline.links import StageLost
+
+log = logging.getLogger(__name__)
+
+# A heal's work after its grace: the inventories polled (10 s at most), the plan, the push
+# (the new stages load while the old plan serves) and the router's switch. On the split
+# fixture on 2 shared CPUs it took 5-11 s (tests/integration/test_heal_under_load.py and
+# test_self_healing.py print it); a real model's stages load for tens of seconds more. A
+# heal that takes longer (a large model from a slow disk) ends its held requests at the
+# bound with the stage's error, as before.
+HEAL_WORK_S: Final = 60.0
+# A stage link in one of these states is gone, not refused: a heal or a restart may bring
+# a working engine (``connectivity.py``). A stage that failed on its host, refused the
+# handshake or serves another model is not waited for.
+GONE: Final = frozenset({"connecting", "disconnected", "unreachable", "silent"})
+
+
+def hold_for(peer_dead_after_s: float, heal_after_s: float) -> float:
+    """How long a router holds a sequence whose stage is lost: the heal's own bound (0:
+    self-healing off, nothing to wait for)."""
+    return peer_dead_after_s + heal_after_s + HEAL_WORK_S if heal_after_s > 0 else 0.0
+
+
+class Engines(Protocol):
+    """What ``replayed`` needs of the switch."""
+
+    @property
+    def current(self) -> PipelineEngine: ...
+
+    async def working(self, failed: PipelineEngine, until: float) -> PipelineEngine | None: ...
+
+
+def replayable(params: SamplingParams, sent: int) -> bool:
+    """Whether a sequence that sent ``sent`` tokens can be replayed with what it keeps
+    (the module's doc says why)."""
+    if not sent:
+        return True
+    return (params.presence_penalty == 0 and params.frequency_penalty == 0
+            and params.constraint is None
+            and (params.seed is None or params.temperature == 0))
+
+
+def remainder(request: GenerationRequest, sent: list[int]) -> GenerationRequest:
+    """The request that continues ``request`` after the tokens ``sent``: those prefilled
+    after its prompt, the token bounds less them."""
+    if not sent:
+        return request
+    params = request.params
+    return replace(request, prompt_tokens=[*request.prompt_tokens, *sent],
+                   params=replace(params, max_tokens=params.max_tokens - len(sent),
+                                  min_tokens=max(0, params.min_tokens - len(sent))))
+
+
+def lost(exc: EngineUnavailable, engine: PipelineEngine) -> bool:
+    """Whether ``exc`` says a stage of ``engine`` is gone (not draining, not refusing)."""
+    if isinstance(exc, StageLost):
+        return True
+    down = (engine.readiness() or {}).get("stages", [])
+    return any(stage["state"] in GONE for stage in down)
+
+
+async def replayed(engines: Engines, request: GenerationRequest, hold_s: float
+                   ) -> AsyncGenerator[TokenOutput, None]:
+    """``request``'s tokens, held past a lost stage for ``hold_s`` and replayed on the
+    engine that works then (the module's doc)."""
+    sent: list[int] = []
+    engine = engines.current
+    until: float | None = None  # while held: when the hold ends
+    progress = 0  # len(sent) when the hold began
+    while True:
+        try:
+            async with contextlib.aclosing(engine.generate(remainder(request, sent))) as run:
+                async for out in run:
+                    sent.append(out.token)
+                    yield out
+            return
+        except EngineUnavailable as exc:
+            now = time.monotonic()
+            holding = until is not None and len(sent) == progress
+            if not holding and not (lost(exc, engine) and replayable(request.params, len(sent))):
+                raise
+            if not holding:
+                until, progress = now + hold_s, len(sent)
+                log.info("request %s: %s; held up to %g s for a working plan, %d token(s) "
+                         "sent", request.request_id, exc, hold_s, len(sent))
+            assert until is not None
+            working = await engines.working(engine, until)
+            if working is None:
+                log.warning("request %s: no working plan within %g s: it fails",
+                            request.request_id, hold_s)
+                raise
+            log.info("request %s: replayed on %s after %d token(s)", request.request_id,
+                     "the new plan's engine" if working is not engine else "its stages back",
+                     len(sent))
+            engine = working
