@@ -121,19 +121,22 @@ class GroupedPipelines(ReplicaEngine):
         """Tokens generated through every group since the router started."""
         return sum(g.engine.tokens for g in (*self.groups, *self._dropped))
 
-    def move(self, engines: Sequence[tuple[PipelineEngine, str]]) -> None:
+    def move(self, engines: Sequence[tuple[PipelineEngine, str]], *,
+             hold_s: float = 0.0) -> None:
         """The router moves to a new plan of the groups (a heal, a drain's re-plan, a
         re-activate): group ``i``'s new sequences go to ``engines[i]`` (its engine and its
         stage 0's address), those running end on its old stages; a group past
         ``len(engines)`` retires from the pool (closed once its sequences end: ``retire``);
-        one more joins it."""
+        one more joins it. ``hold_s``: each group's hold of a sequence whose stage is lost
+        (``PipelineSwitch``; the roster gives one to a plan of one group only)."""
         for member, (engine, address) in zip(self.groups, engines, strict=False):
             member.move(engine, address)
+            member.engine.hold_s = hold_s
         dropped = self.groups[len(engines):]
         for member in dropped:
             self._dropped.append(member)
             self.retire(member.node_id)
-        added = [GroupMember(i, PipelineSwitch(engine), address, moved=True)
+        added = [GroupMember(i, PipelineSwitch(engine, hold_s=hold_s), address, moved=True)
                  for i, (engine, address) in enumerate(engines) if i >= len(self.groups)]
         for member in added:
             self.add(member)

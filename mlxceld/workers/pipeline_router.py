@@ -60,7 +60,8 @@ class _Staged(RouterEngine):
 
     def pipeline_op(self, ctx: WorkerContext[RouterOptions], request: JSON) -> JSON:
         """The control channel's ``pipeline``: ``{"options": ROUTER-OPTIONS}``, this
-        router's options with another plan's ``pipeline`` (and ``replica_pipelines``). Where
+        router's options with another plan's ``pipeline`` (and ``replica_pipelines``, and its
+        ``replay_hold_s``: a plan of groups shrunk to one is healed with replays). Where
         only those differ, new sequences go to the new stages at once and those running
         end on the old ones (``move``); else ``ok`` is false and the daemon restarts the
         router."""
@@ -74,19 +75,21 @@ class _Staged(RouterEngine):
         assert isinstance(new, RouterOptions)
         old = ctx.options
         if new.pipeline is None or replace(new, pipeline=old.pipeline,
-                                           replica_pipelines=old.replica_pipelines) != old:
+                                           replica_pipelines=old.replica_pipelines,
+                                           replay_hold_s=old.replay_hold_s) != old:
             return {"ok": False, "error": "more than the pipeline's stages changed: restart"}
         groups = (new.pipeline, *new.replica_pipelines)
-        refused = self.move(ctx, groups)
+        refused = self.move(ctx, groups, new.replay_hold_s)
         if refused is not None:
             return {"ok": False, "error": refused}
         ctx.options = new
         return {"ok": True, "stages": sum(len(g.stages) for g in groups),
                 "groups": len(groups)}
 
-    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...]
-             ) -> str | None:
-        """New sequences go to ``groups``' stages from now on; why not, if it cannot."""
+    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+             hold_s: float) -> str | None:
+        """New sequences go to ``groups``' stages from now on, a lost stage's held for
+        ``hold_s`` (``PipelineSwitch``); why not, if it cannot."""
         raise NotImplementedError
 
 
@@ -101,12 +104,13 @@ class PipelineRouter(_Staged):
         super().attach(ctx)
         ctx.ops["retiring"] = lambda request: {"ok": True, "retiring": self.engine.retiring()}
 
-    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...]
-             ) -> str | None:
+    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+             hold_s: float) -> str | None:
         if len(groups) > 1:
             return "a router over one pipeline moves to replica groups by a restart"
         eos = set(self.tokenizer.eos_token_ids)
         self.engine.switch(stages_engine(ctx, groups[0], self.engine.context_length, eos))
+        self.engine.hold_s = hold_s
         self.pipeline = groups[0]
         return None
 
@@ -124,14 +128,14 @@ class GroupsRouter(_Staged):
         super().attach(ctx)
         ctx.ops["retiring"] = lambda request: {"ok": True, "retiring": self.engine.retiring()}
 
-    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...]
-             ) -> str | None:
+    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+             hold_s: float) -> str | None:
         """Each group's switch to its new stages; groups dropped retire from the pool,
         groups added join it (``GroupedPipelines.move``)."""
         eos = set(self.tokenizer.eos_token_ids)
         self.engine.move([(stages_engine(ctx, pipe, self.engine.context_length, eos),
                            parse_address(pipe.stages[0].address).canonical())
-                          for pipe in groups])
+                          for pipe in groups], hold_s=hold_s)
         self.pipeline = groups[0]
         return None
 

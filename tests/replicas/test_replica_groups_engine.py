@@ -97,8 +97,9 @@ async def moved() -> None:
         assert pool.retiring() == 0 and members[0].state() == "connecting"
         # A heal's plan of one group: replica-0 on new stages, replica-1 dropped.
         port = free_port("127.0.0.1")
-        pool.move([(engine(2, port), f"127.0.0.1:{port}")])
+        pool.move([(engine(2, port), f"127.0.0.1:{port}")], hold_s=5.0)
         assert pool.groups == (members[0],) and members[0].engine.current is not first
+        assert members[0].engine.hold_s == 5.0  # one group left: healed with replays
         assert members[0].address == f"127.0.0.1:{port}"
         # Its new stages serve (their plan is active): a first dial does not keep it out.
         assert members[0].state() == "up"
