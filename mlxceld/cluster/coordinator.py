@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
+from mlxceld.cluster import retiring
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
 from mlxceld.cluster.bringup import (
@@ -99,7 +100,7 @@ class Served:
     epoch: int
     model: str
     peers: tuple[str, ...]  # agent addresses, in rank order (group by group)
-    replicas: int = 1  # replica groups (healer.py heals and re-plans only 1)
+    replicas: int = 1  # replica groups, ``peers`` group by group (healer.py re-plans each)
 
 
 class CoordinatorSlot(Protocol):
@@ -454,8 +455,6 @@ class Coordinator:
         finally:
             self._busy = False
 
-
-
     async def old_plan_retired(self) -> bool:
         """After a live move (``heal(live=True)``): whether the router closed the old
         plan's engine, its sequences ended on the old stages, within ``RETIRED_WAIT_S``."""
@@ -463,18 +462,17 @@ class Coordinator:
 
     async def _retire(self, old: Served, epoch: int) -> None:
         """Once the router's engine of ``old`` closed, each of its hosts hears that it is
-        over (once: one that does not answer asks when its daemon restarts): the stage it
-        kept serving while plan ``epoch`` came up stops, or its stage of ``old``."""
+        over (``retiring.py``): the stage it kept serving while plan ``epoch`` came up
+        stops, or its stage of ``old``."""
         try:
-            await self.old_plan_retired()
-            told = await deactivation.tell(old.epoch, old.peers, keyring=self._keyring,
-                                           identity=self._identity,
-                                           reason=f"plan {epoch} serves in its place")
+            done = await retiring.retire(old.epoch, old.peers, epoch,
+                                         closed=self.old_plan_retired,
+                                         keyring=self._keyring, identity=self._identity)
         except Exception:  # a bug: logged; never ends the daemon's task group
             log.exception("plan %d: telling its hosts it is over failed", old.epoch)
             return
         log.info("plan %d, superseded by plan %d: its hosts told it is over (%s)", old.epoch,
-                 epoch, ", ".join(f"{a}: {o[0]}" for a, o in sorted(told.items())))
+                 epoch, done.said())
 
 
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:

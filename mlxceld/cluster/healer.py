@@ -51,12 +51,17 @@ plan to heal. A heal is a bring-up: `mlxctl cluster activate` during one is refu
 (``BringUpInProgress``), and `mlxctl cluster deactivate` is too until the heal's push
 is decided, then it ends the push and takes over, as for any bring-up.
 
-Replica groups (`mlxctl cluster activate --replicas R`, R > 1) are neither healed nor
-re-planned around a drain: the plan of such a heal or re-plan is refused (``heal.refused``,
-``drain.no_fit``, naming why), and the plan stays as it is. The router's replica pool
-already sends new requests to the groups whose stages are all up; a group with a dead or
-drained host serves again when that host is back, or after `mlxctl cluster deactivate`
-and `mlxctl cluster activate` plan the groups anew.
+Replica groups (`mlxctl cluster activate --replicas R`, R > 1) are healed and re-planned
+around a drain in the same steps, a group at a time (``make_group_plan``,
+``plan/groups.py``): a group whose hosts are all alive and not drained is kept on its
+hosts; a group that lost one is re-planned over the spares (and its own survivors), or,
+when none fits, dropped: the new plan has one group fewer (one left: a plain pipeline),
+and ``heal.planned`` / ``drain.replan_pushing`` name the hosts. Each host of the new plan
+loads its new stage beside the old one, and the router's pool moves live
+(``workers/pipeline_router.py``: each group's engine switched, a dropped group retired from
+the pool once its sequences end), so the groups kept serve throughout; the old plan's
+hosts are told as for a pipeline (``_retire``). A kept group that does not fit beside its
+running stages refuses the whole plan (``heal.refused``, ``drain.no_fit``).
 
 Bounds: a look is dict reads; the poll at most 10 s (``DiscoveryService.refresh``); the
 push as any bring-up's (``coordinator_round.PUSH_S``, then ``ACTIVATE_FOR_S``); a fence
@@ -75,6 +80,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from mlxceld.cluster import retiring
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.cluster.coordinator import Coordinator, Served
 from mlxceld.cluster.healing import (
@@ -88,7 +94,7 @@ from mlxceld.cluster.healing import (
     Waiting,
     stage_count,
 )
-from mlxceld.cluster.plan.candidates import Proposal, make_plan
+from mlxceld.cluster.plan.candidates import Proposal, make_group_plan, make_plan
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import MlxceldError, PlanRefused
 from mlxceld.state import EventLog
@@ -267,9 +273,9 @@ class Healer:
             return
         stages = proposal.plan.stages
         self._set("pushing", f"plan {heal.epoch}: a new plan of {len(stages)} stage(s) on "
-                  + ", ".join(f"{s.stage_id} {s.node.key} layers [{s.layers[0]}, "
-                              f"{s.layers[1]})" for s in stages), "heal.planned",
-                  epoch=heal.epoch, peers=[s.node.key for s in stages])
+                  + described(proposal, served), "heal.planned",
+                  epoch=heal.epoch, peers=[s.node.key for s in stages],
+                  replicas=proposal.plan.replicas)
         ok, summary = await self._coordinator.heal(proposal, served, why, live=True)
         new = self._coordinator.serving
         if not ok or new is None or new.epoch == served.epoch:
@@ -285,21 +291,23 @@ class Healer:
         await self._retire(served, new, "heal.retired", "cluster")
 
     async def _propose(self, heal: Heal | Replan, served: Served) -> Proposal:
-        if served.replicas > 1:
-            raise PlanRefused(f"plan {served.epoch} has {served.replicas} replica groups, "
-                              "which are not healed or re-planned yet: the router sends new "
-                              "requests to the groups whose stages are all up",
-                              hint="bring the host back, or mlxctl cluster deactivate, then "
-                              "mlxctl cluster activate --replicas to plan the groups anew")
         if not heal.alive:
             raise PlanRefused("no host is alive to plan over",
                               hint="bring a host back or start another peer")
         candidates = await self._discovery.refresh(set(heal.alive))
+        drained = frozenset(self._drained().values())
+        kv = self._coordinator.kv_quant()
+        if served.replicas > 1:  # the groups that lost a host re-planned, or dropped
+            size = len(served.peers) // served.replicas
+            groups = [served.peers[i:i + size] for i in range(0, len(served.peers), size)]
+            return await asyncio.to_thread(make_group_plan, candidates, Path(served.model),
+                                           groups, cluster=self._cluster,
+                                           coordinator=self._identity, drained=drained,
+                                           kv_quant=kv)
         stages = stage_count(len(served.peers), len(candidates))
         return await asyncio.to_thread(make_plan, candidates, Path(served.model), stages,
                                        cluster=self._cluster, coordinator=self._identity,
-                                       drained=frozenset(self._drained().values()),
-                                       kv_quant=self._coordinator.kv_quant())
+                                       drained=drained, kv_quant=kv)
 
     # -- one re-plan around a drained host ----------------------------------------------
 
@@ -329,10 +337,10 @@ class Healer:
             return
         stages = proposal.plan.stages
         self._set("pushing", f"plan {replan.epoch}: a new plan without node {said}: "
-                  + ", ".join(f"{s.stage_id} {s.node.key} layers [{s.layers[0]}, "
-                              f"{s.layers[1]})" for s in stages))
+                  + described(proposal, served))
         self._events.append("drain.replan_pushing", subject, self.state["summary"],
-                            epoch=replan.epoch, peers=[s.node.key for s in stages])
+                            epoch=replan.epoch, peers=[s.node.key for s in stages],
+                            replicas=proposal.plan.replicas)
         ok, summary = await self._coordinator.heal(proposal, served, why, live=True)
         new = self._coordinator.serving
         if not ok or new is None or new.epoch == served.epoch:
@@ -356,23 +364,20 @@ class Healer:
         self._holding.difference_update(nodes)  # drained once its requests are done
 
     async def _retire(self, old: Served, new: Served, kind: str, subject: str) -> None:
-        """Make before break, its end: once the router's engine of ``old`` closed (its
-        sequences ended on ``old``'s stages), the hosts of ``old`` that ``new`` kept are
-        told ``old`` is over, so the stage each kept serving meanwhile stops
-        (``stagehost.py``); the hosts left out are fenced after this (``healed``)."""
-        closed = await self._coordinator.old_plan_retired()
+        """Make before break, its end (``retiring.py``): the hosts of ``old`` that ``new``
+        kept are told ``old`` is over once the router's engine of it closed; the hosts
+        left out are fenced after this (``healed``)."""
         kept = [p for p in old.peers if p in new.peers]
-        told = await deactivation.tell(old.epoch, kept, keyring=self._keyring,
-                                       identity=self._identity,
-                                       reason=f"plan {new.epoch} serves in its place") \
-            if kept else {}
-        said = ", ".join(f"{a}: {state}" for a, (state, _) in sorted(told.items()))
+        done = await retiring.retire(old.epoch, kept, new.epoch,
+                                     closed=self._coordinator.old_plan_retired,
+                                     keyring=self._keyring, identity=self._identity)
         message = (f"plan {old.epoch}'s engine at the router "
-                   f"{'closed' if closed else 'was given up on'}; the hosts plan {new.epoch} "
-                   f"kept were told plan {old.epoch} is over ({said or 'none'})")
+                   f"{'closed' if done.closed else 'was given up on'}; the hosts plan "
+                   f"{new.epoch} kept were told plan {old.epoch} is over "
+                   f"({done.said() or 'none'})")
         log.info("self-healing: %s", message)
         self._events.append(kind, subject, message, epoch=old.epoch, new_epoch=new.epoch,
-                            told=sorted(told), closed=closed)
+                            told=sorted(done.told), closed=done.closed)
 
     async def _fence(self, address: str, epoch: int) -> None:
         try:
@@ -405,3 +410,15 @@ class Healer:
             raise
         finally:
             self._fencing.discard(address)
+
+
+def described(proposal: Proposal, served: Served) -> str:
+    """A new plan's stages for a person; over replica groups, what became of each group
+    (kept, re-planned, dropped: the planner's notes)."""
+    said = ", ".join(f"{s.stage_id} {s.node.key} layers [{s.layers[0]}, {s.layers[1]})"
+                     for s in proposal.plan.stages)
+    if served.replicas == 1:
+        return said
+    return (f"{said} ({proposal.plan.replicas} of {served.replicas} replica groups"
+            + "".join(f"; {n}" for n in proposal.notes if n.startswith("replica group"))
+            + ")")

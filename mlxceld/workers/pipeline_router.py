@@ -1,9 +1,10 @@
 """The router worker's engine over pipeline stages: ``PipelineRouter`` (one pipeline,
 behind a ``PipelineSwitch``: the ``pipeline`` op moves it to another plan's stages) and
 ``GroupsRouter`` (replica groups, ``replicas/groups.py``: each group's stages behind a
-switch of their own, the groups one pool). Only the tokenizer is loaded here; the
-cluster secret arrives on the bootstrap pipe. Their stats carry the stages' state
-(``stages``), ``tokens`` generated and ``tokens_per_s`` over the last
+switch of their own, the groups one pool; its ``pipeline`` op moves every group to a new
+plan's stages at once, dropping or adding groups, without a restart). Only the tokenizer
+is loaded here; the cluster secret arrives on the bootstrap pipe. Their stats carry the
+stages' state (``stages``), ``tokens`` generated and ``tokens_per_s`` over the last
 ``pipeline/throughput.py`` ``WINDOW_S``, and the stages' ``prompt_cache``.
 """
 
@@ -59,9 +60,10 @@ class _Staged(RouterEngine):
 
     def pipeline_op(self, ctx: WorkerContext[RouterOptions], request: JSON) -> JSON:
         """The control channel's ``pipeline``: ``{"options": ROUTER-OPTIONS}``, this
-        router's options with another plan's ``pipeline``. Where only the pipeline
-        differs, new sequences go to the new stages at once and those running end on the
-        old ones (``PipelineSwitch``); else ``ok`` is false and the daemon restarts the
+        router's options with another plan's ``pipeline`` (and ``replica_pipelines``, and its
+        ``replay_hold_s``: a plan of groups shrunk to one is healed with replays). Where
+        only those differ, new sequences go to the new stages at once and those running
+        end on the old ones (``move``); else ``ok`` is false and the daemon restarts the
         router."""
         from mlxceld.roles import ROUTER
         from mlxceld.roles.options import parse_options
@@ -72,17 +74,23 @@ class _Staged(RouterEngine):
             return {"ok": False, "error": exc.message}
         assert isinstance(new, RouterOptions)
         old = ctx.options
-        if old.replica_pipelines or new.replica_pipelines:
-            return {"ok": False, "error": "a router over replica groups moves to another "
-                    "plan by a restart"}
-        if new.pipeline is None or replace(new, pipeline=old.pipeline) != old:
+        if new.pipeline is None or replace(new, pipeline=old.pipeline,
+                                           replica_pipelines=old.replica_pipelines,
+                                           replay_hold_s=old.replay_hold_s) != old:
             return {"ok": False, "error": "more than the pipeline's stages changed: restart"}
-        self.switch(ctx, new.pipeline)
+        groups = (new.pipeline, *new.replica_pipelines)
+        refused = self.move(ctx, groups, new.replay_hold_s)
+        if refused is not None:
+            return {"ok": False, "error": refused}
         ctx.options = new
-        return {"ok": True, "stages": len(new.pipeline.stages)}
+        return {"ok": True, "stages": sum(len(g.stages) for g in groups),
+                "groups": len(groups)}
 
-    def switch(self, ctx: WorkerContext[RouterOptions], pipeline: PipelineOptions) -> None:
-        raise AssertionError("replica groups move by a restart")
+    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+             hold_s: float) -> str | None:
+        """New sequences go to ``groups``' stages from now on, a lost stage's held for
+        ``hold_s`` (``PipelineSwitch``); why not, if it cannot."""
+        raise NotImplementedError
 
 
 class PipelineRouter(_Staged):
@@ -96,10 +104,15 @@ class PipelineRouter(_Staged):
         super().attach(ctx)
         ctx.ops["retiring"] = lambda request: {"ok": True, "retiring": self.engine.retiring()}
 
-    def switch(self, ctx: WorkerContext[RouterOptions], pipeline: PipelineOptions) -> None:
+    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+             hold_s: float) -> str | None:
+        if len(groups) > 1:
+            return "a router over one pipeline moves to replica groups by a restart"
         eos = set(self.tokenizer.eos_token_ids)
-        self.engine.switch(stages_engine(ctx, pipeline, self.engine.context_length, eos))
-        self.pipeline = pipeline
+        self.engine.switch(stages_engine(ctx, groups[0], self.engine.context_length, eos))
+        self.engine.hold_s = hold_s
+        self.pipeline = groups[0]
+        return None
 
 
 class GroupsRouter(_Staged):
@@ -110,6 +123,21 @@ class GroupsRouter(_Staged):
                         router_stats=lambda verbose: self.engine.stats(verbose=verbose),
                         stage_links=self.engine.stages,
                         prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())])
+
+    def attach(self, ctx: WorkerContext[RouterOptions]) -> None:
+        super().attach(ctx)
+        ctx.ops["retiring"] = lambda request: {"ok": True, "retiring": self.engine.retiring()}
+
+    def move(self, ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...],
+             hold_s: float) -> str | None:
+        """Each group's switch to its new stages; groups dropped retire from the pool,
+        groups added join it (``GroupedPipelines.move``)."""
+        eos = set(self.tokenizer.eos_token_ids)
+        self.engine.move([(stages_engine(ctx, pipe, self.engine.context_length, eos),
+                           parse_address(pipe.stages[0].address).canonical())
+                          for pipe in groups], hold_s=hold_s)
+        self.pipeline = groups[0]
+        return None
 
 
 def load_pipeline(ctx: WorkerContext[RouterOptions], groups: tuple[PipelineOptions, ...]

@@ -2,8 +2,8 @@
 its own peer, behind the coordinator's one router; real daemons on 127.0.0.1 (coordinator),
 .2 and .3 (peers), one cluster secret, the tiny fixture. After a kill -9 of one host the
 stream on its group ends with an error naming the group, the other group serves, and
-self-healing (on, with a short detector) refuses to re-plan a plan of replica groups,
-naming why."""
+self-healing (on, with a short detector) heals around the dead host: no spare, so its
+group is dropped and the other serves alone, the router moved to the new plan live."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from helpers.router import complete
 from helpers.waiting import wait_for
 
 DOWN_S = 30.0  # a killed host's group is seen down (its link's reset; silence at worst 3 s)
-HEAL_REFUSED_S = 60.0  # dead after 2 s, healed after 2 s more: refused, as replicas are
+HEALED_S = 90.0  # dead after 2 s, healed after 2 s more: a poll, a push, a live move
 COORDINATOR = """
 [daemon]
 peer_ping_interval_s = 0.25
@@ -74,7 +74,8 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
                   p.wait_worker("stage", timeout=READY_S, state="running")["pid"]
                   for p in peers}
     daemons.pids |= set(stage_pids.values())
-    daemons.pids.add(coord.worker("router")["pid"])
+    router = coord.worker("router")["pid"]
+    daemons.pids.add(router)
     bringup = coord.status()["bringup"]
     assert [(p["stage"], p["state"]) for p in bringup["peers"]] == [
         ("stage-0", "active"), ("stage-1", "active")], bringup
@@ -128,9 +129,20 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     assert texts == [want_text] * 4  # each within the client's 60 s: none hangs
     after = {n["id"]: n for n in router_stats(port)["nodes"]}
     assert after[other]["completed"] >= nodes[other]["completed"] + 4
-    # The dead host is not healed around: a plan of replica groups is refused, named.
-    refused = wait_for(lambda: next((e for e in coord.events(300)
-                                     if e["kind"] == "heal.refused"), None),
-                       HEAL_REFUSED_S, "the heal refused")
-    assert "2 replica groups, which are not healed" in refused["message"], refused
-    assert coord.status()["bringup"]["epoch"] == bringup["epoch"]  # nothing was pushed
+    # The dead host is healed around: no spare, so its group is dropped and the other
+    # group alone serves (a plan of one group), the router moved to it live.
+    healed = wait_for(lambda: next((e for e in coord.events(300)
+                                    if e["kind"] == "heal.active"), None),
+                      HEALED_S, "the heal")
+    planned = next(e for e in coord.events(300) if e["kind"] == "heal.planned")
+    assert planned["data"]["replicas"] == 1, planned
+    assert f"replica group {index} lost" in planned["message"], planned
+    assert "dropped" in planned["message"], planned
+    now = coord.status()["bringup"]
+    assert now["epoch"] == healed["data"]["epoch"] > bringup["epoch"], (now, healed)
+    assert [r["address"] for r in now["peers"]] == [
+        bringup["peers"][1 - index]["address"]], now
+    assert coord.worker("router")["pid"] == router  # moved live, never restarted
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: complete(port, "llama"), range(4)))
+    assert texts == [want_text] * 4

@@ -75,3 +75,43 @@ def test_router_options_carry_the_groups_over_the_bootstrap_pipe() -> None:
     assert again == options
     with pytest.raises(ConfigError, match="replica_pipelines"):
         parse_options(ROUTER, {**options_json(options), "pipeline": None}, "options")
+
+
+def engine(index: int, port: int) -> PipelineEngine:
+    stage = StageAddress(f"stage-{index}", "127.0.0.1", port, 0, (0, 2))
+    return PipelineEngine([stage], keyring=keyring(b"s" * 32), origin="127.0.0.1:0",
+                          model_identity="sha256:x", cluster="c", model_id="m",
+                          context_length=64, eos_token_ids={0}, max_batch=3,
+                          retry_s=(0.05, 0.2), dial_budget_s=0.2)
+
+
+def test_a_move_switches_the_groups_kept_retires_those_dropped_and_adds_new_ones() -> None:
+    asyncio.run(moved())
+
+
+async def moved() -> None:
+    members = [group(0, free_port("127.0.0.1")), group(1, free_port("127.0.0.1"))]
+    pool = GroupedPipelines(members, model_id="m", context_length=64)
+    first = members[0].engine.current
+    try:
+        assert pool.retiring() == 0 and members[0].state() == "connecting"
+        # A heal's plan of one group: replica-0 on new stages, replica-1 dropped.
+        port = free_port("127.0.0.1")
+        pool.move([(engine(2, port), f"127.0.0.1:{port}")], hold_s=5.0)
+        assert pool.groups == (members[0],) and members[0].engine.current is not first
+        assert members[0].engine.hold_s == 5.0  # one group left: healed with replays
+        assert members[0].address == f"127.0.0.1:{port}"
+        # Its new stages serve (their plan is active): a first dial does not keep it out.
+        assert members[0].state() == "up"
+        assert [m.node_id for m in pool.members()] == ["replica-0"] and pool.max_batch == 3
+        assert pool.retiring() == 1  # replica-0's old engine, not closed yet
+        assert [(s["stage"], s["replica"]) for s in pool.stages()] == [("stage-2", 0)]
+        # A later plan of two groups again: replica-1 joins, moved from the start.
+        port = free_port("127.0.0.1")
+        pool.move([(engine(3, free_port("127.0.0.1")), "127.0.0.1:1"),
+                   (engine(4, port), f"127.0.0.1:{port}")])
+        assert [m.node_id for m in pool.members()] == ["replica-0", "replica-1"]
+        assert pool.max_batch == 6 and pool.groups[1].state() == "up"
+        assert pool.retiring() == 2  # replica-0's two engines before
+    finally:
+        await pool.aclose()

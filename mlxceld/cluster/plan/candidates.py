@@ -1,12 +1,13 @@
 """A plan from what discovery knows: reachable candidates, their inventory, our model.
 
 Used by ``mlxctl cluster plan`` (through the control API) and ``mlxceld --pp-auto N
---dry-run``. Each reachable candidate with an inventory becomes a ``PlanNode``: its
-node id, its agent address, its usable memory (``plan.usable_memory`` of what it
-reports available) and the first stage port it proposed. A candidate whose
-inventory names another model identity than ours is left out, and said so: its
-offer would be refused anyway. So is a drained node (`mlxctl drain`, ``drained``): no
-plan, heal or activate uses it until `mlxctl undrain`.
+--dry-run`` (``make_plan``), and by self-healing (``make_group_plan``: replica groups
+re-planned around a lost host, ``groups.py``). Each reachable candidate with an
+inventory becomes a ``PlanNode``: its node id, its agent address, its usable memory
+(``plan.usable_memory`` of what it reports available) and the first stage port it
+proposed. A candidate whose inventory names another model identity than ours is left
+out, and said so: its offer would be refused anyway. So is a drained node (`mlxctl
+drain`, ``drained``): no plan, heal or activate uses it until `mlxctl undrain`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from mlxceld.cluster.clusterfile.load import dump_cluster
+from mlxceld.cluster.plan.groups import plan_groups_around
 from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve, usable_memory
 from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
 from mlxceld.cluster.plan.solver import plan_replicas
@@ -101,6 +103,27 @@ def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluste
             raise
         raise PlanRefused(f"{exc.message} ({'; '.join(notes)})", hint=exc.hint,
                           shortfalls=exc.shortfalls) from exc
+    return _proposal(plan, identity, model, notes, cluster=cluster, coordinator=coordinator)
+
+
+def make_group_plan(candidates: Sequence[PeerRow], model: Path,
+                    groups: Sequence[Sequence[str]], *, cluster: str, coordinator: str,
+                    drained: frozenset[str] = frozenset(),
+                    kv_quant: KVQuant | None = None) -> Proposal:
+    """A heal's or a drain's re-plan of replica ``groups`` (each its hosts' agent
+    addresses, in rank order) over ``candidates`` but the ``drained`` node ids: the groups
+    that lost a host re-planned over the others, or dropped (``groups.py``); raises
+    ``PlanRefused`` when no group is left or a kept one does not fit."""
+    identity = model_identity(model)
+    nodes, notes = plan_nodes(candidates, identity, drained)
+    plan, said = plan_groups_around(layer_profile(model), groups, nodes,
+                                    reserve=Reserve(kv_quant=kv_quant))
+    return _proposal(plan, identity, model, [*said, *notes], cluster=cluster,
+                     coordinator=coordinator)
+
+
+def _proposal(plan: Plan, identity: str, model: Path, notes: Sequence[str], *, cluster: str,
+              coordinator: str) -> Proposal:
     # A repo id's snapshot is pushed as the repo id: each host fetches what it needs.
     cfg = plan.to_cluster(cluster, model_name(model), coordinator)
     return Proposal(plan, identity, dump_cluster(cfg), render_plan_table(plan), tuple(notes))
