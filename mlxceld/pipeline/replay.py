@@ -22,18 +22,11 @@ progress and lost a stage again starts a new one) the request ends with the erro
 stage's loss gave: a 503 naming the stage before the first token, an SSE error event
 after.
 
-What a replayed sequence keeps of its sampling: what depends only on the text so far is
-exact: greedy (temperature 0), unseeded sampling (a draw from the same distribution),
-``logit_bias``, top-k/top-p/min-p, the repetition penalty (its window is the last
-``REPETITION_CONTEXT`` tokens of prompt and completion, which the replayed prompt
-carries), log-probabilities (each token's from the engine that produced it),
-``ignore_eos``, ``max_tokens`` and ``min_tokens`` (less the tokens sent). What the last
-stage keeps of the tokens it generated cannot be given back to a new stage: the
-presence and frequency penalties (counted over the generated tokens only), a
-constraint's matcher state (a JSON schema, a grammar) and a seeded sampler's random
-stream. A sequence with any of these that has sent tokens is therefore not replayed: it
-fails as before (``replayable``); before its first token it is replayed like any other,
-since nothing is lost yet.
+What a replayed sequence keeps of its sampling is ``engine/continuation.py``'s rule: what
+depends only on the text so far is exact (greedy, ``logit_bias``, the repetition penalty,
+...); a sequence with presence or frequency penalties, a constraint or a seeded sampler
+that has sent tokens is not replayed and fails as before (``replayable``); before its
+first token any sequence is replayed, since nothing is lost yet.
 """
 
 from __future__ import annotations
@@ -42,10 +35,10 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import Final, Protocol
 
-from mlxceld.engine.base import EngineUnavailable, GenerationRequest, SamplingParams, TokenOutput
+from mlxceld.engine.base import EngineUnavailable, GenerationRequest, TokenOutput
+from mlxceld.engine.continuation import remainder, replayable
 from mlxceld.pipeline.engine import PipelineEngine
 from mlxceld.pipeline.links import StageLost
 
@@ -77,27 +70,6 @@ class Engines(Protocol):
     def current(self) -> PipelineEngine: ...
 
     async def working(self, failed: PipelineEngine, until: float) -> PipelineEngine | None: ...
-
-
-def replayable(params: SamplingParams, sent: int) -> bool:
-    """Whether a sequence that sent ``sent`` tokens can be replayed with what it keeps
-    (the module's doc says why)."""
-    if not sent:
-        return True
-    return (params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.constraint is None
-            and (params.seed is None or params.temperature == 0))
-
-
-def remainder(request: GenerationRequest, sent: list[int]) -> GenerationRequest:
-    """The request that continues ``request`` after the tokens ``sent``: those prefilled
-    after its prompt, the token bounds less them."""
-    if not sent:
-        return request
-    params = request.params
-    return replace(request, prompt_tokens=[*request.prompt_tokens, *sent],
-                   params=replace(params, max_tokens=params.max_tokens - len(sent),
-                                  min_tokens=max(0, params.min_tokens - len(sent))))
 
 
 def lost(exc: EngineUnavailable, engine: PipelineEngine) -> bool:

@@ -10,12 +10,17 @@ Members down. Only a member whose ``state()`` is "up" gets a new request. A memb
 that raises ``EngineUnavailable`` before its first token (it went down, or refused
 as busy) has the request tried on the next best up member, each member at most
 once; a member that refused as draining a moment ago (``_draining``: `mlxctl drain` of
-that node) is chosen only when no other is up. After tokens were
-streamed nothing is retried (the client has part of an
-answer): the member's error passes on as ``EngineUnavailable`` (or ``EngineError``)
-naming the member by node id. When no member is up, or every one refused, the
-request fails with ``EngineUnavailable`` naming each member and why, with
-``retry_after_s`` the least a refusing member asked for, else
+that node) is chosen only when no other is up. A member that goes down after tokens were
+streamed (its link broke or fell silent: a replica's host gone, a replica group's stage
+lost) has the request continued on another up member, each member at most once: the
+prompt and the tokens already sent prefilled there, decoding on, so the client reads one
+answer (``engine/continuation.py``: greedy output is an unbroken run's; a request with
+presence or frequency penalties, a constraint or a seeded sampler is not continued).
+Otherwise (no other member up, such a request, or an error that is not the member's
+going down: a drain's deadline, a fault of the request) the member's error passes on as
+``EngineUnavailable`` (or ``EngineError``) naming the member by node id. When no member
+is up, or every one refused, the request fails with ``EngineUnavailable`` naming each
+member and why, with ``retry_after_s`` the least a refusing member asked for, else
 ``DOWN_RETRY_AFTER_S``: the API answers 503 with ``Retry-After``.
 
 A member fails its own in-flight sequences when its link breaks or falls silent
@@ -51,6 +56,7 @@ from mlxceld.engine import (
     GenerationRequest,
     TokenOutput,
 )
+from mlxceld.engine.continuation import remainder, replayable
 from mlxceld.replicas.redaction import scrub
 from mlxceld.replicas.routing import Outcome, Routing
 from mlxceld.tasks import Background
@@ -158,8 +164,27 @@ class ReplicaEngine:
         return self._routing.in_flight()
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        """The request on one member; one that goes down midway has it continued on
+        another (``_continued``), each member at most once."""
+        sent: list[int] = []
+        gone: set[str] = set()
+        while True:
+            try:
+                async with contextlib.aclosing(
+                        self._attempt(remainder(request, sent), frozenset(gone))) as run:
+                    async for out in run:
+                        sent.append(out.token)
+                        yield out
+                return
+            except _Continue as lost:
+                gone.add(lost.node)
+                log.info("request %s: replica %s went down after %d token(s); continued on "
+                         "another", request.request_id, lost.node, len(sent))
+
+    async def _attempt(self, request: GenerationRequest, gone: frozenset[str]
+                       ) -> AsyncGenerator[TokenOutput, None]:
         seq = next(self._sequences)
-        node, stream, first = await self._start(seq, request)
+        node, stream, first = await self._start(seq, request, gone)
         outcome: Outcome = "cancelled"
         error: str | None = None
         try:
@@ -179,6 +204,9 @@ class ReplicaEngine:
         except EngineError as exc:
             outcome = "failed"
             error = str(exc)  # as it is: stats scrub it unless verbose
+            if self._continued(node, request, seq, exc, gone):
+                outcome = "retried"
+                raise _Continue(node) from exc
             raise self._midway(node, seq, exc) from exc
         except Exception as exc:
             outcome = "failed"
@@ -279,10 +307,11 @@ class ReplicaEngine:
 
     # -- inside ---------------------------------------------------------------------------
 
-    async def _start(self, seq: int, request: GenerationRequest
+    async def _start(self, seq: int, request: GenerationRequest, gone: frozenset[str]
                      ) -> tuple[str, AsyncGenerator[TokenOutput, None], TokenOutput | None]:
         """The member that took the request, its stream and its first output (None: it
-        ended with none). A member refusing before its first token is passed over."""
+        ended with none). A member refusing before its first token is passed over, and
+        so is one in ``gone`` (it failed this request midway)."""
         prompt = request.prompt_tokens
         hashes = self._routing.hashes(prompt)
         refused: dict[str, EngineUnavailable] = {}
@@ -291,7 +320,7 @@ class ReplicaEngine:
             for member in self._members:
                 if member.state() != "up":
                     self._routing.nodes[member.node_id].shadow.clear()  # its cache may be gone
-                elif member.node_id not in refused:
+                elif member.node_id not in refused and member.node_id not in gone:
                     up.append(member.node_id)
             ready = [i for i in up if not _draining(self._by_id[i])]
             choice = self._routing.choose(prompt, ready or up, hashes)
@@ -351,6 +380,20 @@ class ReplicaEngine:
             parts.append(f"{member.node_id} {state}{detail}")
         return ", ".join(parts)
 
+    def _continued(self, node: str, request: GenerationRequest, seq: int, exc: EngineError,
+                   gone: frozenset[str]) -> bool:
+        """Whether a request that ``node`` failed midway goes on on another member: the
+        member is down (its link broke or fell silent: not a drain's deadline, not a
+        fault of the request), the request can continue exactly
+        (``engine/continuation.py``), and another member is up."""
+        member = self._by_id.get(node)
+        if not isinstance(exc, EngineUnavailable) or member is None or member.state() == "up":
+            return False
+        if not replayable(request.params, self._routing.generated(seq)):
+            return False
+        return any(m.state() == "up" and m.node_id not in gone and m.node_id != node
+                   for m in self._members)
+
     def _midway(self, node: str, seq: int, exc: EngineError) -> EngineError:
         n = self._routing.generated(seq)
         message = (f"replica {node!r} failed after {n} token{'s' * (n != 1)} of this "
@@ -374,3 +417,11 @@ def _draining(member: Member) -> bool:
     ``draining_until``, on the loop's clock; a member without one never does)."""
     until = getattr(member, "draining_until", 0.0)
     return isinstance(until, float) and asyncio.get_running_loop().time() < until
+
+
+class _Continue(Exception):
+    """A member went down midway through a request that can go on on another."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node)
+        self.node = node

@@ -9,7 +9,8 @@ spare or not, under ``CLIENTS`` streaming `openai` clients with retries off
   request failed or was refused, the command exits 0 and the drained host ends with no
   stage worker.
 - Its host SIGSTOPped past the grace, a spare there: the group is healed onto the spare
-  and new requests succeed (those streaming on the silent host may fail: counted).
+  while the streams on the silent host go on on the other group (``replicas/pool.py``):
+  no request failed or was refused, during the heal or after it.
 - `mlxctl drain` of a group's host without a spare: the group is dropped, the plan is
   the other group alone (a pipeline of one stage), nothing failed or was refused, and
   the drained host ends with no stage worker.
@@ -187,6 +188,9 @@ def test_a_silent_group_host_is_healed_onto_the_spare(
           f"refused: {load.refused[:3]}; failed: {load.failed[:3]}; after: {counts}")
     assert (counts["refused"], counts["failed"]) == (0, 0), (after.refused[:3],
                                                              after.failed[:3])
+    # the streams on the silent host went on on the other group (replicas/pool.py)
+    assert (during["refused"], during["failed"]) == (0, 0), (load.refused[:3],
+                                                             load.failed[:3])
     assert counts["completed"] > 0 and during["completed"] > 0
     assert [r["address"] for r in healed["peers"]] == [spare, kept], healed
     assert g.coord.worker("router")["pid"] == g.router  # moved live, never restarted

@@ -18,8 +18,9 @@ import pytest
 
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.engine.base import TokenOutput
+from mlxceld.engine.continuation import remainder, replayable
 from mlxceld.pipeline.links import StageLost
-from mlxceld.pipeline.replay import hold_for, remainder, replayable
+from mlxceld.pipeline.replay import hold_for
 from mlxceld.pipeline.switch import PipelineSwitch
 
 from helpers.stages import cluster, reference

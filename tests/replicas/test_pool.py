@@ -85,33 +85,69 @@ def test_outputs_equal_one_engines_and_concurrent_requests_spread(loaded: Loaded
     asyncio.run(run())
 
 
-def test_a_member_down_fails_its_sequence_by_name_and_gets_nothing_new(
-        loaded: Loaded) -> None:
+def test_a_member_down_midway_has_its_sequence_continued_on_another(loaded: Loaded) -> None:
+    """A member that goes down after tokens were streamed: the request goes on on the other
+    member (prompt and tokens sent prefilled there), the client reads the one engine's
+    greedy answer whole; the member gets nothing new."""
     async def run() -> None:
         pool, members = loaded.pool()
         prompt = loaded.prompt(PROMPTS[1])
-        stream = pool.generate(request("long", prompt, n=400, logit_bias=loaded.no_eos()))
+        bias = loaded.no_eos()
+        expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
+                                                           logit_bias=bias))
+        got: list[int] = []
         async with asyncio.timeout(60):
-            await anext(stream)
-            [holder] = [m for m in members if m.requests == ["long"]]
-            holder.down(f"no heartbeat from {holder.address} for 5 s")
-            with pytest.raises(EngineUnavailable) as caught:
-                async for _ in stream:
-                    pass
-        message = str(caught.value)
-        assert message.startswith(f"replica {holder.node_id!r} failed after ")
-        assert "10.9.8." not in message and "<address>" in message
+            async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
+                got.append(out.token)
+                if len(got) == 5:
+                    [holder] = [m for m in members if m.requests == ["long"]]
+                    holder.down(f"no heartbeat from {holder.address} for 5 s")
+        assert got == expected
         other = next(m for m in members if m is not holder)
+        assert other.requests == ["long"]
         for i in range(3):
             await tokens(pool, request(f"after{i}", prompt))
         assert holder.requests == ["long"]
         assert other.requests[-3:] == ["after0", "after1", "after2"]
-        node = next(n for n in pool.stats(verbose=False)["nodes"]
-                    if n["id"] == holder.node_id)
-        assert (node["state"], node["failed"], node["in_flight"],
-                node["outstanding_tokens"]) == ("down", 1, 0, 0)
+        stats = pool.stats(verbose=False)
+        node = next(n for n in stats["nodes"] if n["id"] == holder.node_id)
+        assert (node["state"], node["in_flight"], node["outstanding_tokens"]) == \
+            ("down", 0, 0)
         assert node["last_error"] == "no heartbeat from <address> for 5 s"
-        assert pool.readiness() is None
+        assert (stats["failed"], stats["completed"]) == (0, 4), stats
+
+    asyncio.run(run())
+
+
+def test_a_member_down_midway_fails_its_sequence_by_name_when_none_can_go_on(
+        loaded: Loaded) -> None:
+    """No other member up, or a request that cannot continue exactly elsewhere (a presence
+    penalty counts the tokens the first member generated): the member's error, by name."""
+    async def run() -> None:
+        for other_down, params in ((True, {}), (False, {"presence_penalty": 0.5})):
+            pool, members = loaded.pool()
+            prompt = loaded.prompt(PROMPTS[1])
+            stream = pool.generate(request("long", prompt, n=400, logit_bias=loaded.no_eos(),
+                                           **params))
+            async with asyncio.timeout(60):
+                await anext(stream)
+                [holder] = [m for m in members if m.requests == ["long"]]
+                other = next(m for m in members if m is not holder)
+                if other_down:
+                    other.down("silent")
+                holder.down(f"no heartbeat from {holder.address} for 5 s")
+                with pytest.raises(EngineUnavailable) as caught:
+                    async for _ in stream:
+                        pass
+            message = str(caught.value)
+            assert message.startswith(f"replica {holder.node_id!r} failed after ")
+            assert "10.9.8." not in message and "<address>" in message
+            assert other.requests == []
+            node = next(n for n in pool.stats(verbose=False)["nodes"]
+                        if n["id"] == holder.node_id)
+            assert (node["state"], node["failed"], node["in_flight"],
+                    node["outstanding_tokens"]) == ("down", 1, 0, 0)
+        assert "no replica is up" not in (pool.readiness() or {}).get("message", "")
         other.down("silent")
         assert "no replica is up: replica-0 down" in pool.readiness()["message"]  # type: ignore[index]
 
