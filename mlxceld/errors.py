@@ -46,10 +46,13 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │   └── ResolveError        net/resolve.py: a peer's host name did not resolve
     │   ├── ServingNotFound         discovery/serving.py: no serving listener to dial at a
     │   │                           replica (which of the reasons, said)
-    │   └── InventoryError          discovery/inventory.py: an inventory answer out of bounds
+    │   ├── InventoryError          discovery/inventory.py: an inventory answer out of bounds
+    │   └── PlanNotFound            cluster/front.py: the coordinator serves no plan to follow
     ├── EngineError                 engine/base.py: the engine could not serve a request
     │   │                           (the server's fault; answered as an HTTP error)
     │   ├── EngineUnavailable       engine/base.py: a part (a stage) is unreachable: 503
+    │   │   └── StageLost           pipeline/links.py: a stage's connection ended or fell
+    │   │                           silent (a heal may bring a working plan: replay.py)
     │   ├── HandoffUnsupported      engine/handoff.py: this model's cache cannot be handed off
     │   └── HandoffError            engine/handoff.py: a handed-off cache that does not fit
     ├── WireError                   wire/errors.py: the sans-IO core's root (it imports
@@ -72,7 +75,9 @@ defines, under its base, with the module of each one defined elsewhere.
     │                               rules (our bug)
     ├── Stopped                     workers/runtime.py: a worker told to stop while it waited
     ├── LinkFailed                  replicas/attaching.py: one attempt at a node's link failed
-    └── _BodyDone                   tasks.py: a cancelling_group's body ended (never escapes)
+    ├── _BodyDone                   tasks.py: a cancelling_group's body ended (never escapes)
+    └── _Continue                   replicas/pool.py: a member went down midway; the request
+                                    goes on on another (never escapes the pool)
     ValueError
     ├── ConstraintError             engine/constraints.py: a constraint llguidance cannot
     │   │                           honour (the client's: 400)
