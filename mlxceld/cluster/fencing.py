@@ -49,6 +49,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from mlxceld.cluster.assignment import deactivation
 from mlxceld.discovery.inventory import AGENT_CHANNEL
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService, ask
@@ -57,7 +58,7 @@ from mlxceld.state import EventLog
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.state.plans import superseded as superseded_plan
 from mlxceld.types import JSON
-from mlxceld.wire import Envelope, MessageSpec, SecretStore, encode_envelope
+from mlxceld.wire import Envelope, Keyring, MessageSpec, SecretStore, encode_envelope
 from mlxceld.wire.agent_messages import Assignment, AssignmentRequest
 from mlxceld.wire.messages import MessageError
 
@@ -140,7 +141,7 @@ class Fence:
                                        "summary": s.summary}
 
     async def start(self, resume: Callable[[], None], stop: Callable[[], Awaitable[None]],
-                    *, identity: str, keyring: SecretStore) -> None:
+                    *, identity: str, keyring: Keyring) -> None:
         """``resume`` (``Coordinator.start``) unless a peer of the plan it would resume
         holds a newer one of another coordinator: then that plan is recorded deactivated,
         superseded, and this daemon stands down: ``stop`` (``stop_pipeline``) drops the
@@ -151,7 +152,7 @@ class Fence:
             return
         found = None if last is None else await superseded(
             last.epoch, last.peers, identity=identity, keyring=keyring)
-        if found is None:
+        if found is None or last is None:
             resume()
             return
         self.stood_down = found
@@ -159,6 +160,13 @@ class Fence:
                            superseded_plan(found.epoch, f"coordinator {found.coordinator}"))
         log.warning("%s", found.summary)
         await stop()
+        # Its hosts the new plan left out (a drained one) stop their stage of it: the
+        # standby's word was refused there (the plan came from here); the others only
+        # record it (superseded there already).
+        told = await deactivation.tell(found.ours, last.peers, keyring=keyring,
+                                       identity=identity, reason=found.summary)
+        log.info("plan %d: its hosts told it is over (%s)", found.ours,
+                 ", ".join(f"{a}: {o[0]}" for a, o in sorted(told.items())))
         self._events.append("coordinator.stood_down", "cluster", found.summary,
                             epoch=found.ours, superseded_by=found.epoch,
                             coordinator=found.coordinator)

@@ -114,6 +114,11 @@ def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_
     assert victim not in [p["node_id"] for p in new["peers"]], new
     assert counts["completed"] > at_takeover["completed"], (at_takeover, counts)
     assert serves(url, model)
+    # Make before break's end: the host the new plan kept hears from the standby that the
+    # old plan is over (its stage of it stops), though that plan came from the coordinator.
+    retired = wait_for(lambda: [e for e in router.events(100) if e["kind"] == "drain.retired"],
+                       30, "the old plan retired", every=0.2)
+    assert "refused" not in retired[0]["message"], retired
 
     # The old coordinator restarted on its state dir: it learns from the peers that the
     # standby's plan superseded its own and stands down (no router, no push).
@@ -128,9 +133,18 @@ def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_
     said = coord.ctl("status").stdout
     assert f"coordinator: stood down: plan {first['epoch']} was superseded by plan " \
         f"{new['epoch']} of coordinator {agent(router)}" in said, said
+    # The drained host's stage of the old plan, which the standby could not stop (the
+    # plan came from the old coordinator), stops now; no plan is pushed.
+    drained_host = next(p for p in peers if p.status()["daemon"]["node_id"] == victim)
+    gone = wait_for(lambda: (a := drained_host.status()["assignment"])["state"]
+                    == "deactivated" and a, 15, "the drained host told its plan is over",
+                    every=0.2)
+    assert gone["epoch"] == first["epoch"], gone
     time.sleep(WARM_S)  # a resume would have pushed or started its router by now
-    assert {agent(p): p.status()["assignment"] for p in peers} == held
-    assert all(a["epoch"] <= new["epoch"] for a in held.values()), held
+    after = {agent(p): p.status()["assignment"] for p in peers}
+    assert {a: r["epoch"] for a, r in after.items()} == \
+        {a: r["epoch"] for a, r in held.items()}, (held, after)
+    assert all(r["epoch"] <= new["epoch"] for r in after.values()), after
     assert "router" not in [w["name"] for w in coord.status()["workers"]]
     events = coord.events(100)
     since = max(i for i, e in enumerate(events) if e["kind"] == "daemon.started")
