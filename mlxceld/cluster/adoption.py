@@ -19,12 +19,12 @@ one of this daemon's own, with a newer epoch that the peers take (``peer_round``
 place: ``fencing.Fence``); its router serves on with the plan the follower kept
 (``daemon/following.py``), and the standby takes over again by the same rule. A standby
 restarted after it pushed a plan resumes that one as any coordinator does, and its next
-takeover adopts nothing (``ClusterMember.adopt``: it coordinates already).
+takeover adopts nothing (``take_over``: it coordinates already).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from mlxceld.cluster.coordinator import Coordinator, Served
 from mlxceld.state.plans import Plans
@@ -69,3 +69,19 @@ def adopt(plan: Plan, peers: tuple[str, ...], model: str, *, coordinator: Coordi
     served = Served(plan.epoch, model, peers)
     coordinator.serving = served
     return served
+
+
+def take_over(plan: Plan, origin: str, model: str | None, coordinator: Coordinator, *,
+              plans: Plans, candidates: Sequence[str], alive: Collection[str]) -> str | None:
+    """``adopt`` ``plan`` when its stage hosts are among ``candidates`` and ``alive``; None
+    once ``coordinator`` serves a plan (this one, or one it resumed after pushing it),
+    else why not."""
+    if model is None:
+        return "no --model: nothing to coordinate with"
+    if coordinator.serving is not None:  # it resumed a plan it pushed before
+        return None
+    peers = stage_hosts(plan, lambda s: host_of(s, candidates), alive)
+    if isinstance(peers, str):
+        return peers
+    adopt(plan, peers, model, coordinator=coordinator, plans=plans, origin=origin)
+    return None

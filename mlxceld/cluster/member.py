@@ -341,22 +341,14 @@ class ClusterMember:
             return None
 
     def adopt(self, plan: Plan, origin: str) -> str | None:
-        """A standby's takeover (``cluster/adoption.py``): ``plan``, followed from the
-        coordinator ``origin``, becomes the one this daemon coordinates; None when it did,
-        else why not (a stage host not a candidate, or not alive)."""
-        model, rows = self._parts.served_model(), self._liveness_rows()
-        if self._coordinator is None or model is None:
-            return "no agent listener or no --model: nothing to coordinate with"
-        if self._coordinator.serving is not None:  # it resumed a plan it pushed before
-            return None
-        alive = [a for a, r in rows.items() if r.get("state") == "alive"]
-        hosts = self._candidates.addresses()
-        peers = adoption.stage_hosts(plan, lambda s: adoption.host_of(s, hosts), alive)
-        if isinstance(peers, str):
-            return peers
-        adoption.adopt(plan, peers, model, coordinator=self._coordinator, plans=self._plans,
-                       origin=origin)
-        return None
+        """A standby's takeover of ``plan``, followed from ``origin``: None once this daemon
+        coordinates it, else why not (``cluster/adoption.py``'s ``take_over``)."""
+        if self._coordinator is None:
+            return "no agent listener: nothing to coordinate with"
+        alive = [a for a, r in self._liveness_rows().items() if r.get("state") == "alive"]
+        return adoption.take_over(plan, origin, self._parts.served_model(), self._coordinator,
+                                  plans=self._plans, candidates=self._candidates.addresses(),
+                                  alive=alive)
 
     def _peer_asked(self, epoch: int, decision: str) -> None:
         if (self._coordinator is not None and self.may_coordinate()
