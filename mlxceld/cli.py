@@ -136,6 +136,10 @@ def run(
         "--pipeline-coordinator", help="With --node-role router: serve the pipeline that "
         "coordinator serves (its agent address, host:port or a host alone for port 19000), "
         "as a second front; the plan is asked of it and followed.")] = None,
+    standby: Annotated[bool, typer.Option(
+        "--standby", help="With --pipeline-coordinator: a standby coordinator, which takes "
+        "over the plan's healing and drains when the coordinator stays unreachable while "
+        "the plan's stage hosts answer (mlxceld(8) STANDBY).")] = False,
     prefill_peers: Annotated[str | None, typer.Option(
         "--prefill-peers", help="With --node-role router or decode: the prefill nodes' "
         "agent addresses, as --replicas (numeric addresses).")] = None,

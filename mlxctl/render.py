@@ -236,6 +236,10 @@ def status(body: dict[str, Any]) -> str:
         lines.append(prompt_cache(router["prompt_cache"]))
     if front := body.get("front"):  # a router in front of a pipeline (daemon/following.py)
         lines.append(f"front: {front['summary']}")
+    if standby := body.get("standby"):  # a standby coordinator (daemon/standby.py)
+        lines.append(f"standby: {standby['summary']}")
+    if down := body.get("stood_down"):  # a coordinator a standby superseded (fencing.py)
+        lines.append(f"coordinator: stood down: {down['summary']}")
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"

@@ -24,12 +24,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlxceld.cluster import adoption
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.query import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
 from mlxceld.cluster.bringup import resumed_model
 from mlxceld.cluster.clusterfile.placement import Placement, place
 from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
+from mlxceld.cluster.fencing import Fence, serve_assignment
 from mlxceld.cluster.front import Fronts, plan_of, serve_plan
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
@@ -51,7 +53,7 @@ from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
-from mlxceld.wire.agent_messages import Serving
+from mlxceld.wire.agent_messages import Plan, Serving
 from mlxceld.wire.secret import Keyring
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class ClusterMember:
         self._assignee: Assignee | None = None
         self._coordinator: Coordinator | None = None
         self._healer: Healer | None = None
+        self._fence = Fence(plans, events)  # a coordinator a standby superseded stands down
 
     # -- what `mlxctl status` and `mlxctl cluster nodes` show -------------------------------
 
@@ -110,6 +113,7 @@ class ClusterMember:
             "assignment": self._assignee.describe() if self._assignee else None,
             "bringup": self._coordinator.state if self._coordinator else None,
             "healing": self._healer.state if self._healer else None,
+            "stood_down": self._fence.describe(),  # cluster/fencing.py
             # the address only once bound: before, its port may still be the 0 asked for
             "agent": {"address": self.agent.address if self.agent and self._agent_bound
                       else None,
@@ -336,8 +340,19 @@ class ClusterMember:
         except (MlxceldError, OSError):
             return None
 
+    def adopt(self, plan: Plan, origin: str) -> str | None:
+        """A standby's takeover of ``plan``, followed from ``origin``: None once this daemon
+        coordinates it, else why not (``cluster/adoption.py``'s ``take_over``)."""
+        if self._coordinator is None:
+            return "no agent listener: nothing to coordinate with"
+        alive = [a for a, r in self._liveness_rows().items() if r.get("state") == "alive"]
+        return adoption.take_over(plan, origin, self._parts.served_model(), self._coordinator,
+                                  plans=self._plans, candidates=self._candidates.addresses(),
+                                  alive=alive)
+
     def _peer_asked(self, epoch: int, decision: str) -> None:
-        if self._coordinator is not None and self.may_coordinate():
+        if (self._coordinator is not None and self.may_coordinate()
+                and self._fence.stood_down is None):
             self._coordinator.peer_asked(epoch, decision)
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -360,6 +375,7 @@ class ClusterMember:
                                           if self._coordinator and self._coordinator.serving
                                           else None), parts.fronts)
         serve_queries(agent, self._plans, asked=self._peer_asked)
+        serve_assignment(agent, self._assignments)
         c = parts.config()
         stages = LocalStageHost(parts.stage, self._supervisor, self._events, cluster=c.cluster_name,
                                 state_dir=c.state_dir, model=parts.served_model,
@@ -427,8 +443,10 @@ class ClusterMember:
                     drained=self._drained_addresses)
                 tg.create_task(self._healer.run())
             if not c.dry_run and self.may_coordinate():
-                self._coordinator.start(c.pp_auto, parts.served_model(),
-                                        configured_model=c.serve.model)
+                coordinator, model = self._coordinator, parts.served_model()
+                tg.create_task(self._fence.start(
+                    lambda: coordinator.start(c.pp_auto, model, configured_model=c.serve.model),
+                    parts.pipeline.stop_pipeline, identity=agent.address, keyring=self._keyring))
 
     async def _serving(self) -> Serving:
         """The ``serving`` answer (``discovery/serving.py``): our node role, the port of our

@@ -107,7 +107,7 @@ FLAG_KEYS: dict[str, str] = {
     "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer",
     "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
     "--node-role": "serve.node_role", "--replicas": "serve.replicas",
-    "--pipeline-coordinator": "serve.pipeline_coordinator",
+    "--pipeline-coordinator": "serve.pipeline_coordinator", "--standby": "serve.standby",
     "--prefill-peers": "serve.prefill_peers", "--decode-peers": "serve.decode_peers",
     "--kv-compression": "serve.kv_compression", "--tp-size": "serve.tp_size",
     "--kv-bits": "serve.kv_bits", "--kv-group-size": "serve.kv_group_size",
@@ -195,6 +195,7 @@ class Overrides:
     node_role: str | None = None  # as given (config/replicas.py)
     replicas: str | None = None  # comma-separated, as given
     pipeline_coordinator: str | None = None  # as given (config/front.py)
+    standby: bool = False  # config/front.py
     prefill_peers: str | None = None  # comma-separated, as given (config/disagg.py)
     decode_peers: str | None = None  # ditto
     kv_compression: str | None = None  # as given

@@ -20,6 +20,11 @@ The address: ``host:port``, a host alone meaning the default agent port 19000, a
 address in brackets, as ``--replicas``. Rules (exit 2 at start): it needs ``--node-role
 router``, and excludes ``replicas``, ``prefill_peers`` and ``decode_peers`` (one router
 serves one kind of backend).
+
+``--standby`` / ``[serve] standby = true`` makes such a router a standby coordinator
+(``daemon/standby.py``): it takes over the plan's healing and drains once the coordinator
+stays unreachable while the plan's stage hosts answer. Only with ``pipeline_coordinator``
+(refused by name elsewhere, exit 2).
 """
 
 from __future__ import annotations
@@ -72,3 +77,20 @@ def check_front(coordinator: str | None, what: str, role: NodeRole,
         raise ConfigError(f"{what} excludes --replicas, --prefill-peers and "
                           "--decode-peers: a router serves one pipeline, or replicas",
                           hint="run one router per kind of backend")
+
+
+def parse_standby(flag: bool, table: Mapping[str, Any], where: str,
+                  coordinator: str | None) -> bool:
+    """``--standby`` / ``[serve] standby``: only on a router in front of a pipeline."""
+    value = table.get("standby", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: 'serve.standby' must be true or false",
+                          hint="write it as standby = true")
+    standby = flag or value
+    if standby and coordinator is None:
+        what = "--standby" if flag else f"{where}: 'serve.standby'"
+        raise ConfigError(f"{what} is for a router in front of a pipeline only "
+                          "(--node-role router --pipeline-coordinator HOST:PORT)",
+                          hint="name the coordinator it stands by for with "
+                          "--pipeline-coordinator, or drop --standby")
+    return standby

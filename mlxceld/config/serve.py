@@ -141,7 +141,7 @@ from mlxceld.config.clients import (
     parse_origins,
 )
 from mlxceld.config.disagg import check_pools, parse_compression, parse_peer_list
-from mlxceld.config.front import check_front, parse_pipeline_coordinator
+from mlxceld.config.front import check_front, parse_pipeline_coordinator, parse_standby
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
@@ -170,7 +170,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_connections", "header_timeout_s", "body_timeout_s", "write_timeout_s",
               "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
-              "pipeline_coordinator",
+              "pipeline_coordinator", "standby",
               "decode_peers", "kv_compression", "tp_size", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
               "allowed_origins", "generation_config", "reasoning_field",
@@ -196,6 +196,7 @@ class ServeConfig:
     node_role: NodeRole = HYBRID  # config/replicas.py
     replicas: tuple[str, ...] = ()  # a router's replicas' agent addresses, normalized
     pipeline_coordinator: str | None = None  # config/front.py: a pipeline's second router
+    standby: bool = False  # config/front.py: ... and a standby coordinator (daemon/standby.py)
     prefill_peers: tuple[str, ...] = ()  # config/disagg.py: agent addresses, normalized
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
@@ -284,6 +285,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     check_front(front, front_from, role, replicas + prefill + decode)
     cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill,
                   pipeline_coordinator=front,
+                  standby=parse_standby(flags.standby, table, where, front),
                   decode_peers=decode,
                   kv_compression=parse_compression(flags.kv_compression, table, where))
     model = flags.model or _typed(table, "model", str, where)

@@ -78,6 +78,7 @@ class PlanFollower:
         self._closing = asyncio.Event()
         self._identity: tuple[str, str] | None = None  # (model path, its identity)
         self.epoch: int | None = None
+        self.plan: Plan | None = None  # the plan followed (a standby adopts it)
         self.state = "waiting"  # waiting | following | unreachable | refused | stopped
         self.since = time.time()
         self.error: str | None = None
@@ -143,7 +144,7 @@ class PlanFollower:
         if self._roster.followed is not None:
             log.info("serving plan %s kept before the restart until coordinator %s answers",
                      plan.epoch, self.coordinator)
-            self.epoch = plan.epoch
+            self.epoch, self.plan = plan.epoch, plan
             self._set("unreachable", "not asked yet since the restart")
 
     async def follow_once(self) -> None:
@@ -166,7 +167,7 @@ class PlanFollower:
                       f"{str(plan.model)[:12]}…, this router's [serve] model is "
                       f"{str(ours)[:12]}…: give both the same model files")
             return
-        self.epoch = plan.epoch
+        self.epoch, self.plan = plan.epoch, plan
         if wanted != self._roster.followed:
             await self._move(wanted, plan)
         self._set("following", None)
@@ -181,7 +182,7 @@ class PlanFollower:
                  self.coordinator, NONE_FOR_S)
         self._events.append("front.stopped", "front", f"coordinator {self.coordinator} serves "
                             "no pipeline plan: the router stops")
-        self._roster.followed, self.epoch = None, None
+        self._roster.followed, self.epoch, self.plan = None, None, None
         self._settings.delete(KEPT)
         await self._roster.reconcile()
         self._set("stopped", None)

@@ -87,6 +87,7 @@ from mlxceld.daemon.replica_peers import ReplicaPeers
 from mlxceld.daemon.roster import Roster
 from mlxceld.daemon.serving import ServingParts, ServingWindow
 from mlxceld.daemon.stage_watch import StageWatch, StageWatchParts
+from mlxceld.daemon.standby import Standby
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.errors import (
     AlreadyRunning,
@@ -227,6 +228,9 @@ class Daemon:
         self._replica_peers = ReplicaPeers(candidates, self.supervisor, self._finds_replicas)
         self._front = PlanFollower(self.roster, self.supervisor, self.events, self.keys.keyring,
                                    Settings(self._db), origin=self.member.agent_address)
+        self._standby = Standby(self._front, self.member.adopt, self.events,
+                                dead_after_s=lambda: self.roster.config.liveness.dead_after_s
+                                ) if self.roster.serve.standby else None
         self._view = DaemonView(
             self.events, Lifetime(lambda: self._stopping, self.status, self.request_stop,
                                   self.reload),
@@ -254,6 +258,7 @@ class Daemon:
             "cluster": placement.describe() if placement else None,
             **self.member.describe(),  # assignment, bringup, agent
             "front": self._front.describe(),  # a router in front of a pipeline: following.py
+            "standby": self._standby.describe() if self._standby else None,  # standby.py
             "workers": workers,
             "problems": health.problems(workers) + self.member.problems(),
         }
@@ -305,6 +310,8 @@ class Daemon:
                 tg.create_task(self._draining.service.run())
                 tg.create_task(self._replica_peers.run())
                 tg.create_task(self._front.run())
+                if self._standby is not None:
+                    tg.create_task(self._standby.run())
                 if self._metrics is not None:
                     tg.create_task(self._metrics.serve())
                 self._front.restore()  # a router in front of a pipeline: its kept plan
@@ -394,6 +401,8 @@ class Daemon:
         self._draining.service.close()
         self._replica_peers.close()
         self._front.close()
+        if self._standby is not None:
+            self._standby.close()
         self._server.request_shutdown()
         if self._metrics is not None:
             self._metrics.close()

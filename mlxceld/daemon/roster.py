@@ -138,13 +138,15 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                     policy, secret=s.secret, accepted=s.accepted,
                                     log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE and s.serve.pipeline_coordinator is not None:
-        if s.serve.model is not None and s.followed is not None:
+        # A standby that took over drives the plans it pushed since (daemon/standby.py).
+        followed = pipeline_options(p) if p is not None and p.is_coordinator else s.followed
+        if s.serve.model is not None and followed is not None:
             # Its coordinator heals the plan; this router moves to the healed one at its
             # next ask (``following.FOLLOW_S``, 1 s): a sequence that lost a stage is held
             # for the heal's bound and that ask, then replayed (``pipeline/replay.py``).
             hold = hold_for(c.liveness.dead_after_s, c.heal_after_s) + FRONT_ASK_S
             specs.append(WorkerSpec(ROUTER, c.state_dir,
-                                    replace(router_options(s.serve, s.followed),
+                                    replace(router_options(s.serve, followed),
                                             replay_hold_s=hold),
                                     policy, api_key=s.api_key, secret=s.secret,
                                     accepted=s.accepted, log_format=c.log_format))

@@ -4,7 +4,7 @@ Each exchange is one question and one answer (``mlxceld.net.agent.ask``); the
 exchanges, their deadlines and what the fields mean are described where they are
 served: ``discovery/inventory.py`` (``inventory``), ``discovery/serving.py``
 (``serving``), ``cluster/rotation.py`` (``key_*``), ``cluster/front.py``
-(``plan``). A question and its answer may
+(``plan``), ``cluster/fencing.py`` (``assignment``). A question and its answer may
 share a type (``inventory``, ``serving``): ``ASKED`` and ``ANSWERED`` are the two
 vocabularies, by direction. ``error`` (``messages.Error``) may answer any of them.
 
@@ -358,6 +358,49 @@ def _plan_stage(entry: Any) -> PlanStage:
     return PlanStage(node, address, rank, (layers[0], layers[1]))
 
 
+@dataclass(frozen=True)
+class AssignmentRequest:
+    """The stage assignment a peer holds, and whose (``cluster/fencing.py``)."""
+
+    T: ClassVar[str] = "assignment"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The answer: the newest plan ``epoch`` the peer recorded, the agent address of the
+    ``coordinator`` that offered it and its ``state``; all null when it holds none."""
+
+    T: ClassVar[str] = "assignment"
+    epoch: int | None
+    coordinator: str | None
+    state: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "epoch": self.epoch, "coordinator": self.coordinator,
+                "state": self.state}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        exact_keys(header, ASSIGNMENT_KEYS, "'assignment'")
+        epoch, coordinator, state = header["epoch"], header["coordinator"], header["state"]
+        if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 2**63):
+            raise MessageError("epoch", "'assignment' with an epoch that is not a count")
+        for name, value in (("coordinator", coordinator), ("state", state)):
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= 300):
+                raise MessageError(name, f"'assignment' with a {name} that is not a string")
+        if (epoch is None) != (coordinator is None):
+            raise MessageError("coordinator", "'assignment' with an epoch but no coordinator")
+        return cls(epoch, coordinator, state)
+
+
+ASSIGNMENT_KEYS: Final = frozenset({"t", "epoch", "coordinator", "state"})
 ASKED: Final = vocabulary(InventoryRequest, ServingRequest, KeyInstall, KeyUse, KeyRemove,
-                          KeyReport, PlanRequest)
-ANSWERED: Final = vocabulary(Inventory, Serving, KeyState, Plan, Error)
+                          KeyReport, PlanRequest, AssignmentRequest)
+ANSWERED: Final = vocabulary(Inventory, Serving, KeyState, Plan, Assignment, Error)

@@ -82,6 +82,10 @@ class HeldStage:
     async def stop_stage(self) -> None:
         self.calls.append("stop")
 
+    async def end_epoch(self, epoch: int) -> str | None:
+        self.calls.append(f"end {epoch}")
+        return f"plan {epoch}'s stage stopped"
+
     def loading(self) -> None:
         return None
 
@@ -211,6 +215,41 @@ def test_deactivate_stops_the_stage_and_comes_only_from_the_coordinator(tmp_path
             assert (got["t"], got["reason"]) == ("deactivated", "plan 99 never ran here")
             assert peer.stage.calls.count("stop") == 1
             for stream in (push, stranger, told):
+                await stream.close("done")
+
+    asyncio.run(go())
+
+
+def test_the_coordinator_of_a_newer_plan_taken_here_may_deactivate_the_old_one(
+        tmp_path: Path) -> None:
+    """A standby that took the plan over (daemon/standby.py) offered a newer one, taken
+    here: it may tell the old plan is over (its stage kept serving meanwhile); a third
+    identity may not."""
+    standby = "127.0.0.1:19001"
+
+    async def go() -> None:
+        async with running_peer(tmp_path) as peer:
+            for epoch, who in ((20, COORDINATOR), (21, standby)):
+                push = await peer.dial(who)
+                await push.send(offer(epoch, coordinator=who, toml=TOML.replace(COORDINATOR, who)))
+                peer.stage.gate(epoch).set()
+                assert (await answer(push))["t"] == "accepted"
+                for ask, reply in (("commit", "committed"), ("activate", "active")):
+                    await push.send(sent(decided(ask, epoch)))
+                    assert (await answer(push))["t"] == reply
+                await push.close("done")
+            third = await peer.dial("127.0.0.1:19002")
+            await third.send(sent(Deactivate(20, "x")))
+            got = await answer(third)
+            assert (got["t"], got["code"]) == ("refused", "coordinator"), got
+            told = await peer.dial(standby)
+            await told.send(sent(Deactivate(20, "plan 21 serves in its place")))
+            assert (await answer(told))["t"] == "deactivated"
+            row = peer.assignments.get(20)
+            assert row is not None and row.state == "deactivated", row
+            assert peer.stage.calls[-1] == "end 20" and "stop" not in peer.stage.calls
+            assert peer.assignments.latest() == peer.assignments.get(21)
+            for stream in (third, told):
                 await stream.close("done")
 
     asyncio.run(go())

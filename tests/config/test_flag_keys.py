@@ -52,6 +52,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--node-role": ("router", "router", ("--replicas", "10.0.0.2")),
     "--replicas": ("10.0.0.2,mac-3", ["10.0.0.2", "mac-3:19000"], ("--node-role", "router")),
     "--pipeline-coordinator": ("10.0.0.1", "10.0.0.1:19000", ("--node-role", "router")),
+    "--standby": (None, True, ("--node-role", "router", "--pipeline-coordinator", "10.0.0.1")),
     "--prefill-peers": ("10.0.0.3", ["10.0.0.3:19000"],
                         ("--node-role", "router", "--decode-peers", "10.0.0.4")),
     "--decode-peers": ("10.0.0.4:19001", ["10.0.0.4:19001"],

@@ -49,3 +49,19 @@ def test_it_is_refused_by_name_where_it_does_not_go(tmp_path: Path, args: list[s
     assert said in err.value.message
     assert "pipeline_coordinator" in err.value.message or "--pipeline-coordinator" in \
         err.value.message
+
+
+def test_standby_goes_with_a_pipeline_coordinator_only(tmp_path: Path) -> None:
+    """``--standby`` / ``[serve] standby`` (daemon/standby.py): on a router in front of a
+    pipeline; refused by name elsewhere (exit 2 at start)."""
+    front = ["--node-role", "router", "--pipeline-coordinator", "10.0.0.1"]
+    assert config(tmp_path, [*front, "--standby"]).serve.standby
+    assert config(tmp_path, front, serve={"standby": True}).serve.standby
+    assert not config(tmp_path, front).serve.standby
+    for args, serve, said in ((["--standby"], {}, "--standby is for a router in front"),
+                              (["--node-role", "router"], {"standby": True},
+                               "'serve.standby' is for a router in front"),
+                              (front, {"standby": "yes"}, "must be true or false")):
+        with pytest.raises(ConfigError) as err:
+            config(tmp_path, args, serve=serve)
+        assert said in err.value.message, err.value.message

@@ -145,3 +145,18 @@ def test_a_plan_out_of_bounds_is_refused_naming_the_field(header: dict[str, Any]
     with pytest.raises(MessageError) as err:
         Plan.from_wire(header)
     assert err.value.field == field
+
+
+def test_the_assignment_answer_round_trips_and_is_checked() -> None:
+    """Channel 3's ``assignment`` (cluster/fencing.py): the peer's newest plan and whose."""
+    from mlxceld.wire.agent_messages import Assignment
+
+    held = Assignment(17, "10.0.0.5:19000", "active")
+    assert Assignment.from_wire(held.to_wire()) == held
+    assert Assignment.from_wire(Assignment(None, None, None).to_wire()).epoch is None
+    for bad, field in (({**held.to_wire(), "epoch": -1}, "epoch"),
+                       ({**held.to_wire(), "coordinator": None}, "coordinator"),
+                       ({**held.to_wire(), "extra": 1}, None)):
+        with pytest.raises(MessageError) as err:
+            Assignment.from_wire(bad)
+        assert field is None or err.value.field == field, err.value

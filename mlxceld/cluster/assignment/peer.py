@@ -23,9 +23,11 @@ or ``MLXCELD_TEST_PEER_WAIT_S`` in tests, see ``mlxceld.failpoints``); a
 answer), and a coordinator that cannot be asked ends the round (aborted).
 
 ``deactivate`` (`mlxctl cluster deactivate`, ``deactivation.py``) comes from
-the coordinator that offered the plan, on a connection of its own: the stage
-stops, the assignment is recorded deactivated, ``deactivated`` answers. A plan
-this peer never ran, or one a newer plan superseded here, is only recorded
+the coordinator that offered the plan, or from the one that offered a newer plan
+taken here (a standby that took the plan over, ``daemon/standby.py``, retiring it:
+it could replace the stage anyway), on a connection of its own: the stage stops,
+the assignment is recorded deactivated, ``deactivated`` answers. A plan this peer
+never ran, or one a newer plan superseded here, is only recorded
 (its stage is not this plan's).
 
 On start, the latest assignment is resumed as its record left it
@@ -309,7 +311,10 @@ class Assignee:
             await stream.send(sent(Deactivated(epoch, f"plan {epoch} never ran here")))
             return
         bound = bound_identity(stream.peer_identity, stream.peer)
-        if not await self._resolver.is_node(row.coordinator, bound):
+        newer = self._assignments.latest()  # a standby that took the plan over offered it
+        if not await self._resolver.is_node(row.coordinator, bound) and not (
+                newer is not None and newer.epoch > epoch
+                and await self._resolver.is_node(newer.coordinator, bound)):
             log.warning("deactivate %d from %s refused: plan %d came from %s", epoch, bound,
                         epoch, row.coordinator)
             await stream.send(sent(Refused(epoch, "coordinator", f"plan {epoch} came from "
