@@ -13,6 +13,11 @@ one stream, no token repeated or lost; greedy output is an unbroken run's. A req
 that arrives while the engine has a stage gone is held the same way (nothing sent yet:
 it is simply started on the working engine).
 
+A sequence still running on an engine the switch replaced (a live move to a new plan)
+when that engine fails it (closed at ``switch.RETIRE_S``, or a stage the new plan left
+out stopped) goes on on the current engine at once, with no hold, under the same rule of
+what can be replayed: a long answer outlasts any number of moves.
+
 The bound: the router's ``replay_hold_s`` (``RouterOptions``), which the coordinator's
 daemon sets to its heal's own time, ``hold_for``: ``peer_dead_after_s + heal_after_s +
 HEAL_WORK_S`` (130 s with the defaults); 0 where nothing heals the plan (self-healing
@@ -96,6 +101,15 @@ async def replayed(engines: Engines, request: GenerationRequest, hold_s: float
                     yield out
             return
         except EngineUnavailable as exc:
+            if engine is not engines.current and replayable(request.params, len(sent)):
+                # The plan moved on while it ran here (this engine retired at
+                # ``switch.RETIRE_S``, or a stage the new plan left out stopped): it goes
+                # on on the current plan's engine at once, whatever the hold.
+                log.info("request %s: %s; its plan was replaced: continued on the current "
+                         "plan's engine after %d token(s)", request.request_id, exc,
+                         len(sent))
+                engine, until = engines.current, None
+                continue
             now = time.monotonic()
             holding = until is not None and len(sent) == progress
             if not holding and not (lost(exc, engine) and replayable(request.params, len(sent))):

@@ -4,7 +4,8 @@ The router serves through a ``PipelineSwitch``: every new sequence goes to the c
 ``PipelineEngine``; ``switch(engine)`` makes another one current (the daemon's ``pipeline``
 op, as a drain's re-plan serves, ``cluster/healer.py``). The engine it replaces keeps the
 sequences it runs to their end, then is closed: it retires once it has none left, or
-after ``RETIRE_S`` at most (its stages' own drains end within
+after ``RETIRE_S`` at most (a sequence still running then goes on on the current engine,
+its prompt and the tokens sent prefilled there: ``replay.py``) (its stages' own drains end within
 ``pipeline.stage.DRAIN_S``, 15 s). Its links are kept up meanwhile, the new engine's are
 brought up at once (``keep_linked``).
 
@@ -16,10 +17,11 @@ retiring engines' sequences too, and ``tokens`` every engine's since the router 
 count that never goes back, for tokens/s).
 A keyring change (``rekey``) reaches the retiring engines as well as the current one.
 
-With ``hold_s`` above 0 (the router's ``replay_hold_s``: a plan the coordinator heals), a
-sequence whose stage is lost is held and replayed on a working engine rather than failed
-(``replay.py``); ``working`` is that wait: until a switch brings another engine, or the
-failed one has every stage attached again, ``hold_s`` at most.
+Every sequence runs through ``replay.py``: with ``hold_s`` above 0 (the router's
+``replay_hold_s``: a plan the coordinator heals), a sequence whose stage is lost is held
+and replayed on a working engine rather than failed; ``working`` is that wait: until a
+switch brings another engine, or the failed one has every stage attached again, ``hold_s``
+at most.
 """
 
 from __future__ import annotations
@@ -72,9 +74,7 @@ class PipelineSwitch:
                  self._retiring[-1].active_sequences(), RETIRE_S)
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
-        if self.hold_s > 0:
-            return replayed(self, request, self.hold_s)
-        return self._current.generate(request)
+        return replayed(self, request, self.hold_s)
 
     async def working(self, failed: PipelineEngine, until: float) -> PipelineEngine | None:
         """The engine to replay a sequence on that ``failed`` lost a stage of: the current

@@ -1,7 +1,7 @@
 """`mlxctl cluster activate --replicas 2`: two whole copies of the model, one stage each on
 its own peer, behind the coordinator's one router; real daemons on 127.0.0.1 (coordinator),
 .2 and .3 (peers), one cluster secret, the tiny fixture. After a kill -9 of one host the
-stream on its group ends with an error naming the group, the other group serves, and
+stream on its group goes on on the other group, which serves new requests, and
 self-healing (on, with a short detector) heals around the dead host: no spare, so its
 group is dropped and the other serves alone, the router moved to the new plan live."""
 
@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,8 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     assert "REPLICA" in shown, shown
 
     # kill -9 the host of the group a long stream runs on (daemon and stage worker): the
-    # stream ends with an error naming that group; new requests go to the other group.
+    # stream goes on on the other group (its prompt and the tokens sent prefilled there:
+    # replicas/pool.py), through the heal's live move too; new requests go to that group.
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
     body = {"model": "llama", "prompt": PROMPT, "max_tokens": 1900, "stream": True,
             "temperature": 0, "logit_bias": {str(t): -100 for t in
@@ -113,22 +115,25 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
         assert host.proc is not None
         for pid in (host.proc.pid, stage_pids[host.proc.pid]):
             os.kill(pid, signal.SIGKILL)
-        events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+        # read on (a client that stops reading is cut: api/outbox.py) while the group is
+        # seen down
+        events: list[dict[str, Any]] = []
+        reader = threading.Thread(target=lambda: events.extend(
+            json.loads(line[6:]) for line in lines if line != "data: [DONE]"))
+        reader.start()
+        try:
+            stats = wait_for(lambda: (s := router_stats(port))["up"] == 1 and s, DOWN_S,
+                             f"{busy} down")
+            down = next(n for n in stats["nodes"] if n["id"] == busy)
+            assert down["state"] == "down" and f"stage-{index}" in (down["last_error"] or ""), \
+                down
+        finally:
+            reader.join(120)
     host.proc.wait(timeout=10)
     errors = [e["error"] for e in events if "error" in e]
-    assert errors and f"replica {busy!r} failed after" in errors[0]["message"], events[-3:]
-    assert errors[0]["code"] == "engine_unavailable"
-    other = "replica-1" if busy == "replica-0" else "replica-0"
-    stats = wait_for(lambda: (s := router_stats(port))["up"] == 1 and s, DOWN_S,
-                     f"{busy} down")
-    down = next(n for n in stats["nodes"] if n["id"] == busy)
-    assert down["state"] == "down" and f"stage-{index}" in (down["last_error"] or ""), down
+    assert not errors, errors
+    assert events[-1]["choices"][0]["finish_reason"] == "length", events[-3:]
     assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
-    with ThreadPoolExecutor(4) as pool:
-        texts = list(pool.map(lambda _: complete(port, "llama"), range(4)))
-    assert texts == [want_text] * 4  # each within the client's 60 s: none hangs
-    after = {n["id"]: n for n in router_stats(port)["nodes"]}
-    assert after[other]["completed"] >= nodes[other]["completed"] + 4
     # The dead host is healed around: no spare, so its group is dropped and the other
     # group alone serves (a plan of one group), the router moved to it live.
     healed = wait_for(lambda: next((e for e in coord.events(300)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ class Long:
         start = time.monotonic()
         parts: list[str] = []
         try:
-            with client(self.url) as c:
+            with roomy(self.url) as c:
                 stream = c.completions.create(
                     model=MODEL, prompt=LONG_PROMPT, stream=True, max_tokens=LONG_TOKENS,
                     temperature=0, logit_bias={str(t): BAN for t in self.banned},
@@ -146,6 +147,17 @@ class Long:
             self.began.set()
             self.text = "".join(parts)
             self.took_s = time.monotonic() - start
+
+
+def roomy(url: str) -> openai.OpenAI:
+    """A client whose socket holds up to 4 MiB unread (``SO_RCVBUF``): the fixture decodes
+    the long stream at hundreds of tokens/s, so a reading thread descheduled for a moment
+    on a loaded machine would lag past the router's outbox and be cut as a slow reader
+    (``api/outbox.py``); a real model's stream gives any client tens of seconds."""
+    transport = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF,
+                                                     4 << 20)])
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60,
+                         http_client=httpx.Client(transport=transport, timeout=60))
 
 
 def rotate_under_a_long_stream(r: Host, members: list[Host], model: Path) -> None:

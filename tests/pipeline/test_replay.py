@@ -74,6 +74,36 @@ def test_a_stage_killed_mid_sequence_is_replayed_on_the_new_plan(
     assert KILL_AFTER <= on_first < N and on_second == N - on_first, (on_first, on_second)
 
 
+def test_a_sequence_outlasting_its_retired_engine_goes_on_on_the_current_one(
+        split_fixture_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hold (replica groups, a fixed plan): a live move's old engine is closed at
+    ``RETIRE_S`` with a sequence still running on it; the sequence goes on on the current
+    engine, one stream, mlx-lm's greedy tokens."""
+    monkeypatch.setattr("mlxceld.pipeline.switch.RETIRE_S", 0.5)
+    path = split_fixture_dir / "llama"
+    want = reference(path, PROMPT, N)
+
+    async def go() -> tuple[list[int], int, int]:
+        async with cluster(path, SPLITS) as old, cluster(path, SPLITS) as new:
+            first, second = old.engine(path), new.engine(path)
+            switch = PipelineSwitch(first)
+            linked = asyncio.create_task(switch.keep_linked())
+            moved = asyncio.Event()
+            reading = asyncio.create_task(read(switch.generate(greedy()), KILL_AFTER, moved))
+            await moved.wait()
+            switch.switch(second)  # a live move; the old engine closes 0.5 s on
+            got = await reading
+            linked.cancel()
+            await asyncio.gather(linked, return_exceptions=True)
+            tokens = first.tokens, second.tokens
+            await switch.aclose()
+            return got, *tokens
+
+    got, on_first, on_second = asyncio.run(go())
+    assert got == want
+    assert KILL_AFTER <= on_first < N and on_second == N - on_first, (on_first, on_second)
+
+
 def test_a_stage_back_on_its_host_replays_on_the_same_engine(
         split_fixture_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No new plan: the stage's worker restarted on its host (a new listener on the same

@@ -155,12 +155,16 @@ def test_a_failure_after_tokens_is_not_retried_and_names_the_replica() -> None:
 
 
 def test_a_replica_down_mid_stream_is_an_error_event_naming_it() -> None:
+    """A request that cannot go on on another replica (a presence penalty counts the
+    tokens the first one generated: ``engine/continuation.py``) ends with an SSE error
+    event naming the replica that went down."""
     engine, members = pool(reply=b"abcdef", stall_after=3)
 
     async def run() -> str:
         async with http_client(app_over(engine), KEY) as http:
             streamed = asyncio.create_task(http.post("/v1/completions", json={
-                "model": MODEL, "prompt": "p", "stream": True, "max_tokens": 10}))
+                "model": MODEL, "prompt": "p", "stream": True, "max_tokens": 10,
+                "presence_penalty": 0.5}))
             await until(lambda: engine.stats(verbose=False)["nodes"][0]["outstanding_tokens"]
                         == 10 - 3, "three tokens through the pool", timeout=30)
             members[0].down(f"no heartbeat from {ADDRESSES[0]}")
@@ -178,7 +182,7 @@ def test_a_replica_down_mid_stream_is_an_error_event_naming_it() -> None:
         "replica 'replica-0' failed after 3 tokens of this answer: the link to <address> "
         "broke: no heartbeat from <address>")
     assert events[4:] == ["[DONE]"]
-    assert members[1].requests == []  # nothing retried once tokens were out
+    assert members[1].requests == []  # not continued there
 
 
 class Linked(EngineMember):
