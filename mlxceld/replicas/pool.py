@@ -167,7 +167,7 @@ class ReplicaEngine:
         """The request on one member; one that goes down midway has it continued on
         another (``_continued``), each member at most once."""
         sent: list[int] = []
-        gone: set[str] = set()
+        gone: set[tuple[str, str]] = set()  # (node id, address) of the members it failed on
         while True:
             try:
                 async with contextlib.aclosing(
@@ -177,14 +177,15 @@ class ReplicaEngine:
                         yield out
                 return
             except _Continue as lost:
-                gone.add(lost.node)
+                gone.add(lost.member)
                 log.info("request %s: replica %s went down after %d token(s); continued on "
-                         "another", request.request_id, lost.node, len(sent))
+                         "another", request.request_id, lost.member[0], len(sent))
 
-    async def _attempt(self, request: GenerationRequest, gone: frozenset[str]
+    async def _attempt(self, request: GenerationRequest, gone: frozenset[tuple[str, str]]
                        ) -> AsyncGenerator[TokenOutput, None]:
         seq = next(self._sequences)
         node, stream, first = await self._start(seq, request, gone)
+        took = (node, self._by_id[node].address)  # a moved group keeps its id, not this
         outcome: Outcome = "cancelled"
         error: str | None = None
         try:
@@ -204,9 +205,9 @@ class ReplicaEngine:
         except EngineError as exc:
             outcome = "failed"
             error = str(exc)  # as it is: stats scrub it unless verbose
-            if self._continued(node, request, seq, exc, gone):
+            if self._continued(took, request, seq, exc, gone):
                 outcome = "retried"
-                raise _Continue(node) from exc
+                raise _Continue(took) from exc
             raise self._midway(node, seq, exc) from exc
         except Exception as exc:
             outcome = "failed"
@@ -307,7 +308,8 @@ class ReplicaEngine:
 
     # -- inside ---------------------------------------------------------------------------
 
-    async def _start(self, seq: int, request: GenerationRequest, gone: frozenset[str]
+    async def _start(self, seq: int, request: GenerationRequest,
+                     gone: frozenset[tuple[str, str]]
                      ) -> tuple[str, AsyncGenerator[TokenOutput, None], TokenOutput | None]:
         """The member that took the request, its stream and its first output (None: it
         ended with none). A member refusing before its first token is passed over, and
@@ -320,7 +322,8 @@ class ReplicaEngine:
             for member in self._members:
                 if member.state() != "up":
                     self._routing.nodes[member.node_id].shadow.clear()  # its cache may be gone
-                elif member.node_id not in refused and member.node_id not in gone:
+                elif (member.node_id not in refused
+                      and (member.node_id, member.address) not in gone):
                     up.append(member.node_id)
             ready = [i for i in up if not _draining(self._by_id[i])]
             choice = self._routing.choose(prompt, ready or up, hashes)
@@ -380,18 +383,22 @@ class ReplicaEngine:
             parts.append(f"{member.node_id} {state}{detail}")
         return ", ".join(parts)
 
-    def _continued(self, node: str, request: GenerationRequest, seq: int, exc: EngineError,
-                   gone: frozenset[str]) -> bool:
-        """Whether a request that ``node`` failed midway goes on on another member: the
-        member is down (its link broke or fell silent: not a drain's deadline, not a
-        fault of the request), the request can continue exactly
-        (``engine/continuation.py``), and another member is up."""
-        member = self._by_id.get(node)
-        if not isinstance(exc, EngineUnavailable) or member is None or member.state() == "up":
+    def _continued(self, took: tuple[str, str], request: GenerationRequest, seq: int,
+                   exc: EngineError, gone: frozenset[tuple[str, str]]) -> bool:
+        """Whether a request that the member ``took`` (its node id and address when it
+        took it) failed midway goes on on another member: that member is down (its link
+        broke or fell silent: not a drain's deadline, not a fault of the request), or is
+        no longer what it was (retired from the pool, or a replica group moved to another
+        plan's stages: what it ran on is stopping); the request can continue exactly
+        (``engine/continuation.py``); and another member is up."""
+        member = self._by_id.get(took[0])
+        replaced = member is None or member.address != took[1]
+        if not isinstance(exc, EngineUnavailable) or (not replaced and member is not None
+                                                      and member.state() == "up"):
             return False
         if not replayable(request.params, self._routing.generated(seq)):
             return False
-        return any(m.state() == "up" and m.node_id not in gone and m.node_id != node
+        return any(m.state() == "up" and (m.node_id, m.address) not in gone | {took}
                    for m in self._members)
 
     def _midway(self, node: str, seq: int, exc: EngineError) -> EngineError:
@@ -422,6 +429,6 @@ def _draining(member: Member) -> bool:
 class _Continue(Exception):
     """A member went down midway through a request that can go on on another."""
 
-    def __init__(self, node: str) -> None:
-        super().__init__(node)
-        self.node = node
+    def __init__(self, member: tuple[str, str]) -> None:
+        super().__init__(member[0])
+        self.member = member  # its node id and address

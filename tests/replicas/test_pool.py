@@ -274,3 +274,26 @@ def test_a_retired_member_finishes_its_sequence_then_leaves(loaded: Loaded) -> N
         await pool.aclose()
 
     asyncio.run(run())
+
+
+def test_a_retired_member_failing_midway_has_its_sequence_continued(loaded: Loaded) -> None:
+    """A member retired from the pool (a replica group a heal dropped) whose stages stop
+    under a running sequence: it goes on on a member in the pool, greedy tokens whole."""
+    async def run() -> None:
+        pool, members = loaded.pool()
+        prompt = loaded.prompt(PROMPTS[2])
+        bias = loaded.no_eos()
+        expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
+                                                           logit_bias=bias))
+        got: list[int] = []
+        async with asyncio.timeout(60):
+            async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
+                got.append(out.token)
+                if len(got) == 5:
+                    [holder] = [m for m in members if m.requests == ["long"]]
+                    pool.retire(holder.node_id)
+                    holder.down("its stage stopped")
+        assert got == expected
+        assert next(m for m in members if m is not holder).requests == ["long"]
+
+    asyncio.run(run())
