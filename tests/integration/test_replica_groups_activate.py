@@ -102,7 +102,7 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
     # stream goes on on the other group (its prompt and the tokens sent prefilled there:
     # replicas/pool.py), through the heal's live move too; new requests go to that group.
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
-    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 1900, "stream": True,
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 600, "stream": True,
             "temperature": 0, "logit_bias": {str(t): -100 for t in
                                              (eos if isinstance(eos, list) else [eos])}}
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
