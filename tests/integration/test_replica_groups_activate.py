@@ -100,7 +100,7 @@ def test_two_replicas_serve_share_and_outlive_a_killed_host(
 
     # kill -9 the host of the group a long stream runs on (daemon and stage worker): the
     # stream goes on on the other group (its prompt and the tokens sent prefilled there:
-    # replicas/pool.py), through the heal's live move too; new requests go to that group.
+    # replicas/pool.py); new requests go to that group.
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
     body = {"model": "llama", "prompt": PROMPT, "max_tokens": 600, "stream": True,
             "temperature": 0, "logit_bias": {str(t): -100 for t in
