@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from mlxceld.control.clients.typed import ControlClient
-from mlxceld.errors import DaemonNotRunning
+from mlxceld.errors import ControlError, DaemonNotRunning
 
 from helpers.waiting import wait_for
 
@@ -205,18 +205,27 @@ class Daemons:
         return d
 
     def note(self, d: DaemonProc) -> None:
+        """Every worker pid of ``d``: its database's, its status's, and (should its socket
+        not answer) every process below the daemon's."""
         self.pids |= d.recorded_pids()
-        for w in d.status()["workers"]:
-            if w["pid"]:
-                self.pids.add(w["pid"])
+        try:
+            workers = d.status()["workers"]
+        except (ControlError, OSError):  # a daemon that cannot answer: its processes still end
+            workers = []
+        self.pids |= {w["pid"] for w in workers if w["pid"]}
+        if d.proc is not None:
+            with contextlib.suppress(psutil.Error):
+                self.pids |= {c.pid for c in psutil.Process(d.proc.pid).children(True)}
 
     def end(self) -> None:
         """``cleanup`` after noting the workers of every daemon still running (asked over
         its socket): a module's cluster that outlives the ``daemons`` fixture ends so."""
-        for d in self.started:
-            if d.proc is not None and d.proc.poll() is None:
-                self.note(d)
-        self.cleanup()
+        try:
+            for d in self.started:
+                if d.proc is not None and d.proc.poll() is None:
+                    self.note(d)
+        finally:
+            self.cleanup()
 
     def cleanup(self) -> None:
         """SIGTERM to every daemon still running at once (a cluster stops in the time of its
