@@ -16,7 +16,10 @@ lost) has the request continued on another up member, each member at most once: 
 prompt and the tokens already sent prefilled there, decoding on, so the client reads one
 answer (``engine/continuation.py``: greedy output is an unbroken run's; a request with
 presence or frequency penalties, a constraint or a seeded sampler is not continued).
-Otherwise (no other member up, such a request, or an error that is not the member's
+When no other member is up at that moment, the request waits up to ``CONTINUE_WAIT_S``
+for one to come up (a member re-dialing a link that broke in the same event: a replica
+group whose old stages stop beside its new ones on one host). Otherwise (no other member
+up by then, none to wait for, such a request, or an error that is not the member's
 going down: a drain's deadline, a fault of the request) the member's error passes on as
 ``EngineUnavailable`` (or ``EngineError``) naming the member by node id. When no member
 is up, or every one refused, the request fails with ``EngineUnavailable`` naming each
@@ -30,8 +33,10 @@ sequence, whose length only the client bounds (``max_tokens``).
 Membership changes (a router finding its replicas by discovery). ``add`` puts a new
 member in the pool (its keeper started if ``keep_linked`` runs); ``retire`` takes one
 out: it gets no new request and leaves the stats once the sequences it holds end
-(they finish, or fail as a down member's do: the pool adds no deadline to them), and
-then it is closed. ``max_batch`` follows both. A node id is a member's for good: adding
+(they finish, or fail as a down member's do and go on on another member by the rule
+above: the pool adds no deadline to them); then its keeper is stopped and it is
+closed. Until then its keeper runs (links re-dialed, handed over to a new key) for
+those sequences. ``max_batch`` follows both. A node id is a member's for good: adding
 one that is a member is refused; adding back a retired one (the same node, returned)
 continues its account.
 
@@ -65,6 +70,11 @@ log = logging.getLogger(__name__)
 
 DOWN_RETRY_AFTER_S = 2  # Retry-After when no member is up (none said when to come back)
 CLOSE_S = 35.0  # how long aclose waits for each member's (a local engine's joins in 30 s)
+# How long a request whose member went down midway waits for another member to come up
+# (a link re-dialed takes well under a second on a LAN; a first dial of a group's new stages
+# a few seconds on a loaded host), and how often it looks.
+CONTINUE_WAIT_S = 10.0
+CONTINUE_POLL_S = 0.1
 MemberState = Literal["up", "connecting", "down"]
 
 
@@ -87,7 +97,7 @@ class ReplicaEngine:
     """Implements ``Engine`` over ``members``; its ``max_batch`` is the sum of theirs."""
 
     def __init__(self, members: Sequence[Member], *, model_id: str,
-                 context_length: int) -> None:
+                 context_length: int, continue_wait_s: float = CONTINUE_WAIT_S) -> None:
         ids = [m.node_id for m in members]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a replica pool needs members with distinct node ids, not "
@@ -95,6 +105,7 @@ class ReplicaEngine:
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = sum(m.max_batch for m in members)
+        self.continue_wait_s = continue_wait_s
         self._members = list(members)
         self._by_id = {m.node_id: m for m in members}
         self._routing = Routing({m.node_id: m.max_batch for m in members})
@@ -106,6 +117,7 @@ class ReplicaEngine:
         # the pool has no scope of its own (it serves without keep_linked too).
         self._closing = Background(f"the replica pool of {model_id}")
         self._keepers: dict[str, asyncio.Task[None]] = {}
+        self._retired_keepers: dict[str, asyncio.Task[None]] = {}  # until their close
         self._group: asyncio.TaskGroup | None = None
 
     # -- membership -------------------------------------------------------------------
@@ -133,8 +145,9 @@ class ReplicaEngine:
         self._members.remove(member)
         self.max_batch -= member.max_batch
         keeper = self._keepers.pop(node_id, None)
-        if keeper is not None:
-            keeper.cancel()
+        if keeper is not None:  # kept for its sequences in flight: stopped in _settle
+            _cancel(self._retired_keepers.pop(node_id, None))
+            self._retired_keepers[node_id] = keeper
         self._retiring[node_id] = member
         log.info("replica %s retired from the pool (%d sequences in flight there)", node_id,
                  self._routing.nodes[node_id].in_flight)
@@ -147,6 +160,7 @@ class ReplicaEngine:
         if member is None or (account is not None and account.in_flight):
             return
         del self._retiring[node_id]
+        _cancel(self._retired_keepers.pop(node_id, None))
         if node_id not in self._by_id:  # not added back meanwhile
             self._routing.drop(node_id)
         self._closing.spawn(self._close_member(member))
@@ -205,7 +219,7 @@ class ReplicaEngine:
         except EngineError as exc:
             outcome = "failed"
             error = str(exc)  # as it is: stats scrub it unless verbose
-            if self._continued(took, request, seq, exc, gone):
+            if await self._continues(took, request, seq, exc, gone):
                 outcome = "retried"
                 raise _Continue(took) from exc
             raise self._midway(node, seq, exc) from exc
@@ -287,6 +301,7 @@ class ReplicaEngine:
         finally:
             self._group = None
             self._keepers.clear()
+            self._retired_keepers.clear()
 
     def readiness(self) -> dict[str, Any] | None:
         """None while a member is up; else what is wrong (for ``/ready``'s 503)."""
@@ -383,14 +398,15 @@ class ReplicaEngine:
             parts.append(f"{member.node_id} {state}{detail}")
         return ", ".join(parts)
 
-    def _continued(self, took: tuple[str, str], request: GenerationRequest, seq: int,
-                   exc: EngineError, gone: frozenset[tuple[str, str]]) -> bool:
+    async def _continues(self, took: tuple[str, str], request: GenerationRequest, seq: int,
+                         exc: EngineError, gone: frozenset[tuple[str, str]]) -> bool:
         """Whether a request that the member ``took`` (its node id and address when it
         took it) failed midway goes on on another member: that member is down (its link
         broke or fell silent: not a drain's deadline, not a fault of the request), or is
         no longer what it was (retired from the pool, or a replica group moved to another
         plan's stages: what it ran on is stopping); the request can continue exactly
-        (``engine/continuation.py``); and another member is up."""
+        (``engine/continuation.py``); and another member is up, now or within
+        ``continue_wait_s``."""
         member = self._by_id.get(took[0])
         replaced = member is None or member.address != took[1]
         if not isinstance(exc, EngineUnavailable) or (not replaced and member is not None
@@ -398,8 +414,20 @@ class ReplicaEngine:
             return False
         if not replayable(request.params, self._routing.generated(seq)):
             return False
-        return any(m.state() == "up" and (m.node_id, m.address) not in gone | {took}
-                   for m in self._members)
+        out = gone | {took}
+
+        def others() -> list[Member]:
+            return [m for m in self._members if (m.node_id, m.address) not in out]
+
+        deadline = asyncio.get_running_loop().time() + self.continue_wait_s
+        while not any(m.state() == "up" for m in others()):
+            if not others() or asyncio.get_running_loop().time() >= deadline:
+                log.info("request %s: no other replica up within %g s to go on on (%s)",
+                         request.request_id, self.continue_wait_s,
+                         ", ".join(f"{m.node_id} {m.state()}" for m in others()) or "none")
+                return False
+            await asyncio.sleep(CONTINUE_POLL_S)
+        return True
 
     def _midway(self, node: str, seq: int, exc: EngineError) -> EngineError:
         n = self._routing.generated(seq)
@@ -417,6 +445,11 @@ class ReplicaEngine:
     async def _close(stream: AsyncGenerator[TokenOutput, None]) -> None:
         with contextlib.suppress(Exception):  # it failed already: its error was told
             await stream.aclose()
+
+
+def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
 
 
 def _draining(member: Member) -> bool:

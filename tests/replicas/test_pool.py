@@ -33,10 +33,12 @@ class Loaded:
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
-    def pool(self) -> tuple[ReplicaEngine, list[EngineMember]]:
-        members = [EngineMember(engine, f"replica-{i}", address=f"10.9.8.{i + 1}:19100")
+    def pool(self, kind: type[EngineMember] = EngineMember, **options: Any
+             ) -> tuple[ReplicaEngine, list[EngineMember]]:
+        members = [kind(engine, f"replica-{i}", address=f"10.9.8.{i + 1}:19100")
                    for i, engine in enumerate(self.engines)]
-        return ReplicaEngine(members, model_id="tiny", context_length=2048), members
+        return ReplicaEngine(members, model_id="tiny", context_length=2048,
+                             **options), members
 
     def no_eos(self) -> tuple[tuple[int, float], ...]:
         return tuple((t, -100.0) for t in sorted(self.tokenizer.eos_token_ids))
@@ -121,11 +123,12 @@ def test_a_member_down_midway_has_its_sequence_continued_on_another(loaded: Load
 
 def test_a_member_down_midway_fails_its_sequence_by_name_when_none_can_go_on(
         loaded: Loaded) -> None:
-    """No other member up, or a request that cannot continue exactly elsewhere (a presence
-    penalty counts the tokens the first member generated): the member's error, by name."""
+    """No other member up within the pool's wait, or a request that cannot continue
+    exactly elsewhere (a presence penalty counts the tokens the first member generated):
+    the member's error, by name."""
     async def run() -> None:
         for other_down, params in ((True, {}), (False, {"presence_penalty": 0.5})):
-            pool, members = loaded.pool()
+            pool, members = loaded.pool(continue_wait_s=0.3)
             prompt = loaded.prompt(PROMPTS[1])
             stream = pool.generate(request("long", prompt, n=400, logit_bias=loaded.no_eos(),
                                            **params))
@@ -280,7 +283,7 @@ def test_a_retired_member_failing_midway_has_its_sequence_continued(loaded: Load
     """A member retired from the pool (a replica group a heal dropped) whose stages stop
     under a running sequence: it goes on on a member in the pool, greedy tokens whole."""
     async def run() -> None:
-        pool, members = loaded.pool()
+        pool, members = loaded.pool(Borrowed)
         prompt = loaded.prompt(PROMPTS[2])
         bias = loaded.no_eos()
         expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
@@ -295,5 +298,34 @@ def test_a_retired_member_failing_midway_has_its_sequence_continued(loaded: Load
                     holder.down("its stage stopped")
         assert got == expected
         assert next(m for m in members if m is not holder).requests == ["long"]
+
+    asyncio.run(run())
+
+
+def test_a_sequence_cut_while_no_other_member_is_up_waits_for_one(loaded: Loaded) -> None:
+    """A retired member's stages stop under a running sequence at the moment the member in
+    the pool is down (its link re-dialed): the sequence waits for it to come up, within
+    the pool's wait, and goes on there whole."""
+    async def run() -> None:
+        pool, members = loaded.pool(Borrowed)
+        prompt = loaded.prompt(PROMPTS[3])
+        bias = loaded.no_eos()
+        expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
+                                                           logit_bias=bias))
+        got: list[int] = []
+        async with asyncio.timeout(60):
+            async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
+                got.append(out.token)
+                if len(got) == 5:
+                    [holder] = [m for m in members if m.requests == ["long"]]
+                    other = next(m for m in members if m is not holder)
+                    pool.retire(holder.node_id)
+                    other.down("re-dialing")
+                    holder.down("its stage stopped")
+                    asyncio.get_running_loop().call_later(1.0, other.up)
+        assert got == expected
+        assert other.requests == ["long"]
+        stats = pool.stats(verbose=False)
+        assert (stats["failed"], stats["completed"]) == (0, 1), stats
 
     asyncio.run(run())
