@@ -113,6 +113,10 @@ class StageSteps:
                 if live:
                     await self._run_group(loop, live)
                 self._done(len(group))
+            # A step run inline, and a one-stage pipeline's next step put in the queue by
+            # the step itself, suspend nothing: without this the loop would read no
+            # message (a prepare, a cancel) until every sequence here had ended.
+            await asyncio.sleep(0)
 
     async def _keep(self, keep: Keep) -> None:
         """A released sequence's caches into the prompt cache, as the router named them."""

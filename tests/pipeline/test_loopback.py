@@ -226,6 +226,34 @@ def test_the_stages_stop_a_sequence_at_max_tokens_and_at_eos(split_fixture_dir: 
     assert ran_eos == len(PROMPT) + stop
 
 
+def test_a_one_stage_pipeline_serves_new_requests_while_a_long_one_decodes(
+        split_fixture_dir: Path) -> None:
+    """A one-stage pipeline feeds each sampled token back to itself, inline on its event
+    loop's thread: it must still read what comes in between two steps (a new sequence's
+    prepare, a cancel), not only once the running sequence has ended."""
+    path = split_fixture_dir / "llama"
+    want = reference(path, PROMPT[:3], 4)
+    long_n = 600
+
+    async def go() -> tuple[list[int], int]:
+        async with cluster(path, [(0, 4)]) as c:
+            engine = c.engine(path)
+            try:
+                long = engine.generate(GenerationRequest(
+                    "long", PROMPT, SamplingParams(max_tokens=long_n, temperature=0.0)))
+                await anext(long)
+                short = await tokens_of(engine, PROMPT[:3], 4)
+                steps = c.services[0].stats.steps  # the long one's, and the short one's
+                await long.aclose()
+                return short, steps
+            finally:
+                await engine.aclose()
+
+    short, steps = asyncio.run(asyncio.wait_for(go(), 60))
+    assert short == want
+    assert steps < long_n // 2, steps  # answered while the long one had most to go
+
+
 def test_wrong_model_is_refused_with_both_identities(split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
 
