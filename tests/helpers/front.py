@@ -59,14 +59,21 @@ class Front:
 
 
 def front_router(daemons: Daemons, p: Pipeline, *extra: str, config: str = "",
-                 name: str = "r") -> Front:
-    """A router on ``FRONT_IP`` in front of ``p``'s coordinator (``--pipeline-coordinator``,
-    its agent's address), started with ``extra`` flags and ``config`` (the file's text)."""
+                 name: str = "r", by_name: str | None = None) -> Front:
+    """A router on ``FRONT_IP`` in front of ``p``'s coordinator, started with ``extra``
+    flags and ``config`` (the file's text). The coordinator is named by the
+    ``--pipeline-coordinator`` flag, as its agent's address; with ``by_name`` (a host name
+    of 127.0.0.1, e.g. ``localhost``), by ``[serve] pipeline_coordinator`` in the config
+    file instead, as that name and the agent's port."""
+    coord = agent(p.coord)
+    if by_name is not None:
+        named = f"{by_name}:{coord.rsplit(':', 1)[1]}"
+        config += f'\n[serve]\npipeline_coordinator = "{named}"\n'
     router = daemons.make(config, name=name)
     port = free_port(FRONT_IP)
     flags = ("--cluster-secret-file", str(secret_file(router.root, p.secret)),
              "--agent-addr", f"{FRONT_IP}:{free_port(FRONT_IP)}", "--node-role", "router",
-             "--pipeline-coordinator", agent(p.coord),
+             *(() if by_name is not None else ("--pipeline-coordinator", coord)),
              *extra, "--model", str(p.model), "--host", FRONT_IP, "--port", str(port))
     router.start(*flags)
     return Front(router, f"http://{FRONT_IP}:{port}", flags)

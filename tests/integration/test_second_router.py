@@ -8,7 +8,10 @@ both routers, kill -9 the coordinator's host (its daemon and every worker, by pi
 second router's requests keep succeeding (none refused, none failed), the stage hosts
 keep their stages, the router's status says the coordinator is unreachable; the load on
 the coordinator's own port is counted (it fails: the single front this removes). The
-counts are printed (``pytest -s``)."""
+counts are printed (``pytest -s``).
+
+The router of the drain's test names its coordinator as users of a config file and host
+names do: ``[serve] pipeline_coordinator = "localhost:PORT"``, no flag."""
 
 from __future__ import annotations
 
@@ -107,10 +110,13 @@ def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
     the old plan's stages stop only once it asked for the new plan (``Fronts``)."""
     pipe = pipeline(daemons, split_fixture_dir, 3)
     model, coord, first = pipe.model, pipe.coord, pipe.first
-    r = front_router(daemons, pipe)
+    # The coordinator by host name, in the config file (config/front.py): as users write it.
+    r = front_router(daemons, pipe, by_name="localhost")
     router, url = r.router, r.url
     wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
              every=0.5)
+    named = f"localhost:{agent(coord).rsplit(':', 1)[1]}"
+    assert router.status()["front"]["coordinator"] == named, router.status()["front"]
     router_pid = router.worker("router")["pid"]
     daemons.pids.add(router_pid)
     victim = first["peers"][1]["node_id"]  # the host of stage-1
