@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxceld.types import LoadProgress, WorkerState, load_progress, loading_text
+from mlxctl.drain_view import drain_line, drain_lines
+from mlxctl.timetext import duration, since
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
                "refused": "red"}
@@ -27,6 +29,12 @@ ANSI_COLORS = {"black": 30, "red": 31, "green": 32, "yellow": 33, "blue": 34, "m
 STATE_COLORS = {WorkerState.RUNNING: "green", WorkerState.STARTING: "cyan",
                 WorkerState.BACKOFF: "yellow", WorkerState.STOPPING: "yellow",
                 WorkerState.EXITED: "white", WorkerState.FAILED: "red"}
+# A status's parts of a pipeline's takeover, each shown as its label and its summary (the
+# part's other keys are for --json): a router in front of a pipeline (daemon/following.py),
+# a standby coordinator (daemon/standby.py), a coordinator a standby superseded
+# (cluster/fencing.py).
+TAKEOVER_LINES = (("front", "front"), ("standby", "standby"),
+                  ("stood_down", "coordinator: stood down"))
 
 
 def color_enabled() -> bool:
@@ -44,19 +52,6 @@ def style(text: str, color: str | None, *, bold: bool = False) -> str:
     ``typer.style(text, fg=color, bold=bold)`` does), then a reset."""
     fg = f"\033[{ANSI_COLORS[color]}m" if color else ""
     return fg + ("\033[1m" if bold else "\033[22m") + text + "\033[0m"
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None or seconds < 0:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def size(n: int | None) -> str:
@@ -168,7 +163,7 @@ def cluster_nodes(body: dict[str, Any]) -> str:
         live = n.get("liveness") or {}
         rows.append([n.get("node_id") or "-", n["address"], n.get("version") or "-",
                      n.get("key_id") or "-", memory, n["state"], seen, n["source"],
-                     live.get("state") or "-", _since(live.get("since"), now)])
+                     live.get("state") or "-", since(live.get("since"), now)])
         colors.append([None, None, None, "red" if n.get("key_stale") else None, None,
                        PEER_COLORS.get(n["state"]), None, None,
                        LIVENESS_COLORS.get(live.get("state") or ""), None])
@@ -183,18 +178,11 @@ def cluster_nodes(body: dict[str, Any]) -> str:
     for live in body.get("liveness") or []:  # a plan's peer that is no candidate (any more)
         if live["address"] not in listed:
             errors.append(f"  {live['address']} (a plan's peer): {live['state']} since "
-                          f"{_since(live['since'], now)}")
+                          f"{since(live['since'], now)}")
         if live["state"] in ("suspect", "dead"):
             errors.append(f"  {live['address']}: {live['state']}: {live['reason']}")
     return "\n".join([*lines, _detector(body.get("detector")), "",
                       table(headers, rows, colors), *errors])
-
-
-def _since(ts: float | None, now: float) -> str:
-    """A transition's time: its time of day, and how long ago."""
-    if ts is None:
-        return "-"
-    return time.strftime("%H:%M:%S", time.localtime(ts)) + f" ({duration(now - ts)} ago)"
 
 
 def _detector(d: dict[str, Any] | None) -> str:
@@ -234,12 +222,8 @@ def status(body: dict[str, Any]) -> str:
         lines.append(f"serving listener at {listener} (for the cluster's routers)")
     if isinstance(router.get("prompt_cache"), dict):
         lines.append(prompt_cache(router["prompt_cache"]))
-    if front := body.get("front"):  # a router in front of a pipeline (daemon/following.py)
-        lines.append(f"front: {front['summary']}")
-    if standby := body.get("standby"):  # a standby coordinator (daemon/standby.py)
-        lines.append(f"standby: {standby['summary']}")
-    if down := body.get("stood_down"):  # a coordinator a standby superseded (fencing.py)
-        lines.append(f"coordinator: stood down: {down['summary']}")
+    lines += [f"{label}: {part['summary']}" for key, label in TAKEOVER_LINES
+              if (part := body.get(key))]
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"
@@ -329,14 +313,14 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
     rows, colors, errors = [], [], []
     for s in stages:
         link, peer = s.get("link") or {}, s.get("peer") or {}
-        since = duration(now - link["since"]) if link.get("since") else "-"
+        lasted = duration(now - link["since"]) if link.get("since") else "-"
         rtt = f"{link['rtt_ms']:.1f} ms" if link.get("rtt_ms") is not None else "-"
         layers = f"[{s['layers'][0]}, {s['layers'][1]})" if s.get("layers") else "-"
         group = _group(s, stages)
         rows.append([*group, s.get("stage") or "-", s.get("node_id") or "-", layers,
-                     (link.get("state") or "-").replace("_", " "), since, rtt,
+                     (link.get("state") or "-").replace("_", " "), lasted, rtt,
                      link.get("address") or "-", peer.get("state") or "-",
-                     _since(peer.get("since"), now), peer.get("key_id") or "-",
+                     since(peer.get("since"), now), peer.get("key_id") or "-",
                      _held(link.get("prompt_cache"))])
         colors.append([*_blank(group), None, None, None,
                        LINK_COLORS.get(link.get("state") or ""), None, None,
@@ -355,7 +339,7 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
                                    "PEER SINCE", "KEY", "CACHE"], rows, colors), *errors]
     for p in view.get("other_peers") or []:
         out.append(f"peer {p.get('node_id') or '-'} ({p['address']}, no stage): "
-                   f"{p.get('state') or 'not watched'} since {_since(p.get('since'), now)}, "
+                   f"{p.get('state') or 'not watched'} since {since(p.get('since'), now)}, "
                    f"key {p.get('key_id') or '-'}"
                    + (" (not ours: it missed a secret rotation)" if p.get("key_stale") else ""))
     for d in view.get("drains") or []:
@@ -364,7 +348,7 @@ def pipeline(view: dict[str, Any], now: float | None = None) -> list[str]:
     if rot and rot.get("in_progress"):
         out.append(f"secret rotation {rot['id']} to key {rot['new_key_id']}: {rot['step']} "
                    f"({len(rot.get('members') or [])} member(s), since "
-                   f"{_since(rot.get('started_at'), now)})")
+                   f"{since(rot.get('started_at'), now)})")
     return out
 
 
@@ -378,25 +362,6 @@ def stage_caches(workers: list[dict[str, Any]]) -> list[str]:
     return [f"{w['name']}: " + prompt_cache(w["stats"]["prompt_cache"]) for w in workers
             if w.get("role") == "stage" and isinstance(w.get("stats"), dict)
             and isinstance(w["stats"].get("prompt_cache"), dict)]
-
-
-def drain_lines(drains: list[dict[str, Any]], now: float | None = None) -> list[str]:
-    """The drains in force on a node with no cluster view (``mlxctl.status/1``'s
-    ``drains``): a blank line, then one line each."""
-    now = time.time() if now is None else now
-    return ["", *(drain_line(d, now) for d in drains)] if drains else []
-
-
-def drain_line(d: dict[str, Any], now: float) -> str:
-    """One drain in force, as ``GET /v1/drains`` has it."""
-    deadline = ("no deadline" if d.get("deadline") is None else
-                "deadline passed" if d["deadline"] <= now else
-                f"deadline in {duration(d['deadline'] - now)}")
-    senders = "".join(f"; {s.get('sequences')} from {s.get('sender')}"
-                      for s in d.get("senders") or [] if isinstance(s, dict))
-    return (f"drain: node {d['node_id']} {d['state']} since {_since(d['started_at'], now)}, "
-            f"{deadline}: {d.get('finished', 0)} finished, {d.get('ended', 0)} ended"
-            f"{senders}")
 
 
 def _group(s: Any, stages: list[Any]) -> list[str]:
@@ -420,11 +385,11 @@ def stage_links(workers: list[dict[str, Any]]) -> list[str]:
         now = time.time()
         rows, colors, errors = [], [], []
         for s in stages:
-            since = duration(now - s["since"]) if s.get("since") else "-"
+            lasted = duration(now - s["since"]) if s.get("since") else "-"
             group = _group(s, stages)
             rows.append([*group, s["stage"], s["address"],
                          f"[{s['layers'][0]}, {s['layers'][1]})",
-                         s["state"].replace("_", " "), since])
+                         s["state"].replace("_", " "), lasted])
             colors.append([*_blank(group), None, None, None, LINK_COLORS.get(s["state"]),
                            None])
             if s.get("error"):

@@ -38,6 +38,9 @@ from mlxceld.types import ROUTER_ROLE, NodeRole
 from mlxceld.wire.address import parse_address
 
 DEFAULT_AGENT_PORT: Final = 19000
+# Between two asks of the coordinator's plan by such a router (daemon/following.py); here,
+# below the daemon's modules that time things by it (following.py, standby.py, roster.py).
+FOLLOW_S: Final = 1.0
 HINT: Final = ("name the coordinator's agent address: host:port, or a host alone for port "
                "19000, e.g. studio-1.local or 192.168.1.11:19000")
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Final
 
 from mlxceld.cluster.front import PlanNotFound, ask_plan, pipeline_of
+from mlxceld.config.front import FOLLOW_S as FOLLOW_S  # re-exported: standby.py's look
 from mlxceld.config.serve import ROUTER
 from mlxceld.daemon.roster import Roster
 from mlxceld.models.identity import model_identity
@@ -58,7 +59,6 @@ from mlxceld.wire.secret import Keyring
 
 log = logging.getLogger(__name__)
 
-FOLLOW_S: Final = 1.0  # between two asks of the coordinator's plan
 NONE_FOR_S: Final = 10.0  # "no plan" said this long in a row stops the router
 KEPT: Final = "front.plan"  # the settings key of the plan followed
 

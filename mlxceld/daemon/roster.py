@@ -65,6 +65,7 @@ from mlxceld.cluster.clusterfile.placement import (
     stage_options,
 )
 from mlxceld.config.daemon import Config
+from mlxceld.config.front import FOLLOW_S
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
 from mlxceld.discovery.inventory import free_ports
 from mlxceld.logformat import LogFormat
@@ -89,7 +90,8 @@ from mlxceld.wire.secret import Keyring
 MODEL_START_TIMEOUT_S: Final = 600.0  # after its load last advanced (supervisor/states.py)
 MODEL_STOP_TIMEOUT_S: Final = 20.0
 TP_GROUP: Final = "tp"  # the router and its tensor-parallel ranks' WorkerSpec.group
-FRONT_ASK_S: Final = 2.0  # a router in front of a pipeline: its ask of the plan, and slack
+# A router in front of a pipeline: its next ask of the plan (FOLLOW_S), and 1 s of slack.
+FRONT_ASK_S: Final = FOLLOW_S + 1.0
 TP_RING_HOST: Final = "127.0.0.1"  # a tensor-parallel group is on one host: its ring on loopback
 
 
@@ -142,7 +144,7 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
         followed = pipeline_options(p) if p is not None and p.is_coordinator else s.followed
         if s.serve.model is not None and followed is not None:
             # Its coordinator heals the plan; this router moves to the healed one at its
-            # next ask (``following.FOLLOW_S``, 1 s): a sequence that lost a stage is held
+            # next ask (``FOLLOW_S``, 1 s): a sequence that lost a stage is held
             # for the heal's bound and that ask, then replayed (``pipeline/replay.py``).
             hold = hold_for(c.liveness.dead_after_s, c.heal_after_s) + FRONT_ASK_S
             specs.append(WorkerSpec(ROUTER, c.state_dir,

@@ -7,6 +7,8 @@ served: ``discovery/inventory.py`` (``inventory``), ``discovery/serving.py``
 (``plan``), ``cluster/fencing.py`` (``assignment``). A question and its answer may
 share a type (``inventory``, ``serving``): ``ASKED`` and ``ANSWERED`` are the two
 vocabularies, by direction. ``error`` (``messages.Error``) may answer any of them.
+A question that is its type alone (``inventory``, ``serving``, ``key_report``, ``plan``,
+``assignment``) is a ``BareQuestion``.
 
 ``from_wire`` checks every field (``Inventory`` and ``Serving`` against the bounds
 their exchanges document) and raises ``MessageError`` naming the first one out of
@@ -39,10 +41,11 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
-class InventoryRequest:
-    """What a peer offers a plan (``discovery/inventory.py``)."""
+class BareQuestion:
+    """A question that is its type alone: ``{"t": T}`` on the wire. ``from_wire`` reads
+    nothing else from the header."""
 
-    T: ClassVar[str] = "inventory"
+    T: ClassVar[str]
 
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.T}
@@ -50,6 +53,13 @@ class InventoryRequest:
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
         return cls()
+
+
+@dataclass(frozen=True)
+class InventoryRequest(BareQuestion):
+    """What a peer offers a plan (``discovery/inventory.py``)."""
+
+    T: ClassVar[str] = "inventory"
 
 
 @dataclass(frozen=True)
@@ -133,17 +143,10 @@ def _string(table: Mapping[str, Any], key: str, low: int, high: int) -> None:
 
 
 @dataclass(frozen=True)
-class ServingRequest:
+class ServingRequest(BareQuestion):
     """Where a node serves requests (``discovery/serving.py``)."""
 
     T: ClassVar[str] = "serving"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T}
-
-    @classmethod
-    def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        return cls()
 
 
 @dataclass(frozen=True)
@@ -242,17 +245,10 @@ def _kid(header: Mapping[str, Any], what: str) -> str:
 
 
 @dataclass(frozen=True)
-class KeyReport:
+class KeyReport(BareQuestion):
     """Say the key state, change nothing."""
 
     T: ClassVar[str] = "key_report"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T}
-
-    @classmethod
-    def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        return cls()
 
 
 KeyOp = KeyInstall | KeyUse | KeyRemove | KeyReport
@@ -278,17 +274,10 @@ class KeyState:
 
 
 @dataclass(frozen=True)
-class PlanRequest:
+class PlanRequest(BareQuestion):
     """The pipeline plan a coordinator's router serves (``cluster/front.py``)."""
 
     T: ClassVar[str] = "plan"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T}
-
-    @classmethod
-    def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        return cls()
 
 
 @dataclass(frozen=True)
@@ -359,17 +348,10 @@ def _plan_stage(entry: Any) -> PlanStage:
 
 
 @dataclass(frozen=True)
-class AssignmentRequest:
+class AssignmentRequest(BareQuestion):
     """The stage assignment a peer holds, and whose (``cluster/fencing.py``)."""
 
     T: ClassVar[str] = "assignment"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T}
-
-    @classmethod
-    def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        return cls()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,16 @@ def test_a_host_alone_is_the_default_agent_port_and_discovery_is_not_needed(
     (["--node-role", "router", "--pipeline-coordinator", "0.0.0.0:19000"], {}, "wildcard"),
     (["--node-role", "router", "--pipeline-coordinator", "a,b"], {}, "one agent address"),
     (["--node-role", "router"], {"pipeline_coordinator": 19000}, "one agent address"),
+    (["--node-role", "router"], {"pipeline_coordinator": "studio.local:0"},
+     "has port 0, outside 1-65535"),
+    (["--node-role", "router"], {"pipeline_coordinator": "[fd00::1]:65536"},
+     "has port 65536, outside 1-65535"),
+    (["--node-role", "router"], {"pipeline_coordinator": "studio.local:x"},
+     "has port 'x', not a number"),
+    (["--node-role", "router"], {"pipeline_coordinator": "studio_1!:19000"},
+     "neither an IP address nor a hostname"),
+    (["--node-role", "router", "--pipeline-coordinator", "studio.local:0"], {},
+     "outside 1-65535"),
 ])
 def test_it_is_refused_by_name_where_it_does_not_go(tmp_path: Path, args: list[str],
                                                     serve: dict[str, object],
@@ -49,6 +59,16 @@ def test_it_is_refused_by_name_where_it_does_not_go(tmp_path: Path, args: list[s
     assert said in err.value.message
     assert "pipeline_coordinator" in err.value.message or "--pipeline-coordinator" in \
         err.value.message
+
+
+def test_a_host_name_is_kept_as_written_and_resolved_when_dialed(tmp_path: Path) -> None:
+    """No DNS at start (config/peers.py): a name is the coordinator's as written, even one
+    that does not resolve now; the router asks it each ``FOLLOW_S`` and a name that does
+    not resolve then shows as the front's ``unreachable`` with why
+    (daemon/following.py)."""
+    for name in ("localhost:19001", "no-such-host.invalid:19000"):
+        cfg = config(tmp_path, ["--node-role", "router"], serve={"pipeline_coordinator": name})
+        assert cfg.serve.pipeline_coordinator == name
 
 
 def test_standby_goes_with_a_pipeline_coordinator_only(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from mlxctl import render
+from mlxctl.drain_view import drain_line
 
 NOW = 1_800_000_000.0
 
@@ -227,8 +228,33 @@ def test_a_drain_line_names_who_still_sends_work() -> None:
              "deadline": NOW + 58, "finished": 1, "ended": 0,
              "senders": [{"sender": "clients of the OpenAI port", "sequences": 1},
                          {"sender": "router 127.0.0.1:19000", "sequences": 3}]}
-    assert render.drain_line(drain, NOW) == (
+    assert drain_line(drain, NOW) == (
         f"drain: node hyb-a draining since {clock(NOW - 2)} (2s ago), deadline in 58s: 1 "
         "finished, 0 ended; 1 from clients of the OpenAI port; 3 from router "
         "127.0.0.1:19000")
-    assert render.drain_line({**drain, "senders": None}, NOW).endswith("1 finished, 0 ended")
+    assert drain_line({**drain, "senders": None}, NOW).endswith("1 finished, 0 ended")
+
+
+def test_front_standby_and_stood_down_each_say_their_summary_in_order() -> None:
+    """A router in front of a pipeline (``front``), a standby coordinator (``standby``) and
+    a coordinator a standby superseded (``stood_down``): one line each, their summary,
+    whatever other keys they carry; none, no line."""
+    body: dict[str, Any] = {
+        "daemon": {"version": "1", "state": "running", "node_id": "r2", "pid": 9,
+                   "uptime_s": 5},
+        "workers": [], "serving": None, "cluster": None, "assignment": None,
+        "bringup": None, "healing": None, "pipeline": None, "problems": [],
+        "front": {"coordinator": "127.0.0.1:19000", "state": "following",
+                  "summary": "following coordinator 127.0.0.1:19000: plan 3 (2 stages)"},
+        "standby": {"state": "standing by", "took_over": False, "new_key": [1, 2],
+                    "summary": "standing by for coordinator 127.0.0.1:19000"},
+        "stood_down": {"epoch": 3, "summary": "plan 3 was superseded by plan 4"}}
+    lines = render.status(body).split("\n")
+    assert lines[1:4] == [
+        "front: following coordinator 127.0.0.1:19000: plan 3 (2 stages)",
+        "standby: standing by for coordinator 127.0.0.1:19000",
+        "coordinator: stood down: plan 3 was superseded by plan 4"]
+    body.update(front=None, stood_down={})
+    del body["standby"]  # an older daemon's status
+    assert render.status(body).split("\n")[1:3] == ["", "no workers configured (the daemon "
+                                                        "is idle: control plane only)"]

@@ -8,65 +8,44 @@ both routers, kill -9 the coordinator's host (its daemon and every worker, by pi
 second router's requests keep succeeding (none refused, none failed), the stage hosts
 keep their stages, the router's status says the coordinator is unreachable; the load on
 the coordinator's own port is counted (it fails: the single front this removes). The
-counts are printed (``pytest -s``)."""
+counts are printed (``pytest -s``).
+
+The router of the drain's test names its coordinator as users of a config file and host
+names do: ``[serve] pipeline_coordinator = "localhost:PORT"``, no flag."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.cluster import activate, agent, coordinator, start
-from helpers.daemons import READY_S, DaemonProc, Daemons, alive
-from helpers.keys import secret_file
+from helpers.cluster import agent
+from helpers.daemons import READY_S, Daemons, alive
+from helpers.front import (
+    FOLLOW_WAIT_S,
+    front_router,
+    host_pids,
+    kill_host,
+    pipeline,
+    serves,
+)
 from helpers.load import StreamingLoad
-from helpers.models import PROMPT, expected
-from helpers.ports import free_port
-from helpers.router import greedy
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 WARM_S = 3.0  # load on both routers before the kill
 AFTER_S = 8.0  # load on the second router after it
-FOLLOW_WAIT_S = 120.0  # the router learns the plan (1 s polls) and loads its tokenizer
 LOAD_BOUND_S = 90.0
-
-
-def second_router(daemons: Daemons, secret: bytes, coord: DaemonProc, model: Path
-                  ) -> tuple[DaemonProc, int, tuple[str, ...]]:
-    """The router on 127.0.0.5 in front of ``coord``'s pipeline; its OpenAI port, and its
-    flags (a restart starts it with them)."""
-    port = free_port("127.0.0.5")
-    router = daemons.make(name="r")
-    flags = ("--cluster-secret-file", str(secret_file(router.root, secret)),
-             "--agent-addr", f"127.0.0.5:{free_port('127.0.0.5')}", "--node-role", "router",
-             "--pipeline-coordinator", agent(coord), "--model", str(model),
-             "--host", "127.0.0.5", "--port", str(port))
-    router.start(*flags)
-    return router, port, flags
-
-
-def serves(url: str, model: Path) -> bool:
-    try:
-        return greedy(url, PROMPT, 8, model="llama") == expected(model, PROMPT, 8)
-    except Exception:  # the router loading, or not yet attached: not yet
-        return False
 
 
 def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
         daemons: Daemons, split_fixture_dir: Path) -> None:
-    model = split_fixture_dir / "llama"
-    secret = os.urandom(16).hex().encode()
-    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
-             for ip in ("127.0.0.2", "127.0.0.3")]
-    coord, coord_port, coord_flags = coordinator(daemons, secret, peers)
-    activate(coord, model, 2)
-    router, port, router_flags = second_router(daemons, secret, coord, model)
-    url = f"http://127.0.0.5:{port}"
+    pipe = pipeline(daemons, split_fixture_dir, 2)
+    model, peers, coord = pipe.model, pipe.peers, pipe.coord
+    r = front_router(daemons, pipe)
+    router, url = r.router, r.url
     wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
              every=0.5)
     front = router.status()["front"]
@@ -78,17 +57,14 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
     stage_pids = [p.wait_worker("stage", timeout=READY_S, state="running")["pid"]
                   for p in peers]
     daemons.pids.update(stage_pids)
-    host_pids = [coord.pid, *(w["pid"] for w in coord.status()["workers"] if w["pid"])]
-    daemons.pids.update(host_pids)
+    pids = host_pids(daemons, coord)
 
     with StreamingLoad(f"{url}/v1", clients=4, bound_s=LOAD_BOUND_S) as load, \
-            StreamingLoad(f"http://127.0.0.1:{coord_port}/v1", clients=2,
+            StreamingLoad(f"http://127.0.0.1:{pipe.coord_port}/v1", clients=2,
                           bound_s=LOAD_BOUND_S) as before:
         time.sleep(WARM_S)
         at_kill = load.counts()
-        for pid in host_pids:  # the coordinator's host goes: its daemon and its workers
-            os.kill(pid, signal.SIGKILL)
-        assert coord.proc is not None and coord.proc.wait(10) == -signal.SIGKILL
+        kill_host(coord, pids)  # the coordinator's host goes: its daemon and its workers
         time.sleep(AFTER_S)
     counts, lost = load.counts(), before.counts()
     print(f"\nkill -9 of the coordinator's host under load: second router {counts} "
@@ -96,7 +72,7 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
           f"port {lost}")
     assert load.refused == [] and load.failed == [], (load.refused[:3], load.failed[:3])
     assert counts["completed"] > at_kill["completed"] + 2, (at_kill, counts)
-    assert all(not alive(pid) for pid in host_pids)
+    assert all(not alive(pid) for pid in pids)
     assert lost["refused"] + lost["failed"] > 0, lost  # the single front it replaces
     # The stage hosts keep their stages; the router says its coordinator is gone.
     assert [p.worker("stage")["pid"] for p in peers] == stage_pids
@@ -115,10 +91,10 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
         assert router.proc is not None
         router.proc.kill()
         router.proc.wait(10)
-        router.start(*router_flags)
+        router.start(*r.flags)
         assert router.status()["front"]["state"] == "unreachable"
         assert router.worker("router")["pid"] == worker  # re-adopted, not restarted
-        coord.start(*coord_flags)
+        coord.start(*pipe.coord_flags)
         wait_for(lambda: router.status()["front"]["state"] == "following", FOLLOW_WAIT_S,
                  "the router following the restarted coordinator", every=0.5)
         time.sleep(WARM_S)
@@ -132,17 +108,15 @@ def test_the_second_router_follows_a_drains_replan_live(daemons: Daemons,
     """A drain of a stage node re-plans onto the spare: the second router learns the new
     plan within a few seconds and moves to it live, its load neither refused nor failed;
     the old plan's stages stop only once it asked for the new plan (``Fronts``)."""
-    model = split_fixture_dir / "llama"
-    secret = os.urandom(16).hex().encode()
-    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
-             for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
-    coord, _, _ = coordinator(daemons, secret, peers)
-    activate(coord, model, 2)
-    first = coord.status()["bringup"]
-    router, port, _ = second_router(daemons, secret, coord, model)
-    url = f"http://127.0.0.5:{port}"
+    pipe = pipeline(daemons, split_fixture_dir, 3)
+    model, coord, first = pipe.model, pipe.coord, pipe.first
+    # The coordinator by host name, in the config file (config/front.py): as users write it.
+    r = front_router(daemons, pipe, by_name="localhost")
+    router, url = r.router, r.url
     wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the second router serving",
              every=0.5)
+    named = f"localhost:{agent(coord).rsplit(':', 1)[1]}"
+    assert router.status()["front"]["coordinator"] == named, router.status()["front"]
     router_pid = router.worker("router")["pid"]
     daemons.pids.add(router_pid)
     victim = first["peers"][1]["node_id"]  # the host of stage-1

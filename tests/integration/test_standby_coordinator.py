@@ -14,8 +14,6 @@ coordinator's status names the standby. The counts are printed (``pytest -s``)."
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -23,13 +21,17 @@ import pytest
 
 from mlxceld.daemon.standby import TAKEOVER_BOUND_S
 
-from helpers.cluster import activate, agent, coordinator, start
+from helpers.cluster import agent
 from helpers.daemons import Daemons, alive
-from helpers.keys import secret_file
+from helpers.front import (
+    FOLLOW_WAIT_S,
+    front_router,
+    host_pids,
+    kill_host,
+    pipeline,
+    serves,
+)
 from helpers.load import StreamingLoad
-from helpers.models import PROMPT, expected
-from helpers.ports import free_port
-from helpers.router import greedy
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -42,49 +44,29 @@ peer_suspect_after_s = 1.5
 peer_dead_after_s = {DEAD_S}
 """
 WARM_S = 3.0
-FOLLOW_WAIT_S = 120.0  # the router learns the plan (1 s polls) and loads its tokenizer
 LOAD_BOUND_S = 120.0
 REPLAN_WAIT_S = 60.0  # a drain's re-plan: a poll (10 s at most) and a push
 
 
-def serves(url: str, model: Path) -> bool:
-    try:
-        return greedy(url, PROMPT, 8, model="llama") == expected(model, PROMPT, 8)
-    except Exception:  # the router loading, or not yet attached: not yet
-        return False
-
-
 def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_down(
         daemons: Daemons, split_fixture_dir: Path) -> None:
-    model = split_fixture_dir / "llama"
-    secret = os.urandom(16).hex().encode()
-    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
-             for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
-    coord, _, coord_flags = coordinator(daemons, secret, peers)
-    activate(coord, model, 2)
-    first, coord_agent = coord.status()["bringup"], agent(coord)
-    port = free_port("127.0.0.5")
-    router = daemons.make(LIVENESS, name="s")
-    router.start("--cluster-secret-file", str(secret_file(router.root, secret)),
-                 "--agent-addr", f"127.0.0.5:{free_port('127.0.0.5')}", "--node-role",
-                 "router", "--pipeline-coordinator", coord_agent, "--standby",
-                 "--cluster-peers", ",".join(agent(p) for p in peers),
-                 "--model", str(model), "--host", "127.0.0.5", "--port", str(port))
-    url = f"http://127.0.0.5:{port}"
+    pipe = pipeline(daemons, split_fixture_dir, 3)
+    model, peers, coord, first = pipe.model, pipe.peers, pipe.coord, pipe.first
+    coord_agent = agent(coord)
+    r = front_router(daemons, pipe, "--standby", "--cluster-peers",
+                     ",".join(agent(p) for p in peers), config=LIVENESS, name="s")
+    router, url = r.router, r.url
     wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the standby serving", every=0.5)
     standby = router.status()["standby"]
     assert standby["state"] == "standing by" and standby["coordinator"] == coord_agent
     assert f"standby: standing by for coordinator {coord_agent}" in router.ctl("status").stdout
-    host_pids = [coord.pid, *(w["pid"] for w in coord.status()["workers"] if w["pid"])]
-    daemons.pids.update(host_pids)
+    pids = host_pids(daemons, coord)
     victim = first["peers"][1]["node_id"]  # the host of stage-1
 
     with StreamingLoad(f"{url}/v1", clients=4, bound_s=LOAD_BOUND_S) as load:
         time.sleep(WARM_S)
         killed_at = time.time()
-        for pid in host_pids:  # the coordinator's host goes: its daemon and its workers
-            os.kill(pid, signal.SIGKILL)
-        assert coord.proc is not None and coord.proc.wait(10) == -signal.SIGKILL
+        kill_host(coord, pids)  # the coordinator's host goes: its daemon and its workers
         bound = DEAD_S + TAKEOVER_BOUND_S
         try:
             took = wait_for(lambda: (s := router.status()["standby"])["took_over"] and s,
@@ -104,7 +86,7 @@ def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_
           f"under load: {counts} ({at_takeover} at the takeover, "
           f"{took['since'] - killed_at:.1f} s after the kill; bound {bound:g} s)")
     assert load.refused == [] and load.failed == [], (load.refused[:3], load.failed[:3])
-    assert all(not alive(pid) for pid in host_pids)
+    assert all(not alive(pid) for pid in pids)
     assert took["since"] - killed_at <= bound, (took, killed_at)
     assert took["epoch"] == first["epoch"], took
     said = router.ctl("status").stdout
@@ -125,7 +107,7 @@ def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_
     spare = {p["node_id"] for p in new["peers"]} - {p["node_id"] for p in first["peers"]}
     assert len(spare) == 1, (first, new)
     held = {agent(p): p.status()["assignment"] for p in peers}
-    coord.start(*coord_flags)
+    coord.start(*pipe.coord_flags)
     down = wait_for(lambda: coord.status()["stood_down"], 20, "the old coordinator to stand "
                     "down", every=0.2)
     assert down["epoch"] == first["epoch"] and down["superseded_by"] == new["epoch"], down

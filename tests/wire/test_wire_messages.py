@@ -12,6 +12,7 @@ from mlxceld.wire import encode_envelope
 from mlxceld.wire.agent_messages import (
     ANSWERED,
     ASKED,
+    AssignmentRequest,
     Inventory,
     InventoryRequest,
     KeyInstall,
@@ -57,6 +58,8 @@ SAME_BYTES: list[tuple[Any, dict[str, Any]]] = [
     (KeyUse("00" * 8), {"t": "key_use", "kid": "00" * 8}),
     (KeyRemove("00" * 8), {"t": "key_remove", "kid": "00" * 8}),
     (KeyReport(), {"t": "key_report"}),
+    (PlanRequest(), {"t": "plan"}),
+    (AssignmentRequest(), {"t": "assignment"}),
     (KeyState("00" * 8, ("00" * 8, "11" * 8)), {"t": "key_state", "primary": "00" * 8,
                                                "ids": ["00" * 8, "11" * 8]}),
     (Inventory.from_wire(INVENTORY), INVENTORY),
@@ -85,6 +88,14 @@ def test_a_message_goes_out_as_the_literal_it_replaced(message: Any,
                                                       literal: dict[str, Any]) -> None:
     assert encode_envelope(message.to_wire()) == encode_envelope(literal)
     assert type(message).from_wire(literal) == message
+
+
+def test_the_bare_questions_differ_by_their_type_alone() -> None:
+    """The questions that are their type alone (``BareQuestion``): one each in ``ASKED``,
+    none equal to another."""
+    kinds = (InventoryRequest, ServingRequest, KeyReport, PlanRequest, AssignmentRequest)
+    assert [ASKED[k.T] for k in kinds] == list(kinds)
+    assert len({k() for k in kinds}) == len(kinds)
 
 
 def test_decode_picks_the_class_by_type_and_direction() -> None:
