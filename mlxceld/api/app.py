@@ -63,7 +63,13 @@ from mlxceld.api.edge.admission import Admission
 from mlxceld.api.edge.auth import require_api_key
 from mlxceld.api.edge.cors import allow_origins
 from mlxceld.api.edge.draining import Draining
-from mlxceld.api.edge.metrics import Metrics, PromptCaches, StageLinks, count_requests
+from mlxceld.api.edge.metrics import (
+    Continuities,
+    Metrics,
+    PromptCaches,
+    StageLinks,
+    count_requests,
+)
 from mlxceld.api.edge.requestid import tag_requests
 from mlxceld.api.endpoints import Endpoints, Readiness, RouterStats
 from mlxceld.api.errors import ApiError, error_response
@@ -107,6 +113,7 @@ def build_router_app(
     router_stats: RouterStats | None = None,
     elastic: bool = False,
     prompt_caches: PromptCaches | None = None,
+    continuity: Continuities | None = None,
     model_aliases: Sequence[str] = (),
     sampling_defaults: SamplingDefaults | None = None,
     allowed_origins: Sequence[str] = (),
@@ -126,7 +133,8 @@ def build_router_app(
     over a replica pool, its stats as JSON given whether to show addresses
     (``ReplicaEngine.stats``), served on ``/router/stats``; ``elastic``: the engine's
     ``max_batch`` changes (replicas found by discovery), admission follows it;
-    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``;
+    ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``; ``continuity``:
+    its counts of requests held, replayed and continued elsewhere, for ``/metrics``;
     ``model_aliases``: the model's names besides ``model_id``; ``sampling_defaults``: what
     a request's left-out sampling fields are (None: OpenAI's); ``allowed_origins``: CORS's
     (``edge/cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
@@ -144,7 +152,7 @@ def build_router_app(
     metrics = Metrics(queue_depth=lambda: admission.queued,
                       active_sequences=lambda: admission.active, model_id=model_id,
                       context_length=engine.context_length, stage_links=stage_links,
-                      prompt_caches=prompt_caches)
+                      prompt_caches=prompt_caches, continuity=continuity)
     drains = draining or Draining()
     names = (model_id, *(a for a in dict.fromkeys(model_aliases) if a != model_id))
     sequencer = Sequencer(engine, codec, admission, metrics, drains,

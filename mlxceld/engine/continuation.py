@@ -13,11 +13,17 @@ the tokens it generated cannot be handed on: the presence and frequency penaltie
 (counted over the generated tokens only), a constraint's matcher state (a JSON schema, a
 grammar) and a seeded sampler's random stream; ``replayable`` is False for such a request
 once it has sent tokens (before its first token any request can start again elsewhere).
+
+``Continuity`` counts what became of such requests at one router, for ``/metrics``
+(``api/edge/metrics.py``): held now for a working plan (``pipeline/replay.py``), held in
+all, replayed (on a healed plan, on stages back, on the current plan after a live move),
+lost (no working plan within the hold, or not replayable), continued on another replica
+(``replicas/pool.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 from mlxceld.engine.base import GenerationRequest, SamplingParams
 
@@ -41,3 +47,18 @@ def remainder(request: GenerationRequest, sent: list[int]) -> GenerationRequest:
     return replace(request, prompt_tokens=[*request.prompt_tokens, *sent],
                    params=replace(params, max_tokens=params.max_tokens - len(sent),
                                   min_tokens=max(0, params.min_tokens - len(sent))))
+
+
+@dataclass
+class Continuity:
+    """A router's counts of requests continued elsewhere (the module's doc)."""
+
+    held: int = 0  # held now, waiting for a working plan
+    held_total: int = 0
+    replayed_total: int = 0
+    lost_total: int = 0
+    continued_total: int = 0  # on another replica of a pool
+
+    def __add__(self, other: Continuity) -> Continuity:
+        return Continuity(*(getattr(self, f.name) + getattr(other, f.name)
+                            for f in fields(self)))

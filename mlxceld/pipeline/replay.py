@@ -32,6 +32,9 @@ depends only on the text so far is exact (greedy, ``logit_bias``, the repetition
 ...); a sequence with presence or frequency penalties, a constraint or a seeded sampler
 that has sent tokens is not replayed and fails as before (``replayable``); before its
 first token any sequence is replayed, since nothing is lost yet.
+
+Counted for ``/metrics`` in the switch's ``Continuity`` (where there is a hold): held
+now, held, replayed, lost (``mlxceld_sequences_*``, ``api/edge/metrics.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from collections.abc import AsyncGenerator
 from typing import Final, Protocol
 
 from mlxceld.engine.base import EngineUnavailable, GenerationRequest, TokenOutput
-from mlxceld.engine.continuation import remainder, replayable
+from mlxceld.engine.continuation import Continuity, remainder, replayable
 from mlxceld.pipeline.engine import PipelineEngine
 from mlxceld.pipeline.links import StageLost
 
@@ -71,6 +74,8 @@ def hold_for(peer_dead_after_s: float, heal_after_s: float) -> float:
 class Engines(Protocol):
     """What ``replayed`` needs of the switch."""
 
+    continuity: Continuity  # what ``replayed`` counts
+
     @property
     def current(self) -> PipelineEngine: ...
 
@@ -90,6 +95,8 @@ async def replayed(engines: Engines, request: GenerationRequest, hold_s: float
     """``request``'s tokens, held past a lost stage for ``hold_s`` and replayed on the
     engine that works then (the module's doc)."""
     sent: list[int] = []
+    # counted where there is a hold (none: the plain failure, a pool's to continue)
+    counts = engines.continuity if hold_s > 0 else Continuity()
     engine = engines.current
     until: float | None = None  # while held: when the hold ends
     progress = 0  # len(sent) when the hold began
@@ -108,22 +115,33 @@ async def replayed(engines: Engines, request: GenerationRequest, hold_s: float
                 log.info("request %s: %s; its plan was replaced: continued on the current "
                          "plan's engine after %d token(s)", request.request_id, exc,
                          len(sent))
+                engines.continuity.replayed_total += 1
                 engine, until = engines.current, None
                 continue
             now = time.monotonic()
             holding = until is not None and len(sent) == progress
-            if not holding and not (lost(exc, engine) and replayable(request.params, len(sent))):
-                raise
             if not holding:
+                if not lost(exc, engine):
+                    raise
+                if not replayable(request.params, len(sent)):
+                    counts.lost_total += 1
+                    raise
                 until, progress = now + hold_s, len(sent)
+                counts.held_total += 1
                 log.info("request %s: %s; held up to %g s for a working plan, %d token(s) "
                          "sent", request.request_id, exc, hold_s, len(sent))
             assert until is not None
-            working = await engines.working(engine, until)
+            counts.held += 1
+            try:
+                working = await engines.working(engine, until)
+            finally:
+                counts.held -= 1
             if working is None:
+                counts.lost_total += 1
                 log.warning("request %s: no working plan within %g s: it fails",
                             request.request_id, hold_s)
                 raise
+            counts.replayed_total += 1
             log.info("request %s: replayed on %s after %d token(s)", request.request_id,
                      "the new plan's engine" if working is not engine else "its stages back",
                      len(sent))

@@ -34,6 +34,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 from mlxceld.engine.base import GenerationRequest, TokenOutput
+from mlxceld.engine.continuation import Continuity
 from mlxceld.pipeline.engine import PipelineEngine
 from mlxceld.pipeline.replay import replayed
 from mlxceld.types import PipelineCacheStats
@@ -50,6 +51,7 @@ class PipelineSwitch:
         engine (0: it fails at once)."""
         self._current = engine
         self.hold_s = hold_s
+        self.continuity = Continuity()  # ``replayed``'s counts, for /metrics
         self._retiring: list[PipelineEngine] = []
         self._retired_tokens = 0  # the tokens of the engines closed since
         self._changed = asyncio.Event()

@@ -33,6 +33,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld.engine import GenerationRequest, TokenOutput
+from mlxceld.engine.continuation import Continuity
 from mlxceld.pipeline.switch import PipelineSwitch
 from mlxceld.replicas.pool import ReplicaEngine
 from mlxceld.types import PipelineCacheStats
@@ -144,6 +145,11 @@ class GroupedPipelines(ReplicaEngine):
         log.info("replica groups moved to a new plan's stages: %d group(s) serve, %d "
                  "retired from the pool, %d joined", len(self.groups), len(dropped),
                  len(added))
+
+    def continuity(self) -> Continuity:
+        """The pool's counts, and every group's held and replayed sequences."""
+        return sum((g.engine.continuity for g in (*self.groups, *self._dropped)),
+                   super().continuity())
 
     def retiring(self) -> int:
         """What of the plans before still runs: each group's replaced engines not closed

@@ -61,7 +61,7 @@ from mlxceld.engine import (
     GenerationRequest,
     TokenOutput,
 )
-from mlxceld.engine.continuation import remainder, replayable
+from mlxceld.engine.continuation import Continuity, remainder, replayable
 from mlxceld.replicas.redaction import scrub
 from mlxceld.replicas.routing import Outcome, Routing
 from mlxceld.tasks import Background
@@ -106,6 +106,7 @@ class ReplicaEngine:
         self.context_length = context_length
         self.max_batch = sum(m.max_batch for m in members)
         self.continue_wait_s = continue_wait_s
+        self._continued = 0  # requests continued on another member (``continuity``)
         self._members = list(members)
         self._by_id = {m.node_id: m for m in members}
         self._routing = Routing({m.node_id: m.max_batch for m in members})
@@ -192,6 +193,7 @@ class ReplicaEngine:
                 return
             except _Continue as lost:
                 gone.add(lost.member)
+                self._continued += 1
                 log.info("request %s: replica %s went down after %d token(s); continued on "
                          "another", request.request_id, lost.member[0], len(sent))
 
@@ -302,6 +304,10 @@ class ReplicaEngine:
             self._group = None
             self._keepers.clear()
             self._retired_keepers.clear()
+
+    def continuity(self) -> Continuity:
+        """What became of requests whose member went down midway, for ``/metrics``."""
+        return Continuity(continued_total=self._continued)
 
     def readiness(self) -> dict[str, Any] | None:
         """None while a member is up; else what is wrong (for ``/ready``'s 503)."""

@@ -98,7 +98,8 @@ class PipelineRouter(_Staged):
 
     def hooks(self) -> AppHooks:
         return AppHooks(readiness=self.engine.readiness, stage_links=self.engine.stages,
-                        prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())])
+                        prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())],
+                        continuity=lambda: self.engine.continuity)
 
     def attach(self, ctx: WorkerContext[RouterOptions]) -> None:
         super().attach(ctx)
@@ -122,7 +123,8 @@ class GroupsRouter(_Staged):
         return AppHooks(readiness=self.engine.readiness,
                         router_stats=lambda verbose: self.engine.stats(verbose=verbose),
                         stage_links=self.engine.stages,
-                        prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())])
+                        prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())],
+                        continuity=self.engine.continuity)
 
     def attach(self, ctx: WorkerContext[RouterOptions]) -> None:
         super().attach(ctx)

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
+from mlxceld.api.edge.metrics import Continuities
 from mlxceld.discovery.serving import ServingFinder, ServingNotFound
 from mlxceld.engine import PoolEngine
 from mlxceld.roles.options import ReplicasOptions, RouterOptions
@@ -75,9 +76,11 @@ class ReplicasRouter(RouterEngine):
         self.discovered = discovered
 
     def hooks(self) -> AppHooks:
+        # a replica pool's (``ReplicaEngine.continuity``); a disaggregated one has none
+        continuity: Continuities | None = getattr(self.engine, "continuity", None)
         return AppHooks(readiness=self.engine.readiness,
                         router_stats=lambda verbose: self.engine.stats(verbose=verbose),
-                        elastic=self.discovered is not None)
+                        continuity=continuity, elastic=self.discovered is not None)
 
     def attach(self, ctx: WorkerContext[RouterOptions]) -> None:
         if self.discovered is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxceld.api.edge.metrics import PromptCaches, StageLinks
+from mlxceld.api.edge.metrics import Continuities, PromptCaches, StageLinks
 from mlxceld.engine import Engine
 from mlxceld.roles.options import RouterOptions
 from mlxceld.workers.runtime import WorkerContext
@@ -32,6 +32,7 @@ class AppHooks:
     router_stats: Callable[[bool], Any] | None = None
     stage_links: StageLinks | None = None
     prompt_caches: PromptCaches | None = None
+    continuity: Continuities | None = None
     elastic: bool = False
 
 

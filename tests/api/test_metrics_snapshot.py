@@ -1,6 +1,7 @@
 """``/metrics``' per-scrape part (``api/edge/metrics.py`` ``Snapshot``), in process: the process,
 the build, the model, stage links fed through the app's ``stage_links`` seam and prompt
-caches through its ``prompt_caches``."""
+caches through its ``prompt_caches``, requests continued elsewhere through its
+``continuity``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import psutil
 
 from mlxceld.api.edge.metrics import LINK_STATES
+from mlxceld.engine.continuation import Continuity
 
 from helpers.api import http_client, make_app
 from helpers.metrics import Samples, parse_samples, sample
@@ -78,3 +80,15 @@ def test_a_prompt_cache_has_its_counters_and_gauges_with_its_labels() -> None:
                                                 ({"stage": "stage-1"}, other)])
     assert sample(metrics, "mlxceld_prompt_cache_hits_total", stage="stage-1") == 5
     assert sample(metrics, "mlxceld_prompt_cache_bytes", stage="stage-0") == 4096
+
+
+def test_an_engine_that_continues_requests_shows_its_counts() -> None:
+    counts = Continuity(held=2, held_total=5, replayed_total=3, lost_total=1,
+                        continued_total=4)
+    metrics = scrape_app(continuity=lambda: counts)
+    assert sample(metrics, "mlxceld_sequences_held_now") == 2
+    assert sample(metrics, "mlxceld_sequences_held_total") == 5
+    assert sample(metrics, "mlxceld_sequences_replayed_total") == 3
+    assert sample(metrics, "mlxceld_sequences_lost_total") == 1
+    assert sample(metrics, "mlxceld_sequences_continued_total") == 4
+    assert not [n for n, _ in scrape_app() if n.startswith("mlxceld_sequences_")]

@@ -26,12 +26,14 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from helpers.cluster import POLL_WAIT_S, activate, agent, settled, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.load import StreamingLoad
+from helpers.metrics import parse_samples, sample
 from helpers.models import expected
 from helpers.ports import free_port
 from helpers.router import client
@@ -157,6 +159,11 @@ def test_a_heal_under_load_loses_nothing(daemons: Daemons, split_fixture_dir: Pa
     # the tracked stream, stopped in flight: one stream, an unbroken run's greedy text
     assert tracked.error is None and tracked.finish == "length", tracked.error
     assert tracked.text == want
+    # and /metrics counts them: every replay the log names, none held now, none lost
+    metrics = parse_samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    assert (sample(metrics, "mlxceld_sequences_replayed_total") or 0) >= len(done), metrics
+    assert (sample(metrics, "mlxceld_sequences_held_now"),
+            sample(metrics, "mlxceld_sequences_lost_total")) == (0, 0)
 
 
 def test_a_stage_worker_killed_under_load_loses_nothing(

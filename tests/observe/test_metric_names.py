@@ -1,7 +1,7 @@
 """Every metric name people are shown is one we serve: the Grafana dashboard's queries
 (contrib/grafana/mlxceld.json) and mlxceld(8)'s METRICS section, against the names the
 code serves: the daemon's (``observe/catalog.py``) and the router's (``api/edge/metrics.py``,
-read from a real ``Metrics`` with stage links and a prompt cache)."""
+read from a real ``Metrics`` with stage links, a prompt cache and continuity counts)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.api.edge.metrics import Metrics
+from mlxceld.engine.continuation import Continuity
 from mlxceld.observe.catalog import FAMILIES, PROCESS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,8 @@ def router_names() -> set[str]:
     cache = {"hits": 1, "misses": 1, "tokens_reused": 1, "entries": 1, "bytes": 1}
     metrics = Metrics(queue_depth=lambda: 0, active_sequences=lambda: 0, model_id="m",
                       context_length=8, stage_links=lambda: [link],
-                      prompt_caches=lambda: [({}, cache)])  # type: ignore[list-item]
+                      prompt_caches=lambda: [({}, cache)],  # type: ignore[list-item]
+                      continuity=Continuity)
     return {family.name + suffix for family in metrics.registry.collect()
             for suffix in SAMPLES[family.type]}
 

@@ -9,6 +9,7 @@ error, as without one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -18,7 +19,7 @@ import pytest
 
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.engine.base import TokenOutput
-from mlxceld.engine.continuation import remainder, replayable
+from mlxceld.engine.continuation import Continuity, remainder, replayable
 from mlxceld.pipeline.links import StageLost
 from mlxceld.pipeline.replay import hold_for
 from mlxceld.pipeline.switch import PipelineSwitch
@@ -54,7 +55,7 @@ def test_a_stage_killed_mid_sequence_is_replayed_on_the_new_plan(
     path = split_fixture_dir / "llama"
     want = reference(path, PROMPT, N)
 
-    async def go() -> tuple[list[int], int, int]:
+    async def go() -> tuple[list[int], int, int, Continuity, Continuity]:
         async with cluster(path, SPLITS) as old, cluster(path, SPLITS) as new:
             first, second = old.engine(path), new.engine(path)
             switch = PipelineSwitch(first, hold_s=HOLD_S)
@@ -63,15 +64,19 @@ def test_a_stage_killed_mid_sequence_is_replayed_on_the_new_plan(
             await killed.wait()
             await old.stop_stage(1)  # the stage dies mid-sequence
             await asyncio.sleep(0.3)  # the sequence is held meanwhile
+            holding = dataclasses.replace(switch.continuity)
             switch.switch(second)  # the heal's new plan
             got = await reading
             tokens = first.tokens, second.tokens
             await switch.aclose()
-            return got, *tokens
+            return got, *tokens, holding, switch.continuity
 
-    got, on_first, on_second = asyncio.run(go())
+    got, on_first, on_second, holding, after = asyncio.run(go())
     assert got == want  # one stream: nothing repeated, nothing lost, mlx-lm's tokens
     assert KILL_AFTER <= on_first < N and on_second == N - on_first, (on_first, on_second)
+    # counted for /metrics: held while the stage was gone, then replayed
+    assert holding == Continuity(held=1, held_total=1), holding
+    assert after == Continuity(held_total=1, replayed_total=1), after
 
 
 def test_a_sequence_outlasting_its_retired_engine_goes_on_on_the_current_one(

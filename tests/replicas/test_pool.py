@@ -117,6 +117,7 @@ def test_a_member_down_midway_has_its_sequence_continued_on_another(loaded: Load
             ("down", 0, 0)
         assert node["last_error"] == "no heartbeat from <address> for 5 s"
         assert (stats["failed"], stats["completed"]) == (0, 4), stats
+        assert pool.continuity().continued_total == 1
 
     asyncio.run(run())
 

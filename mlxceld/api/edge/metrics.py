@@ -23,7 +23,15 @@ Besides the requests' own counts, each scrape reads (``Snapshot``):
   it is in and 0 for every other (``pipeline/connectivity.py``'s ``LinkState``), and
   ``mlxceld_stage_link_rtt_seconds{stage, layers}``: the round trip of its latest
   heartbeat ping answered (``net/liveness.py``; left out before one is, or while the
-  link is not attached).
+  link is not attached);
+- where the router's engine continues requests elsewhere (``engine/continuation.py``'s
+  ``Continuity``): ``mlxceld_sequences_held_now`` (held now for a working plan: a pipeline's
+  stage lost, its heal or its stage's return awaited; ``pipeline/replay.py``),
+  ``mlxceld_sequences_held_total``, ``mlxceld_sequences_replayed_total`` (replayed on a
+  working plan, or on the current plan after a live move), ``mlxceld_sequences_lost_total``
+  (held ones that failed: no working plan within the hold, or not replayable) and
+  ``mlxceld_sequences_continued_total`` (on another replica after theirs went down
+  midway; ``replicas/pool.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxceld import __version__
+from mlxceld.engine.continuation import Continuity
 from mlxceld.pipeline.connectivity import LinkState
 from mlxceld.types import PromptCacheStats
 
@@ -54,6 +63,20 @@ LINK_STATES: tuple[str, ...] = get_args(LinkState)
 StageLinks = Callable[[], Sequence[Mapping[str, Any]]]  # PipelineEngine.stages
 # Each prompt cache's labels (one set of names for all) and stats: LocalEngine's, ({}, ...).
 PromptCaches = Callable[[], Sequence[tuple[Mapping[str, str], PromptCacheStats]]]
+Continuities = Callable[[], Continuity]  # the engine's counts of requests continued
+# Continuity's counts as metrics: (its field, the metric's name, counter?, help).
+_CONTINUITY: tuple[tuple[str, str, bool, str], ...] = (
+    ("held", "mlxceld_sequences_held_now", False,
+     "Sequences held now for a working plan (a pipeline's stage lost)"),
+    ("held_total", "mlxceld_sequences_held", True,
+     "Sequences held for a working plan after a stage was lost"),
+    ("replayed_total", "mlxceld_sequences_replayed", True,
+     "Sequences replayed on a working plan after a lost stage or a live move"),
+    ("lost_total", "mlxceld_sequences_lost", True,
+     "Held sequences that failed: no working plan within the hold, or not replayable"),
+    ("continued_total", "mlxceld_sequences_continued", True,
+     "Sequences continued on another replica after theirs went down midway"),
+)
 # The prompt cache's metrics, mlxceld_prompt_cache_KEY: (its stats' KEY, counter?, help).
 _PROMPT_CACHE: tuple[tuple[Literal["hits", "misses", "tokens_reused", "entries", "bytes"],
                            bool, str], ...] = (
@@ -107,6 +130,7 @@ class Snapshot(Collector):
     context_length: int
     stage_links: StageLinks | None = None
     prompt_caches: PromptCaches | None = None
+    continuity: Continuities | None = None
 
     def collect(self) -> Iterator[Metric]:
         yield from process_metrics()
@@ -119,6 +143,11 @@ class Snapshot(Collector):
             yield from self._links(self.stage_links())
         if self.prompt_caches is not None:
             yield from self._prompt_caches(self.prompt_caches())
+        if self.continuity is not None:
+            counts = self.continuity()
+            for key, name, counter, text in _CONTINUITY:
+                kind = CounterMetricFamily if counter else GaugeMetricFamily
+                yield kind(name, text, value=getattr(counts, key))
 
     @staticmethod
     def _prompt_caches(readings: Sequence[tuple[Mapping[str, str], PromptCacheStats]]
@@ -165,10 +194,11 @@ class Metrics:
     def __init__(self, *, queue_depth: Callable[[], float],
                  active_sequences: Callable[[], float], model_id: str = "",
                  context_length: int = 0, stage_links: StageLinks | None = None,
-                 prompt_caches: PromptCaches | None = None) -> None:
+                 prompt_caches: PromptCaches | None = None,
+                 continuity: Continuities | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(Snapshot(model_id, context_length, stage_links,
-                                        prompt_caches))
+                                        prompt_caches, continuity))
         self.requests = Counter(
             "mlxceld_http_requests", "HTTP requests by endpoint and status (499: the client "
             "went away before any response)", ["endpoint", "status"], registry=self.registry)
