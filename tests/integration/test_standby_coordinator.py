@@ -1,7 +1,8 @@
 """A standby coordinator, between real daemons on 127.0.0.x: a coordinator (.1, no stage of
 its own) serving a 2-stage plan over two of three peers (.2, .3, .4: one spare), and a
 router (.5, ``--node-role router --pipeline-coordinator .1 --standby``, the peers in its
-``--cluster-peers``, the failure detector's dead time 3 s) that follows the plan.
+``--cluster-peers``) that follows the plan; every daemon's dead time 3 s
+(``helpers/standby.py``: the stage hosts' lease on their coordinator as long).
 
 Under a bounded load of streaming completions on the standby (the real `openai` client,
 retries off): kill -9 of the coordinator's host (its daemon and every worker, by pid);
@@ -23,55 +24,26 @@ import pytest
 
 from mlxceld.daemon.standby import TAKEOVER_BOUND_S
 
-from helpers.cluster import activate, agent, coordinator, start
+from helpers.cluster import agent
 from helpers.daemons import Daemons, alive
-from helpers.keys import secret_file
 from helpers.load import StreamingLoad
-from helpers.models import PROMPT, expected
-from helpers.ports import free_port
-from helpers.router import greedy
+from helpers.standby import DEAD_S, serves, standby_pipeline
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
-DEAD_S = 3.0  # the standby's failure detector's dead time: its takeover time
-LIVENESS = f"""
-[daemon]
-peer_ping_interval_s = 0.5
-peer_suspect_after_s = 1.5
-peer_dead_after_s = {DEAD_S}
-"""
 WARM_S = 3.0
-FOLLOW_WAIT_S = 120.0  # the router learns the plan (1 s polls) and loads its tokenizer
 LOAD_BOUND_S = 120.0
 REPLAN_WAIT_S = 60.0  # a drain's re-plan: a poll (10 s at most) and a push
-
-
-def serves(url: str, model: Path) -> bool:
-    try:
-        return greedy(url, PROMPT, 8, model="llama") == expected(model, PROMPT, 8)
-    except Exception:  # the router loading, or not yet attached: not yet
-        return False
 
 
 def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_down(
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
-    secret = os.urandom(16).hex().encode()
-    peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}")
-             for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
-    coord, _, coord_flags = coordinator(daemons, secret, peers)
-    activate(coord, model, 2)
-    first, coord_agent = coord.status()["bringup"], agent(coord)
-    port = free_port("127.0.0.5")
-    router = daemons.make(LIVENESS, name="s")
-    router.start("--cluster-secret-file", str(secret_file(router.root, secret)),
-                 "--agent-addr", f"127.0.0.5:{free_port('127.0.0.5')}", "--node-role",
-                 "router", "--pipeline-coordinator", coord_agent, "--standby",
-                 "--cluster-peers", ",".join(agent(p) for p in peers),
-                 "--model", str(model), "--host", "127.0.0.5", "--port", str(port))
-    url = f"http://127.0.0.5:{port}"
-    wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the standby serving", every=0.5)
+    p = standby_pipeline(daemons, model)
+    peers, coord, coord_flags, first, router, url = (p.peers, p.coord, p.coord_flags,
+                                                     p.first, p.router, p.url)
+    coord_agent = agent(coord)
     standby = router.status()["standby"]
     assert standby["state"] == "standing by" and standby["coordinator"] == coord_agent
     assert f"standby: standing by for coordinator {coord_agent}" in router.ctl("status").stdout
