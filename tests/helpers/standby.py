@@ -54,17 +54,19 @@ class StandbyPipeline:
 
 
 def standby_pipeline(daemons: Daemons, model: Path, *,
-                     via: Callable[[str], str] | None = None) -> StandbyPipeline:
+                     via: Callable[[str], str] | None = None, standby_daemon: str = ""
+                     ) -> StandbyPipeline:
     """The daemons, the plan active, the standby serving it and standing by. ``via``: given
     the coordinator's agent, the address the standby is told is that agent's (a forwarder
-    in front of it); else the coordinator's agent itself."""
+    in front of it); else the coordinator's agent itself. ``standby_daemon``: more
+    ``[daemon]`` lines of the standby's config (``heal_after_s = 2``)."""
     secret = os.urandom(16).hex().encode()
     peers = [start(daemons, ip, secret, "--pp-peer", "--model", str(model), name=f"p{ip[-1]}",
                    config=LIVENESS) for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
     coord, coord_port, coord_flags = coordinator(daemons, secret, peers, LIVENESS)
     activate(coord, model, 2)
     port = free_port("127.0.0.5")
-    router = daemons.make(LIVENESS, name="s")
+    router = daemons.make(LIVENESS + standby_daemon, name="s")
     router.start("--cluster-secret-file", str(secret_file(router.root, secret)),
                  "--agent-addr", f"127.0.0.5:{free_port('127.0.0.5')}", "--node-role",
                  "router", "--pipeline-coordinator",

@@ -19,8 +19,13 @@ coordinator's agent, which the test makes silent (the partition) and mends.
 3. SIGCONT: the old coordinator, heard again, cannot push over the standby: its
    `mlxctl cluster activate` is refused by the stage hosts the standby's plan holds (code
    ``lease``, naming the standby), and every stage host keeps the standby's plan.
-Every process is ended by pid (the ``daemons`` fixture; the stopped daemon continued
-first). The counts are printed (``pytest -s``)."""
+
+And once it took over (the coordinator's host killed), the standby heals a silent stage
+host (its daemon and stage worker SIGSTOPped) onto the spare as a coordinator does
+(``cluster/healer.py``, ``heal_after_s = 2`` here).
+
+Every process is ended by pid (the ``daemons`` fixture; the stopped ones continued
+first). The counts and times are printed (``pytest -s``)."""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import pytest
 from mlxceld.daemon.standby import TAKEOVER_BOUND_S
 
 from helpers.cluster import agent
-from helpers.daemons import Daemons
+from helpers.daemons import READY_S, Daemons
 from helpers.forwarder import Forwarder
 from helpers.load import StreamingLoad
 from helpers.standby import DEAD_S, serves, standby_pipeline
@@ -151,3 +156,43 @@ def run(daemons: Daemons, model: Path, via: Any, forwarders: list[Forwarder]) ->
     assert not [a for a in after.values() if a["epoch"] > third["epoch"]
                 and a["state"] == "active"], after
     assert serves(p.url, model)
+
+
+def test_a_standby_that_took_over_heals_a_silent_stage_host_onto_the_spare(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    p = standby_pipeline(daemons, model, standby_daemon="heal_after_s = 2\n")
+    coord, router, first = p.coord, p.router, p.first
+    by_node = {h.status()["daemon"]["node_id"]: h for h in p.peers}
+    staged = [n["node_id"] for n in first["peers"]]
+    for node in staged:
+        daemons.pids.add(by_node[node].wait_worker("stage", timeout=READY_S,
+                                                   state="running")["pid"])
+    host_pids = [coord.pid, *(w["pid"] for w in coord.status()["workers"] if w["pid"])]
+    daemons.pids.update(host_pids)
+    for pid in host_pids:  # the coordinator's host goes
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: router.status()["standby"]["took_over"], BOUND_S + 5,
+             "the standby's takeover", every=0.2)
+
+    victim = by_node[staged[1]]
+    pids = [victim.pid, victim.worker("stage")["pid"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        healed = wait_for(lambda: active_after(router, first["epoch"]), 90,
+                          "the standby's heal", every=0.2)
+        healed_s = time.time() - stopped
+        wait_for(lambda: serves(p.url, model), 60, "greedy text from the healed plan",
+                 every=0.5)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    print(f"\na stage host SIGSTOPped after the takeover: the standby healed it "
+          f"{healed_s:.1f} s later: plan {healed['epoch']} over "
+          f"{[n['node_id'] for n in healed['peers']]}")
+    nodes = [n["node_id"] for n in healed["peers"]]
+    assert staged[1] not in nodes and staged[0] in nodes and len(nodes) == 2, (staged, nodes)
+    kinds = [e["kind"] for e in router.events(300)]
+    assert "standby.took_over" in kinds and [k for k in kinds if k.startswith("heal.")], kinds
