@@ -12,7 +12,9 @@ candidates (``--cluster-peers`` or mDNS, as for any coordinator): the one on the
 the stage's listener (``host_of``; one daemon per host, as a plan has).
 ``adopt`` refuses, saying why, while a stage host is not a candidate, or the failure
 detector does not say it is alive: the takeover rule's "the plan's stage hosts still
-answer". The row is recorded ``active`` with no cluster file (``toml`` empty): it is the
+answer"; then while a stage host still hears the coordinator (its lease runs,
+``cluster/lease.py``'s ``still_heard``: ``StillHeard``), or holds a newer plan than the one
+followed. The row is recorded ``active`` with no cluster file (``toml`` empty): it is the
 old coordinator's plan, never pushed from here; the first heal or drain's re-plan pushes
 one of this daemon's own, with a newer epoch that the peers take (``peer_round``'s
 ``on_other_offer``). Until then, this daemon's restart does not resume it (nothing to
@@ -24,9 +26,10 @@ takeover adopts nothing (``take_over``: it coordinates already).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 
 from mlxceld.cluster.coordinator import Coordinator, Served
+from mlxceld.cluster.lease import StillHeard
 from mlxceld.state.plans import Plans
 from mlxceld.wire.address import parse_address
 from mlxceld.wire.agent_messages import Plan
@@ -71,11 +74,14 @@ def adopt(plan: Plan, peers: tuple[str, ...], model: str, *, coordinator: Coordi
     return served
 
 
-def take_over(plan: Plan, origin: str, model: str | None, coordinator: Coordinator, *,
-              plans: Plans, candidates: Sequence[str], alive: Collection[str]) -> str | None:
-    """``adopt`` ``plan`` when its stage hosts are among ``candidates`` and ``alive``; None
-    once ``coordinator`` serves a plan (this one, or one it resumed after pushing it),
-    else why not."""
+async def take_over(plan: Plan, origin: str, model: str | None, coordinator: Coordinator, *,
+                    plans: Plans, candidates: Sequence[str], alive: Collection[str],
+                    still_heard: Callable[[tuple[str, ...]], Awaitable[StillHeard | str | None]]
+                    ) -> StillHeard | str | None:
+    """``adopt`` ``plan`` when its stage hosts are among ``candidates`` and ``alive`` and
+    none of them holds it back (``still_heard`` asked of them: ``lease.still_heard``);
+    None once ``coordinator`` serves a plan (this one, or one it resumed after pushing
+    it), else why not."""
     if model is None:
         return "no --model: nothing to coordinate with"
     if coordinator.serving is not None:  # it resumed a plan it pushed before
@@ -83,5 +89,9 @@ def take_over(plan: Plan, origin: str, model: str | None, coordinator: Coordinat
     peers = stage_hosts(plan, lambda s: host_of(s, candidates), alive)
     if isinstance(peers, str):
         return peers
+    if (held := await still_heard(peers)) is not None:
+        return held
+    if coordinator.serving is not None:  # resumed meanwhile
+        return None
     adopt(plan, peers, model, coordinator=coordinator, plans=plans, origin=origin)
     return None

@@ -16,7 +16,12 @@ type       direction      fields
 ========== ============== =============================================================
 assignment asker → peer   none besides ``t``
 assignment peer → asker   ``epoch`` (the newest plan it recorded, or null), ``coordinator``
-                          (the agent address that offered it), ``state`` (its state)
+                          (the agent address that offered it), ``state`` (its state);
+                          its lease (``cluster/lease.py``): ``holder`` (the coordinator
+                          of the newest plan it holds a stage of, or null), ``held``
+                          (that plan's epoch), ``heard_s`` (seconds since it last heard
+                          the holder), ``lease_s`` (seconds the lease still runs, 0 once
+                          expired); the four null when it holds no stage
 ========== ============== =============================================================
 
 A peer that holds a plan newer than ours, offered by another coordinator, means ours was
@@ -34,11 +39,13 @@ Peers that do not answer (each ask bounded by ``CONNECT_S + ANSWER_S``, all at o
 not hold the resume back: with none of them naming a newer plan, the plan is resumed as
 before (a restart while the peers are down serves again as soon as they are back).
 
-Peers do not refuse an offer from another coordinator while their plan's coordinator is
-alive: the epoch decides (``peer_round``'s ``stale``), so a standby that took over while
-the coordinator was only cut off wins once it pushes, and the old one stands down at its
-next start. A coordinator cut off and back without a restart is not fenced here (its own
-next push is refused as stale by a peer that took the standby's).
+Peers refuse an offer from another coordinator while their plan's coordinator holds
+their lease (``cluster/lease.py``: heard within the dead time), and a standby takes over
+only once its stage hosts say that lease ran out, so a coordinator cut off from its
+standby alone keeps coordinating. Past the lease the epoch decides (``peer_round``'s
+``stale``): the old coordinator stands down at its next start; one that comes back
+without a restart is not fenced here (its next push is refused by a peer that took the
+standby's: the standby holds its lease, and its epoch is newer).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from mlxceld.cluster.assignment import deactivation
 from mlxceld.discovery.inventory import AGENT_CHANNEL
@@ -61,6 +68,9 @@ from mlxceld.types import JSON
 from mlxceld.wire import Envelope, Keyring, MessageSpec, SecretStore, encode_envelope
 from mlxceld.wire.agent_messages import Assignment, AssignmentRequest
 from mlxceld.wire.messages import MessageError
+
+if TYPE_CHECKING:
+    from mlxceld.cluster.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -85,26 +95,28 @@ class Superseded:
                 "and coordinates nothing")
 
 
-def serve_assignment(agent: AgentService, assignments: Assignments) -> None:
-    """Answer ``assignment`` with the newest assignment recorded here (none: all null)."""
+def serve_assignment(agent: AgentService, assignments: Assignments, lease: Lease) -> None:
+    """Answer ``assignment`` with the newest assignment recorded here (none: all null) and
+    the lease."""
 
     async def handle(stream: MxclStream, message: Envelope) -> None:
         row = assignments.latest()
-        answer = (Assignment(None, None, None) if row is None
-                  else Assignment(row.epoch, row.coordinator, row.state))
+        answer = await lease.answer(None if row is None
+                                    else (row.epoch, row.coordinator, row.state))
         await stream.send(encode_envelope(answer.to_wire()))
 
     agent.add_handler(AGENT_CHANNEL, AssignmentRequest.T, handle)
 
 
-async def ask_assignment(identity: str, peer: str, *, keyring: SecretStore
+async def ask_assignment(identity: str, peer: str, *, keyring: SecretStore,
+                         connect_s: float = CONNECT_S, answer_s: float = ANSWER_S
                          ) -> Assignment | None:
     """What ``peer`` holds, asked as ``identity``; None when it cannot be asked."""
     try:
         answer = await ask(identity, peer, AssignmentRequest(), keyring=keyring,
                            channel=AGENT_CHANNEL,
                            answers={Assignment.T: MessageSpec(), "error": MessageSpec()},
-                           connect_s=CONNECT_S, answer_s=ANSWER_S)
+                           connect_s=connect_s, answer_s=answer_s)
         return Assignment.from_wire(answer.header)
     except (AskFailed, MessageError) as exc:
         log.info("peer %s not asked which plan it holds: %s", peer, exc)

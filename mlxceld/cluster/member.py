@@ -35,6 +35,7 @@ from mlxceld.cluster.fencing import Fence, serve_assignment
 from mlxceld.cluster.front import Fronts, plan_of, serve_plan
 from mlxceld.cluster.healer import TICK_S, Healer
 from mlxceld.cluster.healing import Healing
+from mlxceld.cluster.lease import Lease, StillHeard, still_heard
 from mlxceld.cluster.plan.candidates import Proposal
 from mlxceld.cluster.rotation import KeyOps, Rotator, serve_key_ops
 from mlxceld.config.daemon import Config
@@ -48,7 +49,7 @@ from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.net.agent import AgentService
 from mlxceld.roles import ROUTER
 from mlxceld.roles.options import PipelineOptions
-from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable
+from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable, Settings
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON
@@ -80,7 +81,7 @@ class ClusterMember:
     def __init__(self, parts: MemberParts, supervisor: Supervisor, events: EventLog,
                  keyring: Keyring, *, node_id: str, candidates: CandidateTable, plans: Plans,
                  assignments: Assignments, liveness: LivenessTable,
-                 rotations: RotationsTable) -> None:
+                 rotations: RotationsTable, settings: Settings) -> None:
         self._parts = parts
         self._supervisor = supervisor
         self._events = events
@@ -91,6 +92,7 @@ class ClusterMember:
         self._assignments = assignments
         self._liveness = liveness
         self._rotations = rotations
+        self._settings = settings  # a stage host's lease is kept there (cluster/lease.py)
         self._rotator: Rotator | None = None
         self._heartbeats: Heartbeats | None = None
         agent = parse_address(parts.config().agent_addr, port_zero=True)  # the config checked it
@@ -340,15 +342,17 @@ class ClusterMember:
         except (MlxceldError, OSError):
             return None
 
-    def adopt(self, plan: Plan, origin: str) -> str | None:
+    async def adopt(self, plan: Plan, origin: str) -> StillHeard | str | None:
         """A standby's takeover of ``plan``, followed from ``origin``: None once this daemon
         coordinates it, else why not (``cluster/adoption.py``'s ``take_over``)."""
-        if self._coordinator is None:
+        if self._coordinator is None or self.agent is None or plan.epoch is None:
             return "no agent listener: nothing to coordinate with"
         alive = [a for a, r in self._liveness_rows().items() if r.get("state") == "alive"]
-        return adoption.take_over(plan, origin, self._parts.served_model(), self._coordinator,
-                                  plans=self._plans, candidates=self._candidates.addresses(),
-                                  alive=alive)
+        me, epoch = self.agent.address, plan.epoch
+        return await adoption.take_over(
+            plan, origin, self._parts.served_model(), self._coordinator, plans=self._plans,
+            candidates=self._candidates.addresses(), alive=alive, still_heard=lambda peers:
+            still_heard(peers, epoch, identity=me, keyring=self._keyring))
 
     def _peer_asked(self, epoch: int, decision: str) -> None:
         if (self._coordinator is not None and self.may_coordinate()
@@ -375,14 +379,16 @@ class ClusterMember:
                                           if self._coordinator and self._coordinator.serving
                                           else None), parts.fronts)
         serve_queries(agent, self._plans, asked=self._peer_asked)
-        serve_assignment(agent, self._assignments)
         c = parts.config()
+        lease = Lease(self._assignments, self._settings, heard=agent.last_heard,
+                      length_s=lambda: parts.config().liveness.dead_after_s)
+        serve_assignment(agent, self._assignments, lease)
         stages = LocalStageHost(parts.stage, self._supervisor, self._events, cluster=c.cluster_name,
                                 state_dir=c.state_dir, model=parts.served_model,
                                 agent_host=lambda: agent.host, stage_ports=c.stage_ports)
         assignee = Assignee(self._assignments, stages, self._keyring,
                             identity=lambda: agent.address, state_dir=c.state_dir,
-                            enabled=c.pp_peer, events=self._events)
+                            enabled=c.pp_peer, events=self._events, leased=lease.refusal)
         assignee.register(agent)
         serve_key_ops(agent, parts.keys, self._keyring)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()

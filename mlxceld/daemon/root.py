@@ -222,7 +222,8 @@ class Daemon:
                         fronts=self.serving.fronts),
             self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
             candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
-            liveness=LivenessTable(self._db), rotations=RotationsTable(self._db))
+            liveness=LivenessTable(self._db), rotations=RotationsTable(self._db),
+            settings=Settings(self._db))
         self._draining = DrainWindow(DrainParts(self.roster, self.node.node_id, self.supervisor,
                                                 self.member), drains, self.events)
         self._replica_peers = ReplicaPeers(candidates, self.supervisor, self._finds_replicas)

@@ -21,6 +21,14 @@ workers, an offer judged) does not make its peer look silent; a peer that sends 
 than ``INBOX`` requests without waiting for the answers is not read meanwhile, and is
 dropped as silent if that lasts ``silence_s`` (our own dialers ask one at a time).
 
+Who was heard when (``last_heard``): every accepted stream's bound identity (the agent
+address its dialer claimed, checked against its source) and the last time it sent anything
+(its ``heard_at``: a message, a ping or a pong), kept past the stream's end. A stage host's
+lease on its plan's coordinator (``cluster/lease.py``) is read from it: the coordinator's
+daemon dials its plan's peers all along (its failure detector's heartbeats,
+``discovery/heartbeat.py``), so a coordinator that is alive and reaches its peers is heard
+every ``peer_ping_interval_s``.
+
 Refusals go to the security log, rate-limited per class, never one line per socket
 (see ``mlxceld.net.listener``).
 
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -45,7 +54,7 @@ from mlxceld.net.liveness import watch
 from mlxceld.tasks import cancelling_group
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import Keyring, SecretStore
-from mlxceld.wire.address import format_address
+from mlxceld.wire.address import HostPort, bound_identity, format_address
 from mlxceld.wire.envelope import Envelope, MessageSpec, encode_envelope, parse_envelope
 from mlxceld.wire.errors import EnvelopeError
 from mlxceld.wire.messages import Error, Message
@@ -67,6 +76,8 @@ class AgentService:
         self._seclog = seclog or SecurityLog()
         self._specs: dict[int, dict[str, MessageSpec]] = {c: {} for c in AGENT_CHANNELS}
         self._handlers: dict[tuple[int, str], AgentHandler] = {}
+        self._open: dict[MxclStream, HostPort] = {}  # accepted streams and who dialled them
+        self._heard: dict[HostPort, float] = {}  # of streams ended: when last heard (loop)
         self._listener = Listener(addr[0], addr[1], keyring=keyring,
                                   identity_of_server=format_address(*addr),
                                   channels=AGENT_CHANNELS, handler=self._serve_stream,
@@ -105,12 +116,32 @@ class AgentService:
     async def aclose(self) -> None:
         await self._listener.aclose()
 
+    def last_heard(self) -> dict[HostPort, float]:
+        """Each identity that dialled us, and when it last sent anything (wall clock)."""
+        loop_now, now = asyncio.get_running_loop().time(), time.time()
+        heard = dict(self._heard)
+        for stream, who in self._open.items():
+            heard[who] = max(heard.get(who, 0.0), stream.heard_at)
+        return {who: now - max(loop_now - at, 0.0) for who, at in heard.items()}
+
     async def _serve_stream(self, stream: MxclStream) -> None:
         inbox: asyncio.Queue[bytes | None] = asyncio.Queue(INBOX)
-        async with cancelling_group() as tg:
-            tg.create_task(watch(stream, self.silence_s, f"agent peer {stream.peer_identity}"))
-            tg.create_task(_read_ahead(stream, inbox))
-            await self._dispatch(stream, inbox)
+        try:
+            who: HostPort | None = bound_identity(stream.peer_identity, stream.peer)
+        except ValueError:  # no IP source (a Unix socket in tests): not kept
+            who = None
+        if who is not None:
+            self._open[stream] = who
+        try:
+            async with cancelling_group() as tg:
+                tg.create_task(watch(stream, self.silence_s,
+                                     f"agent peer {stream.peer_identity}"))
+                tg.create_task(_read_ahead(stream, inbox))
+                await self._dispatch(stream, inbox)
+        finally:
+            if who is not None:
+                self._open.pop(stream, None)
+                self._heard[who] = max(self._heard.get(who, 0.0), stream.heard_at)
 
     async def _dispatch(self, stream: MxclStream, inbox: asyncio.Queue[bytes | None]) -> None:
         """Each message read, to its handler in turn, until the stream ends."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlite_utils
@@ -178,6 +179,13 @@ class Assignments:
     def latest(self) -> AssignmentRow | None:
         epoch = self.newest_epoch()
         return self.get(epoch) if epoch else None
+
+    def holding(self, states: Sequence[str]) -> AssignmentRow | None:
+        """The newest assignment in one of ``states`` (those that hold a stage), if any."""
+        marks = ", ".join("?" for _ in states)
+        row = self._db.execute(f"SELECT max(epoch) FROM assignments WHERE state IN ({marks})",
+                               list(states)).fetchone()
+        return self.get(int(row[0])) if row and row[0] else None
 
     def get(self, epoch: int) -> AssignmentRow | None:
         try:

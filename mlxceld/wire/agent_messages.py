@@ -357,32 +357,53 @@ class AssignmentRequest(BareQuestion):
 @dataclass(frozen=True)
 class Assignment:
     """The answer: the newest plan ``epoch`` the peer recorded, the agent address of the
-    ``coordinator`` that offered it and its ``state``; all null when it holds none."""
+    ``coordinator`` that offered it and its ``state``; all null when it holds none. Its
+    lease (``cluster/lease.py``): the ``holder`` (the coordinator of the newest plan it
+    holds a stage of) and that plan's epoch (``held``), how long ago it last heard the
+    holder (``heard_s``) and how long the lease still runs (``lease_s``, 0 once expired);
+    all null when it holds no stage. A peer of an older release sends none of the four
+    (read as null: it keeps no lease)."""
 
     T: ClassVar[str] = "assignment"
     epoch: int | None
     coordinator: str | None
     state: str | None
+    holder: str | None = None
+    held: int | None = None
+    heard_s: float | None = None
+    lease_s: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.T, "epoch": self.epoch, "coordinator": self.coordinator,
-                "state": self.state}
+                "state": self.state, "holder": self.holder, "held": self.held,
+                "heard_s": self.heard_s, "lease_s": self.lease_s}
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        exact_keys(header, ASSIGNMENT_KEYS, "'assignment'")
+        lease = header.keys() >= LEASE_KEYS
+        exact_keys(header, ASSIGNMENT_KEYS | (LEASE_KEYS if lease else set()),
+                   "'assignment'")
         epoch, coordinator, state = header["epoch"], header["coordinator"], header["state"]
-        if epoch is not None and (type(epoch) is not int or not 0 <= epoch < 2**63):
-            raise MessageError("epoch", "'assignment' with an epoch that is not a count")
-        for name, value in (("coordinator", coordinator), ("state", state)):
+        held = header.get("held")
+        for name, e in (("epoch", epoch), ("held", held)):
+            if e is not None and (type(e) is not int or not 0 <= e < 2**63):
+                raise MessageError(name, f"'assignment' with an {name} that is not a count")
+        holder = header.get("holder")
+        for name, value in (("coordinator", coordinator), ("state", state),
+                            ("holder", holder)):
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 300):
                 raise MessageError(name, f"'assignment' with a {name} that is not a string")
-        if (epoch is None) != (coordinator is None):
+        if (epoch is None) != (coordinator is None) or (held is None) != (holder is None):
             raise MessageError("coordinator", "'assignment' with an epoch but no coordinator")
-        return cls(epoch, coordinator, state)
+        ages = [header.get("heard_s"), header.get("lease_s")]
+        if not all(a is None or (type(a) in (int, float) and 0 <= a < 1e9) for a in ages):
+            raise MessageError("lease_s", "'assignment' with an age that is not seconds")
+        heard_s, lease_s = (None if a is None else float(a) for a in ages)
+        return cls(epoch, coordinator, state, holder, held, heard_s, lease_s)
 
 
 ASSIGNMENT_KEYS: Final = frozenset({"t", "epoch", "coordinator", "state"})
+LEASE_KEYS: Final = frozenset({"holder", "held", "heard_s", "lease_s"})
 ASKED: Final = vocabulary(InventoryRequest, ServingRequest, KeyInstall, KeyUse, KeyRemove,
                           KeyReport, PlanRequest, AssignmentRequest)
 ANSWERED: Final = vocabulary(Inventory, Serving, KeyState, Plan, Assignment, Error)

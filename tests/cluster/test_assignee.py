@@ -17,8 +17,10 @@ from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION, Offer, PeerFacts
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, COORDINATOR_SPECS, decided, sent
+from mlxceld.cluster.lease import KEPT, Lease
 from mlxceld.net import MxclStream, connect
 from mlxceld.net.agent import AgentService
+from mlxceld.state import Settings
 from mlxceld.state.db import open_db
 from mlxceld.state.events import EventLog
 from mlxceld.state.plans import Assignments
@@ -96,6 +98,7 @@ class Peer:
     assignments: Assignments
     keyring: Keyring
     address: str
+    lease: Lease | None = None
 
     async def dial(self, identity: str = COORDINATOR) -> MxclStream:
         host, _, port = self.address.rpartition(":")
@@ -105,13 +108,19 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
+async def running_peer(tmp_path: Path, lease_s: dict[str, float] | None = None
+                       ) -> AsyncIterator[Peer]:
+    """A peer on PEER_HOST; with ``lease_s`` (its ``"s"``: the length, changed at will),
+    it keeps a lease on its plan's coordinator (cluster/lease.py)."""
     keyring = keys.keyring(secrets.token_bytes(32))
     db = open_db(tmp_path / "state.db")
     stage, assignments = HeldStage(), Assignments(db)
     agent = AgentService((PEER_HOST, 0), keyring)
+    lease = None if lease_s is None else Lease(
+        assignments, Settings(db), heard=agent.last_heard, length_s=lambda: lease_s["s"])
     assignee = Assignee(assignments, stage, keyring, identity=lambda: agent.address,
-                        state_dir=tmp_path, enabled=True, events=EventLog(db))
+                        state_dir=tmp_path, enabled=True, events=EventLog(db),
+                        leased=lease.refusal if lease else None)
     assignee.register(agent)
     async with asyncio.TaskGroup() as tg:
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -119,7 +128,7 @@ async def running_peer(tmp_path: Path) -> AsyncIterator[Peer]:
         await started
         tg.create_task(assignee.run())
         try:
-            yield Peer(stage, assignments, keyring, agent.address)
+            yield Peer(stage, assignments, keyring, agent.address, lease)
         finally:
             assignee.close()
             await agent.aclose()
@@ -250,6 +259,53 @@ def test_the_coordinator_of_a_newer_plan_taken_here_may_deactivate_the_old_one(
             assert peer.stage.calls[-1] == "end 20" and "stop" not in peer.stage.calls
             assert peer.assignments.latest() == peer.assignments.get(21)
             for stream in (third, told):
+                await stream.close("done")
+
+    asyncio.run(go())
+
+
+def test_an_offer_of_another_coordinator_waits_for_the_lease_of_the_plans_coordinator(
+        tmp_path: Path) -> None:
+    """While the coordinator of the plan held here is heard (its lease runs), another's
+    offer is refused (code ``lease``, the holder and the time left named) before any round:
+    nothing recorded, nothing loaded. Once the lease ran out, the same offer is taken."""
+    standby, length = "127.0.0.1:19001", {"s": 30.0}
+
+    async def go() -> None:
+        async with running_peer(tmp_path, length) as peer:
+            push = await peer.dial()
+            await push.send(offer(20))
+            peer.stage.gate(20).set()
+            assert (await answer(push))["t"] == "accepted"
+            for ask, reply in (("commit", "committed"), ("activate", "active")):
+                await push.send(sent(decided(ask, 20)))
+                assert (await answer(push))["t"] == reply
+            assert peer.lease is not None
+            said = await peer.lease.answer((20, COORDINATOR, "active"))
+            assert (said.holder, said.held) == (COORDINATOR, 20), said
+            assert said.lease_s is not None and said.lease_s > 25, said
+
+            other = await peer.dial(standby)
+            late = offer(21, coordinator=standby, toml=TOML.replace(COORDINATOR, standby))
+            await other.send(late)
+            got = await answer(other)
+            assert (got["t"], got["code"], got["final"]) == ("refused", "lease", False), got
+            assert f"coordinator {COORDINATOR} holds this host's lease (plan 20, heard " \
+                in got["reason"] and " s more" in got["reason"], got
+            assert peer.stage.calls == ["prepare 20", "activate"]
+            assert peer.assignments.latest() == peer.assignments.get(20)
+            assert peer.assignments.get(21) is None
+            kept = Settings(open_db(tmp_path / "state.db")).get(KEPT)
+            assert isinstance(kept, dict) and (kept["holder"], kept["epoch"]) == (
+                COORDINATOR, 20), kept
+
+            length["s"] = 0.0  # the coordinator not heard for a lease's length
+            said = await peer.lease.answer((20, COORDINATOR, "active"))
+            assert said.lease_s == 0 and said.holder == COORDINATOR, said
+            await other.send(late)
+            peer.stage.gate(21).set()
+            assert (await answer(other))["t"] == "accepted"
+            for stream in (push, other):
                 await stream.close("done")
 
     asyncio.run(go())

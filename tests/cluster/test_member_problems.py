@@ -13,7 +13,7 @@ import sqlite_utils
 from mlxceld.cluster.member import ClusterMember, MemberParts
 from mlxceld.config.daemon import Overrides, build_config
 from mlxceld.discovery.candidates import CandidateTable
-from mlxceld.state import EventLog, LivenessRow, LivenessTable, RotationsTable
+from mlxceld.state import EventLog, LivenessRow, LivenessTable, RotationsTable, Settings
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.wire import Keyring
 
@@ -28,7 +28,7 @@ def member(db: sqlite_utils.Database, tmp_path: Path, **daemon: object) -> Clust
     return ClusterMember(parts, None, EventLog(db), Keyring(),  # type: ignore[arg-type]
                          node_id="me", candidates=CandidateTable(), plans=Plans(db),
                          assignments=Assignments(db), liveness=LivenessTable(db),
-                         rotations=RotationsTable(db))
+                         rotations=RotationsTable(db), settings=Settings(db))
 
 
 def test_a_plans_suspect_or_dead_peer_is_a_problem(db: sqlite_utils.Database,

@@ -18,9 +18,10 @@ ACTIVATE_S = 300.0  # the CLI's own waits (push, then the router) fit well insid
 
 
 def start(daemons: Daemons, ip: str, secret: bytes, *extra: str, name: str = "d",
-          env: dict[str, str] | None = None) -> DaemonProc:
-    """A daemon holding ``secret``, its agent on ``ip`` (a port of its own choosing)."""
-    d = daemons.make(name=name)
+          env: dict[str, str] | None = None, config: str = "") -> DaemonProc:
+    """A daemon holding ``secret``, its agent on ``ip`` (a port of its own choosing);
+    ``config``: its mlxceld.toml."""
+    d = daemons.make(config, name=name)
     return d.start("--cluster-secret-file", str(secret_file(d.root, secret)),
                    "--agent-addr", f"{ip}:0", *extra, env=env)
 
@@ -50,13 +51,13 @@ def settled(d: DaemonProc, expected: dict[str, str]) -> dict[str, dict[str, Any]
     return rows if ok else None
 
 
-def coordinator(daemons: Daemons, secret: bytes, peers: list[DaemonProc]
+def coordinator(daemons: Daemons, secret: bytes, peers: list[DaemonProc], config: str = ""
                 ) -> tuple[DaemonProc, int, tuple[str, ...]]:
     """A coordinator on 127.0.0.1 over ``peers`` (``--cluster-peers``: their agents),
     started and seeing each of them reachable; its router's port, and its flags (a restart
-    starts it with them)."""
+    starts it with them); ``config``: its mlxceld.toml."""
     port = free_port("127.0.0.1")
-    coord = daemons.make(name="c")
+    coord = daemons.make(config, name="c")
     flags = ("--cluster-secret-file", str(secret_file(coord.root, secret)),
              "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
              "--cluster-peers", ",".join(agent(p) for p in peers))

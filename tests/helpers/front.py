@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,15 @@ class Pipeline:
     first: dict[str, Any]  # the coordinator's bring-up once active: the plan's epoch, peers
 
 
-def pipeline(daemons: Daemons, split_fixture_dir: Path, hosts: int) -> Pipeline:
-    """``hosts`` stage hosts (2, or 3 with a spare) and their coordinator, plan active."""
+def pipeline(daemons: Daemons, split_fixture_dir: Path, hosts: int, *,
+             config: str = "") -> Pipeline:
+    """``hosts`` stage hosts (2, or 3 with a spare) and their coordinator, plan active;
+    ``config``: every daemon's mlxceld.toml."""
     model = split_fixture_dir / "llama"
     secret = os.urandom(16).hex().encode()
     peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
-                   name=f"p{i}") for i in range(2, 2 + hosts)]
-    coord, port, flags = coordinator(daemons, secret, peers)
+                   name=f"p{i}", config=config) for i in range(2, 2 + hosts)]
+    coord, port, flags = coordinator(daemons, secret, peers, config)
     activate(coord, model, 2)
     return Pipeline(model, secret, peers, coord, port, flags, coord.status()["bringup"])
 
@@ -59,13 +62,15 @@ class Front:
 
 
 def front_router(daemons: Daemons, p: Pipeline, *extra: str, config: str = "",
-                 name: str = "r", by_name: str | None = None) -> Front:
+                 name: str = "r", by_name: str | None = None,
+                 via: Callable[[str], str] | None = None) -> Front:
     """A router on ``FRONT_IP`` in front of ``p``'s coordinator, started with ``extra``
     flags and ``config`` (the file's text). The coordinator is named by the
-    ``--pipeline-coordinator`` flag, as its agent's address; with ``by_name`` (a host name
+    ``--pipeline-coordinator`` flag, as its agent's address (``via``: given that address,
+    the one to name instead: a forwarder in front of it); with ``by_name`` (a host name
     of 127.0.0.1, e.g. ``localhost``), by ``[serve] pipeline_coordinator`` in the config
     file instead, as that name and the agent's port."""
-    coord = agent(p.coord)
+    coord = via(agent(p.coord)) if via else agent(p.coord)
     if by_name is not None:
         named = f"{by_name}:{coord.rsplit(':', 1)[1]}"
         config += f'\n[serve]\npipeline_coordinator = "{named}"\n'

@@ -1,7 +1,8 @@
 """A standby coordinator, between real daemons on 127.0.0.x: a coordinator (.1, no stage of
 its own) serving a 2-stage plan over two of three peers (.2, .3, .4: one spare), and a
 router (.5, ``--node-role router --pipeline-coordinator .1 --standby``, the peers in its
-``--cluster-peers``, the failure detector's dead time 3 s) that follows the plan.
+``--cluster-peers``) that follows the plan; every daemon's dead time 3 s
+(``helpers/standby.py``: the stage hosts' lease on their coordinator as long).
 
 Under a bounded load of streaming completions on the standby (the real `openai` client,
 retries off): kill -9 of the coordinator's host (its daemon and every worker, by pid);
@@ -14,6 +15,8 @@ coordinator's status names the standby. The counts are printed (``pytest -s``)."
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -23,26 +26,12 @@ from mlxceld.daemon.standby import TAKEOVER_BOUND_S
 
 from helpers.cluster import agent
 from helpers.daemons import Daemons, alive
-from helpers.front import (
-    FOLLOW_WAIT_S,
-    front_router,
-    host_pids,
-    kill_host,
-    pipeline,
-    serves,
-)
 from helpers.load import StreamingLoad
+from helpers.standby import DEAD_S, serves, standby_pipeline
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
-DEAD_S = 3.0  # the standby's failure detector's dead time: its takeover time
-LIVENESS = f"""
-[daemon]
-peer_ping_interval_s = 0.5
-peer_suspect_after_s = 1.5
-peer_dead_after_s = {DEAD_S}
-"""
 WARM_S = 3.0
 LOAD_BOUND_S = 120.0
 REPLAN_WAIT_S = 60.0  # a drain's re-plan: a poll (10 s at most) and a push
@@ -50,23 +39,24 @@ REPLAN_WAIT_S = 60.0  # a drain's re-plan: a poll (10 s at most) and a push
 
 def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_down(
         daemons: Daemons, split_fixture_dir: Path) -> None:
-    pipe = pipeline(daemons, split_fixture_dir, 3)
-    model, peers, coord, first = pipe.model, pipe.peers, pipe.coord, pipe.first
+    model = split_fixture_dir / "llama"
+    p = standby_pipeline(daemons, model)
+    peers, coord, coord_flags, first, router, url = (p.peers, p.coord, p.coord_flags,
+                                                     p.first, p.router, p.url)
     coord_agent = agent(coord)
-    r = front_router(daemons, pipe, "--standby", "--cluster-peers",
-                     ",".join(agent(p) for p in peers), config=LIVENESS, name="s")
-    router, url = r.router, r.url
-    wait_for(lambda: serves(url, model), FOLLOW_WAIT_S, "the standby serving", every=0.5)
     standby = router.status()["standby"]
     assert standby["state"] == "standing by" and standby["coordinator"] == coord_agent
     assert f"standby: standing by for coordinator {coord_agent}" in router.ctl("status").stdout
-    pids = host_pids(daemons, coord)
+    host_pids = [coord.pid, *(w["pid"] for w in coord.status()["workers"] if w["pid"])]
+    daemons.pids.update(host_pids)
     victim = first["peers"][1]["node_id"]  # the host of stage-1
 
     with StreamingLoad(f"{url}/v1", clients=4, bound_s=LOAD_BOUND_S) as load:
         time.sleep(WARM_S)
         killed_at = time.time()
-        kill_host(coord, pids)  # the coordinator's host goes: its daemon and its workers
+        for pid in host_pids:  # the coordinator's host goes: its daemon and its workers
+            os.kill(pid, signal.SIGKILL)
+        assert coord.proc is not None and coord.proc.wait(10) == -signal.SIGKILL
         bound = DEAD_S + TAKEOVER_BOUND_S
         try:
             took = wait_for(lambda: (s := router.status()["standby"])["took_over"] and s,
@@ -86,7 +76,7 @@ def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_
           f"under load: {counts} ({at_takeover} at the takeover, "
           f"{took['since'] - killed_at:.1f} s after the kill; bound {bound:g} s)")
     assert load.refused == [] and load.failed == [], (load.refused[:3], load.failed[:3])
-    assert all(not alive(pid) for pid in pids)
+    assert all(not alive(pid) for pid in host_pids)
     assert took["since"] - killed_at <= bound, (took, killed_at)
     assert took["epoch"] == first["epoch"], took
     said = router.ctl("status").stdout
@@ -107,7 +97,7 @@ def test_a_standby_takes_over_healing_and_drains_and_the_old_coordinator_stands_
     spare = {p["node_id"] for p in new["peers"]} - {p["node_id"] for p in first["peers"]}
     assert len(spare) == 1, (first, new)
     held = {agent(p): p.status()["assignment"] for p in peers}
-    coord.start(*pipe.coord_flags)
+    coord.start(*coord_flags)
     down = wait_for(lambda: coord.status()["stood_down"], 20, "the old coordinator to stand "
                     "down", every=0.2)
     assert down["epoch"] == first["epoch"] and down["superseded_by"] == new["epoch"], down

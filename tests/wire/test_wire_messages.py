@@ -171,3 +171,14 @@ def test_the_assignment_answer_round_trips_and_is_checked() -> None:
         with pytest.raises(MessageError) as err:
             Assignment.from_wire(bad)
         assert field is None or err.value.field == field, err.value
+    # With its lease (cluster/lease.py); a peer of an older release sends none of it.
+    leased = Assignment(17, "10.0.0.5:19000", "active", "10.0.0.1:19000", 16, 0.5, 9.5)
+    assert Assignment.from_wire(leased.to_wire()) == leased
+    old = {k: v for k, v in held.to_wire().items() if k in ("t", "epoch", "coordinator", "state")}
+    assert Assignment.from_wire(old) == held and held.lease_s is None
+    for bad, field in (({**leased.to_wire(), "lease_s": -1}, "lease_s"),
+                       ({**leased.to_wire(), "holder": None}, "coordinator"),
+                       ({**leased.to_wire(), "held": "x"}, "held")):
+        with pytest.raises(MessageError) as err:
+            Assignment.from_wire(bad)
+        assert err.value.field == field, err.value

@@ -5,6 +5,9 @@ The coordinator's ``offer`` arrives on channel 2 (``push.py``); so do
 is not a peer (no ``--pp-peer``) refuses every offer with code ``not_a_peer``
 (not final: start it with ``--pp-peer`` and push again).
 
+An offer from another coordinator while the lease of the one whose plan this host holds
+runs (``cluster/lease.py``: ``leased``) is refused (code ``lease``) before any round.
+
 The offer's listener port: the inventory proposes free ports afresh on every
 answer and keeps no record of them, so a peer accepts any offered port that it
 can bind on its agent host when the offer arrives (``stagehost.port_is_free``).
@@ -50,7 +53,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -68,12 +71,7 @@ from mlxceld.cluster.assignment.peer_round import (
     Reply,
     StageAction,
 )
-from mlxceld.cluster.assignment.push import (
-    ASSIGNMENT_CHANNEL,
-    HEARTBEAT_S,
-    epoch_of,
-    sent,
-)
+from mlxceld.cluster.assignment.push import ASSIGNMENT_CHANNEL, HEARTBEAT_S, epoch_of, sent
 from mlxceld.cluster.assignment.query import ask_decision
 from mlxceld.cluster.assignment.stagehost import AssignedStage
 from mlxceld.errors import MlxceldError
@@ -120,8 +118,9 @@ class _Current:
 class Assignee:
     def __init__(self, assignments: Assignments, host: AssignedStage, keyring: Keyring, *,
                  identity: Callable[[], str], state_dir: Path, enabled: bool,
-                 events: EventLog) -> None:
+                 events: EventLog, leased: Leased | None = None) -> None:
         self._assignments = assignments
+        self._leased = leased  # why an offer is refused for the lease's sake (None: not)
         self._events = events  # each recorded state is an event (assignment.STATE)
         self._host = host
         self._keyring = keyring
@@ -219,6 +218,10 @@ class Assignee:
             return
         newest = self._assignments.newest_epoch()  # SQLite stays on the loop's thread
         bound = bound_identity(stream.peer_identity, stream.peer)
+        if self._leased and (held := await self._leased(bound, offer.epoch)) is not None:
+            log.warning("offer %d from %s refused: lease: %s", offer.epoch, bound, held)
+            await stream.send(sent(Refused(offer.epoch, "lease", held, final=False)))
+            return
         try:
             async with asyncio.timeout(JUDGE_S):  # host names in the TOML are looked up
                 verdict = await asyncio.to_thread(self._judge, offer, bound, newest)
@@ -480,6 +483,7 @@ class Assignee:
 
 
 _DECISIONS: Final = {kind.T: kind for kind in (Commit, Activate, Abort)}
+Leased = Callable[[HostPort, int], Awaitable[str | None]]  # cluster/lease.py: Lease.refusal
 
 
 def _dialable(offer: Offer, bound: HostPort) -> str:
