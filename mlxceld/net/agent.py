@@ -23,7 +23,8 @@ dropped as silent if that lasts ``silence_s`` (our own dialers ask one at a time
 
 Who was heard when (``last_heard``): every accepted stream's bound identity (the agent
 address its dialer claimed, checked against its source) and the last time it sent anything
-(its ``heard_at``: a message, a ping or a pong), kept past the stream's end. A stage host's
+(its ``heard_at``: a message, a ping or a pong), kept past the stream's end (for the
+``MAX_HEARD`` identities heard last). A stage host's
 lease on its plan's coordinator (``cluster/lease.py``) is read from it: the coordinator's
 daemon dials its plan's peers all along (its failure detector's heartbeats,
 ``discovery/heartbeat.py``), so a coordinator that is alive and reaches its peers is heard
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 AGENT_CHANNELS = {2, 3}
 AgentHandler = Callable[[MxclStream, Envelope], Awaitable[None]]
 INBOX: Final = 16  # messages read ahead of their handler on one stream
+MAX_HEARD: Final = 1024  # identities whose last message is kept once their stream ended
 
 
 class AgentService:
@@ -142,6 +144,8 @@ class AgentService:
             if who is not None:
                 self._open.pop(stream, None)
                 self._heard[who] = max(self._heard.get(who, 0.0), stream.heard_at)
+                if len(self._heard) > MAX_HEARD:  # the identity heard longest ago goes
+                    del self._heard[min(self._heard, key=self._heard.__getitem__)]
 
     async def _dispatch(self, stream: MxclStream, inbox: asyncio.Queue[bytes | None]) -> None:
         """Each message read, to its handler in turn, until the stream ends."""
