@@ -5,7 +5,7 @@ outputs, its spread, members down or refusing, affinity and its stats."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,25 @@ async def tokens(engine: Any, req: GenerationRequest) -> list[int]:
         return [t.token async for t in engine.generate(req)]
 
 
+async def cut_midway(loaded: Loaded, pool: ReplicaEngine, members: list[EngineMember],
+                     prompt: list[int], cut: Callable[[EngineMember, EngineMember], None]
+                     ) -> tuple[list[int], list[int], EngineMember, EngineMember]:
+    """A 60-token greedy request "long" on ``pool``, and ``cut(holder, other)`` called
+    once 5 of its tokens were read (``holder``: the member it runs on): the tokens read,
+    one engine's answer alone, and the two members."""
+    bias = loaded.no_eos()
+    expected = await tokens(loaded.engines[0], request("ref", prompt, n=60, logit_bias=bias))
+    got: list[int] = []
+    async with asyncio.timeout(60):
+        async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
+            got.append(out.token)
+            if len(got) == 5:
+                [holder] = [m for m in members if m.requests == ["long"]]
+                other = next(m for m in members if m is not holder)
+                cut(holder, other)
+    return got, expected, holder, other
+
+
 def test_outputs_equal_one_engines_and_concurrent_requests_spread(loaded: Loaded) -> None:
     async def run() -> None:
         prompts = [loaded.prompt(p) for p in PROMPTS]
@@ -94,18 +113,10 @@ def test_a_member_down_midway_has_its_sequence_continued_on_another(loaded: Load
     async def run() -> None:
         pool, members = loaded.pool()
         prompt = loaded.prompt(PROMPTS[1])
-        bias = loaded.no_eos()
-        expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
-                                                           logit_bias=bias))
-        got: list[int] = []
-        async with asyncio.timeout(60):
-            async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
-                got.append(out.token)
-                if len(got) == 5:
-                    [holder] = [m for m in members if m.requests == ["long"]]
-                    holder.down(f"no heartbeat from {holder.address} for 5 s")
+        got, expected, holder, other = await cut_midway(
+            loaded, pool, members, prompt,
+            lambda holder, _: holder.down(f"no heartbeat from {holder.address} for 5 s"))
         assert got == expected
-        other = next(m for m in members if m is not holder)
         assert other.requests == ["long"]
         for i in range(3):
             await tokens(pool, request(f"after{i}", prompt))
@@ -285,20 +296,15 @@ def test_a_retired_member_failing_midway_has_its_sequence_continued(loaded: Load
     under a running sequence: it goes on on a member in the pool, greedy tokens whole."""
     async def run() -> None:
         pool, members = loaded.pool(Borrowed)
-        prompt = loaded.prompt(PROMPTS[2])
-        bias = loaded.no_eos()
-        expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
-                                                           logit_bias=bias))
-        got: list[int] = []
-        async with asyncio.timeout(60):
-            async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
-                got.append(out.token)
-                if len(got) == 5:
-                    [holder] = [m for m in members if m.requests == ["long"]]
-                    pool.retire(holder.node_id)
-                    holder.down("its stage stopped")
+
+        def cut(holder: EngineMember, _: EngineMember) -> None:
+            pool.retire(holder.node_id)
+            holder.down("its stage stopped")
+
+        got, expected, _, other = await cut_midway(loaded, pool, members,
+                                                   loaded.prompt(PROMPTS[2]), cut)
         assert got == expected
-        assert next(m for m in members if m is not holder).requests == ["long"]
+        assert other.requests == ["long"]
 
     asyncio.run(run())
 
@@ -309,21 +315,15 @@ def test_a_sequence_cut_while_no_other_member_is_up_waits_for_one(loaded: Loaded
     the pool's wait, and goes on there whole."""
     async def run() -> None:
         pool, members = loaded.pool(Borrowed)
-        prompt = loaded.prompt(PROMPTS[3])
-        bias = loaded.no_eos()
-        expected = await tokens(loaded.engines[0], request("ref", prompt, n=60,
-                                                           logit_bias=bias))
-        got: list[int] = []
-        async with asyncio.timeout(60):
-            async for out in pool.generate(request("long", prompt, n=60, logit_bias=bias)):
-                got.append(out.token)
-                if len(got) == 5:
-                    [holder] = [m for m in members if m.requests == ["long"]]
-                    other = next(m for m in members if m is not holder)
-                    pool.retire(holder.node_id)
-                    other.down("re-dialing")
-                    holder.down("its stage stopped")
-                    asyncio.get_running_loop().call_later(1.0, other.up)
+
+        def cut(holder: EngineMember, other: EngineMember) -> None:
+            pool.retire(holder.node_id)
+            other.down("re-dialing")
+            holder.down("its stage stopped")
+            asyncio.get_running_loop().call_later(1.0, other.up)
+
+        got, expected, _, other = await cut_midway(loaded, pool, members,
+                                                   loaded.prompt(PROMPTS[3]), cut)
         assert got == expected
         assert other.requests == ["long"]
         stats = pool.stats(verbose=False)
