@@ -12,7 +12,7 @@ line of its own, on stdout:
   ...``): a router still loading its model serves nothing yet;
 - a stage the router is still connecting to (the problems leave that one out: it is not
   yet a failure);
-- a bring-up in progress (planning, pushing) or one that failed.
+- a bring-up in progress (planning, pushing, resuming at start) or one that failed.
 
 So ``until mlxctl status --check; do sleep 2; done`` waits until a model is served.
 Exit 3: the daemon cannot be reached (not running, or no answer within the control
@@ -34,7 +34,7 @@ from mlxctl.edge import EXIT_DENIED, EXIT_FAILURE, EXIT_NOT_RUNNING, emit, fail
 
 HEALTHY: Final = 0
 DEGRADED: Final = EXIT_FAILURE
-BRINGUP_BUSY: Final = frozenset({"planning", "pushing"})
+BRINGUP_BUSY: Final = frozenset({"planning", "pushing", "resuming"})
 
 
 def findings(status: dict[str, Any], now: float | None = None) -> list[str]:

@@ -153,6 +153,13 @@ class Coordinator:
     def state(self, state: JSON | None) -> None:
         self._bringup.state = state
 
+    def checking(self, epoch: int) -> None:
+        """At the daemon's start, before plan ``epoch`` is resumed: its peers are asked
+        whether another coordinator superseded it (``fencing.Fence.start``)."""
+        self.state = {"state": "resuming", "epoch": epoch, "summary": f"plan {epoch}: "
+                      "asking its peers whether a newer plan serves before resuming it",
+                      "peers": []}
+
     @property
     def busy(self) -> bool:
         """A bring-up (an operator's, a resume, a heal) or a deactivation runs."""

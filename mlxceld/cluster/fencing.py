@@ -153,15 +153,20 @@ class Fence:
                                        "summary": s.summary}
 
     async def start(self, resume: Callable[[], None], stop: Callable[[], Awaitable[None]],
-                    *, identity: str, keyring: Keyring) -> None:
+                    *, identity: str, keyring: Keyring,
+                    asking: Callable[[int], None] | None = None) -> None:
         """``resume`` (``Coordinator.start``) unless a peer of the plan it would resume
         holds a newer one of another coordinator: then that plan is recorded deactivated,
         superseded, and this daemon stands down: ``stop`` (``stop_pipeline``) drops the
         placement the daemon's start put back and stops the router over it. A plan a
-        standby adopted (``cluster/adoption.py``: no cluster file) is not resumed."""
+        standby adopted (``cluster/adoption.py``: no cluster file) is not resumed.
+        ``asking(epoch)``: called before the peers are asked (the bring-up's status says
+        so meanwhile: ``Coordinator.checking``)."""
         last = self._plans.resumable()
         if last is not None and not last.toml:  # a standby's adopted plan: nothing to place
             return
+        if last is not None and asking is not None:
+            asking(last.epoch)
         found = None if last is None else await superseded(
             last.epoch, last.peers, identity=identity, keyring=keyring)
         if found is None or last is None:

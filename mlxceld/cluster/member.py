@@ -452,7 +452,8 @@ class ClusterMember:
                 coordinator, model = self._coordinator, parts.served_model()
                 tg.create_task(self._fence.start(
                     lambda: coordinator.start(c.pp_auto, model, configured_model=c.serve.model),
-                    parts.pipeline.stop_pipeline, identity=agent.address, keyring=self._keyring))
+                    parts.pipeline.stop_pipeline, identity=agent.address, keyring=self._keyring,
+                    asking=coordinator.checking))
 
     async def _serving(self) -> Serving:
         """The ``serving`` answer (``discovery/serving.py``): our node role, the port of our
