@@ -43,6 +43,8 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │   │                       (its kind: the step that failed)
     │   │   ├── ConnectionClosed    net/errors.py: the stream is over (the peer's reason)
     │   │   ├── HandshakeFailed     net/errors.py: a handshake made no connection
+    │   │   ├── LinkTestFailed      net/errors.py: `mlxctl cluster link-test` did not finish
+    │   │   │                       (its kind: the step that failed)
     │   │   └── ResolveError        net/resolve.py: a peer's host name did not resolve
     │   ├── ServingNotFound         discovery/serving.py: no serving listener to dial at a
     │   │                           replica (which of the reasons, said)

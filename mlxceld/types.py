@@ -12,6 +12,10 @@ DEFAULT_SILENCE_S: Final = 3.0
 MAX_PIPELINE_STAGES: Final = 64  # --pp-auto, [daemon] pp_auto, `mlxctl cluster plan|activate`
 MAX_REPLICAS: Final = 8  # replica groups: `mlxctl cluster plan|activate --replicas`, TOML's
 MAX_DRAIN_DEADLINE_S: Final = 7 * 24 * 3600.0  # the longest `mlxctl drain --deadline`
+# `mlxctl cluster link-test`: the most round trips, and MiB each way (net/link.py; a peer
+# sends at most wire/link_messages.py's MAX_PULL, 64 MiB)
+MAX_LINK_PINGS: Final = 200
+MAX_LINK_MIB: Final = 64
 
 # A node's role in a serving cluster (``--node-role``, [serve] node_role, a cluster TOML's
 # serving nodes; checked in config/replicas.py). The wire's copy: wire/agent_messages.py.

@@ -19,6 +19,10 @@ prints each peer's outcome and exits 0 when every peer stopped its stage, 1
 when one could not be told (named, with the reason; it learns later), 5 while
 a bring-up is in progress. The daemon answers within its own bounds
 (``control.client.DEACTIVATE_TIMEOUT_S``).
+
+``link-test PEER`` has the daemon measure its link with a peer's agent (``net/link.py``):
+round trips, then bytes each way; 1 when the peer cannot be reached or stalls (named, with
+why), 2 for a PEER, ``--pings`` or ``--size`` out of bounds.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from rich.console import Console
 from mlxceld.cluster.assignment.coordinator_round import PUSH_S
 from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import ControlError
-from mlxceld.types import MAX_REPLICAS, WorkerState
+from mlxceld.types import MAX_LINK_MIB, MAX_LINK_PINGS, MAX_REPLICAS, WorkerState
 from mlxctl import render
-from mlxctl.edge import EXIT_FAILURE, call, emit, fail
+from mlxctl.edge import EXIT_FAILURE, EXIT_USAGE, call, emit, fail
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
 from mlxctl.progress import LoadView
 
@@ -176,6 +180,50 @@ def deactivate(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = 
                        "deactivate again tells every peer again", err=True)
     if not ok:
         raise typer.Exit(EXIT_FAILURE)
+
+
+@cluster_app.command("link-test", epilog="Exit codes: 0 measured; 1 the peer could not be "
+                     "reached, stalled or refused (named, with why); 2 usage; 3 daemon not "
+                     "running; 4 permission denied.")
+def link_test(ctx: typer.Context,
+              peer: Annotated[str, typer.Argument(
+                  metavar="PEER", help="A node id of `mlxctl cluster nodes`, or a peer's "
+                  "agent address host[:port] (port 19000 when left out).")],
+              pings: Annotated[int, typer.Option(
+                  "--pings", min=1, max=MAX_LINK_PINGS, metavar="N",
+                  help="How many round trips to time.")] = 20,
+              size: Annotated[int, typer.Option(
+                  "--size", min=1, max=MAX_LINK_MIB, metavar="MIB",
+                  help="MiB to send to the peer, and as many back.")] = 16,
+              socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """Measure the link between this daemon's host and a peer's: round trips (min, median,
+    p90, max) and bandwidth each way, over the cluster's authenticated, encrypted agent
+    channel.
+
+    The daemon dials the peer's agent as its own, times --pings pings one after the other,
+    sends --size MiB in 1 MiB messages (each acknowledged) and has the peer send as many
+    back. Bounds: 3 s to connect, 5 s for each answer, 60 s for the whole measurement."""
+    if not peer or len(peer) > 255 or not peer.isprintable():
+        fail(as_json, EXIT_USAGE, "bad_peer", f"PEER {peer!r} is not a node id or an agent "
+             "address", "name a node id of `mlxctl cluster nodes`, or host[:port]")
+    body = call(socket_path(ctx, socket), as_json, lambda c: c.link_test(peer, pings, size))
+    emit(as_json, "cluster_link_test", body, lambda: _link_text(body))
+
+
+def _link_text(body: dict[str, Any]) -> str:
+    """The link test as text: the peer, its round trips and both transfers."""
+    rtt, node = body["rtt_ms"], body.get("node_id")
+    named = body["address"] if body["peer"] == body["address"] else \
+        f"{body['peer']} ({body['address']})"
+    lines = [f"link with {named}" + (f", node {node}" if node and node != body["peer"]
+                                      else ""),
+             f"  connect     {body['connect_ms']:.1f} ms",
+             f"  round trip  min {rtt['min']:.3f}  median {rtt['median']:.3f}  p90 "
+             f"{rtt['p90']:.3f}  max {rtt['max']:.3f} ms ({rtt['count']} pings)"]
+    for label, t in (("sent", body["sent"]), ("received", body["received"])):
+        lines.append(f"  {label:<10}  {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s: "
+                     f"{t['mb_per_s']:.1f} MB/s")
+    return "\n".join(lines)
 
 
 async def _deactivate(c: ControlClient) -> dict[str, Any]:

@@ -96,6 +96,8 @@ CHANGE = from_type(Change)  # config/changes.py
 BRINGUP = obj({"state": STR, "summary": STR, "peers": t(["array", "null"])}, nullable=True,
               optional=("summary", "peers"))
 ROUTER = obj({"state": STR}, optional=("state",))
+RTT = obj({"count": INT, "min": NUM, "median": NUM, "p90": NUM, "max": NUM})  # link-test
+TRANSFER = obj({"bytes": INT, "seconds": NUM, "mb_per_s": NUM})
 
 # Each output: its keys besides "schema" (every one has that, spelled mlxctl.NAME/1).
 OUTPUTS: Final[dict[str, dict[str, Schema]]] = {
@@ -126,6 +128,9 @@ OUTPUTS: Final[dict[str, dict[str, Schema]]] = {
     "cluster_activate": {"ok": BOOL, "bringup": BRINGUP, "router": ROUTER,
                          "serving": SERVING},
     "cluster_deactivate": {"ok": BOOL, "bringup": BRINGUP},
+    "cluster_link_test": {"version": VERSION, "peer": STR, "address": STR, "node_id": STR_N,
+                          "connect_ms": NUM, "rtt_ms": RTT, "sent": TRANSFER,
+                          "received": TRANSFER, "chunk_bytes": INT},
     "secrets": {"version": VERSION, "keys": items(KEY), "rotation": ANY_OBJ_N},
     "secret_generate": {"key_id": STR, "file": STR_N},
     "secret_install": {"version": VERSION, "key": KEY},

@@ -47,6 +47,7 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.discovery.serving import port_of, serve_serving
 from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.net.agent import AgentService
+from mlxceld.net.link import serve_link
 from mlxceld.roles import ROUTER
 from mlxceld.roles.options import PipelineOptions
 from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable, Settings
@@ -391,6 +392,7 @@ class ClusterMember:
                             enabled=c.pp_peer, events=self._events, leased=lease.refusal)
         assignee.register(agent)
         serve_key_ops(agent, parts.keys, self._keyring)
+        serve_link(agent)  # `mlxctl cluster link-test` of another daemon
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def run() -> None:

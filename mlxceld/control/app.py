@@ -10,6 +10,7 @@ line as a heartbeat (``streams.py``), so a client can put a deadline on every re
     GET    /v1/events                 ?after=ID&limit=N&subject=S&follow=1
     POST   /v1/workers/{name}/restart, /v1/serve, /v1/unserve, /v1/reload, /v1/stop
     POST   /v1/cluster/plan, /v1/cluster/activate, /v1/cluster/deactivate
+    POST   /v1/cluster/link-test  {"peer", "pings", "size_mib"}
     POST   /v1/secrets, /v1/secrets/{kid}/primary, /v1/secrets/rotate
     POST   /v1/drain, /v1/undrain     {"node", "deadline_s", "force"}
     DELETE /v1/secrets/{kid}
@@ -41,6 +42,7 @@ def build_app(view: DaemonView) -> ASGIApp:
             Route("/v1/cluster/plan", e.plan, methods=["POST"]),
             Route("/v1/cluster/activate", e.activate, methods=["POST"]),
             Route("/v1/cluster/deactivate", e.deactivate, methods=["POST"]),
+            Route("/v1/cluster/link-test", e.link_test, methods=["POST"]),
             Route("/v1/workers/{name}/restart", e.restart, methods=["POST"]),
             Route("/v1/workers/{name}/logs", e.logs),
             Route("/v1/events", e.events),

@@ -18,6 +18,7 @@ from mlxceld import __version__
 from mlxceld.control import clusterview
 from mlxceld.control.requests import (
     DrainRequest,
+    LinkTestRequest,
     PlanRequest,
     RotateRequest,
     SecretRequest,
@@ -143,6 +144,14 @@ class Endpoints:
         a dial and an answer per peer, in parallel, and the router's stop)."""
         self._admitting()
         return answer("cluster_deactivate", bringup=await self.view.cluster.deactivate())
+
+    async def link_test(self, request: Request) -> Response:
+        """Round trips and bandwidth both ways with a peer's agent (``net/link.py``: at most
+        its ``CONNECT_S + TEST_S``)."""
+        self._admitting()
+        asked = await LinkTestRequest.read(request)
+        report = await self.view.links.link_test(asked.peer, asked.pings, asked.size)
+        return answer("cluster_link_test", **report.to_json())
 
     # -- drains ----------------------------------------------------------------------------
 

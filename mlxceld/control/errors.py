@@ -22,6 +22,8 @@ the ``supported`` ones):
     409     BringUpInProgress (bringup_in_progress) one bring-up at a time
     409     RotationRefused (rotation_refused)      a member unreachable, or one rotation runs
     502     RotationFailed (rotation_failed)        a member failed a secret rotation's step
+    502     LinkTestFailed (link_test_failed)       `mlxctl cluster link-test`: the peer
+                                                    unreachable, silent or refusing
     503     ShuttingDown (stopping), DaemonError    the daemon is stopping
     500     MlxceldError (state, worker, ...)       the state or a worker failed us
 
@@ -62,6 +64,7 @@ from mlxceld.errors import (
     UnserveRefused,
     UnsupportedFamily,
 )
+from mlxceld.net.errors import LinkTestFailed
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ STATUS: Final[Mapping[type[MlxceldError], int]] = {
     BringUpInProgress: 409,
     RotationRefused: 409,
     RotationFailed: 502,
+    LinkTestFailed: 502,
     DaemonError: 503,
     ShuttingDown: 503,
 }

@@ -17,7 +17,14 @@ from starlette.requests import Request
 
 from mlxceld.errors import BadRequest, RequestTooLarge
 from mlxceld.guard.bodies import read_bounded
-from mlxceld.types import MAX_DRAIN_DEADLINE_S, MAX_PIPELINE_STAGES, MAX_REPLICAS
+from mlxceld.types import (
+    MAX_DRAIN_DEADLINE_S,
+    MAX_LINK_MIB,
+    MAX_LINK_PINGS,
+    MAX_PIPELINE_STAGES,
+    MAX_REPLICAS,
+)
+from mlxceld.wire.address import MAX_ADDRESS
 
 QUERY_HINT: Final = "check the query parameters"
 MAX_BODY_BYTES: Final = 1 << 20  # the largest body mlxctl sends is a few hundred bytes
@@ -145,6 +152,27 @@ class PlanRequest:
                                f"see `mlxctl cluster {command} --help`")
         return cls(body.text("model"), body.integer("stages", 1, MAX_PIPELINE_STAGES),
                    body.optional_integer("replicas", 1, MAX_REPLICAS, 1))
+
+
+@dataclass(frozen=True)
+class LinkTestRequest:
+    """`mlxctl cluster link-test`: the ``peer`` (a node id or an agent address), how many
+    round trips (``pings``) and how many bytes each way (``size``, whole MiB)."""
+
+    peer: str
+    pings: int
+    size: int
+
+    @classmethod
+    async def read(cls, request: Request) -> LinkTestRequest:
+        body = await Body.read(request, f'{{"peer": NODE-OR-ADDRESS, "pings": 1..{MAX_LINK_PINGS}, '
+                               f'"size_mib": 1..{MAX_LINK_MIB}}}',
+                               "see `mlxctl cluster link-test --help`")
+        peer = body.text("peer")
+        if len(peer) > MAX_ADDRESS or not peer.isprintable():
+            raise body.refuse("peer", f"must be at most {MAX_ADDRESS} printable characters")
+        return cls(peer, body.integer("pings", 1, MAX_LINK_PINGS),
+                   body.integer("size_mib", 1, MAX_LINK_MIB) << 20)
 
 
 @dataclass(frozen=True)

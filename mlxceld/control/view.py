@@ -4,7 +4,7 @@ The seam of this room. As uvicorn hands its protocols a ``ServerState`` and the 
 never its ``Server``, the daemon hands its endpoints this record, never itself: each field
 is one part, typed here by what the endpoints (and ``observe/``'s scrape) call of it. The
 daemon room fills it with its parts (the supervisor, the cluster member, its key, serving
-and drain windows); tests put small fakes under the real app. Their methods return typed
+drain and link-test windows); tests put small fakes under the real app. Their methods return typed
 answers (``answers.py``: frozen dataclasses, each written once by its ``to_json``), or
 raise ``MlxceldError``s naming what is wrong; the app answers them.
 """
@@ -25,6 +25,7 @@ from mlxceld.control.answers import (
     Unserved,
     Written,
 )
+from mlxceld.net.link import LinkReport
 from mlxceld.state import DrainRow, EventLog, KeyInfo, RotationRow
 from mlxceld.supervisor.views import WorkerView
 from mlxceld.types import JSON
@@ -84,6 +85,12 @@ class Drains(Protocol):
     def undrain(self, node: str | None) -> Undrained: ...
 
 
+class Links(Protocol):
+    """`mlxctl cluster link-test`: round trips and bandwidth with a peer's agent."""
+
+    async def link_test(self, peer: str, pings: int, size: int) -> LinkReport: ...
+
+
 @dataclass(frozen=True)
 class DaemonView:
     events: EventLog
@@ -93,3 +100,4 @@ class DaemonView:
     secrets: Secrets
     serving: ServeCommands
     drains: Drains
+    links: Links

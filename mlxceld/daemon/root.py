@@ -42,7 +42,8 @@ of this daemon is handed to it as ``MemberParts``. Which workers run is
 the ``Roster``'s (``roster.py``: its inputs and the one reconcile); what the router
 serves, with `mlxctl serve|unserve`, is the ``ServingWindow``'s (``serving.py``);
 `mlxctl drain|undrain` are the ``DrainWindow``'s (``draining.py``); `mlxctl secret` the
-``KeyWindow``'s (``keys.py``).
+``KeyWindow``'s (``keys.py``); `mlxctl cluster link-test` the ``LinkWindow``'s
+(``links.py``).
 
 Each part is handed a record of the parts it uses, never the daemon (as uvicorn hands
 its protocols a ``ServerState`` and the config, never its ``Server``): the control API
@@ -83,6 +84,7 @@ from mlxceld.control.view import DaemonView, Lifetime
 from mlxceld.daemon.draining import DrainParts, DrainWindow, drained_nodes
 from mlxceld.daemon.following import PlanFollower
 from mlxceld.daemon.keys import KeyWindow
+from mlxceld.daemon.links import LinkParts, LinkWindow
 from mlxceld.daemon.replica_peers import ReplicaPeers
 from mlxceld.daemon.roster import Roster
 from mlxceld.daemon.serving import ServingParts, ServingWindow
@@ -235,7 +237,9 @@ class Daemon:
         self._view = DaemonView(
             self.events, Lifetime(lambda: self._stopping, self.status, self.request_stop,
                                   self.reload),
-            self.supervisor, self.member, keys, self.serving, self._draining)
+            self.supervisor, self.member, keys, self.serving, self._draining,
+            LinkWindow(LinkParts(self.member.agent_address, lambda: self.member.nodes().nodes,
+                                 self.keys.keyring)))
 
     # -- the daemon's own, in the control API's view (``Lifetime``) ------------------------
 

@@ -4,8 +4,10 @@
     └── NetError                  something on an MXCL v1 connection failed
         ├── ConnectionClosed      the stream ended: a close frame, an abort or a protocol error
         ├── HandshakeFailed       the handshake was refused or failed; ``kind`` says why
-        └── AskFailed             one question to an agent (``net.agent.ask``) got no answer
-                                  to use; ``kind`` says at which step
+        ├── AskFailed             one question to an agent (``net.agent.ask``) got no answer
+        │                         to use; ``kind`` says at which step
+        └── LinkTestFailed        a link test with a peer's agent (``net.link.measure``) did
+                                  not finish; ``kind`` says at which step
 
 ``kind`` is the wire core's tag (``mlxceld.wire.errors.KINDS``), or ``"closed"`` for a
 clean close frame from the peer and ``"local"`` for a stream we closed ourselves.
@@ -61,6 +63,29 @@ ASK_KINDS = {
     "closed": "the stream ended before the answer",
     "bad_answer": "the answer breaks the envelope or is of a type not expected",
     "error": "the agent answered ``error`` (a type it does not serve, or a refusal)",
+}
+
+
+class LinkTestFailed(NetError):
+    """The link test with the agent at ``peer`` (``mlxceld.net.link.measure``) did not
+    finish. ``kind`` is the step (``LINK_KINDS``); the message names the peer and why."""
+
+    code = "link_test_failed"
+
+    def __init__(self, kind: str, message: str, *, peer: str, hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.kind = kind
+        self.peer = peer
+
+
+LINK_KINDS = {
+    "address": "the peer is not host:port (nothing was dialled)",
+    "connect": "no authenticated stream within the connect deadline",
+    "stalled": "an answer (a pong, an ack, a chunk) did not come within the stall bound",
+    "timeout": "the whole measurement did not end within its deadline",
+    "closed": "the stream ended before the test did",
+    "refused": "the peer answered ``error`` (a size above its bound, or no link test)",
+    "bad_answer": "an answer breaks the envelope, or is not the one expected",
 }
 
 

@@ -4,7 +4,8 @@ No asyncio, no sockets, no clock, no randomness of its own, and nothing else of
 ours is imported here: the shell in mlxceld/net drives it. ``mx_tensors`` (mlx
 arrays to blobs) is not imported here, so importing the wire never imports mlx.
 The typed messages are ``messages`` (their shape, ping, pong, error),
-``agent_messages`` (channel 3), ``assignment_messages`` (channel 2) and
+``agent_messages`` (channel 3), ``link_messages`` (channel 3's link test),
+``assignment_messages`` (channel 2) and
 ``transport_messages`` (channel 1: the words the pipeline's and the replicas' protocols
 share), imported from their modules.
 """

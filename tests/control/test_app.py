@@ -37,6 +37,7 @@ from mlxceld.errors import (
     UnserveRefused,
     WorkerError,
 )
+from mlxceld.net.errors import LinkTestFailed
 from mlxceld.state import EventLog
 from mlxceld.state.db import open_db
 from mlxceld.types import JSON
@@ -108,6 +109,10 @@ class FakeDaemon:
 
     def request_stop(self) -> None:
         self._called("request_stop")
+
+    async def link_test(self, peer: str, pings: int, size: int) -> Answer:
+        self._called("link_test")
+        return Answer({"peer": peer, "pings": pings, "size": size})
 
     def secrets(self) -> list[Answer]:
         self._called("secrets")
@@ -189,6 +194,10 @@ def test_a_bad_query_parameter_is_a_400_that_names_it(daemon: FakeDaemon, path: 
     ("/v1/secrets", {"primary": True}, "secret_hex"),
     ("/v1/secrets", {"secret_hex": "00ff", "primary": "yes"}, "primary"),
     ("/v1/secrets", {"secret_hex": "00ff", "source": ["x"]}, "source"),
+    ("/v1/cluster/link-test", {"peer": "b", "pings": 1, "size_mib": 65}, "size_mib"),
+    ("/v1/cluster/link-test", {"peer": "b", "pings": 0, "size_mib": 1}, "pings"),
+    ("/v1/cluster/link-test", {"peer": "b\n", "pings": 1, "size_mib": 1}, "peer"),
+    ("/v1/cluster/link-test", {"pings": 1, "size_mib": 1}, "peer"),
 ])
 def test_a_bad_body_field_is_a_400_that_names_it(daemon: FakeDaemon, path: str,
                                                  body: dict[str, Any], field: str) -> None:
@@ -291,6 +300,18 @@ def test_each_domain_error_has_its_status_code_message_and_hint(
     daemon.fail = exc
     error = refusal(call(daemon, "POST", "/v1/cluster/plan", json=PLAN), status)
     assert error == {"code": exc.code, "message": exc.message, "hint": exc.hint}
+
+
+def test_a_link_test_reads_its_body_and_a_failed_one_is_a_502(daemon: FakeDaemon) -> None:
+    body = {"peer": "node-b", "pings": 5, "size_mib": 2}
+    r = call(daemon, "POST", "/v1/cluster/link-test", json=body)
+    assert r.status_code == 200 and r.json()["schema"] == "mlxceld.cluster_link_test/1"
+    assert (r.json()["peer"], r.json()["pings"], r.json()["size"]) == ("node-b", 5, 2 << 20)
+    daemon.fail = LinkTestFailed("connect", "cannot reach peer node-b: refused",
+                                 peer="node-b", hint="is its daemon running?")
+    error = refusal(call(daemon, "POST", "/v1/cluster/link-test", json=body), 502)
+    assert error == {"code": "link_test_failed", "message": "cannot reach peer node-b: refused",
+                     "hint": "is its daemon running?"}
 
 
 def test_a_refused_plan_names_its_shortfalls(daemon: FakeDaemon) -> None:

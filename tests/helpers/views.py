@@ -50,4 +50,5 @@ def view_of(fake: Any) -> DaemonView:
                      rotate="rotate_secret"),
         secrets=Part(fake, list="secrets"),
         serving=Part(fake),
-        drains=Part(fake, list="drains"))
+        drains=Part(fake, list="drains"),
+        links=Part(fake))

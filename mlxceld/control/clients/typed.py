@@ -42,6 +42,9 @@ ROTATE_TIMEOUT_S = 340.0
 # reconcile (an added one started, a removed one stopped within its stop timeout).
 RELOAD_TIMEOUT_S = 120.0
 UNSERVE_TIMEOUT_S = 40.0  # the router's stop: open streams get 10 s, SIGKILL after 20 s
+# A link test: the dial (net/link.py CONNECT_S, 3 s), the measurement (TEST_S, 60 s) and
+# slack.
+LINK_TEST_TIMEOUT_S = 75.0
 
 
 class ControlClient:
@@ -86,6 +89,13 @@ class ControlClient:
         outcome (``bringup``)."""
         return await self._request("POST", "/v1/cluster/deactivate",
                                    timeout=DEACTIVATE_TIMEOUT_S)
+
+    async def link_test(self, peer: str, pings: int, size_mib: int) -> JSON:
+        """`mlxctl cluster link-test`: ``pings`` round trips and ``size_mib`` MiB each way
+        with ``peer``'s agent (a node id or an agent address)."""
+        return await self._request("POST", "/v1/cluster/link-test",
+                                   timeout=LINK_TEST_TIMEOUT_S,
+                                   body={"peer": peer, "pings": pings, "size_mib": size_mib})
 
     async def unserve(self) -> JSON:
         return await self._request("POST", "/v1/unserve", timeout=UNSERVE_TIMEOUT_S)
