@@ -32,12 +32,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from mlxceld.config.peers import parse_peers
+from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.types import DECODE_ROLE, ROUTER_ROLE
 
 QUANTS: Final = ("none", "int8", "int4")  # engine/handoff.py's (a room above this one)
-DEFAULT_AGENT_PORT: Final = 19000
 PEERS_HINT: Final = ("name each node by its agent address, separated by commas: host:port, "
                      "or a host alone for port 19000, e.g. 10.0.0.21,10.0.0.22:19001")
 COMPRESSION_HINT: Final = "one of none, int8, int4, each optionally with +lz4: e.g. int8+lz4"

@@ -32,12 +32,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from mlxceld.config.peers import parse_peers
+from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.types import ROUTER_ROLE, NodeRole
 from mlxceld.wire.address import parse_address
 
-DEFAULT_AGENT_PORT: Final = 19000
 # Between two asks of the coordinator's plan by such a router (daemon/following.py); here,
 # below the daemon's modules that time things by it (following.py, standby.py, roster.py).
 FOLLOW_S: Final = 1.0

@@ -21,6 +21,7 @@ from mlxceld.wire.address import canonical_address
 MAX_PEERS: Final = 256
 PEERS_HINT: Final = ("write host:port pairs separated by commas, e.g. "
                      "192.168.1.11:19000,[fd00::12]:19000")
+DEFAULT_AGENT_PORT: Final = 19000  # an agent address given as a host alone has this port
 
 
 def parse_peers(value: str | Sequence[str], what: str, *, default_port: int | None = None,

@@ -41,13 +41,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from mlxceld.config.peers import parse_peers
+from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.types import DECODE_ROLE, HYBRID, NODE_ROLES, PREFILL_ROLE, ROUTER_ROLE, NodeRole
 from mlxceld.wire.address import parse_address
 
 SECRET_ROLES: Final = (ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)  # fail closed without it
-DEFAULT_AGENT_PORT: Final = 19000
 REPLICAS_HINT: Final = ("name each replica by its agent address, separated by commas: "
                         "host:port, or a host alone for port 19000, e.g. "
                         "studio-2.local,192.168.1.12:19001,[fd00::13]")

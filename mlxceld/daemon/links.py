@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxceld.config.peers import host_alone
-from mlxceld.config.replicas import DEFAULT_AGENT_PORT
+from mlxceld.config.peers import DEFAULT_AGENT_PORT, host_alone
 from mlxceld.errors import ConfigError, UnknownNode
 from mlxceld.net.link import LinkReport, measure
 from mlxceld.types import JSON

@@ -21,8 +21,7 @@ from mlxceld.cluster.clusterfile.model import (
     NodeConfig,
 )
 from mlxceld.config.disagg import QUANTS
-from mlxceld.config.peers import parse_peers
-from mlxceld.config.replicas import DEFAULT_AGENT_PORT
+from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE
 from mlxceld.types import DECODE_ROLE, MAX_REPLICAS, PREFILL_ROLE
