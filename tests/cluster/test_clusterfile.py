@@ -21,6 +21,7 @@ from mlxceld.cluster.clusterfile.load import (
     dump_cluster,
     load_cluster,
     needs_secret,
+    parse_cluster_text,
     select_node,
     validate_layers,
     write_cluster,
@@ -125,6 +126,20 @@ def test_round_trip(tmp_path: Path, make: Callable[[], Data]) -> None:
     reloaded = load_cluster(again)
     assert reloaded == dataclasses.replace(cfg, path=again)
     assert dump_cluster(reloaded) == text
+
+
+def test_compute_units_read_and_written(tmp_path: Path) -> None:
+    """A node's [nodes.resources] compute_units: a number (0: measured), kept on the node
+    and written back as read; a node without it has none."""
+    data = two_stages()
+    node(data, 1)["resources"]["compute_units"] = 0
+    node(data, 2)["resources"] = {"compute_units": 12.5}
+    cfg = load_cluster(write(tmp_path, data))
+    assert [n.compute_units for n in cfg.stages] == [0.0, 12.5]
+    assert cfg.coordinator.compute_units is None
+    text = dump_cluster(cfg)
+    assert "compute_units = 0.0" in text and "compute_units = 12.5" in text
+    assert parse_cluster_text(text, cfg.path) == cfg
 
 
 def test_two_stages_read(tmp_path: Path) -> None:
@@ -424,8 +439,16 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
                          r"node 'stage-0': unknown key 'weight'"),
     "unknown key on a bad id": (lambda d: node(d, 1).update(id="", weight=2),
                                 r": nodes\[1\]: unknown key 'weight'"),
-    "unknown resources key": (lambda d: node(d, 1)["resources"].update(compute_units=0),
-                              r"node 'stage-0': unknown key 'resources.compute_units'"),
+    "unknown resources key": (lambda d: node(d, 1)["resources"].update(cpu_cores=8),
+                              r"node 'stage-0': unknown key 'resources.cpu_cores'"),
+    "negative compute units": (lambda d: node(d, 1)["resources"].update(compute_units=-1),
+                               r"node 'stage-0': 'resources.compute_units' must be a number "
+                               r"of at least 0, not -1"),
+    "string compute units": (lambda d: node(d, 2).update(resources={"compute_units": "fast"}),
+                             r"node 'stage-1': 'resources.compute_units' must be a number "
+                             r"of at least 0, not 'fast'"),
+    "bool compute units": (lambda d: node(d, 1)["resources"].update(compute_units=True),
+                           r"node 'stage-0': 'resources.compute_units' must be a number"),
     "unknown top-level key": (lambda d: d.update(extra=1), r": unknown key 'extra'"),
     "bool memory": (lambda d: node(d, 1)["resources"].update(memory_bytes=True),
                     r"node 'stage-0': 'resources.memory_bytes' must be an integer, not true"),
@@ -458,9 +481,9 @@ def test_refused(tmp_path: Path, case: str) -> None:
 
 def test_unknown_key_hint_lists_the_known_keys(tmp_path: Path) -> None:
     data = two_stages()
-    node(data, 1)["resources"]["compute_units"] = 0
-    err = refused(tmp_path, data, "compute_units")
-    assert err.hint == "known keys here: resources.memory_bytes"
+    node(data, 1)["resources"]["cpu_cores"] = 8
+    err = refused(tmp_path, data, "cpu_cores")
+    assert err.hint == "known keys here: resources.memory_bytes, resources.compute_units"
     data = two_stages()
     data["cluster"]["size"] = 2
     err = refused(tmp_path, data, "cluster.size")
