@@ -41,12 +41,13 @@ once, so a stage's time per token is about ``weights_k / speed_k``; split contin
 the sum is least when every ``weights_k / speed_k`` is equal, the bottleneck that bounds
 a pipeline's tokens per second with several sequences in flight, and the stages that
 are not the bottleneck are balanced as well. (The KV cache a step reads grows with the
-context and is left out: it is small beside the weights at short contexts.) The nodes are chosen and ranked
-as above (by memory, then by address): speed moves layers, never which nodes run a plan,
-so a plan that fits by memory is still found. With equal speeds, or a node without units
-(an older peer, a measurement not done or failed), the memory rule applies: speeds that
-tell no node from another give no reason to leave the proportional split, and a single
-sequence's time per token is then the same whatever the split. Each stage says which
+context and is left out: it is small beside the weights at short contexts.) The nodes
+are chosen and ranked as above (by memory, then by address): speed moves layers, never
+which nodes run a plan, so a plan that fits by memory is still found. With equal
+speeds, or a node without units (an older peer, a measurement not done or failed), the
+memory rule applies: speeds that tell no node from another give no reason to leave the
+proportional split, and a single sequence's time per token is then the same whatever
+the split. Each stage says which
 rule split its group (``PlannedStage.split_rule``).
 
 ``plan_replicas(profile, n, r, nodes)`` plans ``r`` replica groups of ``n`` stages
