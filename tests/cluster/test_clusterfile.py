@@ -21,7 +21,6 @@ from mlxceld.cluster.clusterfile.load import (
     dump_cluster,
     load_cluster,
     needs_secret,
-    parse_cluster_text,
     select_node,
     validate_layers,
     write_cluster,
@@ -126,20 +125,6 @@ def test_round_trip(tmp_path: Path, make: Callable[[], Data]) -> None:
     reloaded = load_cluster(again)
     assert reloaded == dataclasses.replace(cfg, path=again)
     assert dump_cluster(reloaded) == text
-
-
-def test_compute_units_read_and_written(tmp_path: Path) -> None:
-    """A node's [nodes.resources] compute_units: a number (0: measured), kept on the node
-    and written back as read; a node without it has none."""
-    data = two_stages()
-    node(data, 1)["resources"]["compute_units"] = 0
-    node(data, 2)["resources"] = {"compute_units": 12.5}
-    cfg = load_cluster(write(tmp_path, data))
-    assert [n.compute_units for n in cfg.stages] == [0.0, 12.5]
-    assert cfg.coordinator.compute_units is None
-    text = dump_cluster(cfg)
-    assert "compute_units = 0.0" in text and "compute_units = 12.5" in text
-    assert parse_cluster_text(text, cfg.path) == cfg
 
 
 def test_two_stages_read(tmp_path: Path) -> None:
@@ -441,14 +426,6 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
                                 r": nodes\[1\]: unknown key 'weight'"),
     "unknown resources key": (lambda d: node(d, 1)["resources"].update(cpu_cores=8),
                               r"node 'stage-0': unknown key 'resources.cpu_cores'"),
-    "negative compute units": (lambda d: node(d, 1)["resources"].update(compute_units=-1),
-                               r"node 'stage-0': 'resources.compute_units' must be a number "
-                               r"of at least 0, not -1"),
-    "string compute units": (lambda d: node(d, 2).update(resources={"compute_units": "fast"}),
-                             r"node 'stage-1': 'resources.compute_units' must be a number "
-                             r"of at least 0, not 'fast'"),
-    "bool compute units": (lambda d: node(d, 1)["resources"].update(compute_units=True),
-                           r"node 'stage-0': 'resources.compute_units' must be a number"),
     "unknown top-level key": (lambda d: d.update(extra=1), r": unknown key 'extra'"),
     "bool memory": (lambda d: node(d, 1)["resources"].update(memory_bytes=True),
                     r"node 'stage-0': 'resources.memory_bytes' must be an integer, not true"),
