@@ -113,6 +113,12 @@ peers' agents, so that a prefill node's restart on a new port comes between two 
 daemon's inventory reports available (``discovery/inventory.py``), so that a test makes
 the planner find a plan that does not fit (the fixtures are tiny). Anything but a
 positive whole number makes the daemon refuse to start, as above.
+
+``MLXCELD_TEST_COMPUTE_UNITS`` (a positive number; test only too) is what this daemon's
+measurement of its compute units returns, without running it (``discovery/speed.py``):
+plans over daemons on one loaded host do not depend on the load (tests/helpers set it
+to 1 unless a test says otherwise). A declared ``[daemon] compute_units`` still wins.
+Anything but a positive number makes the daemon refuse to start, as above.
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ ACTIVATE_ENV: Final = "MLXCELD_TEST_ACTIVATE_FOR_S"
 ROTATION_STEP_ENV: Final = "MLXCELD_TEST_ROTATION_STEP_S"
 HANDOVER_ENV: Final = "MLXCELD_TEST_HANDOVER_S"
 MEMORY_ENV: Final = "MLXCELD_TEST_MEMORY_AVAILABLE"
+UNITS_ENV: Final = "MLXCELD_TEST_COMPUTE_UNITS"
 STALL_ENV: Final = "MLXCELD_TEST_FOLLOWER_STALL_S"
 STAGE_LAYER_ENV: Final = "MLXCELD_TEST_STAGE_LAYER_S"
 ROUTER_LAYER_ENV: Final = "MLXCELD_TEST_ROUTER_LAYER_S"
@@ -220,6 +227,21 @@ def parse_memory(environ: Mapping[str, str]) -> int | None:
     return int(raw)
 
 
+def parse_units(environ: Mapping[str, str]) -> float | None:
+    """``MLXCELD_TEST_COMPUTE_UNITS``, None when unset; ``ConfigError`` if bad."""
+    raw = environ.get(UNITS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{UNITS_ENV}={raw!r} is not a positive number of compute units",
+                          hint="unset it to measure them")
+    return value
+
+
 def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | None:
     raw = environ.get(name, "").strip()
     if not raw:
@@ -240,6 +262,7 @@ ACTIVATE_FOR_S: Final = parse_activate_for(os.environ)
 ROTATION_STEP_S: Final = parse_rotation_step(os.environ)
 HANDOVER_S: Final = parse_handover(os.environ)
 MEMORY_AVAILABLE: Final = parse_memory(os.environ)
+COMPUTE_UNITS: Final = parse_units(os.environ)
 FOLLOWER_STALL_S: Final = parse_follower_stall(os.environ)
 STAGE_LAYER_S: Final = parse_stage_layer(os.environ)
 ROUTER_LAYER_S: Final = parse_router_layer(os.environ)

@@ -193,6 +193,18 @@ def _detector(d: dict[str, Any] | None) -> str:
             f"after {d['dead_after_s']:g} s without an answer")
 
 
+def compute_units(speed: dict[str, Any]) -> str:
+    """``daemon.compute_units`` (mlxceld/discovery/speed.py) as one line."""
+    if speed["units"] is not None:
+        how = ("declared" if speed["source"] == "declared"
+               else f"measured in {speed['dtype']}")
+        return f"compute units: {speed['units']:g} ({how})"
+    if speed["source"] == "measuring":
+        return f"compute units: measuring (in {speed['dtype']})"
+    return ("compute units: not measured" + (f": {speed['error']}" if speed.get("error")
+                                             else "") + " (plans split by memory)")
+
+
 def status(body: dict[str, Any]) -> str:
     d = body["daemon"]
     workers = body["workers"]
@@ -202,6 +214,9 @@ def status(body: dict[str, Any]) -> str:
                f"up {duration(d['uptime_s'])} · {len(workers)} worker(s), {running} running")
     serving = body.get("serving")
     lines = [summary]
+    speed = d.get("compute_units")
+    if isinstance(speed, dict) and (speed["source"] != "unmeasured" or speed.get("error")):
+        lines.append(compute_units(speed))  # none on a daemon that never measured
     # A prefill or decode node's router worker says its role (workers/handoff_node.py).
     role = next((w["stats"]["node_role"] for w in workers
                  if isinstance(w.get("stats"), dict) and w["stats"].get("node_role")), None)

@@ -83,7 +83,9 @@ DAEMON = obj({"pid": INT, "version": STR, "node_id": STR, "hostname": STR,
               "started_at": NUM, "uptime_s": NUM, "state": t("string", enum=["running",
                                                                                "stopping"]),
               "state_dir": STR, "socket": STR, "socket_group": STR_N, "config_file": STR_N,
-              "log_level": STR, "schema_version": INT})
+              "log_level": STR, "schema_version": INT,
+              "compute_units": obj({"units": NUM_N, "source": STR, "dtype": STR,
+                                    "error": STR_N})})  # discovery/speed.py
 EVENT = obj({"id": INT, "ts": NUM, "kind": STR, "subject": STR, "message": STR,
              "data": ANY_OBJ})
 KEY = obj({"key_id": STR, "state": STR, "created_at": NUM, "source": STR_N})

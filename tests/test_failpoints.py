@@ -84,6 +84,16 @@ def test_the_memory_cap_must_be_positive_bytes() -> None:
             failpoints.parse_memory({failpoints.MEMORY_ENV: bad})
 
 
+def test_the_compute_units_must_be_a_positive_number() -> None:
+    assert failpoints.parse_units({}) is None
+    assert failpoints.parse_units({failpoints.UNITS_ENV: ""}) is None  # unset: measure
+    assert failpoints.parse_units({failpoints.UNITS_ENV: " 2.5 "}) == 2.5
+    for bad in ("0", "-1", "fast", "nan", "inf"):
+        with pytest.raises(ConfigError, match=f"MLXCELD_TEST_COMPUTE_UNITS={bad!r} is not a "
+                                              "positive number of compute units"):
+            failpoints.parse_units({failpoints.UNITS_ENV: bad})
+
+
 def test_a_bad_activate_bound_stops_the_daemon_at_start(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "mlxceld", "--state-dir", f"{tmp_path}/s",

@@ -76,6 +76,7 @@ class MemberParts:
     # The pipeline our router drives now (the ``plan`` answer, cluster/front.py)
     served_pipeline: Callable[[], PipelineOptions | None] = lambda: None
     fronts: Fronts | None = None  # who asked for it (the serving window waits for them)
+    units: Callable[[], float | None] = lambda: None  # compute units (discovery/speed.py)
 
 
 class ClusterMember:
@@ -374,7 +375,7 @@ class ClusterMember:
         agent = AgentService(self._agent_addr, self._keyring,
                              silence_s=parts.config().liveness.suspect_after_s)
         serve_inventory(agent, self._node_id, parts.served_model, parts.config().stage_ports,
-                        keyring=self._keyring)
+                        keyring=self._keyring, units=parts.units)
         serve_serving(agent, self._serving)
         serve_plan(agent, lambda: plan_of(parts.served_pipeline(), self._coordinator.serving.epoch
                                           if self._coordinator and self._coordinator.serving

@@ -33,6 +33,8 @@ File format (TOML, every table and key optional)::
                                        # it; 0: off (mlxceld/config/healing.py)
     metrics_listen = "0.0.0.0:9464"    # serve the daemon's and its workers' /metrics
                                        # here; off unless set (mlxceld/config/metrics.py)
+    compute_units = 0                  # this host's speed for plans; 0: measured at
+                                       # start (mlxceld/config/compute.py)
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -64,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.config.cluster import KEYS, cluster_settings
+from mlxceld.config.compute import KEY as UNITS_KEY
+from mlxceld.config.compute import compute_units
 from mlxceld.config.healing import KEY as HEAL_KEY
 from mlxceld.config.healing import heal_after
 from mlxceld.config.kvquant import check_kv_model, check_kv_setting, kv_origin
@@ -158,6 +162,7 @@ class Config:
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # failure detector
     heal_after_s: float = 60.0  # a plan's peer dead this long is healed around; 0: off
     metrics_listen: HostPort | None = None  # where /metrics is served (observe/); None: off
+    compute_units: float | None = None  # declared (config/compute.py); None: measured
 
 
 @dataclass(frozen=True)
@@ -319,7 +324,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                          "log_format", "log_max_bytes", "log_backups",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
-                         *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY},
+                         *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY, UNITS_KEY},
                 where, "daemon.")
     sup = table_of(data, "supervisor", where)
     check_keys(
@@ -369,6 +374,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         liveness=liveness_settings(daemon, where),
         heal_after_s=heal_after(daemon, where),
         metrics_listen=metrics_listen(daemon, where),
+        compute_units=compute_units(daemon, where),
         policy=policy,
         health_interval_s=number(sup, "health_interval_s", where, "supervisor.", 5.0),
         log_max_bytes=int(number(sup, "log_max_bytes", where, "supervisor.", 10 * 1024 * 1024)),

@@ -91,6 +91,7 @@ from mlxceld.daemon.serving import ServingParts, ServingWindow
 from mlxceld.daemon.stage_watch import StageWatch, StageWatchParts
 from mlxceld.daemon.standby import Standby
 from mlxceld.discovery.candidates import CandidateTable
+from mlxceld.discovery.speed import NodeSpeed
 from mlxceld.errors import (
     AlreadyRunning,
     ConfigError,
@@ -211,6 +212,8 @@ class Daemon:
         """The cluster member, the key and drain windows, the replica peers, and the record
         of parts the control API and /metrics are handed (``control.view.DaemonView``)."""
         candidates = CandidateTable(PeersTable(self._db), node_id=self.node.node_id)
+        self.speed = NodeSpeed(Settings(self._db), declared=self._declared_units,
+                               model=lambda: self.roster.serve.model)  # discovery/speed.py
         drains = DrainsTable(self._db)
         keys = KeyWindow(self.keys, self.supervisor, self.events,
                          keyring_changed=lambda: self.member.keyring_changed())
@@ -221,7 +224,7 @@ class Daemon:
                         drained_nodes=lambda: drained_nodes(drains), pipeline=self.serving,
                         stage=self.roster, keys=keys,
                         served_pipeline=self.roster.served_pipeline,
-                        fronts=self.serving.fronts),
+                        fronts=self.serving.fronts, units=self.speed.units),
             self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
             candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
             liveness=LivenessTable(self._db), rotations=RotationsTable(self._db),
@@ -241,6 +244,12 @@ class Daemon:
             LinkWindow(LinkParts(self.member.agent_address, lambda: self.member.nodes().nodes,
                                  self.keys.keyring)))
 
+    def _declared_units(self) -> float | None:
+        """[daemon] compute_units, else this node's in its cluster TOML; None: measure."""
+        placement = self.roster.placement
+        return (self.roster.config.compute_units
+                or (placement.node.compute_units if placement else None) or None)
+
     # -- the daemon's own, in the control API's view (``Lifetime``) ------------------------
 
     def status(self) -> JSON:
@@ -258,6 +267,7 @@ class Daemon:
                 "config_file": str(config.config_file) if config.config_file else None,
                 "log_level": config.log_level,
                 "schema_version": SCHEMA_VERSION,
+                "compute_units": self.speed.describe(),  # discovery/speed.py
             },
             "serving": served.to_json() if served else None,
             "cluster": placement.describe() if placement else None,
@@ -327,6 +337,7 @@ class Daemon:
                 log.info("mlxceld %s ready: node %s, control socket %s, %d worker(s)",
                          __version__, self.node.node_id, self.roster.config.socket, len(specs))
                 if len(self.keys.keyring):
+                    tg.create_task(self.speed.measure())  # for inventory: a thread, bounded
                     await self.member.start(tg)
                     await self._router_node_linked()
                 self._notify.ready(status_line(self.status()))
@@ -367,6 +378,7 @@ class Daemon:
                 self._notify.ready(status_line(self.status()))
                 continue
             if command == "agent":
+                tg.create_task(self.speed.measure())
                 await self.member.start(tg)
                 await self._router_node_linked()
                 continue

@@ -8,8 +8,9 @@ type      direction        fields
 inventory asker → agent    none besides ``t``: ``{"t": "inventory"}``
 inventory agent → asker    ``node``, ``version``, ``platform``,
                            ``memory_total``, ``memory_available``, ``model``,
-                           ``ports``, ``agent``, ``key_id`` (below); exactly
-                           these keys
+                           ``ports``, ``agent``, ``key_id``, and
+                           ``compute_units`` when known (below); no
+                           other keys
 error     agent → asker    ``reason`` (a message type this agent does not serve
                            on this channel, or a malformed envelope)
 ========= ================ ====================================================
@@ -40,6 +41,10 @@ asker treats a violation as a bad answer, never as a partial inventory):
   secret, the one it dials with (``null`` only without one): a node left on an old
   key after a rotation is told apart by this before its traffic fails (the stream's
   own key id is the asker's primary, which the agent may merely still accept).
+- ``compute_units`` (optional): the agent's compute units (``discovery/speed.py``,
+  the unit of ``models/speed.py``), a number in (0, 10**6]; left out while the agent
+  knows none (measuring, or the measurement failed). An answer without it parses; a
+  planner then splits by memory (``cluster/plan/solver.py``).
 
 The asker's budget (``mlxceld.discovery.poller``): 5 s to connect and
 authenticate, then 5 s for the answer.
@@ -81,9 +86,9 @@ class InventoryError(MlxceldError):
 
 def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None,
                     stage_ports: StagePorts | None = None, *,
-                    key_id: str | None = None) -> Inventory:
+                    key_id: str | None = None, compute_units: float | None = None) -> Inventory:
     """This daemon's answer (psutil, the platform, free ports on ``agent_host``, the key id
-    of its primary secret)."""
+    of its primary secret, its compute units when known)."""
     memory = psutil.virtual_memory()
     available = int(memory.available)
     if failpoints.MEMORY_AVAILABLE is not None:  # tests only: a plan that does not fit
@@ -93,7 +98,7 @@ def local_inventory(node_id: str, agent: str, agent_host: str, model: str | None
                      memory_total=int(memory.total), memory_available=available,
                      model=model_entry(model),
                      ports=tuple(free_ports(agent_host, FREE_PORTS, stage_ports)),
-                     agent=agent, key_id=key_id)
+                     agent=agent, key_id=key_id, compute_units=compute_units)
 
 
 def model_entry(model: str | None) -> dict[str, Any] | None:
@@ -152,16 +157,19 @@ def parse_inventory(header: Mapping[str, Any]) -> Inventory:
 
 def serve_inventory(agent: AgentService, node_id: str, model: Callable[[], str | None],
                     stage_ports: StagePorts | None = None, *,
-                    keyring: SecretStore | None = None) -> None:
+                    keyring: SecretStore | None = None,
+                    units: Callable[[], float | None] = lambda: None) -> None:
     """Answer ``inventory`` on the agent channel; ``model`` gives the configured model now,
     ``stage_ports`` the range stage ports are proposed from (None: ephemeral ports),
-    ``keyring`` the primary key id at the time of each answer."""
+    ``keyring`` the primary key id at the time of each answer, ``units`` the compute
+    units known now (``discovery/speed.py``)."""
 
     async def answer(stream: MxclStream, message: Envelope) -> None:
         kid = keyring.primary_id if keyring is not None else None
         inventory = await asyncio.to_thread(local_inventory, node_id, agent.address, agent.host,
                                             model(), stage_ports,
-                                            key_id=kid.hex() if kid else None)
+                                            key_id=kid.hex() if kid else None,
+                                            compute_units=units())
         await stream.send(encode_envelope(inventory.to_wire()))
 
     agent.add_handler(AGENT_CHANNEL, INVENTORY, answer)

@@ -64,9 +64,11 @@ class InventoryRequest(BareQuestion):
 
 @dataclass(frozen=True)
 class Inventory:
-    """The answer: the agent's node, memory, model, free ports, listener and key id."""
+    """The answer: the agent's node, memory, model, free ports, listener and key id, and
+    its compute units when it knows them (an optional key: answers without it parse)."""
 
     T: ClassVar[str] = "inventory"
+    MAX_UNITS: ClassVar[float] = 1e6  # compute units: a number in (0, MAX_UNITS]
     node: str
     version: str
     platform: dict[str, str]  # {"system", "machine"}
@@ -76,16 +78,27 @@ class Inventory:
     ports: tuple[int, ...]
     agent: str
     key_id: str | None
+    compute_units: float | None = None  # None: not known (not sent)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "node": self.node, "version": self.version,
-                "platform": self.platform, "memory_total": self.memory_total,
-                "memory_available": self.memory_available, "model": self.model,
-                "ports": list(self.ports), "agent": self.agent, "key_id": self.key_id}
+        out: dict[str, Any] = {"t": self.T, "node": self.node, "version": self.version,
+                               "platform": self.platform, "memory_total": self.memory_total,
+                               "memory_available": self.memory_available, "model": self.model,
+                               "ports": list(self.ports), "agent": self.agent,
+                               "key_id": self.key_id}
+        if self.compute_units is not None:
+            out["compute_units"] = self.compute_units
+        return out
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        exact_keys(header, INVENTORY_KEYS, "inventory")
+        units: Any = header.get("compute_units")
+        exact_keys(header, INVENTORY_KEYS | ({"compute_units"} if "compute_units" in header
+                                             else set()), "inventory")
+        if "compute_units" in header and (
+                type(units) not in (int, float) or not 0 < units <= cls.MAX_UNITS):
+            raise MessageError("compute_units", "inventory 'compute_units' must be a number "
+                               f"in (0, {cls.MAX_UNITS:g}]")
         problem = name_problem(header["node"])
         if problem:
             raise MessageError("node", f"inventory 'node' {problem}")
@@ -116,7 +129,7 @@ class Inventory:
                                "inventory 'key_id' must be 16 lowercase hex digits or null")
         return cls(header["node"], header["version"], dict(plat), header["memory_total"],
                    header["memory_available"], header["model"], tuple(ports), header["agent"],
-                   kid)
+                   kid, None if units is None else float(units))
 
 
 def _model(model: Any) -> None:

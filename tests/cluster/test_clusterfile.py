@@ -424,8 +424,8 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
                          r"node 'stage-0': unknown key 'weight'"),
     "unknown key on a bad id": (lambda d: node(d, 1).update(id="", weight=2),
                                 r": nodes\[1\]: unknown key 'weight'"),
-    "unknown resources key": (lambda d: node(d, 1)["resources"].update(compute_units=0),
-                              r"node 'stage-0': unknown key 'resources.compute_units'"),
+    "unknown resources key": (lambda d: node(d, 1)["resources"].update(cpu_cores=8),
+                              r"node 'stage-0': unknown key 'resources.cpu_cores'"),
     "unknown top-level key": (lambda d: d.update(extra=1), r": unknown key 'extra'"),
     "bool memory": (lambda d: node(d, 1)["resources"].update(memory_bytes=True),
                     r"node 'stage-0': 'resources.memory_bytes' must be an integer, not true"),
@@ -458,9 +458,9 @@ def test_refused(tmp_path: Path, case: str) -> None:
 
 def test_unknown_key_hint_lists_the_known_keys(tmp_path: Path) -> None:
     data = two_stages()
-    node(data, 1)["resources"]["compute_units"] = 0
-    err = refused(tmp_path, data, "compute_units")
-    assert err.hint == "known keys here: resources.memory_bytes"
+    node(data, 1)["resources"]["cpu_cores"] = 8
+    err = refused(tmp_path, data, "cpu_cores")
+    assert err.hint == "known keys here: resources.memory_bytes, resources.compute_units"
     data = two_stages()
     data["cluster"]["size"] = 2
     err = refused(tmp_path, data, "cluster.size")

@@ -258,3 +258,28 @@ def test_front_standby_and_stood_down_each_say_their_summary_in_order() -> None:
     del body["standby"]  # an older daemon's status
     assert render.status(body).split("\n")[1:3] == ["", "no workers configured (the daemon "
                                                         "is idle: control plane only)"]
+
+
+def test_the_compute_units_line() -> None:
+    """``daemon.compute_units`` (discovery/speed.py): declared, measured, measuring, or why
+    not; nothing on a daemon that never measured (no agent listener)."""
+    body = {"daemon": {"version": "1", "state": "running", "node_id": "mac-a", "pid": 9,
+                       "uptime_s": 5},
+            "workers": [], "serving": None, "cluster": None, "assignment": None,
+            "bringup": None, "healing": None, "pipeline": None, "problems": []}
+    speeds = [
+        ({"units": 41.25, "source": "measured", "dtype": "bfloat16", "error": None},
+         "compute units: 41.25 (measured in bfloat16)"),
+        ({"units": 100.0, "source": "declared", "dtype": "bfloat16", "error": None},
+         "compute units: 100 (declared)"),
+        ({"units": None, "source": "measuring", "dtype": "float16", "error": None},
+         "compute units: measuring (in float16)"),
+        ({"units": None, "source": "unmeasured", "dtype": "bfloat16", "error": "too slow"},
+         "compute units: not measured: too slow (plans split by memory)"),
+    ]
+    for speed, line in speeds:
+        body["daemon"]["compute_units"] = speed
+        assert render.status(body).split("\n")[1] == line
+    body["daemon"]["compute_units"] = {"units": None, "source": "unmeasured",
+                                       "dtype": "bfloat16", "error": None}
+    assert "compute units" not in render.status(body)

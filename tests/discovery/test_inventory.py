@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from mlxceld import __version__
+from mlxceld.cluster.plan.candidates import plan_nodes
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.inventory import (
     InventoryError,
@@ -75,10 +76,31 @@ GOOD = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", None).to_wire()
     ({"ports": list(range(1, 10))}, "'ports'"),
     ({"ports": [0]}, "'ports'"),
     ({"agent": ""}, "'agent'"),
+    ({"compute_units": 0}, "'compute_units'"),
+    ({"compute_units": -2.5}, "'compute_units'"),
+    ({"compute_units": True}, "'compute_units'"),
+    ({"compute_units": "fast"}, "'compute_units'"),
+    ({"compute_units": None}, "'compute_units'"),
+    ({"compute_units": float("inf")}, "'compute_units'"),
+    ({"compute_units": float("nan")}, "'compute_units'"),
+    ({"compute_units": 2e6}, "'compute_units'"),
 ])
 def test_answers_out_of_bounds_are_refused(change: dict[str, Any], words: str) -> None:
     with pytest.raises(InventoryError, match=words):
         parse_inventory({**GOOD, **change})
+
+
+def test_compute_units_travel_when_known_and_old_answers_parse() -> None:
+    """The optional key: sent only when known, read back as a float; an answer without it
+    (an agent that knows none, or an older one) parses with none."""
+    assert "compute_units" not in GOOD and parse_inventory(GOOD).compute_units is None
+    inv = local_inventory("host-a", "127.0.0.1:19000", "127.0.0.1", None,
+                          compute_units=41.5).to_wire()
+    assert inv["compute_units"] == 41.5
+    assert parse_inventory(inv).compute_units == 41.5
+    assert parse_inventory(inv).to_wire() == inv
+    whole = parse_inventory({**GOOD, "compute_units": 3})
+    assert whole.compute_units == 3.0 and type(whole.compute_units) is float
 
 
 def test_handlers_are_per_channel_and_type() -> None:
@@ -99,7 +121,7 @@ def test_inventory_and_another_handler_over_a_real_agent() -> None:
 
     async def main() -> None:
         agent = AgentService(("127.0.0.1", 0), keyring)
-        serve_inventory(agent, "host-b", lambda: None)
+        serve_inventory(agent, "host-b", lambda: None, units=lambda: 7.25)
         seen: list[tuple[str | None, dict[str, Any]]] = []
 
         async def offer(stream: MxclStream, message: Envelope) -> None:
@@ -115,6 +137,9 @@ def test_inventory_and_another_handler_over_a_real_agent() -> None:
             assert row is not None and row.state == "reachable", row
             assert row.node_id == "host-b" and row.inventory and row.inventory["agent"] == (
                 agent.address)
+            assert row.inventory["compute_units"] == 7.25
+            (node,), _ = plan_nodes([row], "ab" * 32)
+            assert node.compute_units == 7.25 and node.node_id == "host-b"
 
             host, port = agent.address.rsplit(":", 1)
             async with await connect(host, int(port), keyring=keyring, channel=2,

@@ -31,6 +31,9 @@ T = TypeVar("T")
 STARTUP_TIMEOUT_S = 60.0  # a daemon's socket answering: ~1 s alone, more beside parallel tests
 STOP_S = 20.0  # a daemon's exit after SIGTERM at the end of a test, before SIGKILL
 READY_S = 120.0  # a router or stage worker loading its model, on a busy CPU
+# Every daemon's compute units, unless a test says otherwise (``env``): plans over
+# daemons on one loaded host split by memory, whatever the load (mlxceld/failpoints.py).
+SPEED_ENV = {"MLXCELD_TEST_COMPUTE_UNITS": "1"}
 
 FAST_POLICY = """
 [supervisor]
@@ -87,7 +90,7 @@ class DaemonProc:
               prefix: tuple[str, ...] = ()) -> DaemonProc:
         """Start the daemon with ``extra`` flags; ``env`` is added to this process's
         environment (fail points, for one start only); ``prefix`` runs it under a command
-        that execs it."""
+        that execs it. Its compute units are ``SPEED_ENV``'s unless ``env`` says."""
         with self.stderr_path.open("ab") as err:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "mlxceld", "--config", str(self.config),
@@ -95,7 +98,7 @@ class DaemonProc:
                  *(() if "--agent-addr" in extra else ("--agent-addr", "127.0.0.1:0")),
                  *extra],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                env={**os.environ, **env} if env else None,
+                env={**os.environ, **SPEED_ENV, **(env or {})},
             )
         if wait:
             wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
@@ -111,7 +114,7 @@ class DaemonProc:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "mlxceld", "--config", str(self.config)],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                env={**os.environ, **env} if env else None)
+                env={**os.environ, **SPEED_ENV, **(env or {})})
         if wait:
             wait_for(self._ready, STARTUP_TIMEOUT_S, f"daemon on {self.socket}")
         return self

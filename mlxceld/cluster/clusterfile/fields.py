@@ -20,6 +20,7 @@ from mlxceld.cluster.clusterfile.model import (
     ClusterRole,
     NodeConfig,
 )
+from mlxceld.config.compute import check_units
 from mlxceld.config.disagg import QUANTS
 from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
@@ -32,7 +33,7 @@ TOP_KEYS: Final = ("cluster", "nodes")
 CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model",
                        "kv_compression", "tensor_parallel_size")
 NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resources")
-RESOURCE_KEYS: Final = ("memory_bytes",)
+RESOURCE_KEYS: Final = ("memory_bytes", "compute_units")
 # Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
 # TOML does not describe yet: refused as "not supported yet", not as typos.
 LATER_ROLES: Final = frozenset({"tensor_parallel_rank", "tp", "pipeline_tensor_parallel",
@@ -176,7 +177,7 @@ def _serving_node(raw: Mapping[str, Any], node_id: str, role: ClusterRole, at: s
         raise ConfigError(f"{at}: 'address' {address!r} is a wildcard, which names no host "
                           "to dial", hint=AGENT_HINT)
     return NodeConfig(id=node_id, address=normal, host=addr.host, port=addr.port, role=role,
-                      memory_bytes=_resources(raw, at))
+                      **_resources(raw, at))
 
 
 def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConfig:
@@ -220,8 +221,7 @@ def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConf
                               "dials: the host's own IP or hostname")
         group = _replica(replica, replicas, at)
     return NodeConfig(id=node_id, address=address, host=addr.host, port=addr.port, role=role,
-                      rank=rank, layers=layers, memory_bytes=_resources(raw, at),
-                      replica=group)
+                      rank=rank, layers=layers, **_resources(raw, at), replica=group)
 
 
 def _replica(replica: int | None, replicas: int, at: str) -> int:
@@ -270,13 +270,18 @@ def _layers(raw: Mapping[str, Any], at: str) -> tuple[int, int] | None:
     return start, end
 
 
-def _resources(raw: Mapping[str, Any], at: str) -> int | None:
+def _resources(raw: Mapping[str, Any], at: str) -> dict[str, Any]:
+    """``[nodes.resources]``: ``memory_bytes`` and ``compute_units`` (0: measured), as
+    NodeConfig fields."""
     table = raw.get("resources", {})
     if not isinstance(table, Mapping):
         raise ConfigError(f"{at}: 'resources' must be a table",
                           hint="write it as [nodes.resources] under the node's [[nodes]]")
     _check_keys(table, RESOURCE_KEYS, at, "resources.")
-    return _int(table, "memory_bytes", at, "resources.", minimum=1)
+    units = table.get("compute_units")
+    return {"memory_bytes": _int(table, "memory_bytes", at, "resources.", minimum=1),
+            "compute_units": None if units is None
+            else check_units(units, f"{at}: 'resources.compute_units'")}
 
 
 def _int(table: Mapping[str, Any], key: str, at: str, prefix: str,

@@ -24,6 +24,8 @@
     layers = [0, 14]                 # [start, end)
     [nodes.resources]
     memory_bytes = 68719476736       # optional
+    compute_units = 0                # optional: the node's speed for plans, 0: the
+                                     # daemon measures it (mlxceld/config/compute.py)
 
 A serving cluster instead (no pipeline_parallel_size, no replicas)::
 
@@ -128,8 +130,11 @@ def dump_cluster(cfg: ClusterConfig) -> str:
             lines.append(f"rank = {n.rank}")
         if n.layers is not None:
             lines.append(f"layers = [{n.layers[0]}, {n.layers[1]}]")
-        if n.memory_bytes is not None:
-            lines += ["[nodes.resources]", f"memory_bytes = {n.memory_bytes}"]
+        resources = [f"{key} = {value!r}" for key, value in (
+            ("memory_bytes", n.memory_bytes), ("compute_units", n.compute_units))
+            if value is not None]
+        if resources:
+            lines += ["[nodes.resources]", *resources]
     return "\n".join(lines) + "\n"
 
 

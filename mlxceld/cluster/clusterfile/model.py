@@ -47,6 +47,7 @@ class NodeConfig:
     layers: tuple[int, int] | None = None
     memory_bytes: int | None = None
     replica: int = 0  # a stage's group (0 on the coordinator, which has none)
+    compute_units: float | None = None  # [nodes.resources]; 0: measured (config/compute.py)
 
     @property
     def is_stage(self) -> bool:

@@ -4,9 +4,10 @@ Used by ``mlxctl cluster plan`` (through the control API) and ``mlxceld --pp-aut
 --dry-run`` (``make_plan``), and by self-healing (``make_group_plan``: replica groups
 re-planned around a lost host, ``groups.py``). Each reachable candidate with an
 inventory becomes a ``PlanNode``: its node id, its agent address, its usable memory
-(``plan.usable_memory`` of what it reports available) and the first stage port it
-proposed. A candidate whose inventory names another model identity than ours is left
-out, and said so: its offer would be refused anyway. So is a drained node (`mlxctl
+(``plan.usable_memory`` of what it reports available), the first stage port it
+proposed and its compute units when it reported them (``discovery/speed.py``). A
+candidate whose inventory names another model identity than ours is left out, and said
+so: its offer would be refused anyway. So is a drained node (`mlxctl
 drain`, ``drained``): no plan, heal or activate uses it until `mlxctl undrain`.
 """
 
@@ -54,8 +55,9 @@ def plan_nodes(candidates: Sequence[PeerRow], identity: str,
             notes.append(f"{name} ({c.address}) proposed no free stage port (with "
                          "stage_ports set: every port of that range is taken there): left out")
             continue
+        units = inv.get("compute_units")  # checked as the answer came (Inventory)
         nodes.append(PlanNode(name, c.address, usable_memory(c.memory_available),
-                              int(ports[0])))
+                              int(ports[0]), float(units) if units else None))
     return nodes, notes
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.cluster.clusterfile.model import ClusterConfig, StageEntry, pipeline_cluster
@@ -44,6 +44,7 @@ SAFETY_FRACTION: Final = 0.10
 DEFAULT_CONTEXT_TOKENS: Final = 8192
 DEFAULT_ACTIVATION_BYTES: Final = 512 * MIB
 COORDINATOR_ID: Final = "coordinator"
+SplitRule = Literal["memory", "speed"]  # what the solver balanced: load/memory or load/speed
 
 
 def usable_memory(available_bytes: int, safety_fraction: float = SAFETY_FRACTION) -> int:
@@ -57,12 +58,14 @@ def usable_memory(available_bytes: int, safety_fraction: float = SAFETY_FRACTION
 class PlanNode:
     """A candidate peer: its node id, its agent address (``host:port``, the identity
     the handshake binds; nodes are ranked by it), the memory it offers
-    (``usable_memory``) and the port its stage listener would take."""
+    (``usable_memory``), the port its stage listener would take and its compute units
+    when it reported them."""
 
     node_id: str
     address: str
     memory_usable_bytes: int
     stage_port: int
+    compute_units: float | None = None  # its speed (models/speed.py); None: not reported
 
     @property
     def key(self) -> str:
@@ -114,6 +117,14 @@ class PlannedStage:
     reserve_bytes: int
     replica: int = 0
     group_start: int = 0
+    split_rule: SplitRule = "memory"  # how its group's layers were split (solver.py)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        """The predicted time of one decode step here: its weight bytes over its node's
+        compute units (GB/s of weights, ``models/speed.py``), in ms; None without units."""
+        units = self.node.compute_units
+        return None if not units else self.weight_bytes / (units * 1e6)
 
     @property
     def index(self) -> int:

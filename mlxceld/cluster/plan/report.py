@@ -2,7 +2,10 @@
 
 What ``mlxctl cluster plan --model M --stages N [--json]`` and
 ``mlxceld --pp-auto N --dry-run`` print. The table is plain text (mlxctl may
-colour it); the JSON is ``mlxctl.plan/1``, all sizes in bytes.
+colour it); the JSON is ``mlxctl.plan/1``, all sizes in bytes. Where the nodes reported
+compute units (``models/speed.py``), each stage shows them and its predicted time per
+token (its weights over its units: ``PlannedStage.ms_per_token``), and a line says which
+rule split the layers (``solver.py``: by memory, or by speed).
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve
 SCHEMA: Final = "mlxctl.plan/1"
 HEADERS: Final = ("STAGE", "NODE", "ADDRESS", "LAYERS", "BYTES", "RESERVE", "USABLE",
                   "HEADROOM")
+SPEED_HEADERS: Final = ("UNITS", "MS/TOKEN")  # when some node reported compute units
+RULES: Final = {
+    "memory": "by memory (each stage's load in proportion to its node's usable memory)",
+    "speed": "by speed (each stage's time per token balanced: its weights over its node's "
+             "compute units, within its memory)",
+}
 
 
 class PlanStageJSON(TypedDict):
@@ -27,6 +36,9 @@ class PlanStageJSON(TypedDict):
     reserve_bytes: int
     usable_bytes: int
     headroom_bytes: int
+    compute_units: float | None  # its node's (models/speed.py); None: not reported
+    ms_per_token: float | None  # predicted: weight_bytes / (compute_units * 1e6)
+    split_rule: Literal["memory", "speed"]  # how its group's layers were split
     replica: NotRequired[int]  # its replica group; only in a plan of 2 replicas or more
 
 
@@ -34,6 +46,7 @@ class SpareNodeJSON(TypedDict):
     node_id: str
     node_address: str
     usable_bytes: int
+    compute_units: float | None
 
 
 class ReserveJSON(TypedDict):
@@ -69,17 +82,21 @@ def render_plan_table(plan: Plan) -> str:
     """One row per stage (with 2 replicas or more, each row's replica group first), then
     a line on the layers' sizes, one on the reserve and one on any spare nodes."""
     groups = plan.replicas > 1
-    headers = ("REPLICA", *HEADERS) if groups else HEADERS
+    speeds = any(s.node.compute_units for s in plan.stages)
+    headers = ((("REPLICA",) if groups else ()) + HEADERS
+               + (SPEED_HEADERS if speeds else ()))
     rows = [((str(s.replica),) if groups else ()) + (
              s.stage_id, s.node.node_id, s.address, f"[{s.layers[0]}, {s.layers[1]})",
              human_bytes(s.weight_bytes), human_bytes(s.reserve_bytes),
              human_bytes(s.node.memory_usable_bytes), human_bytes(s.headroom_bytes))
+            + ((units(s.node.compute_units), ms(s.ms_per_token)) if speeds else ())
             for s in plan.stages]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in (headers, *rows)]
     if plan.layer_bytes:
         lines.append("layer weights: " + layer_runs(plan.layer_bytes))
+    lines.append(split_line(plan))
     r = plan.reserve
     if groups:
         lines.append(f"{plan.replicas} replicas of {plan.stages_per_replica} stage(s), each "
@@ -90,6 +107,25 @@ def render_plan_table(plan: Plan) -> str:
     if plan.spare:
         lines.append("not used: " + ", ".join(_spare(n) for n in plan.spare))
     return "\n".join(lines)
+
+
+def split_line(plan: Plan) -> str:
+    """Which rule split the layers (each replica group's, where they differ)."""
+    rules = [s.split_rule for s in plan.stages if s.rank == 0]
+    if len(set(rules)) == 1:
+        return f"layers split {RULES[rules[0]]}"
+    return "layers split " + "; ".join(f"replica {i} {RULES[r].split(' (')[0]}"
+                                       for i, r in enumerate(rules))
+
+
+def units(value: float | None) -> str:
+    """Compute units as the table shows them; ``-`` when not reported."""
+    return "-" if not value else f"{value:.3g}"
+
+
+def ms(value: float | None) -> str:
+    """A predicted time per token in ms; ``-`` when unknown."""
+    return "-" if value is None else f"{value:.3g}"
 
 
 def kv_width(reserve: Reserve) -> str:
@@ -145,11 +181,16 @@ def _plan_json(plan: Plan) -> PlanJSON:
                     "layers": list(s.layers), "weight_bytes": s.weight_bytes,
                     "reserve_bytes": s.reserve_bytes,
                     "usable_bytes": s.node.memory_usable_bytes,
-                    "headroom_bytes": s.headroom_bytes} for s in plan.stages],
+                    "headroom_bytes": s.headroom_bytes,
+                    "compute_units": s.node.compute_units, "ms_per_token": s.ms_per_token,
+                    "split_rule": s.split_rule} for s in plan.stages],
         "spare": [{"node_id": n.node_id, "node_address": n.key,
-                   "usable_bytes": n.memory_usable_bytes} for n in plan.spare],
+                   "usable_bytes": n.memory_usable_bytes,
+                   "compute_units": n.compute_units} for n in plan.spare],
     }
 
 
 def _spare(node: PlanNode) -> str:
-    return f"{node.node_id} ({node.key}, {human_bytes(node.memory_usable_bytes)} usable)"
+    speed = f", {units(node.compute_units)} units" if node.compute_units else ""
+    return (f"{node.node_id} ({node.key}, {human_bytes(node.memory_usable_bytes)} usable"
+            f"{speed})")

@@ -31,6 +31,25 @@ for 100 nodes and 200 layers). Ties go to the smallest boundary, last stage
 first. When the result does not fit, ``PlanRefused`` names every stage that is
 short, by how much, and what to do.
 
+**Speed.** When every chosen node reported compute units (``PlanNode.compute_units``,
+``models/speed.py``: GB/s of weights through a decode-shaped matrix product) and they
+are not all equal, the split weighs speed instead of memory: the sum of ``load_k ** 2 /
+speed_k``, with ``speed_k`` the units in thousandths (``SCALE // speed_k`` as above),
+under the same memory bound, with ``load_k`` here the stage's weights alone
+(``weight_bytes``: its reserve is memory, not time). Decoding a token reads each weight
+once, so a stage's time per token is about ``weights_k / speed_k``; split continuously
+the sum is least when every ``weights_k / speed_k`` is equal, the bottleneck that bounds
+a pipeline's tokens per second with several sequences in flight, and the stages that
+are not the bottleneck are balanced as well. (The KV cache a step reads grows with the
+context and is left out: it is small beside the weights at short contexts.) The nodes
+are chosen and ranked as above (by memory, then by address): speed moves layers, never
+which nodes run a plan, so a plan that fits by memory is still found. With equal
+speeds, or a node without units (an older peer, a measurement not done or failed), the
+memory rule applies: speeds that tell no node from another give no reason to leave the
+proportional split, and a single sequence's time per token is then the same whatever
+the split. Each stage says which
+rule split its group (``PlannedStage.split_rule``).
+
 ``plan_replicas(profile, n, r, nodes)`` plans ``r`` replica groups of ``n`` stages
 each, every one a whole copy of the model: group 0 is ``plan_stages`` over all the
 candidates, group 1 over those group 0 left, and so on, so each group takes the
@@ -53,6 +72,7 @@ from mlxceld.cluster.plan.model import (
     PlannedStage,
     PlanNode,
     Reserve,
+    SplitRule,
     usable_memory,
 )
 from mlxceld.cluster.plan.report import PlanJSON, human_bytes, plan_json, render_plan_table
@@ -62,9 +82,10 @@ from mlxceld.models.profile import LayerProfile
 __all__ = ["DEFAULT_ACTIVATION_BYTES", "DEFAULT_CONTEXT_TOKENS", "SAFETY_FRACTION", "SCALE",
            "Plan", "PlanJSON", "PlanNode", "PlanRefused", "PlannedStage", "Reserve",
            "human_bytes", "plan_json", "plan_replicas", "plan_stages", "render_plan_table",
-           "usable_memory"]
+           "split_rule", "usable_memory"]
 
-SCALE: Final = 1 << 80  # a stage's cost weight is SCALE // its usable memory
+SCALE: Final = 1 << 80  # a stage's cost weight is SCALE // its usable memory (or speed)
+MILLI: Final = 1000  # compute units are weighed in thousandths
 
 REFUSED_HINT = ("add a node and plan one more stage, free memory on the nodes named, reserve "
                 "less (a shorter context), or use a smaller or quantized checkpoint")
@@ -83,7 +104,12 @@ def plan_stages(profile: LayerProfile, stages: int, nodes: Sequence[PlanNode], *
     costs = [b + per_layer for b in profile.layer_bytes]
     fixed = [_fixed(profile, reserve, k, stages) for k in range(stages)]
     memory = [n.memory_usable_bytes for n in chosen]
-    plan = _plan(profile, reserve, chosen, spare, _split(costs, fixed, memory))
+    rule, weights = _weights(chosen)
+    timed = None  # the speed rule weighs a stage's weights alone (its time), not its reserve
+    if rule == "speed":
+        timed = (list(profile.layer_bytes), [f - reserve.activation_bytes for f in fixed])
+    bounds = _split(costs, fixed, memory, weights, timed)
+    plan = _plan(profile, reserve, chosen, spare, bounds, rule)
     if not plan.fits:
         raise _refused(profile, plan)
     return plan
@@ -169,24 +195,47 @@ def _fixed(profile: LayerProfile, reserve: Reserve, k: int, stages: int) -> int:
     return n
 
 
-def _split(costs: list[int], fixed: list[int], memory: list[int]) -> list[int]:
+def split_rule(nodes: Sequence[PlanNode]) -> SplitRule:
+    """``speed`` when every node has compute units and they are not all equal, else
+    ``memory`` (the module docstring)."""
+    units = [n.compute_units for n in nodes]
+    if all(units) and len(set(units)) > 1:
+        return "speed"
+    return "memory"
+
+
+def _weights(nodes: Sequence[PlanNode]) -> tuple[SplitRule, list[int]]:
+    """The rule, and each stage's cost weight: ``SCALE //`` its memory or its speed."""
+    rule = split_rule(nodes)
+    if rule == "speed":
+        return rule, [max(1, SCALE // max(1, round((n.compute_units or 0) * MILLI)))
+                      for n in nodes]
+    return rule, [max(1, SCALE // max(n.memory_usable_bytes, 1)) for n in nodes]
+
+
+def _split(costs: list[int], fixed: list[int], memory: list[int], weights: list[int],
+           timed: tuple[list[int], list[int]] | None = None) -> list[int]:
     """Boundaries 0 = b_0 < b_1 < ... < b_n = len(costs) of the least-cost split: the sum
-    over stages of ``load ** 2 * (SCALE // memory)``, plus ``big * over ** 2`` for a load
-    ``over`` bytes above its memory, ``big`` being more than any split's first term."""
+    over stages of ``size ** 2 * weight`` (``SCALE //`` its memory or speed), plus ``big *
+    over ** 2`` for a load ``over`` bytes above its memory, ``big`` being more than any
+    split's first term (every weight is at most SCALE, every size at most the total load).
+    A stage's size is its load (layer ``costs`` and ``fixed``), or with ``timed`` its
+    weights (each layer's, each stage's fixed): both sums over the stage's layers, so the
+    cost is still convex in each and the quadrangle inequality holds for their sum."""
     n, layers = len(memory), len(costs)
     pre = [0, *accumulate(costs)]
     total = pre[-1] + sum(fixed)
     big = total * total * SCALE + 1
-    weights = [max(1, SCALE // max(m, 1)) for m in memory]
+    tpre, tfixed = (pre, fixed) if timed is None else ([0, *accumulate(timed[0])], timed[1])
     best = [0] * (layers + 1)  # best[e]: the least cost of stages 0..k over layers [0, e)
     for e in range(1, layers - n + 2):
-        best[e] = _cost(pre[e] + fixed[0], weights[0], memory[0], big)
+        best[e] = _cost(pre[e] + fixed[0], tpre[e] + tfixed[0], weights[0], memory[0], big)
     parents: list[list[int]] = []  # parents[k - 1][e]: where stage k starts if it ends at e
     for k in range(1, n):
         cur, parent = [0] * (layers + 1), [0] * (layers + 1)
         last = layers if k == n - 1 else layers - n + k + 1
-        _fill(cur, parent, best, pre, fixed[k], weights[k], memory[k], big,
-              k + 1 if k < n - 1 else layers, last, k, last - 1)
+        _fill(cur, parent, best, (pre, tpre), (fixed[k], tfixed[k]), weights[k], memory[k],
+              big, k + 1 if k < n - 1 else layers, last, k, last - 1)
         best = cur
         parents.append(parent)
     bounds = [layers]
@@ -196,13 +245,14 @@ def _split(costs: list[int], fixed: list[int], memory: list[int]) -> list[int]:
     return bounds[::-1]
 
 
-def _cost(load: int, weight: int, memory: int, big: int) -> int:
+def _cost(load: int, size: int, weight: int, memory: int, big: int) -> int:
     over = load - memory
-    return load * load * weight + (big * over * over if over > 0 else 0)
+    return size * size * weight + (big * over * over if over > 0 else 0)
 
 
-def _fill(cur: list[int], parent: list[int], prev: list[int], pre: list[int], fixed: int,
-          weight: int, memory: int, big: int, lo: int, hi: int, slo: int, shi: int) -> None:
+def _fill(cur: list[int], parent: list[int], prev: list[int],
+          pres: tuple[list[int], list[int]], fixed: tuple[int, int], weight: int, memory: int,
+          big: int, lo: int, hi: int, slo: int, shi: int) -> None:
     """cur[e], parent[e] for ends e in [lo, hi] whose start lies in [slo, shi].
 
     Divide and conquer: a stage's cost is a convex function of its layers' sum, so it
@@ -212,26 +262,28 @@ def _fill(cur: list[int], parent: list[int], prev: list[int], pre: list[int], fi
     if lo > hi:
         return
     mid = (lo + hi) // 2
-    top = pre[mid] + fixed
+    pre, tpre = pres
+    top, ttop = pre[mid] + fixed[0], tpre[mid] + fixed[1]
     least, arg = -1, slo
     for s in range(slo, min(shi, mid - 1) + 1):
-        load = top - pre[s]  # _cost, inlined: this loop is the planner's time
-        c = prev[s] + load * load * weight
+        load, size = top - pre[s], ttop - tpre[s]  # _cost, inlined: the planner's time
+        c = prev[s] + size * size * weight
         if load > memory:
             c += big * (load - memory) ** 2
         if least < 0 or c < least:
             least, arg = c, s
     cur[mid], parent[mid] = least, arg
-    _fill(cur, parent, prev, pre, fixed, weight, memory, big, lo, mid - 1, slo, arg)
-    _fill(cur, parent, prev, pre, fixed, weight, memory, big, mid + 1, hi, arg, shi)
+    _fill(cur, parent, prev, pres, fixed, weight, memory, big, lo, mid - 1, slo, arg)
+    _fill(cur, parent, prev, pres, fixed, weight, memory, big, mid + 1, hi, arg, shi)
 
 
 def _plan(profile: LayerProfile, reserve: Reserve, nodes: list[PlanNode],
-          spare: tuple[PlanNode, ...], bounds: list[int]) -> Plan:
+          spare: tuple[PlanNode, ...], bounds: list[int], rule: SplitRule) -> Plan:
     stages = tuple(
         PlannedStage(rank=k, node=node, layers=(bounds[k], bounds[k + 1]),
                      weight_bytes=profile.weight_bytes(bounds[k], bounds[k + 1]),
-                     reserve_bytes=reserve.stage_bytes(profile, bounds[k + 1] - bounds[k]))
+                     reserve_bytes=reserve.stage_bytes(profile, bounds[k + 1] - bounds[k]),
+                     split_rule=rule)
         for k, node in enumerate(nodes))
     return Plan(stages, profile.num_layers, reserve, spare, profile.layer_bytes)
 
