@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from mlxceld.state.liveness import LivenessState
+from mlxceld.state.plans import Plans
 
 FENCE_RETRY_S: Final = 1.0  # the wait after a fence's first failure, doubled at each next
 FENCE_RETRY_MAX_S: Final = 30.0  # the longest wait between two tries of a fence
@@ -211,3 +212,15 @@ class Healing:
 
     def unfenced(self) -> dict[str, int]:
         return dict(self._fence)
+
+
+def resumed(plans: Plans, heal_after_s: float) -> Healing:
+    """Self-healing's decisions at a daemon's start, with the hosts of the plans the latest
+    one superseded (a heal, a drain's re-plan) to fence again: a restart may have come
+    before they were told; telling one twice is harmless."""
+    healing = Healing(heal_after_s)
+    last = plans.resumable()  # not an aborted push after it
+    if last is not None:
+        for old in plans.superseded_by(last.epoch):
+            healing.healed(old.epoch, old.peers, last.peers)
+    return healing

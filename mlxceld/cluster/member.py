@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxceld.cluster import adoption
+from mlxceld.cluster import adoption, healing
 from mlxceld.cluster.assignment.peer import Assignee
 from mlxceld.cluster.assignment.query import serve_queries
 from mlxceld.cluster.assignment.stagehost import LocalStageHost, StageSlot
@@ -34,7 +34,6 @@ from mlxceld.cluster.coordinator import Coordinator, CoordinatorSlot
 from mlxceld.cluster.fencing import Fence, serve_assignment
 from mlxceld.cluster.front import Fronts, plan_of, serve_plan
 from mlxceld.cluster.healer import TICK_S, Healer
-from mlxceld.cluster.healing import Healing
 from mlxceld.cluster.lease import Lease, StillHeard, still_heard
 from mlxceld.cluster.plan.candidates import Proposal
 from mlxceld.cluster.rotation import KeyOps, Rotator, serve_key_ops
@@ -443,7 +442,8 @@ class ClusterMember:
             if self.may_coordinate():
                 heartbeats = self._heartbeats
                 self._healer = Healer(
-                    self._healing(c.heal_after_s), self._coordinator, self._discovery,
+                    healing.resumed(self._plans, c.heal_after_s), self._coordinator,
+                    self._discovery,
                     liveness=lambda: {r["address"]: (r["state"], r["since"])
                                       for r in heartbeats.snapshot()},
                     candidates=candidates.addresses, events=self._events,
@@ -467,17 +467,6 @@ class ClusterMember:
         return Serving(role=self._parts.config().serve.node_role,
                        port=port_of(router if isinstance(router, dict) else None),
                        model=entry["identity"] if entry else None)
-
-    def _healing(self, heal_after_s: float) -> Healing:
-        """Self-healing's decisions, with the hosts of the plans the latest one superseded
-        (a heal, a drain's re-plan) to fence again: a restart of this daemon may have come
-        before they were told; telling one twice is harmless."""
-        healing = Healing(heal_after_s)
-        last = self._plans.resumable()  # not an aborted push after it
-        if last is not None:
-            for old in self._plans.superseded_by(last.epoch):
-                healing.healed(old.epoch, old.peers, last.peers)
-        return healing
 
     async def aclose(self) -> None:
         """Discovery, the heartbeats, the assignee, the coordinator (a push cut short: peers
