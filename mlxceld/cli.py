@@ -155,6 +155,16 @@ def run(
         "parallelism, 1-16): the router is rank 0, workers tp-1 .. tp-N-1 the others, "
         "restarted together. The model's family must have mlx-lm shard support and N "
         "must divide its heads and KV heads. Default: 1.")] = None,
+    tp_moe_mode: Annotated[str | None, typer.Option(
+        "--tp-moe-mode", help="With --tp-size: shard (each expert cut across the ranks, as "
+        "mlx-lm splits it); replicate is refused. Default: shard.")] = None,
+    tp_embedding_mode: Annotated[str | None, typer.Option(
+        "--tp-embedding-mode", help="With --tp-size: replicate (the token embedding whole "
+        "on every rank, as mlx-lm splits it); shard is refused. Default: replicate.")] = None,
+    tp_lm_head_mode: Annotated[str | None, typer.Option(
+        "--tp-lm-head-mode", help="With --tp-size: the head as mlx-lm splits the model's "
+        "family: replicate for most, shard for qwen3.5's untied head; the other value is "
+        "refused. Default: the family's.")] = None,
     kv_bits: Annotated[int | None, typer.Option(
         "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (about 0.28 or 0.53 of a "
         "16-bit cache's memory), on the local engine, tensor-parallel ranks and pipeline "

@@ -81,10 +81,12 @@ from mlxceld.config.serve import ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.config.tables import check_keys, number, path_of, read_toml, string, table_of
 from mlxceld.config.tensor import check_tp_model, check_tp_setting, tp_origin
+from mlxceld.config.tensor_modes import check_tp_modes, check_tp_modes_model, mode_names
 from mlxceld.config.workers import POLICY_FIELDS, WorkerConfig, restart_policy, worker_configs
 from mlxceld.control.access import OperatorGroup
 from mlxceld.errors import ConfigError
 from mlxceld.logformat import LOG_FORMATS, LogFormat
+from mlxceld.models.tensor_modes import Part
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.supervisor.states import RestartPolicy
 from mlxceld.types import MAX_PIPELINE_STAGES
@@ -114,6 +116,8 @@ FLAG_KEYS: dict[str, str] = {
     "--pipeline-coordinator": "serve.pipeline_coordinator", "--standby": "serve.standby",
     "--prefill-peers": "serve.prefill_peers", "--decode-peers": "serve.decode_peers",
     "--kv-compression": "serve.kv_compression", "--tp-size": "serve.tp_size",
+    "--tp-moe-mode": "serve.tp_moe_mode", "--tp-embedding-mode": "serve.tp_embedding_mode",
+    "--tp-lm-head-mode": "serve.tp_lm_head_mode",
     "--kv-bits": "serve.kv_bits", "--kv-group-size": "serve.kv_group_size",
     "--quantized-kv-start": "serve.quantized_kv_start",
 }
@@ -205,11 +209,20 @@ class Overrides:
     decode_peers: str | None = None  # ditto
     kv_compression: str | None = None  # as given
     tp_size: int | None = None  # config/tensor.py
+    tp_moe_mode: str | None = None  # config/tensor_modes.py, as given
+    tp_embedding_mode: str | None = None
+    tp_lm_head_mode: str | None = None
     kv_bits: int | None = None  # config/kvquant.py
     kv_group_size: int | None = None
     quantized_kv_start: int | None = None
     allowed_origins: str | None = None  # comma-separated, as given (config/clients.py)
     generation_config: str | None = None  # as given
+
+    @property
+    def tp_modes(self) -> dict[Part, str | None]:
+        """``--tp-moe-mode`` and its two siblings, by the part each names."""
+        return {"moe": self.tp_moe_mode, "embedding": self.tp_embedding_mode,
+                "lm_head": self.tp_lm_head_mode}
 
 
 def _cluster_choice(daemon: Mapping[str, Any], flags: Overrides, base: Path,
@@ -391,6 +404,10 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                      node_role=serve.node_role, pipeline=pipeline)
     check_tp_model(serve.model, serve.tp_size,
                    "--model" if flags.model else f"{where}: 'serve.model'")
+    mode_said = mode_names(flags.tp_modes, where)
+    check_tp_modes(serve.tp_modes, serve.tp_size, mode_said)
+    check_tp_modes_model(serve.model, serve.tp_modes, mode_said,
+                         "--model" if flags.model else f"{where}: 'serve.model'")
     kv_said = kv_origin(flags.kv_bits, where)
     check_kv_setting(serve.kv_quant, kv_said, node_role=serve.node_role)
     check_kv_model(serve.model, serve.kv_quant, kv_said)

@@ -39,6 +39,9 @@
     kv_compression = "none"         # a router's KV handoff: none|int8|int4, +lz4 (disagg.py)
     tp_size = 1                     # ranks splitting each layer on this host, 1-16
                                     # (mlxceld/config/tensor.py)
+    tp_moe_mode = "shard"           # with tp_size > 1: experts, embedding and head
+    tp_embedding_mode = "replicate" # replicated or sharded, as mlx-lm splits them
+    tp_lm_head_mode = "replicate"   # (mlxceld/config/tensor_modes.py)
     kv_bits = 8                     # a quantized KV cache: 4 or 8 bits (default: none,
                                     # full precision; mlxceld/config/kvquant.py)
     kv_group_size = 64              # elements per scale and bias: 32, 64, 128
@@ -146,8 +149,10 @@ from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
 from mlxceld.config.tensor import parse_tp_size
+from mlxceld.config.tensor_modes import parse_tp_modes
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
+from mlxceld.models.tensor_modes import Mode, TensorModes
 from mlxceld.roles.options import (
     REASONING_FIELDS,
     UNKNOWN_FIELDS,
@@ -172,6 +177,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "pipeline_coordinator", "standby",
               "decode_peers", "kv_compression", "tp_size", "context_length",
+              "tp_moe_mode", "tp_embedding_mode", "tp_lm_head_mode",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
               "allowed_origins", "generation_config", "reasoning_field",
               "unknown_fields", "metrics_require_key"}
@@ -201,6 +207,10 @@ class ServeConfig:
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
     tp_size: int = 1  # tensor-parallel ranks on this host (models/tensor.py); 1: none
+    # config/tensor_modes.py: as said (None: not said); each what mlx-lm's split does
+    tp_moe_mode: Mode | None = None
+    tp_embedding_mode: Mode | None = None
+    tp_lm_head_mode: Mode | None = None
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
@@ -209,6 +219,10 @@ class ServeConfig:
     unknown_fields: str = UNKNOWN_FIELDS[0]  # api/ignoring.py
     allowed_origins: tuple[str, ...] = ()  # CORS (config/clients.py); (): none
     generation_config: GenerationConfig = "auto"
+
+    @property
+    def tp_modes(self) -> TensorModes:
+        return TensorModes(self.tp_moe_mode, self.tp_embedding_mode, self.tp_lm_head_mode)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -250,6 +264,7 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         if key not in SERVE_KEYS:
             raise ConfigError(f"{where}: unknown key 'serve.{key}'",
                               hint=f"known keys here: {', '.join(sorted(SERVE_KEYS))}")
+    modes = parse_tp_modes(flags.tp_modes, table, where)
     cfg = ServeConfig(
         host=_typed(table, "host", str, where) or "127.0.0.1",
         port=_port(_typed(table, "port", int, where) or 8080, f"{where}: 'serve.port'"),
@@ -269,6 +284,8 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         serving_port=_serving_port(flags.serving_port, table, where),
         metrics_require_key=metrics_require_key(table, where),
         tp_size=parse_tp_size(flags.tp_size, table, where),
+        tp_moe_mode=modes.moe, tp_embedding_mode=modes.embedding,
+        tp_lm_head_mode=modes.lm_head,
         kv_quant=parse_kv_quant({"kv_bits": flags.kv_bits,
                                  "kv_group_size": flags.kv_group_size,
                                  "quantized_kv_start": flags.quantized_kv_start}, table, where),

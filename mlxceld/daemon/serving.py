@@ -38,6 +38,7 @@ from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
 from mlxceld.config.tensor import check_tp_model
+from mlxceld.config.tensor_modes import check_tp_modes_model, setting_names
 from mlxceld.control.answers import ServedModel, Unserved
 from mlxceld.daemon.roster import Roster
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
@@ -117,6 +118,8 @@ class ServingWindow:
                 local = str(await asyncio.to_thread(local_model, resolved))
             check_tp_model(local, self.serve.tp_size, f"mlxctl serve {model} (with tp_size "
                            f"{self.serve.tp_size})")
+            check_tp_modes_model(local, self.serve.tp_modes, setting_names(),
+                                 f"mlxctl serve {model}")
             check_kv_model(local, self.serve.kv_quant, "serve.kv_bits")
         except ConfigError as exc:
             raise ModelRefused(exc.message, hint=exc.hint) from exc
@@ -306,3 +309,4 @@ def split_check(serve: ServeConfig) -> None:
         return
     local = str(local_model(model)) if names_a_repo(model) else model
     check_tp_model(local, tp_size, f"the model {model} (with tp_size {tp_size})")
+    check_tp_modes_model(local, serve.tp_modes, setting_names(), f"the model {model}")

@@ -91,7 +91,11 @@ def group(fixture_dir: Path) -> Iterator[Group]:
         port, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
         host = Host(daemons, "tp", secret=None,
                     daemon={"metrics_listen": f"127.0.0.1:{metrics}"},
-                    serve={"model": str(fixture_dir / "llama"), "port": port, "tp_size": 2})
+                    # The reference design's modes, said as mlx-lm's split gives them: the
+                    # greedy tests below hold the group to one process's tokens with them.
+                    serve={"model": str(fixture_dir / "llama"), "port": port, "tp_size": 2,
+                           "tp_moe_mode": "shard", "tp_embedding_mode": "replicate",
+                           "tp_lm_head_mode": "replicate"})
         text = host.d.config.read_text()
         host.d.config.write_text(text.replace(
             "health_interval_s = 0.5", f"health_interval_s = 0.5\nliveness_failures = "
