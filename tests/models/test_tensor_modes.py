@@ -15,13 +15,15 @@ from mlxceld.models.tensor import TENSOR_FAMILIES, TensorParallelRefused
 from mlxceld.models.tensor_modes import (
     HEAD_SHARDED_ALWAYS,
     HEAD_SHARDED_UNTIED,
+    Mode,
+    Part,
     TensorModes,
     check_modes,
     head_mode,
 )
 
-NAMES = {"moe": "--tp-moe-mode", "embedding": "--tp-embedding-mode",
-         "lm_head": "--tp-lm-head-mode"}
+NAMES: dict[Part, str] = {"moe": "--tp-moe-mode", "embedding": "--tp-embedding-mode",
+                          "lm_head": "--tp-lm-head-mode"}
 
 
 def shard_source(family: str) -> str:
@@ -48,21 +50,21 @@ def test_no_family_cuts_the_embedding() -> None:
     ({"model_type": "qwen3_5_moe", "text_config": {"tie_word_embeddings": True}}, "replicate"),
     ({"model_type": "qwen3_5", "tie_word_embeddings": True}, "replicate"),
 ])
-def test_each_models_head(config: dict[str, object], mode: str) -> None:
+def test_each_models_head(config: dict[str, object], mode: Mode) -> None:
     assert head_mode(config) == mode
-    check_modes(config, TensorModes(lm_head=mode), source="m", names=NAMES)  # type: ignore[arg-type]
-    other = "shard" if mode == "replicate" else "replicate"
+    check_modes(config, TensorModes(lm_head=mode), source="m", names=NAMES)
+    other: Mode = "shard" if mode == "replicate" else "replicate"
     with pytest.raises(TensorParallelRefused, match=f"^m: --tp-lm-head-mode {other}: "):
-        check_modes(config, TensorModes(lm_head=other), source="m", names=NAMES)  # type: ignore[arg-type]
+        check_modes(config, TensorModes(lm_head=other), source="m", names=NAMES)
 
 
 def test_the_fixed_parts_are_judged_whatever_the_model() -> None:
     check_modes({"model_type": "llama"}, TensorModes("shard", "replicate"), source="m",
                 names=NAMES)
-    with pytest.raises(TensorParallelRefused, match="--tp-moe-mode replicate: .* experts"):
+    with pytest.raises(TensorParallelRefused, match=r"--tp-moe-mode replicate: .* experts"):
         check_modes({"model_type": "llama"}, TensorModes(moe="replicate"), source="m",
                     names=NAMES)
-    with pytest.raises(TensorParallelRefused, match="--tp-embedding-mode shard: .*embedding"):
+    with pytest.raises(TensorParallelRefused, match=r"--tp-embedding-mode shard: .*embedding"):
         check_modes({"model_type": "llama"}, TensorModes(embedding="shard"), source="m",
                     names=NAMES)
 
