@@ -126,9 +126,19 @@ def worker_groups(workers: list[dict[str, Any]]) -> list[str]:
                  str(w["pid"] or "-"), size(w.get("rss_bytes"))] for w in members]
         colors = [[*_blank(rank), None, STATE_COLORS.get(w["state"]), None, None]
                   for w in members]
-        out += ["", f"{kind} ({who}), {how}",
+        out += ["", f"{kind} ({who}), {how}", *_transport(members),
                 table([*rank, "WORKER", "STATE", "PID", "RSS"], rows, colors)]
     return out
+
+
+def _transport(members: list[dict[str, Any]]) -> list[str]:
+    """The line naming the backend a tensor group's rank 0 chose, and why (none before
+    it has)."""
+    for w in members:
+        tensor = (w.get("stats") or {}).get("tensor") or {}
+        if tensor.get("transport"):
+            return [f"transport: {tensor['transport']} ({tensor.get('transport_reason')})"]
+    return []
 
 
 def _rank(w: dict[str, Any]) -> int:

@@ -22,6 +22,7 @@ from typing import Any, cast
 from mlxceld import failpoints
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
+from mlxceld.engine.transport import TransportChoice, choose_transport, probe_host
 from mlxceld.models.identity import read_model_config
 from mlxceld.models.kvquant import check_kv_quant
 from mlxceld.roles.options import RouterOptions
@@ -112,6 +113,13 @@ async def load_here(ctx: WorkerContext[RouterOptions], broke: Broke,
     return built
 
 
+async def group_transport(hosts: tuple[str, ...]) -> TransportChoice:
+    """The group's backend (``engine/transport.py``): each rank's host reports as this one
+    does, since every rank of this group runs here (its ring's host:port name them)."""
+    here = await asyncio.to_thread(probe_host, "this host")
+    return choose_transport([replace(here, host=h.rsplit(":", 1)[0]) for h in hosts])
+
+
 async def tensor_engine(ctx: WorkerContext[RouterOptions], mode: TensorMode, path: str,
                         broke: Broke, loaded: Callable[[int, int], None]
                         ) -> tuple[LocalEngine, Any]:
@@ -126,7 +134,10 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], mode: TensorMode, pat
     check_split(path, o.model, mode.size)
     check_kv_quant(read_model_config(Path(path)), o.kv_quant,  # before the ranks load
                    source=str(Path(path) / "config.json"))
-    ctx.stats["tensor"] = {"rank": 0, "size": mode.size}
+    transport = await group_transport(mode.hosts)
+    log.info("tensor group of %d ranks: transport %s", mode.size, transport.line())
+    ctx.stats["tensor"] = {"rank": 0, "size": mode.size, "transport": transport.backend,
+                           "transport_reason": transport.reason}
     group = await join_group(ctx, 0, mode.hosts)
     log.info("router joined the ring of %d ranks at %s as rank 0", mode.size, mode.hosts[0])
     loaded_engine = await unless_stopped(ctx, "load", functools.partial(

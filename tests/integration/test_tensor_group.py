@@ -13,11 +13,13 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import openai
 import pytest
+
+from mlxceld.engine.transport import choose_transport, probe_host
 
 from helpers.daemons import READY_S, Daemons
 from helpers.deploy import Host
@@ -139,6 +141,15 @@ def test_the_messages_api_is_served_by_the_group(group: Group) -> None:
     assert whole.usage.cache_read_input_tokens > 0  # as above
 
 
+def local_ring_reason() -> str:
+    """Why a group of two ranks on this host runs over the ring: on Linux, "this host is
+    not macOS (linux); ..." (engine/transport.py)."""
+    here = probe_host("this host")
+    choice = choose_transport([replace(here, host="127.0.0.1")] * 2)
+    assert choice.backend == "ring"
+    return choice.reason
+
+
 def test_status_and_workers_show_the_group_and_each_rank(group: Group) -> None:
     pids = group.running()
     for command in ("status", "workers"):
@@ -146,6 +157,8 @@ def test_status_and_workers_show_the_group_and_each_rank(group: Group) -> None:
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert "tensor group tp: 2 ranks (router = rank 0, tp-1), all running" in lines
+        assert lines[lines.index("tensor group tp: 2 ranks (router = rank 0, tp-1), all "
+                                 "running") + 1] == f"transport: ring ({local_ring_reason()})"
         rows = [line.split() for line in lines]
         assert ["0", "router", "running", str(pids["router"])] in [r[:4] for r in rows]
         assert ["1", "tp-1", "running", str(pids["tp-1"])] in [r[:4] for r in rows]
@@ -153,7 +166,8 @@ def test_status_and_workers_show_the_group_and_each_rank(group: Group) -> None:
     rank = stats["tp-1"].get("tensor") or {}
     assert (rank.get("rank"), rank.get("size")) == (1, 2), rank
     assert rank.get("steps", 0) > 0 and rank.get("sequences") == 0, rank  # it followed
-    assert stats["router"].get("tensor") == {"rank": 0, "size": 2}
+    assert stats["router"].get("tensor") == {"rank": 0, "size": 2, "transport": "ring",
+                                             "transport_reason": local_ring_reason()}
     scraped = scrape_checked(group.metrics)
     assert (sample(scraped, "mlxceld_tensor_rank_steps_total", worker="tp-1", rank="1")
             or 0) >= rank["steps"]
