@@ -5,6 +5,7 @@ refused naming the flag or key, the value and why; none of them goes without a g
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,9 @@ from mlxceld.config.daemon import Config, build_config
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_config, preset
 from mlxceld.models.tensor_modes import TensorModes
+
+from helpers.daemons import Daemons
+from helpers.hub import hub_cache
 
 
 def config(tmp_path: Path, args: list[str], serve: dict[str, object] | None = None) -> Config:
@@ -134,3 +138,37 @@ def test_check_config_exits_2_naming_the_flag(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr
     assert "mlxceld: error: --tp-embedding-mode shard: mlx-lm's tensor-parallel split keeps " \
         "the token embedding whole on every rank" in out.stderr
+
+
+def hub_env(cache: Path) -> dict[str, str]:
+    """A Hugging Face cache of our own, read offline (tests/helpers/hub.py)."""
+    return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache)}
+
+
+def test_a_repo_ids_head_is_judged_at_start_once_fetched(
+        tmp_path: Path, daemons: Daemons) -> None:
+    d = daemons.make()
+    snap = hub_cache(tmp_path / "hf", "acme/tiny-llama", checkpoint(tmp_path / "m", "llama"))
+    out = subprocess.run([sys.executable, "-m", "mlxceld", "--config", str(d.config),
+                          "--state-dir", str(d.state_dir), "--socket", str(d.socket),
+                          "--model", "acme/tiny-llama", "--tp-size", "2",
+                          "--tp-lm-head-mode", "shard"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **hub_env(tmp_path / "hf")})
+    assert out.returncode == 2, out.stderr
+    assert (f"mlxceld: error: the model acme/tiny-llama ({snap}): tp_lm_head_mode "
+            "(--tp-lm-head-mode) shard: mlx-lm's tensor-parallel split of model_type 'llama' "
+            "keeps its head whole on every rank" in out.stderr)
+
+
+def test_mlxctl_serve_of_a_model_the_head_mode_does_not_fit_is_refused(
+        tmp_path: Path, daemons: Daemons) -> None:
+    llama = checkpoint(tmp_path / "llama", "llama")
+    d = daemons.make('[serve]\ntp_size = 2\ntp_lm_head_mode = "shard"\n')
+    d.start()
+    refused = d.ctl("serve", str(llama))
+    assert refused.returncode == 1
+    assert (f"mlxctl serve {llama} ({llama}): tp_lm_head_mode (--tp-lm-head-mode) shard: "
+            "mlx-lm's tensor-parallel split of model_type 'llama' keeps its head whole"
+            in refused.stderr)
+    assert d.status()["serving"] is None  # nothing changed: no model, no router
