@@ -73,6 +73,23 @@ DEACTIVATE_S = 60.0
 ANSWER_S = 60.0  # the router answering its first completion after activation
 
 
+@dataclass(frozen=True)
+class Settings:
+    """One run's knobs (``main`` makes them from the command line)."""
+
+    quick: bool = False
+    max_tokens: int = 64
+    requests: int = 3
+    rounds: int = 2
+    slow_share: float = 0.75
+    neighbours: int = 1
+    units: list[float] | None = None  # FAST,SLOW declared for the speed plan; None: measured
+
+    @property
+    def model_name(self) -> str:
+        return "tiny, 8 layers" if self.quick else "small"
+
+
 @dataclass
 class Host:
     """A peer daemon: its address, CPU, config file and control socket."""
@@ -116,10 +133,10 @@ def status(socket: Path) -> dict[str, Any] | None:
     if not listening(socket):
         return None
     transport = httpx.HTTPTransport(uds=str(socket))
-    with httpx.Client(transport=transport, base_url="http://mlxceld", timeout=5) as c:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            answer: dict[str, Any] = c.get("/v1/status").json()
-            return answer
+    with (httpx.Client(transport=transport, base_url="http://mlxceld", timeout=5) as c,
+          contextlib.suppress(httpx.HTTPError, ValueError)):
+        answer: dict[str, Any] = c.get("/v1/status").json()
+        return answer
     return None
 
 
@@ -174,7 +191,7 @@ def measured(host: Host) -> bool:
     if units["source"] == "unmeasured":
         raise SystemExit(f"the {host.name} host's compute units: {units['error']}")
     host.agent, host.units = str(s["agent"]["address"]), float(units["units"] or 0)
-    return units["source"] == "measured"
+    return bool(units["source"] == "measured")
 
 
 def memory_caps(model: Path, slow_share: float) -> tuple[int, int]:
@@ -229,7 +246,7 @@ def planned(coord: Path, model: Path, rule: str) -> list[dict[str, Any]] | None:
 
 
 def run_plan(cluster: Cluster, coord: Path, model: Path, rule: str,
-             args: argparse.Namespace) -> Measured:
+             args: Settings) -> Measured:
     stages = wait_until(f"a plan split by {rule}", SWITCH_S,
                         lambda: planned(coord, model, rule), every=2.0)
     run = Measured(rule, stages)
@@ -265,7 +282,7 @@ def run_plan(cluster: Cluster, coord: Path, model: Path, rule: str,
 
 
 def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
-           args: argparse.Namespace) -> str:
+           args: Settings) -> str:
     by: dict[str, list[float]] = {"memory": [], "speed": []}
     for r in runs:
         by[r.rule] += r.tps
@@ -289,14 +306,15 @@ def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
             tps = f"{statistics.median(by[rule]):24.2f}" if i == 0 else ""
             lines.append(f"{rule if i == 0 else '':8}{s['stage']:9}"
                          f"{host.name if host else '?':6}"
-                         f"{str(tuple(s['layers'])):>10}{s['compute_units'] or 0:8.3g}"
+                         f"{tuple(s['layers'])!s:>10}{s['compute_units'] or 0:8.3g}"
                          f"{pred:>9}{tps}")
     lines += [f"memory-weighted (A) {a:.2f} tok/s, speed-weighted (B) {b:.2f} tok/s, "
               f"B/A {b / a:.3f}"]
     return "\n".join(lines)
 
 
-def bench(root: Path, args: argparse.Namespace) -> str:
+def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
+    """Both plans measured (the module docstring): the runs, and their table."""
     from mlxceld.models import fixture_cache, preset
     from mlxceld.privatefile import write_private
 
@@ -304,7 +322,6 @@ def bench(root: Path, args: argparse.Namespace) -> str:
     if len(cpus) < 2 or not shutil.which("taskset"):
         raise SystemExit("needs two CPUs and taskset (util-linux) to pin the hosts")
     model = fixture_cache(preset("tiny", layers=8) if args.quick else preset("small"))
-    args.model_name = "tiny, 8 layers" if args.quick else "small"
     caps = memory_caps(model, args.slow_share)
     secret = root / "secret"
     write_private(secret, (secrets.token_bytes(32).hex() + "\n").encode())
@@ -317,11 +334,15 @@ def bench(root: Path, args: argparse.Namespace) -> str:
                   for _ in range(args.neighbours)]
     try:
         for h, cap in zip(hosts, caps, strict=True):
-            start_peer(cluster, h, model, secret, {**base, "MLXCELD_TEST_MEMORY_AVAILABLE": str(cap)})
+            start_peer(cluster, h, model, secret,
+                       {**base, "MLXCELD_TEST_MEMORY_AVAILABLE": str(cap)})
         for h in hosts:
             wait_until(f"the {h.name} host's compute units measured", START_S,
                        lambda h=h: measured(h))
             print(f"{h.name} host: {h.units:g} compute units measured", flush=True)
+        if args.units is None and hosts[0].units == hosts[1].units:
+            raise SystemExit(f"both hosts measured {hosts[0].units:g} compute units: no "
+                             "split by speed; declare them (--units FAST,SLOW)")
         port = free_port("127.0.0.1")
         launch(cluster, "coordinator", root / "coordinator",
                ["--cluster-secret-file", str(secret), "--agent-addr",
@@ -335,7 +356,7 @@ def bench(root: Path, args: argparse.Namespace) -> str:
             for rule, units in (("speed", args.units), ("memory", [1.0, 1.0])):
                 declare(hosts, units)
                 runs.append(run_plan(cluster, coord, model, rule, args))
-        return report(runs, hosts, caps, args)
+        return runs, report(runs, hosts, caps, args)
     finally:
         cluster.stop()
         for n in neighbours:
@@ -347,9 +368,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="the tiny fixture, 8 layers deep; 8 tokens, 1 request, 1 round")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, help="per request (default 64; quick: 8)")
+    parser.add_argument("--requests", type=int, help="per plan and round (default 3; quick: 1)")
+    parser.add_argument("--rounds", type=int, help="speed then memory (default 2; quick: 1)")
     parser.add_argument("--slow-share", type=float, default=0.75,
                         help="the layers the split by memory gives the slow host, at least")
     parser.add_argument("--neighbours", type=int, default=1,
@@ -358,19 +379,20 @@ def main() -> None:
                         help="FAST,SLOW compute units the speed plan declares instead of "
                         "the measured ones")
     args = parser.parse_args()
+    for name, full, quick in (("max_tokens", 64, 8), ("requests", 3, 1), ("rounds", 2, 1)):
+        if getattr(args, name) is None:  # --quick sets what the command line does not
+            setattr(args, name, quick if args.quick else full)
     if args.units is not None and (len(args.units) != 2 or min(args.units) <= 0
                                    or args.units[0] == args.units[1]):
         parser.error("--units: two positive numbers that differ, FAST,SLOW")
     if args.neighbours < 0:
         parser.error("--neighbours: 0 or more")
-    if args.quick:
-        args.max_tokens, args.requests, args.rounds = 8, 1, 1
     if min(args.max_tokens, args.requests, args.rounds) < 1 or not 0 < args.slow_share < 1:
         parser.error("--max-tokens, --requests, --rounds are 1 or more; --slow-share in (0, 1)")
     command = " ".join(["bench/plan_speed_measured.py", *sys.argv[1:]])
 
     def work(root: Path) -> None:
-        print(f"{command}\n{bench(root, args)}")
+        print(f"{command}\n{bench(root, Settings(**vars(args)))[1]}")
 
     in_scratch("mxspeed", work)
 
