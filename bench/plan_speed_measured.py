@@ -24,7 +24,8 @@ both hosts offer over half a GiB for a model of tens of MiB.)
 
 The two plans, over the same daemons:
 
-- speed: each peer's measured units (they differ, so the planner splits by speed);
+- speed: each peer's measured units (they differ, so the planner splits by speed), or
+  the ``--units FAST,SLOW`` declared in their configs instead;
 - memory: both peers declare ``[daemon] compute_units = 1`` (``mlxctl reload``), so the
   units tell no peer from the other and the memory rule applies.
 
@@ -37,12 +38,18 @@ coordinator's OpenAI port; a plan's decode tok/s is their median (the first toke
 prefill's, excluded). ``mlxctl cluster deactivate`` ends it. ``--rounds`` repeats the pair
 (speed, then memory), so that a drift of the machine's load falls on both.
 
+The measurement is the daemon's 0.2 s product at start. On a machine whose other load
+is not pinned, the kernel moves that load off the CPU the neighbour keeps busy, so the
+two hosts can measure alike (or the "slow" one faster) while their decode still differs:
+``--units`` declares the ratio instead, and ``--neighbours N`` puts N busy loops beside
+the slow host.
+
 ``--quick`` (for tests/bench/test_plan_speed_bench.py): the tiny fixture made 8 layers
 deep, 8 tokens, 1 request, 1 round. The default model is the ``small`` preset (8 layers,
 hidden 512, bfloat16), written by our fixture writer.
 
     .venv/bin/python bench/plan_speed_measured.py [--quick] [--max-tokens 64]
-                                                 [--requests 3] [--rounds 2]
+        [--requests 3] [--rounds 2] [--units FAST,SLOW] [--neighbours 1] [--slow-share 0.75]
 """
 
 from __future__ import annotations
@@ -285,9 +292,11 @@ def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
            args: Settings) -> str:
     by: dict[str, list[float]] = {"memory": [], "speed": []}
     for r in runs:
-        by[r.rule] += r.tps
+        by[r.rule] += [round(t, 2) for t in r.tps]
     a, b = statistics.median(by["memory"]), statistics.median(by["speed"])
     names = {h.agent: h for h in hosts}
+    speeds = {s["node_address"]: s["compute_units"]  # the units the speed plan weighed
+              for s in next(r for r in runs if r.rule == "speed").stages}
     lines = [f"model {args.model_name}, {args.max_tokens} tokens x {args.requests} requests "
              f"x {args.rounds} round(s), greedy; load average now "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
@@ -297,17 +306,19 @@ def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
              f"{caps[1] >> 20} MiB); speed plan's units: "
              f"{'measured' if args.units is None else f'declared {args.units}'}",
              f"{'plan':8}{'stage':9}{'host':6}{'layers':>10}{'units':>8}{'pred ms':>9}"
-             f"{'decode tok/s (median)':>24}"]
+             f"{'decode tok/s (median)':>24}   (pred ms: weights / the speed plan's units)"]
     for rule in ("memory", "speed"):
         r = next(r for r in runs if r.rule == rule)
         for i, s in enumerate(r.stages):
             host = names.get(s["node_address"])
-            pred = "-" if s["ms_per_token"] is None else f"{s['ms_per_token']:.2f}"
+            pred = f"{s['weight_bytes'] / (speeds[s['node_address']] * 1e6):.2f}"
             tps = f"{statistics.median(by[rule]):24.2f}" if i == 0 else ""
             lines.append(f"{rule if i == 0 else '':8}{s['stage']:9}"
                          f"{host.name if host else '?':6}"
                          f"{tuple(s['layers'])!s:>10}{s['compute_units'] or 0:8.3g}"
                          f"{pred:>9}{tps}")
+    lines += [f"each request's tok/s, in order: {rule}: {by[rule]}"
+              for rule in ("memory", "speed")]
     lines += [f"memory-weighted (A) {a:.2f} tok/s, speed-weighted (B) {b:.2f} tok/s, "
               f"B/A {b / a:.3f}"]
     return "\n".join(lines)
