@@ -38,11 +38,14 @@ coordinator's OpenAI port; a plan's decode tok/s is their median (the first toke
 prefill's, excluded). ``mlxctl cluster deactivate`` ends it. ``--rounds`` repeats the pair
 (speed, then memory), so that a drift of the machine's load falls on both.
 
-The measurement is the daemon's 0.2 s product at start. On a machine whose other load
-is not pinned, the kernel moves that load off the CPU the neighbour keeps busy, so the
-two hosts can measure alike (or the "slow" one faster) while their decode still differs:
-``--units`` declares the ratio instead, and ``--neighbours N`` puts N busy loops beside
-the slow host.
+The measurement is the daemon's 0.2 s product at start. The pinning makes the hosts
+unequal only against a machine otherwise idle: other load that is not pinned is moved by
+the kernel off the CPU the neighbour keeps busy, onto the fast host's, so on a loaded
+machine the two hosts can measure alike, or the "slow" one faster, and decode so too
+(seen on a shared 2-CPU machine at a load average of 10: more neighbours made it worse).
+``--units`` declares the ratio instead of the measurement, ``--neighbours N`` puts N
+busy loops beside the slow host; a cgroup CPU quota on the slow host (not done here: it
+needs the machine's cgroups) would hold it to a fraction whatever the rest does.
 
 ``--quick`` (for tests/bench/test_plan_speed_bench.py): the tiny fixture made 8 layers
 deep, 8 tokens, 1 request, 1 round. The default model is the ``small`` preset (8 layers,
