@@ -11,8 +11,8 @@ The default hosts are a big slow one (64 GiB, 20 units) and a small fast one (32
 measures this host's units in bfloat16 (the daemon's benchmark) and the planner's time
 for 100 nodes of mixed speed and a 200-layer model.
 
-These are predictions, not a decode measurement: a measured comparison on two hosts
-held to unequal CPU (the issue's bar) is bench work still to come.
+These are predictions, not a decode measurement: ``bench/plan_speed_measured.py``
+decodes through both plans on two daemons held to unequal CPU.
 
     .venv/bin/python bench/plan_speed.py [--model DIR] [--memory 64,32] [--units 20,60]
                                          [--measure]
