@@ -183,7 +183,7 @@ class SequenceResponse(Response):
         current = first
         try:
             while not isinstance(current, Finished):
-                if not outbox.put(self.chunks(current)):
+                if not await outbox.room(self.chunks(current)):
                     self._pumping = False
                     await self._cut(events, outbox)
                     return

@@ -10,9 +10,12 @@ on a client's socket.
 
 A client that reads keeps the outbox near empty (the writer takes all it holds at each
 turn). A client that stops reading fills it (``OUTBOX_BYTES``, past what the transport
-and the kernel hold for it): ``put`` refuses the next bytes, and the pump ends the
-sequence at once, which frees its slot, and closes the outbox with an error event
-(``slow_reader``); what was held is still written, until the write deadline. A sequence
+and the kernel hold for it): ``put`` refuses the next bytes; the pump then gives the writer
+``ROOM_WAIT_S`` to take what is held (``room``: a burst of tokens, such as a handover's
+or a replay's held ones released at once, fills the outbox faster than the writer's turn
+comes, from a client that reads), and otherwise ends the sequence, which frees its slot,
+and closes the outbox with an error event (``slow_reader``); what was held is still
+written, until the write deadline. A sequence
 cut so, or still running when the write deadline closed its connection (the guard says
 so in the request's scope: ``stalled``), is counted in ``mlxceld_slow_readers_cut_total``
 and logged once per burst (``SlowReaders``).
@@ -21,6 +24,7 @@ and logged once per burst (``SlowReaders``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Final
@@ -39,6 +43,11 @@ log = logging.getLogger(__name__)
 # that reads as a stream comes keeps it empty; one that pauses is cut once it lags this and
 # those buffers behind (~1 s of a stream with top logprobs, tens of seconds of plain text).
 OUTBOX_BYTES: Final = 32 * 1024
+# How long a full outbox waits for its writer to take what it holds before the sequence is
+# cut: a writer whose client reads takes it at its next turn of the loop; one blocked on
+# its connection (the client stopped reading) does not. Short: the slot of a client that
+# stopped is held this much longer.
+ROOM_WAIT_S: Final = 0.25
 
 
 class Outbox:
@@ -50,6 +59,7 @@ class Outbox:
         self._held: list[bytes] = []
         self._closed = False
         self._ready = asyncio.Event()
+        self._taken = asyncio.Event()  # set each time the writer takes what is held
 
     def put(self, chunks: Sequence[bytes]) -> bool:
         """Hold ``chunks`` for the writer; False (nothing held) when they would take the
@@ -84,7 +94,19 @@ class Outbox:
         data = b"".join(self._held)
         self._held.clear()
         self.size = 0
+        self._taken.set()
         return data
+
+    async def room(self, chunks: Sequence[bytes], within_s: float = ROOM_WAIT_S) -> bool:
+        """``put(chunks)``, waiting up to ``within_s`` for the writer to take what is held
+        when they do not fit now; False (nothing held) if it took nothing meanwhile."""
+        if self.put(chunks):
+            return True
+        self._taken.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._taken.wait()
+        return self._taken.is_set() and self.put(chunks)
 
 
 def stalled(scope: Scope) -> bool:

@@ -50,6 +50,24 @@ def test_the_outbox_holds_up_to_its_limit_and_gives_all_it_holds_at_once() -> No
     asyncio.run(main())
 
 
+def test_a_full_outbox_waits_briefly_for_its_writer_then_refuses() -> None:
+    """A burst that fills the outbox before the writer's turn is held once the writer takes
+    what is there; with no writer taking (its client stopped reading), nothing is held."""
+    async def main() -> None:
+        box = Outbox(limit=10)
+        assert box.put([b"abcdefghij"])
+        writer = asyncio.ensure_future(box.take())  # its turn comes after the pump's
+        assert await box.room([b"klm"], within_s=1.0)
+        assert await writer == b"abcdefghij" and box.size == 3
+        assert box.put([b"nopqrst"])  # full again, and no writer takes
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        assert not await box.room([b"u"], within_s=0.2)
+        assert loop.time() - began >= 0.2 and box.size == 10
+
+    asyncio.run(main())
+
+
 def test_the_writer_waits_for_the_pump() -> None:
     async def main() -> None:
         box = Outbox()
