@@ -145,7 +145,7 @@ from mlxceld.config.front import check_front, parse_pipeline_coordinator, parse_
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
-from mlxceld.config.tensor import parse_tp_size
+from mlxceld.config.tensor import parse_tp_peers, parse_tp_size
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.roles.options import (
@@ -171,7 +171,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "pipeline_coordinator", "standby",
-              "decode_peers", "kv_compression", "tp_size", "context_length",
+              "decode_peers", "kv_compression", "tp_size", "tp_peers", "context_length",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
               "allowed_origins", "generation_config", "reasoning_field",
               "unknown_fields", "metrics_require_key"}
@@ -201,6 +201,7 @@ class ServeConfig:
     decode_peers: tuple[str, ...] = ()
     kv_compression: str = "none"
     tp_size: int = 1  # tensor-parallel ranks on this host (models/tensor.py); 1: none
+    tp_peers: tuple[str, ...] = ()  # config/tensor.py: ranks 1.. on these hosts' agents
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
@@ -283,7 +284,8 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     check_role(role, role_from, replicas, replicas_from)
     front, front_from = parse_pipeline_coordinator(flags.pipeline_coordinator, table, where)
     check_front(front, front_from, role, replicas + prefill + decode)
-    cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill,
+    tp_peers, _ = parse_tp_peers(flags.tp_peers, table, where)
+    cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill, tp_peers=tp_peers,
                   pipeline_coordinator=front,
                   standby=parse_standby(flags.standby, table, where, front),
                   decode_peers=decode,
