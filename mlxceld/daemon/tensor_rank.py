@@ -52,7 +52,7 @@ class RankSlot(Protocol):
     async def reconcile(self) -> list[WorkerSpec]: ...
 
 
-class Refused(Exception):
+class JoinRefused(Exception):
     """A question this rank host answers with ``error`` (the reason)."""
 
 
@@ -90,7 +90,7 @@ class RankHost:
             asked = TensorReserve.from_wire(message.header)
             await self._check(asked.model, stream)
             answer: Any = TensorReserved(self._ring(stream))
-        except (MessageError, Refused) as exc:
+        except (MessageError, JoinRefused) as exc:
             answer = Error(str(exc.reason if isinstance(exc, MessageError) else exc))
         await stream.send(encode_envelope(answer.to_wire()))
 
@@ -100,25 +100,25 @@ class RankHost:
             await self._check(asked.model, stream)
             mine = self._ring(stream)
             if asked.hosts[asked.rank] != mine:
-                raise Refused(f"rank {asked.rank}'s ring address is {asked.hosts[asked.rank]}"
+                raise JoinRefused(f"rank {asked.rank}'s ring address is {asked.hosts[asked.rank]}"
                               f", and this host keeps {mine} for it: ask tensor_reserve first")
             await self._start(asked, stream)
             answer: Any = TensorJoined(asked.rank)
-        except (MessageError, Refused) as exc:
+        except (MessageError, JoinRefused) as exc:
             answer = Error(str(exc.reason if isinstance(exc, MessageError) else exc))
         await stream.send(encode_envelope(answer.to_wire()))
 
     async def _check(self, model: str, stream: MxclStream) -> None:
         serve = self._config().serve
         if serve.node_role != TENSOR_RANK_ROLE:
-            raise Refused(f"this daemon's node role is {serve.node_role}, not "
+            raise JoinRefused(f"this daemon's node role is {serve.node_role}, not "
                           f"{TENSOR_RANK_ROLE}: start it with --node-role {TENSOR_RANK_ROLE}")
         entry = await asyncio.to_thread(model_entry, serve.model)
         if entry is None or entry["identity"] is None:
-            raise Refused(f"this rank host cannot read its model {serve.model!r}: "
+            raise JoinRefused(f"this rank host cannot read its model {serve.model!r}: "
                           f"{(entry or {}).get('error')}")
         if entry["identity"] != model:
-            raise Refused(f"this rank host serves another model ({serve.model!r}, identity "
+            raise JoinRefused(f"this rank host serves another model ({serve.model!r}, identity "
                           f"{entry['identity'][:12]}..., rank 0's is {model[:12]}...): give "
                           "both the same --model")
 
@@ -126,11 +126,11 @@ class RankHost:
         """The ``host:port`` kept for the ring on the IP ``stream`` reached us at."""
         host = stream.local_host
         if host is None:
-            raise Refused("this rank host cannot tell which address rank 0 reached it at")
+            raise JoinRefused("this rank host cannot tell which address rank 0 reached it at")
         if host not in self._rings:
             ports = free_ports(host, 1)
             if not ports:
-                raise Refused(f"this rank host has no free TCP port on {host} for the ring")
+                raise JoinRefused(f"this rank host has no free TCP port on {host} for the ring")
             self._rings[host] = format_address(host, ports[0])
         return self._rings[host]
 
