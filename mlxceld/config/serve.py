@@ -29,8 +29,9 @@
                                     # pong to our heartbeat) this long is silent
     serving_port = 0                # with a cluster secret: the serving listener's port
                                     # (0: ephemeral), on the agent listener's host
-    node_role = "hybrid"            # hybrid | router | prefill | decode: see
-                                    # mlxceld/config/replicas.py and disagg.py
+    node_role = "hybrid"            # hybrid | router | prefill | decode |
+                                    # tensor_parallel_rank: see mlxceld/config/replicas.py,
+                                    # disagg.py and tensor.py
     replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
     pipeline_coordinator = "studio-1.local"  # a router in front of that coordinator's
                                     # pipeline, by agent address: config/front.py
@@ -39,6 +40,8 @@
     kv_compression = "none"         # a router's KV handoff: none|int8|int4, +lz4 (disagg.py)
     tp_size = 1                     # ranks splitting each layer on this host, 1-16
                                     # (mlxceld/config/tensor.py)
+    tp_peers = ["10.0.0.11"]        # ranks 1.. on these hosts' agents, in rank order
+                                    # (each --node-role tensor_parallel_rank; tensor.py)
     kv_bits = 8                     # a quantized KV cache: 4 or 8 bits (default: none,
                                     # full precision; mlxceld/config/kvquant.py)
     kv_group_size = 64              # elements per scale and bias: 32, 64, 128

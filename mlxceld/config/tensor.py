@@ -167,3 +167,16 @@ def across_hosts(node_role: str, peers: tuple[str, ...]) -> str | None:
     if node_role == TENSOR_RANK_ROLE:
         return f"--node-role {TENSOR_RANK_ROLE}"
     return PEERS_FLAG if peers else None
+
+
+def check_tp_reload(old_peers: tuple[str, ...], old_role: str, new_peers: tuple[str, ...],
+                    new_role: str) -> None:
+    """A reload keeps a group across hosts as it started: ``tp_peers`` and the
+    ``tensor_parallel_rank`` role are read at start only (``ConfigError`` otherwise, the
+    running config kept)."""
+    if old_peers != new_peers or (old_role != new_role
+                                  and TENSOR_RANK_ROLE in (old_role, new_role)):
+        raise ConfigError("a reload cannot change serve.tp_peers (--tp-peers) or a node_role "
+                          f"of {TENSOR_RANK_ROLE}: a group across hosts keeps the peers and "
+                          "roles it started with",
+                          hint="restart the daemon to apply them")

@@ -6,7 +6,7 @@ is joined. mlx's ``init`` waits for every rank without a deadline; here it gets
 ``RING_DEADLINE_S``, after which the process exits (status 1). Each rank binds its own
 ``host:port``: 127.0.0.1 inside one host; across hosts (``--tp-peers``) each host's
 agent IP, never a wildcard. The ring is not authenticated: it lives only while the
-group does (mlxceld(8) SECURITY).
+group does (mlxceld(8) PORTS).
 """
 
 from __future__ import annotations

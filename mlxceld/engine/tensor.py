@@ -325,6 +325,15 @@ class Mirror:
                          name="mlxceld-rank-beat").start()
         return [op for op in got if op[0] != "link"]
 
+    def explain(self, exc: BaseException) -> str:
+        """Why rank 0's step failed, naming the rank when mlx's ring error does not: the
+        follower whose op link ended, or the only one of a group of 2."""
+        why = str(exc)
+        if not self.leader or "[ring]" not in why:
+            return why
+        gone = self._gone_follower() or (1 if self.size == 2 else None)
+        return why if gone is None else f"tensor-parallel {self.who(gone)} is gone: {why}"
+
     def _link_host(self) -> str:
         """Where rank 0 takes the op links: its ring host (127.0.0.1 inside one host)."""
         return self.hosts[0].rpartition(":")[0].strip("[]") if self.hosts else "127.0.0.1"

@@ -59,6 +59,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
                        ("--node-role", "router", "--prefill-peers", "10.0.0.3")),
     "--kv-compression": ("int8+lz4", "int8+lz4", ()),
     "--tp-size": ("2", 2, ()),
+    "--tp-peers": ("10.0.0.11", ["10.0.0.11:19000"], ("--tp-size", "2")),
     "--kv-bits": ("8", 8, ()),
     "--kv-group-size": ("32", 32, ("--kv-bits", "8")),
     "--quantized-kv-start": ("100", 100, ("--kv-bits", "4")),

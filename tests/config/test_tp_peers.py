@@ -15,7 +15,7 @@ import typer
 
 from mlxceld.cli import app, overrides
 from mlxceld.config.daemon import Config, build_config
-from mlxceld.config.tensor import across_hosts
+from mlxceld.config.tensor import across_hosts, check_tp_reload
 from mlxceld.daemon.roster import Situation, draw_roster
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_config, preset
@@ -116,3 +116,14 @@ def test_without_the_cluster_secret_the_daemon_exits_2_naming_the_setting(
     setting = "--tp-peers" if "--tp-peers" in args else "--node-role tensor_parallel_rank"
     assert f"{setting} needs the cluster secret: the ring's ports and ranks travel" \
         in out.stderr, out.stderr
+
+
+def test_a_reload_keeps_the_peers_and_the_rank_role() -> None:
+    check_tp_reload(("10.0.0.11:19000",), "hybrid", ("10.0.0.11:19000",), "hybrid")
+    check_tp_reload((), "hybrid", (), "router")  # no group across hosts: not this rule's
+    for old, new in [((("10.0.0.11:19000",), "hybrid"), (("10.0.0.12:19000",), "hybrid")),
+                     (((), "tensor_parallel_rank"), ((), "hybrid"))]:
+        with pytest.raises(ConfigError, match=r"a reload cannot change serve\.tp_peers "
+                                              r"\(--tp-peers\) or a node_role of "
+                                              r"tensor_parallel_rank"):
+            check_tp_reload(*old, *new)

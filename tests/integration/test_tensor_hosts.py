@@ -53,6 +53,7 @@ class Group:
     url: str
     model: Path
     banned: dict[str, int]
+    waiting: dict[str, Any]  # /ready's body while rank 1's host was not up yet
 
     def complete(self) -> str:
         with client(self.url) as c:
@@ -87,15 +88,32 @@ def group(fixture_dir: Path) -> Iterator[Group]:
         rank1_flags = (*common, "--agent-addr", f"{RANK1}:{agent1}", "--cluster-secret-file",
                        str(secret_file(rank1.root, SECRET)),
                        "--node-role", "tensor_parallel_rank")
-        rank1.start(*rank1_flags)
         rank0.start(*common, "--agent-addr", f"{RANK0}:{agent0}", "--cluster-secret-file",
                     str(secret_file(rank0.root, SECRET)), "--host", RANK0, "--port",
                     str(port), "--tp-size", "2", "--tp-peers", f"{RANK1}:{agent1}")
-        g = Group(daemons, rank0, rank1, rank1_flags, f"http://{RANK0}:{port}/v1", model,
-                  {str(t): -100 for t in eos_ids(model)})
-        yield g
+        url = f"http://{RANK0}:{port}/v1"
+        waiting = wait_for(lambda: (d := down(url)) and "rank 1" in d["reason"] and d, 30,
+                           "/ready 503 naming rank 1 before its host is up", every=0.2)
+        rank1.start(*rank1_flags)
+        yield Group(daemons, rank0, rank1, rank1_flags, url, model,
+                    {str(t): -100 for t in eos_ids(model)}, waiting)
     finally:
         daemons.end()
+
+
+def down(url: str) -> dict[str, Any] | None:
+    """``/ready``'s body while it is 503 with a reason (the stand-in's), else None."""
+    try:
+        got = httpx.get(f"{url.removesuffix('/v1')}/ready", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return got.json() if got.status_code == 503 and "reason" in got.json() else None
+
+
+def test_ready_names_the_rank_host_until_the_group_forms(group: Group) -> None:
+    reason = group.waiting["reason"]
+    assert reason.startswith(f"tensor-parallel rank 1 on host {RANK1}:"), reason
+    assert "its agent did not take 'tensor_reserve'" in reason, reason
 
 
 def test_greedy_completions_are_mlx_lms_on_the_whole_model(group: Group) -> None:
@@ -158,18 +176,12 @@ def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
     print(f"\nSIGKILL of the rank host: the stream ended after {took:.2f} s with {how}")
     assert error is not None, how
     body = error["error"]
+    print(f"its error: {body['message']}")
     assert body["code"] == "engine_unavailable", body
-    assert f"rank 1 (worker tp-1 on {RANK1})" in body["message"] \
-        or "[ring]" in body["message"], body
+    assert f"tensor-parallel rank 1 (worker tp-1 on {RANK1}) is gone" in body["message"], body
     assert took < ENDED_S, took
-
-    def down() -> dict[str, Any] | None:
-        try:
-            got = group.ready()
-        except httpx.HTTPError:
-            return None
-        return got.json() if got.status_code == 503 and "reason" in got.json() else None
-    ready = wait_for(down, 30, "/ready 503 naming the lost rank host", every=0.5)
+    ready = wait_for(lambda: down(group.url), 30, "/ready 503 naming the lost rank host",
+                     every=0.5)
     assert f"tensor-parallel rank 1 on host {RANK1}:" in ready["reason"], ready
     refused = httpx.post(f"{group.url}/completions", timeout=10,
                          json={"model": "llama", "prompt": "Hi", "max_tokens": 2})
