@@ -15,7 +15,7 @@ names, in rank order, each a daemon started with ``--node-role tensor_parallel_r
   and the ranks meet in it (``engine/ring.py``: within 60 s, else each exits). A rank
   host that does not answer (down, another model, another role) is asked again after
   1, 2, 4, then every ``MAX_RETRY_S`` (8) s; each answer within ``CONNECT_S`` +
-  ``ANSWER_S``.
+  ``ANSWER_S`` (5 + 60 s: the rank host may stop its old worker first).
 - kept: every ``WATCH_S`` (1 s) the router's state is read, and every ``CHECK_S`` (2 s)
   each rank host's agent is asked ``serving`` (``discovery/serving.py``: at most 10 s).
   A rank host that does not answer as a rank host, or the router leaving RUNNING (its
@@ -60,7 +60,8 @@ WATCH_S: Final = 1.0
 CHECK_S: Final = 2.0
 MAX_RETRY_S: Final = 8.0
 CONNECT_S: Final = 5.0
-ANSWER_S: Final = 30.0  # the rank host reads its model's identity first
+# The rank host reads its model's identity, and stops a worker it ran (its stop timeout).
+ANSWER_S: Final = 60.0
 _SPECS: Final = {TensorReserved.T: MessageSpec(), TensorJoined.T: MessageSpec()}
 
 
@@ -115,6 +116,9 @@ class TensorPeers:
                     await standin.open()
                     ring = await self._form()
                     if ring is None:
+                        if self._origin() is None:  # the agent listener is not up yet
+                            await asyncio.sleep(WATCH_S)
+                            continue
                         await asyncio.sleep(min(MAX_RETRY_S, 2.0 ** attempt))
                         attempt += 1
                         continue
@@ -209,19 +213,16 @@ class TensorPeers:
     async def _watch(self) -> str:
         """Wait until the group breaks; why."""
         checked = time.monotonic()
-        was_up = False
         while True:
             await asyncio.sleep(WATCH_S)
             got = self._supervisor.state(ROUTER)
-            state = got[0] if got else WorkerState.EXITED
-            up = state in (WorkerState.RUNNING, WorkerState.STARTING)
-            was_up = was_up or up
-            if (was_up and not up) or time.monotonic() - checked >= CHECK_S:
+            down = got is None or got[0] in (WorkerState.BACKOFF, WorkerState.EXITED,
+                                             WorkerState.FAILED)
+            if down or time.monotonic() - checked >= CHECK_S:
                 checked = time.monotonic()
-                lost = await self._check()
-                if lost is not None:
+                if await self._check() is not None:
                     return self._why
-                if was_up and not up:
+                if down:
                     return (f"rank 0 (the router) stopped ({got[1] if got else 'gone'}); the "
                             "group forms again")
 

@@ -11,9 +11,9 @@ authenticates both ends; ``wire/tensor_messages.py``):
   kept for the daemon's life, so a group formed again meets at the same address.
 - ``tensor_join`` (model identity, rank, the ring's ``host:port`` per rank, max batch):
   the same checks, and its own entry must be the one it reserved; then the worker
-  ``tp-<rank>`` (``workers/tensor_rank.py``) starts with those options, or restarts
-  when it runs (rank 0 starts a new ring each time it asks), and it answers
-  ``tensor_joined``. The worker joins the ring within the ring's deadline
+  ``tp-<rank>`` (``workers/tensor_rank.py``) starts with those options (one that runs is
+  stopped first, within its stop timeout: rank 0 starts a new ring each time it asks),
+  and it answers ``tensor_joined``. The worker joins the ring within the ring's deadline
   (``engine/ring.py``, 60 s) or exits.
 
 The ring itself is unauthenticated: it binds only that IP, only while the worker runs.
@@ -138,16 +138,14 @@ class RankHost:
         serve = self._config().serve
         assert serve.model is not None  # config/tensor.py: a rank host names its model
         name = f"tp-{asked.rank}"
-        before = self._slot.tensor_rank
-        running = self._supervisor.state(name) is not None
+        if self._supervisor.state(name) is not None:
+            # A new ring: the old worker is gone before the answer (one still in the old
+            # ring's join could otherwise meet rank 0's new router), then a new one starts.
+            await self._supervisor.remove(name)
         self._slot.tensor_rank = TensorOptions(
             model=serve.model, model_name=serve.served_name, rank=asked.rank,
             tp_hosts=asked.hosts, max_batch=asked.max_batch)
-        if before is not None and before.rank != asked.rank:
-            running = False  # the old rank's worker is removed by the reconcile
         await self._slot.reconcile()
-        if running:  # a new ring: the worker starts again to join it
-            self._supervisor.restart(name)
         self._asked_by = stream.peer_identity
         self._joined_at = time.time()
         log.info("tensor rank %d of %d: %s starts, ring %s (asked by %s)", asked.rank,
