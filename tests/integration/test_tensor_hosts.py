@@ -194,3 +194,25 @@ def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
     assert group.serves() == expected(group.model, PROMPT, 8)
     assert group.ready().status_code == 200
     assert group.rank0.status()["tensor"]["state"] == "formed"
+
+
+def test_a_rank_host_of_another_model_is_refused_and_named(fixture_dir: Path,
+                                                           daemons: Daemons) -> None:
+    """Rank 0's question is answered with a refusal by a rank host that serves another
+    model: no router starts, and the port's 503 says why, naming the rank host."""
+    agent0, agent1, port = free_port(RANK0), free_port(RANK1), free_port(RANK0)
+    rank0, rank1 = (daemons.make(FAST_POLICY, name=n) for n in ("tq0", "tq1"))
+    rank1.start("--model", str(fixture_dir / "qwen3"), "--agent-addr", f"{RANK1}:{agent1}",
+                "--cluster-secret-file", str(secret_file(rank1.root, SECRET)),
+                "--node-role", "tensor_parallel_rank")
+    rank0.start("--model", str(fixture_dir / "llama"), "--agent-addr", f"{RANK0}:{agent0}",
+                "--cluster-secret-file", str(secret_file(rank0.root, SECRET)), "--host", RANK0,
+                "--port", str(port), "--tp-size", "2", "--tp-peers", f"{RANK1}:{agent1}")
+    url = f"http://{RANK0}:{port}/v1"
+    refused = wait_for(lambda: (d := down(url)) and "another model" in d["reason"] and d, 30,
+                       "/ready 503 naming the rank host's other model", every=0.2)
+    assert refused["reason"].startswith(f"tensor-parallel rank 1 on host {RANK1}:{agent1} is "
+                                        "lost: its agent did not take 'tensor_reserve' (error)"
+                                        ": this rank host serves another model"), refused
+    assert {w["name"] for w in rank0.status()["workers"]} == set()  # no router: not formed
+    assert rank1.status()["tensor"]["state"] == "waiting"
