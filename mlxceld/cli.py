@@ -126,7 +126,8 @@ def run(
     node_role: Annotated[str | None, typer.Option(
         "--node-role", help="hybrid (run the model here), router (model-free: spread "
         "requests over --replicas, or --prefill-peers and --decode-peers), prefill or decode "
-        "(serve a router's disaggregation on the serving listener only). All but hybrid "
+        "(serve a router's disaggregation on the serving listener only), "
+        "tensor_parallel_rank (a rank of another host's --tp-peers group). All but hybrid "
         "need the cluster secret. Default: hybrid.")] = None,
     replicas: Annotated[str | None, typer.Option(
         "--replicas", help="With --node-role router: the replicas' agent addresses, "
@@ -165,6 +166,11 @@ def run(
         "--tp-lm-head-mode", help="With --tp-size: the head as mlx-lm splits the model's "
         "family: replicate for most, shard for qwen3.5's untied head; the other value is "
         "refused. Default: the family's.")] = None,
+    tp_peers: Annotated[str | None, typer.Option(
+        "--tp-peers", help="With --tp-size N: run ranks 1 .. N-1 on other hosts, named by "
+        "their agent addresses in rank order (host:port,...; a host alone: port 19000), "
+        "each started with --node-role tensor_parallel_rank and the same model; needs the "
+        "cluster secret.")] = None,
     kv_bits: Annotated[int | None, typer.Option(
         "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (about 0.28 or 0.53 of a "
         "16-bit cache's memory), on the local engine, tensor-parallel ranks and pipeline "

@@ -77,6 +77,8 @@ defines, under its base, with the module of each one defined elsewhere.
     │                               rules (our bug)
     ├── Stopped                     workers/runtime.py: a worker told to stop while it waited
     ├── LinkFailed                  replicas/attaching.py: one attempt at a node's link failed
+    ├── JoinRefused                 daemon/tensor_rank.py: a rank host refuses rank 0's question
+    │                               (answered with error, the reason named)
     ├── _BodyDone                   tasks.py: a cancelling_group's body ended (never escapes)
     └── _Continue                   replicas/pool.py: a member went down midway; the request
                                     goes on on another (never escapes the pool)

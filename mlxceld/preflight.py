@@ -24,6 +24,7 @@ from mlxceld.cluster.clusterfile.placement import place, serving_cluster, servin
 from mlxceld.cluster.keyring import configured_secret, require_secret
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.serve import read_api_key
+from mlxceld.config.tensor import across_hosts
 from mlxceld.control.server import check_socket_path
 from mlxceld.daemon.serving import check_planned, split_check
 from mlxceld.errors import ConfigError, DaemonError
@@ -65,6 +66,7 @@ def check_config(flags: Overrides) -> Config:
                    pp_auto=config.pp_auto is not None, placement=placement,
                    router=role == ROUTER_ROLE,
                    handoff_side=role if role in HANDOFF_SIDES else None,
+                   tensor=across_hosts(role, config.serve.tp_peers),
                    served=f"{served.path}: node {config.node_id!r} ({role})"
                    if served is not None else None)
     return config

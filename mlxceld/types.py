@@ -19,12 +19,15 @@ MAX_LINK_MIB: Final = 64
 
 # A node's role in a serving cluster (``--node-role``, [serve] node_role, a cluster TOML's
 # serving nodes; checked in config/replicas.py). The wire's copy: wire/agent_messages.py.
-NodeRole = Literal["hybrid", "router", "prefill", "decode"]
+NodeRole = Literal["hybrid", "router", "prefill", "decode", "tensor_parallel_rank"]
 HYBRID: Final = "hybrid"
 ROUTER_ROLE: Final = "router"
 PREFILL_ROLE: Final = "prefill"
 DECODE_ROLE: Final = "decode"
-NODE_ROLES: Final[tuple[NodeRole, ...]] = (HYBRID, ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)
+# A rank >= 1 of a tensor-parallel group across hosts (config/tensor.py): no router here.
+TENSOR_RANK_ROLE: Final = "tensor_parallel_rank"
+NODE_ROLES: Final[tuple[NodeRole, ...]] = (HYBRID, ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE,
+                                           TENSOR_RANK_ROLE)
 # A prefill/decode handoff's two sides: the node roles that take part in one
 # (replicas/handoffs.py); a node of either role is that side of each handoff.
 HandoffSide = Literal["prefill", "decode"]

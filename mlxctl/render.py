@@ -14,6 +14,7 @@ from typing import Any
 
 from mlxceld.types import LoadProgress, WorkerState, load_progress, loading_text
 from mlxctl.drain_view import drain_line, drain_lines
+from mlxctl.tensor_view import tensor_lines
 from mlxctl.timetext import duration, since
 
 PEER_COLORS = {"reachable": "green", "discovered": "cyan", "unreachable": "yellow",
@@ -249,6 +250,7 @@ def status(body: dict[str, Any]) -> str:
         lines.append(prompt_cache(router["prompt_cache"]))
     lines += [f"{label}: {part['summary']}" for key, label in TAKEOVER_LINES
               if (part := body.get(key))]
+    lines += tensor_lines(body.get("tensor"))
     cluster = body.get("cluster")
     if cluster:
         where = (f"layers [{cluster['layers'][0]}, {cluster['layers'][1]})"

@@ -111,14 +111,14 @@ class KeyringService:
 
     def require(self, *, pp_auto: bool, placement: Placement | None,
                 router: bool = False, handoff_side: str | None = None,
-                served: str | None = None) -> None:
+                served: str | None = None, tensor: str | None = None) -> None:
         """Fail closed: --pp-auto, --node-role router, prefill or decode
         (``handoff_side``), a node of a serving cluster's TOML (``served``: "FILE: node
         'ID' (ROLE)"), or a cluster config of two or more stages (or hosts), never runs
         without the cluster secret."""
         require_secret(bool(len(self.keyring)), self.dir, pp_auto=pp_auto,
                        placement=placement, router=router, handoff_side=handoff_side,
-                       served=served)
+                       served=served, tensor=tensor)
 
     # -- mlxctl secret ----------------------------------------------------------------------
 
@@ -162,9 +162,11 @@ def configured_secret(config: Config, placement: Placement | None,
 
 def require_secret(has_secret: bool, keys_dir: Path, *, pp_auto: bool,
                    placement: Placement | None, router: bool = False,
-                   handoff_side: str | None = None, served: str | None = None) -> None:
+                   handoff_side: str | None = None, served: str | None = None,
+                   tensor: str | None = None) -> None:
     """``KeyringService.require``'s rule, for a node whose keyring (in ``keys_dir``) holds a
-    secret or not (``has_secret``); `mlxceld --check-config` asks it too."""
+    secret or not (``has_secret``); `mlxceld --check-config` asks it too. ``tensor``: the
+    setting that makes this daemon part of a tensor-parallel group across hosts."""
     if has_secret:
         return
 
@@ -184,6 +186,11 @@ def require_secret(has_secret: bool, keys_dir: Path, *, pp_auto: bool,
             "authenticated wire; " + where(first="the file's secret_file"),
             hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
             "600, the same on every host) or pass --cluster-secret-file FILE")
+    if tensor is not None:
+        raise ConfigError(
+            f"{tensor} needs the cluster secret: the ring's ports and ranks travel over "
+            f"the authenticated agent connection; {where()}",
+            hint=f"give rank 0's host and every rank host the same secret: {everyone}")
     if handoff_side is not None:
         raise ConfigError(
             f"--node-role {handoff_side} needs the cluster secret to serve a router and "

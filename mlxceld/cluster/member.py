@@ -76,6 +76,7 @@ class MemberParts:
     served_pipeline: Callable[[], PipelineOptions | None] = lambda: None
     fronts: Fronts | None = None  # who asked for it (the serving window waits for them)
     units: Callable[[], float | None] = lambda: None  # compute units (discovery/speed.py)
+    more: Callable[[AgentService], None] = lambda agent: None  # the daemon's other answers
 
 
 class ClusterMember:
@@ -393,6 +394,7 @@ class ClusterMember:
         assignee.register(agent)
         serve_key_ops(agent, parts.keys, self._keyring)
         serve_link(agent)  # `mlxctl cluster link-test` of another daemon
+        parts.more(agent)  # a tensor rank host's (daemon/tensor_rank.py)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def run() -> None:

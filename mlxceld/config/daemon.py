@@ -80,7 +80,13 @@ from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ServeConfig, parse_serve
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.config.tables import check_keys, number, path_of, read_toml, string, table_of
-from mlxceld.config.tensor import check_tp_model, check_tp_setting, tp_origin
+from mlxceld.config.tensor import (
+    PEERS_FLAG,
+    check_tp_model,
+    check_tp_peers,
+    check_tp_setting,
+    tp_origin,
+)
 from mlxceld.config.tensor_modes import check_tp_modes, check_tp_modes_model, mode_names
 from mlxceld.config.workers import POLICY_FIELDS, WorkerConfig, restart_policy, worker_configs
 from mlxceld.control.access import OperatorGroup
@@ -118,6 +124,7 @@ FLAG_KEYS: dict[str, str] = {
     "--kv-compression": "serve.kv_compression", "--tp-size": "serve.tp_size",
     "--tp-moe-mode": "serve.tp_moe_mode", "--tp-embedding-mode": "serve.tp_embedding_mode",
     "--tp-lm-head-mode": "serve.tp_lm_head_mode",
+    "--tp-peers": "serve.tp_peers",
     "--kv-bits": "serve.kv_bits", "--kv-group-size": "serve.kv_group_size",
     "--quantized-kv-start": "serve.quantized_kv_start",
 }
@@ -212,6 +219,7 @@ class Overrides:
     tp_moe_mode: str | None = None  # config/tensor_modes.py, as given
     tp_embedding_mode: str | None = None
     tp_lm_head_mode: str | None = None
+    tp_peers: str | None = None  # comma-separated, as given (config/tensor.py)
     kv_bits: int | None = None  # config/kvquant.py
     kv_group_size: int | None = None
     quantized_kv_start: int | None = None
@@ -402,6 +410,9 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         if config.distributed_config is not None else None))
     check_tp_setting(serve.tp_size, tp_origin(flags.tp_size, where),
                      node_role=serve.node_role, pipeline=pipeline)
+    check_tp_peers(serve.tp_size, tp_origin(flags.tp_size, where), serve.tp_peers,
+                   PEERS_FLAG if flags.tp_peers is not None else f"{where}: 'serve.tp_peers'",
+                   node_role=serve.node_role, model=serve.model)
     check_tp_model(serve.model, serve.tp_size,
                    "--model" if flags.model else f"{where}: 'serve.model'")
     mode_said = mode_names(flags.tp_modes, where)

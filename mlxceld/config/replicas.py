@@ -71,7 +71,8 @@ def parse_role(flag: str | None, table: Mapping[str, Any],
                       f"{', '.join(NODE_ROLES)}",
                       hint="hybrid (the default) runs the model here; router spreads "
                       "requests over --replicas (or --prefill-peers and --decode-peers); "
-                      "prefill and decode serve a router's disaggregation")
+                      "prefill and decode serve a router's disaggregation; "
+                      "tensor_parallel_rank is a rank of another host's --tp-peers group")
 
 
 def parse_replica_list(flag: str | None, table: Mapping[str, Any],

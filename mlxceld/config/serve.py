@@ -29,8 +29,9 @@
                                     # pong to our heartbeat) this long is silent
     serving_port = 0                # with a cluster secret: the serving listener's port
                                     # (0: ephemeral), on the agent listener's host
-    node_role = "hybrid"            # hybrid | router | prefill | decode: see
-                                    # mlxceld/config/replicas.py and disagg.py
+    node_role = "hybrid"            # hybrid | router | prefill | decode |
+                                    # tensor_parallel_rank: see mlxceld/config/replicas.py,
+                                    # disagg.py and tensor.py
     replicas = ["studio-2.local"]   # a router's replicas, by agent address (ditto)
     pipeline_coordinator = "studio-1.local"  # a router in front of that coordinator's
                                     # pipeline, by agent address: config/front.py
@@ -42,6 +43,8 @@
     tp_moe_mode = "shard"           # with tp_size > 1: experts, embedding and head
     tp_embedding_mode = "replicate" # replicated or sharded, as mlx-lm splits them
     tp_lm_head_mode = "replicate"   # (mlxceld/config/tensor_modes.py)
+    tp_peers = ["10.0.0.11"]        # ranks 1.. on these hosts' agents, in rank order
+                                    # (each --node-role tensor_parallel_rank; tensor.py)
     kv_bits = 8                     # a quantized KV cache: 4 or 8 bits (default: none,
                                     # full precision; mlxceld/config/kvquant.py)
     kv_group_size = 64              # elements per scale and bias: 32, 64, 128
@@ -148,7 +151,7 @@ from mlxceld.config.front import check_front, parse_pipeline_coordinator, parse_
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
-from mlxceld.config.tensor import parse_tp_size
+from mlxceld.config.tensor import parse_tp_peers, parse_tp_size
 from mlxceld.config.tensor_modes import parse_tp_modes
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
@@ -176,7 +179,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "stage_silence_s",
               "max_tokens", "serving_port", "node_role", "replicas", "prefill_peers",
               "pipeline_coordinator", "standby",
-              "decode_peers", "kv_compression", "tp_size", "context_length",
+              "decode_peers", "kv_compression", "tp_size", "tp_peers", "context_length",
               "tp_moe_mode", "tp_embedding_mode", "tp_lm_head_mode",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
               "allowed_origins", "generation_config", "reasoning_field",
@@ -211,6 +214,7 @@ class ServeConfig:
     tp_moe_mode: Mode | None = None
     tp_embedding_mode: Mode | None = None
     tp_lm_head_mode: Mode | None = None
+    tp_peers: tuple[str, ...] = ()  # config/tensor.py: ranks 1.. on these hosts' agents
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
@@ -300,7 +304,8 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
     check_role(role, role_from, replicas, replicas_from)
     front, front_from = parse_pipeline_coordinator(flags.pipeline_coordinator, table, where)
     check_front(front, front_from, role, replicas + prefill + decode)
-    cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill,
+    tp_peers, _ = parse_tp_peers(flags.tp_peers, table, where)
+    cfg = replace(cfg, node_role=role, replicas=replicas, prefill_peers=prefill, tp_peers=tp_peers,
                   pipeline_coordinator=front,
                   standby=parse_standby(flags.standby, table, where, front),
                   decode_peers=decode,

@@ -32,9 +32,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE, TensorParallelRefused, check_model_dir
-from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE
+from mlxceld.types import HANDOFF_SIDES, HYBRID, ROUTER_ROLE, TENSOR_RANK_ROLE
+from mlxceld.wire.address import parse_address
 
 FLAG: Final = "--tp-size"
 KEY: Final = "tp_size"
@@ -71,6 +73,8 @@ def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
                           "replicas holds no model here to split",
                           hint="set tp_size on the hybrid nodes that hold the model; "
                           + TP_HINT)
+    if node_role == TENSOR_RANK_ROLE:
+        return  # check_tp_peers says why
     if node_role in HANDOFF_SIDES:
         raise ConfigError(f"{said} with node_role {node_role} (--node-role): tensor "
                           f"parallelism on a {node_role} node is not built yet",
@@ -94,3 +98,85 @@ def check_tp_model(model: str | None, tp_size: int, what: str) -> None:
         raise ConfigError(f"{what}: {exc}", hint="give a tp size that splits this model, or "
                           "leave --tp-size out ([serve] tp_size = 1) to run it in one "
                           "process") from None
+
+
+# -- a group across hosts: --tp-peers and --node-role tensor_parallel_rank ----------------
+
+PEERS_FLAG: Final = "--tp-peers"
+PEERS_KEY: Final = "tp_peers"
+PEERS_HINT: Final = ("name the agents of the hosts that run ranks 1 .. N-1, in rank order: "
+                     "--tp-size 2 --tp-peers 192.168.1.11 (a host alone: port 19000), each "
+                     "started with --node-role tensor_parallel_rank, the same model and the "
+                     "same cluster secret")
+
+
+def parse_tp_peers(flag: str | None, table: Mapping[str, Any],
+                   where: str) -> tuple[tuple[str, ...], str]:
+    """``--tp-peers`` (it wins) or ``[serve] tp_peers``: the agent addresses of the hosts of
+    ranks 1 .. N-1 in rank order (numeric or names, port 19000 when left out), and where
+    they were said."""
+    value: object
+    if flag is not None:
+        value, what = flag, PEERS_FLAG
+    else:
+        value, what = table.get(PEERS_KEY, []), f"{where}: 'serve.{PEERS_KEY}'"
+        if not isinstance(value, list):
+            raise ConfigError(f"{what} must be a list of agent addresses, not {value!r}",
+                              hint='for example tp_peers = ["192.168.1.11"]')
+    assert isinstance(value, str | list)
+    peers = parse_peers(value, what, default_port=DEFAULT_AGENT_PORT, hint=PEERS_HINT)
+    for address in peers:
+        if parse_address(address).is_wildcard:
+            raise ConfigError(f"{what}: {address!r} is a wildcard, which names no host to "
+                              "dial", hint=PEERS_HINT)
+    return peers, what
+
+
+def check_tp_peers(tp_size: int, size_from: str, peers: tuple[str, ...], peers_from: str, *,
+                   node_role: str, model: str | None) -> None:
+    """A group across hosts is said whole: rank 0 (a hybrid node) names one peer per rank
+    past its own (``tp_size`` = peers + 1); a rank host (``tensor_parallel_rank``) names
+    the model and neither setting (its rank, the ring and the batch come from rank 0)."""
+    if node_role == TENSOR_RANK_ROLE:
+        if peers or tp_size != 1:
+            said = peers_from if peers else f"{size_from} {tp_size}"
+            raise ConfigError(f"{said} with node_role {TENSOR_RANK_ROLE} (--node-role): a "
+                              "rank host takes its rank and group from rank 0's daemon",
+                              hint="give --tp-size and --tp-peers to rank 0's daemon only")
+        if model is None:
+            raise ConfigError(f"node_role {TENSOR_RANK_ROLE} (--node-role) needs the model "
+                              "(--model or [serve] model): the same one rank 0 serves",
+                              hint=PEERS_HINT)
+        return
+    if not peers:
+        return
+    if node_role != HYBRID:
+        raise ConfigError(f"{peers_from} with node_role {node_role} (--node-role): rank 0 "
+                          "of a group across hosts is a hybrid node that holds the model",
+                          hint=PEERS_HINT)
+    if tp_size != len(peers) + 1:
+        raise ConfigError(f"{peers_from} names {len(peers)} rank host(s) and {size_from} is "
+                          f"{tp_size}: the group is this host (rank 0) and one host per "
+                          f"rank past it, so {size_from} must be {len(peers) + 1}",
+                          hint=PEERS_HINT)
+
+
+def across_hosts(node_role: str, peers: tuple[str, ...]) -> str | None:
+    """The setting that makes this daemon part of a tensor-parallel group across hosts
+    (which needs the cluster secret), or None."""
+    if node_role == TENSOR_RANK_ROLE:
+        return f"--node-role {TENSOR_RANK_ROLE}"
+    return PEERS_FLAG if peers else None
+
+
+def check_tp_reload(old_peers: tuple[str, ...], old_role: str, new_peers: tuple[str, ...],
+                    new_role: str) -> None:
+    """A reload keeps a group across hosts as it started: ``tp_peers`` and the
+    ``tensor_parallel_rank`` role are read at start only (``ConfigError`` otherwise, the
+    running config kept)."""
+    if old_peers != new_peers or (old_role != new_role
+                                  and TENSOR_RANK_ROLE in (old_role, new_role)):
+        raise ConfigError("a reload cannot change serve.tp_peers (--tp-peers) or a node_role "
+                          f"of {TENSOR_RANK_ROLE}: a group across hosts keeps the peers and "
+                          "roles it started with",
+                          hint="restart the daemon to apply them")

@@ -70,6 +70,7 @@ from mlxceld.config.changes import AT_NEXT_START, api_key_change, config_changes
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.replicas import discovers
 from mlxceld.config.serve import read_api_key
+from mlxceld.config.tensor import across_hosts
 from mlxceld.control.answers import Reloaded
 from mlxceld.control.app import build_app
 from mlxceld.control.keeper import SocketKeeper, holder_hint
@@ -90,6 +91,7 @@ from mlxceld.daemon.roster import Roster
 from mlxceld.daemon.serving import ServingParts, ServingWindow
 from mlxceld.daemon.stage_watch import StageWatch, StageWatchParts
 from mlxceld.daemon.standby import Standby
+from mlxceld.daemon.tensor_peers import TensorWindow
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.speed import NodeSpeed
 from mlxceld.errors import (
@@ -199,6 +201,7 @@ class Daemon:
         self.keys.require(pp_auto=config.pp_auto is not None, placement=placement,
                           router=role == ROUTER_ROLE,
                           handoff_side=role if role in HANDOFF_SIDES else None,
+                          tensor=across_hosts(role, config.serve.tp_peers),
                           served=f"{served.path}: node {config.node_id!r} ({role})"
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
@@ -217,6 +220,8 @@ class Daemon:
         drains = DrainsTable(self._db)
         keys = KeyWindow(self.keys, self.supervisor, self.events,
                          keyring_changed=lambda: self.member.keyring_changed())
+        self.tensor = TensorWindow(self.roster, self.supervisor, self.keys.keyring, self.events,
+                                   lambda: self.member.agent_address())  # across hosts
         self.member = ClusterMember(
             MemberParts(config=lambda: self.roster.config, stopping=lambda: self._stopping,
                         served_model=lambda: self.roster.serve.model,
@@ -224,7 +229,8 @@ class Daemon:
                         drained_nodes=lambda: drained_nodes(drains), pipeline=self.serving,
                         stage=self.roster, keys=keys,
                         served_pipeline=self.roster.served_pipeline,
-                        fronts=self.serving.fronts, units=self.speed.units),
+                        fronts=self.serving.fronts, units=self.speed.units,
+                        more=self.tensor.register),
             self.supervisor, self.events, self.keys.keyring, node_id=self.node.node_id,
             candidates=candidates, plans=Plans(self._db), assignments=Assignments(self._db),
             liveness=LivenessTable(self._db), rotations=RotationsTable(self._db),
@@ -274,6 +280,7 @@ class Daemon:
             **self.member.describe(),  # assignment, bringup, agent
             "front": self._front.describe(),  # a router in front of a pipeline: following.py
             "standby": self._standby.describe() if self._standby else None,  # standby.py
+            "tensor": self.tensor.describe(),  # a tensor group across hosts: tensor_peers.py
             "workers": workers,
             "problems": health.problems(workers) + self.member.problems(),
         }
@@ -324,6 +331,7 @@ class Daemon:
                 tg.create_task(self._keeper.run())
                 tg.create_task(self._draining.service.run())
                 tg.create_task(self._replica_peers.run())
+                tg.create_task(self.tensor.run())
                 tg.create_task(self._front.run())
                 if self._standby is not None:
                     tg.create_task(self._standby.run())

@@ -81,7 +81,7 @@ from mlxceld.roles.options import (
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.supervisor.states import RestartPolicy
-from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE
+from mlxceld.types import HANDOFF_SIDES, ROUTER_ROLE, TENSOR_RANK_ROLE
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.wire.secret import Keyring
 
@@ -113,6 +113,9 @@ class Situation:
     # serve.tp_size > 1: ports the daemon picked on 127.0.0.1 (``Roster.tp_ring``), kept
     # while tp_size stays the same so a restarted group meets at the same ports.
     tp_hosts: tuple[str, ...] = ()
+    # A rank host (node_role tensor_parallel_rank): the rank rank 0's daemon asked it to
+    # run (cluster/tensor_rank.py), None until asked.
+    tensor_rank: TensorOptions | None = None
     # A router in front of a pipeline ([serve] pipeline_coordinator): the stages it drives,
     # as last learnt from the coordinator (daemon/following.py); None: none learnt yet.
     followed: PipelineOptions | None = None
@@ -139,6 +142,10 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                     router_options(s.serve, serving=serving, handoff=handoff),
                                     policy, secret=s.secret, accepted=s.accepted,
                                     log_format=c.log_format))
+    elif s.serve.node_role == TENSOR_RANK_ROLE:
+        if s.tensor_rank is not None:  # no router: rank 0's host serves
+            specs.append(WorkerSpec(f"{TP_GROUP}-{s.tensor_rank.rank}", c.state_dir,
+                                    s.tensor_rank, policy, log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE and s.serve.pipeline_coordinator is not None:
         # A standby that took over drives the plans it pushed since (daemon/standby.py).
         followed = pipeline_options(p) if p is not None and p.is_coordinator else s.followed
@@ -165,7 +172,8 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                                                         replicas=replicas),
                                     policy, api_key=s.api_key, secret=s.secret,
                                     accepted=s.accepted, log_format=c.log_format))
-    elif s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router):
+    elif (s.serve.model is not None and not c.pp_peer and (p is not None or not s.hold_router)
+          and not (s.serve.tp_peers and not s.tp_hosts)):  # a group across hosts: formed
         options = router_options(s.serve, pipeline_options(p) if p is not None else None,
                                  serving_options(s))
         if p is not None and p.cluster.replicas > 1:  # the groups past the first
@@ -175,13 +183,14 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                                               c.heal_after_s))
         keyed = p is not None or options.serving is not None
         tensor = p is None and s.serve.tp_size > 1
+        here = tensor and not s.serve.tp_peers  # its ranks on this host, not the peers'
         if tensor:
             options = replace(options, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts)
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
                                 secret=s.secret if keyed else None,
                                 accepted=s.accepted if keyed else (),
-                                log_format=c.log_format, group=TP_GROUP if tensor else None))
-        if tensor:
+                                log_format=c.log_format, group=TP_GROUP if here else None))
+        if here:
             specs += tensor_ranks(options, c.state_dir, policy, c.log_format)
     return specs
 
@@ -253,6 +262,10 @@ class Roster:
         self.api_key = api_key  # the router's, from its file: the reload's to replace
         self._agent_address = agent_address  # the agent listener's, once bound
         self._tp_hosts: tuple[str, ...] = ()  # the tensor-parallel ring (tp_ring)
+        # Across hosts: the ring rank 0's daemon formed (daemon/tensor_peers.py), None while
+        # it is not formed (no router); on a rank host, the rank it was asked to run.
+        self.tensor_ring: tuple[str, ...] | None = None
+        self.tensor_rank: TensorOptions | None = None
         self.followed: PipelineOptions | None = None  # a front's plan (daemon/following.py)
 
     def specs(self) -> list[WorkerSpec]:
@@ -264,7 +277,7 @@ class Roster:
             hold_router=self.hold_router, secret=secret,
             accepted=tuple(ring.others()), api_key=self.api_key, node_id=self._node_id,
             agent_address=self._agent_address(), tp_hosts=self.tp_ring(),
-            followed=self.followed))
+            tensor_rank=self.tensor_rank, followed=self.followed))
         if self.retiring is not None:  # with the keyring of now, as every worker's
             specs.append(replace(self.retiring, secret=secret, accepted=tuple(ring.others())))
         return specs
@@ -313,8 +326,11 @@ class Roster:
         127.0.0.1, picked when a tp size first needs them and kept while it stays the same
         (a restarted group meets at the same ports: the ring's ranks bind them again at
         once); () with tp_size 1, or when none could be bound (the router refuses that,
-        naming it)."""
+        naming it). Across hosts (``tp_peers``), the ring the group formed with, if it has.
+        """
         tp_size = self.serve.tp_size
+        if self.serve.tp_peers:  # across hosts: the ring rank 0's daemon formed, if any
+            return self.tensor_ring or ()
         if tp_size <= 1:
             self._tp_hosts = ()
         elif len(self._tp_hosts) != tp_size:

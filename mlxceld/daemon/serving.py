@@ -37,7 +37,7 @@ from mlxceld.config.clients import parse_model_names
 from mlxceld.config.daemon import Config, Overrides
 from mlxceld.config.kvquant import check_kv_model
 from mlxceld.config.serve import ROUTER, ServeConfig, resolve_model
-from mlxceld.config.tensor import check_tp_model
+from mlxceld.config.tensor import check_tp_model, check_tp_reload
 from mlxceld.config.tensor_modes import check_tp_modes_model, setting_names
 from mlxceld.control.answers import ServedModel, Unserved
 from mlxceld.daemon.roster import Roster
@@ -271,9 +271,12 @@ class ServingWindow:
 
     def check_reload(self, configured: ServeConfig) -> None:
         """On a reload: the model the new ``[serve]`` serves (what `mlxctl serve` chose
-        included) splits over its ``tp_size``; else ``ConfigError``, and the reload keeps
-        the running config."""
+        included) splits over its ``tp_size``, and a group across hosts keeps its peers and
+        role (``config/tensor.py``); else ``ConfigError``, and the reload keeps the running
+        config."""
         split_check(self.effective(configured))
+        check_tp_reload(self.serve.tp_peers, self.serve.node_role, configured.tp_peers,
+                        configured.node_role)
 
     def describe(self) -> ServedModel | None:
         """What the router serves, and where; None where the roster runs no router (no

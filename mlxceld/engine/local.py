@@ -285,7 +285,7 @@ class LocalEngine:
                 self._mirror.close()
         except BaseException as exc:  # the engine is broken: fail every waiting request
             log.exception("engine step thread failed")
-            self._failure = exc if self._mirror is None else broke(str(exc))  # a lost rank
+            self._failure = exc if self._mirror is None else broke(self._mirror.explain(exc))
             for seq in self._by_uid.values():
                 self._deliver(seq, self._failure)
             self._by_uid.clear()

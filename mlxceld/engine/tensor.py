@@ -16,8 +16,8 @@ across the ranks. So, on rank 0's step thread, before each step:
   spared, whether it samples greedily) and each removed (cancelled). The first log goes
   over the ring (two ``all_sum``s: its size, then its pickled bytes, as mlx-lm's own
   server does) and says where rank 0 takes the *op links*, a TCP connection from each
-  follower to rank 0 on 127.0.0.1 (the follower proves itself with a token from that
-  first log); every log after it is a length-prefixed pickle on those links. mlx's ring
+  follower to rank 0 on its ring host (127.0.0.1 inside one host; the follower proves
+  itself with a token from that first log); later logs are length-prefixed pickles there. mlx's ring
   busy-polls a core while a rank waits in a collective: a follower waiting on its link
   for rank 0's next step waits in the kernel instead, so an idle group costs no CPU.
   The followers apply the same ops to their generators, so that the ranks' batches,
@@ -59,17 +59,12 @@ it is silent); its worker's failed health probes then restart the group.
 Not under tensor parallelism: the KV handoff of prefill/decode disaggregation
 (``LocalEngine.prefill`` and ``generate_from`` refuse).
 
-Ring (``join_ring``): ``MLX_RANK`` and ``MLX_HOSTFILE`` name this rank and a JSON file of
-every rank's ``host:port``, written 0600 in a private temporary directory and removed
-once the ring is joined. mlx's ``init`` waits for every rank without a deadline; here it
-gets ``RING_DEADLINE_S``, after which the process exits (status 1).
+Ring: ``engine/ring.py``'s ``join_ring`` (re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import json
 import logging
 import os
 import pickle
@@ -78,25 +73,26 @@ import select
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, Final
 
 import mlx.core as mx
 import numpy as np
 
 from mlxceld.engine.base import EngineError
 from mlxceld.engine.heartbeats import RankSilence, beat
+from mlxceld.engine.ring import BACKEND, RING_DEADLINE_S, join_ring
 from mlxceld.engine.sampling import Sampler, greedy
 from mlxceld.models.reading import Progress, model_layers, read_weights
 from mlxceld.roles.options import KVQuant
 
 log = logging.getLogger(__name__)
+__all__ = ["BACKEND", "RING_DEADLINE_S", "Mirror", "join_ring", "load_shard",
+           "load_tensor_engine", "run_tensor_follower"]
 
-RING_DEADLINE_S: Final = 60.0  # join_ring: for every rank to join (they load first)
 # A share waits for the slowest rank to finish the step they all take: this long at most.
 SHARE_DEADLINE_S: Final = 60.0
 # One batch step (a prefill chunk of every new prompt, one decode step): this long at most.
@@ -106,54 +102,10 @@ CLOSE_DRAIN_S: Final = 5.0  # rank 0 closing: for each follower to close its op 
 BROKEN_GRACE_S: Final = 1.0  # for rank 0's requests to hear why, before its process ends
 GROUP_RETRY_S: Final = 5  # Retry-After of a request a broken or stalled group refuses
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
-BACKEND: Final = "ring"  # TCP sockets: loopback on Linux; Macs could use "jaccl" later
 
 # An op of the log: ("setup", eos, max_batch, prefill_step, kv_quant) first, then
 # ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid), ("close",).
 Op = tuple[Any, ...]
-
-
-def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADLINE_S,
-              stream: TextIO | None = None) -> Any:
-    """Join the ``mx.distributed`` ring of ``len(hosts)`` ranks as ``rank``; ``hosts``:
-    each rank's ``host:port``, rank 0 first.
-
-    mlx's init waits for every rank without a deadline, and holds the GIL while it does
-    (no other thread of this process runs). So the deadline is kept by faulthandler's own
-    watchdog thread, which needs no GIL: when the others have not all joined within
-    ``deadline_s``, it writes every thread's stack and a line naming the ranks to
-    ``stream`` (stderr: the worker's log) and ends the process with status 1."""
-    if not 0 <= rank < len(hosts) or len(hosts) < 2:
-        raise ValueError(f"rank {rank} of {len(hosts)} ranks: a ring needs at least 2 "
-                         "ranks and a rank among them")
-    out = stream or sys.stderr
-    others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(hosts) if r != rank)
-    print(f"rank {rank} joins the tensor-parallel ring at {hosts[rank]}; if the other "
-          f"ranks ({others}) have not all joined within {deadline_s:g} s, this process "
-          "exits with status 1 "
-          "(each rank is a worker of this daemon: mlxctl workers; mlxctl logs tp-1)",
-          file=out, flush=True)
-    with tempfile.TemporaryDirectory(prefix="mlxceld-ring-") as tmp:
-        hostfile = Path(tmp) / "hosts.json"
-        fd = os.open(hostfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump([[h] for h in hosts], f)
-        os.environ["MLX_RANK"] = str(rank)
-        os.environ["MLX_HOSTFILE"] = str(hostfile)
-        faulthandler.dump_traceback_later(deadline_s, exit=True, file=out)
-        try:
-            group = mx.distributed.init(strict=True, backend=BACKEND)
-        except RuntimeError as exc:
-            raise EngineError(f"rank {rank} could not join the tensor-parallel ring at "
-                              f"{hosts[rank]}: {exc}") from exc
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-            for name in ("MLX_RANK", "MLX_HOSTFILE"):
-                os.environ.pop(name, None)
-    if group.size() != len(hosts) or group.rank() != rank:
-        raise EngineError(f"the ring says rank {group.rank()} of {group.size()}; this "
-                          f"worker is rank {rank} of {len(hosts)}")
-    return group
 
 
 def load_shard(path: str, group: Any, progress: Progress | None = None
@@ -182,8 +134,10 @@ def barrier(group: Any) -> None:
 class Mirror:
     """One rank's side of the op log and of the sampled tokens (the module docstring)."""
 
-    def __init__(self, group: Any, *, deadline_s: float = SHARE_DEADLINE_S) -> None:
+    def __init__(self, group: Any, *, deadline_s: float = SHARE_DEADLINE_S,
+                 hosts: Sequence[str] = ()) -> None:
         self.group = group
+        self.hosts = tuple(hosts)  # the ring's host:port per rank: rank 0's host links
         self.rank: int = group.rank()
         self.size: int = group.size()
         self._deadline_s = deadline_s
@@ -206,6 +160,12 @@ class Mirror:
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    def who(self, rank: int) -> str:
+        """A rank as messages name it: its worker, and its host when not rank 0's."""
+        host = self.hosts[rank].rpartition(":")[0] if len(self.hosts) > rank else ""
+        away = host and host != self.hosts[0].rpartition(":")[0]
+        return f"rank {rank} (worker tp-{rank}{f' on {host}' if away else ''})"
 
     def share(self, ops: list[Op]) -> list[Op]:
         """Rank 0: send ``ops``; a follower: receive rank 0's (its own ``ops`` unused).
@@ -245,8 +205,7 @@ class Mirror:
                              "with it: a rank is gone or stopped")
             gone = self._gone_follower()
             if gone is not None and not self._closing:
-                self._broken(f"tensor-parallel rank {gone} (worker tp-{gone}) is gone: its "
-                             "op link closed")
+                self._broken(f"tensor-parallel {self.who(gone)} is gone: its op link closed")
             self._judge()
 
     def _gone_follower(self) -> int | None:
@@ -277,7 +236,7 @@ class Mirror:
             return
         went, back = silence.check(time.monotonic())
         for rank in went:
-            told(f"tensor-parallel rank {rank} (worker tp-{rank}) is silent: nothing heard "
+            told(f"tensor-parallel {self.who(rank)} is silent: nothing heard "
                  f"from it for {silence.silence_s:g} s (stopped or hung); the daemon "
                  "restarts the group if it stays so")
         if back and not silence.any_silent:
@@ -323,12 +282,12 @@ class Mirror:
 
     def _first(self, ops: list[Op]) -> list[Op]:
         """The first share, over the ring: ``ops`` and where rank 0 takes the op links
-        (a port on 127.0.0.1 and a token each follower proves itself with); every share
+        (a port on rank 0's ring host and a token each follower proves itself with); every share
         after it goes over those links, which wait in the kernel (mlx's ring busy-polls
         a core while it waits for a peer: an idle group would keep a core per follower
         busy)."""
         if self.leader:
-            server = socket.create_server(("127.0.0.1", 0))
+            server = socket.create_server((self._link_host(), 0))
             server.settimeout(self._deadline_s)
             token = secrets.token_hex(16)
             self._ring_share([*ops, ("link", server.getsockname()[1], token)])
@@ -357,13 +316,27 @@ class Mirror:
             return ops
         got = self._ring_share([])
         link_op = next(op for op in got if op[0] == "link")
-        link = socket.create_connection(("127.0.0.1", link_op[1]), timeout=self._deadline_s)
+        link = socket.create_connection((self._link_host(), link_op[1]),
+                                        timeout=self._deadline_s)
         link.sendall(link_op[2].encode("ascii") + b"%04d" % self.rank)
         link.settimeout(self._deadline_s)
         self._links = {0: link}
         threading.Thread(target=beat, args=(link,), daemon=True,
                          name="mlxceld-rank-beat").start()
         return [op for op in got if op[0] != "link"]
+
+    def explain(self, exc: BaseException) -> str:
+        """Why rank 0's step failed, naming the rank when mlx's ring error does not: the
+        follower whose op link ended, or the only one of a group of 2."""
+        why = str(exc)
+        if not self.leader or "[ring]" not in why:
+            return why
+        gone = self._gone_follower() or (1 if self.size == 2 else None)
+        return why if gone is None else f"tensor-parallel {self.who(gone)} is gone: {why}"
+
+    def _link_host(self) -> str:
+        """Where rank 0 takes the op links: its ring host (127.0.0.1 inside one host)."""
+        return self.hosts[0].rpartition(":")[0].strip("[]") if self.hosts else "127.0.0.1"
 
     def close(self) -> None:
         """Close the op links (after the last share). Rank 0 first reads each follower's
@@ -448,7 +421,8 @@ def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
                         progress: Progress | None = None,
                         ready: Callable[[], None] | None = None,
                         share_deadline_s: float = SHARE_DEADLINE_S,
-                        made: Callable[[Any], None] | None = None) -> None:
+                        made: Callable[[Any], None] | None = None,
+                        hosts: Sequence[str] = ()) -> None:
     """Rank ``group.rank()`` (≥ 1) of a tensor-parallel engine: load this rank's slices
     of ``path``, say ``ready()``, then take rank 0's steps until it closes the group.
     ``made``: given the ``Follower`` (its ``steps`` and ``sequences``, for the worker's
@@ -457,7 +431,8 @@ def run_tensor_follower(path: str, group: Any, *, max_batch: int = 8,
     from mlxceld.engine.follower import Follower
 
     model, _ = load_shard(path, group, progress)
-    follower = Follower(model, Mirror(group, deadline_s=share_deadline_s), max_batch=max_batch)
+    follower = Follower(model, Mirror(group, deadline_s=share_deadline_s, hosts=hosts),
+                        max_batch=max_batch)
     if made is not None:
         made(follower)
     if ready is not None:
@@ -475,7 +450,8 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                        share_deadline_s: float = SHARE_DEADLINE_S,
                        context_length: int | None = None,
                        prompt_cache_bytes: int | None = None,
-                       kv_quant: KVQuant | None = None) -> tuple[Any, Any]:
+                       kv_quant: KVQuant | None = None,
+                       hosts: Sequence[str] = ()) -> tuple[Any, Any]:
     """Rank 0 of a tensor-parallel engine: ``engine.loading.load_local_engine``'s engine and
     tokenizer (``context_length`` and ``prompt_cache_bytes`` as there), with the model
     split over ``group``; the engine drives the followers, its ``setup`` op carrying
@@ -491,7 +467,7 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                                eos_token_ids=config.get("eos_token_id", None))
     engine = engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                         max_batch=max_batch, on_failure=on_failure, kv_quant=kv_quant,
-                        mirror=Mirror(group, deadline_s=share_deadline_s),
+                        mirror=Mirror(group, deadline_s=share_deadline_s, hosts=hosts),
                         context_length=context_length, prompt_cache_bytes=prompt_cache_bytes)
     return engine, tokenizer
 

@@ -214,6 +214,13 @@ class MxclStream:
     def closed(self) -> bool:
         return self._ended is not None
 
+    @property
+    def local_host(self) -> str | None:
+        """The IP this end of the connection is bound to (the interface the peer reached
+        us on), or None when the socket says nothing."""
+        name = self._writer.get_extra_info("sockname")
+        return str(name[0]) if name else None
+
     async def send(self, payload: Buffer) -> None:
         """Seal and write one message; ``payload`` is read once, by the cipher."""
         if self._ended is not None:

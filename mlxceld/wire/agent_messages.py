@@ -35,7 +35,8 @@ PLAN_KEYS: Final = frozenset({"t", "epoch", "cluster", "model", "stages"})
 MAX_PLAN_STAGES: Final = 64
 # A node role (NODE_ROLES of mlxceld/types.py; the wire imports nothing of ours, and
 # tests/config/test_node_role.py holds the two the same)
-NODE_ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode"})
+NODE_ROLES: Final = frozenset({"hybrid", "router", "prefill", "decode",
+                               "tensor_parallel_rank"})
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 

@@ -143,5 +143,5 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], mode: TensorMode, pat
     loaded_engine = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
         on_failure=broke, progress=loaded, context_length=o.context_length,
-        prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant))
+        prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant, hosts=mode.hosts))
     return cast(tuple[LocalEngine, Any], loaded_engine)

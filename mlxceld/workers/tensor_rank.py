@@ -101,7 +101,7 @@ async def run(ctx: WorkerContext[TensorOptions]) -> int:
     try:  # told to stop: Stopped, its thread left in the ring
         await unless_stopped(ctx, "follower steps", lambda: run_tensor_follower(
             path, group, max_batch=o.max_batch, progress=loaded, ready=ready,
-            made=followers.append))
+            made=followers.append, hosts=o.tp_hosts))
     except Stopped:
         raise
     except Exception as error:  # the ring broke: the supervisor restarts the group

@@ -62,6 +62,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--tp-moe-mode": ("shard", "shard", ("--tp-size", "2")),
     "--tp-embedding-mode": ("replicate", "replicate", ("--tp-size", "2")),
     "--tp-lm-head-mode": ("replicate", "replicate", ("--tp-size", "2")),
+    "--tp-peers": ("10.0.0.11", ["10.0.0.11:19000"], ("--tp-size", "2")),
     "--kv-bits": ("8", 8, ()),
     "--kv-group-size": ("32", 32, ("--kv-bits", "8")),
     "--quantized-kv-start": ("100", 100, ("--kv-bits", "4")),

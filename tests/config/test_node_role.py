@@ -57,7 +57,7 @@ def test_replicas_are_agent_addresses_a_host_alone_on_the_default_port(tmp_path:
     ([], {"replicas": ["10.0.0.2"]}, r"'serve\.replicas' is for --node-role router"),
     (["--node-role", "broker"], {},
      r"^--node-role: 'broker' is not a node role; the roles are hybrid, router, prefill, "
-     r"decode$"),
+     r"decode, tensor_parallel_rank$"),
     ([], {"node_role": 1}, r"'serve\.node_role': 1 is not a node role"),
     (["--node-role", "router", "--replicas", "fd00::13"], {},
      r"^--replicas: peer 'fd00::13' .*write an IPv6 address in brackets"),

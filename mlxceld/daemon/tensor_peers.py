@@ -1,0 +1,263 @@
+"""Rank 0 of a tensor-parallel group across hosts (``--tp-size N --tp-peers A1,...``).
+
+The router worker is rank 0; ranks 1 .. N-1 run on the hosts whose agents ``tp_peers``
+names, in rank order, each a daemon started with ``--node-role tensor_parallel_rank``
+(``daemon/tensor_rank.py``). ``TensorPeers`` forms the group and keeps it:
+
+- forming: each rank host is asked (MXCL channel 3, ``wire/tensor_messages.py``, as this
+  daemon's agent: the cluster secret on both ends) to keep a ring port
+  (``tensor_reserve``: the model's identity checked there; it answers the ``host:port``
+  it binds, on the IP we reached it at), then to join (``tensor_join``: its rank, the
+  whole ring, the router's max batch): its daemon starts its ``tp-<rank>`` worker. Rank
+  0's own ring endpoint is this daemon's agent IP (the IP that routes to the first rank
+  host when the agent listens on a wildcard) and a port kept free for it. Once every
+  rank host answered, the roster runs the router over that ring (``Roster.tensor_ring``)
+  and the ranks meet in it (``engine/ring.py``: within 60 s, else each exits). A rank
+  host that does not answer (down, another model, another role) is asked again after
+  1, 2, 4, then every ``MAX_RETRY_S`` (8) s; each answer within ``CONNECT_S`` +
+  ``ANSWER_S`` (5 + 60 s: the rank host may stop its old worker first).
+- kept: every ``WATCH_S`` (1 s) the router's state is read, and every ``CHECK_S`` (2 s)
+  each rank host's agent is asked ``serving`` (``discovery/serving.py``: at most 10 s).
+  A rank host that does not answer as a rank host, or the router leaving RUNNING (its
+  engine's watchdog ends it when a rank's op link closes or its steps stall:
+  ``engine/tensor.py``; requests in flight then get a 503 naming the rank and host),
+  ends the group: the router is stopped, and the group is formed again as above.
+
+While the group is not formed, the OpenAI port answers 503 naming the rank, its host
+and why (``daemon/tensor_standin.py``), ``GET /ready`` included. ``mlxctl status`` shows
+the group (``tensor``: each rank's host, ring address and state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from mlxceld.config.serve import ROUTER
+from mlxceld.daemon.roster import Roster
+from mlxceld.daemon.tensor_rank import RankHost
+from mlxceld.daemon.tensor_standin import StandIn
+from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
+from mlxceld.discovery.serving import ServingNotFound, ask_serving
+from mlxceld.net.agent import AgentService, ask
+from mlxceld.net.errors import AskFailed
+from mlxceld.state.events import EventLog
+from mlxceld.supervisor.service import Supervisor
+from mlxceld.types import JSON, TENSOR_RANK_ROLE, WorkerState
+from mlxceld.wire import MessageSpec, SecretStore
+from mlxceld.wire.address import format_address, parse_address
+from mlxceld.wire.messages import Message
+from mlxceld.wire.tensor_messages import TensorJoin, TensorJoined, TensorReserve, TensorReserved
+
+log = logging.getLogger(__name__)
+
+WATCH_S: Final = 1.0
+CHECK_S: Final = 2.0
+MAX_RETRY_S: Final = 8.0
+CONNECT_S: Final = 5.0
+# The rank host reads its model's identity, and stops a worker it ran (its stop timeout).
+ANSWER_S: Final = 60.0
+_SPECS: Final = {TensorReserved.T: MessageSpec(), TensorJoined.T: MessageSpec()}
+
+
+@dataclass
+class RankState:
+    """A rank host as status shows it."""
+
+    rank: int
+    agent: str
+    state: str = "waiting"  # waiting | joined | lost
+    ring: str | None = None
+    error: str | None = None
+    since: float = 0.0
+
+
+class TensorPeers:
+    def __init__(self, roster: Roster, supervisor: Supervisor, keyring: SecretStore,
+                 events: EventLog, origin: Callable[[], str | None]) -> None:
+        self._roster = roster
+        self._supervisor = supervisor
+        self._keyring = keyring
+        self._events = events
+        self._origin = origin
+        peers = roster.serve.tp_peers
+        self.ranks = [RankState(r, a) for r, a in enumerate(peers, start=1)]
+        self.formed = False
+        self._ring0: str | None = None  # our ring endpoint, kept
+        self._why = "the tensor-parallel group is forming"
+
+    def describe(self) -> JSON | None:
+        """``tensor`` in the daemon's status: the group, each rank's host and state."""
+        if not self.ranks:
+            return None
+        got = self._supervisor.state(ROUTER)
+        zero = {"rank": 0, "agent": self._origin(), "ring": self._ring0, "error": None,
+                "state": str(got[0]) if got else "stopped"}
+        return {"role": "rank0", "size": len(self.ranks) + 1,
+                "state": "formed" if self.formed else "down", "why": None if self.formed
+                else self._why, "ranks": [zero] + [
+                    {"rank": r.rank, "agent": r.agent, "ring": r.ring, "state": r.state,
+                     "error": r.error, "since": r.since} for r in self.ranks]}
+
+    async def run(self) -> None:
+        if not self.ranks:
+            return
+        serve = self._roster.serve
+        standin = StandIn(serve.host, serve.port, lambda: self._why)
+        attempt = 0
+        try:
+            while True:
+                if not self.formed:
+                    await standin.open()
+                    ring = await self._form()
+                    if ring is None:
+                        if self._origin() is None:  # the agent listener is not up yet
+                            await asyncio.sleep(WATCH_S)
+                            continue
+                        await asyncio.sleep(min(MAX_RETRY_S, 2.0 ** attempt))
+                        attempt += 1
+                        continue
+                    await standin.close()
+                    self._roster.tensor_ring, self.formed, attempt = ring, True, 0
+                    await self._roster.reconcile()
+                    self._events.append("tensor.formed", "tensor", "tensor-parallel group of "
+                                        f"{len(ring)} ranks formed: ring {','.join(ring)}")
+                else:
+                    self._why = await self._watch()
+                    log.warning("tensor group: %s", self._why)
+                    self._events.append("tensor.lost", "tensor", self._why)
+                    self._roster.tensor_ring, self.formed = None, False
+                    await self._roster.reconcile()
+        finally:
+            await standin.close()
+
+    # -- forming ---------------------------------------------------------------------------
+
+    async def _form(self) -> tuple[str, ...] | None:
+        """Every rank host reserved and joined: the ring; None when one was not (its
+        state says why, and ``_why``)."""
+        origin = self._origin()
+        entry = await asyncio.to_thread(model_entry, self._roster.serve.model)
+        if origin is None or entry is None or entry["identity"] is None:
+            self._why = ("the tensor-parallel group is forming: "
+                         + ("the agent listener is not up yet" if origin is None
+                            else f"this host cannot read its model: {(entry or {}).get('error')}"))
+            return None
+        model, size = entry["identity"], len(self.ranks) + 1
+        rings: list[str] = []
+        for r in self.ranks:
+            got = await self._ask(r, origin, TensorReserve(model, r.rank, size))
+            if got is None:
+                return None
+            r.ring = TensorReserved.from_wire(got).ring
+            rings.append(r.ring)
+        ring0 = await asyncio.to_thread(self._own_ring, origin)
+        if ring0 is None:
+            return None
+        ring = (ring0, *rings)
+        batch = self._roster.serve.max_batch
+        for r in self.ranks:
+            if await self._ask(r, origin, TensorJoin(model, r.rank, ring, batch)) is None:
+                return None
+            r.state, r.error, r.since = "joined", None, time.time()
+        return ring
+
+    async def _ask(self, r: RankState, origin: str, question: Message) -> dict[str, object] | None:
+        try:
+            answer = await ask(origin, r.agent, question, keyring=self._keyring,
+                               channel=AGENT_CHANNEL, answers=_SPECS, connect_s=CONNECT_S,
+                               answer_s=ANSWER_S)
+        except AskFailed as exc:
+            self._lost(r, f"its agent did not take '{question.to_wire()['t']}' ({exc.kind}): "
+                       f"{exc.message}")
+            return None
+        return answer.header
+
+    def _own_ring(self, origin: str) -> str | None:
+        """Our ring endpoint: the agent's IP (or the one routing to the first rank host),
+        a port free on it, kept while it stays free."""
+        host = parse_address(origin).host
+        if parse_address(origin).is_wildcard:
+            peer = parse_address(self.ranks[0].agent)
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in peer.host else socket.AF_INET,
+                                   socket.SOCK_DGRAM) as s:
+                    s.connect((peer.host, peer.port))
+                    host = s.getsockname()[0]
+            except OSError as exc:
+                self._why = f"no route to rank 1's host {peer.host}: {exc.strerror}"
+                return None
+        if self._ring0 is not None and parse_address(self._ring0).host == host:
+            return self._ring0
+        ports = free_ports(host, 1)
+        if not ports:
+            self._why = f"no free TCP port on {host} for rank 0's ring endpoint"
+            return None
+        self._ring0 = format_address(host, ports[0])
+        return self._ring0
+
+    def _lost(self, r: RankState, error: str) -> None:
+        if r.state != "lost" or r.error != error:
+            log.warning("tensor rank %d on %s: %s", r.rank, r.agent, error)
+        r.state, r.error, r.since = "lost", error, time.time()
+        self._why = (f"tensor-parallel rank {r.rank} on host {r.agent} is lost: {error}; "
+                     "the group forms again when that host is back")
+
+    # -- kept ------------------------------------------------------------------------------
+
+    async def _watch(self) -> str:
+        """Wait until the group breaks; why."""
+        checked = time.monotonic()
+        while True:
+            await asyncio.sleep(WATCH_S)
+            got = self._supervisor.state(ROUTER)
+            down = got is None or got[0] in (WorkerState.BACKOFF, WorkerState.EXITED,
+                                             WorkerState.FAILED)
+            if down or time.monotonic() - checked >= CHECK_S:
+                checked = time.monotonic()
+                if await self._check() is not None:
+                    return self._why
+                if down:
+                    return (f"rank 0 (the router) stopped ({got[1] if got else 'gone'}); the "
+                            "group forms again")
+
+    async def _check(self) -> RankState | None:
+        """The first rank host that does not answer as a rank host, if any."""
+        origin = self._origin()
+        if origin is None:
+            return None
+        for r in self.ranks:
+            try:
+                serving = await ask_serving(origin, r.agent, keyring=self._keyring)
+            except ServingNotFound as exc:
+                self._lost(r, exc.message)
+                return r
+            if serving.role != TENSOR_RANK_ROLE:
+                self._lost(r, f"it is now a {serving.role} node")
+                return r
+        return None
+
+
+class TensorWindow:
+    """This daemon's part in a tensor-parallel group across hosts, as the composition
+    root holds it: rank 0's ``TensorPeers`` or a rank host's ``RankHost``, or neither."""
+
+    def __init__(self, roster: Roster, supervisor: Supervisor, keyring: SecretStore,
+                 events: EventLog, origin: Callable[[], str | None]) -> None:
+        self.peers = TensorPeers(roster, supervisor, keyring, events, origin)
+        self.rank = RankHost(roster, supervisor, lambda: roster.config)
+
+    def register(self, agent: AgentService) -> None:
+        """The rank host's answers on the agent (refusals on any other daemon)."""
+        self.rank.register(agent)
+
+    async def run(self) -> None:
+        await self.peers.run()
+
+    def describe(self) -> JSON | None:
+        return self.peers.describe() or self.rank.describe()

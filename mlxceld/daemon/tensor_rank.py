@@ -1,0 +1,152 @@
+"""A rank host (``--node-role tensor_parallel_rank``): rank >= 1 of a tensor-parallel group
+whose rank 0 is another host's daemon (``--tp-peers``, ``daemon/tensor_peers.py``).
+
+It runs no router. Rank 0's daemon asks its agent (MXCL channel 3, the cluster secret
+authenticates both ends; ``wire/tensor_messages.py``):
+
+- ``tensor_reserve`` (model identity, rank, size): refused (``error``) unless this daemon
+  is a rank host serving a model of that identity; else it keeps a TCP port free for
+  its ring endpoint on the IP the question reached it at (the interface rank 0 dialed:
+  never a wildcard) and answers ``tensor_reserved`` with that ``host:port``. The port is
+  kept for the daemon's life, so a group formed again meets at the same address.
+- ``tensor_join`` (model identity, rank, the ring's ``host:port`` per rank, max batch):
+  the same checks, and its own entry must be the one it reserved; then the worker
+  ``tp-<rank>`` (``workers/tensor_rank.py``) starts with those options (one that runs is
+  stopped first, within its stop timeout: rank 0 starts a new ring each time it asks),
+  and it answers ``tensor_joined``. The worker joins the ring within the ring's deadline
+  (``engine/ring.py``, 60 s) or exits.
+
+The ring itself is unauthenticated: it binds only that IP, only while the worker runs.
+``mlxctl status`` shows the rank (``tensor`` in the daemon's status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from mlxceld.config.daemon import Config
+from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
+from mlxceld.net import MxclStream
+from mlxceld.net.agent import AgentService
+from mlxceld.roles.options import TensorOptions
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.service import Supervisor
+from mlxceld.types import JSON, TENSOR_RANK_ROLE
+from mlxceld.wire import Envelope, encode_envelope
+from mlxceld.wire.address import format_address
+from mlxceld.wire.messages import Error, MessageError
+from mlxceld.wire.tensor_messages import TensorJoin, TensorJoined, TensorReserve, TensorReserved
+
+log = logging.getLogger(__name__)
+
+
+class RankSlot(Protocol):
+    """The roster's part: the rank this host runs, and the reconcile."""
+
+    tensor_rank: TensorOptions | None
+
+    async def reconcile(self) -> list[WorkerSpec]: ...
+
+
+class JoinRefused(Exception):
+    """A question this rank host answers with ``error`` (the reason)."""
+
+
+class RankHost:
+    """The answers to rank 0's daemon, and this host's rank as status shows it."""
+
+    def __init__(self, slot: RankSlot, supervisor: Supervisor,
+                 config: Callable[[], Config]) -> None:
+        self._slot = slot
+        self._supervisor = supervisor
+        self._config = config
+        self._rings: dict[str, str] = {}  # our IP -> the host:port kept on it
+        self._asked_by: str | None = None  # rank 0's agent identity, last heard
+        self._joined_at: float | None = None
+
+    def register(self, agent: AgentService) -> None:
+        agent.add_handler(AGENT_CHANNEL, TensorReserve.T, self._on_reserve)
+        agent.add_handler(AGENT_CHANNEL, TensorJoin.T, self._on_join)
+
+    def describe(self) -> JSON | None:
+        """``tensor`` in the daemon's status: this host's rank, its ring and rank 0."""
+        if self._config().serve.node_role != TENSOR_RANK_ROLE:
+            return None
+        o = self._slot.tensor_rank
+        if o is None:
+            return {"role": TENSOR_RANK_ROLE, "rank": None, "size": None, "ring": None,
+                    "rank0": None, "asked_by": None, "joined_at": None, "state": "waiting"}
+        got = self._supervisor.state(f"tp-{o.rank}")
+        return {"role": TENSOR_RANK_ROLE, "rank": o.rank, "size": len(o.tp_hosts),
+                "ring": o.tp_hosts[o.rank], "rank0": o.tp_hosts[0], "asked_by": self._asked_by,
+                "joined_at": self._joined_at, "state": str(got[0]) if got else "stopped"}
+
+    async def _on_reserve(self, stream: MxclStream, message: Envelope) -> None:
+        try:
+            asked = TensorReserve.from_wire(message.header)
+            await self._check(asked.model, stream)
+            answer: Any = TensorReserved(self._ring(stream))
+        except (MessageError, JoinRefused) as exc:
+            answer = Error(str(exc.reason if isinstance(exc, MessageError) else exc))
+        await stream.send(encode_envelope(answer.to_wire()))
+
+    async def _on_join(self, stream: MxclStream, message: Envelope) -> None:
+        try:
+            asked = TensorJoin.from_wire(message.header)
+            await self._check(asked.model, stream)
+            mine = self._ring(stream)
+            if asked.hosts[asked.rank] != mine:
+                raise JoinRefused(f"rank {asked.rank}'s ring address is {asked.hosts[asked.rank]}"
+                              f", and this host keeps {mine} for it: ask tensor_reserve first")
+            await self._start(asked, stream)
+            answer: Any = TensorJoined(asked.rank)
+        except (MessageError, JoinRefused) as exc:
+            answer = Error(str(exc.reason if isinstance(exc, MessageError) else exc))
+        await stream.send(encode_envelope(answer.to_wire()))
+
+    async def _check(self, model: str, stream: MxclStream) -> None:
+        serve = self._config().serve
+        if serve.node_role != TENSOR_RANK_ROLE:
+            raise JoinRefused(f"this daemon's node role is {serve.node_role}, not "
+                          f"{TENSOR_RANK_ROLE}: start it with --node-role {TENSOR_RANK_ROLE}")
+        entry = await asyncio.to_thread(model_entry, serve.model)
+        if entry is None or entry["identity"] is None:
+            raise JoinRefused(f"this rank host cannot read its model {serve.model!r}: "
+                          f"{(entry or {}).get('error')}")
+        if entry["identity"] != model:
+            raise JoinRefused(f"this rank host serves another model ({serve.model!r}, identity "
+                          f"{entry['identity'][:12]}..., rank 0's is {model[:12]}...): give "
+                          "both the same --model")
+
+    def _ring(self, stream: MxclStream) -> str:
+        """The ``host:port`` kept for the ring on the IP ``stream`` reached us at."""
+        host = stream.local_host
+        if host is None:
+            raise JoinRefused("this rank host cannot tell which address rank 0 reached it at")
+        if host not in self._rings:
+            ports = free_ports(host, 1)
+            if not ports:
+                raise JoinRefused(f"this rank host has no free TCP port on {host} for the ring")
+            self._rings[host] = format_address(host, ports[0])
+        return self._rings[host]
+
+    async def _start(self, asked: TensorJoin, stream: MxclStream) -> None:
+        serve = self._config().serve
+        assert serve.model is not None  # config/tensor.py: a rank host names its model
+        name = f"tp-{asked.rank}"
+        if self._supervisor.state(name) is not None:
+            # A new ring: the old worker is gone before the answer (one still in the old
+            # ring's join could otherwise meet rank 0's new router), then a new one starts.
+            await self._supervisor.remove(name)
+        self._slot.tensor_rank = TensorOptions(
+            model=serve.model, model_name=serve.served_name, rank=asked.rank,
+            tp_hosts=asked.hosts, max_batch=asked.max_batch)
+        await self._slot.reconcile()
+        self._asked_by = stream.peer_identity
+        self._joined_at = time.time()
+        log.info("tensor rank %d of %d: %s starts, ring %s (asked by %s)", asked.rank,
+                 len(asked.hosts), name, ",".join(asked.hosts), stream.peer_identity)
