@@ -268,8 +268,8 @@ class Mirror:
                 try:
                     link.sendall(frame)
                 except OSError as exc:
-                    raise EngineError(f"tensor-parallel rank {rank} is gone: its op link "
-                                      f"failed ({exc})") from exc
+                    raise EngineError(f"tensor-parallel {self.who(rank)} is gone: its op "
+                                      f"link failed ({exc})") from exc
             return ops
         [link] = self._links.values()
         try:

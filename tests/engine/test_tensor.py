@@ -130,7 +130,7 @@ def test_an_idle_rank_whose_peer_dies_fails_at_its_next_heartbeat(models: Path,
     code, text = results[1 - lost]
     assert code != 0
     if lost == 1:
-        assert "tensor-parallel rank 1 is gone" in text, text[-2000:]
+        assert "tensor-parallel rank 1 (worker tp-1) is gone" in text, text[-2000:]
     else:  # its op link ended
         assert "tensor-parallel rank 1 lost rank 0" in text, text[-2000:]
 
