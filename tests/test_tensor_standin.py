@@ -1,7 +1,8 @@
 """The OpenAI port's stand-in while a tensor group across hosts is down
 (daemon/tensor_standin.py), over real sockets: every request (``/ready`` too) gets 503
-with the reason of now and ``Retry-After``; a head that never ends is closed within its
-bound; once closed, the port is free for the router."""
+with the reason of now and ``Retry-After``, its body read first; a head that never ends
+is answered 408 by the guard within its bound; once closed, the port is free for the
+router."""
 
 from __future__ import annotations
 
@@ -31,10 +32,16 @@ def test_every_request_gets_503_naming_why_until_it_closes() -> None:
             assert post.status_code == 503 and post.headers["retry-after"] == "5"
             assert post.json()["error"] == {"message": "forming", "code": CODE,
                                             "type": "service_unavailable", "param": None}
+            # a long chat's body is read before the answer: the client reads the 503, not
+            # a reset
+            messages = [{"role": "user", "content": "x" * 1000}] * 1000
+            chat = await http.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                   json={"model": "m", "messages": messages})
+            assert chat.status_code == 503 and chat.json()["error"]["code"] == CODE
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /ready HTTP/1.1\r\n")  # never ends its head
         got = await asyncio.wait_for(reader.read(), HEAD_S + 5)
-        assert got == b""  # closed within HEAD_S, unanswered
+        assert got.startswith(b"HTTP/1.1 408 ")  # the guard's answer within HEAD_S, closed
         writer.close()
         await standin.close()
         assert not standin.listening

@@ -3,15 +3,16 @@
 Rank 0's router worker runs only while its group is formed (``daemon/tensor_peers.py``):
 a rank host lost ends it. Meanwhile nothing of ours would listen on the OpenAI port,
 and a client (or a load balancer's ``GET /ready``) could only read "connection
-refused". So while the group is down, rank 0's daemon listens on that port itself and
-answers every request at once with ``503`` (``Retry-After``), an OpenAI-shaped error
-whose message says why: which rank, on which host, and that the group forms again when
-the host is back. It closes its socket before the router starts, so the router finds
-the port free.
+refused". So while the group is down, rank 0's daemon serves that port itself: every
+request, ``/ready`` included, is answered ``503`` with ``Retry-After`` and an
+OpenAI-shaped error whose message says why (which rank, on which host, and that the
+group forms again when the host is back). It stops listening before the router starts,
+so the router finds the port free.
 
-Bounds: at most ``MAX_CONNECTIONS`` at once (others are closed at once); a request's
-head within ``HEAD_S`` and ``MAX_HEAD`` bytes (its body is not read: the answer closes
-the connection); the answer's write within ``HEAD_S``.
+It is the control socket's server (``control/server.SocketServer``: uvicorn under the
+guard), with the OpenAI port's kind of bounds: at most ``MAX_CONNECTIONS``, a request's
+head within ``HEAD_S``, its body read (so that a client is answered, not reset, whatever
+it sent) within ``HEAD_S`` too, a reader that takes nothing dropped after ``HEAD_S``.
 """
 
 from __future__ import annotations
@@ -20,70 +21,95 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Callable
 from typing import Final
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
+
+from mlxceld.control.server import SocketServer
+from mlxceld.guard.connections import ConnectionLimits, Refusal
 
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS: Final = 64
 HEAD_S: Final = 5.0
-MAX_HEAD: Final = 16 * 1024
 RETRY_AFTER_S: Final = 5
 CODE: Final = "tensor_group_down"
+MAX_BODY: Final = 4 << 20  # what it reads of a body before answering (the API's own bound)
 
 
-def answer(why: str) -> bytes:
-    """The whole HTTP/1.1 answer: 503, JSON, ``Retry-After``, the connection closed."""
-    body = json.dumps({"status": "degraded", "reason": why,  # /ready's shape, and the API's
-                       "error": {"message": why, "type": "service_unavailable",
-                                 "param": None, "code": CODE}}).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nretry-after: {RETRY_AFTER_S}\r\n"
-            "connection: close\r\n\r\n")
-    return head.encode("ascii") + body
+def body(why: str) -> dict[str, object]:
+    """The answer's JSON: ``/ready``'s shape and the API's error, both saying ``why``."""
+    return {"status": "degraded", "reason": why,
+            "error": {"message": why, "type": "service_unavailable", "param": None,
+                      "code": CODE}}
+
+
+def _refusal(refusal: Refusal) -> bytes:
+    """The guard's own refusals (over the cap, a slow head) in the same shape."""
+    return json.dumps(body(refusal.message)).encode()
 
 
 class StandIn:
-    """Listens on ``host:port`` while opened; ``why()`` is read for each answer."""
+    """Serves ``host:port`` while opened; ``why()`` is read for each answer."""
 
     def __init__(self, host: str, port: int, why: Callable[[], str]) -> None:
         self._host, self._port = host, port
         self._why = why
-        self._server: asyncio.Server | None = None
-        self._open = 0
+        self._task: asyncio.Task[None] | None = None
+        self._server: SocketServer | None = None
 
     @property
     def listening(self) -> bool:
-        return self._server is not None
+        return self._task is not None
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        read = 0
+        async for chunk in Request(scope, receive).stream():  # read, so it is answered
+            read += len(chunk)
+            if read > MAX_BODY:
+                break
+        await JSONResponse(body(self._why()), 503, {"retry-after": str(RETRY_AFTER_S),
+                                                    "connection": "close"})(scope, receive,
+                                                                            send)
 
     async def open(self) -> None:
         """Listen (once); a port someone else holds is logged and left alone."""
-        if self._server is not None:
+        if self._task is not None:
             return
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         try:
-            self._server = await asyncio.start_server(self._serve, self._host, self._port,
-                                                      reuse_address=True, limit=MAX_HEAD)
+            sock = socket.create_server((self._host, self._port), family=family)
         except OSError as exc:
             log.warning("tensor group: cannot answer on %s:%d while it is down: %s",
                         self._host, self._port, exc.strerror)
+            return
+        sock.setblocking(False)
+        limits = ConnectionLimits(MAX_CONNECTIONS, HEAD_S, HEAD_S, write_stall_s=HEAD_S)
+        server = SocketServer(self._app, sock, graceful_timeout_s=1.0, limits=limits,
+                              render=_refusal, what="the OpenAI port (tensor group down)")
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._server = server
+        self._task = asyncio.create_task(server.serve(started))
+        with contextlib.suppress(asyncio.CancelledError):
+            await started
 
     async def close(self) -> None:
-        """Stop listening at once (the router binds the port next)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), HEAD_S)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open += 1
+        """Stop listening (the router binds the port next), within ``HEAD_S``."""
+        task, server = self._task, self._server
+        self._task = self._server = None
+        if task is None or server is None:
+            return
+        server.request_shutdown()
         try:
-            if self._open <= MAX_CONNECTIONS:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(HEAD_S):
-                        await reader.readuntil(b"\r\n\r\n")
-                        writer.write(answer(self._why()))
-                        await writer.drain()
-        finally:
-            self._open -= 1
-            writer.close()
+            async with asyncio.timeout(HEAD_S):
+                await task
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
