@@ -206,7 +206,7 @@ def test_a_heal_that_does_not_fit_names_the_memory_missing_and_waits(
 
 STATUS_KEYS = {"schema", "version", "daemon", "serving", "cluster", "assignment", "bringup",
                "healing", "agent", "workers", "problems", "pipeline", "drains", "front",
-               "standby", "stood_down"}
+               "standby", "stood_down", "tensor"}
 
 
 def status_json(coord: DaemonProc) -> tuple[dict[str, Any], float]:

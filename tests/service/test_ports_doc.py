@@ -19,6 +19,7 @@ LISTENERS = {
     "stage listeners": ("--stage-ports",),
     "mDNS": ("--cluster-discovery",),
     "the control socket": ("--socket",),
+    "tensor ring ends": ("--tp-peers",),
 }
 
 
