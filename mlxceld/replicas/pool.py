@@ -200,8 +200,8 @@ class ReplicaEngine:
     async def _attempt(self, request: GenerationRequest, gone: frozenset[tuple[str, str]]
                        ) -> AsyncGenerator[TokenOutput, None]:
         seq = next(self._sequences)
-        node, stream, first = await self._start(seq, request, gone)
-        took = (node, self._by_id[node].address)  # a moved group keeps its id, not this
+        took, stream, first = await self._start(seq, request, gone)
+        node = took[0]
         outcome: Outcome = "cancelled"
         error: str | None = None
         try:
@@ -331,10 +331,13 @@ class ReplicaEngine:
 
     async def _start(self, seq: int, request: GenerationRequest,
                      gone: frozenset[tuple[str, str]]
-                     ) -> tuple[str, AsyncGenerator[TokenOutput, None], TokenOutput | None]:
-        """The member that took the request, its stream and its first output (None: it
-        ended with none). A member refusing before its first token is passed over, and
-        so is one in ``gone`` (it failed this request midway)."""
+                     ) -> tuple[tuple[str, str], AsyncGenerator[TokenOutput, None],
+                                TokenOutput | None]:
+        """The member that took the request (its node id, and its address then: a moved
+        group keeps its id, and a member may be retired before its first token), its
+        stream and its first output (None: it ended with none). A member refusing before
+        its first token is passed over, and so is one in ``gone`` (it failed this request
+        midway)."""
         prompt = request.prompt_tokens
         hashes = self._routing.hashes(prompt)
         refused: dict[str, EngineUnavailable] = {}
@@ -351,6 +354,7 @@ class ReplicaEngine:
             if choice is None:
                 raise self._unavailable(refused)
             member = self._by_id[choice.node_id]
+            took = (member.node_id, member.address)
             self._routing.dispatch(seq, choice, prompt, request.params.max_tokens)
             stream = member.generate(request)
             try:
@@ -377,7 +381,7 @@ class ReplicaEngine:
                 self._refusing = False
                 log.info("replicas take requests again (%s took %s)", member.node_id,
                          request.request_id)
-            return member.node_id, stream, first
+            return took, stream, first
 
     def _unavailable(self, refused: dict[str, EngineUnavailable]) -> EngineUnavailable:
         self._refused += 1

@@ -5,14 +5,14 @@ outputs, its spread, members down or refusing, affinity and its stats."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
+from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams, TokenOutput
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
 from mlxceld.replicas.pool import ReplicaEngine
@@ -328,5 +328,41 @@ def test_a_sequence_cut_while_no_other_member_is_up_waits_for_one(loaded: Loaded
         assert other.requests == ["long"]
         stats = pool.stats(verbose=False)
         assert (stats["failed"], stats["completed"]) == (0, 1), stats
+
+    asyncio.run(run())
+
+
+@dataclass
+class Slow(Borrowed):
+    """A member whose first token waits for ``go``; ``asked``: a request came."""
+
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    asked: bool = False
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
+        self.asked = True
+        await self.go.wait()
+        async for out in super().generate(request):
+            yield out
+
+
+def test_a_member_retired_before_its_first_token_still_answers(loaded: Loaded) -> None:
+    """A re-plan retires the member a request was just sent to, before its first token (a
+    drain's re-plan under load): the request is answered there, whole."""
+    async def run() -> None:
+        pool, members = loaded.pool(Slow)
+        prompt = loaded.prompt(PROMPTS[0])
+        expected = await tokens(loaded.engines[0], request("ref", prompt))
+        slow = [m for m in members if isinstance(m, Slow)]
+        task = asyncio.ensure_future(tokens(pool, request("r", prompt)))
+        async with asyncio.timeout(30):
+            while not any(m.asked for m in slow):
+                await asyncio.sleep(0.01)
+        [holder] = [m for m in slow if m.asked]
+        pool.retire(holder.node_id)
+        for m in slow:
+            m.go.set()
+        assert await task == expected
+        assert pool.stats(verbose=False)["failed"] == 0
 
     asyncio.run(run())
