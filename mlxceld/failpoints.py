@@ -229,20 +229,15 @@ def parse_memory(environ: Mapping[str, str]) -> int | None:
 
 def parse_units(environ: Mapping[str, str]) -> float | None:
     """``MLXCELD_TEST_COMPUTE_UNITS``, None when unset; ``ConfigError`` if bad."""
-    raw = environ.get(UNITS_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{UNITS_ENV}={raw!r} is not a positive number of compute units",
-                          hint="unset it to measure them")
-    return value
+    return _positive(environ, UNITS_ENV, "compute units", "unset it to measure them")
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | None:
+    return _positive(environ, name, "seconds", f"unset it for {default}")
+
+
+def _positive(environ: Mapping[str, str], name: str, unit: str, hint: str) -> float | None:
+    """``name``'s value as a positive finite number, None when unset."""
     raw = environ.get(name, "").strip()
     if not raw:
         return None
@@ -251,8 +246,7 @@ def _seconds(environ: Mapping[str, str], name: str, default: str) -> float | Non
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={raw!r} is not a positive number of seconds",
-                          hint=f"unset it for {default}")
+        raise ConfigError(f"{name}={raw!r} is not a positive number of {unit}", hint=hint)
     return value
 
 
