@@ -32,10 +32,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
+from mlxceld.config.peers import agent_peers
 from mlxceld.errors import ConfigError
 from mlxceld.types import ROUTER_ROLE, NodeRole
-from mlxceld.wire.address import parse_address
 
 # Between two asks of the coordinator's plan by such a router (daemon/following.py); here,
 # below the daemon's modules that time things by it (following.py, standby.py, roster.py).
@@ -58,10 +57,7 @@ def parse_pipeline_coordinator(flag: str | None, table: Mapping[str, Any],
             return None, what
     if not isinstance(value, str) or not value.strip() or "," in value:
         raise ConfigError(f"{what} must name one agent address, not {value!r}", hint=HINT)
-    (address,) = parse_peers(value, what, default_port=DEFAULT_AGENT_PORT, hint=HINT)
-    if parse_address(address).is_wildcard:
-        raise ConfigError(f"{what}: {address!r} is a wildcard, which names no host to dial",
-                          hint=HINT)
+    (address,) = agent_peers(value, what, hint=HINT)
     return address, what
 
 

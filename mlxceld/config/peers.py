@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from mlxceld.errors import ConfigError
-from mlxceld.wire.address import canonical_address
+from mlxceld.wire.address import canonical_address, parse_address
 
 MAX_PEERS: Final = 256
 PEERS_HINT: Final = ("write host:port pairs separated by commas, e.g. "
@@ -54,6 +54,18 @@ def parse_peers(value: str | Sequence[str], what: str, *, default_port: int | No
         raise ConfigError(f"{what}: {len(peers)} peers; at most {MAX_PEERS} are allowed",
                           hint="list the agent addresses of the hosts of one cluster only")
     return tuple(peers)
+
+
+def agent_peers(value: str | Sequence[str], what: str, *, hint: str,
+                entry: str = "") -> tuple[str, ...]:
+    """``parse_peers`` of agent addresses to dial: ``DEFAULT_AGENT_PORT`` for a host
+    alone, a wildcard refused (``entry``: what an address is called in that error)."""
+    peers = parse_peers(value, what, default_port=DEFAULT_AGENT_PORT, hint=hint)
+    for address in peers:
+        if parse_address(address).is_wildcard:
+            raise ConfigError(f"{what}: {entry}{address!r} is a wildcard, which names no "
+                              "host to dial", hint=hint)
+    return peers
 
 
 def host_alone(text: str) -> bool:

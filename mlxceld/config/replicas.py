@@ -41,10 +41,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
+from mlxceld.config.peers import agent_peers
 from mlxceld.errors import ConfigError
 from mlxceld.types import DECODE_ROLE, HYBRID, NODE_ROLES, PREFILL_ROLE, ROUTER_ROLE, NodeRole
-from mlxceld.wire.address import parse_address
 
 SECRET_ROLES: Final = (ROUTER_ROLE, PREFILL_ROLE, DECODE_ROLE)  # fail closed without it
 REPLICAS_HINT: Final = ("name each replica by its agent address, separated by commas: "
@@ -88,12 +87,7 @@ def parse_replica_list(flag: str | None, table: Mapping[str, Any],
                               hint='for example replicas = ["studio-2.local", '
                               '"192.168.1.12:19001"]')
     assert isinstance(value, str | Sequence)
-    replicas = parse_peers(value, what, default_port=DEFAULT_AGENT_PORT, hint=REPLICAS_HINT)
-    for address in replicas:
-        if parse_address(address).is_wildcard:
-            raise ConfigError(f"{what}: replica {address!r} is a wildcard, which names no "
-                              "host to dial", hint=REPLICAS_HINT)
-    return replicas, what
+    return agent_peers(value, what, hint=REPLICAS_HINT, entry="replica "), what
 
 
 def check_role(role: NodeRole, role_from: str, replicas: tuple[str, ...],

@@ -32,11 +32,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
+from mlxceld.config.peers import agent_peers
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE, TensorParallelRefused, check_model_dir
 from mlxceld.types import HANDOFF_SIDES, HYBRID, ROUTER_ROLE, TENSOR_RANK_ROLE
-from mlxceld.wire.address import parse_address
 
 FLAG: Final = "--tp-size"
 KEY: Final = "tp_size"
@@ -124,12 +123,7 @@ def parse_tp_peers(flag: str | None, table: Mapping[str, Any],
             raise ConfigError(f"{what} must be a list of agent addresses, not {value!r}",
                               hint='for example tp_peers = ["192.168.1.11"]')
     assert isinstance(value, str | list)
-    peers = parse_peers(value, what, default_port=DEFAULT_AGENT_PORT, hint=PEERS_HINT)
-    for address in peers:
-        if parse_address(address).is_wildcard:
-            raise ConfigError(f"{what}: {address!r} is a wildcard, which names no host to "
-                              "dial", hint=PEERS_HINT)
-    return peers, what
+    return agent_peers(value, what, hint=PEERS_HINT), what
 
 
 def check_tp_peers(tp_size: int, size_from: str, peers: tuple[str, ...], peers_from: str, *,
