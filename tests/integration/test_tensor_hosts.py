@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from helpers.daemons import FAST_POLICY, DaemonProc, Daemons
@@ -62,13 +61,16 @@ class Group:
         return out.choices[0].text
 
     def serves(self) -> str:
-        """The greedy completion once the group answers (within ``BACK_S``)."""
-        def attempt() -> str | None:
-            try:
-                return self.complete()
-            except openai.APIError:
-                return None
-        text: str = wait_for(attempt, BACK_S, "a completion from the group", every=0.5)
+        """The greedy completion once ``/ready`` says the group serves (within
+        ``BACK_S``); the request itself is sent once, as a client would."""
+        def ready() -> bool:  # polled as a load balancer does; refused while the router
+            try:              # starts (the stand-in has let the port go)
+                return self.ready().status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, BACK_S, "/ready 200 from the group", every=0.5)
+        text = self.complete()
         self.daemons.note(self.rank0)
         self.daemons.note(self.rank1)
         return text
