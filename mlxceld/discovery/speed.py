@@ -25,18 +25,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Final
 
 from mlxceld import failpoints
-from mlxceld.errors import MlxceldError
-from mlxceld.models.speed import measure_units, model_dtype, speed_key
+from mlxceld.errors import ConfigError, MlxceldError
+from mlxceld.models.speed import model_dtype, speed_key
 from mlxceld.state import Settings
 from mlxceld.types import JSON
 
 log = logging.getLogger(__name__)
 
 DEADLINE_S: Final = 5.0  # the whole measurement: import mlx, make operands, time products
+
+
+_CHILD: Final = ("import sys; from mlxceld.models.speed import measure_units; "
+                 "print(measure_units(sys.argv[1]))")
+
+
+def measure_in_child(dtype: str) -> float:
+    """``measure_units`` in a child process, killed at ``DEADLINE_S``: mlx's threads never
+    live in the daemon (left running at its exit, they abort it: exit -6 on a clean stop)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, dtype], capture_output=True,
+                              text=True, timeout=DEADLINE_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"measuring compute units took more than {DEADLINE_S:g} s",
+                          hint="declare them: [daemon] compute_units = N") from None
+    try:
+        return float(done.stdout.strip())
+    except ValueError:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise ConfigError(f"cannot measure compute units in {dtype}: {why}",
+                          hint="declare them: [daemon] compute_units = N") from None
 
 
 class NodeSpeed:
@@ -52,7 +75,7 @@ class NodeSpeed:
         self._model = model
         self._measure: Callable[[str], float] = (
             measure if measure is not None
-            else (lambda _dtype: forced) if forced is not None else measure_units)
+            else (lambda _dtype: forced) if forced is not None else measure_in_child)
         self._deadline_s = deadline_s
         self._measuring = False
         self._error: str | None = None
