@@ -13,12 +13,13 @@ product). Where the number comes from, first found first:
 
 ``measure`` runs when the agent listener starts (at start with a cluster secret, or
 with the first one), as a task of the daemon's task group: when nothing is
-declared and nothing is cached for the model's dtype, the product runs in a thread
-(``asyncio.to_thread``: the event loop goes on serving), its loop bounded by
-``models.speed.BUDGET_S`` and the whole wait by ``DEADLINE_S`` (mlx's import and
-the operands included). Past the deadline the daemon stops waiting and says so in
-``mlxctl status``; the thread ends on its own within one more product. A model of
-another dtype configured later is measured at the next start.
+declared and nothing is cached for the model's dtype, the product runs in a child
+process (``measure_in_child``, waited for in a thread: the event loop goes on
+serving), its loop bounded by ``models.speed.BUDGET_S`` and the child by
+``DEADLINE_S`` (mlx's import and the operands included), killed past it. The daemon
+itself never imports mlx: mlx's threads, left running at its exit, would abort it.
+Past the deadline the daemon says so in ``mlxctl status``. A model of another dtype
+configured later is measured at the next start.
 """
 
 from __future__ import annotations
