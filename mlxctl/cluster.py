@@ -65,8 +65,9 @@ ReplicasOpt = Annotated[int, typer.Option(
 
 @cluster_app.command()
 def nodes(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
-    """List candidate peers: node id, address, version, key id, memory, state, last seen,
-    and the failure detector's liveness (alive, suspect, dead) since when."""
+    """List candidate peers: node id, address, version, key id, memory, compute units (as
+    the peer reported them; plans weigh them), state, last seen, and the failure
+    detector's liveness (alive, suspect, dead) since when."""
     body = call(socket_path(ctx, socket), as_json, lambda c: c.cluster_nodes())
     emit(as_json, "cluster_nodes", body, lambda: render.cluster_nodes(body))
 

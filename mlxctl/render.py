@@ -164,7 +164,7 @@ def cluster_nodes(body: dict[str, Any]) -> str:
         return "\n".join([*lines, "", "no candidate peers yet (see --cluster-peers and "
                            "--cluster-discovery mdns)"])
     now = time.time()
-    headers = ["NODE", "ADDRESS", "VERSION", "KEY", "MEMORY (AVAIL/TOTAL)", "STATE",
+    headers = ["NODE", "ADDRESS", "VERSION", "KEY", "MEMORY (AVAIL/TOTAL)", "UNITS", "STATE",
                "LAST SEEN", "SOURCE", "LIVENESS", "SINCE"]
     rows, colors, errors = [], [], []
     for n in nodes:
@@ -172,10 +172,12 @@ def cluster_nodes(body: dict[str, Any]) -> str:
                   if n.get("memory_total") is not None else "-")
         seen = duration(now - n["last_seen"]) + " ago" if n.get("last_seen") else "never"
         live = n.get("liveness") or {}
+        units = (n.get("inventory") or {}).get("compute_units")  # a peer that reported them
         rows.append([n.get("node_id") or "-", n["address"], n.get("version") or "-",
-                     n.get("key_id") or "-", memory, n["state"], seen, n["source"],
+                     n.get("key_id") or "-", memory, f"{units:g}" if units else "-",
+                     n["state"], seen, n["source"],
                      live.get("state") or "-", since(live.get("since"), now)])
-        colors.append([None, None, None, "red" if n.get("key_stale") else None, None,
+        colors.append([None, None, None, "red" if n.get("key_stale") else None, None, None,
                        PEER_COLORS.get(n["state"]), None, None,
                        LIVENESS_COLORS.get(live.get("state") or ""), None])
         if n.get("key_stale"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
@@ -63,6 +64,8 @@ def test_static_peers_are_polled_for_their_inventory(daemons: Daemons) -> None:
     assert "discovery static on 127.0.0.1:" in table.stdout
     line = next(x for x in table.stdout.splitlines() if x.startswith(row["node_id"]))
     assert "reachable" in line and "GiB" in line and "ago" in line and "static" in line
+    units = row["inventory"]["compute_units"]  # the test daemons declare theirs
+    assert units == 1 and re.search(r"GiB\s+1\s+reachable", line), line
     assert f"{agent(stranger)}: unknown_key_id" in table.stdout
     assert secret.decode() not in a.stderr() + b.stderr() + stranger.stderr()
 
