@@ -158,14 +158,16 @@ def cluster_nodes(body: dict[str, Any]) -> str:
     head = (f"cluster {body['cluster']} · node {body['node_id']} · key "
             f"{body.get('key_id') or '-'} · discovery {d['mode']} "
             + (f"on {d['address']}" if d["running"] else "(not running)"))
+    if d.get("interface"):  # [daemon] cluster_interface: the link this node announces
+        head += f" · link {d['interface']}"
     lines = [head] + ([f"  {paint('x', 'red')} {d['error']}"] if d.get("error") else [])
     nodes = body["nodes"]
     if not nodes:
         return "\n".join([*lines, "", "no candidate peers yet (see --cluster-peers and "
                            "--cluster-discovery mdns)"])
     now = time.time()
-    headers = ["NODE", "ADDRESS", "VERSION", "KEY", "MEMORY (AVAIL/TOTAL)", "UNITS", "STATE",
-               "LAST SEEN", "SOURCE", "LIVENESS", "SINCE"]
+    headers = ["NODE", "ADDRESS", "VERSION", "KEY", "MEMORY (AVAIL/TOTAL)", "UNITS", "LINK",
+               "STATE", "LAST SEEN", "SOURCE", "LIVENESS", "SINCE"]
     rows, colors, errors = [], [], []
     for n in nodes:
         memory = (f"{size(n['memory_available'])} / {size(n['memory_total'])}"
@@ -175,9 +177,9 @@ def cluster_nodes(body: dict[str, Any]) -> str:
         units = (n.get("inventory") or {}).get("compute_units")  # a peer that reported them
         rows.append([n.get("node_id") or "-", n["address"], n.get("version") or "-",
                      n.get("key_id") or "-", memory, f"{units:g}" if units else "-",
-                     n["state"], seen, n["source"],
+                     (n.get("link") or {}).get("interface") or "-", n["state"], seen, n["source"],
                      live.get("state") or "-", since(live.get("since"), now)])
-        colors.append([None, None, None, "red" if n.get("key_stale") else None, None, None,
+        colors.append([None, None, None, "red" if n.get("key_stale") else None, None, None, None,
                        PEER_COLORS.get(n["state"]), None, None,
                        LIVENESS_COLORS.get(live.get("state") or ""), None])
         if n.get("key_stale"):

@@ -47,6 +47,7 @@ from mlxceld.discovery.serving import port_of, serve_serving
 from mlxceld.errors import ConfigError, DaemonError, MlxceldError
 from mlxceld.net.agent import AgentService
 from mlxceld.net.link import serve_link
+from mlxceld.net.route import interfaces, link_to
 from mlxceld.roles import ROUTER
 from mlxceld.roles.options import PipelineOptions
 from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable, Settings
@@ -139,8 +140,11 @@ class ClusterMember:
         ours = self._keyring.primary_id.hex() if self._keyring.primary_id else None
         # key_stale: the peer's primary (its inventory's, or its mDNS record's key id) is not
         # ours: it missed a rotation, and its traffic fails once the old key is removed.
+        table = interfaces()
         nodes = [{**n, "liveness": rows.get(n["address"]),
-                  "key_stale": bool(ours and n.get("key_id") and n["key_id"] != ours)}
+                  "key_stale": bool(ours and n.get("key_id") and n["key_id"] != ours),
+                  "link": link.to_json() if (link := link_to(
+                      parse_address(n["address"]).host, table)) else None}
                  for n in self._candidates.snapshot()]
         detector = Detector(self._heartbeats is not None, c.liveness.ping_interval_s,
                             c.liveness.suspect_after_s, c.liveness.dead_after_s)
@@ -423,7 +427,7 @@ class ClusterMember:
             self._discovery = DiscoveryService(
                 self._candidates, self._keyring, node_id=self._node_id,
                 cluster=c.cluster_name, peers=c.cluster_peers, mode=c.cluster_discovery,
-                agent_address=agent.address)
+                agent_address=agent.address, interface=c.cluster_interface)
             tg.create_task(self._discovery.run())
             candidates = self._candidates
             self._heartbeats = Heartbeats(

@@ -22,7 +22,8 @@ from mlxceld.control.access import OperatorGroup
 # Read at start only: a reload that changes them says so, and they take effect at the next.
 AT_NEXT_START: Final = ("daemon.state_dir", "daemon.socket", "daemon.socket_group",
                         "daemon.log_file", "daemon.log_format", "daemon.log_max_bytes",
-                        "daemon.log_backups", "daemon.metrics_listen")
+                        "daemon.log_backups", "daemon.metrics_listen",
+                        "daemon.cluster_interface")
 HIDDEN: Final = "(hidden)"  # what a changed API key shows instead of the key
 # The fields named after their [daemon] key rather than their own.
 _RENAMED: Final = {"log_file_max_bytes": "log_max_bytes", "log_file_backups": "log_backups"}

@@ -35,6 +35,8 @@ File format (TOML, every table and key optional)::
                                        # here; off unless set (mlxceld/config/metrics.py)
     compute_units = 0                  # this host's speed for plans; 0: measured at
                                        # start (mlxceld/config/compute.py)
+    cluster_interface = "bridge0"      # the link peers reach this host on: its address
+                                       # is announced (mlxceld/config/interface.py)
 
     [supervisor]                       # defaults for every worker
     backoff_initial_s = 1.0            # any RestartPolicy field
@@ -70,6 +72,8 @@ from mlxceld.config.compute import KEY as UNITS_KEY
 from mlxceld.config.compute import compute_units
 from mlxceld.config.healing import KEY as HEAL_KEY
 from mlxceld.config.healing import heal_after
+from mlxceld.config.interface import KEY as INTERFACE_KEY
+from mlxceld.config.interface import cluster_interface
 from mlxceld.config.kvquant import check_kv_model, check_kv_setting, kv_origin
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
@@ -174,6 +178,7 @@ class Config:
     heal_after_s: float = 60.0  # a plan's peer dead this long is healed around; 0: off
     metrics_listen: HostPort | None = None  # where /metrics is served (observe/); None: off
     compute_units: float | None = None  # declared (config/compute.py); None: measured
+    cluster_interface: str | None = None  # the link to announce (config/interface.py)
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                          "log_format", "log_max_bytes", "log_backups",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
                          "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
-                         *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY, UNITS_KEY},
+                         *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY, UNITS_KEY,
+                         INTERFACE_KEY},
                 where, "daemon.")
     sup = table_of(data, "supervisor", where)
     check_keys(
@@ -385,7 +391,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
                                       10 * 1024 * 1024, allow_zero=True)),
         log_file_backups=int(number(daemon, "log_backups", where, "daemon.", 3,
                                     allow_zero=True)),
-        agent_addr=_agent_addr(daemon, flags, where),
+        agent_addr=(agent_addr := _agent_addr(daemon, flags, where)),
+        cluster_interface=cluster_interface(daemon, agent_addr, where),
         **(choice := _cluster_choice(daemon, flags, base, where)),
         **(auto := _pp_auto_choice(daemon, flags, choice, base, where)),
         pp_peer=_pp_peer(daemon, flags, {**choice, **auto}, where),

@@ -20,8 +20,14 @@
   where it can.
 
 The advertised address: the agent's host when it is a specific IP; for an
-agent on every interface, the IP the host would use to reach the mDNS group
-(a UDP socket "connected" to 224.0.0.251, which sends nothing), else 127.0.0.1.
+agent on every interface, the first IPv4 address of ``[daemon] cluster_interface``
+when it names one (the link peers should reach us on: a Thunderbolt bridge rather
+than Wi-Fi; zeroconf then runs on that address only), else the IP the host would
+use to reach the mDNS group (a UDP socket "connected" to 224.0.0.251, which sends
+nothing), else 127.0.0.1. The interface is
+looked at again at every announcement: one that has no IPv4 address yet (a bridge
+whose cable is out) is reported in ``error`` while the default address is announced,
+and its address is announced once it has one.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from mlxceld import __version__
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.records import SERVICE_TYPE, check_service, host_name, instance_name
 from mlxceld.net.resolve import resolve_blocking
+from mlxceld.net.route import interface_ipv4, interfaces
 from mlxceld.wire import BeaconError, Keyring, build_record
 from mlxceld.wire.address import format_address, parse_address
 from mlxceld.wire.beacon import REFRESH_S
@@ -78,7 +85,8 @@ def interfaces_for(agent_host: str) -> tuple[list[str] | InterfaceChoice, IPVers
 
 class MdnsDiscovery:
     def __init__(self, table: CandidateTable, keyring: Keyring, *, node_id: str, cluster: str,
-                 agent_address: str, clock: Callable[[], float] = time.time,
+                 agent_address: str, interface: str | None = None,
+                 clock: Callable[[], float] = time.time,
                  random: Callable[[int], bytes] = os.urandom) -> None:
         agent = parse_address(agent_address, port_zero=True)
         ip = agent.ip
@@ -90,19 +98,24 @@ class MdnsDiscovery:
         self._cluster = cluster
         self._host = str(ip)
         self._port = agent.port
+        self._interface = interface if ipaddress.ip_address(self._host).is_unspecified else None
         self._ip = advertised_ip(self._host)
+        self._ip_problem: str | None = None
+        self._choose_ip()
+        self.error: str | None = self._ip_problem
         self._clock = clock
         self._random = random
         self._names: asyncio.Queue[str] = asyncio.Queue()
         self._ignored: dict[str, str] = {}  # service name -> the reason last logged
-        self.error: str | None = None
 
     @property
     def advertised(self) -> str:
         return format_address(self._ip, self._port)
 
     async def run(self) -> None:
-        interfaces, ip_version = interfaces_for(self._host)
+        # On cluster_interface's address when it has one now: discovery on that link only.
+        on = self._ip if self._interface and self._ip_problem is None else self._host
+        interfaces, ip_version = interfaces_for(on)
         try:
             zc = AsyncZeroconf(interfaces=interfaces, ip_version=ip_version)
         except (OSError, ZeroconfError) as exc:
@@ -145,7 +158,29 @@ class MdnsDiscovery:
             self._ignored.pop(name, None)
             self._table.propose_record(record, address, self._clock())
 
+    def _choose_ip(self) -> None:
+        """The address to announce now: ``cluster_interface``'s IPv4 when it has one."""
+        if self._interface is None:
+            return
+        table = interfaces()
+        ip = interface_ipv4(self._interface, table)
+        if ip is not None:
+            if ip != self._ip:
+                log.info("mDNS: announcing %s's address %s (daemon.cluster_interface)",
+                         self._interface, ip)
+            self._ip, self._ip_problem = ip, None
+            return
+        fallback = advertised_ip(self._host)
+        having = sorted(n for n in table if interface_ipv4(n, table))
+        problem = (f"daemon.cluster_interface {self._interface!r} has no IPv4 address now "
+                   f"(interfaces with one: {', '.join(having) or 'none'}); announcing "
+                   f"{fallback} until it has")
+        if problem != self._ip_problem:
+            log.warning("mDNS: %s", problem)
+        self._ip, self._ip_problem = fallback, problem
+
     def _service(self) -> AsyncServiceInfo:
+        self._choose_ip()
         record = build_record(self._keyring.primary, version=str(VERSION),
                               package_version=__version__, cluster=self._cluster,
                               node=self._node_id, addr=self.advertised,
@@ -165,11 +200,12 @@ class MdnsDiscovery:
                        " (another daemon with this node id? a node id too long for a DNS "
                        "label?); browsing goes on")
             return
-        self.error = None
+        self.error = self._ip_problem
         log.info("mDNS: announcing %s at %s", instance_name(self._node_id), self.advertised)
         while True:
             await asyncio.sleep(ANNOUNCE_EVERY_S)
             await (await zc.async_update_service(self._service()))
+            self.error = self._ip_problem
 
     def _fail(self, message: str) -> None:
         self.error = message

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 class DiscoveryService:
     def __init__(self, table: CandidateTable, keyring: Keyring, *, node_id: str, cluster: str,
-                 peers: tuple[str, ...], mode: str, agent_address: str) -> None:
+                 peers: tuple[str, ...], mode: str, agent_address: str,
+                 interface: str | None = None) -> None:
         self._table = table
         self._keyring = keyring
         self._node_id = node_id
@@ -39,11 +40,15 @@ class DiscoveryService:
         self._stop = asyncio.Event()
         self._error: str | None = None
         self._running = False
-        self._advertised: str | None = None
+        self._interface = interface  # [daemon] cluster_interface: the link to announce
+        self._mdns: Any = None  # the MdnsDiscovery while it runs
 
     def describe(self) -> JSON:
+        mdns = self._mdns  # its address and error as they are now (an interface comes up)
         return {"mode": self._mode, "running": self._running, "address": self._address,
-                "advertised": self._advertised, "error": self._error}
+                "advertised": mdns.advertised if mdns else None,
+                "interface": self._interface,
+                "error": (mdns.error if mdns and mdns.error else None) or self._error}
 
     async def refresh(self, only: Collection[str] | None = None) -> list[Candidate]:
         """Poll every candidate (or those of ``only``) now, at most 10 s; the reachable
@@ -95,12 +100,13 @@ class DiscoveryService:
 
         try:
             mdns = MdnsDiscovery(self._table, self._keyring, node_id=self._node_id,
-                                 cluster=self._cluster, agent_address=self._address)
+                                 cluster=self._cluster, agent_address=self._address,
+                                 interface=self._interface)
         except (ValueError, ResolveError) as exc:  # an agent host name that does not resolve
             self._error = str(exc)
             log.error("discovery: %s", exc)
             return
-        self._advertised = mdns.advertised
+        self._mdns = mdns
         try:
             await mdns.run()
         finally:

@@ -17,6 +17,7 @@ import pytest
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.mdns import MdnsDiscovery, advertised_ip, interfaces_for
 from mlxceld.net.resolve import ResolveError
+from mlxceld.net.route import interface_of
 
 from helpers.keys import keyring
 
@@ -90,5 +91,51 @@ def test_daemons_on_loopback_find_each_other_and_ignore_strangers(
                 task.cancel()
             ended = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(e, asyncio.CancelledError) for e in ended), ended
+
+    asyncio.run(main())
+
+
+def test_an_agent_on_every_interface_announces_its_cluster_interface_and_is_found() -> None:
+    """``[daemon] cluster_interface`` (here the loopback interface, whatever its name on
+    this system): an agent on 0.0.0.0 announces that interface's address, runs mDNS on it,
+    and a peer finds it there; an interface with no address is reported and the default
+    address announced."""
+    loopback = interface_of("127.0.0.1")
+    assert loopback is not None
+    missing = MdnsDiscovery(CandidateTable(), keyring(b"x" * 16), node_id="n", cluster="c",
+                            agent_address="0.0.0.0:1", interface="no-such-if0")
+    assert missing.advertised == f"{advertised_ip('0.0.0.0')}:1"
+    assert missing.error is not None and "'no-such-if0' has no IPv4 address" in missing.error
+    assert "interfaces with one: " in missing.error and loopback in missing.error
+    # an agent on one address announces that one: the interface is not looked at
+    one = MdnsDiscovery(CandidateTable(), keyring(b"x" * 16), node_id="n", cluster="c",
+                        agent_address="127.0.0.9:1", interface="no-such-if0")
+    assert one.advertised == "127.0.0.9:1" and one.error is None
+
+    cluster = f"mdns-if-{secrets.token_hex(4)}"
+    secret = secrets.token_bytes(32)
+    run = secrets.token_hex(3)
+    ids = {x: f"node-{x}-{run}" for x in "bc"}
+
+    async def main() -> None:
+        tables = {x: CandidateTable(node_id=n) for x, n in ids.items()}
+        b = MdnsDiscovery(tables["b"], keyring(secret), node_id=ids["b"], cluster=cluster,
+                          agent_address="0.0.0.0:19022", interface=loopback)
+        c = MdnsDiscovery(tables["c"], keyring(secret), node_id=ids["c"], cluster=cluster,
+                          agent_address="127.0.0.3:19023")
+        assert b.advertised == "127.0.0.1:19022" and b.error is None
+        tasks = [asyncio.create_task(n.run()) for n in (b, c)]
+        try:
+            deadline = time.monotonic() + SEEN_WITHIN_S
+            while time.monotonic() < deadline and not (
+                    tables["c"].addresses() == ["127.0.0.1:19022"]
+                    and tables["b"].addresses() == ["127.0.0.3:19023"]):
+                await asyncio.sleep(0.2)
+            assert tables["c"].addresses() == ["127.0.0.1:19022"], (b.error, c.error)
+            assert tables["b"].addresses() == ["127.0.0.3:19023"], (b.error, c.error)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from mlxceld import __version__
+from mlxceld.net.route import interface_of
 from mlxceld.wire import key_id
 
 from helpers.cluster import POLL_WAIT_S, agent, by_address, settled, start, stop
@@ -65,7 +66,9 @@ def test_static_peers_are_polled_for_their_inventory(daemons: Daemons) -> None:
     line = next(x for x in table.stdout.splitlines() if x.startswith(row["node_id"]))
     assert "reachable" in line and "GiB" in line and "ago" in line and "static" in line
     units = row["inventory"]["compute_units"]  # the test daemons declare theirs
-    assert units == 1 and re.search(r"GiB\s+1\s+reachable", line), line
+    loopback = interface_of("127.0.0.1")  # the peers are reached on it: its name is shown
+    assert units == 1 and re.search(rf"GiB\s+1\s+{loopback}\s+reachable", line), line
+    assert row["link"] == {"local": "127.0.0.1", "interface": loopback}
     assert f"{agent(stranger)}: unknown_key_id" in table.stdout
     assert secret.decode() not in a.stderr() + b.stderr() + stranger.stderr()
 
