@@ -426,6 +426,7 @@ class Daemon:
         self._draining.service.close()
         self._replica_peers.close()
         self._front.close()
+        self.tensor.close()
         if self._standby is not None:
             self._standby.close()
         self._server.request_shutdown()

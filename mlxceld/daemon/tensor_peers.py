@@ -251,13 +251,29 @@ class TensorWindow:
                  events: EventLog, origin: Callable[[], str | None]) -> None:
         self.peers = TensorPeers(roster, supervisor, keyring, events, origin)
         self.rank = RankHost(roster, supervisor, lambda: roster.config)
+        self._closing = asyncio.Event()
 
     def register(self, agent: AgentService) -> None:
         """The rank host's answers on the agent (refusals on any other daemon)."""
         self.rank.register(agent)
 
     async def run(self) -> None:
-        await self.peers.run()
+        """Rank 0's group until ``close``: its formation, watch or backoff is cancelled
+        then (the stand-in lets the port go on the way), so the daemon's stop does not
+        wait for it."""
+        work = asyncio.create_task(self.peers.run())
+        closing = asyncio.create_task(self._closing.wait())
+        try:
+            await asyncio.wait({work, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, closing):
+                task.cancel()
+            await asyncio.gather(work, closing, return_exceptions=True)
+        if work.done() and not work.cancelled():
+            work.result()  # what ended it on its own, raised as before
+
+    def close(self) -> None:
+        self._closing.set()
 
     def describe(self) -> JSON | None:
         return self.peers.describe() or self.rank.describe()

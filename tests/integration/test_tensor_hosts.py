@@ -40,6 +40,10 @@ BACK_S = 90.0
 # A stream in flight ends within this of the kill: rank 0's op link to rank 1 closes at
 # once (engine/tensor.py's watchdog looks every 0.1 s), then BROKEN_GRACE_S (1 s).
 ENDED_S = 10.0
+# A stopped rank host's stream ends within this: rank 0 hears nothing on rank 1's op link
+# for heartbeats.SILENCE_S (3 s), then BROKEN_GRACE_S (1 s); a loaded machine's slack.
+SILENT_S = 12.0
+STOPPED_S = 10.0  # a daemon with no worker stops within this of SIGTERM (well under 1 s)
 SECRET = b"k" * 32
 
 
@@ -198,6 +202,58 @@ def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
     assert group.rank0.status()["tensor"]["state"] == "formed"
 
 
+def stream_until_stopped(g: Group, pids: list[int]) -> tuple[dict[str, Any] | None, float,
+                                                               str]:
+    """``stream_until_killed`` with SIGSTOP (a host asleep: no RST, its sockets stay open);
+    every pid gets SIGCONT once the stream has ended, whatever happened."""
+    stopped: list[int] = []
+    try:
+        with httpx.Client(timeout=60) as http, http.stream(
+                "POST", f"{g.url}/completions",
+                json={"model": "llama", "prompt": "Hello", "max_tokens": 1500,
+                      "temperature": 0, "stream": True, "logit_bias": g.banned}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(line for line in lines if line.startswith("data: "))
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            at = time.monotonic()
+            try:
+                for line in lines:
+                    if line.startswith("data: {") and '"error"' in line:
+                        return (json.loads(line.removeprefix("data: ")),
+                                time.monotonic() - at, "an error event")
+            except httpx.HTTPError as exc:
+                return None, time.monotonic() - at, f"cut: {exc!r}"
+        return None, time.monotonic() - at, "ended without an error event"
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_silent_rank_host_ends_the_stream_and_the_group_serves_when_it_wakes(
+        group: Group) -> None:
+    """The rank host's daemon and worker stopped (SIGSTOP) in the middle of a stream: rank
+    0's op-link heartbeat names the rank silent within ``SILENT_S``, the stream ends with
+    the group's error (no hang), and once the host wakes (SIGCONT) the group serves the
+    same greedy text again, with no operator action."""
+    group.serves()
+    worker = group.rank1.worker("tp-1")["pid"]
+    assert worker
+    error, took, how = stream_until_stopped(group, [group.rank1.pid, worker])
+    print(f"\nSIGSTOP of the rank host: the stream ended after {took:.2f} s with {how}")
+    assert error is not None, how
+    body = error["error"]
+    print(f"its error: {body['message']}")
+    assert body["code"] == "engine_unavailable", body
+    assert "tensor-parallel rank 1" in body["message"] and "silent" in body["message"], body
+    assert took < SILENT_S, took
+    assert group.serves() == expected(group.model, PROMPT, 8)
+    assert group.rank0.status()["tensor"]["state"] == "formed"
+
+
 def test_a_rank_host_of_another_model_is_refused_and_named(fixture_dir: Path,
                                                            daemons: Daemons) -> None:
     """Rank 0's question is answered with a refusal by a rank host that serves another
@@ -218,3 +274,9 @@ def test_a_rank_host_of_another_model_is_refused_and_named(fixture_dir: Path,
                                         ": this rank host serves another model"), refused
     assert {w["name"] for w in rank0.status()["workers"]} == set()  # no router: not formed
     assert rank1.status()["tensor"]["state"] == "waiting"
+    # A stop (SIGTERM, as launchd or systemd send it) ends rank 0 at once, though its group
+    # is between two tries to form: the try and its backoff are cancelled (they once held
+    # the stop until the service manager's SIGKILL).
+    assert rank0.proc is not None
+    rank0.proc.send_signal(signal.SIGTERM)
+    assert rank0.proc.wait(STOPPED_S) == 0
