@@ -53,6 +53,7 @@ from mlxceld.models.families import SUPPORTED, check_family, split_as
 from mlxceld.models.identity import layer_count
 from mlxceld.models.reading import Progress, read_weights
 from mlxceld.models.shards import INDEX, missing_files, read_index, stage_files
+from mlxceld.models.tensor import check_model_dir
 from mlxceld.wire.envelope import TensorSpec
 from mlxceld.wire.mx_tensors import wire_dtype
 
@@ -282,12 +283,21 @@ class StageModel:
 
 
 def load_stage(path: str | Path, start: int, end: int,
-               progress: Progress | None = None) -> StageModel:
+               progress: Progress | None = None, *, group: Any = None) -> StageModel:
     """Load layers [start, end) of the mlx-lm checkpoint at ``path`` and only those;
-    ``progress(done, total)`` hears of each layer loaded (parameter bytes)."""
+    ``progress(done, total)`` hears of each layer loaded (parameter bytes).
+
+    ``group``: an ``mx.distributed`` group whose every rank loads the same slice; its
+    layers are then split over the group by mlx-lm's own ``shard`` before any weight is
+    read, so this rank reads only its slices of them (about 1/N of each layer; the
+    embeddings, norm and head stay whole). The model must be one mlx-lm splits and the
+    group's size must divide its heads and MLP (``models/tensor.py``:
+    ``TensorParallelRefused``). ``pipeline/tensor_stage.py`` runs such a stage."""
     path = Path(path)
     config = _read_config(path)
     model_type = check_family(config, str(path / "config.json"))  # UnsupportedFamily
+    if group is not None:
+        check_model_dir(path, group.size())  # TensorParallelRefused
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int):
         _check_range(start, end, layers, path)  # before any weight is touched
@@ -298,10 +308,14 @@ def load_stage(path: str | Path, start: int, end: int,
         raise ConfigError(f"model {path}: mlx-lm cannot load it: {exc}",
                           hint="check that it is a complete mlx-lm checkpoint") from exc
     stage = StageModel(model, start, end)
+    if group is not None:  # mlx-lm's split of the layers kept (the others are gone)
+        model.shard(group)
     _evaluate(stage, progress)
-    log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes%s",
+    log.info("loaded stage [%d, %d) of %d layers of %s (%s): %d parameter bytes%s%s",
              start, end, stage.num_layers, path, model_type, stage.nbytes,
-             "" if strict else ", from this stage's shards only")
+             "" if strict else ", from this stage's shards only",
+             "" if group is None else f", rank {group.rank()} of a tensor-parallel "
+             f"group of {group.size()}")
     return stage
 
 

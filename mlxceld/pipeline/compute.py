@@ -146,6 +146,23 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
     """Run ``group`` (one step per sequence); per step: a hidden-state blob for the next
     stage, or on the last stage what was sampled (``Sampled``; ``None`` where not sampled).
     ``overlap``: see ``StageModel.forward`` (for long steps)."""
+    out = forward_group(model, group, overlap=overlap)
+    if out is None:
+        return [None] * len(group)
+    if not model.last:
+        return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
+    return sample_group(group, out)
+
+
+def forward_group(model: StageModelLike, group: Sequence[Step], *,
+                  overlap: bool = False) -> Any:
+    """``run_group``'s forward: ``group``'s steps through the stage's layers, one batch
+    (caches merged, then extracted) or one step alone; the hidden states [b, n, H]
+    (evaluated), or on the last stage the raw logits [b, vocab], or None where only the
+    caches were wanted (the last stage's steps that sample nothing). Everything it
+    evaluates is decided by the steps' inputs, sample flags and ``overlap`` alone: every
+    rank of a tensor-parallel stage runs it alike, so that their collectives pair up
+    (``tensor_stage.py``)."""
     import mlx.core as mx
 
     from mlxceld.engine.kvquant import one_step
@@ -162,23 +179,17 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
     only = model.last and not any(s.sample for s in group)
     if len(group) == 1:
         with one_step(group[0].state.cache):
-            out = model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last,
-                                caches_only=only)
-    else:
-        layers = len(group[0].state.cache)
-        merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
-                  for i in range(layers)]
-        with one_step(merged):
-            out = model.forward(x, merged, overlap=overlap, raw=model.last,
-                                caches_only=only)
-        for j, s in enumerate(group):
-            s.state.cache = [c.extract(j) for c in merged]
-        mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])
-    if only:
-        return [None] * len(group)
-    if not model.last:
-        return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
-    return sample_group(group, out)
+            return model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last,
+                                 caches_only=only)
+    layers = len(group[0].state.cache)
+    merged = [group[0].state.cache[i].merge([s.state.cache[i] for s in group])
+              for i in range(layers)]
+    with one_step(merged):
+        out = model.forward(x, merged, overlap=overlap, raw=model.last, caches_only=only)
+    for j, s in enumerate(group):
+        s.state.cache = [c.extract(j) for c in merged]
+    mx.eval([(c.keys, c.values) for s in group for c in s.state.cache])
+    return out
 
 
 def sample_group(group: Sequence[Step], logits: Any) -> list[Sampled | None]:

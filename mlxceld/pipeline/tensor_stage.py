@@ -1,0 +1,352 @@
+"""A pipeline stage whose compute is a tensor-parallel group: its layers split over the
+ranks of an ``mx.distributed`` group, driven by rank 0.
+
+Every rank loads the same slice of the model (``load_tensor_stage``: layers [start, end),
+the embeddings on the first stage, norm and head on the last, as ``models/slicing.py``
+prunes them) and lets mlx-lm split the layers it keeps (``model.shard(group)``: each
+attention and MLP projection cut by heads or rows, their outputs summed over the group);
+the embeddings and the head stay whole, as in ``engine/tensor.py``. A rank holds about
+1/N of the slice's layer weights.
+
+Rank 0 is ``StageLeader``: it runs ``compute.run_group`` as a one-process stage does, and
+before each group shares with the followers, in order, what they need to take the same
+step: the sequences opened since (``open``: each one's KV-cache recipe, so that the
+followers make caches of the same kinds: ``sequences.stage_cache``), those dropped
+(``drop``: their caches freed), and the group itself (each step's sequence, input blob
+and sample flag, and ``overlap``). A sequence's steps are those whose ``SeqState`` is the
+one it was opened with: a step of a sequence dropped (or dropped and opened again) while
+its group waited is left out on every rank, its output None, so that no follower is
+ever asked for a sequence it freed. The followers (``StageFollower``,
+``run_stage_follower``) run ``compute.forward_group`` over the same steps with the same
+merges and extracts (a group of several is one batch on every rank, a group of one runs
+alone), so that every rank evaluates the same collectives in the same order, and throw
+the outputs away: only rank 0 samples (the last stage) or sends activations on. The
+shares are ``engine/tensor.py``'s ``Mirror``, used as it is: the first over the ring
+(``setup``: the slice, which every follower checks is its own), the others over the op
+links, with its deadlines (``SHARE_DEADLINE_S`` a share, ``STEP_DEADLINE_S`` a step),
+its heartbeats and its watchdog (a rank whose group broke ends its process, status
+``EXIT_RING_BROKEN``, after ``on_broken`` is told). While no group runs, rank 0 shares
+an empty log every ``BEAT_S`` from a thread of its own, so that a follower waiting for
+its next step knows rank 0 lives (a follower hears nothing for the share deadline: it
+fails, naming rank 0). A follower whose op link ends (rank 0 gone) fails at once with
+``EngineError``; ``close`` on rank 0 ends every follower's loop cleanly.
+
+The prompt cache is not mirrored: a tensor stage refuses a step of a sequence that
+starts from a prompt-cache entry (``SeqState.reuse``) with ``TensorStageRefused``,
+before anything is shared (the group goes on). Its stage keeps no entries (a store of 0
+bytes: ``kvstore.StageCache``), so its router hears that nothing is kept and never asks
+it to reuse one; ``keep`` and ``keep_prompt`` copy rank 0's caches only and change
+nothing the step runs over, so they could not part the ranks, but they would keep slices
+no follower holds. A replayed sequence (``replay.py``) is a new sequence prefilled from
+its tokens: a tensor stage runs it as any other. Inputs are checked before the share
+(token ids on the first stage); what the wire checked on arrival (``input_spec``) is not
+checked again. A step that fails on a rank after the share (a bug, never an input)
+parts the ranks: the watchdog's deadlines end them.
+
+Each step's input goes to every follower on its op link: a decode step's hidden state is
+a few KiB, a prefill chunk's ``n x hidden_size`` values (across hosts, the followers
+could later take it from the upstream stage themselves).
+
+How it will be wired (not yet: issue 32's 2D mesh): the stage worker is rank 0 (its
+``StageSteps`` call ``StageLeader.run_group`` where they call ``compute.run_group`` and
+skip a None output, its service makes a sequence's caches with ``caches`` and ``open``s
+it at ``prepare``, ``drop``s it at ``release`` or ``forget``, and ``on_broken`` fails its
+sequences); each other rank is a worker of its own on its host, like ``tp-<r>``
+(``run_stage_follower``; ``Mirror``'s messages name it so), the ring joined with
+``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host, each host's agent IP
+across hosts). The planner
+fits a tensor stage's layers by dividing their weights by the group's size (the
+embeddings and head whole, on every rank), and the assignment offer names the group: its
+ranks' hosts and ring ports, so that each rank host's daemon starts its follower.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import mlx.core as mx
+
+from mlxceld.engine.base import EngineError
+from mlxceld.engine.tensor import SHARE_DEADLINE_S, Mirror, Op, barrier
+from mlxceld.models.reading import Progress
+from mlxceld.models.slicing import StageModel, load_stage
+from mlxceld.pipeline.compute import SeqState, Step, check_token_ids, forward_group, run_group
+from mlxceld.pipeline.sequences import stage_cache
+from mlxceld.roles.options import KVQuant
+from mlxceld.wire import Tensor
+
+log = logging.getLogger(__name__)
+__all__ = ["BEAT_S", "StageFollower", "StageLeader", "TensorStageRefused",
+           "load_tensor_stage", "run_stage_follower"]
+
+BEAT_S: Final = 0.5  # rank 0 idle this long: it shares an empty log (engine.local's IDLE_WAIT_S)
+
+# The op log (rank 0 to its followers), each op a tuple: ("setup", start, end, layers)
+# first, then ("open", seq_id, kv), kv (bits, group_size, start) or None; ("drop", seq_id);
+# ("step", overlap, ((seq_id, sample, name, dtype, shape, data), ...)); ("close",).
+
+
+class TensorStageRefused(EngineError):
+    """A tensor-parallel stage was asked for what its ranks do not mirror (a step that
+    starts from a prompt-cache entry); nothing was shared, the group goes on."""
+
+
+def load_tensor_stage(path: str, start: int, end: int, group: Any,
+                      progress: Progress | None = None) -> StageModel:
+    """Layers [start, end) of ``path`` split over ``group`` (``slicing.load_stage``'s
+    ``group``), once every rank has read its slices. Every rank of the group calls it."""
+    stage = load_stage(path, start, end, progress, group=group)
+    mx.clear_cache()  # the whole tensors read before slicing: back to the system
+    barrier(group)
+    return stage
+
+
+class StageLeader:
+    """Rank 0 of a tensor-parallel stage: ``run_group`` as ``compute.run_group``, each group
+    shared with the followers first (the module docstring). Thread-safe: a group, a beat
+    and ``close`` each hold the group's lock; ``open`` and ``drop`` (a stage's event loop)
+    never wait for a step."""
+
+    def __init__(self, model: StageModel, group: Any, *,
+                 deadline_s: float = SHARE_DEADLINE_S, hosts: Sequence[str] = (),
+                 beat_s: float = BEAT_S, node_id: str = "") -> None:
+        """Shares ``setup`` over the ring: each follower must be in ``StageFollower.run``
+        (or come to it within mlx's own wait) for this to return."""
+        if group.rank() != 0:
+            raise ValueError(f"a stage's leader is rank 0, not rank {group.rank()}")
+        self.model = model
+        self.node_id = node_id or f"[{model.start}, {model.end})"
+        self._mirror = Mirror(group, deadline_s=deadline_s, hosts=hosts)
+        self._lock = threading.Lock()  # held by a share and the step after it
+        self._ops_lock = threading.Lock()  # held a moment: the ops pending, the open ones
+        self._pending: list[Op] = []
+        self._open: dict[str, SeqState] = {}  # by sequence: its rank 0's state
+        self._closed = False
+        self._failed: EngineError | None = None  # a beat's share that failed
+        self._shared_at = time.monotonic()  # the last share's time (the beat's clock)
+        with self._lock:
+            self._share([("setup", model.start, model.end, model.num_layers)])
+        self._beat_s = beat_s
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, daemon=True,
+                                        name="mlxceld-stage-beat")
+        self._beater.start()
+
+    @property
+    def size(self) -> int:
+        return self._mirror.size
+
+    @property
+    def sequences(self) -> int:
+        """Sequences open on every rank (after the next share)."""
+        return len(self._open)
+
+    def on_broken(self, told: Callable[[str], None] | None) -> None:
+        """Tell ``told`` (on the watchdog's thread) why the group broke, before this
+        process ends (``Mirror.on_broken``)."""
+        self._mirror.on_broken = told
+
+    def on_silent(self, told: Callable[[str | None], None] | None) -> None:
+        """Tell ``told`` of a follower gone silent, None once all are heard again."""
+        self._mirror.on_silent = told
+
+    def caches(self, kv: KVQuant | None = None) -> list[Any]:
+        """A new sequence's caches on rank 0: ``sequences.stage_cache``'s
+        (``ProtocolViolation`` for a ``kv`` the model cannot keep); ``open`` it with them."""
+        return stage_cache(self.model, kv, self.node_id)
+
+    def open(self, seq_id: str, state: SeqState, kv: KVQuant | None = None) -> None:
+        """A new sequence, ``state`` its rank 0's (its caches from ``caches(kv)``, unused
+        yet): the followers make theirs alike at the next share. Its steps are those whose
+        ``state`` is this one, until ``drop``."""
+        if [type(c) for c in state.cache] != [type(c) for c in self.caches(kv)] \
+                or any(getattr(c, "offset", 0) for c in state.cache):
+            raise EngineError(f"tensor stage {self.node_id}: sequence {seq_id}'s caches "
+                              f"are not new ones of kv {kv} (StageLeader.caches)")
+        with self._ops_lock:
+            self._check_open()
+            if seq_id in self._open:
+                raise EngineError(f"tensor stage {self.node_id}: sequence {seq_id} is "
+                                  "open already (drop it first)")
+            self._open[seq_id] = state
+            recipe = None if kv is None else (kv.bits, kv.group_size, kv.start)
+            self._pending.append(("open", seq_id, recipe))
+
+    def drop(self, seq_id: str) -> None:
+        """A sequence released or forgotten: the followers free its caches at the next
+        share. Unknown ones are ignored (dropped twice, never opened here)."""
+        with self._ops_lock:
+            if self._open.pop(seq_id, None) is not None:
+                self._pending.append(("drop", seq_id))
+
+    def run_group(self, group: Sequence[Step], *, overlap: bool = False) -> list[Any]:
+        """``compute.run_group`` on rank 0 with every follower taking the same step. A
+        step of a sequence not open here (dropped while its group waited) is left out of
+        the group on every rank, its output None. Raises ``TensorStageRefused`` (nothing
+        shared) for a step that starts from a prompt-cache entry, ``ValueError`` for bad
+        token ids, ``EngineError`` when the group broke."""
+        self._refuse(group)
+        with self._lock:
+            with self._ops_lock:
+                self._check_open()
+                live = [s for s in group if self._open.get(s.seq_id) is s.state]
+                ops, self._pending = self._pending, []
+            if not live:
+                self._share(ops)
+                return [None] * len(group)
+            self._share([*ops, ("step", overlap, tuple(
+                (s.seq_id, s.sample, s.x.name, s.x.dtype, tuple(s.x.shape), bytes(s.x.data))
+                for s in live))])
+            with self._mirror.stepping():
+                try:
+                    outs = run_group(self.model, live, overlap=overlap)
+                except RuntimeError as exc:  # mlx's: "[ring] connection to a peer was lost"
+                    raise EngineError(f"tensor stage {self.node_id}: the group broke: "
+                                      f"{self._mirror.explain(exc)}") from exc
+        got = {id(s): out for s, out in zip(live, outs, strict=True)}
+        if len(live) < len(group):
+            log.info("tensor stage %s: steps of %s left out, their sequences dropped",
+                     self.node_id, [s.seq_id for s in group if id(s) not in got])
+        return [got.get(id(s)) for s in group]
+
+    def _refuse(self, group: Sequence[Step]) -> None:
+        for s in group:
+            if s.state.reuse is not None:
+                raise TensorStageRefused(
+                    f"tensor stage {self.node_id}: sequence {s.seq_id} starts from a "
+                    "prompt-cache entry, which a tensor-parallel stage does not mirror "
+                    "over its ranks; its prompt cache keeps nothing (size 0)")
+        if self.model.first:
+            check_token_ids(group, self.model.vocab_size)
+
+    def close(self) -> None:
+        """Share ``close`` (every follower's loop returns) and close the op links."""
+        self._stop.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._mirror.share([*self._taken(), ("close",)])
+            finally:
+                self._mirror.close()
+        self._beater.join()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"tensor stage {self.node_id} is closed")
+        if self._failed is not None:
+            raise self._failed
+
+    def _taken(self) -> list[Op]:
+        """The ops pending, taken for a share (the group's lock held)."""
+        with self._ops_lock:
+            ops, self._pending = self._pending, []
+        return ops
+
+    def _share(self, ops: list[Op]) -> None:
+        self._mirror.share(ops)
+        self._shared_at = time.monotonic()
+
+    def _beat(self) -> None:
+        """Share an empty log (with what is pending) while no group runs (thread)."""
+        while not self._stop.wait(self._beat_s / 2):
+            if time.monotonic() - self._shared_at < self._beat_s \
+                    or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._closed and self._failed is None:
+                    self._share(self._taken())
+            except EngineError as exc:  # a follower gone: the watchdog ends this process
+                log.error("tensor stage %s: %s", self.node_id, exc)
+                self._failed = exc
+            finally:
+                self._lock.release()
+
+
+class StageFollower:
+    """Rank 1..N-1 of a tensor-parallel stage: rank 0's steps on this rank's slices of
+    the stage's layers, their outputs thrown away (the module docstring)."""
+
+    def __init__(self, model: StageModel, mirror: Mirror, node_id: str = "") -> None:
+        self._model = model
+        self._mirror = mirror
+        self._node_id = node_id or f"[{model.start}, {model.end})"
+        self._states: dict[str, SeqState] = {}
+        self.steps = 0  # groups run (read from another thread: for the worker's stats)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences this rank holds caches of now."""
+        return len(self._states)
+
+    def run(self) -> None:
+        """Follow until rank 0 shares ``close``; mlx raises ``RuntimeError`` when the ring
+        breaks, ``EngineError`` where this rank cannot follow (rank 0 gone, or a bug)."""
+        while True:
+            for op in self._mirror.share([]):
+                if op[0] == "close":
+                    self._mirror.close()
+                    return
+                self._apply(op)
+
+    def _apply(self, op: Op) -> None:
+        if op[0] == "setup":
+            _, start, end, layers = op
+            own = (self._model.start, self._model.end, self._model.num_layers)
+            if (start, end, layers) != own:
+                raise EngineError(f"rank 0 runs stage [{start}, {end}) of {layers} layers "
+                                  f"and this rank loaded [{own[0]}, {own[1]}) of {own[2]}")
+        elif op[0] == "open":
+            _, seq_id, recipe = op
+            kv = None if recipe is None else KVQuant(*recipe)
+            self._states[seq_id] = SeqState(stage_cache(self._model, kv, self._node_id),
+                                            None)
+        elif op[0] == "drop":
+            self._states.pop(op[1], None)
+        elif op[0] == "step":
+            self._step(op[1], op[2])
+        else:
+            raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
+
+    def _step(self, overlap: bool, steps: Sequence[tuple[Any, ...]]) -> None:
+        group = []
+        for seq_id, sample, name, dtype, shape, data in steps:
+            state = self._states.get(seq_id)
+            if state is None:
+                raise EngineError(f"rank 0 ran a step of sequence {seq_id}, which this "
+                                  "rank never opened")
+            group.append(Step(seq_id, state, 0, sample,
+                              Tensor(name, dtype, tuple(shape), memoryview(data))))
+        with self._mirror.stepping():
+            forward_group(self._model, group, overlap=overlap)
+        self.steps += 1
+
+
+def run_stage_follower(path: str, start: int, end: int, group: Any, *,
+                       progress: Progress | None = None,
+                       ready: Callable[[], None] | None = None,
+                       share_deadline_s: float = SHARE_DEADLINE_S,
+                       made: Callable[[StageFollower], None] | None = None,
+                       hosts: Sequence[str] = ()) -> None:
+    """Rank ``group.rank()`` (≥ 1) of a tensor-parallel stage of layers [start, end) of
+    ``path``: load this rank's slices, say ``ready()``, then take rank 0's steps until it
+    closes the group. ``made``: given the ``StageFollower`` (its ``steps`` and
+    ``sequences``, for the worker's stats) before ``ready``. Raises ``EngineError`` when
+    the group breaks (rank 0 or another rank gone, or silent past the share deadline)."""
+    model = load_tensor_stage(path, start, end, group, progress)
+    follower = StageFollower(model, Mirror(group, deadline_s=share_deadline_s,
+                                           hosts=hosts))
+    if made is not None:
+        made(follower)
+    if ready is not None:
+        ready()
+    try:
+        follower.run()
+    except RuntimeError as exc:  # mlx's: "[ring] connection to a peer was lost"
+        raise EngineError(f"tensor-parallel rank {group.rank()} of stage [{start}, {end}) "
+                          f"lost the ring: {exc}") from exc
