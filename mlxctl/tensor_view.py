@@ -19,6 +19,9 @@ def tensor_lines(tensor: dict[str, Any] | None) -> list[str]:
                 f"rank 0 at {tensor['rank0']}, worker tp-{tensor['rank']} {tensor['state']}"]
     head = f"tensor group of {tensor['size']} ranks across hosts: {tensor['state']}"
     lines = [head + (f" ({tensor['why']})" if tensor.get("why") else "")]
+    if tensor.get("transport"):  # chosen at the last formation (engine/transport.py)
+        t = tensor["transport"]
+        lines.append(f"  transport: {t['backend']} ({t['reason']})")
     for r in tensor["ranks"]:
         lines.append(f"  rank {r['rank']}  {r['agent'] or '-'}  ring {r['ring'] or '-'}  "
                      f"{r['state']}" + (f": {r['error']}" if r.get("error") else ""))

@@ -25,7 +25,9 @@ names, in rank order, each a daemon started with ``--node-role tensor_parallel_r
 
 While the group is not formed, the OpenAI port answers 503 naming the rank, its host
 and why (``daemon/tensor_standin.py``), ``GET /ready`` included. ``mlxctl status`` shows
-the group (``tensor``: each rank's host, ring address and state).
+the group (``tensor``: each rank's host, ring address and state, and the transport
+chosen at formation over every host's RDMA report, ``engine/transport.py``: the ring
+here, named why).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from mlxceld.config.serve import ROUTER
 from mlxceld.daemon.roster import Roster
@@ -44,6 +46,13 @@ from mlxceld.daemon.tensor_rank import RankHost
 from mlxceld.daemon.tensor_standin import StandIn
 from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
+from mlxceld.engine.transport import (
+    HostReport,
+    TransportChoice,
+    choose_transport,
+    probe_in_child,
+    report_from_json,
+)
 from mlxceld.net.agent import AgentService, ask
 from mlxceld.net.errors import AskFailed
 from mlxceld.state.events import EventLog
@@ -75,6 +84,7 @@ class RankState:
     ring: str | None = None
     error: str | None = None
     since: float = 0.0
+    report: HostReport | None = None  # its RDMA, as its tensor_reserved said
 
 
 class TensorPeers:
@@ -90,6 +100,8 @@ class TensorPeers:
         self.formed = False
         self._ring0: str | None = None  # our ring endpoint, kept
         self._why = "the tensor-parallel group is forming"
+        self._probe: asyncio.Task[HostReport] | None = None  # this host's RDMA, once
+        self.transport: TransportChoice | None = None  # chosen at the last formation
 
     def describe(self) -> JSON | None:
         """``tensor`` in the daemon's status: the group, each rank's host and state."""
@@ -99,6 +111,8 @@ class TensorPeers:
         zero = {"rank": 0, "agent": self._origin(), "ring": self._ring0, "error": None,
                 "state": str(got[0]) if got else "stopped"}
         return {"role": "rank0", "size": len(self.ranks) + 1,
+                "transport": {"backend": self.transport.backend,
+                              "reason": self.transport.reason} if self.transport else None,
                 "state": "formed" if self.formed else "down", "why": None if self.formed
                 else self._why, "ranks": [zero] + [
                     {"rank": r.rank, "agent": r.agent, "ring": r.ring, "state": r.state,
@@ -154,18 +168,44 @@ class TensorPeers:
             got = await self._ask(r, origin, TensorReserve(model, r.rank, size))
             if got is None:
                 return None
-            r.ring = TensorReserved.from_wire(got).ring
+            reserved = TensorReserved.from_wire(got)
+            r.ring, r.report = reserved.ring, self._report_of(r, reserved.host)
             rings.append(r.ring)
         ring0 = await asyncio.to_thread(self._own_ring, origin)
         if ring0 is None:
             return None
         ring = (ring0, *rings)
+        self.transport = await self._choose(parse_address(ring0).host)
         batch = self._roster.serve.max_batch
         for r in self.ranks:
             if await self._ask(r, origin, TensorJoin(model, r.rank, ring, batch)) is None:
                 return None
             r.state, r.error, r.since = "joined", None, time.time()
         return ring
+
+    def _report_of(self, r: RankState, said: dict[str, Any] | None) -> HostReport:
+        """Rank ``r``'s host report, named by its agent's host; one it did not send (or
+        sent malformed, logged) counts as a host without RDMA."""
+        host = parse_address(r.agent).host
+        if said is not None:
+            try:
+                return report_from_json(host, said)
+            except ValueError as exc:
+                log.warning("tensor rank %d on %s: its host report is refused: %s", r.rank,
+                            r.agent, exc)
+        return HostReport(host, "unreported", None, False, ())
+
+    async def _choose(self, here_host: str) -> TransportChoice:
+        """The group's backend over every rank's host report (``engine/transport.py``);
+        this host is probed once, in a child process. The ring is what forms whatever the
+        choice says: no Thunderbolt link between hosts is read yet, so it says the ring."""
+        if self._probe is None:
+            self._probe = asyncio.create_task(asyncio.to_thread(probe_in_child, here_host))
+        here = await asyncio.shield(self._probe)
+        choice = choose_transport([here, *(r.report for r in self.ranks if r.report)])
+        if choice != self.transport:
+            log.info("tensor group transport: %s", choice.line())
+        return choice
 
     async def _ask(self, r: RankState, origin: str, question: Message) -> dict[str, object] | None:
         try:

@@ -7,8 +7,10 @@ authenticates both ends; ``wire/tensor_messages.py``):
 - ``tensor_reserve`` (model identity, rank, size): refused (``error``) unless this daemon
   is a rank host serving a model of that identity; else it keeps a TCP port free for
   its ring endpoint on the IP the question reached it at (the interface rank 0 dialed:
-  never a wildcard) and answers ``tensor_reserved`` with that ``host:port``. The port is
-  kept for the daemon's life, so a group formed again meets at the same address.
+  never a wildcard) and answers ``tensor_reserved`` with that ``host:port`` and what this
+  host says of its RDMA (``engine/transport.py``, probed once in a child process), for
+  rank 0's choice of transport. The port is kept for the daemon's life, so a group formed
+  again meets at the same address.
 - ``tensor_join`` (model identity, rank, the ring's ``host:port`` per rank, max batch):
   the same checks, and its own entry must be the one it reserved; then the worker
   ``tp-<rank>`` (``workers/tensor_rank.py``) starts with those options (one that runs is
@@ -26,10 +28,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from mlxceld.config.daemon import Config
 from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
+from mlxceld.engine.transport import HostReport, probe_in_child, report_json
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService
 from mlxceld.roles.options import TensorOptions
@@ -42,6 +45,8 @@ from mlxceld.wire.messages import Error, MessageError
 from mlxceld.wire.tensor_messages import TensorJoin, TensorJoined, TensorReserve, TensorReserved
 
 log = logging.getLogger(__name__)
+
+REPORT_S: Final = 5.0  # the most the first tensor_reserved waits for this host's probe
 
 
 class RankSlot(Protocol):
@@ -67,10 +72,22 @@ class RankHost:
         self._rings: dict[str, str] = {}  # our IP -> the host:port kept on it
         self._asked_by: str | None = None  # rank 0's agent identity, last heard
         self._joined_at: float | None = None
+        self._probe: asyncio.Task[HostReport] | None = None  # this host's RDMA, once
 
     def register(self, agent: AgentService) -> None:
         agent.add_handler(AGENT_CHANNEL, TensorReserve.T, self._on_reserve)
         agent.add_handler(AGENT_CHANNEL, TensorJoin.T, self._on_join)
+
+    async def _report(self) -> dict[str, Any] | None:
+        """This host's RDMA report for rank 0's transport choice (``engine/transport.py``):
+        probed once, in a child process; None when it is not ready within ``REPORT_S``
+        (rank 0 then counts this host as without RDMA: the ring)."""
+        if self._probe is None:
+            self._probe = asyncio.create_task(asyncio.to_thread(probe_in_child, "this host"))
+        try:
+            return report_json(await asyncio.wait_for(asyncio.shield(self._probe), REPORT_S))
+        except TimeoutError:
+            return None
 
     def describe(self) -> JSON | None:
         """``tensor`` in the daemon's status: this host's rank, its ring and rank 0."""
@@ -89,7 +106,7 @@ class RankHost:
         try:
             asked = TensorReserve.from_wire(message.header)
             await self._check(asked.model, stream)
-            answer: Any = TensorReserved(self._ring(stream))
+            answer: Any = TensorReserved(self._ring(stream), await self._report())
         except (MessageError, JoinRefused) as exc:
             answer = Error(str(exc.reason if isinstance(exc, MessageError) else exc))
         await stream.send(encode_envelope(answer.to_wire()))

@@ -17,19 +17,26 @@ What a Mac needs for JACCL (Apple's TN3205 and mlx's distributed guide):
 
 ``probe_host`` gathers one host's report (bounded by ``PROBE_S``, never raises). The
 one-host group (``--tp-size``) probes its host and reports the choice, always the ring:
-its ranks share one machine, and JACCL joins separate Macs. Importing this module does
+its ranks share one machine, and JACCL joins separate Macs. A group across hosts
+(``--tp-peers``): each rank host's daemon probes itself in a child process
+(``probe_in_child``) and sends its report with its ``tensor_reserved`` answer; rank 0's
+daemon chooses over all of them at each formation and ``mlxctl status`` shows it. No
+host here reports a Thunderbolt link between two hosts yet (which Thunderbolt port
+reaches which host is not read), so across hosts the choice is the ring, named why; the
+ring is what forms. Importing this module does
 not import mlx; the probe does, to ask what mlx was built with.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Literal
 
@@ -90,6 +97,51 @@ def choose_transport(reports: Sequence[HostReport],
                 return TransportChoice("ring", f"{a} and {b} are not linked over "
                                        "Thunderbolt")
     return TransportChoice("jaccl", f"RDMA over Thunderbolt between all {len(hosts)} hosts")
+
+
+CHILD_S: Final = 20.0  # a probe in a child process: mlx's import, then ``PROBE_S``
+_CHILD: Final = ("import json, sys; from mlxceld.engine.transport import probe_host, "
+                 "report_json; print(json.dumps(report_json(probe_host('this host'))))")
+MAX_DEVICES: Final = 32
+
+
+def report_json(r: HostReport) -> dict[str, object]:
+    """``r`` as a rank host sends it (its ``host`` is named by the asker)."""
+    return {"system": r.system, "macos": list(r.macos) if r.macos else None,
+            "jaccl": r.jaccl, "devices": list(r.rdma_devices)}
+
+
+def report_from_json(host: str, value: object) -> HostReport:
+    """A report as ``report_json`` wrote it, from ``host``; ``ValueError`` naming the
+    field that is not as written."""
+    if not isinstance(value, dict) or set(value) != {"system", "macos", "jaccl", "devices"}:
+        raise ValueError("a host report has exactly system, macos, jaccl and devices")
+    system, macos, jaccl, devices = (value["system"], value["macos"], value["jaccl"],
+                                     value["devices"])
+    if not isinstance(system, str) or not 0 < len(system) <= 32:
+        raise ValueError("a host report's 'system' must be a platform name")
+    if macos is not None and (not isinstance(macos, list) or not 0 < len(macos) <= 4 or not all(
+            type(v) is int and 0 <= v < 1000 for v in macos)):
+        raise ValueError("a host report's 'macos' must be null or a version, e.g. [26, 2]")
+    if type(jaccl) is not bool:
+        raise ValueError("a host report's 'jaccl' must be true or false")
+    if not isinstance(devices, list) or len(devices) > MAX_DEVICES or not all(
+            isinstance(d, str) and 0 < len(d) <= 64 for d in devices):
+        raise ValueError(f"a host report's 'devices' must list at most {MAX_DEVICES} names")
+    return HostReport(host, system, tuple(macos) if macos else None, jaccl, tuple(devices))
+
+
+def probe_in_child(host: str, *, timeout_s: float = CHILD_S) -> HostReport:
+    """``probe_host`` in a child process (a daemon never imports mlx: its threads left at
+    exit abort it); a child that fails or outlasts ``timeout_s`` reports nothing: no
+    JACCL, no device (the ring then)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+        return replace(report_from_json(host, json.loads(done.stdout)), host=host)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return HostReport(host, sys.platform, _macos_version() if sys.platform == "darwin"
+                          else None, False, ())
 
 
 def probe_host(host: str, *, timeout_s: float = PROBE_S) -> HostReport:

@@ -11,7 +11,10 @@ type            direction         header fields
 tensor_reserve  rank 0 → rank     ``model``: the model's identity (64 hex digits);
                                   ``rank``: 1 .. ``size`` - 1; ``size``: 2 .. MAX_SIZE
 tensor_reserved rank → rank 0     ``ring``: the ``host:port`` this rank's ring endpoint
-                                  binds (its agent's IP, a port kept free for it)
+                                  binds (its agent's IP, a port kept free for it);
+                                  ``host`` (optional): what the host says of its RDMA,
+                                  ``{system, macos, jaccl, devices}``
+                                  (``engine/transport.py``: ``report_json``)
 tensor_join     rank 0 → rank     ``model``, ``rank``; ``hosts``: the ring, one
                                   ``host:port`` per rank, rank 0 first; ``max_batch``
 tensor_joined   rank → rank 0     ``rank``: the rank whose worker now starts
@@ -79,17 +82,23 @@ class TensorReserve:
 
 @dataclass(frozen=True)
 class TensorReserved:
-    """The answer: where this rank's ring endpoint binds."""
+    """The answer: where this rank's ring endpoint binds, and the host's RDMA report
+    (checked by its reader, ``engine.transport.report_from_json``; None: not sent)."""
 
     T: ClassVar[str] = "tensor_reserved"
     ring: str
+    host: dict[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "ring": self.ring}
+        return {"t": self.T, "ring": self.ring,
+                **({"host": self.host} if self.host is not None else {})}
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        return cls(_address(header.get("ring"), "ring", cls.T))
+        host = header.get("host")
+        if host is not None and not isinstance(host, dict):
+            raise MessageError("host", f"{cls.T} field 'host' must be an object")
+        return cls(_address(header.get("ring"), "ring", cls.T), host)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ from mlxceld.engine.transport import (
     choose_transport,
     parse_ibv_devices,
     probe_host,
+    probe_in_child,
     rdma_devices,
+    report_from_json,
+    report_json,
 )
 
 MAC = HostReport(host="studio-1", system="darwin", macos=(26, 2), jaccl=True,
@@ -122,3 +125,33 @@ def test_importing_it_imports_no_mlx() -> None:
     code = ("import sys, mlxceld.engine.transport; "
             "sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_a_probe_in_a_child_reports_as_the_probe_here_and_goes_over_the_wire() -> None:
+    here = probe_host("h")
+    child = probe_in_child("10.0.0.7")
+    assert child == replace(here, host="10.0.0.7")
+    said = report_json(child)
+    assert set(said) == {"system", "macos", "jaccl", "devices"}
+    assert report_from_json("10.0.0.7", said) == child
+    mac = {"system": "darwin", "macos": [26, 2], "jaccl": True, "devices": ["rdma_en3"]}
+    assert report_from_json("m", mac) == HostReport("m", "darwin", (26, 2), True, ("rdma_en3",))
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ("darwin", "system, macos"), ({"system": "darwin"}, "system, macos"),
+    ({"system": "", "macos": None, "jaccl": False, "devices": []}, "'system'"),
+    ({"system": "darwin", "macos": "26.2", "jaccl": False, "devices": []}, "'macos'"),
+    ({"system": "darwin", "macos": [26, True], "jaccl": False, "devices": []}, "'macos'"),
+    ({"system": "darwin", "macos": None, "jaccl": 1, "devices": []}, "'jaccl'"),
+    ({"system": "darwin", "macos": None, "jaccl": True, "devices": ["x"] * 33}, "'devices'"),
+])
+def test_a_malformed_host_report_is_refused_naming_the_field(bad: object, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        report_from_json("h", bad)
+
+
+def test_a_child_that_fails_reports_no_rdma(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    assert probe_in_child("h") == HostReport("h", sys.platform, None if sys.platform !=
+                                             "darwin" else probe_host("h").macos, False, ())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -144,6 +145,13 @@ def test_status_shows_the_group_on_rank_0_and_the_rank_on_its_host(group: Group)
     shown = group.rank0.ctl("status")
     assert shown.returncode == 0, shown.stderr
     assert f"rank 1  {one['agent']}" in shown.stdout, shown.stdout
+    # Each host's RDMA report (the rank host's came with its tensor_reserved answer): the
+    # ring, and why; here no host is a Mac, and rank 0's host is named first.
+    transport = tensor["transport"]
+    assert transport["backend"] == "ring", transport
+    if sys.platform != "darwin":
+        assert transport["reason"].startswith(f"{RANK0} is not macOS ({sys.platform})"), transport
+    assert f"transport: ring ({transport['reason']})" in shown.stdout, shown.stdout
 
 
 def stream_until_killed(g: Group, pids: list[int]) -> tuple[dict[str, Any] | None, float, str]:

@@ -19,12 +19,15 @@ from mlxceld.wire.tensor_messages import (
 
 MODEL = "ab" * 32
 RING = ("10.0.0.10:40000", "10.0.0.11:40001")
+HOST = {"system": "darwin", "macos": [26, 2], "jaccl": True, "devices": ["rdma_en3"]}
 
 
 @pytest.mark.parametrize(("message", "header"), [
     (TensorReserve(MODEL, 1, 2), {"t": "tensor_reserve", "model": MODEL, "rank": 1,
                                   "size": 2}),
     (TensorReserved("10.0.0.11:40001"), {"t": "tensor_reserved", "ring": "10.0.0.11:40001"}),
+    (TensorReserved("10.0.0.11:40001", HOST), {"t": "tensor_reserved",
+                                               "ring": "10.0.0.11:40001", "host": HOST}),
     (TensorJoin(MODEL, 1, RING, 8), {"t": "tensor_join", "model": MODEL, "rank": 1,
                                      "hosts": list(RING), "max_batch": 8}),
     (TensorJoined(1), {"t": "tensor_joined", "rank": 1}),
@@ -42,6 +45,7 @@ def test_each_message_goes_out_as_its_header_and_comes_back(message: Any,
     ({"t": "tensor_reserve", "model": MODEL, "rank": 1, "size": 17}, "size"),
     ({"t": "tensor_reserve", "model": MODEL, "rank": True, "size": 2}, "rank"),
     ({"t": "tensor_reserved", "ring": "nowhere"}, "ring"),
+    ({"t": "tensor_reserved", "ring": RING[1], "host": "darwin"}, "host"),
     ({"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": [RING[0]], "max_batch": 8},
      "hosts"),
     ({"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": [RING[0], RING[0]],
