@@ -63,7 +63,12 @@ import time
 from typing import Protocol
 
 from mlxceld import __version__
-from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
+from mlxceld.cluster.clusterfile.placement import (
+    place,
+    served_node,
+    serving_cluster,
+    serving_config,
+)
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember, MemberParts
 from mlxceld.config.changes import AT_NEXT_START, api_key_change, config_changes
@@ -202,7 +207,7 @@ class Daemon:
                           router=role == ROUTER_ROLE,
                           handoff_side=role if role in HANDOFF_SIDES else None,
                           tensor=across_hosts(role, config.serve.tp_peers),
-                          served=f"{served.path}: node {config.node_id!r} ({role})"
+                          served=served_node(served, config.node_id or "")
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
         self._make_parts()
