@@ -12,7 +12,8 @@ required where a pipeline runs, changed by `mlxctl secret`. Its first secret
 starts the agent listener. Workers never get any *SECRET* variable.
 
 Shutdown order, written once (``_shutdown``, whose last step ``_release`` runs
-once every task has ended): stop admitting work, ask every worker to stop (each
+once every task has ended): stop admitting work (rank 0 of a tensor-parallel group
+across hosts forms it no more), ask every worker to stop (each
 has its stop timeout, then SIGKILL from its lifecycle), a backstop deadline of
 the longest stop timeout plus ``SHUTDOWN_SLACK_S`` after which every group is
 SIGKILLed; then close the cluster member (discovery, the assignee, the
@@ -404,6 +405,7 @@ class Daemon:
         if dry_run is None:
             # Admit no more work; a second SIGTERM/SIGINT forces.
             self._stopping = True
+            self.tensor.close()  # rank 0 forms no group again as its router stops
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._force)
@@ -430,6 +432,7 @@ class Daemon:
         self._keeper.close()
         self._draining.service.close()
         self._replica_peers.close()
+        self.tensor.close()
         self._front.close()
         if self._standby is not None:
             self._standby.close()

@@ -251,13 +251,23 @@ class TensorWindow:
                  events: EventLog, origin: Callable[[], str | None]) -> None:
         self.peers = TensorPeers(roster, supervisor, keyring, events, origin)
         self.rank = RankHost(roster, supervisor, lambda: roster.config)
+        self._closing = asyncio.Event()
 
     def register(self, agent: AgentService) -> None:
         """The rank host's answers on the agent (refusals on any other daemon)."""
         self.rank.register(agent)
 
     async def run(self) -> None:
-        await self.peers.run()
+        """Rank 0's group formed and kept until ``close``, which cancels it wherever it
+        is (an ask in flight, a wait to form again): the daemon's shutdown ends there."""
+        async with asyncio.TaskGroup() as tg:
+            keeping = tg.create_task(self.peers.run())
+            await self._closing.wait()
+            keeping.cancel()
+
+    def close(self) -> None:
+        """The shutdown's first step here: no group formed again once the router stops."""
+        self._closing.set()
 
     def describe(self) -> JSON | None:
         return self.peers.describe() or self.rank.describe()
