@@ -20,7 +20,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
+from mlxceld.cluster.clusterfile.placement import (
+    place,
+    served_node,
+    serving_cluster,
+    serving_config,
+)
 from mlxceld.cluster.keyring import configured_secret, require_secret
 from mlxceld.config.daemon import Config, Overrides, load_config
 from mlxceld.config.serve import read_api_key
@@ -67,7 +72,7 @@ def check_config(flags: Overrides) -> Config:
                    router=role == ROUTER_ROLE,
                    handoff_side=role if role in HANDOFF_SIDES else None,
                    tensor=across_hosts(role, config.serve.tp_peers),
-                   served=f"{served.path}: node {config.node_id!r} ({role})"
+                   served=served_node(served, config.node_id or "")
                    if served is not None else None)
     return config
 

@@ -180,16 +180,18 @@ def require_secret(has_secret: bool, keys_dir: Path, *, pp_auto: bool,
 
     everyone = ("mlxctl secret generate FILE, copy FILE (chmod 600) to each host, then "
                 "pass --cluster-secret-file FILE")
-    if served is not None:  # a hybrid placed by it too
+    ring = "the ring's ports and ranks travel over the authenticated agent connection"
+    if served is not None:  # a hybrid placed by it too, a tensor-parallel group's rank
+        why = ring if tensor is not None else ("its routers reach it only over the "
+                                               "authenticated wire")
         raise ConfigError(
-            f"{served} needs the cluster secret: its routers reach it only over the "
-            "authenticated wire; " + where(first="the file's secret_file"),
+            f"{served} needs the cluster secret: {why}; "
+            + where(first="the file's secret_file"),
             hint="set secret_file under [cluster] (mlxctl secret generate FILE, chmod "
             "600, the same on every host) or pass --cluster-secret-file FILE")
     if tensor is not None:
         raise ConfigError(
-            f"{tensor} needs the cluster secret: the ring's ports and ranks travel over "
-            f"the authenticated agent connection; {where()}",
+            f"{tensor} needs the cluster secret: {ring}; {where()}",
             hint=f"give rank 0's host and every rank host the same secret: {everyone}")
     if handoff_side is not None:
         raise ConfigError(

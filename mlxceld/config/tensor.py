@@ -11,7 +11,9 @@ rank 0 (the OpenAI port, the API, batching) and N-1 workers ``tp-1`` .. ``tp-{N-
 are ranks 1 .. N-1. Each rank holds about 1/N of the layers' weights (mlx-lm's own
 ``Model.shard``) plus the embedding and head. The supervisor restarts the N
 processes together when any of them ends. A serving cluster TOML says it as
-``[cluster] tensor_parallel_size`` (each hybrid node's ``tp_size``).
+``[cluster] tensor_parallel_size`` (each hybrid node's ``tp_size``); a cluster TOML of
+``tensor_parallel_rank`` nodes says a group across hosts (below) the same way
+(``cluster/clusterfile/placement.py``).
 
 Refused at start (exit 2, naming the flag or key and the reason), and on a SIGHUP
 reload (the running config is kept) — ``check_tp_setting``:

@@ -11,21 +11,20 @@ a TOML becomes the primary, kept in a 0600 file under ``<state-dir>/keys``),
 required where a pipeline runs, changed by `mlxctl secret`. Its first secret
 starts the agent listener. Workers never get any *SECRET* variable.
 
-Shutdown order, written once (``_shutdown``, whose last step ``_release`` runs
-once every task has ended): stop admitting work, ask every worker to stop (each
-has its stop timeout, then SIGKILL from its lifecycle), a backstop deadline of
-the longest stop timeout plus ``SHUTDOWN_SLACK_S`` after which every group is
-SIGKILLed; then close the cluster member (discovery, the assignee, the
-coordinator, the agent listener) and the control API. The workers drain in
-parallel, each within its stop timeout (a model worker's is at least
+Shutdown order, written once (``_shutdown``, whose last step ``_release`` runs once
+every task has ended): stop admitting work (rank 0 of a tensor-parallel group across
+hosts forms it no more), ask every worker to stop (each has its stop timeout, then
+SIGKILL from its lifecycle), a backstop deadline of the longest stop timeout plus
+``SHUTDOWN_SLACK_S`` after which every group is SIGKILLed; then close the cluster member
+(discovery, the assignee, the coordinator, the agent listener) and the control API. The
+workers drain in parallel, each within its stop timeout (a model worker's is at least
 ``roster.MODEL_STOP_TIMEOUT_S``, 20 s): a router lets its open streams finish for
-``workers.router.GRACEFUL_S`` (10 s), a stage refuses new sequences and runs those
-it holds to their end for ``pipeline.stage.DRAIN_S`` (15 s). The member closes only
-after them, so heartbeats keep a draining stage's host alive to its coordinator.
-Then remove the socket, close the database, release the lock. A second
-SIGTERM/SIGINT while shutting down forces (``_force``): SIGKILL to every worker
-group, ``_release``, exit 1. After a dry run nothing is
-drained: it goes straight to the closing.
+``workers.router.GRACEFUL_S`` (10 s), a stage refuses new sequences and runs those it
+holds to their end for ``pipeline.stage.DRAIN_S`` (15 s). The member closes only after
+them, so heartbeats keep a draining stage's host alive to its coordinator. Then remove
+the socket, close the database, release the lock. A second SIGTERM/SIGINT while shutting
+down forces (``_force``): SIGKILL to every worker group, ``_release``, exit 1. After a
+dry run nothing is drained: it goes straight to the closing.
 
 A worker that exits cleanly on its own stays down, except the stage of an active plan,
 which comes back; a failed stage worker's port is answered by a stand-in: both are the
@@ -63,7 +62,12 @@ import time
 from typing import Protocol
 
 from mlxceld import __version__
-from mlxceld.cluster.clusterfile.placement import place, serving_cluster, serving_config
+from mlxceld.cluster.clusterfile.placement import (
+    place,
+    served_node,
+    serving_cluster,
+    serving_config,
+)
 from mlxceld.cluster.keyring import KeyringService
 from mlxceld.cluster.member import ClusterMember, MemberParts
 from mlxceld.config.changes import AT_NEXT_START, api_key_change, config_changes
@@ -94,11 +98,7 @@ from mlxceld.daemon.standby import Standby
 from mlxceld.daemon.tensor_peers import TensorWindow
 from mlxceld.discovery.candidates import CandidateTable
 from mlxceld.discovery.speed import NodeSpeed
-from mlxceld.errors import (
-    AlreadyRunning,
-    ConfigError,
-    MlxceldError,
-)
+from mlxceld.errors import AlreadyRunning, ConfigError, MlxceldError
 from mlxceld.observe import MetricsServer
 from mlxceld.sdnotify import Notifier, status_line
 from mlxceld.state import (
@@ -202,7 +202,7 @@ class Daemon:
                           router=role == ROUTER_ROLE,
                           handoff_side=role if role in HANDOFF_SIDES else None,
                           tensor=across_hosts(role, config.serve.tp_peers),
-                          served=f"{served.path}: node {config.node_id!r} ({role})"
+                          served=served_node(served, config.node_id or "")
                           if served is not None else None)
         self.serving.check_start(config)  # the model: fetched, split over --tp-size, ...
         self._make_parts()
@@ -396,6 +396,7 @@ class Daemon:
         """The shutdown order (see the module docstring); ``dry_run`` is a dry run's exit
         code: nothing to drain. ``_release`` follows once every task has ended."""
         code = 0 if dry_run is None else dry_run
+        self.tensor.close()  # first: rank 0 forms no group again as its router stops
         if dry_run is None:
             # Admit no more work; a second SIGTERM/SIGINT forces.
             self._stopping = True
@@ -426,7 +427,6 @@ class Daemon:
         self._draining.service.close()
         self._replica_peers.close()
         self._front.close()
-        self.tensor.close()
         if self._standby is not None:
             self._standby.close()
         self._server.request_shutdown()

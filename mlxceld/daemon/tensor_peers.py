@@ -313,6 +313,7 @@ class TensorWindow:
             work.result()  # what ended it on its own, raised as before
 
     def close(self) -> None:
+        """The shutdown's first step here: no group formed again once the router stops."""
         self._closing.set()
 
     def describe(self) -> JSON | None:

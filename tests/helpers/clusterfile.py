@@ -75,3 +75,32 @@ def router_file(extra: str = "", router_extra: str = "") -> str:
     """``ROUTER_FILE``: a router over two hybrids, ``extra`` under [cluster] and
     ``router_extra`` in the router's table."""
     return ROUTER_FILE.format(extra=extra, router_extra=router_extra)
+
+
+# A tensor-parallel group across hosts as mlxcel's reference files write it: node-0 is
+# rank 0 (it serves the OpenAI port), node-1 rank 1, named by a hostname.
+TENSOR_FILE = """
+[cluster]
+name = "tp-1"
+model = "model"
+secret_file = "secret"
+tensor_parallel_size = 2
+pipeline_parallel_size = 1
+{extra}
+[[nodes]]
+id = "node-0"
+address = "10.0.0.10:19000"
+role = "tensor_parallel_rank"
+rank = 0
+{rank0_extra}
+[[nodes]]
+id = "node-1"
+address = "studio-2.local"
+role = "tp"
+rank = 1
+"""
+
+
+def tensor_file(extra: str = "", rank0_extra: str = "") -> str:
+    """``TENSOR_FILE``: ``extra`` under [cluster] and ``rank0_extra`` in node-0's table."""
+    return TENSOR_FILE.format(extra=extra, rank0_extra=rank0_extra)

@@ -16,6 +16,7 @@ from mlxceld.cluster.clusterfile.model import (
     COORDINATOR,
     PIPELINE_STAGE,
     SERVING_ROLES,
+    TENSOR_RANK,
     ClusterConfig,
     ClusterRole,
     NodeConfig,
@@ -26,7 +27,7 @@ from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE
 from mlxceld.types import DECODE_ROLE, MAX_REPLICAS, PREFILL_ROLE
-from mlxceld.wire.address import parse_address
+from mlxceld.wire.address import HostPort, parse_address
 from mlxceld.wire.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 
 TOP_KEYS: Final = ("cluster", "nodes")
@@ -34,10 +35,12 @@ CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_fil
                        "kv_compression", "tensor_parallel_size")
 NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resources")
 RESOURCE_KEYS: Final = ("memory_bytes", "compute_units")
+# A tensor-parallel rank's role and mlxcel's alias for it (read as the role).
+TENSOR_ROLES: Final = (TENSOR_RANK, "tp")
 # Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
-# TOML does not describe yet: refused as "not supported yet", not as typos.
-LATER_ROLES: Final = frozenset({"tensor_parallel_rank", "tp", "pipeline_tensor_parallel",
-                                "pp_tp", "2d"})
+# TOML does not describe yet: refused as "not supported yet", not as typos. The 2D
+# mesh's (a pipeline of tensor-parallel stages) and its aliases.
+LATER_ROLES: Final = frozenset({"pipeline_tensor_parallel", "pp_tp", "2d"})
 ID_HINT = 'give every node a unique id of 1-128 printable characters, e.g. id = "stage-0"'
 REPLICA_HINT = ("with [cluster] replicas = R, every pipeline_stage names its group: "
                 "replica = 0 .. R-1")
@@ -47,6 +50,9 @@ AGENT_HINT = ("a router's, hybrid's, prefill or decode node's address is its age
               "studio-2.local or 192.168.1.12:19000")
 COMPRESSION_HINT = 'one of none, int8, int4, each optionally with +lz4: e.g. "int8+lz4"'
 LAYERS_HINT = "for example layers = [0, 14]: layers 0 to 13 (the end is excluded)"
+TENSOR_HINT = ("a tensor-parallel group across hosts: tensor_parallel_size = N under "
+               '[cluster] and N nodes of role = "tensor_parallel_rank" with rank = 0 .. N-1 '
+               "(rank 0 serves the OpenAI port)")
 
 
 def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
@@ -65,9 +71,12 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
                           hint=f'use 1-{MAX_NAME} printable characters, e.g. name = '
                           f'"{DEFAULT_CLUSTER_NAME}"')
     raw_nodes = data.get("nodes")
-    serving = isinstance(raw_nodes, list) and any(
-        isinstance(n, Mapping) and n.get("role") in SERVING_ROLES for n in raw_nodes)
-    if serving:
+    roles = {n.get("role") for n in raw_nodes if isinstance(n, Mapping)
+             and isinstance(n.get("role"), str)} if isinstance(raw_nodes, list) else set()
+    if roles & set(TENSOR_ROLES):
+        assert isinstance(raw_nodes, list)
+        return _tensor_cluster(cluster, raw_nodes, name, path)
+    if roles & set(SERVING_ROLES):
         assert isinstance(raw_nodes, list)
         return _serving_cluster(cluster, raw_nodes, name, path)
     if "kv_compression" in cluster:
@@ -157,6 +166,71 @@ def _tensor_parallel_size(cluster: Mapping[str, Any], where: str) -> int:
     return 1 if tp is None else tp
 
 
+def _tensor_cluster(cluster: Mapping[str, Any], nodes: list[Any], name: str,
+                    path: Path) -> ClusterConfig:
+    """A tensor-parallel group across hosts: ``tensor_parallel_size`` N (required) over N
+    ``tensor_parallel_rank`` nodes. No pipeline (``pipeline_parallel_size`` 1 at most, as
+    mlxcel's files say it), no replicas, no KV handoffs."""
+    where = str(path)
+    for key in ("replicas", "kv_compression"):
+        if key in cluster:
+            raise ConfigError(f"{where}: 'cluster.{key}' is not for a tensor-parallel group's "
+                              "file (it has tensor_parallel_rank nodes)",
+                              hint=f"remove {key}; {TENSOR_HINT}")
+    pp = _int(cluster, "pipeline_parallel_size", where, "cluster.", minimum=1)
+    if pp is not None and pp > 1:
+        raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is {pp} in a file of "
+                          "tensor_parallel_rank nodes: a pipeline of tensor-parallel stages "
+                          "(role pipeline_tensor_parallel) is not supported in a cluster TOML "
+                          "yet", hint=f"remove pipeline_parallel_size (or set it to 1); "
+                          f"{TENSOR_HINT}")
+    if not all(isinstance(n, Mapping) for n in nodes):
+        raise ConfigError(f"{where}: 'nodes' must be an array of tables",
+                          hint="write each node as a [[nodes]] table")
+    count = sum(1 for n in nodes if n.get("role") in TENSOR_ROLES)
+    if "tensor_parallel_size" not in cluster:
+        raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is missing: the file has "
+                          f"{count} tensor_parallel_rank node(s), and says how many ranks its "
+                          "group has", hint=f"set tensor_parallel_size = {max(count, 2)} under "
+                          "[cluster]")
+    tp = _tensor_parallel_size(cluster, where)
+    if tp < 2:
+        raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp} in a file of "
+                          "tensor_parallel_rank nodes: a group splits the model over 2 ranks "
+                          "or more", hint=f"set tensor_parallel_size = {max(count, 2)}, with "
+                          "one node per rank")
+    return ClusterConfig(
+        name=name, pipeline_parallel_size=0,
+        secret_file=_path_str(cluster, "secret_file", where),
+        model=_path_str(cluster, "model", where),
+        nodes=tuple(_node(raw, i, where, 1, tp) for i, raw in enumerate(nodes)),
+        path=path, tensor_parallel_size=tp)
+
+
+def _tensor_node(raw: Mapping[str, Any], node_id: str, at: str, tp: int) -> NodeConfig:
+    """A tensor-parallel rank's: its agent address (rank 0 dials the others' there) and its
+    ``rank``, 0 .. ``tp``-1; none of a stage's keys, no resources (nothing reads them)."""
+    for key in ("layers", "replica", "resources"):
+        if key in raw:
+            raise ConfigError(f"{at}: a {TENSOR_RANK} node has no '{key}'",
+                              hint="remove it: each rank holds a slice of every layer (1/N "
+                              "of its weights), split evenly; a host's speed is its "
+                              "[daemon] compute_units")
+    normal, addr = _agent_address(raw, at)
+    rank = _int(raw, "rank", at, "", minimum=0)
+    if rank is None:
+        raise ConfigError(f"{at}: 'rank' is missing (every {TENSOR_RANK} node has one)",
+                          hint=f"ranks are 0 .. {tp - 1} ('cluster.tensor_parallel_size' is "
+                          f"{tp}), one each; rank 0 serves the OpenAI port")
+    if rank >= tp:
+        raise ConfigError(f"{at}: 'rank' is {rank}, but 'cluster.tensor_parallel_size' is "
+                          f"{tp} (ranks 0 .. {tp - 1})",
+                          hint=f"give the group's nodes ranks 0 .. {tp - 1}, one each, or "
+                          "raise tensor_parallel_size")
+    return NodeConfig(id=node_id, address=normal, host=addr.host, port=addr.port,
+                      role=TENSOR_RANK, rank=rank)
+
+
 def _serving_node(raw: Mapping[str, Any], node_id: str, role: ClusterRole, at: str) -> NodeConfig:
     """A router's, hybrid's, prefill or decode node's: its agent address (normalized as
     --replicas normalizes it), and none of a stage's keys."""
@@ -165,6 +239,14 @@ def _serving_node(raw: Mapping[str, Any], node_id: str, role: ClusterRole, at: s
             raise ConfigError(f"{at}: a {role} node has no '{key}'",
                               hint="remove it: rank, layers and replica are a pipeline "
                               "stage's; a hybrid, prefill or decode node holds the whole model")
+    normal, addr = _agent_address(raw, at)
+    return NodeConfig(id=node_id, address=normal, host=addr.host, port=addr.port, role=role,
+                      **_resources(raw, at))
+
+
+def _agent_address(raw: Mapping[str, Any], at: str) -> tuple[str, HostPort]:
+    """A node's agent address, normalized as --replicas normalizes it (a host alone: port
+    19000), and parsed; never a wildcard."""
     address = raw.get("address")
     if not isinstance(address, str) or not address.strip():
         what = ("is missing" if address is None
@@ -176,11 +258,10 @@ def _serving_node(raw: Mapping[str, Any], node_id: str, role: ClusterRole, at: s
     if addr.is_wildcard:
         raise ConfigError(f"{at}: 'address' {address!r} is a wildcard, which names no host "
                           "to dial", hint=AGENT_HINT)
-    return NodeConfig(id=node_id, address=normal, host=addr.host, port=addr.port, role=role,
-                      **_resources(raw, at))
+    return normal, addr
 
 
-def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConfig:
+def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int, tp: int = 1) -> NodeConfig:
     node_id = raw.get("id")
     problem = "is missing" if node_id is None else name_problem(node_id)
     at = f"{where}: nodes[{i}]" if problem else f"{where}: node {node_id!r}"
@@ -188,8 +269,11 @@ def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConf
     if problem:
         raise ConfigError(f"{at}: 'id' {problem}", hint=ID_HINT)
     node_id = str(node_id)
+    if raw.get("role") in TENSOR_ROLES:
+        return _tensor_node(raw, node_id, at, tp)
     if raw.get("role") in SERVING_ROLES:
         return _serving_node(raw, node_id, _role(raw, at), at)
+    role = _role(raw, at)  # first: the role says how the address reads
     address = raw.get("address")
     if not isinstance(address, str):
         what = "is missing" if address is None else f"must be a string, not {shown(address)}"
@@ -198,7 +282,6 @@ def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int) -> NodeConf
         addr = parse_address(address)
     except ValueError as exc:
         raise ConfigError(f"{at}: 'address' {address!r} {exc}", hint=ADDRESS_HINT) from None
-    role = _role(raw, at)
     rank = _int(raw, "rank", at, "", minimum=0)
     layers = _layers(raw, at)
     replica = _int(raw, "replica", at, "", minimum=0)
@@ -240,15 +323,20 @@ def _replica(replica: int | None, replicas: int, at: str) -> int:
 def _role(raw: Mapping[str, Any], at: str) -> ClusterRole:
     role = raw.get("role")
     hint = (f'set role = "{COORDINATOR}" or role = "{PIPELINE_STAGE}" (a pipeline), or '
-            'role = "router", "hybrid", "prefill" or "decode" (replicas and pools)')
+            'role = "router", "hybrid", "prefill" or "decode" (replicas and pools), or '
+            'role = "tensor_parallel_rank" (a tensor-parallel group across hosts)')
     for known in CLUSTER_ROLES:
         if role == known:
             return known
+    if role in TENSOR_ROLES:
+        return TENSOR_RANK  # "tp": mlxcel's alias
     if role is None:
         raise ConfigError(f"{at}: 'role' is missing", hint=hint)
     if role in LATER_ROLES:
-        raise ConfigError(f"{at}: role {role!r} is not supported in a cluster TOML yet",
-                          hint=f"roles here: {', '.join(CLUSTER_ROLES)}")
+        raise ConfigError(f"{at}: role {role!r} (a 2D mesh: a pipeline of tensor-parallel "
+                          "stages) is not supported in a cluster TOML yet",
+                          hint=f"roles here: {', '.join(CLUSTER_ROLES)}; {TENSOR_HINT}, or "
+                          "a pipeline's coordinator and pipeline_stage nodes")
     raise ConfigError(f"{at}: 'role' {shown(role)} is not one of {', '.join(CLUSTER_ROLES)}",
                       hint=hint)
 

@@ -41,6 +41,19 @@ A serving cluster instead (no pipeline_parallel_size, no replicas)::
     address = "10.0.0.10:19000"      # its agent address (a host alone: port 19000)
     role = "router"                  # or hybrid, prefill, decode
 
+A tensor-parallel group across hosts instead (its ranks alone)::
+
+    [cluster]
+    model = "models/qwen3"           # every rank's model
+    secret_file = "secret"
+    tensor_parallel_size = 2         # required: the ranks, one node each
+
+    [[nodes]]
+    id = "node-0"
+    address = "10.0.0.10:19000"      # its agent address (a host alone: port 19000)
+    role = "tensor_parallel_rank"    # or "tp"
+    rank = 0                         # rank 0 serves the OpenAI port
+
 ``load_cluster`` checks everything that needs no model; ``validate_layers``
 checks the stages against the model's layer count once it is known. The
 format and its rules are documented in man/mlxcel-cluster.toml.5.
@@ -97,9 +110,10 @@ def parse_cluster_text(text: str, path: Path) -> ClusterConfig:
 
 def needs_secret(cfg: ClusterConfig) -> bool:
     """Whether the cluster needs a cluster secret: with two stages or more, or nodes on
-    more than one host, and always for routers, hybrids, prefill and decode nodes. Fails
-    closed: only one stage on the coordinator's host does not."""
-    if cfg.serving:
+    more than one host, and always for routers, hybrids, prefill and decode nodes and
+    tensor-parallel ranks. Fails closed: only one stage on the coordinator's host does
+    not."""
+    if cfg.serving or cfg.tensor:
         return True
     hosts = {parse_address(n.address).key()[0] for n in cfg.nodes}
     return len(cfg.stages) > 1 or len(hosts) > 1
@@ -109,7 +123,7 @@ def dump_cluster(cfg: ClusterConfig) -> str:
     """TOML text that ``load_cluster`` reads back to ``cfg`` (at the same path)."""
     lines = ["# A cluster of mlxceld nodes; see mlxcel-cluster.toml(5).", "[cluster]",
              f"name = {_string(cfg.name)}"]
-    if not cfg.serving:
+    if not cfg.serving and not cfg.tensor:
         lines.append(f"pipeline_parallel_size = {cfg.pipeline_parallel_size}")
     if cfg.kv_compression is not None:
         lines.append(f"kv_compression = {_string(cfg.kv_compression)}")

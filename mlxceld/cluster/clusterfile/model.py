@@ -3,6 +3,11 @@
 Built and validated by ``mlxceld.cluster.clusterfile.load.load_cluster``; a value made
 by hand is checked when ``write_cluster`` writes it.
 
+A tensor-parallel group across hosts: ``tensor_parallel_size`` N nodes of role
+``tensor_parallel_rank``, ranks 0 .. N-1; rank 0 serves the OpenAI port (``--tp-size N
+--tp-peers`` the others' agent addresses), the others run as ``--node-role
+tensor_parallel_rank`` (``placement.placed_config``).
+
 Replica groups: a cluster of ``replicas`` R serves R whole copies of the model, each a
 pipeline of ``pipeline_parallel_size`` S stages (its *group*: the stages of one
 ``replica``); the coordinator's router spreads requests over the groups. With R = 1
@@ -19,7 +24,14 @@ from typing import Final, Literal, NamedTuple
 from mlxceld.config.secrets import TomlSecretFile
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id
-from mlxceld.types import DECODE_ROLE, HYBRID, PREFILL_ROLE, ROUTER_ROLE, NodeRole
+from mlxceld.types import (
+    DECODE_ROLE,
+    HYBRID,
+    PREFILL_ROLE,
+    ROUTER_ROLE,
+    TENSOR_RANK_ROLE,
+    NodeRole,
+)
 from mlxceld.wire.address import parse_address
 
 COORDINATOR: Final = "coordinator"
@@ -28,15 +40,18 @@ PIPELINE_STAGE: Final = "pipeline_stage"
 # over hybrid replicas and/or prefill and decode pools, in the order this file names them.
 # Their ``address`` is the node's agent address.
 SERVING_ROLES: Final[tuple[NodeRole, ...]] = (ROUTER_ROLE, HYBRID, PREFILL_ROLE, DECODE_ROLE)
+# A rank of a tensor-parallel group across hosts; its ``address`` is its agent address.
+TENSOR_RANK: Final = TENSOR_RANK_ROLE
 ClusterRole = Literal["coordinator", "pipeline_stage"] | NodeRole  # a [[nodes]] table's
-CLUSTER_ROLES: Final[tuple[ClusterRole, ...]] = (COORDINATOR, PIPELINE_STAGE, *SERVING_ROLES)
+CLUSTER_ROLES: Final[tuple[ClusterRole, ...]] = (COORDINATOR, PIPELINE_STAGE, *SERVING_ROLES,
+                                                 TENSOR_RANK)
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """One ``[[nodes]]`` table. ``address`` is as written; ``host`` (no brackets) and
     ``port`` are parsed from it. Stages have ``rank`` and ``layers`` ([start, end)),
-    the coordinator neither."""
+    the coordinator neither; a tensor-parallel rank its ``rank`` alone."""
 
     id: str
     address: str
@@ -57,6 +72,11 @@ class NodeConfig:
     def is_serving(self) -> bool:
         """A router, hybrid, prefill or decode node (of a serving cluster)."""
         return self.role in SERVING_ROLES
+
+    @property
+    def is_tensor_rank(self) -> bool:
+        """A rank of the file's tensor-parallel group across hosts."""
+        return self.role == TENSOR_RANK
 
     def describe(self) -> str:
         """``node 'stage-1' (rank 1, layers [14, 28])`` for messages (``replica 1, rank
@@ -81,7 +101,8 @@ class ClusterConfig:
     path: Path
     replicas: int = 1  # groups of pipeline_parallel_size stages, each a whole model
     kv_compression: str | None = None  # a serving cluster's routers' (config/disagg.py)
-    # A serving cluster's hybrids' tp_size (config/tensor.py); a pipeline's is always 1.
+    # A serving cluster's hybrids' tp_size (config/tensor.py), or the ranks of a
+    # tensor-parallel group across hosts; a pipeline's is always 1.
     tensor_parallel_size: int = 1
 
     @property
@@ -89,6 +110,18 @@ class ClusterConfig:
         """A serving cluster (routers over hybrids, prefill and decode nodes), not a
         pipeline (``pipeline_parallel_size`` is 0 there)."""
         return any(n.is_serving for n in self.nodes)
+
+    @property
+    def tensor(self) -> bool:
+        """A tensor-parallel group across hosts (``tensor_parallel_rank`` nodes), not a
+        pipeline (``pipeline_parallel_size`` is 0 there) nor a serving cluster."""
+        return any(n.is_tensor_rank for n in self.nodes)
+
+    @property
+    def tensor_ranks(self) -> tuple[NodeConfig, ...]:
+        """The tensor-parallel group's nodes in rank order: rank 0 first."""
+        return tuple(sorted((n for n in self.nodes if n.is_tensor_rank),
+                            key=lambda n: n.rank or 0))
 
     def with_role(self, role: str) -> tuple[NodeConfig, ...]:
         """The nodes of ``role``, in file order."""

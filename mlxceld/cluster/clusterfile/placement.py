@@ -15,7 +15,11 @@ A serving cluster's node (role router, hybrid, prefill or decode) has no placeme
 ``--kv-compression``, ``--model``; the file's ``name`` as ``--cluster-name``; its
 ``address`` as ``--agent-addr`` unless that is given; on a hybrid node, the file's
 ``tensor_parallel_size`` as ``--tp-size``), and from there the daemon runs as with those
-flags. A flag or ``[serve]`` key that says otherwise is refused naming both. A router
+flags. So does a rank of a tensor-parallel group across hosts (role
+``tensor_parallel_rank``): rank 0 as ``--tp-size N --tp-peers`` the other ranks' agent
+addresses in rank order (its router is rank 0 and serves the OpenAI port), every other
+rank as ``--node-role tensor_parallel_rank``; each checks that the model splits over N.
+A flag or ``[serve]`` key that says otherwise is refused naming both. A router
 holds no model: ``--tp-size`` above 1 there is refused naming the node. A pipeline's
 file takes no ``--tp-size`` above 1 (``serving_config``: tensor parallelism inside a
 stage is not built).
@@ -44,7 +48,14 @@ from mlxceld.models.fetch import is_repo_id, local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
 from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
-from mlxceld.types import DECODE_ROLE, DEFAULT_SILENCE_S, HYBRID, PREFILL_ROLE, ROUTER_ROLE
+from mlxceld.types import (
+    DECODE_ROLE,
+    DEFAULT_SILENCE_S,
+    HYBRID,
+    PREFILL_ROLE,
+    ROUTER_ROLE,
+    TENSOR_RANK_ROLE,
+)
 
 STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
 
@@ -139,12 +150,13 @@ def group_options(p: Placement, replica: int) -> PipelineOptions:
 def placed_config(config: Config, cfg: ClusterConfig, node: NodeConfig,
                   flags: Overrides) -> Config:
     """``config`` with the ``[serve]`` values (and cluster name and agent address) that the
-    serving cluster ``cfg`` gives its ``node``: what the equivalent flags would give."""
-    assert node.is_serving
+    serving cluster or tensor-parallel group ``cfg`` gives its ``node``: what the equivalent
+    flags would give."""
+    assert node.is_serving or node.is_tensor_rank
     where = f"{cfg.path}: node {node.id!r}"
     serve = config.serve
-    own = _serve_values(cfg, node)
-    _refuse_contradictions(serve, own, flags, where)
+    own = _tensor_values(cfg, node) if node.is_tensor_rank else _serve_values(cfg, node)
+    _refuse_contradictions(serve, own, flags, where, node)
     model = serve.model
     if model is None:
         source = cfg.model_source()
@@ -154,8 +166,9 @@ def placed_config(config: Config, cfg: ClusterConfig, node: NodeConfig,
                               "to the file) or pass --model DIR")
         model = resolve_model(source, cfg.path.parent, f"{cfg.path}: 'cluster.model'")
     serve = replace(serve, model=model, **own)
-    check_tp_model(model, serve.tp_size, f"{cfg.path}: 'cluster.model' with "
-                   f"'cluster.tensor_parallel_size' {serve.tp_size}")
+    split = cfg.tensor_parallel_size if node.is_tensor_rank else serve.tp_size
+    check_tp_model(model, split, f"{cfg.path}: 'cluster.model' with "
+                   f"'cluster.tensor_parallel_size' {split}")
     if flags.cluster_name is not None and flags.cluster_name != cfg.name:
         raise ConfigError(f"--cluster-name {flags.cluster_name!r} contradicts {cfg.path}'s "
                           f"name {cfg.name!r}", hint="drop --cluster-name: the file names "
@@ -182,17 +195,37 @@ def _serve_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
     return values
 
 
+def _tensor_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
+    """A tensor-parallel rank's ``[serve]`` values, as config/tensor.py would read the flags:
+    rank 0 a hybrid with ``tp_size`` N and ``tp_peers`` the other ranks' agent addresses in
+    rank order; every other rank ``node_role`` tensor_parallel_rank (its rank, the ring and
+    the batch come from rank 0's daemon, as with the flags)."""
+    values: dict[str, Any] = {"replicas": (), "prefill_peers": (), "decode_peers": (),
+                              "kv_compression": "none"}
+    if node.rank == 0:
+        peers = tuple(n.address for n in cfg.tensor_ranks[1:])
+        return {**values, "node_role": HYBRID, "tp_size": cfg.tensor_parallel_size,
+                "tp_peers": peers}
+    return {**values, "node_role": TENSOR_RANK_ROLE, "tp_size": 1, "tp_peers": ()}
+
+
+# tp_peers is said by the file for a tensor-parallel rank only: a serving cluster's hybrid
+# may still be rank 0 of a group whose --tp-peers are given as flags.
 _FLAGS: Final = {"node_role": "--node-role", "replicas": "--replicas",
                  "prefill_peers": "--prefill-peers", "decode_peers": "--decode-peers",
-                 "kv_compression": "--kv-compression", "tp_size": "--tp-size"}
+                 "kv_compression": "--kv-compression", "tp_size": "--tp-size",
+                 "tp_peers": "--tp-peers"}
 
 
 def _refuse_contradictions(serve: ServeConfig, own: dict[str, Any], flags: Overrides,
-                           where: str) -> None:
-    """A flag or [serve] key among ``_FLAGS`` beside the file: refused unless it says what
-    the file says (the file places the node; two sources would drift apart)."""
+                           where: str, node: NodeConfig) -> None:
+    """A flag or [serve] key among ``_FLAGS`` (of those ``own`` says) beside the file:
+    refused unless it says what the file says (the file places the node; two sources
+    would drift apart)."""
     defaults = ServeConfig()
     for key, flag in _FLAGS.items():
+        if key not in own:
+            continue
         given = getattr(flags, key) is not None
         value = getattr(serve, key)
         if not given and value == getattr(defaults, key):
@@ -200,23 +233,30 @@ def _refuse_contradictions(serve: ServeConfig, own: dict[str, Any], flags: Overr
         if value != own[key]:
             said = flag if given else f"[serve] {key}"
             if key == "tp_size":
-                _refuse_tp(said, value, own, where)
+                _refuse_tp(said, value, own, where, node)
             raise ConfigError(f"{said} ({_shown(value)}) contradicts --distributed-config: "
                               f"{where} says {key} = {_shown(own[key])}",
                               hint=f"drop {said}: the cluster TOML places this node")
 
 
-def _refuse_tp(said: str, tp_size: int, own: dict[str, Any], where: str) -> None:
-    """``--tp-size`` (``said``: or [serve] tp_size) beside a serving cluster's file that
-    gives this node another: refused, naming why."""
+def _refuse_tp(said: str, tp_size: int, own: dict[str, Any], where: str,
+               node: NodeConfig) -> None:
+    """``--tp-size`` (``said``: or [serve] tp_size) beside a cluster file that gives this
+    node another: refused, naming why."""
     role = own["node_role"]
-    why = (f"{where} is a hybrid node, and the file's 'cluster.tensor_parallel_size' is "
+    size = "'cluster.tensor_parallel_size'"
+    why = (f"{where} is rank 0 of the file's tensor-parallel group, whose {size} is "
+           f"{own['tp_size']}" if node.is_tensor_rank and node.rank == 0 else
+           f"{where} is rank {node.rank} of the file's tensor-parallel group, which takes its "
+           f"size from rank 0's daemon" if node.is_tensor_rank else
+           f"{where} is a hybrid node, and the file's 'cluster.tensor_parallel_size' is "
            f"{own['tp_size']}" if role == HYBRID else
            f"{where} is a router, which holds no model to split over ranks" if role == ROUTER_ROLE
            else f"{where} is a {role} node, where tensor parallelism is not built yet")
     raise ConfigError(f"{said} {tp_size} contradicts --distributed-config: {why}",
                       hint=f"drop {said}: the cluster TOML's tensor_parallel_size (under "
-                      "[cluster]) sets it on its hybrid nodes")
+                      "[cluster]) sets it on " + ("rank 0" if node.is_tensor_rank
+                                                  else "its hybrid nodes"))
 
 
 def _shown(value: object) -> str:
@@ -224,17 +264,26 @@ def _shown(value: object) -> str:
 
 
 def serving_cluster(config: Config) -> ClusterConfig | None:
-    """The serving cluster (routers, hybrids, prefill and decode nodes) that
-    ``--distributed-config`` names, or None (no file, or a pipeline's: ``place``'s)."""
+    """The serving cluster (routers, hybrids, prefill and decode nodes) or tensor-parallel
+    group across hosts that ``--distributed-config`` names, or None (no file, or a
+    pipeline's: ``place``'s)."""
     if config.distributed_config is None:
         return None
     cfg = load_cluster(config.distributed_config)
-    return cfg if cfg.serving else None
+    return cfg if cfg.serving or cfg.tensor else None
+
+
+def served_node(cfg: ClusterConfig, node_id: str) -> str:
+    """``FILE: node 'ID' (ROLE)`` (``ROLE, rank R`` for a tensor-parallel rank): the node
+    of a serving cluster or group that this daemon runs, for messages."""
+    node = select_node(cfg, node_id)
+    rank = f", rank {node.rank}" if node.is_tensor_rank else ""
+    return f"{cfg.path}: node {node.id!r} ({node.role}{rank})"
 
 
 def serving_config(config: Config, flags: Overrides) -> Config:
     """``config`` as ``placed_config`` makes it when ``--distributed-config`` names a
-    serving cluster's node; else ``config`` unchanged."""
+    serving cluster's or tensor-parallel group's node; else ``config`` unchanged."""
     cfg = serving_cluster(config)
     if cfg is None:
         if config.distributed_config is not None and config.serve.tp_size > 1:

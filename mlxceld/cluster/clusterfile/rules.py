@@ -4,25 +4,37 @@ The fields of each node are already checked (``fields``); these rules
 look at the nodes together: unique ids and addresses (across every group), one
 coordinator, and in each replica group ``pipeline_parallel_size`` stages with ranks
 0..N-1 and layer ranges that follow each other in rank order without a gap or an
-overlap, so that no layer is ever silently dropped or run twice.
+overlap, so that no layer is ever silently dropped or run twice. A tensor-parallel
+group's file holds its ranks alone: ``tensor_parallel_size`` of them, 0..N-1, one each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxceld.cluster.clusterfile.model import COORDINATOR, PIPELINE_STAGE, ClusterConfig, NodeConfig
+from mlxceld.cluster.clusterfile.model import (
+    COORDINATOR,
+    PIPELINE_STAGE,
+    TENSOR_RANK,
+    ClusterConfig,
+    NodeConfig,
+)
 from mlxceld.errors import ConfigError
 from mlxceld.types import DECODE_ROLE, HYBRID, PREFILL_ROLE, ROUTER_ROLE
 from mlxceld.wire.address import parse_address
 
 RANK_HINT = "stages have ranks 0, 1, ..., N-1, one each, in pipeline order"
+TENSOR_RANK_HINT = ("the group's N nodes (tensor_parallel_size = N) have ranks 0, 1, ..., N-1, "
+                    "one each; rank 0 serves the OpenAI port")
 
 
 def check_cluster(cfg: ClusterConfig) -> None:
     where = str(cfg.path)
     _unique_ids(cfg.nodes, where)
     _unique_addresses(cfg.nodes, where)
+    if cfg.tensor:
+        _tensor(cfg, where)
+        return
     if cfg.serving:
         _serving(cfg, where)
         return
@@ -79,6 +91,39 @@ def _serving(cfg: ClusterConfig, where: str) -> None:
                           "and decode nodes, and the file has none",
                           hint='add [[nodes]] tables with role = "hybrid" (or "prefill" and '
                           '"decode")')
+
+
+def _tensor(cfg: ClusterConfig, where: str) -> None:
+    """A tensor-parallel group across hosts: its ranks alone (no stage, coordinator, router,
+    hybrid, prefill or decode node), ``tensor_parallel_size`` of them, 0..N-1 one each."""
+    other = next((n for n in cfg.nodes if not n.is_tensor_rank), None)
+    if other is not None:
+        why = ("tensor parallelism inside a pipeline stage is the 2D mesh (role "
+               "pipeline_tensor_parallel), not supported in a cluster TOML yet"
+               if other.role in (COORDINATOR, PIPELINE_STAGE) else
+               f"a {other.role} node beside a tensor-parallel group across hosts is not "
+               "described by a cluster TOML yet")
+        raise ConfigError(f"{where}: node {other.id!r} has role {other.role!r}, but the file "
+                          f"has {TENSOR_RANK} nodes too: {why}",
+                          hint=f"write a file of {TENSOR_RANK} nodes alone (one group across "
+                          "hosts), and the pipeline or the serving cluster in a file of its "
+                          "own")
+    by_rank: dict[int, NodeConfig] = {}
+    for n in cfg.tensor_ranks:
+        assert n.rank is not None  # fields requires it
+        if n.rank in by_rank:
+            raise ConfigError(f"{where}: node {by_rank[n.rank].id!r} and node {n.id!r} both "
+                              f"have rank {n.rank}", hint=TENSOR_RANK_HINT)
+        by_rank[n.rank] = n
+    size = cfg.tensor_parallel_size
+    if len(by_rank) != size:
+        ids = ", ".join(repr(n.id) for n in cfg.tensor_ranks)
+        missing = ", ".join(str(r) for r in range(size) if r not in by_rank)
+        raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {size}, but "
+                          f"{len(by_rank)} node(s) have role {TENSOR_RANK!r} ({ids}); no node "
+                          f"has rank {missing}",
+                          hint=f"set tensor_parallel_size = {len(by_rank)}, or add a node "
+                          "for each rank missing; " + TENSOR_RANK_HINT)
 
 
 def validate_layers(cfg: ClusterConfig, num_layers: int) -> None:
