@@ -185,7 +185,8 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
         tensor = p is None and s.serve.tp_size > 1
         here = tensor and not s.serve.tp_peers  # its ranks on this host, not the peers'
         if tensor:
-            options = replace(options, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts)
+            options = replace(options, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts,
+                              share_port=bool(s.serve.tp_peers))
         specs.append(WorkerSpec(ROUTER, c.state_dir, options, policy, api_key=s.api_key,
                                 secret=s.secret if keyed else None,
                                 accepted=s.accepted if keyed else (),

@@ -23,11 +23,12 @@ names, in rank order, each a daemon started with ``--node-role tensor_parallel_r
   ``engine/tensor.py``; requests in flight then get a 503 naming the rank and host),
   ends the group: the router is stopped, and the group is formed again as above.
 
-While the group is not formed, the OpenAI port answers 503 naming the rank, its host
-and why (``daemon/tensor_standin.py``), ``GET /ready`` included. ``mlxctl status`` shows
-the group (``tensor``: each rank's host, ring address and state, and the transport
-chosen at formation over every host's RDMA report, ``engine/transport.py``: the ring
-here, named why).
+While the group is not formed, and until its router runs (the router binds the port
+beside it and loads meanwhile), the OpenAI port answers 503 naming the rank, its host and
+why (``daemon/tensor_standin.py``), ``GET /ready`` included: no client is refused.
+``mlxctl status`` shows the group (``tensor``: each rank's host, ring address and state,
+and the transport chosen at formation over every host's RDMA report,
+``engine/transport.py``: the ring here, named why).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ from mlxceld.wire.tensor_messages import TensorJoin, TensorJoined, TensorReserve
 log = logging.getLogger(__name__)
 
 WATCH_S: Final = 1.0
+STARTED_POLL_S: Final = 0.2  # how often a starting router's state is read
+ROUTER_START_S: Final = 1800.0  # the most the stand-in waits for it (a large model's load)
+UNSEEN_S: Final = 5.0  # a router the supervisor does not know after this: none was started
 CHECK_S: Final = 2.0
 MAX_RETRY_S: Final = 8.0
 CONNECT_S: Final = 5.0
@@ -102,6 +106,7 @@ class TensorPeers:
         self._why = "the tensor-parallel group is forming"
         self._probe: asyncio.Task[HostReport] | None = None  # this host's RDMA, once
         self.transport: TransportChoice | None = None  # chosen at the last formation
+        self._standin: StandIn | None = None  # the OpenAI port's while the group is down
 
     def describe(self) -> JSON | None:
         """``tensor`` in the daemon's status: the group, each rank's host and state."""
@@ -111,6 +116,8 @@ class TensorPeers:
         zero = {"rank": 0, "agent": self._origin(), "ring": self._ring0, "error": None,
                 "state": str(got[0]) if got else "stopped"}
         return {"role": "rank0", "size": len(self.ranks) + 1,
+                # the daemon answers the OpenAI port (503) beside or instead of the router
+                "standin": bool(self._standin and self._standin.listening),
                 "transport": {"backend": self.transport.backend,
                               "reason": self.transport.reason} if self.transport else None,
                 "state": "formed" if self.formed else "down", "why": None if self.formed
@@ -122,7 +129,7 @@ class TensorPeers:
         if not self.ranks:
             return
         serve = self._roster.serve
-        standin = StandIn(serve.host, serve.port, lambda: self._why)
+        standin = self._standin = StandIn(serve.host, serve.port, lambda: self._why)
         attempt = 0
         try:
             while True:
@@ -136,11 +143,14 @@ class TensorPeers:
                         await asyncio.sleep(min(MAX_RETRY_S, 2.0 ** attempt))
                         attempt += 1
                         continue
-                    await standin.close()
+                    self._why = ("the tensor-parallel group formed; its router is starting "
+                                 "(loading its share of the model)")
                     self._roster.tensor_ring, self.formed, attempt = ring, True, 0
                     await self._roster.reconcile()
                     self._events.append("tensor.formed", "tensor", "tensor-parallel group of "
                                         f"{len(ring)} ranks formed: ring {','.join(ring)}")
+                    await self._router_started()
+                    await standin.close()  # the router holds the port (SO_REUSEPORT) now
                 else:
                     self._why = await self._watch()
                     log.warning("tensor group: %s", self._why)
@@ -249,6 +259,22 @@ class TensorPeers:
                      "the group forms again when that host is back")
 
     # -- kept ------------------------------------------------------------------------------
+
+    async def _router_started(self) -> None:
+        """Until the router runs (it binds the OpenAI port beside the stand-in, then
+        loads), or fails to start (the watch then finds the group broken), or
+        ``ROUTER_START_S`` passed. The reconcile's start is taken by the supervisor a
+        moment later: a router still unknown or exited after ``UNSEEN_S`` was not
+        started."""
+        start = time.monotonic()
+        while time.monotonic() - start < ROUTER_START_S:
+            got = self._supervisor.state(ROUTER)
+            state = got[0] if got is not None else None
+            if state in (WorkerState.RUNNING, WorkerState.BACKOFF, WorkerState.FAILED):
+                return
+            if state in (None, WorkerState.EXITED) and time.monotonic() - start > UNSEEN_S:
+                return
+            await asyncio.sleep(STARTED_POLL_S)
 
     async def _watch(self) -> str:
         """Wait until the group breaks; why."""

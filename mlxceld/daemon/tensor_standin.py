@@ -6,8 +6,10 @@ and a client (or a load balancer's ``GET /ready``) could only read "connection
 refused". So while the group is down, rank 0's daemon serves that port itself: every
 request, ``/ready`` included, is answered ``503`` with ``Retry-After`` and an
 OpenAI-shaped error whose message says why (which rank, on which host, and that the
-group forms again when the host is back). It stops listening before the router starts,
-so the router finds the port free.
+group forms again when the host is back). The router binds the same port beside it
+(both with SO_REUSEPORT) and the stand-in lets it go once the router runs, so a client
+is never refused while the group forms again and its router loads; meanwhile a
+connection is answered 503 here or waits in the router's queue until it serves.
 
 It is the control socket's server (``control/server.SocketServer``: uvicorn under the
 guard), with the OpenAI port's kind of bounds: at most ``MAX_CONNECTIONS``, a request's
@@ -84,7 +86,11 @@ class StandIn:
             return
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         try:
-            sock = socket.create_server((self._host, self._port), family=family)
+            # Shared (SO_REUSEPORT) with the router, which binds it while this still
+            # answers: it is let go once the router runs (``TensorPeers``), so no client
+            # is refused in between. Only sockets of this user can join it (Linux).
+            sock = socket.create_server((self._host, self._port), family=family,
+                                        reuse_port=True)
         except OSError as exc:
             log.warning("tensor group: cannot answer on %s:%d while it is down: %s",
                         self._host, self._port, exc.strerror)

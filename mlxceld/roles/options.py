@@ -268,6 +268,10 @@ class RouterOptions:
     # tp_size is 1). Only with the model here: no pipeline, replicas or handoff.
     tp_size: int = 1
     tp_hosts: tuple[str, ...] = ()
+    # The OpenAI port is shared (SO_REUSEPORT) with the daemon's stand-in of a group across
+    # hosts (daemon/tensor_standin.py), which lets it go once this router runs: no client
+    # is refused while the router starts.
+    share_port: bool = False
     # A cap on the model's context (``[serve] context_length``): the engine serves the
     # lesser of the two (``models/context.py``). None: the model's own.
     context_length: int | None = None

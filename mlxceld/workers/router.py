@@ -122,10 +122,13 @@ STATS_EVERY_S = 1.0
 BACKLOG = 1024  # connections the kernel queues for accept(): a burst of clients, not a flood
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, *, share: bool = False) -> socket.socket:
+    """The OpenAI port's socket (``share``: SO_REUSEPORT, beside the daemon's stand-in
+    of a tensor group across hosts, which lets it go once this router runs)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG,
+                                    reuse_port=share)
     except OSError as exc:
         raise RuntimeError(
             f"cannot listen on {host}:{port}: {exc.strerror}; is another server using the "
@@ -191,7 +194,8 @@ async def run(ctx: WorkerContext[RouterOptions]) -> int:
     mode = engine_mode(o)
     raise_file_limit()
     handoff = isinstance(mode, HandoffMode)
-    sock = socket.socket() if handoff else listen(o.host, o.port)  # a handoff node binds none
+    # A handoff node binds no OpenAI port.
+    sock = socket.socket() if handoff else listen(o.host, o.port, share=o.share_port)
     loop = asyncio.get_running_loop()
     broken: list[BaseException] = []
 

@@ -67,14 +67,13 @@ class Group:
 
     def serves(self) -> str:
         """The greedy completion once ``/ready`` says the group serves (within
-        ``BACK_S``); the request itself is sent once, as a client would."""
-        def ready() -> bool:  # polled as a load balancer does; refused while the router
-            try:              # starts (the stand-in has let the port go)
-                return self.ready().status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, BACK_S, "/ready 200 from the group", every=0.5)
+        ``BACK_S``); the request itself is sent once, as a client would. ``/ready`` is
+        polled as a load balancer does, and answered all along: 503 from the stand-in
+        while the group forms and its router starts (both hold the port), never a
+        refused connection."""
+        wait_for(lambda: self.ready().status_code == 200
+                 and not self.rank0.status()["tensor"]["standin"], BACK_S,
+                 "/ready 200 from the group, its stand-in gone", every=0.5)
         text = self.complete()
         self.daemons.note(self.rank0)
         self.daemons.note(self.rank1)
