@@ -51,7 +51,7 @@ def _mounts() -> list[tuple[str, str, list[str]]]:
     return found
 
 
-def _hierarchy() -> tuple[int, Path]:
+def hierarchy() -> tuple[int, Path]:
     """The cgroup version holding the cpu controller and the directory to make groups in."""
     mounts = _mounts()
     for point, kind, options in mounts:
@@ -88,7 +88,7 @@ class QuotaGroup:
         if not 0 < fraction <= 1:
             raise ValueError(f"a CPU quota is a fraction in (0, 1], not {fraction}")
         quota_us = max(MIN_QUOTA_US, round(fraction * period_us))
-        version, parent = _hierarchy()
+        version, parent = hierarchy()
         if version == 2:
             control = parent / "cgroup.subtree_control"
             if "cpu" not in control.read_text().split():
