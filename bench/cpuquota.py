@@ -1,13 +1,21 @@
-"""A CPU quota for the processes a benchmark starts: a fresh cgroup of its own, held to a
-fraction of one CPU (bench/plan_speed_measured.py's slow host).
+"""CPU for the processes a benchmark starts, held steady: a fresh cgroup for each, weighted
+above the rest of the machine and, where asked, held to a fraction of one CPU
+(bench/plan_speed_measured.py's hosts: the slow one held to a quota, the others not).
 
-``QuotaGroup.make(name, fraction)`` creates the cgroup under the cpu controller's
-hierarchy, cgroup v1 (``cpu.cfs_period_us`` and ``cpu.cfs_quota_us``, where a v1 cpu
-controller is mounted: it then holds the cpu controller, even on a machine that mounts
-v2 too) or v2 (``cpu.max``, the cpu controller enabled in the root's
-``cgroup.subtree_control``); it raises ``QuotaUnavailable``, naming the file and the
-reason, where neither is mounted or writable (not root, a read-only ``/sys/fs/cgroup``).
-``probe()`` says so without keeping anything.
+``CpuGroup.make(name, fraction)`` creates the cgroup under the cpu controller's
+hierarchy, cgroup v1 (``cpu.shares``, ``cpu.cfs_period_us`` and ``cpu.cfs_quota_us``,
+where a v1 cpu controller is mounted: it then holds the cpu controller, even on a
+machine that mounts v2 too) or v2 (``cpu.weight``, ``cpu.max``; the cpu controller
+enabled in the root's ``cgroup.subtree_control``); it raises ``QuotaUnavailable``,
+naming the file and the reason, where neither is mounted or writable (not root, a
+read-only ``/sys/fs/cgroup``). ``probe()`` says so without keeping anything.
+
+The weight is ``WEIGHT`` times the default (a process of the root cgroup, or a group
+left as made, weighs 1): a quota is only a ceiling, and on a loaded machine the other
+processes on a host's CPU would take its share, the fast host's most of all (seen at a
+load average of 5 on 2 CPUs, the hosts pinned to one CPU each, the slow one at a 0.25
+quota: both measured 0.31 units). Weighted, a group gets its CPU (up to its quota)
+before the rest, whose processes get what it leaves; a decode's bursts leave most.
 
 ``wrap(argv)`` is the command line that joins the cgroup, then execs ``argv``: the process
 is in it before it runs a line of its own, and its children (a daemon's workers, its
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Final
 
 PERIOD_US: Final = 10_000
+WEIGHT: Final = 100  # times the default: v1 cpu.shares 1024 -> 102400, v2 cpu.weight 100 -> 10000
 MIN_QUOTA_US: Final = 1_000  # the kernel refuses a smaller quota
 WAIT_S: Final = 5.0  # for the listed processes to leave, once ended
 
@@ -76,18 +85,20 @@ def _write(path: Path, text: str) -> None:
 
 
 @dataclass(frozen=True)
-class QuotaGroup:
-    """A cgroup made by ``make``, held to ``fraction`` of one CPU."""
+class CpuGroup:
+    """A cgroup made by ``make``, weighted ``WEIGHT``, held to ``fraction`` of one CPU
+    (None: not held)."""
 
     path: Path
     version: int
-    fraction: float
+    fraction: float | None
 
     @classmethod
-    def make(cls, name: str, fraction: float, period_us: int = PERIOD_US) -> QuotaGroup:
-        if not 0 < fraction <= 1:
+    def make(cls, name: str, fraction: float | None,
+             period_us: int = PERIOD_US) -> CpuGroup:
+        if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"a CPU quota is a fraction in (0, 1], not {fraction}")
-        quota_us = max(MIN_QUOTA_US, round(fraction * period_us))
+        quota_us = None if fraction is None else max(MIN_QUOTA_US, round(fraction * period_us))
         version, parent = hierarchy()
         if version == 2:
             control = parent / "cgroup.subtree_control"
@@ -99,13 +110,17 @@ class QuotaGroup:
         except OSError as exc:
             raise QuotaUnavailable(f"cannot make the cgroup {path}: "
                                    f"{exc.strerror or exc}") from None
-        group = cls(path, version, quota_us / period_us)
+        group = cls(path, version, None if quota_us is None else quota_us / period_us)
         try:
             if version == 1:
-                _write(path / "cpu.cfs_period_us", str(period_us))
-                _write(path / "cpu.cfs_quota_us", str(quota_us))
+                _write(path / "cpu.shares", str(1024 * WEIGHT))
+                if quota_us is not None:
+                    _write(path / "cpu.cfs_period_us", str(period_us))
+                    _write(path / "cpu.cfs_quota_us", str(quota_us))
             else:
-                _write(path / "cpu.max", f"{quota_us} {period_us}")
+                _write(path / "cpu.weight", str(100 * WEIGHT))
+                if quota_us is not None:
+                    _write(path / "cpu.max", f"{quota_us} {period_us}")
         except QuotaUnavailable:
             group.remove()
             raise
@@ -155,7 +170,7 @@ class QuotaGroup:
 def probe() -> str | None:
     """None where a quota group can be made here (one is made and removed); else why not."""
     try:
-        QuotaGroup.make(f"mxprobe-{os.getpid()}", 0.5).remove()
+        CpuGroup.make(f"mxprobe-{os.getpid()}", 0.5).remove()
     except QuotaUnavailable as exc:
         return str(exc)
     return None

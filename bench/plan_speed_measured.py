@@ -7,14 +7,19 @@ The hosts are real daemons on loopback, each pinned to a CPU of its own with ``t
 - fast: 127.0.0.2 on the first CPU this process may use;
 - slow: 127.0.0.3 on the second, held to a fraction of it by a cgroup CPU quota
   (``--quota FRACTION``, 0.25 by default where a cgroup can be made: ``bench/cpuquota.py``,
-  cgroup v1 or v2, 10 ms quota periods). The daemon joins a fresh cgroup before it runs
-  (a shell writes its pid into the cgroup, then execs it), so its stage worker and the
-  child that measures its compute units run under the quota too; the cgroup is removed
-  at the end, after the processes are ended by pid. Where no cgroup can be made (not
-  root, a read-only ``/sys/fs/cgroup``, no cpu controller) the bench says why and slows
-  the host by a busy neighbour instead (``--no-quota`` chooses that): a Python loop
-  spinning on its CPU, started before the daemon and killed by pid at the end, so that
-  the slow host gets about half a core on a machine otherwise idle.
+  cgroup v1 or v2, 10 ms quota periods).
+
+Under a quota each daemon (the coordinator's too) joins a fresh cgroup of its own before
+it runs (a shell writes its pid into the cgroup, then execs it), so its workers and the
+child that measures its compute units run in it too; each cgroup is weighted 100x the
+default, so that other load on the machine does not take the hosts' CPU (a quota is a
+ceiling only: at a load average of 5 on 2 CPUs, unweighted, the fast host measured 0.31
+units, the slow one at a 0.25 quota 0.309). The cgroups are removed at the end, after the
+processes are ended by pid. Where no cgroup can be made (not root, a read-only
+``/sys/fs/cgroup``, no cpu controller) the bench says why and slows the host by a busy
+neighbour instead (``--no-quota`` chooses that): a Python loop spinning on its CPU,
+started before the daemon and killed by pid at the end, so that the slow host gets about
+half a core on a machine otherwise idle.
 
 A coordinator on 127.0.0.1 (not pinned; the client and the router share the machine with
 the rest) dials both (``--cluster-peers``). Each peer measures its own compute units when
@@ -50,8 +55,8 @@ unequal only against a machine otherwise idle: other load that is not pinned is 
 the kernel off the CPU the neighbour keeps busy, onto the fast host's, so on a loaded
 machine the two hosts can measure alike, or the "slow" one faster, and decode so too
 (seen on a shared 2-CPU machine at a load average of 10: more neighbours made it worse).
-The quota holds the slow host to its fraction whatever the rest does (it is a ceiling:
-load on the fast host's CPU still slows that one). ``--units`` declares the ratio instead
+The quota holds the slow host to its fraction whatever the rest does, and the weights
+keep the rest from taking the hosts' CPU. ``--units`` declares the ratio instead
 of the measurement, ``--neighbours N`` puts N busy loops beside the slow host (default 0
 under a quota, 1 without).
 
@@ -81,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from cpuquota import PERIOD_US, QuotaGroup, QuotaUnavailable, probe
+from cpuquota import PERIOD_US, WEIGHT, CpuGroup, QuotaUnavailable, probe
 from loopback import Cluster, free_port, in_scratch, listening, stream_once
 
 PROMPT = "The quick brown fox"
@@ -163,7 +168,7 @@ def status(socket: Path) -> dict[str, Any] | None:
 
 
 def launch(cluster: Cluster, name: str, root: Path, args: list[str], *, cpu: int | None,
-           env: dict[str, str], group: QuotaGroup | None = None) -> subprocess.Popen[bytes]:
+           env: dict[str, str], group: CpuGroup | None = None) -> subprocess.Popen[bytes]:
     """Start a daemon (under ``taskset -c CPU`` when ``cpu`` is given, in ``group``'s cgroup
     from its first instruction when given), registered in ``cluster`` for its clean-up by
     pid."""
@@ -194,7 +199,7 @@ def wait_until(what: str, deadline_s: float, probe: Any, every: float = 0.3) -> 
 
 
 def start_peer(cluster: Cluster, host: Host, model: Path, secret: Path,
-               env: dict[str, str], group: QuotaGroup | None) -> None:
+               env: dict[str, str], group: CpuGroup | None) -> None:
     host.proc = launch(cluster, host.name, host.root,
                        ["--pp-peer", "--model", str(model), "--cluster-secret-file",
                         str(secret), "--agent-addr", f"{host.ip}:0"],
@@ -306,7 +311,7 @@ def run_plan(cluster: Cluster, coord: Path, model: Path, rule: str,
 
 
 def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
-           args: Settings, held: str) -> str:
+           args: Settings, held: list[str]) -> str:
     by: dict[str, list[float]] = {"memory": [], "speed": []}
     for r in runs:
         by[r.rule] += [round(t, 2) for t in r.tps]
@@ -318,9 +323,10 @@ def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
              f"x {args.rounds} round(s), greedy; load average now "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
              f"hosts: fast {FAST} on CPU {hosts[0].cpu} ({hosts[0].units:g} units measured, "
-             f"{caps[0] >> 20} MiB available), slow {SLOW} on CPU {hosts[1].cpu} {held} "
+             f"{caps[0] >> 20} MiB available), slow {SLOW} on CPU {hosts[1].cpu} {held[0]} "
              f"({hosts[1].units:g} units, {caps[1] >> 20} MiB); speed plan's units: "
              f"{'measured' if args.units is None else f'declared {args.units}'}",
+             *held[1:],
              f"{'plan':8}{'stage':9}{'host':6}{'layers':>10}{'units':>8}{'pred ms':>9}"
              f"{'decode tok/s (median)':>24}   (pred ms: weights / the speed plan's units)"]
     for rule in ("memory", "speed"):
@@ -356,20 +362,21 @@ def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
     hosts = [Host("fast", FAST, cpus[0], root / "fast"), Host("slow", SLOW, cpus[1],
                                                                root / "slow")]
     cluster = Cluster(root, [])
-    group: QuotaGroup | None = None
-    if args.quota is not None:
-        try:
-            group = QuotaGroup.make(f"mxspeed-{os.getpid()}", args.quota)
-        except QuotaUnavailable as exc:
-            raise SystemExit(f"a CPU quota for the slow host: {exc}") from None
-    neighbours = [subprocess.Popen(["taskset", "-c", str(cpus[1]), sys.executable, "-c",
-                                    "while True: pass"], stdin=subprocess.DEVNULL)
-                  for _ in range(args.neighbours)]
+    groups: dict[str, CpuGroup] = {}  # each daemon's, under a quota (the module docstring)
+    neighbours: list[subprocess.Popen[bytes]] = []
     try:
+        quotas = {"fast": None, "slow": args.quota, "coordinator": None}
+        for name, fraction in quotas.items() if args.quota is not None else ():
+            try:
+                groups[name] = CpuGroup.make(f"mxspeed-{os.getpid()}-{name}", fraction)
+            except QuotaUnavailable as exc:
+                raise SystemExit(f"a cgroup for the {name} daemon: {exc}") from None
+        neighbours += [subprocess.Popen(["taskset", "-c", str(cpus[1]), sys.executable, "-c",
+                                         "while True: pass"], stdin=subprocess.DEVNULL)
+                       for _ in range(args.neighbours)]
         for h, cap in zip(hosts, caps, strict=True):
             start_peer(cluster, h, model, secret,
-                       {**base, "MLXCELD_TEST_MEMORY_AVAILABLE": str(cap)},
-                       group if h.name == "slow" else None)
+                       {**base, "MLXCELD_TEST_MEMORY_AVAILABLE": str(cap)}, groups.get(h.name))
         for h in hosts:
             wait_until(f"the {h.name} host's compute units measured", START_S,
                        lambda h=h: measured(h))
@@ -381,7 +388,8 @@ def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
         launch(cluster, "coordinator", root / "coordinator",
                ["--cluster-secret-file", str(secret), "--agent-addr",
                 f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
-                "--cluster-peers", ",".join(h.agent for h in hosts)], cpu=None, env=base)
+                "--cluster-peers", ",".join(h.agent for h in hosts)], cpu=None, env=base,
+               group=groups.get("coordinator"))
         coord = root / "coordinator" / "ctl.sock"
         wait_until("the coordinator's control socket", START_S, lambda: status(coord))
         cluster.url = f"http://127.0.0.1:{port}/v1"
@@ -390,19 +398,21 @@ def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
             for rule, units in (("speed", args.units), ("memory", [1.0, 1.0])):
                 declare(hosts, units)
                 runs.append(run_plan(cluster, coord, model, rule, args))
-        held = f"with {args.neighbours} busy neighbour(s)"
-        if group is not None:
-            held = (f"held to {group.fraction:g} CPU by a cgroup v{group.version} quota "
-                    f"({PERIOD_US // 1000} ms periods, {group.throttled()} of them "
-                    f"throttled), with {args.neighbours} busy neighbour(s)")
+        held = [f"with {args.neighbours} busy neighbour(s)"]
+        if groups:
+            slow = groups["slow"]
+            held = [f"held to {slow.fraction:g} CPU by a cgroup quota, {held[0]}",
+                    f"cgroup v{slow.version}: each daemon in its own, weighted {WEIGHT}x the "
+                    f"default; the slow host's quota in {PERIOD_US // 1000} ms periods, "
+                    f"{slow.throttled()} of them throttled"]
         return runs, report(runs, hosts, caps, args, held)
     finally:
         cluster.stop()
         for n in neighbours:
             n.kill()
             n.wait()
-        if group is not None:
-            group.remove()
+        for g in groups.values():
+            g.remove()
 
 
 def main() -> None:

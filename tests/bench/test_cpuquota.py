@@ -36,19 +36,21 @@ def cgroup_of(pid: int, version: int) -> str:
 def test_a_fraction_outside_one_cpu_is_refused(cpuquota: ModuleType) -> None:
     for fraction in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="fraction in"):
-            cpuquota.QuotaGroup.make(f"mxtest-{os.getpid()}", fraction)
+            cpuquota.CpuGroup.make(f"mxtest-{os.getpid()}", fraction)
 
 
 def test_a_wrapped_process_and_its_child_run_held_in_the_group(cpuquota: ModuleType) -> None:
     if (why := cpuquota.probe()) is not None:
         pytest.skip(f"no cgroup CPU quota here: {why}")
-    group = cpuquota.QuotaGroup.make(f"mxtest-{os.getpid()}", 0.1)
+    group = cpuquota.CpuGroup.make(f"mxtest-{os.getpid()}", 0.1)
     try:
         assert group.path.is_dir() and group.fraction == 0.1
         quota = ((group.path / "cpu.max").read_text().split() if group.version == 2 else
                  [(group.path / f"cpu.cfs_{k}_us").read_text().strip()
                   for k in ("quota", "period")])
         assert quota == ["1000", "10000"]
+        weight = (group.path / ("cpu.weight" if group.version == 2 else "cpu.shares"))
+        assert int(weight.read_text()) == (100 if group.version == 2 else 1024) * 100
         # a parent that starts a child, both spinning for 0.5 s, then print their pids
         spin = ("import os, subprocess, sys, time\n"
                 "c = subprocess.Popen([sys.executable, '-c', 'import time\\n"
