@@ -5,9 +5,21 @@ The hosts are real daemons on loopback, each pinned to a CPU of its own with ``t
 (its stage worker inherits the pinning):
 
 - fast: 127.0.0.2 on the first CPU this process may use;
-- slow: 127.0.0.3 on the second, shared with a busy neighbour (a Python loop spinning on
-  that CPU, started before the daemon and killed by pid at the end), so that the slow
-  host gets about half a core.
+- slow: 127.0.0.3 on the second, held to a fraction of it by a cgroup CPU quota
+  (``--quota FRACTION``, 0.25 by default where a cgroup can be made: ``bench/cpuquota.py``,
+  cgroup v1 or v2, 10 ms quota periods).
+
+Under a quota each daemon (the coordinator's too) joins a fresh cgroup of its own before
+it runs (a shell writes its pid into the cgroup, then execs it), so its workers and the
+child that measures its compute units run in it too; each cgroup is weighted 100x the
+default, so that other load on the machine does not take the hosts' CPU (a quota is a
+ceiling only: at a load average of 5 on 2 CPUs, unweighted, the fast host measured 0.31
+units, the slow one at a 0.25 quota 0.309). The cgroups are removed at the end, after the
+processes are ended by pid. Where no cgroup can be made (not root, a read-only
+``/sys/fs/cgroup``, no cpu controller) the bench says why and slows the host by a busy
+neighbour instead (``--no-quota`` chooses that): a Python loop spinning on its CPU,
+started before the daemon and killed by pid at the end, so that the slow host gets about
+half a core on a machine otherwise idle.
 
 A coordinator on 127.0.0.1 (not pinned; the client and the router share the machine with
 the rest) dials both (``--cluster-peers``). Each peer measures its own compute units when
@@ -38,21 +50,23 @@ coordinator's OpenAI port; a plan's decode tok/s is their median (the first toke
 prefill's, excluded). ``mlxctl cluster deactivate`` ends it. ``--rounds`` repeats the pair
 (speed, then memory), so that a drift of the machine's load falls on both.
 
-The measurement is the daemon's 0.2 s product at start. The pinning makes the hosts
+The measurement is the daemon's 0.2 s product at start. A neighbour makes the hosts
 unequal only against a machine otherwise idle: other load that is not pinned is moved by
 the kernel off the CPU the neighbour keeps busy, onto the fast host's, so on a loaded
 machine the two hosts can measure alike, or the "slow" one faster, and decode so too
 (seen on a shared 2-CPU machine at a load average of 10: more neighbours made it worse).
-``--units`` declares the ratio instead of the measurement, ``--neighbours N`` puts N
-busy loops beside the slow host; a cgroup CPU quota on the slow host (not done here: it
-needs the machine's cgroups) would hold it to a fraction whatever the rest does.
+The quota holds the slow host to its fraction whatever the rest does, and the weights
+keep the rest from taking the hosts' CPU. ``--units`` declares the ratio instead
+of the measurement, ``--neighbours N`` puts N busy loops beside the slow host (default 0
+under a quota, 1 without).
 
 ``--quick`` (for tests/bench/test_plan_speed_bench.py): the tiny fixture made 8 layers
 deep, 8 tokens, 1 request, 1 round. The default model is the ``small`` preset (8 layers,
 hidden 512, bfloat16), written by our fixture writer.
 
     .venv/bin/python bench/plan_speed_measured.py [--quick] [--max-tokens 64]
-        [--requests 3] [--rounds 2] [--units FAST,SLOW] [--neighbours 1] [--slow-share 0.75]
+        [--requests 3] [--rounds 2] [--units FAST,SLOW] [--quota 0.25 | --no-quota]
+        [--neighbours N] [--slow-share 0.75]
 """
 
 from __future__ import annotations
@@ -72,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from cpuquota import PERIOD_US, WEIGHT, CpuGroup, QuotaUnavailable, probe
 from loopback import Cluster, free_port, in_scratch, listening, stream_once
 
 PROMPT = "The quick brown fox"
@@ -81,6 +96,7 @@ SWITCH_S = 60.0  # the coordinator's next poll of the peers comes within 20 s
 ACTIVATE_S = 300.0  # mlxctl's own waits (90 s assignment, 180 s router) fit inside
 DEACTIVATE_S = 60.0
 ANSWER_S = 60.0  # the router answering its first completion after activation
+DEFAULT_QUOTA = 0.25  # of one CPU, the slow host's, where a cgroup quota can be made
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class Settings:
     slow_share: float = 0.75
     neighbours: int = 1
     units: list[float] | None = None  # FAST,SLOW declared for the speed plan; None: measured
+    quota: float | None = None  # the slow host's CPU quota (a cgroup); None: neighbours only
 
     @property
     def model_name(self) -> str:
@@ -151,19 +168,21 @@ def status(socket: Path) -> dict[str, Any] | None:
 
 
 def launch(cluster: Cluster, name: str, root: Path, args: list[str], *, cpu: int | None,
-           env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start a daemon (under ``taskset -c CPU`` when ``cpu`` is given), registered in
-    ``cluster`` for its clean-up by pid."""
+           env: dict[str, str], group: CpuGroup | None = None) -> subprocess.Popen[bytes]:
+    """Start a daemon (under ``taskset -c CPU`` when ``cpu`` is given, in ``group``'s cgroup
+    from its first instruction when given), registered in ``cluster`` for its clean-up by
+    pid."""
     root.mkdir(mode=0o700, exist_ok=True)
     config = root / "mlxceld.toml"
     if not config.exists():
         config.write_text("")
     pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    argv = [*pin, sys.executable, "-m", "mlxceld", "--config", str(config), "--state-dir",
+            str(root / "state"), "--socket", str(root / "ctl.sock"), "--log-level",
+            "warning", *args]
     with (root / "daemon.log").open("ab") as log:
-        proc = subprocess.Popen(
-            [*pin, sys.executable, "-m", "mlxceld", "--config", str(config), "--state-dir",
-             str(root / "state"), "--socket", str(root / "ctl.sock"), "--log-level",
-             "warning", *args], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+        proc = subprocess.Popen(argv if group is None else group.wrap(argv),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
     cluster.daemons.append(proc)
     return proc
 
@@ -180,11 +199,11 @@ def wait_until(what: str, deadline_s: float, probe: Any, every: float = 0.3) -> 
 
 
 def start_peer(cluster: Cluster, host: Host, model: Path, secret: Path,
-               env: dict[str, str]) -> None:
+               env: dict[str, str], group: CpuGroup | None) -> None:
     host.proc = launch(cluster, host.name, host.root,
                        ["--pp-peer", "--model", str(model), "--cluster-secret-file",
                         str(secret), "--agent-addr", f"{host.ip}:0"],
-                       cpu=host.cpu, env=env)
+                       cpu=host.cpu, env=env, group=group)
 
 
 def measured(host: Host) -> bool:
@@ -292,7 +311,7 @@ def run_plan(cluster: Cluster, coord: Path, model: Path, rule: str,
 
 
 def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
-           args: Settings) -> str:
+           args: Settings, held: list[str]) -> str:
     by: dict[str, list[float]] = {"memory": [], "speed": []}
     for r in runs:
         by[r.rule] += [round(t, 2) for t in r.tps]
@@ -304,10 +323,10 @@ def report(runs: list[Measured], hosts: list[Host], caps: tuple[int, int],
              f"x {args.rounds} round(s), greedy; load average now "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
              f"hosts: fast {FAST} on CPU {hosts[0].cpu} ({hosts[0].units:g} units measured, "
-             f"{caps[0] >> 20} MiB available), slow {SLOW} on CPU {hosts[1].cpu} with "
-             f"{args.neighbours} busy neighbour(s) ({hosts[1].units:g} units, "
-             f"{caps[1] >> 20} MiB); speed plan's units: "
+             f"{caps[0] >> 20} MiB available), slow {SLOW} on CPU {hosts[1].cpu} {held[0]} "
+             f"({hosts[1].units:g} units, {caps[1] >> 20} MiB); speed plan's units: "
              f"{'measured' if args.units is None else f'declared {args.units}'}",
+             *held[1:],
              f"{'plan':8}{'stage':9}{'host':6}{'layers':>10}{'units':>8}{'pred ms':>9}"
              f"{'decode tok/s (median)':>24}   (pred ms: weights / the speed plan's units)"]
     for rule in ("memory", "speed"):
@@ -343,13 +362,21 @@ def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
     hosts = [Host("fast", FAST, cpus[0], root / "fast"), Host("slow", SLOW, cpus[1],
                                                                root / "slow")]
     cluster = Cluster(root, [])
-    neighbours = [subprocess.Popen(["taskset", "-c", str(cpus[1]), sys.executable, "-c",
-                                    "while True: pass"], stdin=subprocess.DEVNULL)
-                  for _ in range(args.neighbours)]
+    groups: dict[str, CpuGroup] = {}  # each daemon's, under a quota (the module docstring)
+    neighbours: list[subprocess.Popen[bytes]] = []
     try:
+        quotas = {"fast": None, "slow": args.quota, "coordinator": None}
+        for name, fraction in quotas.items() if args.quota is not None else ():
+            try:
+                groups[name] = CpuGroup.make(f"mxspeed-{os.getpid()}-{name}", fraction)
+            except QuotaUnavailable as exc:
+                raise SystemExit(f"a cgroup for the {name} daemon: {exc}") from None
+        neighbours += [subprocess.Popen(["taskset", "-c", str(cpus[1]), sys.executable, "-c",
+                                         "while True: pass"], stdin=subprocess.DEVNULL)
+                       for _ in range(args.neighbours)]
         for h, cap in zip(hosts, caps, strict=True):
             start_peer(cluster, h, model, secret,
-                       {**base, "MLXCELD_TEST_MEMORY_AVAILABLE": str(cap)})
+                       {**base, "MLXCELD_TEST_MEMORY_AVAILABLE": str(cap)}, groups.get(h.name))
         for h in hosts:
             wait_until(f"the {h.name} host's compute units measured", START_S,
                        lambda h=h: measured(h))
@@ -361,7 +388,8 @@ def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
         launch(cluster, "coordinator", root / "coordinator",
                ["--cluster-secret-file", str(secret), "--agent-addr",
                 f"127.0.0.1:{free_port('127.0.0.1')}", "--port", str(port),
-                "--cluster-peers", ",".join(h.agent for h in hosts)], cpu=None, env=base)
+                "--cluster-peers", ",".join(h.agent for h in hosts)], cpu=None, env=base,
+               group=groups.get("coordinator"))
         coord = root / "coordinator" / "ctl.sock"
         wait_until("the coordinator's control socket", START_S, lambda: status(coord))
         cluster.url = f"http://127.0.0.1:{port}/v1"
@@ -370,12 +398,21 @@ def bench(root: Path, args: Settings) -> tuple[list[Measured], str]:
             for rule, units in (("speed", args.units), ("memory", [1.0, 1.0])):
                 declare(hosts, units)
                 runs.append(run_plan(cluster, coord, model, rule, args))
-        return runs, report(runs, hosts, caps, args)
+        held = [f"with {args.neighbours} busy neighbour(s)"]
+        if groups:
+            slow = groups["slow"]
+            held = [f"held to {slow.fraction:g} CPU by a cgroup quota, {held[0]}",
+                    f"cgroup v{slow.version}: each daemon in its own, weighted {WEIGHT}x the "
+                    f"default; the slow host's quota in {PERIOD_US // 1000} ms periods, "
+                    f"{slow.throttled()} of them throttled"]
+        return runs, report(runs, hosts, caps, args, held)
     finally:
         cluster.stop()
         for n in neighbours:
             n.kill()
             n.wait()
+        for g in groups.values():
+            g.remove()
 
 
 def main() -> None:
@@ -387,8 +424,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="speed then memory (default 2; quick: 1)")
     parser.add_argument("--slow-share", type=float, default=0.75,
                         help="the layers the split by memory gives the slow host, at least")
-    parser.add_argument("--neighbours", type=int, default=1,
-                        help="busy loops sharing the slow host's CPU")
+    parser.add_argument("--neighbours", type=int,
+                        help="busy loops sharing the slow host's CPU (default 0 under a "
+                        "quota, else 1)")
+    held = parser.add_mutually_exclusive_group()
+    held.add_argument("--quota", type=float, metavar="FRACTION",
+                      help="hold the slow host to FRACTION of a CPU by a cgroup CPU quota "
+                      f"(default {DEFAULT_QUOTA} where one can be made)")
+    held.add_argument("--no-quota", action="store_true",
+                      help="no quota: the slow host is slowed by its busy neighbours only")
     parser.add_argument("--units", type=lambda v: [float(u) for u in v.split(",")],
                         help="FAST,SLOW compute units the speed plan declares instead of "
                         "the measured ones")
@@ -399,6 +443,20 @@ def main() -> None:
     if args.units is not None and (len(args.units) != 2 or min(args.units) <= 0
                                    or args.units[0] == args.units[1]):
         parser.error("--units: two positive numbers that differ, FAST,SLOW")
+    if args.quota is not None:
+        if not 0 < args.quota <= 1:
+            parser.error(f"--quota: a fraction of a CPU in (0, 1], not {args.quota:g}")
+        if (why := probe()) is not None:
+            parser.error(f"--quota: no cgroup CPU quota can be made here: {why}")
+    elif not args.no_quota:
+        if (why := probe()) is None:
+            args.quota = DEFAULT_QUOTA
+        else:
+            print(f"no CPU quota for the slow host ({why}); busy neighbours instead",
+                  flush=True)
+    del args.no_quota
+    if args.neighbours is None:
+        args.neighbours = 0 if args.quota is not None else 1
     if args.neighbours < 0:
         parser.error("--neighbours: 0 or more")
     if min(args.max_tokens, args.requests, args.rounds) < 1 or not 0 < args.slow_share < 1:

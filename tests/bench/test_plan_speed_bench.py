@@ -1,8 +1,9 @@
 """The measured speed-plan benchmark kept from rotting: its ``--quick`` run (the tiny
-fixture 8 layers deep, two pinned peer daemons, one with a busy neighbour on its CPU)
-activates the speed-weighted plan and the memory-weighted one in turn, decodes through
-both, prints both numbers and leaves no process behind. It asserts the outcome, not which
-plan is faster (bench/plan_speed_measured.py prints that)."""
+fixture 8 layers deep, two pinned peer daemons, the slow one held by a cgroup CPU quota
+where one can be made, else by a busy neighbour on its CPU) activates the speed-weighted
+plan and the memory-weighted one in turn, decodes through both, prints both numbers and
+leaves no process and no cgroup behind. It asserts the outcome, not which plan is faster
+(bench/plan_speed_measured.py prints that)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def speed_bench() -> Iterator[ModuleType]:
 def test_the_quick_run_decodes_through_both_plans(speed_bench: ModuleType) -> None:
     # The speed plan's units declared 2:1: measured ones could come out equal on a loaded
     # machine (then no plan splits by speed); each host still measures its own at start.
+    quota = 0.25 if speed_bench.probe() is None else None  # as root: the quota's path
     settings = speed_bench.Settings(quick=True, max_tokens=8, requests=1, rounds=1,
-                                    units=[2.0, 1.0])
+                                    units=[2.0, 1.0], quota=quota,
+                                    neighbours=0 if quota else 1)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     # a short root: the daemons' sockets are under it, and AF_UNIX paths end at 108 bytes
     root = Path(tempfile.mkdtemp(prefix="mxps", dir="/tmp"))
@@ -40,6 +43,14 @@ def test_the_quick_run_decodes_through_both_plans(speed_bench: ModuleType) -> No
     finally:
         shutil.rmtree(root, ignore_errors=True)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    if quota is not None:
+        with bench_module("cpuquota") as cpuquota:
+            version, parent = cpuquota.hierarchy()
+        assert not list(parent.glob(f"mxspeed-{os.getpid()}-*"))
+        assert "held to 0.25 CPU by a cgroup quota, with 0 busy neighbour(s)" in text
+        assert f"cgroup v{version}: each daemon in its own, weighted 100x" in text
+    else:
+        assert "with 1 busy neighbour(s)" in text
 
     assert [r.rule for r in runs] == ["speed", "memory"]
     for r in runs:
