@@ -213,9 +213,14 @@ class Mirror:
         its followers sent meanwhile are read (a follower writes nothing else after its
         hello) and counted heard."""
         links, silence = self._links, self._silence
-        if not self.leader or not links or silence is None:
+        if not self.leader or not links or silence is None or self._closing:
             return None
-        readable, _, _ = select.select(list(links.values()), [], [], 0)
+        try:
+            readable, _, _ = select.select(list(links.values()), [], [], 0)
+        except (ValueError, OSError):  # a link closed under us: ``close`` ran meanwhile
+            if self._closing:
+                return None
+            raise
         now = time.monotonic()
         for rank, link in links.items():
             if link in readable:
