@@ -113,14 +113,15 @@ class StageLeader:
 
     def __init__(self, model: StageModel, group: Any, *,
                  deadline_s: float = SHARE_DEADLINE_S, hosts: Sequence[str] = (),
-                 beat_s: float = BEAT_S, node_id: str = "") -> None:
+                 beat_s: float = BEAT_S, node_id: str = "", worker: str = "tp") -> None:
         """Shares ``setup`` over the ring: each follower must be in ``StageFollower.run``
-        (or come to it within mlx's own wait) for this to return."""
+        (or come to it within mlx's own wait) for this to return. ``worker``: the prefix
+        of the followers' worker names, as messages name them (``Mirror``)."""
         if group.rank() != 0:
             raise ValueError(f"a stage's leader is rank 0, not rank {group.rank()}")
         self.model = model
         self.node_id = node_id or f"[{model.start}, {model.end})"
-        self._mirror = Mirror(group, deadline_s=deadline_s, hosts=hosts)
+        self._mirror = Mirror(group, deadline_s=deadline_s, hosts=hosts, worker=worker)
         self._lock = threading.Lock()  # held by a share and the step after it
         self._ops_lock = threading.Lock()  # held a moment: the ops pending, the open ones
         self._pending: list[Op] = []
@@ -332,7 +333,7 @@ def run_stage_follower(path: str, start: int, end: int, group: Any, *,
                        ready: Callable[[], None] | None = None,
                        share_deadline_s: float = SHARE_DEADLINE_S,
                        made: Callable[[StageFollower], None] | None = None,
-                       hosts: Sequence[str] = ()) -> None:
+                       hosts: Sequence[str] = (), worker: str = "tp") -> None:
     """Rank ``group.rank()`` (≥ 1) of a tensor-parallel stage of layers [start, end) of
     ``path``: load this rank's slices, say ``ready()``, then take rank 0's steps until it
     closes the group. ``made``: given the ``StageFollower`` (its ``steps`` and
@@ -340,7 +341,7 @@ def run_stage_follower(path: str, start: int, end: int, group: Any, *,
     the group breaks (rank 0 or another rank gone, or silent past the share deadline)."""
     model = load_tensor_stage(path, start, end, group, progress)
     follower = StageFollower(model, Mirror(group, deadline_s=share_deadline_s,
-                                           hosts=hosts))
+                                           hosts=hosts, worker=worker))
     if made is not None:
         made(follower)
     if ready is not None:
