@@ -3,8 +3,9 @@ and two `--pp-peer --tp-size 2` stage hosts (127.0.0.1/.2/.3), each stage host r
 stage as a tensor-parallel group of two ranks on its own loopback (worker ``stage`` rank 0,
 ``stage-tp-1`` rank 1): four ranks in all. Its greedy completions through the `openai`
 client are mlx-lm's on the whole model; `mlxctl status` on a stage host shows the group;
-a follower killed with SIGKILL restarts its group (the supervisor's rule) and the pipeline
-serves again."""
+a follower killed with SIGKILL restarts its group (the supervisor's rule, naming the
+follower) and the pipeline serves again; a re-activate stops each tensor stage
+before the new plan's loads (no ``stage-retiring`` for a group yet) and serves again."""
 
 from __future__ import annotations
 
@@ -108,6 +109,9 @@ def test_a_pipeline_of_two_tensor_parallel_stages_serves_mlx_lms_tokens_and_heal
     restarts = [e for e in victim.events() if "its group restarts together" in
                 (e.get("message") or "")]
     assert restarts, [e["message"] for e in victim.events()[-20:]]
+    # the group restarted because of its follower, named, and by signal
+    assert any(e["message"].startswith("group stage-tp: stage-tp-1 exited (killed by "
+                                       "SIGKILL)") for e in restarts), restarts
 
     def served() -> str | None:
         try:
@@ -118,3 +122,15 @@ def test_a_pipeline_of_two_tensor_parallel_stages_serves_mlx_lms_tokens_and_heal
     assert wait_for(served, BACK_S, "a completion once the group is back", every=1.0) == want
     # the other stage host's group was not touched
     assert pids(peers[1]) == before[1]
+
+    # A re-activate: a tensor stage is not kept serving as stage-retiring (not built for a
+    # group): each host stops its group before the new plan's loads, and the new plan
+    # serves the same tokens.
+    again = coord.ctl("cluster", "activate", "--model", str(model), "--stages", "2",
+                      timeout=UP_S)
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    for p in peers:
+        kinds = [e["kind"] for e in p.events()]
+        assert "stage.replaced" in kinds and "stage.retiring" not in kinds, kinds
+        running(daemons, p, READY_S)
+    assert wait_for(served, BACK_S, "a completion from the new plan", every=1.0) == want
