@@ -47,17 +47,18 @@ Each step's input goes to every follower on its op link: a decode step's hidden 
 a few KiB, a prefill chunk's ``n x hidden_size`` values (across hosts, the followers
 could later take it from the upstream stage themselves).
 
-How it will be wired (not yet: issue 32's 2D mesh): the stage worker is rank 0 (its
+How it is wired (issue 32's 2D mesh; within one host so far: ``[serve] tp_size`` on a
+stage host, ``workers/stage_tensor.py``): the stage worker is rank 0 (its
 ``StageSteps`` call ``StageLeader.run_group`` where they call ``compute.run_group`` and
 skip a None output, its service makes a sequence's caches with ``caches`` and ``open``s
 it at ``prepare``, ``drop``s it at ``release`` or ``forget``, and ``on_broken`` fails its
-sequences); each other rank is a worker of its own on its host, like ``tp-<r>``
-(``run_stage_follower``; ``Mirror``'s messages name it so), the ring joined with
-``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host, each host's agent IP
-across hosts). The planner
-fits a tensor stage's layers by dividing their weights by the group's size (the
-embeddings and head whole, on every rank), and the assignment offer names the group: its
-ranks' hosts and ring ports, so that each rank host's daemon starts its follower.
+sequences); each other rank is a worker of its own on its host, ``stage-tp-<r>``
+(``run_stage_follower``; ``Mirror``'s messages name it so: ``worker``), the ring joined with
+``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host; not yet: each host's
+agent IP across hosts). Not built yet: the planner fitting a tensor stage's layers by
+dividing their weights by the group's size (the embeddings and head whole, on every
+rank), and an assignment offer naming the group (its ranks' hosts and ring ports), so
+that each rank host's daemon starts its follower.
 """
 
 from __future__ import annotations
