@@ -92,7 +92,7 @@ defines, under its base, with the module of each one defined elsewhere.
     │   └── RequestRefused          replicas/answers.py: a node refused a request as the
     │                               client's (400)
     ├── TensorParallelRefused       models/tensor.py: the model cannot be split over the ranks
-    ├── InvalidOption               roles/options.py: a worker option that breaks its rule
+    ├── InvalidOption               roles/parsing.py: a worker option that breaks its rule
     ├── OpError                     supervisor/ops.py: a worker control request that is not
     │                               one (names the field, never a secret)
     └── SecretError                 wire/secret.py: a secret is unusable (never in the message)

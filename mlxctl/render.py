@@ -108,7 +108,7 @@ def worker_groups(workers: list[dict[str, Any]]) -> list[str]:
     out: list[str] = []
     for name, members in groups.items():
         members = sorted(members, key=_rank)
-        tensor = any(w["role"] == "tp" for w in members)
+        tensor = any(w["role"] in ("tp", "stage_tp") for w in members)
         kind = f"tensor group {name}: {len(members)} ranks" if tensor else \
             f"group {name}: {len(members)} workers"
         who = ", ".join(f"{w['name']} = rank {_rank(w)}" if i == 0 else w["name"]
@@ -144,12 +144,12 @@ def _transport(members: list[dict[str, Any]]) -> list[str]:
 
 def _rank(w: dict[str, Any]) -> int:
     """A tensor-parallel member's rank: its stats' (``tensor``), else its role's and name's
-    (the router is rank 0, ``tp-N`` rank N)."""
+    (the router or the stage is rank 0, ``tp-N`` and ``stage-tp-N`` rank N)."""
     tensor = (w.get("stats") or {}).get("tensor") or {}
     if isinstance(tensor.get("rank"), int):
         return int(tensor["rank"])
     tail = w["name"].rsplit("-", 1)[-1]
-    return int(tail) if w["role"] == "tp" and tail.isdigit() else 0
+    return int(tail) if w["role"] in ("tp", "stage_tp") and tail.isdigit() else 0
 
 
 def cluster_nodes(body: dict[str, Any]) -> str:

@@ -249,7 +249,7 @@ def test_a_hybrid_replicas_router_keeps_its_serving_listener_and_its_ranks_no_se
 def test_tp_size_adds_no_rank_where_no_router_runs_the_model_here() -> None:
     assert draw_roster(tensor(situation(hold_router=True))) == []
     assert draw_roster(tensor(situation(model=None))) == []
-    # A pipeline's coordinator: tp inside a pipeline is not built (refused at startup).
+    # A pipeline's coordinator holds no layers (tp_size refused there at startup).
     coordinator = only(draw_roster(tensor(situation(placement=placed("coordinator")))))
     assert coordinator.group is None
 
@@ -258,3 +258,27 @@ def test_a_ring_without_ports_runs_the_router_alone_to_refuse_it() -> None:
     s = dataclasses.replace(tensor(situation(), 2), tp_hosts=())  # none could be bound
     router = only(draw_roster(s))
     assert isinstance(router.options, RouterOptions) and router.options.tp_hosts == ()
+
+
+def test_a_stage_host_with_tp_size_runs_its_stage_as_rank_0_of_a_group_of_its_own() -> None:
+    from mlxceld.roles.options import StageTensorOptions
+
+    for standby in (True, False):
+        specs = draw_roster(tensor(situation(placement=placed("stage-1"), standby=standby)))
+        assert [s.name for s in specs] == ["stage", "stage-tp-1", "stage-tp-2"]
+        assert {s.group for s in specs} == {"stage-tp"}
+        stage, *ranks = specs
+        assert isinstance(stage.options, StageOptions)
+        assert (stage.options.tp_size, stage.options.tp_hosts) == (3, RING)
+        assert stage.options.standby == standby and stage.secret == SECRET
+        for rank, spec in enumerate(ranks, start=1):
+            assert spec.options == StageTensorOptions(model=MODEL, layers=(2, 4),
+                                                      node_id="stage-1", rank=rank,
+                                                      tp_hosts=RING)
+            assert spec.role == "stage_tp" and spec.secret is None and spec.api_key is None
+            assert spec.policy == stage.policy
+    # No ring (no port could be bound): the stage alone, which refuses it by name.
+    s = dataclasses.replace(tensor(situation(placement=placed("stage-1")), 2), tp_hosts=())
+    stage = only(draw_roster(s))
+    assert isinstance(stage.options, StageOptions)
+    assert (stage.options.tp_size, stage.options.tp_hosts) == (2, ())

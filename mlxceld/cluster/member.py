@@ -263,10 +263,11 @@ class ClusterMember:
                               "plan; a written cluster stops with its daemons")
         if config.serve.tp_size > 1:
             raise ConfigError(f"this daemon runs with tp_size {config.serve.tp_size} "
-                              "(--tp-size, [serve] tp_size): tensor parallelism inside a "
-                              "pipeline is not built yet",
+                              "(--tp-size, [serve] tp_size): a pipeline's coordinator holds "
+                              "no layers to split (its router drives the stages)",
                               hint=f"run mlxctl cluster {command} on a daemon without "
-                              "--tp-size, or drop it here and reload (SIGHUP)")
+                              "--tp-size, or drop it here and reload (SIGHUP); give the "
+                              "stage hosts --tp-size (beside --pp-peer) instead")
         return coordinator
 
     def _coordinating(self) -> Coordinator:
@@ -315,9 +316,10 @@ class ClusterMember:
         refused (``ConfigError``; the running config stays)."""
         if new.serve.tp_size > 1 and self._plan_peers():
             raise ConfigError(f"tp_size {new.serve.tp_size} (--tp-size, [serve] tp_size) "
-                              "while this daemon coordinates a pipeline plan: tensor "
-                              "parallelism inside a pipeline is not built yet",
-                              hint="mlxctl cluster deactivate first, then reload")
+                              "while this daemon coordinates a pipeline plan: its "
+                              "router holds no layers to split",
+                              hint="mlxctl cluster deactivate first, then reload; a stage "
+                              "host takes --tp-size (beside --pp-peer)")
 
     def resumes_a_plan(self) -> bool:
         """Whether a plan is to be resumed at start (``Plans.resumable``)."""

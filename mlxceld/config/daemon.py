@@ -416,7 +416,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
         "distributed_config (--distributed-config)"
         if config.distributed_config is not None else None))
     check_tp_setting(serve.tp_size, tp_origin(flags.tp_size, where),
-                     node_role=serve.node_role, pipeline=pipeline)
+                     node_role=serve.node_role, pipeline=pipeline, peers=serve.tp_peers)
     check_tp_peers(serve.tp_size, tp_origin(flags.tp_size, where), serve.tp_peers,
                    PEERS_FLAG if flags.tp_peers is not None else f"{where}: 'serve.tp_peers'",
                    node_role=serve.node_role, model=serve.model)

@@ -5,6 +5,11 @@
     [serve]
     tp_size = 2                     # 1 (default) .. 16: ranks splitting each layer
 
+On a pipeline's stage host (``--pp-peer``, or a stage node of a ``--distributed-config``
+pipeline TOML), the stage is the group instead: the ``stage`` worker is rank 0 and
+``stage-tp-1`` .. ``stage-tp-{N-1}`` the other ranks, each holding its slice of the
+stage's layers (``pipeline/tensor_stage.py``).
+
 With ``tp_size`` N above 1, the model is split over N processes of this host that
 run as one ``mlx.distributed`` group (a ring over 127.0.0.1): the router worker is
 rank 0 (the OpenAI port, the API, batching) and N-1 workers ``tp-1`` .. ``tp-{N-1}``
@@ -19,8 +24,9 @@ Refused at start (exit 2, naming the flag or key and the reason), and on a SIGHU
 reload (the running config is kept) — ``check_tp_setting``:
 
 - beside ``--node-role router`` (no model here), ``prefill`` or ``decode`` (not built
-  yet), ``--pp-peer``, ``--pp-auto``, or a pipeline's ``--distributed-config``
-  (tensor parallelism inside a pipeline stage is not built);
+  yet), ``--pp-auto`` or a pipeline TOML's coordinator node (its router holds no layers:
+  set tp_size on the stage hosts), or ``--tp-peers`` beside a pipeline (a stage's group
+  across hosts is not built yet);
 - a model of a family mlx-lm cannot shard, or whose attention heads, KV heads or MLP
   sizes N does not divide (``models/tensor.py``): checked from config.json when the
   model is a local directory (``check_tp_model``); a Hugging Face repo id is checked the
@@ -62,10 +68,18 @@ def tp_origin(flag: int | None, where: str) -> str:
     return FLAG if flag is not None else f"{where}: 'serve.{KEY}'"
 
 
+STAGE_HINT: Final = ("set tp_size on the stage hosts instead (--tp-size 2 beside --pp-peer, "
+                     "or [serve] tp_size on a cluster TOML's stage node): each runs its "
+                     "stage as a tensor-parallel group of its own")
+
+
 def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
-                     pipeline: str | None) -> None:
-    """``tp_size`` above 1 only on a hybrid node with no pipeline of its own: ``pipeline``
-    names the pipeline setting in force (``pp_auto (--pp-auto)`` ...), if any."""
+                     pipeline: str | None, peers: tuple[str, ...] = ()) -> None:
+    """``tp_size`` above 1 only on a hybrid node: on the model alone, or as a pipeline's
+    stage host (``--pp-peer``: its stage a group on this host); never on a coordinator
+    (``pipeline`` ``pp_auto (--pp-auto)``: its router holds no layers), and a group across
+    hosts (``peers``) never beside a pipeline. ``pipeline`` names the pipeline setting in
+    force, if any (a cluster TOML's node is judged by ``check_tp_node``)."""
     if tp_size == 1:
         return
     said = f"{origin} {tp_size}"
@@ -80,9 +94,26 @@ def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
         raise ConfigError(f"{said} with node_role {node_role} (--node-role): tensor "
                           f"parallelism on a {node_role} node is not built yet",
                           hint=TP_HINT)
-    if pipeline is not None:
-        raise ConfigError(f"{said} with {pipeline}: tensor parallelism inside a pipeline "
-                          "stage is not built yet", hint="drop one of them; " + TP_HINT)
+    if pipeline is None:
+        return
+    if peers:
+        raise ConfigError(f"{said} with {PEERS_FLAG} and {pipeline}: a pipeline stage whose "
+                          "tensor-parallel group spans hosts is not built yet",
+                          hint=f"drop {PEERS_FLAG}: a stage host's group runs on that host "
+                          "(--tp-size alone)")
+    if pipeline.startswith("pp_auto"):
+        raise ConfigError(f"{said} with {pipeline}: the coordinator's router holds no "
+                          "layers of the pipeline to split", hint=STAGE_HINT)
+
+
+def check_tp_node(tp_size: int, origin: str, node: str, role: str, path: object) -> None:
+    """``tp_size`` above 1 beside ``--distributed-config``'s pipeline TOML (``path``) only
+    on a stage node (``node``, of ``role``): its coordinator's router holds no layers."""
+    if tp_size > 1 and role == "coordinator":
+        raise ConfigError(f"{origin} {tp_size} with distributed_config "
+                          f"(--distributed-config) {path}: node {node!r} is the pipeline's "
+                          "coordinator, whose router holds no layers to split",
+                          hint=STAGE_HINT)
 
 
 def check_tp_model(model: str | None, tp_size: int, what: str) -> None:

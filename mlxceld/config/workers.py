@@ -14,7 +14,7 @@ from typing import Any
 from mlxceld.config.serve import ROUTER
 from mlxceld.config.tables import check_keys, number, string
 from mlxceld.errors import ConfigError
-from mlxceld.roles import STAGE, TP, WORKER_ROLES
+from mlxceld.roles import STAGE, STAGE_TP, TP, WORKER_ROLES
 from mlxceld.roles.options import WorkerOptions, parse_options
 from mlxceld.supervisor.states import RestartPolicy
 
@@ -71,7 +71,7 @@ def worker_configs(
         if name == STAGE:
             raise ConfigError(f"{where}: worker name {name!r} is reserved for a pipeline stage",
                               hint="stages come from a cluster TOML (--distributed-config)")
-        if re.fullmatch(r"tp-[0-9]+", name):
+        if re.fullmatch(r"(stage-)?tp-[0-9]+", name):
             raise ConfigError(f"{where}: worker name {name!r} is reserved for a "
                               "tensor-parallel rank",
                               hint="ranks come from [serve] tp_size; name this worker "
@@ -83,7 +83,7 @@ def worker_configs(
         role = string(spec, "role", where, prefix)
         # The router comes from [serve] only (and its tensor-parallel ranks with it), a
         # stage from a cluster TOML only.
-        roles = sorted(set(WORKER_ROLES) - {ROUTER, STAGE, TP})
+        roles = sorted(set(WORKER_ROLES) - {ROUTER, STAGE, TP, STAGE_TP})
         if role is None or role not in roles:
             raise ConfigError(
                 f"{where}: '{prefix}role' must be one of {', '.join(roles)}, not {role!r}",

@@ -9,7 +9,11 @@ prepared or activated, a deactivation). The rules, in order:
 - every ``[workers.NAME]`` of the config runs, with its options and policy;
 - a stage node of a placement (a cluster TOML, or a pushed plan) runs the
   ``stage`` worker, in standby while its assignment is only prepared, with the
-  cluster secret (and ``[serve] stage_silence_s`` for its links' heartbeat);
+  cluster secret (and ``[serve] stage_silence_s`` for its links' heartbeat); with
+  ``[serve] tp_size`` N > 1 the stage is a tensor-parallel group on this host: the
+  ``stage`` worker is rank 0 of group ``stage-tp``, with N-1 ``stage_tp`` workers
+  ``stage-tp-1`` ... (ranks 1..N-1: the stage's model and layers, no secret), meeting
+  in a ring at ``Situation.tp_hosts``, restarted together as a router's group;
 - a prefill or decode node (``--node-role prefill|decode``) runs the ``router``
   with ``handoff`` options (no OpenAI port: its engine on the serving listener
   only) with the cluster secret, once its agent listener is bound, when there is
@@ -58,6 +62,7 @@ from pathlib import Path
 from typing import Final
 
 from mlxceld.cluster.clusterfile.placement import (
+    STAGE_TP_GROUP,
     STAGE_WORKER,
     Placement,
     pipeline_options,
@@ -76,6 +81,8 @@ from mlxceld.roles.options import (
     ReplicasOptions,
     RouterOptions,
     ServingOptions,
+    StageOptions,
+    StageTensorOptions,
     TensorOptions,
 )
 from mlxceld.supervisor.process import WorkerSpec
@@ -128,11 +135,14 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
              for w in c.workers]
     policy = model_policy(c.policy)
     if p is not None and not p.is_coordinator:
-        specs.append(WorkerSpec(STAGE_WORKER, c.state_dir,
-                                stage_options(p, standby=s.standby,
-                                              silence_s=s.serve.stage_silence_s),
-                                policy, secret=s.secret, accepted=s.accepted,
-                                log_format=c.log_format))
+        stage = stage_options(p, standby=s.standby, silence_s=s.serve.stage_silence_s)
+        tensor = s.serve.tp_size > 1
+        if tensor:
+            stage = replace(stage, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts)
+        specs.append(WorkerSpec(STAGE_WORKER, c.state_dir, stage, policy, secret=s.secret,
+                                accepted=s.accepted, log_format=c.log_format,
+                                group=STAGE_TP_GROUP if tensor else None))
+        specs += stage_ranks(stage, c.state_dir, policy, c.log_format)
     elif s.serve.node_role in HANDOFF_SIDES:
         serving = serving_options(s)
         if s.serve.model is not None and s.agent_address is not None and serving is not None:
@@ -210,6 +220,22 @@ def tensor_ranks(router: RouterOptions, state_dir: Path, policy: RestartPolicy,
                                      max_batch=router.max_batch),
                        policy, log_format=log_format, group=TP_GROUP)
             for rank in range(1, router.tp_size)]
+
+
+def stage_ranks(stage: StageOptions, state_dir: Path, policy: RestartPolicy,
+                log_format: LogFormat) -> list[WorkerSpec]:
+    """The ``stage_tp`` workers of a tensor-parallel stage: ranks 1..tp_size-1, each
+    ``stage-tp-<rank>``, with the stage's model and layers, and no secret: they serve
+    nothing but the ring. None with tp_size 1, or while the ring has no port per rank (the
+    stage refuses that, naming it)."""
+    if stage.tp_size == 1 or len(stage.tp_hosts) != stage.tp_size:
+        return []
+    return [WorkerSpec(f"{STAGE_TP_GROUP}-{rank}", state_dir,
+                       StageTensorOptions(model=stage.model, layers=stage.layers,
+                                          node_id=stage.node_id, rank=rank,
+                                          tp_hosts=stage.tp_hosts),
+                       policy, log_format=log_format, group=STAGE_TP_GROUP)
+            for rank in range(1, stage.tp_size)]
 
 
 def serving_options(s: Situation) -> ServingOptions | None:

@@ -29,7 +29,7 @@ BACKEND: Final = "ring"  # TCP sockets; Macs could use "jaccl" later
 
 
 def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADLINE_S,
-              stream: TextIO | None = None) -> Any:
+              stream: TextIO | None = None, worker: str = "tp") -> Any:
     """Join the ``mx.distributed`` ring of ``len(hosts)`` ranks as ``rank``; ``hosts``:
     each rank's ``host:port``, rank 0 first.
 
@@ -46,7 +46,7 @@ def join_ring(rank: int, hosts: Sequence[str], *, deadline_s: float = RING_DEADL
     print(f"rank {rank} joins the tensor-parallel ring at {hosts[rank]}; if the other "
           f"ranks ({others}) have not all joined within {deadline_s:g} s, this process "
           "exits with status 1 "
-          "(each rank is a worker of this daemon: mlxctl workers; mlxctl logs tp-1)",
+          f"(each rank is a worker of this daemon: mlxctl workers; mlxctl logs {worker}-1)",
           file=out, flush=True)
     with tempfile.TemporaryDirectory(prefix="mlxceld-ring-") as tmp:
         hostfile = Path(tmp) / "hosts.json"

@@ -135,9 +135,12 @@ class Mirror:
     """One rank's side of the op log and of the sampled tokens (the module docstring)."""
 
     def __init__(self, group: Any, *, deadline_s: float = SHARE_DEADLINE_S,
-                 hosts: Sequence[str] = ()) -> None:
+                 hosts: Sequence[str] = (), worker: str = "tp") -> None:
+        """``worker``: the prefix of the follower workers' names (``tp-<rank>``, a tensor
+        stage's ``stage-tp-<rank>``), as messages name a rank."""
         self.group = group
         self.hosts = tuple(hosts)  # the ring's host:port per rank: rank 0's host links
+        self.worker = worker
         self.rank: int = group.rank()
         self.size: int = group.size()
         self._deadline_s = deadline_s
@@ -165,7 +168,7 @@ class Mirror:
         """A rank as messages name it: its worker, and its host when not rank 0's."""
         host = self.hosts[rank].rpartition(":")[0] if len(self.hosts) > rank else ""
         away = host and host != self.hosts[0].rpartition(":")[0]
-        return f"rank {rank} (worker tp-{rank}{f' on {host}' if away else ''})"
+        return f"rank {rank} (worker {self.worker}-{rank}{f' on {host}' if away else ''})"
 
     def share(self, ops: list[Op]) -> list[Op]:
         """Rank 0: send ``ops``; a follower: receive rank 0's (its own ``ops`` unused).

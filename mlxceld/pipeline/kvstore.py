@@ -158,11 +158,13 @@ class StageCache:
     ``MAX_OWNERS`` routers' stores are kept, the one attached longest ago dropped first.
     """
 
-    def __init__(self, node_id: str, default_bytes: int) -> None:
-        """``default_bytes``: the bound unless the router names one in ``attach``."""
+    def __init__(self, node_id: str, default_bytes: int, *, cap: int | None = None) -> None:
+        """``default_bytes``: the bound unless the router names one in ``attach``; ``cap``:
+        the most a router may name (a tensor-parallel stage's 0: it keeps nothing)."""
         self.stores: OrderedDict[str, KvStore] = OrderedDict()  # owner -> its entries
         self._node_id = node_id
         self._default = default_bytes
+        self._cap = cap
 
     def store(self, owner: str) -> KvStore:
         """``owner``'s store (a new, empty one under the default bound if it has none)."""
@@ -182,6 +184,8 @@ class StageCache:
         self.stores.move_to_end(owner)
         store.attach(attach.cache)
         store.budget = self._default if attach.cache_bytes is None else attach.cache_bytes
+        if self._cap is not None:
+            store.budget = min(store.budget, self._cap)
         return store.budget
 
     def reuse(self, owner: str, reuse: Span | None) -> tuple[list[Any], int] | None:

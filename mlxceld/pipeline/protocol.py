@@ -146,7 +146,8 @@ from mlxceld.engine.base import (
     Constraint,
     SamplingParams,
 )
-from mlxceld.roles.options import InvalidOption, KVQuant
+from mlxceld.roles.options import KVQuant
+from mlxceld.roles.parsing import InvalidOption
 from mlxceld.wire import MessageSpec, TensorSpec
 
 MAX_STEP_TOKENS: Final = 2048  # tokens in one run/act (the engine's chunks: engine.chunks)

@@ -60,8 +60,9 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
+from mlxceld.engine.base import EngineError
 from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
@@ -102,6 +103,9 @@ from mlxceld.wire.address import bound_identity, parse_address
 from mlxceld.wire.messages import MessageError
 from mlxceld.wire.transport_messages import Attach, CodedError, seq_field
 
+if TYPE_CHECKING:  # mlx: imported by the stage worker only, never by the daemon
+    from mlxceld.pipeline.tensor_stage import StageLeader
+
 log = logging.getLogger(__name__)
 
 # What other stages send: the tensor it carries, and the refusal when the sender is not
@@ -133,16 +137,22 @@ class StageService:
     def __init__(self, model: StageModelLike, place: StagePlace, keyring: Keyring,
                  wire_dtype: str, *, standby: bool = False,
                  silence_s: float = DEFAULT_SILENCE_S,
-                 tokenizer_path: Path | None = None, cache_bytes: int = 0) -> None:
+                 tokenizer_path: Path | None = None, cache_bytes: int = 0,
+                 leader: StageLeader | None = None) -> None:
         """``tokenizer_path``: the model's directory, whose tokenizer the last stage reads
         to decode under a constraint (None: a constrained ``prepare`` is refused);
-        ``cache_bytes``: the prompt cache's bound unless the router names one."""
+        ``cache_bytes``: the prompt cache's bound unless the router names one;
+        ``leader``: a tensor-parallel stage's rank 0 (``tensor_stage.py``): each sequence
+        opened on it at ``prepare`` and dropped when forgotten, its steps run by it, and
+        its prompt cache 0 bytes whatever a router names (its ranks do not mirror one)."""
         self._model = model
         self._matching = StageMatching(place.node_id, tokenizer_path, model.vocab_size)
         self._place = place
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, StageSequence] = {}
-        self.cache = StageCache(place.node_id, cache_bytes)  # the prompt cache (kvstore.py)
+        self._leader = leader
+        self.cache = StageCache(place.node_id, 0 if leader else cache_bytes,
+                                cap=0 if leader else None)  # the prompt cache (kvstore.py)
         self._onward = Onward(place.node_id, keyring, parse_address(place.address),
                               place.downstream, place.first, silence_s)
         self._silence_s = silence_s
@@ -150,8 +160,9 @@ class StageService:
         self.standby = standby  # prepared by a two-phase assignment, not yet activated
         self.stats = StageStats()
         self._steps = StageSteps(model, place.node_id, self._seqs, self.cache, self._onward,
-                                 self.stats, self._forget)
+                                 self.stats, self._forget, leader)
         self.draining = False  # stopping: no new sequence (``finish_held``)
+        self._loop: asyncio.AbstractEventLoop | None = None  # run's (``group_broke``)
         self._released = asyncio.Event()  # set when a sequence is forgotten (``finish_held``)
 
     def activate(self) -> None:
@@ -208,7 +219,22 @@ class StageService:
     def _forget(self, seq_id: str) -> None:
         """The sequence's cache is freed (released, failed, its owner gone)."""
         if self._seqs.pop(seq_id, None) is not None:
+            if self._leader is not None:
+                self._leader.drop(seq_id)  # and its followers' caches at the next share
             self._released.set()
+
+    def group_broke(self, why: str) -> None:
+        """A tensor-parallel stage's group broke (told on its watchdog's thread, before
+        this process ends): each sequence's owner is told, naming why."""
+        loop, seqs = self._loop, list(self._seqs.items())
+        if loop is None or loop.is_closed():
+            return
+        message = (f"stage {self._place.node_id}'s tensor-parallel group broke: {why}; "
+                   "the daemon restarts the group")
+        log.error("%s; %d sequence(s) fail", message, len(seqs))
+        for seq_id, seq in seqs:
+            asyncio.run_coroutine_threadsafe(send_quietly(seq.stream, encode_envelope(
+                CodedError(p.ERR_STAGE_FAILED, message, seq_id).to_wire())), loop)
 
     # -- connections --------------------------------------------------------------------
 
@@ -329,7 +355,9 @@ class StageService:
             if current is None and len(self._seqs) >= p.MAX_SEQUENCES:
                 raise p.ProtocolViolation(p.ERR_TOO_MANY, f"stage {self._place.node_id} "
                                           f"already holds {p.MAX_SEQUENCES} sequences")
-            state = SeqState(stage_cache(self._model, prepare.kv, self._place.node_id), None)
+            state = SeqState(self._leader.caches(prepare.kv) if self._leader is not None
+                             else stage_cache(self._model, prepare.kv, self._place.node_id),
+                             None)
             if last:
                 # mlx: only once serving
                 from mlxceld.engine.processors import make_logits_processors
@@ -340,6 +368,12 @@ class StageService:
                                  list(prepare.history or ()), params.logprobs)
                 state.matching = await self._matching.matcher(params, eos)
             state.reuse = self.cache.reuse(who, prepare.reuse)  # copied on the compute side
+            if self._leader is not None:  # its followers make caches alike (tensor_stage.py)
+                self._leader.drop(seq_id)  # prepared again: its old caches first
+                try:
+                    self._leader.open(seq_id, state, prepare.kv)
+                except EngineError as exc:  # the group is closed or broke
+                    raise p.ProtocolViolation(p.ERR_STAGE_FAILED, str(exc)) from None
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
                                                snapshot=prepare.keep_prompt)
             await stream.send(encode_envelope(Prepared(
@@ -383,6 +417,7 @@ class StageService:
     async def run(self) -> None:
         """Run the queued steps (``steps.py``); meanwhile read the connections to the next
         and the first stage. Runs until cancelled."""
+        self._loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._onward.run())
             await self._steps.run()

@@ -25,7 +25,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.pipeline import protocol as p
@@ -37,6 +37,9 @@ from mlxceld.pipeline.sequences import Keep, StageSequence, StageStats, Work
 from mlxceld.wire import Tensor, encode_envelope
 from mlxceld.wire.transport_messages import CodedError, Token
 
+if TYPE_CHECKING:  # mlx: imported by the stage worker only, never by the daemon
+    from mlxceld.pipeline.tensor_stage import StageLeader
+
 log = logging.getLogger(__name__)
 
 INLINE_STEP_S: Final = 0.02  # a decode step shorter than this runs the next one inline
@@ -47,9 +50,11 @@ class StageSteps:
 
     def __init__(self, model: StageModelLike, node_id: str, seqs: dict[str, StageSequence],
                  cache: StageCache, onward: Onward, stats: StageStats,
-                 forget: Callable[[str], None]) -> None:
+                 forget: Callable[[str], None], leader: StageLeader | None = None) -> None:
         """``seqs``: the service's sequences (read here: a step of one released meanwhile
-        is dropped); ``forget``: the service's, for a sequence whose step or send failed."""
+        is dropped); ``forget``: the service's, for a sequence whose step or send failed;
+        ``leader``: a tensor-parallel stage's rank 0, which runs each group (its output
+        None for a step of a sequence dropped meanwhile: nothing is sent on)."""
         self._model = model
         self._node_id = node_id
         self._seqs = seqs
@@ -57,6 +62,7 @@ class StageSteps:
         self._onward = onward
         self.stats = stats
         self._forget = forget
+        self._leader = leader
         self._queue: asyncio.Queue[Work | Keep] = asyncio.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._inline = False  # the last decode step was short: run the next one inline
@@ -155,7 +161,8 @@ class StageSteps:
                 work.seq.owner, entry, caches, held_tokens(caches)).to_wire()))
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
-            await self._forward(work, out)
+            if out is not None or self._leader is None:  # None: dropped while it waited
+                await self._forward(work, out)
 
     def _compute(self, group: list[Work], overlap: bool
                  ) -> tuple[list[Any], list[tuple[Work, list[Any]]]]:
@@ -166,7 +173,8 @@ class StageSteps:
         (``StageModel.forward``); short ones gain nothing by it."""
         start = time.perf_counter()
         try:
-            outs = run_group(self._model, group, overlap=overlap)
+            outs = run_group(self._model, group, overlap=overlap) if self._leader is None \
+                else self._leader.run_group(group, overlap=overlap)
             kept = [(w, cloned(w.state.cache, held_tokens(w.state.cache))) for w in group
                     if w.sample and w.seq.snapshot is not None]
             return outs, kept

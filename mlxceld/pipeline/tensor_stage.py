@@ -47,17 +47,18 @@ Each step's input goes to every follower on its op link: a decode step's hidden 
 a few KiB, a prefill chunk's ``n x hidden_size`` values (across hosts, the followers
 could later take it from the upstream stage themselves).
 
-How it will be wired (not yet: issue 32's 2D mesh): the stage worker is rank 0 (its
+How it is wired (issue 32's 2D mesh; within one host so far: ``[serve] tp_size`` on a
+stage host, ``workers/stage_tensor.py``): the stage worker is rank 0 (its
 ``StageSteps`` call ``StageLeader.run_group`` where they call ``compute.run_group`` and
 skip a None output, its service makes a sequence's caches with ``caches`` and ``open``s
 it at ``prepare``, ``drop``s it at ``release`` or ``forget``, and ``on_broken`` fails its
-sequences); each other rank is a worker of its own on its host, like ``tp-<r>``
-(``run_stage_follower``; ``Mirror``'s messages name it so), the ring joined with
-``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host, each host's agent IP
-across hosts). The planner
-fits a tensor stage's layers by dividing their weights by the group's size (the
-embeddings and head whole, on every rank), and the assignment offer names the group: its
-ranks' hosts and ring ports, so that each rank host's daemon starts its follower.
+sequences); each other rank is a worker of its own on its host, ``stage-tp-<r>``
+(``run_stage_follower``; ``Mirror``'s messages name it so: ``worker``), the ring joined with
+``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host; not yet: each host's
+agent IP across hosts). Not built yet: the planner fitting a tensor stage's layers by
+dividing their weights by the group's size (the embeddings and head whole, on every
+rank), and an assignment offer naming the group (its ranks' hosts and ring ports), so
+that each rank host's daemon starts its follower.
 """
 
 from __future__ import annotations
@@ -113,14 +114,15 @@ class StageLeader:
 
     def __init__(self, model: StageModel, group: Any, *,
                  deadline_s: float = SHARE_DEADLINE_S, hosts: Sequence[str] = (),
-                 beat_s: float = BEAT_S, node_id: str = "") -> None:
+                 beat_s: float = BEAT_S, node_id: str = "", worker: str = "tp") -> None:
         """Shares ``setup`` over the ring: each follower must be in ``StageFollower.run``
-        (or come to it within mlx's own wait) for this to return."""
+        (or come to it within mlx's own wait) for this to return. ``worker``: the prefix
+        of the followers' worker names, as messages name them (``Mirror``)."""
         if group.rank() != 0:
             raise ValueError(f"a stage's leader is rank 0, not rank {group.rank()}")
         self.model = model
         self.node_id = node_id or f"[{model.start}, {model.end})"
-        self._mirror = Mirror(group, deadline_s=deadline_s, hosts=hosts)
+        self._mirror = Mirror(group, deadline_s=deadline_s, hosts=hosts, worker=worker)
         self._lock = threading.Lock()  # held by a share and the step after it
         self._ops_lock = threading.Lock()  # held a moment: the ops pending, the open ones
         self._pending: list[Op] = []
@@ -332,7 +334,7 @@ def run_stage_follower(path: str, start: int, end: int, group: Any, *,
                        ready: Callable[[], None] | None = None,
                        share_deadline_s: float = SHARE_DEADLINE_S,
                        made: Callable[[StageFollower], None] | None = None,
-                       hosts: Sequence[str] = ()) -> None:
+                       hosts: Sequence[str] = (), worker: str = "tp") -> None:
     """Rank ``group.rank()`` (≥ 1) of a tensor-parallel stage of layers [start, end) of
     ``path``: load this rank's slices, say ``ready()``, then take rank 0's steps until it
     closes the group. ``made``: given the ``StageFollower`` (its ``steps`` and
@@ -340,7 +342,7 @@ def run_stage_follower(path: str, start: int, end: int, group: Any, *,
     the group breaks (rank 0 or another rank gone, or silent past the share deadline)."""
     model = load_tensor_stage(path, start, end, group, progress)
     follower = StageFollower(model, Mirror(group, deadline_s=share_deadline_s,
-                                           hosts=hosts))
+                                           hosts=hosts, worker=worker))
     if made is not None:
         made(follower)
     if ready is not None:

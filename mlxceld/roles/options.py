@@ -14,17 +14,14 @@ Imports nothing heavy (no mlx): the daemon imports this module too.
 
 from __future__ import annotations
 
-import dataclasses
-import types
 from dataclasses import dataclass
-from typing import ClassVar, Final, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import ClassVar, Final
 
 from mlxceld.errors import ConfigError
-from mlxceld.roles import ECHO, ROUTER, STAGE, TP
+from mlxceld.roles import ECHO, ROUTER, STAGE, STAGE_TP, TP
+from mlxceld.roles.parsing import InvalidOption, object_json, parse_kind
 from mlxceld.types import DEFAULT_SILENCE_S, HANDOFF_SIDES, PREFILL_ROLE
 from mlxceld.wire.address import parse_address
-
-T = TypeVar("T")
 
 MAX_TP_SIZE: Final = 16  # models/tensor.py's bound (this module imports nothing of models/)
 EXIT_CONFIG: Final = 2  # a worker whose options are refused exits so (as mlxceld does)
@@ -34,14 +31,6 @@ DEFAULT_KV_GROUP_SIZE: Final = 64  # mlx-lm's
 # [serve] reasoning_field and unknown_fields (api/reasoning.py, api/ignoring.py), default first.
 REASONING_FIELDS: Final = ("reasoning_content", "reasoning", "both")
 UNKNOWN_FIELDS: Final = ("refuse", "warn")
-
-
-class InvalidOption(ValueError):
-    """A value of the right type that breaks its field's rule; ``parse_options`` names it."""
-
-    def __init__(self, key: str, rule: str, value: object) -> None:
-        super().__init__(f"{key} must {rule}, not {value!r}")
-        self.key, self.rule, self.value = key, rule, value
 
 
 def _check(ok: bool, key: str, rule: str, value: object) -> None:
@@ -357,11 +346,24 @@ class StageOptions:
     # The heartbeat's bound on its links to the next and the first stage, and on the
     # connections it accepts (net/liveness.py).
     silence_s: float = DEFAULT_SILENCE_S
+    # A tensor-parallel stage ([serve] tp_size on the stage host): this worker is rank 0 of
+    # ``tp_size`` ranks on this host (the others: the ``stage_tp`` workers,
+    # StageTensorOptions), meeting in an mlx.distributed ring at ``tp_hosts`` (host:port
+    # per rank, rank 0 first; empty with tp_size 1, or when the daemon could bind no port:
+    # the worker refuses that, naming it).
+    tp_size: int = 1
+    tp_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "rank", "be >= 0", self.rank)
         _check(self.silence_s > 0, "silence_s", "be > 0", self.silence_s)
         _check_layers("layers", self.layers)
+        _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", f"be in 1-{MAX_TP_SIZE}",
+               self.tp_size)
+        if self.tp_size > 1 and self.tp_hosts:
+            _check_tp_hosts("tp_hosts", self.tp_hosts, self.tp_size)
+        _check(self.tp_size > 1 or not self.tp_hosts, "tp_hosts", "be empty with tp_size 1",
+               self.tp_hosts)
         for key in ("address", "coordinator", "upstream", "downstream", "first", "last"):
             _check_address(key, getattr(self, key))
 
@@ -389,27 +391,39 @@ class TensorOptions:
         _check(self.max_batch >= 1, "max_batch", "be >= 1", self.max_batch)
 
 
-WorkerOptions = EchoOptions | RouterOptions | StageOptions | TensorOptions
-OPTIONS: Final[dict[str, type[WorkerOptions]]] = {
-    c.role: c for c in (EchoOptions, RouterOptions, StageOptions, TensorOptions)}
+@dataclass(frozen=True)
+class StageTensorOptions:
+    """The ``stage_tp`` role (``workers/stage_tensor.py``): rank ``rank`` >= 1 of a
+    tensor-parallel pipeline stage (``StageOptions.tp_hosts``); it loads its slice of the
+    stage's ``layers`` of ``model`` and follows rank 0's (the ``stage`` worker's) steps
+    over the ring at ``tp_hosts``. No port of its own besides its ring's, no secret."""
 
+    role: ClassVar[str] = STAGE_TP
+
+    model: str  # as the stage's: a local directory or a Hugging Face repo id
+    layers: tuple[int, int]  # the stage's [start, end)
+    node_id: str  # the stage's node (its log lines name it)
+    rank: int
+    tp_hosts: tuple[str, ...]  # the ring: host:port per rank, rank 0 (the stage) first
+
+    def __post_init__(self) -> None:
+        _check_layers("layers", self.layers)
+        _check(2 <= len(self.tp_hosts) <= MAX_TP_SIZE, "tp_hosts",
+               f"name 2-{MAX_TP_SIZE} ranks' host:port", self.tp_hosts)
+        _check_tp_hosts("tp_hosts", self.tp_hosts, len(self.tp_hosts))
+        _check(1 <= self.rank < len(self.tp_hosts), "rank",
+               f"be in 1-{len(self.tp_hosts) - 1} (rank 0 is the stage)", self.rank)
+
+
+WorkerOptions = (EchoOptions | RouterOptions | StageOptions | TensorOptions
+                 | StageTensorOptions)
+OPTIONS: Final[dict[str, type[WorkerOptions]]] = {
+    c.role: c for c in (EchoOptions, RouterOptions, StageOptions, TensorOptions,
+                        StageTensorOptions)}
 
 def options_json(options: WorkerOptions) -> dict[str, object]:
     """``options`` as the JSON object it travels as (tuples as lists)."""
-    return _object_json(options)
-
-
-def _object_json(value: object) -> dict[str, object]:
-    assert dataclasses.is_dataclass(value) and not isinstance(value, type)
-    return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-
-
-def _to_json(value: object) -> object:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _object_json(value)
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    return value
+    return object_json(options)
 
 
 def parse_options(role: str, raw: object, where: str = "options") -> WorkerOptions:
@@ -420,72 +434,4 @@ def parse_options(role: str, raw: object, where: str = "options") -> WorkerOptio
     if kind is None:
         raise ConfigError(f"no worker role {role!r}",
                           hint=f"roles: {', '.join(sorted(OPTIONS))}")
-    return _parse(kind, raw, where)
-
-
-def _parse(kind: type[T], raw: object, where: str) -> T:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"'{where}' must be a table of options, not {raw!r}",
-                          hint=_hint(kind))
-    fields = {f.name: f for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
-    hints = get_type_hints(kind)
-    for key in raw:
-        if key not in fields:
-            raise ConfigError(f"unknown option '{where}.{key}'", hint=_hint(kind))
-    values: dict[str, object] = {}
-    for name, f in fields.items():
-        if name in raw:
-            values[name] = _value(hints[name], raw[name], f"{where}.{name}", _hint(kind))
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"option '{where}.{name}' is missing", hint=_hint(kind))
-    try:
-        return kind(**values)
-    except InvalidOption as exc:
-        raise ConfigError(f"option '{where}.{exc.key}' must {exc.rule}, not {exc.value!r}",
-                          hint=_hint(kind)) from None
-
-
-def _value(tp: object, value: object, where: str, hint: str) -> object:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = (a for a in args if a is not type(None))
-        return _value(inner, value, where, hint)
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise _wrong(where, "a list", value, hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_value(args[0], v, f"{where}[{i}]", hint) for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise _wrong(where, f"a list of {len(args)}", value, hint)
-        return tuple(_value(a, v, f"{where}[{i}]", hint)
-                     for i, (a, v) in enumerate(zip(args, value, strict=True)))
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _parse(tp, value, where)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _wrong(where, "true or false", value, hint)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _wrong(where, "an integer", value, hint)
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise _wrong(where, "a number", value, hint)
-    if tp is str:
-        if isinstance(value, str) and value:
-            return value
-        raise _wrong(where, "a non-empty string", value, hint)
-    raise AssertionError(f"{where}: no parser for {tp!r}")
-
-
-def _wrong(where: str, what: str, value: object, hint: str) -> ConfigError:
-    return ConfigError(f"option '{where}' must be {what}, not {value!r}", hint=hint)
-
-
-def _hint(kind: type) -> str:
-    names = [f.name for f in dataclasses.fields(kind)]
-    return f"known options here: {', '.join(names)} (mlxceld/roles/options.py)"
+    return parse_kind(kind, raw, where)

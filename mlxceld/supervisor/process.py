@@ -17,7 +17,7 @@ import psutil
 
 from mlxceld.errors import WorkerError
 from mlxceld.logformat import LogFormat
-from mlxceld.roles import ROUTER, STAGE, TP
+from mlxceld.roles import ROUTER, STAGE, STAGE_TP, TP
 from mlxceld.roles.options import WorkerOptions, options_json
 from mlxceld.supervisor import channel, logfiles
 from mlxceld.supervisor.ops import Health
@@ -35,7 +35,7 @@ SERVICE_MANAGER_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID
 # their bootstrap, on stdin, as the cluster secret travels; never in a child's
 # environment.
 DOWNLOAD_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-DOWNLOADERS = frozenset({ROUTER, STAGE, TP})
+DOWNLOADERS = frozenset({ROUTER, STAGE, TP, STAGE_TP})
 CREATE_TIME_TOLERANCE_S = 0.05
 
 

@@ -66,6 +66,7 @@ from mlxceld.workers.runtime import (
     progress_report,
     unless_stopped,
 )
+from mlxceld.workers.stage_tensor import close_group, load_leader
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
     keyring = ctx.keyring  # changed in place by the daemon (supervisor/keys.py)
     me = parse_address(place.address)  # a name binds every address it resolves to
     service: StageService | None = None
+    leader: Any = None  # a tensor-parallel stage's StageLeader (rank 0), once formed
 
     async def handler(stream: Any) -> None:
         assert service is not None
@@ -143,8 +145,12 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                 Path(o.model), place.layers, fetched))
             since = time.time()
             loaded = load_reporter(ctx, since, failpoints.STAGE_LAYER_S)  # tests: slow disk
-            model = await unless_stopped(ctx, "load", lambda: load_stage(
-                path, *place.layers, loaded))
+            if o.tp_size > 1:  # rank 0 of a tensor-parallel group (workers/stage_tensor.py)
+                leader = await load_leader(ctx, str(path))
+                model = leader.model
+            else:
+                model = await unless_stopped(ctx, "load", lambda: load_stage(
+                    path, *place.layers, loaded))
         except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
             raise ConfigError(f"stage {place.node_id} failed to load layers "
                               f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",
@@ -158,8 +164,11 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                "cannot travel on the wire")
         service = StageService(model, place, keyring, wire, standby=o.standby,
                                silence_s=o.silence_s, tokenizer_path=path,
-                               cache_bytes=default_cache_bytes())
+                               cache_bytes=0 if leader else default_cache_bytes(),
+                               leader=leader)
         active = service
+        if leader is not None:  # the group broke: its sequences fail, then this process ends
+            leader.on_broken(service.group_broke)
 
         def activate(request: JSON) -> JSON:
             active.activate()
@@ -196,4 +205,6 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             await serving
     finally:
         await listener.aclose()
+        if leader is not None:
+            await asyncio.to_thread(close_group, leader)
     return 0

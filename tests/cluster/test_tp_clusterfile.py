@@ -1,6 +1,7 @@
 """``[cluster] tensor_parallel_size`` in a cluster TOML: each hybrid node's ``--tp-size``
 (``placed_config`` places it as the flag does), and refused by name where tensor
-parallelism is not built (prefill and decode nodes, a router, a pipeline)."""
+parallelism is not built (prefill and decode nodes, a router, a pipeline's file), and
+``--tp-size`` beside a pipeline's file: a stage node's group, refused on its coordinator."""
 
 from __future__ import annotations
 
@@ -88,17 +89,25 @@ def test_a_pipelines_file_is_refused_naming_both_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_cluster(path)
     assert re.search(r"'cluster\.tensor_parallel_size' is 2 in a pipeline's cluster TOML "
-                     r"\('cluster\.pipeline_parallel_size' is 2\): tensor parallelism inside "
-                     r"a pipeline stage is not built yet", err.value.message)
+                     r"\('cluster\.pipeline_parallel_size' is 2\): a pipeline's file does "
+                     r"not say each stage's group yet", err.value.message)
+    assert "--tp-size" in err.value.hint
 
 
-def test_the_flag_beside_a_pipelines_file_is_refused(tmp_path: Path) -> None:
+def test_the_flag_beside_a_pipelines_file_makes_a_stage_a_group_and_not_the_coordinator(
+        tmp_path: Path) -> None:
     _setup(tmp_path, "")
     path = write_cluster_toml(tmp_path, tmp_path / "model", [(0, 1), (1, 2)])
+    assert _placed(tmp_path, path, "s0", tp_size=2).serve.tp_size == 2  # a stage node
     with pytest.raises(ConfigError, match=r"^--tp-size 2 with distributed_config "
-                       r"\(--distributed-config\) .*a pipeline's cluster TOML: tensor "
-                       r"parallelism inside a pipeline stage is not built yet"):
-        _placed(tmp_path, path, "s0", tp_size=2)
+                       r"\(--distributed-config\) .*: node 'coord' is the pipeline's "
+                       r"coordinator, whose router holds no layers to split") as err:
+        _placed(tmp_path, path, "coord", tp_size=2)
+    assert "set tp_size on the stage hosts" in err.value.hint
+    with pytest.raises(ConfigError, match=r"^--tp-size 2 with --tp-peers and "
+                       r"distributed_config \(--distributed-config\): a pipeline stage whose "
+                       r"tensor-parallel group spans hosts is not built yet"):
+        _placed(tmp_path, path, "s1", tp_size=2, tp_peers="10.0.0.9")
 
 
 @pytest.mark.parametrize(("text", "node", "message"), [

@@ -88,12 +88,12 @@ def test_a_size_out_of_bounds_is_refused_naming_the_flag_or_key(
      r"built yet"),
     (["--node-role", "decode", "--prefill-peers", "10.0.0.21"], {"tp_size": 4}, {},
      r"'serve\.tp_size' 4 with node_role decode .*not built yet"),
-    (["--tp-size", "2", "--pp-peer"], {}, {},
-     r"^--tp-size 2 with pp_peer \(--pp-peer\): tensor parallelism inside a pipeline stage "
-     r"is not built yet"),
     (["--tp-size", "2", "--pp-auto", "2"], {}, {},
-     r"^--tp-size 2 with pp_auto \(--pp-auto\): tensor parallelism inside a pipeline"),
+     r"^--tp-size 2 with pp_auto \(--pp-auto\): the coordinator's router holds no layers"),
     ([], {"tp_size": 2}, {"pp_auto": 2}, r"'serve\.tp_size' 2 with pp_auto \(--pp-auto\)"),
+    (["--tp-size", "2", "--pp-peer", "--tp-peers", "10.0.0.3"], {}, {},
+     r"^--tp-size 2 with --tp-peers and pp_peer \(--pp-peer\): a pipeline stage whose "
+     r"tensor-parallel group spans hosts is not built yet"),
 ])
 def test_beside_what_it_does_not_go_with_it_is_refused(
         tmp_path: Path, args: list[str], serve: dict[str, object], daemon: dict[str, object],
@@ -101,6 +101,16 @@ def test_beside_what_it_does_not_go_with_it_is_refused(
     with pytest.raises(ConfigError, match=message) as err:
         config(tmp_path, args, serve, daemon)
     assert "--tp-size" in err.value.hint
+
+
+def test_a_stage_host_takes_it_and_a_coordinator_is_told_to_set_it_there(
+        tmp_path: Path) -> None:
+    peer = config(tmp_path, ["--tp-size", "2", "--pp-peer"])
+    assert peer.pp_peer and peer.serve.tp_size == 2
+    assert config(tmp_path, ["--pp-peer"], {"tp_size": 4}).serve.tp_size == 4
+    with pytest.raises(ConfigError) as err:
+        config(tmp_path, ["--tp-size", "2", "--pp-auto", "2"])
+    assert "set tp_size on the stage hosts" in err.value.hint
 
 
 def test_tp_size_one_goes_with_everything(tmp_path: Path) -> None:
@@ -182,8 +192,8 @@ def test_mlxctl_serve_activate_and_a_reload_are_refused_changing_nothing(
     assert not [e for e in d.events() if e["kind"] == "serve.changed"]
     pipeline = d.ctl("cluster", "activate", "--model", str(llama), "--stages", "2")
     assert pipeline.returncode != 0
-    assert "this daemon runs with tp_size 2 (--tp-size, [serve] tp_size): tensor " \
-        "parallelism inside a pipeline is not built yet" in pipeline.stderr
+    assert "this daemon runs with tp_size 2 (--tp-size, [serve] tp_size): a pipeline's " \
+        "coordinator holds no layers to split" in pipeline.stderr
     d.config.write_text(f'[serve]\ntp_size = 4\nmodel = "{llama}"\n')
     os.kill(d.pid, signal.SIGHUP)
     failed = wait_for(lambda: [e for e in d.events() if e["kind"] == "daemon.reload_failed"],

@@ -121,6 +121,19 @@ def test_two_routers_entries_are_kept_apart_by_their_identity(stage: StageModel)
     assert budget == (1 << 30) + (1 << 20) and stats.kept == 2 and stats.hits == 1
 
 
+def test_a_capped_cache_keeps_nothing_whatever_a_router_names(stage: StageModel) -> None:
+    """A tensor-parallel stage's (``cap`` 0: its ranks mirror no prompt cache): the bound
+    it answers ``attach`` with is 0, and nothing is kept, so nothing is ever reused."""
+    cache = StageCache("stage-0", 0, cap=0)
+    a = "127.0.0.1:19000"
+    assert cache.attached(a, Attach("m", "c", cache="ea", cache_bytes=1 << 30)) == 0
+    assert cache.attached(a, Attach("m", "c", cache="ea")) == 0
+    assert not cache.put(a, "0", filled(stage, [1, 2, 3, 4]), 4).kept
+    assert cache.reuse(a, ("0", 4)) is None
+    assert StageCache("s", 0, cap=1 << 20).attached(
+        a, Attach("m", "c", cache_bytes=1 << 30)) == 1 << 20  # a cap bounds what is named
+
+
 def test_a_stage_keeps_at_most_max_owners_routers_stores(stage: StageModel) -> None:
     cache = StageCache("stage-0", 1 << 30)
     for n in range(MAX_OWNERS + 2):

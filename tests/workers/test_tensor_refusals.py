@@ -1,6 +1,6 @@
-"""A tensor-parallel rank and the router as rank 0 refuse what cannot run, before any ring:
-exit 2 (``EXIT_CONFIG``: not restarted) with an exit record naming the reason. Real worker
-processes, fed their bootstrap as the supervisor does."""
+"""A tensor-parallel rank (a router's, a stage's) and the router as rank 0 refuse what
+cannot run, before any ring: exit 2 (``EXIT_CONFIG``: not restarted) with an exit record
+naming the reason. Real worker processes, fed their bootstrap as the supervisor does."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mlxceld.roles.options import (
     PipelineOptions,
     PipelineStage,
     RouterOptions,
+    StageTensorOptions,
     TensorOptions,
 )
 
@@ -40,3 +41,13 @@ def test_the_router_refuses_tp_over_a_pipeline_naming_the_option(state_dir: Path
     assert code == EXIT_CONFIG, log
     assert "tensor parallelism (tp_size 2) is not built for a pipeline stage's router" in summary
     assert "options.pipeline must be null" in summary
+
+
+def test_a_stage_rank_refuses_a_tp_size_that_does_not_divide_the_heads(
+        state_dir: Path, tmp_path: Path) -> None:
+    model = write_fixture(tmp_path / "llama", preset("tiny", family="llama", layers=4))
+    code, summary, log = run_worker(state_dir, "stage-tp-1", StageTensorOptions(
+        model=str(model), layers=(2, 4), node_id="stage-1", rank=1, tp_hosts=RING))
+    assert code == EXIT_CONFIG, log
+    assert summary.startswith("tensor parallelism over 3 ranks refused:"), summary
+    assert "joined the ring" not in log

@@ -32,7 +32,11 @@ prepared, or ``RETIRING_MAX_S`` after the new stage activated, said or not (a
 coordinator gone for good). When the new plan does not come to serve here (aborted, or
 stopped before it activated) the kept stage is ``stage`` again and serves on
 (``stop_stage``), so a failed re-plan leaves the old plan whole. A daemon restarted
-meanwhile stops a kept stage (it is no worker of its roster).
+meanwhile stops a kept stage (it is no worker of its roster). A tensor-parallel stage
+(``[serve] tp_size`` on this host: the ``stage`` worker and its ``stage-tp-<r>`` ranks)
+is not kept: its ranks are stopped before the next plan's stage loads (break before
+make, an event ``stage.replaced`` says so), as a second group beside it would need a
+second ring.
 """
 
 from __future__ import annotations
@@ -45,7 +49,12 @@ from typing import Final, Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import PeerFacts
-from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, place
+from mlxceld.cluster.clusterfile.placement import (
+    STAGE_TP_GROUP,
+    STAGE_WORKER,
+    Placement,
+    place,
+)
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import DaemonError, WorkerError
 from mlxceld.models.families import model_family
@@ -226,8 +235,7 @@ class LocalStageHost:
         served = self._active
         self._placement, self._active = None, False
         self._slot.set_stage(None, standby=False)
-        if STAGE_WORKER in self._supervisor.names():
-            await self._supervisor.remove(STAGE_WORKER)
+        await self._remove_stage()
         if served or self._kept is None:
             await self._end_kept()
             return
@@ -260,7 +268,15 @@ class LocalStageHost:
         now = self._supervisor.state(STAGE_WORKER)
         if (not self._active or self._epoch is None or self._placement is None
                 or now is None or now[0] is not WorkerState.RUNNING):
-            await self._supervisor.remove(STAGE_WORKER)
+            await self._remove_stage()
+            return
+        if self._ranks():  # its group's ranks would need a second ring: not built yet
+            await self._remove_stage()
+            self._events.append("stage.replaced", STAGE_WORKER, f"the stage of plan "
+                                f"{self._epoch} is a tensor-parallel group, which is not "
+                                f"kept serving while plan {epoch}'s loads (make before "
+                                "break is not built for it yet): stopped first",
+                                epoch=self._epoch, next_epoch=epoch)
             return
         await self._end_kept()  # one kept from an older plan stops first
         self._slot.keep_retiring(self._supervisor.rename(STAGE_WORKER, RETIRING))
@@ -268,6 +284,20 @@ class LocalStageHost:
         self._events.append("stage.retiring", RETIRING, f"the stage of plan {self._epoch} "
                             f"serves on as {RETIRING} while plan {epoch}'s loads",
                             epoch=self._epoch, next_epoch=epoch)
+
+    def _ranks(self) -> list[str]:
+        """The workers of a tensor-parallel stage's other ranks (``stage-tp-<r>``)."""
+        prefix = STAGE_TP_GROUP + "-"
+        return [n for n in self._supervisor.names()
+                if n.startswith(prefix) and n.removeprefix(prefix).isdigit()]
+
+    async def _remove_stage(self) -> None:
+        """The stage worker removed (its own drain), then its group's other ranks (which
+        end on their own once it closed the group)."""
+        if STAGE_WORKER in self._supervisor.names():
+            await self._supervisor.remove(STAGE_WORKER)
+        for name in self._ranks():
+            await self._supervisor.remove(name)
 
     def _drop_kept(self) -> None:
         self._kept = None

@@ -91,8 +91,9 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
     if tp > 1:
         raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp} in a pipeline's "
                           f"cluster TOML ('cluster.pipeline_parallel_size' is {size}): "
-                          "tensor parallelism inside a pipeline stage is not built yet",
-                          hint="remove tensor_parallel_size (or set it to 1); tensor "
+                          "a pipeline's file does not say each stage's group yet",
+                          hint="remove tensor_parallel_size (or set it to 1), and give each "
+                          "stage host its own --tp-size ([serve] tp_size); tensor "
                           "parallelism runs on the hybrid nodes of a serving cluster TOML "
                           "(routers over hybrids)")
     replicas = _int(cluster, "replicas", where, "cluster.", minimum=1)

@@ -20,9 +20,11 @@ flags. So does a rank of a tensor-parallel group across hosts (role
 addresses in rank order (its router is rank 0 and serves the OpenAI port), every other
 rank as ``--node-role tensor_parallel_rank``; each checks that the model splits over N.
 A flag or ``[serve]`` key that says otherwise is refused naming both. A router
-holds no model: ``--tp-size`` above 1 there is refused naming the node. A pipeline's
-file takes no ``--tp-size`` above 1 (``serving_config``: tensor parallelism inside a
-stage is not built).
+holds no model: ``--tp-size`` above 1 there is refused naming the node. Beside a
+pipeline's file, ``--tp-size`` above 1 makes a stage node's stage a tensor-parallel group
+on its host; on the coordinator node (its router holds no layers), or with
+``--tp-peers`` (a stage's group across hosts is not built yet), it is refused
+(``serving_config``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from mlxceld.cluster.clusterfile.load import (
 )
 from mlxceld.config.daemon import DEFAULT_AGENT_ADDR, Config, Overrides
 from mlxceld.config.serve import ServeConfig, resolve_model
-from mlxceld.config.tensor import TP_HINT, check_tp_model, tp_origin
+from mlxceld.config.tensor import check_tp_model, check_tp_node, check_tp_setting, tp_origin
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import check_family
 from mlxceld.models.fetch import is_repo_id, local_model
@@ -58,6 +60,8 @@ from mlxceld.types import (
 )
 
 STAGE_WORKER: Final = STAGE  # the worker's name and role on a stage node
+# A tensor-parallel stage's group: the stage worker (rank 0) and its ``stage-tp-<r>`` ranks.
+STAGE_TP_GROUP: Final = "stage-tp"
 
 
 @dataclass(frozen=True)
@@ -288,9 +292,11 @@ def serving_config(config: Config, flags: Overrides) -> Config:
     if cfg is None:
         if config.distributed_config is not None and config.serve.tp_size > 1:
             said = tp_origin(flags.tp_size, str(config.config_file or "config"))
-            raise ConfigError(f"{said} {config.serve.tp_size} with distributed_config "
-                              f"(--distributed-config) {config.distributed_config}, a "
-                              "pipeline's cluster TOML: tensor parallelism inside a pipeline "
-                              "stage is not built yet", hint=TP_HINT)
+            pipeline = load_cluster(config.distributed_config)
+            node = select_node(pipeline, config.node_id or "")
+            check_tp_node(config.serve.tp_size, said, node.id, node.role, pipeline.path)
+            check_tp_setting(config.serve.tp_size, said, node_role=config.serve.node_role,
+                             pipeline="distributed_config (--distributed-config)",
+                             peers=config.serve.tp_peers)
         return config
     return placed_config(config, cfg, select_node(cfg, config.node_id or ""), flags)
