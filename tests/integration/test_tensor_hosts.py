@@ -153,28 +153,38 @@ def test_status_shows_the_group_on_rank_0_and_the_rank_on_its_host(group: Group)
     assert f"transport: ring ({transport['reason']})" in shown.stdout, shown.stdout
 
 
-def stream_until_killed(g: Group, pids: list[int]) -> tuple[dict[str, Any] | None, float, str]:
-    """A long stream; after its first tokens every pid in ``pids`` gets SIGKILL. The SSE
-    error event (None: none), how long after the kill the stream ended, and how."""
-    with httpx.Client(timeout=60) as http, http.stream(
-            "POST", f"{g.url}/completions",
-            json={"model": "llama", "prompt": "Hello", "max_tokens": 1500, "temperature": 0,
-                  "stream": True, "logit_bias": g.banned}) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(line for line in lines if line.startswith("data: "))
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        try:
-            for line in lines:
-                if line.startswith("data: {") and '"error"' in line:
-                    return (json.loads(line.removeprefix("data: ")),
-                            time.monotonic() - killed, "an error event")
-        except httpx.HTTPError as exc:
-            return None, time.monotonic() - killed, f"cut: {exc!r}"
-    return None, time.monotonic() - killed, "ended without an error event"
+def stream_until(g: Group, pids: list[int], sig: signal.Signals
+                 ) -> tuple[dict[str, Any] | None, float, str]:
+    """A long stream; after its first tokens every pid in ``pids`` gets ``sig`` (SIGKILL, or
+    SIGSTOP: a host asleep, no RST, its sockets open; each stopped pid gets SIGCONT once the
+    stream has ended, whatever happened). The SSE error event (None: none), how long after
+    the signal the stream ended, and how."""
+    signalled: list[int] = []
+    try:
+        with httpx.Client(timeout=60) as http, http.stream(
+                "POST", f"{g.url}/completions",
+                json={"model": "llama", "prompt": "Hello", "max_tokens": 1500,
+                      "temperature": 0, "stream": True, "logit_bias": g.banned}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(line for line in lines if line.startswith("data: "))
+            for pid in pids:
+                os.kill(pid, sig)
+                signalled.append(pid)
+            at = time.monotonic()
+            try:
+                for line in lines:
+                    if line.startswith("data: {") and '"error"' in line:
+                        return (json.loads(line.removeprefix("data: ")),
+                                time.monotonic() - at, "an error event")
+            except httpx.HTTPError as exc:
+                return None, time.monotonic() - at, f"cut: {exc!r}"
+        return None, time.monotonic() - at, "ended without an error event"
+    finally:
+        if sig == signal.SIGSTOP:
+            for pid in signalled:
+                os.kill(pid, signal.SIGCONT)
 
 
 def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
@@ -183,7 +193,7 @@ def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
     worker = group.rank1.worker("tp-1")["pid"]
     assert worker
     daemon = group.rank1.pid
-    error, took, how = stream_until_killed(group, [daemon, worker])
+    error, took, how = stream_until(group, [daemon, worker], signal.SIGKILL)
     assert group.rank1.proc is not None
     group.rank1.proc.wait(10)
     print(f"\nSIGKILL of the rank host: the stream ended after {took:.2f} s with {how}")
@@ -209,37 +219,6 @@ def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
     assert group.rank0.status()["tensor"]["state"] == "formed"
 
 
-def stream_until_stopped(g: Group, pids: list[int]) -> tuple[dict[str, Any] | None, float,
-                                                               str]:
-    """``stream_until_killed`` with SIGSTOP (a host asleep: no RST, its sockets stay open);
-    every pid gets SIGCONT once the stream has ended, whatever happened."""
-    stopped: list[int] = []
-    try:
-        with httpx.Client(timeout=60) as http, http.stream(
-                "POST", f"{g.url}/completions",
-                json={"model": "llama", "prompt": "Hello", "max_tokens": 1500,
-                      "temperature": 0, "stream": True, "logit_bias": g.banned}) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            for _ in range(3):
-                next(line for line in lines if line.startswith("data: "))
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
-                stopped.append(pid)
-            at = time.monotonic()
-            try:
-                for line in lines:
-                    if line.startswith("data: {") and '"error"' in line:
-                        return (json.loads(line.removeprefix("data: ")),
-                                time.monotonic() - at, "an error event")
-            except httpx.HTTPError as exc:
-                return None, time.monotonic() - at, f"cut: {exc!r}"
-        return None, time.monotonic() - at, "ended without an error event"
-    finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
-
-
 def test_a_silent_rank_host_ends_the_stream_and_the_group_serves_when_it_wakes(
         group: Group) -> None:
     """The rank host's daemon and worker stopped (SIGSTOP) in the middle of a stream: rank
@@ -249,7 +228,7 @@ def test_a_silent_rank_host_ends_the_stream_and_the_group_serves_when_it_wakes(
     group.serves()
     worker = group.rank1.worker("tp-1")["pid"]
     assert worker
-    error, took, how = stream_until_stopped(group, [group.rank1.pid, worker])
+    error, took, how = stream_until(group, [group.rank1.pid, worker], signal.SIGSTOP)
     print(f"\nSIGSTOP of the rank host: the stream ended after {took:.2f} s with {how}")
     assert error is not None, how
     body = error["error"]
