@@ -67,7 +67,7 @@ from mlxceld.wire.tensor_messages import TensorJoin, TensorJoined, TensorReserve
 log = logging.getLogger(__name__)
 
 WATCH_S: Final = 1.0
-STARTED_POLL_S: Final = 0.2  # how often a starting router's state is read
+STARTED_POLL_S: Final = 0.05  # how often a starting router's state is read
 ROUTER_START_S: Final = 1800.0  # the most the stand-in waits for it (a large model's load)
 UNSEEN_S: Final = 5.0  # a router the supervisor does not know after this: none was started
 CHECK_S: Final = 2.0

@@ -7,8 +7,10 @@ user's probe says why it cannot make one."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -85,13 +87,23 @@ def test_an_unprivileged_probe_says_why_it_cannot(cpuquota: ModuleType) -> None:
     if os.geteuid() != 0 or cpuquota.probe() is not None:
         pytest.skip("needs root and a writable cpu controller, to see a user refused")
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
-    if subprocess.run([*nobody, "-c", "pass"], capture_output=True, timeout=60,
+    if subprocess.run([*nobody, "-c", "pass"], capture_output=True, timeout=60, cwd="/",
                       check=False).returncode != 0:
         pytest.skip(f"user 65534 cannot run {sys.executable}")
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import cpuquota; "
              "print(cpuquota.probe())")
-    out = subprocess.run([*nobody, "-c", probe, str(BENCH)],
-                         capture_output=True, text=True, timeout=60, check=True)
+    # A copy that user can read: the checkout may sit below a directory only root enters
+    # (CI's clean clone in a 0700 temporary directory).
+    readable = Path(tempfile.mkdtemp(prefix="mxquota-"))
+    try:
+        readable.chmod(0o755)
+        shutil.copy(BENCH / "cpuquota.py", readable / "cpuquota.py")
+        (readable / "cpuquota.py").chmod(0o644)
+        out = subprocess.run([*nobody, "-c", probe, str(readable)], cwd="/",
+                             capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
+    assert out.returncode == 0, out.stderr
     why = out.stdout.strip()
     _, parent = cpuquota.hierarchy()
     assert why.startswith(f"cannot make the cgroup {parent}/mxprobe-")

@@ -42,10 +42,12 @@ class Group:
     url: str  # rank 0's OpenAI port, http://HOST:PORT
 
     def ready(self) -> bool:
-        try:  # polled as a load balancer does; refused while the router starts
-            return httpx.get(f"{self.url}/ready", timeout=10).status_code == 200
-        except httpx.TransportError:
-            return False
+        """``/ready`` 200 (polled as a load balancer does: answered all along, 503 by the
+        daemon's stand-in while the group forms and its router starts, never refused), and
+        the stand-in gone (it shares the port with the router for a moment once that
+        runs)."""
+        return (httpx.get(f"{self.url}/ready", timeout=10).status_code == 200
+                and not self.rank0.status()["tensor"]["standin"])
 
 
 def write_file(root: Path, model: Path, agents: dict[str, str]) -> Path:
