@@ -153,7 +153,15 @@ class DaemonProc:
             async with ControlClient(self.socket) as client:
                 return await job(client)
 
-        return asyncio.run(go())
+        try:
+            return asyncio.run(go())
+        except DaemonNotRunning as exc:  # say how it ended, for a CI log to show
+            code = self.proc.poll() if self.proc is not None else None
+            raise DaemonNotRunning(f"{exc.message}; its process: "
+                                   + ("not started" if self.proc is None else
+                                      "still running" if code is None else f"exit {code}")
+                                   + "; the end of its log:\n" + self.stderr()[-4000:],
+                                   hint=exc.hint) from exc
 
     def status(self) -> dict[str, Any]:
         return self.api(lambda c: c.status())
