@@ -17,7 +17,9 @@ authenticates both ends; ``wire/tensor_messages.py``):
   stopped first, within its stop timeout: rank 0 starts a new ring each time it asks),
   and it answers ``tensor_joined``. A join that names ``layers`` (and ``node_id``) is a
   pipeline stage's group (rank 0 a stage host's ``stage`` worker, ``daemon/stage_peers.py``):
-  the worker is ``stage-tp-<rank>`` (``workers/stage_tensor.py``) over those layers.
+  the worker is ``stage-tp-<rank>`` (``workers/stage_tensor.py``) over those layers; asked
+  again with the same options while it is not stopped or failed it is kept (its stage
+  restarted in the same ring, and so did it, under its own supervisor).
   The worker joins the ring within the ring's deadline
   (``engine/ring.py``, 60 s) or exits.
 
@@ -41,7 +43,7 @@ from mlxceld.net.agent import AgentService
 from mlxceld.roles.options import StageTensorOptions, TensorOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON, TENSOR_RANK_ROLE
+from mlxceld.types import JSON, TENSOR_RANK_ROLE, WorkerState
 from mlxceld.wire import Envelope, encode_envelope
 from mlxceld.wire.address import format_address
 from mlxceld.wire.messages import Error, MessageError
@@ -178,6 +180,15 @@ class RankHost:
                                     rank=asked.rank, tp_hosts=asked.hosts,
                                     max_batch=asked.max_batch)
         name = rank_worker(options)
+        got = self._supervisor.state(name)
+        if (asked.layers is not None and options == self._slot.tensor_rank and got is not None
+                and got[0] not in (WorkerState.FAILED, WorkerState.EXITED)):
+            # A stage's group asked again in the same ring (its stage restarted): this
+            # rank, restarted by its own supervisor meanwhile, meets it there; a restart
+            # here would break the ring the stage is joining.
+            log.info("tensor rank %d of %d: %s kept (%s), ring %s", asked.rank,
+                     len(asked.hosts), name, got[0], ",".join(asked.hosts))
+            return
         for old in {name, *((rank_worker(self._slot.tensor_rank),)
                             if self._slot.tensor_rank is not None else ())}:
             if self._supervisor.state(old) is not None:

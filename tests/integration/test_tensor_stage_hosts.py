@@ -112,9 +112,15 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
         except openai.APIError:
             return None
 
-    wait_for(lambda: (w := worker(stages[0], "stage")) and w["pid"] != before, BACK_S,
-             "the stage restarted after its ring broke\n" + stages[0].stderr()[-3000:])
-    assert wait_for(served, BACK_S, "a completion once the group is back", every=1.0) == want
+    try:
+        wait_for(lambda: (w := worker(stages[0], "stage")) and w["pid"] != before, BACK_S,
+                 "the stage restarted after its ring broke")
+        assert wait_for(served, BACK_S, "a completion once the group is back",
+                        every=1.0) == want
+    except BaseException:
+        print(stages[0].stderr()[-6000:], ranks[0].stderr()[-4000:], coord.stderr()[-3000:],
+              [(e["kind"], e["message"]) for e in stages[0].events()[-15:]], sep="\n----\n")
+        raise
     kinds = [e["kind"] for e in stages[0].events()]
     assert "tensor.rejoin" in kinds, kinds
     for d in (*stages, *ranks):
