@@ -12,7 +12,8 @@ formed, ``daemon/roster.py``): each rank host is asked ``tensor_reserve`` then
 same exchange as a whole model's, ``wire/tensor_messages.py``), and the ring it answers is
 the stage's ``tp_hosts``. So the formation happens within the prepare's wait for the
 stage to load: a group that does not form fails the prepare (``DaemonError`` naming the
-rank host and why), and the coordinator's round says so. A placement of other layers
+rank host and why), and the coordinator's round says so. A placement of other layers,
+or a stage worker to start anew (a plan prepared after the last one's stage stopped),
 forms the group again; no placement clears the ring.
 
 Kept: every ``WATCH_S`` (1 s) the stage worker's process is read; a new process of the
@@ -91,8 +92,9 @@ class StagePeers:
         if stage is None:
             self._roster.tensor_ring, self._formed = None, None
             return
-        if self._roster.tensor_ring is not None and self._formed == stage:
-            return
+        if (self._roster.tensor_ring is not None and self._formed == stage
+                and STAGE_WORKER in self._supervisor.names()):
+            return  # a new stage process (a prepare after a stop) asks the ranks again
         await self._form(stage)
 
     async def _form(self, stage: Stage) -> None:

@@ -6,7 +6,9 @@ five daemons, four ranks. Each stage host forms its stage's group with its rank 
 ``stage-tp-1`` rank 1, over the stage's layers. Greedy completions through the `openai`
 client are mlx-lm's on the whole model; status on a stage host shows its group across
 hosts; a rank killed with SIGKILL breaks its stage's ring, the stage restarts and its
-rank host is asked again, and the pipeline serves the same tokens again."""
+rank host is asked again, and the pipeline serves the same tokens again, as it does
+after a re-activate (each group stopped before the new plan's loads, then formed
+again)."""
 
 from __future__ import annotations
 
@@ -123,6 +125,16 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
         raise
     kinds = [e["kind"] for e in stages[0].events()]
     assert "tensor.rejoin" in kinds, kinds
+
+    # A re-activate: each stage host's group is stopped before the new plan's loads, its
+    # rank host asked again, and the new plan serves the same tokens.
+    again = coord.ctl("cluster", "activate", "--model", str(model), "--stages", "2",
+                      timeout=UP_S)
+    assert again.returncode == 0, (again.stdout, again.stderr, stages[0].stderr()[-3000:])
+    for p in stages:
+        kinds = [e["kind"] for e in p.events()]
+        assert "stage.replaced" in kinds and "stage.retiring" not in kinds, kinds
+    assert wait_for(served, BACK_S, "a completion from the new plan", every=1.0) == want
     for d in (*stages, *ranks):
         for name in ("stage", "stage-tp-1"):
             w = worker(d, name)
