@@ -282,3 +282,35 @@ def test_a_stage_host_with_tp_size_runs_its_stage_as_rank_0_of_a_group_of_its_ow
     stage = only(draw_roster(s))
     assert isinstance(stage.options, StageOptions)
     assert (stage.options.tp_size, stage.options.tp_hosts) == (2, ())
+
+
+def test_a_stage_host_whose_group_spans_hosts_runs_its_stage_alone_once_formed() -> None:
+    """``--pp-peer --tp-size 2 --tp-peers``: no stage worker until the ring is formed
+    (daemon/stage_peers.py), then the stage alone as rank 0 (its ranks are the rank
+    hosts'), in no local group."""
+    s = tensor(situation(placement=placed("stage-1")), 2)
+    s = dataclasses.replace(s, serve=dataclasses.replace(s.serve, tp_peers=("10.0.0.9:19000",)),
+                            tp_hosts=())
+    assert draw_roster(s) == []
+    ring = ("10.0.0.2:40000", "10.0.0.9:40001")
+    stage = only(draw_roster(dataclasses.replace(s, tp_hosts=ring)))
+    assert stage.name == "stage" and stage.group is None
+    assert isinstance(stage.options, StageOptions)
+    assert (stage.options.tp_size, stage.options.tp_hosts) == (2, ring)
+
+
+def test_a_rank_host_asked_for_a_stage_runs_its_stage_tp_worker() -> None:
+    from mlxceld.roles.options import StageTensorOptions, TensorOptions
+
+    ring = ("10.0.0.2:40000", "10.0.0.9:40001")
+    s = situation()
+    s = dataclasses.replace(s, serve=dataclasses.replace(s.serve,
+                                                         node_role="tensor_parallel_rank"))
+    assert draw_roster(s) == []  # not asked yet
+    staged = StageTensorOptions(model=MODEL, layers=(2, 4), node_id="stage-1", rank=1,
+                                tp_hosts=ring)
+    spec = only(draw_roster(dataclasses.replace(s, tensor_rank=staged)))
+    assert (spec.name, spec.role, spec.options, spec.secret) == ("stage-tp-1", "stage_tp",
+                                                                 staged, None)
+    whole = TensorOptions(model=MODEL, model_name=None, rank=1, tp_hosts=ring, max_batch=8)
+    assert only(draw_roster(dataclasses.replace(s, tensor_rank=whole))).name == "tp-1"

@@ -76,10 +76,11 @@ STAGE_HINT: Final = ("set tp_size on the stage hosts instead (--tp-size 2 beside
 def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
                      pipeline: str | None, peers: tuple[str, ...] = ()) -> None:
     """``tp_size`` above 1 only on a hybrid node: on the model alone, or as a pipeline's
-    stage host (``--pp-peer``: its stage a group on this host); never on a coordinator
-    (``pipeline`` ``pp_auto (--pp-auto)``: its router holds no layers), and a group across
-    hosts (``peers``) never beside a pipeline. ``pipeline`` names the pipeline setting in
-    force, if any (a cluster TOML's node is judged by ``check_tp_node``)."""
+    stage host (``--pp-peer``: its stage a group on this host, or across hosts with
+    ``peers``); never on a coordinator (``pipeline`` ``pp_auto (--pp-auto)``: its router
+    holds no layers), and a group across hosts (``peers``) beside no other pipeline.
+    ``pipeline`` names the pipeline setting in force, if any (a cluster TOML's node is
+    judged by ``check_tp_node``)."""
     if tp_size == 1:
         return
     said = f"{origin} {tp_size}"
@@ -96,10 +97,12 @@ def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
                           hint=TP_HINT)
     if pipeline is None:
         return
-    if peers:
+    if peers and not pipeline.startswith("pp_peer"):
         raise ConfigError(f"{said} with {PEERS_FLAG} and {pipeline}: a pipeline stage whose "
-                          "tensor-parallel group spans hosts is not built yet",
-                          hint=f"drop {PEERS_FLAG}: a stage host's group runs on that host "
+                          "tensor-parallel group spans hosts is built for a --pp-peer stage "
+                          "host only",
+                          hint=f"give {PEERS_FLAG} beside --pp-peer on the stage host, or "
+                          f"drop {PEERS_FLAG}: a stage host's group then runs on that host "
                           "(--tp-size alone)")
     if pipeline.startswith("pp_auto"):
         raise ConfigError(f"{said} with {pipeline}: the coordinator's router holds no "

@@ -227,7 +227,7 @@ class Daemon:
                         served_model=lambda: self.roster.serve.model,
                         router_held=self.roster.router_held,
                         drained_nodes=lambda: drained_nodes(drains), pipeline=self.serving,
-                        stage=self.roster, keys=keys,
+                        stage=self.tensor.stage, keys=keys,
                         served_pipeline=self.roster.served_pipeline,
                         fronts=self.serving.fronts, units=self.speed.units,
                         more=self.tensor.register),

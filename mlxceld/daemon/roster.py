@@ -13,7 +13,9 @@ prepared or activated, a deactivation). The rules, in order:
   ``[serve] tp_size`` N > 1 the stage is a tensor-parallel group on this host: the
   ``stage`` worker is rank 0 of group ``stage-tp``, with N-1 ``stage_tp`` workers
   ``stage-tp-1`` ... (ranks 1..N-1: the stage's model and layers, no secret), meeting
-  in a ring at ``Situation.tp_hosts``, restarted together as a router's group;
+  in a ring at ``Situation.tp_hosts``, restarted together as a router's group; with
+  ``tp_peers`` too the group spans hosts: no ``stage-tp`` worker here, and the ``stage``
+  worker only once its ring is formed (``daemon/stage_peers.py``);
 - a prefill or decode node (``--node-role prefill|decode``) runs the ``router``
   with ``handoff`` options (no OpenAI port: its engine on the serving listener
   only) with the cluster secret, once its agent listener is bound, when there is
@@ -122,7 +124,7 @@ class Situation:
     tp_hosts: tuple[str, ...] = ()
     # A rank host (node_role tensor_parallel_rank): the rank rank 0's daemon asked it to
     # run (cluster/tensor_rank.py), None until asked.
-    tensor_rank: TensorOptions | None = None
+    tensor_rank: TensorOptions | StageTensorOptions | None = None
     # A router in front of a pipeline ([serve] pipeline_coordinator): the stages it drives,
     # as last learnt from the coordinator (daemon/following.py); None: none learnt yet.
     followed: PipelineOptions | None = None
@@ -137,12 +139,16 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
     if p is not None and not p.is_coordinator:
         stage = stage_options(p, standby=s.standby, silence_s=s.serve.stage_silence_s)
         tensor = s.serve.tp_size > 1
+        here = tensor and not s.serve.tp_peers  # its ranks on this host, not the peers'
         if tensor:
             stage = replace(stage, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts)
-        specs.append(WorkerSpec(STAGE_WORKER, c.state_dir, stage, policy, secret=s.secret,
-                                accepted=s.accepted, log_format=c.log_format,
-                                group=STAGE_TP_GROUP if tensor else None))
-        specs += stage_ranks(stage, c.state_dir, policy, c.log_format)
+        if here or s.tp_hosts or not tensor:  # a group across hosts: once formed
+            specs.append(WorkerSpec(STAGE_WORKER, c.state_dir, stage, policy,
+                                    secret=s.secret, accepted=s.accepted,
+                                    log_format=c.log_format,
+                                    group=STAGE_TP_GROUP if here else None))
+        if here:
+            specs += stage_ranks(stage, c.state_dir, policy, c.log_format)
     elif s.serve.node_role in HANDOFF_SIDES:
         serving = serving_options(s)
         if s.serve.model is not None and s.agent_address is not None and serving is not None:
@@ -154,8 +160,11 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                     log_format=c.log_format))
     elif s.serve.node_role == TENSOR_RANK_ROLE:
         if s.tensor_rank is not None:  # no router: rank 0's host serves
-            specs.append(WorkerSpec(f"{TP_GROUP}-{s.tensor_rank.rank}", c.state_dir,
-                                    s.tensor_rank, policy, log_format=c.log_format))
+            name = (f"{STAGE_TP_GROUP}-{s.tensor_rank.rank}"
+                    if isinstance(s.tensor_rank, StageTensorOptions)
+                    else f"{TP_GROUP}-{s.tensor_rank.rank}")
+            specs.append(WorkerSpec(name, c.state_dir, s.tensor_rank, policy,
+                                    log_format=c.log_format))
     elif s.serve.node_role == ROUTER_ROLE and s.serve.pipeline_coordinator is not None:
         # A standby that took over drives the plans it pushed since (daemon/standby.py).
         followed = pipeline_options(p) if p is not None and p.is_coordinator else s.followed
@@ -292,7 +301,7 @@ class Roster:
         # Across hosts: the ring rank 0's daemon formed (daemon/tensor_peers.py), None while
         # it is not formed (no router); on a rank host, the rank it was asked to run.
         self.tensor_ring: tuple[str, ...] | None = None
-        self.tensor_rank: TensorOptions | None = None
+        self.tensor_rank: TensorOptions | StageTensorOptions | None = None
         self.followed: PipelineOptions | None = None  # a front's plan (daemon/following.py)
 
     def specs(self) -> list[WorkerSpec]:
@@ -320,6 +329,10 @@ class Roster:
         cluster member's stage host: ``cluster/assignment/stagehost.py``'s ``StageSlot``);
         the next ``reconcile`` makes it so."""
         self.placement, self.standby = placement, standby
+
+    def grouped(self) -> bool:
+        """Whether this host's stage is a tensor-parallel group (``[serve] tp_size``)."""
+        return self.serve.tp_size > 1
 
     def keep_retiring(self, spec: WorkerSpec | None) -> None:
         """Run ``spec`` (a stage the next plan replaces, renamed) beside the placement's

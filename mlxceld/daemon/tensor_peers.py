@@ -41,8 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from mlxceld.cluster.clusterfile.placement import STAGE_WORKER
 from mlxceld.config.serve import ROUTER
 from mlxceld.daemon.roster import Roster
+from mlxceld.daemon.stage_peers import StagePeers
 from mlxceld.daemon.tensor_rank import RankHost
 from mlxceld.daemon.tensor_standin import StandIn
 from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
@@ -107,15 +109,20 @@ class TensorPeers:
         self._probe: asyncio.Task[HostReport] | None = None  # this host's RDMA, once
         self.transport: TransportChoice | None = None  # chosen at the last formation
         self._standin: StandIn | None = None  # the OpenAI port's while the group is down
+        self.stage: tuple[tuple[int, int], str] | None = None  # a stage's group: formed for
 
     def describe(self) -> JSON | None:
         """``tensor`` in the daemon's status: the group, each rank's host and state."""
         if not self.ranks:
             return None
-        got = self._supervisor.state(ROUTER)
+        stage = self._roster.config.pp_peer  # a pipeline stage's group (stage_peers.py)
+        got = self._supervisor.state(STAGE_WORKER if stage else ROUTER)
         zero = {"rank": 0, "agent": self._origin(), "ring": self._ring0, "error": None,
+                "worker": STAGE_WORKER if stage else ROUTER,
                 "state": str(got[0]) if got else "stopped"}
         return {"role": "rank0", "size": len(self.ranks) + 1,
+                "stage": {"layers": list(self.stage[0]), "node_id": self.stage[1]}
+                if stage and self.stage else None,
                 # the daemon answers the OpenAI port (503) beside or instead of the router
                 "standin": bool(self._standin and self._standin.listening),
                 "transport": {"backend": self.transport.backend,
@@ -126,7 +133,7 @@ class TensorPeers:
                      "error": r.error, "since": r.since} for r in self.ranks]}
 
     async def run(self) -> None:
-        if not self.ranks:
+        if not self.ranks or self._roster.config.pp_peer:  # a stage's: daemon/stage_peers.py
             return
         serve = self._roster.serve
         standin = self._standin = StandIn(serve.host, serve.port, lambda: self._why)
@@ -162,9 +169,11 @@ class TensorPeers:
 
     # -- forming ---------------------------------------------------------------------------
 
-    async def _form(self) -> tuple[str, ...] | None:
+    async def _form(self, stage: tuple[tuple[int, int], str] | None = None
+                    ) -> tuple[str, ...] | None:
         """Every rank host reserved and joined: the ring; None when one was not (its
-        state says why, and ``_why``)."""
+        state says why, and ``_why``). ``stage``: the layers and node id of the pipeline
+        stage whose group this is (``daemon/stage_peers.py``)."""
         origin = self._origin()
         entry = await asyncio.to_thread(model_entry, self._roster.serve.model)
         if origin is None or entry is None or entry["identity"] is None:
@@ -188,10 +197,24 @@ class TensorPeers:
         self.transport = await self._choose(parse_address(ring0).host)
         batch = self._roster.serve.max_batch
         for r in self.ranks:
-            if await self._ask(r, origin, TensorJoin(model, r.rank, ring, batch)) is None:
+            join = TensorJoin(model, r.rank, ring, batch, *(stage or (None, None)))
+            if await self._ask(r, origin, join) is None:
                 return None
             r.state, r.error, r.since = "joined", None, time.time()
         return ring
+
+    async def form_stage(self, layers: tuple[int, int], node_id: str
+                         ) -> tuple[str, ...] | None:
+        """A pipeline stage's group over the rank hosts (``daemon/stage_peers.py``): the
+        ring, or None (``why`` says why)."""
+        ring = await self._form((layers, node_id))
+        self.formed = ring is not None
+        self.stage = (layers, node_id) if ring is not None else None
+        return ring
+
+    @property
+    def why(self) -> str:
+        return self._why
 
     def _report_of(self, r: RankState, said: dict[str, Any] | None) -> HostReport:
         """Rank ``r``'s host report, named by its agent's host; one it did not send (or
@@ -316,6 +339,7 @@ class TensorWindow:
     def __init__(self, roster: Roster, supervisor: Supervisor, keyring: SecretStore,
                  events: EventLog, origin: Callable[[], str | None]) -> None:
         self.peers = TensorPeers(roster, supervisor, keyring, events, origin)
+        self.stage = StagePeers(roster, supervisor, events, self.peers)
         self.rank = RankHost(roster, supervisor, lambda: roster.config)
         self._closing = asyncio.Event()
 
@@ -327,7 +351,7 @@ class TensorWindow:
         """Rank 0's group until ``close``: its formation, watch or backoff is cancelled
         then (the stand-in lets the port go on the way), so the daemon's stop does not
         wait for it."""
-        work = asyncio.create_task(self.peers.run())
+        work = asyncio.create_task(self._work())
         closing = asyncio.create_task(self._closing.wait())
         try:
             await asyncio.wait({work, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -337,6 +361,9 @@ class TensorWindow:
             await asyncio.gather(work, closing, return_exceptions=True)
         if work.done() and not work.cancelled():
             work.result()  # what ended it on its own, raised as before
+
+    async def _work(self) -> None:
+        await asyncio.gather(self.peers.run(), self.stage.run())
 
     def close(self) -> None:
         """The shutdown's first step here: no group formed again once the router stops."""

@@ -15,7 +15,12 @@ authenticates both ends; ``wire/tensor_messages.py``):
   the same checks, and its own entry must be the one it reserved; then the worker
   ``tp-<rank>`` (``workers/tensor_rank.py``) starts with those options (one that runs is
   stopped first, within its stop timeout: rank 0 starts a new ring each time it asks),
-  and it answers ``tensor_joined``. The worker joins the ring within the ring's deadline
+  and it answers ``tensor_joined``. A join that names ``layers`` (and ``node_id``) is a
+  pipeline stage's group (rank 0 a stage host's ``stage`` worker, ``daemon/stage_peers.py``):
+  the worker is ``stage-tp-<rank>`` (``workers/stage_tensor.py``) over those layers; asked
+  again with the same options while it is not stopped or failed it is kept (its stage
+  restarted in the same ring, and so did it, under its own supervisor).
+  The worker joins the ring within the ring's deadline
   (``engine/ring.py``, 60 s) or exits.
 
 The ring itself is unauthenticated: it binds only that IP, only while the worker runs.
@@ -35,10 +40,10 @@ from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
 from mlxceld.engine.transport import HostReport, probe_in_child, report_json
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService
-from mlxceld.roles.options import TensorOptions
+from mlxceld.roles.options import StageTensorOptions, TensorOptions
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON, TENSOR_RANK_ROLE
+from mlxceld.types import JSON, TENSOR_RANK_ROLE, WorkerState
 from mlxceld.wire import Envelope, encode_envelope
 from mlxceld.wire.address import format_address
 from mlxceld.wire.messages import Error, MessageError
@@ -52,9 +57,16 @@ REPORT_S: Final = 5.0  # the most the first tensor_reserved waits for this host'
 class RankSlot(Protocol):
     """The roster's part: the rank this host runs, and the reconcile."""
 
-    tensor_rank: TensorOptions | None
+    tensor_rank: TensorOptions | StageTensorOptions | None
 
     async def reconcile(self) -> list[WorkerSpec]: ...
+
+
+def rank_worker(options: TensorOptions | StageTensorOptions) -> str:
+    """The worker of a rank host's rank: ``tp-<rank>`` of a whole model's group,
+    ``stage-tp-<rank>`` of a pipeline stage's."""
+    return (f"stage-tp-{options.rank}" if isinstance(options, StageTensorOptions)
+            else f"tp-{options.rank}")
 
 
 class JoinRefused(Exception):
@@ -97,8 +109,11 @@ class RankHost:
         if o is None:
             return {"role": TENSOR_RANK_ROLE, "rank": None, "size": None, "ring": None,
                     "rank0": None, "asked_by": None, "joined_at": None, "state": "waiting"}
-        got = self._supervisor.state(f"tp-{o.rank}")
+        got = self._supervisor.state(rank_worker(o))
+        stage = ({"layers": list(o.layers), "node_id": o.node_id}
+                 if isinstance(o, StageTensorOptions) else None)
         return {"role": TENSOR_RANK_ROLE, "rank": o.rank, "size": len(o.tp_hosts),
+                "worker": rank_worker(o), "stage": stage,
                 "ring": o.tp_hosts[o.rank], "rank0": o.tp_hosts[0], "asked_by": self._asked_by,
                 "joined_at": self._joined_at, "state": str(got[0]) if got else "stopped"}
 
@@ -154,14 +169,33 @@ class RankHost:
     async def _start(self, asked: TensorJoin, stream: MxclStream) -> None:
         serve = self._config().serve
         assert serve.model is not None  # config/tensor.py: a rank host names its model
-        name = f"tp-{asked.rank}"
-        if self._supervisor.state(name) is not None:
-            # A new ring: the old worker is gone before the answer (one still in the old
-            # ring's join could otherwise meet rank 0's new router), then a new one starts.
-            await self._supervisor.remove(name)
-        self._slot.tensor_rank = TensorOptions(
-            model=serve.model, model_name=serve.served_name, rank=asked.rank,
-            tp_hosts=asked.hosts, max_batch=asked.max_batch)
+        options: TensorOptions | StageTensorOptions
+        if asked.layers is not None:
+            assert asked.node_id is not None  # from_wire: said together
+            options = StageTensorOptions(model=serve.model, layers=asked.layers,
+                                         node_id=asked.node_id, rank=asked.rank,
+                                         tp_hosts=asked.hosts)
+        else:
+            options = TensorOptions(model=serve.model, model_name=serve.served_name,
+                                    rank=asked.rank, tp_hosts=asked.hosts,
+                                    max_batch=asked.max_batch)
+        name = rank_worker(options)
+        got = self._supervisor.state(name)
+        if (asked.layers is not None and options == self._slot.tensor_rank and got is not None
+                and got[0] not in (WorkerState.FAILED, WorkerState.EXITED)):
+            # A stage's group asked again in the same ring (its stage restarted): this
+            # rank, restarted by its own supervisor meanwhile, meets it there; a restart
+            # here would break the ring the stage is joining.
+            log.info("tensor rank %d of %d: %s kept (%s), ring %s", asked.rank,
+                     len(asked.hosts), name, got[0], ",".join(asked.hosts))
+            return
+        for old in {name, *((rank_worker(self._slot.tensor_rank),)
+                            if self._slot.tensor_rank is not None else ())}:
+            if self._supervisor.state(old) is not None:
+                # A new ring: the old worker is gone before the answer (one still in the
+                # old ring's join could otherwise meet rank 0's new one), then a new starts.
+                await self._supervisor.remove(old)
+        self._slot.tensor_rank = options
         await self._slot.reconcile()
         self._asked_by = stream.peer_identity
         self._joined_at = time.time()

@@ -54,11 +54,12 @@ skip a None output, its service makes a sequence's caches with ``caches`` and ``
 it at ``prepare``, ``drop``s it at ``release`` or ``forget``, and ``on_broken`` fails its
 sequences); each other rank is a worker of its own on its host, ``stage-tp-<r>``
 (``run_stage_follower``; ``Mirror``'s messages name it so: ``worker``), the ring joined with
-``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host; not yet: each host's
-agent IP across hosts). Not built yet: the planner fitting a tensor stage's layers by
-dividing their weights by the group's size (the embeddings and head whole, on every
-rank), and an assignment offer naming the group (its ranks' hosts and ring ports), so
-that each rank host's daemon starts its follower.
+``engine/ring.py``'s ``join_ring`` (127.0.0.1 inside one host). Across hosts
+(``--tp-peers`` beside ``--pp-peer``, ``daemon/stage_peers.py``) each other rank is a
+rank host's ``stage-tp-<r>`` worker, the ring on each host's agent IP. Not built yet: the
+planner fitting a tensor stage's layers by dividing their weights by the group's size
+(the embeddings and head whole, on every rank), and an assignment offer naming the
+group (its ranks' hosts and ring ports) instead of each stage host's flags.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ tensor_reserved rank → rank 0     ``ring``: the ``host:port`` this rank's ring
                                   ``{system, macos, jaccl, devices}``
                                   (``engine/transport.py``: ``report_json``)
 tensor_join     rank 0 → rank     ``model``, ``rank``; ``hosts``: the ring, one
-                                  ``host:port`` per rank, rank 0 first; ``max_batch``
+                                  ``host:port`` per rank, rank 0 first; ``max_batch``;
+                                  ``layers`` (optional): ``[start, end)``, the group
+                                  is a pipeline stage's (its rank 0 the ``stage``
+                                  worker), with ``node_id``: that stage's node
 tensor_joined   rank → rank 0     ``rank``: the rank whose worker now starts
 =============== ================= =====================================================
 
@@ -37,6 +40,8 @@ from mlxceld.wire.messages import Error, MessageError, vocabulary
 MAX_SIZE: Final = 16  # the most ranks of a group (models/tensor.py's MAX_TP_SIZE)
 MAX_BATCH: Final = 4096
 MAX_ADDRESS: Final = 300  # a host:port's characters
+MAX_LAYER: Final = 100_000  # past any model's layer count
+MAX_NODE_ID: Final = 200
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -103,17 +108,22 @@ class TensorReserved:
 
 @dataclass(frozen=True)
 class TensorJoin:
-    """Start rank ``rank``'s worker in the ring at ``hosts`` (rank 0 first)."""
+    """Start rank ``rank``'s worker in the ring at ``hosts`` (rank 0 first); with
+    ``layers``, of the pipeline stage ``node_id`` holding those layers [start, end)."""
 
     T: ClassVar[str] = "tensor_join"
     model: str
     rank: int
     hosts: tuple[str, ...]
     max_batch: int
+    layers: tuple[int, int] | None = None
+    node_id: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
+        stage = ({"layers": list(self.layers), "node_id": self.node_id}
+                 if self.layers is not None else {})
         return {"t": self.T, "model": self.model, "rank": self.rank,
-                "hosts": list(self.hosts), "max_batch": self.max_batch}
+                "hosts": list(self.hosts), "max_batch": self.max_batch, **stage}
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
@@ -125,7 +135,26 @@ class TensorJoin:
         if len(set(ring)) != len(ring):
             raise MessageError("hosts", f"{cls.T} field 'hosts' names a host:port twice")
         return cls(_model(header, cls.T), _int(header, "rank", 1, len(ring) - 1, cls.T),
-                   ring, _int(header, "max_batch", 1, MAX_BATCH, cls.T))
+                   ring, _int(header, "max_batch", 1, MAX_BATCH, cls.T),
+                   *_stage(header, cls.T))
+
+
+def _stage(header: Mapping[str, Any], what: str) -> tuple[tuple[int, int] | None, str | None]:
+    """A stage's group: its ``layers`` [start, end) and ``node_id``; (None, None) when
+    ``layers`` is not said (a whole model's group)."""
+    layers = header.get("layers")
+    if layers is None:
+        return None, None
+    if (not isinstance(layers, list) or len(layers) != 2
+            or not all(type(n) is int for n in layers)
+            or not 0 <= layers[0] < layers[1] <= MAX_LAYER):
+        raise MessageError("layers", f"{what} field 'layers' must be [start, end) with 0 <= "
+                                     f"start < end <= {MAX_LAYER}")
+    node = header.get("node_id")
+    if not isinstance(node, str) or not 1 <= len(node) <= MAX_NODE_ID:
+        raise MessageError("node_id", f"{what} field 'node_id' must name the stage's node "
+                                      f"(1 to {MAX_NODE_ID} characters) beside 'layers'")
+    return (layers[0], layers[1]), node
 
 
 @dataclass(frozen=True)

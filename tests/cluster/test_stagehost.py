@@ -52,6 +52,9 @@ class RosterSlot:
     def keep_retiring(self, spec: WorkerSpec | None) -> None:
         self.retiring = spec
 
+    def grouped(self) -> bool:
+        return False  # ServeConfig(): tp_size 1
+
     async def reconcile(self) -> None:
         await self.supervisor.reconcile(draw_roster(Situation(
             self.config, ServeConfig(), self.placement, standby=self.standby,

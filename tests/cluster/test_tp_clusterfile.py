@@ -106,7 +106,8 @@ def test_the_flag_beside_a_pipelines_file_makes_a_stage_a_group_and_not_the_coor
     assert "set tp_size on the stage hosts" in err.value.hint
     with pytest.raises(ConfigError, match=r"^--tp-size 2 with --tp-peers and "
                        r"distributed_config \(--distributed-config\): a pipeline stage whose "
-                       r"tensor-parallel group spans hosts is not built yet"):
+                       r"tensor-parallel group spans hosts is built for a --pp-peer stage "
+                       r"host only"):
         _placed(tmp_path, path, "s1", tp_size=2, tp_peers="10.0.0.9")
 
 

@@ -91,9 +91,8 @@ def test_a_size_out_of_bounds_is_refused_naming_the_flag_or_key(
     (["--tp-size", "2", "--pp-auto", "2"], {}, {},
      r"^--tp-size 2 with pp_auto \(--pp-auto\): the coordinator's router holds no layers"),
     ([], {"tp_size": 2}, {"pp_auto": 2}, r"'serve\.tp_size' 2 with pp_auto \(--pp-auto\)"),
-    (["--tp-size", "2", "--pp-peer", "--tp-peers", "10.0.0.3"], {}, {},
-     r"^--tp-size 2 with --tp-peers and pp_peer \(--pp-peer\): a pipeline stage whose "
-     r"tensor-parallel group spans hosts is not built yet"),
+    (["--tp-size", "3", "--pp-peer", "--tp-peers", "10.0.0.3"], {}, {},
+     r"^--tp-peers names 1 rank host\(s\) and --tp-size is 3"),
 ])
 def test_beside_what_it_does_not_go_with_it_is_refused(
         tmp_path: Path, args: list[str], serve: dict[str, object], daemon: dict[str, object],
@@ -108,6 +107,9 @@ def test_a_stage_host_takes_it_and_a_coordinator_is_told_to_set_it_there(
     peer = config(tmp_path, ["--tp-size", "2", "--pp-peer"])
     assert peer.pp_peer and peer.serve.tp_size == 2
     assert config(tmp_path, ["--pp-peer"], {"tp_size": 4}).serve.tp_size == 4
+    # its group across hosts: one rank host per rank past its own
+    across = config(tmp_path, ["--tp-size", "2", "--pp-peer", "--tp-peers", "10.0.0.3"])
+    assert across.pp_peer and across.serve.tp_peers == ("10.0.0.3:19000",)
     with pytest.raises(ConfigError) as err:
         config(tmp_path, ["--tp-size", "2", "--pp-auto", "2"])
     assert "set tp_size on the stage hosts" in err.value.hint

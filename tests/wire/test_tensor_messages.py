@@ -30,6 +30,10 @@ HOST = {"system": "darwin", "macos": [26, 2], "jaccl": True, "devices": ["rdma_e
                                                "ring": "10.0.0.11:40001", "host": HOST}),
     (TensorJoin(MODEL, 1, RING, 8), {"t": "tensor_join", "model": MODEL, "rank": 1,
                                      "hosts": list(RING), "max_batch": 8}),
+    # a pipeline stage's group: its layers and node ride along
+    (TensorJoin(MODEL, 1, RING, 8, (2, 4), "stage-1"),
+     {"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": list(RING), "max_batch": 8,
+      "layers": [2, 4], "node_id": "stage-1"}),
     (TensorJoined(1), {"t": "tensor_joined", "rank": 1}),
 ])
 def test_each_message_goes_out_as_its_header_and_comes_back(message: Any,
@@ -54,6 +58,13 @@ def test_each_message_goes_out_as_its_header_and_comes_back(message: Any,
      "rank"),
     ({"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": list(RING), "max_batch": 0},
      "max_batch"),
+    *(({"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": list(RING), "max_batch": 8,
+        "layers": layers, "node_id": "stage-1"}, "layers")
+      for layers in ([4, 2], [2], [-1, 2], [0, True], "0-2", [0.0, 2])),
+    ({"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": list(RING), "max_batch": 8,
+      "layers": [0, 2]}, "node_id"),
+    ({"t": "tensor_join", "model": MODEL, "rank": 1, "hosts": list(RING), "max_batch": 8,
+      "layers": [0, 2], "node_id": ""}, "node_id"),
     ({"t": "tensor_joined", "rank": 0}, "rank"),
 ])
 def test_a_field_out_of_bounds_is_refused_by_name(header: dict[str, Any], field: str) -> None:

@@ -102,6 +102,8 @@ class StageSlot(Protocol):
         """Run ``placement``'s stage (in standby: loaded, not serving), or none."""
     def keep_retiring(self, spec: WorkerSpec | None) -> None:
         """Run ``spec`` (the renamed stage a new plan replaces) beside it, or none."""
+    def grouped(self) -> bool:
+        """Whether the stage is a tensor-parallel group (its ranks here or across hosts)."""
     async def reconcile(self) -> object:
         """Make the running workers match the placement (what it returns is not used)."""
 
@@ -270,7 +272,7 @@ class LocalStageHost:
                 or now is None or now[0] is not WorkerState.RUNNING):
             await self._remove_stage()
             return
-        if self._ranks():  # its group's ranks would need a second ring: not built yet
+        if self._ranks() or self._slot.grouped():  # a second ring: not built yet
             await self._remove_stage()
             self._events.append("stage.replaced", STAGE_WORKER, f"the stage of plan "
                                 f"{self._epoch} is a tensor-parallel group, which is not "

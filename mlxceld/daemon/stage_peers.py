@@ -1,0 +1,152 @@
+"""A pipeline stage whose tensor-parallel group spans hosts (``--pp-peer --tp-size N
+--tp-peers A1,...``): the ``stage`` worker is rank 0, ranks 1 .. N-1 run on the rank
+hosts ``tp_peers`` names (``--node-role tensor_parallel_rank``, ``daemon/tensor_rank.py``)
+as their ``stage-tp-<rank>`` workers over the stage's layers; no ``stage-tp`` worker runs
+here.
+
+``StagePeers`` is the stage host's ``StageSlot`` (``cluster/assignment/stagehost.py``):
+the roster's, with the group formed per placement. Its ``reconcile`` forms the group
+before the roster draws the stage worker (the roster draws none until the ring is
+formed, ``daemon/roster.py``): each rank host is asked ``tensor_reserve`` then
+``tensor_join`` with the placement's layers and node id (``TensorPeers.form_stage``, the
+same exchange as a whole model's, ``wire/tensor_messages.py``), and the ring it answers is
+the stage's ``tp_hosts``. So the formation happens within the prepare's wait for the
+stage to load: a group that does not form fails the prepare (``DaemonError`` naming the
+rank host and why), and the coordinator's round says so. A placement of other layers,
+or a stage worker to start anew (a plan prepared after the last one's stage stopped),
+forms the group again; no placement clears the ring.
+
+Kept: every ``WATCH_S`` (1 s) the stage worker's process is read; a new process of the
+same placement (the supervisor restarted it: its ring broke, ``engine/ring.py``, or it
+died) makes the rank hosts be asked to join again, so their ranks start anew and meet
+the restarted stage in the ring (at the same ports: each end keeps its port). A group
+that did not form then stops the stage worker, and is asked again each second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Final
+
+from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, stage_options
+from mlxceld.daemon.roster import Roster
+from mlxceld.errors import DaemonError
+from mlxceld.state.events import EventLog
+from mlxceld.supervisor.process import WorkerSpec
+from mlxceld.supervisor.service import Supervisor
+from mlxceld.types import WorkerState
+
+if TYPE_CHECKING:
+    from mlxceld.daemon.tensor_peers import TensorPeers
+
+log = logging.getLogger(__name__)
+
+WATCH_S: Final = 1.0
+Stage = tuple[tuple[int, int], str]  # a placement's layers [start, end) and node id
+
+
+class StagePeers:
+    """The stage host's ``StageSlot``: the roster's, its stage's group formed first."""
+
+    def __init__(self, roster: Roster, supervisor: Supervisor, events: EventLog,
+                 peers: TensorPeers) -> None:
+        self._roster = roster
+        self._supervisor = supervisor
+        self._events = events
+        self._peers = peers
+        self._lock = asyncio.Lock()
+        self._formed: Stage | None = None  # the stage the ring was formed for
+        self._pid: int | None = None  # the stage worker's process the ring was joined by
+
+    def across(self) -> bool:
+        """Whether this daemon is a stage host whose group spans hosts."""
+        return self._roster.config.pp_peer and bool(self._roster.serve.tp_peers)
+
+    def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
+        self._roster.set_stage(placement, standby=standby)
+
+    def keep_retiring(self, spec: WorkerSpec | None) -> None:
+        self._roster.keep_retiring(spec)
+
+    def grouped(self) -> bool:
+        return self._roster.grouped()
+
+    async def reconcile(self) -> object:
+        """The group formed for the placement (when it spans hosts), then the roster's
+        reconcile; ``DaemonError`` when the group did not form."""
+        async with self._lock:
+            if self.across():
+                await self._settle()
+            return await self._roster.reconcile()
+
+    def _stage(self) -> Stage | None:
+        p = self._roster.placement
+        if p is None or p.is_coordinator:
+            return None
+        o = stage_options(p)
+        return o.layers, o.node_id
+
+    async def _settle(self) -> None:
+        stage = self._stage()
+        if stage is None:
+            self._roster.tensor_ring, self._formed = None, None
+            return
+        if (self._roster.tensor_ring is not None and self._formed == stage
+                and STAGE_WORKER in self._supervisor.names()):
+            return  # a new stage process (a prepare after a stop) asks the ranks again
+        await self._form(stage)
+
+    async def _form(self, stage: Stage) -> None:
+        self._roster.tensor_ring, self._formed, self._pid = None, None, None
+        ring = await self._peers.form_stage(*stage)
+        if ring is None:
+            raise DaemonError(f"the tensor-parallel group of stage {stage[1]!r} (layers "
+                              f"{stage[0][0]}-{stage[0][1]}) across hosts did not form: "
+                              f"{self._peers.why}",
+                              hint="start each --tp-peers host with --node-role "
+                              "tensor_parallel_rank, the same model and cluster secret; "
+                              "see: mlxctl status")
+        self._roster.tensor_ring, self._formed = ring, stage
+        self._events.append("tensor.formed", STAGE_WORKER, f"the stage's tensor-parallel "
+                            f"group of {len(ring)} ranks formed: ring {','.join(ring)}")
+
+    async def run(self) -> None:
+        """Keep the group (module docstring) while the daemon runs."""
+        if not self.across():
+            return
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self._keep()
+            except DaemonError as exc:
+                log.warning("stage tensor group: %s", exc.message)
+
+    async def _keep(self) -> None:
+        if self._formed is None:
+            if self._stage() is not None and self._roster.tensor_ring is None:
+                await self.reconcile()  # a formation that failed: asked again
+            return
+        view = next((v for v in self._supervisor.snapshot() if v.name == STAGE_WORKER), None)
+        if view is None or view.pid is None:
+            return
+        got = self._supervisor.state(STAGE_WORKER)
+        if got is None or got[0] not in (WorkerState.STARTING, WorkerState.RUNNING):
+            return
+        if self._pid is None:
+            self._pid = view.pid
+            return
+        if view.pid == self._pid:
+            return
+        async with self._lock:  # a new stage process: the ranks join it anew
+            stage = self._formed
+            if stage is None or stage != self._stage():
+                return
+            log.info("stage worker restarted (pid %s): the rank hosts join again", view.pid)
+            self._events.append("tensor.rejoin", STAGE_WORKER, "the stage worker restarted: "
+                                "its tensor-parallel ranks across hosts are asked again")
+            try:
+                await self._form(stage)
+            finally:
+                await self._roster.reconcile()  # no ring: the stage stops until it forms
+            self._pid = view.pid

@@ -1,0 +1,142 @@
+"""A 2 x 2 mesh across four hosts on real daemons (issue 32): `--pp-auto 2` on a
+coordinator (127.0.0.1) and two `--pp-peer --tp-size 2 --tp-peers` stage hosts (127.0.0.2,
+.3), each naming its own rank host (127.0.0.4, .5, `--node-role tensor_parallel_rank`):
+five daemons, four ranks. Each stage host forms its stage's group with its rank host
+(``daemon/stage_peers.py``): its ``stage`` worker is rank 0 and the rank host's
+``stage-tp-1`` rank 1, over the stage's layers. Greedy completions through the `openai`
+client are mlx-lm's on the whole model; status on a stage host shows its group across
+hosts; a rank killed with SIGKILL breaks its stage's ring, the stage restarts and its
+rank host is asked again, and the pipeline serves the same tokens again, as it does
+after a re-activate (each group stopped before the new plan's loads, then formed
+again)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from helpers.cluster import agent, start
+from helpers.daemons import READY_S, DaemonProc, Daemons
+from helpers.keys import secret_file
+from helpers.models import PROMPT, expected
+from helpers.ports import free_port
+from helpers.router import client
+from helpers.waiting import wait_for
+
+# Bring-up of five model processes and a router on a loaded 2-core machine, and a ring's
+# restart across hosts. Bounds on waiting, not what is asserted about time.
+UP_S = 240.0
+BACK_S = 180.0
+
+
+def worker(d: DaemonProc, name: str) -> dict[str, Any] | None:
+    """``name`` on ``d`` while it runs, else None."""
+    w = next((w for w in d.status()["workers"] if w["name"] == name), None)
+    return w if w is not None and w["state"] == "running" else None
+
+
+def complete(port: int) -> str:
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        text: str = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
+                                         temperature=0).choices[0].text
+        return text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_tokens(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    ranks = [start(daemons, f"127.0.0.{i}", secret, "--node-role", "tensor_parallel_rank",
+                   "--model", str(model), name=f"r{i}") for i in (4, 5)]
+    stages = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--tp-size", "2",
+                    "--tp-peers", agent(r), "--model", str(model), name=f"p{i}")
+              for i, r in zip((2, 3), ranks, strict=True)]
+    # No placement yet: no stage worker, no rank asked.
+    assert all(worker(p, "stage") is None for p in stages)
+    port = free_port("127.0.0.1")
+    coord = daemons.make(name="c")
+    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
+                "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}",
+                "--cluster-peers", ",".join(agent(p) for p in stages), "--pp-auto", "2",
+                "--model", str(model), "--port", str(port))
+    wait_for(lambda: (coord.status().get("bringup") or {}).get("state") in ("active", "failed"),
+             UP_S, "the push to end\n" + coord.stderr()[-3000:])
+    assert coord.status()["bringup"]["state"] == "active", (
+        coord.status()["bringup"], stages[0].stderr()[-3000:], ranks[0].stderr()[-3000:])
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    for p, r in zip(stages, ranks, strict=True):
+        daemons.pids.add(p.wait_worker("stage", timeout=READY_S, state="running")["pid"])
+        daemons.pids.add(r.wait_worker("stage-tp-1", timeout=READY_S, state="running")["pid"])
+
+    want = expected(model, PROMPT, 8)
+    assert complete(port) == want
+
+    seen: list[list[int]] = []
+    for p, r in zip(stages, ranks, strict=True):
+        names = {w["name"] for w in p.status()["workers"]}
+        assert "stage-tp-1" not in names, names  # rank 1 is the rank host's, not here
+        tensor = p.status()["tensor"]
+        assert tensor["role"] == "rank0" and tensor["state"] == "formed", tensor
+        assert tensor["size"] == 2 and tensor["ranks"][0]["worker"] == "stage", tensor
+        assert tensor["ranks"][0]["ring"].startswith(p.status()["agent"]["address"]
+                                                     .rsplit(":", 1)[0] + ":"), tensor
+        assert tensor["ranks"][1]["agent"] == agent(r), tensor
+        assert tensor["ranks"][1]["state"] == "joined", tensor
+        layers = tensor["stage"]["layers"]
+        seen.append(layers)
+        stats = worker(p, "stage") or {}
+        assert (stats.get("stats") or {}).get("tensor") == {"rank": 0, "size": 2}, stats
+        # the rank host runs the stage's rank 1 over the same layers, in the same ring
+        shown = r.status()["tensor"]
+        assert shown["worker"] == "stage-tp-1" and shown["rank"] == 1, shown
+        assert shown["stage"]["layers"] == layers, shown
+        assert shown["ring"] == tensor["ranks"][1]["ring"], (shown, tensor)
+        assert (worker(r, "stage-tp-1") or {}).get("role") == "stage_tp"
+    assert sorted(seen) == [[0, 2], [2, 4]], seen
+
+    # A rank killed: its stage's ring breaks, the stage restarts, its rank host is asked
+    # again, and the pipeline serves the same tokens again.
+    victim = (worker(ranks[0], "stage-tp-1") or {})["pid"]
+    before = (worker(stages[0], "stage") or {})["pid"]
+    os.kill(victim, signal.SIGKILL)
+
+    def served() -> str | None:
+        try:
+            return complete(port)
+        except openai.APIError:
+            return None
+
+    try:
+        wait_for(lambda: (w := worker(stages[0], "stage")) and w["pid"] != before, BACK_S,
+                 "the stage restarted after its ring broke")
+        assert wait_for(served, BACK_S, "a completion once the group is back",
+                        every=1.0) == want
+    except BaseException:
+        print(stages[0].stderr()[-6000:], ranks[0].stderr()[-4000:], coord.stderr()[-3000:],
+              [(e["kind"], e["message"]) for e in stages[0].events()[-15:]], sep="\n----\n")
+        raise
+    kinds = [e["kind"] for e in stages[0].events()]
+    assert "tensor.rejoin" in kinds, kinds
+
+    # A re-activate: each stage host's group is stopped before the new plan's loads, its
+    # rank host asked again, and the new plan serves the same tokens.
+    again = coord.ctl("cluster", "activate", "--model", str(model), "--stages", "2",
+                      timeout=UP_S)
+    assert again.returncode == 0, (again.stdout, again.stderr, stages[0].stderr()[-3000:])
+    for p in stages:
+        kinds = [e["kind"] for e in p.events()]
+        assert "stage.replaced" in kinds and "stage.retiring" not in kinds, kinds
+    assert wait_for(served, BACK_S, "a completion from the new plan", every=1.0) == want
+    for d in (*stages, *ranks):
+        for name in ("stage", "stage-tp-1"):
+            w = worker(d, name)
+            if w is not None:
+                daemons.pids.add(w["pid"])
