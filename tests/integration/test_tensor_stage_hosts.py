@@ -100,6 +100,14 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
         assert shown["stage"]["layers"] == layers, shown
         assert shown["ring"] == tensor["ranks"][1]["ring"], (shown, tensor)
         assert (worker(r, "stage-tp-1") or {}).get("role") == "stage_tp"
+        # and mlxctl status says so, on both
+        node, (lo, hi) = tensor["stage"]["node_id"], layers
+        on_stage, on_rank = p.ctl("status"), r.ctl("status")
+        assert (f"tensor group of 2 ranks across hosts of stage {node} (layers [{lo}, "
+                f"{hi})): formed") in on_stage.stdout, on_stage.stdout
+        assert (f"tensor rank 1 of 2 of stage {node} (layers [{lo}, {hi})): ring "
+                f"{shown['ring']}") in on_rank.stdout, on_rank.stdout
+        assert "worker stage-tp-1 running" in on_rank.stdout, on_rank.stdout
     assert sorted(seen) == [[0, 2], [2, 4]], seen
 
     # A rank killed: its stage's ring breaks, the stage restarts, its rank host is asked
