@@ -40,7 +40,10 @@ pytestmark = pytest.mark.timeout(300)
 SECRET = b"the drain-on-every-role tests' secret, 44 b."
 MODEL = "llama"
 CLIENTS = 4
-TOKENS = 160  # each stream: long enough to be running when the drain starts
+# Each stream: long enough that a replica still runs some when its drain starts (at 160,
+# a few tenths of a second each, CI once drained A between two of its streams: nothing to
+# wait for, "0 finished").
+TOKENS = 600
 LONG_PROMPT = "Once upon a time"  # the tiny fixture: no EOS within 1500 greedy tokens
 LOAD_S = 3.0  # load while drained, before the undrain
 DRAIN_S = 120  # the command's own bound (its deadline is 60 s: never reached here)
