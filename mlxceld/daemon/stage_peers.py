@@ -121,6 +121,8 @@ class StagePeers:
                 await self._keep()
             except DaemonError as exc:
                 log.warning("stage tensor group: %s", exc.message)
+            except Exception:  # never ends the daemon: looked at again in WATCH_S
+                log.exception("stage tensor group: keeping it failed")
 
     async def _keep(self) -> None:
         if self._formed is None:
