@@ -74,7 +74,7 @@ from mlxceld.cluster.clusterfile.placement import (
 from mlxceld.config.daemon import Config
 from mlxceld.config.front import FOLLOW_S
 from mlxceld.config.serve import ROUTER, ServeConfig, router_options
-from mlxceld.discovery.inventory import free_ports
+from mlxceld.discovery.inventory import ring_ports
 from mlxceld.logformat import LogFormat
 from mlxceld.pipeline.replay import hold_for
 from mlxceld.roles.options import (
@@ -375,5 +375,5 @@ class Roster:
             self._tp_hosts = ()
         elif len(self._tp_hosts) != tp_size:
             self._tp_hosts = tuple(f"{TP_RING_HOST}:{port}"
-                                   for port in free_ports(TP_RING_HOST, tp_size))
+                                   for port in ring_ports(TP_RING_HOST, tp_size))
         return self._tp_hosts

@@ -47,7 +47,7 @@ from mlxceld.daemon.roster import Roster
 from mlxceld.daemon.stage_peers import StagePeers
 from mlxceld.daemon.tensor_rank import RankHost
 from mlxceld.daemon.tensor_standin import StandIn
-from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
+from mlxceld.discovery.inventory import AGENT_CHANNEL, model_entry, ring_ports
 from mlxceld.discovery.serving import ServingNotFound, ask_serving
 from mlxceld.engine.transport import (
     HostReport,
@@ -267,7 +267,7 @@ class TensorPeers:
                 return None
         if self._ring0 is not None and parse_address(self._ring0).host == host:
             return self._ring0
-        ports = free_ports(host, 1)
+        ports = ring_ports(host, 1)
         if not ports:
             self._why = f"no free TCP port on {host} for rank 0's ring endpoint"
             return None

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from mlxceld.config.daemon import Config
-from mlxceld.discovery.inventory import AGENT_CHANNEL, free_ports, model_entry
+from mlxceld.discovery.inventory import AGENT_CHANNEL, model_entry, ring_ports
 from mlxceld.engine.transport import HostReport, probe_in_child, report_json
 from mlxceld.net import MxclStream
 from mlxceld.net.agent import AgentService
@@ -160,7 +160,7 @@ class RankHost:
         if host is None:
             raise JoinRefused("this rank host cannot tell which address rank 0 reached it at")
         if host not in self._rings:
-            ports = free_ports(host, 1)
+            ports = ring_ports(host, 1)
             if not ports:
                 raise JoinRefused(f"this rank host has no free TCP port on {host} for the ring")
             self._rings[host] = format_address(host, ports[0])

@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import random
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import psutil
@@ -129,6 +131,43 @@ def free_ports(host: str, count: int, within: StagePorts | None = None) -> list[
     finally:
         for s in sockets:
             s.close()
+
+
+RING_LOW: Final = 20000  # ring ports are drawn from here up to the ephemeral range
+EPHEMERAL_RANGE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_low() -> int:
+    """The first port of the system's ephemeral range (Linux's, read; 49152 elsewhere, as
+    macOS and IANA have it)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def ring_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` now, for an ``mx.distributed`` ring's
+    ends, drawn at random below the ephemeral range: a port that ``free_ports`` picks
+    there is closed before mlx binds it, and meanwhile any outgoing connection on the
+    host may take it as its own source port (seen as a ring rank aborting at its join).
+    Below that range only an explicit bind takes a port. Falls back to ``free_ports``
+    when that range is too small or full."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    high = ephemeral_low()
+    if high - RING_LOW < 64:
+        return free_ports(host, count)
+    found: list[int] = []
+    for port in random.sample(range(RING_LOW, high), min(high - RING_LOW, 64 * count)):
+        if len(found) == count:
+            break
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        found.append(port)
+    return sorted(found) if len(found) == count else free_ports(host, count)
 
 
 def _free_in(host: str, family: socket.AddressFamily, count: int,

@@ -184,3 +184,18 @@ def test_bad_or_missing_answers_make_a_candidate_unreachable(
             assert row is not None and row.error == "no_answer: no inventory answer within 0.3 s"
 
     asyncio.run(main())
+
+
+def test_ring_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
+    import socket
+
+    from mlxceld.discovery.inventory import RING_LOW, ephemeral_low, ring_ports
+
+    low = ephemeral_low()
+    ports = ring_ports("127.0.0.1", 3)
+    assert len(set(ports)) == 3 and ports == sorted(ports), ports
+    if low - RING_LOW >= 64:  # an outgoing connection never takes one as its source port
+        assert all(RING_LOW <= p < low for p in ports), (ports, low)
+    for port in ports:  # free: each binds now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from mlxceld.discovery.inventory import free_ports
+from mlxceld.discovery.inventory import ring_ports
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.roles.options import KVQuant
 
@@ -202,7 +202,7 @@ def test_rank_0_names_a_stopped_follower_silent_within_the_bound(
 def test_a_ring_whose_ranks_do_not_all_come_fails_at_its_deadline() -> None:
     """mlx waits for every rank without end: the process exits at the deadline, its log
     naming the rank that did not come."""
-    hosts = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    hosts = [f"127.0.0.1:{p}" for p in ring_ports("127.0.0.1", 2)]
     root = str(HERE.parent.parent.parent)
     code = (f"import sys; sys.path.insert(0, {root!r})\n"
             "from mlxceld.engine.tensor import join_ring\n"

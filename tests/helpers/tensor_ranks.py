@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxceld.discovery.inventory import free_ports
+from mlxceld.discovery.inventory import ring_ports
 
 HERE = Path(__file__).resolve()
 DEADLINE_S = 240.0  # a rank's whole run, loads included, on a loaded 2-core machine
@@ -38,7 +38,7 @@ def start_ranks(model: Path, size: int, requests: list[dict[str, Any]], out: Pat
                 **more: Any) -> list[subprocess.Popen[bytes]]:
     """Every rank of a group of ``size`` (the spec in the module docstring; ``more``: its
     other keys, ``idle_s``, ``share_deadline_s``)."""
-    hosts = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", size)]
+    hosts = [f"127.0.0.1:{p}" for p in ring_ports("127.0.0.1", size)]
     procs = []
     for rank in range(size):
         spec = {"rank": rank, "hosts": hosts, "model": str(model), "max_batch": max_batch,

@@ -85,9 +85,9 @@ def start_stage_ranks(model: Path, split: int, tp: str, out: Path, **more: Any
     keys, ``idle_s``, ``share_deadline_s``)."""
     import subprocess
 
-    from mlxceld.discovery.inventory import free_ports
+    from mlxceld.discovery.inventory import ring_ports
 
-    hosts = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    hosts = [f"127.0.0.1:{p}" for p in ring_ports("127.0.0.1", 2)]
     procs = []
     for rank in range(2):
         spec = {"rank": rank, "hosts": hosts, "model": str(model), "split": split,
