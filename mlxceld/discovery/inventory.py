@@ -57,7 +57,7 @@ import platform
 import random
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -118,7 +118,7 @@ def free_ports(host: str, count: int, within: StagePorts | None = None) -> list[
     the range has fewer free ports)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if within is not None:
-        return _free_in(host, family, count, within)
+        return _bindable(host, family, count, within)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
@@ -157,8 +157,17 @@ def ring_ports(host: str, count: int) -> list[int]:
     high = ephemeral_low()
     if high - RING_LOW < 64:
         return free_ports(host, count)
+    drawn = random.sample(range(RING_LOW, high), min(high - RING_LOW, 64 * count))
+    found = _bindable(host, family, count, drawn)
+    return sorted(found) if len(found) == count else free_ports(host, count)
+
+
+def _bindable(host: str, family: socket.AddressFamily, count: int,
+              candidates: Iterable[int]) -> list[int]:
+    """The first ``count`` of ``candidates`` that bind on ``host`` now (each closed again):
+    one taken, or not ours to bind, is passed over."""
     found: list[int] = []
-    for port in random.sample(range(RING_LOW, high), min(high - RING_LOW, 64 * count)):
+    for port in candidates:
         if len(found) == count:
             break
         with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -166,21 +175,6 @@ def ring_ports(host: str, count: int) -> list[int]:
                 s.bind((host, port))
             except OSError:
                 continue
-        found.append(port)
-    return sorted(found) if len(found) == count else free_ports(host, count)
-
-
-def _free_in(host: str, family: socket.AddressFamily, count: int,
-             within: StagePorts) -> list[int]:
-    found: list[int] = []
-    for port in within:
-        if len(found) == count:
-            break
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue  # taken (or not ours to bind): the next one
             found.append(port)
     return found
 
