@@ -170,6 +170,13 @@ class PipelineEngine:
     def active_sequences(self) -> int:
         return len(self._inboxes)
 
+    def _keeps(self) -> bool:
+        """Whether to have the stages keep a prompt: the cache is on and no stage said it
+        keeps nothing (a bound of 0: a tensor-parallel stage's, ``tensor_stage.py``). An
+        entry one stage refuses is never reused, so the others' copies would be for
+        nothing."""
+        return self._cache.on and all(link.cache_budget != 0 for link in self._links)
+
     def stages(self) -> list[dict[str, Any]]:
         """Each stage, where it is, and whether it is attached (else its state and error),
         and its prompt cache as it last said (bytes, entries, its bound): the router's
@@ -276,7 +283,7 @@ class PipelineEngine:
             tuple(prompt[-REPETITION_CONTEXT:]) if request.params.repetition_penalty != 1
             else None, self.kv_quant,
             # for other chats of this prefix
-            self._cache.added(prompt) if self._cache.on
+            self._cache.added(prompt) if self._keeps()
             and len(prompt) - start >= KEEP_PROMPT_MIN_NEW else None,
             None if reuse is None else (reuse.entry, reuse.tokens))
         reused = await self._prepared(prepare, inbox)
@@ -407,7 +414,7 @@ class PipelineEngine:
         """Free the sequence on every stage, or have them keep its caches for the tokens
         ``keep`` (the prompt and the tokens run after it), as a prompt-cache entry (named
         in the index at once, so the next request knows of it)."""
-        release = Release(seq, (self._cache.added(keep), len(keep)) if keep and self._cache.on
+        release = Release(seq, (self._cache.added(keep), len(keep)) if keep and self._keeps()
                           else None)
         return self._release_sent(release)
 

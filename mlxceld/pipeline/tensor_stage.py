@@ -34,14 +34,15 @@ fails, naming rank 0). A follower whose op link ends (rank 0 gone) fails at once
 The prompt cache is not mirrored: a tensor stage refuses a step of a sequence that
 starts from a prompt-cache entry (``SeqState.reuse``) with ``TensorStageRefused``,
 before anything is shared (the group goes on). Its stage keeps no entries (a store of 0
-bytes: ``kvstore.StageCache``), so its router hears that nothing is kept and never asks
-it to reuse one; ``keep`` and ``keep_prompt`` copy rank 0's caches only and change
-nothing the step runs over, so they could not part the ranks, but they would keep slices
-no follower holds. A replayed sequence (``replay.py``) is a new sequence prefilled from
-its tokens: a tensor stage runs it as any other. Inputs are checked before the share
-(token ids on the first stage); what the wire checked on arrival (``input_spec``) is not
-checked again. A step that fails on a rank after the share (a bug, never an input)
-parts the ranks: the watchdog's deadlines end them.
+bytes: ``kvstore.StageCache``, said in its ``attached``), so its router asks no stage of
+the pipeline to keep a prompt (``PipelineEngine._keeps``: an entry one stage refuses is
+never reused) and never to reuse one. A ``keep`` or ``keep_prompt`` sent all the same
+would copy rank 0's caches only and change nothing the step runs over, so it could not
+part the ranks, and the 0-byte store refuses it. A replayed sequence (``replay.py``) is
+a new sequence prefilled from its tokens: a tensor stage runs it as any other. Inputs
+are checked before the share (token ids on the first stage); what the wire checked on
+arrival (``input_spec``) is not checked again. A step that fails on a rank after the
+share (a bug, never an input) parts the ranks: the watchdog's deadlines end them.
 
 Each step's input goes to every follower on its op link: a decode step's hidden state is
 a few KiB, a prefill chunk's ``n x hidden_size`` values (across hosts, the followers

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxceld.pipeline import PipelineEngine
+from mlxceld.pipeline.kvstore import StageCache
 from mlxceld.roles.options import KVQuant
 
 from helpers.stages import COORD, Cluster, cluster, tokens_of
@@ -224,3 +225,30 @@ def test_a_quantized_kv_cache_is_kept_and_reused_alike(kv_fixture_dir: Path) -> 
     plain, _ = asyncio.run(go(False))
     assert cached == plain
     assert stats["hits"] == 2 and stats["lost"] == 0
+
+
+def test_a_stage_that_keeps_nothing_means_no_stage_is_asked_to_keep(
+        split_fixture_dir: Path) -> None:
+    """A stage whose bound is 0 (a tensor-parallel stage's) refuses every entry, so none
+    could be reused: no other stage is asked to copy its caches for it either."""
+    path = split_fixture_dir / "llama"
+
+    async def work(engine: PipelineEngine) -> list[list[int]]:
+        return await chat(engine, 1, 3)
+
+    async def go() -> tuple[list[list[int]], list[int], list[Any]]:
+        async with cluster(path, SPLITS) as c:
+            c.services[1].cache = StageCache("stage-1", 0, cap=0)
+            engine = c.engine(path)
+            try:
+                outs = await work(engine)
+                await asyncio.sleep(0.2)  # any keep's answer in
+                budgets = [s["prompt_cache"]["budget"] for s in engine.stages()]
+                return outs, [s.cache.store(COORD).entries for s in c.services], budgets
+            finally:
+                await engine.aclose()
+
+    outs, entries, budgets = asyncio.run(go())
+    assert budgets[1] == 0 and budgets[0] != 0
+    assert entries == [0, 0]
+    assert outs == asyncio.run(without_cache(path, work))
