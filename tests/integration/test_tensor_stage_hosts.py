@@ -7,6 +7,7 @@ five daemons, four ranks. Each stage host forms its stage's group with its rank 
 client are mlx-lm's on the whole model; status on a stage host shows its group across
 hosts; a rank killed with SIGKILL breaks its stage's ring, the stage restarts and its
 rank host is asked again, and the pipeline serves the same tokens again, as it does
+after a rank host's daemon is restarted (the stage host asks it until it is back) and
 after a re-activate (each group stopped before the new plan's loads, then formed
 again)."""
 
@@ -54,8 +55,15 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
         daemons: Daemons, split_fixture_dir: Path) -> None:
     model = split_fixture_dir / "llama"
     secret = secrets.token_hex(16).encode()
-    ranks = [start(daemons, f"127.0.0.{i}", secret, "--node-role", "tensor_parallel_rank",
-                   "--model", str(model), name=f"r{i}") for i in (4, 5)]
+    # Each rank host's agent at a port of its own, as a service is configured: the one
+    # restarted below comes back where its stage host's --tp-peers names it.
+    rank_args = [("--cluster-secret-file", "", "--agent-addr",
+                  f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}", "--node-role",
+                  "tensor_parallel_rank", "--model", str(model)) for i in (4, 5)]
+    ranks = []
+    for i, args in zip((4, 5), rank_args, strict=True):
+        r = daemons.make(name=f"r{i}")
+        ranks.append(r.start(args[0], str(secret_file(r.root, secret)), *args[2:]))
     stages = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--tp-size", "2",
                     "--tp-peers", agent(r), "--model", str(model), name=f"p{i}")
               for i, r in zip((2, 3), ranks, strict=True)]
@@ -133,6 +141,25 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
         raise
     kinds = [e["kind"] for e in stages[0].events()]
     assert "tensor.rejoin" in kinds, kinds
+
+    # A rank host's daemon restarted as a service manager does (SIGTERM, then started
+    # again with the same flags): its rank ends with it, the stage's ring breaks, and the
+    # stage host asks it again until it is back; then the pipeline serves as before.
+    before = (worker(stages[1], "stage") or {})["pid"]
+    assert ranks[1].terminate() == 0
+    ranks[1].start(rank_args[1][0], str(secret_file(ranks[1].root, secret)),
+                   *rank_args[1][2:])
+    try:
+        wait_for(lambda: (w := worker(stages[1], "stage")) and w["pid"] != before, BACK_S,
+                 "the stage restarted after its rank host's daemon restarted")
+        assert wait_for(served, BACK_S, "a completion once the rank host is back",
+                        every=1.0) == want
+    except BaseException:
+        print(stages[1].stderr()[-6000:], ranks[1].stderr()[-4000:],
+              [(e["kind"], e["message"]) for e in stages[1].events()[-15:]], sep="\n----\n")
+        raise
+    assert (ranks[1].status()["tensor"] or {}).get("worker") == "stage-tp-1"
+    daemons.pids.add((worker(ranks[1], "stage-tp-1") or {})["pid"])
 
     # A re-activate: each stage host's group is stopped before the new plan's loads, its
     # rank host asked again, and the new plan serves the same tokens.
