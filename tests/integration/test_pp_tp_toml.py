@@ -7,11 +7,15 @@ runs its ``stage`` worker as rank 0 of a group across hosts (``Placement.tp_peer
 formed by ``daemon/stage_peers.py`` as ``--pp-peer --tp-peers`` does), its rank 1 (.5,
 .6) as ``--node-role tensor_parallel_rank``, whose ``stage-tp-1`` worker runs over the
 stage's layers. Greedy completions through the ``openai`` client are mlx-lm's on the
-whole model; every daemon exits 0 on SIGTERM. A file whose ranks are wrong is refused at
+whole model, and again after a rank killed with SIGKILL (its stage's ring breaks, the
+stage restarts and its rank host is asked again, as the flags' mesh does); every daemon
+exits 0 on SIGTERM. A file whose ranks are wrong is refused at
 start with exit 2 naming the file, the node and the key. Every process is ended by pid."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +119,28 @@ def test_a_mesh_from_one_file_serves_mlx_lms_greedy_text(
         assert shown["worker"] == "stage-tp-1" and shown["stage"]["layers"] == [2 * i,
                                                                                 2 * i + 2]
         assert {w["name"] for w in r.status()["workers"]} == {"stage-tp-1"}
+        assert "tensor.formed" in [e["kind"] for e in s.events()]
     assert (coord.status()["cluster"] or {})["stages"] == 2
+
+    # A rank killed: its stage's ring breaks, the stage restarts, its rank host is asked
+    # again (the placement's group kept by daemon/stage_peers.py), and the mesh serves the
+    # same tokens again.
+    before = (running(stages[1], "stage") or {})["pid"]
+    os.kill((running(ranks[1], "stage-tp-1") or {})["pid"], signal.SIGKILL)
+    try:
+        wait_for(lambda: (w := running(stages[1], "stage")) and w["pid"] != before, UP_S,
+                 "the stage restarted after its ring broke", every=0.5)
+        assert wait_for(served, UP_S, "a completion once the group is back",
+                        every=1.0) == got
+    except BaseException:
+        for d in (stages[1], ranks[1]):
+            print(d.stderr()[-4000:], [(e["kind"], e["message"]) for e in d.events()[-12:]],
+                  "----", sep="\n")
+        raise
+    finally:
+        for d in everyone:
+            daemons.note(d)
+    assert "tensor.rejoin" in [e["kind"] for e in stages[1].events()]
 
     # Stopped as a service manager stops them: every daemon exits 0.
     for d in everyone:
