@@ -15,7 +15,10 @@ the stage's ``tp_hosts``. So the formation happens within the prepare's wait for
 stage to load: a group that does not form fails the prepare (``DaemonError`` naming the
 rank host and why), and the coordinator's round says so. A placement of other layers,
 or a stage worker to start anew (a plan prepared after the last one's stage stopped),
-forms the group again; no placement clears the ring.
+forms the group again; no placement clears the ring. A 2D mesh's stage, placed by its
+cluster TOML at start (no coordinator's prepare), is formed by this same reconcile at
+the keeping loop's first look (within ``WATCH_S`` of the start), and asked again each
+second until it forms; until then the roster draws no stage worker.
 
 Kept: every ``WATCH_S`` (1 s) the stage worker's process is read; a new process of the
 same placement (the supervisor restarted it: its ring broke, ``engine/ring.py``, or it

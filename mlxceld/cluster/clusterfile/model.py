@@ -122,8 +122,9 @@ class ClusterConfig:
     path: Path
     replicas: int = 1  # groups of pipeline_parallel_size stages, each a whole model
     kv_compression: str | None = None  # a serving cluster's routers' (config/disagg.py)
-    # A serving cluster's hybrids' tp_size (config/tensor.py), or the ranks of a
-    # tensor-parallel group across hosts; a pipeline's is always 1.
+    # A serving cluster's hybrids' tp_size (config/tensor.py), the ranks of a
+    # tensor-parallel group across hosts, or of each stage of a 2D mesh; a pipeline's of
+    # pipeline_stage nodes is always 1.
     tensor_parallel_size: int = 1
 
     @property
