@@ -126,7 +126,8 @@ def place(path: Path, node_id: str, model_override: str | None = None) -> Placem
     if cfg.mesh:  # every stage splits over T: refused before anything loads
         check_tp_model(str(model), cfg.tensor_parallel_size, f"{path}: 'cluster.model' with "
                        f"'cluster.tensor_parallel_size' {cfg.tensor_parallel_size}")
-        peers = tuple(n.address for n in cfg.stage_ranks(node.id)[1:])
+        if node.is_stage:  # rank 0 (a rank past 0 is placed_config's: a rank host)
+            peers = tuple(n.address for n in cfg.stage_ranks(node.id)[1:])
     return Placement(cfg, node, model, model_identity(model), peers)
 
 
