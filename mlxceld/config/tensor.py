@@ -25,8 +25,9 @@ reload (the running config is kept) — ``check_tp_setting``:
 
 - beside ``--node-role router`` (no model here), ``prefill`` or ``decode`` (not built
   yet), ``--pp-auto`` or a pipeline TOML's coordinator node (its router holds no layers:
-  set tp_size on the stage hosts), or ``--tp-peers`` beside a pipeline (a stage's group
-  across hosts is not built yet);
+  set tp_size on the stage hosts), or ``--tp-peers`` beside a pipeline other than
+  ``--pp-peer`` (a pipeline TOML's stage group across hosts is said by the file: its
+  ``pipeline_tensor_parallel`` nodes, the 2D mesh, ``cluster/clusterfile/mesh.py``);
 - a model of a family mlx-lm cannot shard, or whose attention heads, KV heads or MLP
   sizes N does not divide (``models/tensor.py``): checked from config.json when the
   model is a local directory (``check_tp_model``); a Hugging Face repo id is checked the
@@ -103,7 +104,8 @@ def check_tp_setting(tp_size: int, origin: str, *, node_role: str,
                           "host only",
                           hint=f"give {PEERS_FLAG} beside --pp-peer on the stage host, or "
                           f"drop {PEERS_FLAG}: a stage host's group then runs on that host "
-                          "(--tp-size alone)")
+                          "(--tp-size alone); a cluster TOML says a stage's group across "
+                          "hosts with pipeline_tensor_parallel nodes (the 2D mesh)")
     if pipeline.startswith("pp_auto"):
         raise ConfigError(f"{said} with {pipeline}: the coordinator's router holds no "
                           "layers of the pipeline to split", hint=STAGE_HINT)
