@@ -47,5 +47,5 @@ def test_agreeing_pair_agrees_and_unrelated_does_not(tmp_path: Path, family: str
 
 def test_a_draft_of_another_shape_is_refused() -> None:
     target = preset("tiny", family="llama")
-    with pytest.raises(ConfigError, match="draft_of.*hidden"):
+    with pytest.raises(ConfigError, match=r"draft_of.*hidden"):
         preset("tiny", family="llama", hidden=128, layers=1, draft_of=target)
