@@ -12,14 +12,14 @@ from typing import Any
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer
 from mlxceld.engine.kvquant import kv_refusal
 from mlxceld.engine.local import LocalEngine
-from mlxceld.engine.speculative import DEFAULT_DRAFT_TOKENS, Draft
+from mlxceld.engine.speculative import Draft
 from mlxceld.engine.tensor import Mirror
 from mlxceld.errors import ConfigError
 from mlxceld.models.context import served_context
 from mlxceld.models.drafts import check_draft
 from mlxceld.models.kvquant import KV_HINT, check_kv_quant
 from mlxceld.models.reading import Progress, model_layers, read_weights
-from mlxceld.roles.options import KVQuant
+from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, KVQuant
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from mlxceld.engine.base import FinishReason, SamplingParams, TokenOutput
 from mlxceld.engine.sampling import make_sampler, read_logprobs, sampling_logits
-
-DEFAULT_DRAFT_TOKENS = 4  # k: mlx-lm's server's default for --num-draft-tokens is 3; ours 4
-MAX_DRAFT_TOKENS = 32
+from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 
 @dataclass
