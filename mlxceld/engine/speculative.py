@@ -29,14 +29,18 @@ the tokens kept. Accepting:
   applied (``sampling.sampling_logits``), so each token is distributed as the target
   alone would sample it.
 
+A sequence whose proposals do not pay (measured: its tokens per second with proposals
+and without) stops proposing for a while, longer each time (``engine/pacing.py``).
+
 Logprobs are the target's (the log-softmax of its logits at each kept position), as
-without a draft. The counters (``SpeculationStats``): tokens proposed and accepted, passes
-and the tokens they gave, for ``/metrics`` and ``mlxctl status``.
+without a draft. The counters (``SpeculationStats``): tokens proposed and accepted, the
+passes with proposals and the tokens they gave, for ``/metrics`` and ``mlxctl status``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +49,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import FinishReason, SamplingParams, TokenOutput
+from mlxceld.engine.pacing import Pacing
 from mlxceld.engine.sampling import make_sampler, read_logprobs, sampling_logits
 from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
@@ -137,6 +142,7 @@ class Speculation:
         self.draft, self.model, self.params = draft, model, params
         self.tokens = list(tokens)
         self.generated = 0
+        self.pacing = Pacing(draft.k)  # when it proposes, and when not (engine/pacing.py)
         self.cached = 0 if cache is None else int(cache[0].offset)  # from the prompt cache
         self._stream = stream
         self.cache = cache if cache is not None else make_prompt_cache(model)
@@ -187,8 +193,9 @@ class Speculation:
         return True
 
     def _pass(self) -> list[TokenOutput]:
+        began = time.perf_counter()
         left = self.params.max_tokens - self.generated
-        k = min(self.draft.k, left - 1)
+        k = min(self.pacing.k(), left - 1)
         drafted, q = self._propose(k)
         before, start = len(self.tokens), self.offset
         ids = mx.concatenate([mx.array(self.tokens[start:], dtype=mx.uint32), *drafted])
@@ -204,11 +211,13 @@ class Speculation:
             n, last = accept_sampled(p, mx.stack(q) if q else p[:0], proposed,
                                      mx.random.uniform(shape=(k + 1,)))
         out = self._emit([*proposed[:n], last], logprobs)
-        self.draft.count(k, n, len(out))
+        if k:
+            self.draft.count(k, n, len(out))
         kept = len(self.tokens) - 1  # the last token is the next pass's input
         _rewind(self.cache, min(before + n, kept))
         _rewind(self.draft_cache, min(int(self.draft_cache[0].offset), before + min(n, k - 1),
                                       kept))
+        self.pacing.record(len(out), time.perf_counter() - began)
         return out
 
     def _propose(self, k: int) -> tuple[list[mx.array], list[mx.array]]:

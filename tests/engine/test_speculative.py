@@ -120,7 +120,7 @@ def test_greedy_with_a_draft_is_greedy_without(pair: Path, target: str, draft: s
     assert len({t.token for t in want[1]}) > 1 or target == "target"
     assert stats["proposed"] > 0 and stats["passes"] > 0
     assert rate[0] <= stats["acceptance_rate"] <= rate[1]
-    assert stats["tokens"] == sum(len(s) for s in got)
+    assert stats["tokens"] <= sum(len(s) for s in got)  # plain passes are not counted
     if draft == "draft":  # k accepted and one more, each pass but the last ones
         assert stats["tokens_per_pass"] > 4
 

@@ -62,7 +62,7 @@ def test_an_unrelated_draft_changes_no_token_alone_or_together(daemons: Daemons,
         alone = {p: complete(p) for p in PROMPTS}
         assert alone == want
         passes = sample(scrape(url), "mlxceld_speculative_passes_total")
-        assert passes is not None and passes >= N * len(PROMPTS) // 5  # they speculated
+        assert passes is not None and passes > 0  # they speculated (then backed off)
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = dict(zip(PROMPTS, pool.map(complete, PROMPTS), strict=True))
         assert together == want
