@@ -14,11 +14,12 @@ proposal right, acceptance 1.0) and an unrelated random one (acceptance near 0).
   (mlx-lm's ``generate --draft-model``), the same k.
 
 Decode tok/s is the tokens after the first over the time from the first to the last
-(prefill left out), the fastest of ``--repeats`` runs (a shared host's load only slows a
-run). Printed: tok/s, the ratio to the same engine without a draft, the acceptance rate
-and the tokens per pass with proposals (ours from the engine's counters, over every run;
-mlx-lm's from its ``from_draft`` flags), and ours over mlx-lm's. Ours backs off a draft
-that does not pay (``engine/pacing.py``); mlx-lm's always proposes.
+(prefill left out), the fastest of ``--repeats`` runs, the rows taking turns (a shared
+host's load only slows a run). Printed: tok/s, the ratio to the same engine without a
+draft, the acceptance rate and the tokens per pass with proposals (ours from the engine's
+counters, mlx-lm's from its ``from_draft`` flags; over every run), and ours over
+mlx-lm's. Ours backs off a draft that does not pay (``engine/pacing.py``); mlx-lm's
+always proposes.
 
 ``pipeline_rows`` is the hook for the 2-stage pipeline's rows (speculation over a
 pipeline, built elsewhere): it returns none yet.
@@ -74,7 +75,20 @@ def timed(tokens: Iterator[Any]) -> tuple[int, float]:
     return n, last - first
 
 
-def ours(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
+@dataclass
+class Runner:
+    """One row's setup, loaded once: ``run`` decodes one sequence (its tokens and the
+    seconds from the first to the last), ``counters`` reads (acceptance, tokens per pass)
+    once the runs are done (None without a draft), ``close`` ends it."""
+
+    engine: str
+    draft: str | None
+    run: Callable[[], tuple[int, float]]
+    counters: Callable[[], tuple[float, float] | None]
+    close: Callable[[], None] = lambda: None
+
+
+def ours(pair: Pair, draft: str | None, n: int, k: int) -> Runner:
     from mlx_lm import load
 
     from mlxceld.engine import GenerationRequest, SamplingParams
@@ -84,32 +98,26 @@ def ours(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
     model, tokenizer = load(str(pair.target))
     spec = None if draft is None else Draft(load(str(pair.drafts[draft]))[0], k)
     prompt = tokenizer.encode(PROMPT)
+    engine = LocalEngine(model, model_id="target", context_length=1 << 16,
+                         eos_token_ids=set(), vocab_size=int(model.args.vocab_size),
+                         max_batch=1, prompt_cache_bytes=0, draft=spec)
 
-    async def run() -> tuple[int, float]:
-        engine = LocalEngine(model, model_id="target", context_length=1 << 16,
-                             eos_token_ids=set(), vocab_size=int(model.args.vocab_size),
-                             max_batch=1, prompt_cache_bytes=0, draft=spec)
-        try:
-            runs = []
-            for _ in range(1 + repeats):  # a warm-up, then the runs measured
-                stamps: list[float] = []
-                request = GenerationRequest("b", prompt, SamplingParams(max_tokens=n,
-                                                                        temperature=0))
-                async for _ in engine.generate(request):
-                    stamps.append(time.perf_counter())
-                runs.append((len(stamps), stamps[-1] - stamps[0]))
-            return min(runs[1:], key=lambda r: r[1])
-        finally:
-            await engine.aclose()
+    async def decode() -> tuple[int, float]:
+        stamps: list[float] = []
+        request = GenerationRequest("b", prompt, SamplingParams(max_tokens=n, temperature=0))
+        async for _ in engine.generate(request):
+            stamps.append(time.perf_counter())
+        return len(stamps), stamps[-1] - stamps[0]
 
-    count, seconds = asyncio.run(run())
-    stats = spec.snapshot() if spec is not None else None
-    return Row("ours", draft, (count - 1) / seconds,
-               None if stats is None else stats["acceptance_rate"],
-               None if stats is None else stats["tokens_per_pass"])
+    def counters() -> tuple[float, float] | None:
+        stats = None if spec is None else spec.snapshot()
+        return None if stats is None else (stats["acceptance_rate"], stats["tokens_per_pass"])
+
+    return Runner("ours", draft, lambda: asyncio.run(decode()), counters,
+                  lambda: asyncio.run(engine.aclose()))
 
 
-def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
+def mlx_lm(pair: Pair, draft: str | None, n: int, k: int) -> Runner:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step, speculative_generate_step
@@ -120,7 +128,6 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
     flags: list[bool] = []
 
     def steps() -> Iterator[Any]:
-        flags.clear()
         if other is None:
             yield from generate_step(prompt, model, max_tokens=n)
             return
@@ -129,30 +136,49 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
             flags.append(bool(from_draft))
             yield token, logprobs
 
-    timed(steps())  # a warm-up
-    count, seconds = min((timed(steps()) for _ in range(repeats)), key=lambda r: r[1])
-    if other is None:
-        return Row("mlx-lm", None, (count - 1) / seconds)
-    accepted = sum(flags)
-    # Each pass ends with one token of the target's own, but the last one when max_tokens
-    # came among its accepted proposals.
-    passes = count - accepted + (1 if flags and flags[-1] else 0)
-    proposed = passes * k  # at most: a pass near max_tokens proposes fewer
-    return Row("mlx-lm", draft, (count - 1) / seconds, accepted / proposed, count / passes)
+    def counters() -> tuple[float, float] | None:
+        if other is None:
+            return None
+        accepted = sum(flags)
+        # Each pass ends with one token of the target's own, but a run's last pass when
+        # max_tokens came among its accepted proposals.
+        runs = len(flags) // n
+        passes = len(flags) - accepted + sum(flags[i * n + n - 1] for i in range(runs))
+        proposed = passes * k  # at most: a pass near max_tokens proposes fewer
+        return accepted / proposed, len(flags) / passes
+
+    return Runner("mlx-lm", draft, lambda: timed(steps()), counters)
 
 
-def pipeline_rows(pair: Pair, n: int, k: int, repeats: int) -> list[Row]:
+def pipeline_rows(pair: Pair, n: int, k: int) -> list[Runner]:
     """The 2-stage pipeline's rows (without a draft, then each draft; engine "ours, 2
     stages"): the hook for speculation over a pipeline, which another change builds."""
     return []
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,
-           more: Callable[[Pair, int, int, int], list[Row]] = pipeline_rows) -> list[Row]:
-    rows = [measure(pair, draft, n, k, repeats) for measure in (ours, mlx_lm)
-            for draft in (None, "agreeing", "unrelated")] + more(pair, n, k, repeats)
+           more: Callable[[Pair, int, int], list[Runner]] = pipeline_rows) -> list[Row]:
+    """Every row loaded, warmed up, then ``repeats`` rounds of one run each, in turn (a
+    burst of load on a shared host slows one round of every row, not one row): each row's
+    fastest run."""
+    runners = [make(pair, draft, n, k) for make in (ours, mlx_lm)
+               for draft in (None, "agreeing", "unrelated")] + more(pair, n, k)
+    best: dict[int, float] = {}
+    try:
+        for round_ in range(1 + repeats):
+            for i, runner in enumerate(runners):
+                count, seconds = runner.run()
+                if round_:  # the first is the warm-up
+                    best[i] = max(best.get(i, 0.0), (count - 1) / seconds)
+    finally:
+        for runner in runners:
+            runner.close()
+    rows = []
+    for i, runner in enumerate(runners):
+        counted = runner.counters()
+        rows.append(Row(runner.engine, runner.draft, best[i], *(counted or (None, None))))
     print(f"target {pair.target.name}: {n} greedy tokens from one prompt, k = {k}, "
-          f"one sequence; the fastest of {repeats} runs after a warm-up")
+          f"one sequence; each row's fastest of {repeats} runs, after a warm-up")
     print(f"{'engine':<16}{'draft':<11}{'tok/s':>9}{'vs none':>9}{'accepted':>10}"
           f"{'tok/pass':>10}")
     base = {r.engine: r.tok_s for r in rows if r.draft is None}
