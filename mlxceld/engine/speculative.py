@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import FinishReason, SamplingParams, TokenOutput
 from mlxceld.engine.pacing import Pacing
@@ -154,8 +154,10 @@ class Speculation:
 
     @staticmethod
     def trimmable(model: Any, draft: Draft) -> bool:
-        return bool(can_trim_prompt_cache(make_prompt_cache(model))
-                    and can_trim_prompt_cache(make_prompt_cache(draft.model)))
+        """Whether both models keep plain ``KVCache`` layers, which trim back at any length
+        (a sliding window's ``RotatingKVCache`` says it can while it has not wrapped)."""
+        return all(type(c) is KVCache for m in (model, draft.model)
+                   for c in make_prompt_cache(m))
 
     @property
     def offset(self) -> int:

@@ -176,3 +176,37 @@ def test_a_draft_of_another_tokenizer_is_refused(pair: Path, tmp_path: Path) -> 
                                              tokenizer_vocab=300))
     with pytest.raises(ConfigError, match=r"tokenizer \(tokenizer\.json\) is not"):
         load_local_engine(str(pair / "target"), draft_model=str(tmp_path / "t600"))
+
+
+def test_a_model_whose_cache_cannot_be_trimmed_is_refused(tmp_path: Path) -> None:
+    target = preset("tiny", family="gemma3_text", layers=2)
+    write_fixture(tmp_path / "gemma", target)
+    write_fixture(tmp_path / "draft", unrelated_draft(target))
+    with pytest.raises(ConfigError, match=r"serve\.draft_model: model family 'gemma3_text' .*"
+                                          r"cannot be trimmed"):
+        load_local_engine(str(tmp_path / "gemma"), draft_model=str(tmp_path / "draft"))
+
+
+def test_a_speculated_sequence_feeds_the_prompt_cache(pair: Path) -> None:
+    """Its cache is kept as it ends; the same prompt again prefills only its last token, and
+    speculates from there to the same tokens."""
+    tokenizer = load(str(pair / "plain"))[1]
+    prompt = tokenizer.encode(PROMPTS[1])
+
+    async def twice(engine: LocalEngine) -> list[list[TokenOutput]]:
+        return [await _tokens(engine, prompt, temperature=0) for _ in range(2)]
+
+    async def main() -> tuple[list[list[TokenOutput]], dict[str, float]]:
+        engine, _ = load_local_engine(str(pair / "plain"), max_batch=2,
+                                      draft_model=str(pair / "other"))
+        try:
+            outs = await twice(engine)
+            assert engine.draft is not None
+            return outs, engine.draft.snapshot()
+        finally:
+            await engine.aclose()
+
+    (first, second), stats = asyncio.run(main())
+    assert [t.token for t in first] == [t.token for t in second]
+    assert first[0].cached == 0 and second[0].cached == len(prompt) - 1
+    assert stats["passes"] > 0
