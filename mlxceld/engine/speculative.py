@@ -20,7 +20,9 @@ the k+1 positions; ``n`` proposals are accepted and one more token comes from th
 the tokens kept. Accepting:
 
 - greedy (temperature 0): ``d_i`` while it is the target's argmax; ``t`` the target's
-  argmax after them: exactly the target's own greedy tokens (``accept_greedy``).
+  argmax after them: exactly the target's own greedy tokens (``accept_greedy``), up to
+  floating point: a pass over k+1 positions sums in another order than one over one
+  position, so in bfloat16 a near-tie may break the other way (as in mlx-lm's).
 - temperature above 0: the standard rejection rule (Leviathan et al., Chen et al.):
   ``d_i`` (drawn from the draft's distribution ``q``) with probability ``min(1, p/q)``
   at it, where ``p`` is the target's; at the first rejection ``t`` is drawn from
