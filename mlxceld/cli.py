@@ -182,6 +182,14 @@ def run(
         "--quantized-kv-start", help="With --kv-bits: a layer's cache is quantized once it "
         "holds this many tokens (mlx-lm's meaning). Default: 0, from the first token.")
     ] = None,
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", help="Speculative decoding: a draft model (a directory or a "
+        "Hugging Face repo id) with the model's tokenizer, which proposes tokens the model "
+        "checks in one pass, for a sequence running alone on the local engine. Default: "
+        "none.")] = None,
+    num_draft_tokens: Annotated[int | None, typer.Option(
+        "--num-draft-tokens", help="With --draft-model: tokens proposed a pass, 1-32. "
+        "Default: 4.")] = None,
     allowed_origins: Annotated[str | None, typer.Option(
         "--allowed-origins", help="CORS on the OpenAI port: the origins whose pages may call "
         "it, scheme://host[:port],... or * for any. Default: none (no CORS headers).")

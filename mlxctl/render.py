@@ -14,6 +14,7 @@ from typing import Any
 
 from mlxceld.types import LoadProgress, WorkerState, load_progress, loading_text
 from mlxctl.drain_view import drain_line, drain_lines
+from mlxctl.engine_view import count, speculation_lines
 from mlxctl.tensor_view import tensor_lines
 from mlxctl.timetext import duration, since
 
@@ -252,6 +253,7 @@ def status(body: dict[str, Any]) -> str:
         lines.append(f"serving listener at {listener} (for the cluster's routers)")
     if isinstance(router.get("prompt_cache"), dict):
         lines.append(prompt_cache(router["prompt_cache"]))
+    lines += speculation_lines(router.get("speculative"))
     lines += [f"{label}: {part['summary']}" for key, label in TAKEOVER_LINES
               if (part := body.get(key))]
     lines += tensor_lines(body.get("tensor"))
@@ -291,9 +293,6 @@ def prompt_cache(stats: dict[str, Any]) -> str:
     """An engine's prompt cache (``types.PromptCacheStats``; a pipeline's, a stage's):
     ``prompt cache: 3 hits, 1 miss, 1200 tokens reused; holds 2 caches, 12.0 MiB``, and
     a stage's bound (``of 1.0 GiB``), the prefixes a stage had lost (``1 lost``)."""
-    def count(n: Any, one: str, many: str) -> str:
-        return f"{n} {one if n == 1 else many}"
-
     budget = stats.get("budget")
     return (f"prompt cache: {count(stats.get('hits'), 'hit', 'hits')}, "
             f"{count(stats.get('misses'), 'miss', 'misses')}, "

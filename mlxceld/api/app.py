@@ -67,6 +67,7 @@ from mlxceld.api.edge.metrics import (
     Continuities,
     Metrics,
     PromptCaches,
+    Speculations,
     StageLinks,
     count_requests,
 )
@@ -114,6 +115,7 @@ def build_router_app(
     elastic: bool = False,
     prompt_caches: PromptCaches | None = None,
     continuity: Continuities | None = None,
+    speculation: Speculations | None = None,
     model_aliases: Sequence[str] = (),
     sampling_defaults: SamplingDefaults | None = None,
     allowed_origins: Sequence[str] = (),
@@ -135,6 +137,7 @@ def build_router_app(
     ``max_batch`` changes (replicas found by discovery), admission follows it;
     ``prompt_caches``: the engine's prompt caches' stats, for ``/metrics``; ``continuity``:
     its counts of requests held, replayed and continued elsewhere, for ``/metrics``;
+    ``speculation``: its speculative decoding's counters, for ``/metrics``;
     ``model_aliases``: the model's names besides ``model_id``; ``sampling_defaults``: what
     a request's left-out sampling fields are (None: OpenAI's); ``allowed_origins``: CORS's
     (``edge/cors.py``; none: no CORS); ``reasoning_field``: the key of a chat answer's reasoning
@@ -152,7 +155,8 @@ def build_router_app(
     metrics = Metrics(queue_depth=lambda: admission.queued,
                       active_sequences=lambda: admission.active, model_id=model_id,
                       context_length=engine.context_length, stage_links=stage_links,
-                      prompt_caches=prompt_caches, continuity=continuity)
+                      prompt_caches=prompt_caches, continuity=continuity,
+                      speculation=speculation)
     drains = draining or Draining()
     names = (model_id, *(a for a in dict.fromkeys(model_aliases) if a != model_id))
     sequencer = Sequencer(engine, codec, admission, metrics, drains,

@@ -82,6 +82,7 @@ from mlxceld.config.metrics import metrics_listen
 from mlxceld.config.replicas import check_discoverable, check_no_pipeline
 from mlxceld.config.secrets import FLAG as SECRET_FLAG
 from mlxceld.config.serve import ServeConfig, parse_serve
+from mlxceld.config.speculative import check_draft_setting, draft_origin
 from mlxceld.config.stage_ports import StagePorts, parse_stage_ports
 from mlxceld.config.tables import check_keys, number, path_of, read_toml, string, table_of
 from mlxceld.config.tensor import (
@@ -131,6 +132,7 @@ FLAG_KEYS: dict[str, str] = {
     "--tp-peers": "serve.tp_peers",
     "--kv-bits": "serve.kv_bits", "--kv-group-size": "serve.kv_group_size",
     "--quantized-kv-start": "serve.quantized_kv_start",
+    "--draft-model": "serve.draft_model", "--num-draft-tokens": "serve.num_draft_tokens",
 }
 # ... and the flags that have none, with the reason.
 FLAG_ONLY: dict[str, str] = {
@@ -228,6 +230,8 @@ class Overrides:
     kv_bits: int | None = None  # config/kvquant.py
     kv_group_size: int | None = None
     quantized_kv_start: int | None = None
+    draft_model: str | None = None  # config/speculative.py, as given
+    num_draft_tokens: int | None = None
     allowed_origins: str | None = None  # comma-separated, as given (config/clients.py)
     generation_config: str | None = None  # as given
 
@@ -429,6 +433,12 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     kv_said = kv_origin(flags.kv_bits, where)
     check_kv_setting(serve.kv_quant, kv_said, node_role=serve.node_role)
     check_kv_model(serve.model, serve.kv_quant, kv_said)
+    check_draft_setting(serve.draft_model, draft_origin(flags.draft_model, where),
+                        model=serve.model, node_role=serve.node_role, pipeline=pipeline or (
+                            "distributed_config (--distributed-config)"
+                            if config.distributed_config is not None else None),
+                        tp_size=serve.tp_size, tp_peers=serve.tp_peers,
+                        kv_quant=serve.kv_quant)
     check_discoverable(serve.node_role, "--node-role" if flags.node_role is not None
                        else f"{where}: 'serve.node_role'", serve.replicas,
                        pools=bool(serve.prefill_peers and serve.decode_peers),

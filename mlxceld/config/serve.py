@@ -49,6 +49,8 @@
                                     # full precision; mlxceld/config/kvquant.py)
     kv_group_size = 64              # elements per scale and bias: 32, 64, 128
     quantized_kv_start = 0          # tokens a layer holds before it is quantized
+    draft_model = "~/models/q-0.6b" # speculative decoding: a draft with the model's
+    num_draft_tokens = 4            # tokenizer, k a pass (mlxceld/config/speculative.py)
     reasoning_field = "reasoning_content"  # a chat answer's reasoning under this key:
                                     # reasoning_content | reasoning | both
     unknown_fields = "refuse"       # a request's unknown fields: refuse (400) | warn
@@ -151,12 +153,14 @@ from mlxceld.config.front import check_front, parse_pipeline_coordinator, parse_
 from mlxceld.config.kvquant import parse_kv_quant
 from mlxceld.config.metrics import metrics_require_key
 from mlxceld.config.replicas import check_role, parse_replica_list, parse_role
+from mlxceld.config.speculative import parse_draft_tokens
 from mlxceld.config.tensor import parse_tp_peers, parse_tp_size
 from mlxceld.config.tensor_modes import parse_tp_modes
 from mlxceld.errors import ConfigError
 from mlxceld.models.fetch import is_repo_id, model_name
 from mlxceld.models.tensor_modes import Mode, TensorModes
 from mlxceld.roles.options import (
+    DEFAULT_DRAFT_TOKENS,
     REASONING_FIELDS,
     UNKNOWN_FIELDS,
     HandoffOptions,
@@ -182,6 +186,7 @@ SERVE_KEYS = {"model", "model_name", "host", "port", "api_key_file", "max_batch"
               "decode_peers", "kv_compression", "tp_size", "tp_peers", "context_length",
               "tp_moe_mode", "tp_embedding_mode", "tp_lm_head_mode",
               "prompt_cache_bytes", "kv_bits", "kv_group_size", "quantized_kv_start",
+              "draft_model", "num_draft_tokens",
               "allowed_origins", "generation_config", "reasoning_field",
               "unknown_fields", "metrics_require_key"}
 
@@ -218,6 +223,8 @@ class ServeConfig:
     context_length: int | None = None  # a cap on the model's context; None: the model's
     prompt_cache_bytes: int | None = None  # the engine's prompt cache; None: its default
     kv_quant: KVQuant | None = None  # kv_bits & co (config/kvquant.py); None: full precision
+    draft_model: str | None = None  # config/speculative.py: the draft; None: none
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     metrics_require_key: bool = True  # /metrics needs the API key, when there is one
     reasoning_field: str = REASONING_FIELDS[0]  # api/reasoning.py
     unknown_fields: str = UNKNOWN_FIELDS[0]  # api/ignoring.py
@@ -315,6 +322,13 @@ def parse_serve(table: Mapping[str, Any], flags: Overrides, base: Path,
         origin = "--model" if flags.model else f"{where}: 'serve.model'"
         cfg = replace(cfg, model=resolve_model(model, Path.cwd() if flags.model else base,
                                                origin))
+    draft = flags.draft_model or _typed(table, "draft_model", str, where)
+    if draft:
+        origin = "--draft-model" if flags.draft_model else f"{where}: 'serve.draft_model'"
+        cfg = replace(cfg, draft_model=resolve_model(draft, Path.cwd() if flags.draft_model
+                                                     else base, origin))
+    cfg = replace(cfg, num_draft_tokens=parse_draft_tokens(flags.num_draft_tokens, table,
+                                                           where, cfg.draft_model))
     key_file = flags.api_key_file or _typed(table, "api_key_file", str, where)
     if key_file:
         p = Path(key_file).expanduser()
@@ -461,6 +475,7 @@ def router_options(cfg: ServeConfig, pipeline: PipelineOptions | None = None,
                          serving=serving, tp_size=cfg.tp_size,
                          context_length=cfg.context_length,
                          prompt_cache_bytes=cfg.prompt_cache_bytes, kv_quant=cfg.kv_quant,
+                         draft_model=cfg.draft_model, num_draft_tokens=cfg.num_draft_tokens,
                          allowed_origins=cfg.allowed_origins,
                          generation_config=cfg.generation_config,
                          reasoning_field=cfg.reasoning_field,

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxceld.engine.base import EngineError
-from mlxceld.engine.local import fresh_cache, generator
+from mlxceld.engine.batching import fresh_cache, generator
 from mlxceld.engine.prompt_cache import PromptCache
 from mlxceld.engine.tensor import Mirror, Op
 from mlxceld.roles.options import KVQuant

@@ -12,12 +12,14 @@ from typing import Any
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer
 from mlxceld.engine.kvquant import kv_refusal
 from mlxceld.engine.local import LocalEngine
+from mlxceld.engine.speculative import Draft, Speculation
 from mlxceld.engine.tensor import Mirror
 from mlxceld.errors import ConfigError
 from mlxceld.models.context import served_context
+from mlxceld.models.drafts import check_draft
 from mlxceld.models.kvquant import KV_HINT, check_kv_quant
 from mlxceld.models.reading import Progress, model_layers, read_weights
-from mlxceld.roles.options import KVQuant
+from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -26,30 +28,44 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
                       on_failure: Callable[[BaseException], None] | None = None,
                       progress: Progress | None = None, context_length: int | None = None,
                       prompt_cache_bytes: int | None = None,
-                      kv_quant: KVQuant | None = None) -> tuple[LocalEngine, Any]:
+                      kv_quant: KVQuant | None = None, draft_model: str | None = None,
+                      num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+                      ) -> tuple[LocalEngine, Any]:
     """Load a checkpoint with mlx-lm; return the engine and mlx-lm's TokenizerWrapper.
     mlx-lm builds the model lazily; its weights are then read layer by layer, each step
     told to ``progress(done, total)`` in parameter bytes (``models/reading.py``).
     ``context_length``: a cap on the model's context (``models/context.py``);
     ``prompt_cache_bytes``: the prompt cache's bound (``LocalEngine``). A model that cannot
-    keep ``kv_quant``'s cache is refused before its weights are read."""
+    keep ``kv_quant``'s cache is refused before its weights are read. ``draft_model``: a
+    local directory of a model with the same tokenizer (checked first: ``models/drafts.py``),
+    which proposes ``num_draft_tokens`` at a time (``engine/speculative.py``)."""
     from mlx_lm import load
 
     loaded: Any = load(path, lazy=True, return_config=True)
     model, tokenizer, config = loaded
     check_kv(model, config, kv_quant, str(Path(path) / "config.json"))
+    draft = None
+    if draft_model is not None:
+        check_draft(Path(path), Path(draft_model), "serve.draft_model")
+        draft = Draft(load(draft_model)[0], num_draft_tokens)
+        if not Speculation.trimmable(model, draft):
+            family = config.get("model_type") or getattr(model, "model_type", "?")
+            raise ConfigError(f"serve.draft_model: model family {family!r} (or the draft's) "
+                              "keeps a KV cache that cannot be trimmed back to the accepted "
+                              "tokens (a sliding window's), which speculative decoding needs",
+                              hint="leave draft_model out for this model")
     read_weights(model_layers(model), model, progress)
     return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                       max_batch=max_batch, on_failure=on_failure,
                       context_length=context_length, prompt_cache_bytes=prompt_cache_bytes,
-                      kv_quant=kv_quant), tokenizer
+                      kv_quant=kv_quant, draft=draft), tokenizer
 
 
 def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: str,
                max_batch: int, on_failure: Callable[[BaseException], None] | None = None,
                mirror: Mirror | None = None, context_length: int | None = None,
                prompt_cache_bytes: int | None = None,
-               kv_quant: KVQuant | None = None) -> LocalEngine:
+               kv_quant: KVQuant | None = None, draft: Draft | None = None) -> LocalEngine:
     """The engine over a loaded ``model`` (its weights read), with mlx-lm's tokenizer and
     the model's config; its context the model's, capped at ``context_length``; with
     ``kv_quant``, the model was checked for it (``check_kv``)."""
@@ -60,7 +76,7 @@ def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: 
                        eos_token_ids=eos, vocab_size=vocab, max_batch=max_batch,
                        on_failure=on_failure, mirror=mirror, kv_quant=kv_quant,
                        constraints=constraint_tokenizer(tokenizer, vocab, eos),
-                       prompt_cache_bytes=prompt_cache_bytes)
+                       prompt_cache_bytes=prompt_cache_bytes, draft=draft)
 
 
 def constraint_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]

@@ -26,6 +26,10 @@ included; a handed-off cache is quantized from its next step): greedy tokens are
 ``generate_step`` with the same ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start``
 (that module says exactly when). ``loading.engine_for`` refuses a model that cannot keep
 one.
+
+With a ``Draft`` (``[serve] draft_model``) a sequence that starts alone is decoded
+speculatively outside the batch until another arrives, then joins the batch to its end
+(``engine/speculative.py`` says when, and how exactly).
 """
 
 from __future__ import annotations
@@ -41,12 +45,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
+from mlxceld.engine import batching
 from mlxceld.engine.base import (
     EngineError,
     EngineUnavailable,
-    FinishReason,
     GenerationRequest,
     SamplingParams,
     TokenOutput,
@@ -61,10 +64,11 @@ from mlxceld.engine.handoff import (
     resume_sampling,
     snapshot,
 )
-from mlxceld.engine.kvquant import quantizing, quantizing_caches
+from mlxceld.engine.kvquant import quantizing
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.prompt_cache import DEFAULT_BYTES, PromptCache
-from mlxceld.engine.sampling import make_sampler, read_logprobs
+from mlxceld.engine.sampling import make_sampler
+from mlxceld.engine.speculative import Draft, Speculation
 from mlxceld.engine.tensor import GROUP_RETRY_S, Mirror, Op
 from mlxceld.roles.options import KVQuant
 from mlxceld.types import PromptCacheStats
@@ -84,6 +88,7 @@ class _Sequence:
     # A handed-off sequence: its first token (sampled elsewhere) and its prompt's cache.
     handoff: tuple[int, Sequence[Any]] | None = None
     cached: int | None = None  # prompt tokens from the prompt cache, until the first output
+    speculation: Speculation | None = None  # decoded with the draft, outside the batch
 
 
 class LocalEngine:
@@ -95,14 +100,15 @@ class LocalEngine:
                  on_failure: Callable[[BaseException], None] | None = None,
                  constraints: ConstraintTokenizer | ConstraintError | None = None,
                  mirror: Mirror | None = None, prompt_cache_bytes: int | None = None,
-                 kv_quant: KVQuant | None = None) -> None:
+                 kv_quant: KVQuant | None = None, draft: Draft | None = None) -> None:
         """``constraints``: what builds a constrained request's matcher, or why this model
         has none (such a request is refused with that ``ConstraintError``); ``mirror``:
         this engine is rank 0 of a tensor-parallel group (``engine/tensor.py``);
         ``prompt_cache_bytes``: its prompt cache's bound (0: none kept; None:
         ``prompt_cache.DEFAULT_BYTES``), the whole group's with a mirror: each of its N
         ranks holds a slice of every cache, and keeps at most 1/N of the bytes;
-        ``kv_quant``: a quantized KV cache (the model checked for it: ``loading.py``)."""
+        ``kv_quant``: a quantized KV cache (the model checked for it: ``loading.py``);
+        ``draft``: speculative decoding (neither with a mirror nor with ``kv_quant``)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -114,8 +120,11 @@ class LocalEngine:
         self.kv_quant = kv_quant
         if kv_quant is not None:
             log.info("engine for %s: %s", model_id, kv_quant)
-        self._gen: Any = generator(model, eos_token_ids, max_batch, prefill_step)
+        self._gen: Any = batching.generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
+        assert draft is None or (mirror is None and kv_quant is None)  # loading.py checks
+        self.draft = draft  # ... and that both caches trim back (Speculation.trimmable)
+        self._spec: _Sequence | None = None  # the sequence decoded speculatively, if any
         if mirror is not None:
             mirror.on_broken, mirror.on_silent = self._group_broke, self._group_silent
         self.stalled: EngineUnavailable | None = None  # while a tensor-parallel rank is silent
@@ -270,10 +279,12 @@ class LocalEngine:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                self._drain_inbox(block=not self._by_uid)
+                self._drain_inbox(block=not self._by_uid and self._spec is None)
                 if self._mirror is not None:  # the other ranks take the same step
                     self._share()
-                if self._by_uid:
+                if self._spec is not None and not self._by_uid:
+                    self._speculate(self._spec)
+                elif self._by_uid:
                     if self._mirror is None:
                         self._step()
                     else:
@@ -286,7 +297,7 @@ class LocalEngine:
         except BaseException as exc:  # the engine is broken: fail every waiting request
             log.exception("engine step thread failed")
             self._failure = exc if self._mirror is None else broke(self._mirror.explain(exc))
-            for seq in self._by_uid.values():
+            for seq in [*self._by_uid.values(), *filter(None, [self._spec])]:
                 self._deliver(seq, self._failure)
             self._by_uid.clear()
             if self._on_failure is not None:
@@ -342,6 +353,8 @@ class LocalEngine:
                 self._insert(seq)
             elif command == "prefill":
                 self._prefill(*seq)
+            elif command == "cancel" and seq is self._spec:
+                self._spec = None
             elif command == "cancel" and seq.uid is not None \
                     and self._by_uid.pop(seq.uid, None) is not None:
                 self._gen.remove([seq.uid])
@@ -356,7 +369,11 @@ class LocalEngine:
         req = seq.request
         tokens = list(req.prompt_tokens)
         try:
-            check_vocabulary(req.params, self._vocab_size)
+            batching.check_vocabulary(req.params, self._vocab_size)
+            if self._spec is not None:  # it speculates while alone, no longer
+                self._join_batch(self._spec)
+            if self._speculated(seq, tokens):
+                return
             if seq.handoff is not None:  # the first token was sampled by the prefill host
                 first, cache = seq.handoff
                 sampler, processors = resume_sampling(req.params, tokens, self._vocab_size,
@@ -375,12 +392,12 @@ class LocalEngine:
                 prefix, rest = self._prompt_cache.fetch(tokens)
                 seq.cached = len(tokens) - len(rest)
                 if prefix is None:
-                    prefix = fresh_cache(self._gen.model, self.kv_quant)
+                    prefix = batching.fresh_cache(self._gen.model, self.kv_quant)
                 [uid] = self._gen.insert(
                     [rest], max_tokens=[req.params.max_tokens], caches=[prefix],
                     all_tokens=[tokens[: len(tokens) - len(rest)]],
                     samplers=[sampler],
-                    logits_processors=[processors + constraint_processors(seq.matching)],
+                    logits_processors=[processors + batching.constraint_processors(seq.matching)],
                 )
                 if self._mirror is not None:
                     self._ops.append(("insert", uid, tokens, req.params.max_tokens,
@@ -391,6 +408,36 @@ class LocalEngine:
             return
         seq.uid = uid
         self._by_uid[uid] = seq
+
+    def _speculated(self, seq: _Sequence, tokens: list[int]) -> bool:
+        """Whether ``seq`` starts speculating (``engine/speculative.py``'s rule)."""
+        if self.draft is None or self._by_uid or seq.handoff is not None \
+                or not self.draft.takes(seq.request.params, seq.matching is not None):
+            return False
+        self._spec, seq.speculation = seq, Speculation(
+            self.draft, self._gen.model, tokens, seq.request.params,
+            cache=self._prompt_cache.fetch(tokens)[0], vocab_size=self._vocab_size,
+            eos_token_ids=self._eos_token_ids, prefill_step=self._prefill_step,
+            stream=self._gen.stream)
+        return True
+
+    def _join_batch(self, seq: _Sequence) -> None:
+        """``seq`` leaves speculation for the batch, with its cache and tokens."""
+        assert seq.speculation is not None
+        seq.uid = seq.speculation.join(self._gen, self._vocab_size)
+        self._by_uid[seq.uid] = seq
+        self._spec = seq.speculation = None
+
+    def _speculate(self, seq: _Sequence) -> None:
+        """One step of the sequence decoded speculatively: its tokens delivered at once."""
+        assert seq.speculation is not None
+        outs = seq.speculation.step()
+        if outs and outs[-1].finish_reason is not None:
+            self._spec = None
+            self._prompt_cache.keep(*seq.speculation.held())
+        if outs:
+            with contextlib.suppress(RuntimeError):  # the request's loop is gone
+                seq.loop.call_soon_threadsafe(batching.put_all, [(seq.out, o) for o in outs])
 
     def _prefill(self, seq: _Sequence,
                  done: concurrent.futures.Future[tuple[TokenOutput, list[Any]]]) -> None:
@@ -424,7 +471,7 @@ class LocalEngine:
             reason = r.finish_reason if r.finish_reason in ("stop", "length") else None
             if r.finish_reason is not None and reason is None:
                 reason = "length"  # anything else that ends a sequence ends it for length
-            out = _output(seq.request.params, r, reason)
+            out = batching.output_of(seq.request.params, r, reason)
             if seq.cached is not None:  # its first output says what the prompt cache gave
                 out, seq.cached = replace(out, cached=seq.cached), None
             batch.append((seq, out))
@@ -439,7 +486,7 @@ class LocalEngine:
         for loop in loops:
             items = [(seq.out, item) for seq, item in batch if seq.loop is loop]
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(batching.put_all, items)
 
     @staticmethod
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
@@ -451,49 +498,3 @@ def broke(why: str) -> EngineUnavailable:
     """What a request is told of a broken tensor-parallel group: 503 naming why."""
     return EngineUnavailable(f"the tensor-parallel group broke: {why}; the daemon restarts "
                              "it", retry_after_s=GROUP_RETRY_S)
-
-
-def generator(model: Any, eos_token_ids: set[int], max_batch: int, prefill_step: int) -> Any:
-    """The engine's mlx-lm ``BatchGenerator`` (every rank of a group builds it so)."""
-    return BatchGenerator(  # mlx-lm is untyped here
-        model, stop_tokens=[[t] for t in sorted(eos_token_ids)],
-        completion_batch_size=max_batch, prefill_batch_size=max_batch,
-        prefill_step_size=prefill_step,
-    )
-
-
-def fresh_cache(model: Any, kv_quant: KVQuant | None) -> list[Any] | None:
-    """A new sequence's cache: quantizing with ``kv_quant``, else None (``BatchGenerator``
-    makes mlx-lm's own)."""
-    return None if kv_quant is None else quantizing_caches(model, kv_quant)
-
-
-def _output(params: SamplingParams, r: Any, reason: FinishReason | None) -> TokenOutput:
-    """One of ``BatchGenerator``'s responses as a ``TokenOutput`` (its log-probabilities
-    read only when the request asked for them)."""
-    token = int(r.token)
-    if params.logprobs is None:
-        return TokenOutput(token, reason)
-    logprob, top = read_logprobs(r.logprobs, token, params.logprobs)
-    return TokenOutput(token, reason, logprob, top)
-
-
-def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
-    """Every ``logit_bias`` token id inside the model's vocabulary (the API checked it
-    against the tokenizer's, which may be larger than the model's logits)."""
-    outside = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
-    if outside:
-        raise ValueError(f"logit_bias names token {outside[0]}, outside this model's "
-                         f"vocabulary of {vocab_size} tokens")
-
-
-def constraint_processors(matching: Matching | None) -> list[Callable[[Any, Any], Any]]:
-    """A sequence's constraint as mlx-lm logits processors (kept apart from the sampling
-    processors, so that the two lists are concatenated; the mask goes last)."""
-    return [] if matching is None else [matching]
-
-
-def _put_all(items: list[tuple[asyncio.Queue[TokenOutput | BaseException], TokenOutput]]
-             ) -> None:
-    for out, item in items:
-        out.put_nowait(item)

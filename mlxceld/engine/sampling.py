@@ -23,24 +23,37 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
-    """The shared ``greedy`` for temperature 0 (so greedy batches sample in one call)."""
-    if params.temperature == 0:
-        return greedy
+def sampling_logits(params: SamplingParams, vocab_size: int
+                    ) -> Callable[[mx.array], mx.array]:
+    """What a temperature sampler draws from (``categorical`` of it): log-probabilities
+    ``[..., vocab]`` filtered by top-k, top-p and min-p, over the temperature, each row
+    alone (``engine/speculative.py`` takes its softmax as the sampling distribution)."""
     temp = params.temperature
     top_k = params.top_k if 0 < params.top_k < vocab_size else 0
     top_p = params.top_p
     min_p = params.min_p
-    key: list[mx.array | None] = [None if params.seed is None else mx.random.key(params.seed)]
 
-    def sample(logprobs: mx.array) -> mx.array:
+    def scaled(logprobs: mx.array) -> mx.array:
         if top_k:
             logprobs = apply_top_k(logprobs, top_k)
         if top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
         if min_p > 0:
             logprobs = apply_min_p(logprobs, min_p)
-        scaled = logprobs * (1.0 / temp)
+        return logprobs * (1.0 / temp)
+
+    return scaled
+
+
+def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
+    """The shared ``greedy`` for temperature 0 (so greedy batches sample in one call)."""
+    if params.temperature == 0:
+        return greedy
+    scale = sampling_logits(params, vocab_size)
+    key: list[mx.array | None] = [None if params.seed is None else mx.random.key(params.seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        scaled = scale(logprobs)
         if key[0] is None:
             return mx.random.categorical(scaled)
         key[0], sub = mx.random.split(key[0])

@@ -28,6 +28,8 @@ EXIT_CONFIG: Final = 2  # a worker whose options are refused exits so (as mlxcel
 KV_BITS: Final = (4, 8)  # [serve] kv_bits: what a quantized KV cache stores per element
 KV_GROUP_SIZES: Final = (32, 64, 128)  # mlx's quantization group sizes
 DEFAULT_KV_GROUP_SIZE: Final = 64  # mlx-lm's
+DEFAULT_DRAFT_TOKENS: Final = 4  # [serve] num_draft_tokens: k, the draft's proposals a pass
+MAX_DRAFT_TOKENS: Final = 32
 # [serve] reasoning_field and unknown_fields (api/reasoning.py, api/ignoring.py), default first.
 REASONING_FIELDS: Final = ("reasoning_content", "reasoning", "both")
 UNKNOWN_FIELDS: Final = ("refuse", "warn")
@@ -272,6 +274,12 @@ class RouterOptions:
     # 0's setup op carries it) and every pipeline stage (each ``prepare`` carries it);
     # None: full precision, as the model computes it.
     kv_quant: KVQuant | None = None
+    # Speculative decoding (issue 33; ``config/speculative.py``): a draft model with the
+    # target's tokenizer (a local directory or a repo id) proposing ``num_draft_tokens`` at
+    # a time, in the local engine only (``engine/speculative.py``; the worker refuses it
+    # in any other mode: ``workers/engines.py``). None: no draft.
+    draft_model: str | None = None
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     # The model's other names: a request may name it by any (``[serve] model_name``).
     model_aliases: tuple[str, ...] = ()
     # CORS on the OpenAI port (``api/edge/cors.py``): exact origins, or ("*",); (): none.
@@ -318,6 +326,8 @@ class RouterOptions:
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0,
                "prompt_cache_bytes", "be >= 0", self.prompt_cache_bytes)
         _check(self.max_connections >= 1, "max_connections", "be >= 1", self.max_connections)
+        _check(1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS, "num_draft_tokens",
+               f"be in 1-{MAX_DRAFT_TOKENS}", self.num_draft_tokens)
         _check(self.replay_hold_s >= 0, "replay_hold_s", "be >= 0", self.replay_hold_s)
         for key in ("header_timeout_s", "body_timeout_s", "write_timeout_s",
                     "stage_silence_s"):

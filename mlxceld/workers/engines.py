@@ -23,6 +23,7 @@ from mlxceld import failpoints
 from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
 from mlxceld.engine.transport import TransportChoice, choose_transport, probe_host
+from mlxceld.errors import ConfigError
 from mlxceld.models.identity import read_model_config
 from mlxceld.models.kvquant import check_kv_quant
 from mlxceld.roles.options import RouterOptions
@@ -54,10 +55,14 @@ class LocalRouter(RouterEngine):
     engine: LocalEngine
 
     def hooks(self) -> AppHooks:
-        return AppHooks(prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())])
+        draft = self.engine.draft
+        return AppHooks(prompt_caches=lambda: [({}, self.engine.prompt_cache_stats())],
+                        speculation=None if draft is None else draft.snapshot)
 
     def refresh(self, stats: dict[str, Any], now: float) -> None:
         stats["prompt_cache"] = self.engine.prompt_cache_stats()
+        if self.engine.draft is not None:  # speculative decoding's counters
+            stats["speculative"] = self.engine.draft.snapshot()
 
     @property
     def vocab_size(self) -> int | None:
@@ -78,7 +83,13 @@ class TensorRouter(LocalRouter):
 
 async def make_engine(mode: EngineMode, ctx: WorkerContext[RouterOptions],
                       broke: Broke) -> RouterEngine:
-    """The engine of ``mode``, loaded (``broke``: told when the engine fails later)."""
+    """The engine of ``mode``, loaded (``broke``: told when the engine fails later). A
+    draft model is refused by name where speculative decoding is not built: every mode
+    but a local one (a pipeline's plan activated after the config was checked)."""
+    if ctx.options.draft_model is not None and not isinstance(mode, LocalMode):
+        raise ConfigError(f"serve.draft_model: speculative decoding is built for the local "
+                          f"engine only, not for this router's {type(mode).__name__}",
+                          hint="leave draft_model out (--draft-model) for this node")
     match mode:
         case LocalMode() | HandoffMode():
             return await load_here(ctx, broke, tensor=None)
@@ -104,10 +115,12 @@ async def load_here(ctx: WorkerContext[RouterOptions], broke: Broke,
         engine, tokenizer = await tensor_engine(ctx, tensor, path, broke, loaded)
         built: LocalRouter = TensorRouter(engine, tokenizer, path)
     else:
+        draft = None if o.draft_model is None else await fetched_path(ctx, o.draft_model)
         engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
             load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
             on_failure=broke, progress=loaded, context_length=o.context_length,
-            prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant))
+            prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant,
+            draft_model=draft, num_draft_tokens=o.num_draft_tokens))
         built = LocalRouter(engine, tokenizer, path)
     ctx.stats.pop("loading", None)
     return built

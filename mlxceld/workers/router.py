@@ -247,7 +247,7 @@ async def serve(ctx: WorkerContext[RouterOptions], built: RouterEngine,
                            readiness=hooks.readiness, router_stats=hooks.router_stats,
                            draining=draining, elastic=hooks.elastic,
                            stage_links=hooks.stage_links, prompt_caches=hooks.prompt_caches,
-                           continuity=hooks.continuity,
+                           continuity=hooks.continuity, speculation=hooks.speculation,
                            reasoning_field=cast(ReasoningField, o.reasoning_field),
                            unknown_fields=cast(UnknownFields, o.unknown_fields),
                            metrics_open=o.metrics_open)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxceld.api.edge.metrics import Continuities, PromptCaches, StageLinks
+from mlxceld.api.edge.metrics import Continuities, PromptCaches, Speculations, StageLinks
 from mlxceld.engine import Engine
 from mlxceld.roles.options import RouterOptions
 from mlxceld.workers.runtime import WorkerContext
@@ -33,6 +33,7 @@ class AppHooks:
     stage_links: StageLinks | None = None
     prompt_caches: PromptCaches | None = None
     continuity: Continuities | None = None
+    speculation: Speculations | None = None
     elastic: bool = False
 
 

@@ -66,6 +66,8 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--kv-bits": ("8", 8, ()),
     "--kv-group-size": ("32", 32, ("--kv-bits", "8")),
     "--quantized-kv-start": ("100", 100, ("--kv-bits", "4")),
+    "--draft-model": ("MODEL", "MODEL", ()),
+    "--num-draft-tokens": ("6", 6, ("--draft-model", "org/draft")),
     # A group that exists here; a group's socket may not be inside the state dir.
     "--socket-group": (GROUP, GROUP, ("--socket", "/run/mlxceld-flag-keys/ctl.sock")),
 }

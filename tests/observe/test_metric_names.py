@@ -13,6 +13,7 @@ from typing import Any
 
 from mlxceld.api.edge.metrics import Metrics
 from mlxceld.engine.continuation import Continuity
+from mlxceld.engine.speculative import SpeculationStats
 from mlxceld.observe.catalog import FAMILIES, PROCESS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,8 @@ def router_names() -> set[str]:
     metrics = Metrics(queue_depth=lambda: 0, active_sequences=lambda: 0, model_id="m",
                       context_length=8, stage_links=lambda: [link],
                       prompt_caches=lambda: [({}, cache)],  # type: ignore[list-item]
-                      continuity=Continuity)
+                      continuity=Continuity,
+                      speculation=SpeculationStats().to_json)
     return {family.name + suffix for family in metrics.registry.collect()
             for suffix in SAMPLES[family.type]}
 

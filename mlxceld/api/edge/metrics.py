@@ -24,6 +24,11 @@ Besides the requests' own counts, each scrape reads (``Snapshot``):
   ``mlxceld_stage_link_rtt_seconds{stage, layers}``: the round trip of its latest
   heartbeat ping answered (``net/liveness.py``; left out before one is, or while the
   link is not attached);
+- with a draft model (``engine/speculative.py``): ``mlxceld_speculative_proposed_total``
+  and ``mlxceld_speculative_accepted_total`` (draft tokens proposed, and accepted by the
+  model), ``mlxceld_speculative_passes_total`` and ``mlxceld_speculative_tokens_total``
+  (the model's passes over proposals, and the tokens they gave), and their ratios
+  ``mlxceld_speculative_acceptance_rate`` and ``mlxceld_speculative_tokens_per_pass``;
 - where the router's engine continues requests elsewhere (``engine/continuation.py``'s
   ``Continuity``): ``mlxceld_sequences_held_now`` (held now for a working plan: a pipeline's
   stage lost, its heal or its stage's return awaited; ``pipeline/replay.py``),
@@ -64,6 +69,16 @@ StageLinks = Callable[[], Sequence[Mapping[str, Any]]]  # PipelineEngine.stages
 # Each prompt cache's labels (one set of names for all) and stats: LocalEngine's, ({}, ...).
 PromptCaches = Callable[[], Sequence[tuple[Mapping[str, str], PromptCacheStats]]]
 Continuities = Callable[[], Continuity]  # the engine's counts of requests continued
+Speculations = Callable[[], Mapping[str, float]]  # speculative.SpeculationStats.to_json
+# Speculative decoding's metrics, mlxceld_speculative_KEY: (its stats' KEY, counter?, help).
+_SPECULATIVE: tuple[tuple[str, bool, str], ...] = (
+    ("proposed", True, "Draft tokens proposed to the model (speculative decoding)"),
+    ("accepted", True, "Draft tokens the model accepted"),
+    ("passes", True, "The model's passes over draft proposals"),
+    ("tokens", True, "Tokens those passes gave (accepted, and one of the model's own)"),
+    ("acceptance_rate", False, "Draft tokens accepted over those proposed, so far"),
+    ("tokens_per_pass", False, "Tokens a pass gave, on average so far"),
+)
 # Continuity's counts as metrics: (its field, the metric's name, counter?, help).
 _CONTINUITY: tuple[tuple[str, str, bool, str], ...] = (
     ("held", "mlxceld_sequences_held_now", False,
@@ -131,6 +146,7 @@ class Snapshot(Collector):
     stage_links: StageLinks | None = None
     prompt_caches: PromptCaches | None = None
     continuity: Continuities | None = None
+    speculation: Speculations | None = None
 
     def collect(self) -> Iterator[Metric]:
         yield from process_metrics()
@@ -148,6 +164,11 @@ class Snapshot(Collector):
             for key, name, counter, text in _CONTINUITY:
                 kind = CounterMetricFamily if counter else GaugeMetricFamily
                 yield kind(name, text, value=getattr(counts, key))
+        if self.speculation is not None:
+            stats = self.speculation()
+            for key, counter, text in _SPECULATIVE:
+                kind = CounterMetricFamily if counter else GaugeMetricFamily
+                yield kind(f"mlxceld_speculative_{key}", text, value=stats[key])
 
     @staticmethod
     def _prompt_caches(readings: Sequence[tuple[Mapping[str, str], PromptCacheStats]]
@@ -195,10 +216,11 @@ class Metrics:
                  active_sequences: Callable[[], float], model_id: str = "",
                  context_length: int = 0, stage_links: StageLinks | None = None,
                  prompt_caches: PromptCaches | None = None,
-                 continuity: Continuities | None = None) -> None:
+                 continuity: Continuities | None = None,
+                 speculation: Speculations | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(Snapshot(model_id, context_length, stage_links,
-                                        prompt_caches, continuity))
+                                        prompt_caches, continuity, speculation))
         self.requests = Counter(
             "mlxceld_http_requests", "HTTP requests by endpoint and status (499: the client "
             "went away before any response)", ["endpoint", "status"], registry=self.registry)
