@@ -14,8 +14,9 @@ prepared or activated, a deactivation). The rules, in order:
   ``stage`` worker is rank 0 of group ``stage-tp``, with N-1 ``stage_tp`` workers
   ``stage-tp-1`` ... (ranks 1..N-1: the stage's model and layers, no secret), meeting
   in a ring at ``Situation.tp_hosts``, restarted together as a router's group; with
-  ``tp_peers`` too the group spans hosts: no ``stage-tp`` worker here, and the ``stage``
-  worker only once its ring is formed (``daemon/stage_peers.py``);
+  ``tp_peers`` too (or a 2D mesh's placement with its ``tp_peers``: ``stage_group``) the
+  group spans hosts: no ``stage-tp`` worker here, and the ``stage`` worker only once its
+  ring is formed (``daemon/stage_peers.py``);
 - a prefill or decode node (``--node-role prefill|decode``) runs the ``router``
   with ``handoff`` options (no OpenAI port: its engine on the serving listener
   only) with the cluster secret, once its agent listener is bound, when there is
@@ -138,10 +139,11 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
     policy = model_policy(c.policy)
     if p is not None and not p.is_coordinator:
         stage = stage_options(p, standby=s.standby, silence_s=s.serve.stage_silence_s)
-        tensor = s.serve.tp_size > 1
-        here = tensor and not s.serve.tp_peers  # its ranks on this host, not the peers'
+        size, peers = stage_group(p, s.serve)
+        tensor = size > 1
+        here = tensor and not peers  # its ranks on this host, not the peers'
         if tensor:
-            stage = replace(stage, tp_size=s.serve.tp_size, tp_hosts=s.tp_hosts)
+            stage = replace(stage, tp_size=size, tp_hosts=s.tp_hosts)
         if here or s.tp_hosts or not tensor:  # a group across hosts: once formed
             specs.append(WorkerSpec(STAGE_WORKER, c.state_dir, stage, policy,
                                     secret=s.secret, accepted=s.accepted,
@@ -213,6 +215,15 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
         if here:
             specs += tensor_ranks(options, c.state_dir, policy, c.log_format)
     return specs
+
+
+def stage_group(p: Placement | None, serve: ServeConfig) -> tuple[int, tuple[str, ...]]:
+    """A stage's tensor-parallel group: its size and the agents of its ranks on other
+    hosts (() when its ranks are on this host). A 2D mesh's placement says it
+    (``Placement.tp_peers``), else ``[serve]`` (``--tp-size``, ``--tp-peers``)."""
+    if p is not None and p.tp_peers:
+        return len(p.tp_peers) + 1, p.tp_peers
+    return serve.tp_size, serve.tp_peers
 
 
 def tensor_ranks(router: RouterOptions, state_dir: Path, policy: RestartPolicy,
@@ -331,8 +342,16 @@ class Roster:
         self.placement, self.standby = placement, standby
 
     def grouped(self) -> bool:
-        """Whether this host's stage is a tensor-parallel group (``[serve] tp_size``)."""
-        return self.serve.tp_size > 1
+        """Whether this host's stage is a tensor-parallel group (``[serve] tp_size``, or a
+        2D mesh's placement)."""
+        return stage_group(self.placement, self.serve)[0] > 1
+
+    def stage_across(self) -> bool:
+        """Whether this host's stage is a group across hosts: a ``--pp-peer`` stage host
+        with ``--tp-peers``, or a 2D mesh's stage (``Placement.tp_peers``)."""
+        p = self.placement
+        return bool(p is not None and p.tp_peers) or (self.config.pp_peer
+                                                      and bool(self.serve.tp_peers))
 
     def keep_retiring(self, spec: WorkerSpec | None) -> None:
         """Run ``spec`` (a stage the next plan replaces, renamed) beside the placement's
@@ -369,7 +388,7 @@ class Roster:
         naming it). Across hosts (``tp_peers``), the ring the group formed with, if it has.
         """
         tp_size = self.serve.tp_size
-        if self.serve.tp_peers:  # across hosts: the ring rank 0's daemon formed, if any
+        if self.serve.tp_peers or self.stage_across():  # the ring formed across hosts
             return self.tensor_ring or ()
         if tp_size <= 1:
             self._tp_hosts = ()

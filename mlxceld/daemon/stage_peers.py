@@ -1,5 +1,6 @@
 """A pipeline stage whose tensor-parallel group spans hosts (``--pp-peer --tp-size N
---tp-peers A1,...``): the ``stage`` worker is rank 0, ranks 1 .. N-1 run on the rank
+--tp-peers A1,...``, or a 2D mesh's stage node of a cluster TOML: its placement's
+``tp_peers``): the ``stage`` worker is rank 0, ranks 1 .. N-1 run on the rank
 hosts ``tp_peers`` names (``--node-role tensor_parallel_rank``, ``daemon/tensor_rank.py``)
 as their ``stage-tp-<rank>`` workers over the stage's layers; no ``stage-tp`` worker runs
 here.
@@ -60,8 +61,9 @@ class StagePeers:
         self._pid: int | None = None  # the stage worker's process the ring was joined by
 
     def across(self) -> bool:
-        """Whether this daemon is a stage host whose group spans hosts."""
-        return self._roster.config.pp_peer and bool(self._roster.serve.tp_peers)
+        """Whether this daemon is a stage host whose group spans hosts (``--pp-peer
+        --tp-peers``, or a 2D mesh's stage placed by its cluster TOML)."""
+        return self._roster.stage_across()
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self._roster.set_stage(placement, standby=standby)

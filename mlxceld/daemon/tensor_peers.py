@@ -43,7 +43,7 @@ from typing import Any, Final
 
 from mlxceld.cluster.clusterfile.placement import STAGE_WORKER
 from mlxceld.config.serve import ROUTER
-from mlxceld.daemon.roster import Roster
+from mlxceld.daemon.roster import Roster, stage_group
 from mlxceld.daemon.stage_peers import StagePeers
 from mlxceld.daemon.tensor_rank import RankHost
 from mlxceld.daemon.tensor_standin import StandIn
@@ -101,7 +101,8 @@ class TensorPeers:
         self._keyring = keyring
         self._events = events
         self._origin = origin
-        peers = roster.serve.tp_peers
+        # --tp-peers, or a 2D mesh's stage placed by its cluster TOML (stage_group)
+        peers = roster.serve.tp_peers or stage_group(roster.placement, roster.serve)[1]
         self.ranks = [RankState(r, a) for r, a in enumerate(peers, start=1)]
         self.formed = False
         self._ring0: str | None = None  # our ring endpoint, kept
@@ -115,7 +116,7 @@ class TensorPeers:
         """``tensor`` in the daemon's status: the group, each rank's host and state."""
         if not self.ranks:
             return None
-        stage = self._roster.config.pp_peer  # a pipeline stage's group (stage_peers.py)
+        stage = self._roster.stage_across()  # a pipeline stage's group (stage_peers.py)
         got = self._supervisor.state(STAGE_WORKER if stage else ROUTER)
         zero = {"rank": 0, "agent": self._origin(), "ring": self._ring0, "error": None,
                 "worker": STAGE_WORKER if stage else ROUTER,
@@ -133,7 +134,7 @@ class TensorPeers:
                      "error": r.error, "since": r.since} for r in self.ranks]}
 
     async def run(self) -> None:
-        if not self.ranks or self._roster.config.pp_peer:  # a stage's: daemon/stage_peers.py
+        if not self.ranks or self._roster.stage_across():  # a stage's: daemon/stage_peers.py
             return
         serve = self._roster.serve
         standin = self._standin = StandIn(serve.host, serve.port, lambda: self._why)
@@ -175,7 +176,9 @@ class TensorPeers:
         state says why, and ``_why``). ``stage``: the layers and node id of the pipeline
         stage whose group this is (``daemon/stage_peers.py``)."""
         origin = self._origin()
-        entry = await asyncio.to_thread(model_entry, self._roster.serve.model)
+        placed = self._roster.placement  # a stage placed by a cluster TOML: its model
+        model_dir = self._roster.serve.model or (str(placed.model) if placed else None)
+        entry = await asyncio.to_thread(model_entry, model_dir)
         if origin is None or entry is None or entry["identity"] is None:
             self._why = ("the tensor-parallel group is forming: "
                          + ("the agent listener is not up yet" if origin is None

@@ -345,17 +345,18 @@ CASES: dict[str, tuple[Callable[[Data], object], str]] = {
     "identity too long": (lambda d: node(d, 1).update(address=("a" * 60 + ".") * 5 + "b:1"),
                           r"is longer than 255 bytes"),
     # roles
-    "unsupported role": (lambda d: node(d, 1).update(role="pp_tp"),
-                         r"node 'stage-0': role 'pp_tp' \(a 2D mesh: a pipeline of "
-                         r"tensor-parallel stages\) is not supported in a cluster TOML yet"),
+    "a 2D role in a pipeline's file": (
+        lambda d: node(d, 1).update(role="pp_tp"),
+        r"'cluster.tensor_parallel_size' is missing: the file has pipeline_tensor_parallel "
+        r"nodes"),
     "a tensor-parallel rank in a pipeline": (
         lambda d: node(d, 1).update(role="tp"),
-        r"'cluster.pipeline_parallel_size' is 2 in a file of tensor_parallel_rank nodes: a "
-        r"pipeline of tensor-parallel stages \(role pipeline_tensor_parallel\) is not "
-        r"supported"),
+        r"'cluster.pipeline_parallel_size' is 2 in a file of tensor_parallel_rank nodes, "
+        r"which are one group of the whole model"),
     "unknown role": (lambda d: node(d, 1).update(role="worker"),
                      r"node 'stage-0': 'role' 'worker' is not one of coordinator, "
-                     r"pipeline_stage, router, hybrid, prefill, decode"),
+                     r"pipeline_stage, router, hybrid, prefill, decode, tensor_parallel_rank, "
+                     r"pipeline_tensor_parallel"),
     "missing role": (lambda d: node(d, 1).pop("role"), r"node 'stage-0': 'role' is missing"),
     "two coordinators": (
         lambda d: node(d, 2).update(role="coordinator", rank=None, layers=None) and None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from mlxceld.config.tensor import across_hosts
 from mlxceld.errors import ConfigError
 from mlxceld.models import model_config, preset
 
-from helpers.clusterfile import router_file, tensor_file, write_cluster_toml
+from helpers.clusterfile import router_file, tensor_file
 
 
 def _setup(tmp_path: Path, text: str) -> Path:
@@ -132,8 +131,8 @@ BAD = {
     "a pipeline's size": (tensor_file().replace("pipeline_parallel_size = 1",
                                                 "pipeline_parallel_size = 2"),
                           r"'cluster.pipeline_parallel_size' is 2 in a file of "
-                          r"tensor_parallel_rank nodes: a pipeline of tensor-parallel stages "
-                          r"\(role pipeline_tensor_parallel\) is not supported"),
+                          r"tensor_parallel_rank nodes, which are one group of the whole "
+                          r"model"),
     "replicas": (tensor_file(extra="replicas = 2"),
                  r"'cluster.replicas' is not for a tensor-parallel group's file"),
     "kv_compression": (tensor_file(extra='kv_compression = "int8"'),
@@ -154,8 +153,8 @@ BAD = {
         tensor_file() + '\n[[nodes]]\nid = "s0"\naddress = "10.0.0.30:19100"\n'
         'role = "pipeline_stage"\nrank = 0\nlayers = [0, 2]\n',
         r"node 's0' has role 'pipeline_stage', but the file has tensor_parallel_rank nodes "
-        r"too: tensor parallelism inside a pipeline stage is the 2D mesh \(role "
-        r"pipeline_tensor_parallel\), not supported in a cluster TOML yet"),
+        r"too: a pipeline whose stages are tensor-parallel groups is written with role "
+        r"pipeline_tensor_parallel nodes \(the 2D mesh\)"),
     "beside a coordinator": (
         tensor_file() + '\n[[nodes]]\nid = "c"\naddress = "10.0.0.30:19000"\n'
         'role = "coordinator"\n',
@@ -164,10 +163,6 @@ BAD = {
         tensor_file() + '\n[[nodes]]\nid = "r"\naddress = "10.0.0.30"\nrole = "router"\n',
         r"node 'r' has role 'router', but the file has tensor_parallel_rank nodes too: a "
         r"router node beside a tensor-parallel group across hosts is not described"),
-    "a 2D role beside the ranks": (
-        tensor_file().replace('role = "tp"', 'role = "pp_tp"'),
-        r"node 'node-1': role 'pp_tp' \(a 2D mesh: a pipeline of tensor-parallel stages\) is "
-        r"not supported in a cluster TOML yet"),
     "a rank in a router's file": (
         router_file("tensor_parallel_size = 2").replace(
             'role = "hybrid"', 'role = "tensor_parallel_rank"\nrank = 0', 1),
@@ -182,17 +177,6 @@ def test_a_bad_group_is_refused_naming_what(case: str, tmp_path: Path) -> None:
         parse_cluster_text(text, tmp_path / "cluster.toml")
     assert str(tmp_path / "cluster.toml") in str(info.value)
     assert info.value.hint
-
-
-@pytest.mark.parametrize("role", ["pipeline_tensor_parallel", "pp_tp", "2d"])
-def test_the_2d_role_stays_refused_as_not_yet(role: str, tmp_path: Path) -> None:
-    path = write_cluster_toml(tmp_path, None, [(0, 1), (1, 2)])
-    text = path.read_text().replace('role = "pipeline_stage"', f'role = "{role}"', 1)
-    with pytest.raises(ConfigError) as info:
-        parse_cluster_text(text, path)
-    assert re.search(rf"node 's0': role '{role}' \(a 2D mesh: a pipeline of tensor-parallel "
-                     r"stages\) is not supported in a cluster TOML yet", info.value.message)
-    assert "tensor_parallel_rank" in info.value.hint
 
 
 CONTRADICTIONS = {

@@ -89,9 +89,9 @@ def test_a_pipelines_file_is_refused_naming_both_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_cluster(path)
     assert re.search(r"'cluster\.tensor_parallel_size' is 2 in a pipeline's cluster TOML "
-                     r"\('cluster\.pipeline_parallel_size' is 2\): a pipeline's file does "
-                     r"not say each stage's group yet", err.value.message)
-    assert "--tp-size" in err.value.hint
+                     r"\('cluster\.pipeline_parallel_size' is 2\): its pipeline_stage nodes "
+                     r"are one host each", err.value.message)
+    assert "--tp-size" in err.value.hint and "pipeline_tensor_parallel" in err.value.hint
 
 
 def test_the_flag_beside_a_pipelines_file_makes_a_stage_a_group_and_not_the_coordinator(

@@ -104,3 +104,54 @@ rank = 1
 def tensor_file(extra: str = "", rank0_extra: str = "") -> str:
     """``TENSOR_FILE``: ``extra`` under [cluster] and ``rank0_extra`` in node-0's table."""
     return TENSOR_FILE.format(extra=extra, rank0_extra=rank0_extra)
+
+
+# A 2D mesh as the format decided for it: two stages of two ranks across four hosts, the
+# second stage's ranks listed first and spelled by the aliases; rank 0's address is its
+# stage listener's, rank 1's its agent's (a host alone: port 19000).
+MESH_FILE = """
+[cluster]
+name = "mesh"
+model = "model"
+secret_file = "secret"
+pipeline_parallel_size = 2
+tensor_parallel_size = 2
+{extra}
+[[nodes]]
+id = "coordinator"
+address = "10.0.0.1:19000"
+role = "coordinator"
+
+[[nodes]]
+id = "stage-1-tp-1"
+address = "10.0.0.5"
+role = "2d"
+layers = [1, 2]
+rank = 1
+
+[[nodes]]
+id = "stage-1"
+address = "10.0.0.3:19100"
+role = "pp_tp"
+layers = [1, 2]
+rank = 0
+
+[[nodes]]
+id = "stage-0"
+address = "10.0.0.2:19100"
+role = "pipeline_tensor_parallel"
+layers = [0, 1]
+rank = 0
+{stage0_extra}
+[[nodes]]
+id = "stage-0-tp-1"
+address = "10.0.0.4:19000"
+role = "pipeline_tensor_parallel"
+layers = [0, 1]
+rank = 1
+"""
+
+
+def mesh_file(extra: str = "", stage0_extra: str = "") -> str:
+    """``MESH_FILE``: ``extra`` under [cluster] and ``stage0_extra`` in stage-0's table."""
+    return MESH_FILE.format(extra=extra, stage0_extra=stage0_extra)

@@ -137,7 +137,8 @@ def refused(d: DaemonProc, *flags: str) -> str:
     (("rank = 1", "rank = 0"), "node 'node-1' and node 'node-0' both have rank 0"),
     (("tensor_parallel_size = 2", "tensor_parallel_size = 3"),
      "'cluster.tensor_parallel_size' is 3, but 2 node(s) have role 'tensor_parallel_rank'"),
-    (('role = "tp"', 'role = "pp_tp"'), "node 'node-1': role 'pp_tp' (a 2D mesh"),
+    (('role = "tp"', 'role = "pp_tp"'),
+     "node 'node-1': 'layers' is missing (every pipeline_tensor_parallel node has one)"),
 ])
 def test_a_wrong_file_is_refused_at_start_naming_the_file(
         daemons: Daemons, fixture_dir: Path, tmp_path: Path, change: tuple[str, str],

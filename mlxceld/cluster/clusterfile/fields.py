@@ -14,7 +14,9 @@ from typing import Any, Final
 from mlxceld.cluster.clusterfile.model import (
     CLUSTER_ROLES,
     COORDINATOR,
+    MESH_ROLES,
     PIPELINE_STAGE,
+    PIPELINE_TP,
     SERVING_ROLES,
     TENSOR_RANK,
     ClusterConfig,
@@ -37,10 +39,6 @@ NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resou
 RESOURCE_KEYS: Final = ("memory_bytes", "compute_units")
 # A tensor-parallel rank's role and mlxcel's alias for it (read as the role).
 TENSOR_ROLES: Final = (TENSOR_RANK, "tp")
-# Node roles of mlxcel's cluster TOML (and mlxceld's worker roles) that a cluster
-# TOML does not describe yet: refused as "not supported yet", not as typos. The 2D
-# mesh's (a pipeline of tensor-parallel stages) and its aliases.
-LATER_ROLES: Final = frozenset({"pipeline_tensor_parallel", "pp_tp", "2d"})
 ID_HINT = 'give every node a unique id of 1-128 printable characters, e.g. id = "stage-0"'
 REPLICA_HINT = ("with [cluster] replicas = R, every pipeline_stage names its group: "
                 "replica = 0 .. R-1")
@@ -91,11 +89,11 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
     if tp > 1:
         raise ConfigError(f"{where}: 'cluster.tensor_parallel_size' is {tp} in a pipeline's "
                           f"cluster TOML ('cluster.pipeline_parallel_size' is {size}): "
-                          "a pipeline's file does not say each stage's group yet",
-                          hint="remove tensor_parallel_size (or set it to 1), and give each "
-                          "stage host its own --tp-size ([serve] tp_size); tensor "
-                          "parallelism runs on the hybrid nodes of a serving cluster TOML "
-                          "(routers over hybrids)")
+                          "its pipeline_stage nodes are one host each",
+                          hint="remove tensor_parallel_size (or set it to 1) and give each "
+                          "stage host its own --tp-size ([serve] tp_size) for a group on "
+                          "that host; a stage whose group spans hosts is written with "
+                          f'role = "{PIPELINE_TP}" nodes (the 2D mesh)')
     replicas = _int(cluster, "replicas", where, "cluster.", minimum=1)
     replicas = 1 if replicas is None else replicas
     if replicas > MAX_REPLICAS:
@@ -181,10 +179,10 @@ def _tensor_cluster(cluster: Mapping[str, Any], nodes: list[Any], name: str,
     pp = _int(cluster, "pipeline_parallel_size", where, "cluster.", minimum=1)
     if pp is not None and pp > 1:
         raise ConfigError(f"{where}: 'cluster.pipeline_parallel_size' is {pp} in a file of "
-                          "tensor_parallel_rank nodes: a pipeline of tensor-parallel stages "
-                          "(role pipeline_tensor_parallel) is not supported in a cluster TOML "
-                          "yet", hint=f"remove pipeline_parallel_size (or set it to 1); "
-                          f"{TENSOR_HINT}")
+                          "tensor_parallel_rank nodes, which are one group of the whole "
+                          "model", hint=f"remove pipeline_parallel_size (or set it to 1); "
+                          f"{TENSOR_HINT}; a pipeline of tensor-parallel stages is written "
+                          f'with role = "{PIPELINE_TP}" nodes (the 2D mesh)')
     if not all(isinstance(n, Mapping) for n in nodes):
         raise ConfigError(f"{where}: 'nodes' must be an array of tables",
                           hint="write each node as a [[nodes]] table")
@@ -325,19 +323,17 @@ def _role(raw: Mapping[str, Any], at: str) -> ClusterRole:
     role = raw.get("role")
     hint = (f'set role = "{COORDINATOR}" or role = "{PIPELINE_STAGE}" (a pipeline), or '
             'role = "router", "hybrid", "prefill" or "decode" (replicas and pools), or '
-            'role = "tensor_parallel_rank" (a tensor-parallel group across hosts)')
+            'role = "tensor_parallel_rank" (a tensor-parallel group across hosts), or '
+            f'role = "{PIPELINE_TP}" (a pipeline of tensor-parallel stages)')
     for known in CLUSTER_ROLES:
         if role == known:
             return known
     if role in TENSOR_ROLES:
         return TENSOR_RANK  # "tp": mlxcel's alias
+    if role in MESH_ROLES:
+        return PIPELINE_TP  # "pp_tp", "2d": mlxcel's aliases (their file is mesh.py's)
     if role is None:
         raise ConfigError(f"{at}: 'role' is missing", hint=hint)
-    if role in LATER_ROLES:
-        raise ConfigError(f"{at}: role {role!r} (a 2D mesh: a pipeline of tensor-parallel "
-                          "stages) is not supported in a cluster TOML yet",
-                          hint=f"roles here: {', '.join(CLUSTER_ROLES)}; {TENSOR_HINT}, or "
-                          "a pipeline's coordinator and pipeline_stage nodes")
     raise ConfigError(f"{at}: 'role' {shown(role)} is not one of {', '.join(CLUSTER_ROLES)}",
                       hint=hint)
 

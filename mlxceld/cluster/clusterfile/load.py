@@ -54,6 +54,8 @@ A tensor-parallel group across hosts instead (its ranks alone)::
     role = "tensor_parallel_rank"    # or "tp"
     rank = 0                         # rank 0 serves the OpenAI port
 
+A pipeline of tensor-parallel stages across hosts (the 2D mesh) is ``mesh.py``'s.
+
 ``load_cluster`` checks everything that needs no model; ``validate_layers``
 checks the stages against the model's layer count once it is known. The
 format and its rules are documented in man/mlxcel-cluster.toml.5.
@@ -67,6 +69,7 @@ import tomllib
 from pathlib import Path
 
 from mlxceld.cluster.clusterfile.fields import parse_cluster
+from mlxceld.cluster.clusterfile.mesh import check_mesh, is_mesh, parse_mesh
 from mlxceld.cluster.clusterfile.model import ClusterConfig, NodeConfig, select_node
 from mlxceld.cluster.clusterfile.rules import check_cluster, validate_layers
 from mlxceld.errors import ConfigError
@@ -103,6 +106,10 @@ def parse_cluster_text(text: str, path: Path) -> ClusterConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cluster file {path} is not valid TOML: {exc}",
                           hint="fix the line it names") from exc
+    if is_mesh(data):  # a pipeline of tensor-parallel stages (the 2D mesh)
+        cfg = parse_mesh(data, path)
+        check_mesh(cfg)
+        return cfg
     cfg = parse_cluster(data, path)
     check_cluster(cfg)
     return cfg
@@ -111,9 +118,9 @@ def parse_cluster_text(text: str, path: Path) -> ClusterConfig:
 def needs_secret(cfg: ClusterConfig) -> bool:
     """Whether the cluster needs a cluster secret: with two stages or more, or nodes on
     more than one host, and always for routers, hybrids, prefill and decode nodes and
-    tensor-parallel ranks. Fails closed: only one stage on the coordinator's host does
-    not."""
-    if cfg.serving or cfg.tensor:
+    tensor-parallel ranks (a 2D mesh's too). Fails closed: only one stage on the
+    coordinator's host does not."""
+    if cfg.serving or cfg.tensor or cfg.mesh:
         return True
     hosts = {parse_address(n.address).key()[0] for n in cfg.nodes}
     return len(cfg.stages) > 1 or len(hosts) > 1

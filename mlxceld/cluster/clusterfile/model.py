@@ -8,6 +8,13 @@ A tensor-parallel group across hosts: ``tensor_parallel_size`` N nodes of role
 --tp-peers`` the others' agent addresses), the others run as ``--node-role
 tensor_parallel_rank`` (``placement.placed_config``).
 
+A pipeline of tensor-parallel stages (the 2D mesh): ``pipeline_parallel_size`` P stages,
+each a group of ``tensor_parallel_size`` T nodes of role ``pipeline_tensor_parallel``
+(aliases ``pp_tp``, ``2d``) with the same ``layers`` and ranks 0 .. T-1. A stage's rank 0
+(its ``address`` its stage listener's) runs the ``stage`` worker, with the group across
+hosts (``Placement.tp_peers``); its other ranks (their ``address`` their agents') run as
+``--node-role tensor_parallel_rank``. ``stages`` are the rank-0 nodes in layers order.
+
 Replica groups: a cluster of ``replicas`` R serves R whole copies of the model, each a
 pipeline of ``pipeline_parallel_size`` S stages (its *group*: the stages of one
 ``replica``); the coordinator's router spreads requests over the groups. With R = 1
@@ -42,9 +49,14 @@ PIPELINE_STAGE: Final = "pipeline_stage"
 SERVING_ROLES: Final[tuple[NodeRole, ...]] = (ROUTER_ROLE, HYBRID, PREFILL_ROLE, DECODE_ROLE)
 # A rank of a tensor-parallel group across hosts; its ``address`` is its agent address.
 TENSOR_RANK: Final = TENSOR_RANK_ROLE
-ClusterRole = Literal["coordinator", "pipeline_stage"] | NodeRole  # a [[nodes]] table's
+# A rank of a pipeline stage that is a tensor-parallel group across hosts (the 2D mesh),
+# and mlxcel's aliases for it (read as the role). Rank 0's ``address`` is its stage
+# listener's, every other rank's its agent's.
+PIPELINE_TP: Final = "pipeline_tensor_parallel"
+MESH_ROLES: Final = (PIPELINE_TP, "pp_tp", "2d")
+ClusterRole = Literal["coordinator", "pipeline_stage", "pipeline_tensor_parallel"] | NodeRole
 CLUSTER_ROLES: Final[tuple[ClusterRole, ...]] = (COORDINATOR, PIPELINE_STAGE, *SERVING_ROLES,
-                                                 TENSOR_RANK)
+                                                 TENSOR_RANK, PIPELINE_TP)
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,13 @@ class NodeConfig:
 
     @property
     def is_stage(self) -> bool:
-        return self.role == PIPELINE_STAGE
+        """A pipeline stage: a ``pipeline_stage`` node, or rank 0 of a 2D mesh's stage."""
+        return self.role == PIPELINE_STAGE or (self.is_mesh and self.rank == 0)
+
+    @property
+    def is_mesh(self) -> bool:
+        """A rank of a 2D mesh's stage (role ``pipeline_tensor_parallel``)."""
+        return self.role == PIPELINE_TP
 
     @property
     def is_serving(self) -> bool:
@@ -83,6 +101,9 @@ class NodeConfig:
         1, ...`` in a group past the first)."""
         if self.layers is None:
             return f"node {self.id!r}"
+        if self.is_mesh:
+            return (f"node {self.id!r} (layers [{self.layers[0]}, {self.layers[1]}], "
+                    f"rank {self.rank})")
         group = f"replica {self.replica}, " if self.replica else ""
         return (f"node {self.id!r} ({group}rank {self.rank}, layers [{self.layers[0]}, "
                 f"{self.layers[1]}])")
@@ -118,6 +139,21 @@ class ClusterConfig:
         return any(n.is_tensor_rank for n in self.nodes)
 
     @property
+    def mesh(self) -> bool:
+        """A pipeline of tensor-parallel stages across hosts (``pipeline_tensor_parallel``
+        nodes): a pipeline whose ``stages`` are their rank-0 nodes."""
+        return any(n.is_mesh for n in self.nodes)
+
+    def stage_ranks(self, node_id: str) -> tuple[NodeConfig, ...]:
+        """The ranks of ``node_id``'s stage in a 2D mesh (the nodes of its ``layers``) in
+        rank order: rank 0 (the stage) first; () for a node of no mesh stage."""
+        node = select_node(self, node_id)
+        if not node.is_mesh:
+            return ()
+        return tuple(sorted((n for n in self.nodes if n.is_mesh and n.layers == node.layers),
+                            key=lambda n: n.rank or 0))
+
+    @property
     def tensor_ranks(self) -> tuple[NodeConfig, ...]:
         """The tensor-parallel group's nodes in rank order: rank 0 first."""
         return tuple(sorted((n for n in self.nodes if n.is_tensor_rank),
@@ -129,7 +165,11 @@ class ClusterConfig:
 
     @property
     def stages(self) -> tuple[NodeConfig, ...]:
-        """The pipeline stages in (replica, rank) order: group 0's, then group 1's, ..."""
+        """The pipeline stages in (replica, rank) order: group 0's, then group 1's, ...
+        (a 2D mesh's: its stages' rank-0 nodes in the order of their layers)."""
+        if self.mesh:
+            return tuple(sorted((n for n in self.nodes if n.is_stage),
+                                key=lambda n: n.layers or (0, 0)))
         return tuple(sorted((n for n in self.nodes if n.is_stage),
                             key=lambda n: (n.replica, n.rank or 0)))
 

@@ -23,8 +23,16 @@ A flag or ``[serve]`` key that says otherwise is refused naming both. A router
 holds no model: ``--tp-size`` above 1 there is refused naming the node. Beside a
 pipeline's file, ``--tp-size`` above 1 makes a stage node's stage a tensor-parallel group
 on its host; on the coordinator node (its router holds no layers), or with
-``--tp-peers`` (a stage's group across hosts is not built yet), it is refused
+``--tp-peers`` (a stage's group across hosts is the 2D mesh's file), it is refused
 (``serving_config``).
+
+A 2D mesh's file (``pipeline_tensor_parallel`` nodes, ``mesh.py``): its coordinator is
+placed as a pipeline's; a stage's rank 0 as a pipeline stage whose group spans hosts
+(``Placement.tp_peers``: its stage's other ranks' agent addresses in rank order; the
+stage host forms it as ``--pp-peer --tp-size T --tp-peers`` does, ``daemon/stage_peers.py``),
+every other rank as ``--node-role tensor_parallel_rank`` (``placed_config``); each
+checks that the model splits over T. ``--tp-size`` or ``--tp-peers`` that says
+otherwise is refused naming both.
 """
 
 from __future__ import annotations
@@ -43,7 +51,13 @@ from mlxceld.cluster.clusterfile.load import (
 )
 from mlxceld.config.daemon import DEFAULT_AGENT_ADDR, Config, Overrides
 from mlxceld.config.serve import ServeConfig, resolve_model
-from mlxceld.config.tensor import check_tp_model, check_tp_node, check_tp_setting, tp_origin
+from mlxceld.config.tensor import (
+    PEERS_FLAG,
+    check_tp_model,
+    check_tp_node,
+    check_tp_setting,
+    tp_origin,
+)
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import check_family
 from mlxceld.models.fetch import is_repo_id, local_model
@@ -70,6 +84,9 @@ class Placement:
     node: NodeConfig
     model: Path
     model_identity: str
+    # A 2D mesh's stage (its rank 0 here): the agent addresses of its ranks 1 .. T-1 in
+    # rank order, the group across hosts; () for any other placement.
+    tp_peers: tuple[str, ...] = ()
 
     @property
     def is_coordinator(self) -> bool:
@@ -105,7 +122,12 @@ def place(path: Path, node_id: str, model_override: str | None = None) -> Placem
     config, source = read_model_config(model), str(model / "config.json")
     check_family(config, f"{path}: {source}")  # UnsupportedFamily, before anything loads
     validate_layers(cfg, layer_count(config, source=source))
-    return Placement(cfg, node, model, model_identity(model))
+    peers: tuple[str, ...] = ()
+    if cfg.mesh:  # every stage splits over T: refused before anything loads
+        check_tp_model(str(model), cfg.tensor_parallel_size, f"{path}: 'cluster.model' with "
+                       f"'cluster.tensor_parallel_size' {cfg.tensor_parallel_size}")
+        peers = tuple(n.address for n in cfg.stage_ranks(node.id)[1:])
+    return Placement(cfg, node, model, model_identity(model), peers)
 
 
 def stage_options(p: Placement, *, standby: bool = False,
@@ -115,15 +137,16 @@ def stage_options(p: Placement, *, standby: bool = False,
     cfg, node = p.cluster, p.node
     assert node.layers is not None and node.rank is not None
     stages = cfg.group_of(node.id)  # its neighbours are those of its own replica
-    up = stages[node.rank - 1] if node.rank > 0 else None
-    down = stages[node.rank + 1] if node.rank + 1 < len(stages) else None
+    rank = [s.id for s in stages].index(node.id)  # a 2D mesh's rank is its tensor rank
+    up = stages[rank - 1] if rank > 0 else None
+    down = stages[rank + 1] if rank + 1 < len(stages) else None
     ring = len(stages) > 1  # the last stage sends each continuing token to the first
     return StageOptions(
-        model=str(p.model), layers=node.layers, node_id=node.id, rank=node.rank,
+        model=str(p.model), layers=node.layers, node_id=node.id, rank=rank,
         address=node.address, coordinator=cfg.coordinator.address,
         upstream=up.address if up else None, downstream=down.address if down else None,
-        first=stages[0].address if ring and node.rank == len(stages) - 1 else None,
-        last=stages[-1].address if ring and node.rank == 0 else None,
+        first=stages[0].address if ring and rank == len(stages) - 1 else None,
+        last=stages[-1].address if ring and rank == 0 else None,
         model_identity=p.model_identity, cluster=cfg.name, standby=standby,
         silence_s=silence_s)
 
@@ -143,9 +166,9 @@ def replica_pipelines(p: Placement) -> tuple[PipelineOptions, ...]:
 def group_options(p: Placement, replica: int) -> PipelineOptions:
     """Replica group ``replica``'s stages as a ``PipelineOptions``."""
     stages = []
-    for s in p.cluster.groups[replica]:
-        assert s.rank is not None and s.layers is not None  # a stage node has both
-        stages.append(PipelineStage(node_id=s.id, address=s.address, rank=s.rank,
+    for rank, s in enumerate(p.cluster.groups[replica]):  # in rank (a mesh: layers) order
+        assert s.layers is not None  # a stage node has its layers
+        stages.append(PipelineStage(node_id=s.id, address=s.address, rank=rank,
                                     layers=s.layers))
     return PipelineOptions(stages=tuple(stages), coordinator=p.node.address,
                            model_identity=p.model_identity, cluster=p.cluster.name)
@@ -155,11 +178,12 @@ def placed_config(config: Config, cfg: ClusterConfig, node: NodeConfig,
                   flags: Overrides) -> Config:
     """``config`` with the ``[serve]`` values (and cluster name and agent address) that the
     serving cluster or tensor-parallel group ``cfg`` gives its ``node``: what the equivalent
-    flags would give."""
-    assert node.is_serving or node.is_tensor_rank
+    flags would give (a 2D mesh's rank past 0: a rank host's)."""
+    ranked = node.is_tensor_rank or node.is_mesh
+    assert node.is_serving or ranked
     where = f"{cfg.path}: node {node.id!r}"
     serve = config.serve
-    own = _tensor_values(cfg, node) if node.is_tensor_rank else _serve_values(cfg, node)
+    own = _tensor_values(cfg, node) if ranked else _serve_values(cfg, node)
     _refuse_contradictions(serve, own, flags, where, node)
     model = serve.model
     if model is None:
@@ -170,7 +194,7 @@ def placed_config(config: Config, cfg: ClusterConfig, node: NodeConfig,
                               "to the file) or pass --model DIR")
         model = resolve_model(source, cfg.path.parent, f"{cfg.path}: 'cluster.model'")
     serve = replace(serve, model=model, **own)
-    split = cfg.tensor_parallel_size if node.is_tensor_rank else serve.tp_size
+    split = cfg.tensor_parallel_size if ranked else serve.tp_size
     check_tp_model(model, split, f"{cfg.path}: 'cluster.model' with "
                    f"'cluster.tensor_parallel_size' {split}")
     if flags.cluster_name is not None and flags.cluster_name != cfg.name:
@@ -206,7 +230,7 @@ def _tensor_values(cfg: ClusterConfig, node: NodeConfig) -> dict[str, Any]:
     the batch come from rank 0's daemon, as with the flags)."""
     values: dict[str, Any] = {"replicas": (), "prefill_peers": (), "decode_peers": (),
                               "kv_compression": "none"}
-    if node.rank == 0:
+    if node.rank == 0 and node.is_tensor_rank:  # a 2D mesh's rank 0 is placed (``place``)
         peers = tuple(n.address for n in cfg.tensor_ranks[1:])
         return {**values, "node_role": HYBRID, "tp_size": cfg.tensor_parallel_size,
                 "tp_peers": peers}
@@ -253,13 +277,15 @@ def _refuse_tp(said: str, tp_size: int, own: dict[str, Any], where: str,
            f"{own['tp_size']}" if node.is_tensor_rank and node.rank == 0 else
            f"{where} is rank {node.rank} of the file's tensor-parallel group, which takes its "
            f"size from rank 0's daemon" if node.is_tensor_rank else
+           f"{where} is rank {node.rank} of a stage's tensor-parallel group, which takes its "
+           f"size from the stage's rank 0" if node.is_mesh else
            f"{where} is a hybrid node, and the file's 'cluster.tensor_parallel_size' is "
            f"{own['tp_size']}" if role == HYBRID else
            f"{where} is a router, which holds no model to split over ranks" if role == ROUTER_ROLE
            else f"{where} is a {role} node, where tensor parallelism is not built yet")
     raise ConfigError(f"{said} {tp_size} contradicts --distributed-config: {why}",
                       hint=f"drop {said}: the cluster TOML's tensor_parallel_size (under "
-                      "[cluster]) sets it on " + ("rank 0" if node.is_tensor_rank
+                      "[cluster]) sets it on " + ("rank 0" if node.is_tensor_rank or node.is_mesh
                                                   else "its hybrid nodes"))
 
 
@@ -269,11 +295,14 @@ def _shown(value: object) -> str:
 
 def serving_cluster(config: Config) -> ClusterConfig | None:
     """The serving cluster (routers, hybrids, prefill and decode nodes) or tensor-parallel
-    group across hosts that ``--distributed-config`` names, or None (no file, or a
-    pipeline's: ``place``'s)."""
+    group across hosts that ``--distributed-config`` names, or the 2D mesh whose rank past
+    0 this node is; else None (no file, or a pipeline's node: ``place``'s)."""
     if config.distributed_config is None:
         return None
     cfg = load_cluster(config.distributed_config)
+    if cfg.mesh:
+        node = select_node(cfg, config.node_id or "")
+        return cfg if node.is_mesh and node.rank != 0 else None
     return cfg if cfg.serving or cfg.tensor else None
 
 
@@ -281,22 +310,51 @@ def served_node(cfg: ClusterConfig, node_id: str) -> str:
     """``FILE: node 'ID' (ROLE)`` (``ROLE, rank R`` for a tensor-parallel rank): the node
     of a serving cluster or group that this daemon runs, for messages."""
     node = select_node(cfg, node_id)
-    rank = f", rank {node.rank}" if node.is_tensor_rank else ""
+    rank = f", rank {node.rank}" if node.is_tensor_rank or node.is_mesh else ""
     return f"{cfg.path}: node {node.id!r} ({node.role}{rank})"
 
 
 def serving_config(config: Config, flags: Overrides) -> Config:
     """``config`` as ``placed_config`` makes it when ``--distributed-config`` names a
-    serving cluster's or tensor-parallel group's node; else ``config`` unchanged."""
+    serving cluster's or tensor-parallel group's node (or a 2D mesh's rank past 0); else
+    ``config`` unchanged, its tensor-parallel flags checked against the pipeline's file."""
     cfg = serving_cluster(config)
-    if cfg is None:
-        if config.distributed_config is not None and config.serve.tp_size > 1:
-            said = tp_origin(flags.tp_size, str(config.config_file or "config"))
-            pipeline = load_cluster(config.distributed_config)
-            node = select_node(pipeline, config.node_id or "")
-            check_tp_node(config.serve.tp_size, said, node.id, node.role, pipeline.path)
-            check_tp_setting(config.serve.tp_size, said, node_role=config.serve.node_role,
-                             pipeline="distributed_config (--distributed-config)",
-                             peers=config.serve.tp_peers)
+    if cfg is not None:
+        return placed_config(config, cfg, select_node(cfg, config.node_id or ""), flags)
+    if config.distributed_config is None:
         return config
-    return placed_config(config, cfg, select_node(cfg, config.node_id or ""), flags)
+    serve = config.serve
+    said = tp_origin(flags.tp_size, str(config.config_file or "config"))
+    pipeline = load_cluster(config.distributed_config)
+    node = select_node(pipeline, config.node_id or "")
+    if node.is_mesh:  # a 2D mesh's stage: the file says its group
+        _mesh_stage_flags(serve, pipeline, node, said, flags)
+    elif serve.tp_size > 1:
+        check_tp_node(serve.tp_size, said, node.id, node.role, pipeline.path)
+        check_tp_setting(serve.tp_size, said, node_role=serve.node_role,
+                         pipeline="distributed_config (--distributed-config)",
+                         peers=serve.tp_peers)
+    return config
+
+
+def _mesh_stage_flags(serve: ServeConfig, cfg: ClusterConfig, node: NodeConfig, said: str,
+                      flags: Overrides) -> None:
+    """A 2D mesh's stage node (rank 0): ``--tp-size`` (``said``) and ``--tp-peers`` (or
+    their ``[serve]`` keys) refused unless they say what the file says."""
+    where = f"{cfg.path}: node {node.id!r}"
+    size = cfg.tensor_parallel_size
+    peers = tuple(n.address for n in cfg.stage_ranks(node.id)[1:])
+    assert node.layers is not None
+    stage = f"layers [{node.layers[0]}, {node.layers[1]}]"
+    if serve.tp_size not in (1, size):
+        raise ConfigError(f"{said} {serve.tp_size} contradicts --distributed-config: {where} "
+                          f"is rank 0 of its stage's tensor-parallel group ({stage}), whose "
+                          f"'cluster.tensor_parallel_size' is {size}",
+                          hint=f"drop {said}: the cluster TOML's tensor_parallel_size (under "
+                          "[cluster]) sets it on every stage")
+    if serve.tp_peers and serve.tp_peers != peers:
+        given = PEERS_FLAG if flags.tp_peers is not None else "[serve] tp_peers"
+        raise ConfigError(f"{given} ({_shown(serve.tp_peers)}) contradicts "
+                          f"--distributed-config: {where} says tp_peers = {_shown(peers)} "
+                          f"(the agents of its stage's ranks 1 .. {size - 1})",
+                          hint=f"drop {given}: the cluster TOML places this node")

@@ -98,8 +98,8 @@ def _tensor(cfg: ClusterConfig, where: str) -> None:
     hybrid, prefill or decode node), ``tensor_parallel_size`` of them, 0..N-1 one each."""
     other = next((n for n in cfg.nodes if not n.is_tensor_rank), None)
     if other is not None:
-        why = ("tensor parallelism inside a pipeline stage is the 2D mesh (role "
-               "pipeline_tensor_parallel), not supported in a cluster TOML yet"
+        why = ("a pipeline whose stages are tensor-parallel groups is written with role "
+               "pipeline_tensor_parallel nodes (the 2D mesh), not beside these"
                if other.role in (COORDINATOR, PIPELINE_STAGE) else
                f"a {other.role} node beside a tensor-parallel group across hosts is not "
                "described by a cluster TOML yet")
