@@ -67,7 +67,7 @@ from mlxceld.cluster.bringup import (
     resumed_rows,
 )
 from mlxceld.cluster.clusterfile.placement import Placement, place
-from mlxceld.cluster.plan.candidates import Proposal, make_plan, model_dir, pushable
+from mlxceld.cluster.plan.candidates import Proposal, make_plan, model_dir
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, MlxceldError, NoActivePlan
 from mlxceld.models.families import require_splittable
@@ -237,7 +237,6 @@ class Coordinator:
                           "summary": ""}
             proposal = await self.propose(path, stages, "mlxctl cluster activate",
                                           replicas=replicas, mesh=mesh)
-            pushable(proposal)
         except BaseException:  # refused at once (the caller hears why): nothing happened
             self.state, self._busy = before, False
             raise
@@ -288,7 +287,6 @@ class Coordinator:
                 require_splittable(path, "--model")  # before waiting
                 await self.await_peers(n, PP_AUTO_WAIT_S)
                 proposal = await self.propose(model, n, mesh=mesh)
-                pushable(proposal)
             except MlxceldError as exc:  # a PlanRefused names the candidates left out
                 self._bringup.failed(f"no plan: {exc.message}")
                 return
@@ -485,8 +483,14 @@ class Coordinator:
 
 
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
-    """What the push offers: each stage to the agent of the node it was planned on."""
-    return PushPlan(cluster, proposal.model_identity, proposal.toml,
-                    tuple(StageOffer(s.node.key, s.index, s.layers, s.stage_id,
-                                     s.node.stage_port) for s in proposal.plan.stages))
+    """What the push offers: each stage to the agent of the node it was planned on; a
+    stage that is a tensor group (a 2D mesh) to each of its ranks' agents, with the group
+    (rank 0 runs the stage, ``stage-K``; rank r is ``stage-K-tp-r``, no listener)."""
+    offers: list[StageOffer] = []
+    for s in proposal.plan.stages:
+        group = tuple(n.key for n in s.ranks) if s.tp_nodes else ()
+        offers += [StageOffer(n.key, s.index, s.layers, s.stage_id + (f"-tp-{r}" if r else ""),
+                              n.stage_port if r == 0 else 0, r, group)
+                   for r, n in enumerate(s.ranks)]
+    return PushPlan(cluster, proposal.model_identity, proposal.toml, tuple(offers))
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.cluster.plan.candidates import make_plan, pushable
+from mlxceld.cluster.coordinator import push_plan
+from mlxceld.cluster.plan.candidates import make_plan
 from mlxceld.cluster.plan.mesh import (
     LINK_COSTS,
     MeshChoice,
@@ -219,8 +220,9 @@ def test_cluster_text_of_a_2d_plan() -> None:
 
 def test_make_plan_with_a_mesh_over_a_real_checkpoint(fixture_dir: Path) -> None:
     """The llama fixture over four peers: ``--mesh 2d`` gives 2 x 2 priced from its own
-    headers and config.json, its table and JSON show the mesh, and the push refuses it
-    (the offer carries no group yet); ``--mesh pp`` is today's plan, word for word."""
+    headers and config.json, its table and JSON show the mesh, its TOML reads back as a 2D
+    mesh's and the push offers each rank with its group; ``--mesh pp`` is today's plan,
+    word for word."""
     model = fixture_dir / "llama"
 
     def peer(i: int) -> PeerRow:
@@ -243,8 +245,15 @@ def test_make_plan_with_a_mesh_over_a_real_checkpoint(fixture_dir: Path) -> None
     assert shown["mesh"]["stages"] == 2 and shown["mesh"]["tp_size"] == 2
     assert shown["plan"]["tp_size"] == 2
     assert tomllib.loads(mesh.toml)["cluster"]["tensor_parallel_size"] == 2
-    with pytest.raises(PlanRefused, match="tensor groups of 2 ranks"):
-        pushable(mesh)
+    # the push offers every rank, each with its stage's group in rank order
+    offers = push_plan("lab", mesh).stages
+    assert [(o.agent, o.node_id, o.stage, o.tp_rank, o.port) for o in offers] == [
+        ("127.0.0.2:19000", "stage-0", 0, 0, 19102), ("127.0.0.3:19000", "stage-0-tp-1", 0, 1, 0),
+        ("127.0.0.4:19000", "stage-1", 1, 0, 19104), ("127.0.0.5:19000", "stage-1-tp-1", 1, 1, 0)]
+    assert {o.tp_group for o in offers} == {("127.0.0.2:19000", "127.0.0.3:19000"),
+                                            ("127.0.0.4:19000", "127.0.0.5:19000")}
+    cfg = mesh.plan.to_cluster("lab", str(model), "127.0.0.1:19000")
+    assert cfg.mesh and [n.id for n in cfg.stages] == ["stage-0", "stage-1"]
     auto = make_plan(peers, model, 4, cluster="lab", coordinator="127.0.0.1:19000",
                      mesh="auto")
     assert {(o.stages, o.tp_size) for o in auto.mesh.considered} == {(4, 1), (2, 2), (1, 4)}
@@ -254,7 +263,7 @@ def test_make_plan_with_a_mesh_over_a_real_checkpoint(fixture_dir: Path) -> None
                        mesh="pp")
     assert pp.table == before.table and "meshes" not in pp.table
     assert pp.to_json()["mesh"]["considered"][0]["chosen"] is True
-    pushable(pp)
+    assert all(not o.tp_group for o in push_plan("lab", pp).stages)
     with pytest.raises(ConfigError, match="--mesh tp with 2 replicas is not built"):
         make_plan(peers, model, 2, cluster="lab", coordinator="127.0.0.1:19000",
                   mesh="tp", replicas=2)

@@ -1,6 +1,6 @@
 """`mlxctl cluster plan --mesh` and `mlxceld --pp-auto N --mesh M --dry-run` on real
-daemons: the meshes considered, the one chosen and why, the 2D cluster TOML; and
-`cluster activate --mesh tp` refused while the offer carries no group."""
+daemons: the meshes considered, the one chosen and why, the 2D cluster TOML (a mesh
+pushed: tests/integration/test_mesh_push.py)."""
 
 from __future__ import annotations
 
@@ -45,11 +45,6 @@ def test_plan_and_dry_run_show_the_mesh(daemons: Daemons, split_fixture_dir: Pat
     assert text.returncode == 0, text.stderr
     assert "meshes of 2 host(s) considered (--mesh auto)" in text.stdout
     assert "2 x 1" in text.stdout and "1 x 2" in text.stdout and "mesh: " in text.stdout
-
-    refused = coord.ctl("cluster", "activate", "--model", str(model), "--stages", "2",
-                        "--mesh", "tp", timeout=60)
-    assert refused.returncode == 1
-    assert "a push cannot assign a group yet" in refused.stderr, refused.stderr
 
     dry = daemons.make(name="dry")
     dry.start("--cluster-secret-file", str(secret_file(dry.root, secret)),

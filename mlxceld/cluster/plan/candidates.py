@@ -100,18 +100,6 @@ class Proposal:
                 "mesh": mesh_json(self.mesh or pipeline_choice(self.plan))}
 
 
-def pushable(proposal: Proposal) -> None:
-    """Refuse (``PlanRefused``) a plan the push cannot carry out yet: stages that are
-    tensor groups across hosts (the offer does not carry a group)."""
-    if proposal.plan.tp_size > 1:
-        why = f" ({proposal.mesh.why})" if proposal.mesh else ""
-        raise PlanRefused(f"the plan's stages are tensor groups of {proposal.plan.tp_size} "
-                          f"ranks{why}, and a push cannot assign a group yet",
-                          hint="activate it with --mesh pp, or write its cluster TOML "
-                          "(mlxctl cluster plan --cluster-config-out) and run each host "
-                          "with --distributed-config")
-
-
 def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluster: str,
               coordinator: str, drained: frozenset[str] = frozenset(),
               replicas: int = 1, kv_quant: KVQuant | None = None,
