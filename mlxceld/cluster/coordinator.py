@@ -99,6 +99,7 @@ class Served:
     model: str
     peers: tuple[str, ...]  # agent addresses, in rank order (group by group)
     replicas: int = 1  # replica groups, ``peers`` group by group (healer.py re-plans each)
+    tp_size: int = 1  # a 2D mesh's stages' groups (``peers``: every rank's host)
 
 
 class CoordinatorSlot(Protocol):
@@ -424,8 +425,9 @@ class Coordinator:
         placement = await asyncio.to_thread(place, path, "coordinator", model)
         await self._slot.serve_pipeline(placement, live=live)
         row = self._plans.get(epoch)
-        self.serving = Served(epoch, model, row.peers if row else (),
-                              placement.cluster.replicas)
+        cfg = placement.cluster
+        self.serving = Served(epoch, model, row.peers if row else (), cfg.replicas,
+                              cfg.tensor_parallel_size if cfg.mesh else 1)
         self._bringup.active(epoch, summary)
 
     async def heal(self, proposal: Proposal, old: Served, why: str, *, live: bool = False

@@ -78,6 +78,9 @@ class StagePeers:
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self._roster.set_stage(placement, standby=standby)
+        if (self._roster.config.pp_peer and not self._roster.serve.tp_peers
+                and not (placement is not None and placement.tp_peers)):
+            self._peers.use_peers(())  # a pushed mesh's group is over: none shown
 
     def keep_retiring(self, spec: WorkerSpec | None) -> None:
         self._roster.keep_retiring(spec)
