@@ -102,6 +102,10 @@ def run(
     pp_auto: Annotated[int | None, typer.Option(
         "--pp-auto", help="Plan an N-stage pipeline of --model over the peers discovery finds "
         "and assign it to them (two-phase; with --dry-run: print the plan and exit).")] = None,
+    mesh: Annotated[str | None, typer.Option(
+        "--mesh", help="With --pp-auto N: run the N hosts as pp (a pipeline of N stages, "
+        "the default), tp (one tensor group of N ranks), 2d (stages of tensor groups) or "
+        "auto (the least predicted time per token).")] = None,
     pp_peer: Annotated[bool, typer.Option(
         "--pp-peer", help="Take a pipeline stage of --model from a --pp-auto coordinator "
         "(otherwise offers are refused).")] = False,

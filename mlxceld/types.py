@@ -17,6 +17,22 @@ MAX_DRAIN_DEADLINE_S: Final = 7 * 24 * 3600.0  # the longest `mlxctl drain --dea
 MAX_LINK_PINGS: Final = 200
 MAX_LINK_MIB: Final = 64
 
+# How a plan runs N hosts (cluster/plan/mesh.py): a pipeline (the default), one tensor
+# group, stages of tensor groups, or the least predicted time; `--mesh`, [daemon] mesh,
+# `mlxctl cluster plan|activate --mesh`.
+MeshMode = Literal["pp", "tp", "2d", "auto"]
+MESH_MODES: Final[tuple[MeshMode, ...]] = ("pp", "tp", "2d", "auto")
+DEFAULT_MESH: Final[MeshMode] = "pp"
+
+
+def parse_mesh(value: object, what: str) -> MeshMode:
+    """``value`` as a mesh mode; ``ValueError`` naming ``what`` (the flag, the key) if not."""
+    for mode in MESH_MODES:
+        if value == mode:
+            return mode
+    raise ValueError(f"{what} {value!r} is not a mesh: give one of {', '.join(MESH_MODES)}")
+
+
 # A node's role in a serving cluster (``--node-role``, [serve] node_role, a cluster TOML's
 # serving nodes; checked in config/replicas.py). The wire's copy: wire/agent_messages.py.
 NodeRole = Literal["hybrid", "router", "prefill", "decode", "tensor_parallel_rank"]

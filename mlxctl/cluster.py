@@ -39,7 +39,14 @@ from rich.console import Console
 from mlxceld.cluster.assignment.coordinator_round import PUSH_S
 from mlxceld.control.clients.typed import ControlClient
 from mlxceld.errors import ControlError
-from mlxceld.types import MAX_LINK_MIB, MAX_LINK_PINGS, MAX_REPLICAS, WorkerState
+from mlxceld.types import (
+    DEFAULT_MESH,
+    MAX_LINK_MIB,
+    MAX_LINK_PINGS,
+    MAX_REPLICAS,
+    MESH_MODES,
+    WorkerState,
+)
 from mlxctl import render
 from mlxctl.edge import EXIT_FAILURE, EXIT_USAGE, call, emit, fail
 from mlxctl.options import JsonOpt, SocketOpt, socket_path
@@ -63,6 +70,22 @@ ReplicasOpt = Annotated[int, typer.Option(
     help="How many replicas: whole copies of the model, each a pipeline of --stages stages "
     "on peers of its own, behind the one router (needs replicas x stages peers).")]
 
+
+def _mesh_choice(value: str) -> str:
+    if value not in MESH_MODES:
+        raise typer.BadParameter(f"{value!r} is not a mesh: give one of "
+                                 f"{', '.join(MESH_MODES)}")
+    return value
+
+
+MeshOpt = Annotated[str, typer.Option(
+    "--mesh", callback=_mesh_choice, metavar="pp|tp|2d|auto",
+    help="How the --stages N hosts run the model: pp, a pipeline of N stages (the "
+    "default); tp, one tensor group of N ranks; 2d, P stages of T ranks (P x T = N, T = 2 "
+    "when N is even); auto, every P x T = N the model splits over, the least predicted "
+    "time per token (a pipeline when the peers did not report compute units). The meshes "
+    "considered and why one was chosen are shown.")]
+
 @cluster_app.command()
 def nodes(ctx: typer.Context, socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """List candidate peers: node id, address, version, key id, memory, compute units (as
@@ -80,6 +103,7 @@ def plan(ctx: typer.Context,
          stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                              help="How many pipeline stages.")],
          replicas: ReplicasOpt = 1,
+         mesh: MeshOpt = DEFAULT_MESH,
          cluster_config_out: Annotated[Path | None, typer.Option(
              "--cluster-config-out", help="Write the plan as a cluster TOML here; "
              "mlxceld --distributed-config accepts it unchanged.")] = None,
@@ -87,10 +111,11 @@ def plan(ctx: typer.Context,
     """Plan a pipeline over the reachable peers (stage, node, address, layers, bytes,
     headroom) and assign nothing. A plan that does not fit names the shortfall per node.
     With --replicas R: R pipelines of --stages stages each, every one a whole copy of the
-    model, on R x stages peers."""
+    model, on R x stages peers. With --mesh tp, 2d or auto: --stages hosts, as stages
+    whose ranks split each layer (tensor parallelism), each rank's memory checked."""
     resolved = _local(model)
     body = call(socket_path(ctx, socket), as_json,
-                lambda c: c.plan_cluster(resolved, stages, replicas))
+                lambda c: c.plan_cluster(resolved, stages, replicas, mesh))
     if cluster_config_out is not None:
         cluster_config_out.write_text(body["toml"])
     emit(as_json, "cluster_plan", body, lambda: render.cluster_plan(body))
@@ -108,6 +133,7 @@ def activate(ctx: typer.Context,
              stages: Annotated[int, typer.Option("--stages", min=1, max=64,
                                                  help="How many pipeline stages.")],
              replicas: ReplicasOpt = 1,
+             mesh: MeshOpt = DEFAULT_MESH,
              socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Plan a pipeline, assign its stages to the peers and serve the router over it
     (--replicas R: R pipelines, each a whole copy of the model, behind the one router).
@@ -120,7 +146,7 @@ def activate(ctx: typer.Context,
     then 180 s for the router."""
     resolved = _local(model)
     outcome = call(socket_path(ctx, socket), as_json,
-                   lambda c: _activate(c, resolved, stages, as_json, replicas))
+                   lambda c: _activate(c, resolved, stages, as_json, replicas, mesh))
     if "refused" in outcome:
         err: ControlError = outcome["refused"]
         fail(as_json, EXIT_BUSY, err.code, err.message, err.hint)
@@ -237,10 +263,11 @@ async def _deactivate(c: ControlClient) -> dict[str, Any]:
 
 
 async def _activate(c: ControlClient, model: str, stages: int,
-                    quiet: bool, replicas: int = 1) -> dict[str, Any]:
+                    quiet: bool, replicas: int = 1, mesh: str = DEFAULT_MESH
+                    ) -> dict[str, Any]:
     """Start the bring-up, print each peer's step until it ends, then wait for the router."""
     try:
-        started = (await c.activate_cluster(model, stages, replicas))["bringup"]
+        started = (await c.activate_cluster(model, stages, replicas, mesh))["bringup"]
     except ControlError as exc:
         if exc.code == "bringup_in_progress":
             return {"refused": exc}

@@ -53,15 +53,16 @@ class BringUp:
     def pushing(self, epoch: int, plan: Plan) -> None:
         """Plan ``epoch`` is offered to its stages' hosts."""
         self.state = {**(self.state or {}), "state": "pushing", "epoch": epoch, "summary": "",
-                      "peers": [{"stage": s.stage_id, "node_id": s.node.node_id,
-                                 "address": s.node.key, "layers": list(s.layers),
-                                 "state": "offered", "reason": "", "steps": ["offered"]}
-                                for s in plan.stages]}
+                      "peers": [{"stage": s.stage_id + (f"-tp-{r}" if r else ""),
+                                 "node_id": n.node_id, "address": n.key,
+                                 "layers": list(s.layers), "state": "offered", "reason": "",
+                                 "steps": ["offered"]}
+                                for s in plan.stages for r, n in enumerate(s.ranks)]}
+        hosts = [n.key for s in plan.stages for n in s.ranks]  # a stage's group: each rank
         self._events.append(
             "bringup.pushing", "cluster", f"plan {epoch}: offering {len(plan.stages)} "
-            f"stage(s) of {self.state.get('model')} to "
-            + ", ".join(s.node.key for s in plan.stages), epoch=epoch,
-            peers=[s.node.key for s in plan.stages])
+            f"stage(s) of {self.state.get('model')} to " + ", ".join(hosts), epoch=epoch,
+            peers=hosts)
 
     def watch(self, round_: CoordinatorRound) -> None:
         """Each peer's progress into ``state``; each change logged once."""

@@ -67,12 +67,10 @@ from mlxceld.cluster.bringup import (
     resumed_rows,
 )
 from mlxceld.cluster.clusterfile.placement import Placement, place
-from mlxceld.cluster.plan.candidates import Proposal, make_plan
-from mlxceld.config.serve import resolve_model
+from mlxceld.cluster.plan.candidates import Proposal, make_plan, model_dir
 from mlxceld.discovery.service import DiscoveryService
-from mlxceld.errors import BringUpInProgress, ConfigError, MlxceldError, NoActivePlan
+from mlxceld.errors import BringUpInProgress, MlxceldError, NoActivePlan
 from mlxceld.models.families import require_splittable
-from mlxceld.models.fetch import local_model
 from mlxceld.models.identity import read_model_config
 from mlxceld.models.kvquant import check_kv_quant
 from mlxceld.pipeline.switch import RETIRE_S
@@ -80,7 +78,7 @@ from mlxceld.roles.options import KVQuant
 from mlxceld.state import EventLog
 from mlxceld.state.plans import RESUMABLE as PLAN_RESUMABLE
 from mlxceld.state.plans import PlanRow, Plans, superseded
-from mlxceld.types import JSON
+from mlxceld.types import DEFAULT_MESH, JSON, MeshMode
 from mlxceld.wire import Keyring
 
 log = logging.getLogger(__name__)
@@ -101,6 +99,7 @@ class Served:
     model: str
     peers: tuple[str, ...]  # agent addresses, in rank order (group by group)
     replicas: int = 1  # replica groups, ``peers`` group by group (healer.py re-plans each)
+    tp_size: int = 1  # a 2D mesh's stages' groups (``peers``: every rank's host)
 
 
 class CoordinatorSlot(Protocol):
@@ -166,10 +165,10 @@ class Coordinator:
         return self._busy
 
     async def propose(self, model: str, stages: int, what: str = "mlxctl cluster plan",
-                      *, replicas: int = 1) -> Proposal:
-        """Poll every candidate now, then plan ``stages`` stages of ``model`` (a local
-        directory; ``replicas`` groups of them) over the reachable ones that are not
-        drained (the plan's notes say which are)."""
+                      *, replicas: int = 1, mesh: MeshMode = DEFAULT_MESH) -> Proposal:
+        """Poll every candidate now, then plan ``stages`` stages (hosts, as ``mesh`` says)
+        of ``model`` (a local directory; ``replicas`` groups of them) over the reachable
+        ones that are not drained (the plan's notes say which are)."""
         path = await asyncio.to_thread(model_dir, model, what)  # a repo id: may fetch
         require_splittable(path, what)  # before any peer is asked
         kv = self.kv_quant()
@@ -179,12 +178,13 @@ class Coordinator:
         return await asyncio.to_thread(
             make_plan, candidates, path, stages, cluster=self._cluster,
             coordinator=self._identity, drained=self._drained(), replicas=replicas,
-            kv_quant=kv)
+            kv_quant=kv, mesh=mesh)
 
-    def start(self, n: int | None, model: str | None, *, configured_model: str | None) -> None:
+    def start(self, n: int | None, model: str | None, configured_model: str | None,
+              mesh: MeshMode = DEFAULT_MESH) -> None:
         """At the daemon's start, in the background: resume the latest plan if it is
-        committed or active; else with ``n`` (pp_auto) ``bring_up`` one of ``model``.
-        ``configured_model``: the model the flags or the config file name, if any."""
+        committed or active; else with ``n`` (pp_auto) ``bring_up`` one of ``model`` as
+        ``mesh``. ``configured_model``: the model the flags or the config file name."""
         last, resumable = self._plans.latest(), self._plans.resumable()
         if resumable is not None:
             if last is not None and last.epoch != resumable.epoch:
@@ -194,7 +194,7 @@ class Coordinator:
             self._task = self._tasks.create_task(
                 self._resume_at_start(resumable, n, configured_model))
         elif n is not None and model is not None:
-            self._task = self._tasks.create_task(self.bring_up(n, model))
+            self._task = self._tasks.create_task(self.bring_up(n, model, mesh))
         elif last is not None and last.decision == "deactivated":
             self.state = {"state": "deactivated", "epoch": last.epoch, "stages":
                           len(last.peers), "summary": f"plan {last.epoch} was deactivated "
@@ -224,7 +224,8 @@ class Coordinator:
             if task is not None:
                 task.cancel()
 
-    async def activate(self, model: str, stages: int, replicas: int = 1) -> JSON:
+    async def activate(self, model: str, stages: int, replicas: int = 1,
+                       mesh: MeshMode = DEFAULT_MESH) -> JSON:
         """`mlxctl cluster activate`: plan now (a plan that does not fit is raised here, as
         `mlxctl cluster plan` would), then push it and serve the router over it; with
         ``replicas`` groups, every group's stages in the one push (one plan, one epoch).
@@ -236,7 +237,7 @@ class Coordinator:
             self.state = {"state": "planning", "model": path, "stages": stages * replicas,
                           "summary": ""}
             proposal = await self.propose(path, stages, "mlxctl cluster activate",
-                                          replicas=replicas)
+                                          replicas=replicas, mesh=mesh)
         except BaseException:  # refused at once (the caller hears why): nothing happened
             self.state, self._busy = before, False
             raise
@@ -261,24 +262,24 @@ class Coordinator:
         while len(await self._discovery.refresh()) < n and loop.time() < give_up:
             await asyncio.sleep(POLL_S)
 
-    async def dry_run(self, n: int, model: str) -> str:
+    async def dry_run(self, n: int, model: str, mesh: MeshMode = DEFAULT_MESH) -> str:
         """``--pp-auto N --dry-run``: wait (at most ``DRY_RUN_WAIT_S``) until N peers are
         reachable, plan, write ``--cluster-config-out``; return the report for the terminal
         (the table, its notes, where the TOML went). A plan that does not fit is raised."""
         path = await asyncio.to_thread(model_dir, model, "--model")
         require_splittable(path, "--model")  # before waiting
         await self.await_peers(n, DRY_RUN_WAIT_S)
-        proposal = await self.propose(model, n)
+        proposal = await self.propose(model, n, mesh=mesh)
         report = [proposal.table, *(f"note: {note}" for note in proposal.notes)]
         if self._config_out is not None:
             self._config_out.write_text(proposal.toml)
             report.append(f"cluster TOML written to {self._config_out}")
         return "\n".join(report)
 
-    async def bring_up(self, n: int, model: str) -> None:
-        """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan,
-        push the plan (two-phase), then run the router over the pipeline. A failure is
-        logged and recorded; the daemon stays up, idle."""
+    async def bring_up(self, n: int, model: str, mesh: MeshMode = DEFAULT_MESH) -> None:
+        """``--pp-auto N``: wait (at most ``PP_AUTO_WAIT_S``) for N reachable peers, plan
+        (as ``mesh``), push the plan (two-phase), then run the router over the pipeline. A
+        failure is logged and recorded; the daemon stays up, idle."""
         self._claim()
         try:
             self.state = {"state": "planning", "model": model, "stages": n, "summary": ""}
@@ -286,7 +287,7 @@ class Coordinator:
                 path = await asyncio.to_thread(model_dir, model, "--model")
                 require_splittable(path, "--model")  # before waiting
                 await self.await_peers(n, PP_AUTO_WAIT_S)
-                proposal = await self.propose(model, n)
+                proposal = await self.propose(model, n, mesh=mesh)
             except MlxceldError as exc:  # a PlanRefused names the candidates left out
                 self._bringup.failed(f"no plan: {exc.message}")
                 return
@@ -424,8 +425,9 @@ class Coordinator:
         placement = await asyncio.to_thread(place, path, "coordinator", model)
         await self._slot.serve_pipeline(placement, live=live)
         row = self._plans.get(epoch)
-        self.serving = Served(epoch, model, row.peers if row else (),
-                              placement.cluster.replicas)
+        cfg = placement.cluster
+        self.serving = Served(epoch, model, row.peers if row else (), cfg.replicas,
+                              cfg.tensor_parallel_size if cfg.mesh else 1)
         self._bringup.active(epoch, summary)
 
     async def heal(self, proposal: Proposal, old: Served, why: str, *, live: bool = False
@@ -483,17 +485,14 @@ class Coordinator:
 
 
 def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
-    """What the push offers: each stage to the agent of the node it was planned on."""
-    return PushPlan(cluster, proposal.model_identity, proposal.toml,
-                    tuple(StageOffer(s.node.key, s.index, s.layers, s.stage_id,
-                                     s.node.stage_port) for s in proposal.plan.stages))
+    """What the push offers: each stage to the agent of the node it was planned on; a
+    stage that is a tensor group (a 2D mesh) to each of its ranks' agents, with the group
+    (rank 0 runs the stage, ``stage-K``; rank r is ``stage-K-tp-r``, no listener)."""
+    offers: list[StageOffer] = []
+    for s in proposal.plan.stages:
+        group = tuple(n.key for n in s.ranks) if s.tp_nodes else ()
+        offers += [StageOffer(n.key, s.index, s.layers, s.stage_id + (f"-tp-{r}" if r else ""),
+                              n.stage_port if r == 0 else 0, r, group)
+                   for r, n in enumerate(s.ranks)]
+    return PushPlan(cluster, proposal.model_identity, proposal.toml, tuple(offers))
 
-
-def model_dir(model: str, what: str) -> Path:
-    """The local checkpoint directory ``model`` names (a repo id's snapshot,
-    ``models/fetch.py``); planning reads its headers."""
-    path = local_model(resolve_model(model, Path("/"), what))
-    if not path.is_dir():
-        raise ConfigError(f"model {model!r} is not a local directory",
-                          hint="planning reads the checkpoint's safetensors headers")
-    return path

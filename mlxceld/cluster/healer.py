@@ -51,6 +51,11 @@ plan to heal. A heal is a bring-up: `mlxctl cluster activate` during one is refu
 (``BringUpInProgress``), and `mlxctl cluster deactivate` is too until the heal's push
 is decided, then it ends the push and takes over, as for any bring-up.
 
+A 2D mesh (``--mesh``: stages that are tensor groups) is healed, and re-planned around a
+drain, as a mesh of the hosts left (``--mesh auto`` over as many hosts as it had, or
+fewer: the least predicted time, or a pipeline when speed cannot be weighed); its groups'
+stages are stopped before the new plan's load (``stagehost.py``: no make before break).
+
 Replica groups (`mlxctl cluster activate --replicas R`, R > 1) are healed and re-planned
 around a drain in the same steps, a group at a time (``make_group_plan``,
 ``plan/groups.py``): a group whose hosts are all alive and not drained is kept on its
@@ -99,7 +104,7 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import MlxceldError, PlanRefused
 from mlxceld.state import EventLog
 from mlxceld.state.liveness import LivenessState
-from mlxceld.types import JSON
+from mlxceld.types import JSON, MeshMode
 from mlxceld.wire import Keyring
 
 log = logging.getLogger(__name__)
@@ -305,9 +310,12 @@ class Healer:
                                            coordinator=self._identity, drained=drained,
                                            kv_quant=kv)
         stages = stage_count(len(served.peers), len(candidates))
+        # A 2D mesh's hosts alive, as many as it had or fewer: the mesh of least predicted
+        # time over them (a pipeline when speed cannot be weighed), plan/mesh.py's auto.
+        mesh: MeshMode = "auto" if served.tp_size > 1 else "pp"
         return await asyncio.to_thread(make_plan, candidates, Path(served.model), stages,
                                        cluster=self._cluster, coordinator=self._identity,
-                                       drained=drained, kv_quant=kv)
+                                       drained=drained, kv_quant=kv, mesh=mesh)
 
     # -- one re-plan around a drained host ----------------------------------------------
 

@@ -53,7 +53,7 @@ from mlxceld.roles.options import PipelineOptions
 from mlxceld.state import EventLog, LivenessTable, RotationRow, RotationsTable, Settings
 from mlxceld.state.plans import Assignments, Plans
 from mlxceld.supervisor.service import Supervisor
-from mlxceld.types import JSON
+from mlxceld.types import DEFAULT_MESH, JSON, MeshMode
 from mlxceld.wire.address import parse_address
 from mlxceld.wire.agent_messages import Plan, Serving
 from mlxceld.wire.secret import Keyring
@@ -221,18 +221,20 @@ class ClusterMember:
 
     # -- mlxctl cluster plan|activate|deactivate, --dry-run ---------------------------------
 
-    async def plan(self, model: str, stages: int, replicas: int = 1) -> Proposal:
+    async def plan(self, model: str, stages: int, replicas: int = 1,
+                   mesh: MeshMode = DEFAULT_MESH) -> Proposal:
         """`mlxctl cluster plan` (``Coordinator.propose``). Assigns nothing."""
-        return await self._coordinating().propose(model, stages, replicas=replicas)
+        return await self._coordinating().propose(model, stages, replicas=replicas, mesh=mesh)
 
-    async def activate(self, model: str, stages: int, replicas: int = 1) -> JSON:
+    async def activate(self, model: str, stages: int, replicas: int = 1,
+                       mesh: MeshMode = DEFAULT_MESH) -> JSON:
         """`mlxctl cluster activate` (``Coordinator.activate``): plans now, pushes and
         serves in our task group; the answer carries the plan's epoch."""
         coordinator = self._pushing_plans("activate")
         if self._parts.stopping() or self._tg is None:
             raise DaemonError("the daemon is shutting down and starts no bring-up",
                               hint="start it again, then activate")
-        return await coordinator.activate(model, stages, replicas)
+        return await coordinator.activate(model, stages, replicas, mesh)
 
     async def deactivate(self) -> JSON:
         """`mlxctl cluster deactivate` (``Coordinator.deactivate``): end the plan on every
@@ -280,12 +282,12 @@ class ClusterMember:
     async def dry_run(self) -> str:
         """``--pp-auto N --dry-run``: the plan's report for the terminal; ``ConfigError``
         without a cluster secret or a model, or what ``Coordinator.dry_run`` raises."""
-        model = self._parts.served_model()
+        model, config = self._parts.served_model(), self._parts.config()
         if self._coordinator is None or model is None:
             raise ConfigError("--pp-auto needs a cluster secret and --model DIR",
                               hint="give the cluster secret (--cluster-secret-file) and "
                               "the model to plan")
-        return await self._coordinator.dry_run(self._parts.config().pp_auto or 0, model)
+        return await self._coordinator.dry_run(config.pp_auto or 0, model, config.mesh)
 
     # -- mlxctl secret rotate -----------------------------------------------------------------
 
@@ -462,7 +464,7 @@ class ClusterMember:
             if not c.dry_run and self.may_coordinate():
                 coordinator, model = self._coordinator, parts.served_model()
                 tg.create_task(self._fence.start(
-                    lambda: coordinator.start(c.pp_auto, model, configured_model=c.serve.model),
+                    lambda: coordinator.start(c.pp_auto, model, c.serve.model, c.mesh),
                     parts.pipeline.stop_pipeline, identity=agent.address, keyring=self._keyring,
                     asking=coordinator.checking))
 

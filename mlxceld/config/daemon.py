@@ -23,6 +23,8 @@ File format (TOML, every table and key optional)::
                                        # mlxceld/config/secrets.py)
     pp_peer = false                    # take a stage from a coordinator
     pp_auto = 2                        # coordinate: plan and push N stages at start
+    mesh = "pp"                        # pp_auto's N hosts as: pp | tp | 2d | auto
+                                       # (mlxceld/cluster/plan/mesh.py)
     cluster_config_out = "pushed.toml" # where a pushed plan is written as a cluster TOML
     stage_ports = "19100-19199"        # stage listener ports: one port or a range
                                        # (mlxceld/config/stage_ports.py); default ephemeral
@@ -77,6 +79,8 @@ from mlxceld.config.interface import cluster_interface
 from mlxceld.config.kvquant import check_kv_model, check_kv_setting, kv_origin
 from mlxceld.config.liveness import KEYS as LIVENESS_KEYS
 from mlxceld.config.liveness import LivenessConfig, liveness_settings
+from mlxceld.config.mesh import KEY as MESH_KEY
+from mlxceld.config.mesh import mesh_setting
 from mlxceld.config.metrics import LISTEN_KEY as METRICS_KEY
 from mlxceld.config.metrics import metrics_listen
 from mlxceld.config.replicas import check_discoverable, check_no_pipeline
@@ -100,7 +104,7 @@ from mlxceld.logformat import LOG_FORMATS, LogFormat
 from mlxceld.models.tensor_modes import Part
 from mlxceld.paths import default_config_file, default_socket, default_state_dir
 from mlxceld.supervisor.states import RestartPolicy
-from mlxceld.types import MAX_PIPELINE_STAGES
+from mlxceld.types import DEFAULT_MESH, MAX_PIPELINE_STAGES, MeshMode
 from mlxceld.wire.address import HostPort, parse_address
 from mlxceld.wire.names import DEFAULT_CLUSTER_NAME
 
@@ -121,7 +125,7 @@ FLAG_KEYS: dict[str, str] = {
     "--agent-addr": "daemon.agent_addr", "--distributed-config": "daemon.distributed_config",
     "--node-id": "daemon.node_id", "--cluster-name": "daemon.cluster_name",
     "--cluster-peers": "daemon.cluster_peers", "--cluster-discovery": "daemon.cluster_discovery",
-    "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer",
+    "--pp-auto": "daemon.pp_auto", "--pp-peer": "daemon.pp_peer", "--mesh": "daemon.mesh",
     "--cluster-config-out": "daemon.cluster_config_out", "--stage-ports": "daemon.stage_ports",
     "--node-role": "serve.node_role", "--replicas": "serve.replicas",
     "--pipeline-coordinator": "serve.pipeline_coordinator", "--standby": "serve.standby",
@@ -166,6 +170,7 @@ class Config:
     distributed_config: Path | None = None  # a cluster TOML (mlxcel-cluster.toml(5))
     node_id: str | None = None  # which of its nodes this daemon is
     pp_auto: int | None = None  # plan (and with --dry-run only plan) N pipeline stages
+    mesh: MeshMode = DEFAULT_MESH  # pp_auto's N hosts as stages and tensor groups (mesh.py)
     dry_run: bool = False
     reset_state: bool = False  # move a damaged state database aside (state/db.py)
     cluster_config_out: Path | None = None  # where a plan is written as a cluster TOML
@@ -207,6 +212,7 @@ class Overrides:
     distributed_config: Path | None = None
     node_id: str | None = None
     pp_auto: int | None = None
+    mesh: str | None = None  # as given (cluster/plan/mesh.py)
     dry_run: bool = False
     reset_state: bool = False
     cluster_config_out: Path | None = None
@@ -281,6 +287,7 @@ def _pp_auto_choice(daemon: Mapping[str, Any], flags: Overrides, cluster: Mappin
                               "runs a written one: drop one from the flags or the config file")
     out = flags.cluster_config_out or path_of(daemon, "cluster_config_out", base, where)
     return {"pp_auto": n, "dry_run": flags.dry_run,
+            "mesh": mesh_setting(daemon, flags.mesh, n, where),
             "cluster_config_out": out.expanduser().absolute() if out else None}
 
 
@@ -353,8 +360,8 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     check_keys(daemon, {"state_dir", "socket", "socket_group", "log_level", "log_file",
                          "log_format", "log_max_bytes", "log_backups",
                          "agent_addr", "distributed_config", "node_id", "pp_peer", "pp_auto",
-                         "cluster_config_out", "cluster_secret_file", "stage_ports", *KEYS,
-                         *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY, UNITS_KEY,
+                         MESH_KEY, "cluster_config_out", "cluster_secret_file", "stage_ports",
+                         *KEYS, *LIVENESS_KEYS, HEAL_KEY, METRICS_KEY, UNITS_KEY,
                          INTERFACE_KEY},
                 where, "daemon.")
     sup = table_of(data, "supervisor", where)

@@ -128,7 +128,8 @@ class Endpoints:
 
     async def plan(self, request: Request) -> Response:
         asked = await PlanRequest.read(request, "plan")
-        proposal = await self.view.cluster.plan(asked.model, asked.stages, asked.replicas)
+        proposal = await self.view.cluster.plan(asked.model, asked.stages, asked.replicas,
+                                                asked.mesh)
         return answer("cluster_plan", **proposal.to_json())
 
     async def activate(self, request: Request) -> Response:
@@ -136,7 +137,8 @@ class Endpoints:
         `GET /v1/status` shows its progress as ``bringup``."""
         self._admitting()
         asked = await PlanRequest.read(request, "activate")
-        state = await self.view.cluster.activate(asked.model, asked.stages, asked.replicas)
+        state = await self.view.cluster.activate(asked.model, asked.stages, asked.replicas,
+                                                 asked.mesh)
         return answer("cluster_activate", 202, bringup=state)
 
     async def deactivate(self, request: Request) -> Response:

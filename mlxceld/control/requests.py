@@ -18,11 +18,15 @@ from starlette.requests import Request
 from mlxceld.errors import BadRequest, RequestTooLarge
 from mlxceld.guard.bodies import read_bounded
 from mlxceld.types import (
+    DEFAULT_MESH,
     MAX_DRAIN_DEADLINE_S,
     MAX_LINK_MIB,
     MAX_LINK_PINGS,
     MAX_PIPELINE_STAGES,
     MAX_REPLICAS,
+    MESH_MODES,
+    MeshMode,
+    parse_mesh,
 )
 from mlxceld.wire.address import MAX_ADDRESS
 
@@ -139,19 +143,26 @@ async def _bounded_body(request: Request, hint: str) -> bytes:
 @dataclass(frozen=True)
 class PlanRequest:
     """`mlxctl cluster plan` and `mlxctl cluster activate` (``replicas``: 1 when left
-    out)."""
+    out; ``mesh``: pp when left out)."""
 
     model: str
     stages: int
     replicas: int = 1
+    mesh: MeshMode = DEFAULT_MESH
 
     @classmethod
     async def read(cls, request: Request, command: str) -> PlanRequest:
         body = await Body.read(request, f'{{"model": DIR, "stages": 1..{MAX_PIPELINE_STAGES}, '
-                               f'"replicas": 1..{MAX_REPLICAS} (optional)}}',
+                               f'"replicas": 1..{MAX_REPLICAS} (optional), "mesh": '
+                               f'{"|".join(MESH_MODES)} (optional)}}',
                                f"see `mlxctl cluster {command} --help`")
+        said = body.optional_text("mesh")
+        try:
+            mesh = DEFAULT_MESH if said is None else parse_mesh(said, "mesh")
+        except ValueError as exc:
+            raise body.refuse("mesh", f"must be one of {', '.join(MESH_MODES)}") from exc
         return cls(body.text("model"), body.integer("stages", 1, MAX_PIPELINE_STAGES),
-                   body.optional_integer("replicas", 1, MAX_REPLICAS, 1))
+                   body.optional_integer("replicas", 1, MAX_REPLICAS, 1), mesh)
 
 
 @dataclass(frozen=True)

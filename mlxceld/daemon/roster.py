@@ -160,7 +160,8 @@ def draw_roster(s: Situation) -> list[WorkerSpec]:
                                     router_options(s.serve, serving=serving, handoff=handoff),
                                     policy, secret=s.secret, accepted=s.accepted,
                                     log_format=c.log_format))
-    elif s.serve.node_role == TENSOR_RANK_ROLE:
+    elif s.serve.node_role == TENSOR_RANK_ROLE or (c.pp_peer and s.tensor_rank is not None):
+        # a rank host's, or a stage host's offered a 2D mesh's rank past 0 (stagehost.py)
         if s.tensor_rank is not None:  # no router: rank 0's host serves
             name = (f"{STAGE_TP_GROUP}-{s.tensor_rank.rank}"
                     if isinstance(s.tensor_rank, StageTensorOptions)

@@ -42,11 +42,16 @@ from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import WorkerState
 
 if TYPE_CHECKING:
+    from mlxceld.cluster.assignment.stagehost import RankAssignment
     from mlxceld.daemon.tensor_peers import TensorPeers
+    from mlxceld.daemon.tensor_rank import RankHost
 
 log = logging.getLogger(__name__)
 
 WATCH_S: Final = 1.0
+# A pushed 2D mesh's rank 0 forms its group as it prepares, and its rank hosts take their
+# offers meanwhile: their refusals (not prepared yet) are asked again for this long.
+RANKS_READY_S: Final = 20.0
 Stage = tuple[tuple[int, int], str]  # a placement's layers [start, end) and node id
 
 
@@ -54,8 +59,9 @@ class StagePeers:
     """The stage host's ``StageSlot``: the roster's, its stage's group formed first."""
 
     def __init__(self, roster: Roster, supervisor: Supervisor, events: EventLog,
-                 peers: TensorPeers) -> None:
+                 peers: TensorPeers, rank: RankHost) -> None:
         self._roster = roster
+        self._rank = rank  # this host as a pushed 2D mesh's rank past 0 (accept_rank)
         self._supervisor = supervisor
         self._events = events
         self._peers = peers
@@ -68,8 +74,16 @@ class StagePeers:
         --tp-peers``, or a 2D mesh's stage placed by its cluster TOML)."""
         return self._roster.stage_across()
 
+    def accept_rank(self, rank: RankAssignment | None) -> None:
+        """A pushed 2D mesh's rank past 0 here (``stagehost.py``): rank 0's joins are
+        answered for its layers (``RankHost.assign``), or no longer."""
+        self._rank.assign(rank)
+
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self._roster.set_stage(placement, standby=standby)
+        if (self._roster.config.pp_peer and not self._roster.serve.tp_peers
+                and not (placement is not None and placement.tp_peers)):
+            self._peers.use_peers(())  # a pushed mesh's group is over: none shown
 
     def keep_retiring(self, spec: WorkerSpec | None) -> None:
         self._roster.keep_retiring(spec)
@@ -104,7 +118,16 @@ class StagePeers:
 
     async def _form(self, stage: Stage) -> None:
         self._roster.tensor_ring, self._formed, self._pid = None, None, None
+        p = self._roster.placement
+        if p is not None and p.tp_peers:  # a 2D mesh's stage: its file names its ranks
+            self._peers.use_peers(p.tp_peers)
         ring = await self._peers.form_stage(*stage)
+        if ring is None and self._roster.config.pp_peer:  # pushed: its ranks prepare too
+            loop = asyncio.get_running_loop()
+            until = loop.time() + RANKS_READY_S
+            while ring is None and loop.time() < until:
+                await asyncio.sleep(WATCH_S / 2)
+                ring = await self._peers.form_stage(*stage)
         if ring is None:
             raise DaemonError(f"the tensor-parallel group of stage {stage[1]!r} (layers "
                               f"{stage[0][0]}-{stage[0][1]}) across hosts did not form: "
@@ -117,8 +140,9 @@ class StagePeers:
                             f"group of {len(ring)} ranks formed: ring {','.join(ring)}")
 
     async def run(self) -> None:
-        """Keep the group (module docstring) while the daemon runs."""
-        if not self.across():
+        """Keep the group (module docstring) while the daemon runs (on a ``--pp-peer``
+        host always: a pushed 2D mesh may make its stage a group across hosts)."""
+        if not self.across() and not self._roster.config.pp_peer:
             return
         while True:
             await asyncio.sleep(WATCH_S)
@@ -130,6 +154,8 @@ class StagePeers:
                 log.exception("stage tensor group: keeping it failed")
 
     async def _keep(self) -> None:
+        if not self.across():
+            return
         if self._formed is None:
             if self._stage() is not None and self._roster.tensor_ring is None:
                 await self.reconcile()  # a formation that failed: asked again

@@ -206,6 +206,12 @@ class TensorPeers:
             r.state, r.error, r.since = "joined", None, time.time()
         return ring
 
+    def use_peers(self, peers: tuple[str, ...]) -> None:
+        """The rank hosts of the group to form: a pushed 2D mesh's stage names its own
+        (``Placement.tp_peers``), which may differ from those at the daemon's start."""
+        if tuple(r.agent for r in self.ranks) != peers:
+            self.ranks = [RankState(r, a) for r, a in enumerate(peers, start=1)]
+
     async def form_stage(self, layers: tuple[int, int], node_id: str
                          ) -> tuple[str, ...] | None:
         """A pipeline stage's group over the rank hosts (``daemon/stage_peers.py``): the
@@ -342,8 +348,8 @@ class TensorWindow:
     def __init__(self, roster: Roster, supervisor: Supervisor, keyring: SecretStore,
                  events: EventLog, origin: Callable[[], str | None]) -> None:
         self.peers = TensorPeers(roster, supervisor, keyring, events, origin)
-        self.stage = StagePeers(roster, supervisor, events, self.peers)
         self.rank = RankHost(roster, supervisor, lambda: roster.config)
+        self.stage = StagePeers(roster, supervisor, events, self.peers, self.rank)
         self._closing = asyncio.Event()
 
     def register(self, agent: AgentService) -> None:

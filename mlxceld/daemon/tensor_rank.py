@@ -23,6 +23,12 @@ authenticates both ends; ``wire/tensor_messages.py``):
   The worker joins the ring within the ring's deadline
   (``engine/ring.py``, 60 s) or exits.
 
+A ``--pp-peer`` stage host offered a pushed 2D mesh's rank past 0
+(``cluster/assignment/stagehost.py``: ``assign``) answers the same questions while that
+assignment stands, for that stage alone: a join must name its layers, its stage's node
+id, its rank and its group's size; without one (or another's) it refuses, as any daemon
+that is no rank host does.
+
 The ring itself is unauthenticated: it binds only that IP, only while the worker runs.
 ``mlxctl status`` shows the rank (``tensor`` in the daemon's status).
 """
@@ -35,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
+from mlxceld.cluster.assignment.stagehost import RankAssignment
 from mlxceld.config.daemon import Config
 from mlxceld.discovery.inventory import AGENT_CHANNEL, model_entry, ring_ports
 from mlxceld.engine.transport import HostReport, probe_in_child, report_json
@@ -85,6 +92,19 @@ class RankHost:
         self._asked_by: str | None = None  # rank 0's agent identity, last heard
         self._joined_at: float | None = None
         self._probe: asyncio.Task[HostReport] | None = None  # this host's RDMA, once
+        self._assigned: RankAssignment | None = None  # a pushed mesh's rank here
+
+    def assign(self, rank: RankAssignment | None) -> None:
+        """A pushed 2D mesh's rank past 0 on this ``--pp-peer`` host, or none (module
+        docstring); the worker of one that ended is stopped by its stage host."""
+        self._assigned = rank
+        if rank is None:
+            self._slot.tensor_rank = None
+
+    def _role(self) -> bool:
+        """Whether this daemon answers as a rank host now."""
+        return (self._config().serve.node_role == TENSOR_RANK_ROLE
+                or self._assigned is not None)
 
     def register(self, agent: AgentService) -> None:
         agent.add_handler(AGENT_CHANNEL, TensorReserve.T, self._on_reserve)
@@ -103,7 +123,7 @@ class RankHost:
 
     def describe(self) -> JSON | None:
         """``tensor`` in the daemon's status: this host's rank, its ring and rank 0."""
-        if self._config().serve.node_role != TENSOR_RANK_ROLE:
+        if not self._role():
             return None
         o = self._slot.tensor_rank
         if o is None:
@@ -130,6 +150,7 @@ class RankHost:
         try:
             asked = TensorJoin.from_wire(message.header)
             await self._check(asked.model, stream)
+            self._check_assigned(asked)
             mine = self._ring(stream)
             if asked.hosts[asked.rank] != mine:
                 raise JoinRefused(f"rank {asked.rank}'s ring address is {asked.hosts[asked.rank]}"
@@ -142,9 +163,11 @@ class RankHost:
 
     async def _check(self, model: str, stream: MxclStream) -> None:
         serve = self._config().serve
-        if serve.node_role != TENSOR_RANK_ROLE:
+        if not self._role():
             raise JoinRefused(f"this daemon's node role is {serve.node_role}, not "
-                          f"{TENSOR_RANK_ROLE}: start it with --node-role {TENSOR_RANK_ROLE}")
+                          f"{TENSOR_RANK_ROLE}: start it with --node-role {TENSOR_RANK_ROLE}"
+                          + (" (or push it a 2D mesh's rank)" if self._config().pp_peer
+                             else ""))
         entry = await asyncio.to_thread(model_entry, serve.model)
         if entry is None or entry["identity"] is None:
             raise JoinRefused(f"this rank host cannot read its model {serve.model!r}: "
@@ -153,6 +176,18 @@ class RankHost:
             raise JoinRefused(f"this rank host serves another model ({serve.model!r}, identity "
                           f"{entry['identity'][:12]}..., rank 0's is {model[:12]}...): give "
                           "both the same --model")
+
+    def _check_assigned(self, asked: TensorJoin) -> None:
+        """A join of a pushed mesh's rank: the stage, rank and size it was offered."""
+        a = self._assigned
+        if a is None or self._config().serve.node_role == TENSOR_RANK_ROLE:
+            return
+        said = (asked.node_id, asked.layers, asked.rank, len(asked.hosts))
+        if said != (a.node_id, a.layers, a.rank, a.size):
+            raise JoinRefused(f"this host is rank {a.rank} of {a.size} of stage {a.node_id!r} "
+                              f"(layers {list(a.layers)}) in the plan it was pushed; the join "
+                              f"asks rank {asked.rank} of {len(asked.hosts)} of "
+                              f"{asked.node_id!r} (layers {asked.layers})")
 
     def _ring(self, stream: MxclStream) -> str:
         """The ``host:port`` kept for the ring on the IP ``stream`` reached us at."""

@@ -19,10 +19,17 @@ from mlxceld.wire.messages import Error, MessageError, field, optional, vocabula
 MAX_TOML: Final = 64 * 1024
 
 
+MAX_GROUP: Final = 16  # the most ranks of a stage's tensor group (models/tensor.py's)
+MAX_AGENT: Final = 300  # an agent address's characters in ``tp_group``
+
+
 @dataclass(frozen=True)
 class Offer:
     """Coordinator to peer: run stage ``stage`` (its layers, its listener port, its node
-    id) of the plan in ``toml``."""
+    id) of the plan in ``toml``. A stage that is a tensor group across hosts (a 2D mesh):
+    ``tp_group``, its ranks' agent addresses in rank order, and ``tp_rank``, the peer's
+    (rank 0 runs the stage; a rank past 0 the stage's rank on its host, no listener:
+    ``port`` 0); both left out of the header without a group."""
 
     T: ClassVar[str] = "offer"
     epoch: int
@@ -36,13 +43,18 @@ class Offer:
     port: int
     coordinator: str
     toml: str
+    tp_rank: int = 0
+    tp_group: tuple[str, ...] = ()  # () : no group
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "epoch": self.epoch, "av": self.assignment_version,
-                "version": self.package_version, "cluster": self.cluster,
-                "model": self.model_identity, "stage": self.stage,
-                "layers": list(self.layers), "node": self.node_id, "port": self.port,
-                "coordinator": self.coordinator, "toml": self.toml}
+        header = {"t": self.T, "epoch": self.epoch, "av": self.assignment_version,
+                  "version": self.package_version, "cluster": self.cluster,
+                  "model": self.model_identity, "stage": self.stage,
+                  "layers": list(self.layers), "node": self.node_id, "port": self.port,
+                  "coordinator": self.coordinator, "toml": self.toml}
+        if self.tp_group:
+            header |= {"tp_rank": self.tp_rank, "tp_group": list(self.tp_group)}
+        return header
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
@@ -62,7 +74,24 @@ class Offer:
                    stage=field(header, "stage", int, "offer"),
                    layers=(layers[0], layers[1]), node_id=field(header, "node", str, "offer"),
                    port=field(header, "port", int, "offer"),
-                   coordinator=field(header, "coordinator", str, "offer"), toml=toml)
+                   coordinator=field(header, "coordinator", str, "offer"), toml=toml,
+                   **_group(header))
+
+
+def _group(header: Mapping[str, Any]) -> dict[str, Any]:
+    """An offer's ``tp_rank`` and ``tp_group``, checked; both absent: no group."""
+    group = header.get("tp_group")
+    rank = optional(header, "tp_rank", int, "offer")
+    if group is None and rank is None:
+        return {}
+    if (not isinstance(group, list) or not 2 <= len(group) <= MAX_GROUP
+            or not all(isinstance(a, str) and 0 < len(a) <= MAX_AGENT for a in group)):
+        raise MessageError("tp_group", f"offer field 'tp_group' must be 2 to {MAX_GROUP} "
+                                       "agent addresses")
+    if rank is None or not 0 <= rank < len(group):
+        raise MessageError("tp_rank", f"offer field 'tp_rank' must be a rank of its "
+                                      f"{len(group)}-rank tp_group")
+    return {"tp_rank": rank, "tp_group": tuple(group)}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import pytest
 
 from mlxceld.cluster.assignment import stagehost
 from mlxceld.cluster.assignment.peer import PREPARE_S
-from mlxceld.cluster.assignment.stagehost import LocalStageHost
+from mlxceld.cluster.assignment.stagehost import LocalStageHost, RankAssignment
 from mlxceld.cluster.clusterfile.placement import Placement
 from mlxceld.config.daemon import Config
 from mlxceld.config.serve import ServeConfig
@@ -45,6 +45,9 @@ class RosterSlot:
     placement: Placement | None = None
     standby: bool = False
     retiring: WorkerSpec | None = None
+
+    def accept_rank(self, rank: RankAssignment | None) -> None:
+        assert rank is None  # these plans are pipelines: no rank of a tensor group here
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         self.placement, self.standby = placement, standby

@@ -47,6 +47,7 @@ SAMPLES: dict[str, tuple[str | None, Any, tuple[str, ...]]] = {
     "--cluster-discovery": ("mdns", "mdns", ()),
     "--pp-auto": ("3", 3, ()),
     "--pp-peer": (None, True, ()),  # a switch
+    "--mesh": ("auto", "auto", ("--pp-auto", "4")),
     "--cluster-config-out": ("/srv/mx/out.toml", "/srv/mx/out.toml", ()),
     "--stage-ports": ("19100-19199", "19100-19199", ()),
     "--node-role": ("router", "router", ("--replicas", "10.0.0.2")),

@@ -81,13 +81,16 @@ class FakeDaemon:
         self._called("cluster_nodes")
         return Answer({"nodes": []})
 
-    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> Answer:
+    async def plan_cluster(self, model: str, stages: int, replicas: int = 1,
+                           mesh: str = "pp") -> Answer:
         self._called("plan_cluster")
-        return Answer({"model": model, "stages": stages})
+        return Answer({"model": model, "stages": stages, "mesh": mesh})
 
-    async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
+    async def activate_cluster(self, model: str, stages: int, replicas: int = 1,
+                               mesh: str = "pp") -> JSON:
         self._called("activate_cluster")
-        return {"state": "planning", "model": model, "stages": stages}
+        said = {"mesh": mesh} if mesh != "pp" else {}
+        return {"state": "planning", "model": model, "stages": stages, **said}
 
     async def deactivate_cluster(self) -> JSON:
         self._called("deactivate_cluster")
@@ -189,6 +192,8 @@ def test_a_bad_query_parameter_is_a_400_that_names_it(daemon: FakeDaemon, path: 
     ("/v1/cluster/activate", {"model": "", "stages": 2}, "model"),
     ("/v1/cluster/activate", {"model": "/m", "stages": 1, "replicas": 9}, "replicas"),
     ("/v1/cluster/plan", {"model": "/m", "stages": 1, "replicas": 0}, "replicas"),
+    ("/v1/cluster/plan", {"model": "/m", "stages": 4, "mesh": "ring"}, "mesh"),
+    ("/v1/cluster/activate", {"model": "/m", "stages": 4, "mesh": 2}, "mesh"),
     ("/v1/serve", {"model": 3}, "model"),
     ("/v1/serve", {"model": "/m", "model_name": 5}, "model_name"),
     ("/v1/secrets", {"primary": True}, "secret_hex"),
@@ -387,3 +392,13 @@ def test_a_coordinators_status_carries_its_cluster_view_and_its_problems(
     assert [p["subject"] for p in body["problems"]] == ["mac-b"]
     # what the daemon keeps in memory or in its database: no peer is asked
     assert daemon.calls == ["status", "cluster_nodes", "drains", "rotation"]
+
+
+def test_a_plan_carries_its_mesh_to_the_daemon(daemon: FakeDaemon) -> None:
+    """``mesh`` is passed on as said, pp when left out (`mlxctl cluster plan|activate
+    --mesh`)."""
+    r = call(daemon, "POST", "/v1/cluster/plan", json={**PLAN, "mesh": "2d"})
+    assert r.status_code == 200 and r.json()["mesh"] == "2d"
+    assert call(daemon, "POST", "/v1/cluster/plan", json=PLAN).json()["mesh"] == "pp"
+    r = call(daemon, "POST", "/v1/cluster/activate", json={**PLAN, "mesh": "auto"})
+    assert r.status_code == 202 and r.json()["bringup"]["mesh"] == "auto"

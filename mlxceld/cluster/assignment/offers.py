@@ -23,6 +23,15 @@ plan it is to run. The peer checks, in this order, and refuses at the first prob
 9. the coordinator: the TOML's coordinator and the offer's
    coordinator are the identity the handshake bound             back to waiting
 
+A 2D mesh's TOML (``pipeline_tensor_parallel`` nodes) comes with the offer's group
+(``tp_rank``, ``tp_group``: its stage's ranks' agents in rank order), and a group comes
+only with a mesh's TOML (``tensor_group``, back to waiting): its size is the TOML's
+``tensor_parallel_size``, its ranks past 0 the agents the TOML gives the offered stage's
+ranks, and its rank 0 on the host of the stage's listener. Rank 0 is then judged as a
+stage (6 to 9); a rank past 0 (``stage-K-tp-R``, port 0) has no listener: its node is the
+TOML's rank R of stage K, with the offered layers, at an agent address of this peer
+(``listener``), and its coordinator as 9.
+
 "This peer" (8): the stage's host is the agent's IP when the agent listens on
 one IP; any address of this host (one the kernel lets us bind: each interface's,
 the one the coordinator reached us on) when it listens on a wildcard; an
@@ -43,11 +52,12 @@ from pathlib import Path
 from typing import Final
 
 from mlxceld.cluster.clusterfile.load import ClusterConfig, parse_cluster_text, validate_layers
+from mlxceld.cluster.clusterfile.model import NodeConfig
 from mlxceld.config.stage_ports import StagePorts
 from mlxceld.errors import ConfigError
 from mlxceld.models.families import family_problem
 from mlxceld.net.resolve import ResolveError, is_local_ip, matches_blocking, resolve_blocking
-from mlxceld.wire.address import HostPort, ip_or_none, parse_address
+from mlxceld.wire.address import HostPort, canonical_address, ip_or_none, parse_address
 from mlxceld.wire.assignment_messages import Offer
 
 ASSIGNMENT_VERSION: Final = 2
@@ -121,6 +131,11 @@ def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
         return Refusal("layer_range", f"the offer says layers {list(offer.layers)}, its "
                        f"cluster TOML gives stage {offer.stage} layers "
                        f"{list(node.layers or ())}", True)
+    group = _judge_group(offer, cfg, node)
+    if group is not None:
+        return group
+    if offer.tp_rank > 0:
+        return _judge_rank(offer, me, cfg, bound_identity)
     if offer.node_id != f"stage-{offer.stage}" or node.id != offer.node_id:
         return Refusal("node_id", f"the offer names node {offer.node_id!r} for stage "
                        f"{offer.stage}; expected 'stage-{offer.stage}' in the TOML too", False)
@@ -140,6 +155,70 @@ def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
                        f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
                        False)
     return cfg
+
+
+def _judge_group(offer: Offer, cfg: ClusterConfig, stage: NodeConfig) -> Refusal | None:
+    """The offer's group against the mesh's TOML (the module docstring), or None."""
+    if not cfg.mesh and not offer.tp_group:
+        return None
+    if not cfg.mesh or not offer.tp_group:
+        said = ("a tensor group but a TOML of no 2D mesh" if offer.tp_group
+                else "no tensor group for a 2D mesh's stage")
+        return Refusal("tensor_group", f"the offer carries {said}", False)
+    ranks = cfg.stage_ranks(stage.id)
+    agents = tuple(n.address for n in ranks[1:])
+    if (len(offer.tp_group) != cfg.tensor_parallel_size
+            or tuple(offer.tp_group[1:]) != agents
+            or not _same_host(offer.tp_group[0], stage.address)):
+        return Refusal("tensor_group", f"the offer's group {list(offer.tp_group)} is not stage "
+                       f"{offer.stage}'s in its TOML (rank 0 at {stage.address}, then "
+                       f"{list(agents)})", False)
+    return None
+
+
+def _judge_rank(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
+                bound_identity: HostPort) -> ClusterConfig | Refusal:
+    """A rank past 0 of a mesh's stage: its node, its host, its coordinator."""
+    stage = cfg.stages[offer.stage]
+    node = cfg.node(offer.node_id)
+    if (offer.node_id != f"{stage.id}-tp-{offer.tp_rank}" or node is None
+            or not node.is_mesh or node.rank != offer.tp_rank or node.layers != offer.layers):
+        return Refusal("node_id", f"the offer names node {offer.node_id!r} for rank "
+                       f"{offer.tp_rank} of stage {offer.stage}; expected "
+                       f"'{stage.id}-tp-{offer.tp_rank}' with its layers in the TOML too",
+                       False)
+    if not _is_mine(parse_address(node.address).host, me.agent_host):
+        return Refusal("listener", f"the offer places rank {offer.tp_rank} of stage "
+                       f"{offer.stage} at {node.address}; this node's agent listens on "
+                       f"{me.agent_host}", False)
+    if not (matches_blocking(cfg.coordinator.address, bound_identity)
+            and matches_blocking(offer.coordinator, bound_identity)):
+        return Refusal("coordinator", f"the offer names coordinator {offer.coordinator} "
+                       f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
+                       False)
+    return cfg
+
+
+def offered_node(stage: int, toml: str, me: str) -> str:
+    """This peer's node of stage ``stage`` in a plan's TOML (judged): ``stage-K``, or in a
+    2D mesh the rank past 0 of it whose agent address is ``me`` (``stage-K-tp-R``)."""
+    node = f"stage-{stage}"
+    try:
+        cfg = parse_cluster_text(toml, Path("offer.toml"))
+        mine = canonical_address(me)
+        if cfg.mesh:
+            return next((n.id for n in cfg.stage_ranks(cfg.stages[stage].id)[1:]
+                         if canonical_address(n.address) == mine), node)
+    except (ConfigError, ValueError, IndexError):
+        pass  # judged before: a TOML that reads so places the stage as it always has
+    return node
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        return parse_address(a).host == parse_address(b).host
+    except ValueError:
+        return False
 
 
 def _is_mine(stage_host: str, agent_host: str) -> bool:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from mlxceld import failpoints
-from mlxceld.cluster.assignment.offers import Refusal, judge
+from mlxceld.cluster.assignment.offers import Refusal, judge, offered_node
 from mlxceld.cluster.assignment.peer_round import (
     HOLDS_A_STAGE,
     PEER_PHASE_S,
@@ -426,7 +426,7 @@ class Assignee:
         # raised meanwhile out of the peer's round: with one, a good peer's daemon exited
         # instead of aborting once in CI (test_bringup_crash, a peer killed after accepted).
         task = asyncio.ensure_future(self._host.prepare_stage(
-            cur.round.epoch, f"stage-{cur.stage}", cur.toml))
+            cur.round.epoch, offered_node(cur.stage, cur.toml, self._identity()), cur.toml))
         try:
             while heartbeat and not task.done():
                 await asyncio.wait({task}, timeout=HEARTBEAT_S)

@@ -8,7 +8,9 @@ frozen dataclass in ``wire/assignment_messages.py``:
 type        direction        fields
 =========== ================ ===================================================
 offer       coord → peer     ``Offer`` (judged in ``offers.py``): the stage, its
-                             layers, port, node id and the cluster TOML
+                             layers, port, node id and the cluster TOML (a 2D
+                             mesh's: the peer's rank in its stage's group and
+                             the group's agents, one offer to each rank)
 preparing   peer → coord     a heartbeat every ``HEARTBEAT_S`` while the
                              peer loads its stage in standby; ``done``,
                              ``total`` (bytes), ``elapsed_s`` once its stage
@@ -153,7 +155,9 @@ class StageOffer:
     stage: int
     layers: tuple[int, int]
     node_id: str
-    port: int
+    port: int  # its stage listener's (0: a rank past 0 of a stage's group, none)
+    tp_rank: int = 0  # its rank in its stage's tensor group across hosts (a 2D mesh)
+    tp_group: tuple[str, ...] = ()  # that group's agents in rank order; (): no group
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,8 @@ def offer_for(plan: PushPlan, s: StageOffer, epoch: int, coordinator: str) -> Of
     offer = Offer(epoch=epoch, assignment_version=ASSIGNMENT_VERSION,
                   package_version=__version__, cluster=plan.cluster,
                   model_identity=plan.model_identity, stage=s.stage, layers=s.layers,
-                  node_id=s.node_id, port=s.port, coordinator=coordinator, toml=plan.toml)
+                  node_id=s.node_id, port=s.port, coordinator=coordinator, toml=plan.toml,
+                  tp_rank=s.tp_rank, tp_group=s.tp_group)
     return _faulty(offer) if failpoints.ACTIVE & failpoints.FAULT_POINTS else offer
 
 

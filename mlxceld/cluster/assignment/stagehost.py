@@ -37,6 +37,13 @@ meanwhile stops a kept stage (it is no worker of its roster). A tensor-parallel 
 is not kept: its ranks are stopped before the next plan's stage loads (break before
 make, an event ``stage.replaced`` says so), as a second group beside it would need a
 second ring.
+
+A 2D mesh's rank past 0 (the offer's node ``stage-K-tp-R``: ``offers.offered_node``) runs
+no stage worker of its own: ``prepare_stage`` tells the slot to accept stage K's rank 0
+asking it to join (``RankAssignment``: ``daemon/tensor_rank.py`` answers its
+``tensor_reserve`` and ``tensor_join`` for those layers, and its ``stage-tp-R`` worker
+starts when rank 0 forms the group, within rank 0's prepare); activating it only notes it
+active; stopping it stops that worker and refuses rank 0 again.
 """
 
 from __future__ import annotations
@@ -44,11 +51,14 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
 from mlxceld import __version__
 from mlxceld.cluster.assignment.offers import PeerFacts
+from mlxceld.cluster.clusterfile.load import load_cluster
+from mlxceld.cluster.clusterfile.model import select_node
 from mlxceld.cluster.clusterfile.placement import (
     STAGE_TP_GROUP,
     STAGE_WORKER,
@@ -95,8 +105,32 @@ class AssignedStage(Protocol):
         ``preparing`` heartbeat)."""
 
 
+@dataclass(frozen=True)
+class RankAssignment:
+    """A 2D mesh's rank past 0 on this host: stage ``node_id`` (its rank 0's node id, as
+    its ``tensor_join`` names it), its ``layers``, this host's ``rank`` of ``size``."""
+
+    node_id: str
+    layers: tuple[int, int]
+    rank: int
+    size: int
+
+
+def rank_of(path: Path, node_id: str) -> RankAssignment | None:
+    """``node_id``'s rank assignment in the cluster TOML ``path``; None for a stage."""
+    cfg = load_cluster(path)
+    node = select_node(cfg, node_id)
+    if not node.is_mesh or not node.rank or node.layers is None:
+        return None
+    return RankAssignment(cfg.stage_ranks(node.id)[0].id, node.layers, node.rank,
+                          cfg.tensor_parallel_size)
+
+
 class StageSlot(Protocol):
     """The daemon's side: its placement decides which workers it runs."""
+
+    def accept_rank(self, rank: RankAssignment | None) -> None:
+        """Answer a mesh stage's rank 0 as ``rank`` (``daemon/tensor_rank.py``), or not."""
 
     def set_stage(self, placement: Placement | None, *, standby: bool) -> None:
         """Run ``placement``'s stage (in standby: loaded, not serving), or none."""
@@ -139,6 +173,7 @@ class LocalStageHost:
         self._active = False  # that stage serves (activated)
         self._kept: tuple[int, Placement] | None = None  # RETIRING's plan and placement
         self._kept_timer: asyncio.Task[None] | None = None
+        self._rank: RankAssignment | None = None  # a 2D mesh's rank past 0 here
 
     def facts(self, port: int) -> PeerFacts:
         model = self._model()
@@ -157,6 +192,19 @@ class LocalStageHost:
         path = self._state_dir / f"cluster-{epoch}.toml"
         path.write_text(toml)
         await self._clear(epoch)
+        rank = await asyncio.to_thread(rank_of, path, node_id)
+        if self._rank is not None or rank is not None:  # a rank's worker of an older plan
+            await self._remove_stage()
+        self._slot.accept_rank(rank)
+        self._rank = rank
+        if rank is not None:  # rank 0 asks us to join as it prepares its stage
+            self._placement, self._epoch, self._active = None, epoch, False
+            self._slot.set_stage(None, standby=True)
+            await self._slot.reconcile()
+            self._events.append("stage.rank", STAGE_WORKER, f"rank {rank.rank} of "
+                                f"{rank.node_id}'s tensor group (layers {list(rank.layers)})"
+                                " accepted: its rank 0 forms the group", epoch=epoch)
+            return
         self._placement = await asyncio.to_thread(place, path, node_id, self._model())
         self._epoch, self._active = epoch, False
         self._slot.set_stage(self._placement, standby=True)
@@ -219,6 +267,9 @@ class LocalStageHost:
         return self._loading
 
     async def activate_stage(self) -> None:
+        if self._rank is not None:  # its worker serves rank 0's group as it runs
+            self._active = True
+            return
         sock = self._supervisor.control_socket(STAGE_WORKER)
         if sock is None:
             raise DaemonError("no stage worker to activate (it was stopped after prepare)",
@@ -236,6 +287,9 @@ class LocalStageHost:
         as ``stage`` when the new one never served; else it stops too."""
         served = self._active
         self._placement, self._active = None, False
+        if self._rank is not None:
+            self._rank = None
+            self._slot.accept_rank(None)
         self._slot.set_stage(None, standby=False)
         await self._remove_stage()
         if served or self._kept is None:
@@ -257,7 +311,8 @@ class LocalStageHost:
         if self._kept is not None and self._kept[0] == epoch:
             await self._end_kept()
             return "its stage, kept serving while the next plan came up, is stopped"
-        if self._epoch == epoch and self._active and STAGE_WORKER in self._supervisor.names():
+        if self._epoch == epoch and self._active and (
+                STAGE_WORKER in self._supervisor.names() or self._rank is not None):
             await self.stop_stage()
             return "the stage is stopped"
         return None

@@ -18,14 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
-from mlxceld.cluster.clusterfile.load import dump_cluster
 from mlxceld.cluster.plan.groups import plan_groups_around
+from mlxceld.cluster.plan.mesh import (
+    DEFAULT_MESH,
+    MeshChoice,
+    MeshMode,
+    choose_mesh,
+    pipeline_choice,
+)
+from mlxceld.cluster.plan.mesh_report import MeshJSON, mesh_json, render_mesh
 from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve, usable_memory
 from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
 from mlxceld.cluster.plan.solver import plan_replicas
-from mlxceld.errors import PlanRefused
-from mlxceld.models.fetch import model_name
-from mlxceld.models.identity import model_identity
+from mlxceld.config.serve import resolve_model
+from mlxceld.errors import ConfigError, PlanRefused
+from mlxceld.models.fetch import local_model, model_name
+from mlxceld.models.identity import CONFIG, model_identity, read_model_config
 from mlxceld.models.profile import layer_profile
 from mlxceld.roles.options import KVQuant
 from mlxceld.state.peers import PeerRow
@@ -69,43 +77,60 @@ class ProposalJSON(TypedDict):
     toml: str
     notes: list[str]
     model_identity: str
+    mesh: MeshJSON  # the meshes considered and the one chosen (mesh.py)
 
 
 @dataclass(frozen=True)
 class Proposal:
     """A plan that fits, with what else it was made of: the model's identity, the cluster
-    TOML it pushes, its table for a person and the notes on candidates left out."""
+    TOML it pushes, its table for a person, the notes on candidates left out and the mesh
+    chosen (a pipeline unless ``--mesh`` said otherwise)."""
 
     plan: Plan
     model_identity: str
     toml: str
     table: str
     notes: tuple[str, ...]
+    mesh: MeshChoice | None = None  # None: a pipeline's (pipeline_choice)
 
     def to_json(self) -> ProposalJSON:
         """For display only (`mlxctl cluster plan --json`): nothing reads it back."""
         return {"plan": plan_json(self.plan), "table": self.table, "toml": self.toml,
-                "notes": list(self.notes), "model_identity": self.model_identity}
+                "notes": list(self.notes), "model_identity": self.model_identity,
+                "mesh": mesh_json(self.mesh or pipeline_choice(self.plan))}
 
 
 def make_plan(candidates: Sequence[PeerRow], model: Path, stages: int, *, cluster: str,
               coordinator: str, drained: frozenset[str] = frozenset(),
-              replicas: int = 1, kv_quant: KVQuant | None = None) -> Proposal:
+              replicas: int = 1, kv_quant: KVQuant | None = None,
+              mesh: MeshMode = DEFAULT_MESH) -> Proposal:
     """The plan over ``candidates`` but the ``drained`` node ids (``replicas`` groups of
-    ``stages`` stages), its KV reserve priced at ``kv_quant``'s width (``[serve] kv_bits``;
-    None: the model's dtype), with its table, its cluster TOML and notes; raises
-    ``PlanRefused`` (naming the shortfall per node) when it does not fit."""
+    ``stages`` stages; with a ``mesh`` other than ``pp``, ``stages`` is the number of hosts
+    and ``mesh.choose_mesh`` makes them stages and tensor groups), its KV reserve priced at
+    ``kv_quant``'s width (``[serve] kv_bits``; None: the model's dtype), with its table,
+    its cluster TOML and notes; raises ``PlanRefused`` (naming the shortfall per node)
+    when it does not fit, ``ConfigError`` for a mesh beside replicas."""
     identity = model_identity(model)
     nodes, notes = plan_nodes(candidates, identity, drained)
+    reserve = Reserve(kv_quant=kv_quant)
+    if mesh != "pp" and replicas != 1:
+        raise ConfigError(f"--mesh {mesh} with {replicas} replicas is not built: replica "
+                          "groups are pipelines", hint="plan one replica with --mesh, or "
+                          "replicas with --mesh pp")
     try:
-        plan = plan_replicas(layer_profile(model), stages, replicas, nodes,
-                             reserve=Reserve(kv_quant=kv_quant))
+        if mesh == "pp":
+            choice = pipeline_choice(plan_replicas(layer_profile(model), stages, replicas,
+                                                   nodes, reserve=reserve))
+        else:
+            choice = choose_mesh(layer_profile(model), stages, nodes, mode=mesh,
+                                 config=read_model_config(model), source=str(model / CONFIG),
+                                 reserve=reserve)
     except PlanRefused as exc:
         if not notes:
             raise
         raise PlanRefused(f"{exc.message} ({'; '.join(notes)})", hint=exc.hint,
                           shortfalls=exc.shortfalls) from exc
-    return _proposal(plan, identity, model, notes, cluster=cluster, coordinator=coordinator)
+    return _proposal(choice, identity, model, notes, cluster=cluster, coordinator=coordinator)
 
 
 def make_group_plan(candidates: Sequence[PeerRow], model: Path,
@@ -120,12 +145,26 @@ def make_group_plan(candidates: Sequence[PeerRow], model: Path,
     nodes, notes = plan_nodes(candidates, identity, drained)
     plan, said = plan_groups_around(layer_profile(model), groups, nodes,
                                     reserve=Reserve(kv_quant=kv_quant))
-    return _proposal(plan, identity, model, [*said, *notes], cluster=cluster,
-                     coordinator=coordinator)
+    return _proposal(pipeline_choice(plan), identity, model, [*said, *notes],
+                     cluster=cluster, coordinator=coordinator)
 
 
-def _proposal(plan: Plan, identity: str, model: Path, notes: Sequence[str], *, cluster: str,
-              coordinator: str) -> Proposal:
+def _proposal(choice: MeshChoice, identity: str, model: Path, notes: Sequence[str], *,
+              cluster: str, coordinator: str) -> Proposal:
     # A repo id's snapshot is pushed as the repo id: each host fetches what it needs.
-    cfg = plan.to_cluster(cluster, model_name(model), coordinator)
-    return Proposal(plan, identity, dump_cluster(cfg), render_plan_table(plan), tuple(notes))
+    plan = choice.plan
+    text = plan.cluster_text(cluster, model_name(model), coordinator)
+    table = render_plan_table(plan)
+    if choice.mode != "pp":
+        table += "\n" + render_mesh(choice)
+    return Proposal(plan, identity, text, table, tuple(notes), choice)
+
+
+def model_dir(model: str, what: str) -> Path:
+    """The local checkpoint directory ``model`` names (a repo id's snapshot,
+    ``models/fetch.py``); planning reads its headers."""
+    path = local_model(resolve_model(model, Path("/"), what))
+    if not path.is_dir():
+        raise ConfigError(f"model {model!r} is not a local directory",
+                          hint="planning reads the checkpoint's safetensors headers")
+    return path

@@ -27,7 +27,9 @@ of larger models need more.
 
 from __future__ import annotations
 
+import json
 import math
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
@@ -44,6 +46,7 @@ SAFETY_FRACTION: Final = 0.10
 DEFAULT_CONTEXT_TOKENS: Final = 8192
 DEFAULT_ACTIVATION_BYTES: Final = 512 * MIB
 COORDINATOR_ID: Final = "coordinator"
+MESH_ROLE: Final = "pipeline_tensor_parallel"  # a stage's rank in a 2D cluster TOML
 SplitRule = Literal["memory", "speed"]  # what the solver balanced: load/memory or load/speed
 
 
@@ -108,7 +111,12 @@ class Reserve:
 class PlannedStage:
     """Stage ``rank`` of replica group ``replica`` (``stage-<index>``, its index among
     all the plan's stages, group by group: ``stage-<rank>`` with one replica): layers
-    [start, end) on ``node``. ``group_start``: the index of its group's rank 0."""
+    [start, end) on ``node``. ``group_start``: the index of its group's rank 0.
+
+    ``tp_nodes``: a stage that is a tensor-parallel group across hosts (``mesh.py``) has
+    its ranks 1..T-1 here, in rank order (``node`` is rank 0); ``weight_bytes`` and
+    ``reserve_bytes`` are then each rank's, and its headroom and speed its tightest
+    rank's."""
 
     rank: int
     node: PlanNode
@@ -118,12 +126,25 @@ class PlannedStage:
     replica: int = 0
     group_start: int = 0
     split_rule: SplitRule = "memory"  # how its group's layers were split (solver.py)
+    tp_nodes: tuple[PlanNode, ...] = ()  # its tensor group's ranks 1..T-1 (mesh.py)
+
+    @property
+    def ranks(self) -> tuple[PlanNode, ...]:
+        """Its nodes in rank order: ``node`` alone, or its tensor group's."""
+        return (self.node, *self.tp_nodes)
+
+    @property
+    def compute_units(self) -> float | None:
+        """Its slowest rank's compute units; None when a rank reported none."""
+        units = [n.compute_units for n in self.ranks]
+        return None if not all(units) else min(u for u in units if u)
 
     @property
     def ms_per_token(self) -> float | None:
-        """The predicted time of one decode step here: its weight bytes over its node's
-        compute units (GB/s of weights, ``models/speed.py``), in ms; None without units."""
-        units = self.node.compute_units
+        """The predicted compute time of one decode step here: its (per-rank) weight bytes
+        over its slowest rank's compute units (GB/s of weights, ``models/speed.py``), in
+        ms; None without units. A tensor group's all-reduces are ``mesh.py``'s to add."""
+        units = self.compute_units
         return None if not units else self.weight_bytes / (units * 1e6)
 
     @property
@@ -144,8 +165,14 @@ class PlannedStage:
         return self.weight_bytes + self.reserve_bytes
 
     @property
+    def usable_bytes(self) -> int:
+        """The usable memory of its tightest rank (its node's, without a group)."""
+        return min(n.memory_usable_bytes for n in self.ranks)
+
+    @property
     def headroom_bytes(self) -> int:
-        return self.node.memory_usable_bytes - self.needed_bytes
+        """What its tightest rank has left once it holds its share."""
+        return self.usable_bytes - self.needed_bytes
 
 
 @dataclass(frozen=True)
@@ -167,7 +194,14 @@ class Plan:
         return len(self.stages) // self.replicas
 
     @property
+    def tp_size(self) -> int:
+        """The ranks of each stage's tensor group (1: no groups; ``mesh.py`` plans every
+        stage with the same number)."""
+        return 1 + len(self.stages[0].tp_nodes) if self.stages else 1
+
+    @property
     def fits(self) -> bool:
+        """Every rank of every stage holds its share (``headroom_bytes``: the tightest)."""
         return all(s.headroom_bytes >= 0 for s in self.stages)
 
     def to_cluster(self, name: str, model: str | Path | None, coordinator_address: str,
@@ -178,8 +212,48 @@ class Plan:
         directory unless absolute). Each stage's ``memory_bytes`` is its node's usable
         memory. Raises ``ConfigError`` for what the file would not allow (e.g. two
         nodes at one address)."""
+        if self.tp_size > 1:
+            return parse_cluster_text(self.cluster_text(
+                name, model, coordinator_address, secret_file, path=path), path)
         draft = pipeline_cluster(
             name, model, (COORDINATOR_ID, coordinator_address),
             [StageEntry(s.stage_id, s.address, s.layers, s.node.memory_usable_bytes,
                         s.replica) for s in self.stages], secret_file=secret_file, path=path)
         return parse_cluster_text(dump_cluster(draft), path)
+
+    def cluster_text(self, name: str, model: str | Path | None, coordinator_address: str,
+                     secret_file: str | Path | None = None, *,
+                     path: Path = Path("cluster.toml")) -> str:
+        """The cluster TOML of this plan as text: a pipeline's (``to_cluster``), or with
+        tensor groups the 2D file (``pipeline_tensor_parallel`` nodes: each stage's rank 0
+        at its stage listener, its ranks 1.. at their agent addresses, all with the
+        stage's layers; mlxcel-cluster.toml(5))."""
+        if self.tp_size == 1:
+            return dump_cluster(self.to_cluster(name, model, coordinator_address,
+                                                secret_file, path=path))
+        head = ["# A cluster of mlxceld nodes; see mlxcel-cluster.toml(5).", "[cluster]",
+                f"name = {_toml(name)}", f"pipeline_parallel_size = {len(self.stages)}",
+                f"tensor_parallel_size = {self.tp_size}"]
+        if secret_file is not None:
+            head.append(f"secret_file = {_toml(str(secret_file))}")
+        if model is not None:
+            head.append(f"model = {_toml(str(model))}")
+        lines = [*head, "", "[[nodes]]", f"id = {_toml(COORDINATOR_ID)}",
+                 f"address = {_toml(canonical_address(coordinator_address))}",
+                 f"role = {_toml(COORDINATOR_ID)}"]
+        for s in self.stages:
+            for rank, node in enumerate(s.ranks):
+                lines += ["", "[[nodes]]",
+                          f"id = {_toml(s.stage_id + (f'-tp-{rank}' if rank else ''))}",
+                          f"address = {_toml(s.address if rank == 0 else node.key)}",
+                          f"role = {_toml(MESH_ROLE)}", f"layers = [{s.layers[0]}, "
+                          f"{s.layers[1]}]", f"rank = {rank}", "[nodes.resources]",
+                          f"memory_bytes = {node.memory_usable_bytes}"]
+        text = "\n".join(lines) + "\n"
+        tomllib.loads(text)  # well-formed; its rules are load_cluster's
+        return text
+
+
+def _toml(value: str) -> str:
+    """A TOML basic string (JSON's escapes are TOML's)."""
+    return json.dumps(value)

@@ -5,7 +5,9 @@ What ``mlxctl cluster plan --model M --stages N [--json]`` and
 colour it); the JSON is ``mlxctl.plan/1``, all sizes in bytes. Where the nodes reported
 compute units (``models/speed.py``), each stage shows them and its predicted time per
 token (its weights over its units: ``PlannedStage.ms_per_token``), and a line says which
-rule split the layers (``solver.py``: by memory, or by speed).
+rule split the layers (``solver.py``: by memory, or by speed). A plan whose stages are
+tensor groups across hosts (``mesh.py``) names each stage's other ranks (``TP``), and its
+sizes are each rank's; the mesh chosen and why is ``mesh_report.py``'s.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ class PlanStageJSON(TypedDict):
     ms_per_token: float | None  # predicted: weight_bytes / (compute_units * 1e6)
     split_rule: Literal["memory", "speed"]  # how its group's layers were split
     replica: NotRequired[int]  # its replica group; only in a plan of 2 replicas or more
+    tp_nodes: NotRequired[list[TensorRankJSON]]  # ranks 1..T-1; only with tp_size > 1
+
+
+class TensorRankJSON(TypedDict):
+    """A stage's rank past 0 in its tensor group across hosts (rank order)."""
+
+    rank: int
+    node_id: str
+    node_address: str  # its agent address (canonical host:port)
+    usable_bytes: int
+    compute_units: float | None
 
 
 class SpareNodeJSON(TypedDict):
@@ -64,6 +77,7 @@ class PlanJSON(TypedDict):
     stages: list[PlanStageJSON]
     spare: list[SpareNodeJSON]
     replicas: NotRequired[int]  # only in a plan of 2 replicas or more
+    tp_size: NotRequired[int]  # each stage's tensor group; only when 2 or more
 
 
 def human_bytes(n: int) -> str:
@@ -81,15 +95,16 @@ def human_bytes(n: int) -> str:
 def render_plan_table(plan: Plan) -> str:
     """One row per stage (with 2 replicas or more, each row's replica group first), then
     a line on the layers' sizes, one on the reserve and one on any spare nodes."""
-    groups = plan.replicas > 1
-    speeds = any(s.node.compute_units for s in plan.stages)
-    headers = ((("REPLICA",) if groups else ()) + HEADERS
-               + (SPEED_HEADERS if speeds else ()))
-    rows = [((str(s.replica),) if groups else ()) + (
-             s.stage_id, s.node.node_id, s.address, f"[{s.layers[0]}, {s.layers[1]})",
+    groups, tp = plan.replicas > 1, plan.tp_size > 1
+    speeds = any(n.compute_units for s in plan.stages for n in s.ranks)
+    headers = ((("REPLICA",) if groups else ()) + HEADERS[:2] + (("TP",) if tp else ())
+               + HEADERS[2:] + (SPEED_HEADERS if speeds else ()))
+    rows = [((str(s.replica),) if groups else ()) + (s.stage_id, s.node.node_id)
+            + ((",".join(n.node_id for n in s.tp_nodes),) if tp else ()) + (
+             s.address, f"[{s.layers[0]}, {s.layers[1]})",
              human_bytes(s.weight_bytes), human_bytes(s.reserve_bytes),
-             human_bytes(s.node.memory_usable_bytes), human_bytes(s.headroom_bytes))
-            + ((units(s.node.compute_units), ms(s.ms_per_token)) if speeds else ())
+             human_bytes(s.usable_bytes), human_bytes(s.headroom_bytes))
+            + ((units(s.compute_units), ms(s.ms_per_token)) if speeds else ())
             for s in plan.stages]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
@@ -101,6 +116,10 @@ def render_plan_table(plan: Plan) -> str:
     if groups:
         lines.append(f"{plan.replicas} replicas of {plan.stages_per_replica} stage(s), each "
                      "a whole copy of the model")
+    if tp:
+        lines.append(f"each stage a tensor group of {plan.tp_size} ranks across hosts (TP: "
+                     "ranks 1 on); bytes, usable and headroom are each rank's (the "
+                     "tightest), layers and KV cache divided among the ranks")
     lines.append(f"{len(plan.stages)} stage(s), {plan.num_layers} layers; reserve per stage: "
                  f"KV cache for {r.context_tokens} tokens {kv_width(r)} + "
                  f"{human_bytes(r.activation_bytes)} activations")
@@ -156,12 +175,20 @@ def layer_runs(layer_bytes: tuple[int, ...], most: int = 6) -> str:
 
 def plan_json(plan: Plan) -> PlanJSON:
     """The plan as ``mlxctl.plan/1`` (with ``replicas``, and each stage's
-    ``replica``, when it has 2 replicas or more)."""
+    ``replica``, when it has 2 replicas or more; with ``tp_size`` and each stage's
+    ``tp_nodes`` when its stages are tensor groups)."""
     out = _plan_json(plan)
     if plan.replicas > 1:
         out["replicas"] = plan.replicas
         for row, s in zip(out["stages"], plan.stages, strict=True):
             row["replica"] = s.replica
+    if plan.tp_size > 1:
+        out["tp_size"] = plan.tp_size
+        for row, s in zip(out["stages"], plan.stages, strict=True):
+            row["tp_nodes"] = [{"rank": r, "node_id": n.node_id, "node_address": n.key,
+                                "usable_bytes": n.memory_usable_bytes,
+                                "compute_units": n.compute_units}
+                               for r, n in enumerate(s.tp_nodes, start=1)]
     return out
 
 
@@ -180,9 +207,9 @@ def _plan_json(plan: Plan) -> PlanJSON:
                     "node_address": s.node.key, "address": s.address,
                     "layers": list(s.layers), "weight_bytes": s.weight_bytes,
                     "reserve_bytes": s.reserve_bytes,
-                    "usable_bytes": s.node.memory_usable_bytes,
+                    "usable_bytes": s.usable_bytes,
                     "headroom_bytes": s.headroom_bytes,
-                    "compute_units": s.node.compute_units, "ms_per_token": s.ms_per_token,
+                    "compute_units": s.compute_units, "ms_per_token": s.ms_per_token,
                     "split_rule": s.split_rule} for s in plan.stages],
         "spare": [{"node_id": n.node_id, "node_address": n.key,
                    "usable_bytes": n.memory_usable_bytes,

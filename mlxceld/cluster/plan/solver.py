@@ -81,7 +81,8 @@ from mlxceld.models.profile import LayerProfile
 
 __all__ = ["DEFAULT_ACTIVATION_BYTES", "DEFAULT_CONTEXT_TOKENS", "SAFETY_FRACTION", "SCALE",
            "Plan", "PlanJSON", "PlanNode", "PlanRefused", "PlannedStage", "Reserve",
-           "human_bytes", "plan_json", "plan_replicas", "plan_stages", "render_plan_table",
+           "human_bytes", "plan_json", "plan_replicas", "plan_stages", "rank_nodes",
+           "render_plan_table",
            "split_rule", "usable_memory"]
 
 SCALE: Final = 1 << 80  # a stage's cost weight is SCALE // its usable memory (or speed)
@@ -95,7 +96,7 @@ def plan_stages(profile: LayerProfile, stages: int, nodes: Sequence[PlanNode], *
                 reserve: Reserve | None = None) -> Plan:
     """The plan of ``stages`` stages over ``nodes``; raises ``PlanRefused`` if none fits."""
     reserve = Reserve() if reserve is None else reserve
-    ranked = _rank(nodes)
+    ranked = rank_nodes(nodes)
     _check_counts(profile, stages, ranked)
     by_memory = sorted(ranked, key=lambda n: (-n.memory_usable_bytes, n.key))
     chosen = sorted(by_memory[:stages], key=lambda n: n.key)
@@ -124,7 +125,7 @@ def plan_replicas(profile: LayerProfile, stages: int, replicas: int,
     if replicas < 1:
         raise ConfigError(f"a plan of {replicas} replicas is empty",
                           hint="plan 1 replica or more")
-    left = _rank(nodes)
+    left = rank_nodes(nodes)
     _check_counts(profile, stages, left)
     if len(left) < stages * replicas:
         found = ", ".join(f"{n.node_id!r} ({n.key})" for n in left)
@@ -151,7 +152,7 @@ def plan_replicas(profile: LayerProfile, stages: int, replicas: int,
                 first.layer_bytes, replicas=replicas)
 
 
-def _rank(nodes: Sequence[PlanNode]) -> list[PlanNode]:
+def rank_nodes(nodes: Sequence[PlanNode]) -> list[PlanNode]:
     """The candidates by canonical address; two at one address are refused."""
     seen: dict[str, PlanNode] = {}
     for n in nodes:
@@ -293,10 +294,10 @@ def _refused(profile: LayerProfile, attempt: Plan) -> PlanRefused:
     lines = [f"{s.stage_id} on node {s.node.node_id!r} ({s.node.key}), layers "
              f"[{s.layers[0]}, {s.layers[1]}): needs {human_bytes(s.needed_bytes)} "
              f"({human_bytes(s.weight_bytes)} weights + {human_bytes(s.reserve_bytes)} "
-             f"reserve), has {human_bytes(s.node.memory_usable_bytes)} usable: "
+             f"reserve), has {human_bytes(s.usable_bytes)} usable: "
              f"{human_bytes(-s.headroom_bytes)} short" for s in short]
     needed = sum(s.needed_bytes for s in attempt.stages)
-    usable = sum(s.node.memory_usable_bytes for s in attempt.stages)
+    usable = sum(s.usable_bytes for s in attempt.stages)
     message = (f"plan refused: no split of {profile.num_layers} layers over "
                f"{len(attempt.stages)} stages fits; they need {human_bytes(needed)} in all and "
                f"the nodes offer {human_bytes(usable)}. Closest split: " + "; ".join(lines))
@@ -306,5 +307,5 @@ def _refused(profile: LayerProfile, attempt: Plan) -> PlanRefused:
 
 def _shortfall(s: PlannedStage) -> dict[str, str | int]:
     return {"stage": s.stage_id, "node_id": s.node.node_id, "address": s.node.key,
-            "needed_bytes": s.needed_bytes, "usable_bytes": s.node.memory_usable_bytes,
+            "needed_bytes": s.needed_bytes, "usable_bytes": s.usable_bytes,
             "short_bytes": -s.headroom_bytes}

@@ -28,7 +28,7 @@ from mlxceld.control.clients.exchange import (
     timed_out,
 )
 from mlxceld.control.clients.transport import Connection
-from mlxceld.types import JSON
+from mlxceld.types import DEFAULT_MESH, JSON
 
 T = TypeVar("T")
 
@@ -73,16 +73,18 @@ class ControlClient:
     async def cluster_nodes(self) -> JSON:
         return await self._get("/v1/cluster/nodes")
 
-    async def plan_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
+    async def plan_cluster(self, model: str, stages: int, replicas: int = 1,
+                           mesh: str = DEFAULT_MESH) -> JSON:
         """Plan (never assign): the daemon polls every candidate first, up to 10 s."""
         return await self._request("POST", "/v1/cluster/plan", timeout=PLAN_TIMEOUT_S,
-                                   body=_plan_body(model, stages, replicas))
+                                   body=_plan_body(model, stages, replicas, mesh))
 
-    async def activate_cluster(self, model: str, stages: int, replicas: int = 1) -> JSON:
+    async def activate_cluster(self, model: str, stages: int, replicas: int = 1,
+                               mesh: str = DEFAULT_MESH) -> JSON:
         """Plan, then push and serve in the daemon's background (answer: the bring-up with
         its epoch); poll ``status()["bringup"]`` for each peer's progress."""
         return await self._request("POST", "/v1/cluster/activate", timeout=PLAN_TIMEOUT_S,
-                                   body=_plan_body(model, stages, replicas))
+                                   body=_plan_body(model, stages, replicas, mesh))
 
     async def deactivate_cluster(self) -> JSON:
         """End the plan on every peer and stop the router; the answer names each peer's
@@ -203,9 +205,12 @@ class ControlClient:
             raise timed_out(self.socket_path) from exc
 
 
-def _plan_body(model: str, stages: int, replicas: int) -> JSON:
-    """`cluster plan|activate`'s body; ``replicas`` only when more than one (as before)."""
+def _plan_body(model: str, stages: int, replicas: int, mesh: str) -> JSON:
+    """`cluster plan|activate`'s body; ``replicas`` only when more than one, ``mesh`` only
+    when not the default (as before)."""
     body: JSON = {"model": model, "stages": stages}
     if replicas != 1:
         body["replicas"] = replicas
+    if mesh != DEFAULT_MESH:
+        body["mesh"] = mesh
     return body
