@@ -20,8 +20,11 @@ and the tokens per pass with proposals (ours from the engine's counters, over ev
 mlx-lm's from its ``from_draft`` flags), and ours over mlx-lm's. Ours backs off a draft
 that does not pay (``engine/pacing.py``); mlx-lm's always proposes.
 
-``pipeline_rows`` is the hook for the 2-stage pipeline's rows (speculation over a
-pipeline, built elsewhere): it returns none yet.
+The 2-stage pipeline's rows (``pipeline_rows``): our daemons on loopback as
+bench/pipeline.py runs them, the layers halved, the draft on the last stage
+(``[cluster] draft_model``, ``pipeline/speculating.py``), the same k; decode tok/s of
+one greedy stream through the OpenAI port (the client's SSE timestamps), the fastest of
+``--repeats``.
 
     .venv/bin/python bench/speculative.py [--target small] [--tokens 256] [--k 4]
 """
@@ -142,9 +145,48 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
 
 
 def pipeline_rows(pair: Pair, n: int, k: int, repeats: int) -> list[Row]:
-    """The 2-stage pipeline's rows (without a draft, then each draft; engine "ours, 2
-    stages"): the hook for speculation over a pipeline, which another change builds."""
-    return []
+    """The 2-stage pipeline's rows ("ours, 2 stages"): our daemons on loopback as
+    bench/pipeline.py runs them (a coordinator on 127.0.0.1, stages on .2 and .3, the
+    layers halved), without a draft and with each ([cluster] draft_model, k): decode tok/s
+    of one greedy stream through the OpenAI port, the fastest of ``repeats`` after the
+    warm-up; the acceptance and tokens per pass from the last stage's counters."""
+    import tempfile
+
+    from loopback import Cluster, start_cluster, stop_all, stream_once
+
+    from mlxceld.models.identity import layer_count, read_model_config
+
+    layers = layer_count(read_model_config(pair.target), source=str(pair.target))
+    splits = [(0, layers // 2), (layers // 2, layers)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mlxceld-spec-") as tmp:
+        for draft in (None, "agreeing", "unrelated"):
+            clusters: list[Cluster] = []
+            try:
+                cluster = start_cluster(
+                    Path(tmp) / (draft or "none"), pair.target, splits,
+                    ["127.0.0.2", "127.0.0.3"], clusters,
+                    None if draft is None else (pair.drafts[draft], k))
+                runs = [stream_once(cluster, PROMPT, n) for _ in range(repeats)]
+                best = max(runs, key=lambda r: r.decode_tps)
+                stats = last_stage_stats(cluster).get("speculative") if draft else None
+                rows.append(Row("ours, 2 stages", draft, best.decode_tps,
+                                None if stats is None else stats["acceptance_rate"],
+                                None if stats is None else stats["tokens_per_pass"]))
+            finally:
+                stop_all(clusters)
+    return rows
+
+
+def last_stage_stats(cluster: Any) -> dict[str, Any]:
+    """The last stage worker's stats (refreshed every second), after a second."""
+    from mlxceld.supervisor import channel
+    from mlxceld.supervisor.ops import Stats
+
+    time.sleep(1.2)
+    sock = cluster.root / f"stage-{len(cluster.stages) - 1}" / "workers" / "stage.sock"
+    stats: dict[str, Any] = asyncio.run(channel.call(sock, Stats()))["stats"]
+    return stats
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,

@@ -22,8 +22,11 @@ Refused at start (exit 2, naming the key or flag), and on a SIGHUP reload:
   tokenizer's tokens: ``mlxceld/models/drafts.py``), judged here for two local
   directories, by the router worker as it loads for a repo id (it exits naming
   ``serve.draft_model``);
-- where it is not built yet: a pipeline (``pp_auto``, ``pp_peer``,
-  ``distributed_config``; a plan activated later makes the router worker refuse it), a
+- on a pipeline's daemons (``pp_auto``, ``pp_peer``, ``distributed_config``; a plan
+  activated later makes the router worker refuse it): a pipeline's draft is its cluster
+  TOML's ``[cluster] draft_model`` and ``num_draft_tokens``, which each group's last
+  stage runs (``mlxceld/pipeline/speculating.py``);
+- where it is not built yet: a
   tensor-parallel group (``tp_size`` above 1, ``tp_peers``), a quantized KV cache
   (``kv_bits``), and every ``node_role`` but hybrid (a router over replicas holds no
   model; prefill and decode nodes hand caches over).
@@ -72,7 +75,8 @@ def check_draft_setting(draft: str | None, origin: str, *, model: str | None,
         return
     why = (f"node_role {node_role} (--node-role): only a hybrid node runs the model with "
            "the local engine" if node_role != HYBRID
-           else f"{pipeline}: speculative decoding over a pipeline is not built yet"
+           else f"{pipeline}: a pipeline's draft is the cluster TOML's [cluster] "
+           "draft_model (its last stage runs it: mlxceld/pipeline/speculating.py)"
            if pipeline is not None
            else f"tp_size {tp_size} (--tp-size): speculative decoding in a tensor-parallel "
            "group is not built yet" if tp_size > 1 or tp_peers

@@ -71,7 +71,7 @@ def test_keys_and_flags_set_it_and_the_router_gets_it(tmp_path: Path, models: Pa
     (["--draft-model", "DRAFT", "--kv-bits", "8"], {},
      r"--draft-model with kv_bits"),
     (["--draft-model", "DRAFT", "--pp-auto", "2"], {}, r"--draft-model with pp_auto "
-     r"\(--pp-auto\): speculative decoding over a pipeline is not built yet"),
+     r"\(--pp-auto\): a pipeline's draft is the cluster TOML's \[cluster\] draft_model"),
     ([], {"draft_model": "DRAFT", "node_role": "router", "replicas": ["10.0.0.2"]},
      r"'serve\.draft_model' with node_role router"),
     (["--draft-model", "V600"], {}, r"--draft-model: draft model .*v600 has a vocabulary "
