@@ -13,12 +13,13 @@ drain`, ``drained``): no plan, heal or activate uses it until `mlxctl undrain`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
-from mlxceld.cluster.clusterfile.load import dump_cluster
+from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.cluster.plan.groups import plan_groups_around
 from mlxceld.cluster.plan.model import Plan, PlanNode, Reserve, usable_memory
 from mlxceld.cluster.plan.report import PlanJSON, plan_json, render_plan_table
@@ -129,3 +130,15 @@ def _proposal(plan: Plan, identity: str, model: Path, notes: Sequence[str], *, c
     # A repo id's snapshot is pushed as the repo id: each host fetches what it needs.
     cfg = plan.to_cluster(cluster, model_name(model), coordinator)
     return Proposal(plan, identity, dump_cluster(cfg), render_plan_table(plan), tuple(notes))
+
+
+def drafted(proposal: Proposal, draft: tuple[str | None, int]) -> Proposal:
+    """``proposal`` with the coordinator's ``[serve] draft_model`` and ``num_draft_tokens``
+    in its cluster TOML (``[cluster] draft_model``: each group's last stage runs it,
+    ``pipeline/speculating.py``); as it was without a draft."""
+    model, k = draft
+    if model is None:
+        return proposal
+    cfg = parse_cluster_text(proposal.toml, Path("cluster.toml"))
+    return dataclasses.replace(proposal, toml=dump_cluster(dataclasses.replace(
+        cfg, draft_model=model, num_draft_tokens=k)))
