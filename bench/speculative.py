@@ -173,6 +173,10 @@ def pipeline_rows(pair: Pair, n: int, k: int, repeats: int) -> list[Row]:
                 rows.append(Row("ours, 2 stages", draft, best.decode_tps,
                                 None if stats is None else stats["acceptance_rate"],
                                 None if stats is None else stats["tokens_per_pass"]))
+                if stats is not None and stats["passes"]:
+                    ms = 1000 * stats["draft_s"] / stats["passes"]
+                    print(f"2 stages, {draft} draft: {ms:.2f} ms drafting a pass with "
+                          f"proposals on the last stage ({stats['passes']} passes)")
             finally:
                 stop_all(clusters)
     return rows

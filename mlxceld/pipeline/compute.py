@@ -107,6 +107,14 @@ class Drafted:
 
 
 @dataclass
+class DraftClock:
+    """A last stage's time in its draft (its proposals, catch-ups included: ``speculating
+    .py``), for its stats: what drafting costs a pass there."""
+
+    seconds: float = 0.0
+
+
+@dataclass
 class Step:
     seq_id: str
     state: SeqState

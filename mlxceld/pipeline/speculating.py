@@ -49,7 +49,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlxceld.engine.pacing import Pacing
 from mlxceld.engine.sampling import read_logprobs, sampling_logits
 from mlxceld.engine.speculative import Draft, accept_greedy, accept_sampled
-from mlxceld.pipeline.compute import Drafted, Sampled
+from mlxceld.pipeline.compute import DraftClock, Drafted, Sampled
 
 if TYPE_CHECKING:
     from mlxceld.engine.base import SamplingParams
@@ -73,6 +73,7 @@ class SpecState:
     q: list[Any] = field(default_factory=list)  # their draft distributions (sampling)
     generated: int = 0
     began: float | None = None  # when the pass on its way round was sent
+    clock: DraftClock = field(default_factory=DraftClock)  # the stage's, shared
     pacing: Pacing = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +123,14 @@ class SpecState:
         self.proposed, self.q = [], []
         if k <= 0:
             return []
-        context = [*self.ids, last]
+        start = time.perf_counter()
+        try:
+            return self._drafted([*self.ids, last], k)
+        finally:
+            self.clock.seconds += time.perf_counter() - start
+
+    def _drafted(self, context: list[int], k: int) -> list[int]:
+        """``k`` proposals after ``context``: the draft's cache caught up on it first."""
         at = int(self.cache[0].offset)
         while len(context) - at > CATCH_UP + 1:  # a prompt: in chunks
             self.draft.model(mx.array(context[at:at + CATCH_UP])[None], cache=self.cache)

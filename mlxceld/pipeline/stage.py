@@ -67,7 +67,7 @@ from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.compute import SeqState, StageModelLike
+from mlxceld.pipeline.compute import DraftClock, SeqState, StageModelLike
 from mlxceld.pipeline.kvstore import StageCache
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.messages import (
@@ -149,6 +149,7 @@ class StageService:
         ``draft``: on the last stage, the draft its sequences speculate with
         (``speculating.py``; its counters in the stage's stats)."""
         self.draft = draft
+        self.draft_clock = DraftClock()  # its time in the draft (speculating.py)
         self._model = model
         self._matching = StageMatching(place.node_id, tokenizer_path, model.vocab_size)
         self._place = place
@@ -375,7 +376,8 @@ class StageService:
                         and self.draft.takes(params, state.matching is not None):
                     from mlxceld.pipeline.speculating import SpecState
 
-                    state.spec = SpecState(self.draft, params, self._model.vocab_size, eos)
+                    state.spec = SpecState(self.draft, params, self._model.vocab_size, eos,
+                                           clock=self.draft_clock)
             state.reuse = self.cache.reuse(who, prepare.reuse)  # copied on the compute side
             if self._leader is not None:  # its followers make caches alike (tensor_stage.py)
                 self._leader.drop(seq_id)  # prepared again: its old caches first

@@ -207,7 +207,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  inline=service.stats.inline,
                                  prompt_cache=cache_stats(service.cache))
                 if draft is not None:  # speculative decoding's counters (speculating.py)
-                    ctx.stats.update(speculative=draft.snapshot())
+                    ctx.stats.update(speculative={
+                        **draft.snapshot(), "draft_s": round(service.draft_clock.seconds, 6)})
             ctx.stats.update(draining=True)
             await service.finish_held(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()
