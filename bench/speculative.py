@@ -169,28 +169,44 @@ def pipeline_rows(pair: Pair, n: int, k: int, repeats: int) -> list[Row]:
                     None if draft is None else (pair.drafts[draft], k))
                 runs = [stream_once(cluster, PROMPT, n) for _ in range(repeats)]
                 best = max(runs, key=lambda r: r.decode_tps)
-                stats = last_stage_stats(cluster).get("speculative") if draft else None
+                stages = stage_stats(cluster)
+                stats = stages[-1].get("speculative") if draft else None
                 rows.append(Row("ours, 2 stages", draft, best.decode_tps,
                                 None if stats is None else stats["acceptance_rate"],
                                 None if stats is None else stats["tokens_per_pass"]))
-                if stats is not None and stats["passes"]:
-                    ms = 1000 * stats["draft_s"] / stats["passes"]
-                    print(f"2 stages, {draft} draft: {ms:.2f} ms drafting a pass with "
-                          f"proposals on the last stage ({stats['passes']} passes)")
+                where_time_goes(draft, best.decode_tps, stages, stats)
             finally:
                 stop_all(clusters)
     return rows
 
 
-def last_stage_stats(cluster: Any) -> dict[str, Any]:
-    """The last stage worker's stats (refreshed every second), after a second."""
+def stage_stats(cluster: Any) -> list[dict[str, Any]]:
+    """Each stage worker's stats (refreshed every second), after a second."""
     from mlxceld.supervisor import channel
     from mlxceld.supervisor.ops import Stats
 
     time.sleep(1.2)
-    sock = cluster.root / f"stage-{len(cluster.stages) - 1}" / "workers" / "stage.sock"
-    stats: dict[str, Any] = asyncio.run(channel.call(sock, Stats()))["stats"]
-    return stats
+
+    async def read() -> list[dict[str, Any]]:
+        return [(await channel.call(cluster.root / f"stage-{rank}" / "workers" / "stage.sock",
+                                    Stats()))["stats"] for rank in range(len(cluster.stages))]
+
+    return asyncio.run(read())
+
+
+def where_time_goes(draft: str | None, tok_s: float, stages: list[dict[str, Any]],
+                    spec: dict[str, Any] | None) -> None:
+    """A pass of the fastest run, in ms: each stage's compute a step (over every run,
+    the warm-up's included), the last stage's drafting, and the rest (hops, the router,
+    the client, waiting for a CPU)."""
+    per_pass = spec["tokens_per_pass"] if spec and spec["passes"] else 1.0
+    total = 1000 * per_pass / tok_s
+    steps = [1000 * s["compute_s"] / max(1, s["steps"]) for s in stages]
+    drafting = 1000 * spec["draft_s"] / spec["passes"] if spec and spec["passes"] else 0.0
+    print(f"2 stages, draft {draft or 'none'}: a pass {total:.1f} ms: "
+          + ", ".join(f"stage {i} {ms:.1f}" for i, ms in enumerate(steps))
+          + f" (of which drafting {drafting:.1f}), the rest "
+          f"{total - sum(steps):.1f} (hops, router, client, CPU waits)")
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,

@@ -66,6 +66,7 @@ class SpecState:
     vocab_size: int
     eos: frozenset[int]
     cache: list[Any] = field(default_factory=list)  # the draft's
+    held: list[int] = field(default_factory=list)  # the tokens the draft's cache holds
     ids: list[int] = field(default_factory=list)  # tokens at positions base, base + 1, ...
     base: int | None = None  # the target's cache offset at the sequence's first step
     allowed: bool = False  # alone on the stage: this pass may propose (steps.py)
@@ -86,14 +87,9 @@ class SpecState:
         """A step about to run from cache ``offset`` (trimmed to ``pos``), its ids."""
         if self.base is None:
             self.base = offset
-        new = ids or []
-        if pos is not None:  # the draft keeps what it read of the tokens still there
-            at = max(0, pos - self.base)
-            same = next((i for i, (a, b) in enumerate(zip(self.ids[at:], new, strict=False))
-                         if a != b), min(len(self.ids) - at, len(new)))
-            del self.ids[at:]
-            _rewind(self.cache, at + max(0, same))
-        self.ids.extend(new)
+        if pos is not None:
+            del self.ids[max(0, pos - self.base):]
+        self.ids.extend(ids or [])
 
     def verify(self, logits: Any) -> tuple[list[int], Any, int]:
         """The tokens a pass keeps from its logits [k+1, vocab] (the proposals it ran,
@@ -111,7 +107,6 @@ class SpecState:
                                      self.proposed, mx.random.uniform(shape=(k + 1,)))
         kept = [*self.proposed[:n], last]
         del self.ids[len(self.ids) - k + n:]  # the rejected proposals
-        _rewind(self.cache, len(self.ids))
         self.draft.count(k, n, len(kept))
         return kept, logprobs.astype(mx.float32), n
 
@@ -125,34 +120,44 @@ class SpecState:
             return []
         start = time.perf_counter()
         try:
-            return self._drafted([*self.ids, last], k)
+            self.proposed = self._drafted([*self.ids, last], k)
+            return list(self.proposed)
         finally:
             self.clock.seconds += time.perf_counter() - start
 
     def _drafted(self, context: list[int], k: int) -> list[int]:
-        """``k`` proposals after ``context``: the draft's cache caught up on it first."""
-        at = int(self.cache[0].offset)
+        """``k`` proposals after ``context``: the draft's cache trimmed to what it holds
+        of ``context`` and caught up on the rest first."""
+        same = next((i for i, (a, b) in enumerate(zip(self.held, context, strict=False))
+                     if a != b), min(len(self.held), len(context)))
+        same = min(same, len(context) - 1)  # the last token is the first step's input
+        _rewind(self.cache, same)
+        del self.held[same:]
+        at = same
         while len(context) - at > CATCH_UP + 1:  # a prompt: in chunks
             self.draft.model(mx.array(context[at:at + CATCH_UP])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             at += CATCH_UP
         y = mx.array(context[at:], dtype=mx.uint32)
         drafted: list[Any] = []
+        q: list[Any] = []
         for _ in range(k):
             logits = self.draft.model(y[None], cache=self.cache)[0, -1:, :]
             if self._scale is None:
                 y = mx.argmax(logits, axis=-1).astype(mx.uint32)
             else:
                 scaled = self._scale(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-                self.q.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
+                q.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
                 y = mx.random.categorical(scaled).astype(mx.uint32)
             mx.async_eval(y)  # type: ignore[no-untyped-call]
             drafted.append(y)
-        self.proposed = mx.concatenate(drafted).tolist()  # type: ignore[assignment]
+        tokens: list[int] = mx.concatenate(drafted).tolist()  # type: ignore[assignment]
         # Evaluated here: the pass may be verified on another thread (steps.py's inline
         # steps), where this one's stream does not exist.
-        mx.eval(self.q)
-        return list(self.proposed)
+        mx.eval(q, [c.state for c in self.cache])
+        self.q = q
+        self.held += [*context[same:], *tokens[:-1]]
+        return tokens
 
     def paced(self, tokens: int) -> None:
         """A pass that gave ``tokens`` ended now: timed from when it was sent, while
