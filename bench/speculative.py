@@ -167,14 +167,17 @@ def pipeline_rows(pair: Pair, n: int, k: int, repeats: int) -> list[Row]:
                     Path(tmp) / (draft or "none"), pair.target, splits,
                     ["127.0.0.2", "127.0.0.3"], clusters,
                     None if draft is None else (pair.drafts[draft], k))
-                runs = [stream_once(cluster, PROMPT, n) for _ in range(repeats)]
-                best = max(runs, key=lambda r: r.decode_tps)
-                stages = stage_stats(cluster)
-                stats = stages[-1].get("speculative") if draft else None
+                runs = []
+                for _ in range(repeats):  # each with the stages' counters around it
+                    before = stage_stats(cluster)
+                    run = stream_once(cluster, PROMPT, n)
+                    runs.append((run, before, stage_stats(cluster)))
+                best, before, after = max(runs, key=lambda r: r[0].decode_tps)
+                stats = after[-1].get("speculative") if draft else None
                 rows.append(Row("ours, 2 stages", draft, best.decode_tps,
                                 None if stats is None else stats["acceptance_rate"],
                                 None if stats is None else stats["tokens_per_pass"]))
-                where_time_goes(draft, best.decode_tps, stages, stats)
+                where_time_goes(draft, best, before, after)
             finally:
                 stop_all(clusters)
     return rows
@@ -194,19 +197,28 @@ def stage_stats(cluster: Any) -> list[dict[str, Any]]:
     return asyncio.run(read())
 
 
-def where_time_goes(draft: str | None, tok_s: float, stages: list[dict[str, Any]],
-                    spec: dict[str, Any] | None) -> None:
-    """A pass of the fastest run, in ms: each stage's compute a step (over every run,
-    the warm-up's included), the last stage's drafting, and the rest (hops, the router,
-    the client, waiting for a CPU)."""
-    per_pass = spec["tokens_per_pass"] if spec and spec["passes"] else 1.0
-    total = 1000 * per_pass / tok_s
-    steps = [1000 * s["compute_s"] / max(1, s["steps"]) for s in stages]
-    drafting = 1000 * spec["draft_s"] / spec["passes"] if spec and spec["passes"] else 0.0
-    print(f"2 stages, draft {draft or 'none'}: a pass {total:.1f} ms: "
+def where_time_goes(draft: str | None, run: Any, before: list[dict[str, Any]],
+                    after: list[dict[str, Any]]) -> None:
+    """The fastest run's time a pass, in ms (its stages' counters before and after it):
+    each stage's compute a step, the last stage's drafting, and the rest (hops, the
+    router, the client, waiting for a CPU)."""
+    def delta(rank: int, *keys: str) -> float:
+        a, b = after[rank], before[rank]
+        for key in keys[:-1]:
+            a, b = a.get(key) or {}, b.get(key) or {}
+        return float(a.get(keys[-1], 0)) - float(b.get(keys[-1], 0))
+
+    last = len(after) - 1
+    passes = delta(last, "steps")  # each pass runs one step a stage (and the prefill)
+    drafting = 1000 * delta(last, "speculative", "draft_s") / max(1.0, passes)
+    steps = [1000 * delta(r, "compute_s") / max(1.0, delta(r, "steps"))
+             for r in range(len(after))]
+    total = 1000 * run.total_s / max(1.0, passes)
+    print(f"2 stages, draft {draft or 'none'}: {run.tokens} tokens in {passes:.0f} "
+          f"passes, {total:.1f} ms a pass (prefill included): "
           + ", ".join(f"stage {i} {ms:.1f}" for i, ms in enumerate(steps))
-          + f" (of which drafting {drafting:.1f}), the rest "
-          f"{total - sum(steps):.1f} (hops, router, client, CPU waits)")
+          + f" (of which drafting {drafting:.1f}), the rest {total - sum(steps):.1f} "
+          "(hops, router, client, CPU waits)")
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,
