@@ -14,11 +14,12 @@ proposal right, acceptance 1.0) and an unrelated random one (acceptance near 0).
   (mlx-lm's ``generate --draft-model``), the same k.
 
 Decode tok/s is the tokens after the first over the time from the first to the last
-(prefill left out), the fastest of ``--repeats`` runs (a shared host's load only slows a
-run). Printed: tok/s, the ratio to the same engine without a draft, the acceptance rate
-and the tokens per pass with proposals (ours from the engine's counters, over every run;
-mlx-lm's from its ``from_draft`` flags), and ours over mlx-lm's. Ours backs off a draft
-that does not pay (``engine/pacing.py``); mlx-lm's always proposes.
+(prefill left out), the fastest of ``--repeats`` runs, the rows taking turns (a shared
+host's load only slows a run). Printed: tok/s, the ratio to the same engine without a
+draft, the acceptance rate and the tokens per pass with proposals (ours from the engine's
+counters, mlx-lm's from its ``from_draft`` flags; over every run), and ours over
+mlx-lm's. Ours backs off a draft that does not pay (``engine/pacing.py``); mlx-lm's
+always proposes.
 
 The 2-stage pipeline's rows (``pipeline_rows``): our daemons on loopback as
 bench/pipeline.py runs them, the layers halved, the draft on the last stage
@@ -77,7 +78,20 @@ def timed(tokens: Iterator[Any]) -> tuple[int, float]:
     return n, last - first
 
 
-def ours(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
+@dataclass
+class Runner:
+    """One row's setup, loaded once: ``run`` decodes one sequence (its tokens and the
+    seconds from the first to the last), ``counters`` reads (acceptance, tokens per pass)
+    once the runs are done (None without a draft), ``close`` ends it."""
+
+    engine: str
+    draft: str | None
+    run: Callable[[], tuple[int, float]]
+    counters: Callable[[], tuple[float, float] | None]
+    close: Callable[[], None] = lambda: None
+
+
+def ours(pair: Pair, draft: str | None, n: int, k: int) -> Runner:
     from mlx_lm import load
 
     from mlxceld.engine import GenerationRequest, SamplingParams
@@ -87,32 +101,26 @@ def ours(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
     model, tokenizer = load(str(pair.target))
     spec = None if draft is None else Draft(load(str(pair.drafts[draft]))[0], k)
     prompt = tokenizer.encode(PROMPT)
+    engine = LocalEngine(model, model_id="target", context_length=1 << 16,
+                         eos_token_ids=set(), vocab_size=int(model.args.vocab_size),
+                         max_batch=1, prompt_cache_bytes=0, draft=spec)
 
-    async def run() -> tuple[int, float]:
-        engine = LocalEngine(model, model_id="target", context_length=1 << 16,
-                             eos_token_ids=set(), vocab_size=int(model.args.vocab_size),
-                             max_batch=1, prompt_cache_bytes=0, draft=spec)
-        try:
-            runs = []
-            for _ in range(1 + repeats):  # a warm-up, then the runs measured
-                stamps: list[float] = []
-                request = GenerationRequest("b", prompt, SamplingParams(max_tokens=n,
-                                                                        temperature=0))
-                async for _ in engine.generate(request):
-                    stamps.append(time.perf_counter())
-                runs.append((len(stamps), stamps[-1] - stamps[0]))
-            return min(runs[1:], key=lambda r: r[1])
-        finally:
-            await engine.aclose()
+    async def decode() -> tuple[int, float]:
+        stamps: list[float] = []
+        request = GenerationRequest("b", prompt, SamplingParams(max_tokens=n, temperature=0))
+        async for _ in engine.generate(request):
+            stamps.append(time.perf_counter())
+        return len(stamps), stamps[-1] - stamps[0]
 
-    count, seconds = asyncio.run(run())
-    stats = spec.snapshot() if spec is not None else None
-    return Row("ours", draft, (count - 1) / seconds,
-               None if stats is None else stats["acceptance_rate"],
-               None if stats is None else stats["tokens_per_pass"])
+    def counters() -> tuple[float, float] | None:
+        stats = None if spec is None else spec.snapshot()
+        return None if stats is None else (stats["acceptance_rate"], stats["tokens_per_pass"])
+
+    return Runner("ours", draft, lambda: asyncio.run(decode()), counters,
+                  lambda: asyncio.run(engine.aclose()))
 
 
-def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
+def mlx_lm(pair: Pair, draft: str | None, n: int, k: int) -> Runner:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step, speculative_generate_step
@@ -123,7 +131,6 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
     flags: list[bool] = []
 
     def steps() -> Iterator[Any]:
-        flags.clear()
         if other is None:
             yield from generate_step(prompt, model, max_tokens=n)
             return
@@ -132,55 +139,78 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int, repeats: int) -> Row:
             flags.append(bool(from_draft))
             yield token, logprobs
 
-    timed(steps())  # a warm-up
-    count, seconds = min((timed(steps()) for _ in range(repeats)), key=lambda r: r[1])
-    if other is None:
-        return Row("mlx-lm", None, (count - 1) / seconds)
-    accepted = sum(flags)
-    # Each pass ends with one token of the target's own, but the last one when max_tokens
-    # came among its accepted proposals.
-    passes = count - accepted + (1 if flags and flags[-1] else 0)
-    proposed = passes * k  # at most: a pass near max_tokens proposes fewer
-    return Row("mlx-lm", draft, (count - 1) / seconds, accepted / proposed, count / passes)
+    def counters() -> tuple[float, float] | None:
+        if other is None:
+            return None
+        accepted = sum(flags)
+        # Each pass ends with one token of the target's own, but a run's last pass when
+        # max_tokens came among its accepted proposals.
+        runs = len(flags) // n
+        passes = len(flags) - accepted + sum(flags[i * n + n - 1] for i in range(runs))
+        proposed = passes * k  # at most: a pass near max_tokens proposes fewer
+        return accepted / proposed, len(flags) / passes
+
+    return Runner("mlx-lm", draft, lambda: timed(steps()), counters)
 
 
-def pipeline_rows(pair: Pair, n: int, k: int, repeats: int) -> list[Row]:
+def pipeline_rows(pair: Pair, n: int, k: int) -> list[Runner]:
     """The 2-stage pipeline's rows ("ours, 2 stages"): our daemons on loopback as
     bench/pipeline.py runs them (a coordinator on 127.0.0.1, stages on .2 and .3, the
-    layers halved), without a draft and with each ([cluster] draft_model, k): decode tok/s
-    of one greedy stream through the OpenAI port, the fastest of ``repeats`` after the
-    warm-up; the acceptance and tokens per pass from the last stage's counters."""
+    layers halved), without a draft and with each ([cluster] draft_model, k), all started
+    first; a run is one greedy stream through the OpenAI port (its decode span from the
+    client's SSE timestamps); the acceptance and tokens per pass from the last stage's
+    counters; where the fastest run's time went is printed as the rows close."""
+    import shutil
     import tempfile
 
-    from loopback import Cluster, start_cluster, stop_all, stream_once
+    from loopback import Cluster, start_cluster, stop_all
 
     from mlxceld.models.identity import layer_count, read_model_config
 
     layers = layer_count(read_model_config(pair.target), source=str(pair.target))
     splits = [(0, layers // 2), (layers // 2, layers)]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="mlxceld-spec-") as tmp:
+    tmp = Path(tempfile.mkdtemp(prefix="mlxceld-spec-"))
+    clusters: list[Cluster] = []
+    runners = []
+    try:
         for draft in (None, "agreeing", "unrelated"):
-            clusters: list[Cluster] = []
-            try:
-                cluster = start_cluster(
-                    Path(tmp) / (draft or "none"), pair.target, splits,
-                    ["127.0.0.2", "127.0.0.3"], clusters,
-                    None if draft is None else (pair.drafts[draft], k))
-                runs = []
-                for _ in range(repeats):  # each with the stages' counters around it
-                    before = stage_stats(cluster)
-                    run = stream_once(cluster, PROMPT, n)
-                    runs.append((run, before, stage_stats(cluster)))
-                best, before, after = max(runs, key=lambda r: r[0].decode_tps)
-                stats = after[-1].get("speculative") if draft else None
-                rows.append(Row("ours, 2 stages", draft, best.decode_tps,
-                                None if stats is None else stats["acceptance_rate"],
-                                None if stats is None else stats["tokens_per_pass"]))
-                where_time_goes(draft, best, before, after)
-            finally:
-                stop_all(clusters)
-    return rows
+            cluster = start_cluster(tmp / (draft or "none"), pair.target, splits,
+                                    [f"127.0.0.{2 + 2 * len(runners)}",
+                                     f"127.0.0.{3 + 2 * len(runners)}"], clusters,
+                                    None if draft is None else (pair.drafts[draft], k))
+            runners.append(_pipeline_runner(cluster, draft, n))
+    except BaseException:
+        stop_all(clusters)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def close() -> None:
+        stop_all(clusters)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    runners[-1].close = close
+    return runners
+
+
+def _pipeline_runner(cluster: Any, draft: str | None, n: int) -> Runner:
+    from loopback import stream_once
+
+    fastest: list[Any] = []  # (stream, stage stats before, after)
+
+    def run() -> tuple[int, float]:
+        before = stage_stats(cluster)
+        stream = stream_once(cluster, PROMPT, n)
+        if not fastest or stream.decode_tps > fastest[0].decode_tps:
+            fastest[:] = [stream, before, stage_stats(cluster)]
+        return stream.tokens, stream.decode_s
+
+    def counters() -> tuple[float, float] | None:
+        stream, before, after = fastest
+        where_time_goes(draft, stream, before, after)
+        stats = after[-1].get("speculative") if draft else None
+        return None if stats is None else (stats["acceptance_rate"], stats["tokens_per_pass"])
+
+    return Runner("ours, 2 stages", draft, run, counters)
 
 
 def stage_stats(cluster: Any) -> list[dict[str, Any]]:
@@ -222,11 +252,28 @@ def where_time_goes(draft: str | None, run: Any, before: list[dict[str, Any]],
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,
-           more: Callable[[Pair, int, int, int], list[Row]] = pipeline_rows) -> list[Row]:
-    rows = [measure(pair, draft, n, k, repeats) for measure in (ours, mlx_lm)
-            for draft in (None, "agreeing", "unrelated")] + more(pair, n, k, repeats)
+           more: Callable[[Pair, int, int], list[Runner]] = pipeline_rows) -> list[Row]:
+    """Every row loaded, warmed up, then ``repeats`` rounds of one run each, in turn (a
+    burst of load on a shared host slows one round of every row, not one row): each row's
+    fastest run."""
+    runners = [make(pair, draft, n, k) for make in (ours, mlx_lm)
+               for draft in (None, "agreeing", "unrelated")] + more(pair, n, k)
+    best: dict[int, float] = {}
+    try:
+        for round_ in range(1 + repeats):
+            for i, runner in enumerate(runners):
+                count, seconds = runner.run()
+                if round_:  # the first is the warm-up
+                    best[i] = max(best.get(i, 0.0), (count - 1) / seconds)
+    finally:
+        for runner in runners:
+            runner.close()
+    rows = []
+    for i, runner in enumerate(runners):
+        counted = runner.counters()
+        rows.append(Row(runner.engine, runner.draft, best[i], *(counted or (None, None))))
     print(f"target {pair.target.name}: {n} greedy tokens from one prompt, k = {k}, "
-          f"one sequence; the fastest of {repeats} runs after a warm-up")
+          f"one sequence; each row's fastest of {repeats} runs, after a warm-up")
     print(f"{'engine':<16}{'draft':<11}{'tok/s':>9}{'vs none':>9}{'accepted':>10}"
           f"{'tok/pass':>10}")
     base = {r.engine: r.tok_s for r in rows if r.draft is None}

@@ -31,7 +31,9 @@ Refused at start (exit 2, naming the key or flag), and on a SIGHUP reload:
 - where it is not built yet: a
   tensor-parallel group (``tp_size`` above 1, ``tp_peers``), a quantized KV cache
   (``kv_bits``), and every ``node_role`` but hybrid (a router over replicas holds no
-  model; prefill and decode nodes hand caches over).
+  model; prefill and decode nodes hand caches over);
+- by the router worker as it loads them: a model or draft with sliding-window layers
+  (gemma3, gpt_oss), whose caches cannot be trimmed back to the accepted tokens.
 """
 
 from __future__ import annotations

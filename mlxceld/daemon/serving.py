@@ -42,6 +42,7 @@ from mlxceld.config.tensor_modes import check_tp_modes_model, setting_names
 from mlxceld.control.answers import ServedModel, Unserved
 from mlxceld.daemon.roster import Roster
 from mlxceld.errors import ConfigError, ModelRefused, UnserveRefused
+from mlxceld.models.drafts import check_draft
 from mlxceld.models.families import require_splittable
 from mlxceld.models.fetch import local_model, names_a_repo
 from mlxceld.roles.options import options_json
@@ -121,6 +122,9 @@ class ServingWindow:
             check_tp_modes_model(local, self.serve.tp_modes, setting_names(),
                                  f"mlxctl serve {model}")
             check_kv_model(local, self.serve.kv_quant, "serve.kv_bits")
+            draft = self.serve.draft_model  # a repo id's is checked where it is loaded
+            if draft is not None and Path(draft).is_dir() and Path(local).is_dir():
+                check_draft(Path(local), Path(draft), "serve.draft_model")
         except ConfigError as exc:
             raise ModelRefused(exc.message, hint=exc.hint) from exc
         roster.serve = self.serve.with_model(resolved, name)

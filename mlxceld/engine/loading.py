@@ -12,7 +12,7 @@ from typing import Any
 from mlxceld.engine.constraints import ConstraintError, ConstraintTokenizer
 from mlxceld.engine.kvquant import kv_refusal
 from mlxceld.engine.local import LocalEngine
-from mlxceld.engine.speculative import Draft
+from mlxceld.engine.speculative import Draft, Speculation
 from mlxceld.engine.tensor import Mirror
 from mlxceld.errors import ConfigError
 from mlxceld.models.context import served_context
@@ -48,6 +48,12 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
     if draft_model is not None:
         check_draft(Path(path), Path(draft_model), "serve.draft_model")
         draft = Draft(load(draft_model)[0], num_draft_tokens)
+        if not Speculation.trimmable(model, draft):
+            family = config.get("model_type") or getattr(model, "model_type", "?")
+            raise ConfigError(f"serve.draft_model: model family {family!r} (or the draft's) "
+                              "keeps a KV cache that cannot be trimmed back to the accepted "
+                              "tokens (a sliding window's), which speculative decoding needs",
+                              hint="leave draft_model out for this model")
     read_weights(model_layers(model), model, progress)
     return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                       max_batch=max_batch, on_failure=on_failure,

@@ -122,8 +122,8 @@ class LocalEngine:
             log.info("engine for %s: %s", model_id, kv_quant)
         self._gen: Any = batching.generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
-        assert draft is None or (mirror is None and kv_quant is None)
-        self.draft = draft if draft is None or Speculation.trimmable(model, draft) else None
+        assert draft is None or (mirror is None and kv_quant is None)  # loading.py checks
+        self.draft = draft  # ... and that both caches trim back (Speculation.trimmable)
         self._spec: _Sequence | None = None  # the sequence decoded speculatively, if any
         if mirror is not None:
             mirror.on_broken, mirror.on_silent = self._group_broke, self._group_silent

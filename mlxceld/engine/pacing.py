@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PROBE = 4  # passes that measure a mode
+PROBE = 2  # passes that measure a mode
 SPECULATE = 64  # passes with proposals before the plain rate is measured again
 FIRST_RUN = 32  # plain passes after a probe of proposals lost; doubled each time it loses
 MAX_RUN = 512

@@ -20,7 +20,9 @@ the k+1 positions; ``n`` proposals are accepted and one more token comes from th
 the tokens kept. Accepting:
 
 - greedy (temperature 0): ``d_i`` while it is the target's argmax; ``t`` the target's
-  argmax after them: exactly the target's own greedy tokens (``accept_greedy``).
+  argmax after them: exactly the target's own greedy tokens (``accept_greedy``), up to
+  floating point: a pass over k+1 positions sums in another order than one over one
+  position, so in bfloat16 a near-tie may break the other way (as in mlx-lm's).
 - temperature above 0: the standard rejection rule (Leviathan et al., Chen et al.):
   ``d_i`` (drawn from the draft's distribution ``q``) with probability ``min(1, p/q)``
   at it, where ``p`` is the target's; at the first rejection ``t`` is drawn from
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import FinishReason, SamplingParams, TokenOutput
 from mlxceld.engine.pacing import Pacing
@@ -154,8 +156,10 @@ class Speculation:
 
     @staticmethod
     def trimmable(model: Any, draft: Draft) -> bool:
-        return bool(can_trim_prompt_cache(make_prompt_cache(model))
-                    and can_trim_prompt_cache(make_prompt_cache(draft.model)))
+        """Whether both models keep plain ``KVCache`` layers, which trim back at any length
+        (a sliding window's ``RotatingKVCache`` says it can while it has not wrapped)."""
+        return all(type(c) is KVCache for m in (model, draft.model)
+                   for c in make_prompt_cache(m))
 
     @property
     def offset(self) -> int:

@@ -101,7 +101,10 @@ def _run(target: Path, draft: Path | None, job: Any, k: int = 4) -> tuple[Any, A
 
 @pytest.mark.parametrize(("target", "draft", "rate"), [
     ("target", "draft", (1.0, 1.0)), ("target", "other", (0.0, 0.5)),
-    ("plain", "other", (0.0, 0.5))])
+    ("plain", "other", (0.0, 0.5)),
+    # The target as its own draft: its context (its cache, trimmed pass after pass) must
+    # be right for every proposal to be: the zeroed pair's draft reads the last token only.
+    ("plain", "plain", (1.0, 1.0))])
 def test_greedy_with_a_draft_is_greedy_without(pair: Path, target: str, draft: str,
                                                 rate: tuple[float, float]) -> None:
     tokenizer = load(str(pair / target))[1]
@@ -121,7 +124,7 @@ def test_greedy_with_a_draft_is_greedy_without(pair: Path, target: str, draft: s
     assert stats["proposed"] > 0 and stats["passes"] > 0
     assert rate[0] <= stats["acceptance_rate"] <= rate[1]
     assert stats["tokens"] <= sum(len(s) for s in got)  # plain passes are not counted
-    if draft == "draft":  # k accepted and one more, each pass but the last ones
+    if rate[0] == 1.0:  # k accepted and one more, each pass but the last ones
         assert stats["tokens_per_pass"] > 4
 
 
@@ -176,3 +179,37 @@ def test_a_draft_of_another_tokenizer_is_refused(pair: Path, tmp_path: Path) -> 
                                              tokenizer_vocab=300))
     with pytest.raises(ConfigError, match=r"tokenizer \(tokenizer\.json\) is not"):
         load_local_engine(str(pair / "target"), draft_model=str(tmp_path / "t600"))
+
+
+def test_a_model_whose_cache_cannot_be_trimmed_is_refused(tmp_path: Path) -> None:
+    target = preset("tiny", family="gemma3_text", layers=2)
+    write_fixture(tmp_path / "gemma", target)
+    write_fixture(tmp_path / "draft", unrelated_draft(target))
+    with pytest.raises(ConfigError, match=r"serve\.draft_model: model family 'gemma3_text' .*"
+                                          r"cannot be trimmed"):
+        load_local_engine(str(tmp_path / "gemma"), draft_model=str(tmp_path / "draft"))
+
+
+def test_a_speculated_sequence_feeds_the_prompt_cache(pair: Path) -> None:
+    """Its cache is kept as it ends; the same prompt again prefills only its last token, and
+    speculates from there to the same tokens."""
+    tokenizer = load(str(pair / "plain"))[1]
+    prompt = tokenizer.encode(PROMPTS[1])
+
+    async def twice(engine: LocalEngine) -> list[list[TokenOutput]]:
+        return [await _tokens(engine, prompt, temperature=0) for _ in range(2)]
+
+    async def main() -> tuple[list[list[TokenOutput]], dict[str, float]]:
+        engine, _ = load_local_engine(str(pair / "plain"), max_batch=2,
+                                      draft_model=str(pair / "other"))
+        try:
+            outs = await twice(engine)
+            assert engine.draft is not None
+            return outs, engine.draft.snapshot()
+        finally:
+            await engine.aclose()
+
+    (first, second), stats = asyncio.run(main())
+    assert [t.token for t in first] == [t.token for t in second]
+    assert first[0].cached == 0 and second[0].cached == len(prompt) - 1
+    assert stats["passes"] > 0

@@ -37,6 +37,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_fixture(root / "draft", draft)
     write_fixture(root / "other", unrelated_draft(target))
     write_fixture(root / "plain", preset("tiny", family="llama", layers=3))
+    write_fixture(root / "v600", preset("tiny", family="llama", layers=1, vocab=600))
     return root
 
 
@@ -73,6 +74,10 @@ def test_an_unrelated_draft_changes_no_token_alone_or_together(daemons: Daemons,
     assert proposed is not None and proposed > 0
     wait_for(lambda: "of 0 draft tokens" not in d.ctl("status").stdout,
              STATS_S, "the counters in mlxctl status")
+    # `mlxctl serve` of a model the draft does not fit is refused, naming the setting.
+    refused = d.ctl("serve", str(pair / "v600"))
+    assert refused.returncode == 1, refused
+    assert "serve.draft_model: draft model" in refused.stderr, refused.stderr
 
 
 def test_the_agreeing_pair_accepts_every_proposal(daemons: Daemons, pair: Path) -> None:
@@ -92,11 +97,9 @@ def test_the_agreeing_pair_accepts_every_proposal(daemons: Daemons, pair: Path) 
 
 
 def test_a_draft_of_another_tokenizer_keeps_the_daemon_from_starting(
-        daemons: Daemons, pair: Path, tmp_path: Path) -> None:
-    other = write_fixture(tmp_path / "v600", preset("tiny", family="llama", layers=1,
-                                                    vocab=600))
+        daemons: Daemons, pair: Path) -> None:
     d = daemons.make(FAST_POLICY).start("--model", str(pair / "plain"), "--draft-model",
-                                        str(other), wait=False)
+                                        str(pair / "v600"), wait=False)
     assert d.proc is not None
     assert d.proc.wait(timeout=60) == 2
     err = d.stderr_path.read_text()
