@@ -222,7 +222,10 @@ def forward_group(model: StageModelLike, group: Sequence[Step], *,
         if s.pos is not None and offset > s.pos:  # a pass's rejected tail
             from mlx_lm.models.cache import trim_prompt_cache
 
-            trim_prompt_cache(s.state.cache, offset - s.pos)
+            trimmed: Any = trim_prompt_cache(s.state.cache, offset - s.pos)  # an int
+            if trimmed != offset - s.pos:
+                raise ValueError(f"its KV cache cannot be trimmed back to position {s.pos} "
+                                 "(a sliding window's), which speculative decoding needs")
         if model.last and s.state.spec is not None:
             ids = step_ids(s, model.first)
             if ids is None:  # no ids to draft from: a plain sequence from now on

@@ -160,7 +160,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                               f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",
                               hint=exc.hint) from exc
         try:
-            draft = None if o.draft_model is None else await load_draft(ctx, path)
+            draft = None if o.draft_model is None else await load_draft(ctx, path, model)
         except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
             raise ConfigError(f"stage {place.node_id} failed to load its draft model "
                               f"{o.draft_model}: {exc.message}", hint=exc.hint) from exc
@@ -222,9 +222,10 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
     return 0
 
 
-async def load_draft(ctx: WorkerContext[StageOptions], model: Path) -> Draft:
+async def load_draft(ctx: WorkerContext[StageOptions], model: Path, stage: Any) -> Draft:
     """The last stage's draft (``[cluster] draft_model``): fetched when a repo id, its
-    tokenizer checked against the model's in ``model`` (``models/drafts.py``), loaded."""
+    tokenizer checked against the model's in ``model`` (``models/drafts.py``), loaded; the
+    stage's caches (``stage``: its slice) and the draft's must trim."""
     o = ctx.options
     assert o.draft_model is not None
     if o.tp_size > 1:
@@ -232,6 +233,7 @@ async def load_draft(ctx: WorkerContext[StageOptions], model: Path) -> Draft:
                           f"{o.tp_size}): speculative decoding there is not built yet",
                           hint="leave [cluster] draft_model out, or tp_size on this host")
     from mlx_lm import load
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
     from mlxceld.engine.speculative import Draft
     from mlxceld.models.drafts import check_draft
@@ -240,6 +242,12 @@ async def load_draft(ctx: WorkerContext[StageOptions], model: Path) -> Draft:
     check_draft(model, path, "[cluster] draft_model")
     draft = Draft(await unless_stopped(ctx, "load", lambda: load(str(path))[0]),
                   o.num_draft_tokens)
+    if not (can_trim_prompt_cache(stage.make_cache())
+            and can_trim_prompt_cache(make_prompt_cache(draft.model))):
+        raise ConfigError("the model's (or the draft's) KV cache cannot be trimmed back to "
+                          "the accepted tokens (a sliding window's), which speculative "
+                          "decoding needs", hint="leave [cluster] draft_model out for this "
+                          "model")
     log.info("stage %s speculates with draft %s, k = %d", o.node_id, path,
              o.num_draft_tokens)
     return draft
