@@ -140,10 +140,11 @@ class SpecState:
         _rewind(self.cache, same)
         del self.held[same:]
         at = same
-        while len(context) - at > CATCH_UP + 1:  # a prompt: in chunks
-            self.draft.model(mx.array(context[at:at + CATCH_UP])[None], cache=self.cache)
+        while len(context) - at > 1:  # its caches only (no head): a prompt in chunks
+            size = min(CATCH_UP, len(context) - 1 - at)
+            self.draft.model(mx.array(context[at:at + size])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-            at += CATCH_UP
+            at += size
         y = mx.array(context[at:], dtype=mx.uint32)
         drafted: list[Any] = []
         q: list[Any] = []
