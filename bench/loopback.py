@@ -81,7 +81,11 @@ class Cluster:
 
 
 def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
-                  stage_hosts: list[str]) -> tuple[Path, list[tuple[str, int]]]:
+                  stage_hosts: list[str], draft: tuple[Path, int] | None = None
+                  ) -> tuple[Path, list[tuple[str, int]]]:
+    """``draft``: the last stage's draft model and k ([cluster] draft_model)."""
+    import dataclasses
+
     from mlxceld.privatefile import write_private
 
     write_private(root / "secret", (secrets.token_bytes(32).hex() + "\n").encode())
@@ -93,18 +97,23 @@ def write_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
               for rank, (layers, host, port) in enumerate(zip(splits, stage_hosts, ports,
                                                               strict=True))]
     toml = root / "cluster.toml"
-    toml.write_text(dump_cluster(pipeline_cluster(
+    cfg = pipeline_cluster(
         "bench", model, ("coordinator", f"127.0.0.1:{free_port('127.0.0.1')}"), stages,
-        secret_file="secret", path=toml)))
+        secret_file="secret", path=toml)
+    if draft is not None:
+        cfg = dataclasses.replace(cfg, draft_model=str(draft[0]), num_draft_tokens=draft[1])
+    toml.write_text(dump_cluster(cfg))
     return toml, list(zip(stage_hosts, ports, strict=True))
 
 
 def start_cluster(root: Path, model: Path, splits: list[tuple[int, int]],
-                  stage_hosts: list[str], clusters: list[Cluster]) -> Cluster:
+                  stage_hosts: list[str], clusters: list[Cluster],
+                  draft: tuple[Path, int] | None = None) -> Cluster:
     """Start the daemons (registered in ``clusters`` at once, for cleanup) and wait for
-    the stage workers and the router to run and answer one completion."""
+    the stage workers and the router to run and answer one completion (``draft``: the
+    last stage's, as ``write_cluster``'s)."""
     root.mkdir(mode=0o700)
-    toml, stages = write_cluster(root, model, splits, stage_hosts)
+    toml, stages = write_cluster(root, model, splits, stage_hosts, draft)
     cluster = Cluster(root, stages)
     clusters.append(cluster)
     router_port = free_port("127.0.0.1")

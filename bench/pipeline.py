@@ -154,12 +154,13 @@ def stage_compute_s(cluster: Cluster) -> float:
     import asyncio
 
     from mlxceld.supervisor import channel
+    from mlxceld.supervisor.ops import Stats
 
     async def read() -> float:
         total = 0.0
         for rank in range(len(cluster.stages)):
             sock = cluster.root / f"stage-{rank}" / "workers" / "stage.sock"
-            total += float((await channel.call(sock, "stats"))["stats"]["compute_s"])
+            total += float((await channel.call(sock, Stats()))["stats"]["compute_s"])
         return total
 
     return asyncio.run(read())

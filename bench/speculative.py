@@ -21,8 +21,11 @@ counters, mlx-lm's from its ``from_draft`` flags; over every run), and ours over
 mlx-lm's. Ours backs off a draft that does not pay (``engine/pacing.py``); mlx-lm's
 always proposes.
 
-``pipeline_rows`` is the hook for the 2-stage pipeline's rows (speculation over a
-pipeline, built elsewhere): it returns none yet.
+The 2-stage pipeline's rows (``pipeline_rows``): our daemons on loopback as
+bench/pipeline.py runs them, the layers halved, the draft on the last stage
+(``[cluster] draft_model``, ``pipeline/speculating.py``), the same k; decode tok/s of
+one greedy stream through the OpenAI port (the client's SSE timestamps), the fastest of
+``--repeats``.
 
     .venv/bin/python bench/speculative.py [--target small] [--tokens 256] [--k 4]
 """
@@ -151,9 +154,103 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int) -> Runner:
 
 
 def pipeline_rows(pair: Pair, n: int, k: int) -> list[Runner]:
-    """The 2-stage pipeline's rows (without a draft, then each draft; engine "ours, 2
-    stages"): the hook for speculation over a pipeline, which another change builds."""
-    return []
+    """The 2-stage pipeline's rows ("ours, 2 stages"): our daemons on loopback as
+    bench/pipeline.py runs them (a coordinator on 127.0.0.1, stages on .2 and .3, the
+    layers halved), without a draft and with each ([cluster] draft_model, k), all started
+    first; a run is one greedy stream through the OpenAI port (its decode span from the
+    client's SSE timestamps); the acceptance and tokens per pass from the last stage's
+    counters; where the fastest run's time went is printed as the rows close."""
+    import shutil
+    import tempfile
+
+    from loopback import Cluster, start_cluster, stop_all
+
+    from mlxceld.models.identity import layer_count, read_model_config
+
+    layers = layer_count(read_model_config(pair.target), source=str(pair.target))
+    splits = [(0, layers // 2), (layers // 2, layers)]
+    tmp = Path(tempfile.mkdtemp(prefix="mlxceld-spec-"))
+    clusters: list[Cluster] = []
+    runners = []
+    try:
+        for draft in (None, "agreeing", "unrelated"):
+            cluster = start_cluster(tmp / (draft or "none"), pair.target, splits,
+                                    [f"127.0.0.{2 + 2 * len(runners)}",
+                                     f"127.0.0.{3 + 2 * len(runners)}"], clusters,
+                                    None if draft is None else (pair.drafts[draft], k))
+            runners.append(_pipeline_runner(cluster, draft, n))
+    except BaseException:
+        stop_all(clusters)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def close() -> None:
+        stop_all(clusters)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    runners[-1].close = close
+    return runners
+
+
+def _pipeline_runner(cluster: Any, draft: str | None, n: int) -> Runner:
+    from loopback import stream_once
+
+    fastest: list[Any] = []  # (stream, stage stats before, after), after the warm-up
+    runs = [0]
+
+    def run() -> tuple[int, float]:
+        before = stage_stats(cluster)
+        stream = stream_once(cluster, PROMPT, n)
+        runs[0] += 1
+        if runs[0] > 1 and (not fastest or stream.decode_tps > fastest[0].decode_tps):
+            fastest[:] = [stream, before, stage_stats(cluster)]
+        return stream.tokens, stream.decode_s
+
+    def counters() -> tuple[float, float] | None:
+        stream, before, after = fastest
+        where_time_goes(draft, stream, before, after)
+        stats = after[-1].get("speculative") if draft else None
+        return None if stats is None else (stats["acceptance_rate"], stats["tokens_per_pass"])
+
+    return Runner("ours, 2 stages", draft, run, counters)
+
+
+def stage_stats(cluster: Any) -> list[dict[str, Any]]:
+    """Each stage worker's stats (refreshed every second), after a second."""
+    from mlxceld.supervisor import channel
+    from mlxceld.supervisor.ops import Stats
+
+    time.sleep(1.2)
+
+    async def read() -> list[dict[str, Any]]:
+        return [(await channel.call(cluster.root / f"stage-{rank}" / "workers" / "stage.sock",
+                                    Stats()))["stats"] for rank in range(len(cluster.stages))]
+
+    return asyncio.run(read())
+
+
+def where_time_goes(draft: str | None, run: Any, before: list[dict[str, Any]],
+                    after: list[dict[str, Any]]) -> None:
+    """The fastest run's time a pass, in ms (its stages' counters before and after it):
+    each stage's compute a step, the last stage's drafting, and the rest (hops, the
+    router, the client, waiting for a CPU)."""
+    def delta(rank: int, *keys: str) -> float:
+        a, b = after[rank], before[rank]
+        for key in keys[:-1]:
+            a, b = a.get(key) or {}, b.get(key) or {}
+        return float(a.get(keys[-1], 0)) - float(b.get(keys[-1], 0))
+
+    last = len(after) - 1
+    passes = delta(last, "steps")  # each pass runs one step a stage (and the prefill)
+    drafting = 1000 * delta(last, "speculative", "draft_s") / max(1.0, passes)
+    steps = [1000 * delta(r, "compute_s") / max(1.0, delta(r, "steps"))
+             for r in range(len(after))]
+    total = 1000 * run.total_s / max(1.0, passes)
+    print(f"2 stages, draft {draft or 'none'}: {run.tokens} tokens in {passes:.0f} "
+          f"passes, {total:.1f} ms a pass (prefill included): "
+          + ", ".join(f"stage {i} {ms:.1f}" for i, ms in enumerate(steps))
+          + f" (of which drafting {drafting:.1f}), the rest {total - sum(steps):.1f} "
+          "(hops, router, client, CPU waits)")
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,

@@ -1,6 +1,7 @@
 """``mlxctl status``'s lines for the router's engine beyond its prompt cache: speculative
 decoding's counters (the router worker's ``speculative`` stats:
-``mlxceld/engine/speculative.py``), and the counted words both say things with."""
+``mlxceld/engine/speculative.py``; a pipeline's last stage's: ``pipeline/speculating.py``),
+and the counted words both say things with."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def speculation_lines(stats: Any) -> list[str]:
             f"{count(stats.get('proposed'), 'draft token', 'draft tokens')} accepted "
             f"({rate:.0%}), {count(stats.get('passes'), 'pass', 'passes')}, "
             f"{per:.1f} tokens a pass"]
+
+
+def stage_speculation(workers: list[dict[str, Any]]) -> list[str]:
+    """A last stage's speculative decoding (its draft's counters, on its host's status):
+    ``stage: speculative decoding: ...``."""
+    return [f"{w['name']}: {line}" for w in workers
+            if w.get("role") == "stage" and isinstance(w.get("stats"), dict)
+            for line in speculation_lines(w["stats"].get("speculative"))]

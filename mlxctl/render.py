@@ -14,7 +14,7 @@ from typing import Any
 
 from mlxceld.types import LoadProgress, WorkerState, load_progress, loading_text
 from mlxctl.drain_view import drain_line, drain_lines
-from mlxctl.engine_view import count, speculation_lines
+from mlxctl.engine_view import count, speculation_lines, stage_speculation
 from mlxctl.tensor_view import tensor_lines
 from mlxctl.timetext import duration, since
 
@@ -285,7 +285,8 @@ def status(body: dict[str, Any]) -> str:
     links = ((pipeline(view) if view else stage_links(workers)) + replica_links(workers)
              + ([] if view else drain_lines(body.get("drains") or [])))
     return "\n".join([*lines, "", workers_table(workers), *worker_groups(workers),
-                      *loading(workers), *stage_caches(workers), *links, "",
+                      *loading(workers), *stage_caches(workers),
+                      *stage_speculation(workers), *links, "",
                       health(body["problems"])])
 
 

@@ -67,7 +67,7 @@ from mlxceld.cluster.bringup import (
     resumed_rows,
 )
 from mlxceld.cluster.clusterfile.placement import Placement, place
-from mlxceld.cluster.plan.candidates import Proposal, make_plan, model_dir
+from mlxceld.cluster.plan.candidates import Proposal, drafted, make_plan, model_dir
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import BringUpInProgress, MlxceldError, NoActivePlan
 from mlxceld.models.families import require_splittable
@@ -121,22 +121,23 @@ class Coordinator:
                  state_dir: Path, config_out: Path | None, plans: Plans, keyring: Keyring,
                  discovery: DiscoveryService, identity: str, events: EventLog,
                  drained: Callable[[], frozenset[str]] = frozenset,
-                 kv_quant: Callable[[], KVQuant | None] = lambda: None) -> None:
+                 kv_quant: Callable[[], KVQuant | None] = lambda: None,
+                 draft: Callable[[], tuple[str | None, int]] = lambda: (None, 4)) -> None:
         """``kv_quant``: the router's ``[serve] kv_bits`` now (a reload may change it):
         plans price the KV cache at its width, and a family that cannot keep it is
-        refused before any peer is asked."""
+        refused before any peer is asked; ``draft``: its ``[serve] draft_model`` and k,
+        which each plan's TOML carries to its last stages (``candidates.drafted``)."""
         self._slot = slot
         self._tasks = tasks  # the daemon's: a bring-up runs there
         self._cluster = cluster
         self._state_dir = state_dir
         self._config_out = config_out
-        self._plans = plans
-        self._keyring = keyring
+        self._plans, self._keyring = plans, keyring
         self._discovery = discovery
         self._identity = identity  # our agent address: the peers bind our identity to it
         self._events = events
         self._drained = drained  # node ids `mlxctl drain` left out of every plan
-        self.kv_quant = kv_quant
+        self.kv_quant, self.draft = kv_quant, draft
         self._bringup = BringUp(events)  # the last bring-up, for `mlxctl status`
         self._busy = False  # a bring-up plans or pushes, or a deactivation runs
         self._task: asyncio.Task[None] | None = None
@@ -175,10 +176,10 @@ class Coordinator:
         check_kv_quant(read_model_config(path), kv, source=f"{what}: {path / 'config.json'}")
         candidates = await self._discovery.refresh()
         # In a thread: a repo id's shards this host lacks are priced from the Hub's headers.
-        return await asyncio.to_thread(
+        return drafted(await asyncio.to_thread(
             make_plan, candidates, path, stages, cluster=self._cluster,
             coordinator=self._identity, drained=self._drained(), replicas=replicas,
-            kv_quant=kv, mesh=mesh)
+            kv_quant=kv, mesh=mesh), self.draft())
 
     def start(self, n: int | None, model: str | None, configured_model: str | None,
               mesh: MeshMode = DEFAULT_MESH) -> None:

@@ -99,7 +99,7 @@ from mlxceld.cluster.healing import (
     Waiting,
     stage_count,
 )
-from mlxceld.cluster.plan.candidates import Proposal, make_group_plan, make_plan
+from mlxceld.cluster.plan.candidates import Proposal, drafted, make_group_plan, make_plan
 from mlxceld.discovery.service import DiscoveryService
 from mlxceld.errors import MlxceldError, PlanRefused
 from mlxceld.state import EventLog
@@ -305,17 +305,18 @@ class Healer:
         if served.replicas > 1:  # the groups that lost a host re-planned, or dropped
             size = len(served.peers) // served.replicas
             groups = [served.peers[i:i + size] for i in range(0, len(served.peers), size)]
-            return await asyncio.to_thread(make_group_plan, candidates, Path(served.model),
-                                           groups, cluster=self._cluster,
-                                           coordinator=self._identity, drained=drained,
-                                           kv_quant=kv)
+            return drafted(await asyncio.to_thread(
+                make_group_plan, candidates, Path(served.model), groups,
+                cluster=self._cluster, coordinator=self._identity, drained=drained,
+                kv_quant=kv), self._coordinator.draft())
         stages = stage_count(len(served.peers), len(candidates))
         # A 2D mesh's hosts alive, as many as it had or fewer: the mesh of least predicted
         # time over them (a pipeline when speed cannot be weighed), plan/mesh.py's auto.
         mesh: MeshMode = "auto" if served.tp_size > 1 else "pp"
-        return await asyncio.to_thread(make_plan, candidates, Path(served.model), stages,
-                                       cluster=self._cluster, coordinator=self._identity,
-                                       drained=drained, kv_quant=kv, mesh=mesh)
+        return drafted(await asyncio.to_thread(
+            make_plan, candidates, Path(served.model), stages, cluster=self._cluster,
+            coordinator=self._identity, drained=drained, kv_quant=kv, mesh=mesh),
+            self._coordinator.draft())
 
     # -- one re-plan around a drained host ----------------------------------------------
 

@@ -443,7 +443,9 @@ class ClusterMember:
                 parts.pipeline, tg, cluster=c.cluster_name, state_dir=c.state_dir,
                 config_out=c.cluster_config_out, plans=self._plans, keyring=self._keyring,
                 discovery=self._discovery, identity=agent.address, events=self._events,
-                drained=parts.drained_nodes, kv_quant=lambda: parts.config().serve.kv_quant)
+                drained=parts.drained_nodes, kv_quant=lambda: parts.config().serve.kv_quant,
+                draft=lambda: (parts.config().serve.draft_model,
+                               parts.config().serve.num_draft_tokens))
             self._assignee = assignee
             tg.create_task(assignee.run())
             self._rotator = Rotator(self._rotations, self._keyring, parts.keys, self._events,

@@ -22,8 +22,13 @@ Refused at start (exit 2, naming the key or flag), and on a SIGHUP reload:
   tokenizer's tokens: ``mlxceld/models/drafts.py``), judged here for two local
   directories, by the router worker as it loads for a repo id (it exits naming
   ``serve.draft_model``);
-- where it is not built yet: a pipeline (``pp_auto``, ``pp_peer``,
-  ``distributed_config``; a plan activated later makes the router worker refuse it), a
+- on a pipeline's stage host (``pp_peer``) or any daemon of a cluster TOML
+  (``distributed_config``): a pipeline's draft is its cluster TOML's ``[cluster]
+  draft_model`` and ``num_draft_tokens``, which each group's last stage runs
+  (``mlxceld/pipeline/speculating.py``). On a ``pp_auto`` coordinator they are what
+  its plans' TOML carry (``cluster/plan/candidates.py``'s ``drafted``): the draft must
+  be at that path on the last stage's host, or a repo id each fetches;
+- where it is not built yet: a
   tensor-parallel group (``tp_size`` above 1, ``tp_peers``), a quantized KV cache
   (``kv_bits``), and every ``node_role`` but hybrid (a router over replicas holds no
   model; prefill and decode nodes hand caches over);
@@ -74,8 +79,9 @@ def check_draft_setting(draft: str | None, origin: str, *, model: str | None,
         return
     why = (f"node_role {node_role} (--node-role): only a hybrid node runs the model with "
            "the local engine" if node_role != HYBRID
-           else f"{pipeline}: speculative decoding over a pipeline is not built yet"
-           if pipeline is not None
+           else f"{pipeline}: a pipeline's draft is the cluster TOML's [cluster] "
+           "draft_model (its last stage runs it: mlxceld/pipeline/speculating.py), or "
+           "the --pp-auto coordinator's" if pipeline is not None and "pp_auto" not in pipeline
            else f"tp_size {tp_size} (--tp-size): speculative decoding in a tensor-parallel "
            "group is not built yet" if tp_size > 1 or tp_peers
            else "kv_bits (--kv-bits): speculative decoding with a quantized KV cache is not "

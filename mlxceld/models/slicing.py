@@ -205,7 +205,7 @@ class StageModel:
                           ((1, 1), (1, max_tokens), (self.hidden_size, self.hidden_size)))
 
     def forward(self, x: Any, cache: list[Any], *, overlap: bool = False,
-                raw: bool = False, caches_only: bool = False) -> Any:
+                raw: bool = False, caches_only: bool = False, every: bool = False) -> Any:
         """Run this stage's layers over ``x`` with ``cache`` (from ``make_cache``).
 
         First stage: ``x`` is int32 token ids [b, n]; else hidden [b, n, hidden_size].
@@ -214,7 +214,9 @@ class StageModel:
         evaluated. ``raw``: the last stage's logits instead, in the model's dtype (what
         logits processors act on; ``log_softmax`` then gives the log-probabilities).
         ``caches_only``: None, only the caches evaluated (the last stage's prefill chunk
-        that samples nothing: no head, nor the last layer's output).
+        that samples nothing: no head, nor the last layer's output). ``every``: the last
+        stage's raw logits at every position [b, n, vocab] (a speculative pass checks
+        each proposal: ``pipeline/speculating.py``).
 
         ``overlap``: hand each layer to mlx as soon as its graph is built
         (``mx.async_eval``), so that building the next layer's graph in Python overlaps
@@ -229,6 +231,11 @@ class StageModel:
             self._layers(x, cache, overlap)
             mx.eval([c.state for c in cache])
             return None
+        if self.last and every:
+            h = inner.norm(self._layers(x, cache, overlap))
+            logits = inner.embed_tokens.as_linear(h) if self.tied else self._text.lm_head(h)
+            mx.eval(logits)
+            return logits
         if self.last and x.shape[1] > 1:
             # Only the caches are needed of all positions but the last: evaluating just
             # them (as mlx-lm's prefill does) skips the last layer's attention output and

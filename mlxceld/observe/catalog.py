@@ -93,6 +93,18 @@ FAMILIES: Final = (
     _f("mlxceld_stage_onward_rtt_seconds", "gauge", "Round trip of the latest heartbeat "
        "answered on the stage's connection onward (link: next, to the next stage; first, "
        "from the last stage to the first)", (*STAGE, "link")),
+    # -- a pipeline's last stage with a draft (pipeline/speculating.py) ------------------------
+    _f("mlxceld_stage_speculative_proposed", "counter", "Draft tokens the last stage's draft "
+       "proposed (speculative decoding)", STAGE),
+    _f("mlxceld_stage_speculative_accepted", "counter", "Draft tokens the model accepted",
+       STAGE),
+    _f("mlxceld_stage_speculative_passes", "counter", "Passes through the stages with "
+       "proposals", STAGE),
+    _f("mlxceld_stage_speculative_tokens", "counter", "Tokens those passes gave", STAGE),
+    _f("mlxceld_stage_speculative_acceptance_rate", "gauge", "Draft tokens accepted over "
+       "proposed, since the stage started", STAGE),
+    _f("mlxceld_stage_speculative_tokens_per_pass", "gauge", "Tokens a pass with proposals "
+       "gave, on average since the stage started", STAGE),
     # -- a prompt (prefix) cache: a stage's, a prefill or decode node's ---------------------
     _f("mlxceld_prompt_cache_hits", "counter", "Prompt cache lookups that reused a cached "
        "prefix", ("worker",), "vllm:prefix_cache_hits"),

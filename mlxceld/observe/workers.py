@@ -3,10 +3,11 @@ op, as ``mlxctl status`` reads them); no IO here.
 
 Read by what the stats hold, not by role, since a prefill or decode node's worker is a
 ``router`` without an OpenAI port: a pipeline stage's (``workers/stage.py``: ``stage``,
-``steps``, ...), a prefill or decode node's (``workers/handoff_node.py``: ``handoffs``),
-a tensor rank's (``workers/tensor_rank.py``: ``tensor``), and a prompt cache where one
-says so (``prompt_cache``). A router with an OpenAI port (its stats carry ``url``) serves
-its engine's metrics there (``api/edge/metrics.py``); here it has only the daemon's lines.
+``steps``, ...; a last stage's ``speculative`` counters), a prefill or decode node's
+(``workers/handoff_node.py``: ``handoffs``), a tensor rank's (``workers/tensor_rank.py``:
+``tensor``), and a prompt cache where one says so (``prompt_cache``). A router with an
+OpenAI port (its stats carry ``url``) serves its engine's metrics there
+(``api/edge/metrics.py``); here it has only the daemon's lines.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def _stage(worker: str, s: Mapping[str, Any], add: Any) -> None:
     for name, key in _STAGE:
         add(name, labels, s.get(key))
     add("mlxceld_stage_standby", labels, int(bool(s.get("standby"))))
+    spec = s.get("speculative")  # a last stage with a draft (pipeline/speculating.py)
+    if isinstance(spec, dict):
+        for key in ("proposed", "accepted", "passes", "tokens", "acceptance_rate",
+                    "tokens_per_pass"):
+            add(f"mlxceld_stage_speculative_{key}", labels, spec.get(key))
     for link, rtt in (s.get("rtt_ms") or {}).items():
         add("mlxceld_stage_onward_rtt_seconds", [*labels, str(link)],
             None if rtt is None else rtt / 1000)

@@ -39,12 +39,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
-from mlxceld.pipeline.kvstore import cloned
+from mlxceld.pipeline.kvstore import cloned, held_tokens
 from mlxceld.wire import Tensor
 from mlxceld.wire.mx_tensors import from_blob, to_blob
 
 if TYPE_CHECKING:
     from mlxceld.engine.constraints import Matching
+    from mlxceld.pipeline.speculating import SpecState
 
 MAX_BATCH: Final = 16
 S = TypeVar("S", bound="Step")
@@ -61,7 +62,8 @@ class StageModelLike(Protocol):
     def make_cache(self) -> list[Any]: ...
 
     def forward(self, x: Any, cache: list[Any], *, overlap: bool = False,
-                raw: bool = False, caches_only: bool = False) -> Any: ...
+                raw: bool = False, caches_only: bool = False,
+                every: bool = False) -> Any: ...
 
 
 @dataclass
@@ -80,6 +82,7 @@ class SeqState:
     # A prompt-cache entry's caches and how many of their tokens to start from: the
     # sequence's own copy of them (``kvstore.cloned``) is made at its first step.
     reuse: tuple[list[Any], int] | None = None
+    spec: SpecState | None = None  # the last stage's, when it speculates (speculating.py)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,26 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class Drafted:
+    """The last stage's output for a sampling step of a speculating sequence
+    (``speculating.py``): the tokens it gives (one, or those a pass kept), the draft's
+    proposals to run after the last of them, and the position that last token goes to
+    (None: where the caches end)."""
+
+    tokens: tuple[Sampled, ...]
+    drafts: tuple[int, ...] = ()
+    pos: int | None = None
+
+
+@dataclass
+class DraftClock:
+    """A last stage's time in its draft (its proposals, catch-ups included: ``speculating
+    .py``), for its stats: what drafting costs a pass there."""
+
+    seconds: float = 0.0
+
+
 @dataclass
 class Step:
     seq_id: str
@@ -98,6 +121,10 @@ class Step:
     step: int
     sample: bool
     x: Tensor  # token ids [1, n] or hidden states [1, n, H], checked, a view of the message
+    # Where the step starts: the caches are trimmed to it first (a speculative pass's
+    # rejected tail); the step's token ids, passed on to the last stage (speculating.py).
+    pos: int | None = field(default=None, kw_only=True)
+    ids: Tensor | None = field(default=None, kw_only=True)
 
     @property
     def tokens(self) -> int:
@@ -144,14 +171,32 @@ def _kinds(step: Step) -> tuple[type, ...]:
 def run_group(model: StageModelLike, group: Sequence[Step], *,
               overlap: bool = False) -> list[Any]:
     """Run ``group`` (one step per sequence); per step: a hidden-state blob for the next
-    stage, or on the last stage what was sampled (``Sampled``; ``None`` where not sampled).
+    stage, or on the last stage what was sampled (``Sampled``; ``None`` where not sampled;
+    ``Drafted`` for a speculating sequence: ``speculating.py``).
     ``overlap``: see ``StageModel.forward`` (for long steps)."""
     out = forward_group(model, group, overlap=overlap)
     if out is None:
         return [None] * len(group)
     if not model.last:
         return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
-    return sample_group(group, out)
+    from mlxceld.pipeline.speculating import run_speculating
+
+    if _verifying(group):
+        return [run_speculating(group[0], out, None)]
+    return [run_speculating(s, None, x) if s.state.spec is not None and x is not None else x
+            for s, x in zip(group, sample_group(group, out), strict=True)]
+
+
+def _verifying(group: Sequence[Step]) -> bool:
+    """Whether ``group`` is a speculative pass: one step running a draft's proposals."""
+    spec = group[0].state.spec
+    return len(group) == 1 and spec is not None and bool(spec.proposed)
+
+
+def step_ids(step: Step, first: bool) -> list[int] | None:
+    """The step's token ids: its input on the first stage, else what the first sent on."""
+    t = step.x if first else step.ids
+    return None if t is None else list(t.data.cast("B").cast("i"))
 
 
 def forward_group(model: StageModelLike, group: Sequence[Step], *,
@@ -173,12 +218,29 @@ def forward_group(model: StageModelLike, group: Sequence[Step], *,
         if s.state.reuse is not None:  # its first step: from a prompt-cache entry
             s.state.cache = cloned(*s.state.reuse)
             s.state.reuse = None
+        offset = held_tokens(s.state.cache)
+        if s.pos is not None and offset > s.pos:  # a pass's rejected tail
+            from mlx_lm.models.cache import trim_prompt_cache
+
+            trimmed: Any = trim_prompt_cache(s.state.cache, offset - s.pos)  # an int
+            if trimmed != offset - s.pos:
+                raise ValueError(f"its KV cache cannot be trimmed back to position {s.pos} "
+                                 "(a sliding window's), which speculative decoding needs")
+        if model.last and s.state.spec is not None:
+            ids = step_ids(s, model.first)
+            if ids is None:  # no ids to draft from: a plain sequence from now on
+                s.state.spec = None
+            else:
+                s.state.spec.read(offset, s.pos, ids)
     xs = [from_blob(s.x) for s in group]
     x = xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)
     # The last stage's prefill chunks that sample nothing want only their caches.
     only = model.last and not any(s.sample for s in group)
     if len(group) == 1:
         with one_step(group[0].state.cache):
+            if model.last and _verifying(group):
+                return model.forward(x, group[0].state.cache, overlap=overlap, raw=True,
+                                     every=True)
             return model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last,
                                  caches_only=only)
     layers = len(group[0].state.cache)

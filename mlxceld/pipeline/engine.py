@@ -8,6 +8,8 @@ From then on the stages decode by themselves: the last stage sends each token id
 and to the first stage as the next step, until an end-of-sequence id or ``max_tokens``;
 this engine only reads the tokens and releases the sequence when its request ends (a
 stop string, a client gone), so the coordinator is never on the decode loop's critical path.
+With a draft on the last stage (``speculating.py``) a pass may give several tokens: each
+comes as its own ``token``, numbered on, and is read here alike.
 Sequences of concurrent requests are in flight at once, so while one stage
 works on one sequence the others work on others.
 

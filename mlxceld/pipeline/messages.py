@@ -155,27 +155,58 @@ class Run:
         return cls(seq_field(header), step_field(header), _sample(header))
 
 
-class Act(Run):
-    """A stage to the next: the step's activations (the tensor ``hidden``)."""
+@dataclass(frozen=True)
+class Act:
+    """A stage to the next: the step's activations (the tensor ``hidden``) and, from the
+    first stage on, the step's token ids (``tokens``: what the last stage's draft reads,
+    ``speculating.py``); ``pos``: the position the step starts at, each stage's caches
+    trimmed to it first (after a pass some of whose proposals were rejected)."""
 
-    T = "act"
+    T: ClassVar[str] = "act"
+    seq: str
+    step: int
+    sample: bool = True
+    pos: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"t": self.T, "seq": self.seq, "step": self.step,
+                                  "sample": self.sample}
+        if self.pos is not None:
+            header["pos"] = self.pos
+        return header
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        return cls(seq_field(header), step_field(header), _sample(header), _pos(header))
 
 
 @dataclass(frozen=True)
 class Next:
-    """The last stage to the first: run the token just sampled (the tensor ``tokens``) as
-    the sequence's next step."""
+    """The last stage to the first: run the tokens (the tensor ``tokens``: the one just
+    sampled, then the draft's proposals when the sequence speculates) as the sequence's
+    next step, from position ``pos`` (absent: where its caches end)."""
 
     T: ClassVar[str] = "next"
     seq: str
     step: int
+    pos: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "seq": self.seq, "step": self.step}
+        header: dict[str, Any] = {"t": self.T, "seq": self.seq, "step": self.step}
+        if self.pos is not None:
+            header["pos"] = self.pos
+        return header
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
-        return cls(seq_field(header), step_field(header))
+        return cls(seq_field(header), step_field(header), _pos(header))
+
+
+def _pos(header: Mapping[str, Any]) -> int | None:
+    pos = header.get("pos")
+    if pos is not None and (type(pos) is not int or not 0 <= pos < MAX_STEP):
+        raise MessageError("pos", "'pos' must be a position >= 0")
+    return pos
 
 
 @dataclass(frozen=True)

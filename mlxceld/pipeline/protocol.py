@@ -74,16 +74,26 @@ prepare    coord → stage    ``seq``, ``params`` {max_tokens, temperature,
 run        coord → stage 0  ``seq``, ``step``, ``sample`` (bool); tensor
                             ``tokens`` i32 ``[1, n]``, 1 ≤ n ≤ ``MAX_STEP_TOKENS``
                             (the prompt, in chunks; the last one samples)
-act        stage → next     ``seq``, ``step``, ``sample``; tensor ``hidden``
-                            ``[1, n, hidden_size]`` in the model's dtype
-token      last → owner     ``seq``, ``step``; tensor ``tokens`` i32 ``[1]``;
-                            sent only for steps with ``sample`` true; with
+act        stage → next     ``seq``, ``step``, ``sample``, ``pos`` (as
+                            ``next``'s, passed on); tensor ``hidden``
+                            ``[1, n, hidden_size]`` in the model's dtype and,
+                            from the first stage on, ``tokens`` i32 ``[1, n]``
+                            (the step's ids, for the last stage's draft)
+token      last → owner     ``seq``, ``step`` (the token's ordinal: the first
+                            sampling step's number, plus one per token before
+                            it); tensor ``tokens`` i32 ``[1]``;
+                            sent only for steps with ``sample`` true (one per
+                            token a speculative pass keeps); with
                             ``params.logprobs``: ``logprob`` (the token's)
                             and ``top`` [[id, logprob], ...] (``logprobs``
                             of them, most likely first), each logprob a
                             number in [``LOGPROB_FLOOR``, 0]
-next       last → stage 0   ``seq``, ``step``; tensor ``tokens`` i32 ``[1, 1]``:
-                            the token just sampled, run as the sequence's next
+next       last → stage 0   ``seq``, ``step``, ``pos`` (optional: the position
+                            the step starts at; every stage trims its caches
+                            to it first); tensor ``tokens`` i32 ``[1, 1 + k]``:
+                            the token just sampled and the last stage's
+                            draft's k proposals (``speculating.py``; k <=
+                            ``MAX_DRAFT_TOKENS``), run as the sequence's next
                             step unless it is an ``eos`` id or the sequence
                             has produced ``max_tokens`` (one stage: no message,
                             the stage continues itself)
@@ -146,7 +156,7 @@ from mlxceld.engine.base import (
     Constraint,
     SamplingParams,
 )
-from mlxceld.roles.options import KVQuant
+from mlxceld.roles.options import MAX_DRAFT_TOKENS, KVQuant
 from mlxceld.roles.parsing import InvalidOption
 from mlxceld.wire import MessageSpec, TensorSpec
 
@@ -191,11 +201,16 @@ def stage_specs(hidden_size: int, wire_dtype: str, *, first: bool) -> dict[str, 
     if first:
         specs["run"] = MessageSpec({"tokens": TensorSpec(
             frozenset({"i32"}), ((1, 1), (1, MAX_STEP_TOKENS)))})
-        specs["next"] = MessageSpec({"tokens": TensorSpec(frozenset({"i32"}), ((1, 1), (1, 1)))})
+        # The token sampled, then the last stage's draft's proposals (speculating.py).
+        specs["next"] = MessageSpec({"tokens": TensorSpec(
+            frozenset({"i32"}), ((1, 1), (1, 1 + MAX_DRAFT_TOKENS)))})
     if not first:
-        specs["act"] = MessageSpec({"hidden": TensorSpec(
-            frozenset({wire_dtype}), ((1, 1), (1, MAX_STEP_TOKENS),
-                                      (hidden_size, hidden_size)))})
+        specs["act"] = MessageSpec({
+            "hidden": TensorSpec(frozenset({wire_dtype}), ((1, 1), (1, MAX_STEP_TOKENS),
+                                                           (hidden_size, hidden_size))),
+            # the step's token ids, passed on to the last stage (its draft reads them)
+            "tokens": TensorSpec(frozenset({"i32"}), ((1, 1), (1, MAX_STEP_TOKENS)),
+                                 required=False)})
     return specs
 
 

@@ -41,6 +41,7 @@ class StageSequence:
     eos: frozenset[int] = frozenset()  # the last stage stops the sequence at one of these
     next_step: int = 0
     produced: int = 0  # tokens sampled (on the last stage)
+    token_base: int = 0  # the first sampling step's number: the first token's (protocol.py)
     snapshot: str | None = None  # keep_prompt: the entry its prefilled prompt is kept as
 
 

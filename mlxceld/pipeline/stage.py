@@ -67,7 +67,7 @@ from mlxceld.net import ConnectionClosed, MxclStream
 from mlxceld.net.liveness import watch
 from mlxceld.net.resolve import Resolver
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.compute import SeqState, StageModelLike
+from mlxceld.pipeline.compute import DraftClock, SeqState, StageModelLike
 from mlxceld.pipeline.kvstore import StageCache
 from mlxceld.pipeline.matching import StageMatching
 from mlxceld.pipeline.messages import (
@@ -104,6 +104,7 @@ from mlxceld.wire.messages import MessageError
 from mlxceld.wire.transport_messages import Attach, CodedError, seq_field
 
 if TYPE_CHECKING:  # mlx: imported by the stage worker only, never by the daemon
+    from mlxceld.engine.speculative import Draft
     from mlxceld.pipeline.tensor_stage import StageLeader
 
 log = logging.getLogger(__name__)
@@ -138,13 +139,17 @@ class StageService:
                  wire_dtype: str, *, standby: bool = False,
                  silence_s: float = DEFAULT_SILENCE_S,
                  tokenizer_path: Path | None = None, cache_bytes: int = 0,
-                 leader: StageLeader | None = None) -> None:
+                 leader: StageLeader | None = None, draft: Draft | None = None) -> None:
         """``tokenizer_path``: the model's directory, whose tokenizer the last stage reads
         to decode under a constraint (None: a constrained ``prepare`` is refused);
         ``cache_bytes``: the prompt cache's bound unless the router names one;
         ``leader``: a tensor-parallel stage's rank 0 (``tensor_stage.py``): each sequence
         opened on it at ``prepare`` and dropped when forgotten, its steps run by it, and
-        its prompt cache 0 bytes whatever a router names (its ranks do not mirror one)."""
+        its prompt cache 0 bytes whatever a router names (its ranks do not mirror one);
+        ``draft``: on the last stage, the draft its sequences speculate with
+        (``speculating.py``; its counters in the stage's stats)."""
+        self.draft = draft
+        self.draft_clock = DraftClock()  # its time in the draft (speculating.py)
         self._model = model
         self._matching = StageMatching(place.node_id, tokenizer_path, model.vocab_size)
         self._place = place
@@ -367,6 +372,12 @@ class StageService:
                                  make_logits_processors(params, eos),
                                  list(prepare.history or ()), params.logprobs)
                 state.matching = await self._matching.matcher(params, eos)
+                if self.draft is not None and self._leader is None and prepare.kv is None \
+                        and self.draft.takes(params, state.matching is not None):
+                    from mlxceld.pipeline.speculating import SpecState
+
+                    state.spec = SpecState(self.draft, params, self._model.vocab_size, eos,
+                                           clock=self.draft_clock)
             state.reuse = self.cache.reuse(who, prepare.reuse)  # copied on the compute side
             if self._leader is not None:  # its followers make caches alike (tensor_stage.py)
                 self._leader.drop(seq_id)  # prepared again: its old caches first
@@ -409,10 +420,12 @@ class StageService:
             return
         if env.type == "act":
             act = Act.from_wire(env.header)
-            step, sample = act.step, act.sample
+            step, sample, pos = act.step, act.sample, act.pos
         else:
-            step, sample = Next.from_wire(env.header).step, True
-        self._steps.enqueue(seq_id, seq, step, sample, env.tensors[tensor])
+            nxt = Next.from_wire(env.header)
+            step, sample, pos = nxt.step, True, nxt.pos
+        self._steps.enqueue(seq_id, seq, step, sample, env.tensors[tensor], pos=pos,
+                            ids=env.tensors.get("tokens") if env.type == "act" else None)
 
     async def run(self) -> None:
         """Run the queued steps (``steps.py``); meanwhile read the connections to the next

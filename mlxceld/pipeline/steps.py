@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 from mlxceld.net import ConnectionClosed, MxclStream, Redialer
 from mlxceld.pipeline import protocol as p
-from mlxceld.pipeline.compute import Sampled, StageModelLike, next_groups, run_group
+from mlxceld.pipeline.compute import (
+    Drafted,
+    Sampled,
+    StageModelLike,
+    next_groups,
+    run_group,
+)
 from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
 from mlxceld.pipeline.messages import Act, Next
 from mlxceld.pipeline.onward import Onward
@@ -79,7 +85,8 @@ class StageSteps:
         self._queue.put_nowait(keep)
 
     def enqueue(self, seq_id: str, seq: StageSequence, step: int, sample: bool,
-                 tensor: Tensor) -> None:
+                tensor: Tensor, *, pos: int | None = None, ids: Tensor | None = None
+                ) -> None:
         if step != seq.next_step:
             raise p.ProtocolViolation(p.ERR_BAD_MESSAGE, f"sequence {seq_id}: step {step} "
                                       f"arrived, step {seq.next_step} was expected")
@@ -87,7 +94,8 @@ class StageSteps:
         if self._pending == 0:
             self.busy_since = time.monotonic()
         self._pending += 1
-        self._queue.put_nowait(Work(seq_id, seq.state, step, sample, tensor, seq))
+        self._queue.put_nowait(Work(seq_id, seq.state, step, sample, tensor, seq, pos=pos,
+                                    ids=ids))
 
     async def run(self) -> None:
         """Take what is queued, run it in groups, send each result on; until cancelled."""
@@ -136,8 +144,11 @@ class StageSteps:
             self.busy_since = None
 
     async def _run_group(self, loop: asyncio.AbstractEventLoop, group: list[Work]) -> None:
+        for w in group:  # a speculating sequence proposes while it is alone here
+            if w.state.spec is not None:
+                w.state.spec.allowed = len(self._seqs) == 1
         try:
-            decode = all(w.tokens == 1 for w in group)
+            decode = all(_decoding(w) for w in group)
             if decode and self._inline:
                 self.stats.inline += 1
                 outs, kept = self._compute(group, False)
@@ -181,38 +192,55 @@ class StageSteps:
         finally:
             took = time.perf_counter() - start
             self.stats.compute_s += took
-            if all(w.tokens == 1 for w in group):
+            if all(_decoding(w) for w in group):
                 self._inline = took < INLINE_STEP_S
 
     async def _forward(self, work: Work, out: Any) -> None:
         if not self._model.last:
+            ids = work.x if self._model.first else work.ids
+            tensors: list[Any] = [out] if ids is None else \
+                [out, ("tokens", "i32", ids.shape, ids.data)]
             await self._send_on(self._onward.down, work, encode_envelope(
-                Act(work.seq_id, work.step, work.sample).to_wire(), [out]))
+                Act(work.seq_id, work.step, work.sample, work.pos).to_wire(), tensors))
             return
         if out is None:
             return
-        assert isinstance(out, Sampled)
-        await self._continue(work, out.token)
-        token = Token(work.seq_id, work.step) if out.logprob is None \
-            else Token(work.seq_id, work.step, out.logprob, tuple(out.top))
-        await send_quietly(work.seq.stream, encode_envelope(
-            token.to_wire(), [("tokens", "i32", (1,), struct.pack("<i", out.token))]))
-
-    async def _continue(self, work: Work, token: int) -> None:
-        """Run ``token`` as the sequence's next step, unless it ends the sequence: on the
-        first stage, by a ``next`` message or (a one-stage pipeline) here."""
+        drafted = out if isinstance(out, Drafted) else Drafted((out,))
         seq = work.seq
-        seq.produced += 1
+        if seq.produced == 0:
+            seq.token_base = work.step  # tokens are numbered on from here (protocol.py)
+        tokens = []
+        for sampled in drafted.tokens:
+            assert isinstance(sampled, Sampled)
+            tokens.append((sampled, seq.token_base + seq.produced))
+            seq.produced += 1
+            if sampled.token in seq.eos or seq.produced >= seq.params.max_tokens:
+                break
+        await self._continue(work, drafted, tokens[-1][0].token)
+        for sampled, number in tokens:
+            token = Token(work.seq_id, number) if sampled.logprob is None \
+                else Token(work.seq_id, number, sampled.logprob, tuple(sampled.top))
+            await send_quietly(seq.stream, encode_envelope(
+                token.to_wire(), [("tokens", "i32", (1,), struct.pack("<i", sampled.token))]))
+
+    async def _continue(self, work: Work, drafted: Drafted, token: int) -> None:
+        """Run ``token`` (and the draft's proposals after it) as the sequence's next step,
+        unless it ends the sequence: on the first stage, by a ``next`` message or (a
+        one-stage pipeline) here."""
+        seq = work.seq
         if (token in seq.eos or seq.produced >= seq.params.max_tokens
                 or self._seqs.get(work.seq_id) is not seq):
             return
-        blob = struct.pack("<i", token)
+        run = (token, *drafted.drafts)
+        blob = struct.pack(f"<{len(run)}i", *run)
         if self._model.first:
             self.enqueue(work.seq_id, seq, work.step + 1, True,
-                         Tensor("tokens", "i32", (1, 1), memoryview(blob)))
+                         Tensor("tokens", "i32", (1, len(run)), memoryview(blob)),
+                         pos=drafted.pos)
             return
         await self._send_on(self._onward.ring, work, encode_envelope(
-            Next(work.seq_id, work.step + 1).to_wire(), [("tokens", "i32", (1, 1), blob)]))
+            Next(work.seq_id, work.step + 1, drafted.pos).to_wire(),
+            [("tokens", "i32", (1, len(run)), blob)]))
 
     async def _send_on(self, dialer: Redialer, work: Work, message: bytes) -> None:
         failure = await self._onward.send(dialer, message)
@@ -224,6 +252,11 @@ class StageSteps:
     async def _tell_owner(self, work: Work, code: str, message: str) -> None:
         await send_quietly(work.seq.stream, encode_envelope(
             CodedError(code, message, work.seq_id, work.step).to_wire()))
+
+
+def _decoding(work: Work) -> bool:
+    """A decode step: one token, or a speculative pass (it carries where it starts)."""
+    return work.tokens == 1 or work.pos is not None
 
 
 async def send_quietly(stream: MxclStream, payload: bytes) -> None:

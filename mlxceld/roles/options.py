@@ -363,9 +363,17 @@ class StageOptions:
     # the worker refuses that, naming it).
     tp_size: int = 1
     tp_hosts: tuple[str, ...] = ()
+    # The last stage's draft model (a local directory or a repo id; the cluster TOML's
+    # [cluster] draft_model) and its k: its sequences speculate (pipeline/speculating.py).
+    draft_model: str | None = None
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "rank", "be >= 0", self.rank)
+        _check(1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS, "num_draft_tokens",
+               f"be in 1-{MAX_DRAFT_TOKENS}", self.num_draft_tokens)
+        _check(self.draft_model is None or self.downstream is None, "draft_model",
+               "be the last stage's only", self.draft_model)
         _check(self.silence_s > 0, "silence_s", "be > 0", self.silence_s)
         _check_layers("layers", self.layers)
         _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", f"be in 1-{MAX_TP_SIZE}",

@@ -48,7 +48,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxceld import failpoints
 from mlxceld.errors import ConfigError
@@ -62,11 +62,15 @@ from mlxceld.types import JSON
 from mlxceld.wire.address import parse_address
 from mlxceld.workers.runtime import (
     WorkerContext,
+    fetched_path,
     load_reporter,
     progress_report,
     unless_stopped,
 )
 from mlxceld.workers.stage_tensor import close_group, load_leader
+
+if TYPE_CHECKING:  # mlx: only once serving
+    from mlxceld.engine.speculative import Draft
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +159,11 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
             raise ConfigError(f"stage {place.node_id} failed to load layers "
                               f"[{place.layers[0]}, {place.layers[1]}): {exc.message}",
                               hint=exc.hint) from exc
+        try:
+            draft = None if o.draft_model is None else await load_draft(ctx, path, model)
+        except ConfigError as exc:  # exits EXIT_CONFIG: failed, not restarted (runtime.py)
+            raise ConfigError(f"stage {place.node_id} failed to load its draft model "
+                              f"{o.draft_model}: {exc.message}", hint=exc.hint) from exc
         ctx.stats.pop("loading", None)
         log.info("stage %s loaded %d parameter bytes in %.1f s", place.node_id, model.nbytes,
                  time.time() - since)
@@ -165,7 +174,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         service = StageService(model, place, keyring, wire, standby=o.standby,
                                silence_s=o.silence_s, tokenizer_path=path,
                                cache_bytes=0 if leader else default_cache_bytes(),
-                               leader=leader)
+                               leader=leader, draft=draft)
         active = service
         if leader is not None:  # the group broke: its sequences fail, then this process ends
             leader.on_broken(service.group_broke)
@@ -197,6 +206,9 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  compute_s=round(service.stats.compute_s, 6),
                                  inline=service.stats.inline,
                                  prompt_cache=cache_stats(service.cache))
+                if draft is not None:  # speculative decoding's counters (speculating.py)
+                    ctx.stats.update(speculative={
+                        **draft.snapshot(), "draft_s": round(service.draft_clock.seconds, 6)})
             ctx.stats.update(draining=True)
             await service.finish_held(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()
@@ -208,3 +220,34 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
         if leader is not None:
             await asyncio.to_thread(close_group, leader)
     return 0
+
+
+async def load_draft(ctx: WorkerContext[StageOptions], model: Path, stage: Any) -> Draft:
+    """The last stage's draft (``[cluster] draft_model``): fetched when a repo id, its
+    tokenizer checked against the model's in ``model`` (``models/drafts.py``), loaded; the
+    stage's caches (``stage``: its slice) and the draft's must trim."""
+    o = ctx.options
+    assert o.draft_model is not None
+    if o.tp_size > 1:
+        raise ConfigError(f"stage {o.node_id} is a tensor-parallel group (tp_size "
+                          f"{o.tp_size}): speculative decoding there is not built yet",
+                          hint="leave [cluster] draft_model out, or tp_size on this host")
+    from mlx_lm import load
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    from mlxceld.engine.speculative import Draft
+    from mlxceld.models.drafts import check_draft
+
+    path = Path(await fetched_path(ctx, o.draft_model))
+    check_draft(model, path, "[cluster] draft_model")
+    draft = Draft(await unless_stopped(ctx, "load", lambda: load(str(path))[0]),
+                  o.num_draft_tokens)
+    if not (can_trim_prompt_cache(stage.make_cache())
+            and can_trim_prompt_cache(make_prompt_cache(draft.model))):
+        raise ConfigError("the model's (or the draft's) KV cache cannot be trimmed back to "
+                          "the accepted tokens (a sliding window's), which speculative "
+                          "decoding needs", hint="leave [cluster] draft_model out for this "
+                          "model")
+    log.info("stage %s speculates with draft %s, k = %d", o.node_id, path,
+             o.num_draft_tokens)
+    return draft

@@ -473,7 +473,29 @@ def test_unknown_key_hint_lists_the_known_keys(tmp_path: Path) -> None:
     assert err.hint == ("known keys here: cluster.name, cluster.pipeline_parallel_size, "
                         "cluster.replicas, "
                         "cluster.secret_file, cluster.model, cluster.kv_compression, "
-                        "cluster.tensor_parallel_size")
+                        "cluster.tensor_parallel_size, cluster.draft_model, "
+                        "cluster.num_draft_tokens")
+
+
+def test_a_pipeline_s_draft_is_read_written_and_checked(tmp_path: Path) -> None:
+    data = two_stages()
+    data["cluster"] |= {"draft_model": "models/q-0.6b", "num_draft_tokens": 6}
+    (tmp_path / "models" / "q-0.6b").mkdir(parents=True)
+    cfg = load_cluster(write(tmp_path, data))
+    assert (cfg.draft_model, cfg.num_draft_tokens) == ("models/q-0.6b", 6)
+    assert cfg.draft_source() == str(tmp_path / "models" / "q-0.6b")
+    assert load_cluster(write(tmp_path, dump_cluster(cfg))) == cfg
+    for bad, pattern in (({"num_draft_tokens": 33}, "'cluster.num_draft_tokens' is 33"),
+                         ({"num_draft_tokens": 0}, "'cluster.num_draft_tokens' must be at "
+                          "least 1"),
+                         ({"draft_model": ""}, "'cluster.draft_model' must be a non-empty"),
+                         ({"draft_model": None, "num_draft_tokens": 3},
+                          "'cluster.num_draft_tokens' means nothing without")):
+        data = two_stages()
+        data["cluster"] |= {"draft_model": "d", **bad}
+        if data["cluster"]["draft_model"] is None:
+            del data["cluster"]["draft_model"]
+        refused(tmp_path, data, pattern)
 
 
 def test_boundaries_accepted(tmp_path: Path) -> None:

@@ -35,6 +35,9 @@ class Coordinator:
     def kv_quant(self) -> None:
         return None
 
+    def draft(self) -> tuple[str | None, int]:
+        return None, 4
+
     async def heal(self, proposal: Proposal, old: Served, why: str, *,
                    live: bool = False) -> tuple[bool, str]:
         self.proposals.append(proposal)

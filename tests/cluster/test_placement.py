@@ -39,6 +39,17 @@ def test_stage_and_router_options(tmp_path: Path, split_fixture_dir: Path) -> No
     assert pipe.coordinator == "127.0.0.1:19000"
 
 
+def test_the_draft_goes_to_the_last_stage(tmp_path: Path, split_fixture_dir: Path) -> None:
+    model = split_fixture_dir / "llama"
+    path = write_cluster_toml(tmp_path, model, [(0, 1), (1, 3), (3, 4)])
+    path.write_text(path.read_text().replace(
+        "[cluster]\n", "[cluster]\ndraft_model = \"draft\"\nnum_draft_tokens = 3\n", 1))
+    last = stage_options(place(path, "s2"))
+    assert (last.draft_model, last.num_draft_tokens) == (str(tmp_path / "draft"), 3)
+    assert stage_options(place(path, "s0")).draft_model is None
+    assert stage_options(place(path, "s1")).draft_model is None
+
+
 def test_layers_checked_against_the_model(tmp_path: Path, split_fixture_dir: Path) -> None:
     path = write_cluster_toml(tmp_path, split_fixture_dir / "llama", [(0, 2), (2, 3)])
     with pytest.raises(ConfigError, match=r"layer 3 is on no stage|layers 3"):

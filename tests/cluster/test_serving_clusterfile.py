@@ -70,6 +70,9 @@ BAD = {
                  r"node 'h1': 'address' '0\.0\.0\.0' is a wildcard"),
     "bad compression": (POOLS_FILE.replace("int8+lz4", "int3"),
                         r"'cluster.kv_compression' 'int3' is not a KV compression"),
+    "a draft in a serving file": (
+        router_file().replace("[cluster]\n", '[cluster]\ndraft_model = "d"\n', 1),
+        r"'cluster.draft_model' is for a pipeline's cluster TOML"),
     "compression in a pipeline": (
         '[cluster]\npipeline_parallel_size = 1\nkv_compression = "int8"\n[[nodes]]\n'
         'id = "c"\naddress = "127.0.0.1:19000"\nrole = "coordinator"\n',

@@ -70,8 +70,10 @@ def test_keys_and_flags_set_it_and_the_router_gets_it(tmp_path: Path, models: Pa
      r"\(--tp-size\): speculative decoding in a tensor-parallel group is not built yet"),
     (["--draft-model", "DRAFT", "--kv-bits", "8"], {},
      r"--draft-model with kv_bits"),
-    (["--draft-model", "DRAFT", "--pp-auto", "2"], {}, r"--draft-model with pp_auto "
-     r"\(--pp-auto\): speculative decoding over a pipeline is not built yet"),
+    (["--draft-model", "DRAFT", "--pp-peer"], {}, r"--draft-model with pp_peer "
+     r"\(--pp-peer\): a pipeline's draft is the cluster TOML's \[cluster\] draft_model"),
+    (["--draft-model", "DRAFT", "--pp-auto", "2", "--kv-bits", "8"], {},
+     r"--draft-model with kv_bits"),
     ([], {"draft_model": "DRAFT", "node_role": "router", "replicas": ["10.0.0.2"]},
      r"'serve\.draft_model' with node_role router"),
     (["--draft-model", "V600"], {}, r"--draft-model: draft model .*v600 has a vocabulary "
@@ -87,3 +89,30 @@ def test_refused_by_name(tmp_path: Path, models: Path, args: list[str],
     serve = {k: names.get(v, v) if isinstance(v, str) else v for k, v in serve.items()}
     with pytest.raises(ConfigError, match=named):
         config(tmp_path, ["--model", str(models / "target"), *args], serve)
+
+
+def test_a_pp_auto_coordinator_s_draft_travels_in_its_plans(tmp_path: Path,
+                                                            models: Path) -> None:
+    """Accepted on a --pp-auto coordinator: its router holds no draft (the pipeline's last
+    stage does), and each plan's cluster TOML names it for the stages."""
+    from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
+    from mlxceld.cluster.clusterfile.model import StageEntry, pipeline_cluster
+    from mlxceld.cluster.plan.candidates import Proposal, drafted
+    from mlxceld.roles.options import PipelineOptions, PipelineStage
+
+    draft = str(models / "draft")
+    cfg = config(tmp_path, ["--model", str(models / "target"), "--draft-model", draft,
+                            "--num-draft-tokens", "5", "--pp-auto", "2"])
+    stages = PipelineOptions(stages=(PipelineStage("s0", "127.0.0.2:7000", 0, (0, 2)),),
+                             coordinator="127.0.0.1:19000", model_identity="ab" * 32,
+                             cluster="c")
+    assert router_options(cfg.serve, pipeline=stages).draft_model is None
+    toml = dump_cluster(pipeline_cluster(
+        "c", models / "target", ("coordinator", "127.0.0.1:19000"),
+        [StageEntry("s0", "127.0.0.2:7000", (0, 1)), StageEntry("s1", "127.0.0.3:7000",
+                                                                (1, 2))],
+        path=tmp_path / "c.toml"))
+    proposal = Proposal(None, "ab" * 32, toml, "", ())  # type: ignore[arg-type]
+    assert drafted(proposal, (None, 4)) is proposal
+    planned = parse_cluster_text(drafted(proposal, (draft, 5)).toml, tmp_path / "c.toml")
+    assert (planned.draft_model, planned.num_draft_tokens) == (draft, 5)

@@ -15,6 +15,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mlxceld.engine import GenerationRequest, SamplingParams
+from mlxceld.engine.speculative import Draft
 from mlxceld.models.identity import model_identity
 from mlxceld.models.slicing import load_stage
 from mlxceld.net import Listener
@@ -48,7 +49,10 @@ class Cluster:
 
     async def start(self, path: Path, splits: Sequence[tuple[int, int]],
                     identity: str | None = None, standby: bool = False,
-                    cache_bytes: int = 1 << 30) -> None:
+                    cache_bytes: int = 1 << 30, draft: Path | None = None,
+                    k: int = 4) -> None:
+        """``draft``: the last stage's draft model (``pipeline/speculating.py``), ``k``
+        its proposals a pass."""
         ident = identity or model_identity(path)
         listeners = []
         for rank in range(len(splits)):
@@ -69,8 +73,10 @@ class Cluster:
                 first=(listeners[0].host, listeners[0].port)
                 if rank == len(splits) - 1 and rank > 0 else None,
                 last=addrs[-1] if rank == 0 and len(splits) > 1 else None)
+            last = rank == len(splits) - 1
             svc = StageService(model, place, self.ring, model.wire_dtype, standby=standby,
-                               cache_bytes=cache_bytes)
+                               cache_bytes=cache_bytes,
+                               draft=Draft(load(str(draft))[0], k) if draft and last else None)
             self.services.append(svc)
             self.tasks.append(asyncio.ensure_future(svc.run()))
             self.tasks.append(asyncio.ensure_future(listeners[rank].serve()))
@@ -121,11 +127,11 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(path: Path, splits: Sequence[tuple[int, int]],
                   identity: str | None = None, standby: bool = False,
-                  ring: Keyring | None = None, cache_bytes: int = 1 << 30
-                  ) -> AsyncIterator[Cluster]:
+                  ring: Keyring | None = None, cache_bytes: int = 1 << 30,
+                  draft: Path | None = None, k: int = 4) -> AsyncIterator[Cluster]:
     c = Cluster(ring)
     try:
-        await c.start(path, splits, identity, standby, cache_bytes)
+        await c.start(path, splits, identity, standby, cache_bytes, draft, k)
         yield c
     finally:
         await c.aclose()

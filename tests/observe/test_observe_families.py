@@ -110,6 +110,22 @@ def test_a_stage_counts_its_steps_tokens_queue_onward_rtt_and_prompt_cache() -> 
     assert sample(m, "mlxceld_prompt_cache_evicted_total", worker="stage") == 1
 
 
+def test_a_last_stage_with_a_draft_counts_its_proposals() -> None:
+    spec = {"proposed": 40, "accepted": 30, "passes": 10, "tokens": 40,
+            "acceptance_rate": 0.75, "tokens_per_pass": 4.0}
+    m = scraped(View([worker("stage", "stage")], {"stage": {**STAGE_STATS,
+                                                            "speculative": spec}}))
+    at = {"worker": "stage", "stage": "stage-0", "layers": "0-2"}
+    assert sample(m, "mlxceld_stage_speculative_proposed_total", **at) == 40
+    assert sample(m, "mlxceld_stage_speculative_accepted_total", **at) == 30
+    assert sample(m, "mlxceld_stage_speculative_passes_total", **at) == 10
+    assert sample(m, "mlxceld_stage_speculative_tokens_total", **at) == 40
+    assert sample(m, "mlxceld_stage_speculative_acceptance_rate", **at) == 0.75
+    assert sample(m, "mlxceld_stage_speculative_tokens_per_pass", **at) == 4.0
+    plain = scraped(View([worker("stage", "stage")], {"stage": STAGE_STATS}))
+    assert not any(name.startswith("mlxceld_stage_speculative") for name, _ in plain)
+
+
 def test_handoff_nodes_and_tensor_ranks_and_not_the_routers_engine() -> None:
     stats = {
         "router": {"url": "http://127.0.0.1:8080/v1", "prompt_cache": {"hits": 9}},

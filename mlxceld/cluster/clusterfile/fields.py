@@ -28,13 +28,17 @@ from mlxceld.config.disagg import QUANTS
 from mlxceld.config.peers import DEFAULT_AGENT_PORT, parse_peers
 from mlxceld.errors import ConfigError
 from mlxceld.models.tensor import MAX_TP_SIZE
+from mlxceld.roles.options import MAX_DRAFT_TOKENS
 from mlxceld.types import DECODE_ROLE, MAX_REPLICAS, PREFILL_ROLE
 from mlxceld.wire.address import HostPort, parse_address
 from mlxceld.wire.names import DEFAULT_CLUSTER_NAME, MAX_NAME, name_problem, shown
 
 TOP_KEYS: Final = ("cluster", "nodes")
 CLUSTER_KEYS: Final = ("name", "pipeline_parallel_size", "replicas", "secret_file", "model",
-                       "kv_compression", "tensor_parallel_size")
+                       "kv_compression", "tensor_parallel_size", "draft_model",
+                       "num_draft_tokens")
+DRAFT_KEYS: Final = ("draft_model", "num_draft_tokens")  # a pipeline's: its last stages'
+
 NODE_KEYS: Final = ("id", "address", "role", "replica", "rank", "layers", "resources")
 RESOURCE_KEYS: Final = ("memory_bytes", "compute_units")
 # A tensor-parallel rank's role and mlxcel's alias for it (read as the role).
@@ -71,6 +75,12 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
     raw_nodes = data.get("nodes")
     roles = {n.get("role") for n in raw_nodes if isinstance(n, Mapping)
              and isinstance(n.get("role"), str)} if isinstance(raw_nodes, list) else set()
+    drafts = [key for key in DRAFT_KEYS if key in cluster]
+    if drafts and roles & set(TENSOR_ROLES + SERVING_ROLES):
+        raise ConfigError(f"{where}: 'cluster.{drafts[0]}' is for a pipeline's cluster TOML "
+                          "(its last stages run the draft); this one is not a pipeline's",
+                          hint="give each hybrid node its own [serve] draft_model "
+                          "(--draft-model), or remove it")
     if roles & set(TENSOR_ROLES):
         assert isinstance(raw_nodes, list)
         return _tensor_cluster(cluster, raw_nodes, name, path)
@@ -116,7 +126,24 @@ def parse_cluster(data: Mapping[str, Any], path: Path) -> ClusterConfig:
         nodes=tuple(_node(raw, i, where, replicas) for i, raw in enumerate(nodes)),
         path=path,
         replicas=replicas,
+        **_draft(cluster, where),
     )
+
+
+def _draft(cluster: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A pipeline's ``draft_model`` and ``num_draft_tokens`` (its last stages speculate:
+    mlxceld/pipeline/speculating.py)."""
+    draft = _path_str(cluster, "draft_model", where)
+    k = _int(cluster, "num_draft_tokens", where, "cluster.", minimum=1)
+    if k is not None and k > MAX_DRAFT_TOKENS:
+        raise ConfigError(f"{where}: 'cluster.num_draft_tokens' is {k}, more than "
+                          f"{MAX_DRAFT_TOKENS}", hint=f"set num_draft_tokens = 1 .. "
+                          f"{MAX_DRAFT_TOKENS}")
+    if k is not None and draft is None:
+        raise ConfigError(f"{where}: 'cluster.num_draft_tokens' means nothing without "
+                          "'cluster.draft_model': nothing proposes tokens",
+                          hint="set draft_model too, or leave num_draft_tokens out")
+    return {"draft_model": draft, "num_draft_tokens": k}
 
 
 def _serving_cluster(cluster: Mapping[str, Any], nodes: list[Any], name: str,
@@ -388,7 +415,7 @@ def _path_str(table: Mapping[str, Any], key: str, where: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or "\0" in value:
-        what = "path or Hugging Face repo id" if key == "model" else "path"
+        what = "path or Hugging Face repo id" if key in ("model", "draft_model") else "path"
         raise ConfigError(f"{where}: 'cluster.{key}' must be a non-empty {what}, "
                           f"not {shown(value)}",
                           hint=f'write it as {key} = "PATH", relative to this file\'s directory')

@@ -9,6 +9,8 @@
                                      # a pipeline of its own (stages say replica = i)
     secret_file = "secret"           # optional; relative to this file's directory
     model = "models/qwen3"           # optional; relative to this file's directory
+    draft_model = "models/qwen3-0.6b"  # optional: each group's last stage speculates
+    num_draft_tokens = 4             # optional, 1-32 (pipeline/speculating.py)
 
     [[nodes]]
     id = "coordinator"
@@ -142,6 +144,10 @@ def dump_cluster(cfg: ClusterConfig) -> str:
         lines.append(f"secret_file = {_string(cfg.secret_file)}")
     if cfg.model is not None:
         lines.append(f"model = {_string(cfg.model)}")
+    if cfg.draft_model is not None:
+        lines.append(f"draft_model = {_string(cfg.draft_model)}")
+    if cfg.num_draft_tokens is not None:
+        lines.append(f"num_draft_tokens = {cfg.num_draft_tokens}")
     for n in cfg.nodes:
         lines += ["", "[[nodes]]", f"id = {_string(n.id)}", f"address = {_string(n.address)}",
                   f"role = {_string(n.role)}"]

@@ -126,6 +126,10 @@ class ClusterConfig:
     # tensor-parallel group across hosts, or of each stage of a 2D mesh; a pipeline's of
     # pipeline_stage nodes is always 1.
     tensor_parallel_size: int = 1
+    # A pipeline's draft model, as written, and its k: each group's last stage runs it
+    # (pipeline/speculating.py); None: no draft.
+    draft_model: str | None = None
+    num_draft_tokens: int | None = None
 
     @property
     def serving(self) -> bool:
@@ -207,6 +211,14 @@ class ClusterConfig:
         if path is None or self.model is None:
             return None
         return self.model if not path.exists() and is_repo_id(self.model) else str(path)
+
+    def draft_source(self) -> str | None:
+        """``draft_model`` as a daemon takes it (as ``model_source``)."""
+        if self.draft_model is None:
+            return None
+        path = _resolve(self.draft_model, self.path)
+        return self.draft_model if not path.exists() and is_repo_id(self.draft_model) \
+            else str(path)
 
     def secret_source(self) -> TomlSecretFile | None:
         """``secret_file`` as ``resolve_secret``'s ``[cluster] secret_file`` source."""

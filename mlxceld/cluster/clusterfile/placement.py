@@ -63,7 +63,12 @@ from mlxceld.models.families import check_family
 from mlxceld.models.fetch import is_repo_id, local_model
 from mlxceld.models.identity import layer_count, model_identity, read_model_config
 from mlxceld.roles import STAGE
-from mlxceld.roles.options import PipelineOptions, PipelineStage, StageOptions
+from mlxceld.roles.options import (
+    DEFAULT_DRAFT_TOKENS,
+    PipelineOptions,
+    PipelineStage,
+    StageOptions,
+)
 from mlxceld.types import (
     DECODE_ROLE,
     DEFAULT_SILENCE_S,
@@ -149,7 +154,10 @@ def stage_options(p: Placement, *, standby: bool = False,
         first=stages[0].address if ring and rank == len(stages) - 1 else None,
         last=stages[-1].address if ring and rank == 0 else None,
         model_identity=p.model_identity, cluster=cfg.name, standby=standby,
-        silence_s=silence_s)
+        silence_s=silence_s,
+        # each group's last stage runs the draft (pipeline/speculating.py)
+        draft_model=cfg.draft_source() if down is None else None,
+        num_draft_tokens=cfg.num_draft_tokens or DEFAULT_DRAFT_TOKENS)
 
 
 def pipeline_options(p: Placement) -> PipelineOptions:

@@ -13,11 +13,13 @@ drain`, ``drained``): no plan, heal or activate uses it until `mlxctl undrain`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
 from mlxceld.cluster.plan.groups import plan_groups_around
 from mlxceld.cluster.plan.mesh import (
     DEFAULT_MESH,
@@ -168,3 +170,20 @@ def model_dir(model: str, what: str) -> Path:
         raise ConfigError(f"model {model!r} is not a local directory",
                           hint="planning reads the checkpoint's safetensors headers")
     return path
+
+
+def drafted(proposal: Proposal, draft: tuple[str | None, int]) -> Proposal:
+    """``proposal`` with the coordinator's ``[serve] draft_model`` and ``num_draft_tokens``
+    in its cluster TOML (``[cluster] draft_model``: each group's last stage runs it,
+    ``pipeline/speculating.py``); as it was without a draft."""
+    model, k = draft
+    if model is None:
+        return proposal
+    cfg = parse_cluster_text(proposal.toml, Path("cluster.toml"))
+    if cfg.mesh:  # the last stage would be a tensor group's rank 0: not built
+        raise PlanRefused(f"[serve] draft_model with a plan whose stages are tensor-parallel "
+                          f"groups ({len(cfg.stages)} x {cfg.tensor_parallel_size}): "
+                          "speculative decoding over a tensor-parallel stage is not built",
+                          hint="plan with --mesh pp, or serve without draft_model")
+    return dataclasses.replace(proposal, toml=dump_cluster(dataclasses.replace(
+        cfg, draft_model=model, num_draft_tokens=k)))

@@ -1,0 +1,204 @@
+"""Speculative decoding across a pipeline: the last stage's draft proposes, every stage
+verifies the proposals in one pass.
+
+The draft (``[serve] draft_model``, ``engine/speculative.py``'s ``Draft``) runs on the
+last stage's host, in its stage worker: the last stage samples each token and sends it
+to the first stage itself (``next``), so drafting there adds no hop to a pass, where
+drafting at the router would add one (last → router → first instead of last → first),
+and the router holds no model. Its cost is the draft's k steps a pass on the last
+stage's host (bench/speculative.py prints it): measured on the small fixture's agreeing
+pair (its one-layer draft carries the target's embedding and head), k = 4, 2 CPUs shared
+by everything, 23 ms a pass with the stages in one process (each stage's 5-position step
+26.5 and 31 ms, against 16.4 and 17.6 ms for one token), 38-43 ms with the stages in their
+own daemons beside the router and the client on a loaded host. A hop is about 1-3 ms
+there: drafting at the router would add one to every pass and save nothing on the last
+stage's host, which is idle while the first stage runs the pass.
+
+A pass: the last stage, having sampled (or accepted up to) token ``t``, drafts
+``d_1..d_k`` and sends ``[t, d_1..d_k]`` to the first stage as the sequence's next step,
+with ``pos``, the position ``t`` goes to. Every stage trims its caches to ``pos``
+(mlx-lm's ``trim_prompt_cache``: the rejected tail of the pass before) and runs the k+1
+positions as one step, like a prefill chunk; the first stage sends the step's token ids
+on with its activations (``act``'s ``tokens``) so that the last stage's draft reads every
+token of the sequence. The last stage gets the logits of all k+1 positions, accepts by
+``engine/speculative.py``'s rules (greedy: exactly the target's own tokens; above
+temperature 0 the rejection rule), sends each token kept to the router (one ``token``
+each, numbered on from the first: the router reads them as without a draft), and drafts
+the next pass from the last. The draft's own cache is trimmed alike.
+
+When a sequence speculates (``SpecState``, made at the last stage's ``prepare``): its
+request is one the target alone would serve the same way without per-step state
+(``Draft.takes``: no logits processors, no constraint, no seed above temperature 0), its
+KV cache is not quantized, and the stage is not tensor-parallel. Each of its passes
+proposes only while it is the only sequence the last stage holds (``allowed``, set by
+``steps.py``); with others, it runs plain one-token steps batched with theirs, and
+proposes again once alone. While it may propose, ``engine/pacing.py`` measures its
+tokens per second with proposals and without (a pass timed from one sampling to the
+next, on the last stage) and backs off a draft that does not pay.
+
+Chunked prefill runs as without a draft (the draft catches up on the prompt at the first
+proposal, in chunks); a prompt-cache reuse starts the draft from the tokens after the
+kept prefix (the stages send no ids of it): output unchanged, proposals from a shorter
+context. A kept entry never holds a rejected position: a ``keep`` trims to the tokens
+the router has, all accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from mlxceld.engine.pacing import Pacing
+from mlxceld.engine.sampling import read_logprobs, sampling_logits
+from mlxceld.engine.speculative import Draft, accept_greedy, accept_sampled
+from mlxceld.pipeline.compute import DraftClock, Drafted, Sampled
+
+if TYPE_CHECKING:
+    from mlxceld.engine.base import SamplingParams
+
+CATCH_UP: int = 512  # tokens of the draft's catch-up on a prompt per forward
+
+
+@dataclass
+class SpecState:
+    """A speculating sequence on the last stage: its draft's cache and what it read."""
+
+    draft: Draft
+    params: SamplingParams
+    vocab_size: int
+    eos: frozenset[int]
+    cache: list[Any] = field(default_factory=list)  # the draft's
+    held: list[int] = field(default_factory=list)  # the tokens the draft's cache holds
+    ids: list[int] = field(default_factory=list)  # tokens at positions base, base + 1, ...
+    base: int | None = None  # the target's cache offset at the sequence's first step
+    allowed: bool = False  # alone on the stage: this pass may propose (steps.py)
+    proposed: list[int] = field(default_factory=list)  # in the step on its way round
+    q: list[Any] = field(default_factory=list)  # their draft distributions (sampling)
+    generated: int = 0
+    began: float | None = None  # when the pass on its way round was sent
+    clock: DraftClock = field(default_factory=DraftClock)  # the stage's, shared
+    pacing: Pacing = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = make_prompt_cache(self.draft.model)
+        self.pacing = Pacing(self.draft.k)
+        self._scale = None if self.params.temperature == 0 \
+            else sampling_logits(self.params, self.vocab_size)
+
+    def read(self, offset: int, pos: int | None, ids: list[int] | None) -> None:
+        """A step about to run from cache ``offset`` (trimmed to ``pos``), its ids."""
+        if self.base is None:
+            self.base = offset
+        if pos is not None:
+            del self.ids[max(0, pos - self.base):]
+        self.ids.extend(ids or [])
+
+    def verify(self, logits: Any) -> tuple[list[int], Any, int]:
+        """The tokens a pass keeps from its logits [k+1, vocab] (the proposals it ran,
+        ``proposed``): theirs accepted, then the target's; their log-probabilities [.., V];
+        how many proposals were accepted."""
+        k = len(self.proposed)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self._scale is None:
+            targets: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
+            n = accept_greedy(targets, self.proposed)
+            last = targets[n]
+        else:
+            p = mx.softmax(self._scale(logprobs).astype(mx.float32), axis=-1)
+            n, last = accept_sampled(p, mx.stack(self.q) if self.q else p[:0],
+                                     self.proposed, mx.random.uniform(shape=(k + 1,)))
+        kept = [*self.proposed[:n], last]
+        del self.ids[len(self.ids) - k + n:]  # the rejected proposals
+        self.draft.count(k, n, len(kept))
+        return kept, logprobs.astype(mx.float32), n
+
+    def propose(self, last: int) -> list[int]:
+        """The next pass's proposals after ``last`` (none: a plain step): while allowed,
+        as paced, short of ``max_tokens`` and the end of the sequence."""
+        left = self.params.max_tokens - self.generated
+        k = min(self.pacing.k(), left - 1) if self.allowed and last not in self.eos else 0
+        self.proposed, self.q = [], []
+        if k <= 0:
+            return []
+        start = time.perf_counter()
+        try:
+            self.proposed = self._drafted([*self.ids, last], k)
+            return list(self.proposed)
+        finally:
+            self.clock.seconds += time.perf_counter() - start
+
+    def _drafted(self, context: list[int], k: int) -> list[int]:
+        """``k`` proposals after ``context``: the draft's cache trimmed to what it holds
+        of ``context`` and caught up on the rest first."""
+        same = next((i for i, (a, b) in enumerate(zip(self.held, context, strict=False))
+                     if a != b), min(len(self.held), len(context)))
+        same = min(same, len(context) - 1)  # the last token is the first step's input
+        _rewind(self.cache, same)
+        del self.held[same:]
+        at = same
+        while len(context) - at > 1:  # its caches only (no head): a prompt in chunks
+            size = min(CATCH_UP, len(context) - 1 - at)
+            self.draft.model(mx.array(context[at:at + size])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            at += size
+        y = mx.array(context[at:], dtype=mx.uint32)
+        drafted: list[Any] = []
+        q: list[Any] = []
+        for _ in range(k):
+            logits = self.draft.model(y[None], cache=self.cache)[0, -1:, :]
+            if self._scale is None:
+                y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            else:
+                scaled = self._scale(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+                q.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
+                y = mx.random.categorical(scaled).astype(mx.uint32)
+            mx.async_eval(y)  # type: ignore[no-untyped-call]
+            drafted.append(y)
+        tokens: list[int] = mx.concatenate(drafted).tolist()  # type: ignore[assignment]
+        # Evaluated here: the pass may be verified on another thread (steps.py's inline
+        # steps), where this one's stream does not exist.
+        mx.eval(q, [c.state for c in self.cache])
+        self.q = q
+        self.held += [*context[same:], *tokens[:-1]]
+        return tokens
+
+    def paced(self, tokens: int) -> None:
+        """A pass that gave ``tokens`` ended now: timed from when it was sent, while
+        alone (a pass run among others says nothing of the draft)."""
+        now = time.perf_counter()
+        if self.began is not None and self.allowed:
+            self.pacing.record(tokens, now - self.began)
+        self.began = now
+
+
+def run_speculating(step: Any, logits: Any, sampled: Sampled | None) -> Drafted:
+    """A speculating sequence's sampling step on the last stage: ``logits`` [1, k+1, V]
+    of a pass with proposals (``sampled`` None), or ``sampled`` the token of a plain
+    step; the tokens given, and the next pass's proposals."""
+    spec: SpecState = step.state.spec
+    if sampled is None:
+        kept, logprobs, _ = spec.verify(logits[0])
+        asked = spec.params.logprobs
+        out = tuple(Sampled(t) if asked is None else Sampled(t, *read_logprobs(
+            logprobs[i], t, asked)) for i, t in enumerate(kept))
+    else:
+        out = (sampled,)
+    spec.generated += len(out)
+    spec.paced(len(out))
+    last = out[-1].token
+    assert spec.base is not None
+    pos = spec.base + len(spec.ids)
+    drafts = spec.propose(last)
+    spec.ids.append(last)
+    return Drafted(out, tuple(drafts), pos)
+
+
+def _rewind(cache: list[Any], keep: int) -> None:
+    """Trim ``cache`` to its first ``keep`` tokens."""
+    extra = int(cache[0].offset) - keep
+    if extra > 0:
+        trim_prompt_cache(cache, extra)

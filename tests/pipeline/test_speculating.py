@@ -1,0 +1,119 @@
+"""Speculative decoding across a pipeline (``pipeline/speculating.py``) over real stages and
+real MXCL: greedy tokens with the last stage's draft are those without it, token for
+token, on 2 stages, for a draft that agrees and one that does not, alone and with several
+sequences at once, with the prompt cache's turns; the counters say how much was
+accepted."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxceld.engine import GenerationRequest, SamplingParams
+from mlxceld.models.fixtures import agreeing_pair, preset, unrelated_draft, write_fixture
+from mlxceld.pipeline import PipelineEngine
+
+from helpers.stages import cluster, tokens_of
+
+SPLITS = [(0, 2), (2, 4)]
+PROMPTS = [[5, 17, 230, 9, 41], [300, 2, 77], [i * 7 % 400 + 3 for i in range(70)]]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``target/`` (zeroed, untied llama, 4 layers), its agreeing ``draft/``, an
+    unrelated ``other/``, and ``plain/``: a random target whose tokens depend on the whole
+    context (so a cache trimmed wrong shows), with ``other/`` its draft too."""
+    root = tmp_path_factory.mktemp("pipepairs")
+    target, draft = agreeing_pair(preset("tiny", family="llama", layers=4))
+    write_fixture(root / "target", target)
+    write_fixture(root / "draft", draft)
+    write_fixture(root / "other", unrelated_draft(target))
+    write_fixture(root / "plain", preset("tiny", family="llama", layers=4))
+    return root
+
+
+async def _run(path: Path, draft: Path | None, work: Any, splits: Any = SPLITS,
+               **knobs: Any) -> tuple[Any, dict[str, float] | None]:
+    async with cluster(path, splits, draft=draft, **knobs) as c:
+        engine = c.engine(path)
+        try:
+            out = await work(engine)
+            spec = c.services[-1].draft
+            return out, None if spec is None else spec.snapshot()
+        finally:
+            await engine.aclose()
+
+
+async def _one_by_one(engine: PipelineEngine) -> list[list[int]]:
+    return [await tokens_of(engine, prompt, N) for prompt in PROMPTS]
+
+
+async def _together(engine: PipelineEngine) -> list[list[int]]:
+    return list(await asyncio.gather(*(tokens_of(engine, prompt, N) for prompt in PROMPTS)))
+
+
+@pytest.mark.parametrize("splits", [SPLITS, [(0, 4)], [(0, 1), (1, 3), (3, 4)]])
+def test_an_agreeing_draft_gives_the_same_greedy_tokens_and_accepts_them_all(
+        pair: Path, splits: Any) -> None:
+    plain, _ = asyncio.run(_run(pair / "target", None, _one_by_one, splits))
+    ours, stats = asyncio.run(_run(pair / "target", pair / "draft", _one_by_one, splits))
+    assert ours == plain
+    assert stats is not None and stats["proposed"] > 0
+    assert stats["acceptance_rate"] == 1.0
+    assert stats["tokens_per_pass"] > 3  # k = 4: up to 5 a pass, less at each end
+
+
+@pytest.mark.parametrize(("target", "draft", "rates"), [
+    ("target", "other", (0.0, 0.5)), ("plain", "other", (0.0, 0.5)),
+    # the target as its own draft: long runs accepted, every token read in context
+    ("plain", "plain", (0.9, 1.0))])
+def test_any_draft_changes_no_token(pair: Path, target: str, draft: str,
+                                    rates: tuple[float, float]) -> None:
+    plain, _ = asyncio.run(_run(pair / target, None, _one_by_one))
+    ours, stats = asyncio.run(_run(pair / target, pair / draft, _one_by_one, k=3))
+    assert ours == plain
+    assert stats is not None and stats["proposed"] > 0
+    assert rates[0] <= stats["acceptance_rate"] <= rates[1]
+
+
+@pytest.mark.parametrize(("target", "draft"), [("target", "draft"), ("target", "other"),
+                                               ("plain", "other")])
+def test_several_sequences_at_once_get_their_own_tokens(pair: Path, target: str,
+                                                        draft: str) -> None:
+    plain, _ = asyncio.run(_run(pair / target, None, _one_by_one))
+    ours, stats = asyncio.run(_run(pair / target, pair / draft, _together))
+    assert ours == plain
+    assert stats is not None
+
+
+def test_a_chat_reusing_the_prompt_cache_gets_the_same_tokens(pair: Path) -> None:
+    """Each turn starts from the kept history: a kept entry holds no rejected position."""
+    async def turns(engine: PipelineEngine) -> list[list[int]]:
+        history = list(PROMPTS[2])
+        answers = []
+        for _ in range(3):
+            answers.append(out := await tokens_of(engine, history, 12))
+            history += [*out, 2, 33, 34, 35]
+            await asyncio.sleep(0.3)  # the stages' cache answers
+        return answers
+
+    plain, _ = asyncio.run(_run(pair / "plain", None, turns))
+    ours, stats = asyncio.run(_run(pair / "plain", pair / "other", turns))
+    assert ours == plain
+    assert stats is not None and stats["proposed"] > 0
+
+
+def test_sampling_above_temperature_zero_speculates_and_ends(pair: Path) -> None:
+    async def sampled(engine: PipelineEngine) -> list[int]:
+        req = GenerationRequest("r", PROMPTS[0], SamplingParams(max_tokens=N,
+                                                               temperature=0.8))
+        return [t.token async for t in engine.generate(req)]
+
+    out, stats = asyncio.run(_run(pair / "target", pair / "draft", sampled))
+    assert len(out) == N
+    assert stats is not None and stats["passes"] > 0 and stats["accepted"] > 0
