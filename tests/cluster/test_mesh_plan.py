@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mlxceld.cluster.coordinator import push_plan
-from mlxceld.cluster.plan.candidates import make_plan
+from mlxceld.cluster.plan.candidates import drafted, make_plan
 from mlxceld.cluster.plan.mesh import (
     LINK_COSTS,
     MeshChoice,
@@ -267,3 +267,22 @@ def test_make_plan_with_a_mesh_over_a_real_checkpoint(fixture_dir: Path) -> None
     with pytest.raises(ConfigError, match="--mesh tp with 2 replicas is not built"):
         make_plan(peers, model, 2, cluster="lab", coordinator="127.0.0.1:19000",
                   mesh="tp", replicas=2)
+
+
+def test_a_draft_with_a_plan_of_tensor_parallel_stages_is_refused(fixture_dir: Path) -> None:
+    """Speculation runs on a pipeline's last stage, which in a mesh is a tensor group's
+    rank 0: not built, so ``[serve] draft_model`` beside such a plan is refused by name
+    (a pipeline's plan takes it into its TOML)."""
+    model = fixture_dir / "llama"
+    peers = [PeerRow(address=f"127.0.0.{i}:19000", source="static", state="reachable",
+                     updated_at=1.0, node_id=f"h{i}", memory_total=64 * GIB,
+                     memory_available=32 * GIB,
+                     inventory={"ports": [19100 + i], "model": None, "compute_units": 2.0})
+             for i in range(2, 6)]
+    mesh = make_plan(peers, model, 4, cluster="lab", coordinator="127.0.0.1:19000",
+                     mesh="2d")
+    with pytest.raises(PlanRefused, match=r"draft_model .* \(2 x 2\).* not built"):
+        drafted(mesh, ("draft-dir", 4))
+    pipeline = make_plan(peers, model, 2, cluster="lab", coordinator="127.0.0.1:19000")
+    toml = tomllib.loads(drafted(pipeline, ("draft-dir", 4)).toml)["cluster"]
+    assert (toml["draft_model"], toml["num_draft_tokens"]) == ("draft-dir", 4)
