@@ -206,20 +206,13 @@ class Speculation:
         logits = self.model(ids[None], cache=self.cache)[0, -(k + 1):, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         proposed: list[int] = mx.concatenate(drafted).tolist() if k else []  # type: ignore[assignment]
-        if self._scale is None:
-            targets: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
-            n = accept_greedy(targets, proposed)
-            last = targets[n]
-        else:
-            p = mx.softmax(self._scale(logprobs).astype(mx.float32), axis=-1)
-            n, last = accept_sampled(p, mx.stack(q) if q else p[:0], proposed,
-                                     mx.random.uniform(shape=(k + 1,)))
+        n, last = accept(logprobs, proposed, q, self._scale)
         out = self._emit([*proposed[:n], last], logprobs)
         if k:
             self.draft.count(k, n, len(out))
         kept = len(self.tokens) - 1  # the last token is the next pass's input
-        _rewind(self.cache, min(before + n, kept))
-        _rewind(self.draft_cache, min(int(self.draft_cache[0].offset), before + min(n, k - 1),
+        rewind(self.cache, min(before + n, kept))
+        rewind(self.draft_cache, min(int(self.draft_cache[0].offset), before + min(n, k - 1),
                                       kept))
         self.pacing.record(len(out), time.perf_counter() - began)
         return out
@@ -227,20 +220,8 @@ class Speculation:
     def _propose(self, k: int) -> tuple[list[mx.array], list[mx.array]]:
         """``k`` draft tokens (each ``[1]``, lazy) and, sampling, the draft's
         distributions they were drawn from."""
-        drafted: list[mx.array] = []
-        dists: list[mx.array] = []
         y = mx.array(self.tokens[int(self.draft_cache[0].offset):], dtype=mx.uint32)
-        for _ in range(k):
-            logits = self.draft.model(y[None], cache=self.draft_cache)[0, -1:, :]
-            if self._scale is None:
-                y = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            else:
-                scaled = self._scale(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-                dists.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
-                y = mx.random.categorical(scaled).astype(mx.uint32)
-            mx.async_eval(y)  # type: ignore[no-untyped-call]
-            drafted.append(y)
-        return drafted, dists
+        return propose(self.draft.model, y, self.draft_cache, k, self._scale)
 
     def _emit(self, tokens: list[int], logprobs: mx.array) -> list[TokenOutput]:
         """``tokens`` as outputs, up to the first end-of-sequence token or max_tokens; the
@@ -261,7 +242,42 @@ class Speculation:
         return out
 
 
-def _rewind(cache: list[Any], keep: int) -> None:
+def propose(model: Any, y: mx.array, cache: list[Any], k: int,
+            scale: Callable[[mx.array], mx.array] | None
+            ) -> tuple[list[mx.array], list[mx.array]]:
+    """``k`` tokens the draft ``model`` proposes after ``y`` (the tokens not yet in its
+    ``cache``), each ``[1]`` and lazy, greedy when ``scale`` is None; else sampled, with
+    the distributions (``scale``: the sampler's, on log-probabilities) they came from."""
+    drafted: list[mx.array] = []
+    dists: list[mx.array] = []
+    for _ in range(k):
+        logits = model(y[None], cache=cache)[0, -1:, :]
+        if scale is None:
+            y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            scaled = scale(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            dists.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
+            y = mx.random.categorical(scaled).astype(mx.uint32)
+        mx.async_eval(y)  # type: ignore[no-untyped-call]
+        drafted.append(y)
+    return drafted, dists
+
+
+def accept(logprobs: mx.array, proposed: list[int], q: list[mx.array],
+           scale: Callable[[mx.array], mx.array] | None) -> tuple[int, int]:
+    """How many of ``proposed`` a pass keeps, and the target's token after them, from the
+    target's ``logprobs`` [k+1, V]: greedy when ``scale`` is None, else the rejection rule
+    over the sampler's distributions (``q``: the draft's)."""
+    if scale is None:
+        targets: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
+        n = accept_greedy(targets, proposed)
+        return n, targets[n]
+    p = mx.softmax(scale(logprobs).astype(mx.float32), axis=-1)
+    return accept_sampled(p, mx.stack(q) if q else p[:0], proposed,
+                          mx.random.uniform(shape=(len(proposed) + 1,)))
+
+
+def rewind(cache: list[Any], keep: int) -> None:
     """Trim ``cache`` to its first ``keep`` tokens."""
     extra = int(cache[0].offset) - keep
     if extra > 0:

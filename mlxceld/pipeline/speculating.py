@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxceld.engine.pacing import Pacing
 from mlxceld.engine.sampling import read_logprobs, sampling_logits
-from mlxceld.engine.speculative import Draft, accept_greedy, accept_sampled
+from mlxceld.engine.speculative import Draft, accept, propose, rewind
 from mlxceld.pipeline.compute import DraftClock, Drafted, Sampled
 
 if TYPE_CHECKING:
@@ -103,14 +103,7 @@ class SpecState:
         how many proposals were accepted."""
         k = len(self.proposed)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self._scale is None:
-            targets: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
-            n = accept_greedy(targets, self.proposed)
-            last = targets[n]
-        else:
-            p = mx.softmax(self._scale(logprobs).astype(mx.float32), axis=-1)
-            n, last = accept_sampled(p, mx.stack(self.q) if self.q else p[:0],
-                                     self.proposed, mx.random.uniform(shape=(k + 1,)))
+        n, last = accept(logprobs, self.proposed, self.q, self._scale)
         kept = [*self.proposed[:n], last]
         del self.ids[len(self.ids) - k + n:]  # the rejected proposals
         self.draft.count(k, n, len(kept))
@@ -137,7 +130,7 @@ class SpecState:
         same = next((i for i, (a, b) in enumerate(zip(self.held, context, strict=False))
                      if a != b), min(len(self.held), len(context)))
         same = min(same, len(context) - 1)  # the last token is the first step's input
-        _rewind(self.cache, same)
+        rewind(self.cache, same)
         del self.held[same:]
         at = same
         while len(context) - at > 1:  # its caches only (no head): a prompt in chunks
@@ -146,18 +139,7 @@ class SpecState:
             mx.eval([c.state for c in self.cache])
             at += size
         y = mx.array(context[at:], dtype=mx.uint32)
-        drafted: list[Any] = []
-        q: list[Any] = []
-        for _ in range(k):
-            logits = self.draft.model(y[None], cache=self.cache)[0, -1:, :]
-            if self._scale is None:
-                y = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            else:
-                scaled = self._scale(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-                q.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
-                y = mx.random.categorical(scaled).astype(mx.uint32)
-            mx.async_eval(y)  # type: ignore[no-untyped-call]
-            drafted.append(y)
+        drafted, q = propose(self.draft.model, y, self.cache, k, self._scale)
         tokens: list[int] = mx.concatenate(drafted).tolist()  # type: ignore[assignment]
         # Evaluated here: the pass may be verified on another thread (steps.py's inline
         # steps), where this one's stream does not exist.
@@ -195,10 +177,3 @@ def run_speculating(step: Any, logits: Any, sampled: Sampled | None) -> Drafted:
     drafts = spec.propose(last)
     spec.ids.append(last)
     return Drafted(out, tuple(drafts), pos)
-
-
-def _rewind(cache: list[Any], keep: int) -> None:
-    """Trim ``cache`` to its first ``keep`` tokens."""
-    extra = int(cache[0].offset) - keep
-    if extra > 0:
-        trim_prompt_cache(cache, extra)
