@@ -149,12 +149,18 @@ def _judge_placement(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
         return Refusal("listener", f"the offer places stage {offer.stage} at {node.address}; "
                        f"this node's agent listens on {me.agent_host} and it proposed ports "
                        f"{sorted(me.ports)}", False)
-    if not (matches_blocking(cfg.coordinator.address, bound_identity)
-            and matches_blocking(offer.coordinator, bound_identity)):
-        return Refusal("coordinator", f"the offer names coordinator {offer.coordinator} "
-                       f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
-                       False)
-    return cfg
+    return _from_coordinator(offer, cfg, bound_identity) or cfg
+
+
+def _from_coordinator(offer: Offer, cfg: ClusterConfig,
+                      bound_identity: HostPort) -> Refusal | None:
+    """A refusal unless the offer, and its TOML, name the coordinator it came from."""
+    if matches_blocking(cfg.coordinator.address, bound_identity) \
+            and matches_blocking(offer.coordinator, bound_identity):
+        return None
+    return Refusal("coordinator", f"the offer names coordinator {offer.coordinator} "
+                   f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
+                   False)
 
 
 def _judge_group(offer: Offer, cfg: ClusterConfig, stage: NodeConfig) -> Refusal | None:
@@ -191,12 +197,7 @@ def _judge_rank(offer: Offer, me: PeerFacts, cfg: ClusterConfig,
         return Refusal("listener", f"the offer places rank {offer.tp_rank} of stage "
                        f"{offer.stage} at {node.address}; this node's agent listens on "
                        f"{me.agent_host}", False)
-    if not (matches_blocking(cfg.coordinator.address, bound_identity)
-            and matches_blocking(offer.coordinator, bound_identity)):
-        return Refusal("coordinator", f"the offer names coordinator {offer.coordinator} "
-                       f"(TOML: {cfg.coordinator.address}), but it came from {bound_identity}",
-                       False)
-    return cfg
+    return _from_coordinator(offer, cfg, bound_identity) or cfg
 
 
 def offered_node(stage: int, toml: str, me: str) -> str:
