@@ -300,14 +300,7 @@ def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int, tp: int = 1
     if raw.get("role") in SERVING_ROLES:
         return _serving_node(raw, node_id, _role(raw, at), at)
     role = _role(raw, at)  # first: the role says how the address reads
-    address = raw.get("address")
-    if not isinstance(address, str):
-        what = "is missing" if address is None else f"must be a string, not {shown(address)}"
-        raise ConfigError(f"{at}: 'address' {what}", hint=ADDRESS_HINT)
-    try:
-        addr = parse_address(address)
-    except ValueError as exc:
-        raise ConfigError(f"{at}: 'address' {address!r} {exc}", hint=ADDRESS_HINT) from None
+    address, addr = _host_port(raw, at, ADDRESS_HINT)
     rank = _int(raw, "rank", at, "", minimum=0)
     layers = _layers(raw, at)
     replica = _int(raw, "replica", at, "", minimum=0)
@@ -344,6 +337,19 @@ def _replica(replica: int | None, replicas: int, at: str) -> int:
         raise ConfigError(f"{at}: 'replica' is {replica}, but [cluster] replicas is "
                           f"{replicas} (groups 0..{replicas - 1})", hint=REPLICA_HINT)
     return replica
+
+
+def _host_port(raw: Mapping[str, Any], at: str, hint: str) -> tuple[str, HostPort]:
+    """A node's ``address`` as written and parsed as ``host:port`` (``hint`` when it is
+    missing, not a string or not an address)."""
+    address = raw.get("address")
+    if not isinstance(address, str):
+        what = "is missing" if address is None else f"must be a string, not {shown(address)}"
+        raise ConfigError(f"{at}: 'address' {what}", hint=hint)
+    try:
+        return address, parse_address(address)
+    except ValueError as exc:
+        raise ConfigError(f"{at}: 'address' {address!r} {exc}", hint=hint) from None
 
 
 def _role(raw: Mapping[str, Any], at: str) -> ClusterRole:

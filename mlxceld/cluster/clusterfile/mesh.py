@@ -46,6 +46,7 @@ from mlxceld.cluster.clusterfile.fields import (
     TOP_KEYS,
     _agent_address,
     _check_keys,
+    _host_port,
     _int,
     _layers,
     _path_str,
@@ -67,7 +68,6 @@ from mlxceld.cluster.clusterfile.rules import (
     _unique_ids,
 )
 from mlxceld.errors import ConfigError
-from mlxceld.wire.address import parse_address
 from mlxceld.wire.names import DEFAULT_CLUSTER_NAME, name_problem
 
 MESH_HINT: Final = ("a pipeline of tensor-parallel stages: pipeline_parallel_size = P and "
@@ -182,29 +182,15 @@ def _coordinator(raw: Mapping[str, Any], node_id: str, at: str) -> NodeConfig:
             raise ConfigError(f"{at}: a coordinator has no '{key}'",
                               hint="remove it: the coordinator runs the router (the OpenAI "
                               "port) and holds no layers")
-    address = raw.get("address")
-    if not isinstance(address, str):
-        what = "is missing" if address is None else f"must be a string, not {address!r}"
-        raise ConfigError(f"{at}: 'address' {what}", hint=ADDRESS_HINT)
-    try:
-        addr = parse_address(address)
-    except ValueError as exc:
-        raise ConfigError(f"{at}: 'address' {address!r} {exc}", hint=ADDRESS_HINT) from None
+    address, addr = _host_port(raw, at, ADDRESS_HINT)
     return NodeConfig(id=node_id, address=address, host=addr.host, port=addr.port,
                       role=COORDINATOR, **_resources(raw, at))
 
 
 def _stage_address(raw: Mapping[str, Any], at: str) -> tuple[str, str, int]:
     """Rank 0's address: its stage listener's ``host:port``, as a pipeline_stage's."""
-    address = raw.get("address")
-    hint = f"rank 0's address is its stage listener's: {ADDRESS_HINT}"
-    if not isinstance(address, str):
-        what = "is missing" if address is None else f"must be a string, not {address!r}"
-        raise ConfigError(f"{at}: 'address' {what}", hint=hint)
-    try:
-        addr = parse_address(address)
-    except ValueError as exc:
-        raise ConfigError(f"{at}: 'address' {address!r} {exc}", hint=hint) from None
+    address, addr = _host_port(
+        raw, at, f"rank 0's address is its stage listener's: {ADDRESS_HINT}")
     if addr.is_wildcard:
         raise ConfigError(f"{at}: 'address' {address!r} is a wildcard, which cannot be dialed",
                           hint="give the address the stage before it (or the coordinator) "
