@@ -19,7 +19,9 @@ from mlxceld.engine.loading import load_local_engine
 from mlxceld.engine.local import LocalEngine
 from mlxceld.engine.speculative import accept_greedy, accept_sampled
 from mlxceld.errors import ConfigError
-from mlxceld.models.fixtures import agreeing_pair, preset, unrelated_draft, write_fixture
+from mlxceld.models.fixtures import preset, unrelated_draft, write_fixture
+
+from helpers.drafts import write_pairs
 
 PROMPTS = ["Hello, world", "The quick brown fox jumps over", "x"]
 N = 48
@@ -31,12 +33,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     and ``plain/``: a random target whose greedy tokens wander (no draft agrees by
     construction), with ``other/`` usable as its draft too."""
     root = tmp_path_factory.mktemp("pairs")
-    target, draft = agreeing_pair(preset("tiny", family="llama", layers=3))
-    write_fixture(root / "target", target)
-    write_fixture(root / "draft", draft)
-    write_fixture(root / "other", unrelated_draft(target))
-    write_fixture(root / "plain", preset("tiny", family="llama", layers=3))
-    return root
+    return write_pairs(root, 3)
 
 
 def test_greedy_acceptance_is_the_longest_agreeing_run() -> None:

@@ -11,7 +11,6 @@ import os
 import secrets
 import signal
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
@@ -19,24 +18,12 @@ import pytest
 from helpers.cluster import POLL_WAIT_S, agent, settled, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
+from helpers.mesh import complete
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
-from helpers.router import client
 from helpers.waiting import wait_for
 
 UP_S = 300.0  # a bound on waiting for a bring-up on a loaded 2-core machine
-
-
-def worker(d: DaemonProc, name: str) -> dict[str, Any] | None:
-    w = next((w for w in d.status()["workers"] if w["name"] == name), None)
-    return w if w is not None and w["state"] == "running" else None
-
-
-def complete(port: int) -> str:
-    with client(f"http://127.0.0.1:{port}/v1") as c:
-        text: str = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
-                                         temperature=0).choices[0].text
-        return text
 
 
 def bring_up(daemons: Daemons, model: Path, n: int, mesh: str

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.models.fixtures import agreeing_pair, preset, unrelated_draft, write_fixture
+from mlxceld.models.fixtures import preset, write_fixture
 
 from helpers.daemons import READY_S, Daemons
+from helpers.drafts import write_pairs
 from helpers.models import expected
 from helpers.pipeline import start_pipeline
 from helpers.router import client
@@ -30,12 +31,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``target/`` (zeroed) and its agreeing ``draft/``; ``other/`` an unrelated draft;
     ``plain/`` a random target whose tokens wander."""
     root = tmp_path_factory.mktemp("pipespec")
-    target, draft = agreeing_pair(preset("tiny", family="llama", layers=4))
-    write_fixture(root / "target", target)
-    write_fixture(root / "draft", draft)
-    write_fixture(root / "other", unrelated_draft(target))
-    write_fixture(root / "plain", preset("tiny", family="llama", layers=4))
-    return root
+    return write_pairs(root, 4)
 
 
 def test_greedy_text_is_the_model_s_with_a_draft_alone_and_together(daemons: Daemons,

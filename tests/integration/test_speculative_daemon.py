@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.models.fixtures import agreeing_pair, preset, unrelated_draft, write_fixture
+from mlxceld.models.fixtures import preset, write_fixture
 from mlxceld.roles.options import EXIT_CONFIG, PipelineOptions, PipelineStage, RouterOptions
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
+from helpers.drafts import write_pairs
 from helpers.metrics import sample, scrape
 from helpers.models import expected
 from helpers.ports import free_port
@@ -32,11 +33,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``target/`` (zeroed) and its agreeing ``draft/``; ``other/`` an unrelated draft;
     ``plain/`` a random target whose tokens wander."""
     root = tmp_path_factory.mktemp("speculative")
-    target, draft = agreeing_pair(preset("tiny", family="llama", layers=3))
-    write_fixture(root / "target", target)
-    write_fixture(root / "draft", draft)
-    write_fixture(root / "other", unrelated_draft(target))
-    write_fixture(root / "plain", preset("tiny", family="llama", layers=3))
+    write_pairs(root, 3)
     write_fixture(root / "v600", preset("tiny", family="llama", layers=1, vocab=600))
     return root
 

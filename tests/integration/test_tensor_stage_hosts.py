@@ -17,36 +17,23 @@ import os
 import secrets
 import signal
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
 from helpers.cluster import agent, start
-from helpers.daemons import READY_S, DaemonProc, Daemons
+from helpers.daemons import READY_S, Daemons
 from helpers.keys import secret_file
+from helpers.mesh import complete
+from helpers.mesh import running_worker as worker
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
-from helpers.router import client
 from helpers.waiting import wait_for
 
 # Bring-up of five model processes and a router on a loaded 2-core machine, and a ring's
 # restart across hosts. Bounds on waiting, not what is asserted about time.
 UP_S = 240.0
 BACK_S = 180.0
-
-
-def worker(d: DaemonProc, name: str) -> dict[str, Any] | None:
-    """``name`` on ``d`` while it runs, else None."""
-    w = next((w for w in d.status()["workers"] if w["name"] == name), None)
-    return w if w is not None and w["state"] == "running" else None
-
-
-def complete(port: int) -> str:
-    with client(f"http://127.0.0.1:{port}/v1") as c:
-        text: str = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
-                                         temperature=0).choices[0].text
-        return text
 
 
 @pytest.mark.slow

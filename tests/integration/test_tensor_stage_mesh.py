@@ -22,9 +22,9 @@ import pytest
 from helpers.cluster import agent, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
+from helpers.mesh import complete
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
-from helpers.router import client
 from helpers.waiting import wait_for
 
 # Bring-up of five model processes and a router on a loaded 2-core machine, and a group's
@@ -51,13 +51,6 @@ def running(daemons: Daemons, d: DaemonProc, bound: float,
         bound, f"stage and stage-tp-1 running on {d.root} (were {before})", every=0.3)
     daemons.pids |= set(got.values())
     return got
-
-
-def complete(port: int) -> str:
-    with client(f"http://127.0.0.1:{port}/v1") as c:
-        text: str = c.completions.create(model="llama", prompt=PROMPT, max_tokens=8,
-                                         temperature=0).choices[0].text
-        return text
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from mlxceld.engine import GenerationRequest, SamplingParams
-from mlxceld.models.fixtures import agreeing_pair, preset, unrelated_draft, write_fixture
 from mlxceld.pipeline import PipelineEngine
 
+from helpers.drafts import write_pairs
 from helpers.stages import cluster, tokens_of
 
 SPLITS = [(0, 2), (2, 4)]
@@ -29,12 +29,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     unrelated ``other/``, and ``plain/``: a random target whose tokens depend on the whole
     context (so a cache trimmed wrong shows), with ``other/`` its draft too."""
     root = tmp_path_factory.mktemp("pipepairs")
-    target, draft = agreeing_pair(preset("tiny", family="llama", layers=4))
-    write_fixture(root / "target", target)
-    write_fixture(root / "draft", draft)
-    write_fixture(root / "other", unrelated_draft(target))
-    write_fixture(root / "plain", preset("tiny", family="llama", layers=4))
-    return root
+    return write_pairs(root, 4)
 
 
 async def _run(path: Path, draft: Path | None, work: Any, splits: Any = SPLITS,
