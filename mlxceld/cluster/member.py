@@ -7,8 +7,7 @@ every member answers and this daemon's ``Rotator`` (``cluster/rotation.py``), wh
 resumes an unfinished rotation once the agent listener is up.
 
 The heartbeats watch every candidate peer and, on a coordinator, every peer of its
-active plan (``discovery/heartbeat.py``); a plan's peer that is suspect or dead is a
-problem in `mlxctl status`, with what to do.
+active plan (``discovery/heartbeat.py``): a suspect or dead one is a status problem.
 
 The daemon hands the member ``MemberParts``, a record of what it uses, never the daemon:
 its configuration (replaced on a reload), whether it stops, the model it serves, and the
