@@ -1,10 +1,9 @@
 """This daemon as a member of the cluster: with a cluster secret, the agent listener
-(``net/agent.py``) and what runs with it (inventory and plan queries, discovery, the
-failure detector's heartbeats, the ``Assignee`` over a ``LocalStageHost``, the
-``Coordinator``), and the control API's cluster commands (`mlxctl cluster
-nodes|plan|activate|deactivate`, ``--dry-run``), and `mlxctl secret rotate`: the key ops
-every member answers and this daemon's ``Rotator`` (``cluster/rotation.py``), which
-resumes an unfinished rotation once the agent listener is up.
+(``net/agent.py``) and what runs with it (inventory and plan queries, discovery, the failure
+detector's heartbeats, the ``Assignee`` over a ``LocalStageHost``, the ``Coordinator``), and the
+control API's cluster commands (`mlxctl cluster nodes|plan|activate|deactivate`, ``--dry-run``),
+and `mlxctl secret rotate`: the key ops every member answers and this daemon's ``Rotator``
+(``cluster/rotation.py``), which resumes an unfinished rotation once the agent listener is up.
 
 The heartbeats watch every candidate peer and, on a coordinator, every peer of its
 active plan (``discovery/heartbeat.py``): a suspect or dead one is a status problem.
