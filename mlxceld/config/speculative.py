@@ -7,7 +7,8 @@
                                     # repo id, with the served model's tokenizer
     num_draft_tokens = 4            # k: tokens the draft proposes a pass, 1-32
 
-With ``draft_model``, the local engine decodes a sequence that runs alone speculatively:
+With ``draft_model``, the local engine (alone, or rank 0 of a tensor-parallel group: it
+runs the draft, ``mlxceld/engine/solo.py``) decodes a sequence that runs alone speculatively:
 the draft proposes ``num_draft_tokens`` tokens, the model checks them in one pass and
 keeps those it agrees with (greedy output is the model's own, token for token; above
 temperature 0 the standard rejection rule keeps its distribution).
@@ -28,10 +29,9 @@ Refused at start (exit 2, naming the key or flag), and on a SIGHUP reload:
   (``mlxceld/pipeline/speculating.py``). On a ``pp_auto`` coordinator they are what
   its plans' TOML carry (``cluster/plan/candidates.py``'s ``drafted``): the draft must
   be at that path on the last stage's host, or a repo id each fetches;
-- where it is not built yet: a
-  tensor-parallel group (``tp_size`` above 1, ``tp_peers``), a quantized KV cache
-  (``kv_bits``), and every ``node_role`` but hybrid (a router over replicas holds no
-  model; prefill and decode nodes hand caches over);
+- where it is not built yet: a quantized KV cache (``kv_bits``), and every
+  ``node_role`` but hybrid (a router over replicas holds no model; prefill and decode
+  nodes hand caches over);
 - by the router worker as it loads them: a model or draft with sliding-window layers
   (gemma3, gpt_oss), whose caches cannot be trimmed back to the accepted tokens.
 """
@@ -82,8 +82,6 @@ def check_draft_setting(draft: str | None, origin: str, *, model: str | None,
            else f"{pipeline}: a pipeline's draft is the cluster TOML's [cluster] "
            "draft_model (its last stage runs it: mlxceld/pipeline/speculating.py), or "
            "the --pp-auto coordinator's" if pipeline is not None and "pp_auto" not in pipeline
-           else f"tp_size {tp_size} (--tp-size): speculative decoding in a tensor-parallel "
-           "group is not built yet" if tp_size > 1 or tp_peers
            else "kv_bits (--kv-bits): speculative decoding with a quantized KV cache is not "
            "built yet" if kv_quant is not None else None)
     if why is not None:

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlxceld.engine.base import EngineError
 from mlxceld.engine.batching import fresh_cache, generator
 from mlxceld.engine.prompt_cache import PromptCache
+from mlxceld.engine.solo import Followed
 from mlxceld.engine.tensor import Mirror, Op
 from mlxceld.roles.options import KVQuant
 
@@ -30,6 +31,7 @@ class Follower:
         self._prompt_cache = PromptCache()  # rank 0's setup sets its bound
         self._live: set[int] = set()
         self._kv_quant: KVQuant | None = None  # rank 0's, from its setup op
+        self._solo: Followed | None = None  # the sequence rank 0 decodes speculatively
         self.steps = 0  # batch steps taken (read from another thread: for the worker's stats)
 
     @property
@@ -83,12 +85,38 @@ class Follower:
             if got != uid:
                 raise EngineError(f"this rank numbered a sequence {got}, rank 0 {uid}")
             self._live.add(uid)
+        elif op[0].startswith("spec"):
+            self._speculate(gen, op)
         elif op[0] == "remove":
             gen.remove([op[1]])
             self._live.discard(op[1])
         else:
             raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
         return gen
+
+    def _speculate(self, gen: Any, op: Op) -> None:
+        """Rank 0's speculating sequence (``engine/solo.py`` lists these ops)."""
+        solo = self._solo
+        if op[0] == "spec":
+            self._solo = Followed(self._model, self._prompt_cache, list(op[1]), op[2])
+            return
+        if solo is None:
+            raise EngineError(f"rank 0 sent {op[0]!r} with no speculating sequence")
+        if op[0] == "spec_run":
+            with mx.stream(gen.stream), self._mirror.stepping():
+                solo.run(*op[1:4])
+        elif op[0] == "spec_join":
+            _, uid, keep, pending, max_tokens, shared = op
+            got = solo.join(gen, keep, pending, max_tokens, self._mirror.follower(shared))
+            if got != uid:
+                raise EngineError(f"this rank numbered a sequence {got}, rank 0 {uid}")
+            self._live.add(uid)
+            self._solo = None
+        elif op[0] == "spec_end":
+            solo.end(self._prompt_cache, op[1])
+            self._solo = None
+        else:
+            raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
 
     def _step(self, gen: Any) -> None:
         _, generated = gen.next()

@@ -44,21 +44,31 @@ def load_local_engine(path: str, *, model_id: str | None = None, max_batch: int 
     loaded: Any = load(path, lazy=True, return_config=True)
     model, tokenizer, config = loaded
     check_kv(model, config, kv_quant, str(Path(path) / "config.json"))
-    draft = None
-    if draft_model is not None:
-        check_draft(Path(path), Path(draft_model), "serve.draft_model")
-        draft = Draft(load(draft_model)[0], num_draft_tokens)
-        if not Speculation.trimmable(model, draft):
-            family = config.get("model_type") or getattr(model, "model_type", "?")
-            raise ConfigError(f"serve.draft_model: model family {family!r} (or the draft's) "
-                              "keeps a KV cache that cannot be trimmed back to the accepted "
-                              "tokens (a sliding window's), which speculative decoding needs",
-                              hint="leave draft_model out for this model")
+    draft = None if draft_model is None \
+        else load_draft(path, model, config, draft_model, num_draft_tokens)
     read_weights(model_layers(model), model, progress)
     return engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                       max_batch=max_batch, on_failure=on_failure,
                       context_length=context_length, prompt_cache_bytes=prompt_cache_bytes,
                       kv_quant=kv_quant, draft=draft), tokenizer
+
+
+def load_draft(path: str, model: Any, config: dict[str, Any], draft_model: str,
+               num_draft_tokens: int) -> Draft:
+    """The draft at ``draft_model`` for the model at ``path`` (``model``, its ``config``):
+    its tokenizer checked first (``models/drafts.py``), then that both models' caches
+    trim back to the accepted tokens (``ConfigError`` naming ``serve.draft_model``)."""
+    from mlx_lm import load
+
+    check_draft(Path(path), Path(draft_model), "serve.draft_model")
+    draft = Draft(load(draft_model)[0], num_draft_tokens)
+    if not Speculation.trimmable(model, draft):
+        family = config.get("model_type") or getattr(model, "model_type", "?")
+        raise ConfigError(f"serve.draft_model: model family {family!r} (or the draft's) "
+                          "keeps a KV cache that cannot be trimmed back to the accepted "
+                          "tokens (a sliding window's), which speculative decoding needs",
+                          hint="leave draft_model out for this model")
+    return draft
 
 
 def engine_for(model: Any, tokenizer: Any, config: dict[str, Any], *, model_id: str,

@@ -29,7 +29,8 @@ one.
 
 With a ``Draft`` (``[serve] draft_model``) a sequence that starts alone is decoded
 speculatively outside the batch until another arrives, then joins the batch to its end
-(``engine/speculative.py`` says when, and how exactly).
+(``engine/speculative.py`` says when, and how exactly; ``engine/solo.py`` how a
+tensor-parallel group's other ranks follow it).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ from mlxceld.engine.kvquant import quantizing
 from mlxceld.engine.processors import make_logits_processors
 from mlxceld.engine.prompt_cache import DEFAULT_BYTES, PromptCache
 from mlxceld.engine.sampling import make_sampler
+from mlxceld.engine.solo import Solo
 from mlxceld.engine.speculative import Draft, Speculation
-from mlxceld.engine.tensor import GROUP_RETRY_S, Mirror, Op
+from mlxceld.engine.tensor import GROUP_RETRY_S, Mirror, Op, broke
 from mlxceld.roles.options import KVQuant
 from mlxceld.types import PromptCacheStats
 
@@ -108,7 +110,7 @@ class LocalEngine:
         ``prompt_cache.DEFAULT_BYTES``), the whole group's with a mirror: each of its N
         ranks holds a slice of every cache, and keeps at most 1/N of the bytes;
         ``kv_quant``: a quantized KV cache (the model checked for it: ``loading.py``);
-        ``draft``: speculative decoding (neither with a mirror nor with ``kv_quant``)."""
+        ``draft``: speculative decoding (``engine/solo.py``; not with ``kv_quant``)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -122,8 +124,7 @@ class LocalEngine:
             log.info("engine for %s: %s", model_id, kv_quant)
         self._gen: Any = batching.generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
-        assert draft is None or (mirror is None and kv_quant is None)  # loading.py checks
-        self.draft = draft  # ... and that both caches trim back (Speculation.trimmable)
+        self.draft = draft  # loading.py checks that its caches trim back (no kv_quant)
         self._spec: _Sequence | None = None  # the sequence decoded speculatively, if any
         if mirror is not None:
             mirror.on_broken, mirror.on_silent = self._group_broke, self._group_silent
@@ -138,6 +139,10 @@ class LocalEngine:
         self._ops: list[Op] = [] if mirror is None else [
             ("setup", sorted(eos_token_ids), max_batch, prefill_step,
              self._prompt_cache.max_bytes, kv_quant)]
+        self._solo = None if draft is None else Solo(
+            draft, model, prompt_cache=self._prompt_cache, vocab_size=vocab_size,
+            eos_token_ids=eos_token_ids, prefill_step=prefill_step, stream=self._gen.stream,
+            mirror=mirror, tell=lambda op: self._ops.append(op), share=self._share)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_uid: dict[int, _Sequence] = {}
         self._active = 0
@@ -353,7 +358,9 @@ class LocalEngine:
                 self._insert(seq)
             elif command == "prefill":
                 self._prefill(*seq)
-            elif command == "cancel" and seq is self._spec:
+            elif command == "cancel" and self._spec is not None and seq is self._spec:
+                assert self._solo is not None and self._spec.speculation is not None
+                self._solo.end(self._spec.speculation, finished=False)
                 self._spec = None
             elif command == "cancel" and seq.uid is not None \
                     and self._by_uid.pop(seq.uid, None) is not None:
@@ -411,31 +418,28 @@ class LocalEngine:
 
     def _speculated(self, seq: _Sequence, tokens: list[int]) -> bool:
         """Whether ``seq`` starts speculating (``engine/speculative.py``'s rule)."""
-        if self.draft is None or self._by_uid or seq.handoff is not None \
-                or not self.draft.takes(seq.request.params, seq.matching is not None):
+        if self._solo is None or self._by_uid or seq.handoff is not None \
+                or not self._solo.draft.takes(seq.request.params, seq.matching is not None):
             return False
-        self._spec, seq.speculation = seq, Speculation(
-            self.draft, self._gen.model, tokens, seq.request.params,
-            cache=self._prompt_cache.fetch(tokens)[0], vocab_size=self._vocab_size,
-            eos_token_ids=self._eos_token_ids, prefill_step=self._prefill_step,
-            stream=self._gen.stream)
+        self._spec, seq.speculation = seq, self._solo.start(tokens, seq.request.params)
         return True
 
     def _join_batch(self, seq: _Sequence) -> None:
-        """``seq`` leaves speculation for the batch, with its cache and tokens."""
-        assert seq.speculation is not None
-        seq.uid = seq.speculation.join(self._gen, self._vocab_size)
+        """``seq`` leaves speculation for the batch, with its cache and tokens; before its
+        first token, that token says what the prompt cache gave."""
+        spec = seq.speculation
+        assert spec is not None and self._solo is not None
+        seq.uid = self._solo.join(spec, self._gen)
+        seq.cached = spec.cached if spec.generated == 0 else None
         self._by_uid[seq.uid] = seq
         self._spec = seq.speculation = None
 
     def _speculate(self, seq: _Sequence) -> None:
         """One step of the sequence decoded speculatively: its tokens delivered at once."""
-        assert seq.speculation is not None
-        outs = seq.speculation.step()
-        if outs and outs[-1].finish_reason is not None:
-            self._spec = None
-            self._prompt_cache.keep(*seq.speculation.held())
+        assert seq.speculation is not None and self._solo is not None
+        outs = self._solo.step(seq.speculation)  # its cache kept once it ends
         if outs:
+            self._spec = None if outs[-1].finish_reason is not None else seq
             with contextlib.suppress(RuntimeError):  # the request's loop is gone
                 seq.loop.call_soon_threadsafe(batching.put_all, [(seq.out, o) for o in outs])
 
@@ -492,9 +496,3 @@ class LocalEngine:
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody listens
             seq.loop.call_soon_threadsafe(seq.out.put_nowait, item)
-
-
-def broke(why: str) -> EngineUnavailable:
-    """What a request is told of a broken tensor-parallel group: 503 naming why."""
-    return EngineUnavailable(f"the tensor-parallel group broke: {why}; the daemon restarts "
-                             "it", retry_after_s=GROUP_RETRY_S)

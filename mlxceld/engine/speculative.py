@@ -52,8 +52,14 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import FinishReason, SamplingParams, TokenOutput
 from mlxceld.engine.pacing import Pacing
-from mlxceld.engine.sampling import make_sampler, read_logprobs, sampling_logits
+from mlxceld.engine.sampling import Sampler, read_logprobs, sampling_logits
 from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+
+# Told before each of the target's forward passes: how many tokens its cache keeps (it
+# is trimmed to them first), the ids the pass runs, and whether its logits are read
+# (a pass: True) or only its cache filled (a prefill chunk): a tensor-parallel group's
+# other ranks run the same pass (``engine/solo.py``).
+Before = Callable[[int, list[int], bool], None]
 
 
 @dataclass
@@ -138,9 +144,10 @@ class Speculation:
 
     def __init__(self, draft: Draft, model: Any, tokens: Sequence[int], params: SamplingParams,
                  *, vocab_size: int, eos_token_ids: set[int], prefill_step: int, stream: Any,
-                 cache: list[Any] | None = None) -> None:
+                 cache: list[Any] | None = None, before: Before | None = None) -> None:
         """``cache``: the target's for a prefix of ``tokens`` (the prompt cache's), else
-        a new one; ``stream``: mlx's stream to compute on (the batch's)."""
+        a new one; ``stream``: mlx's stream to compute on (the batch's); ``before``: told
+        of each of the target's forward passes before it runs (``Before``)."""
         self.draft, self.model, self.params = draft, model, params
         self.tokens = list(tokens)
         self.generated = 0
@@ -151,6 +158,7 @@ class Speculation:
         self.draft_cache = make_prompt_cache(draft.model)
         self._eos = eos_token_ids
         self._prefill_step = prefill_step
+        self._before = before
         self._scale: Callable[[mx.array], mx.array] | None = None if params.temperature == 0 \
             else sampling_logits(params, vocab_size)
 
@@ -165,15 +173,24 @@ class Speculation:
     def offset(self) -> int:
         return int(self.cache[0].offset)
 
-    def join(self, gen: Any, vocab_size: int) -> int:
-        """Hand this sequence to mlx-lm's ``BatchGenerator`` ``gen`` (its uid there): the
-        target's cache, the tokens in it, the rest as its prompt."""
-        [uid] = gen.insert([self.tokens[self.offset:]],
-                           max_tokens=[self.params.max_tokens - self.generated],
+    def join(self, gen: Any, sampler: Sampler) -> int:
+        """Hand this sequence to mlx-lm's ``BatchGenerator`` ``gen`` (its uid there), to be
+        sampled with ``sampler``: the target's cache, the tokens in it, the rest
+        (``pending``) as its prompt."""
+        [uid] = gen.insert([self.pending], max_tokens=[self.left],
                            caches=[self.cache], all_tokens=[self.tokens[: self.offset]],
-                           samplers=[make_sampler(self.params, vocab_size)],
-                           logits_processors=[[]])
+                           samplers=[sampler], logits_processors=[[]])
         return int(uid)
+
+    @property
+    def pending(self) -> list[int]:
+        """The tokens not yet in the target's cache (the last one, between passes)."""
+        return self.tokens[self.offset:]
+
+    @property
+    def left(self) -> int:
+        """How many more tokens it may generate (``max_tokens`` less those it did)."""
+        return self.params.max_tokens - self.generated
 
     def held(self) -> tuple[list[int], list[Any]]:
         """The tokens in the target's cache, and the cache (for the prompt cache)."""
@@ -192,6 +209,8 @@ class Speculation:
         n = min(self._prefill_step, len(self.tokens) - start - 1)
         if n <= 0:
             return False
+        if model is self.model and self._before is not None:
+            self._before(start, self.tokens[start:start + n], False)
         model(mx.array(self.tokens[start:start + n])[None], cache=cache)
         mx.eval([c.state for c in cache])
         return True
@@ -203,6 +222,8 @@ class Speculation:
         drafted, q = self._propose(k)
         before, start = len(self.tokens), self.offset
         ids = mx.concatenate([mx.array(self.tokens[start:], dtype=mx.uint32), *drafted])
+        if self._before is not None:
+            self._before(start, ids.tolist(), True)  # type: ignore[arg-type]
         logits = self.model(ids[None], cache=self.cache)[0, -(k + 1):, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         proposed: list[int] = mx.concatenate(drafted).tolist() if k else []  # type: ignore[assignment]

@@ -82,12 +82,12 @@ from typing import Any, Final
 import mlx.core as mx
 import numpy as np
 
-from mlxceld.engine.base import EngineError
+from mlxceld.engine.base import EngineError, EngineUnavailable
 from mlxceld.engine.heartbeats import RankSilence, beat
 from mlxceld.engine.ring import BACKEND, RING_DEADLINE_S, join_ring
 from mlxceld.engine.sampling import Sampler, greedy
 from mlxceld.models.reading import Progress, model_layers, read_weights
-from mlxceld.roles.options import KVQuant
+from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, KVQuant
 
 log = logging.getLogger(__name__)
 __all__ = ["BACKEND", "RING_DEADLINE_S", "Mirror", "join_ring", "load_shard",
@@ -104,7 +104,9 @@ GROUP_RETRY_S: Final = 5  # Retry-After of a request a broken or stalled group r
 EXIT_RING_BROKEN: Final = 1  # the status a rank ends with when its share is past its deadline
 
 # An op of the log: ("setup", eos, max_batch, prefill_step, kv_quant) first, then
-# ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid), ("close",).
+# ("insert", uid, tokens, max_tokens, spared, greedy), ("remove", uid), ("close",), and a
+# speculating sequence's ("spec", ...), ("spec_run", ...), ("spec_join", ...) and
+# ("spec_end", ...) (``engine/solo.py``).
 Op = tuple[Any, ...]
 
 
@@ -181,12 +183,14 @@ class Mirror:
             self._watchdog.start()
         # The first share has no deadline: rank 0 builds its engine (tokenizer, constraint
         # tables) after the load's barrier while the followers wait in it.
+        outer = self._limit, self._since  # a step's (a share inside a speculative one)
         self._limit = self._deadline_s
         self._since = time.monotonic() if self._armed else None
         try:
             shared = self._share(ops)
         finally:
-            self._since = None
+            self._limit, self._since = outer if outer[1] is not None \
+                else (self._limit, None)
         self._armed = True
         return shared
 
@@ -414,6 +418,12 @@ class Mirror:
         return self._last
 
 
+def broke(why: str) -> EngineUnavailable:
+    """What rank 0's requests are told of a broken group: 503 naming why."""
+    return EngineUnavailable(f"the tensor-parallel group broke: {why}; the daemon restarts "
+                             "it", retry_after_s=GROUP_RETRY_S)
+
+
 def _read(link: socket.socket, n: int) -> bytes:
     """Exactly ``n`` bytes from ``link``; ``EOFError`` when it ends first."""
     out = bytearray()
@@ -459,23 +469,28 @@ def load_tensor_engine(path: str, group: Any, *, model_id: str | None = None,
                        context_length: int | None = None,
                        prompt_cache_bytes: int | None = None,
                        kv_quant: KVQuant | None = None,
-                       hosts: Sequence[str] = ()) -> tuple[Any, Any]:
+                       hosts: Sequence[str] = (), draft_model: str | None = None,
+                       num_draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> tuple[Any, Any]:
     """Rank 0 of a tensor-parallel engine: ``engine.loading.load_local_engine``'s engine and
-    tokenizer (``context_length`` and ``prompt_cache_bytes`` as there), with the model
-    split over ``group``; the engine drives the followers, its ``setup`` op carrying
-    ``kv_quant`` (refused, ``ConfigError``, for a model that cannot keep one:
-    ``engine.local.check_kv``), so every rank quantizes alike."""
+    tokenizer (``context_length``, ``prompt_cache_bytes`` and the draft as there), with
+    the model split over ``group``; the engine drives the followers, its ``setup`` op
+    carrying ``kv_quant`` (refused, ``ConfigError``, for a model that cannot keep one:
+    ``engine.local.check_kv``), so every rank quantizes alike. The draft is loaded whole
+    on this rank alone (``engine/solo.py``)."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlxceld.engine.loading import check_kv, engine_for
+    from mlxceld.engine.loading import check_kv, engine_for, load_draft
 
     model, config = load_shard(path, group, progress)
     check_kv(model, config, kv_quant, str(Path(path) / "config.json"))
+    draft = None if draft_model is None \
+        else load_draft(path, model, config, draft_model, num_draft_tokens)
     tokenizer = load_tokenizer(Path(path),  # type: ignore[no-untyped-call]
                                eos_token_ids=config.get("eos_token_id", None))
     engine = engine_for(model, tokenizer, config, model_id=model_id or Path(path).name,
                         max_batch=max_batch, on_failure=on_failure, kv_quant=kv_quant,
                         mirror=Mirror(group, deadline_s=share_deadline_s, hosts=hosts),
-                        context_length=context_length, prompt_cache_bytes=prompt_cache_bytes)
+                        context_length=context_length, prompt_cache_bytes=prompt_cache_bytes,
+                        draft=draft)
     return engine, tokenizer
 

@@ -85,8 +85,10 @@ async def make_engine(mode: EngineMode, ctx: WorkerContext[RouterOptions],
                       broke: Broke) -> RouterEngine:
     """The engine of ``mode``, loaded (``broke``: told when the engine fails later). A
     draft model is refused by name where speculative decoding is not built: every mode
-    but a local one (a pipeline's plan activated after the config was checked)."""
-    if ctx.options.draft_model is not None and not isinstance(mode, LocalMode):
+    but a local one, alone or as rank 0 of its tensor group (a pipeline's plan activated
+    after the config was checked)."""
+    if ctx.options.draft_model is not None \
+            and not isinstance(mode, LocalMode | TensorMode):
         raise ConfigError(f"serve.draft_model: speculative decoding is built for the local "
                           f"engine only, not for this router's {type(mode).__name__}",
                           hint="leave draft_model out (--draft-model) for this node")
@@ -111,11 +113,11 @@ async def load_here(ctx: WorkerContext[RouterOptions], broke: Broke,
     path = await fetched_path(ctx, o.model)  # a repo id's weights, with progress
     # Its reports are queued before the thread ends, so they land before the pop.
     loaded = load_reporter(ctx, time.time(), failpoints.ROUTER_LAYER_S)
+    draft = None if o.draft_model is None else await fetched_path(ctx, o.draft_model)
     if tensor is not None:
-        engine, tokenizer = await tensor_engine(ctx, tensor, path, broke, loaded)
+        engine, tokenizer = await tensor_engine(ctx, tensor, path, broke, loaded, draft)
         built: LocalRouter = TensorRouter(engine, tokenizer, path)
     else:
-        draft = None if o.draft_model is None else await fetched_path(ctx, o.draft_model)
         engine, tokenizer = await unless_stopped(ctx, "load", functools.partial(
             load_local_engine, path, model_id=o.model_name, max_batch=o.max_batch,
             on_failure=broke, progress=loaded, context_length=o.context_length,
@@ -134,12 +136,12 @@ async def group_transport(hosts: tuple[str, ...]) -> TransportChoice:
 
 
 async def tensor_engine(ctx: WorkerContext[RouterOptions], mode: TensorMode, path: str,
-                        broke: Broke, loaded: Callable[[int, int], None]
+                        broke: Broke, loaded: Callable[[int, int], None], draft: str | None
                         ) -> tuple[LocalEngine, Any]:
     """Rank 0 of the tensor-parallel group: the model checked for the split, the ring
     joined (``engine.tensor.join_ring``: every rank within its ``RING_DEADLINE_S``), then
     this rank's slice loaded while the others load theirs (``load_tensor_engine``: the
-    engine drives the group)."""
+    engine drives the group; ``draft``: its draft model's directory, loaded here)."""
     from mlxceld.engine.tensor import load_tensor_engine
     from mlxceld.workers.tensor_rank import check_split, join_group
 
@@ -156,5 +158,6 @@ async def tensor_engine(ctx: WorkerContext[RouterOptions], mode: TensorMode, pat
     loaded_engine = await unless_stopped(ctx, "load", functools.partial(
         load_tensor_engine, path, group, model_id=o.model_name, max_batch=o.max_batch,
         on_failure=broke, progress=loaded, context_length=o.context_length,
-        prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant, hosts=mode.hosts))
+        prompt_cache_bytes=o.prompt_cache_bytes, kv_quant=o.kv_quant, hosts=mode.hosts,
+        draft_model=draft, num_draft_tokens=o.num_draft_tokens))
     return cast(tuple[LocalEngine, Any], loaded_engine)

@@ -1,7 +1,8 @@
 """``[serve] draft_model`` and ``num_draft_tokens`` and their flags (config/speculative.py):
 parsed, carried to the router's options, and refused by name: k out of range or without
 a draft, a draft of another tokenizer, and every place speculative decoding is not built
-(a pipeline, a tensor group, a quantized KV cache, a node role but hybrid)."""
+(a quantized KV cache, a node role but hybrid, a pipeline's stage host); a tensor group
+takes one (its rank 0 drafts)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def test_keys_and_flags_set_it_and_the_router_gets_it(tmp_path: Path, models: Pa
     assert (cfg.serve.draft_model, cfg.serve.num_draft_tokens) == (draft, 6)
     file = config(tmp_path, [], {"model": target, "draft_model": draft})
     assert (file.serve.draft_model, file.serve.num_draft_tokens) == (draft, 4)
+    group = config(tmp_path, ["--model", target, "--draft-model", draft, "--tp-size", "2"])
+    assert (group.serve.draft_model, group.serve.tp_size) == (draft, 2)
     options = router_options(cfg.serve)
     assert (options.draft_model, options.num_draft_tokens) == (draft, 6)
     assert parse_options("router", json.loads(json.dumps(options_json(options)))) == options
@@ -66,8 +69,6 @@ def test_keys_and_flags_set_it_and_the_router_gets_it(tmp_path: Path, models: Pa
     (["--num-draft-tokens", "3"], {}, r"--num-draft-tokens means nothing without "
      r"draft_model"),
     ([], {"draft_model": 5}, r"'serve\.draft_model' must be a string"),
-    (["--draft-model", "DRAFT", "--tp-size", "2"], {}, r"--draft-model with tp_size 2 "
-     r"\(--tp-size\): speculative decoding in a tensor-parallel group is not built yet"),
     (["--draft-model", "DRAFT", "--kv-bits", "8"], {},
      r"--draft-model with kv_bits"),
     (["--draft-model", "DRAFT", "--pp-peer"], {}, r"--draft-model with pp_peer "

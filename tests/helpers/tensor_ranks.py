@@ -10,7 +10,11 @@ second); ``OUT.started`` is made at the first token. With ``idle_s`` it then mak
 ``OUT.idle``, idles that long and runs the first request once more. With ``handoff`` it
 then tries a KV-handoff prefill and writes its refusal. ``share_deadline_s``: the ranks'.
 ``kv`` (rank 0's only: its setup op tells the others): a quantized KV cache,
-``{"bits", "group_size", "start"}`` (``roles.options.KVQuant``).
+``{"bits", "group_size", "start"}`` (``roles.options.KVQuant``). ``draft`` (rank 0's
+only): a draft model's directory (speculative decoding, ``num_draft_tokens`` 4); the
+out file then has its counters (``speculation``). ``orders`` instead of ``rounds``: a
+round per item, ``"all"`` (every request at once) or ``"one"`` (one after another:
+each alone in the engine, so each speculates).
 Rank 0 closes the group when done; the others return.
 
 ``start_ranks`` starts them all and ``finish`` waits for them (each ended by pid).
@@ -101,15 +105,17 @@ def _main(spec: dict[str, Any]) -> int:
     kv = spec.get("kv")
     engine, _ = load_tensor_engine(spec["model"], group, max_batch=spec["max_batch"],
                                    share_deadline_s=spec.get("share_deadline_s", 60.0),
-                                   kv_quant=None if kv is None else KVQuant(**kv))
+                                   kv_quant=None if kv is None else KVQuant(**kv),
+                                   draft_model=spec.get("draft"))
 
     started = Path(spec["out"] + ".started")
 
     async def run() -> dict[str, Any]:
         rounds = []
-        for _ in range(spec["rounds"]):
-            rounds.append(list(await asyncio.gather(
-                *(generated(engine, i, r, started) for i, r in enumerate(spec["requests"])))))
+        for order in spec.get("orders") or ["all"] * spec["rounds"]:
+            jobs = [generated(engine, i, r, started) for i, r in enumerate(spec["requests"])]
+            rounds.append(list(await asyncio.gather(*jobs)) if order == "all"
+                          else [await job for job in jobs])
         if spec.get("idle_s"):  # then one more request: whether the engine still serves
             Path(spec["out"] + ".idle").touch()
             await asyncio.sleep(spec["idle_s"])
@@ -121,7 +127,8 @@ def _main(spec: dict[str, Any]) -> int:
             except EngineError as exc:
                 refused = str(exc)
         await engine.aclose()
-        return {"rounds": rounds, "handoff": refused}
+        counters = None if engine.draft is None else engine.draft.snapshot()
+        return {"rounds": rounds, "handoff": refused, "speculation": counters}
 
     results = asyncio.run(run())
     Path(spec["out"]).write_text(json.dumps(results))

@@ -1,8 +1,9 @@
 """Speculative decoding as users run it: a real daemon with ``--draft-model``, the real
 ``openai`` client. Greedy text is mlx-lm's own with any draft, one request or several at
 once; ``/metrics`` and ``mlxctl status`` show the counters: every proposal of the
-agreeing pair accepted, almost none of an unrelated draft's. A pipeline's router refuses
-a draft by name, and a draft of another tokenizer keeps the daemon from starting."""
+agreeing pair accepted, almost none of an unrelated draft's. A tensor-parallel group
+speculates too (its rank 0 drafts). A pipeline's router refuses a draft by name, and a
+draft of another tokenizer keeps the daemon from starting."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mlxceld.models.fixtures import preset, write_fixture
 from mlxceld.roles.options import EXIT_CONFIG, PipelineOptions, PipelineStage, RouterOptions
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
+from helpers.deploy import Host
 from helpers.drafts import write_pairs
 from helpers.metrics import sample, scrape
 from helpers.models import expected
@@ -115,3 +117,32 @@ def test_a_pipeline_router_refuses_a_draft_by_name(state_dir: Path, pair: Path) 
         in summary, summary
 
 
+
+
+def test_a_tensor_group_speculates_from_its_config_file(daemons: Daemons, pair: Path) -> None:
+    """``[serve] tp_size = 2`` and ``draft_model`` in the config file, as a service is
+    configured: rank 0 (the router) drafts, both ranks verify; greedy text is mlx-lm's
+    on the whole model, alone and with others at once, and the counters show passes."""
+    model = pair / "plain"
+    port = free_port()
+    host = Host(daemons, "tpspec", secret=None,
+                serve={"model": str(model), "port": port, "tp_size": 2,
+                       "draft_model": str(pair / "other"), "num_draft_tokens": 3})
+    host.start()
+    for name in ("router", "tp-1"):
+        daemons.pids.add(host.d.wait_worker(name, timeout=READY_S, state="running")["pid"])
+    url = f"http://127.0.0.1:{port}/v1"
+    want = {p: expected(model, p, N) for p in PROMPTS}
+    with client(url) as c:
+        def complete(prompt: str) -> str:
+            return c.completions.create(model="plain", prompt=prompt, max_tokens=N,
+                                        temperature=0).choices[0].text or ""
+
+        assert {p: complete(p) for p in PROMPTS} == want
+        passes = sample(scrape(url), "mlxceld_speculative_passes_total")
+        assert passes is not None and passes > 0
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = dict(zip(PROMPTS, pool.map(complete, PROMPTS), strict=True))
+        assert together == want
+    status = host.d.ctl("status").stdout
+    assert "tp-1" in status, status
