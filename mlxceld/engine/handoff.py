@@ -57,7 +57,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxceld.engine.base import EngineError, SamplingParams, TokenOutput
+from mlxceld.engine.base import EngineError, GenerationRequest, SamplingParams, TokenOutput
 from mlxceld.engine.constraints import Matching
 from mlxceld.engine.processors import LogitsProcessor, make_logits_processors
 from mlxceld.engine.sampling import Sampler, make_sampler, read_logprobs
@@ -195,6 +195,26 @@ def prefill(model: Any, prompt: Sequence[int], params: SamplingParams, *, vocab_
         return TokenOutput(token, reason), cache
     logprob, top = read_logprobs(logprobs[0], token, params.logprobs)
     return TokenOutput(token, reason, logprob, top), cache
+
+
+def check_resumable(request: GenerationRequest, first: TokenOutput, cache: Sequence[Any],
+                    layers: int, vocab_size: int) -> None:
+    """Refuse (``ValueError``, naming what is wrong) a handed-off sequence a model of
+    ``layers`` and ``vocab_size`` cannot continue: ``cache`` must be the prompt's, per
+    layer, and ``first`` a token of the vocabulary, with room for more unless it ended."""
+    if len(cache) != layers:
+        raise ValueError(f"the handed-off cache has {len(cache)} layers; this model "
+                         f"has {layers}")
+    length = cache[0].offset
+    if length != len(request.prompt_tokens):
+        raise ValueError(f"the handed-off cache holds {length} tokens; the prompt has "
+                         f"{len(request.prompt_tokens)}")
+    if not 0 <= first.token < vocab_size:
+        raise ValueError(f"the first token {first.token} is outside this model's "
+                         f"vocabulary of {vocab_size} tokens")
+    if first.finish_reason is None and request.params.max_tokens < 2:
+        raise ValueError(f"max_tokens is {request.params.max_tokens} and the first "
+                         f"token did not finish the sequence")
 
 
 def snapshot(cache: Sequence[Any]) -> list[Any]:

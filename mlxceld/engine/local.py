@@ -27,10 +27,9 @@ included; a handed-off cache is quantized from its next step): greedy tokens are
 (that module says exactly when). ``loading.engine_for`` refuses a model that cannot keep
 one.
 
-With a ``Draft`` (``[serve] draft_model``) a sequence that starts alone is decoded
-speculatively outside the batch until another arrives, then joins the batch to its end
-(``engine/speculative.py`` says when, and how exactly; ``engine/solo.py`` how a
-tensor-parallel group's other ranks follow it).
+With a ``Draft`` (``[serve] draft_model``) a sequence alone in the engine is decoded
+speculatively outside the batch while it stays alone (``engine/speculative.py`` says
+when and how; ``engine/solo.py`` how a tensor-parallel group's other ranks follow).
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from mlxceld.engine.handoff import (
     CacheLayout,
     check_handoff,
     check_prefill,
+    check_resumable,
     prefill,
     resume_sampling,
     snapshot,
@@ -90,7 +90,7 @@ class _Sequence:
     # A handed-off sequence: its first token (sampled elsewhere) and its prompt's cache.
     handoff: tuple[int, Sequence[Any]] | None = None
     cached: int | None = None  # prompt tokens from the prompt cache, until the first output
-    speculation: Speculation | None = None  # decoded with the draft, outside the batch
+    speculation: Speculation | None = None  # with the draft (or parked while batched)
 
 
 class LocalEngine:
@@ -183,20 +183,7 @@ class LocalEngine:
         sequence. From a lossless (``none``) cache, greedy tokens are the one-host tokens
         (the module docstring of ``engine/handoff.py`` says what seeded sampling gives)."""
         self._check_handoff_here()
-        layers = len(self._gen.model.layers)
-        if len(cache) != layers:
-            raise ValueError(f"the handed-off cache has {len(cache)} layers; this model "
-                             f"has {layers}")
-        length = cache[0].offset
-        if length != len(request.prompt_tokens):
-            raise ValueError(f"the handed-off cache holds {length} tokens; the prompt has "
-                             f"{len(request.prompt_tokens)}")
-        if not 0 <= first.token < self._vocab_size:
-            raise ValueError(f"the first token {first.token} is outside this model's "
-                             f"vocabulary of {self._vocab_size} tokens")
-        if first.finish_reason is None and request.params.max_tokens < 2:
-            raise ValueError(f"max_tokens is {request.params.max_tokens} and the first "
-                             f"token did not finish the sequence")
+        check_resumable(request, first, cache, len(self._gen.model.layers), self._vocab_size)
         seq = await self._sequence(request)
         seq.handoff = (first.token, cache)
         yield first
@@ -425,14 +412,26 @@ class LocalEngine:
         return True
 
     def _join_batch(self, seq: _Sequence) -> None:
-        """``seq`` leaves speculation for the batch, with its cache and tokens; before its
-        first token, that token says what the prompt cache gave."""
+        """``seq`` leaves speculation for the batch (its first token says what was cached)."""
         spec = seq.speculation
         assert spec is not None and self._solo is not None
         seq.uid = self._solo.join(spec, self._gen)
         seq.cached = spec.cached if spec.generated == 0 else None
         self._by_uid[seq.uid] = seq
-        self._spec = seq.speculation = None
+        self._spec = None  # its speculation parked: its draft's cache, should it come back
+
+    def _back_to_solo(self, emitted: set[int]) -> None:
+        """The batch's last sequence speculates again if it may (``Solo.resume``)."""
+        [(uid, seq)] = self._by_uid.items()
+        assert self._solo is not None
+        if uid not in emitted or not self._inbox.empty() or seq.handoff is not None \
+                or not self._solo.draft.takes(seq.request.params, seq.matching is not None):
+            return
+        spec = self._solo.resume(self._gen, uid, seq.request.prompt_tokens,
+                                 seq.request.params, seq.speculation)
+        if spec is not None:
+            del self._by_uid[uid]
+            seq.uid, self._spec, seq.speculation = None, seq, spec
 
     def _speculate(self, seq: _Sequence) -> None:
         """One step of the sequence decoded speculatively: its tokens delivered at once."""
@@ -491,6 +490,8 @@ class LocalEngine:
             items = [(seq.out, item) for seq, item in batch if seq.loop is loop]
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
                 loop.call_soon_threadsafe(batching.put_all, items)
+        if self._solo is not None and len(self._by_uid) == 1:
+            self._back_to_solo({r.uid for r in generated})
 
     @staticmethod
     def _deliver(seq: _Sequence, item: TokenOutput | BaseException) -> None:

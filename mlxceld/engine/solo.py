@@ -16,7 +16,9 @@ with the ids rank 0 tells them. Rank 0's op log (``Mirror.share``) carries:
   ``uid`` (another sequence arrived), its cache trimmed to ``keep`` tokens, ``pending``
   its prompt there (``Follower``'s ``insert``, with rank 0's sampler pattern ``shared``);
 - ``("spec_end", keep)``: it ended; its cache, trimmed to ``keep`` tokens, goes into
-  the prompt cache as rank 0's does; ``keep`` None: cancelled, dropped.
+  the prompt cache as rank 0's does; ``keep`` None: cancelled, dropped;
+- ``("spec_back", uid)``: the batch's one sequence left, ``uid``, leaves the batch to
+  speculate again (``Solo.resume``), with its cache and the tokens in it.
 
 Each rank's cache of the sequence therefore holds the same tokens as rank 0's before
 every pass. The acceptance (greedy or the rejection rule) is rank 0's alone.
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxceld.engine.base import EngineError, SamplingParams, TokenOutput
 from mlxceld.engine.prompt_cache import PromptCache
@@ -90,6 +92,31 @@ class Solo:
         self._tell(("spec_join", uid, spec.offset, spec.pending, spec.left, shared))
         return uid
 
+    def resume(self, gen: Any, uid: int, prompt: Sequence[int], params: SamplingParams,
+               parked: Speculation | None) -> Speculation | None:
+        """The sequence ``uid`` of ``gen`` (the batch's one sequence left, past its prompt)
+        out of the batch, decoded speculatively again: its cache (the last token taken
+        back out of it, to be the next pass's input; the token mlx-lm sampled ahead is
+        dropped and drawn again) and its tokens, with the draft's cache and pacing it had
+        when it joined (``parked``), if it speculated before. None, left in the batch,
+        when its cache is not one speculation trims (``Speculation.trimmable``)."""
+        [(cache, held)] = gen.extract_cache([uid]).values()
+        tokens = list(held)
+        if len(tokens) <= len(prompt) or int(cache[0].offset) != len(tokens) \
+                or not all(type(c) is KVCache for c in cache):
+            return None
+        gen.remove([uid])
+        self._tell(("spec_back", uid))
+        rewind(cache, len(tokens) - 1)
+        spec = Speculation(self.draft, self._model, tokens, params, cache=cache,
+                           vocab_size=self._vocab_size, eos_token_ids=self._eos,
+                           prefill_step=self._prefill_step, stream=self._stream,
+                           before=None if self._mirror is None else self._before)
+        spec.generated = len(tokens) - len(prompt)
+        if parked is not None:
+            spec.draft_cache, spec.pacing = parked.draft_cache, parked.pacing
+        return spec
+
     def end(self, spec: Speculation, *, finished: bool) -> None:
         """``spec`` ended: finished, its cache goes into the prompt cache; else dropped."""
         if finished:
@@ -101,16 +128,28 @@ class Followed:
     """A follower's side (``Follower``): its slices' cache of the sequence rank 0 decodes
     speculatively, and the tokens in it."""
 
-    def __init__(self, model: Any, prompt_cache: PromptCache, tokens: list[int],
-                 spared: int) -> None:
+    def __init__(self, model: Any, tokens: list[int], cache: list[Any]) -> None:
         self._model = model
+        self.cache = cache
+        self.tokens = tokens
+
+    @classmethod
+    def start(cls, model: Any, prompt_cache: PromptCache, tokens: list[int],
+              spared: int) -> Followed:
+        """``spec``: from this rank's prompt cache, which must spare what rank 0's did."""
         cache, rest = prompt_cache.fetch(tokens)
         if len(tokens) - len(rest) != spared:
             raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
                               f"tokens of the speculating sequence's prompt, rank 0's "
                               f"{spared}")
-        self.cache = cache if cache is not None else make_prompt_cache(model)
-        self.tokens = tokens
+        return cls(model, tokens, cache if cache is not None else make_prompt_cache(model))
+
+    @classmethod
+    def back(cls, model: Any, gen: Any, uid: int) -> Followed:
+        """``spec_back``: ``uid`` out of this rank's batch, as rank 0's ``Solo.resume``."""
+        [(cache, held)] = gen.extract_cache([uid]).values()
+        gen.remove([uid])
+        return cls(model, list(held), cache)
 
     def trim(self, keep: int) -> None:
         """The cache back to its first ``keep`` tokens (rank 0's accepted ones)."""

@@ -9,8 +9,11 @@ seeded sequence's tokens must not depend on what else is running), and whose cac
 trimmed. Such a sequence is decoded here, outside mlx-lm's ``BatchGenerator``, one
 ``Speculation.step`` at a time: a prefill chunk (target and draft), or one pass. The
 moment another sequence arrives, it joins the batch (``Speculation.join``: its cache
-and the tokens not yet in it, as a prompt-cache hit joins it) and decodes batched to its
-end; it never comes back. Everything else is plain batched decoding.
+and the tokens not yet in it, as a prompt-cache hit joins it) and decodes batched. When
+the batch is down to one sequence that may speculate (the rule above), past its prompt,
+it leaves the batch and speculates again (``engine/solo.py``'s ``Solo.resume``: its cache
+from the batch, the draft's cache and pacing it had, if it speculated before). Everything
+else is plain batched decoding.
 
 One pass (mlx-lm's ``speculative_generate_step``, the same verify and trim): the draft
 proposes ``d_1..d_k`` from the last token; the target runs the tokens not yet in its

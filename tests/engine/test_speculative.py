@@ -210,3 +210,39 @@ def test_a_speculated_sequence_feeds_the_prompt_cache(pair: Path) -> None:
     assert [t.token for t in first] == [t.token for t in second]
     assert first[0].cached == 0 and second[0].cached == len(prompt) - 1
     assert stats["passes"] > 0
+
+
+def test_a_sequence_alone_again_speculates_again(pair: Path) -> None:
+    """A speculating sequence joins the batch when a second arrives, and once that one is
+    done leaves the batch to speculate again, from the batch's cache: its tokens are still
+    the target's own (the target as its own draft: every token depends on the context, so
+    a cache taken back wrongly would show)."""
+    tokenizer = load(str(pair / "plain"))[1]
+    first, second = (tokenizer.encode(p) for p in PROMPTS[:2])
+
+    async def overlapped(engine: LocalEngine) -> tuple[list[int], list[int], int]:
+        assert engine.draft is not None
+        req = GenerationRequest("a", first, SamplingParams(max_tokens=120, temperature=0))
+        tokens: list[int] = []
+        other: asyncio.Task[list[TokenOutput]] | None = None
+        passes_then = -1
+        async for out in engine.generate(req):
+            tokens.append(out.token)
+            if len(tokens) == 3:
+                other = asyncio.create_task(_tokens(engine, second, n=4, temperature=0))
+            if other is not None and other.done() and passes_then < 0:
+                passes_then = int(engine.draft.snapshot()["passes"])
+        assert other is not None
+        return tokens, [t.token for t in await other], passes_then
+
+    async def alone(engine: LocalEngine) -> tuple[list[int], list[int]]:
+        a = await _tokens(engine, first, n=120, temperature=0)
+        b = await _tokens(engine, second, n=4, temperature=0)
+        return [t.token for t in a], [t.token for t in b]
+
+    want, _ = _run(pair / "plain", None, alone)
+    (a, b, passes_then), stats = _run(pair / "plain", pair / "plain", overlapped)
+    assert (a, b) == want
+    assert passes_then >= 0, "the second sequence ended after the first"
+    assert stats["passes"] > passes_then  # it speculated again once alone
+    assert stats["acceptance_rate"] == 1.0
