@@ -4,8 +4,9 @@ ranks run each verify pass and trim their caches alike. Real rank processes on l
 
 Greedy output with a draft at tp 2 is one process's without a draft, token for token, for
 a sequence alone (it speculates), for several at once (the speculating one joins the
-batch), after a cancelled speculating sequence, with the prompt cache in play, over
-more than one prefill chunk; sampled sequences speculate too. Two pairs: the agreeing
+batch, and the batch's last one leaves it to speculate again: ``spec_back``), after a
+cancelled speculating sequence, with the prompt cache in play, over more than one
+prefill chunk; sampled sequences speculate too. Two pairs: the agreeing
 one (every proposal accepted: the ranks trim and extend by whole runs) and a random
 target with an unrelated draft (its tokens depend on the whole context, so a rank whose
 cache was trimmed wrongly would give other tokens).
