@@ -28,8 +28,8 @@ included; a handed-off cache is quantized from its next step): greedy tokens are
 one.
 
 With a ``Draft`` (``[serve] draft_model``) a sequence that starts alone is decoded
-speculatively outside the batch until another arrives, then joins the batch to its end
-(``engine/speculative.py`` says when, and how exactly).
+speculatively outside the batch (its cache the batch's kind, quantizing with ``kv_quant``)
+until another arrives, then joins the batch to its end (``engine/speculative.py``).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class LocalEngine:
         ``prompt_cache.DEFAULT_BYTES``), the whole group's with a mirror: each of its N
         ranks holds a slice of every cache, and keeps at most 1/N of the bytes;
         ``kv_quant``: a quantized KV cache (the model checked for it: ``loading.py``);
-        ``draft``: speculative decoding (neither with a mirror nor with ``kv_quant``)."""
+        ``draft``: speculative decoding (not with a mirror)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -122,8 +122,8 @@ class LocalEngine:
             log.info("engine for %s: %s", model_id, kv_quant)
         self._gen: Any = batching.generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
-        assert draft is None or (mirror is None and kv_quant is None)  # loading.py checks
-        self.draft = draft  # ... and that both caches trim back (Speculation.trimmable)
+        assert draft is None or mirror is None  # loading.py checks it, and that both
+        self.draft = draft  # caches trim back (Speculation.trimmable)
         self._spec: _Sequence | None = None  # the sequence decoded speculatively, if any
         if mirror is not None:
             mirror.on_broken, mirror.on_silent = self._group_broke, self._group_silent
@@ -418,7 +418,7 @@ class LocalEngine:
             self.draft, self._gen.model, tokens, seq.request.params,
             cache=self._prompt_cache.fetch(tokens)[0], vocab_size=self._vocab_size,
             eos_token_ids=self._eos_token_ids, prefill_step=self._prefill_step,
-            stream=self._gen.stream)
+            stream=self._gen.stream, kv_quant=self.kv_quant)
         return True
 
     def _join_batch(self, seq: _Sequence) -> None:
