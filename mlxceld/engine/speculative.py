@@ -174,8 +174,9 @@ class Speculation:
 
     @staticmethod
     def trimmable(model: Any, draft: Draft) -> bool:
-        """Whether both models keep plain ``KVCache`` layers, which trim back at any length
-        (a sliding window's ``RotatingKVCache`` says it can while it has not wrapped)."""
+        """Whether both models keep plain ``KVCache`` layers, which trim back at any length,
+        quantizing (``kv_bits``) or not (a sliding window's ``RotatingKVCache`` says it
+        can while it has not wrapped)."""
         return all(type(c) is KVCache for m in (model, draft.model)
                    for c in make_prompt_cache(m))
 
