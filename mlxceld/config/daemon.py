@@ -443,9 +443,7 @@ def build_config(data: Mapping[str, Any], path: Path | None, flags: Overrides) -
     check_draft_setting(serve.draft_model, draft_origin(flags.draft_model, where),
                         model=serve.model, node_role=serve.node_role, pipeline=pipeline or (
                             "distributed_config (--distributed-config)"
-                            if config.distributed_config is not None else None),
-                        tp_size=serve.tp_size, tp_peers=serve.tp_peers,
-                        kv_quant=serve.kv_quant)
+                            if config.distributed_config is not None else None))
     check_discoverable(serve.node_role, "--node-role" if flags.node_role is not None
                        else f"{where}: 'serve.node_role'", serve.replicas,
                        pools=bool(serve.prefill_peers and serve.decode_peers),

@@ -14,7 +14,8 @@ keeps those it agrees with (greedy output is the model's own, token for token; a
 temperature 0 the standard rejection rule keeps its distribution).
 ``mlxceld/engine/speculative.py`` says exactly when a sequence speculates and when it
 decodes batched instead; ``/metrics`` and ``mlxctl status`` show the tokens proposed and
-accepted, the acceptance rate and the tokens per pass.
+accepted, the acceptance rate and the tokens per pass. With ``kv_bits`` the model's cache
+is quantized as without a draft (the draft's stays plain), greedy output unchanged.
 
 Refused at start (exit 2, naming the key or flag), and on a SIGHUP reload:
 
@@ -29,9 +30,8 @@ Refused at start (exit 2, naming the key or flag), and on a SIGHUP reload:
   (``mlxceld/pipeline/speculating.py``). On a ``pp_auto`` coordinator they are what
   its plans' TOML carry (``cluster/plan/candidates.py``'s ``drafted``): the draft must
   be at that path on the last stage's host, or a repo id each fetches;
-- where it is not built yet: a quantized KV cache (``kv_bits``), and every
-  ``node_role`` but hybrid (a router over replicas holds no model; prefill and decode
-  nodes hand caches over);
+- where it is not built yet: every ``node_role`` but hybrid (a router over replicas
+  holds no model; prefill and decode nodes hand caches over);
 - by the router worker as it loads them: a model or draft with sliding-window layers
   (gemma3, gpt_oss), whose caches cannot be trimmed back to the accepted tokens.
 """
@@ -44,7 +44,7 @@ from typing import Any, Final
 
 from mlxceld.errors import ConfigError
 from mlxceld.models.drafts import check_draft
-from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, KVQuant
+from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from mlxceld.types import HYBRID
 
 FLAGS: Final = {"draft_model": "--draft-model", "num_draft_tokens": "--num-draft-tokens"}
@@ -71,8 +71,7 @@ def parse_draft_tokens(flag: int | None, table: Mapping[str, Any], where: str,
 
 
 def check_draft_setting(draft: str | None, origin: str, *, model: str | None,
-                        node_role: str, pipeline: str | None, tp_size: int,
-                        tp_peers: tuple[str, ...], kv_quant: KVQuant | None) -> None:
+                        node_role: str, pipeline: str | None) -> None:
     """A draft only where speculative decoding is built: the local engine, its model here
     alone; and for two local directories, the draft's tokenizer is the model's."""
     if draft is None:
@@ -82,8 +81,7 @@ def check_draft_setting(draft: str | None, origin: str, *, model: str | None,
            else f"{pipeline}: a pipeline's draft is the cluster TOML's [cluster] "
            "draft_model (its last stage runs it: mlxceld/pipeline/speculating.py), or "
            "the --pp-auto coordinator's" if pipeline is not None and "pp_auto" not in pipeline
-           else "kv_bits (--kv-bits): speculative decoding with a quantized KV cache is not "
-           "built yet" if kv_quant is not None else None)
+           else None)
     if why is not None:
         raise ConfigError(f"{origin} with {why}", hint=HINT)
     if model is not None and Path(model).is_dir() and Path(draft).is_dir():

@@ -98,7 +98,8 @@ class Follower:
         """Rank 0's speculating sequence (``engine/solo.py`` lists these ops)."""
         solo = self._solo
         if op[0] == "spec":
-            self._solo = Followed.start(self._model, self._prompt_cache, list(op[1]), op[2])
+            self._solo = Followed.start(self._model, self._prompt_cache, list(op[1]), op[2],
+                                        self._kv_quant)
             return
         if op[0] == "spec_back":
             self._solo = Followed.back(self._model, gen, op[1])

@@ -28,8 +28,9 @@ included; a handed-off cache is quantized from its next step): greedy tokens are
 one.
 
 With a ``Draft`` (``[serve] draft_model``) a sequence alone in the engine is decoded
-speculatively outside the batch while it stays alone (``engine/speculative.py`` says
-when and how; ``engine/solo.py`` how a tensor-parallel group's other ranks follow).
+speculatively outside the batch while it stays alone, its cache the batch's kind
+(``engine/speculative.py`` says when and how; ``engine/solo.py`` how a tensor-parallel
+group's other ranks follow).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class LocalEngine:
         ``prompt_cache.DEFAULT_BYTES``), the whole group's with a mirror: each of its N
         ranks holds a slice of every cache, and keeps at most 1/N of the bytes;
         ``kv_quant``: a quantized KV cache (the model checked for it: ``loading.py``);
-        ``draft``: speculative decoding (``engine/solo.py``; not with ``kv_quant``)."""
+        ``draft``: speculative decoding (``engine/solo.py``)."""
         self.model_id = model_id
         self.context_length = context_length
         self.max_batch = max_batch
@@ -124,7 +125,7 @@ class LocalEngine:
             log.info("engine for %s: %s", model_id, kv_quant)
         self._gen: Any = batching.generator(model, eos_token_ids, max_batch, prefill_step)
         self._mirror = mirror
-        self.draft = draft  # loading.py checks that its caches trim back (no kv_quant)
+        self.draft = draft  # loading.py checks that both models' caches trim back
         self._spec: _Sequence | None = None  # the sequence decoded speculatively, if any
         if mirror is not None:
             mirror.on_broken, mirror.on_silent = self._group_broke, self._group_silent
@@ -141,8 +142,8 @@ class LocalEngine:
              self._prompt_cache.max_bytes, kv_quant)]
         self._solo = None if draft is None else Solo(
             draft, model, prompt_cache=self._prompt_cache, vocab_size=vocab_size,
-            eos_token_ids=eos_token_ids, prefill_step=prefill_step, stream=self._gen.stream,
-            mirror=mirror, tell=lambda op: self._ops.append(op), share=self._share)
+            eos_token_ids=eos_token_ids, prefill_step=prefill_step, kv_quant=kv_quant,
+            stream=self._gen.stream, mirror=mirror, share=self._share, tell=self._ops.append)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._by_uid: dict[int, _Sequence] = {}
         self._active = 0
@@ -277,11 +278,8 @@ class LocalEngine:
                 if self._spec is not None and not self._by_uid:
                     self._speculate(self._spec)
                 elif self._by_uid:
-                    if self._mirror is None:
+                    with self._mirror.stepping() if self._mirror else contextlib.nullcontext():
                         self._step()
-                    else:
-                        with self._mirror.stepping():
-                            self._step()
             if self._mirror is not None:
                 self._ops.append(("close",))
                 self._share()
@@ -318,7 +316,8 @@ class LocalEngine:
 
     def _share(self) -> None:
         assert self._mirror is not None
-        ops, self._ops = self._ops, []
+        ops = self._ops[:]  # the list itself stays: Solo's ``tell`` appends to it
+        self._ops.clear()
         with mx.stream(self._gen.stream):
             self._mirror.share(ops)
 

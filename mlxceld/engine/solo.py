@@ -33,10 +33,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxceld.engine.base import EngineError, SamplingParams, TokenOutput
+from mlxceld.engine.kvquant import QuantizingKVCache, quantizing_caches
 from mlxceld.engine.prompt_cache import PromptCache
 from mlxceld.engine.sampling import make_sampler
 from mlxceld.engine.speculative import Draft, Speculation, rewind
 from mlxceld.engine.tensor import Mirror, Op
+from mlxceld.roles.options import KVQuant
 
 
 class Solo:
@@ -46,9 +48,12 @@ class Solo:
 
     def __init__(self, draft: Draft, model: Any, *, prompt_cache: PromptCache,
                  vocab_size: int, eos_token_ids: set[int], prefill_step: int, stream: Any,
-                 mirror: Mirror | None = None, tell: Callable[[Op], None] = lambda _: None,
+                 kv_quant: KVQuant | None = None, mirror: Mirror | None = None,
+                 tell: Callable[[Op], None] = lambda _: None,
                  share: Callable[[], None] = lambda: None) -> None:
+        """``kv_quant``: the batch's quantized KV cache, the target's cache's kind too."""
         self.draft = draft
+        self._kv_quant = kv_quant
         self._model = model
         self._prompt_cache = prompt_cache
         self._vocab_size = vocab_size
@@ -66,6 +71,7 @@ class Solo:
         return Speculation(self.draft, self._model, tokens, params, cache=cache,
                            vocab_size=self._vocab_size, eos_token_ids=self._eos,
                            prefill_step=self._prefill_step, stream=self._stream,
+                           kv_quant=self._kv_quant,
                            before=None if self._mirror is None else self._before)
 
     def _before(self, keep: int, ids: list[int], whole: bool) -> None:
@@ -103,7 +109,7 @@ class Solo:
         [(cache, held)] = gen.extract_cache([uid]).values()
         tokens = list(held)
         if len(tokens) <= len(prompt) or int(cache[0].offset) != len(tokens) \
-                or not all(type(c) is KVCache for c in cache):
+                or not all(type(c) in (KVCache, QuantizingKVCache) for c in cache):
             return None
         gen.remove([uid])
         self._tell(("spec_back", uid))
@@ -111,6 +117,7 @@ class Solo:
         spec = Speculation(self.draft, self._model, tokens, params, cache=cache,
                            vocab_size=self._vocab_size, eos_token_ids=self._eos,
                            prefill_step=self._prefill_step, stream=self._stream,
+                           kv_quant=self._kv_quant,
                            before=None if self._mirror is None else self._before)
         spec.generated = len(tokens) - len(prompt)
         if parked is not None:
@@ -134,15 +141,18 @@ class Followed:
         self.tokens = tokens
 
     @classmethod
-    def start(cls, model: Any, prompt_cache: PromptCache, tokens: list[int],
-              spared: int) -> Followed:
-        """``spec``: from this rank's prompt cache, which must spare what rank 0's did."""
+    def start(cls, model: Any, prompt_cache: PromptCache, tokens: list[int], spared: int,
+              kv_quant: KVQuant | None) -> Followed:
+        """``spec``: from this rank's prompt cache, which must spare what rank 0's did;
+        else a new cache of rank 0's kind (``kv_quant``: its setup op's)."""
         cache, rest = prompt_cache.fetch(tokens)
         if len(tokens) - len(rest) != spared:
             raise EngineError(f"this rank's prompt cache holds {len(tokens) - len(rest)} "
                               f"tokens of the speculating sequence's prompt, rank 0's "
                               f"{spared}")
-        return cls(model, tokens, cache if cache is not None else make_prompt_cache(model))
+        return cls(model, tokens, cache if cache is not None else
+                   make_prompt_cache(model) if kv_quant is None
+                   else quantizing_caches(model, kv_quant))
 
     @classmethod
     def back(cls, model: Any, gen: Any, uid: int) -> Followed:

@@ -37,6 +37,21 @@ the tokens kept. Accepting:
 A sequence whose proposals do not pay (measured: its tokens per second with proposals
 and without) stops proposing for a while, longer each time (``engine/pacing.py``).
 
+With a quantized KV cache (``[serve] kv_bits``, ``kv_quant``) the target's cache is the
+batch's kind from the start (``engine/kvquant.py``'s ``QuantizingKVCache`` per layer, a
+prompt-cache prefix as kept), so that it joins the batch and is kept in the prompt cache
+as every other sequence's; the draft's stays plain (it only proposes, the target decides
+what is kept, and a draft's cache is small). mlx-lm's ``QuantizedKVCache`` quantizes each
+token's key and value rows alone (groups along the head dimension, never across tokens)
+and ``trim`` only moves its offset, the rows past it overwritten by the next store: a
+cache trimmed back holds exactly what one that never held the trimmed tokens would, and
+one pass over k+1 positions stores what k+1 one-token steps would. What differs with
+``quantized_kv_start`` above 0 is when a cache turns quantized: a one-token step finds it
+so once it holds ``start`` tokens, so a pass does not run past that position at full
+precision (``plain_room`` bounds its proposals). Greedy tokens and logprobs are those
+without a draft with the same ``kv_bits``, token for token (on mlx's CPU backend, bit for
+bit: tests/engine/test_speculative.py).
+
 Logprobs are the target's (the log-softmax of its logits at each kept position), as
 without a draft. The counters (``SpeculationStats``): tokens proposed and accepted, the
 passes with proposals and the tokens they gave, for ``/metrics`` and ``mlxctl status``.
@@ -54,9 +69,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from mlxceld.engine.base import FinishReason, SamplingParams, TokenOutput
+from mlxceld.engine.kvquant import QuantizingKVCache, quantizing_caches
 from mlxceld.engine.pacing import Pacing
 from mlxceld.engine.sampling import Sampler, read_logprobs, sampling_logits
-from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from mlxceld.roles.options import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, KVQuant
 
 # Told before each of the target's forward passes: how many tokens its cache keeps (it
 # is trimmed to them first), the ids the pass runs, and whether its logits are read
@@ -147,17 +163,20 @@ class Speculation:
 
     def __init__(self, draft: Draft, model: Any, tokens: Sequence[int], params: SamplingParams,
                  *, vocab_size: int, eos_token_ids: set[int], prefill_step: int, stream: Any,
-                 cache: list[Any] | None = None, before: Before | None = None) -> None:
+                 cache: list[Any] | None = None, kv_quant: KVQuant | None = None,
+                 before: Before | None = None) -> None:
         """``cache``: the target's for a prefix of ``tokens`` (the prompt cache's), else
-        a new one; ``stream``: mlx's stream to compute on (the batch's); ``before``: told
-        of each of the target's forward passes before it runs (``Before``)."""
+        a new one, quantizing with ``kv_quant`` as the batch's are; ``stream``: mlx's
+        stream to compute on (the batch's); ``before``: told of each of the target's
+        forward passes before it runs (``Before``)."""
         self.draft, self.model, self.params = draft, model, params
         self.tokens = list(tokens)
         self.generated = 0
         self.pacing = Pacing(draft.k)  # when it proposes, and when not (engine/pacing.py)
         self.cached = 0 if cache is None else int(cache[0].offset)  # from the prompt cache
         self._stream = stream
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache if cache is not None else make_prompt_cache(model) \
+            if kv_quant is None else quantizing_caches(model, kv_quant)
         self.draft_cache = make_prompt_cache(draft.model)
         self._eos = eos_token_ids
         self._prefill_step = prefill_step
@@ -167,8 +186,9 @@ class Speculation:
 
     @staticmethod
     def trimmable(model: Any, draft: Draft) -> bool:
-        """Whether both models keep plain ``KVCache`` layers, which trim back at any length
-        (a sliding window's ``RotatingKVCache`` says it can while it has not wrapped)."""
+        """Whether both models keep plain ``KVCache`` layers, which trim back at any length,
+        quantizing (``kv_bits``) or not (a sliding window's ``RotatingKVCache`` says it
+        can while it has not wrapped)."""
         return all(type(c) is KVCache for m in (model, draft.model)
                    for c in make_prompt_cache(m))
 
@@ -221,7 +241,7 @@ class Speculation:
     def _pass(self) -> list[TokenOutput]:
         began = time.perf_counter()
         left = self.params.max_tokens - self.generated
-        k = min(self.pacing.k(), left - 1)
+        k = min(self.pacing.k(), left - 1, plain_room(self.cache, len(self.tokens)))
         drafted, q = self._propose(k)
         before, start = len(self.tokens), self.offset
         ids = mx.concatenate([mx.array(self.tokens[start:], dtype=mx.uint32), *drafted])
@@ -299,6 +319,19 @@ def accept(logprobs: mx.array, proposed: list[int], q: list[mx.array],
     p = mx.softmax(scale(logprobs).astype(mx.float32), axis=-1)
     return accept_sampled(p, mx.stack(q) if q else p[:0], proposed,
                           mx.random.uniform(shape=(len(proposed) + 1,)))
+
+
+def plain_room(cache: list[Any], length: int) -> int:
+    """How many proposals a pass may add to a sequence of ``length`` tokens, the target's
+    ``cache`` trimmed to its first ``length - 1`` as the pass begins: none at a position
+    that a one-token step would store quantized while this pass stores it at full
+    precision (a ``QuantizingKVCache`` not yet quantized, ``kv.start`` above
+    ``length - 1``: the pass must end before ``kv.start``); else no bound."""
+    first = cache[0]
+    if not isinstance(first, QuantizingKVCache) or first.quantized \
+            or length - 1 >= first.kv.start:
+        return MAX_DRAFT_TOKENS
+    return max(0, first.kv.start - length)
 
 
 def rewind(cache: list[Any], keep: int) -> None:

@@ -28,8 +28,8 @@ the next pass from the last. The draft's own cache is trimmed alike.
 
 When a sequence speculates (``SpecState``, made at the last stage's ``prepare``): its
 request is one the target alone would serve the same way without per-step state
-(``Draft.takes``: no logits processors, no constraint, no seed above temperature 0), its
-KV cache is not quantized, and the stage is not tensor-parallel. Each of its passes
+(``Draft.takes``: no logits processors, no constraint, no seed above temperature 0) and
+the stage is not tensor-parallel. Each of its passes
 proposes only while it is the only sequence the last stage holds (``allowed``, set by
 ``steps.py``); with others, it runs plain one-token steps batched with theirs, and
 proposes again once alone. While it may propose, ``engine/pacing.py`` measures its
@@ -41,6 +41,14 @@ proposal, in chunks); a prompt-cache reuse starts the draft from the tokens afte
 kept prefix (the stages send no ids of it): output unchanged, proposals from a shorter
 context. A kept entry never holds a rejected position: a ``keep`` trims to the tokens
 the router has, all accepted.
+
+With a quantized KV cache (``[serve] kv_bits``, the ``prepare``'s ``kv``) every stage's
+caches quantize as without a draft (``engine/kvquant.py``: trimmed back, a cache holds
+what one that never held the rejected tail would; ``one_step`` quantizes a step's caches
+as it begins, after the trim), and a pass never runs at full precision past the position
+where one-token steps would quantize (``quantized_kv_start``: ``plain_room``, as in the
+local engine), so greedy tokens with a draft are those without, with the same kv_bits.
+The draft's own cache stays plain.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxceld.engine.pacing import Pacing
 from mlxceld.engine.sampling import read_logprobs, sampling_logits
-from mlxceld.engine.speculative import Draft, accept, propose, rewind
+from mlxceld.engine.speculative import Draft, accept, plain_room, propose, rewind
 from mlxceld.pipeline.compute import DraftClock, Drafted, Sampled
 
 if TYPE_CHECKING:
@@ -109,11 +117,13 @@ class SpecState:
         self.draft.count(k, n, len(kept))
         return kept, logprobs.astype(mx.float32), n
 
-    def propose(self, last: int) -> list[int]:
+    def propose(self, last: int, room: int) -> list[int]:
         """The next pass's proposals after ``last`` (none: a plain step): while allowed,
-        as paced, short of ``max_tokens`` and the end of the sequence."""
+        as paced, short of ``max_tokens``, the end of the sequence and ``room``
+        (``plain_room``: a quantized KV cache's start)."""
         left = self.params.max_tokens - self.generated
-        k = min(self.pacing.k(), left - 1) if self.allowed and last not in self.eos else 0
+        k = min(self.pacing.k(), left - 1, room) \
+            if self.allowed and last not in self.eos else 0
         self.proposed, self.q = [], []
         if k <= 0:
             return []
@@ -174,6 +184,6 @@ def run_speculating(step: Any, logits: Any, sampled: Sampled | None) -> Drafted:
     last = out[-1].token
     assert spec.base is not None
     pos = spec.base + len(spec.ids)
-    drafts = spec.propose(last)
+    drafts = spec.propose(last, plain_room(step.state.cache, pos + 1))
     spec.ids.append(last)
     return Drafted(out, tuple(drafts), pos)

@@ -1,8 +1,8 @@
 """``[serve] draft_model`` and ``num_draft_tokens`` and their flags (config/speculative.py):
 parsed, carried to the router's options, and refused by name: k out of range or without
 a draft, a draft of another tokenizer, and every place speculative decoding is not built
-(a quantized KV cache, a node role but hybrid, a pipeline's stage host); a tensor group
-takes one (its rank 0 drafts)."""
+(a pipeline's stage host, a node role but hybrid); a tensor group takes one (its rank 0
+drafts), and so does kv_bits."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def config(tmp_path: Path, args: list[str], serve: dict[str, object] | None = No
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("drafts")
-    # heads of 64 elements: a quantized KV cache would fit, kv_bits is refused for the draft
+    # heads of 64 elements: a quantized KV cache fits (kv_bits with a draft is taken)
     target, draft = agreeing_pair(preset("tiny", family="llama", layers=2, hidden=128,
                                          heads=2, kv_heads=2))
     write_fixture(root / "target", target)
@@ -69,12 +69,8 @@ def test_keys_and_flags_set_it_and_the_router_gets_it(tmp_path: Path, models: Pa
     (["--num-draft-tokens", "3"], {}, r"--num-draft-tokens means nothing without "
      r"draft_model"),
     ([], {"draft_model": 5}, r"'serve\.draft_model' must be a string"),
-    (["--draft-model", "DRAFT", "--kv-bits", "8"], {},
-     r"--draft-model with kv_bits"),
     (["--draft-model", "DRAFT", "--pp-peer"], {}, r"--draft-model with pp_peer "
      r"\(--pp-peer\): a pipeline's draft is the cluster TOML's \[cluster\] draft_model"),
-    (["--draft-model", "DRAFT", "--pp-auto", "2", "--kv-bits", "8"], {},
-     r"--draft-model with kv_bits"),
     ([], {"draft_model": "DRAFT", "node_role": "router", "replicas": ["10.0.0.2"]},
      r"'serve\.draft_model' with node_role router"),
     (["--draft-model", "V600"], {}, r"--draft-model: draft model .*v600 has a vocabulary "
@@ -90,6 +86,19 @@ def test_refused_by_name(tmp_path: Path, models: Path, args: list[str],
     serve = {k: names.get(v, v) if isinstance(v, str) else v for k, v in serve.items()}
     with pytest.raises(ConfigError, match=named):
         config(tmp_path, ["--model", str(models / "target"), *args], serve)
+
+
+def test_a_quantized_kv_cache_with_a_draft_is_taken(tmp_path: Path, models: Path) -> None:
+    """The local engine's and a --pp-auto coordinator's (its stages speculate over
+    quantized caches: pipeline/speculating.py)."""
+    target, draft = str(models / "target"), str(models / "draft")
+    local = config(tmp_path, ["--model", target, "--draft-model", draft, "--kv-bits", "4"])
+    assert local.serve.draft_model == draft and local.serve.kv_quant is not None
+    options = router_options(local.serve)
+    assert options.draft_model == draft and options.kv_quant == local.serve.kv_quant
+    auto = config(tmp_path, ["--pp-auto", "2"], {"model": target, "draft_model": draft,
+                                                 "kv_bits": 8})
+    assert auto.serve.draft_model == draft and auto.serve.kv_quant is not None
 
 
 def test_a_pp_auto_coordinator_s_draft_travels_in_its_plans(tmp_path: Path,

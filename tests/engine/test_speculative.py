@@ -1,8 +1,8 @@
 """Speculative decoding in the local engine (``engine/speculative.py``): the rejection
 rule keeps the target's distribution (statistically, on a small vocabulary), greedy
-tokens with a draft are the target's own whatever the draft proposes, and the counters
-say how much was accepted: all of the agreeing pair's proposals, few of an unrelated
-draft's."""
+tokens with a draft are the target's own whatever the draft proposes (with a quantized KV
+cache too: those without a draft with the same kv_bits), and the counters say how much
+was accepted: all of the agreeing pair's proposals, few of an unrelated draft's."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mlxceld.engine.local import LocalEngine
 from mlxceld.engine.speculative import accept_greedy, accept_sampled
 from mlxceld.errors import ConfigError
 from mlxceld.models.fixtures import preset, unrelated_draft, write_fixture
+from mlxceld.roles.options import KVQuant
 
 from helpers.drafts import write_pairs
 
@@ -34,6 +35,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     construction), with ``other/`` usable as its draft too."""
     root = tmp_path_factory.mktemp("pairs")
     return write_pairs(root, 3)
+
+
+@pytest.fixture(scope="module")
+def kv_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pair``'s models with heads of 64 elements: a quantized KV cache fits them."""
+    return write_pairs(tmp_path_factory.mktemp("kvpairs"), 3, head_dim=64)
 
 
 def test_greedy_acceptance_is_the_longest_agreeing_run() -> None:
@@ -83,11 +90,13 @@ async def _tokens(engine: LocalEngine, prompt: list[int], n: int = N,
     return [t async for t in engine.generate(req)]
 
 
-def _run(target: Path, draft: Path | None, job: Any, k: int = 4) -> tuple[Any, Any]:
+def _run(target: Path, draft: Path | None, job: Any, k: int = 4,
+         kv: KVQuant | None = None, prompt_cache_bytes: int = 0) -> tuple[Any, Any]:
     async def main() -> tuple[Any, Any]:
         engine, _ = load_local_engine(str(target), max_batch=4,
                                       draft_model=None if draft is None else str(draft),
-                                      num_draft_tokens=k, prompt_cache_bytes=0)
+                                      num_draft_tokens=k, kv_quant=kv,
+                                      prompt_cache_bytes=prompt_cache_bytes)
         try:
             return await job(engine), None if engine.draft is None \
                 else engine.draft.snapshot()
@@ -246,3 +255,64 @@ def test_a_sequence_alone_again_speculates_again(pair: Path) -> None:
     assert passes_then >= 0, "the second sequence ended after the first"
     assert stats["passes"] > passes_then  # it speculated again once alone
     assert stats["acceptance_rate"] == 1.0
+
+
+# 8 and 4 bits from the first token; 4 bits in groups of 32 from token 9, crossed in the
+# prompt by some and while decoding by others: a pass never runs past it unquantized.
+KV_CASES = [KVQuant(8, 64, 0), KVQuant(4, 64, 0), KVQuant(4, 32, 9)]
+
+
+@pytest.mark.parametrize("kv", KV_CASES, ids=str)
+@pytest.mark.parametrize("draft", ["plain", "other"])
+def test_greedy_with_a_draft_and_kv_bits_is_greedy_without(kv_pair: Path, kv: KVQuant,
+                                                           draft: str) -> None:
+    """With ``kv_bits`` the speculating sequence's cache is quantized as the batch's:
+    tokens and log-probabilities are those without a draft with the same ``kv_bits``
+    (the target as its own draft reads its whole context, so a cache trimmed or
+    quantized wrong shows), and they are not full precision's."""
+    tokenizer = load(str(kv_pair / "plain"))[1]
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [[3 + i * 7 % 240 for i in range(40)]]
+
+    async def alone(engine: LocalEngine) -> list[list[TokenOutput]]:
+        return [await _tokens(engine, p, temperature=0, logprobs=0) for p in prompts]
+
+    full, _ = _run(kv_pair / "plain", None, alone)
+    want, _ = _run(kv_pair / "plain", None, alone, kv=kv)
+    got, stats = _run(kv_pair / "plain", kv_pair / draft, alone, kv=kv)
+    assert [[t.token for t in s] for s in got] == [[t.token for t in s] for s in want]
+    for ours, theirs in zip(got, want, strict=True):
+        assert [t.logprob for t in ours] == pytest.approx([t.logprob for t in theirs],
+                                                          abs=1e-5)
+    assert any(abs((a.logprob or 0) - (b.logprob or 0)) > 1e-4
+               for s, f in zip(got, full, strict=True) for a, b in zip(s, f, strict=False))
+    assert stats["passes"] > 0 and stats["proposed"] > 0
+    if draft == "plain":  # its own tokens: most proposals kept, whatever kv_bits does
+        assert stats["accepted"] > 0
+
+
+def test_with_kv_bits_a_speculated_sequence_joins_the_batch_and_the_prompt_cache(
+        kv_pair: Path) -> None:
+    """The first sequence speculates, then joins the others' batch with its quantized
+    cache; then the same prompt again starts from the kept (quantized) cache: every
+    sequence's tokens are its tokens alone without a draft."""
+    kv = KV_CASES[1]
+    tokenizer = load(str(kv_pair / "plain"))[1]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+
+    async def together(engine: LocalEngine) -> tuple[list[list[int]], list[TokenOutput]]:
+        first = asyncio.create_task(_tokens(engine, prompts[0], temperature=0))
+        await asyncio.sleep(0.05)  # it has started, alone
+        rest = await asyncio.gather(*(_tokens(engine, p, temperature=0) for p in prompts[1:]))
+        again = await _tokens(engine, prompts[1], temperature=0)  # alone: it speculates
+        return [[t.token for t in s] for s in [await first, *rest]], again
+
+    async def alone(engine: LocalEngine) -> list[list[int]]:
+        return [[t.token for t in await _tokens(engine, p, temperature=0)] for p in prompts]
+
+    want, _ = _run(kv_pair / "plain", None, alone, kv=kv)
+    (got, again), stats = _run(kv_pair / "plain", kv_pair / "other", together, kv=kv,
+                               prompt_cache_bytes=1 << 26)
+    assert got == want
+    assert [t.token for t in again] == want[1]
+    assert again[0].cached == len(prompts[1]) - 1  # from the prompt cache
+    assert stats["passes"] > 0

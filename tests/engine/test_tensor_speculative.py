@@ -9,7 +9,8 @@ cancelled speculating sequence, with the prompt cache in play, over more than on
 prefill chunk; sampled sequences speculate too. Two pairs: the agreeing
 one (every proposal accepted: the ranks trim and extend by whole runs) and a random
 target with an unrelated draft (its tokens depend on the whole context, so a rank whose
-cache was trimmed wrongly would give other tokens).
+cache was trimmed wrongly would give other tokens), that one also with a quantized KV
+cache (``kv_bits``) against one process with the same.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from mlxceld.engine.loading import load_local_engine
+from mlxceld.roles.options import KVQuant
 
 from helpers.drafts import write_pairs
 from helpers.tensor_ranks import finish, generated, start_ranks
@@ -41,12 +43,13 @@ ORDERS = ["one", "all", "one"]  # alone (speculating), at once (joining), alone 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_pairs(tmp_path_factory.mktemp("tp-pairs"), 2)
+    # heads of 64 elements: a quantized KV cache fits (groups of 32 or 64)
+    return write_pairs(tmp_path_factory.mktemp("tp-pairs"), 2, head_dim=64)
 
 
-def one_process(model: Path) -> list[dict[str, Any]]:
+def one_process(model: Path, kv: KVQuant | None) -> list[dict[str, Any]]:
     """Each request alone on one process's engine, without a draft."""
-    engine, _ = load_local_engine(str(model), max_batch=4)
+    engine, _ = load_local_engine(str(model), max_batch=4, kv_quant=kv)
 
     async def run() -> list[dict[str, Any]]:
         try:
@@ -57,16 +60,25 @@ def one_process(model: Path) -> list[dict[str, Any]]:
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize(("target", "draft"), [("target", "draft"), ("plain", "other")])
+@pytest.mark.parametrize(("target", "draft", "kv"), [
+    ("target", "draft", None), ("plain", "other", None),
+    # Rank 0's kv_quant (its setup op): every rank's speculating caches quantize alike,
+    # a pass bounded by quantized_kv_start (speculative.plain_room).
+    ("plain", "other", KVQuant(4, 32, 9))])
 def test_two_ranks_with_a_draft_generate_what_one_process_does_without(
-        pairs: Path, target: str, draft: str, tmp_path: Path) -> None:
+        pairs: Path, target: str, draft: str, kv: KVQuant | None, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
+    more = {} if kv is None else {"kv": {"bits": kv.bits, "group_size": kv.group_size,
+                                         "start": kv.start}}
     procs = start_ranks(pairs / target, 2, REQUESTS, out, orders=ORDERS,
-                        draft=str(pairs / draft))
+                        draft=str(pairs / draft), **more)
     for rank, (code, text) in enumerate(finish(procs)):
         assert code == 0, f"rank {rank} exited {code}:\n{text[-3000:]}"
     got = json.loads(out.read_text())
-    want = one_process(pairs / target)
+    want = one_process(pairs / target, kv)
+    if kv is not None:  # the quantized cache changes the tokens: it is in play
+        assert [w["tokens"] for w in want] != [w["tokens"] for w in one_process(
+            pairs / target, None)]
     for r, tp_round in enumerate(got["rounds"]):
         for i, (tp, one) in enumerate(zip(tp_round, want, strict=True)):
             request = REQUESTS[i]

@@ -1,9 +1,10 @@
 """Speculative decoding as users run it: a real daemon with ``--draft-model``, the real
 ``openai`` client. Greedy text is mlx-lm's own with any draft, one request or several at
-once; ``/metrics`` and ``mlxctl status`` show the counters: every proposal of the
-agreeing pair accepted, almost none of an unrelated draft's. A tensor-parallel group
-speculates too (its rank 0 drafts). A pipeline's router refuses a draft by name, and a
-draft of another tokenizer keeps the daemon from starting."""
+once, and mlx-lm's run with the same quantized KV cache with ``--kv-bits``; ``/metrics``
+and ``mlxctl status`` show the counters: every proposal of the agreeing pair accepted,
+almost none of an unrelated draft's. A tensor-parallel group speculates too (its rank 0
+drafts). A pipeline's router refuses a draft by name, and a draft of another tokenizer
+keeps the daemon from starting."""
 
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ import concurrent.futures
 from pathlib import Path
 
 import pytest
+from mlx_lm import load
 
 from mlxceld.models.fixtures import preset, write_fixture
-from mlxceld.roles.options import EXIT_CONFIG, PipelineOptions, PipelineStage, RouterOptions
+from mlxceld.roles.options import (
+    EXIT_CONFIG,
+    KVQuant,
+    PipelineOptions,
+    PipelineStage,
+    RouterOptions,
+)
 
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.deploy import Host
 from helpers.drafts import write_pairs
 from helpers.metrics import sample, scrape
-from helpers.models import expected
+from helpers.models import expected, quantized_greedy
 from helpers.ports import free_port
 from helpers.router import client
 from helpers.waiting import wait_for
@@ -37,13 +45,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("speculative")
     write_pairs(root, 3)
     write_fixture(root / "v600", preset("tiny", family="llama", layers=1, vocab=600))
+    # heads of 64 elements: a quantized KV cache (kv_bits, groups of 64) fits
+    write_fixture(root / "kv", preset("tiny", family="llama", layers=3, head_dim=64))
     return root
 
 
-def serve(daemons: Daemons, model: Path, draft: Path) -> tuple[str, DaemonProc]:
+def serve(daemons: Daemons, model: Path, draft: Path, *extra: str) -> tuple[str, DaemonProc]:
     port = free_port()
     d = daemons.make(FAST_POLICY).start("--model", str(model), "--port", str(port),
-                                        "--draft-model", str(draft), "--num-draft-tokens", "4")
+                                        "--draft-model", str(draft), "--num-draft-tokens", "4",
+                                        *extra)
     w = d.wait_worker("router", timeout=READY_S, state="running")
     daemons.pids.add(w["pid"])
     return f"http://127.0.0.1:{port}/v1", d
@@ -93,6 +104,37 @@ def test_the_agreeing_pair_accepts_every_proposal(daemons: Daemons, pair: Path) 
     # The worker's stats are refreshed each tick of its own: as they reach status.
     wait_for(lambda: "draft tokens accepted (100%)" in d.ctl("status").stdout,
              STATS_S, "the counters in mlxctl status")
+
+
+def test_with_kv_bits_greedy_text_is_mlx_lms_quantized_run(daemons: Daemons,
+                                                           pair: Path) -> None:
+    """``--kv-bits 4`` with a draft (the model as its own: it proposes in context): the
+    text is mlx-lm's greedy run with the same quantized KV cache, and it speculated."""
+    model = pair / "kv"
+    kv = KVQuant(4, 64, 0)
+    m, tok = load(str(model))
+    url, _ = serve(daemons, model, model, "--kv-bits", "4")
+    full: list[bool] = []
+    with client(url) as c:
+        for prompt in PROMPTS[:2]:
+            tokens, _ = quantized_greedy(m, tok.encode(prompt), N, kv,
+                                         set(tok.eos_token_ids))
+            detokenizer = tok.detokenizer  # as mlx_lm.generate gives its text
+            detokenizer.reset()
+            for t in tokens:
+                if t not in tok.eos_token_ids:
+                    detokenizer.add_token(t)
+            detokenizer.finalize()
+            want = detokenizer.text
+            text = c.completions.create(model="kv", prompt=prompt, max_tokens=N,
+                                        temperature=0).choices[0].text
+            assert text == want, prompt
+            full.append(text != expected(model, prompt, N))
+    assert any(full)  # 4 bits: not full precision's text
+    samples = scrape(url)
+    passes = sample(samples, "mlxceld_speculative_passes_total")
+    accepted = sample(samples, "mlxceld_speculative_accepted_total")
+    assert passes is not None and passes > 0 and accepted is not None and accepted > 0
 
 
 def test_a_draft_of_another_tokenizer_keeps_the_daemon_from_starting(

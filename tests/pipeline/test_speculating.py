@@ -1,8 +1,8 @@
 """Speculative decoding across a pipeline (``pipeline/speculating.py``) over real stages and
 real MXCL: greedy tokens with the last stage's draft are those without it, token for
 token, on 2 stages, for a draft that agrees and one that does not, alone and with several
-sequences at once, with the prompt cache's turns; the counters say how much was
-accepted."""
+sequences at once, with the prompt cache's turns, with a quantized KV cache; the counters
+say how much was accepted."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from mlxceld.engine import GenerationRequest, SamplingParams
 from mlxceld.pipeline import PipelineEngine
+from mlxceld.roles.options import KVQuant
 
 from helpers.drafts import write_pairs
 from helpers.stages import cluster, tokens_of
@@ -33,9 +34,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def _run(path: Path, draft: Path | None, work: Any, splits: Any = SPLITS,
-               **knobs: Any) -> tuple[Any, dict[str, float] | None]:
+               kv: KVQuant | None = None, **knobs: Any) -> tuple[Any, dict[str, float] | None]:
     async with cluster(path, splits, draft=draft, **knobs) as c:
-        engine = c.engine(path)
+        engine = c.engine(path, kv_quant=kv)
         try:
             out = await work(engine)
             spec = c.services[-1].draft
@@ -84,6 +85,41 @@ def test_several_sequences_at_once_get_their_own_tokens(pair: Path, target: str,
     ours, stats = asyncio.run(_run(pair / target, pair / draft, _together))
     assert ours == plain
     assert stats is not None
+
+
+@pytest.fixture(scope="module")
+def kv_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pair``'s models with heads of 64 elements: a quantized KV cache fits them."""
+    return write_pairs(tmp_path_factory.mktemp("pipekvpairs"), 4, head_dim=64)
+
+
+async def _with_logprobs(engine: PipelineEngine, prompt: list[int]) -> list[Any]:
+    req = GenerationRequest("r", prompt, SamplingParams(max_tokens=N, temperature=0,
+                                                        logprobs=0))
+    return [(t.token, t.logprob) async for t in engine.generate(req)]
+
+
+@pytest.mark.parametrize("kv", [KVQuant(8, 64, 0), KVQuant(4, 64, 0), KVQuant(4, 32, 9)],
+                         ids=str)
+def test_with_kv_bits_a_draft_changes_no_token(kv_pair: Path, kv: KVQuant) -> None:
+    """Every stage's caches quantized (from the first token, or from token 9: crossed in
+    the prompt by some and while decoding by others): the target as its own draft, one
+    by one and then together, gives the tokens and log-probabilities the pipeline gives
+    without a draft with the same kv_bits, and they are not full precision's."""
+    async def both(engine: PipelineEngine) -> list[list[Any]]:
+        alone = [await _with_logprobs(engine, prompt) for prompt in PROMPTS]
+        return [*alone, *await asyncio.gather(*(_with_logprobs(engine, prompt)
+                                                for prompt in PROMPTS))]
+
+    full, _ = asyncio.run(_run(kv_pair / "plain", None, both))
+    plain, _ = asyncio.run(_run(kv_pair / "plain", None, both, kv=kv))
+    ours, stats = asyncio.run(_run(kv_pair / "plain", kv_pair / "plain", both, kv=kv, k=3))
+    assert [[t for t, _ in s] for s in ours] == [[t for t, _ in s] for s in plain]
+    for a, b in zip(ours, plain, strict=True):
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)
+    assert any(abs(a[1] - b[1]) > 1e-4 for s, f in zip(plain, full, strict=True)
+               for a, b in zip(s, f, strict=False))
+    assert stats is not None and stats["proposed"] > 0 and stats["accepted"] > 0
 
 
 def test_a_chat_reusing_the_prompt_cache_gets_the_same_tokens(pair: Path) -> None:
