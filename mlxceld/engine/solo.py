@@ -68,6 +68,10 @@ class Solo:
         """A sequence of ``tokens`` decoded speculatively, from the prompt cache's prefix."""
         cache, rest = self._prompt_cache.fetch(tokens)
         self._tell(("spec", list(tokens), len(tokens) - len(rest)))
+        return self._speculation(tokens, params, cache)
+
+    def _speculation(self, tokens: Sequence[int], params: SamplingParams,
+                     cache: list[Any] | None) -> Speculation:
         return Speculation(self.draft, self._model, tokens, params, cache=cache,
                            vocab_size=self._vocab_size, eos_token_ids=self._eos,
                            prefill_step=self._prefill_step, stream=self._stream,
@@ -114,11 +118,7 @@ class Solo:
         gen.remove([uid])
         self._tell(("spec_back", uid))
         rewind(cache, len(tokens) - 1)
-        spec = Speculation(self.draft, self._model, tokens, params, cache=cache,
-                           vocab_size=self._vocab_size, eos_token_ids=self._eos,
-                           prefill_step=self._prefill_step, stream=self._stream,
-                           kv_quant=self._kv_quant,
-                           before=None if self._mirror is None else self._before)
+        spec = self._speculation(tokens, params, cache)
         spec.generated = len(tokens) - len(prompt)
         if parked is not None:
             spec.draft_cache, spec.pacing = parked.draft_cache, parked.pacing
