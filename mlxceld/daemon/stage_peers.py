@@ -31,8 +31,9 @@ restarted stage waits in a ring that cannot form (and a rank started for the new
 would reach it at rank 0's port, the same in both, and be stuck with it until its ring
 deadline, 60 s): once the ports are reserved and before any rank joins, a ring that
 moved stops the stage worker (``tensor.ring_moved``; SIGKILL after ``GROUP_STOP_S``),
-and the roster starts it again over the new ring. A group that did not form stops the
-stage worker alike, and is asked again each second.
+and the roster starts it again over the new ring. A group that did not form (its rank
+host not back yet) stops the stage worker alike, and is asked again each second (the
+ring it then forms at a new port is said alike: ``tensor.ring_moved``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class StagePeers:
         self._lock = asyncio.Lock()
         self._formed: Stage | None = None  # the stage the ring was formed for
         self._pid: int | None = None  # the stage worker's process the ring was joined by
+        self._last: tuple[Stage, tuple[str, ...]] | None = None  # the last ring formed
 
     def across(self) -> bool:
         """Whether this daemon is a stage host whose group spans hosts (``--pp-peer
@@ -125,21 +127,23 @@ class StagePeers:
             return  # a new stage process (a prepare after a stop) asks the ranks again
         await self._form(stage)
 
-    async def _form(self, stage: Stage, running: tuple[str, ...] | None = None) -> bool:
-        """The group formed for ``stage`` (``DaemonError`` when it did not). ``running``:
-        the ring the stage worker was restarted with; one the rank hosts moved from is
-        stopped before they join (``_moved``), and then True is returned."""
+    async def _form(self, stage: Stage, restarted: bool = False) -> bool:
+        """The group formed for ``stage`` (``DaemonError`` when it did not). A ring that
+        moved from the last one formed for it says so (``_moved``); ``restarted``: the
+        stage worker runs over that last ring (the supervisor restarted it), and is then
+        stopped before any rank joins, and True returned."""
+        was = self._last[1] if self._last is not None and self._last[0] == stage else None
         self._roster.tensor_ring, self._formed, self._pid = None, None, None
         p = self._roster.placement
         if p is not None and p.tp_peers:  # a 2D mesh's stage: its file names its ranks
             self._peers.use_peers(p.tp_peers)
-        stopped = False
+        moved = False
 
         async def reserved(ring: tuple[str, ...]) -> None:
-            nonlocal stopped
-            if running is not None and ring != running and not stopped:
-                await self._moved(stage, running, ring)
-                stopped = True
+            nonlocal moved
+            if was is not None and ring != was and not moved:
+                moved = True
+                await self._moved(stage, was, ring, restarted)
 
         ring = await self._peers.form_stage(*stage, reserved)
         if ring is None and self._roster.config.pp_peer:  # pushed: its ranks prepare too
@@ -155,27 +159,30 @@ class StagePeers:
                               hint="start each --tp-peers host with --node-role "
                               "tensor_parallel_rank, the same model and cluster secret; "
                               "see: mlxctl status")
-        self._roster.tensor_ring, self._formed = ring, stage
+        self._roster.tensor_ring, self._formed, self._last = ring, stage, (stage, ring)
         self._events.append("tensor.formed", STAGE_WORKER, f"the stage's tensor-parallel "
                             f"group of {len(ring)} ranks formed: ring {','.join(ring)}")
-        return stopped
+        return moved and restarted
 
-    async def _moved(self, stage: Stage, was: tuple[str, ...], now: tuple[str, ...]) -> None:
-        """The restarted stage worker waits in a ring its rank hosts left (a rank host's
-        daemon restarted, and reserved another port): it can never form, and a rank
+    async def _moved(self, stage: Stage, was: tuple[str, ...], now: tuple[str, ...],
+                     restarted: bool) -> None:
+        """The ring moved from the one the stage last formed (a rank host's daemon
+        restarted, and reserved another port). A stage worker the supervisor restarted
+        over the old one (``restarted``) waits in a ring that can never form, and a rank
         started for the new ring would reach it at rank 0's port (the same in both) and
-        be stuck with it. So it is stopped before any rank joins (SIGKILL after
+        be stuck with it: it is stopped before any rank joins (SIGKILL after
         ``GROUP_STOP_S``: waiting in mlx's join it takes no SIGTERM), and the roster
         starts it again over the new ring."""
         moved = ", ".join(f"rank {r} {a} -> {b}"
                           for r, (a, b) in enumerate(zip(was, now, strict=False)) if a != b)
-        why = (f"the tensor-parallel ring of stage {stage[1]!r} moved ({moved}): its "
-               "stage worker, started over the old ring, is stopped and started again "
-               "over the new one")
+        why = (f"the tensor-parallel ring of stage {stage[1]!r} moved ({moved}): "
+               + ("its stage worker, started over the old ring, is stopped and started "
+                  "again over the new one" if restarted else "the stage starts over it"))
         log.info("%s", why)
         self._events.append("tensor.ring_moved", STAGE_WORKER, why, was=list(was),
                             now=list(now))
-        await self._stop_stage(why)
+        if restarted:
+            await self._stop_stage(why)
 
     async def _stop_stage(self, why: str) -> None:
         """The stage worker, whose ring will not form, stopped at once (``_moved``)."""
@@ -215,7 +222,7 @@ class StagePeers:
         if view.pid == self._pid:
             return
         async with self._lock:  # a new stage process: the ranks join it anew
-            stage, running = self._formed, self._roster.tensor_ring
+            stage = self._formed
             if stage is None or stage != self._stage():
                 return
             log.info("stage worker restarted (pid %s): the rank hosts join again", view.pid)
@@ -223,7 +230,7 @@ class StagePeers:
                                 "its tensor-parallel ranks across hosts are asked again")
             stopped = False
             try:
-                stopped = await self._form(stage, running)
+                stopped = await self._form(stage, restarted=True)
             except DaemonError as exc:  # its ring will not form: no stop timeout to wait
                 await self._stop_stage(f"its tensor-parallel group did not form again: "
                                        f"{exc.message}")
