@@ -23,8 +23,17 @@ second until it forms; until then the roster draws no stage worker.
 Kept: every ``WATCH_S`` (1 s) the stage worker's process is read; a new process of the
 same placement (the supervisor restarted it: its ring broke, ``engine/ring.py``, or it
 died) makes the rank hosts be asked to join again, so their ranks start anew and meet
-the restarted stage in the ring (at the same ports: each end keeps its port). A group
-that did not form then stops the stage worker, and is asked again each second.
+the restarted stage in the ring (at the same ports: each end keeps its port). A rank
+that ends, on SIGKILL or SIGTERM or with its daemon, closes its op link, and rank 0's
+watchdog ends the stage within ``LINK_POLL_S`` + ``BROKEN_GRACE_S`` (``engine/
+tensor.py``). A rank host's daemon that restarted keeps its end at a new port, so the
+restarted stage waits in a ring that cannot form (and a rank started for the new one
+would reach it at rank 0's port, the same in both, and be stuck with it until its ring
+deadline, 60 s): once the ports are reserved and before any rank joins, a ring that
+moved stops the stage worker (``tensor.ring_moved``; SIGKILL after ``GROUP_STOP_S``),
+and the roster starts it again over the new ring. A group that did not form (its rank
+host not back yet) stops the stage worker alike, and is asked again each second (the
+ring it then forms at a new port is said alike: ``tensor.ring_moved``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from mlxceld.cluster.clusterfile.placement import STAGE_WORKER, Placement, stage
 from mlxceld.daemon.roster import Roster
 from mlxceld.errors import DaemonError
 from mlxceld.state.events import EventLog
+from mlxceld.supervisor.groups import GROUP_STOP_S
 from mlxceld.supervisor.process import WorkerSpec
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import WorkerState
@@ -68,6 +78,7 @@ class StagePeers:
         self._lock = asyncio.Lock()
         self._formed: Stage | None = None  # the stage the ring was formed for
         self._pid: int | None = None  # the stage worker's process the ring was joined by
+        self._last: tuple[Stage, tuple[str, ...]] | None = None  # the last ring formed
 
     def across(self) -> bool:
         """Whether this daemon is a stage host whose group spans hosts (``--pp-peer
@@ -116,18 +127,31 @@ class StagePeers:
             return  # a new stage process (a prepare after a stop) asks the ranks again
         await self._form(stage)
 
-    async def _form(self, stage: Stage) -> None:
+    async def _form(self, stage: Stage, restarted: bool = False) -> bool:
+        """The group formed for ``stage`` (``DaemonError`` when it did not). A ring that
+        moved from the last one formed for it says so (``_moved``); ``restarted``: the
+        stage worker runs over that last ring (the supervisor restarted it), and is then
+        stopped before any rank joins, and True returned."""
+        was = self._last[1] if self._last is not None and self._last[0] == stage else None
         self._roster.tensor_ring, self._formed, self._pid = None, None, None
         p = self._roster.placement
         if p is not None and p.tp_peers:  # a 2D mesh's stage: its file names its ranks
             self._peers.use_peers(p.tp_peers)
-        ring = await self._peers.form_stage(*stage)
+        moved = False
+
+        async def reserved(ring: tuple[str, ...]) -> None:
+            nonlocal moved
+            if was is not None and ring != was and not moved:
+                moved = True
+                await self._moved(stage, was, ring, restarted)
+
+        ring = await self._peers.form_stage(*stage, reserved)
         if ring is None and self._roster.config.pp_peer:  # pushed: its ranks prepare too
             loop = asyncio.get_running_loop()
             until = loop.time() + RANKS_READY_S
             while ring is None and loop.time() < until:
                 await asyncio.sleep(WATCH_S / 2)
-                ring = await self._peers.form_stage(*stage)
+                ring = await self._peers.form_stage(*stage, reserved)
         if ring is None:
             raise DaemonError(f"the tensor-parallel group of stage {stage[1]!r} (layers "
                               f"{stage[0][0]}-{stage[0][1]}) across hosts did not form: "
@@ -135,9 +159,35 @@ class StagePeers:
                               hint="start each --tp-peers host with --node-role "
                               "tensor_parallel_rank, the same model and cluster secret; "
                               "see: mlxctl status")
-        self._roster.tensor_ring, self._formed = ring, stage
+        self._roster.tensor_ring, self._formed, self._last = ring, stage, (stage, ring)
         self._events.append("tensor.formed", STAGE_WORKER, f"the stage's tensor-parallel "
                             f"group of {len(ring)} ranks formed: ring {','.join(ring)}")
+        return moved and restarted
+
+    async def _moved(self, stage: Stage, was: tuple[str, ...], now: tuple[str, ...],
+                     restarted: bool) -> None:
+        """The ring moved from the one the stage last formed (a rank host's daemon
+        restarted, and reserved another port). A stage worker the supervisor restarted
+        over the old one (``restarted``) waits in a ring that can never form, and a rank
+        started for the new ring would reach it at rank 0's port (the same in both) and
+        be stuck with it: it is stopped before any rank joins (SIGKILL after
+        ``GROUP_STOP_S``: waiting in mlx's join it takes no SIGTERM), and the roster
+        starts it again over the new ring."""
+        moved = ", ".join(f"rank {r} {a} -> {b}"
+                          for r, (a, b) in enumerate(zip(was, now, strict=False)) if a != b)
+        why = (f"the tensor-parallel ring of stage {stage[1]!r} moved ({moved}): "
+               + ("its stage worker, started over the old ring, is stopped and started "
+                  "again over the new one" if restarted else "the stage starts over it"))
+        log.info("%s", why)
+        self._events.append("tensor.ring_moved", STAGE_WORKER, why, was=list(was),
+                            now=list(now))
+        if restarted:
+            await self._stop_stage(why)
+
+    async def _stop_stage(self, why: str) -> None:
+        """The stage worker, whose ring will not form, stopped at once (``_moved``)."""
+        if STAGE_WORKER in self._supervisor.names():
+            await self._supervisor.remove(STAGE_WORKER, why, within_s=GROUP_STOP_S)
 
     async def run(self) -> None:
         """Keep the group (module docstring) while the daemon runs (on a ``--pp-peer``
@@ -178,8 +228,13 @@ class StagePeers:
             log.info("stage worker restarted (pid %s): the rank hosts join again", view.pid)
             self._events.append("tensor.rejoin", STAGE_WORKER, "the stage worker restarted: "
                                 "its tensor-parallel ranks across hosts are asked again")
+            stopped = False
             try:
-                await self._form(stage)
+                stopped = await self._form(stage, restarted=True)
+            except DaemonError as exc:  # its ring will not form: no stop timeout to wait
+                await self._stop_stage(f"its tensor-parallel group did not form again: "
+                                       f"{exc.message}")
+                raise
             finally:
                 await self._roster.reconcile()  # no ring: the stage stops until it forms
-            self._pid = view.pid
+            self._pid = None if stopped else view.pid  # the one started anew: its own

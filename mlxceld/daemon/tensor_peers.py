@@ -37,7 +37,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -77,6 +77,8 @@ MAX_RETRY_S: Final = 8.0
 CONNECT_S: Final = 5.0
 # The rank host reads its model's identity, and stops a worker it ran (its stop timeout).
 ANSWER_S: Final = 60.0
+# Told the ring once its ports are reserved, before the joins start the ranks.
+BeforeJoin = Callable[[tuple[str, ...]], Awaitable[None]]
 _SPECS: Final = {TensorReserved.T: MessageSpec(), TensorJoined.T: MessageSpec()}
 
 
@@ -170,11 +172,13 @@ class TensorPeers:
 
     # -- forming ---------------------------------------------------------------------------
 
-    async def _form(self, stage: tuple[tuple[int, int], str] | None = None
-                    ) -> tuple[str, ...] | None:
+    async def _form(self, stage: tuple[tuple[int, int], str] | None = None,
+                    before_join: BeforeJoin | None = None) -> tuple[str, ...] | None:
         """Every rank host reserved and joined: the ring; None when one was not (its
         state says why, and ``_why``). ``stage``: the layers and node id of the pipeline
-        stage whose group this is (``daemon/stage_peers.py``)."""
+        stage whose group this is (``daemon/stage_peers.py``); ``before_join``: awaited
+        with the ring once every port is reserved, before any rank host is asked to join
+        (and so starts its rank)."""
         origin = self._origin()
         placed = self._roster.placement  # a stage placed by a cluster TOML: its model
         model_dir = self._roster.serve.model or (str(placed.model) if placed else None)
@@ -198,6 +202,8 @@ class TensorPeers:
             return None
         ring = (ring0, *rings)
         self.transport = await self._choose(parse_address(ring0).host)
+        if before_join is not None:
+            await before_join(ring)
         batch = self._roster.serve.max_batch
         for r in self.ranks:
             join = TensorJoin(model, r.rank, ring, batch, *(stage or (None, None)))
@@ -212,11 +218,11 @@ class TensorPeers:
         if tuple(r.agent for r in self.ranks) != peers:
             self.ranks = [RankState(r, a) for r, a in enumerate(peers, start=1)]
 
-    async def form_stage(self, layers: tuple[int, int], node_id: str
-                         ) -> tuple[str, ...] | None:
+    async def form_stage(self, layers: tuple[int, int], node_id: str,
+                         before_join: BeforeJoin | None = None) -> tuple[str, ...] | None:
         """A pipeline stage's group over the rank hosts (``daemon/stage_peers.py``): the
-        ring, or None (``why`` says why)."""
-        ring = await self._form((layers, node_id))
+        ring, or None (``why`` says why); ``before_join`` as ``_form``'s."""
+        ring = await self._form((layers, node_id), before_join)
         self.formed = ring is not None
         self.stage = (layers, node_id) if ring is not None else None
         return ring

@@ -203,14 +203,20 @@ class Supervisor:
         self._events.append("worker.removed", row.name,
                             f"worker {row.name} is no longer configured; removed")
 
-    async def remove(self, name: str) -> None:
+    async def remove(self, name: str, reason: str = "", *,
+                     within_s: float | None = None) -> None:
+        """Stop ``name`` and forget it. ``reason``: why, for its STOPPING state and the
+        event (else: removed from the config); ``within_s``: SIGKILL this long after
+        SIGTERM rather than at its stop timeout (a process whose work is known lost: a
+        tensor stage waiting in a ring that moved, ``daemon/stage_peers.py``)."""
         runner = self._runners[name]
-        runner.post(StopRequested())
+        runner.post(StopRequested(reason, within_s=within_s))
         await runner.wait_stopped()
         del self._runners[name]
         self._loading.pop(name, None)
         self._table.delete(name)
-        self._events.append("worker.removed", name, f"worker {name} removed from the config")
+        self._events.append("worker.removed", name, f"worker {name} removed "
+                            + (f"({reason})" if reason else "from the config"))
         self._tell(runner.spec, None, "removed")
 
     def rename(self, name: str, to: str) -> WorkerSpec:

@@ -5,24 +5,26 @@ five daemons, four ranks. Each stage host forms its stage's group with its rank 
 (``daemon/stage_peers.py``): its ``stage`` worker is rank 0 and the rank host's
 ``stage-tp-1`` rank 1, over the stage's layers. Greedy completions through the `openai`
 client are mlx-lm's on the whole model; status on a stage host shows its group across
-hosts; a rank killed with SIGKILL breaks its stage's ring, the stage restarts and its
-rank host is asked again, and the pipeline serves the same tokens again, as it does
-after a rank host's daemon is restarted (the stage host asks it until it is back) and
-after a re-activate (each group stopped before the new plan's loads, then formed
-again)."""
+hosts; a rank killed with SIGKILL, or stopped with SIGTERM, breaks its stage's ring
+(rank 0 names it gone), the stage restarts and its rank host is asked again, and the
+pipeline serves the same tokens again, as it does after a rank host's daemon is
+restarted (the stage host asks it until it is back, and restarts its stage over the
+rank host's new ring port: ``tensor.ring_moved``) and after a re-activate (each group
+stopped before the new plan's loads, then formed again)."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import signal
+import time
 from pathlib import Path
 
 import openai
 import pytest
 
 from helpers.cluster import agent, start
-from helpers.daemons import READY_S, Daemons
+from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.mesh import complete
 from helpers.mesh import running_worker as worker
@@ -34,6 +36,17 @@ from helpers.waiting import wait_for
 # restart across hosts. Bounds on waiting, not what is asserted about time.
 UP_S = 240.0
 BACK_S = 180.0
+# A rank host's daemon restarted: its stage back over the new ring, well within the ring's
+# 60 s deadline (a liveness bound; it takes about 10 s here).
+MOVED_S = 40.0
+
+
+def gone(stage: DaemonProc, host: str) -> int:
+    """How often the stage worker on ``stage`` ended because it saw its rank 1 on
+    ``host`` gone, as its log says (``engine/tensor.py``'s watchdog)."""
+    logged = stage.ctl("logs", "stage", "-n", "2000").stdout
+    return logged.count(f"tensor-parallel rank 1 (worker stage-tp-1 on {host}) is gone: "
+                        "its op link closed; this rank exits")
 
 
 @pytest.mark.slow
@@ -129,22 +142,54 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
     kinds = [e["kind"] for e in stages[0].events()]
     assert "tensor.rejoin" in kinds, kinds
 
+    # The rank's worker alone stopped with SIGTERM (it exits cleanly, and its rank host
+    # keeps it down): rank 0 sees its op link close, names it, and exits; the restarted
+    # stage asks the rank host again, which starts the rank anew at the same port.
+    victim = (worker(ranks[0], "stage-tp-1") or {})["pid"]
+    before = (worker(stages[0], "stage") or {})["pid"]
+    said = gone(stages[0], "127.0.0.4")
+    os.kill(victim, signal.SIGTERM)
+    try:
+        wait_for(lambda: (w := worker(stages[0], "stage")) and w["pid"] != before, BACK_S,
+                 "the stage restarted after its rank was stopped")
+        assert wait_for(served, BACK_S, "a completion once the rank is back",
+                        every=1.0) == want
+    except BaseException:
+        print(stages[0].stderr()[-6000:], ranks[0].stderr()[-4000:],
+              [(e["kind"], e["message"]) for e in stages[0].events()[-15:]], sep="\n----\n")
+        raise
+    assert gone(stages[0], "127.0.0.4") == said + 1, stages[0].ctl("logs", "stage").stdout
+    daemons.pids.add((worker(ranks[0], "stage-tp-1") or {})["pid"])
+
     # A rank host's daemon restarted as a service manager does (SIGTERM, then started
-    # again with the same flags): its rank ends with it, the stage's ring breaks, and the
-    # stage host asks it again until it is back; then the pipeline serves as before.
+    # again with the same flags): its rank ends with it, rank 0 sees its op link close
+    # and exits, and the stage host asks the rank host again until it is back. Its ring
+    # port is a new one: the stage worker restarted over the old ring is stopped before
+    # the rank joins the new one (tensor.ring_moved), so neither waits out its ring's
+    # deadline (60 s) in a ring that cannot form; then the pipeline serves as before.
     before = (worker(stages[1], "stage") or {})["pid"]
+    since = stages[1].events()[-1]["id"]
+    stopped_at = time.monotonic()
     assert ranks[1].terminate() == 0
     ranks[1].start(rank_args[1][0], str(secret_file(ranks[1].root, secret)),
                    *rank_args[1][2:])
     try:
-        wait_for(lambda: (w := worker(stages[1], "stage")) and w["pid"] != before, BACK_S,
-                 "the stage restarted after its rank host's daemon restarted")
+        wait_for(lambda: (w := worker(stages[1], "stage")) and w["pid"] != before, MOVED_S,
+                 "the stage restarted over its rank host's new ring")
+        took = time.monotonic() - stopped_at
         assert wait_for(served, BACK_S, "a completion once the rank host is back",
                         every=1.0) == want
     except BaseException:
         print(stages[1].stderr()[-6000:], ranks[1].stderr()[-4000:],
               [(e["kind"], e["message"]) for e in stages[1].events()[-15:]], sep="\n----\n")
         raise
+    print(f"\nrank host's daemon restarted: its stage serves again after {took:.1f} s")
+    assert gone(stages[1], "127.0.0.5") == 1, stages[1].ctl("logs", "stage").stdout
+    after = [e for e in stages[1].events() if e["id"] > since]
+    assert "tensor.ring_moved" in [e["kind"] for e in after], after
+    failed = [e["message"] for e in after if e["kind"] == "worker.backoff"
+              and "ring" in e["message"]]
+    assert not failed, failed  # no stage start failed in a ring that could not form
     assert (ranks[1].status()["tensor"] or {}).get("worker") == "stage-tp-1"
     daemons.pids.add((worker(ranks[1], "stage-tp-1") or {})["pid"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from mlxceld.roles.options import EchoOptions
@@ -224,4 +225,28 @@ def test_a_group_whose_members_change_restarts_the_members_it_keeps(state_dir: P
             await until(lambda: (p := pids(supervisor)) and all(p.values())
                         and p["a"] != joined["a"], "a restarted into the group",
                         timeout=DEADLINE_S)
+    asyncio.run(main())
+
+
+def test_a_worker_removed_with_a_short_stop_is_killed_then_and_says_why(
+        state_dir: Path) -> None:
+    """``remove(name, reason, within_s=...)``, as a tensor stage whose ring moved is
+    stopped (``daemon/stage_peers.py``): a worker that takes no SIGTERM (here stopped
+    with SIGSTOP; there waiting in mlx's ring join) is killed ``within_s`` after it,
+    not at its stop timeout (60 s here), and the events say why."""
+    async def main() -> None:
+        async with running_supervisor(state_dir) as (supervisor, events):
+            slow = replace(spec(state_dir, "a", group=None),
+                           policy=replace(QUICK, stop_timeout_s=60.0))
+            await supervisor.reconcile([slow])
+            pid = (await all_running(supervisor, "a running"))["a"]
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            async with asyncio.timeout(30):  # well under its stop timeout
+                await supervisor.remove("a", "its ring moved", within_s=0.5)
+            assert supervisor.names() == []
+            said = [(e.kind, e.message) for e in events.since(0, 500) if e.subject == "a"]
+            assert ("worker.stopping", "worker a: running -> stopping: its ring moved") \
+                in said, said
+            assert said[-1] == ("worker.removed", "worker a removed (its ring moved)"), said
     asyncio.run(main())
