@@ -77,7 +77,14 @@ from mlxceld.engine.base import EngineError
 from mlxceld.engine.tensor import SHARE_DEADLINE_S, Mirror, Op, barrier
 from mlxceld.models.reading import Progress
 from mlxceld.models.slicing import StageModel, load_stage
-from mlxceld.pipeline.compute import SeqState, Step, check_token_ids, forward_group, run_group
+from mlxceld.pipeline.compute import (
+    SeqState,
+    Step,
+    check_token_ids,
+    forward_group,
+    run_group,
+    verifying,
+)
 from mlxceld.pipeline.sequences import stage_cache
 from mlxceld.roles.options import KVQuant
 from mlxceld.wire import Tensor
@@ -90,7 +97,8 @@ BEAT_S: Final = 0.5  # rank 0 idle this long: it shares an empty log (engine.loc
 
 # The op log (rank 0 to its followers), each op a tuple: ("setup", start, end, layers)
 # first, then ("open", seq_id, kv), kv (bits, group_size, start) or None; ("drop", seq_id);
-# ("step", overlap, ((seq_id, sample, name, dtype, shape, data), ...)); ("close",).
+# ("step", overlap, every, ((seq_id, sample, pos, name, dtype, shape, data), ...));
+# ("close",).
 
 
 class TensorStageRefused(EngineError):
@@ -202,9 +210,10 @@ class StageLeader:
             if not live:
                 self._share(ops)
                 return [None] * len(group)
-            self._share([*ops, ("step", overlap, tuple(
-                (s.seq_id, s.sample, s.x.name, s.x.dtype, tuple(s.x.shape), bytes(s.x.data))
-                for s in live))])
+            every = verifying(self.model, live)  # a speculative pass: (speculating.py)
+            self._share([*ops, ("step", overlap, every, tuple(
+                (s.seq_id, s.sample, s.pos, s.x.name, s.x.dtype, tuple(s.x.shape),
+                 bytes(s.x.data)) for s in live))])
             with self._mirror.stepping():
                 try:
                     outs = run_group(self.model, live, overlap=overlap)
@@ -313,21 +322,24 @@ class StageFollower:
         elif op[0] == "drop":
             self._states.pop(op[1], None)
         elif op[0] == "step":
-            self._step(op[1], op[2])
+            self._step(*op[1:])
         else:
             raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
 
-    def _step(self, overlap: bool, steps: Sequence[tuple[Any, ...]]) -> None:
+    def _step(self, overlap: bool, every: bool, steps: Sequence[tuple[Any, ...]]) -> None:
+        """Rank 0's group: each cache trimmed to its step's ``pos`` first (a speculative
+        pass's rejected tail, as rank 0's: ``compute.forward_group``), its logits at every
+        position where rank 0 verifies proposals (``every``)."""
         group = []
-        for seq_id, sample, name, dtype, shape, data in steps:
+        for seq_id, sample, pos, name, dtype, shape, data in steps:
             state = self._states.get(seq_id)
             if state is None:
                 raise EngineError(f"rank 0 ran a step of sequence {seq_id}, which this "
                                   "rank never opened")
             group.append(Step(seq_id, state, 0, sample,
-                              Tensor(name, dtype, tuple(shape), memoryview(data))))
+                              Tensor(name, dtype, tuple(shape), memoryview(data)), pos=pos))
         with self._mirror.stepping():
-            forward_group(self._model, group, overlap=overlap)
+            forward_group(self._model, group, overlap=overlap, every=every)
         self.steps += 1
 
 
