@@ -12,15 +12,20 @@ Rank 0 is ``StageLeader``: it runs ``compute.run_group`` as a one-process stage 
 before each group shares with the followers, in order, what they need to take the same
 step: the sequences opened since (``open``: each one's KV-cache recipe, so that the
 followers make caches of the same kinds: ``sequences.stage_cache``), those dropped
-(``drop``: their caches freed), and the group itself (each step's sequence, input blob
-and sample flag, and ``overlap``). A sequence's steps are those whose ``SeqState`` is the
-one it was opened with: a step of a sequence dropped (or dropped and opened again) while
-its group waited is left out on every rank, its output None, so that no follower is
-ever asked for a sequence it freed. The followers (``StageFollower``,
-``run_stage_follower``) run ``compute.forward_group`` over the same steps with the same
-merges and extracts (a group of several is one batch on every rank, a group of one runs
-alone), so that every rank evaluates the same collectives in the same order, and throw
-the outputs away: only rank 0 samples (the last stage) or sends activations on. The
+(``drop``: their caches freed), and the group itself (each step's sequence, input blob,
+sample flag and ``pos``, ``overlap``, and ``every``: whether it is a speculative pass
+whose logits rank 0 wants at every position, ``compute.verifying``). A step's ``pos``
+(a speculative pass's, ``speculating.py``) trims each rank's caches alike before it runs
+(``compute.forward_group``), so that every rank's cache holds the tokens rank 0's holds;
+on the last stage rank 0 alone holds the draft, whole, and accepts. A sequence's steps
+are those whose ``SeqState`` is the one it was opened with: a step of a sequence dropped
+(or dropped and opened again) while its group waited is left out on every rank, its
+output None, so that no follower is ever asked for a sequence it freed. The followers
+(``StageFollower``, ``run_stage_follower``) run ``compute.forward_group`` over the same
+steps with the same merges and extracts (a group of several is one batch on every rank,
+a group of one runs alone), so that every rank evaluates the same collectives in the
+same order, and throw the outputs away: only rank 0 samples (the last stage) or sends
+activations on. The
 shares are ``engine/tensor.py``'s ``Mirror``, used as it is: the first over the ring
 (``setup``: the slice, which every follower checks is its own), the others over the op
 links, with its deadlines (``SHARE_DEADLINE_S`` a share, ``STEP_DEADLINE_S`` a step),

@@ -134,7 +134,7 @@ def mesh_stages(root: Path, model: Path, splits: Sequence[tuple[int, int]], *,
         for key, spec in specs.items():
             procs[key] = _spawn(spec)
         for key, spec in specs.items():
-            wait_for(lambda s=spec, p=procs[key]: _ready(s, p), UP_S,  # type: ignore[misc]
+            wait_for(lambda s=spec, p=procs[key]: _ready(s, p), UP_S,
                      f"worker {key} ready", every=0.5)
         yield mesh
     finally:
