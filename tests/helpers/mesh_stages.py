@@ -167,4 +167,21 @@ def greedy_tokens(mesh: MeshStages, prompts: Sequence[list[int]], n: int
     return asyncio.run(run())
 
 
-__all__ = ["MeshStages", "greedy_tokens", "mesh_stages"]
+def sampled_tokens(mesh: MeshStages, prompt: list[int], n: int, temperature: float
+                   ) -> list[int]:
+    """``n`` tokens of ``prompt`` sampled at ``temperature``."""
+    from mlxceld.engine import GenerationRequest, SamplingParams
+
+    async def run() -> list[int]:
+        engine = mesh.engine()
+        try:
+            req = GenerationRequest("s", prompt, SamplingParams(max_tokens=n,
+                                                                temperature=temperature))
+            return [t.token async for t in engine.generate(req)]
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
+__all__ = ["MeshStages", "greedy_tokens", "mesh_stages", "sampled_tokens"]
