@@ -174,23 +174,28 @@ def run_group(model: StageModelLike, group: Sequence[Step], *,
     stage, or on the last stage what was sampled (``Sampled``; ``None`` where not sampled;
     ``Drafted`` for a speculating sequence: ``speculating.py``).
     ``overlap``: see ``StageModel.forward`` (for long steps)."""
-    out = forward_group(model, group, overlap=overlap)
+    every = verifying(model, group)
+    out = forward_group(model, group, overlap=overlap, every=every)
     if out is None:
         return [None] * len(group)
     if not model.last:
         return [to_blob("hidden", out[j:j + 1]) for j in range(len(group))]
     from mlxceld.pipeline.speculating import run_speculating
 
-    if _verifying(group):
+    if every:
         return [run_speculating(group[0], out, None)]
     return [run_speculating(s, None, x) if s.state.spec is not None and x is not None else x
             for s, x in zip(group, sample_group(group, out), strict=True)]
 
 
-def _verifying(group: Sequence[Step]) -> bool:
-    """Whether ``group`` is a speculative pass: one step running a draft's proposals."""
+def verifying(model: StageModelLike, group: Sequence[Step]) -> bool:
+    """Whether ``group`` is a speculative pass on the last stage: one step running a
+    draft's proposals (with the token ids its draft reads), whose logits are wanted at
+    every position. Decided before the step runs: what a tensor-parallel stage's rank 0
+    tells its followers (``tensor_stage.py``), so that their forwards match its own."""
     spec = group[0].state.spec
-    return len(group) == 1 and spec is not None and bool(spec.proposed)
+    return (model.last and len(group) == 1 and spec is not None and bool(spec.proposed)
+            and step_ids(group[0], model.first) is not None)
 
 
 def step_ids(step: Step, first: bool) -> list[int] | None:
@@ -200,18 +205,23 @@ def step_ids(step: Step, first: bool) -> list[int] | None:
 
 
 def forward_group(model: StageModelLike, group: Sequence[Step], *,
-                  overlap: bool = False) -> Any:
-    """``run_group``'s forward: ``group``'s steps through the stage's layers, one batch
-    (caches merged, then extracted) or one step alone; the hidden states [b, n, H]
-    (evaluated), or on the last stage the raw logits [b, vocab], or None where only the
-    caches were wanted (the last stage's steps that sample nothing). Everything it
-    evaluates is decided by the steps' inputs, sample flags and ``overlap`` alone: every
-    rank of a tensor-parallel stage runs it alike, so that their collectives pair up
+                  overlap: bool = False, every: bool | None = None) -> Any:
+    """``run_group``'s forward: ``group``'s steps through the stage's layers, each
+    sequence's caches first trimmed to its step's ``pos`` (a speculative pass's rejected
+    tail), one batch (caches merged, then extracted) or one step alone; the hidden states
+    [b, n, H] (evaluated), or on the last stage the raw logits [b, vocab] (``every``: of
+    every position, [1, n, vocab], a speculative pass's; None: ``verifying``), or None
+    where only the caches were wanted (the last stage's steps that sample nothing).
+    Everything it evaluates is decided by the steps' inputs, positions, sample flags,
+    ``overlap`` and ``every`` alone: every rank of a tensor-parallel stage runs it alike,
+    so that their collectives pair up and their caches hold the same tokens
     (``tensor_stage.py``)."""
     import mlx.core as mx
 
     from mlxceld.engine.kvquant import one_step
 
+    if every is None:
+        every = verifying(model, group)
     if model.first:
         check_token_ids(group, model.vocab_size)
     for s in group:
@@ -238,7 +248,7 @@ def forward_group(model: StageModelLike, group: Sequence[Step], *,
     only = model.last and not any(s.sample for s in group)
     if len(group) == 1:
         with one_step(group[0].state.cache):
-            if model.last and _verifying(group):
+            if model.last and every:
                 return model.forward(x, group[0].state.cache, overlap=overlap, raw=True,
                                      every=True)
             return model.forward(x, group[0].state.cache, overlap=overlap, raw=model.last,

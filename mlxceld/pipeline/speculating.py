@@ -26,15 +26,22 @@ temperature 0 the rejection rule), sends each token kept to the router (one ``to
 each, numbered on from the first: the router reads them as without a draft), and drafts
 the next pass from the last. The draft's own cache is trimmed alike.
 
+A stage that is a tensor-parallel group (``tensor_stage.py``, the 2D mesh) runs its
+passes alike on every rank: its rank 0 shares each step's ``pos`` with its followers, who
+trim their caches to it as rank 0 does (``compute.forward_group``), and whether the step
+verifies proposals (``compute.verifying``: the logits of every position, one forward over
+the k+1 positions), so that every rank's collectives pair up and its cache holds the same
+tokens. The last stage's draft is its rank 0's alone, whole (as ``engine/solo.py``'s):
+splitting a small draft would add a collective a draft token.
+
 When a sequence speculates (``SpecState``, made at the last stage's ``prepare``): its
 request is one the target alone would serve the same way without per-step state
-(``Draft.takes``: no logits processors, no constraint, no seed above temperature 0) and
-the stage is not tensor-parallel. Each of its passes
-proposes only while it is the only sequence the last stage holds (``allowed``, set by
-``steps.py``); with others, it runs plain one-token steps batched with theirs, and
-proposes again once alone. While it may propose, ``engine/pacing.py`` measures its
-tokens per second with proposals and without (a pass timed from one sampling to the
-next, on the last stage) and backs off a draft that does not pay.
+(``Draft.takes``: no logits processors, no constraint, no seed above temperature 0).
+Each of its passes proposes only while it is the only sequence the last stage holds
+(``allowed``, set by ``steps.py``); with others, it runs plain one-token steps batched
+with theirs, and proposes again once alone. While it may propose, ``engine/pacing.py``
+measures its tokens per second with proposals and without (a pass timed from one
+sampling to the next, on the last stage) and backs off a draft that does not pay.
 
 Chunked prefill runs as without a draft (the draft catches up on the prompt at the first
 proposal, in chunks); a prompt-cache reuse starts the draft from the tokens after the

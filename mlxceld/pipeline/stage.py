@@ -372,8 +372,8 @@ class StageService:
                                  make_logits_processors(params, eos),
                                  list(prepare.history or ()), params.logprobs)
                 state.matching = await self._matching.matcher(params, eos)
-                if self.draft is not None and self._leader is None \
-                        and self.draft.takes(params, state.matching is not None):
+                if self.draft is not None and self.draft.takes(params,
+                                                               state.matching is not None):
                     from mlxceld.pipeline.speculating import SpecState
 
                     state.spec = SpecState(self.draft, params, self._model.vocab_size, eos,

@@ -12,15 +12,20 @@ Rank 0 is ``StageLeader``: it runs ``compute.run_group`` as a one-process stage 
 before each group shares with the followers, in order, what they need to take the same
 step: the sequences opened since (``open``: each one's KV-cache recipe, so that the
 followers make caches of the same kinds: ``sequences.stage_cache``), those dropped
-(``drop``: their caches freed), and the group itself (each step's sequence, input blob
-and sample flag, and ``overlap``). A sequence's steps are those whose ``SeqState`` is the
-one it was opened with: a step of a sequence dropped (or dropped and opened again) while
-its group waited is left out on every rank, its output None, so that no follower is
-ever asked for a sequence it freed. The followers (``StageFollower``,
-``run_stage_follower``) run ``compute.forward_group`` over the same steps with the same
-merges and extracts (a group of several is one batch on every rank, a group of one runs
-alone), so that every rank evaluates the same collectives in the same order, and throw
-the outputs away: only rank 0 samples (the last stage) or sends activations on. The
+(``drop``: their caches freed), and the group itself (each step's sequence, input blob,
+sample flag and ``pos``, ``overlap``, and ``every``: whether it is a speculative pass
+whose logits rank 0 wants at every position, ``compute.verifying``). A step's ``pos``
+(a speculative pass's, ``speculating.py``) trims each rank's caches alike before it runs
+(``compute.forward_group``), so that every rank's cache holds the tokens rank 0's holds;
+on the last stage rank 0 alone holds the draft, whole, and accepts. A sequence's steps
+are those whose ``SeqState`` is the one it was opened with: a step of a sequence dropped
+(or dropped and opened again) while its group waited is left out on every rank, its
+output None, so that no follower is ever asked for a sequence it freed. The followers
+(``StageFollower``, ``run_stage_follower``) run ``compute.forward_group`` over the same
+steps with the same merges and extracts (a group of several is one batch on every rank,
+a group of one runs alone), so that every rank evaluates the same collectives in the
+same order, and throw the outputs away: only rank 0 samples (the last stage) or sends
+activations on. The
 shares are ``engine/tensor.py``'s ``Mirror``, used as it is: the first over the ring
 (``setup``: the slice, which every follower checks is its own), the others over the op
 links, with its deadlines (``SHARE_DEADLINE_S`` a share, ``STEP_DEADLINE_S`` a step),
@@ -77,7 +82,14 @@ from mlxceld.engine.base import EngineError
 from mlxceld.engine.tensor import SHARE_DEADLINE_S, Mirror, Op, barrier
 from mlxceld.models.reading import Progress
 from mlxceld.models.slicing import StageModel, load_stage
-from mlxceld.pipeline.compute import SeqState, Step, check_token_ids, forward_group, run_group
+from mlxceld.pipeline.compute import (
+    SeqState,
+    Step,
+    check_token_ids,
+    forward_group,
+    run_group,
+    verifying,
+)
 from mlxceld.pipeline.sequences import stage_cache
 from mlxceld.roles.options import KVQuant
 from mlxceld.wire import Tensor
@@ -90,7 +102,8 @@ BEAT_S: Final = 0.5  # rank 0 idle this long: it shares an empty log (engine.loc
 
 # The op log (rank 0 to its followers), each op a tuple: ("setup", start, end, layers)
 # first, then ("open", seq_id, kv), kv (bits, group_size, start) or None; ("drop", seq_id);
-# ("step", overlap, ((seq_id, sample, name, dtype, shape, data), ...)); ("close",).
+# ("step", overlap, every, ((seq_id, sample, pos, name, dtype, shape, data), ...));
+# ("close",).
 
 
 class TensorStageRefused(EngineError):
@@ -202,9 +215,10 @@ class StageLeader:
             if not live:
                 self._share(ops)
                 return [None] * len(group)
-            self._share([*ops, ("step", overlap, tuple(
-                (s.seq_id, s.sample, s.x.name, s.x.dtype, tuple(s.x.shape), bytes(s.x.data))
-                for s in live))])
+            every = verifying(self.model, live)  # a speculative pass: (speculating.py)
+            self._share([*ops, ("step", overlap, every, tuple(
+                (s.seq_id, s.sample, s.pos, s.x.name, s.x.dtype, tuple(s.x.shape),
+                 bytes(s.x.data)) for s in live))])
             with self._mirror.stepping():
                 try:
                     outs = run_group(self.model, live, overlap=overlap)
@@ -313,21 +327,24 @@ class StageFollower:
         elif op[0] == "drop":
             self._states.pop(op[1], None)
         elif op[0] == "step":
-            self._step(op[1], op[2])
+            self._step(*op[1:])
         else:
             raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
 
-    def _step(self, overlap: bool, steps: Sequence[tuple[Any, ...]]) -> None:
+    def _step(self, overlap: bool, every: bool, steps: Sequence[tuple[Any, ...]]) -> None:
+        """Rank 0's group: each cache trimmed to its step's ``pos`` first (a speculative
+        pass's rejected tail, as rank 0's: ``compute.forward_group``), its logits at every
+        position where rank 0 verifies proposals (``every``)."""
         group = []
-        for seq_id, sample, name, dtype, shape, data in steps:
+        for seq_id, sample, pos, name, dtype, shape, data in steps:
             state = self._states.get(seq_id)
             if state is None:
                 raise EngineError(f"rank 0 ran a step of sequence {seq_id}, which this "
                                   "rank never opened")
             group.append(Step(seq_id, state, 0, sample,
-                              Tensor(name, dtype, tuple(shape), memoryview(data))))
+                              Tensor(name, dtype, tuple(shape), memoryview(data)), pos=pos))
         with self._mirror.stepping():
-            forward_group(self._model, group, overlap=overlap)
+            forward_group(self._model, group, overlap=overlap, every=every)
         self.steps += 1
 
 

@@ -225,13 +225,11 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
 async def load_draft(ctx: WorkerContext[StageOptions], model: Path, stage: Any) -> Draft:
     """The last stage's draft (``[cluster] draft_model``): fetched when a repo id, its
     tokenizer checked against the model's in ``model`` (``models/drafts.py``), loaded; the
-    stage's caches (``stage``: its slice) and the draft's must trim."""
+    stage's caches (``stage``: its slice) and the draft's must trim. On a tensor-parallel
+    stage it is rank 0's alone, whole (``pipeline/tensor_stage.py``): the followers run
+    the passes it proposes, told where each starts."""
     o = ctx.options
     assert o.draft_model is not None
-    if o.tp_size > 1:
-        raise ConfigError(f"stage {o.node_id} is a tensor-parallel group (tp_size "
-                          f"{o.tp_size}): speculative decoding there is not built yet",
-                          hint="leave [cluster] draft_model out, or tp_size on this host")
     from mlx_lm import load
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 

@@ -88,6 +88,18 @@ def test_a_stage_is_placed_with_its_group_across_hosts(tmp_path: Path) -> None:
     _placed(tmp_path, path, "stage-0", tp_size=2, tp_peers="10.0.0.4")
 
 
+def test_the_draft_goes_to_the_last_stage_s_rank_0(tmp_path: Path) -> None:
+    """``[cluster] draft_model`` in a mesh's file: read, written back, and placed on the
+    last stage's rank 0 alone (it drafts whole there: ``pipeline/tensor_stage.py``)."""
+    path = _setup(tmp_path, mesh_file(extra='draft_model = "draft"\nnum_draft_tokens = 3'))
+    cfg = load_cluster(path)
+    assert (cfg.draft_model, cfg.num_draft_tokens) == ("draft", 3)
+    assert "draft_model = \"draft\"" in dump_cluster(cfg)
+    last = stage_options(place(path, "stage-1"))
+    assert (last.draft_model, last.num_draft_tokens) == (str(tmp_path / "draft"), 3)
+    assert stage_options(place(path, "stage-0")).draft_model is None
+
+
 def test_a_rank_past_0_runs_as_a_rank_host(tmp_path: Path) -> None:
     path = _setup(tmp_path, mesh_file())
     rank = _placed(tmp_path, path, "stage-1-tp-1")
@@ -149,6 +161,12 @@ BAD = {
                          r"'cluster.replicas' is not for a 2D mesh's file"),
     "kv_compression": (mesh_file(extra='kv_compression = "int8"'),
                        r"'cluster.kv_compression' is not for a 2D mesh's file"),
+    "a num_draft_tokens above 32": (
+        mesh_file(extra='draft_model = "d"\nnum_draft_tokens = 33'),
+        r"'cluster.num_draft_tokens' is 33, more than 32"),
+    "a num_draft_tokens without a draft": (
+        mesh_file(extra="num_draft_tokens = 3"),
+        r"'cluster.num_draft_tokens' means nothing without 'cluster.draft_model'"),
     "an unknown cluster key": (mesh_file(extra="stages = 2"), r"unknown key 'cluster.stages'"),
     "a rank missing in a stage": (
         _stage0_rank1(mesh_file(), "rank = 1", "rank = 0").replace(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.cluster.clusterfile.load import parse_cluster_text
 from mlxceld.cluster.coordinator import push_plan
 from mlxceld.cluster.plan.candidates import drafted, make_plan
 from mlxceld.cluster.plan.mesh import (
@@ -269,10 +270,10 @@ def test_make_plan_with_a_mesh_over_a_real_checkpoint(fixture_dir: Path) -> None
                   mesh="tp", replicas=2)
 
 
-def test_a_draft_with_a_plan_of_tensor_parallel_stages_is_refused(fixture_dir: Path) -> None:
-    """Speculation runs on a pipeline's last stage, which in a mesh is a tensor group's
-    rank 0: not built, so ``[serve] draft_model`` beside such a plan is refused by name
-    (a pipeline's plan takes it into its TOML)."""
+def test_a_draft_goes_into_a_plan_of_tensor_parallel_stages(fixture_dir: Path) -> None:
+    """Speculation runs on a pipeline's last stage, in a mesh its tensor group's rank 0
+    (``pipeline/tensor_stage.py``): ``[serve] draft_model`` goes into the plan's TOML,
+    a mesh's as a pipeline's, and the last stage's rank 0 is placed with it."""
     model = fixture_dir / "llama"
     peers = [PeerRow(address=f"127.0.0.{i}:19000", source="static", state="reachable",
                      updated_at=1.0, node_id=f"h{i}", memory_total=64 * GIB,
@@ -281,8 +282,11 @@ def test_a_draft_with_a_plan_of_tensor_parallel_stages_is_refused(fixture_dir: P
              for i in range(2, 6)]
     mesh = make_plan(peers, model, 4, cluster="lab", coordinator="127.0.0.1:19000",
                      mesh="2d")
-    with pytest.raises(PlanRefused, match=r"draft_model .* \(2 x 2\).* not built"):
-        drafted(mesh, ("draft-dir", 4))
-    pipeline = make_plan(peers, model, 2, cluster="lab", coordinator="127.0.0.1:19000")
-    toml = tomllib.loads(drafted(pipeline, ("draft-dir", 4)).toml)["cluster"]
-    assert (toml["draft_model"], toml["num_draft_tokens"]) == ("draft-dir", 4)
+    for proposal in (mesh, make_plan(peers, model, 2, cluster="lab",
+                                     coordinator="127.0.0.1:19000")):
+        text = drafted(proposal, ("draft-dir", 4)).toml
+        toml = tomllib.loads(text)["cluster"]
+        assert (toml["draft_model"], toml["num_draft_tokens"]) == ("draft-dir", 4)
+        assert drafted(proposal, (None, 4)).toml == proposal.toml
+    cfg = parse_cluster_text(drafted(mesh, ("draft-dir", 3)).toml, Path("/c/cluster.toml"))
+    assert cfg.mesh and (cfg.draft_model, cfg.num_draft_tokens) == ("draft-dir", 3)

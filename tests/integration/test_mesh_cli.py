@@ -1,6 +1,7 @@
 """`mlxctl cluster plan --mesh` and `mlxceld --pp-auto N --mesh M --dry-run` on real
 daemons: the meshes considered, the one chosen and why, the 2D cluster TOML (a mesh
-pushed: tests/integration/test_mesh_push.py)."""
+pushed: tests/integration/test_mesh_push.py), a coordinator's draft in it (its tensor
+stage's rank 0 drafts)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,15 @@ def test_plan_and_dry_run_show_the_mesh(daemons: Daemons, split_fixture_dir: Pat
     dry = daemons.make(name="dry2")
     dry.start("--cluster-secret-file", str(secret_file(dry.root, secret)),
               "--cluster-peers", ",".join(addrs), "--model", str(model), "--pp-auto", "2",
-              "--mesh", "tp", "--dry-run", "--agent-addr", "127.0.0.1:0", wait=False)
+              "--mesh", "tp", "--dry-run", "--agent-addr", "127.0.0.1:0",
+              # the model as its own draft: the tensor stage's rank 0 drafts with it
+              "--draft-model", str(model), "--num-draft-tokens", "3",
+              "--cluster-config-out", str(tmp_path / "drafted.toml"), wait=False)
     assert dry.proc is not None
     assert dry.proc.wait(60) == 0, dry.stderr()
     assert "meshes of 2 host(s) considered (--mesh tp)" in dry.stderr()
     assert "each stage a tensor group of 2 ranks" in dry.stderr()
+    drafted = tomllib.loads((tmp_path / "drafted.toml").read_text())
+    assert (drafted["cluster"]["draft_model"], drafted["cluster"]["num_draft_tokens"]) == (
+        str(model), 3)
+    assert drafted["cluster"]["tensor_parallel_size"] == 2

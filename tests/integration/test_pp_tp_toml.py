@@ -6,11 +6,13 @@ dir (the model and the cluster secret come from the file). Each stage's rank 0 (
 runs its ``stage`` worker as rank 0 of a group across hosts (``Placement.tp_peers``,
 formed by ``daemon/stage_peers.py`` as ``--pp-peer --tp-peers`` does), its rank 1 (.5,
 .6) as ``--node-role tensor_parallel_rank``, whose ``stage-tp-1`` worker runs over the
-stage's layers. Greedy completions through the ``openai`` client are mlx-lm's on the
-whole model, and again after a rank killed with SIGKILL (its stage's ring breaks, the
-stage restarts and its rank host is asked again, as the flags' mesh does); every daemon
-exits 0 on SIGTERM. A file whose ranks are wrong is refused at
-start with exit 2 naming the file, the node and the key. Every process is ended by pid."""
+stage's layers. The file names the model as its own draft (``[cluster] draft_model``):
+the last stage's rank 0 drafts, its counters in ``mlxctl status``. Greedy completions
+through the ``openai`` client are mlx-lm's on the whole model, and again after a rank
+killed with SIGKILL (its stage's ring breaks, the stage restarts and its rank host is
+asked again, as the flags' mesh does); every daemon exits 0 on SIGTERM. A file whose
+ranks are wrong is refused at start with exit 2 naming the file, the node and the key.
+Every process is ended by pid."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def write_mesh(root: Path, model: Path, addresses: dict[str, str]) -> Path:
              ("stage-0", "pipeline_tensor_parallel", [0, 2], 0),
              ("stage-0-tp-1", "pipeline_tensor_parallel", [0, 2], 1)]
     text = (f'[cluster]\nname = "mesh"\nmodel = "{model}"\nsecret_file = "cluster.secret"\n'
-            "pipeline_parallel_size = 2\ntensor_parallel_size = 2\n")
+            "pipeline_parallel_size = 2\ntensor_parallel_size = 2\n"
+            f'draft_model = "{model}"\n')  # itself: the last stage's rank 0 drafts
     for node, role, layers, rank in nodes:
         text += f'\n[[nodes]]\nid = "{node}"\naddress = "{addresses[node]}"\nrole = "{role}"\n'
         if layers is not None:
@@ -105,7 +108,11 @@ def test_a_mesh_from_one_file_serves_mlx_lms_greedy_text(
     finally:
         for d in everyone:
             daemons.note(d)
-    assert got == expected(model, PROMPT, 8)
+    assert got == expected(model, PROMPT, 8)  # with the draft: the model's own tokens
+    wait_for(lambda: "stage: speculative decoding:" in stages[1].ctl("status").stdout
+             and " of 0 draft tokens" not in stages[1].ctl("status").stdout, 20.0,
+             "the last stage's rank 0's draft counters in mlxctl status")
+    assert "speculative decoding" not in stages[0].ctl("status").stdout
 
     for i, (s, r) in enumerate(zip(stages, ranks, strict=True)):
         tensor = s.status()["tensor"]

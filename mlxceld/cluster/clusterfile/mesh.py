@@ -7,6 +7,8 @@ hosts (nodes of role ``pipeline_tensor_parallel``, aliases ``pp_tp`` and ``2d``)
     model = "models/qwen3"
     pipeline_parallel_size = 2       # the stages
     tensor_parallel_size = 2         # the ranks of every stage (2 .. 16)
+    draft_model = "models/qwen3-0.6b"  # optional: the last stage's rank 0 speculates
+    num_draft_tokens = 4             # optional, 1-32 (pipeline/speculating.py)
 
     [[nodes]]
     id = "coordinator"
@@ -46,6 +48,7 @@ from mlxceld.cluster.clusterfile.fields import (
     TOP_KEYS,
     _agent_address,
     _check_keys,
+    _draft,
     _host_port,
     _int,
     _layers,
@@ -76,7 +79,7 @@ MESH_HINT: Final = ("a pipeline of tensor-parallel stages: pipeline_parallel_siz
                     "rank = 0 .. T-1 (rank 0's address its stage listener, the others' their "
                     "agents)")
 MESH_KEYS: Final = ("name", "pipeline_parallel_size", "secret_file", "model",
-                    "tensor_parallel_size")
+                    "tensor_parallel_size", "draft_model", "num_draft_tokens")
 
 
 def is_mesh(data: Mapping[str, Any]) -> bool:
@@ -131,7 +134,8 @@ def parse_mesh(data: Mapping[str, Any], path: Path) -> ClusterConfig:
         secret_file=_path_str(cluster, "secret_file", where),
         model=_path_str(cluster, "model", where),
         nodes=tuple(_node(raw, i, where, tp) for i, raw in enumerate(nodes)),
-        path=path, tensor_parallel_size=tp)
+        path=path, tensor_parallel_size=tp,
+        **_draft(cluster, where))  # the last stage's rank 0 runs it (speculating.py)
 
 
 def _node(raw: Mapping[str, Any], i: int, where: str, tp: int) -> NodeConfig:

@@ -174,16 +174,11 @@ def model_dir(model: str, what: str) -> Path:
 
 def drafted(proposal: Proposal, draft: tuple[str | None, int]) -> Proposal:
     """``proposal`` with the coordinator's ``[serve] draft_model`` and ``num_draft_tokens``
-    in its cluster TOML (``[cluster] draft_model``: each group's last stage runs it,
-    ``pipeline/speculating.py``); as it was without a draft."""
+    in its cluster TOML (``[cluster] draft_model``: each group's last stage runs it, a
+    2D mesh's on its rank 0, ``pipeline/speculating.py``); as it was without a draft."""
     model, k = draft
     if model is None:
         return proposal
     cfg = parse_cluster_text(proposal.toml, Path("cluster.toml"))
-    if cfg.mesh:  # the last stage would be a tensor group's rank 0: not built
-        raise PlanRefused(f"[serve] draft_model with a plan whose stages are tensor-parallel "
-                          f"groups ({len(cfg.stages)} x {cfg.tensor_parallel_size}): "
-                          "speculative decoding over a tensor-parallel stage is not built",
-                          hint="plan with --mesh pp, or serve without draft_model")
     return dataclasses.replace(proposal, toml=dump_cluster(dataclasses.replace(
         cfg, draft_model=model, num_draft_tokens=k)))
