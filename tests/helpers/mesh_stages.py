@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlxceld.discovery.inventory import ring_ports
 from mlxceld.models.identity import model_identity
@@ -48,10 +49,13 @@ class MeshStages:
     procs: dict[str, subprocess.Popen[bytes]]
     stages: list[StageAddress]
 
-    def engine(self) -> PipelineEngine:
+    def engine(self, **knobs: Any) -> PipelineEngine:
+        """A router's engine over the stages (``knobs``: ``PipelineEngine``'s, e.g.
+        ``kv_quant``)."""
         return PipelineEngine(self.stages, keyring=keyring(SECRET), origin=COORD,
                               model_identity=model_identity(self.model), cluster="test",
-                              model_id="m", context_length=4096, eos_token_ids=set())
+                              model_id="m", context_length=4096, eos_token_ids=set(),
+                              **knobs)
 
     def stats(self, key: str) -> JSON:
         """Worker ``key``'s stats (its control channel's ``stats``)."""
@@ -149,14 +153,14 @@ def mesh_stages(root: Path, model: Path, splits: Sequence[tuple[int, int]], *,
                 proc.wait()
 
 
-def greedy_tokens(mesh: MeshStages, prompts: Sequence[list[int]], n: int
+def greedy_tokens(mesh: MeshStages, prompts: Sequence[list[int]], n: int, **knobs: Any
                   ) -> tuple[list[list[int]], list[list[int]]]:
-    """``n`` greedy tokens of each prompt through one engine: one request after the other,
-    then all of them at once."""
+    """``n`` greedy tokens of each prompt through one engine (``knobs``: its own): one
+    request after the other, then all of them at once."""
     from helpers.stages import tokens_of
 
     async def run() -> tuple[list[list[int]], list[list[int]]]:
-        engine = mesh.engine()
+        engine = mesh.engine(**knobs)
         try:
             alone = [await tokens_of(engine, p, n) for p in prompts]
             together = await asyncio.gather(*(tokens_of(engine, p, n) for p in prompts))

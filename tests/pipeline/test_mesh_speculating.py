@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.roles.options import KVQuant
 from mlxceld.workers.stage import STATS_EVERY_S
 
 from helpers.drafts import write_pairs
@@ -28,6 +29,12 @@ N = 24
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_pairs(tmp_path_factory.mktemp("meshpairs"), 4)
+
+
+@pytest.fixture(scope="module")
+def kv_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pair``'s with heads of 64 elements: a quantized KV cache fits them."""
+    return write_pairs(tmp_path_factory.mktemp("meshkvpairs"), 4, head_dim=64)
 
 
 @pytest.mark.timeout(900)
@@ -66,3 +73,30 @@ def test_greedy_tokens_with_a_draft_are_those_without(
     assert len(sampled) == N, (sampled, passes, spec)
     assert set(followers) == {f"{i}/stage-tp-1" for i in tensor}
     assert all(f["steps"] > 0 for f in followers.values()), followers
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kv", [KVQuant(4, 32, 0), KVQuant(4, 32, 9)], ids=str)
+def test_with_kv_bits_greedy_tokens_with_a_draft_are_those_without(
+        kv_pairs: Path, state_dir: Path, kv: KVQuant) -> None:
+    """The router's kv_bits (each ``prepare``'s ``kv``) over a last stage that is a group:
+    every rank's caches quantize alike, trimmed back pass after pass, a pass never past
+    quantized_kv_start at full precision (``plain_room``, rank 0's): the tokens are those
+    without a draft with the same cache, which are not full precision's. Several at once
+    only from ``start`` 0: above it a batch quantizes a row when its longest row is due
+    (``engine/kvquant.py``), so batched tokens may differ from alone ones by design."""
+    model = kv_pairs / "plain"
+    with mesh_stages(state_dir / "plain", model, SPLITS, tensor={1}) as mesh:
+        full, _ = greedy_tokens(mesh, PROMPTS, N)
+        plain, plain_together = greedy_tokens(mesh, PROMPTS, N, kv_quant=kv)
+    with mesh_stages(state_dir / "spec", model, SPLITS, tensor={1},
+                     draft=kv_pairs / "plain", k=3) as mesh:
+        alone, together = greedy_tokens(mesh, PROMPTS, N, kv_quant=kv)
+        time.sleep(1.5 * STATS_EVERY_S)  # the worker's stats, updated at that pace
+        spec = mesh.stats("1/stage")["speculative"]
+        logs = mesh.logs()
+    assert plain != full  # the quantized cache is in play
+    assert alone == plain, logs
+    if kv.start == 0:
+        assert together == plain_together == plain, logs
+    assert spec["passes"] > 0 and spec["acceptance_rate"] > 0.5, spec
