@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxceld.cluster.coordinator import push_plan
+from mlxceld.cluster.assignment.push import push_plan
 from mlxceld.cluster.plan.candidates import drafted, make_plan
 from mlxceld.cluster.plan.mesh import (
     LINK_COSTS,
