@@ -274,7 +274,8 @@ def status(body: dict[str, Any]) -> str:
                      + (f": {bringup['summary']}" if bringup.get("summary") else ""))
         if bringup.get("config_differs"):
             lines.append(f"  config differs: {bringup['config_differs']} (resumed as it was; "
-                         "mlxctl cluster deactivate, then restart, applies the config)")
+                         "to apply the config, mlxctl cluster activate re-plans now, or "
+                         "deactivate, then restart)")
         lines += [peer_step(p) for p in bringup.get("peers") or []]
     healing = body.get("healing")
     if healing and healing.get("state") not in (None, "off", "idle"):

@@ -158,14 +158,19 @@ def resumed_rows(plan: PlanRow) -> list[dict[str, Any]]:
 
 
 def config_differences(plan: PlanRow, n: int | None, configured: str | None,
-                       configured_identity: str | None) -> str:
-    """How the start-up config differs from the plan resumed (empty: it does not)."""
+                       configured_identity: str | None, mesh: str | None = None) -> str:
+    """How the start-up config differs from the plan resumed (empty: it does not); ``mesh``
+    (``--mesh``, ``[daemon] mesh``) is pp_auto's, so compared with it alone, and with a
+    plan that recorded its own."""
     parts = []
     if configured is not None and configured_identity != plan.model_identity:
         parts.append(f"the config names model {configured} ({configured_identity}), the plan "
                      f"serves model {plan.model_identity}")
     if n is not None and n != len(plan.peers):
         parts.append(f"pp_auto is {n}, the plan has {len(plan.peers)} stage(s)")
+    if n is not None and mesh is not None and plan.mesh is not None and mesh != plan.mesh:
+        parts.append(f"the plan was planned with --mesh {plan.mesh}, --mesh ([daemon] mesh) "
+                     f"is now {mesh}")
     return "; ".join(parts)
 
 

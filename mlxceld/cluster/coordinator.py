@@ -15,12 +15,12 @@ plan again after a restart without planning again or reloading the peers' weight
 plan decided ``active`` is served as it is, one decided ``commit`` or ``activate`` is pushed
 on until every peer is active (``assignment.resume_push``). A plan that was
 deactivated is not resumed. Only without a plan to resume does ``pp_auto``
-plan and push a new one. When the config now names another model, or
-``pp_auto`` another number of stages, the plan is still resumed as it was
-(the running cluster wins over a changed start-up setting), and the difference
-is logged, recorded as the event ``bringup.config_differs`` and shown by
-`mlxctl status` (``config_differs``): deactivate the plan, then restart (or
-activate), to apply the config.
+plan and push a new one. When the config now names another model, ``pp_auto`` another
+number of stages, or ``--mesh`` another than the plan was planned with (a heal's keeps
+its plan's), the plan is still resumed as it was (the running cluster wins over a changed
+start-up setting: a restart never reloads weights nor ends requests by itself), and the
+difference is logged, recorded as the event ``bringup.config_differs`` and shown by
+`mlxctl status` (``config_differs``): `mlxctl cluster activate` re-plans now.
 
 The daemon hands over what a bring-up needs (its plans table, keyring,
 discovery, agent address, event log) and a ``CoordinatorSlot``: its window for
@@ -59,7 +59,7 @@ from typing import Final, Protocol
 
 from mlxceld.cluster import retiring
 from mlxceld.cluster.assignment import deactivation
-from mlxceld.cluster.assignment.push import PushPlan, StageOffer, push, resume_push
+from mlxceld.cluster.assignment.push import push, push_plan, resume_push
 from mlxceld.cluster.bringup import (
     BringUp,
     config_differences,
@@ -193,7 +193,7 @@ class Coordinator:
                          last.decision or "undecided", resumable.epoch, resumable.decision)
             self._claim()
             self._task = self._tasks.create_task(
-                self._resume_at_start(resumable, n, configured_model))
+                self._resume_at_start(resumable, n, configured_model, mesh))
         elif n is not None and model is not None:
             self._task = self._tasks.create_task(self.bring_up(n, model, mesh))
         elif last is not None and last.decision == "deactivated":
@@ -304,9 +304,10 @@ class Coordinator:
         live, then the old plan's hosts told it is over (``_retire``)."""
         old = self.serving
         try:
-            epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
-                                     keyring=self._keyring, identity=self._identity,
-                                     epoch=epoch, watch=self._bringup.watch)
+            pushed = push_plan(self._cluster, proposal, proposal.mode)
+            epoch, done = await push(pushed, plans=self._plans, keyring=self._keyring,
+                                     identity=self._identity, epoch=epoch,
+                                     watch=self._bringup.watch)
             if not done.ok:
                 self._bringup.failed(done.summary + "".join(f"; {n}" for n in proposal.notes))
                 return
@@ -324,7 +325,8 @@ class Coordinator:
             self._busy = False
 
     async def _resume_at_start(self, last: PlanRow, n: int | None, configured: str | None,
-                               *, why: str = "after a restart") -> None:
+                               mesh: MeshMode | None = None, *,
+                               why: str = "after a restart") -> None:
         """Serve ``last`` again as it was (``_resume``), on the configured model when it is
         the plan's, else on the plan's own; a config that differs is reported, not applied.
         The caller has claimed the bring-up (``_claim``): this ends it."""
@@ -335,11 +337,12 @@ class Coordinator:
             self.state = {"state": "pushing", "epoch": epoch, "model": str(model),
                           "stages": len(last.peers), "summary": "",
                           "peers": resumed_rows(last)}
-            differs = config_differences(last, n, configured, configured_identity)
+            differs = config_differences(last, n, configured, configured_identity, mesh)
             if differs:
                 self.state["config_differs"] = differs
                 log.warning("plan %d is resumed as it was, though %s; to apply the config: "
-                            "mlxctl cluster deactivate, then restart mlxceld", epoch, differs)
+                            "mlxctl cluster activate re-plans now (or deactivate, then "
+                            "restart mlxceld)", epoch, differs)
                 self._events.append("bringup.config_differs", "cluster",
                                     f"plan {epoch} resumed as it was, though {differs}",
                                     epoch=epoch)
@@ -446,9 +449,11 @@ class Coordinator:
             self.state = {"state": "planning", "model": old.model,
                           "stages": len(proposal.plan.stages), "summary": why}
             self._bringup.pushing(epoch, proposal.plan)
-            epoch, done = await push(push_plan(self._cluster, proposal), plans=self._plans,
-                                     keyring=self._keyring, identity=self._identity,
-                                     epoch=epoch, watch=self._bringup.watch)
+            row = self._plans.get(old.epoch)  # a heal keeps the --mesh its plan was made with
+            pushed = push_plan(self._cluster, proposal, row.mesh if row else None)
+            epoch, done = await push(pushed, plans=self._plans, keyring=self._keyring,
+                                     identity=self._identity, epoch=epoch,
+                                     watch=self._bringup.watch)
             if not done.ok:
                 self._bringup.failed(done.summary)
                 return False, done.summary
@@ -483,17 +488,4 @@ class Coordinator:
             return
         log.info("plan %d, superseded by plan %d: its hosts told it is over (%s)", old.epoch,
                  epoch, done.said())
-
-
-def push_plan(cluster: str, proposal: Proposal) -> PushPlan:
-    """What the push offers: each stage to the agent of the node it was planned on; a
-    stage that is a tensor group (a 2D mesh) to each of its ranks' agents, with the group
-    (rank 0 runs the stage, ``stage-K``; rank r is ``stage-K-tp-r``, no listener)."""
-    offers: list[StageOffer] = []
-    for s in proposal.plan.stages:
-        group = tuple(n.key for n in s.ranks) if s.tp_nodes else ()
-        offers += [StageOffer(n.key, s.index, s.layers, s.stage_id + (f"-tp-{r}" if r else ""),
-                              n.stage_port if r == 0 else 0, r, group)
-                   for r, n in enumerate(s.ranks)]
-    return PushPlan(cluster, proposal.model_identity, proposal.toml, tuple(offers))
 

@@ -16,12 +16,21 @@ plan   agent → asker    ``epoch`` (the plan's, or null), ``cluster`` (its
                         name), ``model`` (its identity, 64 hex digits),
                         ``stages``: [{``node``, ``address`` (the stage's
                         listener, ``host:port``), ``rank``, ``layers``
-                        [start, end)}, ...] in rank order; ``stages`` empty
-                        and the rest null when its router serves no
-                        pipeline plan (none activated, deactivated, a router
-                        over replica groups, or not a coordinator)
+                        [start, end), ``tp_group`` (a 2D mesh's stage only:
+                        its ranks' agent addresses, ``host:port``, in rank
+                        order, 2 to 16, the same size for every stage)}, ...]
+                        in rank order; ``stages`` empty and the rest null
+                        when its router serves no pipeline plan (none
+                        activated, deactivated, a router over replica groups,
+                        or not a coordinator)
 error  agent → asker    ``reason`` (an agent that does not serve the type)
 ====== ================ ======================================================
+
+``tp_group`` is left out of a pipeline's stages, so that a pipeline's answer is the one
+of before, byte for byte; an asker of this release reads a stage without it as no group.
+A standby (``daemon/standby.py``) that adopts a 2D mesh knows every rank's host from it,
+and heals the mesh as the coordinator would (``healer.py``: ``--mesh auto`` over the hosts
+alive), not as a pipeline of its rank-0 hosts.
 
 The stages are those its router drives now: after a live switch (a drain's re-plan, a
 heal), the new plan's. The coordinator remembers who asked and when (``Fronts``): make
@@ -41,6 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from mlxceld.cluster.coordinator import Served
 from mlxceld.discovery.inventory import AGENT_CHANNEL
 from mlxceld.errors import MlxceldError
 from mlxceld.net import MxclStream
@@ -65,13 +75,26 @@ class PlanNotFound(MlxceldError):
     code = "plan_not_found"
 
 
-def plan_of(pipeline: PipelineOptions | None, epoch: int | None) -> Plan:
-    """The answer for a router that drives ``pipeline`` (None: no plan)."""
+def plan_of(pipeline: PipelineOptions | None, served: Served | None) -> Plan:
+    """The answer for a router that drives ``pipeline`` (None: no plan) of the plan the
+    coordinator serves (``served``: its epoch and, of a 2D mesh, every rank's host)."""
     if pipeline is None:
         return NO_PLAN
-    return Plan(epoch, pipeline.cluster, pipeline.model_identity,
-                tuple(PlanStage(s.node_id, s.address, s.rank, s.layers)
-                      for s in pipeline.stages))
+    groups = groups_of(served, len(pipeline.stages))
+    return Plan(served.epoch if served else None, pipeline.cluster, pipeline.model_identity,
+                tuple(PlanStage(s.node_id, s.address, s.rank, s.layers, g)
+                      for s, g in zip(pipeline.stages, groups, strict=True)))
+
+
+def groups_of(served: Served | None, stages: int) -> list[tuple[str, ...]]:
+    """Each of ``stages`` stages' tensor group in ``served`` (its ``peers``, every rank's
+    host, stage by stage), or () each: a pipeline, or a plan the router does not drive
+    yet (the next answer has them)."""
+    size = served.tp_size if served else 1
+    peers = served.peers if served else ()
+    if size < 2 or len(peers) != stages * size:
+        return [()] * stages
+    return [tuple(peers[i:i + size]) for i in range(0, len(peers), size)]
 
 
 def pipeline_of(plan: Plan, origin: str) -> PipelineOptions | None:

@@ -383,9 +383,8 @@ class ClusterMember:
         serve_inventory(agent, self._node_id, parts.served_model, parts.config().stage_ports,
                         keyring=self._keyring, units=parts.units)
         serve_serving(agent, self._serving)
-        serve_plan(agent, lambda: plan_of(parts.served_pipeline(), self._coordinator.serving.epoch
-                                          if self._coordinator and self._coordinator.serving
-                                          else None), parts.fronts)
+        serve_plan(agent, lambda: plan_of(parts.served_pipeline(), self._coordinator.serving
+                                          if self._coordinator else None), parts.fronts)
         serve_queries(agent, self._plans, asked=self._peer_asked)
         c = parts.config()
         lease = Lease(self._assignments, self._settings, heard=agent.last_heard,

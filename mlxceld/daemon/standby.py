@@ -16,7 +16,8 @@ coordinator's end. The takeover rule, looked at every ``following.FOLLOW_S`` (1 
   and the standby says so (``why``: "coordinator unreachable from here but heard by stage
   peers 0.8 s ago; not taking over"; event ``standby.held`` once per hold).
 
-Then this daemon adopts the plan (``cluster/adoption.py``): it is the plan's coordinator
+Then this daemon adopts the plan (``cluster/adoption.py``; a 2D mesh's with each stage's
+tensor group, every rank's host a stage host): it is the plan's coordinator
 for healing and drains from now on, its follower stops asking (event
 ``standby.took_over``), and ``mlxctl drain <stage host>`` here re-plans around the host,
 a silent stage host is healed (``cluster/healer.py``), each push with a newer epoch that
@@ -86,14 +87,19 @@ class Standby:
         """``mlxctl status``'s ``standby``."""
         when = time.strftime("%H:%M:%S", time.localtime(self.since))
         coordinator = self._follower.coordinator
+        plan = self._follower.plan
+        tp_size = plan.tp_size if plan is not None else 1
         if self.state == "took over":
+            mesh = (f", {len(plan.stages)} stage(s) x tp {tp_size}" if plan and tp_size > 1
+                    else "")
             summary = (f"took over at {when} from coordinator {coordinator} (plan "
-                       f"{self.epoch}): this daemon coordinates the pipeline now")
+                       f"{self.epoch}{mesh}): this daemon coordinates the pipeline now")
         else:
             summary = f"standing by for coordinator {coordinator}" + (
                 f"; no takeover: {self.why}" if self.why else "")
         return {"state": self.state, "since": self.since, "coordinator": coordinator,
-                "epoch": self.epoch, "why": self.why, "took_over": self.state == "took over",
+                "epoch": self.epoch, "tp_size": tp_size, "why": self.why,
+                "took_over": self.state == "took over",
                 "dead_after_s": self._dead_after_s(), "bound_s": TAKEOVER_BOUND_S,
                 "summary": summary}
 

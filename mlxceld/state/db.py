@@ -128,7 +128,14 @@ def _v9(db: sqlite_utils.Database) -> None:
     create_table(db)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
+def _v10(db: sqlite_utils.Database) -> None:
+    """The --mesh a plan was planned with (a resume reports a change of it)."""
+    from mlxceld.state.plans import add_mesh
+
+    add_mesh(db)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

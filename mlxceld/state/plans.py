@@ -1,9 +1,10 @@
 """The ``plans`` and ``assignments`` tables: the two-phase assignment's durable memory.
 
 ``plans`` is the coordinator's side: one row per plan epoch with the cluster
-TOML it pushes, its peers, and its decision (NULL while undecided, which a
-restarted coordinator reads as aborted; ``deactivated`` once `mlxctl cluster
-deactivate` ended it, which a restarted coordinator does not resume).
+TOML it pushes, its peers, the ``--mesh`` it was planned with, and its decision
+(NULL while undecided, which a restarted coordinator reads as aborted;
+``deactivated`` once `mlxctl cluster deactivate` ended it, which a restarted
+coordinator does not resume).
 ``assignments`` is a peer's side: one row per epoch it was offered, with its
 state (preparing, accepted, refused, committed, active, aborted, deactivated),
 the coordinator identity that offered it, and the cluster TOML it runs once
@@ -38,6 +39,9 @@ class PlanRow:
     toml: str
     decision: str | None
     summary: str
+    # The --mesh it was planned with (a heal's or a drain's re-plan: its plan's); None: not
+    # known (a plan adopted by a standby, or recorded before v10)
+    mesh: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,11 @@ def allow_deactivated(db: sqlite_utils.Database) -> None:
         db.execute(f"DROP TABLE {table}_v5")
 
 
+def add_mesh(db: sqlite_utils.Database) -> None:
+    """Migration v10: the --mesh a plan was planned with (NULL for the plans before)."""
+    db.execute("ALTER TABLE plans ADD COLUMN mesh TEXT")
+
+
 def superseded(epoch: int, why: str) -> str:
     """The summary of a plan deactivated because plan ``epoch`` replaced it (a heal, a
     drain's re-plan): ``Plans.superseded_by`` finds it again."""
@@ -108,12 +117,13 @@ class Plans:
         return max(int(row[0] or 0) + 1, clock)
 
     def create(self, epoch: int, cluster: str, model_identity: str, peers: tuple[str, ...],
-               toml: str) -> None:
+               toml: str, mesh: str | None = None) -> None:
         now = time.time()
         self._table.insert({"epoch": epoch, "cluster": cluster,
                             "model_identity": model_identity, "peers": json.dumps(peers),
                             "toml": toml, "decision": None, "summary": "",
-                            "created_at": now, "updated_at": now})
+                            "created_at": now, "updated_at": now}
+                           | ({"mesh": mesh} if mesh is not None else {}))
 
     def decide(self, epoch: int, decision: str, summary: str = "") -> None:
         if decision not in PLAN_DECISIONS:
@@ -127,7 +137,8 @@ class Plans:
         except NotFoundError:
             return None
         return PlanRow(r["epoch"], r["cluster"], r["model_identity"],
-                       tuple(json.loads(r["peers"])), r["toml"], r["decision"], r["summary"])
+                       tuple(json.loads(r["peers"])), r["toml"], r["decision"], r["summary"],
+                       r.get("mesh"))
 
     def latest(self) -> PlanRow | None:
         row = self._db.execute("SELECT max(epoch) FROM plans").fetchone()

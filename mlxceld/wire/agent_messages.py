@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Self
 
+from mlxceld.wire.assignment_messages import MAX_AGENT, MAX_GROUP
 from mlxceld.wire.messages import Error, MessageError, exact_keys, vocabulary
 from mlxceld.wire.names import name_problem
 
@@ -296,29 +297,40 @@ class PlanRequest(BareQuestion):
 
 @dataclass(frozen=True)
 class PlanStage:
-    """One stage of a ``Plan``: its node id, listener address, rank and layers."""
+    """One stage of a ``Plan``: its node id, listener address, rank and layers; a stage
+    that is a tensor group across hosts (a 2D mesh) its ``tp_group``, its ranks' agent
+    addresses in rank order (rank 0 the stage's own host), as its offers carried it."""
 
     node_id: str
     address: str
     rank: int
     layers: tuple[int, int]
+    tp_group: tuple[str, ...] = ()  # () : no group (a pipeline's stage)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"node": self.node_id, "address": self.address, "rank": self.rank,
-                "layers": list(self.layers)}
+        stage = {"node": self.node_id, "address": self.address, "rank": self.rank,
+                 "layers": list(self.layers)}
+        return stage | {"tp_group": list(self.tp_group)} if self.tp_group else stage
 
 
 @dataclass(frozen=True)
 class Plan:
     """The answer: the plan's ``epoch``, ``cluster`` name, ``model`` identity and its
     ``stages`` in rank order; ``stages`` empty (and the rest null) when the agent's router
-    serves no pipeline plan. ``from_wire``'s reasons read after "answered"."""
+    serves no pipeline plan. A 2D mesh's stages each carry their ``tp_group``, all of one
+    size; a pipeline's none (the key left out: the answer as it has always gone out).
+    ``from_wire``'s reasons read after "answered"."""
 
     T: ClassVar[str] = "plan"
     epoch: int | None
     cluster: str | None
     model: str | None
     stages: tuple[PlanStage, ...]
+
+    @property
+    def tp_size(self) -> int:
+        """The ranks of each stage's group: 1 for a pipeline."""
+        return len(self.stages[0].tp_group) if self.stages and self.stages[0].tp_group else 1
 
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.T, "epoch": self.epoch, "cluster": self.cluster, "model": self.model,
@@ -343,13 +355,18 @@ class Plan:
             raise MessageError("stages", "'plan' with stages out of rank order")
         if parsed and (model is None or cluster is None):
             raise MessageError("model", "'plan' with stages but no model or cluster")
+        if len({len(s.tp_group) for s in parsed}) > 1:
+            raise MessageError("tp_group", "'plan' with stages whose tp_group sizes differ")
         return cls(epoch, cluster, model, parsed)
 
 
+_STAGE_KEYS: Final = frozenset({"node", "address", "rank", "layers"})
+
+
 def _plan_stage(entry: Any) -> PlanStage:
-    if not isinstance(entry, dict) or set(entry) != {"node", "address", "rank", "layers"}:
+    if not isinstance(entry, dict) or set(entry) - {"tp_group"} != _STAGE_KEYS:
         raise MessageError("stages", "'plan' with a stage that is not {node, address, rank, "
-                           "layers}")
+                           "layers} (and tp_group)")
     node, address, rank, layers = entry["node"], entry["address"], entry["rank"], entry["layers"]
     if not (isinstance(node, str) and 0 < len(node) <= 64 and isinstance(address, str)
             and 0 < len(address) <= 300):
@@ -358,7 +375,13 @@ def _plan_stage(entry: Any) -> PlanStage:
                                      and all(type(n) is int and 0 <= n < 2**20
                                              for n in layers) and layers[0] < layers[1]):
         raise MessageError("stages", "'plan' with a stage's rank or layers out of bounds")
-    return PlanStage(node, address, rank, (layers[0], layers[1]))
+    group = entry.get("tp_group", [])
+    if "tp_group" in entry and not (
+            isinstance(group, list) and 2 <= len(group) <= MAX_GROUP
+            and all(isinstance(a, str) and 0 < len(a) <= MAX_AGENT for a in group)):
+        raise MessageError("tp_group", f"'plan' with a stage's tp_group that is not 2 to "
+                           f"{MAX_GROUP} agent addresses")
+    return PlanStage(node, address, rank, (layers[0], layers[1]), tuple(group))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.cluster.assignment.push import push_plan
 from mlxceld.cluster.clusterfile.load import parse_cluster_text
-from mlxceld.cluster.coordinator import push_plan
 from mlxceld.cluster.plan.candidates import drafted, make_plan
 from mlxceld.cluster.plan.mesh import (
     LINK_COSTS,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.cluster.assignment.push import push_plan
 from mlxceld.cluster.clusterfile.load import (
     dump_cluster,
     load_cluster,
@@ -17,7 +18,6 @@ from mlxceld.cluster.clusterfile.load import (
     write_cluster,
 )
 from mlxceld.cluster.clusterfile.placement import place
-from mlxceld.cluster.coordinator import push_plan
 from mlxceld.cluster.plan.candidates import make_plan
 from mlxceld.cluster.plan.report import layer_runs
 from mlxceld.cluster.plan.solver import (

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxceld.cluster.assignment.push import push_plan
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
-from mlxceld.cluster.coordinator import push_plan
 from mlxceld.cluster.plan.candidates import Proposal
 from mlxceld.cluster.plan.solver import (
     PlanNode,

@@ -5,6 +5,7 @@ the daemon's side played by a recording ``CoordinatorSlot``."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from mlxceld.cluster.bringup import config_differences
@@ -15,6 +16,7 @@ from mlxceld.discovery.service import DiscoveryService
 from mlxceld.models import model_identity
 from mlxceld.state import EventLog, PeersTable, open_db
 from mlxceld.state.plans import PlanRow, Plans
+from mlxceld.types import MeshMode
 from mlxceld.wire import Keyring
 
 from helpers.clusterfile import write_cluster_toml
@@ -33,14 +35,16 @@ class Slot:
         self.served.clear()
 
 
-def coordinator(tg: asyncio.TaskGroup, tmp_path: Path, model: Path, decision: str
-                ) -> tuple[Coordinator, Slot, EventLog]:
-    """A coordinator over a database that holds a plan of ``model`` decided ``decision``."""
+def coordinator(tg: asyncio.TaskGroup, tmp_path: Path, model: Path, decision: str,
+                mesh: str | None = None) -> tuple[Coordinator, Slot, EventLog]:
+    """A coordinator over a database that holds a plan of ``model`` decided ``decision``
+    (planned with ``mesh``)."""
     db = open_db(tmp_path / "state.db")
     plans, events, keyring, slot = Plans(db), EventLog(db), Keyring(), Slot()
     toml = write_cluster_toml(tmp_path, model, [(0, 2), (2, 4)]).read_text().replace(
         'id = "coord"', 'id = "coordinator"')  # the planner's name for it
-    plans.create(7, "c", model_identity(model) if model.exists() else "ab" * 32, PEERS, toml)
+    plans.create(7, "c", model_identity(model) if model.exists() else "ab" * 32, PEERS, toml,
+                 mesh)
     plans.decide(7, decision)
     discovery = DiscoveryService(CandidateTable(PeersTable(db), node_id="n"), keyring,
                                  node_id="n", cluster="c", peers=(), mode="static",
@@ -52,12 +56,13 @@ def coordinator(tg: asyncio.TaskGroup, tmp_path: Path, model: Path, decision: st
 
 
 async def start(tmp_path: Path, model: Path, decision: str, n: int | None,
-                configured: str | None) -> tuple[Coordinator, Slot, EventLog]:
+                configured: str | None, *, planned: str | None = None, mesh: MeshMode = "pp"
+                ) -> tuple[Coordinator, Slot, EventLog]:
     """``Coordinator.start`` with pp_auto ``n`` and the ``configured`` model, over a plan of
     ``model`` decided ``decision``, until what it started has ended."""
     async with asyncio.TaskGroup() as tg:
-        c, slot, events = coordinator(tg, tmp_path, model, decision)
-        c.start(n, configured, configured_model=configured)
+        c, slot, events = coordinator(tg, tmp_path, model, decision, planned)
+        c.start(n, configured, configured_model=configured, mesh=mesh)
     return c, slot, events
 
 
@@ -86,6 +91,21 @@ def test_a_matching_config_resumes_quietly_on_its_own_model_path(
     assert [p.model for p in slot.served] == [llama]
     assert "config_differs" not in (c.state or {})
     assert [e.kind for e in events.since(0)] == ["bringup.active"]
+
+
+def test_a_changed_mesh_is_said_and_the_plan_resumed_as_it_was(
+        tmp_path: Path, split_fixture_dir: Path) -> None:
+    """A plan planned with --mesh pp, the daemon started with pp_auto 2 and --mesh tp: the
+    plan is served as it was (no re-plan), and the setting named (state, event, log)."""
+    llama = split_fixture_dir / "llama"
+    c, slot, events = asyncio.run(start(tmp_path, llama, "active", 2, str(llama),
+                                        planned="pp", mesh="tp"))
+    assert [p.model for p in slot.served] == [llama]
+    assert len(slot.served[0].cluster.stages) == 2 and not slot.served[0].cluster.mesh
+    said = "the plan was planned with --mesh pp, --mesh ([daemon] mesh) is now tp"
+    assert (c.state or {})["config_differs"] == said
+    differs = [e for e in events.since(0) if e.kind == "bringup.config_differs"]
+    assert len(differs) == 1 and said in differs[0].message
 
 
 def test_an_aborted_heal_after_an_active_plan_resumes_the_active_plan(
@@ -133,6 +153,12 @@ def test_the_differences_named() -> None:
     assert config_differences(plan, 4, None, None) == "pp_auto is 4, the plan has 2 stage(s)"
     assert config_differences(plan, None, "/m", "unreadable: gone") == (
         f"the config names model /m (unreadable: gone), the plan serves model {'ab' * 32}")
+    said = "the plan was planned with --mesh pp, --mesh ([daemon] mesh) is now auto"
+    planned = replace(plan, mesh="pp")
+    assert config_differences(planned, 2, None, None, "auto") == said
+    assert config_differences(planned, 2, None, None, "pp") == ""
+    assert config_differences(planned, None, None, None, "auto") == ""  # not pp_auto's
+    assert config_differences(plan, 2, None, None, "auto") == ""  # a plan of no known mesh
 
 
 def test_a_peer_asking_about_a_plan_left_decided_activate_pushes_it_on(

@@ -67,11 +67,12 @@ def coordinator(daemons: Daemons, secret: bytes, peers: list[DaemonProc], config
     return coord, port, flags
 
 
-def activate(coord: DaemonProc, model: Path, stages: int) -> str:
-    """``mlxctl cluster activate`` on ``coord``, which must succeed; what it printed."""
+def activate(coord: DaemonProc, model: Path, stages: int, *extra: str) -> str:
+    """``mlxctl cluster activate`` on ``coord`` (``extra``: more of its flags, ``--mesh
+    tp``), which must succeed; what it printed."""
     out = subprocess.run(
         [sys.executable, "-m", "mlxctl", "--socket", str(coord.socket), "cluster", "activate",
-         "--model", str(model), "--stages", str(stages)],
+         "--model", str(model), "--stages", str(stages), *extra],
         capture_output=True, text=True, timeout=ACTIVATE_S)
     assert out.returncode == 0, (out.stdout, out.stderr, coord.stderr()[-3000:])
     return out.stdout

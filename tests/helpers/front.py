@@ -39,15 +39,16 @@ class Pipeline:
 
 
 def pipeline(daemons: Daemons, split_fixture_dir: Path, hosts: int, *,
-             config: str = "") -> Pipeline:
+             config: str = "", mesh: str = "pp") -> Pipeline:
     """``hosts`` stage hosts (2, or 3 with a spare) and their coordinator, plan active;
-    ``config``: every daemon's mlxceld.toml."""
+    ``config``: every daemon's mlxceld.toml; ``mesh``: the plan's (``tp``: one stage, a
+    tensor group over two of them)."""
     model = split_fixture_dir / "llama"
     secret = os.urandom(16).hex().encode()
     peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
                    name=f"p{i}", config=config) for i in range(2, 2 + hosts)]
     coord, port, flags = coordinator(daemons, secret, peers, config)
-    activate(coord, model, 2)
+    activate(coord, model, 2, *(("--mesh", mesh) if mesh != "pp" else ()))
     return Pipeline(model, secret, peers, coord, port, flags, coord.status()["bringup"])
 
 

@@ -45,14 +45,15 @@ class StandbyPipeline:
 
 
 def standby_pipeline(daemons: Daemons, model: Path, *,
-                     via: Callable[[str], str] | None = None, standby_daemon: str = ""
-                     ) -> StandbyPipeline:
+                     via: Callable[[str], str] | None = None, standby_daemon: str = "",
+                     mesh: str = "pp") -> StandbyPipeline:
     """The daemons, the plan active, the standby serving it and standing by. ``model``:
     the fixture's llama. ``via``: given the coordinator's agent, the address the standby is
     told is that agent's (a forwarder in front of it); else the coordinator's agent itself.
     ``standby_daemon``: more ``[daemon]`` lines of the standby's config
-    (``heal_after_s = 2``)."""
-    p = pipeline(daemons, model.parent, 3, config=LIVENESS)
+    (``heal_after_s = 2``). ``mesh``: the plan's (``tp``: one stage, a tensor group over
+    two of the three hosts)."""
+    p = pipeline(daemons, model.parent, 3, config=LIVENESS, mesh=mesh)
     r = front(daemons, p, "--standby", "--cluster-peers", ",".join(agent(d) for d in p.peers),
               config=LIVENESS + standby_daemon, name="s", via=via)
     wait_for(lambda: serves(r.url, p.model), FOLLOW_WAIT_S, "the standby serving", every=0.5)

@@ -1,7 +1,8 @@
 """A pushed plan's life on daemons run as a service manager runs them (`mlxceld --config FILE`
 and nothing else): `mlxctl cluster activate` with stage ports from a configured range, the
 coordinator stopped and started again serving the same plan (the peers' stage workers keep
-their pids), then `mlxctl cluster deactivate` with one peer down, and nothing coming back
+their pids), again with pp_auto and another mesh (the plan resumed as it was, the change
+said), then `mlxctl cluster deactivate` with one peer down, and nothing coming back
 after any restart. Real daemons started by tests/helpers/deploy.py (agents on the wildcard host);
 the coordinator names its peers 127.0.0.2 and 127.0.0.3."""
 
@@ -89,6 +90,29 @@ def test_a_plan_outlives_a_coordinator_restart_until_deactivated(
     for p in peers:
         assert p.worker("stage")["pid"] == stage_pids[p.root]
         assert sum(e["kind"] == "stage.active" for e in p.events()) == 1  # loaded once
+
+    # Restarted with pp_auto = 2 and mesh = "tp": the plan (planned with --mesh pp) is
+    # resumed as it was, and the changed mesh is said: the log, an event, mlxctl status.
+    coord_host.daemon_keys.update({"pp_auto": 2, "mesh": "tp"})
+    coord_host.serve_keys["model"] = str(model)
+    coord_host.write()
+    coord_host.restart()
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    resumed = coord.status()["bringup"]
+    said = "the plan was planned with --mesh pp, --mesh ([daemon] mesh) is now tp"
+    assert resumed["epoch"] == bringup["epoch"] and resumed["config_differs"] == said, resumed
+    differs = [e for e in coord.events() if e["kind"] == "bringup.config_differs"]
+    assert len(differs) == 1 and said in differs[0]["message"], differs
+    assert f"config differs: {said}" in coord.ctl("status").stdout
+    assert said in coord.stderr() and "mlxctl cluster activate re-plans now" in coord.stderr()
+    assert complete(port, "llama") == text
+    for p in peers:
+        assert p.worker("stage")["pid"] == stage_pids[p.root]  # nothing re-planned
+    bringup = resumed
+    for key in ("pp_auto", "mesh"):  # its next start: the config of before
+        del coord_host.daemon_keys[key]
+    del coord_host.serve_keys["model"]
+    coord_host.write()
 
     # One peer down, then deactivate: the other stops its stage, the down one is named.
     (up, up_host), (down, down_host) = zip(peers, hosts, strict=True)

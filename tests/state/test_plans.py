@@ -103,3 +103,25 @@ def test_the_plan_to_resume_is_the_newest_that_took_over(tmp_path: Path) -> None
     assert plans.resumable() is None
     standing = plans.standing()  # deactivated: told again by another deactivate
     assert standing is not None and (standing.epoch, standing.decision) == (5, "deactivated")
+
+
+def test_a_plan_keeps_its_mesh_and_a_v9_plan_reads_none(tmp_path: Path) -> None:
+    """Migration v10 adds the --mesh a plan was planned with; a plan recorded before it
+    reads None (not known), a new one its mesh across a reopen."""
+    import sqlite3
+
+    import sqlite_utils
+
+    from mlxceld.state.db import MIGRATIONS
+
+    path = tmp_path / "state.db"
+    old = sqlite_utils.Database(sqlite3.connect(path, isolation_level=None))
+    for migration in MIGRATIONS[:9]:
+        migration(old)
+    old.execute("PRAGMA user_version = 9")
+    Plans(old).create(7, "c", "ab" * 32, ("127.0.0.2:19000",), "toml")
+    old.conn.close()
+    plans = Plans(open_db(path))
+    assert plans.get(7).mesh is None  # type: ignore[union-attr]
+    plans.create(8, "c", "ab" * 32, ("127.0.0.2:19000", "127.0.0.3:19000"), "toml", "tp")
+    assert Plans(open_db(path)).get(8).mesh == "tp"  # type: ignore[union-attr]

@@ -143,7 +143,29 @@ def test_a_plan_answer_round_trips_and_no_plan_is_empty() -> None:
     assert Plan.from_wire(none).stages == ()
 
 
+MESH_PLAN = {**PLAN, "stages": [{**s, "tp_group": [f"10.0.0.{2 + 2 * i}:19000",
+                                                    f"10.0.0.{3 + 2 * i}:19000"]}
+                                 for i, s in enumerate(PLAN["stages"])]}
+
+
+def test_a_mesh_plan_carries_each_stages_group_and_round_trips() -> None:
+    """A 2D mesh's stages carry ``tp_group`` (every rank's agent); a pipeline's leave the
+    key out, so its answer is the one of before key for key."""
+    plan = Plan.from_wire(MESH_PLAN)
+    assert plan.to_wire() == MESH_PLAN and plan.tp_size == 2
+    assert plan.stages[1].tp_group == ("10.0.0.4:19000", "10.0.0.5:19000")
+    assert decode(MESH_PLAN, ANSWERED) == plan
+    assert Plan.from_wire(PLAN).tp_size == 1 and "tp_group" not in str(
+        Plan.from_wire(PLAN).to_wire())
+
+
 @pytest.mark.parametrize(("header", "field"), [
+    ({**MESH_PLAN, "stages": [{**PLAN["stages"][0], "tp_group": ["10.0.0.2:19000"]}]},
+     "tp_group"),  # a group of one
+    ({**MESH_PLAN, "stages": [{**PLAN["stages"][0], "tp_group": "10.0.0.2:19000"}]},
+     "tp_group"),
+    ({**MESH_PLAN, "stages": [{**PLAN["stages"][0], "tp_group": ["a"] * 17}]}, "tp_group"),
+    ({**MESH_PLAN, "stages": [MESH_PLAN["stages"][0], PLAN["stages"][1]]}, "tp_group"),
     ({**PLAN, "stages": PLAN["stages"][::-1]}, "stages"),  # out of rank order
     ({**PLAN, "model": None}, "model"),  # stages of no model
     ({**PLAN, "epoch": -1}, "epoch"),

@@ -85,6 +85,7 @@ from mlxceld.cluster.assignment.coordinator_round import (
 )
 from mlxceld.cluster.assignment.offers import ASSIGNMENT_VERSION
 from mlxceld.cluster.clusterfile.load import dump_cluster, parse_cluster_text
+from mlxceld.cluster.plan.candidates import Proposal
 from mlxceld.net import ConnectionClosed, HandshakeFailed, MxclStream, connect_as
 from mlxceld.net.liveness import watch
 from mlxceld.state.plans import Plans
@@ -166,6 +167,21 @@ class PushPlan:
     model_identity: str
     toml: str
     stages: tuple[StageOffer, ...]
+    mesh: str | None = None  # the --mesh it was planned with, recorded (state/plans.py)
+
+
+def push_plan(cluster: str, proposal: Proposal, mesh: str | None = None) -> PushPlan:
+    """What the push offers: each stage to the agent of the node it was planned on; a
+    stage that is a tensor group (a 2D mesh) to each of its ranks' agents, with the group
+    (rank 0 runs the stage, ``stage-K``; rank r is ``stage-K-tp-r``, no listener); and
+    ``mesh``, the --mesh to record it with (None: not known)."""
+    offers: list[StageOffer] = []
+    for s in proposal.plan.stages:
+        group = tuple(n.key for n in s.ranks) if s.tp_nodes else ()
+        offers += [StageOffer(n.key, s.index, s.layers, s.stage_id + (f"-tp-{r}" if r else ""),
+                              n.stage_port if r == 0 else 0, r, group)
+                   for r, n in enumerate(s.ranks)]
+    return PushPlan(cluster, proposal.model_identity, proposal.toml, tuple(offers), mesh)
 
 
 def offer_for(plan: PushPlan, s: StageOffer, epoch: int, coordinator: str) -> Offer:
@@ -205,7 +221,7 @@ async def push(plan: PushPlan, *, plans: Plans, keyring: Keyring, identity: str,
     ``plans.next_epoch()`` by the caller, or here) and how it ended."""
     epoch = plans.next_epoch() if epoch is None else epoch
     peers = tuple(s.agent for s in plan.stages)
-    plans.create(epoch, plan.cluster, plan.model_identity, peers, plan.toml)
+    plans.create(epoch, plan.cluster, plan.model_identity, peers, plan.toml, plan.mesh)
     loop = asyncio.get_running_loop()
     round_ = CoordinatorRound(epoch, peers, loop.time(), push_s=push_s,
                               activate_for_s=ACTIVATING_S)

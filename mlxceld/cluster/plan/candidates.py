@@ -95,6 +95,11 @@ class Proposal:
     notes: tuple[str, ...]
     mesh: MeshChoice | None = None  # None: a pipeline's (pipeline_choice)
 
+    @property
+    def mode(self) -> MeshMode:
+        """The --mesh it was planned with (``pp`` for a pipeline's)."""
+        return self.mesh.mode if self.mesh else "pp"
+
     def to_json(self) -> ProposalJSON:
         """For display only (`mlxctl cluster plan --json`): nothing reads it back."""
         return {"plan": plan_json(self.plan), "table": self.table, "toml": self.toml,
