@@ -111,7 +111,8 @@ class DraftClock:
     """A last stage's time in its draft (its proposals, catch-ups included: ``speculating
     .py``), for its stats: what drafting costs a pass there."""
 
-    seconds: float = 0.0
+    seconds: float = 0.0  # waited for the draft (drafting ahead runs meanwhile)
+    ahead: int = 0  # passes whose proposals had been drafted ahead (speculating.py)
 
 
 @dataclass

@@ -26,6 +26,21 @@ temperature 0 the rejection rule), sends each token kept to the router (one ``to
 each, numbered on from the first: the router reads them as without a draft), and drafts
 the next pass from the last. The draft's own cache is trimmed alike.
 
+Drafting ahead (``SpecState.ahead``; every last stage but a one-stage pipeline's, whose
+next step runs at once): the last stage's host is idle while a pass is away at the
+other stages, so as it sends a pass it starts drafting the pass after it, on the
+draft's own thread (``Drafter``), as if every proposal will be kept: the draft's guess
+at the target's token after them, then k proposals after that guess. When the pass
+comes back with every proposal kept and the target's token equal to that guess, those
+proposals go out at once, the draft's k steps off the pass's critical path; otherwise
+they are dropped (the draft's cache is trimmed back to what was kept, as after any
+pass) and the next proposals are drafted then. Sampling, the drafted-ahead proposals
+are draws from the draft's distributions given the very context the pass then has, so
+the rejection rule holds as for proposals drafted after it. Greedy output is the same
+either way; on one host shared with the other stages, the drafting ahead competes with
+them for its cores (bench/speculative.py measures both). The stats' ``drafted_ahead``
+counts the passes whose proposals were ready.
+
 A stage that is a tensor-parallel group (``tensor_stage.py``, the 2D mesh) runs its
 passes alike on every rank: its rank 0 shares each step's ``pos`` with its followers, who
 trim their caches to it as rank 0 does (``compute.forward_group``), and whether the step
@@ -60,9 +75,13 @@ The draft's own cache stays plain.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -76,6 +95,52 @@ if TYPE_CHECKING:
     from mlxceld.engine.base import SamplingParams
 
 CATCH_UP: int = 512  # tokens of the draft's catch-up on a prompt per forward
+T = TypeVar("T")
+
+class Drafter:
+    """The one thread the last stage's draft runs on, on a stream of its own (the draft's
+    caches are its): ``submit`` a job, wait on its future. A daemon thread that never
+    ends: mlx ends the process at exit (a C++ ``terminate``) when arrays a model made on
+    a thread's stream outlive that thread, as a draft's caches may."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] \
+            = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="mlxceld-draft").start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        stream = mx.new_stream(mx.default_device())
+        while True:
+            future, fn, args = self._jobs.get()
+            try:
+                with mx.stream(stream):
+                    future.set_result(fn(*args))
+            except BaseException as exc:  # the waiter raises it (the step fails)
+                future.set_exception(exc)
+
+
+_drafter: Drafter | None = None
+_made = threading.Lock()
+
+
+def drafter() -> Drafter:
+    """This process's ``Drafter``, made at its first use."""
+    global _drafter
+    with _made:
+        if _drafter is None:
+            _drafter = Drafter()
+        return _drafter
+
+
+# What a pass drafted ahead gives, once done: the context it assumed (the pass's tokens
+# all accepted, and the draft's guess at the target's token after them), the tokens it
+# drafted (that guess first) and, sampling, their draft distributions.
+Ahead = tuple[list[int], list[int], list[Any]]
 
 
 @dataclass
@@ -96,7 +161,9 @@ class SpecState:
     generated: int = 0
     began: float | None = None  # when the pass on its way round was sent
     clock: DraftClock = field(default_factory=DraftClock)  # the stage's, shared
+    ahead: bool = False  # draft the pass after next while this one is away (module doc)
     pacing: Pacing = field(init=False)
+    drafting: Future[Ahead] | None = None  # the pass after next, drafted ahead
 
     def __post_init__(self) -> None:
         self.cache = make_prompt_cache(self.draft.model)
@@ -127,23 +194,43 @@ class SpecState:
     def propose(self, last: int, room: int) -> list[int]:
         """The next pass's proposals after ``last`` (none: a plain step): while allowed,
         as paced, short of ``max_tokens``, the end of the sequence and ``room``
-        (``plain_room``: a quantized KV cache's start)."""
+        (``plain_room``: a quantized KV cache's start). Taken from what was drafted
+        ahead when the pass before kept every proposal and the draft's guess after them;
+        else drafted now. Then, with ``ahead``, the pass after this one is drafted on the
+        draft's thread while this one is away."""
         left = self.params.max_tokens - self.generated
         k = min(self.pacing.k(), left - 1, room) \
             if self.allowed and last not in self.eos else 0
         self.proposed, self.q = [], []
-        if k <= 0:
-            return []
         start = time.perf_counter()
         try:
-            self.proposed = self._drafted([*self.ids, last], k)
+            # The draft's cache is the thread's until what it drafted ahead is done.
+            pending, self.drafting = self.drafting, None
+            got = None if pending is None else pending.result()
+            if k <= 0:
+                return []
+            context = [*self.ids, last]
+            if got is not None and got[0] == context and len(got[1]) > k:
+                self.clock.ahead += 1
+                self.proposed, self.q = got[1][1:k + 1], got[2][1:k + 1]
+            else:
+                self.proposed, self.q = drafter().submit(self._drafted, context, k).result()
+            if self.ahead and left - 1 - k > 1:  # a pass may follow this one
+                self.drafting = drafter().submit(self._ahead, [*context, *self.proposed], k)
             return list(self.proposed)
         finally:
             self.clock.seconds += time.perf_counter() - start
 
-    def _drafted(self, context: list[int], k: int) -> list[int]:
-        """``k`` proposals after ``context``: the draft's cache trimmed to what it holds
-        of ``context`` and caught up on the rest first."""
+    def _ahead(self, base: list[int], k: int) -> Ahead:
+        """The draft's guess after ``base`` (a pass's context and proposals) and ``k``
+        proposals after that guess (on the draft's thread)."""
+        tokens, q = self._drafted(base, k + 1)
+        return [*base, tokens[0]], tokens, q
+
+    def _drafted(self, context: list[int], k: int) -> tuple[list[int], list[Any]]:
+        """``k`` proposals after ``context`` and, sampling, their distributions: the
+        draft's cache trimmed to what it holds of ``context`` and caught up on the rest
+        first (on the draft's thread: ``drafter``)."""
         same = next((i for i, (a, b) in enumerate(zip(self.held, context, strict=False))
                      if a != b), min(len(self.held), len(context)))
         same = min(same, len(context) - 1)  # the last token is the first step's input
@@ -158,12 +245,10 @@ class SpecState:
         y = mx.array(context[at:], dtype=mx.uint32)
         drafted, q = propose(self.draft.model, y, self.cache, k, self._scale)
         tokens: list[int] = mx.concatenate(drafted).tolist()  # type: ignore[assignment]
-        # Evaluated here: the pass may be verified on another thread (steps.py's inline
-        # steps), where this one's stream does not exist.
+        # Evaluated here: the pass is verified on another thread.
         mx.eval(q, [c.state for c in self.cache])
-        self.q = q
         self.held += [*context[same:], *tokens[:-1]]
-        return tokens
+        return tokens, q
 
     def paced(self, tokens: int) -> None:
         """A pass that gave ``tokens`` ended now: timed from when it was sent, while

@@ -377,7 +377,7 @@ class StageService:
                     from mlxceld.pipeline.speculating import SpecState
 
                     state.spec = SpecState(self.draft, params, self._model.vocab_size, eos,
-                                           clock=self.draft_clock)
+                                           clock=self.draft_clock, ahead=not self._model.first)
             state.reuse = self.cache.reuse(who, prepare.reuse)  # copied on the compute side
             if self._leader is not None:  # its followers make caches alike (tensor_stage.py)
                 self._leader.drop(seq_id)  # prepared again: its old caches first

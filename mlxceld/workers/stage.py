@@ -208,7 +208,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                  prompt_cache=cache_stats(service.cache))
                 if draft is not None:  # speculative decoding's counters (speculating.py)
                     ctx.stats.update(speculative={
-                        **draft.snapshot(), "draft_s": round(service.draft_clock.seconds, 6)})
+                        **draft.snapshot(), "draft_s": round(service.draft_clock.seconds, 6),
+                        "drafted_ahead": service.draft_clock.ahead})
             ctx.stats.update(draining=True)
             await service.finish_held(asyncio.get_running_loop().time() + DRAIN_S)
             await listener.aclose()

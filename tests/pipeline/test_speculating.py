@@ -40,7 +40,8 @@ async def _run(path: Path, draft: Path | None, work: Any, splits: Any = SPLITS,
         try:
             out = await work(engine)
             spec = c.services[-1].draft
-            return out, None if spec is None else spec.snapshot()
+            return out, None if spec is None else {
+                **spec.snapshot(), "drafted_ahead": c.services[-1].draft_clock.ahead}
         finally:
             await engine.aclose()
 
@@ -62,6 +63,12 @@ def test_an_agreeing_draft_gives_the_same_greedy_tokens_and_accepts_them_all(
     assert stats is not None and stats["proposed"] > 0
     assert stats["acceptance_rate"] == 1.0
     assert stats["tokens_per_pass"] > 3  # k = 4: up to 5 a pass, less at each end
+    # Every pass kept, and the draft's guess after it right: the proposals after the
+    # first pass were drafted ahead, while each pass was away (not on one stage).
+    if len(splits) > 1:
+        assert stats["drafted_ahead"] >= stats["passes"] - 2 * len(PROMPTS), stats
+    else:
+        assert stats["drafted_ahead"] == 0, stats
 
 
 @pytest.mark.parametrize(("target", "draft", "rates"), [
