@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -153,13 +154,26 @@ def mlx_lm(pair: Pair, draft: str | None, n: int, k: int) -> Runner:
     return Runner("mlx-lm", draft, lambda: timed(steps()), counters)
 
 
-def pipeline_rows(pair: Pair, n: int, k: int) -> list[Runner]:
+def pinned(workers: list[Any]) -> None:
+    """Each stage worker's threads on a CPU of their own, stage i on CPU i (of those this
+    process may use): two hosts, as far as one machine can show them, each stage's
+    compute never waiting for another's. The router's and the client's are left free."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    for i, proc in enumerate(workers):
+        for thread in proc.threads():
+            os.sched_setaffinity(thread.id, {cpus[i % len(cpus)]})
+
+
+def pipeline_rows(pair: Pair, n: int, k: int, pin: bool = False) -> list[Runner]:
     """The 2-stage pipeline's rows ("ours, 2 stages"): our daemons on loopback as
     bench/pipeline.py runs them (a coordinator on 127.0.0.1, stages on .2 and .3, the
     layers halved), without a draft and with each ([cluster] draft_model, k), all started
     first; a run is one greedy stream through the OpenAI port (its decode span from the
     client's SSE timestamps); the acceptance and tokens per pass from the last stage's
-    counters; where the fastest run's time went is printed as the rows close."""
+    counters; where the fastest run's time went is printed as the rows close. ``pin``:
+    each stage's worker on a CPU of its own (``pinned``)."""
     import shutil
     import tempfile
 
@@ -178,7 +192,9 @@ def pipeline_rows(pair: Pair, n: int, k: int) -> list[Runner]:
                                     [f"127.0.0.{2 + 2 * len(runners)}",
                                      f"127.0.0.{3 + 2 * len(runners)}"], clusters,
                                     None if draft is None else (pair.drafts[draft], k))
-            runners.append(_pipeline_runner(cluster, draft, n))
+            if pin:
+                pinned(cluster.workers[:len(splits)])
+            runners.append(_pipeline_runner(cluster, draft, n, pin))
     except BaseException:
         stop_all(clusters)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -192,7 +208,7 @@ def pipeline_rows(pair: Pair, n: int, k: int) -> list[Runner]:
     return runners
 
 
-def _pipeline_runner(cluster: Any, draft: str | None, n: int) -> Runner:
+def _pipeline_runner(cluster: Any, draft: str | None, n: int, pin: bool) -> Runner:
     from loopback import stream_once
 
     fastest: list[Any] = []  # (stream, stage stats before, after), after the warm-up
@@ -212,7 +228,7 @@ def _pipeline_runner(cluster: Any, draft: str | None, n: int) -> Runner:
         stats = after[-1].get("speculative") if draft else None
         return None if stats is None else (stats["acceptance_rate"], stats["tokens_per_pass"])
 
-    return Runner("ours, 2 stages", draft, run, counters)
+    return Runner("ours, 2 pinned" if pin else "ours, 2 stages", draft, run, counters)
 
 
 def stage_stats(cluster: Any) -> list[dict[str, Any]]:
@@ -243,23 +259,26 @@ def where_time_goes(draft: str | None, run: Any, before: list[dict[str, Any]],
     last = len(after) - 1
     passes = delta(last, "steps")  # each pass runs one step a stage (and the prefill)
     drafting = 1000 * delta(last, "speculative", "draft_s") / max(1.0, passes)
+    ahead = delta(last, "speculative", "drafted_ahead")
     steps = [1000 * delta(r, "compute_s") / max(1.0, delta(r, "steps"))
              for r in range(len(after))]
     total = 1000 * run.total_s / max(1.0, passes)
     print(f"2 stages, draft {draft or 'none'}: {run.tokens} tokens in {passes:.0f} "
           f"passes, {total:.1f} ms a pass (prefill included): "
           + ", ".join(f"stage {i} {ms:.1f}" for i, ms in enumerate(steps))
-          + f" (of which drafting {drafting:.1f}), the rest {total - sum(steps):.1f} "
-          "(hops, router, client, CPU waits)")
+          + f" (of which waiting for the draft {drafting:.1f}; {ahead:.0f} passes drafted "
+          f"ahead), the rest {total - sum(steps):.1f} (hops, router, client, CPU waits)")
 
 
 def report(pair: Pair, n: int, k: int, repeats: int = 3,
-           more: Callable[[Pair, int, int], list[Runner]] = pipeline_rows) -> list[Row]:
+           more: Callable[[Pair, int, int], list[Runner]] = pipeline_rows,
+           one_host: bool = True) -> list[Row]:
     """Every row loaded, warmed up, then ``repeats`` rounds of one run each, in turn (a
     burst of load on a shared host slows one round of every row, not one row): each row's
-    fastest run."""
+    fastest run. ``one_host``: with ours and mlx-lm's rows on one host (else ``more``'s
+    alone)."""
     runners = [make(pair, draft, n, k) for make in (ours, mlx_lm)
-               for draft in (None, "agreeing", "unrelated")] + more(pair, n, k)
+               for draft in (None, "agreeing", "unrelated") if one_host] + more(pair, n, k)
     best: dict[int, float] = {}
     try:
         for round_ in range(1 + repeats):
@@ -285,9 +304,10 @@ def report(pair: Pair, n: int, k: int, repeats: int = 3,
               + (f"{r.acceptance:>10.2f}{r.per_pass:>10.2f}"
                  if r.acceptance is not None and r.per_pass is not None else ""))
     theirs = {r.draft: r.tok_s for r in rows if r.engine == "mlx-lm"}
-    print("ours / mlx-lm: " + ", ".join(
-        f"{r.draft or 'none'} {r.tok_s / theirs[r.draft]:.2f}x" for r in rows
-        if r.engine == "ours"))
+    if theirs:
+        print("ours / mlx-lm: " + ", ".join(
+            f"{r.draft or 'none'} {r.tok_s / theirs[r.draft]:.2f}x" for r in rows
+            if r.engine == "ours"))
     return rows
 
 
@@ -298,8 +318,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="runs measured per row "
                         "(the fastest is kept: a shared host's load only slows runs)")
+    parser.add_argument("--pin", action="store_true", help="each stage's worker on a CPU "
+                        "of its own, as on hosts of their own (the 2-stage rows)")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="the 2-stage rows alone (no one-host or mlx-lm rows)")
     args = parser.parse_args()
-    report(fixtures(args.target), args.tokens, args.k, args.repeats)
+    report(fixtures(args.target), args.tokens, args.k, args.repeats,
+           functools.partial(pipeline_rows, pin=args.pin), one_host=not args.pipeline_only)
 
 
 if __name__ == "__main__":

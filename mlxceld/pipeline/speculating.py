@@ -28,8 +28,10 @@ the next pass from the last. The draft's own cache is trimmed alike.
 
 Drafting ahead (``SpecState.ahead``; every last stage but a one-stage pipeline's, whose
 next step runs at once): the last stage's host is idle while a pass is away at the
-other stages, so as it sends a pass it starts drafting the pass after it, on the
-draft's own thread (``Drafter``), as if every proposal will be kept: the draft's guess
+other stages, so as it sends a pass (when the pass before kept every proposal: else the
+work is likely wasted, and on a shared host it slows the other stages) it starts
+drafting the pass after it, on the draft's own thread (``Drafter``), as if every
+proposal will be kept: the draft's guess
 at the target's token after them, then k proposals after that guess. When the pass
 comes back with every proposal kept and the target's token equal to that guess, those
 proposals go out at once, the draft's k steps off the pass's critical path; otherwise
@@ -164,6 +166,7 @@ class SpecState:
     ahead: bool = False  # draft the pass after next while this one is away (module doc)
     pacing: Pacing = field(init=False)
     drafting: Future[Ahead] | None = None  # the pass after next, drafted ahead
+    kept_all: bool = False  # the last pass kept every proposal: worth drafting ahead
 
     def __post_init__(self) -> None:
         self.cache = make_prompt_cache(self.draft.model)
@@ -188,6 +191,7 @@ class SpecState:
         n, last = accept(logprobs, self.proposed, self.q, self._scale)
         kept = [*self.proposed[:n], last]
         del self.ids[len(self.ids) - k + n:]  # the rejected proposals
+        self.kept_all = n == k
         self.draft.count(k, n, len(kept))
         return kept, logprobs.astype(mx.float32), n
 
@@ -215,7 +219,7 @@ class SpecState:
                 self.proposed, self.q = got[1][1:k + 1], got[2][1:k + 1]
             else:
                 self.proposed, self.q = drafter().submit(self._drafted, context, k).result()
-            if self.ahead and left - 1 - k > 1:  # a pass may follow this one
+            if self.ahead and self.kept_all and left - 1 - k > 1:  # one may follow this
                 self.drafting = drafter().submit(self._ahead, [*context, *self.proposed], k)
             return list(self.proposed)
         finally:
