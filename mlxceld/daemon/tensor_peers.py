@@ -21,7 +21,12 @@ names, in rank order, each a daemon started with ``--node-role tensor_parallel_r
   A rank host that does not answer as a rank host, or the router leaving RUNNING (its
   engine's watchdog ends it when a rank's op link closes or its steps stall:
   ``engine/tensor.py``; requests in flight then get a 503 naming the rank and host),
-  ends the group: the router is stopped, and the group is formed again as above.
+  or a new router process (the supervisor restarted it, maybe between two looks: it
+  waits in the old ring, which its other ranks left) ends the group: the router is
+  stopped (one that does not run within ``GROUP_STOP_S``: waiting in mlx's ring join it
+  takes no SIGTERM, and would hold the requests it took until the ring's 60 s ran out),
+  and the group is formed again as above. A rank host whose daemon restarted reserves
+  another ring port: the ring formed then is said to have moved (``tensor.ring_moved``).
 
 While the group is not formed, and until its router runs (the router binds the port
 beside it and loads meanwhile), the OpenAI port answers 503 naming the rank, its host and
@@ -59,6 +64,7 @@ from mlxceld.engine.transport import (
 from mlxceld.net.agent import AgentService, ask
 from mlxceld.net.errors import AskFailed
 from mlxceld.state.events import EventLog
+from mlxceld.supervisor.groups import GROUP_STOP_S
 from mlxceld.supervisor.service import Supervisor
 from mlxceld.types import JSON, TENSOR_RANK_ROLE, WorkerState
 from mlxceld.wire import MessageSpec, SecretStore
@@ -113,6 +119,8 @@ class TensorPeers:
         self.transport: TransportChoice | None = None  # chosen at the last formation
         self._standin: StandIn | None = None  # the OpenAI port's while the group is down
         self.stage: tuple[tuple[int, int], str] | None = None  # a stage's group: formed for
+        self._last: tuple[str, ...] | None = None  # the router's group: the last ring formed
+        self._pid: int | None = None  # the router process that group runs
 
     def describe(self) -> JSON | None:
         """``tensor`` in the daemon's status: the group, each rank's host and state."""
@@ -145,7 +153,7 @@ class TensorPeers:
             while True:
                 if not self.formed:
                     await standin.open()
-                    ring = await self._form()
+                    ring = await self._form(before_join=self._moved)
                     if ring is None:
                         if self._origin() is None:  # the agent listener is not up yet
                             await asyncio.sleep(WATCH_S)
@@ -156,16 +164,20 @@ class TensorPeers:
                     self._why = ("the tensor-parallel group formed; its router is starting "
                                  "(loading its share of the model)")
                     self._roster.tensor_ring, self.formed, attempt = ring, True, 0
+                    self._last, self._pid = ring, None
                     await self._roster.reconcile()
                     self._events.append("tensor.formed", "tensor", "tensor-parallel group of "
                                         f"{len(ring)} ranks formed: ring {','.join(ring)}")
                     await self._router_started()
+                    self._pid = self._router_pid()
                     await standin.close()  # the router holds the port (SO_REUSEPORT) now
                 else:
                     self._why = await self._watch()
                     log.warning("tensor group: %s", self._why)
                     self._events.append("tensor.lost", "tensor", self._why)
                     self._roster.tensor_ring, self.formed = None, False
+                    await standin.open()  # beside a router still stopping: no refusal
+                    await self._stop_router()
                     await self._roster.reconcile()
         finally:
             await standin.close()
@@ -314,11 +326,47 @@ class TensorPeers:
                 return
             await asyncio.sleep(STARTED_POLL_S)
 
+    async def _moved(self, ring: tuple[str, ...]) -> None:
+        """``_form``'s ``before_join``: a ring that moved from the last one formed (a rank
+        host's daemon restarted, and reserved another port) is said, before its ranks
+        join. No router runs over the old ring by then: the group's end stopped it
+        (``_stop_router``), and none is drawn until the new ring is set."""
+        was = self._last
+        if was is None or ring == was:
+            return
+        moved = ", ".join(f"rank {r} {a} -> {b}"
+                          for r, (a, b) in enumerate(zip(was, ring, strict=False)) if a != b)
+        why = (f"the tensor-parallel ring moved ({moved}): the router starts over the new "
+               "one")
+        log.info("%s", why)
+        self._events.append("tensor.ring_moved", "tensor", why, was=list(was),
+                            now=list(ring))
+
+    async def _stop_router(self) -> None:
+        """The group ended: a router that is not running (restarted by the supervisor
+        over the ring being left, maybe waiting in mlx's join, which takes no SIGTERM, and
+        holding the requests it took) is removed within ``GROUP_STOP_S``; a running one
+        is stopped by the reconcile, as any worker (within its stop timeout)."""
+        got = self._supervisor.state(ROUTER)
+        if got is not None and got[0] is not WorkerState.RUNNING:
+            await self._supervisor.remove(ROUTER, "its tensor-parallel group ended",
+                                          within_s=GROUP_STOP_S)
+
+    def _router_pid(self) -> int | None:
+        view = next((v for v in self._supervisor.snapshot() if v.name == ROUTER), None)
+        return view.pid if view is not None else None
+
     async def _watch(self) -> str:
         """Wait until the group breaks; why."""
         checked = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_S)
+            pid = self._router_pid()
+            if self._pid is None:
+                self._pid = pid  # the router the group started (once it has a process)
+            elif pid is not None and pid != self._pid:  # restarted between two looks
+                return (f"rank 0 (the router) was restarted (pid {pid}) in a ring its other "
+                        "ranks left with the old one; the group forms again")
             got = self._supervisor.state(ROUTER)
             down = got is None or got[0] in (WorkerState.BACKOFF, WorkerState.EXITED,
                                              WorkerState.FAILED)

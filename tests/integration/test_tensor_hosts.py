@@ -9,8 +9,11 @@ group on rank 0 and the rank on the rank host; a rank host killed (SIGKILL of it
 daemon and its worker) ends a stream in flight with the group's error naming the rank
 and its host (bounded, not a hang), ``/ready`` is 503 naming them while it is down, and
 once the rank host's daemon starts again (same state dir, same flags, as a service
-manager would) the group forms again and serves the same greedy text. One module: its
-tests run in order; every process is ended by pid."""
+manager would) the group forms again and serves the same greedy text. A rank host's
+daemon restarted at once (SIGTERM, then started again) keeps its ring end at a new port:
+the group serves again within seconds, over the ring said moved (``tensor.ring_moved``),
+and no request is held meanwhile. One module: its tests run in order; every process is
+ended by pid."""
 
 from __future__ import annotations
 
@@ -44,6 +47,10 @@ ENDED_S = 10.0
 # A stopped rank host's stream ends within this: rank 0 hears nothing on rank 1's op link
 # for heartbeats.SILENCE_S (3 s), then BROKEN_GRACE_S (1 s); a loaded machine's slack.
 SILENT_S = 12.0
+# A rank host's daemon restarted: the group serves again well within the ring's 60 s
+# deadline (a liveness bound; about 5 s here).
+MOVED_S = 40.0
+HUNG_S = 20.0  # a request unanswered this long during that restart is held: a failure
 STOPPED_S = 10.0  # a daemon with no worker stops within this of SIGTERM (well under 1 s)
 SECRET = b"k" * 32
 
@@ -217,6 +224,65 @@ def test_a_killed_rank_host_ends_the_stream_and_ready_names_it_until_it_is_back(
     assert group.serves() == expected(group.model, PROMPT, 8)
     assert group.ready().status_code == 200
     assert group.rank0.status()["tensor"]["state"] == "formed"
+
+
+def test_a_rank_host_daemon_restarted_by_its_service_manager_serves_again_soon(
+        group: Group) -> None:
+    """The rank host's daemon restarted as launchd or systemd do (SIGTERM, then started
+    again at once with the same flags): its rank ends with it, rank 0's router exits, and
+    the supervisor restarts it over the old ring (FAST_POLICY's backoff, 0.2 s, is mostly
+    over before rank 0's daemon looks again, every second), while the new daemon keeps its
+    ring end at another port. That router is stopped (it once waited out the ring's 60 s
+    there, holding the requests it took), the ring said moved (``tensor.ring_moved``),
+    and the group serves the same greedy text again within ``MOVED_S``; meanwhile every
+    request is answered (a 503 with Retry-After from the daemon's stand-in, or the
+    completion), none held."""
+    group.serves()
+    since = group.rank0.events()[-1]["id"]
+    was = group.rank0.status()["tensor"]["ranks"][1]["ring"]
+    want = expected(group.model, PROMPT, 8)
+    answers: list[str] = []
+    stopped_at = time.monotonic()
+    assert group.rank1.terminate() == 0
+    group.rank1.start(*group.rank1_flags)
+
+    def served() -> bool:
+        at = f"{time.monotonic() - stopped_at:.1f} s"
+        try:
+            got = httpx.post(f"{group.url}/completions", timeout=HUNG_S, json={
+                "model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        except httpx.TimeoutException as exc:
+            pytest.fail(f"a request was held {HUNG_S} s at {at}: {exc!r}; before: {answers}")
+        except httpx.HTTPError as exc:  # refused for a moment, as the router exits
+            answers.append(f"{at}: {exc!r}")
+            return False
+        answers.append(f"{at}: {got.status_code} {got.text[:200]}")
+        if got.status_code == 200:
+            return bool(got.json()["choices"][0]["text"] == want)
+        assert got.status_code == 503 and got.headers["Retry-After"] == "5", answers
+        assert got.json()["error"]["code"] == "tensor_group_down", answers
+        return False
+
+    try:
+        wait_for(served, MOVED_S, "the group serving again after its rank host's restart",
+                 every=0.5)
+    except BaseException:
+        print(group.rank0.stderr()[-4000:], group.rank1.stderr()[-3000:],
+              *answers, sep="\n----\n")
+        raise
+    took = time.monotonic() - stopped_at
+    group.daemons.note(group.rank0)
+    group.daemons.note(group.rank1)
+    print(f"\nrank host's daemon restarted: the group serves again after {took:.1f} s")
+    after = [e for e in group.rank0.events() if e["id"] > since]
+    now = group.rank0.status()["tensor"]["ranks"][1]["ring"]
+    assert now != was, (was, now)  # the new daemon's ring end: another port
+    moved = [e["message"] for e in after if e["kind"] == "tensor.ring_moved"]
+    assert moved and f"rank 1 {was} -> {now}" in moved[0], after
+    # No router start failed: none waited out its ring's deadline in a ring that moved.
+    failed = [e["message"] for e in after if e["kind"] == "worker.backoff"
+              and "starting -> backoff" in e["message"]]
+    assert not failed, failed
 
 
 def test_a_silent_rank_host_ends_the_stream_and_the_group_serves_when_it_wakes(
