@@ -27,7 +27,13 @@ bench/pipeline.py runs them, the layers halved, the draft on the last stage
 one greedy stream through the OpenAI port (the client's SSE timestamps), the fastest of
 ``--repeats``.
 
+``--pin``: each stage's worker on a CPU of its own (``pinned``), as on hosts of their
+own, where the last stage drafts the next pass while a pass is away at the first stage
+(``pipeline/speculating.py``'s drafting ahead) without taking the first stage's CPU;
+``--pipeline-only``: the 2-stage rows alone.
+
     .venv/bin/python bench/speculative.py [--target small] [--tokens 256] [--k 4]
+        [--pin] [--pipeline-only]
 """
 
 from __future__ import annotations
