@@ -28,10 +28,10 @@ the next pass from the last. The draft's own cache is trimmed alike.
 
 Drafting ahead (``SpecState.ahead``; every last stage but a one-stage pipeline's, whose
 next step runs at once): the last stage's host is idle while a pass is away at the
-other stages, so as it sends a pass (when the pass before kept every proposal: else the
-work is likely wasted, and on a shared host it slows the other stages) it starts
-drafting the pass after it, on the draft's own thread (``Drafter``), as if every
-proposal will be kept: the draft's guess
+other stages, so as it sends a pass (while its passes keep more than ``AHEAD_WORTH`` of
+their proposals, the latest pass weighing half: else the work is likely lost, and on a
+shared host it slows the other stages) it starts drafting the pass after it, on the
+draft's own thread (``Drafter``), as if every proposal will be kept: the draft's guess
 at the target's token after them, then k proposals after that guess. When the pass
 comes back with every proposal kept and the target's token equal to that guess, those
 proposals go out at once, the draft's k steps off the pass's critical path; otherwise
@@ -97,6 +97,7 @@ if TYPE_CHECKING:
     from mlxceld.engine.base import SamplingParams
 
 CATCH_UP: int = 512  # tokens of the draft's catch-up on a prompt per forward
+AHEAD_WORTH = 0.5  # drafting ahead while a sequence's passes keep more (SpecState.kept)
 T = TypeVar("T")
 
 class Drafter:
@@ -166,7 +167,9 @@ class SpecState:
     ahead: bool = False  # draft the pass after next while this one is away (module doc)
     pacing: Pacing = field(init=False)
     drafting: Future[Ahead] | None = None  # the pass after next, drafted ahead
-    kept_all: bool = False  # the last pass kept every proposal: worth drafting ahead
+    # The share of proposals its passes kept, the latest weighing half: drafting ahead
+    # is worth its work above AHEAD_WORTH.
+    kept: float = 1.0
 
     def __post_init__(self) -> None:
         self.cache = make_prompt_cache(self.draft.model)
@@ -191,7 +194,8 @@ class SpecState:
         n, last = accept(logprobs, self.proposed, self.q, self._scale)
         kept = [*self.proposed[:n], last]
         del self.ids[len(self.ids) - k + n:]  # the rejected proposals
-        self.kept_all = n == k
+        if k:
+            self.kept = (self.kept + n / k) / 2
         self.draft.count(k, n, len(kept))
         return kept, logprobs.astype(mx.float32), n
 
@@ -219,7 +223,7 @@ class SpecState:
                 self.proposed, self.q = got[1][1:k + 1], got[2][1:k + 1]
             else:
                 self.proposed, self.q = drafter().submit(self._drafted, context, k).result()
-            if self.ahead and self.kept_all and left - 1 - k > 1:  # one may follow this
+            if self.ahead and self.kept > AHEAD_WORTH and left - 1 - k > 1:  # one may follow
                 self.drafting = drafter().submit(self._ahead, [*context, *self.proposed], k)
             return list(self.proposed)
         finally:

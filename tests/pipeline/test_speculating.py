@@ -63,11 +63,11 @@ def test_an_agreeing_draft_gives_the_same_greedy_tokens_and_accepts_them_all(
     assert stats is not None and stats["proposed"] > 0
     assert stats["acceptance_rate"] == 1.0
     assert stats["tokens_per_pass"] > 3  # k = 4: up to 5 a pass, less at each end
-    # Every pass kept, and the draft's guess after it right: from a sequence's third pass
-    # on (drafted ahead once one pass kept all), its proposals were drafted while the
-    # pass before was away, but at its end (not on one stage).
+    # Every pass kept, and the draft's guess after it right: from a sequence's second pass
+    # on, its proposals were drafted while the pass before was away, but at its end (not
+    # on one stage).
     if len(splits) > 1:
-        assert stats["drafted_ahead"] >= stats["passes"] - 3 * len(PROMPTS), stats
+        assert stats["drafted_ahead"] >= stats["passes"] - 2 * len(PROMPTS), stats
     else:
         assert stats["drafted_ahead"] == 0, stats
 
