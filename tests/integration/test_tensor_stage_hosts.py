@@ -130,15 +130,25 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
         except openai.APIError:
             return None
 
-    try:
-        wait_for(lambda: (w := worker(stages[0], "stage")) and w["pid"] != before, BACK_S,
-                 "the stage restarted after its ring broke")
-        assert wait_for(served, BACK_S, "a completion once the group is back",
-                        every=1.0) == want
-    except BaseException:
-        print(stages[0].stderr()[-6000:], ranks[0].stderr()[-4000:], coord.stderr()[-3000:],
-              [(e["kind"], e["message"]) for e in stages[0].events()[-15:]], sep="\n----\n")
-        raise
+    def back(i: int, before: int, why: str, bound: float = BACK_S) -> float:
+        """Stage ``i``'s worker restarted (another pid than ``before``) within ``bound``,
+        then the pipeline serving mlx-lm's tokens: the seconds the restart took; on a
+        failure, what its daemons said."""
+        began = time.monotonic()
+        try:
+            wait_for(lambda: (w := worker(stages[i], "stage")) and w["pid"] != before,
+                     bound, f"the stage restarted after {why}")
+            took = time.monotonic() - began
+            assert wait_for(served, BACK_S, f"a completion after {why}", every=1.0) == want
+        except BaseException:
+            print(stages[i].stderr()[-6000:], ranks[i].stderr()[-4000:],
+                  coord.stderr()[-3000:], [(e["kind"], e["message"])
+                                           for e in stages[i].events()[-15:]],
+                  sep="\n----\n")
+            raise
+        return took
+
+    back(0, before, "its ring broke")
     kinds = [e["kind"] for e in stages[0].events()]
     assert "tensor.rejoin" in kinds, kinds
 
@@ -149,15 +159,7 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
     before = (worker(stages[0], "stage") or {})["pid"]
     said = gone(stages[0], "127.0.0.4")
     os.kill(victim, signal.SIGTERM)
-    try:
-        wait_for(lambda: (w := worker(stages[0], "stage")) and w["pid"] != before, BACK_S,
-                 "the stage restarted after its rank was stopped")
-        assert wait_for(served, BACK_S, "a completion once the rank is back",
-                        every=1.0) == want
-    except BaseException:
-        print(stages[0].stderr()[-6000:], ranks[0].stderr()[-4000:],
-              [(e["kind"], e["message"]) for e in stages[0].events()[-15:]], sep="\n----\n")
-        raise
+    back(0, before, "its rank was stopped")
     assert gone(stages[0], "127.0.0.4") == said + 1, stages[0].ctl("logs", "stage").stdout
     daemons.pids.add((worker(ranks[0], "stage-tp-1") or {})["pid"])
 
@@ -169,21 +171,11 @@ def test_a_pipeline_of_two_stages_each_a_group_across_hosts_serves_mlx_lms_token
     # deadline (60 s) in a ring that cannot form; then the pipeline serves as before.
     before = (worker(stages[1], "stage") or {})["pid"]
     since = stages[1].events()[-1]["id"]
-    stopped_at = time.monotonic()
     assert ranks[1].terminate() == 0
     ranks[1].start(rank_args[1][0], str(secret_file(ranks[1].root, secret)),
                    *rank_args[1][2:])
-    try:
-        wait_for(lambda: (w := worker(stages[1], "stage")) and w["pid"] != before, MOVED_S,
-                 "the stage restarted over its rank host's new ring")
-        took = time.monotonic() - stopped_at
-        assert wait_for(served, BACK_S, "a completion once the rank host is back",
-                        every=1.0) == want
-    except BaseException:
-        print(stages[1].stderr()[-6000:], ranks[1].stderr()[-4000:],
-              [(e["kind"], e["message"]) for e in stages[1].events()[-15:]], sep="\n----\n")
-        raise
-    print(f"\nrank host's daemon restarted: its stage serves again after {took:.1f} s")
+    took = back(1, before, "its rank host's daemon restarted (a new ring)", MOVED_S)
+    print(f"\nrank host's daemon restarted: its stage restarted {took:.1f} s after it")
     assert gone(stages[1], "127.0.0.5") == 1, stages[1].ctl("logs", "stage").stdout
     after = [e for e in stages[1].events() if e["id"] > since]
     assert "tensor.ring_moved" in [e["kind"] for e in after], after

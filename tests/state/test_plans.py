@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
+import sqlite_utils
 
 from mlxceld.state import open_db
 from mlxceld.state.plans import Assignments, Plans
@@ -39,20 +41,22 @@ def test_assignments_keep_the_newest_epoch_and_state(tmp_path: Path) -> None:
         a.record(6, "x", 0, "happy", "")
 
 
-def test_a_v5_database_keeps_its_rows_and_can_record_deactivated(tmp_path: Path) -> None:
-    """Migration v6 rebuilds both tables (a CHECK cannot change in place)."""
-    import sqlite3
-
-    import sqlite_utils
-
+def older(path: Path, version: int) -> sqlite_utils.Database:
+    """A database at ``path`` as release ``version`` of the schema left it, with plan 7."""
     from mlxceld.state.db import MIGRATIONS
 
-    path = tmp_path / "state.db"
     old = sqlite_utils.Database(sqlite3.connect(path, isolation_level=None))
-    for migration in MIGRATIONS[:5]:
+    for migration in MIGRATIONS[:version]:
         migration(old)
-    old.execute("PRAGMA user_version = 5")
+    old.execute(f"PRAGMA user_version = {version}")
     Plans(old).create(7, "c", "ab" * 32, ("127.0.0.2:19000",), "toml")
+    return old
+
+
+def test_a_v5_database_keeps_its_rows_and_can_record_deactivated(tmp_path: Path) -> None:
+    """Migration v6 rebuilds both tables (a CHECK cannot change in place)."""
+    path = tmp_path / "state.db"
+    old = older(path, 5)
     Plans(old).decide(7, "active", "every stage of 1 is active")
     Assignments(old).record(7, "127.0.0.1:19000", 0, "active", "toml")
     with pytest.raises(sqlite3.IntegrityError):  # what v6 is for
@@ -108,19 +112,8 @@ def test_the_plan_to_resume_is_the_newest_that_took_over(tmp_path: Path) -> None
 def test_a_plan_keeps_its_mesh_and_a_v9_plan_reads_none(tmp_path: Path) -> None:
     """Migration v10 adds the --mesh a plan was planned with; a plan recorded before it
     reads None (not known), a new one its mesh across a reopen."""
-    import sqlite3
-
-    import sqlite_utils
-
-    from mlxceld.state.db import MIGRATIONS
-
     path = tmp_path / "state.db"
-    old = sqlite_utils.Database(sqlite3.connect(path, isolation_level=None))
-    for migration in MIGRATIONS[:9]:
-        migration(old)
-    old.execute("PRAGMA user_version = 9")
-    Plans(old).create(7, "c", "ab" * 32, ("127.0.0.2:19000",), "toml")
-    old.conn.close()
+    older(path, 9).conn.close()
     plans = Plans(open_db(path))
     assert plans.get(7).mesh is None  # type: ignore[union-attr]
     plans.create(8, "c", "ab" * 32, ("127.0.0.2:19000", "127.0.0.3:19000"), "toml", "tp")
