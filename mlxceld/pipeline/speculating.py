@@ -81,6 +81,7 @@ The draft's own cache stays plain.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -99,6 +100,8 @@ from mlxceld.pipeline.compute import DraftClock, Drafted, Sampled
 
 if TYPE_CHECKING:
     from mlxceld.engine.base import SamplingParams
+
+log = logging.getLogger(__name__)
 
 CATCH_UP: int = 512  # tokens of the draft's catch-up on a prompt per forward
 AHEAD_WORTH = 0.5  # drafting ahead while a sequence's passes keep more (SpecState.kept)
@@ -218,7 +221,11 @@ class SpecState:
         try:
             # The draft's cache is the thread's until what it drafted ahead is done.
             pending, self.drafting = self.drafting, None
-            got = None if pending is None else pending.result()
+            try:
+                got = None if pending is None else pending.result()
+            except Exception:  # drafted now instead (its cache trims to what it holds)
+                log.exception("drafting ahead failed")
+                got = None
             if k <= 0:
                 return []
             context = [*self.ids, last]

@@ -156,3 +156,20 @@ def test_sampling_above_temperature_zero_speculates_and_ends(pair: Path) -> None
     out, stats = asyncio.run(_run(pair / "target", pair / "draft", sampled))
     assert len(out) == N
     assert stats is not None and stats["passes"] > 0 and stats["accepted"] > 0
+
+
+def test_drafting_ahead_that_fails_costs_only_its_time(pair: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass drafted ahead that raised (on the draft's thread) is drafted in line instead:
+    the tokens are the target's, no pass used it, and the sequences all end."""
+    from mlxceld.pipeline import speculating
+
+    def broken(self: speculating.SpecState, base: list[int], k: int) -> Any:
+        self._drafted(base, 1)  # the draft's cache moved, as a job cut short may leave it
+        raise RuntimeError("drafting ahead broke")
+
+    monkeypatch.setattr(speculating.SpecState, "_ahead", broken)
+    plain, _ = asyncio.run(_run(pair / "plain", None, _one_by_one))
+    ours, stats = asyncio.run(_run(pair / "plain", pair / "plain", _one_by_one, k=3))
+    assert ours == plain
+    assert stats is not None and stats["passes"] > 0 and stats["drafted_ahead"] == 0
