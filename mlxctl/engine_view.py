@@ -15,14 +15,16 @@ def count(n: Any, one: str, many: str) -> str:
 
 def speculation_lines(stats: Any) -> list[str]:
     """``speculative decoding: 120 of 160 draft tokens accepted (75%), 40 passes, 3.9
-    tokens a pass``; nothing without a draft."""
+    tokens a pass`` (a last stage's: ``, 31 drafted ahead``); nothing without a draft."""
     if not isinstance(stats, dict):
         return []
     rate, per = stats.get("acceptance_rate") or 0.0, stats.get("tokens_per_pass") or 0.0
+    ahead = stats.get("drafted_ahead")  # a last stage's (pipeline/speculating.py)
     return [f"speculative decoding: {stats.get('accepted')} of "
             f"{count(stats.get('proposed'), 'draft token', 'draft tokens')} accepted "
             f"({rate:.0%}), {count(stats.get('passes'), 'pass', 'passes')}, "
-            f"{per:.1f} tokens a pass"]
+            f"{per:.1f} tokens a pass"
+            + (f", {ahead} drafted ahead" if isinstance(ahead, int) else "")]
 
 
 def stage_speculation(workers: list[dict[str, Any]]) -> list[str]:

@@ -105,6 +105,10 @@ FAMILIES: Final = (
        "proposed, since the stage started", STAGE),
     _f("mlxceld_stage_speculative_tokens_per_pass", "gauge", "Tokens a pass with proposals "
        "gave, on average since the stage started", STAGE),
+    _f("mlxceld_stage_speculative_drafted_ahead", "counter", "Passes whose proposals were "
+       "drafted while the pass before was away", STAGE),
+    _f("mlxceld_stage_speculative_draft_wait_seconds", "counter", "Time the last stage "
+       "waited for its draft (drafting ahead runs meanwhile)", STAGE),
     # -- a prompt (prefix) cache: a stage's, a prefill or decode node's ---------------------
     _f("mlxceld_prompt_cache_hits", "counter", "Prompt cache lookups that reused a cached "
        "prefix", ("worker",), "vllm:prefix_cache_hits"),

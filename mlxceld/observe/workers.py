@@ -78,8 +78,9 @@ def _stage(worker: str, s: Mapping[str, Any], add: Any) -> None:
     spec = s.get("speculative")  # a last stage with a draft (pipeline/speculating.py)
     if isinstance(spec, dict):
         for key in ("proposed", "accepted", "passes", "tokens", "acceptance_rate",
-                    "tokens_per_pass"):
+                    "tokens_per_pass", "drafted_ahead"):
             add(f"mlxceld_stage_speculative_{key}", labels, spec.get(key))
+        add("mlxceld_stage_speculative_draft_wait_seconds", labels, spec.get("draft_s"))
     for link, rtt in (s.get("rtt_ms") or {}).items():
         add("mlxceld_stage_onward_rtt_seconds", [*labels, str(link)],
             None if rtt is None else rtt / 1000)

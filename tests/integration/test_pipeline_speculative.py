@@ -7,6 +7,7 @@ fails the last stage, named."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from pathlib import Path
 
 import pytest
@@ -62,8 +63,11 @@ def test_the_agreeing_pair_accepts_every_proposal(daemons: Daemons, pair: Path) 
         text = c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=N,
                                     temperature=0).choices[0].text
     assert text == expected(model, PROMPTS[0], N)
-    wait_for(lambda: "draft tokens accepted (100%)" in pipe.stages[-1].ctl("status").stdout,
-             STATS_S, "the counters in the last stage's mlxctl status")
+    status = wait_for(lambda: (out := pipe.stages[-1].ctl("status").stdout)
+                      and "draft tokens accepted (100%)" in out and out, STATS_S,
+                      "the counters in the last stage's mlxctl status")
+    # every pass after the first had its proposals drafted while the one before was away
+    assert re.search(r"tokens a pass, [1-9]\d* drafted ahead", status), status
 
 
 def test_a_draft_of_another_tokenizer_fails_the_last_stage_by_name(

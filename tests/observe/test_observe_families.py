@@ -112,7 +112,8 @@ def test_a_stage_counts_its_steps_tokens_queue_onward_rtt_and_prompt_cache() -> 
 
 def test_a_last_stage_with_a_draft_counts_its_proposals() -> None:
     spec = {"proposed": 40, "accepted": 30, "passes": 10, "tokens": 40,
-            "acceptance_rate": 0.75, "tokens_per_pass": 4.0}
+            "acceptance_rate": 0.75, "tokens_per_pass": 4.0, "drafted_ahead": 7,
+            "draft_s": 0.25}
     m = scraped(View([worker("stage", "stage")], {"stage": {**STAGE_STATS,
                                                             "speculative": spec}}))
     at = {"worker": "stage", "stage": "stage-0", "layers": "0-2"}
@@ -122,6 +123,8 @@ def test_a_last_stage_with_a_draft_counts_its_proposals() -> None:
     assert sample(m, "mlxceld_stage_speculative_tokens_total", **at) == 40
     assert sample(m, "mlxceld_stage_speculative_acceptance_rate", **at) == 0.75
     assert sample(m, "mlxceld_stage_speculative_tokens_per_pass", **at) == 4.0
+    assert sample(m, "mlxceld_stage_speculative_drafted_ahead_total", **at) == 7
+    assert sample(m, "mlxceld_stage_speculative_draft_wait_seconds_total", **at) == 0.25
     plain = scraped(View([worker("stage", "stage")], {"stage": STAGE_STATS}))
     assert not any(name.startswith("mlxceld_stage_speculative") for name, _ in plain)
 
