@@ -220,10 +220,12 @@ class Speculation:
         return self.tokens[: self.offset], self.cache
 
     def step(self) -> list[TokenOutput]:
-        """One prefill chunk of either model (nothing emitted), else one pass."""
+        """One prefill chunk of either model (nothing emitted), else one pass. The draft
+        is left behind while the pacing runs plain passes, and catches up on its next
+        proposal (``propose`` reads every token its cache lacks)."""
         with mx.stream(self._stream):
-            if self._prefill(self.model, self.cache) | self._prefill(self.draft.model,
-                                                                     self.draft_cache):
+            if self._prefill(self.model, self.cache) | (
+                    self.pacing.k() > 0 and self._prefill(self.draft.model, self.draft_cache)):
                 return []
             return self._pass()
 

@@ -316,3 +316,42 @@ def test_with_kv_bits_a_speculated_sequence_joins_the_batch_and_the_prompt_cache
     assert [t.token for t in again] == want[1]
     assert again[0].cached == len(prompts[1]) - 1  # from the prompt cache
     assert stats["passes"] > 0
+
+
+def test_a_backed_off_draft_runs_only_when_it_proposes(pair: Path) -> None:
+    """While the pacing runs plain passes the draft is left behind (it catches up on its
+    next proposal): an unrelated draft runs a few times per probe, not once a token."""
+    tokenizer = load(str(pair / "plain"))[1]
+    prompt = tokenizer.encode(PROMPTS[1])
+    calls = [0]
+
+    class Counted:
+        def __init__(self, model: Any) -> None:
+            self._model = model
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return self._model(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._model, name)
+
+    async def main() -> tuple[list[TokenOutput], list[TokenOutput], dict[str, float]]:
+        engine, _ = load_local_engine(str(pair / "plain"), max_batch=2, prompt_cache_bytes=0,
+                                      draft_model=str(pair / "other"))
+        plain, _ = load_local_engine(str(pair / "plain"), max_batch=2)
+        try:
+            assert engine.draft is not None
+            engine.draft.model = Counted(engine.draft.model)
+            ours = await _tokens(engine, prompt, 200, temperature=0)
+            want = await _tokens(plain, prompt, 200, temperature=0)
+            return ours, want, engine.draft.snapshot()
+        finally:
+            await engine.aclose()
+            await plain.aclose()
+
+    ours, want, stats = asyncio.run(main())
+    assert [t.token for t in ours] == [t.token for t in want]
+    assert len(ours) > 150, len(ours)  # a long run: mostly plain passes once backed off
+    # the probes' proposals (k = 4 a pass) and their catch-ups, not a call per token
+    assert calls[0] <= stats["proposed"] + 2 * stats["passes"] + 2, (calls, stats)
