@@ -10,10 +10,9 @@ import secrets
 import tomllib
 from pathlib import Path
 
-from helpers.cluster import agent, by_address, start
+from helpers.cluster import agent, coordinator, start
 from helpers.daemons import Daemons
 from helpers.keys import secret_file
-from helpers.waiting import wait_for
 
 
 def test_plan_and_dry_run_show_the_mesh(daemons: Daemons, split_fixture_dir: Path,
@@ -22,9 +21,7 @@ def test_plan_and_dry_run_show_the_mesh(daemons: Daemons, split_fixture_dir: Pat
     secret = secrets.token_hex(16).encode()
     peers = [start(daemons, f"127.0.0.{i}", secret, name=f"p{i}") for i in (2, 3)]
     addrs = [agent(p) for p in peers]
-    coord = start(daemons, "127.0.0.1", secret, "--cluster-peers", ",".join(addrs), name="c")
-    wait_for(lambda: all(by_address(coord).get(a, {}).get("state") == "reachable"
-                         for a in addrs), 30, "both peers reachable")
+    coord, _, _ = coordinator(daemons, secret, peers)  # each peer reachable
 
     out = coord.ctl("cluster", "plan", "--model", str(model), "--stages", "2", "--mesh",
                     "tp", "--cluster-config-out", str(tmp_path / "tp.toml"), "--json",

@@ -287,14 +287,20 @@ def _agent_address(raw: Mapping[str, Any], at: str) -> tuple[str, HostPort]:
     return normal, addr
 
 
-def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int, tp: int = 1) -> NodeConfig:
+def _node_id(raw: Mapping[str, Any], i: int, where: str) -> tuple[str, str]:
+    """Node ``i``'s id, checked with its keys, and how messages name it (by its id, or by
+    its index while the id is wrong)."""
     node_id = raw.get("id")
     problem = "is missing" if node_id is None else name_problem(node_id)
     at = f"{where}: nodes[{i}]" if problem else f"{where}: node {node_id!r}"
     _check_keys(raw, NODE_KEYS, at, "")
     if problem:
         raise ConfigError(f"{at}: 'id' {problem}", hint=ID_HINT)
-    node_id = str(node_id)
+    return str(node_id), at
+
+
+def _node(raw: Mapping[str, Any], i: int, where: str, replicas: int, tp: int = 1) -> NodeConfig:
+    node_id, at = _node_id(raw, i, where)
     if raw.get("role") in TENSOR_ROLES:
         return _tensor_node(raw, node_id, at, tp)
     if raw.get("role") in SERVING_ROLES:

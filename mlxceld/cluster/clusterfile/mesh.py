@@ -43,8 +43,6 @@ from typing import Any, Final
 
 from mlxceld.cluster.clusterfile.fields import (
     ADDRESS_HINT,
-    ID_HINT,
-    NODE_KEYS,
     TOP_KEYS,
     _agent_address,
     _check_keys,
@@ -52,6 +50,7 @@ from mlxceld.cluster.clusterfile.fields import (
     _host_port,
     _int,
     _layers,
+    _node_id,
     _path_str,
     _resources,
     _role,
@@ -139,13 +138,7 @@ def parse_mesh(data: Mapping[str, Any], path: Path) -> ClusterConfig:
 
 
 def _node(raw: Mapping[str, Any], i: int, where: str, tp: int) -> NodeConfig:
-    node_id = raw.get("id")
-    problem = "is missing" if node_id is None else name_problem(node_id)
-    at = f"{where}: nodes[{i}]" if problem else f"{where}: node {node_id!r}"
-    _check_keys(raw, NODE_KEYS, at, "")
-    if problem:
-        raise ConfigError(f"{at}: 'id' {problem}", hint=ID_HINT)
-    node_id = str(node_id)
+    node_id, at = _node_id(raw, i, where)
     if raw.get("role") not in MESH_ROLES:
         role = _role(raw, at)  # a role it does not know is refused as such there
         if role != COORDINATOR:
