@@ -63,6 +63,7 @@ class Solo:
         self._mirror = mirror
         self._tell = tell if mirror is not None else lambda _: None
         self._share = share
+        self._declined: int | None = None  # the batch uid ``resume`` last left there
 
     def start(self, tokens: Sequence[int], params: SamplingParams) -> Speculation:
         """A sequence of ``tokens`` decoded speculatively, from the prompt cache's prefix."""
@@ -109,11 +110,15 @@ class Solo:
         back out of it, to be the next pass's input; the token mlx-lm sampled ahead is
         dropped and drawn again) and its tokens, with the draft's cache and pacing it had
         when it joined (``parked``), if it speculated before. None, left in the batch,
-        when its cache is not one speculation trims (``Speculation.trimmable``)."""
+        when its cache is not one speculation trims (``Speculation.trimmable``), and then
+        for good (its cache is not copied out again each step)."""
+        if uid == self._declined:  # the batch's lone sequence: the one asked each step
+            return None
         [(cache, held)] = gen.extract_cache([uid]).values()
         tokens = list(held)
         if len(tokens) <= len(prompt) or int(cache[0].offset) != len(tokens) \
                 or not all(type(c) in (KVCache, QuantizingKVCache) for c in cache):
+            self._declined = uid
             return None
         gen.remove([uid])
         self._tell(("spec_back", uid))
