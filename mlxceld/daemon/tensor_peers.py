@@ -22,11 +22,12 @@ names, in rank order, each a daemon started with ``--node-role tensor_parallel_r
   engine's watchdog ends it when a rank's op link closes or its steps stall:
   ``engine/tensor.py``; requests in flight then get a 503 naming the rank and host),
   or a new router process (the supervisor restarted it, maybe between two looks: it
-  waits in the old ring, which its other ranks left) ends the group: the router is
-  stopped (one that does not run within ``GROUP_STOP_S``: waiting in mlx's ring join it
-  takes no SIGTERM, and would hold the requests it took until the ring's 60 s ran out),
-  and the group is formed again as above. A rank host whose daemon restarted reserves
-  another ring port: the ring formed then is said to have moved (``tensor.ring_moved``).
+  waits in the old ring, which its other ranks left; the rank hosts are asked first, so
+  that one gone is named as the cause) ends the group: the router is stopped (one that
+  does not run within ``GROUP_STOP_S``: waiting in mlx's ring join it takes no SIGTERM,
+  and would hold the requests it took until the ring's 60 s ran out), and the group is
+  formed again as above. A rank host whose daemon restarted reserves another ring port:
+  the ring formed then is said to have moved (``tensor.ring_moved``).
 
 While the group is not formed, and until its router runs (the router binds the port
 beside it and loads meanwhile), the OpenAI port answers 503 naming the rank, its host and
@@ -365,8 +366,7 @@ class TensorPeers:
             if self._pid is None:
                 self._pid = pid  # the router the group started (once it has a process)
             elif pid is not None and pid != self._pid:  # restarted between two looks
-                return (f"rank 0 (the router) was restarted (pid {pid}) in a ring its other "
-                        "ranks left with the old one; the group forms again")
+                return await self._restarted(pid)
             got = self._supervisor.state(ROUTER)
             down = got is None or got[0] in (WorkerState.BACKOFF, WorkerState.EXITED,
                                              WorkerState.FAILED)
@@ -377,6 +377,15 @@ class TensorPeers:
                 if down:
                     return (f"rank 0 (the router) stopped ({got[1] if got else 'gone'}); the "
                             "group forms again")
+
+    async def _restarted(self, pid: int) -> str:
+        """Why the group ended when its router was restarted between two looks: a rank
+        host that does not answer caused it, and is named (``_check``: at most 10 s a
+        rank host); else the restart itself."""
+        if await self._check() is not None:
+            return self._why
+        return (f"rank 0 (the router) was restarted (pid {pid}) in a ring its other ranks "
+                "left with the old one; the group forms again")
 
     async def _check(self) -> RankState | None:
         """The first rank host that does not answer as a rank host, if any."""

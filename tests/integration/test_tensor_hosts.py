@@ -78,6 +78,11 @@ class Group:
         polled as a load balancer does, and answered all along: 503 from the stand-in
         while the group forms and its router starts (both hold the port), never a
         refused connection."""
+        if self.rank1.proc is not None and self.rank1.proc.poll() is not None:
+            # a test before this one failed between its kill and the restart: the rank
+            # host starts again as a service manager would, so that failure is not repeated
+            # by the tests after it
+            self.rank1.start(*self.rank1_flags)
         wait_for(lambda: self.ready().status_code == 200
                  and not self.rank0.status()["tensor"]["standin"], BACK_S,
                  "/ready 200 from the group, its stand-in gone", every=0.5)
