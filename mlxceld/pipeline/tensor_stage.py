@@ -49,11 +49,12 @@ Each follower applies them to its ``kvmirror.MirroredCache``, so that every rank
 cache of a reused sequence holds the same tokens as rank 0's; one it cannot apply (an
 entry it does not hold) parts the ranks: ``EngineError`` naming the stage, the entry and
 the sequence, and the group ends as for any broken rank, never running without the cache.
-A replayed sequence (``replay.py``) is
-a new sequence prefilled from its tokens: a tensor stage runs it as any other. Inputs
-are checked before the share (token ids on the first stage); what the wire checked on
-arrival (``input_spec``) is not checked again. A step that fails on a rank after the
-share (a bug, never an input) parts the ranks: the watchdog's deadlines end them.
+
+A replayed sequence (``replay.py``) is a new sequence prefilled from its tokens: a tensor
+stage runs it as any other. Inputs are checked before the share (token ids on the first
+stage); what the wire checked on arrival (``input_spec``) is not checked again. A step
+that fails on a rank after the share (a bug, never an input) parts the ranks: the
+watchdog's deadlines end them.
 
 Each step's input goes to every follower on its op link: a decode step's hidden state is
 a few KiB, a prefill chunk's ``n x hidden_size`` values (across hosts, the followers
