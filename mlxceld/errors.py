@@ -56,8 +56,6 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │   └── StageLost           pipeline/links.py: a stage's connection ended or fell
     │   │                           silent (a heal may bring a working plan: replay.py)
     │   ├── HandoffUnsupported      engine/handoff.py: this model's cache cannot be handed off
-    │   ├── TensorStageRefused      pipeline/tensor_stage.py: a step a tensor-parallel stage
-    │   │                           does not mirror (a prompt-cache entry's reuse)
     │   └── HandoffError            engine/handoff.py: a handed-off cache that does not fit
     ├── WireError                   wire/errors.py: the sans-IO core's root (it imports
     │   │                           nothing of ours, this module included)

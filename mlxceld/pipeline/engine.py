@@ -174,9 +174,8 @@ class PipelineEngine:
 
     def _keeps(self) -> bool:
         """Whether to have the stages keep a prompt: the cache is on and no stage said it
-        keeps nothing (a bound of 0: a tensor-parallel stage's, ``tensor_stage.py``). An
-        entry one stage refuses is never reused, so the others' copies would be for
-        nothing."""
+        keeps nothing (a bound of 0: a stage whose default is 0). An entry one stage
+        refuses is never reused, so the others' copies would be for nothing."""
         return self._cache.on and all(link.cache_budget != 0 for link in self._links)
 
     def stages(self) -> list[dict[str, Any]]:

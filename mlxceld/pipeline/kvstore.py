@@ -22,7 +22,11 @@ window's layers, a quantized one with ``kv_bits``) and how many tokens they hold
 
 ``StageCache`` is the store as the stage protocol speaks of it (``protocol.py``):
 ``attach``'s epoch and bound, ``prepare``'s ``reuse``, ``forget``, and the ``cache``
-answers that tell the router what was kept, evicted and is held.
+answers that tell the router what was kept, evicted and is held. A tensor-parallel
+stage's rank 0 gives it a ``Journal``: each change to its entries (an entry put, entries
+dropped, a store cleared) told in the order it is made, so that the other ranks, whose
+caches hold their shards of the same tokens, hold the same entries (``tensor_stage.py``,
+``kvmirror.py``).
 
 Runs on the stage's event loop, between compute steps (``put`` of a released sequence)
 or with what a step returned (``cloned`` runs on the compute side): nothing here computes.
@@ -35,7 +39,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from mlxceld.pipeline.messages import Cache, Forget, Span
 from mlxceld.wire.transport_messages import Attach
@@ -85,15 +89,17 @@ class KvStore:
     def entries(self) -> int:
         return len(self._entries)
 
-    def attach(self, epoch: str | None) -> None:
-        """A router attached naming its cache ``epoch``: another one's entries go."""
+    def attach(self, epoch: str | None) -> bool:
+        """A router attached naming its cache ``epoch``: another one's entries go (True:
+        the store was cleared)."""
         if epoch is None or epoch == self.epoch:
-            return
+            return False
         if self._entries:
             log.info("prompt cache: %d entries (%d bytes) of an earlier router dropped",
                      len(self._entries), self._nbytes)
         self.clear()
         self.epoch = epoch
+        return True
 
     def clear(self) -> None:
         self._entries.clear()
@@ -137,14 +143,38 @@ class KvStore:
         return Stored(entry_id in self._entries, tuple(e for e in evicted if e != entry_id),
                       trimmable=trimmable(caches))
 
-    def forget(self, entry_ids: Iterable[str]) -> None:
+    def forget(self, entry_ids: Iterable[str]) -> list[str]:
+        """Drop those entries; the ids of those it held."""
+        dropped = []
         for entry_id in entry_ids:
             entry = self._entries.pop(entry_id, None)
             if entry is not None:
                 self._nbytes -= entry.nbytes
+                dropped.append(entry_id)
+        return dropped
 
 
 MAX_OWNERS = 8  # routers whose entries one stage keeps at once (past it: the stalest go)
+
+# What a put entry's caches are, for a journal: the sequence whose caches they are, and
+# whether they are a copy taken after its prompt's prefill (``keep_prompt``) rather than
+# a released sequence's own (``release`` with ``keep``).
+Source = tuple[str, bool]
+
+
+class Journal(Protocol):
+    """Told each change to a ``StageCache``'s entries, in the order it is made (a
+    tensor-parallel stage's rank 0: ``tensor_stage.StageLeader``)."""
+
+    def put(self, owner: str, entry: str, n: int, source: Source, kept: bool) -> None:
+        """``source``'s caches were put as ``owner``'s ``entry`` of ``n`` tokens (after
+        that id's old entry was dropped), or not kept (``kept`` False: let go)."""
+
+    def dropped(self, owner: str, entries: list[str]) -> None:
+        """Those of ``owner``'s entries were dropped (forgotten, or evicted for room)."""
+
+    def cleared(self, owner: str | None) -> None:
+        """``owner``'s store was emptied (None: every store)."""
 
 
 class StageCache:
@@ -158,13 +188,15 @@ class StageCache:
     ``MAX_OWNERS`` routers' stores are kept, the one attached longest ago dropped first.
     """
 
-    def __init__(self, node_id: str, default_bytes: int, *, cap: int | None = None) -> None:
+    def __init__(self, node_id: str, default_bytes: int, *, cap: int | None = None,
+                 journal: Journal | None = None) -> None:
         """``default_bytes``: the bound unless the router names one in ``attach``; ``cap``:
-        the most a router may name (a tensor-parallel stage's 0: it keeps nothing)."""
+        the most a router may name; ``journal``: told each change to the entries."""
         self.stores: OrderedDict[str, KvStore] = OrderedDict()  # owner -> its entries
         self._node_id = node_id
         self._default = default_bytes
         self._cap = cap
+        self._journal = journal
 
     def store(self, owner: str) -> KvStore:
         """``owner``'s store (a new, empty one under the default bound if it has none)."""
@@ -175,6 +207,8 @@ class StageCache:
                 gone, old = self.stores.popitem(last=False)
                 log.info("prompt cache: router %s's %d entries dropped (%d routers kept)",
                          gone, old.entries, MAX_OWNERS)
+                if self._journal is not None:
+                    self._journal.cleared(gone)
         return store
 
     def attached(self, owner: str, attach: Attach) -> int:
@@ -182,7 +216,8 @@ class StageCache:
         ``attached``."""
         store = self.store(owner)
         self.stores.move_to_end(owner)
-        store.attach(attach.cache)
+        if store.attach(attach.cache) and self._journal is not None:
+            self._journal.cleared(owner)
         store.budget = self._default if attach.cache_bytes is None else attach.cache_bytes
         if self._cap is not None:
             store.budget = min(store.budget, self._cap)
@@ -198,16 +233,30 @@ class StageCache:
 
     def forget(self, owner: str, forget: Forget) -> Cache:
         """A ``forget`` from ``owner``: drop those of its entries; the ``cache`` answer."""
-        self.store(owner).forget(list(forget.entries))
+        dropped = self.store(owner).forget(list(forget.entries))
+        if dropped and self._journal is not None:
+            self._journal.dropped(owner, dropped)
         return self.said(owner)
 
-    def put(self, owner: str, entry: str, caches: list[Any], n: int) -> Cache:
+    def put(self, owner: str, entry: str, caches: list[Any], n: int,
+            source: Source | None = None) -> Cache:
         """Keep ``caches`` as ``owner``'s ``entry`` (``KvStore.put``); the ``cache``
-        answer."""
-        stored = self.store(owner).put(entry, caches, n)
+        answer. ``source``: what they are, for the journal (one is needed with it)."""
+        store = self.store(owner)
+        replaced = store.forget([entry])
+        stored = store.put(entry, caches, n)
         if stored.why is not None:
             log.info("stage %s did not keep prompt-cache entry %s: %s", self._node_id, entry,
                      stored.why)
+        if self._journal is not None:
+            if source is None:
+                raise ValueError(f"stage {self._node_id}: entry {entry} put with no source "
+                                 "for the journal")
+            if replaced:
+                self._journal.dropped(owner, replaced)
+            self._journal.put(owner, entry, n, source, stored.kept)
+            if stored.evicted:
+                self._journal.dropped(owner, list(stored.evicted))
         return replace(self.said(owner), evicted=tuple(stored.evicted), entry=entry,
                        kept=stored.kept, trimmable=stored.trimmable, why=stored.why)
 
@@ -218,6 +267,8 @@ class StageCache:
 
     def clear(self) -> None:
         self.stores.clear()
+        if self._journal is not None:
+            self._journal.cleared(None)
 
     def totals(self) -> tuple[int, int, int, StoreStats]:
         """Bytes and entries held, the bounds and the counts, over every router's store."""

@@ -50,6 +50,7 @@ class Keep:
     """A released sequence's caches to keep as a prompt-cache entry (``release`` with
     ``keep``): done between steps, after any step of it still running."""
 
+    seq_id: str
     seq: StageSequence
     entry: str
     tokens: int

@@ -34,7 +34,9 @@ whose tokenizer it reads from the model's directory at its first such ``prepare`
 constraint it cannot use is refused (``bad_constraint``).
 
 The prompt cache (``kvstore.py``; the router decides, ``prefixes.py``): ``release`` with
-``keep``, ``prepare`` with ``keep_prompt`` or ``reuse``.
+``keep``, ``prepare`` with ``keep_prompt`` or ``reuse``. A tensor-parallel stage keeps
+one as any stage: rank 0's store is the journal's source of every change, which its
+other ranks mirror (``tensor_stage.py``, ``kvmirror.py``).
 
 Progress, for the supervisor's watchdog: ``stats.steps``, ``stats.last_step_at`` and
 ``busy_since`` (while steps are queued): a hung compute, or a forward stuck on a stalled
@@ -144,8 +146,9 @@ class StageService:
         to decode under a constraint (None: a constrained ``prepare`` is refused);
         ``cache_bytes``: the prompt cache's bound unless the router names one;
         ``leader``: a tensor-parallel stage's rank 0 (``tensor_stage.py``): each sequence
-        opened on it at ``prepare`` and dropped when forgotten, its steps run by it, and
-        its prompt cache 0 bytes whatever a router names (its ranks do not mirror one);
+        opened on it at ``prepare`` (naming the prompt-cache entry it starts from) and
+        dropped when forgotten, its steps run by it, and told each change to the prompt
+        cache (its store's journal), so that its other ranks mirror it;
         ``draft``: on the last stage, the draft its sequences speculate with
         (``speculating.py``; its counters in the stage's stats)."""
         self.draft = draft
@@ -156,8 +159,8 @@ class StageService:
         self._specs = p.stage_specs(model.hidden_size, wire_dtype, first=model.first)
         self._seqs: dict[str, StageSequence] = {}
         self._leader = leader
-        self.cache = StageCache(place.node_id, 0 if leader else cache_bytes,
-                                cap=0 if leader else None)  # the prompt cache (kvstore.py)
+        self.cache = StageCache(place.node_id, cache_bytes,
+                                journal=leader)  # the prompt cache (kvstore.py)
         self._onward = Onward(place.node_id, keyring, parse_address(place.address),
                               place.downstream, place.first, silence_s)
         self._silence_s = silence_s
@@ -221,11 +224,12 @@ class StageService:
         are handed over to streams under it, in the background (``Onward.rekey``)."""
         self._onward.rekey()
 
-    def _forget(self, seq_id: str) -> None:
-        """The sequence's cache is freed (released, failed, its owner gone)."""
+    def _forget(self, seq_id: str, *, kept: bool = False) -> None:
+        """The sequence's cache is freed (released, failed, its owner gone); ``kept``: it
+        goes into the prompt cache first (a release with ``keep``)."""
         if self._seqs.pop(seq_id, None) is not None:
-            if self._leader is not None:
-                self._leader.drop(seq_id)  # and its followers' caches at the next share
+            if self._leader is not None:  # and its followers' at the next share (parked
+                self._leader.drop(seq_id, park=kept)  # until that put: tensor_stage.py)
             self._released.set()
 
     def group_broke(self, why: str) -> None:
@@ -382,7 +386,8 @@ class StageService:
             if self._leader is not None:  # its followers make caches alike (tensor_stage.py)
                 self._leader.drop(seq_id)  # prepared again: its old caches first
                 try:
-                    self._leader.open(seq_id, state, prepare.kv)
+                    self._leader.open(seq_id, state, prepare.kv, None if state.reuse is None
+                                      or prepare.reuse is None else (who, *prepare.reuse))
                 except EngineError as exc:  # the group is closed or broke
                     raise p.ProtocolViolation(p.ERR_STAGE_FAILED, str(exc)) from None
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
@@ -391,9 +396,10 @@ class StageService:
                 seq_id, 0 if state.reuse is None else state.reuse[1]).to_wire()))
         elif env.type == "release":
             keep = Release.from_wire(env.header).keep
+            kept = keep is not None and current is not None
             if keep is not None and current is not None:
-                self._steps.keep(Keep(current, *keep))
-            self._forget(seq_id)
+                self._steps.keep(Keep(seq_id, current, *keep))
+            self._forget(seq_id, kept=kept)
         elif env.type == "adopt":
             if current is not None and current.stream is not stream:
                 await send_quietly(current.stream, encode_envelope(

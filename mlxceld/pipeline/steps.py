@@ -135,7 +135,8 @@ class StageSteps:
     async def _keep(self, keep: Keep) -> None:
         """A released sequence's caches into the prompt cache, as the router named them."""
         await send_quietly(keep.seq.stream, encode_envelope(self._cache.put(
-            keep.seq.owner, keep.entry, keep.seq.state.cache, keep.tokens).to_wire()))
+            keep.seq.owner, keep.entry, keep.seq.state.cache, keep.tokens,
+            (keep.seq_id, False)).to_wire()))
 
     def _done(self, n: int) -> None:
         """``n`` enqueued steps are run or dropped: the stage has work while any are left."""
@@ -169,7 +170,8 @@ class StageSteps:
             entry, work.seq.snapshot = work.seq.snapshot, None
             assert entry is not None
             await send_quietly(work.seq.stream, encode_envelope(self._cache.put(
-                work.seq.owner, entry, caches, held_tokens(caches)).to_wire()))
+                work.seq.owner, entry, caches, held_tokens(caches),
+                (work.seq_id, True)).to_wire()))
         for work, out in zip(group, outs, strict=True):
             self.stats.tokens += work.tokens
             if out is not None or self._leader is None:  # None: dropped while it waited
@@ -179,15 +181,22 @@ class StageSteps:
                  ) -> tuple[list[Any], list[tuple[Work, list[Any]]]]:
         """One group's step, timed (on the compute thread, or inline: see above), and the
         copies of the caches of the sequences whose prompt it finished and whose router
-        asked to keep it (``keep_prompt``). Steps long enough for the compute thread
+        asked to keep it (``keep_prompt``; a tensor stage's followers copy theirs alike,
+        but for a step left out: its output None). Steps long enough for the compute thread
         overlap building a layer's graph with running the one before
         (``StageModel.forward``); short ones gain nothing by it."""
         start = time.perf_counter()
+        snap = [w for w in group if w.sample and w.seq.snapshot is not None]
         try:
-            outs = run_group(self._model, group, overlap=overlap) if self._leader is None \
-                else self._leader.run_group(group, overlap=overlap)
-            kept = [(w, cloned(w.state.cache, held_tokens(w.state.cache))) for w in group
-                    if w.sample and w.seq.snapshot is not None]
+            if self._leader is None:
+                outs = run_group(self._model, group, overlap=overlap)
+            else:
+                outs = self._leader.run_group(group, overlap=overlap,
+                                              snap={w.seq_id for w in snap})
+            ran = {id(w) for w, out in zip(group, outs, strict=True)
+                   if out is not None or self._leader is None}
+            kept = [(w, cloned(w.state.cache, held_tokens(w.state.cache))) for w in snap
+                    if id(w) in ran]
             return outs, kept
         finally:
             took = time.perf_counter() - start

@@ -36,18 +36,25 @@ its next step knows rank 0 lives (a follower hears nothing for the share deadlin
 fails, naming rank 0). A follower whose op link ends (rank 0 gone) fails at once with
 ``EngineError``; ``close`` on rank 0 ends every follower's loop cleanly.
 
-The prompt cache is not mirrored: a tensor stage refuses a step of a sequence that
-starts from a prompt-cache entry (``SeqState.reuse``) with ``TensorStageRefused``,
-before anything is shared (the group goes on). Its stage keeps no entries (a store of 0
-bytes: ``kvstore.StageCache``, said in its ``attached``), so its router asks no stage of
-the pipeline to keep a prompt (``PipelineEngine._keeps``: an entry one stage refuses is
-never reused) and never to reuse one. A ``keep`` or ``keep_prompt`` sent all the same
-would copy rank 0's caches only and change nothing the step runs over, so it could not
-part the ranks, and the 0-byte store refuses it. A replayed sequence (``replay.py``) is
-a new sequence prefilled from its tokens: a tensor stage runs it as any other. Inputs
-are checked before the share (token ids on the first stage); what the wire checked on
-arrival (``input_spec``) is not checked again. A step that fails on a rank after the
-share (a bug, never an input) parts the ranks: the watchdog's deadlines end them.
+The prompt cache is mirrored: rank 0's stage keeps entries under its bound like any stage
+(its ``StageCache``'s bytes are its shard's), and rank 0 alone decides what is kept,
+reused, evicted and forgotten. Its store tells each change to ``StageLeader`` (its
+``kvstore.Journal``), which puts it in the op log in the order it was made, among the
+sequences opened and dropped and the steps: an entry ``put`` from a sequence's caches
+(a released one's, parked by its ``drop``; or the copy taken right after the step that
+finished its prompt, parked by that step: ``snap``), entries ``forget``-ed (forgotten or
+evicted), a store ``clear``-ed (another epoch's ``attach``, a router's store dropped,
+the stage closing); and a sequence that starts from an entry is ``open``-ed naming it.
+Each follower applies them to its ``kvmirror.MirroredCache``, so that every rank's
+cache of a reused sequence holds the same tokens as rank 0's; one it cannot apply (an
+entry it does not hold) parts the ranks: ``EngineError`` naming the stage, the entry and
+the sequence, and the group ends as for any broken rank, never running without the cache.
+
+A replayed sequence (``replay.py``) is a new sequence prefilled from its tokens: a tensor
+stage runs it as any other. Inputs are checked before the share (token ids on the first
+stage); what the wire checked on arrival (``input_spec``) is not checked again. A step
+that fails on a rank after the share (a bug, never an input) parts the ranks: the
+watchdog's deadlines end them.
 
 Each step's input goes to every follower on its op link: a decode step's hidden state is
 a few KiB, a prefill chunk's ``n x hidden_size`` values (across hosts, the followers
@@ -73,7 +80,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import mlx.core as mx
@@ -90,25 +97,24 @@ from mlxceld.pipeline.compute import (
     run_group,
     verifying,
 )
+from mlxceld.pipeline.kvmirror import MirroredCache
+from mlxceld.pipeline.kvstore import Source, cloned, held_tokens
 from mlxceld.pipeline.sequences import stage_cache
 from mlxceld.roles.options import KVQuant
 from mlxceld.wire import Tensor
 
 log = logging.getLogger(__name__)
-__all__ = ["BEAT_S", "StageFollower", "StageLeader", "TensorStageRefused",
-           "load_tensor_stage", "run_stage_follower"]
+__all__ = ["BEAT_S", "StageFollower", "StageLeader", "load_tensor_stage",
+           "run_stage_follower"]
 
 BEAT_S: Final = 0.5  # rank 0 idle this long: it shares an empty log (engine.local's IDLE_WAIT_S)
 
-# The op log (rank 0 to its followers), each op a tuple: ("setup", start, end, layers)
-# first, then ("open", seq_id, kv), kv (bits, group_size, start) or None; ("drop", seq_id);
-# ("step", overlap, every, ((seq_id, sample, pos, name, dtype, shape, data), ...));
-# ("close",).
-
-
-class TensorStageRefused(EngineError):
-    """A tensor-parallel stage was asked for what its ranks do not mirror (a step that
-    starts from a prompt-cache entry); nothing was shared, the group goes on."""
+# The op log (rank 0 to its followers), each op a tuple: ("setup", start, end, layers,
+# node_id) first, then ("open", seq_id, kv, reuse), kv (bits, group_size, start) or None,
+# reuse (owner, entry, n) or None; ("drop", seq_id, park); ("step", overlap, every,
+# ((seq_id, sample, pos, snap, name, dtype, shape, data), ...)); the prompt cache's
+# ("put", owner, entry, n, (seq_id, prefilled), kept), ("forget", owner, entries) and
+# ("clear", owner or None) (``kvmirror.py``); ("close",).
 
 
 def load_tensor_stage(path: str, start: int, end: int, group: Any,
@@ -124,8 +130,9 @@ def load_tensor_stage(path: str, start: int, end: int, group: Any,
 class StageLeader:
     """Rank 0 of a tensor-parallel stage: ``run_group`` as ``compute.run_group``, each group
     shared with the followers first (the module docstring). Thread-safe: a group, a beat
-    and ``close`` each hold the group's lock; ``open`` and ``drop`` (a stage's event loop)
-    never wait for a step."""
+    and ``close`` each hold the group's lock; ``open``, ``drop`` and the prompt cache's
+    changes (a stage's event loop: ``put``, ``dropped``, ``cleared``, its store's
+    ``kvstore.Journal``) never wait for a step."""
 
     def __init__(self, model: StageModel, group: Any, *,
                  deadline_s: float = SHARE_DEADLINE_S, hosts: Sequence[str] = (),
@@ -146,7 +153,8 @@ class StageLeader:
         self._failed: EngineError | None = None  # a beat's share that failed
         self._shared_at = time.monotonic()  # the last share's time (the beat's clock)
         with self._lock:
-            self._share([("setup", model.start, model.end, model.num_layers)])
+            self._share([("setup", model.start, model.end, model.num_layers,
+                          self.node_id)])
         self._beat_s = beat_s
         self._stop = threading.Event()
         self._beater = threading.Thread(target=self._beat, daemon=True,
@@ -176,14 +184,22 @@ class StageLeader:
         (``ProtocolViolation`` for a ``kv`` the model cannot keep); ``open`` it with them."""
         return stage_cache(self.model, kv, self.node_id)
 
-    def open(self, seq_id: str, state: SeqState, kv: KVQuant | None = None) -> None:
+    def open(self, seq_id: str, state: SeqState, kv: KVQuant | None = None,
+             reuse: tuple[str, str, int] | None = None) -> None:
         """A new sequence, ``state`` its rank 0's (its caches from ``caches(kv)``, unused
         yet): the followers make theirs alike at the next share. Its steps are those whose
-        ``state`` is this one, until ``drop``."""
+        ``state`` is this one, until ``drop``. ``reuse``: the prompt-cache entry it starts
+        from, (owner, entry, n), whose caches and n are its ``state.reuse``."""
         if [type(c) for c in state.cache] != [type(c) for c in self.caches(kv)] \
                 or any(getattr(c, "offset", 0) for c in state.cache):
             raise EngineError(f"tensor stage {self.node_id}: sequence {seq_id}'s caches "
                               f"are not new ones of kv {kv} (StageLeader.caches)")
+        if (reuse is None) != (state.reuse is None) \
+                or (reuse is not None and state.reuse is not None
+                    and reuse[2] != state.reuse[1]):
+            raise EngineError(f"tensor stage {self.node_id}: sequence {seq_id} opened "
+                              f"naming prompt-cache entry {reuse} and starting from "
+                              f"{None if state.reuse is None else state.reuse[1]} tokens")
         with self._ops_lock:
             self._check_open()
             if seq_id in self._open:
@@ -191,22 +207,42 @@ class StageLeader:
                                   "open already (drop it first)")
             self._open[seq_id] = state
             recipe = None if kv is None else (kv.bits, kv.group_size, kv.start)
-            self._pending.append(("open", seq_id, recipe))
+            self._pending.append(("open", seq_id, recipe, reuse))
 
-    def drop(self, seq_id: str) -> None:
+    def drop(self, seq_id: str, *, park: bool = False) -> None:
         """A sequence released or forgotten: the followers free its caches at the next
-        share. Unknown ones are ignored (dropped twice, never opened here)."""
+        share (``park``: they keep them for the ``put`` this stage's prompt cache makes of
+        them next, a release with ``keep``). Unknown ones are ignored (dropped twice,
+        never opened here)."""
         with self._ops_lock:
             if self._open.pop(seq_id, None) is not None:
-                self._pending.append(("drop", seq_id))
+                self._pending.append(("drop", seq_id, park))
 
-    def run_group(self, group: Sequence[Step], *, overlap: bool = False) -> list[Any]:
+    # -- the prompt cache's journal (kvstore.Journal): its store's changes, in order --
+
+    def put(self, owner: str, entry: str, n: int, source: Source, kept: bool) -> None:
+        self._log(("put", owner, entry, n, source, kept))
+
+    def dropped(self, owner: str, entries: list[str]) -> None:
+        self._log(("forget", owner, tuple(entries)))
+
+    def cleared(self, owner: str | None) -> None:
+        self._log(("clear", owner))
+
+    def _log(self, op: Op) -> None:
+        with self._ops_lock:
+            self._pending.append(op)
+
+    def run_group(self, group: Sequence[Step], *, overlap: bool = False,
+                  snap: Collection[str] = ()) -> list[Any]:
         """``compute.run_group`` on rank 0 with every follower taking the same step. A
         step of a sequence not open here (dropped while its group waited) is left out of
-        the group on every rank, its output None. Raises ``TensorStageRefused`` (nothing
-        shared) for a step that starts from a prompt-cache entry, ``ValueError`` for bad
-        token ids, ``EngineError`` when the group broke."""
-        self._refuse(group)
+        the group on every rank, its output None. ``snap``: the sequences whose caches the
+        caller copies after this step (``keep_prompt``): each follower copies its own
+        alike, for the ``put`` of them that follows. Raises ``ValueError`` for bad token
+        ids (nothing shared), ``EngineError`` when the group broke."""
+        if self.model.first:
+            check_token_ids(group, self.model.vocab_size)
         with self._lock:
             with self._ops_lock:
                 self._check_open()
@@ -217,8 +253,8 @@ class StageLeader:
                 return [None] * len(group)
             every = verifying(self.model, live)  # a speculative pass: (speculating.py)
             self._share([*ops, ("step", overlap, every, tuple(
-                (s.seq_id, s.sample, s.pos, s.x.name, s.x.dtype, tuple(s.x.shape),
-                 bytes(s.x.data)) for s in live))])
+                (s.seq_id, s.sample, s.pos, s.seq_id in snap, s.x.name, s.x.dtype,
+                 tuple(s.x.shape), bytes(s.x.data)) for s in live))])
             with self._mirror.stepping():
                 try:
                     outs = run_group(self.model, live, overlap=overlap)
@@ -230,16 +266,6 @@ class StageLeader:
             log.info("tensor stage %s: steps of %s left out, their sequences dropped",
                      self.node_id, [s.seq_id for s in group if id(s) not in got])
         return [got.get(id(s)) for s in group]
-
-    def _refuse(self, group: Sequence[Step]) -> None:
-        for s in group:
-            if s.state.reuse is not None:
-                raise TensorStageRefused(
-                    f"tensor stage {self.node_id}: sequence {s.seq_id} starts from a "
-                    "prompt-cache entry, which a tensor-parallel stage does not mirror "
-                    "over its ranks; its prompt cache keeps nothing (size 0)")
-        if self.model.first:
-            check_token_ids(group, self.model.vocab_size)
 
     def close(self) -> None:
         """Share ``close`` (every follower's loop returns) and close the op links."""
@@ -295,6 +321,7 @@ class StageFollower:
         self._mirror = mirror
         self._node_id = node_id or f"[{model.start}, {model.end})"
         self._states: dict[str, SeqState] = {}
+        self.cache = MirroredCache(self._node_id)  # rank 0's prompt-cache entries
         self.steps = 0  # groups run (read from another thread: for the worker's stats)
 
     @property
@@ -314,37 +341,55 @@ class StageFollower:
 
     def _apply(self, op: Op) -> None:
         if op[0] == "setup":
-            _, start, end, layers = op
+            _, start, end, layers, node_id = op
             own = (self._model.start, self._model.end, self._model.num_layers)
             if (start, end, layers) != own:
                 raise EngineError(f"rank 0 runs stage [{start}, {end}) of {layers} layers "
                                   f"and this rank loaded [{own[0]}, {own[1]}) of {own[2]}")
+            self._node_id = self.cache.node_id = node_id
         elif op[0] == "open":
-            _, seq_id, recipe = op
+            _, seq_id, recipe, reuse = op
             kv = None if recipe is None else KVQuant(*recipe)
-            self._states[seq_id] = SeqState(stage_cache(self._model, kv, self._node_id),
-                                            None)
+            state = SeqState(stage_cache(self._model, kv, self._node_id), None)
+            if reuse is not None:
+                owner, entry, n = reuse
+                state.reuse = self.cache.reuse(owner, entry, n, seq_id)
+            self._states[seq_id] = state
         elif op[0] == "drop":
-            self._states.pop(op[1], None)
+            _, seq_id, park = op
+            dropped = self._states.pop(seq_id, None)
+            if park and dropped is not None:
+                self.cache.park((seq_id, False), dropped.cache)
         elif op[0] == "step":
             self._step(*op[1:])
+        elif op[0] == "put":
+            self.cache.put(*op[1:])
+        elif op[0] == "forget":
+            self.cache.dropped(op[1], list(op[2]))
+        elif op[0] == "clear":
+            self.cache.cleared(op[1])
         else:
             raise EngineError(f"rank 0 sent an op this rank does not know: {op[0]!r}")
 
     def _step(self, overlap: bool, every: bool, steps: Sequence[tuple[Any, ...]]) -> None:
         """Rank 0's group: each cache trimmed to its step's ``pos`` first (a speculative
         pass's rejected tail, as rank 0's: ``compute.forward_group``), its logits at every
-        position where rank 0 verifies proposals (``every``)."""
-        group = []
-        for seq_id, sample, pos, name, dtype, shape, data in steps:
+        position where rank 0 verifies proposals (``every``); then the caches of those it
+        ``snap``s copied, as rank 0 copies its own (``keep_prompt``)."""
+        group, snaps = [], []
+        for seq_id, sample, pos, snap, name, dtype, shape, data in steps:
             state = self._states.get(seq_id)
             if state is None:
                 raise EngineError(f"rank 0 ran a step of sequence {seq_id}, which this "
                                   "rank never opened")
             group.append(Step(seq_id, state, 0, sample,
                               Tensor(name, dtype, tuple(shape), memoryview(data)), pos=pos))
+            if snap:
+                snaps.append((seq_id, state))
         with self._mirror.stepping():
             forward_group(self._model, group, overlap=overlap, every=every)
+        for seq_id, state in snaps:
+            self.cache.park((seq_id, True), cloned(state.cache, held_tokens(state.cache)))
         self.steps += 1
 
 

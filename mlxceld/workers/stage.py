@@ -173,7 +173,7 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                "cannot travel on the wire")
         service = StageService(model, place, keyring, wire, standby=o.standby,
                                silence_s=o.silence_s, tokenizer_path=path,
-                               cache_bytes=0 if leader else default_cache_bytes(),
+                               cache_bytes=default_cache_bytes(),
                                leader=leader, draft=draft)
         active = service
         if leader is not None:  # the group broke: its sequences fail, then this process ends

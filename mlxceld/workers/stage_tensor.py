@@ -15,8 +15,8 @@ naming the ranks it waited for), then the stage's layers loaded and split over t
 (``pipeline/tensor_stage.py``'s ``load_tensor_stage``: ``loading`` in its stats). Rank 0
 then leads (``StageLeader``); a follower reports ready and takes rank 0's steps
 (``run_stage_follower``) on a thread of its own while its loop answers health probes and
-stats (``tensor``: its rank, the group's size, the groups it ran and the sequences it
-holds).
+stats (``tensor``: its rank, the group's size, the groups it ran, the sequences it holds
+and the prompt-cache entries it mirrors of rank 0's, with their bytes).
 
 A follower ends when rank 0 closes the group (exit 0: the stage stopped), when the group
 breaks (rank 0 or another rank gone: it exits non-zero, its exit record naming why; the
@@ -133,9 +133,12 @@ async def run(ctx: WorkerContext[StageTensorOptions]) -> int:
 
     def counted() -> None:  # before each stats answer
         if followers:
+            cache = followers[0].cache
             ctx.stats["tensor"] = {"rank": o.rank, "size": size, "stage": o.node_id,
                                    "steps": followers[0].steps,
-                                   "sequences": followers[0].sequences}
+                                   "sequences": followers[0].sequences,
+                                   "prompt_cache": {"entries": cache.entries,
+                                                    "bytes": cache.nbytes}}
 
     ctx.stats_hooks.append(counted)
     try:  # told to stop: Stopped, its thread left in the ring

@@ -8,10 +8,12 @@ is the group), ``out`` (rank 0: a file, the scenario's tokens and what it saw as
 a follower: ``OUT.rank<r>``, its steps and the sequences it held at the end),
 ``share_deadline_s`` (the ranks'), ``idle_s`` (rank 0 idles that long after the
 prefills, ``OUT.idle`` made as it begins: its beats keep the followers). Rank 0 writes
-the tokens, the refusal of a prompt-cache reuse, the outputs of a step of a sequence
-dropped before it ran, the sequences still open at the end and its slice's parameter
-bytes. Rank 0 runs
-both stages in one process, the other one whole, and closes the group when done.
+the tokens, those of a sequence started from a prompt-cache entry (``reused``: "a"'s
+prompt kept from a released sequence, the rest of it and its decode steps run from it),
+the entries its store holds at the end, the outputs of a step of a sequence dropped
+before it ran, the sequences still open at the end and its slice's parameter bytes; a
+follower also the prompt-cache entries it mirrors. Rank 0 runs both stages in one
+process, the other one whole, and closes the group when done.
 
 ``scenario`` is the steps themselves, over any way of running a group on each stage:
 the test runs it over one process's unsharded stages too.
@@ -35,6 +37,7 @@ PROMPTS = {"a": [5, 6, 7, 8, 9, 10, 11, 12, 13], "b": [20, 21, 22, 23, 24], "c":
 DECODE = 6  # decode steps after each prompt's first token
 CHUNK = 4  # "a"'s prompt prefilled in chunks of this many tokens
 DROP_AFTER = 3  # "c" dropped once it has this many tokens
+OWNER = "127.0.0.1:19000"  # the router whose prompt-cache entries rank 0's store keeps
 Runner = Callable[[list[Any]], list[Any]]  # a stage's group of Steps -> its outputs
 
 
@@ -105,13 +108,15 @@ def _main(spec: dict[str, Any]) -> int:
     from mlxceld.engine.tensor import join_ring
     from mlxceld.models.slicing import load_stage
     from mlxceld.pipeline.compute import SeqState, Step, run_group
+    from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
+    from mlxceld.pipeline.messages import Forget
     from mlxceld.pipeline.tensor_stage import (
         StageLeader,
-        TensorStageRefused,
         load_tensor_stage,
         run_stage_follower,
     )
     from mlxceld.wire import Tensor
+    from mlxceld.wire.transport_messages import Attach
 
     group = join_ring(spec["rank"], spec["hosts"])
     layers = json.loads((Path(spec["model"]) / "config.json").read_text())["num_hidden_layers"]
@@ -122,7 +127,8 @@ def _main(spec: dict[str, Any]) -> int:
         run_stage_follower(spec["model"], *bounds[spec["tp"]], group, made=seen.append,
                            share_deadline_s=deadline, hosts=spec["hosts"])
         Path(f"{spec['out']}.rank{spec['rank']}").write_text(json.dumps(
-            {"steps": seen[0].steps, "sequences": seen[0].sequences}))
+            {"steps": seen[0].steps, "sequences": seen[0].sequences,
+             "entries": seen[0].cache.entries}))
         return 0
 
     tp = load_tensor_stage(spec["model"], *bounds[spec["tp"]], group)
@@ -141,21 +147,51 @@ def _main(spec: dict[str, Any]) -> int:
                 states[stage, seq] = SeqState(whole.make_cache(), sampler)
         return states[stage, seq]
 
-    refused: list[str] = []
     left: list[Any] = []
+    cache = StageCache("tp", 1 << 30, journal=leader)  # rank 0's store, mirrored
+    cache.attached(OWNER, Attach("m", "c", cache="epoch"))
+    reused: list[int] = []
+
+    def through(seq: str, tokens: list[int], states: dict[str, SeqState],
+                snap: bool = False) -> Any:
+        """One step of ``seq`` through both stages (its states on each), sampling."""
+        x = Tensor("tokens", "i32", (1, len(tokens)),
+                   memoryview(struct.pack(f"<{len(tokens)}i", *tokens)))
+        for name in "AB":
+            step = Step(seq, states[name], 0, True, x)
+            x = (leader.run_group([step], snap={seq} if snap else ())
+                 if name == spec["tp"] else run_group(whole, [step]))[0]
+            x = Tensor(*x) if name == "A" else x
+        return x
+
+    def reuse() -> None:
+        """"a"'s prompt run by "r", which is released and kept as an entry of 6 tokens;
+        "q" starts from it, runs the rest of the prompt (its caches copied after it:
+        ``keep_prompt``'s snap, kept too) and decodes: "a"'s tokens, on every rank."""
+        prompt, n = PROMPTS["a"], 6
+        r = {name: SeqState(leader.caches() if name == spec["tp"] else whole.make_cache(),
+                            greedy if name == "B" else None) for name in "AB"}
+        leader.open("r", r[spec["tp"]])
+        through("r", prompt, r)
+        leader.drop("r", park=True)
+        assert cache.put(OWNER, "e", r[spec["tp"]].cache, n, ("r", False)).kept
+        q = {name: SeqState(leader.caches(), greedy if name == "B" else None)
+             if name == spec["tp"] else SeqState(cloned(r[name].cache, n),
+                                                 greedy if name == "B" else None)
+             for name in "AB"}
+        q[spec["tp"]].reuse = cache.reuse(OWNER, ("e", n))
+        leader.open("q", q[spec["tp"]], None, (OWNER, "e", n))
+        reused.append(through("q", prompt[n:], q, snap=True).token)
+        held = held_tokens(q[spec["tp"]].cache)
+        assert cache.put(OWNER, "p", cloned(q[spec["tp"]].cache, held), held,
+                         ("q", True)).kept
+        for _ in range(DECODE):
+            reused.append(through("q", reused[-1:], q).token)
+        leader.drop("q")
+        cache.forget(OWNER, Forget(("e",)))
 
     def pause() -> None:
-        # A step from a prompt-cache entry is refused before anything is shared: the
-        # group goes on (the decode steps after it run on every rank).
-        reused = SeqState(leader.caches(), None)
-        leader.open("r", reused)
-        reused.reuse = (state(spec["tp"], "a").cache, 3)
-        try:
-            leader.run_group([Step("r", reused, 0, True, Tensor(
-                "tokens", "i32", (1, 1), memoryview(struct.pack("<i", 5))))])
-        except TensorStageRefused as exc:
-            refused.append(str(exc))
-        leader.drop("r")
+        reuse()
         # A step of a sequence dropped while it waited is left out on every rank.
         stale = SeqState(leader.caches(), None)
         leader.open("s", stale)
@@ -176,9 +212,10 @@ def _main(spec: dict[str, Any]) -> int:
     leader.drop("b")
     held = leader.sequences
     leader.close()
-    Path(spec["out"]).write_text(json.dumps({"tokens": tokens, "refused": refused,
+    Path(spec["out"]).write_text(json.dumps({"tokens": tokens, "reused": reused,
                                              "held": held, "nbytes": tp.nbytes,
-                                             "left": left}))
+                                             "left": left, "entries": cache.said(OWNER)
+                                             .entries}))
     return 0
 
 

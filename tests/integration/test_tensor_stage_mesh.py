@@ -2,7 +2,9 @@
 and two `--pp-peer --tp-size 2` stage hosts (127.0.0.1/.2/.3), each stage host running its
 stage as a tensor-parallel group of two ranks on its own loopback (worker ``stage`` rank 0,
 ``stage-tp-1`` rank 1): four ranks in all. Its greedy completions through the `openai`
-client are mlx-lm's on the whole model; `mlxctl status` on a stage host shows the group;
+client are mlx-lm's on the whole model, a conversation's turns too, each turn started from
+the last one's KV on every rank of each stage (its prompt cache, rank 0 deciding and its
+follower mirroring); `mlxctl status` on a stage host shows the group;
 a follower killed with SIGKILL restarts its group (the supervisor's rule, naming the
 follower) and the pipeline serves again; a re-activate stops each tensor stage
 before the new plan's loads (no ``stage-retiring`` for a group yet) and serves again."""
@@ -22,9 +24,10 @@ import pytest
 from helpers.cluster import agent, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
-from helpers.mesh import complete
+from helpers.mesh import complete, running_worker
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
+from helpers.router import client
 from helpers.waiting import wait_for
 
 # Bring-up of five model processes and a router on a loaded 2-core machine, and a group's
@@ -76,6 +79,19 @@ def test_a_pipeline_of_two_tensor_parallel_stages_serves_mlx_lms_tokens_and_heal
 
     want = expected(model, PROMPT, 8)
     assert complete(port) == want
+    # A conversation, each turn the whole of it again, as a chat UI sends it: mlx-lm's
+    # answers, each turn but the first started from the prompt cache (every rank's).
+    prompt, cached = "Once upon a time", []
+    with client(f"http://127.0.0.1:{port}/v1") as c:
+        for turn in range(3):
+            answer = c.completions.create(model="llama", prompt=prompt, max_tokens=8,
+                                          temperature=0)
+            text = answer.choices[0].text
+            assert text == expected(model, prompt, 8), turn
+            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+            prompt += text + f" and then {turn}"
+    assert cached[0] == 0 and all(n > 5 for n in cached[1:]), cached
 
     # Each stage host's status shows its stage's group: a line and each rank's worker.
     for p in peers:
@@ -90,9 +106,17 @@ def test_a_pipeline_of_two_tensor_parallel_stages_serves_mlx_lms_tokens_and_heal
         assert (members["stage"].get("stats") or {}).get("tensor") == {"rank": 0, "size": 2}
         layers = (members["stage"].get("stats") or {}).get("layers")
         assert layers in ([0, 2], [2, 4]), members["stage"]
-        # a tensor stage keeps no prompt cache: its budget is 0 whatever the router names
-        cache = (members["stage"].get("stats") or {}).get("prompt_cache") or {}
-        assert cache.get("budget") in (None, 0), cache
+        # its prompt cache: rank 0's hits, the follower holding as many entries, as many
+        # bytes (its shard of each) (stats every second)
+        stage = wait_for(lambda d=p: (w := running_worker(d, "stage")) and (
+            w["stats"].get("prompt_cache") or {}).get("hits") == 2 and w, 10,
+            "the stage's prompt cache stats", every=0.2)
+        cache = stage["stats"]["prompt_cache"]
+        assert cache["budget"] > 0 and cache["entries"] > 0, cache
+        held = {"entries": cache["entries"], "bytes": cache["bytes"]}
+        wait_for(lambda d=p, h=held: (w := running_worker(d, "stage-tp-1")) and (
+            (w.get("stats") or {}).get("tensor") or {}).get("prompt_cache") == h, 10,
+            f"stage-tp-1 to hold {held}", every=0.2)
 
     # A follower killed: the supervisor restarts its group (stage and stage-tp-1 anew),
     # and the pipeline serves the same tokens again.

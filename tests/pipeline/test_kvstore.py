@@ -122,8 +122,8 @@ def test_two_routers_entries_are_kept_apart_by_their_identity(stage: StageModel)
 
 
 def test_a_capped_cache_keeps_nothing_whatever_a_router_names(stage: StageModel) -> None:
-    """A tensor-parallel stage's (``cap`` 0: its ranks mirror no prompt cache): the bound
-    it answers ``attach`` with is 0, and nothing is kept, so nothing is ever reused."""
+    """A stage capped at 0: the bound it answers ``attach`` with is 0, and nothing is
+    kept, so nothing is ever reused."""
     cache = StageCache("stage-0", 0, cap=0)
     a = "127.0.0.1:19000"
     assert cache.attached(a, Attach("m", "c", cache="ea", cache_bytes=1 << 30)) == 0

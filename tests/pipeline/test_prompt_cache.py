@@ -229,8 +229,8 @@ def test_a_quantized_kv_cache_is_kept_and_reused_alike(kv_fixture_dir: Path) -> 
 
 def test_a_stage_that_keeps_nothing_means_no_stage_is_asked_to_keep(
         split_fixture_dir: Path) -> None:
-    """A stage whose bound is 0 (a tensor-parallel stage's) refuses every entry, so none
-    could be reused: no other stage is asked to copy its caches for it either."""
+    """A stage whose bound is 0 (capped there) refuses every entry, so none could be
+    reused: no other stage is asked to copy its caches for it either."""
     path = split_fixture_dir / "llama"
 
     async def work(engine: PipelineEngine) -> list[list[int]]:

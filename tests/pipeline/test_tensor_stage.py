@@ -6,7 +6,9 @@ of 2 whose follower is the other process.
 Greedy tokens (prefill chunks, then decode steps batched over three sequences, one of them
 dropped midway) are those of the same stages unsharded in one process and mlx-lm's own on
 the whole model; the follower takes every step rank 0 takes and frees every sequence it
-was told to; a prompt-cache reuse is refused, and a dropped sequence's step left out,
+was told to; a sequence started from a prompt-cache entry (kept from a released sequence)
+gets the tokens of its prompt run whole, every rank holding the entries rank 0's store
+holds (pipeline/kvmirror.py), and a dropped sequence's step is left out on every rank,
 without parting the ranks; the group lives
 through an idle longer than its share deadline (rank 0's beats); and a group whose other
 rank dies ends at once, naming it, never hanging.
@@ -93,16 +95,16 @@ def test_a_tensor_stage_generates_what_the_whole_stages_and_mlx_lm_do(
     assert got["tokens"] == want
     assert want == mlx_lm_greedy(llama)
     assert len(set(map(tuple, want.values()))) == 3  # three runs, not one repeated
-    # every group rank 0 ran, the follower ran: each prompt's chunks, then the decodes
+    # "a"'s prompt kept at 6 tokens from a released sequence, its other 3 run from there
+    assert got["reused"] == want["a"]
+    # every group rank 0 ran, the follower ran: each prompt's chunks, then the decodes,
+    # and the kept prompt's sequence and the one reusing it (its rest, then its decodes)
     chunks = -(-len(PROMPTS["a"]) // CHUNK) + len(PROMPTS) - 1
     follower = json.loads(Path(f"{out}.rank1").read_text())
-    assert follower == {"steps": chunks + DECODE, "sequences": 0}, follower
-    assert got["held"] == 0
+    assert follower == {"steps": chunks + DECODE + 2 + DECODE, "sequences": 0,
+                        "entries": 1}, follower  # the reusing one's prompt kept; "e" gone
+    assert got["held"] == 0 and got["entries"] == 1
     assert got["left"] == [None]  # a dropped sequence's step: run on no rank (steps above)
-    assert got["refused"] == [
-        f"tensor stage [{0 if tp == 'A' else SPLIT}, {SPLIT if tp == 'A' else LAYERS}): "
-        "sequence r starts from a prompt-cache entry, which a tensor-parallel stage does "
-        "not mirror over its ranks; its prompt cache keeps nothing (size 0)"]
 
 
 @pytest.mark.parametrize("lost", [0, 1])
