@@ -78,13 +78,24 @@ STATS_EVERY_S = 1.0
 CACHE_SHARE = 0.25  # of the memory available after loading: the prompt cache's default
 
 
-def default_cache_bytes() -> int:
+def default_cache_bytes(ranks: int = 1) -> int:
     """The prompt cache's bound when the router names none: a quarter of the memory this
     host has available once the stage's weights are loaded (what the plan left it: its
-    headroom, which running sequences' caches share)."""
+    headroom, which running sequences' caches share), shared by the ``ranks`` of a
+    tensor-parallel stage on this host (``ranks_here``)."""
     import psutil
 
-    return int(psutil.virtual_memory().available * CACHE_SHARE)
+    return int(psutil.virtual_memory().available * CACHE_SHARE) // max(1, ranks)
+
+
+def ranks_here(tp_hosts: tuple[str, ...]) -> int:
+    """How many of a tensor-parallel stage's ranks (``tp_hosts``, ring addresses, rank 0's
+    first) run on rank 0's host: each holds about as many prompt-cache bytes as rank 0's
+    store counts (``pipeline/kvmirror.py``); 1 for a stage of its own."""
+    if not tp_hosts:
+        return 1
+    here = parse_address(tp_hosts[0]).host
+    return sum(1 for h in tp_hosts if parse_address(h).host == here)
 
 
 def cache_stats(cache: StageCache) -> JSON:
@@ -173,7 +184,8 @@ async def run(ctx: WorkerContext[StageOptions]) -> int:
                                "cannot travel on the wire")
         service = StageService(model, place, keyring, wire, standby=o.standby,
                                silence_s=o.silence_s, tokenizer_path=path,
-                               cache_bytes=default_cache_bytes(),
+                               cache_bytes=default_cache_bytes(
+                                   ranks_here(o.tp_hosts) if leader is not None else 1),
                                leader=leader, draft=draft)
         active = service
         if leader is not None:  # the group broke: its sequences fail, then this process ends
