@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 
-from helpers.models import PROMPT
+from helpers.models import PROMPT, expected
 
 
 def client(url: str, key: str = "none") -> openai.OpenAI:
@@ -32,6 +33,28 @@ def greedy(url: str, prompt: str, n: int = 8, *, model: str) -> str:
         text: str = c.completions.create(model=model, prompt=prompt, max_tokens=n,
                                          temperature=0).choices[0].text
         return text
+
+
+def growing_prompt(url: str, model: str, path: Path, prompt: str, turns: int,
+                   n: int) -> list[int]:
+    """A conversation as a client that resends it whole each turn sends it: ``turns``
+    greedy completions of ``n`` tokens from the API at ``url`` (``http://HOST:PORT/v1``),
+    each of the prompt so far with the last answer and a new line added, each answer
+    checked to be mlx-lm's on the whole model at ``path``; the prompt tokens each turn
+    took from the prompt cache (``cached_tokens``)."""
+    cached = []
+    with client(url) as c:
+        for turn in range(turns):
+            answer = c.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                          temperature=0)
+            text = answer.choices[0].text
+            assert text == expected(path, prompt, n), turn
+            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+            took = answer.usage.prompt_tokens_details.cached_tokens
+            assert took is not None, turn
+            cached.append(took)
+            prompt += text + f" and then {turn}"
+    return cached
 
 
 def greedy_stream(url: str, prompt: str, n: int = 16, *, model: str,

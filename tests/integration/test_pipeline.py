@@ -24,7 +24,7 @@ from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons, alive
 from helpers.metrics import sample, scrape
 from helpers.models import PROMPT, expected
 from helpers.pipeline import SECRET, Pipeline, start_pipeline, write_cluster
-from helpers.router import client
+from helpers.router import client, growing_prompt
 from helpers.waiting import wait_for
 
 LONG_PROMPT = "Hello"  # greedy on the llama split fixture: no end-of-sequence for 800+ tokens
@@ -91,17 +91,7 @@ def test_a_conversation_reuses_the_stages_prompt_cache_and_answers_as_mlx_lm(
     mlx-lm's for that prompt, and the stages start each turn from the last one's KV."""
     model = split_fixture_dir / "qwen3"
     pipe = start_pipeline(daemons, model, [(0, 2), (2, 4)])
-    prompt = PROMPT
-    cached = []
-    with client(pipe.url) as c:
-        for turn in range(4):
-            answer = c.completions.create(model="qwen3", prompt=prompt, max_tokens=12,
-                                          temperature=0)
-            text = answer.choices[0].text
-            assert text == expected(model, prompt, 12), turn
-            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
-            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-            prompt += text + f" and then {turn}"
+    cached = growing_prompt(pipe.url, "qwen3", model, PROMPT, 4, 12)
     assert cached[0] == 0 and all(n > 10 for n in cached[1:]), cached
     def said() -> dict[str, Any] | None:  # the router's stats, published every second
         router = pipe.coordinator.worker("router")

@@ -27,7 +27,7 @@ from helpers.keys import secret_file
 from helpers.mesh import complete, running_worker
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
-from helpers.router import client
+from helpers.router import growing_prompt
 from helpers.waiting import wait_for
 
 # Bring-up of five model processes and a router on a loaded 2-core machine, and a group's
@@ -81,16 +81,8 @@ def test_a_pipeline_of_two_tensor_parallel_stages_serves_mlx_lms_tokens_and_heal
     assert complete(port) == want
     # A conversation, each turn the whole of it again, as a chat UI sends it: mlx-lm's
     # answers, each turn but the first started from the prompt cache (every rank's).
-    prompt, cached = "Once upon a time", []
-    with client(f"http://127.0.0.1:{port}/v1") as c:
-        for turn in range(3):
-            answer = c.completions.create(model="llama", prompt=prompt, max_tokens=8,
-                                          temperature=0)
-            text = answer.choices[0].text
-            assert text == expected(model, prompt, 8), turn
-            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
-            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-            prompt += text + f" and then {turn}"
+    cached = growing_prompt(f"http://127.0.0.1:{port}/v1", "llama", model,
+                            "Once upon a time", 3, 8)
     assert cached[0] == 0 and all(n > 5 for n in cached[1:]), cached
 
     # Each stage host's status shows its stage's group: a line and each rank's worker.
