@@ -295,6 +295,7 @@ class LocalEngine:
         finally:
             self._gen.close()
             self._fail_prefills()
+            mx.clear_streams()  # this thread's own, now: at its exit they race a teardown
 
     def _group_broke(self, why: str) -> None:
         """The tensor-parallel group broke (told on the watchdog's thread, the step thread

@@ -137,4 +137,8 @@ def _main(spec: dict[str, Any]) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(_main(json.loads(sys.argv[1])))
+    # as a worker exits (workers/runtime.exit_at_once): no interpreter teardown, which a
+    # thread's mlx streams ending at the same time can abort (SIGABRT)
+    from mlxceld.workers.runtime import exit_at_once
+
+    exit_at_once(_main(json.loads(sys.argv[1])))
