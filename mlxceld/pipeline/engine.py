@@ -379,6 +379,9 @@ class PipelineEngine:
                 raise StageLost(self._downstream_message(rank))
             if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
+            if code == p.ERR_GROUP_BROKEN:  # its group broke: the stage's process ends,
+                self._draining[rank] = time.monotonic()  # and restarts: not ready till then
+                raise StageLost(message)
             if code == p.ERR_DRAINING:  # stopping: its sequences finish, no new one
                 self._draining[rank] = time.monotonic()
                 raise StageDraining(

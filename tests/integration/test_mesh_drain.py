@@ -121,16 +121,23 @@ def events_after(d: DaemonProc, after: int, prefix: str) -> list[dict[str, Any]]
     return [e for e in d.events(400) if e["id"] > after and e["kind"].startswith(prefix)]
 
 
-def test_a_drain_of_a_tensor_groups_rank_host_loses_no_request(
-        daemons: Daemons, split_fixture_dir: Path) -> None:
+@pytest.mark.parametrize(("hosts", "n", "mode", "node"), [
+    (3, 2, "tp", "stage-0-tp-1"),  # a tp 2 group's rank host, a spare
+    (3, 2, "tp", "stage-0"),  # its rank 0's host
+    (5, 4, "2d", "stage-1-tp-1"),  # 2 stages of tp 2 groups, a spare: a rank host
+    (5, 4, "2d", "stage-0"),  # a stage's rank 0 host
+], ids=["tp-rank1", "tp-rank0", "2d-rank1", "2d-rank0"])
+def test_a_drain_of_a_mesh_host_loses_no_request(
+        daemons: Daemons, split_fixture_dir: Path, hosts: int, n: int, mode: str,
+        node: str) -> None:
     model = split_fixture_dir / "llama"
     turns = conversation(model, TURNS)
-    coord, peers, port = mesh(daemons, model, 3, 2, "tp")
+    coord, peers, port = mesh(daemons, model, hosts, n, mode)
     first = coord.status()["bringup"]
     rows = workers_of(daemons, coord, peers)
     by_agent = {agent(p): p for p in peers}
     node_of = {a: p.status()["daemon"]["node_id"] for a, p in by_agent.items()}
-    (rank,) = [a for a, node in rows.items() if node.endswith("-tp-1")]
+    (rank,) = [a for a, offered in rows.items() if offered == node]
     victim = by_agent[rank]
     assert complete(port) == expected(model, PROMPT, 8)
 
@@ -159,7 +166,8 @@ def test_a_drain_of_a_tensor_groups_rank_host_loses_no_request(
     counts = load.counts()
     replanned = events_after(coord, before, "drain.replanned")
     took = replanned[0]["data"]["took_s"] if replanned else None
-    print(f"\ndrain of rank host {node_of[rank]} of a tp 2 group under load ({CLIENTS} "
+    print(f"\ndrain of {node}'s host {node_of[rank]} of a --mesh {mode} plan of {n} "
+          f"hosts, the new plan {sorted(r['stage'] for r in new['peers'])}, under load ({CLIENTS} "
           f"streaming clients, {TOKENS} tokens each): {counts}, refused {load.refused[:3]}, "
           f"failed {load.failed[:3]}; the conversation: {chat.answered} turns answered, "
           f"wrong {chat.wrong[:3]}, longest turn {chat.longest_s:.1f} s; the new plan served "
