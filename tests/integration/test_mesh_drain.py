@@ -25,14 +25,15 @@ from typing import Any
 import openai
 import pytest
 
-from helpers.cluster import POLL_WAIT_S, agent, settled, start
+from helpers.cluster import POLL_WAIT_S, activate, agent, coordinator, settled, start
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.load import StreamingLoad
+from helpers.memory import two_stages_but_not_one
 from helpers.mesh import complete
 from helpers.models import PROMPT, expected
 from helpers.ports import free_port
-from helpers.router import client
+from helpers.router import client, greedy_stream
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -189,3 +190,70 @@ def test_a_drain_of_a_mesh_host_loses_no_request(
     assert load.failed == [], load.failed[:3]
     assert chat.wrong == [], chat.wrong[:3]
     assert chat.longest_s < HELD_S
+
+
+def test_a_mesh_drain_with_no_plan_without_the_host_ends_no_stream_and_says_why(
+        daemons: Daemons, split_fixture_dir: Path) -> None:
+    """tp 2 over two hosts with memory for two stages but not one, no spare: no plan fits
+    without a host. The drain is accepted and not re-planned (``drain.no_fit`` names the
+    memory short, as for a pipeline): the streams running finish with mlx-lm's tokens,
+    a new request is refused 503 naming the node draining, the plan stays; undrained, it
+    serves again."""
+    model = split_fixture_dir / "llama"
+    secret = secrets.token_hex(16).encode()
+    memory = {"MLXCELD_TEST_MEMORY_AVAILABLE": str(two_stages_but_not_one(model))}
+    peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
+                   name=f"p{i}", config=FAST_POLICY, env=memory) for i in (2, 3)]
+    coord, port, _ = coordinator(daemons, secret, peers, FAST_POLICY)
+    activate(coord, model, 2, "--mesh", "tp")
+    daemons.pids.add(coord.wait_worker("router", timeout=READY_S, state="running")["pid"])
+    first = coord.status()["bringup"]
+    rows = workers_of(daemons, coord, peers)
+    (rank,) = [a for a, offered in rows.items() if offered == "stage-0-tp-1"]
+    node = {agent(p): p for p in peers}[rank].status()["daemon"]["node_id"]
+    url = f"http://127.0.0.1:{port}/v1"
+    want = expected(model, PROMPT, 48)
+    got: list[str] = []
+    begun = threading.Barrier(3)
+
+    def stream() -> None:
+        got.append(greedy_stream(url.removesuffix("/v1"), PROMPT, 48, model="llama",
+                                 together=begun))
+
+    streams = [threading.Thread(target=stream) for _ in range(2)]
+    for t in streams:
+        t.start()
+    before = max(e["id"] for e in coord.events(1))
+    begun.wait(60)
+    out = coord.ctl("drain", node, "--deadline", "60s", timeout=WAIT_S)
+    for t in streams:
+        t.join(WAIT_S)
+    print(f"\nno plan without {node}: `mlxctl drain` {out.returncode}: {out.stdout.strip()}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert got == [want, want], got
+    (no_fit,) = wait_for(lambda: events_after(coord, before, "drain.no_fit"), WAIT_S,
+                         "drain.no_fit", every=0.2)
+    print(f"no fit: {no_fit['message']}")
+    assert no_fit["subject"] == node and "short" in no_fit["message"], no_fit
+    assert coord.status()["bringup"]["epoch"] == first["epoch"]
+    wait_for(lambda: refused_draining(url, node), 30, "a new request refused: draining",
+             every=0.2)
+    assert coord.ctl("undrain", node).returncode == 0
+    assert wait_for(lambda: served(port), WAIT_S, "serving once undrained",
+                    every=0.5) == expected(model, PROMPT, 8)
+
+
+def refused_draining(url: str, node: str) -> bool:
+    with client(url) as c:
+        try:
+            c.completions.create(model="llama", prompt=PROMPT, max_tokens=2)
+        except openai.APIStatusError as exc:
+            return exc.status_code == 503 and f"node {node} draining" in str(exc)
+    return False
+
+
+def served(port: int) -> str | None:
+    try:
+        return complete(port)
+    except openai.APIError:
+        return None
