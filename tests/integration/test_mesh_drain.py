@@ -1,6 +1,7 @@
 """`mlxctl drain` of a host of a mesh (a stage that is a tensor-parallel group across
 hosts), between real daemons on 127.0.0.x: a coordinator (.1) with ``--mesh tp`` over
-three plain ``--pp-peer`` daemons, one a spare, under ``CLIENTS`` streaming `openai`
+three plain ``--pp-peer`` daemons, or ``--mesh 2d`` (2 stages x 2 ranks) over five, one
+a spare; a rank host drained, or a stage's rank 0 host; under ``CLIENTS`` streaming `openai`
 clients with retries off (``helpers/load.py``: every refusal and every broken stream is
 counted) and a conversation resent whole each turn (each answer mlx-lm's, each turn
 answered within ``HELD_S``).
@@ -10,7 +11,8 @@ in its place), serves the new plan, and the drained host holds no worker: the gr
 stopped before the new plan's stages loaded (``stagehost.py``: no make before break for a
 tensor group), and the requests meanwhile were held and replayed on the new plan
 (``pipeline/replay.py``), none failed nor refused. The counts, the longest request and
-the time to the new plan are printed (``pytest -s``)."""
+the time to the new plan are printed (``pytest -s``). Where no plan fits without the
+host, the drain goes on without one, as for a pipeline (the last test)."""
 
 from __future__ import annotations
 
