@@ -53,8 +53,12 @@ defines, under its base, with the module of each one defined elsewhere.
     ├── EngineError                 engine/base.py: the engine could not serve a request
     │   │                           (the server's fault; answered as an HTTP error)
     │   ├── EngineUnavailable       engine/base.py: a part (a stage) is unreachable: 503
-    │   │   └── StageLost           pipeline/links.py: a stage's connection ended or fell
-    │   │                           silent (a heal may bring a working plan: replay.py)
+    │   │   ├── StageLost           pipeline/links.py: a stage's connection ended or fell
+    │   │   │                       silent (a heal may bring a working plan: replay.py)
+    │   │   └── StageDraining       pipeline/links.py: a stage stopping refused a new
+    │   │                           sequence (held and replayed as StageLost's)
+    │   ├── GroupBroken             pipeline/tensor_stage.py: a tensor stage's group broke
+    │   │                           (its owners told; replayed as a lost stage's)
     │   ├── HandoffUnsupported      engine/handoff.py: this model's cache cannot be handed off
     │   └── HandoffError            engine/handoff.py: a handed-off cache that does not fit
     ├── WireError                   wire/errors.py: the sans-IO core's root (it imports

@@ -54,7 +54,9 @@ is decided, then it ends the push and takes over, as for any bring-up.
 A 2D mesh (``--mesh``: stages that are tensor groups) is healed, and re-planned around a
 drain, as a mesh of the hosts left (``--mesh auto`` over as many hosts as it had, or
 fewer: the least predicted time, or a pipeline when speed cannot be weighed); its groups'
-stages are stopped before the new plan's load (``stagehost.py``: no make before break).
+stages are stopped before the new plan's load (``stagehost.py``: no make before break);
+the router holds the requests of that break and replays them on the new plan
+(``replay.py``: a stage draining, a group broken, a stage gone alike).
 
 Replica groups (`mlxctl cluster activate --replicas R`, R > 1) are healed and re-planned
 around a drain in the same steps, a group at a time (``make_group_plan``,

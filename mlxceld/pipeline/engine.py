@@ -40,8 +40,9 @@ Bounds (every wait has a deadline):
   holds (``replay.py``) replays on a working plan instead.
 
 A stage that is stopping refuses new sequences (``draining``, stage.py): the
-request is refused with ``EngineUnavailable`` (503, ``Retry-After:
-DRAINING_RETRY_S``) naming the stage; requests it already holds run on. ``readiness``
+request is refused with ``StageDraining`` (503, ``Retry-After: DRAINING_RETRY_S``)
+naming the stage, which a router whose switch holds replays on the engine that works
+next instead (``replay.py``); requests it already holds run on. ``readiness``
 (``GET /ready``) then names it draining, until it prepares a sequence again or for
 ``DRAINING_RETRY_S`` after its last refusal.
 
@@ -73,7 +74,7 @@ from mlxceld.engine.base import (
 from mlxceld.pipeline import protocol as p
 from mlxceld.pipeline.attaching import DIAL_BUDGET_S, StageAddress
 from mlxceld.pipeline.connectivity import RETRY_INITIAL_S, RETRY_MAX_S, Connectivity
-from mlxceld.pipeline.links import Inbox, StageLink, StageLost
+from mlxceld.pipeline.links import Inbox, StageDraining, StageLink, StageLost
 from mlxceld.pipeline.messages import Forget, Prepare, Prepared, Release, Run
 from mlxceld.pipeline.promptcache import PromptCache
 from mlxceld.roles.options import KVQuant
@@ -378,9 +379,12 @@ class PipelineEngine:
                 raise StageLost(self._downstream_message(rank))
             if code == p.ERR_STAGE_FAILED:
                 raise EngineUnavailable(message)
+            if code == p.ERR_GROUP_BROKEN:  # its group broke: the stage's process ends,
+                self._draining[rank] = time.monotonic()  # and restarts: not ready till then
+                raise StageLost(message)
             if code == p.ERR_DRAINING:  # stopping: its sequences finish, no new one
                 self._draining[rank] = time.monotonic()
-                raise EngineUnavailable(
+                raise StageDraining(
                     f"stage {self._node_of(rank)} is draining (stopping or restarting): it "
                     "takes no new request; retry shortly", retry_after_s=DRAINING_RETRY_S)
             if code == p.ERR_BAD_CONSTRAINT:  # the client's: a 400 naming response_format

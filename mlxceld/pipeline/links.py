@@ -92,6 +92,13 @@ class StageLost(EngineUnavailable):
     working plan (``replay.py``); otherwise it is the 503 it always was."""
 
 
+class StageDraining(EngineUnavailable):
+    """A stage refused a new sequence: it is stopping (``draining``: its host stops its
+    worker, as a re-plan that replaces a tensor group does before the new plan's stages
+    load, or a restart). A router that holds lost stages' sequences holds this one too,
+    for the engine that works next (``replay.py``); otherwise a 503 with Retry-After."""
+
+
 class StageLink:
     def __init__(self, stage: StageAddress, *, keyring: Keyring, origin: HostPort,
                  model_identity: str, cluster: str,

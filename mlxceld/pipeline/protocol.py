@@ -114,7 +114,9 @@ adopt      coord → stage    ``seq``, sent over another connection of the
                             it sent there) and sends it everything from then
                             on over this one; an unknown ``seq`` is ignored
 error      stage → source   ``code``, ``message``, and ``seq``/``step`` when
-                            the error concerns one
+                            the error concerns one; ``group_broken``: a tensor
+                            stage's group broke (its process ends: a router
+                            that holds replays the sequence, ``replay.py``)
 ========== ================ ===================================================
 
 The messages are typed: ``attach``, ``token`` and ``error`` are the words this protocol
@@ -178,6 +180,7 @@ ERR_MODEL_MISMATCH: Final = "model_mismatch"
 ERR_BAD_MESSAGE: Final = "bad_message"
 ERR_TOO_MANY: Final = "too_many_sequences"
 ERR_STAGE_FAILED: Final = "stage_failed"
+ERR_GROUP_BROKEN: Final = "group_broken"  # a tensor stage's group broke: its process ends
 ERR_DOWNSTREAM: Final = "downstream_unreachable"
 ERR_STANDBY: Final = "standby"
 ERR_DRAINING: Final = "draining"  # the stage is stopping: no new sequence (stage.py, drain)

@@ -13,6 +13,16 @@ one stream, no token repeated or lost; greedy output is an unbroken run's. A req
 that arrives while the engine has a stage gone is held the same way (nothing sent yet:
 it is simply started on the working engine).
 
+A stage that is stopping refuses a new sequence (``StageDraining``): held the same way,
+for the engine that works next. A drain's or a heal's re-plan of a mesh stops a tensor
+group's workers before the new plan's stages load (``stagehost.py``: no make before break
+for a group), so from that stop until the router's switch the old engine has a stage
+draining, then gone: the requests of that break are held and started on the new plan's
+engine (on the split fixture on 2 shared CPUs the break took about 5 s,
+tests/integration/test_mesh_drain.py prints it). A stage draining for a restart is
+retried at most every ``engine.DRAINING_RETRY_S`` (``working``: its readiness names it
+draining that long after its last refusal).
+
 A sequence still running on an engine the switch replaced (a live move to a new plan)
 when that engine fails it (closed at ``switch.RETIRE_S``, or a stage the new plan left
 out stopped) goes on on the current engine at once, with no hold, under the same rule of
@@ -48,7 +58,7 @@ from typing import Final, Protocol
 from mlxceld.engine.base import EngineUnavailable, GenerationRequest, TokenOutput
 from mlxceld.engine.continuation import Continuity, remainder, replayable
 from mlxceld.pipeline.engine import PipelineEngine
-from mlxceld.pipeline.links import StageLost
+from mlxceld.pipeline.links import StageDraining, StageLost
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +93,8 @@ class Engines(Protocol):
 
 
 def lost(exc: EngineUnavailable, engine: PipelineEngine) -> bool:
-    """Whether ``exc`` says a stage of ``engine`` is gone (not draining, not refusing)."""
-    if isinstance(exc, StageLost):
+    """Whether ``exc`` says a stage of ``engine`` is gone or stopping (not refusing)."""
+    if isinstance(exc, StageLost | StageDraining):
         return True
     down = (engine.readiness() or {}).get("stages", [])
     return any(stage["state"] in GONE for stage in down)

@@ -92,6 +92,7 @@ from mlxceld.pipeline.sequences import (
     stage_cache,
 )
 from mlxceld.pipeline.steps import StageSteps, send_quietly
+from mlxceld.pipeline.tensor_stage import GroupBroken
 from mlxceld.tasks import scoped_group
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
@@ -243,7 +244,7 @@ class StageService:
         log.error("%s; %d sequence(s) fail", message, len(seqs))
         for seq_id, seq in seqs:
             asyncio.run_coroutine_threadsafe(send_quietly(seq.stream, encode_envelope(
-                CodedError(p.ERR_STAGE_FAILED, message, seq_id).to_wire())), loop)
+                CodedError(p.ERR_GROUP_BROKEN, message, seq_id).to_wire())), loop)
 
     # -- connections --------------------------------------------------------------------
 
@@ -389,7 +390,8 @@ class StageService:
                     self._leader.open(seq_id, state, prepare.kv, None if state.reuse is None
                                       or prepare.reuse is None else (who, *prepare.reuse))
                 except EngineError as exc:  # the group is closed or broke
-                    raise p.ProtocolViolation(p.ERR_STAGE_FAILED, str(exc)) from None
+                    raise p.ProtocolViolation(p.ERR_GROUP_BROKEN if isinstance(
+                        exc, GroupBroken) else p.ERR_STAGE_FAILED, str(exc)) from None
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
                                                snapshot=prepare.keep_prompt)
             await stream.send(encode_envelope(Prepared(

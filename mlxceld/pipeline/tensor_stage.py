@@ -127,6 +127,12 @@ def load_tensor_stage(path: str, start: int, end: int, group: Any,
     return stage
 
 
+
+class GroupBroken(EngineError):
+    """The stage's group broke (a rank gone, the ring lost): the stage tells each owner
+    so (``protocol.ERR_GROUP_BROKEN``), and its process ends; a router whose switch
+    holds replays the sequence as a lost stage's (``replay.py``)."""
+
 class StageLeader:
     """Rank 0 of a tensor-parallel stage: ``run_group`` as ``compute.run_group``, each group
     shared with the followers first (the module docstring). Thread-safe: a group, a beat
@@ -150,7 +156,7 @@ class StageLeader:
         self._pending: list[Op] = []
         self._open: dict[str, SeqState] = {}  # by sequence: its rank 0's state
         self._closed = False
-        self._failed: EngineError | None = None  # a beat's share that failed
+        self._failed: GroupBroken | None = None  # a beat's share that failed
         self._shared_at = time.monotonic()  # the last share's time (the beat's clock)
         with self._lock:
             self._share([("setup", model.start, model.end, model.num_layers,
@@ -259,7 +265,7 @@ class StageLeader:
                 try:
                     outs = run_group(self.model, live, overlap=overlap)
                 except RuntimeError as exc:  # mlx's: "[ring] connection to a peer was lost"
-                    raise EngineError(f"tensor stage {self.node_id}: the group broke: "
+                    raise GroupBroken(f"tensor stage {self.node_id}: the group broke: "
                                       f"{self._mirror.explain(exc)}") from exc
         got = {id(s): out for s, out in zip(live, outs, strict=True)}
         if len(live) < len(group):
@@ -293,7 +299,12 @@ class StageLeader:
         return ops
 
     def _share(self, ops: list[Op]) -> None:
-        self._mirror.share(ops)
+        try:
+            self._mirror.share(ops)
+        except GroupBroken:
+            raise
+        except EngineError as exc:  # a follower gone: its op link failed
+            raise GroupBroken(f"tensor stage {self.node_id}: the group broke: {exc}") from exc
         self._shared_at = time.monotonic()
 
     def _beat(self) -> None:
@@ -305,7 +316,7 @@ class StageLeader:
             try:
                 if not self._closed and self._failed is None:
                     self._share(self._taken())
-            except EngineError as exc:  # a follower gone: the watchdog ends this process
+            except GroupBroken as exc:  # a follower gone: the watchdog ends this process
                 log.error("tensor stage %s: %s", self.node_id, exc)
                 self._failed = exc
             finally:

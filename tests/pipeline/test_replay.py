@@ -20,7 +20,7 @@ import pytest
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.engine.base import TokenOutput
 from mlxceld.engine.continuation import Continuity, remainder, replayable
-from mlxceld.pipeline.links import StageLost
+from mlxceld.pipeline.links import StageDraining, StageLost
 from mlxceld.pipeline.replay import hold_for
 from mlxceld.pipeline.switch import PipelineSwitch
 
@@ -166,6 +166,44 @@ def test_a_request_arriving_while_a_stage_is_gone_is_held_for_the_new_plan(
 
     got, on_second = asyncio.run(go())
     assert got == want and on_second == 12
+
+
+def test_a_request_a_stopping_stage_refuses_is_held_for_the_new_plan(
+        split_fixture_dir: Path) -> None:
+    """A stage draining (its worker told to stop: a re-plan stopping a tensor group before
+    the new plan loads) refuses new sequences: held, then started on the new plan's engine;
+    without a hold, the 503 naming the stage, at once."""
+    path = split_fixture_dir / "llama"
+    want = reference(path, PROMPT, 12)
+
+    async def go() -> tuple[list[int], int, BaseException | None, Continuity]:
+        async with cluster(path, SPLITS) as old, cluster(path, SPLITS) as new:
+            first, second = old.engine(path), new.engine(path)
+            await first.connect()
+            draining = asyncio.create_task(old.services[1].finish_held(
+                asyncio.get_running_loop().time() + 30))
+            unheld: BaseException | None = None
+            try:
+                await read(PipelineSwitch(first).generate(greedy(12)), 0, asyncio.Event())
+            except EngineUnavailable as exc:
+                unheld = exc
+            switch = PipelineSwitch(first, hold_s=HOLD_S)
+            linked = asyncio.create_task(switch.keep_linked())
+            reading = asyncio.create_task(read(switch.generate(greedy(12)), 0,
+                                               asyncio.Event()))
+            await asyncio.sleep(0.5)
+            assert not reading.done()  # held, not refused
+            switch.switch(second)
+            got = await reading
+            linked.cancel()
+            await asyncio.gather(linked, draining, return_exceptions=True)
+            await switch.aclose()
+            return got, second.tokens, unheld, switch.continuity
+
+    got, on_second, unheld, counts = asyncio.run(go())
+    assert isinstance(unheld, StageDraining) and "stage-1 is draining" in str(unheld), unheld
+    assert got == want and on_second == 12
+    assert (counts.held_total, counts.replayed_total, counts.lost_total) == (1, 1, 0)
 
 
 def test_past_the_hold_the_loss_is_the_error(split_fixture_dir: Path) -> None:

@@ -36,7 +36,7 @@ meanwhile stops a kept stage (it is no worker of its roster). A tensor-parallel 
 (``[serve] tp_size`` on this host: the ``stage`` worker and its ``stage-tp-<r>`` ranks)
 is not kept: its ranks are stopped before the next plan's stage loads (break before
 make, an event ``stage.replaced`` says so), as a second group beside it would need a
-second ring.
+second ring; the router holds the requests of that break (``pipeline/replay.py``).
 
 A 2D mesh's rank past 0 (the offer's node ``stage-K-tp-R``: ``offers.offered_node``) runs
 no stage worker of its own: ``prepare_stage`` tells the slot to accept stage K's rank 0
