@@ -127,11 +127,11 @@ def load_tensor_stage(path: str, start: int, end: int, group: Any,
     return stage
 
 
-
 class GroupBroken(EngineError):
     """The stage's group broke (a rank gone, the ring lost): the stage tells each owner
     so (``protocol.ERR_GROUP_BROKEN``), and its process ends; a router whose switch
     holds replays the sequence as a lost stage's (``replay.py``)."""
+
 
 class StageLeader:
     """Rank 0 of a tensor-parallel stage: ``run_group`` as ``compute.run_group``, each group
