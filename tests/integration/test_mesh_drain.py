@@ -27,14 +27,12 @@ from typing import Any
 import openai
 import pytest
 
-from helpers.cluster import POLL_WAIT_S, activate, agent, coordinator, settled, start
+from helpers.cluster import activate, agent, coordinator, start
 from helpers.daemons import FAST_POLICY, READY_S, DaemonProc, Daemons
-from helpers.keys import secret_file
 from helpers.load import StreamingLoad
 from helpers.memory import two_stages_but_not_one
 from helpers.mesh import complete
 from helpers.models import PROMPT, expected
-from helpers.ports import free_port
 from helpers.router import client, greedy_stream
 from helpers.waiting import wait_for
 
@@ -56,13 +54,7 @@ def mesh(daemons: Daemons, model: Path, hosts: int, n: int, mode: str
     secret = secrets.token_hex(16).encode()
     peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
                    name=f"p{i}", config=FAST_POLICY) for i in range(2, 2 + hosts)]
-    port = free_port("127.0.0.1")
-    coord = daemons.make(FAST_POLICY, name="c")
-    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
-                "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}",
-                "--cluster-peers", ",".join(agent(p) for p in peers), "--port", str(port))
-    want = {agent(p): "reachable" for p in peers}
-    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+    coord, port, _ = coordinator(daemons, secret, peers, FAST_POLICY)
     out = coord.ctl("cluster", "activate", "--model", str(model), "--stages", str(n),
                     "--mesh", mode, timeout=WAIT_S)
     assert out.returncode == 0, (out.stdout, out.stderr, coord.stderr()[-3000:])

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from helpers.cluster import POLL_WAIT_S, agent, settled, start
+from helpers.cluster import agent, coordinator, start
 from helpers.daemons import READY_S, DaemonProc, Daemons
 from helpers.keys import secret_file
 from helpers.mesh import complete
@@ -178,13 +178,7 @@ def test_a_mesh_that_lost_a_rank_host_is_healed_over_the_hosts_alive(
     secret = secrets.token_hex(16).encode()
     peers = [start(daemons, f"127.0.0.{i}", secret, "--pp-peer", "--model", str(model),
                    name=f"p{i}") for i in range(2, 5)]
-    port = free_port("127.0.0.1")
-    coord = daemons.make(HEALING, name="c")
-    coord.start("--cluster-secret-file", str(secret_file(coord.root, secret)),
-                "--agent-addr", f"127.0.0.1:{free_port('127.0.0.1')}",
-                "--cluster-peers", ",".join(agent(p) for p in peers), "--port", str(port))
-    want = {agent(p): "reachable" for p in peers}
-    wait_for(lambda: settled(coord, want), POLL_WAIT_S, f"peers {want}", every=0.2)
+    coord, port, _ = coordinator(daemons, secret, peers, HEALING)
     ctl_activate(coord, model, 2, "tp")
     first = coord.status()["bringup"]
     rows = {r["stage"]: r["address"] for r in first["peers"]}
