@@ -20,6 +20,7 @@ import pytest
 from mlxceld.engine import EngineUnavailable, GenerationRequest, SamplingParams
 from mlxceld.engine.base import TokenOutput
 from mlxceld.engine.continuation import Continuity, remainder, replayable
+from mlxceld.pipeline.engine import PipelineEngine
 from mlxceld.pipeline.links import StageDraining, StageLost
 from mlxceld.pipeline.replay import hold_for
 from mlxceld.pipeline.switch import PipelineSwitch
@@ -141,6 +142,16 @@ def test_a_stage_back_on_its_host_replays_on_the_same_engine(
     assert len(replays) == 1 and "its stages back" in replays[0], replays
 
 
+async def held_then_switched(switch: PipelineSwitch, second: PipelineEngine) -> list[int]:
+    """A greedy request of 12 tokens on ``switch``: still held half a second later (not
+    refused), then switched to ``second``; its tokens."""
+    reading = asyncio.create_task(read(switch.generate(greedy(12)), 0, asyncio.Event()))
+    await asyncio.sleep(0.5)
+    assert not reading.done()  # held, not refused
+    switch.switch(second)
+    return await reading
+
+
 def test_a_request_arriving_while_a_stage_is_gone_is_held_for_the_new_plan(
         split_fixture_dir: Path) -> None:
     path = split_fixture_dir / "llama"
@@ -153,12 +164,7 @@ def test_a_request_arriving_while_a_stage_is_gone_is_held_for_the_new_plan(
             linked = asyncio.create_task(switch.keep_linked())
             await first.connect()
             await old.stop_stage(1)
-            reading = asyncio.create_task(read(switch.generate(greedy(12)), 0,
-                                               asyncio.Event()))
-            await asyncio.sleep(0.5)
-            assert not reading.done()  # held, not refused
-            switch.switch(second)
-            got = await reading
+            got = await held_then_switched(switch, second)
             linked.cancel()
             await asyncio.gather(linked, return_exceptions=True)
             await switch.aclose()
@@ -189,12 +195,7 @@ def test_a_request_a_stopping_stage_refuses_is_held_for_the_new_plan(
                 unheld = exc
             switch = PipelineSwitch(first, hold_s=HOLD_S)
             linked = asyncio.create_task(switch.keep_linked())
-            reading = asyncio.create_task(read(switch.generate(greedy(12)), 0,
-                                               asyncio.Event()))
-            await asyncio.sleep(0.5)
-            assert not reading.done()  # held, not refused
-            switch.switch(second)
-            got = await reading
+            got = await held_then_switched(switch, second)
             linked.cancel()
             await asyncio.gather(linked, draining, return_exceptions=True)
             await switch.aclose()
