@@ -57,7 +57,7 @@ defines, under its base, with the module of each one defined elsewhere.
     │   │   │                       silent (a heal may bring a working plan: replay.py)
     │   │   └── StageDraining       pipeline/links.py: a stage stopping refused a new
     │   │                           sequence (held and replayed as StageLost's)
-    │   ├── GroupBroken             pipeline/tensor_stage.py: a tensor stage's group broke
+    │   ├── GroupBroken             pipeline/protocol.py: a tensor stage's group broke
     │   │                           (its owners told; replayed as a lost stage's)
     │   ├── HandoffUnsupported      engine/handoff.py: this model's cache cannot be handed off
     │   └── HandoffError            engine/handoff.py: a handed-off cache that does not fit

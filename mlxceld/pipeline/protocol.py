@@ -156,6 +156,7 @@ from mlxceld.engine.base import (
     MAX_TOP_LOGPROBS,
     REPETITION_CONTEXT,
     Constraint,
+    EngineError,
     SamplingParams,
 )
 from mlxceld.roles.options import MAX_DRAFT_TOKENS, KVQuant
@@ -186,6 +187,13 @@ ERR_STANDBY: Final = "standby"
 ERR_DRAINING: Final = "draining"  # the stage is stopping: no new sequence (stage.py, drain)
 ERR_BAD_CONSTRAINT: Final = "bad_constraint"  # the last stage cannot use the constraint
 CONSTRAINT_KINDS: Final = ("json_schema", "json_object", "lark")
+
+
+class GroupBroken(EngineError):
+    """A tensor stage's group broke (a rank gone, the ring lost: ``tensor_stage.py``): the
+    stage tells each owner ``ERR_GROUP_BROKEN``, and its process ends; a router whose
+    switch holds replays the sequence as a lost stage's (``replay.py``). Defined here,
+    with its code, so that the stage service need not import mlx to name it."""
 
 
 class ProtocolViolation(Exception):

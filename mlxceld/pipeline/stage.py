@@ -92,7 +92,6 @@ from mlxceld.pipeline.sequences import (
     stage_cache,
 )
 from mlxceld.pipeline.steps import StageSteps, send_quietly
-from mlxceld.pipeline.tensor_stage import GroupBroken
 from mlxceld.tasks import scoped_group
 from mlxceld.types import DEFAULT_SILENCE_S
 from mlxceld.wire import (
@@ -391,7 +390,7 @@ class StageService:
                                       or prepare.reuse is None else (who, *prepare.reuse))
                 except EngineError as exc:  # the group is closed or broke
                     raise p.ProtocolViolation(p.ERR_GROUP_BROKEN if isinstance(
-                        exc, GroupBroken) else p.ERR_STAGE_FAILED, str(exc)) from None
+                        exc, p.GroupBroken) else p.ERR_STAGE_FAILED, str(exc)) from None
             self._seqs[seq_id] = StageSequence(who, stream, state, params, eos,
                                                snapshot=prepare.keep_prompt)
             await stream.send(encode_envelope(Prepared(

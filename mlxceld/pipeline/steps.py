@@ -40,7 +40,6 @@ from mlxceld.pipeline.kvstore import StageCache, cloned, held_tokens
 from mlxceld.pipeline.messages import Act, Next
 from mlxceld.pipeline.onward import Onward
 from mlxceld.pipeline.sequences import Keep, StageSequence, StageStats, Work
-from mlxceld.pipeline.tensor_stage import GroupBroken
 from mlxceld.wire import Tensor, encode_envelope
 from mlxceld.wire.transport_messages import CodedError, Token
 
@@ -163,7 +162,7 @@ class StageSteps:
             for work in group:
                 self._forget(work.seq_id)
                 await self._tell_owner(work, p.ERR_GROUP_BROKEN if isinstance(
-                    exc, GroupBroken) else p.ERR_STAGE_FAILED,
+                    exc, p.GroupBroken) else p.ERR_STAGE_FAILED,
                     f"stage {self._node_id} failed: {exc}")
             return
         self.stats.steps += 1

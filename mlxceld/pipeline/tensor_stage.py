@@ -99,6 +99,7 @@ from mlxceld.pipeline.compute import (
 )
 from mlxceld.pipeline.kvmirror import MirroredCache
 from mlxceld.pipeline.kvstore import Source, cloned, held_tokens
+from mlxceld.pipeline.protocol import GroupBroken
 from mlxceld.pipeline.sequences import stage_cache
 from mlxceld.roles.options import KVQuant
 from mlxceld.wire import Tensor
@@ -125,12 +126,6 @@ def load_tensor_stage(path: str, start: int, end: int, group: Any,
     mx.clear_cache()  # the whole tensors read before slicing: back to the system
     barrier(group)
     return stage
-
-
-class GroupBroken(EngineError):
-    """The stage's group broke (a rank gone, the ring lost): the stage tells each owner
-    so (``protocol.ERR_GROUP_BROKEN``), and its process ends; a router whose switch
-    holds replays the sequence as a lost stage's (``replay.py``)."""
 
 
 class StageLeader:
