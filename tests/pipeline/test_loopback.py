@@ -353,6 +353,9 @@ def test_two_routers_drive_the_same_stages_at_once_each_owning_its_sequences(
             try:
                 got = await asyncio.gather(*(tokens_of(e, PROMPT, 4)
                                              for e in (one, two, one, two)))
+                async with asyncio.timeout(10):  # every stage said it keeps what was kept
+                    while two.prompt_cache_stats()["pending"]:
+                        await asyncio.sleep(0.05)
                 again = await tokens_of(two, PROMPT, 4)  # from its own kept prefix
                 hits = one.prompt_cache_stats()["hits"] + two.prompt_cache_stats()["hits"]
                 stolen = await _intruder(c, 0, [
