@@ -194,6 +194,36 @@ def test_thinking_blocks_whole_streamed_and_omitted() -> None:
     run(main)
 
 
+def test_a_thinking_answer_starts_with_its_block_even_when_it_thought_nothing() -> None:
+    """The prompt opened the reasoning: the first block is thinking, whole and streamed,
+    also where the model ended its turn at once or closed its reasoning first."""
+    async def main() -> None:
+        engine = FakeEngine(reply=b"")
+        thinking: Any = {"type": "enabled", "budget_tokens": 2048}
+        answers: dict[bytes, list[Any]] = {}
+        async with anthropic_client(make_app(engine, ToolByteCodec())) as (client, _):
+            for reply in (b"", b"</think>hello"):
+                engine.reply = reply
+                message = await client.messages.create(model=MODEL, max_tokens=100,
+                                                       messages=USER, thinking=thinking)
+                async with client.messages.stream(model=MODEL, max_tokens=100,
+                                                  messages=USER, thinking=thinking) as stream:
+                    streamed = await stream.get_final_message()
+                answers[reply] = [message, streamed]
+            # Without thinking, nothing written is no block at all.
+            engine.reply = b""
+            plain = await client.messages.create(model=MODEL, max_tokens=100, messages=USER)
+        for message in answers[b""]:
+            assert [(b.type, b.thinking) for b in message.content] == [("thinking", "")]
+            assert message.stop_reason == "end_turn"
+        for message in answers[b"</think>hello"]:
+            assert [b.type for b in message.content] == ["thinking", "text"]
+            assert message.content[1].text == "hello"
+        assert plain.content == [] and plain.stop_reason == "end_turn"
+
+    run(main)
+
+
 def test_x_api_key_bearer_and_a_wrong_key() -> None:
     async def main() -> None:
         app = make_app(FakeEngine(reply=b"ok"), api_key=KEY)

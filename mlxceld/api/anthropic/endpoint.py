@@ -77,9 +77,12 @@ class MessagesResponse(SequenceResponse):
                  reply: ChatReply | None) -> None:
         super().__init__(sequencer, request, stops, stream=stream, arrived=arrived, reply=reply)
         self._format = fmt
-        self._blocks: list[dict[str, Any]] = []  # a whole answer's, in the model's order
+        first = reply is not None and reply.starts_reasoning
+        # a whole answer's, in the model's order; its thinking block first where the prompt
+        # opened the reasoning, even empty (``anthropic/format.py``)
+        self._blocks: list[dict[str, Any]] = [fmt.thinking("")] if first else []
         self._called = False
-        self._events = MessageStream(fmt)
+        self._events = MessageStream(fmt, thinking_first=first)
 
     def refusal(self, error: ApiError) -> Response:
         return anthropic_response(error)

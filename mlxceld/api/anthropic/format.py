@@ -4,6 +4,10 @@ events (sans-IO: events in, bytes out).
 A message's content is blocks, in the order the model wrote them: ``thinking`` (a reasoning
 model's reasoning; ``signature`` ""), ``text``, and ``tool_use`` (``id`` ``toolu_...``,
 ``input`` the parsed object). Text that is only whitespace beside tool calls is no block.
+An answer whose prompt opened the reasoning (thinking enabled on a template that opens
+``<think>``) starts with its thinking block, there from the start: empty where the model
+ended its turn at once or closed its reasoning before writing any (as an answer of
+Anthropic's to a request with thinking on starts with one).
 
 ``stop_reason``: ``tool_use`` when the answer called tools, ``stop_sequence`` (with
 ``stop_sequence`` the one found) when one of the request's ended it, ``end_turn`` at the
@@ -98,6 +102,7 @@ class MessageStream:
     open: Literal["thinking", "text"] | None = None
     held: str = ""  # leading whitespace of a text block not yet started
     called: bool = False
+    thinking_first: bool = False  # the answer starts as reasoning: its block opens at once
 
     def start(self, prompt_tokens: int) -> list[bytes]:
         message: dict[str, Any] = {
@@ -106,8 +111,12 @@ class MessageStream:
             "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
-        return [named_event("message_start", {"type": "message_start", "message": message}),
-                named_event("ping", {"type": "ping"})]
+        out = [named_event("message_start", {"type": "message_start", "message": message}),
+               named_event("ping", {"type": "ping"})]
+        if self.thinking_first:
+            self._begin(out, self.format.thinking(""))
+            self.open = "thinking"
+        return out
 
     def piece(self, text: str, kind: PartKind) -> list[bytes]:
         out: list[bytes] = []

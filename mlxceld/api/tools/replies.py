@@ -73,6 +73,7 @@ class ReplySplitter:
         # None while it is open.
         self.reasoning: list[tuple[int, int | None]] = \
             [(0, None)] if self._state == "reasoning" else []
+        self.starts_reasoning = self._state == "reasoning"
         self.calls = 0
         self.done = False
 
@@ -192,6 +193,11 @@ class ChatReply:
     def done(self) -> bool:
         """Whether the answer is complete (its one allowed call made): end the sequence."""
         return self._splitter.done
+
+    @property
+    def starts_reasoning(self) -> bool:
+        """Whether the answer starts as reasoning (its prompt opened the reasoning)."""
+        return self._splitter.starts_reasoning
 
     @property
     def reasoning(self) -> list[tuple[int, int | None]]:
