@@ -25,7 +25,9 @@ the tokens kept. Accepting:
 - greedy (temperature 0): ``d_i`` while it is the target's argmax; ``t`` the target's
   argmax after them: exactly the target's own greedy tokens (``accept_greedy``), up to
   floating point: a pass over k+1 positions sums in another order than one over one
-  position, so in bfloat16 a near-tie may break the other way (as in mlx-lm's).
+  position, so in bfloat16 a near-tie may break the other way (as in mlx-lm's). The draft
+  proposes its own argmax read the same way, on log-probabilities (``propose``): two
+  models with the same logits then break bfloat16's ties alike.
 - temperature above 0: the standard rejection rule (Leviathan et al., Chen et al.):
   ``d_i`` (drawn from the draft's distribution ``q``) with probability ``min(1, p/q)``
   at it, where ``p`` is the target's; at the first rejection ``t`` is drawn from
@@ -298,10 +300,15 @@ def propose(model: Any, y: mx.array, cache: list[Any], k: int,
     dists: list[mx.array] = []
     for _ in range(k):
         logits = model(y[None], cache=cache)[0, -1:, :]
+        # log-probabilities, as the target's are read (``accept``): in bf16 two logits a
+        # ulp apart can round to one log-probability, and argmax then takes the first of
+        # them; on raw logits the draft would pick the other, a proposal the target
+        # rejects though both models' logits are the same
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if scale is None:
-            y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            y = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         else:
-            scaled = scale(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            scaled = scale(logprobs)
             dists.append(mx.softmax(scaled.astype(mx.float32), axis=-1)[0])
             y = mx.random.categorical(scaled).astype(mx.uint32)
         mx.async_eval(y)  # type: ignore[no-untyped-call]
