@@ -116,10 +116,10 @@ FAMILIES: Final = (
        "to reuse", ("worker",)),
     _f("mlxceld_prompt_cache_tokens_reused", "counter", "Prompt tokens taken from the prompt "
        "cache, not prefilled", ("worker",)),
-    _f("mlxceld_prompt_cache_entries", "gauge", "KV caches the prompt cache holds",
-       ("worker",)),
+    _f("mlxceld_prompt_cache_entries", "gauge", "KV caches the prompt cache holds (a "
+       "tensor stage's follower: those of its rank 0 it mirrors)", ("worker",)),
     _f("mlxceld_prompt_cache_bytes", "gauge", "Bytes of the KV caches the prompt cache "
-       "holds", ("worker",)),
+       "holds (a tensor stage's follower: of its shards)", ("worker",)),
     _f("mlxceld_prompt_cache_budget_bytes", "gauge", "The prompt cache's bound in bytes",
        ("worker",)),
     _f("mlxceld_prompt_cache_evicted", "counter", "Entries the prompt cache dropped to stay "

@@ -5,7 +5,8 @@ Read by what the stats hold, not by role, since a prefill or decode node's worke
 ``router`` without an OpenAI port: a pipeline stage's (``workers/stage.py``: ``stage``,
 ``steps``, ...; a last stage's ``speculative`` counters), a prefill or decode node's
 (``workers/handoff_node.py``: ``handoffs``), a tensor rank's (``workers/tensor_rank.py``:
-``tensor``), and a prompt cache where one says so (``prompt_cache``). A router with an
+``tensor``; a tensor stage's follower's ``tensor.prompt_cache``: the entries and bytes it
+holds of rank 0's), and a prompt cache where one says so (``prompt_cache``). A router with an
 OpenAI port (its stats carry ``url``) serves its engine's metrics there
 (``api/edge/metrics.py``); here it has only the daemon's lines.
 """
@@ -24,9 +25,9 @@ from mlxceld.types import JSON
 _STAGE = (("mlxceld_stage_steps", "steps"), ("mlxceld_stage_tokens", "tokens"),
           ("mlxceld_stage_refused", "refused"), ("mlxceld_stage_compute_seconds", "compute_s"),
           ("mlxceld_stage_sequences", "sequences"), ("mlxceld_stage_queue_depth", "queued"))
+_HELD = (("mlxceld_prompt_cache_entries", "entries"), ("mlxceld_prompt_cache_bytes", "bytes"))
 _CACHE = (("mlxceld_prompt_cache_hits", "hits"), ("mlxceld_prompt_cache_misses", "misses"),
-          ("mlxceld_prompt_cache_tokens_reused", "tokens_reused"),
-          ("mlxceld_prompt_cache_entries", "entries"), ("mlxceld_prompt_cache_bytes", "bytes"),
+          ("mlxceld_prompt_cache_tokens_reused", "tokens_reused"), *_HELD,
           ("mlxceld_prompt_cache_budget_bytes", "budget"),
           ("mlxceld_prompt_cache_evicted", "evicted"))
 _HANDOFF = (("mlxceld_kv_handoffs", "handoffs"), ("mlxceld_kv_handoff_bytes", "bytes"),
@@ -62,6 +63,10 @@ def worker_families(stats: Mapping[str, JSON]) -> Iterator[Metric]:
         if isinstance(tensor, dict):
             for name, key in _TENSOR:
                 add(name, [worker, str(tensor.get("rank", ""))], tensor.get(key))
+            held = tensor.get("prompt_cache")  # a tensor stage's follower: rank 0's entries
+            if isinstance(held, dict):
+                for name, key in _HELD:  # its shard of each (the hits are rank 0's)
+                    add(name, [worker], held.get(key))
         cache = s.get("prompt_cache")
         if isinstance(cache, dict):
             for name, key in _CACHE:

@@ -135,8 +135,12 @@ def test_handoff_nodes_and_tensor_ranks_and_not_the_routers_engine() -> None:
         "prefill": {"node_role": "prefill", "handoffs": {"handoffs": 4, "bytes": 1000,
                                                          "refused": 0, "dropped": 1,
                                                          "seconds": 0.25}},
-        "tp-1": {"tensor": {"rank": 1, "size": 2, "steps": 55, "sequences": 1}}}
-    m = scraped(View([worker(n, "router" if n != "tp-1" else "tp") for n in stats], stats))
+        "tp-1": {"tensor": {"rank": 1, "size": 2, "steps": 55, "sequences": 1}},
+        # a tensor stage's follower: the entries of rank 0's prompt cache it holds
+        "stage-tp-1": {"tensor": {"rank": 1, "size": 2, "steps": 9, "sequences": 0,
+                                  "prompt_cache": {"entries": 3, "bytes": 196608}}}}
+    m = scraped(View([worker(n, "router" if "tp-1" not in n else "tp") for n in stats],
+                     stats))
     assert sample(m, "mlxceld_kv_handoffs_total", worker="prefill", node_role="prefill") == 4
     assert sample(m, "mlxceld_kv_handoff_bytes_total", worker="prefill",
                   node_role="prefill") == 1000
@@ -144,6 +148,10 @@ def test_handoff_nodes_and_tensor_ranks_and_not_the_routers_engine() -> None:
                   node_role="prefill") == 0.25
     assert sample(m, "mlxceld_tensor_rank_steps_total", worker="tp-1", rank="1") == 55
     assert sample(m, "mlxceld_prompt_cache_hits_total", worker="router") is None
+    assert sample(m, "mlxceld_prompt_cache_entries", worker="stage-tp-1") == 3
+    assert sample(m, "mlxceld_prompt_cache_bytes", worker="stage-tp-1") == 196608
+    assert sample(m, "mlxceld_prompt_cache_entries", worker="tp-1") is None
+    assert sample(m, "mlxceld_prompt_cache_hits_total", worker="stage-tp-1") is None
 
 
 def test_peers_plan_drains_and_rotation() -> None:
