@@ -93,7 +93,11 @@ def test_the_second_router_serves_on_when_the_coordinators_host_is_killed(
         router.proc.wait(10)
         router.start(*r.flags)
         assert router.status()["front"]["state"] == "unreachable"
-        assert router.worker("router")["pid"] == worker  # re-adopted, not restarted
+        # re-adopted, not restarted: its pid once the daemon confirmed it (its channel
+        # asked, bounded; a loaded host takes a moment, the pid unset meanwhile)
+        adopted = wait_for(lambda: router.worker("router")["pid"], 15,
+                           "the router's worker re-adopted or started", every=0.1)
+        assert adopted == worker, router.worker("router")
         coord.start(*pipe.coord_flags)
         wait_for(lambda: router.status()["front"]["state"] == "following", FOLLOW_WAIT_S,
                  "the router following the restarted coordinator", every=0.5)
