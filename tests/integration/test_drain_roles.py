@@ -158,10 +158,18 @@ def test_a_replica_drains_under_load_through_a_router_node(replicas: Replicas) -
     r, a = replicas.router, replicas.a
     with StreamingLoad(f"{url(r)}/v1", clients=CLIENTS, max_tokens=TOKENS,
                        prompt=LONG_PROMPT, model=MODEL) as load:
-        wait_for(lambda: nodes(r)["replica-0"]["in_flight"] > 0, 60,
-                 "replica A running sequences of the router")
-        before = load.counts()
-        done, row, watch = drain_watched(a)
+        for _ in range(3):
+            wait_for(lambda: nodes(r)["replica-0"]["in_flight"] > 0, 60,
+                     "replica A running sequences of the router")
+            before = load.counts()
+            done, row, watch = drain_watched(a)
+            if done.returncode != 0 or row["finished"] > 0 or watch.senders:
+                break
+            # A held none as its drain began (on a loaded host the router's sequences for
+            # it were still on their way: A refused them, the router sent them to B), so
+            # it was drained at once, rightly; what is tested needs held sequences: again.
+            print(f"\nA held nothing at its drain's start ({describe(done)}): again")
+            assert a.d.ctl("undrain").returncode == 0
         wait_for(lambda: nodes(r)["replica-0"]["in_flight"] == 0, 5,
                  "the router's account of A's last sequences closed")
         at_drained = nodes(r)["replica-0"]
